@@ -1,0 +1,56 @@
+"""Engine configuration: what the user asked for (frozen, validated once).
+
+What is found at start-up (the device and dtype picked for "auto", the number
+of KV blocks that fit, the model's real max length) lives apart, in
+``engine.runtime.RuntimeFacts``. Torch-free, so the launcher can build and
+validate it before any process starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # HF folder or .gguf file; None = the bundled SmolLM2-135M-Instruct
+    served_model_name: str | None = None  # defaults to the model's folder/file name
+    dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"
+    block_size: int = 16  # tokens per KV block
+    max_model_len: int | None = None  # None = the model's own, capped at 8192 on CPU
+    max_num_seqs: int = 64  # sequence budget per step
+    max_num_batched_tokens: int = 2048  # token budget per step (chunked prefill)
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory for weights + KV
+    kv_cache_memory: int | None = None  # CPU: bytes for the KV cache; None = 1 GiB
+    max_waiting: int = 1024  # bounded waiting queue; more is refused (HTTP 429)
+    seed: int = 0
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        def bad(msg: str) -> None:
+            raise ValueError(msg)
+
+        if self.dtype not in DTYPES:
+            bad(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.device not in DEVICES:
+            bad(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.block_size not in (8, 16, 32, 64, 128):
+            bad(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            bad(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.max_num_seqs < 1:
+            bad(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            bad(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            bad(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            bad(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
+        if self.max_waiting < 1:
+            bad(f"max_waiting must be positive, got {self.max_waiting}")
+        if self.tensor_parallel_size != 1:
+            bad("tensor_parallel_size > 1 is not supported yet")

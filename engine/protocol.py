@@ -1,0 +1,331 @@
+"""The wire between frontends and the engine: typed messages, msgpack frames.
+
+Imported by both sides, so it imports nothing of the engine (and no torch).
+A frame is msgpack of ``[kind, payload]``; each message type has an explicit
+``to_wire()`` / ``from_wire()`` pair, and ``tests/test_protocol.py`` pins the
+bytes. No pickle and no class names ever cross the wire.
+
+Also here: ``SamplingParams``, because it is part of the ADD payload and the
+frontends validate requests with it before sending.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from enum import IntEnum
+from typing import Any
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+
+
+class Kind(IntEnum):
+    HELLO = 1  # frontend -> engine: I am here, tell me about the model
+    READY = 2  # engine -> frontend: model info and limits
+    ADD = 3  # frontend -> engine: a new request
+    ABORT = 4  # frontend -> engine: drop these requests
+    OUTPUTS = 5  # engine -> frontend: every delta of one step for that frontend
+    STATS = 6  # frontend -> engine (empty): ask; engine -> frontend: the numbers
+    ERROR = 7  # engine -> frontend: a request was refused or failed
+
+
+class ProtocolError(ValueError):
+    """A frame that does not decode into a known, well-formed message."""
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop, for one request."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) = off
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    stop: list[str] = field(default_factory=list)  # stop strings: matched by whoever detokenizes
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None  # top-k logprobs per sampled token (0 = only the sampled one)
+    prompt_logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.logit_bias:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def validate(self) -> None:
+        """Raise ``ValueError(param, message)`` on a value no request may carry."""
+
+        def bad(name: str, msg: str) -> None:
+            raise SamplingParamError(name, msg)
+
+        def num(name: str) -> float:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+                bad(name, f"{name} must be a finite number, got {v!r}")
+            return v
+
+        def integer(name: str) -> int:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                bad(name, f"{name} must be an integer, got {v!r}")
+            return v
+
+        if integer("max_tokens") < 1:
+            bad("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not 0.0 <= num("temperature") <= 100.0:
+            bad("temperature", f"temperature must be in [0, 100], got {self.temperature}")
+        if not 0.0 < num("top_p") <= 1.0:
+            bad("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        if integer("top_k") < 0:
+            bad("top_k", f"top_k must be -1 (off) or positive, got {self.top_k}")
+        if not 0.0 <= num("min_p") <= 1.0:
+            bad("min_p", f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= num(name) <= 2.0:
+                bad(name, f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < num("repetition_penalty") <= 10.0:
+            bad("repetition_penalty", f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        if self.seed is not None:
+            integer("seed")
+        if integer("min_tokens") < 0:
+            bad("min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 20):
+                bad(name, f"{name} must be an integer in [0, 20], got {v!r}")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "stop must be a non-empty string or a list of non-empty strings")
+        if not isinstance(self.stop_token_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+        ):
+            bad("stop_token_ids", "stop_token_ids must be a list of non-negative integers")
+        if self.logit_bias:
+            for v in self.logit_bias.values():
+                if not -100.0 <= v <= 100.0:
+                    bad("logit_bias", f"logit_bias values must be in [-100, 100], got {v}")
+
+    def to_wire(self) -> dict[str, Any]:
+        d = asdict(self)
+        if d["logit_bias"] is not None:  # msgpack maps with int keys are fine, but be explicit
+            d["logit_bias"] = [[k, v] for k, v in d["logit_bias"].items()]
+        return d
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> SamplingParams:
+        if not isinstance(d, dict):
+            raise ProtocolError("sampling params must be a map")
+        known = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in d.items() if k in known}
+        if kw.get("logit_bias") is not None:
+            kw["logit_bias"] = {int(k): float(v) for k, v in kw["logit_bias"]}
+        try:
+            return cls(**kw)
+        except (TypeError, ValueError) as e:
+            raise ProtocolError(f"bad sampling params: {e}") from e
+
+
+class SamplingParamError(ValueError):
+    """A sampling field out of range; ``param`` names it (for OpenAI error bodies)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+# ----------------------------------------------------------------------------- messages
+
+
+@dataclass
+class Hello:
+    frontend_id: str
+    version: int = PROTOCOL_VERSION
+    kind = Kind.HELLO
+
+    def to_wire(self) -> list:
+        return [self.frontend_id, self.version]
+
+    @classmethod
+    def from_wire(cls, p: list) -> Hello:
+        frontend_id, version = p
+        return cls(str(frontend_id), int(version))
+
+
+@dataclass
+class Ready:
+    model: str  # the served model name
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    max_num_seqs: int
+    num_kv_blocks: int
+    block_size: int
+    version: int = PROTOCOL_VERSION
+    kind = Kind.READY
+
+    def to_wire(self) -> list:
+        return [
+            self.model, self.max_model_len, self.vocab_size, list(self.eos_token_ids),
+            self.max_num_seqs, self.num_kv_blocks, self.block_size, self.version,
+        ]
+
+    @classmethod
+    def from_wire(cls, p: list) -> Ready:
+        m, mml, vs, eos, mns, nb, bs, v = p
+        return cls(str(m), int(mml), int(vs), [int(t) for t in eos], int(mns), int(nb), int(bs), int(v))
+
+
+@dataclass
+class Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0  # lower runs first (vLLM's convention)
+    deadline: float | None = None  # unix seconds; None = none
+    kind = Kind.ADD
+
+    def to_wire(self) -> list:
+        return [self.request_id, list(self.prompt_token_ids), self.params.to_wire(), self.priority, self.deadline]
+
+    @classmethod
+    def from_wire(cls, p: list) -> Add:
+        rid, toks, params, prio, deadline = p
+        if not isinstance(toks, list) or not all(isinstance(t, int) for t in toks):
+            raise ProtocolError("prompt_token_ids must be a list of ints")
+        return cls(str(rid), toks, SamplingParams.from_wire(params), int(prio),
+                   None if deadline is None else float(deadline))
+
+
+@dataclass
+class Abort:
+    request_ids: list[str]
+    kind = Kind.ABORT
+
+    def to_wire(self) -> list:
+        return list(self.request_ids)
+
+    @classmethod
+    def from_wire(cls, p: list) -> Abort:
+        return cls([str(r) for r in p])
+
+
+# per token: [logprob of the sampled token, [[token_id, logprob], ...top-k]]
+TokenLogprobs = list
+
+
+@dataclass
+class Delta:
+    """What one request produced in one engine step."""
+
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    logprobs: list[TokenLogprobs] | None = None  # one entry per token in token_ids
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # once, with the first delta
+    stop_reason: int | None = None  # the stop token id that ended it, if any
+
+    def to_wire(self) -> list:
+        return [self.request_id, self.token_ids, self.finish_reason, self.logprobs,
+                self.num_prompt_tokens, self.num_cached_tokens, self.prompt_logprobs, self.stop_reason]
+
+    @classmethod
+    def from_wire(cls, p: list) -> Delta:
+        rid, toks, fin, lps, npt, nct, plp, sr = p
+        return cls(str(rid), list(toks), fin, lps, int(npt), int(nct), plp, sr)
+
+
+@dataclass
+class Outputs:
+    deltas: list[Delta]
+    kind = Kind.OUTPUTS
+
+    def to_wire(self) -> list:
+        return [d.to_wire() for d in self.deltas]
+
+    @classmethod
+    def from_wire(cls, p: list) -> Outputs:
+        return cls([Delta.from_wire(d) for d in p])
+
+
+@dataclass
+class Stats:
+    num_waiting: int = 0
+    num_running: int = 0
+    kv_usage: float = 0.0  # fraction of KV blocks in use
+    num_free_blocks: int = 0
+    num_kv_blocks: int = 0
+    kind = Kind.STATS
+
+    def to_wire(self) -> list:
+        return [self.num_waiting, self.num_running, self.kv_usage, self.num_free_blocks, self.num_kv_blocks]
+
+    @classmethod
+    def from_wire(cls, p: list) -> Stats:
+        if not p:  # a request for stats
+            return cls()
+        w, r, u, f, n = p
+        return cls(int(w), int(r), float(u), int(f), int(n))
+
+
+@dataclass
+class Error:
+    """A refused or failed request (``request_id`` None: about the frame itself)."""
+
+    request_id: str | None
+    status: int  # the HTTP status a frontend should answer with (400, 429, 500, 503)
+    type: str  # OpenAI error type, e.g. "invalid_request_error"
+    message: str
+    param: str | None = None
+    kind = Kind.ERROR
+
+    def to_wire(self) -> list:
+        return [self.request_id, self.status, self.type, self.message, self.param]
+
+    @classmethod
+    def from_wire(cls, p: list) -> Error:
+        rid, status, typ, msg, param = p
+        return cls(rid, int(status), str(typ), str(msg), param)
+
+
+Message = Hello | Ready | Add | Abort | Outputs | Stats | Error
+_DECODERS = {Kind.HELLO: Hello, Kind.READY: Ready, Kind.ADD: Add, Kind.ABORT: Abort,
+             Kind.OUTPUTS: Outputs, Kind.STATS: Stats, Kind.ERROR: Error}
+
+
+def encode(msg: Message) -> bytes:
+    return msgpack.packb([int(msg.kind), msg.to_wire()], use_bin_type=True)
+
+
+def decode(frame: bytes) -> Message:
+    """Decode one frame; anything malformed raises ``ProtocolError``."""
+    try:
+        kind, payload = msgpack.unpackb(frame, raw=False, strict_map_key=False)
+        cls = _DECODERS[Kind(kind)]
+        return cls.from_wire(payload)
+    except ProtocolError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any shape error is the peer's fault, not ours
+        raise ProtocolError(f"malformed frame: {e!r}") from e

@@ -1,0 +1,72 @@
+"""Shared fixtures: tiny random-weight models made in the test, and the default model.
+
+The tiny models borrow SmolLM2's real tokenizer (vocab 49152, chat template) so
+that text round-trips and chat templates work end to end.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from engine.model_path import default_model_path
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    vocab_size=49152,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+)
+
+
+@pytest.fixture(scope="session")
+def default_gguf() -> str:
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm_tokenizer_dir(tmp_path_factory, default_gguf) -> str:
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("smollm_tokenizer")
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(default_gguf), gguf_file=os.path.basename(default_gguf))
+    tok.save_pretrained(out)
+    return str(out)
+
+
+def make_tiny_model(out_dir: str, arch: str, tokenizer_dir: str | None, seed: int = 0, **overrides) -> str:
+    """Save a random-weight ``arch`` ("llama", "qwen2", "mistral") model folder (fp32)."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+    cfg_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[arch]
+    kw = dict(TINY)
+    if arch == "mistral":
+        kw["sliding_window"] = None
+    kw.update(overrides)
+    config = cfg_cls(**kw)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # random init is tiny; scale up so logits are not all ties
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    if tokenizer_dir:
+        for name in os.listdir(tokenizer_dir):
+            shutil.copy(os.path.join(tokenizer_dir, name), out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory, smollm_tokenizer_dir) -> str:
+    return make_tiny_model(str(tmp_path_factory.mktemp("tiny_llama")), "llama", smollm_tokenizer_dir)
