@@ -26,6 +26,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # token budget per step (chunked prefill)
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory for weights + KV
     kv_cache_memory: int | None = None  # CPU: bytes for the KV cache; None = 1 GiB
+    num_kv_blocks: int | None = None  # override the computed number of KV blocks (tests, tuning)
     max_waiting: int = 1024  # bounded waiting queue; more is refused (HTTP 429)
     seed: int = 0
     tensor_parallel_size: int = 1
@@ -50,6 +51,8 @@ class EngineConfig:
             bad(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             bad(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            bad(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
         if self.max_waiting < 1:
             bad(f"max_waiting must be positive, got {self.max_waiting}")
         if self.tensor_parallel_size != 1:

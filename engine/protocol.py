@@ -211,7 +211,7 @@ class Add:
     @classmethod
     def from_wire(cls, p: list) -> Add:
         rid, toks, params, prio, deadline = p
-        if not isinstance(toks, list) or not all(isinstance(t, int) for t in toks):
+        if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
             raise ProtocolError("prompt_token_ids must be a list of ints")
         return cls(str(rid), toks, SamplingParams.from_wire(params), int(prio),
                    None if deadline is None else float(deadline))
@@ -227,6 +227,8 @@ class Abort:
 
     @classmethod
     def from_wire(cls, p: list) -> Abort:
+        if not isinstance(p, list):  # a bare string would iterate into one id per character
+            raise ProtocolError("abort payload must be a list of request ids")
         return cls([str(r) for r in p])
 
 
@@ -254,6 +256,8 @@ class Delta:
     @classmethod
     def from_wire(cls, p: list) -> Delta:
         rid, toks, fin, lps, npt, nct, plp, sr = p
+        if not isinstance(toks, list):
+            raise ProtocolError("delta token_ids must be a list")
         return cls(str(rid), list(toks), fin, lps, int(npt), int(nct), plp, sr)
 
 

@@ -1,0 +1,174 @@
+"""The ``tokenmill`` console script: ``tokenmill serve`` and ``tokenmill generate``.
+
+Flags are named as vLLM's. Engine flags left out keep ``EngineConfig``'s
+defaults (one source of truth); the config is validated before any process
+starts, and a bad value exits 2 with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import sys
+
+from engine.config import DEVICES, DTYPES, EngineConfig
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``1073741824``, ``512M``, ``4GiB``, ``1.5G`` (binary multiples)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 4G, 512MiB or a number of bytes)")
+    scale = 1024 ** " kmgt".index((m.group(2) or " ").lower())
+    return int(float(m.group(1)) * scale)
+
+
+def _engine_flags(p: argparse.ArgumentParser, generate: bool = False) -> None:
+    d = _DEFAULTS
+    g = p.add_argument_group("model and engine")
+    g.add_argument("--model", default=None,
+                   help="a local Hugging Face model folder or a .gguf file "
+                        "(default: the bundled SmolLM2-135M-Instruct Q4_1 GGUF)")
+    g.add_argument("--dtype", choices=DTYPES, default=None,
+                   help=f"weight and activation dtype; auto = float32 on CPU, bfloat16 on CUDA (default: {d['dtype']})")
+    g.add_argument("--device", choices=DEVICES, default=None,
+                   help=f"where the model runs; auto = cuda when available (default: {d['device']})")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + completion in tokens (default: the model's own, capped at 8192 on CPU)")
+    g.add_argument("--seed", type=int, default=None, help=f"engine random seed (default: {d['seed']})")
+    if generate:
+        return
+    g.add_argument("--served-model-name", default=None,
+                   help="the model name clients use and /v1/models lists (default: the folder or file name)")
+    g.add_argument("--max-num-seqs", type=int, default=None,
+                   help=f"most sequences in one step (default: {d['max_num_seqs']})")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help=f"token budget of one step; longer prompts are prefilled in chunks "
+                        f"(default: {d['max_num_batched_tokens']})")
+    g.add_argument("--max-waiting", type=int, default=None,
+                   help=f"queued requests before new ones get HTTP 429 (default: {d['max_waiting']})")
+    g.add_argument("--block-size", type=int, default=None,
+                   help=f"tokens per KV cache block: 8, 16, 32, 64 or 128 (default: {d['block_size']})")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help=f"CUDA: fraction of device memory for weights and KV cache "
+                        f"(default: {d['gpu_memory_utilization']})")
+    g.add_argument("--kv-cache-memory", type=parse_size, default=None,
+                   help="CPU: memory for the KV cache, e.g. 2G or 512MiB (default: 1GiB)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+                   help="GPUs to shard the model over (only 1 is supported yet)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenmill", description="A small, fast LLM serving engine.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate}")
+
+    s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                       description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
+                                   "/v1/chat/completions, /v1/models, /health).")
+    _engine_flags(s)
+    h = s.add_argument_group("HTTP")
+    h.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    h.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    h.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY'; repeat for several keys "
+                        "(default: $TOKENMILL_API_KEY, comma-separated; none = no auth)")
+    h.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (PEM)")
+    h.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate chain (PEM)")
+    h.add_argument("--api-server-count", type=int, default=1, metavar="N",
+                   help="frontend processes sharing the port (default: 1)")
+    h.add_argument("--startup-timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="give up if the model and frontends are not ready by then (default: 300)")
+
+    g = sub.add_parser("generate", help="generate text for one prompt, offline (no server)",
+                       description="Generate text for one prompt with the offline LLM API and print it.")
+    g.add_argument("--prompt", required=True, help="the prompt text")
+    g.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default: 128)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1)")
+    g.add_argument("--chat", action="store_true",
+                   help="wrap the prompt as a user message in the model's chat template")
+    _engine_flags(g, generate=True)
+    return parser
+
+
+def _config_kwargs(args: argparse.Namespace) -> dict:
+    return {k: v for k, v in vars(args).items() if k in _DEFAULTS and v is not None}
+
+
+def api_keys(flag_values: list[str] | None, env: dict[str, str] = os.environ) -> list[str]:
+    raw = flag_values if flag_values else [env.get("TOKENMILL_API_KEY", "")]
+    return [k.strip() for v in raw for k in v.split(",") if k.strip()]
+
+
+def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from engine.launcher import ServeOptions, serve
+
+    try:
+        config = EngineConfig(**_config_kwargs(args))
+        options = ServeOptions(
+            host=args.host, port=args.port, api_keys=api_keys(args.api_key),
+            ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+            api_server_count=args.api_server_count, startup_timeout=args.startup_timeout)
+    except ValueError as e:
+        parser.error(str(e))  # exit 2
+    return serve(config, options)
+
+
+def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from engine.protocol import SamplingParams
+
+    kwargs = _config_kwargs(args)
+    try:
+        EngineConfig(**kwargs)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
+    except ValueError as e:
+        parser.error(str(e))
+    from engine import LLM
+
+    llm = LLM(**kwargs)
+    prompt = args.prompt
+    if args.chat:
+        prompt = _chat_prompt(llm, prompt)
+    out = llm.generate([prompt], params)[0]
+    print(out.text)
+    return 0
+
+
+def _chat_prompt(llm, text: str) -> str:
+    tok = getattr(llm, "tokenizer", None)
+    if tok is None:
+        tok = _load_tokenizer(getattr(llm, "model_path", None) or llm.config.model)
+    return tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                   add_generation_prompt=True)
+
+
+def _load_tokenizer(model: str | None):
+    from transformers import AutoTokenizer
+
+    from engine.model_path import resolve_model_path
+
+    path = resolve_model_path(model)
+    if path.endswith(".gguf"):
+        return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    return AutoTokenizer.from_pretrained(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    sub = parser._subparsers._group_actions[0].choices[args.command]  # for errors that name the subcommand
+    try:
+        if args.command == "serve":
+            return _serve(args, sub)
+        return _generate(args, sub)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

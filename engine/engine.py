@@ -1,0 +1,141 @@
+"""The engine: requests in, token deltas out, one ``step()`` at a time.
+
+``step()`` is schedule → run → postprocess and does no I/O; the actor in
+``engine.server`` (or ``LLM`` offline) drives it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.model_path import model_name, resolve_model_path
+from engine.model_runner import ModelRunner, StepResult
+from engine.protocol import Delta, Ready, SamplingParams, Stats
+from engine.request import Request
+from engine.sampler import SamplingState
+from engine.scheduler import QueueFull, ScheduledBatch, Scheduler
+
+log = logging.getLogger("tokenmill.engine")
+
+
+class RequestError(Exception):
+    """A request the engine refuses; carries what an HTTP frontend should answer."""
+
+    def __init__(self, status: int, type: str, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.type, self.message, self.param = status, type, message, param
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        path = resolve_model_path(config.model)
+        self.model_name = config.served_model_name or model_name(path)
+        self.runner = ModelRunner(config, path)
+        facts = self.runner.facts
+        self.max_model_len = facts.max_model_len
+        self.vocab_size = self.runner.model_cfg.vocab_size
+        self.eos_token_ids = list(self.runner.model_cfg.eos_token_ids)
+        self.block_manager = BlockManager(facts.num_kv_blocks, config.block_size)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_waiting)
+        self.requests: dict[str, Request] = {}
+        log.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
+                 self.model_name, facts.device, facts.dtype, facts.num_kv_blocks, config.block_size,
+                 self.max_model_len)
+
+    # ------------------------------------------------------------------ the actor's interface
+
+    def ready_info(self) -> Ready:
+        return Ready(self.model_name, self.max_model_len, self.vocab_size, self.eos_token_ids,
+                     self.config.max_num_seqs, self.block_manager.num_blocks, self.config.block_size)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: int = 0, deadline: float | None = None) -> None:
+        self._check(request_id, prompt_token_ids, params)
+        req = Request(request_id, prompt_token_ids, params, priority, deadline,
+                      SamplingState(params, self.config.seed))
+        try:
+            self.scheduler.add(req)
+        except QueueFull as e:
+            raise RequestError(429, "rate_limit_exceeded", f"server busy: {e}; retry later") from e
+        self.requests[request_id] = req
+
+    def abort(self, request_ids: list[str] | str) -> None:
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            req = self.requests.pop(rid, None)
+            if req is not None:
+                self.scheduler.finish(req, "abort")
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def stats(self) -> Stats:
+        bm = self.block_manager
+        return Stats(len(self.scheduler.waiting), len(self.scheduler.running), bm.usage,
+                     bm.num_free_blocks, bm.num_blocks)
+
+    def step(self) -> list[Delta]:
+        batch = self.scheduler.schedule()
+        result = self.runner.execute(batch) if batch else StepResult([], None)
+        return self._postprocess(batch, result)
+
+    # ------------------------------------------------------------------ internals
+
+    def _check(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        def bad(msg: str, param: str | None = None) -> None:
+            raise RequestError(400, "invalid_request_error", msg, param)
+
+        if request_id in self.requests:
+            bad(f"request id {request_id!r} is already in use")
+        if not prompt:
+            bad("the prompt is empty", "prompt")
+        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt):
+            bad(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
+        total = len(prompt) + params.max_tokens
+        if total > self.max_model_len:
+            bad(f"this model's maximum context length is {self.max_model_len} tokens, but the request "
+                f"asks for {total} ({len(prompt)} in the prompt + {params.max_tokens} max_tokens)",
+                "max_tokens")
+        capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        if total > capacity:
+            bad(f"the request needs {total} tokens of KV cache but the whole cache holds {capacity}",
+                "max_tokens")
+
+    def _postprocess(self, batch: ScheduledBatch, result: StepResult) -> list[Delta]:
+        for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
+            req.num_computed_tokens += n
+        if result.output is None:
+            return []
+        deltas = []
+        out = result.output
+        for i, req in enumerate(result.sampled):
+            token = out.token_ids[i]
+            first = not req.output_token_ids
+            req.append_token(token)
+            reason = self._stop_reason(req, token)
+            delta = Delta(req.request_id, [token], reason,
+                          logprobs=[out.logprobs[i]] if out.logprobs and out.logprobs[i] is not None else None,
+                          num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
+                          prompt_logprobs=req.prompt_logprobs if first else None,
+                          stop_reason=req.stop_reason)
+            deltas.append(delta)
+            if reason is not None:
+                self.scheduler.finish(req, reason)
+                del self.requests[req.request_id]
+        return deltas
+
+    def _stop_reason(self, req: Request, token: int) -> str | None:
+        p = req.params
+        n = len(req.output_token_ids)
+        if n >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return "stop"
+            if token in p.stop_token_ids:
+                req.stop_reason = token
+                return "stop"
+        if n >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None

@@ -1,0 +1,360 @@
+"""The launcher behind ``tokenmill serve``: start, watch and stop the processes.
+
+One engine process (``engine.server.run_engine``) and N frontend processes
+(``frontends.server.run_frontend``), all from the ``spawn`` context. They meet on
+an ``ipc://`` socket inside a private runtime dir (mode 0700, removed at exit).
+The launcher waits for every READY, prints one line with the URL, then
+supervises: a frontend that dies is restarted (same id, so the engine drops
+what its previous life asked for); an engine that dies takes the service down
+and the launcher exits non-zero. SIGINT/SIGTERM: frontends get SIGTERM first and
+drain, then the engine stops; exit 0.
+
+Children ignore SIGINT (a terminal's Ctrl-C reaches the whole process group, but
+the shutdown order is the launcher's) and get SIGTERM if the launcher dies.
+Torch-free: the model loads in the engine process only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.model_path import model_name, resolve_model_path
+
+log = logging.getLogger("tokenmill.launcher")
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s"
+
+
+class LaunchError(RuntimeError):
+    """Start-up failed in a way the user can fix; the message says how."""
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """What ``tokenmill serve`` needs besides the engine config."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: list[str] = field(default_factory=list)
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    api_server_count: int = 1
+    startup_timeout: float = 300.0  # the engine's model load dominates
+    shutdown_timeout: float = 30.0  # per group (frontends, then engine) before SIGKILL
+    engine_death_grace: float = 2.0  # frontends stay up answering 503 after the engine died
+    engine_address: str | None = None  # default: ipc:// in the runtime dir
+
+    def __post_init__(self) -> None:
+        if self.api_server_count < 1:
+            raise ValueError(f"api_server_count must be at least 1, got {self.api_server_count}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("--ssl-keyfile and --ssl-certfile go together")
+        for f in (self.ssl_keyfile, self.ssl_certfile):
+            if f is not None and not os.path.isfile(f):
+                raise ValueError(f"no such file: {f}")
+        if self.startup_timeout <= 0:
+            raise ValueError("startup_timeout must be positive")
+
+
+# ----------------------------------------------------------------------------- children
+
+
+def _child_setup(parent_pid: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):  # die with the launcher, even on SIGKILL
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent_pid:  # the launcher died before prctl took effect
+        os._exit(1)
+    logging.basicConfig(level=os.environ.get("TOKENMILL_LOG_LEVEL", "INFO"), format=LOG_FORMAT,
+                        stream=sys.stderr)
+
+
+def _report(conn: Connection, what: str, detail: str | None = None) -> None:
+    try:
+        conn.send((what, detail))
+    except (OSError, ValueError):  # the launcher is gone or stopped listening
+        pass
+
+
+def _engine_main(config: EngineConfig, address: str, conn: Connection, parent_pid: int) -> None:
+    _child_setup(parent_pid)
+    from engine.server import run_engine
+
+    try:
+        run_engine(config, address, ready=lambda: _report(conn, "ready"))
+    except BaseException as e:
+        _report(conn, "error", f"{type(e).__name__}: {e}")
+        raise
+
+
+def _frontend_main(args: Any, conn: Connection, parent_pid: int) -> None:
+    _child_setup(parent_pid)
+    from frontends.server import run_frontend
+
+    try:
+        run_frontend(args, ready=lambda: _report(conn, "ready"))
+    except BaseException as e:
+        _report(conn, "error", f"{type(e).__name__}: {e}")
+        raise
+
+
+@dataclass
+class _Child:
+    name: str
+    target: Any
+    args: tuple
+    proc: Any = None
+    conn: Connection | None = None
+    ready: bool = False
+    started_at: float = 0.0
+    restarts: int = 0
+
+    def start(self, ctx: Any) -> None:
+        parent, child = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(target=self.target, args=(*self.args, child, os.getpid()), name=self.name)
+        self.proc.start()
+        child.close()
+        log.info("started %s (pid %d)", self.name, self.proc.pid)
+        self.conn, self.ready, self.started_at = parent, False, time.monotonic()
+
+    def poll_report(self) -> tuple[str, str | None] | None:
+        if self.conn is None:
+            return None
+        try:
+            if self.conn.poll():
+                return self.conn.recv()
+        except (EOFError, OSError):
+            self.conn.close()
+            self.conn = None
+        return None
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.is_alive()
+
+
+# ----------------------------------------------------------------------------- launcher
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Fail early and clearly on a busy port (SO_REUSEPORT would otherwise share it silently)."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is fine, a listener is not
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise LaunchError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+
+
+class Launcher:
+    def __init__(self, config: EngineConfig, options: ServeOptions):
+        self.options = options
+        path = resolve_model_path(config.model)  # FileNotFoundError: a clear message already
+        self.config = dataclasses.replace(
+            config, model=path, served_model_name=config.served_model_name or model_name(path))
+        self.runtime_dir: str | None = None
+        self.ctx = mp.get_context("spawn")
+        self.engine: _Child | None = None
+        self.frontends: list[_Child] = []
+        self._stop_signal: int | None = None
+        self._stop_time = 0.0
+
+    # -------------------------------------------------------------- public
+
+    def run(self, announce=print) -> int:
+        """Serve until a signal (exit 0) or the engine dies (exit 1)."""
+        o = self.options
+        check_port_free(o.host, o.port)
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        self.runtime_dir = tempfile.mkdtemp(prefix="tokenmill-")
+        os.chmod(self.runtime_dir, 0o700)
+        log.info("runtime dir %s", self.runtime_dir)
+        try:
+            self._start_all()
+            if not self._wait_ready():
+                return 0  # a signal during start-up
+            scheme = "https" if o.ssl_certfile else "http"
+            host = f"[{o.host}]" if ":" in o.host else o.host
+            n = len(self.frontends)
+            announce(f"tokenmill serving {self.config.served_model_name} on {scheme}://{host}:{o.port} "
+                     f"({n} frontend{'s' if n != 1 else ''})", flush=True)
+            return self._supervise()
+        except LaunchError as e:
+            log.error("%s", e)  # before the shutdown noise, so it is the first thing read
+            return 1
+        finally:
+            self._shutdown()
+            for s, h in old.items():
+                signal.signal(s, h)
+            shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+    # -------------------------------------------------------------- start-up
+
+    @property
+    def engine_address(self) -> str:
+        return self.options.engine_address or f"ipc://{os.path.join(self.runtime_dir, 'engine.sock')}"
+
+    def _frontend_args(self, i: int) -> Any:
+        try:
+            from frontends.server import FrontendArgs
+        except ImportError as e:
+            raise LaunchError(f"cannot import the frontend: {e}") from e
+
+        o = self.options
+        return FrontendArgs(
+            engine_address=self.engine_address, model_path=self.config.model,
+            served_model_name=self.config.served_model_name, host=o.host, port=o.port,
+            api_keys=list(o.api_keys), ssl_keyfile=o.ssl_keyfile, ssl_certfile=o.ssl_certfile,
+            frontend_id=f"frontend-{i}", tokenizer_cache_dir=os.path.join(self.runtime_dir, "tokenizer"),
+            handshake_timeout=o.startup_timeout)
+
+    def _start_all(self) -> None:
+        # Engine and frontends start together: tokenizer loading overlaps the model
+        # load, and frontends keep saying HELLO until the engine answers.
+        self.engine = _Child("tokenmill-engine", _engine_main, (self.config, self.engine_address))
+        self.engine.start(self.ctx)
+        for i in range(self.options.api_server_count):
+            fe = _Child(f"tokenmill-frontend-{i}", _frontend_main, (self._frontend_args(i),))
+            fe.start(self.ctx)
+            self.frontends.append(fe)
+
+    def _wait_ready(self) -> bool:
+        deadline = time.monotonic() + self.options.startup_timeout
+        children = [self.engine, *self.frontends]
+        while not all(c.ready for c in children):
+            if self._stop_signal is not None:
+                return False
+            left = deadline - time.monotonic()
+            if left <= 0:
+                late = ", ".join(c.name for c in children if not c.ready)
+                raise LaunchError(f"start-up timed out after {self.options.startup_timeout:g}s "
+                                  f"waiting for: {late} (raise --startup-timeout for a slow model load)")
+            wait([c.conn for c in children if c.conn is not None] + [c.proc.sentinel for c in children],
+                 timeout=min(left, 0.5))
+            for c in children:
+                report = c.poll_report()
+                if report is not None:
+                    what, detail = report
+                    if what == "error":
+                        raise LaunchError(f"{c.name} failed to start: {detail}")
+                    c.ready = True
+                    log.info("%s is ready (%.1fs)", c.name, time.monotonic() - c.started_at)
+                elif not c.ready and not c.alive:
+                    raise LaunchError(f"{c.name} exited with code {c.proc.exitcode} during start-up "
+                                      "(see its log above)")
+        return True
+
+    # -------------------------------------------------------------- supervision
+
+    def _supervise(self) -> int:
+        while self._stop_signal is None:
+            wait([self.engine.proc.sentinel] + [f.proc.sentinel for f in self.frontends]
+                 + [f.conn for f in self.frontends if f.conn is not None], timeout=0.5)
+            if self._stop_signal is not None:
+                break
+            if not self.engine.alive:
+                log.error("the engine exited with code %s; shutting down", self.engine.proc.exitcode)
+                # The frontends saw the engine go at once and answer 503 (/health too):
+                # keep them up a moment so clients read a 503, not a refused connection.
+                self._sleep_unless_signalled(self.options.engine_death_grace)
+                return 1
+            for fe in self.frontends:
+                report = fe.poll_report()
+                if report is not None and report[0] == "ready":
+                    fe.ready = True
+                    log.info("%s is ready again", fe.name)
+                if not fe.alive:
+                    self._restart(fe)
+        log.info("received %s; shutting down", signal.Signals(self._stop_signal).name)
+        return 0
+
+    def _sleep_unless_signalled(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while self._stop_signal is None and (left := end - time.monotonic()) > 0:
+            time.sleep(min(left, 0.1))
+
+    def _restart(self, fe: _Child) -> None:
+        # Back off when it keeps dying right after start (a crash loop, not a one-off).
+        quick = time.monotonic() - fe.started_at < 10.0
+        fe.restarts = fe.restarts + 1 if quick else 0
+        log.warning("%s exited with code %s; restarting", fe.name, fe.proc.exitcode)
+        fe.proc.join()
+        if fe.restarts:
+            self._sleep_unless_signalled(min(0.25 * 2 ** fe.restarts, 5.0))
+        fe.start(self.ctx)
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        if self._stop_signal is not None:
+            # A second Ctrl-C stops waiting for drains; one arriving at once is the
+            # same stop delivered twice (to the process group and by a supervisor).
+            if time.monotonic() - self._stop_time < 1.0:
+                return
+            log.warning("second signal: killing all processes")
+            for c in [*self.frontends, self.engine]:
+                if c is not None and c.alive:
+                    c.proc.kill()
+            return
+        self._stop_signal = signum
+        self._stop_time = time.monotonic()
+
+    # -------------------------------------------------------------- shutdown
+
+    def _shutdown(self) -> None:
+        self._terminate([f for f in self.frontends if f.alive])  # they drain first...
+        if self.engine is not None:
+            self._terminate([self.engine] if self.engine.alive else [])  # ...then the engine stops
+        for c in [*self.frontends, self.engine]:
+            if c is not None and c.conn is not None:
+                c.conn.close()
+
+    def _terminate(self, children: list[_Child]) -> None:
+        for c in children:
+            c.proc.terminate()
+        deadline = time.monotonic() + self.options.shutdown_timeout
+        for c in children:
+            c.proc.join(max(0.0, deadline - time.monotonic()))
+            if c.proc.is_alive():
+                log.warning("%s did not stop within %.0fs; killing it", c.name, self.options.shutdown_timeout)
+                c.proc.kill()
+                c.proc.join()
+
+
+def serve(config: EngineConfig, options: ServeOptions) -> int:
+    """``tokenmill serve``: the process exit code."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=os.environ.get("TOKENMILL_LOG_LEVEL", "INFO"), format=LOG_FORMAT,
+                            stream=sys.stderr)
+    try:
+        launcher = Launcher(config, options)
+    except FileNotFoundError as e:  # a usage error, like a bad flag
+        log.error("%s", e)
+        return 2
+    try:
+        return launcher.run()
+    except LaunchError as e:
+        log.error("%s", e)
+        return 1

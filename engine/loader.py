@@ -1,0 +1,203 @@
+"""Load a model: a Hugging Face folder (config.json + *.safetensors, sharded or
+not) or a single GGUF file (tensors dequantized with the ``gguf`` package,
+config from its metadata).
+
+Both sources become one stream of ``(hf_name, tensor)`` pairs in Hugging Face
+naming, which ``load_weights`` routes into the fused layers.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import json
+import os
+import re
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from engine.models.config import ModelConfig
+from engine.models.layers import RowLinear
+from engine.models.llama import LlamaForCausalLM
+
+
+def load_model_config(path: str) -> ModelConfig:
+    if path.endswith(".gguf"):
+        return ModelConfig.from_hf(*_gguf_config(path))
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    eos = None
+    gen = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen):  # generation_config's eos list is the authoritative one (e.g. Llama 3)
+        with open(gen) as f:
+            g = json.load(f).get("eos_token_id")
+        eos = [g] if isinstance(g, int) else g
+    return ModelConfig.from_hf(cfg, eos)
+
+
+def build_model(path: str, cfg: ModelConfig, max_positions: int, dtype: torch.dtype,
+                device: torch.device) -> LlamaForCausalLM:
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg, max_positions)
+    weights = _gguf_weights(path, cfg) if path.endswith(".gguf") else _safetensors_weights(path)
+    load_weights(model, weights)
+    model.to(dtype)  # the RoPE tables stay float32: they are buffers, converted on use
+    model.rotary.float()
+    return model.eval()
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_FUSED = {  # hf suffix -> (module path inside the layer, part index)
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+
+
+def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Copy each Hugging Face-named tensor into its (possibly fused) place; check nothing is missing."""
+    seen: set[str] = set()
+    with torch.no_grad():
+        for name, w in weights:
+            if name == "model.embed_tokens.weight":
+                model.embed_tokens.copy_(w)
+            elif name == "lm_head.weight":
+                if not model.cfg.tie_word_embeddings:
+                    model.lm_head.copy_(w)
+            elif name == "model.norm.weight":
+                model.norm.weight.copy_(w)
+            elif m := _LAYER.fullmatch(name):
+                layer = model.layers[int(m.group(1))]
+                sub, kind = m.group(2).rsplit(".", 1)  # e.g. "self_attn.q_proj", "weight"
+                if sub in _FUSED:
+                    path, part = _FUSED[sub]
+                    layer.get_submodule(path).load(part, w, kind)
+                else:
+                    mod = layer.get_submodule(sub)
+                    if isinstance(mod, RowLinear):
+                        mod.load(w, kind)
+                    else:
+                        getattr(mod, kind).copy_(w)
+            else:
+                continue  # e.g. rotary_emb.inv_freq in old checkpoints
+            seen.add(name)
+    expected = _expected_names(model.cfg)
+    missing = sorted(expected - seen)
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def _expected_names(cfg: ModelConfig) -> set[str]:
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not cfg.tie_word_embeddings:
+        names.add("lm_head.weight")
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        names |= {p + s for s in (
+            "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+            "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+            "input_layernorm.weight", "post_attention_layernorm.weight")}
+        if cfg.attention_bias:
+            names |= {p + f"self_attn.{x}_proj.bias" for x in "qkv"}
+    return names
+
+
+def _safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors files (other checkpoint formats are not supported)")
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+# ----------------------------------------------------------------------------- GGUF
+
+_GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+_GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral"}
+
+
+def _gguf_field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+@functools.lru_cache(maxsize=1)
+def _gguf_reader(path: str):
+    """Parsing a GGUF header takes seconds (the vocabulary is in it): do it once per load."""
+    from gguf import GGUFReader
+
+    return GGUFReader(path)
+
+
+def _gguf_config(path: str) -> tuple[dict, list[int]]:
+    r = _gguf_reader(path)
+    arch = _gguf_field(r, "general.architecture")
+    if arch not in _GGUF_ARCH:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; tokenmill supports {', '.join(_GGUF_ARCH)}")
+    a = lambda k, d=None: _gguf_field(r, f"{arch}.{k}", d)  # noqa: E731
+    heads = a("attention.head_count")
+    hidden = a("embedding_length")
+    vocab = a("vocab_size") or len(r.fields["tokenizer.ggml.tokens"].data)
+    cfg = {
+        "model_type": _GGUF_ARCH[arch],
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": a("feed_forward_length"),
+        "num_hidden_layers": a("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": a("attention.head_count_kv", heads),
+        "head_dim": a("attention.key_length", hidden // heads),
+        "rms_norm_eps": a("attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": a("rope.freq_base", 10000.0),
+        "max_position_embeddings": a("context_length", 4096),
+        "tie_word_embeddings": not any(t.name == "output.weight" for t in r.tensors),
+        "attention_bias": any(t.name == "blk.0.attn_q.bias" for t in r.tensors),
+        "bos_token_id": _gguf_field(r, "tokenizer.ggml.bos_token_id"),
+    }
+    eos = _gguf_field(r, "tokenizer.ggml.eos_token_id")
+    return cfg, [] if eos is None else [int(eos)]
+
+
+def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's interleaved-RoPE row order for q/k (as transformers' GGUF loader does)."""
+    dim = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def _gguf_weights(path: str, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    from gguf.quants import dequantize
+
+    r = _gguf_reader(path)
+    llama_rope = cfg.model_type in ("llama", "mistral", "smollm")
+    for t in r.tensors:
+        if t.name in _GGUF_NAMES:
+            name = _GGUF_NAMES[t.name]
+        else:
+            m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", t.name)
+            if not m or m.group(2) not in _GGUF_LAYER:
+                continue
+            name = f"model.layers.{m.group(1)}.{_GGUF_LAYER[m.group(2)]}.{m.group(3)}"
+        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        w = w.reshape([int(x) for x in reversed(t.shape)])  # GGUF lists dims fastest-first
+        if llama_rope and name.endswith("q_proj.weight"):
+            w = _unpermute(w, cfg.num_heads)
+        elif llama_rope and name.endswith("k_proj.weight"):
+            w = _unpermute(w, cfg.num_kv_heads)
+        yield name, torch.from_numpy(np.array(w, copy=True))  # writable: torch warns on read-only

@@ -1,0 +1,91 @@
+"""The model's shape, read from a Hugging Face ``config.json`` dict (or GGUF metadata
+turned into one). Torch-free; one place that knows the config's spellings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# model_type -> what differs from plain Llama
+SUPPORTED_ARCHITECTURES = {
+    "llama": {},
+    "mistral": {},
+    "qwen2": {"attention_bias": True},
+    "smollm": {},  # SmolLM is Llama; GGUF files call it llama too
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+    @classmethod
+    def from_hf(cls, cfg: dict, eos_token_ids: list[int] | None = None) -> ModelConfig:
+        model_type = cfg.get("model_type", "")
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            archs = ", ".join(cfg.get("architectures") or [model_type or "unknown"])
+            raise ValueError(
+                f"unsupported architecture {archs} (model_type {model_type!r}); tokenmill supports "
+                f"the Llama family: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if cfg.get("sliding_window") and cfg.get("use_sliding_window", model_type == "mistral"):
+            window = cfg["sliding_window"]
+            if window < cfg.get("max_position_embeddings", 0):
+                raise ValueError(f"sliding-window attention ({window}) is not supported yet")
+        # transformers >= 5 nests RoPE settings in rope_parameters; older configs keep them flat.
+        rope = dict(cfg.get("rope_parameters") or {})
+        rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        if scaling:
+            kind = scaling.get("rope_type", scaling.get("type"))
+            if kind not in ("llama3", "linear", "default"):
+                raise ValueError(f"RoPE scaling {kind!r} is not supported (llama3, linear are)")
+            scaling = None if kind == "default" else {**scaling, "rope_type": kind}
+        heads = cfg["num_attention_heads"]
+        eos = eos_token_ids if eos_token_ids is not None else cfg.get("eos_token_id")
+        if eos is None:
+            eos = []
+        elif isinstance(eos, int):
+            eos = [eos]
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", SUPPORTED_ARCHITECTURES[model_type].get(
+                "attention_bias", False))),
+            eos_token_ids=tuple(int(e) for e in eos),
+            bos_token_id=cfg.get("bos_token_id"),
+        )
+
+    @property
+    def num_params(self) -> int:
+        """Parameters touched per token, without the embedding and LM head."""
+        q = self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        attn = self.hidden_size * (q + 2 * kv) + q * self.hidden_size
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        return self.num_layers * (attn + mlp)

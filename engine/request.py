@@ -1,0 +1,79 @@
+"""A request's life inside the engine: its tokens, how far the KV cache has
+caught up with them (``num_computed_tokens``), its blocks and its sampling state.
+
+Torch-free. The scheduler moves requests between waiting and running; the
+block manager fills ``block_table``; the engine appends sampled tokens.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from typing import Any
+
+from engine.protocol import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_arrival = itertools.count()
+
+
+class Request:
+    __slots__ = (
+        "request_id", "prompt_token_ids", "output_token_ids", "params", "priority", "deadline",
+        "arrival", "arrival_time", "status", "num_computed_tokens", "block_table",
+        "finish_reason", "stop_reason", "sampling_state", "num_cached_tokens", "num_preemptions",
+        "prompt_logprobs", "_all_token_ids",
+    )
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 priority: int = 0, deadline: float | None = None, sampling_state: Any = None):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self._all_token_ids = list(prompt_token_ids)  # prompt + output, kept in step with both
+        self.params = params
+        self.priority = priority
+        self.deadline = deadline
+        self.arrival = next(_arrival)  # admission order tie-breaker
+        self.arrival_time = time.monotonic()
+        self.status = Status.WAITING
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.block_table: list[int] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: int | None = None
+        self.sampling_state = sampling_state
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
+        self.num_preemptions = 0
+        self.prompt_logprobs: list | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all_token_ids
+
+    @property
+    def is_prefill(self) -> bool:
+        """Still computing the prompt (or recomputing after a preemption)."""
+        return self.num_computed_tokens < self.num_tokens - 1
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={self.block_table})")

@@ -1,0 +1,76 @@
+"""Facts found at start-up, kept apart from the user's ``EngineConfig``:
+the device and dtype chosen for "auto", the model's usable length, and how
+many KV blocks fit in the memory given to the cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig
+from engine.models.config import ModelConfig
+
+CPU_MAX_MODEL_LEN = 8192
+CPU_KV_CACHE_BYTES = 1 << 30
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class RuntimeFacts:
+    model_path: str
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    num_kv_blocks: int
+
+
+def pick_device(config: EngineConfig) -> torch.device:
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for, but no CUDA device is available")
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(config.device)
+
+
+def pick_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    if config.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[config.dtype]
+
+
+def pick_max_model_len(config: EngineConfig, model_cfg: ModelConfig, device: torch.device) -> int:
+    limit = model_cfg.max_position_embeddings
+    if config.max_model_len is not None:
+        if config.max_model_len > limit:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
+                             f"max_position_embeddings ({limit})")
+        return config.max_model_len
+    return min(limit, CPU_MAX_MODEL_LEN) if device.type == "cpu" else limit
+
+
+def kv_block_bytes(model_cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """K and V for ``block_size`` tokens across all layers."""
+    elt = torch.tensor([], dtype=dtype).element_size()
+    return 2 * model_cfg.num_layers * block_size * model_cfg.num_kv_heads * model_cfg.head_dim * elt
+
+
+def count_kv_blocks(config: EngineConfig, model_cfg: ModelConfig, device: torch.device,
+                    dtype: torch.dtype) -> int:
+    """Blocks that fit in the cache's memory (call after the weights are on the device)."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    per_block = kv_block_bytes(model_cfg, config.block_size, dtype)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        # Leave (1 - utilization) of the card, plus headroom for activations and the sampler.
+        budget = total * config.gpu_memory_utilization - (total - free) - (1 << 30)
+    else:
+        budget = config.kv_cache_memory or CPU_KV_CACHE_BYTES
+    # More than every sequence at full length could use is memory wasted.
+    useful = config.max_num_seqs * -(-pick_max_model_len(config, model_cfg, device) // config.block_size)
+    blocks = min(int(budget // per_block), useful)
+    if blocks < 1:
+        raise ValueError("no memory is left for the KV cache: raise gpu_memory_utilization / kv_cache_memory")
+    return blocks

@@ -1,0 +1,392 @@
+"""The batched sampler: one call per engine step turns a batch of logits into token ids.
+
+Owns everything between the model's last-position logits and the sampled ids:
+min_tokens masking, logit bias, repetition / presence / frequency penalties,
+greedy argmax, temperature, top-k, top-p, min-p, per-request seeds and logprobs.
+It knows nothing of scheduling: the engine hands it the rows that need a token,
+each row's ``SamplingParams``, its ``SamplingState`` and its token history.
+
+Semantics follow vLLM v1:
+- processing order: min_tokens -> logit_bias -> repetition penalty -> presence /
+  frequency penalties -> (greedy rows: argmax) -> temperature -> top-k -> top-p
+  -> min-p -> sample;
+- logprobs are the RAW model logprobs (``log_softmax`` of the logits as given),
+  not of the processed distribution;
+- a seeded request's tokens depend only on its seed and on how many tokens it has
+  sampled, never on the rest of the batch: sampling is an exponential race
+  (``argmax(probs / q)``, ``q ~ Exp(1)``) and a seeded row draws its ``q`` from its
+  own generator.
+
+Hot-path rule: no per-request Python loops beyond building small tensors from the
+params lists (and the seeded rows' noise draws). An all-greedy batch with nothing
+to process is a single ``argmax``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from engine.protocol import SamplingParams, TokenLogprobs
+
+_SEED_MASK = (1 << 64) - 1  # torch generators take 64-bit seeds; fold bigger (or negative) ones in
+_LOGPROBS_CHUNK = 1024  # rows per log_softmax in compute_logprobs: bounds memory for long prompts
+
+
+class SamplingState:
+    """Per-request sampler state, created once with the request and kept across steps.
+
+    Holds the request's own ``torch.Generator`` when ``params.seed`` is set (CPU, so
+    a seeded request draws the same noise on any device) and a few flags derived from
+    the params once, so the per-step checks stay cheap.
+
+    ``engine_seed`` does not enter a seeded request's generator: the same ``seed``
+    must give the same tokens on every engine (data-parallel ranks, restarts), as
+    in vLLM and OpenAI. Unseeded requests draw from the ``Sampler``'s own generator,
+    which the engine seeds with its ``--seed``.
+    """
+
+    __slots__ = ("engine_seed", "generator", "plain_greedy", "needs_penalties", "_prompt_len", "_prompt_ids")
+
+    def __init__(self, params: SamplingParams, engine_seed: int) -> None:
+        self.engine_seed = engine_seed
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator(device="cpu")
+            self.generator.manual_seed(params.seed & _SEED_MASK)
+        self.needs_penalties = (
+            params.presence_penalty != 0.0
+            or params.frequency_penalty != 0.0
+            or params.repetition_penalty != 1.0
+        )
+        # Greedy with nothing to process: eligible for the argmax-only fast path
+        # (min_tokens is checked per step, since it stops mattering after a while).
+        self.plain_greedy = (
+            params.greedy and not self.needs_penalties and not params.logit_bias and params.logprobs is None
+        )
+        self._prompt_len = -1
+        self._prompt_ids: torch.Tensor | None = None
+
+    def prompt_ids(self, prompt_token_ids: list[int]) -> torch.Tensor:
+        """The prompt's distinct token ids as a CPU tensor, built once (repetition penalty)."""
+        if self._prompt_ids is None or self._prompt_len != len(prompt_token_ids):
+            self._prompt_ids = torch.tensor(prompt_token_ids, dtype=torch.long).unique()
+            self._prompt_len = len(prompt_token_ids)
+        return self._prompt_ids
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # (B,) sampled ids
+    # per row: [sampled_logprob, [[token_id, logprob], ...top-k]] (protocol.TokenLogprobs),
+    # or None for a row that did not ask; the whole list is None when no row asked
+    logprobs: list[TokenLogprobs | None] | None
+
+
+# ----------------------------------------------------------------------------- logprobs
+
+
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor | list[int], k: int) -> list[TokenLogprobs]:
+    """Raw logprobs of ``token_ids`` under ``logits`` (N, V), plus each row's top ``k``.
+
+    Returns one ``[logprob, [[token_id, logprob], ...]]`` per row, the top-k list
+    sorted by descending logprob (empty for ``k == 0``). Works in chunks of rows so
+    prompt logprobs over a long prompt do not materialise an (N, V) float32 copy.
+    """
+    n, vocab = logits.shape
+    if not isinstance(token_ids, torch.Tensor):
+        token_ids = torch.tensor(token_ids, dtype=torch.long)
+    token_ids = token_ids.to(logits.device, torch.long)
+    k = min(k, vocab)
+    out: list[TokenLogprobs] = []
+    for start in range(0, n, _LOGPROBS_CHUNK):
+        lp = torch.log_softmax(logits[start:start + _LOGPROBS_CHUNK].float(), dim=-1)  # (n, V)
+        tok_lp = lp.gather(1, token_ids[start:start + _LOGPROBS_CHUNK, None]).squeeze(1).tolist()
+        if k > 0:
+            top_lp, top_ids = lp.topk(k, dim=-1)  # (n, k), sorted descending
+            top = [[[i, v] for i, v in zip(ids, vals, strict=True)]
+                   for ids, vals in zip(top_ids.tolist(), top_lp.tolist(), strict=True)]
+        else:
+            top = [[] for _ in tok_lp]
+        out.extend([t, tk] for t, tk in zip(tok_lp, top, strict=True))
+    return out
+
+
+# ----------------------------------------------------------------------------- processing
+
+
+def pad_token_ids(rows: list[torch.Tensor], pad: int, device: torch.device | str) -> torch.Tensor:
+    """Stack 1-D id tensors into (n, L), padded with ``pad`` (a spare column index)."""
+    if not rows or max(r.numel() for r in rows) == 0:
+        return torch.full((len(rows), 1), pad, dtype=torch.long, device=device)
+    return pad_sequence(rows, batch_first=True, padding_value=pad).to(device, non_blocking=True)
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_tokens: torch.Tensor | None,
+    output_tokens: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+    repetition: torch.Tensor | None,
+) -> torch.Tensor:
+    """Apply repetition, then frequency and presence penalties; use the returned tensor.
+
+    May write into ``logits``.
+
+    logits (n, V); prompt_tokens / output_tokens (n, L) token ids padded with V;
+    presence, frequency, repetition (n,). Repetition (HF/CTRL) sees prompt and output
+    tokens: a seen token's positive logit is divided by the penalty, a negative one
+    multiplied. Presence and frequency (OpenAI) see output tokens only:
+    ``logit -= presence * [count > 0] + frequency * count``.
+    """
+    n, vocab = logits.shape
+    # One spare column absorbs the padding, so padded rows need no mask.
+    counts = torch.zeros((n, vocab + 1), dtype=logits.dtype, device=logits.device)
+    counts.scatter_add_(1, output_tokens, torch.ones_like(output_tokens, dtype=logits.dtype))
+    counts = counts[:, :vocab]
+    output_seen = counts > 0
+    if repetition is not None:
+        seen = output_seen
+        if prompt_tokens is not None:
+            in_prompt = torch.zeros((n, vocab + 1), dtype=torch.bool, device=logits.device)
+            in_prompt.scatter_(1, prompt_tokens, True)
+            seen = seen | in_prompt[:, :vocab]
+        r = repetition.to(logits.dtype).unsqueeze(1)
+        penalised = torch.where(logits > 0, logits / r, logits * r)
+        logits = torch.where(seen, penalised, logits)
+    logits -= frequency.to(logits.dtype).unsqueeze(1) * counts
+    logits -= presence.to(logits.dtype).unsqueeze(1) * output_seen
+    return logits
+
+
+def process_logits(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    states: list[SamplingState],
+    prompt_token_ids: list[list[int]],
+    output_token_ids: list[list[int]],
+    eos_token_ids: list[int],
+) -> torch.Tensor:
+    """The argmax-changing stage, applied before greedy rows pick: min_tokens, logit bias, penalties.
+
+    Returns a new float32 tensor; ``logits`` itself is left untouched (the caller
+    still needs the raw values for logprobs).
+    """
+    logits = logits.float().clone()
+    n, vocab = logits.shape
+    device = logits.device
+
+    # min_tokens: EOS (unless ignore_eos) and stop ids may not end the request yet.
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, (p, out) in enumerate(zip(params, output_token_ids, strict=True)):
+        if len(out) < p.min_tokens:
+            banned = p.stop_token_ids if p.ignore_eos else [*p.stop_token_ids, *eos_token_ids]
+            banned = [t for t in banned if t < vocab]
+            rows += [i] * len(banned)
+            cols += banned
+    if rows:
+        logits[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = -math.inf
+
+    # logit_bias: added to the logits as given (ids outside the vocab are ignored).
+    rows, cols = [], []
+    vals: list[float] = []
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            for t, v in p.logit_bias.items():
+                if 0 <= t < vocab:
+                    rows.append(i)
+                    cols.append(t)
+                    vals.append(v)
+    if rows:
+        logits.index_put_(
+            (torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
+            torch.tensor(vals, dtype=logits.dtype, device=device),
+            accumulate=True,
+        )
+
+    # Penalties: tensors only for the rows that ask, padded with the spare column V.
+    pen = [i for i, s in enumerate(states) if s.needs_penalties]
+    if pen:
+        sub_params = [params[i] for i in pen]
+        outputs = pad_token_ids([torch.tensor(output_token_ids[i], dtype=torch.long) for i in pen], vocab, device)
+        repetition = prompts = None
+        if any(p.repetition_penalty != 1.0 for p in sub_params):
+            repetition = torch.tensor([p.repetition_penalty for p in sub_params], device=device)
+            empty = torch.empty(0, dtype=torch.long)
+            prompts = pad_token_ids(
+                [states[i].prompt_ids(prompt_token_ids[i]) if params[i].repetition_penalty != 1.0 else empty
+                 for i in pen],
+                vocab, device,
+            )
+        presence = torch.tensor([p.presence_penalty for p in sub_params], device=device)
+        frequency = torch.tensor([p.frequency_penalty for p in sub_params], device=device)
+        if len(pen) == n:
+            logits = apply_penalties(logits, prompts, outputs, presence, frequency, repetition)
+        else:
+            idx = torch.tensor(pen, device=device)
+            logits[idx] = apply_penalties(logits[idx], prompts, outputs, presence, frequency, repetition)
+    return logits
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    max_k: int = 0,
+    every_row_has_k: bool = False,
+) -> torch.Tensor:
+    """Mask (to -inf) what top-k and then top-p leave out, each row with its own k and p.
+
+    top_k (n,) long, 0 = off; top_p (n,) float, >= 1 = off; ``max_k`` the largest k
+    in ``top_k``; ``every_row_has_k`` says no row has top-k off (told by the caller,
+    who knows it from the params, so the GPU need not be asked). top-p keeps the smallest prefix of the (top-k renormalised) sorted
+    distribution whose mass reaches p, and always the most likely token.
+
+    Sorting all V logits is by far the dearest step on a CPU, so it is avoided when
+    it can be: top-k alone masks by each row's k-th value from ``topk(max_k)`` (ties
+    at the k-th value are kept), and top-p on a batch where every row has a top-k
+    sorts only those ``max_k`` candidates. Only top-p on a row without top-k sorts V.
+    """
+    n, vocab = logits.shape
+    if top_k is not None:
+        max_k = min(max_k, vocab) if max_k > 0 else vocab
+    if top_p is None:
+        if top_k is None:
+            return logits
+        top_vals = logits.topk(max_k, dim=-1).values  # (n, max_k), descending
+        kth = top_vals.gather(1, (top_k.clamp(1, max_k) - 1).unsqueeze(1))
+        kth = kth.masked_fill((top_k <= 0).unsqueeze(1), -math.inf)  # rows without top-k keep all
+        return logits.masked_fill(logits < kth, -math.inf)
+
+    if top_k is not None and every_row_has_k and max_k < vocab:
+        sorted_logits, sorted_idx = logits.topk(max_k, dim=-1)  # (n, max_k): the only candidates
+    else:
+        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)  # (n, V)
+    if top_k is not None:
+        k = torch.where(top_k <= 0, vocab, top_k).clamp(max=sorted_logits.shape[1])
+        kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))
+        sorted_logits.masked_fill_(sorted_logits < kth, -math.inf)
+    probs = sorted_logits.softmax(dim=-1)
+    # A token goes when the tokens above it already hold p of the mass. Rows with
+    # p >= 1 get an unreachable bound, so float round-off in the cumsum drops nothing.
+    p = torch.where(top_p >= 1.0, 2.0, top_p).to(probs.dtype).unsqueeze(1)
+    drop = (probs.cumsum(dim=-1) - probs) >= p
+    drop[:, 0] = False
+    sorted_logits.masked_fill_(drop, -math.inf)
+    return torch.full_like(logits, -math.inf).scatter_(1, sorted_idx, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens whose probability is below ``min_p`` times the row's top probability.
+
+    Done in log space (``logit < max_logit + log(min_p)``), so no softmax is needed;
+    ratios of probabilities do not change with renormalisation, so this is the same
+    whether it runs before or after top-k / top-p. ``min_p == 0`` masks nothing.
+    """
+    threshold = logits.amax(dim=-1, keepdim=True) + torch.log(min_p.to(logits.dtype)).unsqueeze(1)
+    return logits.masked_fill(logits < threshold, -math.inf)
+
+
+# ----------------------------------------------------------------------------- sampler
+
+
+class Sampler:
+    """Picks one token per row; called by the engine once per step."""
+
+    def __init__(self, vocab_size: int, eos_token_ids: list[int], device: torch.device | str, seed: int = 0):
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.device = torch.device(device)
+        # Unseeded rows share this generator, one batched draw per step.
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed & _SEED_MASK)
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        states: list[SamplingState],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+    ) -> SamplerOutput:
+        if logits.shape[-1] > self.vocab_size:  # padded lm_head columns are not tokens
+            logits = logits[:, :self.vocab_size]
+
+        # Fast path: the common benchmark batch, all greedy with nothing to process.
+        if all(s.plain_greedy and len(out) >= p.min_tokens
+               for p, s, out in zip(params, states, output_token_ids, strict=True)):
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), None)
+
+        raw = logits
+        logits = process_logits(logits, params, states, prompt_token_ids, output_token_ids, self.eos_token_ids)
+        rand = [i for i, p in enumerate(params) if not p.greedy]
+        if len(rand) == len(params):
+            ids = self._sample(logits, params, states)
+        else:
+            ids = logits.argmax(dim=-1)
+            if rand:
+                idx = torch.tensor(rand, device=logits.device)
+                ids[idx] = self._sample(logits[idx], [params[i] for i in rand], [states[i] for i in rand])
+
+        logprobs = None
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if lp_rows:
+            k = max(params[i].logprobs for i in lp_rows)
+            if len(lp_rows) == len(params):
+                computed = compute_logprobs(raw, ids, k)
+            else:
+                idx = torch.tensor(lp_rows, device=logits.device)
+                computed = compute_logprobs(raw[idx], ids[idx], k)
+            logprobs = [None] * len(params)
+            for i, (tok_lp, top) in zip(lp_rows, computed, strict=True):
+                logprobs[i] = [tok_lp, top[:params[i].logprobs]]
+        return SamplerOutput(ids.tolist(), logprobs)
+
+    def _sample(self, logits: torch.Tensor, params: list[SamplingParams], states: list[SamplingState]) -> torch.Tensor:
+        """Temperature, top-k, top-p, min-p, then the exponential race; all rows non-greedy."""
+        n, vocab = logits.shape
+        device = logits.device
+        # One host-to-device copy for all four per-row knobs.
+        knobs = torch.tensor([[p.temperature, p.top_k, p.top_p, p.min_p] for p in params],
+                             dtype=torch.float32, device=device)  # (n, 4)
+        logits = logits / knobs[:, 0:1]
+        max_k = max(p.top_k for p in params)
+        use_p = any(p.top_p < 1.0 for p in params)
+        if max_k > 0 or use_p:
+            logits = apply_top_k_top_p(
+                logits,
+                knobs[:, 1].long() if max_k > 0 else None,
+                knobs[:, 2] if use_p else None,
+                max_k,
+                every_row_has_k=all(p.top_k > 0 for p in params),
+            )
+        if any(p.min_p > 0.0 for p in params):
+            logits = apply_min_p(logits, knobs[:, 3])
+        probs = logits.softmax(dim=-1)
+        return probs.div_(self._noise(n, vocab, states, device)).argmax(dim=-1)
+
+    def _noise(self, n: int, vocab: int, states: list[SamplingState], device: torch.device) -> torch.Tensor:
+        """Exp(1) noise (n, V): seeded rows from their own generator, the rest in one draw.
+
+        Drawn as ``-log(u)`` with ``u ~ U[tiny, 1)``: the same distribution as
+        ``exponential_`` but several times cheaper on a CPU, and never exactly 0 (a
+        zero would make a masked token's 0/0 = NaN win the argmax).
+        """
+        tiny = torch.finfo(torch.float32).tiny
+        seeded = [j for j, s in enumerate(states) if s.generator is not None]
+        if not seeded:
+            u = torch.empty((n, vocab), device=device).uniform_(generator=self.generator)
+        else:
+            u = torch.empty((n, vocab), device=device)
+            if len(seeded) < n:
+                unseeded = [j for j, s in enumerate(states) if s.generator is None]
+                u[torch.tensor(unseeded, device=device)] = torch.empty(
+                    (len(unseeded), vocab), device=device).uniform_(generator=self.generator)
+            draws = torch.stack([torch.empty(vocab).uniform_(generator=states[j].generator) for j in seeded])
+            u[torch.tensor(seeded, device=device)] = draws.to(device, non_blocking=True)
+        return u.clamp_min_(tiny).log_().neg_()

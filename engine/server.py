@@ -1,0 +1,303 @@
+"""The engine actor: the process that owns the ``Engine`` and talks to frontends.
+
+Its mailbox is a ZMQ ROUTER socket (``ipc://`` in the launcher's private runtime
+dir, or ``tcp://``). One uvloop loop, one thread:
+
+    drain every pending frame without blocking -> engine.step() -> one OUTPUTS
+    frame per frontend with all of its deltas -> repeat
+
+and await the socket only when the engine has nothing to do. ``step()`` runs
+directly on the loop: it is the only thing this process exists to do, and
+everything slow (HTTP, JSON, tokenizers) lives in the frontends.
+
+Request ids are namespaced per frontend (``"<n>:<id>"``, ``n`` a small number
+given to each frontend identity) so two frontends can never collide; replies
+carry the frontend's own id again. A malformed frame is logged and dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from engine import protocol
+from engine.config import EngineConfig
+
+log = logging.getLogger("tokenmill.engine")
+
+EngineFactory = Callable[[EngineConfig], Any]
+
+
+def _default_engine_factory(config: EngineConfig) -> Any:
+    from engine.engine import Engine  # torch: only in the engine process
+
+    return Engine(config)
+
+
+class EngineActor:
+    """Routes frames between a ROUTER socket and an ``Engine`` (see module doc)."""
+
+    def __init__(self, engine: Any, sock: zmq.Socket):
+        self.engine = engine
+        self.sock = sock
+        self._ready_frame = protocol.encode(engine.ready_info())
+        self._frontend_index: dict[bytes, int] = {}  # ZMQ identity -> n in "<n>:<id>"
+        self._owner: dict[str, tuple[bytes, str]] = {}  # internal id -> (identity, frontend's id)
+        self._owned: dict[bytes, set[str]] = {}  # identity -> its live internal ids
+        self._stopping = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wakeup: asyncio.Future | None = None
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------ loop
+
+    async def run(self) -> None:
+        loop = self._loop = asyncio.get_running_loop()
+        self._install_signal_handlers(loop)
+        fd = self.sock.getsockopt(zmq.FD)
+        try:
+            while not self._stopping:
+                self._drain()
+                if self.engine.has_work():
+                    self._step()
+                    await asyncio.sleep(0)  # lets signal handlers and stop() in while busy
+                else:
+                    await self._wait_readable(loop, fd)
+        except Exception as e:
+            log.exception("engine failure; going down")
+            self._fail_outstanding(500, "internal_server_error", f"engine failure: {e}")
+            raise
+        finally:
+            self._fail_outstanding(503, "service_unavailable_error", "the engine is shutting down")
+
+    def stop(self) -> None:
+        """Ask the loop to exit; safe from any thread and from signal handlers."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            self._stopping = True
+            return
+        try:
+            loop.call_soon_threadsafe(self._request_stop)
+        except RuntimeError:  # loop closing
+            self._stopping = True
+
+    def _request_stop(self) -> None:
+        self._stopping = True
+        if self._wakeup is not None and not self._wakeup.done():
+            self._wakeup.set_result(None)
+
+    def _install_signal_handlers(self, loop: asyncio.AbstractEventLoop) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # in-process tests run the actor in a thread and call stop()
+        loop.add_signal_handler(signal.SIGTERM, self._request_stop)
+        # The launcher makes its children ignore SIGINT (Ctrl-C reaches the whole
+        # process group; the launcher decides the shutdown order): respect that.
+        if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+            loop.add_signal_handler(signal.SIGINT, self._request_stop)
+
+    async def _wait_readable(self, loop: asyncio.AbstractEventLoop, fd: int) -> None:
+        # ZMQ's FD is edge-triggered: wait on it only while EVENTS says nothing is
+        # pending (a send may have consumed the edge of a frame that arrived).
+        while not self._stopping and not (self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN):
+            fut = self._wakeup = loop.create_future()
+            loop.add_reader(fd, _resolve, fut)
+            try:
+                await fut
+            finally:
+                loop.remove_reader(fd)
+                self._wakeup = None
+
+    # ------------------------------------------------------------------ inbound
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(frames)
+
+    def _handle(self, frames: list[bytes]) -> None:
+        if len(frames) < 2:
+            log.warning("dropping a frame without an identity")
+            return
+        ident, payload = frames[0], frames[-1]  # tolerate REQ-style empty delimiters
+        try:
+            msg = protocol.decode(payload)
+        except protocol.ProtocolError as e:
+            log.warning("dropping malformed frame from frontend %r: %s", ident, e)
+            return
+        if isinstance(msg, protocol.Add):
+            self._add(ident, msg)
+        elif isinstance(msg, protocol.Abort):
+            self._abort(ident, msg.request_ids)
+        elif isinstance(msg, protocol.Stats):
+            self._send(ident, protocol.encode(self.engine.stats()))
+        elif isinstance(msg, protocol.Hello):
+            self._hello(ident, msg)
+        else:
+            log.warning("dropping %s frame from frontend %r: not for the engine", msg.kind.name, ident)
+
+    def _hello(self, ident: bytes, msg: protocol.Hello) -> None:
+        if msg.version != protocol.PROTOCOL_VERSION:
+            log.error("frontend %r speaks protocol %d, engine %d", ident, msg.version, protocol.PROTOCOL_VERSION)
+            self._send(ident, protocol.encode(protocol.Error(
+                None, 500, "internal_server_error",
+                f"protocol version mismatch: frontend {msg.version}, engine {protocol.PROTOCOL_VERSION}")))
+            return
+        # A HELLO from a known identity is a restarted frontend: what its previous
+        # life asked for has nobody waiting for it any more.
+        stale = self._owned.get(ident)
+        if stale:
+            log.info("frontend %r reconnected: aborting %d orphaned requests", ident, len(stale))
+            self._abort_internal(list(stale))
+        self._index(ident)
+        log.info("frontend %r connected", msg.frontend_id)
+        self._send(ident, self._ready_frame)
+
+    def _add(self, ident: bytes, msg: protocol.Add) -> None:
+        iid = f"{self._index(ident)}:{msg.request_id}"
+        if iid in self._owner:
+            self._send_error(ident, msg.request_id, 400, "invalid_request_error",
+                             f"request id {msg.request_id!r} is already running")
+            return
+        try:
+            self.engine.add_request(iid, msg.prompt_token_ids, msg.params, msg.priority, msg.deadline)
+        except Exception as e:  # noqa: BLE001 - RequestError carries status; anything else is a 500
+            status = getattr(e, "status", None)
+            if isinstance(status, int):
+                self._send_error(ident, msg.request_id, status, getattr(e, "type", "invalid_request_error"),
+                                 getattr(e, "message", str(e)), getattr(e, "param", None))
+            else:
+                log.exception("add_request(%s) failed", iid)
+                self._send_error(ident, msg.request_id, 500, "internal_server_error", f"engine error: {e}")
+            return
+        self._owner[iid] = (ident, msg.request_id)
+        self._owned.setdefault(ident, set()).add(iid)
+
+    def _abort(self, ident: bytes, request_ids: list[str]) -> None:
+        n = self._frontend_index.get(ident)
+        if n is None:
+            return
+        self._abort_internal([iid for rid in request_ids if (iid := f"{n}:{rid}") in self._owner])
+
+    def _abort_internal(self, iids: list[str]) -> None:
+        if not iids:
+            return
+        self.engine.abort(iids)
+        for iid in iids:
+            ident, _ = self._owner.pop(iid)
+            self._owned[ident].discard(iid)
+
+    def _index(self, ident: bytes) -> int:
+        n = self._frontend_index.get(ident)
+        if n is None:
+            n = self._frontend_index[ident] = len(self._frontend_index)
+        return n
+
+    # ------------------------------------------------------------------ outbound
+
+    def _step(self) -> None:
+        deltas = self.engine.step()
+        self.num_steps += 1
+        if not deltas:
+            return
+        by_frontend: dict[bytes, list[protocol.Delta]] = {}
+        owner = self._owner
+        for d in deltas:
+            who = owner.get(d.request_id)
+            if who is None:  # aborted by its frontend since it was scheduled
+                continue
+            ident, rid = who
+            if d.finish_reason is not None:
+                del owner[d.request_id]
+                self._owned[ident].discard(d.request_id)
+            d.request_id = rid  # the deltas are ours once step() returns them
+            by_frontend.setdefault(ident, []).append(d)
+        for ident, ds in by_frontend.items():
+            self._send(ident, protocol.encode(protocol.Outputs(ds)))
+
+    def _send_error(self, ident: bytes, rid: str | None, status: int, typ: str, message: str,
+                    param: str | None = None) -> None:
+        self._send(ident, protocol.encode(protocol.Error(rid, status, typ, message, param)))
+
+    def _send(self, ident: bytes, frame: bytes) -> None:
+        try:
+            self.sock.send_multipart([ident, frame], zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # a vanished peer: its requests get aborted on its next HELLO
+            log.warning("could not send to frontend %r: %s", ident, e)
+
+    def _fail_outstanding(self, status: int, typ: str, message: str) -> None:
+        """Tell every frontend its requests are over (shutdown or a broken engine)."""
+        for ident, rid in list(self._owner.values()):
+            self._send_error(ident, rid, status, typ, message)
+        iids = list(self._owner)
+        self._owner.clear()
+        self._owned.clear()
+        if iids:
+            try:
+                self.engine.abort(iids)
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                log.exception("abort on shutdown failed")
+
+
+def _resolve(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def bind_router(ctx: zmq.Context, address: str) -> zmq.Socket:
+    sock = ctx.socket(zmq.ROUTER)
+    # Unbounded queues: a dropped OUTPUTS frame would hang a request forever, and
+    # memory is bounded by the number of admitted requests anyway.
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted frontend reuses its identity
+    sock.setsockopt(zmq.LINGER, 1000)  # flush the shutdown errors, but never hang on exit
+    sock.bind(address)
+    return sock
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency; keep working without it
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+def run_engine(
+    config: EngineConfig,
+    address: str,
+    ready: Callable[[], None] | None = None,
+    engine_factory: EngineFactory | None = None,
+    on_actor: Callable[[EngineActor], None] | None = None,
+) -> None:
+    """Serve ``config``'s model on ``address`` until SIGTERM/SIGINT (or ``actor.stop()``).
+
+    ``ready()`` is called once the socket is bound and the model is loaded.
+    ``engine_factory`` (tests) replaces ``Engine``; ``on_actor`` hands out the
+    actor, e.g. so that a test running this in a thread can stop it.
+    """
+    ctx = zmq.Context()
+    sock = bind_router(ctx, address)  # bind before the slow load: a bad address fails fast
+    try:
+        engine = (engine_factory or _default_engine_factory)(config)
+        actor = EngineActor(engine, sock)
+        if on_actor is not None:
+            on_actor(actor)
+        if ready is not None:
+            ready()
+        log.info("engine serving on %s", address)
+        with asyncio.Runner(loop_factory=_new_loop) as runner:
+            runner.run(actor.run())
+        log.info("engine stopped after %d steps", actor.num_steps)
+    finally:
+        sock.close()
+        ctx.term()

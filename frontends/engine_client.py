@@ -1,0 +1,269 @@
+"""The frontend's side of the engine wire: one asyncio ZMQ DEALER per frontend process.
+
+Owns the handshake (HELLO -> READY), sending ADD / ABORT / STATS, and one reader
+task that hands each OUTPUTS' deltas to the per-request ``Stream`` they belong
+to. It also owns the engine's health: the connection dropping (a ZMQ socket
+monitor sees it at once) or no message for ``liveness_timeout`` seconds while it
+is pinged with STATS marks the engine unhealthy and fails every in-flight request
+with a 503 ``Error``, so a client never hangs on a dead engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from engine.protocol import (
+    Abort,
+    Add,
+    Delta,
+    Error,
+    Hello,
+    Outputs,
+    ProtocolError,
+    Ready,
+    SamplingParams,
+    Stats,
+    decode,
+    encode,
+)
+
+log = logging.getLogger("tokenmill.engine_client")
+
+_STATS_PING = encode(Stats())
+
+
+class EngineUnavailable(Exception):
+    """The engine cannot take requests now (gone, unreachable or not answering)."""
+
+
+class Stream:
+    """Deltas and errors for one or more engine requests, in arrival order.
+
+    ``next_batch()`` returns everything that arrived since the last call, so a
+    consumer that fell behind catches up in one go (one SSE event per batch).
+    """
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: list[Delta | Error] = []
+        self._waiter: asyncio.Future | None = None
+
+    def push(self, item: Delta | Error) -> None:
+        self._items.append(item)
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def next_batch(self) -> list[Delta | Error]:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        items, self._items = self._items, []
+        return items
+
+
+def _gone(request_id: str, message: str) -> Error:
+    return Error(request_id, 503, "service_unavailable_error", message)
+
+
+class EngineClient:
+    def __init__(self, address: str, frontend_id: str, *, handshake_timeout: float = 60.0,
+                 liveness_interval: float = 2.0, liveness_timeout: float = 30.0) -> None:
+        self.address = address
+        self.frontend_id = frontend_id
+        self.handshake_timeout = handshake_timeout
+        self.liveness_interval = liveness_interval
+        self.liveness_timeout = liveness_timeout
+        self.ready: Ready | None = None
+        self.healthy = False
+        self._ctx = zmq.asyncio.Context()
+        self._sock: zmq.asyncio.Socket | None = None
+        self._streams: dict[str, Stream] = {}
+        self._stats_waiters: list[asyncio.Future] = []
+        self._tasks: list[asyncio.Task] = []
+        self._last_seen = 0.0
+        self._connected = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def connect(self) -> Ready:
+        """Connect and handshake; raises ``EngineUnavailable`` when no READY comes in time."""
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, self.frontend_id.encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a peer that is not connected
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        sock.connect(self.address)
+        self._sock = sock
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.handshake_timeout
+        hello = encode(Hello(self.frontend_id))
+        ready = None
+        # the engine may still be binding: resend HELLO until it answers
+        while ready is None:
+            left = deadline - loop.time()
+            if left <= 0:
+                sock.close(0)
+                monitor.close(0)
+                raise EngineUnavailable(f"no READY from the engine at {self.address} "
+                                        f"within {self.handshake_timeout:.0f}s")
+            try:
+                await sock.send(hello, zmq.NOBLOCK)
+            except zmq.Again:
+                await asyncio.sleep(min(0.05, left))
+                continue
+            if await sock.poll(min(1000, int(left * 1000) + 1), zmq.POLLIN):
+                msg = decode(await sock.recv())
+                if isinstance(msg, Ready):
+                    ready = msg
+                elif isinstance(msg, Error):
+                    raise EngineUnavailable(f"engine refused the handshake: {msg.message}")
+        self.ready = ready
+        self.healthy = self._connected = True
+        self._last_seen = time.monotonic()
+        self._tasks = [loop.create_task(self._read()), loop.create_task(self._watch(monitor)),
+                       loop.create_task(self._liveness())]
+        return ready
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._sock is not None:
+            self._sock.close(0)
+        self._ctx.term()
+
+    # ------------------------------------------------------------------ requests
+
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+            priority: int = 0, deadline: float | None = None, stream: Stream | None = None) -> Stream:
+        """Send one request; its deltas (or an ``Error``) arrive on the returned stream.
+
+        Several requests may share a ``stream`` (the n choices of one API call).
+        """
+        if stream is None:
+            stream = Stream()
+        self._streams[request_id] = stream
+        try:
+            self._send(encode(Add(request_id, prompt_token_ids, params, priority, deadline)))
+        except EngineUnavailable:
+            del self._streams[request_id]
+            raise
+        return stream
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Drop these requests; nothing more is delivered for them."""
+        live = [r for r in request_ids if self._streams.pop(r, None) is not None]
+        if live and self.healthy:
+            try:
+                self._send(encode(Abort(live)))
+            except EngineUnavailable:
+                pass
+
+    async def stats(self, timeout: float = 5.0) -> Stats:
+        fut = asyncio.get_running_loop().create_future()
+        self._stats_waiters.append(fut)
+        try:
+            self._send(_STATS_PING)
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            if fut in self._stats_waiters:
+                self._stats_waiters.remove(fut)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def _send(self, frame: bytes) -> None:
+        if not self.healthy or self._sock is None:
+            raise EngineUnavailable("the engine is not available")
+        fut = self._sock.send(frame, zmq.NOBLOCK)
+        if fut.done() and fut.exception() is not None:
+            raise EngineUnavailable(f"cannot reach the engine: {fut.exception()!r}")
+
+    # ------------------------------------------------------------------ background tasks
+
+    async def _read(self) -> None:
+        sock = self._sock
+        streams = self._streams
+        while True:
+            frame = await sock.recv()
+            self._last_seen = time.monotonic()
+            try:
+                msg = decode(frame)
+            except ProtocolError as e:
+                log.error("dropping a malformed frame from the engine: %s", e)
+                continue
+            if isinstance(msg, Outputs):
+                for d in msg.deltas:
+                    s = streams.get(d.request_id)
+                    if s is not None:
+                        s.push(d)
+                        if d.finish_reason is not None:
+                            del streams[d.request_id]
+            elif isinstance(msg, Error):
+                if msg.request_id is None:
+                    log.error("engine error: %s", msg.message)
+                elif (s := streams.pop(msg.request_id, None)) is not None:
+                    s.push(msg)
+            elif isinstance(msg, Stats):
+                if self._stats_waiters:
+                    fut = self._stats_waiters.pop(0)
+                    if not fut.done():
+                        fut.set_result(msg)
+            elif isinstance(msg, Ready):
+                self.ready = msg
+            if not self.healthy and self._connected:
+                log.warning("engine is answering again")
+                self.healthy = True
+
+    async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
+        hello = encode(Hello(self.frontend_id))
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())["event"]
+                if event == zmq.EVENT_DISCONNECTED:
+                    self._connected = False
+                    self._mark_unhealthy("the engine closed the connection")
+                elif event == zmq.EVENT_CONNECTED:
+                    self._connected = True
+                    if not self.healthy and self._sock is not None:
+                        self._sock.send(hello, zmq.NOBLOCK)  # a restarted engine learns who we are
+        finally:
+            monitor.close(0)
+
+    async def _liveness(self) -> None:
+        while True:
+            await asyncio.sleep(self.liveness_interval)
+            quiet = time.monotonic() - self._last_seen
+            if quiet > self.liveness_timeout and self.healthy:
+                self._mark_unhealthy(f"the engine has not answered for {quiet:.0f}s")
+            if quiet >= self.liveness_interval and self._connected and self._sock is not None:
+                try:
+                    self._sock.send(_STATS_PING, zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+
+    def _mark_unhealthy(self, why: str) -> None:
+        if self.healthy:
+            log.error("engine unhealthy: %s", why)
+        self.healthy = False
+        streams, self._streams = self._streams, {}
+        for rid, s in streams.items():
+            s.push(_gone(rid, f"Engine unavailable: {why}"))
+        for fut in self._stats_waiters:
+            if not fut.done():
+                fut.set_exception(EngineUnavailable(why))
+        self._stats_waiters.clear()

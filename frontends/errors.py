@@ -1,0 +1,47 @@
+"""OpenAI-shaped errors: one exception type and the one JSON body every error uses.
+
+Anything that goes wrong with a request becomes ``{"error": {"message", "type",
+"param", "code"}}`` with the right HTTP status; handlers raise ``ApiError`` and
+the router turns it into a response.
+"""
+
+from __future__ import annotations
+
+import orjson
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "timeout_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_server_error",
+    503: "service_unavailable_error",
+}
+
+
+class ApiError(Exception):
+    """A request that cannot be served; carries its HTTP status and OpenAI error fields."""
+
+    def __init__(self, status: int, message: str, *, type: str | None = None,
+                 param: str | None = None, code: str | int | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type or _TYPES.get(status, "invalid_request_error")
+        self.param = param
+        self.code = code
+
+    def body(self) -> bytes:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | int | None = None) -> bytes:
+    return orjson.dumps({"error": {"message": message, "type": type, "param": param, "code": code}})
+
+
+def status_error_body(status: int, message: str) -> bytes:
+    """The body for errors raised by the HTTP layer itself (404, 405, 413, ...)."""
+    return error_body(message, _TYPES.get(status, "invalid_request_error"), None, status)

@@ -1,0 +1,146 @@
+"""One API call's engine requests: fan-out, per-choice text state, and clean-up.
+
+A ``Generation`` sends one engine request per choice (prompts x n) onto one
+shared ``Stream``, turns each batch of deltas into per-choice updates (new text
+through the detokenizer and stop strings, logprob entries, finish reasons),
+aborts a request in the engine as soon as a stop string ends it, and aborts
+whatever is unfinished when the caller goes away (``abort_unfinished``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from engine.protocol import Delta, Error, SamplingParams
+from frontends.engine_client import EngineClient, EngineUnavailable, Stream
+from frontends.errors import ApiError
+from frontends.text import IncrementalDetokenizer, StopStrings, TextCodec
+
+# one sampled token's logprobs: (token_id, logprob, [[token_id, logprob], ...] top-k)
+LogprobEntry = tuple[int, float | None, list | None]
+
+
+class Choice:
+    __slots__ = ("index", "request_id", "prompt_ids", "detok", "stops", "finish_reason", "num_tokens",
+                 "num_prompt_tokens", "num_cached_tokens", "prompt_logprobs", "text_offset")
+
+    def __init__(self, index: int, request_id: str, prompt_ids: list[int], codec: TextCodec,
+                 stop: list[str]) -> None:
+        self.index = index
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.detok = IncrementalDetokenizer(codec, prompt_ids)
+        self.stops = StopStrings(stop) if stop else None
+        self.finish_reason: str | None = None
+        self.num_tokens = 0
+        self.num_prompt_tokens = len(prompt_ids)
+        self.num_cached_tokens = 0
+        self.prompt_logprobs: list | None = None
+        self.text_offset = 0  # characters emitted so far (legacy logprobs' text_offset)
+
+    def consume(self, d: Delta) -> tuple[str, bool]:
+        """New text from one delta, and whether a stop string ended the choice."""
+        self.num_tokens += len(d.token_ids)
+        if d.num_prompt_tokens:
+            self.num_prompt_tokens = d.num_prompt_tokens
+            self.num_cached_tokens = d.num_cached_tokens
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs = d.prompt_logprobs
+        text = self.detok.step(d.token_ids) if d.token_ids else ""
+        if d.finish_reason is not None:
+            text += self.detok.flush()
+        hit = False
+        if self.stops is not None:
+            text, hit = self.stops.feed(text)
+            if hit:
+                self.finish_reason = "stop"
+            elif d.finish_reason is not None:
+                text += self.stops.flush()
+        if d.finish_reason is not None and not hit:
+            self.finish_reason = d.finish_reason
+        return text, hit
+
+
+class Update:
+    """What one choice produced in one batch."""
+
+    __slots__ = ("choice", "text", "logprobs", "finished")
+
+    def __init__(self, choice: Choice) -> None:
+        self.choice = choice
+        self.text = ""
+        self.logprobs: list[LogprobEntry] | None = None
+        self.finished = False
+
+
+class Generation:
+    def __init__(self, client: EngineClient, codec: TextCodec, api_id: str, prompts: list[list[int]], n: int,
+                 params_for: Callable[[int], SamplingParams], priority: int = 0) -> None:
+        self.client = client
+        self.prompts = prompts
+        self.stream = Stream()
+        self.choices: list[Choice] = []
+        self._params = []
+        for p_idx, prompt in enumerate(prompts):
+            for i in range(n):
+                idx = p_idx * n + i
+                params = params_for(i)
+                self._params.append(params)
+                self.choices.append(Choice(idx, f"{api_id}-{idx}", prompt, codec, params.stop))
+        self._by_id = {c.request_id: c for c in self.choices}
+        self._priority = priority
+        self.want_logprobs = self._params[0].logprobs is not None
+
+    def start(self) -> None:
+        try:
+            for c, params in zip(self.choices, self._params, strict=True):
+                self.client.add(c.request_id, c.prompt_ids, params, self._priority, stream=self.stream)
+        except EngineUnavailable as e:
+            self.abort_unfinished()
+            raise ApiError(503, f"Engine unavailable: {e}") from None
+
+    @property
+    def done(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
+
+    async def next_updates(self) -> list[Update]:
+        """Wait for the next batch; an engine ``Error`` is raised as an ``ApiError``."""
+        updates: dict[int, Update] = {}
+        for item in await self.stream.next_batch():
+            if isinstance(item, Error):
+                self.abort_unfinished()
+                raise ApiError(item.status, item.message, type=item.type, param=item.param)
+            choice = self._by_id.get(item.request_id)
+            if choice is None or choice.finish_reason is not None:
+                continue  # already ended by a stop string
+            up = updates.get(choice.index)
+            if up is None:
+                up = updates[choice.index] = Update(choice)
+            text, hit = choice.consume(item)
+            if text:
+                up.text += text
+            if self.want_logprobs and item.logprobs:
+                entries = [(t, lp[0], lp[1]) for t, lp in zip(item.token_ids, item.logprobs, strict=False)]
+                up.logprobs = entries if up.logprobs is None else up.logprobs + entries
+            if choice.finish_reason is not None:
+                up.finished = True
+                if hit and item.finish_reason is None:
+                    self.client.abort([choice.request_id])
+        return list(updates.values())
+
+    def abort_unfinished(self) -> None:
+        live = [c.request_id for c in self.choices if c.finish_reason is None]
+        if live:
+            self.client.abort(live)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.choices)
+
+    def usage(self) -> dict:
+        p, c = self.num_prompt_tokens, self.num_completion_tokens
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}

@@ -1,0 +1,468 @@
+"""A small HTTP/1.1 server: an asyncio Protocol on ``httptools.HttpRequestParser``.
+
+Owns the connection: keep-alive, pipelined requests answered in order (one
+worker task per connection serves its queue), Content-Length and chunked
+bodies, ``Expect: 100-continue``, a body limit (413), a header timeout and an
+idle keep-alive timeout, chunked streaming responses with write flow control,
+and client disconnects (the worker task is cancelled, so a handler's
+``finally`` runs: that is where it aborts its engine requests).
+
+Handlers are ``async (Request) -> Response | StreamingResponse`` registered by
+method and path on a ``Router``. A connection can be handed to another protocol
+object (WebSocket) through ``Router.add_upgrade``: the handler returns an
+``Upgrade`` and the transport is switched over after the head it carries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from http import HTTPStatus
+
+import httptools
+
+from frontends.errors import ApiError, status_error_body
+
+log = logging.getLogger("tokenmill.http")
+
+_MAX_PIPELINED = 32  # queued requests per connection before we stop reading from it
+
+
+class Request:
+    """One parsed request. ``headers`` has lower-case names (last one wins)."""
+
+    __slots__ = ("method", "path", "query", "raw_headers", "headers", "body", "keep_alive",
+                 "upgrade", "error", "expect_continue", "protocol", "_queued")
+
+    def __init__(self) -> None:
+        self.method = ""
+        self.path = ""
+        self.query = ""
+        self.raw_headers: list[tuple[bytes, bytes]] = []
+        self.headers: dict[str, str] = {}
+        self.body = bytearray()
+        self.keep_alive = True
+        self.upgrade = ""  # the Upgrade header, lower-case, if the client asked for one
+        self.error: tuple[int, str] | None = None  # set when the request is refused before routing
+        self.expect_continue = False
+        self.protocol: HttpProtocol | None = None
+        self._queued = False
+
+    @property
+    def disconnected(self) -> bool:
+        return self.protocol is None or self.protocol.lost
+
+    @property
+    def peer(self) -> object:
+        return self.protocol.transport.get_extra_info("peername") if self.protocol else None
+
+
+@dataclass
+class Response:
+    status: int = 200
+    body: bytes = b""
+    content_type: str = "application/json"
+    headers: list[tuple[str, str]] = field(default_factory=list)
+
+
+@dataclass
+class StreamingResponse:
+    """A chunked response; each item of ``chunks`` goes out as one HTTP chunk.
+
+    ``on_close`` runs however the stream ends (finished, failed, client gone), even
+    when ``chunks`` never started: the place to abort engine requests.
+    """
+
+    chunks: AsyncIterator[bytes]
+    status: int = 200
+    content_type: str = "text/event-stream"
+    headers: list[tuple[str, str]] = field(default_factory=list)
+    on_close: Callable[[], None] | None = None
+
+
+@dataclass
+class Upgrade:
+    """Hand the connection over: write ``head`` (e.g. a 101 response), then ``protocol`` owns
+    the transport; bytes the client sent after the request go to its ``data_received``."""
+
+    protocol: asyncio.Protocol
+    head: bytes = b""
+
+
+Handler = Callable[[Request], Awaitable[Response | StreamingResponse]]
+UpgradeHandler = Callable[[Request], Awaitable[Response | Upgrade]]
+
+
+class Router:
+    """Routes by exact (method, path): unknown path 404, known path with another method 405."""
+
+    def __init__(self) -> None:
+        self._routes: dict[str, dict[str, Handler]] = {}
+        self._upgrades: dict[str, UpgradeHandler] = {}
+
+    def add(self, method: str, path: str, handler: Handler) -> None:
+        self._routes.setdefault(path, {})[method.upper()] = handler
+
+    def add_upgrade(self, path: str, handler: UpgradeHandler) -> None:
+        """``handler`` serves requests to ``path`` that carry an ``Upgrade`` header."""
+        self._upgrades[path] = handler
+
+    def upgrade_handler(self, path: str) -> UpgradeHandler | None:
+        return self._upgrades.get(path)
+
+    def resolve(self, method: str, path: str) -> Handler:
+        by_method = self._routes.get(path)
+        if by_method is None:
+            raise ApiError(404, f"Not found: {path}", code=404)
+        handler = by_method.get(method)
+        if handler is None:
+            raise ApiError(405, f"Method {method} not allowed for {path}; allowed: "
+                           f"{', '.join(sorted(by_method))}", code=405)
+        return handler
+
+
+@dataclass
+class HttpConfig:
+    max_body_bytes: int = 8 << 20
+    header_timeout: float = 30.0  # from a request's first byte (or the connection's start) to its headers
+    keep_alive_timeout: float = 5.0  # an idle keep-alive connection is closed after this
+
+
+def _status_line(status: int) -> bytes:
+    try:
+        reason = HTTPStatus(status).phrase
+    except ValueError:
+        reason = "Unknown"
+    return f"HTTP/1.1 {status} {reason}\r\n".encode()
+
+
+_STATUS_LINES: dict[int, bytes] = {}
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+def _head(status: int, content_type: str, headers: list[tuple[str, str]], keep_alive: bool,
+          length: int | None) -> bytes:
+    line = _STATUS_LINES.get(status)
+    if line is None:
+        line = _STATUS_LINES[status] = _status_line(status)
+    parts = [line, b"content-type: ", content_type.encode(), b"\r\n"]
+    if length is None:
+        parts.append(b"transfer-encoding: chunked\r\ncache-control: no-cache\r\n")
+    else:
+        parts += [b"content-length: ", str(length).encode(), b"\r\n"]
+    if not keep_alive:
+        parts.append(b"connection: close\r\n")
+    for k, v in headers:
+        parts += [k.encode(), b": ", v.encode("latin-1"), b"\r\n"]
+    parts.append(b"\r\n")
+    return b"".join(parts)
+
+
+class HttpServer:
+    """The shared state of every connection: routes, limits, and the live connections."""
+
+    def __init__(self, router: Router, config: HttpConfig | None = None) -> None:
+        self.router = router
+        self.config = config or HttpConfig()
+        self.connections: set[HttpProtocol] = set()
+        self.shutting_down = False
+
+    def __call__(self) -> HttpProtocol:  # the protocol factory for loop.create_server
+        return HttpProtocol(self)
+
+    async def shutdown(self, grace: float) -> None:
+        """Close idle connections now, let busy ones finish within ``grace`` seconds, then cut them."""
+        self.shutting_down = True
+        for conn in list(self.connections):
+            if conn.idle:
+                conn.close()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        while self.connections and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        for conn in list(self.connections):
+            conn.abort()
+        await asyncio.sleep(0)
+
+
+class HttpProtocol(asyncio.Protocol):
+    """One client connection."""
+
+    def __init__(self, server: HttpServer) -> None:
+        self.server = server
+        self.config = server.config
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self.lost = False
+        self._cur: Request | None = None  # the request being parsed
+        self._url = bytearray()
+        self._pending: deque[Request] = deque()
+        self._worker: asyncio.Task | None = None
+        self._responding = False
+        self._stop_reading = False  # after an unrecoverable request (413, 400, upgrade)
+        self._leftover = b""  # bytes after an upgrade request
+        self._timer: asyncio.TimerHandle | None = None
+        self._write_paused = False
+        self._drain_waiter: asyncio.Future | None = None
+        self._reading_paused = False
+
+    # ------------------------------------------------------------------ asyncio callbacks
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.server.connections.add(self)
+        self._arm(self.config.header_timeout)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self.server.connections.discard(self)
+        self._disarm()
+        self._pending.clear()
+        if self._worker is not None and not self._worker.done():
+            self._worker.cancel()
+        self._wake_writer()
+
+    def eof_received(self) -> bool:
+        # a client that closes its side has gone away (as uvicorn treats it): the transport
+        # closes, connection_lost cancels the handler, and its engine requests are aborted
+        return False
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self._wake_writer()
+
+    def data_received(self, data: bytes) -> None:
+        if self._stop_reading:
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade as e:
+            self._leftover = data[e.args[0]:] if e.args else b""
+            self._stop_reading = True
+        except httptools.HttpParserError as e:
+            req = self._cur if self._cur is not None and not self._cur._queued else Request()
+            req.error = (400, f"Malformed HTTP request: {e}")
+            self._enqueue(req)
+            self._stop_reading = True
+
+    # ------------------------------------------------------------------ parser callbacks
+
+    def on_message_begin(self) -> None:
+        self._cur = Request()
+        self._cur.protocol = self
+        self._url.clear()
+        self._arm(self.config.header_timeout)
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._cur.raw_headers.append((name, value))  # type: ignore[union-attr]
+
+    def on_headers_complete(self) -> None:
+        self._disarm()
+        req = self._cur
+        assert req is not None
+        req.method = self.parser.get_method().decode()
+        url = httptools.parse_url(bytes(self._url))
+        req.path = url.path.decode("utf-8", "replace") if url.path else "/"
+        req.query = url.query.decode("utf-8", "replace") if url.query else ""
+        req.headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in req.raw_headers}
+        req.keep_alive = self.parser.should_keep_alive() and not self.server.shutting_down
+        if self.parser.should_upgrade():
+            req.upgrade = req.headers.get("upgrade", "").lower()
+        length = req.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.config.max_body_bytes:
+            self._too_large(req)
+            return
+        if req.headers.get("expect", "").lower() == "100-continue":
+            if self._responding or self._pending:
+                req.expect_continue = True  # sent when the responses ahead of it are written
+            else:
+                self.transport.write(_CONTINUE)
+
+    def on_body(self, body: bytes) -> None:
+        req = self._cur
+        if req is None or req._queued:
+            return
+        req.body += body
+        if len(req.body) > self.config.max_body_bytes:
+            self._too_large(req)
+
+    def on_message_complete(self) -> None:
+        req = self._cur
+        if req is not None and not req._queued:
+            self._enqueue(req)
+        self._cur = None
+
+    # ------------------------------------------------------------------ request queue
+
+    def _too_large(self, req: Request) -> None:
+        req.error = (413, f"Request body too large (limit {self.config.max_body_bytes} bytes)")
+        req.body = bytearray()
+        req.keep_alive = False
+        self._enqueue(req)
+        self._stop_reading = True
+
+    def _enqueue(self, req: Request) -> None:
+        req._queued = True
+        req.protocol = self
+        self._pending.append(req)
+        if len(self._pending) >= _MAX_PIPELINED and not self._reading_paused:
+            self._reading_paused = True
+            self.transport.pause_reading()
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.get_running_loop().create_task(self._work())
+
+    async def _work(self) -> None:
+        while self._pending and not self.lost:
+            req = self._pending.popleft()
+            if self._reading_paused and len(self._pending) < _MAX_PIPELINED // 2:
+                self._reading_paused = False
+                self.transport.resume_reading()
+            self._responding = True
+            try:
+                if await self._serve(req):
+                    return  # the connection now belongs to another protocol
+            finally:
+                self._responding = False
+            if not req.keep_alive:
+                self.close()
+                return
+            cur = self._cur
+            if cur is not None and cur.expect_continue and not self._pending:
+                cur.expect_continue = False
+                self.transport.write(_CONTINUE)
+        if self.lost:
+            return
+        if self.server.shutting_down or self._stop_reading:
+            self.close()
+        elif self._cur is None:
+            self._arm(self.config.keep_alive_timeout)
+
+    async def _serve(self, req: Request) -> bool:
+        """Answer one request; True when the connection was handed to another protocol."""
+        if req.error is not None:
+            status, msg = req.error
+            req.keep_alive = False
+            self._send(req, Response(status, status_error_body(status, msg)))
+            return False
+        try:
+            if req.upgrade and (up := self.server.router.upgrade_handler(req.path)) is not None:
+                result = await up(req)
+                if isinstance(result, Upgrade):
+                    self._hand_over(result)
+                    return True
+            else:
+                if self._leftover or self._stop_reading and req.upgrade:
+                    req.keep_alive = False  # the parser stopped at an upgrade nobody took
+                result = await self.server.router.resolve(req.method, req.path)(req)
+        except ApiError as e:
+            result = Response(e.status, e.body())
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - a handler bug must not take the connection's other requests down
+            log.exception("handler failed: %s %s", req.method, req.path)
+            result = Response(500, status_error_body(500, "Internal server error"))
+        if isinstance(result, StreamingResponse):
+            await self._stream(req, result)
+        else:
+            self._send(req, result)
+            if self._write_paused:
+                await self.drain()
+        return False
+
+    def _send(self, req: Request, resp: Response) -> None:
+        if self.lost:
+            return
+        self.transport.write(_head(resp.status, resp.content_type, resp.headers, req.keep_alive,
+                                   len(resp.body)) + resp.body)
+
+    async def _stream(self, req: Request, resp: StreamingResponse) -> None:
+        write = self.transport.write
+        write(_head(resp.status, resp.content_type, resp.headers, req.keep_alive, None))
+        chunks = resp.chunks
+        try:
+            async for chunk in chunks:
+                if self.lost:
+                    break
+                if chunk:
+                    write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+                    if self._write_paused:
+                        await self.drain()
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - the head is out: all we can do is cut the stream
+            log.exception("stream failed: %s %s", req.method, req.path)
+            req.keep_alive = False
+            self.abort()
+            return
+        finally:
+            if resp.on_close is not None:
+                resp.on_close()
+            aclose = getattr(chunks, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        if not self.lost:
+            write(b"0\r\n\r\n")
+
+    def _hand_over(self, up: Upgrade) -> None:
+        transport = self.transport
+        self._disarm()
+        self.server.connections.discard(self)
+        self.lost = True  # for this object; the new protocol owns the transport from here
+        if up.head:
+            transport.write(up.head)
+        transport.set_protocol(up.protocol)
+        up.protocol.connection_made(transport)
+        if self._reading_paused:
+            transport.resume_reading()
+        if self._leftover:
+            up.protocol.data_received(self._leftover)
+
+    # ------------------------------------------------------------------ flow control, timers, close
+
+    async def drain(self) -> None:
+        """Wait until the transport's buffer is below its high-water mark (or the client left)."""
+        while self._write_paused and not self.lost:
+            self._drain_waiter = asyncio.get_running_loop().create_future()
+            await self._drain_waiter
+
+    def _wake_writer(self) -> None:
+        w, self._drain_waiter = self._drain_waiter, None
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    @property
+    def idle(self) -> bool:
+        return (self._worker is None or self._worker.done()) and not self._pending
+
+    def _arm(self, seconds: float) -> None:
+        self._disarm()
+        self._timer = asyncio.get_running_loop().call_later(seconds, self._on_timeout)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _on_timeout(self) -> None:
+        self._timer = None
+        if self.idle:
+            self.close()
+
+    def close(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+    def abort(self) -> None:
+        if self._worker is not None and not self._worker.done():
+            self._worker.cancel()
+        if self.transport is not None:
+            self.transport.abort()

@@ -1,0 +1,395 @@
+"""The OpenAI-compatible HTTP API: routes, auth, and the response shapes.
+
+``/v1/completions`` and ``/v1/chat/completions`` (plain and SSE streaming),
+``/v1/models``, ``/health``, ``/tokenize``, ``/detokenize``, ``/version``.
+Request bodies are read in ``openai_params``; the engine requests of one call
+run in a ``generation.Generation``. Every endpoint except ``/health`` needs an
+API key when keys are configured.
+"""
+
+from __future__ import annotations
+
+import hmac
+import itertools
+import os
+import time
+from collections.abc import AsyncIterator
+
+import orjson
+
+from frontends import openai_params as op
+from frontends.engine_client import EngineClient
+from frontends.errors import ApiError
+from frontends.generation import Generation, LogprobEntry, Update
+from frontends.http import Handler, Request, Response, Router, StreamingResponse
+from frontends.text import TextCodec
+
+VERSION = "0.1.0"
+_DONE = b"data: [DONE]\n\n"
+_MAX_LOGPROBS_COMPLETIONS = 20
+
+
+def _json(obj: object, status: int = 200) -> Response:
+    return Response(status, orjson.dumps(obj))
+
+
+def _sse(obj: object) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+class OpenAIApi:
+    def __init__(self, client: EngineClient, codec: TextCodec, served_model_name: str,
+                 api_keys: list[str] | None = None) -> None:
+        self.client = client
+        self.codec = codec
+        self.model = served_model_name
+        self._keys = [k.encode() for k in (api_keys or []) if k]
+        self._ids = itertools.count()
+        self._id_prefix = os.urandom(4).hex()
+        self.created = int(time.time())
+
+    def routes(self, router: Router | None = None) -> Router:
+        router = router or Router()
+        router.add("GET", "/health", self.health)
+        for method, path, handler in (
+            ("POST", "/v1/completions", self.completions),
+            ("POST", "/v1/chat/completions", self.chat_completions),
+            ("GET", "/v1/models", self.models),
+            ("POST", "/tokenize", self.tokenize),
+            ("POST", "/detokenize", self.detokenize),
+            ("GET", "/version", self.version),
+        ):
+            router.add(method, path, self.authenticated(handler))
+        return router
+
+    # ------------------------------------------------------------------ plumbing
+
+    def authenticated(self, handler: Handler) -> Handler:
+        if not self._keys:
+            return handler
+
+        async def guarded(req: Request):
+            self.check_auth(req)
+            return await handler(req)
+
+        return guarded
+
+    def check_auth(self, req: Request) -> None:
+        """Raise 401 unless ``Authorization: Bearer <key>`` carries one of the keys."""
+        if not self._keys:
+            return
+        auth = req.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        given = token.strip().encode() if scheme.lower() == "bearer" else b""
+        ok = False
+        for key in self._keys:  # no early exit: the time taken says nothing about which key nearly matched
+            ok |= hmac.compare_digest(given, key)
+        if not ok:
+            raise ApiError(401, "Invalid or missing API key (send 'Authorization: Bearer <key>')",
+                           code="invalid_api_key")
+
+    @property
+    def max_model_len(self) -> int:
+        return self.client.ready.max_model_len
+
+    def _new_id(self, prefix: str) -> str:
+        return f"{prefix}-{self._id_prefix}{next(self._ids):x}"
+
+    def _require_engine(self) -> None:
+        if not self.client.healthy:
+            raise ApiError(503, "Engine unavailable")
+
+    # ------------------------------------------------------------------ small endpoints
+
+    async def health(self, req: Request) -> Response:
+        if self.client.healthy:
+            return Response(200, b'{"status":"ok"}')
+        raise ApiError(503, "Engine unavailable")
+
+    async def version(self, req: Request) -> Response:
+        return _json({"version": VERSION})
+
+    async def models(self, req: Request) -> Response:
+        return _json({"object": "list", "data": [{
+            "id": self.model, "object": "model", "created": self.created, "owned_by": "tokenmill",
+            "root": self.model, "parent": None, "max_model_len": self.max_model_len,
+        }]})
+
+    async def tokenize(self, req: Request) -> Response:
+        data = op.parse_json(req.body)
+        op.check_model(data, self.model)
+        if "messages" in data:
+            msgs = op.parse_messages(data)
+            tokens = self.codec.apply_chat_template(msgs, op.field(data, "add_generation_prompt", bool, True))
+        else:
+            prompt = op.field(data, "prompt", str)
+            tokens = self.codec.encode(prompt, op.field(data, "add_special_tokens", bool, True))
+        return _json({"tokens": tokens, "count": len(tokens), "max_model_len": self.max_model_len})
+
+    async def detokenize(self, req: Request) -> Response:
+        data = op.parse_json(req.body)
+        op.check_model(data, self.model)
+        tokens = op.check_token_ids(op.field(data, "tokens", list), self.codec.vocab_size, "tokens")
+        return _json({"prompt": self.codec.decode(tokens)})
+
+    # ------------------------------------------------------------------ completions
+
+    async def completions(self, req: Request) -> Response | StreamingResponse:
+        data = op.parse_json(req.body)
+        op.check_model(data, self.model)
+        prompts = op.parse_prompts(data, self.codec.encode, self.codec.vocab_size)
+        n = op.parse_n(data)
+        echo = op.field(data, "echo", bool, False)
+        stream = op.field(data, "stream", bool, False)
+        include_usage = stream and self._include_usage(data)
+        logprobs = op.field(data, "logprobs", int, None)
+        if logprobs is not None and not 0 <= logprobs <= _MAX_LOGPROBS_COMPLETIONS:
+            raise ApiError(400, f"logprobs must be in [0, {_MAX_LOGPROBS_COMPLETIONS}], got {logprobs}",
+                           param="logprobs")
+        max_tokens = op.resolve_max_tokens(data, ("max_tokens",), [len(p) for p in prompts],
+                                           self.max_model_len, default=16)
+        priority = op.field(data, "priority", int, 0)
+        base = op.sampling_params(data, max_tokens=max_tokens, logprobs=logprobs, vocab_size=self.codec.vocab_size,
+                                  prompt_logprobs=logprobs if echo and logprobs is not None else None)
+        self._require_engine()
+        api_id = self._new_id("cmpl")
+        gen = Generation(self.client, self.codec, api_id, prompts, n, self._seeded(base), priority)
+        fmt = _CompletionFormat(self, api_id, gen, echo, logprobs is not None)
+        return await self._run(gen, fmt, stream, include_usage)
+
+    # ------------------------------------------------------------------ chat
+
+    async def chat_completions(self, req: Request) -> Response | StreamingResponse:
+        data = op.parse_json(req.body)
+        op.check_model(data, self.model)
+        messages = op.parse_messages(data)
+        n = op.parse_n(data)
+        stream = op.field(data, "stream", bool, False)
+        include_usage = stream and self._include_usage(data)
+        want_logprobs = op.field(data, "logprobs", bool, False)
+        top = op.field(data, "top_logprobs", int, None)
+        if top is not None and not 0 <= top <= 20:
+            raise ApiError(400, f"top_logprobs must be in [0, 20], got {top}", param="top_logprobs")
+        if top and not want_logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+        try:
+            prompt = self.codec.apply_chat_template(messages)
+        except Exception as e:  # noqa: BLE001 - templates raise whatever they like on odd conversations
+            raise ApiError(400, f"Cannot apply the chat template: {e}", param="messages") from None
+        max_tokens = op.resolve_max_tokens(data, ("max_completion_tokens", "max_tokens"), [len(prompt)],
+                                           self.max_model_len, default=None)
+        priority = op.field(data, "priority", int, 0)
+        base = op.sampling_params(data, max_tokens=max_tokens, logprobs=(top or 0) if want_logprobs else None,
+                                  vocab_size=self.codec.vocab_size)
+        self._require_engine()
+        api_id = self._new_id("chatcmpl")
+        gen = Generation(self.client, self.codec, api_id, [prompt], n, self._seeded(base), priority)
+        fmt = _ChatFormat(self, api_id, gen, want_logprobs)
+        return await self._run(gen, fmt, stream, include_usage)
+
+    # ------------------------------------------------------------------ running a generation
+
+    @staticmethod
+    def _include_usage(data: dict) -> bool:
+        opts = op.field(data, "stream_options", dict, {})
+        return bool(op.field(opts, "include_usage", bool, False))
+
+    @staticmethod
+    def _seeded(base):
+        """n choices with one seed must differ: choice i gets seed + i."""
+        from dataclasses import replace
+
+        if base.seed is None:
+            return lambda i: base
+        return lambda i: base if i == 0 else replace(base, seed=base.seed + i)
+
+    async def _run(self, gen: Generation, fmt, stream: bool, include_usage: bool):
+        gen.start()
+        try:
+            first = await gen.next_updates()  # an engine refusal (429, 400) still gets its status
+        except BaseException:
+            gen.abort_unfinished()
+            raise
+        if stream:
+            return StreamingResponse(self._events(gen, fmt, first, include_usage), on_close=gen.abort_unfinished)
+        try:
+            updates = first
+            while True:
+                fmt.collect(updates)
+                if gen.done:
+                    break
+                updates = await gen.next_updates()
+        finally:
+            gen.abort_unfinished()
+        return _json(fmt.response())
+
+    async def _events(self, gen: Generation, fmt, first: list[Update], include_usage: bool) -> AsyncIterator[bytes]:
+        try:
+            head = fmt.stream_head()
+            body = fmt.chunk(first)
+            yield head + body if head else body
+            while not gen.done:
+                try:
+                    updates = await gen.next_updates()
+                except ApiError as e:
+                    yield _sse({"error": {"message": e.message, "type": e.type, "param": e.param,
+                                          "code": e.code or e.status}}) + _DONE
+                    return
+                chunk = fmt.chunk(updates)
+                if chunk:
+                    yield chunk
+            tail = _sse(fmt.usage_chunk()) if include_usage else b""
+            yield tail + _DONE
+        finally:
+            gen.abort_unfinished()
+
+
+# ----------------------------------------------------------------------------- response shapes
+
+
+class _CompletionFormat:
+    """/v1/completions bodies: text choices, legacy logprobs."""
+
+    def __init__(self, api: OpenAIApi, api_id: str, gen: Generation, echo: bool, logprobs: bool) -> None:
+        self.codec = api.codec
+        self.gen = gen
+        self.echo = echo
+        self.logprobs = logprobs
+        self.base = {"id": api_id, "object": "text_completion", "created": int(time.time()), "model": api.model}
+        self.texts = [""] * len(gen.choices)
+        self.lps: list[dict | None] = [None] * len(gen.choices)
+        self.prompt_texts: list[str] = []
+        if echo:
+            decoded = {}
+            for c in gen.choices:
+                key = id(c.prompt_ids)
+                if key not in decoded:
+                    decoded[key] = self.codec.decode(c.prompt_ids)
+                self.prompt_texts.append(decoded[key])
+                c.text_offset = len(decoded[key])  # completion offsets count the echoed prompt
+
+    def _echo(self, choice) -> tuple[str, dict | None]:
+        """The echoed prompt of one choice, with its prompt logprobs (offsets from 0)."""
+        lp = None
+        if self.logprobs:
+            plp = choice.prompt_logprobs or [None] * len(choice.prompt_ids)
+            entries = [(t, e[0] if e else None, e[1] if e else None)
+                       for t, e in zip(choice.prompt_ids, plp, strict=False)]
+            lp, _ = self._legacy(entries, 0)
+        return self.prompt_texts[choice.index], lp
+
+    def _legacy(self, entries: list[LogprobEntry], offset: int) -> tuple[dict, int]:
+        token_text = self.codec.token_text
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for tid, lp, top in entries:
+            s = token_text(tid)
+            tokens.append(s)
+            token_lps.append(lp)
+            tops.append({token_text(t): v for t, v in top} if top is not None else None)
+            offsets.append(offset)
+            offset += len(s)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset
+
+    def _choice_lp(self, up: Update) -> dict | None:
+        if not self.logprobs:
+            return None
+        lp, up.choice.text_offset = self._legacy(up.logprobs or [], up.choice.text_offset)
+        return lp
+
+    @staticmethod
+    def _merge(a: dict | None, b: dict | None) -> dict | None:
+        if a is None or b is None:
+            return a or b
+        return {k: a[k] + b[k] for k in a}
+
+    def stream_head(self) -> bytes:
+        if not self.echo:
+            return b""
+        choices = []
+        for c in self.gen.choices:
+            text, lp = self._echo(c)
+            choices.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": None})
+        return _sse({**self.base, "choices": choices})
+
+    def chunk(self, updates: list[Update]) -> bytes:
+        choices = [{"index": up.choice.index, "text": up.text, "logprobs": self._choice_lp(up),
+                    "finish_reason": up.choice.finish_reason if up.finished else None}
+                   for up in updates if up.text or up.finished or up.logprobs]
+        return _sse({**self.base, "choices": choices}) if choices else b""
+
+    def collect(self, updates: list[Update]) -> None:
+        for up in updates:
+            i = up.choice.index
+            self.texts[i] += up.text
+            if self.logprobs:
+                self.lps[i] = self._merge(self.lps[i], self._choice_lp(up))
+
+    def response(self) -> dict:
+        choices = []
+        for c in self.gen.choices:
+            text, lp = self.texts[c.index], self.lps[c.index]
+            if self.logprobs and lp is None:
+                lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+            if self.echo:
+                ptext, plp = self._echo(c)
+                text, lp = ptext + text, self._merge(plp, lp)
+            choices.append({"index": c.index, "text": text, "logprobs": lp,
+                            "finish_reason": c.finish_reason, "stop_reason": None})
+        return {**self.base, "choices": choices, "usage": self.gen.usage()}
+
+    def usage_chunk(self) -> dict:
+        return {**self.base, "choices": [], "usage": self.gen.usage()}
+
+
+class _ChatFormat:
+    """/v1/chat/completions bodies: messages and deltas, chat logprobs."""
+
+    def __init__(self, api: OpenAIApi, api_id: str, gen: Generation, logprobs: bool) -> None:
+        self.codec = api.codec
+        self.gen = gen
+        self.logprobs = logprobs
+        self.base = {"id": api_id, "object": "chat.completion.chunk", "created": int(time.time()),
+                     "model": api.model}
+        self.texts = [""] * len(gen.choices)
+        self.lps: list[list] = [[] for _ in gen.choices]
+
+    def _chat_lp(self, entries: list[LogprobEntry] | None) -> list[dict]:
+        token_text = self.codec.token_text
+        out = []
+        for tid, lp, top in entries or ():
+            s = token_text(tid)
+            out.append({"token": s, "logprob": lp, "bytes": list(s.encode()),
+                        "top_logprobs": [{"token": (t := token_text(i)), "logprob": v, "bytes": list(t.encode())}
+                                         for i, v in (top or ())]})
+        return out
+
+    def stream_head(self) -> bytes:
+        return _sse({**self.base, "choices": [
+            {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+             "finish_reason": None} for c in self.gen.choices]})
+
+    def chunk(self, updates: list[Update]) -> bytes:
+        choices = []
+        for up in updates:
+            if not (up.text or up.finished or up.logprobs):
+                continue
+            choices.append({"index": up.choice.index, "delta": {"content": up.text} if up.text else {},
+                            "logprobs": {"content": self._chat_lp(up.logprobs)} if self.logprobs else None,
+                            "finish_reason": up.choice.finish_reason if up.finished else None})
+        return _sse({**self.base, "choices": choices}) if choices else b""
+
+    def collect(self, updates: list[Update]) -> None:
+        for up in updates:
+            self.texts[up.choice.index] += up.text
+            if self.logprobs:
+                self.lps[up.choice.index] += self._chat_lp(up.logprobs)
+
+    def response(self) -> dict:
+        return {**self.base, "object": "chat.completion", "choices": [
+            {"index": c.index, "message": {"role": "assistant", "content": self.texts[c.index]},
+             "logprobs": {"content": self.lps[c.index]} if self.logprobs else None,
+             "finish_reason": c.finish_reason, "stop_reason": None}
+            for c in self.gen.choices], "usage": self.gen.usage()}
+
+    def usage_chunk(self) -> dict:
+        return {**self.base, "choices": [], "usage": self.gen.usage()}

@@ -1,0 +1,97 @@
+"""The frontend process: tokenizer, engine handshake, the listening socket, graceful exit.
+
+``run_frontend(args, ready)`` is what the launcher starts in each frontend
+process. All frontends bind the same port with SO_REUSEPORT, so the kernel
+spreads connections over them. On SIGTERM/SIGINT a frontend stops accepting,
+lets in-flight requests finish for ``shutdown_grace`` seconds, aborts the rest
+in the engine, and returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import logging
+import signal
+import ssl
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from frontends.engine_client import EngineClient
+from frontends.http import HttpConfig, HttpServer, Router
+from frontends.openai_api import OpenAIApi
+from frontends.text import TextCodec, load_tokenizer
+
+log = logging.getLogger("tokenmill.frontend")
+
+
+@dataclass
+class FrontendArgs:
+    engine_address: str
+    model_path: str
+    served_model_name: str
+    host: str
+    port: int
+    api_keys: list[str] = field(default_factory=list)
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    frontend_id: str = "frontend-0"
+    max_body_bytes: int = 8 << 20
+    tokenizer_cache_dir: str | None = None
+    shutdown_grace: float = 10.0  # seconds in-flight requests get after SIGTERM
+    header_timeout: float = 30.0
+    keep_alive_timeout: float = 5.0
+    handshake_timeout: float = 120.0  # the engine may still be loading its model
+
+
+def ssl_context(args: FrontendArgs) -> ssl.SSLContext | None:
+    if not (args.ssl_keyfile or args.ssl_certfile):
+        return None
+    if not (args.ssl_keyfile and args.ssl_certfile):
+        raise ValueError("TLS needs both ssl_keyfile and ssl_certfile")
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+    return ctx
+
+
+def build_router(api: OpenAIApi) -> Router:
+    """The HTTP routes; a WebSocket module adds itself with ``router.add_upgrade("/v1/stream", ...)``."""
+    router = api.routes()
+    if importlib.util.find_spec("frontends.websocket") is not None:  # optional, in its own module
+        from frontends import websocket
+
+        websocket.register(router, api)
+    return router
+
+
+async def serve(args: FrontendArgs, ready: Callable[[], None] | None = None) -> None:
+    loop = asyncio.get_running_loop()
+    tls = ssl_context(args)
+    codec = TextCodec(await asyncio.to_thread(load_tokenizer, args.model_path, args.tokenizer_cache_dir))
+    client = EngineClient(args.engine_address, args.frontend_id, handshake_timeout=args.handshake_timeout)
+    await client.connect()
+    api = OpenAIApi(client, codec, args.served_model_name, args.api_keys)
+    http = HttpServer(build_router(api), HttpConfig(max_body_bytes=args.max_body_bytes,
+                                                    header_timeout=args.header_timeout,
+                                                    keep_alive_timeout=args.keep_alive_timeout))
+    server = await loop.create_server(http, args.host, args.port, reuse_port=True, ssl=tls, backlog=2048)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("frontend %s serving %s on %s:%d", args.frontend_id, args.served_model_name, args.host, args.port)
+    if ready is not None:
+        ready()
+    try:
+        await stop.wait()
+    finally:
+        server.close()  # stop accepting; live connections stay
+        await http.shutdown(args.shutdown_grace)
+        await client.close()
+
+
+def run_frontend(args: FrontendArgs, ready: Callable[[], None] | None = None) -> None:
+    """Process entry: serve until SIGTERM/SIGINT, then return (exit status 0)."""
+    import uvloop
+
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.frontend_id} %(levelname)s %(message)s")
+    uvloop.run(serve(args, ready))

@@ -1,0 +1,158 @@
+"""Engine behaviour: batching, chunked prefill and preemption never change greedy
+outputs; blocks always come back; bad requests are refused with clear errors."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.engine import RequestError
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 10000) for _ in range(rng.randint(5, 60))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama) -> list[list[int]]:
+    """Each prompt alone, unchunked, with plenty of blocks."""
+    llm = LLM(tiny_llama, num_kv_blocks=512, max_model_len=512)
+    return [llm.generate(p, GREEDY)[0].token_ids for p in prompts(6)]
+
+
+def assert_all_blocks_free(llm: LLM) -> None:
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert sorted(bm.free_block_ids) == list(range(bm.num_blocks))
+    assert not llm.engine.has_work() and not llm.engine.requests
+
+
+def test_batched_equals_one_at_a_time(tiny_llama, reference):
+    llm = LLM(tiny_llama, num_kv_blocks=512, max_model_len=512)
+    outs = llm.generate(prompts(6), GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert all(o.finish_reason == "length" for o in outs)
+    assert_all_blocks_free(llm)
+
+
+def test_chunked_prefill_equals_unchunked(tiny_llama, reference):
+    llm = LLM(tiny_llama, num_kv_blocks=512, max_model_len=512, max_num_batched_tokens=7)
+    outs = llm.generate(prompts(6), GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert_all_blocks_free(llm)
+
+
+def test_preemption_keeps_outputs(tiny_llama, reference):
+    # 6 requests of up to 84 tokens need ~36 blocks of 16; give them 12.
+    llm = LLM(tiny_llama, num_kv_blocks=12, max_model_len=512)
+    outs = llm.generate(prompts(6), GREEDY)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outs] == reference
+    assert_all_blocks_free(llm)
+
+
+def test_abort_frees_blocks_midway(tiny_llama):
+    llm = LLM(tiny_llama, num_kv_blocks=64, max_model_len=512)
+    eng = llm.engine
+    for i, p in enumerate(prompts(4)):
+        eng.add_request(f"r{i}", p, GREEDY)
+    for _ in range(3):
+        eng.step()
+    assert eng.block_manager.num_free_blocks < eng.block_manager.num_blocks
+    eng.abort(["r0", "r2"])
+    eng.abort("r1")
+    eng.abort(["unknown"])  # ignored
+    while eng.has_work():
+        deltas = eng.step()
+        assert all(d.request_id == "r3" for d in deltas)
+    assert_all_blocks_free(llm)
+
+
+def test_deltas_carry_counts_and_finish(tiny_llama):
+    llm = LLM(tiny_llama, num_kv_blocks=64, max_model_len=512)
+    eng = llm.engine
+    eng.add_request("x", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=2))
+    deltas = []
+    while eng.has_work():
+        deltas += eng.step()
+    assert [len(d.token_ids) for d in deltas] == [1, 1, 1]
+    assert [d.finish_reason for d in deltas] == [None, None, "length"]
+    assert all(d.num_prompt_tokens == 3 for d in deltas)
+    lp, top = deltas[0].logprobs[0]
+    assert lp <= 0 and len(top) == 2 and top[0][1] >= top[1][1]
+
+
+def test_stop_token_ids_and_min_tokens(tiny_llama):
+    llm = LLM(tiny_llama, num_kv_blocks=64, max_model_len=512)
+    free = llm.generate([9, 10, 11], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0]
+    stop_at = free.token_ids[3]
+    out = llm.generate([9, 10, 11], SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[stop_at],
+                                                   ignore_eos=True))[0]
+    assert out.token_ids == free.token_ids[:free.token_ids.index(stop_at) + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_at
+    later = llm.generate([9, 10, 11], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True,
+                                                     stop_token_ids=[free.token_ids[0]], min_tokens=2))[0]
+    assert later.token_ids[0] != free.token_ids[0]  # masked until two tokens exist
+
+
+def test_seeded_sampling_is_reproducible_across_batches(tiny_llama):
+    llm = LLM(tiny_llama, num_kv_blocks=128, max_model_len=512)
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, seed=1234, ignore_eos=True)
+    alone = llm.generate([1, 2, 3], seeded)[0].token_ids
+    mixed = llm.generate([[1, 2, 3], [4, 5], [6, 7, 8, 9]],
+                         [seeded, SamplingParams(max_tokens=12, temperature=0.9),
+                          SamplingParams(max_tokens=5, temperature=0.0)])
+    assert mixed[0].token_ids == alone
+
+
+def test_prompt_logprobs_survive_chunking(tiny_llama):
+    p = prompts(1)[0]
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+    whole = LLM(tiny_llama, num_kv_blocks=64, max_model_len=512).generate(p, params)[0]
+    chunked = LLM(tiny_llama, num_kv_blocks=64, max_model_len=512, max_num_batched_tokens=5).generate(p, params)[0]
+    assert len(whole.prompt_logprobs) == len(p) and whole.prompt_logprobs[0] is None
+    for a, b in zip(whole.prompt_logprobs[1:], chunked.prompt_logprobs[1:], strict=True):
+        assert a[0] == pytest.approx(b[0], abs=1e-4)
+
+
+def test_bad_requests_are_refused(tiny_llama):
+    eng = LLM(tiny_llama, num_kv_blocks=8, max_model_len=256, max_waiting=2).engine
+    with pytest.raises(RequestError, match="maximum context length is 256.*250 in the prompt \\+ 10"):
+        eng.add_request("a", [1] * 250, SamplingParams(max_tokens=10))
+    with pytest.raises(RequestError, match="KV cache"):
+        eng.add_request("a", [1] * 100, SamplingParams(max_tokens=100))  # 8 blocks x 16 = 128 tokens
+    with pytest.raises(RequestError, match="empty"):
+        eng.add_request("a", [], SamplingParams())
+    with pytest.raises(RequestError, match="token ids"):
+        eng.add_request("a", [1, 49152], SamplingParams())
+    eng.add_request("a", [1], SamplingParams())
+    with pytest.raises(RequestError, match="already in use"):
+        eng.add_request("a", [1], SamplingParams())
+    eng.add_request("b", [1], SamplingParams())
+    with pytest.raises(RequestError) as e:
+        eng.add_request("c", [1], SamplingParams())
+    assert e.value.status == 429
+
+
+def test_config_is_validated():
+    from engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="dtype"):
+        EngineConfig(dtype="float8")
+    with pytest.raises(ValueError, match="block_size"):
+        EngineConfig(block_size=3)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        EngineConfig(gpu_memory_utilization=1.5)
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match="unsupported architecture GPT2LMHeadModel.*llama, mistral, qwen2"):
+        LLM(str(tmp_path))

@@ -1,0 +1,206 @@
+"""The HTTP/1.1 layer over raw sockets: a server in a thread with a few toy routes."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import pytest
+
+from frontends.http import HttpConfig, HttpServer, Response, Router, StreamingResponse, Upgrade
+
+CLOSED: list[str] = []
+
+
+async def echo(req):
+    return Response(200, bytes(req.body), "application/octet-stream", [("x-path", req.path)])
+
+
+async def slow(req):
+    await asyncio.sleep(0.2)
+    return Response(200, b"slow")
+
+
+async def stream(req):
+    async def chunks():
+        for i in range(3):
+            yield b"data: %d\n\n" % i
+
+    return StreamingResponse(chunks(), on_close=lambda: CLOSED.append("stream"))
+
+
+async def forever(req):
+    async def chunks():
+        while True:
+            yield b"x" * 65536
+            await asyncio.sleep(0)
+
+    return StreamingResponse(chunks(), on_close=lambda: CLOSED.append("forever"))
+
+
+async def boom(req):
+    raise RuntimeError("handler bug")
+
+
+class Shout(asyncio.Protocol):
+    def connection_made(self, transport):
+        self.transport = transport
+
+    def data_received(self, data):
+        self.transport.write(data.upper())
+
+
+async def upgrade(req):
+    return Upgrade(Shout(), b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: shout\r\nConnection: Upgrade\r\n\r\n")
+
+
+@pytest.fixture(scope="module")
+def port():
+    router = Router()
+    router.add("POST", "/echo", echo)
+    router.add("GET", "/slow", slow)
+    router.add("GET", "/stream", stream)
+    router.add("GET", "/forever", forever)
+    router.add("GET", "/boom", boom)
+    router.add_upgrade("/v1/stream", upgrade)
+    server = HttpServer(router, HttpConfig(max_body_bytes=1000, header_timeout=0.5, keep_alive_timeout=0.5))
+    loop = asyncio.new_event_loop()
+    srv = loop.run_until_complete(loop.create_server(server, "127.0.0.1", 0))
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    yield srv.sockets[0].getsockname()[1]
+    loop.call_soon_threadsafe(loop.stop)
+
+
+def connect(port: int) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=3)
+    return s
+
+
+def read_until(s: socket.socket, marker: bytes, count: int = 1) -> bytes:
+    buf = b""
+    while buf.count(marker) < count:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        buf += chunk
+    return buf
+
+
+def read_all(s: socket.socket) -> bytes:
+    buf = b""
+    while chunk := s.recv(65536):
+        buf += chunk
+    return buf
+
+
+def post_echo(body: bytes, extra: bytes = b"") -> bytes:
+    return b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n%b\r\n%b" % (len(body), extra, body)
+
+
+def test_keep_alive_reuse(port):
+    s = connect(port)
+    for i in range(3):
+        s.sendall(post_echo(b"hello %d" % i))
+        r = read_until(s, b"hello %d" % i)
+        assert r.startswith(b"HTTP/1.1 200 OK\r\n") and b"x-path: /echo" in r
+
+
+def test_pipelined_answers_in_order(port):
+    s = connect(port)
+    s.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n" + post_echo(b"second") + post_echo(b"third"))
+    r = read_until(s, b"third")
+    assert r.index(b"slow") < r.index(b"second") < r.index(b"third")
+
+
+def test_chunked_request_body(port):
+    s = connect(port)
+    s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+              b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n")
+    assert read_until(s, b"hello world").endswith(b"\r\n\r\nhello world")
+
+
+def test_body_limit_413(port):
+    s = connect(port)
+    s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n\r\n" + b"x" * 100)
+    r = read_all(s)
+    assert r.startswith(b"HTTP/1.1 413 ") and b'"error"' in r
+    s = connect(port)  # chunked bodies count too
+    s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + b"3e8\r\n" + b"y" * 1000
+              + b"\r\n3e8\r\n" + b"y" * 1000 + b"\r\n")
+    assert read_all(s).startswith(b"HTTP/1.1 413 ")
+
+
+def test_expect_100_continue(port):
+    s = connect(port)
+    s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\nExpect: 100-continue\r\n\r\n")
+    assert read_until(s, b"\r\n\r\n") == b"HTTP/1.1 100 Continue\r\n\r\n"
+    s.sendall(b"body")
+    assert read_until(s, b"body").startswith(b"HTTP/1.1 200 OK")
+    s = connect(port)  # too big: 413 instead of 100
+    s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 4000\r\nExpect: 100-continue\r\n\r\n")
+    assert read_all(s).startswith(b"HTTP/1.1 413 ")
+
+
+def test_streaming_chunked_response(port):
+    s = connect(port)
+    s.sendall(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+    r = read_until(s, b"0\r\n\r\n")
+    assert b"transfer-encoding: chunked" in r
+    assert b"9\r\ndata: 0\n\n\r\n9\r\ndata: 1\n\n\r\n9\r\ndata: 2\n\n\r\n0\r\n\r\n" in r
+    s.sendall(post_echo(b"after stream"))  # the connection is still good
+    assert read_until(s, b"after stream").startswith(b"HTTP/1.1 200")
+
+
+def test_flow_control_and_disconnect(port):
+    CLOSED.clear()
+    s = connect(port)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.sendall(b"GET /forever HTTP/1.1\r\nHost: x\r\n\r\n")
+    s.recv(1000)
+    time.sleep(0.3)  # the server must be paused by now, not buffering without end
+    s.close()
+    deadline = time.time() + 3
+    while "forever" not in CLOSED and time.time() < deadline:
+        time.sleep(0.02)
+    assert "forever" in CLOSED
+
+
+def test_routing_and_handler_errors(port):
+    s = connect(port)
+    s.sendall(b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert read_until(s, b"}}").startswith(b"HTTP/1.1 405 ")
+    s.sendall(b"GET /nowhere HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert read_until(s, b"}}").startswith(b"HTTP/1.1 404 ")
+    s.sendall(b"GET /boom HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert read_until(s, b"}}").startswith(b"HTTP/1.1 500 ")
+    s.sendall(post_echo(b"still alive"))
+    assert read_until(s, b"still alive").startswith(b"HTTP/1.1 200")
+
+
+def test_malformed_request_400(port):
+    s = connect(port)
+    s.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+    assert read_all(s).startswith(b"HTTP/1.1 400 ")
+
+
+def test_header_and_idle_timeouts(port):
+    s = connect(port)
+    s.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n")  # headers never finish
+    t = time.time()
+    assert read_all(s) == b"" and time.time() - t < 2
+    s = connect(port)
+    s.sendall(post_echo(b"idle"))
+    read_until(s, b"idle")
+    t = time.time()
+    assert read_all(s) == b"" and 0.3 < time.time() - t < 2  # closed after the keep-alive timeout
+
+
+def test_upgrade_hands_over_transport(port):
+    s = connect(port)
+    s.sendall(b"GET /v1/stream HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: shout\r\n\r\nearly")
+    r = read_until(s, b"EARLY")
+    assert r.startswith(b"HTTP/1.1 101 ") and r.endswith(b"EARLY")
+    s.sendall(b"more")
+    assert s.recv(100) == b"MORE"

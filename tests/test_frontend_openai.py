@@ -1,0 +1,484 @@
+"""The OpenAI API end to end: a frontend process against a fake engine written here.
+
+The fake engine is a ZMQ ROUTER in a thread: it answers HELLO with READY and,
+for each ADD, "generates" the prompt's own tokens again (cyclically) until
+max_tokens or a stop token id, one token per request per step, all of one
+frontend's deltas in one OUTPUTS message. It records ADDs and ABORTs so tests
+can assert what the frontend told the engine.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import openai
+import pytest
+import zmq
+
+from engine.protocol import (
+    Abort,
+    Add,
+    Delta,
+    Error,
+    Hello,
+    Outputs,
+    Ready,
+    Stats,
+    decode,
+    encode,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KEY = "sk-test-key"
+MODEL = "smol"
+MAX_MODEL_LEN = 512
+VOCAB = 49152
+
+
+class FakeEngine(threading.Thread):
+    def __init__(self, address: str, step_delay: float = 0.0, tokens_per_step: int = 1) -> None:
+        super().__init__(daemon=True)
+        self.address = address
+        self.step_delay = step_delay
+        self.tokens_per_step = tokens_per_step
+        self.refuse: Error | None = None  # answer every ADD with this error
+        self.adds: list[Add] = []
+        self.aborts: list[str] = []
+        self.running: dict[str, list] = {}  # request id -> [identity, Add, produced]
+        self._halt = threading.Event()
+        self.bound = threading.Event()
+
+    def run(self) -> None:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(self.address)
+        self.bound.set()
+        while not self._halt.is_set():
+            timeout = 0 if self.running else 20
+            while sock.poll(timeout):
+                timeout = 0
+                ident, frame = sock.recv_multipart()
+                self.handle(sock, ident, decode(frame))
+            if self.running:
+                self.step(sock)
+                if self.step_delay:
+                    time.sleep(self.step_delay)
+        sock.close(0)
+        ctx.term()
+
+    def handle(self, sock, ident: bytes, msg) -> None:
+        if isinstance(msg, Hello):
+            ready = Ready(MODEL, MAX_MODEL_LEN, VOCAB, [2], 64, 1000, 16)
+            sock.send_multipart([ident, encode(ready)])
+        elif isinstance(msg, Add):
+            self.adds.append(msg)
+            if self.refuse is not None:
+                err = Error(msg.request_id, self.refuse.status, self.refuse.type, self.refuse.message)
+                sock.send_multipart([ident, encode(err)])
+            else:
+                self.running[msg.request_id] = [ident, msg, 0]
+        elif isinstance(msg, Abort):
+            self.aborts.extend(msg.request_ids)
+            for rid in msg.request_ids:
+                self.running.pop(rid, None)
+        elif isinstance(msg, Stats):
+            sock.send_multipart([ident, encode(Stats(0, len(self.running), 0.1, 900, 1000))])
+
+    def step(self, sock) -> None:
+        by_ident: dict[bytes, list[Delta]] = {}
+        for rid, entry in list(self.running.items()):
+            ident, add, produced = entry
+            prompt, p = add.prompt_token_ids, add.params
+            toks, lps, finish = [], [], None
+            for _ in range(self.tokens_per_step):
+                t = prompt[(produced + len(toks)) % len(prompt)]
+                toks.append(t)
+                lps.append([-0.5, [[t, -0.5], [(t + 1) % VOCAB, -1.5]][: max(p.logprobs or 0, 1)]])
+                if t in p.stop_token_ids:
+                    finish = "stop"
+                    break
+                if produced + len(toks) >= p.max_tokens:
+                    finish = "length"
+                    break
+            d = Delta(rid, toks, finish, lps if p.logprobs is not None else None)
+            if produced == 0:
+                d.num_prompt_tokens = len(prompt)
+                if p.prompt_logprobs is not None:
+                    d.prompt_logprobs = [None] + [[-1.0, [[t, -1.0]]] for t in prompt[1:]]
+            entry[2] = produced + len(toks)
+            if finish:
+                del self.running[rid]
+            by_ident.setdefault(ident, []).append(d)
+        for ident, deltas in by_ident.items():
+            sock.send_multipart([ident, encode(Outputs(deltas))])
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(5)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_frontend(engine_address: str, tokenizer_dir: str, port: int, api_keys=(KEY,), **extra):
+    code = (
+        "import sys; from frontends.server import FrontendArgs, run_frontend\n"
+        f"args = FrontendArgs(engine_address={engine_address!r}, model_path={tokenizer_dir!r}, "
+        f"served_model_name={MODEL!r}, host='127.0.0.1', port={port}, api_keys={list(api_keys)!r}, "
+        f"frontend_id='fe-test', **{extra!r})\n"
+        "run_frontend(args, ready=lambda: print('READY', flush=True))\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    assert line.strip() == "READY", f"frontend did not start: {line!r}"
+    return proc
+
+
+def stop_frontend(proc) -> int:
+    proc.terminate()
+    return proc.wait(15)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, smollm_tokenizer_dir):
+    addr = f"ipc://{tmp_path_factory.mktemp('eng')}/engine.sock"
+    engine = FakeEngine(addr)
+    engine.start()
+    engine.bound.wait(5)
+    port = free_port()
+    proc = start_frontend(addr, smollm_tokenizer_dir, port, max_body_bytes=64 * 1024)
+    yield engine, port
+    assert stop_frontend(proc) == 0
+    engine.stop()
+
+
+@pytest.fixture(scope="module")
+def tok(smollm_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm_tokenizer_dir)
+
+
+@pytest.fixture
+def client(stack):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{stack[1]}/v1", api_key=KEY, max_retries=0)
+
+
+class Resp:
+    def __init__(self, status: int, body: bytes) -> None:
+        self.status_code, self.content = status, body
+        self.text = body.decode("utf-8", "replace")
+
+    def json(self):
+        return json.loads(self.content)
+
+
+def call(port: int, method: str, path: str, body=None, key: str | None = KEY, raw: bytes | None = None,
+         timeout: float = 10) -> Resp:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if body is not None or raw is not None:
+        headers["Content-Type"] = "application/json"
+    content = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request(method, path, body=content, headers=headers)
+        r = conn.getresponse()
+        return Resp(r.status, r.read())
+    finally:
+        conn.close()
+
+
+def post(port: int, path: str, body, key: str | None = KEY, raw: bytes | None = None, timeout: float = 10) -> Resp:
+    return call(port, "POST", path, body, key, raw if raw is not None else None, timeout)
+
+
+def get(port: int, path: str, key: str | None = KEY) -> Resp:
+    return call(port, "GET", path, key=key)
+
+
+# ----------------------------------------------------------------------------- happy paths
+
+
+def test_completion_text_and_usage(client, tok):
+    ids = tok.encode("The capital of France is Paris.", add_special_tokens=False)
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=len(ids))
+    assert r.choices[0].text == "The capital of France is Paris."
+    assert r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (len(ids), len(ids), 2 * len(ids))
+
+
+def test_completion_string_prompts_batch_and_n(client, stack, tok):
+    r = client.completions.create(model=MODEL, prompt=["hello world", "good bye"], max_tokens=3, n=2, seed=7)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.usage.completion_tokens == 12
+    adds = stack[0].adds[-4:]
+    assert [a.params.seed for a in adds] == [7, 8, 7, 8]
+    assert all(a.params.max_tokens == 3 for a in adds)
+
+
+def test_default_max_tokens(client, stack, tok):
+    client.completions.create(model=MODEL, prompt="hi there", max_tokens=None)
+    assert stack[0].adds[-1].params.max_tokens == 16
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert stack[0].adds[-1].params.max_tokens == 2
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_completion_tokens=4)
+    assert r.usage.completion_tokens == 4
+    prompt_len = r.usage.prompt_tokens
+    post(stack[1], "/v1/chat/completions", {"messages": msgs, "stop_token_ids": [2]})
+    assert stack[0].adds[-1].params.max_tokens == MAX_MODEL_LEN - prompt_len
+
+
+def test_echo_and_logprobs(client, tok):
+    ids = tok.encode("one two three", add_special_tokens=False)
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, logprobs=2, echo=True)
+    c = r.choices[0]
+    assert c.text == "one two three" + tok.decode(ids[:2])
+    lp = c.logprobs
+    assert len(lp.tokens) == len(ids) + 2
+    assert lp.token_logprobs[0] is None and lp.token_logprobs[-1] == -0.5
+    assert lp.text_offset[0] == 0 and lp.text_offset[len(ids)] == len("one two three")
+    assert len(lp.top_logprobs[-1]) == 2
+
+
+def test_chat_and_chat_logprobs(client, tok):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=3, logprobs=True, top_logprobs=2)
+    m = r.choices[0]
+    assert m.message.role == "assistant" and isinstance(m.message.content, str)
+    assert len(m.logprobs.content) == 3
+    assert m.logprobs.content[0].logprob == -0.5 and len(m.logprobs.content[0].top_logprobs) == 2
+    assert r.object == "chat.completion" and r.usage.completion_tokens == 3
+
+
+def test_stream_completion_with_usage(client, tok):
+    ids = tok.encode("streaming tokens one at a time", add_special_tokens=False)
+    chunks = list(client.completions.create(model=MODEL, prompt=ids, max_tokens=len(ids), stream=True,
+                                            stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == "streaming tokens one at a time"
+    assert chunks[-1].usage.completion_tokens == len(ids) and chunks[-1].choices == []
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_stream_chat_role_first(client):
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}],
+                                                 max_tokens=5, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_stream_n2(client, tok):
+    ids = tok.encode("abc def", add_special_tokens=False)
+    chunks = list(client.completions.create(model=MODEL, prompt=ids, max_tokens=len(ids), n=2, stream=True))
+    texts = ["", ""]
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] += ch.text
+    assert texts == ["abc def", "abc def"]
+
+
+def test_stop_string_cut_and_engine_aborted(client, stack, tok):
+    ids = tok.encode("Hello world. STOP here and more text after", add_special_tokens=False)
+    stack[0].step_delay = 0.01  # so the stop string is seen while the engine still runs it
+    try:
+        r = client.completions.create(model=MODEL, prompt=ids, max_tokens=len(ids), stop=["STOP"])
+    finally:
+        stack[0].step_delay = 0.0
+    assert r.choices[0].text == "Hello world. "
+    assert r.choices[0].finish_reason == "stop"
+    time.sleep(0.1)
+    assert stack[0].adds[-1].request_id in stack[0].aborts
+
+
+def test_stop_string_held_back_while_streaming(client, tok):
+    ids = tok.encode("aaa bbb ccc ddd eee", add_special_tokens=False)
+    chunks = list(client.completions.create(model=MODEL, prompt=ids, max_tokens=len(ids), stop=["ccc dd"],
+                                            stream=True))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert "".join(texts) == "aaa bbb "
+    assert not any("cc" in t for t in texts)
+    # a held-back prefix that never completes comes out at the end
+    chunks = list(client.completions.create(model=MODEL, prompt=ids, max_tokens=len(ids), stop=["eee fff"],
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "aaa bbb ccc ddd eee"
+
+
+def test_utf8_split_across_tokens(client, tok):
+    text = "中文 🎉 ok"
+    ids = tok.encode(text, add_special_tokens=False)
+    chunks = list(client.completions.create(model=MODEL, prompt=ids, max_tokens=len(ids), stream=True))
+    pieces = [c.choices[0].text for c in chunks if c.choices]
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_models_version_tokenize_detokenize(client, stack):
+    port = stack[1]
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert get(port, "/version").json()["version"]
+    t = post(port, "/tokenize", {"prompt": "hello world"}).json()
+    assert t["count"] == len(t["tokens"]) and t["max_model_len"] == MAX_MODEL_LEN
+    assert post(port, "/detokenize", {"tokens": t["tokens"]}).json()["prompt"].endswith("hello world")
+    c = post(port, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert c["count"] > 3
+
+
+def test_health(stack):
+    r = get(stack[1], "/health", key=None)  # no key needed
+    assert r.status_code == 200
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def _err(r, status: int, typ: str | None = None, param: str | None = None):
+    assert r.status_code == status, r.text
+    e = r.json()["error"]
+    assert set(e) == {"message", "type", "param", "code"}
+    if typ:
+        assert e["type"] == typ
+    if param:
+        assert e["param"] == param
+    return e
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 10**12}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": "ten"}, "max_tokens"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [1, 2, VOCAB]}, "prompt"),
+    ({"prompt": [-1]}, "prompt"),
+    ({"prompt": {"a": 1}}, "prompt"),
+    ({}, "prompt"),
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "top_p": 1.5}, "top_p"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "n": 1000}, "n"),
+    ({"prompt": "x", "stop": 5}, "stop"),
+    ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"99999999": 1}}, "logit_bias"),
+    ({"prompt": "x", "logprobs": 50}, "logprobs"),
+    ({"prompt": "x", "stream": "yes"}, "stream"),
+])
+def test_bad_completion_requests(stack, body, param):
+    _err(post(stack[1], "/v1/completions", body), 400, "invalid_request_error", param)
+
+
+def test_context_overflow_states_the_numbers(stack):
+    e = _err(post(stack[1], "/v1/completions", {"prompt": [5] * 500, "max_tokens": 20}), 400)
+    assert "512" in e["message"] and "500" in e["message"] and "20" in e["message"]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages"),
+    ({}, "messages"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),
+])
+def test_bad_chat_requests(stack, body, param):
+    _err(post(stack[1], "/v1/chat/completions", body), 400, "invalid_request_error", param)
+
+
+def test_malformed_json_and_not_object(stack):
+    _err(post(stack[1], "/v1/completions", None, raw=b"{nope"), 400, "invalid_request_error")
+    _err(post(stack[1], "/v1/completions", None, raw=b"[1, 2]"), 400, "invalid_request_error")
+
+
+def test_unknown_model(stack):
+    e = _err(post(stack[1], "/v1/completions", {"model": "gpt-9", "prompt": "x"}), 404)
+    assert e["code"] == "model_not_found"
+
+
+def test_auth(stack):
+    _err(post(stack[1], "/v1/completions", {"prompt": "x"}, key=None), 401, "authentication_error")
+    _err(post(stack[1], "/v1/completions", {"prompt": "x"}, key="wrong"), 401)
+    _err(get(stack[1], "/v1/models", key=None), 401)
+    _err(get(stack[1], "/v1/models", key=KEY + "x"), 401)
+
+
+def test_routing_errors_and_body_limit(stack):
+    port = stack[1]
+    _err(get(port, "/v1/completions"), 405)
+    _err(get(port, "/nope"), 404)
+    _err(post(port, "/v1/completions", None, raw=b'{"prompt": "' + b"x" * 70000 + b'"}'), 413)
+
+
+def test_engine_refusal_passes_status(stack, client):
+    engine = stack[0]
+    engine.refuse = Error(None, 429, "rate_limit_error", "queue full")
+    try:
+        _err(post(stack[1], "/v1/completions", {"prompt": "x"}), 429, "rate_limit_error")
+        _err(post(stack[1], "/v1/completions", {"prompt": "x", "stream": True}), 429, "rate_limit_error")
+    finally:
+        engine.refuse = None
+    assert client.completions.create(model=MODEL, prompt="still fine", max_tokens=1).choices
+
+
+def test_disconnect_aborts_engine_request(stack, tok):
+    engine, port = stack
+    engine.step_delay = 0.02
+    try:
+        for stream in (True, False):
+            body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 400, "stream": stream}).encode()
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+                      + b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            time.sleep(0.3)
+            rid = engine.adds[-1].request_id
+            assert rid in engine.running
+            s.close()
+            deadline = time.time() + 3
+            while rid not in engine.aborts and time.time() < deadline:
+                time.sleep(0.02)
+            assert rid in engine.aborts and rid not in engine.running
+    finally:
+        engine.step_delay = 0.0
+
+
+# ----------------------------------------------------------------------------- engine death
+
+
+def test_engine_death_gives_503(tmp_path, smollm_tokenizer_dir):
+    addr = f"ipc://{tmp_path}/engine.sock"
+    engine = FakeEngine(addr, step_delay=0.05)
+    engine.start()
+    engine.bound.wait(5)
+    port = free_port()
+    proc = start_frontend(addr, smollm_tokenizer_dir, port, api_keys=())
+    try:
+        assert get(port, "/health").status_code == 200
+        result = {}
+
+        def long_request():
+            result["r"] = post(port, "/v1/completions", {"prompt": [5, 6], "max_tokens": 300}, timeout=20)
+
+        t = threading.Thread(target=long_request)
+        t.start()
+        time.sleep(0.3)
+        engine.stop()
+        t.join(10)
+        _err(result["r"], 503)
+        deadline = time.time() + 5
+        while get(port, "/health").status_code != 503 and time.time() < deadline:
+            time.sleep(0.05)
+        assert get(port, "/health").status_code == 503
+        _err(post(port, "/v1/completions", {"prompt": "x"}), 503)
+    finally:
+        assert stop_frontend(proc) == 0

@@ -1,0 +1,128 @@
+"""The wire format: golden bytes per message type, round trips, malformed frames.
+
+A failing golden test means the wire changed: frontends and engines of different
+builds would no longer understand each other. Change the bytes here only together
+with ``PROTOCOL_VERSION``.
+"""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from engine import protocol as p
+
+SP = p.SamplingParams(max_tokens=4, temperature=0.0, seed=7, logit_bias={5: -1.5}, stop=["\n"])
+
+MESSAGES = {
+    "hello": p.Hello("fe0"),
+    "ready": p.Ready("tiny", 1024, 49152, [2], 64, 100, 16),
+    "add": p.Add("r1", [1, 2, 3], SP, 1, 1700000000.5),
+    "abort": p.Abort(["r1", "r2"]),
+    "outputs": p.Outputs([
+        p.Delta("r1", [7, 8], None, [[-0.5, [[7, -0.5]]], [-0.25, [[8, -0.25]]]], 3, 0),
+        p.Delta("r2", [9], "length", None, 2, 1, None, None),
+    ]),
+    "stats": p.Stats(1, 2, 0.25, 75, 100),
+    "error": p.Error("r1", 429, "rate_limit_error", "queue full", None),
+}
+
+GOLDEN = {
+    "hello": "920192a366653001",
+    "ready": "920298a474696e79cd0400cdc000910240641001",
+    "add": (
+        "920395a2723193010203de0010aa6d61785f746f6b656e7304ab74656d7065726174757265cb0000000000000000"
+        "a5746f705f70cb3ff0000000000000a5746f705f6b00a56d696e5f70cb0000000000000000a47365656407"
+        "b070726573656e63655f70656e616c7479cb0000000000000000b16672657175656e63795f70656e616c7479"
+        "cb0000000000000000b272657065746974696f6e5f70656e616c7479cb3ff0000000000000aa6c6f6769745f"
+        "62696173919205cbbff8000000000000a473746f7091a10aae73746f705f746f6b656e5f69647390aa69676e"
+        "6f72655f656f73c2aa6d696e5f746f6b656e7300a86c6f6770726f6273c0af70726f6d70745f6c6f6770726f"
+        "6273c001cb41d954fc40200000"
+    ),
+    "abort": "920492a27231a27232",
+    "outputs": (
+        "92059298a27231920708c09292cbbfe0000000000000919207cbbfe000000000000092cbbfd000000000000091"
+        "9208cbbfd00000000000000300c0c098a272329109a66c656e677468c00201c0c0"
+    ),
+    "stats": "9206950102cb3fd00000000000004b64",
+    "error": "920795a27231cd01adb0726174655f6c696d69745f6572726f72aa71756575652066756c6cc0",
+}
+
+
+def test_protocol_version_is_pinned():
+    assert p.PROTOCOL_VERSION == 1
+    assert [int(k) for k in p.Kind] == [1, 2, 3, 4, 5, 6, 7]
+
+
+@pytest.mark.parametrize("name", sorted(MESSAGES))
+def test_golden_bytes(name):
+    assert p.encode(MESSAGES[name]).hex() == GOLDEN[name]
+
+
+@pytest.mark.parametrize("name", sorted(MESSAGES))
+def test_round_trip(name):
+    msg = MESSAGES[name]
+    back = p.decode(p.encode(msg))
+    assert type(back) is type(msg)
+    assert back == msg
+    assert p.decode(bytes.fromhex(GOLDEN[name])) == msg
+
+
+def test_sampling_params_round_trip_defaults_and_logit_bias():
+    for sp in (p.SamplingParams(), SP, p.SamplingParams(stop="x", top_k=-1, logprobs=0, ignore_eos=True)):
+        assert p.SamplingParams.from_wire(sp.to_wire()) == sp
+    assert SP.to_wire()["logit_bias"] == [[5, -1.5]]
+
+
+def test_sampling_params_ignores_unknown_fields():
+    wire = p.SamplingParams(max_tokens=3).to_wire() | {"from_the_future": 1}
+    assert p.SamplingParams.from_wire(wire).max_tokens == 3
+
+
+def test_empty_stats_frame_is_a_request():
+    frame = msgpack.packb([int(p.Kind.STATS), []])
+    assert p.decode(frame) == p.Stats()
+
+
+def test_error_without_request_id():
+    e = p.Error(None, 500, "internal_error", "bad frame")
+    assert p.decode(p.encode(e)) == e
+
+
+def _frame(kind, payload) -> bytes:
+    return msgpack.packb([kind, payload], use_bin_type=True)
+
+
+MALFORMED = {
+    "not msgpack": b"\xc1\xc1\xc1",
+    "empty": b"",
+    "not a pair": msgpack.packb([1, 2, 3]),
+    "a bare int": msgpack.packb(5),
+    "unknown kind": _frame(99, []),
+    "hello short": _frame(1, ["fe0"]),
+    "ready short": _frame(2, ["m", 1]),
+    "add token ids not a list": _frame(3, ["r", "abc", {}, 0, None]),
+    "add token ids with strings": _frame(3, ["r", [1, "2"], {}, 0, None]),
+    "add token ids with bools": _frame(3, ["r", [True], {}, 0, None]),
+    "add params not a map": _frame(3, ["r", [1], [1, 2], 0, None]),
+    "add bad sampling value": _frame(3, ["r", [1], {"temperature": -1.0}, 0, None]),
+    "add bad sampling type": _frame(3, ["r", [1], {"max_tokens": "many"}, 0, None]),
+    "add bad priority": _frame(3, ["r", [1], {}, "high", None]),
+    "add bad deadline": _frame(3, ["r", [1], {}, 0, "soon"]),
+    "abort a string": _frame(4, "r1"),
+    "outputs bad delta": _frame(5, [["r", [1]]]),
+    "outputs delta tokens not a list": _frame(5, [["r", 5, None, None, 0, 0, None, None]]),
+    "stats short": _frame(6, [1, 2]),
+    "error short": _frame(7, [None, 500]),
+    "trailing bytes": p.encode(p.Hello("fe0")) + b"\x00",
+}
+
+
+@pytest.mark.parametrize("name", sorted(MALFORMED))
+def test_malformed_frames_raise_protocol_error(name):
+    with pytest.raises(p.ProtocolError):
+        p.decode(MALFORMED[name])
+
+
+def test_protocol_error_is_a_value_error():
+    assert issubclass(p.ProtocolError, ValueError)

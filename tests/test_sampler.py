@@ -1,0 +1,362 @@
+"""The batched sampler: greedy, seeds, top-k/top-p/min-p, penalties, min_tokens, logprobs.
+
+Pure torch on small hand-made logits; no model.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.protocol import SamplingParams
+from engine.sampler import (
+    Sampler,
+    SamplingState,
+    apply_min_p,
+    apply_top_k_top_p,
+    compute_logprobs,
+    process_logits,
+)
+
+EOS = 2
+PROBS = [0.5, 0.2, 0.15, 0.1, 0.05]
+
+
+def _call(sampler: Sampler, logits: torch.Tensor, params: list[SamplingParams], states=None,
+          prompts=None, outputs=None):
+    n = len(params)
+    states = states if states is not None else [SamplingState(p, 0) for p in params]
+    prompts = prompts if prompts is not None else [[] for _ in range(n)]
+    outputs = outputs if outputs is not None else [[] for _ in range(n)]
+    return sampler(logits, params, states, prompts, outputs)
+
+
+def _support(params: SamplingParams, n: int = 4000) -> set[int]:
+    """Which tokens of PROBS can ``params`` ever pick (n draws in one batch)."""
+    sampler = Sampler(len(PROBS), [], "cpu", seed=1)
+    logits = torch.tensor(PROBS).log().expand(n, -1).contiguous()
+    return set(_call(sampler, logits, [params] * n).token_ids)
+
+
+# ----------------------------------------------------------------------------- greedy
+
+
+def test_greedy_is_argmax_on_the_fast_path():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 100)
+    out = _call(Sampler(100, [EOS], "cpu"), logits, [SamplingParams(temperature=0.0)] * 6)
+    assert out.token_ids == logits.argmax(-1).tolist()
+    assert out.logprobs is None
+
+
+def test_greedy_with_logprobs_is_still_argmax():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    out = _call(Sampler(50, [EOS], "cpu"), logits, [SamplingParams(temperature=0.0, logprobs=0)] * 4)
+    assert out.token_ids == logits.argmax(-1).tolist()
+
+
+def test_bf16_logits_are_accepted():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 40).bfloat16()
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logprobs=2),
+              SamplingParams(temperature=0.7, seed=3)]
+    out = _call(Sampler(40, [EOS], "cpu"), logits, params)
+    assert out.token_ids[:2] == logits.float().argmax(-1).tolist()[:2]
+    assert len(out.logprobs[1][1]) == 2
+
+
+def test_padded_vocab_columns_are_never_sampled():
+    logits = torch.zeros(2, 12)
+    logits[:, 10:] = 100.0  # lm_head padding beyond the tokenizer's vocab
+    out = _call(Sampler(10, [EOS], "cpu"), logits, [SamplingParams(temperature=0.0), SamplingParams(seed=1)])
+    assert all(t < 10 for t in out.token_ids)
+
+
+# ----------------------------------------------------------------------------- seeds
+
+
+def _run_steps(sampler: Sampler, rows: list[tuple[SamplingParams, SamplingState, int]], steps: int,
+               vocab: int = 64) -> list[list[int]]:
+    """Sample ``steps`` tokens for every row; row i's logits depend only on its key and the step."""
+    outs: list[list[int]] = [[] for _ in rows]
+    for step in range(steps):
+        logits = torch.stack([
+            torch.randn(vocab, generator=torch.Generator().manual_seed(1000 * key + step)) for _, _, key in rows
+        ])
+        res = sampler(logits, [p for p, _, _ in rows], [s for _, s, _ in rows],
+                      [[1, 2, 3] for _ in rows], [list(o) for o in outs])
+        for o, t in zip(outs, res.token_ids, strict=True):
+            o.append(t)
+    return outs
+
+
+def test_seeded_request_is_independent_of_the_batch():
+    p = SamplingParams(temperature=1.0, top_p=0.95, seed=1234)
+    alone = _run_steps(Sampler(64, [EOS], "cpu", seed=0), [(p, SamplingState(p, 0), 7)], steps=8)[0]
+
+    others = [
+        SamplingParams(temperature=0.8),  # unseeded: engine generator
+        SamplingParams(temperature=1.2, seed=99, top_k=5),  # another seeded row
+        SamplingParams(temperature=0.0),  # greedy row
+        SamplingParams(temperature=1.0, presence_penalty=1.0, logprobs=3),
+    ]
+    rows = [(o, SamplingState(o, 5), key) for key, o in enumerate(others, start=20)]
+    rows.insert(2, (p, SamplingState(p, 5), 7))  # the same request, mid-batch, different engine seed
+    in_batch = _run_steps(Sampler(64, [EOS], "cpu", seed=5), rows, steps=8)[2]
+    assert in_batch == alone
+
+    # and the seed matters: another seed gives another sequence
+    q = SamplingParams(temperature=1.0, top_p=0.95, seed=4321)
+    other_seed = _run_steps(Sampler(64, [EOS], "cpu"), [(q, SamplingState(q, 0), 7)], steps=8)[0]
+    assert other_seed != alone
+
+
+def test_unseeded_rows_follow_the_engine_seed():
+    p = SamplingParams(temperature=1.0)
+    a = _run_steps(Sampler(64, [EOS], "cpu", seed=3), [(p, SamplingState(p, 3), k) for k in range(4)], 5)
+    b = _run_steps(Sampler(64, [EOS], "cpu", seed=3), [(p, SamplingState(p, 3), k) for k in range(4)], 5)
+    c = _run_steps(Sampler(64, [EOS], "cpu", seed=4), [(p, SamplingState(p, 4), k) for k in range(4)], 5)
+    assert a == b
+    assert a != c
+
+
+def test_sampling_follows_the_distribution():
+    n = 20000
+    counts = torch.bincount(torch.tensor(_call(
+        Sampler(5, [], "cpu", seed=2), torch.tensor(PROBS).log().expand(n, -1).contiguous(),
+        [SamplingParams(temperature=1.0)] * n).token_ids), minlength=5).float() / n
+    assert torch.allclose(counts, torch.tensor(PROBS), atol=0.015)
+
+
+def test_temperature_sharpens():
+    n = 4000
+    logits = torch.tensor(PROBS).log().expand(n, -1).contiguous()
+    cold = _call(Sampler(5, [], "cpu", seed=2), logits, [SamplingParams(temperature=0.1)] * n).token_ids
+    assert cold.count(0) / n > 0.99
+
+
+# ----------------------------------------------------------------------------- top-k / top-p / min-p
+
+
+@pytest.mark.parametrize(("params", "support"), [
+    (SamplingParams(), {0, 1, 2, 3, 4}),
+    (SamplingParams(top_k=1), {0}),
+    (SamplingParams(top_k=2), {0, 1}),
+    (SamplingParams(top_k=3), {0, 1, 2}),
+    (SamplingParams(top_k=100), {0, 1, 2, 3, 4}),
+    (SamplingParams(top_p=0.4), {0}),
+    (SamplingParams(top_p=0.6), {0, 1}),
+    (SamplingParams(top_p=0.75), {0, 1, 2}),
+    (SamplingParams(top_p=0.9), {0, 1, 2, 3}),
+    (SamplingParams(min_p=0.25), {0, 1, 2}),  # keeps p >= 0.125
+    (SamplingParams(min_p=0.35), {0, 1}),  # keeps p >= 0.175
+    (SamplingParams(min_p=0.15), {0, 1, 2, 3}),  # keeps p >= 0.075
+    (SamplingParams(top_k=3, top_p=0.6), {0, 1}),
+    # top-p runs on the top-k renormalised distribution: 0.5/0.85 = 0.59 < 0.65
+    (SamplingParams(top_k=3, top_p=0.65), {0, 1}),
+    (SamplingParams(top_k=3, top_p=0.55), {0}),
+    (SamplingParams(top_k=4, min_p=0.25), {0, 1, 2}),
+])
+def test_which_tokens_can_be_sampled(params, support):
+    assert _support(params) == support
+
+
+def test_mixed_knobs_in_one_batch():
+    rows = [SamplingParams(top_k=2), SamplingParams(top_p=0.75), SamplingParams(min_p=0.35),
+            SamplingParams(), SamplingParams(temperature=0.0)]
+    expected = [{0, 1}, {0, 1, 2}, {0, 1}, {0, 1, 2, 3, 4}, {0}]
+    reps = 1000
+    params = rows * reps
+    logits = torch.tensor(PROBS).log().expand(len(params), -1).contiguous()
+    got = _call(Sampler(5, [], "cpu", seed=7), logits, params).token_ids
+    for r, exp in enumerate(expected):
+        assert set(got[r::len(rows)]) == exp
+
+
+def test_top_k_top_p_masks_directly():
+    logits = torch.tensor(PROBS).log().expand(4, -1).contiguous()
+    top_k = torch.tensor([2, 0, 3, 0])
+    top_p = torch.tensor([1.0, 0.75, 0.6, 1.0])
+    masked = apply_top_k_top_p(logits, top_k, top_p)
+    kept = (masked > -math.inf).tolist()
+    assert kept == [
+        [True, True, False, False, False],
+        [True, True, True, False, False],
+        [True, True, False, False, False],
+        [True] * 5,
+    ]
+    # kept logits are untouched
+    assert torch.equal(masked[3], logits[3])
+    # top-k alone takes the topk path
+    kept_k = (apply_top_k_top_p(logits, top_k, None, max_k=3) > -math.inf).sum(-1).tolist()
+    assert kept_k == [2, 5, 3, 5]
+
+
+def test_top_p_over_top_k_candidates_matches_the_full_sort():
+    torch.manual_seed(0)
+    logits = torch.randn(8, 500) * 2
+    top_k = torch.tensor([5, 50, 1, 20, 500, 7, 30, 12])
+    top_p = torch.tensor([0.9, 0.5, 0.9, 1.0, 0.8, 0.3, 0.95, 0.99])
+    full = apply_top_k_top_p(logits, top_k, top_p, max_k=500)
+    for max_k in (50, 500):  # the largest k: candidates only, or all of V
+        tk = top_k.clamp(max=max_k)
+        ref = apply_top_k_top_p(logits, tk, top_p, max_k=max_k)
+        fast = apply_top_k_top_p(logits, tk, top_p, max_k=max_k, every_row_has_k=True)
+        assert torch.equal(fast, ref)
+    assert torch.equal(ref, full)
+
+
+def test_min_p_mask_directly():
+    logits = torch.tensor(PROBS).log().expand(3, -1).contiguous()
+    kept = (apply_min_p(logits, torch.tensor([0.0, 0.25, 1.0])) > -math.inf).sum(-1).tolist()
+    assert kept == [5, 3, 1]
+
+
+# ----------------------------------------------------------------------------- penalties and bias
+
+
+def _process(logits, params, prompts, outputs, eos=(EOS,)):
+    return process_logits(logits, params, [SamplingState(p, 0) for p in params],
+                          prompts, outputs, list(eos))
+
+
+def test_repetition_penalty_sees_prompt_and_output():
+    logits = torch.tensor([[2.0, -2.0, 4.0, -1.0, 3.0, 0.5]])
+    p = SamplingParams(repetition_penalty=2.0)
+    got = _process(logits, [p], prompts=[[0, 1, 1]], outputs=[[3]])
+    assert torch.equal(got, torch.tensor([[1.0, -4.0, 4.0, -2.0, 3.0, 0.5]]))
+    assert torch.equal(logits, torch.tensor([[2.0, -2.0, 4.0, -1.0, 3.0, 0.5]]))  # input left alone
+
+
+def test_presence_and_frequency_see_output_only():
+    logits = torch.tensor([[1.0, 1.0, 1.0, 1.0, 1.0]])
+    p = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    got = _process(logits, [p], prompts=[[4, 4, 4]], outputs=[[0, 2, 2, 2, 3]])
+    # token 0: 1 - 0.5 - 0.25; token 2: 1 - 0.5 - 0.75; token 3: like 0; prompt-only token 4 untouched
+    assert torch.allclose(got, torch.tensor([[0.25, 1.0, -0.25, 0.25, 1.0]]))
+
+
+def test_negative_presence_and_frequency_encourage():
+    logits = torch.zeros(1, 4)
+    got = _process(logits, [SamplingParams(presence_penalty=-1.0, frequency_penalty=-0.5)], [[]], [[1, 1]])
+    assert torch.allclose(got, torch.tensor([[0.0, 2.0, 0.0, 0.0]]))
+
+
+def test_all_penalties_together_in_vllm_order():
+    logits = torch.tensor([[3.0, -1.0, 2.0, 0.0]])
+    p = SamplingParams(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.5,
+                       logit_bias={2: 1.0, 3: -2.0})
+    got = _process(logits, [p], prompts=[[1]], outputs=[[0, 0, 2]])
+    # bias first: [3, -1, 3, -2]; repetition on {0, 1, 2}: [2, -1.5, 2, -2];
+    # then -0.5*[count>0] - 0.5*count with counts [2, 0, 1, 0]
+    expected = torch.tensor([[2.0 - 0.5 - 1.0, -1.5, 2.0 - 0.5 - 0.5, -2.0]])
+    assert torch.allclose(got, expected)
+
+
+def test_penalties_only_touch_rows_that_ask():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 8)
+    params = [SamplingParams(), SamplingParams(frequency_penalty=1.0, repetition_penalty=1.3), SamplingParams()]
+    got = _process(logits, params, prompts=[[1, 2], [1, 2], [1, 2]], outputs=[[3, 3], [3, 3], [3, 3]])
+    assert torch.equal(got[0], logits[0]) and torch.equal(got[2], logits[2])
+    exp = logits[1].clone()
+    for t in (1, 2, 3):
+        exp[t] = exp[t] / 1.3 if exp[t] > 0 else exp[t] * 1.3
+    exp[3] -= 2.0
+    assert torch.allclose(got[1], exp)
+
+
+def test_logit_bias_is_added_and_out_of_vocab_ids_ignored():
+    logits = torch.zeros(2, 5)
+    params = [SamplingParams(logit_bias={1: 5.0, 4: -100.0, 99: 3.0}), SamplingParams()]
+    got = _process(logits, params, [[], []], [[], []])
+    assert torch.equal(got, torch.tensor([[0.0, 5.0, 0.0, 0.0, -100.0], [0.0] * 5]))
+
+
+def test_logit_bias_steers_greedy_and_sampled_rows():
+    logits = torch.zeros(2, 10)
+    params = [SamplingParams(temperature=0.0, logit_bias={7: 50.0}),
+              SamplingParams(temperature=1.0, seed=0, logit_bias={3: 100.0})]
+    assert _call(Sampler(10, [EOS], "cpu"), logits, params).token_ids == [7, 3]
+
+
+def test_frequency_penalty_changes_the_greedy_choice():
+    logits = torch.tensor([[2.0, 1.5, 0.0]])
+    p = SamplingParams(temperature=0.0, frequency_penalty=1.0)
+    out = _call(Sampler(3, [EOS], "cpu"), logits, [p], outputs=[[0]])
+    assert out.token_ids == [1]
+
+
+# ----------------------------------------------------------------------------- min_tokens
+
+
+def test_min_tokens_masks_eos_and_stop_ids():
+    logits = torch.zeros(4, 6)
+    params = [
+        SamplingParams(min_tokens=3, stop_token_ids=[5]),
+        SamplingParams(min_tokens=3, stop_token_ids=[5]),  # already has 3 tokens: free to stop
+        SamplingParams(min_tokens=3, stop_token_ids=[5], ignore_eos=True),  # EOS stays allowed
+        SamplingParams(stop_token_ids=[5]),
+    ]
+    got = _process(logits, params, [[]] * 4, [[1], [1, 1, 1], [], []])
+    inf = -math.inf
+    assert got.tolist() == [
+        [0.0, 0.0, inf, 0.0, 0.0, inf],
+        [0.0] * 6,
+        [0.0, 0.0, 0.0, 0.0, 0.0, inf],
+        [0.0] * 6,
+    ]
+
+
+def test_min_tokens_keeps_greedy_off_eos():
+    logits = torch.tensor([[0.0, 1.0, 9.0, 0.0]] * 2)  # EOS is the argmax
+    params = [SamplingParams(temperature=0.0, min_tokens=2), SamplingParams(temperature=0.0, min_tokens=2)]
+    out = _call(Sampler(4, [EOS], "cpu"), logits, params, outputs=[[1], [1, 1]])
+    assert out.token_ids == [1, 2]
+
+
+# ----------------------------------------------------------------------------- logprobs
+
+
+def test_logprobs_are_raw_with_sorted_top_k():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 30)
+    params = [
+        SamplingParams(temperature=0.0, logprobs=3),
+        SamplingParams(temperature=0.5, top_k=2, repetition_penalty=2.0, logprobs=5, seed=1),
+        SamplingParams(temperature=1.0, seed=2),  # did not ask
+        SamplingParams(temperature=1.0, logprobs=0, logit_bias={0: 100.0}),
+    ]
+    out = _call(Sampler(30, [EOS], "cpu"), logits, params, prompts=[[1, 2]] * 4)
+    raw = torch.log_softmax(logits, -1)
+    assert out.logprobs[2] is None
+    assert out.token_ids[3] == 0
+    for i, k in ((0, 3), (1, 5), (3, 0)):
+        tok_lp, top = out.logprobs[i]
+        assert tok_lp == pytest.approx(raw[i, out.token_ids[i]].item(), abs=1e-6)  # raw, not processed
+        assert len(top) == k
+        exp_lp, exp_ids = raw[i].topk(k) if k else (torch.empty(0), torch.empty(0, dtype=torch.long))
+        assert [t for t, _ in top] == exp_ids.tolist()
+        assert [v for _, v in top] == pytest.approx(exp_lp.tolist(), abs=1e-6)
+        assert [v for _, v in top] == sorted((v for _, v in top), reverse=True)
+
+
+def test_no_logprobs_asked_means_none():
+    out = _call(Sampler(8, [EOS], "cpu"), torch.randn(2, 8), [SamplingParams(seed=1), SamplingParams()])
+    assert out.logprobs is None
+
+
+def test_compute_logprobs_helper_in_chunks():
+    torch.manual_seed(0)
+    logits = torch.randn(2500, 7)  # more rows than one chunk
+    ids = torch.randint(0, 7, (2500,))
+    got = compute_logprobs(logits, ids.tolist(), 2)
+    raw = torch.log_softmax(logits, -1)
+    assert len(got) == 2500
+    for i in (0, 1023, 1024, 2499):
+        assert got[i][0] == pytest.approx(raw[i, ids[i]].item(), abs=1e-6)
+        assert [t for t, _ in got[i][1]] == raw[i].topk(2).indices.tolist()
+    assert compute_logprobs(logits[:2], ids[:2], 0)[0][1] == []

@@ -1,0 +1,122 @@
+"""Scheduler: token budgets, chunked prefill, admission, preemption, with exact block ids."""
+
+import pytest
+
+from engine.block_manager import BlockManager
+from engine.protocol import SamplingParams
+from engine.request import Request, Status
+from engine.scheduler import QueueFull, Scheduler
+
+
+def make(num_blocks=8, block_size=4, max_num_seqs=4, max_tokens=100, max_waiting=16):
+    bm = BlockManager(num_blocks, block_size)
+    return Scheduler(bm, max_num_seqs, max_tokens, max_waiting), bm
+
+
+def req(rid: str, n: int) -> Request:
+    return Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=50))
+
+
+def run_step(s: Scheduler, batch) -> None:
+    """What the engine does after the model ran: advance, and sample where the prompt is done."""
+    for r, n in zip(batch.requests, batch.num_new_tokens, strict=True):
+        r.num_computed_tokens += n
+        if r.num_computed_tokens == r.num_tokens:
+            r.append_token(7)
+
+
+def test_prefill_then_decode_one_token_each():
+    s, bm = make()
+    a, b = req("a", 5), req("b", 3)
+    s.add(a)
+    s.add(b)
+    batch = s.schedule()
+    assert [r.request_id for r in batch.requests] == ["a", "b"]
+    assert batch.num_new_tokens == [5, 3]
+    assert a.block_table == [0, 1] and b.block_table == [2]
+    run_step(s, batch)
+    batch = s.schedule()
+    assert batch.num_new_tokens == [1, 1]  # decode: the one sampled token each
+    assert a.block_table == [0, 1] and b.block_table == [2]  # the new tokens still fit
+    assert s.running == [a, b] and not s.waiting
+
+
+def test_chunked_prefill_under_a_token_budget():
+    s, bm = make(max_tokens=4)
+    a, b = req("a", 10), req("b", 2)
+    s.add(a)
+    s.add(b)
+    batch = s.schedule()
+    assert batch.num_new_tokens == [4] and batch.requests == [a]
+    run_step(s, batch)
+    batch = s.schedule()
+    assert batch.requests == [a] and batch.num_new_tokens == [4]
+    run_step(s, batch)
+    batch = s.schedule()  # a's last 2 prompt tokens, then b fits in the remaining budget
+    assert batch.requests == [a, b] and batch.num_new_tokens == [2, 2]
+    assert a.block_table == [0, 1, 2] and b.block_table == [3]
+
+
+def test_sequence_budget_limits_admission():
+    s, _ = make(max_num_seqs=2)
+    for i in range(3):
+        s.add(req(str(i), 2))
+    batch = s.schedule()
+    assert [r.request_id for r in batch.requests] == ["0", "1"]
+    assert [r.request_id for r in s.waiting] == ["2"]
+
+
+def test_waiting_request_waits_for_blocks():
+    s, bm = make(num_blocks=3, block_size=4)
+    a, b = req("a", 8), req("b", 8)
+    s.add(a)
+    s.add(b)
+    batch = s.schedule()
+    assert batch.requests == [a] and a.block_table == [0, 1]
+    assert b.status is Status.WAITING and b.block_table == []
+
+
+def test_preempts_the_most_recently_admitted_and_resumes_it():
+    s, bm = make(num_blocks=4, block_size=2)
+    a, b = req("a", 4), req("b", 4)
+    s.add(a)
+    s.add(b)
+    batch = s.schedule()
+    assert a.block_table == [0, 1] and b.block_table == [2, 3]
+    run_step(s, batch)  # both now have 5 tokens, 4 computed: each needs a third block
+    batch = s.schedule()
+    assert batch.preempted == [b]
+    assert batch.requests == [a] and a.block_table == [0, 1, 3]  # b's blocks freed tail first: 3, 2
+    assert b.status is Status.WAITING and b.num_computed_tokens == 0 and b.block_table == []
+    assert list(s.waiting) == [b] and s.num_preemptions == 1
+    assert list(bm.free_block_ids) == [2]
+    run_step(s, batch)
+    s.finish(a, "stop")
+    assert bm.num_free_blocks == 4
+    batch = s.schedule()  # b is recomputed: its prompt and its sampled token
+    assert batch.requests == [b] and batch.num_new_tokens == [5]
+
+
+def test_finish_frees_blocks_and_removes_from_queues():
+    s, bm = make()
+    a, b = req("a", 4), req("b", 4)
+    s.add(a)
+    s.add(b)
+    s.schedule()
+    s.finish(a, "abort")
+    assert a.status is Status.FINISHED and a.finish_reason == "abort"
+    assert s.running == [b]
+    c = req("c", 2)
+    s.add(c)
+    s.finish(c, "abort")
+    assert not s.waiting
+    s.finish(b, "stop")
+    assert bm.num_free_blocks == bm.num_blocks and not s.has_work()
+
+
+def test_bounded_waiting_queue():
+    s, _ = make(max_waiting=2)
+    s.add(req("a", 1))
+    s.add(req("b", 1))
+    with pytest.raises(QueueFull):
+        s.add(req("c", 1))

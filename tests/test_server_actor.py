@@ -1,0 +1,398 @@
+"""The engine actor over a real ZMQ socket, with a fake engine behind it.
+
+``FakeEngine`` has the ``Engine`` interface and produces deterministic tokens
+(one per running request per step), so these tests pin the actor's routing:
+handshake, per-frontend id namespaces, one OUTPUTS frame per frontend per step,
+errors, aborts, stats, malformed frames, shutdown. Hermetic and fast: no torch.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from engine import protocol as p
+from engine.config import EngineConfig
+from engine.server import run_engine
+
+VOCAB = 1000
+MAX_LEN = 64
+
+
+class FakeRequestError(Exception):
+    def __init__(self, status: int, type: str, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.type, self.message, self.param = status, type, message, param
+
+
+class FakeEngine:
+    """Token ``i`` of a request is ``(sum(prompt) + i) % VOCAB``; finishes with "length".
+
+    ``start_after``: has_work() stays False until that many requests were added,
+    so tests can line requests up to share steps. ``fail_on_step``: step number
+    that raises.
+    """
+
+    def __init__(self, config: EngineConfig, start_after: int = 0, max_waiting: int = 8,
+                 fail_on_step: int | None = None, step_delay: float = 0.0):
+        self.config = config
+        self.start_after = start_after
+        self.max_waiting = max_waiting
+        self.fail_on_step = fail_on_step
+        self.step_delay = step_delay
+        self.running: dict[str, list] = {}  # id -> [prompt, params, num generated]
+        self.added: list[str] = []
+        self.aborted: list[str] = []
+        self.steps: list[list[p.Delta]] = []
+
+    def ready_info(self) -> p.Ready:
+        return p.Ready("fake", MAX_LEN, VOCAB, [2], 8, 100, 16)
+
+    def add_request(self, request_id, prompt_token_ids, params, priority=0, deadline=None):
+        if len(prompt_token_ids) + params.max_tokens > MAX_LEN:
+            raise FakeRequestError(400, "invalid_request_error", "too long", "max_tokens")
+        if len(self.running) >= self.max_waiting:
+            raise FakeRequestError(429, "rate_limit_error", "queue full")
+        if request_id == "explode" or request_id.endswith(":explode"):
+            raise RuntimeError("kaboom")
+        self.running[request_id] = [list(prompt_token_ids), params, 0]
+        self.added.append(request_id)
+
+    def abort(self, request_ids):
+        for rid in request_ids:
+            if self.running.pop(rid, None) is not None:
+                self.aborted.append(rid)
+
+    def has_work(self) -> bool:
+        return bool(self.running) and len(self.added) >= self.start_after
+
+    def step(self) -> list[p.Delta]:
+        if self.fail_on_step is not None and len(self.steps) + 1 >= self.fail_on_step:
+            raise RuntimeError("step exploded")
+        if self.step_delay:
+            time.sleep(self.step_delay)
+        out = []
+        for rid, st in list(self.running.items()):
+            prompt, params, n = st
+            tok = (sum(prompt) + n) % VOCAB
+            st[2] = n + 1
+            fin = "length" if st[2] >= params.max_tokens else None
+            out.append(p.Delta(rid, [tok], fin, None, len(prompt) if n == 0 else 0, 0))
+            if fin:
+                del self.running[rid]
+        self.steps.append([p.Delta(d.request_id, list(d.token_ids), d.finish_reason) for d in out])
+        return out
+
+    def stats(self) -> p.Stats:
+        return p.Stats(0, len(self.running), len(self.running) / 100, 100 - len(self.running), 100)
+
+
+def expected_tokens(prompt: list[int], n: int) -> list[int]:
+    return [(sum(prompt) + i) % VOCAB for i in range(n)]
+
+
+class ActorHarness:
+    """run_engine in a thread (signals are the main thread's; stop() instead)."""
+
+    def __init__(self, address: str, **engine_kw):
+        self.address = address
+        self.engine: FakeEngine | None = None
+        self.actor = None
+        self.error: BaseException | None = None
+        ready = threading.Event()
+
+        def factory(config):
+            self.engine = FakeEngine(config, **engine_kw)
+            return self.engine
+
+        def target():
+            try:
+                run_engine(EngineConfig(), address, ready=ready.set, engine_factory=factory,
+                           on_actor=lambda a: setattr(self, "actor", a))
+            except BaseException as e:  # noqa: BLE001 - surfaced by the test
+                self.error = e
+                ready.set()
+
+        self.thread = threading.Thread(target=target, daemon=True)
+        self.thread.start()
+        assert ready.wait(10), "engine actor did not become ready"
+        assert self.error is None, self.error
+        self.ctx = zmq.Context()
+        self.clients: list[zmq.Socket] = []
+
+    def client(self, identity: bytes) -> zmq.Socket:
+        s = self.ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.IDENTITY, identity)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(self.address)
+        self.clients.append(s)
+        return s
+
+    def close(self) -> None:
+        if self.actor is not None:
+            self.actor.stop()
+        self.thread.join(10)
+        for s in self.clients:
+            s.close()
+        self.ctx.term()
+
+
+def send(sock: zmq.Socket, msg) -> None:
+    sock.send(p.encode(msg))
+
+
+def recv(sock: zmq.Socket, timeout: float = 5.0):
+    assert sock.poll(int(timeout * 1000)), "no reply from the engine actor"
+    return p.decode(sock.recv())
+
+
+def recv_none(sock: zmq.Socket, timeout: float = 0.2) -> None:
+    assert not sock.poll(int(timeout * 1000)), f"unexpected frame: {p.decode(sock.recv())}"
+
+
+def collect(sock: zmq.Socket, request_ids: set[str], timeout: float = 5.0) -> tuple[list, dict, dict]:
+    """Read frames until every id finished; returns (frames, tokens per id, finish per id)."""
+    frames, toks, fin = [], {r: [] for r in request_ids}, {}
+    deadline = time.monotonic() + timeout
+    while set(fin) != request_ids:
+        msg = recv(sock, max(0.01, deadline - time.monotonic()))
+        frames.append(msg)
+        assert isinstance(msg, p.Outputs), msg
+        for d in msg.deltas:
+            toks[d.request_id] += d.token_ids
+            if d.finish_reason:
+                fin[d.request_id] = d.finish_reason
+    return frames, toks, fin
+
+
+def hello(sock: zmq.Socket, fid: str) -> p.Ready:
+    send(sock, p.Hello(fid))
+    ready = recv(sock)
+    assert isinstance(ready, p.Ready)
+    return ready
+
+
+@pytest.fixture
+def address(tmp_path):
+    return f"ipc://{tmp_path}/engine.sock"
+
+
+@pytest.fixture
+def harness(address):
+    h = ActorHarness(address)
+    yield h
+    h.close()
+
+
+def test_hello_gets_ready(harness):
+    c = harness.client(b"fe0")
+    assert hello(c, "fe0") == p.Ready("fake", MAX_LEN, VOCAB, [2], 8, 100, 16)
+
+
+def test_add_streams_deterministic_tokens_and_finishes(harness):
+    c = harness.client(b"fe0")
+    hello(c, "fe0")
+    send(c, p.Add("a", [1, 2, 3], p.SamplingParams(max_tokens=5)))
+    frames, toks, fin = collect(c, {"a"})
+    assert toks["a"] == expected_tokens([1, 2, 3], 5)
+    assert fin == {"a": "length"}
+    assert frames[0].deltas[0].num_prompt_tokens == 3
+    assert harness.engine.added == ["0:a"]  # namespaced inside the engine
+    assert not harness.actor._owner  # finished requests are forgotten
+
+
+def test_one_outputs_frame_per_frontend_per_step(address):
+    h = ActorHarness(address, start_after=4)
+    try:
+        a, b = h.client(b"fe-a"), h.client(b"fe-b")
+        hello(a, "fe-a")
+        hello(b, "fe-b")
+        # the same request ids from two frontends must not collide
+        send(a, p.Add("x", [1], p.SamplingParams(max_tokens=3)))
+        send(a, p.Add("y", [2], p.SamplingParams(max_tokens=3)))
+        send(b, p.Add("x", [10], p.SamplingParams(max_tokens=3)))
+        send(b, p.Add("y", [20], p.SamplingParams(max_tokens=3)))
+        fa, ta, _ = collect(a, {"x", "y"})
+        fb, tb, _ = collect(b, {"x", "y"})
+        assert len(h.engine.steps) == 3
+        assert len(fa) == len(fb) == 3  # one frame per step, both requests in it
+        assert all(sorted(d.request_id for d in f.deltas) == ["x", "y"] for f in fa + fb)
+        assert ta == {"x": expected_tokens([1], 3), "y": expected_tokens([2], 3)}
+        assert tb == {"x": expected_tokens([10], 3), "y": expected_tokens([20], 3)}
+        assert sorted(h.engine.added) == ["0:x", "0:y", "1:x", "1:y"]
+    finally:
+        h.close()
+
+
+def test_request_error_becomes_error_frame(harness):
+    c = harness.client(b"fe0")
+    hello(c, "fe0")
+    send(c, p.Add("long", list(range(60)), p.SamplingParams(max_tokens=10)))
+    assert recv(c) == p.Error("long", 400, "invalid_request_error", "too long", "max_tokens")
+    send(c, p.Add("explode", [1], p.SamplingParams()))
+    err = recv(c)
+    assert (err.request_id, err.status, err.type) == ("explode", 500, "internal_server_error")
+    assert not harness.actor._owner
+
+
+def test_queue_full_is_429(address):
+    h = ActorHarness(address, start_after=100, max_waiting=2)
+    try:
+        c = h.client(b"fe0")
+        hello(c, "fe0")
+        for rid in ("a", "b", "c"):
+            send(c, p.Add(rid, [1], p.SamplingParams()))
+        err = recv(c)
+        assert (err.request_id, err.status, err.type) == ("c", 429, "rate_limit_error")
+    finally:
+        h.close()
+
+
+def test_duplicate_request_id_is_refused(address):
+    h = ActorHarness(address, start_after=100)
+    try:
+        c = h.client(b"fe0")
+        hello(c, "fe0")
+        send(c, p.Add("a", [1], p.SamplingParams()))
+        send(c, p.Add("a", [1], p.SamplingParams()))
+        err = recv(c)
+        assert (err.request_id, err.status) == ("a", 400)
+        assert h.engine.added == ["0:a"]
+    finally:
+        h.close()
+
+
+def test_abort_stops_a_request(address):
+    h = ActorHarness(address, start_after=2, step_delay=0.01)
+    try:
+        c = h.client(b"fe0")
+        hello(c, "fe0")
+        send(c, p.Add("long", [1], p.SamplingParams(max_tokens=60)))
+        send(c, p.Add("short", [2], p.SamplingParams(max_tokens=3)))
+        first = recv(c)
+        assert {d.request_id for d in first.deltas} == {"long", "short"}
+        send(c, p.Abort(["long", "never-existed"]))
+        deadline = time.monotonic() + 5
+        while h.engine.aborted != ["0:long"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        while c.poll(200):  # whatever was in flight; then silence
+            c.recv()
+        recv_none(c)
+        assert not h.actor._owner and not h.engine.running
+    finally:
+        h.close()
+
+
+def test_stats_request_gets_stats(address):
+    h = ActorHarness(address, start_after=100)
+    try:
+        c = h.client(b"fe0")
+        hello(c, "fe0")
+        send(c, p.Add("a", [1], p.SamplingParams()))
+        c.send(msgpack.packb([int(p.Kind.STATS), []]))
+        assert recv(c) == p.Stats(0, 1, 0.01, 99, 100)
+    finally:
+        h.close()
+
+
+def test_malformed_frames_are_dropped_not_fatal(harness):
+    c = harness.client(b"fe0")
+    for junk in (b"", b"\xc1", msgpack.packb([3, ["r", "not tokens", {}, 0, None]]), msgpack.packb([99, []]),
+                 p.encode(p.Ready("m", 1, 1, [], 1, 1, 1)), p.encode(p.Outputs([]))):
+        c.send(junk)
+    c.send_multipart([b"", b"two", b"parts"])
+    recv_none(c)
+    hello(c, "fe0")  # still serving
+    send(c, p.Add("a", [4], p.SamplingParams(max_tokens=2)))
+    assert collect(c, {"a"})[1]["a"] == expected_tokens([4], 2)
+
+
+def test_protocol_version_mismatch_is_refused(harness):
+    c = harness.client(b"fe0")
+    send(c, p.Hello("fe0", version=999))
+    err = recv(c)
+    assert isinstance(err, p.Error) and err.request_id is None and "version" in err.message
+
+
+def test_reconnecting_frontend_orphans_are_aborted(address):
+    h = ActorHarness(address, start_after=100)
+    try:
+        old = h.client(b"fe0")
+        hello(old, "fe0")
+        send(old, p.Add("a", [1], p.SamplingParams()))
+        send(old, p.Add("b", [1], p.SamplingParams()))
+        old.send(msgpack.packb([int(p.Kind.STATS), []]))
+        assert recv(old).num_running == 2
+        old.close()
+        new = h.client(b"fe0")  # a restarted frontend keeps its identity
+        hello(new, "fe0")
+        assert sorted(h.engine.aborted) == ["0:a", "0:b"]
+        assert not h.actor._owner
+    finally:
+        h.close()
+
+
+def test_stop_fails_outstanding_requests_with_503(address):
+    h = ActorHarness(address, start_after=100)
+    c = h.client(b"fe0")
+    hello(c, "fe0")
+    send(c, p.Add("a", [1], p.SamplingParams()))
+    c.send(msgpack.packb([int(p.Kind.STATS), []]))
+    recv(c)
+    h.actor.stop()
+    h.thread.join(5)
+    assert not h.thread.is_alive()
+    err = recv(c)
+    assert (err.request_id, err.status) == ("a", 503)
+    h.close()
+
+
+def test_step_failure_fails_requests_and_raises(address):
+    h = ActorHarness(address, fail_on_step=2)
+    c = h.client(b"fe0")
+    hello(c, "fe0")
+    send(c, p.Add("a", [1], p.SamplingParams(max_tokens=10)))
+    assert isinstance(recv(c), p.Outputs)
+    err = recv(c)
+    assert (err.request_id, err.status, err.type) == ("a", 500, "internal_server_error")
+    h.thread.join(5)
+    assert isinstance(h.error, RuntimeError)
+    h.close()
+
+
+def _serve_fake(address: str, conn) -> None:
+    run_engine(EngineConfig(), address, ready=lambda: conn.send("ready"), engine_factory=FakeEngine)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_process_exits_cleanly_on_signal(address, sig):
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_serve_fake, args=(address, child))
+    proc.start()
+    child.close()
+    try:
+        assert parent.poll(30) and parent.recv() == "ready"
+        zctx = zmq.Context()
+        c = zctx.socket(zmq.DEALER)
+        c.setsockopt(zmq.IDENTITY, b"fe0")
+        c.setsockopt(zmq.LINGER, 0)
+        c.connect(address)
+        hello(c, "fe0")
+        os.kill(proc.pid, sig)
+        proc.join(10)
+        assert proc.exitcode == 0
+        c.close()
+        zctx.term()
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()

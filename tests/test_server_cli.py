@@ -1,0 +1,138 @@
+"""The ``tokenmill`` console script: flags, validation, start-up failures, ``generate``.
+
+Failures must be quick and say what to fix: a bad flag or a missing model exits 2
+before any process starts; a busy port or a start-up timeout exits 1, and the
+runtime dir never outlives the launcher.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from engine.cli import api_keys, build_parser, parse_size
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_server_e2e import CMD, ROOT  # noqa: E402
+
+SERVE_FLAGS = ["--model", "--served-model-name", "--host", "--port", "--api-key", "--ssl-keyfile",
+               "--ssl-certfile", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
+               "--gpu-memory-utilization", "--kv-cache-memory", "--dtype", "--device", "--block-size", "--seed",
+               "--api-server-count", "--tensor-parallel-size"]
+
+
+def tokenmill(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([*CMD, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env=dict(os.environ, TOKENMILL_LOG_LEVEL="INFO"))
+
+
+def test_serve_help_documents_every_flag():
+    r = tokenmill("serve", "--help", timeout=30)
+    assert r.returncode == 0
+    for flag in SERVE_FLAGS:
+        m = re.search(rf"^\s+{re.escape(flag)}\b.*?(?=^\s+--|\Z)", r.stdout, re.M | re.S)
+        assert m, f"{flag} missing from --help"
+        assert len(m.group(0).split()) > 2, f"{flag} has no help text"
+    gen = tokenmill("generate", "--help", timeout=30)
+    for flag in ("--prompt", "--max-tokens", "--temperature", "--model", "--chat"):
+        assert flag in gen.stdout
+
+
+def test_flags_map_to_engine_config():
+    from engine.cli import _config_kwargs
+
+    args = build_parser().parse_args(["serve", "--max-num-seqs", "8", "--kv-cache-memory", "256M", "--dtype",
+                                      "float32", "-tp", "1", "--api-key", "a", "--api-key", "b,c"])
+    assert _config_kwargs(args) == {"max_num_seqs": 8, "kv_cache_memory": 256 << 20, "dtype": "float32",
+                                    "tensor_parallel_size": 1}
+    assert api_keys(args.api_key) == ["a", "b", "c"]
+
+
+def test_api_keys_from_environment():
+    assert api_keys(None, {"TOKENMILL_API_KEY": "k1, k2,"}) == ["k1", "k2"]
+    assert api_keys(None, {}) == []
+    assert api_keys(["flag"], {"TOKENMILL_API_KEY": "env"}) == ["flag"]
+
+
+@pytest.mark.parametrize("text,n", [("1024", 1024), ("4k", 4096), ("512M", 512 << 20), ("2GiB", 2 << 30),
+                                    ("1.5G", 3 << 29), ("1gb", 1 << 30)])
+def test_parse_size(text, n):
+    assert parse_size(text) == n
+
+
+def test_bad_size_is_a_usage_error():
+    r = tokenmill("serve", "--kv-cache-memory", "lots", timeout=30)
+    assert r.returncode == 2 and "not a size" in r.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--block-size", "7"], "block_size must be one of"),
+    (["--max-num-seqs", "0"], "max_num_seqs must be positive"),
+    (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be in"),
+    (["--tensor-parallel-size", "2"], "tensor_parallel_size > 1"),
+    (["--api-server-count", "0"], "api_server_count must be at least 1"),
+    (["--ssl-keyfile", "/nonexistent.key"], "go together"),
+])
+def test_invalid_config_exits_2_before_starting_anything(args, message):
+    r = tokenmill("serve", *args, timeout=30)
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr
+    assert r.stdout == ""
+
+
+def test_missing_model_exits_2():
+    r = tokenmill("serve", "--model", "/nonexistent/model", timeout=30)
+    assert r.returncode == 2
+    assert "not found" in r.stderr
+
+
+def test_busy_port_is_refused_clearly(tiny_llama):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = tokenmill("serve", "--model", tiny_llama, "--port", str(port), timeout=30)
+    assert r.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in r.stderr
+    assert "started tokenmill-engine" not in r.stderr
+
+
+def test_startup_timeout_is_clear_and_cleans_up(tiny_llama):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = tokenmill("serve", "--model", tiny_llama, "--port", str(port), "--startup-timeout", "0.5", timeout=120)
+    assert r.returncode == 1
+    assert "start-up timed out after 0.5s" in r.stderr
+    runtime = re.search(r"runtime dir (\S+)", r.stderr).group(1)
+    assert not os.path.exists(runtime)
+    for pid in re.findall(r"\(pid (\d+)\)", r.stderr):
+        assert not os.path.exists(f"/proc/{pid}/status") or "State:\tZ" in open(f"/proc/{pid}/status").read()
+
+
+def test_generate_prints_the_offline_greedy_text(tiny_llama):
+    from engine import LLM, SamplingParams
+
+    want = LLM(tiny_llama).generate(["Hello, my name is"], SamplingParams(max_tokens=8, temperature=0))[0].text
+    r = tokenmill("generate", "--model", tiny_llama, "--prompt", "Hello, my name is", "--max-tokens", "8",
+                  timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout == want + "\n"
+
+
+def test_generate_chat_applies_the_template(tiny_llama):
+    from engine import LLM, SamplingParams
+
+    llm = LLM(tiny_llama)
+    prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
+                                               add_generation_prompt=True)
+    want = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0))[0].text
+    r = tokenmill("generate", "--model", tiny_llama, "--prompt", "Hi", "--chat", "--max-tokens", "6",
+                  timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout == want + "\n"

@@ -1,0 +1,69 @@
+"""``tokenmill serve`` with no ``--model``: the bundled SmolLM2-135M-Instruct answers.
+
+Then the engine is killed: in-flight and new requests get 503 instead of
+hanging, ``/health`` says 503, and the launcher exits non-zero (last test: it
+ends the module's server).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the Server helper, whatever the import mode
+from test_server_e2e import Server, http_status, openai_client, pid_alive, wait_for  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def server(default_gguf):
+    s = Server()
+    yield s
+    s.close()
+
+
+def test_default_model_knows_the_capital_of_france(server):
+    assert server.banner.startswith("tokenmill serving SmolLM2-135M-Instruct")
+    r = openai_client(server).chat.completions.create(
+        model="SmolLM2-135M-Instruct.Q4_1",
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=24, temperature=0)
+    assert "Paris" in r.choices[0].message.content
+
+
+def test_engine_death_gives_503_and_nonzero_exit(server):
+    from openai import APIError
+
+    engine = server.pids("tokenmill-engine")[-1]
+    client = openai_client(server)
+    outcome: dict = {}
+
+    def long_stream():  # in flight when the engine dies: must end, not hang
+        try:
+            stream = client.completions.create(model=client.models.list().data[0].id, prompt="Count: 1, 2,",
+                                               max_tokens=2000, stream=True, extra_body={"ignore_eos": True})
+            for _ in stream:
+                outcome.setdefault("first", True)
+            outcome["ended"] = "normally"
+        except APIError as e:
+            outcome["ended"] = f"error: {e}"
+
+    t = threading.Thread(target=long_stream, daemon=True)
+    t.start()
+    wait_for(lambda: outcome.get("first"), 60, "the stream to start")
+    os.kill(engine, signal.SIGKILL)
+    seen = wait_for(lambda: http_status(server.url + "/health", timeout=2) == 503, 5,
+                    "/health to answer 503", interval=0.01)
+    assert seen
+    t.join(15)
+    assert not t.is_alive(), "the in-flight request hangs"
+    assert outcome["ended"].startswith("error"), outcome  # an SSE error event, not a silent end
+    rc = server.proc.wait(60)
+    assert rc != 0
+    time.sleep(0.2)
+    assert not any(pid_alive(pid) for pid in server.pids("tokenmill-frontend-0"))
+    assert not os.path.exists(server.runtime_dir)

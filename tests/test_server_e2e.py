@@ -1,0 +1,310 @@
+"""``tokenmill serve`` end to end: a real launcher, engine and two frontends.
+
+One server per module (a tiny random Llama, ``--api-server-count 2``), driven
+with the official ``openai`` client: concurrent clients, greedy parity with the
+offline ``LLM``, a client disconnect freeing KV blocks (read with a STATS frame
+on the engine's socket), a killed frontend being replaced while the other keeps
+serving, and SIGTERM exiting 0 with the runtime dir gone (last: it ends the server).
+
+``Server`` is also used by ``test_server_default_model.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+import msgpack
+import pytest
+import zmq
+
+from engine import protocol as p
+
+BIN = os.path.join(os.path.dirname(sys.executable), "tokenmill")
+CMD = [BIN] if os.path.exists(BIN) else [sys.executable, "-m", "engine.cli"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def http_status(url: str, timeout: float = 10.0) -> int | None:
+    """The HTTP status of a GET, or None when nothing answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return None
+
+
+def wait_for(cond, timeout: float, what: str, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+class Server:
+    """``tokenmill serve`` as a subprocess; knows its URL, runtime dir and child pids (from the log)."""
+
+    def __init__(self, *args: str, api_server_count: int = 1, startup: float = 300.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_file = tempfile.NamedTemporaryFile("w+", prefix="tokenmill-test-", suffix=".log", delete=False)
+        env = dict(os.environ, TOKENMILL_LOG_LEVEL="INFO", PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [*CMD, "serve", *args, "--port", str(self.port), "--api-server-count", str(api_server_count)],
+            stdout=subprocess.PIPE, stderr=self.log_file, text=True, env=env, cwd=ROOT)
+        self.banner = self._read_banner(startup)
+
+    def _read_banner(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if select.select([self.proc.stdout], [], [], 0.5)[0]:
+                line = self.proc.stdout.readline()
+                if line:
+                    return line.strip()
+            if self.proc.poll() is not None:
+                break
+        self.kill()
+        raise AssertionError(f"server did not start (rc={self.proc.returncode}):\n{self.log()[-6000:]}")
+
+    def log(self) -> str:
+        with open(self.log_file.name) as f:
+            return f.read()
+
+    @property
+    def runtime_dir(self) -> str:
+        return re.search(r"runtime dir (\S+)", self.log()).group(1)
+
+    def pids(self, name: str) -> list[int]:
+        """Every pid a child called ``name`` ever had, oldest first."""
+        return [int(x) for x in re.findall(rf"started {re.escape(name)} \(pid (\d+)\)", self.log())]
+
+    def engine_stats(self) -> p.Stats:
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.IDENTITY, b"test-probe")
+        try:
+            s.connect(f"ipc://{self.runtime_dir}/engine.sock")
+            s.send(msgpack.packb([int(p.Kind.STATS), []]))
+            assert s.poll(10_000), "no STATS reply from the engine"
+            return p.decode(s.recv())
+        finally:
+            s.close()
+            ctx.term()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        # children die with the launcher (PDEATHSIG); make sure in case they did not
+        for name in ("tokenmill-engine", *(f"tokenmill-frontend-{i}" for i in range(8))):
+            for pid in self.pids(name) if os.path.exists(self.log_file.name) else []:
+                if pid_alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+
+    def close(self) -> None:
+        self.kill()
+        self.proc.stdout.close()
+        self.log_file.close()
+        os.unlink(self.log_file.name)
+
+
+def openai_client(server: Server, **kw):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120, **kw)
+
+
+PROMPTS = [
+    "Hello, my name is",
+    "The capital of France is",
+    "Once upon a time",
+    "1, 2, 3, 4,",
+    "The quick brown fox jumps over the lazy dog because",
+    "In a hole in the ground there lived",
+]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    s = Server("--model", tiny_llama, "--served-model-name", "tiny", "--max-num-seqs", "16",
+               api_server_count=2)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama):
+    """Greedy offline outputs, one prompt at a time (no batching effects)."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(tiny_llama)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    return {prompt: llm.generate([prompt], params)[0] for prompt in PROMPTS}
+
+
+def test_banner_models_and_health(server):
+    assert server.banner == f"tokenmill serving tiny on {server.url} (2 frontends)"
+    assert http_status(server.url + "/health") == 200
+    models = openai_client(server).models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    assert oct(os.stat(server.runtime_dir).st_mode & 0o777) == "0o700"
+
+
+def test_greedy_matches_offline_llm(server, offline):
+    client = openai_client(server)
+    for prompt in PROMPTS:
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        want = offline[prompt]
+        assert r.choices[0].text == want.text, prompt
+        assert r.usage.completion_tokens == len(want.token_ids) == MAX_TOKENS
+        assert r.usage.prompt_tokens == len(want.prompt_token_ids)
+        assert r.choices[0].finish_reason == "length"
+
+
+def test_concurrent_streaming_clients(server, offline):
+    from openai import AsyncOpenAI
+
+    async def one(client, prompt):
+        stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS,
+                                                 temperature=0, stream=True, extra_body={"ignore_eos": True})
+        text, finish = "", None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+                finish = chunk.choices[0].finish_reason or finish
+        return prompt, text, finish
+
+    async def main():
+        # separate clients: separate connection pools, spread over both frontends
+        clients = [AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+                   for _ in range(4)]
+        jobs = [one(clients[i % 4], PROMPTS[i % len(PROMPTS)]) for i in range(16)]
+        try:
+            return await asyncio.gather(*jobs)
+        finally:
+            for c in clients:
+                await c.close()
+
+    results = asyncio.run(main())
+    assert len(results) == 16
+    for prompt, text, finish in results:
+        assert finish == "length"
+        assert text == offline[prompt].text, prompt
+
+
+def test_client_disconnect_frees_kv_blocks(server):
+    before = server.engine_stats()
+    assert before.num_running == 0 and before.num_free_blocks == before.num_kv_blocks
+    client = openai_client(server)
+    stream = client.completions.create(model="tiny", prompt="Tell me a very long story", max_tokens=900,
+                                       temperature=0, stream=True, extra_body={"ignore_eos": True})
+    chunks = 0
+    for _ in stream:
+        chunks += 1
+        if chunks == 3:
+            break
+    during = server.engine_stats()
+    assert during.num_running + during.num_waiting == 1
+    assert during.num_free_blocks < during.num_kv_blocks
+    stream.close()  # the client goes away mid-generation
+    after = wait_for(lambda: (s := server.engine_stats()).num_running == 0 and s, 20,
+                     "the engine to drop the abandoned request")
+    assert after.num_waiting == 0
+    assert after.num_free_blocks == after.num_kv_blocks
+
+
+def test_killed_frontend_is_restarted_and_the_other_keeps_serving(server, offline):
+    old = server.pids("tokenmill-frontend-0")[-1]
+    os.kill(old, signal.SIGKILL)
+    wait_for(lambda: not pid_alive(old), 10, "the frontend to die")
+    client = openai_client(server)
+    prompt = PROMPTS[0]
+    for _ in range(6):  # every new connection lands on the surviving frontend
+        with openai_client(server) as c:
+            r = c.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                     extra_body={"ignore_eos": True})
+            assert r.choices[0].text == offline[prompt].text
+    new = wait_for(lambda: len(server.pids("tokenmill-frontend-0")) == 2 and server.pids("tokenmill-frontend-0")[-1],
+                   30, "the launcher to restart frontend-0")
+    assert pid_alive(new)
+    wait_for(lambda: "tokenmill-frontend-0 is ready again" in server.log(), 120, "the new frontend-0 to be ready")
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == offline[prompt].text
+    assert server.proc.poll() is None
+
+
+def test_bench_serving_smoke(server, tmp_path):
+    import json
+
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_serving.py"), "--base-url",
+                        server.url + "/v1", "--num-prompts", "6", "--input-len", "16", "--output-len", "8",
+                        "--request-rate", "20", "--max-concurrency", "4", "--slo-ttft-ms", "60000",
+                        "--save-json", str(out), "--quiet"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "Serving Benchmark Result" in r.stdout
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result == json.loads(out.read_text())
+    assert result["model"] == "tiny" and result["completed"] == 6 and result["failed"] == 0
+    assert result["total_output_tokens"] == 6 * 8  # ignore_eos: exactly --output-len each
+    assert result["goodput"] == pytest.approx(result["request_throughput"])
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+        d = result[key]
+        assert 0 < d["median"] <= d["p90"] <= d["p99"]
+
+
+def test_sigterm_exits_zero_and_removes_runtime_dir(server):
+    runtime = server.runtime_dir
+    children = [server.pids("tokenmill-engine")[-1], server.pids("tokenmill-frontend-0")[-1],
+                server.pids("tokenmill-frontend-1")[-1]]
+    assert os.path.isdir(runtime)
+    assert server.stop(signal.SIGTERM) == 0
+    assert not os.path.exists(runtime)
+    assert not any(pid_alive(pid) for pid in children)

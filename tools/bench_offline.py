@@ -1,0 +1,445 @@
+"""Offline throughput benchmark: workload W1 through tokenmill, optionally against Hugging Face.
+
+W1: ``--num-requests`` (32) prompts of random token ids in [0, 10000), prompt lengths
+uniform in [32, 256], output lengths uniform in [64, 128], greedy, EOS ignored, seed 0,
+on the default model (SmolLM2-135M-Instruct Q4_1 GGUF) unless ``--model`` says otherwise.
+
+Systems, all in this process, each warmed up with a tiny request before it is timed:
+
+- ``tokenmill``: ``LLM.generate`` on the whole workload at once.
+- ``hf-sequential`` (``--compare hf``): transformers ``generate()`` one request at a time on the
+  first ``--hf-sequential-subset`` requests; its tokens/s stands for the whole workload.
+- ``hf-generate-batch`` (``--compare hf``): transformers' continuous batching. ``generate_batch()``
+  takes one ``max_new_tokens`` for every request, so we drive the manager it wraps
+  (``continuous_batching_context_manager``) and ``add_request`` each prompt with its own
+  ``max_new_tokens`` and ``eos_token_id=-1``: the same machinery, exactly W1's token counts.
+
+The ceiling is this machine's matmul rate, measured with torch on the model's own weight
+shapes in the benchmark's dtype; ``ceiling_fraction`` says how much of it tokenmill turns into
+model FLOPs. The last line of output is one JSON object.
+
+    python tools/bench_offline.py                        # tokenmill only
+    python tools/bench_offline.py --compare hf           # + transformers generate / generate_batch
+    python tools/bench_offline.py --num-requests 8 --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+# Runnable as ``python tools/bench_offline.py`` from a checkout, without installing.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+PROMPT_LEN = (32, 256)
+OUTPUT_LEN = (64, 128)
+TOKEN_ID_HIGH = 10000  # prompt ids are drawn from [0, TOKEN_ID_HIGH)
+CEILING_BATCHES = (32, 256)  # M for the ceiling: a decode batch and a prefill chunk
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: list[int]
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    num_layers: int
+    hidden: int
+    intermediate: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab: int
+
+    @classmethod
+    def from_config(cls, config) -> ModelDims:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(
+            num_layers=config.num_hidden_layers,
+            hidden=config.hidden_size,
+            intermediate=config.intermediate_size,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads or config.num_attention_heads,
+            head_dim=head_dim,
+            vocab=config.vocab_size,
+        )
+
+    def layer_shapes(self) -> list[tuple[int, int]]:
+        """(K, N) of each matmul in one decoder layer, q/k/v and gate/up fused."""
+        h, hd = self.hidden, self.head_dim
+        return [
+            (h, (self.num_heads + 2 * self.num_kv_heads) * hd),  # qkv
+            (self.num_heads * hd, h),  # o
+            (h, 2 * self.intermediate),  # gate_up
+            (self.intermediate, h),  # down
+        ]
+
+    @property
+    def lm_head_shape(self) -> tuple[int, int]:
+        return (self.hidden, self.vocab)
+
+    @property
+    def non_embedding_params(self) -> int:
+        # Matmul weights only: the RMSNorm vectors (~35k values here) do no matmul work.
+        return self.num_layers * sum(k * n for k, n in self.layer_shapes())
+
+
+@dataclass
+class Result:
+    name: str
+    seconds: float
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+    note: str = ""
+
+    @property
+    def out_tok_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    @property
+    def total_tok_s(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.seconds
+
+
+def make_workload(num_requests: int, seed: int) -> list[Request]:
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(num_requests):
+        prompt_len = rng.randint(*PROMPT_LEN)
+        prompt = [rng.randrange(TOKEN_ID_HIGH) for _ in range(prompt_len)]
+        requests.append(Request(prompt, rng.randint(*OUTPUT_LEN)))
+    return requests
+
+
+def workload_tokens(requests: list[Request]) -> tuple[int, int]:
+    return sum(len(r.prompt) for r in requests), sum(r.max_tokens for r in requests)
+
+
+def check_lengths(name: str, requests: list[Request], outputs: list[list[int]]) -> None:
+    for i, (r, out) in enumerate(zip(requests, outputs, strict=True)):
+        if len(out) != r.max_tokens:
+            raise RuntimeError(f"{name}: request {i} made {len(out)} tokens, W1 asks for {r.max_tokens}")
+
+
+# ---------------------------------------------------------------- ceiling
+
+
+def model_flops(requests: list[Request], dims: ModelDims) -> int:
+    """Useful model FLOPs of a workload: 2·params per token fed, 2·hidden·vocab per logits row needed.
+
+    Each request feeds its prompt plus every output token but the last, and needs one row of
+    logits per output token (the last prompt position, then each decode step). Attention's
+    own score/value FLOPs are left out, as are recomputations after preemption.
+    """
+    fed = sum(len(r.prompt) + r.max_tokens - 1 for r in requests)
+    logits = sum(r.max_tokens for r in requests)
+    k, n = dims.lm_head_shape
+    return 2 * dims.non_embedding_params * fed + 2 * k * n * logits
+
+
+def _time_matmul(x: torch.Tensor, w: torch.Tensor, min_seconds: float = 0.05) -> float:
+    """Seconds per ``x @ w.T``: best of 3 runs, each repeated for at least ``min_seconds``."""
+    for _ in range(2):
+        x @ w.T
+    reps, t = 1, 0.0
+    while True:  # find a repeat count that takes long enough to time
+        start = time.perf_counter()
+        for _ in range(reps):
+            x @ w.T
+        t = time.perf_counter() - start
+        if t >= min_seconds:
+            break
+        reps *= 2
+    best = t / reps
+    for _ in range(2):
+        start = time.perf_counter()
+        for _ in range(reps):
+            x @ w.T
+        best = min(best, (time.perf_counter() - start) / reps)
+    return best
+
+
+@torch.inference_mode()
+def measure_ceiling(dims: ModelDims, dtype: torch.dtype, m: int) -> float:
+    """FLOP/s of one forward pass's matmuls for a batch of ``m`` tokens: total FLOPs ÷ total time."""
+    gen = torch.Generator().manual_seed(0)
+    flops, seconds = 0, 0.0
+    weighted = [(shape, dims.num_layers) for shape in dims.layer_shapes()] + [(dims.lm_head_shape, 1)]
+    for (k, n), count in weighted:
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        w = torch.randn(n, k, generator=gen).to(dtype)
+        seconds += count * _time_matmul(x, w)
+        flops += count * 2 * m * k * n
+    return flops / seconds
+
+
+# ---------------------------------------------------------------- systems
+
+
+def run_tokenmill(
+    path: str, requests: list[Request], dtype: str, max_num_seqs: int, max_num_batched_tokens: int
+) -> tuple[Result, list]:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(
+        model=path, dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+    )
+    llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in requests]
+    start = time.perf_counter()
+    outputs = llm.generate([r.prompt for r in requests], params)
+    seconds = time.perf_counter() - start
+    token_ids = [list(o.token_ids) for o in outputs]
+    check_lengths("tokenmill", requests, token_ids)
+    return Result("tokenmill", seconds, len(requests), *workload_tokens(requests)), token_ids
+
+
+def load_hf(path: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    if path.endswith(".gguf"):
+        model = AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype
+        )
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model.eval()
+
+
+@torch.inference_mode()
+def run_hf_sequential(model, requests: list[Request]) -> tuple[Result, list]:
+    from transformers import GenerationConfig
+
+    def generate(prompt: list[int], n: int) -> list[int]:
+        config = GenerationConfig(do_sample=False, max_new_tokens=n, pad_token_id=0)
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+        return out[0, ids.shape[1] :].tolist()
+
+    # With no EOS anywhere, generate() runs every request to max_new_tokens (EOS ignored).
+    # (eos_token_id=-1 does the same but warns on every call.)
+    saved_eos, model.generation_config.eos_token_id = model.generation_config.eos_token_id, None
+    try:
+        generate([1, 2, 3, 4], 4)  # warm-up
+        start = time.perf_counter()
+        token_ids = [generate(r.prompt, r.max_tokens) for r in requests]
+        seconds = time.perf_counter() - start
+    finally:
+        model.generation_config.eos_token_id = saved_eos
+    check_lengths("hf-sequential", requests, token_ids)
+    note = f"generate() one at a time, first {len(requests)} requests"
+    return Result("hf-sequential", seconds, len(requests), *workload_tokens(requests), note), token_ids
+
+
+@torch.inference_mode()
+def run_hf_generate_batch(model, requests: list[Request], max_num_seqs: int, max_batch_tokens: int):
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    generation_config = GenerationConfig(
+        do_sample=False, eos_token_id=-1, max_new_tokens=max(r.max_tokens for r in requests)
+    )
+    # Size the paged cache to hold the whole workload (no preemption) and give it the same
+    # sequence and token budgets as tokenmill; left alone, it sizes itself from free memory.
+    page_size = 256
+    num_blocks = sum(-(-(len(r.prompt) + r.max_tokens) // page_size) for r in requests) + 2
+    cb_config = ContinuousBatchingConfig(
+        page_size=page_size,
+        num_blocks=num_blocks,
+        max_batch_tokens=max_batch_tokens,
+        max_requests_per_batch=max_num_seqs,
+    )
+    hints = WorkloadHints(
+        max_prompt_length=max(len(r.prompt) for r in requests),
+        max_generated_length=max(r.max_tokens for r in requests),
+        num_requests=len(requests),
+    )
+
+    def run(manager, batch: list[Request]) -> list[list[int]]:
+        ids = [manager.add_request(r.prompt, max_new_tokens=r.max_tokens, eos_token_id=-1) for r in batch]
+        results = {}
+        while len(results) < len(ids):
+            result = manager.get_result(timeout=1)
+            if result is None:
+                if not manager.is_running():
+                    raise RuntimeError("transformers' continuous batching loop stopped")
+                continue
+            if result.is_finished():
+                if result.error is not None:
+                    raise RuntimeError(f"transformers' continuous batching: {result.error}")
+                results[result.request_id] = result
+        return [list(results[i].generated_tokens) for i in ids]
+
+    with model.continuous_batching_context_manager(
+        generation_config=generation_config,
+        continuous_batching_config=cb_config,
+        workload_hints=hints,
+    ) as manager:
+        run(manager, [Request([1, 2, 3, 4], 4)])  # warm-up
+        start = time.perf_counter()
+        token_ids = run(manager, requests)
+        seconds = time.perf_counter() - start
+    check_lengths("hf-generate-batch", requests, token_ids)
+    note = "continuous batching manager, per-request max_new_tokens"
+    return Result("hf-generate-batch", seconds, len(requests), *workload_tokens(requests), note), token_ids
+
+
+# ---------------------------------------------------------------- report
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Mean fraction of each output that two systems share as a common prefix (greedy parity)."""
+    fractions = []
+    for x, y in zip(a, b, strict=False):
+        same = 0
+        for s, t in zip(x, y, strict=False):
+            if s != t:
+                break
+            same += 1
+        fractions.append(same / max(len(x), 1))
+    return sum(fractions) / max(len(fractions), 1)
+
+
+def print_table(results: list[Result]) -> None:
+    print(f"{'system':<20}{'out tok/s':>12}{'total tok/s':>14}{'seconds':>10}{'requests':>10}  note")
+    for r in results:
+        print(
+            f"{r.name:<20}{r.out_tok_s:>12.1f}{r.total_tok_s:>14.1f}{r.seconds:>10.2f}"
+            f"{r.num_requests:>10}  {r.note}"
+        )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: bundled SmolLM2-135M)")
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="token budget per step (chunked prefill), for tokenmill and HF continuous batching",
+    )
+    p.add_argument("--compare", choices=("none", "hf"), default="none")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--hf-sequential-subset",
+        type=int,
+        default=4,
+        help="requests run through HF generate() one at a time (0 = skip)",
+    )
+    p.add_argument("--skip-tokenmill", action="store_true", help="run only the HF systems and the ceiling")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    from engine.model_path import resolve_model_path
+
+    path = resolve_model_path(args.model)
+    dtype = getattr(torch, args.dtype)
+    requests = make_workload(args.num_requests, args.seed)
+    prompt_tokens, output_tokens = workload_tokens(requests)
+    print(
+        f"W1: {len(requests)} requests, {prompt_tokens} prompt + {output_tokens} output tokens, "
+        f"{args.dtype}, {torch.get_num_threads()} threads, model {path}",
+        flush=True,
+    )
+
+    from transformers import AutoConfig
+
+    if path.endswith(".gguf"):
+        config = AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    else:
+        config = AutoConfig.from_pretrained(path)
+    dims = ModelDims.from_config(config)
+    ceilings = {m: measure_ceiling(dims, dtype, m) for m in CEILING_BATCHES}
+    ceiling = max(ceilings.values())
+    print("ceiling: " + ", ".join(f"M={m} {f / 1e9:.1f} GFLOP/s" for m, f in ceilings.items()), flush=True)
+
+    results: list[Result] = []
+    outputs: dict[str, list[list[int]]] = {}
+    if not args.skip_tokenmill:
+        result, outputs["tokenmill"] = run_tokenmill(
+            path, requests, args.dtype, args.max_num_seqs, args.max_num_batched_tokens
+        )
+        results.append(result)
+        print(f"tokenmill: {result.out_tok_s:.1f} out tok/s", flush=True)
+    if args.compare == "hf":
+        model = load_hf(path, dtype)
+        if args.hf_sequential_subset > 0:
+            subset = requests[: args.hf_sequential_subset]
+            result, outputs["hf-sequential"] = run_hf_sequential(model, subset)
+            results.append(result)
+            print(f"hf-sequential: {result.out_tok_s:.1f} out tok/s", flush=True)
+        result, outputs["hf-generate-batch"] = run_hf_generate_batch(
+            model, requests, args.max_num_seqs, args.max_num_batched_tokens
+        )
+        results.append(result)
+        print(f"hf-generate-batch: {result.out_tok_s:.1f} out tok/s", flush=True)
+
+    print()
+    print_table(results)
+    by_name = {r.name: r for r in results}
+
+    def rate(name: str) -> float | None:
+        return round(by_name[name].out_tok_s, 2) if name in by_name else None
+
+    tm = by_name.get("tokenmill")
+    hf_batch = by_name.get("hf-generate-batch")
+    flops = model_flops(requests, dims)
+    summary = {
+        "workload": "W1",
+        "num_requests": len(requests),
+        "prompt_len_range": list(PROMPT_LEN),
+        "output_len_range": list(OUTPUT_LEN),
+        "token_id_high": TOKEN_ID_HIGH,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "seed": args.seed,
+        "greedy": True,
+        "ignore_eos": True,
+        "model": path,
+        "dtype": args.dtype,
+        "max_num_seqs": args.max_num_seqs,
+        "threads": torch.get_num_threads(),
+        "tokenmill_out_tok_s": rate("tokenmill"),
+        "tokenmill_total_tok_s": round(tm.total_tok_s, 2) if tm else None,
+        "tokenmill_seconds": round(tm.seconds, 3) if tm else None,
+        "hf_sequential_out_tok_s": rate("hf-sequential"),
+        "hf_sequential_subset": args.hf_sequential_subset if "hf-sequential" in by_name else None,
+        "hf_generate_batch_out_tok_s": rate("hf-generate-batch"),
+        "ratio_vs_hf_generate_batch": round(tm.out_tok_s / hf_batch.out_tok_s, 3)
+        if tm and hf_batch
+        else None,
+        "ratio_vs_hf_sequential": (
+            round(tm.out_tok_s / by_name["hf-sequential"].out_tok_s, 3)
+            if tm and "hf-sequential" in by_name
+            else None
+        ),
+        "model_gflop": round(flops / 1e9, 2),
+        "ceiling_gflop_s": round(ceiling / 1e9, 2),
+        **{f"ceiling_gflop_s_m{m}": round(f / 1e9, 2) for m, f in ceilings.items()},
+        "ceiling_fraction": round(flops / tm.seconds / ceiling, 4) if tm else None,
+    }
+    if "tokenmill" in outputs:
+        for other in ("hf-sequential", "hf-generate-batch"):
+            if other in outputs:
+                key = "greedy_agreement_vs_" + other.replace("-", "_")
+                summary[key] = round(agreement(outputs["tokenmill"], outputs[other]), 4)
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
