@@ -60,7 +60,7 @@ class Engine:
         try:
             self.scheduler.add(req)
         except QueueFull as e:
-            raise RequestError(429, "rate_limit_exceeded", f"server busy: {e}; retry later") from e
+            raise RequestError(429, "rate_limit_error", f"server busy: {e}; retry later") from e
         self.requests[request_id] = req
 
     def abort(self, request_ids: list[str] | str) -> None:

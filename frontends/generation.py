@@ -64,11 +64,12 @@ class Choice:
 class Update:
     """What one choice produced in one batch."""
 
-    __slots__ = ("choice", "text", "logprobs", "finished")
+    __slots__ = ("choice", "text", "token_ids", "logprobs", "finished")
 
     def __init__(self, choice: Choice) -> None:
         self.choice = choice
         self.text = ""
+        self.token_ids: list[int] = []  # as the engine sent them (a stop string may cut the text short)
         self.logprobs: list[LogprobEntry] | None = None
         self.finished = False
 
@@ -119,6 +120,8 @@ class Generation:
             text, hit = choice.consume(item)
             if text:
                 up.text += text
+            if item.token_ids:
+                up.token_ids += item.token_ids
             if self.want_logprobs and item.logprobs:
                 entries = [(t, lp[0], lp[1]) for t, lp in zip(item.token_ids, item.logprobs, strict=False)]
                 up.logprobs = entries if up.logprobs is None else up.logprobs + entries

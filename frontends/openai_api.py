@@ -80,13 +80,23 @@ class OpenAIApi:
             return
         auth = req.headers.get("authorization", "")
         scheme, _, token = auth.partition(" ")
-        given = token.strip().encode() if scheme.lower() == "bearer" else b""
+        if not self.key_ok(token.strip() if scheme.lower() == "bearer" else ""):
+            raise ApiError(401, "Invalid or missing API key (send 'Authorization: Bearer <key>')",
+                           code="invalid_api_key")
+
+    @property
+    def auth_required(self) -> bool:
+        return bool(self._keys)
+
+    def key_ok(self, token: str) -> bool:
+        """Whether ``token`` is one of the API keys (always True when none are configured)."""
+        if not self._keys:
+            return True
+        given = token.encode("utf-8", "replace")
         ok = False
         for key in self._keys:  # no early exit: the time taken says nothing about which key nearly matched
             ok |= hmac.compare_digest(given, key)
-        if not ok:
-            raise ApiError(401, "Invalid or missing API key (send 'Authorization: Bearer <key>')",
-                           code="invalid_api_key")
+        return ok
 
     @property
     def max_model_len(self) -> int:
@@ -136,12 +146,17 @@ class OpenAIApi:
 
     async def completions(self, req: Request) -> Response | StreamingResponse:
         data = op.parse_json(req.body)
+        stream = op.field(data, "stream", bool, False)
+        include_usage = stream and self._include_usage(data)
+        gen, fmt = self.completion_job(data)
+        return await self._run(gen, fmt, stream, include_usage)
+
+    def completion_job(self, data: dict) -> tuple[Generation, _CompletionFormat]:
+        """A /v1/completions body checked and turned into an unstarted generation (also used over WebSocket)."""
         op.check_model(data, self.model)
         prompts = op.parse_prompts(data, self.codec.encode, self.codec.vocab_size)
         n = op.parse_n(data)
         echo = op.field(data, "echo", bool, False)
-        stream = op.field(data, "stream", bool, False)
-        include_usage = stream and self._include_usage(data)
         logprobs = op.field(data, "logprobs", int, None)
         if logprobs is not None and not 0 <= logprobs <= _MAX_LOGPROBS_COMPLETIONS:
             raise ApiError(400, f"logprobs must be in [0, {_MAX_LOGPROBS_COMPLETIONS}], got {logprobs}",
@@ -154,18 +169,22 @@ class OpenAIApi:
         self._require_engine()
         api_id = self._new_id("cmpl")
         gen = Generation(self.client, self.codec, api_id, prompts, n, self._seeded(base), priority)
-        fmt = _CompletionFormat(self, api_id, gen, echo, logprobs is not None)
-        return await self._run(gen, fmt, stream, include_usage)
+        return gen, _CompletionFormat(self, api_id, gen, echo, logprobs is not None)
 
     # ------------------------------------------------------------------ chat
 
     async def chat_completions(self, req: Request) -> Response | StreamingResponse:
         data = op.parse_json(req.body)
+        stream = op.field(data, "stream", bool, False)
+        include_usage = stream and self._include_usage(data)
+        gen, fmt = self.chat_job(data)
+        return await self._run(gen, fmt, stream, include_usage)
+
+    def chat_job(self, data: dict) -> tuple[Generation, _ChatFormat]:
+        """A /v1/chat/completions body checked and turned into an unstarted generation."""
         op.check_model(data, self.model)
         messages = op.parse_messages(data)
         n = op.parse_n(data)
-        stream = op.field(data, "stream", bool, False)
-        include_usage = stream and self._include_usage(data)
         want_logprobs = op.field(data, "logprobs", bool, False)
         top = op.field(data, "top_logprobs", int, None)
         if top is not None and not 0 <= top <= 20:
@@ -184,8 +203,7 @@ class OpenAIApi:
         self._require_engine()
         api_id = self._new_id("chatcmpl")
         gen = Generation(self.client, self.codec, api_id, [prompt], n, self._seeded(base), priority)
-        fmt = _ChatFormat(self, api_id, gen, want_logprobs)
-        return await self._run(gen, fmt, stream, include_usage)
+        return gen, _ChatFormat(self, api_id, gen, want_logprobs)
 
     # ------------------------------------------------------------------ running a generation
 
@@ -317,6 +335,10 @@ class _CompletionFormat:
                    for up in updates if up.text or up.finished or up.logprobs]
         return _sse({**self.base, "choices": choices}) if choices else b""
 
+    def delta_logprobs(self, up: Update) -> dict | None:
+        """One update's logprobs in this endpoint's shape (None when not asked for)."""
+        return self._choice_lp(up)
+
     def collect(self, updates: list[Update]) -> None:
         for up in updates:
             i = up.choice.index
@@ -377,6 +399,9 @@ class _ChatFormat:
                             "logprobs": {"content": self._chat_lp(up.logprobs)} if self.logprobs else None,
                             "finish_reason": up.choice.finish_reason if up.finished else None})
         return _sse({**self.base, "choices": choices}) if choices else b""
+
+    def delta_logprobs(self, up: Update) -> list[dict] | None:
+        return self._chat_lp(up.logprobs) if self.logprobs else None
 
     def collect(self, updates: list[Update]) -> None:
         for up in updates:

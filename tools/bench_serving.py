@@ -142,7 +142,104 @@ async def sse_request(client, args, prompt: str, est_tokens: int) -> RequestResu
     return r
 
 
-PROTOCOLS = {"sse": sse_request}
+class WsMux:
+    """``--protocol ws``: requests multiplexed over ``--ws-connections`` sockets to ``/v1/stream``."""
+
+    def __init__(self, args) -> None:
+        base = args.base_url.rstrip("/")
+        base = base[:-3] if base.endswith("/v1") else base
+        self.url = "ws" + base[len("http"):] + "/v1/stream" if base.startswith("http") else base + "/v1/stream"
+        self.headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        self.size = max(1, args.ws_connections)
+        self.conns: list = []
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.readers: list[asyncio.Task] = []
+        self.ids = iter(range(1 << 62))  # request ids
+        self.turn = iter(range(1 << 62))  # round robin
+        self.lock = asyncio.Lock()
+
+    async def conn(self):
+        """The next connection, round robin; opened on first use."""
+        async with self.lock:
+            if len(self.conns) < self.size:
+                from websockets.asyncio.client import connect
+
+                ws = await connect(self.url, additional_headers=self.headers, max_size=None)
+                self.conns.append(ws)
+                self.readers.append(asyncio.create_task(self._read(ws)))
+                return ws
+        return self.conns[next(self.turn) % self.size]
+
+    async def _read(self, ws) -> None:
+        try:
+            async for raw in ws:
+                now = time.perf_counter()
+                msg = json.loads(raw)
+                q = self.queues.get(msg.get("id"))
+                if q is not None:
+                    q.put_nowait((now, msg))
+        except Exception:  # noqa: BLE001 - a dropped socket fails its requests below
+            pass
+        for q in self.queues.values():
+            q.put_nowait((time.perf_counter(), {"type": "error", "error": {"message": "connection closed"}}))
+
+    async def close(self) -> None:
+        for ws in self.conns:
+            await ws.close()
+        for t in self.readers:
+            t.cancel()
+
+
+async def ws_request(client, args, prompt: str, est_tokens: int) -> RequestResult:
+    """One request over a shared WebSocket (``{"type": "completion" | "chat"}``, deltas until done)."""
+    mux = args.__dict__.setdefault("ws_mux", WsMux(args))
+    r = RequestResult(prompt_tokens=est_tokens)
+    rid = f"r{next(mux.ids)}"
+    req = {"type": "chat" if args.endpoint == "chat" else "completion", "id": rid, "model": args.model,
+           "max_tokens": args.output_len, "temperature": args.temperature}
+    if args.ignore_eos:
+        req["ignore_eos"] = True
+    if args.endpoint == "chat":
+        req["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        req["prompt"] = prompt
+    q = mux.queues[rid] = asyncio.Queue()
+    start = r.start = time.perf_counter()
+    last = start
+    chunks = 0
+    try:
+        ws = await mux.conn()
+        start = r.start = time.perf_counter()
+        await ws.send(json.dumps(req))
+        while True:
+            now, msg = await asyncio.wait_for(q.get(), args.timeout)
+            if msg["type"] == "delta":
+                if msg["text"]:
+                    if chunks == 0:
+                        r.ttft = now - start
+                    else:
+                        r.itl.append(now - last)
+                    chunks += 1
+                    last = now
+            elif msg["type"] == "done":
+                r.prompt_tokens = msg["usage"]["prompt_tokens"]
+                r.output_tokens = msg["usage"]["completion_tokens"]
+                break
+            else:
+                raise RuntimeError(msg["error"]["message"])
+        r.e2el = time.perf_counter() - start
+        r.ok = chunks > 0
+        if not r.ok:
+            r.error = "no tokens streamed"
+    except Exception as e:  # noqa: BLE001 - a failed request is a result, not a crash
+        r.error = f"{type(e).__name__}: {e}"
+        r.e2el = time.perf_counter() - start
+    finally:
+        mux.queues.pop(rid, None)
+    return r
+
+
+PROTOCOLS = {"sse": sse_request, "ws": ws_request}
 
 
 async def run_benchmark(args, prompts: list[tuple[str, int]]) -> tuple[list[RequestResult], float]:
@@ -178,6 +275,8 @@ async def run_benchmark(args, prompts: list[tuple[str, int]]) -> tuple[list[Requ
     results = await asyncio.gather(*tasks)
     duration = time.perf_counter() - t0
     await client.close()
+    if (mux := getattr(args, "ws_mux", None)) is not None:
+        await mux.close()
     return results, duration
 
 
@@ -273,7 +372,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY", "").split(",")[0] or None)
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     p.add_argument("--protocol", choices=sorted(PROTOCOLS), default="sse",
-                   help="how tokens are streamed back (default: sse)")
+                   help="how tokens are streamed back: sse (one HTTP request each) or ws (all multiplexed "
+                   "over --ws-connections WebSockets to /v1/stream) (default: sse)")
+    p.add_argument("--ws-connections", type=int, default=4,
+                   help="WebSocket connections shared by all requests with --protocol ws (default: 4)")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--input-len", type=int, default=128, help="prompt length in tokens")
     p.add_argument("--output-len", type=int, default=64, help="tokens to generate per request")

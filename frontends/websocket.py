@@ -1,0 +1,506 @@
+"""WebSocket token streaming at ``GET /v1/stream``, and the chat page at ``GET /``.
+
+RFC 6455 framing, the opening handshake and permessage-deflate come from the
+``websockets`` package's sans-I/O ``ServerProtocol``; this module owns the
+asyncio side: the HTTP server hands the transport over after the 101, and a
+``Connection`` feeds it bytes, writes what the protocol wants sent, and runs
+the generations.
+
+One connection carries many generations, each named by a client-chosen ``id``::
+
+    -> {"type": "completion", "id": "a", "prompt": "...", ...}   # /v1/completions fields
+    -> {"type": "chat", "id": "b", "messages": [...], ...}       # /v1/chat/completions fields
+    -> {"type": "cancel", "id": "a"}
+    -> {"type": "stats"}                                        # the engine's queue and KV use
+    <- {"type": "delta", "id": "a", "text": "...", "token_ids": [...], "logprobs": ...}
+    <- {"type": "done", "id": "a", "finish_reason": "length", "usage": {...}}
+    <- {"type": "error", "id": "a", "error": {"message", "type", "param", "code"}}
+
+Bodies are checked by the same code as the HTTP API (``OpenAIApi.completion_job``
+/ ``chat_job``), so the same request gives the same tokens and the same errors;
+only ``n`` = 1 and one prompt per message. A cancel (or the socket closing)
+aborts the engine request at once. The client is never waited for: what it has
+not read piles up in the transport, and past ``max_buffered_bytes`` the
+connection is closed with 1008 and its generations aborted, so a stalled reader
+costs neither the engine nor other clients anything.
+
+Auth: the HTTP API's keys, from ``Authorization: Bearer`` or, for browsers, a
+``Sec-WebSocket-Protocol`` value ``tokenmill.key.<KEY>`` (offer ``tokenmill.v1``
+with it: that is the one echoed back, so the key is not). Without keys, a
+browser page from another origin is refused (403): a WebSocket is not bound by
+the same-origin policy, and any site could otherwise drive the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from html import escape
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import orjson
+from websockets.datastructures import Headers
+from websockets.extensions.permessage_deflate import ServerPerMessageDeflateFactory
+from websockets.frames import Frame, Opcode
+from websockets.http11 import Request as WsRequest
+from websockets.protocol import State
+from websockets.server import ServerProtocol
+
+from frontends import openai_params as op
+from frontends.errors import ApiError, status_error_body
+from frontends.generation import Generation
+from frontends.http import HttpServer, Request, Response, Router, Upgrade
+from frontends.openai_api import OpenAIApi
+
+log = logging.getLogger("tokenmill.websocket")
+_wire_log = logging.getLogger("tokenmill.websocket.wire")  # the protocol layer's own log: a line per connection
+if _wire_log.level == logging.NOTSET:
+    _wire_log.setLevel(logging.WARNING)
+
+PATH = "/v1/stream"
+SUBPROTOCOL = "tokenmill.v1"
+KEY_PREFIX = "tokenmill.key."
+_STATIC = Path(__file__).with_name("static")
+
+# close codes (RFC 6455 section 7.4)
+NORMAL, GOING_AWAY, UNSUPPORTED, BAD_DATA, POLICY, TOO_BIG, INTERNAL = 1000, 1001, 1003, 1007, 1008, 1009, 1011
+
+
+@dataclass(frozen=True)
+class WsConfig:
+    max_message_bytes: int = 1 << 20  # a bigger incoming message closes the socket with 1009
+    max_buffered_bytes: int = 4 << 20  # unsent bytes before a client that does not read is cut off (1008)
+    max_generations: int = 256  # live generations on one connection; more get a 429 error
+    max_id_length: int = 256
+    ping_interval: float = 20.0
+    ping_timeout: float = 20.0  # no pong within this after a ping: close 1011
+    idle_timeout: float = 300.0  # no generation and no message for this long: close 1000
+    close_timeout: float = 5.0  # after our close frame, how long the client gets before the TCP cut
+    compression: bool = True  # permessage-deflate, when the client offers it
+    socket_send_buffer: int | None = None  # SO_SNDBUF; None keeps the kernel's autotuning (up to tcp_wmem's max)
+
+
+def register(router: Router, api: OpenAIApi, config: WsConfig | None = None) -> WebSocketEndpoint:
+    """Add ``/v1/stream`` (upgrade, and a 426 for plain GETs) and the chat page at ``/``."""
+    ep = WebSocketEndpoint(api, config or WsConfig())
+    router.add_upgrade(PATH, ep.upgrade)
+    router.add("GET", PATH, ep.not_upgraded)
+    router.add("GET", "/", ep.chat_page)
+    return ep
+
+
+class WebSocketEndpoint:
+    """The handshake (auth, origin, negotiation) and the chat page; one per frontend process."""
+
+    def __init__(self, api: OpenAIApi, config: WsConfig) -> None:
+        self.api = api
+        self.config = config
+        self.connections: set[Connection] = set()
+        page = (_STATIC / "index.html").read_text(encoding="utf-8")
+        page = page.replace("{{MODEL}}", escape(api.model)).replace(
+            "{{AUTH}}", "required" if api.auth_required else "none")
+        self._page = page.encode()
+
+    async def chat_page(self, req: Request) -> Response:
+        return Response(200, self._page, "text/html; charset=utf-8", [
+            ("cache-control", "no-cache"),
+            ("x-content-type-options", "nosniff"),
+            ("content-security-policy", "default-src 'none'; script-src 'unsafe-inline'; "
+             "style-src 'unsafe-inline'; connect-src 'self' ws: wss:; frame-ancestors 'none'"),
+        ])
+
+    async def not_upgraded(self, req: Request) -> Response:
+        return Response(426, status_error_body(426, f"{PATH} is a WebSocket endpoint: send an Upgrade request"),
+                        headers=[("upgrade", "websocket")])
+
+    async def upgrade(self, req: Request) -> Response | Upgrade:
+        offered = _offered_subprotocols(req)
+        self._check_auth(req, offered)
+        server = req.protocol.server if req.protocol is not None else None
+        if server is not None and server.shutting_down:
+            raise ApiError(503, "Server is shutting down")
+        extensions = [ServerPerMessageDeflateFactory(server_max_window_bits=12, client_max_window_bits=12,
+                                                     compress_settings={"memLevel": 5})]
+        proto = ServerProtocol(extensions=extensions if self.config.compression else None,
+                               select_subprotocol=_select_subprotocol, max_size=self.config.max_message_bytes,
+                               logger=_wire_log)
+        if req.method != "GET":
+            return Response(405, status_error_body(405, f"A WebSocket upgrade must be a GET, not {req.method}"),
+                            headers=[("allow", "GET")])
+        # the head goes through the protocol object itself, so that it moves on to reading frames
+        target = req.path + ("?" + req.query if req.query else "")
+        headers = Headers((k.decode("latin-1"), v.decode("latin-1")) for k, v in req.raw_headers)
+        proto.receive_data(WsRequest(target, headers).serialize())
+        parsed = proto.events_received()
+        if not parsed:
+            raise ApiError(400, f"Bad WebSocket handshake: {proto.handshake_exc}")
+        resp = proto.accept(parsed[0])
+        if resp.status_code != 101:
+            msg = (resp.body or b"").decode("utf-8", "replace").strip() or "WebSocket handshake failed"
+            extra = [(k, v) for k, v in resp.headers.raw_items() if k.lower() in ("upgrade", "allow")]
+            return Response(resp.status_code, status_error_body(resp.status_code, msg), headers=extra)
+        proto.send_response(resp)
+        head = b"".join(proto.data_to_send())
+        return Upgrade(Connection(self, proto, server), head)
+
+    def _check_auth(self, req: Request, offered: list[str]) -> None:
+        api = self.api
+        if api.auth_required:
+            scheme, _, token = req.headers.get("authorization", "").partition(" ")
+            tokens = [token.strip()] if scheme.lower() == "bearer" else []
+            tokens += [p[len(KEY_PREFIX):] for p in offered if p.startswith(KEY_PREFIX)]
+            if not any([api.key_ok(t) for t in tokens]):  # a list: every candidate is compared
+                raise ApiError(401, "Invalid or missing API key (send 'Authorization: Bearer <key>' or the "
+                               f"subprotocol '{KEY_PREFIX}<key>')", code="invalid_api_key")
+            return
+        origin = req.headers.get("origin")
+        if origin and urlsplit(origin).netloc.lower() != req.headers.get("host", "").lower():
+            raise ApiError(403, f"Cross-origin WebSocket from {origin} refused (configure API keys to allow "
+                           "other origins)", type="permission_error", code="origin_not_allowed")
+
+
+def _offered_subprotocols(req: Request) -> list[str]:
+    out = []
+    for k, v in req.raw_headers:
+        if k.lower() == b"sec-websocket-protocol":
+            out += [p.strip() for p in v.decode("latin-1").split(",") if p.strip()]
+    return out
+
+
+def _select_subprotocol(proto: ServerProtocol, offered) -> str | None:
+    # a browser fails the handshake unless one offered value comes back: prefer the one that is not a key
+    if SUBPROTOCOL in offered:
+        return SUBPROTOCOL
+    return next((p for p in offered if p.startswith(KEY_PREFIX)), None)
+
+
+def _error_msg(gid: str | None, e: ApiError) -> dict:
+    msg: dict = {"type": "error"}
+    if gid is not None:
+        msg["id"] = gid
+    msg["error"] = {"message": e.message, "type": e.type, "param": e.param, "code": e.code or e.status}
+    return msg
+
+
+class _Live:
+    __slots__ = ("gen", "task")
+
+    def __init__(self, gen: Generation, task: asyncio.Task) -> None:
+        self.gen = gen
+        self.task = task
+
+
+class Connection(asyncio.Protocol):
+    """One upgraded client connection and its generations."""
+
+    def __init__(self, ep: WebSocketEndpoint, proto: ServerProtocol, server: HttpServer | None) -> None:
+        self.ep = ep
+        self.api = ep.api
+        self.config = ep.config
+        self.proto = proto
+        self.server = server
+        self.transport: asyncio.Transport | None = None
+        self.lost = False
+        self.live: dict[str, _Live] = {}
+        self._side_tasks: set[asyncio.Task] = set()  # stats requests
+        self._frags: list[bytes] | None = None  # a fragmented message being put together
+        self._frag_opcode = Opcode.TEXT
+        self._flush_scheduled = False
+        self._ping_payload = b""
+        self._ping_timer: asyncio.TimerHandle | None = None
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._close_timer: asyncio.TimerHandle | None = None
+        self._last_activity = 0.0
+
+    # ------------------------------------------------------------------ asyncio callbacks
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        if self.config.socket_send_buffer and (sock := transport.get_extra_info("socket")) is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.config.socket_send_buffer)
+        self.ep.connections.add(self)
+        if self.server is not None:
+            self.server.connections.add(self)  # so a graceful shutdown closes it too
+        loop = asyncio.get_running_loop()
+        self._last_activity = loop.time()
+        self._ping_timer = loop.call_later(self.config.ping_interval, self._ping)
+        self._idle_timer = loop.call_later(self.config.idle_timeout, self._check_idle)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self.ep.connections.discard(self)
+        if self.server is not None:
+            self.server.connections.discard(self)
+        for t in (self._ping_timer, self._idle_timer, self._close_timer):
+            if t is not None:
+                t.cancel()
+        self._cancel_all()
+
+    def eof_received(self) -> bool:
+        return False  # the client is gone: close, which cancels its generations
+
+    def data_received(self, data: bytes) -> None:
+        proto = self.proto
+        proto.receive_data(data)
+        for frame in proto.events_received():
+            self._on_frame(frame)
+        self._flush()
+        if proto.state is not State.OPEN:
+            self._cancel_all()
+            self._expect_close()
+
+    # ------------------------------------------------------------------ for HttpServer.shutdown
+
+    @property
+    def idle(self) -> bool:
+        return not self.live
+
+    def close(self) -> None:
+        self._close(GOING_AWAY, "server shutting down")
+
+    def abort(self) -> None:
+        self._cancel_all()
+        if self.transport is not None:
+            self.transport.abort()
+
+    # ------------------------------------------------------------------ incoming
+
+    def _on_frame(self, frame: Frame) -> None:
+        op_ = frame.opcode
+        if op_ is Opcode.TEXT or op_ is Opcode.BINARY:
+            if frame.fin:
+                self._on_message(op_, frame.data)
+            else:
+                self._frags, self._frag_opcode = [frame.data], op_
+        elif op_ is Opcode.CONT:
+            if self._frags is not None:  # the protocol layer already rejects a stray continuation
+                self._frags.append(frame.data)
+                if frame.fin:
+                    data, self._frags = b"".join(self._frags), None
+                    self._on_message(self._frag_opcode, data)
+        elif op_ is Opcode.PONG:
+            if self._ping_payload and frame.data == self._ping_payload:
+                self._ping_payload = b""
+                self._rearm_ping(self.config.ping_interval)
+        elif op_ is Opcode.CLOSE:
+            self._cancel_all()
+
+    def _on_message(self, opcode: Opcode, data: bytes) -> None:
+        self._last_activity = asyncio.get_running_loop().time()
+        if opcode is Opcode.BINARY:
+            self._send(_error_msg(None, ApiError(400, "Binary messages are not supported: send JSON text",
+                                                 code="unsupported_data")))
+            return
+        try:
+            msg = orjson.loads(data)
+        except orjson.JSONDecodeError as e:
+            try:
+                bytes(data).decode("utf-8")
+            except UnicodeDecodeError:
+                self._fail(BAD_DATA, "invalid UTF-8 in a text message")
+                return
+            self._send(_error_msg(None, ApiError(400, f"Malformed JSON message: {e}")))
+            return
+        gid = msg.get("id") if isinstance(msg, dict) else None
+        if not (isinstance(gid, str) and 0 < len(gid) <= self.config.max_id_length):
+            gid = None  # not echoed back
+        try:
+            if not isinstance(msg, dict):
+                raise ApiError(400, "A message must be a JSON object")
+            kind = msg.get("type")
+            if kind == "completion" or kind == "chat":
+                self._start(kind, self._check_id(msg), msg)
+            elif kind == "cancel":
+                self._cancel(self._check_id(msg))
+            elif kind == "stats":
+                task = asyncio.get_running_loop().create_task(self._stats(gid))
+                self._side_tasks.add(task)
+                task.add_done_callback(self._side_tasks.discard)
+            else:
+                raise ApiError(400, f"Unknown message type {kind!r}: expected 'completion', 'chat', 'cancel' "
+                               "or 'stats'", param="type")
+        except ApiError as e:
+            self._send(_error_msg(gid, e))
+        except Exception:  # noqa: BLE001 - one bad message must not take the connection's other generations down
+            log.exception("websocket message failed")
+            self._send(_error_msg(gid, ApiError(500, "Internal server error")))
+
+    def _check_id(self, msg: dict) -> str:
+        gid = msg.get("id")
+        if not isinstance(gid, str) or not gid:
+            raise ApiError(400, "Missing 'id': every completion, chat and cancel message needs a non-empty "
+                           "string id", param="id")
+        if len(gid) > self.config.max_id_length:
+            raise ApiError(400, f"'id' is longer than {self.config.max_id_length} characters", param="id")
+        return gid
+
+    # ------------------------------------------------------------------ generations
+
+    def _start(self, kind: str, gid: str, msg: dict) -> None:
+        if gid in self.live:
+            raise ApiError(400, f"A generation with id {gid!r} is still running on this connection (it "
+                           "goes on); use a new id", param="id", code="duplicate_id")
+        if len(self.live) >= self.config.max_generations:
+            raise ApiError(429, f"Too many generations on one connection (limit {self.config.max_generations})")
+        if self.server is not None and self.server.shutting_down:
+            raise ApiError(503, "Server is shutting down")
+        if op.parse_n(msg) != 1:
+            raise ApiError(400, "Only n=1 is supported over WebSocket: send one message (with its own id) per "
+                           "choice", param="n")
+        gen, fmt = self.api.completion_job(msg) if kind == "completion" else self.api.chat_job(msg)
+        if len(gen.choices) != 1:
+            raise ApiError(400, "One prompt per message over WebSocket: send one message (with its own id) per "
+                           "prompt", param="prompt")
+        gen.start()
+        task = asyncio.get_running_loop().create_task(self._pump(gid, gen, fmt))
+        self.live[gid] = _Live(gen, task)
+
+    async def _pump(self, gid: str, gen: Generation, fmt) -> None:
+        """Forward one generation's batches (one delta per engine step) until it ends."""
+        choice = gen.choices[0]
+        send = self._send
+        want_lp = fmt.logprobs
+        try:
+            if getattr(fmt, "echo", False):
+                text, lp = fmt._echo(choice)
+                msg = {"type": "delta", "id": gid, "text": text, "token_ids": choice.prompt_ids}
+                if want_lp:
+                    msg["logprobs"] = lp
+                send(msg)
+            while not gen.done:
+                for up in await gen.next_updates():
+                    if up.text or up.token_ids or up.logprobs:
+                        msg = {"type": "delta", "id": gid, "text": up.text, "token_ids": up.token_ids}
+                        if want_lp:
+                            msg["logprobs"] = fmt.delta_logprobs(up)
+                        send(msg)
+            send({"type": "done", "id": gid, "finish_reason": choice.finish_reason, "usage": gen.usage()})
+        except ApiError as e:
+            send(_error_msg(gid, e))
+        except Exception:  # noqa: BLE001
+            log.exception("websocket generation %s failed", gid)
+            send(_error_msg(gid, ApiError(500, "Internal server error")))
+        finally:
+            gen.abort_unfinished()
+            entry = self.live.get(gid)
+            if entry is not None and entry.gen is gen:  # the id may already be reused after a cancel
+                del self.live[gid]
+            self._generation_ended()
+
+    def _cancel(self, gid: str) -> None:
+        """Abort now and say so; cancelling an id that is not running does nothing (it may have just ended)."""
+        entry = self.live.pop(gid, None)
+        if entry is None:
+            return
+        entry.gen.abort_unfinished()
+        entry.task.cancel()
+        self._send({"type": "done", "id": gid, "finish_reason": "cancelled", "usage": entry.gen.usage()})
+        self._generation_ended()
+
+    def _generation_ended(self) -> None:
+        if self.lost:
+            return
+        self._last_activity = asyncio.get_running_loop().time()
+        if not self.live and self.server is not None and self.server.shutting_down:
+            self.close()
+
+    def _cancel_all(self) -> None:
+        live, self.live = self.live, {}
+        for entry in live.values():
+            entry.gen.abort_unfinished()
+            entry.task.cancel()
+        for task in list(self._side_tasks):
+            task.cancel()
+
+    async def _stats(self, gid: str | None) -> None:
+        try:
+            s = await self.api.client.stats()
+        except Exception as e:  # noqa: BLE001 - EngineUnavailable or a timeout
+            self._send(_error_msg(gid, ApiError(503, f"Engine unavailable: {e}")))
+            return
+        msg = {"type": "stats", "num_waiting": s.num_waiting, "num_running": s.num_running,
+               "kv_usage": s.kv_usage, "num_free_blocks": s.num_free_blocks, "num_kv_blocks": s.num_kv_blocks}
+        if gid is not None:
+            msg["id"] = gid
+        self._send(msg)
+
+    # ------------------------------------------------------------------ outgoing
+
+    def _send(self, msg: dict) -> None:
+        if self.lost or self.proto.state is not State.OPEN:
+            return
+        self.proto.send_text(orjson.dumps(msg))
+        if not self._flush_scheduled:  # every message of this loop turn goes out in one write
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if self.lost:
+            return
+        out = self.proto.data_to_send()
+        if not out:
+            return
+        eof = out[-1] == b""
+        if eof:
+            out.pop()
+        transport = self.transport
+        if out:
+            transport.writelines(out)
+        if eof:
+            transport.close()  # what is buffered still goes out; the close timer cuts a client that never reads
+            self._expect_close()
+        elif transport.get_write_buffer_size() > self.config.max_buffered_bytes:
+            log.warning("websocket client %s is not reading: closing it", transport.get_extra_info("peername"))
+            self._fail(POLICY, f"client too slow: more than {self.config.max_buffered_bytes} bytes unread")
+
+    def _close(self, code: int, reason: str) -> None:
+        """The closing handshake: our close frame now, the TCP close when the client answers (or times out)."""
+        self._cancel_all()
+        if not self.lost and self.proto.state is State.OPEN:
+            self.proto.send_close(code, reason)
+            self._flush()
+            self._expect_close()
+
+    def _fail(self, code: int, reason: str) -> None:
+        self._cancel_all()
+        if not self.lost and self.proto.state is State.OPEN:
+            self.proto.fail(code, reason)
+            self._flush()
+
+    def _expect_close(self) -> None:
+        if self._close_timer is None and not self.lost:
+            self._close_timer = asyncio.get_running_loop().call_later(self.config.close_timeout, self.abort)
+
+    # ------------------------------------------------------------------ keepalive
+
+    def _rearm_ping(self, delay: float) -> None:
+        if self._ping_timer is not None:
+            self._ping_timer.cancel()
+        self._ping_timer = asyncio.get_running_loop().call_later(delay, self._ping)
+
+    def _ping(self) -> None:
+        if self.lost or self.proto.state is not State.OPEN:
+            return
+        if self._ping_payload:  # the last ping got no pong in time
+            self._fail(INTERNAL, "keepalive ping timeout")
+            return
+        self._ping_payload = os.urandom(4)
+        self.proto.send_ping(self._ping_payload)
+        self._flush()
+        self._rearm_ping(self.config.ping_timeout)
+
+    def _check_idle(self) -> None:
+        if self.lost:
+            return
+        loop = asyncio.get_running_loop()
+        left = self._last_activity + self.config.idle_timeout - loop.time()
+        if self.live or left > 0:
+            delay = self.config.idle_timeout if self.live else max(left, 0.01)
+            self._idle_timer = loop.call_later(delay, self._check_idle)
+            return
+        self._close(NORMAL, "idle timeout")
