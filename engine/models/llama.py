@@ -78,7 +78,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """(T,) token ids at (T,) positions -> (T, hidden) final hidden states."""
         x = self.embed_tokens[input_ids]  # (T, hidden)
-        cos, sin = self.rotary(positions)  # (T, D/2) each
+        cos, sin = self.rotary(positions, x.dtype)  # (T, D/2) each
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, meta)
