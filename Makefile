@@ -23,7 +23,7 @@ serve: install
 
 test: install
 	$(VENV)/bin/ruff check engine frontends kernels tests tools
-	$(PY) -m pytest $(ARGS)
+	$(PY) -m pytest -q $(ARGS)
 
 bench: install
 	$(PY) tools/bench_offline.py --compare hf $(ARGS)
