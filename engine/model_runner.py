@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention import build_metadata
 from engine.config import EngineConfig
 from engine.loader import build_model, load_model_config
 from engine.request import Request
@@ -74,40 +74,17 @@ class ModelRunner:
         reqs, counts = batch.requests, batch.num_new_tokens
         starts = [r.num_computed_tokens for r in reqs]
         tokens: list[int] = []
+        sampled: list[Request] = []  # sequences whose every token is now computed
+        sample_rows: list[int] = []  # their last token's row in the flat batch
         for r, c, n in zip(reqs, starts, counts, strict=True):
             tokens.extend(r.all_token_ids[c:c + n])
-        b = len(reqs)
+            if c + n == r.num_tokens:
+                sampled.append(r)
+                sample_rows.append(len(tokens) - 1)
         dev = self.facts.device
-        q_lens = torch.tensor(counts, dtype=torch.int64)
-        query_start = torch.zeros(b + 1, dtype=torch.int64)
-        torch.cumsum(q_lens, 0, out=query_start[1:])
-        seq_lens = torch.tensor(starts, dtype=torch.int64) + q_lens
-        max_blocks = max(len(r.block_table) for r in reqs)
-        block_tables = torch.tensor([r.block_table + [0] * (max_blocks - len(r.block_table)) for r in reqs],
-                                    dtype=torch.int64)
-        # Per flat token: which sequence, and its position in that sequence.
-        seq_of = torch.repeat_interleave(torch.arange(b), q_lens)  # (T,)
-        t = len(tokens)
-        offset_in_q = torch.arange(t) - query_start[:-1][seq_of]
-        positions = (seq_lens - q_lens)[seq_of] + offset_in_q
-        slot_mapping = block_tables[seq_of, positions // self.block_size] * self.block_size \
-            + positions % self.block_size
-        qmax = max(counts)
-        grid = torch.arange(qmax)[None, :]
-        q_index = torch.where(grid < q_lens[:, None], query_start[:-1, None] + grid, t)  # (B, Q)
-        out_index = seq_of * qmax + offset_in_q  # (T,)
-        # Rows that sample: sequences whose every token is now computed.
-        sampled = [r for r, c, n in zip(reqs, starts, counts, strict=True) if c + n == r.num_tokens]
-        sample_rows = [int(query_start[i + 1]) - 1 for i, (r, c, n) in enumerate(zip(reqs, starts, counts,
-                                                                                      strict=True))
-                       if c + n == r.num_tokens]
-        meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(dev), block_tables=block_tables.to(dev), seq_lens=seq_lens.to(dev),
-            query_start=query_start.to(dev), q_index=q_index.to(dev), out_index=out_index.to(dev),
-            max_seq_len=int(seq_lens.max()), max_query_len=qmax,
-        )
+        positions, meta = build_metadata(counts, starts, [r.block_table for r in reqs], self.block_size, dev)
         input_ids = torch.tensor(tokens, dtype=torch.int64, device=dev)
-        return input_ids, positions.to(dev), meta, torch.tensor(sample_rows, device=dev), sampled
+        return input_ids, positions, meta, torch.tensor(sample_rows, device=dev), sampled
 
     def _prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor) -> None:
         """Logprobs of each prompt token given the ones before it, gathered chunk by chunk."""

@@ -19,59 +19,65 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, v)
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.Tensor,
-                    q_index: torch.Tensor, out_index: torch.Tensor, max_seq_len: int,
-                    scale: float) -> torch.Tensor:
-    """Causal attention of flattened queries over each sequence's paged context.
-
-    q: (T, H, D) new tokens of B sequences, flattened. The sequence ``b`` owns
-    queries ``query_start[b]:query_start[b+1]`` and has ``seq_lens[b]`` tokens of
-    context in total (cached ones plus these), the new ones last.
-    ``q_index`` (B, Q) gathers each sequence's queries into a padded (B, Q) grid
-    (pad entries point at row T, a zero row); ``out_index`` (T,) picks each real
-    query back out of the flattened grid. Returns (T, H, D).
-    """
-    t, h, d = q.shape
-    num_blocks, block_size, hkv, _ = k_cache.shape
-    b, qmax = q_index.shape
-    # Padded queries: (B, Q, H, D); a pure decode batch (Q == 1) is already that shape.
-    qp = q.unsqueeze(1) if qmax == 1 else torch.cat([q, q.new_zeros(1, h, d)])[q_index]
-    # Each sequence's context from its blocks: (B, S, Hkv, D), S = blocks * block_size
+def _gather_context(cache: torch.Tensor, block_tables: torch.Tensor, max_seq_len: int) -> torch.Tensor:
+    """Each sequence's first ``max_seq_len`` cached tokens from its blocks: (B, S, Hkv, D)."""
+    num_blocks, block_size, hkv, d = cache.shape
     nblk = -(-max_seq_len // block_size)
     bt = block_tables[:, :nblk].reshape(-1)
     # index_select over whole blocks (rows of a 2-D view) is ~3x faster than advanced indexing
-    k = k_cache.view(num_blocks, -1).index_select(0, bt).view(b, nblk * block_size, hkv, d)[:, :max_seq_len]
-    v = v_cache.view(num_blocks, -1).index_select(0, bt).view(b, nblk * block_size, hkv, d)[:, :max_seq_len]
-    if qmax == 1 and q.dtype != torch.float32:
-        return _decode_attention(q, k, v, seq_lens, scale)
+    rows = cache.view(num_blocks, -1).index_select(0, bt)
+    return rows.view(block_tables.shape[0], nblk * block_size, hkv, d)[:, :max_seq_len]
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
+                           scale: float) -> torch.Tensor:
+    """One new query per sequence: q (B, H, D) attends to its ``seq_lens[b]`` cached tokens."""
+    b, h, d = q.shape
+    k = _gather_context(k_cache, block_tables, max_seq_len)  # (B, S, Hkv, D)
+    v = _gather_context(v_cache, block_tables, max_seq_len)
+    hkv = k.shape[2]
+    visible = torch.arange(max_seq_len, device=q.device)[None, :] < seq_lens[:, None]  # (B, S)
+    if q.dtype == torch.float32:
+        out = F.scaled_dot_product_attention(
+            q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), attn_mask=visible[:, None, None],
+            scale=scale, enable_gqa=hkv != h,
+        )  # (B, H, 1, D)
+        return out.view(b, h, d)
+    # On the CPU, SDPA's 16-bit kernel is ~5x slower than two matmuls for decode shapes.
+    qg = q.view(b, hkv, h // hkv, d)  # (B, Hkv, G, D): head h reads kv head h // G
+    scores = torch.einsum("bhgd,bshd->bhgs", qg, k).float() * scale  # (B, Hkv, G, S)
+    probs = scores.masked_fill(~visible[:, None, None, :], float("-inf")).softmax(-1).to(q.dtype)
+    return torch.einsum("bhgs,bshd->bhgd", probs, v).reshape(b, h, d)
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.Tensor,
+                            q_index: torch.Tensor, out_index: torch.Tensor, max_seq_len: int,
+                            scale: float) -> torch.Tensor:
+    """Causal attention of several new tokens per sequence over each one's paged context.
+
+    q: (T, H, D) new tokens of B sequences, flattened. Sequence ``b`` owns queries
+    ``query_start[b]:query_start[b+1]`` and has ``seq_lens[b]`` tokens of context in
+    total (cached ones plus these), the new ones last: a prompt chunk after a
+    prefix. ``q_index`` (B, Q) gathers each sequence's queries into a padded grid
+    (pad cells point at row T, a zero row); ``out_index`` (T,) picks each real query
+    back out of the flattened grid. Returns (T, H, D).
+    """
+    t, h, d = q.shape
+    b, qmax = q_index.shape
+    qp = torch.cat([q, q.new_zeros(1, h, d)])[q_index]  # (B, Q, H, D)
+    k = _gather_context(k_cache, block_tables, max_seq_len)  # (B, S, Hkv, D)
+    v = _gather_context(v_cache, block_tables, max_seq_len)
     # Query i of sequence b sits at position seq_len - q_len + i and sees keys 0..that position.
     q_lens = query_start[1:] - query_start[:-1]
     q_pos = (seq_lens - q_lens)[:, None] + torch.arange(qmax, device=q.device)[None, :]  # (B, Q)
-    k_pos = torch.arange(max_seq_len, device=q.device)
-    mask = k_pos[None, None, :] <= q_pos[:, :, None]  # (B, Q, S)
+    mask = torch.arange(max_seq_len, device=q.device)[None, None, :] <= q_pos[:, :, None]  # (B, Q, S)
     out = F.scaled_dot_product_attention(
         qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        attn_mask=mask[:, None], scale=scale, enable_gqa=hkv != h,
+        attn_mask=mask[:, None], scale=scale, enable_gqa=k.shape[2] != h,
     )  # (B, H, Q, D)
-    out = out.transpose(1, 2).reshape(b * qmax, h, d)
-    return out if qmax == 1 else out[out_index]
-
-
-def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor,
-                      scale: float) -> torch.Tensor:
-    """One query per sequence, as two batched matmuls (softmax in fp32).
-
-    On the CPU, SDPA's 16-bit kernel is ~5x slower than this for decode shapes;
-    for float32 SDPA wins, so this path is taken for 16-bit dtypes only.
-    """
-    b, h, d = q.shape
-    hkv = k.shape[2]
-    qg = q.view(b, hkv, h // hkv, d)  # (B, Hkv, G, D): head h reads kv head h // G
-    scores = torch.einsum("bhgd,bshd->bhgs", qg, k).float() * scale  # (B, Hkv, G, S)
-    visible = torch.arange(k.shape[1], device=q.device)[None, :] < seq_lens[:, None]  # (B, S)
-    probs = scores.masked_fill(~visible[:, None, None, :], float("-inf")).softmax(-1).to(q.dtype)
-    return torch.einsum("bhgs,bshd->bhgd", probs, v).reshape(b, h, d)
+    return out.transpose(1, 2).reshape(b * qmax, h, d)[out_index]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
