@@ -35,7 +35,11 @@ class Engine:
         self.model_name = config.served_model_name or model_name(path)
         self.runner = ModelRunner(config, path)
         facts = self.runner.facts
-        self.max_model_len = facts.max_model_len
+        capacity = facts.num_kv_blocks * config.block_size
+        if capacity < facts.max_model_len:  # never advertise a length the cache cannot hold
+            log.warning("the KV cache holds %d tokens: max_model_len lowered from %d", capacity,
+                        facts.max_model_len)
+        self.max_model_len = min(facts.max_model_len, capacity)
         self.vocab_size = self.runner.model_cfg.vocab_size
         self.eos_token_ids = list(self.runner.model_cfg.eos_token_ids)
         self.block_manager = BlockManager(facts.num_kv_blocks, config.block_size)
@@ -98,10 +102,6 @@ class Engine:
         if total > self.max_model_len:
             bad(f"this model's maximum context length is {self.max_model_len} tokens, but the request "
                 f"asks for {total} ({len(prompt)} in the prompt + {params.max_tokens} max_tokens)",
-                "max_tokens")
-        capacity = self.block_manager.num_blocks * self.block_manager.block_size
-        if total > capacity:
-            bad(f"the request needs {total} tokens of KV cache but the whole cache holds {capacity}",
                 "max_tokens")
 
     def _postprocess(self, batch: ScheduledBatch, result: StepResult) -> list[Delta]:

@@ -51,34 +51,50 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
 
         outputs: dict[str, RequestOutput] = {}
-        for prompt, p in zip(prompts, params, strict=True):
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            rid = str(next(self._ids))
-            outputs[rid] = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids,
-                                         logprobs=[] if p.logprobs is not None else None)
-            self.engine.add_request(rid, ids, p)
-        params_of = dict(zip(outputs, params, strict=True))
-        while self.engine.has_work():
-            for d in self.engine.step():
-                out = outputs[d.request_id]
-                out.token_ids.extend(d.token_ids)
-                if d.logprobs is not None:
-                    out.logprobs.extend(d.logprobs)
-                if d.prompt_logprobs is not None:
-                    out.prompt_logprobs = d.prompt_logprobs
-                out.finish_reason, out.stop_reason = d.finish_reason, d.stop_reason
-                stops = params_of[d.request_id].stop
-                if stops and out.finish_reason is None and self._hit_stop(out, stops):
-                    self.engine.abort(d.request_id)
-        for out in outputs.values():
-            if out.text == "":
+        params_of: dict[str, SamplingParams] = {}
+        stopped: set[str] = set()  # ended by a stop string: their text is already cut
+        seen: dict[str, int] = {}  # text length at the previous stop-string check
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                rid = str(next(self._ids))
+                self.engine.add_request(rid, ids, p)
+                outputs[rid] = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids,
+                                             logprobs=[] if p.logprobs is not None else None)
+                params_of[rid] = p
+            while self.engine.has_work():
+                for d in self.engine.step():
+                    out = outputs.get(d.request_id)
+                    if out is None or d.request_id in stopped:
+                        continue
+                    out.token_ids.extend(d.token_ids)
+                    if d.logprobs is not None:
+                        out.logprobs.extend(d.logprobs)
+                    if d.prompt_logprobs is not None:
+                        out.prompt_logprobs = d.prompt_logprobs
+                    out.finish_reason, out.stop_reason = d.finish_reason, d.stop_reason
+                    p = params_of[d.request_id]
+                    if p.stop and self._hit_stop(out, p, seen):
+                        stopped.add(d.request_id)
+                        self.engine.abort(d.request_id)
+        except BaseException:
+            self.engine.abort(list(outputs))  # leave nothing behind for the next call
+            raise
+        for rid, out in outputs.items():
+            if rid not in stopped:
                 out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
         return list(outputs.values())
 
-    def _hit_stop(self, out: RequestOutput, stops: list[str]) -> bool:
-        """Stop strings, offline: cut the text before the first match (the match is not returned)."""
+    def _hit_stop(self, out: RequestOutput, p: SamplingParams, seen: dict[str, int]) -> bool:
+        """Stop strings, offline, as vLLM checks them: only in text new since the last check
+        (plus room for a match straddling it), never before ``min_tokens``; the text is cut
+        before the match, which is not returned."""
         text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-        hits = [(i, s) for s in stops if (i := text.find(s)) >= 0]
+        since = seen.get(out.request_id, 0)
+        seen[out.request_id] = len(text)
+        if len(out.token_ids) < p.min_tokens:
+            return False
+        hits = [(i, s) for s in p.stop if (i := text.find(s, max(0, since - len(s) + 1))) >= 0]
         if not hits:
             return False
         i, s = min(hits)

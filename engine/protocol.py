@@ -105,8 +105,8 @@ class SamplingParams:
                 bad(name, f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not 0.0 < num("repetition_penalty") <= 10.0:
             bad("repetition_penalty", f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
-        if self.seed is not None:
-            integer("seed")
+        if self.seed is not None and not -(2**63) <= integer("seed") < 2**64:
+            bad("seed", f"seed must fit in 64 bits, got {self.seed}")
         if integer("min_tokens") < 0:
             bad("min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.min_tokens > self.max_tokens:

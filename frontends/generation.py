@@ -21,16 +21,17 @@ LogprobEntry = tuple[int, float | None, list | None]
 
 
 class Choice:
-    __slots__ = ("index", "request_id", "prompt_ids", "detok", "stops", "finish_reason", "num_tokens",
-                 "num_prompt_tokens", "num_cached_tokens", "prompt_logprobs", "text_offset")
+    __slots__ = ("index", "request_id", "prompt_ids", "detok", "stops", "min_tokens", "finish_reason",
+                 "num_tokens", "num_prompt_tokens", "num_cached_tokens", "prompt_logprobs", "text_offset")
 
     def __init__(self, index: int, request_id: str, prompt_ids: list[int], codec: TextCodec,
-                 stop: list[str]) -> None:
+                 stop: list[str], min_tokens: int = 0) -> None:
         self.index = index
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.detok = IncrementalDetokenizer(codec, prompt_ids)
         self.stops = StopStrings(stop) if stop else None
+        self.min_tokens = min_tokens  # as in vLLM, stop strings are not looked for before this many tokens
         self.finish_reason: str | None = None
         self.num_tokens = 0
         self.num_prompt_tokens = len(prompt_ids)
@@ -50,7 +51,7 @@ class Choice:
         if d.finish_reason is not None:
             text += self.detok.flush()
         hit = False
-        if self.stops is not None:
+        if self.stops is not None and self.num_tokens >= self.min_tokens:
             text, hit = self.stops.feed(text)
             if hit:
                 self.finish_reason = "stop"
@@ -87,7 +88,8 @@ class Generation:
                 idx = p_idx * n + i
                 params = params_for(i)
                 self._params.append(params)
-                self.choices.append(Choice(idx, f"{api_id}-{idx}", prompt, codec, params.stop))
+                self.choices.append(Choice(idx, f"{api_id}-{idx}", prompt, codec, params.stop,
+                                           params.min_tokens))
         self._by_id = {c.request_id: c for c in self.choices}
         self._priority = priority
         self.want_logprobs = self._params[0].logprobs is not None
@@ -99,6 +101,9 @@ class Generation:
         except EngineUnavailable as e:
             self.abort_unfinished()
             raise ApiError(503, f"Engine unavailable: {e}") from None
+        except BaseException:
+            self.abort_unfinished()  # never leave part of a fan-out running unattended
+            raise
 
     @property
     def done(self) -> bool:

@@ -214,12 +214,12 @@ class OpenAIApi:
 
     @staticmethod
     def _seeded(base):
-        """n choices with one seed must differ: choice i gets seed + i."""
+        """n choices with one seed must differ: choice i gets seed + i (mod 2**64, msgpack's range)."""
         from dataclasses import replace
 
         if base.seed is None:
             return lambda i: base
-        return lambda i: base if i == 0 else replace(base, seed=base.seed + i)
+        return lambda i: base if i == 0 else replace(base, seed=(base.seed + i) % 2**64)
 
     async def _run(self, gen: Generation, fmt, stream: bool, include_usage: bool):
         gen.start()

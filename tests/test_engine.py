@@ -121,11 +121,9 @@ def test_prompt_logprobs_survive_chunking(tiny_llama):
 
 
 def test_bad_requests_are_refused(tiny_llama):
-    eng = LLM(tiny_llama, num_kv_blocks=8, max_model_len=256, max_waiting=2).engine
+    eng = LLM(tiny_llama, num_kv_blocks=32, max_model_len=256, max_waiting=2).engine
     with pytest.raises(RequestError, match="maximum context length is 256.*250 in the prompt \\+ 10"):
         eng.add_request("a", [1] * 250, SamplingParams(max_tokens=10))
-    with pytest.raises(RequestError, match="KV cache"):
-        eng.add_request("a", [1] * 100, SamplingParams(max_tokens=100))  # 8 blocks x 16 = 128 tokens
     with pytest.raises(RequestError, match="empty"):
         eng.add_request("a", [], SamplingParams())
     with pytest.raises(RequestError, match="token ids"):
@@ -137,6 +135,37 @@ def test_bad_requests_are_refused(tiny_llama):
     with pytest.raises(RequestError) as e:
         eng.add_request("c", [1], SamplingParams())
     assert e.value.status == 429
+
+
+def test_max_model_len_never_exceeds_the_kv_cache(tiny_llama):
+    eng = LLM(tiny_llama, num_kv_blocks=4, max_model_len=256).engine  # 4 blocks x 16 = 64 tokens
+    assert eng.max_model_len == 64 and eng.ready_info().max_model_len == 64
+    eng.add_request("a", [1] * 31, SamplingParams(max_tokens=33))
+    with pytest.raises(RequestError, match="maximum context length is 64"):
+        eng.add_request("b", [1] * 31, SamplingParams(max_tokens=34))
+
+
+def test_offline_stop_strings_and_refusals(tiny_llama):
+    llm = LLM(tiny_llama, num_kv_blocks=64, max_model_len=128)
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    base = llm.generate([9, 10, 11], SamplingParams(max_tokens=6, **greedy))[0]
+    words = base.text.split()
+    first, last = words[0], words[-1]
+    # a stop string matching at the very start leaves no text
+    out = llm.generate([9, 10, 11], SamplingParams(max_tokens=6, stop=[base.text[:len(first) + 1]], **greedy))[0]
+    assert out.text == "" and out.finish_reason == "stop"
+    # one completed by the last allowed token is still cut
+    out = llm.generate([9, 10, 11], SamplingParams(max_tokens=6, stop=[last], **greedy))[0]
+    assert out.text == base.text[:base.text.rindex(last)] and out.finish_reason == "stop"
+    # min_tokens: stop strings are not looked for before that many tokens
+    out = llm.generate([9, 10, 11], SamplingParams(max_tokens=6, stop=[base.text[:len(first) + 1]],
+                                                   min_tokens=6, **greedy))[0]
+    assert out.text == base.text and out.finish_reason == "length"
+    # a refused prompt leaves nothing behind in the engine
+    with pytest.raises(RequestError):
+        llm.generate([[1, 2], [1] * 200], SamplingParams(max_tokens=4))
+    assert not llm.engine.has_work()
+    assert llm.generate([9, 10, 11], SamplingParams(max_tokens=6, **greedy))[0].token_ids == base.token_ids
 
 
 def test_config_is_validated():
