@@ -21,7 +21,7 @@ LogprobEntry = tuple[int, float | None, list | None]
 
 
 class Choice:
-    __slots__ = ("index", "request_id", "prompt_ids", "detok", "stops", "min_tokens", "finish_reason",
+    __slots__ = ("index", "request_id", "prompt_ids", "detok", "stops", "min_tokens", "finish_reason", "stop_reason",
                  "num_tokens", "num_prompt_tokens", "num_cached_tokens", "prompt_logprobs", "text_offset")
 
     def __init__(self, index: int, request_id: str, prompt_ids: list[int], codec: TextCodec,
@@ -33,6 +33,7 @@ class Choice:
         self.stops = StopStrings(stop) if stop else None
         self.min_tokens = min_tokens  # as in vLLM, stop strings are not looked for before this many tokens
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None  # the stop string or stop token id that ended it
         self.num_tokens = 0
         self.num_prompt_tokens = len(prompt_ids)
         self.num_cached_tokens = 0
@@ -54,11 +55,11 @@ class Choice:
         if self.stops is not None and self.num_tokens >= self.min_tokens:
             text, hit = self.stops.feed(text)
             if hit:
-                self.finish_reason = "stop"
+                self.finish_reason, self.stop_reason = "stop", self.stops.matched
             elif d.finish_reason is not None:
                 text += self.stops.flush()
         if d.finish_reason is not None and not hit:
-            self.finish_reason = d.finish_reason
+            self.finish_reason, self.stop_reason = d.finish_reason, d.stop_reason
         return text, hit
 
 

@@ -356,7 +356,7 @@ class _CompletionFormat:
                 ptext, plp = self._echo(c)
                 text, lp = ptext + text, self._merge(plp, lp)
             choices.append({"index": c.index, "text": text, "logprobs": lp,
-                            "finish_reason": c.finish_reason, "stop_reason": None})
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return {**self.base, "choices": choices, "usage": self.gen.usage()}
 
     def usage_chunk(self) -> dict:
@@ -413,7 +413,7 @@ class _ChatFormat:
         return {**self.base, "object": "chat.completion", "choices": [
             {"index": c.index, "message": {"role": "assistant", "content": self.texts[c.index]},
              "logprobs": {"content": self.lps[c.index]} if self.logprobs else None,
-             "finish_reason": c.finish_reason, "stop_reason": None}
+             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             for c in self.gen.choices], "usage": self.gen.usage()}
 
     def usage_chunk(self) -> dict:

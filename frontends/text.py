@@ -132,11 +132,12 @@ class IncrementalDetokenizer:
 class StopStrings:
     """Cuts streamed text at the first stop string (which is not returned)."""
 
-    __slots__ = ("_stops", "_held")
+    __slots__ = ("_stops", "_held", "matched")
 
     def __init__(self, stops: list[str]) -> None:
         self._stops = stops
         self._held = ""
+        self.matched: str | None = None  # the stop string that hit
 
     def feed(self, text: str) -> tuple[str, bool]:
         """(text safe to emit now, whether a stop string matched)."""
@@ -145,7 +146,7 @@ class StopStrings:
         for s in self._stops:
             i = buf.find(s)
             if i != -1 and (best == -1 or i < best):
-                best = i
+                best, self.matched = i, s
         if best != -1:
             self._held = ""
             return buf[:best], True

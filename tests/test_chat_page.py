@@ -1,7 +1,7 @@
 """The chat page at ``GET /`` in headless Chromium: a reply streams in over /v1/stream, and Stop cancels.
 
 The frontend is a real frontend process (``build_router`` registers the WebSocket
-module) against the slow fake engine of test_frontend_openai, with an API key, so
+module) against the slow fake engine of tools/fake_engine.py, with an API key, so
 the page's key field and the ``tokenmill.key.<KEY>`` subprotocol are exercised.
 Chromium comes from Debian (``apt-get install chromium``); without it the test
 skips, except under CI=true, where it fails.
@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.test_frontend_openai import KEY, FakeEngine, free_port, start_frontend, stop_frontend
+from tools.fake_engine import KEY, FakeEngine, free_port, start_frontend, stop_frontend
 
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

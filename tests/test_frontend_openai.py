@@ -1,153 +1,32 @@
-"""The OpenAI API end to end: a frontend process against a fake engine written here.
+"""The OpenAI API end to end: a frontend process against the fake engine of ``tools/fake_engine.py``.
 
-The fake engine is a ZMQ ROUTER in a thread: it answers HELLO with READY and,
-for each ADD, "generates" the prompt's own tokens again (cyclically) until
-max_tokens or a stop token id, one token per request per step, all of one
-frontend's deltas in one OUTPUTS message. It records ADDs and ABORTs so tests
-can assert what the frontend told the engine.
+The fake engine "generates" the prompt's own tokens again (cyclically) until
+max_tokens or a stop token id, one token per request per step, and records
+ADDs and ABORTs so tests can assert what the frontend told the engine.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
-import os
 import socket
-import subprocess
-import sys
 import threading
 import time
 
 import openai
 import pytest
-import zmq
 
-from engine.protocol import (
-    Abort,
-    Add,
-    Delta,
-    Error,
-    Hello,
-    Outputs,
-    Ready,
-    Stats,
-    decode,
-    encode,
+from engine.protocol import Error
+from tools.fake_engine import (
+    KEY,
+    MAX_MODEL_LEN,
+    MODEL,
+    VOCAB,
+    FakeEngine,
+    free_port,
+    start_frontend,
+    stop_frontend,
 )
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KEY = "sk-test-key"
-MODEL = "smol"
-MAX_MODEL_LEN = 512
-VOCAB = 49152
-
-
-class FakeEngine(threading.Thread):
-    def __init__(self, address: str, step_delay: float = 0.0, tokens_per_step: int = 1) -> None:
-        super().__init__(daemon=True)
-        self.address = address
-        self.step_delay = step_delay
-        self.tokens_per_step = tokens_per_step
-        self.refuse: Error | None = None  # answer every ADD with this error
-        self.adds: list[Add] = []
-        self.aborts: list[str] = []
-        self.running: dict[str, list] = {}  # request id -> [identity, Add, produced]
-        self._halt = threading.Event()
-        self.bound = threading.Event()
-
-    def run(self) -> None:
-        ctx = zmq.Context()
-        sock = ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.bind(self.address)
-        self.bound.set()
-        while not self._halt.is_set():
-            timeout = 0 if self.running else 20
-            while sock.poll(timeout):
-                timeout = 0
-                ident, frame = sock.recv_multipart()
-                self.handle(sock, ident, decode(frame))
-            if self.running:
-                self.step(sock)
-                if self.step_delay:
-                    time.sleep(self.step_delay)
-        sock.close(0)
-        ctx.term()
-
-    def handle(self, sock, ident: bytes, msg) -> None:
-        if isinstance(msg, Hello):
-            ready = Ready(MODEL, MAX_MODEL_LEN, VOCAB, [2], 64, 1000, 16)
-            sock.send_multipart([ident, encode(ready)])
-        elif isinstance(msg, Add):
-            self.adds.append(msg)
-            if self.refuse is not None:
-                err = Error(msg.request_id, self.refuse.status, self.refuse.type, self.refuse.message)
-                sock.send_multipart([ident, encode(err)])
-            else:
-                self.running[msg.request_id] = [ident, msg, 0]
-        elif isinstance(msg, Abort):
-            self.aborts.extend(msg.request_ids)
-            for rid in msg.request_ids:
-                self.running.pop(rid, None)
-        elif isinstance(msg, Stats):
-            sock.send_multipart([ident, encode(Stats(0, len(self.running), 0.1, 900, 1000))])
-
-    def step(self, sock) -> None:
-        by_ident: dict[bytes, list[Delta]] = {}
-        for rid, entry in list(self.running.items()):
-            ident, add, produced = entry
-            prompt, p = add.prompt_token_ids, add.params
-            toks, lps, finish = [], [], None
-            for _ in range(self.tokens_per_step):
-                t = prompt[(produced + len(toks)) % len(prompt)]
-                toks.append(t)
-                lps.append([-0.5, [[t, -0.5], [(t + 1) % VOCAB, -1.5]][: max(p.logprobs or 0, 1)]])
-                if t in p.stop_token_ids:
-                    finish = "stop"
-                    break
-                if produced + len(toks) >= p.max_tokens:
-                    finish = "length"
-                    break
-            d = Delta(rid, toks, finish, lps if p.logprobs is not None else None)
-            if produced == 0:
-                d.num_prompt_tokens = len(prompt)
-                if p.prompt_logprobs is not None:
-                    d.prompt_logprobs = [None] + [[-1.0, [[t, -1.0]]] for t in prompt[1:]]
-            entry[2] = produced + len(toks)
-            if finish:
-                del self.running[rid]
-            by_ident.setdefault(ident, []).append(d)
-        for ident, deltas in by_ident.items():
-            sock.send_multipart([ident, encode(Outputs(deltas))])
-
-    def stop(self) -> None:
-        self._halt.set()
-        self.join(5)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_frontend(engine_address: str, tokenizer_dir: str, port: int, api_keys=(KEY,), **extra):
-    code = (
-        "import sys; from frontends.server import FrontendArgs, run_frontend\n"
-        f"args = FrontendArgs(engine_address={engine_address!r}, model_path={tokenizer_dir!r}, "
-        f"served_model_name={MODEL!r}, host='127.0.0.1', port={port}, api_keys={list(api_keys)!r}, "
-        f"frontend_id='fe-test', **{extra!r})\n"
-        "run_frontend(args, ready=lambda: print('READY', flush=True))\n"
-    )
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    assert line.strip() == "READY", f"frontend did not start: {line!r}"
-    return proc
-
-
-def stop_frontend(proc) -> int:
-    proc.terminate()
-    return proc.wait(15)
 
 
 @pytest.fixture(scope="module")
@@ -313,6 +192,24 @@ def test_stop_string_held_back_while_streaming(client, tok):
     chunks = list(client.completions.create(model=MODEL, prompt=ids, max_tokens=len(ids), stop=["eee fff"],
                                             stream=True))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == "aaa bbb ccc ddd eee"
+
+
+def test_stop_reason_and_min_tokens_hold_stop_strings(stack, tok):
+    ids = tok.encode("aaa bbb ccc ddd eee", add_special_tokens=False)
+    body = {"model": MODEL, "prompt": ids, "max_tokens": len(ids), "stop": ["bbb"]}
+    choice = post(stack[1], "/v1/completions", body).json()["choices"][0]
+    assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == ("aaa ", "stop", "bbb")
+    # as in vLLM, stop strings are not looked for before min_tokens tokens exist
+    choice = post(stack[1], "/v1/completions", {**body, "min_tokens": len(ids)}).json()["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == ("aaa bbb ccc ddd eee", "length")
+
+
+def test_n_with_the_largest_seed(stack):
+    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3, "n": 2, "seed": 2**64 - 1}
+    r = post(stack[1], "/v1/completions", body)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2
+    assert [a.params.seed for a in stack[0].adds[-2:]] == [2**64 - 1, 0]  # choice i: seed + i, mod 2**64
+    _err(post(stack[1], "/v1/completions", {**body, "seed": 2**64}), 400, "invalid_request_error", "seed")
 
 
 def test_utf8_split_across_tokens(client, tok):

@@ -1,4 +1,4 @@
-"""WebSocket streaming at /v1/stream against the fake engine of test_frontend_openai.
+"""WebSocket streaming at /v1/stream against the fake engine of tools/fake_engine.py.
 
 The frontend runs in the test's own event loop (``serving``) so each test can pick
 its limits (``WsConfig``) and look at the engine's ADDs and ABORTs; clients are the
@@ -31,7 +31,8 @@ from frontends.http import HttpServer
 from frontends.openai_api import OpenAIApi
 from frontends.text import TextCodec, load_tokenizer
 from frontends.websocket import WsConfig
-from tests.test_frontend_openai import KEY, MODEL, FakeEngine, call, post
+from tests.test_frontend_openai import call, post
+from tools.fake_engine import KEY, MODEL, FakeEngine
 
 _client_ids = itertools.count()
 AUTH = {"Authorization": f"Bearer {KEY}"}
