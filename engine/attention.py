@@ -28,7 +28,7 @@ def _to(obj, device: torch.device):
 
 @dataclass
 class DecodeMetadata:
-    token_rows: torch.Tensor | None  # (Bd,) rows of the flat batch; None = all of them
+    token_rows: torch.Tensor  # (Bd,) rows of the flat batch, longest sequence first
     block_tables: torch.Tensor  # (Bd, max_blocks)
     seq_lens: torch.Tensor  # (Bd,) context length including the new token
     max_seq_len: int
@@ -74,9 +74,9 @@ def build_metadata(query_lens: list[int], computed_lens: list[int], block_tables
     decode = prefill = None
     if num_decode:
         seqs = is_decode.nonzero().squeeze(1)
+        seqs = seqs[torch.argsort(seq_lens[seqs], descending=True)]  # similar lengths side by side
         lens = seq_lens[seqs]
-        decode = DecodeMetadata(None if num_decode == b else query_start[seqs], tables[seqs], lens,
-                                int(lens.max()))
+        decode = DecodeMetadata(query_start[seqs], tables[seqs], lens, int(lens[0]))
     if num_decode < b:
         seqs = (~is_decode).nonzero().squeeze(1)
         pq = q_lens[seqs]
@@ -115,13 +115,12 @@ class Attention(nn.Module):
         # q: (T, H, D), k/v: (T, Hkv, D)
         kernels.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         d, p = meta.decode, meta.prefill
-        if p is None:
-            return self._decode(q, d)
         if d is None:
-            return self._prefill(q, p)
+            return self._prefill(q, p)  # (T, H, D)
         out = torch.empty_like(q)
         out.index_copy_(0, d.token_rows, self._decode(q.index_select(0, d.token_rows), d))
-        out.index_copy_(0, p.token_rows, self._prefill(q.index_select(0, p.token_rows), p))
+        if p is not None:
+            out.index_copy_(0, p.token_rows, self._prefill(q.index_select(0, p.token_rows), p))
         return out  # (T, H, D)
 
     def _decode(self, q: torch.Tensor, d: DecodeMetadata) -> torch.Tensor:

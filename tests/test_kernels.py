@@ -55,6 +55,7 @@ def make_batch(seq_lens, query_lens, dtype, seed=0):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("query_lens,seq_lens", [
     ([1, 1, 1], [5, 9, 1]),  # decode only
+    ([1] * 37, [(7 * i) % 23 + 1 for i in range(37)]),  # decode in several groups, sorted by length
     ([6, 3], [6, 10]),  # fresh prompt and a chunk after a cached prefix
     ([1, 7, 1, 2], [13, 7, 4, 8]),  # mixed: decodes and prompt chunks in one batch
 ])
@@ -72,7 +73,7 @@ def test_paged_attention_matches_naive(query_lens, seq_lens, dtype, tol):
 
 def test_metadata_splits_decode_and_prefill_rows():
     _, _, _, _, _, _, meta, _ = make_batch([13, 7, 4, 8], [1, 7, 1, 2], torch.float32)
-    assert meta.decode.token_rows.tolist() == [0, 8]
+    assert meta.decode.token_rows.tolist() == [0, 8]  # longest first
     assert meta.decode.seq_lens.tolist() == [13, 4]
     assert meta.prefill.token_rows.tolist() == [1, 2, 3, 4, 5, 6, 7, 9, 10]
     assert meta.prefill.query_start.tolist() == [0, 7, 9]
