@@ -60,7 +60,7 @@ class Engine:
                     priority: int = 0, deadline: float | None = None) -> None:
         self._check(request_id, prompt_token_ids, params)
         req = Request(request_id, prompt_token_ids, params, priority, deadline,
-                      SamplingState(params, self.config.seed))
+                      SamplingState(params))
         try:
             self.scheduler.add(req)
         except QueueFull as e:

@@ -29,7 +29,6 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: str):
-        self.config = config
         device = pick_device(config)
         dtype = pick_dtype(config, device)
         self.model_cfg = load_model_config(model_path)
@@ -55,8 +54,7 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> StepResult:
         input_ids, positions, meta, sample_rows, sampled = self._prepare(batch)
         hidden = self.model(input_ids, positions, meta)  # (T, hidden)
-        prompt_lp_reqs = [r for r in batch.requests if r.params.prompt_logprobs is not None]
-        if prompt_lp_reqs:
+        if any(r.params.prompt_logprobs is not None for r in batch.requests):
             self._prompt_logprobs(batch, hidden)
         if not sampled:
             return StepResult([], None)

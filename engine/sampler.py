@@ -43,16 +43,15 @@ class SamplingState:
     a seeded request draws the same noise on any device) and a few flags derived from
     the params once, so the per-step checks stay cheap.
 
-    ``engine_seed`` does not enter a seeded request's generator: the same ``seed``
+    The engine's seed does not enter a seeded request's generator: the same ``seed``
     must give the same tokens on every engine (data-parallel ranks, restarts), as
     in vLLM and OpenAI. Unseeded requests draw from the ``Sampler``'s own generator,
     which the engine seeds with its ``--seed``.
     """
 
-    __slots__ = ("engine_seed", "generator", "plain_greedy", "needs_penalties", "_prompt_len", "_prompt_ids")
+    __slots__ = ("generator", "plain_greedy", "needs_penalties", "_prompt_len", "_prompt_ids")
 
-    def __init__(self, params: SamplingParams, engine_seed: int) -> None:
-        self.engine_seed = engine_seed
+    def __init__(self, params: SamplingParams) -> None:
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator(device="cpu")

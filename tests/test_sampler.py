@@ -27,7 +27,7 @@ PROBS = [0.5, 0.2, 0.15, 0.1, 0.05]
 def _call(sampler: Sampler, logits: torch.Tensor, params: list[SamplingParams], states=None,
           prompts=None, outputs=None):
     n = len(params)
-    states = states if states is not None else [SamplingState(p, 0) for p in params]
+    states = states if states is not None else [SamplingState(p) for p in params]
     prompts = prompts if prompts is not None else [[] for _ in range(n)]
     outputs = outputs if outputs is not None else [[] for _ in range(n)]
     return sampler(logits, params, states, prompts, outputs)
@@ -95,7 +95,7 @@ def _run_steps(sampler: Sampler, rows: list[tuple[SamplingParams, SamplingState,
 
 def test_seeded_request_is_independent_of_the_batch():
     p = SamplingParams(temperature=1.0, top_p=0.95, seed=1234)
-    alone = _run_steps(Sampler(64, [EOS], "cpu", seed=0), [(p, SamplingState(p, 0), 7)], steps=8)[0]
+    alone = _run_steps(Sampler(64, [EOS], "cpu", seed=0), [(p, SamplingState(p), 7)], steps=8)[0]
 
     others = [
         SamplingParams(temperature=0.8),  # unseeded: engine generator
@@ -103,22 +103,22 @@ def test_seeded_request_is_independent_of_the_batch():
         SamplingParams(temperature=0.0),  # greedy row
         SamplingParams(temperature=1.0, presence_penalty=1.0, logprobs=3),
     ]
-    rows = [(o, SamplingState(o, 5), key) for key, o in enumerate(others, start=20)]
-    rows.insert(2, (p, SamplingState(p, 5), 7))  # the same request, mid-batch, different engine seed
+    rows = [(o, SamplingState(o), key) for key, o in enumerate(others, start=20)]
+    rows.insert(2, (p, SamplingState(p), 7))  # the same request, mid-batch
     in_batch = _run_steps(Sampler(64, [EOS], "cpu", seed=5), rows, steps=8)[2]
     assert in_batch == alone
 
     # and the seed matters: another seed gives another sequence
     q = SamplingParams(temperature=1.0, top_p=0.95, seed=4321)
-    other_seed = _run_steps(Sampler(64, [EOS], "cpu"), [(q, SamplingState(q, 0), 7)], steps=8)[0]
+    other_seed = _run_steps(Sampler(64, [EOS], "cpu"), [(q, SamplingState(q), 7)], steps=8)[0]
     assert other_seed != alone
 
 
 def test_unseeded_rows_follow_the_engine_seed():
     p = SamplingParams(temperature=1.0)
-    a = _run_steps(Sampler(64, [EOS], "cpu", seed=3), [(p, SamplingState(p, 3), k) for k in range(4)], 5)
-    b = _run_steps(Sampler(64, [EOS], "cpu", seed=3), [(p, SamplingState(p, 3), k) for k in range(4)], 5)
-    c = _run_steps(Sampler(64, [EOS], "cpu", seed=4), [(p, SamplingState(p, 4), k) for k in range(4)], 5)
+    a = _run_steps(Sampler(64, [EOS], "cpu", seed=3), [(p, SamplingState(p), k) for k in range(4)], 5)
+    b = _run_steps(Sampler(64, [EOS], "cpu", seed=3), [(p, SamplingState(p), k) for k in range(4)], 5)
+    c = _run_steps(Sampler(64, [EOS], "cpu", seed=4), [(p, SamplingState(p), k) for k in range(4)], 5)
     assert a == b
     assert a != c
 
@@ -219,7 +219,7 @@ def test_min_p_mask_directly():
 
 
 def _process(logits, params, prompts, outputs, eos=(EOS,)):
-    return process_logits(logits, params, [SamplingState(p, 0) for p in params],
+    return process_logits(logits, params, [SamplingState(p) for p in params],
                           prompts, outputs, list(eos))
 
 
