@@ -8,8 +8,6 @@ block manager fills ``block_table``; the engine appends sampled tokens.
 from __future__ import annotations
 
 import enum
-import itertools
-import time
 from typing import Any
 
 from engine.protocol import SamplingParams
@@ -21,13 +19,10 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-_arrival = itertools.count()
-
-
 class Request:
     __slots__ = (
         "request_id", "prompt_token_ids", "output_token_ids", "params", "priority", "deadline",
-        "arrival", "arrival_time", "status", "num_computed_tokens", "block_table",
+        "status", "num_computed_tokens", "block_table",
         "finish_reason", "stop_reason", "sampling_state", "num_cached_tokens", "num_preemptions",
         "prompt_logprobs", "_all_token_ids",
     )
@@ -41,8 +36,6 @@ class Request:
         self.params = params
         self.priority = priority
         self.deadline = deadline
-        self.arrival = next(_arrival)  # admission order tie-breaker
-        self.arrival_time = time.monotonic()
         self.status = Status.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.block_table: list[int] = []
@@ -64,11 +57,6 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self._all_token_ids
-
-    @property
-    def is_prefill(self) -> bool:
-        """Still computing the prompt (or recomputing after a preemption)."""
-        return self.num_computed_tokens < self.num_tokens - 1
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -27,10 +27,6 @@ class ScheduledBatch:
     def __len__(self) -> int:
         return len(self.requests)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
 
 class QueueFull(Exception):
     pass

@@ -80,12 +80,3 @@ class ModelConfig:
             eos_token_ids=tuple(int(e) for e in eos),
             bos_token_id=cfg.get("bos_token_id"),
         )
-
-    @property
-    def num_params(self) -> int:
-        """Parameters touched per token, without the embedding and LM head."""
-        q = self.num_heads * self.head_dim
-        kv = self.num_kv_heads * self.head_dim
-        attn = self.hidden_size * (q + 2 * kv) + q * self.hidden_size
-        mlp = 3 * self.hidden_size * self.intermediate_size
-        return self.num_layers * (attn + mlp)
