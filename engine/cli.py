@@ -140,22 +140,8 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _chat_prompt(llm, text: str) -> str:
-    tok = getattr(llm, "tokenizer", None)
-    if tok is None:
-        tok = _load_tokenizer(getattr(llm, "model_path", None) or llm.config.model)
-    return tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                   add_generation_prompt=True)
-
-
-def _load_tokenizer(model: str | None):
-    from transformers import AutoTokenizer
-
-    from engine.model_path import resolve_model_path
-
-    path = resolve_model_path(model)
-    if path.endswith(".gguf"):
-        return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-    return AutoTokenizer.from_pretrained(path)
+    return llm.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -55,7 +55,6 @@ class ServeOptions:
     startup_timeout: float = 300.0  # the engine's model load dominates
     shutdown_timeout: float = 30.0  # per group (frontends, then engine) before SIGKILL
     engine_death_grace: float = 2.0  # frontends stay up answering 503 after the engine died
-    engine_address: str | None = None  # default: ipc:// in the runtime dir
 
     def __post_init__(self) -> None:
         if self.api_server_count < 1:
@@ -185,7 +184,7 @@ class Launcher:
 
     # -------------------------------------------------------------- public
 
-    def run(self, announce=print) -> int:
+    def run(self) -> int:
         """Serve until a signal (exit 0) or the engine dies (exit 1)."""
         o = self.options
         check_port_free(o.host, o.port)
@@ -200,8 +199,8 @@ class Launcher:
             scheme = "https" if o.ssl_certfile else "http"
             host = f"[{o.host}]" if ":" in o.host else o.host
             n = len(self.frontends)
-            announce(f"tokenmill serving {self.config.served_model_name} on {scheme}://{host}:{o.port} "
-                     f"({n} frontend{'s' if n != 1 else ''})", flush=True)
+            print(f"tokenmill serving {self.config.served_model_name} on {scheme}://{host}:{o.port} "
+                  f"({n} frontend{'s' if n != 1 else ''})", flush=True)
             return self._supervise()
         except LaunchError as e:
             log.error("%s", e)  # before the shutdown noise, so it is the first thing read
@@ -216,7 +215,7 @@ class Launcher:
 
     @property
     def engine_address(self) -> str:
-        return self.options.engine_address or f"ipc://{os.path.join(self.runtime_dir, 'engine.sock')}"
+        return f"ipc://{os.path.join(self.runtime_dir, 'engine.sock')}"
 
     def _frontend_args(self, i: int) -> Any:
         try:

@@ -51,14 +51,6 @@ class Request:
         self.protocol: HttpProtocol | None = None
         self._queued = False
 
-    @property
-    def disconnected(self) -> bool:
-        return self.protocol is None or self.protocol.lost
-
-    @property
-    def peer(self) -> object:
-        return self.protocol.transport.get_extra_info("peername") if self.protocol else None
-
 
 @dataclass
 class Response:

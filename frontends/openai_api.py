@@ -145,11 +145,7 @@ class OpenAIApi:
     # ------------------------------------------------------------------ completions
 
     async def completions(self, req: Request) -> Response | StreamingResponse:
-        data = op.parse_json(req.body)
-        stream = op.field(data, "stream", bool, False)
-        include_usage = stream and self._include_usage(data)
-        gen, fmt = self.completion_job(data)
-        return await self._run(gen, fmt, stream, include_usage)
+        return await self._run(op.parse_json(req.body), self.completion_job)
 
     def completion_job(self, data: dict) -> tuple[Generation, _CompletionFormat]:
         """A /v1/completions body checked and turned into an unstarted generation (also used over WebSocket)."""
@@ -174,11 +170,7 @@ class OpenAIApi:
     # ------------------------------------------------------------------ chat
 
     async def chat_completions(self, req: Request) -> Response | StreamingResponse:
-        data = op.parse_json(req.body)
-        stream = op.field(data, "stream", bool, False)
-        include_usage = stream and self._include_usage(data)
-        gen, fmt = self.chat_job(data)
-        return await self._run(gen, fmt, stream, include_usage)
+        return await self._run(op.parse_json(req.body), self.chat_job)
 
     def chat_job(self, data: dict) -> tuple[Generation, _ChatFormat]:
         """A /v1/chat/completions body checked and turned into an unstarted generation."""
@@ -221,7 +213,11 @@ class OpenAIApi:
             return lambda i: base
         return lambda i: base if i == 0 else replace(base, seed=(base.seed + i) % 2**64)
 
-    async def _run(self, gen: Generation, fmt, stream: bool, include_usage: bool):
+    async def _run(self, data: dict, job) -> Response | StreamingResponse:
+        """Check the body with ``job`` (completion_job or chat_job), run it, answer whole or streamed."""
+        stream = op.field(data, "stream", bool, False)
+        include_usage = stream and self._include_usage(data)
+        gen, fmt = job(data)
         gen.start()
         try:
             first = await gen.next_updates()  # an engine refusal (429, 400) still gets its status

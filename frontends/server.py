@@ -10,13 +10,13 @@ in the engine, and returns.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import logging
 import signal
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from frontends import websocket
 from frontends.engine_client import EngineClient
 from frontends.http import HttpConfig, HttpServer, Router
 from frontends.openai_api import OpenAIApi
@@ -55,12 +55,9 @@ def ssl_context(args: FrontendArgs) -> ssl.SSLContext | None:
 
 
 def build_router(api: OpenAIApi) -> Router:
-    """The HTTP routes; a WebSocket module adds itself with ``router.add_upgrade("/v1/stream", ...)``."""
+    """The HTTP API's routes, ``/v1/stream`` and the chat page."""
     router = api.routes()
-    if importlib.util.find_spec("frontends.websocket") is not None:  # optional, in its own module
-        from frontends import websocket
-
-        websocket.register(router, api)
+    websocket.register(router, api)
     return router
 
 

@@ -1,4 +1,4 @@
-"""WebSocket token streaming at ``GET /v1/stream``, and the chat page at ``GET /``.
+"""WebSocket token streaming at ``GET /v1/stream``.
 
 RFC 6455 framing, the opening handshake and permessage-deflate come from the
 ``websockets`` package's sans-I/O ``ServerProtocol``; this module owns the
@@ -38,8 +38,6 @@ import logging
 import os
 import socket
 from dataclasses import dataclass
-from html import escape
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import orjson
@@ -50,6 +48,7 @@ from websockets.http11 import Request as WsRequest
 from websockets.protocol import State
 from websockets.server import ServerProtocol
 
+from frontends import chat_page
 from frontends import openai_params as op
 from frontends.errors import ApiError, status_error_body
 from frontends.generation import Generation
@@ -64,10 +63,9 @@ if _wire_log.level == logging.NOTSET:
 PATH = "/v1/stream"
 SUBPROTOCOL = "tokenmill.v1"
 KEY_PREFIX = "tokenmill.key."
-_STATIC = Path(__file__).with_name("static")
 
 # close codes (RFC 6455 section 7.4)
-NORMAL, GOING_AWAY, UNSUPPORTED, BAD_DATA, POLICY, TOO_BIG, INTERNAL = 1000, 1001, 1003, 1007, 1008, 1009, 1011
+NORMAL, GOING_AWAY, BAD_DATA, POLICY, INTERNAL = 1000, 1001, 1007, 1008, 1011
 
 
 @dataclass(frozen=True)
@@ -89,29 +87,17 @@ def register(router: Router, api: OpenAIApi, config: WsConfig | None = None) -> 
     ep = WebSocketEndpoint(api, config or WsConfig())
     router.add_upgrade(PATH, ep.upgrade)
     router.add("GET", PATH, ep.not_upgraded)
-    router.add("GET", "/", ep.chat_page)
+    chat_page.register(router, api)  # the page is this endpoint's client
     return ep
 
 
 class WebSocketEndpoint:
-    """The handshake (auth, origin, negotiation) and the chat page; one per frontend process."""
+    """The handshake (auth, origin, negotiation); one per frontend process."""
 
     def __init__(self, api: OpenAIApi, config: WsConfig) -> None:
         self.api = api
         self.config = config
         self.connections: set[Connection] = set()
-        page = (_STATIC / "index.html").read_text(encoding="utf-8")
-        page = page.replace("{{MODEL}}", escape(api.model)).replace(
-            "{{AUTH}}", "required" if api.auth_required else "none")
-        self._page = page.encode()
-
-    async def chat_page(self, req: Request) -> Response:
-        return Response(200, self._page, "text/html; charset=utf-8", [
-            ("cache-control", "no-cache"),
-            ("x-content-type-options", "nosniff"),
-            ("content-security-policy", "default-src 'none'; script-src 'unsafe-inline'; "
-             "style-src 'unsafe-inline'; connect-src 'self' ws: wss:; frame-ancestors 'none'"),
-        ])
 
     async def not_upgraded(self, req: Request) -> Response:
         return Response(426, status_error_body(426, f"{PATH} is a WebSocket endpoint: send an Upgrade request"),

@@ -41,7 +41,6 @@ def frontend(tmp_path_factory, smollm_tokenizer_dir):
     addr = f"ipc://{tmp_path_factory.mktemp('pageeng')}/engine.sock"
     engine = FakeEngine(addr, step_delay=0.03)
     engine.start()
-    engine.bound.wait(5)
     port = free_port()
     proc = start_frontend(addr, smollm_tokenizer_dir, port)
     yield engine, port

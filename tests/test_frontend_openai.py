@@ -34,7 +34,6 @@ def stack(tmp_path_factory, smollm_tokenizer_dir):
     addr = f"ipc://{tmp_path_factory.mktemp('eng')}/engine.sock"
     engine = FakeEngine(addr)
     engine.start()
-    engine.bound.wait(5)
     port = free_port()
     proc = start_frontend(addr, smollm_tokenizer_dir, port, max_body_bytes=64 * 1024)
     yield engine, port
@@ -356,7 +355,6 @@ def test_engine_death_gives_503(tmp_path, smollm_tokenizer_dir):
     addr = f"ipc://{tmp_path}/engine.sock"
     engine = FakeEngine(addr, step_delay=0.05)
     engine.start()
-    engine.bound.wait(5)
     port = free_port()
     proc = start_frontend(addr, smollm_tokenizer_dir, port, api_keys=())
     try:

@@ -42,7 +42,6 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 def engine(tmp_path_factory):
     e = FakeEngine(f"ipc://{tmp_path_factory.mktemp('wseng')}/engine.sock")
     e.start()
-    e.bound.wait(5)
     yield e
     e.stop()
 

@@ -263,7 +263,6 @@ def main(argv: list[str] | None = None) -> int:
     address = f"ipc://{run_dir}/engine.sock"
     engine = FakeEngine(address, step_delay=args.step_ms / 1000)
     engine.start()
-    engine.bound.wait(5)
     engine_stat = f"/proc/self/task/{engine.native_id}/stat"
     port = free_port()
     frontends, clients, pipes = [], [], []

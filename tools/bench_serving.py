@@ -58,13 +58,24 @@ class RequestResult:
     ttft: float = 0.0  # seconds
     e2el: float = 0.0
     itl: list[float] = field(default_factory=list)
-    start: float = 0.0
+    start: float = 0.0  # perf_counter() when the request went out
+    chunks: int = 0  # streamed chunks that carried text
+    last: float = 0.0  # when the latest of them arrived
 
     @property
     def tpot(self) -> float | None:
         if self.output_tokens < 2:
             return None
         return (self.e2el - self.ttft) / (self.output_tokens - 1)
+
+    def got_chunk(self, now: float) -> None:
+        """The first text chunk sets TTFT; each later one adds an ITL gap."""
+        if self.chunks == 0:
+            self.ttft = now - self.start
+        else:
+            self.itl.append(now - self.last)
+        self.chunks += 1
+        self.last = now
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -107,8 +118,6 @@ async def sse_request(client, args, prompt: str, est_tokens: int) -> RequestResu
     common = dict(model=args.model, max_tokens=args.output_len, temperature=args.temperature, stream=True,
                   stream_options={"include_usage": True}, extra_body=extra or None)
     start = r.start = time.perf_counter()
-    last = start
-    chunks = 0
     try:
         if args.endpoint == "chat":
             stream = await client.chat.completions.create(
@@ -121,19 +130,14 @@ async def sse_request(client, args, prompt: str, est_tokens: int) -> RequestResu
                 c = chunk.choices[0]
                 text = c.delta.content if args.endpoint == "chat" else c.text
                 if text:
-                    if chunks == 0:
-                        r.ttft = now - start
-                    else:
-                        r.itl.append(now - last)
-                    chunks += 1
-                    last = now
+                    r.got_chunk(now)
             if getattr(chunk, "usage", None):
                 r.prompt_tokens = chunk.usage.prompt_tokens
                 r.output_tokens = chunk.usage.completion_tokens
         r.e2el = time.perf_counter() - start
         if not r.output_tokens:
-            r.output_tokens = chunks  # no usage: one chunk is about one token
-        r.ok = chunks > 0
+            r.output_tokens = r.chunks  # no usage: one chunk is about one token
+        r.ok = r.chunks > 0
         if not r.ok:
             r.error = "no tokens streamed"
     except Exception as e:  # noqa: BLE001 - a failed request is a result, not a crash
@@ -205,8 +209,6 @@ async def ws_request(client, args, prompt: str, est_tokens: int) -> RequestResul
         req["prompt"] = prompt
     q = mux.queues[rid] = asyncio.Queue()
     start = r.start = time.perf_counter()
-    last = start
-    chunks = 0
     try:
         ws = await mux.conn()
         start = r.start = time.perf_counter()
@@ -215,12 +217,7 @@ async def ws_request(client, args, prompt: str, est_tokens: int) -> RequestResul
             now, msg = await asyncio.wait_for(q.get(), args.timeout)
             if msg["type"] == "delta":
                 if msg["text"]:
-                    if chunks == 0:
-                        r.ttft = now - start
-                    else:
-                        r.itl.append(now - last)
-                    chunks += 1
-                    last = now
+                    r.got_chunk(now)
             elif msg["type"] == "done":
                 r.prompt_tokens = msg["usage"]["prompt_tokens"]
                 r.output_tokens = msg["usage"]["completion_tokens"]
@@ -228,7 +225,7 @@ async def ws_request(client, args, prompt: str, est_tokens: int) -> RequestResul
             else:
                 raise RuntimeError(msg["error"]["message"])
         r.e2el = time.perf_counter() - start
-        r.ok = chunks > 0
+        r.ok = r.chunks > 0
         if not r.ok:
             r.error = "no tokens streamed"
     except Exception as e:  # noqa: BLE001 - a failed request is a result, not a crash

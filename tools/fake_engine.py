@@ -57,6 +57,11 @@ class FakeEngine(threading.Thread):
         self._halt = threading.Event()
         self.bound = threading.Event()
 
+    def start(self) -> None:
+        """Start the thread and return once the socket is bound, so a frontend can connect at once."""
+        super().start()
+        self.bound.wait(5)
+
     def run(self) -> None:
         ctx = zmq.Context()
         sock = ctx.socket(zmq.ROUTER)
