@@ -377,3 +377,33 @@ def test_engine_death_gives_503(tmp_path, smollm_tokenizer_dir):
         _err(post(port, "/v1/completions", {"prompt": "x"}), 503)
     finally:
         assert stop_frontend(proc) == 0
+
+
+def test_https(tmp_path, smollm_tokenizer_dir):
+    import ssl
+    import subprocess
+
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    engine = FakeEngine(f"ipc://{tmp_path}/engine.sock")
+    engine.start()
+    port = free_port()
+    proc = start_frontend(f"ipc://{tmp_path}/engine.sock", smollm_tokenizer_dir, port,
+                          ssl_keyfile=str(key), ssl_certfile=str(cert))
+    try:
+        conn = http.client.HTTPSConnection("127.0.0.1", port, timeout=10,
+                                           context=ssl.create_default_context(cafile=str(cert)))
+        body = json.dumps({"model": MODEL, "prompt": [1000, 1001, 1002], "max_tokens": 3})
+        conn.request("POST", "/v1/completions", body, {"Authorization": f"Bearer {KEY}",
+                                                       "Content-Type": "application/json"})
+        r = conn.getresponse()
+        assert r.status == 200 and json.loads(r.read())["usage"]["completion_tokens"] == 3
+        with pytest.raises(OSError):  # plain HTTP on the TLS port gets no HTTP answer
+            plain = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            plain.request("GET", "/health")
+            plain.getresponse()
+    finally:
+        assert stop_frontend(proc) == 0
+        engine.stop()
