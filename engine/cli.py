@@ -83,6 +83,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="frontend processes sharing the port (default: 1)")
     h.add_argument("--startup-timeout", type=float, default=300.0, metavar="SECONDS",
                    help="give up if the model and frontends are not ready by then (default: 300)")
+    w = s.add_argument_group("WebSocket (/v1/stream)")
+    w.add_argument("--ws-max-buffer", type=parse_size, default=None, metavar="SIZE",
+                   help="unsent bytes a connection may hold before a client that does not read is "
+                        "closed with 1008 (default: 4MiB)")
+    w.add_argument("--ws-max-message", type=parse_size, default=None, metavar="SIZE",
+                   help="largest message a client may send; bigger closes with 1009 (default: 1MiB)")
+    w.add_argument("--ws-ping-interval", type=float, default=None, metavar="SECONDS",
+                   help="keepalive ping period; no pong within as long again closes with 1011 (default: 20)")
+    w.add_argument("--ws-idle-timeout", type=float, default=None, metavar="SECONDS",
+                   help="close a connection with no generation and no message for this long (default: 300)")
 
     g = sub.add_parser("generate", help="generate text for one prompt, offline (no server)",
                        description="Generate text for one prompt with the offline LLM API and print it.")
@@ -113,10 +123,18 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         options = ServeOptions(
             host=args.host, port=args.port, api_keys=api_keys(args.api_key),
             ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
-            api_server_count=args.api_server_count, startup_timeout=args.startup_timeout)
+            api_server_count=args.api_server_count, startup_timeout=args.startup_timeout,
+            ws=_ws_overrides(args))
     except ValueError as e:
         parser.error(str(e))  # exit 2
     return serve(config, options)
+
+
+def _ws_overrides(args: argparse.Namespace) -> dict:
+    given = {"max_buffered_bytes": args.ws_max_buffer, "max_message_bytes": args.ws_max_message,
+             "ping_interval": args.ws_ping_interval, "ping_timeout": args.ws_ping_interval,
+             "idle_timeout": args.ws_idle_timeout}
+    return {k: v for k, v in given.items() if v is not None}
 
 
 def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

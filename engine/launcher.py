@@ -55,6 +55,7 @@ class ServeOptions:
     startup_timeout: float = 300.0  # the engine's model load dominates
     shutdown_timeout: float = 30.0  # per group (frontends, then engine) before SIGKILL
     engine_death_grace: float = 2.0  # frontends stay up answering 503 after the engine died
+    ws: dict = field(default_factory=dict)  # overrides of frontends.websocket.WsConfig fields
 
     def __post_init__(self) -> None:
         if self.api_server_count < 1:
@@ -220,6 +221,7 @@ class Launcher:
     def _frontend_args(self, i: int) -> Any:
         try:
             from frontends.server import FrontendArgs
+            from frontends.websocket import WsConfig
         except ImportError as e:
             raise LaunchError(f"cannot import the frontend: {e}") from e
 
@@ -229,7 +231,7 @@ class Launcher:
             served_model_name=self.config.served_model_name, host=o.host, port=o.port,
             api_keys=list(o.api_keys), ssl_keyfile=o.ssl_keyfile, ssl_certfile=o.ssl_certfile,
             frontend_id=f"frontend-{i}", tokenizer_cache_dir=os.path.join(self.runtime_dir, "tokenizer"),
-            handshake_timeout=o.startup_timeout)
+            handshake_timeout=o.startup_timeout, ws=WsConfig(**o.ws))
 
     def _start_all(self) -> None:
         # Engine and frontends start together: tokenizer loading overlaps the model

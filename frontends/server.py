@@ -42,6 +42,7 @@ class FrontendArgs:
     header_timeout: float = 30.0
     keep_alive_timeout: float = 5.0
     handshake_timeout: float = 120.0  # the engine may still be loading its model
+    ws: websocket.WsConfig = field(default_factory=websocket.WsConfig)  # /v1/stream limits
 
 
 def ssl_context(args: FrontendArgs) -> ssl.SSLContext | None:
@@ -54,10 +55,10 @@ def ssl_context(args: FrontendArgs) -> ssl.SSLContext | None:
     return ctx
 
 
-def build_router(api: OpenAIApi) -> Router:
+def build_router(api: OpenAIApi, ws: websocket.WsConfig | None = None) -> Router:
     """The HTTP API's routes, ``/v1/stream`` and the chat page."""
     router = api.routes()
-    websocket.register(router, api)
+    websocket.register(router, api, ws)
     return router
 
 
@@ -68,7 +69,7 @@ async def serve(args: FrontendArgs, ready: Callable[[], None] | None = None) -> 
     client = EngineClient(args.engine_address, args.frontend_id, handshake_timeout=args.handshake_timeout)
     await client.connect()
     api = OpenAIApi(client, codec, args.served_model_name, args.api_keys)
-    http = HttpServer(build_router(api), HttpConfig(max_body_bytes=args.max_body_bytes,
+    http = HttpServer(build_router(api, args.ws), HttpConfig(max_body_bytes=args.max_body_bytes,
                                                     header_timeout=args.header_timeout,
                                                     keep_alive_timeout=args.keep_alive_timeout))
     server = await loop.create_server(http, args.host, args.port, reuse_port=True, ssl=tls, backlog=2048)

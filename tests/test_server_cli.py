@@ -23,7 +23,8 @@ from test_server_e2e import CMD, ROOT  # noqa: E402
 SERVE_FLAGS = ["--model", "--served-model-name", "--host", "--port", "--api-key", "--ssl-keyfile",
                "--ssl-certfile", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
                "--gpu-memory-utilization", "--kv-cache-memory", "--dtype", "--device", "--block-size", "--seed",
-               "--api-server-count", "--tensor-parallel-size"]
+               "--api-server-count", "--tensor-parallel-size", "--ws-max-buffer", "--ws-max-message",
+               "--ws-ping-interval", "--ws-idle-timeout"]
 
 
 def tokenmill(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -51,6 +52,16 @@ def test_flags_map_to_engine_config():
     assert _config_kwargs(args) == {"max_num_seqs": 8, "kv_cache_memory": 256 << 20, "dtype": "float32",
                                     "tensor_parallel_size": 1}
     assert api_keys(args.api_key) == ["a", "b", "c"]
+
+
+def test_websocket_flags_reach_the_frontends():
+    from engine.cli import _ws_overrides
+    from frontends.websocket import WsConfig
+
+    args = build_parser().parse_args(["serve", "--ws-max-buffer", "1M", "--ws-idle-timeout", "60"])
+    ws = WsConfig(**_ws_overrides(args))
+    assert (ws.max_buffered_bytes, ws.idle_timeout) == (1 << 20, 60.0)
+    assert ws.ping_interval == WsConfig().ping_interval  # flags not given keep the defaults
 
 
 def test_api_keys_from_environment():
