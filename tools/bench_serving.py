@@ -77,6 +77,15 @@ class RequestResult:
         self.chunks += 1
         self.last = now
 
+    def finish(self, error: Exception | None = None) -> None:
+        """End-to-end latency, and ok only if text was streamed and nothing failed."""
+        self.e2el = time.perf_counter() - self.start
+        self.ok = error is None and self.chunks > 0
+        if error is not None:
+            self.error = f"{type(error).__name__}: {error}"
+        elif not self.ok:
+            self.error = "no tokens streamed"
+
 
 # ----------------------------------------------------------------------------- prompts
 
@@ -117,7 +126,7 @@ async def sse_request(client, args, prompt: str, est_tokens: int) -> RequestResu
     extra = {"ignore_eos": True} if args.ignore_eos else {}
     common = dict(model=args.model, max_tokens=args.output_len, temperature=args.temperature, stream=True,
                   stream_options={"include_usage": True}, extra_body=extra or None)
-    start = r.start = time.perf_counter()
+    r.start = time.perf_counter()
     try:
         if args.endpoint == "chat":
             stream = await client.chat.completions.create(
@@ -134,15 +143,11 @@ async def sse_request(client, args, prompt: str, est_tokens: int) -> RequestResu
             if getattr(chunk, "usage", None):
                 r.prompt_tokens = chunk.usage.prompt_tokens
                 r.output_tokens = chunk.usage.completion_tokens
-        r.e2el = time.perf_counter() - start
         if not r.output_tokens:
             r.output_tokens = r.chunks  # no usage: one chunk is about one token
-        r.ok = r.chunks > 0
-        if not r.ok:
-            r.error = "no tokens streamed"
+        r.finish()
     except Exception as e:  # noqa: BLE001 - a failed request is a result, not a crash
-        r.error = f"{type(e).__name__}: {e}"
-        r.e2el = time.perf_counter() - start
+        r.finish(e)
     return r
 
 
@@ -208,10 +213,10 @@ async def ws_request(client, args, prompt: str, est_tokens: int) -> RequestResul
     else:
         req["prompt"] = prompt
     q = mux.queues[rid] = asyncio.Queue()
-    start = r.start = time.perf_counter()
+    r.start = time.perf_counter()
     try:
         ws = await mux.conn()
-        start = r.start = time.perf_counter()
+        r.start = time.perf_counter()
         await ws.send(json.dumps(req))
         while True:
             now, msg = await asyncio.wait_for(q.get(), args.timeout)
@@ -224,13 +229,9 @@ async def ws_request(client, args, prompt: str, est_tokens: int) -> RequestResul
                 break
             else:
                 raise RuntimeError(msg["error"]["message"])
-        r.e2el = time.perf_counter() - start
-        r.ok = r.chunks > 0
-        if not r.ok:
-            r.error = "no tokens streamed"
+        r.finish()
     except Exception as e:  # noqa: BLE001 - a failed request is a result, not a crash
-        r.error = f"{type(e).__name__}: {e}"
-        r.e2el = time.perf_counter() - start
+        r.finish(e)
     finally:
         mux.queues.pop(rid, None)
     return r
