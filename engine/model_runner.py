@@ -35,7 +35,7 @@ class ModelRunner:
         max_model_len = pick_max_model_len(config, self.model_cfg, device)
         torch.manual_seed(config.seed)
         self.model = build_model(model_path, self.model_cfg, max_model_len, dtype, device)
-        num_blocks = count_kv_blocks(config, self.model_cfg, device, dtype)
+        num_blocks = count_kv_blocks(config, self.model_cfg, device, dtype, max_model_len)
         self.facts = RuntimeFacts(model_path, device, dtype, max_model_len, num_blocks)
         self.block_size = config.block_size
         self._allocate_kv_cache()

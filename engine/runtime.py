@@ -57,7 +57,7 @@ def kv_block_bytes(model_cfg: ModelConfig, block_size: int, dtype: torch.dtype) 
 
 
 def count_kv_blocks(config: EngineConfig, model_cfg: ModelConfig, device: torch.device,
-                    dtype: torch.dtype) -> int:
+                    dtype: torch.dtype, max_model_len: int) -> int:
     """Blocks that fit in the cache's memory (call after the weights are on the device)."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
@@ -69,7 +69,7 @@ def count_kv_blocks(config: EngineConfig, model_cfg: ModelConfig, device: torch.
     else:
         budget = config.kv_cache_memory or CPU_KV_CACHE_BYTES
     # More than every sequence at full length could use is memory wasted.
-    useful = config.max_num_seqs * -(-pick_max_model_len(config, model_cfg, device) // config.block_size)
+    useful = config.max_num_seqs * -(-max_model_len // config.block_size)
     blocks = min(int(budget // per_block), useful)
     if blocks < 1:
         raise ValueError("no memory is left for the KV cache: raise gpu_memory_utilization / kv_cache_memory")
