@@ -12,6 +12,7 @@ import dataclasses
 import os
 import re
 import sys
+from urllib.parse import urlsplit
 
 from engine.config import DEVICES, DTYPES, EngineConfig
 
@@ -75,14 +76,30 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     h.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     h.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                   help="require 'Authorization: Bearer KEY'; repeat for several keys "
-                        "(default: $TOKENMILL_API_KEY, comma-separated; none = no auth)")
+                   help="require 'Authorization: Bearer KEY'; repeat for several keys; a blank key is "
+                        "an error (default: $TOKENMILL_API_KEY, comma-separated; none = no auth)")
+    h.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
+                   help="browser origins besides the server's own that may call it, comma-separated "
+                        "(https://app.example.com), or * for any; without API keys other origins get 403 "
+                        "(default: none)")
     h.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (PEM)")
     h.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate chain (PEM)")
     h.add_argument("--api-server-count", type=int, default=1, metavar="N",
                    help="frontend processes sharing the port (default: 1)")
     h.add_argument("--startup-timeout", type=float, default=300.0, metavar="SECONDS",
                    help="give up if the model and frontends are not ready by then (default: 300)")
+    h.add_argument("--max-connections", type=int, default=None, metavar="N",
+                   help="open connections (HTTP and WebSocket) per frontend process; more get 503 "
+                        "(default: 1024)")
+    h.add_argument("--header-timeout", type=float, default=None, metavar="SECONDS",
+                   help="a request's line and headers must arrive within this, else 408 (default: 30)")
+    h.add_argument("--body-timeout", type=float, default=None, metavar="SECONDS",
+                   help="a request body that stalls this long gets 408 (default: 30)")
+    h.add_argument("--write-timeout", type=float, default=None, metavar="SECONDS",
+                   help="cut a response (an SSE stream, say) whose client reads nothing for this long "
+                        "(default: 30)")
+    h.add_argument("--max-header-bytes", type=parse_size, default=None, metavar="SIZE",
+                   help="largest request line + headers; bigger gets 431 (default: 64KiB)")
     w = s.add_argument_group("WebSocket (/v1/stream)")
     w.add_argument("--ws-max-buffer", type=parse_size, default=None, metavar="SIZE",
                    help="unsent bytes a connection may hold before a client that does not read is "
@@ -111,8 +128,39 @@ def _config_kwargs(args: argparse.Namespace) -> dict:
 
 
 def api_keys(flag_values: list[str] | None, env: dict[str, str] = os.environ) -> list[str]:
-    raw = flag_values if flag_values else [env.get("TOKENMILL_API_KEY", "")]
-    return [k.strip() for v in raw for k in v.split(",") if k.strip()]
+    """The keys of ``--api-key`` (repeatable, comma-separated), else of $TOKENMILL_API_KEY.
+
+    A value with no key in it (``--api-key ""``, a blank variable) is an error, not an open API:
+    whoever wrote it meant to lock the server.
+    """
+    if flag_values:
+        raw, source = flag_values, "--api-key"
+    elif "TOKENMILL_API_KEY" in env:
+        raw, source = [env["TOKENMILL_API_KEY"]], "TOKENMILL_API_KEY"
+    else:
+        return []
+    keys = []
+    for value in raw:
+        found = [k.strip() for k in value.split(",") if k.strip()]
+        if not found:
+            raise ValueError(f"{source} is blank: give a key, or leave it out to serve without keys")
+        keys += found
+    return keys
+
+
+def allowed_origins(text: str | None) -> list[str]:
+    """``--allowed-origins``: ``*``, or comma-separated origins (``scheme://host[:port]``, no path)."""
+    out = []
+    for item in (text or "").split(","):
+        origin = item.strip().rstrip("/")
+        if not origin:
+            continue
+        parts = urlsplit(origin)
+        if origin != "*" and not (parts.scheme and parts.netloc and not parts.path and not parts.query):
+            raise ValueError(f"--allowed-origins: {item.strip()!r} is not an origin "
+                             "(like https://app.example.com:8443, or *)")
+        out.append(origin)
+    return out
 
 
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -124,7 +172,8 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             host=args.host, port=args.port, api_keys=api_keys(args.api_key),
             ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
             api_server_count=args.api_server_count, startup_timeout=args.startup_timeout,
-            ws=_ws_overrides(args))
+            ws=_ws_overrides(args), http=_http_overrides(args),
+            allowed_origins=allowed_origins(args.allowed_origins))
     except ValueError as e:
         parser.error(str(e))  # exit 2
     return serve(config, options)
@@ -134,6 +183,13 @@ def _ws_overrides(args: argparse.Namespace) -> dict:
     given = {"max_buffered_bytes": args.ws_max_buffer, "max_message_bytes": args.ws_max_message,
              "ping_interval": args.ws_ping_interval, "ping_timeout": args.ws_ping_interval,
              "idle_timeout": args.ws_idle_timeout}
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def _http_overrides(args: argparse.Namespace) -> dict:
+    given = {"max_connections": args.max_connections, "header_timeout": args.header_timeout,
+             "body_timeout": args.body_timeout, "write_timeout": args.write_timeout,
+             "max_header_bytes": args.max_header_bytes}
     return {k: v for k, v in given.items() if v is not None}
 
 

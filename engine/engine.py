@@ -12,7 +12,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.model_path import model_name, resolve_model_path
 from engine.model_runner import ModelRunner, StepResult
-from engine.protocol import Delta, Ready, SamplingParams, Stats
+from engine.protocol import Delta, Ready, SamplingParamError, SamplingParams, Stats
 from engine.request import Request
 from engine.sampler import SamplingState
 from engine.scheduler import QueueFull, ScheduledBatch, Scheduler
@@ -42,6 +42,7 @@ class Engine:
         self.max_model_len = min(facts.max_model_len, capacity)
         self.vocab_size = self.runner.model_cfg.vocab_size
         self.eos_token_ids = list(self.runner.model_cfg.eos_token_ids)
+        self._eos_set = frozenset(self.eos_token_ids)  # looked up once per sampled token
         self.block_manager = BlockManager(facts.num_kv_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_waiting)
@@ -98,6 +99,10 @@ class Engine:
             bad("the prompt is empty", "prompt")
         if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt):
             bad(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
+        try:  # the sampler would ignore them, but a client asking for them has a bug to hear about
+            params.check_vocab(self.vocab_size)
+        except SamplingParamError as e:
+            bad(str(e), e.param)
         total = len(prompt) + params.max_tokens
         if total > self.max_model_len:
             bad(f"this model's maximum context length is {self.max_model_len} tokens, but the request "
@@ -131,9 +136,9 @@ class Engine:
         p = req.params
         n = len(req.output_token_ids)
         if n >= p.min_tokens:
-            if not p.ignore_eos and token in self.eos_token_ids:
+            if not p.ignore_eos and token in self._eos_set:
                 return "stop"
-            if token in p.stop_token_ids:
+            if token in req.stop_token_ids:
                 req.stop_reason = token
                 return "stop"
         if n >= p.max_tokens or req.num_tokens >= self.max_model_len:

@@ -56,6 +56,8 @@ class ServeOptions:
     shutdown_timeout: float = 30.0  # per group (frontends, then engine) before SIGKILL
     engine_death_grace: float = 2.0  # frontends stay up answering 503 after the engine died
     ws: dict = field(default_factory=dict)  # overrides of frontends.websocket.WsConfig fields
+    http: dict = field(default_factory=dict)  # overrides of the HTTP limits in frontends.server.FrontendArgs
+    allowed_origins: list[str] = field(default_factory=list)  # browser origins besides the server's own
 
     def __post_init__(self) -> None:
         if self.api_server_count < 1:
@@ -69,6 +71,9 @@ class ServeOptions:
                 raise ValueError(f"no such file: {f}")
         if self.startup_timeout <= 0:
             raise ValueError("startup_timeout must be positive")
+        for name, value in self.http.items():
+            if not value > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
 
 
 # ----------------------------------------------------------------------------- children
@@ -231,7 +236,8 @@ class Launcher:
             served_model_name=self.config.served_model_name, host=o.host, port=o.port,
             api_keys=list(o.api_keys), ssl_keyfile=o.ssl_keyfile, ssl_certfile=o.ssl_certfile,
             frontend_id=f"frontend-{i}", tokenizer_cache_dir=os.path.join(self.runtime_dir, "tokenizer"),
-            handshake_timeout=o.startup_timeout, ws=WsConfig(**o.ws))
+            handshake_timeout=o.startup_timeout, ws=WsConfig(**o.ws), allowed_origins=list(o.allowed_origins),
+            **o.http)
 
     def _start_all(self) -> None:
         # Engine and frontends start together: tokenizer loading overlaps the model

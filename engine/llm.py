@@ -13,6 +13,8 @@ from functools import cached_property
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.protocol import SamplingParams, TokenLogprobs
+from frontends.generation import Choice
+from frontends.text import StopMatcher, TextCodec, load_tokenizer  # the same as the HTTP frontends use
 
 
 @dataclass
@@ -36,8 +38,6 @@ class LLM:
 
     @cached_property
     def tokenizer(self):
-        from frontends.text import load_tokenizer  # the same loader the HTTP frontends use
-
         return load_tokenizer(self.engine.runner.facts.model_path)
 
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
@@ -53,7 +53,9 @@ class LLM:
         outputs: dict[str, RequestOutput] = {}
         params_of: dict[str, SamplingParams] = {}
         stopped: set[str] = set()  # ended by a stop string: their text is already cut
-        seen: dict[str, int] = {}  # text length at the previous stop-string check
+        # requests with stop strings: matched as the HTTP frontends match them (the first stop
+        # string completed in the detokenized text, never before min_tokens), the text cut before it
+        choices: dict[str, tuple[Choice, list[str]]] = {}
         try:
             for prompt, p in zip(prompts, params, strict=True):
                 ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -62,6 +64,8 @@ class LLM:
                 outputs[rid] = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids,
                                              logprobs=[] if p.logprobs is not None else None)
                 params_of[rid] = p
+                if p.stop:
+                    choices[rid] = (Choice(0, rid, ids, self._codec, StopMatcher(p.stop), p.min_tokens), [])
             while self.engine.has_work():
                 for d in self.engine.step():
                     out = outputs.get(d.request_id)
@@ -73,10 +77,14 @@ class LLM:
                     if d.prompt_logprobs is not None:
                         out.prompt_logprobs = d.prompt_logprobs
                     out.finish_reason, out.stop_reason = d.finish_reason, d.stop_reason
-                    p = params_of[d.request_id]
-                    if p.stop and self._hit_stop(out, p, seen):
-                        stopped.add(d.request_id)
-                        self.engine.abort(d.request_id)
+                    if d.request_id in choices:
+                        choice, pieces = choices[d.request_id]
+                        text, hit = choice.consume(d)
+                        pieces.append(text)
+                        if hit:
+                            out.text, out.finish_reason, out.stop_reason = "".join(pieces), "stop", choice.stop_reason
+                            stopped.add(d.request_id)
+                            self.engine.abort(d.request_id)
         except BaseException:
             self.engine.abort(list(outputs))  # leave nothing behind for the next call
             raise
@@ -85,18 +93,7 @@ class LLM:
                 out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
         return list(outputs.values())
 
-    def _hit_stop(self, out: RequestOutput, p: SamplingParams, seen: dict[str, int]) -> bool:
-        """Stop strings, offline, as vLLM checks them: only in text new since the last check
-        (plus room for a match straddling it), never before ``min_tokens``; the text is cut
-        before the match, which is not returned."""
-        text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-        since = seen.get(out.request_id, 0)
-        seen[out.request_id] = len(text)
-        if len(out.token_ids) < p.min_tokens:
-            return False
-        hits = [(i, s) for s in p.stop if (i := text.find(s, max(0, since - len(s) + 1))) >= 0]
-        if not hits:
-            return False
-        i, s = min(hits)
-        out.text, out.finish_reason, out.stop_reason = text[:i], "stop", s
-        return True
+    @cached_property
+    def _codec(self) -> TextCodec:
+        return TextCodec(self.tokenizer)
+

@@ -6,13 +6,14 @@ A frame is msgpack of ``[kind, payload]``; each message type has an explicit
 bytes. No pickle and no class names ever cross the wire.
 
 Also here: ``SamplingParams``, because it is part of the ADD payload and the
-frontends validate requests with it before sending.
+frontends validate requests with it before sending, and the size caps on its
+lists (``MAX_STOP_STRINGS`` ...), so both sides refuse the same requests.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from enum import IntEnum
 from typing import Any
 
@@ -37,10 +38,32 @@ class ProtocolError(ValueError):
 
 # ----------------------------------------------------------------------------- sampling
 
+# Caps on what one request may carry (vLLM-like). Each list is turned into tensors
+# once per request, but it is still stored, sent and validated per choice (n), and
+# a few thousand entries already cover every real use: a stop list or a bias over a
+# whole 32k+ vocabulary is an attack on the engine's step time, not a request.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_BYTES = 1024  # UTF-8 bytes per stop string
+MAX_STOP_TOKEN_IDS = 2048
+MAX_LOGIT_BIAS = 2048  # entries (token ids) in logit_bias
+# The repetition penalty divides positive logits: 1/0.01 = 100x keeps any fp32 logit
+# a model can produce far below fp32's 3.4e38, where 1e-40 (a subnormal) gives inf
+# and then NaN probabilities. 10 on the other side multiplies negative logits.
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 10.0
+
 
 @dataclass
 class SamplingParams:
-    """How to pick tokens and when to stop, for one request."""
+    """How to pick tokens and when to stop, for one request.
+
+    Validated on construction (``SamplingParamError`` names the field). Sizes are
+    capped: at most ``MAX_STOP_STRINGS`` (64) stop strings of at most
+    ``MAX_STOP_STRING_BYTES`` (1024) UTF-8 bytes each, ``MAX_STOP_TOKEN_IDS`` (2048)
+    stop_token_ids, ``MAX_LOGIT_BIAS`` (2048) logit_bias entries; repetition_penalty
+    in [``MIN_REPETITION_PENALTY``, ``MAX_REPETITION_PENALTY``] = [0.01, 10]. Token
+    ids are checked against a vocabulary by ``check_vocab`` where one is known.
+    """
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -64,8 +87,12 @@ class SamplingParams:
             self.stop = [self.stop]
         if self.top_k == -1:
             self.top_k = 0
-        if self.logit_bias:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        # Size first: never walk an oversized map just to refuse it.
+        if self.logit_bias and isinstance(self.logit_bias, dict) and len(self.logit_bias) <= MAX_LOGIT_BIAS:
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError, OverflowError):
+                raise SamplingParamError("logit_bias", "logit_bias must map token ids to numbers") from None
         self.validate()
 
     @property
@@ -73,7 +100,10 @@ class SamplingParams:
         return self.temperature < 1e-5
 
     def validate(self) -> None:
-        """Raise ``ValueError(param, message)`` on a value no request may carry."""
+        """Raise ``SamplingParamError(param, message)`` on a value no request may carry.
+
+        Cheap for any input: a list's length is checked before its entries are.
+        """
 
         def bad(name: str, msg: str) -> None:
             raise SamplingParamError(name, msg)
@@ -103,8 +133,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= num(name) <= 2.0:
                 bad(name, f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not 0.0 < num("repetition_penalty") <= 10.0:
-            bad("repetition_penalty", f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        if not MIN_REPETITION_PENALTY <= num("repetition_penalty") <= MAX_REPETITION_PENALTY:
+            bad("repetition_penalty", f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, "
+                f"{MAX_REPETITION_PENALTY}], got {self.repetition_penalty}")
         if self.seed is not None and not -(2**63) <= integer("seed") < 2**64:
             bad("seed", f"seed must fit in 64 bits, got {self.seed}")
         if integer("min_tokens") < 0:
@@ -115,34 +146,68 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 20):
                 bad(name, f"{name} must be an integer in [0, 20], got {v!r}")
-        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+        if not isinstance(self.stop, list):
             bad("stop", "stop must be a non-empty string or a list of non-empty strings")
-        if not isinstance(self.stop_token_ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
-        ):
+        if len(self.stop) > MAX_STOP_STRINGS:
+            bad("stop", f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                bad("stop", "stop must be a non-empty string or a list of non-empty strings")
+            if len(s) > MAX_STOP_STRING_BYTES or len(s.encode("utf-8", "surrogatepass")) > MAX_STOP_STRING_BYTES:
+                bad("stop", f"each stop string must be at most {MAX_STOP_STRING_BYTES} bytes (UTF-8)")
+        if not isinstance(self.stop_token_ids, list):
             bad("stop_token_ids", "stop_token_ids must be a list of non-negative integers")
-        if self.logit_bias:
-            for v in self.logit_bias.values():
-                if not -100.0 <= v <= 100.0:
-                    bad("logit_bias", f"logit_bias values must be in [-100, 100], got {v}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, "
+                f"got {len(self.stop_token_ids)}")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "stop_token_ids must be a list of non-negative integers")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                bad("logit_bias", "logit_bias must map token ids to numbers")
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                bad("logit_bias", f"at most {MAX_LOGIT_BIAS} logit_bias entries are allowed, "
+                    f"got {len(self.logit_bias)}")
+            for k, v in self.logit_bias.items():
+                if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+                    bad("logit_bias", f"logit_bias keys must be non-negative token ids, got {k!r}")
+                if isinstance(v, bool) or not isinstance(v, int | float) or not -100.0 <= v <= 100.0:
+                    bad("logit_bias", f"logit_bias values must be in [-100, 100], got {v!r}")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise ``SamplingParamError`` if a stop id or logit_bias key is not below ``vocab_size``."""
+        if self.stop_token_ids and max(self.stop_token_ids) >= vocab_size:
+            raise SamplingParamError("stop_token_ids", f"stop_token_ids must be in [0, {vocab_size}), "
+                                     f"got {max(self.stop_token_ids)}")
+        if self.logit_bias and max(self.logit_bias) >= vocab_size:
+            raise SamplingParamError("logit_bias", f"logit_bias token ids must be in [0, {vocab_size}), "
+                                     f"got {max(self.logit_bias)}")
 
     def to_wire(self) -> dict[str, Any]:
-        d = asdict(self)
-        if d["logit_bias"] is not None:  # msgpack maps with int keys are fine, but be explicit
-            d["logit_bias"] = [[k, v] for k, v in d["logit_bias"].items()]
+        """A shallow map in field order, for packing at once: its lists are this object's own.
+
+        No deep copy (``asdict`` would copy every list, per choice of an n > 1 request).
+        """
+        d = {name: getattr(self, name) for name in _SAMPLING_FIELDS}
+        if self.logit_bias is not None:  # msgpack maps with int keys are fine, but be explicit
+            d["logit_bias"] = [[k, v] for k, v in self.logit_bias.items()]
         return d
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> SamplingParams:
         if not isinstance(d, dict):
             raise ProtocolError("sampling params must be a map")
-        known = {f.name for f in fields(cls)}
-        kw = {k: v for k, v in d.items() if k in known}
-        if kw.get("logit_bias") is not None:
-            kw["logit_bias"] = {int(k): float(v) for k, v in kw["logit_bias"]}
+        kw = {k: v for k, v in d.items() if k in _SAMPLING_FIELDS}
+        bias = kw.get("logit_bias")
+        if bias is not None:
+            if not isinstance(bias, list) or len(bias) > MAX_LOGIT_BIAS:  # refuse before walking it
+                raise ProtocolError(f"bad sampling params: logit_bias must be at most {MAX_LOGIT_BIAS} "
+                                    "[token_id, bias] pairs")
         try:
+            if bias is not None:
+                kw["logit_bias"] = {int(k): float(v) for k, v in bias}
             return cls(**kw)
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, OverflowError) as e:
             raise ProtocolError(f"bad sampling params: {e}") from e
 
 
@@ -152,6 +217,9 @@ class SamplingParamError(ValueError):
     def __init__(self, param: str, message: str):
         super().__init__(message)
         self.param = param
+
+
+_SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))  # wire order: the golden bytes pin it
 
 
 # ----------------------------------------------------------------------------- messages

@@ -24,7 +24,7 @@ class Request:
         "request_id", "prompt_token_ids", "output_token_ids", "params", "priority", "deadline",
         "status", "num_computed_tokens", "block_table",
         "finish_reason", "stop_reason", "sampling_state", "num_cached_tokens", "num_preemptions",
-        "prompt_logprobs", "_all_token_ids",
+        "prompt_logprobs", "_all_token_ids", "stop_token_ids",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -34,6 +34,8 @@ class Request:
         self.output_token_ids: list[int] = []
         self._all_token_ids = list(prompt_token_ids)  # prompt + output, kept in step with both
         self.params = params
+        # Looked up once per sampled token: a set, so the cost does not grow with the list.
+        self.stop_token_ids = frozenset(params.stop_token_ids)
         self.priority = priority
         self.deadline = deadline
         self.status = Status.WAITING

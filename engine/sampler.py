@@ -17,9 +17,11 @@ Semantics follow vLLM v1:
   (``argmax(probs / q)``, ``q ~ Exp(1)``) and a seeded row draws its ``q`` from its
   own generator.
 
-Hot-path rule: no per-request Python loops beyond building small tensors from the
-params lists (and the seeded rows' noise draws). An all-greedy batch with nothing
-to process is a single ``argmax``.
+Hot-path rule: no per-request Python loops beyond building small tensors from each
+row's scalar knobs (and the seeded rows' noise draws); the params' lists (stop ids,
+logit_bias) become tensors once per request in ``SamplingState``, so a step's cost
+never grows with their length. An all-greedy batch with nothing to process is a
+single ``argmax``.
 """
 
 from __future__ import annotations
@@ -40,8 +42,11 @@ class SamplingState:
     """Per-request sampler state, created once with the request and kept across steps.
 
     Holds the request's own ``torch.Generator`` when ``params.seed`` is set (CPU, so
-    a seeded request draws the same noise on any device) and a few flags derived from
-    the params once, so the per-step checks stay cheap.
+    a seeded request draws the same noise on any device), a few flags derived from
+    the params once, so the per-step checks stay cheap, and the params' lists turned
+    into tensors once: the stop ids that min_tokens bans and the logit_bias ids and
+    values. A step only gathers these (``process_logits``), so its cost does not
+    grow with the length of the lists.
 
     The engine's seed does not enter a seeded request's generator: the same ``seed``
     must give the same tokens on every engine (data-parallel ranks, restarts), as
@@ -49,7 +54,8 @@ class SamplingState:
     which the engine seeds with its ``--seed``.
     """
 
-    __slots__ = ("generator", "plain_greedy", "needs_penalties", "_prompt_len", "_prompt_ids")
+    __slots__ = ("generator", "plain_greedy", "needs_penalties", "_prompt_len", "_prompt_ids",
+                 "_stop_ids", "_bias_ids", "_bias_values", "_placed_for", "_placed")
 
     def __init__(self, params: SamplingParams) -> None:
         self.generator: torch.Generator | None = None
@@ -68,6 +74,13 @@ class SamplingState:
         )
         self._prompt_len = -1
         self._prompt_ids: torch.Tensor | None = None
+        # Stop ids matter to the sampler only while min_tokens bans them.
+        self._stop_ids = _long_tensor(params.stop_token_ids if params.min_tokens > 0 else [])
+        bias = params.logit_bias or {}
+        self._bias_ids = _long_tensor(list(bias))
+        self._bias_values = torch.tensor(list(bias.values()), dtype=torch.float32)
+        self._placed_for: tuple[int, torch.device] | None = None
+        self._placed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def prompt_ids(self, prompt_token_ids: list[int]) -> torch.Tensor:
         """The prompt's distinct token ids as a CPU tensor, built once (repetition penalty)."""
@@ -75,6 +88,23 @@ class SamplingState:
             self._prompt_ids = torch.tensor(prompt_token_ids, dtype=torch.long).unique()
             self._prompt_len = len(prompt_token_ids)
         return self._prompt_ids
+
+    def tensors(self, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(stop ids min_tokens bans, logit_bias ids, their values) on ``device``, ids < ``vocab`` only.
+
+        Filtered and copied on first use, then cached: the vocab and device of a
+        sampler do not change, so this happens once per request.
+        """
+        if self._placed_for != (vocab, device):
+            keep = self._bias_ids < vocab
+            self._placed = (self._stop_ids[self._stop_ids < vocab].to(device),
+                            self._bias_ids[keep].to(device), self._bias_values[keep].to(device))
+            self._placed_for = (vocab, device)
+        return self._placed
+
+
+def _long_tensor(ids: list[int]) -> torch.Tensor:
+    return torch.tensor(ids, dtype=torch.long) if ids else torch.empty(0, dtype=torch.long)
 
 
 @dataclass
@@ -122,6 +152,19 @@ def pad_token_ids(rows: list[torch.Tensor], pad: int, device: torch.device | str
     if not rows or max(r.numel() for r in rows) == 0:
         return torch.full((len(rows), 1), pad, dtype=torch.long, device=device)
     return pad_sequence(rows, batch_first=True, padding_value=pad).to(device, non_blocking=True)
+
+
+def _gather_rows(row_ids: list[tuple[int, torch.Tensor]],
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+    """(row index per id, the ids) for index_put_ from each row's id tensor; (None, None) if none."""
+    row_ids = [(i, t) for i, t in row_ids if t.numel()]
+    if not row_ids:
+        return None, None
+    cols = torch.cat([t for _, t in row_ids])
+    counts = torch.tensor([t.numel() for _, t in row_ids], device=device)
+    rows = torch.tensor([i for i, _ in row_ids], device=device)
+    # output_size: the length is known here, so CUDA need not sync to learn it
+    return rows.repeat_interleave(counts, output_size=cols.numel()), cols
 
 
 def apply_penalties(
@@ -180,33 +223,23 @@ def process_logits(
     device = logits.device
 
     # min_tokens: EOS (unless ignore_eos) and stop ids may not end the request yet.
-    rows: list[int] = []
-    cols: list[int] = []
-    for i, (p, out) in enumerate(zip(params, output_token_ids, strict=True)):
-        if len(out) < p.min_tokens:
-            banned = p.stop_token_ids if p.ignore_eos else [*p.stop_token_ids, *eos_token_ids]
-            banned = [t for t in banned if t < vocab]
-            rows += [i] * len(banned)
-            cols += banned
-    if rows:
-        logits[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = -math.inf
+    # The ids come from each row's state as ready-made tensors: no walk over the lists.
+    early = [i for i, (p, out) in enumerate(zip(params, output_token_ids, strict=True)) if len(out) < p.min_tokens]
+    if early:
+        eos = [t for t in eos_token_ids if 0 <= t < vocab]
+        eos_rows = [i for i in early if not params[i].ignore_eos]
+        if eos and eos_rows:
+            logits[torch.tensor(eos_rows, device=device).unsqueeze(1), torch.tensor(eos, device=device)] = -math.inf
+        rows, cols = _gather_rows([(i, states[i].tensors(vocab, device)[0]) for i in early], device)
+        if rows is not None:
+            logits[rows, cols] = -math.inf
 
     # logit_bias: added to the logits as given (ids outside the vocab are ignored).
-    rows, cols = [], []
-    vals: list[float] = []
-    for i, p in enumerate(params):
-        if p.logit_bias:
-            for t, v in p.logit_bias.items():
-                if 0 <= t < vocab:
-                    rows.append(i)
-                    cols.append(t)
-                    vals.append(v)
-    if rows:
-        logits.index_put_(
-            (torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
-            torch.tensor(vals, dtype=logits.dtype, device=device),
-            accumulate=True,
-        )
+    biased = [(i, states[i].tensors(vocab, device)) for i, p in enumerate(params) if p.logit_bias]
+    rows, cols = _gather_rows([(i, t[1]) for i, t in biased], device)
+    if rows is not None:
+        vals = torch.cat([t[2] for _, t in biased])
+        logits.index_put_((rows, cols), vals, accumulate=True)
 
     # Penalties: tensors only for the rows that ask, padded with the spare column V.
     pen = [i for i, s in enumerate(states) if s.needs_penalties]

@@ -2,7 +2,9 @@
 
 The page is read and filled in (model name, whether a key is needed) once per
 frontend process; its script and style are inline, so the response pins a strict
-Content-Security-Policy that allows only those and the WebSocket back to us.
+Content-Security-Policy that allows only those and requests back to us. With API
+keys the page needs no key but says nothing the API would not say without one:
+its script asks ``/v1/models`` for the model name with the key the user types.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ _HEADERS = [
 def register(router: Router, api: OpenAIApi) -> None:
     """Add the page at ``/``."""
     page = (_STATIC / "index.html").read_text(encoding="utf-8")
-    body = page.replace("{{MODEL}}", escape(api.model)).replace(
-        "{{AUTH}}", "required" if api.auth_required else "none").encode()
+    model = "" if api.auth_required else escape(api.model)
+    body = (page.replace("{{TITLE}}", f"tokenmill · {model}" if model else "tokenmill")
+            .replace("{{MODEL}}", model)
+            .replace("{{AUTH}}", "required" if api.auth_required else "none")).encode()
 
     async def chat_page(req: Request) -> Response:
         return Response(200, body, "text/html; charset=utf-8", list(_HEADERS))

@@ -261,6 +261,15 @@ class EngineClient:
             log.error("engine unhealthy: %s", why)
         self.healthy = False
         streams, self._streams = self._streams, {}
+        if streams and self._sock is not None:
+            # We answer 503 for these now; an engine that is only slow must not go on generating them
+            # for nobody. (A dead one never reads this; it aborts our orphans on our next HELLO.)
+            try:
+                fut = self._sock.send(encode(Abort(list(streams))), zmq.NOBLOCK)
+                if fut.done():
+                    fut.exception()  # retrieved: a failed send needs no log line
+            except zmq.ZMQError:
+                pass
         for rid, s in streams.items():
             s.push(_gone(rid, f"Engine unavailable: {why}"))
         for fut in self._stats_waiters:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from engine.protocol import Delta, Error, SamplingParams
 from frontends.engine_client import EngineClient, EngineUnavailable, Stream
 from frontends.errors import ApiError
-from frontends.text import IncrementalDetokenizer, StopStrings, TextCodec
+from frontends.text import IncrementalDetokenizer, StopMatcher, StopStrings, TextCodec
 
 # one sampled token's logprobs: (token_id, logprob, [[token_id, logprob], ...] top-k)
 LogprobEntry = tuple[int, float | None, list | None]
@@ -25,12 +25,12 @@ class Choice:
                  "num_tokens", "num_prompt_tokens", "num_cached_tokens", "prompt_logprobs", "text_offset")
 
     def __init__(self, index: int, request_id: str, prompt_ids: list[int], codec: TextCodec,
-                 stop: list[str], min_tokens: int = 0) -> None:
+                 stop: StopMatcher | None, min_tokens: int = 0) -> None:
         self.index = index
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.detok = IncrementalDetokenizer(codec, prompt_ids)
-        self.stops = StopStrings(stop) if stop else None
+        self.stops = StopStrings(stop) if stop is not None else None
         self.min_tokens = min_tokens  # as in vLLM, stop strings are not looked for before this many tokens
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None  # the stop string or stop token id that ended it
@@ -52,8 +52,10 @@ class Choice:
         if d.finish_reason is not None:
             text += self.detok.flush()
         hit = False
-        if self.stops is not None and self.num_tokens >= self.min_tokens:
-            text, hit = self.stops.feed(text)
+        if self.stops is not None:
+            # before min_tokens a stop string does not count, but the matcher still sees the text:
+            # one straddling the boundary counts when it completes (as in vLLM)
+            text, hit = self.stops.feed(text, check=self.num_tokens >= self.min_tokens)
             if hit:
                 self.finish_reason, self.stop_reason = "stop", self.stops.matched
             elif d.finish_reason is not None:
@@ -78,7 +80,9 @@ class Update:
 
 class Generation:
     def __init__(self, client: EngineClient, codec: TextCodec, api_id: str, prompts: list[list[int]], n: int,
-                 params_for: Callable[[int], SamplingParams], priority: int = 0) -> None:
+                 params_for: Callable[[int], SamplingParams], priority: int = 0,
+                 stop: StopMatcher | None = None) -> None:
+        """``stop``: the stop strings' automaton, built once for every choice (they share ``params.stop``)."""
         self.client = client
         self.prompts = prompts
         self.stream = Stream()
@@ -89,8 +93,7 @@ class Generation:
                 idx = p_idx * n + i
                 params = params_for(i)
                 self._params.append(params)
-                self.choices.append(Choice(idx, f"{api_id}-{idx}", prompt, codec, params.stop,
-                                           params.min_tokens))
+                self.choices.append(Choice(idx, f"{api_id}-{idx}", prompt, codec, stop, params.min_tokens))
         self._by_id = {c.request_id: c for c in self.choices}
         self._priority = priority
         self.want_logprobs = self._params[0].logprobs is not None

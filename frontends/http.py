@@ -2,10 +2,24 @@
 
 Owns the connection: keep-alive, pipelined requests answered in order (one
 worker task per connection serves its queue), Content-Length and chunked
-bodies, ``Expect: 100-continue``, a body limit (413), a header timeout and an
-idle keep-alive timeout, chunked streaming responses with write flow control,
-and client disconnects (the worker task is cancelled, so a handler's
+bodies, ``Expect: 100-continue``, chunked streaming responses with write flow
+control, and client disconnects (the worker task is cancelled, so a handler's
 ``finally`` runs: that is where it aborts its engine requests).
+
+One client must never stall anyone else, so every wait on a client has a limit
+(``HttpConfig``); a refused request gets its OpenAI-shaped error in its turn
+among the pipelined ones, then the connection closes:
+
+- ``max_connections`` per process (WebSockets handed over count too): one more
+  gets an immediate 503 with ``retry-after: 1``;
+- ``header_timeout`` from a request's first byte to the end of its head, even
+  while earlier pipelined requests are being answered: 408 (an idle keep-alive
+  connection past ``keep_alive_timeout`` is just closed);
+- ``max_header_bytes`` for the request line and headers: 431, checked as the
+  bytes arrive, so at most one read more than that is ever buffered;
+- ``body_timeout``: no body bytes for that long: 408; ``max_body_bytes``: 413;
+- ``write_timeout``: a client that reads nothing of a response (an SSE stream
+  above all) for that long, while the transport is full, is cut off.
 
 Handlers are ``async (Request) -> Response | StreamingResponse`` registered by
 method and path on a ``Router``. A connection can be handed to another protocol
@@ -16,7 +30,11 @@ object (WebSocket) through ``Router.add_upgrade``: the handler returns an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import socket
+import struct
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -120,7 +138,11 @@ class Router:
 class HttpConfig:
     max_body_bytes: int = 8 << 20
     header_timeout: float = 30.0  # from a request's first byte (or the connection's start) to its headers
+    body_timeout: float = 30.0  # longest pause between body bytes
     keep_alive_timeout: float = 5.0  # an idle keep-alive connection is closed after this
+    write_timeout: float = 30.0  # longest a response may wait on a client that does not read
+    max_header_bytes: int = 64 << 10  # request line + headers
+    max_connections: int = 1024  # per frontend process, HTTP and WebSocket together
 
 
 def _status_line(status: int) -> bytes:
@@ -140,10 +162,10 @@ def _head(status: int, content_type: str, headers: list[tuple[str, str]], keep_a
     line = _STATUS_LINES.get(status)
     if line is None:
         line = _STATUS_LINES[status] = _status_line(status)
-    parts = [line, b"content-type: ", content_type.encode(), b"\r\n"]
+    parts = [line, b"content-type: ", content_type.encode(), b"\r\n"] if status != 204 else [line]
     if length is None:
         parts.append(b"transfer-encoding: chunked\r\ncache-control: no-cache\r\n")
-    else:
+    elif status != 204:  # a 204 has no body, so no length either (RFC 9110 8.6)
         parts += [b"content-length: ", str(length).encode(), b"\r\n"]
     if not keep_alive:
         parts.append(b"connection: close\r\n")
@@ -159,11 +181,21 @@ class HttpServer:
     def __init__(self, router: Router, config: HttpConfig | None = None) -> None:
         self.router = router
         self.config = config or HttpConfig()
-        self.connections: set[HttpProtocol] = set()
+        self.connections: set[HttpProtocol] = set()  # and the WebSocket connections handed over
         self.shutting_down = False
+        self._full_since = -1e9  # when "connection limit reached" was last logged
 
     def __call__(self) -> HttpProtocol:  # the protocol factory for loop.create_server
         return HttpProtocol(self)
+
+    def at_capacity(self) -> bool:
+        if len(self.connections) < self.config.max_connections:
+            return False
+        now = time.monotonic()
+        if now - self._full_since > 10.0:  # one line per burst, not one per refused connection
+            self._full_since = now
+            log.warning("connection limit reached (%d): new connections get 503", self.config.max_connections)
+        return True
 
     async def shutdown(self, grace: float) -> None:
         """Close idle connections now, let busy ones finish within ``grace`` seconds, then cut them."""
@@ -180,6 +212,10 @@ class HttpServer:
         await asyncio.sleep(0)
 
 
+class _StopParsing(Exception):
+    """Raised in a parser callback once the request is refused: httptools stops mid-read."""
+
+
 class HttpProtocol(asyncio.Protocol):
     """One client connection."""
 
@@ -189,22 +225,36 @@ class HttpProtocol(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
         self.lost = False
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._cur: Request | None = None  # the request being parsed
         self._url = bytearray()
         self._pending: deque[Request] = deque()
         self._worker: asyncio.Task | None = None
         self._responding = False
-        self._stop_reading = False  # after an unrecoverable request (413, 400, upgrade)
+        self._stop_reading = False  # after an unrecoverable request (4xx from this layer, upgrade)
         self._leftover = b""  # bytes after an upgrade request
         self._timer: asyncio.TimerHandle | None = None
         self._write_paused = False
         self._drain_waiter: asyncio.Future | None = None
         self._reading_paused = False
+        self._messages = 0  # requests begun on this connection
+        self._in_head = False  # from a request's first byte to the end of its headers
+        self._head_bytes = 0  # of that head: the request target and the headers parsed so far
+        self._head_raw = 0  # of that head: the reads known to hold nothing else
+        self._last_body = 0.0  # loop time of the current request's last body bytes
 
     # ------------------------------------------------------------------ asyncio callbacks
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self._loop = asyncio.get_running_loop()
+        if self.server.at_capacity():
+            self._stop_reading = self.lost = True  # never counted, never served
+            body = status_error_body(503, f"Too many connections (limit {self.config.max_connections}); "
+                                          "retry shortly")
+            transport.write(_head(503, "application/json", [("retry-after", "1")], False, len(body)) + body)
+            transport.close()
+            return
         self.server.connections.add(self)
         self._arm(self.config.header_timeout)
 
@@ -232,16 +282,27 @@ class HttpProtocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._stop_reading:
             return
+        began, between = self._messages, self._cur is None
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade as e:
             self._leftover = data[e.args[0]:] if e.args else b""
             self._stop_reading = True
+            return
         except httptools.HttpParserError as e:
-            req = self._cur if self._cur is not None and not self._cur._queued else Request()
-            req.error = (400, f"Malformed HTTP request: {e}")
-            self._enqueue(req)
-            self._stop_reading = True
+            if not self._stop_reading:  # (else a callback refused the request and stopped the parser)
+                req = self._cur if self._cur is not None and not self._cur._queued else Request()
+                self._refuse(req, 400, f"Malformed HTTP request: {e}")
+            return
+        if self._in_head:
+            # httptools buffers a header until it is complete, unseen by on_header: count the
+            # reads that can only be head, i.e. all of them from the one where the head started
+            if self._messages == began:
+                self._head_raw += len(data)
+            elif self._messages == began + 1 and between:
+                self._head_raw = len(data)
+            if self._head_raw > self.config.max_header_bytes:
+                self._refuse(self._cur, 431, self._head_message())
 
     # ------------------------------------------------------------------ parser callbacks
 
@@ -249,16 +310,21 @@ class HttpProtocol(asyncio.Protocol):
         self._cur = Request()
         self._cur.protocol = self
         self._url.clear()
+        self._messages += 1
+        self._in_head = True
+        self._head_bytes = self._head_raw = 0
         self._arm(self.config.header_timeout)
 
     def on_url(self, url: bytes) -> None:
         self._url += url
+        self._count_head(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._cur.raw_headers.append((name, value))  # type: ignore[union-attr]
+        self._count_head(len(name) + len(value) + 4)
 
     def on_headers_complete(self) -> None:
-        self._disarm()
+        self._in_head = False
         req = self._cur
         assert req is not None
         req.method = self.parser.get_method().decode()
@@ -272,7 +338,11 @@ class HttpProtocol(asyncio.Protocol):
         length = req.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.config.max_body_bytes:
             self._too_large(req)
-            return
+        if length is not None or "transfer-encoding" in req.headers:  # a body follows: time it
+            self._last_body = self._loop.time()
+            self._arm(self.config.body_timeout)
+        else:
+            self._disarm()
         if req.headers.get("expect", "").lower() == "100-continue":
             if self._responding or self._pending:
                 req.expect_continue = True  # sent when the responses ahead of it are written
@@ -284,23 +354,43 @@ class HttpProtocol(asyncio.Protocol):
         if req is None or req._queued:
             return
         req.body += body
+        self._last_body = self._loop.time()
         if len(req.body) > self.config.max_body_bytes:
             self._too_large(req)
 
     def on_message_complete(self) -> None:
         req = self._cur
         if req is not None and not req._queued:
+            self._disarm()
             self._enqueue(req)
         self._cur = None
 
-    # ------------------------------------------------------------------ request queue
+    # ------------------------------------------------------------------ refusals
+
+    def _count_head(self, n: int) -> None:
+        self._head_bytes += n
+        if self._head_bytes > self.config.max_header_bytes:
+            self._refuse(self._cur, 431, self._head_message())
+            raise _StopParsing
+
+    def _head_message(self) -> str:
+        return f"Request line and headers too large (limit {self.config.max_header_bytes} bytes)"
 
     def _too_large(self, req: Request) -> None:
-        req.error = (413, f"Request body too large (limit {self.config.max_body_bytes} bytes)")
+        self._refuse(req, 413, f"Request body too large (limit {self.config.max_body_bytes} bytes)")
+        raise _StopParsing
+
+    def _refuse(self, req: Request, status: int, message: str) -> None:
+        """Answer ``req`` with an error in its turn, then close: nothing more is read."""
+        req.error = (status, message)
         req.body = bytearray()
         req.keep_alive = False
+        self._in_head = False
+        self._disarm()
         self._enqueue(req)
         self._stop_reading = True
+
+    # ------------------------------------------------------------------ request queue
 
     def _enqueue(self, req: Request) -> None:
         req._queued = True
@@ -310,7 +400,7 @@ class HttpProtocol(asyncio.Protocol):
             self._reading_paused = True
             self.transport.pause_reading()
         if self._worker is None or self._worker.done():
-            self._worker = asyncio.get_running_loop().create_task(self._work())
+            self._worker = self._loop.create_task(self._work())
 
     async def _work(self) -> None:
         while self._pending and not self.lost:
@@ -330,6 +420,7 @@ class HttpProtocol(asyncio.Protocol):
             cur = self._cur
             if cur is not None and cur.expect_continue and not self._pending:
                 cur.expect_continue = False
+                self._last_body = self._loop.time()  # its body timer starts now
                 self.transport.write(_CONTINUE)
         if self.lost:
             return
@@ -421,10 +512,27 @@ class HttpProtocol(asyncio.Protocol):
     # ------------------------------------------------------------------ flow control, timers, close
 
     async def drain(self) -> None:
-        """Wait until the transport's buffer is below its high-water mark (or the client left)."""
+        """Wait until the transport's buffer is below its high-water mark (or the client left).
+
+        A client that reads nothing for ``write_timeout`` seconds is cut off: the connection is
+        aborted and the worker cancelled, so the handler's ``finally`` (or ``on_close``) runs.
+        """
+        if not self._write_paused or self.lost:
+            return
+        loop = self._loop
+        deadline = loop.time() + self.config.write_timeout
         while self._write_paused and not self.lost:
-            self._drain_waiter = asyncio.get_running_loop().create_future()
-            await self._drain_waiter
+            left = deadline - loop.time()
+            if left <= 0:
+                log.info("client read nothing for %gs: connection cut", self.config.write_timeout)
+                self._reset()
+                raise asyncio.CancelledError
+            self._drain_waiter = loop.create_future()
+            timer = loop.call_later(left, self._wake_writer)
+            try:
+                await self._drain_waiter
+            finally:
+                timer.cancel()
 
     def _wake_writer(self) -> None:
         w, self._drain_waiter = self._drain_waiter, None
@@ -437,7 +545,7 @@ class HttpProtocol(asyncio.Protocol):
 
     def _arm(self, seconds: float) -> None:
         self._disarm()
-        self._timer = asyncio.get_running_loop().call_later(seconds, self._on_timeout)
+        self._timer = self._loop.call_later(seconds, self._on_timeout)
 
     def _disarm(self) -> None:
         if self._timer is not None:
@@ -446,8 +554,20 @@ class HttpProtocol(asyncio.Protocol):
 
     def _on_timeout(self) -> None:
         self._timer = None
-        if self.idle:
-            self.close()
+        req = self._cur
+        if req is None or req._queued:  # between requests
+            if self.idle:
+                self.close()  # (a busy worker arms the keep-alive timer when it is done)
+            return
+        c = self.config
+        if self._reading_paused or req.expect_continue:  # we are the ones not reading: wait on
+            self._arm(c.header_timeout if self._in_head else c.body_timeout)
+        elif self._in_head:
+            self._refuse(req, 408, f"Request headers not received within {c.header_timeout:g}s")
+        elif (left := self._last_body + c.body_timeout - self._loop.time()) > 0:
+            self._arm(left)
+        else:
+            self._refuse(req, 408, f"No request body bytes for {c.body_timeout:g}s")
 
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
@@ -458,3 +578,12 @@ class HttpProtocol(asyncio.Protocol):
             self._worker.cancel()
         if self.transport is not None:
             self.transport.abort()
+
+    def _reset(self) -> None:
+        """Abort with a TCP reset: the megabytes the client did not read are dropped now, not left
+        for the kernel to trickle into a zero window for minutes."""
+        sock = self.transport.get_extra_info("socket") if self.transport is not None else None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.abort()

@@ -4,12 +4,12 @@
 ``/v1/models``, ``/health``, ``/tokenize``, ``/detokenize``, ``/version``.
 Request bodies are read in ``openai_params``; the engine requests of one call
 run in a ``generation.Generation``. Every endpoint except ``/health`` needs an
-API key when keys are configured.
+API key when keys are configured; all of them follow the origin rule of
+``frontends.auth``, and the POSTs want ``Content-Type: application/json``.
 """
 
 from __future__ import annotations
 
-import hmac
 import itertools
 import os
 import time
@@ -18,11 +18,12 @@ from collections.abc import AsyncIterator
 import orjson
 
 from frontends import openai_params as op
+from frontends.auth import Auth
 from frontends.engine_client import EngineClient
 from frontends.errors import ApiError
 from frontends.generation import Generation, LogprobEntry, Update
 from frontends.http import Handler, Request, Response, Router, StreamingResponse
-from frontends.text import TextCodec
+from frontends.text import StopMatcher, TextCodec
 
 VERSION = "0.1.0"
 _DONE = b"data: [DONE]\n\n"
@@ -39,19 +40,19 @@ def _sse(obj: object) -> bytes:
 
 class OpenAIApi:
     def __init__(self, client: EngineClient, codec: TextCodec, served_model_name: str,
-                 api_keys: list[str] | None = None) -> None:
+                 api_keys: list[str] | None = None, allowed_origins: list[str] | None = None) -> None:
         self.client = client
         self.codec = codec
         self.model = served_model_name
-        self._keys = [k.encode() for k in (api_keys or []) if k]
+        self.auth = Auth(api_keys or (), allowed_origins or ())
         self._ids = itertools.count()
         self._id_prefix = os.urandom(4).hex()
         self.created = int(time.time())
 
     def routes(self, router: Router | None = None) -> Router:
         router = router or Router()
-        router.add("GET", "/health", self.health)
         for method, path, handler in (
+            ("GET", "/health", self.health),
             ("POST", "/v1/completions", self.completions),
             ("POST", "/v1/chat/completions", self.chat_completions),
             ("GET", "/v1/models", self.models),
@@ -59,48 +60,51 @@ class OpenAIApi:
             ("POST", "/detokenize", self.detokenize),
             ("GET", "/version", self.version),
         ):
-            router.add(method, path, self.authenticated(handler))
+            # every POST here takes a JSON body; /health stays open for load balancers
+            guarded = self.auth.guard(handler, key=path != "/health", json_body=method == "POST")
+            router.add(method, path, guarded)
+            router.add("OPTIONS", path, self.auth.preflight)
         return router
 
     # ------------------------------------------------------------------ plumbing
 
-    def authenticated(self, handler: Handler) -> Handler:
-        if not self._keys:
-            return handler
-
-        async def guarded(req: Request):
-            self.check_auth(req)
-            return await handler(req)
-
-        return guarded
+    def authenticated(self, handler: Handler, json_body: bool = False) -> Handler:
+        """``handler`` behind the origin rule and the API key (``frontends.auth``)."""
+        return self.auth.guard(handler, json_body=json_body)
 
     def check_auth(self, req: Request) -> None:
         """Raise 401 unless ``Authorization: Bearer <key>`` carries one of the keys."""
-        if not self._keys:
-            return
-        auth = req.headers.get("authorization", "")
-        scheme, _, token = auth.partition(" ")
-        if not self.key_ok(token.strip() if scheme.lower() == "bearer" else ""):
-            raise ApiError(401, "Invalid or missing API key (send 'Authorization: Bearer <key>')",
-                           code="invalid_api_key")
+        self.auth.check_key([self.auth.bearer(req)])
 
     @property
     def auth_required(self) -> bool:
-        return bool(self._keys)
+        return self.auth.required
 
     def key_ok(self, token: str) -> bool:
         """Whether ``token`` is one of the API keys (always True when none are configured)."""
-        if not self._keys:
-            return True
-        given = token.encode("utf-8", "replace")
-        ok = False
-        for key in self._keys:  # no early exit: the time taken says nothing about which key nearly matched
-            ok |= hmac.compare_digest(given, key)
-        return ok
+        return self.auth.key_ok(token)
 
     @property
     def max_model_len(self) -> int:
         return self.client.ready.max_model_len
+
+    @property
+    def max_chars(self) -> int:
+        """Longest text that could still fit the context (see ``TextCodec.max_token_chars``)."""
+        return self.max_model_len * self.codec.max_token_chars
+
+    async def _encode(self, text: str) -> list[int]:
+        return await self.codec.run(len(text), self.codec.encode, text)
+
+    async def _chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        size = sum(len(m["content"]) for m in messages)
+        return await self.codec.run(size, self.codec.apply_chat_template, messages, add_generation_prompt)
+
+    async def _stop_matcher(self, stops: list[str]) -> StopMatcher | None:
+        """Built once per call for all its choices; a big one off the event loop."""
+        if not stops:
+            return None
+        return await self.codec.run(sum(map(len, stops)), StopMatcher, stops)
 
     def _new_id(self, prefix: str) -> str:
         return f"{prefix}-{self._id_prefix}{next(self._ids):x}"
@@ -129,11 +133,13 @@ class OpenAIApi:
         data = op.parse_json(req.body)
         op.check_model(data, self.model)
         if "messages" in data:
-            msgs = op.parse_messages(data)
-            tokens = self.codec.apply_chat_template(msgs, op.field(data, "add_generation_prompt", bool, True))
+            msgs = op.parse_messages(data, self.max_chars)
+            tokens = await self._chat_template(msgs, op.field(data, "add_generation_prompt", bool, True))
         else:
             prompt = op.field(data, "prompt", str)
-            tokens = self.codec.encode(prompt, op.field(data, "add_special_tokens", bool, True))
+            op.check_text_length(len(prompt), self.max_chars, "prompt")
+            tokens = await self.codec.run(len(prompt), self.codec.encode, prompt,
+                                          op.field(data, "add_special_tokens", bool, True))
         return _json({"tokens": tokens, "count": len(tokens), "max_model_len": self.max_model_len})
 
     async def detokenize(self, req: Request) -> Response:
@@ -147,11 +153,11 @@ class OpenAIApi:
     async def completions(self, req: Request) -> Response | StreamingResponse:
         return await self._run(op.parse_json(req.body), self.completion_job)
 
-    def completion_job(self, data: dict) -> tuple[Generation, _CompletionFormat]:
+    async def completion_job(self, data: dict) -> tuple[Generation, _CompletionFormat]:
         """A /v1/completions body checked and turned into an unstarted generation (also used over WebSocket)."""
         op.check_model(data, self.model)
-        prompts = op.parse_prompts(data, self.codec.encode, self.codec.vocab_size)
         n = op.parse_n(data)
+        prompts = await op.parse_prompts(data, self._encode, self.codec.vocab_size, self.max_chars)
         echo = op.field(data, "echo", bool, False)
         logprobs = op.field(data, "logprobs", int, None)
         if logprobs is not None and not 0 <= logprobs <= _MAX_LOGPROBS_COMPLETIONS:
@@ -162,9 +168,11 @@ class OpenAIApi:
         priority = op.field(data, "priority", int, 0)
         base = op.sampling_params(data, max_tokens=max_tokens, logprobs=logprobs, vocab_size=self.codec.vocab_size,
                                   prompt_logprobs=logprobs if echo and logprobs is not None else None)
+        op.check_fan_out(len(prompts), n, base)
+        stop = await self._stop_matcher(base.stop)
         self._require_engine()
         api_id = self._new_id("cmpl")
-        gen = Generation(self.client, self.codec, api_id, prompts, n, self._seeded(base), priority)
+        gen = Generation(self.client, self.codec, api_id, prompts, n, self._seeded(base), priority, stop)
         return gen, _CompletionFormat(self, api_id, gen, echo, logprobs is not None)
 
     # ------------------------------------------------------------------ chat
@@ -172,10 +180,10 @@ class OpenAIApi:
     async def chat_completions(self, req: Request) -> Response | StreamingResponse:
         return await self._run(op.parse_json(req.body), self.chat_job)
 
-    def chat_job(self, data: dict) -> tuple[Generation, _ChatFormat]:
+    async def chat_job(self, data: dict) -> tuple[Generation, _ChatFormat]:
         """A /v1/chat/completions body checked and turned into an unstarted generation."""
         op.check_model(data, self.model)
-        messages = op.parse_messages(data)
+        messages = op.parse_messages(data, self.max_chars)
         n = op.parse_n(data)
         want_logprobs = op.field(data, "logprobs", bool, False)
         top = op.field(data, "top_logprobs", int, None)
@@ -184,7 +192,7 @@ class OpenAIApi:
         if top and not want_logprobs:
             raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
         try:
-            prompt = self.codec.apply_chat_template(messages)
+            prompt = await self._chat_template(messages)
         except Exception as e:  # noqa: BLE001 - templates raise whatever they like on odd conversations
             raise ApiError(400, f"Cannot apply the chat template: {e}", param="messages") from None
         max_tokens = op.resolve_max_tokens(data, ("max_completion_tokens", "max_tokens"), [len(prompt)],
@@ -192,9 +200,11 @@ class OpenAIApi:
         priority = op.field(data, "priority", int, 0)
         base = op.sampling_params(data, max_tokens=max_tokens, logprobs=(top or 0) if want_logprobs else None,
                                   vocab_size=self.codec.vocab_size)
+        op.check_fan_out(1, n, base)
+        stop = await self._stop_matcher(base.stop)
         self._require_engine()
         api_id = self._new_id("chatcmpl")
-        gen = Generation(self.client, self.codec, api_id, [prompt], n, self._seeded(base), priority)
+        gen = Generation(self.client, self.codec, api_id, [prompt], n, self._seeded(base), priority, stop)
         return gen, _ChatFormat(self, api_id, gen, want_logprobs)
 
     # ------------------------------------------------------------------ running a generation
@@ -217,7 +227,7 @@ class OpenAIApi:
         """Check the body with ``job`` (completion_job or chat_job), run it, answer whole or streamed."""
         stream = op.field(data, "stream", bool, False)
         include_usage = stream and self._include_usage(data)
-        gen, fmt = job(data)
+        gen, fmt = await job(data)
         gen.start()
         try:
             first = await gen.next_updates()  # an engine refusal (429, 400) still gets its status
@@ -273,6 +283,7 @@ class _CompletionFormat:
         self.texts = [""] * len(gen.choices)
         self.lps: list[dict | None] = [None] * len(gen.choices)
         self.prompt_texts: list[str] = []
+        self.echoed = [not echo] * len(gen.choices)  # streaming: the echo goes out with a choice's first update
         if echo:
             decoded = {}
             for c in gen.choices:
@@ -282,8 +293,11 @@ class _CompletionFormat:
                 self.prompt_texts.append(decoded[key])
                 c.text_offset = len(decoded[key])  # completion offsets count the echoed prompt
 
-    def _echo(self, choice) -> tuple[str, dict | None]:
-        """The echoed prompt of one choice, with its prompt logprobs (offsets from 0)."""
+    def echo_of(self, choice) -> tuple[str, dict | None]:
+        """The echoed prompt of one choice, with its prompt logprobs (offsets from 0).
+
+        The engine sends prompt logprobs with a request's first delta: call this once
+        that has arrived (a streamed echo waits for the choice's first update)."""
         lp = None
         if self.logprobs:
             plp = choice.prompt_logprobs or [None] * len(choice.prompt_ids)
@@ -317,18 +331,21 @@ class _CompletionFormat:
         return {k: a[k] + b[k] for k in a}
 
     def stream_head(self) -> bytes:
-        if not self.echo:
-            return b""
-        choices = []
-        for c in self.gen.choices:
-            text, lp = self._echo(c)
-            choices.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": None})
-        return _sse({**self.base, "choices": choices})
+        return b""
 
     def chunk(self, updates: list[Update]) -> bytes:
-        choices = [{"index": up.choice.index, "text": up.text, "logprobs": self._choice_lp(up),
-                    "finish_reason": up.choice.finish_reason if up.finished else None}
-                   for up in updates if up.text or up.finished or up.logprobs]
+        choices = []
+        for up in updates:
+            i = up.choice.index
+            if not (up.text or up.finished or up.logprobs or not self.echoed[i]):
+                continue
+            text, lp = up.text, self._choice_lp(up)
+            if not self.echoed[i]:
+                self.echoed[i] = True
+                ptext, plp = self.echo_of(up.choice)
+                text, lp = ptext + text, self._merge(plp, lp)
+            choices.append({"index": i, "text": text, "logprobs": lp,
+                            "finish_reason": up.choice.finish_reason if up.finished else None})
         return _sse({**self.base, "choices": choices}) if choices else b""
 
     def delta_logprobs(self, up: Update) -> dict | None:
@@ -349,7 +366,7 @@ class _CompletionFormat:
             if self.logprobs and lp is None:
                 lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
             if self.echo:
-                ptext, plp = self._echo(c)
+                ptext, plp = self.echo_of(c)
                 text, lp = ptext + text, self._merge(plp, lp)
             choices.append({"index": c.index, "text": text, "logprobs": lp,
                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})

@@ -6,15 +6,27 @@ offending ``param``; unknown fields are ignored, as OpenAI-compatible servers do
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
 
-from engine.protocol import SamplingParamError, SamplingParams
+from engine.protocol import (
+    MAX_LOGIT_BIAS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParamError,
+    SamplingParams,
+)
 from frontends.errors import ApiError
 
 _MISSING = object()
 MAX_N = 128
+MAX_PROMPTS = 128  # prompts in one /v1/completions call
+MAX_CHOICES = 128  # prompts x n: engine requests one call may start
+MAX_MESSAGES = 4096
+# what one call copies into the engine, over all its choices: stop_token_ids + logit_bias entries
+MAX_SAMPLING_ENTRIES = 16384
 
 
 def parse_json(body: bytes | bytearray) -> dict[str, Any]:
@@ -60,8 +72,13 @@ def check_token_ids(ids: list, vocab_size: int, param: str) -> list[int]:
     return ids
 
 
-def parse_prompts(data: dict, encode, vocab_size: int) -> list[list[int]]:
-    """``prompt`` as a string, list of strings, token ids, or list of token id lists."""
+async def parse_prompts(data: dict, encode: Callable[[str], Awaitable[list[int]]], vocab_size: int,
+                        max_chars: int) -> list[list[int]]:
+    """``prompt`` as a string, list of strings, token ids, or list of token id lists.
+
+    At most ``MAX_PROMPTS`` prompts; a string longer than ``max_chars`` cannot fit the
+    context and is refused before it is tokenized.
+    """
     p = data.get("prompt", _MISSING)
     if p is _MISSING or p is None:
         raise ApiError(400, "Missing required field: 'prompt'", param="prompt")
@@ -76,26 +93,33 @@ def parse_prompts(data: dict, encode, vocab_size: int) -> list[list[int]]:
     else:
         raise ApiError(400, "'prompt' must be a string, a list of strings, a list of token ids "
                        "or a list of lists of token ids", param="prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise ApiError(400, f"At most {MAX_PROMPTS} prompts per request, got {len(prompts)}", param="prompt")
+    for x in prompts:
+        if not x:
+            raise ApiError(400, "'prompt' must not be empty", param="prompt")
+        if isinstance(x, str):
+            check_text_length(len(x), max_chars, "prompt")
     out = []
     for x in prompts:
-        if isinstance(x, str):
-            if not x:
-                raise ApiError(400, "'prompt' must not be empty", param="prompt")
-            ids = encode(x)
-        else:
-            if not x:
-                raise ApiError(400, "'prompt' must not be empty", param="prompt")
-            ids = check_token_ids(x, vocab_size, "prompt")
+        ids = await encode(x) if isinstance(x, str) else check_token_ids(x, vocab_size, "prompt")
         if not ids:
             raise ApiError(400, "'prompt' encodes to no tokens", param="prompt")
         out.append(ids)
     return out
 
 
+def check_text_length(num_chars: int, max_chars: int, param: str) -> None:
+    if num_chars > max_chars:
+        raise ApiError(400, f"The {param} is {num_chars} characters long: more than fits this model's context "
+                       f"(at most {max_chars} characters). Please reduce the length of the {param}.", param=param)
+
+
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def parse_messages(data: dict) -> list[dict[str, str]]:
+def parse_messages(data: dict, max_chars: int | None = None) -> list[dict[str, str]]:
+    """Chat messages, text only; with ``max_chars``, their contents together must fit in it."""
     msgs = field(data, "messages", list)
     if not msgs:
         raise ApiError(400, "'messages' must not be empty", param="messages")
@@ -122,6 +146,10 @@ def parse_messages(data: dict) -> list[dict[str, str]]:
             raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts",
                            param="messages")
         out.append({"role": "system" if role == "developer" else role, "content": content})
+    if len(out) > MAX_MESSAGES:
+        raise ApiError(400, f"At most {MAX_MESSAGES} messages per request, got {len(out)}", param="messages")
+    if max_chars is not None:
+        check_text_length(sum(len(m["content"]) for m in out), max_chars, "messages")
     return out
 
 
@@ -132,6 +160,12 @@ def sampling_params(data: dict, *, max_tokens: int, logprobs: int | None, vocab_
     if isinstance(stop, str):
         stop = [stop]
     bias = field(data, "logit_bias", dict, None)
+    stop_token_ids = field(data, "stop_token_ids", list, [])
+    # sizes before contents: an oversized list is refused without being walked
+    for name, value, cap in (("stop", stop, MAX_STOP_STRINGS), ("logit_bias", bias or (), MAX_LOGIT_BIAS),
+                             ("stop_token_ids", stop_token_ids, MAX_STOP_TOKEN_IDS)):
+        if len(value) > cap:
+            raise ApiError(400, f"'{name}' may have at most {cap} entries, got {len(value)}", param=name)
     logit_bias = None
     if bias:
         logit_bias = {}
@@ -145,7 +179,6 @@ def sampling_params(data: dict, *, max_tokens: int, logprobs: int | None, vocab_
             if isinstance(v, bool) or not isinstance(v, int | float):
                 raise ApiError(400, "logit_bias values must be numbers", param="logit_bias")
             logit_bias[tid] = float(v)
-    stop_token_ids = field(data, "stop_token_ids", list, [])
     check_token_ids(stop_token_ids, vocab_size, "stop_token_ids")
     num = (int, float)
     try:
@@ -178,6 +211,19 @@ def parse_n(data: dict) -> int:
     if not 1 <= n <= MAX_N:
         raise ApiError(400, f"n must be in [1, {MAX_N}], got {n}", param="n")
     return n
+
+
+def check_fan_out(num_prompts: int, n: int, params: SamplingParams) -> None:
+    """Bound what one call asks of the engine: its requests, and the lists each one carries."""
+    choices = num_prompts * n
+    if choices > MAX_CHOICES:
+        raise ApiError(400, f"A request may start at most {MAX_CHOICES} generations (prompts x n), got "
+                       f"{num_prompts} x {n} = {choices}", param="n")
+    entries = choices * (len(params.stop_token_ids) + len(params.logit_bias or ()))
+    if entries > MAX_SAMPLING_ENTRIES:
+        raise ApiError(400, f"stop_token_ids and logit_bias entries times the number of generations must be at "
+                       f"most {MAX_SAMPLING_ENTRIES}, got {entries}: lower n or shorten the lists",
+                       param="stop_token_ids" if params.stop_token_ids else "logit_bias")
 
 
 def resolve_max_tokens(data: dict, names: tuple[str, ...], prompt_lens: list[int], max_model_len: int,

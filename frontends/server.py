@@ -10,6 +10,7 @@ in the engine, and returns.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 import ssl
@@ -36,13 +37,23 @@ class FrontendArgs:
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
     frontend_id: str = "frontend-0"
-    max_body_bytes: int = 8 << 20
+    allowed_origins: list[str] = field(default_factory=list)  # browser origins besides our own ("*": any)
     tokenizer_cache_dir: str | None = None
     shutdown_grace: float = 10.0  # seconds in-flight requests get after SIGTERM
-    header_timeout: float = 30.0
-    keep_alive_timeout: float = 5.0
     handshake_timeout: float = 120.0  # the engine may still be loading its model
+    # the HTTP layer's limits (frontends.http.HttpConfig, whose defaults these are)
+    max_body_bytes: int = HttpConfig.max_body_bytes
+    max_header_bytes: int = HttpConfig.max_header_bytes
+    max_connections: int = HttpConfig.max_connections
+    header_timeout: float = HttpConfig.header_timeout
+    body_timeout: float = HttpConfig.body_timeout
+    write_timeout: float = HttpConfig.write_timeout
+    keep_alive_timeout: float = HttpConfig.keep_alive_timeout
     ws: websocket.WsConfig = field(default_factory=websocket.WsConfig)  # /v1/stream limits
+
+
+def http_config(args: FrontendArgs) -> HttpConfig:
+    return HttpConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(HttpConfig)})
 
 
 def ssl_context(args: FrontendArgs) -> ssl.SSLContext | None:
@@ -68,10 +79,9 @@ async def serve(args: FrontendArgs, ready: Callable[[], None] | None = None) -> 
     codec = TextCodec(await asyncio.to_thread(load_tokenizer, args.model_path, args.tokenizer_cache_dir))
     client = EngineClient(args.engine_address, args.frontend_id, handshake_timeout=args.handshake_timeout)
     await client.connect()
-    api = OpenAIApi(client, codec, args.served_model_name, args.api_keys)
-    http = HttpServer(build_router(api, args.ws), HttpConfig(max_body_bytes=args.max_body_bytes,
-                                                    header_timeout=args.header_timeout,
-                                                    keep_alive_timeout=args.keep_alive_timeout))
+    api = OpenAIApi(client, codec, args.served_model_name, args.api_keys,
+                    allowed_origins=args.allowed_origins)
+    http = HttpServer(build_router(api, args.ws), http_config(args))
     server = await loop.create_server(http, args.host, args.port, reuse_port=True, ssl=tls, backlog=2048)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

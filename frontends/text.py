@@ -5,15 +5,21 @@ the first frontend may save it to ``cache_dir`` and the others load from there).
 ``IncrementalDetokenizer`` turns streamed token ids into text the vLLM way
 (prefix_offset / read_offset) and never emits a broken UTF-8 sequence.
 ``StopStrings`` cuts the text at the first stop string and, while streaming,
-holds back a tail that could still become one.
+holds back a tail that could still become one; its ``StopMatcher`` automaton
+makes that cost O(1) per character whatever the number of stop strings.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import tempfile
-from typing import Any
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 _SOURCE_FILE = "tokenmill_source.txt"  # in a tokenizer cache: the model it was saved from
 
@@ -61,7 +67,15 @@ def _save_cache(tok: Any, model_path: str, cache_dir: str) -> None:
 
 
 class TextCodec:
-    """The tokenizer as the frontend uses it: encode, decode, chat templates, token strings."""
+    """The tokenizer as the frontend uses it: encode, decode, chat templates, token strings.
+
+    Large inputs are tokenized (and chat templates rendered) on a worker thread,
+    so one 1 MB prompt never freezes every other stream on the event loop (the
+    Rust tokenizer releases the GIL while it works). One worker: big jobs queue
+    behind each other instead of taking every core.
+    """
+
+    INLINE_CHARS = 4096  # inputs up to this size are cheaper to tokenize inline than to hand off
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -71,6 +85,11 @@ class TextCodec:
             self._decode = lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)
         else:
             self._decode = lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
+        # No token spells more characters than its vocabulary entry has (byte-level and
+        # SentencePiece entries are at least as long as their text), so a text longer than
+        # max_model_len x this cannot fit and is refused before it is tokenized.
+        self.max_token_chars = max(map(len, tokenizer.get_vocab()), default=1) or 1
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
@@ -86,6 +105,12 @@ class TextCodec:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)
         return self.encode(text, add_special_tokens=False)
+
+    async def run(self, size: int, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` inline when ``size`` (characters) is small, else on the tokenizer thread."""
+        if size <= self.INLINE_CHARS:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
 
 class IncrementalDetokenizer:
@@ -129,38 +154,86 @@ class IncrementalDetokenizer:
         return new_text[len(prefix_text):]
 
 
-class StopStrings:
-    """Cuts streamed text at the first stop string (which is not returned)."""
+class StopMatcher:
+    """A request's stop strings as an Aho-Corasick automaton: built once, shared by its choices.
 
-    __slots__ = ("_stops", "_held", "matched")
+    Feeding one character costs O(1) amortised however many stop strings there
+    are. The state reached after a character says whether a stop string ends
+    there (``hit``: the longest one, i.e. the earliest start among those ending
+    there) and how long a tail of the text could still grow into one (``depth``):
+    exactly what a streaming cut must hold back.
+    """
+
+    __slots__ = ("strings", "goto", "fail", "depth", "hit")
 
     def __init__(self, stops: list[str]) -> None:
-        self._stops = stops
+        self.strings = list(stops)
+        goto: list[dict[str, int]] = [{}]
+        depth = [0]
+        hit: list[str | None] = [None]
+        for s in stops:  # the trie
+            node = 0
+            for ch in s:
+                nxt = goto[node].get(ch)
+                if nxt is None:
+                    nxt = goto[node][ch] = len(goto)
+                    goto.append({})
+                    depth.append(depth[node] + 1)
+                    hit.append(None)
+                node = nxt
+            if hit[node] is None:
+                hit[node] = s
+        fail = [0] * len(goto)
+        queue = list(goto[0].values())  # breadth first: a fail link always points to a shallower state
+        for node in queue:
+            for ch, child in goto[node].items():
+                f = fail[node]
+                while f and ch not in goto[f]:
+                    f = fail[f]
+                fail[child] = goto[f].get(ch, 0) if node else 0
+                if hit[child] is None:
+                    hit[child] = hit[fail[child]]
+                queue.append(child)
+        self.goto, self.fail, self.depth, self.hit = goto, fail, depth, hit
+
+
+class StopStrings:
+    """Cuts streamed text where the first stop string is completed (the stop string is not returned).
+
+    "First" is the one that ends first, and among those the longest: the same
+    answer however the text arrives in pieces. While ``check`` is False (before
+    ``min_tokens``) a completed stop string does not count, but the text still
+    moves the automaton and its tail is still held, so one that straddles that
+    boundary is found when it completes and cut where it starts (as vLLM cuts).
+    """
+
+    __slots__ = ("_m", "_state", "_held", "matched")
+
+    def __init__(self, stops: list[str] | StopMatcher) -> None:
+        self._m = stops if isinstance(stops, StopMatcher) else StopMatcher(stops)
+        self._state = 0
         self._held = ""
         self.matched: str | None = None  # the stop string that hit
 
-    def feed(self, text: str) -> tuple[str, bool]:
+    def feed(self, text: str, check: bool = True) -> tuple[str, bool]:
         """(text safe to emit now, whether a stop string matched)."""
-        buf = self._held + text if self._held else text
-        best = -1
-        for s in self._stops:
-            i = buf.find(s)
-            if i != -1 and (best == -1 or i < best):
-                best, self.matched = i, s
-        if best != -1:
-            self._held = ""
-            return buf[:best], True
-        keep = 0  # the longest tail of buf that is the start of some stop string
-        for s in self._stops:
-            for k in range(min(len(s) - 1, len(buf)), keep, -1):
-                if buf.endswith(s[:k]):
-                    keep = k
-                    break
-        if keep:
-            self._held = buf[-keep:]
-            return buf[:-keep], False
-        self._held = ""
-        return buf, False
+        m = self._m
+        goto, fail, hit = m.goto, m.fail, m.hit
+        state = self._state
+        held = self._held
+        for i, ch in enumerate(text):
+            while state and ch not in goto[state]:
+                state = fail[state]
+            state = goto[state].get(ch, 0)
+            if check and hit[state] is not None:
+                self.matched = s = hit[state]
+                self._state, self._held = 0, ""
+                return (held + text)[:len(held) + i + 1 - len(s)], True  # it starts within what was held
+        self._state = state
+        buf = held + text if held else text
+        keep = min(m.depth[state], len(buf))
+        self._held = buf[len(buf) - keep:] if keep else ""
+        return buf[:len(buf) - keep], False
 
     def flush(self) -> str:
         held, self._held = self._held, ""

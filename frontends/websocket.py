@@ -27,8 +27,9 @@ costs neither the engine nor other clients anything.
 Auth: the HTTP API's keys, from ``Authorization: Bearer`` or, for browsers, a
 ``Sec-WebSocket-Protocol`` value ``tokenmill.key.<KEY>`` (offer ``tokenmill.v1``
 with it: that is the one echoed back, so the key is not). Without keys, a
-browser page from another origin is refused (403): a WebSocket is not bound by
-the same-origin policy, and any site could otherwise drive the server.
+browser page from an origin that is neither ours nor in ``--allowed-origins`` is
+refused (403): a WebSocket is not bound by the same-origin policy, and any site
+could otherwise drive the server (the rule lives in ``frontends.auth``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ import logging
 import os
 import socket
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 import orjson
 from websockets.datastructures import Headers
@@ -74,6 +74,7 @@ class WsConfig:
     max_buffered_bytes: int = 4 << 20  # unsent bytes before a client that does not read is cut off (1008)
     max_generations: int = 256  # live generations on one connection; more get a 429 error
     max_id_length: int = 256
+    max_pending_stats: int = 16  # stats messages waiting for one engine round trip; more get a 429 error
     ping_interval: float = 20.0
     ping_timeout: float = 20.0  # no pong within this after a ping: close 1011
     idle_timeout: float = 300.0  # no generation and no message for this long: close 1000
@@ -134,19 +135,10 @@ class WebSocketEndpoint:
         return Upgrade(Connection(self, proto, server), head)
 
     def _check_auth(self, req: Request, offered: list[str]) -> None:
-        api = self.api
-        if api.auth_required:
-            scheme, _, token = req.headers.get("authorization", "").partition(" ")
-            tokens = [token.strip()] if scheme.lower() == "bearer" else []
-            tokens += [p[len(KEY_PREFIX):] for p in offered if p.startswith(KEY_PREFIX)]
-            if not any([api.key_ok(t) for t in tokens]):  # a list: every candidate is compared
-                raise ApiError(401, "Invalid or missing API key (send 'Authorization: Bearer <key>' or the "
-                               f"subprotocol '{KEY_PREFIX}<key>')", code="invalid_api_key")
-            return
-        origin = req.headers.get("origin")
-        if origin and urlsplit(origin).netloc.lower() != req.headers.get("host", "").lower():
-            raise ApiError(403, f"Cross-origin WebSocket from {origin} refused (configure API keys to allow "
-                           "other origins)", type="permission_error", code="origin_not_allowed")
+        auth = self.api.auth  # the same origin rule and keys as the HTTP API
+        auth.check_origin(req)
+        tokens = [auth.bearer(req)] + [p[len(KEY_PREFIX):] for p in offered if p.startswith(KEY_PREFIX)]
+        auth.check_key(tokens, f"send 'Authorization: Bearer <key>' or the subprotocol '{KEY_PREFIX}<key>'")
 
 
 def _offered_subprotocols(req: Request) -> list[str]:
@@ -173,11 +165,19 @@ def _error_msg(gid: str | None, e: ApiError) -> dict:
 
 
 class _Live:
+    """One generation on a connection: its task, and its ``Generation`` once the body is checked."""
+
     __slots__ = ("gen", "task")
 
-    def __init__(self, gen: Generation, task: asyncio.Task) -> None:
+    def __init__(self, gen: Generation | None, task: asyncio.Task | None) -> None:
         self.gen = gen
         self.task = task
+
+    def abort(self) -> None:
+        if self.gen is not None:
+            self.gen.abort_unfinished()
+        if self.task is not None:
+            self.task.cancel()
 
 
 class Connection(asyncio.Protocol):
@@ -192,7 +192,8 @@ class Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.lost = False
         self.live: dict[str, _Live] = {}
-        self._side_tasks: set[asyncio.Task] = set()  # stats requests
+        self._side_tasks: set[asyncio.Task] = set()  # the stats round trip
+        self._stats_asked: list[str | None] = []  # ids of the stats messages the round trip in flight answers
         self._frags: list[bytes] | None = None  # a fragmented message being put together
         self._frag_opcode = Opcode.TEXT
         self._flush_scheduled = False
@@ -303,9 +304,7 @@ class Connection(asyncio.Protocol):
             elif kind == "cancel":
                 self._cancel(self._check_id(msg))
             elif kind == "stats":
-                task = asyncio.get_running_loop().create_task(self._stats(gid))
-                self._side_tasks.add(task)
-                task.add_done_callback(self._side_tasks.discard)
+                self._ask_stats(gid)
             else:
                 raise ApiError(400, f"Unknown message type {kind!r}: expected 'completion', 'chat', 'cancel' "
                                "or 'stats'", param="type")
@@ -337,28 +336,47 @@ class Connection(asyncio.Protocol):
         if op.parse_n(msg) != 1:
             raise ApiError(400, "Only n=1 is supported over WebSocket: send one message (with its own id) per "
                            "choice", param="n")
-        gen, fmt = self.api.completion_job(msg) if kind == "completion" else self.api.chat_job(msg)
-        if len(gen.choices) != 1:
+        if kind == "completion" and isinstance(p := msg.get("prompt"), list) and len(p) > 1 and not isinstance(p[0], int):
             raise ApiError(400, "One prompt per message over WebSocket: send one message (with its own id) per "
                            "prompt", param="prompt")
-        gen.start()
-        task = asyncio.get_running_loop().create_task(self._pump(gid, gen, fmt))
-        self.live[gid] = _Live(gen, task)
+        # checking the body may tokenize a big prompt off the loop: the generation is live (and
+        # cancellable) from now on, its engine request starts once the body has been read
+        live = self.live[gid] = _Live(None, None)
+        live.task = asyncio.get_running_loop().create_task(self._run(gid, kind, msg, live))
 
-    async def _pump(self, gid: str, gen: Generation, fmt) -> None:
-        """Forward one generation's batches (one delta per engine step) until it ends."""
+    async def _run(self, gid: str, kind: str, msg: dict, live: _Live) -> None:
+        """Check the body, start the generation, forward its batches (one delta per engine step) until it ends."""
+        send = self._send
+        try:
+            live.gen, fmt = await (self.api.completion_job(msg) if kind == "completion" else self.api.chat_job(msg))
+            live.gen.start()
+        except ApiError as e:
+            send(_error_msg(gid, e))
+            self._forget(gid, live)
+            return
+        except Exception:  # noqa: BLE001 - one bad message must not take the connection's other generations down
+            log.exception("websocket message failed")
+            send(_error_msg(gid, ApiError(500, "Internal server error")))
+            self._forget(gid, live)
+            return
+        await self._pump(gid, live, fmt)
+
+    async def _pump(self, gid: str, live: _Live, fmt) -> None:
+        gen = live.gen
         choice = gen.choices[0]
         send = self._send
         want_lp = fmt.logprobs
+        echo = getattr(fmt, "echo", False)
         try:
-            if getattr(fmt, "echo", False):
-                text, lp = fmt._echo(choice)
-                msg = {"type": "delta", "id": gid, "text": text, "token_ids": choice.prompt_ids}
-                if want_lp:
-                    msg["logprobs"] = lp
-                send(msg)
             while not gen.done:
                 for up in await gen.next_updates():
+                    if echo:  # with the first update: the prompt logprobs come with it
+                        echo = False
+                        text, lp = fmt.echo_of(choice)
+                        msg = {"type": "delta", "id": gid, "text": text, "token_ids": choice.prompt_ids}
+                        if want_lp:
+                            msg["logprobs"] = lp
+                        send(msg)
                     if up.text or up.token_ids or up.logprobs:
                         msg = {"type": "delta", "id": gid, "text": up.text, "token_ids": up.token_ids}
                         if want_lp:
@@ -372,19 +390,22 @@ class Connection(asyncio.Protocol):
             send(_error_msg(gid, ApiError(500, "Internal server error")))
         finally:
             gen.abort_unfinished()
-            entry = self.live.get(gid)
-            if entry is not None and entry.gen is gen:  # the id may already be reused after a cancel
-                del self.live[gid]
-            self._generation_ended()
+            self._forget(gid, live)
+
+    def _forget(self, gid: str, live: _Live) -> None:
+        if self.live.get(gid) is live:  # the id may already be reused after a cancel
+            del self.live[gid]
+        self._generation_ended()
 
     def _cancel(self, gid: str) -> None:
         """Abort now and say so; cancelling an id that is not running does nothing (it may have just ended)."""
         entry = self.live.pop(gid, None)
         if entry is None:
             return
-        entry.gen.abort_unfinished()
-        entry.task.cancel()
-        self._send({"type": "done", "id": gid, "finish_reason": "cancelled", "usage": entry.gen.usage()})
+        entry.abort()
+        usage = entry.gen.usage() if entry.gen is not None else {"prompt_tokens": 0, "completion_tokens": 0,
+                                                                 "total_tokens": 0}
+        self._send({"type": "done", "id": gid, "finish_reason": "cancelled", "usage": usage})
         self._generation_ended()
 
     def _generation_ended(self) -> None:
@@ -397,22 +418,38 @@ class Connection(asyncio.Protocol):
     def _cancel_all(self) -> None:
         live, self.live = self.live, {}
         for entry in live.values():
-            entry.gen.abort_unfinished()
-            entry.task.cancel()
+            entry.abort()
         for task in list(self._side_tasks):
             task.cancel()
 
-    async def _stats(self, gid: str | None) -> None:
+    def _ask_stats(self, gid: str | None) -> None:
+        """One engine round trip per connection at a time: stats messages sent meanwhile share its answer,
+        so a flood of them costs the engine nothing and the connection a bounded list."""
+        if len(self._stats_asked) >= self.config.max_pending_stats:
+            raise ApiError(429, f"Too many stats requests in flight on this connection (limit "
+                           f"{self.config.max_pending_stats}): wait for the answers")
+        self._stats_asked.append(gid)
+        if len(self._stats_asked) == 1:
+            task = asyncio.get_running_loop().create_task(self._stats())
+            self._side_tasks.add(task)
+            task.add_done_callback(self._side_tasks.discard)
+
+    async def _stats(self) -> None:
         try:
             s = await self.api.client.stats()
         except Exception as e:  # noqa: BLE001 - EngineUnavailable or a timeout
-            self._send(_error_msg(gid, ApiError(503, f"Engine unavailable: {e}")))
+            err = ApiError(503, f"Engine unavailable: {e}")
+            for gid in self._take_stats_asked():
+                self._send(_error_msg(gid, err))
             return
         msg = {"type": "stats", "num_waiting": s.num_waiting, "num_running": s.num_running,
                "kv_usage": s.kv_usage, "num_free_blocks": s.num_free_blocks, "num_kv_blocks": s.num_kv_blocks}
-        if gid is not None:
-            msg["id"] = gid
-        self._send(msg)
+        for gid in self._take_stats_asked():
+            self._send(msg if gid is None else {**msg, "id": gid})
+
+    def _take_stats_asked(self) -> list[str | None]:
+        asked, self._stats_asked = self._stats_asked, []
+        return asked
 
     # ------------------------------------------------------------------ outgoing
 

@@ -3,6 +3,7 @@ outputs; blocks always come back; bad requests are refused with clear errors."""
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -135,6 +136,62 @@ def test_bad_requests_are_refused(tiny_llama):
     with pytest.raises(RequestError) as e:
         eng.add_request("c", [1], SamplingParams())
     assert e.value.status == 429
+
+
+def test_out_of_vocab_stop_ids_and_bias_keys_are_refused(tiny_llama):
+    eng = LLM(tiny_llama, num_kv_blocks=32, max_model_len=256).engine
+    for params, param in ((SamplingParams(stop_token_ids=[5, 49152]), "stop_token_ids"),
+                          (SamplingParams(logit_bias={49152: 1.0}), "logit_bias")):
+        with pytest.raises(RequestError) as e:
+            eng.add_request("a", [1, 2], params)
+        assert (e.value.status, e.value.param) == (400, param)
+    assert not eng.requests and not eng.has_work()
+    eng.add_request("a", [1, 2], SamplingParams(stop_token_ids=[49151], logit_bias={49151: 1.0}))
+
+
+class _Untouchable(list):
+    def __iter__(self):
+        raise AssertionError("a params list was walked on the hot path")
+
+    __contains__ = __getitem__ = __iter__
+
+
+class _UntouchableMap(dict):
+    def __iter__(self):
+        raise AssertionError("a params map was walked on the hot path")
+
+    items = keys = values = __contains__ = __getitem__ = __iter__
+
+
+def test_steps_never_walk_the_params_lists(tiny_llama):
+    """Stop ids and logit_bias at their caps are read once per request, not once per step."""
+    llm = LLM(tiny_llama, num_kv_blocks=64, max_model_len=512)
+    free = llm.generate([9, 10, 11], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0].token_ids
+    filler = [t for t in range(40000, 42100) if t not in free][:2046]
+    bias = {t: 0.0 for t in range(2048)}  # changes nothing, but takes the processing path
+    params = [
+        SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logit_bias=bias,
+                       stop_token_ids=[free[3], *filler, free[3]]),
+        SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, min_tokens=2,
+                       stop_token_ids=[free[0], *filler, free[0]]),
+    ]
+    expected = llm.generate([[9, 10, 11]] * 2, params)
+    assert expected[0].token_ids == free[:free.index(free[3]) + 1] and expected[0].stop_reason == free[3]
+    eng = llm.engine
+    for i, p in enumerate(params):
+        eng.add_request(f"r{i}", [9, 10, 11], p)
+        q = copy.copy(p)
+        q.stop_token_ids = _Untouchable(p.stop_token_ids)
+        q.logit_bias = _UntouchableMap(p.logit_bias) if p.logit_bias is not None else None
+        eng.requests[f"r{i}"].params = q
+    got: dict[str, list[int]] = {"r0": [], "r1": []}
+    last = {}
+    while eng.has_work():
+        for d in eng.step():
+            got[d.request_id] += d.token_ids
+            last[d.request_id] = (d.finish_reason, d.stop_reason)
+    for i, e in enumerate(expected):
+        assert got[f"r{i}"] == e.token_ids and last[f"r{i}"] == (e.finish_reason, e.stop_reason)
 
 
 def test_max_model_len_never_exceeds_the_kv_cache(tiny_llama):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from frontends.text import IncrementalDetokenizer, StopStrings, TextCodec, load_tokenizer
+from frontends.text import IncrementalDetokenizer, StopMatcher, StopStrings, TextCodec, load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +49,54 @@ def test_stop_strings():
     assert s.feed("xxab") == ("xx", False)
     assert s.flush() == "ab"
     s = StopStrings(["b", "abc"])
-    assert s.feed("zabc") == ("z", True)  # the match that starts first wins ("abc", not "b")
+    assert s.feed("zabc") == ("za", True) and s.matched == "b"  # the first one completed wins
+    s = StopStrings(["bc", "abc"])
+    assert s.feed("zabc") == ("z", True) and s.matched == "abc"  # of those ending together, the longest
+
+
+def _first_completed(text: str, stops: list[str]) -> tuple[str, str | None]:
+    """The spec, by brute force: the shortest prefix that ends with a stop string (the longest one)."""
+    for end in range(1, len(text) + 1):
+        done = [s for s in stops if text[:end].endswith(s)]
+        if done:
+            s = max(done, key=len)
+            return text[:end - len(s)], s
+    return text, None
+
+
+def test_stop_strings_match_the_spec_however_the_text_is_chunked():
+    rng = random.Random(7)
+    for _ in range(2000):
+        stops = ["".join(rng.choice("abc") for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 4))]
+        text = "".join(rng.choice("abcd") for _ in range(rng.randint(0, 24)))
+        matcher = StopMatcher(stops)
+        s = StopStrings(matcher)
+        out, hit, i = "", False, 0
+        while i < len(text) and not hit:
+            k = rng.randint(1, 5)
+            piece, hit = s.feed(text[i:i + k])
+            out, i = out + piece, i + k
+        if not hit:
+            out += s.flush()
+        assert (out, s.matched if hit else None) == _first_completed(text, stops), (stops, text)
+
+
+def test_stop_string_straddling_min_tokens():
+    s = StopStrings(["STOP"])
+    assert s.feed("xxST", check=False) == ("xx", False)  # before min_tokens a possible start is held too...
+    assert s.feed("OP and on") == ("", True) and s.matched == "STOP"  # ...so one completed after it is cut
+    s = StopStrings(["STOP"])
+    assert s.feed("a STOP b", check=False) == ("a STOP b", False)  # completed before min_tokens: ignored
+    assert s.feed(" more") == (" more", False)
+
+
+def test_long_stop_strings_are_held_until_they_complete():
+    stops = [f"{i:04d}" + "z" * 1000 for i in range(64)]
+    s = StopStrings(stops)
+    for ch in "0001" + "z" * 999:
+        out, hit = s.feed(ch)
+        assert not hit and out == ""  # all of it could still become a stop string: held
+    assert s.feed("z") == ("", True) and s.matched == stops[1]
 
 
 def test_tokenizer_cache_dir(tmp_path, smollm_tokenizer_dir):

@@ -126,3 +126,63 @@ def test_malformed_frames_raise_protocol_error(name):
 
 def test_protocol_error_is_a_value_error():
     assert issubclass(p.ProtocolError, ValueError)
+
+
+# ----------------------------------------------------------------------------- caps on sampling params
+
+
+def test_caps_are_exported_with_their_values():
+    assert (p.MAX_STOP_STRINGS, p.MAX_STOP_STRING_BYTES, p.MAX_STOP_TOKEN_IDS, p.MAX_LOGIT_BIAS) == (64, 1024, 2048, 2048)
+    assert (p.MIN_REPETITION_PENALTY, p.MAX_REPETITION_PENALTY) == (0.01, 10.0)
+
+
+def test_values_at_the_caps_are_accepted():
+    sp = p.SamplingParams(stop=["x" * 1024] * 64, stop_token_ids=[3] * 2048,
+                          logit_bias={i: 1.0 for i in range(2048)}, repetition_penalty=0.01)
+    assert p.SamplingParams.from_wire(sp.to_wire()) == sp
+    p.SamplingParams(stop=["é" * 512], repetition_penalty=10.0)  # 1024 UTF-8 bytes
+
+
+@pytest.mark.parametrize(("kw", "param"), [
+    ({"stop": ["x"] * 65}, "stop"),
+    ({"stop": ["x" * 1025]}, "stop"),
+    ({"stop": ["é" * 513]}, "stop"),  # 513 characters, 1026 UTF-8 bytes
+    ({"stop_token_ids": [3] * 2049}, "stop_token_ids"),
+    ({"logit_bias": {i: 1.0 for i in range(2049)}}, "logit_bias"),
+    ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+    ({"logit_bias": {"x": 1.0}}, "logit_bias"),
+    ({"repetition_penalty": 1e-40}, "repetition_penalty"),  # 1/1e-40 overflows fp32 logits
+    ({"repetition_penalty": 0.009}, "repetition_penalty"),
+])
+def test_beyond_the_caps_is_refused_naming_the_param(kw, param):
+    with pytest.raises(p.SamplingParamError) as e:
+        p.SamplingParams(**kw)
+    assert e.value.param == param
+
+
+def test_check_vocab_names_the_param():
+    p.SamplingParams(stop_token_ids=[99], logit_bias={99: 1.0}).check_vocab(100)
+    for kw, param in (({"stop_token_ids": [1, 100]}, "stop_token_ids"), ({"logit_bias": {100: 1.0}}, "logit_bias")):
+        with pytest.raises(p.SamplingParamError) as e:
+            p.SamplingParams(**kw).check_vocab(100)
+        assert e.value.param == param
+
+
+def test_to_wire_is_shallow():
+    sp = p.SamplingParams(stop=["a"], stop_token_ids=[1, 2], logit_bias={3: 1.0})
+    wire = sp.to_wire()
+    assert wire["stop_token_ids"] is sp.stop_token_ids and wire["stop"] is sp.stop  # no copy per choice
+    assert wire["logit_bias"] == [[3, 1.0]]
+
+
+@pytest.mark.parametrize("params", [
+    {"stop_token_ids": [3] * 2049},
+    {"logit_bias": [[i, 1.0] for i in range(2049)]},
+    {"logit_bias": {"1": 1.0}},  # a map where pairs belong
+    {"stop": ["x"] * 65},
+    {"stop": ["x" * 1025]},
+    {"repetition_penalty": 1e-40},
+])
+def test_oversized_sampling_params_over_the_wire_raise_protocol_error(params):
+    with pytest.raises(p.ProtocolError):
+        p.decode(_frame(int(p.Kind.ADD), ["r", [1], params, 0, None]))

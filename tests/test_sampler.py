@@ -5,6 +5,7 @@ Pure torch on small hand-made logits; no model.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -316,6 +317,82 @@ def test_min_tokens_keeps_greedy_off_eos():
     params = [SamplingParams(temperature=0.0, min_tokens=2), SamplingParams(temperature=0.0, min_tokens=2)]
     out = _call(Sampler(4, [EOS], "cpu"), logits, params, outputs=[[1], [1, 1]])
     assert out.token_ids == [1, 2]
+
+
+class _Untouchable(list):
+    """A params list the sampler must not walk once the request's state exists."""
+
+    def __iter__(self):
+        raise AssertionError("a params list was walked on the hot path")
+
+    __contains__ = __getitem__ = __iter__
+
+
+class _UntouchableMap(dict):
+    def __iter__(self):
+        raise AssertionError("a params map was walked on the hot path")
+
+    items = keys = values = __contains__ = __getitem__ = __iter__
+
+
+def _naive_min_tokens_and_bias(logits, params, outputs, eos):
+    """The reference: walk every list, every step."""
+    out = logits.float().clone()
+    vocab = out.shape[1]
+    for i, (p, o) in enumerate(zip(params, outputs, strict=True)):
+        if len(o) < p.min_tokens:
+            for t in [*p.stop_token_ids, *([] if p.ignore_eos else eos)]:
+                if t < vocab:
+                    out[i, t] = -math.inf
+    for i, p in enumerate(params):
+        for t, v in (p.logit_bias or {}).items():
+            if t < vocab:
+                out[i, t] += v
+    return out
+
+
+def test_precomputed_min_tokens_and_bias_match_a_naive_reference():
+    vocab, eos = 300, [EOS, 7]
+    params = [
+        SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[5, 9, 299, 300, 4000]),
+        SamplingParams(temperature=0.0, min_tokens=3, ignore_eos=True, stop_token_ids=[11, 12],
+                       logit_bias={11: 5.0, 13: -3.0, 500: 1.0}),
+        SamplingParams(temperature=0.0, logit_bias={i: (i % 7) - 3.0 for i in range(0, 400, 3)}),
+        SamplingParams(temperature=0.0, min_tokens=5, logit_bias={EOS: 50.0, 7: 50.0, 1: 0.5}),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True, stop_token_ids=list(range(100, 2148)),
+                       logit_bias={i: 0.25 for i in range(150, 2198)}),  # both at the cap, most out of vocab
+        SamplingParams(temperature=0.0, min_tokens=4, stop_token_ids=[EOS, EOS, 40]),
+    ]
+    states = [SamplingState(p) for p in params]
+    # Once the states exist, a step may not walk the lists: poison them.
+    poisoned = []
+    for p in params:
+        q = copy.copy(p)
+        q.stop_token_ids = _Untouchable(p.stop_token_ids)
+        q.logit_bias = _UntouchableMap(p.logit_bias) if p.logit_bias is not None else None
+        poisoned.append(q)
+    sampler = Sampler(vocab, eos, "cpu")
+    gen = torch.Generator().manual_seed(0)
+    outputs: list[list[int]] = [[] for _ in params]
+    for _ in range(6):
+        logits = torch.randn(len(params), vocab, generator=gen) * 3
+        logits[:, eos] += 6.0  # EOS and the stop ids would win when allowed
+        logits[:, [5, 11, 40]] += 5.0
+        expected = _naive_min_tokens_and_bias(logits, params, outputs, eos)
+        got = process_logits(logits, poisoned, states, [[]] * len(params), outputs, eos)
+        assert torch.equal(got, expected)
+        tokens = sampler(logits, poisoned, states, [[]] * len(params), [list(o) for o in outputs]).token_ids
+        assert tokens == expected.argmax(-1).tolist()
+        for o, t in zip(outputs, tokens, strict=True):
+            o.append(t)
+
+
+def test_smallest_repetition_penalty_keeps_logits_finite():
+    logits = torch.tensor([[3e4, -3e4, 1.0]])
+    for r in (0.01, 10.0):
+        got = _process(logits, [SamplingParams(repetition_penalty=r)], prompts=[[0, 1]], outputs=[[2]])
+        assert torch.isfinite(got).all()
 
 
 # ----------------------------------------------------------------------------- logprobs

@@ -24,7 +24,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.frames import Frame, Opcode
 from websockets.uri import parse_uri
 
-from engine.protocol import Error
+from engine.protocol import Error, SamplingParams
 from frontends import websocket as ws_mod
 from frontends.engine_client import EngineClient
 from frontends.http import HttpServer
@@ -56,6 +56,7 @@ def _reset_engine(engine):
     engine.step_delay = 0.0
     yield
     engine.step_delay = 0.0
+    engine.mute = False
 
 
 @contextlib.asynccontextmanager
@@ -481,3 +482,72 @@ def test_shutdown_closes_websockets_going_away(engine, codec):
                 await shutdown
 
     run(main())
+
+
+# ----------------------------------------------------------------------------- hardening
+
+
+def test_echo_delta_carries_prompt_logprobs(engine, codec):
+    ids = codec.encode("one two three", add_special_tokens=False)
+
+    async def main():
+        async with serving(engine, codec) as s:
+            async with connect(s.url, additional_headers=AUTH) as ws:
+                await ws.send(json.dumps({"type": "completion", "id": "e", "prompt": ids, "max_tokens": 2,
+                                          "echo": True, "logprobs": 1}))
+                return await recv(ws)
+
+    echo = run(main())
+    assert echo["type"] == "delta" and echo["token_ids"] == ids and echo["text"] == "one two three"
+    # the fake engine gives every prompt token but the first a logprob of -1.0
+    assert echo["logprobs"]["token_logprobs"] == [None] + [-1.0] * (len(ids) - 1)
+
+
+def test_a_flood_of_stats_messages_costs_one_engine_round_trip(engine, codec):
+    limit = WsConfig().max_pending_stats
+
+    async def main():
+        async with serving(engine, codec) as s:
+            async with connect(s.url, additional_headers=AUTH) as ws:
+                await ws.send(json.dumps({"type": "completion", "id": "g", "prompt": [5, 6], "max_tokens": 1000}))
+                await recv(ws)
+                engine.step_delay = 0.3  # the engine is busy: stats answers wait for its next turn
+                before = engine.num_stats
+                for i in range(500):
+                    await ws.send(json.dumps({"type": "stats", "id": f"s{i}"}))
+                answers = [await recv(ws) for _ in range(500)]
+                asked = engine.num_stats - before
+                await ws.send(json.dumps({"type": "cancel", "id": "g"}))
+                return [a for a in answers if a.get("id", "").startswith("s")], asked
+
+    answers, asked = run(main())
+    stats = [a for a in answers if a["type"] == "stats"]
+    refused = [a for a in answers if a["type"] == "error"]
+    assert len(stats) == limit and {a["id"] for a in stats} == {f"s{i}" for i in range(limit)}
+    assert len(refused) == 500 - limit and {a["error"]["code"] for a in refused} == {429}
+    assert asked <= 2  # one round trip (and perhaps a liveness ping)
+
+
+def test_liveness_timeout_aborts_what_it_gives_up_on(engine):
+    async def main():
+        client = EngineClient(engine.address, f"live-{next(_client_ids)}", handshake_timeout=5,
+                              liveness_interval=0.1, liveness_timeout=0.5)
+        await client.connect()
+        try:
+            engine.step_delay = 0.02  # a paced engine: no backlog of outputs to drain after it hangs
+            stream = client.add("hung", [5, 6, 7], SamplingParams(max_tokens=100_000))
+            await stream.next_batch()
+            engine.mute = True  # the engine hangs: no outputs, no stats
+            err = None
+            while err is None:
+                batch = await asyncio.wait_for(stream.next_batch(), 5)
+                err = next((i for i in batch if isinstance(i, Error)), None)
+            await await_until(lambda: "hung" in engine.aborts)
+            return err, client.healthy
+        finally:
+            engine.mute = False
+            await client.close()
+
+    err, healthy = run(main())
+    assert err.status == 503 and not healthy
+    assert "hung" not in engine.running  # the engine was told to drop it

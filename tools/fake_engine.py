@@ -54,6 +54,8 @@ class FakeEngine(threading.Thread):
         self.adds: list[Add] = []
         self.aborts: list[str] = []
         self.running: dict[str, list] = {}  # request id -> [identity, Add, produced]
+        self.num_stats = 0  # STATS requests received
+        self.mute = False  # a hung engine: it reads (and records) frames but answers nothing and never steps
         self._halt = threading.Event()
         self.bound = threading.Event()
 
@@ -69,12 +71,12 @@ class FakeEngine(threading.Thread):
         sock.bind(self.address)
         self.bound.set()
         while not self._halt.is_set():
-            timeout = 0 if self.running else 20
+            timeout = 0 if self.running and not self.mute else 20
             while sock.poll(timeout):
                 timeout = 0
                 ident, frame = sock.recv_multipart()
                 self.handle(sock, ident, decode(frame))
-            if self.running:
+            if self.running and not self.mute:
                 self.step(sock)
                 if self.step_delay:
                     time.sleep(self.step_delay)
@@ -97,7 +99,9 @@ class FakeEngine(threading.Thread):
             for rid in msg.request_ids:
                 self.running.pop(rid, None)
         elif isinstance(msg, Stats):
-            sock.send_multipart([ident, encode(Stats(0, len(self.running), 0.1, 900, 1000))])
+            self.num_stats += 1
+            if not self.mute:
+                sock.send_multipart([ident, encode(Stats(0, len(self.running), 0.1, 900, 1000))])
 
     def step(self, sock) -> None:
         by_ident: dict[bytes, list[Delta]] = {}

@@ -1,0 +1,143 @@
+"""Who may call the server: API keys and the origin rule, for HTTP and WebSocket alike.
+
+Keys: ``Authorization: Bearer <key>`` (the WebSocket also takes one from its
+subprotocol list), compared in constant time against every key.
+
+Origins: a request that carries an ``Origin`` header comes from a browser page.
+It is allowed when it is same-origin (the origin's host[:port] equals ``Host``)
+or listed in ``--allowed-origins`` (``*``: any). Without API keys any other
+origin is refused with 403: a cross-origin WebSocket, or a ``POST`` with a
+"simple" content type, reaches the server with no CORS preflight, so CORS alone
+would let any web page spend the GPU. With keys the key is the protection and
+other origins pass; they just get no CORS headers, so the browser hides the
+answer from them. An allowed origin gets ``access-control-allow-origin`` on
+every response (errors too) and a 204 to its ``OPTIONS`` preflight.
+
+JSON endpoints also insist on ``Content-Type: application/json`` (415 otherwise):
+a browser must preflight that type, so a foreign page cannot send it unseen.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Iterable
+from urllib.parse import urlsplit
+
+from frontends.errors import ApiError
+from frontends.http import Handler, Request, Response, StreamingResponse
+
+Headers = list[tuple[str, str]]
+
+_PREFLIGHT = [
+    ("access-control-allow-methods", "GET, POST, OPTIONS"),
+    ("access-control-allow-headers", "authorization, content-type"),
+    ("access-control-max-age", "600"),
+]
+
+
+def normalize_origin(origin: str) -> str:
+    """``https://Example.com/`` -> ``https://example.com``: the form browsers send."""
+    return origin.strip().rstrip("/").lower()
+
+
+class Auth:
+    """The API keys and allowed origins of one frontend; checks requests against them."""
+
+    def __init__(self, api_keys: Iterable[str] = (), allowed_origins: Iterable[str] = ()) -> None:
+        keys = list(api_keys)
+        if any(not k.strip() for k in keys):  # a blank key would be an open door that looks locked
+            raise ValueError("an API key must not be blank")
+        self._keys = [k.encode() for k in keys]
+        origins = {normalize_origin(o) for o in allowed_origins if o.strip()}
+        self._any_origin = "*" in origins
+        self._origins = frozenset(origins - {"*"})
+
+    @property
+    def required(self) -> bool:
+        return bool(self._keys)
+
+    # ------------------------------------------------------------------ keys
+
+    def key_ok(self, token: str) -> bool:
+        """Whether ``token`` is one of the API keys (always True when none are configured)."""
+        if not self._keys:
+            return True
+        given = token.encode("utf-8", "replace")
+        ok = False
+        for key in self._keys:  # no early exit: the time taken says nothing about which key nearly matched
+            ok |= hmac.compare_digest(given, key)
+        return ok
+
+    @staticmethod
+    def bearer(req: Request) -> str:
+        scheme, _, token = req.headers.get("authorization", "").partition(" ")
+        return token.strip() if scheme.lower() == "bearer" else ""
+
+    def check_key(self, tokens: list[str],
+                  how: str = "send 'Authorization: Bearer <key>'") -> None:
+        """Raise 401 unless one of ``tokens`` is a key (nothing to check without keys)."""
+        if self._keys and not any([self.key_ok(t) for t in tokens]):  # a list: every candidate is compared
+            raise ApiError(401, f"Invalid or missing API key ({how})", code="invalid_api_key")
+
+    # ------------------------------------------------------------------ origins
+
+    def origin_allowed(self, req: Request) -> bool:
+        origin = req.headers.get("origin")
+        if origin is None:
+            return True  # not a browser, or a same-origin navigation
+        if self._any_origin or normalize_origin(origin) in self._origins:
+            return True
+        return urlsplit(origin).netloc.lower() == req.headers.get("host", "").lower()
+
+    def check_origin(self, req: Request) -> Headers:
+        """Raise 403 for a foreign origin when no key protects the server; the CORS headers to send."""
+        if not self.origin_allowed(req):
+            if not self._keys:
+                raise _origin_refused(req)
+            return []
+        origin = req.headers.get("origin")
+        return [("access-control-allow-origin", origin), ("vary", "origin")] if origin else []
+
+    async def preflight(self, req: Request) -> Response:
+        """``OPTIONS``: a CORS preflight, answered for allowed origins only (it never carries a key)."""
+        if not self.origin_allowed(req):
+            raise _origin_refused(req)
+        cors = self.check_origin(req)
+        return Response(204, headers=[("allow", "GET, POST, OPTIONS"), *cors, *(_PREFLIGHT if cors else [])])
+
+    # ------------------------------------------------------------------ the HTTP wrapper
+
+    def guard(self, handler: Handler, *, key: bool = True, json_body: bool = False) -> Handler:
+        """``handler`` behind the origin rule, the key (``key``) and a JSON content type (``json_body``)."""
+
+        async def guarded(req: Request) -> Response | StreamingResponse:
+            cors = self.check_origin(req)
+            try:
+                if key:
+                    self.check_key([self.bearer(req)])
+                if json_body:
+                    require_json(req)
+                resp = await handler(req)
+            except ApiError as e:
+                if not cors:
+                    raise
+                return Response(e.status, e.body(), headers=cors)  # so the page can read why
+            if cors:
+                resp.headers = [*resp.headers, *cors]
+            return resp
+
+        return guarded
+
+
+def require_json(req: Request) -> None:
+    """Raise 415 unless the body is declared JSON (``application/json`` or ``application/*+json``)."""
+    mime = req.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if mime != "application/json" and not (mime.startswith("application/") and mime.endswith("+json")):
+        raise ApiError(415, f"Content-Type must be application/json, not {mime or 'missing'}",
+                       code="unsupported_media_type")
+
+
+def _origin_refused(req: Request) -> ApiError:
+    return ApiError(403, f"Cross-origin request from {req.headers.get('origin')} refused (list it in "
+                    "--allowed-origins, or configure API keys)", type="permission_error",
+                    code="origin_not_allowed")

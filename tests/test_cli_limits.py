@@ -1,0 +1,86 @@
+"""``tokenmill serve``'s HTTP limit, origin and key flags: parsed, checked, and carried to each frontend.
+
+No server runs: ``engine.launcher.serve`` is replaced by a recorder, and the
+frontend's settings are read from ``Launcher._frontend_args``, as the launcher
+would hand them to a frontend process.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import engine.launcher
+from engine.cli import api_keys, build_parser, main
+from engine.config import EngineConfig
+from frontends.http import HttpConfig
+from frontends.server import http_config
+
+
+@pytest.fixture
+def served(monkeypatch):
+    """``main(["serve", ...])`` without serving: the ServeOptions it would have served with."""
+    got = []
+    monkeypatch.setattr(engine.launcher, "serve", lambda config, options: got.append(options) or 0)
+    monkeypatch.delenv("TOKENMILL_API_KEY", raising=False)
+
+    def run(*flags: str):
+        assert main(["serve", *flags]) == 0
+        return got[-1]
+
+    return run
+
+
+def usage_error(capsys, *flags: str) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(["serve", *flags])
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [["--api-key", ""], ["--api-key", "  "], ["--api-key", "ok", "--api-key", ","]])
+def test_blank_api_key_is_a_usage_error(capsys, monkeypatch, flags):
+    monkeypatch.setattr(engine.launcher, "serve", lambda *a: pytest.fail("served with a blank key"))
+    assert "--api-key is blank" in usage_error(capsys, *flags)
+
+
+def test_blank_key_in_the_environment_is_a_usage_error(capsys, monkeypatch):
+    monkeypatch.setattr(engine.launcher, "serve", lambda *a: pytest.fail("served with a blank key"))
+    monkeypatch.setenv("TOKENMILL_API_KEY", " ")
+    assert "TOKENMILL_API_KEY is blank" in usage_error(capsys)
+    with pytest.raises(ValueError):
+        api_keys(None, {"TOKENMILL_API_KEY": ""})
+    assert api_keys(None, {}) == []  # unset: no keys, as before
+
+
+def test_limit_flags_reach_the_frontends_http_config(served, tmp_path):
+    options = served("--max-connections", "7", "--header-timeout", "3", "--body-timeout", "4",
+                     "--write-timeout", "5.5", "--max-header-bytes", "16k",
+                     "--allowed-origins", "https://a.example, http://b.example:8080/")
+    launcher = engine.launcher.Launcher(EngineConfig(), options)
+    launcher.runtime_dir = str(tmp_path)
+    args = launcher._frontend_args(0)
+    assert http_config(args) == HttpConfig(max_connections=7, header_timeout=3.0, body_timeout=4.0,
+                                           write_timeout=5.5, max_header_bytes=16 << 10)
+    assert args.allowed_origins == ["https://a.example", "http://b.example:8080"]
+    defaults = engine.launcher.Launcher(EngineConfig(), served())
+    defaults.runtime_dir = str(tmp_path)
+    assert http_config(defaults._frontend_args(0)) == HttpConfig()  # flags left out keep the defaults
+    assert served("--allowed-origins", "*").allowed_origins == ["*"]
+
+
+@pytest.mark.parametrize("flags,why", [
+    (["--body-timeout", "0"], "--body-timeout must be positive"),
+    (["--max-connections", "-1"], "--max-connections must be positive"),
+    (["--allowed-origins", "app.example.com"], "is not an origin"),
+    (["--allowed-origins", "https://app.example.com/path"], "is not an origin"),
+])
+def test_bad_limits_are_usage_errors(capsys, monkeypatch, flags, why):
+    monkeypatch.setattr(engine.launcher, "serve", lambda *a: pytest.fail("served with a bad flag"))
+    assert why in usage_error(capsys, *flags)
+
+
+def test_new_flags_have_help():
+    text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    for flag in ("--max-connections", "--header-timeout", "--body-timeout", "--write-timeout",
+                 "--max-header-bytes", "--allowed-origins"):
+        assert flag in text

@@ -1,0 +1,176 @@
+"""Who may call the server (``frontends/auth.py``): the origin rule, CORS, JSON-only POSTs, the chat page.
+
+The real routes (``OpenAIApi.routes`` and ``websocket.register``) on an
+``HttpServer`` in a thread, with a stand-in engine client: every refusal here
+happens before a handler would talk to the engine, and the endpoints that do
+answer (``/v1/models``, ``/``) need no engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http.client
+import threading
+from types import SimpleNamespace
+
+import orjson
+import pytest
+
+from frontends import websocket
+from frontends.auth import Auth
+from frontends.errors import ApiError
+from frontends.http import HttpServer, Request
+from frontends.openai_api import OpenAIApi
+
+KEY = "sk-auth-test"
+MODEL = "secret-model-name"
+EVIL = "https://evil.example"
+APP = "https://app.example.com"
+JSON_POSTS = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
+
+
+def make_api(api_keys=(), allowed_origins=()) -> OpenAIApi:
+    client = SimpleNamespace(healthy=True, ready=SimpleNamespace(max_model_len=512))
+    return OpenAIApi(client, None, MODEL, list(api_keys), allowed_origins=list(allowed_origins))
+
+
+@contextlib.contextmanager
+def serving(api: OpenAIApi):
+    router = api.routes()
+    websocket.register(router, api)
+    loop = asyncio.new_event_loop()
+    srv = loop.run_until_complete(loop.create_server(HttpServer(router), "127.0.0.1", 0))
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield srv.sockets[0].getsockname()[1]
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(2)
+
+
+def call(port: int, method: str, path: str, headers: dict | None = None, body: bytes | None = None):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        r = conn.getresponse()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+    finally:
+        conn.close()
+
+
+def error(body: bytes) -> dict:
+    return orjson.loads(body)["error"]
+
+
+@pytest.fixture(scope="module")
+def open_port():
+    """No API keys; one extra origin allowed."""
+    with serving(make_api(allowed_origins=[APP + "/"])) as port:
+        yield port
+
+
+def test_cross_origin_simple_post_is_refused_without_keys(open_port):
+    # the attack: any web page can send this with no CORS preflight
+    status, _, body = call(open_port, "POST", "/v1/completions", {"Origin": EVIL, "Content-Type": "text/plain"},
+                           b'{"prompt": "spend my GPU"}')
+    assert status == 403
+    e = error(body)
+    assert (e["type"], e["code"]) == ("permission_error", "origin_not_allowed") and EVIL in e["message"]
+    status, _, _ = call(open_port, "GET", "/v1/models", {"Origin": EVIL})
+    assert status == 403
+    status, _, _ = call(open_port, "OPTIONS", "/v1/completions", {"Origin": EVIL})
+    assert status == 403
+
+
+@pytest.mark.parametrize("path", JSON_POSTS)
+def test_json_posts_want_a_json_content_type(open_port, path):
+    for ctype in (None, "text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+        status, _, body = call(open_port, "POST", path, {"Content-Type": ctype} if ctype else {}, b"{nope")
+        assert status == 415, ctype
+        assert error(body)["type"] == "invalid_request_error" and "application/json" in error(body)["message"]
+    for ctype in ("application/json", "Application/JSON; charset=utf-8", "application/vnd.api+json"):
+        status, _, body = call(open_port, "POST", path, {"Content-Type": ctype}, b"{nope")
+        assert status == 400, ctype  # past the gate: the body itself is what is wrong
+
+
+def test_allowed_and_same_origins_get_cors(open_port):
+    status, headers, body = call(open_port, "GET", "/v1/models", {"Origin": APP})
+    assert status == 200 and orjson.loads(body)["data"][0]["id"] == MODEL
+    assert headers["access-control-allow-origin"] == APP and headers["vary"] == "origin"
+    # errors carry it too, so the page can read them
+    status, headers, _ = call(open_port, "POST", "/tokenize", {"Origin": APP, "Content-Type": "text/plain"}, b"{}")
+    assert status == 415 and headers["access-control-allow-origin"] == APP
+    status, headers, body = call(open_port, "OPTIONS", "/v1/chat/completions",
+                                 {"Origin": APP, "Access-Control-Request-Method": "POST",
+                                  "Access-Control-Request-Headers": "authorization, content-type"})
+    assert status == 204 and body == b"" and "content-length" not in headers
+    assert headers["access-control-allow-origin"] == APP
+    assert set(headers["access-control-allow-methods"].replace(" ", "").split(",")) == {"GET", "POST", "OPTIONS"}
+    assert set(headers["access-control-allow-headers"].replace(" ", "").split(",")) == {"authorization",
+                                                                                         "content-type"}
+    assert int(headers["access-control-max-age"]) > 0
+    own = f"http://127.0.0.1:{open_port}"
+    status, headers, _ = call(open_port, "POST", "/detokenize", {"Origin": own, "Content-Type": "text/plain"}, b"")
+    assert status == 415  # same-origin passes the origin rule
+    status, headers, _ = call(open_port, "GET", "/v1/models")  # no Origin: not a browser, no CORS headers
+    assert status == 200 and "access-control-allow-origin" not in headers
+
+
+def test_with_keys_the_key_is_the_protection():
+    with serving(make_api(api_keys=[KEY])) as port:
+        auth = {"Authorization": f"Bearer {KEY}"}
+        status, headers, _ = call(port, "GET", "/v1/models", {"Origin": EVIL, **auth})
+        assert status == 200 and "access-control-allow-origin" not in headers  # the browser hides it
+        status, _, body = call(port, "GET", "/v1/models", {"Origin": EVIL})
+        assert status == 401 and error(body)["code"] == "invalid_api_key"
+        status, _, _ = call(port, "POST", "/v1/completions", {"Content-Type": "text/plain", **auth}, b"{}")
+        assert status == 415
+        status, _, _ = call(port, "GET", "/health", {"Origin": EVIL})
+        assert status == 200
+
+
+def test_any_origin():
+    with serving(make_api(allowed_origins=["*"])) as port:
+        status, headers, _ = call(port, "GET", "/v1/models", {"Origin": EVIL})
+        assert status == 200 and headers["access-control-allow-origin"] == EVIL
+
+
+def _upgrade_request(headers: dict) -> Request:
+    req = Request()
+    req.method, req.path = "GET", websocket.PATH
+    req.headers = {"host": "127.0.0.1:8000", **{k.lower(): v for k, v in headers.items()}}
+    return req
+
+
+def test_websocket_follows_the_same_origin_rule():
+    ep = websocket.WebSocketEndpoint(make_api(allowed_origins=[APP]), websocket.WsConfig())
+    ep._check_auth(_upgrade_request({"Origin": APP}), [])
+    ep._check_auth(_upgrade_request({"Origin": "http://127.0.0.1:8000"}), [])
+    ep._check_auth(_upgrade_request({}), [])
+    with pytest.raises(ApiError) as e:
+        ep._check_auth(_upgrade_request({"Origin": EVIL}), [])
+    assert (e.value.status, e.value.code) == (403, "origin_not_allowed")
+    keyed = websocket.WebSocketEndpoint(make_api(api_keys=[KEY]), websocket.WsConfig())
+    keyed._check_auth(_upgrade_request({"Origin": EVIL}), [f"{websocket.KEY_PREFIX}{KEY}"])
+    with pytest.raises(ApiError) as e:
+        keyed._check_auth(_upgrade_request({"Origin": EVIL}), [])
+    assert e.value.status == 401
+
+
+def test_chat_page_names_the_model_only_without_keys():
+    with serving(make_api(api_keys=[KEY])) as port:
+        status, _, page = call(port, "GET", "/")
+        assert status == 200 and b'content="required"' in page
+        assert MODEL.encode() not in page  # /v1/models would not say it without a key either
+        assert b'fetch("/v1/models"' in page
+    with serving(make_api()) as port:
+        status, _, page = call(port, "GET", "/")
+        assert status == 200 and b"<title>tokenmill \xc2\xb7 " + MODEL.encode() in page
+
+
+def test_blank_keys_are_refused():
+    for keys in ([""], ["  "], ["ok", "\t"]):
+        with pytest.raises(ValueError, match="blank"):
+            Auth(keys)

@@ -1,0 +1,173 @@
+"""The HTTP layer's limits on slow and greedy clients: one client must never stall anyone else.
+
+Raw sockets against ``HttpServer``s in a thread, with timeouts of a fraction of a
+second: slowloris heads and bodies (408), pipelined heads that stall behind a slow
+answer, oversized heads (431), the connection limit (503), and a client that
+stops reading a stream (cut after ``write_timeout``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import select
+import socket
+import threading
+import time
+
+import pytest
+
+from frontends.http import HttpConfig, HttpServer, Response, Router, Upgrade
+from tests.test_frontend_http import CLOSED, connect, echo, forever, post_echo, read_all, read_until
+
+LIMITS = HttpConfig(max_body_bytes=1000, header_timeout=0.4, body_timeout=0.3, keep_alive_timeout=0.5,
+                    write_timeout=0.3, max_header_bytes=2048)
+
+
+async def sleepy(req):
+    await asyncio.sleep(1.0)
+    return Response(200, b"sleepy")
+
+
+class Held(asyncio.Protocol):
+    """An upgraded connection that registers with the server, as ``websocket.Connection`` does."""
+
+    def __init__(self, server: HttpServer) -> None:
+        self.server = server
+
+    def connection_made(self, transport):
+        self.server.connections.add(self)
+
+    def connection_lost(self, exc):
+        self.server.connections.discard(self)
+
+
+@contextlib.contextmanager
+def serving(config: HttpConfig):
+    router = Router()
+    router.add("POST", "/echo", echo)
+    router.add("GET", "/sleepy", sleepy)
+    router.add("GET", "/forever", forever)
+    server = HttpServer(router, config)
+
+    async def hold(req):
+        head = b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: held\r\nConnection: Upgrade\r\n\r\n"
+        return Upgrade(Held(server), head)
+
+    router.add_upgrade("/held", hold)
+    loop = asyncio.new_event_loop()
+    srv = loop.run_until_complete(loop.create_server(server, "127.0.0.1", 0))
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield srv.sockets[0].getsockname()[1], server
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(2)
+
+
+@pytest.fixture(scope="module")
+def port():
+    with serving(LIMITS) as (p, _):
+        yield p
+
+
+def test_stalled_body_gets_408(port):
+    s = connect(port)
+    s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n" + b"x" * 10)
+    t = time.time()
+    r = read_all(s)
+    assert r.startswith(b"HTTP/1.1 408 ") and b'"timeout_error"' in r and b"connection: close" in r
+    assert 0.25 < time.time() - t < 2
+    s = connect(port)  # a body that trickles in slower than the header timeout but never pauses is fine
+    s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 6\r\n\r\n")
+    for b in b"tickle":
+        time.sleep(0.12)
+        s.sendall(bytes([b]))
+    assert read_until(s, b"tickle").startswith(b"HTTP/1.1 200 ")
+
+
+def test_header_timeout_fires_behind_a_pipelined_request(port):
+    s = connect(port)
+    s.sendall(b"GET /sleepy HTTP/1.1\r\nHost: x\r\n\r\nGET /sleepy HTTP/1.1\r\nHo")  # the second never ends
+    t = time.time()
+    r = read_all(s)  # the first is answered, then the second gets its 408 in turn, then the close
+    assert r.startswith(b"HTTP/1.1 200 ") and r.index(b"sleepy") < r.index(b"HTTP/1.1 408 ")
+    assert time.time() - t < 2.5
+    s = connect(port)  # an idle keep-alive connection is just closed
+    s.sendall(post_echo(b"idle"))
+    read_until(s, b"idle")
+    assert read_all(s) == b""
+
+
+def test_body_timeout_fires_behind_a_pipelined_request(port):
+    s = connect(port)
+    s.sendall(b"GET /sleepy HTTP/1.1\r\nHost: x\r\n\r\n"
+              b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 9\r\n\r\nab")  # 7 body bytes never come
+    r = read_all(s)
+    assert r.startswith(b"HTTP/1.1 200 ") and b"HTTP/1.1 408 " in r
+
+
+def _send_until_answered(s: socket.socket, first: bytes, more: bytes, times: int) -> bytes:
+    s.sendall(first)
+    for _ in range(times):
+        if select.select([s], [], [], 0.02)[0]:
+            break  # answered: stop sending
+        s.sendall(more)
+    return read_all(s)
+
+
+def test_oversized_head_gets_431(port):
+    # one header that never ends, in small reads: httptools would buffer it without end
+    r = _send_until_answered(connect(port), b"GET /sleepy HTTP/1.1\r\nHost: x\r\nX-Big: ", b"a" * 300, 40)
+    assert r.startswith(b"HTTP/1.1 431 ") and b"2048 bytes" in r
+    # many small headers, all in one read
+    head = b"GET /sleepy HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: %s\r\n" % (i, b"v" * 50)
+                                                        for i in range(60))
+    s = connect(port)
+    s.sendall(head + b"\r\n")
+    assert read_all(s).startswith(b"HTTP/1.1 431 ")
+    s = connect(port)  # and a long URL
+    s.sendall(b"GET /" + b"u" * 3000 + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert read_all(s).startswith(b"HTTP/1.1 431 ")
+    s = connect(port)  # a head under the limit after a pipelined request with a body is fine
+    s.sendall(post_echo(b"z" * 900) + b"POST /echo HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"p" * 1500
+              + b"\r\nContent-Length: 4\r\n\r\nlast")
+    r = read_until(s, b"last")
+    assert r.count(b"HTTP/1.1 200 ") == 2
+
+
+def test_connection_limit_503(port):
+    with serving(HttpConfig(max_connections=2)) as (p, server):
+        held = connect(p)  # an upgraded connection (a WebSocket, say) counts too
+        held.sendall(b"GET /held HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: held\r\n\r\n")
+        assert read_until(held, b"\r\n\r\n").startswith(b"HTTP/1.1 101 ")
+        busy = connect(p)
+        busy.sendall(post_echo(b"one"))
+        assert read_until(busy, b"one").startswith(b"HTTP/1.1 200 ")
+        t = time.time()
+        r = read_all(connect(p))  # no request needed: the answer is immediate
+        assert r.startswith(b"HTTP/1.1 503 ") and b"retry-after: 1\r\n" in r and b"connection: close" in r
+        assert b'"service_unavailable_error"' in r and time.time() - t < 1
+        busy.close()
+        deadline = time.time() + 2
+        while len(server.connections) > 1 and time.time() < deadline:
+            time.sleep(0.01)
+        again = connect(p)
+        again.sendall(post_echo(b"two"))
+        assert read_until(again, b"two").startswith(b"HTTP/1.1 200 ")
+
+
+def test_stream_to_a_client_that_never_reads_is_cut(port):
+    CLOSED.clear()
+    s = connect(port)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.sendall(b"GET /forever HTTP/1.1\r\nHost: x\r\n\r\n")
+    deadline = time.time() + 3
+    while "forever" not in CLOSED and time.time() < deadline:
+        time.sleep(0.02)
+    assert "forever" in CLOSED  # on_close ran: the handler's engine requests would be aborted
+    s.settimeout(2)
+    with pytest.raises(ConnectionResetError):  # reset: the server dropped what was never read
+        while s.recv(1 << 20):
+            pass
