@@ -100,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: 30)")
     h.add_argument("--max-header-bytes", type=parse_size, default=None, metavar="SIZE",
                    help="largest request line + headers; bigger gets 431 (default: 64KiB)")
+    h.add_argument("--socket-send-buffer", type=parse_size, default=None, metavar="SIZE",
+                   help="SO_SNDBUF of each client connection: bounds what a client that does not read "
+                        "parks in the kernel (default: the kernel's autotuning)")
     w = s.add_argument_group("WebSocket (/v1/stream)")
     w.add_argument("--ws-max-buffer", type=parse_size, default=None, metavar="SIZE",
                    help="unsent bytes a connection may hold before a client that does not read is "
@@ -189,7 +192,7 @@ def _ws_overrides(args: argparse.Namespace) -> dict:
 def _http_overrides(args: argparse.Namespace) -> dict:
     given = {"max_connections": args.max_connections, "header_timeout": args.header_timeout,
              "body_timeout": args.body_timeout, "write_timeout": args.write_timeout,
-             "max_header_bytes": args.max_header_bytes}
+             "max_header_bytes": args.max_header_bytes, "socket_send_buffer": args.socket_send_buffer}
     return {k: v for k, v in given.items() if v is not None}
 
 

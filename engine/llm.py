@@ -14,7 +14,8 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.protocol import SamplingParams, TokenLogprobs
 from frontends.generation import Choice
-from frontends.text import StopMatcher, TextCodec, load_tokenizer  # the same as the HTTP frontends use
+from frontends.text import StopMatcher, TextCodec
+from frontends.tokenizer import load_tokenizer  # the same as the HTTP frontends use
 
 
 @dataclass

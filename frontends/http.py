@@ -143,6 +143,9 @@ class HttpConfig:
     write_timeout: float = 30.0  # longest a response may wait on a client that does not read
     max_header_bytes: int = 64 << 10  # request line + headers
     max_connections: int = 1024  # per frontend process, HTTP and WebSocket together
+    # SO_SNDBUF per connection (WebSockets handed over keep it); None keeps the kernel's autotuning,
+    # which lets a client that does not read park megabytes in the kernel before write_timeout starts
+    socket_send_buffer: int | None = None
 
 
 def _status_line(status: int) -> bytes:
@@ -256,6 +259,8 @@ class HttpProtocol(asyncio.Protocol):
             transport.close()
             return
         self.server.connections.add(self)
+        if self.config.socket_send_buffer and (sock := transport.get_extra_info("socket")) is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.config.socket_send_buffer)
         self._arm(self.config.header_timeout)
 
     def connection_lost(self, exc: Exception | None) -> None:

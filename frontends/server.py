@@ -21,7 +21,8 @@ from frontends import websocket
 from frontends.engine_client import EngineClient
 from frontends.http import HttpConfig, HttpServer, Router
 from frontends.openai_api import OpenAIApi
-from frontends.text import TextCodec, load_tokenizer
+from frontends.text import TextCodec
+from frontends.tokenizer import load_tokenizer
 
 log = logging.getLogger("tokenmill.frontend")
 
@@ -49,6 +50,7 @@ class FrontendArgs:
     body_timeout: float = HttpConfig.body_timeout
     write_timeout: float = HttpConfig.write_timeout
     keep_alive_timeout: float = HttpConfig.keep_alive_timeout
+    socket_send_buffer: int | None = HttpConfig.socket_send_buffer
     ws: websocket.WsConfig = field(default_factory=websocket.WsConfig)  # /v1/stream limits
 
 

@@ -1,7 +1,6 @@
-"""Text in and out: the tokenizer, chat templates, incremental detokenizing, stop strings.
+"""Text in and out: encoding and chat templates, incremental detokenizing, stop strings.
 
-``load_tokenizer`` reads a Hugging Face folder or a GGUF file (slow, ~5 s: so
-the first frontend may save it to ``cache_dir`` and the others load from there).
+``TextCodec`` wraps a tokenizer (``frontends.tokenizer`` loads it).
 ``IncrementalDetokenizer`` turns streamed token ids into text the vLLM way
 (prefix_offset / read_offset) and never emits a broken UTF-8 sequence.
 ``StopStrings`` cuts the text at the first stop string and, while streaming,
@@ -12,59 +11,11 @@ makes that cost O(1) per character whatever the number of stop strings.
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 T = TypeVar("T")
-
-_SOURCE_FILE = "tokenmill_source.txt"  # in a tokenizer cache: the model it was saved from
-
-
-def load_tokenizer(model_path: str, cache_dir: str | None = None) -> Any:
-    """A transformers tokenizer for a model folder or a ``.gguf`` file."""
-    from transformers import AutoTokenizer  # heavy: only the frontend process pays for it
-
-    model_path = os.path.abspath(model_path)
-    if cache_dir is not None:
-        marker = os.path.join(cache_dir, _SOURCE_FILE)
-        try:
-            with open(marker) as f:
-                cached_for = f.read().strip()
-        except OSError:
-            cached_for = None
-        if cached_for == model_path:
-            return AutoTokenizer.from_pretrained(cache_dir)
-    if model_path.endswith(".gguf"):
-        tok = AutoTokenizer.from_pretrained(os.path.dirname(model_path),
-                                            gguf_file=os.path.basename(model_path))
-    else:
-        tok = AutoTokenizer.from_pretrained(model_path)
-    if cache_dir is not None:
-        _save_cache(tok, model_path, cache_dir)
-    return tok
-
-
-def _save_cache(tok: Any, model_path: str, cache_dir: str) -> None:
-    """Save next to ``cache_dir`` and rename into place, so racing frontends never see half a cache."""
-    parent = os.path.dirname(os.path.abspath(cache_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tokenizer-", dir=parent)
-    try:
-        tok.save_pretrained(tmp)
-        with open(os.path.join(tmp, _SOURCE_FILE), "w") as f:
-            f.write(model_path)
-        if os.path.isdir(cache_dir):
-            shutil.rmtree(cache_dir, ignore_errors=True)
-        os.rename(tmp, cache_dir)
-    except OSError:
-        pass  # another frontend won the race, or the dir is not writable: the cache is optional
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
 
 class TextCodec:
     """The tokenizer as the frontend uses it: encode, decode, chat templates, token strings.

@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
 from dataclasses import dataclass
 
 import orjson
@@ -80,7 +79,6 @@ class WsConfig:
     idle_timeout: float = 300.0  # no generation and no message for this long: close 1000
     close_timeout: float = 5.0  # after our close frame, how long the client gets before the TCP cut
     compression: bool = True  # permessage-deflate, when the client offers it
-    socket_send_buffer: int | None = None  # SO_SNDBUF; None keeps the kernel's autotuning (up to tcp_wmem's max)
 
 
 def register(router: Router, api: OpenAIApi, config: WsConfig | None = None) -> WebSocketEndpoint:
@@ -207,8 +205,6 @@ class Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        if self.config.socket_send_buffer and (sock := transport.get_extra_info("socket")) is not None:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.config.socket_send_buffer)
         self.ep.connections.add(self)
         if self.server is not None:
             self.server.connections.add(self)  # so a graceful shutdown closes it too

@@ -17,7 +17,8 @@ import pytest
 
 from engine.protocol import MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from frontends import openai_params as op
-from frontends.text import TextCodec, load_tokenizer
+from frontends.text import TextCodec
+from frontends.tokenizer import load_tokenizer
 from tests.test_frontend_openai import call, post
 from tools.fake_engine import MAX_MODEL_LEN, MODEL, FakeEngine, free_port, start_frontend, stop_frontend
 

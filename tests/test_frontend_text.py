@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from frontends.text import IncrementalDetokenizer, StopMatcher, StopStrings, TextCodec, load_tokenizer
+from frontends.text import IncrementalDetokenizer, StopMatcher, StopStrings, TextCodec
+from frontends.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -97,14 +98,6 @@ def test_long_stop_strings_are_held_until_they_complete():
         out, hit = s.feed(ch)
         assert not hit and out == ""  # all of it could still become a stop string: held
     assert s.feed("z") == ("", True) and s.matched == stops[1]
-
-
-def test_tokenizer_cache_dir(tmp_path, smollm_tokenizer_dir):
-    cache = str(tmp_path / "cache")
-    first = load_tokenizer(smollm_tokenizer_dir, cache)
-    second = load_tokenizer(smollm_tokenizer_dir, cache)
-    assert (tmp_path / "cache" / "tokenmill_source.txt").read_text() == smollm_tokenizer_dir
-    assert first.encode("hello") == second.encode("hello")
 
 
 def test_chat_template(codec):

@@ -24,7 +24,9 @@ SERVE_FLAGS = ["--model", "--served-model-name", "--host", "--port", "--api-key"
                "--ssl-certfile", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
                "--gpu-memory-utilization", "--kv-cache-memory", "--dtype", "--device", "--block-size", "--seed",
                "--api-server-count", "--tensor-parallel-size", "--ws-max-buffer", "--ws-max-message",
-               "--ws-ping-interval", "--ws-idle-timeout"]
+               "--ws-ping-interval", "--ws-idle-timeout", "--max-connections", "--header-timeout",
+               "--body-timeout", "--write-timeout", "--max-header-bytes", "--allowed-origins",
+               "--socket-send-buffer"]
 
 
 def tokenmill(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -12,6 +12,8 @@ serving, and SIGTERM exiting 0 with the runtime dir gone (last: it ends the serv
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import re
 import select
@@ -167,12 +169,13 @@ PROMPTS = [
     "In a hole in the ground there lived",
 ]
 MAX_TOKENS = 12
+WRITE_TIMEOUT = 2.0  # seconds a client may read nothing of a full stream before it is cut off
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama):
     s = Server("--model", tiny_llama, "--served-model-name", "tiny", "--max-num-seqs", "16",
-               api_server_count=2)
+               "--write-timeout", str(WRITE_TIMEOUT), "--socket-send-buffer", "64K", api_server_count=2)
     yield s
     s.close()
 
@@ -257,6 +260,40 @@ def test_client_disconnect_frees_kv_blocks(server):
                      "the engine to drop the abandoned request")
     assert after.num_waiting == 0
     assert after.num_free_blocks == after.num_kv_blocks
+
+
+def test_a_client_that_stops_reading_is_cut_off_and_its_requests_aborted(server):
+    # sixteen long streams with 20 logprobs per token (~1.5 KB each) for a client that reads nothing:
+    # with a 64K send buffer the kernel holds a few steps' worth, then the write timeout runs
+    slow = socket.socket()
+    slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    slow.connect(("127.0.0.1", server.port))
+    data = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "Tell me a story"}], "n": 16,
+                       "max_tokens": 900, "logprobs": True, "top_logprobs": 20, "ignore_eos": True,
+                       "stream": True}).encode()
+    cuts = server.log().count("connection cut")
+    slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%b" % (len(data), data))
+    t0 = time.monotonic()
+    wait_for(lambda: server.engine_stats().num_running == 16, 20, "the 16 choices to run")
+    running = 16  # what the engine ran just before the cut: a sample taken before the log showed none
+    while True:
+        sample = server.engine_stats().num_running
+        if server.log().count("connection cut") > cuts:
+            break
+        running = sample
+        assert time.monotonic() - t0 < 60, "the stalled reader was never cut off"
+    t_cut = time.monotonic()
+    done = wait_for(lambda: (s := server.engine_stats()).num_running == 0 and s, 2, "its requests aborted")
+    print(f"cut off {t_cut - t0:.1f}s after its request (write timeout {WRITE_TIMEOUT}s) while the engine ran "
+          f"{running} of its choices; all aborted {time.monotonic() - t_cut:.2f}s after the cut")
+    assert running == 16  # cut mid-generation, not after it
+    assert done.num_free_blocks == done.num_kv_blocks
+    slow.settimeout(10)
+    with contextlib.suppress(ConnectionResetError):  # what was in flight, then the cut (never a hang)
+        while slow.recv(1 << 16):
+            pass
+    slow.close()
 
 
 def test_killed_frontend_is_restarted_and_the_other_keeps_serving(server, offline):

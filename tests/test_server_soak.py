@@ -14,20 +14,31 @@ Checked: nothing answers 5xx or fails unexpectedly; every answer is well formed
 never in the text); the same greedy or seeded request gives the same text
 whichever way it is sent; and once idle the engine has every KV block free and
 nothing running or waiting.
+
+Then faults, on the same server: a frontend SIGKILLed under load while 500 idle
+connections are held open (only requests in flight on it may fail; it is back
+within 5 s), every KV block free and the surviving frontend's RSS grown < 5%
+afterwards; last, the engine SIGKILLed under load (every stream ends with an
+error within 1 s, /health fails, the launcher exits instead of hanging). A
+client that stops reading an SSE stream is in ``test_server_e2e.py`` (it needs
+a KV cache big enough for a stream that outgrows the kernel's socket buffers).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
+import signal
+import socket
 import time
 from dataclasses import dataclass, field
 
 import pytest
 from websockets.asyncio.client import connect
 
-from tests.test_server_e2e import Server, http_status
+from tests.test_server_e2e import Server, http_status, pid_alive, wait_for
 
 SEED = 20261129
 SOAK_SECONDS = 20.0  # wall-clock bound of the request phase
@@ -565,3 +576,126 @@ def test_soak_mixed_concurrent_load(server):
     assert server.proc.poll() is None
     log = server.log()
     assert "Traceback" not in log, log[-6000:]
+
+
+# ----------------------------------------------------------------------------- faults
+
+
+async def sse_request(port: int, body: dict, first: asyncio.Event | None = None) -> tuple[bool, float, float]:
+    """One streamed completion on its own connection: (ended well, start, end) in monotonic time.
+
+    "Well" means a 200 whose stream ends with ``[DONE]`` and carries no error event."""
+    start = time.monotonic()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    except OSError:
+        return False, start, time.monotonic()
+    data = json.dumps({"model": "tiny", "stream": True, **body}).encode()
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Connection: close\r\nContent-Length: %d\r\n\r\n%b" % (len(data), data))
+    got = b""
+    try:
+        while chunk := await reader.read(65536):
+            got += chunk
+            if first is not None and b"data: {" in got:
+                first.set()
+    except OSError:
+        pass
+    finally:
+        writer.close()
+    ok = got.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in got and b'"error"' not in got
+    return ok, start, time.monotonic()
+
+
+def rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(line for line in f if line.startswith("VmRSS:")).split()[1])
+
+
+def engine_idle(server):
+    s = server.engine_stats()
+    return s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == s.num_kv_blocks and s
+
+
+def test_faults_frontend_kill_and_idle_connections(server):
+    frontend = server.pids("tokenmill-frontend-0")[-1]
+    rss_before = rss_kib(frontend)
+    idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(500)]
+    body = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    results: list[tuple[bool, float, float]] = []
+    killed = {}
+
+    async def load(deadline: float) -> None:
+        while time.monotonic() < deadline:
+            results.append(await sse_request(server.port, body))
+
+    async def kill_one(at: float) -> None:
+        await asyncio.sleep(at)
+        victim = server.pids("tokenmill-frontend-1")[-1]
+        killed["t"] = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        while True:  # until it is reaped, its listening socket may still take connections
+            try:       # (a zombie leader's other threads may still hold it)
+                os.kill(victim, 0)
+            except ProcessLookupError:
+                break
+            await asyncio.sleep(0.005)
+        killed["dead"] = time.monotonic()
+        while "tokenmill-frontend-1 is ready again" not in await asyncio.to_thread(server.log):
+            if time.monotonic() - killed["t"] > 30:
+                return
+            await asyncio.sleep(0.05)
+        killed["back"] = time.monotonic()
+
+    async def main():
+        deadline = time.monotonic() + 8
+        await asyncio.gather(*(load(deadline) for _ in range(6)), kill_one(3.0))
+
+    asyncio.run(main())
+    t_kill, t_dead = killed["t"], killed["dead"]
+    lost = [r for r in results if not r[0]]
+    print(f"{len(results)} streams under load with 500 idle connections held, {len(lost)} lost to the kill "
+          f"(frontend-1 took {1000 * (t_dead - t_kill):.0f} ms to die)")
+    assert all(start < t_dead and end > t_kill for _, start, end in lost), \
+        f"a request not in flight on the killed frontend failed: {[(s - t_kill, e - t_kill) for _, s, e in lost]}"
+    assert sum(ok and start > t_kill for ok, start, _ in results) >= 6, "the surviving frontend stopped serving"
+    back = killed.get("back", float("inf")) - t_kill
+    print(f"frontend-1 back {back:.2f}s after SIGKILL")
+    assert back < 5.0
+    for s in idle:
+        s.close()
+
+    wait_for(lambda: engine_idle(server), 10, "every request done and every block free")
+    assert engine_idle(server)
+    assert pid_alive(frontend)
+    rss_after = rss_kib(frontend)
+    print(f"frontend-0 RSS {rss_before} KiB before the faults, {rss_after} KiB after "
+          f"({100 * (rss_after - rss_before) / rss_before:+.1f}%)")
+    assert rss_after < rss_before * 1.05
+
+
+def test_faults_engine_kill_under_load(server):
+    """Last: it ends the server."""
+    body = {"prompt": "Tell me a story", "max_tokens": 600, "ignore_eos": True}  # longer than the test
+    ended: list[tuple[bool, float, float]] = []
+
+    async def main():
+        firsts = [asyncio.Event() for _ in range(6)]
+        tasks = [asyncio.ensure_future(sse_request(server.port, body, f)) for f in firsts]
+        await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), 60)  # all six are streaming
+        t_kill = time.monotonic()
+        os.kill(server.pids("tokenmill-engine")[-1], signal.SIGKILL)
+        health = None
+        while health is None and time.monotonic() - t_kill < 1.0:
+            status = await asyncio.to_thread(http_status, server.url + "/health", 1.0)
+            health = status if status != 200 else None
+        ended.extend(await asyncio.wait_for(asyncio.gather(*tasks), 10))
+        return t_kill, health
+
+    t_kill, health = asyncio.run(main())
+    latencies = [end - t_kill for _, _, end in ended]
+    print(f"engine SIGKILLed under load: /health {health}, the 6 streams ended "
+          f"{min(latencies):.3f}-{max(latencies):.3f}s after the kill")
+    assert health == 503
+    assert not any(ok for ok, _, _ in ended) and max(latencies) < 1.0
+    assert server.proc.wait(30) == 1  # the launcher gives up instead of hanging

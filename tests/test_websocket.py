@@ -27,9 +27,10 @@ from websockets.uri import parse_uri
 from engine.protocol import Error, SamplingParams
 from frontends import websocket as ws_mod
 from frontends.engine_client import EngineClient
-from frontends.http import HttpServer
+from frontends.http import HttpConfig, HttpServer
 from frontends.openai_api import OpenAIApi
-from frontends.text import TextCodec, load_tokenizer
+from frontends.text import TextCodec
+from frontends.tokenizer import load_tokenizer
 from frontends.websocket import WsConfig
 from tests.test_frontend_openai import call, post
 from tools.fake_engine import KEY, MODEL, FakeEngine
@@ -60,13 +61,13 @@ def _reset_engine(engine):
 
 
 @contextlib.asynccontextmanager
-async def serving(engine, codec, config: WsConfig | None = None, api_keys=(KEY,)):
+async def serving(engine, codec, config: WsConfig | None = None, api_keys=(KEY,), http: HttpConfig | None = None):
     client = EngineClient(engine.address, f"ws-test-{next(_client_ids)}", handshake_timeout=5)
     await client.connect()
     api = OpenAIApi(client, codec, MODEL, list(api_keys))
     router = api.routes()
     ep = ws_mod.register(router, api, config)
-    http = HttpServer(router)
+    http = HttpServer(router, http)
     server = await asyncio.get_running_loop().create_server(http, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     try:
@@ -285,10 +286,10 @@ def test_closing_the_socket_aborts_its_generations(engine, codec):
 
 def test_non_reading_client_is_cut_off_while_others_stream(engine, codec):
     # a small kernel send buffer, or the kernel's own (up to 4 MiB) soaks up the test's whole output
-    config = WsConfig(max_buffered_bytes=64 << 10, close_timeout=0.5, socket_send_buffer=16 << 10)
+    config = WsConfig(max_buffered_bytes=64 << 10, close_timeout=0.5)
 
     async def main():
-        async with serving(engine, codec, config) as s:
+        async with serving(engine, codec, config, http=HttpConfig(socket_send_buffer=16 << 10)) as s:
             stalled = await asyncio.to_thread(RawClient, s.port, 4096)
             engine.step_delay = 0.002
             n0 = len(engine.adds)

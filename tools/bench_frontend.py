@@ -255,7 +255,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from engine.model_path import default_model_path
-    from frontends.text import load_tokenizer
+    from frontends.tokenizer import load_tokenizer
 
     load_tokenizer(args.model or default_model_path(), cache_dir=args.tokenizer_dir)  # frontends load the cache
     run_dir = tempfile.mkdtemp(prefix="tokenmill-bench-fe-")

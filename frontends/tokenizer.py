@@ -1,0 +1,139 @@
+"""Loading the tokenizer: from a model folder or GGUF file once, then from a cache without transformers.
+
+``load_tokenizer`` reads a Hugging Face folder or a ``.gguf`` file with
+transformers: slow (~5 s, most of it importing transformers, which imports
+torch). With a ``cache_dir`` it saves what it read there, and every later load
+of the same model (the other frontends, a frontend restarted after a crash)
+reads the cache with ``CachedTokenizer`` instead: the Rust ``tokenizers``
+library and a sandboxed jinja2 chat template, the way transformers renders it,
+in a fraction of a second and without torch in the process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from datetime import datetime
+from typing import Any
+
+_SOURCE_FILE = "tokenmill_source.txt"  # in a tokenizer cache: the model it was saved from
+_SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+
+def load_tokenizer(model_path: str, cache_dir: str | None = None) -> Any:
+    """A tokenizer for a model folder or a ``.gguf`` file (``CachedTokenizer`` when ``cache_dir`` has it)."""
+    model_path = os.path.abspath(model_path)
+    cached = cache_dir is not None and _cached_for(cache_dir) == model_path
+    if cached:
+        try:
+            return CachedTokenizer(cache_dir)
+        except Exception:  # noqa: BLE001 - an odd saved tokenizer: transformers reads it below
+            pass
+    from transformers import AutoTokenizer  # heavy: only when there is no cache to read
+
+    if cached:
+        return AutoTokenizer.from_pretrained(cache_dir)
+    if model_path.endswith(".gguf"):
+        tok = AutoTokenizer.from_pretrained(os.path.dirname(model_path), gguf_file=os.path.basename(model_path))
+    else:
+        tok = AutoTokenizer.from_pretrained(model_path)
+    if cache_dir is not None:
+        _save_cache(tok, model_path, cache_dir)
+    return tok
+
+
+def _cached_for(cache_dir: str) -> str | None:
+    try:
+        with open(os.path.join(cache_dir, _SOURCE_FILE)) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _save_cache(tok: Any, model_path: str, cache_dir: str) -> None:
+    """Save next to ``cache_dir`` and rename into place, so racing frontends never see half a cache."""
+    parent = os.path.dirname(os.path.abspath(cache_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tokenizer-", dir=parent)
+    try:
+        tok.save_pretrained(tmp)
+        with open(os.path.join(tmp, _SOURCE_FILE), "w") as f:
+            f.write(model_path)
+        if os.path.isdir(cache_dir):
+            shutil.rmtree(cache_dir, ignore_errors=True)
+        os.rename(tmp, cache_dir)
+    except OSError:
+        pass  # another frontend won the race, or the dir is not writable: the cache is optional
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+class CachedTokenizer:
+    """What a frontend needs of a saved (``save_pretrained``) fast tokenizer, without transformers.
+
+    The same calls as a transformers tokenizer (``encode``, ``decode``,
+    ``apply_chat_template(..., tokenize=False)``, ``get_vocab``, ``len``), the
+    same Rust tokenizer underneath, and the chat template rendered as
+    transformers renders it (``tests/test_frontend_tokenizer.py`` pins both).
+    """
+
+    def __init__(self, folder: str) -> None:
+        from tokenizers import Tokenizer
+
+        self._tokenizer = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+        with open(os.path.join(folder, "tokenizer_config.json")) as f:
+            config = json.load(f)
+        self.special_tokens = {k: v["content"] if isinstance(v, dict) else v
+                               for k in _SPECIAL if isinstance(v := config.get(k), str | dict)}
+        template = config.get("chat_template")
+        path = os.path.join(folder, "chat_template.jinja")
+        if template is None and os.path.exists(path):
+            with open(path) as f:
+                template = f.read()
+        if not isinstance(template, str):  # absent, or a dict of named templates: leave those to transformers
+            raise ValueError("no single chat template")
+        self._template = _compile(template)
+        eos = self.special_tokens.get("eos_token")
+        self.eos_token_id = self._tokenizer.token_to_id(eos) if eos else None
+
+    def __len__(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def get_vocab(self) -> dict[str, int]:
+        return self._tokenizer.get_vocab(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], tokenize: bool = True,
+                            add_generation_prompt: bool = False) -> str | list[int]:
+        text = self._template.render(messages=messages, tools=None, documents=None,
+                                     add_generation_prompt=add_generation_prompt, **self.special_tokens)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _compile(template: str) -> Any:
+    """A chat template in the environment transformers gives it: sandboxed, trim/lstrip blocks,
+    loop controls, a ``tojson`` that does not escape HTML, ``raise_exception`` and ``strftime_now``."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)  # a {% generation %} template fails here: transformers takes it

@@ -1,0 +1,87 @@
+"""The tokenizer cache: what transformers read once, every later load reads without it, identically."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from frontends.tokenizer import CachedTokenizer, load_tokenizer
+from tools.fake_engine import ROOT
+
+TEXTS = ["Hello, world!", "  spaces\n\tand tabs", "中文 and emoji 🎉", "<|im_start|>user\nhi<|im_end|>", ""]
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Count to five."}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+     {"role": "user", "content": "Tell me a story about a dragon. {{ not a template }}"}],
+]
+# the environment transformers gives templates: loop controls, tojson without HTML escaping, namespaces
+TEMPLATE = ("{% set ns = namespace(n=0) %}{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}"
+            "{% set ns.n = ns.n + 1 %}[{{ ns.n }}] {{ m | tojson }}\n{% endfor %}"
+            "{% if add_generation_prompt %}{{ bos_token }}assistant{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, smollm_tokenizer_dir):
+    cache = str(tmp_path_factory.mktemp("tok") / "cache")
+    hf = load_tokenizer(smollm_tokenizer_dir, cache)  # reads with transformers, saves the cache
+    cached = load_tokenizer(smollm_tokenizer_dir, cache)
+    assert isinstance(cached, CachedTokenizer) and not isinstance(hf, CachedTokenizer)
+    return hf, cached, cache
+
+
+def test_cached_tokenizer_encodes_and_decodes_as_transformers(pair):
+    hf, cached, _ = pair
+    assert len(cached) == len(hf) and cached.get_vocab() == hf.get_vocab()
+    assert cached.eos_token_id == hf.eos_token_id
+    for text in TEXTS:
+        for special in (True, False):
+            ids = hf.encode(text, add_special_tokens=special)
+            assert cached.encode(text, add_special_tokens=special) == ids, text
+            for skip in (True, False):
+                assert cached.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
+
+
+@pytest.mark.parametrize("gen", [True, False])
+def test_cached_chat_template_renders_as_transformers(pair, gen):
+    hf, cached, _ = pair
+    for msgs in CONVERSATIONS:
+        want = hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+        assert cached.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen) == want
+        assert cached.apply_chat_template(msgs, add_generation_prompt=gen) == hf.encode(want, add_special_tokens=False)
+
+
+def test_template_environment_matches_transformers(pair, tmp_path):
+    from transformers import AutoTokenizer
+
+    _, _, cache = pair
+    folder = tmp_path / "custom"
+    shutil.copytree(cache, folder)
+    (folder / "chat_template.jinja").write_text(TEMPLATE)
+    hf, cached = AutoTokenizer.from_pretrained(folder), CachedTokenizer(str(folder))
+    msgs = [*CONVERSATIONS[1], {"role": "user", "content": "<b>é</b> \"quoted\""}]
+    assert cached.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == \
+        hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+
+def test_loading_the_cache_imports_neither_transformers_nor_torch(pair, smollm_tokenizer_dir):
+    _, _, cache = pair
+    code = ("import sys; from frontends.tokenizer import load_tokenizer, CachedTokenizer\n"
+            f"tok = load_tokenizer({smollm_tokenizer_dir!r}, {cache!r})\n"
+            "assert isinstance(tok, CachedTokenizer)\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+
+
+def test_a_cache_for_another_model_is_replaced(smollm_tokenizer_dir, tmp_path):
+    cache = str(tmp_path / "cache")
+    load_tokenizer(smollm_tokenizer_dir, cache)
+    other = shutil.copytree(smollm_tokenizer_dir, tmp_path / "other-model")
+    assert not isinstance(load_tokenizer(str(other), cache), CachedTokenizer)  # read from its own folder...
+    assert isinstance(load_tokenizer(str(other), cache), CachedTokenizer)  # ...and cached for next time
+    assert not isinstance(load_tokenizer(smollm_tokenizer_dir, cache), CachedTokenizer)
