@@ -113,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keepalive ping period; no pong within as long again closes with 1011 (default: 20)")
     w.add_argument("--ws-idle-timeout", type=float, default=None, metavar="SECONDS",
                    help="close a connection with no generation and no message for this long (default: 300)")
+    w.add_argument("--ws-max-frames-per-second", type=int, default=None, metavar="N",
+                   help="messages (and pings) a connection may send per second, as many again in a burst; "
+                        "more closes it with 1008 (default: 1000)")
 
     g = sub.add_parser("generate", help="generate text for one prompt, offline (no server)",
                        description="Generate text for one prompt with the offline LLM API and print it.")
@@ -185,7 +188,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def _ws_overrides(args: argparse.Namespace) -> dict:
     given = {"max_buffered_bytes": args.ws_max_buffer, "max_message_bytes": args.ws_max_message,
              "ping_interval": args.ws_ping_interval, "ping_timeout": args.ws_ping_interval,
-             "idle_timeout": args.ws_idle_timeout}
+             "idle_timeout": args.ws_idle_timeout, "max_frames_per_second": args.ws_max_frames_per_second}
     return {k: v for k, v in given.items() if v is not None}
 
 

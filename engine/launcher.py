@@ -74,6 +74,9 @@ class ServeOptions:
         for name, value in self.http.items():
             if not value > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+        for name, value in self.ws.items():
+            if not value > 0:
+                raise ValueError(f"the WebSocket limit {name} must be positive, got {value}")
 
 
 # ----------------------------------------------------------------------------- children

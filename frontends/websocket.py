@@ -74,6 +74,7 @@ class WsConfig:
     max_generations: int = 256  # live generations on one connection; more get a 429 error
     max_id_length: int = 256
     max_pending_stats: int = 16  # stats messages waiting for one engine round trip; more get a 429 error
+    max_frames_per_second: int = 1000  # sustained, with as many in a burst; beyond it the socket closes 1008
     ping_interval: float = 20.0
     ping_timeout: float = 20.0  # no pong within this after a ping: close 1011
     idle_timeout: float = 300.0  # no generation and no message for this long: close 1000
@@ -200,6 +201,8 @@ class Connection(asyncio.Protocol):
         self._idle_timer: asyncio.TimerHandle | None = None
         self._close_timer: asyncio.TimerHandle | None = None
         self._last_activity = 0.0
+        self._tokens = float(ep.config.max_frames_per_second)  # the frame rate limit's bucket
+        self._tokens_at = 0.0
 
     # ------------------------------------------------------------------ asyncio callbacks
 
@@ -230,11 +233,28 @@ class Connection(asyncio.Protocol):
         proto = self.proto
         proto.receive_data(data)
         for frame in proto.events_received():
+            if frame.opcode is not Opcode.CLOSE and not self._take_token():
+                log.warning("websocket client %s sent more than %d frames a second: closing it",
+                            self.transport.get_extra_info("peername"), self.config.max_frames_per_second)
+                self._fail(POLICY, f"more than {self.config.max_frames_per_second} messages a second")
+                break
             self._on_frame(frame)
         self._flush()
         if proto.state is not State.OPEN:
             self._cancel_all()
             self._expect_close()
+
+    def _take_token(self) -> bool:
+        """A token bucket over frames (messages, fragments, pings): one second's worth of burst. Each frame
+        costs the event loop JSON, a reply and compression, so a flood would stall every other client."""
+        now = asyncio.get_running_loop().time()
+        rate = self.config.max_frames_per_second
+        self._tokens = min(float(rate), self._tokens + (now - self._tokens_at) * rate)
+        self._tokens_at = now
+        if self._tokens < 1.0:
+            return False
+        self._tokens -= 1.0
+        return True
 
     # ------------------------------------------------------------------ for HttpServer.shutdown
 

@@ -10,6 +10,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.engine import RequestError
+from tests.test_sampler import Untouchable, UntouchableMap
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -149,20 +150,6 @@ def test_out_of_vocab_stop_ids_and_bias_keys_are_refused(tiny_llama):
     eng.add_request("a", [1, 2], SamplingParams(stop_token_ids=[49151], logit_bias={49151: 1.0}))
 
 
-class _Untouchable(list):
-    def __iter__(self):
-        raise AssertionError("a params list was walked on the hot path")
-
-    __contains__ = __getitem__ = __iter__
-
-
-class _UntouchableMap(dict):
-    def __iter__(self):
-        raise AssertionError("a params map was walked on the hot path")
-
-    items = keys = values = __contains__ = __getitem__ = __iter__
-
-
 def test_steps_never_walk_the_params_lists(tiny_llama):
     """Stop ids and logit_bias at their caps are read once per request, not once per step."""
     llm = LLM(tiny_llama, num_kv_blocks=64, max_model_len=512)
@@ -181,8 +168,8 @@ def test_steps_never_walk_the_params_lists(tiny_llama):
     for i, p in enumerate(params):
         eng.add_request(f"r{i}", [9, 10, 11], p)
         q = copy.copy(p)
-        q.stop_token_ids = _Untouchable(p.stop_token_ids)
-        q.logit_bias = _UntouchableMap(p.logit_bias) if p.logit_bias is not None else None
+        q.stop_token_ids = Untouchable(p.stop_token_ids)
+        q.logit_bias = UntouchableMap(p.logit_bias) if p.logit_bias is not None else None
         eng.requests[f"r{i}"].params = q
     got: dict[str, list[int]] = {"r0": [], "r1": []}
     last = {}

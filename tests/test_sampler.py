@@ -319,7 +319,7 @@ def test_min_tokens_keeps_greedy_off_eos():
     assert out.token_ids == [1, 2]
 
 
-class _Untouchable(list):
+class Untouchable(list):
     """A params list the sampler must not walk once the request's state exists."""
 
     def __iter__(self):
@@ -328,7 +328,7 @@ class _Untouchable(list):
     __contains__ = __getitem__ = __iter__
 
 
-class _UntouchableMap(dict):
+class UntouchableMap(dict):
     def __iter__(self):
         raise AssertionError("a params map was walked on the hot path")
 
@@ -369,8 +369,8 @@ def test_precomputed_min_tokens_and_bias_match_a_naive_reference():
     poisoned = []
     for p in params:
         q = copy.copy(p)
-        q.stop_token_ids = _Untouchable(p.stop_token_ids)
-        q.logit_bias = _UntouchableMap(p.logit_bias) if p.logit_bias is not None else None
+        q.stop_token_ids = Untouchable(p.stop_token_ids)
+        q.logit_bias = UntouchableMap(p.logit_bias) if p.logit_bias is not None else None
         poisoned.append(q)
     sampler = Sampler(vocab, eos, "cpu")
     gen = torch.Generator().manual_seed(0)

@@ -552,3 +552,24 @@ def test_liveness_timeout_aborts_what_it_gives_up_on(engine):
     err, healthy = run(main())
     assert err.status == 503 and not healthy
     assert "hung" not in engine.running  # the engine was told to drop it
+
+
+def test_a_frame_flood_closes_the_socket_1008_and_others_go_on(engine, codec):
+    config = WsConfig(max_frames_per_second=50)
+
+    async def main():
+        async with serving(engine, codec, config) as s:
+            flood = await asyncio.to_thread(RawClient, s.port)
+            for i in range(400):
+                flood.send({"type": "stats", "id": f"s{i}"})
+            msgs, code = await asyncio.to_thread(flood.read_until_closed)
+            flood.close()
+            async with connect(s.url, additional_headers=AUTH) as ws:  # a well-behaved client is unaffected
+                await ws.send(json.dumps({"type": "completion", "id": "ok", "prompt": [5, 6], "max_tokens": 3}))
+                ok = await collect(ws, {"ok"})
+            return msgs, code, ok
+
+    msgs, code, ok = run(main())
+    assert code == 1008
+    assert len(msgs) <= 50 + 1  # the burst was served, nothing after it
+    assert ok["ok"]["end"]["finish_reason"] == "length"
