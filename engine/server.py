@@ -18,6 +18,7 @@ carry the frontend's own id again. A malformed frame is logged and dropped.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import threading
@@ -290,6 +291,7 @@ def run_engine(
     try:
         engine = (engine_factory or _default_engine_factory)(config)
         actor = EngineActor(engine, sock)
+        gc.freeze()  # the model and torch live as long as the process: keep them out of every GC pass
         if on_actor is not None:
             on_actor(actor)
         if ready is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import logging
 import signal
 import ssl
@@ -84,6 +85,10 @@ async def serve(args: FrontendArgs, ready: Callable[[], None] | None = None) -> 
     api = OpenAIApi(client, codec, args.served_model_name, args.api_keys,
                     allowed_origins=args.allowed_origins)
     http = HttpServer(build_router(api, args.ws), http_config(args))
+    # What start-up made (the tokenizer, and transformers and torch when it was read without the
+    # cache) lives as long as the process: out of the cyclic GC's sight, a request that allocates
+    # many objects (a 50k-prompt list) no longer costs every stream a full-heap collection (~0.25 s).
+    gc.freeze()
     server = await loop.create_server(http, args.host, args.port, reuse_port=True, ssl=tls, backlog=2048)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
