@@ -260,7 +260,10 @@ class EngineClient:
         if self.healthy:
             log.error("engine unhealthy: %s", why)
         self.healthy = False
-        streams, self._streams = self._streams, {}
+        # emptied in place: the reader task holds this very dict, and the requests sent once the
+        # engine answers again must be found in it (a new dict would strand them forever)
+        streams = dict(self._streams)
+        self._streams.clear()
         if streams and self._sock is not None:
             # We answer 503 for these now; an engine that is only slow must not go on generating them
             # for nobody. (A dead one never reads this; it aborts our orphans on our next HELLO.)

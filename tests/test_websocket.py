@@ -544,14 +544,22 @@ def test_liveness_timeout_aborts_what_it_gives_up_on(engine):
                 batch = await asyncio.wait_for(stream.next_batch(), 5)
                 err = next((i for i in batch if isinstance(i, Error)), None)
             await await_until(lambda: "hung" in engine.aborts)
-            return err, client.healthy
+            healthy_while_hung = client.healthy
+            engine.mute = False  # it answers again (the next liveness ping): new requests are served
+            await await_until(lambda: client.healthy)
+            again = client.add("after", [5, 6, 7], SamplingParams(max_tokens=3))
+            items = []
+            while not any(getattr(i, "finish_reason", None) for i in items):
+                items += await asyncio.wait_for(again.next_batch(), 5)
+            return err, healthy_while_hung, items
         finally:
             engine.mute = False
             await client.close()
 
-    err, healthy = run(main())
+    err, healthy, after = run(main())
     assert err.status == 503 and not healthy
     assert "hung" not in engine.running  # the engine was told to drop it
+    assert [t for d in after for t in d.token_ids] == [5, 6, 7] and after[-1].finish_reason == "length"
 
 
 def test_a_frame_flood_closes_the_socket_1008_and_others_go_on(engine, codec):
