@@ -88,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="frontend processes sharing the port (default: 1)")
     h.add_argument("--startup-timeout", type=float, default=300.0, metavar="SECONDS",
                    help="give up if the model and frontends are not ready by then (default: 300)")
+    h.add_argument("--engine-liveness-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="an engine that ends no step and answers no ping for this long is taken for hung: "
+                        "its requests fail with 503 until it answers again; a longer step (a huge prefill "
+                        "on a slow CPU) needs more (default: 60, as vLLM's engine iteration timeout)")
     h.add_argument("--max-connections", type=int, default=None, metavar="N",
                    help="open connections (HTTP and WebSocket) per frontend process; more get 503 "
                         "(default: 1024)")
@@ -178,6 +182,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             host=args.host, port=args.port, api_keys=api_keys(args.api_key),
             ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
             api_server_count=args.api_server_count, startup_timeout=args.startup_timeout,
+            engine_liveness_timeout=args.engine_liveness_timeout,
             ws=_ws_overrides(args), http=_http_overrides(args),
             allowed_origins=allowed_origins(args.allowed_origins))
     except ValueError as e:

@@ -53,6 +53,7 @@ class ServeOptions:
     ssl_certfile: str | None = None
     api_server_count: int = 1
     startup_timeout: float = 300.0  # the engine's model load dominates
+    engine_liveness_timeout: float = 60.0  # see frontends.server.FrontendArgs
     shutdown_timeout: float = 30.0  # per group (frontends, then engine) before SIGKILL
     engine_death_grace: float = 2.0  # frontends stay up answering 503 after the engine died
     ws: dict = field(default_factory=dict)  # overrides of frontends.websocket.WsConfig fields
@@ -71,6 +72,8 @@ class ServeOptions:
                 raise ValueError(f"no such file: {f}")
         if self.startup_timeout <= 0:
             raise ValueError("startup_timeout must be positive")
+        if not self.engine_liveness_timeout > 0:
+            raise ValueError(f"--engine-liveness-timeout must be positive, got {self.engine_liveness_timeout}")
         for name, value in self.http.items():
             if not value > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
@@ -239,7 +242,7 @@ class Launcher:
             served_model_name=self.config.served_model_name, host=o.host, port=o.port,
             api_keys=list(o.api_keys), ssl_keyfile=o.ssl_keyfile, ssl_certfile=o.ssl_certfile,
             frontend_id=f"frontend-{i}", tokenizer_cache_dir=os.path.join(self.runtime_dir, "tokenizer"),
-            handshake_timeout=o.startup_timeout, ws=WsConfig(**o.ws), allowed_origins=list(o.allowed_origins),
+            handshake_timeout=o.startup_timeout, engine_liveness_timeout=o.engine_liveness_timeout, ws=WsConfig(**o.ws), allowed_origins=list(o.allowed_origins),
             **o.http)
 
     def _start_all(self) -> None:

@@ -78,7 +78,7 @@ def _gone(request_id: str, message: str) -> Error:
 
 class EngineClient:
     def __init__(self, address: str, frontend_id: str, *, handshake_timeout: float = 60.0,
-                 liveness_interval: float = 2.0, liveness_timeout: float = 30.0) -> None:
+                 liveness_interval: float = 2.0, liveness_timeout: float = 60.0) -> None:
         self.address = address
         self.frontend_id = frontend_id
         self.handshake_timeout = handshake_timeout

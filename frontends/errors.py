@@ -26,13 +26,15 @@ class ApiError(Exception):
     """A request that cannot be served; carries its HTTP status and OpenAI error fields."""
 
     def __init__(self, status: int, message: str, *, type: str | None = None,
-                 param: str | None = None, code: str | int | None = None):
+                 param: str | None = None, code: str | int | None = None,
+                 headers: list[tuple[str, str]] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type or _TYPES.get(status, "invalid_request_error")
         self.param = param
         self.code = code
+        self.headers = headers or []  # e.g. retry-after on a 429
 
     def body(self) -> bytes:
         return error_body(self.message, self.type, self.param, self.code)

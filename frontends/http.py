@@ -452,7 +452,7 @@ class HttpProtocol(asyncio.Protocol):
                     req.keep_alive = False  # the parser stopped at an upgrade nobody took
                 result = await self.server.router.resolve(req.method, req.path)(req)
         except ApiError as e:
-            result = Response(e.status, e.body())
+            result = Response(e.status, e.body(), headers=list(e.headers))
         except asyncio.CancelledError:
             raise
         except Exception:  # noqa: BLE001 - a handler bug must not take the connection's other requests down

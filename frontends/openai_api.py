@@ -23,7 +23,7 @@ from frontends.engine_client import EngineClient
 from frontends.errors import ApiError
 from frontends.generation import Generation, LogprobEntry, Update
 from frontends.http import Handler, Request, Response, Router, StreamingResponse
-from frontends.text import StopMatcher, TextCodec
+from frontends.text import StopMatcher, TextCodec, TokenizerBusy
 
 VERSION = "0.1.0"
 _DONE = b"data: [DONE]\n\n"
@@ -93,18 +93,25 @@ class OpenAIApi:
         """Longest text that could still fit the context (see ``TextCodec.max_token_chars``)."""
         return self.max_model_len * self.codec.max_token_chars
 
+    async def _offload(self, size: int, fn, *args):
+        """Tokenizer work: a big input on the tokenizer thread, a 429 when that is full."""
+        try:
+            return await self.codec.run(size, fn, *args)
+        except TokenizerBusy as e:
+            raise ApiError(429, f"Server busy: {e}", headers=[("retry-after", "1")]) from None
+
     async def _encode(self, text: str) -> list[int]:
-        return await self.codec.run(len(text), self.codec.encode, text)
+        return await self._offload(len(text), self.codec.encode, text)
 
     async def _chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         size = sum(len(m["content"]) for m in messages)
-        return await self.codec.run(size, self.codec.apply_chat_template, messages, add_generation_prompt)
+        return await self._offload(size, self.codec.apply_chat_template, messages, add_generation_prompt)
 
     async def _stop_matcher(self, stops: list[str]) -> StopMatcher | None:
         """Built once per call for all its choices; a big one off the event loop."""
         if not stops:
             return None
-        return await self.codec.run(sum(map(len, stops)), StopMatcher, stops)
+        return await self._offload(sum(map(len, stops)), StopMatcher, stops)
 
     def _new_id(self, prefix: str) -> str:
         return f"{prefix}-{self._id_prefix}{next(self._ids):x}"
@@ -138,15 +145,19 @@ class OpenAIApi:
         else:
             prompt = op.field(data, "prompt", str)
             op.check_text_length(len(prompt), self.max_chars, "prompt")
-            tokens = await self.codec.run(len(prompt), self.codec.encode, prompt,
-                                          op.field(data, "add_special_tokens", bool, True))
+            tokens = await self._offload(len(prompt), self.codec.encode, prompt,
+                                         op.field(data, "add_special_tokens", bool, True))
         return _json({"tokens": tokens, "count": len(tokens), "max_model_len": self.max_model_len})
 
     async def detokenize(self, req: Request) -> Response:
         data = op.parse_json(req.body)
         op.check_model(data, self.model)
-        tokens = op.check_token_ids(op.field(data, "tokens", list), self.codec.vocab_size, "tokens")
-        return _json({"prompt": self.codec.decode(tokens)})
+        tokens = op.field(data, "tokens", list)
+        if len(tokens) > op.MAX_DETOKENIZE_TOKENS:
+            raise ApiError(400, f"At most {op.MAX_DETOKENIZE_TOKENS} tokens per request, got {len(tokens)}",
+                           param="tokens")
+        op.check_token_ids(tokens, self.codec.vocab_size, "tokens")
+        return _json({"prompt": await self._offload(len(tokens), self.codec.decode, tokens)})
 
     # ------------------------------------------------------------------ completions
 

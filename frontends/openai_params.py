@@ -25,6 +25,7 @@ MAX_N = 128
 MAX_PROMPTS = 128  # prompts in one /v1/completions call
 MAX_CHOICES = 128  # prompts x n: engine requests one call may start
 MAX_MESSAGES = 4096
+MAX_DETOKENIZE_TOKENS = 1 << 17  # token ids in one /detokenize call
 # what one call copies into the engine, over all its choices: stop_token_ids + logit_bias entries
 MAX_SAMPLING_ENTRIES = 16384
 

@@ -43,6 +43,8 @@ class FrontendArgs:
     tokenizer_cache_dir: str | None = None
     shutdown_grace: float = 10.0  # seconds in-flight requests get after SIGTERM
     handshake_timeout: float = 120.0  # the engine may still be loading its model
+    # an engine silent this long (no step ends, no answer to pings) is taken for hung: 503 for all
+    engine_liveness_timeout: float = 60.0
     # the HTTP layer's limits (frontends.http.HttpConfig, whose defaults these are)
     max_body_bytes: int = HttpConfig.max_body_bytes
     max_header_bytes: int = HttpConfig.max_header_bytes
@@ -80,7 +82,8 @@ async def serve(args: FrontendArgs, ready: Callable[[], None] | None = None) -> 
     loop = asyncio.get_running_loop()
     tls = ssl_context(args)
     codec = TextCodec(await asyncio.to_thread(load_tokenizer, args.model_path, args.tokenizer_cache_dir))
-    client = EngineClient(args.engine_address, args.frontend_id, handshake_timeout=args.handshake_timeout)
+    client = EngineClient(args.engine_address, args.frontend_id, handshake_timeout=args.handshake_timeout,
+                          liveness_timeout=args.engine_liveness_timeout)
     await client.connect()
     api = OpenAIApi(client, codec, args.served_model_name, args.api_keys,
                     allowed_origins=args.allowed_origins)

@@ -27,6 +27,9 @@ class TextCodec:
     """
 
     INLINE_CHARS = 4096  # inputs up to this size are cheaper to tokenize inline than to hand off
+    # queued big work, about 5 s of it on a small CPU: beyond it a big input is refused (429) at once,
+    # so a few clients posting megabytes cannot make every later big prompt wait minutes
+    MAX_QUEUED = 4 << 20
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -41,6 +44,7 @@ class TextCodec:
         # max_model_len x this cannot fit and is refused before it is tokenized.
         self.max_token_chars = max(map(len, tokenizer.get_vocab()), default=1) or 1
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self._queued = 0  # size of the work handed to the pool and not finished
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
@@ -58,10 +62,22 @@ class TextCodec:
         return self.encode(text, add_special_tokens=False)
 
     async def run(self, size: int, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` inline when ``size`` (characters) is small, else on the tokenizer thread."""
+        """``fn(*args)`` inline when ``size`` (characters, or token ids) is small, else on the tokenizer
+        thread; ``TokenizerBusy`` when that thread already has ``MAX_QUEUED`` of work waiting."""
         if size <= self.INLINE_CHARS:
             return fn(*args)
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        if self._queued + size > self.MAX_QUEUED:
+            raise TokenizerBusy(f"the tokenizer has {self._queued} characters of large inputs queued; "
+                                "retry shortly")
+        self._queued += size
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        finally:
+            self._queued -= size
+
+
+class TokenizerBusy(Exception):
+    """Too much large-input work is queued on the tokenizer thread."""
 
 
 class IncrementalDetokenizer:

@@ -17,7 +17,7 @@ import pytest
 
 from engine.protocol import MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from frontends import openai_params as op
-from frontends.text import TextCodec
+from frontends.text import TextCodec, TokenizerBusy
 from frontends.tokenizer import load_tokenizer
 from tests.test_frontend_openai import call, post
 from tools.fake_engine import MAX_MODEL_LEN, MODEL, FakeEngine, free_port, start_frontend, stop_frontend
@@ -142,3 +142,29 @@ def test_stop_string_straddling_min_tokens(stack, codec):
     assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == ("aaa ", "stop", stop)
     events = _sse(post(stack[1], "/v1/completions", {**body, "stream": True}))
     assert "".join(c["text"] for e in events for c in e["choices"]) == "aaa "
+
+
+def test_detokenize_is_capped(stack):
+    r = call(stack[1], "POST", "/detokenize", {"tokens": [5] * (op.MAX_DETOKENIZE_TOKENS + 1)})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+    r = call(stack[1], "POST", "/detokenize", {"tokens": [28] * 10_000})  # big: decoded off the event loop
+    assert r.status_code == 200 and len(r.json()["prompt"]) >= 10_000
+
+
+def test_a_full_tokenizer_queue_refuses_big_inputs_at_once(codec):
+    gate = threading.Event()
+
+    async def main():
+        size = codec.INLINE_CHARS + 1
+        blocking = asyncio.ensure_future(codec.run(codec.MAX_QUEUED - size + 1, gate.wait))
+        await asyncio.sleep(0.05)
+        try:
+            with pytest.raises(TokenizerBusy):
+                await codec.run(size, len, "x")  # would wait behind the queue: refused instead
+            assert await codec.run(10, len, "small") == 5  # small inputs never queue
+        finally:
+            gate.set()
+        await blocking
+        return await codec.run(size, len, "x")  # drained: accepted again
+
+    assert asyncio.run(main()) == 1

@@ -26,7 +26,7 @@ SERVE_FLAGS = ["--model", "--served-model-name", "--host", "--port", "--api-key"
                "--api-server-count", "--tensor-parallel-size", "--ws-max-buffer", "--ws-max-message",
                "--ws-ping-interval", "--ws-idle-timeout", "--max-connections", "--header-timeout",
                "--body-timeout", "--write-timeout", "--max-header-bytes", "--allowed-origins",
-               "--socket-send-buffer", "--ws-max-frames-per-second"]
+               "--socket-send-buffer", "--ws-max-frames-per-second", "--engine-liveness-timeout"]
 
 
 def tokenmill(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
