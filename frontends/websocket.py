@@ -22,7 +22,9 @@ only ``n`` = 1 and one prompt per message. A cancel (or the socket closing)
 aborts the engine request at once. The client is never waited for: what it has
 not read piles up in the transport, and past ``max_buffered_bytes`` the
 connection is closed with 1008 and its generations aborted, so a stalled reader
-costs neither the engine nor other clients anything.
+costs neither the engine nor other clients anything. Nor does a flood: stats
+messages share one engine round trip per connection, and past
+``max_frames_per_second`` (a token bucket) the socket is closed with 1008.
 
 Auth: the HTTP API's keys, from ``Authorization: Bearer`` or, for browsers, a
 ``Sec-WebSocket-Protocol`` value ``tokenmill.key.<KEY>`` (offer ``tokenmill.v1``
