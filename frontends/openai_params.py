@@ -171,10 +171,9 @@ def sampling_params(data: dict, *, max_tokens: int, logprobs: int | None, vocab_
     if bias:
         logit_bias = {}
         for k, v in bias.items():
-            try:
-                tid = int(k)
-            except ValueError:
-                raise ApiError(400, f"logit_bias keys must be token ids, got {k!r}", param="logit_bias") from None
+            if not (k.isascii() and k.isdigit()):  # int() would also take "1_0", " 5 " and "٣"
+                raise ApiError(400, f"logit_bias keys must be token ids, got {k!r}", param="logit_bias")
+            tid = int(k)
             if not 0 <= tid < vocab_size:
                 raise ApiError(400, f"logit_bias token id {tid} is outside [0, {vocab_size})", param="logit_bias")
             if isinstance(v, bool) or not isinstance(v, int | float):

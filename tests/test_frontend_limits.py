@@ -168,3 +168,8 @@ def test_a_full_tokenizer_queue_refuses_big_inputs_at_once(codec):
         return await codec.run(size, len, "x")  # drained: accepted again
 
     assert asyncio.run(main()) == 1
+
+
+@pytest.mark.parametrize("key", ["1_0", " 5 ", "\u0663", "-1", "5.0", ""])
+def test_logit_bias_keys_are_plain_token_ids(stack, key):
+    refused(stack, "/v1/completions", {**CMPL, "logit_bias": {key: 1}}, "logit_bias")
