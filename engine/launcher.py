@@ -57,7 +57,7 @@ class ServeOptions:
     shutdown_timeout: float = 30.0  # per group (frontends, then engine) before SIGKILL
     engine_death_grace: float = 2.0  # frontends stay up answering 503 after the engine died
     ws: dict = field(default_factory=dict)  # overrides of frontends.websocket.WsConfig fields
-    http: dict = field(default_factory=dict)  # overrides of the HTTP limits in frontends.server.FrontendArgs
+    http: dict = field(default_factory=dict)  # overrides of frontends.http.HttpConfig fields
     allowed_origins: list[str] = field(default_factory=list)  # browser origins besides the server's own
 
     def __post_init__(self) -> None:
@@ -231,6 +231,7 @@ class Launcher:
 
     def _frontend_args(self, i: int) -> Any:
         try:
+            from frontends.http import HttpConfig
             from frontends.server import FrontendArgs
             from frontends.websocket import WsConfig
         except ImportError as e:
@@ -242,8 +243,8 @@ class Launcher:
             served_model_name=self.config.served_model_name, host=o.host, port=o.port,
             api_keys=list(o.api_keys), ssl_keyfile=o.ssl_keyfile, ssl_certfile=o.ssl_certfile,
             frontend_id=f"frontend-{i}", tokenizer_cache_dir=os.path.join(self.runtime_dir, "tokenizer"),
-            handshake_timeout=o.startup_timeout, engine_liveness_timeout=o.engine_liveness_timeout, ws=WsConfig(**o.ws), allowed_origins=list(o.allowed_origins),
-            **o.http)
+            handshake_timeout=o.startup_timeout, engine_liveness_timeout=o.engine_liveness_timeout,
+            allowed_origins=list(o.allowed_origins), http=HttpConfig(**o.http), ws=WsConfig(**o.ws))
 
     def _start_all(self) -> None:
         # Engine and frontends start together: tokenizer loading overlaps the model

@@ -10,7 +10,6 @@ in the engine, and returns.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import gc
 import logging
 import signal
@@ -45,20 +44,8 @@ class FrontendArgs:
     handshake_timeout: float = 120.0  # the engine may still be loading its model
     # an engine silent this long (no step ends, no answer to pings) is taken for hung: 503 for all
     engine_liveness_timeout: float = 60.0
-    # the HTTP layer's limits (frontends.http.HttpConfig, whose defaults these are)
-    max_body_bytes: int = HttpConfig.max_body_bytes
-    max_header_bytes: int = HttpConfig.max_header_bytes
-    max_connections: int = HttpConfig.max_connections
-    header_timeout: float = HttpConfig.header_timeout
-    body_timeout: float = HttpConfig.body_timeout
-    write_timeout: float = HttpConfig.write_timeout
-    keep_alive_timeout: float = HttpConfig.keep_alive_timeout
-    socket_send_buffer: int | None = HttpConfig.socket_send_buffer
+    http: HttpConfig = field(default_factory=HttpConfig)  # the HTTP layer's limits
     ws: websocket.WsConfig = field(default_factory=websocket.WsConfig)  # /v1/stream limits
-
-
-def http_config(args: FrontendArgs) -> HttpConfig:
-    return HttpConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(HttpConfig)})
 
 
 def ssl_context(args: FrontendArgs) -> ssl.SSLContext | None:
@@ -87,7 +74,7 @@ async def serve(args: FrontendArgs, ready: Callable[[], None] | None = None) -> 
     await client.connect()
     api = OpenAIApi(client, codec, args.served_model_name, args.api_keys,
                     allowed_origins=args.allowed_origins)
-    http = HttpServer(build_router(api, args.ws), http_config(args))
+    http = HttpServer(build_router(api, args.ws), args.http)
     # What start-up made (the tokenizer, and transformers and torch when it was read without the
     # cache) lives as long as the process: out of the cyclic GC's sight, a request that allocates
     # many objects (a 50k-prompt list) no longer costs every stream a full-heap collection (~0.25 s).

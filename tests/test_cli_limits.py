@@ -13,7 +13,6 @@ import engine.launcher
 from engine.cli import api_keys, build_parser, main
 from engine.config import EngineConfig
 from frontends.http import HttpConfig
-from frontends.server import http_config
 
 
 @pytest.fixture
@@ -59,12 +58,12 @@ def test_limit_flags_reach_the_frontends_http_config(served, tmp_path):
     launcher = engine.launcher.Launcher(EngineConfig(), options)
     launcher.runtime_dir = str(tmp_path)
     args = launcher._frontend_args(0)
-    assert http_config(args) == HttpConfig(max_connections=7, header_timeout=3.0, body_timeout=4.0,
+    assert args.http == HttpConfig(max_connections=7, header_timeout=3.0, body_timeout=4.0,
                                            write_timeout=5.5, max_header_bytes=16 << 10)
     assert args.allowed_origins == ["https://a.example", "http://b.example:8080"]
     defaults = engine.launcher.Launcher(EngineConfig(), served())
     defaults.runtime_dir = str(tmp_path)
-    assert http_config(defaults._frontend_args(0)) == HttpConfig()  # flags left out keep the defaults
+    assert defaults._frontend_args(0).http == HttpConfig()  # flags left out keep the defaults
     assert served("--allowed-origins", "*").allowed_origins == ["*"]
 
 

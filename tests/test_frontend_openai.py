@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from engine.protocol import Error
+from frontends.http import HttpConfig
 from tools.fake_engine import (
     KEY,
     MAX_MODEL_LEN,
@@ -35,7 +36,7 @@ def stack(tmp_path_factory, smollm_tokenizer_dir):
     engine = FakeEngine(addr)
     engine.start()
     port = free_port()
-    proc = start_frontend(addr, smollm_tokenizer_dir, port, max_body_bytes=64 * 1024)
+    proc = start_frontend(addr, smollm_tokenizer_dir, port, http=HttpConfig(max_body_bytes=64 * 1024))
     yield engine, port
     assert stop_frontend(proc) == 0
     engine.stop()
