@@ -52,7 +52,6 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
 
         outputs: dict[str, RequestOutput] = {}
-        params_of: dict[str, SamplingParams] = {}
         stopped: set[str] = set()  # ended by a stop string: their text is already cut
         # requests with stop strings: matched as the HTTP frontends match them (the first stop
         # string completed in the detokenized text, never before min_tokens), the text cut before it
@@ -64,7 +63,6 @@ class LLM:
                 self.engine.add_request(rid, ids, p)
                 outputs[rid] = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids,
                                              logprobs=[] if p.logprobs is not None else None)
-                params_of[rid] = p
                 if p.stop:
                     choices[rid] = (Choice(0, rid, ids, self._codec, StopMatcher(p.stop), p.min_tokens), [])
             while self.engine.has_work():
@@ -97,4 +95,3 @@ class LLM:
     @cached_property
     def _codec(self) -> TextCodec:
         return TextCodec(self.tokenizer)
-

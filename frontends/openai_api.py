@@ -22,7 +22,7 @@ from frontends.auth import Auth
 from frontends.engine_client import EngineClient
 from frontends.errors import ApiError
 from frontends.generation import Generation, LogprobEntry, Update
-from frontends.http import Handler, Request, Response, Router, StreamingResponse
+from frontends.http import Request, Response, Router, StreamingResponse
 from frontends.text import StopMatcher, TextCodec, TokenizerBusy
 
 VERSION = "0.1.0"
@@ -68,21 +68,9 @@ class OpenAIApi:
 
     # ------------------------------------------------------------------ plumbing
 
-    def authenticated(self, handler: Handler, json_body: bool = False) -> Handler:
-        """``handler`` behind the origin rule and the API key (``frontends.auth``)."""
-        return self.auth.guard(handler, json_body=json_body)
-
-    def check_auth(self, req: Request) -> None:
-        """Raise 401 unless ``Authorization: Bearer <key>`` carries one of the keys."""
-        self.auth.check_key([self.auth.bearer(req)])
-
     @property
     def auth_required(self) -> bool:
         return self.auth.required
-
-    def key_ok(self, token: str) -> bool:
-        """Whether ``token`` is one of the API keys (always True when none are configured)."""
-        return self.auth.key_ok(token)
 
     @property
     def max_model_len(self) -> int:
