@@ -121,7 +121,7 @@ class Auth:
             except ApiError as e:
                 if not cors:
                     raise
-                return Response(e.status, e.body(), headers=cors)  # so the page can read why
+                return Response(e.status, e.body(), headers=[*e.headers, *cors])  # so the page can read why
             if cors:
                 resp.headers = [*resp.headers, *cors]
             return resp

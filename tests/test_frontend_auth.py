@@ -174,3 +174,15 @@ def test_blank_keys_are_refused():
     for keys in ([""], ["  "], ["ok", "\t"]):
         with pytest.raises(ValueError, match="blank"):
             Auth(keys)
+
+
+def test_an_allowed_origins_error_keeps_its_own_headers():
+    async def busy(req):
+        raise ApiError(429, "busy", headers=[("retry-after", "1")])
+
+    guarded = Auth(allowed_origins=[APP]).guard(busy, key=False)
+    req = Request()
+    req.headers = {"origin": APP, "host": "127.0.0.1:8000"}
+    resp = asyncio.run(guarded(req))
+    assert resp.status == 429
+    assert ("retry-after", "1") in resp.headers and ("access-control-allow-origin", APP) in resp.headers
