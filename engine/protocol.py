@@ -19,7 +19,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class Kind(IntEnum):
@@ -310,7 +310,7 @@ class Delta:
 
     request_id: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "timeout" | None while running
     logprobs: list[TokenLogprobs] | None = None  # one entry per token in token_ids
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -349,17 +349,20 @@ class Stats:
     kv_usage: float = 0.0  # fraction of KV blocks in use
     num_free_blocks: int = 0
     num_kv_blocks: int = 0
+    num_preemptions: int = 0  # since start
+    num_timeouts: int = 0  # requests ended by their deadline, since start
     kind = Kind.STATS
 
     def to_wire(self) -> list:
-        return [self.num_waiting, self.num_running, self.kv_usage, self.num_free_blocks, self.num_kv_blocks]
+        return [self.num_waiting, self.num_running, self.kv_usage, self.num_free_blocks, self.num_kv_blocks,
+                self.num_preemptions, self.num_timeouts]
 
     @classmethod
     def from_wire(cls, p: list) -> Stats:
         if not p:  # a request for stats
             return cls()
-        w, r, u, f, n = p
-        return cls(int(w), int(r), float(u), int(f), int(n))
+        w, r, u, f, n, pre, to = p
+        return cls(int(w), int(r), float(u), int(f), int(n), int(pre), int(to))
 
 
 @dataclass

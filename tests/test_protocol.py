@@ -23,13 +23,13 @@ MESSAGES = {
         p.Delta("r1", [7, 8], None, [[-0.5, [[7, -0.5]]], [-0.25, [[8, -0.25]]]], 3, 0),
         p.Delta("r2", [9], "length", None, 2, 1, None, None),
     ]),
-    "stats": p.Stats(1, 2, 0.25, 75, 100),
+    "stats": p.Stats(1, 2, 0.25, 75, 100, 3, 4),
     "error": p.Error("r1", 429, "rate_limit_error", "queue full", None),
 }
 
 GOLDEN = {
-    "hello": "920192a366653001",
-    "ready": "920298a474696e79cd0400cdc000910240641001",
+    "hello": "920192a366653002",
+    "ready": "920298a474696e79cd0400cdc000910240641002",
     "add": (
         "920395a2723193010203de0010aa6d61785f746f6b656e7304ab74656d7065726174757265cb0000000000000000"
         "a5746f705f70cb3ff0000000000000a5746f705f6b00a56d696e5f70cb0000000000000000a47365656407"
@@ -44,13 +44,13 @@ GOLDEN = {
         "92059298a27231920708c09292cbbfe0000000000000919207cbbfe000000000000092cbbfd000000000000091"
         "9208cbbfd00000000000000300c0c098a272329109a66c656e677468c00201c0c0"
     ),
-    "stats": "9206950102cb3fd00000000000004b64",
+    "stats": "9206970102cb3fd00000000000004b640304",
     "error": "920795a27231cd01adb0726174655f6c696d69745f6572726f72aa71756575652066756c6cc0",
 }
 
 
 def test_protocol_version_is_pinned():
-    assert p.PROTOCOL_VERSION == 1
+    assert p.PROTOCOL_VERSION == 2
     assert [int(k) for k in p.Kind] == [1, 2, 3, 4, 5, 6, 7]
 
 
