@@ -14,7 +14,7 @@ import re
 import sys
 from urllib.parse import urlsplit
 
-from engine.config import DEVICES, DTYPES, EngineConfig
+from engine.config import DEVICES, DTYPES, POLICIES, EngineConfig
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -51,8 +51,6 @@ def _engine_flags(p: argparse.ArgumentParser, generate: bool = False) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help=f"token budget of one step; longer prompts are prefilled in chunks "
                         f"(default: {d['max_num_batched_tokens']})")
-    g.add_argument("--max-waiting", type=int, default=None,
-                   help=f"queued requests before new ones get HTTP 429 (default: {d['max_waiting']})")
     g.add_argument("--block-size", type=int, default=None,
                    help=f"tokens per KV cache block: 8, 16, 32, 64 or 128 (default: {d['block_size']})")
     g.add_argument("--gpu-memory-utilization", type=float, default=None,
@@ -62,6 +60,26 @@ def _engine_flags(p: argparse.ArgumentParser, generate: bool = False) -> None:
                    help="CPU: memory for the KV cache, e.g. 2G or 512MiB (default: 1GiB)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
                    help="GPUs to shard the model over (only 1 is supported yet)")
+    q = p.add_argument_group("scheduling")
+    q.add_argument("--scheduling-policy", choices=POLICIES, default=None,
+                   help="the order waiting requests start in: fcfs (arrival), priority (the request's "
+                        "'priority', lower first; a more urgent request preempts a less urgent running one) "
+                        f"or short-first (least expected work first) (default: {d['scheduling_policy']})")
+    q.add_argument("--scheduling-aging-seconds", type=float, default=None, metavar="SECONDS",
+                   help="no starvation: every this many seconds a request has waited count as one priority "
+                        "level (priority) or as halving its work (short-first) "
+                        f"(default: {d['scheduling_aging_seconds']:g})")
+    q.add_argument("--long-prefill-token-threshold", type=int, default=None, metavar="N",
+                   help="most prompt tokens in a step that also carries decodes, so that running streams "
+                        "do not stall behind a long prompt (default: measured online, so that such a step "
+                        "costs about twice a decode-only one; set it to --max-num-batched-tokens for no cap)")
+    q.add_argument("--max-num-waiting-requests", "--max-waiting", type=int, default=None, metavar="N",
+                   dest="max_num_waiting_requests",
+                   help=f"queued requests before new ones get HTTP 429 with Retry-After "
+                        f"(default: {d['max_num_waiting_requests']})")
+    q.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                   help="a request without its own 'timeout' ends after this long with finish_reason "
+                        "'timeout' (HTTP 408 if it produced nothing) (default: none)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+POLICIES = ("fcfs", "priority", "short-first")  # engine.request_queue has one queue for each
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,11 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory for weights + KV
     kv_cache_memory: int | None = None  # CPU: bytes for the KV cache; None = 1 GiB
     num_kv_blocks: int | None = None  # override the computed number of KV blocks (tests, tuning)
-    max_waiting: int = 1024  # bounded waiting queue; more is refused (HTTP 429)
+    max_num_waiting_requests: int = 1024  # bounded waiting queue; more is refused (HTTP 429)
+    scheduling_policy: str = "fcfs"  # fcfs | priority | short-first (engine.request_queue)
+    scheduling_aging_seconds: float = 30.0  # waiting this long is worth one rank step (no starvation)
+    long_prefill_token_threshold: int | None = None  # prompt tokens per step beside decodes; None = measured
+    request_timeout: float | None = None  # seconds; a request without its own timeout gets this one
     seed: int = 0
     tensor_parallel_size: int = 1
 
@@ -53,7 +58,15 @@ class EngineConfig:
             bad(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             bad(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
-        if self.max_waiting < 1:
-            bad(f"max_waiting must be positive, got {self.max_waiting}")
+        if self.max_num_waiting_requests < 1:
+            bad(f"max_num_waiting_requests must be positive, got {self.max_num_waiting_requests}")
+        if self.scheduling_policy not in POLICIES:
+            bad(f"scheduling_policy must be one of {', '.join(POLICIES)}, got {self.scheduling_policy!r}")
+        if not 0 < self.scheduling_aging_seconds < float("inf"):
+            bad(f"scheduling_aging_seconds must be positive, got {self.scheduling_aging_seconds}")
+        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 1:
+            bad(f"long_prefill_token_threshold must be positive, got {self.long_prefill_token_threshold}")
+        if self.request_timeout is not None and not 0 < self.request_timeout < float("inf"):
+            bad(f"request_timeout must be a positive number of seconds, got {self.request_timeout}")
         if self.tensor_parallel_size != 1:
             bad("tensor_parallel_size > 1 is not supported yet")

@@ -7,15 +7,17 @@
 from __future__ import annotations
 
 import logging
+import time
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.model_path import model_name, resolve_model_path
 from engine.model_runner import ModelRunner, StepResult
+from engine.prefill_cap import PrefillCap
 from engine.protocol import Delta, Ready, SamplingParamError, SamplingParams, Stats
 from engine.request import Request
 from engine.sampler import SamplingState
-from engine.scheduler import QueueFull, ScheduledBatch, Scheduler
+from engine.scheduler import PromptTooLong, QueueFull, ScheduledBatch, Scheduler
 
 log = logging.getLogger("tokenmill.engine")
 
@@ -44,8 +46,10 @@ class Engine:
         self.eos_token_ids = list(self.runner.model_cfg.eos_token_ids)
         self._eos_set = frozenset(self.eos_token_ids)  # looked up once per sampled token
         self.block_manager = BlockManager(facts.num_kv_blocks, config.block_size)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_waiting)
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+            config.max_num_waiting_requests, config.scheduling_policy, config.scheduling_aging_seconds,
+            PrefillCap(config.max_num_batched_tokens, config.long_prefill_token_threshold))
         self.requests: dict[str, Request] = {}
         log.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
                  self.model_name, facts.device, facts.dtype, facts.num_kv_blocks, config.block_size,
@@ -60,12 +64,16 @@ class Engine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0, deadline: float | None = None) -> None:
         self._check(request_id, prompt_token_ids, params)
+        if deadline is None and self.config.request_timeout is not None:
+            deadline = time.time() + self.config.request_timeout
         req = Request(request_id, prompt_token_ids, params, priority, deadline,
                       SamplingState(params))
         try:
             self.scheduler.add(req)
         except QueueFull as e:
             raise RequestError(429, "rate_limit_error", f"server busy: {e}; retry later") from e
+        except PromptTooLong as e:
+            raise RequestError(400, "invalid_request_error", str(e), "prompt") from e
         self.requests[request_id] = req
 
     def abort(self, request_ids: list[str] | str) -> None:
@@ -78,13 +86,13 @@ class Engine:
         return self.scheduler.has_work()
 
     def stats(self) -> Stats:
-        bm = self.block_manager
-        return Stats(len(self.scheduler.waiting), len(self.scheduler.running), bm.usage,
-                     bm.num_free_blocks, bm.num_blocks)
+        bm, s = self.block_manager, self.scheduler
+        return Stats(len(s.waiting), len(s.running), bm.usage, bm.num_free_blocks, bm.num_blocks,
+                     s.num_preemptions, s.num_timeouts)
 
     def step(self) -> list[Delta]:
         batch = self.scheduler.schedule()
-        result = self.runner.execute(batch) if batch else StepResult([], None)
+        result = self._run(batch)
         return self._postprocess(batch, result)
 
     # ------------------------------------------------------------------ internals
@@ -109,12 +117,22 @@ class Engine:
                 f"asks for {total} ({len(prompt)} in the prompt + {params.max_tokens} max_tokens)",
                 "max_tokens")
 
+    def _run(self, batch: ScheduledBatch) -> StepResult:
+        if not batch:
+            return StepResult([], None)
+        start = time.perf_counter()
+        result = self.runner.execute(batch)
+        self.scheduler.update_from_output(batch, time.perf_counter() - start)
+        return result
+
     def _postprocess(self, batch: ScheduledBatch, result: StepResult) -> list[Delta]:
-        for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
-            req.num_computed_tokens += n
-        if result.output is None:
-            return []
         deltas = []
+        for req in batch.timed_out:
+            del self.requests[req.request_id]
+            deltas.append(Delta(req.request_id, [], "timeout", num_prompt_tokens=req.num_prompt_tokens,
+                                num_cached_tokens=req.num_cached_tokens))
+        if result.output is None:
+            return deltas
         out = result.output
         for i, req in enumerate(result.sampled):
             token = out.token_ids[i]

@@ -25,7 +25,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    finish_reason: str | None = None  # "stop" | "length"
+    finish_reason: str | None = None  # "stop" | "length" | "timeout"
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list | None = None
     stop_reason: int | str | None = None
@@ -42,14 +42,21 @@ class LLM:
         return load_tokenizer(self.engine.runner.facts.model_path)
 
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run every prompt to completion (continuously batched); outputs in prompt order."""
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion (continuously batched); outputs in prompt order.
+
+        ``priority``: one per prompt, lower first, for ``scheduling_policy="priority"`` (as vLLM's).
+        """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()]
         params = params * len(prompts) if len(params) == 1 else params
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(priority)} priorities")
 
         outputs: dict[str, RequestOutput] = {}
         stopped: set[str] = set()  # ended by a stop string: their text is already cut
@@ -57,10 +64,10 @@ class LLM:
         # string completed in the detokenized text, never before min_tokens), the text cut before it
         choices: dict[str, tuple[Choice, list[str]]] = {}
         try:
-            for prompt, p in zip(prompts, params, strict=True):
+            for prompt, p, prio in zip(prompts, params, priority, strict=True):
                 ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, ids, p)
+                self.engine.add_request(rid, ids, p, prio)
                 outputs[rid] = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids,
                                              logprobs=[] if p.logprobs is not None else None)
                 if p.stop:

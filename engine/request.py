@@ -24,7 +24,7 @@ class Request:
         "request_id", "prompt_token_ids", "output_token_ids", "params", "priority", "deadline",
         "status", "num_computed_tokens", "block_table",
         "finish_reason", "stop_reason", "sampling_state", "num_cached_tokens", "num_preemptions",
-        "prompt_logprobs", "_all_token_ids", "stop_token_ids",
+        "prompt_logprobs", "_all_token_ids", "stop_token_ids", "arrival_time", "num_output_at_preemption",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -46,6 +46,8 @@ class Request:
         self.sampling_state = sampling_state
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
         self.num_preemptions = 0
+        self.num_output_at_preemption = -1  # output tokens when last preempted
+        self.arrival_time = 0.0  # unix seconds, set when queued; kept across preemptions
         self.prompt_logprobs: list | None = None
 
     @property
@@ -59,6 +61,11 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self._all_token_ids
+
+    @property
+    def just_preempted(self) -> bool:
+        """Preempted and not one token further since: not to be preempted again (no thrash)."""
+        return len(self.output_token_ids) <= self.num_output_at_preemption
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -4,18 +4,40 @@ Each step fills a token budget (``max_num_batched_tokens``) and a sequence
 budget (``max_num_seqs``). Every request has ``num_computed_tokens`` catching up
 with its token count, so a decode (one token), a prompt chunk (many) and a
 resumed preempted request (its prompt and outputs again) are the same thing.
-Running requests go first, in admission order; waiting ones fill what is left.
-When blocks run out, the most recently admitted running request is preempted
-(its blocks freed, recomputed later). Torch-free.
+
+One step, in order:
+
+1. Requests past their deadline finish with ``"timeout"``.
+2. Decodes of running requests, in admission order: streams never wait for prompts.
+3. Prompt tokens (new requests, chunks of long prompts, resumed requests), best
+   rank first (``engine.request_queue``: the policy is the waiting queue's
+   order). In a step that carries decodes they are capped by
+   ``engine.prefill_cap`` so the step costs about twice a decode-only one; a
+   step without decodes (an idle server) takes the whole token budget.
+
+Preemption is by recompute: the victim's blocks are freed and it waits again
+(keeping its arrival time, so its rank). When a running request needs a block
+and none is free, the running request with the highest ``victim_rank`` goes
+(the most recently admitted among equals). Under the ``priority`` policy a
+waiting request that ranks better than a running one also preempts it when the
+sequence budget or the blocks are short. No thrash: a preempted request is not
+chosen again until it has produced another token, unless nothing else is left.
+New requests are admitted only on a step that preempted nothing for blocks.
+Torch-free.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import heapq
+import itertools
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
+from engine.prefill_cap import PrefillCap
 from engine.request import Request, Status
+from engine.request_queue import make_queue
 
 
 @dataclass
@@ -23,83 +45,92 @@ class ScheduledBatch:
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)  # per request, this step
     preempted: list[Request] = field(default_factory=list)
+    timed_out: list[Request] = field(default_factory=list)  # finished by their deadline this step
+    num_tokens: int = 0  # sum of num_new_tokens
+    num_decodes: int = 0  # requests computing the one token they sample from
 
     def __len__(self) -> int:
         return len(self.requests)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.num_tokens - self.num_decodes
+
+    def add(self, req: Request, n: int, decode: bool = False) -> None:
+        self.requests.append(req)
+        self.num_new_tokens.append(n)
+        self.num_tokens += n
+        self.num_decodes += decode
+
+    def remove(self, req: Request) -> None:
+        """Take ``req`` back out (it was preempted after being scheduled)."""
+        i = self.requests.index(req)
+        del self.requests[i]
+        n = self.num_new_tokens.pop(i)
+        self.num_tokens -= n
+        self.num_decodes -= n == 1 and req.num_tokens - req.num_computed_tokens == 1
 
 
 class QueueFull(Exception):
     pass
 
 
+class PromptTooLong(ValueError):
+    pass
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_waiting: int = 1024):
+                 max_num_waiting_requests: int = 1024, policy: str = "fcfs", aging_seconds: float = 30.0,
+                 prefill_cap: PrefillCap | None = None, clock: Callable[[], float] = time.time):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_waiting = max_waiting
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # admission order: the last is preempted first
+        self.max_num_waiting_requests = max_num_waiting_requests
+        self.waiting = make_queue(policy, aging_seconds)
+        self.running: list[Request] = []  # admission order: the last is preempted first among equals
+        self.prefill_cap = prefill_cap or PrefillCap(max_num_batched_tokens)
+        self.clock = clock  # unix seconds, as deadlines are
+        self._deadlines: list[tuple[float, int, Request]] = []  # heap; finished requests linger until due
+        self._seq = itertools.count()
         self.num_preemptions = 0  # since start, for stats
+        self.num_timeouts = 0
 
     def add(self, req: Request) -> None:
-        if len(self.waiting) >= self.max_waiting:
-            raise QueueFull(f"the waiting queue is full ({self.max_waiting} requests)")
+        if len(self.waiting) >= self.max_num_waiting_requests:
+            raise QueueFull(f"the waiting queue is full ({self.max_num_waiting_requests} requests)")
+        bm = self.block_manager
+        if -(-(req.num_tokens + 1) // bm.block_size) > bm.num_blocks:  # could never run, not even alone
+            raise PromptTooLong(f"the prompt needs more than the {bm.num_blocks * bm.block_size} tokens "
+                                "the KV cache holds")
         req.status = Status.WAITING
-        self.waiting.append(req)
+        req.arrival_time = self.clock()
+        self.waiting.push(req)
+        if req.deadline is not None:
+            heapq.heappush(self._deadlines, (req.deadline, next(self._seq), req))
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        budget = self.max_num_batched_tokens
-        bm = self.block_manager
-
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not bm.allocate(req, n):
-                victim = self.running.pop()
-                self._preempt(victim)
-                batch.preempted.append(victim)
-                if victim is req:
-                    break
-            if req.status is not Status.RUNNING:
-                break
-            batch.requests.append(req)
-            batch.num_new_tokens.append(n)
-            budget -= n
-            i += 1
-
-        # Admit waiting requests only on a step that preempted nothing: blocks are short.
-        while (not batch.preempted and self.waiting and budget > 0
-               and len(self.running) < self.max_num_seqs):
-            req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not bm.allocate(req, n):
-                break
-            self.waiting.popleft()
-            req.status = Status.RUNNING
-            self.running.append(req)
-            batch.requests.append(req)
-            batch.num_new_tokens.append(n)
-            budget -= n
+        self._expire(batch)
+        for req in list(self.running):  # decodes first, in admission order
+            if (req.status is Status.RUNNING and req.num_tokens - req.num_computed_tokens == 1
+                    and batch.num_tokens < self.max_num_batched_tokens and self._allocate_running(req, 1, batch)):
+                batch.add(req, 1, decode=True)
+        budget = self.max_num_batched_tokens - batch.num_tokens
+        self._schedule_prompts(batch, min(budget, self.prefill_cap.value) if batch.num_decodes else budget)
         return batch
 
-    def _preempt(self, req: Request) -> None:
-        """Recompute-style preemption: drop its KV, put it at the front of the queue."""
-        self.block_manager.free(req)
-        req.num_computed_tokens = 0
-        req.num_preemptions += 1
-        self.num_preemptions += 1
-        req.status = Status.WAITING
-        self.waiting.appendleft(req)
+    def update_from_output(self, batch: ScheduledBatch, seconds: float) -> None:
+        """After the model ran ``batch`` in ``seconds``: the scheduled tokens are in the cache."""
+        for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
+            req.num_computed_tokens += n
+        self.prefill_cap.observe(batch.num_decodes, batch.num_prompt_tokens, seconds)
 
     def finish(self, req: Request, reason: str) -> None:
-        """Take ``req`` out (finished or aborted) and free its blocks at once."""
+        """Take ``req`` out (finished, aborted or timed out) and free its blocks at once."""
         if req.status is Status.RUNNING:
             self.running.remove(req)
         elif req.status is Status.WAITING:
@@ -107,3 +138,85 @@ class Scheduler:
         self.block_manager.free(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
+
+    # ------------------------------------------------------------------ internals
+
+    def _expire(self, batch: ScheduledBatch) -> None:
+        now = self.clock()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            req = heapq.heappop(self._deadlines)[2]
+            if req.status is not Status.FINISHED:
+                self.finish(req, "timeout")
+                self.num_timeouts += 1
+                batch.timed_out.append(req)
+        if len(self._deadlines) > 64 and len(self._deadlines) > 4 * (len(self.waiting) + len(self.running)):
+            self._deadlines = [d for d in self._deadlines if d[2].status is not Status.FINISHED]
+            heapq.heapify(self._deadlines)
+
+    def _schedule_prompts(self, batch: ScheduledBatch, limit: int) -> None:
+        """Up to ``limit`` prompt tokens, to running requests still prefilling and to waiting ones,
+        best rank first."""
+        rank = self.waiting.rank
+        prefilling = sorted((r for r in self.running if r.num_tokens - r.num_computed_tokens > 1), key=rank)
+        admit = not batch.preempted
+        i = 0
+        while batch.num_prompt_tokens < limit:
+            head = self.waiting.peek() if admit and self.waiting else None
+            if i < len(prefilling) and (head is None or rank(prefilling[i]) <= rank(head)):
+                req = prefilling[i]
+                i += 1
+                n = min(req.num_tokens - req.num_computed_tokens, limit - batch.num_prompt_tokens)
+                if req.status is Status.RUNNING and self._allocate_running(req, n, batch):
+                    batch.add(req, n)
+                continue
+            if head is None:
+                break
+            n = min(head.num_tokens - head.num_computed_tokens, limit - batch.num_prompt_tokens)
+            if len(self.running) < self.max_num_seqs and self.block_manager.allocate(head, n):
+                self.waiting.pop()
+                head.status = Status.RUNNING
+                self.running.append(head)
+                batch.add(head, n)
+                continue
+            victim = self._victim_for(head) if self.waiting.preempts else None
+            if victim is None:
+                admit = False  # the head waits; running prompts may still use the budget
+                continue
+            self._preempt(victim, batch)
+
+    def _allocate_running(self, req: Request, n: int, batch: ScheduledBatch) -> bool:
+        """Blocks for ``n`` more tokens of running ``req``, preempting for them if needed."""
+        while not self.block_manager.allocate(req, n):
+            victim = self._victim(self.running)
+            self._preempt(victim, batch)
+            if victim is req:
+                return False
+        return True
+
+    def _victim(self, candidates: list[Request]) -> Request:
+        """The highest victim rank, the most recently admitted among equals, sparing the newly preempted."""
+        fresh = [r for r in candidates if not r.just_preempted] or candidates
+        vr = self.waiting.victim_rank
+        return max(reversed(fresh), key=vr)  # max keeps the first of equals: the latest admitted
+
+    def _victim_for(self, head: Request) -> Request | None:
+        """A running request that ranks worse than waiting ``head`` and may be preempted, if any."""
+        candidates = [r for r in self.running if not r.just_preempted]
+        if not candidates:
+            return None
+        victim = self._victim(candidates)
+        return victim if self.waiting.rank(victim) > self.waiting.rank(head) else None
+
+    def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
+        """Recompute-style preemption: drop its KV and send it back to waiting."""
+        if req in batch.requests:
+            batch.remove(req)
+        self.running.remove(req)
+        self.block_manager.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.num_output_at_preemption = len(req.output_token_ids)
+        self.num_preemptions += 1
+        req.status = Status.WAITING
+        self.waiting.requeue(req)
+        batch.preempted.append(req)

@@ -123,7 +123,7 @@ def test_prompt_logprobs_survive_chunking(tiny_llama):
 
 
 def test_bad_requests_are_refused(tiny_llama):
-    eng = LLM(tiny_llama, num_kv_blocks=32, max_model_len=256, max_waiting=2).engine
+    eng = LLM(tiny_llama, num_kv_blocks=32, max_model_len=256, max_num_waiting_requests=2).engine
     with pytest.raises(RequestError, match="maximum context length is 256.*250 in the prompt \\+ 10"):
         eng.add_request("a", [1] * 250, SamplingParams(max_tokens=10))
     with pytest.raises(RequestError, match="empty"):

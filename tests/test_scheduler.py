@@ -8,9 +8,9 @@ from engine.request import Request, Status
 from engine.scheduler import QueueFull, Scheduler
 
 
-def make(num_blocks=8, block_size=4, max_num_seqs=4, max_tokens=100, max_waiting=16):
+def make(num_blocks=8, block_size=4, max_num_seqs=4, max_tokens=100, max_waiting=16, **kw):
     bm = BlockManager(num_blocks, block_size)
-    return Scheduler(bm, max_num_seqs, max_tokens, max_waiting), bm
+    return Scheduler(bm, max_num_seqs, max_tokens, max_waiting, **kw), bm
 
 
 def req(rid: str, n: int) -> Request:

@@ -1,0 +1,151 @@
+"""The waiting queue, one small class per scheduling policy, chosen once at start.
+
+Every queue orders requests by a *rank* (lower goes first) and answers the two
+questions the scheduler asks about running requests too: ``rank(req)`` (who
+gets prompt tokens first) and ``victim_rank(req)`` (who is preempted first:
+the highest, the most recently admitted among equals). ``preempts`` says
+whether a waiting request may push a running one out on rank alone.
+
+Aging, so that nothing starves: a request's rank improves by one for every
+``aging_seconds`` it has been in the engine (arrival time, kept across
+preemptions). Since every rank moves at the same speed, the order only needs
+``base + arrival / aging_seconds``, fixed when the request is queued:
+
+- ``fcfs``: rank = arrival. A preempted request goes back to the front.
+- ``priority``: rank = priority + arrival / aging_seconds: lower priority values
+  first (vLLM's convention); waiting ``aging_seconds`` is worth one priority level.
+- ``short-first``: rank = log2(expected work) + arrival / aging_seconds, where
+  the expected work is the prompt tokens still to compute plus the tokens still
+  to generate (``max_tokens``): waiting ``aging_seconds`` is worth halving it.
+
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import deque
+from collections.abc import Iterator
+
+from engine.config import POLICIES
+from engine.request import Request
+
+
+class FcfsQueue:
+    """Arrival order; preempted requests go back to the front. Never preempts on rank."""
+
+    preempts = False
+
+    def __init__(self, aging_seconds: float = math.inf) -> None:
+        self._q: deque[Request] = deque()
+
+    def rank(self, req: Request) -> float:
+        return req.arrival_time
+
+    def victim_rank(self, req: Request) -> float:
+        return 0.0  # the most recently admitted goes first
+
+    def push(self, req: Request) -> None:
+        self._q.append(req)
+
+    def requeue(self, req: Request) -> None:
+        """A preempted request: it arrived before anything still waiting."""
+        self._q.appendleft(req)
+
+    def peek(self) -> Request:
+        return self._q[0]
+
+    def pop(self) -> Request:
+        return self._q.popleft()
+
+    def remove(self, req: Request) -> None:
+        self._q.remove(req)
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._q)
+
+
+class RankedQueue:
+    """A heap keyed by (rank, insertion order), with lazy removal."""
+
+    preempts = False
+
+    def __init__(self, aging_seconds: float) -> None:
+        if not aging_seconds > 0:
+            raise ValueError(f"aging_seconds must be positive, got {aging_seconds}")
+        self.aging_seconds = aging_seconds
+        self._heap: list[list] = []  # [rank, seq, request or None once removed]
+        self._entries: dict[str, list] = {}
+        self._seq = itertools.count()
+
+    def base_rank(self, req: Request) -> float:
+        raise NotImplementedError
+
+    def rank(self, req: Request) -> float:
+        return self.base_rank(req) + req.arrival_time / self.aging_seconds
+
+    def victim_rank(self, req: Request) -> float:
+        return 0.0
+
+    def push(self, req: Request) -> None:
+        entry = [self.rank(req), next(self._seq), req]
+        self._entries[req.request_id] = entry
+        heapq.heappush(self._heap, entry)
+
+    requeue = push  # a preempted request keeps its arrival time, so its rank says where it goes
+
+    def peek(self) -> Request:
+        while self._heap[0][2] is None:
+            heapq.heappop(self._heap)
+        return self._heap[0][2]
+
+    def pop(self) -> Request:
+        req = self.peek()
+        heapq.heappop(self._heap)
+        del self._entries[req.request_id]
+        return req
+
+    def remove(self, req: Request) -> None:
+        self._entries.pop(req.request_id)[2] = None
+        if len(self._heap) > 64 and len(self._heap) > 2 * len(self._entries):  # drop the tombstones
+            self._heap = [e for e in self._heap if e[2] is not None]
+            heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[Request]:
+        return (e[2] for e in sorted(self._entries.values()))
+
+
+class PriorityQueue(RankedQueue):
+    preempts = True
+
+    def base_rank(self, req: Request) -> float:
+        return float(req.priority)
+
+    def victim_rank(self, req: Request) -> float:
+        return self.rank(req)
+
+
+class ShortFirstQueue(RankedQueue):
+    def base_rank(self, req: Request) -> float:
+        return math.log2(max(1, expected_work(req)))
+
+
+def expected_work(req: Request) -> int:
+    """Prompt tokens still to compute plus tokens still to generate."""
+    to_compute = req.num_tokens - req.num_computed_tokens
+    return to_compute + max(0, req.params.max_tokens - len(req.output_token_ids))
+
+
+def make_queue(policy: str, aging_seconds: float) -> FcfsQueue | RankedQueue:
+    queues = {"fcfs": FcfsQueue, "priority": PriorityQueue, "short-first": ShortFirstQueue}
+    if policy not in queues:
+        raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    return queues[policy](aging_seconds)
