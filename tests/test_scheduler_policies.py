@@ -1,0 +1,281 @@
+"""Scheduling policies: admission order, victims, aging, no thrash, deadlines and the prefill cap.
+
+Exact orders with a fake clock; torch-free and fast.
+"""
+
+import pytest
+
+from engine.block_manager import BlockManager
+from engine.prefill_cap import PrefillCap
+from engine.protocol import SamplingParams
+from engine.request import Request, Status
+from engine.scheduler import PromptTooLong, Scheduler
+
+
+class Clock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(policy="fcfs", num_blocks=32, block_size=4, max_num_seqs=4, budget=100, cap=None, aging=10.0):
+    clock = Clock()
+    bm = BlockManager(num_blocks, block_size)
+    s = Scheduler(bm, max_num_seqs, budget, 64, policy, aging, PrefillCap(budget, fixed=cap), clock)
+    return s, bm, clock
+
+
+def req(rid: str, n: int = 4, priority: int = 0, max_tokens: int = 50, deadline: float | None = None) -> Request:
+    return Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens), priority, deadline)
+
+
+def step(s: Scheduler):
+    """Schedule, then what the engine does once the model ran: advance, sample where the prompt is done."""
+    batch = s.schedule()
+    s.update_from_output(batch, 0.01)
+    for r in batch.requests:
+        if r.num_computed_tokens == r.num_tokens:
+            r.append_token(7)
+    return batch
+
+
+def ids(reqs) -> list[str]:
+    return [r.request_id for r in reqs]
+
+
+def add_all(s, clock, *reqs):
+    for r in reqs:
+        s.add(r)
+        clock.now += 0.001  # distinct arrival times, in this order
+
+
+# ----------------------------------------------------------------------------- admission order
+
+
+def test_priority_admits_by_priority_then_arrival():
+    s, _, clock = make("priority", max_num_seqs=2)
+    add_all(s, clock, req("a", priority=5), req("b"), req("c"), req("d", priority=-1))
+    batch = step(s)
+    assert ids(batch.requests) == ["d", "b"]
+    assert ids(s.waiting) == ["c", "a"]
+
+
+def test_fcfs_admits_by_arrival_whatever_the_priority():
+    s, _, clock = make("fcfs", max_num_seqs=2)
+    add_all(s, clock, req("a", priority=5), req("b"), req("d", priority=-1))
+    assert ids(step(s).requests) == ["a", "b"]
+
+
+def test_short_first_admits_least_expected_work_first():
+    s, _, clock = make("short-first", max_num_seqs=1)
+    add_all(s, clock, req("long", 40, max_tokens=200), req("mid", 8, max_tokens=30), req("short", 4, max_tokens=5))
+    assert ids(step(s).requests) == ["short"]
+    assert ids(s.waiting) == ["mid", "long"]
+
+
+def test_short_first_never_preempts_on_its_own():
+    s, _, clock = make("short-first", max_num_seqs=1)
+    add_all(s, clock, req("long", 40, max_tokens=200))
+    step(s)
+    add_all(s, clock, req("short", 2, max_tokens=2))
+    batch = step(s)
+    assert not batch.preempted and ids(batch.requests) == ["long"] and ids(s.waiting) == ["short"]
+
+
+def test_short_first_gives_prompt_tokens_to_a_short_prompt_before_a_long_one_in_progress():
+    s, _, clock = make("short-first", budget=10)
+    add_all(s, clock, req("long", 40, max_tokens=10))
+    assert step(s).num_new_tokens == [10]  # an idle server prefills the long prompt at full speed
+    add_all(s, clock, req("short", 3, max_tokens=5))
+    batch = step(s)
+    assert ids(batch.requests) == ["short", "long"] and batch.num_new_tokens == [3, 7]
+
+
+# ----------------------------------------------------------------------------- preemption
+
+
+def test_urgent_request_preempts_on_the_sequence_budget():
+    s, bm, clock = make("priority", max_num_seqs=2)
+    a, b, u = req("a"), req("b"), req("u", priority=-1)
+    add_all(s, clock, a, b)
+    step(s)
+    add_all(s, clock, u)
+    batch = step(s)
+    assert batch.preempted == [b]  # the most recently admitted of the equally urgent
+    assert ids(batch.requests) == ["a", "u"] and batch.num_new_tokens == [1, 4]
+    assert s.running == [a, u] and list(s.waiting) == [b]
+    assert b.num_computed_tokens == 0 and b.block_table == [] and b.status is Status.WAITING
+    assert s.num_preemptions == 1
+
+
+def test_fcfs_never_preempts_for_a_waiting_request():
+    s, _, clock = make("fcfs", max_num_seqs=2)
+    add_all(s, clock, req("a"), req("b"))
+    step(s)
+    add_all(s, clock, req("u", priority=-1))
+    batch = step(s)
+    assert not batch.preempted and ids(s.waiting) == ["u"]
+
+
+def test_the_least_urgent_running_request_is_the_victim():
+    s, _, clock = make("priority", max_num_seqs=3)
+    add_all(s, clock, req("a", priority=3), req("b", priority=1), req("c", priority=3))
+    step(s)
+    add_all(s, clock, req("u", priority=0))
+    batch = step(s)
+    assert ids(batch.preempted) == ["c"] and ids(s.running) == ["b", "a", "u"]  # admitted in rank order
+
+
+def test_a_request_no_more_urgent_than_every_running_one_waits():
+    s, _, clock = make("priority", max_num_seqs=2)
+    add_all(s, clock, req("a", priority=1), req("b", priority=1))
+    step(s)
+    add_all(s, clock, req("u", priority=1))
+    assert not step(s).preempted and ids(s.waiting) == ["u"]
+
+
+def test_urgent_request_preempts_for_kv_blocks():
+    s, bm, clock = make("priority", num_blocks=4, block_size=4, max_num_seqs=8)
+    a, b, u = req("a", 7), req("b", 7), req("u", 6, priority=-1)
+    add_all(s, clock, a, b)
+    step(s)
+    assert a.block_table == [0, 1] and b.block_table == [2, 3] and bm.num_free_blocks == 0
+    add_all(s, clock, u)
+    batch = step(s)
+    assert batch.preempted == [b]
+    assert ids(batch.requests) == ["a", "u"] and u.block_table == [3, 2]  # b's blocks, freed tail first
+
+
+def test_blocks_for_a_running_request_come_from_the_least_urgent():
+    s, bm, clock = make("priority", num_blocks=4, block_size=2, max_num_seqs=8)
+    lo, hi = req("lo", 4, priority=2), req("hi", 4, priority=0)
+    add_all(s, clock, hi, lo)
+    step(s)  # both hold two full blocks; each needs a third for its next token
+    batch = step(s)
+    assert batch.preempted == [lo] and ids(batch.requests) == ["hi"]
+
+
+def test_a_preempted_request_is_not_preempted_again_before_its_next_token():
+    s, _, clock = make("priority", max_num_seqs=2, budget=4, cap=4)
+    a, b = req("a", 2), req("b", 2)
+    add_all(s, clock, a, b)
+    for _ in range(3):
+        step(s)
+    u = req("u", 2, priority=-1)
+    add_all(s, clock, u)
+    assert step(s).preempted == [b]
+    s.finish(u, "stop")
+    batch = step(s)  # b recomputes 2 prompt + 3 output tokens; 3 fit beside a's decode
+    assert ids(batch.requests) == ["a", "b"] and batch.num_new_tokens == [1, 3] and b.just_preempted
+    u2 = req("u2", 2, priority=-1)
+    add_all(s, clock, u2)
+    batch = step(s)
+    # b ranks worse than a (it arrived later), but it has not produced a token since its preemption
+    assert batch.preempted == [a] and ids(s.running) == ["b", "u2"]
+    assert ids(batch.requests) == ["u2", "b"] and batch.num_new_tokens == [2, 1]  # the step's prompt budget: 3
+    step(s)
+    assert not b.just_preempted  # its recompute finished and it sampled: fair game again
+
+
+def test_a_request_whose_prompt_can_never_fit_is_refused():
+    s, _, _ = make(num_blocks=4, block_size=4)  # 16 slots; a prompt needs one more for its first token
+    with pytest.raises(PromptTooLong):
+        s.add(req("big", 16))
+    s.add(req("ok", 15))
+
+
+# ----------------------------------------------------------------------------- aging
+
+
+def test_aging_lifts_a_starved_low_priority_request():
+    s, _, clock = make("priority", max_num_seqs=1, aging=10.0)
+    x = req("x")
+    add_all(s, clock, x)
+    step(s)
+    lo = req("lo", priority=1)
+    add_all(s, clock, lo)
+    clock.now += 5
+    add_all(s, clock, req("hi_early", priority=0))  # 5 s later: still more urgent than lo (rank 0.5 < 1)
+    clock.now += 10
+    add_all(s, clock, req("hi_late", priority=0))  # 15 s later: lo has waited enough to go first
+    assert not step(s).preempted  # x arrived first: nothing ranks better than it
+    assert ids(s.waiting) == ["hi_early", "lo", "hi_late"]
+
+
+def test_aging_in_short_first_lets_a_long_request_through():
+    s, _, clock = make("short-first", max_num_seqs=1, aging=10.0)
+    add_all(s, clock, req("x"))
+    step(s)
+    add_all(s, clock, req("long", 60, max_tokens=68))  # work 128: rank 7
+    clock.now += 55
+    add_all(s, clock, req("short", 2, max_tokens=2))  # work 4: rank 2, but 5.5 ranks later
+    assert ids(s.waiting) == ["long", "short"]
+
+
+# ----------------------------------------------------------------------------- deadlines
+
+
+def test_deadlines_finish_waiting_and_running_requests_with_timeout():
+    s, bm, clock = make(max_num_seqs=1)
+    a = req("a", deadline=clock.now + 5)
+    b = req("b", deadline=clock.now + 2)
+    c = req("c")
+    add_all(s, clock, a, b, c)
+    step(s)
+    assert s.running == [a]
+    clock.now += 3
+    batch = step(s)
+    assert batch.timed_out == [b] and b.finish_reason == "timeout" and ids(s.waiting) == ["c"]
+    clock.now += 3
+    batch = step(s)
+    assert batch.timed_out == [a] and a.block_table == [] and ids(batch.requests) == ["c"]
+    assert s.num_timeouts == 2
+
+
+def test_a_finished_request_does_not_time_out():
+    s, _, clock = make()
+    a = req("a", deadline=clock.now + 1)
+    add_all(s, clock, a)
+    step(s)
+    s.finish(a, "stop")
+    clock.now += 2
+    assert not step(s).timed_out and a.finish_reason == "stop" and s.num_timeouts == 0
+
+
+# ----------------------------------------------------------------------------- prefill cap
+
+
+def test_decodes_go_first_and_prompt_tokens_beside_them_are_capped():
+    s, _, clock = make(budget=64, cap=8)
+    a, long = req("a", 4), req("long", 40)
+    add_all(s, clock, a)
+    step(s)
+    add_all(s, clock, long)
+    batch = step(s)
+    assert ids(batch.requests) == ["a", "long"] and batch.num_new_tokens == [1, 8]
+    assert batch.num_decodes == 1 and batch.num_prompt_tokens == 8
+    batch = step(s)  # the long prompt's next chunk is capped too
+    assert batch.num_new_tokens == [1, 8]
+
+
+def test_an_idle_server_prefills_at_full_speed():
+    s, _, clock = make(budget=64, cap=8)
+    add_all(s, clock, req("long", 40), req("b", 30))
+    assert step(s).num_new_tokens == [40, 24]
+
+
+def test_the_cap_is_measured_online():
+    cap = PrefillCap(maximum=2048, minimum=16)
+    assert cap.value == 2048  # nothing measured
+    cap.observe(0, 1000, 2.0)  # an idle server's prefill: 2 ms per token
+    cap.observe(8, 0, 0.1)  # a decode-only step: 100 ms
+    assert cap.token_cost == pytest.approx(0.002) and cap.value == 50
+    cap.observe(8, 50, 0.125)  # beside decodes a prompt token costs only 0.5 ms
+    assert cap.token_cost == pytest.approx(0.0005) and cap.value == 200
+    fast = PrefillCap(maximum=2048, minimum=16)
+    fast.observe(0, 1000, 2.0)
+    fast.observe(8, 0, 0.002)  # very fast decodes: the floor keeps prompts moving
+    assert fast.value == 16
+    assert PrefillCap(2048, fixed=100).value == 100
