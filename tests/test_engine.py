@@ -229,3 +229,78 @@ def test_unsupported_architecture_is_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(ValueError, match="unsupported architecture GPT2LMHeadModel.*llama, mistral, qwen2"):
         LLM(str(tmp_path))
+
+
+def run_staged(llm: LLM, early: list[list[int]], late: list[list[int]], early_priority: int,
+               late_priority: int, steps_between: int = 3) -> dict[str, list[int]]:
+    """Add ``early``, step a few times, add ``late``, run to completion: outputs by request id."""
+    eng, out = llm.engine, {}
+    for i, p in enumerate(early):
+        eng.add_request(f"e{i}", p, GREEDY, early_priority)
+    for _ in range(steps_between):
+        for d in eng.step():
+            out.setdefault(d.request_id, []).extend(d.token_ids)
+    for i, p in enumerate(late):
+        eng.add_request(f"l{i}", p, GREEDY, late_priority)
+    while eng.has_work():
+        for d in eng.step():
+            out.setdefault(d.request_id, []).extend(d.token_ids)
+    return out
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "short-first"])
+@pytest.mark.parametrize("num_kv_blocks", [512, 12], ids=["roomy", "preempting"])
+def test_policies_and_preemption_keep_outputs(tiny_llama, reference, policy, num_kv_blocks):
+    llm = LLM(tiny_llama, num_kv_blocks=num_kv_blocks, max_model_len=512, max_num_seqs=2,
+              scheduling_policy=policy, long_prefill_token_threshold=8)
+    ps = prompts(6)
+    out = run_staged(llm, ps[:3], ps[3:], early_priority=5, late_priority=0)
+    assert [out[f"e{i}"] for i in range(3)] + [out[f"l{i}"] for i in range(3)] == reference
+    if policy == "priority":  # the urgent late ones pushed the early ones out of their seats
+        assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.stats().num_preemptions == llm.engine.scheduler.num_preemptions
+    assert_all_blocks_free(llm)
+
+
+def test_offline_priority_orders_admission(tiny_llama):
+    llm = LLM(tiny_llama, num_kv_blocks=64, max_model_len=256, max_num_seqs=1, scheduling_policy="priority")
+    order = []
+    step = llm.engine.step
+
+    def spy():
+        deltas = step()
+        order.extend(d.request_id for d in deltas if d.finish_reason)
+        return deltas
+
+    llm.engine.step = spy
+    outs = llm.generate(prompts(3), SamplingParams(max_tokens=2, ignore_eos=True), priority=[2, 0, 1])
+    assert order == [outs[1].request_id, outs[2].request_id, outs[0].request_id]
+    with pytest.raises(ValueError, match="priorities"):
+        llm.generate(prompts(2), GREEDY, priority=[0])
+
+
+def test_deadlines_end_requests_with_timeout(tiny_llama):
+    llm = LLM(tiny_llama, num_kv_blocks=64, max_model_len=256)
+    eng = llm.engine
+    now = [1000.0]
+    eng.scheduler.clock = lambda: now[0]
+    p = prompts(2)
+    eng.add_request("late", p[0], GREEDY, deadline=999.0)  # already past: no token at all
+    eng.add_request("slow", p[1], GREEDY, deadline=1005.0)
+    deltas = eng.step()
+    assert [(d.request_id, d.token_ids, d.finish_reason) for d in deltas if d.request_id == "late"] == \
+        [("late", [], "timeout")]
+    got = [t for d in deltas if d.request_id == "slow" for t in d.token_ids]
+    got += [t for d in eng.step() for t in d.token_ids]
+    now[0] = 1006.0
+    (d,) = eng.step()
+    assert (d.request_id, d.token_ids, d.finish_reason) == ("slow", [], "timeout") and len(got) == 2
+    assert eng.stats().num_timeouts == 2
+    assert_all_blocks_free(llm)
+
+
+def test_server_default_timeout_applies_to_requests_without_their_own(tiny_llama):
+    llm = LLM(tiny_llama, num_kv_blocks=64, max_model_len=256, request_timeout=1e-9)
+    out = llm.generate(prompts(1), GREEDY)[0]
+    assert out.finish_reason == "timeout" and out.token_ids == []
+    assert_all_blocks_free(llm)

@@ -26,7 +26,9 @@ SERVE_FLAGS = ["--model", "--served-model-name", "--host", "--port", "--api-key"
                "--api-server-count", "--tensor-parallel-size", "--ws-max-buffer", "--ws-max-message",
                "--ws-ping-interval", "--ws-idle-timeout", "--max-connections", "--header-timeout",
                "--body-timeout", "--write-timeout", "--max-header-bytes", "--allowed-origins",
-               "--socket-send-buffer", "--ws-max-frames-per-second", "--engine-liveness-timeout"]
+               "--socket-send-buffer", "--ws-max-frames-per-second", "--engine-liveness-timeout",
+               "--scheduling-policy", "--scheduling-aging-seconds", "--long-prefill-token-threshold",
+               "--max-num-waiting-requests", "--request-timeout"]
 
 
 def tokenmill(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -54,6 +56,14 @@ def test_flags_map_to_engine_config():
     assert _config_kwargs(args) == {"max_num_seqs": 8, "kv_cache_memory": 256 << 20, "dtype": "float32",
                                     "tensor_parallel_size": 1}
     assert api_keys(args.api_key) == ["a", "b", "c"]
+    args = build_parser().parse_args(["serve", "--scheduling-policy", "priority", "--max-waiting", "5",
+                                      "--long-prefill-token-threshold", "64", "--request-timeout", "2.5",
+                                      "--scheduling-aging-seconds", "4"])
+    assert _config_kwargs(args) == {"scheduling_policy": "priority", "max_num_waiting_requests": 5,
+                                    "long_prefill_token_threshold": 64, "request_timeout": 2.5,
+                                    "scheduling_aging_seconds": 4.0}
+    args = build_parser().parse_args(["serve", "--max-num-waiting-requests", "7"])
+    assert _config_kwargs(args) == {"max_num_waiting_requests": 7}
 
 
 def test_websocket_flags_reach_the_frontends():
@@ -88,6 +98,12 @@ def test_bad_size_is_a_usage_error():
     (["--max-num-seqs", "0"], "max_num_seqs must be positive"),
     (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be in"),
     (["--tensor-parallel-size", "2"], "tensor_parallel_size > 1"),
+    (["--scheduling-policy", "lifo"], "invalid choice: 'lifo' (choose from 'fcfs', 'priority', 'short-first')"),
+    (["--request-timeout", "0"], "request_timeout must be a positive number of seconds"),
+    (["--request-timeout", "-1"], "request_timeout must be a positive number of seconds"),
+    (["--long-prefill-token-threshold", "0"], "long_prefill_token_threshold must be positive"),
+    (["--scheduling-aging-seconds", "0"], "scheduling_aging_seconds must be positive"),
+    (["--max-num-waiting-requests", "0"], "max_num_waiting_requests must be positive"),
     (["--api-server-count", "0"], "api_server_count must be at least 1"),
     (["--ssl-keyfile", "/nonexistent.key"], "go together"),
 ])
