@@ -5,12 +5,14 @@ task that hands each OUTPUTS' deltas to the per-request ``Stream`` they belong
 to. It also owns the engine's health: the connection dropping (a ZMQ socket
 monitor sees it at once) or no message for ``liveness_timeout`` seconds while it
 is pinged with STATS marks the engine unhealthy and fails every in-flight request
-with a 503 ``Error``, so a client never hangs on a dead engine.
+with a 503 ``Error``, so a client never hangs on a dead engine. The answers to
+those pings are kept (``last_stats``) for ``/health`` to show without a round trip.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -90,6 +92,8 @@ class EngineClient:
         self._sock: zmq.asyncio.Socket | None = None
         self._streams: dict[str, Stream] = {}
         self._stats_waiters: list[asyncio.Future] = []
+        self.last_stats: Stats | None = None  # the engine's latest numbers (liveness pings keep them fresh)
+        self.last_stats_at = 0.0  # time.monotonic() when they arrived
         self._tasks: list[asyncio.Task] = []
         self._last_seen = 0.0
         self._connected = False
@@ -135,6 +139,8 @@ class EngineClient:
         self._last_seen = time.monotonic()
         self._tasks = [loop.create_task(self._read()), loop.create_task(self._watch(monitor)),
                        loop.create_task(self._liveness())]
+        with contextlib.suppress(zmq.ZMQError):  # numbers for /health now, not at the first liveness tick
+            sock.send(_STATS_PING, zmq.NOBLOCK)
         return ready
 
     async def close(self) -> None:
@@ -219,6 +225,7 @@ class EngineClient:
                 elif (s := streams.pop(msg.request_id, None)) is not None:
                     s.push(msg)
             elif isinstance(msg, Stats):
+                self.last_stats, self.last_stats_at = msg, self._last_seen
                 if self._stats_waiters:
                     fut = self._stats_waiters.pop(0)
                     if not fut.done():
@@ -250,7 +257,8 @@ class EngineClient:
             quiet = time.monotonic() - self._last_seen
             if quiet > self.liveness_timeout and self.healthy:
                 self._mark_unhealthy(f"the engine has not answered for {quiet:.0f}s")
-            if quiet >= self.liveness_interval and self._connected and self._sock is not None:
+            # every tick, even while outputs flow: /health shows the answers, so they must stay fresh
+            if self._connected and self._sock is not None:
                 try:
                     self._sock.send(_STATS_PING, zmq.NOBLOCK)
                 except zmq.ZMQError:

@@ -81,8 +81,10 @@ class Update:
 class Generation:
     def __init__(self, client: EngineClient, codec: TextCodec, api_id: str, prompts: list[list[int]], n: int,
                  params_for: Callable[[int], SamplingParams], priority: int = 0,
-                 stop: StopMatcher | None = None) -> None:
-        """``stop``: the stop strings' automaton, built once for every choice (they share ``params.stop``)."""
+                 stop: StopMatcher | None = None, deadline: float | None = None) -> None:
+        """``stop``: the stop strings' automaton, built once for every choice (they share ``params.stop``).
+
+        ``priority`` and ``deadline`` (unix seconds; None: the engine's default) go to every choice's request."""
         self.client = client
         self.prompts = prompts
         self.stream = Stream()
@@ -96,12 +98,14 @@ class Generation:
                 self.choices.append(Choice(idx, f"{api_id}-{idx}", prompt, codec, stop, params.min_tokens))
         self._by_id = {c.request_id: c for c in self.choices}
         self._priority = priority
+        self.deadline = deadline
         self.want_logprobs = self._params[0].logprobs is not None
 
     def start(self) -> None:
         try:
             for c, params in zip(self.choices, self._params, strict=True):
-                self.client.add(c.request_id, c.prompt_ids, params, self._priority, stream=self.stream)
+                self.client.add(c.request_id, c.prompt_ids, params, self._priority, self.deadline,
+                                stream=self.stream)
         except EngineUnavailable as e:
             self.abort_unfinished()
             raise ApiError(503, f"Engine unavailable: {e}") from None
@@ -113,13 +117,21 @@ class Generation:
     def done(self) -> bool:
         return all(c.finish_reason is not None for c in self.choices)
 
+    @property
+    def timed_out_empty(self) -> bool:
+        """Ended by a deadline with not one token in any choice: nothing to answer with but an error."""
+        return (self.done and self.num_completion_tokens == 0
+                and any(c.finish_reason == "timeout" for c in self.choices))
+
     async def next_updates(self) -> list[Update]:
         """Wait for the next batch; an engine ``Error`` is raised as an ``ApiError``."""
         updates: dict[int, Update] = {}
         for item in await self.stream.next_batch():
             if isinstance(item, Error):
                 self.abort_unfinished()
-                raise ApiError(item.status, item.message, type=item.type, param=item.param)
+                # a full engine queue is a moment's congestion: tell clients when to retry, as for TokenizerBusy
+                retry = [("retry-after", "1")] if item.status == 429 else None
+                raise ApiError(item.status, item.message, type=item.type, param=item.param, headers=retry)
             choice = self._by_id.get(item.request_id)
             if choice is None or choice.finish_reason is not None:
                 continue  # already ended by a stop string

@@ -6,6 +6,13 @@ Request bodies are read in ``openai_params``; the engine requests of one call
 run in a ``generation.Generation``. Every endpoint except ``/health`` needs an
 API key when keys are configured; all of them follow the origin rule of
 ``frontends.auth``, and the POSTs want ``Content-Type: application/json``.
+
+Scheduling fields: ``priority`` (lower runs first) and ``timeout`` (seconds, sent
+as a deadline that the engine enforces): a call it ends before any token gets a
+408, otherwise its choices end with finish_reason "timeout" and the text so far.
+A full engine queue is a 429 with Retry-After. ``/health`` shows the engine's
+latest stats, as the client's liveness pings brought them: it never waits on the
+engine.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from collections.abc import AsyncIterator
 
 import orjson
 
+from engine.protocol import Stats
 from frontends import openai_params as op
 from frontends.auth import Auth
 from frontends.engine_client import EngineClient
@@ -36,6 +44,17 @@ def _json(obj: object, status: int = 200) -> Response:
 
 def _sse(obj: object) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def stats_fields(s: Stats) -> dict:
+    """The engine's numbers as /health and the WebSocket ``stats`` message show them."""
+    return {"num_waiting": s.num_waiting, "num_running": s.num_running, "kv_usage": s.kv_usage,
+            "num_free_blocks": s.num_free_blocks, "num_kv_blocks": s.num_kv_blocks,
+            "num_preemptions": s.num_preemptions, "num_timeouts": s.num_timeouts}
+
+
+def _timed_out(started: float) -> ApiError:
+    return ApiError(408, f"Request timed out after {time.time() - started:.3g} s before producing a token")
 
 
 class OpenAIApi:
@@ -111,8 +130,10 @@ class OpenAIApi:
     # ------------------------------------------------------------------ small endpoints
 
     async def health(self, req: Request) -> Response:
+        # the stats the liveness pings brought back: a load balancer's probe never waits on the engine
         if self.client.healthy:
-            return Response(200, b'{"status":"ok"}')
+            s = self.client.last_stats
+            return _json({"status": "ok"} if s is None else {"status": "ok", **stats_fields(s)})
         raise ApiError(503, "Engine unavailable")
 
     async def version(self, req: Request) -> Response:
@@ -155,6 +176,7 @@ class OpenAIApi:
     async def completion_job(self, data: dict) -> tuple[Generation, _CompletionFormat]:
         """A /v1/completions body checked and turned into an unstarted generation (also used over WebSocket)."""
         op.check_model(data, self.model)
+        deadline, priority = op.parse_deadline(data), op.parse_priority(data)
         n = op.parse_n(data)
         prompts = await op.parse_prompts(data, self._encode, self.codec.vocab_size, self.max_chars)
         echo = op.field(data, "echo", bool, False)
@@ -164,14 +186,14 @@ class OpenAIApi:
                            param="logprobs")
         max_tokens = op.resolve_max_tokens(data, ("max_tokens",), [len(p) for p in prompts],
                                            self.max_model_len, default=16)
-        priority = op.field(data, "priority", int, 0)
         base = op.sampling_params(data, max_tokens=max_tokens, logprobs=logprobs, vocab_size=self.codec.vocab_size,
                                   prompt_logprobs=logprobs if echo and logprobs is not None else None)
         op.check_fan_out(len(prompts), n, base)
         stop = await self._stop_matcher(base.stop)
         self._require_engine()
         api_id = self._new_id("cmpl")
-        gen = Generation(self.client, self.codec, api_id, prompts, n, self._seeded(base), priority, stop)
+        gen = Generation(self.client, self.codec, api_id, prompts, n, self._seeded(base), priority, stop,
+                         deadline)
         return gen, _CompletionFormat(self, api_id, gen, echo, logprobs is not None)
 
     # ------------------------------------------------------------------ chat
@@ -182,6 +204,7 @@ class OpenAIApi:
     async def chat_job(self, data: dict) -> tuple[Generation, _ChatFormat]:
         """A /v1/chat/completions body checked and turned into an unstarted generation."""
         op.check_model(data, self.model)
+        deadline, priority = op.parse_deadline(data), op.parse_priority(data)
         messages = op.parse_messages(data, self.max_chars)
         n = op.parse_n(data)
         want_logprobs = op.field(data, "logprobs", bool, False)
@@ -196,14 +219,14 @@ class OpenAIApi:
             raise ApiError(400, f"Cannot apply the chat template: {e}", param="messages") from None
         max_tokens = op.resolve_max_tokens(data, ("max_completion_tokens", "max_tokens"), [len(prompt)],
                                            self.max_model_len, default=None)
-        priority = op.field(data, "priority", int, 0)
         base = op.sampling_params(data, max_tokens=max_tokens, logprobs=(top or 0) if want_logprobs else None,
                                   vocab_size=self.codec.vocab_size)
         op.check_fan_out(1, n, base)
         stop = await self._stop_matcher(base.stop)
         self._require_engine()
         api_id = self._new_id("chatcmpl")
-        gen = Generation(self.client, self.codec, api_id, [prompt], n, self._seeded(base), priority, stop)
+        gen = Generation(self.client, self.codec, api_id, [prompt], n, self._seeded(base), priority, stop,
+                         deadline)
         return gen, _ChatFormat(self, api_id, gen, want_logprobs)
 
     # ------------------------------------------------------------------ running a generation
@@ -224,6 +247,7 @@ class OpenAIApi:
 
     async def _run(self, data: dict, job) -> Response | StreamingResponse:
         """Check the body with ``job`` (completion_job or chat_job), run it, answer whole or streamed."""
+        started = time.time()
         stream = op.field(data, "stream", bool, False)
         include_usage = stream and self._include_usage(data)
         gen, fmt = await job(data)
@@ -233,6 +257,8 @@ class OpenAIApi:
         except BaseException:
             gen.abort_unfinished()
             raise
+        if gen.timed_out_empty:  # a stream that has nothing to send yet can still get a status
+            raise _timed_out(started)
         if stream:
             return StreamingResponse(self._events(gen, fmt, first, include_usage), on_close=gen.abort_unfinished)
         try:
@@ -244,6 +270,8 @@ class OpenAIApi:
                 updates = await gen.next_updates()
         finally:
             gen.abort_unfinished()
+        if gen.timed_out_empty:
+            raise _timed_out(started)
         return _json(fmt.response())
 
     async def _events(self, gen: Generation, fmt, first: list[Update], include_usage: bool) -> AsyncIterator[bytes]:

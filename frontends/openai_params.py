@@ -6,6 +6,7 @@ offending ``param``; unknown fields are ignored, as OpenAI-compatible servers do
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -28,6 +29,8 @@ MAX_MESSAGES = 4096
 MAX_DETOKENIZE_TOKENS = 1 << 17  # token ids in one /detokenize call
 # what one call copies into the engine, over all its choices: stop_token_ids + logit_bias entries
 MAX_SAMPLING_ENTRIES = 16384
+PRIORITY_RANGE = (-(2**31), 2**31 - 1)  # an int32, as vLLM's: the engine keys a heap on it
+MAX_TIMEOUT_S = 1e6  # about 11.6 days: longer is a typo or an attack on the deadline arithmetic
 
 
 def parse_json(body: bytes | bytearray) -> dict[str, Any]:
@@ -204,6 +207,31 @@ def sampling_params(data: dict, *, max_tokens: int, logprobs: int | None, vocab_
         raise ApiError(400, str(e), param=e.param) from None
     except (TypeError, ValueError) as e:
         raise ApiError(400, f"Invalid sampling parameters: {e}") from None
+
+
+def parse_priority(data: dict) -> int:
+    """``priority`` (vLLM's extra field): lower runs first, 0 by default."""
+    p = field(data, "priority", int, 0)
+    lo, hi = PRIORITY_RANGE
+    if not lo <= p <= hi:
+        raise ApiError(400, f"priority must be an integer in [{lo}, {hi}], got {p}", param="priority")
+    return p
+
+
+def parse_deadline(data: dict) -> float | None:
+    """``timeout`` in seconds, turned into the unix time the engine must end the request by.
+
+    Taken now, as the body is read: the client's clock started when it sent the request,
+    so tokenizing and queueing count against it. None when absent: the engine then
+    applies the server's own default (``--request-timeout``).
+    """
+    t = field(data, "timeout", (int, float), None)
+    if t is None:
+        return None
+    if not 0 < t <= MAX_TIMEOUT_S:  # also refuses NaN and inf (every comparison with NaN is false)
+        raise ApiError(400, f"timeout must be a positive number of seconds, at most {MAX_TIMEOUT_S:.0f}, "
+                       f"got {t!r}", param="timeout")
+    return time.time() + t
 
 
 def parse_n(data: dict) -> int:

@@ -18,7 +18,12 @@ One connection carries many generations, each named by a client-chosen ``id``::
 
 Bodies are checked by the same code as the HTTP API (``OpenAIApi.completion_job``
 / ``chat_job``), so the same request gives the same tokens and the same errors;
-only ``n`` = 1 and one prompt per message. A cancel (or the socket closing)
+only ``n`` = 1 and one prompt per message. Their ``priority`` and ``timeout``
+work as over HTTP, except that a generation that reaches its deadline always ends
+with a ``done`` whose finish_reason is "timeout", even before its first token
+(HTTP answers that case with a 408). An error worth retrying later (the engine's
+queue is full: 429) carries ``"retry_after": <seconds>`` beside ``error``, as HTTP
+sends a Retry-After header beside the body. A cancel (or the socket closing)
 aborts the engine request at once. The client is never waited for: what it has
 not read piles up in the transport, and past ``max_buffered_bytes`` the
 connection is closed with 1008 and its generations aborted, so a stalled reader
@@ -54,7 +59,7 @@ from frontends import openai_params as op
 from frontends.errors import ApiError, status_error_body
 from frontends.generation import Generation
 from frontends.http import HttpServer, Request, Response, Router, Upgrade
-from frontends.openai_api import OpenAIApi
+from frontends.openai_api import OpenAIApi, stats_fields
 
 log = logging.getLogger("tokenmill.websocket")
 _wire_log = logging.getLogger("tokenmill.websocket.wire")  # the protocol layer's own log: a line per connection
@@ -162,6 +167,9 @@ def _error_msg(gid: str | None, e: ApiError) -> dict:
     if gid is not None:
         msg["id"] = gid
     msg["error"] = {"message": e.message, "type": e.type, "param": e.param, "code": e.code or e.status}
+    for k, v in e.headers:
+        if k == "retry-after":  # beside the error, as HTTP sends it beside the body
+            msg["retry_after"] = int(v)
     return msg
 
 
@@ -460,8 +468,7 @@ class Connection(asyncio.Protocol):
             for gid in self._take_stats_asked():
                 self._send(_error_msg(gid, err))
             return
-        msg = {"type": "stats", "num_waiting": s.num_waiting, "num_running": s.num_running,
-               "kv_usage": s.kv_usage, "num_free_blocks": s.num_free_blocks, "num_kv_blocks": s.num_kv_blocks}
+        msg = {"type": "stats", **stats_fields(s)}
         for gid in self._take_stats_asked():
             self._send(msg if gid is None else {**msg, "id": gid})
 

@@ -271,9 +271,18 @@ def test_the_cap_is_measured_online():
     assert cap.value == 2048  # nothing measured
     cap.observe(0, 1000, 2.0)  # an idle server's prefill: 2 ms per token
     cap.observe(8, 0, 0.1)  # a decode-only step: 100 ms
-    assert cap.token_cost == pytest.approx(0.002) and cap.value == 50
-    cap.observe(8, 50, 0.125)  # beside decodes a prompt token costs only 0.5 ms
-    assert cap.token_cost == pytest.approx(0.0005) and cap.value == 200
+    assert cap.value == 50  # a step beside decodes may add another 100 ms
+    cap.observe(8, 50, 0.125)  # beside decodes a prompt token costs only 0.5 ms: 200 would do...
+    assert cap.value == 100  # ...but the cap at most doubles per step
+    cap.observe(8, 100, 0.15)
+    assert cap.value == 200
+    cap.observe(8, 10, 1.0)  # a step that used little of the cap says little about it
+    assert cap.value == 200
+    cap.observe(8, 200, 0.4)  # 1.5 ms per token now: 67 would do, the cap at most halves
+    assert cap.value == 100
+    cap.observe(8, 100, 0.09)  # no measurable extra cost: double
+    assert cap.value == 200
+
     fast = PrefillCap(maximum=2048, minimum=16)
     fast.observe(0, 1000, 2.0)
     fast.observe(8, 0, 0.002)  # very fast decodes: the floor keeps prompts moving

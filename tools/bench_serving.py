@@ -9,8 +9,35 @@ token after the first), ITL (gap between streamed chunks) and end-to-end latency
 (mean, p50, p90, p99), and goodput under ``--slo-ttft-ms`` / ``--slo-tpot-ms``.
 Prints a table, then one JSON line (also written to ``--save-json``).
 
+``--workload`` shapes the requests. ``random`` (the default) is the above:
+
     python tools/bench_serving.py --base-url http://127.0.0.1:8000/v1 \\
         --num-prompts 200 --input-len 256 --output-len 64 --max-concurrency 32
+
+``mixed`` asks whether a few long prompts stall the streams already running.
+The requests above are the "short" class; ``--num-long`` "long" requests of
+``--long-input-len`` tokens asking for ``--long-output-len`` go out while they
+stream: the first ``--long-delay`` seconds after the start, then one every
+``--long-interval`` seconds, outside ``--max-concurrency``. Compare the short
+class's ITL and TPOT with a baseline run at ``--num-long 0`` (a warning says
+when a long request went out with no short one in flight):
+
+    python tools/bench_serving.py --workload mixed --num-prompts 64 --input-len 128 \\
+        --output-len 256 --max-concurrency 16 --num-long 3 --long-input-len 1800
+
+``two-priority``: ``--urgent-fraction`` of the requests (picked from ``--seed``,
+spread evenly through the sequence) send ``"priority": --urgent-priority``, the
+rest ``--normal-priority`` (lower runs first), as classes "urgent" and
+"normal". Priority only reorders the server's queue, so send more at once than
+it runs (no ``--max-concurrency``, or one above its batch size):
+
+    python tools/bench_serving.py --workload two-priority --num-prompts 200 \\
+        --input-len 256 --output-len 64 --urgent-fraction 0.1
+
+The JSON names the workload (``workload``, ``workload_params``); for ``mixed``
+and ``two-priority`` its ``classes`` key has, per class, the same metrics as the
+overall run, computed from that class's requests only (throughputs over the
+whole run's duration), and the table a section per class.
 
 Prompts are random token ids decoded with ``--tokenizer`` (a model folder or
 .gguf file) when given, else random common English words (about one token each).
@@ -49,6 +76,22 @@ WORDS = (
 ).split()
 
 
+WORKLOADS = ("random", "mixed", "two-priority")
+CLASSES = {"random": (), "mixed": ("short", "long"), "two-priority": ("urgent", "normal")}  # report order
+
+
+@dataclass
+class Job:
+    """One request to send: its prompt, the tokens it asks for, its class and priority."""
+
+    prompt: str
+    est_tokens: int
+    max_tokens: int
+    cls: str = ""
+    priority: int | None = None  # sent in the body when set
+    at: float | None = None  # send this many seconds after the start, outside --max-concurrency; None: in turn
+
+
 @dataclass
 class RequestResult:
     ok: bool = False
@@ -61,6 +104,8 @@ class RequestResult:
     start: float = 0.0  # perf_counter() when the request went out
     chunks: int = 0  # streamed chunks that carried text
     last: float = 0.0  # when the latest of them arrived
+    cls: str = ""  # the Job's class
+    in_flight: int = 0  # timed (Job.at) requests: in-turn ones not yet finished when it went out
 
     @property
     def tpot(self) -> float | None:
@@ -117,22 +162,53 @@ def make_prompts(n: int, input_len: int, rng: random.Random, tokenizer=None) -> 
     return prompts
 
 
+def pick_urgent(n: int, fraction: float, rng: random.Random) -> set[int]:
+    """``round(n * fraction)`` (at least one if ``fraction`` > 0) of ``range(n)``: one at random
+    from each of that many equal stretches, so they are spread through the sequence."""
+    m = min(n, max(1, round(n * fraction))) if fraction > 0 else 0
+    return {rng.randrange(k * n // m, (k + 1) * n // m) for k in range(m)}
+
+
+def make_jobs(args, rng: random.Random, tokenizer=None) -> list[Job]:
+    """The requests of ``args.workload``, in-turn ones first, in the order they go out."""
+    prompts = make_prompts(args.num_prompts, args.input_len, rng, tokenizer)
+    if args.workload == "mixed":
+        longs = make_prompts(args.num_long, args.long_input_len, rng, tokenizer)
+        return ([Job(p, n, args.output_len, "short") for p, n in prompts]
+                + [Job(p, n, args.long_output_len, "long", at=args.long_delay + i * args.long_interval)
+                   for i, (p, n) in enumerate(longs)])
+    if args.workload == "two-priority":
+        urgent = pick_urgent(args.num_prompts, args.urgent_fraction, random.Random(args.seed + 2))
+        return [Job(p, n, args.output_len, "urgent", args.urgent_priority) if i in urgent
+                else Job(p, n, args.output_len, "normal", args.normal_priority)
+                for i, (p, n) in enumerate(prompts)]
+    return [Job(p, n, args.output_len) for p, n in prompts]
+
+
 # ----------------------------------------------------------------------------- requests
 
 
-async def sse_request(client, args, prompt: str, est_tokens: int) -> RequestResult:
+def extra_fields(args, job: Job) -> dict:
+    """Body fields beyond the OpenAI API's: ``ignore_eos`` and ``priority``."""
+    extra: dict = {"ignore_eos": True} if args.ignore_eos else {}
+    if job.priority is not None:
+        extra["priority"] = job.priority
+    return extra
+
+
+async def sse_request(client, args, job: Job) -> RequestResult:
     """One streaming request through the official client (Server-Sent Events)."""
-    r = RequestResult(prompt_tokens=est_tokens)
-    extra = {"ignore_eos": True} if args.ignore_eos else {}
-    common = dict(model=args.model, max_tokens=args.output_len, temperature=args.temperature, stream=True,
+    r = RequestResult(prompt_tokens=job.est_tokens, cls=job.cls)
+    extra = extra_fields(args, job)
+    common = dict(model=args.model, max_tokens=job.max_tokens, temperature=args.temperature, stream=True,
                   stream_options={"include_usage": True}, extra_body=extra or None)
     r.start = time.perf_counter()
     try:
         if args.endpoint == "chat":
             stream = await client.chat.completions.create(
-                messages=[{"role": "user", "content": prompt}], **common)
+                messages=[{"role": "user", "content": job.prompt}], **common)
         else:
-            stream = await client.completions.create(prompt=prompt, **common)
+            stream = await client.completions.create(prompt=job.prompt, **common)
         async for chunk in stream:
             now = time.perf_counter()
             if chunk.choices:
@@ -199,19 +275,17 @@ class WsMux:
             t.cancel()
 
 
-async def ws_request(client, args, prompt: str, est_tokens: int) -> RequestResult:
+async def ws_request(client, args, job: Job) -> RequestResult:
     """One request over a shared WebSocket (``{"type": "completion" | "chat"}``, deltas until done)."""
     mux = args.__dict__.setdefault("ws_mux", WsMux(args))
-    r = RequestResult(prompt_tokens=est_tokens)
+    r = RequestResult(prompt_tokens=job.est_tokens, cls=job.cls)
     rid = f"r{next(mux.ids)}"
     req = {"type": "chat" if args.endpoint == "chat" else "completion", "id": rid, "model": args.model,
-           "max_tokens": args.output_len, "temperature": args.temperature}
-    if args.ignore_eos:
-        req["ignore_eos"] = True
+           "max_tokens": job.max_tokens, "temperature": args.temperature, **extra_fields(args, job)}
     if args.endpoint == "chat":
-        req["messages"] = [{"role": "user", "content": prompt}]
+        req["messages"] = [{"role": "user", "content": job.prompt}]
     else:
-        req["prompt"] = prompt
+        req["prompt"] = job.prompt
     q = mux.queues[rid] = asyncio.Queue()
     r.start = time.perf_counter()
     try:
@@ -240,7 +314,9 @@ async def ws_request(client, args, prompt: str, est_tokens: int) -> RequestResul
 PROTOCOLS = {"sse": sse_request, "ws": ws_request}
 
 
-async def run_benchmark(args, prompts: list[tuple[str, int]]) -> tuple[list[RequestResult], float]:
+async def run_benchmark(args, jobs: list[Job]) -> tuple[list[RequestResult], float]:
+    """Send ``jobs``: in-turn ones at ``--request-rate`` under ``--max-concurrency``, timed ones
+    (``Job.at``) at their time regardless. Results come back in the order of ``jobs``."""
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=args.base_url, api_key=args.api_key or "none", timeout=args.timeout,
@@ -251,25 +327,45 @@ async def run_benchmark(args, prompts: list[tuple[str, int]]) -> tuple[list[Requ
     sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     rng = random.Random(args.seed + 1)
     done = 0
+    pending = 0  # in-turn requests sent or waiting for --max-concurrency, not yet finished
 
-    async def one(prompt: str, est: int) -> RequestResult:
+    async def in_turn(job: Job) -> RequestResult:
+        nonlocal pending
+        try:
+            if sem is None:
+                res = await send(client, args, job)
+            else:
+                async with sem:
+                    res = await send(client, args, job)
+        finally:
+            pending -= 1
+        return progress(res)
+
+    async def timed(job: Job) -> RequestResult:
+        await asyncio.sleep(max(0.0, t0 + job.at - time.perf_counter()))
+        busy = pending
+        res = await send(client, args, job)
+        res.in_flight = busy
+        return progress(res)
+
+    def progress(res: RequestResult) -> RequestResult:
         nonlocal done
-        if sem is None:
-            res = await send(client, args, prompt, est)
-        else:
-            async with sem:
-                res = await send(client, args, prompt, est)
         done += 1
-        if not args.quiet and (done % max(1, len(prompts) // 10) == 0 or done == len(prompts)):
-            print(f"  {done}/{len(prompts)} done", file=sys.stderr, flush=True)
+        if not args.quiet and (done % max(1, len(jobs) // 10) == 0 or done == len(jobs)):
+            print(f"  {done}/{len(jobs)} done", file=sys.stderr, flush=True)
         return res
 
-    tasks = []
     t0 = time.perf_counter()
-    for i, (prompt, est) in enumerate(prompts):
-        if i and math.isfinite(args.request_rate):
+    tasks: list[asyncio.Task | None] = [None] * len(jobs)
+    for n, i in enumerate(i for i, job in enumerate(jobs) if job.at is None):
+        if n and math.isfinite(args.request_rate):
             await asyncio.sleep(rng.expovariate(args.request_rate))
-        tasks.append(asyncio.create_task(one(prompt, est)))
+        pending += 1
+        tasks[i] = asyncio.create_task(in_turn(jobs[i]))
+        if n == 0:  # the clock for timed requests runs from the first in-turn one
+            for k, job in enumerate(jobs):
+                if job.at is not None:
+                    tasks[k] = asyncio.create_task(timed(job))
     results = await asyncio.gather(*tasks)
     duration = time.perf_counter() - t0
     await client.close()
@@ -295,7 +391,8 @@ def _dist(values: list[float], scale: float = 1000.0) -> dict[str, float]:
             "p90": pct(0.9), "p99": pct(0.99)}
 
 
-def summarize(args, results: list[RequestResult], duration: float) -> dict:
+def metrics(args, results: list[RequestResult], duration: float) -> dict:
+    """Counts, throughputs (over ``duration``), latency distributions and errors of ``results``."""
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_tokens for r in ok)
@@ -308,10 +405,6 @@ def summarize(args, results: list[RequestResult], duration: float) -> dict:
         if not r.ok:
             errors[r.error[:200]] = errors.get(r.error[:200], 0) + 1
     return {
-        "base_url": args.base_url, "model": args.model, "endpoint": args.endpoint, "protocol": args.protocol,
-        "num_prompts": len(results), "input_len": args.input_len, "output_len": args.output_len,
-        "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
-        "max_concurrency": args.max_concurrency,
         "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
         "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
         "request_throughput": len(ok) / duration if duration else 0.0,
@@ -319,13 +412,45 @@ def summarize(args, results: list[RequestResult], duration: float) -> dict:
         "total_token_throughput": (in_tokens + out_tokens) / duration if duration else 0.0,
         "goodput": (len(good) / duration if duration else 0.0)
         if args.slo_ttft_ms is not None or args.slo_tpot_ms is not None else None,
-        "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms,
         "ttft_ms": _dist([r.ttft for r in ok]),
         "tpot_ms": _dist(tpots),
         "itl_ms": _dist([x for r in ok for x in r.itl]),
         "e2el_ms": _dist([r.e2el for r in ok]),
         "errors": errors,
     }
+
+
+def workload_params(args) -> dict:
+    if args.workload == "mixed":
+        return {"num_short": args.num_prompts, "num_long": args.num_long, "long_input_len": args.long_input_len,
+                "long_output_len": args.long_output_len, "long_delay_s": args.long_delay,
+                "long_interval_s": args.long_interval}
+    if args.workload == "two-priority":
+        return {"urgent_fraction": args.urgent_fraction, "urgent_priority": args.urgent_priority,
+                "normal_priority": args.normal_priority}
+    return {}
+
+
+def summarize(args, results: list[RequestResult], duration: float) -> dict:
+    """The overall metrics with the run's settings, and per class for workloads that have classes."""
+    s = {
+        "base_url": args.base_url, "model": args.model, "endpoint": args.endpoint, "protocol": args.protocol,
+        "num_prompts": len(results), "input_len": args.input_len, "output_len": args.output_len,
+        "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
+        "max_concurrency": args.max_concurrency,
+    }
+    for k, v in metrics(args, results, duration).items():
+        s[k] = v
+        if k == "goodput":
+            s["slo_ttft_ms"], s["slo_tpot_ms"] = args.slo_ttft_ms, args.slo_tpot_ms
+    s["workload"] = args.workload
+    if args.workload != "random":
+        s["workload_params"] = workload_params(args)
+        s["classes"] = {c: metrics(args, [r for r in results if r.cls == c], duration)
+                        for c in CLASSES[args.workload]}
+    if args.workload == "mixed":
+        s["long_sent_during_short"] = sum(1 for r in results if r.cls == "long" and r.in_flight)
+    return s
 
 
 def print_table(s: dict) -> None:
@@ -346,6 +471,8 @@ def print_table(s: dict) -> None:
     ]
     if s["goodput"] is not None:
         rows.append(("Request goodput (req/s):", f"{s['goodput']:.2f}"))
+    if s.get("workload", "random") != "random":
+        rows.insert(0, ("Workload:", s["workload"]))
     for k, v in rows:
         print(f"{k:<38}{v!s:>12}")
     for key, title in (("ttft_ms", "Time to First Token"), ("tpot_ms", "Time per Output Token (excl. 1st token)"),
@@ -359,6 +486,17 @@ def print_table(s: dict) -> None:
         print(f"{' Errors ':-^{w}}")
         for e, n in s["errors"].items():
             print(f"{n:>5} x {e}")
+    for name, c in s.get("classes", {}).items():
+        print(f"{' Class ' + name + ' ':=^{w}}")
+        for k, v in (("Successful requests:", c["completed"]), ("Failed requests:", c["failed"]),
+                     ("Request throughput (req/s):", f"{c['request_throughput']:.2f}"),
+                     ("Output token throughput (tok/s):", f"{c['output_throughput']:.2f}")):
+            print(f"{k:<38}{v!s:>12}")
+        print(f"{'(ms)':<10}" + "".join(f"{h:>10}" for h in ("Mean", "Median", "P90", "P99")))
+        for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+            d = c[key]
+            print(f"{key.split('_')[0].upper():<10}"
+                  + "".join(f"{d[stat]:>10.2f}" for stat in ("mean", "median", "p90", "p99")))
     print(line)
 
 
@@ -374,7 +512,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "over --ws-connections WebSockets to /v1/stream) (default: sse)")
     p.add_argument("--ws-connections", type=int, default=4,
                    help="WebSocket connections shared by all requests with --protocol ws (default: 4)")
-    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--workload", choices=WORKLOADS, default="random",
+                   help="random: --num-prompts alike; mixed: with --num-long long prompts among them; "
+                   "two-priority: --urgent-fraction of them urgent (default: random)")
+    p.add_argument("--num-prompts", type=int, default=100,
+                   help="requests (mixed: the short ones)")
     p.add_argument("--input-len", type=int, default=128, help="prompt length in tokens")
     p.add_argument("--output-len", type=int, default=64, help="tokens to generate per request")
     p.add_argument("--request-rate", type=float, default=math.inf,
@@ -384,6 +526,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="let requests stop at EOS (default: ignore EOS, generate exactly --output-len)")
     p.add_argument("--tokenizer", default=None, help="model folder or .gguf whose tokenizer makes the prompts")
+    g = p.add_argument_group("--workload mixed")
+    g.add_argument("--num-long", type=int, default=3, help="long requests (0: the baseline) (default: 3)")
+    g.add_argument("--long-input-len", type=int, default=1800, help="their prompt length (default: 1800)")
+    g.add_argument("--long-output-len", type=int, default=16, help="their tokens to generate (default: 16)")
+    g.add_argument("--long-delay", type=float, default=2.0,
+                   help="seconds from the start to the first long request (default: 2)")
+    g.add_argument("--long-interval", type=float, default=0.5,
+                   help="seconds between long requests (default: 0.5)")
+    g = p.add_argument_group("--workload two-priority")
+    g.add_argument("--urgent-fraction", type=float, default=0.1,
+                   help="share of the requests that are urgent (default: 0.1)")
+    g.add_argument("--urgent-priority", type=int, default=-1,
+                   help="the urgent requests' priority; lower runs first (default: -1)")
+    g.add_argument("--normal-priority", type=int, default=0, help="the others' priority (default: 0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT must be at most this")
@@ -395,6 +551,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--num-prompts, --input-len and --output-len must be positive")
     if args.request_rate <= 0:
         p.error("--request-rate must be positive (inf = all at once)")
+    if args.num_long < 0 or args.long_input_len < 1 or args.long_output_len < 1:
+        p.error("--num-long must be at least 0, --long-input-len and --long-output-len positive")
+    if args.long_delay < 0 or args.long_interval < 0:
+        p.error("--long-delay and --long-interval must be at least 0")
+    if not 0 <= args.urgent_fraction <= 1:
+        p.error("--urgent-fraction must be between 0 and 1")
     return args
 
 
@@ -402,10 +564,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rng = random.Random(args.seed)
     tok = load_tokenizer(args.tokenizer) if args.tokenizer else None
-    prompts = make_prompts(args.num_prompts, args.input_len, rng, tok)
-    results, duration = asyncio.run(run_benchmark(args, prompts))
+    jobs = make_jobs(args, rng, tok)
+    results, duration = asyncio.run(run_benchmark(args, jobs))
     summary = summarize(args, results, duration)
     print_table(summary)
+    if args.workload == "mixed" and summary["long_sent_during_short"] < args.num_long:
+        print(f"warning: {args.num_long - summary['long_sent_during_short']} of {args.num_long} long requests "
+              "went out with no short one in flight; send more or longer short requests, or lower "
+              "--long-delay", file=sys.stderr, flush=True)
     line = json.dumps(summary, separators=(",", ":"))
     if args.save_json:
         with open(args.save_json, "w") as f:

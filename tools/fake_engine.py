@@ -4,7 +4,10 @@ The fake engine is a ZMQ ROUTER in a thread: it answers HELLO with READY and,
 for each ADD, "generates" the prompt's own tokens again (cyclically) until
 max_tokens or a stop token id, ``tokens_per_step`` tokens per request per step
 (sleeping ``step_delay`` seconds after each step), all of one frontend's deltas
-in one OUTPUTS message. It records ADDs and ABORTs so tests can assert what the
+in one OUTPUTS message. A request whose ``Add.deadline`` has passed ends at its
+next step with an empty delta and finish_reason "timeout", as the real engine's
+does (so a deadline shorter than the generation gives part of it, one already
+past gives no token). It records ADDs and ABORTs so tests can assert what the
 frontend told the engine. No torch, no model: the frontend is all that is measured.
 
 Imported as ``tools.fake_engine`` from the repository root (tests run there;
@@ -55,6 +58,8 @@ class FakeEngine(threading.Thread):
         self.aborts: list[str] = []
         self.running: dict[str, list] = {}  # request id -> [identity, Add, produced]
         self.num_stats = 0  # STATS requests received
+        self.num_timeouts = 0  # requests ended by their deadline
+        self.num_preemptions = 0  # reported in STATS as is (nothing is ever preempted here)
         self.mute = False  # a hung engine: it reads (and records) frames but answers nothing and never steps
         self._halt = threading.Event()
         self.bound = threading.Event()
@@ -101,13 +106,21 @@ class FakeEngine(threading.Thread):
         elif isinstance(msg, Stats):
             self.num_stats += 1
             if not self.mute:
-                sock.send_multipart([ident, encode(Stats(0, len(self.running), 0.1, 900, 1000))])
+                stats = Stats(0, len(self.running), 0.1, 900, 1000, self.num_preemptions, self.num_timeouts)
+                sock.send_multipart([ident, encode(stats)])
 
     def step(self, sock) -> None:
         by_ident: dict[bytes, list[Delta]] = {}
+        now = time.time()
         for rid, entry in list(self.running.items()):
             ident, add, produced = entry
             prompt, p = add.prompt_token_ids, add.params
+            if add.deadline is not None and now >= add.deadline:
+                del self.running[rid]
+                self.num_timeouts += 1
+                by_ident.setdefault(ident, []).append(
+                    Delta(rid, [], "timeout", num_prompt_tokens=len(prompt) if produced == 0 else 0))
+                continue
             toks, lps, finish = [], [], None
             for _ in range(self.tokens_per_step):
                 t = prompt[(produced + len(toks)) % len(prompt)]

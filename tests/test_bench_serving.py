@@ -1,0 +1,123 @@
+"""``tools/bench_serving.py``'s workloads: which requests go out when, with what, and the per-class report.
+
+No server: results are synthetic, and ``run_benchmark`` sends through a stub
+protocol (its end-to-end smoke test against a real server is in test_server_e2e.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+
+from tools import bench_serving as bs
+
+
+def args_for(*argv: str):
+    return bs.parse_args(["--quiet", *argv])
+
+
+def result(cls: str, ttft: float, itl: list[float], ok: bool = True) -> bs.RequestResult:
+    r = bs.RequestResult(ok=ok, prompt_tokens=10, output_tokens=len(itl) + 1 if ok else 0, ttft=ttft,
+                         e2el=ttft + sum(itl), itl=list(itl), chunks=len(itl) + 1 if ok else 0, cls=cls)
+    if not ok:
+        r.error = "RuntimeError: boom"
+    return r
+
+
+def test_pick_urgent_is_seeded_and_spread():
+    picked = bs.pick_urgent(100, 0.1, random.Random(2))
+    assert len(picked) == 10
+    assert sorted(i // 10 for i in picked) == list(range(10))  # one in each tenth
+    assert picked == bs.pick_urgent(100, 0.1, random.Random(2))
+    assert picked != bs.pick_urgent(100, 0.1, random.Random(3))
+    assert bs.pick_urgent(4, 0.1, random.Random(0)) and len(bs.pick_urgent(4, 0.1, random.Random(0))) == 1
+    assert bs.pick_urgent(10, 0.0, random.Random(0)) == set()
+    assert bs.pick_urgent(10, 1.0, random.Random(0)) == set(range(10))
+
+
+def test_jobs_per_workload():
+    random_jobs = bs.make_jobs(args_for("--num-prompts", "5", "--input-len", "7"), random.Random(0))
+    assert [(j.prompt, j.est_tokens) for j in random_jobs] == bs.make_prompts(5, 7, random.Random(0))
+    assert all(j.cls == "" and j.priority is None and j.at is None and j.max_tokens == 64 for j in random_jobs)
+
+    a = args_for("--workload", "mixed", "--num-prompts", "6", "--num-long", "2", "--long-input-len", "50",
+                 "--long-output-len", "5", "--long-delay", "1.5", "--long-interval", "0.25")
+    jobs = bs.make_jobs(a, random.Random(0))
+    assert [j.cls for j in jobs] == ["short"] * 6 + ["long"] * 2
+    assert [j.at for j in jobs] == [None] * 6 + [1.5, 1.75]
+    assert [j.max_tokens for j in jobs] == [64] * 6 + [5, 5]
+    assert [len(j.prompt.split()) for j in jobs] == [128] * 6 + [50, 50]
+    assert all(j.priority is None for j in jobs)
+
+    a = args_for("--workload", "two-priority", "--num-prompts", "50", "--urgent-fraction", "0.2",
+                 "--urgent-priority", "-3", "--normal-priority", "1", "--seed", "4")
+    jobs = bs.make_jobs(a, random.Random(4))
+    urgent = bs.pick_urgent(50, 0.2, random.Random(4 + 2))
+    assert {i for i, j in enumerate(jobs) if j.cls == "urgent"} == urgent and len(urgent) == 10
+    assert all(j.priority == (-3 if j.cls == "urgent" else 1) and j.at is None for j in jobs)
+    assert bs.extra_fields(a, jobs[0]) == {"ignore_eos": True, "priority": jobs[0].priority}
+    assert bs.extra_fields(args_for("--no-ignore-eos"), bs.Job("x", 1, 1, priority=0)) == {"priority": 0}
+    assert bs.extra_fields(args_for(), random_jobs[0]) == {"ignore_eos": True}
+
+
+def test_summary_per_class(capsys):
+    a = args_for("--workload", "mixed", "--num-long", "2")
+    results = [result("short", 0.02, [0.01] * 9) for _ in range(4)] + [
+        result("long", 0.3, [0.5, 0.5, 0.5]), result("long", 0.0, [], ok=False)]
+    results[-2].in_flight = 3
+    s = bs.summarize(a, results, 2.0)
+    assert s["workload"] == "mixed" and s["workload_params"]["num_long"] == 2
+    assert s["completed"] == 5 and s["failed"] == 1 and s["total_output_tokens"] == 4 * 10 + 4
+    assert list(s["classes"]) == ["short", "long"]
+    short, long = s["classes"]["short"], s["classes"]["long"]
+    assert set(short) == set(long) == set(bs.metrics(a, results, 2.0)) <= set(s)
+    assert (short["completed"], short["failed"], long["completed"], long["failed"]) == (4, 0, 1, 1)
+    assert long["errors"] == {"RuntimeError: boom": 1} and short["errors"] == {}
+    # each class's latencies come from its own requests only
+    assert short["itl_ms"]["p99"] == pytest.approx(10.0) and long["itl_ms"]["median"] == pytest.approx(500.0)
+    assert short["ttft_ms"]["mean"] == pytest.approx(20.0) and long["ttft_ms"]["mean"] == pytest.approx(300.0)
+    assert s["itl_ms"]["p99"] > 10.0  # the overall mixes both
+    assert short["output_throughput"] + long["output_throughput"] == pytest.approx(s["output_throughput"])
+    assert s["long_sent_during_short"] == 1
+    bs.print_table(s)
+    out = capsys.readouterr().out
+    assert "Workload:" in out and " Class short " in out and " Class long " in out
+
+    plain = bs.summarize(args_for(), [result("", 0.02, [0.01] * 3)], 1.0)
+    assert plain["workload"] == "random" and "classes" not in plain and "workload_params" not in plain
+    bs.print_table(plain)
+    out = capsys.readouterr().out
+    assert "Class" not in out and "Workload" not in out
+
+
+def test_run_benchmark_schedules_long_requests_outside_the_concurrency_cap(monkeypatch):
+    sent: list[tuple[float, bs.Job]] = []
+
+    async def fake_send(client, args, job):
+        sent.append((time.perf_counter(), job))
+        r = bs.RequestResult(prompt_tokens=job.est_tokens, cls=job.cls, start=time.perf_counter())
+        await asyncio.sleep(0.5 if job.cls == "short" else 0.05)
+        r.got_chunk(time.perf_counter())
+        r.output_tokens = 1
+        r.finish()
+        return r
+
+    monkeypatch.setitem(bs.PROTOCOLS, "sse", fake_send)
+    a = args_for("--workload", "mixed", "--num-prompts", "4", "--max-concurrency", "2", "--num-long", "2",
+                 "--long-delay", "0.05", "--long-interval", "0.05", "--model", "m", "--input-len", "3",
+                 "--long-input-len", "5")
+    jobs = bs.make_jobs(a, random.Random(0))
+    results, duration = asyncio.run(bs.run_benchmark(a, jobs))
+    assert [r.cls for r in results] == [j.cls for j in jobs] and all(r.ok for r in results)
+    t0 = min(t for t, _ in sent)  # the first short request
+    starts = {id(j): t - t0 for t, j in sent}
+    longs = [starts[id(j)] for j in jobs if j.cls == "long"]
+    shorts = sorted(starts[id(j)] for j in jobs if j.cls == "short")
+    # the long ones go out while the first two short ones hold both slots, the last two shorts after
+    assert longs[0] < longs[1] < 0.45 and longs[1] - longs[0] >= 0.04
+    assert shorts[1] < 0.2 and shorts[2] >= 0.45
+    assert all(r.in_flight == 4 for r in results if r.cls == "long")  # 2 running + 2 waiting
+    assert 0.9 < duration < 3.0

@@ -1,0 +1,137 @@
+"""Scheduling benchmark: policies and the prefill cap, side by side in one run.
+
+Starts ``tokenmill serve`` once per configuration (from this checkout, and from
+``--before``, another checkout such as a ``git worktree`` of an older commit,
+to compare with), runs ``tools/bench_serving.py`` workloads against it and
+prints one table, then one JSON line:
+
+- ``mixed``: ``--short`` short streams (``--concurrency`` in flight) while three
+  1,800-token prompts arrive; and the same without the long prompts. Short-request
+  TTFT and ITL p50/p99, the long prompts' TTFT, output tokens/s.
+- ``w2``: 64 requests of 128 prompt tokens, 16 in flight (ITL p99 against p50, throughput).
+- ``two-priority``: 64 requests at once into 8 seats, 10% urgent: urgent against
+  normal TTFT, fcfs against priority.
+
+    python tools/bench_scheduling.py --before /tmp/tokenmill-before
+
+Each configuration takes about a minute with the default model on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(HERE, "tools", "bench_serving.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve(checkout: str, flags: list[str]) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    log = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--port", str(port), *flags],
+                            cwd=checkout, stdout=subprocess.PIPE, stderr=log, text=True,
+                            env=dict(os.environ, PYTHONPATH=checkout))
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if select.select([proc.stdout], [], [], 0.5)[0] and proc.stdout.readline():
+            return proc, f"http://127.0.0.1:{port}/v1"
+        if proc.poll() is not None:
+            break
+    proc.kill()
+    log.seek(0)
+    raise RuntimeError(f"server in {checkout} did not start:\n{log.read()[-3000:]}")
+
+
+def bench(url: str, args: list[str]) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        subprocess.run([sys.executable, BENCH, "--base-url", url, "--quiet", "--save-json", f.name, *args],
+                       check=True, stdout=subprocess.DEVNULL)
+        return json.load(open(f.name))
+
+
+def run(checkout: str, flags: list[str], args: list[str]) -> dict:
+    proc, url = serve(checkout, flags)
+    try:
+        return bench(url, args)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def row(label: str, s: dict) -> dict:
+    cls = s.get("classes", {})
+    short = cls.get("short", s)
+    out = {"run": label, "tok/s": s["output_throughput"], "failed": s["failed"],
+           "TTFT p50": short["ttft_ms"]["median"], "TTFT p99": short["ttft_ms"]["p99"],
+           "ITL p50": short["itl_ms"]["median"], "ITL p99": short["itl_ms"]["p99"]}
+    if cls.get("long", {}).get("completed"):
+        out["long TTFT p50"] = cls["long"]["ttft_ms"]["median"]
+        out["long TTFT p99"] = cls["long"]["ttft_ms"]["p99"]
+    if "urgent" in cls:
+        for c in ("urgent", "normal"):
+            out[f"{c} TTFT p50"] = cls[c]["ttft_ms"]["median"]
+            out[f"{c} TTFT p99"] = cls[c]["ttft_ms"]["p99"]
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--before", default=None, help="a checkout of the code to compare with (its fcfs is today's)")
+    p.add_argument("--model", default=None, help="served model (default: the bundled SmolLM2)")
+    p.add_argument("--short", type=int, default=24, help="short requests in the mixed workload")
+    p.add_argument("--concurrency", type=int, default=8, help="short streams in flight in the mixed workload")
+    p.add_argument("--only", default="mixed,w2,two-priority", help="comma-separated workloads to run")
+    a = p.parse_args()
+    model = ["--model", a.model] if a.model else []
+    mixed = ["--workload", "mixed", "--num-prompts", str(a.short), "--input-len", "64", "--output-len", "128",
+             "--max-concurrency", str(a.concurrency), "--num-long", "3", "--long-input-len", "1800",
+             "--long-output-len", "16", "--long-delay", "3", "--long-interval", "0.5"]
+    w2 = ["--num-prompts", "64", "--input-len", "128", "--output-len", "64", "--max-concurrency", "16"]
+    prio = ["--workload", "two-priority", "--num-prompts", "64", "--input-len", "128", "--output-len", "64",
+            "--urgent-fraction", "0.1"]
+    versions = [("before", a.before)] if a.before else []
+    versions.append(("after", HERE))
+    plan = []
+    only = set(a.only.split(","))
+    for name, checkout in versions:
+        policies = ["fcfs"] if name == "before" else ["fcfs", "short-first", "priority"]
+        for pol in policies:
+            flags = model if name == "before" else [*model, "--scheduling-policy", pol]
+            if "mixed" in only:
+                plan.append((f"mixed {name} {pol}", checkout, flags, mixed))
+                if pol == "fcfs":
+                    plan.append((f"mixed {name} {pol}, no long", checkout, flags, [*mixed, "--num-long", "0"]))
+            if "w2" in only:
+                plan.append((f"w2 {name} {pol}", checkout, flags, w2))
+            if "two-priority" in only and pol != "short-first":
+                plan.append((f"two-priority {name} {pol}", checkout, [*flags, "--max-num-seqs", "8"], prio))
+    rows = []
+    for label, checkout, flags, args in plan:
+        print(f"... {label}", file=sys.stderr, flush=True)
+        rows.append(row(label, run(checkout, flags, args)))
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    width = max(len(r["run"]) for r in rows)
+    print(f"{'run':<{width}}  " + "  ".join(f"{k:>14}" for k in keys[1:]))
+    for r in rows:
+        cells = [f"{r[k]:14.1f}" if isinstance(r.get(k), float) else f"{r.get(k, ''):>14}" for k in keys[1:]]
+        print(f"{r['run']:<{width}}  " + "  ".join(cells))
+    print(json.dumps({"runs": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
