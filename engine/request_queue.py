@@ -1,10 +1,11 @@
 """The waiting queue, one small class per scheduling policy, chosen once at start.
 
-Every queue orders requests by a *rank* (lower goes first) and answers the two
-questions the scheduler asks about running requests too: ``rank(req)`` (who
-gets prompt tokens first) and ``victim_rank(req)`` (who is preempted first:
-the highest, the most recently admitted among equals). ``preempts`` says
-whether a waiting request may push a running one out on rank alone.
+Every queue orders requests by a *rank* (lower goes first), and the scheduler
+uses the same rank for running requests: the best gets prompt tokens first, the
+worst is preempted first (the most recently admitted among equals). One order
+for both is what guarantees progress: the best-ranked request is never the one
+pushed out to make room for others. ``preempts`` says whether a waiting request
+may push a running one out on rank alone (only ``priority``).
 
 Aging, so that nothing starves: a request's rank improves by one for every
 ``aging_seconds`` it has been in the engine (arrival time, kept across
@@ -43,9 +44,6 @@ class FcfsQueue:
 
     def rank(self, req: Request) -> float:
         return req.arrival_time
-
-    def victim_rank(self, req: Request) -> float:
-        return 0.0  # the most recently admitted goes first
 
     def push(self, req: Request) -> None:
         self._q.append(req)
@@ -89,9 +87,6 @@ class RankedQueue:
     def rank(self, req: Request) -> float:
         return self.base_rank(req) + req.arrival_time / self.aging_seconds
 
-    def victim_rank(self, req: Request) -> float:
-        return 0.0
-
     def push(self, req: Request) -> None:
         entry = [self.rank(req), next(self._seq), req]
         self._entries[req.request_id] = entry
@@ -128,9 +123,6 @@ class PriorityQueue(RankedQueue):
 
     def base_rank(self, req: Request) -> float:
         return float(req.priority)
-
-    def victim_rank(self, req: Request) -> float:
-        return self.rank(req)
 
 
 class ShortFirstQueue(RankedQueue):

@@ -17,12 +17,13 @@ One step, in order:
 
 Preemption is by recompute: the victim's blocks are freed and it waits again
 (keeping its arrival time, so its rank). When a running request needs a block
-and none is free, the running request with the highest ``victim_rank`` goes
-(the most recently admitted among equals). Under the ``priority`` policy a
-waiting request that ranks better than a running one also preempts it when the
-sequence budget or the blocks are short. No thrash: a preempted request is not
-chosen again until it has produced another token, unless nothing else is left.
-New requests are admitted only on a step that preempted nothing for blocks.
+and none is free, the worst-ranked running request goes (the most recently
+admitted among equals; under fcfs the latest arrival), possibly the one asking.
+Under the ``priority`` policy a waiting request that ranks better than a running
+one also preempts it when the sequence budget or the blocks are short. No
+thrash: a preempted request is not chosen again until it has produced another
+token, unless nothing else is left. Nothing is admitted after a step has had to
+preempt for blocks.
 Torch-free.
 """
 
@@ -48,9 +49,14 @@ class ScheduledBatch:
     timed_out: list[Request] = field(default_factory=list)  # finished by their deadline this step
     num_tokens: int = 0  # sum of num_new_tokens
     num_decodes: int = 0  # requests computing the one token they sample from
+    short_of_blocks: bool = False  # a running request had to preempt for blocks: admit nobody
+    _ids: set[str] = field(default_factory=set)
 
     def __len__(self) -> int:
         return len(self.requests)
+
+    def __contains__(self, req: Request) -> bool:
+        return req.request_id in self._ids
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -59,6 +65,7 @@ class ScheduledBatch:
     def add(self, req: Request, n: int, decode: bool = False) -> None:
         self.requests.append(req)
         self.num_new_tokens.append(n)
+        self._ids.add(req.request_id)
         self.num_tokens += n
         self.num_decodes += decode
 
@@ -66,6 +73,7 @@ class ScheduledBatch:
         """Take ``req`` back out (it was preempted after being scheduled)."""
         i = self.requests.index(req)
         del self.requests[i]
+        self._ids.discard(req.request_id)
         n = self.num_new_tokens.pop(i)
         self.num_tokens -= n
         self.num_decodes -= n == 1 and req.num_tokens - req.num_computed_tokens == 1
@@ -158,15 +166,16 @@ class Scheduler:
         best rank first."""
         rank = self.waiting.rank
         prefilling = sorted((r for r in self.running if r.num_tokens - r.num_computed_tokens > 1), key=rank)
-        admit = not batch.preempted
+        admit = True
         i = 0
         while batch.num_prompt_tokens < limit:
-            head = self.waiting.peek() if admit and self.waiting else None
+            head = self.waiting.peek() if admit and self.waiting and not batch.short_of_blocks else None
             if i < len(prefilling) and (head is None or rank(prefilling[i]) <= rank(head)):
                 req = prefilling[i]
                 i += 1
                 n = min(req.num_tokens - req.num_computed_tokens, limit - batch.num_prompt_tokens)
-                if req.status is Status.RUNNING and self._allocate_running(req, n, batch):
+                # (one preempted since this list was made may be running again, readmitted this step)
+                if req.status is Status.RUNNING and req not in batch and self._allocate_running(req, n, batch):
                     batch.add(req, n)
                 continue
             if head is None:
@@ -189,15 +198,15 @@ class Scheduler:
         while not self.block_manager.allocate(req, n):
             victim = self._victim(self.running)
             self._preempt(victim, batch)
+            batch.short_of_blocks = True
             if victim is req:
                 return False
         return True
 
     def _victim(self, candidates: list[Request]) -> Request:
-        """The highest victim rank, the most recently admitted among equals, sparing the newly preempted."""
+        """The worst rank, the most recently admitted among equals, sparing the newly preempted."""
         fresh = [r for r in candidates if not r.just_preempted] or candidates
-        vr = self.waiting.victim_rank
-        return max(reversed(fresh), key=vr)  # max keeps the first of equals: the latest admitted
+        return max(reversed(fresh), key=self.waiting.rank)  # max keeps the first of equals: the latest admitted
 
     def _victim_for(self, head: Request) -> Request | None:
         """A running request that ranks worse than waiting ``head`` and may be preempted, if any."""
@@ -209,7 +218,7 @@ class Scheduler:
 
     def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
         """Recompute-style preemption: drop its KV and send it back to waiting."""
-        if req in batch.requests:
+        if req in batch:
             batch.remove(req)
         self.running.remove(req)
         self.block_manager.free(req)

@@ -288,3 +288,47 @@ def test_the_cap_is_measured_online():
     fast.observe(8, 0, 0.002)  # very fast decodes: the floor keeps prompts moving
     assert fast.value == 16
     assert PrefillCap(2048, fixed=100).value == 100
+
+
+# ----------------------------------------------------------------------------- invariants, at random
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "short-first"])
+@pytest.mark.parametrize("seed", range(20))
+def test_random_traffic_keeps_every_invariant_and_finishes(policy, seed):
+    import random
+
+    rng = random.Random(seed)
+    s, bm, clock = make(policy, num_blocks=rng.choice([6, 12, 40]), block_size=4, max_num_seqs=rng.choice([1, 3, 8]),
+                        budget=rng.choice([4, 16, 64]), cap=rng.choice([None, 2, 8]), aging=rng.choice([0.5, 30.0]))
+    live: list[Request] = []
+    for n in range(5000):  # 250 steps of arrivals, then until all are done (a livelock would use them all)
+        if n >= 250 and not s.has_work():
+            break
+        if n < 250 and rng.random() < 0.3:
+            max_tokens = rng.randint(1, 6)  # prompt + max_tokens fit the cache, as the engine's length check makes sure
+            prompt = rng.randint(1, min(20, bm.num_blocks * bm.block_size - max_tokens))
+            r = Request(f"r{n}", [1] * prompt, SamplingParams(max_tokens=max_tokens),
+                        rng.randint(-2, 2), clock.now + rng.uniform(0.5, 30) if rng.random() < 0.2 else None)
+            s.add(r)
+            live.append(r)
+        clock.now += 0.1
+        batch = s.schedule()
+        assert len({r.request_id for r in batch.requests}) == len(batch.requests), "scheduled twice"
+        assert batch.num_tokens == sum(batch.num_new_tokens) <= s.max_num_batched_tokens
+        assert all(r.status is Status.RUNNING for r in batch.requests)
+        assert len(s.running) <= s.max_num_seqs
+        assert all(not r.block_table for r in s.waiting)
+        assert bm.num_free_blocks + sum(len(r.block_table) for r in s.running) == bm.num_blocks
+        for r, k in zip(batch.requests, batch.num_new_tokens, strict=True):
+            assert 1 <= k and r.num_computed_tokens + k <= r.num_tokens
+            assert len(r.block_table) * bm.block_size >= r.num_computed_tokens + k
+        s.update_from_output(batch, 0.01)
+        for r in batch.requests:
+            if r.num_computed_tokens == r.num_tokens:
+                r.append_token(7)
+                if len(r.output_token_ids) >= r.params.max_tokens:
+                    s.finish(r, "length")
+        live = [r for r in live if r.status is not Status.FINISHED]
+    assert not live and not s.has_work(), f"stuck: {live}"
+    assert bm.num_free_blocks == bm.num_blocks
