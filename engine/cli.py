@@ -67,7 +67,7 @@ def _engine_flags(p: argparse.ArgumentParser, generate: bool = False) -> None:
                         f"or short-first (least expected work first) (default: {d['scheduling_policy']})")
     q.add_argument("--scheduling-aging-seconds", type=float, default=None, metavar="SECONDS",
                    help="no starvation: every this many seconds a request has waited count as one priority "
-                        "level (priority) or as halving its work (short-first) "
+                        "level (priority) or as halving its work (short-first); inf turns aging off, as in vLLM "
                         f"(default: {d['scheduling_aging_seconds']:g})")
     q.add_argument("--long-prefill-token-threshold", type=int, default=None, metavar="N",
                    help="most prompt tokens in a step that also carries decodes, so that running streams "

@@ -30,7 +30,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # override the computed number of KV blocks (tests, tuning)
     max_num_waiting_requests: int = 1024  # bounded waiting queue; more is refused (HTTP 429)
     scheduling_policy: str = "fcfs"  # fcfs | priority | short-first (engine.request_queue)
-    scheduling_aging_seconds: float = 30.0  # waiting this long is worth one rank step (no starvation)
+    scheduling_aging_seconds: float = 30.0  # waiting this long is worth one rank step (no starvation); inf: off
     long_prefill_token_threshold: int | None = None  # prompt tokens per step beside decodes; None = measured
     request_timeout: float | None = None  # seconds; a request without its own timeout gets this one
     seed: int = 0
@@ -62,8 +62,8 @@ class EngineConfig:
             bad(f"max_num_waiting_requests must be positive, got {self.max_num_waiting_requests}")
         if self.scheduling_policy not in POLICIES:
             bad(f"scheduling_policy must be one of {', '.join(POLICIES)}, got {self.scheduling_policy!r}")
-        if not 0 < self.scheduling_aging_seconds < float("inf"):
-            bad(f"scheduling_aging_seconds must be positive, got {self.scheduling_aging_seconds}")
+        if not self.scheduling_aging_seconds > 0:  # inf turns aging off
+            bad(f"scheduling_aging_seconds must be positive (or inf), got {self.scheduling_aging_seconds}")
         if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 1:
             bad(f"long_prefill_token_threshold must be positive, got {self.long_prefill_token_threshold}")
         if self.request_timeout is not None and not 0 < self.request_timeout < float("inf"):

@@ -59,7 +59,8 @@ class Engine:
 
     def ready_info(self) -> Ready:
         return Ready(self.model_name, self.max_model_len, self.vocab_size, self.eos_token_ids,
-                     self.config.max_num_seqs, self.block_manager.num_blocks, self.config.block_size)
+                     self.config.max_num_seqs, self.block_manager.num_blocks, self.config.block_size,
+                     self.config.max_num_waiting_requests)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0, deadline: float | None = None) -> None:

@@ -249,19 +249,20 @@ class Ready:
     max_num_seqs: int
     num_kv_blocks: int
     block_size: int
+    max_num_waiting_requests: int = 1024  # a call starting more requests than this could never be queued
     version: int = PROTOCOL_VERSION
     kind = Kind.READY
 
     def to_wire(self) -> list:
         return [
             self.model, self.max_model_len, self.vocab_size, list(self.eos_token_ids),
-            self.max_num_seqs, self.num_kv_blocks, self.block_size, self.version,
+            self.max_num_seqs, self.num_kv_blocks, self.block_size, self.max_num_waiting_requests, self.version,
         ]
 
     @classmethod
     def from_wire(cls, p: list) -> Ready:
-        m, mml, vs, eos, mns, nb, bs, v = p
-        return cls(str(m), int(mml), int(vs), [int(t) for t in eos], int(mns), int(nb), int(bs), int(v))
+        m, mml, vs, eos, mns, nb, bs, mw, v = p
+        return cls(str(m), int(mml), int(vs), [int(t) for t in eos], int(mns), int(nb), int(bs), int(mw), int(v))
 
 
 @dataclass

@@ -24,7 +24,8 @@ class Request:
         "request_id", "prompt_token_ids", "output_token_ids", "params", "priority", "deadline",
         "status", "num_computed_tokens", "block_table",
         "finish_reason", "stop_reason", "sampling_state", "num_cached_tokens", "num_preemptions",
-        "prompt_logprobs", "_all_token_ids", "stop_token_ids", "arrival_time", "num_output_at_preemption",
+        "prompt_logprobs", "_all_token_ids", "stop_token_ids", "arrival_time", "queued_at", "waited",
+        "num_output_at_preemption",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -47,7 +48,9 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
         self.num_preemptions = 0
         self.num_output_at_preemption = -1  # output tokens when last preempted
-        self.arrival_time = 0.0  # unix seconds, set when queued; kept across preemptions
+        self.arrival_time = 0.0  # unix seconds, set when first queued; kept across preemptions
+        self.queued_at = 0.0  # when last queued (first arrival, or preemption)
+        self.waited = 0.0  # seconds spent waiting before the last admission, in total
         self.prompt_logprobs: list | None = None
 
     @property

@@ -5,20 +5,25 @@ uses the same rank for running requests: the best gets prompt tokens first, the
 worst is preempted first (the most recently admitted among equals). One order
 for both is what guarantees progress: the best-ranked request is never the one
 pushed out to make room for others. ``preempts`` says whether a waiting request
-may push a running one out on rank alone (only ``priority``).
+may push a running one out on rank alone (only ``priority``, and only when it
+ranks at least ``preempt_margin`` better, half a level).
 
-Aging, so that nothing starves: a request's rank improves by one for every
-``aging_seconds`` it has been in the engine (arrival time, kept across
-preemptions). Since every rank moves at the same speed, the order only needs
-``base + arrival / aging_seconds``, fixed when the request is queued:
+Aging, so that nothing starves: every ``aging_seconds`` a request has spent
+*waiting* (in total, across preemptions; time running does not count) improves
+its rank by one. Waiting requests all age at the same speed, so their order is
+fixed when they are queued; a running request's rank stays where it was when it
+was admitted, so the waiting ones catch up with it:
 
 - ``fcfs``: rank = arrival. A preempted request goes back to the front.
-- ``priority``: rank = priority + arrival / aging_seconds: lower priority values
+- ``priority``: rank = priority - waited / aging_seconds: lower priority values
   first (vLLM's convention); waiting ``aging_seconds`` is worth one priority level.
-- ``short-first``: rank = log2(expected work) + arrival / aging_seconds, where
-  the expected work is the prompt tokens still to compute plus the tokens still
-  to generate (``max_tokens``): waiting ``aging_seconds`` is worth halving it.
+- ``short-first``: rank = log2(expected work) - waited / aging_seconds, where the
+  expected work is the prompt tokens still to compute plus the tokens still to
+  generate, counted up to ``EXPECTED_OUTPUT_CAP`` (a defaulted ``max_tokens``, the
+  rest of the context, says nothing about how long the answer will be):
+  waiting ``aging_seconds`` is worth halving it.
 
+``aging_seconds`` = inf turns aging off (as in vLLM), at the risk of starvation.
 Torch-free.
 """
 
@@ -31,7 +36,7 @@ from collections import deque
 from collections.abc import Iterator
 
 from engine.config import POLICIES
-from engine.request import Request
+from engine.request import Request, Status
 
 
 class FcfsQueue:
@@ -41,6 +46,7 @@ class FcfsQueue:
 
     def __init__(self, aging_seconds: float = math.inf) -> None:
         self._q: deque[Request] = deque()
+        self.now = 0.0
 
     def rank(self, req: Request) -> float:
         return req.arrival_time
@@ -69,7 +75,12 @@ class FcfsQueue:
 
 
 class RankedQueue:
-    """A heap keyed by (rank, insertion order), with lazy removal."""
+    """A heap keyed by (rank, insertion order), with lazy removal.
+
+    Ranks are kept as ``base + (t - waited) / aging_seconds``, with t the time it was
+    queued (waiting) or now (running): the same order as ``base - waited_so_far /
+    aging_seconds``, shifted by ``now / aging_seconds`` for every request alike.
+    """
 
     preempts = False
 
@@ -77,6 +88,7 @@ class RankedQueue:
         if not aging_seconds > 0:
             raise ValueError(f"aging_seconds must be positive, got {aging_seconds}")
         self.aging_seconds = aging_seconds
+        self.now = 0.0  # the scheduler's clock at this step: where running requests' ranks stand
         self._heap: list[list] = []  # [rank, seq, request or None once removed]
         self._entries: dict[str, list] = {}
         self._seq = itertools.count()
@@ -85,7 +97,8 @@ class RankedQueue:
         raise NotImplementedError
 
     def rank(self, req: Request) -> float:
-        return self.base_rank(req) + req.arrival_time / self.aging_seconds
+        t = req.queued_at if req.status is Status.WAITING else self.now
+        return self.base_rank(req) + (t - req.waited) / self.aging_seconds
 
     def push(self, req: Request) -> None:
         entry = [self.rank(req), next(self._seq), req]
@@ -120,6 +133,10 @@ class RankedQueue:
 
 class PriorityQueue(RankedQueue):
     preempts = True
+    # A waiting request preempts a running one only when it ranks at least half a level better: one
+    # priority level more urgent (less what the running one had earned by waiting), or equal but having
+    # waited ``aging_seconds / 2`` longer: equals take turns no faster than that.
+    preempt_margin = 0.5
 
     def base_rank(self, req: Request) -> float:
         return float(req.priority)
@@ -130,10 +147,13 @@ class ShortFirstQueue(RankedQueue):
         return math.log2(max(1, expected_work(req)))
 
 
+EXPECTED_OUTPUT_CAP = 512
+
+
 def expected_work(req: Request) -> int:
-    """Prompt tokens still to compute plus tokens still to generate."""
+    """Prompt tokens still to compute plus tokens still to generate (up to ``EXPECTED_OUTPUT_CAP``)."""
     to_compute = req.num_tokens - req.num_computed_tokens
-    return to_compute + max(0, req.params.max_tokens - len(req.output_token_ids))
+    return to_compute + min(EXPECTED_OUTPUT_CAP, max(0, req.params.max_tokens - len(req.output_token_ids)))
 
 
 def make_queue(policy: str, aging_seconds: float) -> FcfsQueue | RankedQueue:

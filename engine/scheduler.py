@@ -19,8 +19,8 @@ Preemption is by recompute: the victim's blocks are freed and it waits again
 (keeping its arrival time, so its rank). When a running request needs a block
 and none is free, the worst-ranked running request goes (the most recently
 admitted among equals; under fcfs the latest arrival), possibly the one asking.
-Under the ``priority`` policy a waiting request that ranks better than a running
-one also preempts it when the sequence budget or the blocks are short. No
+Under the ``priority`` policy a waiting request that ranks half a level better
+than a running one also preempts it when the sequence budget or the blocks are short. No
 thrash: a preempted request is not chosen again until it has produced another
 token, unless nothing else is left. Nothing is admitted after a step has had to
 preempt for blocks.
@@ -51,6 +51,7 @@ class ScheduledBatch:
     num_decodes: int = 0  # requests computing the one token they sample from
     short_of_blocks: bool = False  # a running request had to preempt for blocks: admit nobody
     _ids: set[str] = field(default_factory=set)
+    _decode_ids: set[str] = field(default_factory=set)
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -67,16 +68,19 @@ class ScheduledBatch:
         self.num_new_tokens.append(n)
         self._ids.add(req.request_id)
         self.num_tokens += n
-        self.num_decodes += decode
+        if decode:
+            self._decode_ids.add(req.request_id)
+            self.num_decodes += 1
 
     def remove(self, req: Request) -> None:
         """Take ``req`` back out (it was preempted after being scheduled)."""
         i = self.requests.index(req)
         del self.requests[i]
         self._ids.discard(req.request_id)
-        n = self.num_new_tokens.pop(i)
-        self.num_tokens -= n
-        self.num_decodes -= n == 1 and req.num_tokens - req.num_computed_tokens == 1
+        self.num_tokens -= self.num_new_tokens.pop(i)
+        if req.request_id in self._decode_ids:
+            self._decode_ids.discard(req.request_id)
+            self.num_decodes -= 1
 
 
 class QueueFull(Exception):
@@ -101,6 +105,7 @@ class Scheduler:
         self.clock = clock  # unix seconds, as deadlines are
         self._deadlines: list[tuple[float, int, Request]] = []  # heap; finished requests linger until due
         self._seq = itertools.count()
+        self.now = clock()  # this step's time
         self.num_preemptions = 0  # since start, for stats
         self.num_timeouts = 0
 
@@ -112,7 +117,7 @@ class Scheduler:
             raise PromptTooLong(f"the prompt needs more than the {bm.num_blocks * bm.block_size} tokens "
                                 "the KV cache holds")
         req.status = Status.WAITING
-        req.arrival_time = self.clock()
+        req.arrival_time = req.queued_at = self.clock()
         self.waiting.push(req)
         if req.deadline is not None:
             heapq.heappush(self._deadlines, (req.deadline, next(self._seq), req))
@@ -122,6 +127,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
+        self.now = self.waiting.now = self.clock()
         self._expire(batch)
         for req in list(self.running):  # decodes first, in admission order
             if (req.status is Status.RUNNING and req.num_tokens - req.num_computed_tokens == 1
@@ -150,8 +156,7 @@ class Scheduler:
     # ------------------------------------------------------------------ internals
 
     def _expire(self, batch: ScheduledBatch) -> None:
-        now = self.clock()
-        while self._deadlines and self._deadlines[0][0] <= now:
+        while self._deadlines and self._deadlines[0][0] <= self.now:
             req = heapq.heappop(self._deadlines)[2]
             if req.status is not Status.FINISHED:
                 self.finish(req, "timeout")
@@ -181,8 +186,12 @@ class Scheduler:
             if head is None:
                 break
             n = min(head.num_tokens - head.num_computed_tokens, limit - batch.num_prompt_tokens)
-            if len(self.running) < self.max_num_seqs and self.block_manager.allocate(head, n):
+            # a resumed request comes back only when its whole context fits: back in part, it would
+            # just be pushed out again
+            fits = not head.num_preemptions or self.block_manager.can_allocate(head, head.num_tokens + 1)
+            if len(self.running) < self.max_num_seqs and fits and self.block_manager.allocate(head, n):
                 self.waiting.pop()
+                head.waited += self.now - head.queued_at
                 head.status = Status.RUNNING
                 self.running.append(head)
                 batch.add(head, n)
@@ -196,25 +205,35 @@ class Scheduler:
     def _allocate_running(self, req: Request, n: int, batch: ScheduledBatch) -> bool:
         """Blocks for ``n`` more tokens of running ``req``, preempting for them if needed."""
         while not self.block_manager.allocate(req, n):
-            victim = self._victim(self.running)
+            victim = self._victim_for_blocks(req)
             self._preempt(victim, batch)
             batch.short_of_blocks = True
             if victim is req:
                 return False
         return True
 
-    def _victim(self, candidates: list[Request]) -> Request:
-        """The worst rank, the most recently admitted among equals, sparing the newly preempted."""
-        fresh = [r for r in candidates if not r.just_preempted] or candidates
-        return max(reversed(fresh), key=self.waiting.rank)  # max keeps the first of equals: the latest admitted
+    def _order(self) -> Callable[[Request], tuple[float, int]]:
+        """Running requests from best to worst: by rank, then the most recently admitted last."""
+        admitted = {r.request_id: i for i, r in enumerate(self.running)}
+        rank = self.waiting.rank
+        return lambda r: (rank(r), admitted[r.request_id])
+
+    def _victim_for_blocks(self, req: Request) -> Request:
+        """Who gives up blocks for running ``req``: the worst running request ranked below it, sparing the
+        newly preempted if another will do; ``req`` itself when nothing ranks below it."""
+        key = self._order()
+        worse = [r for r in self.running if key(r) > key(req)]
+        pool = [r for r in worse if not r.just_preempted] or worse
+        return max(pool, key=key) if pool else req
 
     def _victim_for(self, head: Request) -> Request | None:
         """A running request that ranks worse than waiting ``head`` and may be preempted, if any."""
         candidates = [r for r in self.running if not r.just_preempted]
         if not candidates:
             return None
-        victim = self._victim(candidates)
-        return victim if self.waiting.rank(victim) > self.waiting.rank(head) else None
+        victim = max(candidates, key=self._order())
+        better_by = self.waiting.rank(victim) - self.waiting.rank(head)
+        return victim if better_by >= self.waiting.preempt_margin else None
 
     def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
         """Recompute-style preemption: drop its KV and send it back to waiting."""
@@ -227,5 +246,6 @@ class Scheduler:
         req.num_output_at_preemption = len(req.output_token_ids)
         self.num_preemptions += 1
         req.status = Status.WAITING
+        req.queued_at = self.now
         self.waiting.requeue(req)
         batch.preempted.append(req)

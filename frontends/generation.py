@@ -118,10 +118,13 @@ class Generation:
         return all(c.finish_reason is not None for c in self.choices)
 
     @property
+    def any_timed_out(self) -> bool:
+        return any(c.finish_reason == "timeout" for c in self.choices)
+
+    @property
     def timed_out_empty(self) -> bool:
         """Ended by a deadline with not one token in any choice: nothing to answer with but an error."""
-        return (self.done and self.num_completion_tokens == 0
-                and any(c.finish_reason == "timeout" for c in self.choices))
+        return self.done and self.num_completion_tokens == 0 and self.any_timed_out
 
     async def next_updates(self) -> list[Update]:
         """Wait for the next batch; an engine ``Error`` is raised as an ``ApiError``."""

@@ -54,7 +54,9 @@ def stats_fields(s: Stats) -> dict:
 
 
 def _timed_out(started: float) -> ApiError:
-    return ApiError(408, f"Request timed out after {time.time() - started:.3g} s before producing a token")
+    # x-should-retry: the openai clients retry a 408 by default, each time with a fresh timeout
+    return ApiError(408, f"Request timed out after {time.time() - started:.3g} s before producing a token",
+                    headers=[("x-should-retry", "false")])
 
 
 class OpenAIApi:
@@ -188,7 +190,7 @@ class OpenAIApi:
                                            self.max_model_len, default=16)
         base = op.sampling_params(data, max_tokens=max_tokens, logprobs=logprobs, vocab_size=self.codec.vocab_size,
                                   prompt_logprobs=logprobs if echo and logprobs is not None else None)
-        op.check_fan_out(len(prompts), n, base)
+        op.check_fan_out(len(prompts), n, base, self.client.ready.max_num_waiting_requests)
         stop = await self._stop_matcher(base.stop)
         self._require_engine()
         api_id = self._new_id("cmpl")
@@ -221,7 +223,7 @@ class OpenAIApi:
                                            self.max_model_len, default=None)
         base = op.sampling_params(data, max_tokens=max_tokens, logprobs=(top or 0) if want_logprobs else None,
                                   vocab_size=self.codec.vocab_size)
-        op.check_fan_out(1, n, base)
+        op.check_fan_out(1, n, base, self.client.ready.max_num_waiting_requests)
         stop = await self._stop_matcher(base.stop)
         self._require_engine()
         api_id = self._new_id("chatcmpl")
@@ -254,6 +256,10 @@ class OpenAIApi:
         gen.start()
         try:
             first = await gen.next_updates()  # an engine refusal (429, 400) still gets its status
+            # the choices share a deadline but may reach it in different steps: hold the headers until
+            # a token comes or every choice has ended, so that all-timed-out still gets its 408
+            while gen.num_completion_tokens == 0 and not gen.done and gen.any_timed_out:
+                first += await gen.next_updates()
         except BaseException:
             gen.abort_unfinished()
             raise

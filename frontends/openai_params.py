@@ -241,11 +241,16 @@ def parse_n(data: dict) -> int:
     return n
 
 
-def check_fan_out(num_prompts: int, n: int, params: SamplingParams) -> None:
-    """Bound what one call asks of the engine: its requests, and the lists each one carries."""
+def check_fan_out(num_prompts: int, n: int, params: SamplingParams, max_queued: int = MAX_CHOICES) -> None:
+    """Bound what one call asks of the engine: its requests, and the lists each one carries.
+
+    ``max_queued``: the engine's waiting queue; a call starting more requests could never be queued,
+    so it gets a 400, not a 429 that retrying can never cure.
+    """
     choices = num_prompts * n
-    if choices > MAX_CHOICES:
-        raise ApiError(400, f"A request may start at most {MAX_CHOICES} generations (prompts x n), got "
+    limit = min(MAX_CHOICES, max_queued)
+    if choices > limit:
+        raise ApiError(400, f"A request may start at most {limit} generations (prompts x n) on this server, got "
                        f"{num_prompts} x {n} = {choices}", param="n")
     entries = choices * (len(params.stop_token_ids) + len(params.logit_bias or ()))
     if entries > MAX_SAMPLING_ENTRIES:

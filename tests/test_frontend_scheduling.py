@@ -150,9 +150,26 @@ def test_timeout_before_the_first_token_is_408(engine, port, stream):
                        ("/v1/chat/completions", {"messages": CHAT, "n": 2})):
         status, headers, raw = post_raw(port, path, {**body, "timeout": INSTANT, "stream": stream})
         assert status == 408 and headers["content-type"] == "application/json", raw
+        assert headers["x-should-retry"] == "false"  # else the openai clients send it again, twice
         e = json.loads(raw)["error"]
         assert e["type"] == "timeout_error" and "before producing a token" in e["message"]
     assert engine.num_timeouts == timeouts + 3
+
+
+def test_a_call_larger_than_the_engine_queue_is_400_not_429(tmp_path, smollm_tokenizer_dir):
+    e = FakeEngine(f"ipc://{tmp_path}/engine.sock")
+    e.max_num_waiting_requests = 2
+    e.start()
+    p = free_port()
+    proc = start_frontend(e.address, smollm_tokenizer_dir, p)
+    try:
+        status, headers, raw = post_raw(p, "/v1/completions", {"prompt": "x", "max_tokens": 2, "n": 3})
+        assert status == 400 and "retry-after" not in headers and json.loads(raw)["error"]["param"] == "n", raw
+        assert not e.adds
+        assert post_raw(p, "/v1/completions", {"prompt": "x", "max_tokens": 2, "n": 2})[0] == 200
+    finally:
+        assert stop_frontend(proc) == 0
+        e.stop()
 
 
 def test_408_through_the_openai_client(client):

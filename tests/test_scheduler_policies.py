@@ -196,12 +196,34 @@ def test_aging_lifts_a_starved_low_priority_request():
     step(s)
     lo = req("lo", priority=1)
     add_all(s, clock, lo)
-    clock.now += 5
-    add_all(s, clock, req("hi_early", priority=0))  # 5 s later: still more urgent than lo (rank 0.5 < 1)
-    clock.now += 10
-    add_all(s, clock, req("hi_late", priority=0))  # 15 s later: lo has waited enough to go first
-    assert not step(s).preempted  # x arrived first: nothing ranks better than it
+    clock.now += 8
+    add_all(s, clock, req("hi_early", priority=0))  # will have waited 4 s: rank -0.4
+    clock.now += 3.5
+    add_all(s, clock, req("hi_late", priority=0))  # 0.5 s: rank -0.05, behind lo (12 s: rank -0.2)
+    clock.now += 0.5
+    assert not step(s).preempted  # x has rank 0: nobody waiting is half a level better
     assert ids(s.waiting) == ["hi_early", "lo", "hi_late"]
+
+
+def test_aging_counts_waiting_not_running():
+    s, _, clock = make("priority", max_num_seqs=1, aging=10.0)
+    lo = req("lo", priority=1)
+    add_all(s, clock, lo)
+    step(s)
+    clock.now += 40  # running for 40 s earns nothing
+    add_all(s, clock, req("hi", priority=0))
+    assert step(s).preempted == [lo]
+
+
+def test_equal_priorities_take_turns_only_after_half_an_aging_period():
+    s, _, clock = make("priority", max_num_seqs=1, aging=10.0)
+    a, b = req("a"), req("b")
+    add_all(s, clock, a, b)
+    step(s)
+    clock.now += 4.9
+    assert not step(s).preempted  # b has waited less than 5 s longer than a
+    clock.now += 0.2
+    assert step(s).preempted == [a]
 
 
 def test_aging_in_short_first_lets_a_long_request_through():

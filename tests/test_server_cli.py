@@ -102,7 +102,7 @@ def test_bad_size_is_a_usage_error():
     (["--request-timeout", "0"], "request_timeout must be a positive number of seconds"),
     (["--request-timeout", "-1"], "request_timeout must be a positive number of seconds"),
     (["--long-prefill-token-threshold", "0"], "long_prefill_token_threshold must be positive"),
-    (["--scheduling-aging-seconds", "0"], "scheduling_aging_seconds must be positive"),
+    (["--scheduling-aging-seconds", "0"], "scheduling_aging_seconds must be positive (or inf)"),
     (["--max-num-waiting-requests", "0"], "max_num_waiting_requests must be positive"),
     (["--api-server-count", "0"], "api_server_count must be at least 1"),
     (["--ssl-keyfile", "/nonexistent.key"], "go together"),

@@ -95,6 +95,8 @@ def main() -> int:
     p.add_argument("--short", type=int, default=24, help="short requests in the mixed workload")
     p.add_argument("--concurrency", type=int, default=8, help="short streams in flight in the mixed workload")
     p.add_argument("--only", default="mixed,w2,two-priority", help="comma-separated workloads to run")
+    p.add_argument("--policies", default="fcfs,short-first,priority", help="policies to run after the change")
+    p.add_argument("--repeat", type=int, default=1, help="run the whole plan this many times (noise)")
     a = p.parse_args()
     model = ["--model", a.model] if a.model else []
     mixed = ["--workload", "mixed", "--num-prompts", str(a.short), "--input-len", "64", "--output-len", "128",
@@ -108,19 +110,22 @@ def main() -> int:
     plan = []
     only = set(a.only.split(","))
     for name, checkout in versions:
-        policies = ["fcfs"] if name == "before" else ["fcfs", "short-first", "priority"]
+        # "fcfs, no cap": the prefill cap lifted (a step may take the whole token budget), for its cost alone
+        policies = ["fcfs"] if name == "before" else [*a.policies.split(","), "fcfs, no cap"]
         for pol in policies:
-            flags = model if name == "before" else [*model, "--scheduling-policy", pol]
+            flags = [*model, "--scheduling-policy", pol.split(",")[0]] if name == "after" else model
+            if pol.endswith("no cap"):
+                flags += ["--long-prefill-token-threshold", "2048"]
             if "mixed" in only:
                 plan.append((f"mixed {name} {pol}", checkout, flags, mixed))
                 if pol == "fcfs":
                     plan.append((f"mixed {name} {pol}, no long", checkout, flags, [*mixed, "--num-long", "0"]))
             if "w2" in only:
                 plan.append((f"w2 {name} {pol}", checkout, flags, w2))
-            if "two-priority" in only and pol != "short-first":
+            if "two-priority" in only and pol in ("fcfs", "priority"):
                 plan.append((f"two-priority {name} {pol}", checkout, [*flags, "--max-num-seqs", "8"], prio))
     rows = []
-    for label, checkout, flags, args in plan:
+    for label, checkout, flags, args in plan * a.repeat:
         print(f"... {label}", file=sys.stderr, flush=True)
         rows.append(row(label, run(checkout, flags, args)))
     keys = list(dict.fromkeys(k for r in rows for k in r))

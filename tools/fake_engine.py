@@ -60,6 +60,7 @@ class FakeEngine(threading.Thread):
         self.num_stats = 0  # STATS requests received
         self.num_timeouts = 0  # requests ended by their deadline
         self.num_preemptions = 0  # reported in STATS as is (nothing is ever preempted here)
+        self.max_num_waiting_requests = 1024  # what READY announces
         self.mute = False  # a hung engine: it reads (and records) frames but answers nothing and never steps
         self._halt = threading.Event()
         self.bound = threading.Event()
@@ -90,7 +91,7 @@ class FakeEngine(threading.Thread):
 
     def handle(self, sock, ident: bytes, msg) -> None:
         if isinstance(msg, Hello):
-            ready = Ready(MODEL, MAX_MODEL_LEN, VOCAB, [2], 64, 1000, 16)
+            ready = Ready(MODEL, MAX_MODEL_LEN, VOCAB, [2], 64, 1000, 16, self.max_num_waiting_requests)
             sock.send_multipart([ident, encode(ready)])
         elif isinstance(msg, Add):
             self.adds.append(msg)
