@@ -105,7 +105,7 @@ class RankedQueue:
         self._entries[req.request_id] = entry
         heapq.heappush(self._heap, entry)
 
-    requeue = push  # a preempted request keeps its arrival time, so its rank says where it goes
+    requeue = push  # a preempted request keeps what it has waited, so its rank says where it goes
 
     def peek(self) -> Request:
         while self._heap[0][2] is None:

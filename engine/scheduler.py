@@ -48,16 +48,19 @@ class ScheduledBatch:
     preempted: list[Request] = field(default_factory=list)
     timed_out: list[Request] = field(default_factory=list)  # finished by their deadline this step
     num_tokens: int = 0  # sum of num_new_tokens
-    num_decodes: int = 0  # requests computing the one token they sample from
     short_of_blocks: bool = False  # a running request had to preempt for blocks: admit nobody
     _ids: set[str] = field(default_factory=set)
-    _decode_ids: set[str] = field(default_factory=set)
+    _decode_ids: set[str] = field(default_factory=set)  # those computing the one token they sample from
 
     def __len__(self) -> int:
         return len(self.requests)
 
     def __contains__(self, req: Request) -> bool:
         return req.request_id in self._ids
+
+    @property
+    def num_decodes(self) -> int:
+        return len(self._decode_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -70,7 +73,6 @@ class ScheduledBatch:
         self.num_tokens += n
         if decode:
             self._decode_ids.add(req.request_id)
-            self.num_decodes += 1
 
     def remove(self, req: Request) -> None:
         """Take ``req`` back out (it was preempted after being scheduled)."""
@@ -78,9 +80,7 @@ class ScheduledBatch:
         del self.requests[i]
         self._ids.discard(req.request_id)
         self.num_tokens -= self.num_new_tokens.pop(i)
-        if req.request_id in self._decode_ids:
-            self._decode_ids.discard(req.request_id)
-            self.num_decodes -= 1
+        self._decode_ids.discard(req.request_id)
 
 
 class QueueFull(Exception):
@@ -113,7 +113,7 @@ class Scheduler:
         if len(self.waiting) >= self.max_num_waiting_requests:
             raise QueueFull(f"the waiting queue is full ({self.max_num_waiting_requests} requests)")
         bm = self.block_manager
-        if -(-(req.num_tokens + 1) // bm.block_size) > bm.num_blocks:  # could never run, not even alone
+        if bm.blocks_needed(req, req.num_tokens + 1) > bm.num_blocks:  # could never run, not even alone
             raise PromptTooLong(f"the prompt needs more than the {bm.num_blocks * bm.block_size} tokens "
                                 "the KV cache holds")
         req.status = Status.WAITING

@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import select
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,12 +30,9 @@ import time
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(HERE, "tools", "bench_serving.py")
+sys.path.insert(0, HERE)  # run as a script: tools.* from the repository root
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tools.fake_engine import free_port  # noqa: E402
 
 
 def serve(checkout: str, flags: list[str]) -> tuple[subprocess.Popen, str]:
