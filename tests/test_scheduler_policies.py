@@ -354,3 +354,40 @@ def test_random_traffic_keeps_every_invariant_and_finishes(policy, seed):
         live = [r for r in live if r.status is not Status.FINISHED]
     assert not live and not s.has_work(), f"stuck: {live}"
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_an_urgent_request_short_of_blocks_is_not_pushed_out_by_a_recomputing_low_one():
+    # 64 slots: V (priority 5) and H (priority 0) fit one at a time, not together
+    s, bm, clock = make("priority", num_blocks=16, block_size=4, max_num_seqs=4, budget=64, cap=16)
+    v = Request("V", [1] * 20, SamplingParams(max_tokens=40), 5)
+    h = Request("H", [1] * 4, SamplingParams(max_tokens=40), 0)
+    add_all(s, clock, v)
+    finished = []
+    for n in range(500):
+        if n == 25:
+            add_all(s, clock, h)
+        clock.now += 0.01
+        batch = step(s)
+        for r in batch.requests:
+            if len(r.output_token_ids) >= r.params.max_tokens and r.status is Status.RUNNING:
+                s.finish(r, "length")
+                finished.append(r.request_id)
+        if not s.has_work():
+            break
+    assert finished == ["H", "V"] and s.num_preemptions == 1  # before the fix: V finished first, H pushed out again and again
+
+
+def test_a_request_preempted_in_the_step_it_was_admitted_leaves_the_decode_count_right():
+    s, bm, clock = make("priority", num_blocks=4, block_size=4, budget=64, cap=64)
+    a = req("A", 14, priority=5, max_tokens=1)  # low priority, recomputing after a preemption
+    add_all(s, clock, a)
+    s.waiting.pop()
+    a.status = Status.RUNNING
+    s.running.append(a)
+    bm.allocate(a, 12)
+    a.num_computed_tokens = 12  # 3 of 4 blocks, 2 prompt tokens to go
+    a.num_output_at_preemption = 0
+    add_all(s, clock, req("B", 1, priority=0, max_tokens=1))  # urgent, a 1-token prompt
+    batch = s.schedule()
+    assert ids(batch.requests) == ["B"] and batch.preempted == [a]
+    assert (batch.num_decodes, batch.num_prompt_tokens) == (0, 1)
