@@ -1,53 +1,145 @@
-"""The paged KV cache's bookkeeping: which fixed-size block holds which tokens.
+"""The paged KV cache's bookkeeping: which fixed-size block holds which tokens,
+and which computed blocks can be shared (prefix caching).
 
 Torch-free: block ids only; the tensors live in the model runner. A request
-owns a ``block_table`` (list of block ids, in token order). Free blocks sit in
-a queue taken from the front; a finished request gives its blocks back tail
-first, so when prefix caching keeps freed blocks reusable, a shared prefix is
-the last thing evicted.
+owns a ``block_table`` (list of block ids, in token order); a block's ref count
+is the number of requests whose table holds it.
+
+Prefix caching: a full, computed block is named by a hash chained over its
+token ids and its parent block's hash; the chain starts from a root that
+covers the model and dtype (``hash_seed``) and the request's ``cache_salt``, so
+tenants with different salts never share a block. A new request takes every
+cached block of its longest cached prefix (ref counts up) and computes only the
+rest. Hashes are 128-bit BLAKE2b: a client cannot craft a prompt whose blocks
+collide with another tenant's.
+
+Freed blocks keep their contents and hash: they count as free, and are only
+evicted when a block is needed and no block without contents is left, least
+recently freed first. A request frees its blocks tail first, so its tail is
+evicted before its prefix, which other requests are likelier to share.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
 
 from engine.request import Request
 
 
+def chain_hash(parent: bytes, token_ids: list[int]) -> bytes:
+    """The name of a block holding ``token_ids`` after the block named ``parent``."""
+    return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 hash_seed: bytes = b""):
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.hash_seed = hash_seed  # what else changes a block's K/V: the model and dtype
         self.ref_counts = [0] * num_blocks
-        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        self.block_hash: list[bytes | None] = [None] * num_blocks  # set while a block is findable
+        self.cached: dict[bytes, int] = {}  # hash -> block id
+        self.free_block_ids: deque[int] = deque(range(num_blocks))  # free and holding nothing findable
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # free but findable, least recently freed first
+        self.num_evictions = 0  # since start
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_block_ids)
+        return len(self.free_block_ids) + len(self.evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
 
     @property
     def usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        return self.num_used_blocks / self.num_blocks
 
-    def blocks_needed(self, req: Request, num_new_tokens: int) -> int:
-        """Blocks to add so that ``req`` can hold its computed tokens plus ``num_new_tokens``."""
-        total = req.num_computed_tokens + num_new_tokens
-        return max(0, -(-total // self.block_size) - len(req.block_table))
+    # ------------------------------------------------------------------ prefix caching
 
-    def can_allocate(self, req: Request, num_new_tokens: int) -> bool:
-        return self.blocks_needed(req, num_new_tokens) <= self.num_free_blocks
+    def match_prefix(self, req: Request, max_tokens: int) -> list[int]:
+        """The cached blocks holding the longest prefix of ``req``'s first ``max_tokens`` tokens
+        (whole blocks only), for a request that holds no blocks yet."""
+        if not self.enable_prefix_caching:
+            return []
+        blocks = []
+        for h in self._hashes(req, max_tokens // self.block_size):
+            block_id = self.cached.get(h)
+            if block_id is None:
+                break
+            blocks.append(block_id)
+        return blocks
 
-    def allocate(self, req: Request, num_new_tokens: int) -> bool:
-        """Grow ``req.block_table`` for ``num_new_tokens`` more tokens; False (and no change) if it can't."""
-        n = self.blocks_needed(req, num_new_tokens)
-        if n > self.num_free_blocks:
+    def computing_next(self, req: Request, num_cached: int, max_tokens: int, others: Iterable[Request]) -> bool:
+        """Whether the block after ``req``'s ``num_cached`` cached ones (within its first ``max_tokens``)
+        is being computed by one of ``others``: waiting for it to be cached beats computing it twice
+        (``n > 1`` samples, a burst of requests with one system prompt)."""
+        if not self.enable_prefix_caching or (num_cached + 1) * self.block_size > max_tokens:
             return False
-        for _ in range(n):
-            block_id = self.free_block_ids.popleft()
-            self.ref_counts[block_id] = 1
+        h = self._hashes(req, num_cached + 1)[num_cached]
+        return any(len(o.block_hashes) > num_cached and o.block_hashes[num_cached] == h
+                   and o.num_cached_blocks <= num_cached for o in others)
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """Make ``req``'s full computed blocks findable (call after a step computed its tokens)."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = req.num_computed_tokens // self.block_size
+        if num_full <= req.num_cached_blocks:
+            return
+        hashes = self._hashes(req, num_full)
+        for i in range(req.num_cached_blocks, num_full):
+            block_id, h = req.block_table[i], hashes[i]
+            if h not in self.cached:  # else an identical block computed alongside: this one stays private
+                self.cached[h] = block_id
+                self.block_hash[block_id] = h
+        req.num_cached_blocks = num_full
+
+    def _hashes(self, req: Request, num_blocks: int) -> list[bytes]:
+        """Chained hashes of ``req``'s first ``num_blocks`` full blocks, computed once per request."""
+        hashes, tokens, bs = req.block_hashes, req.all_token_ids, self.block_size
+        parent = hashes[-1] if hashes else chain_hash(self.hash_seed + req.cache_salt.encode(), [])
+        for i in range(len(hashes), min(num_blocks, len(tokens) // bs)):
+            parent = chain_hash(parent, tokens[i * bs:(i + 1) * bs])
+            hashes.append(parent)
+        return hashes[:num_blocks]
+
+    # ------------------------------------------------------------------ allocation
+
+    def blocks_needed(self, req: Request, num_new_tokens: int, cached: Sequence[int] = ()) -> int:
+        """Free blocks it takes for ``req`` to hold its computed tokens, the ``cached`` blocks it is
+        given (from ``match_prefix``) and ``num_new_tokens`` more."""
+        total = req.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
+        new = max(0, -(-total // self.block_size) - len(req.block_table) - len(cached))
+        return new + sum(1 for b in cached if self.ref_counts[b] == 0)  # a free cached block leaves the pool
+
+    def can_allocate(self, req: Request, num_new_tokens: int, cached: Sequence[int] = ()) -> bool:
+        return self.blocks_needed(req, num_new_tokens, cached) <= self.num_free_blocks
+
+    def allocate(self, req: Request, num_new_tokens: int, cached: Sequence[int] = ()) -> bool:
+        """Grow ``req.block_table`` by the ``cached`` blocks, then for ``num_new_tokens`` more tokens;
+        False (and no change) if it can't."""
+        if self.blocks_needed(req, num_new_tokens, cached) > self.num_free_blocks:
+            return False
+        if self.enable_prefix_caching and not req.block_table:  # admitted: name its prompt's blocks now, so
+            self._hashes(req, req.num_tokens // self.block_size)  # that twins can wait for them (computing_next)
+        for block_id in cached:
+            if self.ref_counts[block_id] == 0:
+                del self.evictable[block_id]
+            self.ref_counts[block_id] += 1
             req.block_table.append(block_id)
+        if cached:
+            req.num_cached_blocks = len(cached)
+        total = req.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
+        for _ in range(-(-total // self.block_size) - len(req.block_table)):
+            req.block_table.append(self._take())
         return True
 
     def free(self, req: Request) -> None:
@@ -55,5 +147,21 @@ class BlockManager:
         for block_id in reversed(req.block_table):
             self.ref_counts[block_id] -= 1
             if self.ref_counts[block_id] == 0:
-                self.free_block_ids.append(block_id)
+                if self.block_hash[block_id] is None:
+                    self.free_block_ids.append(block_id)
+                else:
+                    self.evictable[block_id] = None
         req.block_table = []
+        req.num_cached_blocks = 0
+
+    def _take(self) -> int:
+        """A free block: one holding nothing findable if any, else the least recently freed cached one."""
+        if self.free_block_ids:
+            block_id = self.free_block_ids.popleft()
+        else:
+            block_id, _ = self.evictable.popitem(last=False)
+            del self.cached[self.block_hash[block_id]]
+            self.block_hash[block_id] = None
+            self.num_evictions += 1
+        self.ref_counts[block_id] = 1
+        return block_id

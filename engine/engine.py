@@ -45,7 +45,9 @@ class Engine:
         self.vocab_size = self.runner.model_cfg.vocab_size
         self.eos_token_ids = list(self.runner.model_cfg.eos_token_ids)
         self._eos_set = frozenset(self.eos_token_ids)  # looked up once per sampled token
-        self.block_manager = BlockManager(facts.num_kv_blocks, config.block_size)
+        # the cache is this process's: the model and dtype are the same for every block, named for clarity
+        self.block_manager = BlockManager(facts.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+                                          f"{facts.model_path}|{facts.dtype}".encode())
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
             config.max_num_waiting_requests, config.scheduling_policy, config.scheduling_aging_seconds,
@@ -63,12 +65,12 @@ class Engine:
                      self.config.max_num_waiting_requests)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, deadline: float | None = None) -> None:
+                    priority: int = 0, deadline: float | None = None, cache_salt: str = "") -> None:
         self._check(request_id, prompt_token_ids, params)
         if deadline is None and self.config.request_timeout is not None:
             deadline = time.time() + self.config.request_timeout
-        req = Request(request_id, prompt_token_ids, params, priority, deadline,
-                      SamplingState(params))
+        req = Request(request_id, prompt_token_ids, params, priority, deadline, SamplingState(params),
+                      cache_salt)
         try:
             self.scheduler.add(req)
         except QueueFull as e:
@@ -89,7 +91,8 @@ class Engine:
     def stats(self) -> Stats:
         bm, s = self.block_manager, self.scheduler
         return Stats(len(s.waiting), len(s.running), bm.usage, bm.num_free_blocks, bm.num_blocks,
-                     s.num_preemptions, s.num_timeouts)
+                     s.num_preemptions, s.num_timeouts, s.prefix_cache_hit_rate, bm.num_evictions,
+                     s.kv_fragmentation)
 
     def step(self) -> list[Delta]:
         batch = self.scheduler.schedule()

@@ -28,6 +28,7 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "timeout"
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     stop_reason: int | str | None = None
 
 
@@ -83,6 +84,7 @@ class LLM:
                     if d.prompt_logprobs is not None:
                         out.prompt_logprobs = d.prompt_logprobs
                     out.finish_reason, out.stop_reason = d.finish_reason, d.stop_reason
+                    out.num_cached_tokens = d.num_cached_tokens
                     if d.request_id in choices:
                         choice, pieces = choices[d.request_id]
                         text, hit = choice.consume(d)

@@ -19,7 +19,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 class Kind(IntEnum):
@@ -272,18 +272,20 @@ class Add:
     params: SamplingParams
     priority: int = 0  # lower runs first (vLLM's convention)
     deadline: float | None = None  # unix seconds; None = none
+    cache_salt: str = ""  # prefix-cache blocks are shared only between requests with the same salt
     kind = Kind.ADD
 
     def to_wire(self) -> list:
-        return [self.request_id, list(self.prompt_token_ids), self.params.to_wire(), self.priority, self.deadline]
+        return [self.request_id, list(self.prompt_token_ids), self.params.to_wire(), self.priority, self.deadline,
+                self.cache_salt]
 
     @classmethod
     def from_wire(cls, p: list) -> Add:
-        rid, toks, params, prio, deadline = p
+        rid, toks, params, prio, deadline, salt = p
         if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
             raise ProtocolError("prompt_token_ids must be a list of ints")
         return cls(str(rid), toks, SamplingParams.from_wire(params), int(prio),
-                   None if deadline is None else float(deadline))
+                   None if deadline is None else float(deadline), str(salt))
 
 
 @dataclass
@@ -352,18 +354,22 @@ class Stats:
     num_kv_blocks: int = 0
     num_preemptions: int = 0  # since start
     num_timeouts: int = 0  # requests ended by their deadline, since start
+    prefix_cache_hit_rate: float = 0.0  # prompt tokens served from the prefix cache / prompt tokens, since start
+    num_evictions: int = 0  # cached blocks reused for other tokens, since start
+    kv_fragmentation: float = 0.0  # allocated KV slots holding no token / allocated slots
     kind = Kind.STATS
 
     def to_wire(self) -> list:
         return [self.num_waiting, self.num_running, self.kv_usage, self.num_free_blocks, self.num_kv_blocks,
-                self.num_preemptions, self.num_timeouts]
+                self.num_preemptions, self.num_timeouts, self.prefix_cache_hit_rate, self.num_evictions,
+                self.kv_fragmentation]
 
     @classmethod
     def from_wire(cls, p: list) -> Stats:
         if not p:  # a request for stats
             return cls()
-        w, r, u, f, n, pre, to = p
-        return cls(int(w), int(r), float(u), int(f), int(n), int(pre), int(to))
+        w, r, u, f, n, pre, to, hit, ev, frag = p
+        return cls(int(w), int(r), float(u), int(f), int(n), int(pre), int(to), float(hit), int(ev), float(frag))
 
 
 @dataclass

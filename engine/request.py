@@ -25,11 +25,12 @@ class Request:
         "status", "num_computed_tokens", "block_table",
         "finish_reason", "stop_reason", "sampling_state", "num_cached_tokens", "num_preemptions",
         "prompt_logprobs", "_all_token_ids", "stop_token_ids", "arrival_time", "queued_at", "waited",
-        "num_output_at_preemption",
+        "num_output_at_preemption", "cache_salt", "block_hashes", "num_cached_blocks",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 priority: int = 0, deadline: float | None = None, sampling_state: Any = None):
+                 priority: int = 0, deadline: float | None = None, sampling_state: Any = None,
+                 cache_salt: str = ""):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -45,7 +46,10 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_reason: int | None = None
         self.sampling_state = sampling_state
-        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
+        self.cache_salt = cache_salt  # blocks are shared only between requests with the same salt
+        self.block_hashes: list[bytes] = []  # chained hashes of its full blocks (block manager's, kept)
+        self.num_cached_blocks = 0  # leading blocks of block_table that are findable in the prefix cache
         self.num_preemptions = 0
         self.num_output_at_preemption = -1  # output tokens when last preempted
         self.arrival_time = 0.0  # unix seconds, set when first queued; kept across preemptions

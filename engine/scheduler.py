@@ -13,9 +13,12 @@ One step, in order:
    rank first (``engine.request_queue``: the policy is the waiting queue's
    order). In a step that carries decodes they are capped by
    ``engine.prefill_cap`` so the step costs about twice a decode-only one; a
-   step without decodes (an idle server) takes the whole token budget.
+   step without decodes (an idle server) takes the whole token budget. A request
+   being admitted starts after the longest prefix the block manager has cached
+   (all but its last token at most), and computes only the rest.
 
-Preemption is by recompute: the victim's blocks are freed and it waits again
+Preemption is by recompute: the victim's blocks are freed (its full blocks stay
+in the prefix cache until evicted, so it resumes cheaply) and it waits again
 (keeping its arrival time, so its rank). When a running request needs a block
 and none is free, the worst-ranked running request goes (the most recently
 admitted among equals; under fcfs the latest arrival), possibly the one asking.
@@ -108,6 +111,8 @@ class Scheduler:
         self.now = clock()  # this step's time
         self.num_preemptions = 0  # since start, for stats
         self.num_timeouts = 0
+        self.num_prompt_tokens = 0  # of admitted requests, since start: the prefix cache's hit rate
+        self.num_cached_prompt_tokens = 0
 
     def add(self, req: Request) -> None:
         if len(self.waiting) >= self.max_num_waiting_requests:
@@ -141,6 +146,7 @@ class Scheduler:
         """After the model ran ``batch`` in ``seconds``: the scheduled tokens are in the cache."""
         for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
             req.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(req)
         self.prefill_cap.observe(batch.num_decodes, batch.num_prompt_tokens, seconds)
 
     def finish(self, req: Request, reason: str) -> None:
@@ -152,6 +158,20 @@ class Scheduler:
         self.block_manager.free(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Prompt tokens served from the prefix cache over prompt tokens admitted, since start."""
+        return self.num_cached_prompt_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
+
+    @property
+    def kv_fragmentation(self) -> float:
+        """Allocated KV slots holding no token, over all allocated slots (only a request's last block has
+        empty slots: shared blocks are full)."""
+        bs = self.block_manager.block_size
+        allocated = self.block_manager.num_used_blocks * bs
+        empty = sum(len(r.block_table) * bs - r.num_computed_tokens for r in self.running)
+        return empty / allocated if allocated else 0.0
 
     # ------------------------------------------------------------------ internals
 
@@ -185,12 +205,24 @@ class Scheduler:
                 continue
             if head is None:
                 break
-            n = min(head.num_tokens - head.num_computed_tokens, limit - batch.num_prompt_tokens)
+            bm = self.block_manager
+            cacheable = _cacheable_tokens(head)
+            cached = bm.match_prefix(head, cacheable)
+            if bm.computing_next(head, len(cached), cacheable, self.running):
+                admit = False  # a running twin is computing its next blocks: wait for them, then hit
+                continue
+            hit = len(cached) * bm.block_size
+            n = min(head.num_tokens - hit, limit - batch.num_prompt_tokens)
             # a resumed request comes back only when its whole context fits: back in part, it would
             # just be pushed out again
-            fits = not head.num_preemptions or self.block_manager.can_allocate(head, head.num_tokens + 1)
-            if len(self.running) < self.max_num_seqs and fits and self.block_manager.allocate(head, n):
+            fits = not head.num_preemptions or bm.can_allocate(head, head.num_tokens + 1 - hit, cached)
+            if len(self.running) < self.max_num_seqs and fits and bm.allocate(head, n, cached):
                 self.waiting.pop()
+                head.num_computed_tokens = hit
+                if not head.num_preemptions:  # first admission: what the client is told, and the hit rate
+                    head.num_cached_tokens = hit
+                    self.num_prompt_tokens += head.num_prompt_tokens
+                    self.num_cached_prompt_tokens += hit
                 head.waited += self.now - head.queued_at
                 head.status = Status.RUNNING
                 self.running.append(head)
@@ -249,3 +281,13 @@ class Scheduler:
         req.queued_at = self.now
         self.waiting.requeue(req)
         batch.preempted.append(req)
+
+
+def _cacheable_tokens(req: Request) -> int:
+    """How many of ``req``'s leading tokens may come from the prefix cache: all but the last (its logits
+    are needed), and none whose prompt logprobs are still to be computed."""
+    n = req.num_tokens - 1
+    done = req.prompt_logprobs or [None]  # position p's logprob sits at index p + 1
+    if req.params.prompt_logprobs is not None and len(done) < req.num_prompt_tokens:
+        n = min(n, len(done) - 1)
+    return n

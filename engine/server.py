@@ -169,7 +169,8 @@ class EngineActor:
                              f"request id {msg.request_id!r} is already running")
             return
         try:
-            self.engine.add_request(iid, msg.prompt_token_ids, msg.params, msg.priority, msg.deadline)
+            self.engine.add_request(iid, msg.prompt_token_ids, msg.params, msg.priority, msg.deadline,
+                                        msg.cache_salt)
         except Exception as e:  # noqa: BLE001 - RequestError carries status; anything else is a 500
             status = getattr(e, "status", None)
             if isinstance(status, int):

@@ -64,3 +64,175 @@ def test_free_returns_blocks_tail_first():
 def test_needs_at_least_one_block():
     with pytest.raises(ValueError):
         BlockManager(0, 16)
+
+
+# ---------------------------------------------------------------------- prefix caching
+# Block size 4 throughout: a request's tokens are computed by hand (``compute``) as a step would.
+
+
+def cached_bm(num_blocks: int = 8) -> BlockManager:
+    return BlockManager(num_blocks, block_size=4, enable_prefix_caching=True, hash_seed=b"tiny|float32")
+
+
+def tokens_req(tokens: list[int], rid: str, salt: str = "") -> Request:
+    return Request(rid, tokens, SamplingParams(), cache_salt=salt)
+
+
+def admit(bm: BlockManager, r: Request) -> int:
+    """What the scheduler does: take the cached prefix (all but the last token), allocate the rest,
+    compute it all. Returns the number of cached tokens."""
+    cached = bm.match_prefix(r, r.num_tokens - 1)
+    hit = len(cached) * bm.block_size
+    assert bm.allocate(r, r.num_tokens - hit, cached)
+    r.num_computed_tokens = r.num_tokens
+    bm.cache_full_blocks(r)
+    return hit
+
+
+PROMPT = list(range(100, 110))  # 10 tokens: blocks [100..103] [104..107] and a partial [108, 109]
+
+
+def test_a_full_hit_reuses_every_full_block_and_computes_the_rest():
+    bm = cached_bm()
+    a = tokens_req(PROMPT, "a")
+    assert admit(bm, a) == 0
+    assert a.block_table == [0, 1, 2]
+    b = tokens_req(PROMPT, "b")
+    assert admit(bm, b) == 8
+    assert b.block_table == [0, 1, 3]  # the partial last block is its own
+    assert bm.ref_counts[:4] == [2, 2, 1, 1]
+    assert bm.num_free_blocks == 4
+
+
+def test_the_last_token_is_always_computed():
+    bm = cached_bm()
+    a = tokens_req(PROMPT[:8], "a")  # exactly two blocks
+    admit(bm, a)
+    b = tokens_req(PROMPT[:8], "b")
+    assert admit(bm, b) == 4  # block 1 holds the last token, whose logits are needed: recomputed
+    assert b.block_table == [0, 2]
+
+
+def test_divergence_mid_block_hits_only_the_whole_blocks_before_it():
+    bm = cached_bm()
+    admit(bm, tokens_req(PROMPT, "a"))  # [0, 1, 2]
+    b = tokens_req(PROMPT[:6] + [7, 7, 7, 7], "b")  # differs from token 6, inside block 1
+    assert admit(bm, b) == 4
+    assert b.block_table == [0, 3, 4]
+    c = tokens_req([1] + PROMPT[1:], "c")  # differs in the first token: the chain breaks at once
+    assert admit(bm, c) == 0
+    assert c.block_table == [5, 6, 7]
+
+
+def test_same_tokens_after_a_different_prefix_do_not_hit():
+    bm = cached_bm()
+    admit(bm, tokens_req([1, 2, 3, 4] + PROMPT[4:], "a"))
+    b = tokens_req([5, 6, 7, 8] + PROMPT[4:], "b")  # block 1 has the same tokens, another parent
+    assert admit(bm, b) == 0
+
+
+def test_salts_isolate_tenants():
+    bm = cached_bm(12)
+    admit(bm, tokens_req(PROMPT, "a", salt="tenant-1"))
+    assert admit(bm, tokens_req(PROMPT, "b", salt="tenant-2")) == 0
+    assert admit(bm, tokens_req(PROMPT, "c")) == 0
+    assert admit(bm, tokens_req(PROMPT, "d", salt="tenant-1")) == 8
+
+
+def test_freed_blocks_stay_cached_count_as_free_and_are_hit_again():
+    bm = cached_bm()
+    a = tokens_req(PROMPT, "a")
+    admit(bm, a)
+    bm.free(a)
+    assert bm.num_free_blocks == 8 and bm.usage == 0.0
+    # the partial block holds nothing findable: plainly free; the full ones wait, tail first
+    assert list(bm.free_block_ids) == [3, 4, 5, 6, 7, 2]
+    assert list(bm.evictable) == [1, 0]
+    b = tokens_req(PROMPT, "b")
+    assert admit(bm, b) == 8
+    assert b.block_table == [0, 1, 3]
+    assert list(bm.evictable) == []
+    assert bm.ref_counts[:2] == [1, 1]
+
+
+def test_eviction_takes_plain_free_blocks_first_then_least_recently_freed_tail_first():
+    bm = cached_bm(6)
+    a = tokens_req(PROMPT, "a")
+    admit(bm, a)  # [0, 1, 2]
+    b = tokens_req(list(range(200, 206)), "b")
+    admit(bm, b)  # [3, 4]: one full block, one partial
+    bm.free(a)  # evictable: 1, 0; plain: 5, 2
+    bm.free(b)  # evictable: 1, 0, 3; plain: 5, 2, 4
+    assert list(bm.evictable) == [1, 0, 3]
+    c = tokens_req(list(range(300, 316)), "c")  # 4 blocks: the 3 plain ones, then evicts block 1
+    cached = bm.match_prefix(c, 15)
+    assert cached == []
+    assert bm.allocate(c, 16)
+    assert c.block_table == [5, 2, 4, 1]
+    assert bm.num_evictions == 1
+    assert list(bm.evictable) == [0, 3]
+    # a's chain lost its second block: a repeat of a hits only the first
+    a2 = tokens_req(PROMPT, "a2")
+    assert bm.match_prefix(a2, 9) == [0]
+
+
+def test_a_hit_on_a_free_cached_block_counts_it_as_taken():
+    bm = cached_bm(3)
+    a = tokens_req(PROMPT, "a")
+    admit(bm, a)
+    bm.free(a)  # evictable: 1, 0; plain: 2
+    b = tokens_req(PROMPT, "b")
+    cached = bm.match_prefix(b, 9)
+    assert cached == [0, 1]
+    assert bm.blocks_needed(b, 2, cached) == 3  # the two cached blocks leave the free pool, plus one new
+    assert bm.can_allocate(b, 2, cached)
+    assert not bm.can_allocate(b, 6, cached)  # two new blocks would have to evict its own prefix
+
+
+def test_identical_blocks_computed_side_by_side_stay_private():
+    bm = cached_bm()
+    a, b = tokens_req(PROMPT, "a"), tokens_req(PROMPT, "b")
+    for r in (a, b):  # both admitted before either is computed: no hit
+        assert bm.match_prefix(r, 9) == []
+        bm.allocate(r, 10)
+    for r in (a, b):
+        r.num_computed_tokens = 10
+        bm.cache_full_blocks(r)
+    assert bm.cached == {a.block_hashes[0]: 0, a.block_hashes[1]: 1}
+    bm.free(b)
+    assert list(bm.free_block_ids)[-3:] == [5, 4, 3]  # b's blocks are plain free
+    assert bm.ref_counts[:3] == [1, 1, 1]
+
+
+def test_computing_next_sees_a_twin_that_has_not_computed_its_prompt_yet():
+    bm = cached_bm()
+    a = tokens_req(PROMPT, "a")
+    assert bm.allocate(a, 10)  # admitted, not yet computed
+    b = tokens_req(PROMPT, "b")
+    assert bm.match_prefix(b, 9) == []
+    assert bm.computing_next(b, 0, 9, [a])
+    assert not bm.computing_next(tokens_req([1] + PROMPT[1:], "c"), 0, 9, [a])
+    a.num_computed_tokens = 10
+    bm.cache_full_blocks(a)
+    assert not bm.computing_next(b, 0, 9, [a])  # computed: a hit now
+    assert bm.match_prefix(b, 9) == [0, 1]
+
+
+def test_outputs_fill_blocks_that_are_cached_too():
+    bm = cached_bm()
+    a = tokens_req(PROMPT[:7], "a")
+    admit(bm, a)  # [0, 1], 7 tokens
+    a.append_token(107)
+    assert bm.allocate(a, 1)
+    a.num_computed_tokens = 8
+    bm.cache_full_blocks(a)  # block 1 is full now: a later turn of the chat hits it
+    assert admit(bm, tokens_req(PROMPT, "b")) == 8
+
+
+def test_disabled_caching_shares_nothing():
+    bm = BlockManager(8, 4)
+    a = tokens_req(PROMPT, "a")
+    admit(bm, a)
+    bm.free(a)
+    assert list(bm.evictable) == [] and bm.cached == {}
+    assert admit(bm, tokens_req(PROMPT, "b")) == 0

@@ -22,15 +22,16 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama) -> list[list[int]]:
-    """Each prompt alone, unchunked, with plenty of blocks."""
-    llm = LLM(tiny_llama, num_kv_blocks=512, max_model_len=512)
+    """Each prompt alone, unchunked, with plenty of blocks and no prefix caching."""
+    llm = LLM(tiny_llama, num_kv_blocks=512, max_model_len=512, enable_prefix_caching=False)
     return [llm.generate(p, GREEDY)[0].token_ids for p in prompts(6)]
 
 
 def assert_all_blocks_free(llm: LLM) -> None:
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
-    assert sorted(bm.free_block_ids) == list(range(bm.num_blocks))
+    assert sorted([*bm.free_block_ids, *bm.evictable]) == list(range(bm.num_blocks))
+    assert not any(bm.ref_counts)
     assert not llm.engine.has_work() and not llm.engine.requests
 
 
