@@ -3,6 +3,8 @@
 Exact orders with a fake clock; torch-free and fast.
 """
 
+from collections import Counter
+
 import pytest
 
 from engine.block_manager import BlockManager
@@ -20,9 +22,10 @@ class Clock:
         return self.now
 
 
-def make(policy="fcfs", num_blocks=32, block_size=4, max_num_seqs=4, budget=100, cap=None, aging=10.0):
+def make(policy="fcfs", num_blocks=32, block_size=4, max_num_seqs=4, budget=100, cap=None, aging=10.0,
+         prefix_caching=False):
     clock = Clock()
-    bm = BlockManager(num_blocks, block_size)
+    bm = BlockManager(num_blocks, block_size, prefix_caching)
     s = Scheduler(bm, max_num_seqs, budget, 64, policy, aging, PrefillCap(budget, fixed=cap), clock)
     return s, bm, clock
 
@@ -322,15 +325,18 @@ def test_random_traffic_keeps_every_invariant_and_finishes(policy, seed):
 
     rng = random.Random(seed)
     s, bm, clock = make(policy, num_blocks=rng.choice([6, 12, 40]), block_size=4, max_num_seqs=rng.choice([1, 3, 8]),
-                        budget=rng.choice([4, 16, 64]), cap=rng.choice([None, 2, 8]), aging=rng.choice([0.5, 30.0]))
+                        budget=rng.choice([4, 16, 64]), cap=rng.choice([None, 2, 8]), aging=rng.choice([0.5, 30.0]),
+                        prefix_caching=seed % 2 == 0)
     live: list[Request] = []
+    kv: dict[int, int] = {}  # slot -> the token whose K/V it holds: a hit must never serve other tokens
     for n in range(5000):  # 250 steps of arrivals, then until all are done (a livelock would use them all)
         if n >= 250 and not s.has_work():
             break
         if n < 250 and rng.random() < 0.3:
             max_tokens = rng.randint(1, 6)  # prompt + max_tokens fit the cache, as the engine's length check makes sure
             prompt = rng.randint(1, min(20, bm.num_blocks * bm.block_size - max_tokens))
-            r = Request(f"r{n}", [1] * prompt, SamplingParams(max_tokens=max_tokens),
+            # two token values only: prompts share prefixes often, so blocks are hit, shared and evicted
+            r = Request(f"r{n}", [rng.choice([1, 1, 1, 2]) for _ in range(prompt)], SamplingParams(max_tokens=max_tokens),
                         rng.randint(-2, 2), clock.now + rng.uniform(0.5, 30) if rng.random() < 0.2 else None)
             s.add(r)
             live.append(r)
@@ -341,10 +347,17 @@ def test_random_traffic_keeps_every_invariant_and_finishes(policy, seed):
         assert all(r.status is Status.RUNNING for r in batch.requests)
         assert len(s.running) <= s.max_num_seqs
         assert all(not r.block_table for r in s.waiting)
-        assert bm.num_free_blocks + sum(len(r.block_table) for r in s.running) == bm.num_blocks
+        holders = Counter(b for r in s.running for b in r.block_table)
+        assert bm.num_free_blocks + len(holders) == bm.num_blocks
+        assert all(bm.ref_counts[b] == (holders[b]) for b in range(bm.num_blocks))
         for r, k in zip(batch.requests, batch.num_new_tokens, strict=True):
             assert 1 <= k and r.num_computed_tokens + k <= r.num_tokens
             assert len(r.block_table) * bm.block_size >= r.num_computed_tokens + k
+            slot = [r.block_table[p // bm.block_size] * bm.block_size + p % bm.block_size
+                    for p in range(r.num_computed_tokens + k)]
+            assert [kv.get(x) for x in slot[:r.num_computed_tokens]] == r.all_token_ids[:r.num_computed_tokens]
+            c = r.num_computed_tokens
+            kv.update(zip(slot[c:], r.all_token_ids[c:c + k], strict=True))  # the step writes its new K/V
         s.update_from_output(batch, 0.01)
         for r in batch.requests:
             if r.num_computed_tokens == r.num_tokens:
