@@ -226,7 +226,13 @@ def _http_overrides(args: argparse.Namespace) -> dict:
 
 
 def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import logging
+
+    from engine.launcher import LOG_FORMAT
     from engine.protocol import SamplingParams
+
+    # quiet by default: stdout is the text; TOKENMILL_LOG_LEVEL=INFO shows what start-up found
+    logging.basicConfig(level=os.environ.get("TOKENMILL_LOG_LEVEL", "WARNING"), format=LOG_FORMAT, stream=sys.stderr)
 
     kwargs = _config_kwargs(args)
     try:

@@ -16,6 +16,7 @@ from engine.model_runner import ModelRunner, StepResult
 from engine.prefill_cap import PrefillCap
 from engine.protocol import Delta, Ready, SamplingParamError, SamplingParams, Stats
 from engine.request import Request
+from engine.runtime import kv_block_bytes
 from engine.sampler import SamplingState
 from engine.scheduler import PromptTooLong, QueueFull, ScheduledBatch, Scheduler
 
@@ -39,8 +40,10 @@ class Engine:
         facts = self.runner.facts
         capacity = facts.num_kv_blocks * config.block_size
         if capacity < facts.max_model_len:  # never advertise a length the cache cannot hold
-            log.warning("the KV cache holds %d tokens: max_model_len lowered from %d", capacity,
-                        facts.max_model_len)
+            log.warning("max_model_len lowered from %d to %d: the KV cache holds only %d blocks of %d tokens "
+                        "(give it more memory with --kv-cache-memory on CPU or --gpu-memory-utilization on "
+                        "CUDA, or ask for a smaller --max-model-len)", facts.max_model_len, capacity,
+                        facts.num_kv_blocks, config.block_size)
         self.max_model_len = min(facts.max_model_len, capacity)
         self.vocab_size = self.runner.model_cfg.vocab_size
         self.eos_token_ids = list(self.runner.model_cfg.eos_token_ids)
@@ -53,9 +56,13 @@ class Engine:
             config.max_num_waiting_requests, config.scheduling_policy, config.scheduling_aging_seconds,
             PrefillCap(config.max_num_batched_tokens, config.long_prefill_token_threshold))
         self.requests: dict[str, Request] = {}
-        log.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
-                 self.model_name, facts.device, facts.dtype, facts.num_kv_blocks, config.block_size,
-                 self.max_model_len)
+        per_token = kv_block_bytes(self.runner.model_cfg, 1, facts.dtype)
+        log.info("engine ready: %s on %s (%s); KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, "
+                 "%d bytes per token), prefix caching %s; max_model_len %d: at most %.1f requests of that "
+                 "length at once", self.model_name, facts.device, str(facts.dtype).removeprefix("torch."),
+                 facts.num_kv_blocks, config.block_size, capacity, capacity * per_token / 2**30, per_token,
+                 "on" if config.enable_prefix_caching else "off", self.max_model_len,
+                 capacity / self.max_model_len)
 
     # ------------------------------------------------------------------ the actor's interface
 

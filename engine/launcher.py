@@ -114,6 +114,9 @@ def _engine_main(config: EngineConfig, address: str, conn: Connection, parent_pi
 
     try:
         run_engine(config, address, ready=lambda: _report(conn, "ready"))
+    except ValueError as e:  # a setting the model or the machine cannot meet: the message says what to fix
+        _report(conn, "error", f"{type(e).__name__}: {e}")
+        sys.exit(1)
     except BaseException as e:
         _report(conn, "error", f"{type(e).__name__}: {e}")
         raise

@@ -15,9 +15,17 @@ import torch
 from engine.attention import build_metadata
 from engine.config import EngineConfig
 from engine.loader import build_model, load_model_config
+from engine.protocol import SamplingParams
 from engine.request import Request
-from engine.runtime import RuntimeFacts, count_kv_blocks, pick_device, pick_dtype, pick_max_model_len
-from engine.sampler import Sampler, SamplerOutput, compute_logprobs
+from engine.runtime import (
+    RuntimeFacts,
+    count_kv_blocks,
+    measured_cuda_budget,
+    pick_device,
+    pick_dtype,
+    pick_max_model_len,
+)
+from engine.sampler import Sampler, SamplerOutput, SamplingState, compute_logprobs
 from engine.scheduler import ScheduledBatch
 
 
@@ -35,20 +43,57 @@ class ModelRunner:
         max_model_len = pick_max_model_len(config, self.model_cfg, device)
         torch.manual_seed(config.seed)
         self.model = build_model(model_path, self.model_cfg, max_model_len, dtype, device)
-        num_blocks = count_kv_blocks(config, self.model_cfg, device, dtype, max_model_len)
-        self.facts = RuntimeFacts(model_path, device, dtype, max_model_len, num_blocks)
-        self.block_size = config.block_size
-        self._allocate_kv_cache()
+        self.block_size, self.device, self.dtype = config.block_size, device, dtype
         self.sampler = Sampler(self.model_cfg.vocab_size, list(self.model_cfg.eos_token_ids), device, config.seed)
+        cuda_budget = None
+        if device.type == "cuda" and config.num_kv_blocks is None:
+            # the KV cache gets what is left after the weights and the largest step's activations
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+            self.profile_run(min(config.max_num_batched_tokens, config.max_num_seqs * max_model_len),
+                             config.max_num_seqs, max_model_len)
+            cuda_budget = measured_cuda_budget(config, device)
+            torch.cuda.empty_cache()
+        num_blocks = count_kv_blocks(config, self.model_cfg, device, dtype, max_model_len, cuda_budget)
+        self.facts = RuntimeFacts(model_path, device, dtype, max_model_len, num_blocks)
+        self._allocate_kv_cache()
 
     def _allocate_kv_cache(self) -> None:
-        cfg, f = self.model_cfg, self.facts
-        shape = (2, cfg.num_layers, f.num_kv_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_cache = self._attach_kv_cache(self.facts.num_kv_blocks)
+
+    def _attach_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        cfg = self.model_cfg
+        shape = (2, cfg.num_layers, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
         # Zeros, not empty: padded slots are read (masked) by attention, and NaN * 0 is NaN.
-        self.kv_cache = torch.zeros(shape, dtype=f.dtype, device=f.device)
+        cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(self.model.layers):
-            layer.self_attn.attn.k_cache = self.kv_cache[0, i]
-            layer.self_attn.attn.v_cache = self.kv_cache[1, i]
+            layer.self_attn.attn.k_cache = cache[0, i]
+            layer.self_attn.attn.v_cache = cache[1, i]
+        return cache
+
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int, num_seqs: int, max_model_len: int) -> None:
+        """The step with the largest activations, run once so that CUDA can measure its peak: a forward
+        of ``num_tokens`` prompt tokens (in sequences of at most ``max_model_len``) and the sampler's
+        heaviest path (top-k, top-p) over ``num_seqs`` rows. The KV cache is a temporary one."""
+        lens = [max_model_len] * (num_tokens // max_model_len) + [num_tokens % max_model_len]
+        lens = [n for n in lens if n]
+        kept = getattr(self, "kv_cache", None)
+        self._attach_kv_cache(sum(-(-n // self.block_size) for n in lens))
+        tables, first = [], 0
+        for n in lens:
+            tables.append(list(range(first, first + -(-n // self.block_size))))
+            first += len(tables[-1])
+        positions, meta = build_metadata(lens, [0] * len(lens), tables, self.block_size, self.device)
+        hidden = self.model(torch.zeros(num_tokens, dtype=torch.int64, device=self.device), positions, meta)
+        logits = self.model.compute_logits(hidden[-1:].expand(num_seqs, -1))
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
+        self.sampler(logits, [params] * num_seqs, [SamplingState(params) for _ in range(num_seqs)],
+                     [[0]] * num_seqs, [[]] * num_seqs)
+        if kept is not None:  # called again on a running engine (tests): put the real cache back
+            self.kv_cache = kept
+            for i, layer in enumerate(self.model.layers):
+                layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache = kept[0, i], kept[1, i]
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepResult:

@@ -56,16 +56,31 @@ def kv_block_bytes(model_cfg: ModelConfig, block_size: int, dtype: torch.dtype) 
     return 2 * model_cfg.num_layers * block_size * model_cfg.num_kv_heads * model_cfg.head_dim * elt
 
 
+def cuda_kv_budget(total: int, free: int, reserved: int, peak: int, utilization: float) -> int:
+    """Bytes for the KV cache on a card of ``total`` bytes with ``free`` free, after a profiling forward
+    whose peak allocation (weights + activations) was ``peak``, with ``reserved`` held by PyTorch now:
+    ``utilization`` of the card, less that peak, less what other processes (and the CUDA context) hold."""
+    others = total - free - reserved
+    return int(total * utilization - peak - others)
+
+
+def measured_cuda_budget(config: EngineConfig, device: torch.device) -> int:
+    """``cuda_kv_budget`` with the numbers of now (call right after the profiling forward)."""
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    return cuda_kv_budget(total, free, torch.cuda.memory_reserved(device), torch.cuda.max_memory_allocated(device),
+                          config.gpu_memory_utilization)
+
+
 def count_kv_blocks(config: EngineConfig, model_cfg: ModelConfig, device: torch.device,
-                    dtype: torch.dtype, max_model_len: int) -> int:
-    """Blocks that fit in the cache's memory (call after the weights are on the device)."""
+                    dtype: torch.dtype, max_model_len: int, cuda_budget: int | None = None) -> int:
+    """Blocks that fit in the cache's memory: on CUDA ``cuda_budget`` (``measured_cuda_budget``), on
+    the CPU ``kv_cache_memory``."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     per_block = kv_block_bytes(model_cfg, config.block_size, dtype)
     if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        # Leave (1 - utilization) of the card, plus headroom for activations and the sampler.
-        budget = total * config.gpu_memory_utilization - (total - free) - (1 << 30)
+        budget = cuda_budget
     else:
         budget = config.kv_cache_memory or CPU_KV_CACHE_BYTES
     # More than every sequence at full length could use is memory wasted.

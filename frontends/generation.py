@@ -4,7 +4,9 @@ A ``Generation`` sends one engine request per choice (prompts x n) onto one
 shared ``Stream``, turns each batch of deltas into per-choice updates (new text
 through the detokenizer and stop strings, logprob entries, finish reasons),
 aborts a request in the engine as soon as a stop string ends it, and aborts
-whatever is unfinished when the caller goes away (``abort_unfinished``).
+whatever is unfinished when the caller goes away (``abort_unfinished``). It
+also counts the call's tokens for ``usage``, the OpenAI shape every endpoint
+answers with, prompt tokens served from the engine's prefix cache included.
 """
 
 from __future__ import annotations
@@ -81,12 +83,14 @@ class Update:
 class Generation:
     def __init__(self, client: EngineClient, codec: TextCodec, api_id: str, prompts: list[list[int]], n: int,
                  params_for: Callable[[int], SamplingParams], priority: int = 0,
-                 stop: StopMatcher | None = None, deadline: float | None = None) -> None:
+                 stop: StopMatcher | None = None, deadline: float | None = None, cache_salt: str = "") -> None:
         """``stop``: the stop strings' automaton, built once for every choice (they share ``params.stop``).
 
-        ``priority`` and ``deadline`` (unix seconds; None: the engine's default) go to every choice's request."""
+        ``priority``, ``deadline`` (unix seconds; None: the engine's default) and ``cache_salt`` ("": none)
+        go to every choice's request."""
         self.client = client
         self.prompts = prompts
+        self.n = n  # choices p*n .. p*n+n-1 are prompt p's
         self.stream = Stream()
         self.choices: list[Choice] = []
         self._params = []
@@ -99,13 +103,14 @@ class Generation:
         self._by_id = {c.request_id: c for c in self.choices}
         self._priority = priority
         self.deadline = deadline
+        self.cache_salt = cache_salt
         self.want_logprobs = self._params[0].logprobs is not None
 
     def start(self) -> None:
         try:
             for c, params in zip(self.choices, self._params, strict=True):
                 self.client.add(c.request_id, c.prompt_ids, params, self._priority, self.deadline,
-                                stream=self.stream)
+                                stream=self.stream, cache_salt=self.cache_salt)
         except EngineUnavailable as e:
             self.abort_unfinished()
             raise ApiError(503, f"Engine unavailable: {e}") from None
@@ -168,6 +173,23 @@ class Generation:
     def num_completion_tokens(self) -> int:
         return sum(c.num_tokens for c in self.choices)
 
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache, each prompt counted once as in ``num_prompt_tokens``.
+
+        A prompt's n choices are n engine requests that may hit the cache differently (the first may
+        fill what the others then hit): the least of them is what the prompt surely got, and never
+        more than its length. A choice with no first delta yet counts 0."""
+        n = self.n
+        return sum(min(len(prompt), *(c.num_cached_tokens for c in self.choices[p * n:(p + 1) * n]))
+                   for p, prompt in enumerate(self.prompts))
+
     def usage(self) -> dict:
-        p, c = self.num_prompt_tokens, self.num_completion_tokens
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        return usage_dict(self.num_prompt_tokens, self.num_completion_tokens, self.num_cached_tokens)
+
+
+def usage_dict(prompt_tokens: int = 0, completion_tokens: int = 0, cached_tokens: int = 0) -> dict:
+    """OpenAI's ``usage`` object; ``prompt_tokens_details.cached_tokens`` is how OpenAI reports prefix-cache hits."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}

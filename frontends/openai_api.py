@@ -10,6 +10,9 @@ API key when keys are configured; all of them follow the origin rule of
 Scheduling fields: ``priority`` (lower runs first) and ``timeout`` (seconds, sent
 as a deadline that the engine enforces): a call it ends before any token gets a
 408, otherwise its choices end with finish_reason "timeout" and the text so far.
+``cache_salt`` (vLLM's field) keeps a request's prefix-cache hits among requests
+with the same salt; ``usage.prompt_tokens_details.cached_tokens`` says how many
+prompt tokens came from that cache.
 A full engine queue is a 429 with Retry-After. ``/health`` shows the engine's
 latest stats, as the client's liveness pings brought them: it never waits on the
 engine.
@@ -50,7 +53,9 @@ def stats_fields(s: Stats) -> dict:
     """The engine's numbers as /health and the WebSocket ``stats`` message show them."""
     return {"num_waiting": s.num_waiting, "num_running": s.num_running, "kv_usage": s.kv_usage,
             "num_free_blocks": s.num_free_blocks, "num_kv_blocks": s.num_kv_blocks,
-            "num_preemptions": s.num_preemptions, "num_timeouts": s.num_timeouts}
+            "num_preemptions": s.num_preemptions, "num_timeouts": s.num_timeouts,
+            "prefix_cache_hit_rate": s.prefix_cache_hit_rate, "num_evictions": s.num_evictions,
+            "kv_fragmentation": s.kv_fragmentation}
 
 
 def _timed_out(started: float) -> ApiError:
@@ -179,6 +184,7 @@ class OpenAIApi:
         """A /v1/completions body checked and turned into an unstarted generation (also used over WebSocket)."""
         op.check_model(data, self.model)
         deadline, priority = op.parse_deadline(data), op.parse_priority(data)
+        cache_salt = op.parse_cache_salt(data)
         n = op.parse_n(data)
         prompts = await op.parse_prompts(data, self._encode, self.codec.vocab_size, self.max_chars)
         echo = op.field(data, "echo", bool, False)
@@ -195,7 +201,7 @@ class OpenAIApi:
         self._require_engine()
         api_id = self._new_id("cmpl")
         gen = Generation(self.client, self.codec, api_id, prompts, n, self._seeded(base), priority, stop,
-                         deadline)
+                         deadline, cache_salt)
         return gen, _CompletionFormat(self, api_id, gen, echo, logprobs is not None)
 
     # ------------------------------------------------------------------ chat
@@ -207,6 +213,7 @@ class OpenAIApi:
         """A /v1/chat/completions body checked and turned into an unstarted generation."""
         op.check_model(data, self.model)
         deadline, priority = op.parse_deadline(data), op.parse_priority(data)
+        cache_salt = op.parse_cache_salt(data)
         messages = op.parse_messages(data, self.max_chars)
         n = op.parse_n(data)
         want_logprobs = op.field(data, "logprobs", bool, False)
@@ -228,7 +235,7 @@ class OpenAIApi:
         self._require_engine()
         api_id = self._new_id("chatcmpl")
         gen = Generation(self.client, self.codec, api_id, [prompt], n, self._seeded(base), priority, stop,
-                         deadline)
+                         deadline, cache_salt)
         return gen, _ChatFormat(self, api_id, gen, want_logprobs)
 
     # ------------------------------------------------------------------ running a generation

@@ -31,6 +31,7 @@ MAX_DETOKENIZE_TOKENS = 1 << 17  # token ids in one /detokenize call
 MAX_SAMPLING_ENTRIES = 16384
 PRIORITY_RANGE = (-(2**31), 2**31 - 1)  # an int32, as vLLM's: the engine keys a heap on it
 MAX_TIMEOUT_S = 1e6  # about 11.6 days: longer is a typo or an attack on the deadline arithmetic
+MAX_CACHE_SALT_CHARS = 256  # the engine hashes it into every block key of the request: keep it short
 
 
 def parse_json(body: bytes | bytearray) -> dict[str, Any]:
@@ -232,6 +233,18 @@ def parse_deadline(data: dict) -> float | None:
         raise ApiError(400, f"timeout must be a positive number of seconds, at most {MAX_TIMEOUT_S:.0f}, "
                        f"got {t!r}", param="timeout")
     return time.time() + t
+
+
+def parse_cache_salt(data: dict) -> str:
+    """``cache_salt`` (vLLM's extra field): prefix-cache blocks are shared only between requests with the
+    same salt, so a tenant's prompts cannot be probed through another's cache hits. "" (no salt) when absent."""
+    salt = field(data, "cache_salt", str, None)
+    if salt is None:
+        return ""
+    if not 0 < len(salt) <= MAX_CACHE_SALT_CHARS:
+        raise ApiError(400, f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters, "
+                       f"got {len(salt)} characters", param="cache_salt")
+    return salt
 
 
 def parse_n(data: dict) -> int:

@@ -18,18 +18,20 @@ One connection carries many generations, each named by a client-chosen ``id``::
 
 Bodies are checked by the same code as the HTTP API (``OpenAIApi.completion_job``
 / ``chat_job``), so the same request gives the same tokens and the same errors;
-only ``n`` = 1 and one prompt per message. Their ``priority`` and ``timeout``
-work as over HTTP, except that a generation that reaches its deadline always ends
-with a ``done`` whose finish_reason is "timeout", even before its first token
-(HTTP answers that case with a 408). An error worth retrying later (the engine's
-queue is full: 429) carries ``"retry_after": <seconds>`` beside ``error``, as HTTP
-sends a Retry-After header beside the body. A cancel (or the socket closing)
-aborts the engine request at once. The client is never waited for: what it has
-not read piles up in the transport, and past ``max_buffered_bytes`` the
-connection is closed with 1008 and its generations aborted, so a stalled reader
-costs neither the engine nor other clients anything. Nor does a flood: stats
-messages share one engine round trip per connection, and past
-``max_frames_per_second`` (a token bucket) the socket is closed with 1008.
+only ``n`` = 1 and one prompt per message. ``done``'s usage is HTTP's, prefix-cache
+hits (``prompt_tokens_details.cached_tokens``) included. Their ``priority``,
+``timeout`` and ``cache_salt`` work as over HTTP, except that a generation that
+reaches its deadline always ends with a ``done`` whose finish_reason is
+"timeout", even before its first token (HTTP answers that case with a 408). An
+error worth retrying later (the engine's queue is full: 429) carries
+``"retry_after": <seconds>`` beside ``error``, as HTTP sends a Retry-After header
+beside the body. A cancel (or the socket closing) aborts the engine request at
+once. The client is never waited for: what it has not read piles up in the
+transport, and past ``max_buffered_bytes`` the connection is closed with 1008
+and its generations aborted, so a stalled reader costs neither the engine nor
+other clients anything. Nor does a flood: stats messages share one engine round
+trip per connection, and past ``max_frames_per_second`` (a token bucket) the
+socket is closed with 1008.
 
 Auth: the HTTP API's keys, from ``Authorization: Bearer`` or, for browsers, a
 ``Sec-WebSocket-Protocol`` value ``tokenmill.key.<KEY>`` (offer ``tokenmill.v1``
@@ -57,7 +59,7 @@ from websockets.server import ServerProtocol
 from frontends import chat_page
 from frontends import openai_params as op
 from frontends.errors import ApiError, status_error_body
-from frontends.generation import Generation
+from frontends.generation import Generation, usage_dict
 from frontends.http import HttpServer, Request, Response, Router, Upgrade
 from frontends.openai_api import OpenAIApi, stats_fields
 
@@ -429,8 +431,7 @@ class Connection(asyncio.Protocol):
         if entry is None:
             return
         entry.abort()
-        usage = entry.gen.usage() if entry.gen is not None else {"prompt_tokens": 0, "completion_tokens": 0,
-                                                                 "total_tokens": 0}
+        usage = entry.gen.usage() if entry.gen is not None else usage_dict()
         self._send({"type": "done", "id": gid, "finish_reason": "cancelled", "usage": usage})
         self._generation_ended()
 

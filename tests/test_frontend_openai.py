@@ -24,6 +24,7 @@ from tools.fake_engine import (
     MODEL,
     VOCAB,
     FakeEngine,
+    PrefixCache,
     free_port,
     start_frontend,
     stop_frontend,
@@ -232,6 +233,77 @@ def test_models_version_tokenize_detokenize(client, stack):
     assert c["count"] > 3
 
 
+# ----------------------------------------------------------------------------- prefix cache: cache_salt, cached_tokens
+
+
+def cached(usage) -> int:
+    return usage.prompt_tokens_details.cached_tokens
+
+
+def test_cache_salt_reaches_the_engine(client, stack):
+    engine = stack[0]
+    client.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body={"cache_salt": "tenant-a"})
+    assert engine.adds[-1].cache_salt == "tenant-a"
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1, n=2,
+                                   extra_body={"cache_salt": "s" * 256})
+    assert [a.cache_salt for a in engine.adds[-2:]] == ["s" * 256] * 2
+    for extra in ({}, {"cache_salt": None}):  # absent and null: no salt
+        client.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body=extra)
+        assert engine.adds[-1].cache_salt == ""
+
+
+def test_cached_tokens_in_completion_usage(client):
+    """The fake engine caches whole blocks of 16 and never the last prompt token: 48 tokens hit 32."""
+    prompt = list(range(1000, 1048))
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    assert (first.usage.prompt_tokens, cached(first.usage)) == (48, 0)
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    assert (again.usage.prompt_tokens, cached(again.usage)) == (48, 32)
+    salted = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, extra_body={"cache_salt": "b"})
+    assert cached(salted.usage) == 0  # another salt: nothing shared
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and cached(chunks[-1].usage) == 32
+    # two prompts, n=2: each prompt counted once, with the least hit of its choices (the new prompt's
+    # first choice fills what its second then hits: it counts 0)
+    r = client.completions.create(model=MODEL, prompt=[prompt, list(range(2000, 2040))], max_tokens=1, n=2)
+    assert (r.usage.prompt_tokens, cached(r.usage)) == (88, 32)
+
+
+def test_cached_tokens_in_chat_usage(client):
+    msgs = [{"role": "system", "content": "You answer questions about the cached prefix test. " * 4},
+            {"role": "user", "content": "hi"}]
+    first = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2)
+    assert cached(first.usage) == 0 and first.usage.prompt_tokens > 48
+    again = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2)
+    assert cached(again.usage) == (again.usage.prompt_tokens - 1) // 16 * 16
+    other_user = client.chat.completions.create(model=MODEL, messages=[msgs[0], {"role": "user", "content": "yo"}],
+                                                max_tokens=2)
+    assert 32 <= cached(other_user.usage) < cached(again.usage) + 16  # the shared system prompt's whole blocks
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and cached(chunks[-1].usage) == cached(again.usage)
+    salted = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2,
+                                            extra_body={"cache_salt": "tenant-z"})
+    assert cached(salted.usage) == 0
+
+
+def test_fake_engine_prefix_cache():
+    pc = PrefixCache(num_blocks=5, block_size=4)
+    a = list(range(10))  # two whole blocks and two tokens
+    assert pc.admit(a) == 0 and len(pc.blocks) == 2
+    assert pc.admit(a) == 8
+    assert pc.admit(a[:8]) == 4  # a full match still computes its last token: one block short
+    assert pc.admit(a[:6] + [99, 98, 97]) == 4  # diverges mid-block: the whole blocks before it
+    assert pc.admit(a, "salt") == 0 and pc.admit(a, "salt") == 8
+    assert (pc.num_prompt_tokens, pc.num_cached_tokens) == (57, 24) and pc.hit_rate == 24 / 57
+    assert pc.num_evictions == 0 and len(pc.blocks) == 5
+    pc.admit([50, 51, 52, 53, 54])  # one block more than fits: the least recently used goes, a's tail
+    assert pc.num_evictions == 1 and pc.admit(a, "salt") == 8 and pc.admit(a) == 4
+    pc.reset()
+    assert (len(pc.blocks), pc.num_evictions, pc.hit_rate) == (0, 0, 0.0)
+
+
 def test_health(stack):
     r = get(stack[1], "/health", key=None)  # no key needed
     assert r.status_code == 200
@@ -271,6 +343,10 @@ def _err(r, status: int, typ: str | None = None, param: str | None = None):
     ({"prompt": "x", "logit_bias": {"99999999": 1}}, "logit_bias"),
     ({"prompt": "x", "logprobs": 50}, "logprobs"),
     ({"prompt": "x", "stream": "yes"}, "stream"),
+    ({"prompt": "x", "cache_salt": 5}, "cache_salt"),
+    ({"prompt": "x", "cache_salt": ["a"]}, "cache_salt"),
+    ({"prompt": "x", "cache_salt": ""}, "cache_salt"),
+    ({"prompt": "x", "cache_salt": "s" * 257}, "cache_salt"),
 ])
 def test_bad_completion_requests(stack, body, param):
     _err(post(stack[1], "/v1/completions", body), 400, "invalid_request_error", param)
@@ -288,6 +364,9 @@ def test_context_overflow_states_the_numbers(stack):
     ({"messages": [{"role": "user", "content": 5}]}, "messages"),
     ({}, "messages"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "cache_salt": True}, "cache_salt"),
+    ({"messages": [{"role": "user", "content": "x"}], "cache_salt": ""}, "cache_salt"),
+    ({"messages": [{"role": "user", "content": "x"}], "cache_salt": "s" * 257}, "cache_salt"),
 ])
 def test_bad_chat_requests(stack, body, param):
     _err(post(stack[1], "/v1/chat/completions", body), 400, "invalid_request_error", param)

@@ -30,7 +30,7 @@ from tools.fake_engine import KEY, MODEL, FakeEngine, free_port, start_frontend,
 
 CHAT = [{"role": "user", "content": "hi"}]
 STATS_FIELDS = {"num_waiting", "num_running", "kv_usage", "num_free_blocks", "num_kv_blocks", "num_preemptions",
-                "num_timeouts"}
+                "num_timeouts", "prefix_cache_hit_rate", "num_evictions", "kv_fragmentation"}
 INSTANT = 1e-6  # a timeout that has passed before the engine first steps the request
 
 
@@ -219,10 +219,12 @@ class _Client:
 
     def __init__(self) -> None:
         self.added: list[tuple] = []
+        self.salts: list[str] = []
         self.aborted: list[str] = []
 
-    def add(self, request_id, prompt_token_ids, params, priority=0, deadline=None, stream=None):
+    def add(self, request_id, prompt_token_ids, params, priority=0, deadline=None, stream=None, cache_salt=""):
         self.added.append((request_id, priority, deadline))
+        self.salts.append(cache_salt)
         return stream
 
     def abort(self, request_ids) -> None:
@@ -260,6 +262,27 @@ def test_empty_timeout_deltas_flow_through_choices(codec):
     assert gen.timed_out_empty and client.aborted == []
 
 
+def test_usage_counts_each_prompts_cached_tokens_once(codec):
+    """Per prompt, the least hit of its n choices (each choice is an engine request of its own), summed."""
+    from engine.protocol import Delta
+    from frontends.generation import Generation
+
+    a, b = list(range(100, 140)), list(range(200, 220))
+    client = _Client()
+    gen = Generation(client, codec, "u", [a, b], 3, lambda i: SamplingParams(max_tokens=1), cache_salt="t1")
+    gen.start()
+    assert client.salts == ["t1"] * 6
+    assert gen.usage() == {"prompt_tokens": 60, "completion_tokens": 0, "total_tokens": 60,
+                           "prompt_tokens_details": {"cached_tokens": 0}}
+    for i, cached in enumerate((0, 32, 32, 16, 16, 16)):
+        gen.stream.push(Delta(f"u-{i}", [7], "length", num_prompt_tokens=len(a if i < 3 else b),
+                              num_cached_tokens=cached))
+    asyncio.run(gen.next_updates())
+    # prompt a: min(0, 32, 32) = 0; prompt b: 16
+    assert gen.usage() == {"prompt_tokens": 60, "completion_tokens": 6, "total_tokens": 66,
+                           "prompt_tokens_details": {"cached_tokens": 16}}
+
+
 # ----------------------------------------------------------------------------- queue full, /health
 
 
@@ -278,6 +301,8 @@ def test_engine_queue_full_is_429_with_retry_after(engine, port, client):
 def test_health_shows_the_engines_latest_stats(engine, port):
     r = get(port, "/health", key=None)
     assert r.status_code == 200 and r.json()["status"] == "ok"
+    for _ in range(2):  # the second one hits the prefix cache: a hit rate above 0
+        assert post(port, "/v1/completions", {"prompt": list(range(300, 340)), "max_tokens": 1}).status_code == 200
     engine.num_preemptions = 3  # the liveness pings (every 2 s) bring it
     try:
         deadline = time.monotonic() + 6
@@ -289,6 +314,9 @@ def test_health_shows_the_engines_latest_stats(engine, port):
     assert set(h) == {"status"} | STATS_FIELDS
     assert (h["num_kv_blocks"], h["num_free_blocks"], h["kv_usage"]) == (1000, 900, 0.1)
     assert h["num_timeouts"] == engine.num_timeouts
+    pc = engine.prefix_cache
+    assert h["prefix_cache_hit_rate"] == pc.hit_rate > 0 and h["num_evictions"] == pc.num_evictions
+    assert 0 <= h["kv_fragmentation"] < 1
 
 
 def test_stats_stay_fresh_while_outputs_flow(engine):

@@ -28,7 +28,7 @@ SERVE_FLAGS = ["--model", "--served-model-name", "--host", "--port", "--api-key"
                "--body-timeout", "--write-timeout", "--max-header-bytes", "--allowed-origins",
                "--socket-send-buffer", "--ws-max-frames-per-second", "--engine-liveness-timeout",
                "--scheduling-policy", "--scheduling-aging-seconds", "--long-prefill-token-threshold",
-               "--max-num-waiting-requests", "--request-timeout"]
+               "--max-num-waiting-requests", "--request-timeout", "--enable-prefix-caching"]
 
 
 def tokenmill(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -129,6 +129,23 @@ def test_busy_port_is_refused_clearly(tiny_llama):
     assert r.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port}" in r.stderr
     assert "started tokenmill-engine" not in r.stderr
+
+
+def test_a_max_model_len_beyond_the_model_fails_at_start_naming_both(tiny_llama):
+    r = tokenmill("serve", "--model", tiny_llama, "--max-model-len", "5000", "--port", "0", timeout=120)
+    assert r.returncode == 1
+    assert "max_model_len 5000 exceeds the model's max_position_embeddings (1024)" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_startup_logs_the_kv_cache_size(tiny_llama):
+    r = tokenmill("generate", "--model", tiny_llama, "--prompt", "Hi", "--max-tokens", "1", "--max-model-len", "512",
+                  timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    # the tiny model: 2 layers x 2 KV heads x 16 dims x K and V x 4 bytes = 512 bytes per token; no more
+    # blocks than 64 sequences of 512 tokens can use
+    assert re.search(r"KV cache: 2048 blocks of 16 tokens \(32768 tokens, 0.02 GiB, 512 bytes per token\), "
+                     r"prefix caching on; max_model_len 512: at most 64.0 requests of that length", r.stderr), r.stderr
 
 
 def test_startup_timeout_is_clear_and_cleans_up(tiny_llama):

@@ -55,6 +55,7 @@ def codec(smollm_tokenizer_dir):
 @pytest.fixture(autouse=True)
 def _reset_engine(engine):
     engine.step_delay = 0.0
+    engine.prefix_cache.reset()  # every test starts with a cold prefix cache
     yield
     engine.step_delay = 0.0
     engine.mute = False
@@ -229,7 +230,41 @@ def test_chat_and_logprobs_match_http(engine, codec):
     deltas, done = msgs[:-1], msgs[-1]
     assert "".join(m["text"] for m in deltas) == http["choices"][0]["message"]["content"]
     assert [lp for m in deltas for lp in m["logprobs"]] == http["choices"][0]["logprobs"]["content"]
-    assert done["finish_reason"] == "length" and done["usage"] == http["usage"]
+    # the same usage, but the HTTP call came second: its prompt's whole blocks were cached
+    p = http["usage"]["prompt_tokens"]
+    assert http["usage"]["prompt_tokens_details"] == {"cached_tokens": (p - 1) // 16 * 16} and p > 16
+    assert done["finish_reason"] == "length" and done["usage"] == {**http["usage"],
+                                                                    "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def test_cache_salt_and_cached_tokens_in_done(engine, codec):
+    prompt = list(range(500, 540))  # 40 tokens: two whole blocks can be cached
+
+    async def main():
+        async with serving(engine, codec) as s:
+            async with connect(s.url, additional_headers=AUTH) as ws:
+                bad = []
+                chat = [{"role": "user", "content": "x"}]
+                for gid, salt in (("n", 7), ("e", ""), ("l", "s" * 257), ("c", ["a"])):
+                    await ws.send(json.dumps({"type": "chat", "id": gid, "messages": chat, "cache_salt": salt}))
+                    bad.append(await recv(ws))
+                ends = []
+                for gid, extra in (("a", {}), ("b", {}), ("s", {"cache_salt": "t"}), ("t", {"cache_salt": "t"}),
+                                   ("z", {"cache_salt": None})):
+                    await ws.send(json.dumps({"type": "completion", "id": gid, "prompt": prompt, "max_tokens": 2,
+                                              **extra}))
+                    ends.append((await collect(ws, {gid}))[gid]["end"])
+                    ends[-1]["salt"] = engine.adds[-1].cache_salt
+                return bad, ends
+
+    before = len(engine.adds)
+    bad, ends = run(main())
+    for m, gid in zip(bad, "nelc", strict=True):
+        assert _error(m, gid, "cache_salt", 400)["type"] == "invalid_request_error"
+    assert len(engine.adds) == before + 5  # none of the bad ones reached the engine
+    assert [(m["usage"]["prompt_tokens_details"]["cached_tokens"], m["salt"]) for m in ends] == [
+        (0, ""), (32, ""), (0, "t"), (32, "t"), (32, "")]
+    assert all(m["usage"]["prompt_tokens"] == 40 and m["finish_reason"] == "length" for m in ends)
 
 
 def test_cancel_mid_stream_aborts_engine_request(engine, codec):

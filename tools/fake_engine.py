@@ -10,6 +10,17 @@ does (so a deadline shorter than the generation gives part of it, one already
 past gives no token). It records ADDs and ABORTs so tests can assert what the
 frontend told the engine. No torch, no model: the frontend is all that is measured.
 
+Prefix caching is simulated (``PrefixCache``) so that ``num_cached_tokens`` means
+something: a request's first delta reports the prompt tokens an engine with
+prefix caching would have found cached, that is its longest common prefix with
+earlier prompts of the same ``cache_salt`` (cached as soon as their ADD came), in
+whole blocks of ``BLOCK_SIZE``, never the last prompt token (the engine computes
+it for its logits). STATS carry
+the hit rate since start (cached / prompt tokens), the cached blocks evicted
+(least recently used past ``NUM_KV_BLOCKS``) and the fragmentation of the running
+requests' blocks (empty slots in their last block / allocated slots); kv_usage
+and free blocks stay fixed at 0.1 and 900.
+
 Imported as ``tools.fake_engine`` from the repository root (tests run there;
 ``tools/bench_frontend.py`` puts the root on ``sys.path`` when run as a script).
 """
@@ -22,6 +33,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import OrderedDict
 
 import zmq
 
@@ -43,6 +55,53 @@ KEY = "sk-test-key"
 MODEL = "smol"
 MAX_MODEL_LEN = 512
 VOCAB = 49152
+NUM_KV_BLOCKS = 1000  # what READY and STATS announce, and the simulated prefix cache's capacity
+BLOCK_SIZE = 16
+
+
+class PrefixCache:
+    """Which whole prompt blocks an engine with prefix caching would find cached; no KV, only keys.
+
+    A block's key is a hash chained over the salt and every token up to the block's end, as the real
+    block manager's, so equal keys mean an equal prefix. Blocks are kept least recently used first,
+    a prompt's tail before its prefix, up to ``num_blocks``; older ones are evicted (and counted).
+    """
+
+    def __init__(self, num_blocks: int = NUM_KV_BLOCKS, block_size: int = BLOCK_SIZE) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.reset()
+
+    def reset(self) -> None:
+        self.blocks: OrderedDict[int, None] = OrderedDict()
+        self.num_evictions = 0
+        self.num_prompt_tokens = 0  # since start (or reset): the hit rate's denominator
+        self.num_cached_tokens = 0
+
+    def admit(self, prompt: list[int], salt: str = "") -> int:
+        """Cache ``prompt``'s whole blocks; return how many of its tokens were cached already."""
+        bs = self.block_size
+        keys, h = [], hash(salt)
+        for end in range(bs, len(prompt) + 1, bs):
+            h = hash((h, tuple(prompt[end - bs:end])))
+            keys.append(h)
+        hit = 0
+        while hit < len(keys) and keys[hit] in self.blocks:
+            hit += 1
+        cached = min(hit * bs, (len(prompt) - 1) // bs * bs)  # the last token is always computed
+        for k in reversed(keys):  # the prefix ends up most recently used: the tail is evicted first
+            self.blocks[k] = None
+            self.blocks.move_to_end(k)
+        while len(self.blocks) > self.num_blocks:
+            self.blocks.popitem(last=False)
+            self.num_evictions += 1
+        self.num_prompt_tokens += len(prompt)
+        self.num_cached_tokens += cached
+        return cached
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_cached_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
 
 
 class FakeEngine(threading.Thread):
@@ -56,7 +115,8 @@ class FakeEngine(threading.Thread):
         self.refuse: Error | None = None  # answer every ADD with this error
         self.adds: list[Add] = []
         self.aborts: list[str] = []
-        self.running: dict[str, list] = {}  # request id -> [identity, Add, produced]
+        self.running: dict[str, list] = {}  # request id -> [identity, Add, produced, cached prompt tokens]
+        self.prefix_cache = PrefixCache()
         self.num_stats = 0  # STATS requests received
         self.num_timeouts = 0  # requests ended by their deadline
         self.num_preemptions = 0  # reported in STATS as is (nothing is ever preempted here)
@@ -91,7 +151,8 @@ class FakeEngine(threading.Thread):
 
     def handle(self, sock, ident: bytes, msg) -> None:
         if isinstance(msg, Hello):
-            ready = Ready(MODEL, MAX_MODEL_LEN, VOCAB, [2], 64, 1000, 16, self.max_num_waiting_requests)
+            ready = Ready(MODEL, MAX_MODEL_LEN, VOCAB, [2], 64, NUM_KV_BLOCKS, BLOCK_SIZE,
+                          self.max_num_waiting_requests)
             sock.send_multipart([ident, encode(ready)])
         elif isinstance(msg, Add):
             self.adds.append(msg)
@@ -99,7 +160,8 @@ class FakeEngine(threading.Thread):
                 err = Error(msg.request_id, self.refuse.status, self.refuse.type, self.refuse.message)
                 sock.send_multipart([ident, encode(err)])
             else:
-                self.running[msg.request_id] = [ident, msg, 0]
+                cached = self.prefix_cache.admit(msg.prompt_token_ids, msg.cache_salt)
+                self.running[msg.request_id] = [ident, msg, 0, cached]
         elif isinstance(msg, Abort):
             self.aborts.extend(msg.request_ids)
             for rid in msg.request_ids:
@@ -107,20 +169,29 @@ class FakeEngine(threading.Thread):
         elif isinstance(msg, Stats):
             self.num_stats += 1
             if not self.mute:
-                stats = Stats(0, len(self.running), 0.1, 900, 1000, self.num_preemptions, self.num_timeouts)
+                pc = self.prefix_cache
+                stats = Stats(0, len(self.running), 0.1, 900, NUM_KV_BLOCKS, self.num_preemptions,
+                              self.num_timeouts, pc.hit_rate, pc.num_evictions, self.kv_fragmentation())
                 sock.send_multipart([ident, encode(stats)])
+
+    def kv_fragmentation(self) -> float:
+        """Empty slots in the running requests' blocks / their allocated slots."""
+        used = [len(add.prompt_token_ids) + produced for _, add, produced, _ in self.running.values()]
+        allocated = sum(-(-u // BLOCK_SIZE) * BLOCK_SIZE for u in used)
+        return (allocated - sum(used)) / allocated if allocated else 0.0
 
     def step(self, sock) -> None:
         by_ident: dict[bytes, list[Delta]] = {}
         now = time.time()
         for rid, entry in list(self.running.items()):
-            ident, add, produced = entry
+            ident, add, produced, cached = entry
             prompt, p = add.prompt_token_ids, add.params
             if add.deadline is not None and now >= add.deadline:
                 del self.running[rid]
                 self.num_timeouts += 1
                 by_ident.setdefault(ident, []).append(
-                    Delta(rid, [], "timeout", num_prompt_tokens=len(prompt) if produced == 0 else 0))
+                    Delta(rid, [], "timeout", num_prompt_tokens=len(prompt) if produced == 0 else 0,
+                          num_cached_tokens=cached if produced == 0 else 0))
                 continue
             toks, lps, finish = [], [], None
             for _ in range(self.tokens_per_step):
@@ -135,7 +206,7 @@ class FakeEngine(threading.Thread):
                     break
             d = Delta(rid, toks, finish, lps if p.logprobs is not None else None)
             if produced == 0:
-                d.num_prompt_tokens = len(prompt)
+                d.num_prompt_tokens, d.num_cached_tokens = len(prompt), cached
                 if p.prompt_logprobs is not None:
                     d.prompt_logprobs = [None] + [[-1.0, [[t, -1.0]]] for t in prompt[1:]]
             entry[2] = produced + len(toks)
