@@ -241,6 +241,39 @@ def test_concurrent_streaming_clients(server, offline):
         assert text == offline[prompt].text, prompt
 
 
+def test_a_shared_system_prompt_is_served_from_the_prefix_cache(server, tiny_llama):
+    from transformers import AutoTokenizer
+
+    system = "You are a careful assistant who answers in one short sentence. " * 8
+    chats = [[{"role": "system", "content": system}, {"role": "user", "content": q}]
+             for q in ("What is the capital of France?", "Name a color.")]
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    ids = [tok.encode(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False),
+                      add_special_tokens=False) for c in chats]
+    shared = next(i for i, (a, b) in enumerate(zip(*ids, strict=False)) if a != b)
+    assert shared > 64  # the system prompt spans several blocks of 16
+    client = openai_client(server)
+    first, second = (client.chat.completions.create(model="tiny", messages=c, max_tokens=4, temperature=0)
+                     for c in chats)
+    assert first.usage.prompt_tokens == len(ids[0]) and second.usage.prompt_tokens == len(ids[1])
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens >= shared // 16 * 16
+    # streamed, with usage: the whole first chat is cached by now (all but its last block's tokens)
+    stream = client.chat.completions.create(model="tiny", messages=chats[0], max_tokens=4, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    text, usage = "", None
+    for chunk in stream:
+        text += "".join(c.delta.content or "" for c in chunk.choices)
+        usage = chunk.usage or usage
+    assert text == first.choices[0].message.content
+    assert usage.prompt_tokens_details.cached_tokens == (len(ids[0]) - 1) // 16 * 16
+    # /health shows the stats the frontends' liveness pings (every 2 s) last brought
+    health = wait_for(lambda: (h := json.loads(urllib.request.urlopen(server.url + "/health", timeout=10).read()))
+                      .get("prefix_cache_hit_rate", 0) > 0 and h, 15, "/health to show prefix-cache hits")
+    assert 0 < health["prefix_cache_hit_rate"] < 1 and health["num_evictions"] == 0
+    assert health["num_free_blocks"] == health["num_kv_blocks"]  # cached blocks count as free
+
+
 def test_client_disconnect_frees_kv_blocks(server):
     before = server.engine_stats()
     assert before.num_running == 0 and before.num_free_blocks == before.num_kv_blocks
