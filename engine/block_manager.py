@@ -11,7 +11,11 @@ covers the model and dtype (``hash_seed``) and the request's ``cache_salt``, so
 tenants with different salts never share a block. A new request takes every
 cached block of its longest cached prefix (ref counts up) and computes only the
 rest. Hashes are 128-bit BLAKE2b: a client cannot craft a prompt whose blocks
-collide with another tenant's.
+collide with another tenant's. A block is findable as soon as a step is
+scheduled to fill it, so requests admitted together (``n`` > 1 samples, a burst
+sharing a system prompt) share it from the first step: one forward pass stores
+every new token's K/V before any attention reads the cache. The scheduler keeps
+the request computing such a *pending* block in its step (``providers``).
 
 Freed blocks keep their contents and hash: they count as free, and are only
 evicted when a block is needed and no block without contents is left, least
@@ -48,6 +52,7 @@ class BlockManager:
         self.cached: dict[bytes, int] = {}  # hash -> block id
         self.free_block_ids: deque[int] = deque(range(num_blocks))  # free and holding nothing findable
         self.evictable: OrderedDict[int, None] = OrderedDict()  # free but findable, least recently freed first
+        self.pending: dict[int, str] = {}  # findable blocks this step computes -> the request computing them
         self.num_evictions = 0  # since start
 
     @property
@@ -77,21 +82,15 @@ class BlockManager:
             blocks.append(block_id)
         return blocks
 
-    def computing_next(self, req: Request, num_cached: int, max_tokens: int, others: Iterable[Request]) -> bool:
-        """Whether the block after ``req``'s ``num_cached`` cached ones (within its first ``max_tokens``)
-        is being computed by one of ``others``: waiting for it to be cached beats computing it twice
-        (``n > 1`` samples, a burst of requests with one system prompt)."""
-        if not self.enable_prefix_caching or (num_cached + 1) * self.block_size > max_tokens:
-            return False
-        h = self._hashes(req, num_cached + 1)[num_cached]
-        return any(len(o.block_hashes) > num_cached and o.block_hashes[num_cached] == h
-                   and o.num_cached_blocks <= num_cached for o in others)
-
-    def cache_full_blocks(self, req: Request) -> None:
-        """Make ``req``'s full computed blocks findable (call after a step computed its tokens)."""
+    def cache_full_blocks(self, req: Request, num_tokens: int) -> None:
+        """Make the full blocks among ``req``'s first ``num_tokens`` tokens findable. Called when a step
+        is scheduled to compute them: a request admitted later in the same step may hit them, since a
+        forward pass stores every new token's K/V before any attention reads the cache. Until
+        ``end_step`` they are *pending*: ``providers`` names who computes them, and ``free`` forgets
+        them if that request leaves the step (preempted) without computing them."""
         if not self.enable_prefix_caching:
             return
-        num_full = req.num_computed_tokens // self.block_size
+        num_full = num_tokens // self.block_size
         if num_full <= req.num_cached_blocks:
             return
         hashes = self._hashes(req, num_full)
@@ -100,7 +99,16 @@ class BlockManager:
             if h not in self.cached:  # else an identical block computed alongside: this one stays private
                 self.cached[h] = block_id
                 self.block_hash[block_id] = h
+                self.pending[block_id] = req.request_id
         req.num_cached_blocks = num_full
+
+    def providers(self, blocks: Iterable[int]) -> set[str]:
+        """The requests computing, in this step, any of ``blocks`` (pending hits): they must stay in it."""
+        return {self.pending[b] for b in blocks if b in self.pending}
+
+    def end_step(self) -> None:
+        """The scheduled step ran: every pending block holds its K/V now."""
+        self.pending.clear()
 
     def _hashes(self, req: Request, num_blocks: int) -> list[bytes]:
         """Chained hashes of ``req``'s first ``num_blocks`` full blocks, computed once per request."""
@@ -128,8 +136,6 @@ class BlockManager:
         False (and no change) if it can't."""
         if self.blocks_needed(req, num_new_tokens, cached) > self.num_free_blocks:
             return False
-        if self.enable_prefix_caching and not req.block_table:  # admitted: name its prompt's blocks now, so
-            self._hashes(req, req.num_tokens // self.block_size)  # that twins can wait for them (computing_next)
         for block_id in cached:
             if self.ref_counts[block_id] == 0:
                 del self.evictable[block_id]
@@ -145,6 +151,10 @@ class BlockManager:
     def free(self, req: Request) -> None:
         """Release the request's blocks, tail first."""
         for block_id in reversed(req.block_table):
+            if block_id in self.pending:  # it left the step that was to compute this block: forget it
+                assert self.ref_counts[block_id] == 1, "a pending block that others hit left its step"
+                del self.cached[self.block_hash[block_id]], self.pending[block_id]
+                self.block_hash[block_id] = None
             self.ref_counts[block_id] -= 1
             if self.ref_counts[block_id] == 0:
                 if self.block_hash[block_id] is None:

@@ -15,7 +15,9 @@ One step, in order:
    ``engine.prefill_cap`` so the step costs about twice a decode-only one; a
    step without decodes (an idle server) takes the whole token budget. A request
    being admitted starts after the longest prefix the block manager has cached
-   (all but its last token at most), and computes only the rest.
+   (all but its last token at most; a block counts from the step that fills it),
+   and computes only the rest. A request whose blocks another hit in this step
+   is not preempted in it.
 
 Preemption is by recompute: the victim's blocks are freed (its full blocks stay
 in the prefix cache until evicted, so it resumes cheaply) and it waits again
@@ -52,6 +54,7 @@ class ScheduledBatch:
     timed_out: list[Request] = field(default_factory=list)  # finished by their deadline this step
     num_tokens: int = 0  # sum of num_new_tokens
     short_of_blocks: bool = False  # a running request had to preempt for blocks: admit nobody
+    pinned: set[str] = field(default_factory=set)  # compute blocks that others hit this step: never preempted
     _ids: set[str] = field(default_factory=set)
     _decode_ids: set[str] = field(default_factory=set)  # those computing the one token they sample from
 
@@ -137,7 +140,7 @@ class Scheduler:
         for req in list(self.running):  # decodes first, in admission order
             if (req.status is Status.RUNNING and req.num_tokens - req.num_computed_tokens == 1
                     and batch.num_tokens < self.max_num_batched_tokens and self._allocate_running(req, 1, batch)):
-                batch.add(req, 1, decode=True)
+                self._add(batch, req, 1, decode=True)
         budget = self.max_num_batched_tokens - batch.num_tokens
         self._schedule_prompts(batch, min(budget, self.prefill_cap.value) if batch.num_decodes else budget)
         return batch
@@ -146,7 +149,7 @@ class Scheduler:
         """After the model ran ``batch`` in ``seconds``: the scheduled tokens are in the cache."""
         for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
             req.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(req)
+        self.block_manager.end_step()
         self.prefill_cap.observe(batch.num_decodes, batch.num_prompt_tokens, seconds)
 
     def finish(self, req: Request, reason: str) -> None:
@@ -201,16 +204,13 @@ class Scheduler:
                 n = min(req.num_tokens - req.num_computed_tokens, limit - batch.num_prompt_tokens)
                 # (one preempted since this list was made may be running again, readmitted this step)
                 if req.status is Status.RUNNING and req not in batch and self._allocate_running(req, n, batch):
-                    batch.add(req, n)
+                    self._add(batch, req, n)
                 continue
             if head is None:
                 break
             bm = self.block_manager
             cacheable = _cacheable_tokens(head)
             cached = bm.match_prefix(head, cacheable)
-            if bm.computing_next(head, len(cached), cacheable, self.running):
-                admit = False  # a running twin is computing its next blocks: wait for them, then hit
-                continue
             hit = len(cached) * bm.block_size
             n = min(head.num_tokens - hit, limit - batch.num_prompt_tokens)
             # a resumed request comes back only when its whole context fits: back in part, it would
@@ -226,9 +226,10 @@ class Scheduler:
                 head.waited += self.now - head.queued_at
                 head.status = Status.RUNNING
                 self.running.append(head)
-                batch.add(head, n)
+                batch.pinned |= bm.providers(cached)
+                self._add(batch, head, n)
                 continue
-            victim = self._victim_for(head) if self.waiting.preempts else None
+            victim = self._victim_for(head, batch) if self.waiting.preempts else None
             if victim is None:
                 admit = False  # the head waits; running prompts may still use the budget
                 continue
@@ -237,7 +238,7 @@ class Scheduler:
     def _allocate_running(self, req: Request, n: int, batch: ScheduledBatch) -> bool:
         """Blocks for ``n`` more tokens of running ``req``, preempting for them if needed."""
         while not self.block_manager.allocate(req, n):
-            victim = self._victim_for_blocks(req)
+            victim = self._victim_for_blocks(req, batch)
             self._preempt(victim, batch)
             batch.short_of_blocks = True
             if victim is req:
@@ -250,22 +251,27 @@ class Scheduler:
         rank = self.waiting.rank
         return lambda r: (rank(r), admitted[r.request_id])
 
-    def _victim_for_blocks(self, req: Request) -> Request:
+    def _victim_for_blocks(self, req: Request, batch: ScheduledBatch) -> Request:
         """Who gives up blocks for running ``req``: the worst running request ranked below it, sparing the
         newly preempted if another will do; ``req`` itself when nothing ranks below it."""
         key = self._order()
-        worse = [r for r in self.running if key(r) > key(req)]
+        worse = [r for r in self.running if key(r) > key(req) and r.request_id not in batch.pinned]
         pool = [r for r in worse if not r.just_preempted] or worse
         return max(pool, key=key) if pool else req
 
-    def _victim_for(self, head: Request) -> Request | None:
+    def _victim_for(self, head: Request, batch: ScheduledBatch) -> Request | None:
         """A running request that ranks worse than waiting ``head`` and may be preempted, if any."""
-        candidates = [r for r in self.running if not r.just_preempted]
+        candidates = [r for r in self.running if not r.just_preempted and r.request_id not in batch.pinned]
         if not candidates:
             return None
         victim = max(candidates, key=self._order())
         better_by = self.waiting.rank(victim) - self.waiting.rank(head)
         return victim if better_by >= self.waiting.preempt_margin else None
+
+    def _add(self, batch: ScheduledBatch, req: Request, n: int, decode: bool = False) -> None:
+        """Schedule ``n`` tokens of ``req``; the full blocks they complete become findable at once."""
+        batch.add(req, n, decode)
+        self.block_manager.cache_full_blocks(req, req.num_computed_tokens + n)
 
     def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
         """Recompute-style preemption: drop its KV and send it back to waiting."""

@@ -84,8 +84,9 @@ def admit(bm: BlockManager, r: Request) -> int:
     cached = bm.match_prefix(r, r.num_tokens - 1)
     hit = len(cached) * bm.block_size
     assert bm.allocate(r, r.num_tokens - hit, cached)
+    bm.cache_full_blocks(r, r.num_tokens)  # scheduled
     r.num_computed_tokens = r.num_tokens
-    bm.cache_full_blocks(r)
+    bm.end_step()  # computed
     return hit
 
 
@@ -196,26 +197,35 @@ def test_identical_blocks_computed_side_by_side_stay_private():
         assert bm.match_prefix(r, 9) == []
         bm.allocate(r, 10)
     for r in (a, b):
-        r.num_computed_tokens = 10
-        bm.cache_full_blocks(r)
+        bm.cache_full_blocks(r, 10)
+    bm.end_step()
     assert bm.cached == {a.block_hashes[0]: 0, a.block_hashes[1]: 1}
     bm.free(b)
     assert list(bm.free_block_ids)[-3:] == [5, 4, 3]  # b's blocks are plain free
     assert bm.ref_counts[:3] == [1, 1, 1]
 
 
-def test_computing_next_sees_a_twin_that_has_not_computed_its_prompt_yet():
+def test_blocks_a_step_will_compute_are_hit_in_that_step_and_forgotten_if_it_leaves():
     bm = cached_bm()
     a = tokens_req(PROMPT, "a")
-    assert bm.allocate(a, 10)  # admitted, not yet computed
+    assert bm.allocate(a, 10)
+    bm.cache_full_blocks(a, 10)  # scheduled: a forward pass stores K/V before attention reads any
     b = tokens_req(PROMPT, "b")
+    cached = bm.match_prefix(b, 9)
+    assert cached == [0, 1]
+    assert bm.providers(cached) == {"a"}  # a must stay in the step: b reads what it computes
+    c = tokens_req(PROMPT[:5], "c")
+    bm.allocate(c, 5)
+    bm.cache_full_blocks(c, 5)  # block 3 holds the same tokens as block 0: stays private
+    bm.free(a)  # preempted in the step before anyone took its blocks: they were never computed
+    assert bm.cached == {} and bm.block_hash[:2] == [None, None]
     assert bm.match_prefix(b, 9) == []
-    assert bm.computing_next(b, 0, 9, [a])
-    assert not bm.computing_next(tokens_req([1] + PROMPT[1:], "c"), 0, 9, [a])
-    a.num_computed_tokens = 10
-    bm.cache_full_blocks(a)
-    assert not bm.computing_next(b, 0, 9, [a])  # computed: a hit now
-    assert bm.match_prefix(b, 9) == [0, 1]
+    assert list(bm.evictable) == []
+    d = tokens_req(PROMPT, "d")
+    bm.allocate(d, 10)
+    bm.cache_full_blocks(d, 10)
+    bm.end_step()  # computed: no longer pending
+    assert bm.providers(bm.match_prefix(b, 9)) == set()
 
 
 def test_outputs_fill_blocks_that_are_cached_too():
@@ -224,8 +234,9 @@ def test_outputs_fill_blocks_that_are_cached_too():
     admit(bm, a)  # [0, 1], 7 tokens
     a.append_token(107)
     assert bm.allocate(a, 1)
+    bm.cache_full_blocks(a, 8)  # block 1 is full now: a later turn of the chat hits it
     a.num_computed_tokens = 8
-    bm.cache_full_blocks(a)  # block 1 is full now: a later turn of the chat hits it
+    bm.end_step()
     assert admit(bm, tokens_req(PROMPT, "b")) == 8
 
 

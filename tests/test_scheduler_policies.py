@@ -350,14 +350,17 @@ def test_random_traffic_keeps_every_invariant_and_finishes(policy, seed):
         holders = Counter(b for r in s.running for b in r.block_table)
         assert bm.num_free_blocks + len(holders) == bm.num_blocks
         assert all(bm.ref_counts[b] == (holders[b]) for b in range(bm.num_blocks))
+        slots = {}
         for r, k in zip(batch.requests, batch.num_new_tokens, strict=True):
             assert 1 <= k and r.num_computed_tokens + k <= r.num_tokens
             assert len(r.block_table) * bm.block_size >= r.num_computed_tokens + k
-            slot = [r.block_table[p // bm.block_size] * bm.block_size + p % bm.block_size
-                    for p in range(r.num_computed_tokens + k)]
-            assert [kv.get(x) for x in slot[:r.num_computed_tokens]] == r.all_token_ids[:r.num_computed_tokens]
+            slots[r.request_id] = [r.block_table[p // bm.block_size] * bm.block_size + p % bm.block_size
+                                   for p in range(r.num_computed_tokens + k)]
             c = r.num_computed_tokens
-            kv.update(zip(slot[c:], r.all_token_ids[c:c + k], strict=True))  # the step writes its new K/V
+            kv.update(zip(slots[r.request_id][c:], r.all_token_ids[c:c + k], strict=True))  # the step stores
+        for r, k in zip(batch.requests, batch.num_new_tokens, strict=True):  # then attends
+            n = r.num_computed_tokens + k
+            assert [kv.get(x) for x in slots[r.request_id]] == r.all_token_ids[:n], "served another token's K/V"
         s.update_from_output(batch, 0.01)
         for r in batch.requests:
             if r.num_computed_tokens == r.num_tokens:
