@@ -1,16 +1,104 @@
-"""Kernels: tensors in, tensors out. CUDA tensors take the Triton kernels (when
-they exist for that op); everything else takes the pure-torch reference in
-``kernels.reference``, which is also the spec the Triton kernels are tested against.
+"""Kernels: tensors in, tensors out. Each call goes to the Triton kernel
+(``kernels.triton``) or to its pure-torch reference twin (``kernels.reference``,
+which is also the spec the Triton kernels are tested against).
+
+Which one: ``TOKENMILL_KERNELS`` (read once, at import; ``set_backend`` changes
+it later):
+  - ``auto`` (default): Triton for CUDA tensors, the reference for all others;
+  - ``triton``: Triton for every tensor; on the CPU that is Triton's interpreter
+    (slow: for tests and debugging);
+  - ``reference``: the reference everywhere.
+Where triton cannot be imported, everything falls back to the reference, with
+one warning if Triton was asked for or a CUDA tensor came by.
 """
 
-from kernels.reference import (
-    apply_rope,
-    paged_decode_attention,
-    paged_prefill_attention,
-    rms_norm,
-    silu_and_mul,
-    store_kvcache,
-)
+from __future__ import annotations
 
-__all__ = ["apply_rope", "paged_decode_attention", "paged_prefill_attention", "rms_norm", "silu_and_mul",
-           "store_kvcache"]
+import logging
+import os
+from types import ModuleType
+
+import torch
+
+from kernels import reference
+from kernels.reference import apply_rope
+
+log = logging.getLogger("tokenmill.kernels")
+
+BACKENDS = ("auto", "triton", "reference")
+_backend = "auto"
+_triton: ModuleType | None = None
+_triton_failed = False
+
+
+def set_backend(name: str) -> None:
+    """Pick the kernels for later calls: ``auto``, ``triton`` or ``reference``."""
+    global _backend
+    if name not in BACKENDS:
+        raise ValueError(f"TOKENMILL_KERNELS must be one of {', '.join(BACKENDS)}, got {name!r}")
+    _backend = name
+
+
+def backend() -> str:
+    return _backend
+
+
+def _load_triton() -> ModuleType | None:
+    """``kernels.triton``, imported on first use (importing triton costs ~1 s), or None."""
+    global _triton, _triton_failed
+    if _triton is None and not _triton_failed:
+        try:
+            import kernels.triton as t
+            _triton = t
+        except ImportError as e:  # no triton on this platform: the references serve
+            _triton_failed = True
+            log.warning("Triton kernels unavailable (%s); using the reference kernels", e)
+    return _triton
+
+
+def _pick(t: torch.Tensor) -> ModuleType:
+    if _backend == "reference" or (_backend == "auto" and t.device.type != "cuda"):
+        return reference
+    return _load_triton() or reference
+
+
+def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    _pick(k).store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
+                           scale: float) -> torch.Tensor:
+    return _pick(q).paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale)
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.Tensor,
+                            q_index: torch.Tensor, out_index: torch.Tensor, max_seq_len: int,
+                            scale: float) -> torch.Tensor:
+    return _pick(q).paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start, q_index,
+                                            out_index, max_seq_len, scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _pick(x).rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _pick(x).fused_add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return _pick(x).silu_and_mul(x)
+
+
+def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    _pick(q).apply_rope_(q, k, cos, sin)
+
+
+set_backend(os.environ.get("TOKENMILL_KERNELS", "auto"))
+
+__all__ = ["BACKENDS", "apply_rope", "apply_rope_", "backend", "fused_add_rms_norm", "paged_decode_attention",
+           "paged_prefill_attention", "rms_norm", "set_backend", "silu_and_mul", "store_kvcache"]

@@ -102,6 +102,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(dtype)
 
 
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pre-norm decoder's residual add and the next norm: (norm(x + residual), x + residual)."""
+    x = x + residual
+    return rms_norm(x, weight, eps), x
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """(T, 2I) gate|up fused -> (T, I)."""
     gate, up = x.chunk(2, dim=-1)
@@ -113,3 +120,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x1, x2 = x.chunk(2, dim=-1)
     c, s = cos[:, None, :], sin[:, None, :]
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+
+
+def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """``apply_rope`` on q (T, H, D) and k (T, Hkv, D), written back in place (they may be
+    views of a fused qkv projection)."""
+    for x in (q, k):
+        x1, x2 = x.chunk(2, dim=-1)
+        c, s = cos[:, None, :], sin[:, None, :]
+        r1, r2 = (x1 * c - x2 * s).to(x.dtype), (x2 * c + x1 * s).to(x.dtype)
+        x1.copy_(r1)
+        x2.copy_(r2)

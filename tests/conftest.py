@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random-weight models made in the test, and the default model.
+"""Shared fixtures: tiny random-weight models made in the test, and the default model;
+and, on machines without a GPU, Triton's interpreter switched on for the Triton kernel tests.
 
 The tiny models borrow SmolLM2's real tokenizer (vocab 49152, chat template) so
 that text round-trips and chat templates work end to end.
@@ -7,8 +8,16 @@ that text round-trips and chat templates work end to end.
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
+
+# Triton kernels run on CPU tensors only through Triton's interpreter, which triton
+# decides when it is imported; so decide before anything imports it. Only where
+# no NVIDIA driver is: with a GPU the Triton tests run compiled, on CUDA tensors.
+# Nothing else runs Triton on the CPU, so no other test notices.
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from engine.model_path import default_model_path
 

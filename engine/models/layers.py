@@ -80,8 +80,7 @@ class RMSNorm(nn.Module):
         """With ``residual``: returns (norm(x + residual), x + residual), the fused pre-norm step."""
         if residual is None:
             return kernels.rms_norm(x, self.weight, self.eps)
-        x = x + residual
-        return kernels.rms_norm(x, self.weight, self.eps), x
+        return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):

@@ -29,9 +29,9 @@ class LlamaAttention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.out_sizes, dim=-1)
-        q = kernels.apply_rope(q.view(t, self.h, self.d), cos, sin)  # (T, H, D)
-        k = kernels.apply_rope(k.view(t, self.hkv, self.d), cos, sin)  # (T, Hkv, D)
-        o = self.attn(q, k, v.view(t, self.hkv, self.d), meta)  # (T, H, D)
+        q, k, v = q.view(t, self.h, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
+        kernels.apply_rope_(q, k, cos, sin)  # in place, in the qkv projection's output
+        o = self.attn(q, k, v, meta)  # (T, H, D)
         return self.o_proj(o.reshape(t, self.h * self.d))
 
 

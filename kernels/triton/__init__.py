@@ -1,0 +1,19 @@
+"""Triton kernels, each the twin of a function in ``kernels.reference`` (the
+spec) with the same signature. They run compiled on CUDA tensors, and on CPU
+tensors through Triton's interpreter when ``TRITON_INTERPRET=1`` was set before
+triton was imported (``kernels.triton.launch``). Every launcher checks its
+arguments and raises ``ValueError`` before launching.
+
+Importing this package imports triton; ``kernels`` imports it only when a
+Triton kernel is first wanted.
+"""
+
+from kernels.triton.activation import silu_and_mul
+from kernels.triton.attention_decode import paged_decode_attention
+from kernels.triton.attention_prefill import paged_prefill_attention
+from kernels.triton.kv_store import store_kvcache
+from kernels.triton.norm import fused_add_rms_norm, rms_norm
+from kernels.triton.rope import apply_rope_
+
+__all__ = ["apply_rope_", "fused_add_rms_norm", "paged_decode_attention", "paged_prefill_attention", "rms_norm",
+           "silu_and_mul", "store_kvcache"]

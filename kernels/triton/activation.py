@@ -1,0 +1,37 @@
+"""SiLU-and-mul of a fused gate|up projection (twin of ``kernels.reference.silu_and_mul``)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton.launch import check_tensor, require
+
+BLOCK = 1024
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # one program per (token, column block)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    dtype = out_ptr.dtype.element_ty
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    # silu rounded to the model dtype before the multiply, as torch's two ops round
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (act * up).to(dtype), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """(T, 2I) gate|up fused -> (T, I)."""
+    check_tensor("x", x, 2)
+    require(x.shape[1] % 2 == 0, f"x must have an even number of columns (gate|up), got {x.shape[1]}")
+    t, n = x.shape[0], x.shape[1] // 2
+    out = torch.empty(t, n, dtype=x.dtype, device=x.device)
+    if t == 0 or n == 0:
+        return out
+    block = min(BLOCK, triton.next_power_of_2(n))
+    _silu_and_mul_kernel[(t, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n, BLOCK=block)
+    return out

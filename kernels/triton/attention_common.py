@@ -1,0 +1,47 @@
+"""What the paged attention launchers share: the argument checks (the
+reference's signature) and the ``tl.dot`` settings per dtype and mode."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kernels.triton.launch import INDEX_DTYPES, check_same, check_tensor, interpreting, require
+
+LOG2E = 1.4426950408889634  # softmax runs in base 2: exp(x) = exp2(x * log2 e), exp2 is the fast one
+
+
+def check_paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, max_seq_len: int, scale: float) -> None:
+    """q (N, H, D); caches (num_blocks, block_size, Hkv, D); block_tables (B, max_blocks); seq_lens (B,).
+
+    Only shapes, dtypes, strides and devices are checked: looking at values
+    (seq_lens within the table, block ids within the cache) would cost a sync."""
+    check_tensor("q", q, 3)
+    check_tensor("k_cache", k_cache, 4)
+    check_tensor("v_cache", v_cache, 4)
+    check_tensor("block_tables", block_tables, 2, INDEX_DTYPES)
+    check_tensor("seq_lens", seq_lens, 1, INDEX_DTYPES)
+    check_same("dtype", ["q", "k_cache", "v_cache"], [q.dtype, k_cache.dtype, v_cache.dtype])
+    check_same("device", ["q", "k_cache", "v_cache", "block_tables", "seq_lens"],
+               [q.device, k_cache.device, v_cache.device, block_tables.device, seq_lens.device])
+    check_same("shape", ["k_cache", "v_cache"], [tuple(k_cache.shape), tuple(v_cache.shape)])
+    check_same("strides", ["k_cache", "v_cache"], [k_cache.stride(), v_cache.stride()])
+    _, h, d = q.shape
+    _, block_size, hkv, dc = k_cache.shape
+    require(dc == d, f"q has head_dim {d} but the cache has {dc}")
+    require(hkv > 0 and h % hkv == 0, f"num_heads {h} must be a multiple of num_kv_heads {hkv}")
+    require(block_tables.shape[0] == seq_lens.shape[0],
+            f"block_tables has {block_tables.shape[0]} rows but seq_lens has {seq_lens.shape[0]} entries")
+    require(max_seq_len >= 0 and block_tables.shape[1] * block_size >= max_seq_len,
+            f"block_tables of width {block_tables.shape[1]} x block_size {block_size} cannot hold "
+            f"max_seq_len {max_seq_len}")
+    require(isinstance(scale, (int, float)) and math.isfinite(scale), f"scale must be a finite float, got {scale}")
+
+
+def dot_args(q: torch.Tensor) -> dict:
+    """Constexprs for ``tl.dot``: fp32 stays fp32 (TF32 would miss the reference by ~1e-3); the
+    interpreter multiplies bf16 as raw integers (Triton 3.x), so it gets operands upcast to fp32
+    (exact, so the same result a bf16 dot with fp32 accumulation gives)."""
+    return dict(PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DOT_F32=interpreting())

@@ -1,0 +1,174 @@
+"""Paged decode attention: one new query per sequence over its cached K/V,
+read in place through the block table (twin of
+``kernels.reference.paged_decode_attention``).
+
+One program per (sequence, KV head, split): the G query heads that share the
+KV head ride together as the rows of one ``tl.dot``, so each K/V tile is read
+once per group. Long contexts with few sequences are split along the keys
+(flash-decoding): each split writes its partial softmax state (max, sum,
+unnormalized output) and a second kernel merges the splits.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton.attention_common import LOG2E, check_paged_args, dot_args
+from kernels.triton.launch import interpreting, next_pow2, require
+
+MIN_SPLIT_TOKENS = 256  # below this a split's setup and merge cost more than its parallelism gains
+MAX_SPLITS = 64
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+    scale_log2, tokens_per_split, num_splits,
+    stride_qb, stride_qh, stride_ob, stride_oh,
+    stride_cb, stride_ct, stride_ch, stride_bt,
+    G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, TILE_N: tl.constexpr,
+    SPLIT: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    lo = split * tokens_per_split
+    hi = tl.minimum(seq_len, lo + tokens_per_split)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, TILE_N)
+    gmask = offs_g < G
+    dmask = offs_d < D
+    heads = kvh * G + offs_g
+    qmask = gmask[:, None] & dmask[None, :]
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=qmask, other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    table = block_tables_ptr + b.to(tl.int64) * stride_bt
+    for start in range(lo, hi, TILE_N):
+        tok = start + offs_n
+        valid = tok < hi
+        # each token finds its block: tiles need not align with blocks, so any block size works
+        blk = tl.load(table + tok // PAGE, mask=valid, other=0).to(tl.int64)
+        rows = blk * stride_cb + (tok % PAGE) * stride_ct + kvh * stride_ch
+        kv_mask = valid[:, None] & dmask[None, :]
+        k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # (BLOCK_G, TILE_N)
+        qk = tl.where(valid[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p = p.to(v.dtype)  # probabilities in the model dtype, as the reference rounds them
+        if DOT_F32:
+            p = p.to(tl.float32)
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        m_i = m_new
+
+    if SPLIT:
+        # partial state of this split; a split past the sequence's end leaves max -inf, sum 0
+        part = (b.to(tl.int64) * G * tl.num_programs(1) + heads) * num_splits + split  # (BLOCK_G,)
+        tl.store(part_m_ptr + part, m_i, mask=gmask)
+        tl.store(part_l_ptr + part, l_i, mask=gmask)
+        tl.store(part_acc_ptr + part[:, None] * D + offs_d[None, :], acc, mask=qmask)
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=qmask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, num_splits, stride_ob, stride_oh,
+    H: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)  # one program per (sequence, query head)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    smask = offs_s < num_splits
+    dmask = offs_d < D
+    part = (b.to(tl.int64) * H + h) * num_splits + offs_s
+    m = tl.load(part_m_ptr + part, mask=smask, other=float("-inf"))
+    l_s = tl.load(part_l_ptr + part, mask=smask, other=0.0)
+    # split 0 always holds the first token, so the global max is finite and empty splits weigh 0
+    w = tl.exp2(m - tl.max(m, 0))
+    acc = tl.load(part_acc_ptr + part[:, None] * D + offs_d[None, :], mask=smask[:, None] & dmask[None, :],
+                  other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=dmask)
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _auto_splits(batch: int, kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """Enough splits to give every SM about two programs, none shorter than MIN_SPLIT_TOKENS."""
+    if interpreting():
+        return 1  # programs run one after another: splitting only adds the merge
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    want = triton.cdiv(2 * _sm_count(idx), batch * kv_heads)
+    return max(1, min(want, triton.cdiv(max_seq_len, MIN_SPLIT_TOKENS), MAX_SPLITS))
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
+                           scale: float, *, num_splits: int | None = None) -> torch.Tensor:
+    """One new query per sequence: q (B, H, D) attends to its ``seq_lens[b]`` cached tokens.
+
+    ``num_splits`` splits each context along the keys (None: chosen from the batch
+    shape and the device); the result does not depend on it beyond rounding."""
+    check_paged_args(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale)
+    b, h, d = q.shape
+    _, page, hkv, _ = k_cache.shape
+    require(seq_lens.shape[0] == b, f"seq_lens must have {b} entries (one per query), got {seq_lens.shape[0]}")
+    out = torch.empty(b, h, d, dtype=q.dtype, device=q.device)
+    if b == 0 or max_seq_len == 0:
+        return out
+    interp = interpreting()
+    tile = 16 if interp else (32 if q.dtype == torch.float32 else 64)
+    splits = num_splits if num_splits is not None else _auto_splits(b, hkv, max_seq_len, q.device)
+    require(splits >= 1, f"num_splits must be positive, got {splits}")
+    tokens_per_split = triton.cdiv(triton.cdiv(max_seq_len, splits), tile) * tile
+    splits = triton.cdiv(max_seq_len, tokens_per_split)  # no split left wholly past max_seq_len
+    g = h // hkv
+    if splits > 1:
+        part_acc = torch.empty(b, h, splits, d, dtype=torch.float32, device=q.device)
+        part_m = torch.empty(b, h, splits, dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+    else:
+        part_acc = part_m = part_l = out  # unused: the kernel writes the output itself
+    _decode_kernel[(b, hkv, splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_m, part_l,
+        float(scale) * LOG2E, tokens_per_split, splits,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        G=g, D=d, PAGE=page, BLOCK_G=next_pow2(g, 16), BLOCK_D=next_pow2(d, 16), TILE_N=tile,
+        SPLIT=splits > 1, num_warps=4, **dot_args(q),
+    )
+    if splits > 1:
+        _merge_splits_kernel[(b, h)](
+            part_acc, part_m, part_l, out, splits, out.stride(0), out.stride(1),
+            H=h, D=d, BLOCK_S=next_pow2(splits, 2), BLOCK_D=next_pow2(d, 16), num_warps=4,
+        )
+    return out

@@ -1,0 +1,125 @@
+"""Paged prefill attention: several new tokens per sequence (a prompt or a
+prompt chunk after a cached prefix), causal among themselves, attending to the
+whole cached context read in place through the block table (twin of
+``kernels.reference.paged_prefill_attention``).
+
+One program per (block of queries, sequence, query head), flash-attention
+style: K/V tiles stream through an online softmax, and a program reads only
+the keys its queries can see (up to its last query's position).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton.attention_common import LOG2E, check_paged_args, dot_args
+from kernels.triton.launch import INDEX_DTYPES, check_tensor, interpreting, next_pow2, require
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
+    scale_log2,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_ct, stride_ch, stride_bt,
+    G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, TILE_N: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    q_block = tl.program_id(0)
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    kvh = h // G
+    q_start = tl.load(query_start_ptr + b)
+    q_len = tl.load(query_start_ptr + b + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + b)
+    first = q_block * BLOCK_M  # this program's first query, within its sequence
+    # Query i sits at position (seq_len - q_len) + i and sees keys 0..that position.
+    offs_m = first + tl.arange(0, BLOCK_M)
+    q_pos = seq_len - q_len + offs_m
+    # keys past the last query's position are never visible; a program past the sequence's queries reads none
+    hi = tl.where(first < q_len, tl.minimum(seq_len, seq_len - q_len + first + BLOCK_M), 0)
+
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, TILE_N)
+    dmask = offs_d < D
+    mmask = (offs_m < q_len)[:, None] & dmask[None, :]
+    rows_q = (q_start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + rows_q[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=mmask, other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table = block_tables_ptr + b.to(tl.int64) * stride_bt
+    for start in range(0, hi, TILE_N):
+        tok = start + offs_n
+        valid = tok < hi
+        blk = tl.load(table + tok // PAGE, mask=valid, other=0).to(tl.int64)
+        rows = blk * stride_cb + (tok % PAGE) * stride_ct + kvh * stride_ch
+        kv_mask = valid[:, None] & dmask[None, :]
+        k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # (BLOCK_M, TILE_N)
+        # padding rows (past q_len) have positions >= seq_len, so they see key 0 too and stay finite
+        visible = valid[None, :] & (tok[None, :] <= q_pos[:, None])
+        qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p = p.to(v.dtype)
+        if DOT_F32:
+            p = p.to(tl.float32)
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + rows_q[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mmask)
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.Tensor,
+                            q_index: torch.Tensor | None, out_index: torch.Tensor | None, max_seq_len: int,
+                            scale: float) -> torch.Tensor:
+    """Causal attention of several new tokens per sequence over each one's paged context.
+
+    The reference's signature: q (T, H, D) holds the new tokens of B sequences,
+    sequence ``b`` owning rows ``query_start[b]:query_start[b+1]`` and having
+    ``seq_lens[b]`` tokens of context including them. ``q_index`` and
+    ``out_index`` are the reference's gather indices; only ``q_index``'s width
+    (the longest query) is read here, to size the grid (None: T). Returns (T, H, D).
+    """
+    check_paged_args(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale)
+    check_tensor("query_start", query_start, 1, INDEX_DTYPES)
+    t, h, d = q.shape
+    _, page, hkv, _ = k_cache.shape
+    nseq = seq_lens.shape[0]
+    require(query_start.shape[0] == nseq + 1,
+            f"query_start must have {nseq + 1} entries (one more than seq_lens), got {query_start.shape[0]}")
+    require(query_start.device == q.device, f"query_start is on {query_start.device}, q on {q.device}")
+    max_query_len = t if q_index is None else q_index.shape[1]
+    require(max_query_len <= t, f"q_index is {max_query_len} wide but there are only {t} queries")
+    out = torch.empty(t, h, d, dtype=q.dtype, device=q.device)
+    if t == 0 or nseq == 0:
+        return out
+    if interpreting():
+        block_m, tile = 16, 16
+    else:
+        block_m, tile = (32, 32) if q.dtype == torch.float32 else (64, 64)
+    _prefill_kernel[(triton.cdiv(max_query_len, block_m), nseq, h)](
+        q, k_cache, v_cache, block_tables, seq_lens, query_start, out,
+        float(scale) * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        G=h // hkv, D=d, PAGE=page, BLOCK_M=block_m, BLOCK_D=next_pow2(d, 16), TILE_N=tile,
+        num_warps=4, **dot_args(q),
+    )
+    return out
