@@ -74,14 +74,39 @@ def test_batched_and_chunked_with_shared_prefixes(tiny_llama, uncached, budget):
     assert_all_blocks_free(llm)
 
 
-def test_preemption_resumes_from_the_cache_and_keeps_outputs(tiny_llama, uncached):
+def computed_tokens(llm: LLM) -> list[int]:
+    """Counts the tokens each step computes, from now on."""
+    counted = [0]
+    sched = llm.engine.scheduler
+    update = sched.update_from_output
+
+    def counting(batch, seconds):
+        counted[0] += batch.num_tokens
+        update(batch, seconds)
+
+    sched.update_from_output = counting
+    return counted
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_preemption_resumes_from_the_cache_and_keeps_outputs(tiny_llama, uncached, caching):
     prompts = shared_prefix_prompts(6, seed=3)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    llm = LLM(tiny_llama, num_kv_blocks=14, max_model_len=256)
+    llm = LLM(tiny_llama, num_kv_blocks=14, max_model_len=256, enable_prefix_caching=caching)
+    computed = computed_tokens(llm)
     outs = llm.generate(prompts, params)
-    assert llm.engine.scheduler.num_preemptions > 0
+    s = llm.engine.scheduler
+    assert s.num_preemptions > 0
     assert [o.token_ids for o in outs] == [o.token_ids for o in one_by_one(uncached, prompts, params)]
     assert_all_blocks_free(llm)
+    # what was computed beyond each token once: recomputation after preemption, less what the cache
+    # saved (the shared prefix, and a resumed request's own blocks)
+    once = sum(map(len, prompts)) + 40 * len(prompts) - len(prompts)  # the last token is never computed
+    redone = computed[0] - once
+    if caching:
+        assert redone < 0  # the cache saved more than preemption cost
+    else:
+        assert redone > 0
 
 
 def test_twins_share_the_prompts_blocks(tiny_llama, uncached):
@@ -137,3 +162,32 @@ def test_disabled_prefix_caching_reports_no_hits(tiny_llama):
     llm = LLM(tiny_llama, num_kv_blocks=64, max_model_len=512, enable_prefix_caching=False)
     assert [o.num_cached_tokens for o in one_by_one(llm, [p, p])] == [0, 0]
     assert llm.engine.stats().prefix_cache_hit_rate == 0.0
+
+
+def test_a_preempted_request_resumes_from_its_own_cached_blocks(tiny_llama, uncached):
+    a_prompt, b_prompt = shared_prefix_prompts(1, prefix_len=40, seed=4)[0][:40], [7] * 40
+    a_params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    b_params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    llm = LLM(tiny_llama, num_kv_blocks=16, max_model_len=256, max_num_seqs=1, scheduling_policy="priority")
+    eng, per_request = llm.engine, {}
+    update = eng.scheduler.update_from_output
+
+    def counting(batch, seconds):
+        for r, n in zip(batch.requests, batch.num_new_tokens, strict=True):
+            per_request[r.request_id] = per_request.get(r.request_id, 0) + n
+        update(batch, seconds)
+
+    eng.scheduler.update_from_output = counting
+    eng.add_request("a", a_prompt, a_params, priority=5)
+    tokens = {"a": [], "b": []}
+    for _ in range(10):  # a has 40 + 9 tokens in the cache: three full blocks
+        for d in eng.step():
+            tokens[d.request_id] += d.token_ids
+    eng.add_request("b", b_prompt, b_params, priority=0)  # more urgent: takes a's only seat
+    while eng.has_work():
+        for d in eng.step():
+            tokens[d.request_id] += d.token_ids
+    assert eng.scheduler.num_preemptions == 1
+    assert tokens["a"] == uncached.generate(a_prompt, a_params)[0].token_ids
+    # a computed each of its 69 tokens once, and again only those after its cached 48
+    assert per_request["a"] == 69 + (40 + 10 - 1) - 48
