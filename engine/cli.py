@@ -62,7 +62,8 @@ def _engine_flags(p: argparse.ArgumentParser, generate: bool = False) -> None:
                    help="share the KV cache blocks of prompts that start alike (a system prompt, earlier "
                         "turns of a chat); --no-enable-prefix-caching turns it off (default: on)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
-                   help="GPUs to shard the model over (only 1 is supported yet)")
+                   help="ranks to split the model over (tensor parallel): one process per rank, one GPU "
+                        "each on CUDA, an equal share of the CPU threads each on the CPU (default: 1)")
     q = p.add_argument_group("scheduling")
     q.add_argument("--scheduling-policy", choices=POLICIES, default=None,
                    help="the order waiting requests start in: fcfs (arrival), priority (the request's "
@@ -142,6 +143,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="messages (and pings) a connection may send per second, as many again in a burst; "
                         "more closes it with 1008 (default: 1000)")
 
+    o = s.add_argument_group("observability")
+    o.add_argument("--metrics-no-auth", action="store_true",
+                   help="serve GET /metrics (Prometheus) without an API key, for a scraper on a private "
+                        "network; by default it needs a key like every endpoint but /health")
+    o.add_argument("--log-format", choices=("text", "json"), default="text",
+                   help="log lines of every process as text or as one JSON object per line (default: text)")
+    o.add_argument("--disable-log-requests", action="store_true",
+                   help="no access-log line per finished request (request id, endpoint, status, tokens, "
+                        "time to first token, total time, finish reason); metrics still count them")
+    o.add_argument("--log-prompts", action="store_true",
+                   help="put the prompt (or chat messages, up to 2000 characters) in the access log; off by "
+                        "default: prompts are user data")
+
     g = sub.add_parser("generate", help="generate text for one prompt, offline (no server)",
                        description="Generate text for one prompt with the offline LLM API and print it.")
     g.add_argument("--prompt", required=True, help="the prompt text")
@@ -194,18 +208,26 @@ def allowed_origins(text: str | None) -> list[str]:
     return out
 
 
+def serve_options(args: argparse.Namespace):
+    """The launcher's ``ServeOptions`` from ``tokenmill serve`` flags (``ValueError`` for a bad value)."""
+    from engine.launcher import ServeOptions
+
+    return ServeOptions(
+        host=args.host, port=args.port, api_keys=api_keys(args.api_key),
+        ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+        api_server_count=args.api_server_count, startup_timeout=args.startup_timeout,
+        engine_liveness_timeout=args.engine_liveness_timeout,
+        ws=_ws_overrides(args), http=_http_overrides(args),
+        allowed_origins=allowed_origins(args.allowed_origins), metrics_no_auth=args.metrics_no_auth,
+        log_format=args.log_format, log_requests=not args.disable_log_requests, log_prompts=args.log_prompts)
+
+
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from engine.launcher import ServeOptions, serve
+    from engine.launcher import serve
 
     try:
         config = EngineConfig(**_config_kwargs(args))
-        options = ServeOptions(
-            host=args.host, port=args.port, api_keys=api_keys(args.api_key),
-            ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
-            api_server_count=args.api_server_count, startup_timeout=args.startup_timeout,
-            engine_liveness_timeout=args.engine_liveness_timeout,
-            ws=_ws_overrides(args), http=_http_overrides(args),
-            allowed_origins=allowed_origins(args.allowed_origins))
+        options = serve_options(args)
     except ValueError as e:
         parser.error(str(e))  # exit 2
     return serve(config, options)

@@ -12,6 +12,13 @@ drain, then the engine stops; exit 0.
 Children ignore SIGINT (a terminal's Ctrl-C reaches the whole process group, but
 the shutdown order is the launcher's) and get SIGTERM if the launcher dies.
 Torch-free: the model loads in the engine process only.
+
+Metrics: the frontends keep theirs in prometheus_client's multiprocess files in
+``<runtime dir>/metrics`` (``PROMETHEUS_MULTIPROC_DIR``, set before any child
+starts, so before any of them imports prometheus_client), whichever frontend a
+scrape reaches shows all of them, and the folder goes with the runtime dir. A
+restarted frontend's engine gauges are dropped (``mark_process_dead``); its
+counters still count. Every process logs in ``--log-format`` (``frontends.logs``).
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ from engine.model_path import model_name, resolve_model_path
 log = logging.getLogger("tokenmill.launcher")
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s"
+LOG_FORMATS = ("text", "json")
+METRICS_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 class LaunchError(RuntimeError):
@@ -59,8 +68,14 @@ class ServeOptions:
     ws: dict = field(default_factory=dict)  # overrides of frontends.websocket.WsConfig fields
     http: dict = field(default_factory=dict)  # overrides of frontends.http.HttpConfig fields
     allowed_origins: list[str] = field(default_factory=list)  # browser origins besides the server's own
+    metrics_no_auth: bool = False  # /metrics open even with API keys
+    log_format: str = "text"  # or "json", for every process
+    log_requests: bool = True  # the frontends' access log
+    log_prompts: bool = False  # prompts in the access log
 
     def __post_init__(self) -> None:
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"--log-format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
         if self.api_server_count < 1:
             raise ValueError(f"api_server_count must be at least 1, got {self.api_server_count}")
         if not 0 <= self.port <= 65535:
@@ -85,7 +100,13 @@ class ServeOptions:
 # ----------------------------------------------------------------------------- children
 
 
-def _child_setup(parent_pid: int) -> None:
+def _setup_logging(log_format: str, force: bool = False) -> None:
+    from frontends.logs import configure  # torch-free and tiny
+
+    configure(log_format, os.environ.get("TOKENMILL_LOG_LEVEL", "INFO"), LOG_FORMAT, force=force)
+
+
+def _child_setup(parent_pid: int, log_format: str = "text") -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if sys.platform.startswith("linux"):  # die with the launcher, even on SIGKILL
         try:
@@ -97,8 +118,7 @@ def _child_setup(parent_pid: int) -> None:
             pass
     if os.getppid() != parent_pid:  # the launcher died before prctl took effect
         os._exit(1)
-    logging.basicConfig(level=os.environ.get("TOKENMILL_LOG_LEVEL", "INFO"), format=LOG_FORMAT,
-                        stream=sys.stderr)
+    _setup_logging(log_format, force=True)
 
 
 def _report(conn: Connection, what: str, detail: str | None = None) -> None:
@@ -108,8 +128,8 @@ def _report(conn: Connection, what: str, detail: str | None = None) -> None:
         pass
 
 
-def _engine_main(config: EngineConfig, address: str, conn: Connection, parent_pid: int) -> None:
-    _child_setup(parent_pid)
+def _engine_main(config: EngineConfig, address: str, log_format: str, conn: Connection, parent_pid: int) -> None:
+    _child_setup(parent_pid, log_format)
     from engine.server import run_engine
 
     try:
@@ -123,7 +143,7 @@ def _engine_main(config: EngineConfig, address: str, conn: Connection, parent_pi
 
 
 def _frontend_main(args: Any, conn: Connection, parent_pid: int) -> None:
-    _child_setup(parent_pid)
+    _child_setup(parent_pid, args.log_format)
     from frontends.server import run_frontend
 
     try:
@@ -207,6 +227,9 @@ class Launcher:
         self.runtime_dir = tempfile.mkdtemp(prefix="tokenmill-")
         os.chmod(self.runtime_dir, 0o700)
         log.info("runtime dir %s", self.runtime_dir)
+        os.mkdir(self.metrics_dir)
+        old_env = os.environ.get(METRICS_ENV)
+        os.environ[METRICS_ENV] = self.metrics_dir  # the children inherit it
         try:
             self._start_all()
             if not self._wait_ready():
@@ -224,6 +247,10 @@ class Launcher:
             self._shutdown()
             for s, h in old.items():
                 signal.signal(s, h)
+            if old_env is None:
+                os.environ.pop(METRICS_ENV, None)
+            else:
+                os.environ[METRICS_ENV] = old_env
             shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
     # -------------------------------------------------------------- start-up
@@ -231,6 +258,10 @@ class Launcher:
     @property
     def engine_address(self) -> str:
         return f"ipc://{os.path.join(self.runtime_dir, 'engine.sock')}"
+
+    @property
+    def metrics_dir(self) -> str:
+        return os.path.join(self.runtime_dir, "metrics")
 
     def _frontend_args(self, i: int) -> Any:
         try:
@@ -247,12 +278,15 @@ class Launcher:
             api_keys=list(o.api_keys), ssl_keyfile=o.ssl_keyfile, ssl_certfile=o.ssl_certfile,
             frontend_id=f"frontend-{i}", tokenizer_cache_dir=os.path.join(self.runtime_dir, "tokenizer"),
             handshake_timeout=o.startup_timeout, engine_liveness_timeout=o.engine_liveness_timeout,
-            allowed_origins=list(o.allowed_origins), http=HttpConfig(**o.http), ws=WsConfig(**o.ws))
+            allowed_origins=list(o.allowed_origins), http=HttpConfig(**o.http), ws=WsConfig(**o.ws),
+            metrics_no_auth=o.metrics_no_auth, log_format=o.log_format, log_requests=o.log_requests,
+            log_prompts=o.log_prompts)
 
     def _start_all(self) -> None:
         # Engine and frontends start together: tokenizer loading overlaps the model
         # load, and frontends keep saying HELLO until the engine answers.
-        self.engine = _Child("tokenmill-engine", _engine_main, (self.config, self.engine_address))
+        self.engine = _Child("tokenmill-engine", _engine_main,
+                             (self.config, self.engine_address, self.options.log_format))
         self.engine.start(self.ctx)
         for i in range(self.options.api_server_count):
             fe = _Child(f"tokenmill-frontend-{i}", _frontend_main, (self._frontend_args(i),))
@@ -320,9 +354,19 @@ class Launcher:
         fe.restarts = fe.restarts + 1 if quick else 0
         log.warning("%s exited with code %s; restarting", fe.name, fe.proc.exitcode)
         fe.proc.join()
+        self._forget_metrics_of(fe.proc.pid)
         if fe.restarts:
             self._sleep_unless_signalled(min(0.25 * 2 ** fe.restarts, 5.0))
         fe.start(self.ctx)
+
+    def _forget_metrics_of(self, pid: int) -> None:
+        """A dead frontend's engine gauges must not outlive it (its counters and histograms stay)."""
+        try:
+            from prometheus_client import multiprocess
+
+            multiprocess.mark_process_dead(pid, self.metrics_dir)
+        except (ImportError, OSError) as e:
+            log.warning("could not drop the metrics of pid %d: %s", pid, e)
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         if self._stop_signal is not None:
@@ -362,9 +406,7 @@ class Launcher:
 
 def serve(config: EngineConfig, options: ServeOptions) -> int:
     """``tokenmill serve``: the process exit code."""
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=os.environ.get("TOKENMILL_LOG_LEVEL", "INFO"), format=LOG_FORMAT,
-                            stream=sys.stderr)
+    _setup_logging(options.log_format)
     try:
         launcher = Launcher(config, options)
     except FileNotFoundError as e:  # a usage error, like a bad flag

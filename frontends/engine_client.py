@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
@@ -49,13 +50,17 @@ class Stream:
 
     ``next_batch()`` returns everything that arrived since the last call, so a
     consumer that fell behind catches up in one go (one SSE event per batch).
+    ``step_before_first[request_id]``: when (``time.monotonic()``) the engine step
+    before the one that brought the request's first delta ended, as far as this
+    frontend saw (its metrics estimate queue time from it).
     """
 
-    __slots__ = ("_items", "_waiter")
+    __slots__ = ("_items", "_waiter", "step_before_first")
 
     def __init__(self) -> None:
         self._items: list[Delta | Error] = []
         self._waiter: asyncio.Future | None = None
+        self.step_before_first: dict[str, float] = {}
 
     def push(self, item: Delta | Error) -> None:
         self._items.append(item)
@@ -94,6 +99,8 @@ class EngineClient:
         self._stats_waiters: list[asyncio.Future] = []
         self.last_stats: Stats | None = None  # the engine's latest numbers (liveness pings keep them fresh)
         self.last_stats_at = 0.0  # time.monotonic() when they arrived
+        self.on_stats: Callable[[Stats], None] | None = None  # called with every STATS (the metrics)
+        self._last_outputs_at = 0.0  # time.monotonic() of the latest OUTPUTS: the end of an engine step
         self._tasks: list[asyncio.Task] = []
         self._last_seen = 0.0
         self._connected = False
@@ -215,9 +222,11 @@ class EngineClient:
                 log.error("dropping a malformed frame from the engine: %s", e)
                 continue
             if isinstance(msg, Outputs):
+                step_before, self._last_outputs_at = self._last_outputs_at, self._last_seen
                 for d in msg.deltas:
                     s = streams.get(d.request_id)
                     if s is not None:
+                        s.step_before_first.setdefault(d.request_id, step_before)
                         s.push(d)
                         if d.finish_reason is not None:
                             del streams[d.request_id]
@@ -228,6 +237,11 @@ class EngineClient:
                     s.push(msg)
             elif isinstance(msg, Stats):
                 self.last_stats, self.last_stats_at = msg, self._last_seen
+                if self.on_stats is not None:
+                    try:
+                        self.on_stats(msg)
+                    except Exception:  # noqa: BLE001 - a metrics bug must not stop the reader
+                        log.exception("stats callback failed")
                 if self._stats_waiters:
                     fut = self._stats_waiters.pop(0)
                     if not fut.done():

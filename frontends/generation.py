@@ -7,15 +7,22 @@ aborts a request in the engine as soon as a stop string ends it, and aborts
 whatever is unfinished when the caller goes away (``abort_unfinished``). It
 also counts the call's tokens for ``usage``, the OpenAI shape every endpoint
 answers with, prompt tokens served from the engine's prefix cache included.
+
+With a ``Metrics`` it times each choice (from ``arrival``: when the call came in)
+and reports it once when it ends, however it ends: the engine's finish reason,
+"stop" for a stop string, "abort" when the caller went away, "error" when the
+engine refused it or could not be reached (see ``frontends.metrics``).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from engine.protocol import Delta, Error, SamplingParams
 from frontends.engine_client import EngineClient, EngineUnavailable, Stream
 from frontends.errors import ApiError
+from frontends.metrics import Metrics
 from frontends.text import IncrementalDetokenizer, StopMatcher, StopStrings, TextCodec
 
 # one sampled token's logprobs: (token_id, logprob, [[token_id, logprob], ...] top-k)
@@ -24,7 +31,8 @@ LogprobEntry = tuple[int, float | None, list | None]
 
 class Choice:
     __slots__ = ("index", "request_id", "prompt_ids", "detok", "stops", "min_tokens", "finish_reason", "stop_reason",
-                 "num_tokens", "num_prompt_tokens", "num_cached_tokens", "prompt_logprobs", "text_offset")
+                 "num_tokens", "num_prompt_tokens", "num_cached_tokens", "prompt_logprobs", "text_offset",
+                 "first_token_at", "last_token_at", "answered_at", "end_reason")
 
     def __init__(self, index: int, request_id: str, prompt_ids: list[int], codec: TextCodec,
                  stop: StopMatcher | None, min_tokens: int = 0) -> None:
@@ -41,6 +49,10 @@ class Choice:
         self.num_cached_tokens = 0
         self.prompt_logprobs: list | None = None
         self.text_offset = 0  # characters emitted so far (legacy logprobs' text_offset)
+        self.first_token_at: float | None = None  # time.monotonic() of its first token
+        self.last_token_at = 0.0
+        self.answered_at: float | None = None  # of its first delta (a token, or an end without one)
+        self.end_reason: str | None = None  # how it ended: finish_reason, or "abort" / "error"
 
     def consume(self, d: Delta) -> tuple[str, bool]:
         """New text from one delta, and whether a stop string ended the choice."""
@@ -83,12 +95,17 @@ class Update:
 class Generation:
     def __init__(self, client: EngineClient, codec: TextCodec, api_id: str, prompts: list[list[int]], n: int,
                  params_for: Callable[[int], SamplingParams], priority: int = 0,
-                 stop: StopMatcher | None = None, deadline: float | None = None, cache_salt: str = "") -> None:
+                 stop: StopMatcher | None = None, deadline: float | None = None, cache_salt: str = "",
+                 metrics: Metrics | None = None, arrival: float | None = None) -> None:
         """``stop``: the stop strings' automaton, built once for every choice (they share ``params.stop``).
 
         ``priority``, ``deadline`` (unix seconds; None: the engine's default) and ``cache_salt`` ("": none)
-        go to every choice's request."""
+        go to every choice's request. ``arrival``: ``time.monotonic()`` when the call came in (default: now)."""
         self.client = client
+        self.api_id = api_id
+        self.metrics = metrics
+        self.arrival = time.monotonic() if arrival is None else arrival
+        self.sent_at: float | None = None  # when the ADDs went out
         self.prompts = prompts
         self.n = n  # choices p*n .. p*n+n-1 are prompt p's
         self.stream = Stream()
@@ -107,11 +124,15 @@ class Generation:
         self.want_logprobs = self._params[0].logprobs is not None
 
     def start(self) -> None:
+        self.sent_at = time.monotonic()
         try:
             for c, params in zip(self.choices, self._params, strict=True):
                 self.client.add(c.request_id, c.prompt_ids, params, self._priority, self.deadline,
                                 stream=self.stream, cache_salt=self.cache_salt)
         except EngineUnavailable as e:
+            now = time.monotonic()
+            for c in self.choices:
+                self._ended(c, "error", now)
             self.abort_unfinished()
             raise ApiError(503, f"Engine unavailable: {e}") from None
         except BaseException:
@@ -134,8 +155,13 @@ class Generation:
     async def next_updates(self) -> list[Update]:
         """Wait for the next batch; an engine ``Error`` is raised as an ``ApiError``."""
         updates: dict[int, Update] = {}
-        for item in await self.stream.next_batch():
+        items = await self.stream.next_batch()
+        now = time.monotonic()
+        for item in items:
             if isinstance(item, Error):
+                for e in items:  # (an engine that went away fails them all at once)
+                    if isinstance(e, Error) and (c := self._by_id.get(e.request_id)) is not None:
+                        self._ended(c, "error", now)
                 self.abort_unfinished()
                 # a full engine queue is a moment's congestion: tell clients when to retry, as for TokenizerBusy
                 retry = [("retry-after", "1")] if item.status == 429 else None
@@ -149,6 +175,8 @@ class Generation:
             text, hit = choice.consume(item)
             if text:
                 up.text += text
+            if choice.answered_at is None:
+                choice.answered_at = now
             if item.token_ids:
                 up.token_ids += item.token_ids
             if self.want_logprobs and item.logprobs:
@@ -158,12 +186,57 @@ class Generation:
                 up.finished = True
                 if hit and item.finish_reason is None:
                     self.client.abort([choice.request_id])
+        for up in updates.values():  # a batch's tokens of one choice arrived together, however many deltas
+            if up.token_ids:
+                self._got_tokens(up.choice, len(up.token_ids), now)
+            if up.finished:
+                self._ended(up.choice, up.choice.finish_reason, now)
         return list(updates.values())
 
     def abort_unfinished(self) -> None:
-        live = [c.request_id for c in self.choices if c.finish_reason is None]
+        live = [c for c in self.choices if c.finish_reason is None]
         if live:
-            self.client.abort(live)
+            now = time.monotonic()
+            for c in live:
+                self._ended(c, "abort", now)
+            self.client.abort([c.request_id for c in live])
+
+    # ------------------------------------------------------------------ metrics
+
+    def _got_tokens(self, c: Choice, num: int, now: float) -> None:
+        first = c.first_token_at is None
+        if first:
+            c.first_token_at = now
+        m = self.metrics
+        if m is not None:
+            if first:
+                m.first_token(now - self.arrival)
+            m.tokens(num, None if first else now - c.last_token_at)
+        c.last_token_at = now
+
+    def _ended(self, c: Choice, reason: str, now: float) -> None:
+        """Report ``c`` to the metrics, once, however it ended."""
+        if c.end_reason is not None:
+            return
+        c.end_reason = reason
+        m = self.metrics
+        if m is None:
+            return
+        queue = prefill = decode = None
+        if c.answered_at is not None and self.sent_at is not None:
+            # the engine ran it from the end of the step before its first delta, at the earliest
+            scheduled = max(self.sent_at, self.stream.step_before_first.get(c.request_id, 0.0))
+            queue, prefill = scheduled - self.sent_at, max(0.0, c.answered_at - scheduled)
+        if c.first_token_at is not None:
+            decode = now - c.first_token_at
+        m.request_finished(reason, c.num_prompt_tokens, c.num_cached_tokens, c.num_tokens, now - self.arrival,
+                           queue, prefill, decode)
+
+    @property
+    def first_token_at(self) -> float | None:
+        """When the call's first token came (any choice's), for the access log."""
+        times = [c.first_token_at for c in self.choices if c.first_token_at is not None]
+        return min(times) if times else None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -21,6 +21,12 @@ among the pipelined ones, then the connection closes:
 - ``write_timeout``: a client that reads nothing of a response (an SSE stream
   above all) for that long, while the transport is full, is cut off.
 
+Every request gets an id (``Request.id``, sent back as ``x-request-id``; a
+handler may replace it with its own, as the API does with a completion's id)
+and, once answered however it ended, goes to the server's ``observer`` with its
+status (499 when the client left before an answer): the access log and the
+HTTP metrics. Handlers may leave what the observer should know in ``Request.meta``.
+
 Handlers are ``async (Request) -> Response | StreamingResponse`` registered by
 method and path on a ``Router``. A connection can be handed to another protocol
 object (WebSocket) through ``Router.add_upgrade``: the handler returns an
@@ -31,7 +37,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
+import os
 import socket
 import struct
 import time
@@ -53,9 +61,12 @@ class Request:
     """One parsed request. ``headers`` has lower-case names (last one wins)."""
 
     __slots__ = ("method", "path", "query", "raw_headers", "headers", "body", "keep_alive",
-                 "upgrade", "error", "expect_continue", "protocol", "_queued")
+                 "upgrade", "error", "expect_continue", "protocol", "_queued", "id", "started", "meta")
 
     def __init__(self) -> None:
+        self.id = ""  # given when it is served; a handler may set its own
+        self.started = time.monotonic()  # its first byte (or when it was refused)
+        self.meta: object = None  # what the handler wants the observer (access log) to see
         self.method = ""
         self.path = ""
         self.query = ""
@@ -104,6 +115,9 @@ class Upgrade:
 
 Handler = Callable[[Request], Awaitable[Response | StreamingResponse]]
 UpgradeHandler = Callable[[Request], Awaitable[Response | Upgrade]]
+Observer = Callable[[Request, int], None]  # (request, status) once it is answered
+
+CLIENT_GONE = 499  # nginx's "client closed request": the client left before its answer
 
 
 class Router:
@@ -132,6 +146,10 @@ class Router:
             raise ApiError(405, f"Method {method} not allowed for {path}; allowed: "
                            f"{', '.join(sorted(by_method))}", code=405)
         return handler
+
+    def handler_name(self, path: str) -> str:
+        """``path`` if a route serves it, else "unmatched": a bounded set of names for metrics."""
+        return path if path in self._routes or path in self._upgrades else "unmatched"
 
 
 @dataclass
@@ -181,15 +199,28 @@ def _head(status: int, content_type: str, headers: list[tuple[str, str]], keep_a
 class HttpServer:
     """The shared state of every connection: routes, limits, and the live connections."""
 
-    def __init__(self, router: Router, config: HttpConfig | None = None) -> None:
+    def __init__(self, router: Router, config: HttpConfig | None = None, observer: Observer | None = None) -> None:
         self.router = router
         self.config = config or HttpConfig()
+        self.observer = observer
+        self._id_prefix = f"req-{os.urandom(4).hex()}"
+        self._ids = itertools.count()
         self.connections: set[HttpProtocol] = set()  # and the WebSocket connections handed over
         self.shutting_down = False
         self._full_since = -1e9  # when "connection limit reached" was last logged
 
     def __call__(self) -> HttpProtocol:  # the protocol factory for loop.create_server
         return HttpProtocol(self)
+
+    def new_id(self) -> str:
+        return f"{self._id_prefix}{next(self._ids):x}"
+
+    def observe(self, req: Request, status: int) -> None:
+        if self.observer is not None:
+            try:
+                self.observer(req, status)
+            except Exception:  # noqa: BLE001 - a logging or metrics bug must not cost the answer
+                log.exception("request observer failed for %s", req.id)
 
     def at_capacity(self) -> bool:
         if len(self.connections) < self.config.max_connections:
@@ -257,6 +288,9 @@ class HttpProtocol(asyncio.Protocol):
                                           "retry shortly")
             transport.write(_head(503, "application/json", [("retry-after", "1")], False, len(body)) + body)
             transport.close()
+            req = Request()
+            req.id, req.protocol = self.server.new_id(), self
+            self.server.observe(req, 503)
             return
         self.server.connections.add(self)
         if self.config.socket_send_buffer and (sock := transport.get_extra_info("socket")) is not None:
@@ -312,7 +346,7 @@ class HttpProtocol(asyncio.Protocol):
     # ------------------------------------------------------------------ parser callbacks
 
     def on_message_begin(self) -> None:
-        self._cur = Request()
+        self._cur = Request()  # (its clock starts now)
         self._cur.protocol = self
         self._url.clear()
         self._messages += 1
@@ -436,45 +470,55 @@ class HttpProtocol(asyncio.Protocol):
 
     async def _serve(self, req: Request) -> bool:
         """Answer one request; True when the connection was handed to another protocol."""
-        if req.error is not None:
-            status, msg = req.error
-            req.keep_alive = False
-            self._send(req, Response(status, status_error_body(status, msg)))
-            return False
+        req.id = self.server.new_id()
+        status = CLIENT_GONE  # until an answer goes out
         try:
-            if req.upgrade and (up := self.server.router.upgrade_handler(req.path)) is not None:
-                result = await up(req)
-                if isinstance(result, Upgrade):
-                    self._hand_over(result)
-                    return True
+            if req.error is not None:
+                status, msg = req.error
+                req.keep_alive = False
+                self._send(req, Response(status, status_error_body(status, msg)))
+                return False
+            try:
+                if req.upgrade and (up := self.server.router.upgrade_handler(req.path)) is not None:
+                    result = await up(req)
+                    if isinstance(result, Upgrade):
+                        status = 101
+                        self._hand_over(result)
+                        return True
+                else:
+                    if self._leftover or self._stop_reading and req.upgrade:
+                        req.keep_alive = False  # the parser stopped at an upgrade nobody took
+                    result = await self.server.router.resolve(req.method, req.path)(req)
+            except ApiError as e:
+                result = Response(e.status, e.body(), headers=list(e.headers))
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - a handler bug must not take the connection's other requests down
+                log.exception("handler failed: %s %s (request %s)", req.method, req.path, req.id)
+                result = Response(500, status_error_body(500, "Internal server error"))
+            if not self.lost:
+                status = result.status
+            if isinstance(result, StreamingResponse):
+                await self._stream(req, result)
             else:
-                if self._leftover or self._stop_reading and req.upgrade:
-                    req.keep_alive = False  # the parser stopped at an upgrade nobody took
-                result = await self.server.router.resolve(req.method, req.path)(req)
-        except ApiError as e:
-            result = Response(e.status, e.body(), headers=list(e.headers))
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # noqa: BLE001 - a handler bug must not take the connection's other requests down
-            log.exception("handler failed: %s %s", req.method, req.path)
-            result = Response(500, status_error_body(500, "Internal server error"))
-        if isinstance(result, StreamingResponse):
-            await self._stream(req, result)
-        else:
-            self._send(req, result)
-            if self._write_paused:
-                await self.drain()
-        return False
+                self._send(req, result)
+                if self._write_paused:
+                    await self.drain()
+            return False
+        finally:
+            self.server.observe(req, status)
 
     def _send(self, req: Request, resp: Response) -> None:
         if self.lost:
             return
-        self.transport.write(_head(resp.status, resp.content_type, resp.headers, req.keep_alive,
+        headers = [*resp.headers, ("x-request-id", req.id)]
+        self.transport.write(_head(resp.status, resp.content_type, headers, req.keep_alive,
                                    len(resp.body)) + resp.body)
 
     async def _stream(self, req: Request, resp: StreamingResponse) -> None:
         write = self.transport.write
-        write(_head(resp.status, resp.content_type, resp.headers, req.keep_alive, None))
+        write(_head(resp.status, resp.content_type, [*resp.headers, ("x-request-id", req.id)], req.keep_alive,
+                    None))
         chunks = resp.chunks
         try:
             async for chunk in chunks:
@@ -487,7 +531,7 @@ class HttpProtocol(asyncio.Protocol):
         except asyncio.CancelledError:
             raise
         except Exception:  # noqa: BLE001 - the head is out: all we can do is cut the stream
-            log.exception("stream failed: %s %s", req.method, req.path)
+            log.exception("stream failed: %s %s (request %s)", req.method, req.path, req.id)
             req.keep_alive = False
             self.abort()
             return

@@ -15,7 +15,8 @@ with the same salt; ``usage.prompt_tokens_details.cached_tokens`` says how many
 prompt tokens came from that cache.
 A full engine queue is a 429 with Retry-After. ``/health`` shows the engine's
 latest stats, as the client's liveness pings brought them: it never waits on the
-engine.
+engine. ``/metrics`` (with a ``Metrics``) is Prometheus' view of every frontend
+(``frontends.metrics``); it follows the key rule unless ``metrics_no_auth``.
 """
 
 from __future__ import annotations
@@ -29,11 +30,14 @@ import orjson
 
 from engine.protocol import Stats
 from frontends import openai_params as op
+from frontends.access_log import CallInfo
 from frontends.auth import Auth
 from frontends.engine_client import EngineClient
 from frontends.errors import ApiError
 from frontends.generation import Generation, LogprobEntry, Update
 from frontends.http import Request, Response, Router, StreamingResponse
+from frontends.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from frontends.metrics import Metrics
 from frontends.text import StopMatcher, TextCodec, TokenizerBusy
 
 VERSION = "0.1.0"
@@ -66,8 +70,11 @@ def _timed_out(started: float) -> ApiError:
 
 class OpenAIApi:
     def __init__(self, client: EngineClient, codec: TextCodec, served_model_name: str,
-                 api_keys: list[str] | None = None, allowed_origins: list[str] | None = None) -> None:
+                 api_keys: list[str] | None = None, allowed_origins: list[str] | None = None,
+                 metrics: Metrics | None = None, metrics_no_auth: bool = False) -> None:
         self.client = client
+        self.metrics = metrics
+        self.metrics_no_auth = metrics_no_auth
         self.codec = codec
         self.model = served_model_name
         self.auth = Auth(api_keys or (), allowed_origins or ())
@@ -77,7 +84,7 @@ class OpenAIApi:
 
     def routes(self, router: Router | None = None) -> Router:
         router = router or Router()
-        for method, path, handler in (
+        routes = [
             ("GET", "/health", self.health),
             ("POST", "/v1/completions", self.completions),
             ("POST", "/v1/chat/completions", self.chat_completions),
@@ -85,9 +92,13 @@ class OpenAIApi:
             ("POST", "/tokenize", self.tokenize),
             ("POST", "/detokenize", self.detokenize),
             ("GET", "/version", self.version),
-        ):
+        ]
+        if self.metrics is not None:
+            routes.append(("GET", "/metrics", self.prometheus))
+        open_paths = {"/health", *(["/metrics"] if self.metrics_no_auth else [])}
+        for method, path, handler in routes:
             # every POST here takes a JSON body; /health stays open for load balancers
-            guarded = self.auth.guard(handler, key=path != "/health", json_body=method == "POST")
+            guarded = self.auth.guard(handler, key=path not in open_paths, json_body=method == "POST")
             router.add(method, path, guarded)
             router.add("OPTIONS", path, self.auth.preflight)
         return router
@@ -143,6 +154,9 @@ class OpenAIApi:
             return _json({"status": "ok"} if s is None else {"status": "ok", **stats_fields(s)})
         raise ApiError(503, "Engine unavailable")
 
+    async def prometheus(self, req: Request) -> Response:
+        return Response(200, self.metrics.render(), content_type=METRICS_CONTENT_TYPE)
+
     async def version(self, req: Request) -> Response:
         return _json({"version": VERSION})
 
@@ -178,10 +192,12 @@ class OpenAIApi:
     # ------------------------------------------------------------------ completions
 
     async def completions(self, req: Request) -> Response | StreamingResponse:
-        return await self._run(op.parse_json(req.body), self.completion_job)
+        return await self._run(req, op.parse_json(req.body), self.completion_job)
 
-    async def completion_job(self, data: dict) -> tuple[Generation, _CompletionFormat]:
-        """A /v1/completions body checked and turned into an unstarted generation (also used over WebSocket)."""
+    async def completion_job(self, data: dict, arrival: float | None = None) -> tuple[Generation, _CompletionFormat]:
+        """A /v1/completions body checked and turned into an unstarted generation (also used over WebSocket).
+
+        ``arrival``: ``time.monotonic()`` when the call came in, where its latency metrics start."""
         op.check_model(data, self.model)
         deadline, priority = op.parse_deadline(data), op.parse_priority(data)
         cache_salt = op.parse_cache_salt(data)
@@ -201,15 +217,15 @@ class OpenAIApi:
         self._require_engine()
         api_id = self._new_id("cmpl")
         gen = Generation(self.client, self.codec, api_id, prompts, n, self._seeded(base), priority, stop,
-                         deadline, cache_salt)
+                         deadline, cache_salt, self.metrics, arrival)
         return gen, _CompletionFormat(self, api_id, gen, echo, logprobs is not None)
 
     # ------------------------------------------------------------------ chat
 
     async def chat_completions(self, req: Request) -> Response | StreamingResponse:
-        return await self._run(op.parse_json(req.body), self.chat_job)
+        return await self._run(req, op.parse_json(req.body), self.chat_job)
 
-    async def chat_job(self, data: dict) -> tuple[Generation, _ChatFormat]:
+    async def chat_job(self, data: dict, arrival: float | None = None) -> tuple[Generation, _ChatFormat]:
         """A /v1/chat/completions body checked and turned into an unstarted generation."""
         op.check_model(data, self.model)
         deadline, priority = op.parse_deadline(data), op.parse_priority(data)
@@ -235,7 +251,7 @@ class OpenAIApi:
         self._require_engine()
         api_id = self._new_id("chatcmpl")
         gen = Generation(self.client, self.codec, api_id, [prompt], n, self._seeded(base), priority, stop,
-                         deadline, cache_salt)
+                         deadline, cache_salt, self.metrics, arrival)
         return gen, _ChatFormat(self, api_id, gen, want_logprobs)
 
     # ------------------------------------------------------------------ running a generation
@@ -254,12 +270,14 @@ class OpenAIApi:
             return lambda i: base
         return lambda i: base if i == 0 else replace(base, seed=(base.seed + i) % 2**64)
 
-    async def _run(self, data: dict, job) -> Response | StreamingResponse:
+    async def _run(self, req: Request, data: dict, job) -> Response | StreamingResponse:
         """Check the body with ``job`` (completion_job or chat_job), run it, answer whole or streamed."""
         started = time.time()
+        info = req.meta = CallInfo(prompt=data.get("messages", data.get("prompt")))  # for the access log
         stream = op.field(data, "stream", bool, False)
         include_usage = stream and self._include_usage(data)
-        gen, fmt = await job(data)
+        gen, fmt = await job(data, req.started)
+        req.id, info.gen = gen.api_id, gen  # the access log and x-request-id name the call by its own id
         gen.start()
         try:
             first = await gen.next_updates()  # an engine refusal (429, 400) still gets its status

@@ -1,7 +1,8 @@
 """The frontend process: tokenizer, engine handshake, the listening socket, graceful exit.
 
 ``run_frontend(args, ready)`` is what the launcher starts in each frontend
-process. All frontends bind the same port with SO_REUSEPORT, so the kernel
+process. It also sets up what an operator watches: ``/metrics`` (every frontend's,
+see ``frontends.metrics``), the access log (``frontends.access_log``) and the log format. All frontends bind the same port with SO_REUSEPORT, so the kernel
 spreads connections over them. On SIGTERM/SIGINT a frontend stops accepting,
 lets in-flight requests finish for ``shutdown_grace`` seconds, aborts the rest
 in the engine, and returns.
@@ -17,9 +18,11 @@ import ssl
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from frontends import websocket
+from frontends import logs, websocket
+from frontends.access_log import AccessLog
 from frontends.engine_client import EngineClient
 from frontends.http import HttpConfig, HttpServer, Router
+from frontends.metrics import Metrics
 from frontends.openai_api import OpenAIApi
 from frontends.text import TextCodec
 from frontends.tokenizer import load_tokenizer
@@ -46,6 +49,10 @@ class FrontendArgs:
     engine_liveness_timeout: float = 60.0
     http: HttpConfig = field(default_factory=HttpConfig)  # the HTTP layer's limits
     ws: websocket.WsConfig = field(default_factory=websocket.WsConfig)  # /v1/stream limits
+    metrics_no_auth: bool = False  # /metrics without an API key (a scraper on a private network)
+    log_format: str = "text"  # or "json": one object per line
+    log_requests: bool = True  # one access-log line per finished request
+    log_prompts: bool = False  # the prompt in that line (user data: off by default)
 
 
 def ssl_context(args: FrontendArgs) -> ssl.SSLContext | None:
@@ -58,10 +65,10 @@ def ssl_context(args: FrontendArgs) -> ssl.SSLContext | None:
     return ctx
 
 
-def build_router(api: OpenAIApi, ws: websocket.WsConfig | None = None) -> Router:
+def build_router(api: OpenAIApi, ws: websocket.WsConfig | None = None, access_log: AccessLog | None = None) -> Router:
     """The HTTP API's routes, ``/v1/stream`` and the chat page."""
     router = api.routes()
-    websocket.register(router, api, ws)
+    websocket.register(router, api, ws, access_log)
     return router
 
 
@@ -72,9 +79,16 @@ async def serve(args: FrontendArgs, ready: Callable[[], None] | None = None) -> 
     client = EngineClient(args.engine_address, args.frontend_id, handshake_timeout=args.handshake_timeout,
                           liveness_timeout=args.engine_liveness_timeout)
     await client.connect()
+    metrics = Metrics(args.served_model_name, client.ready.max_model_len)
+    client.on_stats = metrics.engine_stats
+    if client.last_stats is not None:
+        metrics.engine_stats(client.last_stats)
     api = OpenAIApi(client, codec, args.served_model_name, args.api_keys,
-                    allowed_origins=args.allowed_origins)
-    http = HttpServer(build_router(api, args.ws), args.http)
+                    allowed_origins=args.allowed_origins, metrics=metrics, metrics_no_auth=args.metrics_no_auth)
+    access_log = AccessLog(metrics, enabled=args.log_requests, log_prompts=args.log_prompts)
+    router = build_router(api, args.ws, access_log)
+    access_log.router = router
+    http = HttpServer(router, args.http, observer=access_log)
     # What start-up made (the tokenizer, and transformers and torch when it was read without the
     # cache) lives as long as the process: out of the cyclic GC's sight, a request that allocates
     # many objects (a 50k-prompt list) no longer costs every stream a full-heap collection (~0.25 s).
@@ -98,5 +112,6 @@ def run_frontend(args: FrontendArgs, ready: Callable[[], None] | None = None) ->
     """Process entry: serve until SIGTERM/SIGINT, then return (exit status 0)."""
     import uvloop
 
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.frontend_id} %(levelname)s %(message)s")
+    # the launcher's children log already (in its format); a frontend started on its own sets up its own
+    logs.configure(args.log_format, logging.INFO, f"%(asctime)s {args.frontend_id} %(levelname)s %(name)s: %(message)s")
     uvloop.run(serve(args, ready))

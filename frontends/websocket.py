@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import orjson
@@ -58,6 +59,7 @@ from websockets.server import ServerProtocol
 
 from frontends import chat_page
 from frontends import openai_params as op
+from frontends.access_log import AccessLog, peer_of
 from frontends.errors import ApiError, status_error_body
 from frontends.generation import Generation, usage_dict
 from frontends.http import HttpServer, Request, Response, Router, Upgrade
@@ -91,9 +93,12 @@ class WsConfig:
     compression: bool = True  # permessage-deflate, when the client offers it
 
 
-def register(router: Router, api: OpenAIApi, config: WsConfig | None = None) -> WebSocketEndpoint:
-    """Add ``/v1/stream`` (upgrade, and a 426 for plain GETs) and the chat page at ``/``."""
-    ep = WebSocketEndpoint(api, config or WsConfig())
+def register(router: Router, api: OpenAIApi, config: WsConfig | None = None,
+             access_log: AccessLog | None = None) -> WebSocketEndpoint:
+    """Add ``/v1/stream`` (upgrade, and a 426 for plain GETs) and the chat page at ``/``.
+
+    ``access_log``: where each generation's line goes when it ends."""
+    ep = WebSocketEndpoint(api, config or WsConfig(), access_log)
     router.add_upgrade(PATH, ep.upgrade)
     router.add("GET", PATH, ep.not_upgraded)
     chat_page.register(router, api)  # the page is this endpoint's client
@@ -103,9 +108,10 @@ def register(router: Router, api: OpenAIApi, config: WsConfig | None = None) -> 
 class WebSocketEndpoint:
     """The handshake (auth, origin, negotiation); one per frontend process."""
 
-    def __init__(self, api: OpenAIApi, config: WsConfig) -> None:
+    def __init__(self, api: OpenAIApi, config: WsConfig, access_log: AccessLog | None = None) -> None:
         self.api = api
         self.config = config
+        self.access_log = access_log
         self.connections: set[Connection] = set()
 
     async def not_upgraded(self, req: Request) -> Response:
@@ -370,26 +376,37 @@ class Connection(asyncio.Protocol):
         # checking the body may tokenize a big prompt off the loop: the generation is live (and
         # cancellable) from now on, its engine request starts once the body has been read
         live = self.live[gid] = _Live(None, None)
-        live.task = asyncio.get_running_loop().create_task(self._run(gid, kind, msg, live))
+        live.task = asyncio.get_running_loop().create_task(self._run(gid, kind, msg, live, time.monotonic()))
 
-    async def _run(self, gid: str, kind: str, msg: dict, live: _Live) -> None:
+    async def _run(self, gid: str, kind: str, msg: dict, live: _Live, arrival: float) -> None:
         """Check the body, start the generation, forward its batches (one delta per engine step) until it ends."""
         send = self._send
+        status = 499  # until it ends otherwise: the client cancelled it or left
         try:
-            live.gen, fmt = await (self.api.completion_job(msg) if kind == "completion" else self.api.chat_job(msg))
-            live.gen.start()
-        except ApiError as e:
-            send(_error_msg(gid, e))
-            self._forget(gid, live)
-            return
-        except Exception:  # noqa: BLE001 - one bad message must not take the connection's other generations down
-            log.exception("websocket message failed")
-            send(_error_msg(gid, ApiError(500, "Internal server error")))
-            self._forget(gid, live)
-            return
-        await self._pump(gid, live, fmt)
+            try:
+                job = self.api.completion_job if kind == "completion" else self.api.chat_job
+                live.gen, fmt = await job(msg, arrival)
+                live.gen.start()
+            except ApiError as e:
+                status = e.status
+                send(_error_msg(gid, e))
+                self._forget(gid, live)
+                return
+            except Exception:  # noqa: BLE001 - one bad message must not take the connection's other generations down
+                status = 500
+                log.exception("websocket message failed (generation %r)", gid)
+                send(_error_msg(gid, ApiError(500, "Internal server error")))
+                self._forget(gid, live)
+                return
+            status = await self._pump(gid, live, fmt)
+        finally:
+            if self.ep.access_log is not None:
+                gen = live.gen
+                self.ep.access_log.websocket(gen.api_id if gen is not None else f"ws-{gid}", peer_of(self.transport),
+                                             status, arrival, gen, msg.get("messages", msg.get("prompt")))
 
-    async def _pump(self, gid: str, live: _Live, fmt) -> None:
+    async def _pump(self, gid: str, live: _Live, fmt) -> int:
+        """Forward the generation's updates; the status it ended with (200, or the error's)."""
         gen = live.gen
         choice = gen.choices[0]
         send = self._send
@@ -411,11 +428,14 @@ class Connection(asyncio.Protocol):
                             msg["logprobs"] = fmt.delta_logprobs(up)
                         send(msg)
             send({"type": "done", "id": gid, "finish_reason": choice.finish_reason, "usage": gen.usage()})
+            return 200
         except ApiError as e:
             send(_error_msg(gid, e))
+            return e.status
         except Exception:  # noqa: BLE001
-            log.exception("websocket generation %s failed", gid)
+            log.exception("websocket generation %r (request %s) failed", gid, gen.api_id)
             send(_error_msg(gid, ApiError(500, "Internal server error")))
+            return 500
         finally:
             gen.abort_unfinished()
             self._forget(gid, live)

@@ -121,3 +121,68 @@ def test_run_benchmark_schedules_long_requests_outside_the_concurrency_cap(monke
     assert shorts[1] < 0.2 and shorts[2] >= 0.45
     assert all(r.in_flight == 4 for r in results if r.cls == "long")  # 2 running + 2 waiting
     assert 0.9 < duration < 3.0
+
+
+def _timed(start: float, ttft: float, itl: list[float], tokens: int | None = None) -> bs.RequestResult:
+    r = result("", ttft, itl)
+    r.start = start
+    if tokens is not None:
+        r.output_tokens = tokens
+    return r
+
+
+def test_request_samples_and_throughput_series():
+    from tools import bench_plot
+
+    results = [_timed(100.0, 0.5, [0.1, 0.1]), _timed(101.0, 0.2, [0.3], tokens=4), result("", 0.0, [], ok=False)]
+    samples = bs.request_samples(results)
+    assert samples[0] == {"start_s": 0.0, "ok": True, "cls": "", "output_tokens": 3, "ttft_s": 0.5,
+                          "e2el_s": 0.7, "itl_s": [0.1, 0.1]}
+    assert samples[1]["start_s"] == 1.0 and samples[2]["ok"] is False and samples[2]["ttft_s"] is None
+    run = {"requests": samples}
+    times = bench_plot.token_times(run)
+    assert [t for t, _ in times] == pytest.approx([0.5, 0.6, 0.7, 1.2, 1.5])
+    assert sum(n for _, n in times) == pytest.approx(3 + 4)  # a chunk carries its share of the tokens
+    x, y = bench_plot.throughput_series(run, bins=5)
+    width = 1.5 / 5
+    assert len(x) == 5 and sum(y) * width == pytest.approx(7)
+    assert bench_plot.samples(run, "ttft") == pytest.approx([500.0, 200.0])
+    assert bench_plot.samples(run, "itl") == pytest.approx([100.0, 100.0, 300.0])
+    assert bench_plot.samples({}, "itl") is None and bench_plot.throughput_series({}) == ([], [])
+
+
+def test_plot_and_compare_write_pngs(tmp_path, monkeypatch, capsys):
+    import json
+
+    async def fake_send(client, args, job):
+        r = bs.RequestResult(prompt_tokens=job.est_tokens, start=time.perf_counter())
+        for _ in range(job.max_tokens):
+            await asyncio.sleep(0.002)
+            r.got_chunk(time.perf_counter())
+        r.output_tokens = job.max_tokens
+        r.finish()
+        return r
+
+    monkeypatch.setitem(bs.PROTOCOLS, "sse", fake_send)
+    runs = []
+    for name, n in (("before", 6), ("after", 9)):
+        saved, png = tmp_path / f"{name}.json", tmp_path / f"{name}.png"
+        argv = ["--quiet", "--model", "m", "--num-prompts", str(n), "--input-len", "3", "--output-len", "5",
+                "--max-concurrency", "3", "--save-json", str(saved), "--plot", str(png)]
+        assert bs.main(argv) == 0
+        line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        data = json.loads(saved.read_text())
+        assert "requests" not in line and len(data.pop("requests")) == n and data == line
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+        runs.append(saved)
+    # an older result without per-request timings still compares, through its percentiles
+    old = tmp_path / "old.json"
+    data = json.loads(runs[0].read_text())
+    del data["requests"]
+    old.write_text(json.dumps(data))
+    out = tmp_path / "cmp.png"
+    assert bs.main(["--compare", str(runs[0]), str(runs[1]), str(old), "--plot", str(out)]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    with pytest.raises(SystemExit):
+        bs.parse_args(["--compare", str(old)])  # one run is nothing to compare

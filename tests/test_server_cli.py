@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from engine.cli import api_keys, build_parser, parse_size
+from engine.config import EngineConfig
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_server_e2e import CMD, ROOT  # noqa: E402
@@ -28,7 +29,8 @@ SERVE_FLAGS = ["--model", "--served-model-name", "--host", "--port", "--api-key"
                "--body-timeout", "--write-timeout", "--max-header-bytes", "--allowed-origins",
                "--socket-send-buffer", "--ws-max-frames-per-second", "--engine-liveness-timeout",
                "--scheduling-policy", "--scheduling-aging-seconds", "--long-prefill-token-threshold",
-               "--max-num-waiting-requests", "--request-timeout", "--enable-prefix-caching"]
+               "--max-num-waiting-requests", "--request-timeout", "--enable-prefix-caching",
+               "--metrics-no-auth", "--log-format", "--disable-log-requests", "--log-prompts"]
 
 
 def tokenmill(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -74,6 +76,23 @@ def test_websocket_flags_reach_the_frontends():
     ws = WsConfig(**_ws_overrides(args))
     assert (ws.max_buffered_bytes, ws.idle_timeout) == (1 << 20, 60.0)
     assert ws.ping_interval == WsConfig().ping_interval  # flags not given keep the defaults
+
+
+def test_observability_flags_reach_the_frontends(tmp_path):
+    from engine.cli import serve_options
+    from engine.launcher import Launcher
+
+    def frontend_args(*argv):
+        launcher = Launcher(EngineConfig(), serve_options(build_parser().parse_args(["serve", *argv])))
+        launcher.runtime_dir = str(tmp_path)
+        return launcher._frontend_args(0)
+
+    fa = frontend_args()
+    assert (fa.metrics_no_auth, fa.log_format, fa.log_requests, fa.log_prompts) == (False, "text", True, False)
+    fa = frontend_args("--metrics-no-auth", "--log-format", "json", "--disable-log-requests", "--log-prompts")
+    assert (fa.metrics_no_auth, fa.log_format, fa.log_requests, fa.log_prompts) == (True, "json", False, True)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--log-format", "xml"])
 
 
 def test_api_keys_from_environment():

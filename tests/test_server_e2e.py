@@ -3,8 +3,9 @@
 One server per module (a tiny random Llama, ``--api-server-count 2``), driven
 with the official ``openai`` client: concurrent clients, greedy parity with the
 offline ``LLM``, a client disconnect freeing KV blocks (read with a STATS frame
-on the engine's socket), a killed frontend being replaced while the other keeps
-serving, and SIGTERM exiting 0 with the runtime dir gone (last: it ends the server).
+on the engine's socket), ``/metrics`` and the access log, a killed frontend
+being replaced while the other keeps serving, and SIGTERM exiting 0 with the
+runtime dir gone (last: it ends the server).
 
 ``Server`` is also used by ``test_server_default_model.py``.
 """
@@ -295,6 +296,62 @@ def test_client_disconnect_frees_kv_blocks(server):
     assert after.num_free_blocks == after.num_kv_blocks
 
 
+def scrape(server: Server) -> dict:
+    """``/metrics`` (from whichever frontend answers) as {(name, label values...): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(server.url + "/metrics", timeout=10).read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, *sorted(s.labels.items()))] = s.value
+    return out
+
+
+def test_metrics_and_access_log(server):
+    import openai
+
+    assert os.path.isdir(os.path.join(server.runtime_dir, "metrics"))
+    before = scrape(server)
+    client = openai_client(server)
+    done = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    stream = client.completions.create(model="tiny", prompt="Tell me a very long story", max_tokens=900,
+                                       temperature=0, stream=True, extra_body={"ignore_eos": True})
+    cut_id = next(iter(stream)).id
+    stream.close()  # the client goes away mid-generation
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt="x", max_tokens=-1)
+    cut = wait_for(lambda: re.search(rf"request_id={cut_id} .*", server.log()), 20, "the cut stream's access line")
+    cut_fields = dict(kv.split("=", 1) for kv in cut.group(0).split())
+    assert cut_fields["status"] == "200" and cut_fields["finish_reason"] == "abort"
+    after = scrape(server)
+    common = (("engine", "0"), ("model_name", "tiny"))
+
+    def d(name, *labels):
+        key = (name, *sorted(common + labels))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    reason = ("finished_reason",)
+    assert [d("tokenmill:request_success_total", reason + (r,)) for r in ("length", "abort", "stop", "error")] == [
+        1, 1, 0, 0]
+    assert d("tokenmill:prompt_tokens_total") == done.usage.prompt_tokens + int(cut_fields["prompt_tokens"])
+    assert d("tokenmill:generation_tokens_total") == MAX_TOKENS + int(cut_fields["generation_tokens"])
+    for h in ("e2e_request_latency_seconds", "time_to_first_token_seconds", "request_queue_time_seconds",
+              "request_prompt_tokens", "request_generation_tokens"):
+        assert d(f"tokenmill:{h}_count") == 2, h
+    assert d("tokenmill:inter_token_latency_seconds_count") == MAX_TOKENS - 1 + int(cut_fields["generation_tokens"]) - 1
+    http = ("tokenmill:http_requests_total", ("handler", "/v1/completions"), ("method", "POST"))
+    assert after[(*http, ("status", "4xx"))] - before.get((*http, ("status", "4xx")), 0) == 1
+    assert after[(*http, ("status", "2xx"))] - before.get((*http, ("status", "2xx")), 0) == 2
+    assert after[("tokenmill:kv_cache_usage_perc", *common)] >= 0
+    assert ("tokenmill:num_requests_running", *common) in after and ("tokenmill:num_preemptions_total", *common) in after
+    line = re.search(rf"request_id={done.id} .*", server.log()).group(0)
+    assert f"prompt_tokens={done.usage.prompt_tokens} " in line and f"generation_tokens={MAX_TOKENS} " in line
+    assert "finish_reason=length" in line and "status=200" in line
+    assert PROMPTS[1] not in server.log() and "very long story" not in server.log()  # prompts are not logged
+
+
 def test_a_client_that_stops_reading_is_cut_off_and_its_requests_aborted(server):
     # sixteen long streams with 20 logprobs per token (~1.5 KB each) for a client that reads nothing:
     # with a 64K send buffer the kernel holds a few steps' worth, then the write timeout runs
@@ -344,6 +401,9 @@ def test_killed_frontend_is_restarted_and_the_other_keeps_serving(server, offlin
                    30, "the launcher to restart frontend-0")
     assert pid_alive(new)
     wait_for(lambda: "tokenmill-frontend-0 is ready again" in server.log(), 120, "the new frontend-0 to be ready")
+    # the dead one's engine gauges no longer count (its counters do)
+    assert not os.path.exists(os.path.join(server.runtime_dir, "metrics", f"gauge_livemostrecent_{old}.db"))
+    assert os.path.exists(os.path.join(server.runtime_dir, "metrics", f"counter_{old}.db"))
     r = client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
                                   extra_body={"ignore_eos": True})
     assert r.choices[0].text == offline[prompt].text
@@ -361,7 +421,8 @@ def test_bench_serving_smoke(server, tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "Serving Benchmark Result" in r.stdout
     result = json.loads(r.stdout.strip().splitlines()[-1])
-    assert result == json.loads(out.read_text())
+    saved = json.loads(out.read_text())
+    assert len(saved.pop("requests")) == 6 and result == saved  # the file also keeps each request's timings
     assert result["model"] == "tiny" and result["completed"] == 6 and result["failed"] == 0
     assert result["total_output_tokens"] == 6 * 8  # ignore_eos: exactly --output-len each
     assert result["goodput"] == pytest.approx(result["request_throughput"])

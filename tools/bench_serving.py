@@ -42,6 +42,15 @@ whole run's duration), and the table a section per class.
 Prompts are random token ids decoded with ``--tokenizer`` (a model folder or
 .gguf file) when given, else random common English words (about one token each).
 Token counts come from the server's ``usage`` when it sends it.
+
+Pictures (matplotlib, ``tools/bench_plot.py``): ``--plot run.png`` draws this
+run's TTFT and ITL distributions and output tokens/s over time. ``--save-json``
+keeps, besides the JSON line's figures, every request's timings (``requests``),
+so that ``--compare a.json b.json [--plot cmp.png]`` can draw saved runs side by
+side without running anything (default file: compare.png)::
+
+    python tools/bench_serving.py --num-prompts 200 --save-json before.json --plot before.png
+    python tools/bench_serving.py --compare before.json after.json --plot before_after.png
 """
 
 from __future__ import annotations
@@ -420,6 +429,24 @@ def metrics(args, results: list[RequestResult], duration: float) -> dict:
     }
 
 
+def request_samples(results: list[RequestResult]) -> list[dict]:
+    """Each request's timings in seconds from the first request's start: what ``--plot`` and
+    ``--compare`` draw from (kept in the ``--save-json`` file, not in the JSON line)."""
+    t0 = min((r.start for r in results if r.start), default=0.0)
+    return [{"start_s": round(r.start - t0, 6), "ok": r.ok, "cls": r.cls, "output_tokens": r.output_tokens,
+             "ttft_s": round(r.ttft, 6) if r.chunks else None, "e2el_s": round(r.e2el, 6),
+             "itl_s": [round(x, 6) for x in r.itl]} for r in results]
+
+
+def plotting():
+    """``tools/bench_plot.py``, imported as a module or from beside this script."""
+    try:
+        from tools import bench_plot
+    except ImportError:
+        import bench_plot
+    return bench_plot
+
+
 def workload_params(args) -> dict:
     if args.workload == "mixed":
         return {"num_short": args.num_prompts, "num_long": args.num_long, "long_input_len": args.long_input_len,
@@ -544,9 +571,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT must be at most this")
     p.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT must be at most this")
-    p.add_argument("--save-json", default=None, metavar="PATH", help="also write the result JSON here")
+    p.add_argument("--save-json", default=None, metavar="PATH",
+                   help="also write the result JSON here, with every request's timings (for --compare)")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="draw TTFT and ITL distributions and tokens/s over time into this PNG (with --compare: "
+                   "the comparison's file, default compare.png)")
+    p.add_argument("--compare", nargs="+", default=None, metavar="JSON",
+                   help="run nothing: draw two or more --save-json results side by side into --plot")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = p.parse_args(argv)
+    if args.compare is not None and len(args.compare) < 2:
+        p.error("--compare needs at least two saved results")
     if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
         p.error("--num-prompts, --input-len and --output-len must be positive")
     if args.request_rate <= 0:
@@ -560,8 +595,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def compare(args) -> int:
+    bench_plot = plotting()
+    runs = []
+    for path in args.compare:
+        label = os.path.splitext(os.path.basename(path))[0]
+        runs.append((label, bench_plot.load(path)))
+    out = args.plot or "compare.png"
+    bench_plot.plot_compare(runs, out)
+    print(f"wrote {out}", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.compare:
+        return compare(args)
     rng = random.Random(args.seed)
     tok = load_tokenizer(args.tokenizer) if args.tokenizer else None
     jobs = make_jobs(args, rng, tok)
@@ -573,9 +622,13 @@ def main(argv: list[str] | None = None) -> int:
               "went out with no short one in flight; send more or longer short requests, or lower "
               "--long-delay", file=sys.stderr, flush=True)
     line = json.dumps(summary, separators=(",", ":"))
+    saved = {**summary, "requests": request_samples(results)}
     if args.save_json:
         with open(args.save_json, "w") as f:
-            json.dump(summary, f, indent=2)
+            json.dump(saved, f, indent=1)
+    if args.plot:
+        plotting().plot_run(saved, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr, flush=True)
     print(line, flush=True)
     return 0 if summary["completed"] else 1
 

@@ -228,8 +228,12 @@ def free_port() -> int:
 
 
 def start_frontend(engine_address: str, tokenizer_dir: str, port: int, api_keys=(KEY,),
-                   frontend_id: str = "fe-test", **extra) -> subprocess.Popen:
-    """A frontend process (``run_frontend``, as the launcher starts it); returns once it printed READY."""
+                   frontend_id: str = "fe-test", env: dict | None = None, stderr=None,
+                   **extra) -> subprocess.Popen:
+    """A frontend process (``run_frontend``, as the launcher starts it); returns once it printed READY.
+
+    ``env``: variables to add (``PROMETHEUS_MULTIPROC_DIR`` for frontends that share metrics);
+    ``stderr``: where its log goes (default: this process's stderr)."""
     code = (
         "import sys; from frontends.server import FrontendArgs, run_frontend\n"
         "from frontends.http import HttpConfig  # for an http= override (its repr)\n"
@@ -238,7 +242,8 @@ def start_frontend(engine_address: str, tokenizer_dir: str, port: int, api_keys=
         f"frontend_id={frontend_id!r}, **{extra!r})\n"
         "run_frontend(args, ready=lambda: print('READY', flush=True))\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})}, stderr=stderr)
     line = proc.stdout.readline()
     assert line.strip() == "READY", f"frontend did not start: {line!r}"
     return proc
