@@ -106,9 +106,18 @@ class BlockManager:
         """The requests computing, in this step, any of ``blocks`` (pending hits): they must stay in it."""
         return {self.pending[b] for b in blocks if b in self.pending}
 
-    def end_step(self) -> None:
-        """The scheduled step ran: every pending block holds its K/V now."""
+    def end_step(self, computed: bool = True) -> None:
+        """The scheduled step ran: every pending block holds its K/V now. Or it failed (``computed``
+        False): none does, so none may be found."""
+        if not computed:
+            for block_id in list(self.pending):
+                self._forget(block_id)
         self.pending.clear()
+
+    def _forget(self, block_id: int) -> None:
+        del self.cached[self.block_hash[block_id]]
+        self.block_hash[block_id] = None
+        self.pending.pop(block_id, None)
 
     def _hashes(self, req: Request, num_blocks: int) -> list[bytes]:
         """Chained hashes of ``req``'s first ``num_blocks`` full blocks, computed once per request."""
@@ -117,7 +126,7 @@ class BlockManager:
         for i in range(len(hashes), min(num_blocks, len(tokens) // bs)):
             parent = chain_hash(parent, tokens[i * bs:(i + 1) * bs])
             hashes.append(parent)
-        return hashes[:num_blocks]
+        return hashes if len(hashes) <= num_blocks else hashes[:num_blocks]
 
     # ------------------------------------------------------------------ allocation
 
@@ -151,10 +160,8 @@ class BlockManager:
     def free(self, req: Request) -> None:
         """Release the request's blocks, tail first."""
         for block_id in reversed(req.block_table):
-            if block_id in self.pending:  # it left the step that was to compute this block: forget it
-                assert self.ref_counts[block_id] == 1, "a pending block that others hit left its step"
-                del self.cached[self.block_hash[block_id]], self.pending[block_id]
-                self.block_hash[block_id] = None
+            if self.pending.get(block_id) == req.request_id:  # it left the step that was to compute the block
+                self._forget(block_id)
             self.ref_counts[block_id] -= 1
             if self.ref_counts[block_id] == 0:
                 if self.block_hash[block_id] is None:

@@ -132,7 +132,11 @@ class Engine:
         if not batch:
             return StepResult([], None)
         start = time.perf_counter()
-        result = self.runner.execute(batch)
+        try:
+            result = self.runner.execute(batch)
+        except BaseException:  # (an interrupt, out of memory): leave nothing half-done for the next step
+            self.scheduler.rollback(batch)
+            raise
         self.scheduler.update_from_output(batch, time.perf_counter() - start)
         return result
 

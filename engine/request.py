@@ -49,7 +49,7 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.cache_salt = cache_salt  # blocks are shared only between requests with the same salt
         self.block_hashes: list[bytes] = []  # chained hashes of its full blocks (block manager's, kept)
-        self.num_cached_blocks = 0  # leading blocks of block_table that are findable in the prefix cache
+        self.num_cached_blocks = 0  # leading blocks of block_table already offered to the prefix cache
         self.num_preemptions = 0
         self.num_output_at_preemption = -1  # output tokens when last preempted
         self.arrival_time = 0.0  # unix seconds, set when first queued; kept across preemptions

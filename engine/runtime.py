@@ -83,9 +83,11 @@ def count_kv_blocks(config: EngineConfig, model_cfg: ModelConfig, device: torch.
         budget = cuda_budget
     else:
         budget = config.kv_cache_memory or CPU_KV_CACHE_BYTES
-    # More than every sequence at full length could use is memory wasted.
-    useful = config.max_num_seqs * -(-max_model_len // config.block_size)
-    blocks = min(int(budget // per_block), useful)
+    blocks = int(budget // per_block)
+    if device.type == "cpu" or not config.enable_prefix_caching:
+        # More than every sequence at full length could use is memory wasted, unless it keeps prefixes
+        # cached; on the CPU the cache's memory is the host's, so take no more than that either way.
+        blocks = min(blocks, config.max_num_seqs * -(-max_model_len // config.block_size))
     if blocks < 1:
         raise ValueError("no memory is left for the KV cache: raise gpu_memory_utilization / kv_cache_memory")
     return blocks

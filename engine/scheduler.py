@@ -152,6 +152,14 @@ class Scheduler:
         self.block_manager.end_step()
         self.prefill_cap.observe(batch.num_decodes, batch.num_prompt_tokens, seconds)
 
+    def rollback(self, batch: ScheduledBatch) -> None:
+        """The model failed to run ``batch``: nothing it scheduled was computed. Its requests go back to
+        waiting (recomputed if they run again), and no block it was to fill may be found."""
+        for req in list(batch.requests):
+            if req.status is Status.RUNNING:
+                self._preempt(req, batch)
+        self.block_manager.end_step(computed=False)
+
     def finish(self, req: Request, reason: str) -> None:
         """Take ``req`` out (finished, aborted or timed out) and free its blocks at once."""
         if req.status is Status.RUNNING:

@@ -69,7 +69,7 @@ def test_batched_and_chunked_with_shared_prefixes(tiny_llama, uncached, budget):
     llm = LLM(tiny_llama, num_kv_blocks=256, max_model_len=512, max_num_batched_tokens=budget)
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == [o.token_ids for o in one_by_one(uncached, prompts)]
-    # all six arrive together: the first computes the prefix, the others wait for it and hit
+    # all six arrive together: the first computes the prefix, the others hit its blocks in that same step
     assert sorted(o.num_cached_tokens for o in outs) == [0] + [32] * 5
     assert_all_blocks_free(llm)
 
@@ -191,3 +191,22 @@ def test_a_preempted_request_resumes_from_its_own_cached_blocks(tiny_llama, unca
     assert tokens["a"] == uncached.generate(a_prompt, a_params)[0].token_ids
     # a computed each of its 69 tokens once, and again only those after its cached 48
     assert per_request["a"] == 69 + (40 + 10 - 1) - 48
+
+
+def test_a_step_that_fails_leaves_no_uncomputed_block_findable(tiny_llama, uncached):
+    p = shared_prefix_prompts(1, prefix_len=40)[0]
+    llm = LLM(tiny_llama, num_kv_blocks=64, max_model_len=512)
+    runner = llm.engine.runner
+    execute = runner.execute
+
+    def interrupted(batch):
+        runner.execute = execute  # once
+        raise KeyboardInterrupt
+
+    runner.execute = interrupted
+    with pytest.raises(KeyboardInterrupt):  # twins: the second hits blocks the first was to fill
+        llm.generate([p, p], GREEDY)
+    assert not llm.engine.has_work() and llm.engine.block_manager.cached == {}
+    assert_all_blocks_free(llm)
+    again = llm.generate(p, GREEDY)[0]
+    assert again.num_cached_tokens == 0 and again.token_ids == uncached.generate(p, GREEDY)[0].token_ids
