@@ -57,7 +57,8 @@ def _engine_flags(p: argparse.ArgumentParser, generate: bool = False) -> None:
                    help=f"CUDA: fraction of device memory for weights and KV cache "
                         f"(default: {d['gpu_memory_utilization']})")
     g.add_argument("--kv-cache-memory", type=parse_size, default=None,
-                   help="CPU: memory for the KV cache, e.g. 2G or 512MiB (default: 1GiB)")
+                   help="CPU: memory for the KV cache (of each rank, under tensor parallel), e.g. 2G or 512MiB "
+                        "(default: 1GiB)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="share the KV cache blocks of prompts that start alike (a system prompt, earlier "
                         "turns of a chat); --no-enable-prefix-caching turns it off (default: on)")

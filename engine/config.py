@@ -35,7 +35,7 @@ class EngineConfig:
     long_prefill_token_threshold: int | None = None  # prompt tokens per step beside decodes; None = measured
     request_timeout: float | None = None  # seconds; a request without its own timeout gets this one
     seed: int = 0
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = 1  # ranks the model is split over (engine.parallel); rank 0 is the engine
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -69,5 +69,5 @@ class EngineConfig:
             bad(f"long_prefill_token_threshold must be positive, got {self.long_prefill_token_threshold}")
         if self.request_timeout is not None and not 0 < self.request_timeout < float("inf"):
             bad(f"request_timeout must be a positive number of seconds, got {self.request_timeout}")
-        if self.tensor_parallel_size != 1:
-            bad("tensor_parallel_size > 1 is not supported yet")
+        if self.tensor_parallel_size < 1:
+            bad(f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}")

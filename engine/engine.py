@@ -106,6 +106,10 @@ class Engine:
         result = self._run(batch)
         return self._postprocess(batch, result)
 
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done at exit)."""
+        self.runner.close()
+
     # ------------------------------------------------------------------ internals
 
     def _check(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:

@@ -2,6 +2,10 @@
 
 An in-process client of ``Engine``: it tokenizes, adds every prompt, steps the
 engine until all are done and detokenizes, like a frontend without the sockets.
+
+With ``tensor_parallel_size`` > 1 it starts worker processes (``engine.tp_worker``, spawned:
+a script needs the ``if __name__ == "__main__":`` guard); ``close()``, or leaving a
+``with LLM(...)`` block, stops them (so does exit).
 """
 
 from __future__ import annotations
@@ -37,6 +41,16 @@ class LLM:
         self.config = EngineConfig(model=model, **config)
         self.engine = Engine(self.config)
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done when the LLM is collected, and at exit)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @cached_property
     def tokenizer(self):

@@ -21,6 +21,7 @@ import torch
 from engine.models.config import ModelConfig
 from engine.models.layers import RowLinear
 from engine.models.llama import LlamaForCausalLM
+from engine.parallel import TPGroup
 
 
 def load_model_config(path: str) -> ModelConfig:
@@ -38,9 +39,10 @@ def load_model_config(path: str) -> ModelConfig:
 
 
 def build_model(path: str, cfg: ModelConfig, max_positions: int, dtype: torch.dtype,
-                device: torch.device) -> LlamaForCausalLM:
+                device: torch.device, tp: TPGroup | None = None) -> LlamaForCausalLM:
+    """The model, or under tensor parallelism this rank's slice of it (``tp``)."""
     with torch.device(device):
-        model = LlamaForCausalLM(cfg, max_positions)
+        model = LlamaForCausalLM(cfg, max_positions, tp)
     weights = _gguf_weights(path, cfg) if path.endswith(".gguf") else _safetensors_weights(path)
     load_weights(model, weights)
     model.to(dtype)  # the RoPE tables stay float32: they are buffers, converted on use
@@ -64,10 +66,10 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
     with torch.no_grad():
         for name, w in weights:
             if name == "model.embed_tokens.weight":
-                model.embed_tokens.copy_(w)
+                model.embed_tokens.load(w)
             elif name == "lm_head.weight":
                 if not model.cfg.tie_word_embeddings:
-                    model.lm_head.copy_(w)
+                    model.lm_head.load(w)
             elif name == "model.norm.weight":
                 model.norm.weight.copy_(w)
             elif m := _LAYER.fullmatch(name):

@@ -4,6 +4,11 @@ Owns the model, the KV cache tensors and the sampler. Per step: token ids,
 positions, slot mapping, block tables and sequence lengths for every scheduled
 token, built with a handful of tensor ops (not a Python loop over tokens),
 then one forward pass, logits only for the rows that sample, one sampler call.
+
+Under tensor parallelism (``engine.parallel``) rank 0's runner starts the other ranks,
+whose runners mirror it: each step rank 0 turns the batch into a plain-data ``StepInput``,
+sends it to them (``TPGroup.driving``) and every rank runs ``forward_step`` on it; rank 0
+alone gets the logits (all the step's rows in one call: the gather is collective) and samples.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import torch
 from engine.attention import build_metadata
 from engine.config import EngineConfig
 from engine.loader import build_model, load_model_config
+from engine.parallel import StepInput, TPGroup, local_model_config
 from engine.protocol import SamplingParams
 from engine.request import Request
 from engine.runtime import (
@@ -27,6 +33,7 @@ from engine.runtime import (
 )
 from engine.sampler import Sampler, SamplerOutput, SamplingState, compute_logprobs
 from engine.scheduler import ScheduledBatch
+from engine.tp_worker import launch
 
 
 @dataclass
@@ -36,13 +43,17 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_path: str):
+    def __init__(self, config: EngineConfig, model_path: str, tp: TPGroup | None = None):
         device = pick_device(config)
         dtype = pick_dtype(config, device)
         self.model_cfg = load_model_config(model_path)
         max_model_len = pick_max_model_len(config, self.model_cfg, device)
+        # rank 0 starts the other ranks (one rank: a group of one); a worker brings its group
+        self.tp = tp if tp is not None else launch(config, model_path, self.model_cfg, device)
+        device = self.tp.device_for(device)
+        self.local_cfg = local_model_config(self.model_cfg, self.tp.size)  # this rank's heads
         torch.manual_seed(config.seed)
-        self.model = build_model(model_path, self.model_cfg, max_model_len, dtype, device)
+        self.model = build_model(model_path, self.model_cfg, max_model_len, dtype, device, self.tp)
         self.block_size, self.device, self.dtype = config.block_size, device, dtype
         self.sampler = Sampler(self.model_cfg.vocab_size, list(self.model_cfg.eos_token_ids), device, config.seed)
         cuda_budget = None
@@ -54,7 +65,8 @@ class ModelRunner:
                              config.max_num_seqs, max_model_len)
             cuda_budget = measured_cuda_budget(config, device)
             torch.cuda.empty_cache()
-        num_blocks = count_kv_blocks(config, self.model_cfg, device, dtype, max_model_len, cuda_budget)
+        num_blocks = self.tp.min_over_ranks(  # every rank's slice of the cache has as many blocks
+            count_kv_blocks(config, self.local_cfg, device, dtype, max_model_len, cuda_budget))
         self.facts = RuntimeFacts(model_path, device, dtype, max_model_len, num_blocks)
         self._allocate_kv_cache()
 
@@ -62,7 +74,7 @@ class ModelRunner:
         self.kv_cache = self._attach_kv_cache(self.facts.num_kv_blocks)
 
     def _attach_kv_cache(self, num_blocks: int) -> torch.Tensor:
-        cfg = self.model_cfg
+        cfg = self.local_cfg
         shape = (2, cfg.num_layers, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
         # Zeros, not empty: padded slots are read (masked) by attention, and NaN * 0 is NaN.
         cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -88,8 +100,9 @@ class ModelRunner:
         hidden = self.model(torch.zeros(num_tokens, dtype=torch.int64, device=self.device), positions, meta)
         logits = self.model.compute_logits(hidden[-1:].expand(num_seqs, -1))
         params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
-        self.sampler(logits, [params] * num_seqs, [SamplingState(params) for _ in range(num_seqs)],
-                     [[0]] * num_seqs, [[]] * num_seqs)
+        if logits is not None:  # None on tensor-parallel workers: rank 0 samples
+            self.sampler(logits, [params] * num_seqs, [SamplingState(params) for _ in range(num_seqs)],
+                         [[0]] * num_seqs, [[]] * num_seqs)
         if kept is not None:  # called again on a running engine (tests): put the real cache back
             self.kv_cache = kept
             for i, layer in enumerate(self.model.layers):
@@ -97,15 +110,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepResult:
-        input_ids, positions, meta, sample_rows, sampled = self._prepare(batch)
-        hidden = self.model(input_ids, positions, meta)  # (T, hidden)
-        if any(r.params.prompt_logprobs is not None for r in batch.requests):
-            self._prompt_logprobs(batch, hidden)
+        step, sampled, logprob_spans = self._prepare(batch)
+        with self.tp.driving(step):  # the other ranks get the step first; one that died fails it
+            logits = self.forward_step(step)  # (R, V): the prompt-logprob rows, then the sample rows
+        n = len(step.logits_rows) - len(sampled)
+        if logprob_spans:
+            self._prompt_logprobs(logprob_spans, logits[:n])
         if not sampled:
             return StepResult([], None)
-        logits = self.model.compute_logits(hidden[sample_rows])  # (B', V)
         out = self.sampler(
-            logits,
+            logits[n:],
             [r.params for r in sampled],
             [r.sampling_state for r in sampled],
             [r.prompt_token_ids for r in sampled],
@@ -113,29 +127,30 @@ class ModelRunner:
         )
         return StepResult(sampled, out)
 
-    def _prepare(self, batch: ScheduledBatch):
+    @torch.inference_mode()
+    def forward_step(self, step: StepInput) -> torch.Tensor | None:
+        """The forward every rank runs (tensor-parallel workers mirror rank 0 through it): the
+        (R, V) logits of ``step.logits_rows`` on rank 0; None on the others or when R is 0."""
+        dev = self.device
+        positions, meta = build_metadata(step.query_lens, step.computed_lens, step.block_tables,
+                                         self.block_size, dev)
+        hidden = self.model(torch.tensor(step.token_ids, dtype=torch.int64, device=dev), positions, meta)
+        if not step.logits_rows:  # the same on every rank: no gather to skip on one side only
+            return None
+        return self.model.compute_logits(hidden[torch.tensor(step.logits_rows, device=dev)])
+
+    def _prepare(self, batch: ScheduledBatch) -> tuple[StepInput, list[Request], list[tuple[Request, int, int]]]:
         reqs, counts = batch.requests, batch.num_new_tokens
         starts = [r.num_computed_tokens for r in reqs]
         tokens: list[int] = []
         sampled: list[Request] = []  # sequences whose every token is now computed
         sample_rows: list[int] = []  # their last token's row in the flat batch
+        logprob_rows: list[int] = []  # rows whose logits give prompt logprobs...
+        spans: list[tuple[Request, int, int]] = []  # ...of positions [lo, hi) of these requests
         for r, c, n in zip(reqs, starts, counts, strict=True):
+            row = len(tokens)
             tokens.extend(r.all_token_ids[c:c + n])
-            if c + n == r.num_tokens:
-                sampled.append(r)
-                sample_rows.append(len(tokens) - 1)
-        dev = self.facts.device
-        positions, meta = build_metadata(counts, starts, [r.block_table for r in reqs], self.block_size, dev)
-        input_ids = torch.tensor(tokens, dtype=torch.int64, device=dev)
-        return input_ids, positions, meta, torch.tensor(sample_rows, device=dev), sampled
-
-    def _prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor) -> None:
-        """Logprobs of each prompt token given the ones before it, gathered chunk by chunk."""
-        row = 0
-        for r, n in zip(batch.requests, batch.num_new_tokens, strict=True):
-            c = r.num_computed_tokens
-            k = r.params.prompt_logprobs
-            if k is not None and c < r.num_prompt_tokens:
+            if r.params.prompt_logprobs is not None and c < r.num_prompt_tokens:
                 if r.prompt_logprobs is None:
                     r.prompt_logprobs = [None]  # the first token has no context
                 # Position p predicts token p + 1 (stored at index p + 1); skip positions already
@@ -143,7 +158,22 @@ class ModelRunner:
                 lo = max(c, len(r.prompt_logprobs) - 1)
                 hi = min(c + n, r.num_prompt_tokens - 1)  # exclusive
                 if hi > lo:
-                    logits = self.model.compute_logits(hidden[row + lo - c:row + hi - c])
-                    targets = torch.tensor(r.prompt_token_ids[lo + 1:hi + 1], device=logits.device)
-                    r.prompt_logprobs.extend(compute_logprobs(logits, targets, k))
-            row += n
+                    logprob_rows.extend(range(row + lo - c, row + hi - c))
+                    spans.append((r, lo, hi))
+            if c + n == r.num_tokens:
+                sampled.append(r)
+                sample_rows.append(len(tokens) - 1)
+        step = StepInput(counts, starts, [r.block_table for r in reqs], tokens, logprob_rows + sample_rows)
+        return step, sampled, spans
+
+    def _prompt_logprobs(self, spans: list[tuple[Request, int, int]], logits: torch.Tensor) -> None:
+        """Logprobs of each prompt token given the ones before it, gathered chunk by chunk."""
+        row = 0
+        for r, lo, hi in spans:
+            targets = torch.tensor(r.prompt_token_ids[lo + 1:hi + 1], device=logits.device)
+            r.prompt_logprobs.extend(compute_logprobs(logits[row:row + hi - lo], targets, r.params.prompt_logprobs))
+            row += hi - lo
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done at exit)."""
+        self.tp.close()

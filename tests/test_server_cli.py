@@ -116,7 +116,7 @@ def test_bad_size_is_a_usage_error():
     (["--block-size", "7"], "block_size must be one of"),
     (["--max-num-seqs", "0"], "max_num_seqs must be positive"),
     (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be in"),
-    (["--tensor-parallel-size", "2"], "tensor_parallel_size > 1"),
+    (["--tensor-parallel-size", "0"], "tensor_parallel_size must be positive"),
     (["--scheduling-policy", "lifo"], "invalid choice: 'lifo' (choose from 'fcfs', 'priority', 'short-first')"),
     (["--request-timeout", "0"], "request_timeout must be a positive number of seconds"),
     (["--request-timeout", "-1"], "request_timeout must be a positive number of seconds"),

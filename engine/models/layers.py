@@ -1,9 +1,11 @@
-"""Building blocks shared by the models: linear layers that know how they would
-shard across tensor-parallel ranks, RMSNorm, rotary embedding.
+"""Building blocks shared by the models: linear layers that shard across tensor-parallel
+ranks, the vocab-parallel embedding and LM head, RMSNorm, rotary embedding.
 
-Weights are allocated uninitialised and filled by the loader through each
-layer's ``load`` method, which is where fusing (q|k|v, gate|up) and, later,
-tensor-parallel slicing happen.
+Weights are allocated uninitialised and filled by the loader through each layer's
+``load`` method, which is where fusing (q|k|v, gate|up) and tensor-parallel slicing
+happen: every rank reads the full checkpoint tensor and keeps its own slice. The
+collectives go through the ``TPGroup`` each layer is given (no globals); with one rank
+they are no-ops.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ import torch
 from torch import nn
 
 import kernels
+from engine.parallel import TPGroup
+
+_SINGLE = TPGroup()
 
 
 def _empty(*shape: int) -> nn.Parameter:
@@ -23,16 +28,20 @@ def _empty(*shape: int) -> nn.Parameter:
 class ColumnLinear(nn.Module):
     """y = x W^T (+ b), W = [W_0; W_1; ...] fused along the output dim.
 
-    Under tensor parallelism each rank keeps a slice of every part's rows
-    (``tp_rank``/``tp_size``), so outputs stay split and no communication is needed.
+    Under tensor parallelism each rank keeps a slice of every part's rows, so outputs
+    stay split and no communication is needed. ``replicas[i]`` ranks share each slice of
+    part ``i`` (1: a plain split; more: KV heads fewer than ranks, each kept by
+    ``tp.size / num_kv_heads`` ranks).
     """
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1):
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False, tp: TPGroup = _SINGLE,
+                 replicas: list[int] | None = None):
         super().__init__()
-        assert all(s % tp_size == 0 for s in out_sizes)
-        self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.out_sizes = [s // tp_size for s in out_sizes]
+        replicas = replicas or [1] * len(out_sizes)
+        shards = [tp.size // r for r in replicas]
+        assert all(tp.size % r == 0 for r in replicas) and all(s % n == 0 for s, n in zip(out_sizes, shards, strict=True))
+        self.out_sizes = [s // n for s, n in zip(out_sizes, shards, strict=True)]  # this rank's rows of each part
+        self.starts = [tp.rank // r * n for r, n in zip(replicas, self.out_sizes, strict=True)]  # ...from this row
         self.weight = _empty(sum(self.out_sizes), in_features)
         self.bias = _empty(sum(self.out_sizes)) if bias else None
 
@@ -40,34 +49,90 @@ class ColumnLinear(nn.Module):
         """Copy this rank's rows of part ``part`` (``kind`` "weight" or "bias")."""
         n = self.out_sizes[part]
         start = sum(self.out_sizes[:part])
-        getattr(self, kind)[start:start + n].copy_(tensor.narrow(0, self.tp_rank * n, n))
+        getattr(self, kind)[start:start + n].copy_(tensor.narrow(0, self.starts[part], n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(x, self.weight, self.bias)
 
 
 class RowLinear(nn.Module):
-    """y = x W^T with W split along the input dim under tensor parallelism
-    (each rank's partial sums are then all-reduced by the caller's group)."""
+    """y = x W^T (+ b) with W split along the input dim under tensor parallelism: each rank
+    multiplies its slice of x (the column-parallel layer's output) and the partial sums are
+    all-reduced; the bias is added once, after."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup = _SINGLE):
         super().__init__()
-        assert in_features % tp_size == 0
-        self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.in_per_rank = in_features // tp_size
+        assert in_features % tp.size == 0
+        self.tp = tp
+        self.in_per_rank = in_features // tp.size
         self.weight = _empty(out_features, self.in_per_rank)
         self.bias = _empty(out_features) if bias else None
 
     def load(self, tensor: torch.Tensor, kind: str = "weight") -> None:
         if kind == "weight":
-            tensor = tensor.narrow(1, self.tp_rank * self.in_per_rank, self.in_per_rank)
+            tensor = tensor.narrow(1, self.tp.rank * self.in_per_rank, self.in_per_rank)
         getattr(self, kind).copy_(tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = nn.functional.linear(x, self.weight)
-        # TODO(tensor parallel): all_reduce(y) here when tp_size > 1.
+        y = self.tp.all_reduce(nn.functional.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
+
+
+class VocabEmbedding(nn.Module):
+    """Token embeddings, vocab-parallel: rank r keeps rows [r * n, (r + 1) * n), n = ceil(V / T)
+    (the last rank's tail past V is zero padding). Each rank looks up the ids in its range,
+    zeros for the others, and the all-reduce sums the one nonzero row of each token."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup = _SINGLE):
+        super().__init__()
+        self.tp, self.vocab_size = tp, vocab_size
+        self.rows = -(-vocab_size // tp.size)
+        self.first = tp.rank * self.rows
+        self.weight = _empty(self.rows, hidden_size)
+
+    def load(self, tensor: torch.Tensor) -> None:
+        """This rank's rows of the full (V, hidden) ``tensor``; padding rows become zeros."""
+        n = max(0, min(self.vocab_size - self.first, self.rows))
+        self.weight[:n].copy_(tensor.narrow(0, self.first, n))
+        self.weight[n:].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return nn.functional.embedding(input_ids, self.weight)  # (T, hidden)
+        local = input_ids - self.first
+        outside = (local < 0) | (local >= self.rows)
+        x = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)  # (T, hidden)
+        return self.tp.all_reduce(x.masked_fill_(outside[:, None], 0.0))
+
+
+class LMHead(nn.Module):
+    """Logits, vocab-parallel like ``VocabEmbedding`` (and sharing its weight when tied).
+
+    Decision: rank 0 gathers the logits (each rank's (N, V/T) columns, concatenated) and
+    samples alone, rather than every rank sampling with the same generator. Sampling state
+    (per-request seeded generators, penalties over each request's history, logit bias) then
+    lives in rank 0 only and workers never see a request; the gather moves N * V floats per
+    step for the N rows that need logits (sample rows and prompt-logprob rows), small beside
+    the forward. So every rank must ask for the same rows in one call: the gather is
+    collective. Returns (N, V) float32 on rank 0, None on the other ranks.
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup = _SINGLE,
+                 tied: VocabEmbedding | None = None):
+        super().__init__()
+        self.tp, self.vocab_size = tp, vocab_size
+        self.shard = tied or VocabEmbedding(vocab_size, hidden_size, tp)  # the same row split
+        self.weight = self.shard.weight
+
+    def load(self, tensor: torch.Tensor) -> None:
+        self.shard.load(tensor)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = nn.functional.linear(hidden, self.weight).float()  # (N, V/T)
+        if self.tp.size == 1:
+            return logits
+        full = self.tp.gather_last_dim(logits)
+        return None if full is None else full[:, :self.vocab_size]  # (N, V)
 
 
 class RMSNorm(nn.Module):

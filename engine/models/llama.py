@@ -3,6 +3,9 @@
 One concept per class. Inputs are the flattened tokens of the whole batch:
 ``input_ids`` and ``positions`` are (T,), and ``AttentionMetadata`` says which
 sequence each belongs to. q|k|v and gate|up are fused at load time.
+
+Under tensor parallelism (``tp``, see ``engine.parallel``) every module holds its rank's
+share: ``h``/``hkv`` are this rank's query/KV heads, the MLP's width is a 1/T slice.
 """
 
 from __future__ import annotations
@@ -13,16 +16,19 @@ from torch import nn
 import kernels
 from engine.attention import Attention, AttentionMetadata
 from engine.models.config import ModelConfig
-from engine.models.layers import ColumnLinear, RMSNorm, RotaryEmbedding, RowLinear
+from engine.models.layers import ColumnLinear, LMHead, RMSNorm, RotaryEmbedding, RowLinear, VocabEmbedding
+from engine.parallel import TPGroup, kv_replicas
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup):
         super().__init__()
-        self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.qkv_proj = ColumnLinear(cfg.hidden_size, [self.h * self.d, self.hkv * self.d, self.hkv * self.d],
-                                     bias=cfg.attention_bias)
-        self.o_proj = RowLinear(self.h * self.d, cfg.hidden_size)
+        h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        r = kv_replicas(hkv, tp.size)  # ranks sharing each KV head (fewer KV heads than ranks)
+        self.qkv_proj = ColumnLinear(cfg.hidden_size, [h * d, hkv * d, hkv * d], bias=cfg.attention_bias, tp=tp,
+                                     replicas=[1, r, r])
+        self.o_proj = RowLinear(h * d, cfg.hidden_size, tp=tp)
+        self.h, self.hkv, self.d = h // tp.size, hkv * r // tp.size, d  # this rank's heads
         self.attn = Attention(self.h, self.hkv, self.d)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -36,22 +42,22 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup):
         super().__init__()
-        self.gate_up_proj = ColumnLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
-        self.down_proj = RowLinear(cfg.intermediate_size, cfg.hidden_size)
+        self.gate_up_proj = ColumnLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, tp=tp)
+        self.down_proj = RowLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg)
+        self.self_attn = LlamaAttention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = LlamaMLP(cfg, tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,19 +71,20 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int):
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup | None = None):
         super().__init__()
+        tp = tp if tp is not None else TPGroup()
         self.cfg = cfg
-        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = (self.embed_tokens if cfg.tie_word_embeddings else
-                        nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False))
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tp,
+                              tied=self.embed_tokens if cfg.tie_word_embeddings else None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """(T,) token ids at (T,) positions -> (T, hidden) final hidden states."""
-        x = self.embed_tokens[input_ids]  # (T, hidden)
+        x = self.embed_tokens(input_ids)  # (T, hidden)
         cos, sin = self.rotary(positions, x.dtype)  # (T, D/2) each
         residual = None
         for layer in self.layers:
@@ -85,6 +92,7 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(N, hidden) -> (N, vocab) float32 logits, only for the rows that need them."""
-        return nn.functional.linear(hidden, self.lm_head).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """(N, hidden) -> (N, vocab) float32 logits, only for the rows that need them; under tensor
+        parallelism on rank 0 only (None on the others), and collective: every rank calls it."""
+        return self.lm_head(hidden)

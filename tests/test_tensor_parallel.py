@@ -1,0 +1,221 @@
+"""Tensor parallel on the CPU (gloo): T ranks give TP=1's greedy tokens, token for token.
+
+Tiny random Llama and Qwen2 models with KV heads both split (divisible by T) and replicated
+(fewer than T), through chunked prefill, concurrent requests, a shared prefix, prompt
+logprobs and a vocab that T does not divide; the default SmolLM2 GGUF with TP=3. Failures:
+a killed worker fails the engine within seconds with a message naming the rank, and leaves no
+process behind; an unsupported split is refused at start. ``tokenmill serve -tp 2`` answers
+like TP=1, and when its engine (rank 0) dies the worker goes too.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import re
+import signal
+import time
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.models.config import ModelConfig
+from engine.models.layers import ColumnLinear
+from engine.parallel import StepInput, TensorParallelError, TPGroup, check_split
+from tests.conftest import make_tiny_model
+from tests.test_server_e2e import Server, openai_client, pid_alive, wait_for
+
+KW = dict(num_kv_blocks=48, max_model_len=256, max_num_batched_tokens=32)  # 32: prompts prefill in chunks
+PREFIX = list(range(300, 340))  # two requests share it: prefix-cached blocks under TP too
+PROMPTS = [
+    PREFIX + [7, 11, 13],  # 43 tokens: two chunks
+    PREFIX + [17, 19],
+    [1, 5, 9, 200, 3000, 17] * 10,  # 60 tokens
+    [42, 43],
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm_tokenizer_dir):
+    """SmolLM2's, loaded once: handed to each LLM (loading it from a GGUF takes seconds)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm_tokenizer_dir)
+
+
+def tiny(tmp_path, tok_dir, arch: str, heads: int, kv_heads: int, **kw) -> str:
+    return make_tiny_model(str(tmp_path / f"{arch}-{heads}-{kv_heads}"), arch, tok_dir, seed=5,
+                           num_attention_heads=heads, num_key_value_heads=kv_heads, hidden_size=16 * heads,
+                           intermediate_size=192, **kw)
+
+
+def params() -> list[SamplingParams]:
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    with_logprobs = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=3)
+    return [with_logprobs, greedy, with_logprobs, greedy]
+
+
+def workers_of(llm: LLM) -> list:
+    return llm.engine.runner.tp.driver.procs
+
+
+def assert_close_logprobs(got, want) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        if w is None:
+            assert g is None
+            continue
+        assert g[0] == pytest.approx(w[0], abs=1e-4)
+        assert [t for t, _ in g[1]] == [t for t, _ in w[1]]
+        assert [lp for _, lp in g[1]] == pytest.approx([lp for _, lp in w[1]], abs=1e-4)
+
+
+# KV heads split (divisible by T) and replicated (fewer than T), each arch at T=2 and T=3;
+# two vocab sizes that T does not divide (the last rank's vocab slice is padded).
+@pytest.mark.parametrize("arch,heads,kv_heads,t,vocab", [
+    ("llama", 6, 2, 2, 49152),  # 1 KV head per rank
+    ("llama", 6, 1, 3, 49154),  # the KV head on every rank
+    ("qwen2", 6, 1, 2, 49153),  # q/k/v biases; the KV head on both ranks
+    ("qwen2", 6, 3, 3, 49152),  # 1 KV head per rank
+])
+def test_tp_greedy_equals_tp1(tmp_path, smollm_tokenizer_dir, tokenizer, arch, heads, kv_heads, t, vocab):
+    path = tiny(tmp_path, smollm_tokenizer_dir, arch, heads, kv_heads, vocab_size=vocab)
+    with LLM(path, **KW) as ref:
+        ref.tokenizer = tokenizer
+        want = ref.generate(PROMPTS, params())
+    threads = torch.get_num_threads()
+    with LLM(path, tensor_parallel_size=t, **KW) as llm:
+        runner = llm.engine.runner
+        assert (runner.tp.rank, runner.tp.size) == (0, t)
+        assert runner.kv_cache.shape[4] == max(1, kv_heads // t)  # this rank's slice of the cache
+        assert torch.get_num_threads() == max(1, threads // t)
+        procs = workers_of(llm)
+        assert len(procs) == t - 1 and all(p.is_alive() for p in procs)
+        llm.tokenizer = tokenizer
+        got = llm.generate(PROMPTS, params())
+    assert torch.get_num_threads() == threads  # given back at close
+    assert all(p.exitcode == 0 for p in procs)  # the shutdown command, not a signal
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids
+        assert g.finish_reason == w.finish_reason == "length"
+        assert g.num_cached_tokens == w.num_cached_tokens
+    assert got[1].num_cached_tokens == 32  # two blocks of the shared prefix
+    for g, w in zip(got, want, strict=True):
+        if w.prompt_logprobs is not None:
+            assert_close_logprobs(g.prompt_logprobs, w.prompt_logprobs)
+            assert_close_logprobs(g.logprobs, w.logprobs)
+
+
+def test_default_gguf_tp3_equals_tp1(default_gguf, tokenizer):
+    """SmolLM2-135M: 9 heads, 3 KV heads, tied embeddings; 3 ranks of 3 heads and 1 KV head."""
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                         add_generation_prompt=True, tokenize=False)
+    p = SamplingParams(max_tokens=10, temperature=0.0)
+    with LLM(num_kv_blocks=16, max_model_len=128) as ref:
+        ref.tokenizer = tokenizer
+        want = ref.generate(chat, p)[0]
+    with LLM(tensor_parallel_size=3, num_kv_blocks=16, max_model_len=128) as llm:
+        llm.tokenizer = tokenizer
+        got = llm.generate(chat, p)[0]
+    assert got.token_ids == want.token_ids
+    assert got.text == want.text == "The capital of France is Paris."
+
+
+def test_killed_worker_fails_the_engine_cleanly(tmp_path, smollm_tokenizer_dir):
+    path = tiny(tmp_path, smollm_tokenizer_dir, "llama", 6, 1)
+    with LLM(path, tensor_parallel_size=3, **KW) as llm:
+        procs = workers_of(llm)
+        runner = llm.engine.runner
+        forward, steps = runner.forward_step, []
+
+        def forward_step(step):  # rank 2 dies in the middle of the 5th step, after its broadcast
+            steps.append(time.monotonic())
+            if len(steps) == 5:
+                os.kill(procs[1].pid, signal.SIGKILL)
+            return forward(step)
+
+        runner.forward_step = forward_step
+        with pytest.raises(TensorParallelError, match=r"tensor-parallel rank 2 \(pid \d+\) died \(killed by SIGKILL\)"):
+            llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=20, ignore_eos=True))
+        assert len(steps) == 5 and time.monotonic() - steps[-1] < 5.0  # the collective it broke failed fast
+        wait_for(lambda: not any(p.is_alive() for p in procs), 5, "every worker to be gone")  # no orphan
+        # the engine stays failed, with the same message, before sending anything
+        with pytest.raises(TensorParallelError, match="rank 2"):
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+        assert len(steps) == 5
+    assert multiprocessing.active_children() == []
+
+
+def test_unsupported_splits_are_refused_with_the_numbers(tmp_path, smollm_tokenizer_dir):
+    def cfg(heads: int, kv: int, inter: int = 192) -> ModelConfig:
+        return ModelConfig.from_hf({"model_type": "llama", "vocab_size": 100, "hidden_size": 16 * heads,
+                                    "intermediate_size": inter, "num_hidden_layers": 1,
+                                    "num_attention_heads": heads, "num_key_value_heads": kv})
+
+    with pytest.raises(ValueError, match="tensor_parallel_size 4 does not divide the model's 6 attention heads"):
+        check_split(cfg(6, 2), 4)
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 does not fit the model's 2 KV heads"):
+        check_split(cfg(6, 2), 3)
+    with pytest.raises(ValueError, match="tensor_parallel_size 2 does not divide the model's intermediate size 191"):
+        check_split(cfg(6, 2, 191), 2)
+    check_split(cfg(8, 2), 4)  # 2 KV heads, each kept by 2 of the 4 ranks
+    check_split(cfg(9, 3), 3)
+    # at start, before any worker is started
+    path = tiny(tmp_path, smollm_tokenizer_dir, "llama", 6, 2)
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 does not fit the model's 2 KV heads"):
+        LLM(path, tensor_parallel_size=3, **KW)
+    assert multiprocessing.active_children() == []
+    with pytest.raises(ValueError, match="tensor_parallel_size must be positive"):
+        LLM(path, tensor_parallel_size=0)
+
+
+def test_replicated_kv_heads_follow_their_query_heads():
+    """8 query heads, 2 KV heads, 4 ranks: ranks 0-1 read KV head 0, ranks 2-3 KV head 1."""
+    d, hidden = 4, 32
+    full = torch.arange(8 * d + 2 * d + 2 * d, dtype=torch.float32)[:, None].expand(-1, hidden)
+    q, k, v = full.split([8 * d, 2 * d, 2 * d])
+    for rank in range(4):
+        layer = ColumnLinear(hidden, [8 * d, 2 * d, 2 * d], tp=TPGroup(rank, 4), replicas=[1, 2, 2])
+        for part, w in enumerate((q, k, v)):
+            layer.load(part, w)
+        lq, lk, lv = layer.weight.split(layer.out_sizes)
+        assert torch.equal(lq, q[rank * 2 * d:(rank + 1) * 2 * d])  # query heads 2r, 2r+1
+        assert torch.equal(lk, k[rank // 2 * d:(rank // 2 + 1) * d])
+        assert torch.equal(lv, v[rank // 2 * d:(rank // 2 + 1) * d])
+
+
+def test_step_input_packs_into_one_int64_tensor():
+    step = StepInput(query_lens=[3, 1], computed_lens=[0, 17], block_tables=[[4], [1, 2]],
+                     token_ids=[5, 6, 7, 8], logits_rows=[0, 1, 2, 3])
+    header, payload = step.pack()
+    assert header.dtype == payload.dtype == torch.int64 and header.numel() == 8
+    assert payload.numel() == StepInput.payload_len(header.tolist()) == 2 * 2 + 2 * 2 + 4 + 4
+    back = StepInput.unpack(header.tolist(), payload)
+    assert back.block_tables == [[4, 0], [1, 2]]  # padded, as build_metadata pads
+    assert (back.query_lens, back.computed_lens, back.token_ids, back.logits_rows) == \
+        (step.query_lens, step.computed_lens, step.token_ids, step.logits_rows)
+
+
+def test_serve_tp2_end_to_end(tmp_path, smollm_tokenizer_dir, tokenizer):
+    """One request through ``tokenmill serve -tp 2``; then rank 0 (the engine) dies and its worker
+    goes with it (PR_SET_PDEATHSIG) while the launcher exits non-zero."""
+    path = tiny(tmp_path, smollm_tokenizer_dir, "llama", 6, 2)
+    prompt = "The capital of France is"
+    with LLM(path, max_model_len=256) as ref:
+        ref.tokenizer = tokenizer
+        want = ref.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    server = Server("--model", path, "--served-model-name", "tiny", "-tp", "2", "--max-model-len", "256",
+                    "--kv-cache-memory", "64M")
+    try:
+        r = openai_client(server).completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
+                                                     extra_body={"ignore_eos": True})
+        assert r.choices[0].text == want.text
+        worker = int(re.search(r"tensor parallel: 2 ranks \(gloo; workers (\d+)\)", server.log()).group(1))
+        assert pid_alive(worker)
+        os.kill(server.pids("tokenmill-engine")[-1], signal.SIGKILL)
+        wait_for(lambda: not pid_alive(worker), 5, "the worker to die with rank 0")
+        wait_for(lambda: server.proc.poll() is not None, 30, "the server to go down")
+        assert server.proc.returncode != 0
+    finally:
+        server.close()
