@@ -57,10 +57,10 @@ class Engine:
             PrefillCap(config.max_num_batched_tokens, config.long_prefill_token_threshold))
         self.requests: dict[str, Request] = {}
         per_token = kv_block_bytes(self.runner.model_cfg, 1, facts.dtype)
-        log.info("engine ready: %s on %s (%s); KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, "
+        log.info("engine ready: %s on %s (%s); KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB, "
                  "%d bytes per token), prefix caching %s; max_model_len %d: at most %.1f requests of that "
                  "length at once", self.model_name, facts.device, str(facts.dtype).removeprefix("torch."),
-                 facts.num_kv_blocks, config.block_size, capacity, capacity * per_token / 2**30, per_token,
+                 facts.num_kv_blocks, config.block_size, capacity, capacity * per_token / 2**20, per_token,
                  "on" if config.enable_prefix_caching else "off", self.max_model_len,
                  capacity / self.max_model_len)
 

@@ -78,16 +78,19 @@ class ModelRunner:
         shape = (2, cfg.num_layers, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
         # Zeros, not empty: padded slots are read (masked) by attention, and NaN * 0 is NaN.
         cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        for i, layer in enumerate(self.model.layers):
-            layer.self_attn.attn.k_cache = cache[0, i]
-            layer.self_attn.attn.v_cache = cache[1, i]
+        self._point_layers_at(cache)
         return cache
+
+    def _point_layers_at(self, cache: torch.Tensor) -> None:
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache = cache[0, i], cache[1, i]
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int, num_seqs: int, max_model_len: int) -> None:
         """The step with the largest activations, run once so that CUDA can measure its peak: a forward
-        of ``num_tokens`` prompt tokens (in sequences of at most ``max_model_len``) and the sampler's
-        heaviest path (top-k, top-p) over ``num_seqs`` rows. The KV cache is a temporary one."""
+        of ``num_tokens`` prompt tokens (in sequences of at most ``max_model_len``), logits for all of them
+        (as prompt logprobs may ask), and the sampler's heaviest path (top-k, top-p) over ``num_seqs`` rows.
+        The KV cache is a temporary one."""
         lens = [max_model_len] * (num_tokens // max_model_len) + [num_tokens % max_model_len]
         lens = [n for n in lens if n]
         kept = getattr(self, "kv_cache", None)
@@ -98,15 +101,14 @@ class ModelRunner:
             first += len(tables[-1])
         positions, meta = build_metadata(lens, [0] * len(lens), tables, self.block_size, self.device)
         hidden = self.model(torch.zeros(num_tokens, dtype=torch.int64, device=self.device), positions, meta)
-        logits = self.model.compute_logits(hidden[-1:].expand(num_seqs, -1))
+        logits = self.model.compute_logits(hidden)
         params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
         if logits is not None:  # None on tensor-parallel workers: rank 0 samples
+            logits = logits[:num_seqs] if num_seqs <= num_tokens else logits[-1:].expand(num_seqs, -1)
             self.sampler(logits, [params] * num_seqs, [SamplingState(params) for _ in range(num_seqs)],
                          [[0]] * num_seqs, [[]] * num_seqs)
         if kept is not None:  # called again on a running engine (tests): put the real cache back
-            self.kv_cache = kept
-            for i, layer in enumerate(self.model.layers):
-                layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache = kept[0, i], kept[1, i]
+            self._point_layers_at(kept)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepResult:

@@ -163,7 +163,7 @@ def test_startup_logs_the_kv_cache_size(tiny_llama):
     assert r.returncode == 0, r.stderr[-3000:]
     # the tiny model: 2 layers x 2 KV heads x 16 dims x K and V x 4 bytes = 512 bytes per token; no more
     # blocks than 64 sequences of 512 tokens can use
-    assert re.search(r"KV cache: 2048 blocks of 16 tokens \(32768 tokens, 0.02 GiB, 512 bytes per token\), "
+    assert re.search(r"KV cache: 2048 blocks of 16 tokens \(32768 tokens, 16.0 MiB, 512 bytes per token\), "
                      r"prefix caching on; max_model_len 512: at most 64.0 requests of that length", r.stderr), r.stderr
 
 
