@@ -1,4 +1,8 @@
-"""The ``tokenmill`` console script: ``tokenmill serve`` and ``tokenmill generate``.
+"""The ``tokenmill`` console script: ``tokenmill serve``, ``tokenmill engine`` and ``tokenmill generate``.
+
+``tokenmill engine --listen tcp://HOST:PORT`` is a headless engine for frontends on
+other machines (``tokenmill serve --engine tcp://HOST:PORT``); both sides hold the
+same engine key, from which the ZMQ CURVE keys are derived (``protocol.curve_keys``).
 
 Flags are named as vLLM's. Engine flags left out keep ``EngineConfig``'s
 defaults (one source of truth); the config is validated before any process
@@ -89,7 +93,7 @@ def _engine_flags(p: argparse.ArgumentParser, generate: bool = False) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description="A small, fast LLM serving engine.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,engine,generate}")
 
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                        description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
@@ -144,6 +148,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="messages (and pings) a connection may send per second, as many again in a burst; "
                         "more closes it with 1008 (default: 1000)")
 
+    dp = s.add_argument_group("data parallel and remote engines")
+    dp.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="D",
+                    help="independent engines, each a whole model (of -tp ranks) with its own share of the CPU "
+                         "threads (or its own GPUs when there are D x T); every frontend sends each request "
+                         "to the least-loaded one (default: 1)")
+    dp.add_argument("--engine", action="append", default=None, metavar="tcp://HOST:PORT", dest="engines",
+                    help="start no engine: serve with the engine started by `tokenmill engine --listen` at "
+                         "this address; repeat for several (data parallel across machines)")
+    _engine_key_flag(dp)
     o = s.add_argument_group("observability")
     o.add_argument("--metrics-no-auth", action="store_true",
                    help="serve GET /metrics (Prometheus) without an API key, for a scraper on a private "
@@ -157,6 +170,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="put the prompt (or chat messages, up to 2000 characters) in the access log; off by "
                         "default: prompts are user data")
 
+    e = sub.add_parser("engine", help="a headless engine that frontends on other machines use",
+                       description="Start an engine alone, listening for `tokenmill serve --engine` frontends. "
+                                   "Over tcp:// its traffic is authenticated and encrypted (ZMQ CURVE) with "
+                                   "keys derived from --engine-key, which both sides must share.")
+    _engine_flags(e)
+    e.add_argument("--listen", required=True, metavar="tcp://HOST:PORT",
+                   help="where frontends reach it, e.g. tcp://0.0.0.0:5555 (or ipc://PATH on this host)")
+    _engine_key_flag(e)
+    e.add_argument("--log-format", choices=("text", "json"), default="text",
+                   help="log lines as text or as one JSON object per line (default: text)")
+
     g = sub.add_parser("generate", help="generate text for one prompt, offline (no server)",
                        description="Generate text for one prompt with the offline LLM API and print it.")
     g.add_argument("--prompt", required=True, help="the prompt text")
@@ -167,6 +191,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="wrap the prompt as a user message in the model's chat template")
     _engine_flags(g, generate=True)
     return parser
+
+
+def _engine_key_flag(p) -> None:
+    p.add_argument("--engine-key", default=None, metavar="SECRET",
+                   help="shared secret of a tcp:// engine and its frontends (at least 16 characters, e.g. "
+                        "`openssl rand -hex 32`); the ZMQ CURVE keys that authenticate and encrypt their "
+                        "traffic derive from it (default: $TOKENMILL_ENGINE_KEY)")
+
+
+def engine_key(flag_value: str | None, env: dict[str, str] = os.environ) -> str | None:
+    """``--engine-key``, else $TOKENMILL_ENGINE_KEY; a blank one is an error."""
+    key = flag_value if flag_value is not None else env.get("TOKENMILL_ENGINE_KEY")
+    if key is not None and not key.strip():
+        raise ValueError("the engine key is blank: give one (`openssl rand -hex 32`)")
+    return key
 
 
 def _config_kwargs(args: argparse.Namespace) -> dict:
@@ -220,7 +259,9 @@ def serve_options(args: argparse.Namespace):
         engine_liveness_timeout=args.engine_liveness_timeout,
         ws=_ws_overrides(args), http=_http_overrides(args),
         allowed_origins=allowed_origins(args.allowed_origins), metrics_no_auth=args.metrics_no_auth,
-        log_format=args.log_format, log_requests=not args.disable_log_requests, log_prompts=args.log_prompts)
+        log_format=args.log_format, log_requests=not args.disable_log_requests, log_prompts=args.log_prompts,
+        data_parallel_size=args.data_parallel_size, engine_addresses=list(args.engines or []),
+        engine_key=engine_key(args.engine_key))
 
 
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -246,6 +287,48 @@ def _http_overrides(args: argparse.Namespace) -> dict:
              "body_timeout": args.body_timeout, "write_timeout": args.write_timeout,
              "max_header_bytes": args.max_header_bytes, "socket_send_buffer": args.socket_send_buffer}
     return {k: v for k, v in given.items() if v is not None}
+
+
+def _engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import logging
+
+    from engine.launcher import _setup_logging
+    from engine.model_path import model_name, resolve_model_path
+    from engine.protocol import curve_keys
+
+    try:
+        key = engine_key(args.engine_key)
+        if key is not None:
+            curve_keys(key)  # too short, or no CURVE in this libzmq: say so before the model loads
+        elif args.listen.startswith("tcp://"):
+            raise ValueError(f"--listen {args.listen} needs --engine-key (or $TOKENMILL_ENGINE_KEY): an open "
+                             "engine port would take work from anyone")
+        if not args.listen.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"--listen must be tcp://HOST:PORT or ipc://PATH, got {args.listen!r}")
+        config = EngineConfig(**_config_kwargs(args))
+    except ValueError as e:
+        parser.error(str(e))
+    _setup_logging(args.log_format)
+    log = logging.getLogger("tokenmill.engine")
+    try:
+        path = resolve_model_path(config.model)
+    except FileNotFoundError as e:
+        log.error("%s", e)
+        return 2
+    config = dataclasses.replace(config, model=path, served_model_name=config.served_model_name or model_name(path))
+    from engine.server import run_engine
+
+    def ready() -> None:
+        t = config.tensor_parallel_size
+        print(f"tokenmill engine serving {config.served_model_name} on {args.listen} "
+              f"({t} rank{'s' if t != 1 else ''}{', CURVE' if key else ''})", flush=True)
+
+    try:
+        run_engine(config, args.listen, ready=ready, engine_key=key)
+    except ValueError as e:
+        log.error("%s", e)
+        return 1
+    return 0
 
 
 def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -286,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return _serve(args, sub)
+        if args.command == "engine":
+            return _engine(args, sub)
         return _generate(args, sub)
     except KeyboardInterrupt:
         return 130

@@ -1,12 +1,17 @@
 """The launcher behind ``tokenmill serve``: start, watch and stop the processes.
 
-One engine process (``engine.server.run_engine``) and N frontend processes
-(``frontends.server.run_frontend``), all from the ``spawn`` context. They meet on
-an ``ipc://`` socket inside a private runtime dir (mode 0700, removed at exit).
+D engine processes (``engine.server.run_engine``; D = ``--data-parallel-size``,
+each with its own share of the CPU threads, or its own GPUs when there are
+enough) and N frontend processes (``frontends.server.run_frontend``), all from
+the ``spawn`` context. They meet on ``ipc://`` sockets inside a private runtime
+dir (mode 0700, removed at exit); every frontend talks to every engine. With
+``--engine tcp://HOST:PORT`` (``options.engine_addresses``) no engine starts here:
+the frontends talk to those remote engines, with the shared engine key.
 The launcher waits for every READY, prints one line with the URL, then
 supervises: a frontend that dies is restarted (same id, so the engine drops
-what its previous life asked for); an engine that dies takes the service down
-and the launcher exits non-zero. SIGINT/SIGTERM: frontends get SIGTERM first and
+what its previous life asked for); an engine that dies is not restarted: the
+others keep serving (``/health`` says "degraded"), and when the last local one
+is gone the launcher exits non-zero. SIGINT/SIGTERM: frontends get SIGTERM first and
 drain, then the engine stops; exit 0.
 
 Children ignore SIGINT (a terminal's Ctrl-C reaches the whole process group, but
@@ -72,8 +77,21 @@ class ServeOptions:
     log_format: str = "text"  # or "json", for every process
     log_requests: bool = True  # the frontends' access log
     log_prompts: bool = False  # prompts in the access log
+    data_parallel_size: int = 1  # local engines (each a whole model, -tp ranks each)
+    engine_addresses: list[str] = field(default_factory=list)  # remote engines: start none here
+    engine_key: str | None = None  # shared secret of tcp:// engines (ZMQ CURVE)
 
     def __post_init__(self) -> None:
+        if self.data_parallel_size < 1:
+            raise ValueError(f"--data-parallel-size must be at least 1, got {self.data_parallel_size}")
+        if self.engine_addresses and self.data_parallel_size != 1:
+            raise ValueError("--data-parallel-size starts local engines; with --engine the remote engines "
+                             "are the data-parallel ones (repeat --engine)")
+        for a in self.engine_addresses:
+            if not a.startswith(("tcp://", "ipc://")):
+                raise ValueError(f"--engine must be tcp://HOST:PORT (or ipc://PATH), got {a!r}")
+            if a.startswith("tcp://") and not self.engine_key:
+                raise ValueError(f"--engine {a} needs the engine's key: --engine-key or $TOKENMILL_ENGINE_KEY")
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"--log-format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
         if self.api_server_count < 1:
@@ -128,8 +146,15 @@ def _report(conn: Connection, what: str, detail: str | None = None) -> None:
         pass
 
 
-def _engine_main(config: EngineConfig, address: str, log_format: str, conn: Connection, parent_pid: int) -> None:
+def _engine_main(config: EngineConfig, address: str, log_format: str, threads: int | None,
+                 cuda_devices: str | None, conn: Connection, parent_pid: int) -> None:
     _child_setup(parent_pid, log_format)
+    if cuda_devices is not None:  # before torch sees the GPUs
+        os.environ["CUDA_VISIBLE_DEVICES"] = cuda_devices
+    if threads is not None:  # data parallel on the CPU: each engine its share (-tp divides it further)
+        import torch
+
+        torch.set_num_threads(threads)
     from engine.server import run_engine
 
     try:
@@ -212,7 +237,7 @@ class Launcher:
             config, model=path, served_model_name=config.served_model_name or model_name(path))
         self.runtime_dir: str | None = None
         self.ctx = mp.get_context("spawn")
-        self.engine: _Child | None = None
+        self.engines: list[_Child] = []
         self.frontends: list[_Child] = []
         self._stop_signal: int | None = None
         self._stop_time = 0.0
@@ -236,9 +261,11 @@ class Launcher:
                 return 0  # a signal during start-up
             scheme = "https" if o.ssl_certfile else "http"
             host = f"[{o.host}]" if ":" in o.host else o.host
-            n = len(self.frontends)
+            n, d = len(self.frontends), len(self.engine_addresses)
+            engines = f", {d} {'remote ' if o.engine_addresses else ''}engine{'s' if d != 1 else ''}" \
+                if d > 1 or o.engine_addresses else ""
             print(f"tokenmill serving {self.config.served_model_name} on {scheme}://{host}:{o.port} "
-                  f"({n} frontend{'s' if n != 1 else ''})", flush=True)
+                  f"({n} frontend{'s' if n != 1 else ''}{engines})", flush=True)
             return self._supervise()
         except LaunchError as e:
             log.error("%s", e)  # before the shutdown noise, so it is the first thing read
@@ -256,8 +283,23 @@ class Launcher:
     # -------------------------------------------------------------- start-up
 
     @property
-    def engine_address(self) -> str:
-        return f"ipc://{os.path.join(self.runtime_dir, 'engine.sock')}"
+    def engine_addresses(self) -> list[str]:
+        if self.options.engine_addresses:
+            return list(self.options.engine_addresses)
+        names = ["engine.sock", *(f"engine-{i}.sock" for i in range(1, self.options.data_parallel_size))]
+        return [f"ipc://{os.path.join(self.runtime_dir, n)}" for n in names]
+
+    def _engine_resources(self, i: int) -> tuple[int | None, str | None]:
+        """Engine ``i``'s CPU threads and GPUs under data parallel (None: as without it)."""
+        d = self.options.data_parallel_size
+        if d == 1:
+            return None, None
+        threads = max(1, len(os.sched_getaffinity(0)) // d)
+        t = self.config.tensor_parallel_size
+        gpus = _visible_gpus() if self.config.device != "cpu" else []
+        if len(gpus) >= d * t:  # each engine its own T GPUs; fewer: they share (and -tp takes 0..T-1)
+            return threads, ",".join(gpus[i * t:(i + 1) * t])
+        return threads, None
 
     @property
     def metrics_dir(self) -> str:
@@ -272,22 +314,37 @@ class Launcher:
             raise LaunchError(f"cannot import the frontend: {e}") from e
 
         o = self.options
+        addresses = self.engine_addresses
         return FrontendArgs(
-            engine_address=self.engine_address, model_path=self.config.model,
+            engine_address=addresses[0] if len(addresses) == 1 else addresses, engine_key=o.engine_key,
+            model_path=self.config.model,
             served_model_name=self.config.served_model_name, host=o.host, port=o.port,
             api_keys=list(o.api_keys), ssl_keyfile=o.ssl_keyfile, ssl_certfile=o.ssl_certfile,
-            frontend_id=f"frontend-{i}", tokenizer_cache_dir=os.path.join(self.runtime_dir, "tokenizer"),
+            frontend_id=self._frontend_id(i), tokenizer_cache_dir=os.path.join(self.runtime_dir, "tokenizer"),
             handshake_timeout=o.startup_timeout, engine_liveness_timeout=o.engine_liveness_timeout,
             allowed_origins=list(o.allowed_origins), http=HttpConfig(**o.http), ws=WsConfig(**o.ws),
             metrics_no_auth=o.metrics_no_auth, log_format=o.log_format, log_requests=o.log_requests,
             log_prompts=o.log_prompts)
 
+    def _frontend_id(self, i: int) -> str:
+        """Its ZMQ identity. Stable across its restarts (the engine then drops what its previous life
+        asked for); a remote engine may serve frontends of several machines, so there it names this
+        host and launcher too (ROUTER_HANDOVER would otherwise hand one's identity to the other)."""
+        if self.options.engine_addresses:
+            return f"{socket.gethostname()}-{os.getpid()}-frontend-{i}"
+        return f"frontend-{i}"
+
     def _start_all(self) -> None:
         # Engine and frontends start together: tokenizer loading overlaps the model
         # load, and frontends keep saying HELLO until the engine answers.
-        self.engine = _Child("tokenmill-engine", _engine_main,
-                             (self.config, self.engine_address, self.options.log_format))
-        self.engine.start(self.ctx)
+        if not self.options.engine_addresses:
+            d = self.options.data_parallel_size
+            for i, address in enumerate(self.engine_addresses):
+                name = "tokenmill-engine" if d == 1 else f"tokenmill-engine-{i}"
+                self.engines.append(_Child(name, _engine_main, (self.config, address, self.options.log_format,
+                                                                *self._engine_resources(i))))
+            for e in self.engines:
+                e.start(self.ctx)
         for i in range(self.options.api_server_count):
             fe = _Child(f"tokenmill-frontend-{i}", _frontend_main, (self._frontend_args(i),))
             fe.start(self.ctx)
@@ -295,15 +352,17 @@ class Launcher:
 
     def _wait_ready(self) -> bool:
         deadline = time.monotonic() + self.options.startup_timeout
-        children = [self.engine, *self.frontends]
+        children = [*self.engines, *self.frontends]
         while not all(c.ready for c in children):
             if self._stop_signal is not None:
                 return False
             left = deadline - time.monotonic()
             if left <= 0:
                 late = ", ".join(c.name for c in children if not c.ready)
+                hint = ("are the remote engines up, and is --engine-key theirs?" if self.options.engine_addresses
+                        else "raise --startup-timeout for a slow model load")
                 raise LaunchError(f"start-up timed out after {self.options.startup_timeout:g}s "
-                                  f"waiting for: {late} (raise --startup-timeout for a slow model load)")
+                                  f"waiting for: {late} ({hint})")
             wait([c.conn for c in children if c.conn is not None] + [c.proc.sentinel for c in children],
                  timeout=min(left, 0.5))
             for c in children:
@@ -323,12 +382,18 @@ class Launcher:
 
     def _supervise(self) -> int:
         while self._stop_signal is None:
-            wait([self.engine.proc.sentinel] + [f.proc.sentinel for f in self.frontends]
+            live = [e for e in self.engines if e.proc.exitcode is None]
+            wait([e.proc.sentinel for e in live] + [f.proc.sentinel for f in self.frontends]
                  + [f.conn for f in self.frontends if f.conn is not None], timeout=0.5)
             if self._stop_signal is not None:
                 break
-            if not self.engine.alive:
-                log.error("the engine exited with code %s; shutting down", self.engine.proc.exitcode)
+            for e in live:
+                if not e.alive:
+                    left = sum(x.alive for x in self.engines)
+                    log.error("%s exited with code %s%s", e.name, e.proc.exitcode,
+                              f"; serving on with {left} of {len(self.engines)} engines" if left else "")
+            if self.engines and not any(e.alive for e in self.engines):
+                log.error("no engine left; shutting down")
                 # The frontends saw the engine go at once and answer 503 (/health too):
                 # keep them up a moment so clients read a 503, not a refused connection.
                 self._sleep_unless_signalled(self.options.engine_death_grace)
@@ -357,6 +422,9 @@ class Launcher:
         self._forget_metrics_of(fe.proc.pid)
         if fe.restarts:
             self._sleep_unless_signalled(min(0.25 * 2 ** fe.restarts, 5.0))
+        dead = [i for i, e in enumerate(self.engines) if not e.alive]
+        if dead:  # data parallel, degraded: the new life must not wait for engines that are gone
+            fe.args = (dataclasses.replace(fe.args[0], dead_engines=dead), *fe.args[1:])
         fe.start(self.ctx)
 
     def _forget_metrics_of(self, pid: int) -> None:
@@ -375,8 +443,8 @@ class Launcher:
             if time.monotonic() - self._stop_time < 1.0:
                 return
             log.warning("second signal: killing all processes")
-            for c in [*self.frontends, self.engine]:
-                if c is not None and c.alive:
+            for c in [*self.frontends, *self.engines]:
+                if c.alive:
                     c.proc.kill()
             return
         self._stop_signal = signum
@@ -386,10 +454,9 @@ class Launcher:
 
     def _shutdown(self) -> None:
         self._terminate([f for f in self.frontends if f.alive])  # they drain first...
-        if self.engine is not None:
-            self._terminate([self.engine] if self.engine.alive else [])  # ...then the engine stops
-        for c in [*self.frontends, self.engine]:
-            if c is not None and c.conn is not None:
+        self._terminate([e for e in self.engines if e.alive])  # ...then the engines stop
+        for c in [*self.frontends, *self.engines]:
+            if c.conn is not None:
                 c.conn.close()
 
     def _terminate(self, children: list[_Child]) -> None:
@@ -402,6 +469,23 @@ class Launcher:
                 log.warning("%s did not stop within %.0fs; killing it", c.name, self.options.shutdown_timeout)
                 c.proc.kill()
                 c.proc.join()
+
+
+def _visible_gpus() -> list[str]:
+    """GPU ids the engines may use, without importing torch: $CUDA_VISIBLE_DEVICES, else nvidia-smi's."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [g.strip() for g in visible.split(",") if g.strip()]
+    if shutil.which("nvidia-smi") is None:
+        return []
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in out.splitlines() if line.strip()]
 
 
 def serve(config: EngineConfig, options: ServeOptions) -> int:

@@ -411,3 +411,46 @@ def decode(frame: bytes) -> Message:
         raise
     except Exception as e:  # noqa: BLE001 - any shape error is the peer's fault, not ours
         raise ProtocolError(f"malformed frame: {e!r}") from e
+
+
+# ----------------------------------------------------------------------------- engines on other hosts
+
+ENGINE_KEY_ENV = "TOKENMILL_ENGINE_KEY"
+MIN_ENGINE_KEY_CHARS = 16
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """ZMQ CURVE key pairs (Z85 bytes) both sides derive from one shared ``--engine-key``.
+
+    A ``tcp://`` engine is a CURVE server with ``server_secret``; it lets in (ZAP) only the
+    client whose public key is ``client_public``. A frontend needs ``server_public`` to even
+    finish the handshake and ``client_secret`` to be let in: whoever lacks the shared key
+    can do neither, and the traffic is encrypted on the way.
+    """
+
+    server_secret: bytes
+    server_public: bytes
+    client_secret: bytes
+    client_public: bytes
+
+
+def curve_keys(engine_key: str) -> CurveKeys:
+    """Both key pairs from ``engine_key`` (at least ``MIN_ENGINE_KEY_CHARS`` characters)."""
+    import hashlib
+
+    import zmq
+    from zmq.utils import z85
+
+    if len(engine_key) < MIN_ENGINE_KEY_CHARS:
+        raise ValueError(f"the engine key must be at least {MIN_ENGINE_KEY_CHARS} characters "
+                         f"(got {len(engine_key)}); `openssl rand -hex 32` makes a good one")
+    if not zmq.has("curve"):
+        raise ValueError("this libzmq has no CURVE support: cannot authenticate a tcp:// engine")
+
+    def pair(role: str) -> tuple[bytes, bytes]:
+        secret = z85.encode(hashlib.sha256(f"tokenmill-engine-{role}:{engine_key}".encode()).digest())
+        return secret, zmq.curve_public(secret)
+
+    (ss, sp), (cs, cp) = pair("server"), pair("client")
+    return CurveKeys(ss, sp, cs, cp)

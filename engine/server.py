@@ -1,7 +1,9 @@
 """The engine actor: the process that owns the ``Engine`` and talks to frontends.
 
 Its mailbox is a ZMQ ROUTER socket (``ipc://`` in the launcher's private runtime
-dir, or ``tcp://``). One uvloop loop, one thread:
+dir, or ``tcp://`` for ``tokenmill engine --listen``: then an ``engine_key`` is
+required and the socket is a ZMQ CURVE server that lets in only frontends holding
+the same key, see ``protocol.curve_keys``). One uvloop loop, one thread:
 
     drain every pending frame without blocking -> engine.step() -> one OUTPUTS
     frame per frontend with all of its deltas -> repeat
@@ -254,16 +256,60 @@ def _resolve(fut: asyncio.Future) -> None:
         fut.set_result(None)
 
 
-def bind_router(ctx: zmq.Context, address: str) -> zmq.Socket:
+_AUTHENTICATORS: dict[int, Any] = {}  # id(ROUTER socket) -> its ZAP ThreadAuthenticator
+
+
+class _OneClient:
+    """ZAP credentials: the one client public key that the shared engine key gives."""
+
+    def __init__(self, client_public: bytes) -> None:
+        self.client_public = client_public
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        import hmac
+
+        ok = hmac.compare_digest(key, self.client_public)
+        if not ok:
+            log.warning("refused a connection: its CURVE key is not the engine key's")
+        return ok
+
+
+def bind_router(ctx: zmq.Context, address: str, engine_key: str | None = None) -> zmq.Socket:
+    """The engine's ROUTER. With ``engine_key``: a CURVE server (its ZAP handler runs in a thread of ``ctx``)."""
+    if address.startswith("tcp://") and not engine_key:
+        raise ValueError(f"an engine listening on {address} needs an engine key (--engine-key or "
+                         f"${protocol.ENGINE_KEY_ENV}): an open engine port would take work from anyone")
     sock = ctx.socket(zmq.ROUTER)
+    if engine_key:
+        from zmq.auth.thread import ThreadAuthenticator
+
+        keys = protocol.curve_keys(engine_key)
+        auth = ThreadAuthenticator(ctx, log=logging.getLogger("tokenmill.engine.auth"))
+        auth.start()
+        auth.configure_curve_callback("*", credentials_provider=_OneClient(keys.client_public))
+        _AUTHENTICATORS[id(sock)] = auth  # stopped with the socket (close_router)
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, keys.server_secret)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.server_public)
     # Unbounded queues: a dropped OUTPUTS frame would hang a request forever, and
     # memory is bounded by the number of admitted requests anyway.
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted frontend reuses its identity
     sock.setsockopt(zmq.LINGER, 1000)  # flush the shutdown errors, but never hang on exit
-    sock.bind(address)
+    try:
+        sock.bind(address)
+    except zmq.ZMQError as e:
+        close_router(sock)
+        raise ValueError(f"cannot listen on {address}: {e}") from e
     return sock
+
+
+def close_router(sock: zmq.Socket) -> None:
+    sock.close()
+    auth = _AUTHENTICATORS.pop(id(sock), None)
+    if auth is not None:
+        auth.stop()
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
@@ -280,15 +326,21 @@ def run_engine(
     ready: Callable[[], None] | None = None,
     engine_factory: EngineFactory | None = None,
     on_actor: Callable[[EngineActor], None] | None = None,
+    engine_key: str | None = None,
 ) -> None:
     """Serve ``config``'s model on ``address`` until SIGTERM/SIGINT (or ``actor.stop()``).
 
     ``ready()`` is called once the socket is bound and the model is loaded.
     ``engine_factory`` (tests) replaces ``Engine``; ``on_actor`` hands out the
-    actor, e.g. so that a test running this in a thread can stop it.
+    actor, e.g. so that a test running this in a thread can stop it. ``engine_key``: CURVE
+    authentication and encryption (required for ``tcp://``).
     """
     ctx = zmq.Context()
-    sock = bind_router(ctx, address)  # bind before the slow load: a bad address fails fast
+    try:
+        sock = bind_router(ctx, address, engine_key)  # bind before the slow load: a bad address fails fast
+    except BaseException:
+        ctx.term()
+        raise
     try:
         engine = (engine_factory or _default_engine_factory)(config)
         actor = EngineActor(engine, sock)
@@ -302,5 +354,5 @@ def run_engine(
             runner.run(actor.run())
         log.info("engine stopped after %d steps", actor.num_steps)
     finally:
-        sock.close()
+        close_router(sock)
         ctx.term()

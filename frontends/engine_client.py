@@ -2,7 +2,8 @@
 
 Owns the handshake (HELLO -> READY), sending ADD / ABORT / STATS, and one reader
 task that hands each OUTPUTS' deltas to the per-request ``Stream`` they belong
-to. It also owns the engine's health: the connection dropping (a ZMQ socket
+to. A ``tcp://`` engine is reached with ZMQ CURVE keys derived from the shared
+``engine_key`` (``protocol.curve_keys``). It also owns the engine's health: the connection dropping (a ZMQ socket
 monitor sees it at once) or no message for ``liveness_timeout`` seconds while it
 is pinged with STATS marks the engine unhealthy and fails every in-flight request
 with a 503 ``Error``, so a client never hangs on a dead engine. The answers to
@@ -22,6 +23,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from engine.protocol import (
+    ENGINE_KEY_ENV,
     Abort,
     Add,
     Delta,
@@ -32,6 +34,7 @@ from engine.protocol import (
     Ready,
     SamplingParams,
     Stats,
+    curve_keys,
     decode,
     encode,
 )
@@ -55,12 +58,13 @@ class Stream:
     frontend saw (its metrics estimate queue time from it).
     """
 
-    __slots__ = ("_items", "_waiter", "step_before_first")
+    __slots__ = ("_items", "_waiter", "step_before_first", "engine")
 
     def __init__(self) -> None:
         self._items: list[Delta | Error] = []
         self._waiter: asyncio.Future | None = None
         self.step_before_first: dict[str, float] = {}
+        self.engine: int | None = None  # data parallel: the engine its requests went to (all to one)
 
     def push(self, item: Delta | Error) -> None:
         self._items.append(item)
@@ -85,8 +89,12 @@ def _gone(request_id: str, message: str) -> Error:
 
 class EngineClient:
     def __init__(self, address: str, frontend_id: str, *, handshake_timeout: float = 60.0,
-                 liveness_interval: float = 2.0, liveness_timeout: float = 60.0) -> None:
+                 liveness_interval: float = 2.0, liveness_timeout: float = 60.0,
+                 engine_key: str | None = None) -> None:
         self.address = address
+        self._curve = curve_keys(engine_key) if engine_key else None
+        if self._curve is None and address.startswith("tcp://"):
+            raise ValueError(f"the engine at {address} needs the engine key (--engine-key or ${ENGINE_KEY_ENV})")
         self.frontend_id = frontend_id
         self.handshake_timeout = handshake_timeout
         self.liveness_interval = liveness_interval
@@ -99,6 +107,7 @@ class EngineClient:
         self._stats_waiters: list[asyncio.Future] = []
         self.last_stats: Stats | None = None  # the engine's latest numbers (liveness pings keep them fresh)
         self.last_stats_at = 0.0  # time.monotonic() when they arrived
+        self.in_flight_at_stats = 0  # our own requests in flight then (the rest of its load is others')
         self.on_stats: Callable[[Stats], None] | None = None  # called with every STATS (the metrics)
         self._last_outputs_at = 0.0  # time.monotonic() of the latest OUTPUTS: the end of an engine step
         self._tasks: list[asyncio.Task] = []
@@ -115,6 +124,10 @@ class EngineClient:
         sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a peer that is not connected
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+        if self._curve is not None:
+            sock.setsockopt(zmq.CURVE_SERVERKEY, self._curve.server_public)
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, self._curve.client_public)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, self._curve.client_secret)
         monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sock.connect(self.address)
         self._sock = sock
@@ -128,8 +141,9 @@ class EngineClient:
             if left <= 0:
                 sock.close(0)
                 monitor.close(0)
+                why = " (is its engine key the same?)" if self._curve is not None else ""
                 raise EngineUnavailable(f"no READY from the engine at {self.address} "
-                                        f"within {self.handshake_timeout:.0f}s")
+                                        f"within {self.handshake_timeout:g}s{why}")
             try:
                 await sock.send(hello, zmq.NOBLOCK)
             except zmq.Again:
@@ -237,6 +251,7 @@ class EngineClient:
                     s.push(msg)
             elif isinstance(msg, Stats):
                 self.last_stats, self.last_stats_at = msg, self._last_seen
+                self.in_flight_at_stats = len(streams)
                 if self.on_stats is not None:
                     try:
                         self.on_stats(msg)

@@ -6,7 +6,10 @@ rename (``tools/grafana_dashboard.json`` is one for tokenmill).
 
 - From the engine's STATS (each frontend's liveness pings, every 2 s): gauges
   ``num_requests_running``, ``num_requests_waiting``, ``kv_cache_usage_perc``,
-  ``prefix_cache_hit_rate`` (since start), and the counter ``num_preemptions_total``.
+  ``prefix_cache_hit_rate`` (since start), and the counter ``num_preemptions_total``,
+  one series per engine (``engine`` = its index under data parallel, "0" with one).
+  The per-request counters and histograms below carry ``engine="0"``: they are
+  the frontend's, whichever engine ran the request.
 - Per engine request (one per choice: a call with ``n`` = 2 is two), counted when
   it ends: ``request_success_total{finished_reason}`` (stop, length, abort,
   timeout, error), ``prompt_tokens_total``, ``prompt_tokens_cached_total``,
@@ -128,8 +131,7 @@ class Metrics:
         values = (model_name, engine)
 
         def gauge(name: str, doc: str):
-            return prom.Gauge(PREFIX + name, doc, labels, registry=own,
-                              multiprocess_mode="livemostrecent").labels(*values)
+            return prom.Gauge(PREFIX + name, doc, labels, registry=own, multiprocess_mode="livemostrecent")
 
         def counter(name: str, doc: str):
             return prom.Counter(PREFIX + name, doc, labels, registry=own).labels(*values)
@@ -137,12 +139,17 @@ class Metrics:
         def histogram(name: str, doc: str, buckets: list[float]):
             return prom.Histogram(PREFIX + name, doc, labels, registry=own, buckets=buckets).labels(*values)
 
-        self.running = gauge("num_requests_running", "Number of requests in model execution batches.")
-        self.waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.")
-        self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        self.hit_rate = gauge("prefix_cache_hit_rate",
-                              "Prompt tokens served from the prefix cache / prompt tokens, since the engine started.")
-        self.preemptions = gauge("num_preemptions", "Cumulative number of preemptions from the engine.")
+        # engine gauges: one child per engine (label "engine": its index under data parallel)
+        self._model_name, self._engine = model_name, engine
+        self._engine_gauges = (
+            gauge("num_requests_running", "Number of requests in model execution batches."),
+            gauge("num_requests_waiting", "Number of requests waiting to be processed."),
+            gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
+            gauge("prefix_cache_hit_rate",
+                  "Prompt tokens served from the prefix cache / prompt tokens, since the engine started."),
+            gauge("num_preemptions", "Cumulative number of preemptions from the engine."))
+        self._engine_children: dict[str, tuple] = {}
+        self.running, self.waiting, self.kv_usage, self.hit_rate, self.preemptions = self._gauges_of(engine)
 
         success = prom.Counter(PREFIX + "request_success", "Count of finished requests by finish reason "
                                "(abort: the client went away or cancelled; error: refused or failed).",
@@ -187,13 +194,23 @@ class Metrics:
 
     # ------------------------------------------------------------------ recording
 
-    def engine_stats(self, s: Stats) -> None:
-        """The engine's numbers, as one STATS brought them (and a chance to write out what is pending)."""
-        self.running.set(s.num_running)
-        self.waiting.set(s.num_waiting)
-        self.kv_usage.set(s.kv_usage)
-        self.hit_rate.set(s.prefix_cache_hit_rate)
-        self.preemptions.set(s.num_preemptions)
+    def _gauges_of(self, engine: str) -> tuple:
+        children = self._engine_children.get(engine)
+        if children is None:
+            children = self._engine_children[engine] = tuple(
+                g.labels(self._model_name, engine) for g in self._engine_gauges)
+        return children
+
+    def engine_stats(self, s: Stats, engine: str | None = None) -> None:
+        """An engine's numbers, as one STATS brought them (and a chance to write out what is pending).
+
+        ``engine``: its label (the engine's index under data parallel; default: this object's)."""
+        running, waiting, kv_usage, hit_rate, preemptions = self._gauges_of(engine or self._engine)
+        running.set(s.num_running)
+        waiting.set(s.num_waiting)
+        kv_usage.set(s.kv_usage)
+        hit_rate.set(s.prefix_cache_hit_rate)
+        preemptions.set(s.num_preemptions)
         self.flush()
 
     def first_token(self, ttft: float) -> None:

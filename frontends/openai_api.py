@@ -149,10 +149,17 @@ class OpenAIApi:
 
     async def health(self, req: Request) -> Response:
         # the stats the liveness pings brought back: a load balancer's probe never waits on the engine
+        # data parallel: "degraded" (still 200) while some engine is down, with each engine's state
+        engines = self.client.engines_health() if hasattr(self.client, "engines_health") else None
         if self.client.healthy:
             s = self.client.last_stats
-            return _json({"status": "ok"} if s is None else {"status": "ok", **stats_fields(s)})
-        raise ApiError(503, "Engine unavailable")
+            body = {"status": "ok"} if s is None else {"status": "ok", **stats_fields(s)}
+            if engines is not None:
+                if any(e["status"] != "ok" for e in engines):
+                    body["status"] = "degraded"
+                body["engines"] = engines
+            return _json(body)
+        raise ApiError(503, "Engine unavailable" if engines is None else "No engine available")
 
     async def prometheus(self, req: Request) -> Response:
         return Response(200, self.metrics.render(), content_type=METRICS_CONTENT_TYPE)

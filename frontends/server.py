@@ -1,7 +1,8 @@
 """The frontend process: tokenizer, engine handshake, the listening socket, graceful exit.
 
 ``run_frontend(args, ready)`` is what the launcher starts in each frontend
-process. It also sets up what an operator watches: ``/metrics`` (every frontend's,
+process. With several engine addresses (data parallel, or remote engines) it talks
+to them through an ``EngineRouter``. It also sets up what an operator watches: ``/metrics`` (every frontend's,
 see ``frontends.metrics``), the access log (``frontends.access_log``) and the log format. All frontends bind the same port with SO_REUSEPORT, so the kernel
 spreads connections over them. On SIGTERM/SIGINT a frontend stops accepting,
 lets in-flight requests finish for ``shutdown_grace`` seconds, aborts the rest
@@ -11,6 +12,7 @@ in the engine, and returns.
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import logging
 import signal
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 from frontends import logs, websocket
 from frontends.access_log import AccessLog
 from frontends.engine_client import EngineClient
+from frontends.engine_router import EngineRouter
 from frontends.http import HttpConfig, HttpServer, Router
 from frontends.metrics import Metrics
 from frontends.openai_api import OpenAIApi
@@ -32,7 +35,7 @@ log = logging.getLogger("tokenmill.frontend")
 
 @dataclass
 class FrontendArgs:
-    engine_address: str
+    engine_address: str | list[str]  # several: data parallel, one request (with its n choices) per engine
     model_path: str
     served_model_name: str
     host: str
@@ -53,6 +56,17 @@ class FrontendArgs:
     log_format: str = "text"  # or "json": one object per line
     log_requests: bool = True  # one access-log line per finished request
     log_prompts: bool = False  # the prompt in that line (user data: off by default)
+    engine_key: str | None = None  # shared secret of tcp:// engines (ZMQ CURVE, protocol.curve_keys)
+    dead_engines: list[int] = field(default_factory=list)  # indices of engines gone before this start
+
+
+def engine_client(args: FrontendArgs) -> EngineClient | EngineRouter:
+    """One ``EngineClient``, or an ``EngineRouter`` over one per engine (data parallel)."""
+    addresses = [args.engine_address] if isinstance(args.engine_address, str) else list(args.engine_address)
+    clients = [EngineClient(a, args.frontend_id, handshake_timeout=args.handshake_timeout,
+                            liveness_timeout=args.engine_liveness_timeout, engine_key=args.engine_key)
+               for a in addresses]
+    return clients[0] if len(clients) == 1 else EngineRouter(clients, args.dead_engines)
 
 
 def ssl_context(args: FrontendArgs) -> ssl.SSLContext | None:
@@ -76,13 +90,16 @@ async def serve(args: FrontendArgs, ready: Callable[[], None] | None = None) -> 
     loop = asyncio.get_running_loop()
     tls = ssl_context(args)
     codec = TextCodec(await asyncio.to_thread(load_tokenizer, args.model_path, args.tokenizer_cache_dir))
-    client = EngineClient(args.engine_address, args.frontend_id, handshake_timeout=args.handshake_timeout,
-                          liveness_timeout=args.engine_liveness_timeout)
+    client = engine_client(args)
     await client.connect()
+    if client.ready.model != args.served_model_name:
+        log.warning("the engine serves %r, this frontend calls it %r", client.ready.model, args.served_model_name)
     metrics = Metrics(args.served_model_name, client.ready.max_model_len)
-    client.on_stats = metrics.engine_stats
-    if client.last_stats is not None:
-        metrics.engine_stats(client.last_stats)
+    # per-engine gauges carry the engine's index (label "engine")
+    for i, c in enumerate(client.clients if isinstance(client, EngineRouter) else [client]):
+        c.on_stats = functools.partial(metrics.engine_stats, engine=str(i))
+        if c.last_stats is not None:
+            c.on_stats(c.last_stats)
     api = OpenAIApi(client, codec, args.served_model_name, args.api_keys,
                     allowed_origins=args.allowed_origins, metrics=metrics, metrics_no_auth=args.metrics_no_auth)
     access_log = AccessLog(metrics, enabled=args.log_requests, log_prompts=args.log_prompts)

@@ -1,0 +1,168 @@
+"""Data parallel on the frontend's side: several engines behind ``EngineClient``'s interface.
+
+``EngineRouter`` holds one ``EngineClient`` per engine (each its own DEALER, handshake
+and health) and is what ``OpenAIApi``, ``Generation`` and the WebSocket endpoint talk
+to when there is more than one engine.
+
+- A new call goes to the least-loaded healthy engine: its load is this frontend's own
+  requests in flight there plus the other frontends' share of its latest STATS
+  (running + waiting, less what was ours when that STATS came), KV usage breaking
+  ties, then round robin. All requests that share a ``Stream`` (the n choices and the
+  prompts of one API call) go to the same engine, so prefix caching shares their
+  blocks.
+- An abort goes to the engine that owns the request (each client knows its own).
+- An engine that dies or hangs fails only its own in-flight requests (503, from its
+  client); new calls go to the others. ``healthy`` holds while one engine does;
+  ``engines_health()`` is the per-engine view ``/health`` shows ("degraded").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+
+from engine.protocol import Ready, SamplingParams, Stats
+from frontends.engine_client import EngineClient, EngineUnavailable, Stream
+
+log = logging.getLogger("tokenmill.engine_router")
+
+
+def combined_stats(stats: list[Stats]) -> Stats:
+    """Several engines' STATS as one: counts summed, KV usage over all blocks, rates averaged."""
+    blocks = sum(s.num_kv_blocks for s in stats)
+    free = sum(s.num_free_blocks for s in stats)
+    n = max(1, len(stats))
+    return Stats(
+        num_waiting=sum(s.num_waiting for s in stats), num_running=sum(s.num_running for s in stats),
+        kv_usage=(1.0 - free / blocks) if blocks else sum(s.kv_usage for s in stats) / n,
+        num_free_blocks=free, num_kv_blocks=blocks,
+        num_preemptions=sum(s.num_preemptions for s in stats), num_timeouts=sum(s.num_timeouts for s in stats),
+        prefix_cache_hit_rate=sum(s.prefix_cache_hit_rate for s in stats) / n,
+        num_evictions=sum(s.num_evictions for s in stats),
+        kv_fragmentation=sum(s.kv_fragmentation for s in stats) / n)
+
+
+class EngineRouter:
+    """``EngineClient``'s interface over several engines (see the module doc)."""
+
+    def __init__(self, clients: list[EngineClient], dead: list[int] | None = None) -> None:
+        """``dead``: indices of engines known to be gone (a frontend restarted while one is down):
+        never connected, shown as unavailable, so the others serve without waiting for them."""
+        if not clients:
+            raise ValueError("an EngineRouter needs at least one engine")
+        self.clients = clients
+        self.dead = set(dead or ())
+        if len(self.dead) >= len(clients):
+            raise ValueError("an EngineRouter needs at least one live engine")
+        self.ready: Ready | None = None
+        self._next = 0  # round robin among equally loaded engines
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def connect(self) -> Ready:
+        """Handshake with every engine; they must serve the same model (vocabulary, EOS)."""
+        live = [c for i, c in enumerate(self.clients) if i not in self.dead]
+        results = await asyncio.gather(*(c.connect() for c in live), return_exceptions=True)
+        failed = [(c, r) for c, r in zip(live, results, strict=True) if isinstance(r, BaseException)]
+        if failed:
+            await self.close()
+            c, e = failed[0]
+            if isinstance(e, EngineUnavailable):
+                raise EngineUnavailable(f"engine {self.clients.index(c)} ({c.address}): {e}")
+            raise e
+        first = results[0]
+        for c, r in zip(live[1:], results[1:], strict=True):
+            if (r.model, r.vocab_size, sorted(r.eos_token_ids)) != (first.model, first.vocab_size,
+                                                                   sorted(first.eos_token_ids)):
+                await self.close()
+                raise EngineUnavailable(f"{c.address} serves {r.model!r} (vocabulary {r.vocab_size}), "
+                                        f"{live[0].address} {first.model!r} (vocabulary {first.vocab_size}): "
+                                        "data parallel needs one model")
+        # one call runs on one engine: it must fit the smallest
+        self.ready = dataclasses.replace(
+            first, max_model_len=min(r.max_model_len for r in results),
+            max_num_waiting_requests=min(r.max_num_waiting_requests for r in results),
+            max_num_seqs=min(r.max_num_seqs for r in results))
+        return self.ready
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close() for c in self.clients), return_exceptions=True)
+
+    # ------------------------------------------------------------------ health
+
+    @property
+    def healthy(self) -> bool:
+        return any(c.healthy for c in self.clients)
+
+    @property
+    def last_stats(self) -> Stats | None:
+        stats = [c.last_stats for c in self.clients if c.healthy and c.last_stats is not None]
+        return combined_stats(stats) if stats else None
+
+    def engines_health(self) -> list[dict]:
+        """Per engine: index, ok / unavailable, and its latest numbers (no address: /health is open)."""
+        out = []
+        for i, c in enumerate(self.clients):
+            e = {"engine": i, "status": "ok" if c.healthy else "unavailable"}
+            if c.healthy and c.last_stats is not None:
+                s = c.last_stats
+                e.update(num_waiting=s.num_waiting, num_running=s.num_running, kv_usage=s.kv_usage)
+            out.append(e)
+        return out
+
+    @property
+    def num_in_flight(self) -> int:
+        return sum(c.num_in_flight for c in self.clients)
+
+    # ------------------------------------------------------------------ requests
+
+    def load(self, i: int) -> tuple[float, float]:
+        """Engine ``i``'s load as the router ranks it: (requests, KV usage)."""
+        c = self.clients[i]
+        s = c.last_stats
+        if s is None:
+            return float(c.num_in_flight), 0.0
+        others = max(0, s.num_running + s.num_waiting - c.in_flight_at_stats)
+        return float(c.num_in_flight + others), s.kv_usage
+
+    def pick(self) -> int:
+        """The least-loaded healthy engine; ``EngineUnavailable`` when none is."""
+        n = len(self.clients)
+        best, best_load = None, None
+        for k in range(n):
+            i = (self._next + k) % n
+            if not self.clients[i].healthy:
+                continue
+            load = self.load(i)
+            if best_load is None or load < best_load:
+                best, best_load = i, load
+        if best is None:
+            raise EngineUnavailable("no engine is available")
+        self._next = (best + 1) % n
+        return best
+
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+            priority: int = 0, deadline: float | None = None, stream: Stream | None = None,
+            cache_salt: str = "") -> Stream:
+        """As ``EngineClient.add``; requests sharing ``stream`` go to the engine its first one went to."""
+        if stream is None:
+            stream = Stream()
+        if stream.engine is None:
+            stream.engine = self.pick()
+        return self.clients[stream.engine].add(request_id, prompt_token_ids, params, priority, deadline,
+                                               stream=stream, cache_salt=cache_salt)
+
+    def abort(self, request_ids: list[str]) -> None:
+        for c in self.clients:  # each sends only the ids it owns, and nothing when it owns none
+            c.abort(request_ids)
+
+    async def stats(self, timeout: float = 5.0) -> Stats:
+        live = [c for c in self.clients if c.healthy]
+        if not live:
+            raise EngineUnavailable("no engine is available")
+        results = await asyncio.gather(*(c.stats(timeout) for c in live), return_exceptions=True)
+        stats = [r for r in results if isinstance(r, Stats)]
+        if not stats:
+            raise EngineUnavailable(f"no engine answered: {results[0]!r}")
+        return combined_stats(stats)

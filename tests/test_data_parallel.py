@@ -1,0 +1,286 @@
+"""Data parallel and remote engines, fast: the frontend's router over fake engines, and the
+CURVE authentication of a tcp:// engine (run_engine with a fake engine in a thread).
+
+The real thing (``tokenmill serve -dp 2``, ``tokenmill engine --listen``) is in
+``tests/test_data_parallel_e2e.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import zmq
+
+from engine import protocol as p
+from engine.config import EngineConfig
+from engine.server import run_engine
+from frontends.engine_client import EngineClient, EngineUnavailable, Stream
+from frontends.engine_router import EngineRouter, combined_stats
+from tests.test_server_actor import FakeEngine as ActorFakeEngine
+from tools.fake_engine import FakeEngine, free_port
+
+KEY = "test-engine-key-0123456789"
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.fixture
+def two_engines(tmp_path):
+    engines = [FakeEngine(f"ipc://{tmp_path}/e{i}.sock", step_delay=0.01) for i in range(2)]
+    for e in engines:
+        e.start()
+    yield engines
+    for e in engines:
+        e.stop()
+
+
+def router_for(engines, **kw) -> EngineRouter:
+    return EngineRouter([EngineClient(e.address, "fe-test", handshake_timeout=5, liveness_interval=0.1, **kw)
+                         for e in engines])
+
+
+async def until(cond, timeout: float = 5.0) -> None:
+    for _ in range(int(timeout / 0.01)):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("timed out")
+
+
+async def drain(stream: Stream, ids: set[str]) -> dict[str, list]:
+    """Every item per request id until each has finished or failed."""
+    out: dict[str, list] = {r: [] for r in ids}
+    left = set(ids)
+    while left:
+        for item in await asyncio.wait_for(stream.next_batch(), 10):
+            out[item.request_id].append(item)
+            if isinstance(item, p.Error) or item.finish_reason is not None:
+                left.discard(item.request_id)
+    return out
+
+
+def test_router_spreads_calls_and_keeps_a_calls_choices_together(two_engines):
+    async def main():
+        router = router_for(two_engines)
+        await router.connect()
+        params = p.SamplingParams(max_tokens=20, temperature=0)
+        streams = []
+        for call in range(6):  # one call = one stream, n = 2 choices
+            s = Stream()
+            for c in range(2):
+                router.add(f"call{call}-{c}", [1, 2, 3, call], params, stream=s)
+            streams.append(s)
+        await until(lambda: sum(len(e.adds) for e in two_engines) == 12)
+        engine_of = {}
+        for e_idx, e in enumerate(two_engines):
+            for add in e.adds:
+                engine_of[add.request_id] = e_idx
+        assert len(engine_of) == 12
+        for call in range(6):  # both choices of a call on one engine (their prefix blocks are shared)
+            assert engine_of[f"call{call}-0"] == engine_of[f"call{call}-1"] == streams[call].engine
+        assert [len(e.adds) for e in two_engines] == [6, 6]  # least loaded: evenly spread
+        for call, s in enumerate(streams):
+            got = await drain(s, {f"call{call}-0", f"call{call}-1"})
+            assert all(items[-1].finish_reason == "length" for items in got.values())
+        await router.close()
+
+    run(main())
+
+
+def test_router_picks_the_least_loaded_engine_by_stats(two_engines):
+    async def main():
+        router = router_for(two_engines)
+        await router.connect()
+        busy = router.clients[0]
+        # another frontend keeps engine 0 busy: 5 running, 3 waiting, none of them ours
+        busy.last_stats, busy.in_flight_at_stats = p.Stats(num_waiting=3, num_running=5, kv_usage=0.5), 0
+        router.clients[1].last_stats, router.clients[1].in_flight_at_stats = p.Stats(num_running=1), 0
+        params = p.SamplingParams(max_tokens=50, temperature=0)
+        picks = [router.add(f"r{i}", [5, 6], params).engine for i in range(8)]
+        # engine 1 (load 1) takes requests until its load meets engine 0's (8)
+        assert picks[:7] == [1] * 7
+        assert router.load(0) == (8.0, 0.5)
+        router.abort([f"r{i}" for i in range(8)])
+        await until(lambda: sum(len(e.aborts) for e in two_engines) == 8)
+        assert sorted(two_engines[1].aborts) == sorted(f"r{i}" for i in range(8) if picks[i] == 1)
+        assert sorted(two_engines[0].aborts) == sorted(f"r{i}" for i in range(8) if picks[i] == 0)
+        await router.close()
+
+    run(main())
+
+
+def test_router_survives_a_dead_engine(two_engines):
+    async def main():
+        router = router_for(two_engines)
+        await router.connect()
+        params = p.SamplingParams(max_tokens=10_000, temperature=0)
+        s0, s1 = Stream(), Stream()
+        router.add("a", [1, 2], params, stream=s0)
+        router.add("b", [1, 2], params, stream=s1)
+        assert {s0.engine, s1.engine} == {0, 1}
+        dead = s0.engine
+        two_engines[dead].stop()  # its socket closes: the client sees the disconnect at once
+        items = await drain(s0, {"a"})
+        err = items["a"][-1]
+        assert isinstance(err, p.Error) and err.status == 503 and "Engine unavailable" in err.message
+        assert router.healthy
+        health = router.engines_health()
+        assert [e["status"] for e in health] == ["unavailable" if i == dead else "ok" for i in range(2)]
+        # new calls go to the engine that lives
+        s2 = router.add("c", [3, 4], p.SamplingParams(max_tokens=3, temperature=0))
+        assert s2.engine == 1 - dead
+        got = await drain(s2, {"c"})
+        assert got["c"][-1].finish_reason == "length"
+        stats = await router.stats()
+        assert stats.num_kv_blocks > 0
+        router.abort(["b"])
+        two_engines[1 - dead].stop()
+        await until(lambda: not router.healthy)
+        with pytest.raises(EngineUnavailable):
+            router.add("d", [1], params)
+        await router.close()
+
+    run(main())
+
+
+def test_router_started_with_a_dead_engine_serves_on_the_others(two_engines):
+    async def main():
+        two_engines[0].stop()
+        router = EngineRouter(
+            [EngineClient(e.address, "fe-test", handshake_timeout=5) for e in two_engines], dead=[0])
+        await router.connect()  # at once: engine 0 is not waited for
+        assert [e["status"] for e in router.engines_health()] == ["unavailable", "ok"]
+        s = router.add("r", [1, 2], p.SamplingParams(max_tokens=2, temperature=0))
+        assert s.engine == 1 and (await drain(s, {"r"}))["r"][-1].finish_reason == "length"
+        await router.close()
+
+    run(main())
+
+
+def test_combined_stats_sums_counts_and_weighs_kv_usage_by_blocks():
+    s = combined_stats([p.Stats(1, 2, 0.5, 50, 100, 1, 0, 0.2), p.Stats(3, 4, 0.0, 300, 300, 2, 1, 0.4)])
+    assert (s.num_waiting, s.num_running, s.num_free_blocks, s.num_kv_blocks) == (4, 6, 350, 400)
+    assert s.kv_usage == pytest.approx(50 / 400)
+    assert s.num_preemptions == 3 and s.prefix_cache_hit_rate == pytest.approx(0.3)
+
+
+# ----------------------------------------------------------------------------- CURVE
+
+
+class CurveEngine:
+    """run_engine over tcp:// with an engine key, with a fake engine, in a thread."""
+
+    def __init__(self, key: str | None = KEY):
+        self.address = f"tcp://127.0.0.1:{free_port()}"
+        self.actor = None
+        self.error: BaseException | None = None
+        ready = threading.Event()
+
+        def target():
+            try:
+                run_engine(EngineConfig(), self.address, ready=ready.set, engine_factory=ActorFakeEngine,
+                           on_actor=lambda a: setattr(self, "actor", a), engine_key=key)
+            except BaseException as e:  # noqa: BLE001 - surfaced by the test
+                self.error = e
+                ready.set()
+
+        self.thread = threading.Thread(target=target, daemon=True)
+        self.thread.start()
+        assert ready.wait(10)
+
+    def close(self) -> None:
+        if self.actor is not None:
+            self.actor.stop()
+        self.thread.join(10)
+
+
+@pytest.fixture
+def curve_engine():
+    e = CurveEngine()
+    assert e.error is None, e.error
+    yield e
+    e.close()
+
+
+def test_tcp_engine_serves_a_client_with_the_key(curve_engine):
+    async def main():
+        c = EngineClient(curve_engine.address, "fe-key", handshake_timeout=5, engine_key=KEY)
+        ready = await c.connect()
+        assert ready.model == "fake"
+        s = c.add("r1", [3, 4], p.SamplingParams(max_tokens=3, temperature=0))
+        got = await drain(s, {"r1"})
+        assert [t for d in got["r1"] for t in d.token_ids] and got["r1"][-1].finish_reason == "length"
+        await c.close()
+
+    run(main())
+
+
+def test_tcp_engine_refuses_clients_without_the_right_key(curve_engine):
+    async def refused(**kw):
+        c = EngineClient(curve_engine.address, "fe-bad", handshake_timeout=1.0, **kw)
+        with pytest.raises(EngineUnavailable, match="no READY"):
+            await c.connect()
+        await c.close()
+
+    run(refused(engine_key="not-the-engine-key-at-all"))
+
+    # no key at all: a plain DEALER (what an intruder would use) gets no answer to HELLO, nor to ADD
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(curve_engine.address)
+    s.send(p.encode(p.Hello("intruder")))
+    s.send(p.encode(p.Add("x", [1, 2], p.SamplingParams(max_tokens=2))))
+    assert not s.poll(1000)
+    s.close()
+
+    # the engine's public key but a client key pair of its own: ZAP turns it away
+    keys = p.curve_keys(KEY)
+    public, secret = zmq.curve_keypair()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.CURVE_SERVERKEY, keys.server_public)
+    s.setsockopt(zmq.CURVE_PUBLICKEY, public)
+    s.setsockopt(zmq.CURVE_SECRETKEY, secret)
+    s.connect(curve_engine.address)
+    s.send(p.encode(p.Hello("intruder")))
+    assert not s.poll(1000)
+    s.close()
+    ctx.term()
+    assert curve_engine.actor.engine.added == []
+
+
+def test_tcp_engine_needs_a_key_on_both_sides():
+    e = CurveEngine(key=None)
+    e.close()
+    assert isinstance(e.error, ValueError) and "engine key" in str(e.error)
+    with pytest.raises(ValueError, match="engine key"):
+        EngineClient("tcp://127.0.0.1:1", "fe")
+    with pytest.raises(ValueError, match="at least 16"):
+        p.curve_keys("short")
+
+
+def test_serve_flags_for_data_parallel_and_remote_engines():
+    from engine.cli import build_parser, engine_key, serve_options
+
+    def opts(*argv, env=None):
+        return serve_options(build_parser().parse_args(["serve", *argv]))
+
+    o = opts("-dp", "2")
+    assert o.data_parallel_size == 2 and o.engine_addresses == []
+    o = opts("--engine", "tcp://a:1", "--engine", "tcp://b:2", "--engine-key", KEY)
+    assert o.engine_addresses == ["tcp://a:1", "tcp://b:2"] and o.engine_key == KEY
+    with pytest.raises(ValueError, match="--data-parallel-size"):
+        opts("-dp", "2", "--engine", "tcp://a:1", "--engine-key", KEY)
+    with pytest.raises(ValueError, match="at least 1"):
+        opts("-dp", "0")
+    with pytest.raises(ValueError, match="tcp://HOST:PORT"):
+        opts("--engine", "a:1", "--engine-key", KEY)
+    assert engine_key(None, {"TOKENMILL_ENGINE_KEY": KEY}) == KEY
+    assert engine_key("flag-wins-0123456789", {"TOKENMILL_ENGINE_KEY": KEY}) == "flag-wins-0123456789"
+    with pytest.raises(ValueError, match="blank"):
+        engine_key(" ", {})
