@@ -3,6 +3,8 @@
 ``tokenmill engine --listen tcp://HOST:PORT`` is a headless engine for frontends on
 other machines (``tokenmill serve --engine tcp://HOST:PORT``); both sides hold the
 same engine key, from which the ZMQ CURVE keys are derived (``protocol.curve_keys``).
+``tokenmill engine --node-rank K`` (K > 0, with ``--nnodes``, ``--master-addr``) runs no
+engine: only this host's share of node 0's tensor-parallel ranks (``tp_worker.run_node``).
 
 Flags are named as vLLM's. Engine flags left out keep ``EngineConfig``'s
 defaults (one source of truth); the config is validated before any process
@@ -69,6 +71,19 @@ def _engine_flags(p: argparse.ArgumentParser, generate: bool = False) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
                    help="ranks to split the model over (tensor parallel): one process per rank, one GPU "
                         "each on CUDA, an equal share of the CPU threads each on the CPU (default: 1)")
+    m = p.add_argument_group("tensor parallel across machines (torchrun's names; a private network only: "
+                             "the rendezvous and gloo/NCCL traffic are unauthenticated)")
+    m.add_argument("--nnodes", type=int, default=None, metavar="N",
+                   help="hosts the -tp ranks spread over, -tp / N on each (default: 1)")
+    m.add_argument("--node-rank", type=int, default=None, metavar="K",
+                   help="this host's place, 0..N-1: node 0 runs the engine (`serve` or `engine --listen`), "
+                        "node K > 0 only its ranks K*T/N..(K+1)*T/N-1 (`tokenmill engine` without --listen) "
+                        "(default: 0)")
+    m.add_argument("--master-addr", default=None, metavar="HOST",
+                   help="node 0's address, where the ranks meet (torch.distributed's TCPStore); "
+                        "required with --nnodes > 1")
+    m.add_argument("--master-port", type=int, default=None, metavar="PORT",
+                   help="the rendezvous port on node 0 (default: 29500 across nodes, a free port on one)")
     q = p.add_argument_group("scheduling")
     q.add_argument("--scheduling-policy", choices=POLICIES, default=None,
                    help="the order waiting requests start in: fcfs (arrival), priority (the request's "
@@ -173,10 +188,14 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("engine", help="a headless engine that frontends on other machines use",
                        description="Start an engine alone, listening for `tokenmill serve --engine` frontends. "
                                    "Over tcp:// its traffic is authenticated and encrypted (ZMQ CURVE) with "
-                                   "keys derived from --engine-key, which both sides must share.")
+                                   "keys derived from --engine-key, which both sides must share. With "
+                                   "--nnodes N --node-rank K > 0 (no --listen) it runs only this host's share "
+                                   "of node 0's tensor-parallel ranks.")
     _engine_flags(e)
-    e.add_argument("--listen", required=True, metavar="tcp://HOST:PORT",
-                   help="where frontends reach it, e.g. tcp://0.0.0.0:5555 (or ipc://PATH on this host)")
+    e.add_argument("--listen", default=None, metavar="tcp://HOST:PORT",
+                   help="where frontends reach it, e.g. tcp://0.0.0.0:5555 (or ipc://PATH on this host); "
+                        "required, except on a node with --node-rank > 0, which runs only tensor-parallel "
+                        "ranks")
     _engine_key_flag(e)
     e.add_argument("--log-format", choices=("text", "json"), default="text",
                    help="log lines as text or as one JSON object per line (default: text)")
@@ -270,6 +289,12 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         config = EngineConfig(**_config_kwargs(args))
         options = serve_options(args)
+        if config.node_rank > 0:
+            raise ValueError(f"--node-rank {config.node_rank} runs only tensor-parallel ranks: start it with "
+                             f"`tokenmill engine` (no --listen); `tokenmill serve` is node 0")
+        if config.nnodes > 1 and (options.data_parallel_size > 1 or options.engine_addresses):
+            raise ValueError("--nnodes spreads one local engine's ranks over hosts; it does not combine with "
+                             "--data-parallel-size or --engine")
     except ValueError as e:
         parser.error(str(e))  # exit 2
     return serve(config, options)
@@ -296,18 +321,29 @@ def _engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from engine.model_path import model_name, resolve_model_path
     from engine.protocol import curve_keys
 
+    key = None
     try:
-        key = engine_key(args.engine_key)
-        if key is not None:
-            curve_keys(key)  # too short, or no CURVE in this libzmq: say so before the model loads
-        elif args.listen.startswith("tcp://"):
-            raise ValueError(f"--listen {args.listen} needs --engine-key (or $TOKENMILL_ENGINE_KEY): an open "
-                             "engine port would take work from anyone")
-        if not args.listen.startswith(("tcp://", "ipc://")):
-            raise ValueError(f"--listen must be tcp://HOST:PORT or ipc://PATH, got {args.listen!r}")
         config = EngineConfig(**_config_kwargs(args))
+        if config.node_rank > 0:
+            if args.listen is not None:
+                raise ValueError(f"--listen is for node 0 (the engine); --node-rank {config.node_rank} runs only "
+                                 f"tensor-parallel ranks")
+        elif args.listen is None:
+            raise ValueError("--listen is required (or --node-rank K > 0, for a node that runs only "
+                             "tensor-parallel ranks)")
+        else:
+            key = engine_key(args.engine_key)
+            if key is not None:
+                curve_keys(key)  # too short, or no CURVE in this libzmq: say so before the model loads
+            elif args.listen.startswith("tcp://"):
+                raise ValueError(f"--listen {args.listen} needs --engine-key (or $TOKENMILL_ENGINE_KEY): an open "
+                                 "engine port would take work from anyone")
+            if not args.listen.startswith(("tcp://", "ipc://")):
+                raise ValueError(f"--listen must be tcp://HOST:PORT or ipc://PATH, got {args.listen!r}")
     except ValueError as e:
         parser.error(str(e))
+    if config.node_rank > 0:
+        return _node(config, args.log_format)
     _setup_logging(args.log_format)
     log = logging.getLogger("tokenmill.engine")
     try:
@@ -329,6 +365,28 @@ def _engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         log.error("%s", e)
         return 1
     return 0
+
+
+def _node(config: EngineConfig, log_format: str) -> int:
+    """``tokenmill engine --node-rank K`` (K > 0): this host's tensor-parallel ranks of node 0's engine."""
+    import logging
+
+    from engine.launcher import _setup_logging
+    from engine.model_path import resolve_model_path
+
+    _setup_logging(log_format)
+    try:
+        path = resolve_model_path(config.model)
+    except FileNotFoundError as e:
+        logging.getLogger("tokenmill.engine").error("%s", e)
+        return 2
+    from engine.tp_worker import run_node, span
+
+    t, n, k = config.tensor_parallel_size, config.nnodes, config.node_rank
+    local = t // n
+    return run_node(config, path, ready=lambda: print(
+        f"tokenmill engine node {k} of {n}: started {span('rank', k * local, (k + 1) * local - 1)} of {t}, "
+        f"joining {config.master_addr}", flush=True))
 
 
 def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

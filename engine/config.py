@@ -36,6 +36,12 @@ class EngineConfig:
     request_timeout: float | None = None  # seconds; a request without its own timeout gets this one
     seed: int = 0
     tensor_parallel_size: int = 1  # ranks the model is split over (engine.parallel); rank 0 is the engine
+    # tensor parallel across machines (torchrun's names): the ranks spread evenly over nnodes hosts;
+    # node 0 runs the engine (rank 0), node k > 0 only its workers (engine.tp_worker.run_node)
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None  # node 0's address (its rendezvous); None = 127.0.0.1, one node only
+    master_port: int | None = None  # None = a free port on one node, 29500 (torchrun's) across nodes
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -71,3 +77,15 @@ class EngineConfig:
             bad(f"request_timeout must be a positive number of seconds, got {self.request_timeout}")
         if self.tensor_parallel_size < 1:
             bad(f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}")
+        if self.nnodes < 1:
+            bad(f"nnodes must be at least 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            bad(f"node_rank must be in [0, nnodes) = [0, {self.nnodes}), got {self.node_rank}")
+        if self.tensor_parallel_size % self.nnodes:
+            bad(f"tensor_parallel_size {self.tensor_parallel_size} is not divisible by nnodes {self.nnodes}: "
+                f"every node runs tensor_parallel_size / nnodes ranks")
+        if self.nnodes > 1 and not self.master_addr:
+            bad(f"nnodes {self.nnodes} needs master_addr (--master-addr): the address of node 0, where the "
+                f"ranks meet")
+        if self.master_port is not None and not 1 <= self.master_port <= 65535:
+            bad(f"master_port must be in [1, 65535], got {self.master_port}")

@@ -21,6 +21,11 @@ messages and the start-up agreement on the number of KV blocks, so that a dead p
 up at once, as a closed connection. Every collective has a finite timeout
 (``COLLECTIVE_TIMEOUT``) except a worker's wait for the next header: an idle engine sends
 nothing, and its workers wait for as long as it idles.
+
+Across machines (``nnodes`` > 1) the ranks of node k are k*L .. (k+1)*L-1 (L = T / nnodes
+local ranks, local rank = rank % L picks the GPU). Rank 0 cannot waitpid the ranks of other
+nodes: one that dies shows up as the next step's collective failing (gloo raises on the
+closed connection), and the error says so.
 """
 
 from __future__ import annotations
@@ -133,8 +138,9 @@ class TPGroup:
     """
 
     def __init__(self, rank: int = 0, size: int = 1, group=None, cpu_group=None,
-                 driver: Driver | None = None):
+                 driver: Driver | None = None, local_size: int | None = None):
         self.rank, self.size = rank, size
+        self.local_size = local_size or size  # ranks on this node (size / nnodes)
         self.group, self.cpu_group = group, cpu_group
         self.driver = driver  # rank 0 of a group: its workers
 
@@ -171,7 +177,7 @@ class TPGroup:
     def device_for(self, device: torch.device) -> torch.device:
         """The device this rank computes on: its own GPU under tensor parallelism."""
         if self.size > 1 and device.type == "cuda":
-            return torch.device("cuda", self.rank)
+            return torch.device("cuda", self.rank % self.local_size)
         return device
 
     # ------------------------------------------------------------------ rank 0: drive the step
@@ -219,7 +225,8 @@ class TPGroup:
         return StepInput.unpack(h, payload)
 
 
-def init_group(rank: int, size: int, store: dist.Store, backend: str, driver: Driver | None = None) -> TPGroup:
+def init_group(rank: int, size: int, store: dist.Store, backend: str, driver: Driver | None = None,
+               local_size: int | None = None) -> TPGroup:
     """Join the default torch.distributed group (one tensor-parallel engine per process)."""
     if dist.is_initialized():
         raise ValueError("a tensor-parallel engine is already running in this process; close it first")
@@ -228,7 +235,7 @@ def init_group(rank: int, size: int, store: dist.Store, backend: str, driver: Dr
     cpu_group = group if backend == "gloo" else dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
     if driver is not None:
         driver.cpu_group = cpu_group
-    return TPGroup(rank, size, group, cpu_group, driver)
+    return TPGroup(rank, size, group, cpu_group, driver, local_size)
 
 
 # ----------------------------------------------------------------------------- rank 0's workers
@@ -237,8 +244,9 @@ def init_group(rank: int, size: int, store: dist.Store, backend: str, driver: Dr
 class Driver:
     """Rank 0's side of the group: its worker processes, their liveness, the shutdown."""
 
-    def __init__(self, procs: list, on_close: Callable[[], None] | None = None):
-        self.procs = procs  # multiprocessing.Process of ranks 1..T-1, in rank order
+    def __init__(self, procs: list, on_close: Callable[[], None] | None = None, remote: str = ""):
+        self.procs = procs  # multiprocessing.Process of ranks 1..L-1 (this node's), in rank order
+        self.remote = remote  # the ranks on other nodes, in words ("" on one node): no waitpid for them
         self.broken: str | None = None  # why the group cannot go on
         self.cpu_group = None
         self.store = None  # the rendezvous, kept alive with the group
@@ -268,12 +276,18 @@ class Driver:
         """A step failed: stop the group and, for an ``Exception``, raise a ``TensorParallelError``
         naming the rank that died (its exit gets a moment to show), or saying what failed."""
         if self.broken is None:
-            deadline = time.monotonic() + (2.0 if isinstance(error, Exception) else 0.0)
+            deadline = time.monotonic() + (2.0 if isinstance(error, Exception) and self.procs else 0.0)
             while not (dead := self.dead()) and time.monotonic() < deadline:
                 time.sleep(0.02)
-            self._break("; ".join(dead) if dead else f"a tensor-parallel step failed: {error!r}")
+            self._break("; ".join(dead) if dead else self._failed(error))
         if isinstance(error, Exception):
             raise TensorParallelError(f"{self.broken}; the engine cannot go on") from error
+
+    def _failed(self, error: BaseException) -> str:
+        if self.remote and isinstance(error, Exception):  # no local rank died: most likely a remote one
+            return (f"a tensor-parallel step failed; a rank on another node ({self.remote}) is probably "
+                    f"gone, see that node's log ({error!r})")
+        return f"a tensor-parallel step failed: {error!r}"
 
     def _break(self, why: str) -> None:
         """The ranks are out of step for good: stop the workers left (they may sit in a collective)."""
