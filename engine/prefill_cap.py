@@ -2,64 +2,108 @@
 
 A step that carries running streams' decodes must not cost much more than a
 decode-only step, or every stream stalls while a long prompt prefills
-(Sarathi-Serve). The cap is chosen so that such a step costs about ``ratio``
-(2) times a decode-only step, from step costs measured online on this device:
+(Sarathi-Serve). The cap lets such a step cost about ``ratio`` (2) times a
+decode-only step of the batch the scheduler is filling, from step costs
+measured online on this device. Every step's time is fitted as
 
-    decode_cost = moving average of decode-only step times
-    token_cost  = (mixed step time - decode_cost) / its prompt tokens
-    cap         = (ratio - 1) * decode_cost / token_cost
+    seconds = a + b * decode rows + c * prompt tokens
 
-The first estimate of ``token_cost`` comes from prompt-only steps (an idle
-server's prefills). That overstates it, because a big prefill is compute bound
-while a small chunk beside decodes mostly rides along with them, so the cap
-starts low. Each mixed step that used at least half of the cap then re-estimates
-it, and the cap may at most double or halve per step. That damping keeps one
-noisy step from swinging it from a trickle to a stall. ``fixed`` (the
-``--long-prefill-token-threshold`` flag) replaces the estimate. Torch-free.
+by least squares over recent steps (exponentially forgotten, every coefficient
+kept >= 0). ``a`` is what any step costs (dispatch, weight reads, the sampler);
+on a CPU it is most of a small step, so leaving it out would make a prompt
+token look many times dearer than it is. Then, for ``rows`` decodes:
+
+    decode step = a + max(b, c) * rows
+    cap         = (ratio - 1) * decode step / c
+
+``rows`` is the batch once the waiting requests have joined (the running ones
+plus the waiting ones, at most ``max_num_seqs``), not the decodes already
+running. Measured against the running decodes alone, the cap would shrink as
+they finish, prompts would join slower still and the batch would drain to a
+trickle. The floor ``(ratio - 1) * rows`` holds whatever the fit says: a prompt
+token costs no more than a decode row's token. ``fixed`` (the
+``--long-prefill-token-threshold`` flag) replaces all of it. Torch-free.
 """
 
 from __future__ import annotations
 
+from itertools import combinations
+
+_MODELS = [keep for k in (3, 2, 1) for keep in combinations(range(3), k)]  # which of (a, b, c) are free
+
 
 class PrefillCap:
-    def __init__(self, maximum: int, fixed: int | None = None, minimum: int = 16,
-                 ratio: float = 2.0, smoothing: float = 0.2) -> None:
+    def __init__(self, maximum: int, fixed: int | None = None, minimum: int = 32,
+                 ratio: float = 2.0, decay: float = 0.98) -> None:
         self.maximum = maximum
         self.fixed = fixed
         self.minimum = min(minimum, maximum)
         self.ratio = ratio
-        self.smoothing = smoothing
-        self.decode_cost: float | None = None  # seconds per decode-only step
-        self._prompt_only: float | None = None  # seconds per token of prompt-only steps
-        self._cap: float | None = None  # the estimate, once there is one
+        self.decay = decay
+        self._xx = [[0.0] * 3 for _ in range(3)]  # weighted sums of x x^T, x = (1, rows, prompt tokens)
+        self._xt = [0.0] * 3  # ... of x * seconds
+        self._tt = 0.0  # ... of seconds^2
+        self._prompt_weight = 0.0  # ... of steps that carried prompt tokens (c is known only from them)
+        self._fit: tuple[float, float, float] | None = None
 
-    @property
-    def value(self) -> int:
+    def value(self, rows: int) -> int:
+        """The cap for a step whose batch, once the waiting requests join, holds ``rows`` decodes."""
         if self.fixed is not None:
             return self.fixed
-        if self._cap is None:
-            if self.decode_cost is None or self._prompt_only is None:
-                return self.maximum  # nothing to go on (and no decodes yet to protect)
-            self._cap = self._clamp(self._target(self._prompt_only))
-        return int(self._cap)
+        floor = max(self.minimum, int((self.ratio - 1.0) * rows))
+        cap = float(floor)
+        if self._prompt_weight >= 1.0:
+            a, b, c = self.fit()
+            cap = (self.ratio - 1.0) * (a + max(b, c) * rows) / c if c > 0 else float(self.maximum)
+        return round(min(self.maximum, max(floor, cap)))
 
     def observe(self, num_decodes: int, num_prompt_tokens: int, seconds: float) -> None:
         """One step's make-up (decode rows, prompt tokens) and how long it took."""
-        if num_prompt_tokens == 0:
-            if num_decodes:
-                self.decode_cost = self._avg(self.decode_cost, seconds)
-        elif num_decodes == 0:
-            self._prompt_only = self._avg(self._prompt_only, seconds / num_prompt_tokens)
-        elif self.decode_cost is not None and self._cap is not None and num_prompt_tokens >= self._cap / 2:
-            token_cost = max(seconds - self.decode_cost, 0.0) / num_prompt_tokens
-            new = self._target(token_cost) if token_cost > 0 else 2 * self._cap
-            self._cap = self._clamp(min(max(new, self._cap / 2), 2 * self._cap))
+        x = (1.0, float(num_decodes), float(num_prompt_tokens))
+        d = self.decay
+        for i in range(3):
+            self._xt[i] = d * self._xt[i] + x[i] * seconds
+            for j in range(3):
+                self._xx[i][j] = d * self._xx[i][j] + x[i] * x[j]
+        self._tt = d * self._tt + seconds * seconds
+        self._prompt_weight = d * self._prompt_weight + (1.0 if num_prompt_tokens else 0.0)
+        self._fit = None
 
-    def _target(self, token_cost: float) -> float:
-        return (self.ratio - 1.0) * self.decode_cost / token_cost
+    def fit(self) -> tuple[float, float, float]:
+        """(a, b, c): the least-squares fit with every coefficient >= 0 (each subset of the three
+        solved exactly, the feasible one with the least residual kept)."""
+        if self._fit is None:
+            best, best_rss = (0.0, 0.0, 0.0), self._tt
+            for keep in _MODELS:
+                beta = _solve([[self._xx[i][j] for j in keep] for i in keep], [self._xt[i] for i in keep])
+                if beta is None or min(beta) < 0:
+                    continue
+                full = [0.0] * 3
+                for i, v in zip(keep, beta, strict=True):
+                    full[i] = v
+                rss = self._tt - 2 * sum(full[i] * self._xt[i] for i in range(3)) + sum(
+                    full[i] * self._xx[i][j] * full[j] for i in range(3) for j in range(3))
+                if rss < best_rss - 1e-12 * max(self._tt, 1e-30):
+                    best, best_rss = (full[0], full[1], full[2]), rss
+            self._fit = best
+        return self._fit
 
-    def _clamp(self, cap: float) -> float:
-        return max(float(self.minimum), min(float(self.maximum), cap))
 
-    def _avg(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.smoothing * (new - old)
+def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
+    """``m x = v`` by Gaussian elimination with partial pivoting; None if ``m`` is (nearly) singular."""
+    n = len(v)
+    a = [row[:] + [v[i]] for i, row in enumerate(m)]
+    scale = max(abs(a[i][i]) for i in range(n)) or 1.0
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+        if abs(a[pivot][col]) <= 1e-9 * scale:
+            return None
+        a[col], a[pivot] = a[pivot], a[col]
+        for r in range(col + 1, n):
+            f = a[r][col] / a[col][col]
+            for k in range(col, n + 1):
+                a[r][k] -= f * a[col][k]
+    x = [0.0] * n
+    for i in reversed(range(n)):
+        x[i] = (a[i][n] - sum(a[i][k] * x[k] for k in range(i + 1, n))) / a[i][i]
+    return x

@@ -142,7 +142,10 @@ class Scheduler:
                     and batch.num_tokens < self.max_num_batched_tokens and self._allocate_running(req, 1, batch)):
                 self._add(batch, req, 1, decode=True)
         budget = self.max_num_batched_tokens - batch.num_tokens
-        self._schedule_prompts(batch, min(budget, self.prefill_cap.value) if batch.num_decodes else budget)
+        if batch.num_decodes:  # the batch being filled: every running and waiting request, as far as seqs allow
+            rows = min(self.max_num_seqs, len(self.running) + len(self.waiting))
+            budget = min(budget, self.prefill_cap.value(rows))
+        self._schedule_prompts(batch, budget)
         return batch
 
     def update_from_output(self, batch: ScheduledBatch, seconds: float) -> None:

@@ -293,26 +293,36 @@ def test_an_idle_server_prefills_at_full_speed():
 
 def test_the_cap_is_measured_online():
     cap = PrefillCap(maximum=2048, minimum=16)
-    assert cap.value == 2048  # nothing measured
-    cap.observe(0, 1000, 2.0)  # an idle server's prefill: 2 ms per token
-    cap.observe(8, 0, 0.1)  # a decode-only step: 100 ms
-    assert cap.value == 50  # a step beside decodes may add another 100 ms
-    cap.observe(8, 50, 0.125)  # beside decodes a prompt token costs only 0.5 ms: 200 would do...
-    assert cap.value == 100  # ...but the cap at most doubles per step
-    cap.observe(8, 100, 0.15)
-    assert cap.value == 200
-    cap.observe(8, 10, 1.0)  # a step that used little of the cap says little about it
-    assert cap.value == 200
-    cap.observe(8, 200, 0.4)  # 1.5 ms per token now: 67 would do, the cap at most halves
-    assert cap.value == 100
-    cap.observe(8, 100, 0.09)  # no measurable extra cost: double
-    assert cap.value == 200
+    assert cap.value(8) == 16  # nothing measured: the floor, (ratio - 1) x rows at least
+    assert cap.value(40) == 40
+    # A device where any step costs 50 ms, a decode row 5 ms and a prompt token 1 ms.
+    for rows, prompt in [(0, 1000), (8, 0), (4, 0), (8, 20), (2, 100), (6, 50), (8, 0), (3, 7)]:
+        cap.observe(rows, prompt, 0.050 + 0.005 * rows + 0.001 * prompt)
+    a, b, c = cap.fit()
+    assert (round(a, 6), round(b, 6), round(c, 6)) == (0.05, 0.005, 0.001)
+    assert cap.value(8) == 90  # a mixed step may add what a decode step of 8 rows costs (90 ms)
+    assert cap.value(32) == 210  # rows count the waiting requests too: the batch being filled
+    assert PrefillCap(2048, fixed=100).value(8) == 100
 
-    fast = PrefillCap(maximum=2048, minimum=16)
-    fast.observe(0, 1000, 2.0)
-    fast.observe(8, 0, 0.002)  # very fast decodes: the floor keeps prompts moving
-    assert fast.value == 16
-    assert PrefillCap(2048, fixed=100).value == 100
+
+def test_the_fixed_cost_of_a_step_is_not_charged_to_its_prompt_tokens():
+    """The CPU regression this estimator replaced: small mixed steps whose time is mostly fixed cost
+    made a prompt token look 20x dearer than it is, and the cap sat at its floor."""
+    cap = PrefillCap(maximum=2048, minimum=16)
+    cap.observe(0, 2048, 0.30 + 0.0026 * 2048)  # an idle server's prefill
+    for rows in (11, 12, 13, 14, 11, 12):
+        cap.observe(rows, 16, 0.30 + 0.002 * rows + 0.0026 * 16)
+    assert 0.0025 < cap.fit()[2] < 0.0027
+    assert cap.value(32) > 130  # the fixed 300 ms per step is what a mixed step may add to
+
+
+def test_the_cap_keeps_its_coefficients_non_negative():
+    cap = PrefillCap(maximum=512, minimum=16)
+    for _ in range(10):  # prompt tokens cost nothing measurable (a GPU's small chunks): no cap
+        cap.observe(8, 0, 0.01)
+        cap.observe(8, 64, 0.0099)
+    assert min(cap.fit()) >= 0
+    assert cap.value(8) == 512
 
 
 # ----------------------------------------------------------------------------- invariants, at random
