@@ -42,7 +42,8 @@ def _engine_flags(p: argparse.ArgumentParser, generate: bool = False) -> None:
                    help="a local Hugging Face model folder or a .gguf file "
                         "(default: the bundled SmolLM2-135M-Instruct Q4_1 GGUF)")
     g.add_argument("--dtype", choices=DTYPES, default=None,
-                   help=f"weight and activation dtype; auto = float32 on CPU, bfloat16 on CUDA (default: {d['dtype']})")
+                   help="weight and activation dtype; auto = bfloat16 on CUDA and on CPUs with native bf16 "
+                        f"(AVX512-BF16, AMX), else float32 (default: {d['dtype']})")
     g.add_argument("--device", choices=DEVICES, default=None,
                    help=f"where the model runs; auto = cuda when available (default: {d['device']})")
     g.add_argument("--max-model-len", type=int, default=None,

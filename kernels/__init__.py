@@ -1,15 +1,17 @@
 """Kernels: tensors in, tensors out. Each call goes to the Triton kernel
-(``kernels.triton``) or to its pure-torch reference twin (``kernels.reference``,
-which is also the spec the Triton kernels are tested against).
+(``kernels.triton``), the CPU kernel (``kernels.cpu``) or its pure-torch reference
+twin (``kernels.reference``, which is also the spec the others are tested against).
 
 Which one: ``TOKENMILL_KERNELS`` (read once, at import; ``set_backend`` changes
 it later):
-  - ``auto`` (default): Triton for CUDA tensors, the reference for all others;
+  - ``auto`` (default): Triton for CUDA tensors, ``kernels.cpu`` for CPU tensors;
   - ``triton``: Triton for every tensor; on the CPU that is Triton's interpreter
     (slow: for tests and debugging);
   - ``reference``: the reference everywhere.
 Where triton cannot be imported, everything falls back to the reference, with
-one warning if Triton was asked for or a CUDA tensor came by.
+one warning if Triton was asked for or a CUDA tensor came by; where the CPU
+kernels cannot be compiled, ``kernels.cpu`` itself falls back to the reference
+(one warning).
 """
 
 from __future__ import annotations
@@ -20,8 +22,7 @@ from types import ModuleType
 
 import torch
 
-from kernels import reference
-from kernels.reference import apply_rope
+from kernels import cpu, reference
 
 log = logging.getLogger("tokenmill.kernels")
 
@@ -57,8 +58,10 @@ def _load_triton() -> ModuleType | None:
 
 
 def _pick(t: torch.Tensor) -> ModuleType:
-    if _backend == "reference" or (_backend == "auto" and t.device.type != "cuda"):
+    if _backend == "reference":
         return reference
+    if _backend == "auto" and t.device.type != "cuda":
+        return cpu if t.device.type == "cpu" else reference
     return _load_triton() or reference
 
 
@@ -100,5 +103,5 @@ def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
 
 set_backend(os.environ.get("TOKENMILL_KERNELS", "auto"))
 
-__all__ = ["BACKENDS", "apply_rope", "apply_rope_", "backend", "fused_add_rms_norm", "paged_decode_attention",
+__all__ = ["BACKENDS", "apply_rope_", "backend", "fused_add_rms_norm", "paged_decode_attention",
            "paged_prefill_attention", "rms_norm", "set_backend", "silu_and_mul", "store_kvcache"]

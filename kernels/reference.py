@@ -53,17 +53,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     v = _gather_context(v_cache, block_tables, max_seq_len)
     hkv = k.shape[2]
     visible = torch.arange(max_seq_len, device=q.device)[None, :] < seq_lens[:, None]  # (B, S)
-    if q.dtype == torch.float32:
-        out = F.scaled_dot_product_attention(
-            q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), attn_mask=visible[:, None, None],
-            scale=scale, enable_gqa=hkv != h,
-        )  # (B, H, 1, D)
-        return out.view(b, h, d)
-    # On the CPU, SDPA's 16-bit kernel is ~5x slower than two matmuls for decode shapes.
-    qg = q.view(b, hkv, h // hkv, d)  # (B, Hkv, G, D): head h reads kv head h // G
-    scores = torch.einsum("bhgd,bshd->bhgs", qg, k).float() * scale  # (B, Hkv, G, S)
-    probs = scores.masked_fill(~visible[:, None, None, :], float("-inf")).softmax(-1).to(q.dtype)
-    return torch.einsum("bhgs,bshd->bhgd", probs, v).reshape(b, h, d)
+    # 16-bit inputs are computed in float32, as prefill's SDPA accumulates: one rule for both, so a
+    # request recomputed after preemption (its decodes now a prefill) keeps its greedy tokens.
+    out = F.scaled_dot_product_attention(
+        q[:, :, None].float(), k.transpose(1, 2).float(), v.transpose(1, 2).float(),
+        attn_mask=visible[:, None, None], scale=scale, enable_gqa=hkv != h,
+    )  # (B, H, 1, D)
+    return out.view(b, h, d).to(q.dtype)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -88,11 +84,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     q_lens = query_start[1:] - query_start[:-1]
     q_pos = (seq_lens - q_lens)[:, None] + torch.arange(qmax, device=q.device)[None, :]  # (B, Q)
     mask = torch.arange(max_seq_len, device=q.device)[None, None, :] <= q_pos[:, :, None]  # (B, Q, S)
-    out = F.scaled_dot_product_attention(
-        qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+    out = F.scaled_dot_product_attention(  # in float32, as decode
+        qp.transpose(1, 2).float(), k.transpose(1, 2).float(), v.transpose(1, 2).float(),
         attn_mask=mask[:, None], scale=scale, enable_gqa=k.shape[2] != h,
     )  # (B, H, Q, D)
-    return out.transpose(1, 2).reshape(b * qmax, h, d)[out_index]
+    return out.transpose(1, 2).reshape(b * qmax, h, d)[out_index].to(q.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -112,22 +108,15 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """(T, 2I) gate|up fused -> (T, I)."""
     gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (Hugging Face layout). x: (T, H, D); cos/sin: (T, D/2)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+    return F.silu(gate).mul_(up)  # in place: one (T, I) tensor fewer, 4x faster for a 2048-token chunk
 
 
 def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """``apply_rope`` on q (T, H, D) and k (T, Hkv, D), written back in place (they may be
-    views of a fused qkv projection)."""
+    """Rotate-half RoPE (Hugging Face layout) on q (T, H, D) and k (T, Hkv, D), written back in
+    place (they may be views of a fused qkv projection). cos/sin: (T, D/2)."""
+    c, s = cos[:, None, :], sin[:, None, :]
     for x in (q, k):
         x1, x2 = x.chunk(2, dim=-1)
-        c, s = cos[:, None, :], sin[:, None, :]
         r1, r2 = (x1 * c - x2 * s).to(x.dtype), (x2 * c + x1 * s).to(x.dtype)
         x1.copy_(r1)
         x2.copy_(r2)

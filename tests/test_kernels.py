@@ -1,5 +1,5 @@
 """The reference kernels against naive per-sequence loops: the spec that every
-Triton kernel will be checked against."""
+other kernel (Triton, CPU) is checked against."""
 
 from __future__ import annotations
 
@@ -52,6 +52,7 @@ def make_batch(seq_lens, query_lens, dtype, seed=0):
     return attn, q, new_k, new_v, ks, vs, meta, positions
 
 
+@pytest.mark.parametrize("backend", ["reference", "auto"])  # auto: the CPU kernels (tests/test_cpu_kernels.py)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("query_lens,seq_lens", [
     ([1, 1, 1], [5, 9, 1]),  # decode only
@@ -59,7 +60,8 @@ def make_batch(seq_lens, query_lens, dtype, seed=0):
     ([6, 3], [6, 10]),  # fresh prompt and a chunk after a cached prefix
     ([1, 7, 1, 2], [13, 7, 4, 8]),  # mixed: decodes and prompt chunks in one batch
 ])
-def test_paged_attention_matches_naive(query_lens, seq_lens, dtype, tol):
+def test_paged_attention_matches_naive(query_lens, seq_lens, dtype, tol, backend, monkeypatch):
+    monkeypatch.setattr(kernels, "_backend", backend)
     attn, q, new_k, new_v, ks, vs, meta, positions = make_batch(seq_lens, query_lens, dtype)
     out = attn(q, new_k, new_v, meta)
     want, row = [], 0
@@ -87,10 +89,14 @@ def test_rms_norm_silu_rope_references():
     assert torch.allclose(kernels.rms_norm(x, w, 1e-6), ref, atol=1e-6)
     gu = torch.randn(3, 8)
     assert torch.allclose(kernels.silu_and_mul(gu), torch.nn.functional.silu(gu[:, :4]) * gu[:, 4:])
-    # RoPE at position 0 is the identity; rotating by theta then -theta is too
-    xr = torch.randn(2, 4, 8)
-    cos, sin = torch.ones(2, 4), torch.zeros(2, 4)
-    assert torch.equal(kernels.apply_rope(xr, cos, sin), xr)
+    # RoPE in place, as transformers rotates: x * cos + rotate_half(x) * sin over (T, H, D)
+    q, k = torch.randn(2, 4, 8), torch.randn(2, 2, 8)
+    q0, k0 = q.clone(), k.clone()
     ang = torch.rand(2, 4)
-    back = kernels.apply_rope(kernels.apply_rope(xr, ang.cos(), ang.sin()), ang.cos(), -ang.sin())
-    assert torch.allclose(back, xr, atol=1e-6)
+    kernels.apply_rope_(q, k, ang.cos(), ang.sin())
+    cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
+    for x, x0 in ((q, q0), (k, k0)):
+        rotate_half = torch.cat([-x0[..., 4:], x0[..., :4]], -1)
+        assert torch.allclose(x, x0 * cos + rotate_half * sin, atol=1e-6)
+    kernels.apply_rope_(q, k, ang.cos(), -ang.sin())  # and back
+    assert torch.allclose(q, q0, atol=1e-6) and torch.allclose(k, k0, atol=1e-6)

@@ -23,26 +23,26 @@ import kernels  # noqa: E402
 import kernels.reference as ref  # noqa: E402
 import kernels.triton as tri  # noqa: E402
 from kernels.triton.launch import interpreting  # noqa: E402
+from tests.paged_cases import (  # noqa: E402
+    ATTN_TOL,
+    BF16,
+    DECODE_CASES,
+    F16,
+    F32,
+    PREFILL_CASES,
+    case_id,
+    paged_cache,
+    prefill_indices,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and not interpreting():
     raise RuntimeError("Triton kernels on the CPU need TRITON_INTERPRET=1 before triton is imported "
                        "(tests/conftest.py sets it where nvidia-smi is missing)")
 
-F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 # fp32 to 1e-4 relative; 16-bit: a few ulps (the interpreter also rounds to bf16 by truncation)
 TOL = {F32: dict(rtol=1e-4, atol=1e-5), BF16: dict(rtol=2e-2, atol=2e-2), F16: dict(rtol=2e-3, atol=2e-3)}
-ATTN_TOL = {F32: dict(rtol=1e-4, atol=1e-5), BF16: dict(rtol=3e-2, atol=3e-2), F16: dict(rtol=5e-3, atol=5e-3)}
 _seed = iter(range(10**6))
-
-
-def case_id(case: tuple) -> str:
-    """Readable test ids: f32-64-16-4-4-1,17,33,5-None."""
-    def one(x) -> str:
-        if isinstance(x, torch.dtype):
-            return {F32: "f32", BF16: "bf16", F16: "f16"}[x]
-        return ",".join(map(str, x)) if isinstance(x, list) else str(x)
-    return "-".join(map(one, case))
 
 
 def gen() -> torch.Generator:
@@ -69,46 +69,9 @@ def poison(monkeypatch):
 # ---------------------------------------------------------------- paged attention
 
 
-def paged_cache(seq_lens: list[int], page: int, hkv: int, d: int, dtype: torch.dtype):
-    """Caches with each sequence's blocks scattered at random, and block tables padded with junk
-    ids. Returns (clean k, clean v, poisoned k, poisoned v, block_tables): the poisoned caches
-    hold NaN in every slot no sequence owns, which a kernel that reads past a sequence's end
-    turns into NaN output; the references read whole blocks, so they get the clean ones."""
-    nblk = [-(-n // page) for n in seq_lens]
-    total = sum(nblk) + 3
-    perm = torch.randperm(total, generator=gen()).tolist()
-    width = max(nblk) + 1
-    tables = torch.full((len(seq_lens), width), total - 1, dtype=torch.int32)  # junk past the end
-    owned = torch.zeros(total * page, dtype=torch.bool)
-    for b, (n, k) in enumerate(zip(seq_lens, nblk, strict=True)):
-        ids = [perm.pop() for _ in range(k)]
-        tables[b, :k] = torch.tensor(ids)
-        pos = torch.arange(n)
-        owned[torch.tensor(ids)[pos // page] * page + pos % page] = True
-    k = randn(total, page, hkv, d, dtype=dtype)
-    v = randn(total, page, hkv, d, dtype=dtype)
-    hole = (~owned).view(total, page).to(DEVICE)
-    clean_k, clean_v = k.masked_fill(hole[..., None, None], 0), v.masked_fill(hole[..., None, None], 0)
-    nan = float("nan")
-    return clean_k, clean_v, k.masked_fill(hole[..., None, None], nan), v.masked_fill(hole[..., None, None], nan), \
-        tables.to(DEVICE)
-
-
-# dtype, head_dim, block size, H, Hkv, seq_lens, num_splits (None: the launcher's choice)
-DECODE_CASES = [
-    (F32, 64, 16, 4, 4, [1, 17, 33, 5], None),  # MHA; length 1; ends mid-block and on a block edge
-    (F32, 128, 32, 12, 4, [70, 3, 32], 3),  # GQA 3, split-K (a short sequence leaves splits empty)
-    (BF16, 64, 16, 8, 2, [45, 1, 16, 100], 4),  # GQA 4, split-K
-    (F16, 128, 16, 4, 1, [29, 64], None),  # one KV head for all
-    (F32, 8, 8, 4, 2, [9, 3], 2),  # tiny heads (padded to 16) and blocks smaller than a tile
-    (BF16, 32, 32, 9, 3, [77, 2], 2),  # SmolLM2's 3:1 grouping
-    (F16, 16, 64, 6, 2, [130, 64], None),  # large blocks, several tiles per block
-]
-
-
 @pytest.mark.parametrize("dtype,d,page,h,hkv,seq_lens,splits", DECODE_CASES, ids=map(case_id, DECODE_CASES))
 def test_triton_paged_decode_matches_reference(dtype, d, page, h, hkv, seq_lens, splits, poison):
-    kc, vc, kp, vp, tables = paged_cache(seq_lens, page, hkv, d, dtype)
+    kc, vc, kp, vp, tables = paged_cache(seq_lens, page, hkv, d, dtype, DEVICE)
     q = randn(len(seq_lens), h, d, dtype=dtype)
     lens = torch.tensor(seq_lens, device=DEVICE)
     scale = d ** -0.5
@@ -117,36 +80,13 @@ def test_triton_paged_decode_matches_reference(dtype, d, page, h, hkv, seq_lens,
     torch.testing.assert_close(out.float(), want.float(), **ATTN_TOL[dtype])
 
 
-def prefill_indices(query_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """query_start, and the reference's q_index / out_index (as engine.attention builds them)."""
-    q_lens = torch.tensor(query_lens)
-    start = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
-    torch.cumsum(q_lens, 0, out=start[1:])
-    t, qmax = int(start[-1]), max(query_lens)
-    grid = torch.arange(qmax)[None, :]
-    seq_of = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)
-    q_index = torch.where(grid < q_lens[:, None], start[:-1, None] + grid, t)
-    out_index = seq_of * qmax + (torch.arange(t) - start[:-1][seq_of])
-    return start.to(DEVICE), q_index.to(DEVICE), out_index.to(DEVICE)
-
-
-# dtype, head_dim, block size, H, Hkv, query_lens, seq_lens (cached prefix = seq_len - query_len)
-PREFILL_CASES = [
-    (F32, 64, 16, 4, 4, [5, 1, 37], [5, 1, 37]),  # fresh prompts, one of length 1, several query blocks
-    (F32, 128, 32, 6, 2, [7, 20, 3], [40, 20, 35]),  # chunks after cached prefixes, GQA 3
-    (BF16, 64, 16, 8, 2, [17, 2], [50, 18]),  # GQA 4
-    (F16, 32, 16, 4, 1, [9, 24], [9, 33]),
-    (F32, 16, 8, 9, 3, [3, 11], [14, 11]),  # SmolLM2's grouping, small heads and blocks
-]
-
-
 @pytest.mark.parametrize("dtype,d,page,h,hkv,query_lens,seq_lens", PREFILL_CASES, ids=map(case_id, PREFILL_CASES))
 def test_triton_paged_prefill_matches_reference(dtype, d, page, h, hkv, query_lens, seq_lens, poison):
-    kc, vc, kp, vp, tables = paged_cache(seq_lens, page, hkv, d, dtype)
+    kc, vc, kp, vp, tables = paged_cache(seq_lens, page, hkv, d, dtype, DEVICE)
     qkv = randn(sum(query_lens), (h + 2 * hkv) * d, dtype=dtype)
     q = qkv[:, :h * d].view(-1, h, d)  # a strided view, as the model passes it
     lens = torch.tensor(seq_lens, device=DEVICE)
-    start, q_index, out_index = prefill_indices(query_lens)
+    start, q_index, out_index = prefill_indices(query_lens, DEVICE)
     scale = d ** -0.5
     out = tri.paged_prefill_attention(q, kp, vp, tables, lens, start, q_index, out_index, max(seq_lens), scale)
     want = ref.paged_prefill_attention(q, kc, vc, tables.long(), lens, start, q_index, out_index,
@@ -155,7 +95,7 @@ def test_triton_paged_prefill_matches_reference(dtype, d, page, h, hkv, query_le
 
 
 def test_triton_splits_agree_with_one_pass(poison):
-    kc, vc, _, _, tables = paged_cache([300, 41, 1], 16, 2, 64, F32)
+    kc, vc, _, _, tables = paged_cache([300, 41, 1], 16, 2, 64, F32, DEVICE)
     q = randn(3, 4, 64)
     lens = torch.tensor([300, 41, 1], device=DEVICE)
     one = tri.paged_decode_attention(q, kc, vc, tables, lens, 300, 0.125, num_splits=1)
@@ -297,7 +237,9 @@ def test_triton_other_launchers_refuse():
 
 def test_triton_backend_choice_and_bad_name(monkeypatch):
     monkeypatch.setattr(kernels, "_backend", "auto")
-    x = torch.ones(2, 4)  # a CPU tensor: auto means the reference
+    x = torch.ones(2, 4)  # a CPU tensor: auto means the CPU kernels
+    assert kernels._pick(x) is kernels.cpu
+    monkeypatch.setattr(kernels, "_backend", "reference")
     assert kernels._pick(x) is ref
     monkeypatch.setattr(kernels, "_backend", "triton")
     assert kernels._pick(x) is tri
@@ -331,7 +273,7 @@ def test_triton_engine_greedy_equals_reference(tiny_llama, monkeypatch):
             for fn in ("paged_decode_attention", "paged_prefill_attention", "fused_add_rms_norm"):
                 real = getattr(tri, fn)
                 monkeypatch.setattr(tri, fn, lambda *a, _real=real, _fn=fn, **k: calls.append(_fn) or _real(*a, **k))
-        llm = LLM(tiny_llama, device=DEVICE, num_kv_blocks=64, max_model_len=128, max_num_batched_tokens=16)
+        llm = LLM(tiny_llama, device=DEVICE, dtype="float32", num_kv_blocks=64, max_model_len=128, max_num_batched_tokens=16)
         outs[name] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outs["triton"] == outs["reference"]
     assert {"paged_decode_attention", "paged_prefill_attention", "fused_add_rms_norm"} <= set(calls)

@@ -75,7 +75,7 @@ def _decode_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        p = p.to(v.dtype)  # probabilities in the model dtype, as the reference rounds them
+        p = p.to(v.dtype)  # probabilities in the model dtype for the tensor-core dot, as prefill rounds them
         if DOT_F32:
             p = p.to(tl.float32)
             v = v.to(tl.float32)

@@ -1,0 +1,100 @@
+"""Builds a C source beside this file into a shared library, once per machine, and loads it.
+
+The library lands in a cache folder (``$TOKENMILL_CACHE_DIR``, else ``$XDG_CACHE_HOME/tokenmill``
+or ``~/.cache/tokenmill``, else the temp folder) under a name hashed from the source, the
+compiler, its flags and this CPU (``-march=native``), so an edit or another machine builds
+afresh and concurrent processes never load a half-written file. Compiling takes about a
+second. Flags are tried from the best down (OpenMP and native instructions, then without),
+and where no C compiler works at all ``load`` returns None and logs why once: callers then
+use the reference kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sysconfig
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger("tokenmill.kernels")
+
+FLAG_SETS = (
+    ["-O3", "-march=native", "-fopenmp"],
+    ["-O3", "-march=native", "-fopenmp-simd"],
+    ["-O3"],
+)
+
+
+def _compiler() -> str | None:
+    for cc in (os.environ.get("CC"), sysconfig.get_config_var("CC"), "cc", "gcc", "clang"):
+        if cc and shutil.which(cc.split()[0]):
+            return cc.split()[0]
+    return None
+
+
+def _cpu_id() -> str:
+    """What ``-march=native`` depends on: the CPU's model and feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = [ln for ln in lines if ln.startswith(("model name", "flags", "Features", "CPU part"))]
+    return "\n".join(sorted(set(keep)))
+
+
+def _cache_dir() -> Path:
+    for d in (os.environ.get("TOKENMILL_CACHE_DIR"),
+              os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tokenmill"),
+              os.path.join(tempfile.gettempdir(), f"tokenmill-{os.getuid() if hasattr(os, 'getuid') else 0}")):
+        if not d:
+            continue
+        try:
+            os.makedirs(d, exist_ok=True)
+            if os.access(d, os.W_OK):
+                return Path(d)
+        except OSError:
+            continue
+    raise OSError("no writable cache folder for compiled kernels")
+
+
+def load(source: str) -> ctypes.CDLL | None:
+    """The library built from ``source`` (a file name beside this module), or None with a
+    warning when it cannot be built or loaded here."""
+    src = Path(__file__).with_name(source)
+    cc = _compiler()
+    if cc is None:
+        log.warning("no C compiler found (set CC): the CPU kernels in %s fall back to the reference", source)
+        return None
+    text = src.read_bytes()
+    errors = []
+    for flags in FLAG_SETS:
+        key = hashlib.sha256(b"\0".join([text, cc.encode(), " ".join(flags).encode(), _cpu_id().encode()]))
+        try:
+            lib = _cache_dir() / f"{src.stem}-{key.hexdigest()[:16]}.so"
+            if not lib.exists():
+                _compile(cc, flags, src, lib)
+            return ctypes.CDLL(str(lib))
+        except (OSError, subprocess.SubprocessError) as e:
+            errors.append(f"{cc} {' '.join(flags)}: {str(e).strip()[-300:]}")
+    log.warning("could not build %s, the CPU kernels fall back to the reference:\n%s", source, "\n".join(errors))
+    return None
+
+
+def _compile(cc: str, flags: list[str], src: Path, lib: Path) -> None:
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
+    os.close(fd)
+    try:
+        res = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", tmp, str(src), "-lm"],
+                             capture_output=True, text=True, timeout=120)
+        if res.returncode != 0:
+            raise OSError(res.stderr or f"exit status {res.returncode}")
+        os.replace(tmp, lib)  # atomic: another process sees the whole library or none
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

@@ -1,0 +1,91 @@
+"""Paged-attention cases that every backend's tests share (the Triton kernels', the CPU
+kernels'), each checked against ``kernels.reference``: ragged lengths, lengths that end
+mid-block and on a block edge, a sequence of length 1, GQA ratios 1, 3 and 4, head sizes
+from 8 to 128, block sizes from 8 to 64; and caches with each sequence's blocks scattered
+at random and NaN in every slot that no sequence owns.
+"""
+
+from __future__ import annotations
+
+import torch
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+# fp32 to 1e-4 relative; 16-bit: a few ulps
+ATTN_TOL = {F32: dict(rtol=1e-4, atol=1e-5), BF16: dict(rtol=3e-2, atol=3e-2), F16: dict(rtol=5e-3, atol=5e-3)}
+_seed = iter(range(10**6))
+
+# dtype, head_dim, block size, H, Hkv, seq_lens, num_splits (Triton's split-K; None: the launcher's choice)
+DECODE_CASES = [
+    (F32, 64, 16, 4, 4, [1, 17, 33, 5], None),  # MHA; length 1; ends mid-block and on a block edge
+    (F32, 128, 32, 12, 4, [70, 3, 32], 3),  # GQA 3, split-K (a short sequence leaves splits empty)
+    (BF16, 64, 16, 8, 2, [45, 1, 16, 100], 4),  # GQA 4, split-K
+    (F16, 128, 16, 4, 1, [29, 64], None),  # one KV head for all
+    (F32, 8, 8, 4, 2, [9, 3], 2),  # tiny heads (padded to 16) and blocks smaller than a tile
+    (BF16, 32, 32, 9, 3, [77, 2], 2),  # SmolLM2's 3:1 grouping
+    (F16, 16, 64, 6, 2, [130, 64], None),  # large blocks, several tiles per block
+]
+
+# dtype, head_dim, block size, H, Hkv, query_lens, seq_lens (cached prefix = seq_len - query_len)
+PREFILL_CASES = [
+    (F32, 64, 16, 4, 4, [5, 1, 37], [5, 1, 37]),  # fresh prompts, one of length 1, several query blocks
+    (F32, 128, 32, 6, 2, [7, 20, 3], [40, 20, 35]),  # chunks after cached prefixes, GQA 3
+    (BF16, 64, 16, 8, 2, [17, 2], [50, 18]),  # GQA 4
+    (F16, 32, 16, 4, 1, [9, 24], [9, 33]),
+    (F32, 16, 8, 9, 3, [3, 11], [14, 11]),  # SmolLM2's grouping, small heads and blocks
+]
+
+
+def case_id(case: tuple) -> str:
+    """Readable test ids: f32-64-16-4-4-1,17,33,5-None."""
+    def one(x) -> str:
+        if isinstance(x, torch.dtype):
+            return {F32: "f32", BF16: "bf16", F16: "f16"}[x]
+        return ",".join(map(str, x)) if isinstance(x, list) else str(x)
+    return "-".join(map(one, case))
+
+
+def gen() -> torch.Generator:
+    """A fresh generator per input, so every case sees new numbers yet reruns alike."""
+    return torch.Generator().manual_seed(next(_seed))
+
+
+def randn(*shape: int, dtype: torch.dtype = F32, device: str = "cpu") -> torch.Tensor:
+    return torch.randn(*shape, generator=gen()).to(dtype=dtype, device=device)
+
+
+def paged_cache(seq_lens: list[int], page: int, hkv: int, d: int, dtype: torch.dtype, device: str = "cpu"):
+    """Caches with each sequence's blocks scattered at random, and block tables padded with junk
+    ids. Returns (clean k, clean v, poisoned k, poisoned v, block_tables): the poisoned caches
+    hold NaN in every slot no sequence owns, which a kernel that reads past a sequence's end
+    turns into NaN output; the references read whole blocks, so they get the clean ones."""
+    nblk = [-(-n // page) for n in seq_lens]
+    total = sum(nblk) + 3
+    perm = torch.randperm(total, generator=gen()).tolist()
+    width = max(nblk) + 1
+    tables = torch.full((len(seq_lens), width), total - 1, dtype=torch.int32)  # junk past the end
+    owned = torch.zeros(total * page, dtype=torch.bool)
+    for b, (n, k) in enumerate(zip(seq_lens, nblk, strict=True)):
+        ids = [perm.pop() for _ in range(k)]
+        tables[b, :k] = torch.tensor(ids)
+        pos = torch.arange(n)
+        owned[torch.tensor(ids)[pos // page] * page + pos % page] = True
+    k = randn(total, page, hkv, d, dtype=dtype, device=device)
+    v = randn(total, page, hkv, d, dtype=dtype, device=device)
+    hole = (~owned).view(total, page).to(device)
+    clean_k, clean_v = k.masked_fill(hole[..., None, None], 0), v.masked_fill(hole[..., None, None], 0)
+    nan = float("nan")
+    return clean_k, clean_v, k.masked_fill(hole[..., None, None], nan), v.masked_fill(hole[..., None, None], nan), \
+        tables.to(device)
+
+
+def prefill_indices(query_lens: list[int], device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """query_start, and the reference's q_index / out_index (as engine.attention builds them)."""
+    q_lens = torch.tensor(query_lens)
+    start = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
+    torch.cumsum(q_lens, 0, out=start[1:])
+    t, qmax = int(start[-1]), max(query_lens)
+    grid = torch.arange(qmax)[None, :]
+    seq_of = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)
+    q_index = torch.where(grid < q_lens[:, None], start[:-1, None] + grid, t)
+    out_index = seq_of * qmax + (torch.arange(t) - start[:-1][seq_of])
+    return start.to(device), q_index.to(device), out_index.to(device)

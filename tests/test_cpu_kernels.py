@@ -1,0 +1,196 @@
+"""The CPU kernels (``kernels.cpu``: paged attention reading each sequence's K/V blocks where
+they sit, decode in compiled C) against their reference twins on the shared cases
+(``tests/paged_cases.py``), with NaN in every cache slot no sequence owns; the argument checks;
+the dispatch; and the clean fall back to the reference where no C compiler works.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import kernels
+import kernels.cpu as cpu
+import kernels.reference as ref
+from kernels.cpu import attention, build
+from tests.paged_cases import (
+    ATTN_TOL,
+    BF16,
+    DECODE_CASES,
+    F16,
+    F32,
+    PREFILL_CASES,
+    case_id,
+    paged_cache,
+    prefill_indices,
+    randn,
+)
+
+COMPILED = [c for c in DECODE_CASES if c[0] in (F32, BF16)]
+COMPILED_PREFILL = [c for c in PREFILL_CASES if c[0] in (F32, BF16)]
+
+
+@pytest.fixture
+def compiled():
+    if not cpu.available():
+        pytest.skip("no working C compiler here: CPU decode falls back to the reference")
+
+
+@pytest.mark.parametrize("dtype,d,page,h,hkv,seq_lens,splits", COMPILED, ids=map(case_id, COMPILED))
+def test_cpu_paged_decode_matches_reference(dtype, d, page, h, hkv, seq_lens, splits, compiled):
+    kc, vc, kp, vp, tables = paged_cache(seq_lens, page, hkv, d, dtype)
+    q = randn(len(seq_lens), h, d, dtype=dtype)
+    lens = torch.tensor(seq_lens)
+    out = cpu.paged_decode_attention(q, kp, vp, tables, lens, max(seq_lens), d ** -0.5)
+    want = ref.paged_decode_attention(q, kc, vc, tables.long(), lens, max(seq_lens), d ** -0.5)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), want.float(), **ATTN_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype,d,page,h,hkv,query_lens,seq_lens", COMPILED_PREFILL,
+                         ids=map(case_id, COMPILED_PREFILL))
+def test_cpu_paged_prefill_matches_reference(dtype, d, page, h, hkv, query_lens, seq_lens):
+    kc, vc, kp, vp, tables = paged_cache(seq_lens, page, hkv, d, dtype)
+    qkv = randn(sum(query_lens), (h + 2 * hkv) * d, dtype=dtype)
+    q = qkv[:, :h * d].view(-1, h, d)  # a strided view, as the model passes it
+    lens = torch.tensor(seq_lens)
+    start, q_index, out_index = prefill_indices(query_lens)
+    out = cpu.paged_prefill_attention(q, kp, vp, tables, lens, start, q_index, out_index, max(seq_lens), d ** -0.5)
+    want = ref.paged_prefill_attention(q, kc, vc, tables.long(), lens, start, q_index, out_index, max(seq_lens),
+                                       d ** -0.5)
+    torch.testing.assert_close(out.float(), want.float(), **ATTN_TOL[dtype])
+
+
+def test_cpu_attention_w1_shapes(compiled):
+    """SmolLM2's heads on W1-sized batches: 37 decodes (several of the reference's groups; each
+    sequence is one thread's work, so 1 and 2 threads agree to the bit), and a long prompt beside
+    a chunk after a cached prefix."""
+    seq_lens = [(37 * i) % 300 + 1 for i in range(37)]
+    kc, vc, kp, vp, tables = paged_cache(seq_lens, 16, 3, 64, F32)
+    q = randn(37, 9, 64)
+    lens = torch.tensor(seq_lens)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append(cpu.paged_decode_attention(q, kp, vp, tables, lens, 300, 0.125))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+    want = ref.paged_decode_attention(q, kc, vc, tables.long(), lens, 300, 0.125)
+    torch.testing.assert_close(outs[0], want, **ATTN_TOL[F32])
+
+    query_lens, seq_lens = [300, 40], [300, 150]
+    kc, vc, kp, vp, tables = paged_cache(seq_lens, 16, 3, 64, F32)
+    q = randn(340, 9, 64)
+    lens = torch.tensor(seq_lens)
+    start, q_index, out_index = prefill_indices(query_lens)
+    out = cpu.paged_prefill_attention(q, kp, vp, tables, lens, start, q_index, out_index, 300, 0.125)
+    want = ref.paged_prefill_attention(q, kc, vc, tables.long(), lens, start, q_index, out_index, 300, 0.125)
+    torch.testing.assert_close(out, want, **ATTN_TOL[F32])
+
+
+def test_cpu_attention_module_mixed_batch(monkeypatch, compiled):
+    """The engine's Attention layer on a batch of decodes and prompt chunks, the CPU kernels
+    behind it (``auto``), against naive per-sequence attention (tests/test_kernels.py's spec)."""
+    from tests.test_kernels import make_batch, naive_attention
+
+    monkeypatch.setattr(kernels, "_backend", "auto")
+    calls = []
+    for fn in ("paged_decode_attention", "paged_prefill_attention"):
+        real = getattr(cpu, fn)
+        monkeypatch.setattr(cpu, fn, lambda *a, _real=real, _fn=fn, **k: calls.append(_fn) or _real(*a, **k))
+    query_lens, seq_lens = [1, 7, 1, 2, 5], [13, 7, 4, 8, 5]
+    attn, q, new_k, new_v, ks, vs, meta, _ = make_batch(seq_lens, query_lens, F32, seed=3)
+    out = attn(q, new_k, new_v, meta)
+    want, row = [], 0
+    for k, v, n, ql in zip(ks, vs, seq_lens, query_lens, strict=True):
+        want.append(naive_attention(q[row:row + ql], k, v, n - ql))
+        row += ql
+    torch.testing.assert_close(out, torch.cat(want), rtol=1e-4, atol=1e-5)
+    assert sorted(calls) == ["paged_decode_attention", "paged_prefill_attention"]
+
+
+def test_cpu_dispatch(monkeypatch):
+    x = torch.ones(2, 4)
+    monkeypatch.setattr(kernels, "_backend", "auto")
+    assert kernels._pick(x) is cpu
+    monkeypatch.setattr(kernels, "_backend", "reference")  # TOKENMILL_KERNELS=reference
+    assert kernels._pick(x) is ref
+
+
+def test_cpu_float16_goes_to_the_reference():
+    kc, vc, _, _, tables = paged_cache([9, 20], 16, 2, 32, F16)
+    q = randn(2, 4, 32, dtype=F16)
+    lens = torch.tensor([9, 20])
+    out = cpu.paged_decode_attention(q, kc, vc, tables.long(), lens, 20, 0.2)
+    assert torch.equal(out, ref.paged_decode_attention(q, kc, vc, tables.long(), lens, 20, 0.2))
+
+
+def _args() -> dict:
+    return dict(q=randn(2, 4, 16), k_cache=randn(4, 8, 2, 16), v_cache=randn(4, 8, 2, 16),
+                block_tables=torch.zeros(2, 2, dtype=torch.int64), seq_lens=torch.tensor([3, 9]), max_seq_len=9,
+                scale=0.25)
+
+
+BAD_CALLS = {
+    "head_dim mismatch": (lambda a: a.update(q=randn(2, 4, 32)), "head_dim"),
+    "mixed dtypes": (lambda a: a.update(k_cache=a["k_cache"].to(BF16)), "same dtype"),
+    "heads not a multiple": (lambda a: a.update(q=randn(2, 3, 16)), "multiple"),
+    "strided cache": (lambda a: a.update(k_cache=randn(4, 8, 4, 16)[:, :, ::2]), "contiguous"),
+    "table too narrow": (lambda a: a.update(max_seq_len=17), "cannot hold"),
+    "seq_lens rows": (lambda a: a.update(block_tables=a["block_tables"][:1]), "one row per sequence"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_CALLS)
+def test_cpu_attention_refuses_bad_arguments(case, compiled):
+    spoil, message = BAD_CALLS[case]
+    args = _args()
+    spoil(args)
+    with pytest.raises(ValueError, match=message):
+        cpu.paged_decode_attention(**args)
+    start = torch.arange(args["seq_lens"].shape[0] + 1)
+    with pytest.raises(ValueError, match=message):
+        cpu.paged_prefill_attention(args["q"], args["k_cache"], args["v_cache"], args["block_tables"],
+                                    args["seq_lens"], start, None, None, args["max_seq_len"], args["scale"])
+
+
+def test_cpu_kernels_fall_back_without_a_compiler(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(build, "_compiler", lambda: None)
+    with caplog.at_level(logging.WARNING, "tokenmill.kernels"):
+        assert build.load("paged_attention.c") is None
+    assert "no C compiler" in caplog.text
+
+    monkeypatch.setattr(build, "_compiler", lambda: "cc")
+    monkeypatch.setattr(build, "FLAG_SETS", (["-no-such-flag"],))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, "tokenmill.kernels"):
+        assert build.load("paged_attention.c") is None
+    assert "could not build paged_attention.c" in caplog.text and not list(tmp_path.iterdir())
+
+    monkeypatch.setattr(attention, "_library", lambda: None)  # what the engine sees then: the reference
+    args = _args()
+    assert torch.equal(cpu.paged_decode_attention(**args), ref.paged_decode_attention(**args))
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_bf16_decode_and_prefill_compute_alike(backend):
+    """One accumulation rule (float32) for decode and prefill: the last token of a context attends
+    the same whether decoded or recomputed as a prefill (a preempted request's), so recompute cannot
+    change a bf16 greedy output. Rounding scores to bf16 in decode once made 2/3 of these differ."""
+    mod = ref if backend == "reference" else cpu
+    seq_lens, d, h, hkv = [40, 77, 130], 64, 9, 3
+    kc, vc, _, _, tables = paged_cache(seq_lens, 16, hkv, d, BF16)
+    q = (randn(len(seq_lens), h, d) * 3).to(BF16)  # scores of a few units: bf16 rounding would show
+    lens = torch.tensor(seq_lens)
+    start, q_index, out_index = prefill_indices([1] * len(seq_lens))
+    decoded = mod.paged_decode_attention(q, kc, vc, tables.long(), lens, max(seq_lens), d ** -0.5)
+    prefilled = mod.paged_prefill_attention(q, kc, vc, tables.long(), lens, start, q_index, out_index,
+                                            max(seq_lens), d ** -0.5)
+    assert (decoded != prefilled).float().mean() < 0.01  # summation order may move a rare last bit
+    torch.testing.assert_close(decoded.float(), prefilled.float(), rtol=0, atol=1e-2)
