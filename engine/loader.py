@@ -8,6 +8,7 @@ naming, which ``load_weights`` routes into the fused layers.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import json
@@ -40,14 +41,28 @@ def load_model_config(path: str) -> ModelConfig:
 
 def build_model(path: str, cfg: ModelConfig, max_positions: int, dtype: torch.dtype,
                 device: torch.device, tp: TPGroup | None = None) -> LlamaForCausalLM:
-    """The model, or under tensor parallelism this rank's slice of it (``tp``)."""
-    with torch.device(device):
-        model = LlamaForCausalLM(cfg, max_positions, tp)
+    """The model, or under tensor parallelism this rank's slice of it (``tp``).
+
+    Its parameters are allocated once, in ``dtype``, on ``device``, and each checkpoint tensor is
+    converted as it is copied in: the peak is the model's final size plus one tensor in flight (never
+    a float32 copy of a bf16 model), and no freed float32 memory lingers in CUDA's caching allocator."""
+    with torch.device(device), _default_dtype(dtype):
+        model = LlamaForCausalLM(cfg, max_positions, tp)  # the RoPE tables ask for float32 themselves
     weights = _gguf_weights(path, cfg) if path.endswith(".gguf") else _safetensors_weights(path)
     load_weights(model, weights)
-    model.to(dtype)  # the RoPE tables stay float32: they are buffers, converted on use
-    model.rotary.float()
     return model.eval()
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Floating tensors made without a dtype (the layers' uninitialised weights) get ``dtype``, as in
+    transformers' ``from_pretrained``."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")

@@ -85,6 +85,7 @@ def cuda_kv_budget(total: int, free: int, reserved: int, peak: int, utilization:
 def measured_cuda_budget(config: EngineConfig, device: torch.device) -> int:
     """``cuda_kv_budget`` with the numbers of now (call right after the profiling forward)."""
     torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()  # what PyTorch caches but no tensor holds goes back: ``free`` sees it as free
     free, total = torch.cuda.mem_get_info(device)
     return cuda_kv_budget(total, free, torch.cuda.memory_reserved(device), torch.cuda.max_memory_allocated(device),
                           config.gpu_memory_utilization)

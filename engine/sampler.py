@@ -14,11 +14,13 @@ Semantics follow vLLM v1:
   not of the processed distribution;
 - a seeded request's tokens depend only on its seed and on how many tokens it has
   sampled, never on the rest of the batch: sampling is an exponential race
-  (``argmax(probs / q)``, ``q ~ Exp(1)``) and a seeded row draws its ``q`` from its
-  own generator.
+  (``argmax(probs / q)``, ``q ~ Exp(1)``) and a seeded row's ``q`` is a hash of
+  (seed, tokens sampled so far, token id), computed on the logits' device with integer
+  ops that give the same bits on every device (``seeded_exponentials``). A step that is
+  run again (after an out-of-memory rollback, or a preemption) draws the same noise.
 
 Hot-path rule: no per-request Python loops beyond building small tensors from each
-row's scalar knobs (and the seeded rows' noise draws); the params' lists (stop ids,
+row's scalar knobs (and the seeded rows' hash keys); the params' lists (stop ids,
 logit_bias) become tensors once per request in ``SamplingState``, so a step's cost
 never grows with their length. An all-greedy batch with nothing to process is a
 single ``argmax``.
@@ -34,34 +36,31 @@ from torch.nn.utils.rnn import pad_sequence
 
 from engine.protocol import SamplingParams, TokenLogprobs
 
-_SEED_MASK = (1 << 64) - 1  # torch generators take 64-bit seeds; fold bigger (or negative) ones in
+_SEED_MASK = (1 << 64) - 1  # seeds are 64-bit; fold bigger (or negative) ones in
+_MASK32 = (1 << 32) - 1
 _LOGPROBS_CHUNK = 1024  # rows per log_softmax in compute_logprobs: bounds memory for long prompts
 
 
 class SamplingState:
     """Per-request sampler state, created once with the request and kept across steps.
 
-    Holds the request's own ``torch.Generator`` when ``params.seed`` is set (CPU, so
-    a seeded request draws the same noise on any device), a few flags derived from
-    the params once, so the per-step checks stay cheap, and the params' lists turned
+    Holds the request's seed folded to 64 bits (None when unseeded), a few flags
+    derived from the params once, so the per-step checks stay cheap, and the params' lists turned
     into tensors once: the stop ids that min_tokens bans and the logit_bias ids and
     values. A step only gathers these (``process_logits``), so its cost does not
     grow with the length of the lists.
 
-    The engine's seed does not enter a seeded request's generator: the same ``seed``
+    The engine's seed does not enter a seeded request's noise: the same ``seed``
     must give the same tokens on every engine (data-parallel ranks, restarts), as
     in vLLM and OpenAI. Unseeded requests draw from the ``Sampler``'s own generator,
     which the engine seeds with its ``--seed``.
     """
 
-    __slots__ = ("generator", "plain_greedy", "needs_penalties", "_prompt_len", "_prompt_ids",
+    __slots__ = ("seed", "plain_greedy", "needs_penalties", "_prompt_len", "_prompt_ids",
                  "_stop_ids", "_bias_ids", "_bias_values", "_placed_for", "_placed")
 
     def __init__(self, params: SamplingParams) -> None:
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator(device="cpu")
-            self.generator.manual_seed(params.seed & _SEED_MASK)
+        self.seed = None if params.seed is None else params.seed & _SEED_MASK
         self.needs_penalties = (
             params.presence_penalty != 0.0
             or params.frequency_penalty != 0.0
@@ -358,12 +357,13 @@ class Sampler:
         logits = process_logits(logits, params, states, prompt_token_ids, output_token_ids, self.eos_token_ids)
         rand = [i for i, p in enumerate(params) if not p.greedy]
         if len(rand) == len(params):
-            ids = self._sample(logits, params, states)
+            ids = self._sample(logits, params, states, output_token_ids)
         else:
             ids = logits.argmax(dim=-1)
             if rand:
                 idx = torch.tensor(rand, device=logits.device)
-                ids[idx] = self._sample(logits[idx], [params[i] for i in rand], [states[i] for i in rand])
+                ids[idx] = self._sample(logits[idx], [params[i] for i in rand], [states[i] for i in rand],
+                                        [output_token_ids[i] for i in rand])
 
         logprobs = None
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -379,7 +379,8 @@ class Sampler:
                 logprobs[i] = [tok_lp, top[:params[i].logprobs]]
         return SamplerOutput(ids.tolist(), logprobs)
 
-    def _sample(self, logits: torch.Tensor, params: list[SamplingParams], states: list[SamplingState]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, params: list[SamplingParams], states: list[SamplingState],
+                output_token_ids: list[list[int]]) -> torch.Tensor:
         """Temperature, top-k, top-p, min-p, then the exponential race; all rows non-greedy."""
         n, vocab = logits.shape
         device = logits.device
@@ -400,25 +401,66 @@ class Sampler:
         if any(p.min_p > 0.0 for p in params):
             logits = apply_min_p(logits, knobs[:, 3])
         probs = logits.softmax(dim=-1)
-        return probs.div_(self._noise(n, vocab, states, device)).argmax(dim=-1)
+        return probs.div_(self._noise(n, vocab, states, output_token_ids, device)).argmax(dim=-1)
 
-    def _noise(self, n: int, vocab: int, states: list[SamplingState], device: torch.device) -> torch.Tensor:
-        """Exp(1) noise (n, V): seeded rows from their own generator, the rest in one draw.
-
-        Drawn as ``-log(u)`` with ``u ~ U[tiny, 1)``: the same distribution as
-        ``exponential_`` but several times cheaper on a CPU, and never exactly 0 (a
-        zero would make a masked token's 0/0 = NaN win the argmax).
-        """
-        tiny = torch.finfo(torch.float32).tiny
-        seeded = [j for j, s in enumerate(states) if s.generator is not None]
+    def _noise(self, n: int, vocab: int, states: list[SamplingState], output_token_ids: list[list[int]],
+               device: torch.device) -> torch.Tensor:
+        """Exp(1) noise (n, V): seeded rows from their hash (``seeded_exponentials``), the rest in one
+        draw from the engine's generator."""
+        seeded = [j for j, s in enumerate(states) if s.seed is not None]
         if not seeded:
-            u = torch.empty((n, vocab), device=device).uniform_(generator=self.generator)
-        else:
-            u = torch.empty((n, vocab), device=device)
-            if len(seeded) < n:
-                unseeded = [j for j, s in enumerate(states) if s.generator is None]
-                u[torch.tensor(unseeded, device=device)] = torch.empty(
-                    (len(unseeded), vocab), device=device).uniform_(generator=self.generator)
-            draws = torch.stack([torch.empty(vocab).uniform_(generator=states[j].generator) for j in seeded])
-            u[torch.tensor(seeded, device=device)] = draws.to(device, non_blocking=True)
-        return u.clamp_min_(tiny).log_().neg_()
+            return self._exponentials(n, vocab, device)
+        keys = torch.tensor([_row_key(states[j].seed, len(output_token_ids[j])) for j in seeded], device=device)
+        if len(seeded) == n:
+            return seeded_exponentials(keys, vocab)
+        unseeded = [j for j, s in enumerate(states) if s.seed is None]
+        q = torch.empty((n, vocab), device=device)
+        q[torch.tensor(unseeded, device=device)] = self._exponentials(len(unseeded), vocab, device)
+        q[torch.tensor(seeded, device=device)] = seeded_exponentials(keys, vocab)
+        return q
+
+    def _exponentials(self, n: int, vocab: int, device: torch.device) -> torch.Tensor:
+        """Exp(1) noise (n, V) from the engine's generator, drawn as ``-log(u)`` with ``u ~ U[tiny, 1)``:
+        the same distribution as ``exponential_`` but several times cheaper on a CPU, and never exactly 0
+        (a zero would make a masked token's 0/0 = NaN win the argmax)."""
+        u = torch.empty((n, vocab), device=device).uniform_(generator=self.generator)
+        return u.clamp_min_(torch.finfo(torch.float32).tiny).log_().neg_()
+
+
+def _mix32_(x: torch.Tensor) -> torch.Tensor:
+    """In place: a 32-bit integer hash (hash-prospector's ``[16 21f0aaad 15 735a2d97 15]``) of int64
+    lanes holding 32-bit values. Both multipliers are below 2**31, so no product leaves int64: every
+    device computes the same bits, without relying on overflow."""
+    x ^= x >> 16
+    x.mul_(0x21F0AAAD).bitwise_and_(_MASK32)
+    x ^= x >> 15
+    x.mul_(0x735A2D97).bitwise_and_(_MASK32)
+    x ^= x >> 15
+    return x
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _SEED_MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _SEED_MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _SEED_MASK
+    return x ^ (x >> 31)
+
+
+def _row_key(seed: int, index: int) -> tuple[int, int]:
+    """Two 32-bit keys for the ``index``-th token a request with ``seed`` samples (host-side, exact)."""
+    k = _splitmix64(seed ^ _splitmix64(index))
+    return k & _MASK32, k >> 32
+
+
+def seeded_exponentials(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) noise (n, ``vocab``) float32 from (n, 2) int64 row keys (``_row_key``), on ``keys``' device.
+
+    Token ``v`` of a row gets ``mix(mix(v ^ k0) ^ k1)``; its top 23 bits, centred in their
+    bucket, are a uniform ``u`` in (0, 1), exact in float32 (so never 0 nor 1, and ``-log(u)`` is
+    finite and positive).
+    """
+    x = torch.arange(vocab, device=keys.device) ^ keys[:, :1]  # (n, V) int64, 32-bit values
+    _mix32_(x)
+    x ^= keys[:, 1:]
+    _mix32_(x)
+    return x.bitwise_right_shift_(9).float().add_(0.5).mul_(2.0 ** -23).log_().neg_()

@@ -13,12 +13,15 @@ import torch
 
 from engine.protocol import SamplingParams
 from engine.sampler import (
+    _SEED_MASK,
     Sampler,
     SamplingState,
+    _row_key,
     apply_min_p,
     apply_top_k_top_p,
     compute_logprobs,
     process_logits,
+    seeded_exponentials,
 )
 
 EOS = 2
@@ -80,13 +83,13 @@ def test_padded_vocab_columns_are_never_sampled():
 
 
 def _run_steps(sampler: Sampler, rows: list[tuple[SamplingParams, SamplingState, int]], steps: int,
-               vocab: int = 64) -> list[list[int]]:
+               vocab: int = 64, device: str = "cpu") -> list[list[int]]:
     """Sample ``steps`` tokens for every row; row i's logits depend only on its key and the step."""
     outs: list[list[int]] = [[] for _ in rows]
     for step in range(steps):
         logits = torch.stack([
             torch.randn(vocab, generator=torch.Generator().manual_seed(1000 * key + step)) for _, _, key in rows
-        ])
+        ]).to(device)
         res = sampler(logits, [p for p, _, _ in rows], [s for _, s, _ in rows],
                       [[1, 2, 3] for _ in rows], [list(o) for o in outs])
         for o, t in zip(outs, res.token_ids, strict=True):
@@ -122,6 +125,57 @@ def test_unseeded_rows_follow_the_engine_seed():
     c = _run_steps(Sampler(64, [EOS], "cpu", seed=4), [(p, SamplingState(p), k) for k in range(4)], 5)
     assert a == b
     assert a != c
+
+
+def _reference_noise(k0: int, k1: int, vocab: int) -> list[float]:
+    """The seeded noise's spec in plain Python integers (no overflow anywhere)."""
+    def mix(x: int) -> int:
+        x ^= x >> 16
+        x = x * 0x21F0AAAD & 0xFFFFFFFF
+        x ^= x >> 15
+        x = x * 0x735A2D97 & 0xFFFFFFFF
+        return x ^ (x >> 15)
+    return [-math.log(((mix(mix(v ^ k0) ^ k1) >> 9) + 0.5) / 2**23) for v in range(vocab)]
+
+
+def test_seeded_noise_is_exactly_its_integer_spec():
+    # every lane stays below 2**63, so any device's int64 ops give the spec's bits (CUDA as the CPU);
+    # only the float32 log may differ from Python's by rounding
+    keys = [_row_key(seed, index) for seed, index in [(0, 0), (1234, 7), (_SEED_MASK, 2**31), (-5 & _SEED_MASK, 1)]]
+    got = seeded_exponentials(torch.tensor(keys), 300)
+    want = torch.tensor([_reference_noise(k0, k1, 300) for k0, k1 in keys], dtype=torch.float32)
+    assert torch.allclose(got, want, rtol=1e-6, atol=0)
+    assert (got > 0).all() and got.isfinite().all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_seeded_noise_and_tokens_are_the_same_on_cuda():
+    keys = torch.tensor([_row_key(seed, index) for seed in (0, 99, _SEED_MASK) for index in (0, 5, 1000)])
+    cpu, cuda = seeded_exponentials(keys, 49152), seeded_exponentials(keys.cuda(), 49152)
+    assert torch.allclose(cuda.cpu(), cpu, rtol=1e-6, atol=0)
+    p = SamplingParams(temperature=1.0, seed=1234)  # (no top-p: its cut could differ by float round-off)
+    on = {dev: _run_steps(Sampler(64, [EOS], dev), [(p, SamplingState(p), 7)], steps=16, device=dev)[0]
+          for dev in ("cpu", "cuda")}
+    assert on["cpu"] == on["cuda"]
+
+
+def test_seeded_sampling_follows_the_distribution():
+    n = 20000
+    params = [SamplingParams(temperature=1.0, seed=s) for s in range(n)]
+    tokens = _call(Sampler(5, [], "cpu"), torch.tensor(PROBS).log().expand(n, -1).contiguous(), params).token_ids
+    counts = torch.bincount(torch.tensor(tokens), minlength=5).float() / n
+    assert torch.allclose(counts, torch.tensor(PROBS), atol=0.015)
+
+
+def test_seeded_step_run_again_samples_the_same_token():
+    # an out-of-memory rollback or a preemption runs a step again: a seeded row must not move on
+    p = SamplingParams(temperature=1.0, seed=42)
+    state, sampler = SamplingState(p), Sampler(64, [EOS], "cpu")
+    logits = torch.zeros(1, 64)
+    first = [_call(sampler, logits, [p], [state], outputs=[[5] * i]).token_ids[0] for i in range(6)]
+    again = [_call(sampler, logits, [p], [state], outputs=[[5] * i]).token_ids[0] for i in range(6)]
+    assert first == again
+    assert len(set(first)) > 1  # the noise moves on with each token sampled
 
 
 def test_sampling_follows_the_distribution():

@@ -1,9 +1,10 @@
 """Building blocks shared by the models: linear layers that shard across tensor-parallel
 ranks, the vocab-parallel embedding and LM head, RMSNorm, rotary embedding.
 
-Weights are allocated uninitialised and filled by the loader through each layer's
-``load`` method, which is where fusing (q|k|v, gate|up) and tensor-parallel slicing
-happen: every rank reads the full checkpoint tensor and keeps its own slice. The
+Weights are allocated uninitialised in the default dtype (the loader makes that the model's
+dtype while it builds one: no float32 copy is ever made) and filled by the loader through
+each layer's ``load`` method, which is where fusing (q|k|v, gate|up) and tensor-parallel
+slicing happen: every rank reads the full checkpoint tensor and keeps its own slice. The
 collectives go through the ``TPGroup`` each layer is given (no globals); with one rank
 they are no-ops.
 """
