@@ -1,29 +1,23 @@
 """Attention over the paged KV cache, and the metadata that describes one step's batch.
 
-The model runner builds one ``AttentionMetadata`` per step (``build_metadata``)
-and passes it down ``forward()`` (no globals). A batch mixes prompt chunks and
-decodes freely; the flat new tokens are split into the decode rows (one query
-per sequence) and the prefill rows (several), so that one long prompt chunk
-never pads every decode row to its length.
+The model runner builds one ``AttentionMetadata`` per step and passes it down
+``forward()`` (no globals): ``StepIndex`` computes its index tensors on the host
+from the sequence lengths, then looks the block ids up on the device, in the
+runner's persistent block tables (``build_metadata`` does both from lists).
+A batch mixes prompt chunks and decodes freely; the flat new tokens are split
+into the decode rows (one query per sequence) and the prefill rows (several),
+so that one long prompt chunk never pads every decode row to its length.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 import kernels
-
-
-def _to(obj, device: torch.device):
-    """The same dataclass with every tensor moved to ``device``."""
-    for f in fields(obj):
-        v = getattr(obj, f.name)
-        if isinstance(v, torch.Tensor):
-            setattr(obj, f.name, v.to(device, non_blocking=True))
-    return obj
 
 
 @dataclass
@@ -53,50 +47,92 @@ class AttentionMetadata:
     prefill: PrefillMetadata | None
 
 
+@dataclass
+class StepIndex:
+    """One step's metadata before its block ids: index tensors that the host computes from the
+    sequence lengths and each sequence's row of the block tables (a few per sequence or token,
+    none per block), so that they reach the device in one copy with the step's other inputs
+    (``tensors`` is then replaced by their device twins); ``metadata`` looks the block ids up there."""
+
+    tensors: dict[str, torch.Tensor]
+    max_decode_len: int  # 0: no decode rows
+    max_prefill_len: int  # 0: no prefill rows
+    max_query_len: int
+    mixed: bool  # decode and prefill rows both: each part says which rows of the flat batch are its
+
+    @classmethod
+    def build(cls, query_lens: list[int], computed_lens: list[int], table_rows: Sequence[int]) -> StepIndex:
+        """Sequence b adds ``query_lens[b]`` tokens after ``computed_lens[b]`` cached ones; its block
+        table is row ``table_rows[b]`` of the tables ``metadata`` will be given."""
+        b = len(query_lens)
+        q_lens = torch.tensor(query_lens, dtype=torch.int64)
+        query_start = torch.zeros(b + 1, dtype=torch.int64)
+        torch.cumsum(q_lens, 0, out=query_start[1:])
+        seq_lens = torch.tensor(computed_lens, dtype=torch.int64) + q_lens
+        rows = torch.tensor(table_rows, dtype=torch.int64)
+        seq_of = torch.repeat_interleave(torch.arange(b), q_lens)  # (T,) sequence of each flat token
+        offset = torch.arange(len(seq_of)) - query_start[:-1][seq_of]  # (T,) index within its sequence
+        t = {"positions": (seq_lens - q_lens)[seq_of] + offset, "token_table_rows": rows[seq_of]}
+
+        is_decode = q_lens == 1
+        num_decode = int(is_decode.sum())
+        max_decode = max_prefill = max_query = 0
+        if num_decode:
+            seqs = is_decode.nonzero().squeeze(1)
+            seqs = seqs[torch.argsort(seq_lens[seqs], descending=True)]  # similar lengths side by side
+            t["decode_token_rows"], t["decode_table_rows"] = query_start[seqs], rows[seqs]
+            t["decode_seq_lens"] = seq_lens[seqs]
+            max_decode = int(seq_lens[seqs[0]])
+        if num_decode < b:
+            seqs = (~is_decode).nonzero().squeeze(1)
+            pq = q_lens[seqs]
+            start = torch.zeros(len(seqs) + 1, dtype=torch.int64)
+            torch.cumsum(pq, 0, out=start[1:])
+            tp = int(start[-1])
+            max_query = int(pq.max())
+            grid = torch.arange(max_query)[None, :]
+            p_seq_of = torch.repeat_interleave(torch.arange(len(seqs)), pq)
+            if num_decode:
+                t["prefill_token_rows"] = (~is_decode)[seq_of].nonzero().squeeze(1)
+            t["prefill_table_rows"], t["prefill_seq_lens"], t["prefill_query_start"] = rows[seqs], seq_lens[seqs], start
+            t["prefill_q_index"] = torch.where(grid < pq[:, None], start[:-1, None] + grid, tp)
+            t["prefill_out_index"] = p_seq_of * max_query + (torch.arange(tp) - start[:-1][p_seq_of])
+            max_prefill = int(seq_lens[seqs].max())
+        return cls(t, max_decode, max_prefill, max_query, 0 < num_decode < b)
+
+    def metadata(self, tables: torch.Tensor, block_size: int) -> tuple[torch.Tensor, AttentionMetadata]:
+        """Positions (T,) and the attention metadata, on the device of ``tables`` (num_rows, max_blocks)
+        and of ``tensors``: only the rows and columns the step reads are gathered."""
+        t = self.tensors
+        pos = t["positions"]
+        slot_mapping = tables[t["token_table_rows"], pos // block_size] * block_size + pos % block_size
+        decode = prefill = None
+        if self.max_decode_len:
+            width = -(-self.max_decode_len // block_size)
+            decode = DecodeMetadata(t["decode_token_rows"], tables[t["decode_table_rows"], :width],
+                                    t["decode_seq_lens"], self.max_decode_len)
+        if self.max_prefill_len:
+            width = -(-self.max_prefill_len // block_size)
+            prefill = PrefillMetadata(
+                token_rows=t["prefill_token_rows"] if self.mixed else None,
+                block_tables=tables[t["prefill_table_rows"], :width], seq_lens=t["prefill_seq_lens"],
+                query_start=t["prefill_query_start"], q_index=t["prefill_q_index"],
+                out_index=t["prefill_out_index"], max_seq_len=self.max_prefill_len,
+                max_query_len=self.max_query_len,
+            )
+        return pos, AttentionMetadata(slot_mapping, decode, prefill)
+
+
 def build_metadata(query_lens: list[int], computed_lens: list[int], block_tables: list[list[int]],
                    block_size: int, device: torch.device) -> tuple[torch.Tensor, AttentionMetadata]:
-    """Positions (T,) and attention metadata for sequences that add ``query_lens[b]`` tokens
-    after ``computed_lens[b]`` cached ones. Built on the CPU with tensor ops, then moved."""
-    b = len(query_lens)
-    q_lens = torch.tensor(query_lens, dtype=torch.int64)
-    query_start = torch.zeros(b + 1, dtype=torch.int64)
-    torch.cumsum(q_lens, 0, out=query_start[1:])
-    seq_lens = torch.tensor(computed_lens, dtype=torch.int64) + q_lens
+    """Positions (T,) and attention metadata for sequences that add ``query_lens[b]`` tokens after
+    ``computed_lens[b]`` cached ones, their block tables given as lists (padded here: for tests and
+    the profiling run; the model runner keeps its tables in one persistent tensor instead)."""
     width = max(len(bt) for bt in block_tables)
     tables = torch.tensor([bt + [0] * (width - len(bt)) for bt in block_tables], dtype=torch.int64)
-    seq_of = torch.repeat_interleave(torch.arange(b), q_lens)  # (T,) sequence of each flat token
-    offset = torch.arange(len(seq_of)) - query_start[:-1][seq_of]  # (T,) index within its sequence
-    positions = (seq_lens - q_lens)[seq_of] + offset
-    slot_mapping = tables[seq_of, positions // block_size] * block_size + positions % block_size
-
-    is_decode = q_lens == 1
-    num_decode = int(is_decode.sum())
-    decode = prefill = None
-    if num_decode:
-        seqs = is_decode.nonzero().squeeze(1)
-        seqs = seqs[torch.argsort(seq_lens[seqs], descending=True)]  # similar lengths side by side
-        lens = seq_lens[seqs]
-        decode = DecodeMetadata(query_start[seqs], tables[seqs], lens, int(lens[0]))
-    if num_decode < b:
-        seqs = (~is_decode).nonzero().squeeze(1)
-        pq = q_lens[seqs]
-        start = torch.zeros(len(seqs) + 1, dtype=torch.int64)
-        torch.cumsum(pq, 0, out=start[1:])
-        tp = int(start[-1])
-        qmax = int(pq.max())
-        grid = torch.arange(qmax)[None, :]
-        p_seq_of = torch.repeat_interleave(torch.arange(len(seqs)), pq)
-        lens = seq_lens[seqs]
-        prefill = PrefillMetadata(
-            token_rows=None if num_decode == 0 else (~is_decode)[seq_of].nonzero().squeeze(1),
-            block_tables=tables[seqs], seq_lens=lens, query_start=start,
-            q_index=torch.where(grid < pq[:, None], start[:-1, None] + grid, tp),
-            out_index=p_seq_of * qmax + (torch.arange(tp) - start[:-1][p_seq_of]),
-            max_seq_len=int(lens.max()), max_query_len=qmax,
-        )
-    meta = AttentionMetadata(slot_mapping.to(device), decode and _to(decode, device),
-                             prefill and _to(prefill, device))
-    return positions.to(device), meta
+    index = StepIndex.build(query_lens, computed_lens, range(len(block_tables)))
+    index.tensors = {k: v.to(device) for k, v in index.tensors.items()}
+    return index.metadata(tables.to(device), block_size)
 
 
 class Attention(nn.Module):

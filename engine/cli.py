@@ -49,6 +49,9 @@ def _engine_flags(p: argparse.ArgumentParser, generate: bool = False) -> None:
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + completion in tokens (default: the model's own, capped at 8192 on CPU)")
     g.add_argument("--seed", type=int, default=None, help=f"engine random seed (default: {d['seed']})")
+    g.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="CUDA: run every step eagerly, without capturing decode steps as CUDA graphs "
+                        "(slower decode; quicker start-up, a little less memory) (default: graphs on CUDA)")
     if generate:
         return
     g.add_argument("--served-model-name", default=None,

@@ -35,6 +35,7 @@ class EngineConfig:
     long_prefill_token_threshold: int | None = None  # prompt tokens per step beside decodes; None = measured
     request_timeout: float | None = None  # seconds; a request without its own timeout gets this one
     seed: int = 0
+    enforce_eager: bool = False  # CUDA: no CUDA graphs, every decode step runs eagerly (vLLM's --enforce-eager)
     tensor_parallel_size: int = 1  # ranks the model is split over (engine.parallel); rank 0 is the engine
     # tensor parallel across machines (torchrun's names): the ranks spread evenly over nnodes hosts;
     # node 0 runs the engine (rank 0), node k > 0 only its workers (engine.tp_worker.run_node)
@@ -75,6 +76,8 @@ class EngineConfig:
             bad(f"long_prefill_token_threshold must be positive, got {self.long_prefill_token_threshold}")
         if self.request_timeout is not None and not 0 < self.request_timeout < float("inf"):
             bad(f"request_timeout must be a positive number of seconds, got {self.request_timeout}")
+        if not isinstance(self.enforce_eager, bool):
+            bad(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
         if self.tensor_parallel_size < 1:
             bad(f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}")
         if self.nnodes < 1:

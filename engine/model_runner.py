@@ -1,23 +1,39 @@
 """Turns a scheduled batch into flat tensors, runs the model, samples.
 
-Owns the model, the KV cache tensors and the sampler. Per step: token ids,
-positions, slot mapping, block tables and sequence lengths for every scheduled
-token, built with a handful of tensor ops (not a Python loop over tokens),
-then one forward pass, logits only for the rows that sample, one sampler call.
+Owns the model, the KV cache tensors, the block tables and the sampler. Per step: token ids,
+positions, slot mapping, block tables and sequence lengths for every scheduled token, built with
+a handful of tensor ops (not a Python loop over tokens), then one forward pass, logits only for
+the rows that sample, one sampler call.
+
+The host's work per step does not grow with the context held: every running request's block
+table is a row of one persistent tensor on the device (``engine.step_buffers``), written only where it
+grew since the request's last step, and the step's integer inputs (token ids, the index tensors
+of ``StepIndex``, those writes) reach the device together (``Staging``: on CUDA one pinned
+buffer, one asynchronous copy).
+
+On CUDA (unless ``enforce_eager``) decode-only steps replay CUDA graphs (``DecodeGraphs``)
+captured at start-up for a few batch sizes (``decode_buckets``): such a step is padded to the
+next size with one-token sequences that write and read only a scratch KV block, one past the
+blocks the block manager hands out, and whose logits nobody asks for.
 
 Under tensor parallelism (``engine.parallel``) rank 0's runner starts the other ranks,
 whose runners mirror it: each step rank 0 turns the batch into a plain-data ``StepInput``,
 sends it to them (``TPGroup.driving``) and every rank runs ``forward_step`` on it; rank 0
 alone gets the logits (all the step's rows in one call: the gather is collective) and samples.
+The workers get every block table whole with each step and write it into their own tables.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+import time
+from bisect import bisect_left
+from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention import build_metadata
+import kernels
+from engine.attention import StepIndex, build_metadata
 from engine.config import EngineConfig
 from engine.loader import build_model, load_model_config
 from engine.parallel import StepInput, TPGroup, local_model_config
@@ -33,13 +49,26 @@ from engine.runtime import (
 )
 from engine.sampler import Sampler, SamplerOutput, SamplingState, compute_logprobs
 from engine.scheduler import ScheduledBatch
+from engine.step_buffers import BlockTables, DecodeGraphs, Staging, cuda_graph_capture, decode_buckets, ints
 from engine.tp_worker import launch
+
+log = logging.getLogger("tokenmill.engine")
 
 
 @dataclass
 class StepResult:
     sampled: list[Request]  # requests that got a new token this step, in row order
     output: SamplerOutput | None
+
+
+@dataclass
+class DriverStep(StepInput):
+    """Rank 0's step: where each sequence's block table is in the runner's ``BlockTables``, and
+    the writes that bring them up to date (the workers get the tables whole instead)."""
+
+    table_rows: list[int] = field(default_factory=list)
+    write_at: list[int] = field(default_factory=list)  # flat index into the tables
+    write_ids: list[int] = field(default_factory=list)  # the block id to write there
 
 
 class ModelRunner:
@@ -69,9 +98,25 @@ class ModelRunner:
             count_kv_blocks(config, self.local_cfg, device, dtype, max_model_len, cuda_budget))
         self.facts = RuntimeFacts(model_path, device, dtype, max_model_len, num_blocks)
         self._allocate_kv_cache()
+        max_blocks = -(-max_model_len // self.block_size)
+        self.block_tables = BlockTables(config.max_num_seqs, max_blocks, num_blocks, device)
+        self.staging = Staging(device)
+        self.decode_buckets: list[int] = []  # decode-only steps are padded to these batch sizes
+        self.graphs: DecodeGraphs | None = None
+        # not with the reference kernels: their decode would gather every sequence to max_model_len
+        if device.type == "cuda" and not config.enforce_eager and kernels.backend() != "reference":
+            self.decode_buckets = decode_buckets(config.max_num_seqs)
+            start = time.perf_counter()
+            with torch.inference_mode():
+                self.graphs = DecodeGraphs(self.model, self.decode_buckets, max_model_len, max_blocks, num_blocks,
+                                           self.block_size, self.model_cfg.hidden_size, dtype, device,
+                                           cuda_graph_capture())
+            log.info("CUDA graphs: decode steps of %d batch sizes up to %d captured in %.1f s (--enforce-eager: "
+                     "none)", len(self.decode_buckets), config.max_num_seqs, time.perf_counter() - start)
 
     def _allocate_kv_cache(self) -> None:
-        self.kv_cache = self._attach_kv_cache(self.facts.num_kv_blocks)
+        # one block more than the block manager hands out: the scratch block of padding sequences
+        self.kv_cache = self._attach_kv_cache(self.facts.num_kv_blocks + 1)
 
     def _attach_kv_cache(self, num_blocks: int) -> torch.Tensor:
         cfg = self.local_cfg
@@ -133,15 +178,26 @@ class ModelRunner:
     def forward_step(self, step: StepInput) -> torch.Tensor | None:
         """The forward every rank runs (tensor-parallel workers mirror rank 0 through it): the
         (R, V) logits of ``step.logits_rows`` on rank 0; None on the others or when R is 0."""
-        dev = self.device
-        positions, meta = build_metadata(step.query_lens, step.computed_lens, step.block_tables,
-                                         self.block_size, dev)
-        hidden = self.model(torch.tensor(step.token_ids, dtype=torch.int64, device=dev), positions, meta)
+        if isinstance(step, DriverStep):
+            rows, write_at, write_ids = step.table_rows, ints(step.write_at), ints(step.write_ids)
+        else:  # a tensor-parallel worker
+            rows, write_at, write_ids = self.block_tables.whole(step.block_tables)
+        index = StepIndex.build(step.query_lens, step.computed_lens, rows)
+        dev = self.staging({"token_ids": ints(step.token_ids), "logits_rows": ints(step.logits_rows),
+                            "write_at": write_at, "write_ids": write_ids, **index.tensors})
+        tables = self.block_tables.write(dev["write_at"], dev["write_ids"])
+        index.tensors = dev
+        positions, meta = index.metadata(tables, self.block_size)
+        ids = dev["token_ids"]
+        if self.graphs is not None and meta.prefill is None and len(ids) in self.graphs.replays:
+            hidden = self.graphs.replay(ids, positions, meta)
+        else:
+            hidden = self.model(ids, positions, meta)
         if not step.logits_rows:  # the same on every rank: no gather to skip on one side only
             return None
-        return self.model.compute_logits(hidden[torch.tensor(step.logits_rows, device=dev)])
+        return self.model.compute_logits(hidden[dev["logits_rows"]])
 
-    def _prepare(self, batch: ScheduledBatch) -> tuple[StepInput, list[Request], list[tuple[Request, int, int]]]:
+    def _prepare(self, batch: ScheduledBatch) -> tuple[DriverStep, list[Request], list[tuple[Request, int, int]]]:
         reqs, counts = batch.requests, batch.num_new_tokens
         starts = [r.num_computed_tokens for r in reqs]
         tokens: list[int] = []
@@ -165,8 +221,24 @@ class ModelRunner:
             if c + n == r.num_tokens:
                 sampled.append(r)
                 sample_rows.append(len(tokens) - 1)
-        step = StepInput(counts, starts, [r.block_table for r in reqs], tokens, logprob_rows + sample_rows)
+        rows, write_at, write_ids = self.block_tables.update(reqs)
+        step = DriverStep(counts, starts, [r.block_table for r in reqs], tokens, logprob_rows + sample_rows,
+                          rows, write_at, write_ids)
+        if self.decode_buckets and max(counts) == 1:
+            self._pad(step)
         return step, sampled, spans
+
+    def _pad(self, step: DriverStep) -> None:
+        """Pad a decode-only step to the next of ``decode_buckets`` with one-token sequences that
+        write and read only the scratch block (new lists: the first ones are the batch's)."""
+        b = len(step.query_lens)
+        n = self.decode_buckets[bisect_left(self.decode_buckets, b)] - b
+        t = self.block_tables
+        step.query_lens = step.query_lens + [1] * n
+        step.computed_lens = step.computed_lens + [0] * n
+        step.block_tables = step.block_tables + [[t.scratch_block]] * n
+        step.token_ids = step.token_ids + [0] * n
+        step.table_rows = step.table_rows + [t.scratch_row] * n
 
     def _prompt_logprobs(self, spans: list[tuple[Request, int, int]], logits: torch.Tensor) -> None:
         """Logprobs of each prompt token given the ones before it, gathered chunk by chunk."""

@@ -1,0 +1,170 @@
+"""The model runner's step inputs: persistent block tables written only where they grew, metadata
+equal to the list-built one, and decode steps padded to graph batch sizes (through the static
+buffers that CUDA graphs replay) with unchanged greedy outputs. The capture itself needs CUDA:
+its test runs only where CUDA is."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.attention import StepIndex, build_metadata
+from engine.cli import _config_kwargs, build_parser
+from engine.config import EngineConfig
+from engine.model_runner import DriverStep
+from engine.parallel import StepInput
+from engine.protocol import SamplingParams as Params
+from engine.request import Request
+from engine.step_buffers import BlockTables, DecodeGraphs, Staging, decode_buckets
+
+CPU = dict(device="cpu", dtype="float32", num_kv_blocks=40, max_model_len=256, max_num_seqs=8)
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 10000) for _ in range(rng.randint(3, 40))] for _ in range(n)]
+
+
+def request(rid: str, blocks: list[int]) -> Request:
+    r = Request(rid, [5, 6], Params())
+    r.block_table = blocks
+    return r
+
+
+def test_decode_buckets():
+    assert decode_buckets(1) == [1]
+    assert decode_buckets(20) == [1, 2, 4, 8, 16, 20]
+    assert decode_buckets(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert decode_buckets(100) == [1, 2, 4, 8, 16, 32, 64, 96, 100]
+
+
+def test_block_tables_write_only_what_grew():
+    t = BlockTables(2, 4, scratch_block=9, device=torch.device("cpu"))
+    assert t.table[2].tolist() == [9] * 4  # the scratch row
+    a, b = request("a", [3, 4]), request("b", [7])
+    rows, at, ids = t.update([a, b])
+    assert (rows, at, ids) == ([1, 0], [4, 5, 0], [3, 4, 7])
+    t.write(torch.tensor(at), torch.tensor(ids))
+    a.block_table.append(5)
+    assert t.update([a, b]) == ([1, 0], [6], [5])  # only a's new block
+    assert t.update([b, a]) == ([0, 1], [], [])
+    b.block_table = [8, 2]  # preempted and readmitted: a new table, written whole
+    assert t.update([b]) == ([0], [0, 1], [8, 2])
+    # a third request takes the row least recently used (a's), never one of the step's
+    c = request("c", [6])
+    assert t.update([b, c]) == ([0, 1], [4], [6])
+    assert t.update([a]) == ([0], [0, 1, 2], [3, 4, 5])  # a came back: b's row, whole
+
+
+def test_persistent_tables_give_the_list_built_metadata():
+    bs = 4
+    query_lens, computed = [1, 5, 1, 3], [6, 0, 10, 2]
+    lists = [[3, 8], [1, 2], [4, 5, 6], [7, 9]]
+    want_pos, want = build_metadata(query_lens, computed, lists, bs, torch.device("cpu"))
+    tables = torch.full((6, 8), 99, dtype=torch.int64)  # stale ids past each table are never read
+    rows = [5, 0, 2, 3]
+    for r, bt in zip(rows, lists, strict=True):
+        tables[r, :len(bt)] = torch.tensor(bt)
+    pos, got = StepIndex.build(query_lens, computed, rows).metadata(tables, bs)
+    assert torch.equal(pos, want_pos) and torch.equal(got.slot_mapping, want.slot_mapping)
+    for part in ("decode", "prefill"):
+        g, w = getattr(got, part), getattr(want, part)
+        for name in vars(w):
+            a, b = getattr(g, name), getattr(w, name)
+            if name == "block_tables":  # each row as far as its sequence reaches: the rest is never read
+                used = torch.arange(a.shape[1])[None, :] < (w.seq_lens[:, None] + bs - 1) // bs
+                a, b = a[used], b[:, :a.shape[1]][used]
+            assert (torch.equal(a, b) if isinstance(b, torch.Tensor) else a == b), (part, name)
+
+
+def test_staging_keeps_cpu_tensors_as_they_are():
+    x = {"a": torch.arange(3)}
+    assert Staging(torch.device("cpu"))(x) is x
+
+
+def test_workers_whole_tables_give_the_drivers_logits(tiny_llama):
+    """A tensor-parallel worker gets the tables whole (a plain StepInput); rank 0 its rows."""
+    llm = LLM(tiny_llama, **CPU)
+    runner = llm.engine.runner
+    reqs = [request("a", [0, 1]), request("b", [2])]
+    step = StepInput([3, 2], [2, 0], [r.block_table for r in reqs], [5, 6, 7, 8, 9], [2, 4])
+    rows, at, ids = runner.block_tables.update(reqs)
+    driver = DriverStep(step.query_lens, step.computed_lens, step.block_tables, step.token_ids, step.logits_rows,
+                        rows, at, ids)
+    want = runner.forward_step(driver)
+    assert torch.equal(runner.forward_step(StepInput.unpack(*_packed(step))), want)
+
+
+def _packed(step: StepInput) -> tuple[list[int], torch.Tensor]:
+    header, payload = step.pack()
+    return header.tolist(), payload
+
+
+@pytest.fixture(scope="module")
+def unpadded(tiny_llama) -> list[list[int]]:
+    llm = LLM(tiny_llama, **CPU)
+    assert llm.engine.runner.graphs is None and not llm.engine.runner.decode_buckets  # CPU: eager
+    return [o.token_ids for o in llm.generate(prompts(7), GREEDY)]
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["padded", "static-buffers"])
+def test_padded_decode_steps_keep_greedy_outputs(tiny_llama, unpadded, static):
+    """Decode steps padded to the graph batch sizes; with ``static`` also run through the
+    static buffers a CUDA graph replays (captured here as the eager forward itself), its
+    attention bound to max_model_len. 7 prompts in 14 blocks: preemption rewrites tables too."""
+    llm = LLM(tiny_llama, **{**CPU, "num_kv_blocks": 14})
+    runner = llm.engine.runner
+    assert runner.kv_cache.shape[2] == llm.engine.block_manager.num_blocks + 1  # the scratch block
+    runner.decode_buckets = decode_buckets(8)
+    if static:
+        f = runner.facts
+        runner.graphs = DecodeGraphs(runner.model, runner.decode_buckets, f.max_model_len,
+                                     runner.block_tables.table.shape[1], f.num_kv_blocks, runner.block_size,
+                                     runner.model_cfg.hidden_size, f.dtype, f.device, capture=lambda forward: forward)
+    decodes, replayed = [], []  # (batch size, real sequences) of decode steps; graph replays
+    forward_step, replay = runner.forward_step, runner.graphs.replay if static else None
+
+    def counting_forward(step):
+        if max(step.query_lens) == 1:
+            decodes.append((len(step.query_lens), len(step.logits_rows)))
+        return forward_step(step)
+
+    def counting_replay(*args):
+        replayed.append(len(args[0]))
+        return replay(*args)
+
+    runner.forward_step = counting_forward
+    if static:
+        runner.graphs.replay = counting_replay
+    got = [o.token_ids for o in llm.generate(prompts(7), GREEDY)]
+    assert got == unpadded
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert all(n in runner.decode_buckets for n, _ in decodes)
+    assert any(real < n for n, real in decodes)  # some were padded
+    assert replayed == ([n for n, _ in decodes] if static else [])
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_enforce_eager_flag_reaches_the_config():
+    parse = build_parser().parse_args
+    assert _config_kwargs(parse(["generate", "--prompt", "x", "--enforce-eager"]))["enforce_eager"] is True
+    assert "enforce_eager" not in _config_kwargs(parse(["generate", "--prompt", "x"]))
+    assert EngineConfig().enforce_eager is False
+    with pytest.raises(ValueError, match="enforce_eager"):
+        EngineConfig(enforce_eager="yes")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+def test_cuda_graphs_keep_greedy_outputs(tiny_llama):
+    kw = dict(device="cuda", dtype="float32", num_kv_blocks=64, max_model_len=256, max_num_seqs=8)
+    eager = LLM(tiny_llama, enforce_eager=True, **kw)
+    assert eager.engine.runner.graphs is None
+    want = [o.token_ids for o in eager.generate(prompts(7), GREEDY)]
+    llm = LLM(tiny_llama, **kw)
+    assert sorted(llm.engine.runner.graphs.replays) == decode_buckets(8)
+    assert [o.token_ids for o in llm.generate(prompts(7), GREEDY)] == want
