@@ -2,6 +2,11 @@
 
 ``step()`` is schedule → run → postprocess and does no I/O; the actor in
 ``engine.server`` (or ``LLM`` offline) drives it.
+
+A step that runs out of device memory is rolled back and the engine keeps serving:
+its requests wait again and come back one at a time; a request that is in a second
+failing step (or alone in one) ends with finish reason "error", so one request too
+big for the memory can neither loop forever nor take the others down.
 """
 
 from __future__ import annotations
@@ -9,13 +14,15 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
+
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.model_path import model_name, resolve_model_path
 from engine.model_runner import ModelRunner, StepResult
 from engine.prefill_cap import PrefillCap
 from engine.protocol import Delta, Ready, SamplingParamError, SamplingParams, Stats
-from engine.request import Request
+from engine.request import Request, Status
 from engine.runtime import kv_block_bytes
 from engine.sampler import SamplingState
 from engine.scheduler import PromptTooLong, QueueFull, ScheduledBatch, Scheduler
@@ -56,6 +63,9 @@ class Engine:
             config.max_num_waiting_requests, config.scheduling_policy, config.scheduling_aging_seconds,
             PrefillCap(config.max_num_batched_tokens, config.long_prefill_token_threshold))
         self.requests: dict[str, Request] = {}
+        # id -> (request, its output length then) for the requests of a step that ran out of memory, until
+        # they sample a token: while there are any, the scheduler admits one at a time
+        self._oom_suspects: dict[str, tuple[Request, int]] = {}
         per_token = kv_block_bytes(self.runner.model_cfg, 1, facts.dtype)
         log.info("engine ready: %s on %s (%s); KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB, "
                  "%d bytes per token), prefix caching %s; max_model_len %d: at most %.1f requests of that "
@@ -102,9 +112,11 @@ class Engine:
                      s.kv_fragmentation)
 
     def step(self) -> list[Delta]:
+        if self.scheduler.one_at_a_time:
+            self._forget_cleared_suspects()
         batch = self.scheduler.schedule()
-        result = self._run(batch)
-        return self._postprocess(batch, result)
+        result, errored = self._run(batch)
+        return self._postprocess(batch, result, errored)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (also done at exit)."""
@@ -132,23 +144,63 @@ class Engine:
                 f"asks for {total} ({len(prompt)} in the prompt + {params.max_tokens} max_tokens)",
                 "max_tokens")
 
-    def _run(self, batch: ScheduledBatch) -> StepResult:
+    def _run(self, batch: ScheduledBatch) -> tuple[StepResult, list[Request]]:
+        """The step's result, and the requests it ended with "error" (out of memory)."""
         if not batch:
-            return StepResult([], None)
+            return StepResult([], None), []
         start = time.perf_counter()
         try:
             result = self.runner.execute(batch)
-        except BaseException:  # (an interrupt, out of memory): leave nothing half-done for the next step
+        except BaseException as e:  # (an interrupt, out of memory): leave nothing half-done for the next step
+            failed = list(batch.requests)
             self.scheduler.rollback(batch)
-            raise
-        self.scheduler.update_from_output(batch, time.perf_counter() - start)
-        return result
+            # Under tensor parallelism the other ranks may be inside a collective of the failed step: only
+            # a single rank can go on.
+            if not isinstance(e, torch.OutOfMemoryError) or self.runner.tp.size > 1:
+                raise
+        else:
+            self.scheduler.update_from_output(batch, time.perf_counter() - start)
+            return result, []
+        # (out here, the exception's traceback, which holds the failed step's tensors, is gone)
+        return StepResult([], None), self._recover_from_oom(failed)
 
-    def _postprocess(self, batch: ScheduledBatch, result: StepResult) -> list[Delta]:
+    def _recover_from_oom(self, failed: list[Request]) -> list[Request]:
+        """After a step of ``failed`` ran out of memory (and was rolled back): free what the allocator
+        caches, end the requests that failed alone or for the second time, and let the others come back
+        one at a time. Returns the requests ended."""
+        if self.runner.device.type == "cuda":
+            torch.cuda.empty_cache()
+        log.warning("out of memory in a step of %d requests (%d tokens): rolled back", len(failed),
+                    sum(r.num_tokens for r in failed))
+        ended = []
+        for req in failed:
+            if len(failed) == 1 or req.request_id in self._oom_suspects:
+                log.error("request %s ends with finish_reason 'error': out of memory in %s (%d tokens)",
+                          req.request_id, "a step of its own" if len(failed) == 1 else "a second step",
+                          req.num_tokens)
+                self._oom_suspects.pop(req.request_id, None)
+                self.scheduler.finish(req, "error")
+                ended.append(req)
+            else:
+                self._oom_suspects[req.request_id] = (req, len(req.output_token_ids))
+                self.scheduler.one_at_a_time = True
+        return ended
+
+    def _forget_cleared_suspects(self) -> None:
+        """Drop the suspects that have finished or sampled a token since their out-of-memory step; with
+        none left, the scheduler admits as many requests at once as it likes again."""
+        self._oom_suspects = {k: (r, n) for k, (r, n) in self._oom_suspects.items()
+                              if r.status is not Status.FINISHED and len(r.output_token_ids) == n}
+        if not self._oom_suspects:
+            self.scheduler.one_at_a_time = False
+            log.info("out-of-memory recovery over: up to %d requests run at once again",
+                     self.scheduler.max_num_seqs)
+
+    def _postprocess(self, batch: ScheduledBatch, result: StepResult, errored: list[Request]) -> list[Delta]:
         deltas = []
-        for req in batch.timed_out:
+        for req in [*batch.timed_out, *errored]:  # finished by the scheduler already
             del self.requests[req.request_id]
-            deltas.append(Delta(req.request_id, [], "timeout", num_prompt_tokens=req.num_prompt_tokens,
+            deltas.append(Delta(req.request_id, [], req.finish_reason, num_prompt_tokens=req.num_prompt_tokens,
                                 num_cached_tokens=req.num_cached_tokens))
         if result.output is None:
             return deltas

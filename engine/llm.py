@@ -29,7 +29,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    finish_reason: str | None = None  # "stop" | "length" | "timeout"
+    finish_reason: str | None = None  # "stop" | "length" | "timeout" | "error" (could not run: out of memory)
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache

@@ -313,7 +313,8 @@ class Delta:
 
     request_id: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "timeout" | None while running
+    # "stop" | "length" | "abort" | "timeout" | "error" (could not run: out of memory) | None while running
+    finish_reason: str | None = None
     logprobs: list[TokenLogprobs] | None = None  # one entry per token in token_ids
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0

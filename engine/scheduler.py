@@ -29,6 +29,11 @@ than a running one also preempts it when the sequence budget or the blocks are s
 thrash: a preempted request is not chosen again until it has produced another
 token, unless nothing else is left. Nothing is admitted after a step has had to
 preempt for blocks.
+
+``one_at_a_time`` (set by the engine while it recovers from a step that ran out
+of memory) admits at most one waiting request per step, and only when every
+running request is decoding, preempting for it or not: a step then computes at
+most one prompt, so if it fails, that prompt is the culprit.
 Torch-free.
 """
 
@@ -105,6 +110,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_waiting_requests = max_num_waiting_requests
+        self.one_at_a_time = False  # admit one request only when every running request is decoding
         self.waiting = make_queue(policy, aging_seconds)
         self.running: list[Request] = []  # admission order: the last is preempted first among equals
         self.prefill_cap = prefill_cap or PrefillCap(max_num_batched_tokens)
@@ -143,7 +149,8 @@ class Scheduler:
                 self._add(batch, req, 1, decode=True)
         budget = self.max_num_batched_tokens - batch.num_tokens
         if batch.num_decodes:  # the batch being filled: every running and waiting request, as far as seqs allow
-            rows = min(self.max_num_seqs, len(self.running) + len(self.waiting))
+            joining = min(1, len(self.waiting)) if self.one_at_a_time else len(self.waiting)
+            rows = min(self.max_num_seqs, len(self.running) + joining)
             budget = min(budget, self.prefill_cap.value(rows))
         self._schedule_prompts(batch, budget)
         return batch
@@ -205,7 +212,7 @@ class Scheduler:
         best rank first."""
         rank = self.waiting.rank
         prefilling = sorted((r for r in self.running if r.num_tokens - r.num_computed_tokens > 1), key=rank)
-        admit = True
+        admit = not (self.one_at_a_time and prefilling)
         i = 0
         while batch.num_prompt_tokens < limit:
             head = self.waiting.peek() if admit and self.waiting and not batch.short_of_blocks else None
@@ -239,6 +246,7 @@ class Scheduler:
                 self.running.append(head)
                 batch.pinned |= bm.providers(cached)
                 self._add(batch, head, n)
+                admit = not self.one_at_a_time
                 continue
             victim = self._victim_for(head, batch) if self.waiting.preempts else None
             if victim is None:

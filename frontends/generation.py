@@ -11,7 +11,12 @@ answers with, prompt tokens served from the engine's prefix cache included.
 With a ``Metrics`` it times each choice (from ``arrival``: when the call came in)
 and reports it once when it ends, however it ends: the engine's finish reason,
 "stop" for a stop string, "abort" when the caller went away, "error" when the
-engine refused it or could not be reached (see ``frontends.metrics``).
+engine refused it, could not be reached or could not run it (see ``frontends.metrics``).
+
+A choice that the engine ends with finish_reason "error" (it could not run it:
+out of memory) fails the whole call, as vLLM does: ``next_updates`` raises a
+500 and the other choices are aborted; no client is ever shown "error" as a
+finish reason.
 """
 
 from __future__ import annotations
@@ -159,16 +164,16 @@ class Generation:
         now = time.monotonic()
         for item in items:
             if isinstance(item, Error):
-                for e in items:  # (an engine that went away fails them all at once)
-                    if isinstance(e, Error) and (c := self._by_id.get(e.request_id)) is not None:
-                        self._ended(c, "error", now)
-                self.abort_unfinished()
+                self._fail(items, now)
                 # a full engine queue is a moment's congestion: tell clients when to retry, as for TokenizerBusy
                 retry = [("retry-after", "1")] if item.status == 429 else None
                 raise ApiError(item.status, item.message, type=item.type, param=item.param, headers=retry)
             choice = self._by_id.get(item.request_id)
             if choice is None or choice.finish_reason is not None:
                 continue  # already ended by a stop string
+            if item.finish_reason == "error":
+                self._fail(items, now)
+                raise _engine_failed()
             up = updates.get(choice.index)
             if up is None:
                 up = updates[choice.index] = Update(choice)
@@ -192,6 +197,14 @@ class Generation:
             if up.finished:
                 self._ended(up.choice, up.choice.finish_reason, now)
         return list(updates.values())
+
+    def _fail(self, items: list, now: float) -> None:
+        """End the choices that ``items`` say the engine refused or could not run ("error"), and abort the
+        others: the call fails. (An engine that went away, or one step, may fail several at once.)"""
+        for e in items:
+            if (isinstance(e, Error) or e.finish_reason == "error") and (c := self._by_id.get(e.request_id)):
+                self._ended(c, "error", now)
+        self.abort_unfinished()
 
     def abort_unfinished(self) -> None:
         live = [c for c in self.choices if c.finish_reason is None]
@@ -259,6 +272,13 @@ class Generation:
 
     def usage(self) -> dict:
         return usage_dict(self.num_prompt_tokens, self.num_completion_tokens, self.num_cached_tokens)
+
+
+def _engine_failed() -> ApiError:
+    # x-should-retry: the openai clients retry a 500 by default, and a request too big for the memory
+    # would fail again, after making the requests in its steps start over
+    return ApiError(500, "Internal server error: the engine could not run this request (out of memory)",
+                    headers=[("x-should-retry", "false")])
 
 
 def usage_dict(prompt_tokens: int = 0, completion_tokens: int = 0, cached_tokens: int = 0) -> dict:

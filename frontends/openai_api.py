@@ -13,10 +13,13 @@ as a deadline that the engine enforces): a call it ends before any token gets a
 ``cache_salt`` (vLLM's field) keeps a request's prefix-cache hits among requests
 with the same salt; ``usage.prompt_tokens_details.cached_tokens`` says how many
 prompt tokens came from that cache.
-A full engine queue is a 429 with Retry-After. ``/health`` shows the engine's
-latest stats, as the client's liveness pings brought them: it never waits on the
-engine. ``/metrics`` (with a ``Metrics``) is Prometheus' view of every frontend
-(``frontends.metrics``); it follows the key rule unless ``metrics_no_auth``.
+A full engine queue is a 429 with Retry-After. A call the engine could not run
+(a choice that ends with finish_reason "error": out of memory) is a 500, or,
+once its stream has begun, an error event that ends the stream, as in vLLM.
+``/health`` shows the engine's latest stats, as the client's liveness pings
+brought them: it never waits on the engine. ``/metrics`` (with a ``Metrics``)
+is Prometheus' view of every frontend (``frontends.metrics``); it follows the
+key rule unless ``metrics_no_auth``.
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ only ``n`` = 1 and one prompt per message. ``done``'s usage is HTTP's, prefix-ca
 hits (``prompt_tokens_details.cached_tokens``) included. Their ``priority``,
 ``timeout`` and ``cache_salt`` work as over HTTP, except that a generation that
 reaches its deadline always ends with a ``done`` whose finish_reason is
-"timeout", even before its first token (HTTP answers that case with a 408). An
+"timeout", even before its first token (HTTP answers that case with a 408), and
+one the engine could not run (out of memory) ends with an ``error`` (500). An
 error worth retrying later (the engine's queue is full: 429) carries
 ``"retry_after": <seconds>`` beside ``error``, as HTTP sends a Retry-After header
 beside the body. A cancel (or the socket closing) aborts the engine request at

@@ -120,3 +120,38 @@ def test_bounded_waiting_queue():
     s.add(req("b", 1))
     with pytest.raises(QueueFull):
         s.add(req("c", 1))
+
+
+def test_one_at_a_time_admits_one_request_only_when_every_running_one_decodes():
+    s, _ = make(num_blocks=16, max_tokens=8)
+    s.one_at_a_time = True
+    a, b, c = req("a", 10), req("b", 2), req("c", 2)
+    for r in (a, b, c):
+        s.add(r)
+    steps = []
+    for _ in range(4):
+        batch = s.schedule()
+        steps.append([(r.request_id, n) for r, n in zip(batch.requests, batch.num_new_tokens, strict=True)])
+        run_step(s, batch)
+    assert steps == [[("a", 8)], [("a", 2)],  # nobody joins while a's prompt is computed
+                     [("a", 1), ("b", 2)], [("a", 1), ("b", 1), ("c", 2)]]
+    s.one_at_a_time = False
+    d, e = req("d", 2), req("e", 2)
+    s.add(d)
+    s.add(e)
+    assert s.schedule().requests == [a, b, c, d]  # as many as max_num_seqs allows again
+
+
+@pytest.mark.parametrize("one_at_a_time", [False, True])
+def test_one_at_a_time_holds_back_a_priority_preemption_while_a_prompt_is_computed(one_at_a_time):
+    s, _ = make(num_blocks=16, max_num_seqs=1, max_tokens=8, policy="priority")
+    s.one_at_a_time = one_at_a_time
+    a, b = Request("a", list(range(1, 11)), SamplingParams(max_tokens=50), priority=5), req("b", 2)
+    s.add(a)
+    run_step(s, s.schedule())  # a's first 8 prompt tokens
+    s.add(b)  # priority 0: would push a out for the only sequence slot
+    batch = s.schedule()
+    if one_at_a_time:
+        assert batch.requests == [a] and not batch.preempted and list(s.waiting) == [b]
+    else:
+        assert batch.requests == [b] and batch.preempted == [a]

@@ -7,8 +7,11 @@ max_tokens or a stop token id, ``tokens_per_step`` tokens per request per step
 in one OUTPUTS message. A request whose ``Add.deadline`` has passed ends at its
 next step with an empty delta and finish_reason "timeout", as the real engine's
 does (so a deadline shorter than the generation gives part of it, one already
-past gives no token). It records ADDs and ABORTs so tests can assert what the
-frontend told the engine. No torch, no model: the frontend is all that is measured.
+past gives no token). With ``fail_after`` set, a request that has produced that
+many tokens ends at its next step with an empty delta and finish_reason "error",
+as the real engine ends one it cannot run (out of memory). It records ADDs and
+ABORTs so tests can assert what the frontend told the engine. No torch, no
+model: the frontend is all that is measured.
 
 Prefix caching is simulated (``PrefixCache``) so that ``num_cached_tokens`` means
 something: a request's first delta reports the prompt tokens an engine with
@@ -121,6 +124,7 @@ class FakeEngine(threading.Thread):
         self.num_timeouts = 0  # requests ended by their deadline
         self.num_preemptions = 0  # reported in STATS as is (nothing is ever preempted here)
         self.max_num_waiting_requests = 1024  # what READY announces
+        self.fail_after: int | None = None  # end every request with "error" once it has this many tokens
         self.mute = False  # a hung engine: it reads (and records) frames but answers nothing and never steps
         self._halt = threading.Event()
         self.bound = threading.Event()
@@ -186,11 +190,13 @@ class FakeEngine(threading.Thread):
         for rid, entry in list(self.running.items()):
             ident, add, produced, cached = entry
             prompt, p = add.prompt_token_ids, add.params
-            if add.deadline is not None and now >= add.deadline:
+            timed_out = add.deadline is not None and now >= add.deadline
+            if timed_out or (self.fail_after is not None and produced >= self.fail_after):
                 del self.running[rid]
-                self.num_timeouts += 1
+                self.num_timeouts += timed_out
                 by_ident.setdefault(ident, []).append(
-                    Delta(rid, [], "timeout", num_prompt_tokens=len(prompt) if produced == 0 else 0,
+                    Delta(rid, [], "timeout" if timed_out else "error",
+                          num_prompt_tokens=len(prompt) if produced == 0 else 0,
                           num_cached_tokens=cached if produced == 0 else 0))
                 continue
             toks, lps, finish = [], [], None
