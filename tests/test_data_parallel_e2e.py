@@ -59,7 +59,7 @@ def open_stream(url: str, prompt: str, max_tokens: int) -> http.client.HTTPConne
 @pytest.fixture(scope="module")
 def dp_server(tiny_llama):
     s = Server("--model", tiny_llama, "--served-model-name", "tiny", "--data-parallel-size", "2",
-               "--kv-cache-memory", "64M", api_server_count=2)
+               "--device", "cpu", "--kv-cache-memory", "64M", api_server_count=2)
     yield s
     s.close()
 
@@ -138,7 +138,7 @@ class RemoteEngine:
         env = dict(os.environ, TOKENMILL_ENGINE_KEY=key, PYTHONUNBUFFERED="1")
         self.log_file = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen([*CMD, "engine", "--model", model, "--served-model-name", "tiny",
-                                      "--kv-cache-memory", "64M", "--listen", self.address],
+                                      "--device", "cpu", "--kv-cache-memory", "64M", "--listen", self.address],
                                      stdout=subprocess.PIPE, stderr=self.log_file, text=True, env=env, cwd=ROOT)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and self.proc.poll() is None:

@@ -20,7 +20,7 @@ from engine.cli import main
 from engine.parallel import TensorParallelError
 from tests.test_server_e2e import CMD, ROOT, free_port, wait_for
 
-KW = dict(num_kv_blocks=48, max_model_len=256, max_num_batched_tokens=32)
+KW = dict(device="cpu", num_kv_blocks=48, max_model_len=256, max_num_batched_tokens=32)
 PROMPTS = [[1, 5, 9, 200, 3000, 17] * 10, [42, 43], [7, 8, 9]]  # the first prefills in two chunks
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
@@ -34,7 +34,7 @@ class NoText:
 
 def node(model: str, port: int, rank: int, *extra: str) -> subprocess.Popen:
     return subprocess.Popen([*CMD, "engine", "--model", model, "-tp", "2", "--nnodes", "2", "--node-rank", str(rank),
-                             "--master-addr", "127.0.0.1", "--master-port", str(port), *extra],
+                             "--device", "cpu", "--master-addr", "127.0.0.1", "--master-port", str(port), *extra],
                             cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
 

@@ -35,7 +35,7 @@ def check_parity(llm: LLM, hf, tokenizer, prompts: list[str], n: int = 32) -> No
 def test_tiny_models_match_transformers(arch, tmp_path, smollm_tokenizer_dir):
     path = make_tiny_model(str(tmp_path / arch), arch, smollm_tokenizer_dir, seed=1)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    llm = LLM(path, num_kv_blocks=256, max_model_len=512)
+    llm = LLM(path, device="cpu", dtype="float32", num_kv_blocks=256, max_model_len=512)
     check_parity(llm, hf, llm.tokenizer, PROMPTS)
 
 
@@ -45,13 +45,13 @@ def test_llama3_rope_scaling_and_tied_embeddings(tmp_path, smollm_tokenizer_dir)
     path = make_tiny_model(str(tmp_path / "l3"), "llama", smollm_tokenizer_dir, seed=2,
                            rope_parameters=rope, tie_word_embeddings=True)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    llm = LLM(path, num_kv_blocks=256, max_model_len=512)
+    llm = LLM(path, device="cpu", dtype="float32", num_kv_blocks=256, max_model_len=512)
     long_prompt = " ".join(["history"] * 80)  # past the original 64 positions
     check_parity(llm, hf, llm.tokenizer, [PROMPTS[0], long_prompt])
 
 
 def test_default_smollm2_gguf_matches_transformers(default_gguf):
-    llm = LLM()  # no model given: the bundled SmolLM2-135M-Instruct GGUF
+    llm = LLM(device="cpu", dtype="float32")  # no model given: the bundled SmolLM2-135M-Instruct GGUF
     tok = AutoTokenizer.from_pretrained(os.path.dirname(default_gguf), gguf_file=os.path.basename(default_gguf))
     hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(default_gguf), gguf_file=os.path.basename(default_gguf),
                                               dtype=torch.float32).eval()

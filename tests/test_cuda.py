@@ -1,0 +1,89 @@
+"""On CUDA only (skipped elsewhere): greedy parity with transformers on the same GPU and weights, token
+for token in fp32 and within a logit tolerance in bf16; and the KV sizing pass (the profiling forward,
+``measured_cuda_budget``) on a real device. The Triton kernels' own tests run compiled on CUDA in
+``tests/test_triton_kernels.py``.
+
+Parity is checked teacher-forced: transformers scores the prompt followed by tokenmill's tokens in one
+forward, and each token's logit must be the top one (fp32), or within ``BF16_TOL`` of it (bf16, where
+near-ties may rightly go either way, and one different token must not fail all that follow).
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine import LLM, SamplingParams
+from tools.random_model import build, build_shape
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA device (torch.cuda.is_available() is False)")
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=4096, max_position_embeddings=1024, tie_word_embeddings=False,
+            initializer_range=0.08)  # larger than transformers' 0.02: fewer near-ties among the logits
+PROMPTS = [[(7 * i + 3 * j) % 4000 + 3 for j in range(n)] for i, n in enumerate([5, 40, 100])]
+GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+BF16_TOL = 2**-5  # of the top logit's magnitude: eight bf16 ulps
+
+
+@torch.inference_mode()
+def logit_gaps(hf, prompt: list[int], out: list[int]) -> torch.Tensor:
+    """How far below transformers' top logit each of ``out``'s tokens is, and the top logits."""
+    logits = hf(torch.tensor([prompt + out], device="cuda")).logits[0, len(prompt) - 1:-1].float()  # (N, V)
+    top = logits.max(-1).values
+    return top - logits.gather(-1, torch.tensor(out, device="cuda")[:, None])[:, 0], top
+
+
+def generate(path: str, dtype: str) -> list[list[int]]:
+    llm = LLM(path, device="cuda", dtype=dtype, num_kv_blocks=256, max_model_len=512)
+    assert llm.engine.runner.facts.device.type == "cuda"
+    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def free_gpu() -> None:
+    """Let later tests in this process have the memory."""
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fp32_greedy_equals_transformers(arch, tmp_path):
+    path = build(str(tmp_path), arch, torch.float32, seed=1, **TINY)
+    outs = generate(path, "float32")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to("cuda").eval()
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        gaps, _ = logit_gaps(hf, prompt, out)
+        assert gaps.max().item() == 0.0, (prompt, out, gaps.tolist())
+    free_gpu()
+
+
+@pytest.mark.parametrize("shape", ["tiny", "smollm2-135m"])
+def test_bf16_greedy_tracks_transformers(shape, tmp_path):
+    if shape == "tiny":
+        path = build(str(tmp_path), "qwen2", torch.bfloat16, seed=2, **TINY)
+    else:
+        path = build_shape(shape, str(tmp_path))
+    outs = generate(path, "bfloat16")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda").eval()
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        gaps, top = logit_gaps(hf, prompt, out)
+        assert (gaps <= BF16_TOL * top.abs().clamp(min=1.0)).all(), (prompt, out, gaps.tolist())
+    free_gpu()
+
+
+def test_kv_cache_is_sized_by_profiling_the_gpu(tmp_path):
+    path = build(str(tmp_path), "llama", torch.bfloat16, **TINY)
+    utilization = 0.2
+    llm = LLM(path, device="cuda", dtype="bfloat16", gpu_memory_utilization=utilization)  # no num_kv_blocks
+    runner = llm.engine.runner
+    cache_bytes = runner.kv_cache.numel() * runner.kv_cache.element_size()
+    total = torch.cuda.get_device_properties(0).total_memory
+    assert runner.facts.num_kv_blocks > 0 and 0 < cache_bytes < utilization * total
+    out = llm.generate(PROMPTS, GREEDY)
+    assert [len(o.token_ids) for o in out] == [GREEDY.max_tokens] * len(PROMPTS)
+    del llm, runner
+    free_gpu()

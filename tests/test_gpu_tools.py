@@ -1,0 +1,65 @@
+"""What of the GPU tools runs without a GPU: ``tools/gpu_check.sh``'s argument handling, the random-weight
+model builder (``tools/random_model.py``) at tiny sizes, and ``tools/bench_kernels.py`` saying that
+there is nothing to time."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from engine import LLM, SamplingParams
+from tools.random_model import SHAPES, build
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=1000, max_position_embeddings=256, initializer_range=0.08)
+
+
+@pytest.mark.parametrize("args", [[], ["a", "b"], [""]])
+def test_gpu_check_wants_one_outdir(args):
+    r = subprocess.run(["bash", os.path.join(ROOT, "tools", "gpu_check.sh"), *args], capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 2
+    assert r.stderr.startswith("usage: tools/gpu_check.sh OUTDIR")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_random_model_loads_in_transformers_and_in_tokenmill(arch, tmp_path):
+    path = build(str(tmp_path), arch, torch.float32, seed=3, **TINY)
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = tok.encode("Hello, world: 1 + 1 = 2")
+    assert tok.decode(ids) == "Hello, world: 1 + 1 = 2" and max(ids) < TINY["vocab_size"]
+    assert tok.decode(list(range(3, TINY["vocab_size"]))) != ""  # every id decodes
+
+    llm = LLM(path, device="cpu", dtype="float32", num_kv_blocks=16, max_model_len=128)
+    out = llm.generate([ids], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    seq = torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(4):  # greedy, EOS ignored as tokenmill was asked to
+            seq = torch.cat([seq, hf(seq).logits[:, -1:].argmax(-1)], dim=1)
+    assert out.token_ids == seq[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_shapes_are_the_real_models(name):
+    arch, config = SHAPES[name]
+    cfg = AutoConfig.for_model(arch, **config)
+    assert cfg.hidden_size // cfg.num_attention_heads == 64
+    heads = {"smollm2-135m": (9, 3), "qwen2-0.5b": (14, 2)}[name]
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads) == heads
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA it would run the whole benchmark")
+def test_bench_kernels_without_cuda_has_nothing_to_time():
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_kernels.py")], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "nothing to time" in r.stdout
+    assert json.loads(r.stdout.splitlines()[-1]) == {"device": "cpu", "nothing_to_time": True, "results": []}

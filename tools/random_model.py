@@ -1,0 +1,85 @@
+"""Random-weight model folders in the shapes of real models, so that a machine without network or model
+hub can load, run and benchmark them: a transformers config (SmolLM2-135M's or Qwen2-0.5B's, or any
+size), safetensors weights as transformers initialises them, and a byte-level BPE tokenizer over the
+whole vocabulary (ids 0, 1, 2 are unk, bos and eos), so that no tokenizer is downloaded either.
+
+    python3 tools/random_model.py smollm2-135m /tmp/smollm2 [--dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+# Architecture and config of each shape (bos/eos are the synthetic tokenizer's ids).
+SHAPES = {
+    "smollm2-135m": ("llama", dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                   num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+                                   max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+                                   tie_word_embeddings=True)),
+    "qwen2-0.5b": ("qwen2", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                 num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                                 max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                                 tie_word_embeddings=True)),
+}
+UNK, BOS, EOS = 0, 1, 2
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def save_tokenizer(out_dir: str, vocab_size: int) -> None:
+    """Byte-level BPE, GPT-2 style as SmolLM2's and Qwen2's are (so transformers' Qwen2Tokenizer, which
+    rebuilds a byte-level BPE from the vocabulary and merges, reads it too): after the specials, the 256
+    byte symbols, then merges of a token and a byte until the vocabulary is full. Any id decodes, any
+    text encodes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_symbols = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokens, merges = ["<unk>", "<s>", "</s>", *byte_symbols], []
+    for i in range(vocab_size - len(tokens)):
+        pair = (tokens[3 + i // 256], byte_symbols[i % 256])
+        merges.append(pair)
+        tokens.append("".join(pair))
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                            chat_template=CHAT_TEMPLATE).save_pretrained(out_dir)
+
+
+def build(out_dir: str, arch: str = "llama", dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+          **config) -> str:
+    """Save a random ``arch`` ("llama", "qwen2") model with these config values in ``out_dir``.
+    ``initializer_range`` (transformers' 0.02 by default) is the weights' standard deviation."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    cfg_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
+    torch.manual_seed(seed)
+    cfg = cfg_cls(bos_token_id=BOS, eos_token_id=EOS, **config)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    model.save_pretrained(out_dir)
+    save_tokenizer(out_dir, config["vocab_size"])
+    return out_dir
+
+
+def build_shape(name: str, out_dir: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> str:
+    arch, config = SHAPES[name]
+    return build(out_dir, arch, dtype, seed, **config)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("shape", choices=sorted(SHAPES))
+    p.add_argument("out_dir")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    os.makedirs(args.out_dir, exist_ok=True)
+    print(build_shape(args.shape, args.out_dir, getattr(torch, args.dtype), args.seed))
+
+
+if __name__ == "__main__":
+    main()
