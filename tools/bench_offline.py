@@ -20,7 +20,21 @@ and HF's paged cache is sized to hold the whole workload, as tokenmill's 1 GiB C
 The ceiling is this machine's matmul rate, measured with torch on the model's own weight
 shapes in the benchmark's dtype, for M = 32 and M = 256 tokens (before and after the systems
 run; the faster is kept). ``ceiling_fraction`` = tokenmill's useful model FLOPs (see
-``model_flops``) ÷ its seconds ÷ the better of the two. The last line of output is one JSON object.
+``model_flops``) ÷ its seconds ÷ the better of the two.
+
+Inside tokenmill's run, ``StepProbe`` times every engine step by wrapping methods of the live
+engine's objects (the engine's code is untouched; on CUDA each step ends with a synchronize):
+
+- ``decode_vs_floor``: a decode-only step's time ÷ its memory floor, the bytes it must read (every
+  weight once, the input embedding only if tied to the LM head, + the KV cache of every sequence in
+  it) ÷ the memory bandwidth of a large copy
+  (``measure_bandwidth``); the median over decode-only steps, as are ``decode_step_ms`` and
+  ``decode_floor_ms``.
+- ``host_share``: the steps' time on the host (scheduling, ``ModelRunner._prepare``, the host part of
+  ``forward_step`` before the forward, ``update_from_output``, turning sampled tokens into deltas)
+  ÷ their wall time, over all steps.
+
+The last line of output is one JSON object.
 
     python tools/bench_offline.py                        # tokenmill only
     python tools/bench_offline.py --compare hf           # + transformers generate / generate_batch
@@ -33,6 +47,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -46,6 +61,7 @@ PROMPT_LEN = (32, 256)
 OUTPUT_LEN = (64, 128)
 TOKEN_ID_HIGH = 10000  # prompt ids are drawn from [0, TOKEN_ID_HIGH)
 CEILING_BATCHES = (32, 256)  # M for the ceiling: a decode batch and a prefill chunk
+BANDWIDTH_BYTES = 512 * 2**20  # the copy that measures memory bandwidth: far past any cache
 
 
 @dataclass(frozen=True)
@@ -187,12 +203,145 @@ def measure_ceiling(dims: ModelDims, dtype: torch.dtype, m: int) -> float:
     return flops / seconds
 
 
+# ---------------------------------------------------------------- steps against the memory floor
+
+
+def measure_bandwidth(device: torch.device, nbytes: int = BANDWIDTH_BYTES, tries: int = 5) -> float:
+    """Bytes/s of a large copy on ``device``, each byte counted as read and as written; best of ``tries``."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch: page faults and allocator growth, not bandwidth
+    best = float("inf")
+    for _ in range(tries):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
+        else:
+            start = time.perf_counter()
+            dst.copy_(src)
+            seconds = time.perf_counter() - start
+        best = min(best, seconds)
+    return 2 * nbytes / best
+
+
+@dataclass(frozen=True)
+class StepReport:
+    num_steps: int
+    num_decode_steps: int
+    decode_step_s: float | None  # medians over the decode-only steps
+    decode_floor_s: float | None
+    decode_vs_floor: float | None  # each step against its own floor
+    host_share: float  # host seconds ÷ wall seconds, over all steps
+    bandwidth: float  # bytes/s
+    weight_bytes: int
+
+
+class StepProbe:
+    """Times the steps of a live ``LLM`` by wrapping its engine objects' methods on the instances.
+
+    Per step: the wall time, the time on the host, and for a decode-only step the tokens of KV cache it
+    reads. The host's parts are the scheduler's ``schedule`` and ``update_from_output``, the runner's
+    ``_prepare`` and ``forward_step`` up to the model's forward (or CUDA graph replay), and the engine's
+    ``_postprocess`` (sampled tokens to deltas). The sampler is left out: on CUDA it waits for the forward.
+    """
+
+    def __init__(self, llm) -> None:
+        from engine.runtime import kv_block_bytes
+
+        engine = llm.engine
+        runner, scheduler = engine.runner, engine.scheduler
+        self.cuda = runner.device.type == "cuda"
+        # Every weight once; the input embedding only as the LM head (of itself a step reads a row a token).
+        model = runner.model
+        embed, head = model.embed_tokens.weight, model.lm_head.weight
+        read = [p for p in model.parameters() if p is not embed or p is head]
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in read)
+        self.kv_bytes_per_token = kv_block_bytes(runner.local_cfg, 1, runner.dtype)  # this rank's share
+        self.steps: list[tuple[float, float, int | None]] = []  # (wall s, host s, KV tokens if decode-only)
+        self._host, self._kv_tokens, self._forward_step_start = 0.0, None, None
+
+        self._step, self._forward_step = engine.step, runner.forward_step
+        self._schedule = self._on_host(scheduler.schedule)
+        engine.step, scheduler.schedule, runner.forward_step = self.step, self.schedule, self.forward_step
+        scheduler.update_from_output = self._on_host(scheduler.update_from_output)
+        engine._postprocess = self._on_host(engine._postprocess)
+        runner._prepare = self._on_host(runner._prepare)
+        runner.model.forward = self._forward_begins(runner.model.forward)  # nn.Module calls self.forward
+        if runner.graphs is not None:
+            runner.graphs.replay = self._forward_begins(runner.graphs.replay)
+
+    def step(self):
+        self._host, self._kv_tokens = 0.0, None
+        start = time.perf_counter()
+        deltas = self._step()
+        if self.cuda:  # (the sampler's .tolist() has waited already; this makes sure)
+            torch.cuda.synchronize()
+        self.steps.append((time.perf_counter() - start, self._host, self._kv_tokens))
+        return deltas
+
+    def schedule(self):
+        batch = self._schedule()
+        if len(batch) and batch.num_prompt_tokens == 0:  # decode-only: each sequence reads all its KV
+            self._kv_tokens = sum(r.num_tokens for r in batch.requests)
+        return batch
+
+    def forward_step(self, step_input):
+        self._forward_step_start = time.perf_counter()
+        return self._forward_step(step_input)
+
+    def _on_host(self, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._host += time.perf_counter() - start
+
+        return timed
+
+    def _forward_begins(self, fn):
+        """``fn``, first ending the host part of ``forward_step`` where the model's forward begins."""
+
+        def marked(*args, **kwargs):
+            if self._forward_step_start is not None:
+                self._host += time.perf_counter() - self._forward_step_start
+                self._forward_step_start = None
+            return fn(*args, **kwargs)
+
+        return marked
+
+    def report(self, bandwidth: float) -> StepReport:
+        decodes = [  # (wall s, floor s)
+            (wall, (self.weight_bytes + kv * self.kv_bytes_per_token) / bandwidth)
+            for wall, _, kv in self.steps
+            if kv is not None
+        ]
+
+        def median(values: list[float]) -> float | None:
+            return statistics.median(values) if values else None
+
+        return StepReport(
+            num_steps=len(self.steps),
+            num_decode_steps=len(decodes),
+            decode_step_s=median([wall for wall, _ in decodes]),
+            decode_floor_s=median([floor for _, floor in decodes]),
+            decode_vs_floor=median([wall / floor for wall, floor in decodes]),
+            host_share=sum(h for _, h, _ in self.steps) / sum(w for w, _, _ in self.steps),
+            bandwidth=bandwidth,
+            weight_bytes=self.weight_bytes,
+        )
+
+
 # ---------------------------------------------------------------- systems
 
 
 def run_tokenmill(
     path: str, requests: list[Request], dtype: str, max_num_seqs: int, max_num_batched_tokens: int
-) -> tuple[Result, list]:
+) -> tuple[Result, list, StepReport]:
     from engine import LLM, SamplingParams
 
     llm = LLM(
@@ -200,12 +349,14 @@ def run_tokenmill(
     )
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
     params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in requests]
+    probe = StepProbe(llm)
     start = time.perf_counter()
     outputs = llm.generate([r.prompt for r in requests], params)
     seconds = time.perf_counter() - start
     token_ids = [list(o.token_ids) for o in outputs]
     check_lengths("tokenmill", requests, token_ids)
-    return Result("tokenmill", seconds, len(requests), *workload_tokens(requests)), token_ids
+    report = probe.report(measure_bandwidth(llm.engine.runner.device))
+    return Result("tokenmill", seconds, len(requests), *workload_tokens(requests)), token_ids, report
 
 
 def load_hf(path: str, dtype: torch.dtype):
@@ -323,6 +474,37 @@ def print_table(results: list[Result]) -> None:
         )
 
 
+def print_steps(s: StepReport) -> None:
+    print(
+        f"tokenmill steps: {s.num_steps}, {s.num_decode_steps} decode-only; "
+        f"host {s.host_share:.0%} of the step time; memory {s.bandwidth / 1e9:.1f} GB/s (copy)"
+    )
+    if s.decode_step_s is not None:
+        print(
+            f"decode step {s.decode_step_s * 1e3:.2f} ms, floor {s.decode_floor_s * 1e3:.2f} ms "
+            f"(weights {s.weight_bytes / 2**20:.1f} MiB + KV): {s.decode_vs_floor:.2f}x the floor (medians)"
+        )
+
+
+def step_summary(s: StepReport | None) -> dict:
+    """The step figures of the JSON line: None without a tokenmill run (or without a decode-only step)."""
+
+    def get(name: str, scale: float = 1.0, digits: int = 4) -> float | None:
+        value = getattr(s, name, None)
+        return None if value is None else round(value * scale, digits)
+
+    return {
+        "num_steps": getattr(s, "num_steps", None),
+        "num_decode_steps": getattr(s, "num_decode_steps", None),
+        "decode_step_ms": get("decode_step_s", 1e3),
+        "decode_floor_ms": get("decode_floor_s", 1e3),
+        "decode_vs_floor": get("decode_vs_floor", digits=3),
+        "host_share": get("host_share"),
+        "mem_bandwidth_gb_s": get("bandwidth", 1e-9, 2),
+        "weight_bytes": getattr(s, "weight_bytes", None),
+    }
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: bundled SmolLM2-135M)")
@@ -373,8 +555,9 @@ def main(argv: list[str] | None = None) -> None:
 
     results: list[Result] = []
     outputs: dict[str, list[list[int]]] = {}
+    steps: StepReport | None = None
     if not args.skip_tokenmill:
-        result, outputs["tokenmill"] = run_tokenmill(
+        result, outputs["tokenmill"], steps = run_tokenmill(
             path, requests, args.dtype, args.max_num_seqs, args.max_num_batched_tokens
         )
         results.append(result)
@@ -399,6 +582,8 @@ def main(argv: list[str] | None = None) -> None:
     print()
     print_table(results)
     print("ceiling: " + ", ".join(f"M={m} {f / 1e9:.1f} GFLOP/s" for m, f in ceilings.items()))
+    if steps:
+        print_steps(steps)
     by_name = {r.name: r for r in results}
 
     def rate(name: str) -> float | None:
@@ -441,6 +626,7 @@ def main(argv: list[str] | None = None) -> None:
         "ceiling_gflop_s": round(ceiling / 1e9, 2),
         **{f"ceiling_gflop_s_m{m}": round(f / 1e9, 2) for m, f in ceilings.items()},
         "ceiling_fraction": round(flops / tm.seconds / ceiling, 4) if tm else None,
+        **step_summary(steps),
     }
     if "tokenmill" in outputs:
         for other in ("hf-sequential", "hf-generate-batch"):
