@@ -29,6 +29,8 @@ from engine.scheduler import PromptTooLong, QueueFull, ScheduledBatch, Scheduler
 
 log = logging.getLogger("tokenmill.engine")
 
+OOM_RECOVERY_STEPS = 64  # steps after an out-of-memory step before admissions are back to normal regardless
+
 
 class RequestError(Exception):
     """A request the engine refuses; carries what an HTTP frontend should answer."""
@@ -66,6 +68,7 @@ class Engine:
         # id -> (request, its output length then) for the requests of a step that ran out of memory, until
         # they sample a token: while there are any, the scheduler admits one at a time
         self._oom_suspects: dict[str, tuple[Request, int]] = {}
+        self._steps_since_oom = 0
         per_token = kv_block_bytes(self.runner.model_cfg, 1, facts.dtype)
         log.info("engine ready: %s on %s (%s); KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB, "
                  "%d bytes per token), prefix caching %s; max_model_len %d: at most %.1f requests of that "
@@ -170,6 +173,7 @@ class Engine:
         one at a time. Returns the requests ended."""
         if self.runner.device.type == "cuda":
             torch.cuda.empty_cache()
+        self._steps_since_oom = 0
         log.warning("out of memory in a step of %d requests (%d tokens): rolled back", len(failed),
                     sum(r.num_tokens for r in failed))
         ended = []
@@ -188,9 +192,13 @@ class Engine:
 
     def _forget_cleared_suspects(self) -> None:
         """Drop the suspects that have finished or sampled a token since their out-of-memory step; with
-        none left, the scheduler admits as many requests at once as it likes again."""
+        none left, or ``OOM_RECOVERY_STEPS`` steps after the last failure (a suspect that better-ranked
+        arrivals keep waiting must not hold the whole server at one admission per step), the scheduler
+        admits as many requests at once as it likes again."""
+        self._steps_since_oom += 1
         self._oom_suspects = {k: (r, n) for k, (r, n) in self._oom_suspects.items()
-                              if r.status is not Status.FINISHED and len(r.output_token_ids) == n}
+                              if r.status is not Status.FINISHED and len(r.output_token_ids) == n
+                              and self._steps_since_oom <= OOM_RECOVERY_STEPS}
         if not self._oom_suspects:
             self.scheduler.one_at_a_time = False
             log.info("out-of-memory recovery over: up to %d requests run at once again",

@@ -9,7 +9,7 @@ measured online on this device. Every step's time is fitted as
     seconds = a + b * decode rows + c * prompt tokens
 
 by least squares over recent steps (exponentially forgotten, every coefficient
-kept >= 0). ``a`` is what any step costs (dispatch, weight reads, the sampler);
+kept >= 0, a step far slower than predicted clipped). ``a`` is what any step costs (dispatch, weight reads, the sampler);
 on a CPU it is most of a small step, so leaving it out would make a prompt
 token look many times dearer than it is. Then, for ``rows`` decodes:
 
@@ -20,15 +20,19 @@ token look many times dearer than it is. Then, for ``rows`` decodes:
 plus the waiting ones, at most ``max_num_seqs``), not the decodes already
 running. Measured against the running decodes alone, the cap would shrink as
 they finish, prompts would join slower still and the batch would drain to a
-trickle. The floor ``(ratio - 1) * rows`` holds whatever the fit says: a prompt
-token costs no more than a decode row's token. ``fixed`` (the
+trickle. The floor ``(ratio - 1) * rows`` holds whatever the fit says (a prompt
+token costs no more than a decode row's token), and until the fit gives prompt
+tokens a cost of their own. ``fixed`` (the
 ``--long-prefill-token-threshold`` flag) replaces all of it. Torch-free.
 """
 
 from __future__ import annotations
 
+import math
 from itertools import combinations
 
+_KNOWN = 1e-3  # the prompt-step weight below which c counts as unknown (~340 steps after the last one)
+OUTLIER = 4.0  # a step counts as at most this many times the fit's prediction
 _MODELS = [keep for k in (3, 2, 1) for keep in combinations(range(3), k)]  # which of (a, b, c) are free
 
 
@@ -44,6 +48,7 @@ class PrefillCap:
         self._xt = [0.0] * 3  # ... of x * seconds
         self._tt = 0.0  # ... of seconds^2
         self._prompt_weight = 0.0  # ... of steps that carried prompt tokens (c is known only from them)
+        self._steps = 0
         self._fit: tuple[float, float, float] | None = None
 
     def value(self, rows: int) -> int:
@@ -51,15 +56,26 @@ class PrefillCap:
         if self.fixed is not None:
             return self.fixed
         floor = max(self.minimum, int((self.ratio - 1.0) * rows))
-        cap = float(floor)
-        if self._prompt_weight >= 1.0:
+        cap = float(floor)  # also while prompt tokens show no cost of their own: nothing says more is safe
+        if self._prompt_weight > _KNOWN:
             a, b, c = self.fit()
-            cap = (self.ratio - 1.0) * (a + max(b, c) * rows) / c if c > 0 else float(self.maximum)
+            if c > 0:
+                cap = (self.ratio - 1.0) * (a + max(b, c) * rows) / c
         return round(min(self.maximum, max(floor, cap)))
 
     def observe(self, num_decodes: int, num_prompt_tokens: int, seconds: float) -> None:
-        """One step's make-up (decode rows, prompt tokens) and how long it took."""
+        """One step's make-up (decode rows, prompt tokens) and how long it took. A step far slower than
+        the fit predicts (a pause, a first call compiling something) counts as ``OUTLIER`` times the
+        prediction, so that one such step cannot swing the cap for the next fifty."""
+        self._steps += 1
+        if self._steps == 1 or not math.isfinite(seconds) or seconds < 0:
+            return  # the first step pays one-time costs (allocations, kernels built on first use)
         x = (1.0, float(num_decodes), float(num_prompt_tokens))
+        if self._prompt_weight > _KNOWN:
+            a, b, c = self.fit()
+            predicted = a + b * x[1] + c * x[2]
+            if predicted > 0:
+                seconds = min(seconds, OUTLIER * predicted)
         d = self.decay
         for i in range(3):
             self._xt[i] = d * self._xt[i] + x[i] * seconds

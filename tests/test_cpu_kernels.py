@@ -166,7 +166,7 @@ def test_cpu_kernels_fall_back_without_a_compiler(monkeypatch, tmp_path, caplog)
         assert build.load("paged_attention.c") is None
     assert "no C compiler" in caplog.text
 
-    monkeypatch.setattr(build, "_compiler", lambda: "cc")
+    monkeypatch.setattr(build, "_compiler", lambda: ["cc"])
     monkeypatch.setattr(build, "FLAG_SETS", (["-no-such-flag"],))
     caplog.clear()
     with caplog.at_level(logging.WARNING, "tokenmill.kernels"):
@@ -194,3 +194,21 @@ def test_bf16_decode_and_prefill_compute_alike(backend):
                                             max(seq_lens), d ** -0.5)
     assert (decoded != prefilled).float().mean() < 0.01  # summation order may move a rare last bit
     torch.testing.assert_close(decoded.float(), prefilled.float(), rtol=0, atol=1e-2)
+
+
+def test_cpu_kernel_build_takes_a_compiler_with_arguments_and_a_private_folder(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", "env gcc")  # as ``ccache gcc`` would be
+    assert build._compiler()[:2] == ["env", "gcc"]
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)  # others could plant a library here: not used
+    assert not build._private(str(shared))
+    shared.chmod(0o700)
+    assert build._private(str(shared))
+
+
+def test_cpu_decode_refuses_a_sequence_longer_than_its_table(compiled):
+    args = _args()
+    args["seq_lens"] = args["seq_lens"].clone().fill_(10**5)
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu.paged_decode_attention(**args)

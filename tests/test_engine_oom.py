@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import engine.engine as engine_module
 from engine import LLM, SamplingParams
 from tests.test_engine import GREEDY, assert_all_blocks_free, prompts
 
@@ -113,3 +114,20 @@ def test_a_real_cuda_out_of_memory_is_survived(tiny_llama):
     assert [(o.finish_reason, len(o.token_ids)) for o in outs] == [("length", GREEDY.max_tokens)] * 4
     assert_all_blocks_free(llm)
     assert llm.generate(ps[0], GREEDY)[0].finish_reason == "length"  # still serving
+
+
+def test_recovery_ends_even_while_a_suspect_keeps_waiting(tiny_llama, monkeypatch):
+    """Suspects that better-ranked arrivals keep waiting must not hold the server at one admission
+    per step: the limit lifts ``OOM_RECOVERY_STEPS`` steps after the failure."""
+    monkeypatch.setattr(engine_module, "OOM_RECOVERY_STEPS", 8)
+    llm = LLM(tiny_llama, num_kv_blocks=512, max_model_len=512, max_num_seqs=8, scheduling_policy="priority")
+    fail_steps(llm, lambda _batch, n: n == 0)
+    eng, ps = llm.engine, prompts(6)
+    for i in range(2):
+        eng.add_request(f"suspect{i}", ps[i], GREEDY, priority=1)
+    flagged = []
+    for step in range(20):
+        eng.add_request(f"urgent{step}", ps[2 + step % 4], GREEDY, priority=0)  # one better-ranked per step
+        eng.step()
+        flagged.append(eng.scheduler.one_at_a_time)
+    assert flagged[0] and not any(flagged[9:])

@@ -309,6 +309,7 @@ def test_the_fixed_cost_of_a_step_is_not_charged_to_its_prompt_tokens():
     """The CPU regression this estimator replaced: small mixed steps whose time is mostly fixed cost
     made a prompt token look 20x dearer than it is, and the cap sat at its floor."""
     cap = PrefillCap(maximum=2048, minimum=16)
+    cap.observe(0, 4, 2.0)  # the warm-up request (its one-time costs are not counted)
     cap.observe(0, 2048, 0.30 + 0.0026 * 2048)  # an idle server's prefill
     for rows in (11, 12, 13, 14, 11, 12):
         cap.observe(rows, 16, 0.30 + 0.002 * rows + 0.0026 * 16)
@@ -318,11 +319,32 @@ def test_the_fixed_cost_of_a_step_is_not_charged_to_its_prompt_tokens():
 
 def test_the_cap_keeps_its_coefficients_non_negative():
     cap = PrefillCap(maximum=512, minimum=16)
-    for _ in range(10):  # prompt tokens cost nothing measurable (a GPU's small chunks): no cap
+    for _ in range(10):  # prompt tokens cost nothing measurable: nothing says more than the floor is safe
         cap.observe(8, 0, 0.01)
         cap.observe(8, 64, 0.0099)
-    assert min(cap.fit()) >= 0
-    assert cap.value(8) == 512
+    assert min(cap.fit()) >= 0 and cap.fit()[2] == 0
+    assert cap.value(8) == 16
+
+
+def test_one_slow_step_does_not_swing_the_cap():
+    """The first step (one-time costs: a kernel built on first use) is not counted, a later step far
+    slower than predicted counts as 4x the prediction, and nothing is learnt from NaN or inf."""
+    def device(rows, prompt):  # 20 ms a step, 1 ms a decode row, 0.2 ms a prompt token
+        return 0.020 + 0.001 * rows + 0.0002 * prompt
+    cap = PrefillCap(maximum=2048, minimum=16)
+    cap.observe(0, 512, 5.0)  # the first step: 50x what it should be
+    for i in range(30):
+        rows, prompt = 8 + i % 5, (0, 64, 128)[i % 3]
+        cap.observe(rows, prompt, device(rows, prompt))
+    assert cap.value(8) == 140  # (0.020 + 8 * 0.001) / 0.0002: not pinned to the floor by the first step
+    cap.observe(8, 0, 30.0)  # a 30 s pause in a decode step
+    cap.observe(8, 64, float("nan"))
+    cap.observe(8, 64, float("inf"))
+    assert 140 <= cap.value(8) < 2.5 * 140  # neither uncapped nor at the floor
+    for i in range(120):
+        rows, prompt = 8 + i % 5, (0, 64, 128)[i % 3]
+        cap.observe(rows, prompt, device(rows, prompt))
+    assert abs(cap.value(8) - 140) < 14  # and back
 
 
 # ----------------------------------------------------------------------------- invariants, at random

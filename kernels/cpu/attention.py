@@ -79,6 +79,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale)
     _check(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len)
     _require(q.shape[0] == seq_lens.shape[0], f"q has {q.shape[0]} rows for {seq_lens.shape[0]} sequences")
+    longest = int(seq_lens.max()) if len(seq_lens) else 0  # the C code reads this far, whatever max_seq_len says
+    _require(longest <= block_tables.shape[1] * k_cache.shape[1], f"a sequence of {longest} tokens does not fit "
+             f"block_tables of width {block_tables.shape[1]} ({k_cache.shape[1]} tokens per block)")
     b, h, d = q.shape
     q = q.contiguous()
     block_tables, seq_lens = block_tables.to(torch.int64).contiguous(), seq_lens.to(torch.int64).contiguous()

@@ -16,7 +16,9 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
+import stat
 import subprocess
 import sysconfig
 import tempfile
@@ -31,10 +33,12 @@ FLAG_SETS = (
 )
 
 
-def _compiler() -> str | None:
+def _compiler() -> list[str] | None:
+    """The C compiler's command line (``$CC`` may carry words of its own: ``ccache gcc``)."""
     for cc in (os.environ.get("CC"), sysconfig.get_config_var("CC"), "cc", "gcc", "clang"):
-        if cc and shutil.which(cc.split()[0]):
-            return cc.split()[0]
+        words = shlex.split(cc) if cc else []
+        if words and shutil.which(words[0]):
+            return words
     return None
 
 
@@ -55,12 +59,18 @@ def _cache_dir() -> Path:
         if not d:
             continue
         try:
-            os.makedirs(d, exist_ok=True)
-            if os.access(d, os.W_OK):
+            os.makedirs(d, mode=0o700, exist_ok=True)
+            if os.access(d, os.W_OK) and _private(d):
                 return Path(d)
         except OSError:
             continue
     raise OSError("no writable cache folder for compiled kernels")
+
+
+def _private(d: str) -> bool:
+    """Ours and writable by nobody else: a library another user could plant there is never loaded."""
+    st = os.stat(d)
+    return not hasattr(os, "getuid") or (st.st_uid == os.getuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
 
 
 def load(source: str) -> ctypes.CDLL | None:
@@ -74,26 +84,28 @@ def load(source: str) -> ctypes.CDLL | None:
     text = src.read_bytes()
     errors = []
     for flags in FLAG_SETS:
-        key = hashlib.sha256(b"\0".join([text, cc.encode(), " ".join(flags).encode(), _cpu_id().encode()]))
+        key = hashlib.sha256(b"\0".join([text, " ".join(cc).encode(), " ".join(flags).encode(), _cpu_id().encode()]))
         try:
             lib = _cache_dir() / f"{src.stem}-{key.hexdigest()[:16]}.so"
             if not lib.exists():
                 _compile(cc, flags, src, lib)
             return ctypes.CDLL(str(lib))
         except (OSError, subprocess.SubprocessError) as e:
-            errors.append(f"{cc} {' '.join(flags)}: {str(e).strip()[-300:]}")
+            errors.append(f"{' '.join(cc + flags)}: {str(e).strip()[-300:]}")
     log.warning("could not build %s, the CPU kernels fall back to the reference:\n%s", source, "\n".join(errors))
     return None
 
 
-def _compile(cc: str, flags: list[str], src: Path, lib: Path) -> None:
+def _compile(cc: list[str], flags: list[str], src: Path, lib: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
     os.close(fd)
     try:
-        res = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", tmp, str(src), "-lm"],
+        res = subprocess.run([*cc, *flags, "-shared", "-fPIC", "-o", tmp, str(src), "-lm"],
                              capture_output=True, text=True, timeout=120)
         if res.returncode != 0:
             raise OSError(res.stderr or f"exit status {res.returncode}")
+        with open(tmp, "rb") as f:  # on disk before its name is: a crash leaves no truncated library
+            os.fsync(f.fileno())
         os.replace(tmp, lib)  # atomic: another process sees the whole library or none
     finally:
         if os.path.exists(tmp):
