@@ -2,8 +2,8 @@
 
 Each kernel's median time (``triton.testing.do_bench``) beside: torch's (SDPA over the same context
 stored contiguously for attention, the eager reference twin in ``kernels.reference`` for the rest), and
-the floor, the bytes the kernel must move ÷ the device's copy bandwidth (measured with a 1 GiB
-device-to-device copy). ``bw`` is floor ÷ kernel time: the share of the bandwidth the kernel reaches.
+the floor, the bytes the kernel must move ÷ the device's copy bandwidth (the best of a few 1 GiB
+device-to-device copies, as ``bench_offline`` measures it). ``bw`` is floor ÷ kernel time: the share of the bandwidth the kernel reaches.
 Shapes: SmolLM2-135M's and Qwen2-0.5B's heads (head_dim 64), bf16, KV blocks of 16 tokens scattered
 as in a busy cache; decode at ``--batch`` sequences for each ``--contexts`` length, prefill of
 ``--prefill`` fresh prompts, the other kernels at the decode batch's and the prefill's token counts.
@@ -26,6 +26,8 @@ import torch.nn.functional as F
 
 # Runnable as ``python3 tools/bench_kernels.py`` from a checkout, without installing.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tools.bench_offline import measure_bandwidth  # noqa: E402
 
 MODELS = {  # attention heads, KV heads, hidden size, MLP size
     "smollm2-135m": (9, 3, 576, 1536),
@@ -115,13 +117,6 @@ def cases(model: str, batch: int, contexts: list[int], prefill: tuple[int, int])
                    lambda x=gate_up: tri.silu_and_mul(x), lambda x=gate_up: ref.silu_and_mul(x), eager)
 
 
-def copy_bandwidth(do_bench) -> float:
-    """Bytes per second of a 1 GiB device-to-device copy (read + write)."""
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    return 2 * x.numel() / (do_bench(lambda: y.copy_(x), return_mode="median") * 1e-3)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=256, help="decode batch (sequences)")
@@ -137,7 +132,7 @@ def main() -> None:
 
     contexts = [int(c) for c in args.contexts.split(",")]
     prefill = tuple(int(x) for x in args.prefill.split("x"))
-    bw = copy_bandwidth(do_bench)
+    bw = measure_bandwidth(torch.device("cuda"), 1 << 30)
     device = torch.cuda.get_device_name()
     print(f"{device}: copy bandwidth {bw / 1e9:.0f} GB/s; bf16, head_dim {HEAD_DIM}, KV blocks of {PAGE}")
     print(f"{'kernel':<24}{'model':<14}{'shape':<16}{'triton us':>10}{'torch us':>10}{'floor us':>10}"
