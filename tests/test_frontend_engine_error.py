@@ -17,29 +17,18 @@ from websockets.asyncio.client import connect
 
 from frontends.text import TextCodec
 from frontends.tokenizer import load_tokenizer
+from tests import test_frontend_scheduling
 from tests.test_frontend_metrics import delta, scrape
 from tests.test_frontend_scheduling import CHAT, post_raw, sse_events
 from tests.test_websocket import AUTH, recv, run, serving
-from tools.fake_engine import KEY, MODEL, FakeEngine, free_port, start_frontend, stop_frontend
+from tools.fake_engine import KEY, MODEL
 
 ENDPOINTS = [("/v1/completions", {"prompt": "hello world", "max_tokens": 5}),
              ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 5})]
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    e = FakeEngine(f"ipc://{tmp_path_factory.mktemp('engine-error')}/engine.sock")
-    e.start()
-    yield e
-    e.stop()
-
-
-@pytest.fixture(scope="module")
-def port(engine, smollm_tokenizer_dir):
-    p = free_port()
-    proc = start_frontend(engine.address, smollm_tokenizer_dir, p)
-    yield p
-    assert stop_frontend(proc) == 0
+# the scheduling tests' fake engine and frontend, one of each for this module
+engine, port = test_frontend_scheduling.engine, test_frontend_scheduling.port
 
 
 @pytest.fixture(autouse=True)
