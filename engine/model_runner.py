@@ -36,6 +36,7 @@ import kernels
 from engine.attention import StepIndex, build_metadata
 from engine.config import EngineConfig
 from engine.loader import build_model, load_model_config
+from engine.models.layers import ColumnLinear, LMHead, RowLinear
 from engine.parallel import StepInput, TPGroup, local_model_config
 from engine.protocol import SamplingParams
 from engine.request import Request
@@ -83,6 +84,8 @@ class ModelRunner:
         self.local_cfg = local_model_config(self.model_cfg, self.tp.size)  # this rank's heads
         torch.manual_seed(config.seed)
         self.model = build_model(model_path, self.model_cfg, max_model_len, dtype, device, self.tp)
+        if device.type == "cpu":  # which CPU GEMM serves which layer, measured on these weights
+            kernels.tune_linear([m.weight for m in self.model.modules() if isinstance(m, (ColumnLinear, RowLinear, LMHead))])
         self.block_size, self.device, self.dtype = config.block_size, device, dtype
         self.sampler = Sampler(self.model_cfg.vocab_size, list(self.model_cfg.eos_token_ids), device, config.seed)
         cuda_budget = None

@@ -21,6 +21,7 @@ import os
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 
 from kernels import cpu, reference
 
@@ -84,6 +85,21 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                                             out_index, max_seq_len, scale)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``; for CPU tensors (``auto``) ``kernels.cpu.linear``, which takes the steps of few
+    rows where ``tune_linear`` measured its C kernel faster."""
+    if _backend == "auto" and x.device.type == "cpu":
+        return cpu.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def tune_linear(weights: list[torch.Tensor]) -> None:
+    """Decide which CPU linear serves each of these weights' shapes (``kernels.cpu.matmul.tune``);
+    nothing for CUDA tensors or other backends."""
+    if _backend == "auto":
+        cpu.tune_linear(weights)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _pick(x).rms_norm(x, weight, eps)
 
@@ -103,5 +119,5 @@ def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
 
 set_backend(os.environ.get("TOKENMILL_KERNELS", "auto"))
 
-__all__ = ["BACKENDS", "apply_rope_", "backend", "fused_add_rms_norm", "paged_decode_attention",
-           "paged_prefill_attention", "rms_norm", "set_backend", "silu_and_mul", "store_kvcache"]
+__all__ = ["BACKENDS", "apply_rope_", "backend", "fused_add_rms_norm", "linear", "paged_decode_attention",
+           "paged_prefill_attention", "rms_norm", "set_backend", "silu_and_mul", "store_kvcache", "tune_linear"]

@@ -1,7 +1,8 @@
 """The CPU kernels (``kernels.cpu``: paged attention reading each sequence's K/V blocks where
 they sit, decode in compiled C) against their reference twins on the shared cases
 (``tests/paged_cases.py``), with NaN in every cache slot no sequence owns; the argument checks;
-the dispatch; and the clean fall back to the reference where no C compiler works.
+the dispatch; and the clean fall back to the reference where no C compiler works. The C linear
+kernel for steps of few rows against torch, its tuning and dispatch.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 import kernels
 import kernels.cpu as cpu
 import kernels.reference as ref
-from kernels.cpu import attention, build
+from kernels.cpu import attention, build, matmul
 from tests.paged_cases import (
     ATTN_TOL,
     BF16,
@@ -212,3 +213,115 @@ def test_cpu_decode_refuses_a_sequence_longer_than_its_table(compiled):
     args["seq_lens"] = args["seq_lens"].clone().fill_(10**5)
     with pytest.raises(ValueError, match="does not fit"):
         cpu.paged_decode_attention(**args)
+
+
+# ---------------------------------------------------------------- linear (kernels/cpu/matmul.c)
+
+LINEAR_SHAPES = [  # (M, N, K): N past a whole block of 6 rows, K not a multiple of 8, 1 row, many rows
+    (1, 7, 13), (1, 96, 64), (2, 6, 16), (3, 12, 24), (4, 31, 40), (5, 64, 72), (7, 33, 8), (17, 50, 100),
+    (64, 96, 64),
+]
+LINEAR_TOL = {F32: dict(rtol=1e-5, atol=1e-5), BF16: dict(rtol=1e-2, atol=1e-2)}
+
+
+@pytest.fixture
+def c_linear():
+    if matmul._library() is None:
+        pytest.skip("no working C compiler here: linear stays with torch")
+    yield
+    matmul.reset()
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+@pytest.mark.parametrize("m,n,k", LINEAR_SHAPES, ids=lambda v: str(v))
+def test_cpu_linear_matches_torch(m, n, k, bias, dtype, c_linear):
+    x, w = randn(m, k, dtype=dtype), randn(n, k, dtype=dtype)
+    b = randn(n, dtype=dtype) if bias else None
+    out = matmul.linear_c(x, w, b)
+    want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+    assert out.dtype == dtype and out.shape == (m, n) and not out.isnan().any()
+    torch.testing.assert_close(out.float(), want, **LINEAR_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+def test_cpu_linear_row_results_do_not_depend_on_the_batch(dtype, c_linear):
+    """A row computes the same bits alone or among others (one row takes another tile shape)."""
+    x, w = randn(11, 72, dtype=dtype), randn(37, 72, dtype=dtype)
+    together = matmul.linear_c(x, w)
+    for i in range(len(x)):
+        assert torch.equal(matmul.linear_c(x[i:i + 1], w)[0], together[i])
+
+
+def test_cpu_linear_takes_strided_and_3d_inputs(monkeypatch, c_linear):
+    monkeypatch.setenv("TOKENMILL_CPU_LINEAR_ROWS", "8")
+    w = randn(20, 16)
+    matmul.tune([w])
+    x = randn(2, 3, 32)[..., ::2]  # (2, 3, 16), not contiguous: 6 rows
+    torch.testing.assert_close(kernels.linear(x, w), torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_linear_dispatch_follows_the_tuning(monkeypatch, c_linear):
+    calls = []
+    real = matmul.linear_c
+    monkeypatch.setattr(matmul, "linear_c", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    w, other = randn(12, 16), randn(12, 24)
+    monkeypatch.setenv("TOKENMILL_CPU_LINEAR_ROWS", "4")
+    assert matmul.tune([w, w]) == {(12, 16, F32): (1, 2, 4)}  # logged and returned once per shape
+    for rows in (1, 3, 4, 5, 40):
+        kernels.linear(randn(rows, 16), w)
+    kernels.linear(randn(2, 24), other)  # a shape never tuned: torch
+    monkeypatch.setattr(kernels, "_backend", "reference")  # TOKENMILL_KERNELS=reference: torch everywhere
+    kernels.linear(randn(2, 16), w)
+    assert calls == [1, 3, 4]
+
+    monkeypatch.setattr(kernels, "_backend", "auto")
+    monkeypatch.setenv("TOKENMILL_CPU_LINEAR_ROWS", "0")
+    matmul.tune([w])
+    kernels.linear(randn(1, 16), w)
+    assert calls == [1, 3, 4]
+
+    monkeypatch.setenv("TOKENMILL_CPU_LINEAR_ROWS", "lots")
+    with pytest.raises(ValueError, match="TOKENMILL_CPU_LINEAR_ROWS"):
+        matmul.tune([w])
+
+
+def test_cpu_linear_measured_tuning(monkeypatch, c_linear):
+    monkeypatch.delenv("TOKENMILL_CPU_LINEAR_ROWS", raising=False)
+    ws = [randn(64, 32) for _ in range(3)] + [randn(8, 8, dtype=BF16)]
+    taken = matmul.tune(ws)
+    assert set(taken) == {(64, 32, F32), (8, 8, BF16)}
+    for shape, rows in taken.items():
+        assert set(rows) <= set(matmul.ROWS)
+        use = matmul._use_c[shape]
+        assert 1 <= len(use) <= len(matmul.ROWS) and rows == tuple(m for m, c in zip(matmul.ROWS, use, strict=False) if c)
+
+
+def test_cpu_linear_without_a_compiler_stays_with_torch(monkeypatch):
+    monkeypatch.delenv("TOKENMILL_CPU_LINEAR_ROWS", raising=False)
+    monkeypatch.setattr(matmul, "_library", lambda: None)
+    w = randn(12, 16)
+    try:
+        assert matmul.tune([w]) == {(12, 16, F32): ()}
+        x = randn(2, 16)
+        assert torch.equal(kernels.linear(x, w), torch.nn.functional.linear(x, w))
+        with pytest.raises(RuntimeError, match="could not be built"):
+            matmul.linear_c(x, w)
+    finally:
+        matmul.reset()
+
+
+BAD_LINEAR = {
+    "K mismatch": ((randn(2, 8), randn(4, 9), None), "must be"),
+    "1-D x": ((randn(8), randn(4, 8), None), "must be"),
+    "mixed dtypes": ((randn(2, 8), randn(4, 8, dtype=BF16), None), "one dtype"),
+    "float16": ((randn(2, 8, dtype=F16), randn(4, 8, dtype=F16), None), "one dtype"),
+    "bias length": ((randn(2, 8), randn(4, 8), randn(5)), r"bias must be \(4,\)"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_LINEAR)
+def test_cpu_linear_refuses_bad_arguments(case, c_linear):
+    args, message = BAD_LINEAR[case]
+    with pytest.raises(ValueError, match=message):
+        matmul.linear_c(*args)

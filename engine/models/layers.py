@@ -53,7 +53,7 @@ class ColumnLinear(nn.Module):
         getattr(self, kind)[start:start + n].copy_(tensor.narrow(0, self.starts[part], n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.weight, self.bias)
+        return kernels.linear(x, self.weight, self.bias)
 
 
 class RowLinear(nn.Module):
@@ -75,7 +75,7 @@ class RowLinear(nn.Module):
         getattr(self, kind).copy_(tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(nn.functional.linear(x, self.weight))
+        y = self.tp.all_reduce(kernels.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 
@@ -129,7 +129,7 @@ class LMHead(nn.Module):
         self.shard.load(tensor)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = nn.functional.linear(hidden, self.weight).float()  # (N, V/T)
+        logits = kernels.linear(hidden, self.weight).float()  # (N, V/T)
         if self.tp.size == 1:
             return logits
         full = self.tp.gather_last_dim(logits)

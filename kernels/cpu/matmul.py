@@ -1,0 +1,165 @@
+"""``y = x W^T (+ b)`` for CPU tensors: torch's GEMM, or ``matmul.c`` for steps of few rows.
+
+Decoding multiplies a handful of rows by every weight of the model, once per token. There
+torch's GEMM (MKL) is far from the memory floor: on a 2-core AVX2 EPYC, fp32, it read the
+weights at 7-8 GB/s for one row and at 2-3 GB/s for 2 to 32 rows, against 17 GB/s measured
+for a copy, and bf16 without native bf16 instructions ran at 15 GFLOP/s whatever the rows.
+``matmul.c`` streams each weight once and multiplies it by every row from registers.
+
+Which is faster depends on the CPU and the row count (on one with AMX or avx512_bf16, oneDNN's
+bf16 GEMM beats any widening loop; here torch's bf16 matrix-vector product is fine at one row),
+so it is measured, not assumed: ``tune`` times both on the model's own weights (all the weights
+of a shape, so they stream from memory as in a step) at 1, 2, 4, ... rows, on at most 64 MiB of them. A step of ``m`` rows
+goes where the smallest measured row count ``>= m`` went faster; past the last measured, or past
+the first loss at 16 rows or more (the GEMM's turf), to torch. ``TOKENMILL_CPU_LINEAR_ROWS=n``
+skips the measuring: the C kernel up to ``n`` rows for every shape (0: never), for runs that must
+not depend on a timing. A shape never tuned goes to torch.
+
+Within the C kernel a row's result does not depend on how many rows share the step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import math
+import os
+import time
+from bisect import bisect_left
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu.build import load
+
+log = logging.getLogger("tokenmill.kernels")
+
+_KERNELS = {torch.float32: "linear_f32", torch.bfloat16: "linear_bf16"}
+ROWS = (1, 2, 4, 8, 16, 32, 64)  # the row counts tune tries; more rows go to torch
+STREAM_BYTES = 64 << 20  # weights timed per shape: more than a CPU's last-level cache
+# (N, K, dtype) -> for each of ROWS, whether the C kernel takes steps of up to that many rows (and
+# more than the one before)
+_use_c: dict[tuple[int, int, torch.dtype], tuple[bool, ...]] = {}
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    lib = load("matmul.c")
+    if lib is not None:
+        for name in _KERNELS.values():
+            fn = getattr(lib, name)
+            fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+            fn.restype = None
+    return lib
+
+
+def _fixed_rows() -> int | None:
+    value = os.environ.get("TOKENMILL_CPU_LINEAR_ROWS")
+    if value is None:
+        return None
+    try:
+        return max(0, int(value))
+    except ValueError:
+        raise ValueError(f"TOKENMILL_CPU_LINEAR_ROWS must be a whole number, got {value!r}") from None
+
+
+def linear_c(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The C kernel, always: x (M, K), weight (N, K), bias (N) or None; one dtype, fp32 or bf16."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x must be (M, K) and weight (N, K), got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if x.dtype not in _KERNELS or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise ValueError(f"x, weight and bias must share one dtype of {', '.join(map(str, _KERNELS))}, got "
+                         f"{x.dtype}, {weight.dtype}, {None if bias is None else bias.dtype}")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias must be ({weight.shape[0]},), got {tuple(bias.shape)}")
+    if not all(t.device.type == "cpu" for t in (x, weight) + (() if bias is None else (bias,))):
+        raise ValueError("the C linear kernel takes CPU tensors only")
+    if _library() is None:
+        raise RuntimeError("the C linear kernel could not be built here (see the warning above)")
+    x, weight = x.contiguous(), weight.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    (m, k), n = x.shape, weight.shape[0]
+    y = x.new_empty(m, n)
+    getattr(_library(), _KERNELS[x.dtype])(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                                           y.data_ptr(), m, n, k, torch.get_num_threads())
+    return y
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, by the C kernel where ``tune`` found it faster for this many rows."""
+    rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+    use = _use_c.get((weight.shape[0], weight.shape[-1], weight.dtype), ()) if weight.dim() == 2 else ()
+    bucket = bisect_left(ROWS, rows)
+    if not 0 < rows or bucket >= len(use) or not use[bucket] or x.dtype != weight.dtype or x.device.type != "cpu":
+        return F.linear(x, weight, bias)
+    return linear_c(x.reshape(rows, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+
+def tune(weights: list[torch.Tensor]) -> dict[tuple[int, int, torch.dtype], tuple[int, ...]]:
+    """Decide, per (N, K, dtype) among ``weights`` (2-D, on the CPU), for which row counts the C
+    kernel takes a step; returns, per shape, the ``ROWS`` buckets it takes (also logged). Costs about
+    a second for a model of 135M parameters on 2 cores."""
+    start = time.perf_counter()
+    by_shape: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    seen = set()
+    for w in weights:
+        if w.dim() == 2 and w.device.type == "cpu" and w.dtype in _KERNELS and w.data_ptr() not in seen:
+            seen.add(w.data_ptr())  # a tied embedding is the LM head's weight: timed once
+            by_shape[(w.shape[0], w.shape[1], w.dtype)].append(w.contiguous())
+    fixed = _fixed_rows()
+    if fixed is None and by_shape and _library() is None:
+        fixed = 0
+    for shape, ws in by_shape.items():
+        _use_c[shape] = tuple(m <= fixed for m in ROWS) if fixed is not None else _measure(ws)
+    taken = {s: tuple(m for m, c in zip(ROWS, _use_c[s], strict=False) if c) for s in by_shape}
+    if by_shape:
+        log.info("CPU linear: the C kernel takes steps of %s rows, torch the others (%s in %.1f s)", "; ".join(
+            f"{_spans(_use_c[s])} for {s[0]}x{s[1]}" for s in by_shape),
+            "TOKENMILL_CPU_LINEAR_ROWS" if fixed is not None else "measured", time.perf_counter() - start)
+    return taken
+
+
+def _spans(use: tuple[bool, ...]) -> str:
+    """The row counts ``use`` sends to the C kernel, as ranges: "1-16, 33-64", or "no"."""
+    spans: list[list[int]] = []
+    for i, c in enumerate(use):
+        lo = ROWS[i - 1] + 1 if i else 1
+        if c and spans and spans[-1][1] == lo - 1:
+            spans[-1][1] = ROWS[i]
+        elif c:
+            spans.append([lo, ROWS[i]])
+    return ", ".join(f"{a}-{b}" if a < b else str(a) for a, b in spans) or "no"
+
+
+def _measure(ws: list[torch.Tensor]) -> tuple[bool, ...]:
+    """For each of ``ROWS`` in turn, whether the C kernel beat torch on ``ws`` (on its first
+    ``STREAM_BYTES``: enough to stream from memory); cut short by a loss at 16 rows or more."""
+    ws = ws[:max(1, STREAM_BYTES // (ws[0].numel() * ws[0].element_size()))]
+    wins = []
+    gen = torch.Generator().manual_seed(0)
+    for m in ROWS:
+        x = torch.randn(m, ws[0].shape[1], generator=gen).to(ws[0].dtype)
+        seconds = _time(linear_c, x, ws, math.inf)
+        wins.append(_time(F.linear, x, ws, seconds) > seconds)
+        if m >= 16 and not wins[-1]:
+            break
+    return tuple(wins)
+
+
+def _time(fn: Callable, x: torch.Tensor, ws: list[torch.Tensor], limit: float) -> float:
+    """Seconds for ``fn(x, w)`` over ``ws``, or inf once past ``limit`` (the other kernel's)."""
+    fn(x, ws[0])  # warm: page faults, the library loaded
+    start = time.perf_counter()
+    for w in ws:
+        fn(x, w)
+        if time.perf_counter() - start > limit:
+            return math.inf
+    return time.perf_counter() - start
+
+
+def reset() -> None:
+    """Forget every decision (tests)."""
+    _use_c.clear()
