@@ -15,7 +15,9 @@ collide with another tenant's. A block is findable as soon as a step is
 scheduled to fill it, so requests admitted together (``n`` > 1 samples, a burst
 sharing a system prompt) share it from the first step: one forward pass stores
 every new token's K/V before any attention reads the cache. The scheduler keeps
-the request computing such a *pending* block in its step (``providers``).
+the request computing such a *pending* block in its step (``providers``). A block
+holding a token that a step in flight samples (asynchronous scheduling) cannot be
+named yet: it is offered when the request is next scheduled, its tokens known.
 
 Freed blocks keep their contents and hash: they count as free, and are only
 evicted when a block is needed and no block without contents is left, least
@@ -90,7 +92,7 @@ class BlockManager:
         them if that request leaves the step (preempted) without computing them."""
         if not self.enable_prefix_caching:
             return
-        num_full = num_tokens // self.block_size
+        num_full = min(num_tokens, req.num_tokens) // self.block_size  # (not past a token still in flight)
         if num_full <= req.num_cached_blocks:
             return
         hashes = self._hashes(req, num_full)

@@ -20,7 +20,7 @@ import re
 import sys
 from urllib.parse import urlsplit
 
-from engine.config import DEVICES, DTYPES, POLICIES, EngineConfig
+from engine.config import ASYNC_SCHEDULING, DEVICES, DTYPES, POLICIES, EngineConfig
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -52,6 +52,10 @@ def _engine_flags(p: argparse.ArgumentParser, generate: bool = False) -> None:
     g.add_argument("--enforce-eager", action="store_true", default=None,
                    help="CUDA: run every step eagerly, without capturing decode steps as CUDA graphs "
                         "(slower decode; quicker start-up, a little less memory) (default: graphs on CUDA)")
+    g.add_argument("--async-scheduling", choices=ASYNC_SCHEDULING, default=None,
+                   help="schedule and prepare the next step while the current one runs on the device; auto = on "
+                        "CUDA, off on the CPU (nothing to overlap there); always off under tensor parallel "
+                        f"(default: {d['async_scheduling']})")
     if generate:
         return
     g.add_argument("--served-model-name", default=None,

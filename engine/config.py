@@ -13,6 +13,7 @@ from dataclasses import dataclass
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 POLICIES = ("fcfs", "priority", "short-first")  # engine.request_queue has one queue for each
+ASYNC_SCHEDULING = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,8 @@ class EngineConfig:
     request_timeout: float | None = None  # seconds; a request without its own timeout gets this one
     seed: int = 0
     enforce_eager: bool = False  # CUDA: no CUDA graphs, every decode step runs eagerly (vLLM's --enforce-eager)
+    # schedule step N+1 while step N runs (engine.engine); auto = on CUDA, off on the CPU
+    async_scheduling: str = "auto"
     tensor_parallel_size: int = 1  # ranks the model is split over (engine.parallel); rank 0 is the engine
     # tensor parallel across machines (torchrun's names): the ranks spread evenly over nnodes hosts;
     # node 0 runs the engine (rank 0), node k > 0 only its workers (engine.tp_worker.run_node)
@@ -78,6 +81,8 @@ class EngineConfig:
             bad(f"request_timeout must be a positive number of seconds, got {self.request_timeout}")
         if not isinstance(self.enforce_eager, bool):
             bad(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
+        if self.async_scheduling not in ASYNC_SCHEDULING:
+            bad(f"async_scheduling must be one of {', '.join(ASYNC_SCHEDULING)}, got {self.async_scheduling!r}")
         if self.tensor_parallel_size < 1:
             bad(f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}")
         if self.nnodes < 1:

@@ -3,6 +3,18 @@
 ``step()`` is schedule → run → postprocess and does no I/O; the actor in
 ``engine.server`` (or ``LLM`` offline) drives it.
 
+Asynchronous scheduling (``async_scheduling``, ``--async-scheduling``; ``auto``: on CUDA, not on
+the CPU, where the host has nothing to overlap with) hides the host's work behind the device's,
+as vLLM v1 and SGLang's overlap loop do: ``step()`` schedules and launches step N+1 while step N
+runs, then waits for N's tokens and returns N's deltas; N+1 stays in flight across the call
+(``has_work()`` stays true while it does). A request that samples in N is scheduled in N+1 for
+one more token, whose input is N's token, taken on the device. One that N finishes (stop token,
+or an abort or timeout meanwhile) has its N+1 token dropped, never emitted; its blocks are freed
+at once (one stream: later steps run after N+1). Steps fall back to synchronous when the next
+needs N's tokens on the host: a request in N with repetition, frequency or presence penalties
+(the sampler counts its tokens). Under tensor parallelism steps are always synchronous: the
+workers get each step's token ids from the host.
+
 A step that runs out of device memory is rolled back and the engine keeps serving:
 its requests wait again and come back one at a time; a request that is in a second
 failing step (or alone in one) ends with finish reason "error", so one request too
@@ -13,13 +25,14 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.model_path import model_name, resolve_model_path
-from engine.model_runner import ModelRunner, StepResult
+from engine.model_runner import Launched, ModelRunner, StepResult
 from engine.prefill_cap import PrefillCap
 from engine.protocol import Delta, Ready, SamplingParamError, SamplingParams, Stats
 from engine.request import Request, Status
@@ -30,6 +43,20 @@ from engine.scheduler import PromptTooLong, QueueFull, ScheduledBatch, Scheduler
 log = logging.getLogger("tokenmill.engine")
 
 OOM_RECOVERY_STEPS = 64  # steps after an out-of-memory step before admissions are back to normal regardless
+
+
+@dataclass
+class InFlight:
+    """A step launched and not yet collected (asynchronous scheduling)."""
+
+    batch: ScheduledBatch
+    launched: Launched
+
+    @property
+    def can_overlap(self) -> bool:
+        """Whether the next step may be scheduled before this one's tokens reach the host: not when
+        a request sampling in it has penalties (the sampler builds them from the host's lists)."""
+        return not any(r.sampling_state.needs_penalties for r in self.launched.sampled)
 
 
 class RequestError(Exception):
@@ -69,6 +96,12 @@ class Engine:
         # they sample a token: while there are any, the scheduler admits one at a time
         self._oom_suspects: dict[str, tuple[Request, int]] = {}
         self._steps_since_oom = 0
+        self.async_scheduling = config.async_scheduling == "on" or (
+            config.async_scheduling == "auto" and self.runner.device.type == "cuda")
+        if self.async_scheduling and self.runner.tp.size > 1:
+            log.info("asynchronous scheduling off: not under tensor parallelism")
+            self.async_scheduling = False
+        self._in_flight: InFlight | None = None
         per_token = kv_block_bytes(self.runner.model_cfg, 1, facts.dtype)
         log.info("engine ready: %s on %s (%s); KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB, "
                  "%d bytes per token), prefix caching %s; max_model_len %d: at most %.1f requests of that "
@@ -106,7 +139,7 @@ class Engine:
                 self.scheduler.finish(req, "abort")
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._in_flight is not None
 
     def stats(self) -> Stats:
         bm, s = self.block_manager, self.scheduler
@@ -117,9 +150,11 @@ class Engine:
     def step(self) -> list[Delta]:
         if self.scheduler.one_at_a_time:
             self._forget_cleared_suspects()
+        if self.async_scheduling:
+            return self._step_overlapped()
         batch = self.scheduler.schedule()
         result, errored = self._run(batch)
-        return self._postprocess(batch, result, errored)
+        return self._postprocess([*batch.timed_out, *errored], result)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (also done at exit)."""
@@ -167,6 +202,54 @@ class Engine:
         # (out here, the exception's traceback, which holds the failed step's tensors, is gone)
         return StepResult([], None), self._recover_from_oom(failed)
 
+    def _step_overlapped(self) -> list[Delta]:
+        """Schedule and launch step N+1 while step N (launched by the last call) runs, then collect N:
+        N's deltas (and those of the requests N+1's scheduling or failure ended)."""
+        prev, deltas = self._in_flight, []
+        if prev is not None and not prev.can_overlap:
+            result = self._collect(prev)  # (should it raise, the step stays in flight)
+            self._in_flight = prev = None
+            deltas = self._postprocess([], result)
+        batch = self.scheduler.schedule()
+        self._in_flight = None
+        failed = self._launch(batch, prev)
+        if prev is not None:
+            deltas += self._postprocess([], self._collect(prev))
+        # recovered only now: a request that failed with a token in flight has it, and counts it
+        errored = self._recover_from_oom(failed) if failed else []
+        return deltas + self._postprocess([*batch.timed_out, *errored], StepResult([], None))
+
+    def _launch(self, batch: ScheduledBatch, prev: InFlight | None) -> list[Request]:
+        """Launch ``batch`` behind ``prev`` (the step in flight, if any): it is in flight then. If it
+        runs out of memory: rolled back, and its requests returned for ``_recover_from_oom``."""
+        if not batch:
+            return []
+        try:
+            launched = self.runner.launch(batch, prev.launched if prev is not None else None)
+        except BaseException as e:  # as in _run; the step in flight is still to be collected
+            failed = list(batch.requests)
+            self.scheduler.rollback(batch)
+            if not isinstance(e, torch.OutOfMemoryError):
+                self._in_flight = prev
+                raise
+        else:
+            self.scheduler.launched(batch)
+            for req in launched.sampled:
+                req.num_in_flight += 1
+            self._in_flight = InFlight(batch, launched)
+            return []
+        return failed
+
+    def _collect(self, flight: InFlight) -> StepResult:
+        """Wait for the step in flight's tokens (they are no longer in flight)."""
+        result = self.runner.collect(flight.launched)
+        # the step's own time, not launch to collect: that span holds the next step's launch (on the CPU,
+        # its whole forward) and, on CUDA, the wait for the step queued ahead
+        self.scheduler.observe(flight.batch, flight.launched.seconds())
+        for req in result.sampled:
+            req.num_in_flight -= 1
+        return result
+
     def _recover_from_oom(self, failed: list[Request]) -> list[Request]:
         """After a step of ``failed`` ran out of memory (and was rolled back): free what the allocator
         caches, end the requests that failed alone or for the second time, and let the others come back
@@ -178,6 +261,8 @@ class Engine:
                     sum(r.num_tokens for r in failed))
         ended = []
         for req in failed:
+            if req.status is Status.FINISHED:  # (asynchronous scheduling) by the token it had in flight
+                continue
             if len(failed) == 1 or req.request_id in self._oom_suspects:
                 log.error("request %s ends with finish_reason 'error': out of memory in %s (%d tokens)",
                           req.request_id, "a step of its own" if len(failed) == 1 else "a second step",
@@ -204,9 +289,10 @@ class Engine:
             log.info("out-of-memory recovery over: up to %d requests run at once again",
                      self.scheduler.max_num_seqs)
 
-    def _postprocess(self, batch: ScheduledBatch, result: StepResult, errored: list[Request]) -> list[Delta]:
+    def _postprocess(self, ended: list[Request], result: StepResult) -> list[Delta]:
+        """Deltas for the requests ``ended`` (timed out or errored: finished already) and for ``result``'s."""
         deltas = []
-        for req in [*batch.timed_out, *errored]:  # finished by the scheduler already
+        for req in ended:
             del self.requests[req.request_id]
             deltas.append(Delta(req.request_id, [], req.finish_reason, num_prompt_tokens=req.num_prompt_tokens,
                                 num_cached_tokens=req.num_cached_tokens))
@@ -214,6 +300,8 @@ class Engine:
             return deltas
         out = result.output
         for i, req in enumerate(result.sampled):
+            if req.status is Status.FINISHED:  # (asynchronous scheduling) ended while this token was in flight
+                continue
             token = out.token_ids[i]
             first = not req.output_token_ids
             req.append_token(token)

@@ -16,6 +16,11 @@ captured at start-up for a few batch sizes (``decode_buckets``): such a step is 
 next size with one-token sequences that write and read only a scratch KV block, one past the
 blocks the block manager hands out, and whose logits nobody asks for.
 
+A step is ``launch``ed (inputs staged, forward, sampler: all queued on the device, nothing waited
+for) then ``collect``ed (its ids copied to the host: the sync); ``execute`` does both. Under
+asynchronous scheduling the engine launches step N+1 before collecting N: a request with a token
+in flight gets it as its input from N's sampled ids, gathered on the device by row.
+
 Under tensor parallelism (``engine.parallel``) rank 0's runner starts the other ranks,
 whose runners mirror it: each step rank 0 turns the batch into a plain-data ``StepInput``,
 sends it to them (``TPGroup.driving``) and every rank runs ``forward_step`` on it; rank 0
@@ -48,7 +53,7 @@ from engine.runtime import (
     pick_dtype,
     pick_max_model_len,
 )
-from engine.sampler import Sampler, SamplerOutput, SamplingState, compute_logprobs
+from engine.sampler import Sampled, Sampler, SamplerOutput, SamplingState, compute_logprobs
 from engine.scheduler import ScheduledBatch
 from engine.step_buffers import BlockTables, DecodeGraphs, Staging, cuda_graph_capture, decode_buckets, ints
 from engine.tp_worker import launch
@@ -63,6 +68,27 @@ class StepResult:
 
 
 @dataclass
+class Launched:
+    """A step on its way: what it samples is still on the device (``collect`` waits for it)."""
+
+    sampled: list[Request]  # in row order
+    output: Sampled | None
+    launch_seconds: float = 0.0  # the launch's time on the host (on the CPU, the whole step's compute)
+    events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # CUDA: around the step's device work
+
+    def seconds(self) -> float:
+        """How long the step took the device, once collected: between its CUDA events, or on the CPU
+        (which computes as it launches) the launch's time."""
+        if self.events is None:
+            return self.launch_seconds
+        return self.events[0].elapsed_time(self.events[1]) / 1e3
+
+    def rows(self) -> dict[str, int]:
+        """Request id -> its row of ``output.ids``."""
+        return {r.request_id: i for i, r in enumerate(self.sampled)}
+
+
+@dataclass
 class DriverStep(StepInput):
     """Rank 0's step: where each sequence's block table is in the runner's ``BlockTables``, and
     the writes that bring them up to date (the workers get the tables whole instead)."""
@@ -70,6 +96,11 @@ class DriverStep(StepInput):
     table_rows: list[int] = field(default_factory=list)
     write_at: list[int] = field(default_factory=list)  # flat index into the tables
     write_ids: list[int] = field(default_factory=list)  # the block id to write there
+    # asynchronous scheduling: rows of token_ids whose token a step in flight samples, its rows of
+    # those ids, and the ids (on the device)
+    in_flight_at: list[int] = field(default_factory=list)
+    in_flight_from: list[int] = field(default_factory=list)
+    in_flight_ids: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -158,24 +189,48 @@ class ModelRunner:
         if kept is not None:  # called again on a running engine (tests): put the real cache back
             self._point_layers_at(kept)
 
-    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepResult:
-        step, sampled, logprob_spans = self._prepare(batch)
+        """Run ``batch`` and wait for its tokens."""
+        return self.collect(self.launch(batch))
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, in_flight: Launched | None = None) -> Launched:
+        """Run ``batch`` up to its sampled ids on the device, without waiting for them (bar prompt
+        logprobs, which sync). ``in_flight``: the step still running, whose sampled ids are the inputs
+        of the requests it left a token in flight (gathered on the device: no host round trip)."""
+        start = time.perf_counter()
+        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \
+            if self.device.type == "cuda" else None
+        step, sampled, logprob_spans = self._prepare(batch, in_flight)
+        if events is not None:
+            events[0].record()
         with self.tp.driving(step):  # the other ranks get the step first; one that died fails it
             logits = self.forward_step(step)  # (R, V): the prompt-logprob rows, then the sample rows
         n = len(step.logits_rows) - len(sampled)
         if logprob_spans:
             self._prompt_logprobs(logprob_spans, logits[:n])
         if not sampled:
-            return StepResult([], None)
-        out = self.sampler(
+            return self._launched([], None, start, events)
+        out = self.sampler.sample(
             logits[n:],
             [r.params for r in sampled],
             [r.sampling_state for r in sampled],
             [r.prompt_token_ids for r in sampled],
             [r.output_token_ids for r in sampled],
+            [r.num_sampled for r in sampled],
         )
-        return StepResult(sampled, out)
+        return self._launched(sampled, out, start, events)
+
+    @staticmethod
+    def _launched(sampled: list[Request], out: Sampled | None, start: float,
+                  events: tuple[torch.cuda.Event, torch.cuda.Event] | None) -> Launched:
+        if events is not None:
+            events[1].record()
+        return Launched(sampled, out, time.perf_counter() - start, events)
+
+    def collect(self, launched: Launched) -> StepResult:
+        """The launched step's tokens on the host: waits for the device."""
+        return StepResult(launched.sampled, launched.output.result() if launched.output is not None else None)
 
     @torch.inference_mode()
     def forward_step(self, step: StepInput) -> torch.Tensor | None:
@@ -186,12 +241,16 @@ class ModelRunner:
         else:  # a tensor-parallel worker
             rows, write_at, write_ids = self.block_tables.whole(step.block_tables)
         index = StepIndex.build(step.query_lens, step.computed_lens, rows)
+        gather = {"in_flight_at": ints(step.in_flight_at), "in_flight_from": ints(step.in_flight_from)} \
+            if isinstance(step, DriverStep) and step.in_flight_at else {}
         dev = self.staging({"token_ids": ints(step.token_ids), "logits_rows": ints(step.logits_rows),
-                            "write_at": write_at, "write_ids": write_ids, **index.tensors})
+                            "write_at": write_at, "write_ids": write_ids, **index.tensors, **gather})
         tables = self.block_tables.write(dev["write_at"], dev["write_ids"])
         index.tensors = dev
         positions, meta = index.metadata(tables, self.block_size)
         ids = dev["token_ids"]
+        if isinstance(step, DriverStep) and step.in_flight_at:
+            ids[dev["in_flight_at"]] = step.in_flight_ids[dev["in_flight_from"]]
         if self.graphs is not None and meta.prefill is None and len(ids) in self.graphs.replays:
             hidden = self.graphs.replay(ids, positions, meta)
         else:
@@ -200,9 +259,13 @@ class ModelRunner:
             return None
         return self.model.compute_logits(hidden[dev["logits_rows"]])
 
-    def _prepare(self, batch: ScheduledBatch) -> tuple[DriverStep, list[Request], list[tuple[Request, int, int]]]:
+    def _prepare(self, batch: ScheduledBatch,
+                 in_flight: Launched | None) -> tuple[DriverStep, list[Request], list[tuple[Request, int, int]]]:
         reqs, counts = batch.requests, batch.num_new_tokens
         starts = [r.num_computed_tokens for r in reqs]
+        in_flight_rows = in_flight.rows() if in_flight is not None else {}
+        gather_at: list[int] = []  # rows whose token the step in flight samples...
+        gather_from: list[int] = []  # ...and its row there
         tokens: list[int] = []
         sampled: list[Request] = []  # sequences whose every token is now computed
         sample_rows: list[int] = []  # their last token's row in the flat batch
@@ -211,6 +274,10 @@ class ModelRunner:
         for r, c, n in zip(reqs, starts, counts, strict=True):
             row = len(tokens)
             tokens.extend(r.all_token_ids[c:c + n])
+            if len(tokens) < row + n:  # past the tokens known: the one a step in flight samples (a decode)
+                gather_at.append(len(tokens))
+                gather_from.append(in_flight_rows[r.request_id])
+                tokens.append(0)
             if r.params.prompt_logprobs is not None and c < r.num_prompt_tokens:
                 if r.prompt_logprobs is None:
                     r.prompt_logprobs = [None]  # the first token has no context
@@ -221,12 +288,13 @@ class ModelRunner:
                 if hi > lo:
                     logprob_rows.extend(range(row + lo - c, row + hi - c))
                     spans.append((r, lo, hi))
-            if c + n == r.num_tokens:
+            if c + n == r.num_tokens + r.num_in_flight:
                 sampled.append(r)
                 sample_rows.append(len(tokens) - 1)
         rows, write_at, write_ids = self.block_tables.update(reqs)
         step = DriverStep(counts, starts, [r.block_table for r in reqs], tokens, logprob_rows + sample_rows,
-                          rows, write_at, write_ids)
+                          rows, write_at, write_ids, gather_at, gather_from,
+                          in_flight.output.ids if gather_at else None)
         if self.decode_buckets and max(counts) == 1:
             self._pad(step)
         return step, sampled, spans

@@ -3,6 +3,10 @@ caught up with them (``num_computed_tokens``), its blocks and its sampling state
 
 Torch-free. The scheduler moves requests between waiting and running; the
 block manager fills ``block_table``; the engine appends sampled tokens.
+
+Under asynchronous scheduling a token can be sampled and not yet known to the host: a step
+still in flight has it on the device (``num_in_flight``). The request is then already
+scheduled for its next token, whose input that in-flight token is.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ class Request:
         "status", "num_computed_tokens", "block_table",
         "finish_reason", "stop_reason", "sampling_state", "num_cached_tokens", "num_preemptions",
         "prompt_logprobs", "_all_token_ids", "stop_token_ids", "arrival_time", "queued_at", "waited",
-        "num_output_at_preemption", "cache_salt", "block_hashes", "num_cached_blocks",
+        "num_output_at_preemption", "cache_salt", "block_hashes", "num_cached_blocks", "num_in_flight",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -41,7 +45,8 @@ class Request:
         self.priority = priority
         self.deadline = deadline
         self.status = Status.WAITING
-        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache (or on their way: a step in flight)
+        self.num_in_flight = 0  # tokens sampled by a step still in flight, not in output_token_ids yet
         self.block_table: list[int] = []
         self.finish_reason: str | None = None
         self.stop_reason: int | None = None
@@ -70,9 +75,14 @@ class Request:
         return self._all_token_ids
 
     @property
+    def num_sampled(self) -> int:
+        """Output tokens, counting those still in flight."""
+        return len(self.output_token_ids) + self.num_in_flight
+
+    @property
     def just_preempted(self) -> bool:
         """Preempted and not one token further since: not to be preempted again (no thrash)."""
-        return len(self.output_token_ids) <= self.num_output_at_preemption
+        return self.num_sampled <= self.num_output_at_preemption
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

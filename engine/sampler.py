@@ -24,6 +24,11 @@ row's scalar knobs (and the seeded rows' hash keys); the params' lists (stop ids
 logit_bias) become tensors once per request in ``SamplingState``, so a step's cost
 never grows with their length. An all-greedy batch with nothing to process is a
 single ``argmax``.
+
+``Sampler.sample`` leaves the ids (and logprobs) on the device; ``Sampled.result()`` is the
+host sync, so that the engine can collect a step after launching the next (asynchronous
+scheduling). A row's sampled-token count, which min_tokens and the seeded noise use, may then
+include a token still in flight (``num_output_tokens``).
 """
 
 from __future__ import annotations
@@ -107,6 +112,25 @@ def _long_tensor(ids: list[int]) -> torch.Tensor:
 
 
 @dataclass
+class Sampled:
+    """A step's sampled ids still on the device, and the logprobs tensors of the rows that asked
+    (their rows, each one's k, ``logprob_tensors``' output): nothing waited for yet."""
+
+    ids: torch.Tensor  # (B,)
+    logprobs: tuple[list[int], list[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+
+    def result(self) -> SamplerOutput:
+        """The host's copy: waits for the device to have sampled."""
+        logprobs = None
+        if self.logprobs is not None:
+            rows, ks, tensors = self.logprobs
+            logprobs = [None] * len(self.ids)
+            for i, k, (tok_lp, top) in zip(rows, ks, logprob_lists(*tensors), strict=True):
+                logprobs[i] = [tok_lp, top[:k]]
+        return SamplerOutput(self.ids.tolist(), logprobs)
+
+
+@dataclass
 class SamplerOutput:
     token_ids: list[int]  # (B,) sampled ids
     # per row: [sampled_logprob, [[token_id, logprob], ...top-k]] (protocol.TokenLogprobs),
@@ -121,26 +145,36 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor | list[int], 
     """Raw logprobs of ``token_ids`` under ``logits`` (N, V), plus each row's top ``k``.
 
     Returns one ``[logprob, [[token_id, logprob], ...]]`` per row, the top-k list
-    sorted by descending logprob (empty for ``k == 0``). Works in chunks of rows so
-    prompt logprobs over a long prompt do not materialise an (N, V) float32 copy.
+    sorted by descending logprob (empty for ``k == 0``).
     """
+    return logprob_lists(*logprob_tensors(logits, token_ids, k))
+
+
+def logprob_tensors(logits: torch.Tensor, token_ids: torch.Tensor | list[int],
+                    k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``compute_logprobs`` on the device, without a host sync: the (N,) logprobs of ``token_ids``,
+    and the (N, k) top logprobs and their ids. Works in chunks of rows so prompt logprobs over a
+    long prompt do not materialise an (N, V) float32 copy."""
     n, vocab = logits.shape
     if not isinstance(token_ids, torch.Tensor):
         token_ids = torch.tensor(token_ids, dtype=torch.long)
     token_ids = token_ids.to(logits.device, torch.long)
     k = min(k, vocab)
-    out: list[TokenLogprobs] = []
+    tok, top_lp, top_ids = [], [], []
     for start in range(0, n, _LOGPROBS_CHUNK):
         lp = torch.log_softmax(logits[start:start + _LOGPROBS_CHUNK].float(), dim=-1)  # (n, V)
-        tok_lp = lp.gather(1, token_ids[start:start + _LOGPROBS_CHUNK, None]).squeeze(1).tolist()
-        if k > 0:
-            top_lp, top_ids = lp.topk(k, dim=-1)  # (n, k), sorted descending
-            top = [[[i, v] for i, v in zip(ids, vals, strict=True)]
-                   for ids, vals in zip(top_ids.tolist(), top_lp.tolist(), strict=True)]
-        else:
-            top = [[] for _ in tok_lp]
-        out.extend([t, tk] for t, tk in zip(tok_lp, top, strict=True))
-    return out
+        tok.append(lp.gather(1, token_ids[start:start + _LOGPROBS_CHUNK, None]).squeeze(1))
+        values, ids = lp.topk(k, dim=-1)  # (n, k), sorted descending
+        top_lp.append(values)
+        top_ids.append(ids)
+    return torch.cat(tok), torch.cat(top_lp), torch.cat(top_ids)
+
+
+def logprob_lists(tok_lp: torch.Tensor, top_lp: torch.Tensor, top_ids: torch.Tensor) -> list[TokenLogprobs]:
+    """``logprob_tensors``' output as ``compute_logprobs`` returns it (the host sync)."""
+    top = [[[i, v] for i, v in zip(ids, vals, strict=True)]
+           for ids, vals in zip(top_ids.tolist(), top_lp.tolist(), strict=True)]
+    return [[t, tk] for t, tk in zip(tok_lp.tolist(), top, strict=True)]
 
 
 # ----------------------------------------------------------------------------- processing
@@ -211,19 +245,24 @@ def process_logits(
     prompt_token_ids: list[list[int]],
     output_token_ids: list[list[int]],
     eos_token_ids: list[int],
+    num_output_tokens: list[int] | None = None,
 ) -> torch.Tensor:
     """The argmax-changing stage, applied before greedy rows pick: min_tokens, logit bias, penalties.
 
+    ``num_output_tokens``: how many tokens each row has sampled before this one, when more than its
+    ``output_token_ids`` hold (a token still in flight; never for a row with penalties, which read them).
     Returns a new float32 tensor; ``logits`` itself is left untouched (the caller
     still needs the raw values for logprobs).
     """
     logits = logits.float().clone()
     n, vocab = logits.shape
     device = logits.device
+    if num_output_tokens is None:
+        num_output_tokens = [len(out) for out in output_token_ids]
 
     # min_tokens: EOS (unless ignore_eos) and stop ids may not end the request yet.
     # The ids come from each row's state as ready-made tensors: no walk over the lists.
-    early = [i for i, (p, out) in enumerate(zip(params, output_token_ids, strict=True)) if len(out) < p.min_tokens]
+    early = [i for i, (p, m) in enumerate(zip(params, num_output_tokens, strict=True)) if m < p.min_tokens]
     if early:
         eos = [t for t in eos_token_ids if 0 <= t < vocab]
         eos_rows = [i for i in early if not params[i].ignore_eos]
@@ -344,43 +383,58 @@ class Sampler:
         states: list[SamplingState],
         prompt_token_ids: list[list[int]],
         output_token_ids: list[list[int]],
+        num_output_tokens: list[int] | None = None,
     ) -> SamplerOutput:
+        return self.sample(logits, params, states, prompt_token_ids, output_token_ids, num_output_tokens).result()
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        states: list[SamplingState],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        num_output_tokens: list[int] | None = None,
+    ) -> Sampled:
+        """The step's ids (and logprobs) on the device, without waiting for them: ``Sampled.result()``
+        is the host sync. ``num_output_tokens``: how many tokens each row has sampled before this one,
+        when more than its ``output_token_ids`` hold (asynchronous scheduling: a token still in flight);
+        min_tokens and the seeded noise count them, penalties read the lists."""
         if logits.shape[-1] > self.vocab_size:  # padded lm_head columns are not tokens
             logits = logits[:, :self.vocab_size]
+        if num_output_tokens is None:
+            num_output_tokens = [len(out) for out in output_token_ids]
 
         # Fast path: the common benchmark batch, all greedy with nothing to process.
-        if all(s.plain_greedy and len(out) >= p.min_tokens
-               for p, s, out in zip(params, states, output_token_ids, strict=True)):
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), None)
+        if all(s.plain_greedy and m >= p.min_tokens for p, s, m in zip(params, states, num_output_tokens, strict=True)):
+            return Sampled(logits.argmax(dim=-1))
 
         raw = logits
-        logits = process_logits(logits, params, states, prompt_token_ids, output_token_ids, self.eos_token_ids)
+        logits = process_logits(logits, params, states, prompt_token_ids, output_token_ids, self.eos_token_ids,
+                                num_output_tokens)
         rand = [i for i, p in enumerate(params) if not p.greedy]
         if len(rand) == len(params):
-            ids = self._sample(logits, params, states, output_token_ids)
+            ids = self._sample(logits, params, states, num_output_tokens)
         else:
             ids = logits.argmax(dim=-1)
             if rand:
                 idx = torch.tensor(rand, device=logits.device)
                 ids[idx] = self._sample(logits[idx], [params[i] for i in rand], [states[i] for i in rand],
-                                        [output_token_ids[i] for i in rand])
+                                        [num_output_tokens[i] for i in rand])
 
-        logprobs = None
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if lp_rows:
-            k = max(params[i].logprobs for i in lp_rows)
-            if len(lp_rows) == len(params):
-                computed = compute_logprobs(raw, ids, k)
-            else:
-                idx = torch.tensor(lp_rows, device=logits.device)
-                computed = compute_logprobs(raw[idx], ids[idx], k)
-            logprobs = [None] * len(params)
-            for i, (tok_lp, top) in zip(lp_rows, computed, strict=True):
-                logprobs[i] = [tok_lp, top[:params[i].logprobs]]
-        return SamplerOutput(ids.tolist(), logprobs)
+        if not lp_rows:
+            return Sampled(ids)
+        k = max(params[i].logprobs for i in lp_rows)
+        if len(lp_rows) == len(params):
+            tensors = logprob_tensors(raw, ids, k)
+        else:
+            idx = torch.tensor(lp_rows, device=logits.device)
+            tensors = logprob_tensors(raw[idx], ids[idx], k)
+        return Sampled(ids, (lp_rows, [params[i].logprobs for i in lp_rows], tensors))
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams], states: list[SamplingState],
-                output_token_ids: list[list[int]]) -> torch.Tensor:
+                num_output_tokens: list[int]) -> torch.Tensor:
         """Temperature, top-k, top-p, min-p, then the exponential race; all rows non-greedy."""
         n, vocab = logits.shape
         device = logits.device
@@ -401,16 +455,16 @@ class Sampler:
         if any(p.min_p > 0.0 for p in params):
             logits = apply_min_p(logits, knobs[:, 3])
         probs = logits.softmax(dim=-1)
-        return probs.div_(self._noise(n, vocab, states, output_token_ids, device)).argmax(dim=-1)
+        return probs.div_(self._noise(n, vocab, states, num_output_tokens, device)).argmax(dim=-1)
 
-    def _noise(self, n: int, vocab: int, states: list[SamplingState], output_token_ids: list[list[int]],
+    def _noise(self, n: int, vocab: int, states: list[SamplingState], num_output_tokens: list[int],
                device: torch.device) -> torch.Tensor:
         """Exp(1) noise (n, V): seeded rows from their hash (``seeded_exponentials``), the rest in one
         draw from the engine's generator."""
         seeded = [j for j, s in enumerate(states) if s.seed is not None]
         if not seeded:
             return self._exponentials(n, vocab, device)
-        keys = torch.tensor([_row_key(states[j].seed, len(output_token_ids[j])) for j in seeded], device=device)
+        keys = torch.tensor([_row_key(states[j].seed, num_output_tokens[j]) for j in seeded], device=device)
         if len(seeded) == n:
             return seeded_exponentials(keys, vocab)
         unseeded = [j for j, s in enumerate(states) if s.seed is None]

@@ -34,6 +34,12 @@ preempt for blocks.
 of memory) admits at most one waiting request per step, and only when every
 running request is decoding, preempting for it or not: a step then computes at
 most one prompt, so if it fails, that prompt is the culprit.
+
+Asynchronous scheduling (``Engine``) schedules step N+1 while step N runs: a request that
+samples in N has that token in flight (``Request.num_in_flight``) and is scheduled for one more
+decode token, its input being the token in flight (the runner takes it from N's output on the
+device), unless that token is its last by ``max_tokens``. A request preempted with a token in
+flight is not readmitted before that token is known (the step after).
 Torch-free.
 """
 
@@ -144,7 +150,8 @@ class Scheduler:
         self.now = self.waiting.now = self.clock()
         self._expire(batch)
         for req in list(self.running):  # decodes first, in admission order
-            if (req.status is Status.RUNNING and req.num_tokens - req.num_computed_tokens == 1
+            if (req.status is Status.RUNNING and req.num_tokens + req.num_in_flight - req.num_computed_tokens == 1
+                    and req.num_sampled < req.params.max_tokens  # (else the token in flight is its last)
                     and batch.num_tokens < self.max_num_batched_tokens and self._allocate_running(req, 1, batch)):
                 self._add(batch, req, 1, decode=True)
         budget = self.max_num_batched_tokens - batch.num_tokens
@@ -157,9 +164,18 @@ class Scheduler:
 
     def update_from_output(self, batch: ScheduledBatch, seconds: float) -> None:
         """After the model ran ``batch`` in ``seconds``: the scheduled tokens are in the cache."""
+        self.launched(batch)
+        self.observe(batch, seconds)
+
+    def launched(self, batch: ScheduledBatch) -> None:
+        """``batch`` runs (or is on its way: any later step runs after it): its tokens count as computed
+        and the blocks it fills are no longer pending."""
         for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
             req.num_computed_tokens += n
         self.block_manager.end_step()
+
+    def observe(self, batch: ScheduledBatch, seconds: float) -> None:
+        """``batch`` took ``seconds``: what the prefill cap learns from."""
         self.prefill_cap.observe(batch.num_decodes, batch.num_prompt_tokens, seconds)
 
     def rollback(self, batch: ScheduledBatch) -> None:
@@ -216,6 +232,8 @@ class Scheduler:
         i = 0
         while batch.num_prompt_tokens < limit:
             head = self.waiting.peek() if admit and self.waiting and not batch.short_of_blocks else None
+            if head is not None and head.num_in_flight:  # preempted with a token in flight: back once it is known
+                head, admit = None, False
             if i < len(prefilling) and (head is None or rank(prefilling[i]) <= rank(head)):
                 req = prefilling[i]
                 i += 1
@@ -300,7 +318,7 @@ class Scheduler:
         self.block_manager.free(req)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
-        req.num_output_at_preemption = len(req.output_token_ids)
+        req.num_output_at_preemption = req.num_sampled
         self.num_preemptions += 1
         req.status = Status.WAITING
         req.queued_at = self.now

@@ -244,7 +244,7 @@ class StepProbe:
     """Times the steps of a live ``LLM`` by wrapping its engine objects' methods on the instances.
 
     Per step: the wall time, the time on the host, and for a decode-only step the tokens of KV cache it
-    reads. The host's parts are the scheduler's ``schedule`` and ``update_from_output``, the runner's
+    reads. The host's parts are the scheduler's ``schedule``, ``launched`` and ``observe``, the runner's
     ``_prepare`` and ``forward_step`` up to the model's forward (or CUDA graph replay), and the engine's
     ``_postprocess`` (sampled tokens to deltas). The sampler is left out: on CUDA it waits for the forward.
     """
@@ -255,6 +255,7 @@ class StepProbe:
         engine = llm.engine
         runner, scheduler = engine.runner, engine.scheduler
         self.cuda = runner.device.type == "cuda"
+        self.overlapped = getattr(engine, "async_scheduling", False)
         # Every weight once; the input embedding only as the LM head (of itself a step reads a row a token).
         model = runner.model
         embed, head = model.embed_tokens.weight, model.lm_head.weight
@@ -267,7 +268,8 @@ class StepProbe:
         self._step, self._forward_step = engine.step, runner.forward_step
         self._schedule = self._on_host(scheduler.schedule)
         engine.step, scheduler.schedule, runner.forward_step = self.step, self.schedule, self.forward_step
-        scheduler.update_from_output = self._on_host(scheduler.update_from_output)
+        # (update_from_output is these two; under asynchronous scheduling the engine calls them apart)
+        scheduler.launched, scheduler.observe = self._on_host(scheduler.launched), self._on_host(scheduler.observe)
         engine._postprocess = self._on_host(engine._postprocess)
         runner._prepare = self._on_host(runner._prepare)
         runner.model.forward = self._forward_begins(runner.model.forward)  # nn.Module calls self.forward
@@ -278,7 +280,9 @@ class StepProbe:
         self._host, self._kv_tokens = 0.0, None
         start = time.perf_counter()
         deltas = self._step()
-        if self.cuda:  # (the sampler's .tolist() has waited already; this makes sure)
+        # (the sampler's .tolist() has waited already; this makes sure) Not under asynchronous scheduling:
+        # a step leaves the next in flight, and a step's time is then the period between the two.
+        if self.cuda and not self.overlapped:
             torch.cuda.synchronize()
         self.steps.append((time.perf_counter() - start, self._host, self._kv_tokens))
         return deltas

@@ -1,0 +1,303 @@
+"""Asynchronous scheduling (step N+1 scheduled and launched while step N runs), run on the CPU, where
+it only changes the order of the host's work: outputs are token for token those of synchronous
+steps, no token follows a finish, and every block comes back, through chunked prefill, stop tokens,
+aborts, timeouts, preemption, prefix-cache hits, penalties (which fall back to synchronous steps),
+seeded sampling and an out-of-memory step."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.cli import _config_kwargs, build_parser
+from engine.config import EngineConfig
+from engine.step_buffers import DecodeGraphs, decode_buckets
+from tests.test_engine import GREEDY, assert_all_blocks_free, prompts
+from tests.test_engine_oom import BIG, has_big
+from tests.test_prefix_caching import shared_prefix_prompts
+
+KW = dict(num_kv_blocks=256, max_model_len=512)
+
+
+def pair(tiny_llama, **kw) -> tuple[LLM, LLM]:
+    """The same engine with synchronous and with asynchronous steps."""
+    kw = {**KW, **kw}
+    return LLM(tiny_llama, async_scheduling="off", **kw), LLM(tiny_llama, async_scheduling="on", **kw)
+
+
+def drive(llm: LLM, requests: list[tuple[list[int], SamplingParams]]) -> dict[str, tuple]:
+    """Add ``requests`` (ids "0", "1", ...) and step until done: each one's (tokens, finish reason,
+    stop reason, cached tokens). Asserts that no delta follows a request's finish."""
+    eng = llm.engine
+    for i, (p, params) in enumerate(requests):
+        eng.add_request(str(i), p, params)
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(requests))}
+    ends: dict[str, tuple] = {}
+    while eng.has_work():
+        for d in eng.step():
+            assert d.request_id not in ends, f"a delta for {d.request_id} after its finish"
+            tokens[d.request_id] += d.token_ids
+            if d.finish_reason is not None:
+                ends[d.request_id] = (d.finish_reason, d.stop_reason, d.num_cached_tokens)
+    assert_all_blocks_free(llm)
+    return {rid: (tokens[rid], *ends[rid]) for rid in tokens}
+
+
+def launches(llm: LLM) -> list[bool]:
+    """Record, for each step launched from now on, whether another was in flight then."""
+    runner, seen = llm.engine.runner, []
+    launch = runner.launch
+
+    def recording(batch, in_flight=None):
+        seen.append(in_flight is not None)
+        return launch(batch, in_flight)
+
+    runner.launch = recording
+    return seen
+
+
+def mixed(tiny_llama) -> list[tuple[list[int], SamplingParams]]:
+    """Prompts of different lengths, max_tokens from 1 up, and stop tokens that end two of them early
+    (taken from a synchronous run without them)."""
+    ps = prompts(6, seed=3)
+    limits = [1, 24, 2, 17, 9, 24]
+    free = LLM(tiny_llama, async_scheduling="off", **KW).generate(
+        ps, [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in limits])
+    stops = {1: free[1].token_ids[5], 3: free[3].token_ids[0]}
+    return [(p, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True,
+                               stop_token_ids=[stops[i]] if i in stops else []))
+            for i, (p, m) in enumerate(zip(ps, limits, strict=True))]
+
+
+def test_greedy_outputs_are_those_of_synchronous_steps(tiny_llama):
+    reqs = mixed(tiny_llama)
+    sync, overlapped = pair(tiny_llama, max_num_batched_tokens=24)  # prompts of up to 60 tokens: chunked
+    seen = launches(overlapped)
+    want = drive(sync, reqs)
+    assert drive(overlapped, reqs) == want
+    assert sum(seen) > 0.8 * len(seen)  # steps did overlap
+    assert [len(t) for t, *_ in want.values()] == [1, 6, 2, 1, 9, 24]  # no token past a finish
+    assert [r for _, r, *_ in want.values()] == ["length", "stop", "length", "stop", "length", "length"]
+
+
+def test_a_step_stays_in_flight_across_calls(tiny_llama):
+    llm = LLM(tiny_llama, async_scheduling="on", **KW)
+    eng = llm.engine
+    eng.add_request("a", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert eng.step() == []  # the prompt's step is launched, not yet collected
+    assert eng.has_work() and eng.requests["a"].num_in_flight == 1
+    (first,) = eng.step()  # the second step launched with the first's token as its input
+    assert first.token_ids and eng.requests["a"].num_in_flight == 1
+    (second,) = eng.step()  # the third is not launched: the second's token is the last
+    (third,) = eng.step()
+    assert third.finish_reason == "length" and not eng.has_work()
+    sync = LLM(tiny_llama, async_scheduling="off", **KW).generate([5, 6, 7], SamplingParams(
+        max_tokens=3, temperature=0.0, ignore_eos=True))[0]
+    assert [*first.token_ids, *second.token_ids, *third.token_ids] == sync.token_ids
+    assert_all_blocks_free(llm)
+
+
+def test_an_aborted_request_with_a_token_in_flight_emits_nothing_more(tiny_llama):
+    sync, overlapped = pair(tiny_llama)
+    ps = prompts(3)
+    want = sync.generate(ps, GREEDY)
+    eng = overlapped.engine
+    for i, p in enumerate(ps):
+        eng.add_request(str(i), p, GREEDY)
+    got = {"0": [], "1": [], "2": []}
+    for _ in range(4):
+        for d in eng.step():
+            got[d.request_id] += d.token_ids
+    assert eng.requests["1"].num_in_flight == 1
+    eng.abort("1")
+    while eng.has_work():
+        for d in eng.step():
+            assert d.request_id != "1"
+            got[d.request_id] += d.token_ids
+    assert got["0"] == want[0].token_ids and got["2"] == want[2].token_ids
+    assert got["1"] == want[1].token_ids[:3]
+    assert_all_blocks_free(overlapped)
+
+
+def test_a_timeout_with_a_token_in_flight_ends_the_request_there(tiny_llama):
+    llm = LLM(tiny_llama, async_scheduling="on", **KW)
+    eng, now = llm.engine, [1000.0]
+    eng.scheduler.clock = lambda: now[0]
+    eng.add_request("slow", prompts(1)[0], GREEDY, deadline=1005.0)
+    got = [t for _ in range(3) for d in eng.step() for t in d.token_ids]
+    assert len(got) == 2 and eng.requests["slow"].num_in_flight == 1
+    now[0] = 1006.0
+    (d,) = eng.step()  # its third token, in flight, is dropped
+    assert (d.request_id, d.token_ids, d.finish_reason) == ("slow", [], "timeout")
+    assert not eng.step() and not eng.has_work()
+    assert_all_blocks_free(llm)
+
+
+def test_preemption_keeps_outputs(tiny_llama):
+    reqs = [(p, GREEDY) for p in prompts(6)]
+    sync, overlapped = pair(tiny_llama, num_kv_blocks=12)  # 6 requests of up to 84 tokens, 12 blocks of 16
+    preempted_in_flight = []
+    preempt = overlapped.engine.scheduler._preempt
+
+    def recording(req, batch):
+        preempted_in_flight.append(req.num_in_flight)
+        preempt(req, batch)
+
+    overlapped.engine.scheduler._preempt = recording
+    want = drive(sync, reqs)
+    assert drive(overlapped, reqs) == want
+    assert any(preempted_in_flight)  # a request was preempted with its token in flight, and came back
+    assert want == drive(LLM(tiny_llama, async_scheduling="off", **KW), reqs)  # preemption costs nothing
+
+
+def test_prefix_cache_hits_include_blocks_filled_by_tokens_that_were_in_flight(tiny_llama):
+    p = shared_prefix_prompts(1, prefix_len=30)[0][:30]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    for llm in pair(tiny_llama):
+        out = llm.generate(p, params)[0]
+        # the third block holds 14 generated tokens, the last of them decoded from a token in flight
+        follow_up = p + out.token_ids[:19]
+        again = llm.generate([p, follow_up], params)
+        assert [o.num_cached_tokens for o in again] == [16, 48]
+        assert again[0].token_ids == out.token_ids
+        assert_all_blocks_free(llm)
+
+
+def test_penalties_fall_back_to_synchronous_steps_and_match(tiny_llama):
+    penalised = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, repetition_penalty=1.5,
+                               frequency_penalty=0.5, presence_penalty=0.3)
+    sync, overlapped = pair(tiny_llama)
+    seen = launches(overlapped)
+    ps = prompts(2, seed=5)
+    assert drive(overlapped, [(p, penalised) for p in ps]) == drive(sync, [(p, penalised) for p in ps])
+    assert not any(seen)  # every step waited for the one before
+    reqs = [(ps[0], penalised), (ps[1], GREEDY)]
+    assert drive(overlapped, reqs) == drive(sync, reqs)
+
+
+def test_seeded_sampling_min_tokens_and_logprobs_match(tiny_llama):
+    params = [SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True, logprobs=2),
+              SamplingParams(max_tokens=10, temperature=0.8, top_k=20, seed=11, min_tokens=6, logprobs=0),
+              SamplingParams(max_tokens=8, temperature=0.0, min_tokens=5, stop_token_ids=[3, 4])]
+    ps = prompts(3, seed=9)
+    sync, overlapped = pair(tiny_llama)
+    want, got = sync.generate(ps, params), overlapped.generate(ps, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for g, w in zip(got, want, strict=True):
+        assert (g.logprobs is None) == (w.logprobs is None)
+        for (glp, gtop), (wlp, wtop) in zip(g.logprobs or [], w.logprobs or [], strict=True):
+            assert glp == pytest.approx(wlp, abs=1e-5) and [t for t, _ in gtop] == [t for t, _ in wtop]
+    assert_all_blocks_free(overlapped)
+
+
+def test_decode_steps_padded_and_replayed_as_on_cuda(tiny_llama):
+    """Decode steps padded to the graph batch sizes and run through the static buffers a CUDA graph
+    replays (captured here as the eager forward itself): the tokens gathered from the step in flight
+    reach them. 7 prompts in 14 blocks: preemption too."""
+    reqs = [(p, GREEDY) for p in prompts(7)]
+    sync, overlapped = pair(tiny_llama, num_kv_blocks=14, max_num_seqs=8, max_model_len=256)
+    runner, f = overlapped.engine.runner, overlapped.engine.runner.facts
+    runner.decode_buckets = decode_buckets(8)
+    runner.graphs = DecodeGraphs(runner.model, runner.decode_buckets, f.max_model_len,
+                                 runner.block_tables.table.shape[1], f.num_kv_blocks, runner.block_size,
+                                 runner.model_cfg.hidden_size, f.dtype, f.device, capture=lambda forward: forward)
+    gathered = []
+    forward_step = runner.forward_step
+
+    def counting(step):
+        gathered.append(len(step.in_flight_at))
+        return forward_step(step)
+
+    runner.forward_step = counting
+    assert drive(overlapped, reqs) == drive(sync, reqs)
+    assert overlapped.engine.scheduler.num_preemptions > 0 and max(gathered) > 1
+
+
+def test_a_step_out_of_memory_while_another_is_in_flight(tiny_llama):
+    sync, overlapped = pair(tiny_llama)
+    ps = prompts(4)
+    alone = [sync.generate(p, GREEDY)[0].token_ids for p in ps]
+    launch, failed = overlapped.engine.runner.launch, []
+
+    def run(batch, in_flight=None):
+        if has_big(batch, 0):
+            failed.append(in_flight is not None)
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return launch(batch, in_flight)
+
+    overlapped.engine.runner.launch = run
+    eng = overlapped.engine
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(4)}
+    ends: dict[str, str] = {}
+
+    def step() -> None:
+        for d in eng.step():
+            assert d.request_id not in ends
+            tokens.setdefault(d.request_id, []).extend(d.token_ids)
+            if d.finish_reason is not None:
+                ends[d.request_id] = d.finish_reason
+
+    for i, p in enumerate(ps[:2]):
+        eng.add_request(str(i), p, GREEDY)
+    step()
+    step()
+    for rid, p in [("big", BIG), ("2", ps[2]), ("3", ps[3])]:  # join while a step is in flight
+        eng.add_request(rid, p, GREEDY)
+    while eng.has_work():
+        step()
+    assert (ends.pop("big"), tokens.pop("big")) == ("error", [])
+    assert failed == [True, False]  # behind the step in flight, then alone (its fellows rolled back too)
+    assert [tokens[str(i)] for i in range(4)] == alone
+    assert all(r == "length" for r in ends.values())
+    assert_all_blocks_free(overlapped)
+
+
+def test_the_setting(tiny_llama):
+    parse = build_parser().parse_args
+    assert _config_kwargs(parse(["generate", "--prompt", "x", "--async-scheduling", "on"]))["async_scheduling"] == "on"
+    assert "async_scheduling" not in _config_kwargs(parse(["generate", "--prompt", "x"]))
+    assert EngineConfig().async_scheduling == "auto"
+    with pytest.raises(ValueError, match="async_scheduling"):
+        EngineConfig(async_scheduling="yes")
+    assert LLM(tiny_llama, device="cpu", **KW).engine.async_scheduling is False  # auto: off on the CPU
+    assert LLM(tiny_llama, device="cpu", async_scheduling="on", **KW).engine.async_scheduling is True
+
+
+def test_the_prefill_cap_learns_each_steps_own_time(tiny_llama):
+    """Launch to collect spans the next step's launch (on the CPU its whole forward): the prefill cap
+    must learn a step's own time, which on the CPU is its launch's."""
+    llm = LLM(tiny_llama, async_scheduling="on", **KW)
+    runner, sched, seen = llm.engine.runner, llm.engine.scheduler, []
+    forward, observe = runner.forward_step, sched.observe
+
+    def slow_forward(step):
+        time.sleep(0.05)
+        return forward(step)
+
+    runner.forward_step = slow_forward
+    sched.observe = lambda batch, seconds: seen.append(seconds) or observe(batch, seconds)
+    llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert len(seen) == 6 and all(0.05 <= s < 0.09 for s in seen), seen  # one launch each, never two
+
+
+def test_a_step_stays_in_flight_when_scheduling_raises(tiny_llama):
+    llm = LLM(tiny_llama, async_scheduling="on", **KW)
+    eng = llm.engine
+    eng.add_request("a", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0))
+    eng.step()
+    in_flight = eng._in_flight
+    assert in_flight is not None
+    schedule = eng.scheduler.schedule
+    eng.scheduler.schedule = lambda: (_ for _ in ()).throw(KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        eng.step()
+    assert eng._in_flight is in_flight  # not lost: the next step collects it
+    eng.scheduler.schedule = schedule
+    tokens = []
+    while eng.has_work():
+        tokens += [t for d in eng.step() for t in d.token_ids]
+    assert len(tokens) == 4
+    assert_all_blocks_free(llm)
