@@ -8,12 +8,12 @@ for a copy, and bf16 without native bf16 instructions ran at 15 GFLOP/s whatever
 
 Which is faster depends on the CPU and the row count (on one with AMX or avx512_bf16, oneDNN's
 bf16 GEMM beats any widening loop; here torch's bf16 matrix-vector product is fine at one row),
-so it is measured, not assumed: ``tune`` times both on the model's own weights (all the weights
-of a shape, so they stream from memory as in a step) at 1, 2, 4, ... rows, on at most 64 MiB of them. A step of ``m`` rows
-goes where the smallest measured row count ``>= m`` went faster; past the last measured, or past
-the first loss at 16 rows or more (the GEMM's turf), to torch. ``TOKENMILL_CPU_LINEAR_ROWS=n``
-skips the measuring: the C kernel up to ``n`` rows for every shape (0: never), for runs that must
-not depend on a timing. A shape never tuned goes to torch.
+so it is measured, not assumed: ``tune`` times both on the model's own weights (the weights of a
+shape, up to 64 MiB of them, so that they stream from memory as in a step) at 1, 2, 4, ... 64 rows.
+A step of ``m`` rows goes where the smallest measured row count ``>= m`` went faster (the C kernel
+by 15% at least); past 64 rows, or past the first loss at 16 rows or more (the GEMM's turf), to
+torch. ``TOKENMILL_CPU_LINEAR_ROWS=n`` skips the measuring: the C kernel up to ``n`` rows for every
+shape (0: never), for runs that must not depend on a timing. A shape never tuned goes to torch.
 
 Within the C kernel a row's result does not depend on how many rows share the step.
 """
@@ -40,6 +40,9 @@ log = logging.getLogger("tokenmill.kernels")
 _KERNELS = {torch.float32: "linear_f32", torch.bfloat16: "linear_bf16"}
 ROWS = (1, 2, 4, 8, 16, 32, 64)  # the row counts tune tries; more rows go to torch
 STREAM_BYTES = 64 << 20  # weights timed per shape: more than a CPU's last-level cache
+# the C kernel must be this much faster to be chosen: a near tie is noise, and its Python wrapper costs
+# more per call than torch's (measured: bf16 at 1 row was a tie here, and lost in the model)
+MARGIN = 1.15
 # (N, K, dtype) -> for each of ROWS, whether the C kernel takes steps of up to that many rows (and
 # more than the one before)
 _use_c: dict[tuple[int, int, torch.dtype], tuple[bool, ...]] = {}
@@ -135,14 +138,14 @@ def _spans(use: tuple[bool, ...]) -> str:
 
 
 def _measure(ws: list[torch.Tensor]) -> tuple[bool, ...]:
-    """For each of ``ROWS`` in turn, whether the C kernel beat torch on ``ws`` (on its first
+    """For each of ``ROWS`` in turn, whether the C kernel beat torch by ``MARGIN`` on ``ws`` (on its first
     ``STREAM_BYTES``: enough to stream from memory); cut short by a loss at 16 rows or more."""
     ws = ws[:max(1, STREAM_BYTES // (ws[0].numel() * ws[0].element_size()))]
     wins = []
     gen = torch.Generator().manual_seed(0)
     for m in ROWS:
         x = torch.randn(m, ws[0].shape[1], generator=gen).to(ws[0].dtype)
-        seconds = _time(linear_c, x, ws, math.inf)
+        seconds = _time(linear_c, x, ws, math.inf) * MARGIN
         wins.append(_time(F.linear, x, ws, seconds) > seconds)
         if m >= 16 and not wins[-1]:
             break
