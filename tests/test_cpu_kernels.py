@@ -15,7 +15,7 @@ import torch
 import kernels
 import kernels.cpu as cpu
 import kernels.reference as ref
-from kernels.cpu import attention, build, matmul
+from kernels.cpu import attention, build, elementwise, matmul
 from tests.paged_cases import (
     ATTN_TOL,
     BF16,
@@ -325,3 +325,69 @@ def test_cpu_linear_refuses_bad_arguments(case, c_linear):
     args, message = BAD_LINEAR[case]
     with pytest.raises(ValueError, match=message):
         matmul.linear_c(*args)
+
+
+# ---------------------------------------------------------------- RMSNorm, RoPE, SiLU-and-mul (elementwise.c)
+
+
+@pytest.fixture
+def c_elementwise():
+    if elementwise._library() is None:
+        pytest.skip("no working C compiler here: the reference serves")
+
+
+def _rope_inputs(t: int, h: int, hkv: int, d: int, dtype: torch.dtype):
+    """A fused qkv projection's output, q and k as the model views it, and cos/sin of random positions."""
+    qkv = randn(t, (h + 2 * hkv) * d, dtype=dtype)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    freqs = torch.outer(torch.randint(0, 4096, (t,)).float(), inv)
+    return qkv, freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+
+def _q_k(qkv: torch.Tensor, h: int, hkv: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    t = qkv.shape[0]
+    return qkv[:, :h * d].view(t, h, d), qkv[:, h * d:(h + hkv) * d].view(t, hkv, d)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+@pytest.mark.parametrize("t,dim", [(1, 64), (3, 576), (40, 100), (300, 576)])
+def test_cpu_norms_and_silu_match_reference(t, dim, dtype, c_elementwise):
+    """bf16 bit for bit (each step rounded where torch rounds) but for a rare last bit that the order
+    of the sum of squares moves; fp32 to that order."""
+    x, res, w = randn(t, dim, dtype=dtype), randn(t, dim, dtype=dtype), randn(dim, dtype=dtype)
+    gate_up = randn(t, 2 * dim, dtype=dtype)
+    got = [elementwise.rms_norm(x, w, 1e-6), *elementwise.fused_add_rms_norm(x, res, w, 1e-6),
+           elementwise.silu_and_mul(gate_up)]
+    want = [ref.rms_norm(x, w, 1e-6), *ref.fused_add_rms_norm(x, res, w, 1e-6), ref.silu_and_mul(gate_up)]
+    for g, r in zip(got, want, strict=True):
+        assert g.dtype == dtype and g.shape == r.shape
+        if dtype == BF16:
+            assert (g != r).float().mean() < 1e-3
+            torch.testing.assert_close(g, r, rtol=1e-2, atol=1e-2)
+        else:
+            torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+@pytest.mark.parametrize("t,h,hkv,d", [(1, 9, 3, 64), (7, 4, 4, 128), (33, 6, 2, 32), (300, 9, 3, 64)])
+def test_cpu_rope_matches_reference_in_place_in_the_qkv_output(t, h, hkv, d, dtype, c_elementwise):
+    qkv, cos, sin = _rope_inputs(t, h, hkv, d, dtype)
+    want = qkv.clone()
+    elementwise.apply_rope_(*_q_k(qkv, h, hkv, d), cos, sin)
+    ref.apply_rope_(*_q_k(want, h, hkv, d), cos, sin)
+    assert torch.equal(qkv, want)  # v untouched, q and k rotated exactly as the reference rotates
+
+
+def test_cpu_elementwise_leaves_what_it_does_not_take_to_the_reference(c_elementwise):
+    x16, w16 = randn(3, 64, dtype=F16), randn(64, dtype=F16)
+    assert torch.equal(elementwise.rms_norm(x16, w16, 1e-6), ref.rms_norm(x16, w16, 1e-6))
+    strided = randn(3, 128)[:, ::2]
+    w = randn(64)
+    assert torch.equal(elementwise.rms_norm(strided, w, 1e-6), ref.rms_norm(strided, w, 1e-6))
+    qkv, cos, sin = _rope_inputs(4, 2, 2, 16, F32)
+    q, k = qkv.view(4, 6, 16).transpose(0, 1)[:2].transpose(0, 1), _q_k(qkv, 2, 2, 16)[1]  # heads not side by side
+    want = qkv.clone()
+    wq, wk = want.view(4, 6, 16).transpose(0, 1)[:2].transpose(0, 1), _q_k(want, 2, 2, 16)[1]
+    elementwise.apply_rope_(q, k, cos, sin)
+    ref.apply_rope_(wq, wk, cos, sin)
+    assert torch.equal(qkv, want)

@@ -1,0 +1,138 @@
+/* The per-layer elementwise steps on the CPU, each in one call: the twins of kernels.reference's
+ * rms_norm, fused_add_rms_norm, apply_rope_ and silu_and_mul. At one decoded token a layer of
+ * those is ~40 torch operators, each a few microseconds of dispatch for a few hundred numbers:
+ * at 30 layers more time than the arithmetic.
+ *
+ * fp32, or bf16 rounded where torch rounds: after each operator the reference runs in bf16 (an
+ * operator computes in fp32 and rounds its result to nearest even), so the results match the
+ * reference's bit for bit but for the order of the sum of squares.
+ * Rows go to OpenMP threads when there are enough of them to pay for waking the threads.
+ */
+#include <math.h>
+/* a * b - c * d as two rounded products and a rounded difference, as torch computes it, never fused */
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_float(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if (f != f) return 0x7fc0;
+    return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+
+/* value i of a row, as a float */
+static inline float ld(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void st(void *p, int64_t i, float v, int bf16) {
+    if (bf16)
+        ((uint16_t *)p)[i] = float_to_bf16(v);
+    else
+        ((float *)p)[i] = v;
+}
+
+/* v as the dtype would hold it: an operator's result */
+static inline float rd(float v, int bf16) { return bf16 ? bf16_to_float(float_to_bf16(v)) : v; }
+
+#define PARALLEL_WORK (1 << 15) /* numbers touched below which one thread does it all */
+
+/* out = weight * (s * rsqrt(mean(s^2) + eps)), s = x (+ residual, kept in summed), per row of D */
+static void rms_norm(const void *x, const void *residual, const void *weight, void *out, void *summed, int64_t T,
+                     int64_t D, float eps, int num_threads, int bf16) {
+    (void)num_threads;
+#pragma omp parallel for num_threads(num_threads) if (T * D >= PARALLEL_WORK)
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t row = t * D;
+        float sq[8] = {0};
+        for (int64_t i = 0; i < D; i++) {
+            float s = ld(x, row + i, bf16);
+            if (residual) {
+                s = rd(s + ld(residual, row + i, bf16), bf16);
+                st(summed, row + i, s, bf16);
+            }
+            sq[i & 7] += s * s;
+        }
+        const float mean = (((sq[0] + sq[4]) + (sq[1] + sq[5])) + ((sq[2] + sq[6]) + (sq[3] + sq[7]))) / (float)D;
+        const float inv = 1.0f / sqrtf(mean + eps);
+        const void *src = residual ? summed : x;
+        for (int64_t i = 0; i < D; i++)
+            st(out, row + i, ld(weight, i, bf16) * rd(ld(src, row + i, bf16) * inv, bf16), bf16);
+    }
+}
+
+/* Rotate-half RoPE in place on heads of D at x + t * stride + h * D: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s) */
+static inline void rotate(void *x, int64_t stride, int64_t heads, int64_t D, const void *cos, const void *sin,
+                          int64_t t, int bf16) {
+    const int64_t half = D / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        const int64_t at = t * stride + h * D;
+        for (int64_t i = 0; i < half; i++) {
+            const float c = ld(cos, t * half + i, bf16), s = ld(sin, t * half + i, bf16);
+            const float x1 = ld(x, at + i, bf16), x2 = ld(x, at + half + i, bf16);
+            st(x, at + i, rd(x1 * c, bf16) - rd(x2 * s, bf16), bf16);
+            st(x, at + half + i, rd(x2 * c, bf16) + rd(x1 * s, bf16), bf16);
+        }
+    }
+}
+
+static void rope(void *q, int64_t q_stride, int64_t H, void *k, int64_t k_stride, int64_t HKV, int64_t D,
+                 const void *cos, const void *sin, int64_t T, int num_threads, int bf16) {
+    (void)num_threads;
+#pragma omp parallel for num_threads(num_threads) if (T * (H + HKV) * D >= PARALLEL_WORK)
+    for (int64_t t = 0; t < T; t++) {
+        rotate(q, q_stride, H, D, cos, sin, t, bf16);
+        rotate(k, k_stride, HKV, D, cos, sin, t, bf16);
+    }
+}
+
+/* x (T, 2I) = gate | up -> out (T, I) = silu(gate) * up */
+static void silu_and_mul(const void *x, void *out, int64_t T, int64_t I, int num_threads, int bf16) {
+    (void)num_threads;
+#pragma omp parallel for num_threads(num_threads) if (T * I >= PARALLEL_WORK)
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < I; i++) {
+            const float g = ld(x, t * 2 * I + i, bf16);
+            st(out, t * I + i, rd(g / (1.0f + expf(-g)), bf16) * ld(x, t * 2 * I + I + i, bf16), bf16);
+        }
+}
+
+void rms_norm_f32(const void *x, const void *residual, const void *weight, void *out, void *summed, int64_t T,
+                  int64_t D, float eps, int num_threads) {
+    rms_norm(x, residual, weight, out, summed, T, D, eps, num_threads, 0);
+}
+
+void rms_norm_bf16(const void *x, const void *residual, const void *weight, void *out, void *summed, int64_t T,
+                   int64_t D, float eps, int num_threads) {
+    rms_norm(x, residual, weight, out, summed, T, D, eps, num_threads, 1);
+}
+
+void rope_f32(void *q, int64_t q_stride, int64_t H, void *k, int64_t k_stride, int64_t HKV, int64_t D,
+              const void *cos, const void *sin, int64_t T, int num_threads) {
+    rope(q, q_stride, H, k, k_stride, HKV, D, cos, sin, T, num_threads, 0);
+}
+
+void rope_bf16(void *q, int64_t q_stride, int64_t H, void *k, int64_t k_stride, int64_t HKV, int64_t D,
+               const void *cos, const void *sin, int64_t T, int num_threads) {
+    rope(q, q_stride, H, k, k_stride, HKV, D, cos, sin, T, num_threads, 1);
+}
+
+void silu_and_mul_f32(const void *x, void *out, int64_t T, int64_t I, int num_threads) {
+    silu_and_mul(x, out, T, I, num_threads, 0);
+}
+
+void silu_and_mul_bf16(const void *x, void *out, int64_t T, int64_t I, int num_threads) {
+    silu_and_mul(x, out, T, I, num_threads, 1);
+}
