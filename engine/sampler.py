@@ -376,16 +376,9 @@ class Sampler:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed & _SEED_MASK)
 
-    def __call__(
-        self,
-        logits: torch.Tensor,
-        params: list[SamplingParams],
-        states: list[SamplingState],
-        prompt_token_ids: list[list[int]],
-        output_token_ids: list[list[int]],
-        num_output_tokens: list[int] | None = None,
-    ) -> SamplerOutput:
-        return self.sample(logits, params, states, prompt_token_ids, output_token_ids, num_output_tokens).result()
+    def __call__(self, *args, **kwargs) -> SamplerOutput:
+        """``sample``, waiting for its result."""
+        return self.sample(*args, **kwargs).result()
 
     def sample(
         self,

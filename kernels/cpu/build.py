@@ -1,7 +1,7 @@
 """Builds a C source beside this file into a shared library, once per machine, and loads it.
 
 The library lands in a cache folder (``$TOKENMILL_CACHE_DIR``, else ``$XDG_CACHE_HOME/tokenmill``
-or ``~/.cache/tokenmill``, else the temp folder) under a name hashed from the source, the
+or ``~/.cache/tokenmill``, else the temp folder) under a name hashed from the source (and the headers beside it), the
 compiler, its flags and this CPU (``-march=native``), so an edit or another machine builds
 afresh and concurrent processes never load a half-written file. Compiling takes about a
 second. Flags are tried from the best down (OpenMP and native instructions, then without),
@@ -81,7 +81,7 @@ def load(source: str) -> ctypes.CDLL | None:
     if cc is None:
         log.warning("no C compiler found (set CC): the CPU kernels in %s fall back to the reference", source)
         return None
-    text = src.read_bytes()
+    text = src.read_bytes() + b"".join(h.read_bytes() for h in sorted(src.parent.glob("*.h")))  # and its headers
     errors = []
     for flags in FLAG_SETS:
         key = hashlib.sha256(b"\0".join([text, " ".join(cc).encode(), " ".join(flags).encode(), _cpu_id().encode()]))

@@ -18,19 +18,7 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float bf16_to_float(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if (f != f) return 0x7fc0;
-    return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
-}
+#include "bf16.h"
 
 /* value i of a row, as a float */
 static inline float ld(const void *p, int64_t i, int bf16) {

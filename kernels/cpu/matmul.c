@@ -19,6 +19,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "bf16.h"
 #if defined(__AVX2__) || defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -49,20 +51,6 @@ typedef uint32_t v8u __attribute__((vector_size(32)));
 #else
 #define IN_REGISTER(v) (void)0
 #endif
-
-static inline float bf16_to_float(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if (f != f) return 0x7fc0;
-    return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
-}
 
 /* 8 weights from column k of a row, as floats (bf16 is the top half of an fp32) */
 static inline __attribute__((always_inline)) v8f load_w(const void *w, int64_t at, int bf16) {

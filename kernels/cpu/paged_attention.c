@@ -15,6 +15,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 typedef struct {
     int64_t H, HKV, D, BS, W;
     float scale;
@@ -22,20 +24,6 @@ typedef struct {
 
 typedef float v8f __attribute__((vector_size(32)));
 typedef float v8f_u __attribute__((vector_size(32), aligned(4)));  /* the same, at any float address */
-
-static inline float bf16_to_float(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if (f != f) return 0x7fc0;
-    return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
-}
 
 /* Row ``i`` of ``base`` (n values) as floats: the row itself for fp32, else widened into ``buf``. */
 static inline const float *row_f32(const void *base, int64_t i, int64_t n, int bf16, float *buf) {
