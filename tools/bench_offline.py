@@ -344,12 +344,14 @@ class StepProbe:
 
 
 def run_tokenmill(
-    path: str, requests: list[Request], dtype: str, max_num_seqs: int, max_num_batched_tokens: int
+    path: str, requests: list[Request], dtype: str, max_num_seqs: int, max_num_batched_tokens: int,
+    async_scheduling: str = "auto",
 ) -> tuple[Result, list, StepReport]:
     from engine import LLM, SamplingParams
 
     llm = LLM(
-        model=path, dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+        model=path, dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        async_scheduling=async_scheduling,
     )
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
     params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in requests]
@@ -521,6 +523,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=2048,
         help="token budget per step (chunked prefill), for tokenmill and HF continuous batching",
     )
+    p.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
+                   help="tokenmill's steps overlapped with the next one's scheduling (auto: on CUDA)")
     p.add_argument("--compare", choices=("none", "hf"), default="none")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -562,7 +566,7 @@ def main(argv: list[str] | None = None) -> None:
     steps: StepReport | None = None
     if not args.skip_tokenmill:
         result, outputs["tokenmill"], steps = run_tokenmill(
-            path, requests, args.dtype, args.max_num_seqs, args.max_num_batched_tokens
+            path, requests, args.dtype, args.max_num_seqs, args.max_num_batched_tokens, args.async_scheduling
         )
         results.append(result)
         print(f"tokenmill: {result.out_tok_s:.1f} out tok/s", flush=True)
@@ -609,6 +613,7 @@ def main(argv: list[str] | None = None) -> None:
         "ignore_eos": True,
         "model": path,
         "dtype": args.dtype,
+        "async_scheduling": args.async_scheduling,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "threads": torch.get_num_threads(),

@@ -19,7 +19,8 @@
 #   kernel-tests    tests/test_triton_kernels.py, compiled on CUDA
 #   cuda-tests      tests/test_cuda.py: greedy parity with transformers on the GPU, KV sizing by profiling
 #   bench-kernels   tools/bench_kernels.py: each kernel against torch and the memory floor
-#   offline-SHAPE   tools/bench_offline.py on each model, 256 requests at 256 sequences: out tok/s
+#   offline-SHAPE   tools/bench_offline.py on each model, 256 requests at 256 sequences: out tok/s, the decode
+#                   step against the HBM floor, the host's share; with asynchronous scheduling off, then on
 #   serve           tokenmill serve (Qwen2-0.5B shape) + tools/bench_serving.py, when the wheels allow
 #
 # Each part's output goes to OUTDIR/PART.log (eight files at most: what a device call brings back); a
@@ -44,11 +45,12 @@ FAILED=0
 
 has() { "$PY" -c "import $1" >/dev/null 2>&1; }  # has "zmq, orjson": all of them import
 
-json_last() {  # json_last FILE KEY: KEY's value in FILE's last line that is a JSON object
+json_last() {  # json_last FILE KEY [N]: KEY's value in FILE's Nth-from-last (1) line that is a JSON object
   "$PY" -c 'import json, sys
 lines = [s for s in open(sys.argv[1]) if s.startswith("{")]
-v = json.loads(lines[-1]).get(sys.argv[2]) if lines else "?"
-print(round(v, 3) if isinstance(v, float) else v)' "$1" "$2" 2>/dev/null
+n = int(sys.argv[3])
+v = json.loads(lines[-n]).get(sys.argv[2]) if len(lines) >= n else "?"
+print(round(v, 3) if isinstance(v, float) else v)' "$1" "$2" "${3:-1}" 2>/dev/null
 }
 
 figure() {  # the figure to read in a part's log
@@ -57,7 +59,9 @@ figure() {  # the figure to read in a part's log
     *-tests) grep -E "[0-9]+ (passed|failed|skipped|error)" "$log" | tail -n 1 ;;
     bench-kernels) echo "paged decode >= $(json_last "$log" decode_min_bw_fraction) of" \
                         "$(json_last "$log" copy_bandwidth_gb_s) GB/s" ;;
-    offline-*) echo "$(json_last "$log" tokenmill_out_tok_s) out tok/s" ;;
+    offline-*) echo "$(json_last "$log" tokenmill_out_tok_s) out tok/s, $(json_last "$log" decode_vs_floor)x floor," \
+                    "host $(json_last "$log" host_share) (synchronous steps: $(json_last "$log" tokenmill_out_tok_s 2)" \
+                    "out tok/s, host $(json_last "$log" host_share 2))" ;;
     serve) echo "$(json_last "$log" output_throughput) out tok/s" ;;
   esac
 }
@@ -139,8 +143,9 @@ for shape in smollm2-135m qwen2-0.5b; do
   elif ! has "$ENGINE"; then
     skip "offline-$shape" "the engine's imports missing (pyzmq, orjson: carry their wheels in .whl/)"
   else
-    part "offline-$shape" 90 "$PY tools/bench_offline.py --model $WORK/$shape --dtype bfloat16 \
-      --num-requests 256 --max-num-seqs 256"
+    # with asynchronous scheduling off first, then as served (on): what the overlap buys
+    part "offline-$shape" 150 "for a in off auto; do $PY tools/bench_offline.py --model $WORK/$shape --dtype bfloat16 \
+      --num-requests 256 --max-num-seqs 256 --async-scheduling \$a || exit 1; done"
   fi
 done
 
