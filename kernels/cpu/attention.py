@@ -32,13 +32,8 @@ class _Dims(ctypes.Structure):
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    lib = load("paged_attention.c")
-    if lib is not None:
-        for name in _DECODE.values():
-            fn = getattr(lib, name)
-            fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64, ctypes.POINTER(_Dims), ctypes.c_int]
-            fn.restype = None
-    return lib
+    args = [ctypes.c_void_p] * 6 + [ctypes.c_int64, ctypes.POINTER(_Dims), ctypes.c_int]
+    return load("paged_attention.c", dict.fromkeys(_DECODE.values(), args))
 
 
 def available() -> bool:

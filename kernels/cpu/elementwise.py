@@ -26,13 +26,8 @@ _SIGNATURES = {
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    lib = load("elementwise.c")
-    if lib is not None:
-        for name, argtypes in _SIGNATURES.items():
-            for suffix in _SUFFIX.values():
-                fn = getattr(lib, f"{name}_{suffix}")
-                fn.argtypes, fn.restype = argtypes, None
-    return lib
+    return load("elementwise.c", {f"{name}_{suffix}": argtypes for name, argtypes in _SIGNATURES.items()
+                                  for suffix in _SUFFIX.values()})
 
 
 def _kernel(name: str, *tensors: torch.Tensor):

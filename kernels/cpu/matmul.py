@@ -50,13 +50,7 @@ _use_c: dict[tuple[int, int, torch.dtype], tuple[bool, ...]] = {}
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    lib = load("matmul.c")
-    if lib is not None:
-        for name in _KERNELS.values():
-            fn = getattr(lib, name)
-            fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-            fn.restype = None
-    return lib
+    return load("matmul.c", dict.fromkeys(_KERNELS.values(), [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]))
 
 
 def _fixed_rows() -> int | None:
@@ -104,7 +98,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def tune(weights: list[torch.Tensor]) -> dict[tuple[int, int, torch.dtype], tuple[int, ...]]:
     """Decide, per (N, K, dtype) among ``weights`` (2-D, on the CPU), for which row counts the C
     kernel takes a step; returns, per shape, the ``ROWS`` buckets it takes (also logged). Costs about
-    a second for a model of 135M parameters on 2 cores."""
+    2 s for a model of 135M parameters on 2 cores."""
     start = time.perf_counter()
     by_shape: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = defaultdict(list)
     seen = set()
