@@ -1,6 +1,7 @@
 """Load a model: a Hugging Face folder (config.json + *.safetensors, sharded or
-not) or a single GGUF file (tensors dequantized with the ``gguf`` package,
-config from its metadata).
+not) or a single GGUF file (config from its metadata; tensors dequantized with
+the ``gguf`` package, or on the CPU kept packed where ``kernels.cpu`` multiplies
+their blocks as they are: see ``_gguf_packing``).
 
 Both sources become one stream of ``(hf_name, tensor)`` pairs in Hugging Face
 naming, which ``load_weights`` routes into the fused layers.
@@ -19,6 +20,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+import kernels
 from engine.models.config import ModelConfig
 from engine.models.layers import RowLinear
 from engine.models.llama import LlamaForCausalLM
@@ -48,7 +50,10 @@ def build_model(path: str, cfg: ModelConfig, max_positions: int, dtype: torch.dt
     a float32 copy of a bf16 model), and no freed float32 memory lingers in CUDA's caching allocator."""
     with torch.device(device), _default_dtype(dtype):
         model = LlamaForCausalLM(cfg, max_positions, tp)  # the RoPE tables ask for float32 themselves
-    weights = _gguf_weights(path, cfg) if path.endswith(".gguf") else _safetensors_weights(path)
+    if path.endswith(".gguf"):
+        weights = _gguf_weights(path, cfg, _gguf_packing(path, model, device, tp))
+    else:
+        weights = _safetensors_weights(path)
     load_weights(model, weights)
     return model.eval()
 
@@ -198,7 +203,41 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
-def _gguf_weights(path: str, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+# GGUF tensors (by the layer they fill) kept packed on the CPU: a fused layer's parts must share a format
+_GGUF_PARTS = {"self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "self_attn.o_proj": ("attn_output",),
+               "mlp.gate_up_proj": ("ffn_gate", "ffn_up"), "mlp.down_proj": ("ffn_down",)}
+
+
+def _gguf_packing(path: str, model: LlamaForCausalLM, device: torch.device, tp: TPGroup | None) -> set[str]:
+    """Pack every layer whose GGUF tensors are in a block format the CPU's C kernel multiplies as it
+    is (Q4_0, Q4_1, Q8_0), as llama.cpp keeps them: 4.5 to 8.5 bits a weight instead of 16 or 32, and
+    the same numbers (their expansion is exact). Only on the CPU, on one rank, with the C kernel built
+    and not turned off (``TOKENMILL_CPU_LINEAR_ROWS=0``: torch's GEMM only, on dequantized weights).
+    Returns the GGUF names of the tensors to load packed."""
+    from kernels.cpu import matmul
+
+    if (device.type != "cpu" or (tp is not None and tp.size > 1) or kernels.backend() != "auto"
+            or matmul._fixed_rows() == 0 or not matmul.packed_available()):
+        return set()
+    types = {t.name: t.tensor_type.name.lower() for t in _gguf_reader(path).tensors}
+    groups = [(model.embed_tokens, ["token_embd.weight"])]
+    if not model.cfg.tie_word_embeddings:
+        groups.append((model.lm_head.shard, ["output.weight"]))
+    for i, layer in enumerate(model.layers):
+        groups += [(layer.get_submodule(sub), [f"blk.{i}.{p}.weight" for p in parts])
+                   for sub, parts in _GGUF_PARTS.items()]
+    packed = set()
+    for module, names in groups:
+        fmt = types.get(names[0])
+        if fmt in matmul.FORMATS and all(types.get(n) == fmt for n in names) and module.weight.shape[1] % 32 == 0:
+            module.pack(fmt)
+            packed.update(names)
+    return packed
+
+
+def _gguf_weights(path: str, cfg: ModelConfig, packed: set[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor in Hugging Face naming: dequantized to float32, or for ``packed`` names its rows of
+    GGUF blocks as they are (uint8)."""
     from gguf.quants import dequantize
 
     r = _gguf_reader(path)
@@ -211,8 +250,11 @@ def _gguf_weights(path: str, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tens
             if not m or m.group(2) not in _GGUF_LAYER:
                 continue
             name = f"model.layers.{m.group(1)}.{_GGUF_LAYER[m.group(2)]}.{m.group(3)}"
-        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        w = w.reshape([int(x) for x in reversed(t.shape)])  # GGUF lists dims fastest-first
+        rows = [int(x) for x in reversed(t.shape)]  # GGUF lists dims fastest-first
+        if t.name in packed:  # whole rows of blocks: permuting rows below works on them as on floats
+            w = np.asarray(t.data, dtype=np.uint8).reshape(rows[0], -1)
+        else:
+            w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(rows)
         if llama_rope and name.endswith("q_proj.weight"):
             w = _unpermute(w, cfg.num_heads)
         elif llama_rope and name.endswith("k_proj.weight"):

@@ -85,12 +85,28 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                                             out_index, max_seq_len, scale)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: str | None = None) -> torch.Tensor:
     """``F.linear``; for CPU tensors (``auto``) ``kernels.cpu.linear``, which takes the steps of few
-    rows where ``tune_linear`` measured its C kernel faster."""
+    rows where ``tune_linear`` measured its C kernel faster. ``packed``: ``weight`` is uint8 rows of
+    GGUF blocks in that format (``reference.PACKED_BLOCK_BYTES``), multiplied as they are on the CPU
+    (``auto``), expanded by ``reference.dequantize`` first elsewhere."""
+    if packed is not None:
+        if _backend == "auto" and x.device.type == "cpu":
+            return cpu.linear_packed(x, weight, packed, bias)
+        return F.linear(x, reference.dequantize(weight, packed).to(x.dtype), bias)
     if _backend == "auto" and x.device.type == "cpu":
         return cpu.linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, packed: str | None = None) -> torch.Tensor:
+    """Rows ``ids`` of ``weight`` in ``dtype``; ``packed`` as for ``linear``: only those rows expanded."""
+    if packed is None:
+        return F.embedding(ids, weight).to(dtype)
+    if _backend == "auto" and weight.device.type == "cpu":
+        return cpu.dequantize(weight, packed, ids.reshape(-1)).view(*ids.shape, -1).to(dtype)
+    return reference.dequantize(weight[ids.reshape(-1)], packed).view(*ids.shape, -1).to(dtype)
 
 
 def tune_linear(weights: list[torch.Tensor]) -> None:
@@ -119,5 +135,5 @@ def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
 
 set_backend(os.environ.get("TOKENMILL_KERNELS", "auto"))
 
-__all__ = ["BACKENDS", "apply_rope_", "backend", "fused_add_rms_norm", "linear", "paged_decode_attention",
+__all__ = ["BACKENDS", "apply_rope_", "backend", "embedding", "fused_add_rms_norm", "linear", "paged_decode_attention",
            "paged_prefill_attention", "rms_norm", "set_backend", "silu_and_mul", "store_kvcache", "tune_linear"]

@@ -120,3 +120,25 @@ def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
         r1, r2 = (x1 * c - x2 * s).to(x.dtype), (x2 * c + x1 * s).to(x.dtype)
         x1.copy_(r1)
         x2.copy_(r2)
+
+
+# GGUF block formats of 32 weights (the packed weights kernels.cpu multiplies without expanding them
+# in memory): name -> bytes per block. An fp16 scale d; Q4_1 then an fp16 minimum m; then the weights:
+# 4-bit (weight j in the low half of byte j, weight j + 16 in its high half) or signed 8-bit.
+PACKED_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
+
+
+def dequantize(weight: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Packed (N, K / 32 * block bytes) uint8 rows -> float32 (N, K): Q4_0 d (q - 8), Q4_1 d q + m,
+    Q8_0 d q, each as gguf's ``dequantize`` computes it (the products are exact; Q4_1's sum is
+    rounded once)."""
+    blocks = weight.reshape(weight.shape[0], -1, PACKED_BLOCK_BYTES[fmt])  # (N, K / 32, block)
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # (N, K / 32, 1)
+    if fmt == "q8_0":
+        return (d * blocks[..., 2:].contiguous().view(torch.int8).float()).reshape(weight.shape[0], -1)
+    qs = blocks[..., 4:] if fmt == "q4_1" else blocks[..., 2:]
+    q = torch.cat([qs & 15, qs >> 4], dim=-1).float()  # (N, K / 32, 32)
+    if fmt == "q4_0":
+        return (d * (q - 8)).reshape(weight.shape[0], -1)
+    m = blocks[..., 2:4].contiguous().view(torch.float16).float()
+    return (d * q + m).reshape(weight.shape[0], -1)

@@ -26,7 +26,24 @@ def _empty(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-class ColumnLinear(nn.Module):
+class Packable(nn.Module):
+    """A layer whose (N, K) weight may be kept packed: ``pack(fmt)`` swaps it, before loading, for
+    uint8 rows of GGUF blocks (``kernels.reference.PACKED_BLOCK_BYTES``), which ``load`` then copies
+    rows of as it would copy rows of floats. Only whole rows are ever sliced: not under tensor
+    parallelism along K."""
+
+    packed: str | None = None
+
+    def pack(self, fmt: str) -> None:
+        rows, k = self.weight.shape
+        if k % 32:
+            raise ValueError(f"a packed weight needs whole blocks of 32 along K, got K={k}")
+        self.weight = nn.Parameter(torch.empty(rows, k // 32 * kernels.reference.PACKED_BLOCK_BYTES[fmt],
+                                               dtype=torch.uint8, device=self.weight.device), requires_grad=False)
+        self.packed = fmt
+
+
+class ColumnLinear(Packable):
     """y = x W^T (+ b), W = [W_0; W_1; ...] fused along the output dim.
 
     Under tensor parallelism each rank keeps a slice of every part's rows, so outputs
@@ -53,10 +70,10 @@ class ColumnLinear(nn.Module):
         getattr(self, kind)[start:start + n].copy_(tensor.narrow(0, self.starts[part], n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(x, self.weight, self.bias)
+        return kernels.linear(x, self.weight, self.bias, self.packed)
 
 
-class RowLinear(nn.Module):
+class RowLinear(Packable):
     """y = x W^T (+ b) with W split along the input dim under tensor parallelism: each rank
     multiplies its slice of x (the column-parallel layer's output) and the partial sums are
     all-reduced; the bias is added once, after."""
@@ -70,23 +87,23 @@ class RowLinear(nn.Module):
         self.bias = _empty(out_features) if bias else None
 
     def load(self, tensor: torch.Tensor, kind: str = "weight") -> None:
-        if kind == "weight":
+        if kind == "weight" and self.tp.size > 1:
             tensor = tensor.narrow(1, self.tp.rank * self.in_per_rank, self.in_per_rank)
         getattr(self, kind).copy_(tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(kernels.linear(x, self.weight))
+        y = self.tp.all_reduce(kernels.linear(x, self.weight, packed=self.packed))
         return y if self.bias is None else y + self.bias
 
 
-class VocabEmbedding(nn.Module):
+class VocabEmbedding(Packable):
     """Token embeddings, vocab-parallel: rank r keeps rows [r * n, (r + 1) * n), n = ceil(V / T)
     (the last rank's tail past V is zero padding). Each rank looks up the ids in its range,
     zeros for the others, and the all-reduce sums the one nonzero row of each token."""
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup = _SINGLE):
         super().__init__()
-        self.tp, self.vocab_size = tp, vocab_size
+        self.tp, self.vocab_size, self.dtype = tp, vocab_size, torch.get_default_dtype()
         self.rows = -(-vocab_size // tp.size)
         self.first = tp.rank * self.rows
         self.weight = _empty(self.rows, hidden_size)
@@ -99,10 +116,10 @@ class VocabEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return nn.functional.embedding(input_ids, self.weight)  # (T, hidden)
+            return kernels.embedding(input_ids, self.weight, self.dtype, self.packed)  # (T, hidden)
         local = input_ids - self.first
         outside = (local < 0) | (local >= self.rows)
-        x = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)  # (T, hidden)
+        x = kernels.embedding(local.masked_fill(outside, 0), self.weight, self.dtype, self.packed)  # (T, hidden)
         return self.tp.all_reduce(x.masked_fill_(outside[:, None], 0.0))
 
 
@@ -123,13 +140,16 @@ class LMHead(nn.Module):
         super().__init__()
         self.tp, self.vocab_size = tp, vocab_size
         self.shard = tied or VocabEmbedding(vocab_size, hidden_size, tp)  # the same row split
-        self.weight = self.shard.weight
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.shard.weight
 
     def load(self, tensor: torch.Tensor) -> None:
         self.shard.load(tensor)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = kernels.linear(hidden, self.weight).float()  # (N, V/T)
+        logits = kernels.linear(hidden, self.shard.weight, packed=self.shard.packed).float()  # (N, V/T)
         if self.tp.size == 1:
             return logits
         full = self.tp.gather_last_dim(logits)

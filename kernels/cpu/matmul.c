@@ -14,6 +14,15 @@
  * K runs in 8 lanes, which are summed as a tree at the end: a row's result does not depend on M.
  * The weight rows after the tile are prefetched as it goes (rows of a few KiB are too short for the
  * hardware prefetcher to ramp up on): +10-40% at 1 to 4 rows, measured.
+ *
+ * Packed weights (``linear_q_*``): W as GGUF blocks of 32 weights along K (Q4_0, Q4_1, Q8_0; an fp16
+ * scale, for Q4_1 an fp16 minimum, and 4- or 8-bit integers), as llama.cpp keeps them: 4.5 to 8.5 bits
+ * a weight instead of 32, and a single-stream step reads that much less. Each work item's rows are
+ * expanded into a buffer of floats that stays in cache, then multiplied exactly as above. The
+ * expansion is exact (an fp16 scale times a small integer needs at most 19 bits; Q4_1's one addition
+ * is rounded once, as gguf's dequantize rounds it), so a row's result is bit for bit the dense
+ * kernel's on the dequantized weights, at any number of rows. Past a few rows, x is taken in chunks
+ * that stay in L2, each chunk against every work item of the thread.
  */
 #include <math.h>
 #include <stdint.h>
@@ -33,6 +42,10 @@ typedef uint32_t v8u __attribute__((vector_size(32)));
 #define MR 3
 #define NR 3
 #define NB (2 * NR) /* weight rows per work item */
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 4096
+#endif
+#define X_CHUNK_BYTES (192 << 10) /* rows of x per pass over the packed weights: about this many bytes */
 
 /* acc + a * b, always fused where the CPU can (explicitly: gcc fuses some of the spelled-out forms and
    not others, and then a row's result would depend on the tile that computed it) */
@@ -76,11 +89,15 @@ static inline void store(void *y, int64_t at, float v, int bf16) {
         ((float *)y)[at] = v;
 }
 
-/* y[m0:m0+R, n0:n0+C] = x[m0:m0+R] . w[n0:n0+C]^T (+ b), R <= MR and C <= NR constants once
-   inlined: every loop over them unrolled, so the accumulators live in registers. */
-static inline __attribute__((always_inline)) void tile(const float *xf, const void *w, const void *b, void *y,
-                                                       int64_t m0, const int R, int64_t n0, const int C,
-                                                       int64_t N, int64_t K, const int bf16) {
+/* y[m0:m0+R, n0:n0+C] = x[m0:m0+R] . w[0:C]^T (+ b[n0:n0+C]), w the tile's first weight row (the rows
+   after it K apart; prefetched as it goes when `prefetch`), R <= MR and C <= NR constants once inlined:
+   every loop over them unrolled, so the accumulators live in registers. wbf16: the weights are bf16;
+   obf16: the bias and y are. */
+static inline __attribute__((always_inline)) void tile(const float *xf, const char *w, const int prefetch,
+                                                       const void *b, void *y, int64_t m0, const int R, int64_t n0,
+                                                       const int C, int64_t N, int64_t K, const int wbf16,
+                                                       const int obf16) {
+    const int64_t row = K * (wbf16 ? 2 : 4);
     v8f acc[MR][NB];
 #pragma GCC unroll 8
     for (int i = 0; i < R; i++)
@@ -88,14 +105,14 @@ static inline __attribute__((always_inline)) void tile(const float *xf, const vo
         for (int j = 0; j < C; j++) acc[i][j] = (v8f){0};
     int64_t k = 0;
     for (; k + 8 <= K; k += 8) {
-        if ((k & 15) == 0) /* the next C rows, a line at a time: short rows defeat the hardware's prefetcher */
+        if (prefetch && (k & 15) == 0) /* the next C rows, a line at a time: short rows defeat the hardware's prefetcher */
 #pragma GCC unroll 8
             for (int j = 0; j < C; j++)
-                if (n0 + C + j < N) __builtin_prefetch((const char *)w + ((n0 + C + j) * K + k) * (bf16 ? 2 : 4));
+                if (n0 + C + j < N) __builtin_prefetch(w + (C + j) * row + k * (wbf16 ? 2 : 4));
         v8f wv[NB];
 #pragma GCC unroll 8
         for (int j = 0; j < C; j++) {
-            wv[j] = load_w(w, (n0 + j) * K + k, bf16);
+            wv[j] = load_w(w, j * K + k, wbf16);
             IN_REGISTER(wv[j]);
         }
 #pragma GCC unroll 8
@@ -111,38 +128,42 @@ static inline __attribute__((always_inline)) void tile(const float *xf, const vo
             float sum = hsum(acc[i][j]);
             const int64_t n = n0 + j;
             for (int64_t kk = k; kk < K; kk++)
-                sum = FMA1(sum, xf[(m0 + i) * K + kk], bf16 ? bf16_to_float(((const uint16_t *)w)[n * K + kk])
-                                                            : ((const float *)w)[n * K + kk]);
-            if (b) sum += bf16 ? bf16_to_float(((const uint16_t *)b)[n]) : ((const float *)b)[n];
-            store(y, (m0 + i) * N + n, sum, bf16);
+                sum = FMA1(sum, xf[(m0 + i) * K + kk], wbf16 ? bf16_to_float(((const uint16_t *)w)[j * K + kk])
+                                                             : ((const float *)w)[j * K + kk]);
+            if (b) sum += obf16 ? bf16_to_float(((const uint16_t *)b)[n]) : ((const float *)b)[n];
+            store(y, (m0 + i) * N + n, sum, obf16);
         }
 }
 
 /* The rows m0.. (up to MR of them) against the weight rows n0.. (NR, or 1 in N's tail). */
-static inline __attribute__((always_inline)) void tiles(const float *xf, const void *w, const void *b, void *y,
-                                                        int64_t m0, int64_t mr, int64_t n0, const int C,
-                                                        int64_t N, int64_t K, const int bf16) {
+static inline __attribute__((always_inline)) void tiles(const float *xf, const char *w, const int prefetch,
+                                                        const void *b, void *y, int64_t m0, int64_t mr, int64_t n0,
+                                                        const int C, int64_t N, int64_t K, const int wbf16,
+                                                        const int obf16) {
     switch (mr) {
-    case 3: tile(xf, w, b, y, m0, 3, n0, C, N, K, bf16); break;
-    case 2: tile(xf, w, b, y, m0, 2, n0, C, N, K, bf16); break;
-    default: tile(xf, w, b, y, m0, 1, n0, C, N, K, bf16);
+    case 3: tile(xf, w, prefetch, b, y, m0, 3, n0, C, N, K, wbf16, obf16); break;
+    case 2: tile(xf, w, prefetch, b, y, m0, 2, n0, C, N, K, wbf16, obf16); break;
+    default: tile(xf, w, prefetch, b, y, m0, 1, n0, C, N, K, wbf16, obf16);
     }
 }
 
-/* Every row of x against the weight rows of block t (NB of them, or N's tail a row at a time). One
-   row of x has NB accumulators, a chain per weight row: more loads in flight than NR would give. */
-static inline __attribute__((always_inline)) void column(const float *xf, const void *w, const void *b, void *y,
-                                                         int64_t M, int64_t N, int64_t K, int64_t t,
-                                                         const int bf16) {
-    const int64_t n0 = t * NB;
+/* Every row of x against the weight rows of block t (NB of them, or N's tail a row at a time), whose
+   first row is at w. One row of x has NB accumulators, a chain per weight row: more loads in flight
+   than NR would give. */
+static inline __attribute__((always_inline)) void column(const float *xf, const char *w, const int prefetch,
+                                                         const void *b, void *y, int64_t M, int64_t N, int64_t K,
+                                                         int64_t t, const int wbf16, const int obf16) {
+    const int64_t n0 = t * NB, row = K * (wbf16 ? 2 : 4);
     if (n0 + NB > N) {
         for (int64_t m0 = 0; m0 < M; m0 += MR)
-            for (int64_t n = n0; n < N; n++) tiles(xf, w, b, y, m0, M - m0 < MR ? M - m0 : MR, n, 1, N, K, bf16);
+            for (int64_t n = n0; n < N; n++)
+                tiles(xf, w + (n - n0) * row, prefetch, b, y, m0, M - m0 < MR ? M - m0 : MR, n, 1, N, K, wbf16, obf16);
     } else if (M == 1) {
-        tile(xf, w, b, y, 0, 1, n0, NB, N, K, bf16);
+        tile(xf, w, prefetch, b, y, 0, 1, n0, NB, N, K, wbf16, obf16);
     } else {
         for (int64_t m0 = 0; m0 < M; m0 += MR)
-            for (int64_t n = n0; n < n0 + NB; n += NR) tiles(xf, w, b, y, m0, M - m0 < MR ? M - m0 : MR, n, NR, N, K, bf16);
+            for (int64_t n = n0; n < n0 + NB; n += NR)
+                tiles(xf, w + (n - n0) * row, prefetch, b, y, m0, M - m0 < MR ? M - m0 : MR, n, NR, N, K, wbf16, obf16);
     }
 }
 
@@ -150,23 +171,27 @@ static inline __attribute__((always_inline)) void column(const float *xf, const 
    constants propagate, so the branch on the dtype must be taken outside the loops. */
 static void column_f32(const float *xf, const void *w, const void *b, void *y, int64_t M, int64_t N, int64_t K,
                        int64_t t) {
-    column(xf, w, b, y, M, N, K, t, 0);
+    column(xf, (const char *)w + t * NB * K * 4, 1, b, y, M, N, K, t, 0, 0);
 }
 
 static void column_bf16(const float *xf, const void *w, const void *b, void *y, int64_t M, int64_t N, int64_t K,
                         int64_t t) {
-    column(xf, w, b, y, M, N, K, t, 1);
+    column(xf, (const char *)w + t * NB * K * 2, 1, b, y, M, N, K, t, 1, 1);
+}
+
+/* x as floats: x itself, or (bf16) a widened copy to free after; NULL when out of memory */
+static float *widened(const void *x, int64_t n, int bf16) {
+    if (!bf16) return (float *)x;
+    float *wide = malloc(sizeof(float) * (n ? n : 1));
+    if (wide)
+        for (int64_t i = 0; i < n; i++) wide[i] = bf16_to_float(((const uint16_t *)x)[i]);
+    return wide;
 }
 
 static void linear(const void *x, const void *w, const void *b, void *y, int64_t M, int64_t N, int64_t K,
                    int num_threads, int bf16) {
-    float *xf = (float *)x, *wide = NULL;
-    if (bf16) { /* x widened once: it is read once per NR weight rows */
-        wide = malloc(sizeof(float) * M * K);
-        if (!wide) return;
-        for (int64_t i = 0; i < M * K; i++) wide[i] = bf16_to_float(((const uint16_t *)x)[i]);
-        xf = wide;
-    }
+    float *xf = widened(x, M * K, bf16); /* once: it is read once per NR weight rows */
+    if (!xf) return;
     const int64_t tiles_n = (N + NB - 1) / NB;
     (void)num_threads; /* without OpenMP: one thread */
 #pragma omp parallel for schedule(static) num_threads(num_threads)
@@ -176,7 +201,7 @@ static void linear(const void *x, const void *w, const void *b, void *y, int64_t
         else
             column_f32(xf, w, b, y, M, N, K, t);
     }
-    free(wide);
+    if (bf16) free(xf);
 }
 
 void linear_f32(const float *x, const float *w, const float *b, float *y, int64_t M, int64_t N, int64_t K,
@@ -187,4 +212,214 @@ void linear_f32(const float *x, const float *w, const float *b, float *y, int64_
 void linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *b, uint16_t *y, int64_t M, int64_t N,
                  int64_t K, int num_threads) {
     linear(x, w, b, y, M, N, K, num_threads, 1);
+}
+
+/* ------------------------------------------------------------------------------ packed weights */
+
+enum { Q4_0, Q4_1, Q8_0 }; /* the numbering of matmul.py's FORMATS */
+static const int64_t BLOCK_BYTES[] = {18, 20, 34};
+
+static inline float half_to_float(const uint8_t *p) { /* exact: every fp16 is a float */
+    uint16_t h = (uint16_t)(p[0] | p[1] << 8);
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = h >> 10 & 0x1f, man = h & 0x3ff, u;
+    if (exp == 0x1f)
+        u = sign | 0x7f800000 | man << 13; /* inf, NaN */
+    else if (exp)
+        u = sign | (exp + 112) << 23 | man << 13;
+    else if (!man)
+        u = sign;
+    else { /* subnormal: normalise */
+        exp = 113;
+        while (!(man & 0x400)) man <<= 1, exp--;
+        u = sign | exp << 23 | (man & 0x3ff) << 13;
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+#endif
+}
+
+/* The 32 weights of one block as floats, in 4 vectors of 8: Q4_0 d (q - 8), Q4_1 d q + m, Q8_0 d q; a
+   4-bit block keeps weight j in the low half of byte j and weight j + 16 in its high half. */
+static inline __attribute__((always_inline)) void expand_block(const uint8_t *blk, const int fmt, v8f out[4]) {
+    const float d = half_to_float(blk), m = fmt == Q4_1 ? half_to_float(blk + 2) : 0.0f;
+#ifdef __AVX2__
+    const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
+    if (fmt == Q8_0) {
+        for (int i = 0; i < 4; i++) {
+            __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * i))));
+            out[i] = (v8f)_mm256_mul_ps(dv, q);
+        }
+        return;
+    }
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)(blk + (fmt == Q4_1 ? 4 : 2))), low = _mm_set1_epi8(0x0f);
+    const __m128i half[2] = {_mm_and_si128(bytes, low), _mm_and_si128(_mm_srli_epi16(bytes, 4), low)};
+    for (int h = 0; h < 2; h++)
+        for (int i = 0; i < 2; i++) {
+            __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(i ? _mm_unpackhi_epi64(half[h], half[h]) : half[h]));
+            out[2 * h + i] = (v8f)(fmt == Q4_1 ? _mm256_fmadd_ps(dv, q, mv)
+                                               : _mm256_mul_ps(dv, _mm256_sub_ps(q, _mm256_set1_ps(8.0f))));
+        }
+#else
+    float f[32];
+    if (fmt == Q8_0) {
+        for (int i = 0; i < 32; i++) f[i] = d * (float)(int8_t)blk[2 + i];
+    } else {
+        const uint8_t *qs = blk + (fmt == Q4_1 ? 4 : 2);
+        for (int i = 0; i < 16; i++) {
+            const int lo = qs[i] & 15, hi = qs[i] >> 4;
+            f[i] = fmt == Q4_1 ? d * (float)lo + m : d * (float)(lo - 8);
+            f[i + 16] = fmt == Q4_1 ? d * (float)hi + m : d * (float)(hi - 8);
+        }
+    }
+    memcpy(out, f, sizeof f);
+#endif
+}
+
+/* y[0, n0:n0+C] = x[0] . w[0:C]^T (+ b) for one row of x, the weights expanded in registers as they are
+   used (at one row an expanded weight is used once: storing it would only cost). Each weight row keeps
+   its own 8 lanes, summed over K in the same order as tile's: the same result, bit for bit. */
+static inline __attribute__((always_inline)) void tile_packed_1(const float *xf, const uint8_t *w, const int fmt,
+                                                                const void *b, void *y, int64_t n0, const int C,
+                                                                int64_t K, const int obf16) {
+    const int64_t row_bytes = K / 32 * BLOCK_BYTES[fmt];
+    v8f acc[NB];
+#pragma GCC unroll 8
+    for (int j = 0; j < C; j++) acc[j] = (v8f){0};
+    for (int64_t k = 0; k < K; k += 32) {
+        const int64_t at = k / 32 * BLOCK_BYTES[fmt];
+        __builtin_prefetch(w + at + C * row_bytes); /* the next work item's rows, as these go */
+#pragma GCC unroll 8
+        for (int j = 0; j < C; j++) {
+            v8f wv[4];
+            expand_block(w + j * row_bytes + at, fmt, wv);
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) acc[j] = FMA8(acc[j], *(const v8f_u *)(xf + k + 8 * i), wv[i]);
+        }
+    }
+    for (int j = 0; j < C; j++) {
+        float sum = hsum(acc[j]);
+        if (b) sum += obf16 ? bf16_to_float(((const uint16_t *)b)[n0 + j]) : ((const float *)b)[n0 + j];
+        store(y, n0 + j, sum, obf16);
+    }
+}
+
+static inline __attribute__((always_inline)) void column_packed_1(const float *xf, const uint8_t *w, const int fmt,
+                                                                  const void *b, void *y, int64_t N, int64_t K,
+                                                                  int64_t t, const int obf16) {
+    const int64_t n0 = t * NB, row_bytes = K / 32 * BLOCK_BYTES[fmt];
+    if (n0 + NB <= N)
+        tile_packed_1(xf, w + n0 * row_bytes, fmt, b, y, n0, NB, K, obf16);
+    else
+        for (int64_t n = n0; n < N; n++) tile_packed_1(xf, w + n * row_bytes, fmt, b, y, n, 1, K, obf16);
+}
+
+/* rows of K weights each, packed, into floats */
+static void expand_rows(const uint8_t *w, const int fmt, float *out, int64_t rows, int64_t K) {
+    const int64_t blocks = rows * (K / 32);
+    for (int64_t i = 0; i < blocks; i++) {
+        v8f v[4];
+        expand_block(w + i * BLOCK_BYTES[fmt], fmt, v);
+        memcpy(out + 32 * i, v, sizeof v);
+        if ((i & 1) == 0) __builtin_prefetch(w + i * BLOCK_BYTES[fmt] + PREFETCH_AHEAD);
+    }
+}
+
+static void expand_rows_q4_0(const uint8_t *w, float *out, int64_t rows, int64_t K) { expand_rows(w, Q4_0, out, rows, K); }
+static void expand_rows_q4_1(const uint8_t *w, float *out, int64_t rows, int64_t K) { expand_rows(w, Q4_1, out, rows, K); }
+static void expand_rows_q8_0(const uint8_t *w, float *out, int64_t rows, int64_t K) { expand_rows(w, Q8_0, out, rows, K); }
+
+static void expand(const uint8_t *w, int fmt, float *out, int64_t rows, int64_t K) {
+    switch (fmt) {
+    case Q4_0: expand_rows_q4_0(w, out, rows, K); break;
+    case Q4_1: expand_rows_q4_1(w, out, rows, K); break;
+    default: expand_rows_q8_0(w, out, rows, K);
+    }
+}
+
+static void column_packed_f32(const float *xf, const float *wt, const void *b, void *y, int64_t M, int64_t N,
+                              int64_t K, int64_t t) {
+    column(xf, (const char *)wt, 0, b, y, M, N, K, t, 0, 0);
+}
+
+static void column_packed_bf16(const float *xf, const float *wt, const void *b, void *y, int64_t M, int64_t N,
+                               int64_t K, int64_t t) {
+    column(xf, (const char *)wt, 0, b, y, M, N, K, t, 0, 1);
+}
+
+/* One row of x against work item t: a case per format and dtype, each with its constants inlined. */
+static void row_packed(const float *xf, const uint8_t *w, int fmt, const void *b, void *y, int64_t N, int64_t K,
+                       int64_t t, int obf16) {
+#define ROW_PACKED(F)                                                                                             \
+    case F:                                                                                                       \
+        if (obf16)                                                                                                \
+            column_packed_1(xf, w, F, b, y, N, K, t, 1);                                                          \
+        else                                                                                                      \
+            column_packed_1(xf, w, F, b, y, N, K, t, 0);                                                          \
+        break;
+    switch (fmt) {
+        ROW_PACKED(Q4_0)
+        ROW_PACKED(Q4_1)
+        ROW_PACKED(Q8_0)
+    }
+#undef ROW_PACKED
+}
+
+static void linear_packed(const void *x, const uint8_t *w, int fmt, const void *b, void *y, int64_t M, int64_t N,
+                          int64_t K, int num_threads, int bf16) {
+    if (fmt < Q4_0 || fmt > Q8_0 || K % 32) return; /* matmul.py checks both */
+    float *xf = widened(x, M * K, bf16);
+    if (!xf) return;
+    const int64_t tiles_n = (N + NB - 1) / NB, row_bytes = K / 32 * BLOCK_BYTES[fmt];
+    int64_t chunk = X_CHUNK_BYTES / (4 * K) / MR * MR;
+    chunk = chunk < MR ? MR : chunk;
+    (void)num_threads;
+    if (M == 1) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t t = 0; t < tiles_n; t++) row_packed(xf, w, fmt, b, y, N, K, t, bf16);
+        if (bf16) free(xf);
+        return;
+    }
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *wt = malloc(sizeof(float) * NB * K); /* this thread's work item, expanded */
+        if (wt)
+            for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+                const int64_t mc = M - m0 < chunk ? M - m0 : chunk;
+                const float *xc = xf + m0 * K;
+                void *yc = (char *)y + m0 * N * (bf16 ? 2 : 4);
+                /* the same work items for a thread in every chunk: its weights stay in its cache */
+#pragma omp for schedule(static) nowait
+                for (int64_t t = 0; t < tiles_n; t++) {
+                    const int64_t rows = N - t * NB < NB ? N - t * NB : NB;
+                    expand(w + t * NB * row_bytes, fmt, wt, rows, K);
+                    if (bf16)
+                        column_packed_bf16(xc, wt, b, yc, mc, N, K, t);
+                    else
+                        column_packed_f32(xc, wt, b, yc, mc, N, K, t);
+                }
+            }
+        free(wt);
+    }
+    if (bf16) free(xf);
+}
+
+void linear_q_f32(const float *x, const uint8_t *w, int fmt, const float *b, float *y, int64_t M, int64_t N,
+                  int64_t K, int num_threads) {
+    linear_packed(x, w, fmt, b, y, M, N, K, num_threads, 0);
+}
+
+void linear_q_bf16(const uint16_t *x, const uint8_t *w, int fmt, const uint16_t *b, uint16_t *y, int64_t M,
+                   int64_t N, int64_t K, int num_threads) {
+    linear_packed(x, w, fmt, b, y, M, N, K, num_threads, 1);
+}
+
+/* rows (gathered by ids, or all of them when ids is NULL) of a packed matrix, as floats */
+void dequantize_rows(const uint8_t *w, int fmt, const int64_t *ids, float *out, int64_t rows, int64_t K) {
+    if (fmt < Q4_0 || fmt > Q8_0 || K % 32) return;
+    const int64_t row_bytes = K / 32 * BLOCK_BYTES[fmt];
+    for (int64_t r = 0; r < rows; r++) expand(w + (ids ? ids[r] : r) * row_bytes, fmt, out + r * K, 1, K);
 }

@@ -16,6 +16,11 @@ torch. ``TOKENMILL_CPU_LINEAR_ROWS=n`` skips the measuring: the C kernel up to `
 shape (0: never), for runs that must not depend on a timing. A shape never tuned goes to torch.
 
 Within the C kernel a row's result does not depend on how many rows share the step.
+
+Weights kept packed as GGUF blocks (``FORMATS``: 4.5 to 8.5 bits a weight, as llama.cpp keeps them)
+go to ``linear_packed`` at every row count: nothing to tune, torch has no GEMM for them. Their
+expansion to floats is exact, so a row's result is the C kernel's on ``reference.dequantize``'s
+weights, bit for bit.
 """
 
 from __future__ import annotations
@@ -34,10 +39,13 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu.build import load
+from kernels.reference import PACKED_BLOCK_BYTES
 
 log = logging.getLogger("tokenmill.kernels")
 
 _KERNELS = {torch.float32: "linear_f32", torch.bfloat16: "linear_bf16"}
+_PACKED_KERNELS = {torch.float32: "linear_q_f32", torch.bfloat16: "linear_q_bf16"}
+FORMATS = {"q4_0": 0, "q4_1": 1, "q8_0": 2}  # the GGUF block formats matmul.c reads, by its numbering
 ROWS = (1, 2, 4, 8, 16, 32, 64)  # the row counts tune tries; more rows go to torch
 STREAM_BYTES = 64 << 20  # weights timed per shape: more than a CPU's last-level cache
 # the C kernel must be this much faster to be chosen: a near tie is noise, and its Python wrapper costs
@@ -50,7 +58,63 @@ _use_c: dict[tuple[int, int, torch.dtype], tuple[bool, ...]] = {}
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    return load("matmul.c", dict.fromkeys(_KERNELS.values(), [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]))
+    p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    return load("matmul.c", dict.fromkeys(_KERNELS.values(), [p] * 4 + [i64] * 3 + [i])
+                | dict.fromkeys(_PACKED_KERNELS.values(), [p, p, i, p, p] + [i64] * 3 + [i])
+                | {"dequantize_rows": [p, i, p, p, i64, i64]})
+
+
+def packed_available() -> bool:
+    """Whether packed weights can be multiplied here (the C kernel builds)."""
+    return _library() is not None
+
+
+def _packed_k(weight: torch.Tensor, fmt: str) -> int:
+    """K of a packed (N, K / 32 * block bytes) uint8 weight, after checking it is one."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown packed format {fmt!r}; known: {', '.join(FORMATS)}")
+    block = PACKED_BLOCK_BYTES[fmt]
+    if weight.dtype != torch.uint8 or weight.dim() != 2 or weight.shape[1] % block or weight.device.type != "cpu":
+        raise ValueError(f"a {fmt} weight must be a 2-D uint8 CPU tensor of whole {block}-byte blocks per row, got "
+                         f"{weight.dtype} {tuple(weight.shape)} on {weight.device}")
+    if _library() is None:
+        raise RuntimeError("packed weights need the C linear kernel, which could not be built here")
+    return weight.shape[1] // block * 32
+
+
+def linear_packed(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``y = x W^T (+ b)`` with W packed in ``fmt`` blocks: weight (N, K / 32 * block bytes) uint8 rows,
+    x (..., K) fp32 or bf16 on the CPU, bias (N) of x's dtype or None; y (..., N) of x's dtype."""
+    k = _packed_k(weight, fmt)
+    if x.dtype not in _PACKED_KERNELS or x.shape[-1] != k or x.device.type != "cpu":
+        raise ValueError(f"x must be (..., {k}) float32 or bfloat16 on the CPU, got {x.dtype} {tuple(x.shape)}")
+    n = weight.shape[0]
+    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype):
+        raise ValueError(f"bias must be ({n},) {x.dtype}, got {bias.dtype} {tuple(bias.shape)}")
+    x2 = x.reshape(-1, k).contiguous()
+    y = x2.new_empty(x2.shape[0], n)
+    weight = weight.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    getattr(_library(), _PACKED_KERNELS[x.dtype])(x2.data_ptr(), weight.data_ptr(), FORMATS[fmt],
+                                                  None if bias is None else bias.data_ptr(), y.data_ptr(),
+                                                  x2.shape[0], n, k, torch.get_num_threads())
+    return y.view(*x.shape[:-1], n)
+
+
+def dequantize(weight: torch.Tensor, fmt: str, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows ``rows`` (int64 ids; all rows when None) of a packed weight as float32 (len(rows), K):
+    an embedding lookup, or the whole matrix (tests)."""
+    k = _packed_k(weight, fmt)
+    weight = weight.contiguous()
+    if rows is not None:
+        rows = rows.to(torch.int64).contiguous()
+        if rows.numel() and not (0 <= int(rows.min()) and int(rows.max()) < weight.shape[0]):
+            raise IndexError(f"row ids must lie in [0, {weight.shape[0]})")
+    count = weight.shape[0] if rows is None else rows.numel()
+    out = torch.empty(count, k)
+    _library().dequantize_rows(weight.data_ptr(), FORMATS[fmt], None if rows is None else rows.data_ptr(),
+                               out.data_ptr(), count, k)
+    return out
 
 
 def _fixed_rows() -> int | None:

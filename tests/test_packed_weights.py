@@ -1,0 +1,169 @@
+"""Weights kept packed as GGUF blocks (Q4_0, Q4_1, Q8_0) on the CPU: the reference expansion against
+gguf's, the C kernel against the dense C kernel on the expanded weights (bit for bit), and which
+layers the loader packs. (The default model served packed, greedy equal to transformers:
+``test_parity.test_default_smollm2_gguf_matches_transformers``.)"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+import kernels
+import kernels.reference as ref
+from engine import loader
+from engine.models.config import ModelConfig
+from engine.models.llama import LlamaForCausalLM
+from kernels.cpu import matmul
+
+TYPES = {"q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}
+FMTS = list(TYPES)
+
+
+@pytest.fixture
+def compiled():
+    if not matmul.packed_available():
+        pytest.skip("no C compiler here")
+
+
+def packed_weight(fmt: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    return torch.from_numpy(np.array(gguf_quantize(w, TYPES[fmt]), copy=True))
+
+
+def gguf_floats(packed: torch.Tensor, fmt: str) -> torch.Tensor:
+    with np.errstate(invalid="ignore"):  # NaN scales (random bytes) make NaN weights, as they should
+        floats = np.asarray(gguf_dequantize(packed.numpy(), TYPES[fmt]), dtype=np.float32)
+    return torch.from_numpy(floats).view(packed.shape[0], -1)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_reference_dequantize_is_gguf_exactly(fmt):
+    packed = packed_weight(fmt, 9, 96)
+    torch.testing.assert_close(ref.dequantize(packed, fmt), gguf_floats(packed, fmt), rtol=0, atol=0)
+    raw = torch.randint(0, 256, packed.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    # any bytes: subnormal, infinite and NaN scales included
+    torch.testing.assert_close(ref.dequantize(raw, fmt), gguf_floats(raw, fmt), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_c_dequantize_matches_reference(fmt, compiled):
+    packed = packed_weight(fmt, 11, 64)
+    raw = torch.randint(0, 256, packed.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    for w in (packed, raw):
+        torch.testing.assert_close(matmul.dequantize(w, fmt), ref.dequantize(w, fmt), rtol=0, atol=0, equal_nan=True)
+    ids = torch.tensor([3, 0, 3, 10])
+    torch.testing.assert_close(matmul.dequantize(packed, fmt, ids), ref.dequantize(packed, fmt)[ids], rtol=0, atol=0)
+    with pytest.raises(IndexError):
+        matmul.dequantize(packed, fmt, torch.tensor([11]))
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("n,k", [(1, 32), (5, 64), (6, 96), (13, 576), (50, 1536)], ids=str)
+def test_packed_linear_is_the_dense_kernel_on_expanded_weights(fmt, n, k, compiled):
+    """Bit for bit, at every row count (one row and many take different loops in matmul.c)."""
+    packed = packed_weight(fmt, n, k, seed=n * k)
+    dense = ref.dequantize(packed, fmt)
+    gen = torch.Generator().manual_seed(n + k)
+    bias = torch.randn(n, generator=gen)
+    for m in (1, 2, 3, 4, 7, 64, 200):
+        x = torch.randn(m, k, generator=gen)
+        for b in (None, bias):
+            y = matmul.linear_packed(x, packed, fmt, b)
+            assert torch.equal(y, matmul.linear_c(x, dense, b)), (m, b is None)
+            torch.testing.assert_close(y, F.linear(x, dense, b), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_packed_linear_bf16_and_shapes(fmt, compiled):
+    packed = packed_weight(fmt, 20, 64)
+    dense = ref.dequantize(packed, fmt)
+    x = torch.randn(2, 3, 64)  # any leading dims
+    bias = torch.randn(20).bfloat16()
+    y = matmul.linear_packed(x.bfloat16(), packed, fmt, bias)
+    assert y.shape == (2, 3, 20) and y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), F.linear(x.bfloat16().float(), dense, bias.float()), rtol=1e-2, atol=2e-2)
+    strided = torch.randn(4, 128)[:, ::2]  # not contiguous
+    assert torch.equal(matmul.linear_packed(strided, packed, fmt), matmul.linear_c(strided.contiguous(), dense))
+
+
+@pytest.mark.parametrize("call,error", [
+    (lambda w: matmul.linear_packed(torch.randn(1, 64), w, "q5_k"), "unknown packed format"),
+    (lambda w: matmul.linear_packed(torch.randn(1, 32), w, "q4_1"), r"x must be \(\.\.\., 64\)"),
+    (lambda w: matmul.linear_packed(torch.randn(1, 64).half(), w, "q4_1"), "float32 or bfloat16"),
+    (lambda w: matmul.linear_packed(torch.randn(1, 64), w.float(), "q4_1"), "uint8"),
+    (lambda w: matmul.linear_packed(torch.randn(1, 64), w[:, :30], "q4_1"), "whole 20-byte blocks"),
+    (lambda w: matmul.linear_packed(torch.randn(1, 64), w, "q4_1", torch.randn(3)), "bias must be"),
+    (lambda w: matmul.linear_packed(torch.randn(1, 64), w, "q4_1", torch.randn(4).bfloat16()), "bias must be"),
+], ids=["format", "k", "dtype", "weight-dtype", "blocks", "bias-shape", "bias-dtype"])
+def test_packed_linear_refuses_bad_arguments(call, error, compiled):
+    with pytest.raises(ValueError, match=error):
+        call(packed_weight("q4_1", 4, 64))
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_kernels_dispatch_packed_weights(fmt, monkeypatch, compiled):
+    packed = packed_weight(fmt, 7, 64)
+    dense = ref.dequantize(packed, fmt)
+    x, ids = torch.randn(3, 64), torch.tensor([[6, 1], [0, 0]])
+    for backend in ("auto", "reference"):
+        monkeypatch.setattr(kernels, "_backend", backend)
+        torch.testing.assert_close(kernels.linear(x, packed, packed=fmt), F.linear(x, dense), rtol=1e-5, atol=1e-5)
+        emb = kernels.embedding(ids, packed, torch.bfloat16, fmt)
+        assert emb.shape == (2, 2, 64) and emb.dtype == torch.bfloat16
+        assert torch.equal(emb, dense[ids].bfloat16())
+
+
+def tiny_config() -> ModelConfig:
+    return ModelConfig.from_hf({"model_type": "llama", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 96,
+                                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                "tie_word_embeddings": True, "max_position_embeddings": 64}, [])
+
+
+def fake_gguf(monkeypatch, types: dict[str, str]) -> None:
+    tensors = [SimpleNamespace(name=n, tensor_type=SimpleNamespace(name=t.upper())) for n, t in types.items()]
+    monkeypatch.setattr(loader, "_gguf_reader", lambda path: SimpleNamespace(tensors=tensors))
+
+
+def test_loader_packs_layers_whose_parts_share_a_format(monkeypatch, compiled):
+    cfg = tiny_config()
+    types = {"token_embd.weight": "q8_0"}
+    for i in range(2):
+        types |= {f"blk.{i}.{p}.weight": "q4_1" for p in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
+                                                          "ffn_up", "ffn_down")}
+    types["blk.1.attn_v.weight"] = "q6_k"  # a part the kernel cannot read: its fused layer stays dense
+    types["blk.1.ffn_down.weight"] = "f32"
+    fake_gguf(monkeypatch, types)
+    model = LlamaForCausalLM(cfg, 64)
+    packed = loader._gguf_packing("m.gguf", model, torch.device("cpu"), None)
+    first, second = model.layers
+    assert [first.self_attn.qkv_proj.packed, first.mlp.down_proj.packed, model.embed_tokens.packed] == [
+        "q4_1", "q4_1", "q8_0"]
+    assert first.mlp.gate_up_proj.weight.dtype == torch.uint8 and first.mlp.gate_up_proj.weight.shape == (192, 40)
+    assert second.self_attn.qkv_proj.packed is None and second.mlp.down_proj.packed is None
+    assert second.mlp.gate_up_proj.packed == "q4_1" and second.self_attn.o_proj.packed == "q4_1"
+    assert "blk.1.attn_q.weight" not in packed and "blk.1.ffn_up.weight" in packed
+    assert model.lm_head.weight is model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("why", ["cuda", "tp", "env", "backend"])
+def test_loader_keeps_floats_where_packing_cannot_serve(why, monkeypatch, compiled):
+    fake_gguf(monkeypatch, {"token_embd.weight": "q8_0"})
+    device, tp = torch.device("cpu"), None
+    if why == "cuda":
+        device = torch.device("cuda")
+    elif why == "tp":
+        tp = SimpleNamespace(size=2)
+    elif why == "env":
+        monkeypatch.setenv("TOKENMILL_CPU_LINEAR_ROWS", "0")
+    else:
+        monkeypatch.setattr(kernels, "_backend", "reference")
+    model = LlamaForCausalLM(tiny_config(), 64)
+    assert loader._gguf_packing("m.gguf", model, device, tp) == set()
+    assert model.embed_tokens.packed is None
