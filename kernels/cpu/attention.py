@@ -41,29 +41,28 @@ def available() -> bool:
     return _library() is not None
 
 
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
-
-
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
            seq_lens: torch.Tensor, max_seq_len: int) -> None:
-    _require(q.dim() == 3 and k_cache.dim() == 4, f"q must be (T, H, D) and the caches (blocks, block_size, Hkv, "
-             f"D), got {tuple(q.shape)} and {tuple(k_cache.shape)}")
-    _require(all(t.device == q.device for t in (k_cache, v_cache, block_tables, seq_lens)),
-             "q, the caches, block_tables and seq_lens must be on one device")
-    _require(k_cache.dtype == v_cache.dtype == q.dtype,
-             f"q and the caches must have the same dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    _require(k_cache.shape == v_cache.shape and k_cache.shape[3] == q.shape[2],
-             f"caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)} do not fit q's head_dim {q.shape[2]}")
-    _require(k_cache.is_contiguous() and v_cache.is_contiguous(), "the caches must be contiguous")
-    _require(q.shape[1] % k_cache.shape[2] == 0,
-             f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k_cache.shape[2]})")
-    _require(block_tables.dim() == 2 and block_tables.shape[0] == seq_lens.shape[0],
-             f"block_tables {tuple(block_tables.shape)} and seq_lens {tuple(seq_lens.shape)} must have one row "
-             f"per sequence")
-    _require(max_seq_len <= block_tables.shape[1] * k_cache.shape[1], f"block_tables of width "
-             f"{block_tables.shape[1]} cannot hold {max_seq_len} tokens of {k_cache.shape[1]} per block")
+    """Raise a ValueError that says what is wrong (messages are formatted only then: this runs per layer)."""
+    if q.dim() != 3 or k_cache.dim() != 4:
+        raise ValueError(f"q must be (T, H, D) and the caches (blocks, block_size, Hkv, D), got {tuple(q.shape)} "
+                         f"and {tuple(k_cache.shape)}")
+    if not q.device == k_cache.device == v_cache.device == block_tables.device == seq_lens.device:
+        raise ValueError("q, the caches, block_tables and seq_lens must be on one device")
+    if not k_cache.dtype == v_cache.dtype == q.dtype:
+        raise ValueError(f"q and the caches must have the same dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if k_cache.shape != v_cache.shape or k_cache.shape[3] != q.shape[2]:
+        raise ValueError(f"caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)} do not fit q's head_dim {q.shape[2]}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the caches must be contiguous")
+    if q.shape[1] % k_cache.shape[2]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k_cache.shape[2]})")
+    if block_tables.dim() != 2 or block_tables.shape[0] != seq_lens.shape[0]:
+        raise ValueError(f"block_tables {tuple(block_tables.shape)} and seq_lens {tuple(seq_lens.shape)} must have "
+                         f"one row per sequence")
+    if max_seq_len > block_tables.shape[1] * k_cache.shape[1]:
+        raise ValueError(f"block_tables of width {block_tables.shape[1]} cannot hold {max_seq_len} tokens of "
+                         f"{k_cache.shape[1]} per block")
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -73,10 +72,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if q.device.type != "cpu" or q.dtype not in _DECODE or not available():
         return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale)
     _check(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len)
-    _require(q.shape[0] == seq_lens.shape[0], f"q has {q.shape[0]} rows for {seq_lens.shape[0]} sequences")
+    if q.shape[0] != seq_lens.shape[0]:
+        raise ValueError(f"q has {q.shape[0]} rows for {seq_lens.shape[0]} sequences")
     longest = int(seq_lens.max()) if len(seq_lens) else 0  # the C code reads this far, whatever max_seq_len says
-    _require(longest <= block_tables.shape[1] * k_cache.shape[1], f"a sequence of {longest} tokens does not fit "
-             f"block_tables of width {block_tables.shape[1]} ({k_cache.shape[1]} tokens per block)")
+    if longest > block_tables.shape[1] * k_cache.shape[1]:
+        raise ValueError(f"a sequence of {longest} tokens does not fit block_tables of width {block_tables.shape[1]} "
+                         f"({k_cache.shape[1]} tokens per block)")
     b, h, d = q.shape
     q = q.contiguous()
     block_tables, seq_lens = block_tables.to(torch.int64).contiguous(), seq_lens.to(torch.int64).contiguous()
@@ -95,8 +96,9 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """As ``kernels.reference.paged_prefill_attention``; ``q_index`` / ``out_index`` (the
     reference's padded grid) are not needed here."""
     _check(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len)
-    _require(query_start.shape == (seq_lens.shape[0] + 1,),
-             f"query_start {tuple(query_start.shape)} must have one more row than seq_lens {tuple(seq_lens.shape)}")
+    if query_start.shape != (seq_lens.shape[0] + 1,):
+        raise ValueError(f"query_start {tuple(query_start.shape)} must have one more row than seq_lens "
+                         f"{tuple(seq_lens.shape)}")
     num_blocks, bs, hkv, d = k_cache.shape
     keys, values = k_cache.view(num_blocks, -1), v_cache.view(num_blocks, -1)  # a block per row
     out = q.new_empty(q.shape)

@@ -9,7 +9,9 @@
  * all contiguous. fp32 or bf16 (widened on load, rounded to nearest even on store, as torch
  * rounds); fp32 arithmetic throughout. One sequence per work item, all its heads together, so
  * each K/V block is read once, front to back, while the next one is prefetched; an online
- * softmax over the blocks, so nothing the size of the context is ever written.
+ * softmax over the blocks, so nothing the size of the context is ever written. With fewer
+ * sequences than threads, a work item is one KV head of a sequence (and its query heads), so that
+ * one stream's attention is not one thread's; a head's result is the same either way.
  */
 #include <math.h>
 #include <stdint.h>
@@ -57,11 +59,12 @@ static inline float dot(const float *a, const float *b, int64_t D) {
     return sum;
 }
 
+/* Query heads [h0, h1) of sequence b (head h reads KV head h / G). */
 static inline void attend_one(const void *q, const void *k_cache, const void *v_cache, const int64_t *table,
-                              int64_t len, int64_t b, const Dims *dm, void *out, int bf16) {
+                              int64_t len, int64_t b, int64_t h0, int64_t h1, const Dims *dm, void *out, int bf16) {
     const int64_t H = dm->H, G = H / dm->HKV, D = dm->D, BS = dm->BS, row = dm->HKV * D, block_size = BS * row;
-    float qf[H][D], acc[H][D], m[H], l[H], s[BS][H], buf[row];  /* head h reads KV head h / G */
-    for (int64_t h = 0; h < H; h++) {
+    float qf[H][D], acc[H][D], m[H], l[H], s[BS][H], buf[row];
+    for (int64_t h = h0; h < h1; h++) {
         const float *src = row_f32(q, (b * H + h) * D, D, bf16, buf);
         for (int64_t d = 0; d < D; d++) {
             qf[h][d] = src[d] * dm->scale;
@@ -79,10 +82,10 @@ static inline void attend_one(const void *q, const void *k_cache, const void *v_
                 prefetch(v_cache, next + t * row, row, bf16);
             }
             const float *k = row_f32(k_cache, block + t * row, row, bf16, buf);
-            for (int64_t h = 0; h < H; h++) s[t][h] = dot(qf[h], k + h / G * D, D);
+            for (int64_t h = h0; h < h1; h++) s[t][h] = dot(qf[h], k + h / G * D, D);
         }
         /* m is finite from the first block on (it holds key 0): no exp(-inf + inf) */
-        for (int64_t h = 0; h < H; h++) {
+        for (int64_t h = h0; h < h1; h++) {
             float mx = m[h];
             for (int64_t t = 0; t < n; t++) mx = s[t][h] > mx ? s[t][h] : mx;
             const float corr = expf(m[h] - mx);
@@ -98,13 +101,13 @@ static inline void attend_one(const void *q, const void *k_cache, const void *v_
         }
         for (int64_t t = 0; t < n; t++) {
             const float *v = row_f32(v_cache, block + t * row, row, bf16, buf);
-            for (int64_t h = 0; h < H; h++) {
+            for (int64_t h = h0; h < h1; h++) {
                 const float p = s[t][h], *vh = v + h / G * D;
                 for (int64_t d = 0; d < D; d++) acc[h][d] += p * vh[d];
             }
         }
     }
-    for (int64_t h = 0; h < H; h++) {
+    for (int64_t h = h0; h < h1; h++) {
         const int64_t at = (b * H + h) * D;
         const float inv = 1.f / l[h];
         for (int64_t d = 0; d < D; d++) {
@@ -118,10 +121,14 @@ static inline void attend_one(const void *q, const void *k_cache, const void *v_
 
 static void attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *block_tables,
                    const int64_t *seq_lens, void *out, int64_t B, const Dims *dm, int num_threads, int bf16) {
-    (void)num_threads;  /* without OpenMP: one thread */
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t b = 0; b < B; b++)
-        attend_one(q, k_cache, v_cache, block_tables + b * dm->W, seq_lens[b], b, dm, out, bf16);
+    const int64_t parts = B < num_threads ? dm->HKV : 1, items = B * parts, G = dm->H / dm->HKV;
+    const int threads = items < num_threads ? (int)items : num_threads; /* never wake a thread with nothing to do */
+    (void)threads;  /* without OpenMP: one thread */
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t i = 0; i < items; i++) {
+        const int64_t b = i / parts, h0 = parts == 1 ? 0 : i % parts * G, h1 = parts == 1 ? dm->H : h0 + G;
+        attend_one(q, k_cache, v_cache, block_tables + b * dm->W, seq_lens[b], b, h0, h1, dm, out, bf16);
+    }
 }
 
 void paged_decode_f32(const float *q, const float *k_cache, const float *v_cache, const int64_t *block_tables,
