@@ -69,7 +69,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
                            scale: float) -> torch.Tensor:
     """As ``kernels.reference.paged_decode_attention``: q (B, H, D), one query per sequence."""
-    if q.device.type != "cpu" or q.dtype not in _DECODE or not available():
+    if not q.is_cpu or q.dtype not in _DECODE or not available():
         return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale)
     _check(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len)
     if q.shape[0] != seq_lens.shape[0]:

@@ -32,13 +32,19 @@ def _library() -> ctypes.CDLL | None:
 
 def _kernel(name: str, *tensors: torch.Tensor):
     """The C function for these tensors, or None where the reference must serve: another dtype or
-    device, a tensor not contiguous, or no library."""
+    device, a tensor not contiguous, or no library. (Runs a few times per layer: kept cheap.)"""
     dtype = tensors[0].dtype
-    if dtype not in _SUFFIX or any(t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous()
-                                   for t in tensors):
-        return None
+    for t in tensors:
+        if t.dtype != dtype or not t.is_cpu or not t.is_contiguous():
+            return None
+    return _functions().get((name, dtype))
+
+
+@functools.cache
+def _functions() -> dict[tuple[str, torch.dtype], ctypes._CFuncPtr]:
     lib = _library()
-    return None if lib is None else getattr(lib, f"{name}_{_SUFFIX[dtype]}")
+    return {} if lib is None else {(name, dtype): getattr(lib, f"{name}_{suffix}") for name in _SIGNATURES
+                                   for dtype, suffix in _SUFFIX.items()}
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -74,7 +74,7 @@ def _packed_k(weight: torch.Tensor, fmt: str) -> int:
     if fmt not in FORMATS:
         raise ValueError(f"unknown packed format {fmt!r}; known: {', '.join(FORMATS)}")
     block = PACKED_BLOCK_BYTES[fmt]
-    if weight.dtype != torch.uint8 or weight.dim() != 2 or weight.shape[1] % block or weight.device.type != "cpu":
+    if weight.dtype != torch.uint8 or weight.dim() != 2 or weight.shape[1] % block or not weight.is_cpu:
         raise ValueError(f"a {fmt} weight must be a 2-D uint8 CPU tensor of whole {block}-byte blocks per row, got "
                          f"{weight.dtype} {tuple(weight.shape)} on {weight.device}")
     if _library() is None:
@@ -86,19 +86,17 @@ def linear_packed(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.T
     """``y = x W^T (+ b)`` with W packed in ``fmt`` blocks: weight (N, K / 32 * block bytes) uint8 rows,
     x (..., K) fp32 or bf16 on the CPU, bias (N) of x's dtype or None; y (..., N) of x's dtype."""
     k = _packed_k(weight, fmt)
-    if x.dtype not in _PACKED_KERNELS or x.shape[-1] != k or x.device.type != "cpu":
+    if x.dtype not in _PACKED_KERNELS or x.shape[-1] != k or not x.is_cpu:
         raise ValueError(f"x must be (..., {k}) float32 or bfloat16 on the CPU, got {x.dtype} {tuple(x.shape)}")
     n = weight.shape[0]
     if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype):
         raise ValueError(f"bias must be ({n},) {x.dtype}, got {bias.dtype} {tuple(bias.shape)}")
-    x2 = x.reshape(-1, k).contiguous()
-    y = x2.new_empty(x2.shape[0], n)
-    weight = weight.contiguous()
-    bias = None if bias is None else bias.contiguous()
-    getattr(_library(), _PACKED_KERNELS[x.dtype])(x2.data_ptr(), weight.data_ptr(), FORMATS[fmt],
-                                                  None if bias is None else bias.data_ptr(), y.data_ptr(),
-                                                  x2.shape[0], n, k, torch.get_num_threads())
-    return y.view(*x.shape[:-1], n)
+    x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()  # (runs per layer: lean)
+    y = torch.empty(x2.shape[0], n, dtype=x.dtype)
+    getattr(_library(), _PACKED_KERNELS[x.dtype])(x2.data_ptr(), weight.contiguous().data_ptr(), FORMATS[fmt],
+                                                  None if bias is None else bias.contiguous().data_ptr(),
+                                                  y.data_ptr(), x2.shape[0], n, k, torch.get_num_threads())
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
 
 
 def dequantize(weight: torch.Tensor, fmt: str, rows: torch.Tensor | None = None) -> torch.Tensor:
