@@ -66,8 +66,10 @@ def test_c_dequantize_matches_reference(fmt, compiled):
 
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("n,k", [(1, 32), (5, 64), (6, 96), (13, 576), (50, 1536)], ids=str)
-def test_packed_linear_is_the_dense_kernel_on_expanded_weights(fmt, n, k, compiled):
-    """Bit for bit, at every row count (one row and many take different loops in matmul.c)."""
+def test_packed_linear_is_the_dense_kernel_on_expanded_weights(fmt, n, k, compiled, monkeypatch):
+    """Bit for bit, at every row count (one or two rows, a few, and many take different loops in
+    matmul.c; many rows go there only for weights too large to expand, made so here)."""
+    monkeypatch.setattr(matmul, "EXPAND_BYTES", 0)
     packed = packed_weight(fmt, n, k, seed=n * k)
     dense = ref.dequantize(packed, fmt)
     gen = torch.Generator().manual_seed(n + k)
@@ -78,6 +80,20 @@ def test_packed_linear_is_the_dense_kernel_on_expanded_weights(fmt, n, k, compil
             y = matmul.linear_packed(x, packed, fmt, b)
             assert torch.equal(y, matmul.linear_c(x, dense, b)), (m, b is None)
             torch.testing.assert_close(y, F.linear(x, dense, b), rtol=1e-4, atol=1e-4)
+
+
+def test_packed_linear_hands_a_prompts_rows_to_torch(compiled, monkeypatch):
+    packed = packed_weight("q4_1", 30, 96)
+    dense = ref.dequantize(packed, "q4_1")
+    calls, linear = [], F.linear
+    monkeypatch.setattr(matmul.F, "linear", lambda *a: calls.append(a) or linear(*a))
+    x = torch.randn(matmul.ROWS[-1] + 1, 96)
+    torch.testing.assert_close(matmul.linear_packed(x, packed, "q4_1"), linear(x, dense), rtol=1e-5, atol=1e-5)
+    assert len(calls) == 1 and torch.equal(calls[0][1], dense)
+    matmul.linear_packed(x[:matmul.ROWS[-1]], packed, "q4_1")
+    monkeypatch.setattr(matmul, "EXPAND_BYTES", dense.numel() * 4 - 1)
+    matmul.linear_packed(x, packed, "q4_1")
+    assert len(calls) == 1  # up to 64 rows, and weights too large to expand: the C kernel
 
 
 @pytest.mark.parametrize("fmt", FMTS)

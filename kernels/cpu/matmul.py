@@ -18,9 +18,9 @@ shape (0: never), for runs that must not depend on a timing. A shape never tuned
 Within the C kernel a row's result does not depend on how many rows share the step.
 
 Weights kept packed as GGUF blocks (``FORMATS``: 4.5 to 8.5 bits a weight, as llama.cpp keeps them)
-go to ``linear_packed`` at every row count: nothing to tune, torch has no GEMM for them. Their
-expansion to floats is exact, so a row's result is the C kernel's on ``reference.dequantize``'s
-weights, bit for bit.
+go to ``linear_packed``: up to 64 rows the C kernel multiplies the blocks as they are (their
+expansion to floats is exact, so a row's result is the dense C kernel's on ``reference.dequantize``'s
+weights, bit for bit); past that (a prompt) the weight is expanded and torch's GEMM runs.
 """
 
 from __future__ import annotations
@@ -46,6 +46,10 @@ log = logging.getLogger("tokenmill.kernels")
 _KERNELS = {torch.float32: "linear_f32", torch.bfloat16: "linear_bf16"}
 _PACKED_KERNELS = {torch.float32: "linear_q_f32", torch.bfloat16: "linear_q_bf16"}
 FORMATS = {"q4_0": 0, "q4_1": 1, "q8_0": 2}  # the GGUF block formats matmul.c reads, by its numbering
+# Past ROWS[-1] rows, a packed weight of up to this many bytes as floats is expanded for torch's GEMM, whose
+# blocking beats the C kernel's tiles there (on the AVX2 EPYC, 109 GFLOP/s at 256 rows against ~75); the
+# expansion costs about 3% of such a multiply. Larger ones (a vocabulary's LM head) stay packed.
+EXPAND_BYTES = 32 << 20
 ROWS = (1, 2, 4, 8, 16, 32, 64)  # the row counts tune tries; more rows go to torch
 STREAM_BYTES = 64 << 20  # weights timed per shape: more than a CPU's last-level cache
 # the C kernel must be this much faster to be chosen: a near tie is noise, and its Python wrapper costs
@@ -61,7 +65,7 @@ def _library() -> ctypes.CDLL | None:
     p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     return load("matmul.c", dict.fromkeys(_KERNELS.values(), [p] * 4 + [i64] * 3 + [i])
                 | dict.fromkeys(_PACKED_KERNELS.values(), [p, p, i, p, p] + [i64] * 3 + [i])
-                | {"dequantize_rows": [p, i, p, p, i64, i64]})
+                | {"dequantize_rows": [p, i, p, p, i64, i64, i]})
 
 
 def packed_available() -> bool:
@@ -92,6 +96,8 @@ def linear_packed(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.T
     if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype):
         raise ValueError(f"bias must be ({n},) {x.dtype}, got {bias.dtype} {tuple(bias.shape)}")
     x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()  # (runs per layer: lean)
+    if x2.shape[0] > ROWS[-1] and n * k * 4 <= EXPAND_BYTES:  # a prompt's rows: torch's GEMM, on the floats
+        return F.linear(x, dequantize(weight, fmt).to(x.dtype), bias)
     y = torch.empty(x2.shape[0], n, dtype=x.dtype)
     getattr(_library(), _PACKED_KERNELS[x.dtype])(x2.data_ptr(), weight.contiguous().data_ptr(), FORMATS[fmt],
                                                   None if bias is None else bias.contiguous().data_ptr(),
@@ -111,7 +117,7 @@ def dequantize(weight: torch.Tensor, fmt: str, rows: torch.Tensor | None = None)
     count = weight.shape[0] if rows is None else rows.numel()
     out = torch.empty(count, k)
     _library().dequantize_rows(weight.data_ptr(), FORMATS[fmt], None if rows is None else rows.data_ptr(),
-                               out.data_ptr(), count, k)
+                               out.data_ptr(), count, k, torch.get_num_threads())
     return out
 
 
