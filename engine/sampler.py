@@ -101,10 +101,20 @@ class SamplingState:
         """
         if self._placed_for != (vocab, device):
             keep = self._bias_ids < vocab
-            self._placed = (self._stop_ids[self._stop_ids < vocab].to(device),
-                            self._bias_ids[keep].to(device), self._bias_values[keep].to(device))
+            self._placed = (to_device(self._stop_ids[self._stop_ids < vocab], device),
+                            to_device(self._bias_ids[keep], device), to_device(self._bias_values[keep], device))
             self._placed_for = (vocab, device)
         return self._placed
+
+
+def to_device(data, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``torch.tensor(data, dtype=dtype)`` (or the CPU tensor ``data``) on ``device``: to a GPU through
+    pinned memory, queued without waiting. A copy from pageable memory waits for the stream, so with a
+    step in flight (asynchronous scheduling) it would wait for that whole step."""
+    t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _long_tensor(ids: list[int]) -> torch.Tensor:
@@ -184,7 +194,7 @@ def pad_token_ids(rows: list[torch.Tensor], pad: int, device: torch.device | str
     """Stack 1-D id tensors into (n, L), padded with ``pad`` (a spare column index)."""
     if not rows or max(r.numel() for r in rows) == 0:
         return torch.full((len(rows), 1), pad, dtype=torch.long, device=device)
-    return pad_sequence(rows, batch_first=True, padding_value=pad).to(device, non_blocking=True)
+    return to_device(pad_sequence(rows, batch_first=True, padding_value=pad), device)
 
 
 def _gather_rows(row_ids: list[tuple[int, torch.Tensor]],
@@ -194,8 +204,8 @@ def _gather_rows(row_ids: list[tuple[int, torch.Tensor]],
     if not row_ids:
         return None, None
     cols = torch.cat([t for _, t in row_ids])
-    counts = torch.tensor([t.numel() for _, t in row_ids], device=device)
-    rows = torch.tensor([i for i, _ in row_ids], device=device)
+    counts = to_device([t.numel() for _, t in row_ids], device)
+    rows = to_device([i for i, _ in row_ids], device)
     # output_size: the length is known here, so CUDA need not sync to learn it
     return rows.repeat_interleave(counts, output_size=cols.numel()), cols
 
@@ -267,7 +277,7 @@ def process_logits(
         eos = [t for t in eos_token_ids if 0 <= t < vocab]
         eos_rows = [i for i in early if not params[i].ignore_eos]
         if eos and eos_rows:
-            logits[torch.tensor(eos_rows, device=device).unsqueeze(1), torch.tensor(eos, device=device)] = -math.inf
+            logits[to_device(eos_rows, device).unsqueeze(1), to_device(eos, device)] = -math.inf
         rows, cols = _gather_rows([(i, states[i].tensors(vocab, device)[0]) for i in early], device)
         if rows is not None:
             logits[rows, cols] = -math.inf
@@ -286,19 +296,19 @@ def process_logits(
         outputs = pad_token_ids([torch.tensor(output_token_ids[i], dtype=torch.long) for i in pen], vocab, device)
         repetition = prompts = None
         if any(p.repetition_penalty != 1.0 for p in sub_params):
-            repetition = torch.tensor([p.repetition_penalty for p in sub_params], device=device)
+            repetition = to_device([p.repetition_penalty for p in sub_params], device)
             empty = torch.empty(0, dtype=torch.long)
             prompts = pad_token_ids(
                 [states[i].prompt_ids(prompt_token_ids[i]) if params[i].repetition_penalty != 1.0 else empty
                  for i in pen],
                 vocab, device,
             )
-        presence = torch.tensor([p.presence_penalty for p in sub_params], device=device)
-        frequency = torch.tensor([p.frequency_penalty for p in sub_params], device=device)
+        presence = to_device([p.presence_penalty for p in sub_params], device)
+        frequency = to_device([p.frequency_penalty for p in sub_params], device)
         if len(pen) == n:
             logits = apply_penalties(logits, prompts, outputs, presence, frequency, repetition)
         else:
-            idx = torch.tensor(pen, device=device)
+            idx = to_device(pen, device)
             logits[idx] = apply_penalties(logits[idx], prompts, outputs, presence, frequency, repetition)
     return logits
 
@@ -411,7 +421,7 @@ class Sampler:
         else:
             ids = logits.argmax(dim=-1)
             if rand:
-                idx = torch.tensor(rand, device=logits.device)
+                idx = to_device(rand, logits.device)
                 ids[idx] = self._sample(logits[idx], [params[i] for i in rand], [states[i] for i in rand],
                                         [num_output_tokens[i] for i in rand])
 
@@ -422,7 +432,7 @@ class Sampler:
         if len(lp_rows) == len(params):
             tensors = logprob_tensors(raw, ids, k)
         else:
-            idx = torch.tensor(lp_rows, device=logits.device)
+            idx = to_device(lp_rows, logits.device)
             tensors = logprob_tensors(raw[idx], ids[idx], k)
         return Sampled(ids, (lp_rows, [params[i].logprobs for i in lp_rows], tensors))
 
@@ -432,8 +442,8 @@ class Sampler:
         n, vocab = logits.shape
         device = logits.device
         # One host-to-device copy for all four per-row knobs.
-        knobs = torch.tensor([[p.temperature, p.top_k, p.top_p, p.min_p] for p in params],
-                             dtype=torch.float32, device=device)  # (n, 4)
+        knobs = to_device([[p.temperature, p.top_k, p.top_p, p.min_p] for p in params], device,
+                          torch.float32)  # (n, 4)
         logits = logits / knobs[:, 0:1]
         max_k = max(p.top_k for p in params)
         use_p = any(p.top_p < 1.0 for p in params)
@@ -457,13 +467,13 @@ class Sampler:
         seeded = [j for j, s in enumerate(states) if s.seed is not None]
         if not seeded:
             return self._exponentials(n, vocab, device)
-        keys = torch.tensor([_row_key(states[j].seed, num_output_tokens[j]) for j in seeded], device=device)
+        keys = to_device([_row_key(states[j].seed, num_output_tokens[j]) for j in seeded], device)
         if len(seeded) == n:
             return seeded_exponentials(keys, vocab)
         unseeded = [j for j, s in enumerate(states) if s.seed is None]
         q = torch.empty((n, vocab), device=device)
-        q[torch.tensor(unseeded, device=device)] = self._exponentials(len(unseeded), vocab, device)
-        q[torch.tensor(seeded, device=device)] = seeded_exponentials(keys, vocab)
+        q[to_device(unseeded, device)] = self._exponentials(len(unseeded), vocab, device)
+        q[to_device(seeded, device)] = seeded_exponentials(keys, vocab)
         return q
 
     def _exponentials(self, n: int, vocab: int, device: torch.device) -> torch.Tensor:

@@ -87,3 +87,28 @@ def test_kv_cache_is_sized_by_profiling_the_gpu(tmp_path):
     assert [len(o.token_ids) for o in out] == [GREEDY.max_tokens] * len(PROMPTS)
     del llm, runner
     free_gpu()
+
+
+def test_sampling_never_waits_for_the_gpu():
+    """Sampling a step with every kind of row queues its work without a host sync (a pageable copy, an
+    ``.item()``) before ``Sampled.result()``, which asynchronous scheduling relies on: the next step is
+    prepared while this one runs. Penalties are the documented exception (they read the host lists)."""
+    from engine.sampler import Sampler, SamplingState
+
+    vocab = 4096
+    sampler = Sampler(vocab, [2], "cuda", seed=0)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=20, seed=7),
+              SamplingParams(temperature=1.0, top_p=0.9, min_p=0.05, logprobs=3),
+              SamplingParams(temperature=0.7, logit_bias={5: 2.0}, min_tokens=4)]
+    states = [SamplingState(p) for p in params]
+    logits = torch.randn(len(params), vocab, device="cuda")
+    for s in states:
+        s.tensors(vocab, torch.device("cuda"))  # once per request, at its first step: not what this is about
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        sampled = sampler.sample(logits, params, states, [[1, 2, 3]] * len(params), [[]] * len(params))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    out = sampled.result()
+    assert len(out.token_ids) == len(params) and all(0 <= t < vocab for t in out.token_ids)
