@@ -53,7 +53,15 @@ from engine.runtime import (
     pick_dtype,
     pick_max_model_len,
 )
-from engine.sampler import Sampled, Sampler, SamplerOutput, SamplingState, compute_logprobs
+from engine.sampler import (
+    Sampled,
+    Sampler,
+    SamplerOutput,
+    SamplingState,
+    logprob_lists,
+    logprob_tensors,
+    to_device,
+)
 from engine.scheduler import ScheduledBatch
 from engine.step_buffers import BlockTables, DecodeGraphs, Staging, cuda_graph_capture, decode_buckets, ints
 from engine.tp_worker import launch
@@ -75,6 +83,8 @@ class Launched:
     output: Sampled | None
     launch_seconds: float = 0.0  # the launch's time on the host (on the CPU, the whole step's compute)
     events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # CUDA: around the step's device work
+    # prompt logprobs still on the device: each request and (logprobs, top logprobs, top ids) of its span
+    prompt_logprobs: list[tuple[Request, tuple[torch.Tensor, ...]]] = field(default_factory=list)
 
     def seconds(self) -> float:
         """How long the step took the device, once collected: between its CUDA events, or on the CPU
@@ -195,9 +205,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, in_flight: Launched | None = None) -> Launched:
-        """Run ``batch`` up to its sampled ids on the device, without waiting for them (bar prompt
-        logprobs, which sync). ``in_flight``: the step still running, whose sampled ids are the inputs
-        of the requests it left a token in flight (gathered on the device: no host round trip)."""
+        """Run ``batch`` up to its sampled ids (and prompt logprobs) on the device, without waiting for
+        them. ``in_flight``: the step still running, whose sampled ids are the inputs of the requests it
+        left a token in flight (gathered on the device: no host round trip)."""
         start = time.perf_counter()
         events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \
             if self.device.type == "cuda" else None
@@ -207,10 +217,9 @@ class ModelRunner:
         with self.tp.driving(step):  # the other ranks get the step first; one that died fails it
             logits = self.forward_step(step)  # (R, V): the prompt-logprob rows, then the sample rows
         n = len(step.logits_rows) - len(sampled)
-        if logprob_spans:
-            self._prompt_logprobs(logprob_spans, logits[:n])
+        pending = self._prompt_logprobs(logprob_spans, logits[:n]) if logprob_spans else []
         if not sampled:
-            return self._launched([], None, start, events)
+            return self._launched([], None, start, events, pending)
         out = self.sampler.sample(
             logits[n:],
             [r.params for r in sampled],
@@ -219,17 +228,20 @@ class ModelRunner:
             [r.output_token_ids for r in sampled],
             [r.num_sampled for r in sampled],
         )
-        return self._launched(sampled, out, start, events)
+        return self._launched(sampled, out, start, events, pending)
 
     @staticmethod
     def _launched(sampled: list[Request], out: Sampled | None, start: float,
-                  events: tuple[torch.cuda.Event, torch.cuda.Event] | None) -> Launched:
+                  events: tuple[torch.cuda.Event, torch.cuda.Event] | None,
+                  pending: list[tuple[Request, tuple[torch.Tensor, ...]]]) -> Launched:
         if events is not None:
             events[1].record()
-        return Launched(sampled, out, time.perf_counter() - start, events)
+        return Launched(sampled, out, time.perf_counter() - start, events, pending)
 
     def collect(self, launched: Launched) -> StepResult:
-        """The launched step's tokens on the host: waits for the device."""
+        """The launched step's tokens (and prompt logprobs) on the host: waits for the device."""
+        for r, tensors in launched.prompt_logprobs:
+            r.prompt_logprobs.extend(logprob_lists(*tensors))
         return StepResult(launched.sampled, launched.output.result() if launched.output is not None else None)
 
     @torch.inference_mode()
@@ -311,13 +323,17 @@ class ModelRunner:
         step.token_ids = step.token_ids + [0] * n
         step.table_rows = step.table_rows + [t.scratch_row] * n
 
-    def _prompt_logprobs(self, spans: list[tuple[Request, int, int]], logits: torch.Tensor) -> None:
-        """Logprobs of each prompt token given the ones before it, gathered chunk by chunk."""
-        row = 0
+    @staticmethod
+    def _prompt_logprobs(spans: list[tuple[Request, int, int]],
+                         logits: torch.Tensor) -> list[tuple[Request, tuple[torch.Tensor, ...]]]:
+        """Logprobs of each prompt token given the ones before it, for this chunk of each span's prompt,
+        on the device (``collect`` appends them to the requests'): no host sync at launch."""
+        pending, row = [], 0
         for r, lo, hi in spans:
-            targets = torch.tensor(r.prompt_token_ids[lo + 1:hi + 1], device=logits.device)
-            r.prompt_logprobs.extend(compute_logprobs(logits[row:row + hi - lo], targets, r.params.prompt_logprobs))
+            targets = to_device(r.prompt_token_ids[lo + 1:hi + 1], logits.device, torch.long)
+            pending.append((r, logprob_tensors(logits[row:row + hi - lo], targets, r.params.prompt_logprobs)))
             row += hi - lo
+        return pending
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (also done at exit)."""

@@ -43,7 +43,7 @@ from engine.protocol import SamplingParams, TokenLogprobs
 
 _SEED_MASK = (1 << 64) - 1  # seeds are 64-bit; fold bigger (or negative) ones in
 _MASK32 = (1 << 32) - 1
-_LOGPROBS_CHUNK = 1024  # rows per log_softmax in compute_logprobs: bounds memory for long prompts
+_LOGPROBS_CHUNK = 1024  # rows per log_softmax in logprob_tensors: bounds memory for long prompts
 
 
 class SamplingState:
@@ -151,19 +151,10 @@ class SamplerOutput:
 # ----------------------------------------------------------------------------- logprobs
 
 
-def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor | list[int], k: int) -> list[TokenLogprobs]:
-    """Raw logprobs of ``token_ids`` under ``logits`` (N, V), plus each row's top ``k``.
-
-    Returns one ``[logprob, [[token_id, logprob], ...]]`` per row, the top-k list
-    sorted by descending logprob (empty for ``k == 0``).
-    """
-    return logprob_lists(*logprob_tensors(logits, token_ids, k))
-
-
 def logprob_tensors(logits: torch.Tensor, token_ids: torch.Tensor | list[int],
                     k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``compute_logprobs`` on the device, without a host sync: the (N,) logprobs of ``token_ids``,
-    and the (N, k) top logprobs and their ids. Works in chunks of rows so prompt logprobs over a
+    """Raw logprobs on the device, without a host sync: the (N,) logprobs of ``token_ids`` under
+    ``logits`` (N, V), and the (N, k) top logprobs and their ids (descending). Works in chunks of rows so prompt logprobs over a
     long prompt do not materialise an (N, V) float32 copy."""
     n, vocab = logits.shape
     if not isinstance(token_ids, torch.Tensor):
@@ -181,7 +172,8 @@ def logprob_tensors(logits: torch.Tensor, token_ids: torch.Tensor | list[int],
 
 
 def logprob_lists(tok_lp: torch.Tensor, top_lp: torch.Tensor, top_ids: torch.Tensor) -> list[TokenLogprobs]:
-    """``logprob_tensors``' output as ``compute_logprobs`` returns it (the host sync)."""
+    """``logprob_tensors``' output on the host (the sync): one ``[logprob, [[token_id, logprob], ...top-k]]``
+    per row (the top-k list empty for ``k == 0``)."""
     top = [[[i, v] for i, v in zip(ids, vals, strict=True)]
            for ids, vals in zip(top_ids.tolist(), top_lp.tolist(), strict=True)]
     return [[t, tk] for t, tk in zip(tok_lp.tolist(), top, strict=True)]

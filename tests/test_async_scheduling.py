@@ -301,3 +301,17 @@ def test_a_step_stays_in_flight_when_scheduling_raises(tiny_llama):
         tokens += [t for d in eng.step() for t in d.token_ids]
     assert len(tokens) == 4
     assert_all_blocks_free(llm)
+
+
+def test_prompt_logprobs_chunked_and_overlapped(tiny_llama):
+    """Prompt logprobs come back with the step that computed them (``collect``), not at its launch: with a
+    long prompt in chunks beside streams that decode, both modes give the same logprobs and tokens."""
+    params = [SamplingParams(max_tokens=6, temperature=0.0, prompt_logprobs=2),
+              SamplingParams(max_tokens=9, temperature=0.0)]
+    long_prompt = prompts(1)[0] * 3
+    off, on = pair(tiny_llama, num_kv_blocks=64, max_model_len=512, max_num_batched_tokens=16)
+    a, b = (llm.generate([long_prompt, prompts(2)[1]], params) for llm in (off, on))
+    assert len(b[0].prompt_logprobs) == len(long_prompt) and b[0].prompt_logprobs[0] is None
+    for x, y in zip(a[0].prompt_logprobs[1:], b[0].prompt_logprobs[1:], strict=True):
+        assert x[0] == pytest.approx(y[0], abs=1e-5) and [t for t, _ in x[1]] == [t for t, _ in y[1]]
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]

@@ -19,7 +19,8 @@ from engine.sampler import (
     _row_key,
     apply_min_p,
     apply_top_k_top_p,
-    compute_logprobs,
+    logprob_lists,
+    logprob_tensors,
     process_logits,
     seeded_exponentials,
 )
@@ -480,7 +481,11 @@ def test_no_logprobs_asked_means_none():
     assert out.logprobs is None
 
 
-def test_compute_logprobs_helper_in_chunks():
+def compute_logprobs(logits, ids, k):
+    return logprob_lists(*logprob_tensors(logits, ids, k))
+
+
+def test_logprobs_helpers_in_chunks():
     torch.manual_seed(0)
     logits = torch.randn(2500, 7)  # more rows than one chunk
     ids = torch.randint(0, 7, (2500,))
