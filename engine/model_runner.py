@@ -25,7 +25,7 @@ Under tensor parallelism (``engine.parallel``) rank 0's runner starts the other 
 whose runners mirror it: each step rank 0 turns the batch into a plain-data ``StepInput``,
 sends it to them (``TPGroup.driving``) and every rank runs ``forward_step`` on it; rank 0
 alone gets the logits (all the step's rows in one call: the gather is collective) and samples.
-The workers get every block table whole with each step and write it into their own tables.
+Each rank keeps its own block tables, written with rank 0's writes.
 """
 
 from __future__ import annotations
@@ -100,14 +100,9 @@ class Launched:
 
 @dataclass
 class DriverStep(StepInput):
-    """Rank 0's step: where each sequence's block table is in the runner's ``BlockTables``, and
-    the writes that bring them up to date (the workers get the tables whole instead)."""
+    """Rank 0's step: what every rank gets, and (asynchronous scheduling) the rows of token_ids whose
+    token a step in flight samples, its rows of those ids, and the ids (on the device)."""
 
-    table_rows: list[int] = field(default_factory=list)
-    write_at: list[int] = field(default_factory=list)  # flat index into the tables
-    write_ids: list[int] = field(default_factory=list)  # the block id to write there
-    # asynchronous scheduling: rows of token_ids whose token a step in flight samples, its rows of
-    # those ids, and the ids (on the device)
     in_flight_at: list[int] = field(default_factory=list)
     in_flight_from: list[int] = field(default_factory=list)
     in_flight_ids: torch.Tensor | None = None
@@ -248,15 +243,12 @@ class ModelRunner:
     def forward_step(self, step: StepInput) -> torch.Tensor | None:
         """The forward every rank runs (tensor-parallel workers mirror rank 0 through it): the
         (R, V) logits of ``step.logits_rows`` on rank 0; None on the others or when R is 0."""
-        if isinstance(step, DriverStep):
-            rows, write_at, write_ids = step.table_rows, ints(step.write_at), ints(step.write_ids)
-        else:  # a tensor-parallel worker
-            rows, write_at, write_ids = self.block_tables.whole(step.block_tables)
-        index = StepIndex.build(step.query_lens, step.computed_lens, rows)
+        index = StepIndex.build(step.query_lens, step.computed_lens, step.table_rows)
         gather = {"in_flight_at": ints(step.in_flight_at), "in_flight_from": ints(step.in_flight_from)} \
             if isinstance(step, DriverStep) and step.in_flight_at else {}
         dev = self.staging({"token_ids": ints(step.token_ids), "logits_rows": ints(step.logits_rows),
-                            "write_at": write_at, "write_ids": write_ids, **index.tensors, **gather})
+                            "write_at": ints(step.write_at), "write_ids": ints(step.write_ids), **index.tensors,
+                            **gather})
         tables = self.block_tables.write(dev["write_at"], dev["write_ids"])
         index.tensors = dev
         positions, meta = index.metadata(tables, self.block_size)
@@ -304,9 +296,8 @@ class ModelRunner:
                 sampled.append(r)
                 sample_rows.append(len(tokens) - 1)
         rows, write_at, write_ids = self.block_tables.update(reqs)
-        step = DriverStep(counts, starts, [r.block_table for r in reqs], tokens, logprob_rows + sample_rows,
-                          rows, write_at, write_ids, gather_at, gather_from,
-                          in_flight.output.ids if gather_at else None)
+        step = DriverStep(counts, starts, tokens, logprob_rows + sample_rows, rows, write_at, write_ids, gather_at,
+                          gather_from, in_flight.output.ids if gather_at else None)
         if self.decode_buckets and max(counts) == 1:
             self._pad(step)
         return step, sampled, spans
@@ -319,7 +310,6 @@ class ModelRunner:
         t = self.block_tables
         step.query_lens = step.query_lens + [1] * n
         step.computed_lens = step.computed_lens + [0] * n
-        step.block_tables = step.block_tables + [[t.scratch_block]] * n
         step.token_ids = step.token_ids + [0] * n
         step.table_rows = step.table_rows + [t.scratch_row] * n
 

@@ -45,7 +45,7 @@ from engine.models.config import ModelConfig
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)  # a hung (not dead) peer fails the engine after this
 _IDLE_TIMEOUT = timedelta(days=365)  # a worker waiting for the next step
-HEADER_LEN = 8  # int64s: [command, num_seqs, num_tokens, block table width, num logits rows, 0, 0, 0]
+HEADER_LEN = 8  # int64s: [command, num_seqs, num_tokens, num logits rows, num block table writes, 0, 0, 0]
 CMD_STEP, CMD_SHUTDOWN = 1, 2
 
 
@@ -87,38 +87,37 @@ def local_model_config(cfg: ModelConfig, tp_size: int) -> ModelConfig:
 
 @dataclass
 class StepInput:
-    """One step's inputs as plain data: what every rank needs to run the same forward."""
+    """One step's inputs as plain data: what every rank needs to run the same forward. Block tables
+    travel as the writes that bring each rank's persistent copy (``step_buffers.BlockTables``, rank
+    0's, mirrored) up to date, never whole: a step's message does not grow with the context held."""
 
     query_lens: list[int]  # new tokens of each sequence
     computed_lens: list[int]  # tokens of each sequence already in the KV cache
-    block_tables: list[list[int]]
     token_ids: list[int]  # the new tokens, flat, sequence after sequence
     logits_rows: list[int]  # rows of the flat batch whose logits rank 0 needs, in that order
+    table_rows: list[int]  # each sequence's row of the block tables
+    write_at: list[int]  # flat index into the tables...
+    write_ids: list[int]  # ...and the block id to write there
 
     def pack(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(header, payload): the sizes, then everything in one int64 tensor."""
-        width = max((len(bt) for bt in self.block_tables), default=0)
-        flat = [*self.query_lens, *self.computed_lens]
-        for bt in self.block_tables:  # padded as build_metadata pads them
-            flat += bt
-            flat += [0] * (width - len(bt))
-        flat += self.token_ids
-        flat += self.logits_rows
-        header = [CMD_STEP, len(self.query_lens), len(self.token_ids), width, len(self.logits_rows)]
+        flat = [*self.query_lens, *self.computed_lens, *self.table_rows, *self.token_ids, *self.logits_rows,
+                *self.write_at, *self.write_ids]
+        header = [CMD_STEP, len(self.query_lens), len(self.token_ids), len(self.logits_rows), len(self.write_at)]
         return _header(*header), torch.tensor(flat, dtype=torch.int64)
 
     @classmethod
     def unpack(cls, header: list[int], payload: torch.Tensor) -> StepInput:
-        _, b, t, w, r = header[:5]
+        _, b, t, r, w = header[:5]
         v = payload.tolist()
-        tables = [v[2 * b + i * w:2 * b + (i + 1) * w] for i in range(b)]
-        rest = 2 * b + b * w
-        return cls(v[:b], v[b:2 * b], tables, v[rest:rest + t], v[rest + t:rest + t + r])
+        ends = [b, 2 * b, 3 * b, 3 * b + t, 3 * b + t + r, 3 * b + t + r + w, 3 * b + t + r + 2 * w]
+        q, c, rows, tokens, logits, at, ids = (v[lo:hi] for lo, hi in zip([0, *ends], ends, strict=False))
+        return cls(q, c, tokens, logits, rows, at, ids)
 
     @staticmethod
     def payload_len(header: list[int]) -> int:
-        _, b, t, w, r = header[:5]
-        return 2 * b + b * w + t + r
+        _, b, t, r, w = header[:5]
+        return 3 * b + t + r + 2 * w
 
 
 def _header(*values: int) -> torch.Tensor:

@@ -62,13 +62,6 @@ class BlockTables:
             rows.append(row)
         return rows, write_at, write_ids
 
-    def whole(self, tables: list[list[int]]) -> tuple[range, torch.Tensor, torch.Tensor]:
-        """Rows 0..B-1 and the writes that make them ``tables`` (of one width): a tensor-parallel
-        worker gets every table whole with each step."""
-        ids = ints(tables)  # (B, w)
-        at = torch.arange(ids.shape[0])[:, None] * self.table.shape[1] + torch.arange(ids.shape[1])
-        return range(ids.shape[0]), at.reshape(-1), ids.reshape(-1)
-
     def write(self, at: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         self.table.view(-1)[at] = ids
         return self.table

@@ -86,17 +86,22 @@ def test_staging_keeps_cpu_tensors_as_they_are():
     assert Staging(torch.device("cpu"))(x) is x
 
 
-def test_workers_whole_tables_give_the_drivers_logits(tiny_llama):
-    """A tensor-parallel worker gets the tables whole (a plain StepInput); rank 0 its rows."""
-    llm = LLM(tiny_llama, **CPU)
-    runner = llm.engine.runner
+def test_a_worker_given_the_drivers_step_gives_its_logits(tiny_llama):
+    """A tensor-parallel worker gets rank 0's step as a plain StepInput (its table writes included),
+    and writes its own copy of the tables from it."""
+    driver_llm, worker_llm = LLM(tiny_llama, **CPU), LLM(tiny_llama, **CPU)
+    driver = driver_llm.engine.runner
     reqs = [request("a", [0, 1]), request("b", [2])]
-    step = StepInput([3, 2], [2, 0], [r.block_table for r in reqs], [5, 6, 7, 8, 9], [2, 4])
-    rows, at, ids = runner.block_tables.update(reqs)
-    driver = DriverStep(step.query_lens, step.computed_lens, step.block_tables, step.token_ids, step.logits_rows,
-                        rows, at, ids)
-    want = runner.forward_step(driver)
-    assert torch.equal(runner.forward_step(StepInput.unpack(*_packed(step))), want)
+    rows, at, ids = driver.block_tables.update(reqs)
+    step = DriverStep([3, 2], [2, 0], [5, 6, 7, 8, 9], [2, 4], rows, at, ids)
+    want = driver.forward_step(step)
+    worker = worker_llm.engine.runner  # its own cache: the driver's K/V copied in, as a rank holds its own
+    for mine, theirs in zip(worker.model.layers, driver.model.layers, strict=True):
+        mine.self_attn.attn.k_cache.copy_(theirs.self_attn.attn.k_cache)
+        mine.self_attn.attn.v_cache.copy_(theirs.self_attn.attn.v_cache)
+    got = worker.forward_step(StepInput.unpack(*_packed(step)))
+    assert torch.equal(got, want)
+    assert torch.equal(worker.block_tables.table, driver.block_tables.table)
 
 
 def _packed(step: StepInput) -> tuple[list[int], torch.Tensor]:

@@ -186,15 +186,19 @@ def test_replicated_kv_heads_follow_their_query_heads():
 
 
 def test_step_input_packs_into_one_int64_tensor():
-    step = StepInput(query_lens=[3, 1], computed_lens=[0, 17], block_tables=[[4], [1, 2]],
-                     token_ids=[5, 6, 7, 8], logits_rows=[0, 1, 2, 3])
+    step = StepInput(query_lens=[3, 1], computed_lens=[0, 17], token_ids=[5, 6, 7, 8], logits_rows=[0, 1, 2, 3],
+                     table_rows=[2, 0], write_at=[40, 41, 0], write_ids=[4, 1, 2])
     header, payload = step.pack()
     assert header.dtype == payload.dtype == torch.int64 and header.numel() == 8
-    assert payload.numel() == StepInput.payload_len(header.tolist()) == 2 * 2 + 2 * 2 + 4 + 4
-    back = StepInput.unpack(header.tolist(), payload)
-    assert back.block_tables == [[4, 0], [1, 2]]  # padded, as build_metadata pads
-    assert (back.query_lens, back.computed_lens, back.token_ids, back.logits_rows) == \
-        (step.query_lens, step.computed_lens, step.token_ids, step.logits_rows)
+    assert payload.numel() == StepInput.payload_len(header.tolist()) == 3 * 2 + 4 + 4 + 2 * 3
+    assert StepInput.unpack(header.tolist(), payload) == step
+
+
+def test_step_input_does_not_grow_with_the_context_held():
+    """A decode step of 256 sequences, one of them 128K tokens long, sends its 256 rows and nothing of
+    the long table (which went out, write by write, as it grew)."""
+    step = StepInput([1] * 256, [131072] + [100] * 255, list(range(256)), list(range(256)), list(range(256)), [], [])
+    assert StepInput.payload_len(step.pack()[0].tolist()) == 5 * 256
 
 
 def test_serve_tp2_end_to_end(tmp_path, smollm_tokenizer_dir, tokenizer):
