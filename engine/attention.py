@@ -26,6 +26,7 @@ class DecodeMetadata:
     block_tables: torch.Tensor  # (Bd, max_blocks)
     seq_lens: torch.Tensor  # (Bd,) context length including the new token
     max_seq_len: int
+    in_order: bool = False  # token_rows is 0, 1, ... Bd - 1 and no prefill rows follow: q needs no reordering
 
 
 @dataclass
@@ -59,6 +60,7 @@ class StepIndex:
     max_prefill_len: int  # 0: no prefill rows
     max_query_len: int
     mixed: bool  # decode and prefill rows both: each part says which rows of the flat batch are its
+    decode_in_order: bool  # decode rows only, already longest first (one sequence, say)
 
     @classmethod
     def build(cls, query_lens: list[int], computed_lens: list[int], table_rows: Sequence[int]) -> StepIndex:
@@ -77,9 +79,11 @@ class StepIndex:
         is_decode = q_lens == 1
         num_decode = int(is_decode.sum())
         max_decode = max_prefill = max_query = 0
+        in_order = False
         if num_decode:
             seqs = is_decode.nonzero().squeeze(1)
-            seqs = seqs[torch.argsort(seq_lens[seqs], descending=True)]  # similar lengths side by side
+            seqs = seqs[torch.argsort(seq_lens[seqs], descending=True, stable=True)]  # similar lengths side by side
+            in_order = num_decode == b and bool((seqs == torch.arange(b)).all())
             t["decode_token_rows"], t["decode_table_rows"] = query_start[seqs], rows[seqs]
             t["decode_seq_lens"] = seq_lens[seqs]
             max_decode = int(seq_lens[seqs[0]])
@@ -98,7 +102,7 @@ class StepIndex:
             t["prefill_q_index"] = torch.where(grid < pq[:, None], start[:-1, None] + grid, tp)
             t["prefill_out_index"] = p_seq_of * max_query + (torch.arange(tp) - start[:-1][p_seq_of])
             max_prefill = int(seq_lens[seqs].max())
-        return cls(t, max_decode, max_prefill, max_query, 0 < num_decode < b)
+        return cls(t, max_decode, max_prefill, max_query, 0 < num_decode < b, in_order)
 
     def metadata(self, tables: torch.Tensor, block_size: int) -> tuple[torch.Tensor, AttentionMetadata]:
         """Positions (T,) and the attention metadata, on the device of ``tables`` (num_rows, max_blocks)
@@ -110,7 +114,7 @@ class StepIndex:
         if self.max_decode_len:
             width = -(-self.max_decode_len // block_size)
             decode = DecodeMetadata(t["decode_token_rows"], tables[t["decode_table_rows"], :width],
-                                    t["decode_seq_lens"], self.max_decode_len)
+                                    t["decode_seq_lens"], self.max_decode_len, self.decode_in_order)
         if self.max_prefill_len:
             width = -(-self.max_prefill_len // block_size)
             prefill = PrefillMetadata(
@@ -153,6 +157,8 @@ class Attention(nn.Module):
         d, p = meta.decode, meta.prefill
         if d is None:
             return self._prefill(q, p)  # (T, H, D)
+        if d.in_order:
+            return self._decode(q, d)
         out = torch.empty_like(q)
         out.index_copy_(0, d.token_rows, self._decode(q.index_select(0, d.token_rows), d))
         if p is not None:

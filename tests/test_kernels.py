@@ -80,6 +80,22 @@ def test_metadata_splits_decode_and_prefill_rows():
     assert meta.prefill.token_rows.tolist() == [1, 2, 3, 4, 5, 6, 7, 9, 10]
     assert meta.prefill.query_start.tolist() == [0, 7, 9]
     assert meta.prefill.max_query_len == 7
+    assert not meta.decode.in_order
+
+
+def test_decode_rows_already_in_order_are_attended_where_they_are():
+    """A decode-only batch whose rows are longest first (one sequence, say) needs no reordering of q; the
+    attention over it is the same either way."""
+    def in_order(query_lens: list[int], computed: list[int]) -> bool:
+        tables = [list(range(i * 8, i * 8 + 8)) for i in range(len(query_lens))]
+        return build_metadata(query_lens, computed, tables, BS, torch.device("cpu"))[1].decode.in_order
+
+    assert not in_order([1, 1], [3, 9]) and in_order([1, 1, 1], [9, 3, 3]) and not in_order([1, 2], [9, 3])
+    attn, q, k, v, _, _, meta, _ = make_batch([13, 9, 4], [1, 1, 1], torch.float32)
+    assert meta.decode.in_order
+    fast = attn(q, k, v, meta)
+    meta.decode.in_order = False
+    assert torch.equal(attn(q, k, v, meta), fast)
 
 
 def test_rms_norm_silu_rope_references():
