@@ -44,9 +44,10 @@ typedef uint32_t v8u __attribute__((vector_size(32)));
 #define NR 3
 #define NB (2 * NR) /* weight rows per work item */
 
-/* rows of x up to which packed weights are expanded in registers, not into a buffer: at 2 rows 10.6 ms against
-   18.6 for the default model's layers, measured; at 3 to 8 rows a tie or a loss */
-#define IN_REGISTERS_UP_TO 2
+/* rows of x up to which packed weights are expanded in registers (two rows at a time), not into a buffer:
+   for the default model's layers at 2 rows 10.6 ms against 18.6, at 3 and 4 rows 16 against 21-24; at 5 and
+   6 rows a tie, measured */
+#define IN_REGISTERS_UP_TO 4
 #define PACKED_AHEAD 4096 /* bytes of packed weights prefetched ahead when expanding them into a buffer */
 #define X_CHUNK_BYTES (192 << 10) /* rows of x per pass over the packed weights: about this many bytes */
 
