@@ -123,9 +123,10 @@ def test_cpu_dispatch(monkeypatch):
     assert kernels._pick(x) is ref
 
 
-def test_cpu_float16_goes_to_the_reference():
-    kc, vc, _, _, tables = paged_cache([9, 20], 16, 2, 32, F16)
-    q = randn(2, 4, 32, dtype=F16)
+@pytest.mark.parametrize("dtype,d", [(F16, 32), (F32, 12), (F32, 264)], ids=["float16", "head-12", "head-264"])
+def test_cpu_decode_sends_what_its_c_code_does_not_take_to_the_reference(dtype, d):
+    kc, vc, _, _, tables = paged_cache([9, 20], 16, 2, d, dtype)
+    q = randn(2, 4, d, dtype=dtype)
     lens = torch.tensor([9, 20])
     out = cpu.paged_decode_attention(q, kc, vc, tables.long(), lens, 20, 0.2)
     assert torch.equal(out, ref.paged_decode_attention(q, kc, vc, tables.long(), lens, 20, 0.2))
