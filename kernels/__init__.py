@@ -94,7 +94,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if packed is not None:
         if _backend == "auto" and x.device.type == "cpu":
             return cpu.linear_packed(x, weight, packed, bias)
-        return F.linear(x, reference.dequantize(weight, packed).to(x.dtype), bias)
+        return F.linear(x.float(), reference.dequantize(weight, packed),
+                        None if bias is None else bias.float()).to(x.dtype)  # exact weights, as on the CPU
     if _backend == "auto" and x.device.type == "cpu":
         return cpu.linear(x, weight, bias)
     return F.linear(x, weight, bias)

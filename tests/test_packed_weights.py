@@ -96,6 +96,37 @@ def test_packed_linear_hands_a_prompts_rows_to_torch(compiled, monkeypatch):
     assert len(calls) == 1  # up to 64 rows, and weights too large to expand: the C kernel
 
 
+def test_packed_linear_of_a_strided_weight_and_bias(compiled):
+    """Copies made contiguous for the C code live until it is done with them (large ones are unmapped
+    when freed: reading one after would be garbage, or a crash)."""
+    packed = packed_weight("q8_0", 4096, 1024)
+    strided = torch.cat([packed, packed[:, :68]], dim=1)[:, :packed.shape[1]]  # a view, not contiguous
+    bias = torch.randn(4096, 2)[:, 0]
+    x = torch.randn(3, 1024)
+    for _ in range(3):
+        assert torch.equal(matmul.linear_packed(x, strided, "q8_0", bias),
+                           matmul.linear_c(x, ref.dequantize(packed, "q8_0"), bias.contiguous()))
+
+
+def test_packed_linear_bf16_computes_with_the_exact_weights_at_any_row_count(compiled):
+    packed = packed_weight("q8_0", 64, 256)
+    x = torch.randn(matmul.ROWS[-1] + 1, 256).bfloat16()
+    many = matmul.linear_packed(x, packed, "q8_0")  # torch's GEMM, in float32 on the expanded weights
+    assert many.dtype == torch.bfloat16
+    for i in (0, 30, matmul.ROWS[-1]):
+        one = matmul.linear_packed(x[i:i + 1], packed, "q8_0")  # the C kernel, in registers
+        torch.testing.assert_close(many[i].float(), one[0].float(), rtol=2**-7, atol=1e-3)  # a bf16 rounding apart
+    assert torch.equal(many, F.linear(x.float(), ref.dequantize(packed, "q8_0")).bfloat16())
+
+
+def test_c_status_codes_become_exceptions(compiled):
+    with pytest.raises(MemoryError):
+        matmul._ran(1)
+    with pytest.raises(ValueError, match="refused"):
+        x, w, y = torch.randn(5, 32), packed_weight("q4_1", 6, 32), torch.empty(5, 6)
+        matmul._ran(matmul._library().linear_q_f32(x.data_ptr(), w.data_ptr(), 1, None, y.data_ptr(), 5, 6, 32, 0))
+
+
 @pytest.mark.parametrize("fmt", FMTS)
 def test_packed_linear_bf16_and_shapes(fmt, compiled):
     packed = packed_weight(fmt, 20, 64)

@@ -73,10 +73,10 @@ def _private(d: str) -> bool:
     return not hasattr(os, "getuid") or (st.st_uid == os.getuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
 
 
-def load(source: str, functions: dict[str, list] | None = None) -> ctypes.CDLL | None:
+def load(source: str, functions: dict[str, list] | None = None, restype=None) -> ctypes.CDLL | None:
     """The library built from ``source`` (a file name beside this module), its ``functions``
-    (name -> argument ctypes; they return nothing) declared, or None with a warning when it
-    cannot be built or loaded here."""
+    (name -> argument ctypes; each returns ``restype``, None: nothing) declared, or None with a
+    warning when it cannot be built or loaded here."""
     src = Path(__file__).with_name(source)
     cc = _compiler()
     if cc is None:
@@ -90,17 +90,17 @@ def load(source: str, functions: dict[str, list] | None = None) -> ctypes.CDLL |
             lib = _cache_dir() / f"{src.stem}-{key.hexdigest()[:16]}.so"
             if not lib.exists():
                 _compile(cc, flags, src, lib)
-            return _declare(ctypes.CDLL(str(lib)), functions or {})
+            return _declare(ctypes.CDLL(str(lib)), functions or {}, restype)
         except (OSError, subprocess.SubprocessError) as e:
             errors.append(f"{' '.join(cc + flags)}: {str(e).strip()[-300:]}")
     log.warning("could not build %s, the CPU kernels fall back to the reference:\n%s", source, "\n".join(errors))
     return None
 
 
-def _declare(lib: ctypes.CDLL, functions: dict[str, list]) -> ctypes.CDLL:
+def _declare(lib: ctypes.CDLL, functions: dict[str, list], restype) -> ctypes.CDLL:
     for name, argtypes in functions.items():
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, None
+        fn.argtypes, fn.restype = argtypes, restype
     return lib
 
 

@@ -17,8 +17,8 @@
  *
  * Packed weights (``linear_q_*``): W as GGUF blocks of 32 weights along K (Q4_0, Q4_1, Q8_0; an fp16
  * scale, for Q4_1 an fp16 minimum, and 4- or 8-bit integers), as llama.cpp keeps them: 4.5 to 8.5 bits
- * a weight instead of 32, and a single-stream step reads that much less. At one or two rows of x each
- * block is expanded in registers as it is used; past that, each work item's rows are expanded into a
+ * a weight instead of 32, and a single-stream step reads that much less. Up to IN_REGISTERS_UP_TO rows of
+ * x each block is expanded in registers as it is used; past that, each work item's rows are expanded into a
  * buffer of floats that stays in cache, then multiplied exactly as above. The
  * expansion is exact (an fp16 scale times a small integer needs at most 19 bits; Q4_1's one addition
  * is rounded once, as gguf's dequantize rounds it), so a row's result is bit for bit the dense
@@ -31,6 +31,9 @@
 #include <string.h>
 
 #include "bf16.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #if defined(__AVX2__) || defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -194,10 +197,14 @@ static float *widened(const void *x, int64_t n, int bf16) {
     return wide;
 }
 
-static void linear(const void *x, const void *w, const void *b, void *y, int64_t M, int64_t N, int64_t K,
-                   int num_threads, int bf16) {
+/* The exported functions return 0, or OUT_OF_MEMORY (y unwritten), or BAD_ARGUMENTS (which matmul.py never
+   passes). */
+enum { OK, OUT_OF_MEMORY, BAD_ARGUMENTS };
+
+static int linear(const void *x, const void *w, const void *b, void *y, int64_t M, int64_t N, int64_t K,
+                  int num_threads, int bf16) {
     float *xf = widened(x, M * K, bf16); /* once: it is read once per NR weight rows */
-    if (!xf) return;
+    if (!xf) return OUT_OF_MEMORY;
     const int64_t tiles_n = (N + NB - 1) / NB;
     (void)num_threads; /* without OpenMP: one thread */
 #pragma omp parallel for schedule(static) num_threads(num_threads)
@@ -208,16 +215,17 @@ static void linear(const void *x, const void *w, const void *b, void *y, int64_t
             column_f32(xf, w, b, y, M, N, K, t);
     }
     if (bf16) free(xf);
+    return OK;
 }
 
-void linear_f32(const float *x, const float *w, const float *b, float *y, int64_t M, int64_t N, int64_t K,
-                int num_threads) {
-    linear(x, w, b, y, M, N, K, num_threads, 0);
+int linear_f32(const float *x, const float *w, const float *b, float *y, int64_t M, int64_t N, int64_t K,
+               int num_threads) {
+    return linear(x, w, b, y, M, N, K, num_threads, 0);
 }
 
-void linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *b, uint16_t *y, int64_t M, int64_t N,
-                 int64_t K, int num_threads) {
-    linear(x, w, b, y, M, N, K, num_threads, 1);
+int linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *b, uint16_t *y, int64_t M, int64_t N,
+                int64_t K, int num_threads) {
+    return linear(x, w, b, y, M, N, K, num_threads, 1);
 }
 
 /* ------------------------------------------------------------------------------ packed weights */
@@ -385,13 +393,14 @@ static void expand(const uint8_t *w, int fmt, float *out, int64_t rows, int64_t 
     }
 }
 
-static void column_packed_f32(const float *xf, const float *wt, const void *b, void *y, int64_t M, int64_t N,
-                              int64_t K, int64_t t) {
+/* work item t's weights expanded into wt, against every row of x */
+static void column_expanded_f32(const float *xf, const float *wt, const void *b, void *y, int64_t M, int64_t N,
+                                int64_t K, int64_t t) {
     column(xf, (const char *)wt, 0, b, y, M, N, K, t, 0, 0);
 }
 
-static void column_packed_bf16(const float *xf, const float *wt, const void *b, void *y, int64_t M, int64_t N,
-                               int64_t K, int64_t t) {
+static void column_expanded_bf16(const float *xf, const float *wt, const void *b, void *y, int64_t M, int64_t N,
+                                 int64_t K, int64_t t) {
     column(xf, (const char *)wt, 0, b, y, M, N, K, t, 0, 1);
 }
 
@@ -413,61 +422,71 @@ static void rows_packed(const float *xf, const uint8_t *w, int fmt, const void *
 #undef ROWS_PACKED
 }
 
-static void linear_packed(const void *x, const uint8_t *w, int fmt, const void *b, void *y, int64_t M, int64_t N,
-                          int64_t K, int num_threads, int bf16) {
-    if (fmt < Q4_0 || fmt > Q8_0 || K % 32) return; /* matmul.py checks both */
+static int linear_packed(const void *x, const uint8_t *w, int fmt, const void *b, void *y, int64_t M, int64_t N,
+                         int64_t K, int num_threads, int bf16) {
+    if (fmt < Q4_0 || fmt > Q8_0 || K % 32 || num_threads < 1) return BAD_ARGUMENTS;
     float *xf = widened(x, M * K, bf16);
-    if (!xf) return;
+    if (!xf) return OUT_OF_MEMORY;
     const int64_t tiles_n = (N + NB - 1) / NB, row_bytes = K / 32 * BLOCK_BYTES[fmt];
     int64_t chunk = X_CHUNK_BYTES / (4 * K) / MR * MR;
     chunk = chunk < MR ? MR : chunk;
-    (void)num_threads;
     if (M <= IN_REGISTERS_UP_TO) {
 #pragma omp parallel for schedule(static) num_threads(num_threads)
         for (int64_t t = 0; t < tiles_n; t++) rows_packed(xf, w, fmt, b, y, M, N, K, t, bf16);
         if (bf16) free(xf);
-        return;
+        return OK;
+    }
+    float *buffers = malloc(sizeof(float) * NB * K * num_threads); /* a work item expanded, per thread */
+    if (!buffers) {
+        if (bf16) free(xf);
+        return OUT_OF_MEMORY;
     }
 #pragma omp parallel num_threads(num_threads)
     {
-        float *wt = malloc(sizeof(float) * NB * K); /* this thread's work item, expanded */
-        if (wt)
-            for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-                const int64_t mc = M - m0 < chunk ? M - m0 : chunk;
-                const float *xc = xf + m0 * K;
-                void *yc = (char *)y + m0 * N * (bf16 ? 2 : 4);
-                /* the same work items for a thread in every chunk: its weights stay in its cache */
+#ifdef _OPENMP
+        float *wt = buffers + NB * K * omp_get_thread_num();
+#else
+        float *wt = buffers;
+#endif
+        for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+            const int64_t mc = M - m0 < chunk ? M - m0 : chunk;
+            const float *xc = xf + m0 * K;
+            void *yc = (char *)y + m0 * N * (bf16 ? 2 : 4);
+            /* the same work items for a thread in every chunk (each expanded again: a few percent of the
+               multiply by the chunk's rows, measured) */
 #pragma omp for schedule(static) nowait
-                for (int64_t t = 0; t < tiles_n; t++) {
-                    const int64_t rows = N - t * NB < NB ? N - t * NB : NB;
-                    expand(w + t * NB * row_bytes, fmt, wt, rows, K);
-                    if (bf16)
-                        column_packed_bf16(xc, wt, b, yc, mc, N, K, t);
-                    else
-                        column_packed_f32(xc, wt, b, yc, mc, N, K, t);
-                }
+            for (int64_t t = 0; t < tiles_n; t++) {
+                const int64_t rows = N - t * NB < NB ? N - t * NB : NB;
+                expand(w + t * NB * row_bytes, fmt, wt, rows, K);
+                if (bf16)
+                    column_expanded_bf16(xc, wt, b, yc, mc, N, K, t);
+                else
+                    column_expanded_f32(xc, wt, b, yc, mc, N, K, t);
             }
-        free(wt);
+        }
     }
+    free(buffers);
     if (bf16) free(xf);
+    return OK;
 }
 
-void linear_q_f32(const float *x, const uint8_t *w, int fmt, const float *b, float *y, int64_t M, int64_t N,
-                  int64_t K, int num_threads) {
-    linear_packed(x, w, fmt, b, y, M, N, K, num_threads, 0);
+int linear_q_f32(const float *x, const uint8_t *w, int fmt, const float *b, float *y, int64_t M, int64_t N, int64_t K,
+                 int num_threads) {
+    return linear_packed(x, w, fmt, b, y, M, N, K, num_threads, 0);
 }
 
-void linear_q_bf16(const uint16_t *x, const uint8_t *w, int fmt, const uint16_t *b, uint16_t *y, int64_t M,
-                   int64_t N, int64_t K, int num_threads) {
-    linear_packed(x, w, fmt, b, y, M, N, K, num_threads, 1);
+int linear_q_bf16(const uint16_t *x, const uint8_t *w, int fmt, const uint16_t *b, uint16_t *y, int64_t M,
+                  int64_t N, int64_t K, int num_threads) {
+    return linear_packed(x, w, fmt, b, y, M, N, K, num_threads, 1);
 }
 
 /* rows (gathered by ids, or all of them when ids is NULL) of a packed matrix, as floats */
-void dequantize_rows(const uint8_t *w, int fmt, const int64_t *ids, float *out, int64_t rows, int64_t K,
-                     int num_threads) {
-    if (fmt < Q4_0 || fmt > Q8_0 || K % 32) return;
+int dequantize_rows(const uint8_t *w, int fmt, const int64_t *ids, float *out, int64_t rows, int64_t K,
+                    int num_threads) {
+    if (fmt < Q4_0 || fmt > Q8_0 || K % 32) return BAD_ARGUMENTS;
     const int64_t row_bytes = K / 32 * BLOCK_BYTES[fmt];
     (void)num_threads;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * K >= (1 << 16))
     for (int64_t r = 0; r < rows; r++) expand(w + (ids ? ids[r] : r) * row_bytes, fmt, out + r * K, 1, K);
+    return OK;
 }

@@ -18,9 +18,10 @@ shape (0: never), for runs that must not depend on a timing. A shape never tuned
 Within the C kernel a row's result does not depend on how many rows share the step.
 
 Weights kept packed as GGUF blocks (``FORMATS``: 4.5 to 8.5 bits a weight, as llama.cpp keeps them)
-go to ``linear_packed``: up to 64 rows the C kernel multiplies the blocks as they are (their
-expansion to floats is exact, so a row's result is the dense C kernel's on ``reference.dequantize``'s
-weights, bit for bit); past that (a prompt) the weight is expanded and torch's GEMM runs.
+go to ``linear_packed``: the C kernel multiplies the blocks as they are (their expansion to floats
+is exact, so a row's result is the dense C kernel's on ``reference.dequantize``'s weights, bit for
+bit), except past 64 rows (a prompt), where a weight of up to ``EXPAND_BYTES`` as floats is expanded
+and torch's float32 GEMM runs (then cast back: bf16 too computes with the exact weights).
 """
 
 from __future__ import annotations
@@ -65,7 +66,15 @@ def _library() -> ctypes.CDLL | None:
     p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     return load("matmul.c", dict.fromkeys(_KERNELS.values(), [p] * 4 + [i64] * 3 + [i])
                 | dict.fromkeys(_PACKED_KERNELS.values(), [p, p, i, p, p] + [i64] * 3 + [i])
-                | {"dequantize_rows": [p, i, p, p, i64, i64, i]})
+                | {"dequantize_rows": [p, i, p, p, i64, i64, i]}, restype=ctypes.c_int)
+
+
+def _ran(status: int) -> None:
+    """matmul.c's status: 0, or out of memory (its output unwritten), or arguments it refused."""
+    if status == 1:
+        raise MemoryError("the C linear kernel could not allocate its buffers")
+    if status:
+        raise ValueError(f"the C linear kernel refused its arguments (status {status})")
 
 
 def packed_available() -> bool:
@@ -96,12 +105,14 @@ def linear_packed(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.T
     if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype):
         raise ValueError(f"bias must be ({n},) {x.dtype}, got {bias.dtype} {tuple(bias.shape)}")
     x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()  # (runs per layer: lean)
-    if x2.shape[0] > ROWS[-1] and n * k * 4 <= EXPAND_BYTES:  # a prompt's rows: torch's GEMM, on the floats
-        return F.linear(x, dequantize(weight, fmt).to(x.dtype), bias)
+    if x2.shape[0] > ROWS[-1] and n * k * 4 <= EXPAND_BYTES:  # a prompt's rows: torch's GEMM, on the exact floats
+        return F.linear(x.float(), dequantize(weight, fmt), None if bias is None else bias.float()).to(x.dtype)
+    weight = weight.contiguous()  # (held: the C code reads them)
+    bias = None if bias is None else bias.contiguous()
     y = torch.empty(x2.shape[0], n, dtype=x.dtype)
-    getattr(_library(), _PACKED_KERNELS[x.dtype])(x2.data_ptr(), weight.contiguous().data_ptr(), FORMATS[fmt],
-                                                  None if bias is None else bias.contiguous().data_ptr(),
-                                                  y.data_ptr(), x2.shape[0], n, k, torch.get_num_threads())
+    _ran(getattr(_library(), _PACKED_KERNELS[x.dtype])(
+        x2.data_ptr(), weight.data_ptr(), FORMATS[fmt], None if bias is None else bias.data_ptr(), y.data_ptr(),
+        x2.shape[0], n, k, torch.get_num_threads()))
     return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
 
 
@@ -116,8 +127,8 @@ def dequantize(weight: torch.Tensor, fmt: str, rows: torch.Tensor | None = None)
             raise IndexError(f"row ids must lie in [0, {weight.shape[0]})")
     count = weight.shape[0] if rows is None else rows.numel()
     out = torch.empty(count, k)
-    _library().dequantize_rows(weight.data_ptr(), FORMATS[fmt], None if rows is None else rows.data_ptr(),
-                               out.data_ptr(), count, k, torch.get_num_threads())
+    _ran(_library().dequantize_rows(weight.data_ptr(), FORMATS[fmt], None if rows is None else rows.data_ptr(),
+                                    out.data_ptr(), count, k, torch.get_num_threads()))
     return out
 
 
@@ -148,8 +159,9 @@ def linear_c(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     bias = None if bias is None else bias.contiguous()
     (m, k), n = x.shape, weight.shape[0]
     y = x.new_empty(m, n)
-    getattr(_library(), _KERNELS[x.dtype])(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-                                           y.data_ptr(), m, n, k, torch.get_num_threads())
+    _ran(getattr(_library(), _KERNELS[x.dtype])(x.data_ptr(), weight.data_ptr(),
+                                                None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k,
+                                                torch.get_num_threads()))
     return y
 
 
