@@ -231,12 +231,17 @@ class ModelRunner:
                   pending: list[tuple[Request, tuple[torch.Tensor, ...]]]) -> Launched:
         if events is not None:
             events[1].record()
+        for r, tensors in pending:  # the launch has succeeded: these positions are on their way
+            r.num_prompt_logprobs_in_flight += len(tensors[0])
         return Launched(sampled, out, time.perf_counter() - start, events, pending)
 
     def collect(self, launched: Launched) -> StepResult:
         """The launched step's tokens (and prompt logprobs) on the host: waits for the device."""
-        for r, tensors in launched.prompt_logprobs:
-            r.prompt_logprobs.extend(logprob_lists(*tensors))
+        done = [(r, logprob_lists(*tensors)) for r, tensors in launched.prompt_logprobs]  # (should this raise,
+        launched.prompt_logprobs = []  # nothing has changed and the step can be collected again)
+        for r, lists in done:
+            r.prompt_logprobs.extend(lists)
+            r.num_prompt_logprobs_in_flight -= len(lists)
         return StepResult(launched.sampled, launched.output.result() if launched.output is not None else None)
 
     @torch.inference_mode()
@@ -286,8 +291,8 @@ class ModelRunner:
                 if r.prompt_logprobs is None:
                     r.prompt_logprobs = [None]  # the first token has no context
                 # Position p predicts token p + 1 (stored at index p + 1); skip positions already
-                # done before a preemption made this request recompute its prompt.
-                lo = max(c, len(r.prompt_logprobs) - 1)
+                # done (or on their way) before a preemption made this request recompute its prompt.
+                lo = max(c, r.prompt_logprobs_end - 1)
                 hi = min(c + n, r.num_prompt_tokens - 1)  # exclusive
                 if hi > lo:
                     logprob_rows.extend(range(row + lo - c, row + hi - c))

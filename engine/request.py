@@ -30,6 +30,7 @@ class Request:
         "finish_reason", "stop_reason", "sampling_state", "num_cached_tokens", "num_preemptions",
         "prompt_logprobs", "_all_token_ids", "stop_token_ids", "arrival_time", "queued_at", "waited",
         "num_output_at_preemption", "cache_salt", "block_hashes", "num_cached_blocks", "num_in_flight",
+        "num_prompt_logprobs_in_flight",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -61,6 +62,14 @@ class Request:
         self.queued_at = 0.0  # when last queued (first arrival, or preemption)
         self.waited = 0.0  # seconds spent waiting before the last admission, in total
         self.prompt_logprobs: list | None = None
+        # positions whose prompt logprobs a step in flight computes: they follow prompt_logprobs' own
+        self.num_prompt_logprobs_in_flight = 0
+
+    @property
+    def prompt_logprobs_end(self) -> int:
+        """Prompt logprobs known or on their way: the next position to compute is this minus one (the
+        first token has none: it sits at index 0 as None)."""
+        return (len(self.prompt_logprobs) if self.prompt_logprobs else 1) + self.num_prompt_logprobs_in_flight
 
     @property
     def num_tokens(self) -> int:

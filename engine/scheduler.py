@@ -330,7 +330,7 @@ def _cacheable_tokens(req: Request) -> int:
     """How many of ``req``'s leading tokens may come from the prefix cache: all but the last (its logits
     are needed), and none whose prompt logprobs are still to be computed."""
     n = req.num_tokens - 1
-    done = req.prompt_logprobs or [None]  # position p's logprob sits at index p + 1
-    if req.params.prompt_logprobs is not None and len(done) < req.num_prompt_tokens:
-        n = min(n, len(done) - 1)
+    done = req.prompt_logprobs_end  # position p's logprob sits at index p + 1
+    if req.params.prompt_logprobs is not None and done < req.num_prompt_tokens:
+        n = min(n, done - 1)
     return n

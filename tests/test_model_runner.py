@@ -173,3 +173,28 @@ def test_cuda_graphs_keep_greedy_outputs(tiny_llama):
     llm = LLM(tiny_llama, **kw)
     assert sorted(llm.engine.runner.graphs.replays) == decode_buckets(8)
     assert [o.token_ids for o in llm.generate(prompts(7), GREEDY)] == want
+
+
+def test_prompt_logprobs_in_flight_are_not_computed_twice(tiny_llama):
+    """Asynchronous scheduling: a request with prompt logprobs is preempted while a chunk's logprobs are
+    still on the device, and readmitted (recomputing from position 0) before that step is collected. The
+    positions already on their way are not computed again, so each comes back once, in order."""
+    from engine.scheduler import ScheduledBatch
+
+    runner = LLM(tiny_llama, **CPU).engine.runner
+    r = Request("r", list(range(10, 50)), Params(prompt_logprobs=1, max_tokens=1))
+    r.block_table = [0, 1, 2]
+    first = ScheduledBatch()
+    first.add(r, 16)
+    in_flight = runner.launch(first)  # positions 0..15
+    assert r.prompt_logprobs_end == 17
+    r.block_table = [3, 4, 5]  # preempted (a new table) and readmitted from position 0
+    again = ScheduledBatch()
+    again.add(r, 24)
+    second = runner.launch(again, in_flight)  # recomputes 0..23: logprobs only for 16..23
+    for launched in (in_flight, second):
+        runner.collect(launched)
+    assert len(r.prompt_logprobs) == 1 + 24 and r.num_prompt_logprobs_in_flight == 0
+    whole = LLM(tiny_llama, **CPU).generate([r.prompt_token_ids], Params(prompt_logprobs=1, max_tokens=1))[0]
+    for got, want in zip(r.prompt_logprobs[1:], whole.prompt_logprobs[1:25], strict=True):
+        assert got[0] == pytest.approx(want[0], abs=1e-5)
