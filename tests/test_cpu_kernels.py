@@ -369,6 +369,17 @@ def test_cpu_norms_and_silu_match_reference(t, dim, dtype, c_elementwise):
             torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
 
 
+def test_cpu_silu_far_out(c_elementwise):
+    """fp32 SiLU runs 8 at a time with its own exp: large and tiny gates, NaN and a tail past the 8s."""
+    gate = torch.tensor([-200.0, -88.5, -87.0, -20.0, -1e-3, 0.0, 1e-3, 20.0, 87.0, 88.5, 200.0, float("nan"), 1.5])
+    up = torch.linspace(-2.0, 3.0, len(gate))
+    got = elementwise.silu_and_mul(torch.cat([gate, up])[None])[0]
+    want = ref.silu_and_mul(torch.cat([gate, up])[None])[0]
+    assert got[11].isnan() and want[11].isnan()
+    keep = ~want.isnan()
+    torch.testing.assert_close(got[keep], want[keep], rtol=1e-6, atol=1e-30)
+
+
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
 @pytest.mark.parametrize("t,h,hkv,d", [(1, 9, 3, 64), (7, 4, 4, 128), (33, 6, 2, 32), (300, 9, 3, 64)])
 def test_cpu_rope_matches_reference_in_place_in_the_qkv_output(t, h, hkv, d, dtype, c_elementwise):
