@@ -211,13 +211,12 @@ _GGUF_PARTS = {"self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "self_attn.
 def _gguf_packing(path: str, model: LlamaForCausalLM, device: torch.device, tp: TPGroup | None) -> set[str]:
     """Pack every layer whose GGUF tensors are in a block format the CPU's C kernel multiplies as it
     is (Q4_0, Q4_1, Q8_0), as llama.cpp keeps them: 4.5 to 8.5 bits a weight instead of 16 or 32, and
-    the same numbers (their expansion is exact). Only on the CPU, on one rank, with the C kernel built
-    and not turned off (``TOKENMILL_CPU_LINEAR_ROWS=0``: torch's GEMM only, on dequantized weights).
-    Returns the GGUF names of the tensors to load packed."""
+    the same numbers (their expansion is exact). Only on the CPU, on one rank, where the CPU kernels
+    say to (``matmul.keep_packed``). Returns the GGUF names of the tensors to load packed."""
     from kernels.cpu import matmul
 
-    if (device.type != "cpu" or (tp is not None and tp.size > 1) or kernels.backend() != "auto"
-            or matmul._fixed_rows() == 0 or not matmul.packed_available()):
+    if device.type != "cpu" or (tp is not None and tp.size > 1) or kernels.backend() != "auto" \
+            or not matmul.keep_packed():
         return set()
     types = {t.name: t.tensor_type.name.lower() for t in _gguf_reader(path).tensors}
     groups = [(model.embed_tokens, ["token_embd.weight"])]

@@ -237,8 +237,9 @@ class ModelRunner:
 
     def collect(self, launched: Launched) -> StepResult:
         """The launched step's tokens (and prompt logprobs) on the host: waits for the device."""
-        done = [(r, logprob_lists(*tensors)) for r, tensors in launched.prompt_logprobs]  # (should this raise,
-        launched.prompt_logprobs = []  # nothing has changed and the step can be collected again)
+        # all converted before anything changes: should the sync raise, the step can be collected again
+        done = [(r, logprob_lists(*tensors)) for r, tensors in launched.prompt_logprobs]
+        launched.prompt_logprobs = []
         for r, lists in done:
             r.prompt_logprobs.extend(lists)
             r.num_prompt_logprobs_in_flight -= len(lists)

@@ -72,10 +72,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
                            scale: float) -> torch.Tensor:
     """As ``kernels.reference.paged_decode_attention``: q (B, H, D), one query per sequence."""
-    if (not q.is_cpu or q.dtype not in _DECODE or q.dim() != 3 or q.shape[2] % 8 or q.shape[2] > MAX_D
-            or k_cache.dim() != 4 or k_cache.shape[1] > MAX_BS or not available()):
+    if not q.is_cpu or q.dtype not in _DECODE or not available():
         return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale)
     _check(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len)
+    if q.shape[2] % 8 or q.shape[2] > MAX_D or k_cache.shape[1] > MAX_BS:  # shapes the C code does not take
+        return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale)
     if q.shape[0] != seq_lens.shape[0]:
         raise ValueError(f"q has {q.shape[0]} rows for {seq_lens.shape[0]} sequences")
     longest = int(seq_lens.max()) if len(seq_lens) else 0  # the C code reads this far, whatever max_seq_len says

@@ -82,6 +82,12 @@ def packed_available() -> bool:
     return _library() is not None
 
 
+def keep_packed() -> bool:
+    """Whether a loader should keep weights packed: they can be multiplied here, and the C kernel is not
+    turned off (``TOKENMILL_CPU_LINEAR_ROWS=0``: torch's GEMM only, on dequantized weights)."""
+    return _fixed_rows() != 0 and packed_available()
+
+
 def _packed_k(weight: torch.Tensor, fmt: str) -> int:
     """K of a packed (N, K / 32 * block bytes) uint8 weight, after checking it is one."""
     if fmt not in FORMATS:
