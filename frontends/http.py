@@ -25,7 +25,8 @@ Every request gets an id (``Request.id``, sent back as ``x-request-id``; a
 handler may replace it with its own, as the API does with a completion's id)
 and, once answered however it ended, goes to the server's ``observer`` with its
 status (499 when the client left before an answer): the access log and the
-HTTP metrics. Handlers may leave what the observer should know in ``Request.meta``.
+HTTP metrics. The observer runs before the answer's last byte is sent, so a
+client that has its whole answer finds it counted, whichever frontend it scrapes. Handlers may leave what the observer should know in ``Request.meta``.
 
 Handlers are ``async (Request) -> Response | StreamingResponse`` registered by
 method and path on a ``Router``. A connection can be handed to another protocol
@@ -499,14 +500,17 @@ class HttpProtocol(asyncio.Protocol):
             if not self.lost:
                 status = result.status
             if isinstance(result, StreamingResponse):
-                await self._stream(req, result)
+                await self._stream(req, result, status)
             else:
+                self.server.observe(req, status)
                 self._send(req, result)
-                if self._write_paused:
-                    await self.drain()
+            status = None  # observed, and before the answer's last byte left: see ``_stream``
+            if self._write_paused and not isinstance(result, StreamingResponse):
+                await self.drain()
             return False
         finally:
-            self.server.observe(req, status)
+            if status is not None:
+                self.server.observe(req, status)
 
     def _send(self, req: Request, resp: Response) -> None:
         if self.lost:
@@ -515,8 +519,14 @@ class HttpProtocol(asyncio.Protocol):
         self.transport.write(_head(resp.status, resp.content_type, headers, req.keep_alive,
                                    len(resp.body)) + resp.body)
 
-    async def _stream(self, req: Request, resp: StreamingResponse) -> None:
+    async def _stream(self, req: Request, resp: StreamingResponse, status: int) -> None:
+        """Send ``resp`` in chunks; observe it once it has ended, before its last chunk goes out.
+
+        Observing first (a plain answer too) means a client that has its whole answer
+        finds it in ``/metrics``, whichever frontend serves the scrape.
+        """
         write = self.transport.write
+        cut = False
         write(_head(resp.status, resp.content_type, [*resp.headers, ("x-request-id", req.id)], req.keep_alive,
                     None))
         chunks = resp.chunks
@@ -534,14 +544,15 @@ class HttpProtocol(asyncio.Protocol):
             log.exception("stream failed: %s %s (request %s)", req.method, req.path, req.id)
             req.keep_alive = False
             self.abort()
-            return
+            cut = True
         finally:
             if resp.on_close is not None:
                 resp.on_close()
             aclose = getattr(chunks, "aclose", None)
             if aclose is not None:
                 await aclose()
-        if not self.lost:
+        self.server.observe(req, status)
+        if not (cut or self.lost):
             write(b"0\r\n\r\n")
 
     def _hand_over(self, up: Upgrade) -> None:

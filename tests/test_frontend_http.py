@@ -204,3 +204,32 @@ def test_upgrade_hands_over_transport(port):
     assert r.startswith(b"HTTP/1.1 101 ") and r.endswith(b"EARLY")
     s.sendall(b"more")
     assert s.recv(100) == b"MORE"
+
+
+def test_an_answer_is_observed_before_the_client_has_all_of_it():
+    """The observer (the metrics) runs before an answer's last byte leaves: a client holding its
+    whole answer finds it counted, even when another frontend process serves the scrape."""
+    observed = []
+
+    def observer(req, status):
+        time.sleep(0.2)  # a frontend descheduled between its answer and its count
+        observed.append((req.path, status, time.monotonic()))
+
+    router = Router()
+    router.add("POST", "/echo", echo)
+    router.add("GET", "/stream", stream)
+    loop = asyncio.new_event_loop()
+    srv = loop.run_until_complete(loop.create_server(HttpServer(router, observer=observer), "127.0.0.1", 0))
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    try:
+        s = connect(srv.sockets[0].getsockname()[1])
+        s.sendall(post_echo(b"plain"))
+        read_until(s, b"plain")
+        plain_at = time.monotonic()
+        s.sendall(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+        read_until(s, b"0\r\n\r\n")
+        stream_at = time.monotonic()
+        assert [(path, status) for path, status, _ in observed] == [("/echo", 200), ("/stream", 200)]
+        assert observed[0][2] <= plain_at and observed[1][2] <= stream_at
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
