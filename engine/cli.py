@@ -50,8 +50,9 @@ def _engine_flags(p: argparse.ArgumentParser, generate: bool = False) -> None:
                    help="longest prompt + completion in tokens (default: the model's own, capped at 8192 on CPU)")
     g.add_argument("--seed", type=int, default=None, help=f"engine random seed (default: {d['seed']})")
     g.add_argument("--enforce-eager", action="store_true", default=None,
-                   help="CUDA: run every step eagerly, without capturing decode steps as CUDA graphs "
-                        "(slower decode; quicker start-up, a little less memory) (default: graphs on CUDA)")
+                   help="run every step eagerly, without replaying decode steps as CUDA graphs (or on the CPU "
+                        "as recorded kernel calls): slower decode; quicker start-up, a little less memory "
+                        "(default: graphs)")
     g.add_argument("--async-scheduling", choices=ASYNC_SCHEDULING, default=None,
                    help="schedule and prepare the next step while the current one runs on the device; auto = on "
                         "CUDA, off on the CPU (nothing to overlap there); always off under tensor parallel "

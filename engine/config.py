@@ -36,7 +36,7 @@ class EngineConfig:
     long_prefill_token_threshold: int | None = None  # prompt tokens per step beside decodes; None = measured
     request_timeout: float | None = None  # seconds; a request without its own timeout gets this one
     seed: int = 0
-    enforce_eager: bool = False  # CUDA: no CUDA graphs, every decode step runs eagerly (vLLM's --enforce-eager)
+    enforce_eager: bool = False  # no CUDA (or CPU) graphs, every decode step runs eagerly (vLLM's --enforce-eager)
     # schedule step N+1 while step N runs (engine.engine); auto = on CUDA, off on the CPU
     async_scheduling: str = "auto"
     tensor_parallel_size: int = 1  # ranks the model is split over (engine.parallel); rank 0 is the engine

@@ -14,7 +14,9 @@ buffer, one asynchronous copy).
 On CUDA (unless ``enforce_eager``) decode-only steps replay CUDA graphs (``DecodeGraphs``)
 captured at start-up for a few batch sizes (``decode_buckets``): such a step is padded to the
 next size with one-token sequences that write and read only a scratch KV block, one past the
-blocks the block manager hands out, and whose logits nobody asks for.
+blocks the block manager hands out, and whose logits nobody asks for. On the CPU (one rank, the
+C kernels built) decode-only steps of up to ``CPU_GRAPH_SEQS`` sequences replay CPU graphs
+(``kernels.cpu.graph``), each recorded by the first step of its size, unpadded.
 
 A step is ``launch``ed (inputs staged, forward, sampler: all queued on the device, nothing waited
 for) then ``collect``ed (its ids copied to the host: the sync); ``execute`` does both. Under
@@ -65,8 +67,12 @@ from engine.sampler import (
 from engine.scheduler import ScheduledBatch
 from engine.step_buffers import BlockTables, DecodeGraphs, Staging, cuda_graph_capture, decode_buckets, ints
 from engine.tp_worker import launch
+from kernels.cpu import graph as cpu_graph
 
 log = logging.getLogger("tokenmill.engine")
+
+# CPU graphs: decode steps of up to this many sequences, recordings of this many rows in all kept
+CPU_GRAPH_SEQS, CPU_GRAPH_ROWS = 32, 64
 
 
 @dataclass
@@ -152,6 +158,12 @@ class ModelRunner:
                                            cuda_graph_capture())
             log.info("CUDA graphs: decode steps of %d batch sizes up to %d captured in %.1f s (--enforce-eager: "
                      "none)", len(self.decode_buckets), config.max_num_seqs, time.perf_counter() - start)
+        elif (device.type == "cpu" and not config.enforce_eager and kernels.backend() == "auto" and self.tp.size == 1
+              and kernels.cpu.available()):
+            self.graphs = DecodeGraphs(self.model, list(range(1, min(config.max_num_seqs, CPU_GRAPH_SEQS) + 1)),
+                                       max_model_len, max_blocks, num_blocks, self.block_size,
+                                       self.model_cfg.hidden_size, dtype, device, cpu_graph.capture(), lazy=True,
+                                       max_rows=CPU_GRAPH_ROWS)
 
     def _allocate_kv_cache(self) -> None:
         # one block more than the block manager hands out: the scratch block of padding sequences
@@ -261,7 +273,7 @@ class ModelRunner:
         ids = dev["token_ids"]
         if isinstance(step, DriverStep) and step.in_flight_at:
             ids[dev["in_flight_at"]] = step.in_flight_ids[dev["in_flight_from"]]
-        if self.graphs is not None and meta.prefill is None and len(ids) in self.graphs.replays:
+        if self.graphs is not None and meta.prefill is None and self.graphs.serves(len(ids)):
             hidden = self.graphs.replay(ids, positions, meta)
         else:
             hidden = self.model(ids, positions, meta)

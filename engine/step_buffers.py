@@ -6,11 +6,14 @@
 - ``Staging``: a step's integer inputs on their way to the device (on CUDA one pinned buffer,
   one asynchronous copy).
 - ``DecodeGraphs``: decode-only forwards captured as CUDA graphs for the batch sizes of
-  ``decode_buckets``, replayed over static inputs.
+  ``decode_buckets`` (or on the CPU recorded as their kernel calls, ``kernels.cpu.graph``),
+  replayed over static inputs.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -18,6 +21,8 @@ import torch
 
 from engine.attention import AttentionMetadata, DecodeMetadata
 from engine.request import Request
+
+log = logging.getLogger("tokenmill.engine")
 
 
 def ints(values) -> torch.Tensor:
@@ -117,43 +122,69 @@ def cuda_graph_capture() -> Capture:
 
 
 class DecodeGraphs:
-    """Decode-only forwards captured once per batch size of ``sizes`` (by ``capture``: as CUDA
-    graphs) over static inputs: a step of one of these sizes copies its inputs in and replays.
+    """Decode-only forwards captured per batch size (by ``capture``: as CUDA graphs, or as CPU
+    graphs, ``kernels.cpu.graph``) over static inputs: a step of a captured size copies its inputs
+    in and replays.
+
+    CUDA: every size of ``sizes`` is captured at start-up (the largest first: the others fit in
+    its memory pool) and steps are padded to one of them (``ModelRunner._pad``). CPU (``lazy``):
+    a size is captured by the first step of that size, whose forward the capture runs for real,
+    so no step is padded and none is computed twice; recordings hold their own intermediates,
+    so those of at most ``max_rows`` rows in all are kept, the least recently used dropped.
 
     The graphs attend up to ``max_model_len`` (their block tables are that wide): the decode
-    kernel reads a sequence's blocks only up to its length, whatever the bound. At capture every
-    row is a one-token sequence on the scratch block; afterwards a step fills all the rows its
-    graph reads (its padding rows included: ``ModelRunner._pad``)."""
+    kernel reads a sequence's blocks only up to its length, whatever the bound. Their rows are
+    the batch's own order (sequence i in row i, as the step's tokens), so that attention needs
+    no reordering of q. At capture every row is a one-token sequence on the scratch block;
+    afterwards a step fills all the rows its graph reads (its padding rows included)."""
 
     def __init__(self, model: torch.nn.Module, sizes: list[int], max_model_len: int, max_blocks: int,
                  scratch_block: int, block_size: int, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device, capture: Capture):
+                 device: torch.device, capture: Capture, lazy: bool = False, max_rows: int = 0):
         n, i64 = sizes[-1], dict(dtype=torch.int64, device=device)
+        self.model, self.capture, self.max_model_len = model, capture, max_model_len
+        self.sizes, self.max_rows = set(sizes), max_rows
         self.input_ids, self.positions = torch.zeros(n, **i64), torch.zeros(n, **i64)
         self.slot_mapping = torch.full((n,), scratch_block * block_size, **i64)
         self.decode = DecodeMetadata(torch.arange(n, **i64), torch.full((n, max_blocks), scratch_block, **i64),
-                                     torch.ones(n, **i64), max_model_len)
+                                     torch.ones(n, **i64), max_model_len, in_order=True)
         self.hidden = torch.empty(n, hidden_size, dtype=dtype, device=device)
-        self.replays: dict[int, Callable[[], None]] = {}
-        for b in reversed(sizes):  # the largest first: the others fit in its memory
-            d = self.decode
-            meta = AttentionMetadata(self.slot_mapping[:b], DecodeMetadata(
-                d.token_rows[:b], d.block_tables[:b], d.seq_lens[:b], max_model_len), None)
+        self.replays: OrderedDict[int, Callable[[], None]] = OrderedDict()
+        if not lazy:
+            for b in reversed(sizes):
+                self._forward(b)  # once outside the graph: kernels compile, lazy state settles
+                self.replays[b] = capture(functools.partial(self._forward, b))
 
-            def forward(b: int = b, meta: AttentionMetadata = meta) -> None:
-                self.hidden[:b] = model(self.input_ids[:b], self.positions[:b], meta)
+    def _forward(self, b: int) -> None:
+        d = self.decode
+        meta = AttentionMetadata(self.slot_mapping[:b], DecodeMetadata(
+            d.token_rows[:b], d.block_tables[:b], d.seq_lens[:b], self.max_model_len, in_order=True), None)
+        self.hidden[:b] = self.model(self.input_ids[:b], self.positions[:b], meta)
 
-            forward()  # once outside the graph: kernels compile, lazy state settles
-            self.replays[b] = capture(forward)
+    def serves(self, b: int) -> bool:
+        return b in self.replays or b in self.sizes
 
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The (B, hidden) final hidden states of a decode-only step of B sequences (B one of the sizes)."""
+        """The (B, hidden) final hidden states of a decode-only step of B sequences (``serves(B)``)."""
         b, d, s = len(input_ids), meta.decode, self.decode
         self.input_ids[:b] = input_ids
         self.positions[:b] = positions
         self.slot_mapping[:b] = meta.slot_mapping
-        s.token_rows[:b] = d.token_rows
-        s.seq_lens[:b] = d.seq_lens
-        s.block_tables[:b, :d.block_tables.shape[1]] = d.block_tables
-        self.replays[b]()
+        rows = d.token_rows  # the step's decode rows are its sequences, longest first: put them back in order
+        s.seq_lens.index_copy_(0, rows, d.seq_lens)
+        s.block_tables[:, :d.block_tables.shape[1]].index_copy_(0, rows, d.block_tables)
+        replay = self.replays.get(b)
+        if replay is not None:
+            self.replays.move_to_end(b)
+            replay()
+            return self.hidden[:b]
+        while self.replays and sum(self.replays) + b > self.max_rows:
+            self.replays.popitem(last=False)
+        try:
+            self.replays[b] = self.capture(functools.partial(self._forward, b))
+        except Exception as e:  # noqa: BLE001 - a forward that cannot be recorded still runs, eagerly from now on
+            log.warning("decode graphs off: a step of %d could not be captured (%s: %s)", b, type(e).__name__, e)
+            self.sizes.clear()
+            self.replays.clear()
+            self._forward(b)  # what the capture left half done, again (a real failure raises here)
         return self.hidden[:b]

@@ -111,8 +111,8 @@ def _packed(step: StepInput) -> tuple[list[int], torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def unpadded(tiny_llama) -> list[list[int]]:
-    llm = LLM(tiny_llama, **CPU)
-    assert llm.engine.runner.graphs is None and not llm.engine.runner.decode_buckets  # CPU: eager
+    llm = LLM(tiny_llama, **CPU, enforce_eager=True)
+    assert llm.engine.runner.graphs is None and not llm.engine.runner.decode_buckets
     return [o.token_ids for o in llm.generate(prompts(7), GREEDY)]
 
 
@@ -121,7 +121,7 @@ def test_padded_decode_steps_keep_greedy_outputs(tiny_llama, unpadded, static):
     """Decode steps padded to the graph batch sizes; with ``static`` also run through the
     static buffers a CUDA graph replays (captured here as the eager forward itself), its
     attention bound to max_model_len. 7 prompts in 14 blocks: preemption rewrites tables too."""
-    llm = LLM(tiny_llama, **{**CPU, "num_kv_blocks": 14})
+    llm = LLM(tiny_llama, **{**CPU, "num_kv_blocks": 14}, enforce_eager=True)
     runner = llm.engine.runner
     assert runner.kv_cache.shape[2] == llm.engine.block_manager.num_blocks + 1  # the scratch block
     runner.decode_buckets = decode_buckets(8)

@@ -345,13 +345,13 @@ class StepProbe:
 
 def run_tokenmill(
     path: str, requests: list[Request], dtype: str, max_num_seqs: int, max_num_batched_tokens: int,
-    async_scheduling: str = "auto",
+    async_scheduling: str = "auto", enforce_eager: bool = False,
 ) -> tuple[Result, list, StepReport]:
     from engine import LLM, SamplingParams
 
     llm = LLM(
         model=path, dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-        async_scheduling=async_scheduling,
+        async_scheduling=async_scheduling, enforce_eager=enforce_eager,
     )
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
     params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in requests]
@@ -525,6 +525,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
                    help="tokenmill's steps overlapped with the next one's scheduling (auto: on CUDA)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="tokenmill's decode steps without CUDA or CPU graphs")
     p.add_argument("--compare", choices=("none", "hf"), default="none")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -566,7 +568,8 @@ def main(argv: list[str] | None = None) -> None:
     steps: StepReport | None = None
     if not args.skip_tokenmill:
         result, outputs["tokenmill"], steps = run_tokenmill(
-            path, requests, args.dtype, args.max_num_seqs, args.max_num_batched_tokens, args.async_scheduling
+            path, requests, args.dtype, args.max_num_seqs, args.max_num_batched_tokens, args.async_scheduling,
+            args.enforce_eager,
         )
         results.append(result)
         print(f"tokenmill: {result.out_tok_s:.1f} out tok/s", flush=True)
@@ -614,6 +617,7 @@ def main(argv: list[str] | None = None) -> None:
         "model": path,
         "dtype": args.dtype,
         "async_scheduling": args.async_scheduling,
+        "enforce_eager": args.enforce_eager,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "threads": torch.get_num_threads(),

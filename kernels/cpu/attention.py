@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import reference
+from kernels.cpu import graph
 from kernels.cpu.build import load
 
 _DECODE = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
@@ -79,7 +80,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale)
     if q.shape[0] != seq_lens.shape[0]:
         raise ValueError(f"q has {q.shape[0]} rows for {seq_lens.shape[0]} sequences")
-    longest = int(seq_lens.max()) if len(seq_lens) else 0  # the C code reads this far, whatever max_seq_len says
+    # the C code reads this far, whatever max_seq_len says (a recording reads no values: see graph)
+    longest = int(seq_lens.max()) if len(seq_lens) and not graph.recording() else 0
     if longest > block_tables.shape[1] * k_cache.shape[1]:
         raise ValueError(f"a sequence of {longest} tokens does not fit block_tables of width {block_tables.shape[1]} "
                          f"({k_cache.shape[1]} tokens per block)")

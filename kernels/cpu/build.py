@@ -6,12 +6,14 @@ compiler, its flags and this CPU (``-march=native``), so an edit or another mach
 afresh and concurrent processes never load a half-written file. Compiling takes about a
 second. Flags are tried from the best down (OpenMP and native instructions, then without),
 and where no C compiler works at all ``load`` returns None and logs why once: callers then
-use the reference kernels.
+use the reference kernels. The functions ``load`` declares are recorded when called during the
+capture of a CPU graph (``graph``).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -23,6 +25,9 @@ import subprocess
 import sysconfig
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
+
+from kernels.cpu import graph
 
 log = logging.getLogger("tokenmill.kernels")
 
@@ -73,7 +78,7 @@ def _private(d: str) -> bool:
     return not hasattr(os, "getuid") or (st.st_uid == os.getuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
 
 
-def load(source: str, functions: dict[str, list] | None = None, restype=None) -> ctypes.CDLL | None:
+def load(source: str, functions: dict[str, list] | None = None, restype=None) -> SimpleNamespace | None:
     """The library built from ``source`` (a file name beside this module), its ``functions``
     (name -> argument ctypes; each returns ``restype``, None: nothing) declared, or None with a
     warning when it cannot be built or loaded here."""
@@ -97,11 +102,14 @@ def load(source: str, functions: dict[str, list] | None = None, restype=None) ->
     return None
 
 
-def _declare(lib: ctypes.CDLL, functions: dict[str, list], restype) -> ctypes.CDLL:
+def _declare(lib: ctypes.CDLL, functions: dict[str, list], restype) -> SimpleNamespace:
+    """The declared functions, each recorded when called during a CPU graph's capture (``graph.call``)."""
+    out = SimpleNamespace()
     for name, argtypes in functions.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, restype
-    return lib
+        setattr(out, name, functools.partial(graph.call, fn))
+    return out
 
 
 def _compile(cc: list[str], flags: list[str], src: Path, lib: Path) -> None:

@@ -39,6 +39,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu import graph
 from kernels.cpu.build import load
 from kernels.reference import PACKED_BLOCK_BYTES
 
@@ -129,7 +130,7 @@ def dequantize(weight: torch.Tensor, fmt: str, rows: torch.Tensor | None = None)
     weight = weight.contiguous()
     if rows is not None:
         rows = rows.to(torch.int64).contiguous()
-        if rows.numel() and not (0 <= int(rows.min()) and int(rows.max()) < weight.shape[0]):
+        if rows.numel() and not graph.recording() and not (0 <= int(rows.min()) and int(rows.max()) < weight.shape[0]):
             raise IndexError(f"row ids must lie in [0, {weight.shape[0]})")
     count = weight.shape[0] if rows is None else rows.numel()
     out = torch.empty(count, k)

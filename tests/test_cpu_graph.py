@@ -1,0 +1,108 @@
+"""CPU graphs (``kernels.cpu.graph``): a forward recorded as its C kernel calls and torch operators,
+replayed on new input data with the results of running it again; decode steps through them keep
+the engine's greedy outputs; what cannot be recorded turns them off and still computes the step."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import engine.model_runner as model_runner
+from engine import LLM, SamplingParams
+from kernels import cpu
+from kernels.cpu import graph
+from tests.conftest import make_tiny_model
+from tests.test_model_runner import prompts
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+needs_c = pytest.mark.skipif(not cpu.available(), reason="needs the C kernels (a C compiler)")
+
+
+@needs_c
+def test_a_recording_replays_c_calls_and_torch_operators_on_new_data():
+    torch.manual_seed(0)
+    x, rows = torch.randn(8, 16), torch.tensor([4, 0, 2])  # static inputs
+    w, cache = torch.randn(16), torch.zeros(8, 16)
+    out = {}
+
+    def forward():
+        h = cpu.rms_norm(x.t().contiguous().t().contiguous() * 2, w, 1e-6)  # a copy the schema calls a view
+        picked = h.index_select(0, rows)
+        cache.index_copy_(0, rows, picked)  # in place, into memory the recording does not own
+        out["y"] = cpu.silu_and_mul(torch.cat([picked, picked + 1], dim=1)).add_(1.0)
+
+    replay = graph.capture()(forward)
+    y = out["y"]
+    x.copy_(torch.randn(8, 16))
+    rows.copy_(torch.tensor([1, 7, 3]))
+    cache.zero_()
+    replay()
+    got_y, got_cache = y.clone(), cache.clone()
+    cache.zero_()
+    forward()  # eagerly, on the same new data
+    assert torch.equal(got_y, out["y"]) and torch.equal(got_cache, cache)
+    assert got_cache[[1, 7, 3]].abs().sum() > 0 and not graph.recording()
+
+
+def test_a_read_on_the_host_cannot_be_recorded():
+    x = torch.ones(3)
+    with pytest.raises(graph.NotReplayable, match="host"):
+        graph.capture()(lambda: int(x.sum()))
+    assert not graph.recording()
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2(tmp_path_factory, smollm_tokenizer_dir) -> str:
+    return make_tiny_model(str(tmp_path_factory.mktemp("tiny_qwen2")), "qwen2", smollm_tokenizer_dir)
+
+
+@needs_c
+@pytest.mark.parametrize("arch,dtype", [("llama", "float32"), ("qwen2", "float32"), ("llama", "bfloat16")])
+def test_cpu_graphs_keep_greedy_outputs(arch, dtype, tiny_llama, tiny_qwen2, monkeypatch):
+    """7 prompts in 14 blocks (preemptions), steps of 1 to 7 sequences: those of up to 4 replay, the
+    rest run eagerly, and recordings of 6 rows in all are kept (older ones dropped, recorded again)."""
+    model = tiny_llama if arch == "llama" else tiny_qwen2
+    kw = dict(device="cpu", dtype=dtype, num_kv_blocks=14, max_model_len=256, max_num_seqs=8)
+    want = [o.token_ids for o in LLM(model, enforce_eager=True, **kw).generate(prompts(7), GREEDY)]
+    monkeypatch.setattr(model_runner, "CPU_GRAPH_SEQS", 4)
+    monkeypatch.setattr(model_runner, "CPU_GRAPH_ROWS", 6)
+    llm = LLM(model, **kw)
+    graphs = llm.engine.runner.graphs
+    captured, replayed, capture, replay = [], [], graphs.capture, graphs.replay
+
+    def counting_capture(forward):
+        captured.append(forward.args[0])
+        return capture(forward)
+
+    def counting_replay(ids, positions, meta):
+        replayed.append(len(ids))
+        return replay(ids, positions, meta)
+
+    graphs.capture, graphs.replay = counting_capture, counting_replay
+    for _ in range(2):  # the second time, sizes dropped the first time are recorded again
+        assert [o.token_ids for o in llm.generate(prompts(7), GREEDY)] == want
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert set(replayed) == {1, 2, 3, 4} and len(replayed) > len(captured)  # most steps replayed a recording
+    assert len(captured) > len(set(captured))  # some were dropped and recorded again
+    assert sum(graphs.replays) <= 6
+
+
+@needs_c
+def test_a_forward_that_cannot_be_recorded_runs_eagerly(tiny_llama, caplog):
+    kw = dict(device="cpu", dtype="float32", num_kv_blocks=40, max_model_len=256, max_num_seqs=8)
+    want = [o.token_ids for o in LLM(tiny_llama, enforce_eager=True, **kw).generate(prompts(3), GREEDY)]
+    llm = LLM(tiny_llama, **kw)
+    graphs = llm.engine.runner.graphs
+    model = graphs.model
+
+    def reads_its_input(ids, positions, meta):
+        int(ids.sum())  # data-dependent: not replayable
+        return model(ids, positions, meta)
+
+    graphs.model = reads_its_input
+    with caplog.at_level(logging.WARNING, "tokenmill.engine"):
+        assert [o.token_ids for o in llm.generate(prompts(3), GREEDY)] == want
+    assert "decode graphs off" in caplog.text and "NotReplayable" in caplog.text
+    assert not graphs.replays and not graphs.serves(1)
