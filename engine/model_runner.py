@@ -158,8 +158,9 @@ class ModelRunner:
                                            cuda_graph_capture())
             log.info("CUDA graphs: decode steps of %d batch sizes up to %d captured in %.1f s (--enforce-eager: "
                      "none)", len(self.decode_buckets), config.max_num_seqs, time.perf_counter() - start)
+        # on the CPU not where decode attention is the reference's (see above)
         elif (device.type == "cpu" and not config.enforce_eager and kernels.backend() == "auto" and self.tp.size == 1
-              and kernels.cpu.available()):
+              and kernels.cpu.decodes_in_c(self.model_cfg.head_dim, self.block_size)):
             self.graphs = DecodeGraphs(self.model, list(range(1, min(config.max_num_seqs, CPU_GRAPH_SEQS) + 1)),
                                        max_model_len, max_blocks, num_blocks, self.block_size,
                                        self.model_cfg.hidden_size, dtype, device, cpu_graph.capture(), lazy=True,

@@ -183,8 +183,8 @@ class DecodeGraphs:
         try:
             self.replays[b] = self.capture(functools.partial(self._forward, b))
         except Exception as e:  # noqa: BLE001 - a forward that cannot be recorded still runs, eagerly from now on
+            self._forward(b)  # what the capture left half done, again: a failure of the forward raises here
             log.warning("decode graphs off: a step of %d could not be captured (%s: %s)", b, type(e).__name__, e)
             self.sizes.clear()
             self.replays.clear()
-            self._forward(b)  # what the capture left half done, again (a real failure raises here)
         return self.hidden[:b]

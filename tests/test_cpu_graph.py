@@ -5,6 +5,7 @@ the engine's greedy outputs; what cannot be recorded turns them off and still co
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 import torch
@@ -44,6 +45,29 @@ def test_a_recording_replays_c_calls_and_torch_operators_on_new_data():
     forward()  # eagerly, on the same new data
     assert torch.equal(got_y, out["y"]) and torch.equal(got_cache, cache)
     assert got_cache[[1, 7, 3]].abs().sum() > 0 and not graph.recording()
+
+
+@needs_c
+def test_a_recording_keeps_only_its_own_threads_calls():
+    """Another thread's kernels, run while this one records, are neither recorded (their tensors are not
+    the recording's to keep) nor told to skip their checks."""
+    w, inside, done, seen = torch.ones(64), threading.Event(), threading.Event(), {}
+
+    def forward():
+        inside.set()
+        done.wait(10)
+
+    def other():
+        inside.wait(10)
+        seen["recording"] = graph.recording()
+        cpu.rms_norm(torch.randn(4, 64), w, 1e-6)
+        done.set()
+
+    t = threading.Thread(target=other)
+    t.start()
+    replay = graph.capture()(forward)
+    t.join()
+    assert seen == {"recording": False} and replay.__self__.steps == []
 
 
 def test_a_read_on_the_host_cannot_be_recorded():
@@ -87,6 +111,13 @@ def test_cpu_graphs_keep_greedy_outputs(arch, dtype, tiny_llama, tiny_qwen2, mon
     assert set(replayed) == {1, 2, 3, 4} and len(replayed) > len(captured)  # most steps replayed a recording
     assert len(captured) > len(set(captured))  # some were dropped and recorded again
     assert sum(graphs.replays) <= 6
+
+
+def test_no_cpu_graphs_where_decode_attention_is_the_references(tmp_path, smollm_tokenizer_dir):
+    """Heads of 12 are not the C kernel's: the reference would gather every context to max_model_len."""
+    model = make_tiny_model(str(tmp_path), "llama", smollm_tokenizer_dir, hidden_size=48)
+    llm = LLM(model, device="cpu", dtype="float32", num_kv_blocks=40, max_model_len=256, max_num_seqs=8)
+    assert llm.engine.runner.model_cfg.head_dim == 12 and llm.engine.runner.graphs is None
 
 
 @needs_c

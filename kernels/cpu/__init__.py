@@ -6,12 +6,12 @@ packed as GGUF blocks (``matmul.py``), and RMSNorm, RoPE and SiLU-and-mul in one
 the reference's (one ``index_copy_`` each).
 """
 
-from kernels.cpu.attention import available, paged_decode_attention, paged_prefill_attention
+from kernels.cpu.attention import available, decodes_in_c, paged_decode_attention, paged_prefill_attention
 from kernels.cpu.elementwise import apply_rope_, fused_add_rms_norm, rms_norm, silu_and_mul
 from kernels.cpu.matmul import dequantize, linear, linear_packed, packed_available
 from kernels.cpu.matmul import tune as tune_linear
 from kernels.reference import store_kvcache
 
-__all__ = ["apply_rope_", "available", "dequantize", "fused_add_rms_norm", "linear", "linear_packed",
+__all__ = ["apply_rope_", "available", "decodes_in_c", "dequantize", "fused_add_rms_norm", "linear", "linear_packed",
            "packed_available", "paged_decode_attention", "paged_prefill_attention", "rms_norm", "silu_and_mul",
            "store_kvcache", "tune_linear"]

@@ -45,6 +45,12 @@ def available() -> bool:
     return _library() is not None
 
 
+def decodes_in_c(head_dim: int, block_size: int) -> bool:
+    """Whether decode attention over heads of ``head_dim`` in blocks of ``block_size`` runs in the C
+    kernel here; else the reference serves, which gathers every sequence's context."""
+    return head_dim % 8 == 0 and head_dim <= MAX_D and block_size <= MAX_BS and available()
+
+
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
            seq_lens: torch.Tensor, max_seq_len: int) -> None:
     """Raise a ValueError that says what is wrong (messages are formatted only then: this runs per layer)."""
@@ -76,7 +82,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if not q.is_cpu or q.dtype not in _DECODE or not available():
         return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale)
     _check(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len)
-    if q.shape[2] % 8 or q.shape[2] > MAX_D or k_cache.shape[1] > MAX_BS:  # shapes the C code does not take
+    if not decodes_in_c(q.shape[2], k_cache.shape[1]):  # shapes the C code does not take
         return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale)
     if q.shape[0] != seq_lens.shape[0]:
         raise ValueError(f"q has {q.shape[0]} rows for {seq_lens.shape[0]} sequences")

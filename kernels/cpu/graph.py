@@ -14,18 +14,20 @@ is recorded without knowing it; torch operators are seen by a ``TorchDispatchMod
 that only allocate or make views are not redone (``contiguous`` and ``reshape`` are views by
 their schema but copy when they must: those copies are redone).
 
-What can be recorded: shapes, dtypes and Python-side choices are frozen, so the forward must
-make the same decisions for any data in its inputs. A read of a tensor on the host (``.item()``,
-``int(t)``, any operator that returns no tensor) is data-dependent and ends the recording with
-``NotReplayable``; ``tolist()`` and
-``numpy()`` are not seen at all, so a recorded forward must not use them. The kernels skip their
-host-side checks of tensor contents while recording (``recording()``); the C functions' own
-status checks still run at every replay.
+What can be recorded: shapes, dtypes and Python-side choices are frozen (which kernel serves a
+layer, the thread count a C call was given), so the forward must make the same decisions for any
+data in its inputs. A read of a tensor on the host (``.item()``, ``int(t)``, any operator that
+returns no tensor) is data-dependent and ends the recording with ``NotReplayable``; ``tolist()``
+and ``numpy()`` are not seen at all, so a recorded forward must not use them. The kernels skip
+their host-side checks of tensor contents while recording (``recording()``); the C functions'
+own status checks still run at every replay. Recording is per thread: calls other threads make
+meanwhile are theirs alone.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 
 import torch
@@ -70,7 +72,14 @@ class Recording(TorchDispatchMode):
                 raise (MemoryError if status == 1 else RuntimeError)(f"a recorded C kernel failed (status {status})")
 
 
-_active: list[Recording] = []
+class _Active(threading.local):
+    recordings: list[Recording]  # this thread's, innermost last: another thread's calls are never recorded
+
+    def __init__(self) -> None:
+        self.recordings = []
+
+
+_active = _Active()
 
 
 def _tensors(out) -> bool:
@@ -99,15 +108,15 @@ def _refill(out, func, args, kwargs) -> None:
 
 
 def recording() -> bool:
-    """Whether a forward is being recorded (kernels then skip host reads of tensor contents)."""
-    return bool(_active)
+    """Whether this thread is recording a forward (kernels then skip host reads of tensor contents)."""
+    return bool(_active.recordings)
 
 
 def call(fn: Callable[..., object], *args: object) -> object:
     """``fn(*args)`` (a C function), kept for the replay when recording."""
     status = fn(*args)
-    if _active:
-        rec = _active[-1]
+    if _active.recordings:
+        rec = _active.recordings[-1]
         rec.held.append(args)
         rec.steps.append(functools.partial(fn, *args))
     return status
@@ -119,12 +128,12 @@ def capture() -> Callable[[Callable[[], None]], Callable[[], None]]:
 
     def record(forward: Callable[[], None]) -> Callable[[], None]:
         rec = Recording()
-        _active.append(rec)
+        _active.recordings.append(rec)
         try:
             with rec:
                 forward()
         finally:
-            _active.pop()
+            _active.recordings.pop()
         return rec.replay
 
     return record
