@@ -162,7 +162,7 @@ class DecodeGraphs:
         self.hidden[:b] = self.model(self.input_ids[:b], self.positions[:b], meta)
 
     def serves(self, b: int) -> bool:
-        return b in self.replays or b in self.sizes
+        return b in self.sizes  # (the captured sizes are among them)
 
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The (B, hidden) final hidden states of a decode-only step of B sequences (``serves(B)``)."""

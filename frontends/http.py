@@ -26,7 +26,8 @@ handler may replace it with its own, as the API does with a completion's id)
 and, once answered however it ended, goes to the server's ``observer`` with its
 status (499 when the client left before an answer): the access log and the
 HTTP metrics. The observer runs before the answer's last byte is sent, so a
-client that has its whole answer finds it counted, whichever frontend it scrapes. Handlers may leave what the observer should know in ``Request.meta``.
+client that has its whole answer finds it counted, whichever frontend it
+scrapes. Handlers may leave what the observer should know in ``Request.meta``.
 
 Handlers are ``async (Request) -> Response | StreamingResponse`` registered by
 method and path on a ``Router``. A connection can be handed to another protocol
@@ -500,13 +501,14 @@ class HttpProtocol(asyncio.Protocol):
             if not self.lost:
                 status = result.status
             if isinstance(result, StreamingResponse):
-                await self._stream(req, result, status)
+                await self._stream(req, result, status)  # observes it before its last chunk
+                status = None
             else:
-                self.server.observe(req, status)
+                self.server.observe(req, status)  # before the answer leaves: see ``_stream``
+                status = None
                 self._send(req, result)
-            status = None  # observed, and before the answer's last byte left: see ``_stream``
-            if self._write_paused and not isinstance(result, StreamingResponse):
-                await self.drain()
+                if self._write_paused:
+                    await self.drain()
             return False
         finally:
             if status is not None:

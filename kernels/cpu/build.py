@@ -78,10 +78,12 @@ def _private(d: str) -> bool:
     return not hasattr(os, "getuid") or (st.st_uid == os.getuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
 
 
-def load(source: str, functions: dict[str, list] | None = None, restype=None) -> SimpleNamespace | None:
+def load(source: str, functions: dict[str, list] | None = None, restype=None,
+         errcheck=None) -> SimpleNamespace | None:
     """The library built from ``source`` (a file name beside this module), its ``functions``
-    (name -> argument ctypes; each returns ``restype``, None: nothing) declared, or None with a
-    warning when it cannot be built or loaded here."""
+    (name -> argument ctypes; each returns ``restype``, None: nothing, checked by ctypes'
+    ``errcheck`` if given, at every call and replay) declared, or None with a warning when it
+    cannot be built or loaded here."""
     src = Path(__file__).with_name(source)
     cc = _compiler()
     if cc is None:
@@ -95,19 +97,21 @@ def load(source: str, functions: dict[str, list] | None = None, restype=None) ->
             lib = _cache_dir() / f"{src.stem}-{key.hexdigest()[:16]}.so"
             if not lib.exists():
                 _compile(cc, flags, src, lib)
-            return _declare(ctypes.CDLL(str(lib)), functions or {}, restype)
+            return _declare(ctypes.CDLL(str(lib)), functions or {}, restype, errcheck)
         except (OSError, subprocess.SubprocessError) as e:
             errors.append(f"{' '.join(cc + flags)}: {str(e).strip()[-300:]}")
     log.warning("could not build %s, the CPU kernels fall back to the reference:\n%s", source, "\n".join(errors))
     return None
 
 
-def _declare(lib: ctypes.CDLL, functions: dict[str, list], restype) -> SimpleNamespace:
+def _declare(lib: ctypes.CDLL, functions: dict[str, list], restype, errcheck) -> SimpleNamespace:
     """The declared functions, each recorded when called during a CPU graph's capture (``graph.call``)."""
     out = SimpleNamespace()
     for name, argtypes in functions.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, restype
+        if errcheck is not None:
+            fn.errcheck = errcheck
         setattr(out, name, functools.partial(graph.call, fn))
     return out
 

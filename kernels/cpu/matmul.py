@@ -67,15 +67,17 @@ def _library() -> ctypes.CDLL | None:
     p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     return load("matmul.c", dict.fromkeys(_KERNELS.values(), [p] * 4 + [i64] * 3 + [i])
                 | dict.fromkeys(_PACKED_KERNELS.values(), [p, p, i, p, p] + [i64] * 3 + [i])
-                | {"dequantize_rows": [p, i, p, p, i64, i64, i]}, restype=ctypes.c_int)
+                | {"dequantize_rows": [p, i, p, p, i64, i64, i]}, restype=ctypes.c_int, errcheck=_ran)
 
 
-def _ran(status: int) -> None:
-    """matmul.c's status: 0, or out of memory (its output unwritten), or arguments it refused."""
+def _ran(status: int, func=None, args=None) -> int:
+    """matmul.c's status (its functions' ctypes ``errcheck``): 0, or out of memory (its output
+    unwritten), or arguments it refused."""
     if status == 1:
         raise MemoryError("the C linear kernel could not allocate its buffers")
     if status:
         raise ValueError(f"the C linear kernel refused its arguments (status {status})")
+    return status
 
 
 def packed_available() -> bool:
@@ -117,9 +119,9 @@ def linear_packed(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.T
     weight = weight.contiguous()  # (held: the C code reads them)
     bias = None if bias is None else bias.contiguous()
     y = torch.empty(x2.shape[0], n, dtype=x.dtype)
-    _ran(getattr(_library(), _PACKED_KERNELS[x.dtype])(
+    getattr(_library(), _PACKED_KERNELS[x.dtype])(
         x2.data_ptr(), weight.data_ptr(), FORMATS[fmt], None if bias is None else bias.data_ptr(), y.data_ptr(),
-        x2.shape[0], n, k, torch.get_num_threads()))
+        x2.shape[0], n, k, torch.get_num_threads())
     return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
 
 
@@ -134,8 +136,8 @@ def dequantize(weight: torch.Tensor, fmt: str, rows: torch.Tensor | None = None)
             raise IndexError(f"row ids must lie in [0, {weight.shape[0]})")
     count = weight.shape[0] if rows is None else rows.numel()
     out = torch.empty(count, k)
-    _ran(_library().dequantize_rows(weight.data_ptr(), FORMATS[fmt], None if rows is None else rows.data_ptr(),
-                                    out.data_ptr(), count, k, torch.get_num_threads()))
+    _library().dequantize_rows(weight.data_ptr(), FORMATS[fmt], None if rows is None else rows.data_ptr(),
+                               out.data_ptr(), count, k, torch.get_num_threads())
     return out
 
 
@@ -166,9 +168,8 @@ def linear_c(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     bias = None if bias is None else bias.contiguous()
     (m, k), n = x.shape, weight.shape[0]
     y = x.new_empty(m, n)
-    _ran(getattr(_library(), _KERNELS[x.dtype])(x.data_ptr(), weight.data_ptr(),
-                                                None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k,
-                                                torch.get_num_threads()))
+    getattr(_library(), _KERNELS[x.dtype])(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                                           y.data_ptr(), m, n, k, torch.get_num_threads())
     return y
 
 
