@@ -135,8 +135,8 @@ class DecodeGraphs:
     The graphs attend up to ``max_model_len`` (their block tables are that wide): the decode
     kernel reads a sequence's blocks only up to its length, whatever the bound. Their rows are
     the batch's own order (sequence i in row i, as the step's tokens), so that attention needs
-    no reordering of q. At capture every row is a one-token sequence on the scratch block;
-    afterwards a step fills all the rows its graph reads (its padding rows included)."""
+    no reordering of q. At a start-up capture every row is a one-token sequence on the scratch
+    block; afterwards a step fills all the rows its graph reads (its padding rows included)."""
 
     def __init__(self, model: torch.nn.Module, sizes: list[int], max_model_len: int, max_blocks: int,
                  scratch_block: int, block_size: int, hidden_size: int, dtype: torch.dtype,
