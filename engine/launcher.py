@@ -381,14 +381,16 @@ class Launcher:
     # -------------------------------------------------------------- supervision
 
     def _supervise(self) -> int:
+        gone: set[str] = set()  # engines whose exit was logged (an exit seen only here would go unsaid)
         while self._stop_signal is None:
-            live = [e for e in self.engines if e.proc.exitcode is None]
+            live = [e for e in self.engines if e.name not in gone]
             wait([e.proc.sentinel for e in live] + [f.proc.sentinel for f in self.frontends]
                  + [f.conn for f in self.frontends if f.conn is not None], timeout=0.5)
             if self._stop_signal is not None:
                 break
             for e in live:
                 if not e.alive:
+                    gone.add(e.name)
                     left = sum(x.alive for x in self.engines)
                     log.error("%s exited with code %s%s", e.name, e.proc.exitcode,
                               f"; serving on with {left} of {len(self.engines)} engines" if left else "")
