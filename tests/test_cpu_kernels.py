@@ -216,6 +216,30 @@ def test_cpu_decode_refuses_a_sequence_longer_than_its_table(compiled):
         cpu.paged_decode_attention(**args)
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("t", [1, 5])
+def test_cpu_store_kvcache_matches_reference_from_the_qkv_output(dtype, t, compiled):
+    hkv, d, h = 2, 16, 4
+    qkv = randn(t, (h + 2 * hkv) * d, dtype=dtype)  # k and v are views of the fused projection, rows apart
+    k, v = qkv[:, h * d:(h + hkv) * d].view(t, hkv, d), qkv[:, (h + hkv) * d:].view(t, hkv, d)
+    slots = torch.randperm(6 * 4)[:t]
+    kc, vc = torch.full((6, 4, hkv, d), float("nan"), dtype=dtype), torch.full((6, 4, hkv, d), float("nan"), dtype=dtype)
+    want_k, want_v = kc.clone(), vc.clone()
+    cpu.store_kvcache(k, v, kc, vc, slots)
+    ref.store_kvcache(k, v, want_k, want_v, slots)
+    assert torch.equal(kc.nan_to_num(7), want_k.nan_to_num(7)) and torch.equal(vc.nan_to_num(7), want_v.nan_to_num(7))
+    assert kc.isnan().sum() == (6 * 4 - t) * hkv * d  # nothing else written
+
+
+def test_cpu_store_kvcache_refuses_a_slot_outside_the_cache_and_stores_nothing(compiled):
+    k = randn(3, 2, 8)
+    kc, vc = torch.zeros(2, 4, 2, 8), torch.zeros(2, 4, 2, 8)
+    for bad in (8, -1):
+        with pytest.raises(ValueError, match="refused"):
+            cpu.store_kvcache(k, k, kc, vc, torch.tensor([0, 1, bad]))
+        assert not kc.any() and not vc.any()
+
+
 # ---------------------------------------------------------------- linear (kernels/cpu/matmul.c)
 
 LINEAR_SHAPES = [  # (M, N, K): N past a whole block of 6 rows, K not a multiple of 8, 1 row, many rows

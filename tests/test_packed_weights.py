@@ -21,6 +21,7 @@ from engine import loader
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 from kernels.cpu import matmul
+from kernels.cpu.build import status_check
 
 TYPES = {"q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}
 FMTS = list(TYPES)
@@ -120,11 +121,11 @@ def test_packed_linear_bf16_computes_with_the_exact_weights_at_any_row_count(com
 
 
 def test_c_status_codes_become_exceptions(compiled):
-    with pytest.raises(MemoryError):
-        matmul._ran(1)
+    with pytest.raises(MemoryError, match="the C linear kernel could not allocate"):
+        status_check("the C linear kernel")(1)
     with pytest.raises(ValueError, match="refused"):
         x, w, y = torch.randn(5, 32), packed_weight("q4_1", 6, 32), torch.empty(5, 6)
-        matmul._ran(matmul._library().linear_q_f32(x.data_ptr(), w.data_ptr(), 1, None, y.data_ptr(), 5, 6, 32, 0))
+        matmul._library().linear_q_f32(x.data_ptr(), w.data_ptr(), 1, None, y.data_ptr(), 5, 6, 32, 0)
 
 
 @pytest.mark.parametrize("fmt", FMTS)

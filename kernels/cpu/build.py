@@ -24,6 +24,7 @@ import stat
 import subprocess
 import sysconfig
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -102,6 +103,20 @@ def load(source: str, functions: dict[str, list] | None = None, restype=None,
             errors.append(f"{' '.join(cc + flags)}: {str(e).strip()[-300:]}")
     log.warning("could not build %s, the CPU kernels fall back to the reference:\n%s", source, "\n".join(errors))
     return None
+
+
+def status_check(what: str) -> Callable[..., int]:
+    """A ctypes ``errcheck`` for C functions that return a status: 0, or 1 (out of memory: nothing
+    written), or another value (arguments the function refused, which its Python caller never sends)."""
+
+    def check(status: int, func=None, args=None) -> int:
+        if status == 1:
+            raise MemoryError(f"{what} could not allocate its buffers")
+        if status:
+            raise ValueError(f"{what} refused its arguments (status {status})")
+        return status
+
+    return check
 
 
 def _declare(lib: ctypes.CDLL, functions: dict[str, list], restype, errcheck) -> SimpleNamespace:

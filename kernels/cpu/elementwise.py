@@ -78,7 +78,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _heads_rows(x: torch.Tensor) -> bool:
+def heads_rows(x: torch.Tensor) -> bool:
     """(T, heads, D) with each head's D numbers in a row and the heads of a token side by side: a
     view of the fused qkv projection's output is (its rows apart)."""
     return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
@@ -87,7 +87,7 @@ def _heads_rows(x: torch.Tensor) -> bool:
 def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     fn = _kernel("rope", cos, sin)
     t, h, d = q.shape if q.dim() == 3 else (0, 0, 0)
-    if (fn is None or not (_heads_rows(q) and _heads_rows(k)) or q.dtype != cos.dtype or k.dtype != cos.dtype
+    if (fn is None or not (heads_rows(q) and heads_rows(k)) or q.dtype != cos.dtype or k.dtype != cos.dtype
             or k.shape[0] != t or k.shape[2] != d or d % 2 or cos.shape != (t, d // 2) or sin.shape != cos.shape):
         reference.apply_rope_(q, k, cos, sin)
         return

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu import graph
-from kernels.cpu.build import load
+from kernels.cpu.build import load, status_check
 from kernels.reference import PACKED_BLOCK_BYTES
 
 log = logging.getLogger("tokenmill.kernels")
@@ -67,17 +67,8 @@ def _library() -> ctypes.CDLL | None:
     p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     return load("matmul.c", dict.fromkeys(_KERNELS.values(), [p] * 4 + [i64] * 3 + [i])
                 | dict.fromkeys(_PACKED_KERNELS.values(), [p, p, i, p, p] + [i64] * 3 + [i])
-                | {"dequantize_rows": [p, i, p, p, i64, i64, i]}, restype=ctypes.c_int, errcheck=_ran)
-
-
-def _ran(status: int, func=None, args=None) -> int:
-    """matmul.c's status (its functions' ctypes ``errcheck``): 0, or out of memory (its output
-    unwritten), or arguments it refused."""
-    if status == 1:
-        raise MemoryError("the C linear kernel could not allocate its buffers")
-    if status:
-        raise ValueError(f"the C linear kernel refused its arguments (status {status})")
-    return status
+                | {"dequantize_rows": [p, i, p, p, i64, i64, i]}, restype=ctypes.c_int,
+                errcheck=status_check("the C linear kernel"))
 
 
 def packed_available() -> bool:

@@ -13,6 +13,12 @@
  * accumulators in registers (head sizes 64 and 128 are compiled as constants), the next block
  * prefetched while one computes, an online softmax across blocks: nothing the size of the
  * context is ever written. A head's result does not depend on how the work was split.
+ *
+ * store_kv writes a step's new K and V rows into their slots: the twin of
+ * kernels.reference.store_kvcache (two index_copy_ at ~20 us each per layer were a tenth of a
+ * one-stream decode step).
+ *
+ * Each function returns 0, or BAD_ARGUMENTS (nothing written) for what attention.py never sends.
  */
 #include <math.h>
 #include <stdint.h>
@@ -24,6 +30,8 @@ typedef struct {
     int64_t H, HKV, D, BS, W;
     float scale;
 } Dims;
+
+enum { OK, BAD_ARGUMENTS = 2 }; /* as matmul.c numbers them */
 
 #define MAX_D 256  /* head sizes up to this, multiples of 8 */
 #define MAX_BS 256 /* tokens per block up to this */
@@ -129,9 +137,9 @@ static void attend_one(const void *q, const void *k_cache, const void *v_cache, 
         }
 }
 
-static void attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *block_tables,
-                   const int64_t *seq_lens, void *out, int64_t B, const Dims *dm, int num_threads, int bf16) {
-    if (dm->D % 8 || dm->D > MAX_D || dm->BS > MAX_BS) return; /* attention.py sends no such call */
+static int attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *block_tables,
+                  const int64_t *seq_lens, void *out, int64_t B, const Dims *dm, int num_threads, int bf16) {
+    if (dm->D % 8 || dm->D > MAX_D || dm->BS > MAX_BS) return BAD_ARGUMENTS;
     const int64_t parts = B < num_threads ? dm->HKV : 1, items = B * parts;
     const int threads = items < num_threads ? (int)items : num_threads; /* never wake a thread with nothing to do */
     (void)threads;  /* without OpenMP: one thread */
@@ -140,15 +148,29 @@ static void attend(const void *q, const void *k_cache, const void *v_cache, cons
         const int64_t b = i / parts, kv0 = parts == 1 ? 0 : i % parts, kv1 = parts == 1 ? dm->HKV : kv0 + 1;
         attend_one(q, k_cache, v_cache, block_tables + b * dm->W, seq_lens[b], b, kv0, kv1, dm, out, bf16);
     }
+    return OK;
 }
 
-void paged_decode_f32(const float *q, const float *k_cache, const float *v_cache, const int64_t *block_tables,
-                      const int64_t *seq_lens, float *out, int64_t B, const Dims *dm, int num_threads) {
-    attend(q, k_cache, v_cache, block_tables, seq_lens, out, B, dm, num_threads, 0);
+int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache, const int64_t *block_tables,
+                     const int64_t *seq_lens, float *out, int64_t B, const Dims *dm, int num_threads) {
+    return attend(q, k_cache, v_cache, block_tables, seq_lens, out, B, dm, num_threads, 0);
 }
 
-void paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
-                       const int64_t *block_tables, const int64_t *seq_lens, uint16_t *out, int64_t B,
-                       const Dims *dm, int num_threads) {
-    attend(q, k_cache, v_cache, block_tables, seq_lens, out, B, dm, num_threads, 1);
+int paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                      const int64_t *block_tables, const int64_t *seq_lens, uint16_t *out, int64_t B,
+                      const Dims *dm, int num_threads) {
+    return attend(q, k_cache, v_cache, block_tables, seq_lens, out, B, dm, num_threads, 1);
+}
+
+/* Token t's K row (row_bytes: its HKV heads side by side) from k + t * k_stride into slot slots[t] of
+   k_cache (slots of row_bytes each, num_slots of them), V likewise: every slot checked first. */
+int store_kv(const char *k, int64_t k_stride, const char *v, int64_t v_stride, char *k_cache, char *v_cache,
+             const int64_t *slots, int64_t T, int64_t row_bytes, int64_t num_slots) {
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] < 0 || slots[t] >= num_slots) return BAD_ARGUMENTS;
+    for (int64_t t = 0; t < T; t++) {
+        memcpy(k_cache + slots[t] * row_bytes, k + t * k_stride, (size_t)row_bytes);
+        memcpy(v_cache + slots[t] * row_bytes, v + t * v_stride, (size_t)row_bytes);
+    }
+    return OK;
 }
