@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "exp8.h"
 
 /* value i of a row, as a float */
 static inline float ld(const void *p, int64_t i, int bf16) {
@@ -84,36 +85,6 @@ static void rope(void *q, int64_t q_stride, int64_t H, void *k, int64_t k_stride
         rotate(q, q_stride, H, D, cos, sin, t, bf16);
         rotate(k, k_stride, HKV, D, cos, sin, t, bf16);
     }
-}
-
-typedef float v8f __attribute__((vector_size(32)));
-typedef float v8f_u __attribute__((vector_size(32), aligned(4)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-
-/* exp of 8 floats, within 2 ulp of expf (Cephes' expf: a Cody-Waite reduction by ln 2, a degree-6
-   polynomial, the exponent put back in the bits); arguments clamped to +-88.37, where expf is finite. */
-static inline v8f select8(v8i mask, v8f a, v8f b) { return (v8f)(((v8i)a & mask) | ((v8i)b & ~mask)); }
-
-static inline v8f exp8(v8f x) {
-    const v8f hi = (v8f){0} + 88.3762626647949f, lo = -hi;
-    x = select8(x > hi, hi, x);
-    x = select8(x < lo, lo, x);
-    v8f n = x * 1.44269504088896341f;
-    const v8f half = (v8f)(((v8i)n & (int32_t)0x80000000) | (v8i)((v8f){0} + 0.5f)); /* 0.5 with n's sign */
-    n = __builtin_convertvector(__builtin_convertvector(n + half, v8i), v8f); /* n rounded to nearest */
-    x = x - n * 0.693359375f;
-    x = x + n * 2.12194440e-4f;
-    v8f y = (v8f){0} + 1.9875691500E-4f;
-    y = y * x + 1.3981999507E-3f;
-    y = y * x + 8.3334519073E-3f;
-    y = y * x + 4.1665795894E-2f;
-    y = y * x + 1.6666665459E-1f;
-    y = y * x + 5.0000001201E-1f;
-    y = y * (x * x) + x + 1.0f;
-    const v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23; /* 2^n: n in [-127, 128] after the clamp */
-    v8f scale;
-    memcpy(&scale, &bits, 32);
-    return y * scale;
 }
 
 /* x (T, 2I) = gate | up -> out (T, I) = silu(gate) * up. fp32 rows 8 at a time (exp8: a scalar expf
