@@ -33,6 +33,7 @@ from itertools import combinations
 
 _KNOWN = 1e-3  # the prompt-step weight below which c counts as unknown (~340 steps after the last one)
 OUTLIER = 4.0  # a step counts as at most this many times the fit's prediction
+REFIT = 8  # steps between the fits that clip outliers (a fit is ~0.3 ms of Python: most of a one-stream step's host work)
 _MODELS = [keep for k in (3, 2, 1) for keep in combinations(range(3), k)]  # which of (a, b, c) are free
 
 
@@ -50,6 +51,8 @@ class PrefillCap:
         self._prompt_weight = 0.0  # ... of steps that carried prompt tokens (c is known only from them)
         self._steps = 0
         self._fit: tuple[float, float, float] | None = None
+        self._clip: tuple[float, float, float] | None = None  # the fit outliers are clipped by, and when it was made
+        self._clip_step = 0
 
     def value(self, rows: int) -> int:
         """The cap for a step whose batch, once the waiting requests join, holds ``rows`` decodes."""
@@ -66,13 +69,16 @@ class PrefillCap:
     def observe(self, num_decodes: int, num_prompt_tokens: int, seconds: float) -> None:
         """One step's make-up (decode rows, prompt tokens) and how long it took. A step far slower than
         the fit predicts (a pause, a first call compiling something) counts as ``OUTLIER`` times the
-        prediction, so that one such step cannot swing the cap for the next fifty."""
+        prediction (of a fit up to ``REFIT`` steps old), so that one such step cannot swing the cap for
+        the next fifty."""
         self._steps += 1
         if self._steps == 1 or not math.isfinite(seconds) or seconds < 0:
             return  # the first step pays one-time costs (allocations, kernels built on first use)
         x = (1.0, float(num_decodes), float(num_prompt_tokens))
         if self._prompt_weight > _KNOWN:
-            a, b, c = self.fit()
+            if self._clip is None or self._steps - self._clip_step >= REFIT:
+                self._clip, self._clip_step = self.fit(), self._steps
+            a, b, c = self._clip
             predicted = a + b * x[1] + c * x[2]
             if predicted > 0:
                 seconds = min(seconds, OUTLIER * predicted)

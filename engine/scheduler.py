@@ -155,7 +155,9 @@ class Scheduler:
                     and batch.num_tokens < self.max_num_batched_tokens and self._allocate_running(req, 1, batch)):
                 self._add(batch, req, 1, decode=True)
         budget = self.max_num_batched_tokens - batch.num_tokens
-        if batch.num_decodes:  # the batch being filled: every running and waiting request, as far as seqs allow
+        # the batch being filled: every running and waiting request, as far as seqs allow (when prompt tokens
+        # could join at all: fitting the cap is most of a one-stream step's scheduling)
+        if batch.num_decodes and (self.waiting or batch.num_decodes < len(self.running)):
             joining = min(1, len(self.waiting)) if self.one_at_a_time else len(self.waiting)
             rows = min(self.max_num_seqs, len(self.running) + joining)
             budget = min(budget, self.prefill_cap.value(rows))

@@ -60,6 +60,25 @@ def test_block_tables_write_only_what_grew():
     assert t.update([a]) == ([0], [0, 1, 2], [3, 4, 5])  # a came back: b's row, whole
 
 
+class _General(list):
+    """Query lengths that ``StepIndex.build`` cannot tell are all 1: its general path runs."""
+
+    def count(self, value) -> int:
+        return -1
+
+
+@pytest.mark.parametrize("computed", [[5], [7, 3, 3, 9, 0], [9, 7, 3, 3], [2, 2, 2]])
+def test_a_decode_only_step_index_is_the_general_ones(computed):
+    rows = list(range(10, 10 + len(computed)))[::-1]
+    fast = StepIndex.build([1] * len(computed), computed, rows)
+    general = StepIndex.build(_General([1] * len(computed)), computed, rows)
+    assert fast.tensors.keys() == general.tensors.keys()
+    for name, t in general.tensors.items():
+        assert torch.equal(fast.tensors[name], t), name
+    for field in ("max_decode_len", "max_prefill_len", "max_query_len", "mixed", "decode_in_order"):
+        assert getattr(fast, field) == getattr(general, field), field
+
+
 def test_persistent_tables_give_the_list_built_metadata():
     bs = 4
     query_lens, computed = [1, 5, 1, 3], [6, 0, 10, 2]
