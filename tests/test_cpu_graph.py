@@ -13,6 +13,7 @@ import torch
 import engine.model_runner as model_runner
 from engine import LLM, SamplingParams
 from kernels import cpu
+from kernels import reference as kernels_ref
 from kernels.cpu import graph
 from tests.conftest import make_tiny_model
 from tests.test_model_runner import prompts
@@ -45,6 +46,34 @@ def test_a_recording_replays_c_calls_and_torch_operators_on_new_data():
     forward()  # eagerly, on the same new data
     assert torch.equal(got_y, out["y"]) and torch.equal(got_cache, cache)
     assert got_cache[[1, 7, 3]].abs().sum() > 0 and not graph.recording()
+
+
+@needs_c
+def test_a_run_of_c_calls_is_replayed_from_c_and_a_failing_one_raises_its_own_error():
+    """Consecutive C calls replay as one call into graph.c, with the packed arguments (a float among
+    them), and a status that is not 0 raises what the failing kernel's own check says."""
+    torch.manual_seed(0)
+    x, w, slots = torch.randn(2, 16), torch.randn(16), torch.tensor([0, 3])
+    kc, vc = torch.zeros(4, 1, 2, 8), torch.zeros(4, 1, 2, 8)
+    out = {}
+
+    def forward():
+        h = cpu.rms_norm(x, w, 1e-3)
+        cpu.store_kvcache(h.view(2, 2, 8), h.view(2, 2, 8), kc, vc, slots)
+        out["y"] = cpu.silu_and_mul(h)
+
+    replay = graph.capture()(forward)
+    assert graph._executor() is not None
+    x.copy_(torch.randn(2, 16))
+    replay()
+    plan = replay.__self__._plan
+    assert len(plan) == 1 and isinstance(plan[0], graph._Run) and len(plan[0].calls) == 3
+    h = kernels_ref.rms_norm(x, w, 1e-3)
+    torch.testing.assert_close(out["y"], kernels_ref.silu_and_mul(h), rtol=1e-6, atol=1e-6)
+    assert torch.equal(kc[3, 0].flatten(), h[1])
+    slots[1] = 4  # past the cache: store_kv refuses it
+    with pytest.raises(ValueError, match="the C attention kernel refused"):
+        replay()
 
 
 @needs_c

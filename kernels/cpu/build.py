@@ -120,14 +120,17 @@ def status_check(what: str) -> Callable[..., int]:
 
 
 def _declare(lib: ctypes.CDLL, functions: dict[str, list], restype, errcheck) -> SimpleNamespace:
-    """The declared functions, each recorded when called during a CPU graph's capture (``graph.call``)."""
+    """The declared functions, each recorded when called during a CPU graph's capture (``graph.call``),
+    with its packed twin (``NAME_packed``, see packed.h) where the library has one."""
     out = SimpleNamespace()
     for name, argtypes in functions.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, restype
         if errcheck is not None:
             fn.errcheck = errcheck
-        setattr(out, name, functools.partial(graph.call, fn))
+        packed = getattr(lib, f"{name}_packed", None)
+        kernel = graph.Kernel(fn, None if packed is None else ctypes.cast(packed, ctypes.c_void_p).value)
+        setattr(out, name, functools.partial(graph.call, kernel))
     return out
 
 

@@ -20,6 +20,7 @@
 
 #include "bf16.h"
 #include "exp8.h"
+#include "packed.h"
 
 /* value i of a row, as a float */
 static inline float ld(const void *p, int64_t i, int bf16) {
@@ -140,3 +141,25 @@ void silu_and_mul_f32(const void *x, void *out, int64_t T, int64_t I, int num_th
 void silu_and_mul_bf16(const void *x, void *out, int64_t T, int64_t I, int num_threads) {
     silu_and_mul(x, out, T, I, num_threads, 1);
 }
+
+#define RMS_NORM_PACKED(name) \
+    int name##_packed(const int64_t *a) { \
+        name(PTR(0), PTR(1), PTR(2), PTR(3), PTR(4), a[5], a[6], packed_float(a[7]), (int)a[8]); \
+        return 0; \
+    }
+#define ROPE_PACKED(name) \
+    int name##_packed(const int64_t *a) { \
+        name(PTR(0), a[1], a[2], PTR(3), a[4], a[5], a[6], PTR(7), PTR(8), a[9], (int)a[10]); \
+        return 0; \
+    }
+#define SILU_PACKED(name) \
+    int name##_packed(const int64_t *a) { \
+        name(PTR(0), PTR(1), a[2], a[3], (int)a[4]); \
+        return 0; \
+    }
+RMS_NORM_PACKED(rms_norm_f32)
+RMS_NORM_PACKED(rms_norm_bf16)
+ROPE_PACKED(rope_f32)
+ROPE_PACKED(rope_bf16)
+SILU_PACKED(silu_and_mul_f32)
+SILU_PACKED(silu_and_mul_bf16)

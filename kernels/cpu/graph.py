@@ -6,7 +6,8 @@ Python around them (modules, dispatch, argument checks, allocations) cost about 
 the arithmetic. A recording keeps each call with its arguments (pointers included) and every
 tensor the forward made, so the pointers stay valid; replaying it calls the same C functions
 on the same memory and re-runs the torch operators (in place where they wrote in place, else
-into the tensor they returned at recording). Its inputs are static tensors the caller refills
+into the tensor they returned at recording). A run of C calls between two torch operators is
+replayed by one call into ``graph.c``, which calls each kernel's packed twin from C. Its inputs are static tensors the caller refills
 before each replay, as for a CUDA graph (``engine.step_buffers.DecodeGraphs``).
 
 Every C function ``kernels.cpu.build.load`` declares is called through ``call``, so a kernel
@@ -26,9 +27,12 @@ meanwhile are theirs alone.
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import struct
 import threading
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -42,6 +46,66 @@ class NotReplayable(RuntimeError):
     """The forward did something a replay could not repeat."""
 
 
+class Kernel(NamedTuple):
+    """A C function of ``kernels.cpu``, as ``build.load`` declares it."""
+
+    fn: Callable[..., object]  # the ctypes function (its errcheck checks its status)
+    packed: int | None  # the address of its packed twin (packed.h), or None
+
+
+class _Call:
+    """A recorded C call: its kernel and arguments, and those packed as its packed twin reads them."""
+
+    __slots__ = ("kernel", "args", "packed")
+
+    def __init__(self, kernel: Kernel, args: tuple) -> None:
+        self.kernel, self.args = kernel, args  # (the arguments kept: a struct passed by reference lives on)
+        self.packed = None if kernel.packed is None else (ctypes.c_int64 * len(args))(
+            *(_packed_value(t, a) for t, a in zip(kernel.fn.argtypes, args, strict=True)))
+
+    def __call__(self) -> None:
+        self.kernel.fn(*self.args)
+
+
+def _packed_value(argtype, value) -> int:
+    if argtype is ctypes.c_float:
+        return struct.unpack("<i", struct.pack("<f", value))[0]
+    if value is None or isinstance(value, int):
+        return value or 0
+    return ctypes.cast(value, ctypes.c_void_p).value or 0  # a pointer, or a struct passed by reference
+
+
+class _Run:
+    """Consecutive recorded C calls, replayed by one call into graph.c."""
+
+    def __init__(self, calls: list[_Call]) -> None:
+        self.calls = calls
+        self.fns = (ctypes.c_void_p * len(calls))(*(c.kernel.packed for c in calls))
+        self.argv = (ctypes.c_void_p * len(calls))(*(ctypes.addressof(c.packed) for c in calls))
+        self.failed = ctypes.c_int64(0)
+
+    def __call__(self) -> None:
+        status = _executor()(len(self.calls), self.fns, self.argv, ctypes.byref(self.failed))
+        if status:  # the failing call's own check says what went wrong
+            call = self.calls[self.failed.value]
+            check = getattr(call.kernel.fn, "errcheck", None)
+            if check is not None:
+                check(status, call.kernel.fn, call.args)
+            raise RuntimeError(f"a replayed C kernel returned status {status}")
+
+
+@functools.cache
+def _executor() -> Callable[..., int] | None:
+    """graph.c's ``replay_calls``, or None where it cannot be built (each call is then made from here)."""
+    from kernels.cpu.build import load  # (build declares its functions through this module)
+
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib = load("graph.c", {"replay_calls": [i64, p, p, p]}, restype=ctypes.c_int)
+    if lib is None:
+        return None
+    return lib.replay_calls.args[0].fn  # the ctypes function itself: a replay is never recorded
+
+
 class Recording(TorchDispatchMode):
     """While active (``with`` it, and on ``_active``), records the C calls and the torch operators run."""
 
@@ -49,6 +113,7 @@ class Recording(TorchDispatchMode):
         super().__init__()
         self.steps: list[Callable[[], object]] = []
         self.held: list[object] = []  # every operator's tensors, which the steps' pointers may point into
+        self._plan: list[Callable[[], object]] | None = None  # the steps, runs of C calls made one (``_Run``)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -66,8 +131,27 @@ class Recording(TorchDispatchMode):
         return out
 
     def replay(self) -> None:
-        for step in self.steps:  # (a C function's status is checked by its own ``errcheck``, see build.load)
+        if self._plan is None:
+            self._plan = _plan(self.steps)
+        for step in self._plan:  # (a C function's status is checked by its own ``errcheck``, see build.load)
             step()
+
+
+def _plan(steps: list[Callable[[], object]]) -> list[Callable[[], object]]:
+    """The steps, each run of C calls with packed twins made one ``_Run`` (where graph.c builds)."""
+    if _executor() is None:
+        return steps
+    plan, run = [], []
+    for step in [*steps, None]:
+        if isinstance(step, _Call) and step.packed is not None:
+            run.append(step)
+            continue
+        if run:
+            plan.append(_Run(run) if len(run) > 1 else run[0])
+            run = []
+        if step is not None:
+            plan.append(step)
+    return plan
 
 
 class _Active(threading.local):
@@ -110,11 +194,11 @@ def recording() -> bool:
     return bool(_active.recordings)
 
 
-def call(fn: Callable[..., object], *args: object) -> object:
-    """``fn(*args)`` (a C function), kept for the replay when recording."""
-    result = fn(*args)
+def call(kernel: Kernel, *args: object) -> object:
+    """``kernel.fn(*args)``, kept for the replay when recording."""
+    result = kernel.fn(*args)
     if _active.recordings:
-        _active.recordings[-1].steps.append(functools.partial(fn, *args))  # (which keeps the arguments)
+        _active.recordings[-1].steps.append(_Call(kernel, args))
     return result
 
 

@@ -31,6 +31,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "packed.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -490,3 +491,13 @@ int dequantize_rows(const uint8_t *w, int fmt, const int64_t *ids, float *out, i
     for (int64_t r = 0; r < rows; r++) expand(w + (ids ? ids[r] : r) * row_bytes, fmt, out + r * K, 1, K);
     return OK;
 }
+
+int linear_f32_packed(const int64_t *a) { return linear_f32(PTR(0), PTR(1), PTR(2), PTR(3), a[4], a[5], a[6], (int)a[7]); }
+int linear_bf16_packed(const int64_t *a) { return linear_bf16(PTR(0), PTR(1), PTR(2), PTR(3), a[4], a[5], a[6], (int)a[7]); }
+int linear_q_f32_packed(const int64_t *a) {
+    return linear_q_f32(PTR(0), PTR(1), (int)a[2], PTR(3), PTR(4), a[5], a[6], a[7], (int)a[8]);
+}
+int linear_q_bf16_packed(const int64_t *a) {
+    return linear_q_bf16(PTR(0), PTR(1), (int)a[2], PTR(3), PTR(4), a[5], a[6], a[7], (int)a[8]);
+}
+int dequantize_rows_packed(const int64_t *a) { return dequantize_rows(PTR(0), (int)a[1], PTR(2), PTR(3), a[4], a[5], (int)a[6]); }

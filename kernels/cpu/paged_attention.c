@@ -26,6 +26,7 @@
 
 #include "bf16.h"
 #include "exp8.h"
+#include "packed.h"
 
 typedef struct {
     int64_t H, HKV, D, BS, W;
@@ -174,3 +175,7 @@ int store_kv(const char *k, int64_t k_stride, const char *v, int64_t v_stride, c
     }
     return OK;
 }
+
+int paged_decode_f32_packed(const int64_t *a) { return paged_decode_f32(PTR(0), PTR(1), PTR(2), PTR(3), PTR(4), PTR(5), a[6], PTR(7), (int)a[8]); }
+int paged_decode_bf16_packed(const int64_t *a) { return paged_decode_bf16(PTR(0), PTR(1), PTR(2), PTR(3), PTR(4), PTR(5), a[6], PTR(7), (int)a[8]); }
+int store_kv_packed(const int64_t *a) { return store_kv(PTR(0), a[1], PTR(2), a[3], PTR(4), PTR(5), PTR(6), a[7], a[8], a[9]); }
