@@ -60,7 +60,7 @@ def decodes_in_c(head_dim: int, block_size: int) -> bool:
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
     """As ``kernels.reference.store_kvcache``: k, v (T, Hkv, D) into the slots (T,) of the caches. A slot
-    outside the caches is a ValueError, with nothing stored."""
+    outside the caches is an IndexError (as the reference's), with nothing stored."""
     t, hkv, d = k.shape if k.dim() == 3 else (0, 0, 0)
     lib = _library()
     if (lib is None or not (k.is_cpu and v.is_cpu and k_cache.is_cpu and v_cache.is_cpu and slot_mapping.is_cpu)
@@ -71,6 +71,7 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
         reference.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
         return
     size = k.element_size()
+    graph.hold(k_cache, v_cache)  # a replay writes into them: a recording keeps them alive
     lib.store_kv(k.data_ptr(), k.stride(0) * size, v.data_ptr(), v.stride(0) * size, k_cache.data_ptr(),
                  v_cache.data_ptr(), slot_mapping.data_ptr(), t, hkv * d * size, k_cache.numel() // (hkv * d))
 

@@ -106,12 +106,15 @@ def load(source: str, functions: dict[str, list] | None = None, restype=None,
 
 
 def status_check(what: str) -> Callable[..., int]:
-    """A ctypes ``errcheck`` for C functions that return a status: 0, or 1 (out of memory: nothing
-    written), or another value (arguments the function refused, which its Python caller never sends)."""
+    """A ctypes ``errcheck`` for C functions that return a status: 0, or 1 (out of memory), or 3 (an index
+    given in a tensor, e.g. a K/V slot, outside what it indexes), or another value (arguments the function
+    refused, which its Python caller never sends); nothing is written unless 0."""
 
     def check(status: int, func=None, args=None) -> int:
         if status == 1:
             raise MemoryError(f"{what} could not allocate its buffers")
+        if status == 3:
+            raise IndexError(f"{what} was given an index out of range (a slot past the KV cache)")
         if status:
             raise ValueError(f"{what} refused its arguments (status {status})")
         return status

@@ -72,7 +72,11 @@ def _packed_value(argtype, value) -> int:
         return struct.unpack("<i", struct.pack("<f", value))[0]
     if value is None or isinstance(value, int):
         return value or 0
-    return ctypes.cast(value, ctypes.c_void_p).value or 0  # a pointer, or a struct passed by reference
+    try:
+        return ctypes.cast(value, ctypes.c_void_p).value or 0  # a pointer, or a struct passed by reference
+    except ctypes.ArgumentError:
+        raise TypeError(f"a recorded C call's argument {value!r} cannot be packed: pass ints, None, pointers "
+                        "or byref()") from None
 
 
 class _Run:
@@ -192,6 +196,12 @@ def _refill(out, func, args, kwargs) -> None:
 def recording() -> bool:
     """Whether this thread is recording a forward (kernels then skip host reads of tensor contents)."""
     return bool(_active.recordings)
+
+
+def hold(*tensors: torch.Tensor) -> None:
+    """Keep these alive as long as the recording under way (a C call it keeps points into them)."""
+    if _active.recordings:
+        _active.recordings[-1].held.append(tensors)
 
 
 def call(kernel: Kernel, *args: object) -> object:

@@ -18,7 +18,8 @@
  * kernels.reference.store_kvcache (two index_copy_ at ~20 us each per layer were a tenth of a
  * one-stream decode step).
  *
- * Each function returns 0, or BAD_ARGUMENTS (nothing written) for what attention.py never sends.
+ * Each function returns 0, or BAD_ARGUMENTS (nothing written) for what attention.py never sends;
+ * store_kv returns OUT_OF_RANGE (nothing written) for a slot outside the cache.
  */
 #include <math.h>
 #include <stdint.h>
@@ -33,7 +34,7 @@ typedef struct {
     float scale;
 } Dims;
 
-enum { OK, BAD_ARGUMENTS = 2 }; /* as matmul.c numbers them */
+enum { OK, BAD_ARGUMENTS = 2, OUT_OF_RANGE = 3 }; /* as build.status_check reads them */
 
 #define MAX_D 256  /* head sizes up to this, multiples of 8 */
 #define MAX_BS 256 /* tokens per block up to this */
@@ -93,6 +94,7 @@ static inline __attribute__((always_inline)) void attend_head(const void *q, con
         }
         /* m is finite from the first block on (it holds key 0): no exp(-inf + inf) */
         const float corr = expf(m - mx);
+        for (int64_t t = n; t % 8; t++) s[t] = 0.f; /* the last 8's tail, read and never used */
         for (int64_t t = 0; t < n; t += 8) /* exp8 (within 2 ulp of expf): a scalar expf per score was ~40% of this */
             *(v8f_u *)(s + t) = exp8(*(const v8f_u *)(s + t) - mx);
         float sum = l * corr;
@@ -168,7 +170,7 @@ int paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t
 int store_kv(const char *k, int64_t k_stride, const char *v, int64_t v_stride, char *k_cache, char *v_cache,
              const int64_t *slots, int64_t T, int64_t row_bytes, int64_t num_slots) {
     for (int64_t t = 0; t < T; t++)
-        if (slots[t] < 0 || slots[t] >= num_slots) return BAD_ARGUMENTS;
+        if (slots[t] < 0 || slots[t] >= num_slots) return OUT_OF_RANGE;
     for (int64_t t = 0; t < T; t++) {
         memcpy(k_cache + slots[t] * row_bytes, k + t * k_stride, (size_t)row_bytes);
         memcpy(v_cache + slots[t] * row_bytes, v + t * v_stride, (size_t)row_bytes);
