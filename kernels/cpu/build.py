@@ -106,9 +106,9 @@ def load(source: str, functions: dict[str, list] | None = None, restype=None,
 
 
 def status_check(what: str) -> Callable[..., int]:
-    """A ctypes ``errcheck`` for C functions that return a status: 0, or 1 (out of memory), or 3 (an index
-    given in a tensor, e.g. a K/V slot, outside what it indexes), or another value (arguments the function
-    refused, which its Python caller never sends); nothing is written unless 0."""
+    """A ctypes ``errcheck`` for C functions that return a status (packed.h's codes): 0, or 1 (out of
+    memory), or 3 (an index given in a tensor, e.g. a K/V slot, outside what it indexes), or another value
+    (arguments the function refused, which its Python caller never sends); nothing is written unless 0."""
 
     def check(status: int, func=None, args=None) -> int:
         if status == 1:

@@ -87,9 +87,10 @@ class _Run:
         self.fns = (ctypes.c_void_p * len(calls))(*(c.kernel.packed for c in calls))
         self.argv = (ctypes.c_void_p * len(calls))(*(ctypes.addressof(c.packed) for c in calls))
         self.failed = ctypes.c_int64(0)
+        self.execute = _executor()
 
     def __call__(self) -> None:
-        status = _executor()(len(self.calls), self.fns, self.argv, ctypes.byref(self.failed))
+        status = self.execute(len(self.calls), self.fns, self.argv, ctypes.byref(self.failed))
         if status:  # the failing call's own check says what went wrong
             call = self.calls[self.failed.value]
             check = getattr(call.kernel.fn, "errcheck", None)

@@ -198,9 +198,8 @@ static float *widened(const void *x, int64_t n, int bf16) {
     return wide;
 }
 
-/* The exported functions return 0, or OUT_OF_MEMORY (y unwritten), or BAD_ARGUMENTS (which matmul.py never
-   passes). */
-enum { OK, OUT_OF_MEMORY, BAD_ARGUMENTS }; /* as build.status_check reads them */
+/* The exported functions return OK, or OUT_OF_MEMORY (y unwritten), or BAD_ARGUMENTS (which matmul.py never
+   passes): packed.h's codes. */
 
 static int linear(const void *x, const void *w, const void *b, void *y, int64_t M, int64_t N, int64_t K,
                   int num_threads, int bf16) {

@@ -18,8 +18,8 @@
  * kernels.reference.store_kvcache (two index_copy_ at ~20 us each per layer were a tenth of a
  * one-stream decode step).
  *
- * Each function returns 0, or BAD_ARGUMENTS (nothing written) for what attention.py never sends;
- * store_kv returns OUT_OF_RANGE (nothing written) for a slot outside the cache.
+ * Each function returns OK, or BAD_ARGUMENTS for what attention.py never sends; store_kv returns
+ * OUT_OF_RANGE for a slot outside the cache (packed.h's codes; nothing written unless OK).
  */
 #include <math.h>
 #include <stdint.h>
@@ -34,11 +34,8 @@ typedef struct {
     float scale;
 } Dims;
 
-enum { OK, BAD_ARGUMENTS = 2, OUT_OF_RANGE = 3 }; /* as build.status_check reads them */
-
 #define MAX_D 256  /* head sizes up to this, multiples of 8 */
 #define MAX_BS 256 /* tokens per block up to this */
-
 
 /* sum(a[d] * b[d]): 8 lanes at a time (one AVX register, or two SSE/NEON ones), in two chains
    so that one FMA need not wait for the last, summed as a tree. D is a multiple of 8. */
@@ -125,18 +122,19 @@ static void attend_one(const void *q, const void *k_cache, const void *v_cache, 
     const int64_t G = dm->H / dm->HKV;
     for (int64_t kv = kv0; kv < kv1; kv++)
         for (int64_t h = kv * G; h < (kv + 1) * G; h++) {
+            const int first = h == kv * G;
             if (dm->D == 64 && !bf16)
-                attend_head(q, k_cache, v_cache, table, len, b, h, kv, dm, out, 64, 0, h == kv * G);
+                attend_head(q, k_cache, v_cache, table, len, b, h, kv, dm, out, 64, 0, first);
             else if (dm->D == 64)
-                attend_head(q, k_cache, v_cache, table, len, b, h, kv, dm, out, 64, 1, h == kv * G);
+                attend_head(q, k_cache, v_cache, table, len, b, h, kv, dm, out, 64, 1, first);
             else if (dm->D == 128 && !bf16)
-                attend_head(q, k_cache, v_cache, table, len, b, h, kv, dm, out, 128, 0, h == kv * G);
+                attend_head(q, k_cache, v_cache, table, len, b, h, kv, dm, out, 128, 0, first);
             else if (dm->D == 128)
-                attend_head(q, k_cache, v_cache, table, len, b, h, kv, dm, out, 128, 1, h == kv * G);
+                attend_head(q, k_cache, v_cache, table, len, b, h, kv, dm, out, 128, 1, first);
             else if (!bf16)
-                attend_head(q, k_cache, v_cache, table, len, b, h, kv, dm, out, dm->D, 0, h == kv * G);
+                attend_head(q, k_cache, v_cache, table, len, b, h, kv, dm, out, dm->D, 0, first);
             else
-                attend_head(q, k_cache, v_cache, table, len, b, h, kv, dm, out, dm->D, 1, h == kv * G);
+                attend_head(q, k_cache, v_cache, table, len, b, h, kv, dm, out, dm->D, 1, first);
         }
 }
 
