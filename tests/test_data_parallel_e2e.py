@@ -43,17 +43,22 @@ def get_json(url: str) -> tuple[int, dict]:
         conn.close()
 
 
-def open_stream(url: str, prompt: str, max_tokens: int) -> http.client.HTTPConnection:
-    """A streaming completion whose first event has arrived (so the engine is running it)."""
+def open_streams(url: str, prompts: list[str], max_tokens: int) -> list[http.client.HTTPConnection]:
+    """Streaming completions whose first events have arrived (so the engines are running them), all sent
+    before any is read: on a fast engine the first could end while later ones are still being opened."""
     host, port = url.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=60)
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True}
-    conn.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
-    r = conn.getresponse()
-    assert r.status == 200
-    assert r.read1(65536).startswith(b"data:")
-    return conn
+    conns = []
+    for prompt in prompts:
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        conn.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
+        conns.append(conn)
+    for conn in conns:
+        r = conn.getresponse()
+        assert r.status == 200
+        assert r.read1(65536).startswith(b"data:")
+    return conns
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +76,7 @@ def test_dp2_two_frontends_spread_concurrent_requests_over_both_engines(dp_serve
     assert status == 200 and health["status"] == "ok"
     assert [e["status"] for e in health["engines"]] == ["ok", "ok"]
     # long streams (900 tokens, the first one read): both engines must be running some while they last
-    streams = [open_stream(s.url, f"Request number {i} says", 900) for i in range(6)]
+    streams = open_streams(s.url, [f"Request number {i} says" for i in range(6)], 900)
     try:
         load = [st.num_running + st.num_waiting
                 for st in (s.engine_stats("engine.sock"), s.engine_stats("engine-1.sock"))]
