@@ -1,7 +1,8 @@
 """Load a model: a Hugging Face folder (config.json + *.safetensors, sharded or
-not) or a single GGUF file (config from its metadata; tensors dequantized with
-the ``gguf`` package, or on the CPU kept packed where ``kernels.cpu`` multiplies
-their blocks as they are: see ``_gguf_packing``).
+not; AWQ and GPTQ int4 ones kept packed, ``engine/quant.py``) or a single GGUF file
+(config from its metadata; tensors dequantized with the ``gguf`` package, or on the
+CPU kept packed where ``kernels.cpu`` multiplies their blocks as they are: see
+``_gguf_packing``).
 
 Both sources become one stream of ``(hf_name, tensor)`` pairs in Hugging Face
 naming, which ``load_weights`` routes into the fused layers.
@@ -21,7 +22,8 @@ import numpy as np
 import torch
 
 import kernels
-from engine.models.config import ModelConfig
+from engine import quant
+from engine.models.config import ModelConfig, QuantConfig
 from engine.models.layers import RowLinear
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel import TPGroup
@@ -54,6 +56,9 @@ def build_model(path: str, cfg: ModelConfig, max_positions: int, dtype: torch.dt
         weights = _gguf_weights(path, cfg, _gguf_packing(path, model, device, tp))
     else:
         weights = _safetensors_weights(path)
+        if cfg.quant is not None:
+            names = _safetensors_names(path)
+            weights = quant.weights(weights, cfg.quant, names, _quant_packing(model, cfg.quant, names))
     load_weights(model, weights)
     return model.eval()
 
@@ -128,16 +133,54 @@ def _expected_names(cfg: ModelConfig) -> set[str]:
     return names
 
 
-def _safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-
+def _safetensors_files(path: str) -> list[str]:
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors files (other checkpoint formats are not supported)")
-    for file in files:
+    return files
+
+
+def _safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in _safetensors_files(path):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+def _safetensors_names(path: str) -> set[str]:
+    """Every tensor's name, from the files' headers."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for file in _safetensors_files(path):
+        with safe_open(file, framework="pt") as f:
+            names.update(f.keys())
+    return names
+
+
+# each layer linear, by the checkpoint layers it fuses
+_LINEARS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+            "self_attn.o_proj": ("self_attn.o_proj",), "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+            "mlp.down_proj": ("mlp.down_proj",)}
+
+
+def _quant_packing(model: LlamaForCausalLM, q: QuantConfig, names: set[str]) -> set[str]:
+    """Keep packed (Q4_Z) every layer linear whose checkpoint layers are all int4 and whose groups
+    are whole blocks (``quant.packs``; under tensor parallelism, a rank's columns too); the others are
+    expanded to floats. Returns the checkpoint prefixes of the packed ones."""
+    packed = set()
+    for i, layer in enumerate(model.layers):
+        for sub, parts in _LINEARS.items():
+            module = layer.get_submodule(sub)
+            prefixes = [f"model.layers.{i}.{p}" for p in parts]
+            k = module.weight.shape[1]  # this rank's columns
+            full_k = k * module.tp.size if isinstance(module, RowLinear) else k
+            if all(f"{p}.qweight" in names for p in prefixes) and quant.packs(q, full_k) and k % 32 == 0:
+                module.pack(quant.FORMAT)
+                packed.update(prefixes)
+    return packed
 
 
 # ----------------------------------------------------------------------------- GGUF

@@ -89,13 +89,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            packed: str | None = None) -> torch.Tensor:
     """``F.linear``; for CPU tensors (``auto``) ``kernels.cpu.linear``, which takes the steps of few
     rows where ``tune_linear`` measured its C kernel faster. ``packed``: ``weight`` is uint8 rows of
-    GGUF blocks in that format (``reference.PACKED_BLOCK_BYTES``), multiplied as they are on the CPU
-    (``auto``), expanded by ``reference.dequantize`` first elsewhere."""
+    blocks in that format (``reference.PACKED_BLOCK_BYTES``), multiplied as they are by the CPU's C
+    kernel or Triton's (``_pick``), on the exact weights (``reference.linear_packed``)."""
     if packed is not None:
-        if _backend == "auto" and x.device.type == "cpu":
-            return cpu.linear_packed(x, weight, packed, bias)
-        return F.linear(x.float(), reference.dequantize(weight, packed),
-                        None if bias is None else bias.float()).to(x.dtype)  # exact weights, as on the CPU
+        return _pick(x).linear_packed(x, weight, packed, bias)
     if _backend == "auto" and x.device.type == "cpu":
         return cpu.linear(x, weight, bias)
     return F.linear(x, weight, bias)

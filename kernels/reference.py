@@ -125,20 +125,29 @@ def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
 # GGUF block formats of 32 weights (the packed weights kernels.cpu multiplies without expanding them
 # in memory): name -> bytes per block. An fp16 scale d; Q4_1 then an fp16 minimum m; then the weights:
 # 4-bit (weight j in the low half of byte j, weight j + 16 in its high half) or signed 8-bit.
-PACKED_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
+PACKED_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34, "q4_z": 20}
 
 
 def dequantize(weight: torch.Tensor, fmt: str) -> torch.Tensor:
     """Packed (N, K / 32 * block bytes) uint8 rows -> float32 (N, K): Q4_0 d (q - 8), Q4_1 d q + m,
     Q8_0 d q, each as gguf's ``dequantize`` computes it (the products are exact; Q4_1's sum is
-    rounded once)."""
+    rounded once); Q4_Z (not GGUF's: AWQ's and GPTQ's int4 groups, ``engine/quant.py``) is Q4_1's
+    layout with an fp16 zero point z in place of the minimum, d (q - z), exact."""
     blocks = weight.reshape(weight.shape[0], -1, PACKED_BLOCK_BYTES[fmt])  # (N, K / 32, block)
     d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # (N, K / 32, 1)
     if fmt == "q8_0":
         return (d * blocks[..., 2:].contiguous().view(torch.int8).float()).reshape(weight.shape[0], -1)
-    qs = blocks[..., 4:] if fmt == "q4_1" else blocks[..., 2:]
+    qs = blocks[..., 2:] if fmt == "q4_0" else blocks[..., 4:]
     q = torch.cat([qs & 15, qs >> 4], dim=-1).float()  # (N, K / 32, 32)
     if fmt == "q4_0":
         return (d * (q - 8)).reshape(weight.shape[0], -1)
     m = blocks[..., 2:4].contiguous().view(torch.float16).float()
+    if fmt == "q4_z":
+        return (d * (q - m)).reshape(weight.shape[0], -1)
     return (d * q + m).reshape(weight.shape[0], -1)
+
+
+def linear_packed(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` with ``weight`` packed (``dequantize``): computed in float32 on the exact weights,
+    then cast back to x's dtype."""
+    return F.linear(x.float(), dequantize(weight, fmt), None if bias is None else bias.float()).to(x.dtype)

@@ -15,6 +15,39 @@ SUPPORTED_ARCHITECTURES = {
 
 
 @dataclass(frozen=True)
+class QuantConfig:
+    """An int4 checkpoint's ``quantization_config`` (``engine/quant.py`` reads its tensors)."""
+
+    method: str  # "awq" (AutoAWQ's GEMM layout) or "gptq"
+    group_size: int  # input columns sharing a scale and zero point; 0: all of them (-1 in the file)
+    zero_offset: int  # added to each stored zero point: 1 in GPTQ's original format, which stores z - 1
+    act_order: bool  # GPTQ's desc_act: groups follow g_idx, not the column order
+
+    @classmethod
+    def from_hf(cls, q: dict) -> QuantConfig:
+        method = str(q.get("quant_method", "")).lower()
+        if method not in ("awq", "gptq"):
+            raise ValueError(f"unsupported quantization {method or q!r}: tokenmill loads AWQ and GPTQ int4 "
+                             f"checkpoints (and GGUF files)")
+        bits = q.get("bits", q.get("w_bit"))
+        if bits != 4:
+            raise ValueError(f"{method.upper()} with {bits} bits is not supported: only 4-bit weights are")
+        group = int(q.get("group_size", q.get("q_group_size", 128)))
+        if group != -1 and group <= 0:
+            raise ValueError(f"{method.upper()} group_size must be positive or -1, got {group}")
+        if method == "awq":
+            version = str(q.get("version", "gemm")).lower()
+            if version != "gemm" or not q.get("zero_point", True):
+                raise ValueError(f"AWQ version {version!r} with zero_point={q.get('zero_point', True)} is not "
+                                 f"supported: only AutoAWQ's GEMM layout with zero points is")
+            return cls("awq", max(group, 0), 0, False)
+        fmt = q.get("checkpoint_format", "gptq")
+        if fmt not in ("gptq", "gptq_v2"):
+            raise ValueError(f"GPTQ checkpoint_format {fmt!r} is not supported (gptq, gptq_v2 are)")
+        return cls("gptq", max(group, 0), 1 if fmt == "gptq" else 0, bool(q.get("desc_act", False)))
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     model_type: str
     vocab_size: int
@@ -32,6 +65,7 @@ class ModelConfig:
     attention_bias: bool
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    quant: QuantConfig | None = None  # an AWQ or GPTQ int4 checkpoint
 
     @classmethod
     def from_hf(cls, cfg: dict, eos_token_ids: list[int] | None = None) -> ModelConfig:
@@ -79,4 +113,5 @@ class ModelConfig:
                 "attention_bias", False))),
             eos_token_ids=tuple(int(e) for e in eos),
             bos_token_id=cfg.get("bos_token_id"),
+            quant=QuantConfig.from_hf(cfg["quantization_config"]) if cfg.get("quantization_config") else None,
         )

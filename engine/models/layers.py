@@ -28,9 +28,9 @@ def _empty(*shape: int) -> nn.Parameter:
 
 class Packable(nn.Module):
     """A layer whose (N, K) weight may be kept packed: ``pack(fmt)`` swaps it, before loading, for
-    uint8 rows of GGUF blocks (``kernels.reference.PACKED_BLOCK_BYTES``), which ``load`` then copies
-    rows of as it would copy rows of floats. Only whole rows are ever sliced: not under tensor
-    parallelism along K."""
+    uint8 rows of blocks of 32 (``kernels.reference.PACKED_BLOCK_BYTES``), which ``load`` then copies
+    rows of as it would copy rows of floats. Slices are whole rows, or under tensor parallelism
+    along K whole blocks (K a multiple of 32 per rank)."""
 
     packed: str | None = None
 
@@ -88,7 +88,8 @@ class RowLinear(Packable):
 
     def load(self, tensor: torch.Tensor, kind: str = "weight") -> None:
         if kind == "weight" and self.tp.size > 1:
-            tensor = tensor.narrow(1, self.tp.rank * self.in_per_rank, self.in_per_rank)
+            width = self.weight.shape[1]  # this rank's columns: floats, or bytes of whole packed blocks
+            tensor = tensor.narrow(1, self.tp.rank * width, width)
         getattr(self, kind).copy_(tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

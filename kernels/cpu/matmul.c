@@ -16,7 +16,8 @@
  * hardware prefetcher to ramp up on): +10-40% at 1 to 4 rows, measured.
  *
  * Packed weights (``linear_q_*``): W as GGUF blocks of 32 weights along K (Q4_0, Q4_1, Q8_0; an fp16
- * scale, for Q4_1 an fp16 minimum, and 4- or 8-bit integers), as llama.cpp keeps them: 4.5 to 8.5 bits
+ * scale, for Q4_1 an fp16 minimum, and 4- or 8-bit integers), as llama.cpp keeps them, or as Q4_Z blocks
+ * (an fp16 scale, an fp16 zero point, 4-bit integers: AWQ's and GPTQ's groups, ``engine/quant.py``): 4.5 to 8.5 bits
  * a weight instead of 32, and a single-stream step reads that much less. Up to IN_REGISTERS_UP_TO rows of
  * x each block is expanded in registers as it is used; past that, each work item's rows are expanded into a
  * buffer of floats that stays in cache, then multiplied exactly as above. The
@@ -230,8 +231,8 @@ int linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *b, uint16_
 
 /* ------------------------------------------------------------------------------ packed weights */
 
-enum { Q4_0, Q4_1, Q8_0 }; /* the numbering of matmul.py's FORMATS */
-static const int64_t BLOCK_BYTES[] = {18, 20, 34};
+enum { Q4_0, Q4_1, Q8_0, Q4_Z }; /* the numbering of matmul.py's FORMATS */
+static const int64_t BLOCK_BYTES[] = {18, 20, 34, 20};
 
 static inline float half_to_float(const uint8_t *p) { /* exact: every fp16 is a float */
     uint16_t h = (uint16_t)(p[0] | p[1] << 8);
@@ -256,11 +257,11 @@ static inline float half_to_float(const uint8_t *p) { /* exact: every fp16 is a 
 #endif
 }
 
-/* The 32 weights of one block as floats, in 4 vectors of 8: Q4_0 d (q - 8), Q4_1 d q + m, Q8_0 d q; a
-   4-bit block keeps weight j in the low half of byte j and weight j + 16 in its high half. */
+/* The 32 weights of one block as floats, in 4 vectors of 8: Q4_0 d (q - 8), Q4_1 d q + m, Q8_0 d q,
+   Q4_Z d (q - z); a 4-bit block keeps weight j in the low half of byte j and weight j + 16 in its high half. */
 static inline __attribute__((always_inline)) void expand_block(const uint8_t *blk, const int fmt, v8f out[4]) {
 #if defined(__AVX2__) && defined(__F16C__)
-    /* d and m (a Q4_1 block starts with both) widened by one instruction */
+    /* d and m (a Q4_1 block starts with both; a Q4_Z block with d and z) widened by one instruction */
     int32_t dm;
     memcpy(&dm, blk, 4);
     const __m128 both = _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
@@ -275,7 +276,7 @@ static inline __attribute__((always_inline)) void expand_block(const uint8_t *bl
     /* the 16 bytes in both halves of a register; then byte j of 8 (j < 4: from the low half, else the
        high) goes to the low byte of 32-bit lane j, zeros above it: in-lane shuffles, no widening across
        (9.0 -> 7.7 ms for the default model's layers at one row, measured) */
-    const __m256i bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(blk + (fmt == Q4_1 ? 4 : 2))));
+    const __m256i bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(blk + (fmt == Q4_0 ? 2 : 4))));
     const __m256i low = _mm256_set1_epi8(0x0f);
     const __m256i half[2] = {_mm256_and_si256(bytes, low), _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low)};
     const __m256i pick[2] = {
@@ -287,19 +288,19 @@ static inline __attribute__((always_inline)) void expand_block(const uint8_t *bl
         for (int i = 0; i < 2; i++) {
             __m256 q = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(half[h], pick[i]));
             out[2 * h + i] = (v8f)(fmt == Q4_1 ? _mm256_fmadd_ps(dv, q, mv)
-                                               : _mm256_mul_ps(dv, _mm256_sub_ps(q, _mm256_set1_ps(8.0f))));
+                                               : _mm256_mul_ps(dv, _mm256_sub_ps(q, fmt == Q4_Z ? mv : _mm256_set1_ps(8.0f))));
         }
 #else
-    const float d = half_to_float(blk), m = fmt == Q4_1 ? half_to_float(blk + 2) : 0.0f;
+    const float d = half_to_float(blk), m = fmt == Q4_0 ? 8.0f : half_to_float(blk + 2);
     float f[32];
     if (fmt == Q8_0) {
         for (int i = 0; i < 32; i++) f[i] = d * (float)(int8_t)blk[2 + i];
     } else {
-        const uint8_t *qs = blk + (fmt == Q4_1 ? 4 : 2);
+        const uint8_t *qs = blk + (fmt == Q4_0 ? 2 : 4);
         for (int i = 0; i < 16; i++) {
             const int lo = qs[i] & 15, hi = qs[i] >> 4;
-            f[i] = fmt == Q4_1 ? d * (float)lo + m : d * (float)(lo - 8);
-            f[i + 16] = fmt == Q4_1 ? d * (float)hi + m : d * (float)(hi - 8);
+            f[i] = fmt == Q4_1 ? d * (float)lo + m : d * ((float)lo - m); /* m: Q4_0's 8, Q4_Z's z */
+            f[i + 16] = fmt == Q4_1 ? d * (float)hi + m : d * ((float)hi - m);
         }
     }
     memcpy(out, f, sizeof f);
@@ -384,11 +385,13 @@ static void expand_rows(const uint8_t *w, const int fmt, float *out, int64_t row
 static void expand_rows_q4_0(const uint8_t *w, float *out, int64_t rows, int64_t K) { expand_rows(w, Q4_0, out, rows, K); }
 static void expand_rows_q4_1(const uint8_t *w, float *out, int64_t rows, int64_t K) { expand_rows(w, Q4_1, out, rows, K); }
 static void expand_rows_q8_0(const uint8_t *w, float *out, int64_t rows, int64_t K) { expand_rows(w, Q8_0, out, rows, K); }
+static void expand_rows_q4_z(const uint8_t *w, float *out, int64_t rows, int64_t K) { expand_rows(w, Q4_Z, out, rows, K); }
 
 static void expand(const uint8_t *w, int fmt, float *out, int64_t rows, int64_t K) {
     switch (fmt) {
     case Q4_0: expand_rows_q4_0(w, out, rows, K); break;
     case Q4_1: expand_rows_q4_1(w, out, rows, K); break;
+    case Q4_Z: expand_rows_q4_z(w, out, rows, K); break;
     default: expand_rows_q8_0(w, out, rows, K);
     }
 }
@@ -418,13 +421,14 @@ static void rows_packed(const float *xf, const uint8_t *w, int fmt, const void *
         ROWS_PACKED(Q4_0)
         ROWS_PACKED(Q4_1)
         ROWS_PACKED(Q8_0)
+        ROWS_PACKED(Q4_Z)
     }
 #undef ROWS_PACKED
 }
 
 static int linear_packed(const void *x, const uint8_t *w, int fmt, const void *b, void *y, int64_t M, int64_t N,
                          int64_t K, int num_threads, int bf16) {
-    if (fmt < Q4_0 || fmt > Q8_0 || K % 32 || num_threads < 1) return BAD_ARGUMENTS;
+    if (fmt < Q4_0 || fmt > Q4_Z || K % 32 || num_threads < 1) return BAD_ARGUMENTS;
     float *xf = widened(x, M * K, bf16);
     if (!xf) return OUT_OF_MEMORY;
     const int64_t tiles_n = (N + NB - 1) / NB, row_bytes = K / 32 * BLOCK_BYTES[fmt];
@@ -483,7 +487,7 @@ int linear_q_bf16(const uint16_t *x, const uint8_t *w, int fmt, const uint16_t *
 /* rows (gathered by ids, or all of them when ids is NULL) of a packed matrix, as floats */
 int dequantize_rows(const uint8_t *w, int fmt, const int64_t *ids, float *out, int64_t rows, int64_t K,
                     int num_threads) {
-    if (fmt < Q4_0 || fmt > Q8_0 || K % 32) return BAD_ARGUMENTS;
+    if (fmt < Q4_0 || fmt > Q4_Z || K % 32) return BAD_ARGUMENTS;
     const int64_t row_bytes = K / 32 * BLOCK_BYTES[fmt];
     (void)num_threads;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * K >= (1 << 16))

@@ -17,7 +17,8 @@ shape (0: never), for runs that must not depend on a timing. A shape never tuned
 
 Within the C kernel a row's result does not depend on how many rows share the step.
 
-Weights kept packed as GGUF blocks (``FORMATS``: 4.5 to 8.5 bits a weight, as llama.cpp keeps them)
+Weights kept packed as blocks of 32 (``FORMATS``: GGUF's, 4.5 to 8.5 bits a weight, as llama.cpp keeps them;
+Q4_Z, 5 bits, for AWQ/GPTQ checkpoints)
 go to ``linear_packed``: the C kernel multiplies the blocks as they are (their expansion to floats
 is exact, so a row's result is the dense C kernel's on ``reference.dequantize``'s weights, bit for
 bit), except past 64 rows (a prompt), where a weight of up to ``EXPAND_BYTES`` as floats is expanded
@@ -39,6 +40,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from kernels import reference
 from kernels.cpu import graph
 from kernels.cpu.build import load, status_check
 from kernels.reference import PACKED_BLOCK_BYTES
@@ -47,7 +49,7 @@ log = logging.getLogger("tokenmill.kernels")
 
 _KERNELS = {torch.float32: "linear_f32", torch.bfloat16: "linear_bf16"}
 _PACKED_KERNELS = {torch.float32: "linear_q_f32", torch.bfloat16: "linear_q_bf16"}
-FORMATS = {"q4_0": 0, "q4_1": 1, "q8_0": 2}  # the GGUF block formats matmul.c reads, by its numbering
+FORMATS = {"q4_0": 0, "q4_1": 1, "q8_0": 2, "q4_z": 3}  # the block formats matmul.c reads, by its numbering
 # Past ROWS[-1] rows, a packed weight of up to this many bytes as floats is expanded for torch's GEMM, whose
 # blocking beats the C kernel's tiles there (on the AVX2 EPYC, 109 GFLOP/s at 256 rows against ~75); the
 # expansion costs about 3% of such a multiply. Larger ones (a vocabulary's LM head) stay packed.
@@ -90,17 +92,18 @@ def _packed_k(weight: torch.Tensor, fmt: str) -> int:
     if weight.dtype != torch.uint8 or weight.dim() != 2 or weight.shape[1] % block or not weight.is_cpu:
         raise ValueError(f"a {fmt} weight must be a 2-D uint8 CPU tensor of whole {block}-byte blocks per row, got "
                          f"{weight.dtype} {tuple(weight.shape)} on {weight.device}")
-    if _library() is None:
-        raise RuntimeError("packed weights need the C linear kernel, which could not be built here")
     return weight.shape[1] // block * 32
 
 
 def linear_packed(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``y = x W^T (+ b)`` with W packed in ``fmt`` blocks: weight (N, K / 32 * block bytes) uint8 rows,
-    x (..., K) fp32 or bf16 on the CPU, bias (N) of x's dtype or None; y (..., N) of x's dtype."""
+    x (..., K) on the CPU, bias (N) of x's dtype or None; y (..., N) of x's dtype. Where the C kernel
+    does not build, or for float16, the reference's."""
     k = _packed_k(weight, fmt)
-    if x.dtype not in _PACKED_KERNELS or x.shape[-1] != k or not x.is_cpu:
-        raise ValueError(f"x must be (..., {k}) float32 or bfloat16 on the CPU, got {x.dtype} {tuple(x.shape)}")
+    if x.shape[-1] != k or not x.is_cpu:
+        raise ValueError(f"x must be (..., {k}) on the CPU, got {x.dtype} {tuple(x.shape)} on {x.device}")
+    if x.dtype not in _PACKED_KERNELS or _library() is None:
+        return reference.linear_packed(x, weight, fmt, bias)
     n = weight.shape[0]
     if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype):
         raise ValueError(f"bias must be ({n},) {x.dtype}, got {bias.dtype} {tuple(bias.shape)}")
@@ -125,6 +128,8 @@ def dequantize(weight: torch.Tensor, fmt: str, rows: torch.Tensor | None = None)
         rows = rows.to(torch.int64).contiguous()
         if rows.numel() and not graph.recording() and not (0 <= int(rows.min()) and int(rows.max()) < weight.shape[0]):
             raise IndexError(f"row ids must lie in [0, {weight.shape[0]})")
+    if _library() is None:
+        return reference.dequantize(weight if rows is None else weight[rows], fmt)
     count = weight.shape[0] if rows is None else rows.numel()
     out = torch.empty(count, k)
     _library().dequantize_rows(weight.data_ptr(), FORMATS[fmt], None if rows is None else rows.data_ptr(),

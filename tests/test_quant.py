@@ -1,0 +1,304 @@
+"""AWQ and GPTQ int4 checkpoints (``engine/quant.py``): packed as AutoAWQ and AutoGPTQ pack them
+(the packers here follow theirs, loop for loop, independently of the loader), kept as Q4_Z blocks
+or expanded, and served with greedy output equal to transformers' on the same weights."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+import kernels
+import kernels.reference as ref
+from engine import LLM, quant
+from engine.models.config import ModelConfig, QuantConfig
+from engine.models.layers import RowLinear
+from engine.parallel import TPGroup
+from kernels.cpu import matmul
+from tests.conftest import make_tiny_model
+from tests.test_parity import PROMPTS, check_parity
+
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's order_map: nibble i of a word holds row 8 c + AWQ_ORDER[i]
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+           "mlp.up_proj", "mlp.down_proj")
+
+
+def quantize(w: torch.Tensor, sym: bool, g_idx: torch.Tensor):
+    """w (N, K) float32 -> integers (K, N), zeros (groups, N), fp16 scales (groups, N), and the exact
+    weights s (q - z) (N, K) float32: per output row and group, asymmetric min-max or symmetric."""
+    n, k = w.shape
+    groups = int(g_idx.max()) + 1
+    scales, zeros = torch.empty(groups, n, dtype=torch.float16), torch.empty(groups, n)
+    for g in range(groups):
+        cols = w[:, g_idx == g]
+        if sym:
+            s, z = cols.abs().amax(1) / 7.5, torch.full((n,), 8.0)
+        else:
+            lo, hi = cols.amin(1).clamp(max=0), cols.amax(1).clamp(min=0)
+            s = (hi - lo) / 15
+            z = torch.round(-lo / s.half().float()).clamp(0, 15)
+        scales[g], zeros[g] = s.half(), z
+    s, z = scales.float()[g_idx].t(), zeros[g_idx].t()  # (N, K)
+    ints = torch.clamp(torch.round(w / s + z), 0, 15)
+    return ints.t().to(torch.int64), zeros.to(torch.int64), scales, (ints - z) * s
+
+
+def pack_awq(ints: torch.Tensor) -> torch.Tensor:
+    """(R, C) integers -> (R, C / 8) int32, AutoAWQ's WQLinear_GEMM packing."""
+    out = torch.zeros(ints.shape[0], ints.shape[1] // 8, dtype=torch.int64)
+    for col in range(out.shape[1]):
+        for i in range(8):
+            out[:, col] |= ints[:, col * 8 + AWQ_ORDER[i]] << (i * 4)
+    return _int32(out)
+
+
+def pack_gptq(ints: torch.Tensor, zeros: torch.Tensor, v1: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """AutoGPTQ's QuantLinear.pack: qweight (K / 8, N), eight input columns to a word in order; qzeros
+    (groups, N / 8), stored minus one in the original format (so a zero of 0 wraps to 15)."""
+    qweight = torch.zeros(ints.shape[0] // 8, ints.shape[1], dtype=torch.int64)
+    for row in range(qweight.shape[0]):
+        for j in range(8):
+            qweight[row] |= ints[row * 8 + j] << (4 * j)
+    stored = (zeros - 1) & 15 if v1 else zeros
+    qzeros = torch.zeros(zeros.shape[0], zeros.shape[1] // 8, dtype=torch.int64)
+    for col in range(qzeros.shape[1]):
+        for j in range(8):
+            qzeros[:, col] |= stored[:, col * 8 + j] << (4 * j)
+    return _int32(qweight), _int32(qzeros)
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    """uint32 words in int64 as the int32 a checkpoint stores (the top bit wraps the sign)."""
+    return torch.where(t >= 2**31, t - 2**32, t).to(torch.int32)
+
+
+def quantize_checkpoint(dense: str, out: str, method: str, group: int = 32, sym: bool = False,
+                        act_order: bool = False, v1: bool = True, keep: tuple[str, ...] = ()) -> None:
+    """Write ``out``, ``dense``'s model quantized (every layer linear but ``keep``'s), and overwrite
+    ``dense``'s linears with the exact weights ``out`` holds: transformers' reference."""
+    shutil.copytree(dense, out)
+    for f in glob.glob(os.path.join(out, "*.safetensors")):
+        os.remove(f)
+    tensors = {}
+    for f in glob.glob(os.path.join(dense, "*.safetensors")):
+        tensors.update(load_file(f))
+    quantized, gen = {}, torch.Generator().manual_seed(7)
+    for name, w in list(tensors.items()):
+        prefix = name.removesuffix(".weight")
+        if not name.endswith(".weight") or not prefix.endswith(LINEARS) or prefix.endswith(keep):
+            quantized[name] = w
+            continue
+        k = w.shape[1]
+        size = group if group > 0 else k
+        g_idx = torch.arange(k) // size
+        if act_order:
+            g_idx = g_idx[torch.randperm(k, generator=gen)]
+        ints, zeros, scales, exact = quantize(w, sym, g_idx)
+        tensors[name] = exact.contiguous()
+        if method == "awq":
+            quantized |= {f"{prefix}.qweight": pack_awq(ints), f"{prefix}.qzeros": pack_awq(zeros),
+                          f"{prefix}.scales": scales}
+        else:
+            qweight, qzeros = pack_gptq(ints, zeros, v1)
+            quantized |= {f"{prefix}.qweight": qweight, f"{prefix}.qzeros": qzeros, f"{prefix}.scales": scales,
+                          f"{prefix}.g_idx": g_idx.to(torch.int32)}
+    save_file(tensors, os.path.join(dense, "model.safetensors"))
+    save_file(quantized, os.path.join(out, "model.safetensors"))
+    with open(os.path.join(out, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = (
+        {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm",
+         "modules_to_not_convert": list(keep) or None} if method == "awq" else
+        {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": sym, "desc_act": act_order,
+         "checkpoint_format": "gptq" if v1 else "gptq_v2"})
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f)
+
+
+def random_q4_z(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """Q4_Z rows with sensible scales and zero points (0 to 16, GPTQ's original format reaching 16)."""
+    gen = torch.Generator().manual_seed(seed)
+    d = (torch.rand(n, k // 32, generator=gen) * 0.1 + 0.01).half()
+    z = torch.randint(0, 17, (n, k // 32), generator=gen).half()
+    nibbles = torch.randint(0, 256, (n, k // 32, 16), generator=gen, dtype=torch.uint8)
+    return torch.cat([torch.stack([d, z], -1).view(torch.uint8), nibbles], -1).reshape(n, -1)
+
+
+# ----------------------------------------------------------------------------- the Q4_Z format
+
+
+def test_q4_z_reference_is_scale_times_integer_minus_zero():
+    w = random_q4_z(3, 64)
+    blocks = w.view(3, 2, 20)
+    d, z = blocks[..., :2].contiguous().view(torch.float16).float(), blocks[..., 2:4].contiguous().view(torch.float16)
+    floats = ref.dequantize(w, "q4_z")
+    for r in range(3):
+        for b in range(2):
+            for j in range(32):
+                byte = int(blocks[r, b, 4 + j % 16])
+                q = byte & 15 if j < 16 else byte >> 4
+                assert floats[r, b * 32 + j] == d[r, b, 0] * (q - float(z[r, b, 0]))
+
+
+@pytest.mark.parametrize("n,k", [(1, 32), (6, 96), (13, 576), (50, 1536)], ids=str)
+def test_q4_z_c_kernels_are_the_dense_kernel_on_exact_weights(n, k, monkeypatch):
+    if not matmul.packed_available():
+        pytest.skip("no C compiler here")
+    monkeypatch.setattr(matmul, "EXPAND_BYTES", 0)
+    w = random_q4_z(n, k, seed=n + k)
+    dense = ref.dequantize(w, "q4_z")
+    assert torch.equal(matmul.dequantize(w, "q4_z"), dense)
+    gen = torch.Generator().manual_seed(k)
+    for m in (1, 2, 5, 64, 100):
+        x = torch.randn(m, k, generator=gen)
+        y = matmul.linear_packed(x, w, "q4_z")
+        assert torch.equal(y, matmul.linear_c(x, dense)), m
+        torch.testing.assert_close(y, F.linear(x, dense), rtol=1e-4, atol=1e-4)
+    xb = torch.randn(3, k, generator=gen).bfloat16()
+    torch.testing.assert_close(matmul.linear_packed(xb, w, "q4_z").float(), F.linear(xb.float(), dense),
+                               rtol=1e-2, atol=2e-2)
+
+
+def test_packed_linear_for_fp16_and_the_reference_backend(monkeypatch):
+    w = random_q4_z(7, 64)
+    x = torch.randn(4, 64).half().float()
+    expected = F.linear(x, ref.dequantize(w, "q4_z"))
+    assert torch.equal(matmul.linear_packed(x.half(), w, "q4_z"), expected.half())  # no C kernel for fp16
+    monkeypatch.setattr(kernels, "_backend", "reference")
+    assert torch.equal(kernels.linear(x, w, packed="q4_z"), expected)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def layer_parts(method: str, n: int = 16, k: int = 64, group: int = 32, sym: bool = False, v1: bool = True,
+                act_order: bool = False):
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n * k))
+    g_idx = torch.arange(k) // (group if group > 0 else k)
+    if act_order:
+        g_idx = g_idx[torch.randperm(k, generator=torch.Generator().manual_seed(3))]
+    ints, zeros, scales, exact = quantize(w, sym, g_idx)
+    if method == "awq":
+        parts = {"qweight": pack_awq(ints), "qzeros": pack_awq(zeros), "scales": scales}
+    else:
+        qweight, qzeros = pack_gptq(ints, zeros, v1)
+        parts = {"qweight": qweight, "qzeros": qzeros, "scales": scales, "g_idx": g_idx.to(torch.int32)}
+    q = QuantConfig(method, max(group, 0), int(method == "gptq" and v1), act_order)
+    return q, parts, exact
+
+
+@pytest.mark.parametrize("method,group,sym,v1", [
+    ("awq", 32, False, True), ("awq", -1, False, True), ("gptq", 32, True, True), ("gptq", 64, False, True),
+    ("gptq", 32, False, False)], ids=["awq-g32", "awq-per-row", "gptq-sym", "gptq-asym-g64", "gptq-v2"])
+def test_a_layer_converts_to_its_exact_weights(method, group, sym, v1):
+    q, parts, exact = layer_parts(method, group=group, sym=sym, v1=v1)
+    assert quant.packs(q, 64)
+    assert torch.equal(quant.convert("l", q, parts, pack=False), exact)
+    packed = quant.convert("l", q, parts, pack=True)
+    assert packed.dtype == torch.uint8 and packed.shape == (16, 64 // 32 * 20)
+    assert torch.equal(ref.dequantize(packed, "q4_z"), exact)
+
+
+def test_gptq_v1_zero_of_zero_wraps_to_sixteen_as_its_kernels_read_it():
+    """AutoGPTQ stores z - 1 in 4 bits, so a zero point of 0 is stored as 15 and read back as 16
+    (by its kernels, vLLM's and exllama's alike): the checkpoint means what they compute."""
+    q, parts, _ = layer_parts("gptq", group=32, v1=True)
+    parts["qzeros"] = torch.full_like(parts["qzeros"], -1)  # every stored nibble 15
+    ints, zeros, _, _ = quant.unpack("l", q, parts)
+    assert torch.equal(zeros, torch.full_like(zeros, 16.0))
+    assert torch.equal(ref.dequantize(quant.convert("l", q, parts, pack=True), "q4_z"),
+                       quant.convert("l", q, parts, pack=False))
+
+
+def test_act_order_expands_and_refuses_to_pack():
+    q, parts, exact = layer_parts("gptq", group=32, act_order=True)
+    assert not quant.packs(q, 64)
+    assert torch.equal(quant.convert("l", q, parts, pack=False), exact)
+    with pytest.raises(ValueError, match="g_idx does not follow the column order"):
+        quant.convert("l", QuantConfig("gptq", 32, 1, False), parts, pack=True)
+
+
+@pytest.mark.parametrize("edit,error", [
+    (lambda p: p.pop("qzeros"), "qzeros missing"),
+    (lambda p: p.update(scales=p["scales"][:1]), r"scales and qzeros must be \(2, 16\)"),
+    (lambda p: p.update(g_idx=p["g_idx"] + 5), "g_idx must give each of 64 columns a group"),
+], ids=["missing", "scales-shape", "g_idx-range"])
+def test_a_malformed_layer_is_named(edit, error):
+    q, parts, _ = layer_parts("gptq")
+    edit(parts)
+    with pytest.raises(ValueError, match="^model.layers.0.mlp.up_proj: .*" + error):
+        quant.convert("model.layers.0.mlp.up_proj", q, parts, pack=True)
+
+
+@pytest.mark.parametrize("config,error", [
+    ({"quant_method": "bitsandbytes"}, "unsupported quantization 'bitsandbytes'"),
+    ({"quant_method": "gptq", "bits": 8}, "GPTQ with 8 bits is not supported"),
+    ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "AWQ version 'gemv'"),
+    ({"quant_method": "awq", "w_bit": 4, "zero_point": False}, "zero_point=False"),
+    ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 0}, "group_size must be positive or -1"),
+], ids=["method", "bits", "gemv", "no-zero-point", "format", "group"])
+def test_unsupported_quantization_configs_are_refused(config, error):
+    with pytest.raises(ValueError, match=error):
+        QuantConfig.from_hf(config)
+
+
+def test_a_rank_keeps_whole_blocks_of_a_packed_row_parallel_layer():
+    q, parts, exact = layer_parts("awq", n=16, k=128, group=32)
+    packed = quant.convert("l", q, parts, pack=True)
+    for rank in range(2):
+        layer = RowLinear(128, 16, tp=TPGroup(rank=rank, size=2))
+        layer.pack(quant.FORMAT)
+        layer.load(packed)
+        assert torch.equal(ref.dequantize(layer.weight, "q4_z"), exact[:, rank * 64:(rank + 1) * 64])
+
+
+# ----------------------------------------------------------------------------- served
+
+
+CASES = {  # name: (arch, quantize_checkpoint's arguments, the linears expected packed)
+    "awq": ("llama", dict(method="awq", group=32), True),
+    "awq-qwen2-bias": ("qwen2", dict(method="awq", group=64), True),
+    "gptq-sym": ("llama", dict(method="gptq", group=32, sym=True), True),
+    "gptq-v2-per-row": ("llama", dict(method="gptq", group=-1, v1=False), True),
+    "gptq-act-order": ("llama", dict(method="gptq", group=32, act_order=True), False),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_int4_checkpoints_match_transformers_on_their_weights(case, tmp_path, smollm_tokenizer_dir):
+    arch, how, packed = CASES[case]
+    dense = make_tiny_model(str(tmp_path / "dense"), arch, smollm_tokenizer_dir, seed=3)
+    quantize_checkpoint(dense, str(tmp_path / "int4"), **how)
+    hf = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
+    llm = LLM(str(tmp_path / "int4"), device="cpu", dtype="float32", num_kv_blocks=256, max_model_len=512)
+    model = llm.engine.runner.model
+    assert {layer.mlp.down_proj.packed for layer in model.layers} == {"q4_z" if packed else None}
+    check_parity(llm, hf, llm.tokenizer, PROMPTS, n=24)
+
+
+def test_layers_left_unquantized_load_as_floats(tmp_path, smollm_tokenizer_dir):
+    dense = make_tiny_model(str(tmp_path / "dense"), "llama", smollm_tokenizer_dir, seed=4)
+    quantize_checkpoint(dense, str(tmp_path / "int4"), method="awq", keep=("mlp.down_proj", "self_attn.k_proj"))
+    hf = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
+    llm = LLM(str(tmp_path / "int4"), device="cpu", dtype="float32", num_kv_blocks=256, max_model_len=512)
+    layer = llm.engine.runner.model.layers[0]
+    assert (layer.mlp.down_proj.packed, layer.self_attn.qkv_proj.packed, layer.mlp.gate_up_proj.packed) == \
+        (None, None, "q4_z")  # q and v are int4 but share a layer with the float k: expanded
+    check_parity(llm, hf, llm.tokenizer, PROMPTS[:2], n=16)
+
+
+def test_model_config_reads_the_quantization_config():
+    base = dict(model_type="llama", vocab_size=8, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                num_attention_heads=4)
+    assert ModelConfig.from_hf(base).quant is None
+    cfg = ModelConfig.from_hf(base | {"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": -1,
+                                                              "desc_act": True}})
+    assert cfg.quant == QuantConfig("gptq", 0, 1, True)
