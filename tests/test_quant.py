@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 import kernels
 import kernels.reference as ref
-from engine import LLM, quant
+from engine import LLM, SamplingParams, quant
 from engine.models.config import ModelConfig, QuantConfig
 from engine.models.layers import RowLinear
 from engine.parallel import TPGroup
@@ -302,3 +302,26 @@ def test_model_config_reads_the_quantization_config():
     cfg = ModelConfig.from_hf(base | {"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": -1,
                                                               "desc_act": True}})
     assert cfg.quant == QuantConfig("gptq", 0, 1, True)
+
+
+def test_int4_checkpoint_on_triton_kernels_equals_the_reference(tmp_path, smollm_tokenizer_dir, monkeypatch):
+    """Greedy tokens with every kernel Triton (Q4_Z layers through ``kernels.triton.linear_packed``;
+    interpreted where there is no GPU) equal those with the references, fp32."""
+    pytest.importorskip("triton")
+    import kernels.triton as tri
+
+    dense = make_tiny_model(str(tmp_path / "dense"), "qwen2", smollm_tokenizer_dir, seed=5)
+    quantize_checkpoint(dense, str(tmp_path / "int4"), method="gptq", group=64)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    prompts = [[(7 * i + 3 * j) % 5000 + 3 for j in range(n)] for i, n in enumerate([5, 23])]
+    outs, calls = {}, []
+    for name in ("reference", "triton"):
+        monkeypatch.setattr(kernels, "_backend", name)
+        if name == "triton":
+            real = tri.linear_packed
+            monkeypatch.setattr(tri, "linear_packed", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+        llm = LLM(str(tmp_path / "int4"), device=device, dtype="float32", num_kv_blocks=64, max_model_len=128)
+        outs[name] = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0,
+                                                                                ignore_eos=True))]
+    assert outs["triton"] == outs["reference"]
+    assert set(calls) == {"q4_z"}

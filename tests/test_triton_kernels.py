@@ -177,6 +177,53 @@ def test_triton_silu_and_mul_matches_reference(dtype, t, i, poison):
     torch.testing.assert_close(tri.silu_and_mul(x), ref.silu_and_mul(x), **TOL[dtype])
 
 
+# ---------------------------------------------------------------- packed linear
+
+
+def packed_weight(fmt: str, n: int, k: int) -> torch.Tensor:
+    """Random (N, K / 32 * block bytes) rows of ``fmt`` blocks with sensible fp16 scales (and Q4_1
+    minima, Q4_Z zero points from 0 to 16)."""
+    blocks = torch.randint(0, 256, (n, k // 32, ref.PACKED_BLOCK_BYTES[fmt]), generator=gen(), dtype=torch.uint8)
+    blocks[..., 0:2] = (torch.rand(n, k // 32, 1, generator=gen()) * 0.1 + 0.01).half().view(torch.uint8)
+    if fmt == "q4_1":
+        blocks[..., 2:4] = (torch.rand(n, k // 32, 1, generator=gen()) - 0.5).half().view(torch.uint8)
+    elif fmt == "q4_z":
+        blocks[..., 2:4] = torch.randint(0, 17, (n, k // 32, 1), generator=gen()).half().view(torch.uint8)
+    return blocks.reshape(n, -1).to(DEVICE)
+
+
+PACKED_CASES = [(F32, 1, 40, 64), (F32, 17, 33, 96), (BF16, 5, 64, 32), (F16, 3, 31, 64), (F32, 130, 8, 32)]
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "q4_z"])
+@pytest.mark.parametrize("dtype,m,n,k", PACKED_CASES, ids=map(case_id, PACKED_CASES))
+def test_triton_linear_packed_matches_reference(fmt, dtype, m, n, k, poison):
+    """Against F.linear on the exact weights in float32; 16-bit: the weights rounded to x's dtype
+    (so an output near cancellation is compared to the largest one's scale)."""
+    w, x, bias = packed_weight(fmt, n, k), randn(m, k, dtype=dtype), randn(n, dtype=dtype)
+    for b in (None, bias):
+        out = tri.linear_packed(x, w, fmt, b)
+        assert out.shape == (m, n) and out.dtype == dtype
+        want = ref.linear_packed(x, w, fmt, b).float()
+        tol = TOL[dtype] if dtype == F32 else dict(rtol=TOL[dtype]["rtol"], atol=1e-2 * float(want.abs().max()))
+        torch.testing.assert_close(out.float(), want, **tol)
+    assert tri.linear_packed(x.view(1, m, k), w, fmt).shape == (1, m, n)  # leading dims kept
+
+
+def test_triton_linear_packed_refuses():
+    w = packed_weight("q4_z", 4, 64)
+    with pytest.raises(ValueError, match="unknown packed format"):
+        tri.linear_packed(randn(2, 64), w, "q5_k")
+    with pytest.raises(ValueError, match=r"x must be \(\.\.\., 64\)"):
+        tri.linear_packed(randn(2, 32), w, "q4_z")
+    with pytest.raises(ValueError, match="whole 20-byte blocks"):
+        tri.linear_packed(randn(2, 64), w[:, :30], "q4_z")
+    with pytest.raises(ValueError, match="bias must be"):
+        tri.linear_packed(randn(2, 64), w, "q4_z", randn(3))
+    with pytest.raises(ValueError, match="weight must be one of"):
+        tri.linear_packed(randn(2, 64), w.float(), "q4_z")
+
+
 # ---------------------------------------------------------------- launcher checks
 
 

@@ -6,7 +6,8 @@ the floor, the bytes the kernel must move ÷ the device's copy bandwidth (the be
 device-to-device copies, as ``bench_offline`` measures it). ``bw`` is floor ÷ kernel time: the share of the bandwidth the kernel reaches.
 Shapes: SmolLM2-135M's and Qwen2-0.5B's heads (head_dim 64), bf16, KV blocks of 16 tokens scattered
 as in a busy cache; decode at ``--batch`` sequences for each ``--contexts`` length, prefill of
-``--prefill`` fresh prompts, the other kernels at the decode batch's and the prefill's token counts.
+``--prefill`` fresh prompts, the other kernels at the decode batch's and the prefill's token counts;
+the MLP's gate|up projection as Q4_Z blocks (an int4 checkpoint) at 1 row, the batch's and the prefill's.
 Prints a table, then one JSON line. Without CUDA there is nothing to time: it says so (JSON too).
 
     python3 tools/bench_kernels.py [--batch 256] [--contexts 512,2048,8192] [--prefill 4x1024]
@@ -115,6 +116,20 @@ def cases(model: str, batch: int, contexts: list[int], prefill: tuple[int, int])
         gate_up = randn(n, 2 * inter)
         yield Case("silu_and_mul", model, f"T={n}", 3 * n * inter * ELT,
                    lambda x=gate_up: tri.silu_and_mul(x), lambda x=gate_up: ref.silu_and_mul(x), eager)
+
+    # the MLP's gate|up projection kept as Q4_Z blocks (an AWQ/GPTQ checkpoint), against the bf16 dense GEMM
+    n_out = 2 * inter
+    blocks = torch.randint(0, 256, (n_out, hidden // 32, 20), device="cuda", dtype=torch.uint8)
+    blocks[..., 0:2] = (torch.rand(n_out, hidden // 32, 1, device="cuda") * 0.01).half().view(torch.uint8)
+    blocks[..., 2:4] = torch.full((n_out, hidden // 32, 1), 8.0, device="cuda").half().view(torch.uint8)
+    packed = blocks.view(n_out, -1)
+    dense = ref.dequantize(packed, "q4_z").to(DTYPE)
+    for n in (1, batch, t):
+        x = randn(n, hidden)
+        yield Case("linear_packed q4_z", model, f"T={n} {n_out}x{hidden}",
+                   packed.numel() + (x.numel() + n * n_out) * ELT,
+                   lambda x=x: tri.linear_packed(x, packed, "q4_z"), lambda x=x: F.linear(x, dense),
+                   "torch bf16 GEMM, dense weights")
 
 
 def main() -> None:

@@ -10,6 +10,7 @@ unset. By default one variant of each kernel, in each dtype for attention;
 
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 
@@ -17,10 +18,12 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from kernels.reference import PACKED_BLOCK_BYTES
 from kernels.triton.activation import _silu_and_mul_kernel
 from kernels.triton.attention_decode import _decode_kernel, _merge_splits_kernel
 from kernels.triton.attention_prefill import _prefill_kernel
 from kernels.triton.kv_store import _store_kvcache_kernel
+from kernels.triton.linear_packed import BLOCK_N, FORMATS, _linear_packed_kernel
 from kernels.triton.norm import _rms_norm_kernel
 from kernels.triton.rope import _rope_kernel
 
@@ -73,6 +76,12 @@ def variants(everything: bool):
     yield (_rope_kernel, {"q_ptr": p, "k_ptr": p, "cos_ptr": p, "sin_ptr": p},
            dict(H=9, HKV=3, HALF=32, BLOCK_H=16, BLOCK_HALF=32), ())
     yield (_silu_and_mul_kernel, {"x_ptr": p, "out_ptr": p}, dict(BLOCK=1024), ())
+    for dt in dtypes:
+        for (fmt, number), block_m in itertools.product(FORMATS.items(), (16, 32)):
+            yield (_linear_packed_kernel, {"x_ptr": f"*{dt}", "w_ptr": "*u8", "b_ptr": f"*{dt}", "y_ptr": f"*{dt}"},
+                   dict(FMT=number, BLOCK_BYTES=PACKED_BLOCK_BYTES[fmt], QUANTS=2 if fmt in ("q4_0", "q8_0") else 4,
+                        HAS_BIAS=True, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+                        PRECISION="ieee" if dt == "fp32" else "tf32", DOT_F32=False), ())
 
 
 def main(argv: list[str]) -> int:

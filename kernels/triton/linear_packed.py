@@ -1,0 +1,107 @@
+"""``y = x W^T (+ b)`` with W kept packed in blocks of 32 along K (twin of
+``kernels.reference.linear_packed``): GGUF's Q4_0, Q4_1 and Q8_0, and Q4_Z, the form AWQ and
+GPTQ int4 checkpoints load into (``engine/quant.py``).
+
+One program per tile of BLOCK_M rows of x by BLOCK_N rows of W; each of W's blocks is read
+once per tile, expanded in registers (exactly, in float32: an fp16 scale times a small integer)
+and multiplied by ``tl.dot`` with float32 accumulators. In float32 the weights go in exact; in
+bf16 and fp16 they are rounded to x's dtype first (as vLLM's AWQ Triton kernel does), so the
+tensor cores take both operands. Steps of many rows (a prompt) expand the whole weight to x's
+dtype once and use torch's GEMM, whose tiling beats this kernel's there.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels import reference
+from kernels.triton.attention_common import dot_args
+from kernels.triton.launch import check_tensor, interpreting, require
+
+FORMATS = {"q4_0": 0, "q4_1": 1, "q8_0": 2, "q4_z": 3}  # numbered as kernels/cpu/matmul.c numbers them
+EXPAND_ROWS = 128  # past this many rows of x, the weight is expanded once for torch's GEMM
+BLOCK_N = 32
+
+
+@triton.jit
+def _half(p, mask):
+    """The fp16 stored little-endian at byte pointers ``p``, as float32."""
+    lo = tl.load(p, mask=mask, other=0).to(tl.uint16)
+    hi = tl.load(p + 1, mask=mask, other=0).to(tl.uint16)
+    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _linear_packed_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_y, row_bytes,
+                          FMT: tl.constexpr, BLOCK_BYTES: tl.constexpr, QUANTS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                          DOT_F32: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # W's rows: y's columns
+    row_ok, col_ok = rows < M, cols < N
+    j = tl.arange(0, 32)  # a block's weights
+    dtype = x_ptr.dtype.element_ty
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x  # (BLOCK_M, 1)
+    blocks = w_ptr + cols.to(tl.int64) * row_bytes  # (BLOCK_N,): each W row's first block
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for b in range(0, K // 32):
+        blk = blocks + b * BLOCK_BYTES
+        d = _half(blk, col_ok)[None, :]  # (1, BLOCK_N)
+        if FMT == 2:  # Q8_0: d q, q int8
+            q = tl.load(blk[None, :] + QUANTS + j[:, None], mask=col_ok[None, :], other=0)
+            w = d * q.to(tl.int8, bitcast=True).to(tl.float32)  # (32, BLOCK_N)
+        else:  # 4-bit: weight j in the low half of byte j % 16 for j < 16, in the high half after
+            qs = blk[None, :] + QUANTS + (j[:, None] % 16)
+            byte = tl.load(qs, mask=col_ok[None, :], other=0).to(tl.int32)
+            q = ((byte >> ((j[:, None] // 16) * 4)) & 15).to(tl.float32)  # (32, BLOCK_N)
+            if FMT == 0:  # Q4_0: d (q - 8)
+                w = d * (q - 8.0)
+            elif FMT == 1:  # Q4_1: d q + m
+                w = d * q + _half(blk + 2, col_ok)[None, :]
+            else:  # Q4_Z: d (q - z)
+                w = d * (q - _half(blk + 2, col_ok)[None, :])
+        x = tl.load(x_rows + b * 32 + j[None, :], mask=row_ok[:, None], other=0.0)  # (BLOCK_M, 32)
+        w = w.to(dtype)
+        if DOT_F32:  # the interpreter (``attention_common.dot_args``)
+            acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision=PRECISION)
+        else:
+            acc += tl.dot(x, w, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    out = y_ptr + rows.to(tl.int64)[:, None] * stride_y + cols[None, :]
+    tl.store(out, acc.to(dtype), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def linear_packed(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., K) float, weight (N, K / 32 * block bytes) uint8 rows of ``fmt`` blocks, bias (N) of x's
+    dtype or None -> y (..., N) of x's dtype."""
+    require(fmt in FORMATS, f"unknown packed format {fmt!r}; known: {', '.join(FORMATS)}")
+    block = reference.PACKED_BLOCK_BYTES[fmt]
+    check_tensor("weight", weight, 2, (torch.uint8,))
+    require(weight.shape[1] % block == 0 and weight.stride(0) == weight.shape[1],
+            f"a {fmt} weight must be contiguous rows of whole {block}-byte blocks, got {tuple(weight.shape)} "
+            f"with strides {weight.stride()}")
+    n, k = weight.shape[0], weight.shape[1] // block * 32
+    require(x.dim() >= 1 and x.shape[-1] == k, f"x must be (..., {k}) for this weight, got {tuple(x.shape)}")
+    x2 = x.reshape(-1, k)
+    check_tensor("x", x2, 2)
+    require(x2.device == weight.device, f"x is on {x2.device} but weight on {weight.device}")
+    if bias is not None:
+        check_tensor("bias", bias, 1, (x.dtype,))
+        require(bias.shape == (n,), f"bias must be ({n},), got {tuple(bias.shape)}")
+    m = x2.shape[0]
+    if m > EXPAND_ROWS:
+        return F.linear(x, reference.dequantize(weight, fmt).to(x.dtype), bias)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y.view(*x.shape[:-1], n)
+    block_m = 16 if m <= 16 or interpreting() else 32
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, BLOCK_N))
+    _linear_packed_kernel[grid](
+        x2, weight, bias if bias is not None else weight, y, m, n, k, x2.stride(0), y.stride(0), weight.shape[1],
+        FMT=FORMATS[fmt], BLOCK_BYTES=block, QUANTS=2 if fmt in ("q4_0", "q8_0") else 4, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        **dot_args(x))
+    return y.view(*x.shape[:-1], n)
