@@ -20,7 +20,7 @@ import re
 import sys
 from urllib.parse import urlsplit
 
-from engine.config import ASYNC_SCHEDULING, DEVICES, DTYPES, POLICIES, EngineConfig
+from engine.config import ASYNC_SCHEDULING, DEVICES, DTYPES, POLICIES, QUANTIZATIONS, EngineConfig
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -44,6 +44,9 @@ def _engine_flags(p: argparse.ArgumentParser, generate: bool = False) -> None:
     g.add_argument("--dtype", choices=DTYPES, default=None,
                    help="weight and activation dtype; auto = bfloat16 on CUDA and on CPUs with native bf16 "
                         f"(AVX512-BF16, AMX), else float32 (default: {d['dtype']})")
+    g.add_argument("--quantization", "-q", choices=QUANTIZATIONS, default=None,
+                   help="the checkpoint's int4 method, checked against its quantization_config (default: read "
+                        "from it; AWQ and GPTQ 4-bit load without this flag)")
     g.add_argument("--device", choices=DEVICES, default=None,
                    help=f"where the model runs; auto = cuda when available (default: {d['device']})")
     g.add_argument("--max-model-len", type=int, default=None,

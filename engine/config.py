@@ -14,6 +14,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 POLICIES = ("fcfs", "priority", "short-first")  # engine.request_queue has one queue for each
 ASYNC_SCHEDULING = ("auto", "on", "off")
+QUANTIZATIONS = ("awq", "gptq")  # the int4 checkpoints engine.quant reads
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,7 @@ class EngineConfig:
     model: str | None = None  # HF folder or .gguf file; None = the bundled SmolLM2-135M-Instruct
     served_model_name: str | None = None  # defaults to the model's folder/file name
     dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
+    quantization: str | None = None  # vLLM's --quantization: the checkpoint must be this; None = what it says
     device: str = "auto"
     block_size: int = 16  # tokens per KV block
     max_model_len: int | None = None  # None = the model's own, capped at 8192 on CPU
@@ -53,6 +55,8 @@ class EngineConfig:
 
         if self.dtype not in DTYPES:
             bad(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            bad(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.device not in DEVICES:
             bad(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.block_size not in (8, 16, 32, 64, 128):

@@ -14,6 +14,7 @@ import contextlib
 import functools
 import glob
 import json
+import logging
 import os
 import re
 from collections.abc import Iterator
@@ -27,6 +28,8 @@ from engine.models.config import ModelConfig, QuantConfig
 from engine.models.layers import RowLinear
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel import TPGroup
+
+log = logging.getLogger("tokenmill.engine")
 
 
 def load_model_config(path: str) -> ModelConfig:
@@ -180,6 +183,10 @@ def _quant_packing(model: LlamaForCausalLM, q: QuantConfig, names: set[str]) -> 
             if all(f"{p}.qweight" in names for p in prefixes) and quant.packs(q, full_k) and k % 32 == 0:
                 module.pack(quant.FORMAT)
                 packed.update(prefixes)
+    int4 = {n.rsplit(".", 1)[0] for n in names if n.endswith(".qweight")}
+    log.info("%s int4 checkpoint (groups of %s): %d of its %d int4 layers kept packed (Q4_Z, 5 bits a weight), "
+             "the others expanded at load", q.method.upper(), q.group_size or "a whole row", len(packed & int4),
+             len(int4))
     return packed
 
 

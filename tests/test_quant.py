@@ -1,18 +1,12 @@
 """AWQ and GPTQ int4 checkpoints (``engine/quant.py``): packed as AutoAWQ and AutoGPTQ pack them
-(the packers here follow theirs, loop for loop, independently of the loader), kept as Q4_Z blocks
-or expanded, and served with greedy output equal to transformers' on the same weights."""
+(``tools/quantize_model.py``, whose packers follow theirs independently of the loader), kept as Q4_Z
+blocks or expanded, and served with greedy output equal to transformers' on the same weights."""
 
 from __future__ import annotations
-
-import glob
-import json
-import os
-import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import kernels
@@ -24,102 +18,7 @@ from engine.parallel import TPGroup
 from kernels.cpu import matmul
 from tests.conftest import make_tiny_model
 from tests.test_parity import PROMPTS, check_parity
-
-AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's order_map: nibble i of a word holds row 8 c + AWQ_ORDER[i]
-LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-           "mlp.up_proj", "mlp.down_proj")
-
-
-def quantize(w: torch.Tensor, sym: bool, g_idx: torch.Tensor):
-    """w (N, K) float32 -> integers (K, N), zeros (groups, N), fp16 scales (groups, N), and the exact
-    weights s (q - z) (N, K) float32: per output row and group, asymmetric min-max or symmetric."""
-    n, k = w.shape
-    groups = int(g_idx.max()) + 1
-    scales, zeros = torch.empty(groups, n, dtype=torch.float16), torch.empty(groups, n)
-    for g in range(groups):
-        cols = w[:, g_idx == g]
-        if sym:
-            s, z = cols.abs().amax(1) / 7.5, torch.full((n,), 8.0)
-        else:
-            lo, hi = cols.amin(1).clamp(max=0), cols.amax(1).clamp(min=0)
-            s = (hi - lo) / 15
-            z = torch.round(-lo / s.half().float()).clamp(0, 15)
-        scales[g], zeros[g] = s.half(), z
-    s, z = scales.float()[g_idx].t(), zeros[g_idx].t()  # (N, K)
-    ints = torch.clamp(torch.round(w / s + z), 0, 15)
-    return ints.t().to(torch.int64), zeros.to(torch.int64), scales, (ints - z) * s
-
-
-def pack_awq(ints: torch.Tensor) -> torch.Tensor:
-    """(R, C) integers -> (R, C / 8) int32, AutoAWQ's WQLinear_GEMM packing."""
-    out = torch.zeros(ints.shape[0], ints.shape[1] // 8, dtype=torch.int64)
-    for col in range(out.shape[1]):
-        for i in range(8):
-            out[:, col] |= ints[:, col * 8 + AWQ_ORDER[i]] << (i * 4)
-    return _int32(out)
-
-
-def pack_gptq(ints: torch.Tensor, zeros: torch.Tensor, v1: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """AutoGPTQ's QuantLinear.pack: qweight (K / 8, N), eight input columns to a word in order; qzeros
-    (groups, N / 8), stored minus one in the original format (so a zero of 0 wraps to 15)."""
-    qweight = torch.zeros(ints.shape[0] // 8, ints.shape[1], dtype=torch.int64)
-    for row in range(qweight.shape[0]):
-        for j in range(8):
-            qweight[row] |= ints[row * 8 + j] << (4 * j)
-    stored = (zeros - 1) & 15 if v1 else zeros
-    qzeros = torch.zeros(zeros.shape[0], zeros.shape[1] // 8, dtype=torch.int64)
-    for col in range(qzeros.shape[1]):
-        for j in range(8):
-            qzeros[:, col] |= stored[:, col * 8 + j] << (4 * j)
-    return _int32(qweight), _int32(qzeros)
-
-
-def _int32(t: torch.Tensor) -> torch.Tensor:
-    """uint32 words in int64 as the int32 a checkpoint stores (the top bit wraps the sign)."""
-    return torch.where(t >= 2**31, t - 2**32, t).to(torch.int32)
-
-
-def quantize_checkpoint(dense: str, out: str, method: str, group: int = 32, sym: bool = False,
-                        act_order: bool = False, v1: bool = True, keep: tuple[str, ...] = ()) -> None:
-    """Write ``out``, ``dense``'s model quantized (every layer linear but ``keep``'s), and overwrite
-    ``dense``'s linears with the exact weights ``out`` holds: transformers' reference."""
-    shutil.copytree(dense, out)
-    for f in glob.glob(os.path.join(out, "*.safetensors")):
-        os.remove(f)
-    tensors = {}
-    for f in glob.glob(os.path.join(dense, "*.safetensors")):
-        tensors.update(load_file(f))
-    quantized, gen = {}, torch.Generator().manual_seed(7)
-    for name, w in list(tensors.items()):
-        prefix = name.removesuffix(".weight")
-        if not name.endswith(".weight") or not prefix.endswith(LINEARS) or prefix.endswith(keep):
-            quantized[name] = w
-            continue
-        k = w.shape[1]
-        size = group if group > 0 else k
-        g_idx = torch.arange(k) // size
-        if act_order:
-            g_idx = g_idx[torch.randperm(k, generator=gen)]
-        ints, zeros, scales, exact = quantize(w, sym, g_idx)
-        tensors[name] = exact.contiguous()
-        if method == "awq":
-            quantized |= {f"{prefix}.qweight": pack_awq(ints), f"{prefix}.qzeros": pack_awq(zeros),
-                          f"{prefix}.scales": scales}
-        else:
-            qweight, qzeros = pack_gptq(ints, zeros, v1)
-            quantized |= {f"{prefix}.qweight": qweight, f"{prefix}.qzeros": qzeros, f"{prefix}.scales": scales,
-                          f"{prefix}.g_idx": g_idx.to(torch.int32)}
-    save_file(tensors, os.path.join(dense, "model.safetensors"))
-    save_file(quantized, os.path.join(out, "model.safetensors"))
-    with open(os.path.join(out, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"] = (
-        {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm",
-         "modules_to_not_convert": list(keep) or None} if method == "awq" else
-        {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": sym, "desc_act": act_order,
-         "checkpoint_format": "gptq" if v1 else "gptq_v2"})
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(cfg, f)
+from tools.quantize_model import pack_awq, pack_gptq, quantize, quantize_checkpoint
 
 
 def random_q4_z(n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -276,7 +175,7 @@ CASES = {  # name: (arch, quantize_checkpoint's arguments, the linears expected 
 def test_int4_checkpoints_match_transformers_on_their_weights(case, tmp_path, smollm_tokenizer_dir):
     arch, how, packed = CASES[case]
     dense = make_tiny_model(str(tmp_path / "dense"), arch, smollm_tokenizer_dir, seed=3)
-    quantize_checkpoint(dense, str(tmp_path / "int4"), **how)
+    quantize_checkpoint(dense, str(tmp_path / "int4"), **how, write_back=True)
     hf = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
     llm = LLM(str(tmp_path / "int4"), device="cpu", dtype="float32", num_kv_blocks=256, max_model_len=512)
     model = llm.engine.runner.model
@@ -286,7 +185,8 @@ def test_int4_checkpoints_match_transformers_on_their_weights(case, tmp_path, sm
 
 def test_layers_left_unquantized_load_as_floats(tmp_path, smollm_tokenizer_dir):
     dense = make_tiny_model(str(tmp_path / "dense"), "llama", smollm_tokenizer_dir, seed=4)
-    quantize_checkpoint(dense, str(tmp_path / "int4"), method="awq", keep=("mlp.down_proj", "self_attn.k_proj"))
+    quantize_checkpoint(dense, str(tmp_path / "int4"), method="awq", group=32,
+                        keep=("mlp.down_proj", "self_attn.k_proj"), write_back=True)
     hf = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
     llm = LLM(str(tmp_path / "int4"), device="cpu", dtype="float32", num_kv_blocks=256, max_model_len=512)
     layer = llm.engine.runner.model.layers[0]
@@ -314,11 +214,10 @@ def test_int4_checkpoint_on_triton_kernels_equals_the_reference(tmp_path, smollm
     quantize_checkpoint(dense, str(tmp_path / "int4"), method="gptq", group=64)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     prompts = [[(7 * i + 3 * j) % 5000 + 3 for j in range(n)] for i, n in enumerate([5, 23])]
-    outs, calls = {}, []
+    outs, calls, real = {}, [], tri.linear_packed
     for name in ("reference", "triton"):
         monkeypatch.setattr(kernels, "_backend", name)
         if name == "triton":
-            real = tri.linear_packed
             monkeypatch.setattr(tri, "linear_packed", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
         llm = LLM(str(tmp_path / "int4"), device=device, dtype="float32", num_kv_blocks=64, max_model_len=128)
         outs[name] = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0,

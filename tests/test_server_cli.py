@@ -64,8 +64,8 @@ def test_flags_map_to_engine_config():
     assert _config_kwargs(args) == {"scheduling_policy": "priority", "max_num_waiting_requests": 5,
                                     "long_prefill_token_threshold": 64, "request_timeout": 2.5,
                                     "scheduling_aging_seconds": 4.0}
-    args = build_parser().parse_args(["serve", "--max-num-waiting-requests", "7"])
-    assert _config_kwargs(args) == {"max_num_waiting_requests": 7}
+    args = build_parser().parse_args(["serve", "--max-num-waiting-requests", "7", "--quantization", "gptq"])
+    assert _config_kwargs(args) == {"max_num_waiting_requests": 7, "quantization": "gptq"}
 
 
 def test_websocket_flags_reach_the_frontends():
@@ -154,6 +154,13 @@ def test_a_max_model_len_beyond_the_model_fails_at_start_naming_both(tiny_llama)
     r = tokenmill("serve", "--model", tiny_llama, "--max-model-len", "5000", "--port", "0", timeout=120)
     assert r.returncode == 1
     assert "max_model_len 5000 exceeds the model's max_position_embeddings (1024)" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_a_quantization_the_checkpoint_lacks_fails_at_start(tiny_llama):
+    r = tokenmill("serve", "--model", tiny_llama, "-q", "awq", "--port", "0", timeout=120)
+    assert r.returncode == 1
+    assert f"--quantization awq, but {tiny_llama} is not quantized" in r.stderr
     assert "Traceback" not in r.stderr
 
 

@@ -1,0 +1,139 @@
+"""AWQ and GPTQ int4 checkpoints made from a dense Hugging Face folder, for machines without a model
+hub: every layer linear quantized by rounding to nearest (per output row and group of input columns,
+min-max, or symmetric about 8), then packed as AutoAWQ's GEMM layout and AutoGPTQ's QuantLinear pack
+them (the packers follow theirs loop for loop; tokenmill's loader, ``engine/quant.py``, reads them
+independently), with the ``quantization_config`` those write. Accuracy is round-to-nearest's, not
+AWQ's or GPTQ's search: for loading, parity tests and speed, not for quality.
+
+    python3 tools/quantize_model.py DENSE_DIR OUT_DIR [--method awq|gptq] [--group-size 128] [--sym]
+        [--act-order] [--gptq-v2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import shutil
+
+import torch
+from safetensors.torch import load_file, save_file
+
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's order_map: nibble i of a word holds row 8 c + AWQ_ORDER[i]
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+           "mlp.up_proj", "mlp.down_proj")
+
+
+def quantize(w: torch.Tensor, sym: bool, g_idx: torch.Tensor):
+    """w (N, K) float32 -> integers (K, N), zeros (groups, N), fp16 scales (groups, N), and the exact
+    weights s (q - z) (N, K) float32: per output row and group, asymmetric min-max or symmetric."""
+    n, k = w.shape
+    groups = int(g_idx.max()) + 1
+    scales, zeros = torch.empty(groups, n, dtype=torch.float16), torch.empty(groups, n)
+    for g in range(groups):
+        cols = w[:, g_idx == g]
+        if sym:
+            s, z = cols.abs().amax(1) / 7.5, torch.full((n,), 8.0)
+        else:
+            lo, hi = cols.amin(1).clamp(max=0), cols.amax(1).clamp(min=0)
+            s = (hi - lo) / 15
+            z = torch.round(-lo / s.half().float()).clamp(0, 15)
+        scales[g], zeros[g] = s.half(), z
+    s, z = scales.float()[g_idx].t(), zeros[g_idx].t()  # (N, K)
+    ints = torch.clamp(torch.round(w / s + z), 0, 15)
+    return ints.t().to(torch.int64), zeros.to(torch.int64), scales, (ints - z) * s
+
+
+def pack_awq(ints: torch.Tensor) -> torch.Tensor:
+    """(R, C) integers -> (R, C / 8) int32, AutoAWQ's WQLinear_GEMM packing."""
+    out = torch.zeros(ints.shape[0], ints.shape[1] // 8, dtype=torch.int64)
+    for col in range(out.shape[1]):
+        for i in range(8):
+            out[:, col] |= ints[:, col * 8 + AWQ_ORDER[i]] << (i * 4)
+    return _int32(out)
+
+
+def pack_gptq(ints: torch.Tensor, zeros: torch.Tensor, v1: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """AutoGPTQ's QuantLinear.pack: qweight (K / 8, N), eight input columns to a word in order; qzeros
+    (groups, N / 8), stored minus one in the original format (so a zero of 0 wraps to 15)."""
+    qweight = torch.zeros(ints.shape[0] // 8, ints.shape[1], dtype=torch.int64)
+    for row in range(qweight.shape[0]):
+        for j in range(8):
+            qweight[row] |= ints[row * 8 + j] << (4 * j)
+    stored = (zeros - 1) & 15 if v1 else zeros
+    qzeros = torch.zeros(zeros.shape[0], zeros.shape[1] // 8, dtype=torch.int64)
+    for col in range(qzeros.shape[1]):
+        for j in range(8):
+            qzeros[:, col] |= stored[:, col * 8 + j] << (4 * j)
+    return _int32(qweight), _int32(qzeros)
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    """uint32 words in int64 as the int32 a checkpoint stores (the top bit wraps the sign)."""
+    return torch.where(t >= 2**31, t - 2**32, t).to(torch.int32)
+
+
+def quantize_checkpoint(dense: str, out: str, method: str = "awq", group: int = 128, sym: bool = False,
+                        act_order: bool = False, v1: bool = True, keep: tuple[str, ...] = (),
+                        write_back: bool = False) -> str:
+    """Write ``out``: ``dense``'s model with every layer linear but ``keep``'s quantized (``group`` -1:
+    one group per row; ``act_order``: GPTQ's groups over a random permutation of the columns; ``v1``:
+    GPTQ's original format, zero points stored minus one). ``write_back``: also overwrite ``dense``'s
+    linears with the exact weights ``out`` holds, a float32 reference for transformers."""
+    shutil.copytree(dense, out)
+    for f in glob.glob(os.path.join(out, "*.safetensors")):
+        os.remove(f)
+    tensors = {}
+    for f in glob.glob(os.path.join(dense, "*.safetensors")):
+        tensors.update(load_file(f))
+    quantized, gen = {}, torch.Generator().manual_seed(7)
+    for name, w in list(tensors.items()):
+        prefix = name.removesuffix(".weight")
+        if not name.endswith(".weight") or not prefix.endswith(LINEARS) or prefix.endswith(keep):
+            quantized[name] = w
+            continue
+        k = w.shape[1]
+        size = group if group > 0 else k
+        g_idx = torch.arange(k) // size
+        if act_order:
+            g_idx = g_idx[torch.randperm(k, generator=gen)]
+        ints, zeros, scales, exact = quantize(w.float(), sym, g_idx)
+        tensors[name] = exact.contiguous()
+        if method == "awq":
+            quantized |= {f"{prefix}.qweight": pack_awq(ints), f"{prefix}.qzeros": pack_awq(zeros),
+                          f"{prefix}.scales": scales}
+        else:
+            qweight, qzeros = pack_gptq(ints, zeros, v1)
+            quantized |= {f"{prefix}.qweight": qweight, f"{prefix}.qzeros": qzeros, f"{prefix}.scales": scales,
+                          f"{prefix}.g_idx": g_idx.to(torch.int32)}
+    if write_back:
+        save_file(tensors, os.path.join(dense, "model.safetensors"))
+    save_file(quantized, os.path.join(out, "model.safetensors"))
+    with open(os.path.join(out, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = (
+        {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm",
+         "modules_to_not_convert": list(keep) or None} if method == "awq" else
+        {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": sym, "desc_act": act_order,
+         "checkpoint_format": "gptq" if v1 else "gptq_v2"})
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("dense_dir")
+    p.add_argument("out_dir")
+    p.add_argument("--method", choices=("awq", "gptq"), default="awq")
+    p.add_argument("--group-size", type=int, default=128, help="input columns per group; -1: one per row")
+    p.add_argument("--sym", action="store_true", help="symmetric (zero point 8), as GPTQ's sym=True")
+    p.add_argument("--act-order", action="store_true", help="GPTQ desc_act: groups over permuted columns")
+    p.add_argument("--gptq-v2", action="store_true", help="GPTQ checkpoint_format gptq_v2 (zeros as they are)")
+    a = p.parse_args()
+    print(quantize_checkpoint(a.dense_dir, a.out_dir, a.method, a.group_size, a.sym, a.act_order, not a.gptq_v2))
+
+
+if __name__ == "__main__":
+    main()
