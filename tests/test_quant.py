@@ -224,3 +224,21 @@ def test_int4_checkpoint_on_triton_kernels_equals_the_reference(tmp_path, smollm
                                                                                 ignore_eos=True))]
     assert outs["triton"] == outs["reference"]
     assert set(calls) == {"q4_z"}
+
+
+def test_int4_checkpoint_under_tensor_parallel_equals_one_rank(tmp_path, smollm_tokenizer_dir):
+    """TP=2 on the CPU (gloo): each rank keeps its rows of the column-parallel layers and whole blocks
+    of its columns of the row-parallel ones, packed; greedy tokens equal one rank's."""
+    dense = make_tiny_model(str(tmp_path / "dense"), "qwen2", smollm_tokenizer_dir, seed=6)
+    path = quantize_checkpoint(dense, str(tmp_path / "int4"), method="awq", group=32)
+    prompts = [[(5 * i + 11 * j) % 5000 + 3 for j in range(n)] for i, n in enumerate([9, 40, 3])]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    kw = dict(device="cpu", dtype="float32", num_kv_blocks=48, max_model_len=128, max_num_batched_tokens=32)
+    with LLM(path, **kw) as one:
+        want = [o.token_ids for o in one.generate(prompts, params)]
+    with LLM(path, tensor_parallel_size=2, **kw) as two:
+        layer = two.engine.runner.model.layers[0]
+        assert (layer.self_attn.o_proj.packed, layer.mlp.down_proj.packed) == ("q4_z", "q4_z")
+        assert layer.self_attn.o_proj.weight.shape == (64, 32 // 32 * 20)  # half of K=64: one block
+        got = [o.token_ids for o in two.generate(prompts, params)]
+    assert got == want
