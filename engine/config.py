@@ -14,7 +14,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 POLICIES = ("fcfs", "priority", "short-first")  # engine.request_queue has one queue for each
 ASYNC_SCHEDULING = ("auto", "on", "off")
-QUANTIZATIONS = ("awq", "gptq")  # the int4 checkpoints engine.quant reads
+# the int4 checkpoints engine.quant reads (vLLM's names; its Marlin kernels' names mean the same files here)
+QUANTIZATIONS = ("awq", "gptq", "awq_marlin", "gptq_marlin")
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,10 @@ def load_model_config(path: str) -> ModelConfig:
         return ModelConfig.from_hf(*_gguf_config(path))
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
+    for file, method in (("quantize_config.json", "gptq"), ("quant_config.json", "awq")):
+        if not cfg.get("quantization_config") and os.path.isfile(os.path.join(path, file)):
+            with open(os.path.join(path, file)) as f:  # AutoGPTQ's and early AutoAWQ's own files
+                cfg["quantization_config"] = {"quant_method": method} | json.load(f)
     eos = None
     gen = os.path.join(path, "generation_config.json")
     if os.path.isfile(gen):  # generation_config's eos list is the authoritative one (e.g. Llama 3)
@@ -60,8 +64,9 @@ def build_model(path: str, cfg: ModelConfig, max_positions: int, dtype: torch.dt
     else:
         weights = _safetensors_weights(path)
         if cfg.quant is not None:
-            names = _safetensors_names(path)
-            weights = quant.weights(weights, cfg.quant, names, _quant_packing(model, cfg.quant, names))
+            index = _safetensors_index(path)
+            packed = _quant_packing(model, cfg.quant, index, device, dtype)
+            weights = quant.weights(weights, cfg.quant, set(index), packed)
     load_weights(model, weights)
     return model.eval()
 
@@ -103,6 +108,10 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
             elif m := _LAYER.fullmatch(name):
                 layer = model.layers[int(m.group(1))]
                 sub, kind = m.group(2).rsplit(".", 1)  # e.g. "self_attn.q_proj", "weight"
+                if kind == "bias" and getattr(layer.get_submodule(_FUSED.get(sub, (sub,))[0]), "bias", 0) is None:
+                    if w.any():  # GPTQ checkpoints give every int4 layer a bias: all zeros where the model has none
+                        raise ValueError(f"{name}: a nonzero bias, but {model.cfg.model_type} has none there")
+                    continue
                 if sub in _FUSED:
                     path, part = _FUSED[sub]
                     layer.get_submodule(path).load(part, w, kind)
@@ -152,15 +161,25 @@ def _safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def _safetensors_names(path: str) -> set[str]:
-    """Every tensor's name, from the files' headers."""
+def _safetensors_index(path: str) -> dict[str, str]:
+    """Every tensor's name -> its file, from the files' headers."""
     from safetensors import safe_open
 
-    names: set[str] = set()
+    index: dict[str, str] = {}
     for file in _safetensors_files(path):
         with safe_open(file, framework="pt") as f:
-            names.update(f.keys())
-    return names
+            index.update(dict.fromkeys(f.keys(), file))
+    return index
+
+
+def _read(index: dict[str, str], name: str) -> torch.Tensor | None:
+    """One tensor of the checkpoint, or None where it has none of that name."""
+    from safetensors import safe_open
+
+    if name not in index:
+        return None
+    with safe_open(index[name], framework="pt") as f:
+        return f.get_tensor(name)
 
 
 # each layer linear, by the checkpoint layers it fuses
@@ -169,10 +188,18 @@ _LINEARS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self
             "mlp.down_proj": ("mlp.down_proj",)}
 
 
-def _quant_packing(model: LlamaForCausalLM, q: QuantConfig, names: set[str]) -> set[str]:
+def _quant_packing(model: LlamaForCausalLM, q: QuantConfig, index: dict[str, str], device: torch.device,
+                   dtype: torch.dtype) -> set[str]:
     """Keep packed (Q4_Z) every layer linear whose checkpoint layers are all int4 and whose groups
-    are whole blocks (``quant.packs``; under tensor parallelism, a rank's columns too); the others are
-    expanded to floats. Returns the checkpoint prefixes of the packed ones."""
+    are whole blocks (``quant.packs``, which reads their scales and g_idx; under tensor parallelism, a
+    rank's columns too), where a kernel multiplies packed weights: Triton's (CUDA, or the ``triton``
+    backend) or the CPU's C kernel (float32, bfloat16). The others are expanded to floats at load.
+    Returns the checkpoint prefixes of the packed ones."""
+    from kernels.cpu import matmul
+
+    backend = kernels.backend()
+    kernel = backend == "triton" or backend == "auto" and (
+        device.type == "cuda" or matmul.packed_available() and dtype in (torch.float32, torch.bfloat16))
     packed = set()
     for i, layer in enumerate(model.layers):
         for sub, parts in _LINEARS.items():
@@ -180,10 +207,11 @@ def _quant_packing(model: LlamaForCausalLM, q: QuantConfig, names: set[str]) -> 
             prefixes = [f"model.layers.{i}.{p}" for p in parts]
             k = module.weight.shape[1]  # this rank's columns
             full_k = k * module.tp.size if isinstance(module, RowLinear) else k
-            if all(f"{p}.qweight" in names for p in prefixes) and quant.packs(q, full_k) and k % 32 == 0:
+            if kernel and k % 32 == 0 and all(f"{p}.qweight" in index and quant.packs(
+                    q, full_k, _read(index, f"{p}.scales"), _read(index, f"{p}.g_idx")) for p in prefixes):
                 module.pack(quant.FORMAT)
                 packed.update(prefixes)
-    int4 = {n.rsplit(".", 1)[0] for n in names if n.endswith(".qweight")}
+    int4 = {n.rsplit(".", 1)[0] for n in index if n.endswith(".qweight")}
     log.info("%s int4 checkpoint (groups of %s): %d of its %d int4 layers kept packed (Q4_Z, 5 bits a weight), "
              "the others expanded at load", q.method.upper(), q.group_size or "a whole row", len(packed & int4),
              len(int4))

@@ -120,9 +120,10 @@ class ModelRunner:
         dtype = pick_dtype(config, device)
         self.model_cfg = load_model_config(model_path)
         found = self.model_cfg.quant.method if self.model_cfg.quant else None
-        if config.quantization not in (None, found):
-            raise ValueError(f"--quantization {config.quantization}, but {model_path} is "
-                             f"{found.upper() + ' int4' if found else 'not quantized'}")
+        if config.quantization and config.quantization.removesuffix("_marlin") != found:
+            raise ValueError(f"--quantization {config.quantization}, but {model_path} is " + (
+                f"{found.upper()} int4" if found else "a GGUF file (its own quantization)"
+                if model_path.endswith(".gguf") else "not quantized"))
         max_model_len = pick_max_model_len(config, self.model_cfg, device)
         # rank 0 starts the other ranks (one rank: a group of one); a worker brings its group
         self.tp = tp if tp is not None else launch(config, model_path, self.model_cfg, device)

@@ -32,11 +32,16 @@ _AWQ_UNDO = [0, 4, 1, 5, 2, 6, 3, 7]  # output row j of a word sits at nibble _A
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 
 
-def packs(q: QuantConfig, k: int) -> bool:
-    """Whether a layer of ``k`` input columns can be kept as Q4_Z blocks: its groups (in column
-    order) are whole blocks of 32."""
+def packs(q: QuantConfig, k: int, scales: torch.Tensor | None = None, g_idx: torch.Tensor | None = None) -> bool:
+    """Whether a layer of ``k`` input columns can be kept as Q4_Z blocks: its groups are whole blocks
+    of 32 in column order (``g_idx``, where given, agrees) and its ``scales``, where given, are
+    float16 values (a bf16 or float32 checkpoint's may not be)."""
     group = q.group_size or k
-    return not q.act_order and k % 32 == 0 and group % 32 == 0
+    if q.act_order or k % 32 or group % 32:
+        return False
+    if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(k) // group):
+        return False
+    return scales is None or torch.equal(scales.to(torch.float16).to(scales.dtype), scales)
 
 
 def weights(stream: Iterator[tuple[str, torch.Tensor]], q: QuantConfig, names: set[str],
@@ -66,12 +71,10 @@ def convert(layer: str, q: QuantConfig, parts: dict[str, torch.Tensor], pack: bo
         return ((ints - zeros[group_of]) * scales[group_of].float()).t().contiguous()  # (N, K)
     k, n = ints.shape
     group = q.group_size or k
-    if not torch.equal(group_of, torch.arange(k) // group):
-        raise ValueError(f"{layer}: g_idx does not follow the column order, but desc_act is not set")
+    if not packs(q, k, scales, group_of):
+        raise ValueError(f"{layer}: cannot be kept as Q4_Z blocks (its g_idx or scales say so); expand it")
     per_block = torch.arange(k // 32) * 32 // group  # each block's group
     d = scales[per_block].t().to(torch.float16)  # (N, K / 32)
-    if not torch.equal(d.to(scales.dtype), scales[per_block].t()):
-        raise ValueError(f"{layer}: scales in {scales.dtype} that float16 cannot hold exactly")
     z = zeros[per_block].t().to(torch.float16)  # (N, K / 32); small integers: exact
     blocks = ints.t().reshape(n, k // 32, 32).to(torch.uint8)  # (N, K / 32, 32)
     nibbles = blocks[..., :16] | blocks[..., 16:] << 4  # weight j in the low half of byte j, j + 16 in its high

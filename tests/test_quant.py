@@ -4,9 +4,14 @@ blocks or expanded, and served with greedy output equal to transformers' on the 
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import kernels
@@ -120,8 +125,10 @@ def test_act_order_expands_and_refuses_to_pack():
     q, parts, exact = layer_parts("gptq", group=32, act_order=True)
     assert not quant.packs(q, 64)
     assert torch.equal(quant.convert("l", q, parts, pack=False), exact)
-    with pytest.raises(ValueError, match="g_idx does not follow the column order"):
-        quant.convert("l", QuantConfig("gptq", 32, 1, False), parts, pack=True)
+    in_order = QuantConfig("gptq", 32, 1, False)  # desc_act not set, yet the g_idx is shuffled
+    assert quant.packs(in_order, 64) and not quant.packs(in_order, 64, g_idx=parts["g_idx"])
+    with pytest.raises(ValueError, match="cannot be kept as Q4_Z blocks"):
+        quant.convert("l", in_order, parts, pack=True)
 
 
 @pytest.mark.parametrize("edit,error", [
@@ -242,3 +249,91 @@ def test_int4_checkpoint_under_tensor_parallel_equals_one_rank(tmp_path, smollm_
         assert layer.self_attn.o_proj.weight.shape == (64, 32 // 32 * 20)  # half of K=64: one block
         got = [o.token_ids for o in two.generate(prompts, params)]
     assert got == want
+
+
+# ----------------------------------------------------------------------------- what real checkpoints carry
+
+
+@pytest.fixture(scope="module")
+def gptq_pair(tmp_path_factory, smollm_tokenizer_dir) -> tuple[str, str]:
+    """(a dense llama folder holding the exact weights, its GPTQ int4 twin)."""
+    root = tmp_path_factory.mktemp("gptq")
+    dense = make_tiny_model(str(root / "dense"), "llama", smollm_tokenizer_dir, seed=8)
+    return dense, quantize_checkpoint(dense, str(root / "int4"), method="gptq", group=32, write_back=True)
+
+
+def edited(src: str, dst: str, edit) -> str:
+    """A copy of checkpoint folder ``src`` whose tensors ``edit(dict)`` changed (and whose
+    config.json ``edit`` may change through the dict's "config.json" entry)."""
+    shutil.copytree(src, dst)
+    tensors = load_file(os.path.join(dst, "model.safetensors"))
+    with open(os.path.join(dst, "config.json")) as f:
+        tensors["config.json"] = json.load(f)
+    edit(tensors)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(tensors.pop("config.json"), f)
+    save_file(tensors, os.path.join(dst, "model.safetensors"))
+    return dst
+
+
+def greedy(path: str, **kw) -> list[list[int]]:
+    llm = LLM(path, device="cpu", num_kv_blocks=64, max_model_len=128, **({"dtype": "float32"} | kw))
+    prompts = [[(3 * i + 7 * j) % 5000 + 3 for j in range(n)] for i, n in enumerate([6, 30])]
+    return [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0,
+                                                                      ignore_eos=True))]
+
+
+def test_gptq_zero_biases_are_skipped_and_a_real_one_refused(gptq_pair, tmp_path):
+    dense, int4 = gptq_pair
+    want = greedy(dense)
+
+    def biases(value: float):
+        def edit(t: dict) -> None:
+            for name in [n for n in t if n.endswith(".qweight")]:
+                t[name.replace(".qweight", ".bias")] = torch.full((t[name.replace(".qweight", ".scales")].shape[1],),
+                                                                  value, dtype=torch.float16)
+        return edit
+
+    assert greedy(edited(int4, str(tmp_path / "zero"), biases(0.0))) == want
+    with pytest.raises(ValueError, match=r"model\.layers\.\d+\..+\.bias: a nonzero bias, but llama has none"):
+        LLM(edited(int4, str(tmp_path / "one"), biases(1.0)), device="cpu", num_kv_blocks=8)
+
+
+def test_settings_from_autogptqs_quantize_config_json(gptq_pair, tmp_path):
+    dense, int4 = gptq_pair
+
+    def move(t: dict) -> None:
+        settings = t["config.json"].pop("quantization_config")
+        settings.pop("quant_method")
+        with open(tmp_path / "own" / "quantize_config.json", "w") as f:
+            json.dump(settings, f)
+
+    path = edited(int4, str(tmp_path / "own"), move)
+    assert LLM(path, device="cpu", num_kv_blocks=8).engine.runner.model_cfg.quant.method == "gptq"
+    assert greedy(path) == greedy(dense)
+
+
+def test_layers_that_cannot_be_exact_blocks_are_expanded(gptq_pair, tmp_path):
+    """Scales float16 cannot hold (a bf16 one too small), and float16 on the CPU (no C kernel for it):
+    expanded at load, the same tokens."""
+    dense, int4 = gptq_pair
+    name = "model.layers.1.mlp.down_proj.scales"
+
+    def tiny_scale(t: dict) -> None:
+        t[name] = t[name].bfloat16()
+        t[name][0, 0] = 3e-7
+
+    path = edited(int4, str(tmp_path / "bf16"), tiny_scale)
+    llm = LLM(path, device="cpu", dtype="float32", num_kv_blocks=8)
+    assert [layer.mlp.down_proj.packed for layer in llm.engine.runner.model.layers] == ["q4_z", None]
+    half = LLM(int4, device="cpu", dtype="float16", num_kv_blocks=8)
+    assert {layer.mlp.down_proj.packed for layer in half.engine.runner.model.layers} == {None}
+
+
+def test_quantization_flag_is_checked_against_the_checkpoint(gptq_pair, default_gguf):
+    _, int4 = gptq_pair
+    assert LLM(int4, device="cpu", num_kv_blocks=8, quantization="gptq_marlin").engine.runner.model_cfg.quant
+    with pytest.raises(ValueError, match=f"--quantization awq, but {int4} is GPTQ int4"):
+        LLM(int4, device="cpu", num_kv_blocks=8, quantization="awq")
+    with pytest.raises(ValueError, match="is a GGUF file"):
+        LLM(device="cpu", num_kv_blocks=8, quantization="gptq")

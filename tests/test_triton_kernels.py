@@ -192,7 +192,9 @@ def packed_weight(fmt: str, n: int, k: int) -> torch.Tensor:
     return blocks.reshape(n, -1).to(DEVICE)
 
 
-PACKED_CASES = [(F32, 1, 40, 64), (F32, 17, 33, 96), (BF16, 5, 64, 32), (F16, 3, 31, 64), (F32, 130, 8, 32)]
+# the last two: more rows than EXPAND_ROWS (the weight expanded once, then torch's GEMM)
+PACKED_CASES = [(F32, 1, 40, 64), (F32, 17, 33, 96), (BF16, 5, 64, 32), (F16, 3, 31, 64), (F32, 130, 8, 32),
+                (BF16, 140, 40, 64)]
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "q4_z"])

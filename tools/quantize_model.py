@@ -38,6 +38,8 @@ def quantize(w: torch.Tensor, sym: bool, g_idx: torch.Tensor):
         else:
             lo, hi = cols.amin(1).clamp(max=0), cols.amax(1).clamp(min=0)
             s = (hi - lo) / 15
+        s = torch.where(s.half() > 0, s, 1.0)  # an all-zero group (or one too small for fp16): any scale
+        if not sym:
             z = torch.round(-lo / s.half().float()).clamp(0, 15)
         scales[g], zeros[g] = s.half(), z
     s, z = scales.float()[g_idx].t(), zeros[g_idx].t()  # (N, K)
@@ -56,7 +58,8 @@ def pack_awq(ints: torch.Tensor) -> torch.Tensor:
 
 def pack_gptq(ints: torch.Tensor, zeros: torch.Tensor, v1: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """AutoGPTQ's QuantLinear.pack: qweight (K / 8, N), eight input columns to a word in order; qzeros
-    (groups, N / 8), stored minus one in the original format (so a zero of 0 wraps to 15)."""
+    (groups, N / 8), stored minus one in the original format (so a zero of 0 wraps to 15: masked to its
+    nibble here, where AutoGPTQ's uint32 arithmetic lets it spill into the nibbles above)."""
     qweight = torch.zeros(ints.shape[0] // 8, ints.shape[1], dtype=torch.int64)
     for row in range(qweight.shape[0]):
         for j in range(8):
@@ -82,7 +85,7 @@ def quantize_checkpoint(dense: str, out: str, method: str = "awq", group: int = 
     GPTQ's original format, zero points stored minus one). ``write_back``: also overwrite ``dense``'s
     linears with the exact weights ``out`` holds, a float32 reference for transformers."""
     shutil.copytree(dense, out)
-    for f in glob.glob(os.path.join(out, "*.safetensors")):
+    for f in glob.glob(os.path.join(out, "*.safetensors*")):  # the weights, and a sharded folder's index
         os.remove(f)
     tensors = {}
     for f in glob.glob(os.path.join(dense, "*.safetensors")):

@@ -23,7 +23,7 @@ from kernels.triton.activation import _silu_and_mul_kernel
 from kernels.triton.attention_decode import _decode_kernel, _merge_splits_kernel
 from kernels.triton.attention_prefill import _prefill_kernel
 from kernels.triton.kv_store import _store_kvcache_kernel
-from kernels.triton.linear_packed import BLOCK_N, FORMATS, _linear_packed_kernel
+from kernels.triton.linear_packed import BLOCK_N, FORMATS, _dequantize_kernel, _linear_packed_kernel, _quants
 from kernels.triton.norm import _rms_norm_kernel
 from kernels.triton.rope import _rope_kernel
 
@@ -79,9 +79,12 @@ def variants(everything: bool):
     for dt in dtypes:
         for (fmt, number), block_m in itertools.product(FORMATS.items(), (16, 32)):
             yield (_linear_packed_kernel, {"x_ptr": f"*{dt}", "w_ptr": "*u8", "b_ptr": f"*{dt}", "y_ptr": f"*{dt}"},
-                   dict(FMT=number, BLOCK_BYTES=PACKED_BLOCK_BYTES[fmt], QUANTS=2 if fmt in ("q4_0", "q8_0") else 4,
+                   dict(FMT=number, BLOCK_BYTES=PACKED_BLOCK_BYTES[fmt], QUANTS=_quants(fmt),
                         HAS_BIAS=True, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
                         PRECISION="ieee" if dt == "fp32" else "tf32", DOT_F32=False), ())
+            if block_m == 16:
+                yield (_dequantize_kernel, {"w_ptr": "*u8", "out_ptr": f"*{dt}"},
+                       dict(FMT=number, BLOCK_BYTES=PACKED_BLOCK_BYTES[fmt], QUANTS=_quants(fmt), BLOCK_N=BLOCK_N), ())
 
 
 def main(argv: list[str]) -> int:

@@ -35,6 +35,37 @@ def _half(p, mask):
 
 
 @triton.jit
+def _expand(blk, ok, FMT: tl.constexpr, QUANTS: tl.constexpr):
+    """The blocks at byte pointers ``blk`` (BLOCK_N,), where ``ok``, as float32 (32, BLOCK_N): exact."""
+    j = tl.arange(0, 32)[:, None]  # a block's weights
+    d = _half(blk, ok)[None, :]  # (1, BLOCK_N)
+    if FMT == 2:  # Q8_0: d q, q int8
+        q = tl.load(blk[None, :] + QUANTS + j, mask=ok[None, :], other=0)
+        return d * q.to(tl.int8, bitcast=True).to(tl.float32)
+    # 4-bit: weight j in the low half of byte j % 16 for j < 16, in the high half after
+    byte = tl.load(blk[None, :] + QUANTS + j % 16, mask=ok[None, :], other=0).to(tl.int32)
+    q = ((byte >> (j // 16 * 4)) & 15).to(tl.float32)
+    if FMT == 0:  # Q4_0: d (q - 8)
+        return d * (q - 8.0)
+    if FMT == 1:  # Q4_1: d q + m
+        return d * q + _half(blk + 2, ok)[None, :]
+    return d * (q - _half(blk + 2, ok)[None, :])  # Q4_Z: d (q - z)
+
+
+@triton.jit
+def _dequantize_kernel(w_ptr, out_ptr, N, K, row_bytes, FMT: tl.constexpr, BLOCK_BYTES: tl.constexpr,
+                       QUANTS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Block tl.program_id(1) of BLOCK_N rows of W, expanded into out (N, K) in out's dtype."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    b = tl.program_id(1)
+    ok = cols < N
+    w = _expand(w_ptr + cols.to(tl.int64) * row_bytes + b * BLOCK_BYTES, ok, FMT, QUANTS)  # (32, BLOCK_N)
+    k = b * 32 + tl.arange(0, 32)[:, None]
+    out = out_ptr + cols.to(tl.int64)[None, :] * K + k
+    tl.store(out, w.to(out_ptr.dtype.element_ty), mask=ok[None, :])
+
+
+@triton.jit
 def _linear_packed_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_y, row_bytes,
                           FMT: tl.constexpr, BLOCK_BYTES: tl.constexpr, QUANTS: tl.constexpr, HAS_BIAS: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
@@ -48,21 +79,7 @@ def _linear_packed_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_
     blocks = w_ptr + cols.to(tl.int64) * row_bytes  # (BLOCK_N,): each W row's first block
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for b in range(0, K // 32):
-        blk = blocks + b * BLOCK_BYTES
-        d = _half(blk, col_ok)[None, :]  # (1, BLOCK_N)
-        if FMT == 2:  # Q8_0: d q, q int8
-            q = tl.load(blk[None, :] + QUANTS + j[:, None], mask=col_ok[None, :], other=0)
-            w = d * q.to(tl.int8, bitcast=True).to(tl.float32)  # (32, BLOCK_N)
-        else:  # 4-bit: weight j in the low half of byte j % 16 for j < 16, in the high half after
-            qs = blk[None, :] + QUANTS + (j[:, None] % 16)
-            byte = tl.load(qs, mask=col_ok[None, :], other=0).to(tl.int32)
-            q = ((byte >> ((j[:, None] // 16) * 4)) & 15).to(tl.float32)  # (32, BLOCK_N)
-            if FMT == 0:  # Q4_0: d (q - 8)
-                w = d * (q - 8.0)
-            elif FMT == 1:  # Q4_1: d q + m
-                w = d * q + _half(blk + 2, col_ok)[None, :]
-            else:  # Q4_Z: d (q - z)
-                w = d * (q - _half(blk + 2, col_ok)[None, :])
+        w = _expand(blocks + b * BLOCK_BYTES, col_ok, FMT, QUANTS)  # (32, BLOCK_N)
         x = tl.load(x_rows + b * 32 + j[None, :], mask=row_ok[:, None], other=0.0)  # (BLOCK_M, 32)
         w = w.to(dtype)
         if DOT_F32:  # the interpreter (``attention_common.dot_args``)
@@ -93,8 +110,13 @@ def linear_packed(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.T
         check_tensor("bias", bias, 1, (x.dtype,))
         require(bias.shape == (n,), f"bias must be ({n},), got {tuple(bias.shape)}")
     m = x2.shape[0]
-    if m > EXPAND_ROWS:
-        return F.linear(x, reference.dequantize(weight, fmt).to(x.dtype), bias)
+    if m > EXPAND_ROWS:  # the weight expanded once, straight into x's dtype
+        dense = torch.empty(n, k, dtype=x.dtype, device=x.device)
+        if n and k:
+            _dequantize_kernel[(triton.cdiv(n, BLOCK_N), k // 32)](
+                weight, dense, n, k, weight.shape[1], FMT=FORMATS[fmt], BLOCK_BYTES=block, QUANTS=_quants(fmt),
+                BLOCK_N=BLOCK_N)
+        return F.linear(x, dense, bias)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y.view(*x.shape[:-1], n)
@@ -102,6 +124,11 @@ def linear_packed(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.T
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, BLOCK_N))
     _linear_packed_kernel[grid](
         x2, weight, bias if bias is not None else weight, y, m, n, k, x2.stride(0), y.stride(0), weight.shape[1],
-        FMT=FORMATS[fmt], BLOCK_BYTES=block, QUANTS=2 if fmt in ("q4_0", "q8_0") else 4, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        FMT=FORMATS[fmt], BLOCK_BYTES=block, QUANTS=_quants(fmt), HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
         **dot_args(x))
     return y.view(*x.shape[:-1], n)
+
+
+def _quants(fmt: str) -> int:
+    """Where a block's integers start: after its scale, and Q4_1's minimum or Q4_Z's zero point."""
+    return 2 if fmt in ("q4_0", "q8_0") else 4
