@@ -1,7 +1,7 @@
 """On CUDA only (skipped elsewhere): greedy parity with transformers on the same GPU and weights, token
 for token in fp32 and within a logit tolerance in bf16; and the KV sizing pass (the profiling forward,
-``measured_cuda_budget``) on a real device. The Triton kernels' own tests run compiled on CUDA in
-``tests/test_triton_kernels.py``.
+``measured_cuda_budget``) on a real device; int4 checkpoints the same way. The Triton kernels' own
+tests run compiled on CUDA in ``tests/test_triton_kernels.py``.
 
 Parity is checked teacher-forced: transformers scores the prompt followed by tokenmill's tokens in one
 forward, and each token's logit must be the top one (fp32), or within ``BF16_TOL`` of it (bf16, where
@@ -17,6 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
+from tools.quantize_model import quantize_checkpoint
 from tools.random_model import build, build_shape
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -72,6 +73,22 @@ def test_bf16_greedy_tracks_transformers(shape, tmp_path):
     for prompt, out in zip(PROMPTS, outs, strict=True):
         gaps, top = logit_gaps(hf, prompt, out)
         assert (gaps <= BF16_TOL * top.abs().clamp(min=1.0)).all(), (prompt, out, gaps.tolist())
+    free_gpu()
+
+
+@pytest.mark.parametrize("method,dtype", [("awq", "float32"), ("gptq", "float32"), ("awq", "bfloat16")])
+def test_int4_greedy_tracks_transformers_on_its_weights(method, dtype, tmp_path):
+    """An int4 checkpoint (``tools/quantize_model.py``) kept as Q4_Z blocks: decode steps through
+    ``kernels/triton/linear_packed.py`` in CUDA graphs, the prompts' step (145 rows) through its
+    expansion; transformers runs the dense folder holding the same weights."""
+    dense = build(str(tmp_path / "dense"), "qwen2", torch.float32, seed=3, **TINY)
+    int4 = quantize_checkpoint(dense, str(tmp_path / "int4"), method, group=32, write_back=True)
+    outs = generate(int4, dtype)
+    hf = AutoModelForCausalLM.from_pretrained(dense, dtype=getattr(torch, dtype)).to("cuda").eval()
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        gaps, top = logit_gaps(hf, prompt, out)
+        tol = 0.0 if dtype == "float32" else BF16_TOL * top.abs().clamp(min=1.0)
+        assert (gaps <= tol).all(), (prompt, out, gaps.tolist())
     free_gpu()
 
 
