@@ -108,6 +108,9 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
             elif m := _LAYER.fullmatch(name):
                 layer = model.layers[int(m.group(1))]
                 sub, kind = m.group(2).rsplit(".", 1)  # e.g. "self_attn.q_proj", "weight"
+                if kind == "g_perm":  # an act-order int4 layer's column order (engine.quant)
+                    layer.get_submodule(_FUSED.get(sub, (sub,))[0]).set_perm(w)
+                    continue
                 if kind == "bias" and getattr(layer.get_submodule(_FUSED.get(sub, (sub,))[0]), "bias", 0) is None:
                     if w.any():  # GPTQ checkpoints give every int4 layer a bias: all zeros where the model has none
                         raise ValueError(f"{name}: a nonzero bias, but {model.cfg.model_type} has none there")
@@ -188,6 +191,18 @@ _LINEARS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self
             "mlp.down_proj": ("mlp.down_proj",)}
 
 
+def _packable(q: QuantConfig, index: dict[str, str], prefixes: list[str], k: int, split: bool) -> bool:
+    """Whether the checkpoint layers ``prefixes``, fused into one of ``k`` input columns (``split``
+    over the tensor-parallel ranks), are all int4 and can be kept as Q4_Z blocks (``quant.packs``)."""
+    if not all(f"{p}.qweight" in index for p in prefixes):
+        return False
+    g_idx = [_read(index, f"{p}.g_idx") for p in prefixes]
+    if q.act_order and any(g is None or not torch.equal(g, g_idx[0]) for g in g_idx):
+        return False  # fused parts gather their one input in one order
+    return all(quant.packs(q, k, _read(index, f"{p}.scales"), g, permutable=not split)
+               for p, g in zip(prefixes, g_idx, strict=True))
+
+
 def _quant_packing(model: LlamaForCausalLM, q: QuantConfig, index: dict[str, str], device: torch.device,
                    dtype: torch.dtype) -> set[str]:
     """Keep packed (Q4_Z) every layer linear whose checkpoint layers are all int4 and whose groups
@@ -206,9 +221,8 @@ def _quant_packing(model: LlamaForCausalLM, q: QuantConfig, index: dict[str, str
             module = layer.get_submodule(sub)
             prefixes = [f"model.layers.{i}.{p}" for p in parts]
             k = module.weight.shape[1]  # this rank's columns
-            full_k = k * module.tp.size if isinstance(module, RowLinear) else k
-            if kernel and k % 32 == 0 and all(f"{p}.qweight" in index and quant.packs(
-                    q, full_k, _read(index, f"{p}.scales"), _read(index, f"{p}.g_idx")) for p in prefixes):
+            split = isinstance(module, RowLinear) and module.tp.size > 1  # x's columns are over the ranks
+            if kernel and k % 32 == 0 and _packable(q, index, prefixes, k * module.tp.size if split else k, split):
                 module.pack(quant.FORMAT)
                 packed.update(prefixes)
     int4 = {n.rsplit(".", 1)[0] for n in index if n.endswith(".qweight")}

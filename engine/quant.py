@@ -12,10 +12,12 @@ input columns — and for GPTQ ``g_idx`` (each input column's group). A weight i
   order, stored minus one in the original format (``QuantConfig.zero_offset``); scales (K / G, N);
   g_idx (K).
 
-A layer whose groups are whole blocks of 32 columns in order (``packs``) becomes Q4_Z blocks
+A layer whose groups are whole blocks of 32 columns (``packs``) becomes Q4_Z blocks
 (``kernels.reference.dequantize``: a block's scale and zero point as fp16, then its 32 integers):
 5 bits a weight against AWQ's ~4.25, every weight exact, multiplied as it is by the CPU's and
-Triton's packed kernels. Any other (act-order GPTQ, groups of 16) is expanded to floats at load.
+Triton's packed kernels. Act-order GPTQ's groups are scattered over the columns: its columns are
+kept sorted by group (``permutation``), and the layer gathers its input in that order. Any other
+(groups of 16, act-order split over tensor-parallel ranks) is expanded to floats at load.
 """
 
 from __future__ import annotations
@@ -32,23 +34,34 @@ _AWQ_UNDO = [0, 4, 1, 5, 2, 6, 3, 7]  # output row j of a word sits at nibble _A
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 
 
-def packs(q: QuantConfig, k: int, scales: torch.Tensor | None = None, g_idx: torch.Tensor | None = None) -> bool:
+def packs(q: QuantConfig, k: int, scales: torch.Tensor | None = None, g_idx: torch.Tensor | None = None,
+          permutable: bool = True) -> bool:
     """Whether a layer of ``k`` input columns can be kept as Q4_Z blocks: its groups are whole blocks
-    of 32 in column order (``g_idx``, where given, agrees) and its ``scales``, where given, are
-    float16 values (a bf16 or float32 checkpoint's may not be)."""
+    of 32 in column order (``g_idx``, where given, agrees), or under act-order (whose ``g_idx`` must be
+    given, and the layer ``permutable``: its whole input on this rank) in the order of ``permutation``;
+    and its ``scales``, where given, are float16 values (a bf16 or float32 checkpoint's may not be)."""
     group = q.group_size or k
-    if q.act_order or k % 32 or group % 32:
+    if k % 32 or group % 32 or q.act_order and (g_idx is None or not permutable):
         return False
-    if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(k) // group):
-        return False
+    if g_idx is not None:
+        order = g_idx.long().sort().values if q.act_order else g_idx.long()
+        if not torch.equal(order, torch.arange(k) // group):  # every group `group` columns, in order
+            return False
     return scales is None or torch.equal(scales.to(torch.float16).to(scales.dtype), scales)
+
+
+def permutation(g_idx: torch.Tensor) -> torch.Tensor:
+    """Act-order's columns sorted by group (stable): the kept layer's column i is the checkpoint's
+    column perm[i], so the layer multiplies x[..., perm]."""
+    return torch.sort(g_idx.long(), stable=True).indices
 
 
 def weights(stream: Iterator[tuple[str, torch.Tensor]], q: QuantConfig, names: set[str],
             packed: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """``stream`` with each quantized layer's parts replaced by one ``PREFIX.weight``: Q4_Z rows
-    (N, K / 32 * 20) uint8 for the prefixes in ``packed``, else float32 (N, K). ``names``: every
-    tensor name in the checkpoint (to know when a layer's parts are all in)."""
+    (N, K / 32 * 20) uint8 for the prefixes in ``packed`` (act-order ones followed by their
+    ``PREFIX.g_perm``, ``permutation``), else float32 (N, K). ``names``: every tensor name in the
+    checkpoint (to know when a layer's parts are all in)."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, t in stream:
         prefix, _, part = name.rpartition(".")
@@ -60,12 +73,15 @@ def weights(stream: Iterator[tuple[str, torch.Tensor]], q: QuantConfig, names: s
         if all(f"{prefix}.{p}" not in names or p in parts for p in PARTS):
             del pending[prefix]
             yield f"{prefix}.weight", convert(prefix, q, parts, prefix in packed)
+            if prefix in packed and q.act_order:
+                yield f"{prefix}.g_perm", permutation(parts["g_idx"])
     if pending:
         raise ValueError(f"{next(iter(pending))}: qweight, qzeros and scales must all be in the checkpoint")
 
 
 def convert(layer: str, q: QuantConfig, parts: dict[str, torch.Tensor], pack: bool) -> torch.Tensor:
-    """One layer's parts -> Q4_Z rows (``pack``) or float32 (N, K)."""
+    """One layer's parts -> Q4_Z rows (``pack``; act-order's columns in ``permutation``'s order) or
+    float32 (N, K)."""
     ints, zeros, scales, group_of = unpack(layer, q, parts)
     if not pack:
         return ((ints - zeros[group_of]) * scales[group_of].float()).t().contiguous()  # (N, K)
@@ -73,6 +89,9 @@ def convert(layer: str, q: QuantConfig, parts: dict[str, torch.Tensor], pack: bo
     group = q.group_size or k
     if not packs(q, k, scales, group_of):
         raise ValueError(f"{layer}: cannot be kept as Q4_Z blocks (its g_idx or scales say so); expand it")
+    if q.act_order:
+        perm = permutation(group_of)
+        ints, group_of = ints[perm], group_of[perm]
     per_block = torch.arange(k // 32) * 32 // group  # each block's group
     d = scales[per_block].t().to(torch.float16)  # (N, K / 32)
     z = zeros[per_block].t().to(torch.float16)  # (N, K / 32); small integers: exact

@@ -169,24 +169,29 @@ def test_a_rank_keeps_whole_blocks_of_a_packed_row_parallel_layer():
 # ----------------------------------------------------------------------------- served
 
 
-CASES = {  # name: (arch, quantize_checkpoint's arguments, the linears expected packed)
+CASES = {  # name: (arch, quantize_checkpoint's arguments, whether the fused gate|up layer is kept packed)
     "awq": ("llama", dict(method="awq", group=32), True),
     "awq-qwen2-bias": ("qwen2", dict(method="awq", group=64), True),
     "gptq-sym": ("llama", dict(method="gptq", group=32, sym=True), True),
     "gptq-v2-per-row": ("llama", dict(method="gptq", group=-1, v1=False), True),
-    "gptq-act-order": ("llama", dict(method="gptq", group=32, act_order=True), False),
+    "gptq-act-order": ("llama", dict(method="gptq", group=32, act_order=True), True),
+    # gate and up each in its own column order: they cannot share one gathered input
+    "gptq-act-order-unshared": ("llama", dict(method="gptq", group=32, act_order=True, shared_order=False), False),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_int4_checkpoints_match_transformers_on_their_weights(case, tmp_path, smollm_tokenizer_dir):
-    arch, how, packed = CASES[case]
+    arch, how, fused_packed = CASES[case]
     dense = make_tiny_model(str(tmp_path / "dense"), arch, smollm_tokenizer_dir, seed=3)
     quantize_checkpoint(dense, str(tmp_path / "int4"), **how, write_back=True)
     hf = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
     llm = LLM(str(tmp_path / "int4"), device="cpu", dtype="float32", num_kv_blocks=256, max_model_len=512)
-    model = llm.engine.runner.model
-    assert {layer.mlp.down_proj.packed for layer in model.layers} == {"q4_z" if packed else None}
+    for layer in llm.engine.runner.model.layers:
+        assert (layer.mlp.down_proj.packed, layer.mlp.gate_up_proj.packed) == ("q4_z", "q4_z" if fused_packed else None)
+        act_order = how.get("act_order", False)
+        assert (layer.mlp.down_proj.perm is not None, layer.mlp.gate_up_proj.perm is not None) == \
+            (act_order, act_order and fused_packed)
     check_parity(llm, hf, llm.tokenizer, PROMPTS, n=24)
 
 
@@ -233,11 +238,14 @@ def test_int4_checkpoint_on_triton_kernels_equals_the_reference(tmp_path, smollm
     assert set(calls) == {"q4_z"}
 
 
-def test_int4_checkpoint_under_tensor_parallel_equals_one_rank(tmp_path, smollm_tokenizer_dir):
+@pytest.mark.parametrize("act_order", [False, True], ids=["awq", "gptq-act-order"])
+def test_int4_checkpoint_under_tensor_parallel_equals_one_rank(act_order, tmp_path, smollm_tokenizer_dir):
     """TP=2 on the CPU (gloo): each rank keeps its rows of the column-parallel layers and whole blocks
-    of its columns of the row-parallel ones, packed; greedy tokens equal one rank's."""
+    of its columns of the row-parallel ones, packed (act-order: those expanded, their input split over
+    the ranks); greedy tokens equal one rank's."""
     dense = make_tiny_model(str(tmp_path / "dense"), "qwen2", smollm_tokenizer_dir, seed=6)
-    path = quantize_checkpoint(dense, str(tmp_path / "int4"), method="awq", group=32)
+    path = quantize_checkpoint(dense, str(tmp_path / "int4"), method="gptq" if act_order else "awq", group=32,
+                               act_order=act_order)
     prompts = [[(5 * i + 11 * j) % 5000 + 3 for j in range(n)] for i, n in enumerate([9, 40, 3])]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     kw = dict(device="cpu", dtype="float32", num_kv_blocks=48, max_model_len=128, max_num_batched_tokens=32)
@@ -245,8 +253,12 @@ def test_int4_checkpoint_under_tensor_parallel_equals_one_rank(tmp_path, smollm_
         want = [o.token_ids for o in one.generate(prompts, params)]
     with LLM(path, tensor_parallel_size=2, **kw) as two:
         layer = two.engine.runner.model.layers[0]
-        assert (layer.self_attn.o_proj.packed, layer.mlp.down_proj.packed) == ("q4_z", "q4_z")
-        assert layer.self_attn.o_proj.weight.shape == (64, 32 // 32 * 20)  # half of K=64: one block
+        assert layer.self_attn.qkv_proj.packed == "q4_z"
+        if act_order:
+            assert (layer.self_attn.o_proj.packed, layer.mlp.down_proj.packed) == (None, None)
+        else:
+            assert (layer.self_attn.o_proj.packed, layer.mlp.down_proj.packed) == ("q4_z", "q4_z")
+            assert layer.self_attn.o_proj.weight.shape == (64, 32 // 32 * 20)  # half of K=64: one block
         got = [o.token_ids for o in two.generate(prompts, params)]
     assert got == want
 

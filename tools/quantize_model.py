@@ -16,6 +16,7 @@ import glob
 import json
 import os
 import shutil
+import zlib
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -79,18 +80,19 @@ def _int32(t: torch.Tensor) -> torch.Tensor:
 
 def quantize_checkpoint(dense: str, out: str, method: str = "awq", group: int = 128, sym: bool = False,
                         act_order: bool = False, v1: bool = True, keep: tuple[str, ...] = (),
-                        write_back: bool = False) -> str:
+                        write_back: bool = False, shared_order: bool = True) -> str:
     """Write ``out``: ``dense``'s model with every layer linear but ``keep``'s quantized (``group`` -1:
-    one group per row; ``act_order``: GPTQ's groups over a random permutation of the columns; ``v1``:
-    GPTQ's original format, zero points stored minus one). ``write_back``: also overwrite ``dense``'s
-    linears with the exact weights ``out`` holds, a float32 reference for transformers."""
+    one group per row; ``act_order``: GPTQ's groups over a random permutation of the columns, the same
+    for the layers reading one input, as GPTQ's one Hessian per input gives, unless ``shared_order`` is
+    false; ``v1``: GPTQ's original format, zero points stored minus one). ``write_back``: also overwrite
+    ``dense``'s linears with the exact weights ``out`` holds, a float32 reference for transformers."""
     shutil.copytree(dense, out)
     for f in glob.glob(os.path.join(out, "*.safetensors*")):  # the weights, and a sharded folder's index
         os.remove(f)
     tensors = {}
     for f in glob.glob(os.path.join(dense, "*.safetensors")):
         tensors.update(load_file(f))
-    quantized, gen = {}, torch.Generator().manual_seed(7)
+    quantized = {}
     for name, w in list(tensors.items()):
         prefix = name.removesuffix(".weight")
         if not name.endswith(".weight") or not prefix.endswith(LINEARS) or prefix.endswith(keep):
@@ -99,8 +101,10 @@ def quantize_checkpoint(dense: str, out: str, method: str = "awq", group: int = 
         k = w.shape[1]
         size = group if group > 0 else k
         g_idx = torch.arange(k) // size
-        if act_order:
-            g_idx = g_idx[torch.randperm(k, generator=gen)]
+        if act_order:  # q|k|v read one input, gate|up another
+            reads = prefix.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
+            seed = zlib.crc32((reads if shared_order else prefix).encode())
+            g_idx = g_idx[torch.randperm(k, generator=torch.Generator().manual_seed(seed))]
         ints, zeros, scales, exact = quantize(w.float(), sym, g_idx)
         tensors[name] = exact.contiguous()
         if method == "awq":

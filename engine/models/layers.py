@@ -33,6 +33,17 @@ class Packable(nn.Module):
     along K whole blocks (K a multiple of 32 per rank)."""
 
     packed: str | None = None
+    perm: torch.Tensor | None = None  # act-order int4: the input's columns in the order the weight keeps them
+
+    def set_perm(self, perm: torch.Tensor) -> None:
+        """Multiply ``x[..., perm]`` (``engine.quant.permutation``); every fused part must agree."""
+        perm = perm.to(self.weight.device)
+        if self.perm is not None and not torch.equal(self.perm, perm):
+            raise ValueError("the fused parts of a layer must share one act-order permutation")
+        self.perm = perm
+
+    def inputs(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.perm is None else x.index_select(-1, self.perm)
 
     def pack(self, fmt: str) -> None:
         rows, k = self.weight.shape
@@ -70,7 +81,7 @@ class ColumnLinear(Packable):
         getattr(self, kind)[start:start + n].copy_(tensor.narrow(0, self.starts[part], n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(x, self.weight, self.bias, self.packed)
+        return kernels.linear(self.inputs(x), self.weight, self.bias, self.packed)
 
 
 class RowLinear(Packable):
@@ -93,7 +104,7 @@ class RowLinear(Packable):
         getattr(self, kind).copy_(tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(kernels.linear(x, self.weight, packed=self.packed))
+        y = self.tp.all_reduce(kernels.linear(self.inputs(x), self.weight, packed=self.packed))
         return y if self.bias is None else y + self.bias
 
 
