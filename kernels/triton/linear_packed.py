@@ -124,8 +124,8 @@ def linear_packed(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.T
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, BLOCK_N))
     _linear_packed_kernel[grid](
         x2, weight, bias if bias is not None else weight, y, m, n, k, x2.stride(0), y.stride(0), weight.shape[1],
-        FMT=FORMATS[fmt], BLOCK_BYTES=block, QUANTS=_quants(fmt), HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-        **dot_args(x))
+        FMT=FORMATS[fmt], BLOCK_BYTES=block, QUANTS=_quants(fmt), HAS_BIAS=bias is not None, BLOCK_M=block_m,
+        BLOCK_N=BLOCK_N, **dot_args(x))
     return y.view(*x.shape[:-1], n)
 
 
