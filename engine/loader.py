@@ -108,11 +108,12 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
             elif m := _LAYER.fullmatch(name):
                 layer = model.layers[int(m.group(1))]
                 sub, kind = m.group(2).rsplit(".", 1)  # e.g. "self_attn.q_proj", "weight"
+                target = layer.get_submodule(_FUSED[sub][0] if sub in _FUSED else sub)
                 if kind == "g_perm":  # an act-order int4 layer's column order (engine.quant)
-                    layer.get_submodule(_FUSED.get(sub, (sub,))[0]).set_perm(w)
+                    target.set_perm(w)
                     continue
-                if kind == "bias" and getattr(layer.get_submodule(_FUSED.get(sub, (sub,))[0]), "bias", 0) is None:
-                    if w.any():  # GPTQ checkpoints give every int4 layer a bias: all zeros where the model has none
+                if kind == "bias" and getattr(target, "bias", 0) is None:
+                    if w.any():  # GPTQ gives every int4 layer a bias: all zeros where the model has none
                         raise ValueError(f"{name}: a nonzero bias, but {model.cfg.model_type} has none there")
                     continue
                 if sub in _FUSED:
