@@ -349,3 +349,23 @@ def test_quantization_flag_is_checked_against_the_checkpoint(gptq_pair, default_
         LLM(int4, device="cpu", num_kv_blocks=8, quantization="awq")
     with pytest.raises(ValueError, match="is a GGUF file"):
         LLM(device="cpu", num_kv_blocks=8, quantization="gptq")
+
+
+def test_serve_an_act_order_gptq_checkpoint_to_the_openai_client(tmp_path, smollm_tokenizer_dir):
+    """``tokenmill serve -q gptq`` on an act-order GPTQ folder: the official client streams the
+    offline greedy text, and the start-up log says what was kept packed."""
+    from tests.test_server_e2e import Server, openai_client
+
+    dense = make_tiny_model(str(tmp_path / "dense"), "llama", smollm_tokenizer_dir, seed=9)
+    path = quantize_checkpoint(dense, str(tmp_path / "int4"), method="gptq", group=32, act_order=True)
+    llm = LLM(path, device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=256)
+    want = llm.generate(["The capital of France is"], SamplingParams(max_tokens=12, temperature=0.0))[0].text
+    server = Server("--model", path, "--served-model-name", "int4", "-q", "gptq", "--dtype", "float32",
+                    "--max-model-len", "256")
+    try:
+        stream = openai_client(server).completions.create(model="int4", prompt="The capital of France is",
+                                                          max_tokens=12, temperature=0.0, stream=True)
+        assert "".join(c.choices[0].text for c in stream) == want
+        assert "GPTQ int4 checkpoint (groups of 32): 14 of its 14 int4 layers kept packed" in server.log()
+    finally:
+        server.close()
