@@ -212,6 +212,19 @@ def test_triton_linear_packed_matches_reference(fmt, dtype, m, n, k, poison):
     assert tri.linear_packed(x.view(1, m, k), w, fmt).shape == (1, m, n)  # leading dims kept
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_triton_linear_packed_split_k_agrees(dtype, poison):
+    """K's blocks split over several programs per tile (their float32 sums added after), as a decode
+    step's narrow layers are on a large GPU: the same result as one pass, to float32 rounding."""
+    w, x, bias = packed_weight("q4_z", 40, 224), randn(3, 224, dtype=dtype), randn(40, dtype=dtype)
+    one = tri.linear_packed(x, w, "q4_z", bias, num_splits=1)
+    torch.testing.assert_close(one.float(), ref.linear_packed(x, w, "q4_z", bias).float(),
+                               **(TOL[dtype] if dtype == F32 else dict(rtol=2e-2, atol=1e-2 * float(one.abs().max()))))
+    for splits in (2, 3, 7, 50):  # 50: more splits than the 7 blocks, so fewer are made
+        many = tri.linear_packed(x, w, "q4_z", bias, num_splits=splits)
+        torch.testing.assert_close(many, one, rtol=1e-5 if dtype == F32 else 1e-2, atol=1e-5 if dtype == F32 else 1e-2)
+
+
 def test_triton_linear_packed_refuses():
     w = packed_weight("q4_z", 4, 64)
     with pytest.raises(ValueError, match="unknown packed format"):

@@ -117,19 +117,20 @@ def cases(model: str, batch: int, contexts: list[int], prefill: tuple[int, int])
         yield Case("silu_and_mul", model, f"T={n}", 3 * n * inter * ELT,
                    lambda x=gate_up: tri.silu_and_mul(x), lambda x=gate_up: ref.silu_and_mul(x), eager)
 
-    # the MLP's gate|up projection kept as Q4_Z blocks (an AWQ/GPTQ checkpoint), against the bf16 dense GEMM
-    n_out = 2 * inter
-    blocks = torch.randint(0, 256, (n_out, hidden // 32, 20), device="cuda", dtype=torch.uint8)
-    blocks[..., 0:2] = (torch.rand(n_out, hidden // 32, 1, device="cuda") * 0.01).half().view(torch.uint8)
-    blocks[..., 2:4] = torch.full((n_out, hidden // 32, 1), 8.0, device="cuda").half().view(torch.uint8)
-    packed = blocks.view(n_out, -1)
-    dense = ref.dequantize(packed, "q4_z").to(DTYPE)
-    for n in (1, batch, t):
-        x = randn(n, hidden)
-        yield Case("linear_packed q4_z", model, f"T={n} {n_out}x{hidden}",
-                   packed.numel() + (x.numel() + n * n_out) * ELT,
-                   lambda x=x: tri.linear_packed(x, packed, "q4_z"), lambda x=x: F.linear(x, dense),
-                   "torch bf16 GEMM, dense weights")
+    # the MLP's gate|up projection and the attention output kept as Q4_Z blocks (an int4 checkpoint), against
+    # the bf16 dense GEMM; the narrow one at decode sizes only (where the kernel splits K to fill the SMs)
+    for n_out, rows in ((2 * inter, (1, batch, t)), (hidden, (1, batch))):
+        blocks = torch.randint(0, 256, (n_out, hidden // 32, 20), device="cuda", dtype=torch.uint8)
+        blocks[..., 0:2] = (torch.rand(n_out, hidden // 32, 1, device="cuda") * 0.01).half().view(torch.uint8)
+        blocks[..., 2:4] = torch.full((n_out, hidden // 32, 1), 8.0, device="cuda").half().view(torch.uint8)
+        packed = blocks.view(n_out, -1)
+        dense = ref.dequantize(packed, "q4_z").to(DTYPE)
+        for n in rows:
+            x = randn(n, hidden)
+            yield Case("linear_packed q4_z", model, f"T={n} {n_out}x{hidden}",
+                       packed.numel() + (x.numel() + n * n_out) * ELT,
+                       lambda x=x, w=packed: tri.linear_packed(x, w, "q4_z"), lambda x=x, w=dense: F.linear(x, w),
+                       "torch bf16 GEMM, dense weights")
 
 
 def main() -> None:

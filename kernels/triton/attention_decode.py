@@ -11,14 +11,12 @@ unnormalized output) and a second kernel merges the splits.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from kernels.triton.attention_common import LOG2E, check_paged_args, dot_args
-from kernels.triton.launch import interpreting, next_pow2, require
+from kernels.triton.launch import interpreting, next_pow2, require, sm_count
 
 MIN_SPLIT_TOKENS = 256  # below this a split's setup and merge cost more than its parallelism gains
 MAX_SPLITS = 64
@@ -117,17 +115,11 @@ def _merge_splits_kernel(
              mask=dmask)
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _auto_splits(batch: int, kv_heads: int, max_seq_len: int, device: torch.device) -> int:
     """Enough splits to give every SM about two programs, none shorter than MIN_SPLIT_TOKENS."""
     if interpreting():
         return 1  # programs run one after another: splitting only adds the merge
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    want = triton.cdiv(2 * _sm_count(idx), batch * kv_heads)
+    want = triton.cdiv(2 * sm_count(device), batch * kv_heads)
     return max(1, min(want, triton.cdiv(max_seq_len, MIN_SPLIT_TOKENS), MAX_SPLITS))
 
 

@@ -11,6 +11,7 @@ decorated then), so it must be set before anything imports triton:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,6 +52,16 @@ def check_tensor(name: str, t: Any, ndim: int, dtypes: Sequence[torch.dtype] = F
 def check_same(what: str, names: Sequence[str], values: Sequence[Any]) -> None:
     require(all(v == values[0] for v in values),
             f"{', '.join(names)} must have the same {what}, got {', '.join(map(str, values))}")
+
+
+def sm_count(device: torch.device) -> int:
+    """The streaming multiprocessors of a CUDA device: how many programs run at once, roughly."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def next_pow2(n: int, at_least: int = 1) -> int:

@@ -19,11 +19,12 @@ import triton.language as tl
 
 from kernels import reference
 from kernels.triton.attention_common import dot_args
-from kernels.triton.launch import check_tensor, interpreting, require
+from kernels.triton.launch import check_tensor, interpreting, require, sm_count
 
 FORMATS = {"q4_0": 0, "q4_1": 1, "q8_0": 2, "q4_z": 3}  # numbered as kernels/cpu/matmul.c numbers them
 EXPAND_ROWS = 128  # past this many rows of x, the weight is expanded once for torch's GEMM
 BLOCK_N = 32
+MIN_SPLIT_BLOCKS = 4  # a split of K covers at least this many blocks of 32
 
 
 @triton.jit
@@ -66,10 +67,12 @@ def _dequantize_kernel(w_ptr, out_ptr, N, K, row_bytes, FMT: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _linear_packed_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_y, row_bytes,
-                          FMT: tl.constexpr, BLOCK_BYTES: tl.constexpr, QUANTS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                          DOT_F32: tl.constexpr):
+def _linear_packed_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, M, N, K, stride_x, stride_y, row_bytes,
+                          blocks_per_split, FMT: tl.constexpr, BLOCK_BYTES: tl.constexpr, QUANTS: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          PRECISION: tl.constexpr, DOT_F32: tl.constexpr, SPLIT: tl.constexpr):
+    """Program (i, j, s): y's rows i * BLOCK_M.., columns j * BLOCK_N.., over K's blocks of split s;
+    with SPLIT its float32 sum goes to part (splits, M, N), to be added up after."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # W's rows: y's columns
     row_ok, col_ok = rows < M, cols < N
@@ -78,7 +81,8 @@ def _linear_packed_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x  # (BLOCK_M, 1)
     blocks = w_ptr + cols.to(tl.int64) * row_bytes  # (BLOCK_N,): each W row's first block
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for b in range(0, K // 32):
+    first = tl.program_id(2) * blocks_per_split
+    for b in range(first, tl.minimum(first + blocks_per_split, K // 32)):
         w = _expand(blocks + b * BLOCK_BYTES, col_ok, FMT, QUANTS)  # (32, BLOCK_N)
         x = tl.load(x_rows + b * 32 + j[None, :], mask=row_ok[:, None], other=0.0)  # (BLOCK_M, 32)
         w = w.to(dtype)
@@ -86,15 +90,21 @@ def _linear_packed_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_
             acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision=PRECISION)
         else:
             acc += tl.dot(x, w, input_precision=PRECISION)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    out = y_ptr + rows.to(tl.int64)[:, None] * stride_y + cols[None, :]
-    tl.store(out, acc.to(dtype), mask=row_ok[:, None] & col_ok[None, :])
+    mask = row_ok[:, None] & col_ok[None, :]
+    if SPLIT:
+        part = part_ptr + (tl.program_id(2) * M + rows.to(tl.int64))[:, None] * N + cols[None, :]
+        tl.store(part, acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_y + cols[None, :], acc.to(dtype), mask=mask)
 
 
-def linear_packed(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear_packed(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.Tensor | None = None, *,
+                  num_splits: int | None = None) -> torch.Tensor:
     """x (..., K) float, weight (N, K / 32 * block bytes) uint8 rows of ``fmt`` blocks, bias (N) of x's
-    dtype or None -> y (..., N) of x's dtype."""
+    dtype or None -> y (..., N) of x's dtype. ``num_splits``: K's blocks split over that many programs
+    per tile (default ``_auto_splits``), their float32 sums added up after."""
     require(fmt in FORMATS, f"unknown packed format {fmt!r}; known: {', '.join(FORMATS)}")
     block = reference.PACKED_BLOCK_BYTES[fmt]
     check_tensor("weight", weight, 2, (torch.uint8,))
@@ -121,12 +131,29 @@ def linear_packed(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.T
     if m == 0 or n == 0:
         return y.view(*x.shape[:-1], n)
     block_m = 16 if m <= 16 or interpreting() else 32
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, BLOCK_N))
-    _linear_packed_kernel[grid](
-        x2, weight, bias if bias is not None else weight, y, m, n, k, x2.stride(0), y.stride(0), weight.shape[1],
-        FMT=FORMATS[fmt], BLOCK_BYTES=block, QUANTS=_quants(fmt), HAS_BIAS=bias is not None, BLOCK_M=block_m,
-        BLOCK_N=BLOCK_N, **dot_args(x))
+    splits = num_splits or _auto_splits(n, k, x.device)
+    require(splits >= 1, f"num_splits must be positive, got {splits}")
+    per_split = triton.cdiv(k // 32, splits)
+    splits = triton.cdiv(k // 32, per_split)  # none empty
+    part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else y
+    _linear_packed_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, BLOCK_N), splits)](
+        x2, weight, bias if bias is not None else weight, y, part, m, n, k, x2.stride(0), y.stride(0),
+        weight.shape[1], per_split, FMT=FORMATS[fmt], BLOCK_BYTES=block, QUANTS=_quants(fmt),
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=BLOCK_N, SPLIT=splits > 1, **dot_args(x))
+    if splits > 1:  # the splits' sums in a fixed order: the same result every run
+        total = part.sum(0) if bias is None else part.sum(0) + bias.float()
+        y.copy_(total)
     return y.view(*x.shape[:-1], n)
+
+
+def _auto_splits(n: int, k: int, device: torch.device) -> int:
+    """Split K when W's tiles alone would leave SMs idle (a decode step's narrow layers: Qwen2-0.5B's
+    attention output, 896 x 896, is 28 tiles for an H200's 132 SMs): about two programs per SM, each
+    over MIN_SPLIT_BLOCKS blocks at least. A row's result depends on N and K only, not on the batch."""
+    if interpreting() or device.type != "cuda":
+        return 1
+    want = triton.cdiv(2 * sm_count(device), triton.cdiv(n, BLOCK_N))
+    return max(1, min(want, k // 32 // MIN_SPLIT_BLOCKS))
 
 
 def _quants(fmt: str) -> int:
