@@ -150,7 +150,10 @@ def test_a_malformed_layer_is_named(edit, error):
     ({"quant_method": "awq", "w_bit": 4, "zero_point": False}, "zero_point=False"),
     ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 0}, "group_size must be positive or -1"),
-], ids=["method", "bits", "gemv", "no-zero-point", "format", "group"])
+    ({"quant_method": "gptq", "bits": 4, "pack_dtype": "int16"}, "pack_dtype 'int16'"),
+    ({"quant_method": "gptq", "bits": 4, "dynamic": {"-:.*down_proj": {}}}, "per-module dynamic settings"),
+    ({"quant_method": "compressed-tensors"}, "unsupported quantization 'compressed-tensors'"),
+], ids=["method", "bits", "gemv", "no-zero-point", "format", "group", "pack-dtype", "dynamic", "compressed-tensors"])
 def test_unsupported_quantization_configs_are_refused(config, error):
     with pytest.raises(ValueError, match=error):
         QuantConfig.from_hf(config)

@@ -44,6 +44,9 @@ class QuantConfig:
         fmt = q.get("checkpoint_format", "gptq")
         if fmt not in ("gptq", "gptq_v2"):
             raise ValueError(f"GPTQ checkpoint_format {fmt!r} is not supported (gptq, gptq_v2 are)")
+        if q.get("pack_dtype", "int32") != "int32" or q.get("dynamic"):  # GPTQModel's options
+            raise ValueError(f"GPTQ with pack_dtype {q.get('pack_dtype')!r} or per-module dynamic settings is not "
+                             f"supported: only int32 words, one setting for every layer")
         return cls("gptq", max(group, 0), 1 if fmt == "gptq" else 0, bool(q.get("desc_act", False)))
 
 
