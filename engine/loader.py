@@ -105,6 +105,8 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
                     model.lm_head.load(w)
             elif name == "model.norm.weight":
                 model.norm.weight.copy_(w)
+            elif "rotary_emb." in name:
+                continue  # old checkpoints' inv_freq buffers, per layer or not: the model makes its own
             elif m := _LAYER.fullmatch(name):
                 layer = model.layers[int(m.group(1))]
                 sub, kind = m.group(2).rsplit(".", 1)  # e.g. "self_attn.q_proj", "weight"
@@ -126,7 +128,7 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
                     else:
                         getattr(mod, kind).copy_(w)
             else:
-                continue  # e.g. rotary_emb.inv_freq in old checkpoints
+                continue  # a tensor the model does not use
             seen.add(name)
     expected = _expected_names(model.cfg)
     missing = sorted(expected - seen)

@@ -41,12 +41,12 @@ def packs(q: QuantConfig, k: int, scales: torch.Tensor | None = None, g_idx: tor
     given, and the layer ``permutable``: its whole input on this rank) in the order of ``permutation``;
     and its ``scales``, where given, are float16 values (a bf16 or float32 checkpoint's may not be)."""
     group = q.group_size or k
-    if k % 32 or group % 32 or q.act_order and (g_idx is None or not permutable):
+    if k % 32 or group % 32 or q.act_order and g_idx is None:
         return False
-    if g_idx is not None:
-        order = g_idx.long().sort().values if q.act_order else g_idx.long()
-        if not torch.equal(order, torch.arange(k) // group):  # every group `group` columns, in order
-            return False
+    blocks = torch.arange(k) // group  # every group `group` columns, in order
+    if g_idx is not None and not torch.equal(g_idx.long(), blocks) and not (
+            q.act_order and permutable and torch.equal(g_idx.long().sort().values, blocks)):
+        return False
     return scales is None or torch.equal(scales.to(torch.float16).to(scales.dtype), scales)
 
 
@@ -74,7 +74,9 @@ def weights(stream: Iterator[tuple[str, torch.Tensor]], q: QuantConfig, names: s
             del pending[prefix]
             yield f"{prefix}.weight", convert(prefix, q, parts, prefix in packed)
             if prefix in packed and q.act_order:
-                yield f"{prefix}.g_perm", permutation(parts["g_idx"])
+                perm = permutation(parts["g_idx"])
+                if not torch.equal(perm, torch.arange(len(perm))):  # columns already in group order: none
+                    yield f"{prefix}.g_perm", perm
     if pending:
         raise ValueError(f"{next(iter(pending))}: qweight, qzeros and scales must all be in the checkpoint")
 

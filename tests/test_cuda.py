@@ -76,13 +76,16 @@ def test_bf16_greedy_tracks_transformers(shape, tmp_path):
     free_gpu()
 
 
-@pytest.mark.parametrize("method,dtype", [("awq", "float32"), ("gptq", "float32"), ("awq", "bfloat16")])
-def test_int4_greedy_tracks_transformers_on_its_weights(method, dtype, tmp_path):
-    """An int4 checkpoint (``tools/quantize_model.py``) kept as Q4_Z blocks: decode steps through
-    ``kernels/triton/linear_packed.py`` in CUDA graphs, the prompts' step (145 rows) through its
-    expansion; transformers runs the dense folder holding the same weights."""
+@pytest.mark.parametrize("method,dtype,act_order", [("awq", "float32", False), ("gptq", "float32", True),
+                                                    ("awq", "bfloat16", False)])
+def test_int4_greedy_tracks_transformers_on_its_weights(method, dtype, act_order, tmp_path):
+    """An int4 checkpoint (``tools/quantize_model.py``; GPTQ act-order: inputs gathered) kept as Q4_Z
+    blocks: decode steps through ``kernels/triton/linear_packed.py`` (K split for the narrow layers)
+    in CUDA graphs, the prompts' step (145 rows) through its expansion; transformers runs the dense
+    folder holding the same weights."""
     dense = build(str(tmp_path / "dense"), "qwen2", torch.float32, seed=3, **TINY)
-    int4 = quantize_checkpoint(dense, str(tmp_path / "int4"), method, group=32, write_back=True)
+    int4 = quantize_checkpoint(dense, str(tmp_path / "int4"), method, group=32, act_order=act_order,
+                               write_back=True)
     outs = generate(int4, dtype)
     hf = AutoModelForCausalLM.from_pretrained(dense, dtype=getattr(torch, dtype)).to("cuda").eval()
     for prompt, out in zip(PROMPTS, outs, strict=True):

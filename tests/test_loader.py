@@ -58,6 +58,20 @@ def test_weights_are_converted_on_copy(tmp_path):
     assert torch.equal(exact.rotary.cos, half.rotary.cos)
 
 
+def test_old_checkpoints_rotary_buffers_are_ignored(tmp_path):
+    """Early Llama conversions saved each layer's ``rotary_emb.inv_freq``: the model makes its own."""
+    path = make_tiny_model(str(tmp_path), "llama", None)
+    cfg = load_model_config(path)
+    want = build_model(path, cfg, 256, torch.float32, torch.device("cpu"))
+    for file in glob.glob(f"{path}/*.safetensors"):
+        tensors = load_file(file)
+        tensors |= {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.ones(8) for i in range(cfg.num_layers)}
+        save_file(tensors | {"model.rotary_emb.inv_freq": torch.ones(8)}, file)
+    got = build_model(path, cfg, 256, torch.float32, torch.device("cpu"))
+    for (name, a), (_, b) in zip(want.named_parameters(), got.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_bf16_load_peaks_at_the_model_size(tmp_path):
     # a float32 checkpoint: each tensor is converted on its way in, never the whole model

@@ -131,6 +131,17 @@ def test_act_order_expands_and_refuses_to_pack():
         quant.convert("l", in_order, parts, pack=True)
 
 
+def test_act_order_with_columns_already_in_group_order_needs_no_gather():
+    """desc_act set, yet g_idx in column order (per-row groups, static groups): no permutation, so no
+    g_perm and no index_select, and a row-parallel rank may keep its share packed."""
+    _, parts, exact = layer_parts("gptq", group=32)
+    q = QuantConfig("gptq", 32, 1, True)
+    assert quant.packs(q, 64, parts["scales"], parts["g_idx"], permutable=False)
+    names = {f"l.{p}" for p in parts}
+    out = dict(quant.weights(((f"l.{p}", t) for p, t in parts.items()), q, names, packed={"l"}))
+    assert list(out) == ["l.weight"] and torch.equal(ref.dequantize(out["l.weight"], "q4_z"), exact)
+
+
 @pytest.mark.parametrize("edit,error", [
     (lambda p: p.pop("qzeros"), "qzeros missing"),
     (lambda p: p.update(scales=p["scales"][:1]), r"scales and qzeros must be \(2, 16\)"),
@@ -226,7 +237,7 @@ def test_int4_checkpoint_on_triton_kernels_equals_the_reference(tmp_path, smollm
     import kernels.triton as tri
 
     dense = make_tiny_model(str(tmp_path / "dense"), "qwen2", smollm_tokenizer_dir, seed=5)
-    quantize_checkpoint(dense, str(tmp_path / "int4"), method="gptq", group=64)
+    quantize_checkpoint(dense, str(tmp_path / "int4"), method="gptq", group=32, act_order=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     prompts = [[(7 * i + 3 * j) % 5000 + 3 for j in range(n)] for i, n in enumerate([5, 23])]
     outs, calls, real = {}, [], tri.linear_packed

@@ -47,7 +47,8 @@ class QuantConfig:
         if q.get("pack_dtype", "int32") != "int32" or q.get("dynamic"):  # GPTQModel's options
             raise ValueError(f"GPTQ with pack_dtype {q.get('pack_dtype')!r} or per-module dynamic settings is not "
                              f"supported: only int32 words, one setting for every layer")
-        return cls("gptq", max(group, 0), 1 if fmt == "gptq" else 0, bool(q.get("desc_act", False)))
+        act_order = q.get("desc_act", q.get("act_order", False))  # GPTQModel has spelled it both ways
+        return cls("gptq", max(group, 0), 1 if fmt == "gptq" else 0, bool(act_order))
 
 
 @dataclass(frozen=True)

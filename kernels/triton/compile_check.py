@@ -77,13 +77,13 @@ def variants(everything: bool):
            dict(H=9, HKV=3, HALF=32, BLOCK_H=16, BLOCK_HALF=32), ())
     yield (_silu_and_mul_kernel, {"x_ptr": p, "out_ptr": p}, dict(BLOCK=1024), ())
     for dt in dtypes:
-        for (fmt, number), block_m in itertools.product(FORMATS.items(), (16, 32)):
+        for (fmt, number), block_m, split in itertools.product(FORMATS.items(), (16, 32), (False, True)):
             yield (_linear_packed_kernel, {"x_ptr": f"*{dt}", "w_ptr": "*u8", "b_ptr": f"*{dt}", "y_ptr": f"*{dt}",
                                            "part_ptr": "*fp32"},
                    dict(FMT=number, BLOCK_BYTES=PACKED_BLOCK_BYTES[fmt], QUANTS=_quants(fmt),
                         HAS_BIAS=True, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-                        PRECISION="ieee" if dt == "fp32" else "tf32", DOT_F32=False, SPLIT=block_m == 16), ())
-            if block_m == 16:
+                        PRECISION="ieee" if dt == "fp32" else "tf32", DOT_F32=False, SPLIT=split), ())
+            if block_m == 16 and not split:
                 yield (_dequantize_kernel, {"w_ptr": "*u8", "out_ptr": f"*{dt}"},
                        dict(FMT=number, BLOCK_BYTES=PACKED_BLOCK_BYTES[fmt], QUANTS=_quants(fmt), BLOCK_N=BLOCK_N), ())
 

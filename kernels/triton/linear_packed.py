@@ -131,7 +131,7 @@ def linear_packed(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.T
     if m == 0 or n == 0:
         return y.view(*x.shape[:-1], n)
     block_m = 16 if m <= 16 or interpreting() else 32
-    splits = num_splits or _auto_splits(n, k, x.device)
+    splits = num_splits if num_splits is not None else _auto_splits(m, n, k, x.device)
     require(splits >= 1, f"num_splits must be positive, got {splits}")
     per_split = triton.cdiv(k // 32, splits)
     splits = triton.cdiv(k // 32, per_split)  # none empty
@@ -146,14 +146,15 @@ def linear_packed(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.T
     return y.view(*x.shape[:-1], n)
 
 
-def _auto_splits(n: int, k: int, device: torch.device) -> int:
+def _auto_splits(m: int, n: int, k: int, device: torch.device) -> int:
     """Split K when W's tiles alone would leave SMs idle (a decode step's narrow layers: Qwen2-0.5B's
     attention output, 896 x 896, is 28 tiles for an H200's 132 SMs): about two programs per SM, each
-    over MIN_SPLIT_BLOCKS blocks at least. A row's result depends on N and K only, not on the batch."""
+    over MIN_SPLIT_BLOCKS blocks at least, and the float32 partial sums (8 m n bytes a split, written
+    and read) at most a quarter of the weight's bytes (5 n k / 8 for Q4_Z)."""
     if interpreting() or device.type != "cuda":
         return 1
-    want = triton.cdiv(2 * sm_count(device), triton.cdiv(n, BLOCK_N))
-    return max(1, min(want, k // 32 // MIN_SPLIT_BLOCKS))
+    want = triton.cdiv(2 * sm_count(device), triton.cdiv(m, 16) * triton.cdiv(n, BLOCK_N))
+    return max(1, min(want, k // 32 // MIN_SPLIT_BLOCKS, 5 * k // (256 * m)))
 
 
 def _quants(fmt: str) -> int:
