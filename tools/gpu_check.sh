@@ -129,7 +129,7 @@ if ((!CUDA)); then
 elif ! has "pytest, $ENGINE"; then
   skip cuda-tests "pytest or the engine's imports missing (pyzmq, orjson: carry their wheels in .whl/)"
 else
-  part cuda-tests 120 "$PY -m pytest -q -p no:cacheprovider tests/test_cuda.py"
+  part cuda-tests 150 "$PY -m pytest -q -p no:cacheprovider tests/test_cuda.py"  # int4: more kernels to compile
 fi
 
 if ((!CUDA)); then
