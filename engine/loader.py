@@ -119,14 +119,11 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
                         raise ValueError(f"{name}: a nonzero bias, but {model.cfg.model_type} has none there")
                     continue
                 if sub in _FUSED:
-                    path, part = _FUSED[sub]
-                    layer.get_submodule(path).load(part, w, kind)
+                    target.load(_FUSED[sub][1], w, kind)
+                elif isinstance(target, RowLinear):
+                    target.load(w, kind)
                 else:
-                    mod = layer.get_submodule(sub)
-                    if isinstance(mod, RowLinear):
-                        mod.load(w, kind)
-                    else:
-                        getattr(mod, kind).copy_(w)
+                    getattr(target, kind).copy_(w)
             else:
                 continue  # a tensor the model does not use
             seen.add(name)

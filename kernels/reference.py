@@ -126,6 +126,8 @@ def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
 # in memory): name -> bytes per block. An fp16 scale d; Q4_1 then an fp16 minimum m; then the weights:
 # 4-bit (weight j in the low half of byte j, weight j + 16 in its high half) or signed 8-bit.
 PACKED_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34, "q4_z": 20}
+# each format's number in the packed kernels (matmul.c's enum, the Triton kernel's FMT): their order above
+PACKED_FORMATS = {fmt: i for i, fmt in enumerate(PACKED_BLOCK_BYTES)}
 
 
 def dequantize(weight: torch.Tensor, fmt: str) -> torch.Tensor:

@@ -231,7 +231,7 @@ int linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *b, uint16_
 
 /* ------------------------------------------------------------------------------ packed weights */
 
-enum { Q4_0, Q4_1, Q8_0, Q4_Z }; /* the numbering of matmul.py's FORMATS */
+enum { Q4_0, Q4_1, Q8_0, Q4_Z }; /* the numbering of reference.py's PACKED_FORMATS */
 static const int64_t BLOCK_BYTES[] = {18, 20, 34, 20};
 
 static inline float half_to_float(const uint8_t *p) { /* exact: every fp16 is a float */

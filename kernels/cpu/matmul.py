@@ -43,13 +43,13 @@ import torch.nn.functional as F
 from kernels import reference
 from kernels.cpu import graph
 from kernels.cpu.build import load, status_check
-from kernels.reference import PACKED_BLOCK_BYTES
+from kernels.reference import PACKED_BLOCK_BYTES, PACKED_FORMATS
 
 log = logging.getLogger("tokenmill.kernels")
 
 _KERNELS = {torch.float32: "linear_f32", torch.bfloat16: "linear_bf16"}
 _PACKED_KERNELS = {torch.float32: "linear_q_f32", torch.bfloat16: "linear_q_bf16"}
-FORMATS = {"q4_0": 0, "q4_1": 1, "q8_0": 2, "q4_z": 3}  # the block formats matmul.c reads, by its numbering
+FORMATS = PACKED_FORMATS  # the block formats matmul.c reads, by its enum's numbering
 # Past ROWS[-1] rows, a packed weight of up to this many bytes as floats is expanded for torch's GEMM, whose
 # blocking beats the C kernel's tiles there (on the AVX2 EPYC, 109 GFLOP/s at 256 rows against ~75); the
 # expansion costs about 3% of such a multiply. Larger ones (a vocabulary's LM head) stay packed.

@@ -21,7 +21,7 @@ from kernels import reference
 from kernels.triton.attention_common import dot_args
 from kernels.triton.launch import check_tensor, interpreting, require, sm_count
 
-FORMATS = {"q4_0": 0, "q4_1": 1, "q8_0": 2, "q4_z": 3}  # numbered as kernels/cpu/matmul.c numbers them
+FORMATS = reference.PACKED_FORMATS  # the kernel's FMT for each format
 EXPAND_ROWS = 128  # past this many rows of x, the weight is expanded once for torch's GEMM
 BLOCK_N = 32
 MIN_SPLIT_BLOCKS = 4  # a split of K covers at least this many blocks of 32
