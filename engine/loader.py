@@ -40,7 +40,8 @@ def load_model_config(path: str) -> ModelConfig:
     for file, method in (("quantize_config.json", "gptq"), ("quant_config.json", "awq")):
         if not cfg.get("quantization_config") and os.path.isfile(os.path.join(path, file)):
             with open(os.path.join(path, file)) as f:  # AutoGPTQ's and early AutoAWQ's own files
-                cfg["quantization_config"] = {"quant_method": method} | json.load(f)
+                settings = json.load(f)
+            cfg["quantization_config"] = {"quant_method": method} | settings if isinstance(settings, dict) else settings
     eos = None
     gen = os.path.join(path, "generation_config.json")
     if os.path.isfile(gen):  # generation_config's eos list is the authoritative one (e.g. Llama 3)

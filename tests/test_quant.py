@@ -156,15 +156,20 @@ def test_a_malformed_layer_is_named(edit, error):
 
 @pytest.mark.parametrize("config,error", [
     ({"quant_method": "bitsandbytes"}, "unsupported quantization 'bitsandbytes'"),
-    ({"quant_method": "gptq", "bits": 8}, "GPTQ with 8 bits is not supported"),
+    ({"quant_method": "gptq", "bits": 8}, "GPTQ with bits 8 is not supported"),
+    ({"quant_method": "gptq", "bits": "4"}, "GPTQ with bits '4' is not supported"),
     ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "AWQ version 'gemv'"),
     ({"quant_method": "awq", "w_bit": 4, "zero_point": False}, "zero_point=False"),
     ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
-    ({"quant_method": "gptq", "bits": 4, "group_size": 0}, "group_size must be positive or -1"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 0}, "group_size must be a positive integer or -1, got 0"),
+    ({"quant_method": "awq", "bits": 4, "group_size": "128"}, "group_size must be a positive integer or -1, got '128'"),
+    ({"quant_method": "gptq", "bits": 4, "desc_act": "false"}, "desc_act must be true or false, got 'false'"),
+    ("gptq", "quantization_config must be an object, got 'gptq'"),
     ({"quant_method": "gptq", "bits": 4, "pack_dtype": "int16"}, "pack_dtype 'int16'"),
     ({"quant_method": "gptq", "bits": 4, "dynamic": {"-:.*down_proj": {}}}, "per-module dynamic settings"),
     ({"quant_method": "compressed-tensors"}, "unsupported quantization 'compressed-tensors'"),
-], ids=["method", "bits", "gemv", "no-zero-point", "format", "group", "pack-dtype", "dynamic", "compressed-tensors"])
+], ids=["method", "bits", "bits-string", "gemv", "no-zero-point", "format", "group", "group-string",
+        "desc-act-string", "not-an-object", "pack-dtype", "dynamic", "compressed-tensors"])
 def test_unsupported_quantization_configs_are_refused(config, error):
     with pytest.raises(ValueError, match=error):
         QuantConfig.from_hf(config)
@@ -383,3 +388,18 @@ def test_serve_an_act_order_gptq_checkpoint_to_the_openai_client(tmp_path, smoll
         assert "GPTQ int4 checkpoint (groups of 32): 14 of its 14 int4 layers kept packed" in server.log()
     finally:
         server.close()
+
+
+def test_serve_refuses_a_careless_quantization_config_at_start(gptq_pair, tmp_path):
+    """A config a tool wrote badly (bits as a string): the server exits at start, naming the value,
+    without a traceback."""
+    from tests.test_server_cli import tokenmill
+
+    def careless(t: dict) -> None:
+        t["config.json"]["quantization_config"]["bits"] = "4"
+
+    path = edited(gptq_pair[1], str(tmp_path / "careless"), careless)
+    r = tokenmill("serve", "--model", path, "--port", "0", timeout=120)
+    assert r.returncode == 1
+    assert "GPTQ with bits '4' is not supported: only 4-bit weights are" in r.stderr
+    assert "Traceback" not in r.stderr

@@ -25,16 +25,18 @@ class QuantConfig:
 
     @classmethod
     def from_hf(cls, q: dict) -> QuantConfig:
+        if not isinstance(q, dict):
+            raise ValueError(f"quantization_config must be an object, got {q!r}")
         method = str(q.get("quant_method", "")).lower()
         if method not in ("awq", "gptq"):
             raise ValueError(f"unsupported quantization {method or q!r}: tokenmill loads AWQ and GPTQ int4 "
                              f"checkpoints (and GGUF files)")
         bits = q.get("bits", q.get("w_bit"))
-        if bits != 4:
-            raise ValueError(f"{method.upper()} with {bits} bits is not supported: only 4-bit weights are")
-        group = int(q.get("group_size", q.get("q_group_size", 128)))
-        if group != -1 and group <= 0:
-            raise ValueError(f"{method.upper()} group_size must be positive or -1, got {group}")
+        if bits != 4 or isinstance(bits, bool):
+            raise ValueError(f"{method.upper()} with bits {bits!r} is not supported: only 4-bit weights are")
+        group = q.get("group_size", q.get("q_group_size", 128))
+        if not isinstance(group, int) or isinstance(group, bool) or group != -1 and group <= 0:
+            raise ValueError(f"{method.upper()} group_size must be a positive integer or -1, got {group!r}")
         if method == "awq":
             version = str(q.get("version", "gemm")).lower()
             if version != "gemm" or not q.get("zero_point", True):
@@ -48,7 +50,9 @@ class QuantConfig:
             raise ValueError(f"GPTQ with pack_dtype {q.get('pack_dtype')!r} or per-module dynamic settings is not "
                              f"supported: only int32 words, one setting for every layer")
         act_order = q.get("desc_act", q.get("act_order", False))  # GPTQModel has spelled it both ways
-        return cls("gptq", max(group, 0), 1 if fmt == "gptq" else 0, bool(act_order))
+        if not isinstance(act_order, bool):
+            raise ValueError(f"GPTQ desc_act must be true or false, got {act_order!r}")
+        return cls("gptq", max(group, 0), 1 if fmt == "gptq" else 0, act_order)
 
 
 @dataclass(frozen=True)
