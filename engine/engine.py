@@ -31,6 +31,8 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.grammar import Grammars
+from engine.json_schema import SchemaError
 from engine.model_path import model_name, resolve_model_path
 from engine.model_runner import Launched, ModelRunner, StepResult
 from engine.prefill_cap import PrefillCap
@@ -38,6 +40,7 @@ from engine.protocol import Delta, Ready, SamplingParamError, SamplingParams, St
 from engine.request import Request, Status
 from engine.runtime import kv_block_bytes
 from engine.sampler import SamplingState
+from engine.token_bytes import VocabularyError
 from engine.scheduler import PromptTooLong, QueueFull, ScheduledBatch, Scheduler
 
 log = logging.getLogger("tokenmill.engine")
@@ -55,8 +58,10 @@ class InFlight:
     @property
     def can_overlap(self) -> bool:
         """Whether the next step may be scheduled before this one's tokens reach the host: not when
-        a request sampling in it has penalties (the sampler builds them from the host's lists)."""
-        return not any(r.sampling_state.needs_penalties for r in self.launched.sampled)
+        a request sampling in it has penalties (the sampler builds them from the host's lists) or a
+        grammar (its next mask depends on this token)."""
+        return not any(r.sampling_state.needs_penalties or r.sampling_state.grammar is not None
+                       for r in self.launched.sampled)
 
 
 class RequestError(Exception):
@@ -84,6 +89,7 @@ class Engine:
         self.vocab_size = self.runner.model_cfg.vocab_size
         self.eos_token_ids = list(self.runner.model_cfg.eos_token_ids)
         self._eos_set = frozenset(self.eos_token_ids)  # looked up once per sampled token
+        self.grammars = Grammars(facts.model_path, self.vocab_size, self.eos_token_ids)  # structured output
         # the cache is this process's: the model and dtype are the same for every block, named for clarity
         self.block_manager = BlockManager(facts.num_kv_blocks, config.block_size, config.enable_prefix_caching,
                                           f"{facts.model_path}|{facts.dtype}".encode())
@@ -122,7 +128,13 @@ class Engine:
         self._check(request_id, prompt_token_ids, params)
         if deadline is None and self.config.request_timeout is not None:
             deadline = time.time() + self.config.request_timeout
-        req = Request(request_id, prompt_token_ids, params, priority, deadline, SamplingState(params),
+        grammar = None
+        if params.json_schema is not None:
+            try:
+                grammar = self.grammars.matcher(params.json_schema)
+            except (SchemaError, VocabularyError) as e:
+                raise RequestError(400, "invalid_request_error", f"response_format: {e}", "response_format") from e
+        req = Request(request_id, prompt_token_ids, params, priority, deadline, SamplingState(params, grammar),
                       cache_salt)
         try:
             self.scheduler.add(req)
@@ -320,12 +332,17 @@ class Engine:
     def _stop_reason(self, req: Request, token: int) -> str | None:
         p = req.params
         n = len(req.output_token_ids)
+        grammar = req.sampling_state.grammar
+        if grammar is not None:
+            grammar.advance(token)
         if n >= p.min_tokens:
             if not p.ignore_eos and token in self._eos_set:
                 return "stop"
             if token in req.stop_token_ids:
                 req.stop_reason = token
                 return "stop"
+        if grammar is not None and grammar.finished:  # the JSON value is complete: nothing may follow
+            return "stop"
         if n >= p.max_tokens or req.num_tokens >= self.max_model_len:
             return "length"
         return None

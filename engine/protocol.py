@@ -19,7 +19,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 class Kind(IntEnum):
@@ -51,6 +51,7 @@ MAX_LOGIT_BIAS = 2048  # entries (token ids) in logit_bias
 # and then NaN probabilities. 10 on the other side multiplies negative logits.
 MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 10.0
+MAX_JSON_SCHEMA_BYTES = 65536  # a schema, packed: the engine compiles it (and caches the result) per request
 
 
 @dataclass
@@ -81,6 +82,9 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # top-k logprobs per sampled token (0 = only the sampled one)
     prompt_logprobs: int | None = None
+    # structured output: the output must be JSON valid under this schema (engine.json_schema says
+    # which keywords are understood); {"type": "object"} is OpenAI's JSON mode
+    json_schema: dict | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -173,6 +177,16 @@ class SamplingParams:
                     bad("logit_bias", f"logit_bias keys must be non-negative token ids, got {k!r}")
                 if isinstance(v, bool) or not isinstance(v, int | float) or not -100.0 <= v <= 100.0:
                     bad("logit_bias", f"logit_bias values must be in [-100, 100], got {v!r}")
+
+        if self.json_schema is not None:
+            if not isinstance(self.json_schema, dict):
+                bad("json_schema", "json_schema must be a JSON schema (an object)")
+            try:
+                size = len(msgpack.packb(self.json_schema))
+            except (TypeError, ValueError, OverflowError):
+                bad("json_schema", "json_schema must be plain JSON")
+            if size > MAX_JSON_SCHEMA_BYTES:
+                bad("json_schema", f"json_schema may be at most {MAX_JSON_SCHEMA_BYTES} bytes, got {size}")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise ``SamplingParamError`` if a stop id or logit_bias key is not below ``vocab_size``."""

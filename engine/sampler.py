@@ -2,13 +2,13 @@
 
 Owns everything between the model's last-position logits and the sampled ids:
 min_tokens masking, logit bias, repetition / presence / frequency penalties,
-greedy argmax, temperature, top-k, top-p, min-p, per-request seeds and logprobs.
+structured output's grammar masks, greedy argmax, temperature, top-k, top-p, min-p, per-request seeds and logprobs.
 It knows nothing of scheduling: the engine hands it the rows that need a token,
 each row's ``SamplingParams``, its ``SamplingState`` and its token history.
 
 Semantics follow vLLM v1:
 - processing order: min_tokens -> logit_bias -> repetition penalty -> presence /
-  frequency penalties -> (greedy rows: argmax) -> temperature -> top-k -> top-p
+  frequency penalties -> grammar mask -> (greedy rows: argmax) -> temperature -> top-k -> top-p
   -> min-p -> sample;
 - logprobs are the RAW model logprobs (``log_softmax`` of the logits as given),
   not of the processed distribution;
@@ -36,9 +36,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from engine.grammar import GrammarMatcher
 from engine.protocol import SamplingParams, TokenLogprobs
 
 _SEED_MASK = (1 << 64) - 1  # seeds are 64-bit; fold bigger (or negative) ones in
@@ -61,10 +63,11 @@ class SamplingState:
     which the engine seeds with its ``--seed``.
     """
 
-    __slots__ = ("seed", "plain_greedy", "needs_penalties", "_prompt_len", "_prompt_ids",
+    __slots__ = ("seed", "plain_greedy", "needs_penalties", "grammar", "_prompt_len", "_prompt_ids",
                  "_stop_ids", "_bias_ids", "_bias_values", "_placed_for", "_placed")
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, grammar: GrammarMatcher | None = None) -> None:
+        self.grammar = grammar  # structured output: where the request's output stands in its grammar
         self.seed = None if params.seed is None else params.seed & _SEED_MASK
         self.needs_penalties = (
             params.presence_penalty != 0.0
@@ -75,6 +78,7 @@ class SamplingState:
         # (min_tokens is checked per step, since it stops mattering after a while).
         self.plain_greedy = (
             params.greedy and not self.needs_penalties and not params.logit_bias and params.logprobs is None
+            and grammar is None
         )
         self._prompt_len = -1
         self._prompt_ids: torch.Tensor | None = None
@@ -302,6 +306,13 @@ def process_logits(
         else:
             idx = to_device(pen, device)
             logits[idx] = apply_penalties(logits[idx], prompts, outputs, presence, frequency, repetition)
+
+    # Structured output, last: only the tokens that keep each such row's output inside its grammar.
+    ruled = [(i, s.grammar) for i, s in enumerate(states) if s.grammar is not None]
+    if ruled:
+        allow = to_device(torch.from_numpy(np.stack([g.info().mask(vocab) for _, g in ruled])), device)
+        idx = to_device([i for i, _ in ruled], device)
+        logits[idx] = logits[idx].masked_fill(~allow, -math.inf)
     return logits
 
 

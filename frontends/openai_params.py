@@ -203,11 +203,35 @@ def sampling_params(data: dict, *, max_tokens: int, logprobs: int | None, vocab_
             min_tokens=field(data, "min_tokens", int, 0),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            json_schema=parse_response_format(data),
         )
     except SamplingParamError as e:
-        raise ApiError(400, str(e), param=e.param) from None
+        raise ApiError(400, str(e), param="response_format" if e.param == "json_schema" else e.param) from None
     except (TypeError, ValueError) as e:
         raise ApiError(400, f"Invalid sampling parameters: {e}") from None
+
+
+def parse_response_format(data: dict) -> dict | None:
+    """OpenAI's ``response_format`` as the JSON schema the engine holds the output to: None for
+    ``text`` (or none given), any JSON object for ``json_object``, ``json_schema.schema`` for
+    ``json_schema`` (which keywords the engine understands: ``engine.json_schema``; it refuses the others)."""
+    rf = field(data, "response_format", dict, None)
+    if rf is None:
+        return None
+    kind = rf.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        schema = spec.get("schema", {}) if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ApiError(400, "response_format of type 'json_schema' needs 'json_schema': {'name': ..., "
+                           "'schema': {...}}, the schema a JSON object", param="response_format")
+        return schema
+    raise ApiError(400, f"response_format 'type' must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                   param="response_format")
 
 
 def parse_priority(data: dict) -> int:

@@ -12,7 +12,8 @@ import pytest
 
 from engine import protocol as p
 
-SP = p.SamplingParams(max_tokens=4, temperature=0.0, seed=7, logit_bias={5: -1.5}, stop=["\n"])
+SP = p.SamplingParams(max_tokens=4, temperature=0.0, seed=7, logit_bias={5: -1.5}, stop=["\n"],
+                      json_schema={"type": "object"})
 
 MESSAGES = {
     "hello": p.Hello("fe0"),
@@ -28,16 +29,16 @@ MESSAGES = {
 }
 
 GOLDEN = {
-    "hello": "920192a366653003",
-    "ready": "920299a474696e79cd0400cdc0009102406410cd040003",
+    "hello": "920192a366653004",
+    "ready": "920299a474696e79cd0400cdc0009102406410cd040004",
     "add": (
-        "920396a2723193010203de0010aa6d61785f746f6b656e7304ab74656d7065726174757265cb0000000000000000"
+        "920396a2723193010203de0011aa6d61785f746f6b656e7304ab74656d7065726174757265cb0000000000000000"
         "a5746f705f70cb3ff0000000000000a5746f705f6b00a56d696e5f70cb0000000000000000a47365656407"
         "b070726573656e63655f70656e616c7479cb0000000000000000b16672657175656e63795f70656e616c7479"
         "cb0000000000000000b272657065746974696f6e5f70656e616c7479cb3ff0000000000000aa6c6f6769745f"
         "62696173919205cbbff8000000000000a473746f7091a10aae73746f705f746f6b656e5f69647390aa69676e"
         "6f72655f656f73c2aa6d696e5f746f6b656e7300a86c6f6770726f6273c0af70726f6d70745f6c6f6770726f"
-        "6273c001cb41d954fc40200000a27431"
+        "6273c0ab6a736f6e5f736368656d6181a474797065a66f626a65637401cb41d954fc40200000a27431"
     ),
     "abort": "920492a27231a27232",
     "outputs": (
@@ -50,7 +51,7 @@ GOLDEN = {
 
 
 def test_protocol_version_is_pinned():
-    assert p.PROTOCOL_VERSION == 3
+    assert p.PROTOCOL_VERSION == 4
     assert [int(k) for k in p.Kind] == [1, 2, 3, 4, 5, 6, 7]
 
 

@@ -1,0 +1,191 @@
+"""A JSON schema compiled into the small node table that ``engine.grammar`` walks.
+
+Torch-free. ``compile_schema(schema)`` returns ``Nodes`` and the root's index: a list where a node is a tuple and
+refers to others by index, so ``$ref`` cycles (recursive schemas) are plain back references.
+
+Node shapes:
+- ``(LIT, b'...')``: exactly these bytes (``const``, ``enum`` members, ``true``, ``null``);
+- ``(STR, min_len, max_len)``: any JSON string, ``max_len`` -1 for no bound (characters);
+- ``(NUM, integer)``: a JSON number, or an integer when ``integer``;
+- ``(OBJ, ((key_bytes, node, required), ...), additional)``: the listed properties in their order
+  (optional ones may be left out), then, if ``additional`` >= 0, other keys with values of that node;
+- ``(ARR, item, min_items, max_items)``: ``max_items`` -1 for no bound;
+- ``(ALT, (node, ...))``: any one of these.
+
+What it understands: ``type`` (one or a list), ``enum``, ``const``, ``properties``,
+``required``, ``additionalProperties``, ``items``, ``minItems``, ``maxItems``, ``minLength``,
+``maxLength``, ``anyOf``, ``oneOf`` (as ``anyOf``), a one-member ``allOf``, ``$ref`` into
+``$defs`` / ``definitions`` (or ``#``), and annotations it has nothing to enforce (``title``,
+``description``, ``default``...). Anything else (``pattern``, ``format``, ``minimum``...) is
+refused by name with a ``SchemaError``: output that only looks constrained is worse than a clear
+400. Without ``additionalProperties``, an object with ``properties`` has no other keys (as
+llama.cpp and xgrammar's strict mode do); ``{"type": "object"}`` alone is any object, ``{}``
+any JSON value.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+LIT, STR, NUM, OBJ, ARR, ALT = range(6)
+Nodes = list[tuple]
+ANY = 0  # node 0 of every table: any JSON value
+
+MAX_NODES = 4096
+_ANNOTATIONS = frozenset({
+    "title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
+    "readOnly", "writeOnly", "discriminator", "strict", "$defs", "definitions",
+})
+_TYPES = ("string", "number", "integer", "boolean", "null", "object", "array")
+
+
+class SchemaError(ValueError):
+    """A schema this compiler refuses; the message names the keyword."""
+
+
+def compile_schema(schema: Any) -> tuple[Nodes, int]:
+    """The node table of ``schema`` and its root's index."""
+    c = _Compiler(schema)
+    return c.nodes, c.refs["#"]
+
+
+def literal(value: Any) -> bytes:
+    """A JSON value as the compact bytes a literal node matches."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+class _Compiler:
+    def __init__(self, root: Any) -> None:
+        if not isinstance(root, dict):
+            raise SchemaError("a JSON schema must be an object")
+        self.root = root
+        self.defs = {}
+        for key in ("$defs", "definitions"):
+            d = root.get(key, {})
+            if not isinstance(d, dict):
+                raise SchemaError(f"'{key}' must be an object")
+            self.defs.update({f"#/{key}/{name}": s for name, s in d.items()})
+        self.refs: dict[str, int] = {}
+        self.nodes: Nodes = [None]  # ANY, filled once its parts exist
+        parts = [(STR, 0, -1), (NUM, False), (OBJ, (), ANY), (ARR, ANY, 0, -1)]
+        parts += [(LIT, literal(v)) for v in (True, False, None)]
+        self.nodes[ANY] = (ALT, tuple(self._add(p) for p in parts))
+        self.refs["#"] = self._add(None)  # the root's slot, filled below (so "#" can refer to it)
+        self.nodes[self.refs["#"]] = self.nodes[self._schema(root)]
+        if None in self.nodes:
+            raise SchemaError("a '$ref' refers to itself with nothing in between")
+
+    def _add(self, node: tuple | None) -> int:
+        if len(self.nodes) >= MAX_NODES:
+            raise SchemaError(f"the schema is too large (more than {MAX_NODES} nodes)")
+        self.nodes.append(node)
+        return len(self.nodes) - 1
+
+    def _schema(self, s: Any, depth: int = 0) -> int:
+        if depth > 64:
+            raise SchemaError("the schema nests more than 64 levels deep")
+        if s is True or s == {}:
+            return ANY
+        if not isinstance(s, dict):
+            raise SchemaError(f"a schema must be an object, got {json.dumps(s)[:80]}")
+        unknown = sorted(set(s) - _ANNOTATIONS - _KNOWN)
+        if unknown:
+            raise SchemaError(f"the JSON schema keyword '{unknown[0]}' is not supported (supported: "
+                              f"{', '.join(sorted(_KNOWN))})")
+        if "$ref" in s:
+            return self._ref(s["$ref"], depth)
+        if "allOf" in s:
+            parts = s["allOf"]
+            if not isinstance(parts, list) or len(parts) != 1 or len(s) - len(_ANNOTATIONS & set(s)) > 1:
+                raise SchemaError("'allOf' is supported only with a single schema and nothing beside it")
+            return self._schema(parts[0], depth + 1)
+        for key in ("anyOf", "oneOf"):
+            if key in s:
+                alts = s[key]
+                if not isinstance(alts, list) or not alts:
+                    raise SchemaError(f"'{key}' must be a non-empty list of schemas")
+                return self._alt([self._schema(a, depth + 1) for a in alts])
+        if "const" in s:
+            return self._add((LIT, literal(s["const"])))
+        if "enum" in s:
+            values = s["enum"]
+            if not isinstance(values, list) or not values:
+                raise SchemaError("'enum' must be a non-empty list")
+            return self._alt([self._add((LIT, literal(v))) for v in values])
+        t = s.get("type")
+        if t is None:
+            t = "object" if "properties" in s else "array" if "items" in s else None
+            if t is None:
+                return ANY
+        types = t if isinstance(t, list) else [t]
+        if not types or any(x not in _TYPES for x in types):
+            raise SchemaError(f"'type' must be one of {', '.join(_TYPES)} (or a list of them), got {t!r}")
+        return self._alt([self._typed(x, s, depth) for x in types])
+
+    def _typed(self, t: str, s: dict, depth: int) -> int:
+        if t == "string":
+            lo, hi = _count(s, "minLength", 0), _count(s, "maxLength", -1)
+            if hi >= 0 and lo > hi:
+                raise SchemaError("'minLength' is larger than 'maxLength'")
+            return self._add((STR, lo, hi))
+        if t in ("number", "integer"):
+            return self._add((NUM, t == "integer"))
+        if t == "boolean":
+            return self._alt([self._add((LIT, b"true")), self._add((LIT, b"false"))])
+        if t == "null":
+            return self._add((LIT, b"null"))
+        if t == "array":
+            lo, hi = _count(s, "minItems", 0), _count(s, "maxItems", -1)
+            if hi >= 0 and lo > hi:
+                raise SchemaError("'minItems' is larger than 'maxItems'")
+            return self._add((ARR, self._schema(s.get("items", True), depth + 1), lo, hi))
+        return self._object(s, depth)
+
+    def _object(self, s: dict, depth: int) -> int:
+        props = s.get("properties", {})
+        required = s.get("required", [])
+        if not isinstance(props, dict):
+            raise SchemaError("'properties' must be an object")
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise SchemaError("'required' must be a list of property names")
+        missing = [r for r in required if r not in props]
+        if missing:
+            raise SchemaError(f"'required' names '{missing[0]}', which is not in 'properties'")
+        extra = s.get("additionalProperties", "properties" not in s)
+        if extra is False:
+            additional = -1
+        else:
+            additional = self._schema(True if extra is True else extra, depth + 1)
+        slot = self._add(None)
+        members = tuple((literal(name), self._schema(sub, depth + 1), name in required)
+                        for name, sub in props.items())
+        self.nodes[slot] = (OBJ, members, additional)
+        return slot
+
+    def _ref(self, ref: Any, depth: int) -> int:
+        if ref in self.refs:
+            return self.refs[ref]
+        if not isinstance(ref, str) or ref not in self.defs:
+            raise SchemaError(f"'$ref' {ref!r} is not supported: only '#', '#/$defs/NAME' and "
+                              "'#/definitions/NAME' of this schema")
+        slot = self.refs[ref] = self._add(None)  # filled below: a recursive reference finds this slot
+        self.nodes[slot] = self.nodes[self._schema(self.defs[ref], depth + 1)]
+        return slot
+
+    def _alt(self, options: list[int]) -> int:
+        return options[0] if len(options) == 1 else self._add((ALT, tuple(options)))
+
+
+_KNOWN = frozenset({
+    "type", "enum", "const", "properties", "required", "additionalProperties", "items", "minItems",
+    "maxItems", "minLength", "maxLength", "anyOf", "oneOf", "allOf", "$ref",
+})
+
+
+def _count(s: dict, key: str, default: int) -> int:
+    v = s.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or v < (0 if default == 0 else -1) or v > 1 << 20:
+        raise SchemaError(f"'{key}' must be a non-negative integer, got {v!r}")
+    return v
+
