@@ -40,8 +40,8 @@ from engine.protocol import Delta, Ready, SamplingParamError, SamplingParams, St
 from engine.request import Request, Status
 from engine.runtime import kv_block_bytes
 from engine.sampler import SamplingState
-from engine.token_bytes import VocabularyError
 from engine.scheduler import PromptTooLong, QueueFull, ScheduledBatch, Scheduler
+from engine.token_bytes import VocabularyError
 
 log = logging.getLogger("tokenmill.engine")
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.json_schema import ALT, ARR, LIT, NUM, OBJ, STR, Nodes, compile_schema
+from engine.json_schema import ALT, LIT, NUM, OBJ, STR, Nodes, compile_schema
 from engine.token_bytes import token_bytes
 
 log = logging.getLogger("tokenmill.engine")
