@@ -16,9 +16,10 @@ So a step costs a dictionary lookup once its state has been seen, and a few mill
 first time (``tools/bench_structured.py`` measures it).
 
 Frames (tuples, the tag first): ``LIT`` bytes and a position; ``STR`` a phase (0 before the
-opening quote, 1 inside, 2 after a backslash, 3-6 hex digits of a ``\\u`` escape) and the count
-of characters so far; ``NUM`` a phase of JSON's number syntax; ``WS`` whitespace so far (a
-newline only first, then at most ``MAX_WS`` spaces or tabs, so a model cannot stall in blank lines); ``NODE`` a value not started;
+opening quote, 1 inside, 2 after a backslash, 3-6 hex digits of a ``\\u`` escape, 7 and up inside
+a UTF-8 character: strings are well-formed UTF-8) and the count of characters so far; ``NUM`` a
+phase of JSON's number syntax; ``WS`` whitespace so far (a newline only first, then at most
+``MAX_WS`` spaces or tabs, so a model cannot stall in blank lines); ``NODE`` a value not started;
 ``OBJ`` the next property and whether one was written (-1: before ``{``); ``KEY`` a key must
 come (after a comma); ``ARR`` items so far (-1: before ``[``). A finished frame is popped.
 """
@@ -49,6 +50,12 @@ _DIGITS = frozenset(b"0123456789")
 _ESCAPES = frozenset(b'"\\/bfnrt')
 _HEX = frozenset(b"0123456789abcdefABCDEF")
 _NUM_ENDS = frozenset({2, 3, 5, 8})  # number phases where the number may end
+# Strings hold well-formed UTF-8 (as Python's strict decoder wants it: no overlongs, no surrogates).
+# A lead byte's string phase where it is not 7, 8, 9 (1, 2, 3 continuation bytes to come) ...
+_UTF8_LEAD = {0xE0: 20, 0xED: 21, 0xF0: 22, 0xF4: 23}
+# ... and per phase: the range of the next byte and the phase after it (1: the character is whole)
+_UTF8_CONT = {7: (0x80, 0xBF, 1), 8: (0x80, 0xBF, 7), 9: (0x80, 0xBF, 8),
+              20: (0xA0, 0xBF, 7), 21: (0x80, 0x9F, 7), 22: (0x90, 0xBF, 8), 23: (0x80, 0x8F, 8)}
 
 
 def _num(phase: int, integer: bool, b: int) -> int:
@@ -178,20 +185,23 @@ class Grammar:
                 if count >= lo:
                     out.append(below)
                 return
-            if b < 0x20 or (hi >= 0 and count >= hi and (b & 0xC0) != 0x80):
-                return  # a control character, or one character too many
-            if b == 0x5C:
-                phase = 2
-            if (b & 0xC0) != 0x80:  # a character starts here (not a UTF-8 continuation byte)
-                count = count + 1 if hi >= 0 else min(count + 1, lo)  # unbounded: count only to lo
+            if b < 0x20 or 0x80 <= b < 0xC2 or b > 0xF4 or (hi >= 0 and count >= hi):
+                return  # a control character, not a UTF-8 lead byte, or one character too many
+            phase = 2 if b == 0x5C else 1 if b < 0x80 else _UTF8_LEAD.get(b, 7 if b < 0xE0 else 8 if b < 0xF0 else 9)
+            count = count + 1 if hi >= 0 else min(count + 1, lo)  # unbounded: count only up to lo
             out.append(below + ((F_STR, phase, count, lo, hi),))
         elif phase == 2:
             if b in _ESCAPES:
                 out.append(below + ((F_STR, 1, count, lo, hi),))
             elif b == 0x75:  # \u and four hex digits
                 out.append(below + ((F_STR, 3, count, lo, hi),))
-        elif b in _HEX:
-            out.append(below + ((F_STR, 1 if phase == 6 else phase + 1, count, lo, hi),))
+        elif phase <= 6:
+            if b in _HEX:
+                out.append(below + ((F_STR, 1 if phase == 6 else phase + 1, count, lo, hi),))
+        else:  # inside a UTF-8 character: 7-9 continuation bytes left, 20-23 a first one of a narrower range
+            first, last, after = _UTF8_CONT[phase]
+            if first <= b <= last:
+                out.append(below + ((F_STR, after, count, lo, hi),))
 
     def _object(self, top: tuple, below: tuple, b: int, out: list) -> None:
         _, node, i, written = top

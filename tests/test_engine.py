@@ -23,7 +23,7 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def reference(tiny_llama) -> list[list[int]]:
     """Each prompt alone, unchunked, with plenty of blocks and no prefix caching."""
-    llm = LLM(tiny_llama, num_kv_blocks=512, max_model_len=512, enable_prefix_caching=False)
+    llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=512, max_model_len=512, enable_prefix_caching=False)
     return [llm.generate(p, GREEDY)[0].token_ids for p in prompts(6)]
 
 
@@ -36,7 +36,7 @@ def assert_all_blocks_free(llm: LLM) -> None:
 
 
 def test_batched_equals_one_at_a_time(tiny_llama, reference):
-    llm = LLM(tiny_llama, num_kv_blocks=512, max_model_len=512)
+    llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=512, max_model_len=512)
     outs = llm.generate(prompts(6), GREEDY)
     assert [o.token_ids for o in outs] == reference
     assert all(o.finish_reason == "length" for o in outs)
@@ -44,7 +44,7 @@ def test_batched_equals_one_at_a_time(tiny_llama, reference):
 
 
 def test_chunked_prefill_equals_unchunked(tiny_llama, reference):
-    llm = LLM(tiny_llama, num_kv_blocks=512, max_model_len=512, max_num_batched_tokens=7)
+    llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=512, max_model_len=512, max_num_batched_tokens=7)
     outs = llm.generate(prompts(6), GREEDY)
     assert [o.token_ids for o in outs] == reference
     assert_all_blocks_free(llm)
@@ -52,7 +52,7 @@ def test_chunked_prefill_equals_unchunked(tiny_llama, reference):
 
 def test_preemption_keeps_outputs(tiny_llama, reference):
     # 6 requests of up to 84 tokens need ~36 blocks of 16; give them 12.
-    llm = LLM(tiny_llama, num_kv_blocks=12, max_model_len=512)
+    llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=12, max_model_len=512)
     outs = llm.generate(prompts(6), GREEDY)
     assert llm.engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in outs] == reference
@@ -60,7 +60,7 @@ def test_preemption_keeps_outputs(tiny_llama, reference):
 
 
 def test_abort_frees_blocks_midway(tiny_llama):
-    llm = LLM(tiny_llama, num_kv_blocks=64, max_model_len=512)
+    llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=64, max_model_len=512)
     eng = llm.engine
     for i, p in enumerate(prompts(4)):
         eng.add_request(f"r{i}", p, GREEDY)
@@ -77,7 +77,7 @@ def test_abort_frees_blocks_midway(tiny_llama):
 
 
 def test_deltas_carry_counts_and_finish(tiny_llama):
-    llm = LLM(tiny_llama, num_kv_blocks=64, max_model_len=512)
+    llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=64, max_model_len=512)
     eng = llm.engine
     eng.add_request("x", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=2))
     deltas = []
@@ -91,7 +91,7 @@ def test_deltas_carry_counts_and_finish(tiny_llama):
 
 
 def test_stop_token_ids_and_min_tokens(tiny_llama):
-    llm = LLM(tiny_llama, num_kv_blocks=64, max_model_len=512)
+    llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=64, max_model_len=512)
     free = llm.generate([9, 10, 11], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0]
     stop_at = free.token_ids[3]
     out = llm.generate([9, 10, 11], SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[stop_at],
@@ -104,7 +104,7 @@ def test_stop_token_ids_and_min_tokens(tiny_llama):
 
 
 def test_seeded_sampling_is_reproducible_across_batches(tiny_llama):
-    llm = LLM(tiny_llama, num_kv_blocks=128, max_model_len=512)
+    llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=128, max_model_len=512)
     seeded = SamplingParams(max_tokens=12, temperature=1.0, seed=1234, ignore_eos=True)
     alone = llm.generate([1, 2, 3], seeded)[0].token_ids
     mixed = llm.generate([[1, 2, 3], [4, 5], [6, 7, 8, 9]],
@@ -116,15 +116,15 @@ def test_seeded_sampling_is_reproducible_across_batches(tiny_llama):
 def test_prompt_logprobs_survive_chunking(tiny_llama):
     p = prompts(1)[0]
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
-    whole = LLM(tiny_llama, num_kv_blocks=64, max_model_len=512).generate(p, params)[0]
-    chunked = LLM(tiny_llama, num_kv_blocks=64, max_model_len=512, max_num_batched_tokens=5).generate(p, params)[0]
+    whole = LLM(tiny_llama, dtype="float32", num_kv_blocks=64, max_model_len=512).generate(p, params)[0]
+    chunked = LLM(tiny_llama, dtype="float32", num_kv_blocks=64, max_model_len=512, max_num_batched_tokens=5).generate(p, params)[0]
     assert len(whole.prompt_logprobs) == len(p) and whole.prompt_logprobs[0] is None
     for a, b in zip(whole.prompt_logprobs[1:], chunked.prompt_logprobs[1:], strict=True):
         assert a[0] == pytest.approx(b[0], abs=1e-4)
 
 
 def test_bad_requests_are_refused(tiny_llama):
-    eng = LLM(tiny_llama, num_kv_blocks=32, max_model_len=256, max_num_waiting_requests=2).engine
+    eng = LLM(tiny_llama, dtype="float32", num_kv_blocks=32, max_model_len=256, max_num_waiting_requests=2).engine
     with pytest.raises(RequestError, match="maximum context length is 256.*250 in the prompt \\+ 10"):
         eng.add_request("a", [1] * 250, SamplingParams(max_tokens=10))
     with pytest.raises(RequestError, match="empty"):
@@ -141,7 +141,7 @@ def test_bad_requests_are_refused(tiny_llama):
 
 
 def test_out_of_vocab_stop_ids_and_bias_keys_are_refused(tiny_llama):
-    eng = LLM(tiny_llama, num_kv_blocks=32, max_model_len=256).engine
+    eng = LLM(tiny_llama, dtype="float32", num_kv_blocks=32, max_model_len=256).engine
     for params, param in ((SamplingParams(stop_token_ids=[5, 49152]), "stop_token_ids"),
                           (SamplingParams(logit_bias={49152: 1.0}), "logit_bias")):
         with pytest.raises(RequestError) as e:
@@ -153,7 +153,7 @@ def test_out_of_vocab_stop_ids_and_bias_keys_are_refused(tiny_llama):
 
 def test_steps_never_walk_the_params_lists(tiny_llama):
     """Stop ids and logit_bias at their caps are read once per request, not once per step."""
-    llm = LLM(tiny_llama, num_kv_blocks=64, max_model_len=512)
+    llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=64, max_model_len=512)
     free = llm.generate([9, 10, 11], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0].token_ids
     filler = [t for t in range(40000, 42100) if t not in free][:2046]
     bias = {t: 0.0 for t in range(2048)}  # changes nothing, but takes the processing path
@@ -183,7 +183,7 @@ def test_steps_never_walk_the_params_lists(tiny_llama):
 
 
 def test_max_model_len_never_exceeds_the_kv_cache(tiny_llama):
-    eng = LLM(tiny_llama, num_kv_blocks=4, max_model_len=256).engine  # 4 blocks x 16 = 64 tokens
+    eng = LLM(tiny_llama, dtype="float32", num_kv_blocks=4, max_model_len=256).engine  # 4 blocks x 16 = 64 tokens
     assert eng.max_model_len == 64 and eng.ready_info().max_model_len == 64
     eng.add_request("a", [1] * 31, SamplingParams(max_tokens=33))
     with pytest.raises(RequestError, match="maximum context length is 64"):
@@ -191,7 +191,7 @@ def test_max_model_len_never_exceeds_the_kv_cache(tiny_llama):
 
 
 def test_offline_stop_strings_and_refusals(tiny_llama):
-    llm = LLM(tiny_llama, num_kv_blocks=64, max_model_len=128)
+    llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=64, max_model_len=128)
     greedy = dict(temperature=0.0, ignore_eos=True)
     base = llm.generate([9, 10, 11], SamplingParams(max_tokens=6, **greedy))[0]
     words = base.text.split()
@@ -252,7 +252,7 @@ def run_staged(llm: LLM, early: list[list[int]], late: list[list[int]], early_pr
 @pytest.mark.parametrize("policy", ["fcfs", "priority", "short-first"])
 @pytest.mark.parametrize("num_kv_blocks", [512, 12], ids=["roomy", "preempting"])
 def test_policies_and_preemption_keep_outputs(tiny_llama, reference, policy, num_kv_blocks):
-    llm = LLM(tiny_llama, num_kv_blocks=num_kv_blocks, max_model_len=512, max_num_seqs=2,
+    llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=num_kv_blocks, max_model_len=512, max_num_seqs=2,
               scheduling_policy=policy, long_prefill_token_threshold=8)
     ps = prompts(6)
     out = run_staged(llm, ps[:3], ps[3:], early_priority=5, late_priority=0)
@@ -264,7 +264,7 @@ def test_policies_and_preemption_keep_outputs(tiny_llama, reference, policy, num
 
 
 def test_offline_priority_orders_admission(tiny_llama):
-    llm = LLM(tiny_llama, num_kv_blocks=64, max_model_len=256, max_num_seqs=1, scheduling_policy="priority")
+    llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=64, max_model_len=256, max_num_seqs=1, scheduling_policy="priority")
     order = []
     step = llm.engine.step
 
@@ -281,7 +281,7 @@ def test_offline_priority_orders_admission(tiny_llama):
 
 
 def test_deadlines_end_requests_with_timeout(tiny_llama):
-    llm = LLM(tiny_llama, num_kv_blocks=64, max_model_len=256)
+    llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=64, max_model_len=256)
     eng = llm.engine
     now = [1000.0]
     eng.scheduler.clock = lambda: now[0]
@@ -301,7 +301,7 @@ def test_deadlines_end_requests_with_timeout(tiny_llama):
 
 
 def test_server_default_timeout_applies_to_requests_without_their_own(tiny_llama):
-    llm = LLM(tiny_llama, num_kv_blocks=64, max_model_len=256, request_timeout=1e-9)
+    llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=64, max_model_len=256, request_timeout=1e-9)
     out = llm.generate(prompts(1), GREEDY)[0]
     assert out.finish_reason == "timeout" and out.token_ids == []
     assert_all_blocks_free(llm)

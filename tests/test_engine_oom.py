@@ -16,7 +16,7 @@ BIG = list(range(100, 400))  # the request "too big for memory": every step that
 @pytest.fixture(scope="module")
 def alone(tiny_llama) -> list[list[int]]:
     """Each prompt alone, no out-of-memory anywhere."""
-    llm = LLM(tiny_llama, num_kv_blocks=512, max_model_len=512, enable_prefix_caching=False)
+    llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=512, max_model_len=512, enable_prefix_caching=False)
     return [llm.generate(p, GREEDY)[0].token_ids for p in prompts(6)]
 
 
@@ -42,7 +42,7 @@ def has_big(batch, _n) -> bool:
 
 
 def test_a_request_too_big_for_memory_ends_with_error_and_the_rest_finish(tiny_llama, alone):
-    llm = LLM(tiny_llama, num_kv_blocks=512, max_model_len=512)
+    llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=512, max_model_len=512)
     failed = fail_steps(llm, has_big)
     ps = prompts(6)
     outs = llm.generate([*ps[:3], BIG, *ps[3:]], GREEDY)
@@ -57,7 +57,7 @@ def test_a_request_too_big_for_memory_ends_with_error_and_the_rest_finish(tiny_l
 
 
 def test_passing_out_of_memory_costs_nobody_anything(tiny_llama, alone):
-    llm = LLM(tiny_llama, num_kv_blocks=512, max_model_len=512)
+    llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=512, max_model_len=512)
     # the first step (all six prompts), then, once all six have come back one at a time (steps 1-6) and
     # decode together again, a decode step
     failed = fail_steps(llm, lambda batch, n: n in (0, 10))
@@ -69,7 +69,7 @@ def test_passing_out_of_memory_costs_nobody_anything(tiny_llama, alone):
 
 
 def test_a_lone_request_out_of_memory_ends_at_once(tiny_llama):
-    llm = LLM(tiny_llama, num_kv_blocks=512, max_model_len=512)
+    llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=512, max_model_len=512)
     failed = fail_steps(llm, has_big)
     out = llm.generate(BIG, GREEDY)[0]
     assert (out.finish_reason, failed) == ("error", [0])
@@ -79,8 +79,8 @@ def test_a_lone_request_out_of_memory_ends_at_once(tiny_llama):
 def test_seeded_tokens_survive_a_step_that_fails_after_sampling(tiny_llama):
     seeded = SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
     ps = prompts(3)
-    want = LLM(tiny_llama, num_kv_blocks=512, max_model_len=512).generate(ps, seeded)
-    llm = LLM(tiny_llama, num_kv_blocks=512, max_model_len=512)
+    want = LLM(tiny_llama, dtype="float32", num_kv_blocks=512, max_model_len=512).generate(ps, seeded)
+    llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=512, max_model_len=512)
     execute, count = llm.engine.runner.execute, [0]
 
     def sample_then_fail(batch):  # the sampler has drawn its noise when memory runs out
@@ -98,7 +98,7 @@ def test_seeded_tokens_survive_a_step_that_fails_after_sampling(tiny_llama):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_real_cuda_out_of_memory_is_survived(tiny_llama):
-    llm = LLM(tiny_llama, device="cuda", num_kv_blocks=256, max_model_len=512)
+    llm = LLM(tiny_llama, dtype="float32", device="cuda", num_kv_blocks=256, max_model_len=512)
     ps = prompts(4)
     execute = llm.engine.runner.execute
 
@@ -120,7 +120,7 @@ def test_recovery_ends_even_while_a_suspect_keeps_waiting(tiny_llama, monkeypatc
     """Suspects that better-ranked arrivals keep waiting must not hold the server at one admission
     per step: the limit lifts ``OOM_RECOVERY_STEPS`` steps after the failure."""
     monkeypatch.setattr(engine_module, "OOM_RECOVERY_STEPS", 8)
-    llm = LLM(tiny_llama, num_kv_blocks=512, max_model_len=512, max_num_seqs=8, scheduling_policy="priority")
+    llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=512, max_model_len=512, max_num_seqs=8, scheduling_policy="priority")
     fail_steps(llm, lambda _batch, n: n == 0)
     eng, ps = llm.engine, prompts(6)
     for i in range(2):

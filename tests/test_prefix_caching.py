@@ -28,12 +28,12 @@ def one_by_one(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREE
 
 @pytest.fixture(scope="module")
 def uncached(tiny_llama):
-    return LLM(tiny_llama, num_kv_blocks=256, max_model_len=512, enable_prefix_caching=False)
+    return LLM(tiny_llama, dtype="float32", num_kv_blocks=256, max_model_len=512, enable_prefix_caching=False)
 
 
 def test_a_shared_prefix_ending_mid_block_is_hit_and_outputs_are_unchanged(tiny_llama, uncached):
     prompts = shared_prefix_prompts(4)  # they diverge at token 40, inside the third block
-    llm = LLM(tiny_llama, num_kv_blocks=256, max_model_len=512)
+    llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=256, max_model_len=512)
     outs = one_by_one(llm, prompts)
     assert [o.num_cached_tokens for o in outs] == [0, 32, 32, 32]
     assert [o.token_ids for o in outs] == [o.token_ids for o in one_by_one(uncached, prompts)]
@@ -45,7 +45,7 @@ def test_a_shared_prefix_ending_mid_block_is_hit_and_outputs_are_unchanged(tiny_
 
 def test_a_repeated_prompt_hits_all_but_its_last_block(tiny_llama, uncached):
     p = shared_prefix_prompts(1, prefix_len=64)[0][:64]  # four whole blocks
-    llm = LLM(tiny_llama, num_kv_blocks=256, max_model_len=512)
+    llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=256, max_model_len=512)
     first, again = one_by_one(llm, [p, p])
     assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 48)
     assert first.token_ids == again.token_ids == uncached.generate(p, GREEDY)[0].token_ids
@@ -54,7 +54,7 @@ def test_a_repeated_prompt_hits_all_but_its_last_block(tiny_llama, uncached):
 def test_a_hit_after_part_of_the_chain_was_evicted(tiny_llama, uncached):
     a = shared_prefix_prompts(1, prefix_len=100)[0][:100]  # 7 blocks with its outputs
     filler = shared_prefix_prompts(1, prefix_len=120, seed=1)[0][:120]  # needs 9 of the 12 blocks
-    llm = LLM(tiny_llama, num_kv_blocks=12, max_model_len=192)
+    llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=12, max_model_len=192)
     first, _, again = one_by_one(llm, [a, filler, a])
     bm = llm.engine.block_manager
     assert bm.num_evictions > 0
@@ -66,7 +66,7 @@ def test_a_hit_after_part_of_the_chain_was_evicted(tiny_llama, uncached):
 @pytest.mark.parametrize("budget", [7, 2048])
 def test_batched_and_chunked_with_shared_prefixes(tiny_llama, uncached, budget):
     prompts = shared_prefix_prompts(6, seed=2)
-    llm = LLM(tiny_llama, num_kv_blocks=256, max_model_len=512, max_num_batched_tokens=budget)
+    llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=256, max_model_len=512, max_num_batched_tokens=budget)
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == [o.token_ids for o in one_by_one(uncached, prompts)]
     # all six arrive together: the first computes the prefix, the others hit its blocks in that same step
@@ -92,7 +92,7 @@ def computed_tokens(llm: LLM) -> list[int]:
 def test_preemption_resumes_from_the_cache_and_keeps_outputs(tiny_llama, uncached, caching):
     prompts = shared_prefix_prompts(6, seed=3)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    llm = LLM(tiny_llama, num_kv_blocks=14, max_model_len=256, enable_prefix_caching=caching)
+    llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=14, max_model_len=256, enable_prefix_caching=caching)
     computed = computed_tokens(llm)
     outs = llm.generate(prompts, params)
     s = llm.engine.scheduler
@@ -112,7 +112,7 @@ def test_preemption_resumes_from_the_cache_and_keeps_outputs(tiny_llama, uncache
 def test_twins_share_the_prompts_blocks(tiny_llama, uncached):
     """``n > 1`` reaches the engine as n requests with one prompt: one computes it, the others hit."""
     p = shared_prefix_prompts(1, prefix_len=50)[0]
-    llm = LLM(tiny_llama, num_kv_blocks=256, max_model_len=512)
+    llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=256, max_model_len=512)
     eng = llm.engine
     for i in range(4):
         eng.add_request(f"t{i}", p, GREEDY)
@@ -133,7 +133,7 @@ def test_twins_share_the_prompts_blocks(tiny_llama, uncached):
 
 def test_prompt_logprobs_are_computed_even_when_cached(tiny_llama):
     p = shared_prefix_prompts(1, prefix_len=50)[0]
-    llm = LLM(tiny_llama, num_kv_blocks=256, max_model_len=512)
+    llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=256, max_model_len=512)
     with_lp = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1)
     first = llm.generate(p, with_lp)[0]
     llm.generate(p, GREEDY)  # now p is cached
@@ -146,7 +146,7 @@ def test_prompt_logprobs_are_computed_even_when_cached(tiny_llama):
 
 
 def test_stats_report_fragmentation_and_usage(tiny_llama):
-    llm = LLM(tiny_llama, num_kv_blocks=64, max_model_len=512)
+    llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=64, max_model_len=512)
     eng = llm.engine
     eng.add_request("a", list(range(3, 23)), GREEDY)  # 20 tokens: two blocks, 12 empty slots
     eng.step()  # the prompt is computed, the first token sampled (not yet in the cache)
@@ -159,7 +159,7 @@ def test_stats_report_fragmentation_and_usage(tiny_llama):
 
 def test_disabled_prefix_caching_reports_no_hits(tiny_llama):
     p = shared_prefix_prompts(1)[0]
-    llm = LLM(tiny_llama, num_kv_blocks=64, max_model_len=512, enable_prefix_caching=False)
+    llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=64, max_model_len=512, enable_prefix_caching=False)
     assert [o.num_cached_tokens for o in one_by_one(llm, [p, p])] == [0, 0]
     assert llm.engine.stats().prefix_cache_hit_rate == 0.0
 
@@ -168,7 +168,7 @@ def test_a_preempted_request_resumes_from_its_own_cached_blocks(tiny_llama, unca
     a_prompt, b_prompt = shared_prefix_prompts(1, prefix_len=40, seed=4)[0][:40], [7] * 40
     a_params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     b_params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-    llm = LLM(tiny_llama, num_kv_blocks=16, max_model_len=256, max_num_seqs=1, scheduling_policy="priority")
+    llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=16, max_model_len=256, max_num_seqs=1, scheduling_policy="priority")
     eng, per_request = llm.engine, {}
     update = eng.scheduler.update_from_output
 
@@ -195,7 +195,7 @@ def test_a_preempted_request_resumes_from_its_own_cached_blocks(tiny_llama, unca
 
 def test_a_step_that_fails_leaves_no_uncomputed_block_findable(tiny_llama, uncached):
     p = shared_prefix_prompts(1, prefix_len=40)[0]
-    llm = LLM(tiny_llama, num_kv_blocks=64, max_model_len=512)
+    llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=64, max_model_len=512)
     runner = llm.engine.runner
     execute = runner.execute
 

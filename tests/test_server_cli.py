@@ -165,8 +165,8 @@ def test_a_quantization_the_checkpoint_lacks_fails_at_start(tiny_llama):
 
 
 def test_startup_logs_the_kv_cache_size(tiny_llama):
-    r = tokenmill("generate", "--model", tiny_llama, "--prompt", "Hi", "--max-tokens", "1", "--max-model-len", "512",
-                  timeout=300)
+    r = tokenmill("generate", "--model", tiny_llama, "--dtype", "float32", "--prompt", "Hi", "--max-tokens", "1",
+                  "--max-model-len", "512", timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     # the tiny model: 2 layers x 2 KV heads x 16 dims x K and V x 4 bytes = 512 bytes per token; no more
     # blocks than 64 sequences of 512 tokens can use

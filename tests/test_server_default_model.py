@@ -35,6 +35,36 @@ def test_default_model_knows_the_capital_of_france(server):
     assert "Paris" in r.choices[0].message.content
 
 
+CAPITAL = {"type": "object", "properties": {"country": {"type": "string"}, "capital": {"type": "string"}},
+           "required": ["country", "capital"]}
+
+
+def test_response_format_holds_the_answer_to_a_schema(server):
+    import json
+
+    from openai import BadRequestError
+
+    client = openai_client(server)
+    ask = [{"role": "user", "content": "What is the capital of France? Answer in JSON."}]
+    r = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct.Q4_1", messages=ask, max_tokens=60, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "capital", "schema": CAPITAL}})
+    answer = json.loads(r.choices[0].message.content)
+    assert list(answer) == ["country", "capital"] and "Paris" in answer["capital"]
+    assert r.choices[0].finish_reason == "stop"
+    stream = client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=ask, max_tokens=60,
+                                            temperature=0, stream=True, response_format={"type": "json_object"})
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert isinstance(json.loads(text), dict)
+    for bad, word in (({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string",
+                                                                                      "pattern": "a+"}}}, "pattern"),
+                      ({"type": "yaml"}, "yaml")):
+        with pytest.raises(BadRequestError) as e:
+            client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=ask, max_tokens=5,
+                                           response_format=bad, stream=True)
+        assert e.value.body["param"] == "response_format" and word in e.value.body["message"]
+
+
 def test_engine_death_gives_503_and_nonzero_exit(server):
     from openai import APIError
 

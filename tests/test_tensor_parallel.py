@@ -26,7 +26,7 @@ from engine.parallel import StepInput, TensorParallelError, TPGroup, check_split
 from tests.conftest import make_tiny_model
 from tests.test_server_e2e import Server, openai_client, pid_alive, wait_for
 
-KW = dict(device="cpu", num_kv_blocks=48, max_model_len=256, max_num_batched_tokens=32)  # 32: prompts prefill in chunks
+KW = dict(device="cpu", dtype="float32", num_kv_blocks=48, max_model_len=256, max_num_batched_tokens=32)  # 32: prompts prefill in chunks
 PREFIX = list(range(300, 340))  # two requests share it: prefix-cached blocks under TP too
 PROMPTS = [
     PREFIX + [7, 11, 13],  # 43 tokens: two chunks
@@ -112,10 +112,10 @@ def test_default_gguf_tp3_equals_tp1(default_gguf, tokenizer):
     chat = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                          add_generation_prompt=True, tokenize=False)
     p = SamplingParams(max_tokens=10, temperature=0.0)
-    with LLM(device="cpu", num_kv_blocks=16, max_model_len=128) as ref:
+    with LLM(device="cpu", dtype="float32", num_kv_blocks=16, max_model_len=128) as ref:
         ref.tokenizer = tokenizer
         want = ref.generate(chat, p)[0]
-    with LLM(device="cpu", tensor_parallel_size=3, num_kv_blocks=16, max_model_len=128) as llm:
+    with LLM(device="cpu", dtype="float32", tensor_parallel_size=3, num_kv_blocks=16, max_model_len=128) as llm:
         llm.tokenizer = tokenizer
         got = llm.generate(chat, p)[0]
     assert got.token_ids == want.token_ids
@@ -206,7 +206,7 @@ def test_serve_tp2_end_to_end(tmp_path, smollm_tokenizer_dir, tokenizer):
     goes with it (PR_SET_PDEATHSIG) while the launcher exits non-zero."""
     path = tiny(tmp_path, smollm_tokenizer_dir, "llama", 6, 2)
     prompt = "The capital of France is"
-    with LLM(path, device="cpu", max_model_len=256) as ref:
+    with LLM(path, device="cpu", dtype="float32", max_model_len=256) as ref:
         ref.tokenizer = tokenizer
         want = ref.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
     server = Server("--model", path, "--served-model-name", "tiny", "-tp", "2", "--max-model-len", "256",

@@ -1,0 +1,270 @@
+"""Structured output: schemas compiled or refused by name, the byte automaton, masks equal to
+feeding every token by hand, random walks under the mask that always end in valid JSON, token
+bytes read from tokenizer.json and GGUF alike, and the engine holding a model to a schema."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+from engine.grammar import Grammar, GrammarMatcher, TokenVocab
+from engine.json_schema import SchemaError, compile_schema
+from engine.token_bytes import token_bytes
+
+EOS = 0
+# a small byte-level vocabulary: every byte, and pieces of JSON a real one has
+PIECES = [None] + [bytes([b]) for b in range(256)] + [p.encode() for p in (
+    '{"', '":', '": ', '", "', '",', '"}', '"]', '}}', '}\n', '\n  ', '\n    ', '  ', ' "', 'name', 'age', 'true',
+    'false', 'null', 'nul', '12', '345', '0.5', '-1', 'e+', 'abc', 'abc"', '\\"', '\\u00e9', 'é', '"é', '[{', '}]',
+    '["', ', ', ',"', '""', '{}', '[]', ' {', '{\n', 'tr', 'ue', '"name', '"age', '"x"', '"y"', ' "name": "')]
+TINY = TokenVocab(PIECES, len(PIECES) + 3, [EOS])  # (three ids past the pieces: padded logits)
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer"},
+        "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 3},
+        "ok": {"type": ["boolean", "null"]},
+    },
+    "required": ["name", "age"],
+}
+TREE = {  # recursive, through $defs
+    "$defs": {"node": {"type": "object", "properties": {
+        "v": {"type": "number"}, "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2}},
+        "required": ["v"]}},
+    "$ref": "#/$defs/node",
+}
+SCHEMAS = [PERSON, TREE, {"type": "object"}, {}, {"anyOf": [{"type": "string", "minLength": 2, "maxLength": 4},
+                                                             {"type": "array", "minItems": 1, "maxItems": 2}]}]
+
+
+def grammar(schema, vocab=TINY) -> Grammar:
+    return Grammar(*compile_schema(schema), vocab)
+
+
+def accepts(schema, text: str) -> bool:
+    g = grammar(schema)
+    s = g.feed(g.start, text.encode())
+    return s >= 0 and g.accepting(s)
+
+
+@pytest.mark.parametrize("schema, good, bad", [
+    (PERSON, ['{"name": "Bob", "age": 42}', '{\n  "name": "é",\n  "age": -0,\n  "tags": [],\n  "ok": null\n}',
+              '{"name":"a\\"b\\u00e9","age":1,"ok":true}', '{"name": "12345678", "age": 0}'],
+     ['{"age": 1, "name": "x"}', '{"name": "x"}', '{"name": "x", "age": 1,}', '{"name": "x", "age": 01}',
+      '{"name": "123456789", "age": 1}', '{"name": "x", "age": 1.5}', '{"name": "a\nb", "age": 1}',
+      '{"name": "x", "age": 1, "other": 2}', '{"name" : "x", "age": 1}', '{\n\n"name": "x", "age": 1}',
+      ' {"name": "x", "age": 1}', '{"name": "x", "age": 1, "tags": ["x", "y", "x", "y"]}']),
+    (TREE, ['{"v": 1.5e+3, "kids": [{"v": -2}, {"v": 0, "kids": []}]}'],
+     ['{"v": 1, "kids": [{"v": 1}, {"v": 2}, {"v": 3}]}', '{"kids": []}', '{"v": 1.}']),
+    ({"type": "object"}, ['{}', '{"a": [1, {"b": null}], "c": "d"}'], ['[]', '{"a"}', '{"a": }']),
+    ({}, ['"x"', '3', 'true', '[1, "a"]'], ['', 'tru', "'x'"]),
+    ({"const": {"a": [1, 2]}}, ['{"a":[1,2]}'], ['{"a": [1, 2]}']),
+])
+def test_automaton_accepts_json_of_the_schema_and_nothing_else(schema, good, bad):
+    for text in good:
+        assert accepts(schema, text), text
+    for text in bad:
+        assert not accepts(schema, text), text
+
+
+@pytest.mark.parametrize("schema, keyword", [
+    ({"type": "string", "pattern": "a+"}, "pattern"),
+    ({"type": "string", "format": "date"}, "format"),
+    ({"type": "integer", "minimum": 0}, "minimum"),
+    ({"$ref": "https://example.com/s.json"}, "$ref"),
+    ({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}, "$ref"),
+    ({"allOf": [{"type": "string"}, {"maxLength": 3}]}, "allOf"),
+    ({"type": "object", "properties": {}, "required": ["x"]}, "required"),
+    ({"type": "text"}, "type"),
+    ({"type": "array", "minItems": 3, "maxItems": 2}, "minItems"),
+    ([1, 2], "object"),
+])
+def test_what_the_compiler_cannot_enforce_is_refused_by_name(schema, keyword):
+    with pytest.raises(SchemaError, match=keyword.replace("$", r"\$")):
+        compile_schema(schema)
+
+
+def test_annotations_are_accepted_and_type_is_inferred():
+    nodes, root = compile_schema({"title": "T", "description": "d", "$schema": "x",
+                                  "properties": {"a": {"default": 1, "type": "integer"}}})
+    g = Grammar(nodes, root, TINY)
+    assert g.accepting(g.feed(g.start, b'{"a": 3}'))
+
+
+def brute_force_mask(g: Grammar, state: int, pieces: list, size: int, eos: int = EOS) -> np.ndarray:
+    mask = np.zeros(size, dtype=bool)
+    for i, p in enumerate(pieces[:size]):
+        if p and len(p) <= 48:
+            mask[i] = g.feed(state, p) >= 0
+    if g.accepting(state) or not mask.any():
+        mask[eos] = True
+    return mask
+
+
+def states_along(g: Grammar, text: bytes) -> list[int]:
+    return [g.feed(g.start, text[:i]) for i in range(len(text) + 1)]
+
+
+@pytest.mark.parametrize("schema, text", [
+    (PERSON, b'{\n  "name": "a\\"\xc3\xa9",\n  "age": -12,\n  "tags": ["x", "y"], "ok": false}'),
+    (TREE, b'{"v": 0.5e-3, "kids": [{"v": 1, "kids": []}]}'),
+    ({"type": "object"}, b'{"a": [1, {"b": null}], "c": "d\\u00e9"}'),
+])
+def test_masks_equal_feeding_every_token(schema, text):
+    g = grammar(schema)
+    for state in states_along(g, text):
+        assert state >= 0
+        got = g.info(state).mask(TINY.size)
+        assert (got == brute_force_mask(g, state, PIECES, TINY.size)).all(), state
+        assert not got[len(PIECES):].any()  # ids past the vocabulary: never
+
+
+def test_masks_on_a_real_vocabulary(smollm_tokenizer_dir):
+    pieces = token_bytes(smollm_tokenizer_dir)
+    vocab = TokenVocab(pieces, 49152, [2])
+    g = grammar(PERSON, vocab)
+    text = b'{"name": "B\\u00e9b", "age": 42, "tags": ["x"]}'
+    for state in states_along(g, text)[::6]:
+        assert (g.info(state).mask(vocab.size) == brute_force_mask(g, state, pieces, vocab.size, eos=2)).all()
+
+
+def test_token_bytes_from_gguf_and_tokenizer_json_agree(default_gguf, smollm_tokenizer_dir):
+    from frontends.tokenizer import load_tokenizer
+
+    a, b = token_bytes(default_gguf), token_bytes(smollm_tokenizer_dir)
+    assert len(a) == len(b) == 49152
+    assert a[:17] == [None] * 17 and b[:17] == [None] * 17  # special tokens have no bytes
+    assert a[17:] == b[17:]
+    tok = load_tokenizer(smollm_tokenizer_dir)
+    for tid in random.Random(0).sample(range(17, 49152), 300):
+        text = tok.decode([tid])
+        if "\ufffd" not in text:  # (a token that is part of a UTF-8 character decodes to U+FFFD)
+            assert b[tid] == text.encode()
+    assert b[tok.encode(" {", add_special_tokens=False)[0]] == b" {"
+
+
+def matches(value, schema: dict, root: dict) -> bool:
+    """The test's own validator for the keywords the compiler understands."""
+    if "$ref" in schema:
+        return matches(value, root["$defs"][schema["$ref"].split("/")[-1]], root)
+    if "anyOf" in schema:
+        return any(matches(value, s, root) for s in schema["anyOf"])
+    if "const" in schema:
+        return value == schema["const"]
+    if "enum" in schema:
+        return value in schema["enum"]
+    t = schema.get("type", "object" if "properties" in schema else None)
+    if t is None:
+        return True
+    if isinstance(t, list):
+        return any(matches(value, {**schema, "type": x}, root) for x in t)
+    if t == "object":
+        props = schema.get("properties")
+        if not isinstance(value, dict) or not all(r in value for r in schema.get("required", [])):
+            return False
+        return props is None or all(k in props and matches(v, props[k], root) for k, v in value.items())
+    if t == "array":
+        return (isinstance(value, list) and schema.get("minItems", 0) <= len(value) <= schema.get("maxItems", 1e9)
+                and all(matches(v, schema.get("items", {}), root) for v in value))
+    if t == "string":
+        return isinstance(value, str) and schema.get("minLength", 0) <= len(value) <= schema.get("maxLength", 1e9)
+    kinds = {"integer": int, "number": (int, float), "boolean": bool, "null": type(None)}
+    return isinstance(value, kinds[t]) and (t == "boolean" or not isinstance(value, bool))
+
+
+@pytest.mark.parametrize("schema", SCHEMAS, ids=["person", "tree", "object", "any", "anyof"])
+def test_random_walks_under_the_mask_end_in_valid_json(schema):
+    rng = random.Random(1)
+    g = grammar(schema)
+    ended = 0
+    for _ in range(40):
+        m, out = GrammarMatcher(g), b""
+        for _ in range(300):
+            allowed = np.flatnonzero(m.info().mask(TINY.size))
+            token = int(rng.choice(allowed))
+            if token == EOS:
+                break
+            out += PIECES[token]
+            m.advance(token)
+            if m.finished:
+                break
+        else:
+            continue  # (a walk may wander for long in a free-form schema: it must stay a prefix)
+        ended += 1
+        value = json.loads(out)
+        assert matches(value, schema, schema), out
+    assert ended >= 10
+
+
+def test_an_accepting_number_allows_the_end_and_more_digits():
+    g = grammar({"type": "integer"})
+    info = g.info(g.feed(g.start, b"12"))
+    mask = info.mask(TINY.size)
+    assert info.accepting and not info.terminal and mask[EOS] and mask[PIECES.index(b"3")]
+    assert not mask[PIECES.index(b".")]
+    any_value = grammar({})
+    inside = any_value.info(any_value.feed(any_value.start, b'"'))
+    assert not inside.accepting and not inside.mask(TINY.size)[EOS]
+
+
+# ----------------------------------------------------------------------------- the engine
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    from engine import LLM
+
+    return LLM(tiny_llama, dtype="float32", num_kv_blocks=256, max_model_len=512, max_num_seqs=8)
+
+
+FINITE = {  # a random model must end it: every string and list is bounded
+    "type": "object",
+    "properties": {"flag": {"type": "boolean"}, "pick": {"enum": ["red", "green", 3]},
+                   "word": {"type": "string", "maxLength": 6}, "list": {"type": "array", "maxItems": 2,
+                                                                          "items": {"type": "null"}}},
+    "required": ["flag", "pick", "word", "list"],
+}
+
+
+def test_a_random_model_is_held_to_the_schema(llm):
+    from engine import SamplingParams
+
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    greedy = SamplingParams(max_tokens=120, temperature=0.0, json_schema=FINITE)
+    sampled = SamplingParams(max_tokens=120, temperature=1.0, seed=5, json_schema=FINITE)
+    outs = llm.generate(prompts, greedy) + llm.generate(prompts, sampled)
+    for o in outs:
+        assert o.finish_reason == "stop", o.text
+        assert matches(json.loads(o.text), FINITE, FINITE), o.text
+    # greedy structured output does not depend on the batch
+    alone = llm.generate(prompts[1:2], greedy)[0]
+    assert alone.token_ids == outs[1].token_ids
+    plain = llm.generate(prompts[1:2], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    assert plain.token_ids != alone.token_ids[:8]  # (the mask changed what the model writes)
+
+
+def test_asynchronous_scheduling_keeps_structured_output(tiny_llama, llm):
+    from engine import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=120, temperature=0.0, json_schema=FINITE)
+    prompts = [[1, 2, 3], [4, 5, 6, 7]]
+    overlapped = LLM(tiny_llama, dtype="float32", num_kv_blocks=256, max_model_len=512, async_scheduling="on")
+    plain = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    got = overlapped.generate([*prompts, [3, 3]], [params, params, plain])
+    want = llm.generate([*prompts, [3, 3]], [params, params, plain])
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def test_an_unsupported_schema_is_a_400_naming_response_format(llm):
+    from engine import SamplingParams
+    from engine.engine import RequestError
+
+    with pytest.raises(RequestError) as e:
+        llm.engine.add_request("bad", [1, 2], SamplingParams(json_schema={"type": "string", "pattern": "x"}))
+    assert e.value.status == 400 and e.value.param == "response_format" and "pattern" in e.value.message
+    assert "bad" not in llm.engine.requests
