@@ -11,7 +11,7 @@ tokens where the value may end), computed once and cached:
   found by trying all 256; every token made only of those is allowed at once, a whole-vocabulary
   numpy test cached per such byte set (``TokenVocab.split``);
 - the other tokens whose first byte outside that set can follow are run through the automaton
-  in lockstep, each distinct (state, byte) pair once per position (numpy ``unique``).
+  in lockstep, each distinct (state, byte) pair once per position.
 So a step costs a dictionary lookup once its state has been seen, and a few milliseconds the
 first time (``tools/bench_structured.py`` measures it).
 
@@ -274,23 +274,36 @@ class Grammar:
         return info
 
     def _allowed(self, state: int, row: np.ndarray) -> np.ndarray:
-        """Which of the vocabulary's rows can follow ``state`` (``row``: its next state per byte)."""
+        """Which of the vocabulary's rows can follow ``state`` (``row``: its next state per byte).
+
+        The tokens that leave the state are run in lockstep, a byte position at a time, each token
+        holding the index of its state in a short list of the states reached so far (``reached``): a
+        position's distinct (state, byte) pairs are found with a table of ``len(reached) * 256``
+        entries, no sort of the tokens."""
         v = self.vocab
         stay, first, first_byte = v.split(row == state)
         allowed = stay.copy()
         # every other token: from its first byte that changes the state, if that byte can come at all
         rows = np.flatnonzero(~stay & (row[first_byte] >= 0))
-        states, pos = row[first_byte[rows]], first[rows] + 1
+        reached, local = np.unique(row, return_inverse=True)
+        local, pos = local[first_byte[rows]], first[rows] + 1
         while rows.size:
             done = pos >= v.lens[rows]
             allowed[rows[done]] = True
-            rows, states, pos = rows[~done], states[~done], pos[~done]
+            rows, local, pos = rows[~done], local[~done], pos[~done]
             if not rows.size:
                 break
-            keys, inverse = np.unique(states * 256 + v.bytes[rows, pos], return_inverse=True)
-            nxt = np.array([self.next(int(k) >> 8, int(k) & 255) for k in keys], dtype=np.int64)[inverse]
-            keep = nxt >= 0
-            rows, states, pos = rows[keep], nxt[keep], pos[keep] + 1
+            keys = local * 256 + v.bytes[rows, pos]
+            seen = np.zeros(len(reached) * 256, dtype=bool)
+            seen[keys] = True
+            pairs = np.flatnonzero(seen)
+            nxt = np.array([self.next(int(reached[k >> 8]), int(k & 255)) for k in pairs], dtype=np.int64)
+            reached, index = np.unique(nxt, return_inverse=True)
+            table = np.empty(len(seen), dtype=np.int64)
+            table[pairs] = index
+            local = table[keys]
+            alive = reached[local] >= 0
+            rows, local, pos = rows[alive], local[alive], pos[alive] + 1
         return allowed
 
 
