@@ -15,11 +15,12 @@ tokens where the value may end), computed once and cached:
 So a step costs a dictionary lookup once its state has been seen, and a few milliseconds the
 first time (``tools/bench_structured.py`` measures it).
 
-Frames (tuples, the tag first): ``LIT`` bytes and a position; ``STR`` a phase (0 before the
-opening quote, 1 inside, 2 after a backslash, 3-6 hex digits of a ``\\u`` escape, 7 and up inside
-a UTF-8 character: strings are well-formed UTF-8) and the count of characters so far; ``NUM`` a
-phase of JSON's number syntax; ``WS`` whitespace so far (a newline only first, then at most
-``MAX_WS`` spaces or tabs, so a model cannot stall in blank lines); ``NODE`` a value not started;
+Frames (tuples, the tag first): ``LIT`` bytes and a position; ``TRIE`` a node of a trie of
+literals (an enum's members); ``STR`` a phase (0 before the opening quote, 1 inside, 2 after a
+backslash, 3-6 hex digits of a ``\\u`` escape, 7 and up inside a UTF-8 character: strings are
+well-formed UTF-8) and the count of characters so far; ``NUM`` a phase of JSON's number syntax;
+``WS`` whitespace so far (a newline only first, then at most ``MAX_WS`` spaces or tabs, so a
+model cannot stall in blank lines); ``NODE`` a value not started;
 ``OBJ`` the next property and whether one was written (-1: before ``{``); ``KEY`` a key must
 come (after a comma); ``ARR`` items so far (-1: before ``[``). A finished frame is popped.
 """
@@ -39,9 +40,10 @@ from engine.token_bytes import token_bytes
 
 log = logging.getLogger("tokenmill.engine")
 
-F_LIT, F_STR, F_NUM, F_WS, F_NODE, F_OBJ, F_KEY, F_ARR = range(8)
+F_LIT, F_STR, F_NUM, F_WS, F_NODE, F_OBJ, F_KEY, F_ARR, F_TRIE = range(9)
 MAX_WS = 20  # whitespace bytes in a row between tokens of JSON
 MAX_STACK = 96  # frames: about 30 levels of nesting
+MAX_STACKS = 256  # stacks a state keeps (anyOf / enum members not yet told apart): bounds a step's work
 MAX_TOKEN_BYTES = 48  # longer tokens (runs of '=' or spaces) are never needed to write JSON
 MASK_CACHE = 4096  # masks kept per grammar (bit-packed: vocab/8 bytes each)
 
@@ -85,7 +87,8 @@ class Grammar:
 
     def __init__(self, nodes: Nodes, root: int, vocab: TokenVocab):
         self.nodes, self.vocab = nodes, vocab
-        self._starts = [self._expand(i, set()) for i in range(len(nodes))]
+        self._tries: list[tuple[list[dict[int, int]], list[bool]]] = []  # (children, terminal) per node
+        self._starts = [self._first_frames(i) for i in range(len(nodes))]
         self._ids: dict[frozenset, int] = {}
         self._states: list[frozenset] = []
         self._next: dict[int, int] = {}  # state * 256 + byte -> state, -1 where the byte cannot come
@@ -101,7 +104,10 @@ class Grammar:
             out: list[tuple] = []
             for stack in self._states[state]:
                 self._step(stack, b, out)
-            nxt = self._next[key] = self._intern(frozenset(s for s in out if len(s) <= MAX_STACK)) if out else -1
+            out = [s for s in out if len(s) <= MAX_STACK]
+            if len(out) > MAX_STACKS:  # any stack left is a way to finish: dropping some only narrows the output
+                out = sorted(set(out))[:MAX_STACKS]
+            nxt = self._next[key] = self._intern(frozenset(out)) if out else -1
         return nxt
 
     def feed(self, state: int, data: bytes) -> int:
@@ -113,7 +119,8 @@ class Grammar:
 
     def accepting(self, state: int) -> bool:
         """Whether the value may end here."""
-        return any(all(f[0] == F_WS or (f[0] == F_NUM and f[1] in _NUM_ENDS) for f in stack)
+        return any(all(f[0] == F_WS or (f[0] == F_NUM and f[1] in _NUM_ENDS)
+                       or (f[0] == F_TRIE and self._tries[f[1]][1][f[2]]) for f in stack)
                    for stack in self._states[state])
 
     def _intern(self, stacks: frozenset) -> int:
@@ -122,6 +129,29 @@ class Grammar:
             sid = self._ids[stacks] = len(self._states)
             self._states.append(stacks)
         return sid
+
+    def _first_frames(self, node: int) -> tuple:
+        """The frames a value of ``node`` starts with, one per alternative; its literals (an enum's
+        members, ``true`` and ``false``...) share one trie frame, so that a state holds one stack
+        for them, not one per member still possible."""
+        frames = self._expand(node, set())
+        literals = [f[1] for f in frames if f[0] == F_LIT]
+        if len(literals) < 2:
+            return frames
+        children: list[dict[int, int]] = [{}]
+        terminal = [False]
+        for lit in literals:
+            at = 0
+            for b in lit:
+                nxt = children[at].get(b)
+                if nxt is None:
+                    nxt = children[at][b] = len(children)
+                    children.append({})
+                    terminal.append(False)
+                at = nxt
+            terminal[at] = True
+        self._tries.append((children, terminal))
+        return tuple(f for f in frames if f[0] != F_LIT) + ((F_TRIE, len(self._tries) - 1, 0),)
 
     def _expand(self, node: int, seen: set) -> tuple:
         """The frames a value of ``node`` starts with (one per alternative)."""
@@ -146,6 +176,15 @@ class Grammar:
                 if data[pos] == b:
                     out.append(below if pos + 1 == len(data) else below + ((F_LIT, data, pos + 1),))
                 return
+            if tag == F_TRIE:
+                children, terminal = self._tries[top[1]]
+                at = children[top[2]].get(b)
+                if at is not None:
+                    out.append(below if terminal[at] and not children[at] else below + ((F_TRIE, top[1], at),))
+                if not terminal[top[2]]:
+                    return
+                stack = below  # a whole literal that another one extends (1 and 12) may end here
+                continue
             if tag == F_WS:  # a space, or a newline and an indent (llama.cpp's rule): no blank lines
                 n = top[1]
                 if (b == 0x0A and n == 0) or (b in _INDENT and n < MAX_WS):

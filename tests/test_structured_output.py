@@ -64,6 +64,8 @@ def accepts(schema, text: str) -> bool:
     ({"type": "object"}, ['{}', '{"a": [1, {"b": null}], "c": "d"}'], ['[]', '{"a"}', '{"a": }']),
     ({}, ['"x"', '3', 'true', '[1, "a"]'], ['', 'tru', "'x'"]),
     ({"const": {"a": [1, 2]}}, ['{"a":[1,2]}'], ['{"a": [1, 2]}']),
+    ({"type": "array", "items": {"enum": [1, 12, "a", None]}}, ['[1, 12, "a", null, 1]'], ['[2]', '[123]', '["b"]']),
+    ({"enum": [f"option {i}" for i in range(3000)]}, ['"option 0"', '"option 2999"'], ['"option 3000"', '"option"']),
 ])
 def test_automaton_accepts_json_of_the_schema_and_nothing_else(schema, good, bad):
     for text in good:
