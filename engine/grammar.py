@@ -45,7 +45,8 @@ MAX_WS = 20  # whitespace bytes in a row between tokens of JSON
 MAX_STACK = 96  # frames: about 30 levels of nesting
 MAX_STACKS = 256  # stacks a state keeps (anyOf / enum members not yet told apart): bounds a step's work
 MAX_TOKEN_BYTES = 48  # longer tokens (runs of '=' or spaces) are never needed to write JSON
-MASK_CACHE = 4096  # masks kept per grammar (bit-packed: vocab/8 bytes each)
+MASK_CACHE = 1024  # masks kept per grammar (bit-packed: vocab/8 bytes each, 19 KB for 151k tokens)
+MAX_TRANSITIONS = 500_000  # (state, byte) pairs a grammar learns (~50 MB) before the next request gets a fresh one
 
 _INDENT = frozenset(b" \t")
 _DIGITS = frozenset(b"0123456789")
@@ -94,6 +95,10 @@ class Grammar:
         self._next: dict[int, int] = {}  # state * 256 + byte -> state, -1 where the byte cannot come
         self._info: OrderedDict[int, StateInfo] = OrderedDict()
         self.start = self._intern(frozenset({((F_NODE, root),)}))
+
+    @property
+    def num_transitions(self) -> int:
+        return len(self._next)
 
     # ------------------------------------------------------------------ bytes
 
@@ -424,7 +429,7 @@ class Grammars:
         """A matcher at the start of ``schema``; ``SchemaError`` or ``VocabularyError`` if it cannot be."""
         key = json.dumps(schema, separators=(",", ":"))
         grammar = self._cache.get(key)
-        if grammar is None:
+        if grammar is None or grammar.num_transitions > MAX_TRANSITIONS:  # (afresh: memory stays bounded)
             nodes, root = compile_schema(schema)
             if self._vocab is None:
                 start = time.perf_counter()

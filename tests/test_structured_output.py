@@ -270,3 +270,17 @@ def test_an_unsupported_schema_is_a_400_naming_response_format(llm):
         llm.engine.add_request("bad", [1, 2], SamplingParams(json_schema={"type": "string", "pattern": "x"}))
     assert e.value.status == 400 and e.value.param == "response_format" and "pattern" in e.value.message
     assert "bad" not in llm.engine.requests
+
+
+def test_grammars_are_cached_by_schema_and_a_full_one_starts_afresh(smollm_tokenizer_dir, monkeypatch):
+    import engine.grammar as grammar_module
+
+    grammars = grammar_module.Grammars(smollm_tokenizer_dir, 49152, [2])
+    first = grammars.matcher(PERSON)
+    first.info()  # (learns transitions)
+    assert grammars.matcher(PERSON).grammar is first.grammar
+    assert grammars.matcher(TREE).grammar is not first.grammar
+    monkeypatch.setattr(grammar_module, "MAX_TRANSITIONS", 10)
+    fresh = grammars.matcher(PERSON)
+    assert fresh.grammar is not first.grammar and grammars.matcher(PERSON).grammar is fresh.grammar
+    assert first.info().mask(49152).any()  # a request still on the old grammar goes on
