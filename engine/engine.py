@@ -31,7 +31,6 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.grammar import Grammars
 from engine.json_schema import SchemaError
 from engine.model_path import model_name, resolve_model_path
 from engine.model_runner import Launched, ModelRunner, StepResult
@@ -41,6 +40,7 @@ from engine.request import Request, Status
 from engine.runtime import kv_block_bytes
 from engine.sampler import SamplingState
 from engine.scheduler import PromptTooLong, QueueFull, ScheduledBatch, Scheduler
+from engine.structured import Grammars
 from engine.token_bytes import VocabularyError
 
 log = logging.getLogger("tokenmill.engine")

@@ -1,58 +1,51 @@
-"""Structured output: which tokens keep a request's output inside its JSON schema, step by step.
+"""A JSON schema's node table (``engine.json_schema``) run as a pushdown automaton over bytes.
 
-A ``Grammar`` is a schema's node table (``engine.json_schema``) run as a pushdown automaton
-over bytes. A *stack* is a tuple of frames (its top last) saying what comes next; a *state* is
-the set of stacks still possible (an ``anyOf`` keeps several until the bytes tell them apart),
-interned as a small integer. Feeding a token feeds its bytes.
+Torch- and numpy-free. A *stack* is a tuple of frames (its top last) saying what comes next; a
+*state* is the set of stacks still possible (an ``anyOf`` keeps several until the bytes tell
+them apart), interned as a small integer. ``next(state, byte)`` is memoised; -1 is "cannot".
+``engine.structured`` turns states into masks over a vocabulary.
 
-Per state, ``info`` gives the mask of tokens whose bytes can follow (and the end-of-sequence
-tokens where the value may end), computed once and cached:
-- the bytes that leave the state as it is (a string's plain characters, a number's digits) are
-  found by trying all 256; every token made only of those is allowed at once, a whole-vocabulary
-  numpy test cached per such byte set (``TokenVocab.split``);
-- the other tokens whose first byte outside that set can follow are run through the automaton
-  in lockstep, each distinct (state, byte) pair once per position.
-So a step costs a dictionary lookup once its state has been seen, and a few milliseconds the
-first time (``tools/bench_structured.py`` measures it).
+Frames (tuples, the tag first): ``LIT`` bytes and a position; ``TRIE`` a trie of literals (an
+enum's members, ``true`` / ``false``) and a node in it; ``STR`` a phase (see ``_string``) and the
+count of characters so far; ``NUM`` a phase of JSON's number syntax and the digits in its current
+part; ``WS`` spaces or tabs so far and whether a newline came first; ``NODE`` a value not
+started; ``OBJ`` the next property and whether one was written (-1: before ``{``); ``KEY`` a
+member's key must come; ``KTRIE`` inside a declared key (a trie of the keys that may come
+next); ``XKEY`` inside another key (``additionalProperties``), with where it stands in the trie
+of declared keys, which it may not repeat; ``ARR`` items so far (-1: before ``[``). A finished
+frame is popped.
 
-Frames (tuples, the tag first): ``LIT`` bytes and a position; ``TRIE`` a node of a trie of
-literals (an enum's members); ``STR`` a phase (0 before the opening quote, 1 inside, 2 after a
-backslash, 3-6 hex digits of a ``\\u`` escape, 7 and up inside a UTF-8 character: strings are
-well-formed UTF-8) and the count of characters so far; ``NUM`` a phase of JSON's number syntax;
-``WS`` whitespace so far (a newline only first, then at most ``MAX_WS`` spaces or tabs, so a
-model cannot stall in blank lines); ``NODE`` a value not started;
-``OBJ`` the next property and whether one was written (-1: before ``{``); ``KEY`` a key must
-come (after a comma); ``ARR`` items so far (-1: before ``[``). A finished frame is popped.
+Every stack kept can be finished within ``MAX_STACK`` frames: each node knows how deep its
+shallowest value goes (``_depth``, a fixpoint over the table), and an alternative, property or
+item that could not finish in the room left is never started. A schema with no value that fits
+(``{"required": ["next"]}`` recursing forever, or nesting too deep) is refused.
+
+Written as the output must be: literals (``const``, ``enum``, keys) byte for byte as compact JSON
+(``json.dumps(v, ensure_ascii=False, separators=(",", ":"))``); strings well-formed UTF-8;
+numbers with at most ``MAX_DIGITS`` digits before and after the point and 3 in the exponent; whitespace between tokens
+a space, or a newline and up to ``MAX_WS`` spaces or tabs (no blank lines), none before ``:``
+and none around the value.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import time
-from collections import OrderedDict
-from dataclasses import dataclass
+from engine.json_schema import ALT, LIT, NUM, OBJ, STR, Nodes, SchemaError
 
-import numpy as np
-
-from engine.json_schema import ALT, LIT, NUM, OBJ, STR, Nodes, compile_schema
-from engine.token_bytes import token_bytes
-
-log = logging.getLogger("tokenmill.engine")
-
-F_LIT, F_STR, F_NUM, F_WS, F_NODE, F_OBJ, F_KEY, F_ARR, F_TRIE = range(9)
-MAX_WS = 20  # whitespace bytes in a row between tokens of JSON
-MAX_STACK = 96  # frames: about 30 levels of nesting
-MAX_STACKS = 256  # stacks a state keeps (anyOf / enum members not yet told apart): bounds a step's work
-MAX_TOKEN_BYTES = 48  # longer tokens (runs of '=' or spaces) are never needed to write JSON
-MASK_CACHE = 1024  # masks kept per grammar (bit-packed: vocab/8 bytes each, 19 KB for 151k tokens)
-MAX_TRANSITIONS = 500_000  # (state, byte) pairs a grammar learns (~50 MB) before the next request gets a fresh one
+F_LIT, F_STR, F_NUM, F_WS, F_NODE, F_OBJ, F_KEY, F_ARR, F_TRIE, F_KTRIE, F_XKEY = range(11)
+MAX_WS = 20  # spaces or tabs in a row (after a newline or not)
+MAX_DIGITS = 16  # digits in a number's integer part or fraction (as llama.cpp) ...
+MAX_EXPONENT_DIGITS = 3  # ... and in its exponent (a double's goes to 308)
+MAX_STACK = 128  # frames: 40-60 levels of nesting
+MAX_STACKS = 16  # stacks a state keeps (anyOf members not yet told apart): bounds a byte's work
+_UNFINISHABLE = 1 << 30
 
 _INDENT = frozenset(b" \t")
 _DIGITS = frozenset(b"0123456789")
 _ESCAPES = frozenset(b'"\\/bfnrt')
 _HEX = frozenset(b"0123456789abcdefABCDEF")
+_HIGH_SURROGATE_2ND = frozenset(b"89abAB")  # \uD8xx-\uDBxx: half a character, counted with its other half
 _NUM_ENDS = frozenset({2, 3, 5, 8})  # number phases where the number may end
+_NUM_DIGIT_RUNS = frozenset({3, 5, 8})  # phases that repeat on a digit (their digits are counted)
 # Strings hold well-formed UTF-8 (as Python's strict decoder wants it: no overlongs, no surrogates).
 # A lead byte's string phase where it is not 7, 8, 9 (1, 2, 3 continuation bytes to come) ...
 _UTF8_LEAD = {0xE0: 20, 0xED: 21, 0xF0: 22, 0xF4: 23}
@@ -83,24 +76,47 @@ def _num(phase: int, integer: bool, b: int) -> int:
     return -1
 
 
-class Grammar:
-    """A compiled schema over one vocabulary: states, their transitions and their masks."""
+class Trie:
+    """Literals as a byte trie: node 0 the root; ``value[node]`` the literal's index where one ends."""
 
-    def __init__(self, nodes: Nodes, root: int, vocab: TokenVocab):
-        self.nodes, self.vocab = nodes, vocab
-        self._tries: list[tuple[list[dict[int, int]], list[bool]]] = []  # (children, terminal) per node
+    def __init__(self, literals: list[bytes]):
+        self.children: list[dict[int, int]] = [{}]
+        self.value = [-1]
+        for index, lit in enumerate(literals):
+            at = 0
+            for b in lit:
+                nxt = self.children[at].get(b)
+                if nxt is None:
+                    nxt = self.children[at][b] = len(self.children)
+                    self.children.append({})
+                    self.value.append(-1)
+                at = nxt
+            self.value[at] = index
+
+
+class Grammar:
+    """States of one schema and their byte transitions."""
+
+    def __init__(self, nodes: Nodes, root: int):
+        self.nodes = nodes
+        self._depth = self._depths()
+        if self._depth[root] > MAX_STACK:
+            raise SchemaError("the schema has no value that can be written: it requires itself forever, or "
+                              f"nests deeper than this server writes (about {MAX_STACK // 3} levels)")
+        self._tries: list[Trie] = []
+        self._key_tries: dict[tuple, int] = {}  # (object, first property, room) -> trie of keys that may come
+        self._candidates: dict[tuple, tuple[list[int], int]] = {}  # (object, first property) -> needs, their max
+        self._last_required: dict[int, int] = {}  # object -> index of its last required property
+        self._all_keys: dict[int, int] = {}  # object -> trie of all its declared keys
         self._starts = [self._first_frames(i) for i in range(len(nodes))]
         self._ids: dict[frozenset, int] = {}
         self._states: list[frozenset] = []
         self._next: dict[int, int] = {}  # state * 256 + byte -> state, -1 where the byte cannot come
-        self._info: OrderedDict[int, StateInfo] = OrderedDict()
         self.start = self._intern(frozenset({((F_NODE, root),)}))
 
     @property
     def num_transitions(self) -> int:
         return len(self._next)
-
-    # ------------------------------------------------------------------ bytes
 
     def next(self, state: int, b: int) -> int:
         key = state * 256 + b
@@ -109,7 +125,6 @@ class Grammar:
             out: list[tuple] = []
             for stack in self._states[state]:
                 self._step(stack, b, out)
-            out = [s for s in out if len(s) <= MAX_STACK]
             if len(out) > MAX_STACKS:  # any stack left is a way to finish: dropping some only narrows the output
                 out = sorted(set(out))[:MAX_STACKS]
             nxt = self._next[key] = self._intern(frozenset(out)) if out else -1
@@ -124,9 +139,11 @@ class Grammar:
 
     def accepting(self, state: int) -> bool:
         """Whether the value may end here."""
-        return any(all(f[0] == F_WS or (f[0] == F_NUM and f[1] in _NUM_ENDS)
-                       or (f[0] == F_TRIE and self._tries[f[1]][1][f[2]]) for f in stack)
-                   for stack in self._states[state])
+        return any(all(self._may_end(f) for f in stack) for stack in self._states[state])
+
+    def _may_end(self, f: tuple) -> bool:
+        return (f[0] == F_WS or (f[0] == F_NUM and f[1] in _NUM_ENDS)
+                or (f[0] == F_TRIE and self._tries[f[1]].value[f[2]] >= 0))
 
     def _intern(self, stacks: frozenset) -> int:
         sid = self._ids.get(stacks)
@@ -135,41 +152,95 @@ class Grammar:
             self._states.append(stacks)
         return sid
 
-    def _first_frames(self, node: int) -> tuple:
-        """The frames a value of ``node`` starts with, one per alternative; its literals (an enum's
-        members, ``true`` and ``false``...) share one trie frame, so that a state holds one stack
-        for them, not one per member still possible."""
+    # ------------------------------------------------------------------ compiling
+
+    def _depths(self) -> list[int]:
+        """Per node, the frames its shallowest value needs at its deepest point (counting the node's
+        own frame; ``_UNFINISHABLE`` for a node with no finite value), by fixpoint."""
+        depth = [_UNFINISHABLE] * len(self.nodes)
+        changed = True
+        while changed:
+            changed = False
+            for i, n in enumerate(self.nodes):
+                kind = n[0]
+                if kind in (LIT, STR, NUM):
+                    d = 1
+                elif kind == ALT:
+                    d = min(depth[m] for m in n[1])
+                elif kind == OBJ:  # {: OBJ WS; a member's key: OBJ WS NODE WS LIT(:) KTRIE; its value: OBJ WS value
+                    required = [depth[v] for _, v, req in n[1] if req]
+                    d = max([6, *(2 + r for r in required)]) if required else 2
+                else:  # [: ARR WS; an item: ARR WS item; after a comma: ARR WS NODE WS
+                    lo, item = n[2], n[1]
+                    d = 2 if lo == 0 else max(4 if lo > 1 else 3, 2 + depth[item])
+                d = min(d, _UNFINISHABLE)
+                if d < depth[i]:
+                    depth[i], changed = d, True
+        return depth
+
+    def _first_frames(self, node: int) -> tuple[tuple[tuple, int], ...]:
+        """The frames a value of ``node`` starts with, one per alternative, each with the depth it
+        needs; its literals (an enum's members, ``true`` and ``false``...) share one trie frame, so
+        that a state holds one stack for them, not one per member still possible."""
         frames = self._expand(node, set())
-        literals = [f[1] for f in frames if f[0] == F_LIT]
+        literals = [f[1] for f, _ in frames if f[0] == F_LIT]
         if len(literals) < 2:
             return frames
-        children: list[dict[int, int]] = [{}]
-        terminal = [False]
-        for lit in literals:
-            at = 0
-            for b in lit:
-                nxt = children[at].get(b)
-                if nxt is None:
-                    nxt = children[at][b] = len(children)
-                    children.append({})
-                    terminal.append(False)
-                at = nxt
-            terminal[at] = True
-        self._tries.append((children, terminal))
-        return tuple(f for f in frames if f[0] != F_LIT) + ((F_TRIE, len(self._tries) - 1, 0),)
+        self._tries.append(Trie(literals))
+        return tuple(x for x in frames if x[0][0] != F_LIT) + (((F_TRIE, len(self._tries) - 1, 0), 1),)
 
     def _expand(self, node: int, seen: set) -> tuple:
-        """The frames a value of ``node`` starts with (one per alternative)."""
-        kind = self.nodes[node][0]
+        n = self.nodes[node]
+        kind = n[0]
         if kind == ALT:
             if node in seen:  # an anyOf that contains itself adds nothing
                 return ()
             seen.add(node)
-            return tuple(f for m in self.nodes[node][1] for f in self._expand(m, seen))
-        n = self.nodes[node]
-        return ((F_LIT, n[1], 0),) if kind == LIT else ((F_STR, 0, 0, n[1], n[2]),) if kind == STR else \
-            ((F_NUM, 0, n[1]),) if kind == NUM else ((F_OBJ, node, -1, False),) if kind == OBJ else \
-            ((F_ARR, node, -1),)
+            return tuple(f for m in n[1] for f in self._expand(m, seen))
+        if self._depth[node] >= _UNFINISHABLE:
+            return ()
+        frame = ((F_LIT, n[1], 0) if kind == LIT else (F_STR, 0, 0, n[1], n[2]) if kind == STR else
+                 (F_NUM, 0, n[1], 0) if kind == NUM else (F_OBJ, node, -1, False) if kind == OBJ else
+                 (F_ARR, node, -1))
+        return ((frame, self._depth[node]),)
+
+    def _keys(self, node: int, i: int, room: int) -> int:
+        """The trie of the keys that may come at property ``i`` of object ``node`` (it, or a later
+        one past optional ones) whose values fit in ``room`` frames; -1 if none."""
+        members = self.nodes[node][1]
+        candidates = self._candidates.get((node, i))
+        if candidates is None:
+            end = next((j for j in range(i, len(members)) if members[j][2]), len(members) - 1)
+            needs = [max(6, 2 + self._depth[members[j][1]]) for j in range(i, end + 1)]
+            candidates = self._candidates[node, i] = (needs, max(needs, default=0))
+        needs, most = candidates
+        cache_key = (node, i, room if room < most else -1)
+        tid = self._key_tries.get(cache_key)
+        if tid is None:
+            fits = [i + k for k, need in enumerate(needs) if need <= room]
+            tid = -1
+            if fits:
+                trie = Trie([members[j][0] for j in fits])
+                trie.value = [fits[v] if v >= 0 else -1 for v in trie.value]  # the member's index, not the fit's
+                self._tries.append(trie)
+                tid = len(self._tries) - 1
+            self._key_tries[cache_key] = tid
+        return tid
+
+    def _required_left(self, node: int, i: int) -> bool:
+        """Whether a required property of ``node`` comes at ``i`` or later."""
+        last = self._last_required.get(node)
+        if last is None:
+            last = self._last_required[node] = max((j for j, m in enumerate(self.nodes[node][1]) if m[2]), default=-1)
+        return i <= last
+
+    def _may_add(self, node: int, i: int, room: int) -> bool:
+        """Whether a key not declared may come at property ``i`` of ``node`` with ``room`` frames."""
+        additional = self.nodes[node][2]
+        return (additional >= 0 and not self._required_left(node, i)
+                and max(6, 2 + self._depth[additional]) <= room)
+
+    # ------------------------------------------------------------------ one byte
 
     def _step(self, stack: tuple, b: int, out: list) -> None:
         """Append to ``out`` every stack ``stack`` becomes after byte ``b``."""
@@ -181,263 +252,178 @@ class Grammar:
                 if data[pos] == b:
                     out.append(below if pos + 1 == len(data) else below + ((F_LIT, data, pos + 1),))
                 return
-            if tag == F_TRIE:
-                children, terminal = self._tries[top[1]]
-                at = children[top[2]].get(b)
-                if at is not None:
-                    out.append(below if terminal[at] and not children[at] else below + ((F_TRIE, top[1], at),))
-                if not terminal[top[2]]:
-                    return
-                stack = below  # a whole literal that another one extends (1 and 12) may end here
-                continue
-            if tag == F_WS:  # a space, or a newline and an indent (llama.cpp's rule): no blank lines
-                n = top[1]
-                if (b == 0x0A and n == 0) or (b in _INDENT and n < MAX_WS):
-                    out.append(below + ((F_WS, n + 1),))
+            if tag == F_WS:
+                spaces, newline = top[1], top[2]
+                if b == 0x0A and spaces == 0 and not newline:
+                    out.append(below + ((F_WS, 0, True),))
+                elif b in _INDENT and spaces < MAX_WS:
+                    out.append(below + ((F_WS, spaces + 1, newline),))
                 stack = below  # whitespace may end anywhere: the byte may be what follows
                 continue
             if tag == F_NUM:
-                phase = _num(top[1], top[2], b)
-                if phase >= 0:
-                    out.append(below + ((F_NUM, phase, top[2]),))
-                if top[1] not in _NUM_ENDS:
+                _, phase, integer, digits = top
+                nxt = _num(phase, integer, b)
+                if nxt >= 0:
+                    digits = digits + 1 if nxt == phase else 1 if nxt in _NUM_DIGIT_RUNS else 0
+                    if digits <= (MAX_EXPONENT_DIGITS if nxt == 8 else MAX_DIGITS):
+                        out.append(below + ((F_NUM, nxt, integer, digits),))
+                if phase not in _NUM_ENDS:
                     return
                 stack = below
                 continue
+            if tag == F_TRIE:
+                trie = self._tries[top[1]]
+                at = trie.children[top[2]].get(b)
+                if at is not None:
+                    out.append(below if trie.value[at] >= 0 and not trie.children[at]
+                               else below + ((F_TRIE, top[1], at),))
+                if trie.value[top[2]] < 0:
+                    return
+                stack = below  # a whole literal that another one extends (1 and 12) may end here
+                continue
             if tag == F_STR:
-                self._string(top, below, b, out)
+                _string(top, below, b, out)
             elif tag == F_NODE:
-                for f in self._starts[top[1]]:
-                    self._step(below + (f,), b, out)
+                room = MAX_STACK - len(below)
+                for f, need in self._starts[top[1]]:
+                    if need <= room:
+                        self._step(below + (f,), b, out)
             elif tag == F_OBJ:
                 self._object(top, below, b, out)
             elif tag == F_KEY:
                 self._key(top[1], top[2], below, b, out)
+            elif tag == F_KTRIE:
+                self._declared_key(top, below, b, out)
+            elif tag == F_XKEY:
+                self._other_key(top, below, b, out)
             else:
                 self._array(top, below, b, out)
             return
 
-    @staticmethod
-    def _string(top: tuple, below: tuple, b: int, out: list) -> None:
-        _, phase, count, lo, hi = top
-        if phase == 0:
-            if b == 0x22:
-                out.append(below + ((F_STR, 1, 0, lo, hi),))
-            return
-        if phase == 1:
-            if b == 0x22:
-                if count >= lo:
-                    out.append(below)
-                return
-            if b < 0x20 or 0x80 <= b < 0xC2 or b > 0xF4 or (hi >= 0 and count >= hi):
-                return  # a control character, not a UTF-8 lead byte, or one character too many
-            phase = 2 if b == 0x5C else 1 if b < 0x80 else _UTF8_LEAD.get(b, 7 if b < 0xE0 else 8 if b < 0xF0 else 9)
-            count = count + 1 if hi >= 0 else min(count + 1, lo)  # unbounded: count only up to lo
-            out.append(below + ((F_STR, phase, count, lo, hi),))
-        elif phase == 2:
-            if b in _ESCAPES:
-                out.append(below + ((F_STR, 1, count, lo, hi),))
-            elif b == 0x75:  # \u and four hex digits
-                out.append(below + ((F_STR, 3, count, lo, hi),))
-        elif phase <= 6:
-            if b in _HEX:
-                out.append(below + ((F_STR, 1 if phase == 6 else phase + 1, count, lo, hi),))
-        else:  # inside a UTF-8 character: 7-9 continuation bytes left, 20-23 a first one of a narrower range
-            first, last, after = _UTF8_CONT[phase]
-            if first <= b <= last:
-                out.append(below + ((F_STR, after, count, lo, hi),))
-
     def _object(self, top: tuple, below: tuple, b: int, out: list) -> None:
         _, node, i, written = top
-        members = self.nodes[node][1]
         if i < 0:
             if b == 0x7B:
-                out.append(below + ((F_OBJ, node, 0, False), (F_WS, 0)))
+                out.append(below + ((F_OBJ, node, 0, False), (F_WS, 0, False)))
             return
         if b == 0x7D:
-            if not any(m[2] for m in members[i:]):  # no required property left
+            if not self._required_left(node, i):
                 out.append(below)
         elif written:
-            if b == 0x2C and (i < len(members) or self.nodes[node][2] >= 0):  # (another key can come)
-                out.append(below + ((F_KEY, node, i), (F_WS, 0)))
+            room = MAX_STACK - len(below)
+            if b == 0x2C and (self._keys(node, i, room) >= 0 or self._may_add(node, i, room)):
+                out.append(below + ((F_KEY, node, i), (F_WS, 0, False)))
         else:
             self._key(node, i, below, b, out)
 
     def _key(self, node: int, i: int, below: tuple, b: int, out: list) -> None:
-        """A member whose key starts with ``b``: property ``i``, or a later one past optional ones,
-        or (all properties passed or optional) another key if the object allows them."""
-        _, members, additional = self.nodes[node]
-        for j in range(i, len(members)):
-            key, value, required = members[j]
-            self._step(below + ((F_OBJ, node, j + 1, True), (F_WS, 0), (F_NODE, value), (F_WS, 0),
-                                (F_LIT, b":", 0), (F_LIT, key, 0)), b, out)
-            if required:
-                return
-        if additional >= 0:
-            self._step(below + ((F_OBJ, node, len(members), True), (F_WS, 0), (F_NODE, additional), (F_WS, 0),
-                                (F_LIT, b":", 0), (F_STR, 0, 0, 0, -1)), b, out)
+        """A member whose key starts with ``b``: a declared one (``_keys``), or another if allowed."""
+        room = MAX_STACK - len(below)
+        tid = self._keys(node, i, room)
+        if tid >= 0:
+            self._step(below + ((F_KTRIE, node, tid, 0),), b, out)
+        if self._may_add(node, i, room):
+            _, members, additional = self.nodes[node]
+            all_keys = self._all_keys.get(node)
+            if all_keys is None:
+                self._tries.append(Trie([m[0] for m in members]))
+                all_keys = self._all_keys[node] = len(self._tries) - 1
+            self._step(below + ((F_OBJ, node, len(members), True), (F_WS, 0, False), (F_NODE, additional),
+                                (F_WS, 0, False), (F_LIT, b":", 0), (F_XKEY, all_keys, 0, 0)), b, out)
+
+    def _declared_key(self, top: tuple, below: tuple, b: int, out: list) -> None:
+        _, node, tid, at = top
+        trie = self._tries[tid]
+        at = trie.children[at].get(b)
+        if at is None:
+            return
+        j = trie.value[at]
+        if j < 0:
+            out.append(below + ((F_KTRIE, node, tid, at),))
+        else:  # the key's closing quote: its value next
+            out.append(below + ((F_OBJ, node, j + 1, True), (F_WS, 0, False), (F_NODE, self.nodes[node][1][j][1]),
+                                (F_WS, 0, False), (F_LIT, b":", 0)))
+
+    def _other_key(self, top: tuple, below: tuple, b: int, out: list) -> None:
+        """A key of ``additionalProperties``: any string but a declared key (as written there)."""
+        _, tid, at, phase = top
+        trie = self._tries[tid]
+        at = trie.children[at].get(b, -1) if at >= 0 else -1
+        after: list[tuple] = []
+        _string((F_STR, phase, 0, 0, -1), below, b, after)
+        for stack in after:
+            if len(stack) == len(below):  # the string closed
+                if at < 0 or trie.value[at] < 0:
+                    out.append(stack)
+            else:
+                out.append(below + ((F_XKEY, tid, at, stack[-1][1]),))
 
     def _array(self, top: tuple, below: tuple, b: int, out: list) -> None:
         _, node, n = top
         _, item, lo, hi = self.nodes[node]
         if n < 0:
             if b == 0x5B:
-                out.append(below + ((F_ARR, node, 0), (F_WS, 0)))
+                out.append(below + ((F_ARR, node, 0), (F_WS, 0, False)))
             return
         if b == 0x5D:
             if n >= lo:
                 out.append(below)
             return
-        more = hi < 0 or n < hi
+        # (the first item: ARR WS item; a later one: ARR WS NODE WS, then ARR WS item)
+        more = (hi < 0 or n < hi) and len(below) + max(3 if n == 0 else 4, 2 + self._depth[item]) <= MAX_STACK
         count = n + 1 if hi >= 0 else min(n + 1, max(lo, 1))  # unbounded: count only to what matters
         if n == 0:
             if more:
-                self._step(below + ((F_ARR, node, count), (F_WS, 0), (F_NODE, item)), b, out)
+                self._step(below + ((F_ARR, node, count), (F_WS, 0, False), (F_NODE, item)), b, out)
         elif b == 0x2C and more:
-            out.append(below + ((F_ARR, node, count), (F_WS, 0), (F_NODE, item), (F_WS, 0)))
-
-    # ------------------------------------------------------------------ tokens
-
-    def info(self, state: int) -> StateInfo:
-        """The state's mask over the vocabulary (bit-packed), whether it may end, whether it must."""
-        info = self._info.get(state)
-        if info is not None:
-            self._info.move_to_end(state)
-            return info
-        row = np.array([self.next(state, b) for b in range(256)], dtype=np.int64)
-        allowed = self._allowed(state, row)
-        accepting = self.accepting(state)
-        terminal = accepting and not (row >= 0).any()
-        mask = np.zeros(self.vocab.size, dtype=bool)
-        mask[self.vocab.ids[allowed]] = True
-        if accepting or not mask.any():  # (nothing allowed: only a vocabulary without the bytes needed)
-            mask[self.vocab.eos] = True
-        info = self._info[state] = StateInfo(np.packbits(mask), accepting, terminal)
-        if len(self._info) > MASK_CACHE:
-            self._info.popitem(last=False)
-        return info
-
-    def _allowed(self, state: int, row: np.ndarray) -> np.ndarray:
-        """Which of the vocabulary's rows can follow ``state`` (``row``: its next state per byte).
-
-        The tokens that leave the state are run in lockstep, a byte position at a time, each token
-        holding the index of its state in a short list of the states reached so far (``reached``): a
-        position's distinct (state, byte) pairs are found with a table of ``len(reached) * 256``
-        entries, no sort of the tokens."""
-        v = self.vocab
-        stay, first, first_byte = v.split(row == state)
-        allowed = stay.copy()
-        # every other token: from its first byte that changes the state, if that byte can come at all
-        rows = np.flatnonzero(~stay & (row[first_byte] >= 0))
-        reached, local = np.unique(row, return_inverse=True)
-        local, pos = local[first_byte[rows]], first[rows] + 1
-        while rows.size:
-            done = pos >= v.lens[rows]
-            allowed[rows[done]] = True
-            rows, local, pos = rows[~done], local[~done], pos[~done]
-            if not rows.size:
-                break
-            keys = local * 256 + v.bytes[rows, pos]
-            seen = np.zeros(len(reached) * 256, dtype=bool)
-            seen[keys] = True
-            pairs = np.flatnonzero(seen)
-            nxt = np.array([self.next(int(reached[k >> 8]), int(k & 255)) for k in pairs], dtype=np.int64)
-            reached, index = np.unique(nxt, return_inverse=True)
-            table = np.empty(len(seen), dtype=np.int64)
-            table[pairs] = index
-            local = table[keys]
-            alive = reached[local] >= 0
-            rows, local, pos = rows[alive], local[alive], pos[alive] + 1
-        return allowed
+            out.append(below + ((F_ARR, node, count), (F_WS, 0, False), (F_NODE, item), (F_WS, 0, False)))
 
 
-@dataclass(frozen=True)
-class StateInfo:
-    packed_mask: np.ndarray  # np.packbits of the (vocab_size,) bool mask of allowed tokens
-    accepting: bool  # the value may end here (the end-of-sequence tokens are allowed)
-    terminal: bool  # the value has ended: nothing may follow
+def _string(top: tuple, below: tuple, b: int, out: list) -> None:
+    """A string's byte. Phases: 0 before the opening quote; 1 inside; 2 after a backslash; 3-6 the
+    hex digits of a ``\\u`` escape still to come (4..1), 10 the second of a ``\\uD...`` escape, 11-12
+    the last two of a high surrogate's (which is not counted: its pair is one character); 7 and up
+    inside a UTF-8 character. ``count`` counts characters (an escape when it ends); without a
+    maximum it counts only up to the minimum, so that states stay few."""
+    _, phase, count, lo, hi = top
 
-    def mask(self, vocab_size: int) -> np.ndarray:
-        return np.unpackbits(self.packed_mask, count=vocab_size).view(bool)
+    def counted() -> int:
+        return count + 1 if hi >= 0 else min(count + 1, lo)
 
-
-class TokenVocab:
-    """The vocabulary as arrays: each usable token's bytes (zero-padded), length and id."""
-
-    def __init__(self, pieces: list[bytes | None], size: int, eos_token_ids: list[int]):
-        usable = [(i, p) for i, p in enumerate(pieces[:size]) if p and len(p) <= MAX_TOKEN_BYTES]
-        self.size = size
-        self.eos = np.array([t for t in eos_token_ids if 0 <= t < size], dtype=np.int64)
-        self.ids = np.array([i for i, _ in usable], dtype=np.int64)
-        self.lens = np.array([len(p) for _, p in usable], dtype=np.int64)
-        width = max(self.lens, default=1)
-        self.bytes = np.zeros((len(usable), width), dtype=np.uint8)
-        for r, (_, p) in enumerate(usable):
-            self.bytes[r, :len(p)] = np.frombuffer(p, dtype=np.uint8)
-        self._splits: dict[bytes, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-
-    def split(self, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """For a set of bytes (``keep``, (256,) bool): which tokens are made only of them, and for
-        the others the position and value of their first byte outside it. Cached per set."""
-        key = np.packbits(keep).tobytes()
-        hit = self._splits.get(key)
-        if hit is None:
-            inside = keep[self.bytes] | (np.arange(self.bytes.shape[1]) >= self.lens[:, None])
-            first = np.argmin(inside, axis=1)
-            hit = self._splits[key] = (inside.all(axis=1), first, self.bytes[np.arange(len(first)), first])
-        return hit
-
-
-class GrammarMatcher:
-    """One request's place in its grammar; advanced by the engine with each token it samples."""
-
-    __slots__ = ("grammar", "state")
-
-    def __init__(self, grammar: Grammar):
-        self.grammar, self.state = grammar, grammar.start
-
-    def info(self) -> StateInfo:
-        return self.grammar.info(self.state)
-
-    def advance(self, token: int) -> None:
-        """Move past ``token`` (state -1: a token the mask did not allow, e.g. an end-of-sequence)."""
-        v = self.grammar.vocab
-        r = np.searchsorted(v.ids, token)
-        if self.state >= 0 and r < len(v.ids) and v.ids[r] == token:
-            self.state = self.grammar.feed(self.state, v.bytes[r, :v.lens[r]].tobytes())
+    if phase == 1:
+        if b == 0x22:
+            if count >= lo:
+                out.append(below)
+            return
+        if b < 0x20 or 0x80 <= b < 0xC2 or b > 0xF4 or (hi >= 0 and count >= hi):
+            return  # a control character, not a UTF-8 lead byte, or one character too many
+        if b == 0x5C:
+            out.append(below + ((F_STR, 2, count, lo, hi),))
         else:
-            self.state = -1
-
-    @property
-    def finished(self) -> bool:
-        """Whether the value is complete and nothing may follow (or the output left the grammar)."""
-        return self.state < 0 or self.grammar.info(self.state).terminal
-
-
-class Grammars:
-    """The engine's compiled grammars, by schema (the most recently used ``CACHE`` kept), over the
-    model's vocabulary, read from its files on first use."""
-
-    CACHE = 16
-
-    def __init__(self, model_path: str, vocab_size: int, eos_token_ids: list[int]):
-        self.model_path, self.vocab_size, self.eos_token_ids = model_path, vocab_size, eos_token_ids
-        self._vocab: TokenVocab | None = None
-        self._cache: OrderedDict[str, Grammar] = OrderedDict()
-
-    def matcher(self, schema: dict) -> GrammarMatcher:
-        """A matcher at the start of ``schema``; ``SchemaError`` or ``VocabularyError`` if it cannot be."""
-        key = json.dumps(schema, separators=(",", ":"))
-        grammar = self._cache.get(key)
-        if grammar is None or grammar.num_transitions > MAX_TRANSITIONS:  # (afresh: memory stays bounded)
-            nodes, root = compile_schema(schema)
-            if self._vocab is None:
-                start = time.perf_counter()
-                self._vocab = TokenVocab(token_bytes(self.model_path), self.vocab_size, self.eos_token_ids)
-                log.info("structured output: read %d tokens' bytes in %.1f s", len(self._vocab.ids),
-                         time.perf_counter() - start)
-            grammar = self._cache[key] = Grammar(nodes, root, self._vocab)
-            if len(self._cache) > self.CACHE:
-                self._cache.popitem(last=False)
-        self._cache.move_to_end(key)
-        return GrammarMatcher(grammar)
+            cont = 1 if b < 0x80 else _UTF8_LEAD.get(b, 7 if b < 0xE0 else 8 if b < 0xF0 else 9)
+            out.append(below + ((F_STR, cont, counted(), lo, hi),))
+    elif phase == 0:
+        if b == 0x22:
+            out.append(below + ((F_STR, 1, 0, lo, hi),))
+    elif phase == 2:
+        if b in _ESCAPES:
+            out.append(below + ((F_STR, 1, counted(), lo, hi),))
+        elif b == 0x75:  # \u and four hex digits
+            out.append(below + ((F_STR, 3, count, lo, hi),))
+    elif phase <= 6 or phase >= 10 and phase <= 12:
+        if b not in _HEX:
+            return
+        if phase == 3 and b in (0x64, 0x44):  # \uD...: perhaps a high surrogate
+            nxt = 10
+        elif phase == 10:
+            nxt = 11 if b in _HIGH_SURROGATE_2ND else 5
+        elif phase in (6, 12):  # the escape's last digit
+            out.append(below + ((F_STR, 1, counted() if phase == 6 else count, lo, hi),))
+            return
+        else:
+            nxt = phase + 1
+        out.append(below + ((F_STR, nxt, count, lo, hi),))
+    else:  # inside a UTF-8 character: 7-9 continuation bytes left, 20-23 a first one of a narrower range
+        first, last, after = _UTF8_CONT[phase]
+        if first <= b <= last:
+            out.append(below + ((F_STR, after, count, lo, hi),))

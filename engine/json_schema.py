@@ -93,6 +93,10 @@ class _Compiler:
         if unknown:
             raise SchemaError(f"the JSON schema keyword '{unknown[0]}' is not supported (supported: "
                               f"{', '.join(sorted(_KNOWN))})")
+        for key in ("$ref", "anyOf", "oneOf"):  # what sits beside these would go unenforced: refused
+            beside = sorted(set(s) - _ANNOTATIONS - {key}) if key in s else []
+            if beside:
+                raise SchemaError(f"'{beside[0]}' beside '{key}' is not supported: move it into the alternatives")
         if "$ref" in s:
             return self._ref(s["$ref"], depth)
         if "allOf" in s:
@@ -106,13 +110,8 @@ class _Compiler:
                 if not isinstance(alts, list) or not alts:
                     raise SchemaError(f"'{key}' must be a non-empty list of schemas")
                 return self._alt([self._schema(a, depth + 1) for a in alts])
-        if "const" in s:
-            return self._add((LIT, literal(s["const"])))
-        if "enum" in s:
-            values = s["enum"]
-            if not isinstance(values, list) or not values:
-                raise SchemaError("'enum' must be a non-empty list")
-            return self._alt([self._add((LIT, literal(v))) for v in values])
+        if "const" in s or "enum" in s:
+            return self._literals(s)
         t = s.get("type")
         if t is None:
             t = "object" if "properties" in s else "array" if "items" in s else None
@@ -122,6 +121,22 @@ class _Compiler:
         if not types or any(x not in _TYPES for x in types):
             raise SchemaError(f"'type' must be one of {', '.join(_TYPES)} (or a list of them), got {t!r}")
         return self._alt([self._typed(x, s, depth) for x in types])
+
+    def _literals(self, s: dict) -> int:
+        """``const`` or ``enum``; beside them only ``type``, which keeps the members of its types."""
+        key = "const" if "const" in s else "enum"
+        values = [s["const"]] if key == "const" else s["enum"]
+        if not isinstance(values, list) or not values:
+            raise SchemaError("'enum' must be a non-empty list")
+        beside = sorted(set(s) - _ANNOTATIONS - {key, "type"})
+        if beside:
+            raise SchemaError(f"'{beside[0]}' beside '{key}' is not supported")
+        if "type" in s:
+            types = s["type"] if isinstance(s["type"], list) else [s["type"]]
+            values = [v for v in values if any(_is_type(v, t) for t in types)]
+            if not values:
+                raise SchemaError(f"no member of '{key}' has the schema's 'type'")
+        return self._alt([self._add((LIT, literal(v))) for v in values])
 
     def _typed(self, t: str, s: dict, depth: int) -> int:
         if t == "string":
@@ -164,7 +179,7 @@ class _Compiler:
         return slot
 
     def _ref(self, ref: Any, depth: int) -> int:
-        if ref in self.refs:
+        if isinstance(ref, str) and ref in self.refs:
             return self.refs[ref]
         if not isinstance(ref, str) or ref not in self.defs:
             raise SchemaError(f"'$ref' {ref!r} is not supported: only '#', '#/$defs/NAME' and "
@@ -184,8 +199,18 @@ _KNOWN = frozenset({
 
 
 def _count(s: dict, key: str, default: int) -> int:
-    v = s.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, int) or v < (0 if default == 0 else -1) or v > 1 << 20:
+    if key not in s:
+        return default
+    v = s[key]
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 1 << 20:
         raise SchemaError(f"'{key}' must be a non-negative integer, got {v!r}")
     return v
+
+
+def _is_type(value: Any, t: Any) -> bool:
+    kinds = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "null": type(None),
+             "object": dict, "array": list}
+    if t not in kinds:
+        raise SchemaError(f"'type' must be one of {', '.join(_TYPES)} (or a list of them), got {t!r}")
+    return isinstance(value, kinds[t]) and (t == "boolean" or not isinstance(value, bool))
 

@@ -40,8 +40,8 @@ import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from engine.grammar import GrammarMatcher
 from engine.protocol import SamplingParams, TokenLogprobs
+from engine.structured import GrammarMatcher
 
 _SEED_MASK = (1 << 64) - 1  # seeds are 64-bit; fold bigger (or negative) ones in
 _MASK32 = (1 << 32) - 1

@@ -10,8 +10,9 @@ import random
 import numpy as np
 import pytest
 
-from engine.grammar import Grammar, GrammarMatcher, TokenVocab
+from engine.grammar import Grammar
 from engine.json_schema import SchemaError, compile_schema
+from engine.structured import GrammarMatcher, TokenGrammar, TokenVocab
 from engine.token_bytes import token_bytes
 
 EOS = 0
@@ -42,8 +43,20 @@ SCHEMAS = [PERSON, TREE, {"type": "object"}, {}, {"anyOf": [{"type": "string", "
                                                              {"type": "array", "minItems": 1, "maxItems": 2}]}]
 
 
-def grammar(schema, vocab=TINY) -> Grammar:
-    return Grammar(*compile_schema(schema), vocab)
+class G(TokenGrammar):
+    """A grammar's masks, with its own calls at hand."""
+
+    start = property(lambda self: self.grammar.start)
+
+    def feed(self, state: int, data: bytes) -> int:
+        return self.grammar.feed(state, data)
+
+    def accepting(self, state: int) -> bool:
+        return self.grammar.accepting(state)
+
+
+def grammar(schema, vocab=TINY) -> G:
+    return G(Grammar(*compile_schema(schema)), vocab)
 
 
 def accepts(schema, text: str) -> bool:
@@ -66,6 +79,13 @@ def accepts(schema, text: str) -> bool:
     ({"const": {"a": [1, 2]}}, ['{"a":[1,2]}'], ['{"a": [1, 2]}']),
     ({"type": "array", "items": {"enum": [1, 12, "a", None]}}, ['[1, 12, "a", null, 1]'], ['[2]', '[123]', '["b"]']),
     ({"enum": [f"option {i}" for i in range(3000)]}, ['"option 0"', '"option 2999"'], ['"option 3000"', '"option"']),
+    ({"properties": {"a": {"type": "integer"}}, "additionalProperties": True},  # declared keys are not "additional"
+     ['{"a": 1, "b": "x"}', '{"b": [1]}', '{}'], ['{"a": "x"}', '{"a": 1, "a": 2}', '{"b": 1, "a": 1}']),
+    ({"type": "string", "maxLength": 1}, ['"\\ud83d\\ude00"', '"😀"', '"\\u00e9"'], ['"ab"', '"\\u00e9a"']),
+    ({"type": "string", "minLength": 2}, ['"ab"', '"\\ud83d\\ude00a"'], ['"\\ud83d\\ude00"', '"😀"']),
+    ({}, ['[\n' + ' ' * 20 + '1]', json.dumps([[[[[1]]]]], indent=4), '1' * 16, '0.' + '1' * 16 + 'e+123'],
+     ['[\n\n1]', '[\n' + ' ' * 21 + '1]', '1' * 17, '1e1234', '"\\ud83d\\ude0"']),
+    ({"type": "string", "enum": ["a", 1]}, ['"a"'], ['1']),
 ])
 def test_automaton_accepts_json_of_the_schema_and_nothing_else(schema, good, bad):
     for text in good:
@@ -84,21 +104,55 @@ def test_automaton_accepts_json_of_the_schema_and_nothing_else(schema, good, bad
     ({"type": "object", "properties": {}, "required": ["x"]}, "required"),
     ({"type": "text"}, "type"),
     ({"type": "array", "minItems": 3, "maxItems": 2}, "minItems"),
+    ({"type": "string", "maxLength": -1}, "maxLength"),
     ([1, 2], "object"),
+    ({"$ref": [1]}, "$ref"),
+    ({"type": "string", "maxLength": 2, "anyOf": [{"type": "string"}]}, "maxLength"),
+    ({"type": "object", "$ref": "#"}, "type"),
+    ({"type": "integer", "const": "abc"}, "type"),
+    ({"enum": [1], "minimum": 0}, "minimum"),
 ])
 def test_what_the_compiler_cannot_enforce_is_refused_by_name(schema, keyword):
     with pytest.raises(SchemaError, match=keyword.replace("$", r"\$")):
         compile_schema(schema)
 
 
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]},  # no finite value
+    {"anyOf": [{"$ref": "#"}, {"type": "array", "minItems": 1, "items": {"$ref": "#"}}]},
+    json.loads('{"type": "array", "minItems": 1, "items": ' * 64 + '{"type": "null"}' + '}' * 64),  # too deep
+])
+def test_a_schema_with_no_value_that_can_be_written_is_refused(schema):
+    with pytest.raises(SchemaError, match="no value that can be written"):
+        Grammar(*compile_schema(schema))
+
+
+def test_recursion_stops_where_the_value_can_still_end():
+    g = grammar({"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}, "v": {"type": "null"}},
+                                 "required": ["v"]}}, "$ref": "#/$defs/n"})
+    state, depth = g.start, 0
+    while (deeper := g.feed(state, b'{"c":')) >= 0:
+        state, depth = deeper, depth + 1
+    assert depth > 20
+    assert g.accepting(g.feed(state, b'{"v":null}' + b',"v":null}' * depth))  # still finishable, and finished
+
+
+def test_an_object_with_thousands_of_keys_holds_one_stack_for_them():
+    keys = {f"key{i}": {} for i in range(5000)}
+    g = Grammar(*compile_schema({"type": "object", "properties": keys}))
+    assert len(g._states[g.feed(g.start, b'{"key')]) == 1
+    assert g.accepting(g.feed(g.start, b'{"key7": 1, "key4999": {}}'))
+    assert g.feed(g.start, b'{"key4999": 1, "key7": 1}') < 0  # in their order
+
+
 def test_annotations_are_accepted_and_type_is_inferred():
     nodes, root = compile_schema({"title": "T", "description": "d", "$schema": "x",
                                   "properties": {"a": {"default": 1, "type": "integer"}}})
-    g = Grammar(nodes, root, TINY)
+    g = G(Grammar(nodes, root), TINY)
     assert g.accepting(g.feed(g.start, b'{"a": 3}'))
 
 
-def brute_force_mask(g: Grammar, state: int, pieces: list, size: int, eos: int = EOS) -> np.ndarray:
+def brute_force_mask(g: G, state: int, pieces: list, size: int, eos: int = EOS) -> np.ndarray:
     mask = np.zeros(size, dtype=bool)
     for i, p in enumerate(pieces[:size]):
         if p and len(p) <= 48:
@@ -108,7 +162,7 @@ def brute_force_mask(g: Grammar, state: int, pieces: list, size: int, eos: int =
     return mask
 
 
-def states_along(g: Grammar, text: bytes) -> list[int]:
+def states_along(g: G, text: bytes) -> list[int]:
     return [g.feed(g.start, text[:i]) for i in range(len(text) + 1)]
 
 
@@ -273,14 +327,14 @@ def test_an_unsupported_schema_is_a_400_naming_response_format(llm):
 
 
 def test_grammars_are_cached_by_schema_and_a_full_one_starts_afresh(smollm_tokenizer_dir, monkeypatch):
-    import engine.grammar as grammar_module
+    import engine.structured as structured
 
-    grammars = grammar_module.Grammars(smollm_tokenizer_dir, 49152, [2])
+    grammars = structured.Grammars(smollm_tokenizer_dir, 49152, [2])
     first = grammars.matcher(PERSON)
     first.info()  # (learns transitions)
-    assert grammars.matcher(PERSON).grammar is first.grammar
-    assert grammars.matcher(TREE).grammar is not first.grammar
-    monkeypatch.setattr(grammar_module, "MAX_TRANSITIONS", 10)
+    assert grammars.matcher(PERSON).tokens is first.tokens
+    assert grammars.matcher(TREE).tokens is not first.tokens
+    monkeypatch.setattr(structured, "MAX_TRANSITIONS", 10)
     fresh = grammars.matcher(PERSON)
-    assert fresh.grammar is not first.grammar and grammars.matcher(PERSON).grammar is fresh.grammar
+    assert fresh.tokens is not first.tokens and grammars.matcher(PERSON).tokens is fresh.tokens
     assert first.info().mask(49152).any()  # a request still on the old grammar goes on

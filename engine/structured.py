@@ -1,0 +1,189 @@
+"""Structured output: which tokens keep a request's output inside its JSON schema, step by step.
+
+``Grammars`` (one per engine) compiles each schema once (``engine.json_schema`` then
+``engine.grammar``) over the model's vocabulary (``engine.token_bytes``) and hands each request
+a ``GrammarMatcher``: its state, advanced with every token it samples. The sampler asks the
+matcher for the state's ``StateInfo``: the mask of the tokens whose bytes can follow (and the
+end-of-sequence tokens where the value may end), computed once per state and cached:
+- the bytes that leave the state as it is (a string's plain characters, a number's digits) are
+  found by trying all 256; every token made only of those is allowed at once, a whole-vocabulary
+  numpy test cached per such byte set (``TokenVocab.split``);
+- the other tokens whose first byte outside that set can follow are run through the automaton
+  in lockstep, each distinct (state, byte) pair once per position (``_allowed``).
+So a step costs a dictionary lookup once its state has been seen, and a few milliseconds the
+first time (``tools/bench_structured.py`` measures both).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.grammar import Grammar
+from engine.json_schema import compile_schema
+from engine.token_bytes import token_bytes
+
+log = logging.getLogger("tokenmill.engine")
+
+MAX_TOKEN_BYTES = 48  # longer tokens (runs of '=' or spaces) are never needed to write JSON
+MASK_CACHE = 1024  # masks kept per grammar (bit-packed: vocab/8 bytes each, 19 KB for 151k tokens)
+MAX_TRANSITIONS = 500_000  # (state, byte) pairs a grammar learns (~50 MB) before the next request gets a fresh one
+
+
+@dataclass(frozen=True)
+class StateInfo:
+    packed_mask: np.ndarray  # np.packbits of the (vocab_size,) bool mask of allowed tokens
+    accepting: bool  # the value may end here (the end-of-sequence tokens are allowed)
+    terminal: bool  # the value has ended: nothing may follow
+
+    def mask(self, vocab_size: int) -> np.ndarray:
+        return np.unpackbits(self.packed_mask, count=vocab_size).view(bool)
+
+
+class TokenVocab:
+    """The vocabulary as arrays: each usable token's bytes (zero-padded), length and id. The
+    end-of-sequence tokens are not text, whatever bytes they have."""
+
+    def __init__(self, pieces: list[bytes | None], size: int, eos_token_ids: list[int]):
+        eos = {t for t in eos_token_ids if 0 <= t < size}
+        usable = [(i, p) for i, p in enumerate(pieces[:size]) if p and len(p) <= MAX_TOKEN_BYTES and i not in eos]
+        self.size = size
+        self.eos = np.array(sorted(eos), dtype=np.int64)
+        self.ids = np.array([i for i, _ in usable], dtype=np.int64)
+        self.lens = np.array([len(p) for _, p in usable], dtype=np.int64)
+        width = max(self.lens, default=1)
+        self.bytes = np.zeros((len(usable), width), dtype=np.uint8)
+        for r, (_, p) in enumerate(usable):
+            self.bytes[r, :len(p)] = np.frombuffer(p, dtype=np.uint8)
+        self._splits: dict[bytes, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def token(self, token_id: int) -> bytes | None:
+        r = np.searchsorted(self.ids, token_id)
+        return self.bytes[r, :self.lens[r]].tobytes() if r < len(self.ids) and self.ids[r] == token_id else None
+
+    def split(self, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For a set of bytes (``keep``, (256,) bool): which tokens are made only of them, and for
+        the others the position and value of their first byte outside it. Cached per set."""
+        key = np.packbits(keep).tobytes()
+        hit = self._splits.get(key)
+        if hit is None:
+            inside = keep[self.bytes] | (np.arange(self.bytes.shape[1]) >= self.lens[:, None])
+            first = np.argmin(inside, axis=1)
+            hit = self._splits[key] = (inside.all(axis=1), first, self.bytes[np.arange(len(first)), first])
+        return hit
+
+
+class TokenGrammar:
+    """A grammar over one vocabulary: its states' masks."""
+
+    def __init__(self, grammar: Grammar, vocab: TokenVocab):
+        self.grammar, self.vocab = grammar, vocab
+        self._info: OrderedDict[int, StateInfo] = OrderedDict()
+
+    def info(self, state: int) -> StateInfo:
+        """The state's mask over the vocabulary (bit-packed), whether it may end, whether it must."""
+        info = self._info.get(state)
+        if info is not None:
+            self._info.move_to_end(state)
+            return info
+        g = self.grammar
+        row = np.array([g.next(state, b) for b in range(256)], dtype=np.int64)
+        allowed = self._allowed(state, row)
+        accepting = g.accepting(state)
+        mask = np.zeros(self.vocab.size, dtype=bool)
+        mask[self.vocab.ids[allowed]] = True
+        if accepting or not mask.any():  # (nothing allowed: a vocabulary without a byte the value needs)
+            mask[self.vocab.eos] = True
+        info = self._info[state] = StateInfo(np.packbits(mask), accepting, accepting and not (row >= 0).any())
+        if len(self._info) > MASK_CACHE:
+            self._info.popitem(last=False)
+        return info
+
+    def _allowed(self, state: int, row: np.ndarray) -> np.ndarray:
+        """Which of the vocabulary's rows can follow ``state`` (``row``: its next state per byte).
+
+        The tokens that leave the state are run in lockstep, a byte position at a time, each token
+        holding the index of its state in a short list of the states reached so far (``reached``): a
+        position's distinct (state, byte) pairs are found with a table of ``len(reached) * 256``
+        entries, no sort of the tokens."""
+        v, g = self.vocab, self.grammar
+        stay, first, first_byte = v.split(row == state)
+        allowed = stay.copy()
+        # every other token: from its first byte that changes the state, if that byte can come at all
+        rows = np.flatnonzero(~stay & (row[first_byte] >= 0))
+        reached, local = np.unique(row, return_inverse=True)
+        local, pos = local[first_byte[rows]], first[rows] + 1
+        while rows.size:
+            done = pos >= v.lens[rows]
+            allowed[rows[done]] = True
+            rows, local, pos = rows[~done], local[~done], pos[~done]
+            if not rows.size:
+                break
+            keys = local * 256 + v.bytes[rows, pos]
+            seen = np.zeros(len(reached) * 256, dtype=bool)
+            seen[keys] = True
+            pairs = np.flatnonzero(seen)
+            nxt = np.array([g.next(int(reached[k >> 8]), int(k & 255)) for k in pairs], dtype=np.int64)
+            reached, index = np.unique(nxt, return_inverse=True)
+            table = np.empty(len(seen), dtype=np.int64)
+            table[pairs] = index
+            local = table[keys]
+            alive = reached[local] >= 0
+            rows, local, pos = rows[alive], local[alive], pos[alive] + 1
+        return allowed
+
+
+class GrammarMatcher:
+    """One request's place in its grammar; advanced by the engine with each token it samples."""
+
+    __slots__ = ("tokens", "state")
+
+    def __init__(self, tokens: TokenGrammar):
+        self.tokens, self.state = tokens, tokens.grammar.start
+
+    def info(self) -> StateInfo:
+        return self.tokens.info(self.state)
+
+    def advance(self, token: int) -> None:
+        """Move past ``token`` (state -1: a token the mask did not allow, e.g. an end-of-sequence)."""
+        data = self.tokens.vocab.token(token)
+        self.state = -1 if data is None or self.state < 0 else self.tokens.grammar.feed(self.state, data)
+
+    @property
+    def finished(self) -> bool:
+        """Whether the value is complete and nothing may follow (or the output left the grammar)."""
+        return self.state < 0 or self.info().terminal
+
+
+class Grammars:
+    """The engine's compiled grammars, by schema (the most recently used ``CACHE`` kept), over the
+    model's vocabulary, read from its files on first use."""
+
+    CACHE = 16
+
+    def __init__(self, model_path: str, vocab_size: int, eos_token_ids: list[int]):
+        self.model_path, self.vocab_size, self.eos_token_ids = model_path, vocab_size, eos_token_ids
+        self._vocab: TokenVocab | None = None
+        self._cache: OrderedDict[str, TokenGrammar] = OrderedDict()
+
+    def matcher(self, schema: dict) -> GrammarMatcher:
+        """A matcher at the start of ``schema``; ``SchemaError`` or ``VocabularyError`` if it cannot be."""
+        key = json.dumps(schema, separators=(",", ":"))
+        tokens = self._cache.get(key)
+        if tokens is None or tokens.grammar.num_transitions > MAX_TRANSITIONS:  # (afresh: memory stays bounded)
+            grammar = Grammar(*compile_schema(schema))
+            if self._vocab is None:
+                start = time.perf_counter()
+                self._vocab = TokenVocab(token_bytes(self.model_path), self.vocab_size, self.eos_token_ids)
+                log.info("structured output: read %d tokens' bytes in %.1f s", len(self._vocab.ids),
+                         time.perf_counter() - start)
+            tokens = self._cache[key] = TokenGrammar(grammar, self._vocab)
+            if len(self._cache) > self.CACHE:
+                self._cache.popitem(last=False)
+        self._cache.move_to_end(key)
+        return GrammarMatcher(tokens)
