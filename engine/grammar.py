@@ -21,13 +21,16 @@ item that could not finish in the room left is never started. A schema with no v
 (``{"required": ["next"]}`` recursing forever, or nesting too deep) is refused.
 
 Written as the output must be: literals (``const``, ``enum``, keys) byte for byte as compact JSON
-(``json.dumps(v, ensure_ascii=False, separators=(",", ":"))``); strings well-formed UTF-8;
-numbers with at most ``MAX_DIGITS`` digits before and after the point and 3 in the exponent; whitespace between tokens
-a space, or a newline and up to ``MAX_WS`` spaces or tabs (no blank lines), none before ``:``
-and none around the value.
+(``json.dumps(v, ensure_ascii=False, separators=(",", ":"))``); strings well-formed UTF-8, a
+high surrogate escape followed by its low one; keys of ``additionalProperties`` without escapes;
+numbers with at most ``MAX_DIGITS`` digits before and after the point and 3 in the exponent;
+between tokens, at most one newline and then up to ``MAX_WS`` spaces or tabs (no blank lines),
+nothing before ``:`` and nothing around the value.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from engine.json_schema import ALT, LIT, NUM, OBJ, STR, Nodes, SchemaError
 
@@ -43,7 +46,8 @@ _INDENT = frozenset(b" \t")
 _DIGITS = frozenset(b"0123456789")
 _ESCAPES = frozenset(b'"\\/bfnrt')
 _HEX = frozenset(b"0123456789abcdefABCDEF")
-_HIGH_SURROGATE_2ND = frozenset(b"89abAB")  # \uD8xx-\uDBxx: half a character, counted with its other half
+_HIGH_SURROGATE_2ND = frozenset(b"89abAB")  # \uD8xx-\uDBxx: half a character, counted with its other half ...
+_LOW_SURROGATE = {30: b"\\", 31: b"u", 32: b"dD", 33: b"cdefCDEF"}  # ... \uDCxx-\uDFxx, which must follow
 _NUM_ENDS = frozenset({2, 3, 5, 8})  # number phases where the number may end
 _NUM_DIGIT_RUNS = frozenset({3, 5, 8})  # phases that repeat on a digit (their digits are counted)
 # Strings hold well-formed UTF-8 (as Python's strict decoder wants it: no overlongs, no surrogates).
@@ -178,16 +182,31 @@ class Grammar:
                     depth[i], changed = d, True
         return depth
 
-    def _first_frames(self, node: int) -> tuple[tuple[tuple, int], ...]:
+    def _first_frames(self, node: int) -> dict[int, list[tuple[tuple, int]]]:
         """The frames a value of ``node`` starts with, one per alternative, each with the depth it
-        needs; its literals (an enum's members, ``true`` and ``false``...) share one trie frame, so
-        that a state holds one stack for them, not one per member still possible."""
+        needs, by the first byte each can take (at most ``MAX_STACKS`` per byte: more would be
+        dropped anyway). Its literals (an enum's members, ``true`` and ``false``...) share one
+        trie frame, so that a state holds one stack for them, not one per member still possible."""
         frames = self._expand(node, set())
         literals = [f[1] for f, _ in frames if f[0] == F_LIT]
-        if len(literals) < 2:
-            return frames
-        self._tries.append(Trie(literals))
-        return tuple(x for x in frames if x[0][0] != F_LIT) + (((F_TRIE, len(self._tries) - 1, 0), 1),)
+        if len(literals) > 1:
+            self._tries.append(Trie(literals))
+            frames = tuple(x for x in frames if x[0][0] != F_LIT) + (((F_TRIE, len(self._tries) - 1, 0), 1),)
+        by_byte: dict[int, list[tuple[tuple, int]]] = {}
+        for frame, need in frames:
+            for b in self._first_bytes(frame):
+                starts = by_byte.setdefault(b, [])
+                if len(starts) < MAX_STACKS:
+                    starts.append((frame, need))
+        return by_byte
+
+    def _first_bytes(self, frame: tuple) -> Iterable[int]:
+        tag = frame[0]
+        if tag == F_LIT:
+            return frame[1][:1]
+        if tag == F_TRIE:
+            return self._tries[frame[1]].children[0].keys()
+        return {F_STR: b'"', F_NUM: b"-0123456789", F_OBJ: b"{", F_ARR: b"["}[tag]
 
     def _expand(self, node: int, seen: set) -> tuple:
         n = self.nodes[node]
@@ -285,7 +304,7 @@ class Grammar:
                 _string(top, below, b, out)
             elif tag == F_NODE:
                 room = MAX_STACK - len(below)
-                for f, need in self._starts[top[1]]:
+                for f, need in self._starts[top[1]].get(b, ()):
                     if need <= room:
                         self._step(below + (f,), b, out)
             elif tag == F_OBJ:
@@ -345,8 +364,10 @@ class Grammar:
                                 (F_WS, 0, False), (F_LIT, b":", 0)))
 
     def _other_key(self, top: tuple, below: tuple, b: int, out: list) -> None:
-        """A key of ``additionalProperties``: any string but a declared key (as written there)."""
+        """A key of ``additionalProperties``: any string without escapes but a declared key."""
         _, tid, at, phase = top
+        if b == 0x5C:  # no escapes: an escaped spelling of a declared key would pass for another key
+            return
         trie = self._tries[tid]
         at = trie.children[at].get(b, -1) if at >= 0 else -1
         after: list[tuple] = []
@@ -381,49 +402,47 @@ class Grammar:
 
 def _string(top: tuple, below: tuple, b: int, out: list) -> None:
     """A string's byte. Phases: 0 before the opening quote; 1 inside; 2 after a backslash; 3-6 the
-    hex digits of a ``\\u`` escape still to come (4..1), 10 the second of a ``\\uD...`` escape, 11-12
-    the last two of a high surrogate's (which is not counted: its pair is one character); 7 and up
-    inside a UTF-8 character. ``count`` counts characters (an escape when it ends); without a
-    maximum it counts only up to the minimum, so that states stay few."""
+    hex digits of a ``\\u`` escape still to come (4..1), 10 the second of a ``\\uD...`` escape,
+    11-12 the last two of a high surrogate's, whose low surrogate must follow: 30 its backslash, 31
+    its u, 32-35 its digits (``DC``-``DF`` first); 7 and up inside a UTF-8 character. ``count``
+    counts characters (an escape when it ends, a surrogate pair once); without a maximum it counts
+    only up to the minimum, so that states stay few."""
     _, phase, count, lo, hi = top
 
-    def counted() -> int:
-        return count + 1 if hi >= 0 else min(count + 1, lo)
+    def to(phase: int, chars: int = 0) -> None:
+        n = count + chars if hi >= 0 else min(count + chars, lo)
+        out.append(below + ((F_STR, phase, n, lo, hi),))
 
     if phase == 1:
         if b == 0x22:
             if count >= lo:
                 out.append(below)
-            return
-        if b < 0x20 or 0x80 <= b < 0xC2 or b > 0xF4 or (hi >= 0 and count >= hi):
+        elif b < 0x20 or 0x80 <= b < 0xC2 or b > 0xF4 or (hi >= 0 and count >= hi):
             return  # a control character, not a UTF-8 lead byte, or one character too many
-        if b == 0x5C:
-            out.append(below + ((F_STR, 2, count, lo, hi),))
+        elif b == 0x5C:
+            to(2)
         else:
-            cont = 1 if b < 0x80 else _UTF8_LEAD.get(b, 7 if b < 0xE0 else 8 if b < 0xF0 else 9)
-            out.append(below + ((F_STR, cont, counted(), lo, hi),))
+            to(1 if b < 0x80 else _UTF8_LEAD.get(b, 7 if b < 0xE0 else 8 if b < 0xF0 else 9), 1)
     elif phase == 0:
         if b == 0x22:
-            out.append(below + ((F_STR, 1, 0, lo, hi),))
+            to(1)
     elif phase == 2:
         if b in _ESCAPES:
-            out.append(below + ((F_STR, 1, counted(), lo, hi),))
+            to(1, 1)
         elif b == 0x75:  # \u and four hex digits
-            out.append(below + ((F_STR, 3, count, lo, hi),))
-    elif phase <= 6 or phase >= 10 and phase <= 12:
-        if b not in _HEX:
-            return
-        if phase == 3 and b in (0x64, 0x44):  # \uD...: perhaps a high surrogate
-            nxt = 10
-        elif phase == 10:
-            nxt = 11 if b in _HIGH_SURROGATE_2ND else 5
-        elif phase in (6, 12):  # the escape's last digit
-            out.append(below + ((F_STR, 1, counted() if phase == 6 else count, lo, hi),))
-            return
-        else:
-            nxt = phase + 1
-        out.append(below + ((F_STR, nxt, count, lo, hi),))
+            to(3)
+    elif phase <= 6 or 10 <= phase <= 12:  # hex digits
+        if b in _HEX:
+            if phase == 3 and b in b"dD":  # \uD...: perhaps a high surrogate
+                to(10)
+            elif phase == 10:
+                to(11 if b in _HIGH_SURROGATE_2ND else 5)
+            else:
+                to({4: 5, 5: 6, 6: 1, 11: 12, 12: 30}.get(phase, 4), 1 if phase == 6 else 0)
+    elif phase >= 30:  # a high surrogate's low surrogate: backslash, u, D, C-F, two hex digits
+        if b in _LOW_SURROGATE.get(phase, _HEX):
+            to(phase + 1 if phase < 35 else 1, 1 if phase == 35 else 0)
     else:  # inside a UTF-8 character: 7-9 continuation bytes left, 20-23 a first one of a narrower range
         first, last, after = _UTF8_CONT[phase]
         if first <= b <= last:
-            out.append(below + ((F_STR, after, count, lo, hi),))
+            to(after)

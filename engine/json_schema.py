@@ -33,6 +33,7 @@ Nodes = list[tuple]
 ANY = 0  # node 0 of every table: any JSON value
 
 MAX_NODES = 4096
+MAX_DEPTH = 128  # schemas within schemas (each $ref one more): Python's recursion stays far from its limit
 _ANNOTATIONS = frozenset({
     "title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
     "readOnly", "writeOnly", "discriminator", "strict", "$defs", "definitions",
@@ -52,7 +53,10 @@ def compile_schema(schema: Any) -> tuple[Nodes, int]:
 
 def literal(value: Any) -> bytes:
     """A JSON value as the compact bytes a literal node matches."""
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+    try:
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+    except (ValueError, TypeError) as e:  # (a lone surrogate, NaN: only through the Python API)
+        raise SchemaError(f"a literal that is not JSON: {e}") from None
 
 
 class _Compiler:
@@ -71,10 +75,20 @@ class _Compiler:
         parts = [(STR, 0, -1), (NUM, False), (OBJ, (), ANY), (ARR, ANY, 0, -1)]
         parts += [(LIT, literal(v)) for v in (True, False, None)]
         self.nodes[ANY] = (ALT, tuple(self._add(p) for p in parts))
+        self._copies: list[tuple[int, int]] = []  # (slot, node): a $ref's slot is that node, once it is known
         self.refs["#"] = self._add(None)  # the root's slot, filled below (so "#" can refer to it)
-        self.nodes[self.refs["#"]] = self.nodes[self._schema(root)]
-        if None in self.nodes:
-            raise SchemaError("a '$ref' refers to itself with nothing in between")
+        try:
+            self._copies.append((self.refs["#"], self._schema(root)))
+        except RecursionError:
+            raise SchemaError("the schema nests too deep") from None
+        while self._copies:  # a slot copies one that may itself be waiting for a copy
+            waiting = [(slot, node) for slot, node in self._copies if self.nodes[node] is None]
+            if len(waiting) == len(self._copies):
+                raise SchemaError("a '$ref' refers to itself with nothing in between")
+            for slot, node in self._copies:
+                if self.nodes[node] is not None:
+                    self.nodes[slot] = self.nodes[node]
+            self._copies = waiting
 
     def _add(self, node: tuple | None) -> int:
         if len(self.nodes) >= MAX_NODES:
@@ -83,8 +97,8 @@ class _Compiler:
         return len(self.nodes) - 1
 
     def _schema(self, s: Any, depth: int = 0) -> int:
-        if depth > 64:
-            raise SchemaError("the schema nests more than 64 levels deep")
+        if depth > MAX_DEPTH:
+            raise SchemaError(f"the schema nests more than {MAX_DEPTH} levels deep (counting each $ref)")
         if s is True or s == {}:
             return ANY
         if not isinstance(s, dict):
@@ -113,10 +127,13 @@ class _Compiler:
         if "const" in s or "enum" in s:
             return self._literals(s)
         t = s.get("type")
-        if t is None:
-            t = "object" if "properties" in s else "array" if "items" in s else None
-            if t is None:
+        if t is None:  # the type its keywords are for (as a schema without one would check them)
+            implied = [k for k, words in _KEYWORDS_OF.items() if words & set(s)]
+            if len(implied) > 1:
+                raise SchemaError(f"keywords of {implied[0]}s and of {implied[1]}s without a 'type'")
+            if not implied:
                 return ANY
+            t = implied[0]
         types = t if isinstance(t, list) else [t]
         if not types or any(x not in _TYPES for x in types):
             raise SchemaError(f"'type' must be one of {', '.join(_TYPES)} (or a list of them), got {t!r}")
@@ -184,14 +201,16 @@ class _Compiler:
         if not isinstance(ref, str) or ref not in self.defs:
             raise SchemaError(f"'$ref' {ref!r} is not supported: only '#', '#/$defs/NAME' and "
                               "'#/definitions/NAME' of this schema")
-        slot = self.refs[ref] = self._add(None)  # filled below: a recursive reference finds this slot
-        self.nodes[slot] = self.nodes[self._schema(self.defs[ref], depth + 1)]
+        slot = self.refs[ref] = self._add(None)  # filled at the end: a recursive reference finds this slot
+        self._copies.append((slot, self._schema(self.defs[ref], depth + 1)))
         return slot
 
     def _alt(self, options: list[int]) -> int:
         return options[0] if len(options) == 1 else self._add((ALT, tuple(options)))
 
 
+_KEYWORDS_OF = {"object": {"properties", "required", "additionalProperties"}, "array": {"items", "minItems", "maxItems"},
+                "string": {"minLength", "maxLength"}}
 _KNOWN = frozenset({
     "type", "enum", "const", "properties", "required", "additionalProperties", "items", "minItems",
     "maxItems", "minLength", "maxLength", "anyOf", "oneOf", "allOf", "$ref",

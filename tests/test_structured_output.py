@@ -86,6 +86,14 @@ def accepts(schema, text: str) -> bool:
     ({}, ['[\n' + ' ' * 20 + '1]', json.dumps([[[[[1]]]]], indent=4), '1' * 16, '0.' + '1' * 16 + 'e+123'],
      ['[\n\n1]', '[\n' + ' ' * 21 + '1]', '1' * 17, '1e1234', '"\\ud83d\\ude0"']),
     ({"type": "string", "enum": ["a", 1]}, ['"a"'], ['1']),
+    ({"properties": {"a": {"type": "integer"}}, "additionalProperties": {"type": "string"}},
+     ['{"b": "x"}'], ['{"\\u0061": "x"}', '{"b\\n": "x"}']),  # no escapes in other keys: no "a" in disguise
+    ({"type": "string", "maxLength": 1}, ['"\\udbff\\udfff"'], ['"\\ud800\\ud800"', '"\\ud800a"', '"\\ud800"']),
+    ({"minLength": 3}, ['"abc"'], ['"ab"', '3']),  # keywords imply their type
+    ({"maxItems": 1}, ['[1]'], ['[1, 2]', '{}']),
+    ({"additionalProperties": False}, ['{}'], ['{"a": 1}']),
+    ({"$ref": "#/$defs/A", "$defs": {"A": {"type": "array", "items": {"$ref": "#/$defs/B"}}, "B": {"$ref": "#/$defs/A"}}},
+     ['[[], [[]]]'], ['[1]']),
 ])
 def test_automaton_accepts_json_of_the_schema_and_nothing_else(schema, good, bad):
     for text in good:
@@ -111,6 +119,8 @@ def test_automaton_accepts_json_of_the_schema_and_nothing_else(schema, good, bad
     ({"type": "object", "$ref": "#"}, "type"),
     ({"type": "integer", "const": "abc"}, "type"),
     ({"enum": [1], "minimum": 0}, "minimum"),
+    ({"minLength": 1, "items": {}}, "without a 'type'"),
+    ({"required": ["a"]}, "required"),
 ])
 def test_what_the_compiler_cannot_enforce_is_refused_by_name(schema, keyword):
     with pytest.raises(SchemaError, match=keyword.replace("$", r"\$")):
@@ -143,6 +153,18 @@ def test_an_object_with_thousands_of_keys_holds_one_stack_for_them():
     assert len(g._states[g.feed(g.start, b'{"key')]) == 1
     assert g.accepting(g.feed(g.start, b'{"key7": 1, "key4999": {}}'))
     assert g.feed(g.start, b'{"key4999": 1, "key7": 1}') < 0  # in their order
+
+
+def test_a_long_chain_of_definitions_compiles():
+    defs = {f"d{i}": {"type": "object", "properties": {"k": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(40)}
+    g = grammar({"$ref": "#/$defs/d0", "$defs": {**defs, "d40": {"type": "integer"}}})
+    assert g.accepting(g.feed(g.start, b'{"k": {}}'))
+
+
+def test_thousands_of_alternatives_open_at_most_sixteen_stacks():
+    g = Grammar(*compile_schema({"type": "array", "items": {"anyOf": [{"type": "array"}] * 3000}}))
+    assert 1 <= len(g._states[g.feed(g.start, b"[[")]) <= 16
+    assert g.accepting(g.feed(g.start, b"[[], [1]]"))
 
 
 def test_annotations_are_accepted_and_type_is_inferred():
