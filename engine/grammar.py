@@ -113,14 +113,29 @@ class Grammar:
         self._last_required: dict[int, int] = {}  # object -> index of its last required property
         self._all_keys: dict[int, int] = {}  # object -> trie of all its declared keys
         self._starts = [self._first_frames(i) for i in range(len(nodes))]
+        self._root = root
+        self.generation = -1
+        self.forget()
+
+    def forget(self) -> None:
+        """Drop every state and transition learned (they are recomputed as needed): what bounds a
+        grammar's memory. State ids change: ``generation`` counts the forgettings."""
         self._ids: dict[frozenset, int] = {}
         self._states: list[frozenset] = []
         self._next: dict[int, int] = {}  # state * 256 + byte -> state, -1 where the byte cannot come
-        self.start = self._intern(frozenset({((F_NODE, root),)}))
+        self.start = self._intern(frozenset({((F_NODE, self._root),)}))
+        self.generation += 1
 
     @property
     def num_transitions(self) -> int:
         return len(self._next)
+
+    def stacks(self, state: int) -> frozenset:
+        """What a state id stands for, to find it again after ``forget`` (``intern``)."""
+        return self._states[state]
+
+    def intern(self, stacks: frozenset) -> int:
+        return self._intern(stacks)
 
     def next(self, state: int, b: int) -> int:
         key = state * 256 + b

@@ -32,7 +32,7 @@ log = logging.getLogger("tokenmill.engine")
 
 MAX_TOKEN_BYTES = 48  # longer tokens (runs of '=' or spaces) are never needed to write JSON
 MASK_CACHE = 1024  # masks kept per grammar (bit-packed: vocab/8 bytes each, 19 KB for 151k tokens)
-MAX_TRANSITIONS = 500_000  # (state, byte) pairs a grammar learns (~50 MB) before the next request gets a fresh one
+MAX_TRANSITIONS = 500_000  # (state, byte) pairs a grammar learns (~50 MB) before it forgets them all
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,13 @@ class TokenGrammar:
     def __init__(self, grammar: Grammar, vocab: TokenVocab):
         self.grammar, self.vocab = grammar, vocab
         self._info: OrderedDict[int, StateInfo] = OrderedDict()
+
+    def forget(self) -> None:
+        """Drop the grammar's states and their masks (``Grammar.forget``)."""
+        self.grammar.forget()
+        self._info.clear()
+        log.info("structured output: a grammar forgot its states (it had learned %d transitions)",
+                 MAX_TRANSITIONS)
 
     def info(self, state: int) -> StateInfo:
         """The state's mask over the vocabulary (bit-packed), whether it may end, whether it must."""
@@ -139,25 +146,41 @@ class TokenGrammar:
 
 
 class GrammarMatcher:
-    """One request's place in its grammar; advanced by the engine with each token it samples."""
+    """One request's place in its grammar; advanced by the engine with each token it samples.
 
-    __slots__ = ("tokens", "state")
+    Holds the state's stacks as well as its id: a grammar that has learned ``MAX_TRANSITIONS``
+    forgets everything (``TokenGrammar.forget``), and the matcher finds its state again."""
+
+    __slots__ = ("tokens", "state", "stacks", "generation")
 
     def __init__(self, tokens: TokenGrammar):
-        self.tokens, self.state = tokens, tokens.grammar.start
+        g = tokens.grammar
+        self.tokens, self.state, self.stacks, self.generation = tokens, g.start, g.stacks(g.start), g.generation
 
     def info(self) -> StateInfo:
+        self._sync()
         return self.tokens.info(self.state)
 
     def advance(self, token: int) -> None:
         """Move past ``token`` (state -1: a token the mask did not allow, e.g. an end-of-sequence)."""
+        self._sync()
         data = self.tokens.vocab.token(token)
-        self.state = -1 if data is None or self.state < 0 else self.tokens.grammar.feed(self.state, data)
+        g = self.tokens.grammar
+        self.state = -1 if data is None or self.state < 0 else g.feed(self.state, data)
+        self.stacks = g.stacks(self.state) if self.state >= 0 else None
 
     @property
     def finished(self) -> bool:
         """Whether the value is complete and nothing may follow (or the output left the grammar)."""
         return self.state < 0 or self.info().terminal
+
+    def _sync(self) -> None:
+        g = self.tokens.grammar
+        if g.num_transitions > MAX_TRANSITIONS:
+            self.tokens.forget()
+        if self.generation != g.generation:
+            self.state = g.intern(self.stacks) if self.stacks is not None else -1
+            self.generation = g.generation
 
 
 class Grammars:
@@ -175,7 +198,7 @@ class Grammars:
         """A matcher at the start of ``schema``; ``SchemaError`` or ``VocabularyError`` if it cannot be."""
         key = json.dumps(schema, separators=(",", ":"))
         tokens = self._cache.get(key)
-        if tokens is None or tokens.grammar.num_transitions > MAX_TRANSITIONS:  # (afresh: memory stays bounded)
+        if tokens is None:
             grammar = Grammar(*compile_schema(schema))
             if self._vocab is None:
                 start = time.perf_counter()

@@ -348,15 +348,19 @@ def test_an_unsupported_schema_is_a_400_naming_response_format(llm):
     assert "bad" not in llm.engine.requests
 
 
-def test_grammars_are_cached_by_schema_and_a_full_one_starts_afresh(smollm_tokenizer_dir, monkeypatch):
+def test_grammars_are_cached_by_schema_and_a_full_one_forgets_its_states(smollm_tokenizer_dir, monkeypatch):
     import engine.structured as structured
 
     grammars = structured.Grammars(smollm_tokenizer_dir, 49152, [2])
     first = grammars.matcher(PERSON)
-    first.info()  # (learns transitions)
     assert grammars.matcher(PERSON).tokens is first.tokens
     assert grammars.matcher(TREE).tokens is not first.tokens
-    monkeypatch.setattr(structured, "MAX_TRANSITIONS", 10)
-    fresh = grammars.matcher(PERSON)
-    assert fresh.tokens is not first.tokens and grammars.matcher(PERSON).tokens is fresh.tokens
-    assert first.info().mask(49152).any()  # a request still on the old grammar goes on
+    vocab = first.tokens.vocab
+    token_of = {vocab.token(int(t)): int(t) for t in vocab.ids}
+    pieces = [b'{"', b"name", b'":', b' "', b"Bob", b'",', b' "', b"age", b'":', b" ", b"4"]
+    monkeypatch.setattr(structured, "MAX_TRANSITIONS", 0)  # from now on it forgets at every call
+    for piece in pieces:
+        first.advance(token_of[piece])
+    assert first.tokens.grammar.generation > 5
+    fresh = grammar(PERSON, vocab)
+    assert (first.info().mask(49152) == fresh.info(fresh.feed(fresh.start, b"".join(pieces))).mask(49152)).all()
