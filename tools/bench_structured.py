@@ -11,7 +11,7 @@ as JSON, greedy, ``--max-tokens`` each, through ``LLM.generate`` in one batch:
 
 Reported per run (``free`` and ``schema_warm``: the faster of their repeats): output tokens,
 seconds, output tokens/s, and for the schema runs how many outputs parse as JSON; then the masks' own cost (``mask_ms``: median and max of computing one
-state's mask, timed around ``Grammar.info`` cold) over the vocabulary's size. The last line is one
+state's mask, timed around ``TokenGrammar.info`` cold) over the vocabulary's size. The last line is one
 JSON object.
 
     python tools/bench_structured.py --num-requests 8
@@ -71,10 +71,10 @@ def main() -> None:
     args = p.parse_args()
 
     from engine import LLM, SamplingParams
-    from engine.grammar import Grammar
+    from engine.structured import TokenGrammar
 
     timings: list[float] = []
-    info = Grammar.info
+    info = TokenGrammar.info
 
     def timed_info(self, state):  # times the masks computed, not the cache hits
         cached = state in self._info
@@ -84,7 +84,7 @@ def main() -> None:
             timings.append(time.perf_counter() - t)
         return out
 
-    Grammar.info = timed_info
+    TokenGrammar.info = timed_info
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.num_requests)
     tok = llm.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": f"Describe {PEOPLE[i % len(PEOPLE)]} as JSON "
