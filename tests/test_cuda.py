@@ -132,3 +132,24 @@ def test_sampling_never_waits_for_the_gpu():
         torch.cuda.set_sync_debug_mode("default")
     out = sampled.result()
     assert len(out.token_ids) == len(params) and all(0 <= t < vocab for t in out.token_ids)
+
+
+def test_structured_output_on_the_gpu(tmp_path):
+    """Grammar masks reach the GPU and hold a random model to a schema; asynchronous scheduling (on by
+    default on CUDA, where such requests run synchronously) gives the same tokens as off."""
+    import json
+
+    path = build(str(tmp_path), "llama", torch.float32, seed=1, **TINY)
+    schema = {"type": "object", "required": ["flag", "pick", "list"],
+              "properties": {"flag": {"type": "boolean"}, "pick": {"enum": ["red", "green", 3]},
+                             "list": {"type": "array", "maxItems": 2, "items": {"type": "null"}}}}
+    params = SamplingParams(max_tokens=400, temperature=0.0, json_schema=schema)  # (random models love whitespace)
+    outs = {}
+    for mode in ("on", "off"):
+        llm = LLM(path, device="cuda", dtype="float32", num_kv_blocks=256, max_model_len=512, async_scheduling=mode)
+        outs[mode] = llm.generate(PROMPTS, params)
+        del llm
+        free_gpu()
+    for o in outs["on"]:
+        assert o.finish_reason == "stop" and set(json.loads(o.text)) == {"flag", "pick", "list"}, o.text
+    assert [o.token_ids for o in outs["on"]] == [o.token_ids for o in outs["off"]]
