@@ -23,21 +23,19 @@ item that could not finish in the room left is never started. A schema with no v
 Written as the output must be: literals (``const``, ``enum``, keys) byte for byte as compact JSON
 (``json.dumps(v, ensure_ascii=False, separators=(",", ":"))``); strings well-formed UTF-8, a
 high surrogate escape followed by its low one; keys of ``additionalProperties`` without escapes;
-numbers with at most ``MAX_DIGITS`` digits before and after the point and 3 in the exponent;
+numbers with at most ``MAX_DIGITS`` digits before and after the point and 2 in the exponent;
 between tokens, at most one newline and then up to ``MAX_WS`` spaces or tabs (no blank lines),
 nothing before ``:`` and nothing around the value.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from engine.json_schema import ALT, LIT, NUM, OBJ, STR, Nodes, SchemaError
 
 F_LIT, F_STR, F_NUM, F_WS, F_NODE, F_OBJ, F_KEY, F_ARR, F_TRIE, F_KTRIE, F_XKEY = range(11)
 MAX_WS = 20  # spaces or tabs in a row (after a newline or not)
 MAX_DIGITS = 16  # digits in a number's integer part or fraction (as llama.cpp) ...
-MAX_EXPONENT_DIGITS = 3  # ... and in its exponent (a double's goes to 308)
+MAX_EXPONENT_DIGITS = 2  # ... and in its exponent (so that every number is a finite double)
 MAX_STACK = 128  # frames: 40-60 levels of nesting
 MAX_STACKS = 16  # stacks a state keeps (anyOf members not yet told apart): bounds a byte's work
 _UNFINISHABLE = 1 << 30
@@ -112,7 +110,8 @@ class Grammar:
         self._candidates: dict[tuple, tuple[list[int], int]] = {}  # (object, first property) -> needs, their max
         self._last_required: dict[int, int] = {}  # object -> index of its last required property
         self._all_keys: dict[int, int] = {}  # object -> trie of all its declared keys
-        self._starts = [self._first_frames(i) for i in range(len(nodes))]
+        self._trie_ids: dict[tuple[bytes, ...], int] = {}  # an anyOf's literals -> their trie
+        self._starts = self._start_frames()
         self._root = root
         self.generation = -1
         self.forget()
@@ -197,46 +196,61 @@ class Grammar:
                     depth[i], changed = d, True
         return depth
 
-    def _first_frames(self, node: int) -> dict[int, list[tuple[tuple, int]]]:
-        """The frames a value of ``node`` starts with, one per alternative, each with the depth it
-        needs, by the first byte each can take (at most ``MAX_STACKS`` per byte: more would be
-        dropped anyway). Its literals (an enum's members, ``true`` and ``false``...) share one
-        trie frame, so that a state holds one stack for them, not one per member still possible."""
-        frames = self._expand(node, set())
-        literals = [f[1] for f, _ in frames if f[0] == F_LIT]
-        if len(literals) > 1:
-            self._tries.append(Trie(literals))
-            frames = tuple(x for x in frames if x[0][0] != F_LIT) + (((F_TRIE, len(self._tries) - 1, 0), 1),)
-        by_byte: dict[int, list[tuple[tuple, int]]] = {}
-        for frame, need in frames:
-            for b in self._first_bytes(frame):
-                starts = by_byte.setdefault(b, [])
-                if len(starts) < MAX_STACKS:
-                    starts.append((frame, need))
-        return by_byte
+    def _start_frames(self) -> list[dict[int, dict[tuple, int]]]:
+        """Per node, the frames a value of it starts with (each with the depth it needs) by the first
+        byte each can take, at most ``MAX_STACKS`` a byte (more would be dropped anyway). An anyOf's
+        own literal members (an enum's, ``true`` and ``false``) share one trie frame, so that a state
+        holds one stack for them, not one per member still possible; its anyOf members lend it their
+        frames, by a worklist over the anyOf edges, so that a chain or a cycle of anyOf costs neither
+        recursion nor a copy of everything below each link."""
+        starts: list[dict[int, dict[tuple, int]]] = [{} for _ in self.nodes]
+        parents: list[list[int]] = [[] for _ in self.nodes]
+        for i, n in enumerate(self.nodes):
+            if n[0] != ALT:
+                self._add_start(starts[i], i)
+                continue
+            literals = tuple(self.nodes[m][1] for m in n[1] if self.nodes[m][0] == LIT)
+            if len(literals) > 1:
+                trie = self._trie_ids.get(literals)
+                if trie is None:
+                    self._tries.append(Trie(list(literals)))
+                    trie = self._trie_ids[literals] = len(self._tries) - 1
+                for b in self._tries[trie].children[0]:
+                    starts[i].setdefault(b, {})[(F_TRIE, trie, 0)] = 1
+            for m in n[1]:
+                if self.nodes[m][0] == ALT:
+                    parents[m].append(i)
+                elif self.nodes[m][0] != LIT or len(literals) == 1:
+                    self._add_start(starts[i], m)
+        work = [m for m in range(len(self.nodes)) if parents[m]]
+        while work:
+            m = work.pop()
+            for p in parents[m]:
+                changed = False
+                for b, frames in starts[m].items():
+                    into = starts[p].setdefault(b, {})
+                    for f, need in frames.items():
+                        if f not in into and len(into) < MAX_STACKS:
+                            into[f], changed = need, True
+                if changed and parents[p]:
+                    work.append(p)
+        return starts
 
-    def _first_bytes(self, frame: tuple) -> Iterable[int]:
-        tag = frame[0]
-        if tag == F_LIT:
-            return frame[1][:1]
-        if tag == F_TRIE:
-            return self._tries[frame[1]].children[0].keys()
-        return {F_STR: b'"', F_NUM: b"-0123456789", F_OBJ: b"{", F_ARR: b"["}[tag]
-
-    def _expand(self, node: int, seen: set) -> tuple:
+    def _add_start(self, by_byte: dict[int, dict[tuple, int]], node: int) -> None:
+        """``node``'s own frame (not an anyOf's), under each byte it can start with."""
+        need = self._depth[node]
+        if need >= _UNFINISHABLE:
+            return
         n = self.nodes[node]
         kind = n[0]
-        if kind == ALT:
-            if node in seen:  # an anyOf that contains itself adds nothing
-                return ()
-            seen.add(node)
-            return tuple(f for m in n[1] for f in self._expand(m, seen))
-        if self._depth[node] >= _UNFINISHABLE:
-            return ()
         frame = ((F_LIT, n[1], 0) if kind == LIT else (F_STR, 0, 0, n[1], n[2]) if kind == STR else
                  (F_NUM, 0, n[1], 0) if kind == NUM else (F_OBJ, node, -1, False) if kind == OBJ else
                  (F_ARR, node, -1))
-        return ((frame, self._depth[node]),)
+        first = n[1][:1] if kind == LIT else {STR: b'"', NUM: b"-0123456789", OBJ: b"{"}.get(kind, b"[")
+        for b in first:
+            frames = by_byte.setdefault(b, {})
+            if len(frames) < MAX_STACKS:
+                frames[frame] = need
 
     def _keys(self, node: int, i: int, room: int) -> int:
         """The trie of the keys that may come at property ``i`` of object ``node`` (it, or a later
@@ -319,7 +333,7 @@ class Grammar:
                 _string(top, below, b, out)
             elif tag == F_NODE:
                 room = MAX_STACK - len(below)
-                for f, need in self._starts[top[1]].get(b, ()):
+                for f, need in self._starts[top[1]].get(b, {}).items():
                     if need <= room:
                         self._step(below + (f,), b, out)
             elif tag == F_OBJ:

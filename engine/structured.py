@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.grammar import Grammar
-from engine.json_schema import compile_schema
+from engine.json_schema import SchemaError, compile_schema
 from engine.token_bytes import token_bytes
 
 log = logging.getLogger("tokenmill.engine")
@@ -199,7 +199,10 @@ class Grammars:
         key = json.dumps(schema, separators=(",", ":"))
         tokens = self._cache.get(key)
         if tokens is None:
-            grammar = Grammar(*compile_schema(schema))
+            try:
+                grammar = Grammar(*compile_schema(schema))
+            except RecursionError:  # (every step is iterative or bounded: a last guard, not a path)
+                raise SchemaError("the schema nests too deep") from None
             if self._vocab is None:
                 start = time.perf_counter()
                 self._vocab = TokenVocab(token_bytes(self.model_path), self.vocab_size, self.eos_token_ids)

@@ -83,8 +83,8 @@ def accepts(schema, text: str) -> bool:
      ['{"a": 1, "b": "x"}', '{"b": [1]}', '{}'], ['{"a": "x"}', '{"a": 1, "a": 2}', '{"b": 1, "a": 1}']),
     ({"type": "string", "maxLength": 1}, ['"\\ud83d\\ude00"', '"😀"', '"\\u00e9"'], ['"ab"', '"\\u00e9a"']),
     ({"type": "string", "minLength": 2}, ['"ab"', '"\\ud83d\\ude00a"'], ['"\\ud83d\\ude00"', '"😀"']),
-    ({}, ['[\n' + ' ' * 20 + '1]', json.dumps([[[[[1]]]]], indent=4), '1' * 16, '0.' + '1' * 16 + 'e+123'],
-     ['[\n\n1]', '[\n' + ' ' * 21 + '1]', '1' * 17, '1e1234', '"\\ud83d\\ude0"']),
+    ({}, ['[\n' + ' ' * 20 + '1]', json.dumps([[[[[1]]]]], indent=4), '1' * 16, '0.' + '1' * 16 + 'e+12', '1E-99'],
+     ['[\n\n1]', '[\n' + ' ' * 21 + '1]', '1' * 17, '1e123', '"\\ud83d\\ude0"']),
     ({"type": "string", "enum": ["a", 1]}, ['"a"'], ['1']),
     ({"properties": {"a": {"type": "integer"}}, "additionalProperties": {"type": "string"}},
      ['{"b": "x"}'], ['{"\\u0061": "x"}', '{"b\\n": "x"}']),  # no escapes in other keys: no "a" in disguise
