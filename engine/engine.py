@@ -129,9 +129,9 @@ class Engine:
         if deadline is None and self.config.request_timeout is not None:
             deadline = time.time() + self.config.request_timeout
         grammar = None
-        if params.json_schema is not None:
+        if params.json_schema is not None or params.choice is not None:
             try:
-                grammar = self.grammars.matcher(params.json_schema)
+                grammar = self.grammars.matcher(params.json_schema, params.choice)
             except (SchemaError, VocabularyError) as e:
                 raise RequestError(400, "invalid_request_error", f"response_format: {e}", "response_format") from e
         req = Request(request_id, prompt_token_ids, params, priority, deadline, SamplingState(params, grammar),

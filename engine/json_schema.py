@@ -51,6 +51,15 @@ def compile_schema(schema: Any) -> tuple[Nodes, int]:
     return c.nodes, c.refs["#"]
 
 
+def compile_choice(choices: list[str]) -> tuple[Nodes, int]:
+    """A node table whose values are exactly these strings, as raw text (no quotes)."""
+    try:
+        data = [c.encode() for c in choices]
+    except UnicodeEncodeError:
+        raise SchemaError("a choice that is not text (a lone surrogate)") from None
+    return [(ALT, tuple(range(1, len(data) + 1))), *((LIT, d) for d in data)], 0
+
+
 def literal(value: Any) -> bytes:
     """A JSON value as the compact bytes a literal node matches."""
     try:

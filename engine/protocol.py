@@ -52,6 +52,7 @@ MAX_LOGIT_BIAS = 2048  # entries (token ids) in logit_bias
 MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 10.0
 MAX_JSON_SCHEMA_BYTES = 65536  # a schema, packed: the engine compiles it (and caches the result) per request
+MAX_CHOICES = 4096  # strings in ``choice``
 
 
 @dataclass
@@ -83,8 +84,9 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs per sampled token (0 = only the sampled one)
     prompt_logprobs: int | None = None
     # structured output: the output must be JSON valid under this schema (engine.json_schema says
-    # which keywords are understood); {"type": "object"} is OpenAI's JSON mode
+    # which keywords are understood); {"type": "object"} is OpenAI's JSON mode ...
     json_schema: dict | None = None
+    choice: list[str] | None = None  # ... or exactly one of these strings (vLLM's guided_choice)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -187,6 +189,16 @@ class SamplingParams:
                 bad("json_schema", "json_schema must be plain JSON")
             if size > MAX_JSON_SCHEMA_BYTES:
                 bad("json_schema", f"json_schema may be at most {MAX_JSON_SCHEMA_BYTES} bytes, got {size}")
+        if self.choice is not None:
+            if self.json_schema is not None:
+                bad("choice", "give either a JSON schema or choices, not both")
+            if not isinstance(self.choice, list) or not 0 < len(self.choice) <= MAX_CHOICES:
+                bad("choice", f"choice must be a list of 1 to {MAX_CHOICES} non-empty strings")
+            if not all(isinstance(c, str) and c for c in self.choice):
+                bad("choice", "choice must be a list of non-empty strings")
+            size = sum(len(c.encode("utf-8", "surrogatepass")) for c in self.choice)
+            if size > MAX_JSON_SCHEMA_BYTES:
+                bad("choice", f"the choices may be at most {MAX_JSON_SCHEMA_BYTES} bytes in all, got {size}")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise ``SamplingParamError`` if a stop id or logit_bias key is not below ``vocab_size``."""

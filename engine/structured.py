@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.grammar import Grammar
-from engine.json_schema import SchemaError, compile_schema
+from engine.json_schema import SchemaError, compile_choice, compile_schema
 from engine.token_bytes import token_bytes
 
 log = logging.getLogger("tokenmill.engine")
@@ -194,13 +194,14 @@ class Grammars:
         self._vocab: TokenVocab | None = None
         self._cache: OrderedDict[str, TokenGrammar] = OrderedDict()
 
-    def matcher(self, schema: dict) -> GrammarMatcher:
-        """A matcher at the start of ``schema``; ``SchemaError`` or ``VocabularyError`` if it cannot be."""
-        key = json.dumps(schema, separators=(",", ":"))
+    def matcher(self, schema: dict | None = None, choice: list[str] | None = None) -> GrammarMatcher:
+        """A matcher at the start of ``schema`` (or of ``choice``: one of these strings); ``SchemaError``
+        or ``VocabularyError`` if it cannot be."""
+        key = json.dumps(schema if choice is None else {"choice": choice}, separators=(",", ":"))
         tokens = self._cache.get(key)
         if tokens is None:
             try:
-                grammar = Grammar(*compile_schema(schema))
+                grammar = Grammar(*(compile_schema(schema) if choice is None else compile_choice(choice)))
             except RecursionError:  # (every step is iterative or bounded: a last guard, not a path)
                 raise SchemaError("the schema nests too deep") from None
             if self._vocab is None:

@@ -184,6 +184,7 @@ def sampling_params(data: dict, *, max_tokens: int, logprobs: int | None, vocab_
                 raise ApiError(400, "logit_bias values must be numbers", param="logit_bias")
             logit_bias[tid] = float(v)
     check_token_ids(stop_token_ids, vocab_size, "stop_token_ids")
+    structured = parse_structured(data)
     num = (int, float)
     try:
         return SamplingParams(
@@ -203,12 +204,48 @@ def sampling_params(data: dict, *, max_tokens: int, logprobs: int | None, vocab_
             min_tokens=field(data, "min_tokens", int, 0),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
-            json_schema=parse_response_format(data),
+            json_schema=structured[0],
+            choice=structured[1],
         )
     except SamplingParamError as e:
-        raise ApiError(400, str(e), param="response_format" if e.param == "json_schema" else e.param) from None
+        param = structured[2] if e.param in ("json_schema", "choice") else e.param
+        raise ApiError(400, str(e), param=param) from None
     except (TypeError, ValueError) as e:
         raise ApiError(400, f"Invalid sampling parameters: {e}") from None
+
+
+def parse_structured(data: dict) -> tuple[dict | None, list[str] | None, str]:
+    """(JSON schema, choices, the field they came from): what the output is held to, from whichever
+    one field of OpenAI's ``response_format``, llama.cpp's ``json_schema``, vLLM's
+    ``structured_outputs`` (``json`` or ``choice``) or its older ``guided_json`` / ``guided_choice``
+    the request gives (two of them: a 400)."""
+    given = [k for k in ("response_format", "json_schema", "structured_outputs", "guided_json", "guided_choice")
+             if data.get(k) is not None]
+    if len(given) > 1:
+        raise ApiError(400, f"give one of {' and '.join(given)}", param=given[1])
+    if not given or given[0] == "response_format":
+        return parse_response_format(data), None, "response_format"
+    name = given[0]
+    value = data[name]
+    if name == "structured_outputs":
+        if not isinstance(value, dict) or len(value) != 1 or next(iter(value)) not in ("json", "choice"):
+            raise ApiError(400, "structured_outputs must be {'json': schema} or {'choice': [strings]} here",
+                           param=name)
+        kind, value = next(iter(value.items()))
+    else:
+        kind = "choice" if name == "guided_choice" else "json"
+    if kind == "choice":
+        if not isinstance(value, list):
+            raise ApiError(400, f"'{name}' must give a list of strings", param=name)
+        return None, value, name
+    if isinstance(value, str):  # vLLM takes a schema as a JSON string too
+        try:
+            value = orjson.loads(value)
+        except orjson.JSONDecodeError:
+            raise ApiError(400, f"'{name}' is not valid JSON", param=name) from None
+    if not isinstance(value, dict):
+        raise ApiError(400, f"'{name}' must be a JSON schema (an object)", param=name)
+    return value, None, name
 
 
 def parse_response_format(data: dict) -> dict | None:

@@ -56,6 +56,16 @@ def test_response_format_holds_the_answer_to_a_schema(server):
                                             temperature=0, stream=True, response_format={"type": "json_object"})
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert isinstance(json.loads(text), dict)
+    for extra in ({"guided_choice": ["Berlin", "London", "Paris"]},  # vLLM's fields
+                  {"structured_outputs": {"choice": ["Berlin", "London", "Paris"]}}):
+        r = client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", temperature=0, max_tokens=10,
+                                           messages=[{"role": "user", "content": "What is the capital of France? "
+                                                                                 "Answer with one word."}],
+                                           extra_body=extra)
+        assert r.choices[0].message.content == "Paris" and r.choices[0].finish_reason == "stop"
+    r = client.completions.create(model="SmolLM2-135M-Instruct.Q4_1", prompt="The capital of France, in JSON:",
+                                  max_tokens=40, temperature=0, extra_body={"json_schema": CAPITAL})  # llama.cpp's
+    assert list(json.loads(r.choices[0].text)) == ["country", "capital"]
     for bad, word in (({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string",
                                                                                       "pattern": "a+"}}}, "pattern"),
                       ({"type": "yaml"}, "yaml")):

@@ -364,3 +364,50 @@ def test_grammars_are_cached_by_schema_and_a_full_one_forgets_its_states(smollm_
     assert first.tokens.grammar.generation > 5
     fresh = grammar(PERSON, vocab)
     assert (first.info().mask(49152) == fresh.info(fresh.feed(fresh.start, b"".join(pieces))).mask(49152)).all()
+
+
+def test_choice_is_one_of_the_strings_as_raw_text():
+    from engine.json_schema import compile_choice
+
+    g = G(Grammar(*compile_choice(["yes", "no", "yes please", "é"])), TINY)
+    assert g.accepting(g.feed(g.start, b"yes")) and not g.info(g.feed(g.start, b"yes")).terminal
+    assert g.info(g.feed(g.start, b"no")).terminal and g.accepting(g.feed(g.start, "é".encode()))
+    assert g.feed(g.start, b'"no"') < 0 and g.feed(g.start, b"maybe") < 0
+
+
+def test_the_engine_holds_a_model_to_a_choice(llm):
+    from engine import SamplingParams
+
+    choices = ["positive", "negative", "neutral"]
+    outs = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=20, temperature=1.0, seed=3, choice=choices))
+    assert all(o.text in choices and o.finish_reason == "stop" for o in outs)
+
+
+@pytest.mark.parametrize("body, want", [
+    ({"response_format": {"type": "json_object"}}, ({"type": "object"}, None, "response_format")),
+    ({"json_schema": {"type": "integer"}}, ({"type": "integer"}, None, "json_schema")),  # llama.cpp's
+    ({"guided_json": '{"type": "integer"}'}, ({"type": "integer"}, None, "guided_json")),  # vLLM's, as a string
+    ({"structured_outputs": {"json": {"type": "null"}}}, ({"type": "null"}, None, "structured_outputs")),
+    ({"structured_outputs": {"choice": ["a", "b"]}}, (None, ["a", "b"], "structured_outputs")),
+    ({"guided_choice": ["a"]}, (None, ["a"], "guided_choice")),
+    ({}, (None, None, "response_format")),
+])
+def test_the_structured_output_fields_clients_send(body, want):
+    from frontends.openai_params import parse_structured
+
+    assert parse_structured(body) == want
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"response_format": {"type": "json_object"}, "guided_json": {}}, "guided_json"),
+    ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_choice": "a"}, "guided_choice"),
+])
+def test_bad_structured_output_fields_are_400s_naming_them(body, param):
+    from frontends.errors import ApiError
+    from frontends.openai_params import parse_structured
+
+    with pytest.raises(ApiError) as e:
+        parse_structured(body)
+    assert e.value.status == 400 and e.value.param == param
