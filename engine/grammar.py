@@ -30,9 +30,10 @@ nothing before ``:`` and nothing around the value.
 
 from __future__ import annotations
 
-from engine.json_schema import ALT, LIT, NUM, OBJ, STR, Nodes, SchemaError
+from engine.json_schema import ALT, LIT, NUM, OBJ, PAT, STR, Nodes, SchemaError
+from engine.regex import Pattern
 
-F_LIT, F_STR, F_NUM, F_WS, F_NODE, F_OBJ, F_KEY, F_ARR, F_TRIE, F_KTRIE, F_XKEY = range(11)
+F_LIT, F_STR, F_NUM, F_WS, F_NODE, F_OBJ, F_KEY, F_ARR, F_TRIE, F_KTRIE, F_XKEY, F_PSTR = range(12)
 MAX_WS = 20  # spaces or tabs in a row (after a newline or not)
 MAX_DIGITS = 16  # digits in a number's integer part or fraction (as llama.cpp) ...
 MAX_EXPONENT_DIGITS = 2  # ... and in its exponent (so that every number is a finite double)
@@ -181,7 +182,7 @@ class Grammar:
             changed = False
             for i, n in enumerate(self.nodes):
                 kind = n[0]
-                if kind in (LIT, STR, NUM):
+                if kind in (LIT, STR, NUM, PAT):
                     d = 1
                 elif kind == ALT:
                     d = min(depth[m] for m in n[1])
@@ -245,8 +246,8 @@ class Grammar:
         kind = n[0]
         frame = ((F_LIT, n[1], 0) if kind == LIT else (F_STR, 0, 0, n[1], n[2]) if kind == STR else
                  (F_NUM, 0, n[1], 0) if kind == NUM else (F_OBJ, node, -1, False) if kind == OBJ else
-                 (F_ARR, node, -1))
-        first = n[1][:1] if kind == LIT else {STR: b'"', NUM: b"-0123456789", OBJ: b"{"}.get(kind, b"[")
+                 (F_PSTR, node, 0, n[1].start, 0) if kind == PAT else (F_ARR, node, -1))
+        first = n[1][:1] if kind == LIT else {STR: b'"', PAT: b'"', NUM: b"-0123456789", OBJ: b"{"}.get(kind, b"[")
         for b in first:
             frames = by_byte.setdefault(b, {})
             if len(frames) < MAX_STACKS:
@@ -344,6 +345,8 @@ class Grammar:
                 self._declared_key(top, below, b, out)
             elif tag == F_XKEY:
                 self._other_key(top, below, b, out)
+            elif tag == F_PSTR:
+                _pattern_string(self.nodes[top[1]][1], top, below, b, out)
             else:
                 self._array(top, below, b, out)
             return
@@ -475,3 +478,96 @@ def _string(top: tuple, below: tuple, b: int, out: list) -> None:
         first, last, after = _UTF8_CONT[phase]
         if first <= b <= last:
             to(after)
+
+
+_UTF8_LEFT = {7: 1, 8: 2, 9: 3, 20: 2, 21: 2, 22: 3, 23: 3}  # continuation bytes still to come, per phase
+_SIMPLE_ESCAPES = {0x22: 0x22, 0x5C: 0x5C, 0x2F: 0x2F, 0x62: 8, 0x66: 12, 0x6E: 10, 0x72: 13, 0x74: 9}
+
+
+def _pattern_string(pattern: Pattern, top: tuple, below: tuple, b: int, out: list) -> None:
+    """A byte of a string that must match ``pattern`` (``engine.regex``). The frame holds the string
+    phase (as in ``_string``; 30-35 a high surrogate's low half) and the pattern's state, and ``acc``
+    the character being read (UTF-8 bits, hex digits). No character is begun that the pattern cannot
+    take: each byte of it must leave some code point it could still be that the pattern allows."""
+    _, node, phase, state, acc = top
+
+    def to(phase: int, state: int = state, acc: int = 0) -> None:
+        out.append(below + ((F_PSTR, node, phase, state, acc),))
+
+    def char(cp: int) -> None:
+        nxt = pattern.step(state, cp)
+        if nxt >= 0:
+            to(1, nxt)
+
+    if phase == 0:
+        if b == 0x22:
+            to(1)
+    elif phase == 1:
+        if b == 0x22:
+            if pattern.accepting(state):
+                out.append(below)
+        elif b == 0x5C:
+            if pattern.allows(state, 0, 0x10FFFF):  # (any character can be escaped)
+                to(2)
+        elif 0x20 <= b < 0x80:
+            char(b)
+        elif 0xC2 <= b <= 0xF4:
+            after = _UTF8_LEAD.get(b, 7 if b < 0xE0 else 8 if b < 0xF0 else 9)
+            bits = b & (0x1F if b < 0xE0 else 0x0F if b < 0xF0 else 0x07)
+            left = _UTF8_LEFT[after]
+            lo, hi = {0xE0: (0x800, 0xFFF), 0xED: (0xD000, 0xD7FF), 0xF0: (0x10000, 0x3FFFF),
+                      0xF4: (0x100000, 0x10FFFF)}.get(b, (bits << 6 * left, ((bits + 1) << 6 * left) - 1))
+            if pattern.allows(state, lo, hi):
+                to(after, acc=bits)
+    elif phase == 2:
+        if b in _SIMPLE_ESCAPES:
+            char(_SIMPLE_ESCAPES[b])
+        elif b == 0x75:
+            to(3)
+    elif 3 <= phase <= 6 or 32 <= phase <= 35:
+        if b not in _HEX:
+            return
+        high, value = (acc >> 16, acc & 0xFFFF) if phase >= 32 else (0, acc)
+        value = value * 16 + int(chr(b), 16)
+        left = (6 if phase <= 6 else 35) - phase  # hex digits still to come
+        lo, hi = value << 4 * left, ((value + 1) << 4 * left) - 1
+        if phase >= 32:  # the low half of a pair: DC00-DFFF, and the character it makes must be allowed
+            lo, hi = max(lo, 0xDC00), min(hi, 0xDFFF)
+            pair = 0x10000 + ((high - 0xD800) << 10)
+            if lo <= hi and pattern.allows(state, pair + lo - 0xDC00, pair + hi - 0xDC00):
+                if left:
+                    to(phase + 1, acc=high << 16 | value)
+                else:
+                    char(pair + value - 0xDC00)
+        elif left == 0:
+            if 0xD800 <= value <= 0xDBFF:
+                to(30, acc=value)  # a high surrogate: its low half must follow
+            elif not 0xDC00 <= value <= 0xDFFF:
+                char(value)
+        elif _escape_may_be(pattern, state, lo, hi):
+            to(phase + 1, acc=value)
+    elif phase == 30:
+        if b == 0x5C:
+            to(31, acc=acc)
+    elif phase == 31:
+        if b == 0x75:
+            to(32, acc=acc << 16)  # the high half above, the low half's digits below
+    else:  # inside a UTF-8 character
+        first, last, after = _UTF8_CONT[phase]
+        if first <= b <= last:
+            acc = acc << 6 | b & 0x3F
+            left = _UTF8_LEFT[phase] - 1
+            if left == 0:
+                char(acc)
+            elif pattern.allows(state, acc << 6 * left, ((acc + 1) << 6 * left) - 1):
+                to(after, acc=acc)
+
+
+def _escape_may_be(pattern: Pattern, state: int, lo: int, hi: int) -> bool:
+    """Whether a \\u escape whose value will lie in ``[lo, hi]`` can make a character the pattern
+    takes: a code point outside the surrogates, or (a high surrogate) one of the pairs it begins."""
+    for a, z in ((lo, min(hi, 0xD7FF)), (max(lo, 0xE000), hi)):
+        if a <= z and pattern.allows(state, a, z):
+            return True
+    a, z = max(lo, 0xD800), min(hi, 0xDBFF)
+    return a <= z and pattern.allows(state, 0x10000 + ((a - 0xD800) << 10), 0x10000 + ((z - 0xD800) << 10) + 0x3FF)

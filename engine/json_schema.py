@@ -10,13 +10,15 @@ Node shapes:
 - ``(OBJ, ((key_bytes, node, required), ...), additional)``: the listed properties in their order
   (optional ones may be left out), then, if ``additional`` >= 0, other keys with values of that node;
 - ``(ARR, item, min_items, max_items)``: ``max_items`` -1 for no bound;
-- ``(ALT, (node, ...))``: any one of these.
+- ``(ALT, (node, ...))``: any one of these;
+- ``(PAT, Pattern)``: a JSON string whose text the ``engine.regex.Pattern`` matches.
 
 What it understands: ``type`` (one or a list), ``enum``, ``const``, ``properties``,
 ``required``, ``additionalProperties``, ``items``, ``minItems``, ``maxItems``, ``minLength``,
-``maxLength``, ``anyOf``, ``oneOf`` (as ``anyOf``), a one-member ``allOf``, ``$ref`` into
-``$defs`` / ``definitions`` (or ``#``), and annotations it has nothing to enforce (``title``,
-``description``, ``default``...). Anything else (``pattern``, ``format``, ``minimum``...) is
+``maxLength``, ``pattern`` (``engine.regex``: ``(PAT, Pattern)`` nodes), ``format`` (those of
+``FORMATS``, as patterns), ``anyOf``, ``oneOf`` (as ``anyOf``), a one-member ``allOf``, ``$ref``
+into ``$defs`` / ``definitions`` (or ``#``), and annotations it has nothing to enforce
+(``title``, ``description``, ``default``...). Anything else (``minimum``, ``uniqueItems``...) is
 refused by name with a ``SchemaError``: output that only looks constrained is worse than a clear
 400. Without ``additionalProperties``, an object with ``properties`` has no other keys (as
 llama.cpp and xgrammar's strict mode do); ``{"type": "object"}`` alone is any object, ``{}``
@@ -28,7 +30,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-LIT, STR, NUM, OBJ, ARR, ALT = range(6)
+LIT, STR, NUM, OBJ, ARR, ALT, PAT = range(7)
 Nodes = list[tuple]
 ANY = 0  # node 0 of every table: any JSON value
 
@@ -165,6 +167,16 @@ class _Compiler:
         return self._alt([self._add((LIT, literal(v))) for v in values])
 
     def _typed(self, t: str, s: dict, depth: int) -> int:
+        if t == "string" and ("pattern" in s or "format" in s):
+            if "pattern" in s and "format" in s or "minLength" in s or "maxLength" in s:
+                raise SchemaError(f"'{'pattern' if 'pattern' in s else 'format'}' goes with no 'format', 'minLength' "
+                                  "or 'maxLength' here")
+            if "format" in s and s["format"] not in FORMATS:
+                raise SchemaError(f"the string 'format' {s['format']!r} is not supported (supported: "
+                                  f"{', '.join(FORMATS)})")
+            from engine.regex import Pattern  # (a cycle: regex raises this module's SchemaError)
+
+            return self._add((PAT, Pattern(s["pattern"] if "pattern" in s else FORMATS[s["format"]])))
         if t == "string":
             lo, hi = _count(s, "minLength", 0), _count(s, "maxLength", -1)
             if hi >= 0 and lo > hi:
@@ -219,10 +231,21 @@ class _Compiler:
 
 
 _KEYWORDS_OF = {"object": {"properties", "required", "additionalProperties"}, "array": {"items", "minItems", "maxItems"},
-                "string": {"minLength", "maxLength"}}
+                "string": {"minLength", "maxLength", "pattern", "format"}}
+_DATE = r"\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"
+_TIME = r"([01]\d|2[0-3]):[0-5]\d:[0-5]\d(\.\d{1,9})?([Zz]|[+-]([01]\d|2[0-3]):[0-5]\d)"
+_IPV4_PART = r"(25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
+FORMATS = {  # string formats, as the patterns they are held to (RFC 3339 dates and times)
+    "date": f"^{_DATE}$",
+    "time": f"^{_TIME}$",
+    "date-time": f"^{_DATE}[Tt]{_TIME}$",
+    "uuid": r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$",
+    "email": r"^[A-Za-z0-9._%+-]{1,64}@[A-Za-z0-9-]{1,63}(\.[A-Za-z0-9-]{1,63})+$",
+    "ipv4": f"^({_IPV4_PART}\\.){{3}}{_IPV4_PART}$",
+}
 _KNOWN = frozenset({
     "type", "enum", "const", "properties", "required", "additionalProperties", "items", "minItems",
-    "maxItems", "minLength", "maxLength", "anyOf", "oneOf", "allOf", "$ref",
+    "maxItems", "minLength", "maxLength", "pattern", "format", "anyOf", "oneOf", "allOf", "$ref",
 })
 
 

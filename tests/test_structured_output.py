@@ -86,6 +86,16 @@ def accepts(schema, text: str) -> bool:
     ({}, ['[\n' + ' ' * 20 + '1]', json.dumps([[[[[1]]]]], indent=4), '1' * 16, '0.' + '1' * 16 + 'e+12', '1E-99'],
      ['[\n\n1]', '[\n' + ' ' * 21 + '1]', '1' * 17, '1e123', '"\\ud83d\\ude0"']),
     ({"type": "string", "enum": ["a", 1]}, ['"a"'], ['1']),
+    ({"type": "string", "pattern": "^\\d{3}-[a-zé]+$"},  # a pattern, its characters written raw or escaped
+     ['"123-abc"', '"123-é"', '"123-\\u00e9"', '"\\u0031\\u0032\\u0033-a"'],
+     ['"12-abc"', '"123-"', '"123-ABC"', '"123-\\u00c9"', '"123-a"x']),
+    ({"pattern": "😀+"}, ['"😀"', '"\\ud83d\\ude00"', '"a😀b"'], ['"ab"', '"\\ud83d"']),  # unanchored: anywhere
+    ({"pattern": 'a|\n\t"'}, ['"a"', '"\\n\\t\\""', '"x\\n\\t\\"y"'], ['"b"', '"\n\t""']),
+    ({"format": "date-time"}, ['"2024-02-29T12:30:00Z"', '"2024-02-29T12:30:00.123+02:00"'],
+     ['"2024-02-29 12:30"', '"2024-13-01T00:00:00Z"']),
+    ({"type": "array", "items": {"format": "uuid"}}, ['["123e4567-e89b-12d3-a456-426614174000"]'], ['["123"]']),
+    ({"format": "ipv4"}, ['"192.168.0.1"'], ['"256.1.1.1"', '"1.2.3"']),
+    ({"format": "email"}, ['"a.b@c.org"'], ['"a@b"', '"@c.org"']),
     ({"properties": {"a": {"type": "integer"}}, "additionalProperties": {"type": "string"}},
      ['{"b": "x"}'], ['{"\\u0061": "x"}', '{"b\\n": "x"}']),  # no escapes in other keys: no "a" in disguise
     ({"type": "string", "maxLength": 1}, ['"\\udbff\\udfff"'], ['"\\ud800\\ud800"', '"\\ud800a"', '"\\ud800"']),
@@ -103,8 +113,13 @@ def test_automaton_accepts_json_of_the_schema_and_nothing_else(schema, good, bad
 
 
 @pytest.mark.parametrize("schema, keyword", [
-    ({"type": "string", "pattern": "a+"}, "pattern"),
-    ({"type": "string", "format": "date"}, "format"),
+    ({"type": "string", "pattern": "(?=a)b"}, "lookarounds"),
+    ({"type": "string", "pattern": "(a)\\1"}, "escape"),
+    ({"type": "string", "pattern": "^a$b"}, "ends"),
+    ({"type": "string", "pattern": "[a-"}, "pattern"),
+    ({"type": "string", "pattern": "a{3,2}"}, "repetition"),
+    ({"type": "string", "pattern": "a", "maxLength": 3}, "maxLength"),
+    ({"type": "string", "format": "hostname"}, "format"),
     ({"type": "integer", "minimum": 0}, "minimum"),
     ({"$ref": "https://example.com/s.json"}, "$ref"),
     ({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}, "$ref"),
@@ -255,6 +270,28 @@ def matches(value, schema: dict, root: dict) -> bool:
     return isinstance(value, kinds[t]) and (t == "boolean" or not isinstance(value, bool))
 
 
+@pytest.mark.parametrize("pattern", [r"^\d{3}-[a-zé]+$", r"^[^a]{2}$", 'a|\n\t"', "^.{2,3}$", r"^\w+@\w+\.com$"])
+def test_random_walks_under_a_pattern_end_in_strings_it_matches(pattern):
+    import re
+
+    rng = random.Random(2)
+    g = grammar({"type": "string", "pattern": pattern})
+    ref = re.compile(pattern[:-1] + r"\Z" if pattern.endswith("$") else pattern, re.ASCII)  # (ECMA's $ and \w)
+    for _ in range(30):
+        m, out = GrammarMatcher(g), b""
+        while not m.finished and len(out) < 400:
+            state = m.state
+            mask = m.info().mask(TINY.size)
+            assert (mask == brute_force_mask(g, state, PIECES, TINY.size)).all()
+            token = int(rng.choice(np.flatnonzero(mask)))
+            if token == EOS:
+                break
+            out += PIECES[token]
+            m.advance(token)
+        if m.finished or token == EOS:
+            assert ref.search(json.loads(out)), out
+
+
 @pytest.mark.parametrize("schema", SCHEMAS, ids=["person", "tree", "object", "any", "anyof"])
 def test_random_walks_under_the_mask_end_in_valid_json(schema):
     rng = random.Random(1)
@@ -343,8 +380,8 @@ def test_an_unsupported_schema_is_a_400_naming_response_format(llm):
     from engine.engine import RequestError
 
     with pytest.raises(RequestError) as e:
-        llm.engine.add_request("bad", [1, 2], SamplingParams(json_schema={"type": "string", "pattern": "x"}))
-    assert e.value.status == 400 and e.value.param == "response_format" and "pattern" in e.value.message
+        llm.engine.add_request("bad", [1, 2], SamplingParams(json_schema={"type": "integer", "minimum": 0}))
+    assert e.value.status == 400 and e.value.param == "response_format" and "minimum" in e.value.message
     assert "bad" not in llm.engine.requests
 
 

@@ -1,0 +1,333 @@
+"""JSON schema's ``pattern``: a regular expression compiled to an automaton over code points.
+
+Torch-free. ``Pattern(source)`` parses the ECMA-262 subset a schema's patterns use: literals and
+escapes (``\\d \\w \\s``, their negations, ``\\t \\n \\r \\f \\v \\0 \\xHH \\uHHHH``, escaped
+punctuation), classes (``[a-z]``, ``[^...]``), ``.`` (no line terminator), groups (``(...)``,
+``(?:...)``, ``(?<name>...)``), ``|``, ``* + ? {n} {n,} {n,m}`` (lazy ones match the same
+strings), and ``^`` / ``$`` at the ends. Lookarounds and backreferences are refused
+(``SchemaError``). As in JSON schema, a pattern matches anywhere in the string unless anchored.
+
+It is a Thompson NFA with its dead states removed, run as sets of states (interned as ids):
+``step(state, code_point)`` -> state or -1, ``accepting(state)``, and ``allows(state, lo, hi)``:
+whether any code point in ``[lo, hi]`` can come next, so that a string written byte by byte
+(UTF-8, or a ``\\u`` escape digit by digit) never starts a character that cannot be finished.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+
+from engine.json_schema import SchemaError
+
+MAX_STATES = 4096  # NFA states (a {n,m} copies its operand: a pattern can grow fast)
+_MAX = 0x10FFFF
+_ALL = ((0, 0xD7FF), (0xE000, _MAX))  # every character (surrogates are never one)
+_LINE_ENDS = ((0x0A, 0x0A), (0x0D, 0x0D), (0x2028, 0x2029))
+_DIGIT = ((0x30, 0x39),)
+_WORD = ((0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A))
+_SPACE = ((0x09, 0x0D), (0x20, 0x20), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A), (0x2028, 0x2029),
+          (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000), (0xFEFF, 0xFEFF))
+_CONTROL_ESCAPES = {"t": 9, "n": 10, "v": 11, "f": 12, "r": 13, "0": 0}
+
+
+def _union(*sets: tuple) -> tuple:
+    ranges = sorted(r for s in sets for r in s)
+    out: list[list[int]] = []
+    for lo, hi in ranges:
+        if out and lo <= out[-1][1] + 1:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return tuple((lo, hi) for lo, hi in out)
+
+
+def _negate(s: tuple) -> tuple:
+    out, at = [], 0
+    for lo, hi in _union(s):
+        if lo > at:
+            out.append((at, lo - 1))
+        at = hi + 1
+    if at <= _MAX:
+        out.append((at, _MAX))
+    return _intersect(tuple(out), _ALL)
+
+
+def _intersect(a: tuple, b: tuple) -> tuple:
+    out = []
+    for lo1, hi1 in a:
+        for lo2, hi2 in b:
+            lo, hi = max(lo1, lo2), min(hi1, hi2)
+            if lo <= hi:
+                out.append((lo, hi))
+    return _union(tuple(out))
+
+
+class Pattern:
+    def __init__(self, source: str):
+        if not isinstance(source, str):
+            raise SchemaError("'pattern' must be a string")
+        self.source = source
+        self.eps: list[list[int]] = []  # epsilon edges per NFA state
+        self.edges: list[list[tuple[tuple, int]]] = []  # (character set, target) per NFA state
+        text, anchored_start, anchored_end = source, source.startswith("^"), source.endswith("$")
+        if anchored_start:
+            text = text[1:]
+        if anchored_end and not text.endswith("\\$"):
+            text = text[:-1]
+        else:
+            anchored_end = False
+        self._text, self._at = text, 0
+        start, end = self._alternation()
+        if self._at != len(text):
+            raise SchemaError(f"'pattern' {source!r}: unexpected {text[self._at]!r} at {self._at + anchored_start}")
+        if not anchored_start:  # a match may start anywhere ...
+            start = self._any_prefix(start)
+        if not anchored_end:  # ... and end anywhere
+            end = self._any_suffix(end)
+        self.start_nfa, self.accept = start, end
+        self._trim()
+        self._ids: dict[frozenset, int] = {}
+        self._sets: list[frozenset] = []
+        self._steps: dict[tuple[int, int], int] = {}
+        self._allows: dict[tuple[int, int, int], bool] = {}
+        closure = self._closure({start})
+        if not closure & self._live:
+            raise SchemaError(f"'pattern' {source!r} matches nothing")
+        self.start = self._intern(frozenset(closure & self._live))
+
+    # ------------------------------------------------------------------ running
+
+    def step(self, state: int, cp: int) -> int:
+        key = (state, cp)
+        nxt = self._steps.get(key)
+        if nxt is None:
+            targets = {t for s in self._sets[state] for cs, t in self.edges[s] if _contains(cs, cp)}
+            targets = self._closure(targets) & self._live if targets else set()
+            nxt = self._steps[key] = self._intern(frozenset(targets)) if targets else -1
+        return nxt
+
+    def accepting(self, state: int) -> bool:
+        return self.accept in self._sets[state]
+
+    def allows(self, state: int, lo: int, hi: int) -> bool:
+        """Whether some character in ``[lo, hi]`` can come next."""
+        key = (state, lo, hi)
+        hit = self._allows.get(key)
+        if hit is None:
+            hit = self._allows[key] = any(_intersect(cs, ((lo, hi),)) for s in self._sets[state]
+                                          for cs, _ in self.edges[s])
+        return hit
+
+    def _intern(self, states: frozenset) -> int:
+        sid = self._ids.get(states)
+        if sid is None:
+            sid = self._ids[states] = len(self._sets)
+            self._sets.append(states)
+        return sid
+
+    def _closure(self, states: set) -> set:
+        todo, seen = list(states), set(states)
+        while todo:
+            for t in self.eps[todo.pop()]:
+                if t not in seen:
+                    seen.add(t)
+                    todo.append(t)
+        return seen
+
+    def _trim(self) -> None:
+        """The states from which the accepting one can be reached (the others are dead ends)."""
+        back: list[list[int]] = [[] for _ in self.eps]
+        for s in range(len(self.eps)):
+            for t in self.eps[s]:
+                back[t].append(s)
+            for _, t in self.edges[s]:
+                back[t].append(s)
+        self._live = self._closure_of(back, {self.accept})
+
+    @staticmethod
+    def _closure_of(graph: list[list[int]], states: set) -> set:
+        todo, seen = list(states), set(states)
+        while todo:
+            for t in graph[todo.pop()]:
+                if t not in seen:
+                    seen.add(t)
+                    todo.append(t)
+        return seen
+
+    # ------------------------------------------------------------------ building
+
+    def _state(self) -> int:
+        if len(self.eps) >= MAX_STATES:
+            raise SchemaError(f"'pattern' {self.source!r} is too large (more than {MAX_STATES} states)")
+        self.eps.append([])
+        self.edges.append([])
+        return len(self.eps) - 1
+
+    def _any_prefix(self, start: int) -> int:
+        s = self._state()
+        self.edges[s].append((_ALL, s))
+        self.eps[s].append(start)
+        return s
+
+    def _any_suffix(self, end: int) -> int:
+        s = self._state()
+        self.eps[end].append(s)
+        self.edges[s].append((_ALL, s))
+        return s
+
+    def _peek(self) -> str | None:
+        return self._text[self._at] if self._at < len(self._text) else None
+
+    def _alternation(self) -> tuple[int, int]:
+        start, end = self._state(), self._state()
+        while True:
+            s, e = self._sequence()
+            self.eps[start].append(s)
+            self.eps[e].append(end)
+            if self._peek() != "|":
+                return start, end
+            self._at += 1
+
+    def _sequence(self) -> tuple[int, int]:
+        start = end = self._state()
+        while self._peek() not in (None, "|", ")"):
+            s, e = self._repeat()
+            self.eps[end].append(s)
+            end = e
+        return start, end
+
+    def _repeat(self) -> tuple[int, int]:
+        begin = self._at
+        first = self._atom()
+        c = self._peek()
+        if c not in ("*", "+", "?", "{"):
+            return first
+        if c == "{":
+            close = self._text.find("}", self._at)
+            parts = self._text[self._at + 1:close].split(",") if close > 0 else []
+            if not 1 <= len(parts) <= 2 or not parts[0].isdigit() or not all(p.isdigit() for p in parts[1:] if p):
+                raise SchemaError(f"'pattern' {self.source!r}: a bad repetition at {self._at}")
+            lo = int(parts[0])
+            hi = lo if len(parts) == 1 else int(parts[1]) if parts[1] else -1
+            if 0 <= hi < lo or max(lo, hi) > 1000:
+                raise SchemaError(f"'pattern' {self.source!r}: a bad repetition {{{','.join(parts)}}}")
+            self._at = close + 1
+        else:
+            lo, hi = {"*": (0, -1), "+": (1, -1), "?": (0, 1)}[c]
+            self._at += 1
+        if self._peek() == "?":  # lazy: the same strings
+            self._at += 1
+        after = self._at
+        copies = [first]
+        for _ in range((hi if hi >= 0 else max(lo, 1)) - 1):  # a fresh fragment per copy: parse it again
+            self._at = begin
+            copies.append(self._atom())
+        self._at = after
+        start, final = self._state(), self._state()
+        at = start
+        for i, (s, e) in enumerate(copies if hi != 0 else []):
+            if i >= lo:  # optional from here on
+                self.eps[at].append(final)
+            self.eps[at].append(s)
+            at = e
+        self.eps[at].append(final)
+        if hi < 0:  # unbounded: the last copy again and again
+            self.eps[copies[-1][1]].append(copies[-1][0])
+        return start, final
+
+    def _atom(self) -> tuple[int, int]:
+        c = self._peek()
+        if c == "(":
+            self._at += 1
+            if self._text.startswith("?:", self._at):
+                self._at += 2
+            elif self._text.startswith("?<", self._at) and not self._text.startswith("?<=", self._at) \
+                    and not self._text.startswith("?<!", self._at):
+                close = self._text.find(">", self._at)
+                if close < 0:
+                    raise SchemaError(f"'pattern' {self.source!r}: an unfinished group name")
+                self._at = close + 1
+            elif self._peek() == "?":
+                raise SchemaError(f"'pattern' {self.source!r}: lookarounds are not supported")
+            s, e = self._alternation()
+            if self._peek() != ")":
+                raise SchemaError(f"'pattern' {self.source!r}: a '(' without its ')'")
+            self._at += 1
+            return s, e
+        if c in ("*", "+", "?", "{", ")"):
+            raise SchemaError(f"'pattern' {self.source!r}: nothing to repeat at {self._at}")
+        if c in ("^", "$"):
+            raise SchemaError(f"'pattern' {self.source!r}: '^' and '$' are supported only at its ends")
+        if c == "[":
+            chars = self._class()
+        elif c == ".":
+            self._at += 1
+            chars = _intersect(_negate(_LINE_ENDS), _ALL)
+        elif c == "\\":
+            chars = self._escape(in_class=False)
+        else:
+            self._at += 1
+            chars = ((ord(c), ord(c)),)
+        s, e = self._state(), self._state()
+        self.edges[s].append((chars, e))
+        return s, e
+
+    def _escape(self, in_class: bool) -> tuple:
+        self._at += 1
+        c = self._peek()
+        if c is None:
+            raise SchemaError(f"'pattern' {self.source!r} ends with a backslash")
+        self._at += 1
+        classes = {"d": _DIGIT, "w": _WORD, "s": _SPACE}
+        if c in classes:
+            return classes[c]
+        if c.lower() in classes:
+            return _negate(classes[c.lower()])
+        if c in _CONTROL_ESCAPES:
+            return ((_CONTROL_ESCAPES[c],) * 2,)
+        if c in ("x", "u"):
+            n = 2 if c == "x" else 4
+            digits = self._text[self._at:self._at + n]
+            if len(digits) != n or not all(d in "0123456789abcdefABCDEF" for d in digits):
+                raise SchemaError(f"'pattern' {self.source!r}: a bad \\{c} escape")
+            self._at += n
+            return ((int(digits, 16),) * 2,)
+        if c == "b" and in_class:
+            return ((8, 8),)
+        if c.isalnum():
+            raise SchemaError(f"'pattern' {self.source!r}: the escape \\{c} is not supported")
+        return ((ord(c), ord(c)),)
+
+    def _class(self) -> tuple:
+        self._at += 1
+        negated = self._peek() == "^"
+        if negated:
+            self._at += 1
+        parts: list[tuple] = []
+        while self._peek() != "]":
+            c = self._peek()
+            if c is None:
+                raise SchemaError(f"'pattern' {self.source!r}: a '[' without its ']'")
+            lo_set = self._escape(in_class=True) if c == "\\" else self._char()
+            if self._peek() == "-" and self._text[self._at + 1:self._at + 2] not in ("]", ""):
+                self._at += 1
+                hi_set = self._escape(in_class=True) if self._peek() == "\\" else self._char()
+                if len(lo_set) != 1 or len(hi_set) != 1 or lo_set[0][0] != lo_set[0][1] \
+                        or hi_set[0][0] != hi_set[0][1] or lo_set[0][0] > hi_set[0][0]:
+                    raise SchemaError(f"'pattern' {self.source!r}: a bad range in a class")
+                parts.append(((lo_set[0][0], hi_set[0][0]),))
+            else:
+                parts.append(lo_set)
+        self._at += 1
+        chars = _intersect(_union(*parts), _ALL)
+        return _negate(chars) if negated else chars
+
+    def _char(self) -> tuple:
+        c = self._text[self._at]
+        self._at += 1
+        return ((ord(c), ord(c)),)
+
+
+def _contains(chars: tuple, cp: int) -> bool:
+    i = bisect_right(chars, (cp, _MAX + 1)) - 1
+    return i >= 0 and chars[i][0] <= cp <= chars[i][1]
