@@ -126,13 +126,7 @@ class Pattern:
         return sid
 
     def _closure(self, states: set) -> set:
-        todo, seen = list(states), set(states)
-        while todo:
-            for t in self.eps[todo.pop()]:
-                if t not in seen:
-                    seen.add(t)
-                    todo.append(t)
-        return seen
+        return self._closure_of(self.eps, states)
 
     def _trim(self) -> None:
         """The states from which the accepting one can be reached (the others are dead ends)."""
