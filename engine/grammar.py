@@ -540,8 +540,10 @@ def _pattern_string(pattern: Pattern, top: tuple, below: tuple, b: int, out: lis
                 else:
                     char(pair + value - 0xDC00)
         elif left == 0:
-            if 0xD800 <= value <= 0xDBFF:
-                to(30, acc=value)  # a high surrogate: its low half must follow
+            if 0xD800 <= value <= 0xDBFF:  # a high surrogate: its low half must follow, making a character taken
+                pair = 0x10000 + ((value - 0xD800) << 10)
+                if pattern.allows(state, pair, pair + 0x3FF):
+                    to(30, acc=value)
             elif not 0xDC00 <= value <= 0xDFFF:
                 char(value)
         elif _escape_may_be(pattern, state, lo, hi):

@@ -15,6 +15,7 @@ whether any code point in ``[lo, hi]`` can come next, so that a string written b
 
 from __future__ import annotations
 
+import re
 from bisect import bisect_right
 
 from engine.json_schema import SchemaError
@@ -69,21 +70,13 @@ class Pattern:
         self.source = source
         self.eps: list[list[int]] = []  # epsilon edges per NFA state
         self.edges: list[list[tuple[tuple, int]]] = []  # (character set, target) per NFA state
-        text, anchored_start, anchored_end = source, source.startswith("^"), source.endswith("$")
-        if anchored_start:
-            text = text[1:]
-        if anchored_end and not text.endswith("\\$"):
-            text = text[:-1]
-        else:
-            anchored_end = False
-        self._text, self._at = text, 0
-        start, end = self._alternation()
-        if self._at != len(text):
-            raise SchemaError(f"'pattern' {source!r}: unexpected {text[self._at]!r} at {self._at + anchored_start}")
-        if not anchored_start:  # a match may start anywhere ...
-            start = self._any_prefix(start)
-        if not anchored_end:  # ... and end anywhere
-            end = self._any_suffix(end)
+        self._text, self._at = source, 0
+        try:
+            start, end = self._alternation(top=True)
+        except RecursionError:
+            raise SchemaError(f"'pattern' {source[:40]!r}... nests too deep") from None
+        if self._at != len(source):
+            raise SchemaError(f"'pattern' {source!r}: unexpected {source[self._at]!r} at {self._at}")
         self.start_nfa, self.accept = start, end
         self._trim()
         self._ids: dict[frozenset, int] = {}
@@ -172,19 +165,33 @@ class Pattern:
     def _peek(self) -> str | None:
         return self._text[self._at] if self._at < len(self._text) else None
 
-    def _alternation(self) -> tuple[int, int]:
+    def _alternation(self, top: bool = False) -> tuple[int, int]:
+        """Alternatives; at the top, each may begin with ``^`` and end with ``$``, and one without
+        may match anywhere in the string: any characters before it, or after it."""
         start, end = self._state(), self._state()
         while True:
-            s, e = self._sequence()
+            anchored = top and self._peek() == "^"
+            self._at += anchored
+            s, e = self._sequence(top)
+            if top and not anchored:
+                s = self._any_prefix(s)
+            if top and self._anchor_end():
+                self._at += 1
+            elif top:
+                e = self._any_suffix(e)
             self.eps[start].append(s)
             self.eps[e].append(end)
             if self._peek() != "|":
                 return start, end
             self._at += 1
 
-    def _sequence(self) -> tuple[int, int]:
+    def _anchor_end(self) -> bool:
+        """Whether a ``$`` that ends a top-level alternative is next."""
+        return self._text[self._at:self._at + 1] == "$" and self._text[self._at + 1:self._at + 2] in ("", "|")
+
+    def _sequence(self, top: bool = False) -> tuple[int, int]:
         start = end = self._state()
-        while self._peek() not in (None, "|", ")"):
+        while self._peek() not in (None, "|", ")") and not (top and self._anchor_end()):
             s, e = self._repeat()
             self.eps[end].append(s)
             end = e
@@ -199,7 +206,8 @@ class Pattern:
         if c == "{":
             close = self._text.find("}", self._at)
             parts = self._text[self._at + 1:close].split(",") if close > 0 else []
-            if not 1 <= len(parts) <= 2 or not parts[0].isdigit() or not all(p.isdigit() for p in parts[1:] if p):
+            number = re.compile("[0-9]{1,4}")
+            if not 1 <= len(parts) <= 2 or not all(number.fullmatch(p) for p in parts if p) or not parts[0]:
                 raise SchemaError(f"'pattern' {self.source!r}: a bad repetition at {self._at}")
             lo = int(parts[0])
             hi = lo if len(parts) == 1 else int(parts[1]) if parts[1] else -1
@@ -251,7 +259,8 @@ class Pattern:
         if c in ("*", "+", "?", "{", ")"):
             raise SchemaError(f"'pattern' {self.source!r}: nothing to repeat at {self._at}")
         if c in ("^", "$"):
-            raise SchemaError(f"'pattern' {self.source!r}: '^' and '$' are supported only at its ends")
+            raise SchemaError(f"'pattern' {self.source!r}: '^' and '$' are supported only at the ends of its "
+                              "alternatives")
         if c == "[":
             chars = self._class()
         elif c == ".":
@@ -263,7 +272,9 @@ class Pattern:
             self._at += 1
             chars = ((ord(c), ord(c)),)
         s, e = self._state(), self._state()
-        self.edges[s].append((chars, e))
+        chars = _intersect(chars, _ALL)  # (a surrogate is never a character)
+        if chars:  # an empty set is no edge: nothing passes it
+            self.edges[s].append((chars, e))
         return s, e
 
     def _escape(self, in_class: bool) -> tuple:
@@ -282,10 +293,15 @@ class Pattern:
         if c in ("x", "u"):
             n = 2 if c == "x" else 4
             digits = self._text[self._at:self._at + n]
-            if len(digits) != n or not all(d in "0123456789abcdefABCDEF" for d in digits):
+            if not re.fullmatch(f"[0-9a-fA-F]{{{n}}}", digits):
                 raise SchemaError(f"'pattern' {self.source!r}: a bad \\{c} escape")
             self._at += n
-            return ((int(digits, 16),) * 2,)
+            cp = int(digits, 16)
+            low = re.match(r"\\u(d[c-f][0-9a-f]{2})", self._text[self._at:self._at + 6], re.IGNORECASE)
+            if 0xD800 <= cp <= 0xDBFF and low:  # a surrogate pair: one character
+                self._at += 6
+                cp = 0x10000 + ((cp - 0xD800) << 10) + int(low.group(1), 16) - 0xDC00
+            return ((cp, cp),)
         if c == "b" and in_class:
             return ((8, 8),)
         if c.isalnum():

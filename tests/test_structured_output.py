@@ -96,6 +96,10 @@ def accepts(schema, text: str) -> bool:
     ({"type": "array", "items": {"format": "uuid"}}, ['["123e4567-e89b-12d3-a456-426614174000"]'], ['["123"]']),
     ({"format": "ipv4"}, ['"192.168.0.1"'], ['"256.1.1.1"', '"1.2.3"']),
     ({"format": "email"}, ['"a.b@c.org"'], ['"a@b"', '"@c.org"']),
+    ({"pattern": "^a|b$"}, ['"ax"', '"xb"'], ['"xa"', '"bx"']),  # anchors belong to their alternative
+    ({"pattern": "^(a[]|b)$"}, ['"b"'], ['"a', '"a"']),  # an empty class: no way through
+    ({"pattern": "^😀$"}, ['"\\ud83d\\ude00"'], ['"\\ud83c']),  # (no high surrogate that cannot pair)
+    ({"pattern": "^\\uD83D\\uDE00$"}, ['"😀"'], ['"\\ud83d"']),  # a pair in the pattern: one character
     ({"properties": {"a": {"type": "integer"}}, "additionalProperties": {"type": "string"}},
      ['{"b": "x"}'], ['{"\\u0061": "x"}', '{"b\\n": "x"}']),  # no escapes in other keys: no "a" in disguise
     ({"type": "string", "maxLength": 1}, ['"\\udbff\\udfff"'], ['"\\ud800\\ud800"', '"\\ud800a"', '"\\ud800"']),
@@ -120,6 +124,10 @@ def test_automaton_accepts_json_of_the_schema_and_nothing_else(schema, good, bad
     ({"type": "string", "pattern": "a{3,2}"}, "repetition"),
     ({"type": "string", "pattern": "a", "maxLength": 3}, "maxLength"),
     ({"type": "string", "format": "hostname"}, "format"),
+    ({"pattern": "a{²}"}, "repetition"),
+    ({"pattern": "a{" + "1" * 5000 + "}"}, "repetition"),
+    ({"pattern": "(" * 1000 + ")" * 1000}, "deep"),
+    ({"pattern": "[^\\s\\S]"}, "matches nothing"),
     ({"type": "integer", "minimum": 0}, "minimum"),
     ({"$ref": "https://example.com/s.json"}, "$ref"),
     ({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}, "$ref"),
