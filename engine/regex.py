@@ -21,6 +21,7 @@ from bisect import bisect_right
 from engine.json_schema import SchemaError
 
 MAX_STATES = 4096  # NFA states (a {n,m} copies its operand: a pattern can grow fast)
+MAX_MEMO = 200_000  # remembered steps (and ``allows`` answers) before they are dropped and recomputed
 _MAX = 0x10FFFF
 _ALL = ((0, 0xD7FF), (0xE000, _MAX))  # every character (surrogates are never one)
 _LINE_ENDS = ((0x0A, 0x0A), (0x0D, 0x0D), (0x2028, 0x2029))
@@ -94,6 +95,8 @@ class Pattern:
         key = (state, cp)
         nxt = self._steps.get(key)
         if nxt is None:
+            if len(self._steps) > MAX_MEMO:  # (memos only: the state ids stay)
+                self._steps.clear()
             targets = {t for s in self._sets[state] for cs, t in self.edges[s] if _contains(cs, cp)}
             targets = self._closure(targets) & self._live if targets else set()
             nxt = self._steps[key] = self._intern(frozenset(targets)) if targets else -1
@@ -107,6 +110,8 @@ class Pattern:
         key = (state, lo, hi)
         hit = self._allows.get(key)
         if hit is None:
+            if len(self._allows) > MAX_MEMO:
+                self._allows.clear()
             hit = self._allows[key] = any(_intersect(cs, ((lo, hi),)) for s in self._sets[state]
                                           for cs, _ in self.edges[s])
         return hit
