@@ -31,7 +31,7 @@ nothing before ``:`` and nothing around the value.
 from __future__ import annotations
 
 from engine.json_schema import ALT, LIT, NUM, OBJ, PAT, STR, Nodes, SchemaError
-from engine.regex import Pattern
+from engine.regex import Pattern, intern
 
 F_LIT, F_STR, F_NUM, F_WS, F_NODE, F_OBJ, F_KEY, F_ARR, F_TRIE, F_KTRIE, F_XKEY, F_PSTR = range(12)
 MAX_WS = 20  # spaces or tabs in a row (after a newline or not)
@@ -165,11 +165,7 @@ class Grammar:
                 or (f[0] == F_TRIE and self._tries[f[1]].value[f[2]] >= 0))
 
     def _intern(self, stacks: frozenset) -> int:
-        sid = self._ids.get(stacks)
-        if sid is None:
-            sid = self._ids[stacks] = len(self._states)
-            self._states.append(stacks)
-        return sid
+        return intern(self._ids, self._states, stacks)
 
     # ------------------------------------------------------------------ compiling
 

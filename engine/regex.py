@@ -117,11 +117,7 @@ class Pattern:
         return hit
 
     def _intern(self, states: frozenset) -> int:
-        sid = self._ids.get(states)
-        if sid is None:
-            sid = self._ids[states] = len(self._sets)
-            self._sets.append(states)
-        return sid
+        return intern(self._ids, self._sets, states)
 
     def _closure(self, states: set) -> set:
         return self._closure_of(self.eps, states)
@@ -346,3 +342,12 @@ class Pattern:
 def _contains(chars: tuple, cp: int) -> bool:
     i = bisect_right(chars, (cp, _MAX + 1)) - 1
     return i >= 0 and chars[i][0] <= cp <= chars[i][1]
+
+
+def intern(ids: dict, items: list, key) -> int:
+    """``key``'s index in ``items``, appended if new (``ids`` maps each key to its index)."""
+    index = ids.get(key)
+    if index is None:
+        index = ids[key] = len(items)
+        items.append(key)
+    return index
