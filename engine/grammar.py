@@ -25,7 +25,8 @@ Written as the output must be: literals (``const``, ``enum``, keys) byte for byt
 high surrogate escape followed by its low one; keys of ``additionalProperties`` without escapes;
 numbers with at most ``MAX_DIGITS`` digits before and after the point and 2 in the exponent;
 between tokens, at most one newline and then up to ``MAX_WS`` spaces or tabs (no blank lines),
-nothing before ``:`` and nothing around the value.
+nothing before ``:``; before the value as between tokens (``▁{`` is a SentencePiece model's
+first token), nothing after it.
 """
 
 from __future__ import annotations
@@ -100,8 +101,10 @@ class Trie:
 class Grammar:
     """States of one schema and their byte transitions."""
 
-    def __init__(self, nodes: Nodes, root: int):
-        self.nodes = nodes
+    def __init__(self, nodes: Nodes, root: int, json: bool = True):
+        """``json``: the output is a JSON text, which may begin with whitespace (SentencePiece models
+        write ``▁{``); not so for a choice of raw strings."""
+        self.nodes, self._text_is_json = nodes, json
         self._depth = self._depths()
         if self._depth[root] > MAX_STACK:
             raise SchemaError("the schema has no value that can be written: it requires itself forever, or "
@@ -123,7 +126,8 @@ class Grammar:
         self._ids: dict[frozenset, int] = {}
         self._states: list[frozenset] = []
         self._next: dict[int, int] = {}  # state * 256 + byte -> state, -1 where the byte cannot come
-        self.start = self._intern(frozenset({((F_NODE, self._root),)}))
+        first = ((F_NODE, self._root), (F_WS, 0, False)) if self._text_is_json else ((F_NODE, self._root),)
+        self.start = self._intern(frozenset({first}))
         self.generation += 1
 
     @property

@@ -201,7 +201,8 @@ class Grammars:
         tokens = self._cache.get(key)
         if tokens is None:
             try:
-                grammar = Grammar(*(compile_schema(schema) if choice is None else compile_choice(choice)))
+                grammar = Grammar(*compile_schema(schema)) if choice is None else \
+                    Grammar(*compile_choice(choice), json=False)
             except RecursionError:  # (every step is iterative or bounded: a last guard, not a path)
                 raise SchemaError("the schema nests too deep") from None
             if self._vocab is None:
