@@ -12,8 +12,8 @@ part; ``WS`` spaces or tabs so far and whether a newline came first; ``NODE`` a 
 started; ``OBJ`` the next property and whether one was written (-1: before ``{``); ``KEY`` a
 member's key must come; ``KTRIE`` inside a declared key (a trie of the keys that may come
 next); ``XKEY`` inside another key (``additionalProperties``), with where it stands in the trie
-of declared keys, which it may not repeat; ``ARR`` items so far (-1: before ``[``). A finished
-frame is popped.
+of declared keys, which it may not repeat; ``ARR`` items so far (-1: before ``[``); ``PSTR`` a
+string held to a ``pattern`` (see ``_pattern_string``). A finished frame is popped.
 
 Every stack kept can be finished within ``MAX_STACK`` frames: each node knows how deep its
 shallowest value goes (``_depth``, a fixpoint over the table), and an alternative, property or
@@ -127,7 +127,7 @@ class Grammar:
         self._states: list[frozenset] = []
         self._next: dict[int, int] = {}  # state * 256 + byte -> state, -1 where the byte cannot come
         first = ((F_NODE, self._root), (F_WS, 0, False)) if self._text_is_json else ((F_NODE, self._root),)
-        self.start = self._intern(frozenset({first}))
+        self.start = self.intern(frozenset({first}))
         self.generation += 1
 
     @property
@@ -135,11 +135,12 @@ class Grammar:
         return len(self._next)
 
     def stacks(self, state: int) -> frozenset:
-        """What a state id stands for, to find it again after ``forget`` (``intern``)."""
+        """What a state id stands for, to find it again after ``forget``."""
         return self._states[state]
 
     def intern(self, stacks: frozenset) -> int:
-        return self._intern(stacks)
+        """A state's id (new if it was not one yet): also how a matcher finds its state after ``forget``."""
+        return intern(self._ids, self._states, stacks)
 
     def next(self, state: int, b: int) -> int:
         key = state * 256 + b
@@ -150,7 +151,7 @@ class Grammar:
                 self._step(stack, b, out)
             if len(out) > MAX_STACKS:  # any stack left is a way to finish: dropping some only narrows the output
                 out = sorted(set(out))[:MAX_STACKS]
-            nxt = self._next[key] = self._intern(frozenset(out)) if out else -1
+            nxt = self._next[key] = self.intern(frozenset(out)) if out else -1
         return nxt
 
     def feed(self, state: int, data: bytes) -> int:
@@ -167,9 +168,6 @@ class Grammar:
     def _may_end(self, f: tuple) -> bool:
         return (f[0] == F_WS or (f[0] == F_NUM and f[1] in _NUM_ENDS)
                 or (f[0] == F_TRIE and self._tries[f[1]].value[f[2]] >= 0))
-
-    def _intern(self, stacks: frozenset) -> int:
-        return intern(self._ids, self._states, stacks)
 
     # ------------------------------------------------------------------ compiling
 
@@ -214,8 +212,7 @@ class Grammar:
             if len(literals) > 1:
                 trie = self._trie_ids.get(literals)
                 if trie is None:
-                    self._tries.append(Trie(list(literals)))
-                    trie = self._trie_ids[literals] = len(self._tries) - 1
+                    trie = self._trie_ids[literals] = self._add_trie(list(literals))
                 for b in self._tries[trie].children[0]:
                     starts[i].setdefault(b, {})[(F_TRIE, trie, 0)] = 1
             for m in n[1]:
@@ -267,14 +264,17 @@ class Grammar:
         tid = self._key_tries.get(cache_key)
         if tid is None:
             fits = [i + k for k, need in enumerate(needs) if need <= room]
-            tid = -1
-            if fits:
-                trie = Trie([members[j][0] for j in fits])
-                trie.value = [fits[v] if v >= 0 else -1 for v in trie.value]  # the member's index, not the fit's
-                self._tries.append(trie)
-                tid = len(self._tries) - 1
+            tid = self._add_trie([members[j][0] for j in fits], fits) if fits else -1
             self._key_tries[cache_key] = tid
         return tid
+
+    def _add_trie(self, literals: list[bytes], values: list[int] | None = None) -> int:
+        """A new trie of ``literals`` (each ending with ``values[i]``, else ``i``); its id."""
+        trie = Trie(literals)
+        if values is not None:
+            trie.value = [values[v] if v >= 0 else -1 for v in trie.value]
+        self._tries.append(trie)
+        return len(self._tries) - 1
 
     def _required_left(self, node: int, i: int) -> bool:
         """Whether a required property of ``node`` comes at ``i`` or later."""
@@ -377,8 +377,7 @@ class Grammar:
             _, members, additional = self.nodes[node]
             all_keys = self._all_keys.get(node)
             if all_keys is None:
-                self._tries.append(Trie([m[0] for m in members]))
-                all_keys = self._all_keys[node] = len(self._tries) - 1
+                all_keys = self._all_keys[node] = self._add_trie([m[0] for m in members])
             self._step(below + ((F_OBJ, node, len(members), True), (F_WS, 0, False), (F_NODE, additional),
                                 (F_WS, 0, False), (F_LIT, b":", 0), (F_XKEY, all_keys, 0, 0)), b, out)
 

@@ -71,14 +71,14 @@ class Pattern:
         self.source = source
         self.eps: list[list[int]] = []  # epsilon edges per NFA state
         self.edges: list[list[tuple[tuple, int]]] = []  # (character set, target) per NFA state
-        self._text, self._at = source, 0
+        self._at = 0
         try:
             start, end = self._alternation(top=True)
         except RecursionError:
             raise SchemaError(f"'pattern' {source[:40]!r}... nests too deep") from None
         if self._at != len(source):
             raise SchemaError(f"'pattern' {source!r}: unexpected {source[self._at]!r} at {self._at}")
-        self.start_nfa, self.accept = start, end
+        self.accept = end
         self._trim()
         self._ids: dict[frozenset, int] = {}
         self._sets: list[frozenset] = []
@@ -164,7 +164,7 @@ class Pattern:
         return s
 
     def _peek(self) -> str | None:
-        return self._text[self._at] if self._at < len(self._text) else None
+        return self.source[self._at] if self._at < len(self.source) else None
 
     def _alternation(self, top: bool = False) -> tuple[int, int]:
         """Alternatives; at the top, each may begin with ``^`` and end with ``$``, and one without
@@ -188,7 +188,7 @@ class Pattern:
 
     def _anchor_end(self) -> bool:
         """Whether a ``$`` that ends a top-level alternative is next."""
-        return self._text[self._at:self._at + 1] == "$" and self._text[self._at + 1:self._at + 2] in ("", "|")
+        return self.source[self._at:self._at + 1] == "$" and self.source[self._at + 1:self._at + 2] in ("", "|")
 
     def _sequence(self, top: bool = False) -> tuple[int, int]:
         start = end = self._state()
@@ -205,8 +205,8 @@ class Pattern:
         if c not in ("*", "+", "?", "{"):
             return first
         if c == "{":
-            close = self._text.find("}", self._at)
-            parts = self._text[self._at + 1:close].split(",") if close > 0 else []
+            close = self.source.find("}", self._at)
+            parts = self.source[self._at + 1:close].split(",") if close > 0 else []
             number = re.compile("[0-9]{1,4}")
             if not 1 <= len(parts) <= 2 or not all(number.fullmatch(p) for p in parts if p) or not parts[0]:
                 raise SchemaError(f"'pattern' {self.source!r}: a bad repetition at {self._at}")
@@ -242,11 +242,11 @@ class Pattern:
         c = self._peek()
         if c == "(":
             self._at += 1
-            if self._text.startswith("?:", self._at):
+            if self.source.startswith("?:", self._at):
                 self._at += 2
-            elif self._text.startswith("?<", self._at) and not self._text.startswith("?<=", self._at) \
-                    and not self._text.startswith("?<!", self._at):
-                close = self._text.find(">", self._at)
+            elif self.source.startswith("?<", self._at) and not self.source.startswith("?<=", self._at) \
+                    and not self.source.startswith("?<!", self._at):
+                close = self.source.find(">", self._at)
                 if close < 0:
                     raise SchemaError(f"'pattern' {self.source!r}: an unfinished group name")
                 self._at = close + 1
@@ -293,12 +293,12 @@ class Pattern:
             return ((_CONTROL_ESCAPES[c],) * 2,)
         if c in ("x", "u"):
             n = 2 if c == "x" else 4
-            digits = self._text[self._at:self._at + n]
+            digits = self.source[self._at:self._at + n]
             if not re.fullmatch(f"[0-9a-fA-F]{{{n}}}", digits):
                 raise SchemaError(f"'pattern' {self.source!r}: a bad \\{c} escape")
             self._at += n
             cp = int(digits, 16)
-            low = re.match(r"\\u(d[c-f][0-9a-f]{2})", self._text[self._at:self._at + 6], re.IGNORECASE)
+            low = re.match(r"\\u(d[c-f][0-9a-f]{2})", self.source[self._at:self._at + 6], re.IGNORECASE)
             if 0xD800 <= cp <= 0xDBFF and low:  # a surrogate pair: one character
                 self._at += 6
                 cp = 0x10000 + ((cp - 0xD800) << 10) + int(low.group(1), 16) - 0xDC00
@@ -320,7 +320,7 @@ class Pattern:
             if c is None:
                 raise SchemaError(f"'pattern' {self.source!r}: a '[' without its ']'")
             lo_set = self._escape(in_class=True) if c == "\\" else self._char()
-            if self._peek() == "-" and self._text[self._at + 1:self._at + 2] not in ("]", ""):
+            if self._peek() == "-" and self.source[self._at + 1:self._at + 2] not in ("]", ""):
                 self._at += 1
                 hi_set = self._escape(in_class=True) if self._peek() == "\\" else self._char()
                 if len(lo_set) != 1 or len(hi_set) != 1 or lo_set[0][0] != lo_set[0][1] \
@@ -334,7 +334,7 @@ class Pattern:
         return _negate(chars) if negated else chars
 
     def _char(self) -> tuple:
-        c = self._text[self._at]
+        c = self.source[self._at]
         self._at += 1
         return ((ord(c), ord(c)),)
 

@@ -87,10 +87,10 @@ class TokenGrammar:
 
     def forget(self) -> None:
         """Drop the grammar's states and their masks (``Grammar.forget``)."""
+        log.info("structured output: a grammar forgets its states (it had learned %d transitions)",
+                 self.grammar.num_transitions)
         self.grammar.forget()
         self._info.clear()
-        log.info("structured output: a grammar forgot its states (it had learned %d transitions)",
-                 MAX_TRANSITIONS)
 
     def info(self, state: int) -> StateInfo:
         """The state's mask over the vocabulary (bit-packed), whether it may end, whether it must."""
