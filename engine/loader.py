@@ -146,6 +146,8 @@ def _expected_names(cfg: ModelConfig) -> set[str]:
             "input_layernorm.weight", "post_attention_layernorm.weight")}
         if cfg.attention_bias:
             names |= {p + f"self_attn.{x}_proj.bias" for x in "qkv"}
+        if cfg.qk_norm:
+            names |= {p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"}
     return names
 
 
@@ -244,8 +246,9 @@ _GGUF_LAYER = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
-_GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral"}
+_GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral"}
 
 
 def _gguf_field(reader, key: str, default=None):

@@ -51,13 +51,13 @@ def smollm_tokenizer_dir(tmp_path_factory, default_gguf) -> str:
 
 
 def make_tiny_model(out_dir: str, arch: str, tokenizer_dir: str | None, seed: int = 0, **overrides) -> str:
-    """Save a random-weight ``arch`` ("llama", "qwen2", "mistral") model folder (fp32)."""
+    """Save a random-weight ``arch`` ("llama", "qwen2", "qwen3", "mistral") model folder (fp32)."""
     import shutil
 
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    cfg_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[arch]
+    cfg_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}[arch]
     kw = dict(TINY)
     if arch == "mistral":
         kw["sliding_window"] = None
@@ -66,9 +66,11 @@ def make_tiny_model(out_dir: str, arch: str, tokenizer_dir: str | None, seed: in
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # random init is tiny; scale up so logits are not all ties
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.08)
+            elif "q_norm" in name or "k_norm" in name:  # Qwen3's per-head norms: not all ones
+                p.uniform_(0.5, 1.5)
     model.save_pretrained(out_dir, safe_serialization=True)
     if tokenizer_dir:
         for name in os.listdir(tokenizer_dir):

@@ -107,17 +107,14 @@ def test_a_read_on_the_host_cannot_be_recorded():
     assert not graph.recording()
 
 
-@pytest.fixture(scope="module")
-def tiny_qwen2(tmp_path_factory, smollm_tokenizer_dir) -> str:
-    return make_tiny_model(str(tmp_path_factory.mktemp("tiny_qwen2")), "qwen2", smollm_tokenizer_dir)
-
-
 @needs_c
-@pytest.mark.parametrize("arch,dtype", [("llama", "float32"), ("qwen2", "float32"), ("llama", "bfloat16")])
-def test_cpu_graphs_keep_greedy_outputs(arch, dtype, tiny_llama, tiny_qwen2, monkeypatch):
+@pytest.mark.parametrize("arch,dtype", [("llama", "float32"), ("qwen2", "float32"), ("qwen3", "float32"),
+                                        ("llama", "bfloat16")])
+def test_cpu_graphs_keep_greedy_outputs(arch, dtype, tiny_llama, tmp_path, smollm_tokenizer_dir, monkeypatch):
     """7 prompts in 14 blocks (preemptions), steps of 1 to 7 sequences: those of up to 4 replay, the
-    rest run eagerly, and recordings of 6 rows in all are kept (older ones dropped, recorded again)."""
-    model = tiny_llama if arch == "llama" else tiny_qwen2
+    rest run eagerly, and recordings of 6 rows in all are kept (older ones dropped, recorded again).
+    Qwen3's per-head norms copy q and k out of the fused projection: those copies are replayed too."""
+    model = tiny_llama if arch == "llama" else make_tiny_model(str(tmp_path / arch), arch, smollm_tokenizer_dir)
     kw = dict(device="cpu", dtype=dtype, num_kv_blocks=14, max_model_len=256, max_num_seqs=8)
     want = [o.token_ids for o in LLM(model, enforce_eager=True, **kw).generate(prompts(7), GREEDY)]
     monkeypatch.setattr(model_runner, "CPU_GRAPH_SEQS", 4)

@@ -88,3 +88,50 @@ def test_cuda_bf16_load_peaks_at_the_model_size(tmp_path):
     # the model, plus at most one checkpoint tensor in float32 and its bf16 twin in flight
     assert torch.cuda.max_memory_allocated() - before <= weights + tables + 6 * largest + (1 << 20)
     assert torch.cuda.memory_allocated() - before <= weights + tables + (1 << 20)
+
+
+def _write_qwen3_gguf(folder: str, out: str) -> None:
+    """The tiny Qwen3 folder as llama.cpp's converter writes it: float32 tensors, GGUF names, no
+    q/k row permutation (Qwen's RoPE is the rotate-half one llama.cpp calls NEOX)."""
+    import gguf
+    from safetensors.torch import load_file
+
+    cfg = load_model_config(folder)
+    w = gguf.GGUFWriter(out, "qwen3")
+    for key, value in (("context_length", 1024), ("embedding_length", cfg.hidden_size),
+                       ("feed_forward_length", cfg.intermediate_size), ("block_count", cfg.num_layers),
+                       ("attention.head_count", cfg.num_heads), ("attention.head_count_kv", cfg.num_kv_heads),
+                       ("attention.key_length", cfg.head_dim), ("vocab_size", cfg.vocab_size)):
+        w.add_uint32(f"qwen3.{key}", value)
+    w.add_float32("qwen3.rope.freq_base", cfg.rope_theta)
+    w.add_float32("qwen3.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    layer = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    for file in glob.glob(f"{folder}/*.safetensors"):
+        for name, t in load_file(file).items():
+            if name not in names:
+                _, _, i, sub = name.split(".", 3)
+                sub, kind = sub.rsplit(".", 1)
+                names[name] = f"blk.{i}.{layer[sub]}.{kind}"
+            w.add_tensor(names[name], t.float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_a_qwen3_gguf_loads_as_its_folder(tmp_path):
+    """Config from the GGUF metadata (head_dim its own), the per-head q/k norms found by their GGUF names."""
+    folder = make_tiny_model(str(tmp_path / "qwen3"), "qwen3", None, head_dim=24)
+    _write_qwen3_gguf(folder, str(tmp_path / "qwen3.gguf"))
+    want_cfg, got_cfg = load_model_config(folder), load_model_config(str(tmp_path / "qwen3.gguf"))
+    assert (got_cfg.model_type, got_cfg.head_dim, got_cfg.qk_norm, got_cfg.attention_bias) == ("qwen3", 24, True, False)
+    want = build_model(folder, want_cfg, 64, torch.float32, torch.device("cpu")).state_dict()
+    got = build_model(str(tmp_path / "qwen3.gguf"), got_cfg, 64, torch.float32, torch.device("cpu")).state_dict()
+    assert want.keys() == got.keys() and any("q_norm" in k for k in want)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k

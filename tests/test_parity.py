@@ -32,12 +32,14 @@ def check_parity(llm: LLM, hf, tokenizer, prompts: list[str], n: int = 32) -> No
 
 
 @pytest.mark.parametrize("linear_rows", ["0", "64"], ids=["torch-linear", "c-linear"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 def test_tiny_models_match_transformers(arch, linear_rows, tmp_path, smollm_tokenizer_dir, monkeypatch):
     """With every CPU linear step in torch, and with every step of up to 64 rows in the C kernel
     (``kernels.cpu.matmul``: decode steps, and these prompts' prefill)."""
     monkeypatch.setenv("TOKENMILL_CPU_LINEAR_ROWS", linear_rows)
-    path = make_tiny_model(str(tmp_path / arch), arch, smollm_tokenizer_dir, seed=1)
+    # Qwen3's head_dim is its own (128 with hidden 1024 in Qwen3-0.6B): here 24, not 64 / 4
+    extra = {"head_dim": 24} if arch == "qwen3" else {}
+    path = make_tiny_model(str(tmp_path / arch), arch, smollm_tokenizer_dir, seed=1, **extra)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     llm = LLM(path, device="cpu", dtype="float32", num_kv_blocks=256, max_model_len=512)
     check_parity(llm, hf, llm.tokenizer, PROMPTS)

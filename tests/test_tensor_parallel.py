@@ -1,6 +1,6 @@
 """Tensor parallel on the CPU (gloo): T ranks give TP=1's greedy tokens, token for token.
 
-Tiny random Llama and Qwen2 models with KV heads both split (divisible by T) and replicated
+Tiny random Llama, Qwen2 and Qwen3 models with KV heads both split (divisible by T) and replicated
 (fewer than T), through chunked prefill, concurrent requests, a shared prefix, prompt
 logprobs and a vocab that T does not divide; the default SmolLM2 GGUF with TP=3. Failures:
 a killed worker fails the engine within seconds with a message naming the rank, and leaves no
@@ -78,6 +78,7 @@ def assert_close_logprobs(got, want) -> None:
     ("llama", 6, 1, 3, 49154),  # the KV head on every rank
     ("qwen2", 6, 1, 2, 49153),  # q/k/v biases; the KV head on both ranks
     ("qwen2", 6, 3, 3, 49152),  # 1 KV head per rank
+    ("qwen3", 6, 1, 2, 49152),  # q/k norms, whole on every rank; the KV head on both ranks
 ])
 def test_tp_greedy_equals_tp1(tmp_path, smollm_tokenizer_dir, tokenizer, arch, heads, kv_heads, t, vocab):
     path = tiny(tmp_path, smollm_tokenizer_dir, arch, heads, kv_heads, vocab_size=vocab)

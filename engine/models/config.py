@@ -10,6 +10,7 @@ SUPPORTED_ARCHITECTURES = {
     "llama": {},
     "mistral": {},
     "qwen2": {"attention_bias": True},
+    "qwen3": {"qk_norm": True},  # an RMSNorm over each head's q and k before RoPE
     "smollm": {},  # SmolLM is Llama; GGUF files call it llama too
 }
 
@@ -71,6 +72,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
+    qk_norm: bool
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     quant: QuantConfig | None = None  # an AWQ or GPTQ int4 checkpoint
@@ -119,6 +121,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", SUPPORTED_ARCHITECTURES[model_type].get(
                 "attention_bias", False))),
+            qk_norm=SUPPORTED_ARCHITECTURES[model_type].get("qk_norm", False),
             eos_token_ids=tuple(int(e) for e in eos),
             bos_token_id=cfg.get("bos_token_id"),
             quant=QuantConfig.from_hf(cfg["quantization_config"]) if cfg.get("quantization_config") else None,

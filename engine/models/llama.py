@@ -1,4 +1,4 @@
-"""The Llama family (Llama, Mistral, Qwen2, SmolLM) for paged attention.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM) for paged attention.
 
 One concept per class. Inputs are the flattened tokens of the whole batch:
 ``input_ids`` and ``positions`` are (T,), and ``AttentionMetadata`` says which
@@ -30,12 +30,18 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowLinear(h * d, cfg.hidden_size, tp=tp)
         self.h, self.hkv, self.d = h // tp.size, hkv * r // tp.size, d  # this rank's heads
         self.attn = Attention(self.h, self.hkv, self.d)
+        # Qwen3: q and k normed per head before RoPE, by (D,) weights every head and so every rank shares
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.out_sizes, dim=-1)
         q, k, v = q.view(t, self.h, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
+        if self.q_norm is not None:  # each head's D values normed as rows: (T * H, D)
+            q = self.q_norm(q.reshape(t * self.h, self.d)).view(t, self.h, self.d)
+            k = self.k_norm(k.reshape(t * self.hkv, self.d)).view(t, self.hkv, self.d)
         kernels.apply_rope_(q, k, cos, sin)  # in place, in the qkv projection's output
         o = self.attn(q, k, v, meta)  # (T, H, D)
         return self.o_proj(o.reshape(t, self.h * self.d))
