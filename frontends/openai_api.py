@@ -33,6 +33,7 @@ import orjson
 
 from engine.protocol import Stats
 from frontends import openai_params as op
+from frontends import tools
 from frontends.access_log import CallInfo
 from frontends.auth import Auth
 from frontends.engine_client import EngineClient
@@ -74,7 +75,7 @@ def _timed_out(started: float) -> ApiError:
 class OpenAIApi:
     def __init__(self, client: EngineClient, codec: TextCodec, served_model_name: str,
                  api_keys: list[str] | None = None, allowed_origins: list[str] | None = None,
-                 metrics: Metrics | None = None, metrics_no_auth: bool = False) -> None:
+                 metrics: Metrics | None = None, metrics_no_auth: bool = False, tool_call_parser: str = "auto") -> None:
         self.client = client
         self.metrics = metrics
         self.metrics_no_auth = metrics_no_auth
@@ -84,6 +85,9 @@ class OpenAIApi:
         self._ids = itertools.count()
         self._id_prefix = os.urandom(4).hex()
         self.created = int(time.time())
+        # the format tool_choice "auto" reads (frontends.tools); None: "auto" is refused
+        self.tool_format = (tools.detect_format(codec.chat_template) if tool_call_parser == "auto"
+                            else None if tool_call_parser == "none" else tool_call_parser)
 
     def routes(self, router: Router | None = None) -> Router:
         router = router or Router()
@@ -131,9 +135,14 @@ class OpenAIApi:
     async def _encode(self, text: str) -> list[int]:
         return await self._offload(len(text), self.codec.encode, text)
 
-    async def _chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    async def _chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                             calls: tools.ToolRequest | None = None) -> list[int]:
         size = sum(len(m["content"]) for m in messages)
-        return await self._offload(size, self.codec.apply_chat_template, messages, add_generation_prompt)
+        if calls is not None:  # the tools as the template will print them: they count against the context too
+            size += calls.size
+            op.check_text_length(size, self.max_chars, "tools")
+        return await self._offload(size, self.codec.apply_chat_template, messages, add_generation_prompt,
+                                   calls.tools if calls is not None else None)
 
     async def _stop_matcher(self, stops: list[str]) -> StopMatcher | None:
         """Built once per call for all its choices; a big one off the event loop."""
@@ -181,7 +190,8 @@ class OpenAIApi:
         op.check_model(data, self.model)
         if "messages" in data:
             msgs = op.parse_messages(data, self.max_chars)
-            tokens = await self._chat_template(msgs, op.field(data, "add_generation_prompt", bool, True))
+            calls = tools.parse_tools({"tools": data.get("tools"), "tool_choice": "none"}, None)
+            tokens = await self._chat_template(msgs, op.field(data, "add_generation_prompt", bool, True), calls)
         else:
             prompt = op.field(data, "prompt", str)
             op.check_text_length(len(prompt), self.max_chars, "prompt")
@@ -241,6 +251,7 @@ class OpenAIApi:
         deadline, priority = op.parse_deadline(data), op.parse_priority(data)
         cache_salt = op.parse_cache_salt(data)
         messages = op.parse_messages(data, self.max_chars)
+        calls = tools.parse_tools(data, self.tool_format)
         n = op.parse_n(data)
         want_logprobs = op.field(data, "logprobs", bool, False)
         top = op.field(data, "top_logprobs", int, None)
@@ -249,20 +260,22 @@ class OpenAIApi:
         if top and not want_logprobs:
             raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
         try:
-            prompt = await self._chat_template(messages)
+            prompt = await self._chat_template(messages, calls=calls)
+        except ApiError:
+            raise
         except Exception as e:  # noqa: BLE001 - templates raise whatever they like on odd conversations
             raise ApiError(400, f"Cannot apply the chat template: {e}", param="messages") from None
         max_tokens = op.resolve_max_tokens(data, ("max_completion_tokens", "max_tokens"), [len(prompt)],
                                            self.max_model_len, default=None)
         base = op.sampling_params(data, max_tokens=max_tokens, logprobs=(top or 0) if want_logprobs else None,
-                                  vocab_size=self.codec.vocab_size)
+                                  vocab_size=self.codec.vocab_size, tool_schema=calls.schema() if calls else None)
         op.check_fan_out(1, n, base, self.client.ready.max_num_waiting_requests)
         stop = await self._stop_matcher(base.stop)
         self._require_engine()
         api_id = self._new_id("chatcmpl")
         gen = Generation(self.client, self.codec, api_id, [prompt], n, self._seeded(base), priority, stop,
                          deadline, cache_salt, self.metrics, arrival)
-        return gen, _ChatFormat(self, api_id, gen, want_logprobs)
+        return gen, _ChatFormat(self, api_id, gen, want_logprobs, calls)
 
     # ------------------------------------------------------------------ running a generation
 
@@ -447,7 +460,8 @@ class _CompletionFormat:
 class _ChatFormat:
     """/v1/chat/completions bodies: messages and deltas, chat logprobs."""
 
-    def __init__(self, api: OpenAIApi, api_id: str, gen: Generation, logprobs: bool) -> None:
+    def __init__(self, api: OpenAIApi, api_id: str, gen: Generation, logprobs: bool,
+                 calls: tools.ToolRequest | None = None) -> None:
         self.codec = api.codec
         self.gen = gen
         self.logprobs = logprobs
@@ -455,6 +469,8 @@ class _ChatFormat:
                      "model": api.model}
         self.texts = [""] * len(gen.choices)
         self.lps: list[list] = [[] for _ in gen.choices]
+        # with tools, each choice's text goes through a reader that takes the tool calls out of it
+        self.readers = [calls.reader() for _ in gen.choices] if calls is not None else None
 
     def _chat_lp(self, entries: list[LogprobEntry] | None) -> list[dict]:
         token_text = self.codec.token_text
@@ -476,10 +492,29 @@ class _ChatFormat:
         for up in updates:
             if not (up.text or up.finished or up.logprobs):
                 continue
-            choices.append({"index": up.choice.index, "delta": {"content": up.text} if up.text else {},
+            delta: dict = {"content": up.text} if up.text else {}
+            if self.readers is not None:
+                delta = self._read(up)
+            choices.append({"index": up.choice.index, "delta": delta,
                             "logprobs": {"content": self._chat_lp(up.logprobs)} if self.logprobs else None,
-                            "finish_reason": up.choice.finish_reason if up.finished else None})
+                            "finish_reason": self.finish_reason(up.choice) if up.finished else None})
         return _sse({**self.base, "choices": choices}) if choices else b""
+
+    def _read(self, up: Update) -> dict:
+        """A streamed delta with tools: the content and tool-call deltas the choice's reader lets out."""
+        reader = self.readers[up.choice.index]
+        content, calls = reader.feed(up.text)
+        if up.finished:
+            more, later = reader.finish()
+            content, calls = content + more, calls + later
+        return {**({"content": content} if content else {}), **({"tool_calls": calls} if calls else {})}
+
+    def finish_reason(self, choice) -> str | None:
+        """"tool_calls" for an answer that called tools and ended of itself (a named function: "stop")."""
+        reader = self.readers[choice.index] if self.readers is not None else None
+        if reader is not None and reader.calls and choice.finish_reason == "stop" and reader.mode != "named":
+            return "tool_calls"
+        return choice.finish_reason
 
     def delta_logprobs(self, up: Update) -> list[dict] | None:
         return self._chat_lp(up.logprobs) if self.logprobs else None
@@ -492,10 +527,20 @@ class _ChatFormat:
 
     def response(self) -> dict:
         return {**self.base, "object": "chat.completion", "choices": [
-            {"index": c.index, "message": {"role": "assistant", "content": self.texts[c.index]},
+            {"index": c.index, "message": self._message(c.index),
              "logprobs": {"content": self.lps[c.index]} if self.logprobs else None,
-             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+             "finish_reason": self.finish_reason(c), "stop_reason": c.stop_reason}
             for c in self.gen.choices], "usage": self.gen.usage()}
+
+    def _message(self, index: int) -> dict:
+        if self.readers is None:
+            return {"role": "assistant", "content": self.texts[index]}
+        reader = self.readers[index]
+        reader.feed(self.texts[index])
+        reader.finish()
+        if not reader.calls:
+            return {"role": "assistant", "content": reader.content}
+        return {"role": "assistant", "content": reader.content or None, "tool_calls": reader.calls}
 
     def usage_chunk(self) -> dict:
         return {**self.base, "choices": [], "usage": self.gen.usage()}

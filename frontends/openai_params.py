@@ -19,6 +19,7 @@ from engine.protocol import (
     SamplingParamError,
     SamplingParams,
 )
+from frontends import tools
 from frontends.errors import ApiError
 
 _MISSING = object()
@@ -123,12 +124,14 @@ def check_text_length(num_chars: int, max_chars: int, param: str) -> None:
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def parse_messages(data: dict, max_chars: int | None = None) -> list[dict[str, str]]:
-    """Chat messages, text only; with ``max_chars``, their contents together must fit in it."""
+def parse_messages(data: dict, max_chars: int | None = None) -> list[dict[str, Any]]:
+    """Chat messages, text only, an assistant's ``tool_calls`` and a tool's ``tool_call_id`` kept
+    (``frontends.tools``); with ``max_chars``, their contents (and calls) together must fit in it."""
     msgs = field(data, "messages", list)
     if not msgs:
         raise ApiError(400, "'messages' must not be empty", param="messages")
-    out = []
+    out: list[dict[str, Any]] = []
+    size = 0  # characters, and bytes of tool calls
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
             raise ApiError(400, f"messages[{i}] must be an object", param="messages")
@@ -150,17 +153,25 @@ def parse_messages(data: dict, max_chars: int | None = None) -> list[dict[str, s
         elif not isinstance(content, str):
             raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts",
                            param="messages")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
-    if len(out) > MAX_MESSAGES:
-        raise ApiError(400, f"At most {MAX_MESSAGES} messages per request, got {len(out)}", param="messages")
+        msg = {"role": "system" if role == "developer" else role, "content": content}
+        if role == "assistant" and m.get("tool_calls"):
+            msg["tool_calls"] = tools.template_tool_calls(m["tool_calls"], i)
+            size += sum(len(c["function"]["arguments"]) for c in m["tool_calls"])
+        elif role == "tool" and isinstance(m.get("tool_call_id"), str):
+            msg["tool_call_id"] = m["tool_call_id"]
+        out.append(msg)
+        size += len(content)
+        if len(out) > MAX_MESSAGES:
+            raise ApiError(400, f"At most {MAX_MESSAGES} messages per request, got {len(msgs)}", param="messages")
     if max_chars is not None:
-        check_text_length(sum(len(m["content"]) for m in out), max_chars, "messages")
+        check_text_length(size, max_chars, "messages")
     return out
 
 
 def sampling_params(data: dict, *, max_tokens: int, logprobs: int | None, vocab_size: int,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
-    """The sampling fields shared by both endpoints (``max_tokens`` already resolved)."""
+                    prompt_logprobs: int | None = None, tool_schema: dict | None = None) -> SamplingParams:
+    """The sampling fields shared by both endpoints (``max_tokens`` already resolved). ``tool_schema``:
+    what tool calling holds the output to (``frontends.tools``), in place of the structured-output fields."""
     stop = field(data, "stop", (str, list), [])
     if isinstance(stop, str):
         stop = [stop]
@@ -184,7 +195,7 @@ def sampling_params(data: dict, *, max_tokens: int, logprobs: int | None, vocab_
                 raise ApiError(400, "logit_bias values must be numbers", param="logit_bias")
             logit_bias[tid] = float(v)
     check_token_ids(stop_token_ids, vocab_size, "stop_token_ids")
-    structured = parse_structured(data)
+    structured = (tool_schema, None, "tools") if tool_schema is not None else parse_structured(data)
     num = (int, float)
     try:
         return SamplingParams(

@@ -56,8 +56,15 @@ class TextCodec:
         """One token's own text (for logprobs); special tokens keep their names."""
         return self._decode([token_id], False)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template's source (None: none, or several named ones)."""
+        t = getattr(self.tokenizer, "chat_template", None)
+        return t if isinstance(t, str) else None
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, tools=tools,
                                                   add_generation_prompt=add_generation_prompt)
         return self.encode(text, add_special_tokens=False)
 

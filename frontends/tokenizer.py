@@ -94,6 +94,7 @@ class CachedTokenizer:
                 template = f.read()
         if not isinstance(template, str):  # absent, or a dict of named templates: leave those to transformers
             raise ValueError("no single chat template")
+        self.chat_template = template
         self._template = _compile(template)
         eos = self.special_tokens.get("eos_token")
         self.eos_token_id = self._tokenizer.token_to_id(eos) if eos else None
@@ -110,9 +111,9 @@ class CachedTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], tokenize: bool = True,
-                            add_generation_prompt: bool = False) -> str | list[int]:
-        text = self._template.render(messages=messages, tools=None, documents=None,
+    def apply_chat_template(self, messages: list[dict], tokenize: bool = True, add_generation_prompt: bool = False,
+                            tools: list[dict] | None = None) -> str | list[int]:
+        text = self._template.render(messages=messages, tools=tools, documents=None,
                                      add_generation_prompt=add_generation_prompt, **self.special_tokens)
         return self.encode(text, add_special_tokens=False) if tokenize else text
 

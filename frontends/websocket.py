@@ -413,6 +413,8 @@ class Connection(asyncio.Protocol):
         send = self._send
         want_lp = fmt.logprobs
         echo = getattr(fmt, "echo", False)
+        readers = getattr(fmt, "readers", None)  # a chat with tools: its calls are read out of the text
+        reader = readers[0] if readers else None
         try:
             while not gen.done:
                 for up in await gen.next_updates():
@@ -423,12 +425,20 @@ class Connection(asyncio.Protocol):
                         if want_lp:
                             msg["logprobs"] = lp
                         send(msg)
+                    if reader is not None:
+                        reader.feed(up.text)
                     if up.text or up.token_ids or up.logprobs:
                         msg = {"type": "delta", "id": gid, "text": up.text, "token_ids": up.token_ids}
                         if want_lp:
                             msg["logprobs"] = fmt.delta_logprobs(up)
                         send(msg)
-            send({"type": "done", "id": gid, "finish_reason": choice.finish_reason, "usage": gen.usage()})
+            done = {"type": "done", "id": gid, "finish_reason": choice.finish_reason, "usage": gen.usage()}
+            if reader is not None:  # the deltas carried the raw text; done says which calls it held
+                reader.finish()
+                done["finish_reason"] = fmt.finish_reason(choice)
+                if reader.calls:
+                    done["tool_calls"] = reader.calls
+            send(done)
             return 200
         except ApiError as e:
             send(_error_msg(gid, e))

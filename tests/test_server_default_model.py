@@ -75,6 +75,37 @@ def test_response_format_holds_the_answer_to_a_schema(server):
         assert e.value.body["param"] == "response_format" and word in e.value.body["message"]
 
 
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}
+
+
+def test_tool_calls_held_to_the_tools(server):
+    """SmolLM2's template shows no tools, so "auto" has no format to read (400); "required" and a named
+    function hold the output to calls of the given tools, which come back as tool_calls."""
+    import json
+
+    from openai import BadRequestError
+
+    client = openai_client(server)
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    with pytest.raises(BadRequestError) as e:
+        client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=ask, tools=[WEATHER])
+    assert e.value.body["param"] == "tool_choice" and "--tool-call-parser" in e.value.body["message"]
+    r = client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=ask, tools=[WEATHER],
+                                       tool_choice="required", max_tokens=60, temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and "Paris" in json.loads(call.function.arguments)["city"]
+    stream = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct.Q4_1", messages=ask, tools=[WEATHER], max_tokens=60, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True)
+    deltas = [d for c in stream if c.choices for d in c.choices[0].delta.tool_calls or ()]
+    assert len(deltas) > 1 and deltas[0].function.name == "get_weather"  # the arguments stream as they come
+    assert list(json.loads("".join(d.function.arguments for d in deltas))) == ["city"]
+
+
 def test_engine_death_gives_503_and_nonzero_exit(server):
     from openai import APIError
 

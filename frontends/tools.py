@@ -1,0 +1,283 @@
+"""Tool calling: OpenAI's ``tools`` and ``tool_choice`` on ``/v1/chat/completions``.
+
+The request's tools are checked here and handed to the chat template, which shows them to the
+model. What comes back depends on ``tool_choice``:
+
+- ``"auto"`` (the default when tools are given): the model answers in text or calls tools in its
+  own format, which ``CallReader`` reads out of the text as it streams: ``hermes``
+  (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, as Qwen2.5, Qwen3 and Hermes
+  write) or ``llama3_json`` (the whole answer ``{"name": ..., "parameters": {...}}``, several
+  joined by ``;``, as Llama 3.1-3.3 write). Which one: ``--tool-call-parser``, by default read
+  off the chat template (``detect_format``). A template that shows no tools has no format: then
+  "auto" is a 400, as in vLLM without a parser, since the model would never see the tools.
+- ``"required"``: the output is held (structured output, ``engine.json_schema``) to a JSON array
+  of calls ``[{"name": ..., "parameters": {...}}]`` of the given tools, as vLLM holds it.
+- ``{"type": "function", "function": {"name": N}}``: held to N's ``parameters`` schema; the
+  text is N's arguments, streamed as they come.
+- ``"none"``: the template still sees the tools (as in OpenAI's API), no call is read.
+
+A call found gets an id (``call_...``) and its arguments as a JSON string; the choice then ends
+with finish_reason "tool_calls" (a named function: "stop", as OpenAI answers a forced call).
+Text the reader cannot take for a call (malformed JSON, a call cut short by ``max_tokens``)
+stays content: nothing the model wrote is lost.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from engine.json_schema import SchemaError, compile_schema
+from frontends.errors import ApiError
+
+FORMATS = ("hermes", "llama3_json")
+MAX_TOOLS = 128
+MAX_REQUIRED_TOOLS = 16  # "required" holds the output to one of these: more than the grammar tells apart at once
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+
+
+def detect_format(chat_template: str | None) -> str | None:
+    """The call format a chat template teaches its model, or None where it shows no tools."""
+    if not chat_template or "tools" not in chat_template:
+        return None
+    if _HERMES_OPEN in chat_template:
+        return "hermes"
+    if "<|python_tag|>" in chat_template or "ipython" in chat_template:
+        return "llama3_json"
+    return None
+
+
+@dataclass
+class ToolRequest:
+    """A request's tools (as the chat template takes them) and what its ``tool_choice`` asks."""
+
+    tools: list[dict]
+    mode: str  # "none", "auto", "required" or "named"
+    name: str | None = None  # the named function
+    parallel: bool = True  # parallel_tool_calls: more than one call in an answer
+    fmt: str | None = None  # auto: the format the reader reads
+    schemas: dict[str, dict] = field(default_factory=dict)  # each function's parameters
+    size: int = 0  # bytes of the tools as JSON: they count against the context as the messages do
+
+    def schema(self) -> dict | None:
+        """The JSON schema the output is held to (None: free text)."""
+        if self.mode == "named":
+            return self.schemas[self.name]
+        if self.mode != "required":
+            return None
+        calls = [{"type": "object", "properties": {"name": {"const": n}, "parameters": p},
+                  "required": ["name", "parameters"]} for n, p in self.schemas.items()]
+        return {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
+                "minItems": 1, **({} if self.parallel else {"maxItems": 1})}
+
+    def reader(self) -> CallReader:
+        return CallReader(self)
+
+
+def parse_tools(data: dict, fmt: str | None) -> ToolRequest | None:
+    """``tools``, ``tool_choice`` and ``parallel_tool_calls`` checked (None: no tools given).
+    ``fmt``: the server's call format for "auto" (``detect_format`` or ``--tool-call-parser``)."""
+    tools = data.get("tools")
+    choice = data.get("tool_choice")
+    if tools is None:
+        if choice not in (None, "none"):
+            raise ApiError(400, "tool_choice needs 'tools'", param="tool_choice")
+        return None
+    if not isinstance(tools, list) or not 0 < len(tools) <= MAX_TOOLS:
+        raise ApiError(400, f"'tools' must be a list of 1 to {MAX_TOOLS} tools", param="tools")
+    schemas: dict[str, dict] = {}
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        if not isinstance(fn, dict):
+            raise ApiError(400, f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}",
+                           param="tools")
+        name, params = fn.get("name"), fn.get("parameters", {"type": "object"})
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise ApiError(400, f"tools[{i}].function.name must be 1 to 64 letters, digits, '_', '-' or '.', "
+                           f"got {name!r}", param="tools")
+        if name in schemas:
+            raise ApiError(400, f"two tools are named {name!r}", param="tools")
+        if not isinstance(params, dict):
+            raise ApiError(400, f"tools[{i}].function.parameters must be a JSON schema (an object)", param="tools")
+        schemas[name] = params
+    parallel = data.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise ApiError(400, "parallel_tool_calls must be true or false", param="parallel_tool_calls")
+    req = ToolRequest(tools, "auto", parallel=parallel, fmt=fmt, schemas=schemas, size=len(orjson.dumps(tools)))
+    if choice in ("none", "required"):
+        req.mode = choice
+    elif isinstance(choice, dict):
+        fn = choice.get("function") if choice.get("type") == "function" else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if name not in schemas:
+            raise ApiError(400, f"tool_choice names no tool of 'tools': {name!r}", param="tool_choice")
+        req.mode, req.name = "named", name
+    elif choice not in (None, "auto"):
+        raise ApiError(400, "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', "
+                       "'function': {'name': ...}}", param="tool_choice")
+    if req.mode == "auto" and fmt is None:
+        raise ApiError(400, "tool_choice 'auto' needs a tool-call format, and this model's chat template shows "
+                       "no tools: use tool_choice 'required' or a named function, or start the server with "
+                       f"--tool-call-parser ({', '.join(FORMATS)})", param="tool_choice")
+    if req.mode == "required" and len(schemas) > MAX_REQUIRED_TOOLS:
+        raise ApiError(400, f"tool_choice 'required' takes at most {MAX_REQUIRED_TOOLS} tools, got {len(schemas)}",
+                       param="tools")
+    if req.mode in ("required", "named"):
+        if any(data.get(k) is not None for k in ("response_format", "json_schema", "structured_outputs",
+                                                  "guided_json", "guided_choice")):
+            raise ApiError(400, f"tool_choice {choice if isinstance(choice, str) else 'naming a function'} holds "
+                           "the output to tool calls: it cannot be combined with response_format",
+                           param="tool_choice")
+        try:  # the engine would refuse it too, but could not say which tool
+            compile_schema(req.schema())
+        except SchemaError as e:
+            raise ApiError(400, f"a tool's parameters: {e}", param="tools") from None
+    return req
+
+
+def template_tool_calls(calls: Any, i: int) -> list[dict]:
+    """An assistant message's ``tool_calls`` (``messages[i]``) checked and made as chat templates
+    want them: arguments as objects, not the JSON text OpenAI's API sends (as transformers and
+    vLLM hand them over)."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise ApiError(400, f"{where} must be a list", param="messages")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(fn.get("arguments"), str)):
+            raise ApiError(400, f"{where}[{j}] must be {{'id': ..., 'type': 'function', 'function': "
+                           "{'name': ..., 'arguments': JSON text}}", param="messages")
+        try:
+            arguments = orjson.loads(fn["arguments"])
+        except orjson.JSONDecodeError:
+            raise ApiError(400, f"{where}[{j}].function.arguments is not JSON text", param="messages") from None
+        out.append({"id": str(c.get("id", "")), "type": "function",
+                    "function": {"name": fn["name"], "arguments": arguments}})
+    return out
+
+
+def _call(name: str, arguments: str) -> dict:
+    return {"id": f"call_{os.urandom(12).hex()}", "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _as_call(obj: Any, args_key: str) -> dict | None:
+    """``{"name": str, args_key: object}`` as a call, else None."""
+    if isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(obj.get(args_key), dict):
+        return _call(obj["name"], orjson.dumps(obj[args_key]).decode())
+    return None
+
+
+def _json_values(text: str) -> list[Any] | None:
+    """``text`` as JSON values joined by ``;`` or whitespace (Llama 3's parallel calls), else None."""
+    decoder, values, i = json.JSONDecoder(), [], 0
+    while True:
+        while i < len(text) and text[i] in " \t\r\n;":
+            i += 1
+        if i == len(text):
+            return values or None
+        try:
+            value, i = decoder.raw_decode(text, i)
+        except ValueError:
+            return None
+        values.append(value)
+
+
+class CallReader:
+    """One choice's text split into content and tool calls, as it streams: ``feed`` each piece of
+    text and ``finish`` at the end; each returns (content to send now, tool-call deltas to send
+    now). ``content`` and ``calls`` hold the whole answer for a response that is not streamed."""
+
+    def __init__(self, req: ToolRequest) -> None:
+        self.req = req
+        self.mode = req.mode if req.mode != "auto" else req.fmt
+        self.content = ""
+        self.calls: list[dict] = []
+        self._held = ""  # text not yet known to be content or call
+        self._in_call = False  # hermes: inside <tool_call>...
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        if self.mode == "none" or not text:
+            return self._out(text, [])
+        if self.mode == "named":  # the text is the arguments: streamed as they come
+            if self.calls:
+                self.calls[0]["function"]["arguments"] += text
+                return "", [{"index": 0, "function": {"arguments": text}}]
+            self.calls.append(_call(self.req.name, text))
+            return "", [{"index": 0, **self.calls[0], "function": dict(self.calls[0]["function"])}]
+        self._held += text
+        if self.mode == "hermes":
+            return self._hermes(final=False)
+        if self.mode == "llama3_json" and self._held.lstrip() and not self._held.lstrip().startswith("{"):
+            self.mode = "none"  # an answer in words: no call to look for
+            text, self._held = self._held, ""
+            return self._out(text, [])
+        return "", []  # required, or a JSON answer: read whole at the end
+
+    def finish(self) -> tuple[str, list[dict]]:
+        held, self._held = self._held, ""
+        if self.mode == "hermes":
+            self._held = held
+            return self._hermes(final=True)
+        if self.mode == "required":
+            values = _json_values(held)
+            calls = [_as_call(c, "parameters") for c in values[0]] if values and isinstance(values[0], list) else []
+            return self._calls_or_text(calls, held)
+        if self.mode == "llama3_json" and held:
+            calls = [_as_call(v, "parameters") or _as_call(v, "arguments") for v in _json_values(held) or []]
+            return self._calls_or_text(calls, held)
+        return self._out(held, [])
+
+    def _calls_or_text(self, calls: list[dict | None], text: str) -> tuple[str, list[dict]]:
+        if calls and all(calls) and (self.req.parallel or len(calls) == 1):
+            return self._out("", calls)
+        return self._out(text, [])
+
+    def _hermes(self, final: bool) -> tuple[str, list[dict]]:
+        content, calls = "", []
+        while True:
+            if not self._in_call:
+                at = self._held.find(_HERMES_OPEN)
+                if at < 0:
+                    keep = 0 if final else _partial_suffix(self._held, _HERMES_OPEN)
+                    cut = len(self._held) - keep
+                    content += self._held[:cut] if not (self.calls or calls) else self._held[:cut].strip()
+                    self._held = self._held[cut:]
+                    break
+                content += self._held[:at] if not (self.calls or calls) else self._held[:at].strip()
+                self._held, self._in_call = self._held[at + len(_HERMES_OPEN):], True
+            end = self._held.find(_HERMES_CLOSE)
+            if end < 0 and not final:
+                break
+            body = self._held if end < 0 else self._held[:end]
+            values = _json_values(body)
+            call = _as_call(values[0], "arguments") if values and len(values) == 1 else None
+            if call is None or not self.req.parallel and (self.calls or calls):
+                content += _HERMES_OPEN + body + ("" if end < 0 else _HERMES_CLOSE)
+            else:
+                calls.append(call)
+            self._held = "" if end < 0 else self._held[end + len(_HERMES_CLOSE):]
+            self._in_call = False
+            if end < 0:
+                break
+        return self._out(content, calls)
+
+    def _out(self, content: str, calls: list[dict]) -> tuple[str, list[dict]]:
+        first = len(self.calls)
+        self.content += content
+        self.calls += calls
+        return content, [{"index": first + k, **c} for k, c in enumerate(calls)]
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of ``text`` that begins ``marker`` (held back: it may become it)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0

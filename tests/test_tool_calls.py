@@ -1,0 +1,344 @@
+"""Tool calling (``frontends.tools``): the request's tools checked, the call formats detected from
+chat templates, calls read out of text however it is split into stream pieces, and a real frontend
+process (on the fake engine, which answers with the prompt's own tokens, so the model "writes"
+what the test puts in the message) answering the official ``openai`` client, plain and streamed,
+and over the WebSocket. The real engine holding output to tool calls: ``test_server_default_model``."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import openai
+import pytest
+
+from frontends.errors import ApiError
+from frontends.tools import CallReader, detect_format, parse_tools
+from tools.fake_engine import KEY, MODEL, FakeEngine, free_port, start_frontend, stop_frontend
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}}
+TOOLS = [WEATHER, TIME]
+HERMES_TEMPLATE = (  # the parts of Qwen2.5's template that matter here: tools shown, the prompt as it is
+    "{%- if tools %}{# a model that answers <tool_call>{...}</tool_call> #}{%- endif %}"
+    "{{ messages[-1]['content'] }}")
+LLAMA3_TEMPLATE = "{%- if tools %}{# Environment: ipython; <|python_tag|> #}{%- endif %}{{ messages[-1]['content'] }}"
+SMOLLM2_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] "
+                    "+ '<|im_end|>' + '\n'}}{% endfor %}")
+
+
+QWEN25_TEMPLATE = (  # Qwen2.5-Instruct's, as it ships
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}{%- if messages[0]['role'] == 'system' %}"
+    "{{- messages[0]['content'] }}{%- else %}{{- 'You are Qwen, created by Alibaba Cloud. You are a helpful "
+    "assistant.' }}{%- endif %}{{- \"\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the "
+    "user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>\" }}"
+    "{%- for tool in tools %}{{- \"\\n\" }}{{- tool | tojson }}{%- endfor %}{{- \"\\n</tools>\\n\\nFor each "
+    "function call, return a json object with function name and arguments within <tool_call></tool_call> XML "
+    "tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, \\\"arguments\\\": <args-json-object>}\\n"
+    "</tool_call><|im_end|>\\n\" }}{%- else %}{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' "
+    "+ messages[0]['content'] + '<|im_end|>\\n' }}{%- else %}{{- '<|im_start|>system\\nYou are Qwen, created by "
+    "Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}{%- endif %}{%- endif %}"
+    "{%- for message in messages %}{%- if (message.role == \"user\") or (message.role == \"system\" and not "
+    "loop.first) or (message.role == \"assistant\" and not message.tool_calls) %}{{- '<|im_start|>' + "
+    "message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}{%- elif message.role == \"assistant\" %}"
+    "{{- '<|im_start|>' + message.role }}{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}{%- if tool_call.function is defined %}{%- set tool_call = "
+    "tool_call.function %}{%- endif %}{{- '\\n<tool_call>\\n{\"name\": \"' }}{{- tool_call.name }}"
+    "{{- '\", \"arguments\": ' }}{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}{%- elif message.role == \"tool\" %}{%- if (loop.index0 == 0) or "
+    "(messages[loop.index0 - 1].role != \"tool\") %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' }}{{- message.content }}{{- '\\n</tool_response>' }}{%- if loop.last or "
+    "(messages[loop.index0 + 1].role != \"tool\") %}{{- '<|im_end|>\\n' }}{%- endif %}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def read_all(req, pieces: list[str]) -> tuple[str, list[dict], CallReader]:
+    """Feed ``pieces`` to a reader, then finish: (content sent, tool-call deltas sent, the reader)."""
+    reader = req.reader()
+    content, deltas = "", []
+    for p in pieces:
+        c, d = reader.feed(p)
+        content, deltas = content + c, deltas + d
+    c, d = reader.finish()
+    return content + c, deltas + d, reader
+
+
+def splits(text: str) -> list[list[str]]:
+    """Whole, one character a piece, and three pieces at every pair of cut points 7 apart."""
+    return [[text], list(text)] + [[text[:i], text[i:i + 7], text[i + 7:]] for i in range(len(text))]
+
+
+def hermes(fmt="hermes", **extra):
+    return parse_tools({"tools": TOOLS, **extra}, fmt)
+
+
+def args_of(call: dict) -> dict:
+    return json.loads(call["function"]["arguments"])
+
+
+# ---------------------------------------------------------------------------- what a request may ask
+
+
+@pytest.mark.parametrize("body,param,words", [
+    ({"tool_choice": "auto"}, "tool_choice", "needs 'tools'"),
+    ({"tools": []}, "tools", "1 to 128"),
+    ({"tools": [{"type": "function"}]}, "tools", "tools[0]"),
+    ({"tools": [{"type": "code_interpreter"}]}, "tools", "tools[0]"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools", "letters"),
+    ({"tools": [WEATHER, WEATHER]}, "tools", "two tools are named 'get_weather'"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools", "JSON schema"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "'none', 'auto', 'required'"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "'nope'"),
+    ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls", "true or false"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+     "cannot be combined"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 0}}}}}], "tool_choice": "required"},
+     "tools", "minimum"),
+    ({"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(17)], "tool_choice": "required"},
+     "tools", "at most 16"),
+])
+def test_bad_tool_requests_are_400s_naming_the_field(body, param, words):
+    with pytest.raises(ApiError) as e:
+        parse_tools(body, "hermes")
+    assert (e.value.status, e.value.param) == (400, param) and words in e.value.message
+
+
+def test_auto_needs_a_format_the_others_do_not():
+    with pytest.raises(ApiError, match="--tool-call-parser") as e:
+        parse_tools({"tools": TOOLS}, None)
+    assert e.value.param == "tool_choice"
+    assert parse_tools({"tools": TOOLS, "tool_choice": "required"}, None).schema()["minItems"] == 1
+    assert parse_tools({"tools": TOOLS, "tool_choice": "none"}, None).schema() is None
+    named = parse_tools({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, None)
+    assert named.schema() == TIME["function"]["parameters"]
+    assert parse_tools({}, None) is None and parse_tools({"tool_choice": "none"}, None) is None
+
+
+def test_required_holds_the_output_to_calls_of_the_given_tools():
+    schema = hermes(tool_choice="required", parallel_tool_calls=False).schema()
+    assert schema["maxItems"] == 1 and [a["properties"]["name"] for a in schema["items"]["anyOf"]] == [
+        {"const": "get_weather"}, {"const": "get_time"}]
+    assert schema["items"]["anyOf"][0]["properties"]["parameters"] == WEATHER["function"]["parameters"]
+
+
+def test_formats_are_read_off_chat_templates():
+    assert detect_format(HERMES_TEMPLATE) == detect_format(QWEN25_TEMPLATE) == "hermes"
+    assert detect_format(LLAMA3_TEMPLATE) == "llama3_json"
+    assert detect_format(SMOLLM2_TEMPLATE) is None and detect_format(None) is None
+
+
+def test_templates_see_the_tools_and_the_calls_as_transformers_shows_them(tmp_path, smollm_tokenizer_dir):
+    """The frontend's own template renderer (``CachedTokenizer``) and transformers print the same
+    prompt for a conversation with tools, a call (its arguments an object) and the call's result."""
+    from transformers import AutoTokenizer
+
+    from frontends.openai_params import parse_messages
+    from frontends.text import TextCodec
+    from frontends.tokenizer import CachedTokenizer
+
+    shutil.copytree(smollm_tokenizer_dir, tmp_path, dirs_exist_ok=True)
+    (tmp_path / "chat_template.jinja").write_text(QWEN25_TEMPLATE)
+    with open(tmp_path / "tokenizer_config.json") as f:
+        config = json.load(f)
+    config.pop("chat_template", None)
+    with open(tmp_path / "tokenizer_config.json", "w") as f:
+        json.dump(config, f)
+    messages = parse_messages({"messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny"}]})
+    req = hermes()
+    hf, cached = TextCodec(AutoTokenizer.from_pretrained(tmp_path)), TextCodec(CachedTokenizer(str(tmp_path)))
+    assert cached.chat_template == hf.chat_template == QWEN25_TEMPLATE
+    want = hf.apply_chat_template(messages, True, req.tools)
+    assert cached.apply_chat_template(messages, True, req.tools) == want
+    text = hf.decode(want, skip_special_tokens=False)
+    assert json.dumps(WEATHER, ensure_ascii=False) in text  # the tools, as tojson prints them
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    assert "<tool_response>\nSunny\n</tool_response>" in text and text.endswith("<|im_start|>assistant\n")
+
+
+# ---------------------------------------------------------------------------- reading calls out of text
+
+HERMES_TWO = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+              '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>')
+
+
+@pytest.mark.parametrize("pieces", splits(HERMES_TWO), ids=lambda p: str(len(p)))
+def test_hermes_calls_are_read_however_the_text_is_split(pieces):
+    content, deltas, reader = read_all(hermes(), pieces)
+    assert content == reader.content == "Let me look.\n"
+    assert [d["index"] for d in deltas] == [0, 1]
+    assert [d["function"]["name"] for d in deltas] == ["get_weather", "get_time"]
+    assert [args_of(d) for d in deltas] == [{"city": "Paris"}, {"zone": "CET"}]
+    assert reader.calls == [{k: v for k, v in d.items() if k != "index"} for d in deltas]
+    assert len({d["id"] for d in deltas}) == 2 and all(d["id"].startswith("call_") for d in deltas)
+
+
+def test_hermes_text_that_is_no_call_stays_content():
+    for text in ("No tools needed: 2 < 3 and <tool> is not a tag.", "<tool_call>\n{not json}\n</tool_call>",
+                 '<tool_call>{"name": "get_weather"}</tool_call>', "Almost <tool_ca"):
+        content, deltas, reader = read_all(hermes(), list(text))
+        assert (content, deltas, reader.calls) == (text, [], [])
+
+
+def test_hermes_a_call_the_model_left_open_is_still_read():
+    content, deltas, _ = read_all(hermes(), ['<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}'])
+    assert content == "" and args_of(deltas[0]) == {"zone": "UTC"}
+
+
+def test_hermes_without_parallel_calls_a_second_call_stays_content():
+    content, deltas, _ = read_all(hermes(parallel_tool_calls=False), [HERMES_TWO])
+    assert [d["function"]["name"] for d in deltas] == ["get_weather"]
+    assert content.startswith("Let me look.\n") and '<tool_call>{"name": "get_time"' in content.replace("\n", "")
+
+
+@pytest.mark.parametrize("text,calls", [
+    ('{"name": "get_weather", "parameters": {"city": "Oslo"}}', [("get_weather", {"city": "Oslo"})]),
+    (' {"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "get_time", "parameters": {"zone": "X"}}',
+     [("get_weather", {"city": "Oslo"}), ("get_time", {"zone": "X"})]),
+    ('{"name": "get_time", "arguments": {"zone": "X"}}', [("get_time", {"zone": "X"})]),
+])
+def test_llama3_json_calls(text, calls):
+    for pieces in ([text], list(text)):
+        content, deltas, _ = read_all(hermes("llama3_json"), pieces)
+        assert content == "" and [(d["function"]["name"], args_of(d)) for d in deltas] == calls
+
+
+def test_llama3_json_words_stream_as_they_come_and_odd_json_stays_content():
+    reader = hermes("llama3_json").reader()
+    assert reader.feed("  ") == ("", [])  # not yet known
+    assert reader.feed("The answer") == ("  The answer", [])  # words: no call
+    assert reader.feed(' {"name": "x"}') == (' {"name": "x"}', [])
+    assert read_all(hermes("llama3_json"), ['{"name": "get_time"}'])[:2] == ('{"name": "get_time"}', [])
+
+
+def test_required_and_named_outputs():
+    text = '[{"name": "get_time", "parameters": {"zone": "CET"}}, {"name": "get_weather", "parameters": {"city": "Rome"}}]'
+    content, deltas, reader = read_all(hermes(tool_choice="required"), list(text))
+    assert content == "" and [(d["index"], d["function"]["name"]) for d in deltas] == [(0, "get_time"), (1, "get_weather")]
+    assert read_all(hermes(tool_choice="required"), ['[{"name": "get_ti'])[:2] == ('[{"name": "get_ti', [])  # cut short
+    named = hermes(tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    content, deltas, reader = read_all(named, ['{"city"', ': "Rome"}'])
+    assert content == "" and deltas[0]["function"] == {"name": "get_weather", "arguments": '{"city"'}
+    assert deltas[1] == {"index": 0, "function": {"arguments": ': "Rome"}'}}  # streamed as they come
+    assert reader.calls == [{"id": deltas[0]["id"], "type": "function",
+                             "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]
+    assert read_all(hermes(tool_choice="none"), [HERMES_TWO])[:2] == (HERMES_TWO, [])
+
+
+# ---------------------------------------------------------------------------- a real frontend process
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, smollm_tokenizer_dir):
+    """The fake engine (it answers a prompt with its own tokens) behind a frontend whose tokenizer's
+    chat template teaches the hermes format and renders the last message as it is."""
+    tok_dir = str(tmp_path_factory.mktemp("hermes_tokenizer"))
+    shutil.copytree(smollm_tokenizer_dir, tok_dir, dirs_exist_ok=True)
+    if os.path.exists(f"{tok_dir}/chat_template.jinja"):
+        os.remove(f"{tok_dir}/chat_template.jinja")
+    with open(f"{tok_dir}/tokenizer_config.json") as f:
+        config = json.load(f)
+    with open(f"{tok_dir}/tokenizer_config.json", "w") as f:
+        json.dump({**config, "chat_template": HERMES_TEMPLATE}, f)
+    addr = f"ipc://{tmp_path_factory.mktemp('eng')}/engine.sock"
+    engine = FakeEngine(addr)
+    engine.start()
+    port = free_port()
+    proc = start_frontend(addr, tok_dir, port)
+    yield engine, port
+    assert stop_frontend(proc) == 0
+    engine.stop()
+
+
+@pytest.fixture
+def client(stack):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{stack[1]}/v1", api_key=KEY, max_retries=0)
+
+
+ANSWER = ('Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
+          '</tool_call><|im_end|>')  # <|im_end|> (id 2): the fake engine's stop token here, as EOS would be
+
+
+def ask(client, content=ANSWER, **kw):
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                          tools=TOOLS, max_tokens=200, extra_body={"stop_token_ids": [2]}, **kw)
+
+
+def test_served_calls_come_back_as_tool_calls(client):
+    r = ask(client)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "unit": "celsius"}
+    r = ask(client, "Just words.<|im_end|>")
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == "Just words."
+    assert not r.choices[0].message.tool_calls
+    r = ask(client, tool_choice="none")  # the tools are shown, no call is read
+    assert r.choices[0].message.content == ANSWER.removesuffix("<|im_end|>") and not r.choices[0].message.tool_calls
+
+
+def test_served_calls_stream_as_tool_call_deltas(client):
+    content, calls, finish = "", {}, None
+    for chunk in ask(client, stream=True):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            for d in c.delta.tool_calls or ():
+                call = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+                call["id"] = call["id"] or d.id
+                call["name"] += d.function.name or ""
+                call["arguments"] += d.function.arguments or ""
+            finish = c.finish_reason or finish
+    assert content == "Checking." and finish == "tool_calls" and list(calls) == [0]
+    assert calls[0]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
+    assert json.loads(calls[0]["arguments"]) == {"city": "Paris", "unit": "celsius"}
+
+
+def test_a_conversation_carries_calls_and_their_results(client):
+    """An assistant's tool_calls (arguments as JSON text) and the tool's answer go to the template."""
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C<|im_end|>"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=50,
+                                       extra_body={"stop_token_ids": [2]})
+    assert r.choices[0].message.content == "Sunny, 21 C"
+    bad = [messages[0], {**messages[1], "tool_calls": [{"type": "function",
+                                                        "function": {"name": "x", "arguments": "{oops"}}]}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=bad, tools=TOOLS)
+    assert e.value.body["param"] == "messages" and "not JSON text" in e.value.body["message"]
+
+
+def test_served_bad_tools_get_400(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                       tools=[WEATHER, WEATHER])
+    assert e.value.body["param"] == "tools"
+    assert ask(client).choices[0].finish_reason == "tool_calls"  # and the server goes on
+
+
+def test_websocket_done_carries_the_calls(stack):
+    from websockets.sync.client import connect
+
+    with connect(f"ws://127.0.0.1:{stack[1]}/v1/stream", additional_headers={"Authorization": f"Bearer {KEY}"}) as ws:
+        ws.send(json.dumps({"type": "chat", "id": "t", "messages": [{"role": "user", "content": ANSWER}],
+                            "tools": TOOLS, "max_tokens": 200, "stop_token_ids": [2]}))
+        text = ""
+        while (msg := json.loads(ws.recv()))["type"] == "delta":
+            text += msg["text"]
+    assert msg["type"] == "done" and msg["finish_reason"] == "tool_calls"
+    assert text == ANSWER.removesuffix("<|im_end|>")  # the deltas are the raw text
+    assert [(c["function"]["name"], args_of(c)) for c in msg["tool_calls"]] == [
+        ("get_weather", {"city": "Paris", "unit": "celsius"})]
