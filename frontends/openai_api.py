@@ -16,6 +16,8 @@ prompt tokens came from that cache.
 A full engine queue is a 429 with Retry-After. A call the engine could not run
 (a choice that ends with finish_reason "error": out of memory) is a 500, or,
 once its stream has begun, an error event that ends the stream, as in vLLM.
+Chat ``tools`` / ``tool_choice``: ``frontends.tools`` (the template sees the tools; calls
+are read out of each choice's text, or the output is held to them).
 ``/health`` shows the engine's latest stats, as the client's liveness pings
 brought them: it never waits on the engine. ``/metrics`` (with a ``Metrics``)
 is Prometheus' view of every frontend (``frontends.metrics``); it follows the
@@ -495,6 +497,8 @@ class _ChatFormat:
             delta: dict = {"content": up.text} if up.text else {}
             if self.readers is not None:
                 delta = self._read(up)
+                if not (delta or up.finished or self.logprobs):
+                    continue  # text held back: it may be a call
             choices.append({"index": up.choice.index, "delta": delta,
                             "logprobs": {"content": self._chat_lp(up.logprobs)} if self.logprobs else None,
                             "finish_reason": self.finish_reason(up.choice) if up.finished else None})

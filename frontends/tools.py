@@ -201,6 +201,7 @@ class CallReader:
         self.calls: list[dict] = []
         self._held = ""  # text not yet known to be content or call
         self._in_call = False  # hermes: inside <tool_call>...
+        self._scanned = 0  # hermes: where in _held the search for </tool_call> goes on
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
         if self.mode == "none" or not text:
@@ -252,8 +253,9 @@ class CallReader:
                     break
                 content += self._held[:at] if not (self.calls or calls) else self._held[:at].strip()
                 self._held, self._in_call = self._held[at + len(_HERMES_OPEN):], True
-            end = self._held.find(_HERMES_CLOSE)
+            end = self._held.find(_HERMES_CLOSE, self._scanned)
             if end < 0 and not final:
+                self._scanned = max(0, len(self._held) - len(_HERMES_CLOSE) + 1)  # a long call: no rescans
                 break
             body = self._held if end < 0 else self._held[:end]
             values = _json_values(body)
@@ -263,7 +265,7 @@ class CallReader:
             else:
                 calls.append(call)
             self._held = "" if end < 0 else self._held[end + len(_HERMES_CLOSE):]
-            self._in_call = False
+            self._in_call, self._scanned = False, 0
             if end < 0:
                 break
         return self._out(content, calls)
