@@ -161,12 +161,17 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--socket-send-buffer", type=parse_size, default=None, metavar="SIZE",
                    help="SO_SNDBUF of each client connection: bounds what a client that does not read "
                         "parks in the kernel (default: the kernel's autotuning)")
-    t = s.add_argument_group("tool calling")
+    t = s.add_argument_group("tool calling and reasoning")
     t.add_argument("--tool-call-parser", choices=("auto", "hermes", "llama3_json", "none"), default="auto",
                    help="how tool calls are read out of a chat answer when a request's tool_choice is 'auto': "
                         "hermes (<tool_call>{...}</tool_call>: Qwen2.5, Qwen3, Hermes), llama3_json (Llama 3.x), "
                         "or none; auto reads it off the chat template, and a template that shows no tools "
                         "gets none (default: auto)")
+    t.add_argument("--reasoning-parser", choices=("auto", "qwen3", "deepseek_r1", "none"), default="auto",
+                   help="split a thinking model's <think>...</think> off into reasoning_content (qwen3 and "
+                        "deepseek_r1 are one rule: thinking from an opening <think> in the prompt or the answer "
+                        "to </think>); auto: wherever the chat template knows </think>; none: all is content "
+                        "(default: auto)")
     t.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM's command lines: tool_choice 'auto' is on here wherever a "
                         "tool-call format is known")
@@ -301,7 +306,8 @@ def serve_options(args: argparse.Namespace):
         allowed_origins=allowed_origins(args.allowed_origins), metrics_no_auth=args.metrics_no_auth,
         log_format=args.log_format, log_requests=not args.disable_log_requests, log_prompts=args.log_prompts,
         data_parallel_size=args.data_parallel_size, engine_addresses=list(args.engines or []),
-        engine_key=engine_key(args.engine_key), tool_call_parser=args.tool_call_parser)
+        engine_key=engine_key(args.engine_key), tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser)
 
 
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -29,13 +29,13 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import orjson
 
 from engine.protocol import Stats
 from frontends import openai_params as op
-from frontends import tools
+from frontends import reasoning, tools
 from frontends.access_log import CallInfo
 from frontends.auth import Auth
 from frontends.engine_client import EngineClient
@@ -77,7 +77,8 @@ def _timed_out(started: float) -> ApiError:
 class OpenAIApi:
     def __init__(self, client: EngineClient, codec: TextCodec, served_model_name: str,
                  api_keys: list[str] | None = None, allowed_origins: list[str] | None = None,
-                 metrics: Metrics | None = None, metrics_no_auth: bool = False, tool_call_parser: str = "auto") -> None:
+                 metrics: Metrics | None = None, metrics_no_auth: bool = False, tool_call_parser: str = "auto",
+                 reasoning_parser: str = "auto") -> None:
         self.client = client
         self.metrics = metrics
         self.metrics_no_auth = metrics_no_auth
@@ -90,6 +91,9 @@ class OpenAIApi:
         # the format tool_choice "auto" reads (frontends.tools); None: "auto" is refused
         self.tool_format = (tools.detect_format(codec.chat_template) if tool_call_parser == "auto"
                             else None if tool_call_parser == "none" else tool_call_parser)
+        # whether <think>...</think> is split off into reasoning_content (frontends.reasoning)
+        self.thinking = (reasoning.detect(codec.chat_template) if reasoning_parser == "auto"
+                         else reasoning_parser != "none")
 
     def routes(self, router: Router | None = None) -> Router:
         router = router or Router()
@@ -137,14 +141,17 @@ class OpenAIApi:
     async def _encode(self, text: str) -> list[int]:
         return await self._offload(len(text), self.codec.encode, text)
 
-    async def _chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+    async def _chat_template(self, data: dict, messages: list[dict], add_generation_prompt: bool = True,
                              calls: tools.ToolRequest | None = None) -> list[int]:
+        """The prompt: ``messages`` (and the tools) through the chat template, with the request's
+        ``chat_template_kwargs``."""
+        extra = op.parse_template_kwargs(data)
         size = sum(len(m["content"]) for m in messages)
         if calls is not None:  # the tools as the template will print them: they count against the context too
             size += calls.size
             op.check_text_length(size, self.max_chars, "tools")
         return await self._offload(size, self.codec.apply_chat_template, messages, add_generation_prompt,
-                                   calls.tools if calls is not None else None)
+                                   calls.tools if calls is not None else None, extra)
 
     async def _stop_matcher(self, stops: list[str]) -> StopMatcher | None:
         """Built once per call for all its choices; a big one off the event loop."""
@@ -193,7 +200,7 @@ class OpenAIApi:
         if "messages" in data:
             msgs = op.parse_messages(data, self.max_chars)
             calls = tools.parse_tools({"tools": data.get("tools"), "tool_choice": "none"}, None)
-            tokens = await self._chat_template(msgs, op.field(data, "add_generation_prompt", bool, True), calls)
+            tokens = await self._chat_template(data, msgs, op.field(data, "add_generation_prompt", bool, True), calls)
         else:
             prompt = op.field(data, "prompt", str)
             op.check_text_length(len(prompt), self.max_chars, "prompt")
@@ -262,7 +269,7 @@ class OpenAIApi:
         if top and not want_logprobs:
             raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
         try:
-            prompt = await self._chat_template(messages, calls=calls)
+            prompt = await self._chat_template(data, messages, calls=calls)
         except ApiError:
             raise
         except Exception as e:  # noqa: BLE001 - templates raise whatever they like on odd conversations
@@ -277,7 +284,20 @@ class OpenAIApi:
         api_id = self._new_id("chatcmpl")
         gen = Generation(self.client, self.codec, api_id, [prompt], n, self._seeded(base), priority, stop,
                          deadline, cache_salt, self.metrics, arrival)
-        return gen, _ChatFormat(self, api_id, gen, want_logprobs, calls)
+        return gen, _ChatFormat(self, api_id, gen, want_logprobs, self._answer(data, prompt, base, calls))
+
+    def _answer(self, data: dict, prompt: list[int], base, calls: tools.ToolRequest | None):
+        """What makes each choice's ``_Answer`` (None: its text is all content)."""
+        include = op.field(data, "include_reasoning", bool, True)
+        think = self.thinking and base.json_schema is None and base.choice is None  # held output cannot think
+        if not (think or calls):
+            return None
+        opened = think and reasoning.opens_thinking(self.codec.decode(prompt[-8:], skip_special_tokens=False))
+
+        def answer() -> _Answer:
+            return _Answer(reasoning.ThinkSplitter(opened) if think else None,
+                           calls.reader() if calls is not None else None, include)
+        return answer
 
     # ------------------------------------------------------------------ running a generation
 
@@ -459,11 +479,53 @@ class _CompletionFormat:
         return {**self.base, "choices": [], "usage": self.gen.usage()}
 
 
+class _Answer:
+    """One choice's text as an assistant message, as it streams: thinking split off into
+    ``reasoning_content`` (``frontends.reasoning``), tool calls read out (``frontends.tools``)."""
+
+    def __init__(self, think: reasoning.ThinkSplitter | None, calls: tools.CallReader | None,
+                 include_reasoning: bool) -> None:
+        self.think, self.calls, self.include_reasoning = think, calls, include_reasoning
+        self.reasoning = self.content = ""
+
+    def delta(self, text: str, finished: bool) -> dict:
+        """What of ``text`` (and, once ``finished``, of what was held back) can be sent now."""
+        thought, content, calls = "", text, []
+        if self.think is not None:
+            thought, content = self.think.feed(text)
+            if finished:
+                more = self.think.finish()
+                thought, content = thought + more[0], content + more[1]
+        if self.calls is not None:
+            content, calls = self.calls.feed(content)
+            if finished:
+                more_content, more_calls = self.calls.finish()
+                content, calls = content + more_content, calls + more_calls
+        self.reasoning += thought
+        self.content += content
+        delta: dict = {"reasoning_content": thought} if thought and self.include_reasoning else {}
+        return delta | ({"content": content} if content else {}) | ({"tool_calls": calls} if calls else {})
+
+    def message(self) -> dict:
+        msg: dict = {"role": "assistant", "content": self.content}
+        if self.reasoning and self.include_reasoning:
+            msg["reasoning_content"] = self.reasoning
+        if self.calls is not None and self.calls.calls:
+            msg |= {"content": self.content or None, "tool_calls": self.calls.calls}
+        return msg
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """"tool_calls" for an answer that called tools and ended of itself (a named function: "stop")."""
+        if self.calls is not None and self.calls.calls and reason == "stop" and self.calls.mode != "named":
+            return "tool_calls"
+        return reason
+
+
 class _ChatFormat:
     """/v1/chat/completions bodies: messages and deltas, chat logprobs."""
 
     def __init__(self, api: OpenAIApi, api_id: str, gen: Generation, logprobs: bool,
-                 calls: tools.ToolRequest | None = None) -> None:
+                 answer: Callable[[], _Answer] | None = None) -> None:
         self.codec = api.codec
         self.gen = gen
         self.logprobs = logprobs
@@ -471,8 +533,8 @@ class _ChatFormat:
                      "model": api.model}
         self.texts = [""] * len(gen.choices)
         self.lps: list[list] = [[] for _ in gen.choices]
-        # with tools, each choice's text goes through a reader that takes the tool calls out of it
-        self.readers = [calls.reader() for _ in gen.choices] if calls is not None else None
+        # with tools or thinking, each choice's text goes through its own _Answer
+        self.answers = [answer() for _ in gen.choices] if answer is not None else None
 
     def _chat_lp(self, entries: list[LogprobEntry] | None) -> list[dict]:
         token_text = self.codec.token_text
@@ -495,30 +557,19 @@ class _ChatFormat:
             if not (up.text or up.finished or up.logprobs):
                 continue
             delta: dict = {"content": up.text} if up.text else {}
-            if self.readers is not None:
-                delta = self._read(up)
+            if self.answers is not None:
+                delta = self.answers[up.choice.index].delta(up.text, up.finished)
                 if not (delta or up.finished or self.logprobs):
-                    continue  # text held back: it may be a call
+                    continue  # text held back: it may be a tag or a call
             choices.append({"index": up.choice.index, "delta": delta,
                             "logprobs": {"content": self._chat_lp(up.logprobs)} if self.logprobs else None,
                             "finish_reason": self.finish_reason(up.choice) if up.finished else None})
         return _sse({**self.base, "choices": choices}) if choices else b""
 
-    def _read(self, up: Update) -> dict:
-        """A streamed delta with tools: the content and tool-call deltas the choice's reader lets out."""
-        reader = self.readers[up.choice.index]
-        content, calls = reader.feed(up.text)
-        if up.finished:
-            more, later = reader.finish()
-            content, calls = content + more, calls + later
-        return {**({"content": content} if content else {}), **({"tool_calls": calls} if calls else {})}
-
     def finish_reason(self, choice) -> str | None:
-        """"tool_calls" for an answer that called tools and ended of itself (a named function: "stop")."""
-        reader = self.readers[choice.index] if self.readers is not None else None
-        if reader is not None and reader.calls and choice.finish_reason == "stop" and reader.mode != "named":
-            return "tool_calls"
-        return choice.finish_reason
+        if self.answers is None:
+            return choice.finish_reason
+        return self.answers[choice.index].finish_reason(choice.finish_reason)
 
     def delta_logprobs(self, up: Update) -> list[dict] | None:
         return self._chat_lp(up.logprobs) if self.logprobs else None
@@ -537,14 +588,11 @@ class _ChatFormat:
             for c in self.gen.choices], "usage": self.gen.usage()}
 
     def _message(self, index: int) -> dict:
-        if self.readers is None:
+        if self.answers is None:
             return {"role": "assistant", "content": self.texts[index]}
-        reader = self.readers[index]
-        reader.feed(self.texts[index])
-        reader.finish()
-        if not reader.calls:
-            return {"role": "assistant", "content": reader.content}
-        return {"role": "assistant", "content": reader.content or None, "tool_calls": reader.calls}
+        answer = self.answers[index]
+        answer.delta(self.texts[index], True)
+        return answer.message()
 
     def usage_chunk(self) -> dict:
         return {**self.base, "choices": [], "usage": self.gen.usage()}

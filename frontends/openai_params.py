@@ -168,6 +168,31 @@ def parse_messages(data: dict, max_chars: int | None = None) -> list[dict[str, A
     return out
 
 
+# chat_template_kwargs may not use the names of apply_chat_template's own arguments (nor the template's)
+_TEMPLATE_ARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                            "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation",
+                            "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+                            "tokenizer_kwargs"})
+MAX_TEMPLATE_KWARGS_BYTES = 1 << 16
+
+
+def parse_template_kwargs(data: dict) -> dict[str, Any]:
+    """vLLM's ``chat_template_kwargs``: more variables for the chat template (Qwen3's
+    ``enable_thinking``, say); they override the tokenizer's special tokens of the same name, as
+    in transformers. {} when absent."""
+    kw = field(data, "chat_template_kwargs", dict, None)
+    if not kw:
+        return {}
+    for k in kw:
+        if not k.isidentifier() or k in _TEMPLATE_ARGS:
+            raise ApiError(400, f"chat_template_kwargs may not set {k!r}: the chat template's own arguments "
+                           "have their own fields", param="chat_template_kwargs")
+    if len(orjson.dumps(kw)) > MAX_TEMPLATE_KWARGS_BYTES:
+        raise ApiError(400, f"chat_template_kwargs may be at most {MAX_TEMPLATE_KWARGS_BYTES} bytes as JSON",
+                       param="chat_template_kwargs")
+    return kw
+
+
 def sampling_params(data: dict, *, max_tokens: int, logprobs: int | None, vocab_size: int,
                     prompt_logprobs: int | None = None, tool_schema: dict | None = None) -> SamplingParams:
     """The sampling fields shared by both endpoints (``max_tokens`` already resolved). ``tool_schema``:

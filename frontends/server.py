@@ -59,6 +59,7 @@ class FrontendArgs:
     engine_key: str | None = None  # shared secret of tcp:// engines (ZMQ CURVE, protocol.curve_keys)
     dead_engines: list[int] = field(default_factory=list)  # indices of engines gone before this start
     tool_call_parser: str = "auto"  # "auto" (from the chat template), a format of frontends.tools, or "none"
+    reasoning_parser: str = "auto"  # "auto" (from the chat template), "none", or a name that turns it on
 
 
 def engine_client(args: FrontendArgs) -> EngineClient | EngineRouter:
@@ -103,7 +104,7 @@ async def serve(args: FrontendArgs, ready: Callable[[], None] | None = None) -> 
             c.on_stats(c.last_stats)
     api = OpenAIApi(client, codec, args.served_model_name, args.api_keys,
                     allowed_origins=args.allowed_origins, metrics=metrics, metrics_no_auth=args.metrics_no_auth,
-                    tool_call_parser=args.tool_call_parser)
+                    tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     access_log = AccessLog(metrics, enabled=args.log_requests, log_prompts=args.log_prompts)
     router = build_router(api, args.ws, access_log)
     access_log.router = router

@@ -63,9 +63,10 @@ class TextCodec:
         return t if isinstance(t, str) else None
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> list[int]:
+                            tools: list[dict] | None = None, extra: dict | None = None) -> list[int]:
+        """``extra``: more template variables (``chat_template_kwargs``)."""
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, tools=tools,
-                                                  add_generation_prompt=add_generation_prompt)
+                                                  add_generation_prompt=add_generation_prompt, **(extra or {}))
         return self.encode(text, add_special_tokens=False)
 
     async def run(self, size: int, fn: Callable[..., T], *args: Any) -> T:
@@ -81,6 +82,15 @@ class TextCodec:
             return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
         finally:
             self._queued -= size
+
+
+def partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of ``text`` that begins ``marker``: what a stream holds back
+    while it may still become the marker."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
 
 
 class TokenizerBusy(Exception):

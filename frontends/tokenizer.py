@@ -112,9 +112,9 @@ class CachedTokenizer:
         return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], tokenize: bool = True, add_generation_prompt: bool = False,
-                            tools: list[dict] | None = None) -> str | list[int]:
+                            tools: list[dict] | None = None, **kwargs: Any) -> str | list[int]:
         text = self._template.render(messages=messages, tools=tools, documents=None,
-                                     add_generation_prompt=add_generation_prompt, **self.special_tokens)
+                                     add_generation_prompt=add_generation_prompt, **{**self.special_tokens, **kwargs})
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 

@@ -34,6 +34,7 @@ import orjson
 
 from engine.json_schema import SchemaError, compile_schema
 from frontends.errors import ApiError
+from frontends.text import partial_suffix
 
 FORMATS = ("hermes", "llama3_json")
 MAX_TOOLS = 128
@@ -246,7 +247,7 @@ class CallReader:
             if not self._in_call:
                 at = self._held.find(_HERMES_OPEN)
                 if at < 0:
-                    keep = 0 if final else _partial_suffix(self._held, _HERMES_OPEN)
+                    keep = 0 if final else partial_suffix(self._held, _HERMES_OPEN)
                     cut = len(self._held) - keep
                     content += self._held[:cut] if not (self.calls or calls) else self._held[:cut].strip()
                     self._held = self._held[cut:]
@@ -275,11 +276,3 @@ class CallReader:
         self.content += content
         self.calls += calls
         return content, [{"index": first + k, **c} for k, c in enumerate(calls)]
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """The length of the longest end of ``text`` that begins ``marker`` (held back: it may become it)."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0

@@ -413,8 +413,8 @@ class Connection(asyncio.Protocol):
         send = self._send
         want_lp = fmt.logprobs
         echo = getattr(fmt, "echo", False)
-        readers = getattr(fmt, "readers", None)  # a chat with tools: its calls are read out of the text
-        reader = readers[0] if readers else None
+        answers = getattr(fmt, "answers", None)  # a chat with tools or thinking: calls are read out of the text
+        answer = answers[0] if answers else None
         try:
             while not gen.done:
                 for up in await gen.next_updates():
@@ -425,19 +425,19 @@ class Connection(asyncio.Protocol):
                         if want_lp:
                             msg["logprobs"] = lp
                         send(msg)
-                    if reader is not None:
-                        reader.feed(up.text)
+                    if answer is not None:
+                        answer.delta(up.text, False)
                     if up.text or up.token_ids or up.logprobs:
                         msg = {"type": "delta", "id": gid, "text": up.text, "token_ids": up.token_ids}
                         if want_lp:
                             msg["logprobs"] = fmt.delta_logprobs(up)
                         send(msg)
             done = {"type": "done", "id": gid, "finish_reason": choice.finish_reason, "usage": gen.usage()}
-            if reader is not None:  # the deltas carried the raw text; done says which calls it held
-                reader.finish()
+            if answer is not None:  # the deltas carried the raw text; done says which calls it held
+                answer.delta("", True)
                 done["finish_reason"] = fmt.finish_reason(choice)
-                if reader.calls:
-                    done["tool_calls"] = reader.calls
+                if answer.calls is not None and answer.calls.calls:
+                    done["tool_calls"] = answer.calls.calls
             send(done)
             return 200
         except ApiError as e:

@@ -1,8 +1,9 @@
-"""Tool calling (``frontends.tools``): the request's tools checked, the call formats detected from
-chat templates, calls read out of text however it is split into stream pieces, and a real frontend
-process (on the fake engine, which answers with the prompt's own tokens, so the model "writes"
-what the test puts in the message) answering the official ``openai`` client, plain and streamed,
-and over the WebSocket. The real engine holding output to tool calls: ``test_server_default_model``."""
+"""Tool calling (``frontends.tools``) and thinking split off (``frontends.reasoning``): the request's
+tools checked, the call formats detected from chat templates, calls and thinking read out of text
+however it is split into stream pieces, and a real frontend process (on the fake engine, which
+answers with the prompt's own tokens, so the model "writes" what the test puts in the message)
+answering the official ``openai`` client, plain and streamed, and over the WebSocket. The real
+engine holding output to tool calls: ``test_server_default_model``."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import shutil
 import openai
 import pytest
 
+from frontends import reasoning
 from frontends.errors import ApiError
 from frontends.tools import CallReader, detect_format, parse_tools
 from tools.fake_engine import KEY, MODEL, FakeEngine, free_port, start_frontend, stop_frontend
@@ -25,9 +27,9 @@ WEATHER = {"type": "function", "function": {
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}}
 TOOLS = [WEATHER, TIME]
-HERMES_TEMPLATE = (  # the parts of Qwen2.5's template that matter here: tools shown, the prompt as it is
-    "{%- if tools %}{# a model that answers <tool_call>{...}</tool_call> #}{%- endif %}"
-    "{{ messages[-1]['content'] }}")
+HERMES_TEMPLATE = (  # what matters here of Qwen3's template: tools shown, thinking known, the prompt as it is
+    "{%- if tools %}{# a model that answers <tool_call>{...}</tool_call> #}{%- endif %}{# and thinks: </think> #}"
+    "{{ messages[-1]['content'] }}{%- if open_think is defined and open_think %}<think>\n{%- endif %}")
 LLAMA3_TEMPLATE = "{%- if tools %}{# Environment: ipython; <|python_tag|> #}{%- endif %}{{ messages[-1]['content'] }}"
 SMOLLM2_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] "
                     "+ '<|im_end|>' + '\n'}}{% endfor %}")
@@ -342,3 +344,80 @@ def test_websocket_done_carries_the_calls(stack):
     assert text == ANSWER.removesuffix("<|im_end|>")  # the deltas are the raw text
     assert [(c["function"]["name"], args_of(c)) for c in msg["tool_calls"]] == [
         ("get_weather", {"city": "Paris", "unit": "celsius"})]
+
+
+# ---------------------------------------------------------------------------- thinking
+
+
+def split_all(thinking: bool, pieces: list[str]) -> tuple[str, str]:
+    s = reasoning.ThinkSplitter(thinking)
+    out = [s.feed(p) for p in pieces] + [s.finish()]
+    return "".join(r for r, _ in out), "".join(c for _, c in out)
+
+
+THOUGHT = "<think>\nThe user greets me.\n</think>\n\nHello! <think> stays."
+
+
+@pytest.mark.parametrize("pieces", splits(THOUGHT), ids=lambda p: str(len(p)))
+def test_thinking_is_split_off_however_the_text_is_split(pieces):
+    assert split_all(False, pieces) == ("\nThe user greets me.\n", "Hello! <think> stays.")
+
+
+@pytest.mark.parametrize("thinking,text,want", [
+    (False, "Just an answer.", ("", "Just an answer.")),
+    (False, "  <thi", ("", "  <thi")),  # the tag's start, then the end: content
+    (False, "<think>cut by max_tokens", ("cut by max_tokens", "")),
+    (True, "R1 opened it in the prompt</think>\n\nAnswer.", ("R1 opened it in the prompt", "Answer.")),
+    (True, "never closed", ("never closed", "")),
+    (False, "<think></think>\n\n", ("", "")),
+])
+def test_thinking_edges(thinking, text, want):
+    assert split_all(thinking, [text]) == split_all(thinking, list(text)) == want
+
+
+def test_thinking_is_known_from_templates_and_prompts():
+    assert reasoning.detect(HERMES_TEMPLATE) and not reasoning.detect(SMOLLM2_TEMPLATE)
+    assert reasoning.opens_thinking("<|im_start|>assistant\n<think>\n")
+    assert not reasoning.opens_thinking("<think>\n\n</think>\n\n")  # Qwen3 with enable_thinking false
+
+
+def test_served_thinking_goes_to_reasoning_content(client):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": THOUGHT + "<|im_end|>"}],
+                                       max_tokens=100, extra_body={"stop_token_ids": [2]})
+    msg = r.choices[0].message
+    assert (msg.reasoning_content, msg.content) == ("\nThe user greets me.\n", "Hello! <think> stays.")
+    thought, content = "", ""
+    for chunk in client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": THOUGHT + "<|im_end|>"}], max_tokens=100,
+            stream=True, extra_body={"stop_token_ids": [2]}):
+        for c in chunk.choices:
+            thought += getattr(c.delta, "reasoning_content", None) or ""
+            content += c.delta.content or ""
+    assert (thought, content) == (msg.reasoning_content, msg.content)
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": THOUGHT + "<|im_end|>"}],
+                                       max_tokens=100, extra_body={"stop_token_ids": [2], "include_reasoning": False})
+    assert r.choices[0].message.content == msg.content and not getattr(r.choices[0].message, "reasoning_content", None)
+
+
+def test_served_thinking_opened_by_the_prompt_then_a_call(client):
+    """chat_template_kwargs reach the template: here it opens <think> at the end of the prompt, as
+    DeepSeek-R1's does; the answer after the thinking is a tool call."""
+    text = 'I need the weather.</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call><|im_end|>'
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}], tools=TOOLS,
+                                       max_tokens=100, extra_body={"stop_token_ids": [2],
+                                                                   "chat_template_kwargs": {"open_think": True}})
+    choice = r.choices[0]
+    assert choice.message.reasoning_content == "I need the weather." and choice.message.content is None
+    assert choice.finish_reason == "tool_calls" and args_of(choice.message.tool_calls[0].model_dump()) == {"city": "Oslo"}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                       extra_body={"chat_template_kwargs": {"tools": []}})
+    assert e.value.body["param"] == "chat_template_kwargs"
+
+
+def test_held_output_has_no_thinking_to_split(client):
+    """Output held to a schema (here a named tool's) cannot think: nothing is taken for reasoning."""
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": '{"city": "Rome"}'}],
+                                       tools=TOOLS, max_tokens=100, extra_body={"chat_template_kwargs": {"open_think": True}},
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert not getattr(r.choices[0].message, "reasoning_content", None)
