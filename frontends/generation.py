@@ -127,6 +127,8 @@ class Generation:
         self.deadline = deadline
         self.cache_salt = cache_salt
         self.want_logprobs = self._params[0].logprobs is not None
+        # the request's field the engine's json_schema / choice came from: its refusals are named so
+        self.schema_param = "response_format"
 
     def start(self) -> None:
         self.sent_at = time.monotonic()
@@ -167,7 +169,10 @@ class Generation:
                 self._fail(items, now)
                 # a full engine queue is a moment's congestion: tell clients when to retry, as for TokenizerBusy
                 retry = [("retry-after", "1")] if item.status == 429 else None
-                raise ApiError(item.status, item.message, type=item.type, param=item.param, headers=retry)
+                param, message = item.param, item.message
+                if param == "response_format" and self.schema_param != param:  # a schema from another field
+                    param, message = self.schema_param, message.replace("response_format", self.schema_param, 1)
+                raise ApiError(item.status, message, type=item.type, param=param, headers=retry)
             choice = self._by_id.get(item.request_id)
             if choice is None or choice.finish_reason is not None:
                 continue  # already ended by a stop string

@@ -26,6 +26,7 @@ key rule unless ``metrics_no_auth``.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import time
@@ -88,12 +89,12 @@ class OpenAIApi:
         self._ids = itertools.count()
         self._id_prefix = os.urandom(4).hex()
         self.created = int(time.time())
+        template = codec.chat_template if codec is not None else None
         # the format tool_choice "auto" reads (frontends.tools); None: "auto" is refused
-        self.tool_format = (tools.detect_format(codec.chat_template) if tool_call_parser == "auto"
+        self.tool_format = (tools.detect_format(template) if tool_call_parser == "auto"
                             else None if tool_call_parser == "none" else tool_call_parser)
         # whether <think>...</think> is split off into reasoning_content (frontends.reasoning)
-        self.thinking = (reasoning.detect(codec.chat_template) if reasoning_parser == "auto"
-                         else reasoning_parser != "none")
+        self.thinking = reasoning.detect(template) if reasoning_parser == "auto" else reasoning_parser != "none"
 
     def routes(self, router: Router | None = None) -> Router:
         router = router or Router()
@@ -144,14 +145,20 @@ class OpenAIApi:
     async def _chat_template(self, data: dict, messages: list[dict], add_generation_prompt: bool = True,
                              calls: tools.ToolRequest | None = None) -> list[int]:
         """The prompt: ``messages`` (and the tools) through the chat template, with the request's
-        ``chat_template_kwargs``."""
+        ``chat_template_kwargs``; a template that fails on them is the request's fault (400)."""
         extra = op.parse_template_kwargs(data)
         size = sum(len(m["content"]) for m in messages)
         if calls is not None:  # the tools as the template will print them: they count against the context too
+            op.check_text_length(calls.size, self.max_chars, "tools")
             size += calls.size
-            op.check_text_length(size, self.max_chars, "tools")
-        return await self._offload(size, self.codec.apply_chat_template, messages, add_generation_prompt,
-                                   calls.tools if calls is not None else None, extra)
+            op.check_text_length(size, self.max_chars, "messages")
+        try:
+            return await self._offload(size, self.codec.apply_chat_template, messages, add_generation_prompt,
+                                       calls.tools if calls is not None else None, extra)
+        except ApiError:
+            raise
+        except Exception as e:  # noqa: BLE001 - templates raise whatever they like on odd conversations
+            raise ApiError(400, f"Cannot apply the chat template: {e}", param="messages") from None
 
     async def _stop_matcher(self, stops: list[str]) -> StopMatcher | None:
         """Built once per call for all its choices; a big one off the event loop."""
@@ -247,6 +254,7 @@ class OpenAIApi:
         api_id = self._new_id("cmpl")
         gen = Generation(self.client, self.codec, api_id, prompts, n, self._seeded(base), priority, stop,
                          deadline, cache_salt, self.metrics, arrival)
+        gen.schema_param = (op.structured_fields(data) or ["response_format"])[0]
         return gen, _CompletionFormat(self, api_id, gen, echo, logprobs is not None)
 
     # ------------------------------------------------------------------ chat
@@ -268,22 +276,21 @@ class OpenAIApi:
             raise ApiError(400, f"top_logprobs must be in [0, 20], got {top}", param="top_logprobs")
         if top and not want_logprobs:
             raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
-        try:
-            prompt = await self._chat_template(data, messages, calls=calls)
-        except ApiError:
-            raise
-        except Exception as e:  # noqa: BLE001 - templates raise whatever they like on odd conversations
-            raise ApiError(400, f"Cannot apply the chat template: {e}", param="messages") from None
+        prompt = await self._chat_template(data, messages, calls=calls)
         max_tokens = op.resolve_max_tokens(data, ("max_completion_tokens", "max_tokens"), [len(prompt)],
                                            self.max_model_len, default=None)
+        tool_schema = calls.schema() if calls else None
         base = op.sampling_params(data, max_tokens=max_tokens, logprobs=(top or 0) if want_logprobs else None,
-                                  vocab_size=self.codec.vocab_size, tool_schema=calls.schema() if calls else None)
+                                  vocab_size=self.codec.vocab_size, tool_schema=tool_schema)
+        if tool_schema is not None and base.stop:  # stop strings could only cut the calls' JSON short
+            base = dataclasses.replace(base, stop=[])
         op.check_fan_out(1, n, base, self.client.ready.max_num_waiting_requests)
         stop = await self._stop_matcher(base.stop)
         self._require_engine()
         api_id = self._new_id("chatcmpl")
         gen = Generation(self.client, self.codec, api_id, [prompt], n, self._seeded(base), priority, stop,
                          deadline, cache_salt, self.metrics, arrival)
+        gen.schema_param = "tools" if tool_schema is not None else (op.structured_fields(data) or ["response_format"])[0]
         return gen, _ChatFormat(self, api_id, gen, want_logprobs, self._answer(data, prompt, base, calls))
 
     def _answer(self, data: dict, prompt: list[int], base, calls: tools.ToolRequest | None):

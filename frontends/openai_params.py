@@ -157,7 +157,9 @@ def parse_messages(data: dict, max_chars: int | None = None) -> list[dict[str, A
         if role == "assistant" and m.get("tool_calls"):
             msg["tool_calls"] = tools.template_tool_calls(m["tool_calls"], i)
             size += sum(len(c["function"]["arguments"]) for c in m["tool_calls"])
-        elif role == "tool" and isinstance(m.get("tool_call_id"), str):
+        elif role == "tool" and m.get("tool_call_id") is not None:
+            if not isinstance(m["tool_call_id"], str):
+                raise ApiError(400, f"messages[{i}].tool_call_id must be a string", param="messages")
             msg["tool_call_id"] = m["tool_call_id"]
         out.append(msg)
         size += len(content)
@@ -220,6 +222,9 @@ def sampling_params(data: dict, *, max_tokens: int, logprobs: int | None, vocab_
                 raise ApiError(400, "logit_bias values must be numbers", param="logit_bias")
             logit_bias[tid] = float(v)
     check_token_ids(stop_token_ids, vocab_size, "stop_token_ids")
+    if tool_schema is not None and (given := structured_fields(data)):
+        raise ApiError(400, f"tool_choice holds the output to tool calls: it cannot be combined with {given[0]}",
+                       param=given[0])
     structured = (tool_schema, None, "tools") if tool_schema is not None else parse_structured(data)
     num = (int, float)
     try:
@@ -250,13 +255,22 @@ def sampling_params(data: dict, *, max_tokens: int, logprobs: int | None, vocab_
         raise ApiError(400, f"Invalid sampling parameters: {e}") from None
 
 
+_STRUCTURED = ("response_format", "json_schema", "structured_outputs", "guided_json", "guided_choice")
+
+
+def structured_fields(data: dict) -> list[str]:
+    """The structured-output fields a request gives (``response_format`` of type text is none)."""
+    rf = data.get("response_format")
+    return [k for k in _STRUCTURED if data.get(k) is not None
+            and not (k == "response_format" and isinstance(rf, dict) and rf.get("type") == "text")]
+
+
 def parse_structured(data: dict) -> tuple[dict | None, list[str] | None, str]:
     """(JSON schema, choices, the field they came from): what the output is held to, from whichever
     one field of OpenAI's ``response_format``, llama.cpp's ``json_schema``, vLLM's
     ``structured_outputs`` (``json`` or ``choice``) or its older ``guided_json`` / ``guided_choice``
     the request gives (two of them: a 400)."""
-    given = [k for k in ("response_format", "json_schema", "structured_outputs", "guided_json", "guided_choice")
-             if data.get(k) is not None]
+    given = structured_fields(data)
     if len(given) > 1:
         raise ApiError(400, f"give one of {' and '.join(given)}", param=given[1])
     if not given or given[0] == "response_format":

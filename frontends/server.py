@@ -117,7 +117,9 @@ async def serve(args: FrontendArgs, ready: Callable[[], None] | None = None) -> 
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    log.info("frontend %s serving %s on %s:%d", args.frontend_id, args.served_model_name, args.host, args.port)
+    log.info("frontend %s serving %s on %s:%d (tool calls: %s; thinking split off: %s)", args.frontend_id,
+             args.served_model_name, args.host, args.port, api.tool_format or "only 'required' or named",
+             "yes" if api.thinking else "no")
     if ready is not None:
         ready()
     try:

@@ -32,7 +32,6 @@ from typing import Any
 
 import orjson
 
-from engine.json_schema import SchemaError, compile_schema
 from frontends.errors import ApiError
 from frontends.text import partial_suffix
 
@@ -110,13 +109,17 @@ def parse_tools(data: dict, fmt: str | None) -> ToolRequest | None:
     parallel = data.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
         raise ApiError(400, "parallel_tool_calls must be true or false", param="parallel_tool_calls")
-    req = ToolRequest(tools, "auto", parallel=parallel, fmt=fmt, schemas=schemas, size=len(orjson.dumps(tools)))
+    try:
+        size = len(orjson.dumps(tools))
+    except orjson.JSONEncodeError:  # nested past orjson's 254 levels, or an integer past 64 bits
+        raise ApiError(400, "'tools' nests too deeply or holds an integer too large", param="tools") from None
+    req = ToolRequest(tools, "auto", parallel=parallel, fmt=fmt, schemas=schemas, size=size)
     if choice in ("none", "required"):
         req.mode = choice
     elif isinstance(choice, dict):
         fn = choice.get("function") if choice.get("type") == "function" else None
         name = fn.get("name") if isinstance(fn, dict) else None
-        if name not in schemas:
+        if not isinstance(name, str) or name not in schemas:
             raise ApiError(400, f"tool_choice names no tool of 'tools': {name!r}", param="tool_choice")
         req.mode, req.name = "named", name
     elif choice not in (None, "auto"):
@@ -129,16 +132,6 @@ def parse_tools(data: dict, fmt: str | None) -> ToolRequest | None:
     if req.mode == "required" and len(schemas) > MAX_REQUIRED_TOOLS:
         raise ApiError(400, f"tool_choice 'required' takes at most {MAX_REQUIRED_TOOLS} tools, got {len(schemas)}",
                        param="tools")
-    if req.mode in ("required", "named"):
-        if any(data.get(k) is not None for k in ("response_format", "json_schema", "structured_outputs",
-                                                  "guided_json", "guided_choice")):
-            raise ApiError(400, f"tool_choice {choice if isinstance(choice, str) else 'naming a function'} holds "
-                           "the output to tool calls: it cannot be combined with response_format",
-                           param="tool_choice")
-        try:  # the engine would refuse it too, but could not say which tool
-            compile_schema(req.schema())
-        except SchemaError as e:
-            raise ApiError(400, f"a tool's parameters: {e}", param="tools") from None
     return req
 
 
@@ -152,14 +145,15 @@ def template_tool_calls(calls: Any, i: int) -> list[dict]:
     out = []
     for j, c in enumerate(calls):
         fn = c.get("function") if isinstance(c, dict) else None
-        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(fn.get("arguments"), str)):
-            raise ApiError(400, f"{where}[{j}] must be {{'id': ..., 'type': 'function', 'function': "
-                           "{'name': ..., 'arguments': JSON text}}", param="messages")
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(fn.get("arguments"), str)
+                and isinstance(c.get("id", ""), str) and c.get("type", "function") == "function"):
+            raise ApiError(400, f"{where}[{j}] must be {{'id': string, 'type': 'function', 'function': "
+                           "{'name': string, 'arguments': JSON text}}", param="messages")
         try:
             arguments = orjson.loads(fn["arguments"])
         except orjson.JSONDecodeError:
             raise ApiError(400, f"{where}[{j}].function.arguments is not JSON text", param="messages") from None
-        out.append({"id": str(c.get("id", "")), "type": "function",
+        out.append({"id": c.get("id", ""), "type": "function",
                     "function": {"name": fn["name"], "arguments": arguments}})
     return out
 
@@ -169,14 +163,18 @@ def _call(name: str, arguments: str) -> dict:
 
 
 def _as_call(obj: Any, args_key: str) -> dict | None:
-    """``{"name": str, args_key: object}`` as a call, else None."""
-    if isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(obj.get(args_key), dict):
-        return _call(obj["name"], orjson.dumps(obj[args_key]).decode())
-    return None
+    """``{"name": str, args_key: object}`` as a call (arguments as JSON text), else None."""
+    if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(obj.get(args_key), dict)):
+        return None
+    try:
+        return _call(obj["name"], json.dumps(obj[args_key], ensure_ascii=False))
+    except (RecursionError, ValueError):
+        return None
 
 
-def _json_values(text: str) -> list[Any] | None:
-    """``text`` as JSON values joined by ``;`` or whitespace (Llama 3's parallel calls), else None."""
+def _json_values(text: str) -> list[tuple[Any, int]] | None:
+    """``text`` as JSON values joined by ``;`` or whitespace (Llama 3's parallel calls), each with
+    where it ends; None if it is not that."""
     decoder, values, i = json.JSONDecoder(), [], 0
     while True:
         while i < len(text) and text[i] in " \t\r\n;":
@@ -185,9 +183,14 @@ def _json_values(text: str) -> list[Any] | None:
             return values or None
         try:
             value, i = decoder.raw_decode(text, i)
-        except ValueError:
+        except (RecursionError, ValueError):
             return None
-        values.append(value)
+        values.append((value, i))
+
+
+def _hermes_call(body: str) -> dict | None:
+    values = _json_values(body)
+    return _as_call(values[0][0], "arguments") if values and len(values) == 1 else None
 
 
 class CallReader:
@@ -202,7 +205,8 @@ class CallReader:
         self.calls: list[dict] = []
         self._held = ""  # text not yet known to be content or call
         self._in_call = False  # hermes: inside <tool_call>...
-        self._scanned = 0  # hermes: where in _held the search for </tool_call> goes on
+        self._scanned = 0  # hermes: where in _held the search for the call's </tool_call> goes on
+        self._after_call = False  # hermes: the whitespace after a call (and between calls) is dropped
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
         if self.mode == "none" or not text:
@@ -223,53 +227,65 @@ class CallReader:
         return "", []  # required, or a JSON answer: read whole at the end
 
     def finish(self) -> tuple[str, list[dict]]:
-        held, self._held = self._held, ""
         if self.mode == "hermes":
-            self._held = held
             return self._hermes(final=True)
-        if self.mode == "required":
-            values = _json_values(held)
-            calls = [_as_call(c, "parameters") for c in values[0]] if values and isinstance(values[0], list) else []
-            return self._calls_or_text(calls, held)
-        if self.mode == "llama3_json" and held:
-            calls = [_as_call(v, "parameters") or _as_call(v, "arguments") for v in _json_values(held) or []]
-            return self._calls_or_text(calls, held)
-        return self._out(held, [])
-
-    def _calls_or_text(self, calls: list[dict | None], text: str) -> tuple[str, list[dict]]:
-        if calls and all(calls) and (self.req.parallel or len(calls) == 1):
-            return self._out("", calls)
-        return self._out(text, [])
+        held, self._held = self._held, ""
+        values = _json_values(held) if self.mode in ("required", "llama3_json") and held else None
+        if not values:
+            return self._out(held, [])
+        if self.mode == "required":  # one array of {"name", "parameters"}
+            items = values[0][0] if len(values) == 1 and isinstance(values[0][0], list) else []
+            calls = [_as_call(c, "parameters") for c in items]
+        else:
+            calls = [_as_call(v, "parameters") or _as_call(v, "arguments") for v, _ in values]
+        if not calls or not all(calls):
+            return self._out(held, [])
+        if not self.req.parallel and len(calls) > 1:  # one call; the others stay text
+            return self._out(held[values[0][1]:].lstrip(" \t\r\n;"), calls[:1])
+        return self._out("", calls)
 
     def _hermes(self, final: bool) -> tuple[str, list[dict]]:
         content, calls = "", []
         while True:
             if not self._in_call:
                 at = self._held.find(_HERMES_OPEN)
+                cut = at if at >= 0 else len(self._held) - (0 if final else partial_suffix(self._held, _HERMES_OPEN))
+                content += self._words(self._held[:cut])
+                self._held = self._held[cut:]
                 if at < 0:
-                    keep = 0 if final else partial_suffix(self._held, _HERMES_OPEN)
-                    cut = len(self._held) - keep
-                    content += self._held[:cut] if not (self.calls or calls) else self._held[:cut].strip()
-                    self._held = self._held[cut:]
                     break
-                content += self._held[:at] if not (self.calls or calls) else self._held[:at].strip()
-                self._held, self._in_call = self._held[at + len(_HERMES_OPEN):], True
-            end = self._held.find(_HERMES_CLOSE, self._scanned)
+                self._held, self._in_call = self._held[len(_HERMES_OPEN):], True
+            end = self._call_end()
             if end < 0 and not final:
-                self._scanned = max(0, len(self._held) - len(_HERMES_CLOSE) + 1)  # a long call: no rescans
                 break
+            if end < 0:  # the end of the text: its first </tool_call>, or none
+                end = self._held.find(_HERMES_CLOSE)
             body = self._held if end < 0 else self._held[:end]
-            values = _json_values(body)
-            call = _as_call(values[0], "arguments") if values and len(values) == 1 else None
+            call = _hermes_call(body)
             if call is None or not self.req.parallel and (self.calls or calls):
-                content += _HERMES_OPEN + body + ("" if end < 0 else _HERMES_CLOSE)
+                content += self._words(_HERMES_OPEN + body + ("" if end < 0 else _HERMES_CLOSE))
             else:
                 calls.append(call)
+                self._after_call = True
             self._held = "" if end < 0 else self._held[end + len(_HERMES_CLOSE):]
             self._in_call, self._scanned = False, 0
-            if end < 0:
-                break
         return self._out(content, calls)
+
+    def _call_end(self) -> int:
+        """Where the ``</tool_call>`` that closes a well-formed call is in ``_held`` (-1: not yet): one
+        inside the call's strings is passed over."""
+        end = self._held.find(_HERMES_CLOSE, self._scanned)
+        while end >= 0 and _hermes_call(self._held[:end]) is None:
+            end = self._held.find(_HERMES_CLOSE, end + 1)
+        if end < 0:  # what was searched need not be again: a long call is not rescanned
+            self._scanned = max(0, len(self._held) - len(_HERMES_CLOSE) + 1)
+        return end
+
+    def _words(self, text: str) -> str:
+        if self._after_call:
+            text = text.lstrip()
+            self._after_call = not text
+        return text
 
     def _out(self, content: str, calls: list[dict]) -> tuple[str, list[dict]]:
         first = len(self.calls)

@@ -14,6 +14,7 @@ One connection carries many generations, each named by a client-chosen ``id``::
     -> {"type": "stats"}                                        # the engine's queue and KV use
     <- {"type": "delta", "id": "a", "text": "...", "token_ids": [...], "logprobs": ...}
     <- {"type": "done", "id": "a", "finish_reason": "length", "usage": {...}}
+       (a chat with tools or thinking: and "message", the content, reasoning and tool calls read out of the text)
     <- {"type": "error", "id": "a", "error": {"message", "type", "param", "code"}}
 
 Bodies are checked by the same code as the HTTP API (``OpenAIApi.completion_job``
@@ -433,11 +434,10 @@ class Connection(asyncio.Protocol):
                             msg["logprobs"] = fmt.delta_logprobs(up)
                         send(msg)
             done = {"type": "done", "id": gid, "finish_reason": choice.finish_reason, "usage": gen.usage()}
-            if answer is not None:  # the deltas carried the raw text; done says which calls it held
+            if answer is not None:  # the deltas carried the raw text; done says what the message holds
                 answer.delta("", True)
                 done["finish_reason"] = fmt.finish_reason(choice)
-                if answer.calls is not None and answer.calls.calls:
-                    done["tool_calls"] = answer.calls.calls
+                done["message"] = answer.message()
             send(done)
             return 200
         except ApiError as e:

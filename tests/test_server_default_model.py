@@ -104,6 +104,16 @@ def test_tool_calls_held_to_the_tools(server):
     deltas = [d for c in stream if c.choices for d in c.choices[0].delta.tool_calls or ()]
     assert len(deltas) > 1 and deltas[0].function.name == "get_weather"  # the arguments stream as they come
     assert list(json.loads("".join(d.function.arguments for d in deltas))) == ["city"]
+    counted = {"type": "function", "function": {"name": "count", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 0}}}}}
+    with pytest.raises(BadRequestError) as e:  # the engine's refusal, named by the field the schema came from
+        client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=ask, tools=[counted],
+                                       tool_choice="required")
+    assert e.value.body["param"] == "tools" and "minimum" in e.value.body["message"]
+    with pytest.raises(BadRequestError) as e:
+        client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=ask,
+                                       extra_body={"guided_json": counted["function"]["parameters"]})
+    assert e.value.body["param"] == "guided_json" and e.value.body["message"].startswith("guided_json: ")
 
 
 def test_engine_death_gives_503_and_nonzero_exit(server):

@@ -60,6 +60,13 @@ QWEN25_TEMPLATE = (  # Qwen2.5-Instruct's, as it ships
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 
 
+def nested(depth: int) -> list:
+    x: list = []
+    for _ in range(depth):
+        x = [x]
+    return x
+
+
 def read_all(req, pieces: list[str]) -> tuple[str, list[dict], CallReader]:
     """Feed ``pieces`` to a reader, then finish: (content sent, tool-call deltas sent, the reader)."""
     reader = req.reader()
@@ -97,12 +104,10 @@ def args_of(call: dict) -> dict:
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools", "JSON schema"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "'none', 'auto', 'required'"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "'nope'"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": ["x"]}}}, "tool_choice", "['x']"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"description": nested(300)}}}]},
+     "tools", "nests too deeply"),
     ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls", "true or false"),
-    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
-     "cannot be combined"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"n": {"type": "integer", "minimum": 0}}}}}], "tool_choice": "required"},
-     "tools", "minimum"),
     ({"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(17)], "tool_choice": "required"},
      "tools", "at most 16"),
 ])
@@ -172,6 +177,8 @@ def test_templates_see_the_tools_and_the_calls_as_transformers_shows_them(tmp_pa
 
 HERMES_TWO = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
               '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>')
+HERMES_AROUND = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "</tool_call> <tool_call>"}}\n'
+                 '</tool_call>\n and then some words.\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
 
 
 @pytest.mark.parametrize("pieces", splits(HERMES_TWO), ids=lambda p: str(len(p)))
@@ -183,6 +190,14 @@ def test_hermes_calls_are_read_however_the_text_is_split(pieces):
     assert [args_of(d) for d in deltas] == [{"city": "Paris"}, {"zone": "CET"}]
     assert reader.calls == [{k: v for k, v in d.items() if k != "index"} for d in deltas]
     assert len({d["id"] for d in deltas}) == 2 and all(d["id"].startswith("call_") for d in deltas)
+
+
+@pytest.mark.parametrize("pieces", splits(HERMES_AROUND), ids=lambda p: str(len(p)))
+def test_hermes_words_after_a_call_keep_their_spaces_and_tags_in_strings_are_text(pieces):
+    content, deltas, _ = read_all(hermes(), pieces)
+    assert content == "and then some words.\n"  # the blank after a call dropped, nothing else
+    assert [(d["function"]["name"], args_of(d)) for d in deltas] == [
+        ("get_weather", {"city": "</tool_call> <tool_call>"}), ("get_time", {})]
 
 
 def test_hermes_text_that_is_no_call_stays_content():
@@ -215,6 +230,13 @@ def test_llama3_json_calls(text, calls):
         assert content == "" and [(d["function"]["name"], args_of(d)) for d in deltas] == calls
 
 
+def test_without_parallel_calls_llama3_json_keeps_the_first_call_and_the_rest_as_text():
+    text = '{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "get_time", "parameters": {}}'
+    content, deltas, _ = read_all(hermes("llama3_json", parallel_tool_calls=False), [text])
+    assert content == '{"name": "get_time", "parameters": {}}' and [d["function"]["name"] for d in deltas] == [
+        "get_weather"]
+
+
 def test_llama3_json_words_stream_as_they_come_and_odd_json_stays_content():
     reader = hermes("llama3_json").reader()
     assert reader.feed("  ") == ("", [])  # not yet known
@@ -228,6 +250,7 @@ def test_required_and_named_outputs():
     content, deltas, reader = read_all(hermes(tool_choice="required"), list(text))
     assert content == "" and [(d["index"], d["function"]["name"]) for d in deltas] == [(0, "get_time"), (1, "get_weather")]
     assert read_all(hermes(tool_choice="required"), ['[{"name": "get_ti'])[:2] == ('[{"name": "get_ti', [])  # cut short
+    assert read_all(hermes(tool_choice="required"), [text + " [1]"])[:2] == (text + " [1]", [])  # more than the array
     named = hermes(tool_choice={"type": "function", "function": {"name": "get_weather"}})
     content, deltas, reader = read_all(named, ['{"city"', ': "Rome"}'])
     assert content == "" and deltas[0]["function"] == {"name": "get_weather", "arguments": '{"city"'}
@@ -324,10 +347,21 @@ def test_a_conversation_carries_calls_and_their_results(client):
 
 
 def test_served_bad_tools_get_400(client):
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                       tools=[WEATHER, WEATHER])
-    assert e.value.body["param"] == "tools"
+    hi = [{"role": "user", "content": "hi"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for kw, param in (({"tools": [WEATHER, WEATHER]}, "tools"),
+                      ({"tools": TOOLS, "tool_choice": named, "extra_body": {"guided_json": {}}}, "guided_json"),
+                      ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+                       "response_format"),
+                      ({"messages": [*hi, {"role": "tool", "tool_call_id": 7, "content": "x"}]}, "messages"),
+                      ({"messages": [*hi, {"role": "assistant", "tool_calls": [{"id": {"x": 1}, "type": "function",
+                                    "function": {"name": "f", "arguments": "{}"}}]}]}, "messages")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, **{"messages": hi, **kw})
+        assert e.value.body["param"] == param, kw
+    r = client.chat.completions.create(model=MODEL, messages=hi, tools=TOOLS, tool_choice="required", max_tokens=3,
+                                       response_format={"type": "text"})  # text is no structured output
+    assert r.choices[0].finish_reason == "length"
     assert ask(client).choices[0].finish_reason == "tool_calls"  # and the server goes on
 
 
@@ -341,8 +375,9 @@ def test_websocket_done_carries_the_calls(stack):
         while (msg := json.loads(ws.recv()))["type"] == "delta":
             text += msg["text"]
     assert msg["type"] == "done" and msg["finish_reason"] == "tool_calls"
-    assert text == ANSWER.removesuffix("<|im_end|>")  # the deltas are the raw text
-    assert [(c["function"]["name"], args_of(c)) for c in msg["tool_calls"]] == [
+    assert text == ANSWER.removesuffix("<|im_end|>")  # the deltas are the raw text, done the message in it
+    assert msg["message"]["content"] == "Checking." and [
+        (c["function"]["name"], args_of(c)) for c in msg["message"]["tool_calls"]] == [
         ("get_weather", {"city": "Paris", "unit": "celsius"})]
 
 
@@ -413,6 +448,14 @@ def test_served_thinking_opened_by_the_prompt_then_a_call(client):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                        extra_body={"chat_template_kwargs": {"tools": []}})
     assert e.value.body["param"] == "chat_template_kwargs"
+
+
+def test_stop_strings_do_not_cut_calls_held_to_the_tools(client):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": '{"city": "Rome"}<|im_end|>'}],
+                                       tools=TOOLS, max_tokens=100, stop=["city"], extra_body={"stop_token_ids": [2]},
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert r.choices[0].finish_reason == "stop" and args_of(r.choices[0].message.tool_calls[0].model_dump()) == {
+        "city": "Rome"}
 
 
 def test_held_output_has_no_thinking_to_split(client):
