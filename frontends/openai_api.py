@@ -45,6 +45,7 @@ from frontends.generation import Generation, LogprobEntry, Update
 from frontends.http import Request, Response, Router, StreamingResponse
 from frontends.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from frontends.metrics import Metrics
+from frontends.responses import ResponsesFormat, to_chat
 from frontends.text import StopMatcher, TextCodec, TokenizerBusy
 
 VERSION = "0.1.0"
@@ -102,6 +103,7 @@ class OpenAIApi:
             ("GET", "/health", self.health),
             ("POST", "/v1/completions", self.completions),
             ("POST", "/v1/chat/completions", self.chat_completions),
+            ("POST", "/v1/responses", self.responses),
             ("GET", "/v1/models", self.models),
             ("POST", "/tokenize", self.tokenize),
             ("POST", "/detokenize", self.detokenize),
@@ -306,6 +308,17 @@ class OpenAIApi:
                            calls.reader() if calls is not None else None, include)
         return answer
 
+    # ------------------------------------------------------------------ responses
+
+    async def responses(self, req: Request) -> Response | StreamingResponse:
+        return await self._run(req, op.parse_json(req.body), self.responses_job)
+
+    async def responses_job(self, data: dict, arrival: float | None = None) -> tuple[Generation, ResponsesFormat]:
+        """A /v1/responses body run as the chat it amounts to (``frontends.responses``)."""
+        gen, chat_fmt = await self.chat_job(to_chat(data), arrival)
+        gen.api_id = "resp_" + gen.api_id.removeprefix("chatcmpl-")  # the Response's id, in logs and x-request-id
+        return gen, ResponsesFormat(self.model, data, gen, chat_fmt)
+
     # ------------------------------------------------------------------ running a generation
 
     @staticmethod
@@ -325,10 +338,10 @@ class OpenAIApi:
     async def _run(self, req: Request, data: dict, job) -> Response | StreamingResponse:
         """Check the body with ``job`` (completion_job or chat_job), run it, answer whole or streamed."""
         started = time.time()
-        info = req.meta = CallInfo(prompt=data.get("messages", data.get("prompt")))  # for the access log
+        info = req.meta = CallInfo(prompt=data.get("messages", data.get("prompt", data.get("input"))))  # access log
         stream = op.field(data, "stream", bool, False)
-        include_usage = stream and self._include_usage(data)
         gen, fmt = await job(data, req.started)
+        include_usage = stream and fmt.DONE and self._include_usage(data)  # (a Response has its usage in it)
         req.id, info.gen = gen.api_id, gen  # the access log and x-request-id name the call by its own id
         gen.start()
         try:
@@ -366,14 +379,14 @@ class OpenAIApi:
                 try:
                     updates = await gen.next_updates()
                 except ApiError as e:
-                    yield _sse({"error": {"message": e.message, "type": e.type, "param": e.param,
-                                          "code": e.code or e.status}}) + _DONE
+                    yield fmt.stream_error(e) if hasattr(fmt, "stream_error") else _sse({"error": {
+                        "message": e.message, "type": e.type, "param": e.param, "code": e.code or e.status}}) + _DONE
                     return
                 chunk = fmt.chunk(updates)
                 if chunk:
                     yield chunk
             tail = _sse(fmt.usage_chunk()) if include_usage else b""
-            yield tail + _DONE
+            yield tail + fmt.DONE
         finally:
             gen.abort_unfinished()
 
@@ -384,6 +397,7 @@ class OpenAIApi:
 class _CompletionFormat:
     """/v1/completions bodies: text choices, legacy logprobs."""
 
+    DONE = _DONE  # the stream's last line
     def __init__(self, api: OpenAIApi, api_id: str, gen: Generation, echo: bool, logprobs: bool) -> None:
         self.codec = api.codec
         self.gen = gen
@@ -531,6 +545,7 @@ class _Answer:
 class _ChatFormat:
     """/v1/chat/completions bodies: messages and deltas, chat logprobs."""
 
+    DONE = _DONE
     def __init__(self, api: OpenAIApi, api_id: str, gen: Generation, logprobs: bool,
                  answer: Callable[[], _Answer] | None = None) -> None:
         self.codec = api.codec

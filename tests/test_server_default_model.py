@@ -116,6 +116,21 @@ def test_tool_calls_held_to_the_tools(server):
     assert e.value.body["param"] == "guided_json" and e.value.body["message"].startswith("guided_json: ")
 
 
+def test_responses_api(server):
+    import json
+
+    client = openai_client(server)
+    r = client.responses.create(model="SmolLM2-135M-Instruct.Q4_1", input="What is the capital of France?",
+                                max_output_tokens=24, temperature=0)
+    assert "Paris" in r.output_text and r.status == "completed"
+    weather = {"type": "function", **WEATHER["function"]}
+    with client.responses.stream(model="SmolLM2-135M-Instruct.Q4_1", input="What is the weather in Paris?",
+                                 tools=[weather], tool_choice="required", temperature=0) as stream:
+        final = stream.get_final_response()
+    (call,) = final.output
+    assert call.type == "function_call" and "Paris" in json.loads(call.arguments)["city"]
+
+
 def test_engine_death_gives_503_and_nonzero_exit(server):
     from openai import APIError
 

@@ -1,0 +1,129 @@
+"""``POST /v1/responses`` (``frontends.responses``): bodies turned into chats, and a real frontend
+process (the fake engine of ``test_tool_calls``, which answers with the prompt's own tokens)
+answering the official ``openai`` client's ``responses.create`` and its ``responses.stream``
+helper, which rebuilds the Response from the events and checks their order. The real engine
+behind it: ``test_server_default_model``."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from frontends.errors import ApiError
+from frontends.responses import to_chat
+from tests.test_tool_calls import ANSWER, THOUGHT, TOOLS, client, stack  # noqa: F401 - fixtures
+from tools.fake_engine import MODEL
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+           "parameters": TOOLS[0]["function"]["parameters"]}
+STOP = {"stop_token_ids": [2]}  # <|im_end|>: where the fake engine's answers end
+
+
+def shape(item) -> tuple:
+    """An output item without its ids (new in each response)."""
+    if item.type == "function_call":
+        return item.type, item.status, item.name, item.arguments
+    return item.type, item.status, [(c.type, c.text) for c in item.content]
+
+
+def test_bodies_become_chats():
+    chat = to_chat({"model": "m", "instructions": "Be brief.", "max_output_tokens": 9, "temperature": 0,
+                    "input": [{"role": "user", "content": "Weather in Oslo?"},
+                              {"type": "reasoning", "id": "rs_1", "summary": []},
+                              {"type": "function_call", "call_id": "c1", "name": "get_weather",
+                               "arguments": '{"city": "Oslo"}'},
+                              {"type": "function_call", "call_id": "c2", "name": "get_weather",
+                               "arguments": '{"city": "Bergen"}'},
+                              {"type": "function_call_output", "call_id": "c1", "output": "Rain"},
+                              {"type": "message", "role": "user",
+                               "content": [{"type": "input_text", "text": "And "}, {"type": "input_text", "text": "now?"}]}],
+                    "tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"},
+                    "text": {"format": {"type": "json_schema", "name": "w", "schema": {"type": "object"}}}})
+    assert chat["messages"] == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [  # parallel calls: one assistant turn
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
+            {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Bergen"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "Rain"}, {"role": "user", "content": "And now?"}]
+    assert chat["tools"] == [{"type": "function", "function": {k: WEATHER[k] for k in ("name", "description",
+                                                                                         "parameters")}}]
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+    assert chat["response_format"] == {"type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "object"}}}
+    assert (chat["max_tokens"], chat["temperature"], chat["model"]) == (9, 0, "m")
+    assert to_chat({"input": "hi"})["messages"] == [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "hi", "conversation": "conv_1"}, "conversation"),
+    ({"input": "hi", "background": True}, "background"),
+    ({"input": []}, "input"),
+    ({"input": 5}, "input"),
+    ({"input": [{"type": "item_reference", "id": "x"}]}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools"),
+    ({"input": "hi", "instructions": ["x"]}, "instructions"),
+])
+def test_what_this_server_cannot_do_is_a_400(body, param):
+    with pytest.raises(ApiError) as e:
+        to_chat(body)
+    assert (e.value.status, e.value.param) == (400, param)
+
+
+def test_served_text_thinking_and_a_call(client):  # noqa: F811 - the fixture
+    text = THOUGHT.replace("Hello! <think> stays.", ANSWER)  # thinks, says a word, calls
+    r = client.responses.create(model=MODEL, input=text, tools=[WEATHER], max_output_tokens=200, extra_body=STOP)
+    assert r.status == "completed" and [o.type for o in r.output] == ["reasoning", "message", "function_call"]
+    assert r.output[0].content[0].text == "\nThe user greets me.\n" and r.output_text == "Checking."
+    call = r.output[2]
+    assert call.name == "get_weather" and call.call_id.startswith("call_") and call.status == "completed"
+    assert json.loads(call.arguments) == {"city": "Paris", "unit": "celsius"}
+    assert r.usage.output_tokens > 0 and r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    with client.responses.stream(model=MODEL, input=text, tools=[WEATHER], max_output_tokens=200,
+                                 extra_body=STOP) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    assert [shape(o) for o in final.output] == [shape(o) for o in r.output]
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == "Checking."
+
+
+def test_served_follow_up_and_cut_short(client):  # noqa: F811
+    r = client.responses.create(model=MODEL, instructions="ignored by this template", max_output_tokens=200,
+                                extra_body=STOP, tools=[WEATHER], input=[
+                                    {"role": "user", "content": "Weather in Paris?"},
+                                    {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+                                     "arguments": '{"city": "Paris"}'},
+                                    {"type": "function_call_output", "call_id": "call_1",
+                                     "output": "Sunny, 21 C<|im_end|>"}])
+    assert r.output_text == "Sunny, 21 C" and r.status == "completed"
+    r = client.responses.create(model=MODEL, input="one two three four five six", max_output_tokens=3)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.output[0].status == "incomplete" and r.usage.output_tokens == 3
+    with client.responses.stream(model=MODEL, input="one two three four five six", max_output_tokens=3) as stream:
+        events = list(stream)
+    assert events[-1].type == "response.incomplete" and events[-1].response.output_text == r.output_text
+
+
+def test_served_named_function_streams_its_arguments(client):  # noqa: F811
+    with client.responses.stream(model=MODEL, input='{"city": "Rome"}<|im_end|>', tools=[WEATHER], extra_body=STOP,
+                                 tool_choice={"type": "function", "name": "get_weather"}) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(pieces) > 1 and json.loads("".join(pieces)) == {"city": "Rome"}
+    (call,) = final.output
+    assert call.type == "function_call" and json.loads(call.arguments) == {"city": "Rome"}
+
+
+def test_served_bad_bodies_get_400(client):  # noqa: F811
+    for kw, param in (({"previous_response_id": "resp_x"}, "previous_response_id"),
+                      ({"tools": [{"type": "file_search", "vector_store_ids": []}]}, "tools"),
+                      ({"extra_body": {"temperature": "hot"}}, "temperature")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(model=MODEL, input="hi", **kw)
+        assert e.value.body["param"] == param
