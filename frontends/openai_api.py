@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API: routes, auth, and the response shapes.
 
-``/v1/completions`` and ``/v1/chat/completions`` (plain and SSE streaming),
+``/v1/completions``, ``/v1/chat/completions`` and ``/v1/responses`` (plain and SSE streaming),
 ``/v1/models``, ``/health``, ``/tokenize``, ``/detokenize``, ``/version``.
 Request bodies are read in ``openai_params``; the engine requests of one call
 run in a ``generation.Generation``. Every endpoint except ``/health`` needs an
