@@ -4,14 +4,15 @@ Starts the fake engine of ``tools/fake_engine.py`` in this process (one token pe
 request per step, sleeping ``--step-ms`` after each step), ``--api-server-count``
 frontend processes sharing one port (``frontends.server.run_frontend``, as the
 launcher starts them, each with its own ``frontend_id``), and ``--concurrency``
-raw-socket streaming ``/v1/completions`` clients spread over ``--client-procs``
-processes so that the client is not the bottleneck. Each client request sends
-``--prompt-len`` token ids and streams ``--max-tokens`` tokens (SSE, with usage),
-each on a new connection.
+raw-socket streaming clients spread over ``--client-procs`` processes so that the
+client is not the bottleneck. Each client request sends ``--prompt-len`` token ids to
+``/v1/completions`` (or, with ``--endpoint chat`` / ``responses``, a text of about as
+many tokens to ``/v1/chat/completions`` / ``/v1/responses``) and streams
+``--max-tokens`` tokens (SSE, with usage), each on a new connection.
 
 After a warm-up round, each of ``--rounds`` rounds starts all streams at once,
 each runs ``--waves`` requests back to back, and the round is timed from the
-first send to the last ``[DONE]``. Reported per round:
+first send to the last ``[DONE]`` (a Response's last event). Reported per round:
 streamed tokens/s (from each response's usage), SSE events/s (every ``data: {``
 event, the usage one included; fewer than tokens when a stream fell behind, as
 the frontend then sends all its pending tokens in one event), and CPU seconds from /proc for each frontend,
@@ -48,7 +49,9 @@ from tools.fake_engine import KEY, MAX_MODEL_LEN, MODEL, FakeEngine, free_port, 
 
 TARGET_TOKENS_PER_S = 20_000  # per frontend process (the issue's target)
 _EVENT = b"data: {"
-_USAGE = re.compile(rb'"completion_tokens":\s*(\d+)')
+_USAGE = re.compile(rb'"(?:completion|output)_tokens":\s*(\d+)')  # a chat's or completion's usage, or a Response's
+_LAST_CHUNK = b"\r\n0\r\n\r\n"  # the chunked body's end: after [DONE], or a Response's last event
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "responses": "/v1/responses"}
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -69,12 +72,17 @@ def machine_busy_seconds() -> float:
 # ----------------------------------------------------------------------------- clients
 
 
-def request_bytes(prompt_len: int, max_tokens: int) -> bytes:
-    body = json.dumps({
-        "model": MODEL, "prompt": [1000 + i for i in range(prompt_len)], "max_tokens": max_tokens,
-        "stream": True, "stream_options": {"include_usage": True},
-    }).encode()
-    return (b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nAuthorization: Bearer " + KEY.encode()
+def request_bytes(prompt_len: int, max_tokens: int, endpoint: str = "completions") -> bytes:
+    """A streamed request: token ids to /v1/completions; to the chat and Responses endpoints a text of
+    about ``prompt_len`` tokens (one word each), through the chat template."""
+    usage = {"stream_options": {"include_usage": True}}
+    body = json.dumps({"model": MODEL, "stream": True} | {
+        "completions": {"prompt": [1000 + i for i in range(prompt_len)], "max_tokens": max_tokens} | usage,
+        "chat": {"messages": [{"role": "user", "content": " ".join(["word"] * prompt_len)}],
+                 "max_tokens": max_tokens} | usage,
+        "responses": {"input": " ".join(["word"] * prompt_len), "max_output_tokens": max_tokens},
+    }[endpoint]).encode()
+    return (b"POST " + ENDPOINTS[endpoint].encode() + b" HTTP/1.1\r\nHost: bench\r\nAuthorization: Bearer " + KEY.encode()
             + b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
 
 
@@ -88,10 +96,10 @@ async def stream_one(port: int, request: bytes) -> tuple[int, int, str | None]:
             return 0, 0, head.split(b"\r\n", 1)[0].decode("latin-1") or "connection closed"
         events, prev, chunk = head.count(_EVENT), head[-(len(_EVENT) - 1):], head
         tail = head[-1024:]
-        while b"[DONE]" not in tail:
+        while not tail.endswith(_LAST_CHUNK):
             chunk = await reader.read(1 << 16)
             if not chunk:
-                return events, 0, "closed before [DONE]"
+                return events, 0, "closed before the last event"
             # an event marker split across two reads is counted once: prev is too short to hold a whole one
             events += (prev + chunk).count(_EVENT)
             prev, tail = chunk[-(len(_EVENT) - 1):], (tail + chunk)[-1024:]
@@ -187,6 +195,7 @@ def summarize(args, rounds: list[dict]) -> dict:
         "max_tokens": args.max_tokens,
         "waves": args.waves,
         "prompt_len": args.prompt_len,
+        "endpoint": args.endpoint,
         "step_ms": args.step_ms,
         "rounds": len(rounds),
         "cpu_count": os.cpu_count(),
@@ -208,7 +217,7 @@ def summarize(args, rounds: list[dict]) -> dict:
 def print_table(rounds: list[dict], s: dict) -> None:
     cols = ("round", "wall s", "tokens/s", "events/s", "fe CPU s", "tok/fe-CPU-s", "fe us/tok", "eng CPU s",
             "cli CPU s", "other CPU s", "errors")
-    print(f"frontends={s['api_server_count']} client-procs={s['client_procs']} concurrency={s['concurrency']} "
+    print(f"endpoint={s['endpoint']} frontends={s['api_server_count']} client-procs={s['client_procs']} concurrency={s['concurrency']} "
           f"max-tokens={s['max_tokens']} waves={s['waves']} step-ms={s['step_ms']} cpus={s['cpu_count']}")
     print("".join(f"{c:>13}" for c in cols))
     for i, r in enumerate(rounds, 1):
@@ -235,6 +244,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--waves", type=int, default=4,
                    help="requests each stream runs back to back per round (longer rounds, steadier CPU readings)")
     p.add_argument("--prompt-len", type=int, default=50, help="prompt length in token ids")
+    p.add_argument("--endpoint", choices=tuple(ENDPOINTS), default="completions",
+                   help="what the clients stream: /v1/completions (token-id prompts), /v1/chat/completions "
+                        "or /v1/responses (text prompts through the chat template)")
     p.add_argument("--step-ms", type=float, default=0.5, help="the fake engine sleeps this long after each step")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds, after one warm-up round")
     p.add_argument("--model", default=None, help="model folder or .gguf for the tokenizer (default: the default model)")
@@ -270,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for i in range(args.api_server_count):
             frontends.append(start_frontend(address, args.tokenizer_dir, port, frontend_id=f"frontend-{i}"))
-        request = request_bytes(args.prompt_len, args.max_tokens)
+        request = request_bytes(args.prompt_len, args.max_tokens, args.endpoint)
         for i in range(args.client_procs):
             n = args.concurrency // args.client_procs + (i < args.concurrency % args.client_procs)
             parent, child = ctx.Pipe()
