@@ -29,7 +29,7 @@ def test_gpu_check_wants_one_outdir(args):
     assert r.stderr.startswith("usage: tools/gpu_check.sh OUTDIR")
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_random_model_loads_in_transformers_and_in_tokenmill(arch, tmp_path):
     path = build(str(tmp_path), arch, torch.float32, seed=3, **TINY)
     tok = AutoTokenizer.from_pretrained(path)
@@ -51,9 +51,9 @@ def test_random_model_loads_in_transformers_and_in_tokenmill(arch, tmp_path):
 def test_shapes_are_the_real_models(name):
     arch, config = SHAPES[name]
     cfg = AutoConfig.for_model(arch, **config)
-    assert cfg.hidden_size // cfg.num_attention_heads == 64
-    heads = {"smollm2-135m": (9, 3), "qwen2-0.5b": (14, 2)}[name]
-    assert (cfg.num_attention_heads, cfg.num_key_value_heads) == heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    heads = {"smollm2-135m": (9, 3, 64), "qwen2-0.5b": (14, 2, 64), "qwen3-0.6b": (16, 8, 128)}[name]
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, head_dim) == heads
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA it would run the whole benchmark")

@@ -1,5 +1,5 @@
 """Random-weight model folders in the shapes of real models, so that a machine without network or model
-hub can load, run and benchmark them: a transformers config (SmolLM2-135M's or Qwen2-0.5B's, or any
+hub can load, run and benchmark them: a transformers config (SmolLM2-135M's, Qwen2-0.5B's or Qwen3-0.6B's, or any
 size), safetensors weights as transformers initialises them, and a byte-level BPE tokenizer over the
 whole vocabulary (ids 0, 1, 2 are unk, bos and eos), so that no tokenizer is downloaded either.
 
@@ -22,6 +22,10 @@ SHAPES = {
     "qwen2-0.5b": ("qwen2", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                                  num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
                                  max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                                 tie_word_embeddings=True)),
+    "qwen3-0.6b": ("qwen3", dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                                 max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
                                  tie_word_embeddings=True)),
 }
 UNK, BOS, EOS = 0, 1, 2
@@ -52,11 +56,11 @@ def save_tokenizer(out_dir: str, vocab_size: int) -> None:
 
 def build(out_dir: str, arch: str = "llama", dtype: torch.dtype = torch.bfloat16, seed: int = 0,
           **config) -> str:
-    """Save a random ``arch`` ("llama", "qwen2") model with these config values in ``out_dir``.
+    """Save a random ``arch`` ("llama", "qwen2", "qwen3") model with these config values in ``out_dir``.
     ``initializer_range`` (transformers' 0.02 by default) is the weights' standard deviation."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-    cfg_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
+    cfg_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
     torch.manual_seed(seed)
     cfg = cfg_cls(bos_token_id=BOS, eos_token_id=EOS, **config)
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
