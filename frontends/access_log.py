@@ -83,7 +83,10 @@ class AccessLog:
                      finish_reason=",".join(reasons))
         f["total_s"] = round(now - started, 4)
         if self.log_prompts and prompt is not None:
-            text = prompt if isinstance(prompt, str) else json.dumps(prompt, ensure_ascii=False)
+            try:
+                text = prompt if isinstance(prompt, str) else json.dumps(prompt, ensure_ascii=False)
+            except (RecursionError, ValueError):  # nested past what json writes: the request was refused anyway
+                text = "(nested too deeply to log)"
             f["prompt"] = text[:MAX_PROMPT_CHARS]
         log.log(level, "%s", _Text(f), extra={"fields": f})
 

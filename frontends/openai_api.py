@@ -31,6 +31,7 @@ import itertools
 import os
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import orjson
 
@@ -45,7 +46,7 @@ from frontends.generation import Generation, LogprobEntry, Update
 from frontends.http import Request, Response, Router, StreamingResponse
 from frontends.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from frontends.metrics import Metrics
-from frontends.responses import ResponsesFormat, to_chat
+from frontends.responses import RESPONSES_PARAMS, ResponsesFormat, to_chat
 from frontends.text import StopMatcher, TextCodec, TokenizerBusy
 
 VERSION = "0.1.0"
@@ -264,7 +265,8 @@ class OpenAIApi:
     async def chat_completions(self, req: Request) -> Response | StreamingResponse:
         return await self._run(req, op.parse_json(req.body), self.chat_job)
 
-    async def chat_job(self, data: dict, arrival: float | None = None) -> tuple[Generation, _ChatFormat]:
+    async def chat_job(self, data: dict, arrival: float | None = None,
+                       id_prefix: str = "chatcmpl") -> tuple[Generation, _ChatFormat]:
         """A /v1/chat/completions body checked and turned into an unstarted generation."""
         op.check_model(data, self.model)
         deadline, priority = op.parse_deadline(data), op.parse_priority(data)
@@ -289,7 +291,7 @@ class OpenAIApi:
         op.check_fan_out(1, n, base, self.client.ready.max_num_waiting_requests)
         stop = await self._stop_matcher(base.stop)
         self._require_engine()
-        api_id = self._new_id("chatcmpl")
+        api_id = self._new_id(id_prefix)
         gen = Generation(self.client, self.codec, api_id, [prompt], n, self._seeded(base), priority, stop,
                          deadline, cache_salt, self.metrics, arrival)
         gen.schema_param = "tools" if tool_schema is not None else (op.structured_fields(data) or ["response_format"])[0]
@@ -315,8 +317,15 @@ class OpenAIApi:
 
     async def responses_job(self, data: dict, arrival: float | None = None) -> tuple[Generation, ResponsesFormat]:
         """A /v1/responses body run as the chat it amounts to (``frontends.responses``)."""
-        gen, chat_fmt = await self.chat_job(to_chat(data), arrival)
-        gen.api_id = "resp_" + gen.api_id.removeprefix("chatcmpl-")  # the Response's id, in logs and x-request-id
+        try:
+            gen, chat_fmt = await self.chat_job(to_chat(data), arrival, id_prefix="resp")
+        except ApiError as e:  # named as this API names its fields
+            if e.param in RESPONSES_PARAMS:
+                e.message = e.message.replace(e.param, RESPONSES_PARAMS[e.param], 1)
+                e.param = RESPONSES_PARAMS[e.param]
+            raise
+        if gen.schema_param == "response_format":  # the engine's refusal of a text.format schema
+            gen.schema_param = "text"
         return gen, ResponsesFormat(self.model, data, gen, chat_fmt)
 
     # ------------------------------------------------------------------ running a generation
@@ -509,23 +518,31 @@ class _Answer:
         self.think, self.calls, self.include_reasoning = think, calls, include_reasoning
         self.reasoning = self.content = ""
 
-    def delta(self, text: str, finished: bool) -> dict:
-        """What of ``text`` (and, once ``finished``, of what was held back) can be sent now."""
-        thought, content, calls = "", text, []
+    def parts(self, text: str, finished: bool) -> list[tuple[str, Any]]:
+        """What of ``text`` (and, once ``finished``, of what was held back) can be sent now, in the
+        order the model wrote it: ("reasoning", text), ("text", content), ("call", a tool-call delta)."""
+        thought, content = "", text
         if self.think is not None:
             thought, content = self.think.feed(text)
             if finished:
                 more = self.think.finish()
                 thought, content = thought + more[0], content + more[1]
-        if self.calls is not None:
-            content, calls = self.calls.feed(content)
-            if finished:
-                more_content, more_calls = self.calls.finish()
-                content, calls = content + more_content, calls + more_calls
+        out: list[tuple[str, Any]] = [("reasoning", thought)] if thought and self.include_reasoning else []
         self.reasoning += thought
-        self.content += content
-        delta: dict = {"reasoning_content": thought} if thought and self.include_reasoning else {}
-        return delta | ({"content": content} if content else {}) | ({"tool_calls": calls} if calls else {})
+        if self.calls is None:
+            out += [("text", content)] if content else []
+        else:
+            out += self.calls.feed(content) + (self.calls.finish() if finished else [])
+        self.content += "".join(v for k, v in out if k == "text")
+        return out
+
+    def delta(self, text: str, finished: bool) -> dict:
+        """``parts`` as a chat delta."""
+        parts = self.parts(text, finished)
+        joined = {k: "".join(v for kind, v in parts if kind == k) for k in ("reasoning", "text")}
+        calls = [v for k, v in parts if k == "call"]
+        return (({"reasoning_content": joined["reasoning"]} if joined["reasoning"] else {})
+                | ({"content": joined["text"]} if joined["text"] else {}) | ({"tool_calls": calls} if calls else {}))
 
     def message(self) -> dict:
         msg: dict = {"role": "assistant", "content": self.content}

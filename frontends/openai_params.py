@@ -189,7 +189,12 @@ def parse_template_kwargs(data: dict) -> dict[str, Any]:
         if not k.isidentifier() or k in _TEMPLATE_ARGS:
             raise ApiError(400, f"chat_template_kwargs may not set {k!r}: the chat template's own arguments "
                            "have their own fields", param="chat_template_kwargs")
-    if len(orjson.dumps(kw)) > MAX_TEMPLATE_KWARGS_BYTES:
+    try:
+        size = len(orjson.dumps(kw))
+    except orjson.JSONEncodeError:  # nested past orjson's 254 levels, or an integer past 64 bits
+        raise ApiError(400, "chat_template_kwargs nests too deeply or holds an integer too large",
+                       param="chat_template_kwargs") from None
+    if size > MAX_TEMPLATE_KWARGS_BYTES:
         raise ApiError(400, f"chat_template_kwargs may be at most {MAX_TEMPLATE_KWARGS_BYTES} bytes as JSON",
                        param="chat_template_kwargs")
     return kw

@@ -31,6 +31,7 @@ _PASSED = ("model", "temperature", "top_p", "parallel_tool_calls", "user", "prio
            "seed", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop",
            "stop_token_ids", "chat_template_kwargs", "include_reasoning", "ignore_eos", "min_tokens", "logit_bias")
 _UNSTORED = ("previous_response_id", "conversation", "prompt")  # they name state this server does not keep
+RESPONSES_PARAMS = {"max_tokens": "max_output_tokens", "response_format": "text", "messages": "input"}  # chat -> here
 
 
 def _new_id(prefix: str) -> str:
@@ -72,15 +73,20 @@ def _messages(data: dict) -> list[dict]:
         if kind == "message":
             messages.append({"role": item.get("role"), "content": _text_of(item.get("content"), f"input[{i}].content")})
         elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+            if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
+                raise ApiError(400, f"input[{i}]: a function_call needs call_id, name and arguments, all strings",
+                               param="input")
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-                last["tool_calls"].append(call)  # parallel calls: one assistant turn
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)  # the calls of the turn that wrote them
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
-            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+            if not isinstance(item.get("call_id"), str):
+                raise ApiError(400, f"input[{i}]: a function_call_output needs its call_id", param="input")
+            messages.append({"role": "tool", "tool_call_id": item["call_id"],
                              "content": _text_of(item.get("output"), f"input[{i}].output")})
         elif kind != "reasoning":  # earlier thinking: chat templates drop it from the history anyway
             raise ApiError(400, f"input[{i}]: items of type {kind!r} are not supported (message, function_call, "
@@ -101,7 +107,7 @@ def to_chat(data: dict) -> dict:
     chat["messages"] = _messages(data)
     if data.get("max_output_tokens") is not None:
         chat["max_tokens"] = data["max_output_tokens"]
-    tools = data.get("tools")
+    tools = data.get("tools") or None  # [] (some clients send it): none
     if tools is not None:
         if not isinstance(tools, list):
             raise ApiError(400, "'tools' must be a list", param="tools")
@@ -113,7 +119,7 @@ def to_chat(data: dict) -> dict:
     choice = data.get("tool_choice")
     if isinstance(choice, dict) and choice.get("type") == "function":
         choice = {"type": "function", "function": {"name": choice.get("name")}}
-    if choice is not None and (tools is not None or choice != "none"):
+    if choice is not None and (tools is not None or choice not in ("none", "auto")):
         chat["tool_choice"] = choice
     text = data.get("text")
     fmt = text.get("format") if isinstance(text, dict) else None
@@ -128,32 +134,59 @@ def to_chat(data: dict) -> dict:
     return chat
 
 
+def _echoed(data: dict) -> dict:
+    """The request's fields a Response repeats, checked (they are written back as they came)."""
+    metadata = data.get("metadata")
+    if metadata is not None and not (isinstance(metadata, dict) and len(metadata) <= 16 and all(
+            isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in metadata.items())):
+        raise ApiError(400, "metadata must be an object of at most 16 string values (keys of at most 64 "
+                       "characters, values of at most 512)", param="metadata")
+    for name, kind in (("user", str), ("text", dict), ("reasoning", dict)):
+        if data.get(name) is not None and not isinstance(data[name], kind):
+            raise ApiError(400, f"'{name}' must be {'a string' if kind is str else 'an object'}", param=name)
+    reasoning = data.get("reasoning")
+    if reasoning is not None and not all(isinstance(v, str | None) for v in reasoning.values()):
+        raise ApiError(400, "reasoning's settings must be strings", param="reasoning")
+    fmt = (data.get("text") or {}).get("format") or {"type": "text"}
+    tools = [{"type": "function", "name": t.get("name"), "description": t.get("description"),
+              "parameters": t.get("parameters"), "strict": t.get("strict") is True} for t in data.get("tools") or ()]
+    choice = data.get("tool_choice")
+    return {"instructions": data.get("instructions"), "metadata": metadata, "user": data.get("user"),
+            "max_output_tokens": data.get("max_output_tokens"), "temperature": data.get("temperature"),
+            "top_p": data.get("top_p"), "parallel_tool_calls": data.get("parallel_tool_calls") is not False,
+            "tools": tools, "tool_choice": choice if choice is not None else "auto" if tools else "none",
+            "text": {"format": fmt}, "reasoning": reasoning}
+
+
 class ResponsesFormat:
-    """What a chat generation produced, as a Response (``response``) or its events (``chunk``)."""
+    """What a chat generation produced, as a Response (``response``) or its events (``chunk``): both
+    built by ``_take`` from the same ordered parts of the answer, so they hold the same items."""
 
     DONE = b""  # no [DONE] line: the stream ends after response.completed (or .incomplete)
-    include_usage = False
 
     def __init__(self, api_model: str, data: dict, gen: Generation, chat_fmt) -> None:
         self.gen, self.chat = gen, chat_fmt
         self.answer = chat_fmt.answers[0] if chat_fmt.answers is not None else None
-        self.text = ""  # the whole text, when there is no answer to split it
+        self.named = self.answer is not None and self.answer.calls is not None and self.answer.calls.mode == "named"
         self.seq = 0
-        self.items: list[dict] = []  # output items, in order
-        self.open: dict | None = None  # the reasoning item or message being written (streaming)
-        self.open_text = ""  # ... and its text so far
-        self.calls: dict[int, dict] = {}  # tool-call index -> its function_call item
-        tools = data.get("tools") or []
-        self.base = {
-            "id": gen.api_id, "object": "response", "created_at": int(time.time()), "model": api_model,
-            "instructions": data.get("instructions"), "metadata": data.get("metadata"),
-            "max_output_tokens": data.get("max_output_tokens"), "parallel_tool_calls": data.get("parallel_tool_calls", True),
-            "temperature": data.get("temperature"), "top_p": data.get("top_p"), "tools": tools,
-            "tool_choice": data.get("tool_choice", "auto" if tools else "none"), "store": False,
-            "text": data.get("text") or {"format": {"type": "text"}}, "truncation": "disabled", "error": None,
-            "incomplete_details": None, "previous_response_id": None, "reasoning": data.get("reasoning"),
-            "user": data.get("user"),
-        }
+        self.items: list[dict] = []  # output items done, in order
+        self.open: dict | None = None  # the reasoning item, message or named call being written
+        self.base = {"id": gen.api_id, "object": "response", "created_at": int(time.time()), "model": api_model,
+                     "store": False, "truncation": "disabled", "error": None, "incomplete_details": None,
+                     "previous_response_id": None, **_echoed(data)}
+        try:  # what a client sent nested too deep for orjson to write back
+            orjson.dumps(self.base)
+        except orjson.JSONEncodeError:
+            raise ApiError(400, "the request nests too deeply to be written back in its Response") from None
+
+    def _parts(self, text: str, finished: bool) -> list[tuple[str, Any]]:
+        if self.answer is not None:
+            return self.answer.parts(text, finished)
+        return [("text", text)] if text else []
+
+    @property
+    def _cut(self) -> bool:
+        return self.gen.choices[0].finish_reason in ("length", "timeout")
 
     # ------------------------------------------------------------------ whole
 
@@ -161,52 +194,21 @@ class ResponsesFormat:
         self.chat.collect(updates)
 
     def response(self) -> dict:
-        choice = self.gen.choices[0]
-        if self.answer is not None:
-            self.answer.delta(self.chat.texts[0], True)
-            thought, content, calls = self.answer.reasoning, self.answer.content, self._answer_calls()
-        else:
-            thought, content, calls = "", self.chat.texts[0], []
-        items = []
-        if thought:
-            items.append(self._reasoning(thought))
-        if content or not calls:
-            items.append(self._message(content, choice.finish_reason))
-        items += [self._function_call(c, "completed") for c in calls]
-        return self._response(items)
+        self._take(self._parts(self.chat.texts[0], True), finished=True)  # the events are not sent
+        return self._response("incomplete" if self._cut else "completed")
 
-    def _answer_calls(self) -> list[dict]:
-        return self.answer.calls.calls if self.answer.calls is not None else []
-
-    def _response(self, items: list[dict]) -> dict:
+    def _response(self, status: str, error: dict | None = None) -> dict:
         reason = self.gen.choices[0].finish_reason
         usage = self.gen.usage()
-        return {**self.base, "status": "incomplete" if reason in ("length", "timeout") else "completed",
-                "completed_at": int(time.time()),
-                "incomplete_details": ({"reason": "max_output_tokens" if reason == "length" else reason}
-                                       if reason in ("length", "timeout") else None),
-                "output": items, "usage": {
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        return {**self.base, "status": status, "completed_at": int(time.time()), "error": error,
+                "incomplete_details": {"reason": "max_output_tokens" if reason == "length" else reason}
+                if status == "incomplete" else None,
+                "output": self.items, "usage": {
                     "input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
                     "total_tokens": usage["total_tokens"],
-                    "input_tokens_details": {"cached_tokens": (usage.get("prompt_tokens_details") or {}).get(
-                        "cached_tokens", 0)},
+                    "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
                     "output_tokens_details": {"reasoning_tokens": 0}}}
-
-    @staticmethod
-    def _reasoning(text: str, item_id: str | None = None) -> dict:
-        return {"id": item_id or _new_id("rs"), "type": "reasoning", "summary": [], "status": "completed",
-                "content": [{"type": "reasoning_text", "text": text}]}
-
-    @staticmethod
-    def _message(text: str, reason: str | None, item_id: str | None = None) -> dict:
-        return {"id": item_id or _new_id("msg"), "type": "message", "role": "assistant",
-                "status": "incomplete" if reason in ("length", "timeout") else "completed",
-                "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
-
-    @staticmethod
-    def _function_call(call: dict, status: str, item_id: str | None = None) -> dict:
-        return {"id": item_id or _new_id("fc"), "type": "function_call", "call_id": call["id"],
-                "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status}
 
     # ------------------------------------------------------------------ streamed
 
@@ -220,97 +222,97 @@ class ResponsesFormat:
         return self._event("response.created", response=head) + self._event("response.in_progress", response=head)
 
     def chunk(self, updates: list[Update]) -> bytes:
-        out = []
-        for up in updates:
-            if self.answer is not None:
-                delta = self.answer.delta(up.text, up.finished)
-            else:
-                self.text += up.text
-                delta = {"content": up.text} if up.text else {}
-            if delta.get("reasoning_content"):
-                out.append(self._write("reasoning", delta["reasoning_content"]))
-            if delta.get("content"):
-                out.append(self._write("message", delta["content"]))
-            for d in delta.get("tool_calls", ()):
-                out.append(self._call_delta(d))
-            if up.finished:
-                out.append(self._close())
-                out += [self._finish_call(c) for c in self.calls.values() if c["status"] != "completed"]
-                if not any(i["type"] == "message" for i in self.items) and not self.calls:
-                    out.append(self._write("message", "") + self._close())  # an empty answer is still a message
-                done = "response.incomplete" if up.choice.finish_reason in ("length", "timeout") else "response.completed"
-                out.append(self._event(done, response=self._response(self.items)))
-        return b"".join(out)
-
-    def _write(self, kind: str, text: str) -> bytes:
-        """``text`` into the open item of ``kind`` (a reasoning item or a message), opening it first."""
         out = b""
-        if self.open is None or self.open["type"] != kind:
-            out += self._close()
-            item = self._reasoning("") if kind == "reasoning" else self._message("", None)
-            item["status"], item["content"] = "in_progress", []
-            self.open, self.open_text = item, ""
-            out += self._event("response.output_item.added", output_index=len(self.items), item=item)
-            part = {"type": "reasoning_text", "text": ""} if kind == "reasoning" else {
-                "type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            out += self._event("response.content_part.added", item_id=item["id"], output_index=len(self.items),
-                               content_index=0, part=part)
-        self.open_text += text
-        kind_delta = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        extra = {} if kind == "reasoning" else {"logprobs": []}
-        return out + self._event(kind_delta, item_id=self.open["id"], output_index=len(self.items), content_index=0,
-                                 delta=text, **extra)
+        for up in updates:
+            out += self._take(self._parts(up.text, up.finished), up.finished)
+            if up.finished:
+                kind = "incomplete" if self._cut else "completed"
+                out += self._event(f"response.{kind}", response=self._response(kind))
+        return out
 
-    def _close(self) -> bytes:
-        """Finish the open reasoning item or message: its done events."""
+    def stream_error(self, e: ApiError) -> bytes:
+        """An engine failure mid-stream: the error, then the Response as it stood, failed."""
+        error = {"code": str(e.code or e.status), "message": e.message}
+        return (self._event("error", code=error["code"], message=e.message, param=e.param)
+                + self._event("response.failed", response=self._response("failed", error)))
+
+    def _take(self, parts: list[tuple[str, Any]], finished: bool) -> bytes:
+        """Parts of the answer into output items, in order; their events."""
+        out = b""
+        for kind, value in parts:
+            if kind == "call" and "id" not in value:  # a named function's further arguments
+                out += self._grow(value["function"]["arguments"])
+            elif kind == "call":
+                out += self._close() + self._open(self._function_call(value)) + self._grow(value["function"]["arguments"])
+                if not self.named:
+                    out += self._close()  # a whole call
+            else:
+                kind = "message" if kind == "text" else kind
+                if self.open is None or self.open["type"] != kind:
+                    out += self._close() + self._open(self._reasoning() if kind == "reasoning" else self._message())
+                out += self._grow(value)
+        if finished:
+            out += self._close(last=True)
+            if not self.items:  # an empty answer is still a message
+                out += self._open(self._message()) + self._close(last=True)
+        return out
+
+    def _open(self, item: dict) -> bytes:
+        self.open = item
+        index = len(self.items)
+        out = self._event("response.output_item.added", output_index=index, item=item)
+        if item["type"] != "function_call":
+            out += self._event("response.content_part.added", item_id=item["id"], output_index=index, content_index=0,
+                               part={**item["content"][0]})
+        return out
+
+    def _grow(self, text: str) -> bytes:
+        """More text for the open item: its content's, or a call's arguments."""
+        item, index = self.open, len(self.items)
+        if not text:
+            return b""
+        if item["type"] == "function_call":
+            item["arguments"] += text
+            return self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                               delta=text)
+        item["content"][0]["text"] += text
+        if item["type"] == "reasoning":
+            return self._event("response.reasoning_text.delta", item_id=item["id"], output_index=index,
+                               content_index=0, delta=text)
+        return self._event("response.output_text.delta", item_id=item["id"], output_index=index, content_index=0,
+                           delta=text, logprobs=[])
+
+    def _close(self, last: bool = False) -> bytes:
+        """The open item done (``last``: the one the generation ended in, incomplete if it was cut short):
+        its done events."""
         item, self.open = self.open, None
         if item is None:
             return b""
-        index, text = len(self.items), self.open_text
-        if item["type"] == "reasoning":
-            done = self._reasoning(text, item["id"])
-            part = done["content"][0]
-            out = self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
-                              content_index=0, text=text)
-        else:
-            done = self._message(text, self.gen.choices[0].finish_reason, item["id"])
-            part = done["content"][0]
-            out = self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                              text=text, logprobs=[])
-        out += self._event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
-                           part=part)
-        self.items.append(done)
-        return out + self._event("response.output_item.done", output_index=index, item=done)
-
-    def _call_delta(self, d: dict) -> bytes:
-        """A chat tool-call delta: a whole call (its item added and done at once), or a named function's
-        first piece (the item opens) or a later one (its arguments grow)."""
-        out = b""
-        if "id" in d:  # a new call
-            out += self._close()
-            item = self._function_call(d, "in_progress")
-            item["arguments"] = ""
-            self.calls[d["index"]] = item
-            out += self._event("response.output_item.added", output_index=len(self.items), item=item)
-        item = self.calls[d["index"]]
-        piece = d["function"].get("arguments", "")
-        item["arguments"] += piece
         index = len(self.items)
-        if piece:
-            out += self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                               delta=piece)
-        named = self.answer is not None and self.answer.calls is not None and self.answer.calls.mode == "named"
-        if not named:  # whole already: done at once
-            out += self._finish_call(item)
-        return out
-
-    def _finish_call(self, item: dict) -> bytes:
-        index = len(self.items)
-        item["status"] = "completed"
+        item["status"] = "incomplete" if last and self._cut else "completed"
         self.items.append(item)
-        return (self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                            arguments=item["arguments"])
-                + self._event("response.output_item.done", output_index=index, item=item))
+        if item["type"] == "function_call":
+            out = self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                              arguments=item["arguments"])
+        else:
+            part, kind = item["content"][0], "reasoning_text" if item["type"] == "reasoning" else "output_text"
+            out = self._event(f"response.{kind}.done", item_id=item["id"], output_index=index, content_index=0,
+                              text=part["text"], **({} if item["type"] == "reasoning" else {"logprobs": []}))
+            out += self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                               content_index=0, part=part)
+        return out + self._event("response.output_item.done", output_index=index, item=item)
 
-    def stream_error(self, e: ApiError) -> bytes:
-        return self._event("error", code=str(e.code or e.status), message=e.message, param=e.param)
+    @staticmethod
+    def _reasoning() -> dict:
+        return {"id": _new_id("rs"), "type": "reasoning", "summary": [], "status": "in_progress",
+                "content": [{"type": "reasoning_text", "text": ""}]}
+
+    @staticmethod
+    def _message() -> dict:
+        return {"id": _new_id("msg"), "type": "message", "role": "assistant", "status": "in_progress",
+                "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]}
+
+    @staticmethod
+    def _function_call(call: dict) -> dict:
+        return {"id": _new_id("fc"), "type": "function_call", "call_id": call["id"],
+                "name": call["function"]["name"], "arguments": "", "status": "in_progress"}

@@ -162,41 +162,51 @@ def _call(name: str, arguments: str) -> dict:
     return {"id": f"call_{os.urandom(12).hex()}", "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def _as_call(obj: Any, args_key: str) -> dict | None:
-    """``{"name": str, args_key: object}`` as a call (arguments as JSON text), else None."""
-    if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(obj.get(args_key), dict)):
-        return None
-    try:
-        return _call(obj["name"], json.dumps(obj[args_key], ensure_ascii=False))
-    except (RecursionError, ValueError):
-        return None
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+_DECODER = json.JSONDecoder(parse_constant=_no_constant)  # NaN and Infinity are Python's, not JSON's
 
 
 def _json_values(text: str) -> list[tuple[Any, int]] | None:
     """``text`` as JSON values joined by ``;`` or whitespace (Llama 3's parallel calls), each with
     where it ends; None if it is not that."""
-    decoder, values, i = json.JSONDecoder(), [], 0
+    values, i = [], 0
     while True:
         while i < len(text) and text[i] in " \t\r\n;":
             i += 1
         if i == len(text):
             return values or None
         try:
-            value, i = decoder.raw_decode(text, i)
+            value, i = _DECODER.raw_decode(text, i)
         except (RecursionError, ValueError):
             return None
         values.append((value, i))
 
 
-def _hermes_call(body: str) -> dict | None:
-    values = _json_values(body)
-    return _as_call(values[0][0], "arguments") if values and len(values) == 1 else None
+def _in_string(text: str) -> bool:
+    """Whether JSON text that has been cut at its end was cut inside a string."""
+    inside = escaped = False
+    for ch in text:
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = inside
+        elif ch == '"':
+            inside = not inside
+    return inside
+
+
+Segment = tuple[str, Any]  # ("text", str) or ("call", a tool-call delta), in the order the model wrote them
 
 
 class CallReader:
     """One choice's text split into content and tool calls, as it streams: ``feed`` each piece of
-    text and ``finish`` at the end; each returns (content to send now, tool-call deltas to send
-    now). ``content`` and ``calls`` hold the whole answer for a response that is not streamed."""
+    text and ``finish`` at the end; each returns the segments it can let out now, in order: text, and
+    tool-call deltas (a whole call; a named function's first piece with its id, then its further
+    pieces). ``content`` and ``calls`` hold the whole answer. A call is a tool of the request's with
+    arguments that are a JSON object; anything else the model wrote stays text."""
 
     def __init__(self, req: ToolRequest) -> None:
         self.req = req
@@ -206,51 +216,52 @@ class CallReader:
         self._held = ""  # text not yet known to be content or call
         self._in_call = False  # hermes: inside <tool_call>...
         self._scanned = 0  # hermes: where in _held the search for the call's </tool_call> goes on
-        self._after_call = False  # hermes: the whitespace after a call (and between calls) is dropped
+        self._after_call = False  # whitespace after a call is held: dropped if a call or the end follows
+        self._blank = ""
 
-    def feed(self, text: str) -> tuple[str, list[dict]]:
+    def feed(self, text: str) -> list[Segment]:
         if self.mode == "none" or not text:
-            return self._out(text, [])
+            return self._text(text)
         if self.mode == "named":  # the text is the arguments: streamed as they come
             if self.calls:
                 self.calls[0]["function"]["arguments"] += text
-                return "", [{"index": 0, "function": {"arguments": text}}]
+                return [("call", {"index": 0, "function": {"arguments": text}})]
             self.calls.append(_call(self.req.name, text))
-            return "", [{"index": 0, **self.calls[0], "function": dict(self.calls[0]["function"])}]
+            return [("call", {"index": 0, **self.calls[0], "function": dict(self.calls[0]["function"])})]
         self._held += text
         if self.mode == "hermes":
             return self._hermes(final=False)
         if self.mode == "llama3_json" and self._held.lstrip() and not self._held.lstrip().startswith("{"):
             self.mode = "none"  # an answer in words: no call to look for
             text, self._held = self._held, ""
-            return self._out(text, [])
-        return "", []  # required, or a JSON answer: read whole at the end
+            return self._text(text)
+        return []  # required, or a JSON answer: read whole at the end
 
-    def finish(self) -> tuple[str, list[dict]]:
+    def finish(self) -> list[Segment]:
         if self.mode == "hermes":
             return self._hermes(final=True)
         held, self._held = self._held, ""
         values = _json_values(held) if self.mode in ("required", "llama3_json") and held else None
         if not values:
-            return self._out(held, [])
+            return self._text(held)
         if self.mode == "required":  # one array of {"name", "parameters"}
             items = values[0][0] if len(values) == 1 and isinstance(values[0][0], list) else []
-            calls = [_as_call(c, "parameters") for c in items]
+            calls = [self._as_call(c, "parameters") for c in items]
         else:
-            calls = [_as_call(v, "parameters") or _as_call(v, "arguments") for v, _ in values]
+            calls = [self._as_call(v, "parameters") or self._as_call(v, "arguments") for v, _ in values]
         if not calls or not all(calls):
-            return self._out(held, [])
+            return self._text(held)
         if not self.req.parallel and len(calls) > 1:  # one call; the others stay text
-            return self._out(held[values[0][1]:].lstrip(" \t\r\n;"), calls[:1])
-        return self._out("", calls)
+            return self._call(calls[0]) + self._text(held[values[0][1]:].lstrip(" \t\r\n;"))
+        return [seg for c in calls for seg in self._call(c)]
 
-    def _hermes(self, final: bool) -> tuple[str, list[dict]]:
-        content, calls = "", []
+    def _hermes(self, final: bool) -> list[Segment]:
+        out: list[Segment] = []
         while True:
             if not self._in_call:
                 at = self._held.find(_HERMES_OPEN)
                 cut = at if at >= 0 else len(self._held) - (0 if final else partial_suffix(self._held, _HERMES_OPEN))
-                content += self._words(self._held[:cut])
+                out += self._text(self._held[:cut], before_call=at >= 0)
                 self._held = self._held[cut:]
                 if at < 0:
                     break
@@ -261,34 +272,54 @@ class CallReader:
             if end < 0:  # the end of the text: its first </tool_call>, or none
                 end = self._held.find(_HERMES_CLOSE)
             body = self._held if end < 0 else self._held[:end]
-            call = _hermes_call(body)
-            if call is None or not self.req.parallel and (self.calls or calls):
-                content += self._words(_HERMES_OPEN + body + ("" if end < 0 else _HERMES_CLOSE))
+            call = self._hermes_call(body)
+            if call is None or not self.req.parallel and self.calls:
+                out += self._text(_HERMES_OPEN + body + ("" if end < 0 else _HERMES_CLOSE))
             else:
-                calls.append(call)
-                self._after_call = True
+                out += self._call(call)
             self._held = "" if end < 0 else self._held[end + len(_HERMES_CLOSE):]
             self._in_call, self._scanned = False, 0
-        return self._out(content, calls)
+        if final:
+            self._blank = ""  # whitespace after the last call
+        return out
 
     def _call_end(self) -> int:
-        """Where the ``</tool_call>`` that closes a well-formed call is in ``_held`` (-1: not yet): one
-        inside the call's strings is passed over."""
+        """Where the ``</tool_call>`` that ends the call is in ``_held`` (-1: not yet): one inside the
+        call's JSON strings is passed over."""
         end = self._held.find(_HERMES_CLOSE, self._scanned)
-        while end >= 0 and _hermes_call(self._held[:end]) is None:
+        while end >= 0 and self._hermes_call(self._held[:end]) is None and _in_string(self._held[:end]):
             end = self._held.find(_HERMES_CLOSE, end + 1)
         if end < 0:  # what was searched need not be again: a long call is not rescanned
             self._scanned = max(0, len(self._held) - len(_HERMES_CLOSE) + 1)
         return end
 
-    def _words(self, text: str) -> str:
-        if self._after_call:
-            text = text.lstrip()
-            self._after_call = not text
-        return text
+    def _hermes_call(self, body: str) -> dict | None:
+        values = _json_values(body)
+        return self._as_call(values[0][0], "arguments") if values and len(values) == 1 else None
 
-    def _out(self, content: str, calls: list[dict]) -> tuple[str, list[dict]]:
-        first = len(self.calls)
-        self.content += content
-        self.calls += calls
-        return content, [{"index": first + k, **c} for k, c in enumerate(calls)]
+    def _as_call(self, obj: Any, args_key: str) -> dict | None:
+        """``{"name": one of the tools, args_key: object}`` as a call (arguments as JSON text), else None."""
+        if not (isinstance(obj, dict) and obj.get("name") in self.req.schemas and isinstance(obj.get(args_key), dict)):
+            return None
+        try:
+            return _call(obj["name"], json.dumps(obj[args_key], ensure_ascii=False))
+        except (RecursionError, ValueError):
+            return None
+
+    def _text(self, text: str, before_call: bool = False) -> list[Segment]:
+        """Text as content; after a call, whitespace waits to see whether words (it goes with them) or
+        another call (it is dropped) come next."""
+        if self._after_call:
+            if not text.strip():
+                self._blank = "" if before_call else self._blank + text
+                return []
+            text, self._blank, self._after_call = self._blank + text, "", False
+        if not text:
+            return []
+        self.content += text
+        return [("text", text)]
+
+    def _call(self, call: dict) -> list[Segment]:
+        self._after_call, self._blank = True, ""
+        self.calls.append(call)
+        return [("call", {"index": len(self.calls) - 1, **call})]

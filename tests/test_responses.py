@@ -13,7 +13,7 @@ import pytest
 
 from frontends.errors import ApiError
 from frontends.responses import to_chat
-from tests.test_tool_calls import ANSWER, THOUGHT, TOOLS, client, stack  # noqa: F401 - fixtures
+from tests.test_tool_calls import ANSWER, THOUGHT, TOOLS, client, nested, stack  # noqa: F401 - fixtures
 from tools.fake_engine import MODEL
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
@@ -53,6 +53,13 @@ def test_bodies_become_chats():
     assert chat["response_format"] == {"type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "object"}}}
     assert (chat["max_tokens"], chat["temperature"], chat["model"]) == (9, 0, "m")
     assert to_chat({"input": "hi"})["messages"] == [{"role": "user", "content": "hi"}]
+    assert "tools" not in to_chat({"input": "hi", "tools": [], "tool_choice": "auto"})  # [] is no tools
+    # a Response's own output sent back: the words and the call it wrote are one assistant turn
+    turn = to_chat({"input": [{"role": "user", "content": "?"},
+                              {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "On it."}]},
+                              {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]})["messages"][1]
+    assert turn == {"role": "assistant", "content": "On it.", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
 
 
 @pytest.mark.parametrize("body,param", [
@@ -65,6 +72,8 @@ def test_bodies_become_chats():
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools"),
     ({"input": "hi", "instructions": ["x"]}, "instructions"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {}}]}, "input"),
 ])
 def test_what_this_server_cannot_do_is_a_400(body, param):
     with pytest.raises(ApiError) as e:
@@ -114,8 +123,10 @@ def test_served_named_function_streams_its_arguments(client):  # noqa: F811
                                  tool_choice={"type": "function", "name": "get_weather"}) as stream:
         events = list(stream)
         final = stream.get_final_response()
+    kinds = [e.type for e in events]  # the item opens, then its arguments grow with each batch of tokens
+    assert kinds.index("response.output_item.added") < kinds.index("response.function_call_arguments.delta")
     pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
-    assert len(pieces) > 1 and json.loads("".join(pieces)) == {"city": "Rome"}
+    assert json.loads("".join(pieces)) == {"city": "Rome"}
     (call,) = final.output
     assert call.type == "function_call" and json.loads(call.arguments) == {"city": "Rome"}
 
@@ -127,3 +138,62 @@ def test_served_bad_bodies_get_400(client):  # noqa: F811
         with pytest.raises(openai.BadRequestError) as e:
             client.responses.create(model=MODEL, input="hi", **kw)
         assert e.value.body["param"] == param
+
+
+def test_served_items_keep_the_order_they_were_written_in(client):  # noqa: F811
+    """Words, a call, words, a call: the same items in the same order, whole or streamed."""
+    text = ('A <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call> then B '
+            '<tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}</tool_call>\n end.<|im_end|>')
+    r = client.responses.create(model=MODEL, input=text, tools=[WEATHER, {**WEATHER, "name": "get_time"}],
+                                extra_body=STOP)
+    want = [("message", "completed", [("output_text", "A ")]),
+            ("function_call", "completed", "get_weather", '{"city": "Oslo"}'),
+            ("message", "completed", [("output_text", " then B ")]),
+            ("function_call", "completed", "get_time", '{"zone": "CET"}'),
+            ("message", "completed", [("output_text", "\n end.")])]
+    assert [shape(o) for o in r.output] == want
+    with client.responses.stream(model=MODEL, input=text, tools=[WEATHER, {**WEATHER, "name": "get_time"}],
+                                 extra_body=STOP) as stream:
+        final = stream.get_final_response()
+    assert [shape(o) for o in final.output] == want
+
+
+def test_served_thinking_dropped_and_echoed_fields(client):  # noqa: F811
+    text = THOUGHT + "<|im_end|>"
+    for stream in (False, True):
+        kw = dict(model=MODEL, input=text, metadata={"run": "7"}, user="u1", extra_body={**STOP, "include_reasoning": False})
+        if stream:
+            with client.responses.stream(**kw) as s:
+                r = s.get_final_response()
+        else:
+            r = client.responses.create(**kw)
+        assert [o.type for o in r.output] == ["message"] and r.output_text == "Hello! <think> stays."
+        assert (r.metadata, r.user, r.store) == ({"run": "7"}, "u1", False)
+        assert r.usage.input_tokens_details.cache_write_tokens == 0
+
+
+def test_served_failure_mid_stream_ends_with_response_failed(stack, client):  # noqa: F811
+    engine = stack[0]
+    engine.fail_after, engine.step_delay = 8, 0.01  # a few steps stream, then the engine fails the request
+    try:
+        with client.responses.create(model=MODEL, input="one two three four five six seven eight",
+                                     max_output_tokens=50, stream=True) as events:
+            got = list(events)
+    finally:
+        engine.fail_after, engine.step_delay = None, 0.0
+    assert [e.type for e in got[-2:]] == ["error", "response.failed"]
+    assert got[-1].response.status == "failed" and got[-1].response.error.message == got[-2].message
+
+
+@pytest.mark.parametrize("kw,param", [
+    ({"metadata": {"a": nested(300)}}, "metadata"),
+    ({"metadata": [1, 2]}, "metadata"),
+    ({"text": "abc"}, "text"),
+    ({"user": 5}, "user"),
+    ({"max_output_tokens": "5"}, "max_output_tokens"),
+    ({"text": {"format": {"type": "yaml"}}}, "text"),
+])
+def test_served_echoed_and_renamed_fields_are_400s_named_as_this_api_names_them(client, kw, param):  # noqa: F811
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="hi", extra_body=kw)
+    assert e.value.body["param"] == param

@@ -70,12 +70,9 @@ def nested(depth: int) -> list:
 def read_all(req, pieces: list[str]) -> tuple[str, list[dict], CallReader]:
     """Feed ``pieces`` to a reader, then finish: (content sent, tool-call deltas sent, the reader)."""
     reader = req.reader()
-    content, deltas = "", []
-    for p in pieces:
-        c, d = reader.feed(p)
-        content, deltas = content + c, deltas + d
-    c, d = reader.finish()
-    return content + c, deltas + d, reader
+    segments = [s for p in pieces for s in reader.feed(p)] + reader.finish()
+    assert reader.content == "".join(v for k, v in segments if k == "text")
+    return "".join(v for k, v in segments if k == "text"), [v for k, v in segments if k == "call"], reader
 
 
 def splits(text: str) -> list[list[str]]:
@@ -195,7 +192,7 @@ def test_hermes_calls_are_read_however_the_text_is_split(pieces):
 @pytest.mark.parametrize("pieces", splits(HERMES_AROUND), ids=lambda p: str(len(p)))
 def test_hermes_words_after_a_call_keep_their_spaces_and_tags_in_strings_are_text(pieces):
     content, deltas, _ = read_all(hermes(), pieces)
-    assert content == "and then some words.\n"  # the blank after a call dropped, nothing else
+    assert content == "\n and then some words.\n"  # only blanks between calls (or after the last) are dropped
     assert [(d["function"]["name"], args_of(d)) for d in deltas] == [
         ("get_weather", {"city": "</tool_call> <tool_call>"}), ("get_time", {})]
 
@@ -205,6 +202,19 @@ def test_hermes_text_that_is_no_call_stays_content():
                  '<tool_call>{"name": "get_weather"}</tool_call>', "Almost <tool_ca"):
         content, deltas, reader = read_all(hermes(), list(text))
         assert (content, deltas, reader.calls) == (text, [], [])
+
+
+def test_only_calls_that_can_be_dispatched_are_calls():
+    for text in ('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',  # not one of the tools
+                 '<tool_call>{"name": "get_time", "arguments": {"zone": NaN}}</tool_call>',  # not JSON
+                 '<tool_call>{"name": "get_time", "arguments": "UTC"}</tool_call>'):  # not an object
+        assert read_all(hermes(), [text])[:2] == (text, [])
+
+
+def test_a_malformed_call_ends_at_its_tag_and_what_follows_streams():
+    reader = hermes().reader()
+    assert reader.feed('Hi <tool_call>{"name": oops}</tool_call> more') == [
+        ("text", "Hi "), ("text", '<tool_call>{"name": oops}</tool_call>'), ("text", " more")]
 
 
 def test_hermes_a_call_the_model_left_open_is_still_read():
@@ -239,9 +249,9 @@ def test_without_parallel_calls_llama3_json_keeps_the_first_call_and_the_rest_as
 
 def test_llama3_json_words_stream_as_they_come_and_odd_json_stays_content():
     reader = hermes("llama3_json").reader()
-    assert reader.feed("  ") == ("", [])  # not yet known
-    assert reader.feed("The answer") == ("  The answer", [])  # words: no call
-    assert reader.feed(' {"name": "x"}') == (' {"name": "x"}', [])
+    assert reader.feed("  ") == []  # not yet known
+    assert reader.feed("The answer") == [("text", "  The answer")]  # words: no call
+    assert reader.feed(' {"name": "x"}') == [("text", ' {"name": "x"}')]
     assert read_all(hermes("llama3_json"), ['{"name": "get_time"}'])[:2] == ('{"name": "get_time"}', [])
 
 
@@ -444,10 +454,11 @@ def test_served_thinking_opened_by_the_prompt_then_a_call(client):
     choice = r.choices[0]
     assert choice.message.reasoning_content == "I need the weather." and choice.message.content is None
     assert choice.finish_reason == "tool_calls" and args_of(choice.message.tool_calls[0].model_dump()) == {"city": "Oslo"}
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                       extra_body={"chat_template_kwargs": {"tools": []}})
-    assert e.value.body["param"] == "chat_template_kwargs"
+    for bad in ({"tools": []}, {"x": nested(300)}, {"not an identifier": 1}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                           extra_body={"chat_template_kwargs": bad})
+        assert e.value.body["param"] == "chat_template_kwargs"
 
 
 def test_stop_strings_do_not_cut_calls_held_to_the_tools(client):
