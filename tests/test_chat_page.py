@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tools.fake_engine import KEY, FakeEngine, free_port, start_frontend, stop_frontend
+from tools.fake_engine import KEY, fake_stack
 
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -38,14 +38,8 @@ def browser():
 
 @pytest.fixture(scope="module")
 def frontend(tmp_path_factory, smollm_tokenizer_dir):
-    addr = f"ipc://{tmp_path_factory.mktemp('pageeng')}/engine.sock"
-    engine = FakeEngine(addr, step_delay=0.03)
-    engine.start()
-    port = free_port()
-    proc = start_frontend(addr, smollm_tokenizer_dir, port)
-    yield engine, port
-    assert stop_frontend(proc) == 0
-    engine.stop()
+    with fake_stack(str(tmp_path_factory.mktemp("pageeng")), smollm_tokenizer_dir, step_delay=0.03) as stack:
+        yield stack
 
 
 def test_chat_page_streams_and_stops(browser, frontend, tmp_path):

@@ -25,6 +25,7 @@ from tools.fake_engine import (
     VOCAB,
     FakeEngine,
     PrefixCache,
+    fake_stack,
     free_port,
     start_frontend,
     stop_frontend,
@@ -33,14 +34,9 @@ from tools.fake_engine import (
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, smollm_tokenizer_dir):
-    addr = f"ipc://{tmp_path_factory.mktemp('eng')}/engine.sock"
-    engine = FakeEngine(addr)
-    engine.start()
-    port = free_port()
-    proc = start_frontend(addr, smollm_tokenizer_dir, port, http=HttpConfig(max_body_bytes=64 * 1024))
-    yield engine, port
-    assert stop_frontend(proc) == 0
-    engine.stop()
+    with fake_stack(str(tmp_path_factory.mktemp("eng")), smollm_tokenizer_dir,
+                    http=HttpConfig(max_body_bytes=64 * 1024)) as stack:
+        yield stack
 
 
 @pytest.fixture(scope="module")

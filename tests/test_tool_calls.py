@@ -17,7 +17,7 @@ import pytest
 from frontends import reasoning
 from frontends.errors import ApiError
 from frontends.tools import CallReader, detect_format, parse_tools
-from tools.fake_engine import KEY, MODEL, FakeEngine, free_port, start_frontend, stop_frontend
+from tools.fake_engine import KEY, MODEL, fake_stack
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -285,14 +285,8 @@ def stack(tmp_path_factory, smollm_tokenizer_dir):
         config = json.load(f)
     with open(f"{tok_dir}/tokenizer_config.json", "w") as f:
         json.dump({**config, "chat_template": HERMES_TEMPLATE}, f)
-    addr = f"ipc://{tmp_path_factory.mktemp('eng')}/engine.sock"
-    engine = FakeEngine(addr)
-    engine.start()
-    port = free_port()
-    proc = start_frontend(addr, tok_dir, port)
-    yield engine, port
-    assert stop_frontend(proc) == 0
-    engine.stop()
+    with fake_stack(str(tmp_path_factory.mktemp("eng")), tok_dir) as stack:
+        yield stack
 
 
 @pytest.fixture

@@ -30,6 +30,7 @@ Imported as ``tools.fake_engine`` from the repository root (tests run there;
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -37,6 +38,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 
 import zmq
 
@@ -253,6 +255,22 @@ def start_frontend(engine_address: str, tokenizer_dir: str, port: int, api_keys=
     line = proc.stdout.readline()
     assert line.strip() == "READY", f"frontend did not start: {line!r}"
     return proc
+
+
+@contextlib.contextmanager
+def fake_stack(sock_dir: str, tokenizer_dir: str, step_delay: float = 0.0, **frontend_kw) -> Iterator[tuple]:
+    """A fake engine with one frontend process before it (``start_frontend``'s keywords): yields
+    (engine, port); the frontend must then shut down cleanly (exit status 0)."""
+    addr = f"ipc://{sock_dir}/engine.sock"
+    engine = FakeEngine(addr, step_delay=step_delay)
+    engine.start()
+    try:
+        port = free_port()
+        proc = start_frontend(addr, tokenizer_dir, port, **frontend_kw)
+        yield engine, port
+        assert stop_frontend(proc) == 0
+    finally:
+        engine.stop()
 
 
 def stop_frontend(proc: subprocess.Popen) -> int:
