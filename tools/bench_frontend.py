@@ -51,6 +51,7 @@ TARGET_TOKENS_PER_S = 20_000  # per frontend process (the issue's target)
 _EVENT = b"data: {"
 _USAGE = re.compile(rb'"(?:completion|output)_tokens":\s*(\d+)')  # a chat's or completion's usage, or a Response's
 _LAST_CHUNK = b"\r\n0\r\n\r\n"  # the chunked body's end: after [DONE], or a Response's last event
+CHAT_TEMPLATE_TOKENS = 64  # room the chat template's own tokens take (SmolLM2's system prompt and markers)
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "responses": "/v1/responses"}
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -255,8 +256,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=300.0, help="per-request timeout in seconds")
     p.add_argument("--save-json", default=None, metavar="PATH", help="also write the result JSON here")
     args = p.parse_args(argv)
-    if args.prompt_len + args.max_tokens > MAX_MODEL_LEN:
-        p.error(f"--prompt-len + --max-tokens must be at most the fake engine's max_model_len {MAX_MODEL_LEN}")
+    template = 0 if args.endpoint == "completions" else CHAT_TEMPLATE_TOKENS
+    if args.prompt_len + args.max_tokens + template > MAX_MODEL_LEN:
+        p.error(f"--prompt-len + --max-tokens (+ {template} for the chat template) must be at most the fake "
+                f"engine's max_model_len {MAX_MODEL_LEN}")
     if min(args.api_server_count, args.client_procs, args.concurrency, args.rounds, args.prompt_len, args.waves) < 1:
         p.error("counts must be positive")
     if args.client_procs > args.concurrency:
