@@ -35,6 +35,9 @@ Nodes = list[tuple]
 ANY = 0  # node 0 of every table: any JSON value
 
 MAX_NODES = 4096
+# NFA states of a schema's distinct patterns together (each has its own cap, engine.regex.MAX_STATES): the
+# engine compiles a schema on its step loop, so what one request can make it spend there stays small
+MAX_PATTERN_STATES = 16384
 MAX_DEPTH = 128  # schemas within schemas (each $ref one more): Python's recursion stays far from its limit
 _ANNOTATIONS = frozenset({
     "title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
@@ -82,6 +85,8 @@ class _Compiler:
                 raise SchemaError(f"'{key}' must be an object")
             self.defs.update({f"#/{key}/{name}": s for name, s in d.items()})
         self.refs: dict[str, int] = {}
+        self.patterns: dict[str, Any] = {}  # source -> its engine.regex.Pattern: one each, however often used
+        self.pattern_states = 0
         self.nodes: Nodes = [None]  # ANY, filled once its parts exist
         parts = [(STR, 0, -1), (NUM, False), (OBJ, (), ANY), (ARR, ANY, 0, -1)]
         parts += [(LIT, literal(v)) for v in (True, False, None)]
@@ -106,6 +111,18 @@ class _Compiler:
             raise SchemaError(f"the schema is too large (more than {MAX_NODES} nodes)")
         self.nodes.append(node)
         return len(self.nodes) - 1
+
+    def _pattern(self, source: Any) -> Any:
+        from engine.regex import Pattern  # (a cycle: regex raises this module's SchemaError)
+
+        if isinstance(source, str) and source in self.patterns:
+            return self.patterns[source]
+        p = Pattern(source)
+        self.pattern_states += len(p.eps)
+        if self.pattern_states > MAX_PATTERN_STATES:
+            raise SchemaError(f"the schema's patterns are too large together (more than {MAX_PATTERN_STATES} states)")
+        self.patterns[source] = p
+        return p
 
     def _schema(self, s: Any, depth: int = 0) -> int:
         if depth > MAX_DEPTH:
@@ -174,9 +191,7 @@ class _Compiler:
             if "format" in s and s["format"] not in FORMATS:
                 raise SchemaError(f"the string 'format' {s['format']!r} is not supported (supported: "
                                   f"{', '.join(FORMATS)})")
-            from engine.regex import Pattern  # (a cycle: regex raises this module's SchemaError)
-
-            return self._add((PAT, Pattern(s["pattern"] if "pattern" in s else FORMATS[s["format"]])))
+            return self._add((PAT, self._pattern(s["pattern"] if "pattern" in s else FORMATS[s["format"]])))
         if t == "string":
             lo, hi = _count(s, "minLength", 0), _count(s, "maxLength", -1)
             if hi >= 0 and lo > hi:

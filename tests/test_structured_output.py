@@ -456,3 +456,16 @@ def test_bad_structured_output_fields_are_400s_naming_them(body, param):
     with pytest.raises(ApiError) as e:
         parse_structured(body)
     assert e.value.status == 400 and e.value.param == param
+
+
+def test_a_pattern_used_often_is_compiled_once_and_patterns_together_are_bounded():
+    """The engine compiles schemas on its step loop: a tools list with one pattern in 1500 places costs
+    one pattern, and distinct large patterns are refused before they cost much."""
+    from engine.json_schema import MAX_PATTERN_STATES, PAT
+
+    props = {f"p{i}": {"type": "string", "pattern": "(a|b)*c{1,200}"} for i in range(1500)}
+    nodes, _ = compile_schema({"type": "object", "properties": props})
+    assert len({id(n[1]) for n in nodes if n and n[0] == PAT}) == 1
+    props = {f"p{i}": {"type": "string", "pattern": f"(a|b)*c{{1,200}}x{i}"} for i in range(95)}
+    with pytest.raises(SchemaError, match=f"more than {MAX_PATTERN_STATES} states"):
+        compile_schema({"type": "object", "properties": props})
