@@ -231,9 +231,11 @@ class ResponsesFormat:
         return out
 
     def stream_error(self, e: ApiError) -> bytes:
-        """An engine failure mid-stream: the error, then the Response as it stood, failed."""
+        """An engine failure mid-stream: what the readers held back, the open item closed incomplete, the
+        error, then the Response as it stood, failed."""
         error = {"code": str(e.code or e.status), "message": e.message}
-        return (self._event("error", code=error["code"], message=e.message, param=e.param)
+        out = self._take(self._parts("", True), finished=False) + self._close(last=True, status="incomplete")
+        return (out + self._event("error", code=error["code"], message=e.message, param=e.param)
                 + self._event("response.failed", response=self._response("failed", error)))
 
     def _take(self, parts: list[tuple[str, Any]], finished: bool) -> bytes:
@@ -260,11 +262,12 @@ class ResponsesFormat:
     def _open(self, item: dict) -> bytes:
         self.open = item
         index = len(self.items)
-        out = self._event("response.output_item.added", output_index=index, item=item)
-        if item["type"] != "function_call":
-            out += self._event("response.content_part.added", item_id=item["id"], output_index=index, content_index=0,
-                               part={**item["content"][0]})
-        return out
+        if item["type"] == "function_call":
+            return self._event("response.output_item.added", output_index=index, item=item)
+        # added with no content (as OpenAI's are): the part comes in its own event
+        return (self._event("response.output_item.added", output_index=index, item={**item, "content": []})
+                + self._event("response.content_part.added", item_id=item["id"], output_index=index,
+                              content_index=0, part=item["content"][0]))
 
     def _grow(self, text: str) -> bytes:
         """More text for the open item: its content's, or a call's arguments."""
@@ -282,14 +285,14 @@ class ResponsesFormat:
         return self._event("response.output_text.delta", item_id=item["id"], output_index=index, content_index=0,
                            delta=text, logprobs=[])
 
-    def _close(self, last: bool = False) -> bytes:
+    def _close(self, last: bool = False, status: str | None = None) -> bytes:
         """The open item done (``last``: the one the generation ended in, incomplete if it was cut short):
         its done events."""
         item, self.open = self.open, None
         if item is None:
             return b""
         index = len(self.items)
-        item["status"] = "incomplete" if last and self._cut else "completed"
+        item["status"] = status or ("incomplete" if last and self._cut else "completed")
         self.items.append(item)
         if item["type"] == "function_call":
             out = self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,

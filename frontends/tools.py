@@ -25,6 +25,7 @@ stays content: nothing the model wrote is lost.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -166,7 +167,15 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-_DECODER = json.JSONDecoder(parse_constant=_no_constant)  # NaN and Infinity are Python's, not JSON's
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400: it would be written back as Infinity
+        raise ValueError(f"{text} overflows a double")
+    return value
+
+
+# NaN and Infinity are Python's, not JSON's: a call's arguments must be JSON that any client reads back
+_DECODER = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite)
 
 
 def _json_values(text: str) -> list[tuple[Any, int]] | None:
@@ -183,19 +192,6 @@ def _json_values(text: str) -> list[tuple[Any, int]] | None:
         except (RecursionError, ValueError):
             return None
         values.append((value, i))
-
-
-def _in_string(text: str) -> bool:
-    """Whether JSON text that has been cut at its end was cut inside a string."""
-    inside = escaped = False
-    for ch in text:
-        if escaped:
-            escaped = False
-        elif ch == "\\":
-            escaped = inside
-        elif ch == '"':
-            inside = not inside
-    return inside
 
 
 Segment = tuple[str, Any]  # ("text", str) or ("call", a tool-call delta), in the order the model wrote them
@@ -216,7 +212,9 @@ class CallReader:
         self._held = ""  # text not yet known to be content or call
         self._in_call = False  # hermes: inside <tool_call>...
         self._scanned = 0  # hermes: where in _held the search for the call's </tool_call> goes on
-        self._after_call = False  # whitespace after a call is held: dropped if a call or the end follows
+        self._json_at, self._in_str, self._escaped = 0, False, False  # hermes: the call's JSON read so far
+        # whitespace at the start and after a call is held: dropped if a call or the end follows
+        self._after_call = self.mode == "hermes"
         self._blank = ""
 
     def feed(self, text: str) -> list[Segment]:
@@ -261,11 +259,12 @@ class CallReader:
             if not self._in_call:
                 at = self._held.find(_HERMES_OPEN)
                 cut = at if at >= 0 else len(self._held) - (0 if final else partial_suffix(self._held, _HERMES_OPEN))
-                out += self._text(self._held[:cut], before_call=at >= 0)
+                out += self._text(self._held[:cut])
                 self._held = self._held[cut:]
                 if at < 0:
                     break
                 self._held, self._in_call = self._held[len(_HERMES_OPEN):], True
+                self._scanned, self._json_at, self._in_str, self._escaped = 0, 0, False, False
             end = self._call_end()
             if end < 0 and not final:
                 break
@@ -278,20 +277,34 @@ class CallReader:
             else:
                 out += self._call(call)
             self._held = "" if end < 0 else self._held[end + len(_HERMES_CLOSE):]
-            self._in_call, self._scanned = False, 0
+            self._in_call = False
         if final:
             self._blank = ""  # whitespace after the last call
         return out
 
     def _call_end(self) -> int:
         """Where the ``</tool_call>`` that ends the call is in ``_held`` (-1: not yet): one inside the
-        call's JSON strings is passed over."""
+        call's JSON strings is passed over (well-formed or not, the call ends at the first outside)."""
         end = self._held.find(_HERMES_CLOSE, self._scanned)
-        while end >= 0 and self._hermes_call(self._held[:end]) is None and _in_string(self._held[:end]):
+        while end >= 0 and self._inside_string(end):
             end = self._held.find(_HERMES_CLOSE, end + 1)
         if end < 0:  # what was searched need not be again: a long call is not rescanned
             self._scanned = max(0, len(self._held) - len(_HERMES_CLOSE) + 1)
         return end
+
+    def _inside_string(self, end: int) -> bool:
+        """Whether the call's JSON, up to ``end``, stops inside a string: read on from where it was
+        last read, so a long call is read once."""
+        inside, escaped = self._in_str, self._escaped
+        for ch in self._held[self._json_at:end]:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = inside
+            elif ch == '"':
+                inside = not inside
+        self._json_at, self._in_str, self._escaped = max(self._json_at, end), inside, escaped
+        return inside
 
     def _hermes_call(self, body: str) -> dict | None:
         values = _json_values(body)
@@ -302,16 +315,18 @@ class CallReader:
         if not (isinstance(obj, dict) and obj.get("name") in self.req.schemas and isinstance(obj.get(args_key), dict)):
             return None
         try:
-            return _call(obj["name"], json.dumps(obj[args_key], ensure_ascii=False))
-        except (RecursionError, ValueError):
+            arguments = json.dumps(obj[args_key], ensure_ascii=False)
+            arguments.encode()  # a lone surrogate (an escape the model wrote) has no UTF-8
+        except (RecursionError, ValueError):  # (UnicodeEncodeError is one)
             return None
+        return _call(obj["name"], arguments)
 
-    def _text(self, text: str, before_call: bool = False) -> list[Segment]:
-        """Text as content; after a call, whitespace waits to see whether words (it goes with them) or
-        another call (it is dropped) come next."""
+    def _text(self, text: str) -> list[Segment]:
+        """Text as content; at the start and after a call, whitespace waits to see whether words or
+        text that was no call (it goes with them), or a call or the end (it is dropped) come next."""
         if self._after_call:
             if not text.strip():
-                self._blank = "" if before_call else self._blank + text
+                self._blank += text
                 return []
             text, self._blank, self._after_call = self._blank + text, "", False
         if not text:

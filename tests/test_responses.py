@@ -95,6 +95,8 @@ def test_served_text_thinking_and_a_call(client):  # noqa: F811 - the fixture
         events = list(stream)
         final = stream.get_final_response()
     assert [e.sequence_number for e in events] == list(range(len(events)))
+    added = [e.item for e in events if e.type == "response.output_item.added"]
+    assert [i.content for i in added if i.type != "function_call"] == [[], []]  # parts come in their own events
     assert events[0].type == "response.created" and events[-1].type == "response.completed"
     assert [shape(o) for o in final.output] == [shape(o) for o in r.output]
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
@@ -183,6 +185,10 @@ def test_served_failure_mid_stream_ends_with_response_failed(stack, client):  # 
         engine.fail_after, engine.step_delay = None, 0.0
     assert [e.type for e in got[-2:]] == ["error", "response.failed"]
     assert got[-1].response.status == "failed" and got[-1].response.error.message == got[-2].message
+    (item,) = got[-1].response.output  # what was streamed is in it, closed: incomplete
+    assert item.status == "incomplete" and item.content[0].text
+    added = [e.item.id for e in got if e.type == "response.output_item.added"]
+    assert added == [e.item.id for e in got if e.type == "response.output_item.done"] == [item.id]
 
 
 @pytest.mark.parametrize("kw,param", [

@@ -211,6 +211,36 @@ def test_only_calls_that_can_be_dispatched_are_calls():
         assert read_all(hermes(), [text])[:2] == (text, [])
 
 
+def test_arguments_are_json_any_client_reads_back():
+    for text in ('<tool_call>{"name": "get_time", "arguments": {"zone": 1e400}}</tool_call>',  # overflows
+                 '<tool_call>{"name": "get_time", "arguments": {"zone": "\\ud800"}}</tool_call>'):  # lone surrogate
+        assert read_all(hermes(), [text])[:2] == (text, [])
+    _, (call,), _ = read_all(hermes(), ['<tool_call>{"name": "get_time", "arguments": {"zone": "Z\\u00fcrich", '
+                                        '"n": 123456789012345678901234567890}}</tool_call>'])
+    assert args_of(call) == {"zone": "Zürich", "n": 123456789012345678901234567890}
+
+
+def test_blanks_go_only_where_a_call_or_the_end_follows():
+    call = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    for text, content in ((f"\n\n{call}", ""),  # before the first call
+                          (f"{call}\n\n{call}\n", ""),  # between calls, after the last
+                          (f"{call}\n\n<tool_call>{{oops}}</tool_call>", "\n\n<tool_call>{oops}</tool_call>"),
+                          ("\n\nJust words.", "\n\nJust words."), ("  ", "")):
+        for pieces in ([text], list(text)):
+            assert read_all(hermes(), pieces)[0] == content, (text, pieces)
+    assert read_all(hermes(parallel_tool_calls=False), [f"{call}\n\n{call}"])[0] == f"\n\n{call}"
+
+
+def test_a_call_with_many_closing_tags_in_its_strings_is_read_once():
+    """Each </tool_call> inside a string is passed over without reading the call again from its start."""
+    arg = "</tool_call>" * 3000
+    text = f'<tool_call>{{"name": "get_time", "arguments": {{"zone": "{arg}"}}}}</tool_call> after'
+    reader = hermes().reader()
+    segments = [s for i in range(0, len(text), 5) for s in reader.feed(text[i:i + 5])] + reader.finish()
+    assert [args_of(v) for k, v in segments if k == "call"] == [{"zone": arg}]
+    assert "".join(v for k, v in segments if k == "text") == " after"
+
+
 def test_a_malformed_call_ends_at_its_tag_and_what_follows_streams():
     reader = hermes().reader()
     assert reader.feed('Hi <tool_call>{"name": oops}</tool_call> more') == [
