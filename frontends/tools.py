@@ -312,7 +312,8 @@ class CallReader:
 
     def _as_call(self, obj: Any, args_key: str) -> dict | None:
         """``{"name": one of the tools, args_key: object}`` as a call (arguments as JSON text), else None."""
-        if not (isinstance(obj, dict) and obj.get("name") in self.req.schemas and isinstance(obj.get(args_key), dict)):
+        name = obj.get("name") if isinstance(obj, dict) else None
+        if not (isinstance(name, str) and name in self.req.schemas and isinstance(obj.get(args_key), dict)):
             return None
         try:
             arguments = json.dumps(obj[args_key], ensure_ascii=False)

@@ -206,6 +206,7 @@ def test_hermes_text_that_is_no_call_stays_content():
 
 def test_only_calls_that_can_be_dispatched_are_calls():
     for text in ('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',  # not one of the tools
+                 '<tool_call>{"name": ["get_time"], "arguments": {}}</tool_call>',  # not a name
                  '<tool_call>{"name": "get_time", "arguments": {"zone": NaN}}</tool_call>',  # not JSON
                  '<tool_call>{"name": "get_time", "arguments": "UTC"}</tool_call>'):  # not an object
         assert read_all(hermes(), [text])[:2] == (text, [])
@@ -291,6 +292,8 @@ def test_required_and_named_outputs():
     assert content == "" and [(d["index"], d["function"]["name"]) for d in deltas] == [(0, "get_time"), (1, "get_weather")]
     assert read_all(hermes(tool_choice="required"), ['[{"name": "get_ti'])[:2] == ('[{"name": "get_ti', [])  # cut short
     assert read_all(hermes(tool_choice="required"), [text + " [1]"])[:2] == (text + " [1]", [])  # more than the array
+    odd = '[{"name": {"a": 1}, "parameters": {}}]'  # a name that is no string (not even hashable)
+    assert read_all(hermes(tool_choice="required"), [odd])[:2] == (odd, [])
     named = hermes(tool_choice={"type": "function", "function": {"name": "get_weather"}})
     content, deltas, reader = read_all(named, ['{"city"', ': "Rome"}'])
     assert content == "" and deltas[0]["function"] == {"name": "get_weather", "arguments": '{"city"'}
