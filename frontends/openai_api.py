@@ -257,7 +257,7 @@ class OpenAIApi:
         api_id = self._new_id("cmpl")
         gen = Generation(self.client, self.codec, api_id, prompts, n, self._seeded(base), priority, stop,
                          deadline, cache_salt, self.metrics, arrival)
-        gen.schema_param = (op.structured_fields(data) or ["response_format"])[0]
+        gen.schema_param = op.structured_field(data)
         return gen, _CompletionFormat(self, api_id, gen, echo, logprobs is not None)
 
     # ------------------------------------------------------------------ chat
@@ -294,7 +294,7 @@ class OpenAIApi:
         api_id = self._new_id(id_prefix)
         gen = Generation(self.client, self.codec, api_id, [prompt], n, self._seeded(base), priority, stop,
                          deadline, cache_salt, self.metrics, arrival)
-        gen.schema_param = "tools" if tool_schema is not None else (op.structured_fields(data) or ["response_format"])[0]
+        gen.schema_param = "tools" if tool_schema is not None else op.structured_field(data)
         return gen, _ChatFormat(self, api_id, gen, want_logprobs, self._answer(data, prompt, base, calls))
 
     def _answer(self, data: dict, prompt: list[int], base, calls: tools.ToolRequest | None):
@@ -388,8 +388,7 @@ class OpenAIApi:
                 try:
                     updates = await gen.next_updates()
                 except ApiError as e:
-                    yield fmt.stream_error(e) if hasattr(fmt, "stream_error") else _sse({"error": {
-                        "message": e.message, "type": e.type, "param": e.param, "code": e.code or e.status}}) + _DONE
+                    yield fmt.stream_error(e)
                     return
                 chunk = fmt.chunk(updates)
                 if chunk:
@@ -403,10 +402,23 @@ class OpenAIApi:
 # ----------------------------------------------------------------------------- response shapes
 
 
-class _CompletionFormat:
-    """/v1/completions bodies: text choices, legacy logprobs."""
+class _SseFormat:
+    """What completion and chat bodies share: their stream's last line, its error event, the usage chunk."""
 
     DONE = _DONE  # the stream's last line
+
+    def stream_error(self, e: ApiError) -> bytes:
+        """An error once the stream has begun: an error event that ends it, as in vLLM."""
+        return _sse({"error": {"message": e.message, "type": e.type, "param": e.param,
+                               "code": e.code or e.status}}) + _DONE
+
+    def usage_chunk(self) -> dict:
+        return {**self.base, "choices": [], "usage": self.gen.usage()}
+
+
+class _CompletionFormat(_SseFormat):
+    """/v1/completions bodies: text choices, legacy logprobs."""
+
     def __init__(self, api: OpenAIApi, api_id: str, gen: Generation, echo: bool, logprobs: bool) -> None:
         self.codec = api.codec
         self.gen = gen
@@ -505,9 +517,6 @@ class _CompletionFormat:
                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return {**self.base, "choices": choices, "usage": self.gen.usage()}
 
-    def usage_chunk(self) -> dict:
-        return {**self.base, "choices": [], "usage": self.gen.usage()}
-
 
 class _Answer:
     """One choice's text as an assistant message, as it streams: thinking split off into
@@ -559,10 +568,9 @@ class _Answer:
         return reason
 
 
-class _ChatFormat:
+class _ChatFormat(_SseFormat):
     """/v1/chat/completions bodies: messages and deltas, chat logprobs."""
 
-    DONE = _DONE
     def __init__(self, api: OpenAIApi, api_id: str, gen: Generation, logprobs: bool,
                  answer: Callable[[], _Answer] | None = None) -> None:
         self.codec = api.codec
@@ -630,8 +638,5 @@ class _ChatFormat:
         if self.answers is None:
             return {"role": "assistant", "content": self.texts[index]}
         answer = self.answers[index]
-        answer.delta(self.texts[index], True)
+        answer.parts(self.texts[index], True)
         return answer.message()
-
-    def usage_chunk(self) -> dict:
-        return {**self.base, "choices": [], "usage": self.gen.usage()}

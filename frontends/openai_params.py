@@ -270,6 +270,11 @@ def structured_fields(data: dict) -> list[str]:
             and not (k == "response_format" and isinstance(rf, dict) and rf.get("type") == "text")]
 
 
+def structured_field(data: dict) -> str:
+    """The field a request's output schema or choices come from (``response_format`` when none)."""
+    return (structured_fields(data) or ["response_format"])[0]
+
+
 def parse_structured(data: dict) -> tuple[dict | None, list[str] | None, str]:
     """(JSON schema, choices, the field they came from): what the output is held to, from whichever
     one field of OpenAI's ``response_format``, llama.cpp's ``json_schema``, vLLM's

@@ -427,7 +427,7 @@ class Connection(asyncio.Protocol):
                             msg["logprobs"] = lp
                         send(msg)
                     if answer is not None:
-                        answer.delta(up.text, False)
+                        answer.parts(up.text, False)
                     if up.text or up.token_ids or up.logprobs:
                         msg = {"type": "delta", "id": gid, "text": up.text, "token_ids": up.token_ids}
                         if want_lp:
@@ -435,7 +435,7 @@ class Connection(asyncio.Protocol):
                         send(msg)
             done = {"type": "done", "id": gid, "finish_reason": choice.finish_reason, "usage": gen.usage()}
             if answer is not None:  # the deltas carried the raw text; done says what the message holds
-                answer.delta("", True)
+                answer.parts("", True)
                 done["finish_reason"] = fmt.finish_reason(choice)
                 done["message"] = answer.message()
             send(done)
