@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import re
 import sys
@@ -33,6 +34,16 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 4G, 512MiB or a number of bytes)")
     scale = 1024 ** " kmgt".index((m.group(2) or " ").lower())
     return int(float(m.group(1)) * scale)
+
+
+def _json_map(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def _engine_flags(p: argparse.ArgumentParser, generate: bool = False) -> None:
@@ -80,6 +91,10 @@ def _engine_flags(p: argparse.ArgumentParser, generate: bool = False) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="share the KV cache blocks of prompts that start alike (a system prompt, earlier "
                         "turns of a chat); --no-enable-prefix-caching turns it off (default: on)")
+    g.add_argument("--pooler-config", type=_json_map, default=None, metavar="JSON",
+                   help="how /v1/embeddings pools a prompt: '{\"pooling_type\": \"MEAN\", \"normalize\": false}'; "
+                        "pooling_type LAST or MEAN (default: the model's sentence-transformers or GGUF setting, "
+                        "else LAST, normalized)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
                    help="ranks to split the model over (tensor parallel): one process per rank, one GPU "
                         "each on CUDA, an equal share of the CPU threads each on the CPU (default: 1)")

@@ -16,6 +16,7 @@ POLICIES = ("fcfs", "priority", "short-first")  # engine.request_queue has one q
 ASYNC_SCHEDULING = ("auto", "on", "off")
 # the int4 checkpoints engine.quant reads (vLLM's names; its Marlin kernels' names mean the same files here)
 QUANTIZATIONS = ("awq", "gptq", "awq_marlin", "gptq_marlin")
+POOLING_TYPES = ("last", "mean")  # how an embedding is pooled from a prompt's hidden states (engine.pooling)
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,8 @@ class EngineConfig:
     long_prefill_token_threshold: int | None = None  # prompt tokens per step beside decodes; None = measured
     request_timeout: float | None = None  # seconds; a request without its own timeout gets this one
     seed: int = 0
+    # embeddings: {"pooling_type": "last" | "mean", "normalize": bool} over the model's own (vLLM's --pooler-config)
+    pooler_config: dict | None = None
     enforce_eager: bool = False  # no CUDA (or CPU) graphs, every decode step runs eagerly (vLLM's --enforce-eager)
     # schedule step N+1 while step N runs (engine.engine); auto = on CUDA, off on the CPU
     async_scheduling: str = "auto"
@@ -88,6 +91,14 @@ class EngineConfig:
             bad(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
         if self.async_scheduling not in ASYNC_SCHEDULING:
             bad(f"async_scheduling must be one of {', '.join(ASYNC_SCHEDULING)}, got {self.async_scheduling!r}")
+        if self.pooler_config is not None:
+            pc = self.pooler_config
+            if not isinstance(pc, dict) or set(pc) - {"pooling_type", "normalize"}:
+                bad(f"pooler_config must be a map of pooling_type and normalize, got {pc!r}")
+            if "pooling_type" in pc and str(pc["pooling_type"]).lower() not in POOLING_TYPES:
+                bad(f"pooler_config pooling_type must be one of {', '.join(POOLING_TYPES)}, got {pc['pooling_type']!r}")
+            if not isinstance(pc.get("normalize", True), bool):
+                bad(f"pooler_config normalize must be true or false, got {pc['normalize']!r}")
         if self.tensor_parallel_size < 1:
             bad(f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}")
         if self.nnodes < 1:

@@ -34,8 +34,9 @@ from engine.config import EngineConfig
 from engine.json_schema import SchemaError
 from engine.model_path import model_name, resolve_model_path
 from engine.model_runner import Launched, ModelRunner, StepResult
+from engine.pooling import PoolerConfig, PoolState
 from engine.prefill_cap import PrefillCap
-from engine.protocol import Delta, Ready, SamplingParamError, SamplingParams, Stats
+from engine.protocol import Delta, PoolingParams, Ready, SamplingParamError, SamplingParams, Stats
 from engine.request import Request, Status
 from engine.runtime import kv_block_bytes
 from engine.sampler import SamplingState
@@ -90,6 +91,16 @@ class Engine:
         self.eos_token_ids = list(self.runner.model_cfg.eos_token_ids)
         self._eos_set = frozenset(self.eos_token_ids)  # looked up once per sampled token
         self.grammars = Grammars(facts.model_path, self.vocab_size, self.eos_token_ids)  # structured output
+        self.can_generate = self.runner.model_cfg.lm_head  # a bare backbone (an embedding model) only embeds
+        self.pooler: PoolerConfig | None = None  # embeddings (engine.pooling); None: refused, for this reason:
+        self._no_pooler = ""
+        try:
+            self.pooler = PoolerConfig.of(facts.model_path, config.pooler_config)
+        except ValueError as e:
+            if config.pooler_config is not None:
+                raise
+            self._no_pooler = str(e)
+            log.warning("embeddings off: %s", e)
         # the cache is this process's: the model and dtype are the same for every block, named for clarity
         self.block_manager = BlockManager(facts.num_kv_blocks, config.block_size, config.enable_prefix_caching,
                                           f"{facts.model_path}|{facts.dtype}".encode())
@@ -124,18 +135,23 @@ class Engine:
                      self.config.max_num_waiting_requests)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, deadline: float | None = None, cache_salt: str = "") -> None:
-        self._check(request_id, prompt_token_ids, params)
+                    priority: int = 0, deadline: float | None = None, cache_salt: str = "",
+                    pooling: PoolingParams | None = None) -> None:
+        """A generation, or with ``pooling`` an embedding (``params`` unused: nothing is sampled)."""
+        self._check(request_id, prompt_token_ids, params, pooling)
         if deadline is None and self.config.request_timeout is not None:
             deadline = time.time() + self.config.request_timeout
-        grammar = None
-        if params.json_schema is not None or params.choice is not None:
+        grammar = pool = None
+        if pooling is not None:
+            pool = PoolState(self.pooler.pooling_type, pooling.dimensions,
+                             self.pooler.normalize if pooling.normalize is None else pooling.normalize)
+        elif params.json_schema is not None or params.choice is not None:
             try:
                 grammar = self.grammars.matcher(params.json_schema, params.choice)
             except (SchemaError, VocabularyError) as e:
                 raise RequestError(400, "invalid_request_error", f"response_format: {e}", "response_format") from e
         req = Request(request_id, prompt_token_ids, params, priority, deadline, SamplingState(params, grammar),
-                      cache_salt)
+                      cache_salt, pool)
         try:
             self.scheduler.add(req)
         except QueueFull as e:
@@ -174,7 +190,8 @@ class Engine:
 
     # ------------------------------------------------------------------ internals
 
-    def _check(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+    def _check(self, request_id: str, prompt: list[int], params: SamplingParams,
+               pooling: PoolingParams | None) -> None:
         def bad(msg: str, param: str | None = None) -> None:
             raise RequestError(400, "invalid_request_error", msg, param)
 
@@ -184,6 +201,19 @@ class Engine:
             bad("the prompt is empty", "prompt")
         if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt):
             bad(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
+        if pooling is not None:
+            if self.pooler is None:
+                bad(f"this model cannot embed: {self._no_pooler}", "input")
+            hidden = self.runner.model_cfg.hidden_size
+            if pooling.dimensions is not None and pooling.dimensions > hidden:
+                bad(f"dimensions must be at most the model's {hidden}, got {pooling.dimensions}", "dimensions")
+            if len(prompt) > self.max_model_len:
+                bad(f"this model's maximum context length is {self.max_model_len} tokens, but the input has "
+                    f"{len(prompt)}", "input")
+            return
+        if not self.can_generate:
+            bad(f"{self.model_name} has no language-model head (an embedding model's checkpoint): it can only "
+                "embed (/v1/embeddings)", "model")
         try:  # the sampler would ignore them, but a client asking for them has a bug to hear about
             params.check_vocab(self.vocab_size)
         except SamplingParamError as e:
@@ -308,6 +338,13 @@ class Engine:
             del self.requests[req.request_id]
             deltas.append(Delta(req.request_id, [], req.finish_reason, num_prompt_tokens=req.num_prompt_tokens,
                                 num_cached_tokens=req.num_cached_tokens))
+        for req, vector in result.pooled:
+            if req.status is Status.FINISHED:  # (asynchronous scheduling) aborted or timed out meanwhile
+                continue
+            self.scheduler.finish(req, "stop")
+            del self.requests[req.request_id]
+            deltas.append(Delta(req.request_id, [], "stop", num_prompt_tokens=req.num_prompt_tokens,
+                                num_cached_tokens=req.num_cached_tokens, embedding=vector))
         if result.output is None:
             return deltas
         out = result.output

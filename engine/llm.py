@@ -16,7 +16,7 @@ from functools import cached_property
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.protocol import SamplingParams, TokenLogprobs
+from engine.protocol import PoolingParams, SamplingParams, TokenLogprobs, embedding_floats
 from frontends.generation import Choice
 from frontends.text import StopMatcher, TextCodec
 from frontends.tokenizer import load_tokenizer  # the same as the HTTP frontends use
@@ -34,6 +34,15 @@ class RequestOutput:
     prompt_logprobs: list | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     stop_reason: int | str | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    embedding: list[float]  # the model's pooling of the prompt (engine.pooling)
+    num_cached_tokens: int = 0
 
 
 class LLM:
@@ -113,6 +122,35 @@ class LLM:
         for rid, out in outputs.items():
             if rid not in stopped:
                 out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        return list(outputs.values())
+
+    def embed(self, prompts: str | list[int] | list[str] | list[list[int]], dimensions: int | None = None,
+              normalize: bool | None = None) -> list[EmbeddingOutput]:
+        """Each prompt's embedding (batched with each other as generations are); outputs in prompt order.
+
+        ``dimensions``: keep the first this many (Matryoshka); ``normalize``: None = the model's default."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        pooling = PoolingParams(dimensions, normalize)
+        outputs: dict[str, EmbeddingOutput] = {}
+        try:
+            for prompt in prompts:
+                ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                rid = str(next(self._ids))
+                self.engine.add_request(rid, ids, SamplingParams(max_tokens=1), pooling=pooling)
+                outputs[rid] = EmbeddingOutput(rid, prompt if isinstance(prompt, str) else None, ids, [])
+            while self.engine.has_work():
+                for d in self.engine.step():
+                    out = outputs.get(d.request_id)
+                    if out is None:
+                        continue
+                    if d.embedding is None:  # only "error" (out of memory) or "timeout" end one without it
+                        raise RuntimeError(f"embedding {d.request_id} ended with {d.finish_reason!r}")
+                    out.embedding = embedding_floats(d.embedding)
+                    out.num_cached_tokens = d.num_cached_tokens
+        except BaseException:
+            self.engine.abort(list(outputs))
+            raise
         return list(outputs.values())
 
     @cached_property

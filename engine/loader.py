@@ -42,6 +42,8 @@ def load_model_config(path: str) -> ModelConfig:
             with open(os.path.join(path, file)) as f:  # AutoGPTQ's and early AutoAWQ's own files
                 settings = json.load(f)
             cfg["quantization_config"] = {"quant_method": method} | settings if isinstance(settings, dict) else settings
+    if not cfg.get("tie_word_embeddings") and "lm_head.weight" not in _safetensors_index(path):
+        cfg["lm_head"] = False  # a bare backbone (Qwen3-Embedding's 4B and 8B): it can only embed
     eos = None
     gen = os.path.join(path, "generation_config.json")
     if os.path.isfile(gen):  # generation_config's eos list is the authoritative one (e.g. Llama 3)
@@ -99,10 +101,12 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
     seen: set[str] = set()
     with torch.no_grad():
         for name, w in weights:
+            if not name.startswith(("model.", "lm_head.")):
+                name = "model." + name  # a backbone saved on its own (Qwen3-Embedding): no "model." prefix
             if name == "model.embed_tokens.weight":
                 model.embed_tokens.load(w)
             elif name == "lm_head.weight":
-                if not model.cfg.tie_word_embeddings:
+                if model.lm_head is not None and not model.cfg.tie_word_embeddings:
                     model.lm_head.load(w)
             elif name == "model.norm.weight":
                 model.norm.weight.copy_(w)
@@ -136,7 +140,7 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
 
 def _expected_names(cfg: ModelConfig) -> set[str]:
     names = {"model.embed_tokens.weight", "model.norm.weight"}
-    if not cfg.tie_word_embeddings:
+    if cfg.lm_head and not cfg.tie_word_embeddings:
         names.add("lm_head.weight")
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
@@ -249,6 +253,11 @@ _GGUF_LAYER = {
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
 _GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral"}
+
+
+def gguf_field(path: str, key: str, default=None):
+    """One metadata field of the GGUF file at ``path``."""
+    return _gguf_field(_gguf_reader(path), key, default)
 
 
 def _gguf_field(reader, key: str, default=None):

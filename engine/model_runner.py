@@ -45,6 +45,7 @@ from engine.config import EngineConfig
 from engine.loader import build_model, load_model_config
 from engine.models.layers import ColumnLinear, LMHead, RowLinear
 from engine.parallel import StepInput, TPGroup, local_model_config
+from engine.pooling import pool, pool_rows, to_bytes
 from engine.protocol import SamplingParams
 from engine.request import Request
 from engine.runtime import (
@@ -79,6 +80,7 @@ CPU_GRAPH_SEQS, CPU_GRAPH_ROWS = 32, 64
 class StepResult:
     sampled: list[Request]  # requests that got a new token this step, in row order
     output: SamplerOutput | None
+    pooled: list[tuple[Request, bytes]] = field(default_factory=list)  # embedding requests done: their vectors
 
 
 @dataclass
@@ -91,6 +93,7 @@ class Launched:
     events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # CUDA: around the step's device work
     # prompt logprobs still on the device: each request and (logprobs, top logprobs, top ids) of its span
     prompt_logprobs: list[tuple[Request, tuple[torch.Tensor, ...]]] = field(default_factory=list)
+    pooled: list[tuple[Request, torch.Tensor]] = field(default_factory=list)  # embeddings, on the device
 
     def seconds(self) -> float:
         """How long the step took the device, once collected: between its CUDA events, or on the CPU
@@ -107,11 +110,15 @@ class Launched:
 @dataclass
 class DriverStep(StepInput):
     """Rank 0's step: what every rank gets, and (asynchronous scheduling) the rows of token_ids whose
-    token a step in flight samples, its rows of those ids, and the ids (on the device)."""
+    token a step in flight samples, its rows of those ids, and the ids (on the device); the rows
+    embedding requests pool and which of them each row is summed into (``engine.pooling``)."""
 
     in_flight_at: list[int] = field(default_factory=list)
     in_flight_from: list[int] = field(default_factory=list)
     in_flight_ids: torch.Tensor | None = None
+    pool_rows: list[int] = field(default_factory=list)
+    pool_into: list[int] = field(default_factory=list)
+    num_pooled: int = 0
 
 
 class ModelRunner:
@@ -203,7 +210,7 @@ class ModelRunner:
             first += len(tables[-1])
         positions, meta = build_metadata(lens, [0] * len(lens), tables, self.block_size, self.device)
         hidden = self.model(torch.zeros(num_tokens, dtype=torch.int64, device=self.device), positions, meta)
-        logits = self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden) if self.model.lm_head is not None else None
         params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
         if logits is not None:  # None on tensor-parallel workers: rank 0 samples
             logits = logits[:num_seqs] if num_seqs <= num_tokens else logits[-1:].expand(num_seqs, -1)
@@ -224,15 +231,19 @@ class ModelRunner:
         start = time.perf_counter()
         events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \
             if self.device.type == "cuda" else None
-        step, sampled, logprob_spans = self._prepare(batch, in_flight)
+        step, sampled, logprob_spans, pool_spans = self._prepare(batch, in_flight)
         if events is not None:
             events[0].record()
         with self.tp.driving(step):  # the other ranks get the step first; one that died fails it
-            logits = self.forward_step(step)  # (R, V): the prompt-logprob rows, then the sample rows
+            logits, sums = self.forward_step(step)  # (R, V): the prompt-logprob rows, then the sample rows
         n = len(step.logits_rows) - len(sampled)
         pending = self._prompt_logprobs(logprob_spans, logits[:n]) if logprob_spans else []
+        pooled = []
+        if pool_spans:
+            vectors = pool([(r.pool, c, r.num_tokens, final) for r, c, final in pool_spans], sums)
+            pooled = [(r, v) for (r, _, _), v in zip(pool_spans, vectors, strict=True) if v is not None]
         if not sampled:
-            return self._launched([], None, start, events, pending)
+            return self._launched([], None, start, events, pending, pooled)
         out = self.sampler.sample(
             logits[n:],
             [r.params for r in sampled],
@@ -241,38 +252,45 @@ class ModelRunner:
             [r.output_token_ids for r in sampled],
             [r.num_sampled for r in sampled],
         )
-        return self._launched(sampled, out, start, events, pending)
+        return self._launched(sampled, out, start, events, pending, pooled)
 
     @staticmethod
     def _launched(sampled: list[Request], out: Sampled | None, start: float,
                   events: tuple[torch.cuda.Event, torch.cuda.Event] | None,
-                  pending: list[tuple[Request, tuple[torch.Tensor, ...]]]) -> Launched:
+                  pending: list[tuple[Request, tuple[torch.Tensor, ...]]],
+                  pooled: list[tuple[Request, torch.Tensor]]) -> Launched:
         if events is not None:
             events[1].record()
         for r, tensors in pending:  # the launch has succeeded: these positions are on their way
             r.num_prompt_logprobs_in_flight += len(tensors[0])
-        return Launched(sampled, out, time.perf_counter() - start, events, pending)
+        return Launched(sampled, out, time.perf_counter() - start, events, pending, pooled)
 
     def collect(self, launched: Launched) -> StepResult:
         """The launched step's tokens (and prompt logprobs) on the host: waits for the device."""
         # all converted before anything changes: should the sync raise, the step can be collected again
         done = [(r, logprob_lists(*tensors)) for r, tensors in launched.prompt_logprobs]
         launched.prompt_logprobs = []
+        pooled = [(r, to_bytes(v)) for r, v in launched.pooled]
         for r, lists in done:
             r.prompt_logprobs.extend(lists)
             r.num_prompt_logprobs_in_flight -= len(lists)
-        return StepResult(launched.sampled, launched.output.result() if launched.output is not None else None)
+        return StepResult(launched.sampled, launched.output.result() if launched.output is not None else None,
+                          pooled)
 
     @torch.inference_mode()
-    def forward_step(self, step: StepInput) -> torch.Tensor | None:
+    def forward_step(self, step: StepInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The forward every rank runs (tensor-parallel workers mirror rank 0 through it): the
-        (R, V) logits of ``step.logits_rows`` on rank 0; None on the others or when R is 0."""
+        (R, V) logits of ``step.logits_rows`` on rank 0 (None on the others or when R is 0), and
+        there the (P, hidden) float32 sums of the rows each embedding request pools (or None)."""
         index = StepIndex.build(step.query_lens, step.computed_lens, step.table_rows)
+        driver = isinstance(step, DriverStep)
         gather = {"in_flight_at": ints(step.in_flight_at), "in_flight_from": ints(step.in_flight_from)} \
-            if isinstance(step, DriverStep) and step.in_flight_at else {}
+            if driver and step.in_flight_at else {}
+        pooling = {"pool_rows": ints(step.pool_rows), "pool_into": ints(step.pool_into)} \
+            if driver and step.pool_rows else {}
         dev = self.staging({"token_ids": ints(step.token_ids), "logits_rows": ints(step.logits_rows),
                             "write_at": ints(step.write_at), "write_ids": ints(step.write_ids), **index.tensors,
-                            **gather})
+                            **gather, **pooling})
         tables = self.block_tables.write(dev["write_at"], dev["write_ids"])
         index.tensors = dev
         positions, meta = index.metadata(tables, self.block_size)
@@ -283,12 +301,16 @@ class ModelRunner:
             hidden = self.graphs.replay(ids, positions, meta)
         else:
             hidden = self.model(ids, positions, meta)
+        sums = None
+        if pooling:
+            sums = torch.zeros(step.num_pooled, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+            sums.index_add_(0, dev["pool_into"], hidden[dev["pool_rows"]].float())
         if not step.logits_rows:  # the same on every rank: no gather to skip on one side only
-            return None
-        return self.model.compute_logits(hidden[dev["logits_rows"]])
+            return None, sums
+        return self.model.compute_logits(hidden[dev["logits_rows"]]), sums
 
-    def _prepare(self, batch: ScheduledBatch,
-                 in_flight: Launched | None) -> tuple[DriverStep, list[Request], list[tuple[Request, int, int]]]:
+    def _prepare(self, batch: ScheduledBatch, in_flight: Launched | None) -> tuple[
+            DriverStep, list[Request], list[tuple[Request, int, int]], list[tuple[Request, int, bool]]]:
         reqs, counts = batch.requests, batch.num_new_tokens
         starts = [r.num_computed_tokens for r in reqs]
         in_flight_rows = in_flight.rows() if in_flight is not None else {}
@@ -299,6 +321,9 @@ class ModelRunner:
         sample_rows: list[int] = []  # their last token's row in the flat batch
         logprob_rows: list[int] = []  # rows whose logits give prompt logprobs...
         spans: list[tuple[Request, int, int]] = []  # ...of positions [lo, hi) of these requests
+        pool_spans: list[tuple[Request, int, bool]] = []  # embedding requests: chunk start, whether the last
+        pooled_rows: list[int] = []  # their rows to pool...
+        pool_into: list[int] = []  # ...and the span each is summed into
         for r, c, n in zip(reqs, starts, counts, strict=True):
             row = len(tokens)
             tokens.extend(r.all_token_ids[c:c + n])
@@ -316,15 +341,23 @@ class ModelRunner:
                 if hi > lo:
                     logprob_rows.extend(range(row + lo - c, row + hi - c))
                     spans.append((r, lo, hi))
-            if c + n == r.num_tokens + r.num_in_flight:
+            final = c + n == r.num_tokens + r.num_in_flight
+            if r.pool is not None:
+                pooling = pool_rows(r.pool, row, n, final)
+                if pooling:
+                    pooled_rows.extend(pooling)
+                    pool_into.extend([len(pool_spans)] * len(pooling))
+                    pool_spans.append((r, c, final))
+            elif final:
                 sampled.append(r)
                 sample_rows.append(len(tokens) - 1)
         rows, write_at, write_ids = self.block_tables.update(reqs)
         step = DriverStep(counts, starts, tokens, logprob_rows + sample_rows, rows, write_at, write_ids, gather_at,
-                          gather_from, in_flight.output.ids if gather_at else None)
+                          gather_from, in_flight.output.ids if gather_at else None, pooled_rows, pool_into,
+                          len(pool_spans))
         if self.decode_buckets and max(counts) == 1:
             self._pad(step)
-        return step, sampled, spans
+        return step, sampled, spans, pool_spans
 
     def _pad(self, step: DriverStep) -> None:
         """Pad a decode-only step to the next of ``decode_buckets`` with one-token sequences that

@@ -13,13 +13,14 @@ lists (``MAX_STOP_STRINGS`` ...), so both sides refuse the same requests.
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass, field, fields
 from enum import IntEnum
 from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 
 class Kind(IntEnum):
@@ -237,6 +238,36 @@ class SamplingParams:
             raise ProtocolError(f"bad sampling params: {e}") from e
 
 
+@dataclass
+class PoolingParams:
+    """An embedding request (``/v1/embeddings``): its prompt is pooled into one vector (the model's
+    pooling, ``engine.pooling``), nothing is sampled. ``dimensions``: keep the first this many
+    (Matryoshka) before normalizing; ``normalize``: None = the model's default (L2, usually)."""
+
+    dimensions: int | None = None
+    normalize: bool | None = None
+
+    def __post_init__(self) -> None:
+        d = self.dimensions
+        if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
+            raise SamplingParamError("dimensions", f"dimensions must be a positive integer, got {d!r}")
+        if self.normalize is not None and not isinstance(self.normalize, bool):
+            raise SamplingParamError("normalize", f"normalize must be true or false, got {self.normalize!r}")
+
+    def to_wire(self) -> list:
+        return [self.dimensions, self.normalize]
+
+    @classmethod
+    def from_wire(cls, p: list | None) -> PoolingParams | None:
+        if p is None:
+            return None
+        try:
+            dimensions, normalize = p
+            return cls(dimensions, normalize)
+        except (TypeError, ValueError) as e:
+            raise ProtocolError(f"bad pooling params: {e}") from e
+
+
 class SamplingParamError(ValueError):
     """A sampling field out of range; ``param`` names it (for OpenAI error bodies)."""
 
@@ -299,19 +330,20 @@ class Add:
     priority: int = 0  # lower runs first (vLLM's convention)
     deadline: float | None = None  # unix seconds; None = none
     cache_salt: str = ""  # prefix-cache blocks are shared only between requests with the same salt
+    pooling: PoolingParams | None = None  # an embedding request: ``params`` are unused
     kind = Kind.ADD
 
     def to_wire(self) -> list:
         return [self.request_id, list(self.prompt_token_ids), self.params.to_wire(), self.priority, self.deadline,
-                self.cache_salt]
+                self.cache_salt, None if self.pooling is None else self.pooling.to_wire()]
 
     @classmethod
     def from_wire(cls, p: list) -> Add:
-        rid, toks, params, prio, deadline, salt = p
+        rid, toks, params, prio, deadline, salt, pooling = p
         if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
             raise ProtocolError("prompt_token_ids must be a list of ints")
         return cls(str(rid), toks, SamplingParams.from_wire(params), int(prio),
-                   None if deadline is None else float(deadline), str(salt))
+                   None if deadline is None else float(deadline), str(salt), PoolingParams.from_wire(pooling))
 
 
 @dataclass
@@ -327,6 +359,11 @@ class Abort:
         if not isinstance(p, list):  # a bare string would iterate into one id per character
             raise ProtocolError("abort payload must be a list of request ids")
         return cls([str(r) for r in p])
+
+
+def embedding_floats(embedding: bytes) -> list[float]:
+    """A ``Delta.embedding``'s float32s as Python floats."""
+    return list(struct.unpack(f"<{len(embedding) // 4}f", embedding))
 
 
 # per token: [logprob of the sampled token, [[token_id, logprob], ...top-k]]
@@ -346,17 +383,21 @@ class Delta:
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # once, with the first delta
     stop_reason: int | None = None  # the stop token id that ended it, if any
+    embedding: bytes | None = None  # an embedding request's vector: little-endian float32s, with its end
 
     def to_wire(self) -> list:
         return [self.request_id, self.token_ids, self.finish_reason, self.logprobs,
-                self.num_prompt_tokens, self.num_cached_tokens, self.prompt_logprobs, self.stop_reason]
+                self.num_prompt_tokens, self.num_cached_tokens, self.prompt_logprobs, self.stop_reason,
+                self.embedding]
 
     @classmethod
     def from_wire(cls, p: list) -> Delta:
-        rid, toks, fin, lps, npt, nct, plp, sr = p
+        rid, toks, fin, lps, npt, nct, plp, sr, emb = p
         if not isinstance(toks, list):
             raise ProtocolError("delta token_ids must be a list")
-        return cls(str(rid), list(toks), fin, lps, int(npt), int(nct), plp, sr)
+        if emb is not None and (not isinstance(emb, bytes) or len(emb) % 4):
+            raise ProtocolError("delta embedding must be float32 bytes")
+        return cls(str(rid), list(toks), fin, lps, int(npt), int(nct), plp, sr, emb)
 
 
 @dataclass

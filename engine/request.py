@@ -30,12 +30,12 @@ class Request:
         "finish_reason", "stop_reason", "sampling_state", "num_cached_tokens", "num_preemptions",
         "prompt_logprobs", "_all_token_ids", "stop_token_ids", "arrival_time", "queued_at", "waited",
         "num_output_at_preemption", "cache_salt", "block_hashes", "num_cached_blocks", "num_in_flight",
-        "num_prompt_logprobs_in_flight",
+        "num_prompt_logprobs_in_flight", "pool",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  priority: int = 0, deadline: float | None = None, sampling_state: Any = None,
-                 cache_salt: str = ""):
+                 cache_salt: str = "", pool: Any = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -52,6 +52,7 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_reason: int | None = None
         self.sampling_state = sampling_state
+        self.pool = pool  # an embedding request's engine.pooling.PoolState: pooled, never sampled
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.cache_salt = cache_salt  # blocks are shared only between requests with the same salt
         self.block_hashes: list[bytes] = []  # chained hashes of its full blocks (block manager's, kept)

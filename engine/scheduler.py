@@ -330,7 +330,10 @@ class Scheduler:
 
 def _cacheable_tokens(req: Request) -> int:
     """How many of ``req``'s leading tokens may come from the prefix cache: all but the last (its logits
-    are needed), and none whose prompt logprobs are still to be computed."""
+    are needed), none whose prompt logprobs are still to be computed, and none where an embedding
+    pools every token's state."""
+    if req.pool is not None and req.pool.every_token:
+        return 0
     n = req.num_tokens - 1
     done = req.prompt_logprobs_end  # position p's logprob sits at index p + 1
     if req.params.prompt_logprobs is not None and done < req.num_prompt_tokens:

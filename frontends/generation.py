@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from engine.protocol import Delta, Error, SamplingParams
+from engine.protocol import Delta, Error, PoolingParams, SamplingParams
 from frontends.engine_client import EngineClient, EngineUnavailable, Stream
 from frontends.errors import ApiError
 from frontends.metrics import Metrics
@@ -37,7 +37,7 @@ LogprobEntry = tuple[int, float | None, list | None]
 class Choice:
     __slots__ = ("index", "request_id", "prompt_ids", "detok", "stops", "min_tokens", "finish_reason", "stop_reason",
                  "num_tokens", "num_prompt_tokens", "num_cached_tokens", "prompt_logprobs", "text_offset",
-                 "first_token_at", "last_token_at", "answered_at", "end_reason")
+                 "first_token_at", "last_token_at", "answered_at", "end_reason", "embedding")
 
     def __init__(self, index: int, request_id: str, prompt_ids: list[int], codec: TextCodec,
                  stop: StopMatcher | None, min_tokens: int = 0) -> None:
@@ -58,6 +58,7 @@ class Choice:
         self.last_token_at = 0.0
         self.answered_at: float | None = None  # of its first delta (a token, or an end without one)
         self.end_reason: str | None = None  # how it ended: finish_reason, or "abort" / "error"
+        self.embedding: bytes | None = None  # an embedding request's vector (float32s), with its end
 
     def consume(self, d: Delta) -> tuple[str, bool]:
         """New text from one delta, and whether a stop string ended the choice."""
@@ -67,6 +68,8 @@ class Choice:
             self.num_cached_tokens = d.num_cached_tokens
         if d.prompt_logprobs is not None:
             self.prompt_logprobs = d.prompt_logprobs
+        if d.embedding is not None:
+            self.embedding = d.embedding
         text = self.detok.step(d.token_ids) if d.token_ids else ""
         if d.finish_reason is not None:
             text += self.detok.flush()
@@ -129,13 +132,14 @@ class Generation:
         self.want_logprobs = self._params[0].logprobs is not None
         # the request's field the engine's json_schema / choice came from: its refusals are named so
         self.schema_param = "response_format"
+        self.pooling: PoolingParams | None = None  # set: every choice is an embedding request
 
     def start(self) -> None:
         self.sent_at = time.monotonic()
         try:
             for c, params in zip(self.choices, self._params, strict=True):
                 self.client.add(c.request_id, c.prompt_ids, params, self._priority, self.deadline,
-                                stream=self.stream, cache_salt=self.cache_salt)
+                                stream=self.stream, cache_salt=self.cache_salt, pooling=self.pooling)
         except EngineUnavailable as e:
             now = time.monotonic()
             for c in self.choices:

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API: routes, auth, and the response shapes.
 
 ``/v1/completions``, ``/v1/chat/completions`` and ``/v1/responses`` (plain and SSE streaming),
+``/v1/embeddings`` (``frontends.embeddings``),
 ``/v1/models``, ``/health``, ``/tokenize``, ``/detokenize``, ``/version``.
 Request bodies are read in ``openai_params``; the engine requests of one call
 run in a ``generation.Generation``. Every endpoint except ``/health`` needs an
@@ -40,6 +41,7 @@ from frontends import openai_params as op
 from frontends import reasoning, tools
 from frontends.access_log import CallInfo
 from frontends.auth import Auth
+from frontends.embeddings import embeddings_job
 from frontends.engine_client import EngineClient
 from frontends.errors import ApiError
 from frontends.generation import Generation, LogprobEntry, Update
@@ -105,6 +107,7 @@ class OpenAIApi:
             ("POST", "/v1/completions", self.completions),
             ("POST", "/v1/chat/completions", self.chat_completions),
             ("POST", "/v1/responses", self.responses),
+            ("POST", "/v1/embeddings", self.embeddings),
             ("GET", "/v1/models", self.models),
             ("POST", "/tokenize", self.tokenize),
             ("POST", "/detokenize", self.detokenize),
@@ -327,6 +330,25 @@ class OpenAIApi:
         if gen.schema_param == "response_format":  # the engine's refusal of a text.format schema
             gen.schema_param = "text"
         return gen, ResponsesFormat(self.model, data, gen, chat_fmt)
+
+    # ------------------------------------------------------------------ embeddings
+
+    async def embeddings(self, req: Request) -> Response:
+        started = time.time()
+        data = op.parse_json(req.body)
+        info = req.meta = CallInfo(prompt=data.get("input"))  # access log
+        gen, fmt = await embeddings_job(self, data, req.started)
+        req.id, info.gen = gen.api_id, gen
+        gen.start()
+        try:
+            while not gen.done:
+                await gen.next_updates()
+        finally:
+            gen.abort_unfinished()
+        if any(c.embedding is None for c in gen.choices):  # only a deadline ends one without its vector
+            raise ApiError(408, f"Request timed out after {time.time() - started:.3g} s, before all its "
+                           "embeddings were done", headers=[("x-should-retry", "false")])
+        return _json(fmt.response())
 
     # ------------------------------------------------------------------ running a generation
 

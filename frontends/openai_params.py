@@ -79,15 +79,16 @@ def check_token_ids(ids: list, vocab_size: int, param: str) -> list[int]:
 
 
 async def parse_prompts(data: dict, encode: Callable[[str], Awaitable[list[int]]], vocab_size: int,
-                        max_chars: int) -> list[list[int]]:
-    """``prompt`` as a string, list of strings, token ids, or list of token id lists.
+                        max_chars: int, name: str = "prompt", limit: int = MAX_PROMPTS) -> list[list[int]]:
+    """``prompt`` (or ``name``: embeddings' ``input``) as a string, list of strings, token ids, or list
+    of token id lists.
 
-    At most ``MAX_PROMPTS`` prompts; a string longer than ``max_chars`` cannot fit the
+    At most ``limit`` prompts; a string longer than ``max_chars`` cannot fit the
     context and is refused before it is tokenized.
     """
-    p = data.get("prompt", _MISSING)
+    p = data.get(name, _MISSING)
     if p is _MISSING or p is None:
-        raise ApiError(400, "Missing required field: 'prompt'", param="prompt")
+        raise ApiError(400, f"Missing required field: '{name}'", param=name)
     if isinstance(p, str):
         prompts: list = [p]
     elif isinstance(p, list) and p and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
@@ -95,22 +96,22 @@ async def parse_prompts(data: dict, encode: Callable[[str], Awaitable[list[int]]
     elif isinstance(p, list) and p and all(isinstance(x, str | list) for x in p):
         prompts = p
     elif isinstance(p, list) and not p:
-        raise ApiError(400, "'prompt' must not be empty", param="prompt")
+        raise ApiError(400, f"'{name}' must not be empty", param=name)
     else:
-        raise ApiError(400, "'prompt' must be a string, a list of strings, a list of token ids "
-                       "or a list of lists of token ids", param="prompt")
-    if len(prompts) > MAX_PROMPTS:
-        raise ApiError(400, f"At most {MAX_PROMPTS} prompts per request, got {len(prompts)}", param="prompt")
+        raise ApiError(400, f"'{name}' must be a string, a list of strings, a list of token ids "
+                       "or a list of lists of token ids", param=name)
+    if len(prompts) > limit:
+        raise ApiError(400, f"At most {limit} inputs per request, got {len(prompts)}", param=name)
     for x in prompts:
         if not x:
-            raise ApiError(400, "'prompt' must not be empty", param="prompt")
+            raise ApiError(400, f"'{name}' must not be empty", param=name)
         if isinstance(x, str):
-            check_text_length(len(x), max_chars, "prompt")
+            check_text_length(len(x), max_chars, name)
     out = []
     for x in prompts:
-        ids = await encode(x) if isinstance(x, str) else check_token_ids(x, vocab_size, "prompt")
+        ids = await encode(x) if isinstance(x, str) else check_token_ids(x, vocab_size, name)
         if not ids:
-            raise ApiError(400, "'prompt' encodes to no tokens", param="prompt")
+            raise ApiError(400, f"'{name}' encodes to no tokens", param=name)
         out.append(ids)
     return out
 

@@ -113,12 +113,12 @@ def test_a_worker_given_the_drivers_step_gives_its_logits(tiny_llama):
     reqs = [request("a", [0, 1]), request("b", [2])]
     rows, at, ids = driver.block_tables.update(reqs)
     step = DriverStep([3, 2], [2, 0], [5, 6, 7, 8, 9], [2, 4], rows, at, ids)
-    want = driver.forward_step(step)
+    want, _ = driver.forward_step(step)
     worker = worker_llm.engine.runner  # its own cache: the driver's K/V copied in, as a rank holds its own
     for mine, theirs in zip(worker.model.layers, driver.model.layers, strict=True):
         mine.self_attn.attn.k_cache.copy_(theirs.self_attn.attn.k_cache)
         mine.self_attn.attn.v_cache.copy_(theirs.self_attn.attn.v_cache)
-    got = worker.forward_step(StepInput.unpack(*_packed(step)))
+    got, _ = worker.forward_step(StepInput.unpack(*_packed(step)))
     assert torch.equal(got, want)
     assert torch.equal(worker.block_tables.table, driver.block_tables.table)
 

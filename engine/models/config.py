@@ -76,6 +76,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     quant: QuantConfig | None = None  # an AWQ or GPTQ int4 checkpoint
+    lm_head: bool = True  # False: a checkpoint without one (an embedding model's backbone): it cannot generate
 
     @classmethod
     def from_hf(cls, cfg: dict, eos_token_ids: list[int] | None = None) -> ModelConfig:
@@ -125,4 +126,5 @@ class ModelConfig:
             eos_token_ids=tuple(int(e) for e in eos),
             bos_token_id=cfg.get("bos_token_id"),
             quant=QuantConfig.from_hf(cfg["quantization_config"]) if cfg.get("quantization_config") else None,
+            lm_head=cfg.get("lm_head", True),
         )

@@ -86,7 +86,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tp,
-                              tied=self.embed_tokens if cfg.tie_word_embeddings else None)
+                              tied=self.embed_tokens if cfg.tie_word_embeddings else None) if cfg.lm_head else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """(T,) token ids at (T,) positions -> (T, hidden) final hidden states."""
@@ -101,4 +101,6 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """(N, hidden) -> (N, vocab) float32 logits, only for the rows that need them; under tensor
         parallelism on rank 0 only (None on the others), and collective: every rank calls it."""
+        if self.lm_head is None:
+            raise RuntimeError("this checkpoint has no lm_head: it can embed, not generate")
         return self.lm_head(hidden)

@@ -1,0 +1,129 @@
+"""Embeddings: a request's prompt pooled into one vector instead of sampled from (``/v1/embeddings``).
+
+Any loaded model embeds, next to its generations: an embedding request is a prompt the scheduler
+fills like any other, whose hidden states (the model's last, after its final norm) are pooled
+when its last prompt token is computed; it then ends, with its vector and no token.
+
+The pooling is the model's (``PoolerConfig.of``): its sentence-transformers files say it where it
+has them (``modules.json``, ``1_Pooling/config.json``: Qwen3-Embedding, gte-Qwen2...), a GGUF's
+``<arch>.pooling_type`` where it is one, else the last token, L2-normalized (what vLLM and
+sentence-transformers do with a decoder). ``--pooler-config`` overrides it (vLLM's flag).
+
+- ``last``: the last prompt token's state. The rest of the prompt may come from the prefix cache
+  (its last token is always computed).
+- ``mean``: the mean over every prompt token's state. Such a request takes nothing from the
+  prefix cache; each chunk's sum is added to its ``PoolState``, and a chunk that starts at 0 (the
+  first, or a recompute after a preemption) starts it afresh.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import POOLING_TYPES
+
+# llama.cpp's LLAMA_POOLING_TYPE_* as GGUF stores them: 0 none, 1 mean, 2 cls, 3 last, 4 rank
+_GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}
+# sentence-transformers' Pooling config: mode key -> ours (the others have no decoder use here)
+_ST_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls",
+             "pooling_mode_max_tokens": "max", "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len",
+             "pooling_mode_weightedmean_tokens": "weightedmean"}
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    pooling_type: str = "last"
+    normalize: bool = True  # L2, unless a request says otherwise
+
+    def __post_init__(self) -> None:
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"pooling type {self.pooling_type!r} is not supported for embeddings "
+                             f"({', '.join(POOLING_TYPES)} are; --pooler-config '{{\"pooling_type\": \"LAST\"}}' "
+                             "picks one)")
+
+    @classmethod
+    def of(cls, model_path: str, override: dict | None = None) -> PoolerConfig:
+        """The model's pooling, with ``override`` (``--pooler-config``: ``pooling_type``, ``normalize``;
+        checked by ``EngineConfig``) over it."""
+        found = _from_gguf(model_path) if model_path.endswith(".gguf") else _from_sentence_transformers(model_path)
+        found |= override or {}
+        return cls(str(found.get("pooling_type", "last")).lower(), found.get("normalize", True))
+
+
+def _from_sentence_transformers(path: str) -> dict:
+    modules_file = os.path.join(path, "modules.json")
+    if not os.path.isfile(modules_file):
+        return {}
+    with open(modules_file) as f:
+        modules = json.load(f)
+    found = {"normalize": any(m.get("type", "").endswith(".Normalize") for m in modules)}
+    pooling = next((m for m in modules if m.get("type", "").endswith(".Pooling")), None)
+    if pooling is not None:
+        with open(os.path.join(path, pooling.get("path", ""), "config.json")) as f:
+            settings = json.load(f)
+        modes = [ours for key, ours in _ST_MODES.items() if settings.get(key)]
+        if len(modes) != 1:
+            raise ValueError(f"{path}: sentence-transformers pooling {modes or 'none'} (one of last, mean is "
+                             "supported; --pooler-config overrides it)")
+        found["pooling_type"] = modes[0]
+    return found
+
+
+def _from_gguf(path: str) -> dict:
+    from engine.loader import gguf_field
+
+    arch = gguf_field(path, "general.architecture")
+    kind = gguf_field(path, f"{arch}.pooling_type")
+    return {} if kind in (None, 0) else {"pooling_type": _GGUF_POOLING.get(kind, f"gguf pooling {kind}")}
+
+
+class PoolState:
+    """One embedding request's pooling: what the engine needs of it, and a mean's running sum."""
+
+    __slots__ = ("pooling_type", "dimensions", "normalize", "sum")
+
+    def __init__(self, pooling_type: str, dimensions: int | None, normalize: bool):
+        self.pooling_type, self.dimensions, self.normalize = pooling_type, dimensions, normalize
+        self.sum: torch.Tensor | None = None  # (hidden,) float32: a mean's prompt so far
+
+    @property
+    def every_token(self) -> bool:
+        """Whether every prompt token's state is needed (none may come from the prefix cache)."""
+        return self.pooling_type == "mean"
+
+
+def pool_rows(state: PoolState, row: int, n: int, final: bool) -> list[int]:
+    """Rows of the flat batch to pool for a request whose chunk of ``n`` tokens starts at ``row``."""
+    if state.every_token:
+        return list(range(row, row + n))
+    return [row + n - 1] if final else []
+
+
+def pool(spans: list[tuple[PoolState, int, int, bool]], sums: torch.Tensor) -> list[torch.Tensor | None]:
+    """After a step: ``sums[k]`` is span k's pooled rows summed; a span is (state, its chunk's first
+    position, the prompt's length, whether the chunk ends the prompt). Per span: its vector (float32,
+    on the device) when the prompt is done, else None (a mean's sum kept)."""
+    out: list[torch.Tensor | None] = []
+    for k, (state, start, length, final) in enumerate(spans):
+        v = sums[k]
+        if state.every_token:
+            v = v if start == 0 or state.sum is None else state.sum + v
+            state.sum = None if final else v
+            v = v / length
+        if not final:
+            out.append(None)
+            continue
+        if state.dimensions is not None:
+            v = v[:state.dimensions]
+        out.append(F.normalize(v, dim=0) if state.normalize else v)
+    return out
+
+
+def to_bytes(v: torch.Tensor) -> bytes:
+    """A vector as the wire carries it: little-endian float32."""
+    return v.float().cpu().numpy().astype("<f4").tobytes()

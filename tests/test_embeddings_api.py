@@ -1,0 +1,119 @@
+"""``POST /v1/embeddings`` on a real server (``tokenmill serve``, two frontends, ``--pooler-config``)
+with the official ``openai`` client (which asks for base64 and decodes it) and raw HTTP: vectors equal
+to ``LLM.embed``'s, OpenAI's response shape, vLLM's extra fields, clear 400s, and chats streaming
+beside embeddings."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import math
+
+import openai
+import pytest
+
+from engine import LLM
+from tests.test_server_e2e import Server, openai_client
+
+POOLER = '{"pooling_type": "MEAN"}'
+TEXTS = ["Hello, my name is", "The capital of France is", "Once upon a time " * 20]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    s = Server("--model", tiny_llama, "--served-model-name", "tiny", "--dtype", "float32", "--pooler-config", POOLER,
+               "--max-model-len", "256", api_server_count=2)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama):
+    llm = LLM(tiny_llama, dtype="float32", max_model_len=256, pooler_config={"pooling_type": "mean"})
+    return {o.prompt: o for o in llm.embed(TEXTS)}
+
+
+def post(server: Server, body: dict) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    try:
+        conn.request("POST", "/v1/embeddings", json.dumps(body), {"content-type": "application/json"})
+        r = conn.getresponse()
+        return r.status, json.loads(r.read())
+    finally:
+        conn.close()
+
+
+def close(a: list[float], b: list[float]) -> bool:
+    return len(a) == len(b) and all(abs(x - y) < 1e-5 for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("encoding", [openai.NOT_GIVEN, "float"], ids=["base64", "float"])
+def test_the_openai_client_gets_the_offline_vectors(server, offline, encoding):
+    client = openai_client(server)
+    r = client.embeddings.create(model="tiny", input=TEXTS, encoding_format=encoding)
+    assert [d.index for d in r.data] == [0, 1, 2] and r.model == "tiny" and r.object == "list"
+    for text, d in zip(TEXTS, r.data, strict=True):
+        assert close(d.embedding, offline[text].embedding), text
+        assert math.isclose(sum(x * x for x in d.embedding), 1.0, rel_tol=1e-4)  # normalized by default
+    n = sum(len(offline[t].prompt_token_ids) for t in TEXTS)
+    assert (r.usage.prompt_tokens, r.usage.total_tokens) == (n, n)
+
+
+def test_raw_shape_token_ids_dimensions_and_truncation(server, offline):
+    ids = offline[TEXTS[2]].prompt_token_ids
+    status, body = post(server, {"input": [ids, ids[-5:]], "dimensions": 8, "truncate_prompt_tokens": 5,
+                                 "normalize": False})
+    assert status == 200, body
+    assert set(body) == {"id", "object", "created", "model", "data", "usage"}
+    assert body["data"][0].keys() == {"object", "index", "embedding"} and body["data"][0]["object"] == "embedding"
+    first, second = (d["embedding"] for d in body["data"])
+    assert len(first) == 8 and close(first, second)  # both are the last 5 tokens
+    assert body["usage"]["prompt_tokens"] == 10
+    assert not math.isclose(sum(x * x for x in first), 1.0, rel_tol=1e-3)  # normalize: false
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"input": []}, "input"),
+    ({}, "input"),
+    ({"input": [""]}, "input"),
+    ({"input": [[1, -2]]}, "input"),
+    ({"input": "hi", "encoding_format": "int8"}, "encoding_format"),
+    ({"input": "hi", "dimensions": 0}, "dimensions"),
+    ({"input": "hi", "dimensions": 65}, "dimensions"),  # the tiny model's hidden size is 64: the engine says
+    ({"input": "hi", "normalize": "yes"}, "normalize"),
+    ({"input": [list(range(300))]}, "input"),  # longer than --max-model-len 256
+    ({"input": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"input": ["x"] * 2049}, "input"),
+])
+def test_bad_bodies_get_a_400_that_names_the_field(server, body, param):
+    status, r = post(server, body)
+    assert status == 400, r
+    err = r["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error", err
+
+
+def test_a_wrong_model_name_and_a_long_input_truncated(server):
+    assert post(server, {"model": "nope", "input": "x"})[0] == 404
+    status, r = post(server, {"input": [list(range(300))], "truncate_prompt_tokens": -1})
+    assert status == 200 and r["usage"]["prompt_tokens"] == 256
+
+
+def test_chats_stream_while_embeddings_are_computed(server, offline):
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+    async def chat() -> int:
+        stream = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                                      max_tokens=24, stream=True, extra_body={"ignore_eos": True})
+        return sum([1 async for c in stream if c.choices and c.choices[0].delta.content is not None])
+
+    async def embed() -> list:
+        return (await client.embeddings.create(model="tiny", input=TEXTS * 4)).data
+
+    async def main():
+        return await asyncio.gather(*[chat() for _ in range(4)], *[embed() for _ in range(4)])
+
+    results = asyncio.run(main())
+    assert all(n > 0 for n in results[:4])
+    for data in results[4:]:
+        assert all(close(d.embedding, offline[TEXTS[d.index % 3]].embedding) for d in data)
