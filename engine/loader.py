@@ -11,6 +11,7 @@ naming, which ``load_weights`` routes into the fused layers.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import glob
 import json
@@ -42,15 +43,16 @@ def load_model_config(path: str) -> ModelConfig:
             with open(os.path.join(path, file)) as f:  # AutoGPTQ's and early AutoAWQ's own files
                 settings = json.load(f)
             cfg["quantization_config"] = {"quant_method": method} | settings if isinstance(settings, dict) else settings
-    if not cfg.get("tie_word_embeddings") and "lm_head.weight" not in _safetensors_index(path):
-        cfg["lm_head"] = False  # a bare backbone (Qwen3-Embedding's 4B and 8B): it can only embed
     eos = None
     gen = os.path.join(path, "generation_config.json")
     if os.path.isfile(gen):  # generation_config's eos list is the authoritative one (e.g. Llama 3)
         with open(gen) as f:
             g = json.load(f).get("eos_token_id")
         eos = [g] if isinstance(g, int) else g
-    return ModelConfig.from_hf(cfg, eos)
+    config = ModelConfig.from_hf(cfg, eos)
+    if not config.tie_word_embeddings and "lm_head.weight" not in _safetensors_index(path):
+        config = dataclasses.replace(config, lm_head=False)  # a bare backbone (Qwen3-Embedding 4B, 8B): embeds only
+    return config
 
 
 def build_model(path: str, cfg: ModelConfig, max_positions: int, dtype: torch.dtype,

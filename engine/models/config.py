@@ -126,5 +126,4 @@ class ModelConfig:
             eos_token_ids=tuple(int(e) for e in eos),
             bos_token_id=cfg.get("bos_token_id"),
             quant=QuantConfig.from_hf(cfg["quantization_config"]) if cfg.get("quantization_config") else None,
-            lm_head=cfg.get("lm_head", True),
         )
