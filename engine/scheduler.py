@@ -12,8 +12,9 @@ One step, in order:
 3. Prompt tokens (new requests, chunks of long prompts, resumed requests), best
    rank first (``engine.request_queue``: the policy is the waiting queue's
    order). In a step that carries decodes they are capped by
-   ``engine.prefill_cap`` so the step costs about twice a decode-only one; a
-   step without decodes (an idle server) takes the whole token budget. A request
+   ``engine.prefill_cap`` so the step costs about twice a decode-only one of the
+   generations running and waiting (embedding requests never decode: they do not
+   count); a step without decodes (an idle server) takes the whole token budget. A request
    being admitted starts after the longest prefix the block manager has cached
    (all but its last token at most; a block counts from the step that fills it),
    and computes only the rest. A request whose blocks another hit in this step
@@ -128,6 +129,7 @@ class Scheduler:
         self.num_timeouts = 0
         self.num_prompt_tokens = 0  # of admitted requests, since start: the prefix cache's hit rate
         self.num_cached_prompt_tokens = 0
+        self._waiting_embeddings = 0  # waiting requests that will never decode (engine.pooling)
 
     def add(self, req: Request) -> None:
         if len(self.waiting) >= self.max_num_waiting_requests:
@@ -139,6 +141,7 @@ class Scheduler:
         req.status = Status.WAITING
         req.arrival_time = req.queued_at = self.clock()
         self.waiting.push(req)
+        self._waiting_embeddings += req.pool is not None
         if req.deadline is not None:
             heapq.heappush(self._deadlines, (req.deadline, next(self._seq), req))
 
@@ -155,11 +158,14 @@ class Scheduler:
                     and batch.num_tokens < self.max_num_batched_tokens and self._allocate_running(req, 1, batch)):
                 self._add(batch, req, 1, decode=True)
         budget = self.max_num_batched_tokens - batch.num_tokens
-        # the batch being filled: every running and waiting request, as far as seqs allow (when prompt tokens
-        # could join at all: fitting the cap is most of a one-stream step's scheduling)
+        # the batch being filled: every running and waiting generation, as far as seqs allow (when prompt
+        # tokens could join at all: fitting the cap is most of a one-stream step's scheduling). Embeddings
+        # never decode: counted, they would size the cap for a batch that never comes, and stall the streams
         if batch.num_decodes and (self.waiting or batch.num_decodes < len(self.running)):
-            joining = min(1, len(self.waiting)) if self.one_at_a_time else len(self.waiting)
-            rows = min(self.max_num_seqs, len(self.running) + joining)
+            waiting = len(self.waiting) - self._waiting_embeddings
+            joining = min(1, waiting) if self.one_at_a_time else waiting
+            generating = sum(r.pool is None for r in self.running)
+            rows = min(self.max_num_seqs, generating + joining)
             budget = min(budget, self.prefill_cap.value(rows))
         self._schedule_prompts(batch, budget)
         return batch
@@ -194,6 +200,7 @@ class Scheduler:
             self.running.remove(req)
         elif req.status is Status.WAITING:
             self.waiting.remove(req)
+            self._waiting_embeddings -= req.pool is not None
         self.block_manager.free(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
@@ -256,6 +263,7 @@ class Scheduler:
             fits = not head.num_preemptions or bm.can_allocate(head, head.num_tokens + 1 - hit, cached)
             if len(self.running) < self.max_num_seqs and fits and bm.allocate(head, n, cached):
                 self.waiting.pop()
+                self._waiting_embeddings -= head.pool is not None
                 head.num_computed_tokens = hit
                 if not head.num_preemptions:  # first admission: what the client is told, and the hit rate
                     head.num_cached_tokens = hit
@@ -325,6 +333,7 @@ class Scheduler:
         req.status = Status.WAITING
         req.queued_at = self.now
         self.waiting.requeue(req)
+        self._waiting_embeddings += req.pool is not None
         batch.preempted.append(req)
 
 

@@ -155,3 +155,33 @@ def test_one_at_a_time_holds_back_a_priority_preemption_while_a_prompt_is_comput
         assert batch.requests == [a] and not batch.preempted and list(s.waiting) == [b]
     else:
         assert batch.requests == [b] and batch.preempted == [a]
+
+
+def test_embeddings_do_not_size_the_prefill_cap_beside_streams():
+    """One stream decoding, embedding requests waiting: a step's prompt tokens are capped for a batch of
+    one decode (the embeddings never decode), not for the max_num_seqs their number would suggest."""
+    from types import SimpleNamespace
+
+    from engine.prefill_cap import PrefillCap
+
+    asked = []
+
+    class Cap(PrefillCap):
+        def value(self, rows: int) -> int:
+            asked.append(rows)
+            return 4
+
+    s, _ = make(num_blocks=64, max_num_seqs=8, prefill_cap=Cap(100))
+    stream = req("g", 2)
+    s.add(stream)
+    run_step(s, s.schedule())
+    docs = [Request(f"e{i}", list(range(1, 11)), SamplingParams(max_tokens=1), pool=SimpleNamespace(every_token=False))
+            for i in range(6)]
+    for d in docs:
+        s.add(d)
+    batch = s.schedule()
+    assert asked == [1] and batch.requests == [stream, docs[0]] and batch.num_new_tokens == [1, 4]
+    s.add(req("g2", 3))  # a generation waiting will decode: it counts
+    run_step(s, batch)
+    s.schedule()
+    assert asked[-1] == 2  # the stream and g2; not docs[0], running (prefilling) but never decoding
