@@ -46,6 +46,7 @@ from engine.token_bytes import VocabularyError
 
 log = logging.getLogger("tokenmill.engine")
 
+_EMBEDDING = SamplingParams(max_tokens=1)  # an embedding request's sampling params: it samples nothing
 OOM_RECOVERY_STEPS = 64  # steps after an out-of-memory step before admissions are back to normal regardless
 
 
@@ -145,6 +146,7 @@ class Engine:
         if pooling is not None:
             pool = PoolState(self.pooler.pooling_type, pooling.dimensions,
                              self.pooler.normalize if pooling.normalize is None else pooling.normalize)
+            params = _EMBEDDING  # nothing is sampled: whatever came with it must not ask for logits
         elif params.json_schema is not None or params.choice is not None:
             try:
                 grammar = self.grammars.matcher(params.json_schema, params.choice)
@@ -157,7 +159,7 @@ class Engine:
         except QueueFull as e:
             raise RequestError(429, "rate_limit_error", f"server busy: {e}; retry later") from e
         except PromptTooLong as e:
-            raise RequestError(400, "invalid_request_error", str(e), "prompt") from e
+            raise RequestError(400, "invalid_request_error", str(e), "prompt" if pool is None else "input") from e
         self.requests[request_id] = req
 
     def abort(self, request_ids: list[str] | str) -> None:

@@ -269,8 +269,9 @@ class ModelRunner:
         """The launched step's tokens (and prompt logprobs) on the host: waits for the device."""
         # all converted before anything changes: should the sync raise, the step can be collected again
         done = [(r, logprob_lists(*tensors)) for r, tensors in launched.prompt_logprobs]
+        vectors = to_bytes([v for _, v in launched.pooled])
+        pooled = list(zip([r for r, _ in launched.pooled], vectors, strict=True))
         launched.prompt_logprobs = []
-        pooled = [(r, to_bytes(v)) for r, v in launched.pooled]
         for r, lists in done:
             r.prompt_logprobs.extend(lists)
             r.num_prompt_logprobs_in_flight -= len(lists)

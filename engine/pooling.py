@@ -42,7 +42,7 @@ class PoolerConfig:
 
     def __post_init__(self) -> None:
         if self.pooling_type not in POOLING_TYPES:
-            raise ValueError(f"pooling type {self.pooling_type!r} is not supported for embeddings "
+            raise ValueError(f"the model's pooling {self.pooling_type!r} is not supported for embeddings "
                              f"({', '.join(POOLING_TYPES)} are; --pooler-config '{{\"pooling_type\": \"LAST\"}}' "
                              "picks one)")
 
@@ -56,22 +56,22 @@ class PoolerConfig:
 
 
 def _from_sentence_transformers(path: str) -> dict:
+    """What the model's sentence-transformers files say; a pooling type that is not one supported mode
+    (or files that cannot be read) is refused by ``PoolerConfig`` unless ``--pooler-config`` names one."""
     modules_file = os.path.join(path, "modules.json")
     if not os.path.isfile(modules_file):
         return {}
-    with open(modules_file) as f:
-        modules = json.load(f)
-    found = {"normalize": any(m.get("type", "").endswith(".Normalize") for m in modules)}
-    pooling = next((m for m in modules if m.get("type", "").endswith(".Pooling")), None)
-    if pooling is not None:
-        with open(os.path.join(path, pooling.get("path", ""), "config.json")) as f:
-            settings = json.load(f)
-        modes = [ours for key, ours in _ST_MODES.items() if settings.get(key)]
-        if len(modes) != 1:
-            raise ValueError(f"{path}: sentence-transformers pooling {modes or 'none'} (one of last, mean is "
-                             "supported; --pooler-config overrides it)")
-        found["pooling_type"] = modes[0]
-    return found
+    try:
+        with open(modules_file) as f:
+            types = {m["type"].rsplit(".", 1)[-1]: m for m in json.load(f)}
+        found = {"normalize": "Normalize" in types}
+        if "Pooling" in types:
+            with open(os.path.join(path, types["Pooling"].get("path", ""), "config.json")) as f:
+                settings = json.load(f)
+            found["pooling_type"] = "+".join(ours for key, ours in _ST_MODES.items() if settings.get(key)) or "none"
+        return found
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+        return {"pooling_type": f"unreadable ({type(e).__name__}: {e})"}
 
 
 def _from_gguf(path: str) -> dict:
@@ -124,6 +124,13 @@ def pool(spans: list[tuple[PoolState, int, int, bool]], sums: torch.Tensor) -> l
     return out
 
 
-def to_bytes(v: torch.Tensor) -> bytes:
-    """A vector as the wire carries it: little-endian float32."""
-    return v.float().cpu().numpy().astype("<f4").tobytes()
+def to_bytes(vectors: list[torch.Tensor]) -> list[bytes]:
+    """Vectors as the wire carries them, little-endian float32s (one copy to the host for all)."""
+    if not vectors:
+        return []
+    flat = torch.cat(vectors).cpu().numpy().astype("<f4")
+    out, start = [], 0
+    for v in vectors:
+        out.append(flat[start:start + len(v)].tobytes())
+        start += len(v)
+    return out

@@ -135,7 +135,7 @@ class Scheduler:
         if len(self.waiting) >= self.max_num_waiting_requests:
             raise QueueFull(f"the waiting queue is full ({self.max_num_waiting_requests} requests)")
         bm = self.block_manager
-        if bm.blocks_needed(req, req.num_tokens + 1) > bm.num_blocks:  # could never run, not even alone
+        if bm.blocks_needed(req, _context_needed(req)) > bm.num_blocks:  # could never run, not even alone
             raise PromptTooLong(f"the prompt needs more than the {bm.num_blocks * bm.block_size} tokens "
                                 "the KV cache holds")
         req.status = Status.WAITING
@@ -154,6 +154,7 @@ class Scheduler:
         self._expire(batch)
         for req in list(self.running):  # decodes first, in admission order
             if (req.status is Status.RUNNING and req.num_tokens + req.num_in_flight - req.num_computed_tokens == 1
+                    and req.pool is None  # (an embedding's last prompt token is a prompt token)
                     and req.num_sampled < req.params.max_tokens  # (else the token in flight is its last)
                     and batch.num_tokens < self.max_num_batched_tokens and self._allocate_running(req, 1, batch)):
                 self._add(batch, req, 1, decode=True)
@@ -236,7 +237,8 @@ class Scheduler:
         """Up to ``limit`` prompt tokens, to running requests still prefilling and to waiting ones,
         best rank first."""
         rank = self.waiting.rank
-        prefilling = sorted((r for r in self.running if r.num_tokens - r.num_computed_tokens > 1), key=rank)
+        prefilling = sorted((r for r in self.running if r.num_tokens - r.num_computed_tokens > (r.pool is None)),
+                            key=rank)
         admit = not (self.one_at_a_time and prefilling)
         i = 0
         while batch.num_prompt_tokens < limit:
@@ -260,7 +262,7 @@ class Scheduler:
             n = min(head.num_tokens - hit, limit - batch.num_prompt_tokens)
             # a resumed request comes back only when its whole context fits: back in part, it would
             # just be pushed out again
-            fits = not head.num_preemptions or bm.can_allocate(head, head.num_tokens + 1 - hit, cached)
+            fits = not head.num_preemptions or bm.can_allocate(head, _context_needed(head) - hit, cached)
             if len(self.running) < self.max_num_seqs and fits and bm.allocate(head, n, cached):
                 self.waiting.pop()
                 self._waiting_embeddings -= head.pool is not None
@@ -335,6 +337,12 @@ class Scheduler:
         self.waiting.requeue(req)
         self._waiting_embeddings += req.pool is not None
         batch.preempted.append(req)
+
+
+def _context_needed(req: Request) -> int:
+    """The KV slots ``req`` needs to take its next step: its tokens, and the one it samples (an
+    embedding samples none)."""
+    return req.num_tokens + (req.pool is None)
 
 
 def _cacheable_tokens(req: Request) -> int:

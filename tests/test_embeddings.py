@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 
 import pytest
 import torch
@@ -152,6 +153,13 @@ def test_a_qwen3_embedding_checkpoint_embeds_and_refuses_to_generate(tmp_path, s
     with pytest.raises(RequestError, match="has no language-model head") as e:
         llm.generate(["Hello"], SamplingParams(max_tokens=4))
     assert e.value.status == 400
+    # sampling params sent with an embedding ask for nothing: no logits (there is no head to make them)
+    eng = llm.engine
+    eng.add_request("x", [5, 6, 7], SamplingParams(max_tokens=3, prompt_logprobs=2, logprobs=1),
+                    pooling=PoolingParams())
+    deltas = [d for _ in range(3) for d in eng.step()]
+    assert [(d.request_id, d.finish_reason, d.prompt_logprobs) for d in deltas] == [("x", "stop", None)]
+    assert close(list(struct.unpack("<64f", deltas[0].embedding)), hf_embedding(backbone, [5, 6, 7], "last"))
 
 
 def test_the_models_pooling_and_the_override(tmp_path):
@@ -163,6 +171,14 @@ def test_the_models_pooling_and_the_override(tmp_path):
     assert PoolerConfig.of(path, {"normalize": True}) == PoolerConfig("mean", True)
     _sentence_transformers_files(path, {"pooling_mode_cls_token": True})
     with pytest.raises(ValueError, match="cls"):
+        PoolerConfig.of(path)
+    assert PoolerConfig.of(path, {"pooling_type": "mean"}) == PoolerConfig("mean", True)
+    _sentence_transformers_files(path, {"pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": True})
+    with pytest.raises(ValueError, match="mean\\+max"):
+        PoolerConfig.of(path)
+    assert PoolerConfig.of(path, {"pooling_type": "last"}) == PoolerConfig("last", True)
+    os.remove(os.path.join(path, "1_Pooling", "config.json"))
+    with pytest.raises(ValueError, match="unreadable"):
         PoolerConfig.of(path)
     assert PoolerConfig.of(path, {"pooling_type": "mean"}) == PoolerConfig("mean", True)
 
@@ -196,4 +212,17 @@ def test_a_model_whose_pooling_is_unsupported_still_generates(tiny_llama, tmp_pa
     assert llm.generate(["Hi"], SamplingParams(max_tokens=2, ignore_eos=True))[0].finish_reason == "length"
     with pytest.raises(RequestError, match="cannot embed.*cls") as e:
         llm.embed("Hi")
+    assert e.value.param == "input"
+
+
+def test_an_input_as_long_as_the_cache_embeds(qwen3):
+    """12 blocks of 16 tokens: max_model_len drops to 192, and a 192-token input fits (it samples no token
+    after its prompt, so it needs no slot past it)."""
+    path, hf = qwen3
+    llm = LLM(path, **(KW | {"num_kv_blocks": 12}))
+    assert llm.engine.max_model_len == 192
+    ids = list(range(300, 492))
+    assert close(llm.embed(ids)[0].embedding, hf_embedding(hf, ids, "last"))
+    with pytest.raises(RequestError, match="maximum context length is 192") as e:
+        llm.embed(ids + [7])
     assert e.value.param == "input"

@@ -185,3 +185,19 @@ def test_embeddings_do_not_size_the_prefill_cap_beside_streams():
     run_step(s, batch)
     s.schedule()
     assert asked[-1] == 2  # the stream and g2; not docs[0], running (prefilling) but never decoding
+
+
+def test_an_embeddings_last_prompt_token_is_a_prompt_token():
+    """A 5-token embedding under a 4-token budget: its fifth token is not a decode (it samples nothing), so
+    the step it is in has no decodes and is not capped."""
+    from types import SimpleNamespace
+
+    s, _ = make(max_tokens=4)
+    doc = Request("e", list(range(1, 6)), SamplingParams(max_tokens=1), pool=SimpleNamespace(every_token=False))
+    s.add(doc)
+    s.add(req("late", 3))
+    batch = s.schedule()
+    assert batch.requests == [doc] and batch.num_new_tokens == [4]
+    run_step(s, batch)
+    batch = s.schedule()
+    assert batch.requests == [doc, s.running[1]] and batch.num_new_tokens == [1, 3] and batch.num_decodes == 0
