@@ -1,8 +1,9 @@
 """``POST /v1/embeddings``: OpenAI's embeddings API over the engine's pooling (``engine.pooling``).
 
 ``input``: a string, a list of strings, a list of token ids or a list of such lists (at most
-``MAX_INPUTS``, OpenAI's limit, and no more than the engine's waiting queue holds); each is one
-engine request, batched with whatever else runs (chats included: one server, one model, both APIs). ``encoding_format``: ``float`` (default) or ``base64``
+``MAX_INPUTS``, OpenAI's limit); each is one engine request, batched with whatever else runs
+(chats included: one server, one model, both APIs), sent a window at a time (twice the engine's
+``max_num_seqs``): a call of a thousand inputs does not queue them all ahead of the next chat. ``encoding_format``: ``float`` (default) or ``base64``
 (little-endian float32s: what the openai client asks for unless told otherwise, and decodes
 itself). ``dimensions``: the first this many of each vector, normalized after the cut
 (Matryoshka models: Qwen3-Embedding...). vLLM's ``normalize`` (default: the model's) and
@@ -23,6 +24,7 @@ from frontends.generation import Generation
 
 ENCODINGS = ("float", "base64")
 MAX_INPUTS = 2048  # OpenAI's; LangChain's OpenAIEmbeddings sends 1000 at a time
+TRUNCATION_MARGIN = 16  # tokens tokenized before the kept ones of a long text cut for truncate_prompt_tokens
 
 
 def parse_pooling(data: dict) -> PoolingParams:
@@ -32,22 +34,32 @@ def parse_pooling(data: dict) -> PoolingParams:
         raise ApiError(400, str(e), param=e.param) from None
 
 
-def truncate(prompts: list[list[int]], data: dict, max_model_len: int) -> list[list[int]]:
-    """``truncate_prompt_tokens`` applied (the last k tokens kept); then every input must fit the context."""
+def parse_truncation(data: dict, max_model_len: int) -> int | None:
+    """``truncate_prompt_tokens``: the last k tokens of each input are kept (-1: as many as fit)."""
     k = op.field(data, "truncate_prompt_tokens", int, None)
-    if k is not None:
-        if k == -1:
-            k = max_model_len
-        if not 1 <= k <= max_model_len:
-            raise ApiError(400, f"truncate_prompt_tokens must be -1 or in [1, {max_model_len}], got {k}",
-                           param="truncate_prompt_tokens")
-        prompts = [p[-k:] for p in prompts]
+    if k == -1:
+        k = max_model_len
+    if k is not None and not 1 <= k <= max_model_len:
+        raise ApiError(400, f"truncate_prompt_tokens must be -1 or in [1, {max_model_len}], got {k}",
+                       param="truncate_prompt_tokens")
+    return k
+
+
+def cut_texts(inputs, num_chars: int):
+    """``inputs`` with every text cut to its last ``num_chars`` characters (whatever else as it is)."""
+    if isinstance(inputs, str):
+        return inputs[-num_chars:]
+    if isinstance(inputs, list):
+        return [x[-num_chars:] if isinstance(x, str) else x for x in inputs]
+    return inputs
+
+
+def check_lengths(prompts: list[list[int]], max_model_len: int) -> None:
     for p in prompts:
         if len(p) > max_model_len:
             raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
                            f"requested {len(p)} tokens in the input for embedding generation. Please reduce "
                            "the length of the input (or set truncate_prompt_tokens).", param="input")
-    return prompts
 
 
 class EmbeddingsFormat:
@@ -77,9 +89,18 @@ async def embeddings_job(api, data: dict, arrival: float | None = None) -> tuple
                        param="encoding_format")
     pooling = parse_pooling(data)
     deadline, priority, cache_salt = op.parse_deadline(data), op.parse_priority(data), op.parse_cache_salt(data)
-    limit = min(MAX_INPUTS, api.client.ready.max_num_waiting_requests)  # more could never be queued at once
-    prompts = await op.parse_prompts(data, api._encode, api.codec.vocab_size, api.max_chars, "input", limit)
-    prompts = truncate(prompts, data, api.max_model_len)
+    keep = parse_truncation(data, api.max_model_len)
+    max_chars = api.max_chars
+    if keep is not None:
+        # Only the end of a long text is tokenized: its last (keep + TRUNCATION_MARGIN) tokens at least (no
+        # token is longer than max_token_chars), of which the first few may differ from the whole text's,
+        # cut where the text was; the last keep are the same.
+        max_chars = (keep + TRUNCATION_MARGIN) * api.codec.max_token_chars
+        data = dict(data, input=cut_texts(data.get("input"), max_chars))
+    prompts = await op.parse_prompts(data, api._encode, api.codec.vocab_size, max_chars, "input", MAX_INPUTS)
+    if keep is not None:
+        prompts = [p[-keep:] for p in prompts]
+    check_lengths(prompts, api.max_model_len)
     api._require_engine()
     api_id = api._new_id("embd")
     gen = Generation(api.client, api.codec, api_id, prompts, 1, lambda i: SamplingParams(max_tokens=1), priority,

@@ -133,13 +133,25 @@ class Generation:
         # the request's field the engine's json_schema / choice came from: its refusals are named so
         self.schema_param = "response_format"
         self.pooling: PoolingParams | None = None  # set: every choice is an embedding request
+        self._num_sent = 0
 
-    def start(self) -> None:
+    def start(self, window: int | None = None) -> None:
+        """Send the choices' requests: all at once, or at most ``window`` unfinished at a time (the
+        next sent as one ends), so that a call of many inputs queues only a window of them ahead of
+        the calls that come after it."""
         self.sent_at = time.monotonic()
+        self._window = window or len(self.choices)
+        self._send(self._window)
+
+    def _send(self, count: int) -> None:
+        """Send the next ``count`` choices' requests."""
         try:
-            for c, params in zip(self.choices, self._params, strict=True):
+            while count > 0 and self._num_sent < len(self.choices):
+                c, params = self.choices[self._num_sent], self._params[self._num_sent]
                 self.client.add(c.request_id, c.prompt_ids, params, self._priority, self.deadline,
                                 stream=self.stream, cache_salt=self.cache_salt, pooling=self.pooling)
+                self._num_sent += 1
+                count -= 1
         except EngineUnavailable as e:
             now = time.monotonic()
             for c in self.choices:
@@ -200,11 +212,14 @@ class Generation:
                 up.finished = True
                 if hit and item.finish_reason is None:
                     self.client.abort([choice.request_id])
+        ended = 0
         for up in updates.values():  # a batch's tokens of one choice arrived together, however many deltas
             if up.token_ids:
                 self._got_tokens(up.choice, len(up.token_ids), now)
             if up.finished:
                 self._ended(up.choice, up.choice.finish_reason, now)
+                ended += 1
+        self._send(ended)  # (a windowed start: as many more)
         return list(updates.values())
 
     def _fail(self, items: list, now: float) -> None:

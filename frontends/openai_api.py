@@ -339,7 +339,8 @@ class OpenAIApi:
         info = req.meta = CallInfo(prompt=data.get("input"))  # access log
         gen, fmt = await embeddings_job(self, data, req.started)
         req.id, info.gen = gen.api_id, gen
-        gen.start()
+        # a window of the inputs at a time: later calls queue behind that many of them, not all
+        gen.start(window=2 * self.client.ready.max_num_seqs)
         try:
             while not gen.done:
                 await gen.next_updates()

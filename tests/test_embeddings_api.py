@@ -84,7 +84,7 @@ def test_raw_shape_token_ids_dimensions_and_truncation(server, offline):
     ({"input": "hi", "normalize": "yes"}, "normalize"),
     ({"input": [list(range(300))]}, "input"),  # longer than --max-model-len 256
     ({"input": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
-    ({"input": ["x"] * 2049}, "input"),
+    ({"input": ["x"] * 2049}, "input"),  # OpenAI's limit
 ])
 def test_bad_bodies_get_a_400_that_names_the_field(server, body, param):
     status, r = post(server, body)
@@ -117,3 +117,24 @@ def test_chats_stream_while_embeddings_are_computed(server, offline):
     assert all(n > 0 for n in results[:4])
     for data in results[4:]:
         assert all(close(d.embedding, offline[TEXTS[d.index % 3]].embedding) for d in data)
+
+
+def test_a_text_longer_than_the_context_is_truncated_from_its_end(server, tiny_llama):
+    """truncate_prompt_tokens on a text far longer than the context holds in characters: only its end is
+    tokenized, and the vector is the one of the whole text's last k tokens."""
+    from frontends.tokenizer import load_tokenizer
+
+    text = " ".join(f"word{i}" for i in range(60000))  # ~470k characters
+    status, r = post(server, {"input": text, "truncate_prompt_tokens": 40})
+    assert status == 200 and r["usage"]["prompt_tokens"] == 40, r
+    last = load_tokenizer(tiny_llama).encode(text)[-40:]
+    status, want = post(server, {"input": [last]})
+    assert close(r["data"][0]["embedding"], want["data"][0]["embedding"])
+    assert post(server, {"input": text})[0] == 400  # without truncation: too long
+
+
+def test_more_inputs_than_the_window_and_the_waiting_queue(server, offline):
+    """2048 inputs (the server's waiting queue holds 1024; a call sends 2 x max_num_seqs at a time)."""
+    status, r = post(server, {"input": [TEXTS[0], TEXTS[1]] * 1024})
+    assert status == 200 and len(r["data"]) == 2048
+    assert all(close(d["embedding"], offline[TEXTS[d["index"] % 2]].embedding) for d in r["data"][::97])

@@ -404,3 +404,21 @@ def test_websocket_stats_message_has_preemptions_and_timeouts(engine, codec):
         engine.num_preemptions = 0
     assert set(m) == {"type", "id"} | STATS_FIELDS
     assert (m["num_preemptions"], m["num_timeouts"]) == (2, engine.num_timeouts)
+
+
+def test_a_windowed_generation_sends_one_more_request_as_one_ends(codec):
+    """``Generation.start(window=3)`` (an embeddings call of many inputs): 3 requests at first, one more per
+    end, none sent after the call is abandoned."""
+    from engine.protocol import Delta, PoolingParams
+    from frontends.generation import Generation
+
+    client = _Client()
+    gen = Generation(client, codec, "e", [[1, 2], [3], [4, 5], [6], [7]], 1, lambda i: SamplingParams(max_tokens=1))
+    gen.pooling = PoolingParams()
+    gen.start(window=3)
+    assert [a[0] for a in client.added] == ["e-0", "e-1", "e-2"]
+    gen.stream.push(Delta("e-1", [], "stop", num_prompt_tokens=1, embedding=b"\0\0\0\0"))
+    asyncio.run(gen.next_updates())
+    assert [a[0] for a in client.added] == ["e-0", "e-1", "e-2", "e-3"]
+    gen.abort_unfinished()
+    assert client.aborted == ["e-0", "e-2", "e-3", "e-4"] and len(client.added) == 4  # e-4 never sent
