@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                        description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
-                                   "/v1/chat/completions, /v1/models, /health).")
+                                   "/v1/chat/completions, /v1/responses, /v1/embeddings, /v1/models, /health).")
     _engine_flags(s)
     h = s.add_argument_group("HTTP")
     h.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
