@@ -190,6 +190,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM's command lines: tool_choice 'auto' is on here wherever a "
                         "tool-call format is known")
+    e = s.add_argument_group("embeddings (/v1/embeddings; --pooler-config above)")
+    e.add_argument("--runner", choices=("auto", "generate", "pooling"), default=None,
+                   help="accepted for vLLM's command lines: every model serves /v1/embeddings beside its "
+                        "generations here (a checkpoint without an LM head only embeds)")
+    e.add_argument("--task", choices=("auto", "generate", "embed", "embedding"), default=None,
+                   help="accepted for older vLLM command lines, as --runner")
+    e.add_argument("--convert", choices=("auto", "none", "embed"), default=None,
+                   help="accepted for vLLM's command lines, as --runner")
     w = s.add_argument_group("WebSocket (/v1/stream)")
     w.add_argument("--ws-max-buffer", type=parse_size, default=None, metavar="SIZE",
                    help="unsent bytes a connection may hold before a client that does not read is "

@@ -66,6 +66,10 @@ def test_flags_map_to_engine_config():
                                     "scheduling_aging_seconds": 4.0}
     args = build_parser().parse_args(["serve", "--max-num-waiting-requests", "7", "--quantization", "gptq"])
     assert _config_kwargs(args) == {"max_num_waiting_requests": 7, "quantization": "gptq"}
+    # vLLM's embedding command lines: the runner flags change nothing, the pooler config reaches the engine
+    args = build_parser().parse_args(["serve", "--runner", "pooling", "--task", "embed", "--convert", "embed",
+                                      "--pooler-config", '{"pooling_type": "MEAN", "normalize": false}'])
+    assert _config_kwargs(args) == {"pooler_config": {"pooling_type": "MEAN", "normalize": False}}
 
 
 def test_websocket_flags_reach_the_frontends():
@@ -125,6 +129,9 @@ def test_bad_size_is_a_usage_error():
     (["--max-num-waiting-requests", "0"], "max_num_waiting_requests must be positive"),
     (["--api-server-count", "0"], "api_server_count must be at least 1"),
     (["--ssl-keyfile", "/nonexistent.key"], "go together"),
+    (["--pooler-config", "{mean}"], "not JSON"),
+    (["--pooler-config", '{"pooling_type": "CLS"}'], "pooler_config pooling_type must be one of last, mean"),
+    (["--pooler-config", '{"normalise": true}'], "pooler_config must be a map of pooling_type and normalize"),
 ])
 def test_invalid_config_exits_2_before_starting_anything(args, message):
     r = tokenmill("serve", *args, timeout=30)
