@@ -2,7 +2,7 @@
 
 Tiny random Llama, Qwen2 and Qwen3 models with KV heads both split (divisible by T) and replicated
 (fewer than T), through chunked prefill, concurrent requests, a shared prefix, prompt
-logprobs and a vocab that T does not divide; the default SmolLM2 GGUF with TP=3. Failures:
+logprobs and a vocab that T does not divide, and embeddings; the default SmolLM2 GGUF with TP=3. Failures:
 a killed worker fails the engine within seconds with a message naming the rank, and leaves no
 process behind; an unsupported split is refused at start. ``tokenmill serve -tp 2`` answers
 like TP=1, and when its engine (rank 0) dies the worker goes too.
@@ -85,6 +85,7 @@ def test_tp_greedy_equals_tp1(tmp_path, smollm_tokenizer_dir, tokenizer, arch, h
     with LLM(path, **KW) as ref:
         ref.tokenizer = tokenizer
         want = ref.generate(PROMPTS, params())
+        want_vectors = [o.embedding for o in ref.embed(PROMPTS)]
     threads = torch.get_num_threads()
     with LLM(path, tensor_parallel_size=t, **KW) as llm:
         runner = llm.engine.runner
@@ -95,7 +96,9 @@ def test_tp_greedy_equals_tp1(tmp_path, smollm_tokenizer_dir, tokenizer, arch, h
         assert len(procs) == t - 1 and all(p.is_alive() for p in procs)
         llm.tokenizer = tokenizer
         got = llm.generate(PROMPTS, params())
+        got_vectors = [o.embedding for o in llm.embed(PROMPTS)]  # pooled on rank 0 from the whole hidden state
     assert torch.get_num_threads() == threads  # given back at close
+    assert torch.allclose(torch.tensor(got_vectors), torch.tensor(want_vectors), atol=1e-5)
     assert all(p.exitcode == 0 for p in procs)  # the shutdown command, not a signal
     for g, w in zip(got, want, strict=True):
         assert g.token_ids == w.token_ids
