@@ -19,7 +19,9 @@ from tests.test_engine import GREEDY, assert_all_blocks_free, prompts
 from tests.test_engine_oom import BIG, has_big
 from tests.test_prefix_caching import shared_prefix_prompts
 
-KW = dict(num_kv_blocks=256, max_model_len=512)
+# float32: the prefill cap learns from step times, so under load the two modes may batch differently,
+# and only float32 keeps greedy tokens through any batching (bf16 is not batch-invariant)
+KW = dict(num_kv_blocks=256, max_model_len=512, dtype="float32")
 
 
 def pair(tiny_llama, **kw) -> tuple[LLM, LLM]:
@@ -274,13 +276,13 @@ def test_the_prefill_cap_learns_each_steps_own_time(tiny_llama):
     forward, observe = runner.forward_step, sched.observe
 
     def slow_forward(step):
-        time.sleep(0.05)
+        time.sleep(0.2)  # the rest of a tiny step takes milliseconds: two launches would be 0.4 s at least
         return forward(step)
 
     runner.forward_step = slow_forward
     sched.observe = lambda batch, seconds: seen.append(seconds) or observe(batch, seconds)
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
-    assert len(seen) == 6 and all(0.05 <= s < 0.09 for s in seen), seen  # one launch each, never two
+    assert len(seen) == 6 and all(0.2 <= s < 0.4 for s in seen), seen  # one launch each, never two
 
 
 def test_a_step_stays_in_flight_when_scheduling_raises(tiny_llama):
