@@ -17,6 +17,8 @@ from __future__ import annotations
 import base64
 import time
 
+import orjson
+
 from engine.protocol import PoolingParams, SamplingParamError, SamplingParams, embedding_floats
 from frontends import openai_params as op
 from frontends.errors import ApiError
@@ -72,12 +74,18 @@ class EmbeddingsFormat:
     def _vector(self, raw: bytes) -> str | list[float]:
         return base64.b64encode(raw).decode() if self.encoding == "base64" else embedding_floats(raw)
 
-    def response(self) -> dict:
+    def body(self) -> bytes:
+        """The response's JSON, written a vector at a time: on a thread (``openai_api``), the event loop
+        gets the GIL back between two vectors, not after all of them."""
         n = self.gen.num_prompt_tokens
-        return {"id": self.api_id, "object": "list", "created": self.created, "model": self.model,
-                "data": [{"object": "embedding", "index": c.index, "embedding": self._vector(c.embedding)}
-                         for c in self.gen.choices],
-                "usage": {"prompt_tokens": n, "total_tokens": n}}
+        head = orjson.dumps({"id": self.api_id, "object": "list", "created": self.created, "model": self.model,
+                             "usage": {"prompt_tokens": n, "total_tokens": n}})
+        parts = [head[:-1], b',"data":[']
+        for c in self.gen.choices:
+            parts += (orjson.dumps({"object": "embedding", "index": c.index, "embedding": self._vector(c.embedding)}),
+                      b",")
+        parts[-1] = b"]}"  # (the last comma; there is always at least one input)
+        return b"".join(parts)  # one copy of the whole
 
 
 async def embeddings_job(api, data: dict, arrival: float | None = None) -> tuple[Generation, EmbeddingsFormat]:

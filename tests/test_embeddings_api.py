@@ -134,7 +134,8 @@ def test_a_text_longer_than_the_context_is_truncated_from_its_end(server, tiny_l
 
 
 def test_more_inputs_than_the_window_and_the_waiting_queue(server, offline):
-    """2048 inputs (the server's waiting queue holds 1024; a call sends 2 x max_num_seqs at a time)."""
+    """2048 inputs (the server's waiting queue holds 1024; a call sends 2 x max_num_seqs at a time); a response
+    this big (512 KiB of vectors) is written on a thread."""
     status, r = post(server, {"input": [TEXTS[0], TEXTS[1]] * 1024})
     assert status == 200 and len(r["data"]) == 2048
     assert all(close(d["embedding"], offline[TEXTS[d["index"] % 2]].embedding) for d in r["data"][::97])
