@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import select
 import signal
+import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -245,7 +247,10 @@ class Driver:
 
     def __init__(self, procs: list, on_close: Callable[[], None] | None = None, remote: str = ""):
         self.procs = procs  # multiprocessing.Process of ranks 1..L-1 (this node's), in rank order
-        self.remote = remote  # the ranks on other nodes, in words ("" on one node): no waitpid for them
+        self.remote = remote  # the ranks on other nodes, in words ("" on one node): no waitpid for them...
+        # ...but a connection each ("rank 2 on node 1" -> its socket), closed by its kernel when it dies: a
+        # collective posted to a peer gloo already saw close can wait out its whole timeout instead of failing
+        self.links: dict[str, socket.socket] = {}
         self.broken: str | None = None  # why the group cannot go on
         self.cpu_group = None
         self.store = None  # the rendezvous, kept alive with the group
@@ -253,13 +258,17 @@ class Driver:
         self._closed = False
 
     def dead(self) -> list[str]:
-        """One line per worker that is gone (a cheap waitpid each)."""
+        """One line per worker that is gone (a cheap waitpid each; one select over the remote ones)."""
         out = []
         for rank, p in enumerate(self.procs, start=1):
             code = p.exitcode
             if code is not None:
                 how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
                 out.append(f"tensor-parallel rank {rank} (pid {p.pid}) died ({how})")
+        if self.links:
+            readable = select.select(list(self.links.values()), [], [], 0)[0]
+            out += [f"tensor-parallel {who} is gone (its connection to rank 0 closed)"
+                    for who, sock in self.links.items() if sock in readable and _closed(sock)]
         return out
 
     def check(self) -> None:
@@ -275,7 +284,7 @@ class Driver:
         """A step failed: stop the group and, for an ``Exception``, raise a ``TensorParallelError``
         naming the rank that died (its exit gets a moment to show), or saying what failed."""
         if self.broken is None:
-            deadline = time.monotonic() + (2.0 if isinstance(error, Exception) and self.procs else 0.0)
+            deadline = time.monotonic() + (2.0 if isinstance(error, Exception) and (self.procs or self.links) else 0.0)
             while not (dead := self.dead()) and time.monotonic() < deadline:
                 time.sleep(0.02)
             self._break("; ".join(dead) if dead else self._failed(error))
@@ -303,6 +312,8 @@ class Driver:
             except Exception:  # noqa: BLE001 - the signals below stop them anyway
                 pass
         stop_processes(self.procs, timeout)
+        for sock in self.links.values():
+            sock.close()
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -310,6 +321,14 @@ class Driver:
                 pass
         if self._on_close is not None:
             self._on_close()
+
+
+def _closed(sock: socket.socket) -> bool:
+    """Whether the peer of ``sock`` (which never sends) has closed it: EOF or a reset."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
 
 
 def stop_processes(procs: list, timeout: float) -> None:

@@ -30,6 +30,7 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+import socket
 import sys
 import time
 import weakref
@@ -53,6 +54,7 @@ log = logging.getLogger("tokenmill.tp")
 
 _UP_KEY = "tokenmill/tp/up/{}"  # a worker sets it once it reached the store, before joining the group
 _ENGINE_KEY = "tokenmill/tp/engine"  # rank 0's settings and backend, for the nodes > 0 (JSON)
+_LINK_KEY = "tokenmill/tp/link"  # the port each rank on another node connects to rank 0 on (Driver.links)
 DEFAULT_MASTER_PORT = 29500  # torchrun's
 
 
@@ -91,8 +93,11 @@ def launch(config: EngineConfig, model_path: str, model_cfg: ModelConfig, device
         store = dist.TCPStore(addr, port, t, is_master=True, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
     except RuntimeError as e:
         raise ValueError(f"cannot open the tensor-parallel rendezvous on {addr}:{port}: {e}") from e
+    links = None
     if n > 1:
         store.set(_ENGINE_KEY, json.dumps({"config": dataclasses.asdict(config), "backend": backend}))
+        links = socket.create_server((addr, 0))
+        store.set(_LINK_KEY, str(links.getsockname()[1]))
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=worker_main, name=f"tokenmill-tp-{r}", daemon=True,
                          args=(r, t, addr, store.port, backend, config, model_path, threads, os.getpid()))
@@ -107,9 +112,14 @@ def launch(config: EngineConfig, model_path: str, model_cfg: ModelConfig, device
             log.info("tensor parallel: waiting for %s to join at %s:%d", remote, addr, store.port)
         _wait_for_workers(store, driver, t)
         group = init_group(0, t, store, backend, driver, local)
+        if links is not None:
+            _accept_links(links, driver, local, t)
     except BaseException:
         driver.close()
         raise
+    finally:
+        if links is not None:
+            links.close()
     if backend == "gloo":
         torch.set_num_threads(threads)
     weakref.finalize(group, driver.close)  # also at exit: the workers get their shutdown command
@@ -133,6 +143,19 @@ def _wait_for_workers(store: dist.Store, driver: Driver, t: int) -> None:
         time.sleep(0.02)
 
 
+def _accept_links(server: socket.socket, driver: Driver, local: int, t: int) -> None:
+    """Rank 0: the connection of every rank on another node (each says its rank first), into
+    ``driver.links``: when a rank there dies, its kernel closes it, and ``Driver.check`` sees that
+    before the next step."""
+    server.settimeout(COLLECTIVE_TIMEOUT.total_seconds())
+    for _ in range(local, t):
+        sock, _ = server.accept()
+        sock.settimeout(COLLECTIVE_TIMEOUT.total_seconds())
+        rank = int.from_bytes(sock.recv(4), "little")
+        sock.settimeout(None)
+        driver.links[f"rank {rank} on node {rank // local}"] = sock
+
+
 def worker_main(rank: int, size: int, addr: str, port: int, backend: str, config: EngineConfig, model_path: str,
                 threads: int, parent_pid: int) -> None:
     """Rank ``rank``: join the group, build the same runner as rank 0, mirror its steps."""
@@ -148,6 +171,10 @@ def worker_main(rank: int, size: int, addr: str, port: int, backend: str, config
     store = dist.TCPStore(addr, port, size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
     store.set(_UP_KEY.format(rank), "1")
     tp = init_group(rank, size, store, backend, local_size=local)
+    link = None  # on another node than rank 0: held open for rank 0 to see it close (Driver.links)
+    if rank >= local:
+        link = socket.create_connection((addr, int(store.get(_LINK_KEY))), timeout=COLLECTIVE_TIMEOUT.total_seconds())
+        link.sendall(rank.to_bytes(4, "little"))
     from engine.model_runner import ModelRunner  # here: model_runner imports this module
 
     code = 0
@@ -165,6 +192,8 @@ def worker_main(rank: int, size: int, addr: str, port: int, backend: str, config
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - on the way out after a failure
         pass
+    if link is not None:
+        link.close()
     logging.shutdown()
     os._exit(code)  # nothing left to flush: skip the interpreter's teardown of torch (a second or so)
 
