@@ -88,8 +88,10 @@ class EmbeddingsFormat:
         return b"".join(parts)  # one copy of the whole
 
 
-async def embeddings_job(api, data: dict, arrival: float | None = None) -> tuple[Generation, EmbeddingsFormat]:
-    """A /v1/embeddings body checked and turned into an unstarted generation (``api``: the ``OpenAIApi``)."""
+async def embeddings_job(api, data: dict, arrival: float | None = None,
+                         id_prefix: str = "embd") -> tuple[Generation, EmbeddingsFormat]:
+    """A /v1/embeddings body checked and turned into an unstarted generation (``api``: the ``OpenAIApi``;
+    ``frontends.scoring`` runs its rerank and score calls through it too)."""
     op.check_model(data, api.model)
     encoding = op.field(data, "encoding_format", str, "float")
     if encoding not in ENCODINGS:
@@ -110,7 +112,7 @@ async def embeddings_job(api, data: dict, arrival: float | None = None) -> tuple
         prompts = [p[-keep:] for p in prompts]
     check_lengths(prompts, api.max_model_len)
     api._require_engine()
-    api_id = api._new_id("embd")
+    api_id = api._new_id(id_prefix)
     gen = Generation(api.client, api.codec, api_id, prompts, 1, lambda i: SamplingParams(max_tokens=1), priority,
                      None, deadline, cache_salt, api.metrics, arrival)
     gen.pooling = pooling

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API: routes, auth, and the response shapes.
 
 ``/v1/completions``, ``/v1/chat/completions`` and ``/v1/responses`` (plain and SSE streaming),
-``/v1/embeddings`` (``frontends.embeddings``),
+``/v1/embeddings`` (``frontends.embeddings``), ``/v1/rerank`` and ``/v1/score`` (``frontends.scoring``),
 ``/v1/models``, ``/health``, ``/tokenize``, ``/detokenize``, ``/version``.
 Request bodies are read in ``openai_params``; the engine requests of one call
 run in a ``generation.Generation``. Every endpoint except ``/health`` needs an
@@ -50,6 +50,7 @@ from frontends.http import Request, Response, Router, StreamingResponse
 from frontends.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from frontends.metrics import Metrics
 from frontends.responses import RESPONSES_PARAMS, ResponsesFormat, to_chat
+from frontends.scoring import rerank_job, score_job
 from frontends.text import StopMatcher, TextCodec, TokenizerBusy
 
 VERSION = "0.1.0"
@@ -112,6 +113,8 @@ class OpenAIApi:
             ("POST", "/v1/chat/completions", self.chat_completions),
             ("POST", "/v1/responses", self.responses),
             ("POST", "/v1/embeddings", self.embeddings),
+            *(("POST", path, self.rerank) for path in ("/v1/rerank", "/rerank", "/v2/rerank")),
+            *(("POST", path, self.score) for path in ("/v1/score", "/score")),
             ("GET", "/v1/models", self.models),
             ("POST", "/tokenize", self.tokenize),
             ("POST", "/detokenize", self.detokenize),
@@ -338,10 +341,23 @@ class OpenAIApi:
     # ------------------------------------------------------------------ embeddings
 
     async def embeddings(self, req: Request) -> Response:
-        started = time.time()
         data = op.parse_json(req.body)
-        info = req.meta = CallInfo(prompt=data.get("input"))  # access log
-        gen, fmt = await embeddings_job(self, data, req.started)
+        return await self._embed(req, data, embeddings_job, data.get("input"))
+
+    async def rerank(self, req: Request) -> Response:
+        data = op.parse_json(req.body)
+        return await self._embed(req, data, rerank_job, data.get("query"))
+
+    async def score(self, req: Request) -> Response:
+        data = op.parse_json(req.body)
+        return await self._embed(req, data, score_job, data.get("text_1"))
+
+    async def _embed(self, req: Request, data: dict, job, logged) -> Response:
+        """Run an embeddings ``job`` (``embeddings_job``, ``rerank_job``, ``score_job``): every vector in,
+        then its format's body."""
+        started = time.time()
+        info = req.meta = CallInfo(prompt=logged)  # access log
+        gen, fmt = await job(self, data, req.started)
         req.id, info.gen = gen.api_id, gen
         # a window of the inputs at a time: later calls queue behind that many of them, not all
         gen.start(window=2 * self.client.ready.max_num_seqs)

@@ -1,7 +1,7 @@
 """``POST /v1/embeddings`` on a real server (``tokenmill serve``, two frontends, ``--pooler-config``)
 with the official ``openai`` client (which asks for base64 and decodes it) and raw HTTP: vectors equal
 to ``LLM.embed``'s, OpenAI's response shape, vLLM's extra fields, clear 400s, and chats streaming
-beside embeddings."""
+beside embeddings; ``/v1/rerank`` and ``/v1/score`` as the cosine similarities of those vectors."""
 
 from __future__ import annotations
 
@@ -34,10 +34,10 @@ def offline(tiny_llama):
     return {o.prompt: o for o in llm.embed(TEXTS)}
 
 
-def post(server: Server, body: dict) -> tuple[int, dict]:
+def post(server: Server, body: dict, path: str = "/v1/embeddings") -> tuple[int, dict]:
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     try:
-        conn.request("POST", "/v1/embeddings", json.dumps(body), {"content-type": "application/json"})
+        conn.request("POST", path, json.dumps(body), {"content-type": "application/json"})
         r = conn.getresponse()
         return r.status, json.loads(r.read())
     finally:
@@ -139,3 +139,49 @@ def test_more_inputs_than_the_window_and_the_waiting_queue(server, offline):
     status, r = post(server, {"input": [TEXTS[0], TEXTS[1]] * 1024})
     assert status == 200 and len(r["data"]) == 2048
     assert all(close(d["embedding"], offline[TEXTS[d["index"] % 2]].embedding) for d in r["data"][::97])
+
+
+def cosine(a: list[float], b: list[float]) -> float:
+    return sum(x * y for x, y in zip(a, b, strict=True))  # (normalized vectors)
+
+
+@pytest.mark.parametrize("path", ["/v1/rerank", "/rerank", "/v2/rerank"])
+def test_rerank_orders_documents_by_cosine_similarity(server, offline, path):
+    query, docs = TEXTS[0], [TEXTS[1], {"text": TEXTS[2]}, TEXTS[0]]
+    status, r = post(server, {"model": "tiny", "query": query, "documents": docs, "top_n": 2}, path)
+    assert status == 200, r
+    want = sorted(((cosine(offline[query].embedding, offline[t].embedding), i)
+                   for i, t in enumerate([TEXTS[1], TEXTS[2], TEXTS[0]])), reverse=True)
+    assert [x["index"] for x in r["results"]] == [i for _, i in want[:2]] and r["results"][0]["index"] == 2
+    for x, (score, i) in zip(r["results"], want, strict=False):
+        assert abs(x["relevance_score"] - score) < 1e-5 and x["document"]["text"] == [TEXTS[1], TEXTS[2], TEXTS[0]][i]
+    n = len(offline[query].prompt_token_ids) + sum(len(offline[t].prompt_token_ids) for t in TEXTS)
+    assert r["usage"]["total_tokens"] == n and r["model"] == "tiny"
+    status, r = post(server, {"query": query, "documents": docs, "return_documents": False}, path)
+    assert len(r["results"]) == 3 and all("document" not in x for x in r["results"])
+
+
+def test_score_pairs_texts(server, offline):
+    status, r = post(server, {"text_1": TEXTS[0], "text_2": TEXTS[1:]}, "/v1/score")
+    assert status == 200 and [d["index"] for d in r["data"]] == [0, 1] and r["data"][0]["object"] == "score"
+    assert all(abs(d["score"] - cosine(offline[TEXTS[0]].embedding, offline[t].embedding)) < 1e-5
+               for d, t in zip(r["data"], TEXTS[1:], strict=True))
+    status, r = post(server, {"text_1": TEXTS[:2], "text_2": [TEXTS[2], TEXTS[0]]}, "/score")
+    assert [round(d["score"], 4) for d in r["data"]] == [
+        round(cosine(offline[a].embedding, offline[b].embedding), 4) for a, b in ((TEXTS[0], TEXTS[2]), (TEXTS[1], TEXTS[0]))]
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/rerank", {"documents": ["a"]}, "query"),
+    ("/v1/rerank", {"query": "q", "documents": []}, "documents"),
+    ("/v1/rerank", {"query": "q", "documents": ["a", 3]}, "documents"),
+    ("/v1/rerank", {"query": ["q"], "documents": ["a"]}, "query"),
+    ("/v1/rerank", {"query": "q", "documents": ["a"], "top_n": -1}, "top_n"),
+    ("/v1/rerank", {"query": "q", "documents": ["a"], "return_documents": "no"}, "return_documents"),
+    ("/v1/rerank", {"query": "q", "documents": ["word " * 400]}, "documents"),  # longer than the context
+    ("/v1/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_2"),
+    ("/v1/score", {"text_1": "a"}, "text_2"),
+])
+def test_bad_rerank_and_score_bodies_get_a_400(server, path, body, param):
+    status, r = post(server, body, path)
+    assert status == 400 and r["error"]["param"] == param, r

@@ -1,0 +1,128 @@
+"""``POST /v1/rerank`` (also ``/rerank``, ``/v2/rerank``) and ``POST /v1/score`` (also ``/score``), as
+vLLM serves them for an embedding model: relevance is the cosine similarity of the texts' embeddings
+(``frontends.embeddings``; normalized, so a dot product), in [-1, 1].
+
+Rerank (Jina's and Cohere's API, which RAG stacks point at a reranker): ``query``, ``documents``
+(strings, or ``{"text": ...}``), ``top_n`` (0 or absent: all), ``return_documents`` (default true)
+-> ``results`` best first, each ``{"index", "relevance_score", "document": {"text"}}``.
+
+Score: ``text_1`` and ``text_2``, each a string or a list: one against each of the other's, or
+pair by pair when both are lists of one length -> ``data``, ``{"index", "object": "score", "score"}``
+in pair order.
+
+Both take the embeddings' ``truncate_prompt_tokens``, ``priority``, ``timeout`` and ``cache_salt``;
+``usage`` counts every text's tokens. A cross-encoder (a reranker that reads query and document
+together) is not served: a decoder's embeddings are what there is.
+"""
+
+from __future__ import annotations
+
+import operator
+import time
+
+import orjson
+
+from engine.protocol import embedding_floats
+from frontends.embeddings import MAX_INPUTS, embeddings_job
+from frontends.errors import ApiError
+from frontends.generation import Generation
+
+_PASSED = ("model", "truncate_prompt_tokens", "priority", "timeout", "cache_salt")
+
+
+def _text(x, param: str) -> str:
+    if isinstance(x, dict) and set(x) == {"text"}:
+        x = x["text"]
+    if not isinstance(x, str) or not x:
+        raise ApiError(400, f"'{param}' must hold non-empty strings", param=param)
+    return x
+
+
+def _texts(data: dict, param: str, one_or_many: bool) -> list[str]:
+    value = data.get(param)
+    if value is None:
+        raise ApiError(400, f"Missing required field: '{param}'", param=param)
+    if param == "documents" or (one_or_many and isinstance(value, list)):
+        if not isinstance(value, list) or not value:
+            raise ApiError(400, f"'{param}' must be a non-empty list", param=param)
+        return [_text(x, param) for x in value]
+    return [_text(value, param)]
+
+
+def _dot(a: list[float], b: list[float]) -> float:
+    return sum(map(operator.mul, a, b))
+
+
+async def _embedded(api, data: dict, texts: list[str], names: list[str], arrival: float | None,
+                    prefix: str) -> Generation:
+    """The generation that embeds ``texts`` (normalized); a refusal named by the field (``names[i]``
+    for text i: the engine's "input" becomes the field it came from)."""
+    if len(texts) > MAX_INPUTS:
+        raise ApiError(400, f"At most {MAX_INPUTS} texts per request, got {len(texts)}", param=names[-1])
+    body = {k: data[k] for k in _PASSED if k in data} | {"input": texts, "normalize": True}
+    try:
+        gen, _ = await embeddings_job(api, body, arrival, prefix)
+    except ApiError as e:
+        if e.param == "input":
+            e.param = names[-1]
+        raise
+    return gen
+
+
+class RerankFormat:
+    def __init__(self, model: str, gen: Generation, documents: list[str], top_n: int, with_documents: bool):
+        self.model, self.gen, self.documents = model, gen, documents
+        self.top_n, self.with_documents = top_n, with_documents
+
+    def body(self) -> bytes:
+        query, *docs = (embedding_floats(c.embedding) for c in self.gen.choices)
+        ranked = sorted(((_dot(query, d), i) for i, d in enumerate(docs)), key=lambda s: -s[0])
+        results = []
+        for score, i in ranked[:self.top_n or None]:
+            result = {"index": i, "relevance_score": score}
+            if self.with_documents:
+                result["document"] = {"text": self.documents[i]}
+            results.append(result)
+        n = self.gen.num_prompt_tokens
+        return orjson.dumps({"id": self.gen.api_id, "model": self.model, "results": results,
+                             "usage": {"prompt_tokens": n, "total_tokens": n}})
+
+
+class ScoreFormat:
+    def __init__(self, model: str, gen: Generation, pairs: list[tuple[int, int]]):
+        self.model, self.gen, self.pairs = model, gen, pairs
+        self.created = int(time.time())
+
+    def body(self) -> bytes:
+        vectors = [embedding_floats(c.embedding) for c in self.gen.choices]
+        n = self.gen.num_prompt_tokens
+        return orjson.dumps({"id": self.gen.api_id, "object": "list", "created": self.created, "model": self.model,
+                             "data": [{"index": k, "object": "score", "score": _dot(vectors[i], vectors[j])}
+                                      for k, (i, j) in enumerate(self.pairs)],
+                             "usage": {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0}})
+
+
+async def rerank_job(api, data: dict, arrival: float | None = None) -> tuple[Generation, RerankFormat]:
+    query = _texts(data, "query", False)
+    documents = _texts(data, "documents", True)
+    top_n = data.get("top_n", 0)
+    if isinstance(top_n, bool) or not isinstance(top_n, int | type(None)) or (top_n or 0) < 0:
+        raise ApiError(400, f"top_n must be a non-negative integer, got {top_n!r}", param="top_n")
+    with_documents = data.get("return_documents", True)
+    if not isinstance(with_documents, bool):
+        raise ApiError(400, "return_documents must be true or false", param="return_documents")
+    gen = await _embedded(api, data, query + documents, ["query", "documents"], arrival, "rerank")
+    return gen, RerankFormat(api.model, gen, documents, top_n or 0, with_documents)
+
+
+async def score_job(api, data: dict, arrival: float | None = None) -> tuple[Generation, ScoreFormat]:
+    first, second = _texts(data, "text_1", True), _texts(data, "text_2", True)
+    if len(first) == 1:
+        pairs = [(0, 1 + j) for j in range(len(second))]
+    elif len(first) == len(second):
+        pairs = [(i, len(first) + i) for i in range(len(first))]
+    else:
+        raise ApiError(400, f"text_1 has {len(first)} texts and text_2 {len(second)}: give one text_1, or as "
+                       "many as text_2", param="text_2")
+    gen = await _embedded(api, data, first + second, ["text_1", "text_2"], arrival, "score")
+    return gen, ScoreFormat(api.model, gen, pairs)
