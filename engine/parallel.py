@@ -266,9 +266,12 @@ class Driver:
                 how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
                 out.append(f"tensor-parallel rank {rank} (pid {p.pid}) died ({how})")
         if self.links:
-            readable = select.select(list(self.links.values()), [], [], 0)[0]
+            poll = select.poll()
+            for sock in self.links.values():
+                poll.register(sock, select.POLLIN)
+            ready = {fd for fd, _ in poll.poll(0)}
             out += [f"tensor-parallel {who} is gone (its connection to rank 0 closed)"
-                    for who, sock in self.links.items() if sock in readable and _closed(sock)]
+                    for who, sock in self.links.items() if sock.fileno() in ready and _closed(sock)]
         return out
 
     def check(self) -> None:
@@ -314,6 +317,7 @@ class Driver:
         stop_processes(self.procs, timeout)
         for sock in self.links.values():
             sock.close()
+        self.links.clear()
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -324,9 +328,10 @@ class Driver:
 
 
 def _closed(sock: socket.socket) -> bool:
-    """Whether the peer of ``sock`` (which never sends) has closed it: EOF or a reset."""
+    """Whether the peer of readable ``sock`` has closed it (EOF or a reset); anything it sent (it sends
+    nothing after its rank) is read and dropped, so that no byte left unread hides a close later."""
     try:
-        return sock.recv(1, socket.MSG_PEEK) == b""
+        return sock.recv(4096) == b""
     except OSError:
         return True
 

@@ -96,7 +96,10 @@ def launch(config: EngineConfig, model_path: str, model_cfg: ModelConfig, device
     links = None
     if n > 1:
         store.set(_ENGINE_KEY, json.dumps({"config": dataclasses.asdict(config), "backend": backend}))
-        links = socket.create_server((addr, 0))
+        try:
+            links = socket.create_server((addr, 0), family=socket.getaddrinfo(addr, 0, type=socket.SOCK_STREAM)[0][0])
+        except OSError as e:
+            raise ValueError(f"cannot listen for the other nodes' ranks on {addr}: {e}") from e
         store.set(_LINK_KEY, str(links.getsockname()[1]))
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=worker_main, name=f"tokenmill-tp-{r}", daemon=True,
@@ -144,16 +147,40 @@ def _wait_for_workers(store: dist.Store, driver: Driver, t: int) -> None:
 
 
 def _accept_links(server: socket.socket, driver: Driver, local: int, t: int) -> None:
-    """Rank 0: the connection of every rank on another node (each says its rank first), into
+    """Rank 0: the connection of every rank on another node (each sends its rank, 4 bytes), into
     ``driver.links``: when a rank there dies, its kernel closes it, and ``Driver.check`` sees that
-    before the next step."""
-    server.settimeout(COLLECTIVE_TIMEOUT.total_seconds())
-    for _ in range(local, t):
-        sock, _ = server.accept()
-        sock.settimeout(COLLECTIVE_TIMEOUT.total_seconds())
-        rank = int.from_bytes(sock.recv(4), "little")
+    before the next step (a host that goes silent: TCP keepalive, within about half a minute). A
+    connection that says no rank of theirs, or one already linked, is dropped."""
+    server.settimeout(0.5)
+    deadline = time.monotonic() + COLLECTIVE_TIMEOUT.total_seconds()
+    waiting = set(range(local, t))
+    while waiting:
+        driver.check()  # (a local rank that died meanwhile)
+        if time.monotonic() > deadline:
+            raise TensorParallelError(f"tensor-parallel ranks {sorted(waiting)} joined the group but did not "
+                                      f"connect to rank 0 within {COLLECTIVE_TIMEOUT.total_seconds():.0f}s")
+        try:
+            sock, _ = server.accept()
+        except TimeoutError:
+            continue
+        try:
+            sock.settimeout(5.0)
+            hello = b""
+            while len(hello) < 4 and (part := sock.recv(4 - len(hello))):
+                hello += part
+            rank = int.from_bytes(hello, "little") if len(hello) == 4 else -1
+        except OSError:
+            rank = -1
+        if rank not in waiting:
+            sock.close()
+            continue
         sock.settimeout(None)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for option, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
+            if hasattr(socket, option):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
         driver.links[f"rank {rank} on node {rank // local}"] = sock
+        waiting.discard(rank)
 
 
 def worker_main(rank: int, size: int, addr: str, port: int, backend: str, config: EngineConfig, model_path: str,

@@ -31,10 +31,10 @@ _PASSED = ("model", "truncate_prompt_tokens", "priority", "timeout", "cache_salt
 
 
 def _text(x, param: str) -> str:
-    if isinstance(x, dict) and set(x) == {"text"}:
+    if isinstance(x, dict) and "text" in x:  # Jina's {"text": ...} (other keys, a title say, are not read)
         x = x["text"]
     if not isinstance(x, str) or not x:
-        raise ApiError(400, f"'{param}' must hold non-empty strings", param=param)
+        raise ApiError(400, f"'{param}' must hold non-empty strings (or {{\"text\": ...}} objects)", param=param)
     return x
 
 
@@ -53,20 +53,34 @@ def _dot(a: list[float], b: list[float]) -> float:
     return sum(map(operator.mul, a, b))
 
 
-async def _embedded(api, data: dict, texts: list[str], names: list[str], arrival: float | None,
+async def _embedded(api, data: dict, groups: list[tuple[str, list[str]]], arrival: float | None,
                     prefix: str) -> Generation:
-    """The generation that embeds ``texts`` (normalized); a refusal named by the field (``names[i]``
-    for text i: the engine's "input" becomes the field it came from)."""
+    """The generation that embeds every group's texts (normalized), in order. A refusal of a text
+    ("input" to the embeddings) is named by its group's field (found again, on that path only)."""
+    texts = [t for _, group in groups for t in group]
     if len(texts) > MAX_INPUTS:
-        raise ApiError(400, f"At most {MAX_INPUTS} texts per request, got {len(texts)}", param=names[-1])
-    body = {k: data[k] for k in _PASSED if k in data} | {"input": texts, "normalize": True}
+        raise ApiError(400, f"{' and '.join(name for name, _ in groups)} may hold at most {MAX_INPUTS} texts "
+                       f"together, got {len(texts)}", param=groups[-1][0])
+    passed = {k: data[k] for k in _PASSED if k in data} | {"normalize": True}
     try:
-        gen, _ = await embeddings_job(api, body, arrival, prefix)
+        gen, _ = await embeddings_job(api, passed | {"input": texts}, arrival, prefix)
     except ApiError as e:
-        if e.param == "input":
-            e.param = names[-1]
+        if e.param != "input":
+            raise
+        for name, group in groups:  # which field holds the text refused
+            try:
+                await embeddings_job(api, passed | {"input": group}, arrival, prefix)
+            except ApiError as mine:
+                if mine.param == "input":
+                    mine.param, mine.message = name, _renamed(mine.message, name)
+                    raise mine from None
         raise
     return gen
+
+
+def _renamed(message: str, name: str) -> str:
+    """An embeddings refusal's words, for the field ``name``."""
+    return message.replace("'input'", f"'{name}'").replace("The input", f"The {name}").replace("the input", f"the {name}")
 
 
 class RerankFormat:
@@ -111,7 +125,7 @@ async def rerank_job(api, data: dict, arrival: float | None = None) -> tuple[Gen
     with_documents = data.get("return_documents", True)
     if not isinstance(with_documents, bool):
         raise ApiError(400, "return_documents must be true or false", param="return_documents")
-    gen = await _embedded(api, data, query + documents, ["query", "documents"], arrival, "rerank")
+    gen = await _embedded(api, data, [("query", query), ("documents", documents)], arrival, "rerank")
     return gen, RerankFormat(api.model, gen, documents, top_n or 0, with_documents)
 
 
@@ -124,5 +138,5 @@ async def score_job(api, data: dict, arrival: float | None = None) -> tuple[Gene
     else:
         raise ApiError(400, f"text_1 has {len(first)} texts and text_2 {len(second)}: give one text_1, or as "
                        "many as text_2", param="text_2")
-    gen = await _embedded(api, data, first + second, ["text_1", "text_2"], arrival, "score")
+    gen = await _embedded(api, data, [("text_1", first), ("text_2", second)], arrival, "score")
     return gen, ScoreFormat(api.model, gen, pairs)

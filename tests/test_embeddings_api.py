@@ -179,6 +179,9 @@ def test_score_pairs_texts(server, offline):
     ("/v1/rerank", {"query": "q", "documents": ["a"], "top_n": -1}, "top_n"),
     ("/v1/rerank", {"query": "q", "documents": ["a"], "return_documents": "no"}, "return_documents"),
     ("/v1/rerank", {"query": "q", "documents": ["word " * 400]}, "documents"),  # longer than the context
+    ("/v1/rerank", {"query": "word " * 400, "documents": ["a"]}, "query"),
+    ("/v1/rerank", {"query": "q", "documents": ["a"] * 2048}, "documents"),  # 2049 texts with the query
+    ("/v1/score", {"text_1": "word " * 400, "text_2": ["a", "b"]}, "text_1"),
     ("/v1/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_2"),
     ("/v1/score", {"text_1": "a"}, "text_2"),
 ])

@@ -149,3 +149,48 @@ def test_node_rank_above_0_is_not_an_engine(tiny_llama):
     with pytest.raises(ValueError, match=r"node_rank 1 runs only tensor-parallel workers \(`tokenmill engine "
                                          r"--node-rank 1`, without --listen\); the engine is node 0"):
         LLM(tiny_llama, tensor_parallel_size=2, nnodes=2, node_rank=1, master_addr="127.0.0.1")
+
+
+def test_rank_zero_links_only_the_ranks_it_waits_for_and_sees_them_close():
+    """``_accept_links`` (t=3 ranks, one on node 0): a connection that closes at once, one that says a rank
+    out of range, and a second one for rank 1 are dropped; rank 1's hello split in two and rank 2's
+    are linked. A rank that sent a byte more than its hello is still seen to close."""
+    import socket
+    import threading
+
+    from engine.parallel import Driver
+    from engine.tp_worker import _accept_links
+
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    held = []
+
+    def clients():
+        def connect(*parts: bytes) -> socket.socket:
+            s = socket.create_connection(("127.0.0.1", port))
+            for p in parts:
+                s.sendall(p)
+                time.sleep(0.05)
+            return s
+
+        connect().close()
+        held.append(connect((7).to_bytes(4, "little")))
+        held.append(connect(b"\x01", b"\x00\x00\x00"))  # rank 1, in two pieces
+        held.append(connect((1).to_bytes(4, "little")))  # rank 1 again
+        held.append(connect((2).to_bytes(4, "little") + b"!"))  # rank 2, and a byte more
+
+    thread = threading.Thread(target=clients)
+    thread.start()
+    driver = Driver([], remote="ranks 1-2 on node 1")
+    _accept_links(server, driver, 1, 3)
+    thread.join()
+    assert sorted(driver.links) == ["rank 1 on node 1", "rank 2 on node 2"]
+    assert driver.dead() == []
+    held[3].close()  # rank 2
+    wait_for(driver.dead, 5, "rank 2's link to close")
+    assert driver.dead() == ["tensor-parallel rank 2 on node 2 is gone (its connection to rank 0 closed)"]
+    driver.close()
+    assert driver.dead() == []  # (closed: nothing left to poll)
+    for s in held:
+        s.close()
+    server.close()
