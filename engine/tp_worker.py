@@ -7,8 +7,9 @@ command. It schedules nothing, samples nothing and holds no requests.
 
 Life and death: workers are rank 0's children (multiprocessing spawn) and die with it
 (PR_SET_PDEATHSIG, and the collective they wait in fails when it goes). A worker that dies
-is found by rank 0 before its next step (``Driver.check``, a waitpid per worker) or by the
-collective it breaks, and the engine fails with a ``TensorParallelError`` naming the rank.
+is found by rank 0 before its next step (``Driver.check``: a waitpid per worker, and for the
+ranks on other nodes a poll of the connection each holds to rank 0, ``_accept_links``) or by
+the collective it breaks, and the engine fails with a ``TensorParallelError`` naming the rank.
 PR_SET_PDEATHSIG follows the thread that started the workers: build a tensor-parallel
 engine on a thread that lives as long as it (the engine process's main thread does).
 
