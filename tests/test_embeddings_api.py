@@ -9,6 +9,7 @@ import asyncio
 import http.client
 import json
 import math
+import struct
 
 import openai
 import pytest
@@ -188,3 +189,24 @@ def test_score_pairs_texts(server, offline):
 def test_bad_rerank_and_score_bodies_get_a_400(server, path, body, param):
     status, r = post(server, body, path)
     assert status == 400 and r["error"]["param"] == param, r
+
+
+def test_a_frontend_before_the_fake_engine_windows_a_large_call(smollm_tokenizer_dir, tmp_path):
+    """``tools/fake_engine.py`` answers embedding requests too (for frontend benchmarks): 300 inputs come
+    back in order, the engine never holding more than a window (2 x its max_num_seqs, 64) of them."""
+    from tools.fake_engine import KEY, fake_embedding, fake_stack
+
+    with fake_stack(str(tmp_path), smollm_tokenizer_dir) as (engine, port):
+        held = []
+        step = engine.step
+        engine.step = lambda sock: held.append(len(engine.running)) or step(sock)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        inputs = [[i + 1, i + 2] for i in range(300)]
+        conn.request("POST", "/v1/embeddings", json.dumps({"input": inputs, "dimensions": 8}),
+                     {"content-type": "application/json", "authorization": f"Bearer {KEY}"})
+        r = conn.getresponse()
+        body = json.loads(r.read())
+        assert r.status == 200 and [d["index"] for d in body["data"]] == list(range(300))
+        want = json.loads(json.dumps(list(struct.unpack("<8f", fake_embedding(inputs[7], 8)))))
+        assert body["data"][7]["embedding"] == want and body["usage"]["prompt_tokens"] == 600
+        assert 0 < max(held) <= 128

@@ -9,7 +9,9 @@ next step with an empty delta and finish_reason "timeout", as the real engine's
 does (so a deadline shorter than the generation gives part of it, one already
 past gives no token). With ``fail_after`` set, a request that has produced that
 many tokens ends at its next step with an empty delta and finish_reason "error",
-as the real engine ends one it cannot run (out of memory). It records ADDs and
+as the real engine ends one it cannot run (out of memory). An embedding request (``Add.pooling``)
+ends at its first step with a vector of ``EMBEDDING_DIMS`` floats (or its ``dimensions``) made
+from its prompt, and no token. It records ADDs and
 ABORTs so tests can assert what the frontend told the engine. No torch, no
 model: the frontend is all that is measured.
 
@@ -33,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -62,6 +65,12 @@ MAX_MODEL_LEN = 512
 VOCAB = 49152
 NUM_KV_BLOCKS = 1000  # what READY and STATS announce, and the simulated prefix cache's capacity
 BLOCK_SIZE = 16
+EMBEDDING_DIMS = 1024  # an embedding's floats, as Qwen3-Embedding-0.6B's
+
+
+def fake_embedding(prompt: list[int], dims: int) -> bytes:
+    """A vector of ``dims`` float32s that depends on ``prompt`` (not normalized: nothing checks it)."""
+    return struct.pack(f"<{dims}f", *((prompt[i % len(prompt)] % 97) / 97 for i in range(dims)))
 
 
 class PrefixCache:
@@ -193,6 +202,12 @@ class FakeEngine(threading.Thread):
             ident, add, produced, cached = entry
             prompt, p = add.prompt_token_ids, add.params
             timed_out = add.deadline is not None and now >= add.deadline
+            if add.pooling is not None and not timed_out:
+                del self.running[rid]
+                by_ident.setdefault(ident, []).append(
+                    Delta(rid, [], "stop", num_prompt_tokens=len(prompt), num_cached_tokens=cached,
+                          embedding=fake_embedding(prompt, add.pooling.dimensions or EMBEDDING_DIMS)))
+                continue
             if timed_out or (self.fail_after is not None and produced >= self.fail_after):
                 del self.running[rid]
                 self.num_timeouts += timed_out
