@@ -282,7 +282,11 @@ def fake_stack(sock_dir: str, tokenizer_dir: str, step_delay: float = 0.0, **fro
     try:
         port = free_port()
         proc = start_frontend(addr, tokenizer_dir, port, **frontend_kw)
-        yield engine, port
+        try:
+            yield engine, port
+        except BaseException:
+            stop_frontend(proc)  # (a failing test leaves no frontend behind)
+            raise
         assert stop_frontend(proc) == 0
     finally:
         engine.stop()
