@@ -114,10 +114,10 @@ def pool(spans: list[tuple[PoolState, int, int, bool]], sums: torch.Tensor) -> l
         if state.every_token:
             v = v if start == 0 or state.sum is None else state.sum + v
             state.sum = None if final else v
+            if not final:  # (only a mean pools a chunk that does not end the prompt)
+                out.append(None)
+                continue
             v = v / length
-        if not final:
-            out.append(None)
-            continue
         if state.dimensions is not None:
             v = v[:state.dimensions]
         out.append(F.normalize(v, dim=0) if state.normalize else v)

@@ -67,8 +67,8 @@ def check_lengths(prompts: list[list[int]], max_model_len: int) -> None:
 class EmbeddingsFormat:
     """The response body, once every input's vector is in."""
 
-    def __init__(self, model: str, api_id: str, gen: Generation, encoding: str) -> None:
-        self.model, self.api_id, self.gen, self.encoding = model, api_id, gen, encoding
+    def __init__(self, model: str, gen: Generation, encoding: str) -> None:
+        self.model, self.gen, self.encoding = model, gen, encoding
         self.created = int(time.time())
 
     def _vector(self, raw: bytes) -> str | list[float]:
@@ -78,7 +78,7 @@ class EmbeddingsFormat:
         """The response's JSON, written a vector at a time: on a thread (``openai_api``), the event loop
         gets the GIL back between two vectors, not after all of them."""
         n = self.gen.num_prompt_tokens
-        head = orjson.dumps({"id": self.api_id, "object": "list", "created": self.created, "model": self.model,
+        head = orjson.dumps({"id": self.gen.api_id, "object": "list", "created": self.created, "model": self.model,
                              "usage": {"prompt_tokens": n, "total_tokens": n}})
         parts = [head[:-1], b',"data":[']
         for c in self.gen.choices:
@@ -116,4 +116,4 @@ async def embeddings_job(api, data: dict, arrival: float | None = None,
     gen = Generation(api.client, api.codec, api_id, prompts, 1, lambda i: SamplingParams(max_tokens=1), priority,
                      None, deadline, cache_salt, api.metrics, arrival)
     gen.pooling = pooling
-    return gen, EmbeddingsFormat(api.model, api_id, gen, encoding)
+    return gen, EmbeddingsFormat(api.model, gen, encoding)

@@ -140,8 +140,7 @@ class Generation:
         next sent as one ends), so that a call of many inputs queues only a window of them ahead of
         the calls that come after it."""
         self.sent_at = time.monotonic()
-        self._window = window or len(self.choices)
-        self._send(self._window)
+        self._send(window or len(self.choices))
 
     def _send(self, count: int) -> None:
         """Send the next ``count`` choices' requests."""

@@ -101,7 +101,7 @@ async def parse_prompts(data: dict, encode: Callable[[str], Awaitable[list[int]]
         raise ApiError(400, f"'{name}' must be a string, a list of strings, a list of token ids "
                        "or a list of lists of token ids", param=name)
     if len(prompts) > limit:
-        raise ApiError(400, f"At most {limit} inputs per request, got {len(prompts)}", param=name)
+        raise ApiError(400, f"At most {limit} {name}s per request, got {len(prompts)}", param=name)
     for x in prompts:
         if not x:
             raise ApiError(400, f"'{name}' must not be empty", param=name)

@@ -77,7 +77,8 @@ def test_list_caps(stack, body):
 
 def test_prompt_count_and_fan_out_caps(stack):
     refused(stack, "/v1/completions", {"prompt": [[5]] * 50_000, "max_tokens": 1}, "prompt")
-    refused(stack, "/v1/completions", {"prompt": [[5]] * (op.MAX_PROMPTS + 1), "max_tokens": 1}, "prompt")
+    msg = refused(stack, "/v1/completions", {"prompt": [[5]] * (op.MAX_PROMPTS + 1), "max_tokens": 1}, "prompt")
+    assert f"At most {op.MAX_PROMPTS} prompts per request" in msg
     msg = refused(stack, "/v1/completions", {"prompt": [[5]] * 64, "n": 4, "max_tokens": 1}, "n")
     assert "64 x 4" in msg
     r = post(stack[1], "/v1/completions", {"model": MODEL, "prompt": [[5]] * 64, "n": 2, "max_tokens": 1})
