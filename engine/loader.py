@@ -89,13 +89,20 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_FUSED = {  # hf suffix -> (module path inside the layer, part index)
-    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
-    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+_FUSED = {  # a checkpoint linear's name (its last part) -> (the fused layer beside it, part index)
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
 }
+# a mixture of experts' tensors: one expert's ("experts.3.up_proj.weight") or all experts' stacked
+# ("experts.up_proj": transformers 5's gate_up_proj and down_proj, and GGUF's *_exps)
+_EXPERTS = re.compile(r"mlp\.experts\.(?:(\d+)\.(\w+)\.weight|(\w+))")
+_MIXTRAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def _mixtral_name(name: str) -> str:
+    """Mixtral's names in Qwen's spelling: block_sparse_moe.gate -> mlp.gate, experts.E.w1 -> gate_proj."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    return re.sub(r"\.experts\.(\d+)\.w([123])\.", lambda m: f".experts.{m[1]}.{_MIXTRAL['w' + m[2]]}.", name)
 
 
 def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
@@ -105,6 +112,8 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
         for name, w in weights:
             if not name.startswith(("model.", "lm_head.")):
                 name = "model." + name  # a backbone saved on its own (Qwen3-Embedding): no "model." prefix
+            if ".block_sparse_moe." in name:
+                name = _mixtral_name(name)
             if name == "model.embed_tokens.weight":
                 model.embed_tokens.load(w)
             elif name == "lm_head.weight":
@@ -114,10 +123,15 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
                 model.norm.weight.copy_(w)
             elif "rotary_emb." in name:
                 continue  # old checkpoints' inv_freq buffers, per layer or not: the model makes its own
-            elif m := _LAYER.fullmatch(name):
+            elif (m := _LAYER.fullmatch(name)) and (e := _EXPERTS.fullmatch(m.group(2))):
+                seen |= _load_experts(model, int(m.group(1)), e, w)
+                continue
+            elif m:
                 layer = model.layers[int(m.group(1))]
                 sub, kind = m.group(2).rsplit(".", 1)  # e.g. "self_attn.q_proj", "weight"
-                target = layer.get_submodule(_FUSED[sub][0] if sub in _FUSED else sub)
+                head, _, last = sub.rpartition(".")
+                fused = _FUSED.get(last)
+                target = layer.get_submodule(f"{head}.{fused[0]}" if fused else sub)
                 if kind == "g_perm":  # an act-order int4 layer's column order (engine.quant)
                     target.set_perm(w)
                     continue
@@ -125,8 +139,8 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
                     if w.any():  # GPTQ gives every int4 layer a bias: all zeros where the model has none
                         raise ValueError(f"{name}: a nonzero bias, but {model.cfg.model_type} has none there")
                     continue
-                if sub in _FUSED:
-                    target.load(_FUSED[sub][1], w, kind)
+                if fused:
+                    target.load(fused[1], w, kind)
                 elif isinstance(target, RowLinear):
                     target.load(w, kind)
                 else:
@@ -140,6 +154,25 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
 
 
+def _load_experts(model: LlamaForCausalLM, i: int, m: re.Match, w: torch.Tensor) -> set[str]:
+    """Copy one expert's part, or a part of every expert (stacked), into layer ``i``'s experts;
+    returns the per-expert names it filled."""
+    experts = model.layers[i].mlp.experts
+    which, part = (int(m[1]), m[2]) if m[1] is not None else (slice(None), m[3])
+    if part == "gate_up_proj":  # transformers 5's (E, 2I, H): gate's rows, then up's
+        half = w.shape[-2] // 2
+        experts.load(which, 0, w.narrow(-2, 0, half))
+        experts.load(which, 1, w.narrow(-2, half, half))
+        parts = ["gate_proj", "up_proj"]
+    elif part in experts.PARTS:
+        experts.load(which, experts.PARTS.index(part), w)
+        parts = [part]
+    else:
+        raise ValueError(f"model.layers.{i}.{m[0]}: not a part of an expert ({', '.join(experts.PARTS)})")
+    ids = range(experts.w13.shape[0]) if isinstance(which, slice) else [which]
+    return {f"model.layers.{i}.mlp.experts.{e}.{p}.weight" for e in ids for p in parts}
+
+
 def _expected_names(cfg: ModelConfig) -> set[str]:
     names = {"model.embed_tokens.weight", "model.norm.weight"}
     if cfg.lm_head and not cfg.tie_word_embeddings:
@@ -148,8 +181,16 @@ def _expected_names(cfg: ModelConfig) -> set[str]:
         p = f"model.layers.{i}."
         names |= {p + s for s in (
             "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-            "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-            "input_layernorm.weight", "post_attention_layernorm.weight")}
+            "self_attn.o_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight")}
+        if cfg.sparse(i):
+            names |= {f"{p}mlp.experts.{e}.{x}_proj.weight" for e in range(cfg.moe.num_experts)
+                      for x in ("gate", "up", "down")}
+            names.add(p + "mlp.gate.weight")
+            if cfg.moe.shared_intermediate_size:
+                names |= {p + f"mlp.shared_expert.{x}_proj.weight" for x in ("gate", "up", "down")}
+                names.add(p + "mlp.shared_expert_gate.weight")
+        else:
+            names |= {p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")}
         if cfg.attention_bias:
             names |= {p + f"self_attn.{x}_proj.bias" for x in "qkv"}
         if cfg.qk_norm:

@@ -170,8 +170,10 @@ class ModelRunner:
                                            cuda_graph_capture())
             log.info("CUDA graphs: decode steps of %d batch sizes up to %d captured in %.1f s (--enforce-eager: "
                      "none)", len(self.decode_buckets), config.max_num_seqs, time.perf_counter() - start)
-        # on the CPU not where decode attention is the reference's (see above)
+        # on the CPU not where decode attention is the reference's (see above), nor for a mixture of
+        # experts: its routing is read on the host, which a recording would freeze
         elif (device.type == "cpu" and not config.enforce_eager and kernels.backend() == "auto" and self.tp.size == 1
+              and self.model_cfg.moe is None
               and kernels.cpu.decodes_in_c(self.model_cfg.head_dim, self.block_size)):
             self.graphs = DecodeGraphs(self.model, list(range(1, min(config.max_num_seqs, CPU_GRAPH_SEQS) + 1)),
                                        max_model_len, max_blocks, num_blocks, self.block_size,

@@ -127,11 +127,18 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return _pick(x).silu_and_mul(x)
 
 
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """The routed experts of a mixture of experts (``reference.fused_moe``); the CPU's is the reference."""
+    return (reference if x.device.type == "cpu" and _backend == "auto" else _pick(x)).fused_moe(
+        x, w13, w2, topk_weights, topk_ids)
+
+
 def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     _pick(q).apply_rope_(q, k, cos, sin)
 
 
 set_backend(os.environ.get("TOKENMILL_KERNELS", "auto"))
 
-__all__ = ["BACKENDS", "apply_rope_", "backend", "embedding", "fused_add_rms_norm", "linear", "paged_decode_attention",
-           "paged_prefill_attention", "rms_norm", "set_backend", "silu_and_mul", "store_kvcache", "tune_linear"]
+__all__ = ["BACKENDS", "apply_rope_", "backend", "embedding", "fused_add_rms_norm", "fused_moe", "linear",
+           "paged_decode_attention", "paged_prefill_attention", "rms_norm", "set_backend", "silu_and_mul", "store_kvcache", "tune_linear"]

@@ -51,20 +51,28 @@ def smollm_tokenizer_dir(tmp_path_factory, default_gguf) -> str:
 
 
 def make_tiny_model(out_dir: str, arch: str, tokenizer_dir: str | None, seed: int = 0, **overrides) -> str:
-    """Save a random-weight ``arch`` ("llama", "qwen2", "qwen3", "mistral") model folder (fp32)."""
+    """Save a random-weight ``arch`` ("llama", "qwen2", "qwen3", "mistral"; mixtures of experts "mixtral",
+    "qwen2_moe", "qwen3_moe", of 8 experts, 2 per token) model folder (fp32)."""
     import shutil
 
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    import transformers
 
-    cfg_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}[arch]
+    cfg_cls = getattr(transformers, {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
+                                     "mistral": "MistralConfig", "mixtral": "MixtralConfig",
+                                     "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig"}[arch])
     kw = dict(TINY)
-    if arch == "mistral":
+    if arch in ("mistral", "mixtral"):
         kw["sliding_window"] = None
+    if arch in ("mixtral", "qwen2_moe", "qwen3_moe"):
+        kw.update(num_local_experts=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                  decoder_sparse_step=1, mlp_only_layers=[])
+        if arch == "qwen2_moe":
+            kw["shared_expert_intermediate_size"] = 80
     kw.update(overrides)
     config = cfg_cls(**kw)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # random init is tiny; scale up so logits are not all ties
         for name, p in model.named_parameters():
             if p.dim() > 1:

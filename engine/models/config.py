@@ -12,6 +12,11 @@ SUPPORTED_ARCHITECTURES = {
     "qwen2": {"attention_bias": True},
     "qwen3": {"qk_norm": True},  # an RMSNorm over each head's q and k before RoPE
     "smollm": {},  # SmolLM is Llama; GGUF files call it llama too
+    # mixtures of experts: each layer's MLP is a router over experts (``engine/models/moe.py``, ``MoEConfig``);
+    # Mixtral's experts are intermediate_size wide and its top-k weights always renormalized
+    "mixtral": {"moe": True, "norm_topk_prob": True, "expert_width": "intermediate_size"},
+    "qwen2_moe": {"moe": True, "attention_bias": True, "shared_expert": True},  # beside the routed ones
+    "qwen3_moe": {"moe": True, "qk_norm": True},
 }
 
 
@@ -57,6 +62,37 @@ class QuantConfig:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """A mixture of experts' shape: each token goes to the ``top_k`` of ``num_experts`` experts (gated
+    MLPs of width ``intermediate_size``) its router scores highest, their outputs weighted by the
+    router's softmax (over all experts; ``renormalize``: over the chosen ones). Qwen2-MoE adds a
+    shared expert every token goes through, gated by a sigmoid."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool
+    layers: frozenset[int]  # the layers whose MLP is sparse (Qwen's mlp_only_layers keep a dense one)
+    shared_intermediate_size: int = 0  # 0: no shared expert
+
+    @classmethod
+    def from_hf(cls, cfg: dict, model_type: str) -> MoEConfig:
+        arch = SUPPORTED_ARCHITECTURES[model_type]
+        experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+        top_k = cfg.get("num_experts_per_tok")
+        if not isinstance(experts, int) or not isinstance(top_k, int) or not 0 < top_k <= experts:
+            raise ValueError(f"a mixture of experts needs num_experts and num_experts_per_tok (at most as many), "
+                             f"got {experts!r} and {top_k!r}")
+        step = cfg.get("decoder_sparse_step") or 1
+        dense = set(cfg.get("mlp_only_layers") or ())
+        layers = frozenset(i for i in range(cfg["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
+        return cls(experts, top_k, intermediate_size=cfg[arch.get("expert_width", "moe_intermediate_size")],
+                   renormalize=bool(arch.get("norm_topk_prob", cfg.get("norm_topk_prob", False))), layers=layers,
+                   shared_intermediate_size=arch.get("shared_expert") and cfg.get("shared_expert_intermediate_size")
+                   or 0)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     model_type: str
     vocab_size: int
@@ -77,6 +113,11 @@ class ModelConfig:
     bos_token_id: int | None
     quant: QuantConfig | None = None  # an AWQ or GPTQ int4 checkpoint
     lm_head: bool = True  # False: a checkpoint without one (an embedding model's backbone): it cannot generate
+    moe: MoEConfig | None = None  # a mixture of experts
+
+    def sparse(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is the mixture of experts (else a dense one)."""
+        return self.moe is not None and layer in self.moe.layers
 
     @classmethod
     def from_hf(cls, cfg: dict, eos_token_ids: list[int] | None = None) -> ModelConfig:
@@ -85,9 +126,9 @@ class ModelConfig:
             archs = ", ".join(cfg.get("architectures") or [model_type or "unknown"])
             raise ValueError(
                 f"unsupported architecture {archs} (model_type {model_type!r}); tokenmill supports "
-                f"the Llama family: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"the Llama family and its mixtures of experts: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        if cfg.get("sliding_window") and cfg.get("use_sliding_window", model_type == "mistral"):
+        if cfg.get("sliding_window") and cfg.get("use_sliding_window", model_type in ("mistral", "mixtral")):
             window = cfg["sliding_window"]
             if window < cfg.get("max_position_embeddings", 0):
                 raise ValueError(f"sliding-window attention ({window}) is not supported yet")
@@ -100,6 +141,9 @@ class ModelConfig:
             if kind not in ("llama3", "linear", "default"):
                 raise ValueError(f"RoPE scaling {kind!r} is not supported (llama3, linear are)")
             scaling = None if kind == "default" else {**scaling, "rope_type": kind}
+        if SUPPORTED_ARCHITECTURES[model_type].get("moe") and cfg.get("quantization_config"):
+            raise ValueError(f"int4 (AWQ, GPTQ) checkpoints of a mixture of experts ({model_type}) are not supported "
+                             f"yet: load its bf16 checkpoint, or a GGUF file")
         heads = cfg["num_attention_heads"]
         eos = eos_token_ids if eos_token_ids is not None else cfg.get("eos_token_id")
         if eos is None:
@@ -126,4 +170,5 @@ class ModelConfig:
             eos_token_ids=tuple(int(e) for e in eos),
             bos_token_id=cfg.get("bos_token_id"),
             quant=QuantConfig.from_hf(cfg["quantization_config"]) if cfg.get("quantization_config") else None,
+            moe=MoEConfig.from_hf(cfg, model_type) if SUPPORTED_ARCHITECTURES[model_type].get("moe") else None,
         )

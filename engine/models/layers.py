@@ -1,5 +1,5 @@
 """Building blocks shared by the models: linear layers that shard across tensor-parallel
-ranks, the vocab-parallel embedding and LM head, RMSNorm, rotary embedding.
+ranks, the gated MLP, the vocab-parallel embedding and LM head, RMSNorm, rotary embedding.
 
 Weights are allocated uninitialised in the default dtype (the loader makes that the model's
 dtype while it builds one: no float32 copy is ever made) and filled by the loader through
@@ -106,6 +106,19 @@ class RowLinear(Packable):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.tp.all_reduce(kernels.linear(self.inputs(x), self.weight, packed=self.packed))
         return y if self.bias is None else y + self.bias
+
+
+class GatedMLP(nn.Module):
+    """``down(silu(gate x) * up x)``, gate|up fused; under tensor parallelism each rank keeps a 1/T
+    slice of its width and the down projection all-reduces."""
+
+    def __init__(self, hidden: int, intermediate: int, tp: TPGroup = _SINGLE):
+        super().__init__()
+        self.gate_up_proj = ColumnLinear(hidden, [intermediate] * 2, tp=tp)
+        self.down_proj = RowLinear(intermediate, hidden, tp=tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
 class VocabEmbedding(Packable):

@@ -1,11 +1,12 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM) for paged attention.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM) for paged attention, and its mixtures of
+experts (Mixtral, Qwen2-MoE, Qwen3-MoE: ``engine/models/moe.py``).
 
 One concept per class. Inputs are the flattened tokens of the whole batch:
 ``input_ids`` and ``positions`` are (T,), and ``AttentionMetadata`` says which
 sequence each belongs to. q|k|v and gate|up are fused at load time.
 
 Under tensor parallelism (``tp``, see ``engine.parallel``) every module holds its rank's
-share: ``h``/``hkv`` are this rank's query/KV heads, the MLP's width is a 1/T slice.
+share: ``h``/``hkv`` are this rank's query/KV heads, the MLP's width (each expert's) is a 1/T slice.
 """
 
 from __future__ import annotations
@@ -16,7 +17,16 @@ from torch import nn
 import kernels
 from engine.attention import Attention, AttentionMetadata
 from engine.models.config import ModelConfig
-from engine.models.layers import ColumnLinear, LMHead, RMSNorm, RotaryEmbedding, RowLinear, VocabEmbedding
+from engine.models.layers import (
+    ColumnLinear,
+    GatedMLP,
+    LMHead,
+    RMSNorm,
+    RotaryEmbedding,
+    RowLinear,
+    VocabEmbedding,
+)
+from engine.models.moe import SparseMoE
 from engine.parallel import TPGroup, kv_replicas
 
 
@@ -47,23 +57,13 @@ class LlamaAttention(nn.Module):
         return self.o_proj(o.reshape(t, self.h * self.d))
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup):
-        super().__init__()
-        self.gate_up_proj = ColumnLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, tp=tp)
-        self.down_proj = RowLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
-
-
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = LlamaAttention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg, tp)
+        self.mlp = SparseMoE(cfg, tp) if cfg.sparse(index) else GatedMLP(cfg.hidden_size, cfg.intermediate_size, tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,7 +83,7 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tp,
                               tied=self.embed_tokens if cfg.tie_word_embeddings else None) if cfg.lm_head else None

@@ -1,0 +1,77 @@
+"""A mixture of experts' MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks each token's top-k
+experts and ``kernels.fused_moe`` runs them.
+
+Under tensor parallelism every rank keeps a 1/T slice of every expert's width (its rows of gate and
+up, its columns of down), as ``GatedMLP`` splits its one width, so each rank computes a partial sum
+for every token and one all-reduce adds them up; the router is replicated (every rank routes alike).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import kernels
+from engine.models.config import ModelConfig
+from engine.models.layers import GatedMLP
+from engine.parallel import TPGroup
+
+
+class Experts(nn.Module):
+    """The experts' weights, stacked: ``w13`` (E, 2 I/T, H) each expert's gate|up rows of this rank,
+    ``w2`` (E, H, I/T) its columns of down."""
+
+    PARTS = ("gate_proj", "up_proj", "down_proj")
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, tp: TPGroup):
+        super().__init__()
+        assert intermediate % tp.size == 0
+        self.tp, self.width = tp, intermediate // tp.size
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.width, hidden), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, self.width), requires_grad=False)
+
+    def load(self, expert: int | slice, part: int, tensor: torch.Tensor) -> None:
+        """Part ``part`` (0 gate, 1 up: (I, H); 2 down: (H, I)) of one expert, or with ``expert`` a slice
+        of all of them at once (tensors with the experts first)."""
+        n, first = self.width, self.tp.rank * self.width
+        dim = -2 if part < 2 else -1
+        if tensor.shape[dim] != n * self.tp.size:
+            raise ValueError(f"an expert's {self.PARTS[part]} is {n * self.tp.size} wide in this model's config, "
+                             f"got a tensor of shape {tuple(tensor.shape)}")
+        if part < 2:
+            self.w13[expert, part * n:(part + 1) * n].copy_(tensor.narrow(-2, first, n))
+        else:
+            self.w2[expert].copy_(tensor.narrow(-1, first, n))
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+        super().__init__()
+        moe = cfg.moe
+        self.tp, self.top_k, self.renormalize = tp, moe.top_k, moe.renormalize
+        self.gate = _Weight(moe.num_experts, cfg.hidden_size)  # the router, on every rank
+        self.experts = Experts(moe.num_experts, cfg.hidden_size, moe.intermediate_size, tp)
+        self.shared_expert = self.shared_expert_gate = None
+        if moe.shared_intermediate_size:  # Qwen2-MoE: one more expert every token takes, gated by a sigmoid
+            self.shared_expert = GatedMLP(cfg.hidden_size, moe.shared_intermediate_size, tp)
+            self.shared_expert_gate = _Weight(1, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(T, hidden) -> (T, hidden)."""
+        probs = torch.softmax(kernels.linear(x, self.gate.weight).float(), dim=-1)  # (T, E)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)  # (T, K) each
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = self.tp.all_reduce(kernels.fused_moe(x, self.experts.w13, self.experts.w2, weights, ids))
+        if self.shared_expert is not None:
+            gate = torch.sigmoid(kernels.linear(x, self.shared_expert_gate.weight))  # (T, 1)
+            out = out + gate * self.shared_expert(x)
+        return out
+
+
+class _Weight(nn.Module):
+    """A bare (N, K) weight, replicated on every rank."""
+
+    def __init__(self, n: int, k: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n, k), requires_grad=False)
