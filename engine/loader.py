@@ -294,8 +294,16 @@ _GGUF_LAYER = {
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    # a mixture of experts: the router, each part of all experts stacked (E, ...), Qwen2-MoE's shared expert
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
-_GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral"}
+_GGUF_EXPERT = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}  # old Mixtral files: one each
+# GGUF architecture -> model_type (llama with experts: Mixtral)
+_GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "qwen2moe": "qwen2_moe",
+              "qwen3moe": "qwen3_moe"}
 
 
 def gguf_field(path: str, key: str, default=None):
@@ -341,6 +349,16 @@ def _gguf_config(path: str) -> tuple[dict, list[int]]:
         "attention_bias": any(t.name == "blk.0.attn_q.bias" for t in r.tensors),
         "bos_token_id": _gguf_field(r, "tokenizer.ggml.bos_token_id"),
     }
+    if a("expert_count"):  # a mixture of experts; its dense layers are those without a router
+        cfg["model_type"] = {"llama": "mixtral"}.get(arch, cfg["model_type"])
+        routed = {t.name.split(".")[1] for t in r.tensors if t.name.endswith(".ffn_gate_inp.weight")}
+        cfg |= {"num_experts": a("expert_count"), "num_experts_per_tok": a("expert_used_count"),
+                "moe_intermediate_size": a("expert_feed_forward_length"),
+                "shared_expert_intermediate_size": a("expert_shared_feed_forward_length"),
+                "norm_topk_prob": arch == "qwen3moe",  # as llama.cpp decides per architecture
+                "mlp_only_layers": [i for i in range(cfg["num_hidden_layers"]) if str(i) not in routed]}
+        if arch == "llama" or not cfg["intermediate_size"]:  # Mixtral's: its experts' width
+            cfg["intermediate_size"] = a("expert_feed_forward_length") or cfg["intermediate_size"]
     eos = _gguf_field(r, "tokenizer.ggml.eos_token_id")
     return cfg, [] if eos is None else [int(eos)]
 
@@ -372,7 +390,7 @@ def _gguf_packing(path: str, model: LlamaForCausalLM, device: torch.device, tp: 
         groups.append((model.lm_head.shard, ["output.weight"]))
     for i, layer in enumerate(model.layers):
         groups += [(layer.get_submodule(sub), [f"blk.{i}.{p}.weight" for p in parts])
-                   for sub, parts in _GGUF_PARTS.items()]
+                   for sub, parts in _GGUF_PARTS.items() if not (sub.startswith("mlp.") and model.cfg.sparse(i))]
     packed = set()
     for module, names in groups:
         fmt = types.get(names[0])
@@ -388,15 +406,20 @@ def _gguf_weights(path: str, cfg: ModelConfig, packed: set[str] = frozenset()) -
     from gguf.quants import dequantize
 
     r = _gguf_reader(path)
-    llama_rope = cfg.model_type in ("llama", "mistral", "smollm")
+    llama_rope = cfg.model_type in ("llama", "mistral", "smollm", "mixtral")
     for t in r.tensors:
         if t.name in _GGUF_NAMES:
             name = _GGUF_NAMES[t.name]
         else:
-            m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", t.name)
-            if not m or m.group(2) not in _GGUF_LAYER:
+            m = re.fullmatch(r"blk\.(\d+)\.(\w+)(?:\.(\d+))?\.(weight|bias)", t.name)
+            if not m or m[2] not in (_GGUF_EXPERT if m[3] else _GGUF_LAYER):
                 continue
-            name = f"model.layers.{m.group(1)}.{_GGUF_LAYER[m.group(2)]}.{m.group(3)}"
+            if m[3]:  # one expert's part (Mixtral files before llama.cpp stacked them)
+                name = f"model.layers.{m[1]}.mlp.experts.{m[3]}.{_GGUF_EXPERT[m[2]]}.weight"
+            elif m[2].endswith("_exps"):  # all experts' part, stacked: named without "weight" (``_EXPERTS``)
+                name = f"model.layers.{m[1]}.{_GGUF_LAYER[m[2]]}"
+            else:
+                name = f"model.layers.{m[1]}.{_GGUF_LAYER[m[2]]}.{m[4]}"
         rows = [int(x) for x in reversed(t.shape)]  # GGUF lists dims fastest-first
         if t.name in packed:  # whole rows of blocks: permuting rows below works on them as on floats
             w = np.asarray(t.data, dtype=np.uint8).reshape(rows[0], -1)

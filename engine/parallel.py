@@ -67,9 +67,13 @@ def check_split(cfg: ModelConfig, tp_size: int) -> None:
         raise ValueError(f"tensor_parallel_size {t} does not fit the model's {cfg.num_kv_heads} KV heads: they "
                          f"must be divisible by it, or divide it (then each is replicated on "
                          f"tensor_parallel_size / num_kv_heads ranks)")
-    if cfg.intermediate_size % t:
-        raise ValueError(f"tensor_parallel_size {t} does not divide the model's intermediate size "
-                         f"{cfg.intermediate_size}")
+    widths = [("intermediate size", cfg.intermediate_size)]
+    if cfg.moe is not None:
+        widths += [("expert width", cfg.moe.intermediate_size), ("shared expert's width",
+                                                                 cfg.moe.shared_intermediate_size)]
+    for what, width in widths:
+        if width % t:
+            raise ValueError(f"tensor_parallel_size {t} does not divide the model's {what} {width}")
 
 
 def kv_replicas(num_kv_heads: int, tp_size: int) -> int:

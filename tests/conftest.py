@@ -68,7 +68,9 @@ def make_tiny_model(out_dir: str, arch: str, tokenizer_dir: str | None, seed: in
         kw.update(num_local_experts=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
                   decoder_sparse_step=1, mlp_only_layers=[])
         if arch == "qwen2_moe":
-            kw["shared_expert_intermediate_size"] = 80
+            kw["shared_expert_intermediate_size"] = 96
+        if arch == "qwen3_moe":
+            kw["norm_topk_prob"] = True  # as Qwen3's MoE checkpoints set it (transformers' default is False)
     kw.update(overrides)
     config = cfg_cls(**kw)
     torch.manual_seed(seed)

@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.loader import build_model, load_model_config
+from engine.models.config import ModelConfig
 from tests.conftest import make_tiny_model
 
 
@@ -90,34 +91,59 @@ def test_cuda_bf16_load_peaks_at_the_model_size(tmp_path):
     assert torch.cuda.memory_allocated() - before <= weights + tables + (1 << 20)
 
 
-def _write_qwen3_gguf(folder: str, out: str) -> None:
-    """The tiny Qwen3 folder as llama.cpp's converter writes it: float32 tensors, GGUF names, no
-    q/k row permutation (Qwen's RoPE is the rotate-half one llama.cpp calls NEOX)."""
+def _write_gguf(folder: str, out: str, arch: str = "qwen3") -> None:
+    """A tiny model folder as llama.cpp's converter writes it: float32 tensors, GGUF names, a mixture
+    of experts' parts stacked per layer (E, ...); llama's q/k rows permuted for its interleaved RoPE
+    (Qwen's is the rotate-half one llama.cpp calls NEOX: no permutation)."""
     import gguf
+    import numpy as np
     from safetensors.torch import load_file
 
     cfg = load_model_config(folder)
-    w = gguf.GGUFWriter(out, "qwen3")
-    for key, value in (("context_length", 1024), ("embedding_length", cfg.hidden_size),
-                       ("feed_forward_length", cfg.intermediate_size), ("block_count", cfg.num_layers),
-                       ("attention.head_count", cfg.num_heads), ("attention.head_count_kv", cfg.num_kv_heads),
-                       ("attention.key_length", cfg.head_dim), ("vocab_size", cfg.vocab_size)):
-        w.add_uint32(f"qwen3.{key}", value)
-    w.add_float32("qwen3.rope.freq_base", cfg.rope_theta)
-    w.add_float32("qwen3.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    w = gguf.GGUFWriter(out, arch)
+    values = [("context_length", 1024), ("embedding_length", cfg.hidden_size),
+              ("feed_forward_length", cfg.intermediate_size), ("block_count", cfg.num_layers),
+              ("attention.head_count", cfg.num_heads), ("attention.head_count_kv", cfg.num_kv_heads),
+              ("attention.key_length", cfg.head_dim), ("vocab_size", cfg.vocab_size)]
+    if cfg.moe:
+        values += [("expert_count", cfg.moe.num_experts), ("expert_used_count", cfg.moe.top_k),
+                   ("expert_feed_forward_length", cfg.moe.intermediate_size)]
+        if cfg.moe.shared_intermediate_size:
+            values.append(("expert_shared_feed_forward_length", cfg.moe.shared_intermediate_size))
+    for key, value in values:
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_float32(f"{arch}.rope.freq_base", cfg.rope_theta)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
     layer = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp",
+             "mlp.shared_expert_gate": "ffn_gate_inp_shexp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+             "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
+             "block_sparse_moe.gate": "ffn_gate_inp"}
+    experts: dict[str, dict[int, np.ndarray]] = {}
     for file in glob.glob(f"{folder}/*.safetensors"):
         for name, t in load_file(file).items():
+            t = t.float().numpy()
+            if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
+                t = t.reshape(heads, 2, t.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(t.shape)
             if name not in names:
                 _, _, i, sub = name.split(".", 3)
                 sub, kind = sub.rsplit(".", 1)
+                if ".experts." in sub:  # Qwen's experts.E.up_proj, Mixtral's experts.E.w3
+                    _, e, part = sub.rsplit(".", 2)
+                    part = {"w1": "gate", "w3": "up", "w2": "down"}.get(part, part.removesuffix("_proj"))
+                    experts.setdefault(f"blk.{i}.ffn_{part}_exps.weight", {})[int(e)] = t
+                    continue
                 names[name] = f"blk.{i}.{layer[sub]}.{kind}"
-            w.add_tensor(names[name], t.float().numpy())
+            if names[name].endswith("ffn_gate_inp_shexp.weight"):
+                t = t.reshape(-1)  # llama.cpp keeps the shared expert's gate as a vector
+            w.add_tensor(names[name], t)
+    for name, parts in experts.items():
+        w.add_tensor(name, np.stack([parts[e] for e in sorted(parts)]))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -127,7 +153,7 @@ def _write_qwen3_gguf(folder: str, out: str) -> None:
 def test_a_qwen3_gguf_loads_as_its_folder(tmp_path):
     """Config from the GGUF metadata (head_dim its own), the per-head q/k norms found by their GGUF names."""
     folder = make_tiny_model(str(tmp_path / "qwen3"), "qwen3", None, head_dim=24)
-    _write_qwen3_gguf(folder, str(tmp_path / "qwen3.gguf"))
+    _write_gguf(folder, str(tmp_path / "qwen3.gguf"))
     want_cfg, got_cfg = load_model_config(folder), load_model_config(str(tmp_path / "qwen3.gguf"))
     assert (got_cfg.model_type, got_cfg.head_dim, got_cfg.qk_norm, got_cfg.attention_bias) == ("qwen3", 24, True, False)
     want = build_model(folder, want_cfg, 64, torch.float32, torch.device("cpu")).state_dict()
@@ -135,3 +161,41 @@ def test_a_qwen3_gguf_loads_as_its_folder(tmp_path):
     assert want.keys() == got.keys() and any("q_norm" in k for k in want)
     for k in want:
         assert torch.equal(got[k], want[k]), k
+
+
+@pytest.mark.parametrize("arch,gguf_arch", [("qwen3_moe", "qwen3moe"), ("qwen2_moe", "qwen2moe"), ("mixtral", "llama")])
+def test_a_moe_gguf_loads_as_its_folder(tmp_path, arch, gguf_arch):
+    """Experts stacked per layer (ffn_*_exps), the router (ffn_gate_inp), Qwen2-MoE's shared expert and its
+    gate (a vector in GGUF), a dense layer found by its missing router; Mixtral is llama with experts."""
+    extra = {"mlp_only_layers": [1]} if arch == "qwen3_moe" else {}
+    folder = make_tiny_model(str(tmp_path / arch), arch, None, **extra)
+    _write_gguf(folder, str(tmp_path / "moe.gguf"), gguf_arch)
+    want_cfg, got_cfg = load_model_config(folder), load_model_config(str(tmp_path / "moe.gguf"))
+    assert got_cfg.model_type == arch and got_cfg.moe == want_cfg.moe
+    want = build_model(folder, want_cfg, 64, torch.float32, torch.device("cpu")).state_dict()
+    got = build_model(str(tmp_path / "moe.gguf"), got_cfg, 64, torch.float32, torch.device("cpu")).state_dict()
+    assert want.keys() == got.keys() and any("experts.w13" in k for k in want)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+def test_moe_checkpoints_that_do_not_fit_are_refused(tmp_path):
+    path = make_tiny_model(str(tmp_path / "moe"), "qwen3_moe", None)
+    cfg = load_model_config(path)
+    file = glob.glob(f"{path}/*.safetensors")[0]
+    tensors = load_file(file)
+    tensors["model.layers.1.mlp.experts.3.up_proj.weight"] = torch.zeros(40, 64)  # 48 in the config
+    save_file(tensors, file)
+    with pytest.raises(ValueError, match=r"an expert's up_proj is 48 wide in this model's config, got a tensor of "
+                                         r"shape \(40, 64\)"):
+        build_model(path, cfg, 64, torch.float32, torch.device("cpu"))
+    del tensors["model.layers.1.mlp.experts.3.up_proj.weight"]
+    save_file(tensors, file)
+    with pytest.raises(ValueError, match=r"missing 1 tensors, e.g. \['model.layers.1.mlp.experts.3.up_proj.weight"):
+        build_model(path, cfg, 64, torch.float32, torch.device("cpu"))
+    raw = {"model_type": "qwen3_moe", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+           "moe_intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 4, "num_experts": 4}
+    with pytest.raises(ValueError, match="needs num_experts and num_experts_per_tok .* got 4 and 5"):
+        ModelConfig.from_hf(raw | {"num_experts_per_tok": 5})
+    with pytest.raises(ValueError, match="int4 .* of a mixture of experts \\(qwen3_moe\\) are not supported"):
+        ModelConfig.from_hf(raw | {"num_experts_per_tok": 2, "quantization_config": {"quant_method": "awq"}})

@@ -32,7 +32,7 @@ def check_parity(llm: LLM, hf, tokenizer, prompts: list[str], n: int = 32) -> No
 
 
 @pytest.mark.parametrize("linear_rows", ["0", "64"], ids=["torch-linear", "c-linear"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe"])
 def test_tiny_models_match_transformers(arch, linear_rows, tmp_path, smollm_tokenizer_dir, monkeypatch):
     """With every CPU linear step in torch, and with every step of up to 64 rows in the C kernel
     (``kernels.cpu.matmul``: decode steps, and these prompts' prefill)."""
@@ -42,6 +42,24 @@ def test_tiny_models_match_transformers(arch, linear_rows, tmp_path, smollm_toke
     path = make_tiny_model(str(tmp_path / arch), arch, smollm_tokenizer_dir, seed=1, **extra)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     llm = LLM(path, device="cpu", dtype="float32", num_kv_blocks=256, max_model_len=512)
+    check_parity(llm, hf, llm.tokenizer, PROMPTS)
+
+
+def test_moe_dense_layers_and_stacked_experts_match_transformers(tmp_path, smollm_tokenizer_dir):
+    """Qwen3-MoE with a dense MLP in layer 0 (``mlp_only_layers``), saved as transformers 5 holds it in
+    memory: each layer's experts stacked (``experts.gate_up_proj`` (E, 2I, H), ``experts.down_proj``)."""
+    from safetensors.torch import save_file
+
+    path = make_tiny_model(str(tmp_path / "moe"), "qwen3_moe", smollm_tokenizer_dir, seed=3, mlp_only_layers=[0],
+                           num_hidden_layers=3)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    stacked = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert "model.layers.1.mlp.experts.gate_up_proj" in stacked and "model.layers.0.mlp.gate_proj.weight" in stacked
+    os.remove(os.path.join(path, "model.safetensors"))
+    save_file(stacked, os.path.join(path, "model.safetensors"))
+    llm = LLM(path, device="cpu", dtype="float32", num_kv_blocks=256, max_model_len=512)
+    assert [type(layer.mlp).__name__ for layer in llm.engine.runner.model.layers] == ["GatedMLP", "SparseMoE",
+                                                                                     "SparseMoE"]
     check_parity(llm, hf, llm.tokenizer, PROMPTS)
 
 

@@ -79,6 +79,8 @@ def assert_close_logprobs(got, want) -> None:
     ("qwen2", 6, 1, 2, 49153),  # q/k/v biases; the KV head on both ranks
     ("qwen2", 6, 3, 3, 49152),  # 1 KV head per rank
     ("qwen3", 6, 1, 2, 49152),  # q/k norms, whole on every rank; the KV head on both ranks
+    ("qwen3_moe", 6, 2, 2, 49152),  # each expert's width split; the router on every rank
+    ("qwen2_moe", 6, 3, 3, 49153),  # and the shared expert's
 ])
 def test_tp_greedy_equals_tp1(tmp_path, smollm_tokenizer_dir, tokenizer, arch, heads, kv_heads, t, vocab):
     path = tiny(tmp_path, smollm_tokenizer_dir, arch, heads, kv_heads, vocab_size=vocab)
@@ -163,6 +165,12 @@ def test_unsupported_splits_are_refused_with_the_numbers(tmp_path, smollm_tokeni
         check_split(cfg(6, 2), 3)
     with pytest.raises(ValueError, match="tensor_parallel_size 2 does not divide the model's intermediate size 191"):
         check_split(cfg(6, 2, 191), 2)
+    moe = ModelConfig.from_hf({"model_type": "qwen2_moe", "vocab_size": 100, "hidden_size": 96, "intermediate_size": 192,
+                               "num_hidden_layers": 1, "num_attention_heads": 6, "num_key_value_heads": 6,
+                               "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 96,
+                               "shared_expert_intermediate_size": 100})
+    with pytest.raises(ValueError, match="does not divide the model's shared expert's width 100"):
+        check_split(moe, 3)
     check_split(cfg(8, 2), 4)  # 2 KV heads, each kept by 2 of the 4 ranks
     check_split(cfg(9, 3), 3)
     # at start, before any worker is started

@@ -177,6 +177,51 @@ def test_triton_silu_and_mul_matches_reference(dtype, t, i, poison):
     torch.testing.assert_close(tri.silu_and_mul(x), ref.silu_and_mul(x), **TOL[dtype])
 
 
+# ---------------------------------------------------------------- mixture of experts
+
+# (dtype, tokens, hidden, expert width, experts, top k): one token; more pairs than an expert's block; an
+# odd width; every expert at once
+MOE_CASES = [(F32, 1, 64, 32, 8, 2), (F32, 13, 48, 40, 4, 2), (BF16, 7, 64, 24, 8, 3), (F16, 5, 32, 16, 3, 3)]
+
+
+@pytest.mark.parametrize("dtype,t,h,i,e,k", MOE_CASES, ids=map(case_id, MOE_CASES))
+def test_triton_fused_moe_matches_reference(dtype, t, h, i, e, k, poison):
+    x = randn(t, h, dtype=dtype)
+    w13, w2 = randn(e, 2 * i, h, dtype=dtype) * 0.3, randn(e, h, i, dtype=dtype) * 0.3
+    weights, ids = torch.softmax(randn(t, e), dim=-1).topk(k, dim=-1)
+    out = tri.fused_moe(x, w13, w2, weights, ids)
+    if dtype == F32:
+        torch.testing.assert_close(out, ref.fused_moe(x, w13, w2, weights, ids), **TOL[dtype])
+    else:  # two GEMMs and an activation each rounded to 16 bits (by truncation in the interpreter):
+        # within 2.5% of the output's scale of the exact (float64) result, as the reference is
+        exact = ref.fused_moe(x.double(), w13.double(), w2.double(), weights, ids)
+        for got in (out, ref.fused_moe(x, w13, w2, weights, ids)):
+            assert (got.double() - exact).abs().max() <= 0.025 * exact.abs().max()
+
+
+def test_triton_fused_moe_align_pads_each_expert_to_blocks():
+    from kernels.triton.moe import _align
+
+    ids = torch.tensor([[2, 0], [2, 1], [2, 0]], device=DEVICE)  # pairs 0..5: expert 0 has 1, 5; 1 has 3; 2 has 0, 2, 4
+    pairs, experts, total = _align(ids, 4, 2)
+    used = int(total)
+    assert used == 8  # 2 + 2 + 4: each run padded to whole blocks of 2; expert 3 has none
+    assert pairs[:used].tolist() == [1, 5, 3, 6, 0, 2, 4, 6]  # 6 (T K): padding
+    assert experts[:used // 2].tolist() == [0, 1, 2, 2]
+    assert len(experts) == 6 // 2 + 4  # the bound, from shapes alone: whole blocks, one part-filled per expert
+
+
+def test_triton_fused_moe_refuses():
+    x, w13, w2 = randn(3, 8), randn(4, 6, 8), randn(4, 8, 3)
+    weights, ids = torch.rand(3, 2, device=DEVICE), torch.zeros(3, 2, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match="w2 must be"):
+        tri.fused_moe(x, w13, randn(4, 8, 4), weights, ids)
+    with pytest.raises(ValueError, match="topk_weights must be one of"):
+        tri.fused_moe(x, w13, w2, weights.half(), ids)
+    with pytest.raises(ValueError, match="both be"):
+        tri.fused_moe(x, w13, w2, weights[:2], ids[:2])
+
+
 # ---------------------------------------------------------------- packed linear
 
 
@@ -339,3 +384,24 @@ def test_triton_engine_greedy_equals_reference(tiny_llama, monkeypatch):
         outs[name] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outs["triton"] == outs["reference"]
     assert {"paged_decode_attention", "paged_prefill_attention", "fused_add_rms_norm"} <= set(calls)
+
+
+def test_triton_engine_moe_greedy_equals_reference(tmp_path, smollm_tokenizer_dir, monkeypatch):
+    """The same for a mixture of experts (Qwen2-MoE: routed experts, and a shared one): the Triton
+    fused MoE serves every sparse layer."""
+    from engine import LLM, SamplingParams
+    from tests.conftest import make_tiny_model
+
+    path = make_tiny_model(str(tmp_path / "moe"), "qwen2_moe", smollm_tokenizer_dir, seed=4)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prompts = [[(11 * i + 5 * j) % 5000 + 3 for j in range(n)] for i, n in enumerate([3, 30])]
+    outs, calls = {}, []
+    for name in ("reference", "triton"):
+        monkeypatch.setattr(kernels, "_backend", name)
+        if name == "triton":
+            real = tri.fused_moe
+            monkeypatch.setattr(tri, "fused_moe", lambda *a, **k: calls.append(1) or real(*a, **k))
+        llm = LLM(path, device=DEVICE, dtype="float32", num_kv_blocks=64, max_model_len=128, max_num_batched_tokens=16)
+        outs[name] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert outs["triton"] == outs["reference"]
+    assert calls

@@ -24,6 +24,7 @@ from kernels.triton.attention_decode import _decode_kernel, _merge_splits_kernel
 from kernels.triton.attention_prefill import _prefill_kernel
 from kernels.triton.kv_store import _store_kvcache_kernel
 from kernels.triton.linear_packed import BLOCK_N, FORMATS, _dequantize_kernel, _linear_packed_kernel, _quants
+from kernels.triton.moe import _moe_gemm_kernel
 from kernels.triton.norm import _rms_norm_kernel
 from kernels.triton.rope import _rope_kernel
 
@@ -76,6 +77,12 @@ def variants(everything: bool):
     yield (_rope_kernel, {"q_ptr": p, "k_ptr": p, "cos_ptr": p, "sin_ptr": p},
            dict(H=9, HKV=3, HALF=32, BLOCK_H=16, BLOCK_HALF=32), ())
     yield (_silu_and_mul_kernel, {"x_ptr": p, "out_ptr": p}, dict(BLOCK=1024), ())
+    for dt, block_m, weighted in itertools.product(dtypes, (16, 64), (False, True)):
+        yield (_moe_gemm_kernel, {"a_ptr": f"*{dt}", "b_ptr": f"*{dt}", "c_ptr": "*fp32" if weighted else f"*{dt}",
+                                  "weight_ptr": "*fp32", "pairs_ptr": "*i32", "experts_ptr": "*i32",
+                                  "total_ptr": "*i64"},
+               dict(A_ROWS_PER=1 if weighted else 8, MUL_WEIGHT=weighted, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=32,
+                    PRECISION="ieee" if dt == "fp32" else "tf32", DOT_F32=False), ())
     for dt in dtypes:
         for (fmt, number), block_m, split in itertools.product(FORMATS.items(), (16, 32), (False, True)):
             yield (_linear_packed_kernel, {"x_ptr": f"*{dt}", "w_ptr": "*u8", "b_ptr": f"*{dt}", "y_ptr": f"*{dt}",

@@ -1,0 +1,121 @@
+"""A mixture of experts' MLPs (twin of ``kernels.reference.fused_moe``), as vLLM's fused MoE does it.
+
+Each token's K (token, expert) pairs are sorted by expert and each expert's run padded to whole
+blocks of BLOCK_M pairs (``_align``, torch ops on the device: no sync, so a decode step stays
+capturable as a CUDA graph); then one grouped GEMM per projection: program (i, j) multiplies block
+i's pairs, all of one expert, by that expert's weight rows j * BLOCK_N.. (``_moe_gemm_kernel``),
+reading each token's row of x where it lies. gate|up, SiLU-and-mul (``activation.py``), down times
+each pair's router weight in float32, and a token's K rows summed.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton.activation import silu_and_mul
+from kernels.triton.attention_common import dot_args
+from kernels.triton.launch import INDEX_DTYPES, check_same, check_tensor, interpreting, require
+
+BLOCK_N, BLOCK_K = 64, 32
+
+
+@triton.jit
+def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, weight_ptr, pairs_ptr, experts_ptr, total_ptr, num_pairs, N, K,
+                     stride_a, stride_be, stride_bn, stride_c, A_ROWS_PER: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                     DOT_F32: tl.constexpr):
+    """C[p, j * BLOCK_N..] = A[p // A_ROWS_PER] B[e]^T for the pairs p of block i (program (i, j)), e
+    their expert; padding pairs (ids num_pairs and up) are skipped. MUL_WEIGHT: rounded to A's dtype,
+    then times the pair's weight, in float32 (C float32)."""
+    block = tl.program_id(0)
+    if block * BLOCK_M >= tl.load(total_ptr):
+        return
+    pairs = tl.load(pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    ok = pairs < num_pairs
+    expert = tl.load(experts_ptr + block).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    dtype = a_ptr.dtype.element_ty
+    a_rows = a_ptr + (pairs // A_ROWS_PER).to(tl.int64)[:, None] * stride_a  # (BLOCK_M, 1)
+    b_cols = b_ptr + expert * stride_be + cols.to(tl.int64)[None, :] * stride_bn  # (1, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        a = tl.load(a_rows + ks[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_K)
+        b = tl.load(b_cols + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # (BLOCK_K, BLOCK_N)
+        if DOT_F32:  # the interpreter (``attention_common.dot_args``)
+            acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PRECISION)
+        else:
+            acc += tl.dot(a, b, input_precision=PRECISION)
+    c = c_ptr + pairs.to(tl.int64)[:, None] * stride_c + cols[None, :]
+    if MUL_WEIGHT:  # as the reference: the product in A's dtype, then times the weight in float32
+        w = tl.load(weight_ptr + pairs, mask=ok, other=0.0)
+        tl.store(c, acc.to(dtype).to(tl.float32) * w[:, None], mask=ok[:, None] & col_ok[None, :])
+    else:
+        tl.store(c, acc.to(dtype), mask=ok[:, None] & col_ok[None, :])
+
+
+def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (token, slot) pairs (ids t * K + slot) sorted by expert, each expert's run padded with the
+    id T K to whole blocks of ``block_m``: (pairs (blocks * block_m,), each block's expert (blocks,),
+    the pairs used, padding included (1,)). ``blocks`` is an upper bound, fixed by the shapes alone;
+    the blocks past the used ones are skipped by the kernel."""
+    flat = topk_ids.reshape(-1).long()
+    n, dev = flat.numel(), flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).index_add_(
+        0, flat, torch.ones_like(flat))  # (not bincount: on CUDA it reads its size back)
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    order = torch.argsort(flat, stable=True)
+    by_expert = flat[order]
+    rank = torch.arange(n, device=dev) - (counts.cumsum(0) - counts)[by_expert]  # each pair's place in its run
+    blocks = triton.cdiv(n, block_m) + min(n, num_experts)  # at most one part-filled block per expert used
+    pairs = torch.full((blocks * block_m,), n, dtype=torch.int32, device=dev)
+    pairs[(ends - padded)[by_expert] + rank] = order.to(torch.int32)
+    starts = torch.arange(blocks, device=dev) * block_m
+    experts = torch.searchsorted(ends, starts, right=True).clamp_(max=num_experts - 1).to(torch.int32)
+    return pairs, experts, ends[-1:]
+
+
+def _gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, pairs: torch.Tensor, experts: torch.Tensor,
+          total: torch.Tensor, num_pairs: int, rows_per: int, block_m: int, weights: torch.Tensor | None) -> None:
+    n, k = b.shape[1], b.shape[2]
+    _moe_gemm_kernel[(len(experts), triton.cdiv(n, BLOCK_N))](
+        a, b, out, weights if weights is not None else out, pairs, experts, total, num_pairs, n, k, a.stride(0),
+        b.stride(0), b.stride(1), out.stride(0), A_ROWS_PER=rows_per, MUL_WEIGHT=weights is not None,
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, **dot_args(a))
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """x (T, H); w13 (E, 2I, H); w2 (E, H, I); topk_weights (T, K) float32; topk_ids (T, K) -> (T, H)."""
+    check_tensor("x", x, 2)
+    check_tensor("w13", w13, 3)
+    check_tensor("w2", w2, 3)
+    check_tensor("topk_weights", topk_weights, 2, (torch.float32,))
+    check_tensor("topk_ids", topk_ids, 2, INDEX_DTYPES)
+    check_same("dtype", ["x", "w13", "w2"], [x.dtype, w13.dtype, w2.dtype])
+    check_same("device", ["x", "w13", "w2", "topk_weights", "topk_ids"],
+               [x.device, w13.device, w2.device, topk_weights.device, topk_ids.device])
+    t, h = x.shape
+    e, i2, _ = w13.shape
+    require(w13.shape[2] == h and i2 % 2 == 0, f"w13 must be (E, 2I, {h}), got {tuple(w13.shape)}")
+    require(tuple(w2.shape) == (e, h, i2 // 2), f"w2 must be ({e}, {h}, {i2 // 2}), got {tuple(w2.shape)}")
+    require(topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == t,
+            f"topk_ids and topk_weights must both be ({t}, K), got {tuple(topk_ids.shape)} and "
+            f"{tuple(topk_weights.shape)}")
+    k = topk_ids.shape[1]
+    if t == 0 or k == 0:
+        return torch.zeros_like(x)
+    num_pairs = t * k
+    block_m = 16 if interpreting() or num_pairs <= 16 * e else 64  # decode: few pairs per expert
+    pairs, experts, total = _align(topk_ids, e, block_m)
+    gate_up = torch.empty(num_pairs, i2, dtype=x.dtype, device=x.device)
+    _gemm(x, w13, gate_up, pairs, experts, total, num_pairs, k, block_m, None)
+    act = silu_and_mul(gate_up)  # (T K, I)
+    down = torch.empty(num_pairs, h, dtype=torch.float32, device=x.device)
+    _gemm(act, w2, down, pairs, experts, total, num_pairs, 1, block_m, topk_weights.reshape(-1).contiguous())
+    return down.view(t, k, h).sum(1).to(x.dtype)
