@@ -399,8 +399,7 @@ def test_triton_engine_moe_greedy_equals_reference(tmp_path, smollm_tokenizer_di
     for name in ("reference", "triton"):
         monkeypatch.setattr(kernels, "_backend", name)
         if name == "triton":
-            real = tri.fused_moe
-            monkeypatch.setattr(tri, "fused_moe", lambda *a, **k: calls.append(1) or real(*a, **k))
+            monkeypatch.setattr(tri, "fused_moe", lambda *a, _real=tri.fused_moe, **k: calls.append(1) or _real(*a, **k))
         llm = LLM(path, device=DEVICE, dtype="float32", num_kv_blocks=64, max_model_len=128, max_num_batched_tokens=16)
         outs[name] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outs["triton"] == outs["reference"]

@@ -83,10 +83,15 @@ class ModelDims:
     @classmethod
     def from_config(cls, config) -> ModelDims:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        intermediate = config.intermediate_size
+        if getattr(config, "num_experts_per_tok", None):  # a mixture of experts: the MLP width a token goes through
+            width = getattr(config, "moe_intermediate_size", None) or intermediate
+            intermediate = config.num_experts_per_tok * width + (getattr(config, "shared_expert_intermediate_size",
+                                                                         None) or 0)
         return cls(
             num_layers=config.num_hidden_layers,
             hidden=config.hidden_size,
-            intermediate=config.intermediate_size,
+            intermediate=intermediate,
             num_heads=config.num_attention_heads,
             num_kv_heads=config.num_key_value_heads or config.num_attention_heads,
             head_dim=head_dim,
@@ -261,9 +266,14 @@ class StepProbe:
         embed, head = model.embed_tokens.weight, model.lm_head.weight
         read = [p for p in model.parameters() if p is not embed or p is head]
         self.weight_bytes = sum(p.numel() * p.element_size() for p in read)
+        # a mixture of experts' step reads the experts its tokens are routed to: (E, K, their bytes)
+        moe = model.cfg.moe
+        experts = [layer.mlp.experts for i, layer in enumerate(model.layers) if model.cfg.sparse(i)]
+        self.moe = (moe.num_experts, moe.top_k, sum(e.w13.nbytes + e.w2.nbytes for e in experts)) if moe else None
         self.kv_bytes_per_token = kv_block_bytes(runner.local_cfg, 1, runner.dtype)  # this rank's share
-        self.steps: list[tuple[float, float, int | None]] = []  # (wall s, host s, KV tokens if decode-only)
-        self._host, self._kv_tokens, self._forward_step_start = 0.0, None, None
+        # (wall s, host s, KV tokens if decode-only, sequences)
+        self.steps: list[tuple[float, float, int | None, int]] = []
+        self._host, self._kv_tokens, self._seqs, self._forward_step_start = 0.0, None, 0, None
 
         self._step, self._forward_step = engine.step, runner.forward_step
         self._schedule = self._on_host(scheduler.schedule)
@@ -284,13 +294,14 @@ class StepProbe:
         # a step leaves the next in flight, and a step's time is then the period between the two.
         if self.cuda and not self.overlapped:
             torch.cuda.synchronize()
-        self.steps.append((time.perf_counter() - start, self._host, self._kv_tokens))
+        self.steps.append((time.perf_counter() - start, self._host, self._kv_tokens, self._seqs))
         return deltas
 
     def schedule(self):
         batch = self._schedule()
         if len(batch) and batch.num_prompt_tokens == 0:  # decode-only: each sequence reads all its KV
             self._kv_tokens = sum(r.num_tokens for r in batch.requests)
+            self._seqs = len(batch.requests)
         return batch
 
     def forward_step(self, step_input):
@@ -318,10 +329,19 @@ class StepProbe:
 
         return marked
 
+    def step_weight_bytes(self, seqs: int) -> int:
+        """The weights a decode step of ``seqs`` tokens reads: all of them, but of a mixture of experts'
+        only the experts its tokens are routed to, as many as uniform routing would pick on average
+        (each expert missed by a token with probability 1 - K/E)."""
+        if self.moe is None:
+            return self.weight_bytes
+        e, k, nbytes = self.moe
+        return int(self.weight_bytes - nbytes * (1 - k / e) ** seqs)
+
     def report(self, bandwidth: float) -> StepReport:
         decodes = [  # (wall s, floor s)
-            (wall, (self.weight_bytes + kv * self.kv_bytes_per_token) / bandwidth)
-            for wall, _, kv in self.steps
+            (wall, (self.step_weight_bytes(seqs) + kv * self.kv_bytes_per_token) / bandwidth)
+            for wall, _, kv, seqs in self.steps
             if kv is not None
         ]
 
@@ -334,7 +354,7 @@ class StepProbe:
             decode_step_s=median([wall for wall, _ in decodes]),
             decode_floor_s=median([floor for _, floor in decodes]),
             decode_vs_floor=median([wall / floor for wall, floor in decodes]),
-            host_share=sum(h for _, h, _ in self.steps) / sum(w for w, _, _ in self.steps),
+            host_share=sum(h for _, h, _, _ in self.steps) / sum(w for w, _, _, _ in self.steps),
             bandwidth=bandwidth,
             weight_bytes=self.weight_bytes,
         )

@@ -1,6 +1,6 @@
 """Random-weight model folders in the shapes of real models, so that a machine without network or model
-hub can load, run and benchmark them: a transformers config (SmolLM2-135M's, Qwen2-0.5B's or Qwen3-0.6B's, or any
-size), safetensors weights as transformers initialises them, and a byte-level BPE tokenizer over the
+hub can load, run and benchmark them: a transformers config (SmolLM2-135M's, Qwen2-0.5B's or Qwen3-0.6B's, a
+scaled-down Qwen3-30B-A3B's, or any size), safetensors weights as transformers initialises them, and a byte-level BPE tokenizer over the
 whole vocabulary (ids 0, 1, 2 are unk, bos and eos), so that no tokenizer is downloaded either.
 
     python3 tools/random_model.py smollm2-135m /tmp/smollm2 [--dtype bfloat16]
@@ -27,6 +27,13 @@ SHAPES = {
                                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                                  max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
                                  tie_word_embeddings=True)),
+    # Qwen3-30B-A3B scaled down to run on a CPU (48 layers -> 6, hidden 2048 -> 1024, 128 experts -> 64,
+    # each 768 -> 384 wide), its 8 experts a token and its router, renormalized, kept
+    "qwen3-moe-tiny": ("qwen3_moe", dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=6,
+                                         num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+                                         num_experts=64, num_experts_per_tok=8, moe_intermediate_size=384,
+                                         norm_topk_prob=True, vocab_size=151936, max_position_embeddings=40960,
+                                         rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)),
 }
 UNK, BOS, EOS = 0, 1, 2
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -56,11 +63,13 @@ def save_tokenizer(out_dir: str, vocab_size: int) -> None:
 
 def build(out_dir: str, arch: str = "llama", dtype: torch.dtype = torch.bfloat16, seed: int = 0,
           **config) -> str:
-    """Save a random ``arch`` ("llama", "qwen2", "qwen3") model with these config values in ``out_dir``.
-    ``initializer_range`` (transformers' 0.02 by default) is the weights' standard deviation."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+    """Save a random ``arch`` ("llama", "qwen2", "qwen3", "qwen3_moe") model with these config values in
+    ``out_dir``. ``initializer_range`` (transformers' 0.02 by default) is the weights' standard deviation."""
+    import transformers
+    from transformers import AutoModelForCausalLM
 
-    cfg_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
+    cfg_cls = getattr(transformers, {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
+                                     "qwen3_moe": "Qwen3MoeConfig"}[arch])
     torch.manual_seed(seed)
     cfg = cfg_cls(bos_token_id=BOS, eos_token_id=EOS, **config)
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
