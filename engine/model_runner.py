@@ -44,6 +44,7 @@ from engine.attention import StepIndex, build_metadata
 from engine.config import EngineConfig
 from engine.loader import build_model, load_model_config
 from engine.models.layers import ColumnLinear, LMHead, RowLinear
+from engine.models.moe import Experts
 from engine.parallel import StepInput, TPGroup, local_model_config
 from engine.pooling import pool, pool_rows, to_bytes
 from engine.protocol import SamplingParams
@@ -139,7 +140,9 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         self.model = build_model(model_path, self.model_cfg, max_model_len, dtype, device, self.tp)
         if device.type == "cpu":  # which CPU GEMM serves which layer, measured on these weights
-            kernels.tune_linear([m.weight for m in self.model.modules() if isinstance(m, (ColumnLinear, RowLinear, LMHead))])
+            modules = list(self.model.modules())
+            kernels.tune_linear([m.weight for m in modules if isinstance(m, (ColumnLinear, RowLinear, LMHead))]
+                                + [w for m in modules if isinstance(m, Experts) for w in (*m.w13, *m.w2)])
         self.block_size, self.device, self.dtype = config.block_size, device, dtype
         self.sampler = Sampler(self.model_cfg.vocab_size, list(self.model_cfg.eos_token_ids), device, config.seed)
         cuda_budget = None

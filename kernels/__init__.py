@@ -129,9 +129,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
-    """The routed experts of a mixture of experts (``reference.fused_moe``); the CPU's is the reference."""
-    return (reference if x.device.type == "cpu" and _backend == "auto" else _pick(x)).fused_moe(
-        x, w13, w2, topk_weights, topk_ids)
+    """The routed experts of a mixture of experts (``reference.fused_moe``)."""
+    return _pick(x).fused_moe(x, w13, w2, topk_weights, topk_ids)
 
 
 def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

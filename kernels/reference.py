@@ -112,14 +112,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_ids: torch.Tensor, linear=F.linear) -> torch.Tensor:
     """A mixture of experts' MLPs: token t goes through experts ``topk_ids[t]`` (each a gated MLP,
     ``down(silu(gate x) * up x)``) and their outputs are summed, weighted by ``topk_weights[t]``.
 
     x (T, H); w13 (E, 2I, H) each expert's gate|up; w2 (E, H, I) its down projection; topk_weights
     (T, K) float32; topk_ids (T, K) -> (T, H) in x's dtype. Each expert multiplies its tokens at once;
     a token's K outputs are added in float32 in the order of their experts' ids, as transformers adds
-    them. Reads the experts' token counts on the host: not for a captured graph."""
+    them. Reads the experts' token counts on the host: not for a captured graph. ``linear``: the
+    ``F.linear`` each expert's projections go through (``kernels.cpu`` passes its own)."""
     t, k = topk_ids.shape
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (T K,) each expert's (token, slot) pairs together
@@ -131,7 +132,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         if n:
             pairs = order[start:start + n]
             rows = pairs // k
-            h = F.linear(silu_and_mul(F.linear(x[rows], w13[e])), w2[e])
+            h = linear(silu_and_mul(linear(x[rows], w13[e])), w2[e])
             out.index_add_(0, rows, h.float() * weights[pairs, None])
             start += n
     return out.to(x.dtype)

@@ -3,7 +3,8 @@
 blocks where they sit (decode in compiled C, prefill one SDPA per sequence; ``attention.py``),
 a linear layer for steps of few rows (compiled C where measured faster) and for weights kept
 packed as GGUF blocks (``matmul.py``), RMSNorm, RoPE and SiLU-and-mul in one compiled call each
-(``elementwise.py``), and a step's K/V stored in one compiled call (``attention.py``).
+(``elementwise.py``), a step's K/V stored in one compiled call (``attention.py``), and a mixture
+of experts as the reference runs it, its experts' few rows each through that linear layer.
 """
 
 from kernels.cpu.attention import (
@@ -16,7 +17,14 @@ from kernels.cpu.attention import (
 from kernels.cpu.elementwise import apply_rope_, fused_add_rms_norm, rms_norm, silu_and_mul
 from kernels.cpu.matmul import dequantize, linear, linear_packed, packed_available
 from kernels.cpu.matmul import tune as tune_linear
+from kernels.reference import fused_moe as _reference_moe
 
-__all__ = ["apply_rope_", "available", "decodes_in_c", "dequantize", "fused_add_rms_norm", "linear", "linear_packed",
+
+def fused_moe(x, w13, w2, topk_weights, topk_ids):
+    """The reference's, each expert's projections through ``linear`` (the C kernel for its few rows)."""
+    return _reference_moe(x, w13, w2, topk_weights, topk_ids, linear=linear)
+
+
+__all__ = ["apply_rope_", "available", "decodes_in_c", "dequantize", "fused_add_rms_norm", "fused_moe", "linear", "linear_packed",
            "packed_available", "paged_decode_attention", "paged_prefill_attention", "rms_norm", "silu_and_mul",
            "store_kvcache", "tune_linear"]
