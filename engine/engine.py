@@ -121,6 +121,11 @@ class Engine:
             self.async_scheduling = False
         self._in_flight: InFlight | None = None
         per_token = kv_block_bytes(self.runner.model_cfg, 1, facts.dtype)
+        moe = self.runner.model_cfg.moe
+        if moe is not None:
+            log.info("a mixture of experts: %d experts, %d a token, in %d of its %d layers%s", moe.num_experts,
+                     moe.top_k, len(moe.layers), self.runner.model_cfg.num_layers,
+                     ", and a shared expert" if moe.shared_intermediate_size else "")
         log.info("engine ready: %s on %s (%s); KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB, "
                  "%d bytes per token), prefix caching %s; max_model_len %d: at most %.1f requests of that "
                  "length at once", self.model_name, facts.device, str(facts.dtype).removeprefix("torch."),

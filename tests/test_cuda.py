@@ -51,9 +51,12 @@ def free_gpu() -> None:
     torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True)  # Qwen3-MoE's
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3_moe"])
 def test_fp32_greedy_equals_transformers(arch, tmp_path):
-    path = build(str(tmp_path), arch, torch.float32, seed=1, **TINY)
+    path = build(str(tmp_path), arch, torch.float32, seed=1, **TINY, **(MOE if arch == "qwen3_moe" else {}))
     outs = generate(path, "float32")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to("cuda").eval()
     for prompt, out in zip(PROMPTS, outs, strict=True):
@@ -62,10 +65,12 @@ def test_fp32_greedy_equals_transformers(arch, tmp_path):
     free_gpu()
 
 
-@pytest.mark.parametrize("shape", ["tiny", "smollm2-135m"])
+@pytest.mark.parametrize("shape", ["tiny", "tiny-moe", "smollm2-135m"])
 def test_bf16_greedy_tracks_transformers(shape, tmp_path):
     if shape == "tiny":
         path = build(str(tmp_path), "qwen2", torch.bfloat16, seed=2, **TINY)
+    elif shape == "tiny-moe":  # the Triton fused MoE, in CUDA graphs for the decode steps
+        path = build(str(tmp_path), "qwen3_moe", torch.bfloat16, seed=2, **TINY, **MOE)
     else:
         path = build_shape(shape, str(tmp_path))
     outs = generate(path, "bfloat16")
