@@ -28,6 +28,7 @@ from engine import quant
 from engine.models.config import ModelConfig, QuantConfig
 from engine.models.layers import RowLinear
 from engine.models.llama import LlamaForCausalLM
+from engine.models.moe import Experts
 from engine.parallel import TPGroup
 
 log = logging.getLogger("tokenmill.engine")
@@ -202,7 +203,8 @@ def _safetensors_files(path: str) -> list[str]:
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors files (other checkpoint formats are not supported)")
-    return files
+    # Mistral's repositories ship the same weights in their own format beside Hugging Face's
+    return [f for f in files if not os.path.basename(f).startswith("consolidated")] or files
 
 
 def _safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -351,14 +353,20 @@ def _gguf_config(path: str) -> tuple[dict, list[int]]:
     }
     if a("expert_count"):  # a mixture of experts; its dense layers are those without a router
         cfg["model_type"] = {"llama": "mixtral"}.get(arch, cfg["model_type"])
-        routed = {t.name.split(".")[1] for t in r.tensors if t.name.endswith(".ffn_gate_inp.weight")}
+        routed = sorted(int(t.name.split(".")[1]) for t in r.tensors if t.name.endswith(".ffn_gate_inp.weight"))
+        # the widths as the tensors have them (older files lack the keys), else from the metadata
+        rows = {t.name: int(t.shape[1]) if len(t.shape) > 1 else 0 for t in r.tensors}  # a tensor's N
+        layer = f"blk.{routed[0] if routed else 0}"
+        width = rows.get(f"{layer}.ffn_gate_exps.weight") or rows.get(f"{layer}.ffn_gate.0.weight") or a(
+            "expert_feed_forward_length")
         cfg |= {"num_experts": a("expert_count"), "num_experts_per_tok": a("expert_used_count"),
-                "moe_intermediate_size": a("expert_feed_forward_length"),
-                "shared_expert_intermediate_size": a("expert_shared_feed_forward_length"),
+                "moe_intermediate_size": width,
+                "shared_expert_intermediate_size": rows.get(f"{layer}.ffn_up_shexp.weight") or a(
+                    "expert_shared_feed_forward_length"),
                 "norm_topk_prob": arch == "qwen3moe",  # as llama.cpp decides per architecture
-                "mlp_only_layers": [i for i in range(cfg["num_hidden_layers"]) if str(i) not in routed]}
+                "mlp_only_layers": [i for i in range(cfg["num_hidden_layers"]) if i not in routed]}
         if arch == "llama" or not cfg["intermediate_size"]:  # Mixtral's: its experts' width
-            cfg["intermediate_size"] = a("expert_feed_forward_length") or cfg["intermediate_size"]
+            cfg["intermediate_size"] = width or cfg["intermediate_size"]
     eos = _gguf_field(r, "tokenizer.ggml.eos_token_id")
     return cfg, [] if eos is None else [int(eos)]
 
@@ -372,6 +380,11 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
 # GGUF tensors (by the layer they fill) kept packed on the CPU: a fused layer's parts must share a format
 _GGUF_PARTS = {"self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "self_attn.o_proj": ("attn_output",),
                "mlp.gate_up_proj": ("ffn_gate", "ffn_up"), "mlp.down_proj": ("ffn_down",)}
+# ...and in a mixture of experts' layer: all experts at once (stacked), and Qwen2-MoE's shared expert
+_GGUF_MOE_PARTS = {**{k: v for k, v in _GGUF_PARTS.items() if k.startswith("self_attn.")},
+                   "mlp.experts": ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"),
+                   "mlp.shared_expert.gate_up_proj": ("ffn_gate_shexp", "ffn_up_shexp"),
+                   "mlp.shared_expert.down_proj": ("ffn_down_shexp",)}
 
 
 def _gguf_packing(path: str, model: LlamaForCausalLM, device: torch.device, tp: TPGroup | None) -> set[str]:
@@ -389,12 +402,17 @@ def _gguf_packing(path: str, model: LlamaForCausalLM, device: torch.device, tp: 
     if not model.cfg.tie_word_embeddings:
         groups.append((model.lm_head.shard, ["output.weight"]))
     for i, layer in enumerate(model.layers):
-        groups += [(layer.get_submodule(sub), [f"blk.{i}.{p}.weight" for p in parts])
-                   for sub, parts in _GGUF_PARTS.items() if not (sub.startswith("mlp.") and model.cfg.sparse(i))]
+        parts = _GGUF_MOE_PARTS if model.cfg.sparse(i) else _GGUF_PARTS
+        groups += [(layer.get_submodule(sub), [f"blk.{i}.{p}.weight" for p in names]) for sub, names in parts.items()
+                   if not sub.startswith("mlp.shared_expert.") or layer.mlp.shared_expert is not None]
     packed = set()
     for module, names in groups:
         fmt = types.get(names[0])
-        if fmt in matmul.FORMATS and all(types.get(n) == fmt for n in names) and module.weight.shape[1] % 32 == 0:
+        if isinstance(module, Experts):
+            ks = (module.w13.shape[2], module.width)  # gate|up's K is the hidden size, down's their width
+        else:
+            ks = (module.weight.shape[1],)
+        if fmt in matmul.FORMATS and all(types.get(n) == fmt for n in names) and all(k % 32 == 0 for k in ks):
             module.pack(fmt)
             packed.update(names)
     return packed
@@ -422,7 +440,7 @@ def _gguf_weights(path: str, cfg: ModelConfig, packed: set[str] = frozenset()) -
                 name = f"model.layers.{m[1]}.{_GGUF_LAYER[m[2]]}.{m[4]}"
         rows = [int(x) for x in reversed(t.shape)]  # GGUF lists dims fastest-first
         if t.name in packed:  # whole rows of blocks: permuting rows below works on them as on floats
-            w = np.asarray(t.data, dtype=np.uint8).reshape(rows[0], -1)
+            w = np.asarray(t.data, dtype=np.uint8).reshape(*rows[:-1], -1)
         else:
             w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(rows)
         if llama_rope and name.endswith("q_proj.weight"):

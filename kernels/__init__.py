@@ -128,8 +128,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
-    """The routed experts of a mixture of experts (``reference.fused_moe``)."""
+              topk_ids: torch.Tensor, packed: str | None = None) -> torch.Tensor:
+    """The routed experts of a mixture of experts (``reference.fused_moe``). ``packed``: the experts'
+    weights are uint8 rows of blocks in that format, each expert's (E, N, bytes) slice multiplied as
+    ``linear`` multiplies a packed weight, in the reference's loop over experts."""
+    if packed is not None:
+        return reference.fused_moe(x, w13, w2, topk_weights, topk_ids,
+                                   linear=lambda a, w: _pick(a).linear_packed(a, w, packed))
     return _pick(x).fused_moe(x, w13, w2, topk_weights, topk_ids)
 
 

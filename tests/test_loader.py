@@ -59,6 +59,17 @@ def test_weights_are_converted_on_copy(tmp_path):
     assert torch.equal(exact.rotary.cos, half.rotary.cos)
 
 
+def test_mistrals_own_consolidated_file_beside_the_hf_one_is_left_alone(tmp_path):
+    """Mistral's and Mixtral's repositories hold consolidated.safetensors (their format's names) too."""
+    path = make_tiny_model(str(tmp_path), "mistral", None)
+    cfg = load_model_config(path)
+    want = build_model(path, cfg, 256, torch.float32, torch.device("cpu"))
+    save_file({"layers.0.attention.wq.weight": torch.ones(4, 4)}, f"{path}/consolidated.safetensors")
+    got = build_model(path, cfg, 256, torch.float32, torch.device("cpu"))
+    for (name, a), (_, b) in zip(want.named_parameters(), got.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
 def test_old_checkpoints_rotary_buffers_are_ignored(tmp_path):
     """Early Llama conversions saved each layer's ``rotary_emb.inv_freq``: the model makes its own."""
     path = make_tiny_model(str(tmp_path), "llama", None)
@@ -91,10 +102,12 @@ def test_cuda_bf16_load_peaks_at_the_model_size(tmp_path):
     assert torch.cuda.memory_allocated() - before <= weights + tables + (1 << 20)
 
 
-def _write_gguf(folder: str, out: str, arch: str = "qwen3") -> None:
+def _write_gguf(folder: str, out: str, arch: str = "qwen3", experts_as: str | None = None,
+                widths: bool = True) -> None:
     """A tiny model folder as llama.cpp's converter writes it: float32 tensors, GGUF names, a mixture
-    of experts' parts stacked per layer (E, ...); llama's q/k rows permuted for its interleaved RoPE
-    (Qwen's is the rotate-half one llama.cpp calls NEOX: no permutation)."""
+    of experts' parts stacked per layer (E, ...), in ``experts_as`` (a GGUF type: "Q8_0") if given, and
+    their widths in the metadata (``widths``; converters before mid-2024 left them out); llama's q/k rows permuted for its interleaved RoPE (Qwen's is the rotate-half one llama.cpp calls
+    NEOX: no permutation)."""
     import gguf
     import numpy as np
     from safetensors.torch import load_file
@@ -106,9 +119,10 @@ def _write_gguf(folder: str, out: str, arch: str = "qwen3") -> None:
               ("attention.head_count", cfg.num_heads), ("attention.head_count_kv", cfg.num_kv_heads),
               ("attention.key_length", cfg.head_dim), ("vocab_size", cfg.vocab_size)]
     if cfg.moe:
-        values += [("expert_count", cfg.moe.num_experts), ("expert_used_count", cfg.moe.top_k),
-                   ("expert_feed_forward_length", cfg.moe.intermediate_size)]
-        if cfg.moe.shared_intermediate_size:
+        values += [("expert_count", cfg.moe.num_experts), ("expert_used_count", cfg.moe.top_k)]
+        if widths:
+            values.append(("expert_feed_forward_length", cfg.moe.intermediate_size))
+        if cfg.moe.shared_intermediate_size and widths:
             values.append(("expert_shared_feed_forward_length", cfg.moe.shared_intermediate_size))
     for key, value in values:
         w.add_uint32(f"{arch}.{key}", value)
@@ -143,7 +157,12 @@ def _write_gguf(folder: str, out: str, arch: str = "qwen3") -> None:
                 t = t.reshape(-1)  # llama.cpp keeps the shared expert's gate as a vector
             w.add_tensor(names[name], t)
     for name, parts in experts.items():
-        w.add_tensor(name, np.stack([parts[e] for e in sorted(parts)]))
+        stacked = np.stack([parts[e] for e in sorted(parts)])
+        if experts_as:
+            kind = gguf.GGMLQuantizationType[experts_as]
+            w.add_tensor(name, gguf.quants.quantize(stacked, kind), raw_dtype=kind)
+        else:
+            w.add_tensor(name, stacked)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -163,13 +182,15 @@ def test_a_qwen3_gguf_loads_as_its_folder(tmp_path):
         assert torch.equal(got[k], want[k]), k
 
 
-@pytest.mark.parametrize("arch,gguf_arch", [("qwen3_moe", "qwen3moe"), ("qwen2_moe", "qwen2moe"), ("mixtral", "llama")])
-def test_a_moe_gguf_loads_as_its_folder(tmp_path, arch, gguf_arch):
+@pytest.mark.parametrize("arch,gguf_arch,widths", [("qwen3_moe", "qwen3moe", True), ("qwen2_moe", "qwen2moe", True),
+                                                  ("qwen2_moe", "qwen2moe", False), ("mixtral", "llama", True)])
+def test_a_moe_gguf_loads_as_its_folder(tmp_path, arch, gguf_arch, widths):
     """Experts stacked per layer (ffn_*_exps), the router (ffn_gate_inp), Qwen2-MoE's shared expert and its
-    gate (a vector in GGUF), a dense layer found by its missing router; Mixtral is llama with experts."""
+    gate (a vector in GGUF), a dense layer found by its missing router; Mixtral is llama with experts. The
+    experts' widths from their tensors where the metadata lacks them (as in early Qwen1.5-MoE files)."""
     extra = {"mlp_only_layers": [1]} if arch == "qwen3_moe" else {}
     folder = make_tiny_model(str(tmp_path / arch), arch, None, **extra)
-    _write_gguf(folder, str(tmp_path / "moe.gguf"), gguf_arch)
+    _write_gguf(folder, str(tmp_path / "moe.gguf"), gguf_arch, widths=widths)
     want_cfg, got_cfg = load_model_config(folder), load_model_config(str(tmp_path / "moe.gguf"))
     assert got_cfg.model_type == arch and got_cfg.moe == want_cfg.moe
     want = build_model(folder, want_cfg, 64, torch.float32, torch.device("cpu")).state_dict()
@@ -199,3 +220,32 @@ def test_moe_checkpoints_that_do_not_fit_are_refused(tmp_path):
         ModelConfig.from_hf(raw | {"num_experts_per_tok": 5})
     with pytest.raises(ValueError, match="int4 .* of a mixture of experts \\(qwen3_moe\\) are not supported"):
         ModelConfig.from_hf(raw | {"num_experts_per_tok": 2, "quantization_config": {"quant_method": "awq"}})
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0"])
+def test_a_moe_ggufs_experts_stay_packed_on_the_cpu(tmp_path, fmt, monkeypatch, smollm_tokenizer_dir):
+    """Experts stored as Q8_0 / Q4_0 blocks are kept so (as llama.cpp keeps them: the 3.5x to 7x smaller
+    weights) and multiplied by the C kernel; greedy output as with them expanded to floats."""
+    from engine import LLM, SamplingParams
+    from kernels.cpu import matmul
+
+    if not matmul.packed_available():
+        pytest.skip("the C kernel does not build here")
+    from transformers import AutoTokenizer
+
+    folder = make_tiny_model(str(tmp_path / "moe"), "qwen2_moe", smollm_tokenizer_dir, moe_intermediate_size=64)
+    gguf_path = str(tmp_path / "moe.gguf")
+    _write_gguf(folder, gguf_path, "qwen2moe", experts_as=fmt)
+    prompts = [[(7 * i + 3 * j) % 5000 + 3 for j in range(n)] for i, n in enumerate([4, 40])]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = []
+    for rows in (None, "0"):  # "0": the C kernel off, so nothing is kept packed
+        if rows:
+            monkeypatch.setenv("TOKENMILL_CPU_LINEAR_ROWS", rows)
+        llm = LLM(gguf_path, device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=128)
+        llm.tokenizer = AutoTokenizer.from_pretrained(folder)  # (this GGUF holds no vocabulary)
+        experts = llm.engine.runner.model.layers[0].mlp.experts
+        assert experts.packed == (fmt.lower() if rows is None else None)
+        assert experts.w13.dtype == (torch.uint8 if rows is None else torch.float32)
+        outs.append([o.token_ids for o in llm.generate(prompts, params)])
+    assert outs[0] == outs[1]

@@ -7,7 +7,8 @@ device-to-device copies, as ``bench_offline`` measures it). ``bw`` is floor ÷ k
 Shapes: SmolLM2-135M's and Qwen2-0.5B's heads (head_dim 64), bf16, KV blocks of 16 tokens scattered
 as in a busy cache; decode at ``--batch`` sequences for each ``--contexts`` length, prefill of
 ``--prefill`` fresh prompts, the other kernels at the decode batch's and the prefill's token counts;
-the MLP's gate|up projection as Q4_Z blocks (an int4 checkpoint) at 1 row, the batch's and the prefill's.
+the MLP's gate|up projection as Q4_Z blocks (an int4 checkpoint) at 1 row, the batch's and the prefill's;
+a mixture of experts' layer (Qwen3-30B-A3B's: 128 experts, 8 a token) at the same token counts.
 Prints a table, then one JSON line. Without CUDA there is nothing to time: it says so (JSON too).
 
     python3 tools/bench_kernels.py [--batch 256] [--contexts 512,2048,8192] [--prefill 4x1024]
@@ -16,6 +17,7 @@ Prints a table, then one JSON line. Without CUDA there is nothing to time: it sa
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -34,6 +36,7 @@ MODELS = {  # attention heads, KV heads, hidden size, MLP size
     "smollm2-135m": (9, 3, 576, 1536),
     "qwen2-0.5b": (14, 2, 896, 4864),
 }
+MOE = ("qwen3-30b-a3b", 2048, 128, 768, 8)  # a mixture of experts' layer: hidden, experts, their width, top k
 HEAD_DIM, PAGE, DTYPE, ELT = 64, 16, torch.bfloat16, 2
 
 
@@ -133,6 +136,23 @@ def cases(model: str, batch: int, contexts: list[int], prefill: tuple[int, int])
                        "torch bf16 GEMM, dense weights")
 
 
+def moe_cases(batch: int, tokens: int) -> Iterator[Case]:
+    """``fused_moe`` on one layer of Qwen3-30B-A3B at 1 token, the decode batch and the prefill's tokens,
+    routed at random; its floor reads the experts the tokens were routed to (and x, out)."""
+    import kernels.reference as ref
+    import kernels.triton as tri
+
+    name, hidden, experts, width, top_k = MOE
+    w13, w2 = randn(experts, 2 * width, hidden) * 0.02, randn(experts, hidden, width) * 0.02
+    for n in (1, batch, tokens):
+        x = randn(n, hidden)
+        weights, ids = torch.softmax(torch.randn(n, experts, device="cuda"), -1).topk(top_k, -1)
+        used = int(ids.unique().numel())
+        yield Case("fused_moe", name, f"T={n} E={experts}", used * 3 * hidden * width * ELT + 2 * x.numel() * ELT,
+                   lambda x=x, w=weights, i=ids: tri.fused_moe(x, w13, w2, w, i),
+                   lambda x=x, w=weights, i=ids: ref.fused_moe(x, w13, w2, w, i), "torch eager, expert by expert")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=256, help="decode batch (sequences)")
@@ -154,17 +174,17 @@ def main() -> None:
     print(f"{'kernel':<24}{'model':<14}{'shape':<16}{'triton us':>10}{'torch us':>10}{'floor us':>10}"
           f"{'bw':>6}{'torch/triton':>14}")
     results = []
-    for model in args.models.split(","):
-        for c in cases(model, args.batch, contexts, prefill):
-            tri_ms = do_bench(c.triton, return_mode="median")
-            torch_ms = do_bench(c.torch, return_mode="median")
-            floor_ms = c.nbytes / bw * 1e3
-            print(f"{c.kernel:<24}{c.model:<14}{c.shape:<16}{tri_ms * 1e3:>10.1f}{torch_ms * 1e3:>10.1f}"
-                  f"{floor_ms * 1e3:>10.1f}{floor_ms / tri_ms:>6.0%}{torch_ms / tri_ms:>14.2f}", flush=True)
-            results.append(dict(kernel=c.kernel, model=c.model, shape=c.shape, bytes=c.nbytes,
-                                triton_us=round(tri_ms * 1e3, 2), torch_us=round(torch_ms * 1e3, 2),
-                                floor_us=round(floor_ms * 1e3, 2), bw_fraction=round(floor_ms / tri_ms, 3),
-                                baseline=c.baseline))
+    dense = (c for model in args.models.split(",") for c in cases(model, args.batch, contexts, prefill))
+    for c in itertools.chain(dense, moe_cases(args.batch, prefill[0] * prefill[1])):  # each made when timed
+        tri_ms = do_bench(c.triton, return_mode="median")
+        torch_ms = do_bench(c.torch, return_mode="median")
+        floor_ms = c.nbytes / bw * 1e3
+        print(f"{c.kernel:<24}{c.model:<14}{c.shape:<16}{tri_ms * 1e3:>10.1f}{torch_ms * 1e3:>10.1f}"
+              f"{floor_ms * 1e3:>10.1f}{floor_ms / tri_ms:>6.0%}{torch_ms / tri_ms:>14.2f}", flush=True)
+        results.append(dict(kernel=c.kernel, model=c.model, shape=c.shape, bytes=c.nbytes,
+                            triton_us=round(tri_ms * 1e3, 2), torch_us=round(torch_ms * 1e3, 2),
+                            floor_us=round(floor_ms * 1e3, 2), bw_fraction=round(floor_ms / tri_ms, 3),
+                            baseline=c.baseline))
     decode = [r["bw_fraction"] for r in results if r["kernel"] == "paged_decode_attention"]
     print(json.dumps({"device": device, "dtype": "bfloat16", "copy_bandwidth_gb_s": round(bw / 1e9, 1),
                       "decode_batch": args.batch, "decode_min_bw_fraction": min(decode, default=None),

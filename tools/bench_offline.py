@@ -81,22 +81,17 @@ class ModelDims:
     vocab: int
 
     @classmethod
-    def from_config(cls, config) -> ModelDims:
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        intermediate = config.intermediate_size
-        if getattr(config, "num_experts_per_tok", None):  # a mixture of experts: the MLP width a token goes through
-            width = getattr(config, "moe_intermediate_size", None) or intermediate
-            intermediate = config.num_experts_per_tok * width + (getattr(config, "shared_expert_intermediate_size",
-                                                                         None) or 0)
-        return cls(
-            num_layers=config.num_hidden_layers,
-            hidden=config.hidden_size,
-            intermediate=intermediate,
-            num_heads=config.num_attention_heads,
-            num_kv_heads=config.num_key_value_heads or config.num_attention_heads,
-            head_dim=head_dim,
-            vocab=config.vocab_size,
-        )
+    def of(cls, cfg) -> ModelDims:
+        """From the engine's reading of the model (``engine.loader.load_model_config``, a folder or a GGUF file
+        alike). A mixture of experts' MLP counts as the width a token goes through (its top-k experts' and the
+        shared one's), averaged with its dense layers'."""
+        width = cfg.intermediate_size
+        if cfg.moe is not None:
+            m, sparse = cfg.moe, len(cfg.moe.layers)
+            routed = m.top_k * m.intermediate_size + m.shared_intermediate_size
+            width = round((sparse * routed + (cfg.num_layers - sparse) * cfg.intermediate_size) / cfg.num_layers)
+        return cls(num_layers=cfg.num_layers, hidden=cfg.hidden_size, intermediate=width, num_heads=cfg.num_heads,
+                   num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, vocab=cfg.vocab_size)
 
     def layer_shapes(self) -> list[tuple[int, int]]:
         """(K, N) of each matmul in one decoder layer, q/k/v and gate/up fused."""
@@ -573,13 +568,9 @@ def main(argv: list[str] | None = None) -> None:
         flush=True,
     )
 
-    from transformers import AutoConfig
+    from engine.loader import load_model_config
 
-    if path.endswith(".gguf"):
-        config = AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-    else:
-        config = AutoConfig.from_pretrained(path)
-    dims = ModelDims.from_config(config)
+    dims = ModelDims.of(load_model_config(path))
     ceilings = {m: measure_ceiling(dims, dtype, m) for m in CEILING_BATCHES}
     print("ceiling: " + ", ".join(f"M={m} {f / 1e9:.1f} GFLOP/s" for m, f in ceilings.items()), flush=True)
 

@@ -86,7 +86,11 @@ class MoEConfig:
         step = cfg.get("decoder_sparse_step") or 1
         dense = set(cfg.get("mlp_only_layers") or ())
         layers = frozenset(i for i in range(cfg["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
-        return cls(experts, top_k, intermediate_size=cfg[arch.get("expert_width", "moe_intermediate_size")],
+        width = cfg.get(arch.get("expert_width", "moe_intermediate_size"))
+        if not isinstance(width, int) or width <= 0:
+            raise ValueError(f"a mixture of experts needs its experts' width "
+                             f"({arch.get('expert_width', 'moe_intermediate_size')}), got {width!r}")
+        return cls(experts, top_k, intermediate_size=width,
                    renormalize=bool(arch.get("norm_topk_prob", cfg.get("norm_topk_prob", False))), layers=layers,
                    shared_intermediate_size=arch.get("shared_expert") and cfg.get("shared_expert_intermediate_size")
                    or 0)

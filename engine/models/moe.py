@@ -22,6 +22,7 @@ class Experts(nn.Module):
     ``w2`` (E, H, I/T) its columns of down."""
 
     PARTS = ("gate_proj", "up_proj", "down_proj")
+    packed: str | None = None  # kept as a GGUF file's blocks (``pack``)
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, tp: TPGroup):
         super().__init__()
@@ -30,10 +31,25 @@ class Experts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.width, hidden), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, self.width), requires_grad=False)
 
+    def pack(self, fmt: str) -> None:
+        """Keep the weights as uint8 rows of ``fmt`` blocks of 32 (``layers.Packable``'s form), which
+        ``load`` then copies as they are; on one rank (a rank's columns of down would split blocks)."""
+        (e, rows, k), block = self.w13.shape, kernels.reference.PACKED_BLOCK_BYTES[fmt]
+        if k % 32 or self.width % 32 or self.tp.size > 1:
+            raise ValueError(f"packed experts need whole blocks of 32 along K and one rank, got K={k} and "
+                             f"{self.width}, {self.tp.size} ranks")
+        device = self.w13.device
+        self.w13 = nn.Parameter(torch.empty(e, rows, k // 32 * block, dtype=torch.uint8, device=device),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(e, self.w2.shape[1], self.width // 32 * block, dtype=torch.uint8,
+                                           device=device), requires_grad=False)
+        self.packed = fmt
+
     def load(self, expert: int | slice, part: int, tensor: torch.Tensor) -> None:
         """Part ``part`` (0 gate, 1 up: (I, H); 2 down: (H, I)) of one expert, or with ``expert`` a slice
         of all of them at once (tensors with the experts first)."""
-        n, first = self.width, self.tp.rank * self.width
+        n = self.width if part < 2 else self.w2.shape[-1]  # gate's and up's rows; down's columns (packed: bytes)
+        first = self.tp.rank * n
         dim = -2 if part < 2 else -1
         if tensor.shape[dim] != n * self.tp.size:
             raise ValueError(f"an expert's {self.PARTS[part]} is {n * self.tp.size} wide in this model's config, "
@@ -62,7 +78,8 @@ class SparseMoE(nn.Module):
         weights, ids = torch.topk(probs, self.top_k, dim=-1)  # (T, K) each
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        out = self.tp.all_reduce(kernels.fused_moe(x, self.experts.w13, self.experts.w2, weights, ids))
+        e = self.experts
+        out = self.tp.all_reduce(kernels.fused_moe(x, e.w13, e.w2, weights, ids, e.packed))
         if self.shared_expert is not None:
             gate = torch.sigmoid(kernels.linear(x, self.shared_expert_gate.weight))  # (T, 1)
             out = out + gate * self.shared_expert(x)
