@@ -98,6 +98,8 @@ _FUSED = {  # a checkpoint linear's name (its last part) -> (the fused layer bes
 # ("experts.up_proj": transformers 5's gate_up_proj and down_proj, and GGUF's *_exps)
 _EXPERTS = re.compile(r"mlp\.experts\.(?:(\d+)\.(\w+)\.weight|(\w+))")
 _MIXTRAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+# layers a checkpoint may hold already fused (Phi-3), by the parts they stand for
+_UNFUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 def _mixtral_name(name: str) -> str:
@@ -142,6 +144,11 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
                     continue
                 if fused:
                     target.load(fused[1], w, kind)
+                elif last in _UNFUSED:  # fused in the checkpoint too: each part's rows to their place
+                    for part, rows in enumerate(w.split(target.full_sizes)):
+                        target.load(part, rows, kind)
+                    seen |= {f"model.layers.{m[1]}.{head}.{p}.{kind}" for p in _UNFUSED[last]}
+                    continue
                 elif isinstance(target, RowLinear):
                     target.load(w, kind)
                 else:

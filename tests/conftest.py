@@ -51,7 +51,7 @@ def smollm_tokenizer_dir(tmp_path_factory, default_gguf) -> str:
 
 
 def make_tiny_model(out_dir: str, arch: str, tokenizer_dir: str | None, seed: int = 0, **overrides) -> str:
-    """Save a random-weight ``arch`` ("llama", "qwen2", "qwen3", "mistral"; mixtures of experts "mixtral",
+    """Save a random-weight ``arch`` ("llama", "qwen2", "qwen3", "mistral", "phi3"; mixtures of experts "mixtral",
     "qwen2_moe", "qwen3_moe", of 8 experts, 2 per token) model folder (fp32)."""
     import shutil
 
@@ -60,7 +60,8 @@ def make_tiny_model(out_dir: str, arch: str, tokenizer_dir: str | None, seed: in
 
     cfg_cls = getattr(transformers, {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
                                      "mistral": "MistralConfig", "mixtral": "MixtralConfig",
-                                     "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig"}[arch])
+                                     "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig",
+                                     "phi3": "Phi3Config"}[arch])
     kw = dict(TINY)
     if arch in ("mistral", "mixtral"):
         kw["sliding_window"] = None

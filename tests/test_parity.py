@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import os
 
 import pytest
@@ -32,7 +34,7 @@ def check_parity(llm: LLM, hf, tokenizer, prompts: list[str], n: int = 32) -> No
 
 
 @pytest.mark.parametrize("linear_rows", ["0", "64"], ids=["torch-linear", "c-linear"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "qwen3_moe"])
 def test_tiny_models_match_transformers(arch, linear_rows, tmp_path, smollm_tokenizer_dir, monkeypatch):
     """With every CPU linear step in torch, and with every step of up to 64 rows in the C kernel
     (``kernels.cpu.matmul``: decode steps, and these prompts' prefill)."""
@@ -61,6 +63,41 @@ def test_moe_dense_layers_and_stacked_experts_match_transformers(tmp_path, smoll
     assert [type(layer.mlp).__name__ for layer in llm.engine.runner.model.layers] == ["GatedMLP", "SparseMoE",
                                                                                      "SparseMoE"]
     check_parity(llm, hf, llm.tokenizer, PROMPTS)
+
+
+@pytest.mark.parametrize("served", ["short", "long"])
+def test_phi3_longrope_matches_transformers(served, tmp_path, smollm_tokenizer_dir):
+    """Phi-3.5's LongRoPE (an original length of 64 here): served up to 64 tokens, the short factors, as
+    transformers uses them for such contexts; served longer, the long ones, as transformers uses them for
+    a prompt past 64 tokens (and everything after it); cos and sin scaled by the attention factor."""
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+            "short_factor": [1.0 + i / 10 for i in range(8)], "long_factor": [2.0 + i / 2 for i in range(8)]}
+    path = make_tiny_model(str(tmp_path / "phi3"), "phi3", smollm_tokenizer_dir, seed=3, rope_parameters=rope,
+                           original_max_position_embeddings=64)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(path, device="cpu", dtype="float32", num_kv_blocks=256, max_model_len=64 if served == "short" else 512)
+    assert llm.engine.runner.model_cfg.rope_scaling["attention_factor"] == pytest.approx(
+        (1 + math.log(1024 / 64) / math.log(64)) ** 0.5)  # max_position_embeddings 1024 / 64
+    if served == "short":
+        check_parity(llm, hf, llm.tokenizer, ["The quick brown fox", "def fibonacci(n):"], n=16)
+    else:
+        check_parity(llm, hf, llm.tokenizer, [" ".join(["history"] * 80)])
+
+
+def test_a_sliding_window_model_is_served_up_to_its_window(tmp_path, smollm_tokenizer_dir):
+    """Mistral-7B-v0.1's way (a 4096-token window, 32k positions), small: within the window, attention
+    over the window is attention over everything, so it is served up to the window and matches there."""
+    path = make_tiny_model(str(tmp_path / "swa"), "mistral", smollm_tokenizer_dir, seed=4)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config | {"sliding_window": 128}, f)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(path, device="cpu", dtype="float32", num_kv_blocks=256)
+    assert llm.engine.max_model_len == 128
+    check_parity(llm, hf, llm.tokenizer, PROMPTS[:2])
+    with pytest.raises(ValueError, match=r"max_model_len 256 exceeds the model's sliding window \(128\)"):
+        LLM(path, device="cpu", dtype="float32", num_kv_blocks=256, max_model_len=256)
 
 
 def test_llama3_rope_scaling_and_tied_embeddings(tmp_path, smollm_tokenizer_dir):

@@ -79,6 +79,7 @@ def assert_close_logprobs(got, want) -> None:
     ("qwen2", 6, 1, 2, 49153),  # q/k/v biases; the KV head on both ranks
     ("qwen2", 6, 3, 3, 49152),  # 1 KV head per rank
     ("qwen3", 6, 1, 2, 49152),  # q/k norms, whole on every rank; the KV head on both ranks
+    ("phi3", 6, 2, 2, 49152),  # q|k|v and gate|up fused in the checkpoint: split into parts, then sliced
     ("qwen3_moe", 6, 2, 2, 49152),  # each expert's width split; the router on every rank
     ("qwen2_moe", 6, 3, 3, 49153),  # and the shared expert's
 ])

@@ -3,6 +3,7 @@ turned into one). Torch-free; one place that knows the config's spellings."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 # model_type -> what differs from plain Llama
@@ -12,6 +13,7 @@ SUPPORTED_ARCHITECTURES = {
     "qwen2": {"attention_bias": True},
     "qwen3": {"qk_norm": True},  # an RMSNorm over each head's q and k before RoPE
     "smollm": {},  # SmolLM is Llama; GGUF files call it llama too
+    "phi3": {},  # Phi-3, Phi-3.5, Phi-4: q|k|v and gate|up fused in the checkpoint too; LongRoPE
     # mixtures of experts: each layer's MLP is a router over experts (``engine/models/moe.py``, ``MoEConfig``);
     # Mixtral's experts are intermediate_size wide and its top-k weights always renormalized
     "mixtral": {"moe": True, "norm_topk_prob": True, "expert_width": "intermediate_size"},
@@ -118,6 +120,7 @@ class ModelConfig:
     quant: QuantConfig | None = None  # an AWQ or GPTQ int4 checkpoint
     lm_head: bool = True  # False: a checkpoint without one (an embedding model's backbone): it cannot generate
     moe: MoEConfig | None = None  # a mixture of experts
+    sliding_window: int | None = None  # below max_position_embeddings: attention sees that many tokens back
 
     def sparse(self, layer: int) -> bool:
         """Whether layer ``layer``'s MLP is the mixture of experts (else a dense one)."""
@@ -132,23 +135,29 @@ class ModelConfig:
                 f"unsupported architecture {archs} (model_type {model_type!r}); tokenmill supports "
                 f"the Llama family and its mixtures of experts: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        if cfg.get("sliding_window") and cfg.get("use_sliding_window", model_type in ("mistral", "mixtral")):
-            window = cfg["sliding_window"]
-            if window < cfg.get("max_position_embeddings", 0):
-                raise ValueError(f"sliding-window attention ({window}) is not supported yet")
+        window = None  # attention over the last ``window`` tokens only: served up to that length (runtime)
+        if cfg.get("sliding_window") and cfg.get("use_sliding_window", model_type in ("mistral", "mixtral", "phi3")):
+            if cfg["sliding_window"] < cfg.get("max_position_embeddings", 0):
+                window = int(cfg["sliding_window"])
         # transformers >= 5 nests RoPE settings in rope_parameters; older configs keep them flat.
         rope = dict(cfg.get("rope_parameters") or {})
         rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+        if partial != 1.0:
+            raise ValueError(f"RoPE over part of each head (partial_rotary_factor {partial}) is not supported")
+        heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         if scaling:
             kind = scaling.get("rope_type", scaling.get("type"))
-            if kind not in ("llama3", "linear", "default"):
-                raise ValueError(f"RoPE scaling {kind!r} is not supported (llama3, linear are)")
+            if kind not in ("llama3", "linear", "longrope", "default"):
+                raise ValueError(f"RoPE scaling {kind!r} is not supported (llama3, linear, longrope are)")
             scaling = None if kind == "default" else {**scaling, "rope_type": kind}
+            if kind == "longrope":
+                scaling = _longrope(scaling, cfg, head_dim)
         if SUPPORTED_ARCHITECTURES[model_type].get("moe") and cfg.get("quantization_config"):
             raise ValueError(f"int4 (AWQ, GPTQ) checkpoints of a mixture of experts ({model_type}) are not supported "
                              f"yet: load its bf16 checkpoint, or a GGUF file")
-        heads = cfg["num_attention_heads"]
         eos = eos_token_ids if eos_token_ids is not None else cfg.get("eos_token_id")
         if eos is None:
             eos = []
@@ -162,7 +171,7 @@ class ModelConfig:
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=scaling,
@@ -175,4 +184,22 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             quant=QuantConfig.from_hf(cfg["quantization_config"]) if cfg.get("quantization_config") else None,
             moe=MoEConfig.from_hf(cfg, model_type) if SUPPORTED_ARCHITECTURES[model_type].get("moe") else None,
+            sliding_window=window,
         )
+
+
+def _longrope(scaling: dict, cfg: dict, head_dim: int) -> dict:
+    """Phi-3's LongRoPE, as transformers reads it: per-frequency ``short_factor`` and ``long_factor``
+    (for contexts past ``original_max_position_embeddings``), and the factor cos and sin are scaled by."""
+    original = scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+    factors = [scaling.get("short_factor"), scaling.get("long_factor")]
+    if not original or any(not isinstance(f, list) or len(f) != head_dim // 2 for f in factors):
+        raise ValueError(f"LongRoPE needs original_max_position_embeddings and short_factor, long_factor of "
+                         f"{head_dim // 2} values each")
+    factor = scaling.get("factor") or cfg.get("max_position_embeddings", original) / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return {"rope_type": "longrope", "short_factor": [float(f) for f in factors[0]],
+            "long_factor": [float(f) for f in factors[1]], "original_max_position_embeddings": int(original),
+            "attention_factor": float(attention)}

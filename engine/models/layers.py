@@ -67,6 +67,7 @@ class ColumnLinear(Packable):
                  replicas: list[int] | None = None):
         super().__init__()
         replicas = replicas or [1] * len(out_sizes)
+        self.full_sizes = out_sizes  # each part's rows in the checkpoint
         shards = [tp.size // r for r in replicas]
         assert all(tp.size % r == 0 for r in replicas) and all(s % n == 0 for s, n in zip(out_sizes, shards, strict=True))
         self.out_sizes = [s // n for s, n in zip(out_sizes, shards, strict=True)]  # this rank's rows of each part
@@ -199,15 +200,24 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        powers = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+        inv_freq, scale = 1.0 / powers, 1.0
         if scaling and scaling["rope_type"] == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
         elif scaling and scaling["rope_type"] == "linear":
             inv_freq = inv_freq / float(scaling["factor"])
+        elif scaling and scaling["rope_type"] == "longrope":
+            # Decision: the long factors for every position when the served length passes the original one,
+            # else the short ones (as llama.cpp picks by its context size). transformers switches per forward
+            # by the longest sequence in it, which would make a token depend on its batch; the two agree
+            # whenever the served length is at most the original one, or the prompt is longer.
+            long = max_positions > scaling["original_max_position_embeddings"]
+            ext = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+            inv_freq, scale = 1.0 / (ext * powers), scaling["attention_factor"]
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # (P, D/2)
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.register_buffer("cos", freqs.cos() * scale, persistent=False)
+        self.register_buffer("sin", freqs.sin() * scale, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Tables are kept in float32 and cast once per step (as transformers casts per layer)."""
