@@ -302,7 +302,7 @@ _GGUF_LAYER = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "attn_qkv": "self_attn.qkv_proj",
     # a mixture of experts: the router, each part of all experts stacked (E, ...), Qwen2-MoE's shared expert
     "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
@@ -310,9 +310,10 @@ _GGUF_LAYER = {
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
 _GGUF_EXPERT = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}  # old Mixtral files: one each
+_GGUF_PHI3 = {"ffn_up": "mlp.gate_up_proj"}  # Phi-3's ffn_up is gate|up fused (its attn_qkv, q|k|v)
 # GGUF architecture -> model_type (llama with experts: Mixtral)
 _GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "qwen2moe": "qwen2_moe",
-              "qwen3moe": "qwen3_moe"}
+              "qwen3moe": "qwen3_moe", "phi3": "phi3"}
 
 
 def gguf_field(path: str, key: str, default=None):
@@ -342,6 +343,7 @@ def _gguf_config(path: str) -> tuple[dict, list[int]]:
     heads = a("attention.head_count")
     hidden = a("embedding_length")
     vocab = a("vocab_size") or len(r.fields["tokenizer.ggml.tokens"].data)
+    head_dim = a("attention.key_length", hidden // heads)
     cfg = {
         "model_type": _GGUF_ARCH[arch],
         "vocab_size": vocab,
@@ -350,14 +352,22 @@ def _gguf_config(path: str) -> tuple[dict, list[int]]:
         "num_hidden_layers": a("block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": a("attention.head_count_kv", heads),
-        "head_dim": a("attention.key_length", hidden // heads),
+        "head_dim": head_dim,
         "rms_norm_eps": a("attention.layer_norm_rms_epsilon", 1e-6),
         "rope_theta": a("rope.freq_base", 10000.0),
         "max_position_embeddings": a("context_length", 4096),
         "tie_word_embeddings": not any(t.name == "output.weight" for t in r.tensors),
         "attention_bias": any(t.name == "blk.0.attn_q.bias" for t in r.tensors),
         "bos_token_id": _gguf_field(r, "tokenizer.ggml.bos_token_id"),
+        "sliding_window": a("attention.sliding_window"),
+        "partial_rotary_factor": a("rope.dimension_count", head_dim) / head_dim,  # (Phi-4-mini's: 0.75)
     }
+    factors = {t.name: t for t in r.tensors if t.name.startswith("rope_factors_")}
+    if factors:  # Phi-3.5's LongRoPE: its factors are tensors
+        cfg["rope_scaling"] = {"rope_type": "longrope", "original_max_position_embeddings": a(
+            "rope.scaling.original_context_length"), "attention_factor": a("rope.scaling.attn_factor"), **{
+            f"{kind}_factor": [float(x) for x in np.asarray(factors[f"rope_factors_{kind}.weight"].data).ravel()]
+            for kind in ("short", "long")}}
     if a("expert_count"):  # a mixture of experts; its dense layers are those without a router
         cfg["model_type"] = {"llama": "mixtral"}.get(arch, cfg["model_type"])
         routed = sorted(int(t.name.split(".")[1]) for t in r.tensors if t.name.endswith(".ffn_gate_inp.weight"))
@@ -387,6 +397,8 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
 # GGUF tensors (by the layer they fill) kept packed on the CPU: a fused layer's parts must share a format
 _GGUF_PARTS = {"self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "self_attn.o_proj": ("attn_output",),
                "mlp.gate_up_proj": ("ffn_gate", "ffn_up"), "mlp.down_proj": ("ffn_down",)}
+_GGUF_PHI3_PARTS = {"self_attn.qkv_proj": ("attn_qkv",), "self_attn.o_proj": ("attn_output",),
+                    "mlp.gate_up_proj": ("ffn_up",), "mlp.down_proj": ("ffn_down",)}
 # ...and in a mixture of experts' layer: all experts at once (stacked), and Qwen2-MoE's shared expert
 _GGUF_MOE_PARTS = {**{k: v for k, v in _GGUF_PARTS.items() if k.startswith("self_attn.")},
                    "mlp.experts": ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"),
@@ -409,7 +421,8 @@ def _gguf_packing(path: str, model: LlamaForCausalLM, device: torch.device, tp: 
     if not model.cfg.tie_word_embeddings:
         groups.append((model.lm_head.shard, ["output.weight"]))
     for i, layer in enumerate(model.layers):
-        parts = _GGUF_MOE_PARTS if model.cfg.sparse(i) else _GGUF_PARTS
+        parts = _GGUF_MOE_PARTS if model.cfg.sparse(i) else _GGUF_PHI3_PARTS if model.cfg.model_type == "phi3" \
+            else _GGUF_PARTS
         groups += [(layer.get_submodule(sub), [f"blk.{i}.{p}.weight" for p in names]) for sub, names in parts.items()
                    if not sub.startswith("mlp.shared_expert.") or layer.mlp.shared_expert is not None]
     packed = set()
@@ -444,7 +457,8 @@ def _gguf_weights(path: str, cfg: ModelConfig, packed: set[str] = frozenset()) -
             elif m[2].endswith("_exps"):  # all experts' part, stacked: named without "weight" (``_EXPERTS``)
                 name = f"model.layers.{m[1]}.{_GGUF_LAYER[m[2]]}"
             else:
-                name = f"model.layers.{m[1]}.{_GGUF_LAYER[m[2]]}.{m[4]}"
+                sub = _GGUF_PHI3.get(m[2]) if cfg.model_type == "phi3" else None
+                name = f"model.layers.{m[1]}.{sub or _GGUF_LAYER[m[2]]}.{m[4]}"
         rows = [int(x) for x in reversed(t.shape)]  # GGUF lists dims fastest-first
         if t.name in packed:  # whole rows of blocks: permuting rows below works on them as on floats
             w = np.asarray(t.data, dtype=np.uint8).reshape(*rows[:-1], -1)

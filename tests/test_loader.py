@@ -102,10 +102,11 @@ def test_cuda_bf16_load_peaks_at_the_model_size(tmp_path):
     assert torch.cuda.memory_allocated() - before <= weights + tables + (1 << 20)
 
 
-def _write_gguf(folder: str, out: str, arch: str = "qwen3", experts_as: str | None = None,
+def _write_gguf(folder: str, out: str, arch: str = "qwen3", matrices_as: str | None = None,
                 widths: bool = True) -> None:
     """A tiny model folder as llama.cpp's converter writes it: float32 tensors, GGUF names, a mixture
-    of experts' parts stacked per layer (E, ...), in ``experts_as`` (a GGUF type: "Q8_0") if given, and
+    of experts' parts stacked per layer (E, ...), the layers' matrices in ``matrices_as`` (a GGUF type:
+    "Q8_0") if given, and
     their widths in the metadata (``widths``; converters before mid-2024 left them out); llama's q/k rows permuted for its interleaved RoPE (Qwen's is the rotate-half one llama.cpp calls
     NEOX: no permutation)."""
     import gguf
@@ -136,7 +137,13 @@ def _write_gguf(folder: str, out: str, arch: str = "qwen3", experts_as: str | No
              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp",
              "mlp.shared_expert_gate": "ffn_gate_inp_shexp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
              "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
-             "block_sparse_moe.gate": "ffn_gate_inp"}
+             "block_sparse_moe.gate": "ffn_gate_inp", "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+    rope = cfg.rope_scaling or {}
+    if rope.get("rope_type") == "longrope":  # Phi-3.5's: the factors as tensors
+        w.add_uint32(f"{arch}.rope.scaling.original_context_length", rope["original_max_position_embeddings"])
+        w.add_float32(f"{arch}.rope.scaling.attn_factor", rope["attention_factor"])
+        for kind in ("short", "long"):
+            w.add_tensor(f"rope_factors_{kind}.weight", np.array(rope[f"{kind}_factor"], dtype=np.float32))
     experts: dict[str, dict[int, np.ndarray]] = {}
     for file in glob.glob(f"{folder}/*.safetensors"):
         for name, t in load_file(file).items():
@@ -155,18 +162,24 @@ def _write_gguf(folder: str, out: str, arch: str = "qwen3", experts_as: str | No
                 names[name] = f"blk.{i}.{layer[sub]}.{kind}"
             if names[name].endswith("ffn_gate_inp_shexp.weight"):
                 t = t.reshape(-1)  # llama.cpp keeps the shared expert's gate as a vector
-            w.add_tensor(names[name], t)
+            _add(w, names[name], t, matrices_as if names[name].startswith("blk.") else None)
     for name, parts in experts.items():
-        stacked = np.stack([parts[e] for e in sorted(parts)])
-        if experts_as:
-            kind = gguf.GGMLQuantizationType[experts_as]
-            w.add_tensor(name, gguf.quants.quantize(stacked, kind), raw_dtype=kind)
-        else:
-            w.add_tensor(name, stacked)
+        _add(w, name, np.stack([parts[e] for e in sorted(parts)]), matrices_as)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def _add(writer, name: str, t, as_type: str | None) -> None:
+    """A tensor, as floats, or a matrix (rows of whole blocks of 32) quantized to ``as_type``."""
+    import gguf
+
+    if as_type and t.ndim >= 2 and t.shape[-1] % 32 == 0:
+        kind = gguf.GGMLQuantizationType[as_type]
+        writer.add_tensor(name, gguf.quants.quantize(t, kind), raw_dtype=kind)
+    else:
+        writer.add_tensor(name, t)
 
 
 def test_a_qwen3_gguf_loads_as_its_folder(tmp_path):
@@ -224,8 +237,8 @@ def test_moe_checkpoints_that_do_not_fit_are_refused(tmp_path):
 
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0"])
 def test_a_moe_ggufs_experts_stay_packed_on_the_cpu(tmp_path, fmt, monkeypatch, smollm_tokenizer_dir):
-    """Experts stored as Q8_0 / Q4_0 blocks are kept so (as llama.cpp keeps them: the 3.5x to 7x smaller
-    weights) and multiplied by the C kernel; greedy output as with them expanded to floats."""
+    """Experts stored as Q8_0 / Q4_0 blocks (and the other matrices) are kept so (as llama.cpp keeps them:
+    the 3.5x to 7x smaller weights) and multiplied by the C kernel; greedy output as with them expanded."""
     from engine import LLM, SamplingParams
     from kernels.cpu import matmul
 
@@ -235,7 +248,7 @@ def test_a_moe_ggufs_experts_stay_packed_on_the_cpu(tmp_path, fmt, monkeypatch, 
 
     folder = make_tiny_model(str(tmp_path / "moe"), "qwen2_moe", smollm_tokenizer_dir, moe_intermediate_size=64)
     gguf_path = str(tmp_path / "moe.gguf")
-    _write_gguf(folder, gguf_path, "qwen2moe", experts_as=fmt)
+    _write_gguf(folder, gguf_path, "qwen2moe", matrices_as=fmt)
     prompts = [[(7 * i + 3 * j) % 5000 + 3 for j in range(n)] for i, n in enumerate([4, 40])]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     outs = []
@@ -248,4 +261,50 @@ def test_a_moe_ggufs_experts_stay_packed_on_the_cpu(tmp_path, fmt, monkeypatch, 
         assert experts.packed == (fmt.lower() if rows is None else None)
         assert experts.w13.dtype == (torch.uint8 if rows is None else torch.float32)
         outs.append([o.token_ids for o in llm.generate(prompts, params)])
+    assert outs[0] == outs[1]
+
+
+def test_a_phi3_gguf_loads_as_its_folder(tmp_path):
+    """Phi-3.5 as llama.cpp writes it: q|k|v fused (attn_qkv), gate|up fused (ffn_up, twice as wide), the
+    LongRoPE factors as tensors, the original length and attention factor in the metadata."""
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+            "short_factor": [1.0 + i / 10 for i in range(8)], "long_factor": [2.0 + i / 2 for i in range(8)]}
+    folder = make_tiny_model(str(tmp_path / "phi3"), "phi3", None, rope_parameters=rope,
+                             original_max_position_embeddings=64)
+    _write_gguf(folder, str(tmp_path / "phi3.gguf"), "phi3")
+    want_cfg, got_cfg = load_model_config(folder), load_model_config(str(tmp_path / "phi3.gguf"))
+    assert got_cfg.model_type == "phi3" and got_cfg.rope_scaling.keys() == want_cfg.rope_scaling.keys()
+    for key, value in want_cfg.rope_scaling.items():  # (float32 in the file)
+        assert got_cfg.rope_scaling[key] == (pytest.approx(value, rel=1e-6) if key != "rope_type" else value)
+    for served in (64, 256):  # the short factors, then the long ones
+        want = build_model(folder, want_cfg, served, torch.float32, torch.device("cpu"))
+        got = build_model(str(tmp_path / "phi3.gguf"), got_cfg, served, torch.float32, torch.device("cpu"))
+        assert torch.allclose(got.rotary.cos, want.rotary.cos) and torch.allclose(got.rotary.sin, want.rotary.sin)
+        want, got = want.state_dict(), got.state_dict()
+        assert want.keys() == got.keys()
+        for k in want:
+            assert torch.equal(got[k], want[k]), k
+
+
+def test_a_phi3_ggufs_fused_matrices_stay_packed_on_the_cpu(tmp_path, monkeypatch, smollm_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    from engine import LLM, SamplingParams
+    from kernels.cpu import matmul
+
+    if not matmul.packed_available():
+        pytest.skip("the C kernel does not build here")
+    folder = make_tiny_model(str(tmp_path / "phi3"), "phi3", smollm_tokenizer_dir)
+    _write_gguf(folder, str(tmp_path / "phi3.gguf"), "phi3", matrices_as="Q8_0")
+    prompts = [[(7 * i + 3 * j) % 5000 + 3 for j in range(n)] for i, n in enumerate([4, 40])]
+    outs = []
+    for rows in (None, "0"):  # "0": the C kernel off, so nothing is kept packed
+        if rows:
+            monkeypatch.setenv("TOKENMILL_CPU_LINEAR_ROWS", rows)
+        llm = LLM(str(tmp_path / "phi3.gguf"), device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=128)
+        llm.tokenizer = AutoTokenizer.from_pretrained(folder)  # (this GGUF holds no vocabulary)
+        layer = llm.engine.runner.model.layers[1]
+        assert {layer.self_attn.qkv_proj.packed, layer.mlp.gate_up_proj.packed} == {"q8_0" if rows is None else None}
+        outs.append([o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0,
+                                                                               ignore_eos=True))])
     assert outs[0] == outs[1]
