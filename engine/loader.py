@@ -279,6 +279,8 @@ def _quant_packing(model: LlamaForCausalLM, q: QuantConfig, index: dict[str, str
         for sub, parts in _LINEARS.items():
             module = layer.get_submodule(sub)
             prefixes = [f"model.layers.{i}.{p}" for p in parts]
+            if f"model.layers.{i}.{sub}.qweight" in index:  # fused in the checkpoint too (Phi-3)
+                prefixes = [f"model.layers.{i}.{sub}"]
             k = module.weight.shape[1]  # this rank's columns
             split = isinstance(module, RowLinear) and module.tp.size > 1  # x's columns are over the ranks
             if kernel and k % 32 == 0 and _packable(q, index, prefixes, k * module.tp.size if split else k, split):

@@ -157,6 +157,7 @@ class ModelRunner:
         num_blocks = self.tp.min_over_ranks(  # every rank's slice of the cache has as many blocks
             count_kv_blocks(config, self.local_cfg, device, dtype, max_model_len, cuda_budget))
         self.facts = RuntimeFacts(model_path, device, dtype, max_model_len, num_blocks)
+        self.model.rotary.serve(min(max_model_len, num_blocks * self.block_size))  # (the engine's length)
         self._allocate_kv_cache()
         max_blocks = -(-max_model_len // self.block_size)
         self.block_tables = BlockTables(config.max_num_seqs, max_blocks, num_blocks, device)

@@ -70,11 +70,12 @@ def pick_max_model_len(config: EngineConfig, model_cfg: ModelConfig, device: tor
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's sliding window ({window}): "
                              f"tokenmill serves a sliding-window model up to its window's length")
         return config.max_model_len
-    if window is not None:
+    default = min(limit, CPU_MAX_MODEL_LEN) if device.type == "cpu" else limit
+    if window is not None and window < default:
         log.info("max_model_len %d: the model's sliding window (attention over the last %d tokens is not "
                  "implemented; up to that length it is attention over all of them)", window, window)
-        limit = window
-    return min(limit, CPU_MAX_MODEL_LEN) if device.type == "cpu" else limit
+        return window
+    return default
 
 
 def kv_block_bytes(model_cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

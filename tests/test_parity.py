@@ -65,20 +65,23 @@ def test_moe_dense_layers_and_stacked_experts_match_transformers(tmp_path, smoll
     check_parity(llm, hf, llm.tokenizer, PROMPTS)
 
 
-@pytest.mark.parametrize("served", ["short", "long"])
+@pytest.mark.parametrize("served", ["short", "short-by-cache", "long"])
 def test_phi3_longrope_matches_transformers(served, tmp_path, smollm_tokenizer_dir):
-    """Phi-3.5's LongRoPE (an original length of 64 here): served up to 64 tokens, the short factors, as
-    transformers uses them for such contexts; served longer, the long ones, as transformers uses them for
-    a prompt past 64 tokens (and everything after it); cos and sin scaled by the attention factor."""
+    """Phi-3.5's LongRoPE (an original length of 64 here): served up to 64 tokens (asked for, or all the
+    KV cache holds), the short factors, as transformers uses them for such contexts; served longer, the
+    long ones, as transformers uses them for a prompt past 64 tokens (and everything after it); cos and
+    sin scaled by the attention factor."""
     rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
             "short_factor": [1.0 + i / 10 for i in range(8)], "long_factor": [2.0 + i / 2 for i in range(8)]}
     path = make_tiny_model(str(tmp_path / "phi3"), "phi3", smollm_tokenizer_dir, seed=3, rope_parameters=rope,
                            original_max_position_embeddings=64)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    llm = LLM(path, device="cpu", dtype="float32", num_kv_blocks=256, max_model_len=64 if served == "short" else 512)
+    size = {"short": dict(max_model_len=64), "short-by-cache": dict(num_kv_blocks=4), "long": dict(max_model_len=512)}
+    llm = LLM(path, device="cpu", dtype="float32", **{"num_kv_blocks": 256, **size[served]})
+    assert llm.engine.max_model_len == (512 if served == "long" else 64)
     assert llm.engine.runner.model_cfg.rope_scaling["attention_factor"] == pytest.approx(
         (1 + math.log(1024 / 64) / math.log(64)) ** 0.5)  # max_position_embeddings 1024 / 64
-    if served == "short":
+    if served != "long":
         check_parity(llm, hf, llm.tokenizer, ["The quick brown fox", "def fibonacci(n):"], n=16)
     else:
         check_parity(llm, hf, llm.tokenizer, [" ".join(["history"] * 80)])

@@ -194,6 +194,7 @@ CASES = {  # name: (arch, quantize_checkpoint's arguments, whether the fused gat
     "gptq-sym": ("llama", dict(method="gptq", group=32, sym=True), True),
     "gptq-v2-per-row": ("llama", dict(method="gptq", group=-1, v1=False), True),
     "gptq-act-order": ("llama", dict(method="gptq", group=32, act_order=True), True),
+    "awq-phi3-fused": ("phi3", dict(method="awq", group=32), True),  # q|k|v and gate|up fused in the checkpoint
     # gate and up each in its own column order: they cannot share one gathered input
     "gptq-act-order-unshared": ("llama", dict(method="gptq", group=32, act_order=True, shared_order=False), False),
 }
@@ -208,6 +209,7 @@ def test_int4_checkpoints_match_transformers_on_their_weights(case, tmp_path, sm
     llm = LLM(str(tmp_path / "int4"), device="cpu", dtype="float32", num_kv_blocks=256, max_model_len=512)
     for layer in llm.engine.runner.model.layers:
         assert (layer.mlp.down_proj.packed, layer.mlp.gate_up_proj.packed) == ("q4_z", "q4_z" if fused_packed else None)
+        assert layer.self_attn.qkv_proj.packed == ("q4_z" if fused_packed else None)
         act_order = how.get("act_order", False)
         assert (layer.mlp.down_proj.perm is not None, layer.mlp.gate_up_proj.perm is not None) == \
             (act_order, act_order and fused_packed)
@@ -272,7 +274,7 @@ def test_int4_checkpoint_under_tensor_parallel_equals_one_rank(act_order, tmp_pa
         want = [o.token_ids for o in one.generate(prompts, params)]
     with LLM(path, tensor_parallel_size=2, **kw) as two:
         layer = two.engine.runner.model.layers[0]
-        assert layer.self_attn.qkv_proj.packed == "q4_z"
+        assert layer.self_attn.qkv_proj.packed == ("q4_z" if fused_packed else None)
         if act_order:
             assert (layer.self_attn.o_proj.packed, layer.mlp.down_proj.packed) == (None, None)
         else:

@@ -150,6 +150,7 @@ class ModelConfig:
         scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         if scaling:
             kind = scaling.get("rope_type", scaling.get("type"))
+            kind = {"su": "longrope"}.get(kind, kind)  # (Phi-3-128k's first configs called it su)
             if kind not in ("llama3", "linear", "longrope", "default"):
                 raise ValueError(f"RoPE scaling {kind!r} is not supported (llama3, linear, longrope are)")
             scaling = None if kind == "default" else {**scaling, "rope_type": kind}
@@ -191,7 +192,7 @@ class ModelConfig:
 def _longrope(scaling: dict, cfg: dict, head_dim: int) -> dict:
     """Phi-3's LongRoPE, as transformers reads it: per-frequency ``short_factor`` and ``long_factor``
     (for contexts past ``original_max_position_embeddings``), and the factor cos and sin are scaled by."""
-    original = scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+    original = cfg.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
     factors = [scaling.get("short_factor"), scaling.get("long_factor")]
     if not original or any(not isinstance(f, list) or len(f) != head_dim // 2 for f in factors):
         raise ValueError(f"LongRoPE needs original_max_position_embeddings and short_factor, long_factor of "

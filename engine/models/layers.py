@@ -200,24 +200,38 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
         super().__init__()
-        powers = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
-        inv_freq, scale = 1.0 / powers, 1.0
-        if scaling and scaling["rope_type"] == "llama3":
-            inv_freq = _llama3_inv_freq(inv_freq, scaling)
-        elif scaling and scaling["rope_type"] == "linear":
-            inv_freq = inv_freq / float(scaling["factor"])
-        elif scaling and scaling["rope_type"] == "longrope":
+        self.powers = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+        self.scaling = scaling
+        cos, sin = self._tables(max_positions, max_positions)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def serve(self, length: int) -> None:
+        """The tables for a served length of ``length`` (the KV cache may hold less than they span), in
+        place: only LongRoPE's depend on it."""
+        if self.scaling and self.scaling["rope_type"] == "longrope":
+            cos, sin = self._tables(self.cos.shape[0], length)
+            self.cos.copy_(cos)
+            self.sin.copy_(sin)
+
+    def _tables(self, positions: int, served: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions, D/2) float32 cos and sin."""
+        s = self.scaling
+        inv_freq, scale = 1.0 / self.powers, 1.0
+        if s and s["rope_type"] == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, s)
+        elif s and s["rope_type"] == "linear":
+            inv_freq = inv_freq / float(s["factor"])
+        elif s and s["rope_type"] == "longrope":
             # Decision: the long factors for every position when the served length passes the original one,
             # else the short ones (as llama.cpp picks by its context size). transformers switches per forward
             # by the longest sequence in it, which would make a token depend on its batch; the two agree
             # whenever the served length is at most the original one, or the prompt is longer.
-            long = max_positions > scaling["original_max_position_embeddings"]
-            ext = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
-            inv_freq, scale = 1.0 / (ext * powers), scaling["attention_factor"]
-        t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)  # (P, D/2)
-        self.register_buffer("cos", freqs.cos() * scale, persistent=False)
-        self.register_buffer("sin", freqs.sin() * scale, persistent=False)
+            long = served > s["original_max_position_embeddings"]
+            ext = torch.tensor(s["long_factor" if long else "short_factor"], device=self.powers.device)
+            inv_freq, scale = 1.0 / (ext * self.powers), s["attention_factor"]
+        freqs = torch.outer(torch.arange(positions, dtype=torch.float32, device=self.powers.device), inv_freq)
+        return freqs.cos() * scale, freqs.sin() * scale
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Tables are kept in float32 and cast once per step (as transformers casts per layer)."""
