@@ -274,7 +274,7 @@ def test_int4_checkpoint_under_tensor_parallel_equals_one_rank(act_order, tmp_pa
         want = [o.token_ids for o in one.generate(prompts, params)]
     with LLM(path, tensor_parallel_size=2, **kw) as two:
         layer = two.engine.runner.model.layers[0]
-        assert layer.self_attn.qkv_proj.packed == ("q4_z" if fused_packed else None)
+        assert layer.self_attn.qkv_proj.packed == "q4_z"
         if act_order:
             assert (layer.self_attn.o_proj.packed, layer.mlp.down_proj.packed) == (None, None)
         else:

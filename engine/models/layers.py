@@ -77,6 +77,9 @@ class ColumnLinear(Packable):
 
     def load(self, part: int, tensor: torch.Tensor, kind: str = "weight") -> None:
         """Copy this rank's rows of part ``part`` (``kind`` "weight" or "bias")."""
+        if tensor.shape[0] != self.full_sizes[part]:  # (a narrower one would be silently cut)
+            raise ValueError(f"part {part} of this layer has {self.full_sizes[part]} rows in the model's config, got "
+                             f"a {kind} of shape {tuple(tensor.shape)}")
         n = self.out_sizes[part]
         start = sum(self.out_sizes[:part])
         getattr(self, kind)[start:start + n].copy_(tensor.narrow(0, self.starts[part], n))
@@ -101,6 +104,9 @@ class RowLinear(Packable):
     def load(self, tensor: torch.Tensor, kind: str = "weight") -> None:
         if kind == "weight" and self.tp.size > 1:
             width = self.weight.shape[1]  # this rank's columns: floats, or bytes of whole packed blocks
+            if tensor.shape[1] != width * self.tp.size:
+                raise ValueError(f"this layer has {width * self.tp.size} columns in the model's config, got a "
+                                 f"weight of shape {tuple(tensor.shape)}")
             tensor = tensor.narrow(1, self.tp.rank * width, width)
         getattr(self, kind).copy_(tensor)
 
