@@ -118,7 +118,8 @@ def _write_gguf(folder: str, out: str, arch: str = "qwen3", matrices_as: str | N
     values = [("context_length", 1024), ("embedding_length", cfg.hidden_size),
               ("feed_forward_length", cfg.intermediate_size), ("block_count", cfg.num_layers),
               ("attention.head_count", cfg.num_heads), ("attention.head_count_kv", cfg.num_kv_heads),
-              ("attention.key_length", cfg.head_dim), ("vocab_size", cfg.vocab_size)]
+              ("attention.key_length", cfg.head_dim), ("vocab_size", cfg.vocab_size),
+              ("rope.dimension_count", cfg.rotary_dim or cfg.head_dim)]
     if cfg.moe:
         values += [("expert_count", cfg.moe.num_experts), ("expert_used_count", cfg.moe.top_k)]
         if widths:
@@ -265,15 +266,18 @@ def test_a_moe_ggufs_experts_stay_packed_on_the_cpu(tmp_path, fmt, monkeypatch, 
 
 
 def test_a_phi3_gguf_loads_as_its_folder(tmp_path):
-    """Phi-3.5 as llama.cpp writes it: q|k|v fused (attn_qkv), gate|up fused (ffn_up, twice as wide), the
-    LongRoPE factors as tensors, the original length and attention factor in the metadata."""
+    """Phi-4-mini as llama.cpp writes it: q|k|v fused (attn_qkv), gate|up fused (ffn_up, twice as wide), the
+    LongRoPE factors as tensors, the original length and attention factor in the metadata, RoPE over 12 of
+    each head's 16 dims (rope.dimension_count)."""
     rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
-            "short_factor": [1.0 + i / 10 for i in range(8)], "long_factor": [2.0 + i / 2 for i in range(8)]}
+            "partial_rotary_factor": 0.75, "short_factor": [1.0 + i / 10 for i in range(6)],
+            "long_factor": [2.0 + i / 2 for i in range(6)]}
     folder = make_tiny_model(str(tmp_path / "phi3"), "phi3", None, rope_parameters=rope,
-                             original_max_position_embeddings=64)
+                             original_max_position_embeddings=64, partial_rotary_factor=0.75)
     _write_gguf(folder, str(tmp_path / "phi3.gguf"), "phi3")
     want_cfg, got_cfg = load_model_config(folder), load_model_config(str(tmp_path / "phi3.gguf"))
     assert got_cfg.model_type == "phi3" and got_cfg.rope_scaling.keys() == want_cfg.rope_scaling.keys()
+    assert got_cfg.rotary_dim == want_cfg.rotary_dim == 12
     for key, value in want_cfg.rope_scaling.items():  # (float32 in the file)
         assert got_cfg.rope_scaling[key] == (pytest.approx(value, rel=1e-6) if key != "rope_type" else value)
     for served in (64, 256):  # the short factors, then the long ones

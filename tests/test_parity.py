@@ -87,6 +87,19 @@ def test_phi3_longrope_matches_transformers(served, tmp_path, smollm_tokenizer_d
         check_parity(llm, hf, llm.tokenizer, [" ".join(["history"] * 80)])
 
 
+def test_phi4_mini_partial_rotary_matches_transformers(tmp_path, smollm_tokenizer_dir):
+    """Phi-4-mini's RoPE turns 0.75 of each head's dims (12 of 16 here), with LongRoPE factors for those."""
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+            "partial_rotary_factor": 0.75, "short_factor": [1.0 + i / 10 for i in range(6)],
+            "long_factor": [2.0 + i / 2 for i in range(6)]}
+    path = make_tiny_model(str(tmp_path / "phi4mini"), "phi3", smollm_tokenizer_dir, seed=5, rope_parameters=rope,
+                           original_max_position_embeddings=64, partial_rotary_factor=0.75)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(path, device="cpu", dtype="float32", num_kv_blocks=256, max_model_len=512)
+    assert llm.engine.runner.model_cfg.rotary_dim == 12
+    check_parity(llm, hf, llm.tokenizer, [" ".join(["history"] * 80), " ".join(["a quick fox"] * 40)])  # past 64
+
+
 def test_a_sliding_window_model_is_served_up_to_its_window(tmp_path, smollm_tokenizer_dir):
     """Mistral-7B-v0.1's way (a 4096-token window, 32k positions), small: within the window, attention
     over the window is attention over everything, so it is served up to the window and matches there."""

@@ -171,6 +171,18 @@ def test_triton_rope_in_place_matches_reference(dtype, t, h, hkv, d):
     assert torch.equal(qkv[:, (h + hkv) * d:], v_before)  # v, beside them, untouched
 
 
+def test_triton_rope_on_the_first_dims_of_each_head():
+    """Partial rotary (Phi-4-mini): q and k views of each head's first 12 of 16 dims; the rest untouched."""
+    qkv = randn(5, 6 * 16)
+    q, k = qkv[:, :64].view(5, 4, 16), qkv[:, 64:].view(5, 2, 16)
+    angle = torch.rand(5, 6, generator=gen()).to(DEVICE) * 6.3
+    want_q, want_k = q.clone(), k.clone()
+    ref.apply_rope_(want_q[..., :12], want_k[..., :12], angle.cos(), angle.sin())
+    tri.apply_rope_(q[..., :12], k[..., :12], angle.cos(), angle.sin())
+    torch.testing.assert_close(q, want_q, **TOL[F32])
+    torch.testing.assert_close(k, want_k, **TOL[F32])
+
+
 @pytest.mark.parametrize("dtype,t,i", [(F32, 3, 48), (BF16, 2, 1536), (F16, 4, 100)])
 def test_triton_silu_and_mul_matches_reference(dtype, t, i, poison):
     x = randn(t, 2 * i, dtype=dtype) * 3

@@ -121,6 +121,7 @@ class ModelConfig:
     lm_head: bool = True  # False: a checkpoint without one (an embedding model's backbone): it cannot generate
     moe: MoEConfig | None = None  # a mixture of experts
     sliding_window: int | None = None  # below max_position_embeddings: attention sees that many tokens back
+    rotary_dim: int = 0  # RoPE turns each head's first rotary_dim dims (0: all head_dim of them)
 
     def sparse(self, layer: int) -> bool:
         """Whether layer ``layer``'s MLP is the mixture of experts (else a dense one)."""
@@ -142,11 +143,12 @@ class ModelConfig:
         # transformers >= 5 nests RoPE settings in rope_parameters; older configs keep them flat.
         rope = dict(cfg.get("rope_parameters") or {})
         rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-        partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-        if partial != 1.0:
-            raise ValueError(f"RoPE over part of each head (partial_rotary_factor {partial}) is not supported")
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        # RoPE over the first rotary_dim of each head's dims only (Phi-4-mini: 0.75 of them)
+        rotary_dim = round(head_dim * rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+        if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+            raise ValueError(f"RoPE over {rotary_dim} of a head's {head_dim} dims: it must be an even number of them")
         scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         if scaling:
             kind = scaling.get("rope_type", scaling.get("type"))
@@ -155,7 +157,7 @@ class ModelConfig:
                 raise ValueError(f"RoPE scaling {kind!r} is not supported (llama3, linear, longrope are)")
             scaling = None if kind == "default" else {**scaling, "rope_type": kind}
             if kind == "longrope":
-                scaling = _longrope(scaling, cfg, head_dim)
+                scaling = _longrope(scaling, cfg, rotary_dim)
         if SUPPORTED_ARCHITECTURES[model_type].get("moe") and cfg.get("quantization_config"):
             raise ValueError(f"int4 (AWQ, GPTQ) checkpoints of a mixture of experts ({model_type}) are not supported "
                              f"yet: load its bf16 checkpoint, or a GGUF file")
@@ -186,17 +188,18 @@ class ModelConfig:
             quant=QuantConfig.from_hf(cfg["quantization_config"]) if cfg.get("quantization_config") else None,
             moe=MoEConfig.from_hf(cfg, model_type) if SUPPORTED_ARCHITECTURES[model_type].get("moe") else None,
             sliding_window=window,
+            rotary_dim=rotary_dim,
         )
 
 
-def _longrope(scaling: dict, cfg: dict, head_dim: int) -> dict:
+def _longrope(scaling: dict, cfg: dict, rotary_dim: int) -> dict:
     """Phi-3's LongRoPE, as transformers reads it: per-frequency ``short_factor`` and ``long_factor``
     (for contexts past ``original_max_position_embeddings``), and the factor cos and sin are scaled by."""
     original = cfg.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
     factors = [scaling.get("short_factor"), scaling.get("long_factor")]
-    if not original or any(not isinstance(f, list) or len(f) != head_dim // 2 for f in factors):
+    if not original or any(not isinstance(f, list) or len(f) != rotary_dim // 2 for f in factors):
         raise ValueError(f"LongRoPE needs original_max_position_embeddings and short_factor, long_factor of "
-                         f"{head_dim // 2} values each")
+                         f"{rotary_dim // 2} values each")
     factor = scaling.get("factor") or cfg.get("max_position_embeddings", original) / original
     attention = scaling.get("attention_factor")
     if attention is None:

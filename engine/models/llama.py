@@ -39,6 +39,7 @@ class LlamaAttention(nn.Module):
                                      replicas=[1, r, r])
         self.o_proj = RowLinear(h * d, cfg.hidden_size, tp=tp)
         self.h, self.hkv, self.d = h // tp.size, hkv * r // tp.size, d  # this rank's heads
+        self.rot = cfg.rotary_dim or d  # RoPE's share of each head (Phi-4-mini: 96 of 128)
         self.attn = Attention(self.h, self.hkv, self.d)
         # Qwen3: q and k normed per head before RoPE, by (D,) weights every head and so every rank shares
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -52,7 +53,10 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:  # each head's D values normed as rows: (T * H, D)
             q = self.q_norm(q.reshape(t * self.h, self.d)).view(t, self.h, self.d)
             k = self.k_norm(k.reshape(t * self.hkv, self.d)).view(t, self.hkv, self.d)
-        kernels.apply_rope_(q, k, cos, sin)  # in place, in the qkv projection's output
+        if self.rot == self.d:
+            kernels.apply_rope_(q, k, cos, sin)  # in place, in the qkv projection's output
+        else:  # the first rot dims of each head turned, the others left as they are
+            kernels.apply_rope_(q[..., :self.rot], k[..., :self.rot], cos, sin)
         o = self.attn(q, k, v, meta)  # (T, H, D)
         return self.o_proj(o.reshape(t, self.h * self.d))
 
@@ -82,7 +86,7 @@ class LlamaForCausalLM(nn.Module):
         tp = tp if tp is not None else TPGroup()
         self.cfg = cfg
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tp,
