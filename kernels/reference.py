@@ -119,8 +119,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     x (T, H); w13 (E, 2I, H) each expert's gate|up; w2 (E, H, I) its down projection; topk_weights
     (T, K) float32; topk_ids (T, K) -> (T, H) in x's dtype. Each expert multiplies its tokens at once;
     a token's K outputs are weighted and added in float32 in the order of their experts' ids (as
-    transformers adds them in float32; in bf16 it rounds the weights or each product to bf16). Reads the experts' token counts on the host: not for a captured graph. ``linear``: the
-    ``F.linear`` each expert's projections go through (``kernels.cpu`` passes its own)."""
+    transformers adds them in float32; in bf16 it rounds the weights or each product to bf16). Reads
+    the experts' token counts on the host: not for a captured graph. ``linear``: the ``F.linear`` each
+    expert's projections go through (``kernels.cpu`` passes its own, ``kernels`` a packed one)."""
     t, k = topk_ids.shape
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (T K,) each expert's (token, slot) pairs together

@@ -206,7 +206,8 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
         super().__init__()
-        self.powers = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+        powers = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+        self.register_buffer("powers", powers, persistent=False)  # theta^(2i/D): 1 / each pair's frequency
         self.scaling = scaling
         cos, sin = self._tables(max_positions, max_positions)
         self.register_buffer("cos", cos, persistent=False)

@@ -1,5 +1,5 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM) for paged attention, and its mixtures of
-experts (Mixtral, Qwen2-MoE, Qwen3-MoE: ``engine/models/moe.py``).
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM, Phi-3) for paged attention, and its mixtures
+of experts (Mixtral, Qwen2-MoE, Qwen3-MoE: ``engine/models/moe.py``).
 
 One concept per class. Inputs are the flattened tokens of the whole batch:
 ``input_ids`` and ``positions`` are (T,), and ``AttentionMetadata`` says which

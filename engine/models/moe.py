@@ -36,8 +36,8 @@ class Experts(nn.Module):
         ``load`` then copies as they are; on one rank (a rank's columns of down would split blocks)."""
         (e, rows, k), block = self.w13.shape, kernels.reference.PACKED_BLOCK_BYTES[fmt]
         if k % 32 or self.width % 32 or self.tp.size > 1:
-            raise ValueError(f"packed experts need whole blocks of 32 along K and one rank, got K={k} and "
-                             f"{self.width}, {self.tp.size} ranks")
+            raise ValueError(f"packed experts need the hidden size and their width in whole blocks of 32, on one "
+                             f"rank; got {k}, {self.width} and {self.tp.size} ranks")
         device = self.w13.device
         self.w13 = nn.Parameter(torch.empty(e, rows, k // 32 * block, dtype=torch.uint8, device=device),
                                 requires_grad=False)
