@@ -177,10 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="SO_SNDBUF of each client connection: bounds what a client that does not read "
                         "parks in the kernel (default: the kernel's autotuning)")
     t = s.add_argument_group("tool calling and reasoning")
-    t.add_argument("--tool-call-parser", choices=("auto", "hermes", "llama3_json", "none"), default="auto",
+    t.add_argument("--tool-call-parser", choices=("auto", "hermes", "llama3_json", "mistral", "none"),
+                   default="auto",
                    help="how tool calls are read out of a chat answer when a request's tool_choice is 'auto': "
                         "hermes (<tool_call>{...}</tool_call>: Qwen2.5, Qwen3, Hermes), llama3_json (Llama 3.x), "
-                        "or none; auto reads it off the chat template, and a template that shows no tools "
+                        "mistral ([TOOL_CALLS]...: Mistral, Mixtral), or none; auto reads it off the chat template, and a template that shows no tools "
                         "gets none (default: auto)")
     t.add_argument("--reasoning-parser", choices=("auto", "qwen3", "deepseek_r1", "none"), default="auto",
                    help="split a thinking model's <think>...</think> off into reasoning_content (qwen3 and "

@@ -37,14 +37,17 @@ LogprobEntry = tuple[int, float | None, list | None]
 class Choice:
     __slots__ = ("index", "request_id", "prompt_ids", "detok", "stops", "min_tokens", "finish_reason", "stop_reason",
                  "num_tokens", "num_prompt_tokens", "num_cached_tokens", "prompt_logprobs", "text_offset",
-                 "first_token_at", "last_token_at", "answered_at", "end_reason", "embedding")
+                 "first_token_at", "last_token_at", "answered_at", "end_reason", "embedding", "stop_ids")
 
     def __init__(self, index: int, request_id: str, prompt_ids: list[int], codec: TextCodec,
-                 stop: StopMatcher | None, min_tokens: int = 0) -> None:
+                 stop: StopMatcher | None, min_tokens: int = 0, stop_ids: frozenset[int] | None = None) -> None:
+        """``stop_ids``: decode the output with its special tokens, but not the one (an EOS among these,
+        or a stop token id) that ends it, as vLLM leaves it out; None: without special tokens."""
         self.index = index
         self.request_id = request_id
         self.prompt_ids = prompt_ids
-        self.detok = IncrementalDetokenizer(codec, prompt_ids)
+        self.stop_ids = stop_ids
+        self.detok = IncrementalDetokenizer(codec, prompt_ids, skip_special_tokens=stop_ids is None)
         self.stops = StopStrings(stop) if stop is not None else None
         self.min_tokens = min_tokens  # as in vLLM, stop strings are not looked for before this many tokens
         self.finish_reason: str | None = None
@@ -70,7 +73,11 @@ class Choice:
             self.prompt_logprobs = d.prompt_logprobs
         if d.embedding is not None:
             self.embedding = d.embedding
-        text = self.detok.step(d.token_ids) if d.token_ids else ""
+        ids = d.token_ids
+        if self.stop_ids is not None and d.finish_reason == "stop" and ids and (
+                ids[-1] in self.stop_ids or ids[-1] == d.stop_reason):
+            ids = ids[:-1]  # the token that ended it is no text
+        text = self.detok.step(ids) if ids else ""
         if d.finish_reason is not None:
             text += self.detok.flush()
         hit = False
@@ -104,8 +111,10 @@ class Generation:
     def __init__(self, client: EngineClient, codec: TextCodec, api_id: str, prompts: list[list[int]], n: int,
                  params_for: Callable[[int], SamplingParams], priority: int = 0,
                  stop: StopMatcher | None = None, deadline: float | None = None, cache_salt: str = "",
-                 metrics: Metrics | None = None, arrival: float | None = None) -> None:
+                 metrics: Metrics | None = None, arrival: float | None = None,
+                 skip_special_tokens: bool = True) -> None:
         """``stop``: the stop strings' automaton, built once for every choice (they share ``params.stop``).
+        ``skip_special_tokens`` False: the text keeps them (not the EOS or stop token that ends it).
 
         ``priority``, ``deadline`` (unix seconds; None: the engine's default) and ``cache_salt`` ("": none)
         go to every choice's request. ``arrival``: ``time.monotonic()`` when the call came in (default: now)."""
@@ -119,12 +128,14 @@ class Generation:
         self.stream = Stream()
         self.choices: list[Choice] = []
         self._params = []
+        stop_ids = None if skip_special_tokens else frozenset(client.ready.eos_token_ids if client.ready else ())
         for p_idx, prompt in enumerate(prompts):
             for i in range(n):
                 idx = p_idx * n + i
                 params = params_for(i)
                 self._params.append(params)
-                self.choices.append(Choice(idx, f"{api_id}-{idx}", prompt, codec, stop, params.min_tokens))
+                self.choices.append(Choice(idx, f"{api_id}-{idx}", prompt, codec, stop, params.min_tokens,
+                                           None if skip_special_tokens else stop_ids))
         self._by_id = {c.request_id: c for c in self.choices}
         self._priority = priority
         self.deadline = deadline

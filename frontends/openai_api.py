@@ -266,7 +266,8 @@ class OpenAIApi:
         self._require_engine()
         api_id = self._new_id("cmpl")
         gen = Generation(self.client, self.codec, api_id, prompts, n, self._seeded(base), priority, stop,
-                         deadline, cache_salt, self.metrics, arrival)
+                         deadline, cache_salt, self.metrics, arrival,
+                         skip_special_tokens=op.field(data, "skip_special_tokens", bool, True))
         gen.schema_param = op.structured_field(data)
         return gen, _CompletionFormat(self, api_id, gen, echo, logprobs is not None)
 
@@ -302,8 +303,9 @@ class OpenAIApi:
         stop = await self._stop_matcher(base.stop)
         self._require_engine()
         api_id = self._new_id(id_prefix)
+        skip = op.field(data, "skip_special_tokens", bool, True) and not (calls and calls.keeps_special_tokens)
         gen = Generation(self.client, self.codec, api_id, [prompt], n, self._seeded(base), priority, stop,
-                         deadline, cache_salt, self.metrics, arrival)
+                         deadline, cache_salt, self.metrics, arrival, skip_special_tokens=skip)
         gen.schema_param = "tools" if tool_schema is not None else op.structured_field(data)
         return gen, _ChatFormat(self, api_id, gen, want_logprobs, self._answer(data, prompt, base, calls))
 

@@ -7,7 +7,10 @@ model. What comes back depends on ``tool_choice``:
   own format, which ``CallReader`` reads out of the text as it streams: ``hermes``
   (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, as Qwen2.5, Qwen3 and Hermes
   write) or ``llama3_json`` (the whole answer ``{"name": ..., "parameters": {...}}``, several
-  joined by ``;``, as Llama 3.1-3.3 write). Which one: ``--tool-call-parser``, by default read
+  joined by ``;``, as Llama 3.1-3.3 write) or ``mistral`` (``[TOOL_CALLS]`` and then a JSON array of
+  ``{"name": ..., "arguments": {...}}``, as Mistral 7B v0.3, Nemo and Small 3 write, or ``name[ARGS]{...}``
+  once per call, as their later tokenizers have it; ``[TOOL_CALLS]`` is a special token, so such a
+  chat's text is decoded with its special tokens). Which one: ``--tool-call-parser``, by default read
   off the chat template (``detect_format``). A template that shows no tools has no format: then
   "auto" is a 400, as in vLLM without a parser, since the model would never see the tools.
 - ``"required"``: the output is held (structured output, ``engine.json_schema``) to a JSON array
@@ -36,17 +39,20 @@ import orjson
 from frontends.errors import ApiError
 from frontends.text import partial_suffix
 
-FORMATS = ("hermes", "llama3_json")
+FORMATS = ("hermes", "llama3_json", "mistral")
 MAX_TOOLS = 128
 MAX_REQUIRED_TOOLS = 16  # "required" holds the output to one of these: more than the grammar tells apart at once
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_MISTRAL_CALLS, _MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 
 
 def detect_format(chat_template: str | None) -> str | None:
     """The call format a chat template teaches its model, or None where it shows no tools."""
     if not chat_template or "tools" not in chat_template:
         return None
+    if _MISTRAL_CALLS in chat_template:
+        return "mistral"
     if _HERMES_OPEN in chat_template:
         return "hermes"
     if "<|python_tag|>" in chat_template or "ipython" in chat_template:
@@ -79,6 +85,11 @@ class ToolRequest:
 
     def reader(self) -> CallReader:
         return CallReader(self)
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Whether the output must be decoded with its special tokens for its calls to be read."""
+        return self.mode == "auto" and self.fmt == "mistral"
 
 
 def parse_tools(data: dict, fmt: str | None) -> ToolRequest | None:
@@ -229,16 +240,20 @@ class CallReader:
         self._held += text
         if self.mode == "hermes":
             return self._hermes(final=False)
-        if self.mode == "llama3_json" and self._held.lstrip() and not self._held.lstrip().startswith("{"):
+        head = self._held.lstrip()
+        if (self.mode == "llama3_json" and head and not head.startswith("{")
+                or self.mode == "mistral" and not (head.startswith(_MISTRAL_CALLS) or _MISTRAL_CALLS.startswith(head))):
             self.mode = "none"  # an answer in words: no call to look for
             text, self._held = self._held, ""
             return self._text(text)
-        return []  # required, or a JSON answer: read whole at the end
+        return []  # required, or calls: read whole at the end
 
     def finish(self) -> list[Segment]:
         if self.mode == "hermes":
             return self._hermes(final=True)
         held, self._held = self._held, ""
+        if self.mode == "mistral":
+            return self._mistral(held)
         values = _json_values(held) if self.mode in ("required", "llama3_json") and held else None
         if not values:
             return self._text(held)
@@ -252,6 +267,35 @@ class CallReader:
         if not self.req.parallel and len(calls) > 1:  # one call; the others stay text
             return self._call(calls[0]) + self._text(held[values[0][1]:].lstrip(" \t\r\n;"))
         return [seg for c in calls for seg in self._call(c)]
+
+    def _mistral(self, held: str) -> list[Segment]:
+        """``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``, or ``[TOOL_CALLS]name[ARGS]{...}`` once
+        per call: the calls, if every one is a call (else all of it stays text)."""
+        body = held.strip()
+        if not body.startswith(_MISTRAL_CALLS):
+            return self._text(held)
+        body = body[len(_MISTRAL_CALLS):]
+        if body.lstrip().startswith("["):  # one JSON array
+            values = _json_values(body)
+            items = values[0][0] if values and len(values) == 1 and isinstance(values[0][0], list) else []
+            calls = [self._as_call(item, "arguments") for item in items]
+            rest = _MISTRAL_CALLS + json.dumps(items[1:], ensure_ascii=False)
+        else:
+            parts = body.split(_MISTRAL_CALLS)
+            calls = [self._mistral_call(part) for part in parts]
+            rest = _MISTRAL_CALLS + _MISTRAL_CALLS.join(parts[1:])
+        if not calls or not all(calls):
+            return self._text(held)
+        if not self.req.parallel and len(calls) > 1:  # one call; the others stay text
+            return self._call(calls[0]) + self._text(rest)
+        return [seg for c in calls for seg in self._call(c)]
+
+    def _mistral_call(self, part: str) -> dict | None:
+        name, sep, args = part.partition(_MISTRAL_ARGS)
+        values = _json_values(args) if sep else None
+        if not values or len(values) != 1:
+            return None
+        return self._as_call({"name": name.strip(), "arguments": values[0][0]}, "arguments")
 
     def _hermes(self, final: bool) -> list[Segment]:
         out: list[Segment] = []

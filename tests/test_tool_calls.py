@@ -31,6 +31,9 @@ HERMES_TEMPLATE = (  # what matters here of Qwen3's template: tools shown, think
     "{%- if tools %}{# a model that answers <tool_call>{...}</tool_call> #}{%- endif %}{# and thinks: </think> #}"
     "{{ messages[-1]['content'] }}{%- if open_think is defined and open_think %}<think>\n{%- endif %}")
 LLAMA3_TEMPLATE = "{%- if tools %}{# Environment: ipython; <|python_tag|> #}{%- endif %}{{ messages[-1]['content'] }}"
+MISTRAL_TEMPLATE = (  # what matters here of Mistral's: tools shown in [AVAILABLE_TOOLS], calls after [TOOL_CALLS]
+    "{%- if tools %}{# [AVAILABLE_TOOLS] the tools [/AVAILABLE_TOOLS]; answers [TOOL_CALLS][...] #}"
+    "{%- endif %}{{ messages[-1]['content'] }}")
 SMOLLM2_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] "
                     "+ '<|im_end|>' + '\n'}}{% endfor %}")
 
@@ -134,6 +137,7 @@ def test_required_holds_the_output_to_calls_of_the_given_tools():
 
 def test_formats_are_read_off_chat_templates():
     assert detect_format(HERMES_TEMPLATE) == detect_format(QWEN25_TEMPLATE) == "hermes"
+    assert detect_format(MISTRAL_TEMPLATE) == "mistral"
     assert detect_format(LLAMA3_TEMPLATE) == "llama3_json"
     assert detect_format(SMOLLM2_TEMPLATE) is None and detect_format(None) is None
 
@@ -286,6 +290,35 @@ def test_llama3_json_words_stream_as_they_come_and_odd_json_stays_content():
     assert read_all(hermes("llama3_json"), ['{"name": "get_time"}'])[:2] == ('{"name": "get_time"}', [])
 
 
+MISTRAL_ARRAY = '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "get_time", "arguments": {"zone": "X"}}]'
+MISTRAL_ARGS = '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]get_time[ARGS]{"zone": "X"}'
+
+
+@pytest.mark.parametrize("text", [MISTRAL_ARRAY, MISTRAL_ARGS, "\n" + MISTRAL_ARGS + "\n"])
+def test_mistral_calls_both_ways_however_the_text_is_split(text):
+    """Mistral 7B v0.3 / Nemo / Small 3: [TOOL_CALLS] and an array; later tokenizers: name[ARGS]{...} a call."""
+    for pieces in splits(text):
+        content, deltas, _ = read_all(hermes("mistral"), pieces)
+        assert content == "" and [(d["function"]["name"], args_of(d)) for d in deltas] == [
+            ("get_weather", {"city": "Oslo"}), ("get_time", {"zone": "X"})], pieces
+
+
+def test_mistral_words_stream_and_what_is_no_call_stays_content():
+    reader = hermes("mistral").reader()
+    assert reader.feed(" [TOOL") == []  # perhaps a call
+    assert reader.feed("S] are") == [("text", " [TOOLS] are")]  # no: words, streamed from here on
+    assert reader.feed(" fine") == [("text", " fine")]
+    for odd in ('[TOOL_CALLS][{"name": "nope", "arguments": {}}]', '[TOOL_CALLS]get_time[ARGS]{"zone": "X"',
+                "[TOOL_CALLS]get_time", '[TOOL_CALLS][{"name": "get_time", "arguments": {}}] and words'):
+        assert read_all(hermes("mistral"), [odd])[:2] == (odd, []), odd
+    content, deltas, _ = read_all(hermes("mistral", parallel_tool_calls=False), [MISTRAL_ARGS])
+    assert content == '[TOOL_CALLS]get_time[ARGS]{"zone": "X"}' and [d["function"]["name"] for d in deltas] == [
+        "get_weather"]
+    content, deltas, _ = read_all(hermes("mistral", parallel_tool_calls=False), [MISTRAL_ARRAY])
+    assert json.loads(content.removeprefix("[TOOL_CALLS]")) == [{"name": "get_time", "arguments": {"zone": "X"}}]
+    assert hermes("mistral").keeps_special_tokens and not hermes("mistral", tool_choice="required").keeps_special_tokens
+
+
 def test_required_and_named_outputs():
     text = '[{"name": "get_time", "parameters": {"zone": "CET"}}, {"name": "get_weather", "parameters": {"city": "Rome"}}]'
     content, deltas, reader = read_all(hermes(tool_choice="required"), list(text))
@@ -416,6 +449,35 @@ def test_websocket_done_carries_the_calls(stack):
     assert msg["message"]["content"] == "Checking." and [
         (c["function"]["name"], args_of(c)) for c in msg["message"]["tool_calls"]] == [
         ("get_weather", {"city": "Paris", "unit": "celsius"})]
+
+
+def test_served_mistral_calls_keep_special_tokens_but_not_the_one_that_ends(tmp_path_factory, smollm_tokenizer_dir):
+    """A Mistral template: its chats with tools are decoded with their special tokens ([TOOL_CALLS] is
+    one in Mistral's vocabulary; here <|im_start|> stands in), all but the stop token that ends the
+    answer; ``skip_special_tokens`` (vLLM's field) asks the same of any call."""
+    tok_dir = str(tmp_path_factory.mktemp("mistral_tokenizer"))
+    shutil.copytree(smollm_tokenizer_dir, tok_dir, dirs_exist_ok=True)
+    if os.path.exists(f"{tok_dir}/chat_template.jinja"):
+        os.remove(f"{tok_dir}/chat_template.jinja")
+    with open(f"{tok_dir}/tokenizer_config.json") as f:
+        config = json.load(f)
+    with open(f"{tok_dir}/tokenizer_config.json", "w") as f:
+        json.dump({**config, "chat_template": MISTRAL_TEMPLATE}, f)
+    with fake_stack(str(tmp_path_factory.mktemp("eng")), tok_dir) as (_, port, *_rest):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
+        r = ask(client, MISTRAL_ARGS + "<|im_end|>")
+        assert r.choices[0].finish_reason == "tool_calls" and not r.choices[0].message.content
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in r.choices[0].message.tool_calls] == [
+            ("get_weather", {"city": "Oslo"}), ("get_time", {"zone": "X"})]
+        r = ask(client, "Hi<|im_start|>there<|im_end|>")
+        assert r.choices[0].message.content == "Hi<|im_start|>there"  # kept; the stop token is not
+        r = ask(client, "Hi<|im_start|>there<|im_end|>", tool_choice="none")
+        assert r.choices[0].message.content == "Hithere"  # no call read: decoded as usual
+        words = {"model": MODEL, "prompt": "Hi<|im_start|>there<|im_end|>", "max_tokens": 20,
+                 "extra_body": {"stop_token_ids": [2]}}
+        assert client.completions.create(**words).choices[0].text == "Hithere"
+        words["extra_body"]["skip_special_tokens"] = False
+        assert client.completions.create(**words).choices[0].text == "Hi<|im_start|>there"
 
 
 # ---------------------------------------------------------------------------- thinking
