@@ -37,17 +37,18 @@ LogprobEntry = tuple[int, float | None, list | None]
 class Choice:
     __slots__ = ("index", "request_id", "prompt_ids", "detok", "stops", "min_tokens", "finish_reason", "stop_reason",
                  "num_tokens", "num_prompt_tokens", "num_cached_tokens", "prompt_logprobs", "text_offset",
-                 "first_token_at", "last_token_at", "answered_at", "end_reason", "embedding", "stop_ids")
+                 "first_token_at", "last_token_at", "answered_at", "end_reason", "embedding", "eos_ids")
 
     def __init__(self, index: int, request_id: str, prompt_ids: list[int], codec: TextCodec,
-                 stop: StopMatcher | None, min_tokens: int = 0, stop_ids: frozenset[int] | None = None) -> None:
-        """``stop_ids``: decode the output with its special tokens, but not the one (an EOS among these,
-        or a stop token id) that ends it, as vLLM leaves it out; None: without special tokens."""
+                 stop: StopMatcher | None, min_tokens: int = 0, eos_ids: frozenset[int] = frozenset(),
+                 skip_special_tokens: bool = True) -> None:
+        """The token that ends the output (one of ``eos_ids``, or a stop token id) is no text, as vLLM
+        leaves it out; ``skip_special_tokens`` False: the others keep their text."""
         self.index = index
         self.request_id = request_id
         self.prompt_ids = prompt_ids
-        self.stop_ids = stop_ids
-        self.detok = IncrementalDetokenizer(codec, prompt_ids, skip_special_tokens=stop_ids is None)
+        self.eos_ids = eos_ids
+        self.detok = IncrementalDetokenizer(codec, prompt_ids, skip_special_tokens)
         self.stops = StopStrings(stop) if stop is not None else None
         self.min_tokens = min_tokens  # as in vLLM, stop strings are not looked for before this many tokens
         self.finish_reason: str | None = None
@@ -74,8 +75,7 @@ class Choice:
         if d.embedding is not None:
             self.embedding = d.embedding
         ids = d.token_ids
-        if self.stop_ids is not None and d.finish_reason == "stop" and ids and (
-                ids[-1] in self.stop_ids or ids[-1] == d.stop_reason):
+        if d.finish_reason == "stop" and ids and (ids[-1] in self.eos_ids or ids[-1] == d.stop_reason):
             ids = ids[:-1]  # the token that ended it is no text
         text = self.detok.step(ids) if ids else ""
         if d.finish_reason is not None:
@@ -128,14 +128,14 @@ class Generation:
         self.stream = Stream()
         self.choices: list[Choice] = []
         self._params = []
-        stop_ids = None if skip_special_tokens else frozenset(client.ready.eos_token_ids if client.ready else ())
+        eos_ids = frozenset(client.ready.eos_token_ids if client.ready else ())
         for p_idx, prompt in enumerate(prompts):
             for i in range(n):
                 idx = p_idx * n + i
                 params = params_for(i)
                 self._params.append(params)
-                self.choices.append(Choice(idx, f"{api_id}-{idx}", prompt, codec, stop, params.min_tokens,
-                                           None if skip_special_tokens else stop_ids))
+                self.choices.append(Choice(idx, f"{api_id}-{idx}", prompt, codec, stop, params.min_tokens, eos_ids,
+                                           skip_special_tokens))
         self._by_id = {c.request_id: c for c in self.choices}
         self._priority = priority
         self.deadline = deadline

@@ -44,7 +44,8 @@ MAX_TOOLS = 128
 MAX_REQUIRED_TOOLS = 16  # "required" holds the output to one of these: more than the grammar tells apart at once
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
-_MISTRAL_CALLS, _MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+_MISTRAL_CALLS, _MISTRAL_ARGS, _MISTRAL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+_ID_CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
 
 
 def detect_format(chat_template: str | None) -> str | None:
@@ -170,8 +171,14 @@ def template_tool_calls(calls: Any, i: int) -> list[dict]:
     return out
 
 
-def _call(name: str, arguments: str) -> dict:
-    return {"id": f"call_{os.urandom(12).hex()}", "type": "function", "function": {"name": name, "arguments": arguments}}
+def _call(name: str, arguments: str, fmt: str | None = None) -> dict:
+    """A call, with an id as OpenAI's look; in the mistral format 9 letters or digits, the only ids
+    Mistral's chat templates take back in the conversation that follows."""
+    if fmt == "mistral":
+        call_id = "".join(_ID_CHARS[b % len(_ID_CHARS)] for b in os.urandom(9))
+    else:
+        call_id = f"call_{os.urandom(12).hex()}"
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def _no_constant(name: str) -> Any:
@@ -221,11 +228,11 @@ class CallReader:
         self.content = ""
         self.calls: list[dict] = []
         self._held = ""  # text not yet known to be content or call
-        self._in_call = False  # hermes: inside <tool_call>...
+        self._in_call = False  # hermes: inside <tool_call>...; mistral: past [TOOL_CALLS]
         self._scanned = 0  # hermes: where in _held the search for the call's </tool_call> goes on
         self._json_at, self._in_str, self._escaped = 0, False, False  # hermes: the call's JSON read so far
         # whitespace at the start and after a call is held: dropped if a call or the end follows
-        self._after_call = self.mode == "hermes"
+        self._after_call = self.mode in ("hermes", "mistral")
         self._blank = ""
 
     def feed(self, text: str) -> list[Segment]:
@@ -235,14 +242,17 @@ class CallReader:
             if self.calls:
                 self.calls[0]["function"]["arguments"] += text
                 return [("call", {"index": 0, "function": {"arguments": text}})]
-            self.calls.append(_call(self.req.name, text))
+            self.calls.append(_call(self.req.name, text, self.req.fmt))
             return [("call", {"index": 0, **self.calls[0], "function": dict(self.calls[0]["function"])})]
         self._held += text
         if self.mode == "hermes":
             return self._hermes(final=False)
-        head = self._held.lstrip()
-        if (self.mode == "llama3_json" and head and not head.startswith("{")
-                or self.mode == "mistral" and not (head.startswith(_MISTRAL_CALLS) or _MISTRAL_CALLS.startswith(head))):
+        if self.mode == "mistral" and not self._in_call:  # words stream up to [TOOL_CALLS]; the calls wait
+            at = self._held.find(_MISTRAL_CALLS)
+            cut = at if at >= 0 else len(self._held) - partial_suffix(self._held, _MISTRAL_CALLS)
+            text, self._held, self._in_call = self._held[:cut], self._held[cut:], at >= 0
+            return self._text(text)
+        if self.mode == "llama3_json" and self._held.lstrip() and not self._held.lstrip().startswith("{"):
             self.mode = "none"  # an answer in words: no call to look for
             text, self._held = self._held, ""
             return self._text(text)
@@ -269,33 +279,51 @@ class CallReader:
         return [seg for c in calls for seg in self._call(c)]
 
     def _mistral(self, held: str) -> list[Segment]:
-        """``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``, or ``[TOOL_CALLS]name[ARGS]{...}`` once
-        per call: the calls, if every one is a call (else all of it stays text)."""
-        body = held.strip()
-        if not body.startswith(_MISTRAL_CALLS):
+        """What follows ``[TOOL_CALLS]`` (words before it have streamed): a JSON array of ``{"name": ...,
+        "arguments": {...}}``, or ``name[ARGS]{...}`` (``name[CALL_ID]id[ARGS]{...}``) a call, each after its
+        own ``[TOOL_CALLS]``: the calls, if every one is a call (else all of it stays text)."""
+        self._in_call = False
+        if not held.startswith(_MISTRAL_CALLS):
             return self._text(held)
-        body = body[len(_MISTRAL_CALLS):]
+        body = held[len(_MISTRAL_CALLS):]
         if body.lstrip().startswith("["):  # one JSON array
             values = _json_values(body)
             items = values[0][0] if values and len(values) == 1 and isinstance(values[0][0], list) else []
-            calls = [self._as_call(item, "arguments") for item in items]
-            rest = _MISTRAL_CALLS + json.dumps(items[1:], ensure_ascii=False)
+            calls = [self._as_call({"arguments": {}, **item} if isinstance(item, dict) else item, "arguments")
+                     for item in items]
+            rest = _MISTRAL_CALLS + json.dumps(items[1:], ensure_ascii=False)  # (not parallel: the calls after the first)
         else:
-            parts = body.split(_MISTRAL_CALLS)
-            calls = [self._mistral_call(part) for part in parts]
-            rest = _MISTRAL_CALLS + _MISTRAL_CALLS.join(parts[1:])
+            calls, ends = self._mistral_args_calls(body)
+            rest = body[ends[0]:].lstrip() if ends else ""
         if not calls or not all(calls):
             return self._text(held)
         if not self.req.parallel and len(calls) > 1:  # one call; the others stay text
             return self._call(calls[0]) + self._text(rest)
         return [seg for c in calls for seg in self._call(c)]
 
-    def _mistral_call(self, part: str) -> dict | None:
-        name, sep, args = part.partition(_MISTRAL_ARGS)
-        values = _json_values(args) if sep else None
-        if not values or len(values) != 1:
-            return None
-        return self._as_call({"name": name.strip(), "arguments": values[0][0]}, "arguments")
+    def _mistral_args_calls(self, body: str) -> tuple[list, list[int]]:
+        """``name[ARGS]{...}`` calls joined by ``[TOOL_CALLS]``, read in order (a ``[TOOL_CALLS]`` inside a
+        JSON string is the string's): the calls and where each ends, or ([], []) unless all of it is calls."""
+        calls, ends, i = [], [], 0
+        while True:
+            j = body.find(_MISTRAL_ARGS, i)
+            if j < 0:
+                return [], []
+            name = body[i:j].partition(_MISTRAL_ID)[0].strip()
+            k = j + len(_MISTRAL_ARGS)
+            k += len(body[k:]) - len(body[k:].lstrip())
+            try:
+                value, end = _DECODER.raw_decode(body, k)
+            except (RecursionError, ValueError):
+                return [], []
+            calls.append(self._as_call({"name": name, "arguments": value}, "arguments"))
+            ends.append(end)
+            rest = body[end:].lstrip()
+            if not rest:
+                return calls, ends
+            if not rest.startswith(_MISTRAL_CALLS):
+                return [], []
+            i = len(body) - len(rest) + len(_MISTRAL_CALLS)
 
     def _hermes(self, final: bool) -> list[Segment]:
         out: list[Segment] = []
@@ -364,7 +392,7 @@ class CallReader:
             arguments.encode()  # a lone surrogate (an escape the model wrote) has no UTF-8
         except (RecursionError, ValueError):  # (UnicodeEncodeError is one)
             return None
-        return _call(obj["name"], arguments)
+        return _call(obj["name"], arguments, self.req.fmt)
 
     def _text(self, text: str) -> list[Segment]:
         """Text as content; at the start and after a call, whitespace waits to see whether words or

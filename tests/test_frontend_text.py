@@ -40,6 +40,23 @@ def test_special_tokens_skipped(codec):
     assert out == "Hi"
 
 
+@pytest.mark.parametrize("skip", [True, False])
+def test_the_token_that_ends_a_choice_is_no_text(codec, skip):
+    """An EOS, or a stop token id (here an ordinary word), that ends the output is left out, with or
+    without special tokens (vLLM's ``skip_special_tokens``); special tokens before it are kept if asked."""
+    from engine.protocol import Delta
+    from frontends.generation import Choice
+
+    hi, word = codec.encode("Hi", add_special_tokens=False), codec.encode(" there", add_special_tokens=False)
+    eos, start = codec.tokenizer.eos_token_id, codec.encode("<|im_start|>", add_special_tokens=False)
+    choice = Choice(0, "r", [], codec, None, eos_ids=frozenset({eos}), skip_special_tokens=skip)
+    text, _ = choice.consume(Delta("r", hi + start + hi, None))
+    assert text + choice.consume(Delta("r", [eos], "stop"))[0] == ("HiHi" if skip else "Hi<|im_start|>Hi")
+    choice = Choice(0, "r", [], codec, None, eos_ids=frozenset({eos}), skip_special_tokens=skip)
+    text, _ = choice.consume(Delta("r", hi + word, "stop", stop_reason=word[-1]))
+    assert text == "Hi" + codec.decode(word[:-1])
+
+
 def test_stop_strings():
     s = StopStrings(["STOP", "end."])
     assert s.feed("hello ST") == ("hello ", False)  # "ST" could start STOP: held

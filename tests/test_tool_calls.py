@@ -32,8 +32,10 @@ HERMES_TEMPLATE = (  # what matters here of Qwen3's template: tools shown, think
     "{{ messages[-1]['content'] }}{%- if open_think is defined and open_think %}<think>\n{%- endif %}")
 LLAMA3_TEMPLATE = "{%- if tools %}{# Environment: ipython; <|python_tag|> #}{%- endif %}{{ messages[-1]['content'] }}"
 MISTRAL_TEMPLATE = (  # what matters here of Mistral's: tools shown in [AVAILABLE_TOOLS], calls after [TOOL_CALLS]
-    "{%- if tools %}{# [AVAILABLE_TOOLS] the tools [/AVAILABLE_TOOLS]; answers [TOOL_CALLS][...] #}"
-    "{%- endif %}{{ messages[-1]['content'] }}")
+    "{%- if tools %}{# [AVAILABLE_TOOLS] the tools [/AVAILABLE_TOOLS]; answers [TOOL_CALLS][...] #}{%- endif %}"
+    "{%- for m in messages %}{%- for c in m.tool_calls or [] %}{%- if c.id | length != 9 %}"
+    "{{- raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{%- endif %}"
+    "{%- endfor %}{%- endfor %}{{ messages[-1]['content'] }}")
 SMOLLM2_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] "
                     "+ '<|im_end|>' + '\n'}}{% endfor %}")
 
@@ -303,6 +305,23 @@ def test_mistral_calls_both_ways_however_the_text_is_split(text):
             ("get_weather", {"city": "Oslo"}), ("get_time", {"zone": "X"})], pieces
 
 
+@pytest.mark.parametrize("text,content,calls", [
+    # words first (Mistral Small 3.x, Devstral, Magistral write both in one answer)
+    ('Let me check.[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}', "Let me check.", [("get_weather", {"city": "Oslo"})]),
+    # an id in the call (mistral-common's v11 tokenizer): not part of the name
+    ('[TOOL_CALLS]get_time[CALL_ID]a1b2c3d4e[ARGS]{"zone": "X"}', "", [("get_time", {"zone": "X"})]),
+    # [TOOL_CALLS] inside an argument's string is the string's
+    ('[TOOL_CALLS]get_time[ARGS]{"zone": "a[TOOL_CALLS]b"}[TOOL_CALLS]get_time[ARGS]{"zone": "Y"}', "",
+     [("get_time", {"zone": "a[TOOL_CALLS]b"}), ("get_time", {"zone": "Y"})]),
+    ('[TOOL_CALLS][{"name": "get_time"}]', "", [("get_time", {})]),  # no arguments: none (vLLM's reading)
+])
+def test_mistral_words_before_calls_ids_in_them_and_odd_strings(text, content, calls):
+    for pieces in splits(text):
+        got, deltas, _ = read_all(hermes("mistral"), pieces)
+        assert got == content and [(d["function"]["name"], args_of(d)) for d in deltas] == calls, pieces
+        assert all(len(d["id"]) == 9 and d["id"].isalnum() for d in deltas)  # the ids Mistral's templates take
+
+
 def test_mistral_words_stream_and_what_is_no_call_stays_content():
     reader = hermes("mistral").reader()
     assert reader.feed(" [TOOL") == []  # perhaps a call
@@ -311,6 +330,7 @@ def test_mistral_words_stream_and_what_is_no_call_stays_content():
     for odd in ('[TOOL_CALLS][{"name": "nope", "arguments": {}}]', '[TOOL_CALLS]get_time[ARGS]{"zone": "X"',
                 "[TOOL_CALLS]get_time", '[TOOL_CALLS][{"name": "get_time", "arguments": {}}] and words'):
         assert read_all(hermes("mistral"), [odd])[:2] == (odd, []), odd
+    assert read_all(hermes("mistral"), ["Hi.[TOOL_CALLS]x"])[:2] == ("Hi.[TOOL_CALLS]x", [])
     content, deltas, _ = read_all(hermes("mistral", parallel_tool_calls=False), [MISTRAL_ARGS])
     assert content == '[TOOL_CALLS]get_time[ARGS]{"zone": "X"}' and [d["function"]["name"] for d in deltas] == [
         "get_weather"]
@@ -469,6 +489,14 @@ def test_served_mistral_calls_keep_special_tokens_but_not_the_one_that_ends(tmp_
         assert r.choices[0].finish_reason == "tool_calls" and not r.choices[0].message.content
         assert [(c.function.name, json.loads(c.function.arguments)) for c in r.choices[0].message.tool_calls] == [
             ("get_weather", {"city": "Oslo"}), ("get_time", {"zone": "X"})]
+        (first, _) = r.choices[0].message.tool_calls  # the ids go back, as Mistral's template takes them
+        history = [{"role": "user", "content": "Weather?"},
+                   {"role": "assistant", "tool_calls": [first.model_dump()]},
+                   {"role": "tool", "tool_call_id": first.id, "content": "sunny"},
+                   {"role": "user", "content": "Thanks.<|im_end|>"}]
+        r = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, max_tokens=20,
+                                           extra_body={"stop_token_ids": [2]})
+        assert r.choices[0].message.content == "Thanks."
         r = ask(client, "Hi<|im_start|>there<|im_end|>")
         assert r.choices[0].message.content == "Hi<|im_start|>there"  # kept; the stop token is not
         r = ask(client, "Hi<|im_start|>there<|im_end|>", tool_choice="none")
