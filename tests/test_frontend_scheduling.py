@@ -218,6 +218,7 @@ class _Client:
     """An EngineClient stand-in that records what a Generation sends."""
 
     def __init__(self) -> None:
+        self.ready = None  # no handshake: no EOS ids known
         self.added: list[tuple] = []
         self.salts: list[str] = []
         self.aborted: list[str] = []

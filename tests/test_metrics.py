@@ -257,7 +257,7 @@ class _Recorder:
 
 class _Client:
     def __init__(self, down: bool = False) -> None:
-        self.down, self.aborted = down, []
+        self.down, self.aborted, self.ready = down, [], None
 
     def add(self, request_id, *args, stream=None, **kw):
         from frontends.engine_client import EngineUnavailable
