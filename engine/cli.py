@@ -183,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "hermes (<tool_call>{...}</tool_call>: Qwen2.5, Qwen3, Hermes), llama3_json (Llama 3.x), "
                         "mistral ([TOOL_CALLS]...: Mistral, Mixtral), or none; auto reads it off the chat template, and a template that shows no tools "
                         "gets none (default: auto)")
+    t.add_argument("--chat-template", default=None,
+                   help="the chat template to use instead of the model's: a Jinja file, or the template itself "
+                        "(as vLLM's flag; default: the model's)")
     t.add_argument("--reasoning-parser", choices=("auto", "qwen3", "deepseek_r1", "none"), default="auto",
                    help="split a thinking model's <think>...</think> off into reasoning_content (qwen3 and "
                         "deepseek_r1 are one rule: thinking from an opening <think> in the prompt or the answer "
@@ -277,6 +280,25 @@ def engine_key(flag_value: str | None, env: dict[str, str] = os.environ) -> str 
     return key
 
 
+def chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file's text, or the template itself; one Jinja cannot read is refused at
+    start, with Jinja's reason."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            value = f.read()
+    elif "{" not in value:
+        raise ValueError(f"--chat-template {value!r}: no such file (nor a template: it has no '{{')")
+    from frontends.tokenizer import compile_chat_template
+
+    try:
+        compile_chat_template(value)
+    except Exception as e:  # noqa: BLE001 - jinja2's syntax errors, whatever their class
+        raise ValueError(f"--chat-template: not a template Jinja can read: {e}") from None
+    return value
+
+
 def _config_kwargs(args: argparse.Namespace) -> dict:
     return {k: v for k, v in vars(args).items() if k in _DEFAULTS and v is not None}
 
@@ -331,7 +353,7 @@ def serve_options(args: argparse.Namespace):
         log_format=args.log_format, log_requests=not args.disable_log_requests, log_prompts=args.log_prompts,
         data_parallel_size=args.data_parallel_size, engine_addresses=list(args.engines or []),
         engine_key=engine_key(args.engine_key), tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser)
+        reasoning_parser=args.reasoning_parser, chat_template=chat_template(args.chat_template))
 
 
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

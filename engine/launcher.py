@@ -82,6 +82,7 @@ class ServeOptions:
     engine_key: str | None = None  # shared secret of tcp:// engines (ZMQ CURVE)
     tool_call_parser: str = "auto"  # frontends.tools: the format tool_choice "auto" reads
     reasoning_parser: str = "auto"  # frontends.reasoning: <think> split off into reasoning_content
+    chat_template: str | None = None  # instead of the model's (the template's text)
 
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:
@@ -326,7 +327,8 @@ class Launcher:
             handshake_timeout=o.startup_timeout, engine_liveness_timeout=o.engine_liveness_timeout,
             allowed_origins=list(o.allowed_origins), http=HttpConfig(**o.http), ws=WsConfig(**o.ws),
             metrics_no_auth=o.metrics_no_auth, log_format=o.log_format, log_requests=o.log_requests,
-            log_prompts=o.log_prompts, tool_call_parser=o.tool_call_parser, reasoning_parser=o.reasoning_parser)
+            log_prompts=o.log_prompts, tool_call_parser=o.tool_call_parser, reasoning_parser=o.reasoning_parser,
+            chat_template=o.chat_template)
 
     def _frontend_id(self, i: int) -> str:
         """Its ZMQ identity. Stable across its restarts (the engine then drops what its previous life

@@ -60,6 +60,7 @@ class FrontendArgs:
     dead_engines: list[int] = field(default_factory=list)  # indices of engines gone before this start
     tool_call_parser: str = "auto"  # "auto" (from the chat template), a format of frontends.tools, or "none"
     reasoning_parser: str = "auto"  # "auto" (from the chat template), "none", or a name that turns it on
+    chat_template: str | None = None  # instead of the model's (``--chat-template``)
 
 
 def engine_client(args: FrontendArgs) -> EngineClient | EngineRouter:
@@ -91,7 +92,8 @@ def build_router(api: OpenAIApi, ws: websocket.WsConfig | None = None, access_lo
 async def serve(args: FrontendArgs, ready: Callable[[], None] | None = None) -> None:
     loop = asyncio.get_running_loop()
     tls = ssl_context(args)
-    codec = TextCodec(await asyncio.to_thread(load_tokenizer, args.model_path, args.tokenizer_cache_dir))
+    codec = TextCodec(await asyncio.to_thread(load_tokenizer, args.model_path, args.tokenizer_cache_dir,
+                                              args.chat_template))
     client = engine_client(args)
     await client.connect()
     if client.ready.model != args.served_model_name:

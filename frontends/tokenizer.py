@@ -22,9 +22,16 @@ _SOURCE_FILE = "tokenmill_source.txt"  # in a tokenizer cache: the model it was 
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 
-def load_tokenizer(model_path: str, cache_dir: str | None = None) -> Any:
-    """A tokenizer for a model folder or a ``.gguf`` file (``CachedTokenizer`` when ``cache_dir`` has it)."""
-    model_path = os.path.abspath(model_path)
+def load_tokenizer(model_path: str, cache_dir: str | None = None, chat_template: str | None = None) -> Any:
+    """A tokenizer for a model folder or a ``.gguf`` file (``CachedTokenizer`` when ``cache_dir`` has it);
+    ``chat_template``: its chat template instead of the model's."""
+    tok = _load_tokenizer(os.path.abspath(model_path), cache_dir)
+    if chat_template is not None:
+        tok.chat_template = chat_template  # (CachedTokenizer compiles it here: a bad one fails at start)
+    return tok
+
+
+def _load_tokenizer(model_path: str, cache_dir: str | None) -> Any:
     cached = cache_dir is not None and _cached_for(cache_dir) == model_path
     if cached:
         try:
@@ -95,9 +102,16 @@ class CachedTokenizer:
         if not isinstance(template, str):  # absent, or a dict of named templates: leave those to transformers
             raise ValueError("no single chat template")
         self.chat_template = template
-        self._template = _compile(template)
         eos = self.special_tokens.get("eos_token")
         self.eos_token_id = self._tokenizer.token_to_id(eos) if eos else None
+
+    @property
+    def chat_template(self) -> str:
+        return self._source
+
+    @chat_template.setter
+    def chat_template(self, template: str) -> None:
+        self._template, self._source = compile_chat_template(template), template
 
     def __len__(self) -> int:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
@@ -118,7 +132,7 @@ class CachedTokenizer:
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
-def _compile(template: str) -> Any:
+def compile_chat_template(template: str) -> Any:
     """A chat template in the environment transformers gives it: sandboxed, trim/lstrip blocks,
     loop controls, a ``tojson`` that does not escape HTML, ``raise_exception`` and ``strftime_now``."""
     import jinja2

@@ -21,7 +21,7 @@ from engine.config import EngineConfig
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_server_e2e import CMD, ROOT  # noqa: E402
 
-SERVE_FLAGS = ["--model", "--served-model-name", "--host", "--port", "--api-key", "--ssl-keyfile",
+SERVE_FLAGS = ["--model", "--chat-template", "--served-model-name", "--host", "--port", "--api-key", "--ssl-keyfile",
                "--ssl-certfile", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
                "--gpu-memory-utilization", "--kv-cache-memory", "--dtype", "--device", "--block-size", "--seed",
                "--api-server-count", "--tensor-parallel-size", "--ws-max-buffer", "--ws-max-message",

@@ -592,3 +592,22 @@ def test_held_output_has_no_thinking_to_split(client):
                                        tools=TOOLS, max_tokens=100, extra_body={"chat_template_kwargs": {"open_think": True}},
                                        tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assert not getattr(r.choices[0].message, "reasoning_content", None)
+
+
+def test_a_chat_template_given_at_start_replaces_the_models(tmp_path, smollm_tokenizer_dir):
+    """``--chat-template`` (a file or the text): it renders the prompts, and it is what tool formats are
+    read off (here Mistral's, on a model whose own template shows no tools)."""
+    from engine.cli import chat_template
+
+    path = tmp_path / "mistral.jinja"
+    path.write_text(MISTRAL_TEMPLATE)
+    assert chat_template(str(path)) == chat_template(MISTRAL_TEMPLATE) == MISTRAL_TEMPLATE
+    assert chat_template(None) is None
+    with pytest.raises(ValueError, match="no such file"):
+        chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="not a template Jinja can read"):
+        chat_template("{% for m in messages %}")
+    with fake_stack(str(tmp_path), smollm_tokenizer_dir, chat_template=MISTRAL_TEMPLATE) as (_, port, *_rest):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
+        r = ask(client, MISTRAL_ARGS + "<|im_end|>")  # SmolLM2's template would wrap it in <|im_start|>user
+        assert r.choices[0].finish_reason == "tool_calls" and len(r.choices[0].message.tool_calls) == 2
