@@ -85,3 +85,14 @@ def test_a_cache_for_another_model_is_replaced(smollm_tokenizer_dir, tmp_path):
     assert not isinstance(load_tokenizer(str(other), cache), CachedTokenizer)  # read from its own folder...
     assert isinstance(load_tokenizer(str(other), cache), CachedTokenizer)  # ...and cached for next time
     assert not isinstance(load_tokenizer(smollm_tokenizer_dir, cache), CachedTokenizer)
+
+
+def test_a_chat_template_given_replaces_the_models_loaded_or_cached(tmp_path, smollm_tokenizer_dir):
+    cache = str(tmp_path / "cache")
+    first = load_tokenizer(smollm_tokenizer_dir, cache, "X{{ messages[-1]['content'] }}Y")  # transformers, then saved
+    again = load_tokenizer(smollm_tokenizer_dir, cache, "A{{ messages[-1]['content'] }}B")  # from the cache
+    assert isinstance(again, CachedTokenizer) and not isinstance(first, CachedTokenizer)
+    hi = [{"role": "user", "content": "hi"}]
+    assert first.apply_chat_template(hi, tokenize=False) == "XhiY"
+    assert again.apply_chat_template(hi, tokenize=False) == "AhiB"
+    assert "<|im_start|>" in load_tokenizer(smollm_tokenizer_dir, cache).apply_chat_template(hi, tokenize=False)
