@@ -181,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
                    default="auto",
                    help="how tool calls are read out of a chat answer when a request's tool_choice is 'auto': "
                         "hermes (<tool_call>{...}</tool_call>: Qwen2.5, Qwen3, Hermes), llama3_json (Llama 3.x), "
-                        "mistral ([TOOL_CALLS]...: Mistral, Mixtral), or none; auto reads it off the chat template, and a template that shows no tools "
+                        "mistral ([TOOL_CALLS]...: Mistral, Mixtral), or none; auto reads it off the chat "
+                        "template, and a template that shows no tools "
                         "gets none (default: auto)")
     t.add_argument("--chat-template", default=None,
                    help="the chat template to use instead of the model's: a Jinja file, or the template itself "

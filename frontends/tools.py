@@ -291,7 +291,7 @@ class CallReader:
             items = values[0][0] if values and len(values) == 1 and isinstance(values[0][0], list) else []
             calls = [self._as_call({"arguments": {}, **item} if isinstance(item, dict) else item, "arguments")
                      for item in items]
-            rest = _MISTRAL_CALLS + json.dumps(items[1:], ensure_ascii=False)  # (not parallel: the calls after the first)
+            rest = _MISTRAL_CALLS + json.dumps(items[1:], ensure_ascii=False)  # (for one call: the others)
         else:
             calls, ends = self._mistral_args_calls(body)
             rest = body[ends[0]:].lstrip() if ends else ""
@@ -311,7 +311,8 @@ class CallReader:
                 return [], []
             name = body[i:j].partition(_MISTRAL_ID)[0].strip()
             k = j + len(_MISTRAL_ARGS)
-            k += len(body[k:]) - len(body[k:].lstrip())
+            while k < len(body) and body[k].isspace():
+                k += 1
             try:
                 value, end = _DECODER.raw_decode(body, k)
             except (RecursionError, ValueError):
