@@ -8,7 +8,6 @@ engine holding output to tool calls: ``test_server_default_model``."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 
 import openai
@@ -361,17 +360,9 @@ def test_required_and_named_outputs():
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, smollm_tokenizer_dir):
-    """The fake engine (it answers a prompt with its own tokens) behind a frontend whose tokenizer's
-    chat template teaches the hermes format and renders the last message as it is."""
-    tok_dir = str(tmp_path_factory.mktemp("hermes_tokenizer"))
-    shutil.copytree(smollm_tokenizer_dir, tok_dir, dirs_exist_ok=True)
-    if os.path.exists(f"{tok_dir}/chat_template.jinja"):
-        os.remove(f"{tok_dir}/chat_template.jinja")
-    with open(f"{tok_dir}/tokenizer_config.json") as f:
-        config = json.load(f)
-    with open(f"{tok_dir}/tokenizer_config.json", "w") as f:
-        json.dump({**config, "chat_template": HERMES_TEMPLATE}, f)
-    with fake_stack(str(tmp_path_factory.mktemp("eng")), tok_dir) as stack:
+    """The fake engine (it answers a prompt with its own tokens) behind a frontend whose chat template
+    (``--chat-template``) teaches the hermes format and renders the last message as it is."""
+    with fake_stack(str(tmp_path_factory.mktemp("eng")), smollm_tokenizer_dir, chat_template=HERMES_TEMPLATE) as stack:
         yield stack
 
 
@@ -475,15 +466,8 @@ def test_served_mistral_calls_keep_special_tokens_but_not_the_one_that_ends(tmp_
     """A Mistral template: its chats with tools are decoded with their special tokens ([TOOL_CALLS] is
     one in Mistral's vocabulary; here <|im_start|> stands in), all but the stop token that ends the
     answer; ``skip_special_tokens`` (vLLM's field) asks the same of any call."""
-    tok_dir = str(tmp_path_factory.mktemp("mistral_tokenizer"))
-    shutil.copytree(smollm_tokenizer_dir, tok_dir, dirs_exist_ok=True)
-    if os.path.exists(f"{tok_dir}/chat_template.jinja"):
-        os.remove(f"{tok_dir}/chat_template.jinja")
-    with open(f"{tok_dir}/tokenizer_config.json") as f:
-        config = json.load(f)
-    with open(f"{tok_dir}/tokenizer_config.json", "w") as f:
-        json.dump({**config, "chat_template": MISTRAL_TEMPLATE}, f)
-    with fake_stack(str(tmp_path_factory.mktemp("eng")), tok_dir) as (_, port, *_rest):
+    with fake_stack(str(tmp_path_factory.mktemp("eng")), smollm_tokenizer_dir,
+                    chat_template=MISTRAL_TEMPLATE) as (_, port, *_rest):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
         r = ask(client, MISTRAL_ARGS + "<|im_end|>")
         assert r.choices[0].finish_reason == "tool_calls" and not r.choices[0].message.content
