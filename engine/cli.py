@@ -481,17 +481,12 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from engine import LLM
 
     llm = LLM(**kwargs)
-    prompt = args.prompt
     if args.chat:
-        prompt = _chat_prompt(llm, prompt)
-    out = llm.generate([prompt], params)[0]
+        out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+    else:
+        out = llm.generate([args.prompt], params)[0]
     print(out.text)
     return 0
-
-
-def _chat_prompt(llm, text: str) -> str:
-    return llm.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
 
 
 def main(argv: list[str] | None = None) -> int:

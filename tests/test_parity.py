@@ -141,3 +141,8 @@ def test_default_smollm2_gguf_matches_transformers(default_gguf):
     answer = llm.generate(chat, SamplingParams(max_tokens=32, temperature=0.0))[0]
     assert answer.text == "The capital of France is Paris."
     assert answer.finish_reason == "stop"
+    # vLLM's LLM.chat: conversations through the template (a list of them too), the same answer
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    both = llm.chat([question, [*question, {"role": "assistant", "content": "Paris."},
+                                {"role": "user", "content": "And of Italy?"}]], SamplingParams(max_tokens=32, temperature=0.0))
+    assert both[0].text == "The capital of France is Paris." and "Rome" in both[1].text

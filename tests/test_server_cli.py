@@ -208,9 +208,10 @@ def test_generate_chat_applies_the_template(tiny_llama):
     from engine import LLM, SamplingParams
 
     llm = LLM(tiny_llama)
+    want = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=6, temperature=0))[0].text
     prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
                                                add_generation_prompt=True)
-    want = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0))[0].text
+    assert want == llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0))[0].text
     r = tokenmill("generate", "--model", tiny_llama, "--prompt", "Hi", "--chat", "--max-tokens", "6",
                   timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
