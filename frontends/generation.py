@@ -129,6 +129,7 @@ class Generation:
         self.choices: list[Choice] = []
         self._params = []
         eos_ids = frozenset(client.ready.eos_token_ids if client.ready else ())
+        self.skip_special_tokens = skip_special_tokens
         for p_idx, prompt in enumerate(prompts):
             for i in range(n):
                 idx = p_idx * n + i

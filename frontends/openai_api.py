@@ -482,7 +482,7 @@ class _CompletionFormat(_SseFormat):
             for c in gen.choices:
                 key = id(c.prompt_ids)
                 if key not in decoded:
-                    decoded[key] = self.codec.decode(c.prompt_ids)
+                    decoded[key] = self.codec.decode(c.prompt_ids, gen.skip_special_tokens)
                 self.prompt_texts.append(decoded[key])
                 c.text_offset = len(decoded[key])  # completion offsets count the echoed prompt
 

@@ -490,6 +490,8 @@ def test_served_mistral_calls_keep_special_tokens_but_not_the_one_that_ends(tmp_
         assert client.completions.create(**words).choices[0].text == "Hithere"
         words["extra_body"]["skip_special_tokens"] = False
         assert client.completions.create(**words).choices[0].text == "Hi<|im_start|>there"
+        echoed = client.completions.create(**words, echo=True).choices[0].text  # the prompt kept alike
+        assert echoed == "Hi<|im_start|>there<|im_end|>Hi<|im_start|>there"
 
 
 # ---------------------------------------------------------------------------- thinking
