@@ -3,9 +3,9 @@
 ``input``: a string, a list of strings, a list of token ids or a list of such lists (at most
 ``MAX_INPUTS``, OpenAI's limit); each is one engine request, batched with whatever else runs
 (chats included: one server, one model, both APIs), sent a window at a time (twice the engine's
-``max_num_seqs``): a call of a thousand inputs does not queue them all ahead of the next chat. ``encoding_format``: ``float`` (default) or ``base64``
-(little-endian float32s: what the openai client asks for unless told otherwise, and decodes
-itself). ``dimensions``: the first this many of each vector, normalized after the cut
+``max_num_seqs``): a call of a thousand inputs does not queue them all ahead of the next chat.
+``encoding_format``: ``float`` (default) or ``base64`` (little-endian float32s: what the openai
+client asks for unless told otherwise, and decodes itself). ``dimensions``: the first this many of each vector, normalized after the cut
 (Matryoshka models: Qwen3-Embedding...). vLLM's ``normalize`` (default: the model's) and
 ``truncate_prompt_tokens`` (keep the last k tokens; -1: as many as the context holds) and this
 server's ``priority``, ``timeout`` and ``cache_salt`` work as for completions. ``usage``
