@@ -492,6 +492,11 @@ def test_served_mistral_calls_keep_special_tokens_but_not_the_one_that_ends(tmp_
         assert client.completions.create(**words).choices[0].text == "Hi<|im_start|>there"
         echoed = client.completions.create(**words, echo=True).choices[0].text  # the prompt kept alike
         assert echoed == "Hi<|im_start|>there<|im_end|>Hi<|im_start|>there"
+        for careless in ("no", 0):  # a careless client's value is a 400 naming the field (null: the default)
+            words["extra_body"]["skip_special_tokens"] = careless
+            with pytest.raises(openai.BadRequestError) as e:
+                client.completions.create(**words)
+            assert e.value.body["param"] == "skip_special_tokens"
 
 
 # ---------------------------------------------------------------------------- thinking
