@@ -155,12 +155,16 @@ def build_metadata(query_lens: list[int], computed_lens: list[int], block_tables
 
 
 class Attention(nn.Module):
-    """One layer's attention: store this step's K/V in the cache, attend over the cache."""
+    """One layer's attention: store this step's K/V in the cache, attend over the cache. ``scale``
+    multiplies q.k (None: 1 / sqrt(head_dim)); ``window``: a sliding window's length, each query seeing
+    its latest ``window`` positions (0: all); ``softcap``: Gemma 2's cap on the scores (0: none)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
+                 window: int = 0, softcap: float = 0.0):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale
+        self.window, self.softcap = window, softcap
         # Set by the model runner once the cache is allocated: (num_blocks, block_size, Hkv, D) each.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
@@ -182,9 +186,9 @@ class Attention(nn.Module):
 
     def _decode(self, q: torch.Tensor, d: DecodeMetadata) -> torch.Tensor:
         return kernels.paged_decode_attention(q, self.k_cache, self.v_cache, d.block_tables, d.seq_lens,
-                                              d.max_seq_len, self.scale)
+                                              d.max_seq_len, self.scale, self.window, self.softcap)
 
     def _prefill(self, q: torch.Tensor, p: PrefillMetadata) -> torch.Tensor:
         return kernels.paged_prefill_attention(q, self.k_cache, self.v_cache, p.block_tables, p.seq_lens,
                                                p.query_start, p.q_index, p.out_index, p.max_seq_len,
-                                               self.scale)
+                                               self.scale, self.window, self.softcap)

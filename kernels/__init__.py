@@ -73,16 +73,19 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
-                           scale: float) -> torch.Tensor:
-    return _pick(q).paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale)
+                           scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    return _pick(q).paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, window,
+                                           softcap)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.Tensor,
                             q_index: torch.Tensor, out_index: torch.Tensor, max_seq_len: int,
-                            scale: float) -> torch.Tensor:
+                            scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """Causal attention (``reference.paged_prefill_attention``); ``window``: a sliding window's length
+    (0: none); ``softcap``: Gemma 2's cap on the scores (0: none)."""
     return _pick(q).paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start, q_index,
-                                            out_index, max_seq_len, scale)
+                                            out_index, max_seq_len, scale, window, softcap)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -127,6 +130,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return _pick(x).silu_and_mul(x)
 
 
+def gelu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return _pick(x).gelu_and_mul(x)
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, packed: str | None = None) -> torch.Tensor:
     """The routed experts of a mixture of experts (``reference.fused_moe``). ``packed``: the experts'
@@ -144,5 +151,5 @@ def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
 
 set_backend(os.environ.get("TOKENMILL_KERNELS", "auto"))
 
-__all__ = ["BACKENDS", "apply_rope_", "backend", "embedding", "fused_add_rms_norm", "fused_moe", "linear",
-           "paged_decode_attention", "paged_prefill_attention", "rms_norm", "set_backend", "silu_and_mul", "store_kvcache", "tune_linear"]
+__all__ = ["BACKENDS", "apply_rope_", "backend", "embedding", "fused_add_rms_norm", "fused_moe", "gelu_and_mul",
+           "linear", "paged_decode_attention", "paged_prefill_attention", "rms_norm", "set_backend", "silu_and_mul", "store_kvcache", "tune_linear"]

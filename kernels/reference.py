@@ -32,10 +32,41 @@ def _gather_context(cache: torch.Tensor, block_tables: torch.Tensor, max_seq_len
     return rows.view(block_tables.shape[0], nblk * block_size, hkv, d)[:, :max_seq_len]
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+           softcap: float = 0.0, causal: bool = False) -> torch.Tensor:
+    """Attention in float32 (16-bit inputs too, as prefill's SDPA accumulates: one rule for decode and
+    prefill, so a request recomputed after preemption keeps its greedy tokens). q (B, H, Q, D); k, v
+    (B, Hkv, S, D); ``mask`` (broadcast to (B, H, Q, S), True: visible) or ``causal`` (Q = S). ``softcap``
+    (Gemma 2): each score s becomes ``softcap * tanh(s / softcap)`` before the softmax."""
+    q, k, v = q.float(), k.float(), v.float()
+    h, hkv = q.shape[1], k.shape[1]
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=hkv != h,
+                                              is_causal=causal)
+    if hkv != h:
+        k, v = k.repeat_interleave(h // hkv, dim=1), v.repeat_interleave(h // hkv, dim=1)
+    s = torch.tanh(q @ k.transpose(-1, -2) * (scale / softcap)) * softcap  # (B, H, Q, S)
+    if causal:
+        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
+def window_mask(keys: int, q_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """(..., keys) True where key j is visible from a query at ``q_pos`` (...): causal, and with a
+    sliding ``window`` (0: none) only the ``window`` latest positions, j > q_pos - window (as
+    transformers' and llama.cpp's sliding-window masks)."""
+    j = torch.arange(keys, device=q_pos.device)
+    mask = j <= q_pos[..., None]
+    return mask & (j > q_pos[..., None] - window) if window else mask
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
-                           scale: float) -> torch.Tensor:
-    """One new query per sequence: q (B, H, D) attends to its ``seq_lens[b]`` cached tokens.
+                           scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """One new query per sequence: q (B, H, D) attends to its ``seq_lens[b]`` cached tokens; with a
+    sliding ``window``, to the latest ``window`` of them; ``softcap``: as ``attend``'s.
 
     On the CPU, large batches run in groups of ``DECODE_GROUP`` sequences: a group's gathered context
     stays in cache (measured on 2 CPU cores: decode attention ~1.5x faster, a W1 decode step
@@ -47,26 +78,22 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         for i in range(0, b, DECODE_GROUP):
             g = slice(i, i + DECODE_GROUP)
             parts.append(paged_decode_attention(q[g], k_cache, v_cache, block_tables[g], seq_lens[g],
-                                                int(seq_lens[g].max()), scale))
+                                                int(seq_lens[g].max()), scale, window, softcap))
         return torch.cat(parts)
     k = _gather_context(k_cache, block_tables, max_seq_len)  # (B, S, Hkv, D)
     v = _gather_context(v_cache, block_tables, max_seq_len)
-    hkv = k.shape[2]
-    visible = torch.arange(max_seq_len, device=q.device)[None, :] < seq_lens[:, None]  # (B, S)
-    # 16-bit inputs are computed in float32, as prefill's SDPA accumulates: one rule for both, so a
-    # request recomputed after preemption (its decodes now a prefill) keeps its greedy tokens.
-    out = F.scaled_dot_product_attention(
-        q[:, :, None].float(), k.transpose(1, 2).float(), v.transpose(1, 2).float(),
-        attn_mask=visible[:, None, None], scale=scale, enable_gqa=hkv != h,
-    )  # (B, H, 1, D)
+    visible = window_mask(max_seq_len, seq_lens - 1, window)  # (B, S)
+    out = attend(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), visible[:, None, None], scale,
+                 softcap)  # (B, H, 1, D)
     return out.view(b, h, d).to(q.dtype)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.Tensor,
                             q_index: torch.Tensor, out_index: torch.Tensor, max_seq_len: int,
-                            scale: float) -> torch.Tensor:
-    """Causal attention of several new tokens per sequence over each one's paged context.
+                            scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """Causal attention of several new tokens per sequence over each one's paged context (``window``,
+    ``softcap``: as decode's).
 
     q: (T, H, D) new tokens of B sequences, flattened. Sequence ``b`` owns queries
     ``query_start[b]:query_start[b+1]`` and has ``seq_lens[b]`` tokens of context in
@@ -82,19 +109,23 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     v = _gather_context(v_cache, block_tables, max_seq_len)
     # Query i of sequence b sits at position seq_len - q_len + i and sees keys 0..that position.
     q_lens = query_start[1:] - query_start[:-1]
+    # (padding cells are put at the last position: they see keys, so no row of the softmax is empty)
     q_pos = (seq_lens - q_lens)[:, None] + torch.arange(qmax, device=q.device)[None, :]  # (B, Q)
-    mask = torch.arange(max_seq_len, device=q.device)[None, None, :] <= q_pos[:, :, None]  # (B, Q, S)
-    out = F.scaled_dot_product_attention(  # in float32, as decode
-        qp.transpose(1, 2).float(), k.transpose(1, 2).float(), v.transpose(1, 2).float(),
-        attn_mask=mask[:, None], scale=scale, enable_gqa=k.shape[2] != h,
-    )  # (B, H, Q, D)
+    mask = window_mask(max_seq_len, torch.minimum(q_pos, seq_lens[:, None] - 1), window)  # (B, Q, S)
+    out = attend(qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask[:, None], scale,
+                 softcap)  # (B, H, Q, D)
     return out.transpose(1, 2).reshape(b * qmax, h, d)[out_index].to(q.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) * weight, computed in float32. The weight's dtype says where it is rounded to x's dtype:
+    a weight in x's dtype multiplies the rounded row (transformers' Llama); a float32 weight with 16-bit
+    x multiplies before the one rounding (Gemma's, whose weight is kept as 1 + w). In float32 both are one."""
     dtype = x.dtype
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype == torch.float32 and dtype != torch.float32:
+        return (xf * weight).to(dtype)
     return weight * xf.to(dtype)
 
 
@@ -109,6 +140,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """(T, 2I) gate|up fused -> (T, I)."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)  # in place: one (T, I) tensor fewer, 4x faster for a 2048-token chunk
+
+
+def gelu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """(T, 2I) gate|up fused -> (T, I): GELU (tanh approximation, Gemma's) of gate, times up."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh").mul_(up)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

@@ -34,6 +34,16 @@ PREFILL_CASES = [
     (F32, 16, 8, 9, 3, [3, 11], [14, 11]),  # SmolLM2's grouping, small heads and blocks
 ]
 
+# sliding windows (decode, prefill) and Gemma 2's softcap: dtype, head_dim, block size, H, Hkv, query_lens,
+# seq_lens, window, softcap (decode: query_lens all 1)
+WINDOW_CASES = [
+    (F32, 64, 16, 4, 2, [1, 1, 1, 1], [1, 17, 40, 100], 24, 0.0),  # shorter than, at and past the window
+    (BF16, 64, 16, 8, 2, [1, 1], [90, 7], 33, 5.0),  # windows not on block edges; capped scores
+    (F32, 32, 8, 6, 2, [30, 5, 1], [30, 50, 9], 12, 0.0),  # prompts and chunks longer than the window
+    (F32, 64, 16, 4, 4, [40, 3], [70, 3], 0, 2.0),  # a cap without a window
+    (BF16, 128, 32, 4, 1, [17, 2], [80, 18], 16, 3.0),
+]
+
 
 def case_id(case: tuple) -> str:
     """Readable test ids: f32-64-16-4-4-1,17,33,5-None."""

@@ -23,6 +23,7 @@ from tests.paged_cases import (
     F16,
     F32,
     PREFILL_CASES,
+    WINDOW_CASES,
     case_id,
     paged_cache,
     prefill_indices,
@@ -61,6 +62,27 @@ def test_cpu_paged_prefill_matches_reference(dtype, d, page, h, hkv, query_lens,
     out = cpu.paged_prefill_attention(q, kp, vp, tables, lens, start, q_index, out_index, max(seq_lens), d ** -0.5)
     want = ref.paged_prefill_attention(q, kc, vc, tables.long(), lens, start, q_index, out_index, max(seq_lens),
                                        d ** -0.5)
+    torch.testing.assert_close(out.float(), want.float(), **ATTN_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype,d,page,h,hkv,query_lens,seq_lens,window,softcap", WINDOW_CASES,
+                         ids=map(case_id, WINDOW_CASES))
+def test_cpu_windows_and_softcap_match_reference(dtype, d, page, h, hkv, query_lens, seq_lens, window, softcap,
+                                                 compiled):
+    """A sliding window and Gemma 2's cap: decode in C (it reads only the window's blocks: NaN in the
+    others would show), prefill per sequence; both against the reference."""
+    kc, vc, kp, vp, tables = paged_cache(seq_lens, page, hkv, d, dtype)
+    lens, scale = torch.tensor(seq_lens), d ** -0.5
+    q = randn(sum(query_lens), h, d, dtype=dtype)
+    if set(query_lens) == {1}:
+        out = cpu.paged_decode_attention(q, kp, vp, tables, lens, max(seq_lens), scale, window, softcap)
+        want = ref.paged_decode_attention(q, kc, vc, tables.long(), lens, max(seq_lens), scale, window, softcap)
+    else:
+        start, q_index, out_index = prefill_indices(query_lens)
+        out = cpu.paged_prefill_attention(q, kp, vp, tables, lens, start, q_index, out_index, max(seq_lens), scale,
+                                          window, softcap)
+        want = ref.paged_prefill_attention(q, kc, vc, tables.long(), lens, start, q_index, out_index, max(seq_lens),
+                                           scale, window, softcap)
     torch.testing.assert_close(out.float(), want.float(), **ATTN_TOL[dtype])
 
 

@@ -3,6 +3,7 @@ other kernel (Triton, CPU) is checked against."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -14,23 +15,27 @@ from engine.attention import Attention, build_metadata
 H, HKV, D, BS = 4, 2, 8, 4
 
 
-def naive_attention(q, k, v, pos0):
-    """q (Q, H, D) at positions pos0.. over k/v (S, Hkv, D), causal, GQA."""
+def naive_attention(q, k, v, pos0, window=0, softcap=0.0):
+    """q (Q, H, D) at positions pos0.. over k/v (S, Hkv, D), causal, GQA; with a sliding ``window``
+    over the latest ``window`` positions; ``softcap``: scores s -> softcap tanh(s / softcap)."""
     k = k.repeat_interleave(H // HKV, 1).float()
     v = v.repeat_interleave(H // HKV, 1).float()
     out = []
     for i in range(q.shape[0]):
         p = pos0 + i
-        s = torch.einsum("hd,khd->hk", q[i].float(), k[:p + 1]) / math.sqrt(D)
-        out.append(torch.einsum("hk,khd->hd", s.softmax(-1), v[:p + 1]))
+        first = max(0, p + 1 - window) if window else 0
+        s = torch.einsum("hd,khd->hk", q[i].float(), k[first:p + 1]) / math.sqrt(D)
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        out.append(torch.einsum("hk,khd->hd", s.softmax(-1), v[first:p + 1]))
     return torch.stack(out)
 
 
-def make_batch(seq_lens, query_lens, dtype, seed=0):
+def make_batch(seq_lens, query_lens, dtype, seed=0, window=0, softcap=0.0):
     g = torch.Generator().manual_seed(seed)
     nblocks = sum(-(-n // BS) for n in seq_lens) + 3
     perm = torch.randperm(nblocks, generator=g).tolist()  # scattered, non-contiguous blocks
-    attn = Attention(H, HKV, D)
+    attn = Attention(H, HKV, D, window=window, softcap=softcap)
     attn.k_cache = torch.zeros(nblocks, BS, HKV, D, dtype=dtype)
     attn.v_cache = torch.zeros(nblocks, BS, HKV, D, dtype=dtype)
     tables, ks, vs = [], [], []
@@ -60,13 +65,15 @@ def make_batch(seq_lens, query_lens, dtype, seed=0):
     ([6, 3], [6, 10]),  # fresh prompt and a chunk after a cached prefix
     ([1, 7, 1, 2], [13, 7, 4, 8]),  # mixed: decodes and prompt chunks in one batch
 ])
-def test_paged_attention_matches_naive(query_lens, seq_lens, dtype, tol, backend, monkeypatch):
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (5, 0.0), (6, 1.5)])  # sliding windows, Gemma 2's cap
+def test_paged_attention_matches_naive(query_lens, seq_lens, dtype, tol, backend, window, softcap, monkeypatch):
     monkeypatch.setattr(kernels, "_backend", backend)
-    attn, q, new_k, new_v, ks, vs, meta, positions = make_batch(seq_lens, query_lens, dtype)
+    attn, q, new_k, new_v, ks, vs, meta, positions = make_batch(seq_lens, query_lens, dtype, window=window,
+                                                                softcap=softcap)
     out = attn(q, new_k, new_v, meta)
     want, row = [], 0
     for k, v, n, ql in zip(ks, vs, seq_lens, query_lens, strict=True):
-        want.append(naive_attention(q[row:row + ql], k, v, n - ql))
+        want.append(naive_attention(q[row:row + ql], k, v, n - ql, window, softcap))
         row += ql
     assert torch.allclose(out.float(), torch.cat(want), atol=tol, rtol=tol)
     expected_pos = torch.cat([torch.arange(n - ql, n) for n, ql in zip(seq_lens, query_lens, strict=True)])
@@ -96,6 +103,27 @@ def test_decode_rows_already_in_order_are_attended_where_they_are():
     fast = attn(q, k, v, meta)
     meta.decode.in_order = False
     assert torch.equal(attn(q, k, v, meta), fast)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemma_norm_and_gelu_are_transformers(dtype):
+    """Gemma's RMSNorm (x * (1 + w), rounded once: the weight kept as 1 + w in float32) and GELU-and-mul
+    as transformers computes them, through whichever kernels serve CPU tensors: bf16 bit for bit (fp32's
+    norm is the C kernel's, its sum in another order: to 1e-6)."""
+    from transformers.activations import ACT2FN
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    x, w = (torch.randn(5, 64) * 3).to(dtype), (torch.randn(64) / 4).to(dtype)
+    norm = Gemma3RMSNorm(64, eps=1e-6).to(dtype)
+    norm.weight.data.copy_(w)
+    same = torch.equal if dtype == torch.bfloat16 else functools.partial(torch.allclose, rtol=1e-6, atol=1e-6)
+    with torch.no_grad():
+        assert same(kernels.rms_norm(x, 1 + w.float(), 1e-6), norm(x))
+        summed = x + x.flip(0)
+        out, residual = kernels.fused_add_rms_norm(x, x.flip(0), 1 + w.float(), 1e-6)
+        assert torch.equal(residual, summed) and same(out, norm(summed))
+    gu = torch.randn(5, 128).to(dtype)
+    assert torch.equal(kernels.gelu_and_mul(gu), ACT2FN["gelu_pytorch_tanh"](gu[:, :64]) * gu[:, 64:])
 
 
 def test_rms_norm_silu_rope_references():

@@ -30,6 +30,7 @@ from tests.paged_cases import (  # noqa: E402
     F16,
     F32,
     PREFILL_CASES,
+    WINDOW_CASES,
     case_id,
     paged_cache,
     prefill_indices,
@@ -94,6 +95,29 @@ def test_triton_paged_prefill_matches_reference(dtype, d, page, h, hkv, query_le
     torch.testing.assert_close(out.float(), want.float(), **ATTN_TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype,d,page,h,hkv,query_lens,seq_lens,window,softcap", WINDOW_CASES,
+                         ids=map(case_id, WINDOW_CASES))
+def test_triton_windows_and_softcap_match_reference(dtype, d, page, h, hkv, query_lens, seq_lens, window, softcap,
+                                                    poison):
+    """A sliding window (decode split along its keys too) and Gemma 2's cap, against the reference."""
+    kc, vc, kp, vp, tables = paged_cache(seq_lens, page, hkv, d, dtype, DEVICE)
+    lens, scale = torch.tensor(seq_lens, device=DEVICE), d ** -0.5
+    q = randn(sum(query_lens), h, d, dtype=dtype)
+    if set(query_lens) == {1}:
+        for splits in (1, 3):
+            out = tri.paged_decode_attention(q, kp, vp, tables, lens, max(seq_lens), scale, window, softcap,
+                                             num_splits=splits)
+            want = ref.paged_decode_attention(q, kc, vc, tables.long(), lens, max(seq_lens), scale, window, softcap)
+            torch.testing.assert_close(out.float(), want.float(), **ATTN_TOL[dtype])
+    else:
+        start, q_index, out_index = prefill_indices(query_lens, DEVICE)
+        out = tri.paged_prefill_attention(q, kp, vp, tables, lens, start, q_index, out_index, max(seq_lens), scale,
+                                          window, softcap)
+        want = ref.paged_prefill_attention(q, kc, vc, tables.long(), lens, start, q_index, out_index, max(seq_lens),
+                                           scale, window, softcap)
+        torch.testing.assert_close(out.float(), want.float(), **ATTN_TOL[dtype])
+
+
 def test_triton_splits_agree_with_one_pass(poison):
     kc, vc, _, _, tables = paged_cache([300, 41, 1], 16, 2, 64, F32, DEVICE)
     q = randn(3, 4, 64)
@@ -154,6 +178,12 @@ def test_triton_rms_norms_match_reference(dtype, t, n, poison):
     want, want_res = ref.fused_add_rms_norm(x, res, w, 1e-5)
     torch.testing.assert_close(out, want, **TOL[dtype])
     torch.testing.assert_close(new_res, want_res, **TOL[dtype])
+    w32 = 1 + randn(n) / 8  # Gemma's: a float32 weight (1 + w), multiplied before the one rounding
+    torch.testing.assert_close(tri.rms_norm(x, w32, 1e-6), ref.rms_norm(x, w32, 1e-6), **TOL[dtype])
+    out, new_res = tri.fused_add_rms_norm(x, res, w32, 1e-6)
+    want, want_res = ref.fused_add_rms_norm(x, res, w32, 1e-6)
+    torch.testing.assert_close(out, want, **TOL[dtype])
+    torch.testing.assert_close(new_res, want_res, **TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype,t,h,hkv,d", [(F32, 6, 4, 2, 16), (BF16, 3, 9, 3, 64), (F16, 2, 4, 1, 128)])
@@ -187,6 +217,7 @@ def test_triton_rope_on_the_first_dims_of_each_head():
 def test_triton_silu_and_mul_matches_reference(dtype, t, i, poison):
     x = randn(t, 2 * i, dtype=dtype) * 3
     torch.testing.assert_close(tri.silu_and_mul(x), ref.silu_and_mul(x), **TOL[dtype])
+    torch.testing.assert_close(tri.gelu_and_mul(x), ref.gelu_and_mul(x), **TOL[dtype])
 
 
 # ---------------------------------------------------------------- mixture of experts

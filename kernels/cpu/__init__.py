@@ -3,7 +3,7 @@
 blocks where they sit (decode in compiled C, prefill one SDPA per sequence; ``attention.py``),
 a linear layer for steps of few rows (compiled C where measured faster) and for weights kept
 packed as GGUF blocks (``matmul.py``), RMSNorm, RoPE and SiLU-and-mul in one compiled call each
-(``elementwise.py``), a step's K/V stored in one compiled call (``attention.py``), and a mixture
+(``elementwise.py``; GELU-and-mul is the reference's), a step's K/V stored in one compiled call (``attention.py``), and a mixture
 of experts as the reference runs it, its experts' few rows each through that linear layer.
 """
 
@@ -18,6 +18,7 @@ from kernels.cpu.elementwise import apply_rope_, fused_add_rms_norm, rms_norm, s
 from kernels.cpu.matmul import dequantize, linear, linear_packed, packed_available
 from kernels.cpu.matmul import tune as tune_linear
 from kernels.reference import fused_moe as _reference_moe
+from kernels.reference import gelu_and_mul
 
 
 def fused_moe(x, w13, w2, topk_weights, topk_ids):
@@ -25,6 +26,6 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids):
     return _reference_moe(x, w13, w2, topk_weights, topk_ids, linear=linear)
 
 
-__all__ = ["apply_rope_", "available", "decodes_in_c", "dequantize", "fused_add_rms_norm", "fused_moe", "linear", "linear_packed",
-           "packed_available", "paged_decode_attention", "paged_prefill_attention", "rms_norm", "silu_and_mul",
+__all__ = ["apply_rope_", "available", "decodes_in_c", "dequantize", "fused_add_rms_norm", "fused_moe", "gelu_and_mul",
+           "linear", "linear_packed", "packed_available", "paged_decode_attention", "paged_prefill_attention", "rms_norm", "silu_and_mul",
            "store_kvcache", "tune_linear"]

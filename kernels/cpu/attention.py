@@ -23,7 +23,6 @@ import ctypes
 import functools
 
 import torch
-import torch.nn.functional as F
 
 from kernels import reference
 from kernels.cpu import graph
@@ -35,7 +34,8 @@ MAX_D = MAX_BS = 256  # as in paged_attention.c: head sizes (multiples of 8) and
 
 
 class _Dims(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_int64) for name in ("H", "HKV", "D", "BS", "W")] + [("scale", ctypes.c_float)]
+    _fields_ = ([(name, ctypes.c_int64) for name in ("H", "HKV", "D", "BS", "W", "window")]
+                + [("scale", ctypes.c_float), ("softcap", ctypes.c_float)])
 
 
 @functools.cache
@@ -102,13 +102,14 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
-                           scale: float) -> torch.Tensor:
+                           scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """As ``kernels.reference.paged_decode_attention``: q (B, H, D), one query per sequence."""
+    args = (q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, window, softcap)
     if not q.is_cpu or q.dtype not in _DECODE or not available():
-        return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale)
+        return reference.paged_decode_attention(*args)
     _check(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len)
     if not decodes_in_c(q.shape[2], k_cache.shape[1]):  # shapes the C code does not take
-        return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale)
+        return reference.paged_decode_attention(*args)
     if q.shape[0] != seq_lens.shape[0]:
         raise ValueError(f"q has {q.shape[0]} rows for {seq_lens.shape[0]} sequences")
     # the C code reads this far, whatever max_seq_len says (a recording reads no values: see graph)
@@ -120,7 +121,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     q = q.contiguous()
     block_tables, seq_lens = block_tables.to(torch.int64).contiguous(), seq_lens.to(torch.int64).contiguous()
     out = torch.empty_like(q)
-    dims = _Dims(H=h, HKV=k_cache.shape[2], D=d, BS=k_cache.shape[1], W=block_tables.shape[1], scale=scale)
+    dims = _Dims(H=h, HKV=k_cache.shape[2], D=d, BS=k_cache.shape[1], W=block_tables.shape[1], window=window,
+                 scale=scale, softcap=softcap)
     kernel = getattr(_library(), _DECODE[q.dtype])
     kernel(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
            out.data_ptr(), b, ctypes.byref(dims), torch.get_num_threads())
@@ -130,7 +132,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.Tensor,
                             q_index: torch.Tensor, out_index: torch.Tensor, max_seq_len: int,
-                            scale: float) -> torch.Tensor:
+                            scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """As ``kernels.reference.paged_prefill_attention``; ``q_index`` / ``out_index`` (the
     reference's padded grid) are not needed here."""
     _check(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len)
@@ -146,14 +148,12 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         blocks = block_tables[b, :-(-s // bs)]
         k = keys.index_select(0, blocks).view(-1, hkv, d)[:s].transpose(0, 1)  # (Hkv, S, D)
         v = values.index_select(0, blocks).view(-1, hkv, d)[:s].transpose(0, 1)
-        if end - first == s:  # a whole prompt
-            causal = dict(is_causal=True)
-        else:  # a chunk after a cached prefix: its tokens are the context's last, query i at s - q_len + i
-            pos = torch.arange(s - (end - first), s, device=q.device)
-            causal = dict(attn_mask=torch.arange(s, device=q.device) <= pos[:, None])
+        if end - first == s and not window:  # a whole prompt
+            mask = None
+        else:  # a window, or a chunk after a cached prefix: the context's last tokens, query i at s - q_len + i
+            mask = reference.window_mask(s, torch.arange(s - (end - first), s, device=q.device), window)
         # in float32 as decode (and the reference): one rule, so a recomputed request keeps its tokens
-        o = F.scaled_dot_product_attention(q[first:end].transpose(0, 1)[None].float(), k[None].float(),
-                                           v[None].float(), scale=scale, enable_gqa=hkv != q.shape[1],
-                                           **causal)  # (1, H, Q, D)
+        o = reference.attend(q[first:end].transpose(0, 1)[None], k[None], v[None], mask, scale, softcap,
+                             causal=mask is None)  # (1, H, Q, D)
         out[first:end] = o[0].transpose(0, 1)
     return out

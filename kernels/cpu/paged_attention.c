@@ -6,7 +6,9 @@
  *   k/v cache    (num_blocks, BS, HKV, D)
  *   block_tables (B, W) int64; seq_lens (B,) int64
  *   out          (B, H, D)
- * all contiguous; D a multiple of 8 up to MAX_D. fp32 or bf16 (widened on load, rounded to
+ * all contiguous; D a multiple of 8 up to MAX_D. With a sliding window (window > 0) a query sees
+ * its sequence's latest window keys; with softcap > 0 (Gemma 2) each score s is softcap tanh(s / softcap).
+ * fp32 or bf16 (widened on load, rounded to
  * nearest even on store, as torch rounds); fp32 arithmetic throughout. One sequence per work
  * item, or with fewer sequences than threads one KV head of one: so that one stream's attention
  * is not one thread's. Within an item, each query head in turn over its KV head's blocks, its
@@ -30,8 +32,8 @@
 #include "packed.h"
 
 typedef struct {
-    int64_t H, HKV, D, BS, W;
-    float scale;
+    int64_t H, HKV, D, BS, W, window;
+    float scale, softcap;
 } Dims;
 
 #define MAX_D 256  /* head sizes up to this, multiples of 8 */
@@ -74,8 +76,10 @@ static inline __attribute__((always_inline)) void attend_head(const void *q, con
     for (int64_t d = 0; d < D; d++) qf[d] = src[d] * dm->scale;
     for (int64_t i = 0; i < D / 8; i++) acc[i] = (v8f){0};
     float m = -INFINITY, l = 0.f;
-    for (int64_t j = 0; j * BS < len; j++) {
+    const int64_t lo = dm->window > 0 && len > dm->window ? len - dm->window : 0; /* the first key seen */
+    for (int64_t j = lo / BS; j * BS < len; j++) {
         const int64_t n = len - j * BS < BS ? len - j * BS : BS, block = table[j] * block_size + kv * D;
+        const int64_t t0 = j * BS < lo ? lo - j * BS : 0; /* the block's first key seen */
         /* the next block's rows of this KV head, on their way while this one computes (by its first query
            head: the others find them in cache) */
         if (first && (j + 1) * BS < len)
@@ -85,22 +89,24 @@ static inline __attribute__((always_inline)) void attend_head(const void *q, con
                     __builtin_prefetch((const char *)v_cache + (table[j + 1] * block_size + t * row + kv * D) * size + o);
                 }
         float mx = m;
-        for (int64_t t = 0; t < n; t++) {
+        for (int64_t t = t0; t < n; t++) {
             s[t] = dot(qf, head_row(k_cache, block + t * row, D, bf16, buf), D);
+            if (dm->softcap > 0.f) s[t] = dm->softcap * tanhf(s[t] / dm->softcap);
             mx = s[t] > mx ? s[t] : mx;
         }
-        /* m is finite from the first block on (it holds key 0): no exp(-inf + inf) */
+        for (int64_t t = 0; t < t0; t++) s[t] = mx; /* keys before the window: exponentiated, never used */
+        /* m is finite from the first block on (it holds the first key seen): no exp(-inf + inf) */
         const float corr = expf(m - mx);
         for (int64_t t = n; t % 8; t++) s[t] = 0.f; /* the last 8's tail, read and never used */
         for (int64_t t = 0; t < n; t += 8) /* exp8 (within 2 ulp of expf): a scalar expf per score was ~40% of this */
             *(v8f_u *)(s + t) = exp8(*(const v8f_u *)(s + t) - mx);
         float sum = l * corr;
-        for (int64_t t = 0; t < n; t++) sum += s[t];
+        for (int64_t t = t0; t < n; t++) sum += s[t];
         if (corr != 1.f)
             for (int64_t i = 0; i < D / 8; i++) acc[i] *= corr;
         m = mx;
         l = sum;
-        for (int64_t t = 0; t < n; t++) {
+        for (int64_t t = t0; t < n; t++) {
             const float *v = head_row(v_cache, block + t * row, D, bf16, buf);
             for (int64_t i = 0; i < D / 8; i++) acc[i] += s[t] * *(const v8f_u *)(v + 8 * i);
         }

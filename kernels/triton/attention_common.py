@@ -6,14 +6,32 @@ from __future__ import annotations
 import math
 
 import torch
+import triton
+import triton.language as tl
 
 from kernels.triton.launch import INDEX_DTYPES, check_same, check_tensor, interpreting, require
 
 LOG2E = 1.4426950408889634  # softmax runs in base 2: exp(x) = exp2(x * log2 e), exp2 is the fast one
 
 
+@triton.jit
+def softcap_scores(qk, inv_cap, cap_log2):
+    """Gemma 2's capped scores, in base 2: cap tanh(qk / cap) log2 e, tanh(y) = 1 - 2 / (1 + e^2y)
+    (e^2y overflowing to inf gives 1, as tanh)."""
+    return (1.0 - 2.0 / (1.0 + tl.exp(2.0 * inv_cap * qk))) * cap_log2
+
+
+def score_args(scale: float, softcap: float) -> dict:
+    """The kernels' score arguments: ``qk_scale`` multiplies q.k (then base 2, folded in, without a cap)."""
+    require(isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap >= 0,
+            f"softcap must be a finite float >= 0, got {softcap}")
+    if not softcap:
+        return dict(qk_scale=float(scale) * LOG2E, inv_cap=1.0, cap_log2=1.0, SOFTCAP=False)
+    return dict(qk_scale=float(scale), inv_cap=1.0 / softcap, cap_log2=float(softcap) * LOG2E, SOFTCAP=True)
+
+
 def check_paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, max_seq_len: int, scale: float) -> None:
+                     seq_lens: torch.Tensor, max_seq_len: int, scale: float, window: int = 0) -> None:
     """q (N, H, D); caches (num_blocks, block_size, Hkv, D); block_tables (B, max_blocks); seq_lens (B,).
 
     Only shapes, dtypes, strides and devices are checked: looking at values
@@ -38,6 +56,7 @@ def check_paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             f"block_tables of width {block_tables.shape[1]} x block_size {block_size} cannot hold "
             f"max_seq_len {max_seq_len}")
     require(isinstance(scale, (int, float)) and math.isfinite(scale), f"scale must be a finite float, got {scale}")
+    require(isinstance(window, int) and window >= 0, f"window must be an int >= 0 (0: none), got {window!r}")
 
 
 def dot_args(q: torch.Tensor) -> dict:

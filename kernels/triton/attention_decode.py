@@ -4,7 +4,8 @@ read in place through the block table (twin of
 
 One program per (sequence, KV head, split): the G query heads that share the
 KV head ride together as the rows of one ``tl.dot``, so each K/V tile is read
-once per group. Long contexts with few sequences are split along the keys
+once per group. A sliding window reads only its keys. Long contexts (or windows)
+with few sequences are split along the keys
 (flash-decoding): each split writes its partial softmax state (max, sum,
 unnormalized output) and a second kernel merges the splits.
 """
@@ -15,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.attention_common import LOG2E, check_paged_args, dot_args
+from kernels.triton.attention_common import check_paged_args, dot_args, score_args, softcap_scores
 from kernels.triton.launch import interpreting, next_pow2, require, sm_count
 
 MIN_SPLIT_TOKENS = 256  # below this a split's setup and merge cost more than its parallelism gains
@@ -26,18 +27,19 @@ MAX_SPLITS = 64
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-    scale_log2, tokens_per_split, num_splits,
+    qk_scale, inv_cap, cap_log2, window, tokens_per_split, num_splits,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_cb, stride_ct, stride_ch, stride_bt,
     G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, TILE_N: tl.constexpr,
-    SPLIT: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    lo = split * tokens_per_split
+    first_key = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)  # a sliding window's first
+    lo = first_key + split * tokens_per_split
     hi = tl.minimum(seq_len, lo + tokens_per_split)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -67,7 +69,9 @@ def _decode_kernel(
         v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         if DOT_F32:
             k = k.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # (BLOCK_G, TILE_N)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_G, TILE_N), base 2
+        if SOFTCAP:
+            qk = softcap_scores(qk, inv_cap, cap_log2)
         qk = tl.where(valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -106,7 +110,7 @@ def _merge_splits_kernel(
     part = (b.to(tl.int64) * H + h) * num_splits + offs_s
     m = tl.load(part_m_ptr + part, mask=smask, other=float("-inf"))
     l_s = tl.load(part_l_ptr + part, mask=smask, other=0.0)
-    # split 0 always holds the first token, so the global max is finite and empty splits weigh 0
+    # split 0 always holds the first key seen, so the global max is finite and empty splits weigh 0
     w = tl.exp2(m - tl.max(m, 0))
     acc = tl.load(part_acc_ptr + part[:, None] * D + offs_d[None, :], mask=smask[:, None] & dmask[None, :],
                   other=0.0)
@@ -125,12 +129,15 @@ def _auto_splits(batch: int, kv_heads: int, max_seq_len: int, device: torch.devi
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
-                           scale: float, *, num_splits: int | None = None) -> torch.Tensor:
-    """One new query per sequence: q (B, H, D) attends to its ``seq_lens[b]`` cached tokens.
+                           scale: float, window: int = 0, softcap: float = 0.0, *,
+                           num_splits: int | None = None) -> torch.Tensor:
+    """One new query per sequence: q (B, H, D) attends to its ``seq_lens[b]`` cached tokens (with a
+    sliding ``window``, the latest ``window`` of them; ``softcap``: the reference's).
 
     ``num_splits`` splits each context along the keys (None: chosen from the batch
     shape and the device); the result does not depend on it beyond rounding."""
-    check_paged_args(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale)
+    check_paged_args(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, window)
+    scores = score_args(scale, softcap)
     b, h, d = q.shape
     _, page, hkv, _ = k_cache.shape
     require(seq_lens.shape[0] == b, f"seq_lens must have {b} entries (one per query), got {seq_lens.shape[0]}")
@@ -139,10 +146,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     interp = interpreting()
     tile = 16 if interp else (32 if q.dtype == torch.float32 else 64)
-    splits = num_splits if num_splits is not None else _auto_splits(b, hkv, max_seq_len, q.device)
+    span = min(max_seq_len, window) if window else max_seq_len  # the most keys a query sees
+    splits = num_splits if num_splits is not None else _auto_splits(b, hkv, span, q.device)
     require(splits >= 1, f"num_splits must be positive, got {splits}")
-    tokens_per_split = triton.cdiv(triton.cdiv(max_seq_len, splits), tile) * tile
-    splits = triton.cdiv(max_seq_len, tokens_per_split)  # no split left wholly past max_seq_len
+    tokens_per_split = triton.cdiv(triton.cdiv(span, splits), tile) * tile
+    splits = triton.cdiv(span, tokens_per_split)  # no split left wholly past the last key
     g = h // hkv
     if splits > 1:
         part_acc = torch.empty(b, h, splits, d, dtype=torch.float32, device=q.device)
@@ -152,11 +160,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_acc = part_m = part_l = out  # unused: the kernel writes the output itself
     _decode_kernel[(b, hkv, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_m, part_l,
-        float(scale) * LOG2E, tokens_per_split, splits,
+        scores["qk_scale"], scores["inv_cap"], scores["cap_log2"], window, tokens_per_split, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         G=g, D=d, PAGE=page, BLOCK_G=next_pow2(g, 16), BLOCK_D=next_pow2(d, 16), TILE_N=tile,
-        SPLIT=splits > 1, num_warps=4, **dot_args(q),
+        SPLIT=splits > 1, SOFTCAP=scores["SOFTCAP"], num_warps=4, **dot_args(q),
     )
     if splits > 1:
         _merge_splits_kernel[(b, h)](

@@ -5,7 +5,8 @@ whole cached context read in place through the block table (twin of
 
 One program per (block of queries, sequence, query head), flash-attention
 style: K/V tiles stream through an online softmax, and a program reads only
-the keys its queries can see (up to its last query's position).
+the keys its queries can see (up to its last query's position; with a sliding
+window, from its first query's window on).
 """
 
 from __future__ import annotations
@@ -14,19 +15,19 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.attention_common import LOG2E, check_paged_args, dot_args
+from kernels.triton.attention_common import check_paged_args, dot_args, score_args, softcap_scores
 from kernels.triton.launch import INDEX_DTYPES, check_tensor, interpreting, next_pow2, require
 
 
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
-    scale_log2,
+    qk_scale, inv_cap, cap_log2, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ct, stride_ch, stride_bt,
     G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, TILE_N: tl.constexpr,
-    PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     b = tl.program_id(1)
@@ -36,11 +37,13 @@ def _prefill_kernel(
     q_len = tl.load(query_start_ptr + b + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + b)
     first = q_block * BLOCK_M  # this program's first query, within its sequence
-    # Query i sits at position (seq_len - q_len) + i and sees keys 0..that position.
+    # Query i sits at position (seq_len - q_len) + i and sees keys 0..that position (with a window, the
+    # latest ``window`` of them); padding rows (past q_len) are put at the last position, so they see keys.
     offs_m = first + tl.arange(0, BLOCK_M)
-    q_pos = seq_len - q_len + offs_m
+    q_pos = tl.minimum(seq_len - q_len + offs_m, seq_len - 1)
     # keys past the last query's position are never visible; a program past the sequence's queries reads none
     hi = tl.where(first < q_len, tl.minimum(seq_len, seq_len - q_len + first + BLOCK_M), 0)
+    lo = tl.where(window > 0, tl.maximum(seq_len - q_len + first - window + 1, 0), 0)  # its first query's first
 
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, TILE_N)
@@ -55,7 +58,7 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table = block_tables_ptr + b.to(tl.int64) * stride_bt
-    for start in range(0, hi, TILE_N):
+    for start in range(lo, hi, TILE_N):
         tok = start + offs_n
         valid = tok < hi
         blk = tl.load(table + tok // PAGE, mask=valid, other=0).to(tl.int64)
@@ -65,9 +68,11 @@ def _prefill_kernel(
         v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         if DOT_F32:
             k = k.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # (BLOCK_M, TILE_N)
-        # padding rows (past q_len) have positions >= seq_len, so they see key 0 too and stay finite
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_M, TILE_N), base 2
+        if SOFTCAP:
+            qk = softcap_scores(qk, inv_cap, cap_log2)
         visible = valid[None, :] & (tok[None, :] <= q_pos[:, None])
+        visible &= (window == 0) | (tok[None, :] > q_pos[:, None] - window)
         qk = tl.where(visible, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -88,8 +93,9 @@ def _prefill_kernel(
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.Tensor,
                             q_index: torch.Tensor | None, out_index: torch.Tensor | None, max_seq_len: int,
-                            scale: float) -> torch.Tensor:
-    """Causal attention of several new tokens per sequence over each one's paged context.
+                            scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """Causal attention of several new tokens per sequence over each one's paged context (``window``,
+    ``softcap``: as decode's).
 
     The reference's signature: q (T, H, D) holds the new tokens of B sequences,
     sequence ``b`` owning rows ``query_start[b]:query_start[b+1]`` and having
@@ -97,7 +103,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     ``out_index`` are the reference's gather indices; only ``q_index``'s width
     (the longest query) is read here, to size the grid (None: T). Returns (T, H, D).
     """
-    check_paged_args(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale)
+    check_paged_args(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, window)
+    scores = score_args(scale, softcap)
     check_tensor("query_start", query_start, 1, INDEX_DTYPES)
     t, h, d = q.shape
     _, page, hkv, _ = k_cache.shape
@@ -116,10 +123,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         block_m, tile = (32, 32) if q.dtype == torch.float32 else (64, 64)
     _prefill_kernel[(triton.cdiv(max_query_len, block_m), nseq, h)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start, out,
-        float(scale) * LOG2E,
+        scores["qk_scale"], scores["inv_cap"], scores["cap_log2"], window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         G=h // hkv, D=d, PAGE=page, BLOCK_M=block_m, BLOCK_D=next_pow2(d, 16), TILE_N=tile,
-        num_warps=4, **dot_args(q),
+        SOFTCAP=scores["SOFTCAP"], num_warps=4, **dot_args(q),
     )
     return out

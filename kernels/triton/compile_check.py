@@ -19,7 +19,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kernels.reference import PACKED_BLOCK_BYTES
-from kernels.triton.activation import _silu_and_mul_kernel
+from kernels.triton.activation import _act_and_mul_kernel
 from kernels.triton.attention_decode import _decode_kernel, _merge_splits_kernel
 from kernels.triton.attention_prefill import _prefill_kernel
 from kernels.triton.kv_store import _store_kvcache_kernel
@@ -29,6 +29,7 @@ from kernels.triton.norm import _rms_norm_kernel
 from kernels.triton.rope import _rope_kernel
 
 TARGET = GPUTarget("cuda", 90, 32)  # Hopper; any recent arch catches the same errors
+_SCORES = ("qk_scale", "inv_cap", "cap_log2")  # the attention kernels' float arguments
 
 
 def compile_one(fn, pointers: dict[str, str], constexprs: dict, floats: tuple[str, ...] = ()) -> float:
@@ -60,23 +61,26 @@ def variants(everything: bool):
                        {**cache, "q_ptr": p, "out_ptr": p, "block_tables_ptr": "*i32", "part_acc_ptr": "*fp32",
                         "part_m_ptr": "*fp32", "part_l_ptr": "*fp32"},
                        dict(G=g, D=d, PAGE=page, BLOCK_G=16, BLOCK_D=max(16, d), TILE_N=32 if dt == "fp32" else 64,
-                            SPLIT=split, PRECISION=precision, DOT_F32=False), ("scale_log2",))
+                            SPLIT=split, SOFTCAP=split, PRECISION=precision, DOT_F32=False), _SCORES)  # (both ways)
             block = 32 if dt == "fp32" else 64
-            yield (_prefill_kernel,
-                   {**cache, "q_ptr": p, "out_ptr": p, "block_tables_ptr": "*i64", "query_start_ptr": "*i64"},
-                   dict(G=g, D=d, PAGE=page, BLOCK_M=block, BLOCK_D=max(16, d), TILE_N=block, PRECISION=precision,
-                        DOT_F32=False), ("scale_log2",))
+            for softcap in (False, True):
+                yield (_prefill_kernel,
+                       {**cache, "q_ptr": p, "out_ptr": p, "block_tables_ptr": "*i64", "query_start_ptr": "*i64"},
+                       dict(G=g, D=d, PAGE=page, BLOCK_M=block, BLOCK_D=max(16, d), TILE_N=block, SOFTCAP=softcap,
+                            PRECISION=precision, DOT_F32=False), _SCORES)
     p = "*bf16"
     yield (_merge_splits_kernel, {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "out_ptr": p},
            dict(H=12, D=128, BLOCK_S=8, BLOCK_D=128), ())
     yield (_store_kvcache_kernel, {"k_ptr": p, "v_ptr": p, "k_cache_ptr": p, "v_cache_ptr": p, "slot_ptr": "*i64"},
            dict(HKV=1, D=64, BLOCK_H=1, BLOCK_D=64), ())
-    for residual in (False, True):
-        yield (_rms_norm_kernel, {"x_ptr": p, "res_ptr": p, "w_ptr": p, "out_ptr": p, "res_out_ptr": p},
-               dict(HAS_RESIDUAL=residual, BLOCK=1024), ("eps",))
+    for residual, round_first in itertools.product((False, True), (False, True)):  # (a float32 weight: Gemma's)
+        yield (_rms_norm_kernel, {"x_ptr": p, "res_ptr": p, "w_ptr": p if round_first else "*fp32", "out_ptr": p,
+                                  "res_out_ptr": p},
+               dict(HAS_RESIDUAL=residual, ROUND_FIRST=round_first, BLOCK=1024), ("eps",))
     yield (_rope_kernel, {"q_ptr": p, "k_ptr": p, "cos_ptr": p, "sin_ptr": p},
            dict(H=9, HKV=3, HALF=32, BLOCK_H=16, BLOCK_HALF=32), ())
-    yield (_silu_and_mul_kernel, {"x_ptr": p, "out_ptr": p}, dict(BLOCK=1024), ())
+    for gelu in (False, True):
+        yield (_act_and_mul_kernel, {"x_ptr": p, "out_ptr": p}, dict(GELU=gelu, BLOCK=1024), ())
     for dt, block_m, weighted in itertools.product(dtypes, (16, 64), (False, True)):
         yield (_moe_gemm_kernel, {"a_ptr": f"*{dt}", "b_ptr": f"*{dt}", "c_ptr": "*fp32" if weighted else f"*{dt}",
                                   "weight_ptr": "*fp32", "pairs_ptr": "*i32", "experts_ptr": "*i32",
