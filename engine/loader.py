@@ -26,7 +26,7 @@ import torch
 import kernels
 from engine import quant
 from engine.models.config import ModelConfig, QuantConfig
-from engine.models.layers import RowLinear
+from engine.models.layers import RMSNorm, RowLinear
 from engine.models.llama import LlamaForCausalLM
 from engine.models.moe import Experts
 from engine.parallel import TPGroup
@@ -113,6 +113,7 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
     seen: set[str] = set()
     with torch.no_grad():
         for name, w in weights:
+            name = _language_model(name)
             if not name.startswith(("model.", "lm_head.")):
                 name = "model." + name  # a backbone saved on its own (Qwen3-Embedding): no "model." prefix
             if ".block_sparse_moe." in name:
@@ -123,7 +124,7 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
                 if model.lm_head is not None and not model.cfg.tie_word_embeddings:
                     model.lm_head.load(w)
             elif name == "model.norm.weight":
-                model.norm.weight.copy_(w)
+                model.norm.load(w)
             elif "rotary_emb." in name:
                 continue  # old checkpoints' inv_freq buffers, per layer or not: the model makes its own
             elif (m := _LAYER.fullmatch(name)) and (e := _EXPERTS.fullmatch(m.group(2))):
@@ -151,6 +152,8 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
                     continue
                 elif isinstance(target, RowLinear):
                     target.load(w, kind)
+                elif isinstance(target, RMSNorm):
+                    target.load(w)
                 else:
                     getattr(target, kind).copy_(w)
             else:
@@ -160,6 +163,15 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
     missing = sorted(expected - seen)
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def _language_model(name: str) -> str:
+    """A multimodal checkpoint's language model (Gemma 3 4B+) in a text model's names: transformers 4's
+    ``language_model.model.*`` and 5's ``model.language_model.*``; its vision tower's names stay apart."""
+    for prefix in ("language_model.model.", "model.language_model."):
+        if name.startswith(prefix):
+            return "model." + name[len(prefix):]
+    return name.removeprefix("language_model.")  # (language_model.lm_head.weight)
 
 
 def _load_experts(model: LlamaForCausalLM, i: int, m: re.Match, w: torch.Tensor) -> set[str]:
@@ -190,6 +202,8 @@ def _expected_names(cfg: ModelConfig) -> set[str]:
         names |= {p + s for s in (
             "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
             "self_attn.o_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight")}
+        if cfg.gemma >= 2:
+            names |= {p + "pre_feedforward_layernorm.weight", p + "post_feedforward_layernorm.weight"}
         if cfg.sparse(i):
             names |= {f"{p}mlp.experts.{e}.{x}_proj.weight" for e in range(cfg.moe.num_experts)
                       for x in ("gate", "up", "down")}

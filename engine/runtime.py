@@ -59,23 +59,14 @@ def pick_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
 
 
 def pick_max_model_len(config: EngineConfig, model_cfg: ModelConfig, device: torch.device) -> int:
-    """The model's length, or at most its sliding window: attention here sees every token of a context,
-    which is what a sliding window sees as long as the context fits in it (Mistral-7B-v0.1: 4096)."""
-    limit, window = model_cfg.max_position_embeddings, model_cfg.sliding_window
+    """The model's length (on the CPU at most ``CPU_MAX_MODEL_LEN``), or the one asked for, up to it."""
+    limit = model_cfg.max_position_embeddings
     if config.max_model_len is not None:
         if config.max_model_len > limit:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
                              f"max_position_embeddings ({limit})")
-        if window is not None and config.max_model_len > window:
-            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's sliding window ({window}): "
-                             f"tokenmill serves a sliding-window model up to its window's length")
         return config.max_model_len
-    default = min(limit, CPU_MAX_MODEL_LEN) if device.type == "cpu" else limit
-    if window is not None and window < default:
-        log.info("max_model_len %d: the model's sliding window (attention over the last %d tokens is not "
-                 "implemented; up to that length it is attention over all of them)", window, window)
-        return window
-    return default
+    return min(limit, CPU_MAX_MODEL_LEN) if device.type == "cpu" else limit
 
 
 def kv_block_bytes(model_cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

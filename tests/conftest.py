@@ -52,7 +52,8 @@ def smollm_tokenizer_dir(tmp_path_factory, default_gguf) -> str:
 
 def make_tiny_model(out_dir: str, arch: str, tokenizer_dir: str | None, seed: int = 0, **overrides) -> str:
     """Save a random-weight ``arch`` ("llama", "qwen2", "qwen3", "mistral", "phi3"; mixtures of experts "mixtral",
-    "qwen2_moe", "qwen3_moe", of 8 experts, 2 per token) model folder (fp32)."""
+    "qwen2_moe", "qwen3_moe", of 8 experts, 2 per token; "gemma", "gemma2", "gemma3_text": 4 layers, a sliding
+    window of 16 in Gemma 2's every other layer and three of Gemma 3's four, Gemma 2's caps) model folder (fp32)."""
     import shutil
 
     import torch
@@ -61,8 +62,15 @@ def make_tiny_model(out_dir: str, arch: str, tokenizer_dir: str | None, seed: in
     cfg_cls = getattr(transformers, {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
                                      "mistral": "MistralConfig", "mixtral": "MixtralConfig",
                                      "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig",
-                                     "phi3": "Phi3Config"}[arch])
+                                     "phi3": "Phi3Config", "gemma": "GemmaConfig", "gemma2": "Gemma2Config",
+                                     "gemma3_text": "Gemma3TextConfig"}[arch])
     kw = dict(TINY)
+    if arch.startswith("gemma"):
+        kw.update(num_hidden_layers=4, head_dim=16, tie_word_embeddings=True)
+    if arch in ("gemma2", "gemma3_text"):
+        kw.update(query_pre_attn_scalar=24, sliding_window=16, sliding_window_pattern=4)
+    if arch == "gemma2":
+        kw.update(attn_logit_softcapping=4.0, final_logit_softcapping=8.0)
     if arch in ("mistral", "mixtral"):
         kw["sliding_window"] = None
     if arch in ("mixtral", "qwen2_moe", "qwen3_moe"):
@@ -82,6 +90,8 @@ def make_tiny_model(out_dir: str, arch: str, tokenizer_dir: str | None, seed: in
                 p.normal_(0.0, 0.08)
             elif "q_norm" in name or "k_norm" in name:  # Qwen3's per-head norms: not all ones
                 p.uniform_(0.5, 1.5)
+            elif "norm" in name and arch.startswith("gemma"):  # Gemma's (1 + w): not all ones either
+                p.uniform_(-0.5, 0.5)
     model.save_pretrained(out_dir, safe_serialization=True)
     if tokenizer_dir:
         for name in os.listdir(tokenizer_dir):

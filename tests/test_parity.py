@@ -100,20 +100,34 @@ def test_phi4_mini_partial_rotary_matches_transformers(tmp_path, smollm_tokenize
     check_parity(llm, hf, llm.tokenizer, [" ".join(["history"] * 80), " ".join(["a quick fox"] * 40)])  # past 64
 
 
-def test_a_sliding_window_model_is_served_up_to_its_window(tmp_path, smollm_tokenizer_dir):
-    """Mistral-7B-v0.1's way (a 4096-token window, 32k positions), small: within the window, attention
-    over the window is attention over everything, so it is served up to the window and matches there."""
+def test_a_sliding_window_model_matches_past_its_window(tmp_path, smollm_tokenizer_dir):
+    """Mistral-7B-v0.1's way (a 4096-token window, 32k positions), small: a window of 16, prompts and
+    outputs past it, served to the model's whole length; prefill in chunks shorter than the window too."""
     path = make_tiny_model(str(tmp_path / "swa"), "mistral", smollm_tokenizer_dir, seed=4)
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config | {"sliding_window": 128}, f)
+        json.dump(config | {"sliding_window": 16}, f)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    llm = LLM(path, device="cpu", dtype="float32", num_kv_blocks=256)
-    assert llm.engine.max_model_len == 128
-    check_parity(llm, hf, llm.tokenizer, PROMPTS[:2])
-    with pytest.raises(ValueError, match=r"max_model_len 256 exceeds the model's sliding window \(128\)"):
-        LLM(path, device="cpu", dtype="float32", num_kv_blocks=256, max_model_len=256)
+    for chunk in (2048, 8):
+        llm = LLM(path, device="cpu", dtype="float32", num_kv_blocks=256, max_num_batched_tokens=chunk)
+        assert llm.engine.max_model_len == 1024 and llm.engine.runner.model_cfg.window(1) == 16
+        check_parity(llm, hf, llm.tokenizer, PROMPTS[:2])
+
+
+@pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3_text"])
+def test_gemma_matches_transformers(arch, tmp_path, smollm_tokenizer_dir):
+    """Gemma 1, 2, 3 (eager attention in transformers: Gemma 2's score cap is applied there): prompts and
+    outputs past the sliding window, in one prefill and in chunks of 8 (a prefix in the cache)."""
+    # Gemma 3 4B+'s RoPE: its global layers' scaled (linear, 8x), its sliding layers' not
+    rope = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    extra = {"rope_parameters": rope} if arch == "gemma3_text" else {}
+    path = make_tiny_model(str(tmp_path / arch), arch, smollm_tokenizer_dir, seed=6, **extra)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    for chunk in (2048, 8):
+        llm = LLM(path, device="cpu", dtype="float32", num_kv_blocks=256, max_num_batched_tokens=chunk)
+        check_parity(llm, hf, llm.tokenizer, PROMPTS)
 
 
 def test_llama3_rope_scaling_and_tied_embeddings(tmp_path, smollm_tokenizer_dir):

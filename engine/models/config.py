@@ -19,7 +19,17 @@ SUPPORTED_ARCHITECTURES = {
     "mixtral": {"moe": True, "norm_topk_prob": True, "expert_width": "intermediate_size"},
     "qwen2_moe": {"moe": True, "attention_bias": True, "shared_expert": True},  # beside the routed ones
     "qwen3_moe": {"moe": True, "qk_norm": True},
+    # Gemma: RMSNorm as x (1 + w), embeddings times sqrt(hidden), GELU, tied embeddings; 2 and 3 also norm
+    # each sublayer's output (``engine/models/gemma.py``) and slide a window over some layers; 2 caps scores
+    "gemma": {"gemma": 1},
+    "gemma2": {"gemma": 2},
+    "gemma3_text": {"gemma": 3, "qk_norm": True},  # Gemma 3 1B; the larger ones are "gemma3" (``_gemma3_text``)
 }
+# what transformers' Gemma3TextConfig assumes for keys Gemma 3's config.json files leave out
+_GEMMA3_DEFAULTS = {"vocab_size": 262_208, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                    "query_pre_attn_scalar": 256, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+                    "sliding_window": 4096, "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6,
+                    "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1}
 
 
 @dataclass(frozen=True)
@@ -120,15 +130,30 @@ class ModelConfig:
     quant: QuantConfig | None = None  # an AWQ or GPTQ int4 checkpoint
     lm_head: bool = True  # False: a checkpoint without one (an embedding model's backbone): it cannot generate
     moe: MoEConfig | None = None  # a mixture of experts
-    sliding_window: int | None = None  # below max_position_embeddings: attention sees that many tokens back
+    sliding_window: int | None = None  # below max_position_embeddings: attention sees that many tokens back...
+    window_layers: frozenset[int] | None = None  # ...in these layers (None: all of them)
     rotary_dim: int = 0  # RoPE turns each head's first rotary_dim dims (0: all head_dim of them)
+    gemma: int = 0  # Gemma's generation (1, 2, 3; 0: not Gemma): see SUPPORTED_ARCHITECTURES
+    hidden_act: str = "silu"  # the gated MLP's activation: silu or gelu_tanh
+    attn_scale: float | None = None  # multiplies q.k (None: 1 / sqrt(head_dim); Gemma: query_pre_attn_scalar's)
+    attn_softcap: float = 0.0  # Gemma 2: scores s -> cap tanh(s / cap) (0: none)
+    final_softcap: float = 0.0  # Gemma 2: the same on the logits
+    local_rope_theta: float | None = None  # Gemma 3: the sliding layers' RoPE base (no scaling); None: as the others
 
     def sparse(self, layer: int) -> bool:
         """Whether layer ``layer``'s MLP is the mixture of experts (else a dense one)."""
         return self.moe is not None and layer in self.moe.layers
 
+    def window(self, layer: int) -> int:
+        """Layer ``layer``'s sliding window (0: it attends to every position)."""
+        if self.sliding_window is None or self.window_layers is not None and layer not in self.window_layers:
+            return 0
+        return self.sliding_window
+
     @classmethod
     def from_hf(cls, cfg: dict, eos_token_ids: list[int] | None = None) -> ModelConfig:
+        if cfg.get("model_type") == "gemma3":
+            cfg = _gemma3_text(cfg)
         model_type = cfg.get("model_type", "")
         if model_type not in SUPPORTED_ARCHITECTURES:
             archs = ", ".join(cfg.get("architectures") or [model_type or "unknown"])
@@ -136,12 +161,20 @@ class ModelConfig:
                 f"unsupported architecture {archs} (model_type {model_type!r}); tokenmill supports "
                 f"the Llama family and its mixtures of experts: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        window = None  # attention over the last ``window`` tokens only: served up to that length (runtime)
-        if cfg.get("sliding_window") and cfg.get("use_sliding_window", model_type in ("mistral", "mixtral", "phi3")):
-            if cfg["sliding_window"] < cfg.get("max_position_embeddings", 0):
-                window = int(cfg["sliding_window"])
-        # transformers >= 5 nests RoPE settings in rope_parameters; older configs keep them flat.
+        arch = SUPPORTED_ARCHITECTURES[model_type]
+        gemma = arch.get("gemma", 0)
+        if gemma == 3:
+            cfg = _GEMMA3_DEFAULTS | cfg
+        window, window_layers = _sliding_window(cfg, model_type)
+        # transformers >= 5 nests RoPE settings in rope_parameters (Gemma 3: per kind of layer); older
+        # configs keep them flat.
         rope = dict(cfg.get("rope_parameters") or {})
+        local_theta = None
+        if "full_attention" in rope:
+            local_theta = (rope.get("sliding_attention") or {}).get("rope_theta")
+            rope = dict(rope["full_attention"])
+        if gemma == 3:
+            local_theta = float(local_theta or cfg.get("rope_local_base_freq", 10_000.0))
         rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
@@ -158,9 +191,15 @@ class ModelConfig:
             scaling = None if kind == "default" else {**scaling, "rope_type": kind}
             if kind == "longrope":
                 scaling = _longrope(scaling, cfg, rotary_dim)
-        if SUPPORTED_ARCHITECTURES[model_type].get("moe") and cfg.get("quantization_config"):
+        if arch.get("moe") and cfg.get("quantization_config"):
             raise ValueError(f"int4 (AWQ, GPTQ) checkpoints of a mixture of experts ({model_type}) are not supported "
                              f"yet: load its bf16 checkpoint, or a GGUF file")
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
+        act = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}.get(
+            "gelu_pytorch_tanh" if gemma == 1 and act == "gelu" else act)  # (Gemma 1's "gelu" meant tanh's)
+        if act is None:
+            raise ValueError(f"activation {cfg.get('hidden_activation') or cfg.get('hidden_act')!r} is not supported "
+                             f"(silu, gelu_pytorch_tanh are)")
         eos = eos_token_ids if eos_token_ids is not None else cfg.get("eos_token_id")
         if eos is None:
             eos = []
@@ -179,17 +218,53 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", SUPPORTED_ARCHITECTURES[model_type].get(
-                "attention_bias", False))),
-            qk_norm=SUPPORTED_ARCHITECTURES[model_type].get("qk_norm", False),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", bool(gemma))),
+            attention_bias=bool(cfg.get("attention_bias", arch.get("attention_bias", False))),
+            qk_norm=arch.get("qk_norm", False),
             eos_token_ids=tuple(int(e) for e in eos),
             bos_token_id=cfg.get("bos_token_id"),
             quant=QuantConfig.from_hf(cfg["quantization_config"]) if cfg.get("quantization_config") else None,
-            moe=MoEConfig.from_hf(cfg, model_type) if SUPPORTED_ARCHITECTURES[model_type].get("moe") else None,
+            moe=MoEConfig.from_hf(cfg, model_type) if arch.get("moe") else None,
             sliding_window=window,
+            window_layers=window_layers,
             rotary_dim=rotary_dim,
+            gemma=gemma,
+            hidden_act=act,
+            attn_scale=float(cfg["query_pre_attn_scalar"]) ** -0.5 if gemma >= 2 else None,
+            attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0),
+            final_softcap=float(cfg.get("final_logit_softcapping") or 0.0),
+            local_rope_theta=local_theta,
         )
+
+
+def _gemma3_text(cfg: dict) -> dict:
+    """Gemma 3 4B, 12B, 27B (Gemma3ForConditionalGeneration): the language model's config, which holds
+    the text model's keys (the vision tower's weights are left unread); ids the top level keeps too."""
+    text = dict(cfg.get("text_config") or {})
+    for key in ("eos_token_id", "bos_token_id", "quantization_config"):
+        if key not in text and key in cfg:
+            text[key] = cfg[key]
+    return text | {"model_type": "gemma3_text"}
+
+
+def _sliding_window(cfg: dict, model_type: str) -> tuple[int | None, frozenset[int] | None]:
+    """The sliding window (None: none, or one no shorter than the positions) and the layers that have it
+    (None: all): Gemma's ``layer_types``, or its older patterns (2: even layers; 3: five of each six)."""
+    on = cfg.get("use_sliding_window", model_type in ("mistral", "mixtral", "phi3", "gemma2", "gemma3_text"))
+    window = cfg.get("sliding_window")
+    if not on or not window or window >= cfg.get("max_position_embeddings", 0):
+        return None, None
+    n = cfg["num_hidden_layers"]
+    if cfg.get("layer_types"):
+        layers = frozenset(i for i, t in enumerate(cfg["layer_types"]) if t == "sliding_attention")
+    elif model_type == "gemma2":
+        layers = frozenset(range(0, n, 2))
+    elif model_type == "gemma3_text":
+        pattern = cfg.get("sliding_window_pattern", 6)
+        layers = frozenset(i for i in range(n) if (i + 1) % pattern)
+    else:
+        layers = None
+    return int(window), layers
 
 
 def _longrope(scaling: dict, cfg: dict, rotary_dim: int) -> dict:

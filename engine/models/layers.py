@@ -116,16 +116,17 @@ class RowLinear(Packable):
 
 
 class GatedMLP(nn.Module):
-    """``down(silu(gate x) * up x)``, gate|up fused; under tensor parallelism each rank keeps a 1/T
-    slice of its width and the down projection all-reduces."""
+    """``down(act(gate x) * up x)``, gate|up fused, ``act`` SiLU (or Gemma's GELU, ``gelu_tanh``); under
+    tensor parallelism each rank keeps a 1/T slice of its width and the down projection all-reduces."""
 
-    def __init__(self, hidden: int, intermediate: int, tp: TPGroup = _SINGLE):
+    def __init__(self, hidden: int, intermediate: int, tp: TPGroup = _SINGLE, act: str = "silu"):
         super().__init__()
         self.gate_up_proj = ColumnLinear(hidden, [intermediate] * 2, tp=tp)
         self.down_proj = RowLinear(intermediate, hidden, tp=tp)
+        self.act_and_mul = kernels.gelu_and_mul if act == "gelu_tanh" else kernels.silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 class VocabEmbedding(Packable):
@@ -189,10 +190,16 @@ class LMHead(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """``gemma``: Gemma's, x (1 + w) rounded once, so the weight is kept as 1 + w in float32
+    (``kernels.rms_norm``'s rule for a float32 weight)."""
+
+    def __init__(self, dim: int, eps: float, gemma: bool = False):
         super().__init__()
-        self.eps = eps
-        self.weight = _empty(dim)
+        self.eps, self.gemma = eps, gemma
+        self.weight = nn.Parameter(torch.empty(dim, dtype=torch.float32), requires_grad=False) if gemma else _empty(dim)
+
+    def load(self, tensor: torch.Tensor) -> None:
+        self.weight.copy_(1 + tensor.float() if self.gemma else tensor)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """With ``residual``: returns (norm(x + residual), x + residual), the fused pre-norm step."""

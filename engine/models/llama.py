@@ -1,5 +1,7 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM, Phi-3) for paged attention, and its mixtures
-of experts (Mixtral, Qwen2-MoE, Qwen3-MoE: ``engine/models/moe.py``).
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM, Phi-3, Gemma) for paged attention, and its
+mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE: ``engine/models/moe.py``). Gemma's differences are
+flags of the config (its norms, GELU, the embeddings' scale, score caps, a RoPE base for the sliding
+layers) and, in Gemma 2 and 3, a layer of its own (``GemmaDecoderLayer``).
 
 One concept per class. Inputs are the flattened tokens of the whole batch:
 ``input_ids`` and ``positions`` are (T,), and ``AttentionMetadata`` says which
@@ -31,7 +33,7 @@ from engine.parallel import TPGroup, kv_replicas
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, index: int):
         super().__init__()
         h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         r = kv_replicas(hkv, tp.size)  # ranks sharing each KV head (fewer KV heads than ranks)
@@ -40,10 +42,10 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowLinear(h * d, cfg.hidden_size, tp=tp)
         self.h, self.hkv, self.d = h // tp.size, hkv * r // tp.size, d  # this rank's heads
         self.rot = cfg.rotary_dim or d  # RoPE's share of each head (Phi-4-mini: 96 of 128)
-        self.attn = Attention(self.h, self.hkv, self.d)
-        # Qwen3: q and k normed per head before RoPE, by (D,) weights every head and so every rank shares
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.attn = Attention(self.h, self.hkv, self.d, cfg.attn_scale, cfg.window(index), cfg.attn_softcap)
+        # Qwen3, Gemma 3: q and k normed per head before RoPE, by (D,) weights every head and so every rank shares
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.gemma > 0) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.gemma > 0) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -64,10 +66,11 @@ class LlamaAttention(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, index: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, tp)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SparseMoE(cfg, tp) if cfg.sparse(index) else GatedMLP(cfg.hidden_size, cfg.intermediate_size, tp)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma > 0)
+        self.self_attn = LlamaAttention(cfg, tp, index)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma > 0)
+        self.mlp = SparseMoE(cfg, tp) if cfg.sparse(index) else GatedMLP(cfg.hidden_size, cfg.intermediate_size, tp,
+                                                                          cfg.hidden_act)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,25 +83,61 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+class GemmaDecoderLayer(nn.Module):
+    """Gemma 2 and 3's: each sublayer's output is normed too before it joins the residual stream (four
+    RMSNorms a layer, each Gemma's x (1 + w))."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, index: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma=True)
+        self.self_attn = LlamaAttention(cfg, tp, index)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma=True)
+        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma=True)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, tp, cfg.hidden_act)
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma=True)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """As ``LlamaDecoderLayer``'s: x is the last sublayer's output, not yet added to ``residual``."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.post_attention_layernorm(self.self_attn(x, cos, sin, meta))
+        x, residual = self.pre_feedforward_layernorm(x, residual)
+        return self.post_feedforward_layernorm(self.mlp(x)), residual
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup | None = None):
         super().__init__()
         tp = tp if tp is not None else TPGroup()
         self.cfg = cfg
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        # Gemma scales its embeddings by sqrt(hidden), rounded to the model's dtype as transformers rounds it
+        self.register_buffer("embed_scale", torch.tensor(cfg.hidden_size ** 0.5 if cfg.gemma else 1.0,
+                                                         dtype=torch.float32), persistent=False)
         self.rotary = RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # Gemma 3's sliding layers turn by their own base, unscaled
+        self.local_rotary = None if cfg.local_rope_theta is None else RotaryEmbedding(
+            cfg.rotary_dim or cfg.head_dim, max_positions, cfg.local_rope_theta, None)
+        layer = GemmaDecoderLayer if cfg.gemma >= 2 else LlamaDecoderLayer
+        self.layers = nn.ModuleList(layer(cfg, tp, i) for i in range(cfg.num_layers))
+        self.local = [self.local_rotary is not None and cfg.window(i) > 0 for i in range(cfg.num_layers)]
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma > 0)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tp,
                               tied=self.embed_tokens if cfg.tie_word_embeddings else None) if cfg.lm_head else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """(T,) token ids at (T,) positions -> (T, hidden) final hidden states."""
         x = self.embed_tokens(input_ids)  # (T, hidden)
-        cos, sin = self.rotary(positions, x.dtype)  # (T, D/2) each
+        if self.cfg.gemma:
+            x = x * self.embed_scale.to(x.dtype)
+        rope = self.rotary(positions, x.dtype)  # cos, sin: (T, D/2) each
+        local = rope if self.local_rotary is None else self.local_rotary(positions, x.dtype)
         residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, cos, sin, meta)
+        for layer, is_local in zip(self.layers, self.local, strict=True):
+            x, residual = layer(x, residual, *(local if is_local else rope), meta)
         x, _ = self.norm(x, residual)
         return x
 
@@ -107,4 +146,6 @@ class LlamaForCausalLM(nn.Module):
         parallelism on rank 0 only (None on the others), and collective: every rank calls it."""
         if self.lm_head is None:
             raise RuntimeError("this checkpoint has no lm_head: it can embed, not generate")
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        cap = self.cfg.final_softcap  # Gemma 2's cap on the logits
+        return logits if not cap or logits is None else torch.tanh(logits / cap).mul_(cap)
