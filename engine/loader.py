@@ -319,6 +319,7 @@ _GGUF_LAYER = {
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "attn_qkv": "self_attn.qkv_proj",
+    "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
     # a mixture of experts: the router, each part of all experts stacked (E, ...), Qwen2-MoE's shared expert
     "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
@@ -327,9 +328,10 @@ _GGUF_LAYER = {
 }
 _GGUF_EXPERT = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}  # old Mixtral files: one each
 _GGUF_PHI3 = {"ffn_up": "mlp.gate_up_proj"}  # Phi-3's ffn_up is gate|up fused (its attn_qkv, q|k|v)
+_GGUF_GEMMA2 = {"ffn_norm": "pre_feedforward_layernorm"}  # Gemma 2 and 3's (they norm each sublayer's output too)
 # GGUF architecture -> model_type (llama with experts: Mixtral)
 _GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "qwen2moe": "qwen2_moe",
-              "qwen3moe": "qwen3_moe", "phi3": "phi3"}
+              "qwen3moe": "qwen3_moe", "phi3": "phi3", "gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3_text"}
 
 
 def gguf_field(path: str, key: str, default=None):
@@ -384,6 +386,8 @@ def _gguf_config(path: str) -> tuple[dict, list[int]]:
             "rope.scaling.original_context_length"), "attention_factor": a("rope.scaling.attn_factor"), **{
             f"{kind}_factor": [float(x) for x in np.asarray(factors[f"rope_factors_{kind}.weight"].data).ravel()]
             for kind in ("short", "long")}}
+    if arch.startswith("gemma"):
+        cfg |= _gguf_gemma(arch, a, cfg)
     if a("expert_count"):  # a mixture of experts; its dense layers are those without a router
         cfg["model_type"] = {"llama": "mixtral"}.get(arch, cfg["model_type"])
         routed = sorted(int(t.name.split(".")[1]) for t in r.tensors if t.name.endswith(".ffn_gate_inp.weight"))
@@ -402,6 +406,24 @@ def _gguf_config(path: str) -> tuple[dict, list[int]]:
             cfg["intermediate_size"] = width or cfg["intermediate_size"]
     eos = _gguf_field(r, "tokenizer.ggml.eos_token_id")
     return cfg, [] if eos is None else [int(eos)]
+
+
+def _gguf_gemma(arch: str, a, cfg: dict) -> dict:
+    """Gemma's keys as llama.cpp reads them: its sliding layers by pattern (2: every other one from layer 0;
+    3: five of each six), Gemma 2's caps, query_pre_attn_scalar by size (hidden / heads in the 27Bs, else
+    head_dim), Gemma 3's global RoPE scaling (its sliding layers: base 10000, unscaled)."""
+    extra = {"query_pre_attn_scalar": cfg["hidden_size"] // cfg["num_attention_heads"]
+             if (arch, cfg["num_hidden_layers"]) in (("gemma2", 46), ("gemma3", 62)) else cfg["head_dim"],
+             "attn_logit_softcapping": a("attn_logit_softcapping"),
+             "final_logit_softcapping": a("final_logit_softcapping"),
+             "sliding_window_pattern": a("attention.sliding_window_pattern", 6 if arch == "gemma3" else 2)}
+    if arch == "gemma2":
+        n = cfg["num_hidden_layers"]
+        extra["layer_types"] = ["full_attention" if (i + 1) % extra["sliding_window_pattern"] == 0
+                                else "sliding_attention" for i in range(n)]
+    if arch == "gemma3" and a("rope.scaling.type") == "linear":
+        extra["rope_scaling"] = {"rope_type": "linear", "factor": a("rope.scaling.factor")}
+    return extra
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -473,7 +495,8 @@ def _gguf_weights(path: str, cfg: ModelConfig, packed: set[str] = frozenset()) -
             elif m[2].endswith("_exps"):  # all experts' part, stacked: named without "weight" (``_EXPERTS``)
                 name = f"model.layers.{m[1]}.{_GGUF_LAYER[m[2]]}"
             else:
-                sub = _GGUF_PHI3.get(m[2]) if cfg.model_type == "phi3" else None
+                sub = _GGUF_PHI3.get(m[2]) if cfg.model_type == "phi3" else _GGUF_GEMMA2.get(m[2]) \
+                    if cfg.gemma >= 2 else None
                 name = f"model.layers.{m[1]}.{sub or _GGUF_LAYER[m[2]]}.{m[4]}"
         rows = [int(x) for x in reversed(t.shape)]  # GGUF lists dims fastest-first
         if t.name in packed:  # whole rows of blocks: permuting rows below works on them as on floats
@@ -484,4 +507,6 @@ def _gguf_weights(path: str, cfg: ModelConfig, packed: set[str] = frozenset()) -
             w = _unpermute(w, cfg.num_heads)
         elif llama_rope and name.endswith("k_proj.weight"):
             w = _unpermute(w, cfg.num_kv_heads)
+        elif cfg.gemma and name.endswith("norm.weight"):
+            w = w.astype(np.float64) - 1  # llama.cpp stores Gemma's norms as 1 + w (exact in float64: RMSNorm.load)
         yield name, torch.from_numpy(np.array(w, copy=True))  # writable: torch warns on read-only

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 
 import pytest
@@ -130,6 +131,14 @@ def _write_gguf(folder: str, out: str, arch: str = "qwen3", matrices_as: str | N
         w.add_uint32(f"{arch}.{key}", value)
     w.add_float32(f"{arch}.rope.freq_base", cfg.rope_theta)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    if cfg.sliding_window:
+        w.add_uint32(f"{arch}.attention.sliding_window", cfg.sliding_window)
+    for key, cap in (("attn_logit_softcapping", cfg.attn_softcap), ("final_logit_softcapping", cfg.final_softcap)):
+        if cap:
+            w.add_float32(f"{arch}.{key}", cap)
+    if (cfg.rope_scaling or {}).get("rope_type") == "linear":
+        w.add_string(f"{arch}.rope.scaling.type", "linear")
+        w.add_float32(f"{arch}.rope.scaling.factor", cfg.rope_scaling["factor"])
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
     layer = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -139,6 +148,9 @@ def _write_gguf(folder: str, out: str, arch: str = "qwen3", matrices_as: str | N
              "mlp.shared_expert_gate": "ffn_gate_inp_shexp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
              "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
              "block_sparse_moe.gate": "ffn_gate_inp", "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+    if cfg.gemma >= 2:  # norms of each sublayer's output too
+        layer |= {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                  "post_feedforward_layernorm": "post_ffw_norm"}
     rope = cfg.rope_scaling or {}
     if rope.get("rope_type") == "longrope":  # Phi-3.5's: the factors as tensors
         w.add_uint32(f"{arch}.rope.scaling.original_context_length", rope["original_max_position_embeddings"])
@@ -149,6 +161,8 @@ def _write_gguf(folder: str, out: str, arch: str = "qwen3", matrices_as: str | N
     for file in glob.glob(f"{folder}/*.safetensors"):
         for name, t in load_file(file).items():
             t = t.float().numpy()
+            if cfg.gemma and name.endswith("norm.weight"):
+                t = t + 1  # (llama.cpp stores Gemma's norms as 1 + w)
             if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
                 t = t.reshape(heads, 2, t.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(t.shape)
@@ -263,6 +277,30 @@ def test_a_moe_ggufs_experts_stay_packed_on_the_cpu(tmp_path, fmt, monkeypatch, 
         assert experts.w13.dtype == (torch.uint8 if rows is None else torch.float32)
         outs.append([o.token_ids for o in llm.generate(prompts, params)])
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("arch,gguf_arch", [("gemma", "gemma"), ("gemma2", "gemma2"), ("gemma3_text", "gemma3")])
+def test_a_gemma_gguf_loads_as_its_folder(tmp_path, arch, gguf_arch):
+    """Gemma's norms stored as 1 + w (back to the same float32 weights), Gemma 2 and 3's four norms a layer
+    (ffn_norm the MLP's input norm), the sliding window and its layers, Gemma 2's caps, Gemma 3's RoPE
+    scaled on its global layers only, query_pre_attn_scalar as head_dim (not a 27B)."""
+    rope = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    extra = {"rope_parameters": rope, "sliding_window_pattern": 6, "num_hidden_layers": 7} if arch == "gemma3_text" else {}
+    if arch != "gemma":
+        extra["query_pre_attn_scalar"] = 16  # head_dim, as in every Gemma 2 and 3 but the 27Bs
+    folder = make_tiny_model(str(tmp_path / arch), arch, None, **extra)
+    _write_gguf(folder, str(tmp_path / "gemma.gguf"), gguf_arch)
+    want_cfg, got_cfg = load_model_config(folder), load_model_config(str(tmp_path / "gemma.gguf"))
+    ids = dict(bos_token_id=None, eos_token_ids=(), rms_norm_eps=0)  # (no vocabulary here; eps in float32)
+    assert dataclasses.replace(got_cfg, **ids) == dataclasses.replace(want_cfg, **ids, max_position_embeddings=1024)
+    assert got_cfg.gemma == int(arch[5:6] or 1) and (arch == "gemma") == (got_cfg.sliding_window is None)
+    want = build_model(folder, want_cfg, 64, torch.float32, torch.device("cpu"))
+    got = build_model(str(tmp_path / "gemma.gguf"), got_cfg, 64, torch.float32, torch.device("cpu"))
+    want, got = want.state_dict(), got.state_dict()
+    assert want.keys() == got.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
 
 
 def test_a_phi3_gguf_loads_as_its_folder(tmp_path):

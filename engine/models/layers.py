@@ -199,7 +199,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, dtype=torch.float32), requires_grad=False) if gemma else _empty(dim)
 
     def load(self, tensor: torch.Tensor) -> None:
-        self.weight.copy_(1 + tensor.float() if self.gemma else tensor)
+        """(Gemma's: 1 + w summed exactly, in float64, and rounded once, as transformers' float32 sum is.)"""
+        self.weight.copy_(1 + tensor.double() if self.gemma else tensor)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """With ``residual``: returns (norm(x + residual), x + residual), the fused pre-norm step."""
