@@ -52,11 +52,13 @@ def free_gpu() -> None:
 
 
 MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True)  # Qwen3-MoE's
+GEMMA3 = dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=32, sliding_window_pattern=2)  # windows of 32
+EXTRA = {"qwen3_moe": MOE, "gemma3_text": GEMMA3}
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3_moe", "gemma3_text"])
 def test_fp32_greedy_equals_transformers(arch, tmp_path):
-    path = build(str(tmp_path), arch, torch.float32, seed=1, **TINY, **(MOE if arch == "qwen3_moe" else {}))
+    path = build(str(tmp_path), arch, torch.float32, seed=1, **TINY, **EXTRA.get(arch, {}))
     outs = generate(path, "float32")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to("cuda").eval()
     for prompt, out in zip(PROMPTS, outs, strict=True):
@@ -65,12 +67,14 @@ def test_fp32_greedy_equals_transformers(arch, tmp_path):
     free_gpu()
 
 
-@pytest.mark.parametrize("shape", ["tiny", "tiny-moe", "smollm2-135m"])
+@pytest.mark.parametrize("shape", ["tiny", "tiny-moe", "tiny-gemma3", "smollm2-135m"])
 def test_bf16_greedy_tracks_transformers(shape, tmp_path):
     if shape == "tiny":
         path = build(str(tmp_path), "qwen2", torch.bfloat16, seed=2, **TINY)
     elif shape == "tiny-moe":  # the Triton fused MoE, in CUDA graphs for the decode steps
         path = build(str(tmp_path), "qwen3_moe", torch.bfloat16, seed=2, **TINY, **MOE)
+    elif shape == "tiny-gemma3":  # Triton's windows, Gemma's float32 norm weights and GELU
+        path = build(str(tmp_path), "gemma3_text", torch.bfloat16, seed=2, **TINY, **GEMMA3)
     else:
         path = build_shape(shape, str(tmp_path))
     outs = generate(path, "bfloat16")

@@ -1,6 +1,6 @@
 """Random-weight model folders in the shapes of real models, so that a machine without network or model
-hub can load, run and benchmark them: a transformers config (SmolLM2-135M's, Qwen2-0.5B's or Qwen3-0.6B's, a
-scaled-down Qwen3-30B-A3B's, or any size), safetensors weights as transformers initialises them, and a byte-level BPE tokenizer over the
+hub can load, run and benchmark them: a transformers config (SmolLM2-135M's, Qwen2-0.5B's, Qwen3-0.6B's or
+Gemma-3-270M's, a scaled-down Qwen3-30B-A3B's, or any size), safetensors weights as transformers initialises them, and a byte-level BPE tokenizer over the
 whole vocabulary (ids 0, 1, 2 are unk, bos and eos), so that no tokenizer is downloaded either.
 
     python3 tools/random_model.py smollm2-135m /tmp/smollm2 [--dtype bfloat16]
@@ -34,6 +34,12 @@ SHAPES = {
                                          num_experts=64, num_experts_per_tok=8, moe_intermediate_size=384,
                                          norm_topk_prob=True, vocab_size=151936, max_position_embeddings=40960,
                                          rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)),
+    # Gemma 3 270M: a sliding window of 512 in five layers of each six, GELU, 256-wide heads, a 262k vocabulary
+    "gemma3-270m": ("gemma3_text", dict(hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+                                        num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                                        vocab_size=262144, max_position_embeddings=32768, sliding_window=512,
+                                        query_pre_attn_scalar=256, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                                        tie_word_embeddings=True)),
 }
 UNK, BOS, EOS = 0, 1, 2
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -63,13 +69,13 @@ def save_tokenizer(out_dir: str, vocab_size: int) -> None:
 
 def build(out_dir: str, arch: str = "llama", dtype: torch.dtype = torch.bfloat16, seed: int = 0,
           **config) -> str:
-    """Save a random ``arch`` ("llama", "qwen2", "qwen3", "qwen3_moe") model with these config values in
+    """Save a random ``arch`` ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text") model with these config values in
     ``out_dir``. ``initializer_range`` (transformers' 0.02 by default) is the weights' standard deviation."""
     import transformers
     from transformers import AutoModelForCausalLM
 
     cfg_cls = getattr(transformers, {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
-                                     "qwen3_moe": "Qwen3MoeConfig"}[arch])
+                                     "qwen3_moe": "Qwen3MoeConfig", "gemma3_text": "Gemma3TextConfig"}[arch])
     torch.manual_seed(seed)
     cfg = cfg_cls(bos_token_id=BOS, eos_token_id=EOS, **config)
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
