@@ -113,7 +113,6 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
     seen: set[str] = set()
     with torch.no_grad():
         for name, w in weights:
-            name = _language_model(name)
             if not name.startswith(("model.", "lm_head.")):
                 name = "model." + name  # a backbone saved on its own (Qwen3-Embedding): no "model." prefix
             if ".block_sparse_moe." in name:
@@ -229,33 +228,36 @@ def _safetensors_files(path: str) -> list[str]:
 
 
 def _safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor, named as in a text model (``_language_model``)."""
     from safetensors import safe_open
 
     for file in _safetensors_files(path):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield _language_model(name), f.get_tensor(name)
 
 
-def _safetensors_index(path: str) -> dict[str, str]:
-    """Every tensor's name -> its file, from the files' headers."""
+def _safetensors_index(path: str) -> dict[str, tuple[str, str]]:
+    """Every tensor's name (as ``_safetensors_weights`` names it) -> its file and its name there, from
+    the files' headers."""
     from safetensors import safe_open
 
-    index: dict[str, str] = {}
+    index: dict[str, tuple[str, str]] = {}
     for file in _safetensors_files(path):
         with safe_open(file, framework="pt") as f:
-            index.update(dict.fromkeys(f.keys(), file))
+            index.update({_language_model(name): (file, name) for name in f.keys()})
     return index
 
 
-def _read(index: dict[str, str], name: str) -> torch.Tensor | None:
+def _read(index: dict[str, tuple[str, str]], name: str) -> torch.Tensor | None:
     """One tensor of the checkpoint, or None where it has none of that name."""
     from safetensors import safe_open
 
     if name not in index:
         return None
-    with safe_open(index[name], framework="pt") as f:
-        return f.get_tensor(name)
+    file, stored = index[name]
+    with safe_open(file, framework="pt") as f:
+        return f.get_tensor(stored)
 
 
 # each layer linear, by the checkpoint layers it fuses
@@ -264,7 +266,7 @@ _LINEARS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self
             "mlp.down_proj": ("mlp.down_proj",)}
 
 
-def _packable(q: QuantConfig, index: dict[str, str], prefixes: list[str], k: int, split: bool) -> bool:
+def _packable(q: QuantConfig, index: dict[str, tuple[str, str]], prefixes: list[str], k: int, split: bool) -> bool:
     """Whether the checkpoint layers ``prefixes``, fused into one of ``k`` input columns (``split``
     over the tensor-parallel ranks), are all int4 and can be kept as Q4_Z blocks (``quant.packs``)."""
     if not all(f"{p}.qweight" in index for p in prefixes):
@@ -276,7 +278,7 @@ def _packable(q: QuantConfig, index: dict[str, str], prefixes: list[str], k: int
                for p, g in zip(prefixes, g_idx, strict=True))
 
 
-def _quant_packing(model: LlamaForCausalLM, q: QuantConfig, index: dict[str, str], device: torch.device,
+def _quant_packing(model: LlamaForCausalLM, q: QuantConfig, index: dict[str, tuple[str, str]], device: torch.device,
                    dtype: torch.dtype) -> set[str]:
     """Keep packed (Q4_Z) every layer linear whose checkpoint layers are all int4 and whose groups
     are whole blocks (``quant.packs``, which reads their scales and g_idx; under tensor parallelism, a
@@ -404,23 +406,29 @@ def _gguf_config(path: str) -> tuple[dict, list[int]]:
                 "mlp_only_layers": [i for i in range(cfg["num_hidden_layers"]) if i not in routed]}
         if arch == "llama" or not cfg["intermediate_size"]:  # Mixtral's: its experts' width
             cfg["intermediate_size"] = width or cfg["intermediate_size"]
-    eos = _gguf_field(r, "tokenizer.ggml.eos_token_id")
-    return cfg, [] if eos is None else [int(eos)]
+    # llama.cpp ends a turn at EOS and at EOT (Gemma's <end_of_turn>: by its text where the id is not given)
+    ends = [_gguf_field(r, "tokenizer.ggml.eos_token_id"), _gguf_field(r, "tokenizer.ggml.eot_token_id")]
+    if arch.startswith("gemma") and ends[1] is None and "tokenizer.ggml.tokens" in r.fields:
+        ends[1] = next((i for i, t in enumerate(r.fields["tokenizer.ggml.tokens"].contents()) if t == "<end_of_turn>"),
+                       None)
+    return cfg, list(dict.fromkeys(int(e) for e in ends if e is not None))
 
 
 def _gguf_gemma(arch: str, a, cfg: dict) -> dict:
     """Gemma's keys as llama.cpp reads them: its sliding layers by pattern (2: every other one from layer 0;
     3: five of each six), Gemma 2's caps, query_pre_attn_scalar by size (hidden / heads in the 27Bs, else
     head_dim), Gemma 3's global RoPE scaling (its sliding layers: base 10000, unscaled)."""
+    gemma2 = arch == "gemma2"  # (its caps and window as llama.cpp assumes them where a file lacks the keys)
     extra = {"query_pre_attn_scalar": cfg["hidden_size"] // cfg["num_attention_heads"]
              if (arch, cfg["num_hidden_layers"]) in (("gemma2", 46), ("gemma3", 62)) else cfg["head_dim"],
-             "attn_logit_softcapping": a("attn_logit_softcapping"),
-             "final_logit_softcapping": a("final_logit_softcapping"),
-             "sliding_window_pattern": a("attention.sliding_window_pattern", 6 if arch == "gemma3" else 2)}
-    if arch == "gemma2":
-        n = cfg["num_hidden_layers"]
-        extra["layer_types"] = ["full_attention" if (i + 1) % extra["sliding_window_pattern"] == 0
-                                else "sliding_attention" for i in range(n)]
+             "attn_logit_softcapping": a("attn_logit_softcapping", 50.0 if gemma2 else None),
+             "final_logit_softcapping": a("final_logit_softcapping", 30.0 if gemma2 else None),
+             "sliding_window": a("attention.sliding_window", 4096 if gemma2 else None)}
+    pattern = a("attention.sliding_window_pattern", 2 if gemma2 else 6)  # n: each n-th layer is a full one
+    if arch != "gemma":
+        sliding = pattern if isinstance(pattern, list) else [(i + 1) % pattern != 0 for i in
+                                                             range(cfg["num_hidden_layers"])]
+        extra["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
     if arch == "gemma3" and a("rope.scaling.type") == "linear":
         extra["rope_scaling"] = {"rope_type": "linear", "factor": a("rope.scaling.factor")}
     return extra

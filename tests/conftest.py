@@ -99,6 +99,42 @@ def make_tiny_model(out_dir: str, arch: str, tokenizer_dir: str | None, seed: in
     return out_dir
 
 
+def make_tiny_gemma3_multimodal(out_dir: str, tokenizer_dir: str | None, seed: int = 7) -> str:
+    """A random Gemma3ForConditionalGeneration folder (fp32) as Google ships Gemma 3 4B+: weights under
+    language_model.model.* beside a (tiny) vision tower, and a text_config as sparse as theirs, so heads,
+    head_dim (8, 4, 256), query_pre_attn_scalar and the RoPE bases are transformers' defaults. A sliding
+    window of 16 in three of its four layers."""
+    import json
+
+    import torch
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4, sliding_window=16,
+                sliding_window_pattern=4, max_position_embeddings=1024)
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=32, patch_size=8)
+    cfg = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=49151,
+                       boi_token_index=49149, eoi_token_index=49150)
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+            elif "norm" in name:
+                p.uniform_(-0.5, 0.5)
+    model.save_pretrained(out_dir)
+    if tokenizer_dir:
+        for name in os.listdir(tokenizer_dir):
+            shutil.copy(os.path.join(tokenizer_dir, name), out_dir)
+    with open(os.path.join(out_dir, "config.json")) as f:
+        config = json.load(f)
+    config["text_config"] = {k: v for k, v in config["text_config"].items() if k in text or k == "model_type"}
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f)
+    return out_dir
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory, smollm_tokenizer_dir) -> str:
     return make_tiny_model(str(tmp_path_factory.mktemp("tiny_llama")), "llama", smollm_tokenizer_dir)

@@ -303,6 +303,75 @@ def test_a_gemma_gguf_loads_as_its_folder(tmp_path, arch, gguf_arch):
         assert torch.equal(got[k], want[k]), k
 
 
+@pytest.mark.parametrize("raw", [
+    {"model_type": "gemma2", "num_hidden_layers": 6},  # caps, scale, window: Gemma2Config's defaults
+    {"model_type": "gemma2", "num_hidden_layers": 6, "attn_logit_softcapping": None, "hidden_act": "gelu"},
+    {"model_type": "gemma3_text", "num_hidden_layers": 7, "sliding_window": 512, "rope_scaling": {
+        "rope_type": "linear", "factor": 8.0}},
+    {"model_type": "gemma", "num_hidden_layers": 2, "hidden_act": "gelu"},  # Gemma 1's "gelu": tanh's
+    {"model_type": "qwen2", "num_hidden_layers": 6, "use_sliding_window": True, "sliding_window": 64,
+     "max_window_layers": 4},  # the window in layers 4 and 5 only
+])
+def test_configs_read_as_transformers_reads_them(raw):
+    """Sliding layers, windows, caps, the attention scale and the activation, against transformers' config
+    classes given the same (sparse) config.json."""
+    from transformers import AutoConfig
+
+    raw = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 1024} | raw
+    hf, cfg = AutoConfig.for_model(**raw), ModelConfig.from_hf(raw)
+    windows = [hf.sliding_window if t == "sliding_attention" and hf.sliding_window < 1024 else 0  # (one as long
+               for t in getattr(hf, "layer_types", None) or ["full_attention"] * cfg.num_layers]  # as the
+    # positions never slides: none)
+    assert [cfg.window(i) for i in range(cfg.num_layers)] == windows
+    assert (cfg.attn_softcap, cfg.final_softcap) == (getattr(hf, "attn_logit_softcapping", None) or 0.0,
+                                                     getattr(hf, "final_logit_softcapping", None) or 0.0)
+    scalar = getattr(hf, "query_pre_attn_scalar", None)
+    assert cfg.attn_scale == (None if scalar is None or raw["model_type"] == "gemma" else scalar ** -0.5)
+    act = getattr(hf, "hidden_activation", None) or hf.hidden_act
+    assert (cfg.hidden_act, act) in (("gelu_tanh", "gelu_pytorch_tanh"), ("silu", "silu"))
+    if raw["model_type"] == "gemma3_text":
+        rope = hf.rope_parameters
+        assert (cfg.rope_theta, cfg.rope_scaling["factor"], cfg.local_rope_theta) == (
+            rope["full_attention"]["rope_theta"], rope["full_attention"]["factor"],
+            rope["sliding_attention"]["rope_theta"])
+
+
+def test_embeddinggemma_is_refused_not_served_causally():
+    with pytest.raises(ValueError, match=r"bidirectional attention \(EmbeddingGemma\) is not supported"):
+        ModelConfig.from_hf({"model_type": "gemma3_text", "num_hidden_layers": 2, "hidden_size": 64,
+                             "intermediate_size": 96, "use_bidirectional_attention": True})
+
+
+def test_a_gemma2_gguf_without_caps_or_window_keys_gets_llama_cpps(tmp_path):
+    """Converters of mid-2024 wrote neither: llama.cpp then assumes caps of 50 and 30 and a window of 4096.
+    And a chat's end: EOT, or Gemma's <end_of_turn> found by its text where no id is given."""
+    import gguf
+
+    folder = make_tiny_model(str(tmp_path / "g2"), "gemma2", None, attn_logit_softcapping=None,
+                             final_logit_softcapping=None, sliding_window=None)
+    _write_gguf(folder, str(tmp_path / "g2.gguf"), "gemma2")
+    cfg = load_model_config(str(tmp_path / "g2.gguf"))
+    assert (cfg.attn_softcap, cfg.final_softcap, cfg.sliding_window, cfg.window(0), cfg.window(1)) == \
+        (50.0, 30.0, None, 0, 0)  # (4096 is past this file's 1024 positions: no window left)
+    for eot, tokens in ((107, None), (None, ["<pad>", "<eos>", "<end_of_turn>"])):
+        w = gguf.GGUFWriter(str(tmp_path / "eot.gguf"), "gemma2")
+        for key, value in (("block_count", 1), ("embedding_length", 64), ("feed_forward_length", 96),
+                           ("attention.head_count", 4), ("context_length", 8192), ("vocab_size", 128)):
+            w.add_uint32(f"gemma2.{key}", value)
+        w.add_uint32("tokenizer.ggml.eos_token_id", 1)
+        if eot:
+            w.add_uint32("tokenizer.ggml.eot_token_id", eot)
+        if tokens:
+            w.add_token_list(tokens)
+        for f in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file, w.close):
+            f()
+        from engine.loader import _gguf_reader
+        _gguf_reader.cache_clear()
+        cfg = load_model_config(str(tmp_path / "eot.gguf"))
+        assert cfg.eos_token_ids == (1, eot or 2) and cfg.sliding_window == 4096 and cfg.window(0) == 4096
+
+
 def test_a_phi3_gguf_loads_as_its_folder(tmp_path):
     """Phi-4-mini as llama.cpp writes it: q|k|v fused (attn_qkv), gate|up fused (ffn_up, twice as wide), the
     LongRoPE factors as tensors, the original length and attention factor in the metadata, RoPE over 12 of

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine import LLM, SamplingParams
-from tests.conftest import make_tiny_model
+from tests.conftest import make_tiny_gemma3_multimodal, make_tiny_model
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog because",
@@ -133,37 +133,24 @@ def test_gemma_matches_transformers(arch, tmp_path, smollm_tokenizer_dir):
 def test_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path, smollm_tokenizer_dir):
     """Gemma 3 4B+ are Gemma3ForConditionalGeneration: config.json's text_config (keys left out take
     transformers' defaults), weights under language_model.model.*, a vision tower beside them (unread)."""
-    import shutil
+    from transformers import Gemma3ForConditionalGeneration
 
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
-
-    # heads, head_dim, query_pre_attn_scalar, RoPE bases: transformers' defaults (8, 4, 256, 256, 1e6, 1e4)
-    text = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4, sliding_window=16,
-                sliding_window_pattern=4, max_position_embeddings=1024)
-    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                  num_attention_heads=2, image_size=32, patch_size=8)
-    cfg = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=49151,
-                       boi_token_index=49149, eoi_token_index=49150)
-    torch.manual_seed(7)
-    hf = Gemma3ForConditionalGeneration(cfg).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.normal_(0.0, 0.08) if p.dim() > 1 else p.uniform_(-0.5, 0.5) if "norm" in name else None
-    path = str(tmp_path / "gemma3mm")
-    hf.save_pretrained(path)
-    for name in os.listdir(smollm_tokenizer_dir):
-        shutil.copy(os.path.join(smollm_tokenizer_dir, name), path)
-    with open(os.path.join(path, "config.json")) as f:
-        config = json.load(f)
-    assert config["model_type"] == "gemma3"
-    config["text_config"] = {k: v for k, v in config["text_config"].items() if k in text or k == "model_type"}
-    with open(os.path.join(path, "config.json"), "w") as f:  # as sparse as Google's
-        json.dump(config, f)
+    path = make_tiny_gemma3_multimodal(str(tmp_path / "gemma3mm"), smollm_tokenizer_dir)
+    hf = Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
     llm = LLM(path, device="cpu", dtype="float32", num_kv_blocks=256)
     model_cfg = llm.engine.runner.model_cfg
     assert (model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim) == (8, 4, 256)
     assert model_cfg.window(3) == 0 and model_cfg.window(2) == 16 and model_cfg.local_rope_theta == 10000.0
     check_parity(llm, hf, llm.tokenizer, PROMPTS)
+
+
+def test_gemma3_sliding_layers_keep_their_rope_base_when_the_window_spans_everything(tmp_path, smollm_tokenizer_dir):
+    """A window as long as the positions is no window, but Gemma 3's sliding layers still turn RoPE by 10000."""
+    path = make_tiny_model(str(tmp_path / "g3"), "gemma3_text", smollm_tokenizer_dir, seed=8, sliding_window=1024)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    llm = LLM(path, device="cpu", dtype="float32", num_kv_blocks=256)
+    assert llm.engine.runner.model_cfg.window(0) == 0 and llm.engine.runner.model.local == [True] * 3 + [False]
+    check_parity(llm, hf, llm.tokenizer, PROMPTS[:2])
 
 
 def test_llama3_rope_scaling_and_tied_embeddings(tmp_path, smollm_tokenizer_dir):

@@ -216,6 +216,22 @@ def test_int4_checkpoints_match_transformers_on_their_weights(case, tmp_path, sm
     check_parity(llm, hf, llm.tokenizer, PROMPTS, n=24)
 
 
+def test_an_int4_gemma3_multimodal_checkpoint_stays_packed(tmp_path, smollm_tokenizer_dir):
+    """Its language model's layers, named language_model.model.*, are found for packing as a text model's."""
+    from transformers import Gemma3ForConditionalGeneration
+
+    from tests.conftest import make_tiny_gemma3_multimodal
+
+    dense = make_tiny_gemma3_multimodal(str(tmp_path / "dense"), smollm_tokenizer_dir)
+    quantize_checkpoint(dense, str(tmp_path / "int4"), method="awq", group=32, write_back=True)
+    hf = Gemma3ForConditionalGeneration.from_pretrained(dense, dtype=torch.float32).eval()
+    llm = LLM(str(tmp_path / "int4"), device="cpu", dtype="float32", num_kv_blocks=256, max_model_len=512)
+    for layer in llm.engine.runner.model.layers:
+        assert {layer.self_attn.qkv_proj.packed, layer.self_attn.o_proj.packed, layer.mlp.gate_up_proj.packed,
+                layer.mlp.down_proj.packed} == {"q4_z"}
+    check_parity(llm, hf, llm.tokenizer, PROMPTS[:2], n=16)
+
+
 def test_layers_left_unquantized_load_as_floats(tmp_path, smollm_tokenizer_dir):
     dense = make_tiny_model(str(tmp_path / "dense"), "llama", smollm_tokenizer_dir, seed=4)
     quantize_checkpoint(dense, str(tmp_path / "int4"), method="awq", group=32,

@@ -20,12 +20,15 @@ SUPPORTED_ARCHITECTURES = {
     "qwen2_moe": {"moe": True, "attention_bias": True, "shared_expert": True},  # beside the routed ones
     "qwen3_moe": {"moe": True, "qk_norm": True},
     # Gemma: RMSNorm as x (1 + w), embeddings times sqrt(hidden), GELU, tied embeddings; 2 and 3 also norm
-    # each sublayer's output (``engine/models/gemma.py``) and slide a window over some layers; 2 caps scores
+    # each sublayer's output (``engine/models/llama.py``'s GemmaDecoderLayer) and slide a window over some
+    # layers; 2 caps scores
     "gemma": {"gemma": 1},
     "gemma2": {"gemma": 2},
     "gemma3_text": {"gemma": 3, "qk_norm": True},  # Gemma 3 1B; the larger ones are "gemma3" (``_gemma3_text``)
 }
-# what transformers' Gemma3TextConfig assumes for keys Gemma 3's config.json files leave out
+# what transformers' Gemma2Config and Gemma3TextConfig assume for keys a config.json leaves out
+_GEMMA2_DEFAULTS = {"query_pre_attn_scalar": 256, "sliding_window": 4096, "attn_logit_softcapping": 50.0,
+                    "final_logit_softcapping": 30.0, "rope_theta": 10_000.0, "max_position_embeddings": 8192}
 _GEMMA3_DEFAULTS = {"vocab_size": 262_208, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
                     "query_pre_attn_scalar": 256, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
                     "sliding_window": 4096, "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6,
@@ -131,7 +134,7 @@ class ModelConfig:
     lm_head: bool = True  # False: a checkpoint without one (an embedding model's backbone): it cannot generate
     moe: MoEConfig | None = None  # a mixture of experts
     sliding_window: int | None = None  # below max_position_embeddings: attention sees that many tokens back...
-    window_layers: frozenset[int] | None = None  # ...in these layers (None: all of them)
+    window_layers: frozenset[int] | None = None  # ...in these, the sliding layers (None: all of them)
     rotary_dim: int = 0  # RoPE turns each head's first rotary_dim dims (0: all head_dim of them)
     gemma: int = 0  # Gemma's generation (1, 2, 3; 0: not Gemma): see SUPPORTED_ARCHITECTURES
     hidden_act: str = "silu"  # the gated MLP's activation: silu or gelu_tanh
@@ -144,11 +147,13 @@ class ModelConfig:
         """Whether layer ``layer``'s MLP is the mixture of experts (else a dense one)."""
         return self.moe is not None and layer in self.moe.layers
 
+    def sliding(self, layer: int) -> bool:
+        """Whether layer ``layer`` is a sliding one (Gemma 3's turn RoPE by their own base, window or not)."""
+        return self.window_layers is None or layer in self.window_layers
+
     def window(self, layer: int) -> int:
         """Layer ``layer``'s sliding window (0: it attends to every position)."""
-        if self.sliding_window is None or self.window_layers is not None and layer not in self.window_layers:
-            return 0
-        return self.sliding_window
+        return self.sliding_window if self.sliding_window is not None and self.sliding(layer) else 0
 
     @classmethod
     def from_hf(cls, cfg: dict, eos_token_ids: list[int] | None = None) -> ModelConfig:
@@ -163,8 +168,11 @@ class ModelConfig:
             )
         arch = SUPPORTED_ARCHITECTURES[model_type]
         gemma = arch.get("gemma", 0)
-        if gemma == 3:
-            cfg = _GEMMA3_DEFAULTS | cfg
+        if gemma >= 2:
+            cfg = (_GEMMA2_DEFAULTS if gemma == 2 else _GEMMA3_DEFAULTS) | cfg
+        if cfg.get("use_bidirectional_attention"):
+            raise ValueError("bidirectional attention (EmbeddingGemma) is not supported: tokenmill's attention is "
+                             "causal")
         window, window_layers = _sliding_window(cfg, model_type)
         # transformers >= 5 nests RoPE settings in rope_parameters (Gemma 3: per kind of layer); older
         # configs keep them flat.
@@ -194,12 +202,13 @@ class ModelConfig:
         if arch.get("moe") and cfg.get("quantization_config"):
             raise ValueError(f"int4 (AWQ, GPTQ) checkpoints of a mixture of experts ({model_type}) are not supported "
                              f"yet: load its bf16 checkpoint, or a GGUF file")
-        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
+        # as transformers reads it: Gemma 2 and 3 by hidden_activation alone; Gemma 1's "gelu" meant tanh's
+        name = cfg.get("hidden_activation") if gemma >= 2 else cfg.get("hidden_act")
+        name = name or ("gelu_pytorch_tanh" if gemma else "silu")
         act = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}.get(
-            "gelu_pytorch_tanh" if gemma == 1 and act == "gelu" else act)  # (Gemma 1's "gelu" meant tanh's)
+            "gelu_pytorch_tanh" if gemma == 1 and name == "gelu" else name)
         if act is None:
-            raise ValueError(f"activation {cfg.get('hidden_activation') or cfg.get('hidden_act')!r} is not supported "
-                             f"(silu, gelu_pytorch_tanh are)")
+            raise ValueError(f"activation {name!r} is not supported (silu, gelu_pytorch_tanh are)")
         eos = eos_token_ids if eos_token_ids is not None else cfg.get("eos_token_id")
         if eos is None:
             eos = []
@@ -248,12 +257,9 @@ def _gemma3_text(cfg: dict) -> dict:
 
 
 def _sliding_window(cfg: dict, model_type: str) -> tuple[int | None, frozenset[int] | None]:
-    """The sliding window (None: none, or one no shorter than the positions) and the layers that have it
-    (None: all): Gemma's ``layer_types``, or its older patterns (2: even layers; 3: five of each six)."""
-    on = cfg.get("use_sliding_window", model_type in ("mistral", "mixtral", "phi3", "gemma2", "gemma3_text"))
-    window = cfg.get("sliding_window")
-    if not on or not window or window >= cfg.get("max_position_embeddings", 0):
-        return None, None
+    """The sliding window (None: none, or one no shorter than the positions) and the sliding layers (None:
+    all): ``layer_types``, or transformers' rules where a config predates them (Gemma 2: even layers;
+    Gemma 3: five of each six; Qwen2: those from max_window_layers on). Gemma's sliding layers are named even where no window is left."""
     n = cfg["num_hidden_layers"]
     if cfg.get("layer_types"):
         layers = frozenset(i for i, t in enumerate(cfg["layer_types"]) if t == "sliding_attention")
@@ -262,8 +268,16 @@ def _sliding_window(cfg: dict, model_type: str) -> tuple[int | None, frozenset[i
     elif model_type == "gemma3_text":
         pattern = cfg.get("sliding_window_pattern", 6)
         layers = frozenset(i for i in range(n) if (i + 1) % pattern)
+    elif model_type == "qwen2":
+        layers = frozenset(range(cfg.get("max_window_layers", 28), n))
+    elif model_type == "qwen2_moe":  # (its own rule in transformers: even layers below max_window_layers)
+        layers = frozenset(range(0, min(n, cfg.get("max_window_layers", 28)), 2))
     else:
         layers = None
+    on = cfg.get("use_sliding_window", model_type in ("mistral", "mixtral", "phi3", "gemma2", "gemma3_text"))
+    window = cfg.get("sliding_window")
+    if not on or not window or window >= cfg.get("max_position_embeddings", 0):
+        return None, layers
     return int(window), layers
 
 

@@ -123,7 +123,7 @@ class LlamaForCausalLM(nn.Module):
             cfg.rotary_dim or cfg.head_dim, max_positions, cfg.local_rope_theta, None)
         layer = GemmaDecoderLayer if cfg.gemma >= 2 else LlamaDecoderLayer
         self.layers = nn.ModuleList(layer(cfg, tp, i) for i in range(cfg.num_layers))
-        self.local = [self.local_rotary is not None and cfg.window(i) > 0 for i in range(cfg.num_layers)]
+        self.local = [self.local_rotary is not None and cfg.sliding(i) for i in range(cfg.num_layers)]
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma > 0)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tp,
                               tied=self.embed_tokens if cfg.tie_word_embeddings else None) if cfg.lm_head else None
