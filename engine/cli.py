@@ -52,6 +52,10 @@ def _engine_flags(p: argparse.ArgumentParser, generate: bool = False) -> None:
     g.add_argument("--model", default=None,
                    help="a local Hugging Face model folder or a .gguf file "
                         "(default: the bundled SmolLM2-135M-Instruct Q4_1 GGUF)")
+    g.add_argument("--tokenizer", default=None,
+                   help="a local folder (tokenizer.json or tokenizer_config.json) or .gguf file whose tokenizer and "
+                        "chat template serve instead of the model's: a GGUF's original model folder, say, as vLLM "
+                        "suggests for GGUF files (default: the model's)")
     g.add_argument("--dtype", choices=DTYPES, default=None,
                    help="weight and activation dtype; auto = bfloat16 on CUDA and on CPUs with native bf16 "
                         f"(AVX512-BF16, AMX), else float32 (default: {d['dtype']})")

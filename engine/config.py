@@ -23,6 +23,7 @@ POOLING_TYPES = ("last", "mean")  # how an embedding is pooled from a prompt's h
 class EngineConfig:
     model: str | None = None  # HF folder or .gguf file; None = the bundled SmolLM2-135M-Instruct
     served_model_name: str | None = None  # defaults to the model's folder/file name
+    tokenizer: str | None = None  # vLLM's --tokenizer: a folder or .gguf whose tokenizer serves; None = the model's
     dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
     quantization: str | None = None  # vLLM's --quantization: the checkpoint must be this; None = what it says
     device: str = "auto"

@@ -43,7 +43,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.model_path import model_name, resolve_model_path
+from engine.model_path import model_name, resolve_model_path, resolve_tokenizer_path
 
 log = logging.getLogger("tokenmill.launcher")
 
@@ -237,7 +237,8 @@ class Launcher:
         self.options = options
         path = resolve_model_path(config.model)  # FileNotFoundError: a clear message already
         self.config = dataclasses.replace(
-            config, model=path, served_model_name=config.served_model_name or model_name(path))
+            config, model=path, served_model_name=config.served_model_name or model_name(path),
+            tokenizer=resolve_tokenizer_path(config.tokenizer, path))
         self.runtime_dir: str | None = None
         self.ctx = mp.get_context("spawn")
         self.engines: list[_Child] = []
@@ -320,7 +321,7 @@ class Launcher:
         addresses = self.engine_addresses
         return FrontendArgs(
             engine_address=addresses[0] if len(addresses) == 1 else addresses, engine_key=o.engine_key,
-            model_path=self.config.model,
+            tokenizer_path=self.config.tokenizer,
             served_model_name=self.config.served_model_name, host=o.host, port=o.port,
             api_keys=list(o.api_keys), ssl_keyfile=o.ssl_keyfile, ssl_certfile=o.ssl_certfile,
             frontend_id=self._frontend_id(i), tokenizer_cache_dir=os.path.join(self.runtime_dir, "tokenizer"),

@@ -63,7 +63,7 @@ class LLM:
 
     @cached_property
     def tokenizer(self):
-        return load_tokenizer(self.engine.runner.facts.model_path)
+        return load_tokenizer(self.engine.tokenizer_path)
 
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,

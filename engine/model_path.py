@@ -45,6 +45,19 @@ def resolve_model_path(model: str | None) -> str:
     )
 
 
+def resolve_tokenizer_path(tokenizer: str | None, model_path: str) -> str:
+    """The tokenizer's folder (tokenizer.json or tokenizer_config.json in it) or .gguf file: ``tokenizer``
+    (``--tokenizer``), else the model's own."""
+    if tokenizer is None:
+        return model_path
+    path = os.path.abspath(os.path.expanduser(tokenizer))
+    if os.path.isfile(path) and path.endswith(".gguf") or os.path.isdir(path) and any(
+            os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        return path
+    raise FileNotFoundError(f"tokenizer {tokenizer!r} not found: give a local folder with a tokenizer.json or "
+                            f"tokenizer_config.json, or a .gguf file")
+
+
 def model_name(path: str) -> str:
     """The default served name: the folder's or file's base name."""
     base = os.path.basename(os.path.normpath(path))

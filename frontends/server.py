@@ -36,7 +36,7 @@ log = logging.getLogger("tokenmill.frontend")
 @dataclass
 class FrontendArgs:
     engine_address: str | list[str]  # several: data parallel, one request (with its n choices) per engine
-    model_path: str
+    tokenizer_path: str  # the model's folder or .gguf file, or --tokenizer's
     served_model_name: str
     host: str
     port: int
@@ -92,7 +92,7 @@ def build_router(api: OpenAIApi, ws: websocket.WsConfig | None = None, access_lo
 async def serve(args: FrontendArgs, ready: Callable[[], None] | None = None) -> None:
     loop = asyncio.get_running_loop()
     tls = ssl_context(args)
-    codec = TextCodec(await asyncio.to_thread(load_tokenizer, args.model_path, args.tokenizer_cache_dir,
+    codec = TextCodec(await asyncio.to_thread(load_tokenizer, args.tokenizer_path, args.tokenizer_cache_dir,
                                               args.chat_template))
     client = engine_client(args)
     await client.connect()

@@ -21,7 +21,7 @@ from engine.config import EngineConfig
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_server_e2e import CMD, ROOT  # noqa: E402
 
-SERVE_FLAGS = ["--model", "--chat-template", "--served-model-name", "--host", "--port", "--api-key", "--ssl-keyfile",
+SERVE_FLAGS = ["--model", "--tokenizer", "--chat-template", "--served-model-name", "--host", "--port", "--api-key", "--ssl-keyfile",
                "--ssl-certfile", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
                "--gpu-memory-utilization", "--kv-cache-memory", "--dtype", "--device", "--block-size", "--seed",
                "--api-server-count", "--tensor-parallel-size", "--ws-max-buffer", "--ws-max-message",
@@ -144,6 +144,33 @@ def test_missing_model_exits_2():
     r = tokenmill("serve", "--model", "/nonexistent/model", timeout=30)
     assert r.returncode == 2
     assert "not found" in r.stderr
+
+
+def test_missing_tokenizer_exits_2(tiny_llama):
+    r = tokenmill("serve", "--model", tiny_llama, "--tokenizer", "/nonexistent/tok", timeout=30)
+    assert r.returncode == 2
+    assert "tokenizer '/nonexistent/tok' not found" in r.stderr
+
+
+def test_a_model_without_a_tokenizer_serves_with_another_ones(tmp_path, smollm_tokenizer_dir):
+    """--tokenizer (vLLM's): a folder's (or a GGUF's) tokenizer and chat template for a model that has none,
+    in the frontends (chat) and in the engine (structured output reads its vocabulary) alike."""
+    from engine import LLM, SamplingParams
+    from tests.conftest import make_tiny_model
+    from tests.test_server_e2e import Server, openai_client
+
+    bare = make_tiny_model(str(tmp_path / "bare"), "llama", None, seed=3)
+    llm = LLM(bare, tokenizer=smollm_tokenizer_dir)
+    want = llm.generate(["Hello, my name is"], SamplingParams(max_tokens=6, temperature=0))[0]
+    assert want.text == llm.tokenizer.decode(want.token_ids) and len(llm.tokenizer) == 49152
+    server = Server("--model", bare, "--tokenizer", smollm_tokenizer_dir, "--served-model-name", "bare")
+    try:
+        r = openai_client(server).chat.completions.create(
+            model="bare", messages=[{"role": "user", "content": "Yes or no?"}], max_tokens=8, temperature=0,
+            extra_body={"guided_choice": ["yes", "no"]})
+        assert r.choices[0].message.content in ("yes", "no")
+    finally:
+        server.close()
 
 
 def test_busy_port_is_refused_clearly(tiny_llama):

@@ -260,7 +260,7 @@ def start_frontend(engine_address: str, tokenizer_dir: str, port: int, api_keys=
     code = (
         "import sys; from frontends.server import FrontendArgs, run_frontend\n"
         "from frontends.http import HttpConfig  # for an http= override (its repr)\n"
-        f"args = FrontendArgs(engine_address={engine_address!r}, model_path={tokenizer_dir!r}, "
+        f"args = FrontendArgs(engine_address={engine_address!r}, tokenizer_path={tokenizer_dir!r}, "
         f"served_model_name={MODEL!r}, host='127.0.0.1', port={port}, api_keys={list(api_keys)!r}, "
         f"frontend_id={frontend_id!r}, **{extra!r})\n"
         "run_frontend(args, ready=lambda: print('READY', flush=True))\n"
