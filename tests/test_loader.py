@@ -397,7 +397,9 @@ def test_a_phi3_gguf_loads_as_its_folder(tmp_path):
             assert torch.equal(got[k], want[k]), k
 
 
-def test_a_phi3_ggufs_fused_matrices_stay_packed_on_the_cpu(tmp_path, monkeypatch, smollm_tokenizer_dir):
+@pytest.mark.parametrize("arch,gguf_arch", [("phi3", "phi3"), ("gemma3_text", "gemma3")])
+def test_a_ggufs_matrices_stay_packed_on_the_cpu(tmp_path, monkeypatch, smollm_tokenizer_dir, arch, gguf_arch):
+    """Phi-3's fused ones (attn_qkv, ffn_up) and Gemma 3's: multiplied packed, greedy as expanded."""
     from transformers import AutoTokenizer
 
     from engine import LLM, SamplingParams
@@ -405,8 +407,8 @@ def test_a_phi3_ggufs_fused_matrices_stay_packed_on_the_cpu(tmp_path, monkeypatc
 
     if not matmul.packed_available():
         pytest.skip("the C kernel does not build here")
-    folder = make_tiny_model(str(tmp_path / "phi3"), "phi3", smollm_tokenizer_dir)
-    _write_gguf(folder, str(tmp_path / "phi3.gguf"), "phi3", matrices_as="Q8_0")
+    folder = make_tiny_model(str(tmp_path / arch), arch, smollm_tokenizer_dir)
+    _write_gguf(folder, str(tmp_path / "phi3.gguf"), gguf_arch, matrices_as="Q8_0")
     prompts = [[(7 * i + 3 * j) % 5000 + 3 for j in range(n)] for i, n in enumerate([4, 40])]
     outs = []
     for rows in (None, "0"):  # "0": the C kernel off, so nothing is kept packed

@@ -27,7 +27,7 @@ engine's objects (the engine's code is untouched; on CUDA each step ends with a 
 
 - ``decode_vs_floor``: a decode-only step's time ÷ its memory floor, the bytes it must read (every
   weight once, the input embedding only if tied to the LM head, + the KV cache of every sequence in
-  it) ÷ the memory bandwidth of a large copy
+  it, a sliding layer's only within its window) ÷ the memory bandwidth of a large copy
   (``measure_bandwidth``); the median over decode-only steps, as are ``decode_step_ms`` and
   ``decode_floor_ms``.
 - ``host_share``: the steps' time on the host (scheduling, ``ModelRunner._prepare``, the host part of
@@ -265,10 +265,12 @@ class StepProbe:
         moe = model.cfg.moe
         experts = [layer.mlp.experts for i, layer in enumerate(model.layers) if model.cfg.sparse(i)]
         self.moe = (moe.num_experts, moe.top_k, sum(e.w13.nbytes + e.w2.nbytes for e in experts)) if moe else None
-        self.kv_bytes_per_token = kv_block_bytes(runner.local_cfg, 1, runner.dtype)  # this rank's share
-        # (wall s, host s, KV tokens if decode-only, sequences)
-        self.steps: list[tuple[float, float, int | None, int]] = []
-        self._host, self._kv_tokens, self._seqs, self._forward_step_start = 0.0, None, 0, None
+        cfg = runner.local_cfg
+        self.kv_bytes_per_layer_token = kv_block_bytes(cfg, 1, runner.dtype) / cfg.num_layers  # this rank's share
+        self.windows = [cfg.window(i) for i in range(cfg.num_layers)]  # a sliding layer reads its window only
+        # (wall s, host s, KV bytes if decode-only, sequences)
+        self.steps: list[tuple[float, float, float | None, int]] = []
+        self._host, self._kv_bytes, self._seqs, self._forward_step_start = 0.0, None, 0, None
 
         self._step, self._forward_step = engine.step, runner.forward_step
         self._schedule = self._on_host(scheduler.schedule)
@@ -282,20 +284,21 @@ class StepProbe:
             runner.graphs.replay = self._forward_begins(runner.graphs.replay)
 
     def step(self):
-        self._host, self._kv_tokens = 0.0, None
+        self._host, self._kv_bytes = 0.0, None
         start = time.perf_counter()
         deltas = self._step()
         # (the sampler's .tolist() has waited already; this makes sure) Not under asynchronous scheduling:
         # a step leaves the next in flight, and a step's time is then the period between the two.
         if self.cuda and not self.overlapped:
             torch.cuda.synchronize()
-        self.steps.append((time.perf_counter() - start, self._host, self._kv_tokens, self._seqs))
+        self.steps.append((time.perf_counter() - start, self._host, self._kv_bytes, self._seqs))
         return deltas
 
     def schedule(self):
         batch = self._schedule()
-        if len(batch) and batch.num_prompt_tokens == 0:  # decode-only: each sequence reads all its KV
-            self._kv_tokens = sum(r.num_tokens for r in batch.requests)
+        if len(batch) and batch.num_prompt_tokens == 0:  # decode-only: each sequence reads its KV (windows)
+            tokens = sum(min(r.num_tokens, w or r.num_tokens) for r in batch.requests for w in self.windows)
+            self._kv_bytes = tokens * self.kv_bytes_per_layer_token
             self._seqs = len(batch.requests)
         return batch
 
@@ -335,7 +338,7 @@ class StepProbe:
 
     def report(self, bandwidth: float) -> StepReport:
         decodes = [  # (wall s, floor s)
-            (wall, (self.step_weight_bytes(seqs) + kv * self.kv_bytes_per_token) / bandwidth)
+            (wall, (self.step_weight_bytes(seqs) + kv) / bandwidth)
             for wall, _, kv, seqs in self.steps
             if kv is not None
         ]
