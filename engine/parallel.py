@@ -255,14 +255,20 @@ class Driver:
         # ...but a connection each ("rank 2 on node 1" -> its socket), closed by its kernel when it dies: a
         # collective posted to a peer gloo already saw close can wait out its whole timeout instead of failing
         self.links: dict[str, socket.socket] = {}
+        self._link_poll = select.poll()  # over the links, registered once (``link``)
         self.broken: str | None = None  # why the group cannot go on
         self.cpu_group = None
         self.store = None  # the rendezvous, kept alive with the group
         self._on_close = on_close
         self._closed = False
 
+    def link(self, who: str, sock: socket.socket) -> None:
+        """Watch ``who``'s connection (a rank on another node): ``dead`` polls it before every step."""
+        self.links[who] = sock
+        self._link_poll.register(sock, select.POLLIN)
+
     def dead(self) -> list[str]:
-        """One line per worker that is gone (a cheap waitpid each; one select over the remote ones)."""
+        """One line per worker that is gone (a cheap waitpid each; one poll over the remote ones)."""
         out = []
         for rank, p in enumerate(self.procs, start=1):
             code = p.exitcode
@@ -270,10 +276,7 @@ class Driver:
                 how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
                 out.append(f"tensor-parallel rank {rank} (pid {p.pid}) died ({how})")
         if self.links:
-            poll = select.poll()
-            for sock in self.links.values():
-                poll.register(sock, select.POLLIN)
-            ready = {fd for fd, _ in poll.poll(0)}
+            ready = {fd for fd, _ in self._link_poll.poll(0)}
             out += [f"tensor-parallel {who} is gone (its connection to rank 0 closed)"
                     for who, sock in self.links.items() if sock.fileno() in ready and _closed(sock)]
         return out

@@ -149,7 +149,7 @@ def _wait_for_workers(store: dist.Store, driver: Driver, t: int) -> None:
 
 def _accept_links(server: socket.socket, driver: Driver, local: int, t: int) -> None:
     """Rank 0: the connection of every rank on another node (each sends its rank, 4 bytes), into
-    ``driver.links``: when a rank there dies, its kernel closes it, and ``Driver.check`` sees that
+    ``driver.links`` (``Driver.link``): when a rank there dies, its kernel closes it, and ``Driver.check`` sees that
     before the next step (a host that goes silent: TCP keepalive, within about half a minute). A
     connection that says no rank of theirs, or one already linked, is dropped."""
     server.settimeout(0.5)
@@ -180,7 +180,7 @@ def _accept_links(server: socket.socket, driver: Driver, local: int, t: int) -> 
         for option, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
             if hasattr(socket, option):
                 sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
-        driver.links[f"rank {rank} on node {rank // local}"] = sock
+        driver.link(f"rank {rank} on node {rank // local}", sock)
         waiting.discard(rank)
 
 
