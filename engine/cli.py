@@ -95,6 +95,13 @@ def _engine_flags(p: argparse.ArgumentParser, generate: bool = False) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="share the KV cache blocks of prompts that start alike (a system prompt, earlier "
                         "turns of a chat); --no-enable-prefix-caching turns it off (default: on)")
+    g.add_argument("--generation-config", default=None, metavar="auto|vllm|DIR",
+                   help="default sampling values for requests that leave them out (temperature, top_p, top_k, "
+                        "min_p, repetition_penalty; a chat's max_tokens from max_new_tokens): auto reads the "
+                        "model's generation_config.json, as vLLM does; vllm: none (OpenAI's defaults); DIR: that "
+                        "folder's generation_config.json (default: auto)")
+    g.add_argument("--override-generation-config", type=_json_map, default=None, metavar="JSON",
+                   help="sampling defaults on top of --generation-config's, e.g. '{\"temperature\": 0.5}'")
     g.add_argument("--pooler-config", type=_json_map, default=None, metavar="JSON",
                    help="how /v1/embeddings pools a prompt: '{\"pooling_type\": \"MEAN\", \"normalize\": false}'; "
                         "pooling_type LAST or MEAN (default: the model's sentence-transformers or GGUF setting, "

@@ -16,6 +16,7 @@ from functools import cached_property
 
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.model_path import generation_defaults
 from engine.protocol import PoolingParams, SamplingParams, TokenLogprobs, embedding_floats
 from frontends.generation import Choice
 from frontends.text import StopMatcher, TextCodec
@@ -61,6 +62,17 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: what ``generate`` and ``chat`` sample with when given no ``SamplingParams``, OpenAI's
+        defaults but for the model's generation_config.json (``generation_config``, as the server's)."""
+        return SamplingParams(**self._sampling_defaults)
+
+    @cached_property
+    def _sampling_defaults(self) -> dict:
+        c = self.config
+        return generation_defaults(c.generation_config, self.engine.runner.facts.model_path,
+                                   c.override_generation_config)
+
     @cached_property
     def tokenizer(self):
         return load_tokenizer(self.engine.tokenizer_path)
@@ -74,7 +86,8 @@ class LLM:
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()]
+        params = sampling_params if isinstance(sampling_params, list) else [
+            sampling_params or self.get_default_sampling_params()]
         params = params * len(prompts) if len(params) == 1 else params
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")

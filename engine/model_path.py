@@ -1,4 +1,5 @@
-"""Where a model lives: resolve ``--model`` (or its absence) to a local path.
+"""Where a model lives: resolve ``--model`` (or its absence) and ``--tokenizer`` to local paths, and
+read the sampling defaults its generation_config.json gives (``--generation-config``).
 
 Torch-free: the launcher resolves the path once and hands it to every process.
 """
@@ -6,6 +7,7 @@ Torch-free: the launcher resolves the path once and hands it to every process.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -56,6 +58,38 @@ def resolve_tokenizer_path(tokenizer: str | None, model_path: str) -> str:
         return path
     raise FileNotFoundError(f"tokenizer {tokenizer!r} not found: give a local folder with a tokenizer.json or "
                             f"tokenizer_config.json, or a .gguf file")
+
+
+# generation_config.json's sampling values, each with transformers' default (None: it has none): a value
+# equal to it is no choice of the model's (vLLM's rule, which reads GenerationConfig.to_diff_dict())
+_SAMPLING_KEYS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0,
+                  "max_new_tokens": None}
+
+
+def generation_defaults(setting: str, model_path: str, override: dict | None = None) -> dict:
+    """vLLM's ``--generation-config``: the default sampling values of requests that leave them out.
+    ``auto``: the model folder's generation_config.json (a GGUF file has none); ``vllm``: none (OpenAI's
+    defaults); else a folder holding one. ``override`` (``--override-generation-config``) goes on top.
+    Named as a request names them: temperature, top_p, top_k, min_p, repetition_penalty, max_tokens."""
+    found: dict = {}
+    if setting != "vllm":
+        folder = model_path if setting == "auto" else os.path.abspath(os.path.expanduser(setting))
+        path = os.path.join(folder, "generation_config.json")
+        if os.path.isfile(path):
+            with open(path) as f:
+                cfg = json.load(f)
+            found = {k: cfg[k] for k, hf in _SAMPLING_KEYS.items() if cfg.get(k) is not None and cfg[k] != hf}
+        elif setting != "auto":
+            raise FileNotFoundError(f"--generation-config {setting!r}: no generation_config.json there")
+    found |= override or {}
+    if "max_new_tokens" in found:
+        found["max_tokens"] = found.pop("max_new_tokens")
+    for k, v in found.items():
+        whole = k in ("top_k", "max_tokens")
+        if k not in _SAMPLING_KEYS and k != "max_tokens" or isinstance(v, bool) or not isinstance(
+                v, int if whole else (int, float)):
+            raise ValueError(f"generation config {k}={v!r}: only {', '.join(_SAMPLING_KEYS)} are read, as numbers")
+    return found
 
 
 def model_name(path: str) -> str:

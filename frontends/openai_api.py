@@ -88,7 +88,7 @@ class OpenAIApi:
     def __init__(self, client: EngineClient, codec: TextCodec, served_model_name: str,
                  api_keys: list[str] | None = None, allowed_origins: list[str] | None = None,
                  metrics: Metrics | None = None, metrics_no_auth: bool = False, tool_call_parser: str = "auto",
-                 reasoning_parser: str = "auto") -> None:
+                 reasoning_parser: str = "auto", sampling_defaults: dict | None = None) -> None:
         self.client = client
         self.metrics = metrics
         self.metrics_no_auth = metrics_no_auth
@@ -104,6 +104,7 @@ class OpenAIApi:
                             else None if tool_call_parser == "none" else tool_call_parser)
         # whether <think>...</think> is split off into reasoning_content (frontends.reasoning)
         self.thinking = reasoning.detect(template) if reasoning_parser == "auto" else reasoning_parser != "none"
+        self.sampling_defaults = sampling_defaults or {}  # the model's (engine.model_path.generation_defaults)
 
     def routes(self, router: Router | None = None) -> Router:
         router = router or Router()
@@ -260,7 +261,8 @@ class OpenAIApi:
         max_tokens = op.resolve_max_tokens(data, ("max_tokens",), [len(p) for p in prompts],
                                            self.max_model_len, default=16)
         base = op.sampling_params(data, max_tokens=max_tokens, logprobs=logprobs, vocab_size=self.codec.vocab_size,
-                                  prompt_logprobs=logprobs if echo and logprobs is not None else None)
+                                  prompt_logprobs=logprobs if echo and logprobs is not None else None,
+                                  defaults=self.sampling_defaults)
         op.check_fan_out(len(prompts), n, base, self.client.ready.max_num_waiting_requests)
         stop = await self._stop_matcher(base.stop)
         self._require_engine()
@@ -293,10 +295,11 @@ class OpenAIApi:
             raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
         prompt = await self._chat_template(data, messages, calls=calls)
         max_tokens = op.resolve_max_tokens(data, ("max_completion_tokens", "max_tokens"), [len(prompt)],
-                                           self.max_model_len, default=None)
+                                           self.max_model_len, default=self.sampling_defaults.get("max_tokens"))
         tool_schema = calls.schema() if calls else None
         base = op.sampling_params(data, max_tokens=max_tokens, logprobs=(top or 0) if want_logprobs else None,
-                                  vocab_size=self.codec.vocab_size, tool_schema=tool_schema)
+                                  vocab_size=self.codec.vocab_size, tool_schema=tool_schema,
+                                  defaults=self.sampling_defaults)
         if tool_schema is not None and base.stop:  # stop strings could only cut the calls' JSON short
             base = dataclasses.replace(base, stop=[])
         op.check_fan_out(1, n, base, self.client.ready.max_num_waiting_requests)

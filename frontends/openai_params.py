@@ -202,9 +202,13 @@ def parse_template_kwargs(data: dict) -> dict[str, Any]:
 
 
 def sampling_params(data: dict, *, max_tokens: int, logprobs: int | None, vocab_size: int,
-                    prompt_logprobs: int | None = None, tool_schema: dict | None = None) -> SamplingParams:
+                    prompt_logprobs: int | None = None, tool_schema: dict | None = None,
+                    defaults: dict | None = None) -> SamplingParams:
     """The sampling fields shared by both endpoints (``max_tokens`` already resolved). ``tool_schema``:
-    what tool calling holds the output to (``frontends.tools``), in place of the structured-output fields."""
+    what tool calling holds the output to (``frontends.tools``), in place of the structured-output fields.
+    ``defaults``: the model's values (temperature, top_p, top_k, min_p, repetition_penalty) for fields the
+    request leaves out, in place of OpenAI's."""
+    d = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0} | (defaults or {})
     stop = field(data, "stop", (str, list), [])
     if isinstance(stop, str):
         stop = [stop]
@@ -236,14 +240,14 @@ def sampling_params(data: dict, *, max_tokens: int, logprobs: int | None, vocab_
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=field(data, "temperature", num, 1.0),
-            top_p=field(data, "top_p", num, 1.0),
-            top_k=field(data, "top_k", int, 0),
-            min_p=field(data, "min_p", num, 0.0),
+            temperature=field(data, "temperature", num, d["temperature"]),
+            top_p=field(data, "top_p", num, d["top_p"]),
+            top_k=field(data, "top_k", int, d["top_k"]),
+            min_p=field(data, "min_p", num, d["min_p"]),
             seed=field(data, "seed", int, None),
             presence_penalty=field(data, "presence_penalty", num, 0.0),
             frequency_penalty=field(data, "frequency_penalty", num, 0.0),
-            repetition_penalty=field(data, "repetition_penalty", num, 1.0),
+            repetition_penalty=field(data, "repetition_penalty", num, d["repetition_penalty"]),
             logit_bias=logit_bias,
             stop=stop,
             stop_token_ids=stop_token_ids,

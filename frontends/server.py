@@ -61,6 +61,7 @@ class FrontendArgs:
     tool_call_parser: str = "auto"  # "auto" (from the chat template), a format of frontends.tools, or "none"
     reasoning_parser: str = "auto"  # "auto" (from the chat template), "none", or a name that turns it on
     chat_template: str | None = None  # instead of the model's (``--chat-template``)
+    sampling_defaults: dict = field(default_factory=dict)  # for fields a request leaves out (--generation-config)
 
 
 def engine_client(args: FrontendArgs) -> EngineClient | EngineRouter:
@@ -106,7 +107,8 @@ async def serve(args: FrontendArgs, ready: Callable[[], None] | None = None) -> 
             c.on_stats(c.last_stats)
     api = OpenAIApi(client, codec, args.served_model_name, args.api_keys,
                     allowed_origins=args.allowed_origins, metrics=metrics, metrics_no_auth=args.metrics_no_auth,
-                    tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+                    tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                    sampling_defaults=args.sampling_defaults)
     access_log = AccessLog(metrics, enabled=args.log_requests, log_prompts=args.log_prompts)
     router = build_router(api, args.ws, access_log)
     access_log.router = router

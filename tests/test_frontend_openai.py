@@ -483,3 +483,45 @@ def test_https(tmp_path, smollm_tokenizer_dir):
     finally:
         assert stop_frontend(proc) == 0
         engine.stop()
+
+
+# ----------------------------------------------------------------------------- the model's sampling defaults
+
+
+def test_the_models_generation_config_fills_what_a_request_leaves_out(tmp_path, smollm_tokenizer_dir):
+    """--generation-config auto (vLLM's default): a request without temperature, top_p, top_k... samples
+    with the model's; one that gives them, with its own; a chat's max_tokens from max_new_tokens (a
+    completion's stays OpenAI's 16)."""
+    defaults = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.1, "max_tokens": 7}
+    with fake_stack(str(tmp_path), smollm_tokenizer_dir, sampling_defaults=defaults) as (engine, port):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+        p = engine.adds[-1].params
+        assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty, p.max_tokens) == (
+            0.6, 0.95, 20, 0.0, 1.1, 7)
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=1.0,
+                                       top_p=1.0, max_tokens=3, extra_body={"top_k": 0, "repetition_penalty": 1.0})
+        p = engine.adds[-1].params
+        assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty, p.max_tokens) == (1.0, 1.0, 0, 1.0, 3)
+        client.completions.create(model=MODEL, prompt="hi")
+        p = engine.adds[-1].params
+        assert (p.temperature, p.top_k, p.max_tokens) == (0.6, 20, 16)
+
+
+def test_generation_defaults_read_as_vllm_reads_them(tmp_path):
+    from engine.model_path import generation_defaults
+
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.6, "top_k": 50, "top_p": 0.95, "max_new_tokens": 512, "eos_token_id": 2}))
+    # top_k 50 is transformers' own default: no choice of the model's (vLLM reads the diff from it)
+    assert generation_defaults("auto", str(tmp_path)) == {"temperature": 0.6, "top_p": 0.95, "max_tokens": 512}
+    assert generation_defaults("vllm", str(tmp_path)) == {}
+    assert generation_defaults("vllm", str(tmp_path), {"temperature": 0.2}) == {"temperature": 0.2}
+    assert generation_defaults("auto", str(tmp_path), {"top_k": 5})["top_k"] == 5
+    assert generation_defaults("auto", str(tmp_path / "model.gguf")) == {}  # a GGUF file: none
+    with pytest.raises(FileNotFoundError, match="no generation_config.json there"):
+        generation_defaults(str(tmp_path / "nowhere"), str(tmp_path))
+    with pytest.raises(ValueError, match="generation config seed=1: only temperature, top_p"):
+        generation_defaults("vllm", str(tmp_path), {"seed": 1})
+    with pytest.raises(ValueError, match="top_k=0.5"):
+        generation_defaults("vllm", str(tmp_path), {"top_k": 0.5})

@@ -21,7 +21,7 @@ from engine.config import EngineConfig
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_server_e2e import CMD, ROOT  # noqa: E402
 
-SERVE_FLAGS = ["--model", "--tokenizer", "--chat-template", "--served-model-name", "--host", "--port", "--api-key", "--ssl-keyfile",
+SERVE_FLAGS = ["--model", "--tokenizer", "--generation-config", "--override-generation-config", "--chat-template", "--served-model-name", "--host", "--port", "--api-key", "--ssl-keyfile",
                "--ssl-certfile", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
                "--gpu-memory-utilization", "--kv-cache-memory", "--dtype", "--device", "--block-size", "--seed",
                "--api-server-count", "--tensor-parallel-size", "--ws-max-buffer", "--ws-max-message",
@@ -144,6 +144,25 @@ def test_missing_model_exits_2():
     r = tokenmill("serve", "--model", "/nonexistent/model", timeout=30)
     assert r.returncode == 2
     assert "not found" in r.stderr
+
+
+def test_generation_config_flags(tmp_path, tiny_llama):
+    """--generation-config / --override-generation-config reach the config; a folder without the file, or a
+    value that is no sampling number, stops the server at start (exit 2)."""
+    from engine import LLM
+    from engine.cli import _config_kwargs
+
+    args = build_parser().parse_args(["serve", "--generation-config", "vllm", "--override-generation-config",
+                                      '{"temperature": 0.5}'])
+    assert _config_kwargs(args) == {"generation_config": "vllm", "override_generation_config": {"temperature": 0.5}}
+    r = tokenmill("serve", "--model", tiny_llama, "--generation-config", str(tmp_path), timeout=30)
+    assert r.returncode == 2 and "no generation_config.json there" in r.stderr
+    r = tokenmill("serve", "--model", tiny_llama, "--override-generation-config", '{"top_k": "many"}', timeout=30)
+    assert r.returncode == 2 and "top_k='many'" in r.stderr
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.7, "top_p": 0.8}')
+    llm = LLM(tiny_llama, generation_config=str(tmp_path), override_generation_config={"top_k": 4})
+    p = llm.get_default_sampling_params()
+    assert (p.temperature, p.top_p, p.top_k, p.max_tokens) == (0.7, 0.8, 4, 16)
 
 
 def test_missing_tokenizer_exits_2(tiny_llama):
