@@ -21,6 +21,7 @@ import re
 import sys
 from urllib.parse import urlsplit
 
+from engine import vllm_flags
 from engine.config import ASYNC_SCHEDULING, DEVICES, DTYPES, POLICIES, QUANTIZATIONS, EngineConfig
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
@@ -249,6 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--log-prompts", action="store_true",
                    help="put the prompt (or chat messages, up to 2000 characters) in the access log; off by "
                         "default: prompts are user data")
+
+    vllm_flags.add(s)
 
     e = sub.add_parser("engine", help="a headless engine that frontends on other machines use",
                        description="Start an engine alone, listening for `tokenmill serve --engine` frontends. "

@@ -146,6 +146,27 @@ def test_missing_model_exits_2():
     assert "not found" in r.stderr
 
 
+def test_a_vllm_command_line_starts_unchanged():
+    """vLLM's flags that hold here already or cannot apply are taken and set nothing (each says which in
+    --help); a value tokenmill cannot honour is refused, naming the flag."""
+    from engine.cli import _config_kwargs
+
+    vllm = ["--trust-remote-code", "--enable-chunked-prefill", "--disable-log-stats", "--max-logprobs", "20",
+            "--kv-cache-dtype", "auto", "-pp", "1", "--swap-space", "4", "--download-dir", "/tmp/x", "--revision",
+            "main", "--load-format", "safetensors", "--tokenizer-mode", "auto", "--distributed-executor-backend",
+            "mp", "--uvicorn-log-level", "info", "--max-seq-len-to-capture", "8192", "--enable-log-requests"]
+    args = build_parser().parse_args(["serve", "--model", "m", *vllm, "--max-model-len", "4096",
+                                      "--disable-uvicorn-access-log"])
+    assert _config_kwargs(args) == {"model": "m", "max_model_len": 4096}
+    assert args.disable_log_requests  # (as --disable-log-requests)
+    help_text = tokenmill("serve", "--help", timeout=30).stdout
+    for flag in [f for f in vllm if f.startswith("--")]:
+        assert re.search(rf"^\s+{re.escape(flag)}\b.*?\S.*?(?=^\s+-|\Z)", help_text, re.M | re.S), flag
+    for bad in (["--kv-cache-dtype", "fp8"], ["-pp", "2"], ["--distributed-executor-backend", "ray"]):
+        r = tokenmill("serve", *bad, timeout=30)
+        assert r.returncode == 2 and re.search(rf"invalid choice: '?{bad[1]}'?", r.stderr), r.stderr
+
+
 def test_generation_config_flags(tmp_path, tiny_llama):
     """--generation-config / --override-generation-config reach the config; a folder without the file, or a
     value that is no sampling number, stops the server at start (exit 2)."""

@@ -1,0 +1,48 @@
+"""vLLM's ``serve`` flags that tokenmill takes only so that a vLLM command line (a compose file, a
+Kubernetes manifest) starts unchanged. Each one either holds here already or cannot apply here, and its
+``--help`` says which; a value tokenmill cannot honour is refused as argparse refuses any bad value
+(exit 2, naming the flag and the values it takes). None of them sets anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def add(parser: argparse.ArgumentParser) -> None:
+    v = parser.add_argument_group("accepted from vLLM command lines (each holds here already, or cannot apply)")
+    v.add_argument("--trust-remote-code", action="store_true",
+                   help="no code from a model's folder runs here: every architecture is tokenmill's own")
+    v.add_argument("--enable-chunked-prefill", action="store_true",
+                   help="prompts are always prefilled in chunks here (--max-num-batched-tokens a step)")
+    v.add_argument("--disable-log-stats", action="store_true",
+                   help="there is no periodic stats log here: GET /metrics has them")
+    v.add_argument("--enable-log-requests", action="store_true",
+                   help="finished requests are logged by default here (--disable-log-requests)")
+    v.add_argument("--disable-uvicorn-access-log", action="store_true", dest="disable_log_requests",
+                   help="as --disable-log-requests (the HTTP server is tokenmill's own)")
+    v.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default=None,
+                   help="the log level is $TOKENMILL_LOG_LEVEL's here")
+    v.add_argument("--max-logprobs", type=int, default=None, metavar="N",
+                   help="a token's top logprobs are at most 20 for chats and 5 for completions here, as "
+                        "OpenAI's API allows")
+    v.add_argument("--swap-space", type=float, default=None, metavar="GIB",
+                   help="a preempted request is recomputed (its prefix from the cache), never swapped out")
+    v.add_argument("--max-seq-len-to-capture", type=int, default=None, metavar="N",
+                   help="decode steps replay as graphs whatever their context's length")
+    v.add_argument("--download-dir", default=None, metavar="DIR",
+                   help="nothing is downloaded here: --model is a local folder or .gguf file")
+    v.add_argument("--revision", default=None, metavar="REV", help="as --download-dir")
+    v.add_argument("--load-format", choices=("auto", "safetensors", "gguf"), default=None,
+                   help="read off --model: safetensors in a folder, or a .gguf file")
+    v.add_argument("--tokenizer-mode", choices=("auto", "hf"), default=None,
+                   help="tokenizers are transformers' here (--tokenizer for another one)")
+    v.add_argument("--kv-cache-dtype", choices=("auto",), default=None,
+                   help="the KV cache is kept in the model's dtype (an fp8 cache is not supported)")
+    v.add_argument("--pipeline-parallel-size", "-pp", type=int, choices=(1,), default=None,
+                   help="no pipeline parallelism here: --tensor-parallel-size and --data-parallel-size split "
+                        "the work")
+    v.add_argument("--distributed-executor-backend", choices=("mp", "uni"), default=None,
+                   help="tensor-parallel ranks are processes here, over torch.distributed (as mp)")
