@@ -103,6 +103,10 @@ def _engine_flags(p: argparse.ArgumentParser, generate: bool = False) -> None:
                         "folder's generation_config.json (default: auto)")
     g.add_argument("--override-generation-config", type=_json_map, default=None, metavar="JSON",
                    help="sampling defaults on top of --generation-config's, e.g. '{\"temperature\": 0.5}'")
+    g.add_argument("--hf-overrides", type=_json_map, default=None, metavar="JSON",
+                   help="config.json values to replace before the model is built, as vLLM's flag: "
+                        "'{\"sliding_window\": null}', '{\"max_position_embeddings\": 65536, \"rope_scaling\": "
+                        "{...}}' (a nested map key by key; a GGUF file's as a config.json names them)")
     g.add_argument("--pooler-config", type=_json_map, default=None, metavar="JSON",
                    help="how /v1/embeddings pools a prompt: '{\"pooling_type\": \"MEAN\", \"normalize\": false}'; "
                         "pooling_type LAST or MEAN (default: the model's sentence-transformers or GGUF setting, "

@@ -25,6 +25,7 @@ class EngineConfig:
     served_model_name: str | None = None  # defaults to the model's folder/file name
     tokenizer: str | None = None  # vLLM's --tokenizer: a folder or .gguf whose tokenizer serves; None = the model's
     generation_config: str = "auto"  # default sampling: auto (the model's generation_config.json), vllm, a folder
+    hf_overrides: dict | None = None  # vLLM's --hf-overrides: config.json values replaced before it is read
     override_generation_config: dict | None = None  # sampling defaults on top of those (temperature, top_p...)
     dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
     quantization: str | None = None  # vLLM's --quantization: the checkpoint must be this; None = what it says

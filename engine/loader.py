@@ -34,11 +34,14 @@ from engine.parallel import TPGroup
 log = logging.getLogger("tokenmill.engine")
 
 
-def load_model_config(path: str) -> ModelConfig:
+def load_model_config(path: str, overrides: dict | None = None) -> ModelConfig:
+    """The model's config; ``overrides`` (vLLM's ``--hf-overrides``) replace config.json's values first
+    (a nested map, Gemma 3's text_config say, key by key), or a GGUF file's as a config.json names them."""
     if path.endswith(".gguf"):
-        return ModelConfig.from_hf(*_gguf_config(path))
+        cfg, eos = _gguf_config(path)
+        return ModelConfig.from_hf(_override(cfg, overrides or {}), eos)
     with open(os.path.join(path, "config.json")) as f:
-        cfg = json.load(f)
+        cfg = _override(json.load(f), overrides or {})
     for file, method in (("quantize_config.json", "gptq"), ("quant_config.json", "awq")):
         if not cfg.get("quantization_config") and os.path.isfile(os.path.join(path, file)):
             with open(os.path.join(path, file)) as f:  # AutoGPTQ's and early AutoAWQ's own files
@@ -54,6 +57,13 @@ def load_model_config(path: str) -> ModelConfig:
     if not config.tie_word_embeddings and "lm_head.weight" not in _safetensors_index(path):
         config = dataclasses.replace(config, lm_head=False)  # a bare backbone (Qwen3-Embedding 4B, 8B): embeds only
     return config
+
+
+def _override(cfg: dict, overrides: dict) -> dict:
+    out = dict(cfg)
+    for k, v in overrides.items():
+        out[k] = _override(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
 
 
 def build_model(path: str, cfg: ModelConfig, max_positions: int, dtype: torch.dtype,

@@ -126,7 +126,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: str, tp: TPGroup | None = None):
         device = pick_device(config)
         dtype = pick_dtype(config, device)
-        self.model_cfg = load_model_config(model_path)
+        self.model_cfg = load_model_config(model_path, config.hf_overrides)
         found = self.model_cfg.quant.method if self.model_cfg.quant else None
         if config.quantization and config.quantization.removesuffix("_marlin") != found:
             raise ValueError(f"--quantization {config.quantization}, but {model_path} is " + (

@@ -337,6 +337,23 @@ def test_configs_read_as_transformers_reads_them(raw):
             rope["sliding_attention"]["rope_theta"])
 
 
+def test_hf_overrides_replace_config_values_before_the_model_is_read(tmp_path):
+    """vLLM's --hf-overrides: top-level values, a nested map key by key (Gemma 3's text_config), a GGUF's."""
+    from engine import LLM
+    from tests.conftest import make_tiny_gemma3_multimodal
+
+    folder = make_tiny_model(str(tmp_path / "mistral"), "mistral", None, sliding_window=16)
+    assert load_model_config(folder).sliding_window == 16
+    assert load_model_config(folder, {"sliding_window": None}).sliding_window is None
+    llm = LLM(folder, hf_overrides={"sliding_window": 8, "max_position_embeddings": 256}, num_kv_blocks=64)
+    assert llm.engine.runner.model_cfg.window(0) == 8 and llm.engine.max_model_len == 256
+    mm = make_tiny_gemma3_multimodal(str(tmp_path / "g3"), None)
+    cfg = load_model_config(mm, {"text_config": {"sliding_window": 8}})
+    assert (cfg.window(0), cfg.num_heads, cfg.head_dim) == (8, 8, 256)  # the text_config's other values kept
+    _write_gguf(folder, str(tmp_path / "m.gguf"), "llama")
+    assert load_model_config(str(tmp_path / "m.gguf"), {"rms_norm_eps": 1e-3}).rms_norm_eps == 1e-3
+
+
 def test_embeddinggemma_is_refused_not_served_causally():
     with pytest.raises(ValueError, match=r"bidirectional attention \(EmbeddingGemma\) is not supported"):
         ModelConfig.from_hf({"model_type": "gemma3_text", "num_hidden_layers": 2, "hidden_size": 64,

@@ -21,7 +21,8 @@ from engine.config import EngineConfig
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_server_e2e import CMD, ROOT  # noqa: E402
 
-SERVE_FLAGS = ["--model", "--tokenizer", "--generation-config", "--override-generation-config", "--chat-template", "--served-model-name", "--host", "--port", "--api-key", "--ssl-keyfile",
+SERVE_FLAGS = ["--model", "--tokenizer", "--generation-config", "--override-generation-config", "--hf-overrides",
+               "--chat-template", "--served-model-name", "--host", "--port", "--api-key", "--ssl-keyfile",
                "--ssl-certfile", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
                "--gpu-memory-utilization", "--kv-cache-memory", "--dtype", "--device", "--block-size", "--seed",
                "--api-server-count", "--tensor-parallel-size", "--ws-max-buffer", "--ws-max-message",
@@ -176,6 +177,8 @@ def test_generation_config_flags(tmp_path, tiny_llama):
     args = build_parser().parse_args(["serve", "--generation-config", "vllm", "--override-generation-config",
                                       '{"temperature": 0.5}'])
     assert _config_kwargs(args) == {"generation_config": "vllm", "override_generation_config": {"temperature": 0.5}}
+    args = build_parser().parse_args(["serve", "--hf-overrides", '{"sliding_window": null}'])
+    assert _config_kwargs(args) == {"hf_overrides": {"sliding_window": None}}
     r = tokenmill("serve", "--model", tiny_llama, "--generation-config", str(tmp_path), timeout=30)
     assert r.returncode == 2 and "no generation_config.json there" in r.stderr
     r = tokenmill("serve", "--model", tiny_llama, "--override-generation-config", '{"top_k": "many"}', timeout=30)
