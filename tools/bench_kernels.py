@@ -5,7 +5,8 @@ stored contiguously for attention, the eager reference twin in ``kernels.referen
 the floor, the bytes the kernel must move ÷ the device's copy bandwidth (the best of a few 1 GiB
 device-to-device copies, as ``bench_offline`` measures it). ``bw`` is floor ÷ kernel time: the share of the bandwidth the kernel reaches.
 Shapes: SmolLM2-135M's and Qwen2-0.5B's heads (head_dim 64), bf16, KV blocks of 16 tokens scattered
-as in a busy cache; decode at ``--batch`` sequences for each ``--contexts`` length, prefill of
+as in a busy cache; decode at ``--batch`` sequences for each ``--contexts`` length (and at the longest,
+through a sliding window of 1024: SDPA then over the window's keys alone), prefill of
 ``--prefill`` fresh prompts, the other kernels at the decode batch's and the prefill's token counts;
 the MLP's gate|up projection as Q4_Z blocks (an int4 checkpoint) at 1 row, the batch's and the prefill's;
 a mixture of experts' layer (Qwen3-30B-A3B's: 128 experts, 8 a token) at the same token counts.
@@ -77,6 +78,18 @@ def cases(model: str, batch: int, contexts: list[int], prefill: tuple[int, int])
                    2 * k.numel() * ELT + 2 * q.numel() * ELT + tables.numel() * 4,
                    lambda q=q, kc=k_cache, vc=v_cache, bt=tables, sl=lens, n=ctx:
                    tri.paged_decode_attention(q, kc, vc, bt, sl, n, scale),
+                   lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale,
+                                                                        enable_gqa=True), sdpa)
+
+    ctx, window = contexts[-1], 1024  # a sliding layer (Gemma 3's window) reads only its window's keys
+    if ctx > window:
+        k_cache, v_cache, tables = paged(ctx, batch, hkv)
+        lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+        q, k, v = randn(batch, h, d), randn(batch, hkv, window, d), randn(batch, hkv, window, d)
+        yield Case("paged_decode_attention", model, f"B={batch} ctx={ctx} window={window}",
+                   2 * k.numel() * ELT + 2 * q.numel() * ELT + tables.numel() * 4,
+                   lambda q=q, kc=k_cache, vc=v_cache, bt=tables, sl=lens, n=ctx:
+                   tri.paged_decode_attention(q, kc, vc, bt, sl, n, scale, window),
                    lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale,
                                                                         enable_gqa=True), sdpa)
 
