@@ -425,9 +425,9 @@ def _gguf_config(path: str) -> tuple[dict, list[int]]:
 
 
 def _gguf_gemma(arch: str, a, cfg: dict) -> dict:
-    """Gemma's keys as llama.cpp reads them: its sliding layers by pattern (2: every other one from layer 0;
-    3: five of each six), Gemma 2's caps, query_pre_attn_scalar by size (hidden / heads in the 27Bs, else
-    head_dim), Gemma 3's global RoPE scaling (its sliding layers: base 10000, unscaled)."""
+    """Gemma's keys as llama.cpp reads them: the sliding layers by pattern (Gemma 2's every other one from
+    layer 0, Gemma 3's five of each six), Gemma 2's caps, query_pre_attn_scalar by size (hidden / heads in
+    the 27Bs, else head_dim), Gemma 3's global RoPE scaling (its sliding layers: base 10000, unscaled)."""
     gemma2 = arch == "gemma2"  # (its caps and window as llama.cpp assumes them where a file lacks the keys)
     extra = {"query_pre_attn_scalar": cfg["hidden_size"] // cfg["num_attention_heads"]
              if (arch, cfg["num_hidden_layers"]) in (("gemma2", 46), ("gemma3", 62)) else cfg["head_dim"],
@@ -513,9 +513,8 @@ def _gguf_weights(path: str, cfg: ModelConfig, packed: set[str] = frozenset()) -
             elif m[2].endswith("_exps"):  # all experts' part, stacked: named without "weight" (``_EXPERTS``)
                 name = f"model.layers.{m[1]}.{_GGUF_LAYER[m[2]]}"
             else:
-                sub = _GGUF_PHI3.get(m[2]) if cfg.model_type == "phi3" else _GGUF_GEMMA2.get(m[2]) \
-                    if cfg.gemma >= 2 else None
-                name = f"model.layers.{m[1]}.{sub or _GGUF_LAYER[m[2]]}.{m[4]}"
+                own = _GGUF_PHI3 if cfg.model_type == "phi3" else _GGUF_GEMMA2 if cfg.gemma >= 2 else {}
+                name = f"model.layers.{m[1]}.{own.get(m[2]) or _GGUF_LAYER[m[2]]}.{m[4]}"
         rows = [int(x) for x in reversed(t.shape)]  # GGUF lists dims fastest-first
         if t.name in packed:  # whole rows of blocks: permuting rows below works on them as on floats
             w = np.asarray(t.data, dtype=np.uint8).reshape(*rows[:-1], -1)

@@ -259,7 +259,8 @@ def _gemma3_text(cfg: dict) -> dict:
 def _sliding_window(cfg: dict, model_type: str) -> tuple[int | None, frozenset[int] | None]:
     """The sliding window (None: none, or one no shorter than the positions) and the sliding layers (None:
     all): ``layer_types``, or transformers' rules where a config predates them (Gemma 2: even layers;
-    Gemma 3: five of each six; Qwen2: those from max_window_layers on). Gemma's sliding layers are named even where no window is left."""
+    Gemma 3: five of each six; Qwen2: those from max_window_layers on). The layers are named even where no
+    window is left: Gemma 3's turn RoPE by their own base all the same."""
     n = cfg["num_hidden_layers"]
     if cfg.get("layer_types"):
         layers = frozenset(i for i, t in enumerate(cfg["layer_types"]) if t == "sliding_attention")
