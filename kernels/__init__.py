@@ -152,4 +152,5 @@ def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
 set_backend(os.environ.get("TOKENMILL_KERNELS", "auto"))
 
 __all__ = ["BACKENDS", "apply_rope_", "backend", "embedding", "fused_add_rms_norm", "fused_moe", "gelu_and_mul",
-           "linear", "paged_decode_attention", "paged_prefill_attention", "rms_norm", "set_backend", "silu_and_mul", "store_kvcache", "tune_linear"]
+           "linear", "paged_decode_attention", "paged_prefill_attention", "rms_norm", "set_backend", "silu_and_mul",
+           "store_kvcache", "tune_linear"]

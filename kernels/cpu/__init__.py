@@ -3,8 +3,9 @@
 blocks where they sit (decode in compiled C, prefill one SDPA per sequence; ``attention.py``),
 a linear layer for steps of few rows (compiled C where measured faster) and for weights kept
 packed as GGUF blocks (``matmul.py``), RMSNorm, RoPE and SiLU-and-mul in one compiled call each
-(``elementwise.py``; GELU-and-mul is the reference's), a step's K/V stored in one compiled call (``attention.py``), and a mixture
-of experts as the reference runs it, its experts' few rows each through that linear layer.
+(``elementwise.py``; GELU-and-mul is the reference's), a step's K/V stored in one compiled call
+(``attention.py``), and a mixture of experts as the reference runs it, its experts' few rows each
+through that linear layer.
 """
 
 from kernels.cpu.attention import (
@@ -27,5 +28,6 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids):
 
 
 __all__ = ["apply_rope_", "available", "decodes_in_c", "dequantize", "fused_add_rms_norm", "fused_moe", "gelu_and_mul",
-           "linear", "linear_packed", "packed_available", "paged_decode_attention", "paged_prefill_attention", "rms_norm", "silu_and_mul",
+           "linear", "linear_packed", "packed_available", "paged_decode_attention", "paged_prefill_attention", "rms_norm",
+           "silu_and_mul",
            "store_kvcache", "tune_linear"]

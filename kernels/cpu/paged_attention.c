@@ -7,9 +7,9 @@
  *   block_tables (B, W) int64; seq_lens (B,) int64
  *   out          (B, H, D)
  * all contiguous; D a multiple of 8 up to MAX_D. With a sliding window (window > 0) a query sees
- * its sequence's latest window keys; with softcap > 0 (Gemma 2) each score s is softcap tanh(s / softcap).
- * fp32 or bf16 (widened on load, rounded to
- * nearest even on store, as torch rounds); fp32 arithmetic throughout. One sequence per work
+ * its sequence's latest window keys; with softcap > 0 (Gemma 2) each score s is
+ * softcap tanh(s / softcap). fp32 or bf16 (widened on load, rounded to nearest even on store, as
+ * torch rounds); fp32 arithmetic throughout. One sequence per work
  * item, or with fewer sequences than threads one KV head of one: so that one stream's attention
  * is not one thread's. Within an item, each query head in turn over its KV head's blocks, its
  * accumulators in registers (head sizes 64 and 128 are compiled as constants), the next block
