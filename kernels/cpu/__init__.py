@@ -29,5 +29,4 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids):
 
 __all__ = ["apply_rope_", "available", "decodes_in_c", "dequantize", "fused_add_rms_norm", "fused_moe", "gelu_and_mul",
            "linear", "linear_packed", "packed_available", "paged_decode_attention", "paged_prefill_attention", "rms_norm",
-           "silu_and_mul",
-           "store_kvcache", "tune_linear"]
+           "silu_and_mul", "store_kvcache", "tune_linear"]
