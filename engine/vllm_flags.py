@@ -26,8 +26,8 @@ def add(parser: argparse.ArgumentParser) -> None:
     v.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default=None,
                    help="the log level is $TOKENMILL_LOG_LEVEL's here")
     v.add_argument("--max-logprobs", type=int, default=None, metavar="N",
-                   help="a token's top logprobs are at most 20 for chats and 5 for completions here, as "
-                        "OpenAI's API allows")
+                   help="a token's top logprobs are at most 20 here, chats and completions alike (vLLM's "
+                        "default)")
     v.add_argument("--swap-space", type=float, default=None, metavar="GIB",
                    help="a preempted request is recomputed (its prefix from the cache), never swapped out")
     v.add_argument("--max-seq-len-to-capture", type=int, default=None, metavar="N",
