@@ -57,22 +57,24 @@ def _engine_flags(p: argparse.ArgumentParser, generate: bool = False) -> None:
                    help="a local folder (tokenizer.json or tokenizer_config.json) or .gguf file whose tokenizer and "
                         "chat template serve instead of the model's: a GGUF's original model folder, say, as vLLM "
                         "suggests for GGUF files (default: the model's)")
-    g.add_argument("--dtype", choices=DTYPES, default=None,
-                   help="weight and activation dtype; auto = bfloat16 on CUDA and on CPUs with native bf16 "
-                        f"(AVX512-BF16, AMX), else float32 (default: {d['dtype']})")
+    g.add_argument("--dtype", type=lambda v: {"half": "float16", "float": "float32"}.get(v, v), choices=DTYPES,
+                   default=None,
+                   help="weight and activation dtype (vLLM's half and float too); auto = bfloat16 on CUDA and on "
+                        f"CPUs with native bf16 (AVX512-BF16, AMX), else float32 (default: {d['dtype']})")
     g.add_argument("--quantization", "-q", choices=QUANTIZATIONS, default=None,
                    help="the checkpoint's int4 method, checked against its quantization_config (default: read "
                         "from it; AWQ and GPTQ 4-bit load without this flag)")
     g.add_argument("--device", choices=DEVICES, default=None,
                    help=f"where the model runs; auto = cuda when available (default: {d['device']})")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="longest prompt + completion in tokens (default: the model's own, capped at 8192 on CPU)")
+    g.add_argument("--max-model-len", type=parse_length, default=None,
+                   help="longest prompt + completion in tokens, as vLLM's also 32k (x1000) or 32K (x1024) "
+                        "(default: the model's own, capped at 8192 on CPU)")
     g.add_argument("--seed", type=int, default=None, help=f"engine random seed (default: {d['seed']})")
     g.add_argument("--enforce-eager", action="store_true", default=None,
                    help="run every step eagerly, without replaying decode steps as CUDA graphs (or on the CPU "
                         "as recorded kernel calls): slower decode; quicker start-up, a little less memory "
                         "(default: graphs)")
-    g.add_argument("--async-scheduling", choices=ASYNC_SCHEDULING, default=None,
+    g.add_argument("--async-scheduling", choices=ASYNC_SCHEDULING, nargs="?", const="on", default=None,
                    help="schedule and prepare the next step while the current one runs on the device; auto = on "
                         "CUDA, off on the CPU (nothing to overlap there); always off under tensor parallel "
                         f"(default: {d['async_scheduling']})")
@@ -156,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                        description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
                                    "/v1/chat/completions, /v1/responses, /v1/embeddings, /v1/models, /health).")
+    s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as vLLM's `serve MODEL` names it (or --model)")
     _engine_flags(s)
     h = s.add_argument_group("HTTP")
     h.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
@@ -169,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: none)")
     h.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (PEM)")
     h.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate chain (PEM)")
-    h.add_argument("--api-server-count", type=int, default=1, metavar="N",
+    h.add_argument("--api-server-count", "-asc", type=int, default=1, metavar="N",
                    help="frontend processes sharing the port (default: 1)")
     h.add_argument("--startup-timeout", type=float, default=300.0, metavar="SECONDS",
                    help="give up if the model and frontends are not ready by then (default: 300)")
@@ -343,10 +347,26 @@ def api_keys(flag_values: list[str] | None, env: dict[str, str] = os.environ) ->
     return keys
 
 
+def parse_length(text: str) -> int:
+    """A token count: ``4096``, or as vLLM writes them ``32k`` (x1000) and ``32K`` (x1024), ``1m``, ``1M``."""
+    scale = {"k": 1000, "K": 1024, "m": 1000**2, "M": 1024**2}.get(text[-1:], 1)
+    try:
+        return int(text[:-1] if scale > 1 else text) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a token count: {text!r} (4096, 32k, 32K)") from None
+
+
 def allowed_origins(text: str | None) -> list[str]:
-    """``--allowed-origins``: ``*``, or comma-separated origins (``scheme://host[:port]``, no path)."""
+    """``--allowed-origins``: ``*``, or comma-separated origins (``scheme://host[:port]``, no path), or
+    vLLM's JSON list of them."""
     out = []
-    for item in (text or "").split(","):
+    items = (text or "").split(",")
+    if (text or "").lstrip().startswith("["):
+        try:
+            items = [str(o) for o in json.loads(text)]
+        except ValueError:
+            raise ValueError(f"--allowed-origins: {text!r} is not a JSON list of origins") from None
+    for item in items:
         origin = item.strip().rstrip("/")
         if not origin:
             continue
@@ -379,6 +399,10 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from engine.launcher import serve
 
     try:
+        if args.model_tag is not None:
+            if args.model is not None and args.model != args.model_tag:
+                raise ValueError(f"two models: {args.model_tag} and --model {args.model}")
+            args.model = args.model_tag
         config = EngineConfig(**_config_kwargs(args))
         options = serve_options(args)
         if config.node_rank > 0:

@@ -32,7 +32,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.json_schema import SchemaError
-from engine.model_path import model_name, resolve_model_path, resolve_tokenizer_path
+from engine.model_path import model_name, resolve_model_path
 from engine.model_runner import Launched, ModelRunner, StepResult
 from engine.pooling import PoolerConfig, PoolState
 from engine.prefill_cap import PrefillCap
@@ -91,7 +91,8 @@ class Engine:
         self.vocab_size = self.runner.model_cfg.vocab_size
         self.eos_token_ids = list(self.runner.model_cfg.eos_token_ids)
         self._eos_set = frozenset(self.eos_token_ids)  # looked up once per sampled token
-        self.tokenizer_path = resolve_tokenizer_path(config.tokenizer, facts.model_path)
+        # (not checked here: offline, a model without a tokenizer runs on token ids; ``serve`` checks it)
+        self.tokenizer_path = config.tokenizer or facts.model_path
         self.grammars = Grammars(self.tokenizer_path, self.vocab_size, self.eos_token_ids)  # structured output
         self.can_generate = self.runner.model_cfg.lm_head  # a bare backbone (an embedding model) only embeds
         self.pooler: PoolerConfig | None = None  # embeddings (engine.pooling); None: refused, for this reason:

@@ -10,6 +10,7 @@ a script needs the ``if __name__ == "__main__":`` guard); ``close()``, or leavin
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -48,9 +49,12 @@ class EmbeddingOutput:
 
 class LLM:
     def __init__(self, model: str | None = None, **config):
+        config.pop("trust_remote_code", None)  # (vLLM's: nothing from a model's folder runs here)
         self.config = EngineConfig(model=model, **config)
         self.engine = Engine(self.config)
         self._ids = itertools.count()
+        self._sampling_defaults = generation_defaults(self.config.generation_config, self.engine.runner.facts.model_path,
+                                                      self.config.override_generation_config)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (also done when the LLM is collected, and at exit)."""
@@ -64,14 +68,9 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: what ``generate`` and ``chat`` sample with when given no ``SamplingParams``, OpenAI's
-        defaults but for the model's generation_config.json (``generation_config``, as the server's)."""
+        defaults but for the model's generation_config.json (``generation_config``, as the server's; its
+        max_new_tokens is capped, prompt by prompt, by the room the context leaves)."""
         return SamplingParams(**self._sampling_defaults)
-
-    @cached_property
-    def _sampling_defaults(self) -> dict:
-        c = self.config
-        return generation_defaults(c.generation_config, self.engine.runner.facts.model_path,
-                                   c.override_generation_config)
 
     @cached_property
     def tokenizer(self):
@@ -89,6 +88,7 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [
             sampling_params or self.get_default_sampling_params()]
         params = params * len(prompts) if len(params) == 1 else params
+        cap = sampling_params is None and "max_tokens" in self._sampling_defaults  # (the model's max_new_tokens)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         priority = [0] * len(prompts) if priority is None else list(priority)
@@ -103,6 +103,8 @@ class LLM:
         try:
             for prompt, p, prio in zip(prompts, params, priority, strict=True):
                 ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                if cap:  # as far as the context allows, as the server caps it
+                    p = dataclasses.replace(p, max_tokens=max(1, min(p.max_tokens, self.engine.max_model_len - len(ids))))
                 rid = str(next(self._ids))
                 self.engine.add_request(rid, ids, p, prio)
                 outputs[rid] = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids,

@@ -49,13 +49,14 @@ def resolve_model_path(model: str | None) -> str:
 
 def resolve_tokenizer_path(tokenizer: str | None, model_path: str) -> str:
     """The tokenizer's folder (tokenizer.json or tokenizer_config.json in it) or .gguf file: ``tokenizer``
-    (``--tokenizer``), else the model's own."""
-    if tokenizer is None:
-        return model_path
-    path = os.path.abspath(os.path.expanduser(tokenizer))
+    (``--tokenizer``), else the model's own, which must then hold one."""
+    path = model_path if tokenizer is None else os.path.abspath(os.path.expanduser(tokenizer))
     if os.path.isfile(path) and path.endswith(".gguf") or os.path.isdir(path) and any(
             os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
         return path
+    if tokenizer is None:
+        raise FileNotFoundError(f"{model_path} holds no tokenizer (tokenizer.json or tokenizer_config.json): give "
+                                f"one with --tokenizer")
     raise FileNotFoundError(f"tokenizer {tokenizer!r} not found: give a local folder with a tokenizer.json or "
                             f"tokenizer_config.json, or a .gguf file")
 
@@ -69,26 +70,40 @@ _SAMPLING_KEYS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, 
 def generation_defaults(setting: str, model_path: str, override: dict | None = None) -> dict:
     """vLLM's ``--generation-config``: the default sampling values of requests that leave them out.
     ``auto``: the model folder's generation_config.json (a GGUF file has none); ``vllm``: none (OpenAI's
-    defaults); else a folder holding one. ``override`` (``--override-generation-config``) goes on top.
-    Named as a request names them: temperature, top_p, top_k, min_p, repetition_penalty, max_tokens."""
+    defaults); else a folder holding one. ``override`` (``--override-generation-config``) goes on top, a
+    null dropping the model's value. Other keys are not read (do_sample, eos_token_id...). Named as a
+    request names them: temperature, top_p, top_k, min_p, repetition_penalty, max_tokens; checked as a
+    request's are (a ValueError naming the value and where it came from)."""
     found: dict = {}
     if setting != "vllm":
+        if not setting:
+            raise ValueError("--generation-config: give auto, vllm or a folder")
         folder = model_path if setting == "auto" else os.path.abspath(os.path.expanduser(setting))
         path = os.path.join(folder, "generation_config.json")
         if os.path.isfile(path):
-            with open(path) as f:
-                cfg = json.load(f)
+            try:
+                with open(path) as f:
+                    cfg = json.load(f)
+            except (OSError, ValueError) as e:
+                raise ValueError(f"{path}: {e}") from None
+            if not isinstance(cfg, dict):
+                raise ValueError(f"{path}: not a JSON object")
             found = {k: cfg[k] for k, hf in _SAMPLING_KEYS.items() if cfg.get(k) is not None and cfg[k] != hf}
         elif setting != "auto":
             raise FileNotFoundError(f"--generation-config {setting!r}: no generation_config.json there")
-    found |= override or {}
+    for k, v in (override or {}).items():
+        if v is None:
+            found.pop(k, None)
+        elif k in _SAMPLING_KEYS:
+            found[k] = v
     if "max_new_tokens" in found:
         found["max_tokens"] = found.pop("max_new_tokens")
-    for k, v in found.items():
-        whole = k in ("top_k", "max_tokens")
-        if k not in _SAMPLING_KEYS and k != "max_tokens" or isinstance(v, bool) or not isinstance(
-                v, int if whole else (int, float)):
-            raise ValueError(f"generation config {k}={v!r}: only {', '.join(_SAMPLING_KEYS)} are read, as numbers")
+    from engine.protocol import SamplingParams  # (torch-free)
+
+    try:
+        SamplingParams(**found)  # each value as a request's is checked
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"generation config {found}: {e}") from None
     return found
 
 

@@ -521,7 +521,17 @@ def test_generation_defaults_read_as_vllm_reads_them(tmp_path):
     assert generation_defaults("auto", str(tmp_path / "model.gguf")) == {}  # a GGUF file: none
     with pytest.raises(FileNotFoundError, match="no generation_config.json there"):
         generation_defaults(str(tmp_path / "nowhere"), str(tmp_path))
-    with pytest.raises(ValueError, match="generation config seed=1: only temperature, top_p"):
-        generation_defaults("vllm", str(tmp_path), {"seed": 1})
-    with pytest.raises(ValueError, match="top_k=0.5"):
-        generation_defaults("vllm", str(tmp_path), {"top_k": 0.5})
+    # an override's null drops the model's value; keys that are no sampling value are not read
+    assert generation_defaults("auto", str(tmp_path), {"temperature": None, "do_sample": False}) == {
+        "top_p": 0.95, "max_tokens": 512}
+    for override, message in (({"top_p": 0}, "top_p must be in"), ({"max_new_tokens": 0}, "max_tokens"),
+                              ({"top_k": "many"}, "top_k")):  # checked as a request's values are
+        with pytest.raises(ValueError, match=message):
+            generation_defaults("vllm", str(tmp_path), override)
+    for text, message in (("{'temperature': 1}", "generation_config.json: Expecting property name"),
+                          ("[1, 2]", "generation_config.json: not a JSON object")):
+        (tmp_path / "generation_config.json").write_text(text)
+        with pytest.raises(ValueError, match=message):
+            generation_defaults("auto", str(tmp_path))
+    with pytest.raises(ValueError, match="give auto, vllm or a folder"):
+        generation_defaults("", str(tmp_path))

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from engine.cli import api_keys, build_parser, parse_size
+from engine.cli import allowed_origins, api_keys, build_parser, parse_size
 from engine.config import EngineConfig
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -160,12 +160,25 @@ def test_a_vllm_command_line_starts_unchanged():
                                       "--disable-uvicorn-access-log"])
     assert _config_kwargs(args) == {"model": "m", "max_model_len": 4096}
     assert args.disable_log_requests  # (as --disable-log-requests)
+    # vLLM's spellings of flags tokenmill has: the model as an argument, dtype and length aliases, -asc...
+    args = build_parser().parse_args(["serve", "Qwen3-8B", "--dtype", "half", "--max-model-len", "32k", "-asc", "2",
+                                      "--async-scheduling", "--no-trust-remote-code", "-O3",
+                                      "--allowed-origins", '["https://a.example"]'])
+    assert (args.model_tag, args.api_server_count) == ("Qwen3-8B", 2)
+    assert _config_kwargs(args) == {"dtype": "float16", "max_model_len": 32000, "async_scheduling": "on"}
+    assert allowed_origins(args.allowed_origins) == ["https://a.example"]
+    assert build_parser().parse_args(["serve", "--max-model-len", "32K"]).max_model_len == 32768
     help_text = tokenmill("serve", "--help", timeout=30).stdout
     for flag in [f for f in vllm if f.startswith("--")]:
         assert re.search(rf"^\s+{re.escape(flag)}\b.*?\S.*?(?=^\s+-|\Z)", help_text, re.M | re.S), flag
     for bad in (["--kv-cache-dtype", "fp8"], ["-pp", "2"], ["--distributed-executor-backend", "ray"]):
         r = tokenmill("serve", *bad, timeout=30)
         assert r.returncode == 2 and re.search(rf"invalid choice: '?{bad[1]}'?", r.stderr), r.stderr
+    for bad, message in ((["--max-logprobs", "30"], "30: a token's top logprobs are at most 20 here"),
+                         (["--max-model-len", "4x"], "not a token count: '4x'"),
+                         (["m1", "--model", "m2"], "two models: m1 and --model m2")):
+        r = tokenmill("serve", *bad, timeout=30)
+        assert r.returncode == 2 and message in r.stderr, r.stderr
 
 
 def test_generation_config_flags(tmp_path, tiny_llama):
@@ -181,18 +194,31 @@ def test_generation_config_flags(tmp_path, tiny_llama):
     assert _config_kwargs(args) == {"hf_overrides": {"sliding_window": None}}
     r = tokenmill("serve", "--model", tiny_llama, "--generation-config", str(tmp_path), timeout=30)
     assert r.returncode == 2 and "no generation_config.json there" in r.stderr
-    r = tokenmill("serve", "--model", tiny_llama, "--override-generation-config", '{"top_k": "many"}', timeout=30)
-    assert r.returncode == 2 and "top_k='many'" in r.stderr
+    r = tokenmill("serve", "--model", tiny_llama, "--override-generation-config", '{"top_p": 0}', timeout=30)
+    assert r.returncode == 2 and "top_p must be in (0, 1], got 0" in r.stderr
     (tmp_path / "generation_config.json").write_text('{"temperature": 0.7, "top_p": 0.8}')
-    llm = LLM(tiny_llama, generation_config=str(tmp_path), override_generation_config={"top_k": 4})
+    llm = LLM(tiny_llama, generation_config=str(tmp_path), override_generation_config={"top_k": 4},
+              trust_remote_code=True)  # (vLLM's keyword: taken, nothing to trust)
     p = llm.get_default_sampling_params()
     assert (p.temperature, p.top_p, p.top_k, p.max_tokens) == (0.7, 0.8, 4, 16)
+    # a max_new_tokens past the context: each prompt gets the room it leaves (as the server caps it)
+    llm = LLM(tiny_llama, max_model_len=64, override_generation_config={"max_new_tokens": 1000, "temperature": 0})
+    outs = llm.generate([[5] * 10, [7] * 60])  # (refused before: 1000 tokens asked of a 64-token context)
+    assert all(0 < len(o.token_ids) <= 64 - len(o.prompt_token_ids) for o in outs)
+    with pytest.raises(ValueError, match="top_p must be in"):  # at construction, not at the first generate
+        LLM(tiny_llama, override_generation_config={"top_p": 0})
 
 
-def test_missing_tokenizer_exits_2(tiny_llama):
+def test_missing_tokenizer_exits_2(tiny_llama, tmp_path):
     r = tokenmill("serve", "--model", tiny_llama, "--tokenizer", "/nonexistent/tok", timeout=30)
     assert r.returncode == 2
     assert "tokenizer '/nonexistent/tok' not found" in r.stderr
+    from tests.conftest import make_tiny_model
+
+    bare = make_tiny_model(str(tmp_path / "bare"), "llama", None)  # before any weight is loaded
+    r = tokenmill("serve", "--model", bare, timeout=30)
+    assert r.returncode == 2 and "holds no tokenizer (tokenizer.json or tokenizer_config.json): give one with " \
+        "--tokenizer" in r.stderr
 
 
 def test_a_model_without_a_tokenizer_serves_with_another_ones(tmp_path, smollm_tokenizer_dir):
