@@ -80,8 +80,9 @@ def _engine_flags(p: argparse.ArgumentParser, generate: bool = False) -> None:
                         f"(default: {d['async_scheduling']})")
     if generate:
         return
-    g.add_argument("--served-model-name", default=None,
-                   help="the model name clients use and /v1/models lists (default: the folder or file name)")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model name clients use and /v1/models lists; several (vLLM's): requests may name "
+                        "any, responses name the first (default: the folder or file name)")
     g.add_argument("--max-num-seqs", type=int, default=None,
                    help=f"most sequences in one step (default: {d['max_num_seqs']})")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -323,7 +324,10 @@ def chat_template(value: str | None) -> str | None:
 
 
 def _config_kwargs(args: argparse.Namespace) -> dict:
-    return {k: v for k, v in vars(args).items() if k in _DEFAULTS and v is not None}
+    kw = {k: v for k, v in vars(args).items() if k in _DEFAULTS and v is not None}
+    if kw.get("served_model_name"):  # the first of its names (the others: ServeOptions.model_aliases)
+        kw["served_model_name"] = kw["served_model_name"][0]
+    return kw
 
 
 def api_keys(flag_values: list[str] | None, env: dict[str, str] = os.environ) -> list[str]:
@@ -392,7 +396,8 @@ def serve_options(args: argparse.Namespace):
         log_format=args.log_format, log_requests=not args.disable_log_requests, log_prompts=args.log_prompts,
         data_parallel_size=args.data_parallel_size, engine_addresses=list(args.engines or []),
         engine_key=engine_key(args.engine_key), tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser, chat_template=chat_template(args.chat_template))
+        reasoning_parser=args.reasoning_parser, chat_template=chat_template(args.chat_template),
+        model_aliases=list(args.served_model_name or [])[1:])
 
 
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -83,6 +83,7 @@ class ServeOptions:
     tool_call_parser: str = "auto"  # frontends.tools: the format tool_choice "auto" reads
     reasoning_parser: str = "auto"  # frontends.reasoning: <think> split off into reasoning_content
     chat_template: str | None = None  # instead of the model's (the template's text)
+    model_aliases: list[str] = field(default_factory=list)  # more names requests may use (--served-model-name)
 
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:
@@ -333,7 +334,7 @@ class Launcher:
             allowed_origins=list(o.allowed_origins), http=HttpConfig(**o.http), ws=WsConfig(**o.ws),
             metrics_no_auth=o.metrics_no_auth, log_format=o.log_format, log_requests=o.log_requests,
             log_prompts=o.log_prompts, tool_call_parser=o.tool_call_parser, reasoning_parser=o.reasoning_parser,
-            chat_template=o.chat_template, sampling_defaults=self.sampling_defaults)
+            chat_template=o.chat_template, sampling_defaults=self.sampling_defaults, model_aliases=list(o.model_aliases))
 
     def _frontend_id(self, i: int) -> str:
         """Its ZMQ identity. Stable across its restarts (the engine then drops what its previous life

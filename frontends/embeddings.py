@@ -92,7 +92,7 @@ async def embeddings_job(api, data: dict, arrival: float | None = None,
                          id_prefix: str = "embd") -> tuple[Generation, EmbeddingsFormat]:
     """A /v1/embeddings body checked and turned into an unstarted generation (``api``: the ``OpenAIApi``;
     ``frontends.scoring`` runs its rerank and score calls through it too)."""
-    op.check_model(data, api.model)
+    op.check_model(data, api.model_names)
     encoding = op.field(data, "encoding_format", str, "float")
     if encoding not in ENCODINGS:
         raise ApiError(400, f"encoding_format must be one of {', '.join(ENCODINGS)}, got {encoding!r}",

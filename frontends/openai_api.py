@@ -88,12 +88,14 @@ class OpenAIApi:
     def __init__(self, client: EngineClient, codec: TextCodec, served_model_name: str,
                  api_keys: list[str] | None = None, allowed_origins: list[str] | None = None,
                  metrics: Metrics | None = None, metrics_no_auth: bool = False, tool_call_parser: str = "auto",
-                 reasoning_parser: str = "auto", sampling_defaults: dict | None = None) -> None:
+                 reasoning_parser: str = "auto", sampling_defaults: dict | None = None,
+                 model_aliases: list[str] | None = None) -> None:
         self.client = client
         self.metrics = metrics
         self.metrics_no_auth = metrics_no_auth
         self.codec = codec
-        self.model = served_model_name
+        self.model = served_model_name  # what responses say
+        self.model_names = (served_model_name, *(model_aliases or ()))  # what requests may say
         self.auth = Auth(api_keys or (), allowed_origins or ())
         self._ids = itertools.count()
         self._id_prefix = os.urandom(4).hex()
@@ -211,13 +213,13 @@ class OpenAIApi:
 
     async def models(self, req: Request) -> Response:
         return _json({"object": "list", "data": [{
-            "id": self.model, "object": "model", "created": self.created, "owned_by": "tokenmill",
+            "id": name, "object": "model", "created": self.created, "owned_by": "tokenmill",
             "root": self.model, "parent": None, "max_model_len": self.max_model_len,
-        }]})
+        } for name in self.model_names]})
 
     async def tokenize(self, req: Request) -> Response:
         data = op.parse_json(req.body)
-        op.check_model(data, self.model)
+        op.check_model(data, self.model_names)
         if "messages" in data:
             msgs = op.parse_messages(data, self.max_chars)
             calls = tools.parse_tools({"tools": data.get("tools"), "tool_choice": "none"}, None)
@@ -231,7 +233,7 @@ class OpenAIApi:
 
     async def detokenize(self, req: Request) -> Response:
         data = op.parse_json(req.body)
-        op.check_model(data, self.model)
+        op.check_model(data, self.model_names)
         tokens = op.field(data, "tokens", list)
         if len(tokens) > op.MAX_DETOKENIZE_TOKENS:
             raise ApiError(400, f"At most {op.MAX_DETOKENIZE_TOKENS} tokens per request, got {len(tokens)}",
@@ -248,7 +250,7 @@ class OpenAIApi:
         """A /v1/completions body checked and turned into an unstarted generation (also used over WebSocket).
 
         ``arrival``: ``time.monotonic()`` when the call came in, where its latency metrics start."""
-        op.check_model(data, self.model)
+        op.check_model(data, self.model_names)
         deadline, priority = op.parse_deadline(data), op.parse_priority(data)
         cache_salt = op.parse_cache_salt(data)
         n = op.parse_n(data)
@@ -281,7 +283,7 @@ class OpenAIApi:
     async def chat_job(self, data: dict, arrival: float | None = None,
                        id_prefix: str = "chatcmpl") -> tuple[Generation, _ChatFormat]:
         """A /v1/chat/completions body checked and turned into an unstarted generation."""
-        op.check_model(data, self.model)
+        op.check_model(data, self.model_names)
         deadline, priority = op.parse_deadline(data), op.parse_priority(data)
         cache_salt = op.parse_cache_salt(data)
         messages = op.parse_messages(data, self.max_chars)

@@ -63,9 +63,10 @@ def _as_tuple(types: type | tuple) -> tuple:
     return types if isinstance(types, tuple) else (types,)
 
 
-def check_model(data: dict, served_model_name: str) -> None:
+def check_model(data: dict, names: tuple[str, ...]) -> None:
+    """A request's ``model``, if given, must be one of the served ``names`` (404 as OpenAI's)."""
     model = field(data, "model", str, None)
-    if model is not None and model != served_model_name:
+    if model is not None and model not in names:
         raise ApiError(404, f"The model '{model}' does not exist", type="not_found_error",
                        param="model", code="model_not_found")
 

@@ -535,3 +535,15 @@ def test_generation_defaults_read_as_vllm_reads_them(tmp_path):
             generation_defaults("auto", str(tmp_path))
     with pytest.raises(ValueError, match="give auto, vllm or a folder"):
         generation_defaults("", str(tmp_path))
+
+
+def test_several_served_model_names(tmp_path, smollm_tokenizer_dir):
+    """vLLM's --served-model-name a b: a request may name any of them (others: 404), responses name the
+    first, /v1/models lists them all."""
+    with fake_stack(str(tmp_path), smollm_tokenizer_dir, model_aliases=["alias"]) as (engine, port):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
+        r = client.chat.completions.create(model="alias", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert r.model == MODEL
+        assert [m.id for m in client.models.list().data] == [MODEL, "alias"]
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="other", prompt="hi", max_tokens=2)

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from engine.cli import allowed_origins, api_keys, build_parser, parse_size
+from engine.cli import allowed_origins, api_keys, build_parser, parse_size, serve_options
 from engine.config import EngineConfig
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -167,6 +167,9 @@ def test_a_vllm_command_line_starts_unchanged():
     assert (args.model_tag, args.api_server_count) == ("Qwen3-8B", 2)
     assert _config_kwargs(args) == {"dtype": "float16", "max_model_len": 32000, "async_scheduling": "on"}
     assert allowed_origins(args.allowed_origins) == ["https://a.example"]
+    args = build_parser().parse_args(["serve", "--served-model-name", "qwen", "qwen3-8b", "gpt-4o"])
+    assert _config_kwargs(args) == {"served_model_name": "qwen"}
+    assert serve_options(args).model_aliases == ["qwen3-8b", "gpt-4o"]
     assert build_parser().parse_args(["serve", "--max-model-len", "32K"]).max_model_len == 32768
     help_text = tokenmill("serve", "--help", timeout=30).stdout
     for flag in [f for f in vllm if f.startswith("--")]:
