@@ -147,6 +147,11 @@ class Generation:
         self.pooling: PoolingParams | None = None  # set: every choice is an embedding request
         self._num_sent = 0
 
+    @property
+    def params(self) -> SamplingParams:
+        """The first choice's sampling values (the others' differ at most in their seed)."""
+        return self._params[0]
+
     def start(self, window: int | None = None) -> None:
         """Send the choices' requests: all at once, or at most ``window`` unfinished at a time (the
         next sent as one ends), so that a call of many inputs queues only a window of them ahead of

@@ -153,8 +153,7 @@ def _echoed(data: dict) -> dict:
               "parameters": t.get("parameters"), "strict": t.get("strict") is True} for t in data.get("tools") or ()]
     choice = data.get("tool_choice")
     return {"instructions": data.get("instructions"), "metadata": metadata, "user": data.get("user"),
-            "max_output_tokens": data.get("max_output_tokens"), "temperature": data.get("temperature"),
-            "top_p": data.get("top_p"), "parallel_tool_calls": data.get("parallel_tool_calls") is not False,
+            "parallel_tool_calls": data.get("parallel_tool_calls") is not False,
             "tools": tools, "tool_choice": choice if choice is not None else "auto" if tools else "none",
             "text": {"format": fmt}, "reasoning": reasoning}
 
@@ -174,7 +173,10 @@ class ResponsesFormat:
         self.open: dict | None = None  # the reasoning item, message or named call being written
         self.base = {"id": gen.api_id, "object": "response", "created_at": int(time.time()), "model": api_model,
                      "store": False, "truncation": "disabled", "error": None, "incomplete_details": None,
-                     "previous_response_id": None, **_echoed(data)}
+                     "previous_response_id": None, **_echoed(data),
+                     # what it samples with: the request's values, else the model's (or OpenAI's) defaults
+                     "temperature": gen.params.temperature, "top_p": gen.params.top_p,
+                     "max_output_tokens": gen.params.max_tokens}
         try:  # what a client sent nested too deep for orjson to write back
             orjson.dumps(self.base)
         except orjson.JSONEncodeError:

@@ -115,6 +115,7 @@ def test_served_follow_up_and_cut_short(client):  # noqa: F811
     r = client.responses.create(model=MODEL, input="one two three four five six", max_output_tokens=3)
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.output[0].status == "incomplete" and r.usage.output_tokens == 3
+    assert (r.max_output_tokens, r.temperature, r.top_p) == (3, 1.0, 1.0)  # what it sampled with, not nulls
     with client.responses.stream(model=MODEL, input="one two three four five six", max_output_tokens=3) as stream:
         events = list(stream)
     assert events[-1].type == "response.incomplete" and events[-1].response.output_text == r.output_text
