@@ -343,7 +343,8 @@ _GGUF_PHI3 = {"ffn_up": "mlp.gate_up_proj"}  # Phi-3's ffn_up is gate|up fused (
 _GGUF_GEMMA2 = {"ffn_norm": "pre_feedforward_layernorm"}  # Gemma 2 and 3's (they norm each sublayer's output too)
 # GGUF architecture -> model_type (llama with experts: Mixtral)
 _GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "qwen2moe": "qwen2_moe",
-              "qwen3moe": "qwen3_moe", "phi3": "phi3", "gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3_text"}
+              "qwen3moe": "qwen3_moe", "phi3": "phi3", "gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3_text",
+              "granite": "granite"}
 
 
 def gguf_field(path: str, key: str, default=None):
@@ -400,6 +401,9 @@ def _gguf_config(path: str) -> tuple[dict, list[int]]:
             for kind in ("short", "long")}}
     if arch.startswith("gemma"):
         cfg |= _gguf_gemma(arch, a, cfg)
+    if arch == "granite":  # its scales, as llama.cpp names them
+        cfg |= {"embedding_multiplier": a("embedding_scale", 1.0), "residual_multiplier": a("residual_scale", 1.0),
+                "attention_multiplier": a("attention.scale", head_dim ** -0.5), "logits_scaling": a("logit_scale", 1.0)}
     if a("expert_count"):  # a mixture of experts; its dense layers are those without a router
         cfg["model_type"] = {"llama": "mixtral"}.get(arch, cfg["model_type"])
         routed = sorted(int(t.name.split(".")[1]) for t in r.tensors if t.name.endswith(".ffn_gate_inp.weight"))
@@ -500,7 +504,7 @@ def _gguf_weights(path: str, cfg: ModelConfig, packed: set[str] = frozenset()) -
     from gguf.quants import dequantize
 
     r = _gguf_reader(path)
-    llama_rope = cfg.model_type in ("llama", "mistral", "smollm", "mixtral")
+    llama_rope = cfg.model_type in ("llama", "mistral", "smollm", "mixtral", "granite")
     for t in r.tensors:
         if t.name in _GGUF_NAMES:
             name = _GGUF_NAMES[t.name]

@@ -53,7 +53,8 @@ def smollm_tokenizer_dir(tmp_path_factory, default_gguf) -> str:
 def make_tiny_model(out_dir: str, arch: str, tokenizer_dir: str | None, seed: int = 0, **overrides) -> str:
     """Save a random-weight ``arch`` ("llama", "qwen2", "qwen3", "mistral", "phi3"; mixtures of experts "mixtral",
     "qwen2_moe", "qwen3_moe", of 8 experts, 2 per token; "gemma", "gemma2", "gemma3_text": 4 layers, a sliding
-    window of 16 in Gemma 2's every other layer and three of Gemma 3's four, Gemma 2's caps) model folder (fp32)."""
+    window of 16 in Gemma 2's every other layer and three of Gemma 3's four, Gemma 2's caps; "granite", with
+    Granite 3 8B's scales) model folder (fp32)."""
     import shutil
 
     import torch
@@ -63,7 +64,7 @@ def make_tiny_model(out_dir: str, arch: str, tokenizer_dir: str | None, seed: in
                                      "mistral": "MistralConfig", "mixtral": "MixtralConfig",
                                      "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig",
                                      "phi3": "Phi3Config", "gemma": "GemmaConfig", "gemma2": "Gemma2Config",
-                                     "gemma3_text": "Gemma3TextConfig"}[arch])
+                                     "gemma3_text": "Gemma3TextConfig", "granite": "GraniteConfig"}[arch])
     kw = dict(TINY)
     if arch.startswith("gemma"):
         kw.update(num_hidden_layers=4, head_dim=16, tie_word_embeddings=True)
@@ -71,6 +72,8 @@ def make_tiny_model(out_dir: str, arch: str, tokenizer_dir: str | None, seed: in
         kw.update(query_pre_attn_scalar=24, sliding_window=16, sliding_window_pattern=4)
     if arch == "gemma2":
         kw.update(attn_logit_softcapping=4.0, final_logit_softcapping=8.0)
+    if arch == "granite":  # Granite 3 8B's scales (12, 0.22, 16), but scores' that tell (its 1/128 here: uniform)
+        kw.update(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.5, logits_scaling=16.0)
     if arch in ("mistral", "mixtral"):
         kw["sliding_window"] = None
     if arch in ("mixtral", "qwen2_moe", "qwen3_moe"):

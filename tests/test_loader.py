@@ -136,6 +136,10 @@ def _write_gguf(folder: str, out: str, arch: str = "qwen3", matrices_as: str | N
     for key, cap in (("attn_logit_softcapping", cfg.attn_softcap), ("final_logit_softcapping", cfg.final_softcap)):
         if cap:
             w.add_float32(f"{arch}.{key}", cap)
+    if arch == "granite":  # its scales
+        for key, value in (("embedding_scale", cfg.embedding_multiplier), ("residual_scale", cfg.residual_multiplier),
+                           ("attention.scale", cfg.attn_scale), ("logit_scale", cfg.logits_scaling)):
+            w.add_float32(f"{arch}.{key}", value)
     if (cfg.rope_scaling or {}).get("rope_type") == "linear":
         w.add_string(f"{arch}.rope.scaling.type", "linear")
         w.add_float32(f"{arch}.rope.scaling.factor", cfg.rope_scaling["factor"])
@@ -163,7 +167,7 @@ def _write_gguf(folder: str, out: str, arch: str = "qwen3", matrices_as: str | N
             t = t.float().numpy()
             if cfg.gemma and name.endswith("norm.weight"):
                 t = t + 1  # (llama.cpp stores Gemma's norms as 1 + w)
-            if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            if arch in ("llama", "granite") and name.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
                 t = t.reshape(heads, 2, t.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(t.shape)
             if name not in names:
@@ -195,6 +199,22 @@ def _add(writer, name: str, t, as_type: str | None) -> None:
         writer.add_tensor(name, gguf.quants.quantize(t, kind), raw_dtype=kind)
     else:
         writer.add_tensor(name, t)
+
+
+def test_a_granite_gguf_loads_as_its_folder(tmp_path):
+    """Granite's scales from the metadata (granite.embedding_scale, residual_scale, attention.scale,
+    logit_scale); its q/k rows permuted as llama's."""
+    folder = make_tiny_model(str(tmp_path / "granite"), "granite", None)
+    _write_gguf(folder, str(tmp_path / "granite.gguf"), "granite")
+    want_cfg, got_cfg = load_model_config(folder), load_model_config(str(tmp_path / "granite.gguf"))
+    ids = dict(bos_token_id=None, eos_token_ids=(), rms_norm_eps=0, max_position_embeddings=0, residual_multiplier=0)
+    assert dataclasses.replace(got_cfg, **ids) == dataclasses.replace(want_cfg, **ids)
+    assert got_cfg.residual_multiplier == pytest.approx(want_cfg.residual_multiplier, rel=1e-7)  # (float32 there)
+    want = build_model(folder, want_cfg, 64, torch.float32, torch.device("cpu")).state_dict()
+    got = build_model(str(tmp_path / "granite.gguf"), got_cfg, 64, torch.float32, torch.device("cpu")).state_dict()
+    assert want.keys() == got.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
 
 
 def test_a_qwen3_gguf_loads_as_its_folder(tmp_path):

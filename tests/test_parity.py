@@ -34,7 +34,8 @@ def check_parity(llm: LLM, hf, tokenizer, prompts: list[str], n: int = 32) -> No
 
 
 @pytest.mark.parametrize("linear_rows", ["0", "64"], ids=["torch-linear", "c-linear"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "qwen3_moe",
+                                  "granite"])
 def test_tiny_models_match_transformers(arch, linear_rows, tmp_path, smollm_tokenizer_dir, monkeypatch):
     """With every CPU linear step in torch, and with every step of up to 64 rows in the C kernel
     (``kernels.cpu.matmul``: decode steps, and these prompts' prefill)."""
@@ -128,6 +129,20 @@ def test_gemma_matches_transformers(arch, tmp_path, smollm_tokenizer_dir):
     for chunk in (2048, 8):
         llm = LLM(path, device="cpu", dtype="float32", num_kv_blocks=256, max_num_batched_tokens=chunk)
         check_parity(llm, hf, llm.tokenizer, PROMPTS)
+
+
+def test_granite_scales_and_logprobs_match_transformers(tmp_path, smollm_tokenizer_dir):
+    """Granite's scales, each of which greedy tokens may not show (the logits' is monotonic): the chosen
+    tokens' logprobs against transformers' log-softmax, fp32."""
+    path = make_tiny_model(str(tmp_path / "granite"), "granite", smollm_tokenizer_dir, seed=2)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(path, device="cpu", dtype="float32", num_kv_blocks=64)
+    ids = llm.tokenizer.encode(PROMPTS[0])
+    out = llm.generate([ids], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1))[0]
+    with torch.no_grad():
+        logp = hf(torch.tensor([ids + out.token_ids])).logits[0, len(ids) - 1:-1].log_softmax(-1)
+    want = logp.gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor([lp for lp, _ in out.logprobs]), want, atol=1e-4)
 
 
 def test_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path, smollm_tokenizer_dir):

@@ -84,6 +84,7 @@ def assert_close_logprobs(got, want) -> None:
     ("qwen2_moe", 6, 3, 3, 49153),  # and the shared expert's
     ("gemma3_text", 6, 2, 2, 49152),  # float32 norms (1 + w) and q/k norms on every rank; windows; GELU
     ("gemma2", 6, 1, 2, 49153),  # capped scores and logits (the cap after the gather)
+    ("granite", 6, 2, 2, 49152),  # sublayer outputs scaled after their all-reduce, logits after the gather
 ])
 def test_tp_greedy_equals_tp1(tmp_path, smollm_tokenizer_dir, tokenizer, arch, heads, kv_heads, t, vocab):
     path = tiny(tmp_path, smollm_tokenizer_dir, arch, heads, kv_heads, vocab_size=vocab)

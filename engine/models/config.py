@@ -14,6 +14,7 @@ SUPPORTED_ARCHITECTURES = {
     "qwen3": {"qk_norm": True},  # an RMSNorm over each head's q and k before RoPE
     "smollm": {},  # SmolLM is Llama; GGUF files call it llama too
     "phi3": {},  # Phi-3, Phi-3.5, Phi-4: q|k|v and gate|up fused in the checkpoint too; LongRoPE
+    "granite": {},  # IBM Granite 3: Llama scaled (embeddings, each sublayer's output, scores, logits)
     # mixtures of experts: each layer's MLP is a router over experts (``engine/models/moe.py``, ``MoEConfig``);
     # Mixtral's experts are intermediate_size wide and its top-k weights always renormalized
     "mixtral": {"moe": True, "norm_topk_prob": True, "expert_width": "intermediate_size"},
@@ -142,6 +143,11 @@ class ModelConfig:
     attn_softcap: float = 0.0  # Gemma 2: scores s -> cap tanh(s / cap) (0: none)
     final_softcap: float = 0.0  # Gemma 2: the same on the logits
     local_rope_theta: float | None = None  # Gemma 3: the sliding layers' RoPE base (no scaling); None: as the others
+    # Granite: the embeddings times embedding_multiplier, each sublayer's output times residual_multiplier
+    # before it joins the residual stream, the logits divided by logits_scaling (its scores: attn_scale)
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
 
     def sparse(self, layer: int) -> bool:
         """Whether layer ``layer``'s MLP is the mixture of experts (else a dense one)."""
@@ -209,6 +215,11 @@ class ModelConfig:
             "gelu_pytorch_tanh" if gemma == 1 and name == "gelu" else name)
         if act is None:
             raise ValueError(f"activation {name!r} is not supported (silu, gelu_pytorch_tanh are)")
+        attn_scale = None  # what multiplies q.k: 1 / sqrt(head_dim), but for
+        if gemma >= 2:
+            attn_scale = float(cfg["query_pre_attn_scalar"]) ** -0.5
+        elif model_type == "granite":
+            attn_scale = float(cfg.get("attention_multiplier", 1.0))
         eos = eos_token_ids if eos_token_ids is not None else cfg.get("eos_token_id")
         if eos is None:
             eos = []
@@ -239,10 +250,13 @@ class ModelConfig:
             rotary_dim=rotary_dim,
             gemma=gemma,
             hidden_act=act,
-            attn_scale=float(cfg["query_pre_attn_scalar"]) ** -0.5 if gemma >= 2 else None,
+            attn_scale=attn_scale,
             attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0),
             final_softcap=float(cfg.get("final_logit_softcapping") or 0.0),
             local_rope_theta=local_theta,
+            embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
+            residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
+            logits_scaling=float(cfg.get("logits_scaling", 1.0)),
         )
 
 

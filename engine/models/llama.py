@@ -1,7 +1,8 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM, Phi-3, Gemma) for paged attention, and its
-mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE: ``engine/models/moe.py``). Gemma's differences are
-flags of the config (its norms, GELU, the embeddings' scale, score caps, a RoPE base for the sliding
-layers) and, in Gemma 2 and 3, a layer of its own (``GemmaDecoderLayer``).
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM, Phi-3, Gemma, Granite) for paged attention,
+and its mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE: ``engine/models/moe.py``). Gemma's and
+Granite's differences are flags of the config (Gemma's norms, GELU, embedding scale, score caps, RoPE
+base for the sliding layers; Granite's scales) and, in Gemma 2 and 3, a layer of its own
+(``GemmaDecoderLayer``).
 
 One concept per class. Inputs are the flattened tokens of the whole batch:
 ``input_ids`` and ``positions`` are (T,), and ``AttentionMetadata`` says which
@@ -71,6 +72,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma > 0)
         self.mlp = SparseMoE(cfg, tp) if cfg.sparse(index) else GatedMLP(cfg.hidden_size, cfg.intermediate_size, tp,
                                                                           cfg.hidden_act)
+        self.residual_multiplier = cfg.residual_multiplier
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,9 +80,13 @@ class LlamaDecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, cos, sin, meta)
+        x = self.scaled(self.self_attn(x, cos, sin, meta))
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        return self.scaled(self.mlp(x)), residual
+
+    def scaled(self, x: torch.Tensor) -> torch.Tensor:
+        """A sublayer's output as it joins the residual stream (Granite scales it, in the model's dtype)."""
+        return x if self.residual_multiplier == 1.0 else x * self.residual_multiplier
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -133,6 +139,8 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)  # (T, hidden)
         if self.cfg.gemma:
             x = x * self.embed_scale.to(x.dtype)
+        elif self.cfg.embedding_multiplier != 1.0:  # Granite's, a Python float as transformers multiplies
+            x = x * self.cfg.embedding_multiplier
         rope = self.rotary(positions, x.dtype)  # cos, sin: (T, D/2) each
         local = rope if self.local_rotary is None else self.local_rotary(positions, x.dtype)
         residual = None
@@ -147,5 +155,9 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None:
             raise RuntimeError("this checkpoint has no lm_head: it can embed, not generate")
         logits = self.lm_head(hidden)
+        if logits is None:
+            return None
+        if self.cfg.logits_scaling != 1.0:  # Granite's
+            logits = logits / self.cfg.logits_scaling
         cap = self.cfg.final_softcap  # Gemma 2's cap on the logits
-        return logits if not cap or logits is None else torch.tanh(logits / cap).mul_(cap)
+        return logits if not cap else torch.tanh(logits / cap).mul_(cap)
