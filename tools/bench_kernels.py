@@ -70,26 +70,17 @@ def cases(model: str, batch: int, contexts: list[int], prefill: tuple[int, int])
     h, hkv, hidden, inter = MODELS[model]
     d, scale = HEAD_DIM, HEAD_DIM ** -0.5
     sdpa, eager = "torch SDPA, contiguous KV", "torch eager (kernels.reference)"
-    for ctx in contexts:
+    # each context's decode, and at the longest a sliding layer's (Gemma 3's window), which reads its keys only
+    decodes = [(ctx, 0) for ctx in contexts] + [(contexts[-1], 1024)] * (contexts[-1] > 1024)
+    for ctx, window in decodes:
+        span = window or ctx  # the keys a query reads (SDPA gets them alone, contiguous)
         k_cache, v_cache, tables = paged(ctx, batch, hkv)
         lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
-        q, k, v = randn(batch, h, d), randn(batch, hkv, ctx, d), randn(batch, hkv, ctx, d)
-        yield Case("paged_decode_attention", model, f"B={batch} ctx={ctx}",
+        q, k, v = randn(batch, h, d), randn(batch, hkv, span, d), randn(batch, hkv, span, d)
+        yield Case("paged_decode_attention", model, f"B={batch} ctx={ctx}" + (f" window={window}" if window else ""),
                    2 * k.numel() * ELT + 2 * q.numel() * ELT + tables.numel() * 4,
-                   lambda q=q, kc=k_cache, vc=v_cache, bt=tables, sl=lens, n=ctx:
-                   tri.paged_decode_attention(q, kc, vc, bt, sl, n, scale),
-                   lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale,
-                                                                        enable_gqa=True), sdpa)
-
-    ctx, window = contexts[-1], 1024  # a sliding layer (Gemma 3's window) reads only its window's keys
-    if ctx > window:
-        k_cache, v_cache, tables = paged(ctx, batch, hkv)
-        lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
-        q, k, v = randn(batch, h, d), randn(batch, hkv, window, d), randn(batch, hkv, window, d)
-        yield Case("paged_decode_attention", model, f"B={batch} ctx={ctx} window={window}",
-                   2 * k.numel() * ELT + 2 * q.numel() * ELT + tables.numel() * 4,
-                   lambda q=q, kc=k_cache, vc=v_cache, bt=tables, sl=lens, n=ctx:
-                   tri.paged_decode_attention(q, kc, vc, bt, sl, n, scale, window),
+                   lambda q=q, kc=k_cache, vc=v_cache, bt=tables, sl=lens, n=ctx, w=window:
+                   tri.paged_decode_attention(q, kc, vc, bt, sl, n, scale, w),
                    lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale,
                                                                         enable_gqa=True), sdpa)
 

@@ -33,6 +33,11 @@ from engine.models.moe import SparseMoE
 from engine.parallel import TPGroup, kv_replicas
 
 
+def pre_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's input: (norm(x + residual), x + residual); the first layer's has no residual yet."""
+    return (norm(x), x) if residual is None else norm(x, residual)
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, index: int):
         super().__init__()
@@ -76,10 +81,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)
+        x, residual = pre_norm(self.input_layernorm, x, residual)
         x = self.scaled(self.self_attn(x, cos, sin, meta))
         x, residual = self.post_attention_layernorm(x, residual)
         return self.scaled(self.mlp(x)), residual
@@ -105,10 +107,7 @@ class GemmaDecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """As ``LlamaDecoderLayer``'s: x is the last sublayer's output, not yet added to ``residual``."""
-        if residual is None:
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)
+        x, residual = pre_norm(self.input_layernorm, x, residual)
         x = self.post_attention_layernorm(self.self_attn(x, cos, sin, meta))
         x, residual = self.pre_feedforward_layernorm(x, residual)
         return self.post_feedforward_layernorm(self.mlp(x)), residual
