@@ -3,6 +3,8 @@
 W1: ``--num-requests`` (32) prompts of random token ids in [0, 10000), prompt lengths
 uniform in [32, 256], output lengths uniform in [64, 128], greedy, EOS ignored, seed 0,
 on the default model (SmolLM2-135M-Instruct Q4_1 GGUF) unless ``--model`` says otherwise.
+``--prompt-len N`` makes every prompt N tokens long (long contexts); ``--hf-overrides`` is passed to
+tokenmill (``'{"sliding_window": null}'``: the same model without its window, to compare).
 
 Systems, all in this process, each warmed up with a tiny request before it is timed:
 
@@ -131,11 +133,11 @@ class Result:
         return (self.prompt_tokens + self.output_tokens) / self.seconds
 
 
-def make_workload(num_requests: int, seed: int) -> list[Request]:
+def make_workload(num_requests: int, seed: int, prompt_lens: tuple[int, int] = PROMPT_LEN) -> list[Request]:
     rng = random.Random(seed)
     requests = []
     for _ in range(num_requests):
-        prompt_len = rng.randint(*PROMPT_LEN)
+        prompt_len = rng.randint(*prompt_lens)
         prompt = [rng.randrange(TOKEN_ID_HIGH) for _ in range(prompt_len)]
         requests.append(Request(prompt, rng.randint(*OUTPUT_LEN)))
     return requests
@@ -363,13 +365,13 @@ class StepProbe:
 
 def run_tokenmill(
     path: str, requests: list[Request], dtype: str, max_num_seqs: int, max_num_batched_tokens: int,
-    async_scheduling: str = "auto", enforce_eager: bool = False,
+    async_scheduling: str = "auto", enforce_eager: bool = False, hf_overrides: dict | None = None,
 ) -> tuple[Result, list, StepReport]:
     from engine import LLM, SamplingParams
 
     llm = LLM(
         model=path, dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-        async_scheduling=async_scheduling, enforce_eager=enforce_eager,
+        async_scheduling=async_scheduling, enforce_eager=enforce_eager, hf_overrides=hf_overrides,
     )
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
     params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in requests]
@@ -554,6 +556,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="requests run through HF generate() one at a time (0 = skip)",
     )
     p.add_argument("--skip-tokenmill", action="store_true", help="run only the HF systems and the ceiling")
+    p.add_argument("--prompt-len", type=int, default=None, metavar="N",
+                   help="every prompt N tokens long instead of W1's 32 to 256 (long contexts: a sliding window's "
+                        "effect, say)")
+    p.add_argument("--hf-overrides", type=json.loads, default=None, metavar="JSON",
+                   help="tokenmill's --hf-overrides, e.g. '{\"sliding_window\": null}' (the HF systems read the "
+                        "folder as it is)")
     return p.parse_args(argv)
 
 
@@ -563,7 +571,8 @@ def main(argv: list[str] | None = None) -> None:
 
     path = resolve_model_path(args.model)
     dtype = getattr(torch, args.dtype)
-    requests = make_workload(args.num_requests, args.seed)
+    prompt_lens = (args.prompt_len, args.prompt_len) if args.prompt_len else PROMPT_LEN
+    requests = make_workload(args.num_requests, args.seed, prompt_lens)
     prompt_tokens, output_tokens = workload_tokens(requests)
     print(
         f"W1: {len(requests)} requests, {prompt_tokens} prompt + {output_tokens} output tokens, "
@@ -583,7 +592,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.skip_tokenmill:
         result, outputs["tokenmill"], steps = run_tokenmill(
             path, requests, args.dtype, args.max_num_seqs, args.max_num_batched_tokens, args.async_scheduling,
-            args.enforce_eager,
+            args.enforce_eager, args.hf_overrides,
         )
         results.append(result)
         print(f"tokenmill: {result.out_tok_s:.1f} out tok/s", flush=True)
@@ -620,7 +629,8 @@ def main(argv: list[str] | None = None) -> None:
     summary = {
         "workload": "W1",
         "num_requests": len(requests),
-        "prompt_len_range": list(PROMPT_LEN),
+        "prompt_len_range": list(prompt_lens),
+        "hf_overrides": args.hf_overrides,
         "output_len_range": list(OUTPUT_LEN),
         "token_id_high": TOKEN_ID_HIGH,
         "prompt_tokens": prompt_tokens,
