@@ -32,3 +32,19 @@ def test_bench_offline_reports_decode_floor_and_host_share(tmp_path, capsys):
     # every weight once (fp32, as in the checkpoint) but the input embedding: not tied, a step reads 3 rows
     read = os.path.getsize(os.path.join(path, "model.safetensors")) - 4 * TINY["vocab_size"] * TINY["hidden_size"]
     assert abs(summary["weight_bytes"] - read) < 0.01 * read
+
+
+def test_long_prompts_and_a_model_without_its_window(tmp_path, capsys):
+    """--prompt-len and --hf-overrides: a sliding window's decode floor counts its window's KV only."""
+    path = build(str(tmp_path), "gemma3_text", torch.float32, **TINY, head_dim=16, sliding_window=32,
+                 sliding_window_pattern=2)
+    floors = {}
+    for overrides in (None, '{"sliding_window": null}'):
+        bench_offline.main(["--model", path, "--num-requests", "2", "--prompt-len", "300"]
+                           + (["--hf-overrides", overrides] if overrides else []))
+        summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert summary["prompt_len_range"] == [300, 300] and summary["prompt_tokens"] == 600
+        floors[overrides] = summary["decode_floor_ms"] * summary["mem_bandwidth_gb_s"] * 1e6  # its bytes
+    assert summary["hf_overrides"] == {"sliding_window": None}
+    # half the layers read 32 keys, not 300 and more: 2 sequences x ~330 keys x 256 bytes fewer (of ~2.8 MB)
+    assert 0.5 < (floors['{"sliding_window": null}'] - floors[None]) / (2 * 300 * 256) < 1.5
