@@ -134,9 +134,13 @@ class LLM:
         except BaseException:
             self.engine.abort(list(outputs))  # leave nothing behind for the next call
             raise
+        ends = set(self.engine.eos_token_ids)
         for rid, out in outputs.items():
-            if rid not in stopped:
-                out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+            if rid not in stopped:  # the EOS or stop token that ends it is never text (as the frontends have it)
+                last = out.token_ids[-1:] if out.finish_reason == "stop" else []
+                ending = bool(last) and (last[0] in ends or out.stop_reason == last[0])
+                out.text = self.tokenizer.decode(out.token_ids[:-1] if ending else out.token_ids,
+                                                 skip_special_tokens=True)
         return list(outputs.values())
 
     def chat(self, messages: list[dict] | list[list[dict]],

@@ -98,6 +98,9 @@ def test_stop_token_ids_and_min_tokens(tiny_llama):
                                                    ignore_eos=True))[0]
     assert out.token_ids == free.token_ids[:free.token_ids.index(stop_at) + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_at
+    # the stop token that ends it is no text of it (a plain token here), as in the HTTP frontends
+    assert out.text == llm.tokenizer.decode(out.token_ids[:-1], skip_special_tokens=True) != llm.tokenizer.decode(
+        out.token_ids, skip_special_tokens=True)
     later = llm.generate([9, 10, 11], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True,
                                                      stop_token_ids=[free.token_ids[0]], min_tokens=2))[0]
     assert later.token_ids[0] != free.token_ids[0]  # masked until two tokens exist

@@ -104,12 +104,13 @@ def test_cuda_bf16_load_peaks_at_the_model_size(tmp_path):
 
 
 def _write_gguf(folder: str, out: str, arch: str = "qwen3", matrices_as: str | None = None,
-                widths: bool = True) -> None:
+                widths: bool = True, vocab: dict | None = None) -> None:
     """A tiny model folder as llama.cpp's converter writes it: float32 tensors, GGUF names, a mixture
     of experts' parts stacked per layer (E, ...), the layers' matrices in ``matrices_as`` (a GGUF type:
-    "Q8_0") if given, and
-    their widths in the metadata (``widths``; converters before mid-2024 left them out); llama's q/k rows permuted for its interleaved RoPE (Qwen's is the rotate-half one llama.cpp calls
-    NEOX: no permutation)."""
+    "Q8_0") if given, and their widths in the metadata (``widths``; converters before mid-2024 left them
+    out); llama's q/k rows permuted for its interleaved RoPE (Qwen's is the rotate-half one llama.cpp
+    calls NEOX: no permutation). ``vocab``: a SentencePiece vocabulary to write too (``tokens``,
+    ``types``, ``bos``, ``eos``, ``chat_template``)."""
     import gguf
     import numpy as np
     from safetensors.torch import load_file
@@ -184,6 +185,14 @@ def _write_gguf(folder: str, out: str, arch: str = "qwen3", matrices_as: str | N
             _add(w, names[name], t, matrices_as if names[name].startswith("blk.") else None)
     for name, parts in experts.items():
         _add(w, name, np.stack([parts[e] for e in sorted(parts)]), matrices_as)
+    if vocab:
+        w.add_tokenizer_model("llama")
+        w.add_token_list(vocab["tokens"])
+        w.add_token_scores([0.0] * len(vocab["tokens"]))
+        w.add_token_types(vocab["types"])
+        w.add_bos_token_id(vocab["bos"])
+        w.add_eos_token_id(vocab["eos"])
+        w.add_chat_template(vocab["chat_template"])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -407,6 +416,30 @@ def test_a_gemma2_gguf_without_caps_or_window_keys_gets_llama_cpps(tmp_path):
         _gguf_reader.cache_clear()
         cfg = load_model_config(str(tmp_path / "eot.gguf"))
         assert cfg.eos_token_ids == (1, eot or 2) and cfg.sliding_window == 4096 and cfg.window(0) == 4096
+
+
+def test_a_gemma3_gguf_chats_with_its_own_tokenizer_and_ends_its_turn(tmp_path):
+    """A Gemma 3 GGUF as llama.cpp writes its vocabulary (SentencePiece, <0xNN> byte tokens, no EOT id):
+    transformers reads its tokenizer and template, and <end_of_turn>, found by its text, ends a turn."""
+    from engine import LLM, SamplingParams
+
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"<0x{i:02X}>" for i in range(256)] + [
+        "<start_of_turn>", "<end_of_turn>", "▁hello", "▁world", "user", "model", "\n", "▁"]
+    tokens += [f"t{i}" for i in range(300 - len(tokens))]
+    template = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else "
+                "'user' }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}<start_of_turn>model\n")
+    vocab = {"tokens": tokens, "types": [3, 3, 3, 2] + [6] * 256 + [3, 3] + [1] * (len(tokens) - 262), "bos": 2,
+             "eos": 1, "chat_template": template}
+    folder = make_tiny_model(str(tmp_path / "g3"), "gemma3_text", None, vocab_size=300)
+    _write_gguf(folder, str(tmp_path / "g3.gguf"), "gemma3", vocab=vocab)
+    llm = LLM(str(tmp_path / "g3.gguf"), num_kv_blocks=64, dtype="float32")
+    end_of_turn = tokens.index("<end_of_turn>")
+    assert llm.engine.eos_token_ids == [1, end_of_turn]
+    assert llm.tokenizer.decode(llm.tokenizer.encode("hello world", add_special_tokens=False)) == "hello world"
+    out = llm.chat([{"role": "user", "content": "hello"}], SamplingParams(max_tokens=8, temperature=0.0,
+                                                                          logit_bias={end_of_turn: 100.0}))[0]
+    assert out.token_ids == [end_of_turn] and out.finish_reason == "stop" and out.text == ""
+    assert out.prompt_token_ids[:2] == [2, tokens.index("<start_of_turn>")]
 
 
 def test_a_phi3_gguf_loads_as_its_folder(tmp_path):
