@@ -100,6 +100,9 @@ async def serve(args: FrontendArgs, ready: Callable[[], None] | None = None) -> 
     await client.connect()
     if client.ready.model != args.served_model_name:
         log.warning("the engine serves %r, this frontend calls it %r", client.ready.model, args.served_model_name)
+    if codec.vocab_size > client.ready.vocab_size:  # (fewer is common: models pad their embeddings)
+        log.warning("the tokenizer (%s) has %d tokens, the model only %d: texts holding the others are refused",
+                    args.tokenizer_path, codec.vocab_size, client.ready.vocab_size)
     metrics = Metrics(args.served_model_name, client.ready.max_model_len)
     # per-engine gauges carry the engine's index (label "engine")
     for i, c in enumerate(client.clients if isinstance(client, EngineRouter) else [client]):

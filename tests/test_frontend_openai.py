@@ -547,3 +547,19 @@ def test_several_served_model_names(tmp_path, smollm_tokenizer_dir):
         assert [m.id for m in client.models.list().data] == [MODEL, "alias"]
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="other", prompt="hi", max_tokens=2)
+
+
+def test_a_tokenizer_larger_than_the_model_is_named_at_start(tmp_path, smollm_tokenizer_dir):
+    """--tokenizer with more tokens than the model has: the frontend says so (texts with them are refused)."""
+    addr = f"ipc://{tmp_path}/engine.sock"
+    engine = FakeEngine(addr)
+    engine.vocab_size = 1000
+    engine.start()
+    log = open(tmp_path / "fe.log", "w+")
+    try:
+        proc = start_frontend(addr, smollm_tokenizer_dir, free_port(), stderr=log)
+        assert stop_frontend(proc) == 0
+    finally:
+        engine.stop()
+    log.seek(0)
+    assert "has 49152 tokens, the model only 1000: texts holding the others are refused" in log.read()

@@ -135,6 +135,7 @@ class FakeEngine(threading.Thread):
         self.num_timeouts = 0  # requests ended by their deadline
         self.num_preemptions = 0  # reported in STATS as is (nothing is ever preempted here)
         self.max_num_waiting_requests = 1024  # what READY announces
+        self.vocab_size = VOCAB  # and this: the model's vocabulary
         self.fail_after: int | None = None  # end every request with "error" once it has this many tokens
         self.mute = False  # a hung engine: it reads (and records) frames but answers nothing and never steps
         self._halt = threading.Event()
@@ -166,7 +167,7 @@ class FakeEngine(threading.Thread):
 
     def handle(self, sock, ident: bytes, msg) -> None:
         if isinstance(msg, Hello):
-            ready = Ready(MODEL, MAX_MODEL_LEN, VOCAB, [2], 64, NUM_KV_BLOCKS, BLOCK_SIZE,
+            ready = Ready(MODEL, MAX_MODEL_LEN, self.vocab_size, [2], 64, NUM_KV_BLOCKS, BLOCK_SIZE,
                           self.max_num_waiting_requests)
             sock.send_multipart([ident, encode(ready)])
         elif isinstance(msg, Add):
