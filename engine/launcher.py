@@ -43,7 +43,13 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.model_path import generation_defaults, model_name, resolve_model_path, resolve_tokenizer_path
+from engine.model_path import (
+    generation_defaults,
+    max_tokens_cap,
+    model_name,
+    resolve_model_path,
+    resolve_tokenizer_path,
+)
 
 log = logging.getLogger("tokenmill.launcher")
 
@@ -241,6 +247,8 @@ class Launcher:
             config, model=path, served_model_name=config.served_model_name or model_name(path),
             tokenizer=resolve_tokenizer_path(config.tokenizer, path))
         self.sampling_defaults = generation_defaults(config.generation_config, path, config.override_generation_config)
+        self.max_tokens_cap = max_tokens_cap(config.generation_config, self.sampling_defaults,
+                                             config.override_generation_config)
         if self.sampling_defaults:  # (as vLLM warns: a request's defaults are no longer OpenAI's)
             log.warning("default sampling values from the model's generation config: %s (--generation-config vllm "
                         "for OpenAI's defaults)", self.sampling_defaults)
@@ -334,7 +342,8 @@ class Launcher:
             allowed_origins=list(o.allowed_origins), http=HttpConfig(**o.http), ws=WsConfig(**o.ws),
             metrics_no_auth=o.metrics_no_auth, log_format=o.log_format, log_requests=o.log_requests,
             log_prompts=o.log_prompts, tool_call_parser=o.tool_call_parser, reasoning_parser=o.reasoning_parser,
-            chat_template=o.chat_template, sampling_defaults=self.sampling_defaults, model_aliases=list(o.model_aliases))
+            chat_template=o.chat_template, sampling_defaults=self.sampling_defaults, max_tokens_cap=self.max_tokens_cap,
+            model_aliases=list(o.model_aliases))
 
     def _frontend_id(self, i: int) -> str:
         """Its ZMQ identity. Stable across its restarts (the engine then drops what its previous life

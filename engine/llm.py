@@ -53,8 +53,9 @@ class LLM:
         self.config = EngineConfig(model=model, **config)
         self.engine = Engine(self.config)
         self._ids = itertools.count()
-        self._sampling_defaults = generation_defaults(self.config.generation_config, self.engine.runner.facts.model_path,
-                                                      self.config.override_generation_config)
+        c = self.config
+        self._sampling_defaults = generation_defaults(c.generation_config, self.engine.runner.facts.model_path,
+                                                      c.override_generation_config)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (also done when the LLM is collected, and at exit)."""

@@ -107,6 +107,15 @@ def generation_defaults(setting: str, model_path: str, override: dict | None = N
     return found
 
 
+def max_tokens_cap(setting: str, defaults: dict, override: dict | None = None) -> int | None:
+    """vLLM's rule: a max_new_tokens from ``--generation-config DIR`` or from ``--override-generation-config``
+    caps every request's max_tokens, completions' too (the model's own, under ``auto``, is a chat's default
+    only). None: no cap."""
+    if setting not in ("auto", "vllm"):
+        return defaults.get("max_tokens")
+    return (override or {}).get("max_new_tokens")
+
+
 def model_name(path: str) -> str:
     """The default served name: the folder's or file's base name."""
     base = os.path.basename(os.path.normpath(path))

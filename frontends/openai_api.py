@@ -89,7 +89,7 @@ class OpenAIApi:
                  api_keys: list[str] | None = None, allowed_origins: list[str] | None = None,
                  metrics: Metrics | None = None, metrics_no_auth: bool = False, tool_call_parser: str = "auto",
                  reasoning_parser: str = "auto", sampling_defaults: dict | None = None,
-                 model_aliases: list[str] | None = None) -> None:
+                 max_tokens_cap: int | None = None, model_aliases: list[str] | None = None) -> None:
         self.client = client
         self.metrics = metrics
         self.metrics_no_auth = metrics_no_auth
@@ -107,6 +107,7 @@ class OpenAIApi:
         # whether <think>...</think> is split off into reasoning_content (frontends.reasoning)
         self.thinking = reasoning.detect(template) if reasoning_parser == "auto" else reasoning_parser != "none"
         self.sampling_defaults = sampling_defaults or {}  # the model's (engine.model_path.generation_defaults)
+        self.max_tokens_cap = max_tokens_cap  # on every request's max_tokens (engine.model_path.max_tokens_cap)
 
     def routes(self, router: Router | None = None) -> Router:
         router = router or Router()
@@ -261,7 +262,7 @@ class OpenAIApi:
             raise ApiError(400, f"logprobs must be in [0, {_MAX_LOGPROBS_COMPLETIONS}], got {logprobs}",
                            param="logprobs")
         max_tokens = op.resolve_max_tokens(data, ("max_tokens",), [len(p) for p in prompts],
-                                           self.max_model_len, default=16)
+                                           self.max_model_len, default=16, cap=self.max_tokens_cap)
         base = op.sampling_params(data, max_tokens=max_tokens, logprobs=logprobs, vocab_size=self.codec.vocab_size,
                                   prompt_logprobs=logprobs if echo and logprobs is not None else None,
                                   defaults=self.sampling_defaults)
@@ -297,7 +298,8 @@ class OpenAIApi:
             raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
         prompt = await self._chat_template(data, messages, calls=calls)
         max_tokens = op.resolve_max_tokens(data, ("max_completion_tokens", "max_tokens"), [len(prompt)],
-                                           self.max_model_len, default=self.sampling_defaults.get("max_tokens"))
+                                           self.max_model_len, default=self.sampling_defaults.get("max_tokens"),
+                                           cap=self.max_tokens_cap)
         tool_schema = calls.schema() if calls else None
         base = op.sampling_params(data, max_tokens=max_tokens, logprobs=(top or 0) if want_logprobs else None,
                                   vocab_size=self.codec.vocab_size, tool_schema=tool_schema,

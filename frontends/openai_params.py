@@ -400,10 +400,11 @@ def check_fan_out(num_prompts: int, n: int, params: SamplingParams, max_queued: 
 
 
 def resolve_max_tokens(data: dict, names: tuple[str, ...], prompt_lens: list[int], max_model_len: int,
-                       default: int | None) -> int:
+                       default: int | None, cap: int | None = None) -> int:
     """The requested completion length, checked against the context window.
 
-    ``default`` None means: whatever room the longest prompt leaves (vLLM's chat default).
+    ``default`` None means: whatever room the longest prompt leaves (vLLM's chat default). ``cap``: the
+    server's limit on any request's (``--override-generation-config``'s max_new_tokens, as vLLM's).
     """
     requested = None
     for name in names:
@@ -418,6 +419,9 @@ def resolve_max_tokens(data: dict, names: tuple[str, ...], prompt_lens: list[int
         raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, "
                        f"your prompt has {longest} tokens, leaving no room for the completion. "
                        "Please reduce the length of the prompt.", param="prompt")
+    if cap is not None:
+        requested = min(requested, cap) if requested is not None else None
+        default = cap if default is None else min(default, cap)
     if requested is None:
         return max_model_len - longest if default is None else min(default, max_model_len - longest)
     if longest + requested > max_model_len:

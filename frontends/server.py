@@ -62,6 +62,7 @@ class FrontendArgs:
     reasoning_parser: str = "auto"  # "auto" (from the chat template), "none", or a name that turns it on
     chat_template: str | None = None  # instead of the model's (``--chat-template``)
     sampling_defaults: dict = field(default_factory=dict)  # for fields a request leaves out (--generation-config)
+    max_tokens_cap: int | None = None  # on every request's max_tokens (engine.model_path.max_tokens_cap)
     model_aliases: list[str] = field(default_factory=list)  # names besides served_model_name a request may use
 
 
@@ -112,7 +113,8 @@ async def serve(args: FrontendArgs, ready: Callable[[], None] | None = None) -> 
     api = OpenAIApi(client, codec, args.served_model_name, args.api_keys,
                     allowed_origins=args.allowed_origins, metrics=metrics, metrics_no_auth=args.metrics_no_auth,
                     tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                    sampling_defaults=args.sampling_defaults, model_aliases=args.model_aliases)
+                    sampling_defaults=args.sampling_defaults, max_tokens_cap=args.max_tokens_cap,
+                    model_aliases=args.model_aliases)
     access_log = AccessLog(metrics, enabled=args.log_requests, log_prompts=args.log_prompts)
     router = build_router(api, args.ws, access_log)
     access_log.router = router

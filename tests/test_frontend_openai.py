@@ -508,6 +508,24 @@ def test_the_models_generation_config_fills_what_a_request_leaves_out(tmp_path, 
         assert (p.temperature, p.top_k, p.max_tokens) == (0.6, 20, 16)
 
 
+def test_an_overridden_max_new_tokens_caps_every_request(tmp_path, smollm_tokenizer_dir):
+    """vLLM's rule: --override-generation-config's max_new_tokens (or a --generation-config DIR's) is a
+    limit on every request, completions' and explicit ones too; the model's own only a chat's default."""
+    from engine.model_path import max_tokens_cap
+
+    assert max_tokens_cap("auto", {"max_tokens": 512}) is None
+    assert max_tokens_cap("auto", {"max_tokens": 5}, {"max_new_tokens": 5}) == 5
+    assert max_tokens_cap("/some/dir", {"max_tokens": 512}) == 512
+    with fake_stack(str(tmp_path), smollm_tokenizer_dir, sampling_defaults={"max_tokens": 5},
+                    max_tokens_cap=5) as (engine, port):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=30)
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+        client.completions.create(model=MODEL, prompt="hi")
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+        assert [a.params.max_tokens for a in engine.adds[-4:]] == [5, 5, 5, 2]
+
+
 def test_generation_defaults_read_as_vllm_reads_them(tmp_path):
     from engine.model_path import generation_defaults
 
