@@ -89,7 +89,8 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [
             sampling_params or self.get_default_sampling_params()]
         params = params * len(prompts) if len(params) == 1 else params
-        cap = sampling_params is None and "max_tokens" in self._sampling_defaults  # (the model's max_new_tokens)
+        # the model's max_new_tokens, as a default: fitted to each prompt's room, as the server fits it
+        fit = sampling_params is None and "max_tokens" in self._sampling_defaults
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         priority = [0] * len(prompts) if priority is None else list(priority)
@@ -104,8 +105,9 @@ class LLM:
         try:
             for prompt, p, prio in zip(prompts, params, priority, strict=True):
                 ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-                if cap:  # as far as the context allows, as the server caps it
-                    p = dataclasses.replace(p, max_tokens=max(1, min(p.max_tokens, self.engine.max_model_len - len(ids))))
+                if fit:
+                    room = self.engine.max_model_len - len(ids)
+                    p = dataclasses.replace(p, max_tokens=max(1, min(p.max_tokens, room)))
                 rid = str(next(self._ids))
                 self.engine.add_request(rid, ids, p, prio)
                 outputs[rid] = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids,
