@@ -80,6 +80,7 @@ class ServeOptions:
     http: dict = field(default_factory=dict)  # overrides of frontends.http.HttpConfig fields
     allowed_origins: list[str] = field(default_factory=list)  # browser origins besides the server's own
     metrics_no_auth: bool = False  # /metrics open even with API keys
+    force_include_usage: bool = False  # every stream ends with its usage chunk
     log_format: str = "text"  # or "json", for every process
     log_requests: bool = True  # the frontends' access log
     log_prompts: bool = False  # prompts in the access log
@@ -340,7 +341,8 @@ class Launcher:
             frontend_id=self._frontend_id(i), tokenizer_cache_dir=os.path.join(self.runtime_dir, "tokenizer"),
             handshake_timeout=o.startup_timeout, engine_liveness_timeout=o.engine_liveness_timeout,
             allowed_origins=list(o.allowed_origins), http=HttpConfig(**o.http), ws=WsConfig(**o.ws),
-            metrics_no_auth=o.metrics_no_auth, log_format=o.log_format, log_requests=o.log_requests,
+            metrics_no_auth=o.metrics_no_auth, force_include_usage=o.force_include_usage, log_format=o.log_format,
+            log_requests=o.log_requests,
             log_prompts=o.log_prompts, tool_call_parser=o.tool_call_parser, reasoning_parser=o.reasoning_parser,
             chat_template=o.chat_template, sampling_defaults=self.sampling_defaults, max_tokens_cap=self.max_tokens_cap,
             model_aliases=list(o.model_aliases))

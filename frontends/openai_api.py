@@ -89,7 +89,8 @@ class OpenAIApi:
                  api_keys: list[str] | None = None, allowed_origins: list[str] | None = None,
                  metrics: Metrics | None = None, metrics_no_auth: bool = False, tool_call_parser: str = "auto",
                  reasoning_parser: str = "auto", sampling_defaults: dict | None = None,
-                 max_tokens_cap: int | None = None, model_aliases: list[str] | None = None) -> None:
+                 max_tokens_cap: int | None = None, model_aliases: list[str] | None = None,
+                 force_include_usage: bool = False) -> None:
         self.client = client
         self.metrics = metrics
         self.metrics_no_auth = metrics_no_auth
@@ -108,6 +109,7 @@ class OpenAIApi:
         self.thinking = reasoning.detect(template) if reasoning_parser == "auto" else reasoning_parser != "none"
         self.sampling_defaults = sampling_defaults or {}  # the model's (engine.model_path.generation_defaults)
         self.max_tokens_cap = max_tokens_cap  # on every request's max_tokens (engine.model_path.max_tokens_cap)
+        self.force_include_usage = force_include_usage  # every stream ends with its usage chunk
 
     def routes(self, router: Router | None = None) -> Router:
         router = router or Router()
@@ -385,10 +387,9 @@ class OpenAIApi:
 
     # ------------------------------------------------------------------ running a generation
 
-    @staticmethod
-    def _include_usage(data: dict) -> bool:
+    def _include_usage(self, data: dict) -> bool:
         opts = op.field(data, "stream_options", dict, {})
-        return bool(op.field(opts, "include_usage", bool, False))
+        return bool(op.field(opts, "include_usage", bool, False)) or self.force_include_usage
 
     @staticmethod
     def _seeded(base):

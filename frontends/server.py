@@ -53,6 +53,7 @@ class FrontendArgs:
     http: HttpConfig = field(default_factory=HttpConfig)  # the HTTP layer's limits
     ws: websocket.WsConfig = field(default_factory=websocket.WsConfig)  # /v1/stream limits
     metrics_no_auth: bool = False  # /metrics without an API key (a scraper on a private network)
+    force_include_usage: bool = False  # every stream ends with its usage chunk (--enable-force-include-usage)
     log_format: str = "text"  # or "json": one object per line
     log_requests: bool = True  # one access-log line per finished request
     log_prompts: bool = False  # the prompt in that line (user data: off by default)
@@ -112,6 +113,7 @@ async def serve(args: FrontendArgs, ready: Callable[[], None] | None = None) -> 
             c.on_stats(c.last_stats)
     api = OpenAIApi(client, codec, args.served_model_name, args.api_keys,
                     allowed_origins=args.allowed_origins, metrics=metrics, metrics_no_auth=args.metrics_no_auth,
+                    force_include_usage=args.force_include_usage,
                     tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                     sampling_defaults=args.sampling_defaults, max_tokens_cap=args.max_tokens_cap,
                     model_aliases=args.model_aliases)

@@ -581,3 +581,14 @@ def test_a_tokenizer_larger_than_the_model_is_named_at_start(tmp_path, smollm_to
         engine.stop()
     log.seek(0)
     assert "has 49152 tokens, the model only 1000: texts holding the others are refused" in log.read()
+
+
+def test_force_include_usage_ends_every_stream_with_its_usage(tmp_path, smollm_tokenizer_dir):
+    """vLLM's --enable-force-include-usage: a stream that did not ask for it (stream_options) gets it too."""
+    with fake_stack(str(tmp_path), smollm_tokenizer_dir, force_include_usage=True) as (engine, port):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
+        chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=3, stream=True))
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
+        chunks = list(client.completions.create(model=MODEL, prompt="hi", max_tokens=2, stream=True))
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 2

@@ -31,7 +31,8 @@ SERVE_FLAGS = ["--model", "--tokenizer", "--generation-config", "--override-gene
                "--socket-send-buffer", "--ws-max-frames-per-second", "--engine-liveness-timeout",
                "--scheduling-policy", "--scheduling-aging-seconds", "--long-prefill-token-threshold",
                "--max-num-waiting-requests", "--request-timeout", "--enable-prefix-caching",
-               "--metrics-no-auth", "--log-format", "--disable-log-requests", "--log-prompts"]
+               "--metrics-no-auth", "--log-format", "--disable-log-requests", "--log-prompts",
+               "--enable-force-include-usage"]
 
 
 def tokenmill(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
