@@ -93,9 +93,10 @@ def _engine_flags(p: argparse.ArgumentParser, generate: bool = False) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help=f"CUDA: fraction of device memory for weights and KV cache "
                         f"(default: {d['gpu_memory_utilization']})")
-    g.add_argument("--kv-cache-memory", type=parse_size, default=None,
-                   help="CPU: memory for the KV cache (of each rank, under tensor parallel), e.g. 2G or 512MiB "
-                        "(default: 1GiB)")
+    g.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", type=parse_size, default=None,
+                   help="memory for the KV cache (of each rank, under tensor parallel), e.g. 2G or 512MiB; on CUDA "
+                        "in place of --gpu-memory-utilization's share, as vLLM's --kv-cache-memory-bytes "
+                        "(default: 1GiB on the CPU)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="share the KV cache blocks of prompts that start alike (a system prompt, earlier "
                         "turns of a chat); --no-enable-prefix-caching turns it off (default: on)")

@@ -35,7 +35,7 @@ class EngineConfig:
     max_num_seqs: int = 64  # sequence budget per step
     max_num_batched_tokens: int = 2048  # token budget per step (chunked prefill)
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory for weights + KV
-    kv_cache_memory: int | None = None  # CPU: bytes for the KV cache; None = 1 GiB
+    kv_cache_memory: int | None = None  # bytes for the KV cache; None = 1 GiB on CPU, gpu_memory_utilization's on CUDA
     enable_prefix_caching: bool = True  # share the KV blocks of common prompt prefixes
     num_kv_blocks: int | None = None  # override the computed number of KV blocks (tests, tuning)
     max_num_waiting_requests: int = 1024  # bounded waiting queue; more is refused (HTTP 429)

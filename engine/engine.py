@@ -84,8 +84,8 @@ class Engine:
         capacity = facts.num_kv_blocks * config.block_size
         if capacity < facts.max_model_len:  # never advertise a length the cache cannot hold
             log.warning("max_model_len lowered from %d to %d: the KV cache holds only %d blocks of %d tokens "
-                        "(give it more memory with --kv-cache-memory on CPU or --gpu-memory-utilization on "
-                        "CUDA, or ask for a smaller --max-model-len)", facts.max_model_len, capacity,
+                        "(give it more memory with --kv-cache-memory, or on CUDA --gpu-memory-utilization, or "
+                        "ask for a smaller --max-model-len)", facts.max_model_len, capacity,
                         facts.num_kv_blocks, config.block_size)
         self.max_model_len = min(facts.max_model_len, capacity)
         self.vocab_size = self.runner.model_cfg.vocab_size

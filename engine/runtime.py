@@ -94,15 +94,16 @@ def measured_cuda_budget(config: EngineConfig, device: torch.device) -> int:
 
 def count_kv_blocks(config: EngineConfig, model_cfg: ModelConfig, device: torch.device,
                     dtype: torch.dtype, max_model_len: int, cuda_budget: int | None = None) -> int:
-    """Blocks that fit in the cache's memory: on CUDA ``cuda_budget`` (``measured_cuda_budget``), on
-    the CPU ``kv_cache_memory``."""
+    """Blocks that fit in the cache's memory: ``kv_cache_memory`` where given (on CUDA too, in place of
+    ``gpu_memory_utilization``'s share, as vLLM's ``--kv-cache-memory-bytes``), else on CUDA
+    ``cuda_budget`` (``measured_cuda_budget``) and on the CPU 1 GiB."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     per_block = kv_block_bytes(model_cfg, config.block_size, dtype)
-    if device.type == "cuda":
-        budget = cuda_budget
+    if config.kv_cache_memory is not None:
+        budget = config.kv_cache_memory
     else:
-        budget = config.kv_cache_memory or CPU_KV_CACHE_BYTES
+        budget = cuda_budget if device.type == "cuda" else CPU_KV_CACHE_BYTES
     blocks = int(budget // per_block)
     if device.type == "cpu" or not config.enable_prefix_caching:
         # More than every sequence at full length could use is memory wasted, unless it keeps prefixes

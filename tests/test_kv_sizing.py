@@ -42,6 +42,19 @@ def test_bytes_per_token():
     assert kv_block_bytes(cfg, 16, torch.bfloat16) == 46080 // 2 * 16
 
 
+def test_kv_cache_memory_sizes_the_cache_on_cuda_too():
+    """--kv-cache-memory (vLLM's --kv-cache-memory-bytes) in place of gpu_memory_utilization's measured share."""
+    from engine.config import EngineConfig
+    from engine.runtime import count_kv_blocks
+
+    cfg = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64)
+    per_block = kv_block_bytes(cfg, 16, torch.bfloat16)
+    cuda = torch.device("cuda")  # (only its type is read)
+    assert count_kv_blocks(EngineConfig(), cfg, cuda, torch.bfloat16, 4096, cuda_budget=100 * per_block) == 100
+    assert count_kv_blocks(EngineConfig(kv_cache_memory=7 * per_block), cfg, cuda, torch.bfloat16, 4096,
+                           cuda_budget=100 * per_block) == 7
+
+
 @pytest.mark.parametrize("flag", [True, False])
 def test_prefix_caching_flag_reaches_the_block_manager(tiny_llama, flag):
     llm = LLM(tiny_llama, num_kv_blocks=8, max_model_len=128, enable_prefix_caching=flag)
