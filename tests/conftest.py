@@ -55,7 +55,6 @@ def make_tiny_model(out_dir: str, arch: str, tokenizer_dir: str | None, seed: in
     "qwen2_moe", "qwen3_moe", of 8 experts, 2 per token; "gemma", "gemma2", "gemma3_text": 4 layers, a sliding
     window of 16 in Gemma 2's every other layer and three of Gemma 3's four, Gemma 2's caps; "granite", with
     Granite 3 8B's scales) model folder (fp32)."""
-    import shutil
 
     import torch
     import transformers
@@ -87,19 +86,27 @@ def make_tiny_model(out_dir: str, arch: str, tokenizer_dir: str | None, seed: in
     config = cfg_cls(**kw)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # random init is tiny; scale up so logits are not all ties
+    _save_random(model, out_dir, tokenizer_dir, gemma=arch.startswith("gemma"))
+    return out_dir
+
+
+def _save_random(model, out_dir: str, tokenizer_dir: str | None, gemma: bool) -> None:
+    """Save ``model`` with its random init scaled up (tiny, it leaves logits all ties) and its norms not all
+    ones, the tokenizer of ``tokenizer_dir`` beside it."""
+    import torch
+
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.08)
             elif "q_norm" in name or "k_norm" in name:  # Qwen3's per-head norms: not all ones
                 p.uniform_(0.5, 1.5)
-            elif "norm" in name and arch.startswith("gemma"):  # Gemma's (1 + w): not all ones either
+            elif "norm" in name and gemma:  # Gemma's (1 + w): not all ones either
                 p.uniform_(-0.5, 0.5)
     model.save_pretrained(out_dir, safe_serialization=True)
     if tokenizer_dir:
         for name in os.listdir(tokenizer_dir):
             shutil.copy(os.path.join(tokenizer_dir, name), out_dir)
-    return out_dir
 
 
 def make_tiny_gemma3_multimodal(out_dir: str, tokenizer_dir: str | None, seed: int = 7) -> str:
@@ -119,17 +126,7 @@ def make_tiny_gemma3_multimodal(out_dir: str, tokenizer_dir: str | None, seed: i
     cfg = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=49151,
                        boi_token_index=49149, eoi_token_index=49150)
     torch.manual_seed(seed)
-    model = Gemma3ForConditionalGeneration(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.08)
-            elif "norm" in name:
-                p.uniform_(-0.5, 0.5)
-    model.save_pretrained(out_dir)
-    if tokenizer_dir:
-        for name in os.listdir(tokenizer_dir):
-            shutil.copy(os.path.join(tokenizer_dir, name), out_dir)
+    _save_random(Gemma3ForConditionalGeneration(cfg), out_dir, tokenizer_dir, gemma=True)
     with open(os.path.join(out_dir, "config.json")) as f:
         config = json.load(f)
     config["text_config"] = {k: v for k, v in config["text_config"].items() if k in text or k == "model_type"}
