@@ -19,7 +19,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.model_path import generation_defaults
 from engine.protocol import PoolingParams, SamplingParams, TokenLogprobs, embedding_floats
-from frontends.generation import Choice
+from frontends.generation import Choice, text_ids
 from frontends.text import StopMatcher, TextCodec
 from frontends.tokenizer import load_tokenizer  # the same as the HTTP frontends use
 
@@ -137,13 +137,11 @@ class LLM:
         except BaseException:
             self.engine.abort(list(outputs))  # leave nothing behind for the next call
             raise
-        ends = set(self.engine.eos_token_ids)
+        ends = frozenset(self.engine.eos_token_ids)
         for rid, out in outputs.items():
             if rid not in stopped:  # the EOS or stop token that ends it is never text (as the frontends have it)
-                last = out.token_ids[-1:] if out.finish_reason == "stop" else []
-                ending = bool(last) and (last[0] in ends or out.stop_reason == last[0])
-                out.text = self.tokenizer.decode(out.token_ids[:-1] if ending else out.token_ids,
-                                                 skip_special_tokens=True)
+                ids = text_ids(out.token_ids, out.finish_reason, out.stop_reason, ends)
+                out.text = self.tokenizer.decode(ids, skip_special_tokens=True)
         return list(outputs.values())
 
     def chat(self, messages: list[dict] | list[list[dict]],

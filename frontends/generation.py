@@ -34,6 +34,14 @@ from frontends.text import IncrementalDetokenizer, StopMatcher, StopStrings, Tex
 LogprobEntry = tuple[int, float | None, list | None]
 
 
+def text_ids(ids: list[int], finish_reason: str | None, stop_reason, eos_ids) -> list[int]:
+    """``ids`` but the token that ended the output (one of ``eos_ids``, or the stop token id): no text,
+    as vLLM leaves it out."""
+    if finish_reason == "stop" and ids and (ids[-1] in eos_ids or ids[-1] == stop_reason):
+        return ids[:-1]
+    return ids
+
+
 class Choice:
     __slots__ = ("index", "request_id", "prompt_ids", "detok", "stops", "min_tokens", "finish_reason", "stop_reason",
                  "num_tokens", "num_prompt_tokens", "num_cached_tokens", "prompt_logprobs", "text_offset",
@@ -74,9 +82,7 @@ class Choice:
             self.prompt_logprobs = d.prompt_logprobs
         if d.embedding is not None:
             self.embedding = d.embedding
-        ids = d.token_ids
-        if d.finish_reason == "stop" and ids and (ids[-1] in self.eos_ids or ids[-1] == d.stop_reason):
-            ids = ids[:-1]  # the token that ended it is no text
+        ids = text_ids(d.token_ids, d.finish_reason, d.stop_reason, self.eos_ids)
         text = self.detok.step(ids) if ids else ""
         if d.finish_reason is not None:
             text += self.detok.flush()
