@@ -10,6 +10,8 @@ import importlib.util
 import json
 import os
 
+from engine.protocol import SamplingParams
+
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -98,8 +100,6 @@ def generation_defaults(setting: str, model_path: str, override: dict | None = N
             found[k] = v
     if "max_new_tokens" in found:
         found["max_tokens"] = found.pop("max_new_tokens")
-    from engine.protocol import SamplingParams  # (torch-free)
-
     try:
         SamplingParams(**found)  # each value as a request's is checked
     except (TypeError, ValueError) as e:
