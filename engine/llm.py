@@ -102,6 +102,7 @@ class LLM:
         # requests with stop strings: matched as the HTTP frontends match them (the first stop
         # string completed in the detokenized text, never before min_tokens), the text cut before it
         choices: dict[str, tuple[Choice, list[str]]] = {}
+        ends = frozenset(self.engine.eos_token_ids)
         try:
             for prompt, p, prio in zip(prompts, params, priority, strict=True):
                 ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -113,7 +114,7 @@ class LLM:
                 outputs[rid] = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids,
                                              logprobs=[] if p.logprobs is not None else None)
                 if p.stop:
-                    choices[rid] = (Choice(0, rid, ids, self._codec, StopMatcher(p.stop), p.min_tokens), [])
+                    choices[rid] = (Choice(0, rid, ids, self._codec, StopMatcher(p.stop), p.min_tokens, ends), [])
             while self.engine.has_work():
                 for d in self.engine.step():
                     out = outputs.get(d.request_id)
@@ -137,7 +138,6 @@ class LLM:
         except BaseException:
             self.engine.abort(list(outputs))  # leave nothing behind for the next call
             raise
-        ends = frozenset(self.engine.eos_token_ids)
         for rid, out in outputs.items():
             if rid not in stopped:  # the EOS or stop token that ends it is never text (as the frontends have it)
                 ids = text_ids(out.token_ids, out.finish_reason, out.stop_reason, ends)

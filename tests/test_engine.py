@@ -216,6 +216,26 @@ def test_offline_stop_strings_and_refusals(tiny_llama):
     assert llm.generate([9, 10, 11], SamplingParams(max_tokens=6, **greedy))[0].token_ids == base.token_ids
 
 
+def test_an_eos_token_with_text_is_never_matched_by_stop_strings(tiny_llama, tmp_path):
+    """The EOS that ends an output is no text, so no stop string can match in it (as the HTTP frontends)."""
+    import json
+    import shutil
+
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    with LLM(tiny_llama, dtype="float32", num_kv_blocks=64, max_model_len=128) as llm:
+        base = llm.generate([9, 10, 11], SamplingParams(max_tokens=6, **greedy))[0]
+        texts = [llm.tokenizer.decode([t]) for t in base.token_ids]
+    k = next(i for i in range(1, 6) if texts[i].strip() and texts[i].strip() not in "".join(texts[:i]))
+    folder = shutil.copytree(tiny_llama, tmp_path / "m")  # the same model, its k-th greedy token its EOS
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": base.token_ids[k]}))
+    with LLM(str(folder), dtype="float32", num_kv_blocks=64, max_model_len=128) as llm:
+        out = llm.generate([9, 10, 11], SamplingParams(max_tokens=6, temperature=0.0,
+                                                       stop=[texts[k].strip()]))[0]
+    assert out.token_ids == base.token_ids[:k + 1]
+    assert out.finish_reason == "stop" and out.stop_reason is None
+    assert out.text == llm.tokenizer.decode(base.token_ids[:k], skip_special_tokens=True)
+
+
 def test_config_is_validated():
     from engine.config import EngineConfig
 
