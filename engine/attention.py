@@ -11,8 +11,9 @@ so that one long prompt chunk never pads every decode row to its length.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -46,6 +47,19 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # (T,) cache slot of each new token
     decode: DecodeMetadata | None
     prefill: PrefillMetadata | None
+    # each block's window block (engine.window_blocks), for layers whose cache is the sliding-window pool
+    window_map: torch.Tensor | None = None
+    _windowed: AttentionMetadata | None = field(default=None, repr=False)
+
+    def windowed(self, block_size: int) -> AttentionMetadata:
+        """The same step in the sliding-window pool's blocks (looked up once a step, by its first layer)."""
+        if self._windowed is None:
+            m, slot, d, p = self.window_map, self.slot_mapping, self.decode, self.prefill
+            self._windowed = AttentionMetadata(
+                m[slot // block_size] * block_size + slot % block_size,
+                dataclasses.replace(d, block_tables=m[d.block_tables]) if d is not None else None,
+                dataclasses.replace(p, block_tables=m[p.block_tables]) if p is not None else None)
+        return self._windowed
 
 
 @dataclass
@@ -119,9 +133,11 @@ class StepIndex:
              "decode_seq_lens": torch.tensor([seq_lens[i] for i in seqs], **i64)}
         return cls(t, seq_lens[seqs[0]], 0, 0, False, seqs == list(range(len(seqs))))
 
-    def metadata(self, tables: torch.Tensor, block_size: int) -> tuple[torch.Tensor, AttentionMetadata]:
+    def metadata(self, tables: torch.Tensor, block_size: int,
+                 window_map: torch.Tensor | None = None) -> tuple[torch.Tensor, AttentionMetadata]:
         """Positions (T,) and the attention metadata, on the device of ``tables`` (num_rows, max_blocks)
-        and of ``tensors``: only the rows and columns the step reads are gathered."""
+        and of ``tensors``: only the rows and columns the step reads are gathered. ``window_map``: each
+        block's window block, where sliding-window layers have a pool of their own."""
         t = self.tensors
         pos = t["positions"]
         slot_mapping = tables[t["token_table_rows"], pos // block_size] * block_size + pos % block_size
@@ -139,7 +155,7 @@ class StepIndex:
                 out_index=t["prefill_out_index"], max_seq_len=self.max_prefill_len,
                 max_query_len=self.max_query_len,
             )
-        return pos, AttentionMetadata(slot_mapping, decode, prefill)
+        return pos, AttentionMetadata(slot_mapping, decode, prefill, window_map)
 
 
 def build_metadata(query_lens: list[int], computed_lens: list[int], block_tables: list[list[int]],
@@ -157,7 +173,9 @@ def build_metadata(query_lens: list[int], computed_lens: list[int], block_tables
 class Attention(nn.Module):
     """One layer's attention: store this step's K/V in the cache, attend over the cache. ``scale``
     multiplies q.k (None: 1 / sqrt(head_dim)); ``window``: a sliding window's length, each query seeing
-    its latest ``window`` positions (0: all); ``softcap``: Gemma 2's cap on the scores (0: none)."""
+    its latest ``window`` positions (0: all); ``softcap``: Gemma 2's cap on the scores (0: none). A
+    windowed layer whose cache is the sliding-window pool (``in_window_pool``, set with the cache) finds
+    its blocks through the step's ``window_map``."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
                  window: int = 0, softcap: float = 0.0):
@@ -168,10 +186,13 @@ class Attention(nn.Module):
         # Set by the model runner once the cache is allocated: (num_blocks, block_size, Hkv, D) each.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        self.in_window_pool = False
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         # q: (T, H, D), k/v: (T, Hkv, D)
+        if self.in_window_pool:
+            meta = meta.windowed(self.k_cache.shape[1])
         kernels.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         d, p = meta.decode, meta.prefill
         if d is None:

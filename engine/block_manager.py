@@ -23,6 +23,11 @@ Freed blocks keep their contents and hash: they count as free, and are only
 evicted when a block is needed and no block without contents is left, least
 recently freed first. A request frees its blocks tail first, so its tail is
 evicted before its prefix, which other requests are likelier to share.
+
+A model with sliding-window layers keeps their K/V in a pool of its own
+(``engine.window_blocks``): a block is given a window block there while a request
+may still read it in those layers. A request is admitted, and grows, only when both
+pools have room; a prefix hit counts up to where the window blocks it reads are kept.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 
 from engine.request import Request
+from engine.window_blocks import WindowBlocks
 
 
 def chain_hash(parent: bytes, token_ids: list[int]) -> bytes:
@@ -42,7 +48,9 @@ def chain_hash(parent: bytes, token_ids: list[int]) -> bytes:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 hash_seed: bytes = b""):
+                 hash_seed: bytes = b"", window: int = 0, num_window_blocks: int = 0):
+        """``num_window_blocks``: the sliding-window layers' own pool, for a ``window`` of that many
+        positions (0: those layers, if any, keep every block as the others)."""
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.num_blocks = num_blocks
@@ -56,6 +64,7 @@ class BlockManager:
         self.evictable: OrderedDict[int, None] = OrderedDict()  # free but findable, least recently freed first
         self.pending: dict[int, str] = {}  # findable blocks this step computes -> the request computing them
         self.num_evictions = 0  # since start
+        self.window = WindowBlocks(num_window_blocks, num_blocks, window, block_size) if num_window_blocks else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -67,7 +76,9 @@ class BlockManager:
 
     @property
     def usage(self) -> float:
-        return self.num_used_blocks / self.num_blocks
+        """The fuller pool's share in use."""
+        used = self.num_used_blocks / self.num_blocks
+        return max(used, self.window.usage) if self.window else used
 
     # ------------------------------------------------------------------ prefix caching
 
@@ -82,6 +93,8 @@ class BlockManager:
             if block_id is None:
                 break
             blocks.append(block_id)
+        while self.window and blocks and not self.window.covers(blocks):
+            blocks.pop()
         return blocks
 
     def cache_full_blocks(self, req: Request, num_tokens: int) -> None:
@@ -117,6 +130,8 @@ class BlockManager:
         self.pending.clear()
 
     def _forget(self, block_id: int) -> None:
+        if self.window:
+            self.window.drop(block_id)
         del self.cached[self.block_hash[block_id]]
         self.block_hash[block_id] = None
         self.pending.pop(block_id, None)
@@ -140,13 +155,21 @@ class BlockManager:
         return new + sum(1 for b in cached if self.ref_counts[b] == 0)  # a free cached block leaves the pool
 
     def can_allocate(self, req: Request, num_new_tokens: int, cached: Sequence[int] = ()) -> bool:
+        """Whether the blocks to hold that many tokens are free (window blocks are taken a step at a
+        time: a step's tokens need theirs, a request's whole context never does)."""
         return self.blocks_needed(req, num_new_tokens, cached) <= self.num_free_blocks
 
     def allocate(self, req: Request, num_new_tokens: int, cached: Sequence[int] = ()) -> bool:
-        """Grow ``req.block_table`` by the ``cached`` blocks, then for ``num_new_tokens`` more tokens;
-        False (and no change) if it can't."""
+        """Grow ``req.block_table`` by the ``cached`` blocks, then for ``num_new_tokens`` more tokens
+        (the step computing them); False (and no change) if it can't."""
         if self.blocks_needed(req, num_new_tokens, cached) > self.num_free_blocks:
             return False
+        start = req.num_computed_tokens + len(cached) * self.block_size  # the step's first position
+        first_new = len(req.block_table)
+        if self.window:
+            new = max(0, -(-(start + num_new_tokens) // self.block_size) - first_new - len(cached))
+            if self.window.needed(req, cached, new, start) > self.window.num_free_blocks:
+                return False
         for block_id in cached:
             if self.ref_counts[block_id] == 0:
                 del self.evictable[block_id]
@@ -154,13 +177,26 @@ class BlockManager:
             req.block_table.append(block_id)
         if cached:
             req.num_cached_blocks = len(cached)
-        total = req.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
-        for _ in range(-(-total // self.block_size) - len(req.block_table)):
+        for _ in range(-(-(start + num_new_tokens) // self.block_size) - len(req.block_table)):
             req.block_table.append(self._take())
+        if self.window:
+            self.window.hold(req, first_new, start)
         return True
+
+    def computed(self, req: Request) -> None:
+        """``req`` has computed more tokens (a step ran, or is on its way: any later step runs after it):
+        the window blocks its next queries no longer read go."""
+        if self.window:
+            self.window.trim(req, self.block_hash)
+
+    def take_window_writes(self) -> list[tuple[int, int]]:
+        """(block, window block) links made since the last call, for the device's map."""
+        return self.window.take_writes() if self.window else []
 
     def free(self, req: Request) -> None:
         """Release the request's blocks, tail first."""
+        if self.window:
+            self.window.free(req, self.block_hash)
         for block_id in reversed(req.block_table):
             if self.pending.get(block_id) == req.request_id:  # it left the step that was to compute the block
                 self._forget(block_id)
@@ -179,6 +215,8 @@ class BlockManager:
             block_id = self.free_block_ids.popleft()
         else:
             block_id, _ = self.evictable.popitem(last=False)
+            if self.window:
+                self.window.drop(block_id)
             del self.cached[self.block_hash[block_id]]
             self.block_hash[block_id] = None
             self.num_evictions += 1

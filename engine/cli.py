@@ -70,6 +70,11 @@ def _engine_flags(p: argparse.ArgumentParser, generate: bool = False) -> None:
                    help="longest prompt + completion in tokens, as vLLM's also 32k (x1000) or 32K (x1024) "
                         "(default: the model's own, capped at 8192 on CPU)")
     g.add_argument("--seed", type=int, default=None, help=f"engine random seed (default: {d['seed']})")
+    g.add_argument("--disable-hybrid-kv-cache-manager", "--swa-full", action="store_true", default=None,
+                   help="keep every block of a sequence in a model's sliding-window layers too (Gemma 2 and 3, "
+                        "Mistral-7B-v0.1), as in its full-attention layers; by default those layers keep only "
+                        "the blocks their window still sees, in a pool of their own, and the rest of the KV "
+                        "memory goes to the full layers (llama.cpp's --swa-full says the same)")
     g.add_argument("--enforce-eager", action="store_true", default=None,
                    help="run every step eagerly, without replaying decode steps as CUDA graphs (or on the CPU "
                         "as recorded kernel calls): slower decode; quicker start-up, a little less memory "

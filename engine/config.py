@@ -37,6 +37,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory for weights + KV
     kv_cache_memory: int | None = None  # bytes for the KV cache; None = 1 GiB on CPU, gpu_memory_utilization's on CUDA
     enable_prefix_caching: bool = True  # share the KV blocks of common prompt prefixes
+    # sliding-window layers keep every block, as the others (vLLM's flag): no pool of their own (engine.window_blocks)
+    disable_hybrid_kv_cache_manager: bool = False
     num_kv_blocks: int | None = None  # override the computed number of KV blocks (tests, tuning)
     max_num_waiting_requests: int = 1024  # bounded waiting queue; more is refused (HTTP 429)
     scheduling_policy: str = "fcfs"  # fcfs | priority | short-first (engine.request_queue)

@@ -106,7 +106,8 @@ class Engine:
             log.warning("embeddings off: %s", e)
         # the cache is this process's: the model and dtype are the same for every block, named for clarity
         self.block_manager = BlockManager(facts.num_kv_blocks, config.block_size, config.enable_prefix_caching,
-                                          f"{facts.model_path}|{facts.dtype}".encode())
+                                          f"{facts.model_path}|{facts.dtype}".encode(), facts.kv_window,
+                                          facts.num_window_blocks)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
             config.max_num_waiting_requests, config.scheduling_policy, config.scheduling_aging_seconds,
@@ -122,7 +123,9 @@ class Engine:
             log.info("asynchronous scheduling off: not under tensor parallelism")
             self.async_scheduling = False
         self._in_flight: InFlight | None = None
-        per_token = kv_block_bytes(self.runner.model_cfg, 1, facts.dtype)
+        cfg = self.runner.model_cfg
+        in_pool = len(self.runner.window_layers)  # sliding-window layers with a pool of their own
+        per_token = kv_block_bytes(cfg, 1, facts.dtype) * (cfg.num_layers - in_pool) // cfg.num_layers
         moe = self.runner.model_cfg.moe
         if moe is not None:
             log.info("a mixture of experts: %d experts, %d a token, in %d of its %d layers%s", moe.num_experts,
@@ -134,6 +137,13 @@ class Engine:
                  facts.num_kv_blocks, config.block_size, capacity, capacity * per_token / 2**20, per_token,
                  "on" if config.enable_prefix_caching else "off", self.max_model_len,
                  capacity / self.max_model_len)
+        if in_pool:
+            window_bytes = kv_block_bytes(cfg, config.block_size, facts.dtype) * in_pool // cfg.num_layers
+            log.info("its %d sliding-window layers (window %d) keep only the blocks it sees, in a pool of their "
+                     "own: %d blocks (%.1f MiB); the bytes per token above are the %d others' "
+                     "(--disable-hybrid-kv-cache-manager: every layer keeps every block)", in_pool, facts.kv_window,
+                     facts.num_window_blocks, facts.num_window_blocks * window_bytes / 2**20,
+                     cfg.num_layers - in_pool)
 
     # ------------------------------------------------------------------ the actor's interface
 

@@ -32,6 +32,7 @@ Each rank keeps its own block tables, written with rank 0's writes.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from bisect import bisect_left
@@ -56,6 +57,7 @@ from engine.runtime import (
     pick_device,
     pick_dtype,
     pick_max_model_len,
+    window_layers,
 )
 from engine.sampler import (
     Sampled,
@@ -154,13 +156,24 @@ class ModelRunner:
                              config.max_num_seqs, max_model_len)
             cuda_budget = measured_cuda_budget(config, device)
             torch.cuda.empty_cache()
-        num_blocks = self.tp.min_over_ranks(  # every rank's slice of the cache has as many blocks
-            count_kv_blocks(config, self.local_cfg, device, dtype, max_model_len, cuda_budget))
-        self.facts = RuntimeFacts(model_path, device, dtype, max_model_len, num_blocks)
+        self.window_layers = window_layers(config, self.model_cfg, max_model_len)
+        num_blocks, num_window_blocks = count_kv_blocks(config, self.local_cfg, device, dtype, max_model_len,
+                                                        cuda_budget)
+        if self.window_layers and self.tp.min_over_ranks(num_window_blocks) == 0:  # a rank keeps every block
+            num_blocks, num_window_blocks = count_kv_blocks(
+                dataclasses.replace(config, disable_hybrid_kv_cache_manager=True), self.local_cfg, device, dtype,
+                max_model_len, cuda_budget)
+        num_blocks = self.tp.min_over_ranks(num_blocks)  # every rank's slice of the cache has as many blocks
+        num_window_blocks = self.tp.min_over_ranks(num_window_blocks)
+        if not num_window_blocks:
+            self.window_layers = []
+        self.facts = RuntimeFacts(model_path, device, dtype, max_model_len, num_blocks, num_window_blocks,
+                                  self.model_cfg.sliding_window if num_window_blocks else 0)
         self.model.rotary.serve(min(max_model_len, num_blocks * self.block_size))  # (the engine's length)
         self._allocate_kv_cache()
         max_blocks = -(-max_model_len // self.block_size)
-        self.block_tables = BlockTables(config.max_num_seqs, max_blocks, num_blocks, device)
+        self.block_tables = BlockTables(config.max_num_seqs, max_blocks, num_blocks, device,
+                                        num_window_blocks if num_window_blocks else None)
         self.staging = Staging(device)
         self.decode_buckets: list[int] = []  # decode-only steps are padded to these batch sizes
         self.graphs: DecodeGraphs | None = None
@@ -171,7 +184,7 @@ class ModelRunner:
             with torch.inference_mode():
                 self.graphs = DecodeGraphs(self.model, self.decode_buckets, max_model_len, max_blocks, num_blocks,
                                            self.block_size, self.model_cfg.hidden_size, dtype, device,
-                                           cuda_graph_capture())
+                                           cuda_graph_capture(), window_map=self.block_tables.window_map)
             log.info("CUDA graphs: decode steps of %d batch sizes up to %d captured in %.1f s (--enforce-eager: "
                      "none)", len(self.decode_buckets), config.max_num_seqs, time.perf_counter() - start)
         # on the CPU not where decode attention is the reference's (see above), nor for a mixture of
@@ -182,23 +195,39 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, list(range(1, min(config.max_num_seqs, CPU_GRAPH_SEQS) + 1)),
                                        max_model_len, max_blocks, num_blocks, self.block_size,
                                        self.model_cfg.hidden_size, dtype, device, cpu_graph.capture(), lazy=True,
-                                       max_rows=CPU_GRAPH_ROWS)
+                                       max_rows=CPU_GRAPH_ROWS, window_map=self.block_tables.window_map)
 
     def _allocate_kv_cache(self) -> None:
-        # one block more than the block manager hands out: the scratch block of padding sequences
-        self.kv_cache = self._attach_kv_cache(self.facts.num_kv_blocks + 1)
+        # one block more than the block manager hands out (in each pool): the scratch block of padding
+        # sequences, which is also every block's window block until it has one of its own
+        f = self.facts
+        self.kv_cache, self.window_kv_cache = self._attach_kv_cache(
+            f.num_kv_blocks + 1, f.num_window_blocks + 1 if f.num_window_blocks else 0)
 
-    def _attach_kv_cache(self, num_blocks: int) -> torch.Tensor:
+    def _attach_kv_cache(self, num_blocks: int, num_window_blocks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The full layers' cache, and the sliding-window pool's (``num_window_blocks``; 0: every layer in
+        the first), their layers pointed at them."""
         cfg = self.local_cfg
-        shape = (2, cfg.num_layers, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        # Zeros, not empty: padded slots are read (masked) by attention, and NaN * 0 is NaN.
-        cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self._point_layers_at(cache)
-        return cache
+        in_pool = set(self.window_layers) if num_window_blocks else set()
 
-    def _point_layers_at(self, cache: torch.Tensor) -> None:
+        def zeros(blocks: int, layers: int) -> torch.Tensor:
+            # Zeros, not empty: padded slots are read (masked) by attention, and NaN * 0 is NaN.
+            shape = (2, layers, blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+        caches = zeros(num_blocks, cfg.num_layers - len(in_pool)), zeros(num_window_blocks, len(in_pool))
+        self._point_layers_at(*caches)
+        return caches
+
+    def _point_layers_at(self, cache: torch.Tensor, window_cache: torch.Tensor) -> None:
+        index = [0, 0]  # each layer's index in its cache
         for i, layer in enumerate(self.model.layers):
-            layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache = cache[0, i], cache[1, i]
+            attn = layer.self_attn.attn
+            attn.in_window_pool = window_cache.shape[1] > 0 and i in self.window_layers
+            c = window_cache if attn.in_window_pool else cache
+            j = index[attn.in_window_pool]
+            index[attn.in_window_pool] += 1
+            attn.k_cache, attn.v_cache = c[0, j], c[1, j]
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int, num_seqs: int, max_model_len: int) -> None:
@@ -208,7 +237,7 @@ class ModelRunner:
         The KV cache is a temporary one."""
         lens = [max_model_len] * (num_tokens // max_model_len) + [num_tokens % max_model_len]
         lens = [n for n in lens if n]
-        kept = getattr(self, "kv_cache", None)
+        kept = (self.kv_cache, self.window_kv_cache) if hasattr(self, "kv_cache") else None
         self._attach_kv_cache(sum(-(-n // self.block_size) for n in lens))
         tables, first = [], 0
         for n in lens:
@@ -223,7 +252,7 @@ class ModelRunner:
             self.sampler(logits, [params] * num_seqs, [SamplingState(params) for _ in range(num_seqs)],
                          [[0]] * num_seqs, [[]] * num_seqs)
         if kept is not None:  # called again on a running engine (tests): put the real cache back
-            self._point_layers_at(kept)
+            self._point_layers_at(*kept)
 
     def execute(self, batch: ScheduledBatch) -> StepResult:
         """Run ``batch`` and wait for its tokens."""
@@ -300,7 +329,7 @@ class ModelRunner:
                             **gather, **pooling})
         tables = self.block_tables.write(dev["write_at"], dev["write_ids"])
         index.tensors = dev
-        positions, meta = index.metadata(tables, self.block_size)
+        positions, meta = index.metadata(tables, self.block_size, self.block_tables.window_map)
         ids = dev["token_ids"]
         if isinstance(step, DriverStep) and step.in_flight_at:
             ids[dev["in_flight_at"]] = step.in_flight_ids[dev["in_flight_from"]]
@@ -358,7 +387,7 @@ class ModelRunner:
             elif final:
                 sampled.append(r)
                 sample_rows.append(len(tokens) - 1)
-        rows, write_at, write_ids = self.block_tables.update(reqs)
+        rows, write_at, write_ids = self.block_tables.update(reqs, batch.window_writes)
         step = DriverStep(counts, starts, tokens, logprob_rows + sample_rows, rows, write_at, write_ids, gather_at,
                           gather_from, in_flight.output.ids if gather_at else None, pooled_rows, pool_into,
                           len(pool_spans))

@@ -30,7 +30,7 @@ class Request:
         "finish_reason", "stop_reason", "sampling_state", "num_cached_tokens", "num_preemptions",
         "prompt_logprobs", "_all_token_ids", "stop_token_ids", "arrival_time", "queued_at", "waited",
         "num_output_at_preemption", "cache_salt", "block_hashes", "num_cached_blocks", "num_in_flight",
-        "num_prompt_logprobs_in_flight", "pool",
+        "num_prompt_logprobs_in_flight", "pool", "window_from",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -49,6 +49,7 @@ class Request:
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache (or on their way: a step in flight)
         self.num_in_flight = 0  # tokens sampled by a step still in flight, not in output_token_ids yet
         self.block_table: list[int] = []
+        self.window_from = 0  # first block of block_table whose window block it holds (engine.window_blocks)
         self.finish_reason: str | None = None
         self.stop_reason: int | None = None
         self.sampling_state = sampling_state

@@ -27,6 +27,8 @@ class RuntimeFacts:
     dtype: torch.dtype
     max_model_len: int
     num_kv_blocks: int
+    num_window_blocks: int = 0  # the sliding-window layers' own pool (engine.window_blocks); 0: none
+    kv_window: int = 0  # the window of that pool's layers
 
 
 def pick_device(config: EngineConfig) -> torch.device:
@@ -92,23 +94,53 @@ def measured_cuda_budget(config: EngineConfig, device: torch.device) -> int:
                           config.gpu_memory_utilization)
 
 
-def count_kv_blocks(config: EngineConfig, model_cfg: ModelConfig, device: torch.device,
-                    dtype: torch.dtype, max_model_len: int, cuda_budget: int | None = None) -> int:
-    """Blocks that fit in the cache's memory: ``kv_cache_memory`` where given (on CUDA too, in place of
-    ``gpu_memory_utilization``'s share, as vLLM's ``--kv-cache-memory-bytes``), else on CUDA
-    ``cuda_budget`` (``measured_cuda_budget``) and on the CPU 1 GiB."""
-    if config.num_kv_blocks is not None:
-        return config.num_kv_blocks
-    per_block = kv_block_bytes(model_cfg, config.block_size, dtype)
+def window_layers(config: EngineConfig, model_cfg: ModelConfig, max_model_len: int) -> list[int]:
+    """The sliding-window layers that get a KV pool of their own (``engine.window_blocks``): none when
+    the model has none, when their window spans the whole length, or when the user keeps every block
+    (``disable_hybrid_kv_cache_manager``)."""
+    window = model_cfg.sliding_window or 0
+    if config.disable_hybrid_kv_cache_manager or not 0 < window < max_model_len:
+        return []
+    return [i for i in range(model_cfg.num_layers) if model_cfg.window(i)]
+
+
+def count_kv_blocks(config: EngineConfig, model_cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+                    max_model_len: int, cuda_budget: int | None = None) -> tuple[int, int]:
+    """(blocks, window blocks) that fit in the cache's memory: ``kv_cache_memory`` where given (on CUDA
+    too, in place of ``gpu_memory_utilization``'s share, as vLLM's ``--kv-cache-memory-bytes``), else on
+    CUDA ``cuda_budget`` (``measured_cuda_budget``) and on the CPU 1 GiB.
+
+    A model with sliding-window layers (``window_layers``) gives them a pool of their own, as large as
+    every sequence's window could ever take at once (``max_num_seqs`` sequences each holding its window
+    and a few blocks of slack, and one step's tokens more); the full layers get the rest. When that
+    pool would be no smaller than the full layers' (a small cache and many sequences), every layer
+    keeps every block instead (0 window blocks): the split is never worse than none. Without full
+    layers at all the blocks are only names (no memory): as many as every sequence at full length."""
+    bs, layers = config.block_size, model_cfg.num_layers
+    max_blocks = -(-max_model_len // bs)
+    sliding = len(window_layers(config, model_cfg, max_model_len))
+    window_need = config.max_num_seqs * (-(-model_cfg.sliding_window // bs) + 4) + \
+        -(-config.max_num_batched_tokens // bs) if sliding else 0
+    if config.num_kv_blocks is not None:  # (the blocks with memory: the window pool's alone if all slide)
+        if sliding == layers:
+            return config.max_num_seqs * max_blocks, min(window_need, config.num_kv_blocks)
+        return config.num_kv_blocks, min(window_need, config.num_kv_blocks)
+    layer_block = kv_block_bytes(model_cfg, bs, dtype) // layers  # one layer's K and V for a block
     if config.kv_cache_memory is not None:
         budget = config.kv_cache_memory
     else:
         budget = cuda_budget if device.type == "cuda" else CPU_KV_CACHE_BYTES
-    blocks = int(budget // per_block)
-    if device.type == "cpu" or not config.enable_prefix_caching:
-        # More than every sequence at full length could use is memory wasted, unless it keeps prefixes
-        # cached; on the CPU the cache's memory is the host's, so take no more than that either way.
-        blocks = min(blocks, config.max_num_seqs * -(-max_model_len // config.block_size))
-    if blocks < 1:
+    units = int(budget // layer_block)
+    # More than every sequence at full length could use is memory wasted, unless it keeps prefixes
+    # cached; on the CPU the cache's memory is the host's, so take no more than that either way.
+    cap = config.max_num_seqs * max_blocks if device.type == "cpu" or not config.enable_prefix_caching else units
+    blocks, window_blocks = min(units // layers, cap), 0
+    if sliding == layers:
+        window_blocks = min(window_need, units // layers)
+        blocks = config.max_num_seqs * max_blocks
+    elif sliding and (units - sliding * window_need) // (layers - sliding) > blocks:
+        window_blocks = window_need
+        blocks = min((units - sliding * window_need) // (layers - sliding), cap)
+    if blocks < 1 or (sliding == layers and window_blocks < 1):
         raise ValueError("no memory is left for the KV cache: raise gpu_memory_utilization / kv_cache_memory")
-    return blocks
+    return blocks, window_blocks

@@ -67,6 +67,7 @@ class ScheduledBatch:
     num_tokens: int = 0  # sum of num_new_tokens
     short_of_blocks: bool = False  # a running request had to preempt for blocks: admit nobody
     pinned: set[str] = field(default_factory=set)  # compute blocks that others hit this step: never preempted
+    window_writes: list[tuple[int, int]] = field(default_factory=list)  # (block, window block) links made
     _ids: set[str] = field(default_factory=set)
     _decode_ids: set[str] = field(default_factory=set)  # those computing the one token they sample from
 
@@ -169,6 +170,7 @@ class Scheduler:
             rows = min(self.max_num_seqs, generating + joining)
             budget = min(budget, self.prefill_cap.value(rows))
         self._schedule_prompts(batch, budget)
+        batch.window_writes = self.block_manager.take_window_writes()
         return batch
 
     def update_from_output(self, batch: ScheduledBatch, seconds: float) -> None:
@@ -182,6 +184,8 @@ class Scheduler:
         for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
             req.num_computed_tokens += n
         self.block_manager.end_step()
+        for req in batch.requests:
+            self.block_manager.computed(req)
 
     def observe(self, batch: ScheduledBatch, seconds: float) -> None:
         """``batch`` took ``seconds``: what the prefill cap learns from."""

@@ -36,18 +36,30 @@ class BlockTables:
     request new here or whose table was replaced (preemption frees it: ``BlockManager.free`` sets a
     new list). Rows go to requests as they come, and back, least recently used first, when needed:
     a step holds at most ``num_rows`` requests, so a row taken is never one of the step's. The row
-    past them holds only the scratch block, for the padding sequences of decode steps."""
+    past them holds only the scratch block, for the padding sequences of decode steps.
 
-    def __init__(self, num_rows: int, max_blocks: int, scratch_block: int, device: torch.device):
-        self.table = torch.zeros(num_rows + 1, max_blocks, dtype=torch.int64, device=device)
+    With a sliding-window pool (``engine.window_blocks``) the same tensor holds, after the tables,
+    ``window_map``: each block's window block (``scratch_window_block`` until it has one), written as
+    the tables are, with the links the block manager made for the step (so that tensor-parallel ranks
+    get them in the same writes)."""
+
+    def __init__(self, num_rows: int, max_blocks: int, scratch_block: int, device: torch.device,
+                 scratch_window_block: int | None = None):
+        n = (num_rows + 1) * max_blocks
+        map_len = scratch_block + 1 if scratch_window_block is not None else 0
+        self.storage = torch.zeros(n + map_len, dtype=torch.int64, device=device)
+        self.table = self.storage[:n].view(num_rows + 1, max_blocks)
+        self.window_map = self.storage[n:].fill_(scratch_window_block) if map_len else None
         self.table[num_rows] = scratch_block
         self.scratch_row, self.scratch_block = num_rows, scratch_block
         self._free = list(range(num_rows))
         # request id -> (row, its block_table list as last seen, blocks written); least recently used first
         self._held: OrderedDict[str, tuple[int, list[int], int]] = OrderedDict()
 
-    def update(self, reqs: list[Request]) -> tuple[list[int], list[int], list[int]]:
-        """The rows of ``reqs``, and the writes (flat index, block id) that bring them up to date."""
+    def update(self, reqs: list[Request], window_writes: list[tuple[int, int]] = ()) -> tuple[
+            list[int], list[int], list[int]]:
+        """The rows of ``reqs``, and the writes (flat index, block id) that bring them, and the window
+        map (``window_writes``: block, window block), up to date."""
         held, width = self._held, self.table.shape[1]
         for r in reqs:  # first out of reach of the reclaiming below
             if r.request_id in held:
@@ -65,10 +77,13 @@ class BlockTables:
             write_ids.extend(new)
             held[r.request_id] = (row, r.block_table, len(r.block_table))
             rows.append(row)
+        for block, window_block in window_writes:
+            write_at.append(self.table.numel() + block)
+            write_ids.append(window_block)
         return rows, write_at, write_ids
 
     def write(self, at: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        self.table.view(-1)[at] = ids
+        self.storage[at] = ids
         return self.table
 
 
@@ -140,9 +155,11 @@ class DecodeGraphs:
 
     def __init__(self, model: torch.nn.Module, sizes: list[int], max_model_len: int, max_blocks: int,
                  scratch_block: int, block_size: int, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device, capture: Capture, lazy: bool = False, max_rows: int = 0):
+                 device: torch.device, capture: Capture, lazy: bool = False, max_rows: int = 0,
+                 window_map: torch.Tensor | None = None):
         n, i64 = sizes[-1], dict(dtype=torch.int64, device=device)
         self.model, self.capture, self.max_model_len = model, capture, max_model_len
+        self.window_map = window_map  # (persistent: the graphs look window blocks up in it as they replay)
         self.sizes, self.max_rows = set(sizes), max_rows
         self.input_ids, self.positions = torch.zeros(n, **i64), torch.zeros(n, **i64)
         self.slot_mapping = torch.full((n,), scratch_block * block_size, **i64)
@@ -158,7 +175,8 @@ class DecodeGraphs:
     def _forward(self, b: int) -> None:
         d = self.decode
         meta = AttentionMetadata(self.slot_mapping[:b], DecodeMetadata(
-            d.token_rows[:b], d.block_tables[:b], d.seq_lens[:b], self.max_model_len, in_order=True), None)
+            d.token_rows[:b], d.block_tables[:b], d.seq_lens[:b], self.max_model_len, in_order=True), None,
+            self.window_map)
         self.hidden[:b] = self.model(self.input_ids[:b], self.positions[:b], meta)
 
     def serves(self, b: int) -> bool:

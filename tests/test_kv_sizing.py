@@ -47,12 +47,12 @@ def test_kv_cache_memory_sizes_the_cache_on_cuda_too():
     from engine.config import EngineConfig
     from engine.runtime import count_kv_blocks
 
-    cfg = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64)
+    cfg = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64, sliding_window=None)
     per_block = kv_block_bytes(cfg, 16, torch.bfloat16)
     cuda = torch.device("cuda")  # (only its type is read)
-    assert count_kv_blocks(EngineConfig(), cfg, cuda, torch.bfloat16, 4096, cuda_budget=100 * per_block) == 100
+    assert count_kv_blocks(EngineConfig(), cfg, cuda, torch.bfloat16, 4096, cuda_budget=100 * per_block) == (100, 0)
     assert count_kv_blocks(EngineConfig(kv_cache_memory=7 * per_block), cfg, cuda, torch.bfloat16, 4096,
-                           cuda_budget=100 * per_block) == 7
+                           cuda_budget=100 * per_block) == (7, 0)
 
 
 @pytest.mark.parametrize("flag", [True, False])

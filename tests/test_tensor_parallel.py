@@ -97,6 +97,7 @@ def test_tp_greedy_equals_tp1(tmp_path, smollm_tokenizer_dir, tokenizer, arch, h
         runner = llm.engine.runner
         assert (runner.tp.rank, runner.tp.size) == (0, t)
         assert runner.kv_cache.shape[4] == max(1, kv_heads // t)  # this rank's slice of the cache
+        assert bool(runner.window_layers) == arch.startswith("gemma")  # sliding layers: their own pool
         assert torch.get_num_threads() == max(1, threads // t)
         procs = workers_of(llm)
         assert len(procs) == t - 1 and all(p.is_alive() for p in procs)
