@@ -80,6 +80,12 @@ class BlockManager:
         used = self.num_used_blocks / self.num_blocks
         return max(used, self.window.usage) if self.window else used
 
+    @property
+    def max_step_tokens(self) -> int | None:
+        """The most tokens one request may compute in one step (None: no bound but the token budget's):
+        a step's tokens all need window blocks at once, and the pool must hold them beside its window."""
+        return self.window.max_step_tokens if self.window else None
+
     # ------------------------------------------------------------------ prefix caching
 
     def match_prefix(self, req: Request, max_tokens: int) -> list[int]:

@@ -11,6 +11,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.models.config import ModelConfig
+from engine.window_blocks import pool_needed, window_span
 
 CPU_MAX_MODEL_LEN = 8192
 CPU_KV_CACHE_BYTES = 1 << 30
@@ -119,12 +120,13 @@ def count_kv_blocks(config: EngineConfig, model_cfg: ModelConfig, device: torch.
     bs, layers = config.block_size, model_cfg.num_layers
     max_blocks = -(-max_model_len // bs)
     sliding = len(window_layers(config, model_cfg, max_model_len))
-    window_need = config.max_num_seqs * (-(-model_cfg.sliding_window // bs) + 4) + \
-        -(-config.max_num_batched_tokens // bs) if sliding else 0
+    window_need = least = 0
+    if sliding:
+        window_need = pool_needed(model_cfg.sliding_window, bs, config.max_num_seqs, config.max_num_batched_tokens)
+        least = window_span(model_cfg.sliding_window, bs) + 1  # one request's window and a block of a step
     if config.num_kv_blocks is not None:  # (the blocks with memory: the window pool's alone if all slide)
-        if sliding == layers:
-            return config.max_num_seqs * max_blocks, min(window_need, config.num_kv_blocks)
-        return config.num_kv_blocks, min(window_need, config.num_kv_blocks)
+        window_blocks = min(window_need, max(least, config.num_kv_blocks))
+        return config.max_num_seqs * max_blocks if sliding == layers else config.num_kv_blocks, window_blocks
     layer_block = kv_block_bytes(model_cfg, bs, dtype) // layers  # one layer's K and V for a block
     if config.kv_cache_memory is not None:
         budget = config.kv_cache_memory
@@ -141,6 +143,6 @@ def count_kv_blocks(config: EngineConfig, model_cfg: ModelConfig, device: torch.
     elif sliding and (units - sliding * window_need) // (layers - sliding) > blocks:
         window_blocks = window_need
         blocks = min((units - sliding * window_need) // (layers - sliding), cap)
-    if blocks < 1 or (sliding == layers and window_blocks < 1):
+    if blocks < 1 or (sliding == layers and window_blocks < least):
         raise ValueError("no memory is left for the KV cache: raise gpu_memory_utilization / kv_cache_memory")
     return blocks, window_blocks

@@ -244,6 +244,7 @@ class Scheduler:
         prefilling = sorted((r for r in self.running if r.num_tokens - r.num_computed_tokens > (r.pool is None)),
                             key=rank)
         admit = not (self.one_at_a_time and prefilling)
+        step_cap = self.block_manager.max_step_tokens or limit  # (a sliding-window pool's bound)
         i = 0
         while batch.num_prompt_tokens < limit:
             head = self.waiting.peek() if admit and self.waiting and not batch.short_of_blocks else None
@@ -252,7 +253,7 @@ class Scheduler:
             if i < len(prefilling) and (head is None or rank(prefilling[i]) <= rank(head)):
                 req = prefilling[i]
                 i += 1
-                n = min(req.num_tokens - req.num_computed_tokens, limit - batch.num_prompt_tokens)
+                n = min(req.num_tokens - req.num_computed_tokens, limit - batch.num_prompt_tokens, step_cap)
                 # (one preempted since this list was made may be running again, readmitted this step)
                 if req.status is Status.RUNNING and req not in batch and self._allocate_running(req, n, batch):
                     self._add(batch, req, n)
@@ -263,7 +264,7 @@ class Scheduler:
             cacheable = _cacheable_tokens(head)
             cached = bm.match_prefix(head, cacheable)
             hit = len(cached) * bm.block_size
-            n = min(head.num_tokens - hit, limit - batch.num_prompt_tokens)
+            n = min(head.num_tokens - hit, limit - batch.num_prompt_tokens, step_cap)
             # a resumed request comes back only when its whole context fits: back in part, it would
             # just be pushed out again
             fits = not head.num_preemptions or bm.can_allocate(head, _context_needed(head) - hit, cached)

@@ -29,10 +29,22 @@ from collections.abc import Sequence
 from engine.request import Request
 
 
+def window_span(window: int, block_size: int) -> int:
+    """Window blocks a request holds between steps, at most: its window, the slack, a partial block."""
+    return -(-window // block_size) + 2
+
+
+def pool_needed(window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """Window blocks that every sequence at once never outgrows: each holding its window (``window_span``)
+    and starting a block in a step, and one step's tokens more."""
+    return max_num_seqs * (window_span(window, block_size) + 1) + -(-max_num_batched_tokens // block_size)
+
+
 class WindowBlocks:
     def __init__(self, num_blocks: int, num_full_blocks: int, window: int, block_size: int):
-        if num_blocks < 1:
-            raise ValueError("the sliding-window KV cache needs at least one block")
+        if num_blocks <= window_span(window, block_size):
+            raise ValueError(f"the sliding-window KV cache needs more than {window_span(window, block_size)} "
+                             "blocks: one request's window and a step")
         self.num_blocks, self.window, self.block_size = num_blocks, window, block_size
         self.of = [-1] * num_full_blocks  # full block -> its window block (-1: none)
         self.owner = [-1] * num_blocks  # window block -> the full block whose K/V it holds (-1: none)
@@ -40,6 +52,12 @@ class WindowBlocks:
         self.free_ids: deque[int] = deque(range(num_blocks))
         self.evictable: OrderedDict[int, None] = OrderedDict()  # no refs, its full block findable
         self.writes: dict[int, int] = {}  # full block -> window block, linked since the last ``take_writes``
+
+    @property
+    def max_step_tokens(self) -> int:
+        """Tokens a request alone may compute in a step: what the pool holds beside its window (the
+        block its step starts within among them)."""
+        return (self.num_blocks - window_span(self.window, self.block_size)) * self.block_size
 
     @property
     def num_free_blocks(self) -> int:

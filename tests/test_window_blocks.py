@@ -53,7 +53,7 @@ def test_a_request_keeps_only_the_window_blocks_its_next_queries_read():
 
 
 def test_links_reach_the_device_once_and_dropped_ones_never():
-    bm = BlockManager(16, BS, window=W, num_window_blocks=4)
+    bm = BlockManager(16, BS, window=W, num_window_blocks=8)
     r = req(12)
     assert bm.allocate(r, 12)
     writes = bm.take_window_writes()
@@ -61,12 +61,15 @@ def test_links_reach_the_device_once_and_dropped_ones_never():
 
 
 def test_allocation_is_refused_whole_when_the_window_pool_is_short():
-    bm = BlockManager(64, BS, window=W, num_window_blocks=3)
-    a, b = req(12, "a"), req(8, "b")
-    run(bm, a, 8)  # holds blocks 0, 1 (the next query, 8, reads position 1 on: block 0)
-    assert not bm.allocate(b, 8)  # two more window blocks, one left
-    assert b.block_table == [] and bm.num_used_blocks == 2 and held(bm) == 2
-    assert bm.allocate(b, 4)
+    bm = BlockManager(64, BS, window=W, num_window_blocks=5)
+    a, b = req(20, "a"), req(12, "b")
+    run(bm, a, 16)  # holds blocks 1, 2, 3 (the next query, 16, reads position 9 on: block 2, and the slack)
+    assert held(bm) == 3
+    assert not bm.allocate(b, 12)  # three window blocks, two left
+    assert b.block_table == [] and bm.num_used_blocks == 4 and held(bm) == 3
+    assert bm.allocate(b, 8)
+    with pytest.raises(ValueError, match="more than 4 blocks"):  # not even one request's window and a step
+        BlockManager(64, BS, window=W, num_window_blocks=4)
 
 
 def test_a_prefix_hit_reaches_only_as_far_as_its_window_blocks_are_kept():
@@ -115,7 +118,7 @@ def test_sizing_gives_the_full_layers_what_the_window_pool_leaves():
     layer_block = kv_block_bytes(cfg, 16, bf16) // 18
     config = EngineConfig(max_num_seqs=16, max_num_batched_tokens=2048, kv_cache_memory=18 * 4000 * layer_block)
     blocks, window_blocks = count_kv_blocks(config, cfg, cuda, bf16, 8192)
-    assert window_blocks == 16 * (512 // 16 + 4) + 2048 // 16  # every sequence's window, slack, one step
+    assert window_blocks == 16 * (512 // 16 + 3) + 2048 // 16  # every sequence's window, slack, one step
     assert 15 * window_blocks + 3 * blocks <= 18 * 4000 and blocks > 4000 * 4  # over 4x the tokens
     # many sequences in little memory: the pool would be no smaller, so every layer keeps every block
     many = EngineConfig(max_num_seqs=256, kv_cache_memory=18 * 4000 * layer_block)
@@ -202,3 +205,6 @@ def test_an_all_sliding_model_keeps_only_its_window(tmp_path, smollm_tokenizer_d
     assert got == want
     assert llm.engine.runner.kv_cache.shape[1] == 0  # no full layers: the blocks are only names
     assert llm.engine.block_manager.num_blocks == 64 * llm.engine.max_model_len // 16
+    # a pool of 5 blocks: one request's window (3) and a step of two blocks; prompts up to 10 blocks
+    got, llm = generate(path, True, num_kv_blocks=5)
+    assert got == want and llm.engine.block_manager.max_step_tokens == 32
