@@ -48,3 +48,19 @@ def test_long_prompts_and_a_model_without_its_window(tmp_path, capsys):
     assert summary["hf_overrides"] == {"sliding_window": None}
     # half the layers read 32 keys, not 300 and more: 2 sequences x ~330 keys x 256 bytes fewer (of ~2.8 MB)
     assert 0.5 < (floors['{"sliding_window": null}'] - floors[None]) / (2 * 300 * 256) < 1.5
+
+
+def test_kv_memory_and_the_window_pool_flags(tmp_path, capsys):
+    """--kv-cache-memory and --disable-hybrid-kv-cache-manager: with a window pool the full layer gets the
+    memory the sliding one no longer keeps; the JSON line names both pools and the preemptions."""
+    path = build(str(tmp_path), "gemma3_text", torch.float32, **TINY, head_dim=16, sliding_window=32,
+                 sliding_window_pattern=2)  # layer 0 sliding, layer 1 full: 4 KiB a layer's block (fp32)
+    pools = {}
+    for flag in ([], ["--disable-hybrid-kv-cache-manager"]):
+        bench_offline.main(["--model", path, "--num-requests", "2", "--prompt-len", "100", "--max-num-seqs", "8",
+                            "--max-num-batched-tokens", "256", "--kv-cache-memory", "1M", *flag])
+        summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert summary["kv_cache_memory"] == 2**20 and summary["preemptions"] == 0
+        pools[bool(flag)] = summary["kv_blocks"], summary["kv_window_blocks"]
+    # 256 layer-blocks: 128 each without; with, the sliding layer's 8 x (2 + 2 + 1) + 256 / 16 = 56
+    assert pools == {True: (128, 0), False: (256 - 56, 56)}

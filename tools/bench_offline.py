@@ -59,6 +59,8 @@ import torch
 # Runnable as ``python tools/bench_offline.py`` from a checkout, without installing.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from engine.cli import parse_size  # noqa: E402
+
 PROMPT_LEN = (32, 256)
 OUTPUT_LEN = (64, 128)
 TOKEN_ID_HIGH = 10000  # prompt ids are drawn from [0, TOKEN_ID_HIGH)
@@ -240,6 +242,10 @@ class StepReport:
     host_share: float  # host seconds ÷ wall seconds, over all steps
     bandwidth: float  # bytes/s
     weight_bytes: int
+    decode_batch: float | None = None  # mean sequences of a decode-only step
+    preemptions: int = 0
+    kv_blocks: int = 0  # the KV cache's blocks, and the sliding-window layers' own (0: none)
+    kv_window_blocks: int = 0
 
 
 class StepProbe:
@@ -272,6 +278,7 @@ class StepProbe:
         self.windows = [cfg.window(i) for i in range(cfg.num_layers)]  # a sliding layer reads its window only
         # (wall s, host s, KV bytes if decode-only, sequences)
         self.steps: list[tuple[float, float, float | None, int]] = []
+        self.scheduler, self.facts = scheduler, runner.facts
         self._host, self._kv_bytes, self._seqs, self._forward_step_start = 0.0, None, 0, None
 
         self._step, self._forward_step = engine.step, runner.forward_step
@@ -351,6 +358,10 @@ class StepProbe:
         return StepReport(
             num_steps=len(self.steps),
             num_decode_steps=len(decodes),
+            decode_batch=statistics.mean(seqs for _, _, kv, seqs in self.steps if kv is not None) if decodes else None,
+            preemptions=self.scheduler.num_preemptions,
+            kv_blocks=self.facts.num_kv_blocks,
+            kv_window_blocks=self.facts.num_window_blocks,
             decode_step_s=median([wall for wall, _ in decodes]),
             decode_floor_s=median([floor for _, floor in decodes]),
             decode_vs_floor=median([wall / floor for wall, floor in decodes]),
@@ -365,13 +376,14 @@ class StepProbe:
 
 def run_tokenmill(
     path: str, requests: list[Request], dtype: str, max_num_seqs: int, max_num_batched_tokens: int,
-    async_scheduling: str = "auto", enforce_eager: bool = False, hf_overrides: dict | None = None,
+    async_scheduling: str = "auto", enforce_eager: bool = False, hf_overrides: dict | None = None, **config,
 ) -> tuple[Result, list, StepReport]:
+    """``config``: more of ``EngineConfig`` (kv_cache_memory, disable_hybrid_kv_cache_manager)."""
     from engine import LLM, SamplingParams
 
     llm = LLM(
         model=path, dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-        async_scheduling=async_scheduling, enforce_eager=enforce_eager, hf_overrides=hf_overrides,
+        async_scheduling=async_scheduling, enforce_eager=enforce_eager, hf_overrides=hf_overrides, **config,
     )
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
     params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in requests]
@@ -502,8 +514,11 @@ def print_table(results: list[Result]) -> None:
 
 def print_steps(s: StepReport) -> None:
     print(
-        f"tokenmill steps: {s.num_steps}, {s.num_decode_steps} decode-only; "
-        f"host {s.host_share:.0%} of the step time; memory {s.bandwidth / 1e9:.1f} GB/s (copy)"
+        f"tokenmill steps: {s.num_steps}, {s.num_decode_steps} decode-only"
+        + (f" of {s.decode_batch:.1f} sequences on average" if s.decode_batch else "")
+        + f"; {s.preemptions} preemptions; host {s.host_share:.0%} of the step time; memory "
+        f"{s.bandwidth / 1e9:.1f} GB/s (copy); KV cache {s.kv_blocks} blocks"
+        + (f", sliding-window layers {s.kv_window_blocks}" if s.kv_window_blocks else "")
     )
     if s.decode_step_s is not None:
         print(
@@ -522,6 +537,10 @@ def step_summary(s: StepReport | None) -> dict:
     return {
         "num_steps": getattr(s, "num_steps", None),
         "num_decode_steps": getattr(s, "num_decode_steps", None),
+        "decode_batch": get("decode_batch", digits=2),
+        "preemptions": getattr(s, "preemptions", None),
+        "kv_blocks": getattr(s, "kv_blocks", None),
+        "kv_window_blocks": getattr(s, "kv_window_blocks", None),
         "decode_step_ms": get("decode_step_s", 1e3),
         "decode_floor_ms": get("decode_floor_s", 1e3),
         "decode_vs_floor": get("decode_vs_floor", digits=3),
@@ -562,6 +581,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hf-overrides", type=json.loads, default=None, metavar="JSON",
                    help="tokenmill's --hf-overrides, e.g. '{\"sliding_window\": null}' (the HF systems read the "
                         "folder as it is)")
+    p.add_argument("--kv-cache-memory", type=parse_size, default=None, metavar="BYTES",
+                   help="tokenmill's KV cache memory (512M, 2GiB; default: its own, 1 GiB on the CPU)")
+    p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                   help="tokenmill's sliding-window layers keep every block (no pool of their own)")
     return p.parse_args(argv)
 
 
@@ -592,7 +615,8 @@ def main(argv: list[str] | None = None) -> None:
     if not args.skip_tokenmill:
         result, outputs["tokenmill"], steps = run_tokenmill(
             path, requests, args.dtype, args.max_num_seqs, args.max_num_batched_tokens, args.async_scheduling,
-            args.enforce_eager, args.hf_overrides,
+            args.enforce_eager, args.hf_overrides, kv_cache_memory=args.kv_cache_memory,
+            disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
         )
         results.append(result)
         print(f"tokenmill: {result.out_tok_s:.1f} out tok/s", flush=True)
@@ -631,6 +655,8 @@ def main(argv: list[str] | None = None) -> None:
         "num_requests": len(requests),
         "prompt_len_range": list(prompt_lens),
         "hf_overrides": args.hf_overrides,
+        "kv_cache_memory": args.kv_cache_memory,
+        "disable_hybrid_kv_cache_manager": args.disable_hybrid_kv_cache_manager,
         "output_len_range": list(OUTPUT_LEN),
         "token_id_high": TOKEN_ID_HIGH,
         "prompt_tokens": prompt_tokens,
