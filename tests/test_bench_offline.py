@@ -57,10 +57,12 @@ def test_kv_memory_and_the_window_pool_flags(tmp_path, capsys):
                  sliding_window_pattern=2)  # layer 0 sliding, layer 1 full: 4 KiB a layer's block (fp32)
     pools = {}
     for flag in ([], ["--disable-hybrid-kv-cache-manager"]):
-        bench_offline.main(["--model", path, "--num-requests", "2", "--prompt-len", "100", "--max-num-seqs", "8",
+        bench_offline.main(["--model", path, "--num-requests", "2", "--prompt-len", "100", "--output-len", "5",
+                            "--max-num-seqs", "8",
                             "--max-num-batched-tokens", "256", "--kv-cache-memory", "1M", *flag])
         summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert summary["kv_cache_memory"] == 2**20 and summary["preemptions"] == 0
+        assert summary["output_len_range"] == [5, 5] and summary["output_tokens"] == 10
         pools[bool(flag)] = summary["kv_blocks"], summary["kv_window_blocks"]
     # 256 layer-blocks: 128 each without; with, the sliding layer's 8 x (2 + 2 + 1) + 256 / 16 = 56
     assert pools == {True: (128, 0), False: (256 - 56, 56)}

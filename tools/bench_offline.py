@@ -135,13 +135,14 @@ class Result:
         return (self.prompt_tokens + self.output_tokens) / self.seconds
 
 
-def make_workload(num_requests: int, seed: int, prompt_lens: tuple[int, int] = PROMPT_LEN) -> list[Request]:
+def make_workload(num_requests: int, seed: int, prompt_lens: tuple[int, int] = PROMPT_LEN,
+                  output_lens: tuple[int, int] = OUTPUT_LEN) -> list[Request]:
     rng = random.Random(seed)
     requests = []
     for _ in range(num_requests):
         prompt_len = rng.randint(*prompt_lens)
         prompt = [rng.randrange(TOKEN_ID_HIGH) for _ in range(prompt_len)]
-        requests.append(Request(prompt, rng.randint(*OUTPUT_LEN)))
+        requests.append(Request(prompt, rng.randint(*output_lens)))
     return requests
 
 
@@ -578,6 +579,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=None, metavar="N",
                    help="every prompt N tokens long instead of W1's 32 to 256 (long contexts: a sliding window's "
                         "effect, say)")
+    p.add_argument("--output-len", type=int, default=None, metavar="N",
+                   help="every request N output tokens instead of W1's 64 to 128 (decode-heavy runs)")
     p.add_argument("--hf-overrides", type=json.loads, default=None, metavar="JSON",
                    help="tokenmill's --hf-overrides, e.g. '{\"sliding_window\": null}' (the HF systems read the "
                         "folder as it is)")
@@ -595,7 +598,8 @@ def main(argv: list[str] | None = None) -> None:
     path = resolve_model_path(args.model)
     dtype = getattr(torch, args.dtype)
     prompt_lens = (args.prompt_len, args.prompt_len) if args.prompt_len else PROMPT_LEN
-    requests = make_workload(args.num_requests, args.seed, prompt_lens)
+    output_lens = (args.output_len, args.output_len) if args.output_len else OUTPUT_LEN
+    requests = make_workload(args.num_requests, args.seed, prompt_lens, output_lens)
     prompt_tokens, output_tokens = workload_tokens(requests)
     print(
         f"W1: {len(requests)} requests, {prompt_tokens} prompt + {output_tokens} output tokens, "
@@ -657,7 +661,7 @@ def main(argv: list[str] | None = None) -> None:
         "hf_overrides": args.hf_overrides,
         "kv_cache_memory": args.kv_cache_memory,
         "disable_hybrid_kv_cache_manager": args.disable_hybrid_kv_cache_manager,
-        "output_len_range": list(OUTPUT_LEN),
+        "output_len_range": list(output_lens),
         "token_id_high": TOKEN_ID_HIGH,
         "prompt_tokens": prompt_tokens,
         "output_tokens": output_tokens,
