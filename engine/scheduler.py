@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -56,6 +57,8 @@ from engine.block_manager import BlockManager
 from engine.prefill_cap import PrefillCap
 from engine.request import Request, Status
 from engine.request_queue import make_queue
+
+log = logging.getLogger("tokenmill.engine")
 
 
 @dataclass
@@ -115,6 +118,11 @@ class Scheduler:
                  max_num_waiting_requests: int = 1024, policy: str = "fcfs", aging_seconds: float = 30.0,
                  prefill_cap: PrefillCap | None = None, clock: Callable[[], float] = time.time):
         self.block_manager = block_manager
+        window = block_manager.window
+        if window is not None and window.max_seqs(max_num_batched_tokens) < max_num_seqs:
+            max_num_seqs = window.max_seqs(max_num_batched_tokens)  # (a pool short of the sequences' windows)
+            log.warning("at most %d sequences at once: the sliding-window layers' KV pool holds no more windows "
+                        "(give the KV cache more memory, or lower --max-num-batched-tokens)", max_num_seqs)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_waiting_requests = max_num_waiting_requests

@@ -59,6 +59,13 @@ class WindowBlocks:
         block its step starts within among them)."""
         return (self.num_blocks - window_span(self.window, self.block_size)) * self.block_size
 
+    def max_seqs(self, max_num_batched_tokens: int) -> int:
+        """Requests that may run at once: each holding its window and starting a block in a step, beside a
+        step's tokens (``pool_needed`` turned round). More would take each other's window blocks, and a
+        request pushed out loses its work: its window blocks go before anyone can hit them."""
+        step = -(-max_num_batched_tokens // self.block_size)
+        return max(1, (self.num_blocks - step) // (window_span(self.window, self.block_size) + 1))
+
     @property
     def num_free_blocks(self) -> int:
         return len(self.free_ids) + len(self.evictable)

@@ -103,6 +103,35 @@ def test_evicting_a_block_drops_its_window_block_and_a_failed_step_keeps_none():
     assert bm.window.num_free_blocks == 6 and not bm.window.evictable and all(s < 0 for s in bm.window.of)
 
 
+def test_a_pool_short_of_the_sequences_windows_runs_fewer_at_once_and_finishes_all():
+    """A pool smaller than ``pool_needed`` (an all-sliding model short of memory): more requests than it
+    holds windows for would push each other out, and one pushed out loses its work (its window blocks go
+    before it comes back), so the scheduler runs only as many as it holds. Priority with aging, where a
+    waiting request soon outranks a running one, is where it mattered (found by a review's fuzzing)."""
+    from engine.scheduler import Scheduler
+
+    bm = BlockManager(256, 2, enable_prefix_caching=True, window=3, num_window_blocks=7)
+    now = [0.0]
+    s = Scheduler(bm, 8, 16, policy="priority", aging_seconds=1.0, clock=lambda: now[0])
+    assert s.max_num_seqs == 1  # (7 blocks - a step's 8) // (a window's 3 + 1): at least one
+    reqs = [Request(f"r{i}", [100 * i + j for j in range(40)], SamplingParams(max_tokens=4)) for i in range(10)]
+    for r in reqs:
+        s.add(r)
+        now[0] += 0.3
+    for _ in range(1000):
+        if not s.has_work():
+            break
+        now[0] += 1.0
+        batch = s.schedule()
+        s.update_from_output(batch, 0.01)
+        for r in batch.requests:
+            if r.num_computed_tokens == r.num_tokens:
+                r.append_token(7)
+                if len(r.output_token_ids) == 4:
+                    s.finish(r, "length")
+    assert not s.has_work() and bm.window.num_free_blocks == 7
+
+
 # ---------------------------------------------------------------------------------------- sizing
 
 
