@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 
 from engine import vllm_flags
 from engine.config import ASYNC_SCHEDULING, DEVICES, DTYPES, POLICIES, QUANTIZATIONS, EngineConfig
+from engine.config_file import Parser
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -50,6 +51,10 @@ def _json_map(text: str) -> dict:
 def _engine_flags(p: argparse.ArgumentParser, generate: bool = False) -> None:
     d = _DEFAULTS
     g = p.add_argument_group("model and engine")
+    g.add_argument("--config", default=None, metavar="FILE",
+                   help="read flags from a YAML file, as vLLM's --config: their long names as keys "
+                        "(model: DIR, max-num-seqs: 8, enforce-eager: true, api-key: [k1, k2]); the command "
+                        "line wins over the file")
     g.add_argument("--model", default=None,
                    help="a local Hugging Face model folder or a .gguf file "
                         "(default: the bundled SmolLM2-135M-Instruct Q4_1 GGUF)")
@@ -159,7 +164,7 @@ def _engine_flags(p: argparse.ArgumentParser, generate: bool = False) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tokenmill", description="A small, fast LLM serving engine.")
+    parser = Parser(prog="tokenmill", description="A small, fast LLM serving engine.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,engine,generate}")
 
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",

@@ -74,6 +74,38 @@ def test_flags_map_to_engine_config():
     assert _config_kwargs(args) == {"pooler_config": {"pooling_type": "MEAN", "normalize": False}}
 
 
+def test_a_config_file_gives_flags_and_the_command_line_wins(tmp_path, capsys):
+    """vLLM's --config: a YAML map of long flag names (either spelling) to values, each parsed as the
+    command line parses it; the command line over the file over the defaults."""
+    from engine.cli import _config_kwargs
+
+    path = tmp_path / "config.yaml"
+    path.write_text("model: /models/gemma\nmax_num_seqs: 8\nkv-cache-memory: 512M\nenforce-eager: true\n"
+                    "enable-prefix-caching: false\napi-key: [k1, k2]\nhf-overrides: {sliding_window: null}\n"
+                    "served-model-name: [a, b]\nasync-scheduling: 'off'\nport: 9001\nmax-model-len: 32k\n")
+    args = build_parser().parse_args(["serve", "--config", str(path), "--port", "9000", "--max-num-seqs", "4"])
+    assert (args.model_tag, args.port, args.api_key, args.served_model_name) == ("/models/gemma", 9000,
+                                                                                 ["k1", "k2"], ["a", "b"])
+    assert _config_kwargs(args) == {"max_num_seqs": 4, "kv_cache_memory": 512 << 20, "enforce_eager": True,
+                                    "enable_prefix_caching": False, "hf_overrides": {"sliding_window": None},
+                                    "served_model_name": "a", "async_scheduling": "off", "max_model_len": 32000}
+    # a model on the command line, either way, wins over the file's
+    assert build_parser().parse_args(["serve", "other", f"--config={path}"]).model_tag == "other"
+    args = build_parser().parse_args(["serve", "--config", str(path), "--model", "/m2"])
+    assert (args.model_tag, args.model) == (None, "/m2")
+    for text, why in [("max-num-seqz: 8\n", "'max-num-seqz' is no flag"),
+                      ("dtype: float8\n", "invalid choice: 'float8'"),
+                      ("port: [1, 2]\n", "port: one value, not a list"),
+                      ("enforce-eager: 1\n", "enforce-eager: 1 is not true or false"),
+                      ("- a list\n", "not a map"), ("port: [\n", "while parsing")]:
+        path.write_text(text)
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args(["serve", "--config", str(path)])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert f"--config {path}" in err and why in err, err
+
+
 def test_websocket_flags_reach_the_frontends():
     from engine.cli import _ws_overrides
     from frontends.websocket import WsConfig

@@ -1,0 +1,99 @@
+"""``--config FILE``: flags from a YAML file, as vLLM's ``vllm serve --config config.yaml`` reads them.
+
+The file maps flags' long names (``max-num-seqs`` or ``max_num_seqs``, without the dashes in front)
+to values: ``model: /models/gemma-3-1b``, ``enforce-eager: true``, ``api-key: [k1, k2]``,
+``hf-overrides: {sliding_window: null}``. A value goes through its flag's own parsing (``512M``,
+``32k``, the choices), so a bad one exits 2 as on the command line, naming the file. The command
+line wins over the file and the file over the defaults; ``model`` in the file stands for
+``serve MODEL``, so a model named on the command line either way wins too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+class Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose subcommands read ``--config FILE`` before their command line."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = list(sys.argv[1:] if args is None else args)
+        path = _config_path(args) if "--config" in self._option_string_actions else None
+        if path is not None:
+            self.set_defaults(**_defaults(self, path, args))
+        return super().parse_known_args(args, namespace)
+
+
+def _config_path(args: list[str]) -> str | None:
+    for i, arg in enumerate(args):
+        if arg == "--config" and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _defaults(parser: argparse.ArgumentParser, path: str, args: list[str]) -> dict:
+    """The file's values, each under its flag's ``dest``, parsed as the command line parses them."""
+    import yaml
+
+    def bad(message: str):
+        parser.error(f"--config {path}: {message}")
+
+    try:
+        with open(path) as f:
+            values = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as e:
+        bad(str(e))
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        bad("not a map of flags to values")
+    actions = parser._option_string_actions
+    out = {}
+    for key, value in values.items():
+        name = "--" + str(key).replace("_", "-")
+        if name == "--config":
+            bad("a config file cannot name another")
+        on_command_line = any(a == "--model" or a.startswith("--model=") for a in args)
+        if name == "--model" and "model_tag" in {a.dest for a in parser._actions} and not on_command_line:
+            out["model_tag"] = str(value)  # (as `serve MODEL`: one on the command line wins)
+            continue
+        action = actions.get(name)
+        if action is None:
+            bad(f"{key!r} is no flag of this command (see --help)")
+        out[action.dest] = _value(parser, action, name, value, bad)
+    return out
+
+
+def _value(parser: argparse.ArgumentParser, action: argparse.Action, name: str, value, bad):
+    if action.nargs == 0:  # a switch: true sets it; false leaves it off (or says --no-, where it has one)
+        if not isinstance(value, bool):
+            bad(f"{name[2:]}: {value!r} is not true or false")
+        if isinstance(action, argparse.BooleanOptionalAction):
+            return value
+        return action.const if value else action.default
+    many = isinstance(action, argparse._AppendAction) or action.nargs in ("+", "*")
+    if isinstance(value, list) and not many:
+        bad(f"{name[2:]}: one value, not a list")
+    items = value if isinstance(value, list) else [value]
+    try:
+        parsed = [parser._get_values(action, [_text(v)]) for v in items]
+    except argparse.ArgumentError as e:
+        bad(str(e))
+    if not many:
+        return parsed[0]
+    if isinstance(action, argparse._AppendAction):
+        return parsed
+    return [p for group in parsed for p in (group if isinstance(group, list) else [group])]
+
+
+def _text(value) -> str:
+    """A YAML value as the command line would have spelled it."""
+    if isinstance(value, (dict, list)) or value is None:
+        return json.dumps(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
