@@ -88,6 +88,32 @@ def test_phi3_longrope_matches_transformers(served, tmp_path, smollm_tokenizer_d
         check_parity(llm, hf, llm.tokenizer, [" ".join(["history"] * 80)])
 
 
+@pytest.mark.parametrize("yarn", [{"factor": 4.0}, {"factor": 4.0, "beta_fast": 8, "truncate": False},
+                                  {"factor": 8.0, "mscale": 1.0, "mscale_all_dim": 0.7}],
+                         ids=["qwen-recipe", "untruncated", "deepseek-mscale"])
+def test_yarn_matches_transformers(yarn, tmp_path, smollm_tokenizer_dir):
+    """YaRN (Qwen2.5/Qwen3's long-context recipe, DeepSeek's mscale): prompts and outputs past the
+    original 64 positions; served to factor x original where that passes max_position_embeddings."""
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "original_max_position_embeddings": 64, **yarn}
+    path = make_tiny_model(str(tmp_path / "yarn"), "qwen3", smollm_tokenizer_dir, seed=3, rope_parameters=rope,
+                           max_position_embeddings=128, head_dim=24)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(path, device="cpu", dtype="float32", num_kv_blocks=256)
+    assert llm.engine.max_model_len == 64 * yarn["factor"]
+    check_parity(llm, hf, llm.tokenizer, [" ".join(["history"] * 80), " ".join(["a quick fox"] * 40)])
+
+
+def test_yarn_by_hf_overrides_serves_the_stretch(tmp_path, smollm_tokenizer_dir):
+    """Qwen's documented way: --hf-overrides '{"rope_scaling": {"rope_type": "yarn", ...}}' on a model
+    without it, which then serves factor x original positions."""
+    path = make_tiny_model(str(tmp_path / "q"), "qwen3", smollm_tokenizer_dir, seed=3, max_position_embeddings=128,
+                           head_dim=24)
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
+    llm = LLM(path, device="cpu", dtype="float32", num_kv_blocks=64, hf_overrides={"rope_scaling": yarn})
+    assert llm.engine.max_model_len == 512
+    assert llm.engine.runner.model_cfg.rope_scaling["attention_factor"] == pytest.approx(0.1 * math.log(4) + 1)
+
+
 def test_phi4_mini_partial_rotary_matches_transformers(tmp_path, smollm_tokenizer_dir):
     """Phi-4-mini's RoPE turns 0.75 of each head's dims (12 of 16 here), with LongRoPE factors for those."""
     rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,

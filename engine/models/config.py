@@ -200,11 +200,13 @@ class ModelConfig:
         if scaling:
             kind = scaling.get("rope_type", scaling.get("type"))
             kind = {"su": "longrope"}.get(kind, kind)  # (Phi-3-128k's first configs called it su)
-            if kind not in ("llama3", "linear", "longrope", "default"):
-                raise ValueError(f"RoPE scaling {kind!r} is not supported (llama3, linear, longrope are)")
+            if kind not in ("llama3", "linear", "longrope", "yarn", "default"):
+                raise ValueError(f"RoPE scaling {kind!r} is not supported (llama3, linear, longrope, yarn are)")
             scaling = None if kind == "default" else {**scaling, "rope_type": kind}
             if kind == "longrope":
                 scaling = _longrope(scaling, cfg, rotary_dim)
+            elif kind == "yarn":
+                scaling = _yarn(scaling, cfg)
         if arch.get("moe") and cfg.get("quantization_config"):
             raise ValueError(f"int4 (AWQ, GPTQ) checkpoints of a mixture of experts ({model_type}) are not supported "
                              f"yet: load its bf16 checkpoint, or a GGUF file")
@@ -237,7 +239,7 @@ class ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            max_position_embeddings=_max_positions(cfg, scaling),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", bool(gemma))),
             attention_bias=bool(cfg.get("attention_bias", arch.get("attention_bias", False))),
             qk_norm=arch.get("qk_norm", False),
@@ -294,6 +296,39 @@ def _sliding_window(cfg: dict, model_type: str) -> tuple[int | None, frozenset[i
     if not on or not window or window >= cfg.get("max_position_embeddings", 0):
         return None, layers
     return int(window), layers
+
+
+def _max_positions(cfg: dict, scaling: dict | None) -> int:
+    """The positions the model is served to: config.json's, or YaRN's stretch of the original ones where
+    that is longer (Qwen's long-context recipe adds YaRN and leaves max_position_embeddings as it was;
+    vLLM serves the stretch too)."""
+    n = cfg.get("max_position_embeddings", 4096)
+    if scaling and scaling["rope_type"] == "yarn":
+        n = max(n, int(scaling["original_max_position_embeddings"] * scaling["factor"]))
+    return n
+
+
+def _yarn(scaling: dict, cfg: dict) -> dict:
+    """YaRN's parameters as transformers reads them (``_compute_yarn_parameters``): the stretch ``factor``
+    (else max_position_embeddings over the original positions), the ramp between ``beta_fast`` and
+    ``beta_slow`` rotations (its ends rounded out unless ``truncate`` is false), and the factor cos and
+    sin are scaled by (``attention_factor``, else 0.1 ln(factor) + 1, or DeepSeek's ratio of two such
+    with ``mscale`` and ``mscale_all_dim``)."""
+    original = scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+    if not original:
+        raise ValueError("YaRN needs original_max_position_embeddings (the positions the model was trained on)")
+    factor = scaling.get("factor") or cfg.get("max_position_embeddings", original) / original
+
+    def mscale(scale: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        both = scaling.get("mscale") and scaling.get("mscale_all_dim")
+        attention = mscale(scaling["mscale"]) / mscale(scaling["mscale_all_dim"]) if both else mscale()
+    return {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(original),
+            "attention_factor": float(attention), "beta_fast": float(scaling.get("beta_fast") or 32),
+            "beta_slow": float(scaling.get("beta_slow") or 1), "truncate": bool(scaling.get("truncate", True))}
 
 
 def _longrope(scaling: dict, cfg: dict, rotary_dim: int) -> dict:

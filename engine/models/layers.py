@@ -216,7 +216,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         powers = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
         self.register_buffer("powers", powers, persistent=False)  # theta^(2i/D): 1 / each pair's frequency
-        self.scaling = scaling
+        self.scaling, self.theta = scaling, theta
         cos, sin = self._tables(max_positions, max_positions)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -237,6 +237,8 @@ class RotaryEmbedding(nn.Module):
             inv_freq = _llama3_inv_freq(inv_freq, s)
         elif s and s["rope_type"] == "linear":
             inv_freq = inv_freq / float(s["factor"])
+        elif s and s["rope_type"] == "yarn":
+            inv_freq, scale = _yarn_inv_freq(self.powers, self.theta, s), s["attention_factor"]
         elif s and s["rope_type"] == "longrope":
             # Decision: the long factors for every position when the served length passes the original one,
             # else the short ones (as llama.cpp picks by its context size). transformers switches per forward
@@ -251,6 +253,26 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Tables are kept in float32 and cast once per step (as transformers casts per layer)."""
         return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+
+
+def _yarn_inv_freq(powers: torch.Tensor, base: float, s: dict) -> torch.Tensor:
+    """YaRN's frequencies (as in transformers): each pair's own where it turns often over the original
+    positions (more than beta_fast times), stretched by the factor where it turns rarely (fewer than
+    beta_slow), and a linear ramp between the two. ``powers``: base^(2i/D)."""
+    dim, original, factor = 2 * len(powers), s["original_max_position_embeddings"], s["factor"]
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns ``rotations`` times over the original
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(s["beta_fast"]), dim_of(s["beta_slow"])
+    if s["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # (transformers' guard against a zero-width ramp)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=powers.device) - low) / (high - low)).clamp(0, 1)
+    own = 1 - ramp  # the share of each pair's own frequency
+    return 1.0 / (factor * powers) * (1 - own) + 1.0 / powers * own
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
