@@ -210,9 +210,13 @@ def _expected_names(cfg: ModelConfig) -> set[str]:
         p = f"model.layers.{i}."
         names |= {p + s for s in (
             "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-            "self_attn.o_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight")}
+            "self_attn.o_proj.weight", "post_attention_layernorm.weight")}
+        if not cfg.olmo:  # (OLMo norms no sublayer's input)
+            names.add(p + "input_layernorm.weight")
         if cfg.gemma >= 2:
-            names |= {p + "pre_feedforward_layernorm.weight", p + "post_feedforward_layernorm.weight"}
+            names.add(p + "pre_feedforward_layernorm.weight")
+        if cfg.gemma >= 2 or cfg.olmo:
+            names.add(p + "post_feedforward_layernorm.weight")
         if cfg.sparse(i):
             names |= {f"{p}mlp.experts.{e}.{x}_proj.weight" for e in range(cfg.moe.num_experts)
                       for x in ("gate", "up", "down")}

@@ -54,7 +54,7 @@ def make_tiny_model(out_dir: str, arch: str, tokenizer_dir: str | None, seed: in
     """Save a random-weight ``arch`` ("llama", "qwen2", "qwen3", "mistral", "phi3"; mixtures of experts "mixtral",
     "qwen2_moe", "qwen3_moe", of 8 experts, 2 per token; "gemma", "gemma2", "gemma3_text": 4 layers, a sliding
     window of 16 in Gemma 2's every other layer and three of Gemma 3's four, Gemma 2's caps; "granite", with
-    Granite 3 8B's scales) model folder (fp32)."""
+    Granite 3 8B's scales; "olmo2", "olmo3") model folder (fp32)."""
 
     import torch
     import transformers
@@ -63,7 +63,8 @@ def make_tiny_model(out_dir: str, arch: str, tokenizer_dir: str | None, seed: in
                                      "mistral": "MistralConfig", "mixtral": "MixtralConfig",
                                      "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig",
                                      "phi3": "Phi3Config", "gemma": "GemmaConfig", "gemma2": "Gemma2Config",
-                                     "gemma3_text": "Gemma3TextConfig", "granite": "GraniteConfig"}[arch])
+                                     "gemma3_text": "Gemma3TextConfig", "granite": "GraniteConfig",
+                                     "olmo2": "Olmo2Config", "olmo3": "Olmo3Config"}[arch])
     kw = dict(TINY)
     if arch.startswith("gemma"):
         kw.update(num_hidden_layers=4, head_dim=16, tie_word_embeddings=True)

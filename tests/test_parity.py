@@ -157,6 +157,21 @@ def test_gemma_matches_transformers(arch, tmp_path, smollm_tokenizer_dir):
         check_parity(llm, hf, llm.tokenizer, PROMPTS)
 
 
+@pytest.mark.parametrize("arch", ["olmo2", "olmo3"])
+def test_olmo_matches_transformers(arch, tmp_path, smollm_tokenizer_dir):
+    """OLMo 2 and 3: norms after each sublayer only, q and k normed across all heads; OLMo 3's window of 16
+    over three of each four layers (served from their own KV pool), in one prefill and in chunks of 8."""
+    extra = dict(num_hidden_layers=4, sliding_window=16) if arch == "olmo3" else {}
+    path = make_tiny_model(str(tmp_path / arch), arch, smollm_tokenizer_dir, seed=5, **extra)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for chunk in (2048, 8):
+        llm = LLM(path, device="cpu", dtype="float32", num_kv_blocks=256, max_num_batched_tokens=chunk)
+        assert bool(llm.engine.runner.window_layers) == (arch == "olmo3")
+        check_parity(llm, hf, llm.tokenizer, PROMPTS + [" ".join(["history"] * 30)])
+    with pytest.raises(ValueError, match="under tensor parallelism is not supported yet"):
+        LLM(path, device="cpu", dtype="float32", tensor_parallel_size=2)
+
+
 def test_granite_scales_and_logprobs_match_transformers(tmp_path, smollm_tokenizer_dir):
     """Granite's scales, each of which greedy tokens may not show (the logits' is monotonic): the chosen
     tokens' logprobs against transformers' log-softmax, fp32."""

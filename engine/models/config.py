@@ -26,6 +26,10 @@ SUPPORTED_ARCHITECTURES = {
     "gemma": {"gemma": 1},
     "gemma2": {"gemma": 2},
     "gemma3_text": {"gemma": 3, "qk_norm": True},  # Gemma 3 1B; the larger ones are "gemma3" (``_gemma3_text``)
+    # OLMo 2 and 3: no norm before a sublayer, one after each (``engine/models/llama.py``'s OlmoDecoderLayer);
+    # q and k normed across all heads; 3 slides a window over three of each four layers
+    "olmo2": {"olmo": True, "qk_norm": True},
+    "olmo3": {"olmo": True, "qk_norm": True},
 }
 # what transformers' Gemma2Config and Gemma3TextConfig assume for keys a config.json leaves out
 _GEMMA2_DEFAULTS = {"query_pre_attn_scalar": 256, "sliding_window": 4096, "attn_logit_softcapping": 50.0,
@@ -143,6 +147,7 @@ class ModelConfig:
     attn_softcap: float = 0.0  # Gemma 2: scores s -> cap tanh(s / cap) (0: none)
     final_softcap: float = 0.0  # Gemma 2: the same on the logits
     local_rope_theta: float | None = None  # Gemma 3: the sliding layers' RoPE base (no scaling); None: as the others
+    olmo: bool = False  # OLMo 2, 3: see SUPPORTED_ARCHITECTURES
     # Granite: the embeddings times embedding_multiplier, each sublayer's output times residual_multiplier
     # before it joins the residual stream, the logits divided by logits_scaling (its scores: attn_scale)
     embedding_multiplier: float = 1.0
@@ -184,8 +189,12 @@ class ModelConfig:
         # configs keep them flat.
         rope = dict(cfg.get("rope_parameters") or {})
         local_theta = None
-        if "full_attention" in rope:
-            local_theta = (rope.get("sliding_attention") or {}).get("rope_theta")
+        if "full_attention" in rope:  # RoPE per kind of layer: the sliding layers' own base, unscaled
+            local = dict(rope.get("sliding_attention") or rope["full_attention"])
+            if local != rope["full_attention"]:
+                if local.get("rope_type", "default") != "default":
+                    raise ValueError(f"the sliding layers' own RoPE scaling ({local['rope_type']}) is not supported")
+                local_theta = local.get("rope_theta")
             rope = dict(rope["full_attention"])
         if gemma == 3:
             local_theta = float(local_theta or cfg.get("rope_local_base_freq", 10_000.0))
@@ -256,6 +265,7 @@ class ModelConfig:
             attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0),
             final_softcap=float(cfg.get("final_logit_softcapping") or 0.0),
             local_rope_theta=local_theta,
+            olmo=arch.get("olmo", False),
             embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
             residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
             logits_scaling=float(cfg.get("logits_scaling", 1.0)),
@@ -291,7 +301,7 @@ def _sliding_window(cfg: dict, model_type: str) -> tuple[int | None, frozenset[i
         layers = frozenset(range(0, min(n, cfg.get("max_window_layers", 28)), 2))
     else:
         layers = None
-    on = cfg.get("use_sliding_window", model_type in ("mistral", "mixtral", "phi3", "gemma2", "gemma3_text"))
+    on = cfg.get("use_sliding_window", model_type in ("mistral", "mixtral", "phi3", "gemma2", "gemma3_text", "olmo3"))
     window = cfg.get("sliding_window")
     if not on or not window or window >= cfg.get("max_position_embeddings", 0):
         return None, layers

@@ -191,12 +191,14 @@ class LMHead(nn.Module):
 
 class RMSNorm(nn.Module):
     """``gemma``: Gemma's, x (1 + w) rounded once, so the weight is kept as 1 + w in float32
-    (``kernels.rms_norm``'s rule for a float32 weight)."""
+    (``kernels.rms_norm``'s rule for a float32 weight). ``float32``: the weight kept in float32 too, and
+    multiplied before the one rounding (OLMo's, as transformers computes it)."""
 
-    def __init__(self, dim: int, eps: float, gemma: bool = False):
+    def __init__(self, dim: int, eps: float, gemma: bool = False, float32: bool = False):
         super().__init__()
         self.eps, self.gemma = eps, gemma
-        self.weight = nn.Parameter(torch.empty(dim, dtype=torch.float32), requires_grad=False) if gemma else _empty(dim)
+        self.weight = nn.Parameter(torch.empty(dim, dtype=torch.float32), requires_grad=False) \
+            if gemma or float32 else _empty(dim)
 
     def load(self, tensor: torch.Tensor) -> None:
         """(Gemma's: 1 + w summed exactly, in float64, and rounded once, as transformers' float32 sum is.)"""

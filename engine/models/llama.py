@@ -1,4 +1,4 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM, Phi-3, Gemma, Granite) for paged attention,
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM, Phi-3, Gemma, Granite, OLMo) for paged attention,
 and its mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE: ``engine/models/moe.py``). Gemma's and
 Granite's differences are flags of the config (Gemma's norms, GELU, embedding scale, score caps, RoPE
 base for the sliding layers; Granite's scales) and, in Gemma 2 and 3, a layer of its own
@@ -49,16 +49,21 @@ class LlamaAttention(nn.Module):
         self.h, self.hkv, self.d = h // tp.size, hkv * r // tp.size, d  # this rank's heads
         self.rot = cfg.rotary_dim or d  # RoPE's share of each head (Phi-4-mini: 96 of 128)
         self.attn = Attention(self.h, self.hkv, self.d, cfg.attn_scale, cfg.window(index), cfg.attn_softcap)
-        # Qwen3, Gemma 3: q and k normed per head before RoPE, by (D,) weights every head and so every rank shares
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.gemma > 0) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.gemma > 0) if cfg.qk_norm else None
+        # Qwen3, Gemma 3: q and k normed per head before RoPE, by (D,) weights every head and so every rank shares;
+        # OLMo: across all heads at once (one rank only: ``ModelRunner`` refuses it under tensor parallelism)
+        across = (h * d, hkv * d) if cfg.olmo else (d, d)
+        self.q_norm = RMSNorm(across[0], cfg.rms_norm_eps, cfg.gemma > 0, cfg.olmo) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(across[1], cfg.rms_norm_eps, cfg.gemma > 0, cfg.olmo) if cfg.qk_norm else None
+        self.across = cfg.olmo
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.out_sizes, dim=-1)
+        if self.across:
+            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
         q, k, v = q.view(t, self.h, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
-        if self.q_norm is not None:  # each head's D values normed as rows: (T * H, D)
+        if self.q_norm is not None and not self.across:  # each head's D values normed as rows: (T * H, D)
             q = self.q_norm(q.reshape(t * self.h, self.d)).view(t, self.h, self.d)
             k = self.k_norm(k.reshape(t * self.hkv, self.d)).view(t, self.hkv, self.d)
         if self.rot == self.d:
@@ -113,6 +118,25 @@ class GemmaDecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(x)), residual
 
 
+class OlmoDecoderLayer(nn.Module):
+    """OLMo 2 and 3's: no norm before a sublayer, one after each, on its output before it joins the
+    residual stream (float32 weights, multiplied before the one rounding, as transformers computes them)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, index: int):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, tp, index)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, float32=True)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, tp, cfg.hidden_act)
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, float32=True)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """As ``LlamaDecoderLayer``'s: x is the last sublayer's output, not yet added to ``residual``."""
+        stream = x if residual is None else residual + x
+        stream = stream + self.post_attention_layernorm(self.self_attn(stream, cos, sin, meta))
+        return self.post_feedforward_layernorm(self.mlp(stream)), stream
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup | None = None):
         super().__init__()
@@ -126,10 +150,10 @@ class LlamaForCausalLM(nn.Module):
         # Gemma 3's sliding layers turn by their own base, unscaled
         self.local_rotary = None if cfg.local_rope_theta is None else RotaryEmbedding(
             cfg.rotary_dim or cfg.head_dim, max_positions, cfg.local_rope_theta, None)
-        layer = GemmaDecoderLayer if cfg.gemma >= 2 else LlamaDecoderLayer
+        layer = GemmaDecoderLayer if cfg.gemma >= 2 else OlmoDecoderLayer if cfg.olmo else LlamaDecoderLayer
         self.layers = nn.ModuleList(layer(cfg, tp, i) for i in range(cfg.num_layers))
         self.local = [self.local_rotary is not None and cfg.sliding(i) for i in range(cfg.num_layers)]
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma > 0)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma > 0, cfg.olmo)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tp,
                               tied=self.embed_tokens if cfg.tie_word_embeddings else None) if cfg.lm_head else None
 
