@@ -16,27 +16,52 @@ import sys
 
 
 class Parser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` whose subcommands read ``--config FILE`` before their command line."""
+    """An ``ArgumentParser`` whose subcommands read ``--config FILE`` before their command line (its
+    values start the namespace the command line then fills: the parser itself is left as it was)."""
 
     def parse_known_args(self, args=None, namespace=None):
         args = list(sys.argv[1:] if args is None else args)
-        path = _config_path(args) if "--config" in self._option_string_actions else None
-        if path is not None:
-            self.set_defaults(**_defaults(self, path, args))
-        return super().parse_known_args(args, namespace)
+        path = self._config_path(args) if "--config" in self._option_string_actions else None
+        if path is None:
+            return super().parse_known_args(args, namespace)
+        values = _values(self, path, args)
+        model = values.pop("model_tag", None)  # (a positional: argparse sets it, given or not)
+        namespace = namespace if namespace is not None else argparse.Namespace()
+        for dest, value in values.items():
+            if not hasattr(namespace, dest):
+                setattr(namespace, dest, value)
+        given = [a for a in self._actions if a.required and a.dest in values]  # (--prompt: from the file)
+        for action in given:
+            action.required = False
+        try:
+            namespace, extras = super().parse_known_args(args, namespace)
+        finally:
+            for action in given:
+                action.required = True
+        if model is not None and getattr(namespace, "model_tag", None) is None:
+            namespace.model_tag = model
+        return namespace, extras
+
+    def _config_path(self, args: list[str]) -> str | None:
+        """The last ``--config`` given (argparse's rule), spelled in full, with ``=``, or abbreviated."""
+        path = None
+        for i, arg in enumerate(args):
+            if arg == "--":
+                break
+            name, eq, value = arg.partition("=")
+            if len(name) > 2 and "--config".startswith(name) and \
+                    [o for o in self._option_string_actions if o.startswith(name)] == ["--config"]:
+                path = value if eq else args[i + 1] if i + 1 < len(args) else None
+        return path
 
 
-def _config_path(args: list[str]) -> str | None:
-    for i, arg in enumerate(args):
-        if arg == "--config" and i + 1 < len(args):
-            return args[i + 1]
-        if arg.startswith("--config="):
-            return arg.split("=", 1)[1]
-    return None
+def _on_command_line(action: argparse.Action, args: list[str]) -> bool:
+    return any(a.partition("=")[0] in action.option_strings for a in args)
 
 
-def _defaults(parser: argparse.ArgumentParser, path: str, args: list[str]) -> dict:
-    """The file's values, each under its flag's ``dest``, parsed as the command line parses them."""
+def _values(parser: argparse.ArgumentParser, path: str, args: list[str]) -> dict:
+    """The file's values, each under its flag's ``dest``, parsed as the command line parses them; not
+    those of a repeatable flag the command line gives too (its values replace the file's)."""
     import yaml
 
     def bad(message: str):
@@ -57,13 +82,15 @@ def _defaults(parser: argparse.ArgumentParser, path: str, args: list[str]) -> di
         name = "--" + str(key).replace("_", "-")
         if name == "--config":
             bad("a config file cannot name another")
-        on_command_line = any(a == "--model" or a.startswith("--model=") for a in args)
-        if name == "--model" and "model_tag" in {a.dest for a in parser._actions} and not on_command_line:
-            out["model_tag"] = str(value)  # (as `serve MODEL`: one on the command line wins)
-            continue
         action = actions.get(name)
         if action is None:
             bad(f"{key!r} is no flag of this command (see --help)")
+        if name == "--model" and "model_tag" in {a.dest for a in parser._actions} and \
+                not _on_command_line(action, args):
+            out["model_tag"] = str(value)  # (as `serve MODEL`: one on the command line wins)
+            continue
+        if isinstance(action, argparse._AppendAction) and _on_command_line(action, args):
+            continue
         out[action.dest] = _value(parser, action, name, value, bad)
     return out
 
@@ -75,6 +102,9 @@ def _value(parser: argparse.ArgumentParser, action: argparse.Action, name: str, 
         if isinstance(action, argparse.BooleanOptionalAction):
             return value
         return action.const if value else action.default
+    if action.nargs == "?" and isinstance(value, bool):  # a flag with an optional value (vLLM's boolean
+        # --async-scheduling): true as the bare flag, false as its "off"
+        return action.const if value else "off" if "off" in (action.choices or ()) else action.default
     many = isinstance(action, argparse._AppendAction) or action.nargs in ("+", "*")
     if isinstance(value, list) and not many:
         bad(f"{name[2:]}: one value, not a list")

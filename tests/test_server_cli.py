@@ -93,6 +93,17 @@ def test_a_config_file_gives_flags_and_the_command_line_wins(tmp_path, capsys):
     assert build_parser().parse_args(["serve", "other", f"--config={path}"]).model_tag == "other"
     args = build_parser().parse_args(["serve", "--config", str(path), "--model", "/m2"])
     assert (args.model_tag, args.model) == (None, "/m2")
+    # a repeatable flag on the command line replaces the file's values; an abbreviated --config is read;
+    # vLLM's boolean async-scheduling; a required flag from the file; the parser is left as it was
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--conf", str(path), "--api-key", "k3"])
+    assert args.api_key == ["k3"] and args.max_num_seqs == 8
+    assert parser.parse_args(["serve"]).max_num_seqs is None
+    path.write_text("async-scheduling: true\nprompt: hi\nmax-tokens: 3\n")
+    gen = build_parser().parse_args(["generate", "--config", str(path)])
+    assert (gen.prompt, gen.async_scheduling) == ("hi", "on")
+    path.write_text("async-scheduling: false\n")
+    assert build_parser().parse_args(["serve", "--config", str(path)]).async_scheduling == "off"
     for text, why in [("max-num-seqz: 8\n", "'max-num-seqz' is no flag"),
                       ("dtype: float8\n", "invalid choice: 'float8'"),
                       ("port: [1, 2]\n", "port: one value, not a list"),
