@@ -172,6 +172,28 @@ def test_olmo_matches_transformers(arch, tmp_path, smollm_tokenizer_dir):
         LLM(path, device="cpu", dtype="float32", tensor_parallel_size=2)
 
 
+def test_olmo3_flat_yarn_turns_its_full_layers_only(tmp_path, smollm_tokenizer_dir):
+    """OLMo 3's long-context config.json: a flat rope_scaling (YaRN), which transformers gives its full
+    layers alone; the sliding ones turn unscaled by the same base. No layer_types: three of each four slide."""
+    path = make_tiny_model(str(tmp_path / "o3"), "olmo3", smollm_tokenizer_dir, seed=6, num_hidden_layers=4,
+                           sliding_window=16)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    for key in ("rope_parameters", "layer_types"):
+        config.pop(key, None)
+    config |= {"rope_theta": 500000.0, "max_position_embeddings": 128,  # (OLMo 3's base: transformers gives
+               # the sliding layers its default, whatever rope_theta says)
+               "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(path, device="cpu", dtype="float32", num_kv_blocks=256)
+    cfg = llm.engine.runner.model_cfg
+    assert cfg.local_rope_theta == 500000.0 and cfg.rope_scaling["rope_type"] == "yarn"
+    assert [cfg.window(i) for i in range(4)] == [16, 16, 16, 0]
+    check_parity(llm, hf, llm.tokenizer, [" ".join(["history"] * 50)])
+
+
 def test_granite_scales_and_logprobs_match_transformers(tmp_path, smollm_tokenizer_dir):
     """Granite's scales, each of which greedy tokens may not show (the logits' is monotonic): the chosen
     tokens' logprobs against transformers' log-softmax, fp32."""

@@ -188,17 +188,20 @@ class ModelConfig:
         # transformers >= 5 nests RoPE settings in rope_parameters (Gemma 3: per kind of layer); older
         # configs keep them flat.
         rope = dict(cfg.get("rope_parameters") or {})
-        local_theta = None
-        if "full_attention" in rope:  # RoPE per kind of layer: the sliding layers' own base, unscaled
+        local = None  # the sliding layers' own RoPE, where it differs: its base, unscaled
+        if "full_attention" in rope:  # RoPE per kind of layer
             local = dict(rope.get("sliding_attention") or rope["full_attention"])
-            if local != rope["full_attention"]:
-                if local.get("rope_type", "default") != "default":
-                    raise ValueError(f"the sliding layers' own RoPE scaling ({local['rope_type']}) is not supported")
-                local_theta = local.get("rope_theta")
+            if local == rope["full_attention"]:
+                local = None
+            elif local.get("rope_type", "default") != "default":
+                raise ValueError(f"the sliding layers' own RoPE scaling ({local['rope_type']}) is not supported")
             rope = dict(rope["full_attention"])
+        rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        local_theta = None if local is None else float(local.get("rope_theta", rope_theta))
         if gemma == 3:
             local_theta = float(local_theta or cfg.get("rope_local_base_freq", 10_000.0))
-        rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        elif model_type == "olmo3" and cfg.get("rope_scaling"):  # (transformers: a flat scaling is the full
+            local_theta = rope_theta  # layers' alone, the sliding ones turn unscaled)
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         # RoPE over the first rotary_dim of each head's dims only (Phi-4-mini: 0.75 of them)
@@ -295,6 +298,8 @@ def _sliding_window(cfg: dict, model_type: str) -> tuple[int | None, frozenset[i
     elif model_type == "gemma3_text":
         pattern = cfg.get("sliding_window_pattern", 6)
         layers = frozenset(i for i in range(n) if (i + 1) % pattern)
+    elif model_type == "olmo3":
+        layers = frozenset(i for i in range(n) if (i + 1) % 4)
     elif model_type == "qwen2":
         layers = frozenset(range(cfg.get("max_window_layers", 28), n))
     elif model_type == "qwen2_moe":  # (its own rule in transformers: even layers below max_window_layers)
