@@ -403,6 +403,8 @@ def _gguf_config(path: str) -> tuple[dict, list[int]]:
             "rope.scaling.original_context_length"), "attention_factor": a("rope.scaling.attn_factor"), **{
             f"{kind}_factor": [float(x) for x in np.asarray(factors[f"rope_factors_{kind}.weight"].data).ravel()]
             for kind in ("short", "long")}}
+    if a("rope.scaling.type") == "yarn":
+        cfg["rope_scaling"] = _gguf_yarn(a)
     if arch.startswith("gemma"):
         cfg |= _gguf_gemma(arch, a, cfg)
     if arch == "granite":  # its scales, as llama.cpp names them
@@ -430,6 +432,23 @@ def _gguf_config(path: str) -> tuple[dict, list[int]]:
         ends[1] = next((i for i, t in enumerate(r.fields["tokenizer.ggml.tokens"].contents()) if t == "<end_of_turn>"),
                        None)
     return cfg, list(dict.fromkeys(int(e) for e in ends if e is not None))
+
+
+def _gguf_yarn(a) -> dict:
+    """YaRN from a GGUF's metadata (Qwen's long-context files): its factor, original length and ramp. The
+    keys by which llama.cpp changes YaRN's attention factor are refused, not guessed at."""
+    odd = {k: a(f"rope.scaling.{k}") for k in ("attn_factor", "yarn_attn_factor", "yarn_log_multiplier",
+                                               "yarn_ext_factor")}
+    odd = {k: v for k, v in odd.items() if v is not None and v != (0.0 if k == "yarn_log_multiplier" else 1.0)}
+    if odd:
+        raise ValueError(f"YaRN with llama.cpp's {', '.join(f'rope.scaling.{k}' for k in odd)} is not supported yet: "
+                         "serve the model's Hugging Face folder")
+    yarn = {"rope_type": "yarn", "factor": a("rope.scaling.factor"),
+            "original_max_position_embeddings": a("rope.scaling.original_context_length")}
+    for key in ("beta_fast", "beta_slow"):
+        if a(f"rope.scaling.yarn_{key}") is not None:
+            yarn[key] = a(f"rope.scaling.yarn_{key}")
+    return yarn
 
 
 def _gguf_gemma(arch: str, a, cfg: dict) -> dict:

@@ -104,13 +104,13 @@ def test_cuda_bf16_load_peaks_at_the_model_size(tmp_path):
 
 
 def _write_gguf(folder: str, out: str, arch: str = "qwen3", matrices_as: str | None = None,
-                widths: bool = True, vocab: dict | None = None) -> None:
+                widths: bool = True, vocab: dict | None = None, extra: dict | None = None) -> None:
     """A tiny model folder as llama.cpp's converter writes it: float32 tensors, GGUF names, a mixture
     of experts' parts stacked per layer (E, ...), the layers' matrices in ``matrices_as`` (a GGUF type:
     "Q8_0") if given, and their widths in the metadata (``widths``; converters before mid-2024 left them
     out); llama's q/k rows permuted for its interleaved RoPE (Qwen's is the rotate-half one llama.cpp
     calls NEOX: no permutation). ``vocab``: a SentencePiece vocabulary to write too (``tokens``,
-    ``types``, ``bos``, ``eos``, ``chat_template``)."""
+    ``types``, ``bos``, ``eos``, ``chat_template``); ``extra``: more ``rope.scaling.*`` floats (YaRN's)."""
     import gguf
     import numpy as np
     from safetensors.torch import load_file
@@ -141,9 +141,14 @@ def _write_gguf(folder: str, out: str, arch: str = "qwen3", matrices_as: str | N
         for key, value in (("embedding_scale", cfg.embedding_multiplier), ("residual_scale", cfg.residual_multiplier),
                            ("attention.scale", cfg.attn_scale), ("logit_scale", cfg.logits_scaling)):
             w.add_float32(f"{arch}.{key}", value)
-    if (cfg.rope_scaling or {}).get("rope_type") == "linear":
-        w.add_string(f"{arch}.rope.scaling.type", "linear")
+    if (cfg.rope_scaling or {}).get("rope_type") in ("linear", "yarn"):
+        w.add_string(f"{arch}.rope.scaling.type", cfg.rope_scaling["rope_type"])
         w.add_float32(f"{arch}.rope.scaling.factor", cfg.rope_scaling["factor"])
+    if (cfg.rope_scaling or {}).get("rope_type") == "yarn":  # as llama.cpp's converter writes Qwen's
+        w.add_uint32(f"{arch}.rope.scaling.original_context_length",
+                     cfg.rope_scaling["original_max_position_embeddings"])
+        for key, value in (extra or {}).items():
+            w.add_float32(f"{arch}.rope.scaling.{key}", value)
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
     layer = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -237,6 +242,18 @@ def test_a_qwen3_gguf_loads_as_its_folder(tmp_path):
     assert want.keys() == got.keys() and any("q_norm" in k for k in want)
     for k in want:
         assert torch.equal(got[k], want[k]), k
+
+
+def test_a_yarn_gguf_reads_as_its_folder(tmp_path):
+    """Qwen's long-context GGUF: rope.scaling.type yarn, its factor and original length, the ramp's betas;
+    llama.cpp's keys that change the attention factor are refused, not guessed at."""
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
+    folder = make_tiny_model(str(tmp_path / "q"), "qwen3", None, head_dim=24, rope_parameters=rope)
+    _write_gguf(folder, str(tmp_path / "q.gguf"), extra={"yarn_beta_fast": 32.0})
+    assert load_model_config(str(tmp_path / "q.gguf")).rope_scaling == load_model_config(folder).rope_scaling
+    _write_gguf(folder, str(tmp_path / "odd.gguf"), extra={"yarn_log_multiplier": 0.1})
+    with pytest.raises(ValueError, match="rope.scaling.yarn_log_multiplier is not supported yet"):
+        load_model_config(str(tmp_path / "odd.gguf"))
 
 
 @pytest.mark.parametrize("arch,gguf_arch,widths", [("qwen3_moe", "qwen3moe", True), ("qwen2_moe", "qwen2moe", True),
