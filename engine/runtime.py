@@ -124,9 +124,10 @@ def count_kv_blocks(config: EngineConfig, model_cfg: ModelConfig, device: torch.
     if sliding:
         window_need = pool_needed(model_cfg.sliding_window, bs, config.max_num_seqs, config.max_num_batched_tokens)
         least = window_span(model_cfg.sliding_window, bs) + 1  # one request's window and a block of a step
-    if config.num_kv_blocks is not None:  # (the blocks with memory: the window pool's alone if all slide)
-        window_blocks = min(window_need, max(least, config.num_kv_blocks))
-        return config.max_num_seqs * max_blocks if sliding == layers else config.num_kv_blocks, window_blocks
+    if config.num_kv_blocks is not None:  # the full layers' blocks; if all slide, the window pool's (at most)
+        if sliding == layers:
+            return config.max_num_seqs * max_blocks, min(window_need, max(least, config.num_kv_blocks))
+        return config.num_kv_blocks, window_need
     layer_block = kv_block_bytes(model_cfg, bs, dtype) // layers  # one layer's K and V for a block
     if config.kv_cache_memory is not None:
         budget = config.kv_cache_memory
