@@ -134,9 +134,6 @@ class ModelRunner:
             raise ValueError(f"--quantization {config.quantization}, but {model_path} is " + (
                 f"{found.upper()} int4" if found else "a GGUF file (its own quantization)"
                 if model_path.endswith(".gguf") else "not quantized"))
-        if self.model_cfg.olmo and config.tensor_parallel_size > 1:
-            raise ValueError(f"{self.model_cfg.model_type} under tensor parallelism is not supported yet (its q and k "
-                             "norms span every head): serve it on one rank, or several with --data-parallel-size")
         max_model_len = pick_max_model_len(config, self.model_cfg, device)
         # rank 0 starts the other ranks (one rank: a group of one); a worker brings its group
         self.tp = tp if tp is not None else launch(config, model_path, self.model_cfg, device)

@@ -168,8 +168,6 @@ def test_olmo_matches_transformers(arch, tmp_path, smollm_tokenizer_dir):
         llm = LLM(path, device="cpu", dtype="float32", num_kv_blocks=256, max_num_batched_tokens=chunk)
         assert bool(llm.engine.runner.window_layers) == (arch == "olmo3")
         check_parity(llm, hf, llm.tokenizer, PROMPTS + [" ".join(["history"] * 30)])
-    with pytest.raises(ValueError, match="under tensor parallelism is not supported yet"):
-        LLM(path, device="cpu", dtype="float32", tensor_parallel_size=2)
 
 
 def test_olmo3_flat_yarn_turns_its_full_layers_only(tmp_path, smollm_tokenizer_dir):

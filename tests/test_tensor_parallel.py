@@ -85,6 +85,8 @@ def assert_close_logprobs(got, want) -> None:
     ("gemma3_text", 6, 2, 2, 49152),  # float32 norms (1 + w) and q/k norms on every rank; windows; GELU
     ("gemma2", 6, 1, 2, 49153),  # capped scores and logits (the cap after the gather)
     ("granite", 6, 2, 2, 49152),  # sublayer outputs scaled after their all-reduce, logits after the gather
+    ("olmo2", 6, 2, 2, 49152),  # q/k norms across all heads: the ranks' sums of squares added
+    ("olmo3", 6, 1, 2, 49152),  # ...the KV head kept by both ranks counted once
 ])
 def test_tp_greedy_equals_tp1(tmp_path, smollm_tokenizer_dir, tokenizer, arch, heads, kv_heads, t, vocab):
     path = tiny(tmp_path, smollm_tokenizer_dir, arch, heads, kv_heads, vocab_size=vocab)

@@ -194,14 +194,17 @@ class RMSNorm(nn.Module):
     (``kernels.rms_norm``'s rule for a float32 weight). ``float32``: the weight kept in float32 too, and
     multiplied before the one rounding (OLMo's, as transformers computes it)."""
 
-    def __init__(self, dim: int, eps: float, gemma: bool = False, float32: bool = False):
+    def __init__(self, dim: int, eps: float, gemma: bool = False, float32: bool = False, start: int = 0):
+        """``start``: where this rank's ``dim`` values begin in the checkpoint's weight (OLMo's q/k norms
+        under tensor parallelism: the rank's heads)."""
         super().__init__()
-        self.eps, self.gemma = eps, gemma
+        self.eps, self.gemma, self.start = eps, gemma, start
         self.weight = nn.Parameter(torch.empty(dim, dtype=torch.float32), requires_grad=False) \
             if gemma or float32 else _empty(dim)
 
     def load(self, tensor: torch.Tensor) -> None:
         """(Gemma's: 1 + w summed exactly, in float64, and rounded once, as transformers' float32 sum is.)"""
+        tensor = tensor[self.start:self.start + self.weight.shape[0]]
         self.weight.copy_(1 + tensor.double() if self.gemma else tensor)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):

@@ -50,18 +50,23 @@ class LlamaAttention(nn.Module):
         self.rot = cfg.rotary_dim or d  # RoPE's share of each head (Phi-4-mini: 96 of 128)
         self.attn = Attention(self.h, self.hkv, self.d, cfg.attn_scale, cfg.window(index), cfg.attn_softcap)
         # Qwen3, Gemma 3: q and k normed per head before RoPE, by (D,) weights every head and so every rank shares;
-        # OLMo: across all heads at once (one rank only: ``ModelRunner`` refuses it under tensor parallelism)
-        across = (h * d, hkv * d) if cfg.olmo else (d, d)
-        self.q_norm = RMSNorm(across[0], cfg.rms_norm_eps, cfg.gemma > 0, cfg.olmo) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(across[1], cfg.rms_norm_eps, cfg.gemma > 0, cfg.olmo) if cfg.qk_norm else None
+        # OLMo: across all heads at once, each rank holding its heads' share of the weights (``_across``)
         self.across = cfg.olmo
+        if cfg.olmo:
+            p = self.qkv_proj
+            self.q_norm, self.k_norm = (RMSNorm(p.out_sizes[i], cfg.rms_norm_eps, float32=True, start=p.starts[i])
+                                        for i in (0, 1))
+            self.tp, self.full, self.replicas = tp, (h * d, hkv * d), r
+        else:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.gemma > 0) if cfg.qk_norm else None
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.gemma > 0) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.out_sizes, dim=-1)
         if self.across:
-            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
+            q, k = self._across(q, self.q_norm, 0, 1), self._across(k, self.k_norm, 1, self.replicas)
         q, k, v = q.view(t, self.h, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
         if self.q_norm is not None and not self.across:  # each head's D values normed as rows: (T * H, D)
             q = self.q_norm(q.reshape(t * self.h, self.d)).view(t, self.h, self.d)
@@ -72,6 +77,16 @@ class LlamaAttention(nn.Module):
             kernels.apply_rope_(q[..., :self.rot], k[..., :self.rot], cos, sin)
         o = self.attn(q, k, v, meta)  # (T, H, D)
         return self.o_proj(o.reshape(t, self.h * self.d))
+
+
+    def _across(self, x: torch.Tensor, norm: RMSNorm, part: int, replicas: int) -> torch.Tensor:
+        """OLMo's norm of every head's values at once; under tensor parallelism the ranks' sums of squares
+        are added (a KV head kept by several ranks counted once), then each rank scales its own share."""
+        if self.tp.size == 1:
+            return norm(x.contiguous())
+        xf = x.float()
+        squares = self.tp.all_reduce(xf.square().sum(-1, keepdim=True)) / replicas
+        return (xf * torch.rsqrt(squares / self.full[part] + norm.eps) * norm.weight).to(x.dtype)
 
 
 class LlamaDecoderLayer(nn.Module):
