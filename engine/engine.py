@@ -139,8 +139,8 @@ class Engine:
                  capacity / self.max_model_len)
         if in_pool:
             window_bytes = kv_block_bytes(cfg, config.block_size, facts.dtype) * in_pool // cfg.num_layers
-            log.info("its %d sliding-window layers (window %d) keep only the blocks it sees, in a pool of their "
-                     "own: %d blocks (%.1f MiB); the bytes per token above are the %d others' "
+            log.info("its %d sliding-window layers (window %d) keep only the blocks their window sees, in a pool "
+                     "of their own: %d blocks (%.1f MiB); the bytes per token above are the %d others' "
                      "(--disable-hybrid-kv-cache-manager: every layer keeps every block)", in_pool, facts.kv_window,
                      facts.num_window_blocks, facts.num_window_blocks * window_bytes / 2**20,
                      cfg.num_layers - in_pool)
