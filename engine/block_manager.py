@@ -171,9 +171,9 @@ class BlockManager:
         if self.blocks_needed(req, num_new_tokens, cached) > self.num_free_blocks:
             return False
         start = req.num_computed_tokens + len(cached) * self.block_size  # the step's first position
-        first_new = len(req.block_table)
+        first_new, blocks = len(req.block_table), -(-(start + num_new_tokens) // self.block_size)
         if self.window:
-            new = max(0, -(-(start + num_new_tokens) // self.block_size) - first_new - len(cached))
+            new = max(0, blocks - first_new - len(cached))
             if self.window.needed(req, cached, new, start) > self.window.num_free_blocks:
                 return False
         for block_id in cached:
@@ -183,17 +183,18 @@ class BlockManager:
             req.block_table.append(block_id)
         if cached:
             req.num_cached_blocks = len(cached)
-        for _ in range(-(-(start + num_new_tokens) // self.block_size) - len(req.block_table)):
+        for _ in range(blocks - len(req.block_table)):
             req.block_table.append(self._take())
         if self.window:
             self.window.hold(req, first_new, start)
         return True
 
-    def computed(self, req: Request) -> None:
-        """``req`` has computed more tokens (a step ran, or is on its way: any later step runs after it):
-        the window blocks its next queries no longer read go."""
+    def computed(self, reqs: Iterable[Request]) -> None:
+        """``reqs`` have computed more tokens (a step ran, or is on its way: any later step runs after it):
+        the window blocks their next queries no longer read go."""
         if self.window:
-            self.window.trim(req, self.block_hash)
+            for req in reqs:
+                self.window.trim(req, self.block_hash)
 
     def take_window_writes(self) -> list[tuple[int, int]]:
         """(block, window block) links made since the last call, for the device's map."""

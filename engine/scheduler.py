@@ -119,8 +119,9 @@ class Scheduler:
                  prefill_cap: PrefillCap | None = None, clock: Callable[[], float] = time.time):
         self.block_manager = block_manager
         window = block_manager.window
-        if window is not None and window.max_seqs(max_num_batched_tokens) < max_num_seqs:
-            max_num_seqs = window.max_seqs(max_num_batched_tokens)  # (a pool short of the sequences' windows)
+        held = window.max_seqs(max_num_batched_tokens) if window is not None else max_num_seqs
+        if held < max_num_seqs:  # a window pool short of the sequences' windows
+            max_num_seqs = held
             log.warning("at most %d sequences at once: the sliding-window layers' KV pool holds no more windows "
                         "(give the KV cache more memory, or lower --max-num-batched-tokens)", max_num_seqs)
         self.max_num_seqs = max_num_seqs
@@ -192,8 +193,7 @@ class Scheduler:
         for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
             req.num_computed_tokens += n
         self.block_manager.end_step()
-        for req in batch.requests:
-            self.block_manager.computed(req)
+        self.block_manager.computed(batch.requests)
 
     def observe(self, batch: ScheduledBatch, seconds: float) -> None:
         """``batch`` took ``seconds``: what the prefill cap learns from."""

@@ -30,7 +30,7 @@ def run(bm: BlockManager, r: Request, n: int, cached=()) -> None:
     r.num_computed_tokens += len(cached) * BS + n
     bm.cache_full_blocks(r, r.num_computed_tokens)
     bm.end_step()
-    bm.computed(r)
+    bm.computed([r])
 
 
 def held(bm: BlockManager) -> int:

@@ -190,10 +190,10 @@ class ModelConfig:
         rope = dict(cfg.get("rope_parameters") or {})
         local = None  # the sliding layers' own RoPE, where it differs: its base, unscaled
         if "full_attention" in rope:  # RoPE per kind of layer
-            local = dict(rope.get("sliding_attention") or rope["full_attention"])
+            local = rope.get("sliding_attention")
             if local == rope["full_attention"]:
                 local = None
-            elif local.get("rope_type", "default") != "default":
+            elif local and local.get("rope_type", "default") != "default":
                 raise ValueError(f"the sliding layers' own RoPE scaling ({local['rope_type']}) is not supported")
             rope = dict(rope["full_attention"])
         rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))

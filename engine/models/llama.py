@@ -1,8 +1,8 @@
 """The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM, Phi-3, Gemma, Granite, OLMo) for paged attention,
-and its mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE: ``engine/models/moe.py``). Gemma's and
-Granite's differences are flags of the config (Gemma's norms, GELU, embedding scale, score caps, RoPE
-base for the sliding layers; Granite's scales) and, in Gemma 2 and 3, a layer of its own
-(``GemmaDecoderLayer``).
+and its mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE: ``engine/models/moe.py``). Gemma's,
+Granite's and OLMo's differences are flags of the config (Gemma's norms, GELU, embedding scale, score
+caps, RoPE base for the sliding layers; Granite's scales; OLMo's q/k norms across heads) and, in Gemma 2
+and 3 and in OLMo, a layer of their own (``GemmaDecoderLayer``, ``OlmoDecoderLayer``).
 
 One concept per class. Inputs are the flattened tokens of the whole batch:
 ``input_ids`` and ``positions`` are (T,), and ``AttentionMetadata`` says which
@@ -67,17 +67,15 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.out_sizes, dim=-1)
         if self.across:
             q, k = self._across(q, self.q_norm, 0, 1), self._across(k, self.k_norm, 1, self.replicas)
+        elif self.q_norm is not None:  # each head's D values normed as rows: (T * H, D)
+            q, k = self.q_norm(q.reshape(t * self.h, self.d)), self.k_norm(k.reshape(t * self.hkv, self.d))
         q, k, v = q.view(t, self.h, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
-        if self.q_norm is not None and not self.across:  # each head's D values normed as rows: (T * H, D)
-            q = self.q_norm(q.reshape(t * self.h, self.d)).view(t, self.h, self.d)
-            k = self.k_norm(k.reshape(t * self.hkv, self.d)).view(t, self.hkv, self.d)
         if self.rot == self.d:
             kernels.apply_rope_(q, k, cos, sin)  # in place, in the qkv projection's output
         else:  # the first rot dims of each head turned, the others left as they are
             kernels.apply_rope_(q[..., :self.rot], k[..., :self.rot], cos, sin)
         o = self.attn(q, k, v, meta)  # (T, H, D)
         return self.o_proj(o.reshape(t, self.h * self.d))
-
 
     def _across(self, x: torch.Tensor, norm: RMSNorm, part: int, replicas: int) -> torch.Tensor:
         """OLMo's norm of every head's values at once; under tensor parallelism the ranks' sums of squares
