@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import re
+from collections import Counter
 from collections.abc import Iterator
 
 import numpy as np
@@ -477,7 +478,7 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
-# GGUF tensors (by the layer they fill) kept packed on the CPU: a fused layer's parts must share a format
+# GGUF tensors (by the layer they fill) kept packed on the CPU
 _GGUF_PARTS = {"self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "self_attn.o_proj": ("attn_output",),
                "mlp.gate_up_proj": ("ffn_gate", "ffn_up"), "mlp.down_proj": ("ffn_down",)}
 _GGUF_PHI3_PARTS = {"self_attn.qkv_proj": ("attn_qkv",), "self_attn.o_proj": ("attn_output",),
@@ -490,16 +491,22 @@ _GGUF_MOE_PARTS = {**{k: v for k, v in _GGUF_PARTS.items() if k.startswith("self
 
 
 def _gguf_packing(path: str, model: LlamaForCausalLM, device: torch.device, tp: TPGroup | None) -> set[str]:
-    """Pack every layer whose GGUF tensors are in a block format the CPU's C kernel multiplies as it
-    is (Q4_0, Q4_1, Q8_0), as llama.cpp keeps them: 4.5 to 8.5 bits a weight instead of 16 or 32, and
-    the same numbers (their expansion is exact). Only on the CPU, on one rank, where the CPU kernels
-    say to (``matmul.keep_packed``). Returns the GGUF names of the tensors to load packed."""
+    """Pack every layer whose GGUF tensors are in block formats the CPU's C kernel multiplies as they
+    are (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), as llama.cpp keeps them: 4.5 to 8.5 bits a
+    weight instead of 16 or 32, and the same numbers (their expansion is exact). A fused layer's parts
+    may differ (Q4_K_M's q|k|v: v in Q6_K in half the layers), as may experts' gate|up and down. Only on
+    the CPU, on one rank, where the CPU kernels say to (``matmul.keep_packed``). Returns the GGUF names
+    of the tensors to load packed."""
     from kernels.cpu import matmul
 
     if device.type != "cpu" or (tp is not None and tp.size > 1) or kernels.backend() != "auto" \
             or not matmul.keep_packed():
         return set()
     types = {t.name: t.tensor_type.name.lower() for t in _gguf_reader(path).tensors}
+
+    def fits(name: str, k: int) -> bool:  # a format the kernel reads, in whole blocks along K
+        return types.get(name) in matmul.FORMATS and k % kernels.reference.PACKED_BLOCKS[types[name]][0] == 0
+
     groups = [(model.embed_tokens, ["token_embd.weight"])]
     if not model.cfg.tie_word_embeddings:
         groups.append((model.lm_head.shard, ["output.weight"]))
@@ -510,15 +517,25 @@ def _gguf_packing(path: str, model: LlamaForCausalLM, device: torch.device, tp: 
                    if not sub.startswith("mlp.shared_expert.") or layer.mlp.shared_expert is not None]
     packed = set()
     for module, names in groups:
-        fmt = types.get(names[0])
-        if isinstance(module, Experts):
-            ks = (module.w13.shape[2], module.width)  # gate|up's K is the hidden size, down's their width
-        else:
-            ks = (module.weight.shape[1],)
-        if fmt in matmul.FORMATS and all(types.get(n) == fmt for n in names) and all(k % 32 == 0 for k in ks):
-            module.pack(fmt)
+        if isinstance(module, Experts):  # gate|up's K is the hidden size, down's their width
+            gate, up, down = names
+            if fits(gate, module.w13.shape[2]) and types[up] == types[gate] and fits(down, module.width):
+                module.pack(types[gate], types[down])
+                packed.update(names)
+        elif all(fits(n, module.weight.shape[1]) for n in names):
+            if len(names) > 1:
+                module.pack_parts([types[n] for n in names])
+            else:
+                module.pack(types[names[0]])
             packed.update(names)
+    expanded = Counter(f.upper() for n, f in types.items() if n not in packed and f not in ("f32", "f16", "bf16"))
+    log.info("GGUF: %d matrices kept packed (%s); quantized ones expanded at load: %s", len(packed),
+             _counts(Counter(types[n].upper() for n in packed)), _counts(expanded))
     return packed
+
+
+def _counts(c: Counter) -> str:
+    return ", ".join(f"{n} {k}" for k, n in sorted(c.items(), key=lambda kv: (-kv[1], kv[0]))) or "none"
 
 
 def _gguf_weights(path: str, cfg: ModelConfig, packed: set[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:

@@ -92,7 +92,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            packed: str | None = None) -> torch.Tensor:
     """``F.linear``; for CPU tensors (``auto``) ``kernels.cpu.linear``, which takes the steps of few
     rows where ``tune_linear`` measured its C kernel faster. ``packed``: ``weight`` is uint8 rows of
-    blocks in that format (``reference.PACKED_BLOCK_BYTES``), multiplied as they are by the CPU's C
+    blocks in that format (``reference.PACKED_BLOCKS``), multiplied as they are by the CPU's C
     kernel or Triton's (``_pick``), on the exact weights (``reference.linear_packed``)."""
     if packed is not None:
         return _pick(x).linear_packed(x, weight, packed, bias)
@@ -135,13 +135,16 @@ def gelu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, packed: str | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, packed: str | None = None, packed_down: str | None = None) -> torch.Tensor:
     """The routed experts of a mixture of experts (``reference.fused_moe``). ``packed``: the experts'
-    weights are uint8 rows of blocks in that format, each expert's (E, N, bytes) slice multiplied as
-    ``linear`` multiplies a packed weight, in the reference's loop over experts."""
+    weights are uint8 rows of blocks in that format (w2's in ``packed_down``, default the same), each
+    expert's (E, N, bytes) slice multiplied as ``linear`` multiplies a packed weight, in the reference's
+    loop over experts."""
     if packed is not None:
+        down = packed_down or packed
         return reference.fused_moe(x, w13, w2, topk_weights, topk_ids,
-                                   linear=lambda a, w: _pick(a).linear_packed(a, w, packed))
+                                   linear=lambda a, w: _pick(a).linear_packed(a, w, packed),
+                                   linear_down=lambda a, w: _pick(a).linear_packed(a, w, down))
     return _pick(x).fused_moe(x, w13, w2, topk_weights, topk_ids)
 
 

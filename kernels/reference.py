@@ -149,7 +149,7 @@ def gelu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, linear=F.linear) -> torch.Tensor:
+              topk_ids: torch.Tensor, linear=F.linear, linear_down=None) -> torch.Tensor:
     """A mixture of experts' MLPs: token t goes through experts ``topk_ids[t]`` (each a gated MLP,
     ``down(silu(gate x) * up x)``) and their outputs are summed, weighted by ``topk_weights[t]``.
 
@@ -158,7 +158,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     a token's K outputs are weighted and added in float32 in the order of their experts' ids (as
     transformers adds them in float32; in bf16 it rounds the weights or each product to bf16). Reads
     the experts' token counts on the host: not for a captured graph. ``linear``: the ``F.linear`` each
-    expert's projections go through (``kernels.cpu`` passes its own, ``kernels`` a packed one)."""
+    expert's projections go through (``kernels.cpu`` passes its own, ``kernels`` a packed one);
+    ``linear_down``: down's, where it differs (packed in another format)."""
+    linear_down = linear_down or linear
     t, k = topk_ids.shape
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (T K,) each expert's (token, slot) pairs together
@@ -170,7 +172,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         if n:
             pairs = order[start:start + n]
             rows = pairs // k
-            h = linear(silu_and_mul(linear(x[rows], w13[e])), w2[e])
+            h = linear_down(silu_and_mul(linear(x[rows], w13[e])), w2[e])
             out.index_add_(0, rows, h.float() * weights[pairs, None])
             start += n
     return out.to(x.dtype)
@@ -187,31 +189,90 @@ def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
         x2.copy_(r2)
 
 
-# GGUF block formats of 32 weights (the packed weights kernels.cpu multiplies without expanding them
-# in memory): name -> bytes per block. An fp16 scale d; Q4_1 then an fp16 minimum m; then the weights:
-# 4-bit (weight j in the low half of byte j, weight j + 16 in its high half) or signed 8-bit.
-PACKED_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34, "q4_z": 20}
+# GGUF block formats (the packed weights kernels.cpu multiplies without expanding them in memory):
+# name -> (weights per block, bytes per block). Blocks of 32: an fp16 scale d; Q4_1 and Q5_1 then an fp16
+# minimum m; Q5_0 and Q5_1 then the weights' fifth bits (32, little-endian); then the weights: 4-bit
+# (weight j in the low half of byte j, weight j + 16 in its high half) or signed 8-bit. K-quants: super-blocks
+# of 256 in sub-blocks of 32 (Q6_K: 16) with scales of their own (``_k_quants``).
+PACKED_BLOCKS = {"q4_0": (32, 18), "q4_1": (32, 20), "q8_0": (32, 34), "q4_z": (32, 20), "q5_0": (32, 22),
+                 "q5_1": (32, 24), "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210)}
 # each format's number in the packed kernels (matmul.c's enum, the Triton kernel's FMT): their order above
-PACKED_FORMATS = {fmt: i for i, fmt in enumerate(PACKED_BLOCK_BYTES)}
+PACKED_FORMATS = {fmt: i for i, fmt in enumerate(PACKED_BLOCKS)}
+
+
+def packed_row_bytes(fmt: str, k: int) -> int:
+    """Bytes of a row of ``k`` weights packed in ``fmt`` (whole blocks only)."""
+    if fmt not in PACKED_BLOCKS:
+        raise ValueError(f"unknown packed format {fmt!r}; known: {', '.join(PACKED_BLOCKS)}")
+    weights, size = PACKED_BLOCKS[fmt]
+    if k % weights:
+        raise ValueError(f"a {fmt} row needs whole blocks of {weights} weights, got {k}")
+    return k // weights * size
+
+
+def _half(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    """The fp16 at byte ``at`` of each block, as float32 (..., 1)."""
+    return blocks[..., at:at + 2].contiguous().view(torch.float16).float()
+
+
+def _bits(b: torch.Tensor, count: int) -> torch.Tensor:
+    """Bits 0..count-1 of each byte of ``b`` (..., n) as (..., count, n): bit i of every byte in row i."""
+    shifts = torch.arange(count, dtype=torch.uint8).view(-1, 1)
+    return (b.unsqueeze(-2) >> shifts) & 1
 
 
 def dequantize(weight: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Packed (N, K / 32 * block bytes) uint8 rows -> float32 (N, K): Q4_0 d (q - 8), Q4_1 d q + m,
-    Q8_0 d q, each as gguf's ``dequantize`` computes it (the products are exact; Q4_1's sum is
-    rounded once); Q4_Z (not GGUF's: AWQ's and GPTQ's int4 groups, ``engine/quant.py``) is Q4_1's
-    layout with an fp16 zero point z in place of the minimum, d (q - z), exact."""
-    blocks = weight.reshape(weight.shape[0], -1, PACKED_BLOCK_BYTES[fmt])  # (N, K / 32, block)
-    d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # (N, K / 32, 1)
+    """Packed (N, K / block weights * block bytes) uint8 rows -> float32 (N, K), each format as gguf's
+    ``dequantize`` computes it: Q4_0 d (q - 8), Q5_0 d (q - 16), Q4_1 and Q5_1 d q + m, Q8_0 d q (the
+    products are exact; a sum is rounded once); the K-quants in ``_k_quants``. Q4_Z (not GGUF's: AWQ's
+    and GPTQ's int4 groups, ``engine/quant.py``) is Q4_1's layout with an fp16 zero point z in place of
+    the minimum, d (q - z), exact."""
+    n = weight.shape[0]
+    if fmt in ("q4_k", "q5_k", "q6_k"):
+        return _k_quants(weight.reshape(n, -1, PACKED_BLOCKS[fmt][1]), fmt).reshape(n, -1)
+    blocks = weight.reshape(n, -1, PACKED_BLOCKS[fmt][1])  # (N, K / 32, block)
+    d = _half(blocks, 0)  # (N, K / 32, 1)
     if fmt == "q8_0":
-        return (d * blocks[..., 2:].contiguous().view(torch.int8).float()).reshape(weight.shape[0], -1)
-    qs = blocks[..., 2:] if fmt == "q4_0" else blocks[..., 4:]
+        return (d * blocks[..., 2:].contiguous().view(torch.int8).float()).reshape(n, -1)
+    qs = blocks[..., {"q4_0": 2, "q5_0": 6, "q5_1": 8}.get(fmt, 4):]
     q = torch.cat([qs & 15, qs >> 4], dim=-1).float()  # (N, K / 32, 32)
-    if fmt == "q4_0":
-        return (d * (q - 8)).reshape(weight.shape[0], -1)
-    m = blocks[..., 2:4].contiguous().view(torch.float16).float()
+    if fmt in ("q5_0", "q5_1"):  # the fifth bits: bit j of the 32-bit word for weight j
+        at = 2 if fmt == "q5_0" else 4
+        q = q + 16 * _bits(blocks[..., at:at + 4], 8).transpose(-1, -2).reshape(n, -1, 32).float()
+    if fmt in ("q4_0", "q5_0"):
+        return (d * (q - (8 if fmt == "q4_0" else 16))).reshape(n, -1)
+    m = _half(blocks, 2)
     if fmt == "q4_z":
-        return (d * (q - m)).reshape(weight.shape[0], -1)
-    return (d * q + m).reshape(weight.shape[0], -1)
+        return (d * (q - m)).reshape(n, -1)
+    return (d * q + m).reshape(n, -1)
+
+
+def _k_quants(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
+    """(N, B, block bytes) super-blocks of 256 -> float32 (N, B, 256), as llama.cpp's ``dequantize_row_*``.
+    Q4_K and Q5_K: d and dmin (fp16), 12 bytes of 6-bit scales and minimums for 8 sub-blocks of 32
+    (Q5_K: then 32 bytes of fifth bits, bit g of byte l for sub-block g's weight l), 128 bytes of 4-bit
+    weights (sub-blocks 2i and 2i + 1 in the low and high halves of bytes 32i..32i+31); weight
+    (d sc) q - dmin m, the products exact, the difference rounded once. Q6_K: 128 bytes of low 4 bits
+    (sub-block 4h + r in bytes 64h + 32 (r & 1).., half r >> 1), 64 of high 2 bits (bytes 32h.., bits 2r),
+    16 signed 8-bit scales (one per 16 weights), d (fp16) last; weight (d sc) (q - 32), rounded once."""
+    n, b = blocks.shape[:2]
+    if fmt == "q6_k":
+        ql, qh = blocks[..., :128].reshape(n, b, 2, 2, 32), blocks[..., 128:192].reshape(n, b, 2, 1, 32)
+        low = torch.stack([ql & 15, ql >> 4], dim=-3).reshape(n, b, 8, 32)  # (half, nibble, byte group)
+        high = ((qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 3).reshape(n, b, 8, 32)
+        q = (low | high << 4).float() - 32
+        ds = _half(blocks, 208) * blocks[..., 192:208].contiguous().view(torch.int8).float()  # (N, B, 16)
+        return (ds.view(n, b, 8, 2, 1) * q.view(n, b, 8, 2, 16)).reshape(n, b, 256)
+    s = blocks[..., 4:16].reshape(n, b, 3, 4)
+    sc = torch.cat([s[..., 0, :] & 63, (s[..., 2, :] & 15) | (s[..., 0, :] >> 6) << 4], dim=-1)
+    mins = torch.cat([s[..., 1, :] & 63, (s[..., 2, :] >> 4) | (s[..., 1, :] >> 6) << 4], dim=-1)
+    qs = blocks[..., -128:].reshape(n, b, 4, 1, 32)
+    q = torch.cat([qs & 15, qs >> 4], dim=-2).reshape(n, b, 8, 32)  # sub-block 2i: low halves, 2i + 1: high
+    if fmt == "q5_k":
+        q = q | _bits(blocks[..., 16:48], 8) << 4
+    d1 = (_half(blocks, 0) * sc.float()).unsqueeze(-1)  # (N, B, 8, 1)
+    m1 = (_half(blocks, 2) * mins.float()).unsqueeze(-1)
+    return (d1 * q.float() - m1).reshape(n, b, 256)
 
 
 def linear_packed(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.loader import build_model, load_model_config
 from engine.models.config import ModelConfig
+from tests import gguf_blocks
 from tests.conftest import make_tiny_model
 
 
@@ -103,11 +105,11 @@ def test_cuda_bf16_load_peaks_at_the_model_size(tmp_path):
     assert torch.cuda.memory_allocated() - before <= weights + tables + (1 << 20)
 
 
-def _write_gguf(folder: str, out: str, arch: str = "qwen3", matrices_as: str | None = None,
+def _write_gguf(folder: str, out: str, arch: str = "qwen3", matrices_as: str | Callable | None = None,
                 widths: bool = True, vocab: dict | None = None, extra: dict | None = None) -> None:
     """A tiny model folder as llama.cpp's converter writes it: float32 tensors, GGUF names, a mixture
     of experts' parts stacked per layer (E, ...), the layers' matrices in ``matrices_as`` (a GGUF type:
-    "Q8_0") if given, and their widths in the metadata (``widths``; converters before mid-2024 left them
+    "Q8_0", or a function of a tensor's GGUF name to its type or None) if given, and their widths in the metadata (``widths``; converters before mid-2024 left them
     out); llama's q/k rows permuted for its interleaved RoPE (Qwen's is the rotate-half one llama.cpp
     calls NEOX: no permutation). ``vocab``: a SentencePiece vocabulary to write too (``tokens``,
     ``types``, ``bos``, ``eos``, ``chat_template``); ``extra``: more ``rope.scaling.*`` floats (YaRN's)."""
@@ -187,9 +189,11 @@ def _write_gguf(folder: str, out: str, arch: str = "qwen3", matrices_as: str | N
                 names[name] = f"blk.{i}.{layer[sub]}.{kind}"
             if names[name].endswith("ffn_gate_inp_shexp.weight"):
                 t = t.reshape(-1)  # llama.cpp keeps the shared expert's gate as a vector
-            _add(w, names[name], t, matrices_as if names[name].startswith("blk.") else None)
+            as_type = matrices_as(names[name]) if callable(matrices_as) else matrices_as
+            _add(w, names[name], t, as_type if callable(matrices_as) or names[name].startswith("blk.") else None)
     for name, parts in experts.items():
-        _add(w, name, np.stack([parts[e] for e in sorted(parts)]), matrices_as)
+        _add(w, name, np.stack([parts[e] for e in sorted(parts)]), matrices_as(name) if callable(matrices_as)
+             else matrices_as)
     if vocab:
         w.add_tokenizer_model("llama")
         w.add_token_list(vocab["tokens"])
@@ -205,12 +209,13 @@ def _write_gguf(folder: str, out: str, arch: str = "qwen3", matrices_as: str | N
 
 
 def _add(writer, name: str, t, as_type: str | None) -> None:
-    """A tensor, as floats, or a matrix (rows of whole blocks of 32) quantized to ``as_type``."""
+    """A tensor, as floats, or a matrix quantized to ``as_type`` (a K-quant's rows not whole super-blocks
+    to its fallback, as llama.cpp does; rows not whole blocks of 32 kept as floats)."""
     import gguf
 
-    if as_type and t.ndim >= 2 and t.shape[-1] % 32 == 0:
-        kind = gguf.GGMLQuantizationType[as_type]
-        writer.add_tensor(name, gguf.quants.quantize(t, kind), raw_dtype=kind)
+    as_type = as_type and t.ndim >= 2 and gguf_blocks.block_type(as_type, t.shape[-1])
+    if as_type:
+        writer.add_tensor(name, gguf_blocks.quantize(t, as_type), raw_dtype=gguf.GGMLQuantizationType[as_type])
     else:
         writer.add_tensor(name, t)
 
@@ -296,10 +301,11 @@ def test_moe_checkpoints_that_do_not_fit_are_refused(tmp_path):
         ModelConfig.from_hf(raw | {"num_experts_per_tok": 2, "quantization_config": {"quant_method": "awq"}})
 
 
-@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0"])
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_0+Q8_0"])
 def test_a_moe_ggufs_experts_stay_packed_on_the_cpu(tmp_path, fmt, monkeypatch, smollm_tokenizer_dir):
     """Experts stored as Q8_0 / Q4_0 blocks (and the other matrices) are kept so (as llama.cpp keeps them:
-    the 3.5x to 7x smaller weights) and multiplied by the C kernel; greedy output as with them expanded."""
+    the 3.5x to 7x smaller weights) and multiplied by the C kernel; greedy output as with them expanded.
+    "Q4_0+Q8_0": down in more bits than gate and up, as in Q4_K_M files."""
     from engine import LLM, SamplingParams
     from kernels.cpu import matmul
 
@@ -309,7 +315,9 @@ def test_a_moe_ggufs_experts_stay_packed_on_the_cpu(tmp_path, fmt, monkeypatch, 
 
     folder = make_tiny_model(str(tmp_path / "moe"), "qwen2_moe", smollm_tokenizer_dir, moe_intermediate_size=64)
     gguf_path = str(tmp_path / "moe.gguf")
-    _write_gguf(folder, gguf_path, "qwen2moe", matrices_as=fmt)
+    fmt, down = fmt.split("+") if "+" in fmt else (fmt, fmt)
+    _write_gguf(folder, gguf_path, "qwen2moe", matrices_as=lambda name: down if "ffn_down" in name else fmt
+                if name.startswith("blk.") else None)
     prompts = [[(7 * i + 3 * j) % 5000 + 3 for j in range(n)] for i, n in enumerate([4, 40])]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     outs = []
@@ -319,7 +327,7 @@ def test_a_moe_ggufs_experts_stay_packed_on_the_cpu(tmp_path, fmt, monkeypatch, 
         llm = LLM(gguf_path, device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=128)
         llm.tokenizer = AutoTokenizer.from_pretrained(folder)  # (this GGUF holds no vocabulary)
         experts = llm.engine.runner.model.layers[0].mlp.experts
-        assert experts.packed == (fmt.lower() if rows is None else None)
+        assert (experts.packed, experts.packed_down) == ((fmt.lower(), down.lower()) if rows is None else (None,) * 2)
         assert experts.w13.dtype == (torch.uint8 if rows is None else torch.float32)
         outs.append([o.token_ids for o in llm.generate(prompts, params)])
     assert outs[0] == outs[1]
@@ -508,3 +516,50 @@ def test_a_ggufs_matrices_stay_packed_on_the_cpu(tmp_path, monkeypatch, smollm_t
         outs.append([o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0,
                                                                                ignore_eos=True))])
     assert outs[0] == outs[1]
+
+
+def test_a_k_quant_gguf_stays_packed_on_the_cpu(tmp_path, monkeypatch, smollm_tokenizer_dir, caplog):
+    """A Q4_K_M-style file (llama.cpp's mix: q, k, gate, up in Q4_K; v and down in Q6_K in some layers;
+    the embeddings in Q6_K; one layer's output in Q5_K, one's gate in Q5_0, which llama.cpp writes where rows
+    are not whole super-blocks):
+    every matrix kept packed, fused q|k|v of two formats multiplied a run at a time, greedy output as
+    with everything expanded (and as transformers reads the same file)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine import LLM, SamplingParams
+    from kernels.cpu import matmul
+
+    if not matmul.packed_available():
+        pytest.skip("the C kernel does not build here")
+    folder = make_tiny_model(str(tmp_path / "llama"), "llama", smollm_tokenizer_dir, hidden_size=256,
+                             intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                             tie_word_embeddings=False)
+    types = {"token_embd": "Q6_K", "output": "Q6_K", "blk.0.attn_v": "Q6_K", "blk.0.ffn_down": "Q6_K",
+             "blk.1.attn_output": "Q5_K", "blk.1.ffn_gate": "Q5_0"}
+    path = str(tmp_path / "q4_k_m.gguf")
+    _write_gguf(folder, path, "llama", matrices_as=lambda name: types.get(name.removesuffix(".weight"), "Q4_K"))
+    prompts = [[(7 * i + 3 * j) % 5000 + 3 for j in range(n)] for i, n in enumerate([4, 40])]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = []
+    for rows in (None, "0"):  # "0": the C kernel off, so nothing is kept packed
+        if rows:
+            monkeypatch.setenv("TOKENMILL_CPU_LINEAR_ROWS", rows)
+        with caplog.at_level("INFO", logger="tokenmill"):
+            llm = LLM(path, device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=128)
+        llm.tokenizer = AutoTokenizer.from_pretrained(folder)  # (this GGUF holds no vocabulary)
+        model = llm.engine.runner.model
+        first, second = model.layers
+        if rows is None:
+            assert "GGUF: 16 matrices kept packed (10 Q4_K, 4 Q6_K, 1 Q5_0, 1 Q5_K)" in caplog.text
+            assert [seg[:3] for seg in first.self_attn.qkv_proj.segments] == [("q4_k", 0, 384), ("q6_k", 384, 128)]
+            assert first.mlp.down_proj.packed == "q6_k" and model.embed_tokens.packed == "q6_k"
+            assert [seg[0] for seg in second.mlp.gate_up_proj.segments] == ["q5_0", "q4_k"]
+            assert second.self_attn.qkv_proj.packed == "q4_k" and second.self_attn.o_proj.packed == "q5_k"
+        else:
+            assert first.self_attn.qkv_proj.weight.dtype == torch.float32
+        outs.append([o.token_ids for o in llm.generate(prompts, params)])
+    assert outs[0] == outs[1]
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="q4_k_m.gguf", torch_dtype=torch.float32)
+    for prompt, want in zip(prompts, outs[0], strict=True):
+        got = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
+        assert got == want

@@ -271,7 +271,7 @@ def test_triton_fused_moe_refuses():
 def packed_weight(fmt: str, n: int, k: int) -> torch.Tensor:
     """Random (N, K / 32 * block bytes) rows of ``fmt`` blocks with sensible fp16 scales (and Q4_1
     minima, Q4_Z zero points from 0 to 16)."""
-    blocks = torch.randint(0, 256, (n, k // 32, ref.PACKED_BLOCK_BYTES[fmt]), generator=gen(), dtype=torch.uint8)
+    blocks = torch.randint(0, 256, (n, k // 32, ref.PACKED_BLOCKS[fmt][1]), generator=gen(), dtype=torch.uint8)
     blocks[..., 0:2] = (torch.rand(n, k // 32, 1, generator=gen()) * 0.1 + 0.01).half().view(torch.uint8)
     if fmt == "q4_1":
         blocks[..., 2:4] = (torch.rand(n, k // 32, 1, generator=gen()) - 0.5).half().view(torch.uint8)

@@ -28,9 +28,9 @@ def _empty(*shape: int) -> nn.Parameter:
 
 class Packable(nn.Module):
     """A layer whose (N, K) weight may be kept packed: ``pack(fmt)`` swaps it, before loading, for
-    uint8 rows of blocks of 32 (``kernels.reference.PACKED_BLOCK_BYTES``), which ``load`` then copies
-    rows of as it would copy rows of floats. Slices are whole rows, or under tensor parallelism
-    along K whole blocks (K a multiple of 32 per rank)."""
+    uint8 rows of blocks (``kernels.reference.PACKED_BLOCKS``), which ``load`` then copies rows of as
+    it would copy rows of floats. Slices are whole rows, or under tensor parallelism along K whole
+    blocks (K a multiple of the block per rank)."""
 
     packed: str | None = None
     perm: torch.Tensor | None = None  # act-order int4: the input's columns in the order the weight keeps them
@@ -47,10 +47,8 @@ class Packable(nn.Module):
 
     def pack(self, fmt: str) -> None:
         rows, k = self.weight.shape
-        if k % 32:
-            raise ValueError(f"a packed weight needs whole blocks of 32 along K, got K={k}")
-        self.weight = nn.Parameter(torch.empty(rows, k // 32 * kernels.reference.PACKED_BLOCK_BYTES[fmt],
-                                               dtype=torch.uint8, device=self.weight.device), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(rows, kernels.reference.packed_row_bytes(fmt, k), dtype=torch.uint8,
+                                               device=self.weight.device), requires_grad=False)
         self.packed = fmt
 
 
@@ -74,6 +72,26 @@ class ColumnLinear(Packable):
         self.starts = [tp.rank // r * n for r, n in zip(replicas, self.out_sizes, strict=True)]  # ...from this row
         self.weight = _empty(sum(self.out_sizes), in_features)
         self.bias = _empty(sum(self.out_sizes)) if bias else None
+        # parts packed in formats of their own (``pack_parts``): (format, first row, rows, first byte, row bytes)
+        self.segments: list[tuple[str, int, int, int, int]] = []
+
+    def pack_parts(self, fmts: list[str]) -> None:
+        """Keep part ``i`` packed in ``fmts[i]``. One format: ``pack``. Several (a GGUF file's q|k|v where
+        v has more bits, as Q4_K_M's in half its layers): ``weight`` becomes the parts' rows as flat bytes,
+        each run of parts sharing a format one ``segment`` that ``forward`` multiplies on its own (on one
+        rank)."""
+        if len(set(fmts)) == 1:
+            return self.pack(fmts[0])
+        k, rows, at = self.weight.shape[1], 0, 0
+        for part, fmt in enumerate(fmts):
+            n, width = self.out_sizes[part], kernels.reference.packed_row_bytes(fmt, k)
+            if self.segments and self.segments[-1][0] == fmt:
+                f, first, count, start, _ = self.segments[-1]
+                self.segments[-1] = (f, first, count + n, start, width)
+            else:
+                self.segments.append((fmt, rows, n, at, width))
+            rows, at = rows + n, at + n * width
+        self.weight = nn.Parameter(torch.empty(at, dtype=torch.uint8, device=self.weight.device), requires_grad=False)
 
     def load(self, part: int, tensor: torch.Tensor, kind: str = "weight") -> None:
         """Copy this rank's rows of part ``part`` (``kind`` "weight" or "bias")."""
@@ -82,9 +100,20 @@ class ColumnLinear(Packable):
                              f"a {kind} of shape {tuple(tensor.shape)}")
         n = self.out_sizes[part]
         start = sum(self.out_sizes[:part])
-        getattr(self, kind)[start:start + n].copy_(tensor.narrow(0, self.starts[part], n))
+        rows = tensor.narrow(0, self.starts[part], n)
+        if kind == "weight" and self.segments:
+            _, first, _, at, width = next(seg for seg in reversed(self.segments) if seg[1] <= start)
+            at += (start - first) * width
+            self.weight[at:at + n * width].view(n, width).copy_(rows)
+        else:
+            getattr(self, kind)[start:start + n].copy_(rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.segments:
+            x = self.inputs(x)
+            return torch.cat([kernels.linear(x, self.weight[at:at + n * width].view(n, width),
+                                             None if self.bias is None else self.bias[first:first + n], fmt)
+                              for fmt, first, n, at, width in self.segments], dim=-1)
         return kernels.linear(self.inputs(x), self.weight, self.bias, self.packed)
 
 

@@ -22,7 +22,8 @@ class Experts(nn.Module):
     ``w2`` (E, H, I/T) its columns of down."""
 
     PARTS = ("gate_proj", "up_proj", "down_proj")
-    packed: str | None = None  # kept as a GGUF file's blocks (``pack``)
+    packed: str | None = None  # kept as a GGUF file's blocks (``pack``): gate|up's format
+    packed_down: str | None = None  # ...and down's
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, tp: TPGroup):
         super().__init__()
@@ -31,19 +32,20 @@ class Experts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.width, hidden), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, self.width), requires_grad=False)
 
-    def pack(self, fmt: str) -> None:
-        """Keep the weights as uint8 rows of ``fmt`` blocks of 32 (``layers.Packable``'s form), which
-        ``load`` then copies as they are; on one rank (a rank's columns of down would split blocks)."""
-        (e, rows, k), block = self.w13.shape, kernels.reference.PACKED_BLOCK_BYTES[fmt]
-        if k % 32 or self.width % 32 or self.tp.size > 1:
-            raise ValueError(f"packed experts need the hidden size and their width in whole blocks of 32, on one "
-                             f"rank; got {k}, {self.width} and {self.tp.size} ranks")
+    def pack(self, fmt: str, down: str | None = None) -> None:
+        """Keep the weights as uint8 rows of blocks (``layers.Packable``'s form), gate|up's in ``fmt`` and
+        down's in ``down`` (default: the same), which ``load`` then copies as they are; on one rank (a
+        rank's columns of down would split blocks)."""
+        (e, rows, k), down = self.w13.shape, down or fmt
+        if self.tp.size > 1:
+            raise ValueError(f"packed experts are kept on one rank, not {self.tp.size}")
+        row_bytes = kernels.reference.packed_row_bytes
         device = self.w13.device
-        self.w13 = nn.Parameter(torch.empty(e, rows, k // 32 * block, dtype=torch.uint8, device=device),
+        self.w13 = nn.Parameter(torch.empty(e, rows, row_bytes(fmt, k), dtype=torch.uint8, device=device),
                                 requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(e, self.w2.shape[1], self.width // 32 * block, dtype=torch.uint8,
+        self.w2 = nn.Parameter(torch.empty(e, self.w2.shape[1], row_bytes(down, self.width), dtype=torch.uint8,
                                            device=device), requires_grad=False)
-        self.packed = fmt
+        self.packed, self.packed_down = fmt, down
 
     def load(self, expert: int | slice, part: int, tensor: torch.Tensor) -> None:
         """Part ``part`` (0 gate, 1 up: (I, H); 2 down: (H, I)) of one expert, or with ``expert`` a slice
@@ -79,7 +81,7 @@ class SparseMoE(nn.Module):
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         e = self.experts
-        out = self.tp.all_reduce(kernels.fused_moe(x, e.w13, e.w2, weights, ids, e.packed))
+        out = self.tp.all_reduce(kernels.fused_moe(x, e.w13, e.w2, weights, ids, e.packed, e.packed_down))
         if self.shared_expert is not None:
             gate = torch.sigmoid(kernels.linear(x, self.shared_expert_gate.weight))  # (T, 1)
             out = out + gate * self.shared_expert(x)

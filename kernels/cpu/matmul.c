@@ -15,15 +15,17 @@
  * The weight rows after the tile are prefetched as it goes (rows of a few KiB are too short for the
  * hardware prefetcher to ramp up on): +10-40% at 1 to 4 rows, measured.
  *
- * Packed weights (``linear_q_*``): W as GGUF blocks of 32 weights along K (Q4_0, Q4_1, Q8_0; an fp16
- * scale, for Q4_1 an fp16 minimum, and 4- or 8-bit integers), as llama.cpp keeps them, or as Q4_Z blocks
- * (an fp16 scale, an fp16 zero point, 4-bit integers: AWQ's and GPTQ's groups, ``engine/quant.py``): 4.5 to 8.5 bits
- * a weight instead of 32, and a single-stream step reads that much less. Up to IN_REGISTERS_UP_TO rows of
- * x each block is expanded in registers as it is used; past that, each work item's rows are expanded into a
- * buffer of floats that stays in cache, then multiplied exactly as above. The
- * expansion is exact (an fp16 scale times a small integer needs at most 19 bits; Q4_1's one addition
- * is rounded once, as gguf's dequantize rounds it), so a row's result is bit for bit the dense
- * kernel's on the dequantized weights, at any number of rows. Past a few rows, x is taken in chunks
+ * Packed weights (``linear_q_*``): W as GGUF blocks along K, as llama.cpp keeps them: blocks of 32 (Q4_0,
+ * Q4_1, Q5_0, Q5_1, Q8_0: an fp16 scale, an fp16 minimum for Q4_1 and Q5_1, 4-, 5- or 8-bit integers) and
+ * the K-quants' super-blocks of 256 (Q4_K, Q5_K, Q6_K: 8 sub-blocks of 32 with scales of their own, read
+ * 32 weights at a time like a block of 32), or as Q4_Z blocks (an fp16 scale, an fp16 zero point, 4-bit
+ * integers: AWQ's and GPTQ's groups, ``engine/quant.py``): 4.5 to 8.5 bits a weight instead of 32, and a
+ * single-stream step reads that much less. Up to IN_REGISTERS_UP_TO rows of x each block is expanded in
+ * registers as it is used; past that, each work item's rows are expanded into a buffer of floats that
+ * stays in cache, then multiplied exactly as above. The expansion is exact (a product of an fp16 scale,
+ * a 6- or 8-bit sub-block scale and a small integer is exact or rounded once, as gguf's dequantize rounds
+ * it, and so is a minimum's one addition), so a row's result is bit for bit the dense kernel's on the
+ * dequantized weights, at any number of rows. Past a few rows, x is taken in chunks
  * that stay in L2, each chunk against every work item of the thread.
  */
 #include <math.h>
@@ -231,8 +233,10 @@ int linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *b, uint16_
 
 /* ------------------------------------------------------------------------------ packed weights */
 
-enum { Q4_0, Q4_1, Q8_0, Q4_Z }; /* the numbering of reference.py's PACKED_FORMATS */
-static const int64_t BLOCK_BYTES[] = {18, 20, 34, 20};
+enum { Q4_0, Q4_1, Q8_0, Q4_Z, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, FORMATS }; /* reference.py's PACKED_FORMATS */
+static const int64_t BLOCK_WEIGHTS[] = {32, 32, 32, 32, 32, 32, 256, 256, 256};
+static const int64_t BLOCK_BYTES[] = {18, 20, 34, 20, 22, 24, 144, 176, 210};
+#define K_QUANT(fmt) ((fmt) >= Q4_K)
 
 static inline float half_to_float(const uint8_t *p) { /* exact: every fp16 is a float */
     uint16_t h = (uint16_t)(p[0] | p[1] << 8);
@@ -257,11 +261,125 @@ static inline float half_to_float(const uint8_t *p) { /* exact: every fp16 is a 
 #endif
 }
 
-/* The 32 weights of one block as floats, in 4 vectors of 8: Q4_0 d (q - 8), Q4_1 d q + m, Q8_0 d q,
-   Q4_Z d (q - z); a 4-bit block keeps weight j in the low half of byte j and weight j + 16 in its high half. */
-static inline __attribute__((always_inline)) void expand_block(const uint8_t *blk, const int fmt, v8f out[4]) {
+/* A K-quant super-block's scales as floats, once for its 8 sub-blocks: Q4_K and Q5_K d sc of sub-block g at
+   [g] and -(dmin m) at [8 + g] (their 6-bit scales and minimums unpacked 4 at a time, as llama.cpp does);
+   Q6_K d sc of its 16 groups of 16. Each product is exact. */
+static inline __attribute__((always_inline)) void k_scales(const uint8_t *blk, const int fmt, float s[16]) {
+    if (fmt == Q6_K) {
+        const float d = half_to_float(blk + 208);
 #if defined(__AVX2__) && defined(__F16C__)
-    /* d and m (a Q4_1 block starts with both; a Q4_Z block with d and z) widened by one instruction */
+        const __m128i v = _mm_loadu_si128((const __m128i *)(blk + 192));
+        _mm256_storeu_ps(s, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v))));
+        _mm256_storeu_ps(s + 8, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)))));
+#else
+        for (int i = 0; i < 16; i++) s[i] = d * (float)(int8_t)blk[192 + i];
+#endif
+        return;
+    }
+    uint32_t a, b, c, u[4];
+    memcpy(&a, blk + 4, 4), memcpy(&b, blk + 8, 4), memcpy(&c, blk + 12, 4);
+    u[0] = a & 0x3f3f3f3f, u[1] = (c & 0x0f0f0f0f) | (a >> 2 & 0x30303030); /* scales 0-3, 4-7 */
+    u[2] = b & 0x3f3f3f3f, u[3] = (c >> 4 & 0x0f0f0f0f) | (b >> 2 & 0x30303030); /* minimums 0-3, 4-7 */
+#if defined(__AVX2__) && defined(__F16C__)
+    const __m128i v = _mm_loadu_si128((const __m128i *)u);
+    _mm256_storeu_ps(s, _mm256_mul_ps(_mm256_set1_ps(half_to_float(blk)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v))));
+    _mm256_storeu_ps(s + 8, _mm256_xor_ps(_mm256_set1_ps(-0.0f), _mm256_mul_ps(
+        _mm256_set1_ps(half_to_float(blk + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))))));
+#else
+    uint8_t v[16];
+    memcpy(v, u, 16); /* (bytes in order on little-endian machines, as the blocks themselves assume) */
+    const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
+    for (int i = 0; i < 8; i++) s[i] = d * (float)v[i], s[8 + i] = -(dmin * (float)v[8 + i]);
+#endif
+}
+
+/* Weights 32 g .. 32 g + 31 of one block (g = 0 for the blocks of 32) as floats, one at a time: the
+   spec of the vector code below, and the code where it does not compile. Q4_0 d (q - 8), Q5_0 d (q - 16),
+   Q4_1 and Q5_1 d q + m, Q8_0 d q, Q4_Z d (q - z); Q4_K and Q5_K (d sc) q - dmin m, Q6_K (d sc) (q - 32),
+   as reference.py lays them out, their scales from k_scales (s). Every product is exact; a sum is rounded
+   once (fused or not). */
+static inline __attribute__((always_inline)) void expand_scalar(const uint8_t *blk, const int fmt, const int g,
+                                                                const float s[16], float f[32]) {
+    if (fmt == Q6_K) {
+        const int h = g >> 2, r = g & 3;
+        const uint8_t *ql = blk + 64 * h + 32 * (r & 1), *qh = blk + 128 + 32 * h;
+        for (int l = 0; l < 32; l++)
+            f[l] = s[2 * g + (l >> 4)] * (float)(((r >> 1 ? ql[l] >> 4 : ql[l] & 15) | (qh[l] >> 2 * r & 3) << 4) - 32);
+    } else if (K_QUANT(fmt)) {
+        const uint8_t *qs = blk + (fmt == Q4_K ? 16 : 48) + 32 * (g >> 1);
+        for (int l = 0; l < 32; l++) {
+            const int q = (g & 1 ? qs[l] >> 4 : qs[l] & 15) | (fmt == Q5_K ? (blk[16 + l] >> g & 1) << 4 : 0);
+            f[l] = s[g] * (float)q + s[8 + g];
+        }
+    } else if (fmt == Q8_0) {
+        const float d = half_to_float(blk);
+        for (int i = 0; i < 32; i++) f[i] = d * (float)(int8_t)blk[2 + i];
+    } else {
+        const float d = half_to_float(blk);
+        const int five = fmt == Q5_0 || fmt == Q5_1, with_m = fmt != Q4_0 && fmt != Q5_0;
+        const float m = with_m ? half_to_float(blk + 2) : 0.0f;
+        const uint8_t *qs = blk + 2 + 2 * with_m + 4 * five;
+        uint32_t qh = 0;
+        if (five) memcpy(&qh, blk + 2 + 2 * with_m, 4); /* little-endian, as x86 and ARM store it */
+        for (int i = 0; i < 32; i++) {
+            const int q = (i < 16 ? qs[i] & 15 : qs[i - 16] >> 4) | (five ? (int)(qh >> i & 1) << 4 : 0);
+            f[i] = fmt == Q4_1 || fmt == Q5_1 ? d * (float)q + m
+                 : fmt == Q4_Z ? d * ((float)q - m) : d * (float)(q - (fmt == Q4_0 ? 8 : 16));
+        }
+    }
+}
+
+#if defined(__AVX2__) && defined(__F16C__)
+/* 32 bytes of small integers as 4 vectors of 8 floats, in order; signed: the bytes are int8, else uint8 */
+static inline __attribute__((always_inline)) void widen32(__m256i q, const int sign, __m256 out[4]) {
+    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int i = 0; i < 4; i++)
+        out[i] = _mm256_cvtepi32_ps(sign ? _mm256_cvtepi8_epi32(part[i]) : _mm256_cvtepu8_epi32(part[i]));
+}
+
+/* expand_scalar's K-quants, in vectors: 32 weights are 32 consecutive bytes' halves (and bits); sub-block
+   g is not a constant (variable shifts, no branches) */
+static inline __attribute__((always_inline)) void expand_k(const uint8_t *blk, const int fmt, const int g,
+                                                           const float s[16], v8f out[4]) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    __m256 q[4];
+    if (fmt == Q6_K) {
+        const int h = g >> 2, r = g & 3;
+        const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32 * (r & 1)));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+        /* bits 2r, 2r + 1 of each byte of qh to bits 4, 5 (shifts of 16-bit lanes: the masks keep bytes apart) */
+        const __m256i hi = _mm256_and_si256(_mm256_slli_epi16(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * r)), 4),
+                                            _mm256_set1_epi8(0x30));
+        const __m256i q6 = _mm256_or_si256(_mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128(4 * (r >> 1))), low), hi);
+        widen32(_mm256_sub_epi8(q6, _mm256_set1_epi8(32)), 1, q); /* q - 32, exact in int8 */
+        const __m256 da = _mm256_broadcast_ss(s + 2 * g), db = _mm256_broadcast_ss(s + 2 * g + 1);
+        for (int i = 0; i < 4; i++) out[i] = (v8f)_mm256_mul_ps(i < 2 ? da : db, q[i]);
+        return;
+    }
+    __m256i qs = _mm256_loadu_si256((const __m256i *)(blk + (fmt == Q4_K ? 16 : 48) + 32 * (g >> 1)));
+    qs = _mm256_and_si256(_mm256_srl_epi16(qs, _mm_cvtsi32_si128(4 * (g & 1))), low);
+    if (fmt == Q5_K) { /* bit g of each byte to bit 4 */
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
+        qs = _mm256_or_si256(qs, _mm256_and_si256(_mm256_slli_epi16(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(g)), 4),
+                                                  _mm256_set1_epi8(0x10)));
+    }
+    widen32(qs, 0, q);
+    const __m256 d1 = _mm256_broadcast_ss(s + g), m1 = _mm256_broadcast_ss(s + 8 + g);
+    for (int i = 0; i < 4; i++) out[i] = (v8f)_mm256_fmadd_ps(d1, q[i], m1);
+}
+#endif
+
+/* The 32 weights of one block (of a K-quant's super-block: sub-block g, its scales s), in 4 vectors of 8
+   (expand_scalar's). */
+static inline __attribute__((always_inline)) void expand_block(const uint8_t *blk, const int fmt, const int g,
+                                                               const float s[16], v8f out[4]) {
+#if defined(__AVX2__) && defined(__F16C__)
+    if (K_QUANT(fmt)) {
+        expand_k(blk, fmt, g, s, out);
+        return;
+    }
+    /* d and m (a Q4_1 or Q5_1 block starts with both; a Q4_Z block with d and z) widened by one instruction */
     int32_t dm;
     memcpy(&dm, blk, 4);
     const __m128 both = _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
@@ -273,12 +391,25 @@ static inline __attribute__((always_inline)) void expand_block(const uint8_t *bl
         }
         return;
     }
+    const int five = fmt == Q5_0 || fmt == Q5_1, with_m = fmt != Q4_0 && fmt != Q5_0;
     /* the 16 bytes in both halves of a register; then byte j of 8 (j < 4: from the low half, else the
        high) goes to the low byte of 32-bit lane j, zeros above it: in-lane shuffles, no widening across
        (9.0 -> 7.7 ms for the default model's layers at one row, measured) */
-    const __m256i bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(blk + (fmt == Q4_0 ? 2 : 4))));
+    const __m256i bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(blk + 2 + 2 * with_m + 4 * five)));
     const __m256i low = _mm256_set1_epi8(0x0f);
-    const __m256i half[2] = {_mm256_and_si256(bytes, low), _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low)};
+    __m256i half[2] = {_mm256_and_si256(bytes, low), _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low)};
+    if (five) { /* the fifth bits of half h's 16 weights as 0x10 in its bytes (both halves of the register):
+                   bit j of the word to byte j, as llama.cpp's bytes_from_bits_32 does */
+        int32_t bits;
+        memcpy(&bits, blk + 2 + 2 * with_m, 4);
+        const __m256i word = _mm256_set1_epi32(bits), all = _mm256_set1_epi8(-1);
+        const __m256i others = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe); /* byte k: every bit but bit k */
+        for (int h = 0; h < 2; h++) {
+            const int64_t lo = 0x0101010101010101 * (2 * h), hi = 0x0101010101010101 * (2 * h + 1);
+            const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(_mm256_shuffle_epi8(word, _mm256_set_epi64x(hi, lo, hi, lo)), others), all);
+            half[h] = _mm256_or_si256(half[h], _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+        }
+    }
     const __m256i pick[2] = {
         _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1, 4, -1, -1, -1, 5, -1, -1, -1, 6,
                          -1, -1, -1, 7, -1, -1, -1),
@@ -286,23 +417,14 @@ static inline __attribute__((always_inline)) void expand_block(const uint8_t *bl
                          14, -1, -1, -1, 15, -1, -1, -1)};
     for (int h = 0; h < 2; h++)
         for (int i = 0; i < 2; i++) {
-            __m256 q = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(half[h], pick[i]));
-            out[2 * h + i] = (v8f)(fmt == Q4_1 ? _mm256_fmadd_ps(dv, q, mv)
-                                               : _mm256_mul_ps(dv, _mm256_sub_ps(q, fmt == Q4_Z ? mv : _mm256_set1_ps(8.0f))));
+            const __m256 q = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(half[h], pick[i]));
+            out[2 * h + i] = (v8f)(fmt == Q4_1 || fmt == Q5_1 ? _mm256_fmadd_ps(dv, q, mv)
+                                   : _mm256_mul_ps(dv, _mm256_sub_ps(q, fmt == Q4_Z ? mv
+                                                                     : _mm256_set1_ps(fmt == Q4_0 ? 8.0f : 16.0f))));
         }
 #else
-    const float d = half_to_float(blk), m = fmt == Q4_0 ? 8.0f : half_to_float(blk + 2);
     float f[32];
-    if (fmt == Q8_0) {
-        for (int i = 0; i < 32; i++) f[i] = d * (float)(int8_t)blk[2 + i];
-    } else {
-        const uint8_t *qs = blk + (fmt == Q4_0 ? 2 : 4);
-        for (int i = 0; i < 16; i++) {
-            const int lo = qs[i] & 15, hi = qs[i] >> 4;
-            f[i] = fmt == Q4_1 ? d * (float)lo + m : d * ((float)lo - m); /* m: Q4_0's 8, Q4_Z's z */
-            f[i + 16] = fmt == Q4_1 ? d * (float)hi + m : d * ((float)hi - m);
-        }
-    }
+    expand_scalar(blk, fmt, g, s, f);
     memcpy(out, f, sizeof f);
 #endif
 }
@@ -315,7 +437,7 @@ static inline __attribute__((always_inline)) void tile_packed(const float *xf, c
                                                               const void *b, void *y, int64_t m0, const int R,
                                                               int64_t n0, const int C, int64_t N, int64_t K,
                                                               const int obf16) {
-    const int64_t row_bytes = K / 32 * BLOCK_BYTES[fmt];
+    const int64_t row_bytes = K / BLOCK_WEIGHTS[fmt] * BLOCK_BYTES[fmt];
     v8f acc[2][NB];
 #pragma GCC unroll 8
     for (int i = 0; i < R; i++)
@@ -326,14 +448,18 @@ static inline __attribute__((always_inline)) void tile_packed(const float *xf, c
        hardware: 15.4 -> 9.0 ms for the default model's layers at one row, measured. */
     const char *ahead = (const char *)w + C * row_bytes;
     const int64_t step = (C * row_bytes / (K / 32) + 63) / 64 * 64;
+    float scales[NB][16]; /* a K-quant's: each weight row's current super-block's, read once */
     for (int64_t k = 0; k < K; k += 32) {
-        const int64_t at = k / 32 * BLOCK_BYTES[fmt];
+        const int64_t at = k / BLOCK_WEIGHTS[fmt] * BLOCK_BYTES[fmt];
+        const int g = (int)(k % BLOCK_WEIGHTS[fmt] / 32);
         if (m0 == 0)
             for (int64_t o = 0; o < step; o += 64) __builtin_prefetch(ahead + k / 32 * step + o);
+        if (K_QUANT(fmt) && g == 0)
+            for (int j = 0; j < C; j++) k_scales(w + j * row_bytes + at, fmt, scales[j]);
 #pragma GCC unroll 8
         for (int j = 0; j < C; j++) {
             v8f wv[4];
-            expand_block(w + j * row_bytes + at, fmt, wv);
+            expand_block(w + j * row_bytes + at, fmt, g, scales[j], wv);
 #pragma GCC unroll 4
             for (int q = 0; q < 4; q++)
 #pragma GCC unroll 2
@@ -354,7 +480,7 @@ static inline __attribute__((always_inline)) void tile_packed(const float *xf, c
 static inline __attribute__((always_inline)) void column_packed(const float *xf, const uint8_t *w, const int fmt,
                                                                 const void *b, void *y, int64_t M, int64_t N,
                                                                 int64_t K, int64_t t, const int obf16) {
-    const int64_t n0 = t * NB, row_bytes = K / 32 * BLOCK_BYTES[fmt];
+    const int64_t n0 = t * NB, row_bytes = K / BLOCK_WEIGHTS[fmt] * BLOCK_BYTES[fmt];
     for (int64_t m0 = 0; m0 < M; m0 += 2) {
         if (n0 + NB > N) {
             for (int64_t n = n0; n < N; n++)
@@ -372,28 +498,38 @@ static inline __attribute__((always_inline)) void column_packed(const float *xf,
 }
 
 /* rows of K weights each, packed, into floats */
-static void expand_rows(const uint8_t *w, const int fmt, float *out, int64_t rows, int64_t K) {
-    const int64_t blocks = rows * (K / 32);
+static inline __attribute__((always_inline)) void expand_rows(const uint8_t *w, const int fmt, float *out,
+                                                               int64_t rows, int64_t K) {
+    const int64_t blocks = rows * (K / BLOCK_WEIGHTS[fmt]); /* (rows are whole blocks) */
     for (int64_t i = 0; i < blocks; i++) {
-        v8f v[4];
-        expand_block(w + i * BLOCK_BYTES[fmt], fmt, v);
-        memcpy(out + 32 * i, v, sizeof v);
-        __builtin_prefetch(w + i * BLOCK_BYTES[fmt] + PACKED_AHEAD);
+        const uint8_t *blk = w + i * BLOCK_BYTES[fmt];
+        float scales[16];
+        if (K_QUANT(fmt)) k_scales(blk, fmt, scales);
+        for (int g = 0; g < BLOCK_WEIGHTS[fmt] / 32; g++) {
+            v8f v[4];
+            expand_block(blk, fmt, g, scales, v);
+            memcpy(out + i * BLOCK_WEIGHTS[fmt] + 32 * g, v, sizeof v);
+        }
+        __builtin_prefetch(blk + PACKED_AHEAD);
     }
 }
 
-static void expand_rows_q4_0(const uint8_t *w, float *out, int64_t rows, int64_t K) { expand_rows(w, Q4_0, out, rows, K); }
-static void expand_rows_q4_1(const uint8_t *w, float *out, int64_t rows, int64_t K) { expand_rows(w, Q4_1, out, rows, K); }
-static void expand_rows_q8_0(const uint8_t *w, float *out, int64_t rows, int64_t K) { expand_rows(w, Q8_0, out, rows, K); }
-static void expand_rows_q4_z(const uint8_t *w, float *out, int64_t rows, int64_t K) { expand_rows(w, Q4_Z, out, rows, K); }
-
+/* a case per format, each with its constant inlined */
 static void expand(const uint8_t *w, int fmt, float *out, int64_t rows, int64_t K) {
+#define EXPAND(F)                                                                                                  \
+    case F: expand_rows(w, F, out, rows, K); break;
     switch (fmt) {
-    case Q4_0: expand_rows_q4_0(w, out, rows, K); break;
-    case Q4_1: expand_rows_q4_1(w, out, rows, K); break;
-    case Q4_Z: expand_rows_q4_z(w, out, rows, K); break;
-    default: expand_rows_q8_0(w, out, rows, K);
+        EXPAND(Q4_0)
+        EXPAND(Q4_1)
+        EXPAND(Q8_0)
+        EXPAND(Q4_Z)
+        EXPAND(Q5_0)
+        EXPAND(Q5_1)
+        EXPAND(Q4_K)
+        EXPAND(Q5_K)
+        EXPAND(Q6_K)
     }
+#undef EXPAND
 }
 
 /* work item t's weights expanded into wt, against every row of x */
@@ -422,16 +558,21 @@ static void rows_packed(const float *xf, const uint8_t *w, int fmt, const void *
         ROWS_PACKED(Q4_1)
         ROWS_PACKED(Q8_0)
         ROWS_PACKED(Q4_Z)
+        ROWS_PACKED(Q5_0)
+        ROWS_PACKED(Q5_1)
+        ROWS_PACKED(Q4_K)
+        ROWS_PACKED(Q5_K)
+        ROWS_PACKED(Q6_K)
     }
 #undef ROWS_PACKED
 }
 
 static int linear_packed(const void *x, const uint8_t *w, int fmt, const void *b, void *y, int64_t M, int64_t N,
                          int64_t K, int num_threads, int bf16) {
-    if (fmt < Q4_0 || fmt > Q4_Z || K % 32 || num_threads < 1) return BAD_ARGUMENTS;
+    if (fmt < 0 || fmt >= FORMATS || K % BLOCK_WEIGHTS[fmt] || num_threads < 1) return BAD_ARGUMENTS;
     float *xf = widened(x, M * K, bf16);
     if (!xf) return OUT_OF_MEMORY;
-    const int64_t tiles_n = (N + NB - 1) / NB, row_bytes = K / 32 * BLOCK_BYTES[fmt];
+    const int64_t tiles_n = (N + NB - 1) / NB, row_bytes = K / BLOCK_WEIGHTS[fmt] * BLOCK_BYTES[fmt];
     int64_t chunk = X_CHUNK_BYTES / (4 * K) / MR * MR;
     chunk = chunk < MR ? MR : chunk;
     if (M <= IN_REGISTERS_UP_TO) {
@@ -487,8 +628,8 @@ int linear_q_bf16(const uint16_t *x, const uint8_t *w, int fmt, const uint16_t *
 /* rows (gathered by ids, or all of them when ids is NULL) of a packed matrix, as floats */
 int dequantize_rows(const uint8_t *w, int fmt, const int64_t *ids, float *out, int64_t rows, int64_t K,
                     int num_threads) {
-    if (fmt < Q4_0 || fmt > Q4_Z || K % 32) return BAD_ARGUMENTS;
-    const int64_t row_bytes = K / 32 * BLOCK_BYTES[fmt];
+    if (fmt < 0 || fmt >= FORMATS || K % BLOCK_WEIGHTS[fmt]) return BAD_ARGUMENTS;
+    const int64_t row_bytes = K / BLOCK_WEIGHTS[fmt] * BLOCK_BYTES[fmt];
     (void)num_threads;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * K >= (1 << 16))
     for (int64_t r = 0; r < rows; r++) expand(w + (ids ? ids[r] : r) * row_bytes, fmt, out + r * K, 1, K);

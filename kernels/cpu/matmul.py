@@ -17,8 +17,8 @@ shape (0: never), for runs that must not depend on a timing. A shape never tuned
 
 Within the C kernel a row's result does not depend on how many rows share the step.
 
-Weights kept packed as blocks of 32 (``FORMATS``: GGUF's, 4.5 to 8.5 bits a weight, as llama.cpp keeps them;
-Q4_Z, 5 bits, for AWQ/GPTQ checkpoints)
+Weights kept packed as blocks (``FORMATS``: GGUF's of 32 and its K-quants' super-blocks of 256, 4.5 to 8.5
+bits a weight, as llama.cpp keeps them; Q4_Z, 5 bits, for AWQ/GPTQ checkpoints)
 go to ``linear_packed``: the C kernel multiplies the blocks as they are (their expansion to floats
 is exact, so a row's result is the dense C kernel's on ``reference.dequantize``'s weights, bit for
 bit), except past 64 rows (a prompt), where a weight of up to ``EXPAND_BYTES`` as floats is expanded
@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from kernels import reference
 from kernels.cpu import graph
 from kernels.cpu.build import load, status_check
-from kernels.reference import PACKED_BLOCK_BYTES, PACKED_FORMATS
+from kernels.reference import PACKED_BLOCKS, PACKED_FORMATS
 
 log = logging.getLogger("tokenmill.kernels")
 
@@ -85,18 +85,18 @@ def keep_packed() -> bool:
 
 
 def _packed_k(weight: torch.Tensor, fmt: str) -> int:
-    """K of a packed (N, K / 32 * block bytes) uint8 weight, after checking it is one."""
+    """K of a packed (N, K / block weights * block bytes) uint8 weight, after checking it is one."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown packed format {fmt!r}; known: {', '.join(FORMATS)}")
-    block = PACKED_BLOCK_BYTES[fmt]
+    weights, block = PACKED_BLOCKS[fmt]
     if weight.dtype != torch.uint8 or weight.dim() != 2 or weight.shape[1] % block or not weight.is_cpu:
         raise ValueError(f"a {fmt} weight must be a 2-D uint8 CPU tensor of whole {block}-byte blocks per row, got "
                          f"{weight.dtype} {tuple(weight.shape)} on {weight.device}")
-    return weight.shape[1] // block * 32
+    return weight.shape[1] // block * weights
 
 
 def linear_packed(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``y = x W^T (+ b)`` with W packed in ``fmt`` blocks: weight (N, K / 32 * block bytes) uint8 rows,
+    """``y = x W^T (+ b)`` with W packed in ``fmt`` blocks: weight (N, K / block weights * block bytes) uint8 rows,
     x (..., K) on the CPU, bias (N) of x's dtype or None; y (..., N) of x's dtype. Where the C kernel
     does not build, or for float16, the reference's."""
     k = _packed_k(weight, fmt)

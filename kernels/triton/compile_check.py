@@ -18,7 +18,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels.reference import PACKED_BLOCK_BYTES
+from kernels.reference import PACKED_BLOCKS
 from kernels.triton.activation import _act_and_mul_kernel
 from kernels.triton.attention_decode import _decode_kernel, _merge_splits_kernel
 from kernels.triton.attention_prefill import _prefill_kernel
@@ -91,12 +91,12 @@ def variants(everything: bool):
         for (fmt, number), block_m, split in itertools.product(FORMATS.items(), (16, 32), (False, True)):
             yield (_linear_packed_kernel, {"x_ptr": f"*{dt}", "w_ptr": "*u8", "b_ptr": f"*{dt}", "y_ptr": f"*{dt}",
                                            "part_ptr": "*fp32"},
-                   dict(FMT=number, BLOCK_BYTES=PACKED_BLOCK_BYTES[fmt], QUANTS=_quants(fmt),
+                   dict(FMT=number, BLOCK_BYTES=PACKED_BLOCKS[fmt][1], QUANTS=_quants(fmt),
                         HAS_BIAS=True, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
                         PRECISION="ieee" if dt == "fp32" else "tf32", DOT_F32=False, SPLIT=split), ())
             if block_m == 16 and not split:
                 yield (_dequantize_kernel, {"w_ptr": "*u8", "out_ptr": f"*{dt}"},
-                       dict(FMT=number, BLOCK_BYTES=PACKED_BLOCK_BYTES[fmt], QUANTS=_quants(fmt), BLOCK_N=BLOCK_N), ())
+                       dict(FMT=number, BLOCK_BYTES=PACKED_BLOCKS[fmt][1], QUANTS=_quants(fmt), BLOCK_N=BLOCK_N), ())
 
 
 def main(argv: list[str]) -> int:

@@ -21,7 +21,8 @@ from kernels import reference
 from kernels.triton.attention_common import dot_args
 from kernels.triton.launch import check_tensor, interpreting, require, sm_count
 
-FORMATS = reference.PACKED_FORMATS  # the kernel's FMT for each format
+# the kernel's FMT for each format it reads (the blocks of 32 but Q5's: GGUF's stay packed on the CPU only)
+FORMATS = {fmt: n for fmt, n in reference.PACKED_FORMATS.items() if fmt in ("q4_0", "q4_1", "q8_0", "q4_z")}
 EXPAND_ROWS = 128  # past this many rows of x, the weight is expanded once for torch's GEMM
 BLOCK_N = 32
 MIN_SPLIT_BLOCKS = 4  # a split of K covers at least this many blocks of 32
@@ -106,7 +107,7 @@ def linear_packed(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.T
     dtype or None -> y (..., N) of x's dtype. ``num_splits``: K's blocks split over that many programs
     per tile (default ``_auto_splits``), their float32 sums added up after."""
     require(fmt in FORMATS, f"unknown packed format {fmt!r}; known: {', '.join(FORMATS)}")
-    block = reference.PACKED_BLOCK_BYTES[fmt]
+    block = reference.PACKED_BLOCKS[fmt][1]
     check_tensor("weight", weight, 2, (torch.uint8,))
     require(weight.shape[1] % block == 0 and weight.stride(0) == weight.shape[1],
             f"a {fmt} weight must be contiguous rows of whole {block}-byte blocks, got {tuple(weight.shape)} "
