@@ -79,15 +79,16 @@ def test_c_dequantize_matches_reference(fmt, compiled):
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("n,k", [(1, 32), (5, 64), (6, 96), (13, 576), (50, 1536)], ids=str)
 def test_packed_linear_is_the_dense_kernel_on_expanded_weights(fmt, n, k, compiled, monkeypatch):
-    """Bit for bit, at every row count (one or two rows, a few, and many take different loops in
-    matmul.c; many rows go there only for weights too large to expand, made so here)."""
+    """Bit for bit, at every row count (one, two, three, four rows at a time in registers up to 8, then
+    through a buffer: different loops in matmul.c; many rows go there only for weights too large to
+    expand, made so here)."""
     monkeypatch.setattr(matmul, "EXPAND_BYTES", 0)
     k = width(fmt, k)
     packed = packed_weight(fmt, n, k, seed=n * k)
     dense = ref.dequantize(packed, fmt)
     gen = torch.Generator().manual_seed(n + k)
     bias = torch.randn(n, generator=gen)
-    for m in (1, 2, 3, 4, 7, 64, 200):
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 64, 200):
         x = torch.randn(m, k, generator=gen)
         for b in (None, bias):
             y = matmul.linear_packed(x, packed, fmt, b)

@@ -1,5 +1,5 @@
 """Random-weight model folders in the shapes of real models, so that a machine without network or model
-hub can load, run and benchmark them: a transformers config (SmolLM2-135M's, Qwen2-0.5B's, Qwen3-0.6B's or
+hub can load, run and benchmark them: a transformers config (SmolLM2-135M's or 1.7B's, Qwen2-0.5B's, Qwen3-0.6B's or
 Gemma-3-270M's, a scaled-down Qwen3-30B-A3B's, or any size), safetensors weights as transformers initialises them, and a byte-level BPE tokenizer over the
 whole vocabulary (ids 0, 1, 2 are unk, bos and eos), so that no tokenizer is downloaded either.
 
@@ -18,6 +18,11 @@ SHAPES = {
     "smollm2-135m": ("llama", dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                                    num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
                                    max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+                                   tie_word_embeddings=True)),
+    # SmolLM2-1.7B: rows of whole 256-weight super-blocks, so a GGUF's K-quants (Q4_K_M) stay packed on the CPU
+    "smollm2-1.7b": ("llama", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
+                                   num_attention_heads=32, num_key_value_heads=32, vocab_size=49152,
+                                   max_position_embeddings=8192, rope_theta=130000.0, rms_norm_eps=1e-5,
                                    tie_word_embeddings=True)),
     "qwen2-0.5b": ("qwen2", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                                  num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,

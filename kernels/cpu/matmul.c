@@ -51,10 +51,11 @@ typedef uint32_t v8u __attribute__((vector_size(32)));
 #define NR 3
 #define NB (2 * NR) /* weight rows per work item */
 
-/* rows of x up to which packed weights are expanded in registers (two rows at a time), not into a buffer:
-   for the default model's layers at 2 rows 10.6 ms against 18.6, at 3 and 4 rows 16 against 21-24; at 5 and
-   6 rows a tie, measured */
-#define IN_REGISTERS_UP_TO 4
+/* rows of x up to which packed weights are expanded in registers (up to four rows at a time), not into a
+   buffer: for the default model's layers at 2 rows 10.6 ms against 18.6; for a 4096 x 2048 Q4_1 weight on
+   the AVX-512 EPYC at 6 and 8 rows 0.93 and 1.11 ms against 1.86 and 2.09 (Q4_K: 1.19, 1.40 against 1.36,
+   1.68); from 12 rows on the buffer wins by 8-15%, measured */
+#define IN_REGISTERS_UP_TO 8
 #define PACKED_AHEAD 4096 /* bytes of packed weights prefetched ahead when expanding them into a buffer */
 #define X_CHUNK_BYTES (192 << 10) /* rows of x per pass over the packed weights: about this many bytes */
 
@@ -438,7 +439,7 @@ static inline __attribute__((always_inline)) void tile_packed(const float *xf, c
                                                               int64_t n0, const int C, int64_t N, int64_t K,
                                                               const int obf16) {
     const int64_t row_bytes = K / BLOCK_WEIGHTS[fmt] * BLOCK_BYTES[fmt];
-    v8f acc[2][NB];
+    v8f acc[4][NB];
 #pragma GCC unroll 8
     for (int i = 0; i < R; i++)
 #pragma GCC unroll 8
@@ -462,7 +463,7 @@ static inline __attribute__((always_inline)) void tile_packed(const float *xf, c
             expand_block(w + j * row_bytes + at, fmt, g, scales[j], wv);
 #pragma GCC unroll 4
             for (int q = 0; q < 4; q++)
-#pragma GCC unroll 2
+#pragma GCC unroll 4
                 for (int i = 0; i < R; i++)
                     acc[i][j] = FMA8(acc[i][j], *(const v8f_u *)(xf + (m0 + i) * K + k + 8 * q), wv[q]);
         }
@@ -476,23 +477,36 @@ static inline __attribute__((always_inline)) void tile_packed(const float *xf, c
 }
 
 /* Every row of x (a few) against work item t, expanded in registers: one row against its NB weight rows
-   at once, two rows against NR at a time (NB accumulators each way). */
+   at once, two rows against NR at a time, three or four against 2 (each expansion used by every row it can
+   be, 6 to 8 accumulators; four rows against 3 spilled, eight against 1 was slower, measured). */
 static inline __attribute__((always_inline)) void column_packed(const float *xf, const uint8_t *w, const int fmt,
                                                                 const void *b, void *y, int64_t M, int64_t N,
                                                                 int64_t K, int64_t t, const int obf16) {
     const int64_t n0 = t * NB, row_bytes = K / BLOCK_WEIGHTS[fmt] * BLOCK_BYTES[fmt];
-    for (int64_t m0 = 0; m0 < M; m0 += 2) {
+    for (int64_t m0 = 0; m0 < M;) {
+        const int64_t left = M - m0;
         if (n0 + NB > N) {
             for (int64_t n = n0; n < N; n++)
-                if (M - m0 >= 2)
+                if (left >= 2)
                     tile_packed(xf, w + n * row_bytes, fmt, b, y, m0, 2, n, 1, N, K, obf16);
                 else
                     tile_packed(xf, w + n * row_bytes, fmt, b, y, m0, 1, n, 1, N, K, obf16);
-        } else if (M - m0 >= 2) {
+            m0 += left >= 2 ? 2 : 1;
+        } else if (left >= 4) {
+            for (int64_t n = n0; n < n0 + NB; n += 2)
+                tile_packed(xf, w + n * row_bytes, fmt, b, y, m0, 4, n, 2, N, K, obf16);
+            m0 += 4;
+        } else if (left == 3) {
+            for (int64_t n = n0; n < n0 + NB; n += 2)
+                tile_packed(xf, w + n * row_bytes, fmt, b, y, m0, 3, n, 2, N, K, obf16);
+            m0 += 3;
+        } else if (left >= 2) {
             for (int64_t n = n0; n < n0 + NB; n += NR)
                 tile_packed(xf, w + n * row_bytes, fmt, b, y, m0, 2, n, NR, N, K, obf16);
+            m0 += 2;
         } else {
             tile_packed(xf, w + n0 * row_bytes, fmt, b, y, m0, 1, n0, NB, N, K, obf16);
+            m0 += 1;
         }
     }
 }
