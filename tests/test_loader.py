@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-from collections.abc import Callable
+import os
 
 import pytest
 import torch
@@ -13,8 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.loader import build_model, load_model_config
 from engine.models.config import ModelConfig
-from tests import gguf_blocks
 from tests.conftest import make_tiny_model
+from tools.write_gguf import write_gguf
 
 
 class _Allocations(TorchDispatchMode):
@@ -105,126 +105,11 @@ def test_cuda_bf16_load_peaks_at_the_model_size(tmp_path):
     assert torch.cuda.memory_allocated() - before <= weights + tables + (1 << 20)
 
 
-def _write_gguf(folder: str, out: str, arch: str = "qwen3", matrices_as: str | Callable | None = None,
-                widths: bool = True, vocab: dict | None = None, extra: dict | None = None) -> None:
-    """A tiny model folder as llama.cpp's converter writes it: float32 tensors, GGUF names, a mixture
-    of experts' parts stacked per layer (E, ...), the layers' matrices in ``matrices_as`` (a GGUF type:
-    "Q8_0", or a function of a tensor's GGUF name to its type or None) if given, and their widths in the metadata (``widths``; converters before mid-2024 left them
-    out); llama's q/k rows permuted for its interleaved RoPE (Qwen's is the rotate-half one llama.cpp
-    calls NEOX: no permutation). ``vocab``: a SentencePiece vocabulary to write too (``tokens``,
-    ``types``, ``bos``, ``eos``, ``chat_template``); ``extra``: more ``rope.scaling.*`` floats (YaRN's)."""
-    import gguf
-    import numpy as np
-    from safetensors.torch import load_file
-
-    cfg = load_model_config(folder)
-    w = gguf.GGUFWriter(out, arch)
-    values = [("context_length", 1024), ("embedding_length", cfg.hidden_size),
-              ("feed_forward_length", cfg.intermediate_size), ("block_count", cfg.num_layers),
-              ("attention.head_count", cfg.num_heads), ("attention.head_count_kv", cfg.num_kv_heads),
-              ("attention.key_length", cfg.head_dim), ("vocab_size", cfg.vocab_size),
-              ("rope.dimension_count", cfg.rotary_dim or cfg.head_dim)]
-    if cfg.moe:
-        values += [("expert_count", cfg.moe.num_experts), ("expert_used_count", cfg.moe.top_k)]
-        if widths:
-            values.append(("expert_feed_forward_length", cfg.moe.intermediate_size))
-        if cfg.moe.shared_intermediate_size and widths:
-            values.append(("expert_shared_feed_forward_length", cfg.moe.shared_intermediate_size))
-    for key, value in values:
-        w.add_uint32(f"{arch}.{key}", value)
-    w.add_float32(f"{arch}.rope.freq_base", cfg.rope_theta)
-    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
-    if cfg.sliding_window:
-        w.add_uint32(f"{arch}.attention.sliding_window", cfg.sliding_window)
-    for key, cap in (("attn_logit_softcapping", cfg.attn_softcap), ("final_logit_softcapping", cfg.final_softcap)):
-        if cap:
-            w.add_float32(f"{arch}.{key}", cap)
-    if arch == "granite":  # its scales
-        for key, value in (("embedding_scale", cfg.embedding_multiplier), ("residual_scale", cfg.residual_multiplier),
-                           ("attention.scale", cfg.attn_scale), ("logit_scale", cfg.logits_scaling)):
-            w.add_float32(f"{arch}.{key}", value)
-    if (cfg.rope_scaling or {}).get("rope_type") in ("linear", "yarn"):
-        w.add_string(f"{arch}.rope.scaling.type", cfg.rope_scaling["rope_type"])
-        w.add_float32(f"{arch}.rope.scaling.factor", cfg.rope_scaling["factor"])
-    if (cfg.rope_scaling or {}).get("rope_type") == "yarn":  # as llama.cpp's converter writes Qwen's
-        w.add_uint32(f"{arch}.rope.scaling.original_context_length",
-                     cfg.rope_scaling["original_max_position_embeddings"])
-        for key, value in (extra or {}).items():
-            w.add_float32(f"{arch}.rope.scaling.{key}", value)
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-    layer = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp",
-             "mlp.shared_expert_gate": "ffn_gate_inp_shexp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
-             "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
-             "block_sparse_moe.gate": "ffn_gate_inp", "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
-    if cfg.gemma >= 2:  # norms of each sublayer's output too
-        layer |= {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
-                  "post_feedforward_layernorm": "post_ffw_norm"}
-    rope = cfg.rope_scaling or {}
-    if rope.get("rope_type") == "longrope":  # Phi-3.5's: the factors as tensors
-        w.add_uint32(f"{arch}.rope.scaling.original_context_length", rope["original_max_position_embeddings"])
-        w.add_float32(f"{arch}.rope.scaling.attn_factor", rope["attention_factor"])
-        for kind in ("short", "long"):
-            w.add_tensor(f"rope_factors_{kind}.weight", np.array(rope[f"{kind}_factor"], dtype=np.float32))
-    experts: dict[str, dict[int, np.ndarray]] = {}
-    for file in glob.glob(f"{folder}/*.safetensors"):
-        for name, t in load_file(file).items():
-            t = t.float().numpy()
-            if cfg.gemma and name.endswith("norm.weight"):
-                t = t + 1  # (llama.cpp stores Gemma's norms as 1 + w)
-            if arch in ("llama", "granite") and name.endswith(("q_proj.weight", "k_proj.weight")):
-                heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
-                t = t.reshape(heads, 2, t.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(t.shape)
-            if name not in names:
-                _, _, i, sub = name.split(".", 3)
-                sub, kind = sub.rsplit(".", 1)
-                if ".experts." in sub:  # Qwen's experts.E.up_proj, Mixtral's experts.E.w3
-                    _, e, part = sub.rsplit(".", 2)
-                    part = {"w1": "gate", "w3": "up", "w2": "down"}.get(part, part.removesuffix("_proj"))
-                    experts.setdefault(f"blk.{i}.ffn_{part}_exps.weight", {})[int(e)] = t
-                    continue
-                names[name] = f"blk.{i}.{layer[sub]}.{kind}"
-            if names[name].endswith("ffn_gate_inp_shexp.weight"):
-                t = t.reshape(-1)  # llama.cpp keeps the shared expert's gate as a vector
-            as_type = matrices_as(names[name]) if callable(matrices_as) else matrices_as
-            _add(w, names[name], t, as_type if callable(matrices_as) or names[name].startswith("blk.") else None)
-    for name, parts in experts.items():
-        _add(w, name, np.stack([parts[e] for e in sorted(parts)]), matrices_as(name) if callable(matrices_as)
-             else matrices_as)
-    if vocab:
-        w.add_tokenizer_model("llama")
-        w.add_token_list(vocab["tokens"])
-        w.add_token_scores([0.0] * len(vocab["tokens"]))
-        w.add_token_types(vocab["types"])
-        w.add_bos_token_id(vocab["bos"])
-        w.add_eos_token_id(vocab["eos"])
-        w.add_chat_template(vocab["chat_template"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
-def _add(writer, name: str, t, as_type: str | None) -> None:
-    """A tensor, as floats, or a matrix quantized to ``as_type`` (a K-quant's rows not whole super-blocks
-    to its fallback, as llama.cpp does; rows not whole blocks of 32 kept as floats)."""
-    import gguf
-
-    as_type = as_type and t.ndim >= 2 and gguf_blocks.block_type(as_type, t.shape[-1])
-    if as_type:
-        writer.add_tensor(name, gguf_blocks.quantize(t, as_type), raw_dtype=gguf.GGMLQuantizationType[as_type])
-    else:
-        writer.add_tensor(name, t)
-
-
 def test_a_granite_gguf_loads_as_its_folder(tmp_path):
     """Granite's scales from the metadata (granite.embedding_scale, residual_scale, attention.scale,
     logit_scale); its q/k rows permuted as llama's."""
     folder = make_tiny_model(str(tmp_path / "granite"), "granite", None)
-    _write_gguf(folder, str(tmp_path / "granite.gguf"), "granite")
+    write_gguf(folder, str(tmp_path / "granite.gguf"), "granite")
     want_cfg, got_cfg = load_model_config(folder), load_model_config(str(tmp_path / "granite.gguf"))
     ids = dict(bos_token_id=None, eos_token_ids=(), rms_norm_eps=0, max_position_embeddings=0, residual_multiplier=0)
     assert dataclasses.replace(got_cfg, **ids) == dataclasses.replace(want_cfg, **ids)
@@ -239,7 +124,7 @@ def test_a_granite_gguf_loads_as_its_folder(tmp_path):
 def test_a_qwen3_gguf_loads_as_its_folder(tmp_path):
     """Config from the GGUF metadata (head_dim its own), the per-head q/k norms found by their GGUF names."""
     folder = make_tiny_model(str(tmp_path / "qwen3"), "qwen3", None, head_dim=24)
-    _write_gguf(folder, str(tmp_path / "qwen3.gguf"))
+    write_gguf(folder, str(tmp_path / "qwen3.gguf"))
     want_cfg, got_cfg = load_model_config(folder), load_model_config(str(tmp_path / "qwen3.gguf"))
     assert (got_cfg.model_type, got_cfg.head_dim, got_cfg.qk_norm, got_cfg.attention_bias) == ("qwen3", 24, True, False)
     want = build_model(folder, want_cfg, 64, torch.float32, torch.device("cpu")).state_dict()
@@ -254,9 +139,9 @@ def test_a_yarn_gguf_reads_as_its_folder(tmp_path):
     llama.cpp's keys that change the attention factor are refused, not guessed at."""
     rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
     folder = make_tiny_model(str(tmp_path / "q"), "qwen3", None, head_dim=24, rope_parameters=rope)
-    _write_gguf(folder, str(tmp_path / "q.gguf"), extra={"yarn_beta_fast": 32.0})
+    write_gguf(folder, str(tmp_path / "q.gguf"), extra={"yarn_beta_fast": 32.0})
     assert load_model_config(str(tmp_path / "q.gguf")).rope_scaling == load_model_config(folder).rope_scaling
-    _write_gguf(folder, str(tmp_path / "odd.gguf"), extra={"yarn_log_multiplier": 0.1})
+    write_gguf(folder, str(tmp_path / "odd.gguf"), extra={"yarn_log_multiplier": 0.1})
     with pytest.raises(ValueError, match="rope.scaling.yarn_log_multiplier is not supported yet"):
         load_model_config(str(tmp_path / "odd.gguf"))
 
@@ -269,7 +154,7 @@ def test_a_moe_gguf_loads_as_its_folder(tmp_path, arch, gguf_arch, widths):
     experts' widths from their tensors where the metadata lacks them (as in early Qwen1.5-MoE files)."""
     extra = {"mlp_only_layers": [1]} if arch == "qwen3_moe" else {}
     folder = make_tiny_model(str(tmp_path / arch), arch, None, **extra)
-    _write_gguf(folder, str(tmp_path / "moe.gguf"), gguf_arch, widths=widths)
+    write_gguf(folder, str(tmp_path / "moe.gguf"), gguf_arch, widths=widths)
     want_cfg, got_cfg = load_model_config(folder), load_model_config(str(tmp_path / "moe.gguf"))
     assert got_cfg.model_type == arch and got_cfg.moe == want_cfg.moe
     want = build_model(folder, want_cfg, 64, torch.float32, torch.device("cpu")).state_dict()
@@ -316,7 +201,7 @@ def test_a_moe_ggufs_experts_stay_packed_on_the_cpu(tmp_path, fmt, monkeypatch, 
     folder = make_tiny_model(str(tmp_path / "moe"), "qwen2_moe", smollm_tokenizer_dir, moe_intermediate_size=64)
     gguf_path = str(tmp_path / "moe.gguf")
     fmt, down = fmt.split("+") if "+" in fmt else (fmt, fmt)
-    _write_gguf(folder, gguf_path, "qwen2moe", matrices_as=lambda name: down if "ffn_down" in name else fmt
+    write_gguf(folder, gguf_path, "qwen2moe", matrices_as=lambda name: down if "ffn_down" in name else fmt
                 if name.startswith("blk.") else None)
     prompts = [[(7 * i + 3 * j) % 5000 + 3 for j in range(n)] for i, n in enumerate([4, 40])]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -344,7 +229,7 @@ def test_a_gemma_gguf_loads_as_its_folder(tmp_path, arch, gguf_arch):
     if arch != "gemma":
         extra["query_pre_attn_scalar"] = 16  # head_dim, as in every Gemma 2 and 3 but the 27Bs
     folder = make_tiny_model(str(tmp_path / arch), arch, None, **extra)
-    _write_gguf(folder, str(tmp_path / "gemma.gguf"), gguf_arch)
+    write_gguf(folder, str(tmp_path / "gemma.gguf"), gguf_arch)
     want_cfg, got_cfg = load_model_config(folder), load_model_config(str(tmp_path / "gemma.gguf"))
     ids = dict(bos_token_id=None, eos_token_ids=(), rms_norm_eps=0)  # (no vocabulary here; eps in float32)
     assert dataclasses.replace(got_cfg, **ids) == dataclasses.replace(want_cfg, **ids, max_position_embeddings=1024)
@@ -404,7 +289,7 @@ def test_hf_overrides_replace_config_values_before_the_model_is_read(tmp_path):
     mm = make_tiny_gemma3_multimodal(str(tmp_path / "g3"), None)
     cfg = load_model_config(mm, {"text_config": {"sliding_window": 8}})
     assert (cfg.window(0), cfg.num_heads, cfg.head_dim) == (8, 8, 256)  # the text_config's other values kept
-    _write_gguf(folder, str(tmp_path / "m.gguf"), "llama")
+    write_gguf(folder, str(tmp_path / "m.gguf"), "llama")
     assert load_model_config(str(tmp_path / "m.gguf"), {"rms_norm_eps": 1e-3}).rms_norm_eps == 1e-3
 
 
@@ -421,7 +306,7 @@ def test_a_gemma2_gguf_without_caps_or_window_keys_gets_llama_cpps(tmp_path):
 
     folder = make_tiny_model(str(tmp_path / "g2"), "gemma2", None, attn_logit_softcapping=None,
                              final_logit_softcapping=None, sliding_window=None)
-    _write_gguf(folder, str(tmp_path / "g2.gguf"), "gemma2")
+    write_gguf(folder, str(tmp_path / "g2.gguf"), "gemma2")
     cfg = load_model_config(str(tmp_path / "g2.gguf"))
     assert (cfg.attn_softcap, cfg.final_softcap, cfg.sliding_window, cfg.window(0), cfg.window(1)) == \
         (50.0, 30.0, None, 0, 0)  # (4096 is past this file's 1024 positions: no window left)
@@ -456,7 +341,7 @@ def test_a_gemma3_gguf_chats_with_its_own_tokenizer_and_ends_its_turn(tmp_path):
     vocab = {"tokens": tokens, "types": [3, 3, 3, 2] + [6] * 256 + [3, 3] + [1] * (len(tokens) - 262), "bos": 2,
              "eos": 1, "chat_template": template}
     folder = make_tiny_model(str(tmp_path / "g3"), "gemma3_text", None, vocab_size=300)
-    _write_gguf(folder, str(tmp_path / "g3.gguf"), "gemma3", vocab=vocab)
+    write_gguf(folder, str(tmp_path / "g3.gguf"), "gemma3", vocab=vocab)
     llm = LLM(str(tmp_path / "g3.gguf"), num_kv_blocks=64, dtype="float32")
     end_of_turn = tokens.index("<end_of_turn>")
     assert llm.engine.eos_token_ids == [1, end_of_turn]
@@ -476,7 +361,7 @@ def test_a_phi3_gguf_loads_as_its_folder(tmp_path):
             "long_factor": [2.0 + i / 2 for i in range(6)]}
     folder = make_tiny_model(str(tmp_path / "phi3"), "phi3", None, rope_parameters=rope,
                              original_max_position_embeddings=64, partial_rotary_factor=0.75)
-    _write_gguf(folder, str(tmp_path / "phi3.gguf"), "phi3")
+    write_gguf(folder, str(tmp_path / "phi3.gguf"), "phi3")
     want_cfg, got_cfg = load_model_config(folder), load_model_config(str(tmp_path / "phi3.gguf"))
     assert got_cfg.model_type == "phi3" and got_cfg.rope_scaling.keys() == want_cfg.rope_scaling.keys()
     assert got_cfg.rotary_dim == want_cfg.rotary_dim == 12
@@ -503,7 +388,7 @@ def test_a_ggufs_matrices_stay_packed_on_the_cpu(tmp_path, monkeypatch, smollm_t
     if not matmul.packed_available():
         pytest.skip("the C kernel does not build here")
     folder = make_tiny_model(str(tmp_path / arch), arch, smollm_tokenizer_dir)
-    _write_gguf(folder, str(tmp_path / "phi3.gguf"), gguf_arch, matrices_as="Q8_0")
+    write_gguf(folder, str(tmp_path / "phi3.gguf"), gguf_arch, matrices_as="Q8_0")
     prompts = [[(7 * i + 3 * j) % 5000 + 3 for j in range(n)] for i, n in enumerate([4, 40])]
     outs = []
     for rows in (None, "0"):  # "0": the C kernel off, so nothing is kept packed
@@ -537,7 +422,7 @@ def test_a_k_quant_gguf_stays_packed_on_the_cpu(tmp_path, monkeypatch, smollm_to
     types = {"token_embd": "Q6_K", "output": "Q6_K", "blk.0.attn_v": "Q6_K", "blk.0.ffn_down": "Q6_K",
              "blk.1.attn_output": "Q5_K", "blk.1.ffn_gate": "Q5_0"}
     path = str(tmp_path / "q4_k_m.gguf")
-    _write_gguf(folder, path, "llama", matrices_as=lambda name: types.get(name.removesuffix(".weight"), "Q4_K"))
+    write_gguf(folder, path, "llama", matrices_as=lambda name: types.get(name.removesuffix(".weight"), "Q4_K"))
     prompts = [[(7 * i + 3 * j) % 5000 + 3 for j in range(n)] for i, n in enumerate([4, 40])]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     outs = []
@@ -563,3 +448,31 @@ def test_a_k_quant_gguf_stays_packed_on_the_cpu(tmp_path, monkeypatch, smollm_to
     for prompt, want in zip(prompts, outs[0], strict=True):
         got = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
         assert got == want
+
+
+def test_write_gguf_writes_llama_cpps_mix(tmp_path, smollm_tokenizer_dir):
+    """``tools/write_gguf.py --type Q4_K_M``: v and down in Q6_K in llama.cpp's layers, the rest in Q4_K,
+    the embeddings in Q6_K; rows not whole super-blocks in llama.cpp's fallbacks (Q5_0, Q8_0)."""
+    import subprocess
+    import sys
+
+    from gguf import GGUFReader
+
+    wide = make_tiny_model(str(tmp_path / "wide"), "llama", smollm_tokenizer_dir, hidden_size=256,
+                           intermediate_size=512, num_hidden_layers=2)
+    narrow = make_tiny_model(str(tmp_path / "narrow"), "llama", smollm_tokenizer_dir, num_hidden_layers=2)
+    tool = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "write_gguf.py")
+    for folder in (wide, narrow):
+        r = subprocess.run([sys.executable, tool, folder, f"{folder}.gguf", "--type", "Q4_K_M"], capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+    types = [{t.name: t.tensor_type.name for t in GGUFReader(f"{f}.gguf").tensors} for f in (wide, narrow)]
+    # two layers: both in the first and last eighths, so v and down in more bits in both
+    assert [types[0][n] for n in ("token_embd.weight", "blk.0.attn_q.weight", "blk.1.attn_v.weight",
+                                  "blk.1.ffn_down.weight", "blk.0.ffn_up.weight")] == ["Q6_K", "Q4_K", "Q6_K", "Q6_K",
+                                                                                       "Q4_K"]
+    assert [types[1][n] for n in ("token_embd.weight", "blk.0.attn_q.weight", "blk.1.attn_v.weight")] == [
+        "Q8_0", "Q5_0", "Q8_0"]
+    r = subprocess.run([sys.executable, tool, wide, str(tmp_path / "x.gguf"), "--type", "Q9_K"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "unknown type 'Q9_K'" in r.stderr

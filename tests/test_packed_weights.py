@@ -20,14 +20,13 @@ import kernels
 import kernels.reference as ref
 from engine import loader
 from engine.models.config import ModelConfig
-from engine.models.llama import LlamaForCausalLM
-from kernels.cpu import matmul
 from engine.models.layers import ColumnLinear
+from engine.models.llama import LlamaForCausalLM
 from engine.models.moe import Experts
 from engine.parallel import TPGroup
-from kernels.cpu import build
+from kernels.cpu import build, matmul
 from kernels.cpu.build import status_check
-from tests.gguf_blocks import quantize
+from tools.write_gguf import quantize
 
 FMTS = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"]
 TYPES = {f: GGMLQuantizationType[f.upper()] for f in FMTS}
