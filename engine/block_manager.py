@@ -81,6 +81,14 @@ class BlockManager:
         return max(used, self.window.usage) if self.window else used
 
     @property
+    def fuller_pool(self) -> tuple[int, int]:
+        """The fuller pool's free blocks and size, as ``usage`` counts them (for a model whose layers all
+        slide, the window pool: its full blocks are names only, never short)."""
+        if self.window and self.window.usage > self.num_used_blocks / self.num_blocks:
+            return self.window.num_free_blocks, self.window.num_blocks
+        return self.num_free_blocks, self.num_blocks
+
+    @property
     def max_step_tokens(self) -> int | None:
         """The most tokens one request may compute in one step (None: no bound but the token budget's):
         a step's tokens all need window blocks at once, and the pool must hold them beside its window."""

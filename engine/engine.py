@@ -190,7 +190,7 @@ class Engine:
 
     def stats(self) -> Stats:
         bm, s = self.block_manager, self.scheduler
-        return Stats(len(s.waiting), len(s.running), bm.usage, bm.num_free_blocks, bm.num_blocks,
+        return Stats(len(s.waiting), len(s.running), bm.usage, *bm.fuller_pool,
                      s.num_preemptions, s.num_timeouts, s.prefix_cache_hit_rate, bm.num_evictions,
                      s.kv_fragmentation)
 

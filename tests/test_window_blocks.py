@@ -52,6 +52,17 @@ def test_a_request_keeps_only_the_window_blocks_its_next_queries_read():
     assert all(s < 0 for s in bm.window.of)  # without prefix caching nothing is kept linked
 
 
+def test_stats_report_the_fuller_pool():
+    """kv_usage, num_free_blocks and num_kv_blocks (/health, and over data-parallel engines free / blocks)
+    count the pool that runs out first: for a model whose layers all slide, the window pool."""
+    bm = BlockManager(64, BS, window=W, num_window_blocks=8)  # many names, few window blocks
+    run(bm, req(12), 12)
+    assert bm.fuller_pool == (bm.window.num_free_blocks, 8) and bm.usage == bm.window.usage > 0
+    full = BlockManager(4, BS, window=W, num_window_blocks=16)  # the full blocks short
+    run(full, req(12), 12)
+    assert full.fuller_pool == (1, 4) and full.usage == 0.75
+
+
 def test_links_reach_the_device_once_and_dropped_ones_never():
     bm = BlockManager(16, BS, window=W, num_window_blocks=8)
     r = req(12)
