@@ -349,7 +349,7 @@ _GGUF_GEMMA2 = {"ffn_norm": "pre_feedforward_layernorm"}  # Gemma 2 and 3's (the
 # GGUF architecture -> model_type (llama with experts: Mixtral)
 _GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "qwen2moe": "qwen2_moe",
               "qwen3moe": "qwen3_moe", "phi3": "phi3", "gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3_text",
-              "granite": "granite"}
+              "granite": "granite", "olmo2": "olmo2"}
 
 
 def gguf_field(path: str, key: str, default=None):
@@ -408,6 +408,8 @@ def _gguf_config(path: str) -> tuple[dict, list[int]]:
         cfg["rope_scaling"] = _gguf_yarn(a)
     if arch.startswith("gemma"):
         cfg |= _gguf_gemma(arch, a, cfg)
+    if arch == "olmo2" and cfg["sliding_window"]:  # OLMo 3, as llama.cpp reads it: three of each four layers slide
+        cfg["model_type"] = "olmo3"
     if arch == "granite":  # its scales, as llama.cpp names them
         cfg |= {"embedding_multiplier": a("embedding_scale", 1.0), "residual_multiplier": a("residual_scale", 1.0),
                 "attention_multiplier": a("attention.scale", head_dim ** -0.5), "logits_scaling": a("logit_scale", 1.0)}

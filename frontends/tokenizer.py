@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from datetime import datetime
@@ -43,12 +44,33 @@ def _load_tokenizer(model_path: str, cache_dir: str | None) -> Any:
     if cached:
         return AutoTokenizer.from_pretrained(cache_dir)
     if model_path.endswith(".gguf"):
-        tok = AutoTokenizer.from_pretrained(os.path.dirname(model_path), gguf_file=os.path.basename(model_path))
+        tok = _gguf_tokenizer(model_path)
     else:
         tok = AutoTokenizer.from_pretrained(model_path)
     if cache_dir is not None:
         _save_cache(tok, model_path, cache_dir)
     return tok
+
+
+def _gguf_tokenizer(path: str) -> Any:
+    """transformers reads a GGUF file's tokenizer (its ``tokenizer.ggml.*`` keys) only for the architectures
+    it loads as models; Granite's and OLMo 2's files, which tokenmill serves, are read as any other."""
+    from transformers import AutoTokenizer
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    folder, name = os.path.dirname(path), os.path.basename(path)
+    try:
+        return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except ValueError as e:
+        arch = re.fullmatch(r"GGUF model with architecture (\S+) is not supported yet\.", str(e))
+        if not arch:
+            raise
+    supported = gguf_utils.GGUF_SUPPORTED_ARCHITECTURES
+    supported.append(arch[1])
+    try:
+        return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    finally:
+        supported.remove(arch[1])
 
 
 def _cached_for(cache_dir: str) -> str | None:

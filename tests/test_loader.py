@@ -476,3 +476,43 @@ def test_write_gguf_writes_llama_cpps_mix(tmp_path, smollm_tokenizer_dir):
     r = subprocess.run([sys.executable, tool, wide, str(tmp_path / "x.gguf"), "--type", "Q9_K"], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and "unknown type 'Q9_K'" in r.stderr
+
+
+@pytest.mark.parametrize("arch", ["olmo2", "olmo3"])
+def test_an_olmo_gguf_loads_as_its_folder(tmp_path, arch):
+    """OLMo 2 and 3 as llama.cpp writes them (architecture olmo2; OLMo 3 told by its sliding window, three
+    of each four layers sliding): norms after each sublayer (post_attention_norm, post_ffw_norm), q and k
+    normed across heads, RoPE rotate-half (no permuted rows)."""
+    extra = dict(num_hidden_layers=4, sliding_window=16) if arch == "olmo3" else {}
+    folder = make_tiny_model(str(tmp_path / arch), arch, None, **extra)
+    write_gguf(folder, str(tmp_path / "o.gguf"), "olmo2")
+    want_cfg, got_cfg = load_model_config(folder), load_model_config(str(tmp_path / "o.gguf"))
+    ids = dict(bos_token_id=None, eos_token_ids=(), rms_norm_eps=0, max_position_embeddings=0)
+    assert dataclasses.replace(got_cfg, **ids) == dataclasses.replace(want_cfg, **ids)
+    assert got_cfg.model_type == arch and got_cfg.olmo and [got_cfg.window(i) for i in range(got_cfg.num_layers)] == (
+        [16, 16, 16, 0] if arch == "olmo3" else [0, 0])
+    want = build_model(folder, want_cfg, 64, torch.float32, torch.device("cpu")).state_dict()
+    got = build_model(str(tmp_path / "o.gguf"), got_cfg, 64, torch.float32, torch.device("cpu")).state_dict()
+    assert want.keys() == got.keys() and any("q_norm" in k for k in want)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+def test_a_gguf_transformers_does_not_load_still_gives_its_tokenizer(tmp_path):
+    """transformers reads a GGUF's tokenizer only for architectures it loads as models (not Granite's, not
+    OLMo 2's): tokenmill reads it from the file's tokenizer keys anyway, and serves the file."""
+    from engine import LLM, SamplingParams
+
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)] + ["▁hello", "▁world"]
+    tokens += [f"t{i}" for i in range(300 - len(tokens))]
+    vocab = {"tokens": tokens, "types": [2, 3, 3] + [6] * 256 + [1] * (len(tokens) - 259), "bos": 1, "eos": 2,
+             "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}
+    folder = make_tiny_model(str(tmp_path / "granite"), "granite", None, vocab_size=300)
+    write_gguf(folder, str(tmp_path / "granite.gguf"), "granite", vocab=vocab)
+    llm = LLM(str(tmp_path / "granite.gguf"), num_kv_blocks=64, dtype="float32")
+    ids = llm.tokenizer.encode("hello")
+    assert ids[0] == 1 and llm.tokenizer.chat_template == vocab["chat_template"]
+    out = llm.generate(["hello"], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4 and out.prompt_token_ids == ids
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+    assert "granite" not in GGUF_SUPPORTED_ARCHITECTURES  # (left as it was)

@@ -30,7 +30,7 @@ from engine.loader import load_model_config  # noqa: E402
 # the GGUF architecture of each model_type this writer knows
 ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2_moe": "qwen2moe",
         "qwen3_moe": "qwen3moe", "mixtral": "llama", "phi3": "phi3", "gemma": "gemma", "gemma2": "gemma2",
-        "gemma3_text": "gemma3", "granite": "granite"}
+        "gemma3_text": "gemma3", "granite": "granite", "olmo2": "olmo2", "olmo3": "olmo2"}
 
 
 def _more_bits(i: int, n: int) -> bool:
@@ -174,7 +174,7 @@ def write_gguf(folder: str, out: str, arch: str = "qwen3", matrices_as: str | Ca
              "mlp.shared_expert_gate": "ffn_gate_inp_shexp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
              "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
              "block_sparse_moe.gate": "ffn_gate_inp", "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
-    if cfg.gemma >= 2:  # norms of each sublayer's output too
+    if cfg.gemma >= 2 or cfg.olmo:  # norms of each sublayer's output too (OLMo's: only those)
         layer |= {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                   "post_feedforward_layernorm": "post_ffw_norm"}
     rope = cfg.rope_scaling or {}
