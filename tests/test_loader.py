@@ -105,6 +105,41 @@ def test_cuda_bf16_load_peaks_at_the_model_size(tmp_path):
     assert torch.cuda.memory_allocated() - before <= weights + tables + (1 << 20)
 
 
+def _same_weights(folder: str, gguf_path: str, want_cfg: ModelConfig, got_cfg: ModelConfig) -> dict:
+    """Check the model built from ``gguf_path`` holds the folder's weights exactly; returns their names."""
+    want = build_model(folder, want_cfg, 64, torch.float32, torch.device("cpu")).state_dict()
+    got = build_model(gguf_path, got_cfg, 64, torch.float32, torch.device("cpu")).state_dict()
+    assert want.keys() == got.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    return want
+
+
+def _packed_then_expanded(path: str, folder: str, monkeypatch, check) -> tuple[list, list]:
+    """The GGUF at ``path`` served with its matrices kept packed, then expanded (the C kernel off,
+    ``TOKENMILL_CPU_LINEAR_ROWS=0``): ``check(llm, packed)`` each engine (the folder's tokenizer: these
+    files hold no vocabulary), and their greedy outputs the same; returns the prompts and the outputs."""
+    from transformers import AutoTokenizer
+
+    from engine import LLM, SamplingParams
+    from kernels.cpu import matmul
+
+    if not matmul.packed_available():
+        pytest.skip("the C kernel does not build here")
+    prompts = [[(7 * i + 3 * j) % 5000 + 3 for j in range(n)] for i, n in enumerate([4, 40])]
+    outs = []
+    for packed in (True, False):
+        if not packed:
+            monkeypatch.setenv("TOKENMILL_CPU_LINEAR_ROWS", "0")
+        llm = LLM(path, device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=128)
+        llm.tokenizer = AutoTokenizer.from_pretrained(folder)
+        check(llm, packed)
+        outs.append([o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0,
+                                                                               ignore_eos=True))])
+    assert outs[0] == outs[1]
+    return prompts, outs[0]
+
+
 def test_a_granite_gguf_loads_as_its_folder(tmp_path):
     """Granite's scales from the metadata (granite.embedding_scale, residual_scale, attention.scale,
     logit_scale); its q/k rows permuted as llama's."""
@@ -114,11 +149,7 @@ def test_a_granite_gguf_loads_as_its_folder(tmp_path):
     ids = dict(bos_token_id=None, eos_token_ids=(), rms_norm_eps=0, max_position_embeddings=0, residual_multiplier=0)
     assert dataclasses.replace(got_cfg, **ids) == dataclasses.replace(want_cfg, **ids)
     assert got_cfg.residual_multiplier == pytest.approx(want_cfg.residual_multiplier, rel=1e-7)  # (float32 there)
-    want = build_model(folder, want_cfg, 64, torch.float32, torch.device("cpu")).state_dict()
-    got = build_model(str(tmp_path / "granite.gguf"), got_cfg, 64, torch.float32, torch.device("cpu")).state_dict()
-    assert want.keys() == got.keys()
-    for k in want:
-        assert torch.equal(got[k], want[k]), k
+    _same_weights(folder, str(tmp_path / "granite.gguf"), want_cfg, got_cfg)
 
 
 def test_a_qwen3_gguf_loads_as_its_folder(tmp_path):
@@ -127,11 +158,8 @@ def test_a_qwen3_gguf_loads_as_its_folder(tmp_path):
     write_gguf(folder, str(tmp_path / "qwen3.gguf"))
     want_cfg, got_cfg = load_model_config(folder), load_model_config(str(tmp_path / "qwen3.gguf"))
     assert (got_cfg.model_type, got_cfg.head_dim, got_cfg.qk_norm, got_cfg.attention_bias) == ("qwen3", 24, True, False)
-    want = build_model(folder, want_cfg, 64, torch.float32, torch.device("cpu")).state_dict()
-    got = build_model(str(tmp_path / "qwen3.gguf"), got_cfg, 64, torch.float32, torch.device("cpu")).state_dict()
-    assert want.keys() == got.keys() and any("q_norm" in k for k in want)
-    for k in want:
-        assert torch.equal(got[k], want[k]), k
+    want = _same_weights(folder, str(tmp_path / "qwen3.gguf"), want_cfg, got_cfg)
+    assert any("q_norm" in k for k in want)
 
 
 def test_a_yarn_gguf_reads_as_its_folder(tmp_path):
@@ -157,11 +185,8 @@ def test_a_moe_gguf_loads_as_its_folder(tmp_path, arch, gguf_arch, widths):
     write_gguf(folder, str(tmp_path / "moe.gguf"), gguf_arch, widths=widths)
     want_cfg, got_cfg = load_model_config(folder), load_model_config(str(tmp_path / "moe.gguf"))
     assert got_cfg.model_type == arch and got_cfg.moe == want_cfg.moe
-    want = build_model(folder, want_cfg, 64, torch.float32, torch.device("cpu")).state_dict()
-    got = build_model(str(tmp_path / "moe.gguf"), got_cfg, 64, torch.float32, torch.device("cpu")).state_dict()
-    assert want.keys() == got.keys() and any("experts.w13" in k for k in want)
-    for k in want:
-        assert torch.equal(got[k], want[k]), k
+    want = _same_weights(folder, str(tmp_path / "moe.gguf"), want_cfg, got_cfg)
+    assert any("experts.w13" in k for k in want)
 
 
 def test_moe_checkpoints_that_do_not_fit_are_refused(tmp_path):
@@ -191,31 +216,18 @@ def test_a_moe_ggufs_experts_stay_packed_on_the_cpu(tmp_path, fmt, monkeypatch, 
     """Experts stored as Q8_0 / Q4_0 blocks (and the other matrices) are kept so (as llama.cpp keeps them:
     the 3.5x to 7x smaller weights) and multiplied by the C kernel; greedy output as with them expanded.
     "Q4_0+Q8_0": down in more bits than gate and up, as in Q4_K_M files."""
-    from engine import LLM, SamplingParams
-    from kernels.cpu import matmul
-
-    if not matmul.packed_available():
-        pytest.skip("the C kernel does not build here")
-    from transformers import AutoTokenizer
-
     folder = make_tiny_model(str(tmp_path / "moe"), "qwen2_moe", smollm_tokenizer_dir, moe_intermediate_size=64)
     gguf_path = str(tmp_path / "moe.gguf")
     fmt, down = fmt.split("+") if "+" in fmt else (fmt, fmt)
     write_gguf(folder, gguf_path, "qwen2moe", matrices_as=lambda name: down if "ffn_down" in name else fmt
                 if name.startswith("blk.") else None)
-    prompts = [[(7 * i + 3 * j) % 5000 + 3 for j in range(n)] for i, n in enumerate([4, 40])]
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    outs = []
-    for rows in (None, "0"):  # "0": the C kernel off, so nothing is kept packed
-        if rows:
-            monkeypatch.setenv("TOKENMILL_CPU_LINEAR_ROWS", rows)
-        llm = LLM(gguf_path, device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=128)
-        llm.tokenizer = AutoTokenizer.from_pretrained(folder)  # (this GGUF holds no vocabulary)
+
+    def check(llm, packed):
         experts = llm.engine.runner.model.layers[0].mlp.experts
-        assert (experts.packed, experts.packed_down) == ((fmt.lower(), down.lower()) if rows is None else (None,) * 2)
-        assert experts.w13.dtype == (torch.uint8 if rows is None else torch.float32)
-        outs.append([o.token_ids for o in llm.generate(prompts, params)])
-    assert outs[0] == outs[1]
+        assert (experts.packed, experts.packed_down) == ((fmt.lower(), down.lower()) if packed else (None,) * 2)
+        assert experts.w13.dtype == (torch.uint8 if packed else torch.float32)
+
+    _packed_then_expanded(gguf_path, folder, monkeypatch, check)
 
 
 @pytest.mark.parametrize("arch,gguf_arch", [("gemma", "gemma"), ("gemma2", "gemma2"), ("gemma3_text", "gemma3")])
@@ -380,42 +392,23 @@ def test_a_phi3_gguf_loads_as_its_folder(tmp_path):
 @pytest.mark.parametrize("arch,gguf_arch", [("phi3", "phi3"), ("gemma3_text", "gemma3")])
 def test_a_ggufs_matrices_stay_packed_on_the_cpu(tmp_path, monkeypatch, smollm_tokenizer_dir, arch, gguf_arch):
     """Phi-3's fused ones (attn_qkv, ffn_up) and Gemma 3's: multiplied packed, greedy as expanded."""
-    from transformers import AutoTokenizer
-
-    from engine import LLM, SamplingParams
-    from kernels.cpu import matmul
-
-    if not matmul.packed_available():
-        pytest.skip("the C kernel does not build here")
     folder = make_tiny_model(str(tmp_path / arch), arch, smollm_tokenizer_dir)
     write_gguf(folder, str(tmp_path / "phi3.gguf"), gguf_arch, matrices_as="Q8_0")
-    prompts = [[(7 * i + 3 * j) % 5000 + 3 for j in range(n)] for i, n in enumerate([4, 40])]
-    outs = []
-    for rows in (None, "0"):  # "0": the C kernel off, so nothing is kept packed
-        if rows:
-            monkeypatch.setenv("TOKENMILL_CPU_LINEAR_ROWS", rows)
-        llm = LLM(str(tmp_path / "phi3.gguf"), device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=128)
-        llm.tokenizer = AutoTokenizer.from_pretrained(folder)  # (this GGUF holds no vocabulary)
+
+    def check(llm, packed):
         layer = llm.engine.runner.model.layers[1]
-        assert {layer.self_attn.qkv_proj.packed, layer.mlp.gate_up_proj.packed} == {"q8_0" if rows is None else None}
-        outs.append([o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0,
-                                                                               ignore_eos=True))])
-    assert outs[0] == outs[1]
+        assert {layer.self_attn.qkv_proj.packed, layer.mlp.gate_up_proj.packed} == {"q8_0" if packed else None}
+
+    _packed_then_expanded(str(tmp_path / "phi3.gguf"), folder, monkeypatch, check)
 
 
 def test_a_k_quant_gguf_stays_packed_on_the_cpu(tmp_path, monkeypatch, smollm_tokenizer_dir, caplog):
     """A Q4_K_M-style file (llama.cpp's mix: q, k, gate, up in Q4_K; v and down in Q6_K in some layers;
     the embeddings in Q6_K; one layer's output in Q5_K, one's gate in Q5_0, which llama.cpp writes where rows
-    are not whole super-blocks):
-    every matrix kept packed, fused q|k|v of two formats multiplied a run at a time, greedy output as
-    with everything expanded (and as transformers reads the same file)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    are not whole super-blocks): every matrix kept packed, fused q|k|v of two formats multiplied a run at a
+    time, greedy output as with everything expanded (and as transformers reads the same file)."""
+    from transformers import AutoModelForCausalLM
 
-    from engine import LLM, SamplingParams
-    from kernels.cpu import matmul
-
-    if not matmul.packed_available():
-        pytest.skip("the C kernel does not build here")
     folder = make_tiny_model(str(tmp_path / "llama"), "llama", smollm_tokenizer_dir, hidden_size=256,
                              intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
                              tie_word_embeddings=False)
@@ -423,18 +416,11 @@ def test_a_k_quant_gguf_stays_packed_on_the_cpu(tmp_path, monkeypatch, smollm_to
              "blk.1.attn_output": "Q5_K", "blk.1.ffn_gate": "Q5_0"}
     path = str(tmp_path / "q4_k_m.gguf")
     write_gguf(folder, path, "llama", matrices_as=lambda name: types.get(name.removesuffix(".weight"), "Q4_K"))
-    prompts = [[(7 * i + 3 * j) % 5000 + 3 for j in range(n)] for i, n in enumerate([4, 40])]
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    outs = []
-    for rows in (None, "0"):  # "0": the C kernel off, so nothing is kept packed
-        if rows:
-            monkeypatch.setenv("TOKENMILL_CPU_LINEAR_ROWS", rows)
-        with caplog.at_level("INFO", logger="tokenmill"):
-            llm = LLM(path, device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=128)
-        llm.tokenizer = AutoTokenizer.from_pretrained(folder)  # (this GGUF holds no vocabulary)
+
+    def check(llm, packed):
         model = llm.engine.runner.model
         first, second = model.layers
-        if rows is None:
+        if packed:
             assert "GGUF: 16 matrices kept packed (10 Q4_K, 4 Q6_K, 1 Q5_0, 1 Q5_K)" in caplog.text
             assert [seg[:3] for seg in first.self_attn.qkv_proj.segments] == [("q4_k", 0, 384), ("q6_k", 384, 128)]
             assert first.mlp.down_proj.packed == "q6_k" and model.embed_tokens.packed == "q6_k"
@@ -442,10 +428,11 @@ def test_a_k_quant_gguf_stays_packed_on_the_cpu(tmp_path, monkeypatch, smollm_to
             assert second.self_attn.qkv_proj.packed == "q4_k" and second.self_attn.o_proj.packed == "q5_k"
         else:
             assert first.self_attn.qkv_proj.weight.dtype == torch.float32
-        outs.append([o.token_ids for o in llm.generate(prompts, params)])
-    assert outs[0] == outs[1]
+
+    with caplog.at_level("INFO", logger="tokenmill"):
+        prompts, outs = _packed_then_expanded(path, folder, monkeypatch, check)
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="q4_k_m.gguf", torch_dtype=torch.float32)
-    for prompt, want in zip(prompts, outs[0], strict=True):
+    for prompt, want in zip(prompts, outs, strict=True):
         got = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
         assert got == want
 
@@ -491,11 +478,8 @@ def test_an_olmo_gguf_loads_as_its_folder(tmp_path, arch):
     assert dataclasses.replace(got_cfg, **ids) == dataclasses.replace(want_cfg, **ids)
     assert got_cfg.model_type == arch and got_cfg.olmo and [got_cfg.window(i) for i in range(got_cfg.num_layers)] == (
         [16, 16, 16, 0] if arch == "olmo3" else [0, 0])
-    want = build_model(folder, want_cfg, 64, torch.float32, torch.device("cpu")).state_dict()
-    got = build_model(str(tmp_path / "o.gguf"), got_cfg, 64, torch.float32, torch.device("cpu")).state_dict()
-    assert want.keys() == got.keys() and any("q_norm" in k for k in want)
-    for k in want:
-        assert torch.equal(got[k], want[k]), k
+    want = _same_weights(folder, str(tmp_path / "o.gguf"), want_cfg, got_cfg)
+    assert any("q_norm" in k for k in want)
 
 
 def test_a_gguf_transformers_does_not_load_still_gives_its_tokenizer(tmp_path):
