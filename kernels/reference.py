@@ -193,9 +193,13 @@ def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
 # name -> (weights per block, bytes per block). Blocks of 32: an fp16 scale d; Q4_1 and Q5_1 then an fp16
 # minimum m; Q5_0 and Q5_1 then the weights' fifth bits (32, little-endian); then the weights: 4-bit
 # (weight j in the low half of byte j, weight j + 16 in its high half) or signed 8-bit. K-quants: super-blocks
-# of 256 in sub-blocks of 32 (Q6_K: 16) with scales of their own (``_k_quants``).
+# of 256 in sub-blocks of 32 (Q2_K, Q3_K, Q6_K: 16) with scales of their own (``_k_quants``). IQ4_NL is
+# Q4_0's layout with its 4 bits an index into ``IQ4_LEVELS``; IQ4_XS super-blocks of those (``_k_quants``).
 PACKED_BLOCKS = {"q4_0": (32, 18), "q4_1": (32, 20), "q8_0": (32, 34), "q4_z": (32, 20), "q5_0": (32, 22),
-                 "q5_1": (32, 24), "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210)}
+                 "q5_1": (32, 24), "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210), "q2_k": (256, 84),
+                 "q3_k": (256, 110), "iq4_nl": (32, 18), "iq4_xs": (256, 136)}
+# IQ4_NL's and IQ4_XS's 16 levels (llama.cpp's kvalues_iq4nl): a 4-bit weight q is d * IQ4_LEVELS[q]
+IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 # each format's number in the packed kernels (matmul.c's enum, the Triton kernel's FMT): their order above
 PACKED_FORMATS = {fmt: i for i, fmt in enumerate(PACKED_BLOCKS)}
 
@@ -228,14 +232,17 @@ def dequantize(weight: torch.Tensor, fmt: str) -> torch.Tensor:
     and GPTQ's int4 groups, ``engine/quant.py``) is Q4_1's layout with an fp16 zero point z in place of
     the minimum, d (q - z), exact."""
     n = weight.shape[0]
-    if fmt in ("q4_k", "q5_k", "q6_k"):
+    if PACKED_BLOCKS[fmt][0] == 256:
         return _k_quants(weight.reshape(n, -1, PACKED_BLOCKS[fmt][1]), fmt).reshape(n, -1)
     blocks = weight.reshape(n, -1, PACKED_BLOCKS[fmt][1])  # (N, K / 32, block)
     d = _half(blocks, 0)  # (N, K / 32, 1)
     if fmt == "q8_0":
         return (d * blocks[..., 2:].contiguous().view(torch.int8).float()).reshape(n, -1)
-    qs = blocks[..., {"q4_0": 2, "q5_0": 6, "q5_1": 8}.get(fmt, 4):]
-    q = torch.cat([qs & 15, qs >> 4], dim=-1).float()  # (N, K / 32, 32)
+    qs = blocks[..., {"q4_0": 2, "q5_0": 6, "q5_1": 8, "iq4_nl": 2}.get(fmt, 4):]
+    q = torch.cat([qs & 15, qs >> 4], dim=-1)  # (N, K / 32, 32)
+    if fmt == "iq4_nl":
+        return (d * torch.tensor(IQ4_LEVELS, dtype=torch.float32)[q.long()]).reshape(n, -1)
+    q = q.float()
     if fmt in ("q5_0", "q5_1"):  # the fifth bits: bit j of the 32-bit word for weight j
         at = 2 if fmt == "q5_0" else 4
         q = q + 16 * _bits(blocks[..., at:at + 4], 8).transpose(-1, -2).reshape(n, -1, 32).float()
@@ -256,6 +263,8 @@ def _k_quants(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
     (sub-block 4h + r in bytes 64h + 32 (r & 1).., half r >> 1), 64 of high 2 bits (bytes 32h.., bits 2r),
     16 signed 8-bit scales (one per 16 weights), d (fp16) last; weight (d sc) (q - 32), rounded once."""
     n, b = blocks.shape[:2]
+    if fmt in ("q2_k", "q3_k", "iq4_xs"):
+        return _low_bit_k_quants(blocks, fmt)
     if fmt == "q6_k":
         ql, qh = blocks[..., :128].reshape(n, b, 2, 2, 32), blocks[..., 128:192].reshape(n, b, 2, 1, 32)
         low = torch.stack([ql & 15, ql >> 4], dim=-3).reshape(n, b, 8, 32)  # (half, nibble, byte group)
@@ -273,6 +282,44 @@ def _k_quants(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
     d1 = (_half(blocks, 0) * sc.float()).unsqueeze(-1)  # (N, B, 8, 1)
     m1 = (_half(blocks, 2) * mins.float()).unsqueeze(-1)
     return (d1 * q.float() - m1).reshape(n, b, 256)
+
+
+def _low_bit_k_quants(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Q2_K, Q3_K and IQ4_XS super-blocks, as llama.cpp's ``dequantize_row_*``. Q2_K: 16 bytes of scales
+    (low 4 bits) and minimums (high 4) per 16 weights, 64 bytes of 2-bit weights (32-weight piece 4h + s
+    in bytes 16 + 32h.., bits 2s), d, dmin; weight (d sc) q - dmin m, rounded once. Q3_K: 32 bytes of
+    high bits (piece p: bit p of byte l; a bit *clear* takes 4 off), 64 bytes of 2-bit weights (as
+    Q2_K's), 12 bytes of 6-bit scales less 32 (scale i: low 4 bits from byte i mod 8, half i // 8; high 2
+    from byte 8 + i mod 4, bits 2 (i // 4)), d; weight (d sc) q, exact. IQ4_XS: d, 16 bits of high scale
+    bits (2 per 32 weights), 4 bytes of low scale bits (4 per 32), then 32-weight blocks as IQ4_NL's;
+    weight (d (sc - 32)) IQ4_LEVELS[q], rounded once."""
+    n, b = blocks.shape[:2]
+    if fmt == "iq4_xs":
+        sh = blocks[..., 2:4].contiguous().view(torch.int16).to(torch.int32) & 0xFFFF  # (N, B, 1)
+        sl = blocks[..., 4:8]
+        low = torch.stack([sl & 15, sl >> 4], dim=-1).reshape(n, b, 8).to(torch.int32)
+        high = (sh >> torch.arange(0, 16, 2, dtype=torch.int32)) & 3
+        dl = _half(blocks, 0) * ((low | high << 4) - 32).float()  # (N, B, 8)
+        qs = blocks[..., 8:].reshape(n, b, 8, 16)
+        q = torch.cat([qs & 15, qs >> 4], dim=-1)  # (N, B, 8, 32)
+        levels = torch.tensor(IQ4_LEVELS, dtype=torch.float32)[q.long()]
+        return (dl.unsqueeze(-1) * levels).reshape(n, b, 256)
+    qs = blocks[..., 16:80] if fmt == "q2_k" else blocks[..., 32:96]
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
+    q = ((qs.reshape(n, b, 2, 1, 32) >> shifts) & 3).reshape(n, b, 16, 16)  # (N, B, group of 16, 16)
+    if fmt == "q2_k":
+        sc = blocks[..., :16]
+        dl = (_half(blocks, 80) * (sc & 15).float()).unsqueeze(-1)  # (N, B, 16, 1)
+        ml = (_half(blocks, 82) * (sc >> 4).float()).unsqueeze(-1)
+        return (dl * q.float() - ml).reshape(n, b, 256)
+    high = _bits(blocks[..., :32], 8).reshape(n, b, 16, 16)  # piece p's weights' high bits
+    q = q.to(torch.int8) - ((high ^ 1) << 2).to(torch.int8)
+    s = blocks[..., 96:108]
+    low = torch.cat([s[..., :8] & 15, s[..., :8] >> 4], dim=-1)  # (N, B, 16)
+    hi = ((s[..., 8:12].unsqueeze(-2) >> shifts) & 3).reshape(n, b, 16)
+    sc = (low | hi << 4).to(torch.int8) - 32
+    dl = (_half(blocks, 108) * sc.float()).unsqueeze(-1)
+    return (dl * q.float()).reshape(n, b, 256)
 
 
 def linear_packed(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.Tensor | None = None) -> torch.Tensor:

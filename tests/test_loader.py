@@ -405,15 +405,17 @@ def test_a_ggufs_matrices_stay_packed_on_the_cpu(tmp_path, monkeypatch, smollm_t
 def test_a_k_quant_gguf_stays_packed_on_the_cpu(tmp_path, monkeypatch, smollm_tokenizer_dir, caplog):
     """A Q4_K_M-style file (llama.cpp's mix: q, k, gate, up in Q4_K; v and down in Q6_K in some layers;
     the embeddings in Q6_K; one layer's output in Q5_K, one's gate in Q5_0, which llama.cpp writes where rows
-    are not whole super-blocks): every matrix kept packed, fused q|k|v of two formats multiplied a run at a
-    time, greedy output as with everything expanded (and as transformers reads the same file)."""
+    are not whole super-blocks; and a matrix each in Q2_K, Q3_K, IQ4_NL, IQ4_XS): every matrix kept packed,
+    fused q|k|v of two or three formats multiplied a run at a time, greedy output as with everything expanded
+    (and as transformers reads the same file)."""
     from transformers import AutoModelForCausalLM
 
     folder = make_tiny_model(str(tmp_path / "llama"), "llama", smollm_tokenizer_dir, hidden_size=256,
                              intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
                              tie_word_embeddings=False)
     types = {"token_embd": "Q6_K", "output": "Q6_K", "blk.0.attn_v": "Q6_K", "blk.0.ffn_down": "Q6_K",
-             "blk.1.attn_output": "Q5_K", "blk.1.ffn_gate": "Q5_0"}
+             "blk.1.attn_output": "Q5_K", "blk.1.ffn_gate": "Q5_0",  # and the other formats the kernel reads:
+             "blk.0.attn_output": "Q2_K", "blk.0.ffn_up": "Q3_K", "blk.1.attn_k": "IQ4_NL", "blk.1.ffn_down": "IQ4_XS"}
     path = str(tmp_path / "q4_k_m.gguf")
     write_gguf(folder, path, "llama", matrices_as=lambda name: types.get(name.removesuffix(".weight"), "Q4_K"))
 
@@ -421,11 +423,15 @@ def test_a_k_quant_gguf_stays_packed_on_the_cpu(tmp_path, monkeypatch, smollm_to
         model = llm.engine.runner.model
         first, second = model.layers
         if packed:
-            assert "GGUF: 16 matrices kept packed (10 Q4_K, 4 Q6_K, 1 Q5_0, 1 Q5_K)" in caplog.text
+            assert ("GGUF: 16 matrices kept packed (6 Q4_K, 4 Q6_K, 1 IQ4_NL, 1 IQ4_XS, 1 Q2_K, 1 Q3_K, 1 Q5_0, "
+                    "1 Q5_K)") in caplog.text
             assert [seg[:3] for seg in first.self_attn.qkv_proj.segments] == [("q4_k", 0, 384), ("q6_k", 384, 128)]
             assert first.mlp.down_proj.packed == "q6_k" and model.embed_tokens.packed == "q6_k"
+            assert [seg[0] for seg in first.mlp.gate_up_proj.segments] == ["q4_k", "q3_k"]
             assert [seg[0] for seg in second.mlp.gate_up_proj.segments] == ["q5_0", "q4_k"]
-            assert second.self_attn.qkv_proj.packed == "q4_k" and second.self_attn.o_proj.packed == "q5_k"
+            assert [seg[0] for seg in second.self_attn.qkv_proj.segments] == ["q4_k", "iq4_nl", "q4_k"]
+            assert (first.self_attn.o_proj.packed, second.self_attn.o_proj.packed, second.mlp.down_proj.packed) == (
+                "q2_k", "q5_k", "iq4_xs")
         else:
             assert first.self_attn.qkv_proj.weight.dtype == torch.float32
 

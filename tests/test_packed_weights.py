@@ -1,4 +1,4 @@
-"""Weights kept packed as GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) on the CPU: the
+"""Weights kept packed as GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, the K-quants, IQ4_XS) on the CPU: the
 reference expansion against gguf's, the C kernel against the dense C kernel on the expanded weights (bit
 for bit; its portable build too), layers whose parts mix formats, and which layers the loader packs. (The
 default model served packed, greedy equal to transformers:
@@ -28,7 +28,7 @@ from kernels.cpu import build, matmul
 from kernels.cpu.build import status_check
 from tools.write_gguf import quantize
 
-FMTS = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"]
+FMTS = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs"]
 TYPES = {f: GGMLQuantizationType[f.upper()] for f in FMTS}
 
 
@@ -178,7 +178,7 @@ def test_packed_linear_bf16_and_shapes(fmt, compiled):
 
 
 @pytest.mark.parametrize("call,error", [
-    (lambda w: matmul.linear_packed(torch.randn(1, 64), w, "q3_k"), "unknown packed format"),
+    (lambda w: matmul.linear_packed(torch.randn(1, 64), w, "iq2_xs"), "unknown packed format"),
     (lambda w: matmul.linear_packed(torch.randn(1, 32), w, "q4_1"), r"x must be \(\.\.\., 64\)"),
     (lambda w: matmul.linear_packed(torch.randn(1, 64), w.float(), "q4_1"), "uint8"),
     (lambda w: matmul.linear_packed(torch.randn(1, 64), w[:, :30], "q4_1"), "whole 20-byte blocks"),
@@ -268,7 +268,7 @@ def test_loader_packs_layers_whose_parts_the_kernel_reads(monkeypatch, compiled)
     for i in range(2):
         types |= {f"blk.{i}.{p}.weight": "q4_1" for p in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
                                                           "ffn_up", "ffn_down")}
-    types["blk.1.attn_v.weight"] = "q3_k"  # a part the kernel cannot read: its fused layer stays dense
+    types["blk.1.attn_v.weight"] = "iq2_xs"  # a part the kernel cannot read: its fused layer stays dense
     types["blk.1.ffn_down.weight"] = "f32"
     types["blk.0.attn_v.weight"] = "q8_0"  # parts in two formats the kernel reads: packed, each its own
     fake_gguf(monkeypatch, types)

@@ -57,7 +57,7 @@ def mix(kind: str, num_layers: int) -> Callable[[str], str | None]:
 
 
 # what llama.cpp writes instead where a row is not whole super-blocks of 256 (llama-quant.cpp)
-FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+FALLBACK = {"Q2_K": "IQ4_NL", "Q3_K": "IQ4_NL", "IQ4_XS": "IQ4_NL", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 
 
 def block_type(kind: str, k: int) -> str | None:
@@ -69,11 +69,12 @@ def block_type(kind: str, k: int) -> str | None:
 
 def quantize(t: np.ndarray, kind: str) -> np.ndarray:
     """Rows of ``t`` (..., K) as ``kind`` blocks: uint8 (..., K / block weights * block bytes)."""
-    if kind not in ("Q4_K", "Q5_K", "Q6_K"):
+    own = {"Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q45_k, "Q5_K": lambda x: _q45_k(x, 5), "Q6_K": _q6_k,
+           "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs}
+    if kind not in own:
         return gguf_quantize(t.astype(np.float32), GGMLQuantizationType[kind])
-    x = t.astype(np.float32).reshape(-1, 256)
-    blocks = _q6_k(x) if kind == "Q6_K" else _q45_k(x, 5 if kind == "Q5_K" else 4)
-    return blocks.reshape(*t.shape[:-1], -1)
+    x = t.astype(np.float32).reshape(-1, 32 if kind == "IQ4_NL" else 256)
+    return own[kind](x).reshape(*t.shape[:-1], -1)
 
 
 def _f16(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -86,7 +87,7 @@ def _ratio(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.divide(a, b, out=np.zeros(np.broadcast(a, b).shape, np.float32), where=b != 0)
 
 
-def _q45_k(x: np.ndarray, bits: int) -> np.ndarray:
+def _q45_k(x: np.ndarray, bits: int = 4) -> np.ndarray:
     """Q4_K / Q5_K: x (B, 256) -> (B, 144 / 176): d, dmin, 12 bytes of 6-bit scales and minimums,
     (Q5_K) 32 bytes of fifth bits, 128 bytes of 4-bit halves."""
     top = (1 << bits) - 1
@@ -120,6 +121,73 @@ def _q6_k(x: np.ndarray) -> np.ndarray:
     qh = sum((q[:, :, r] >> 4) << (2 * r) for r in range(4)).astype(np.uint8)  # (B, half, 32)
     return np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8), d_bytes], axis=1)
 
+
+
+def _pack_2_bits(q: np.ndarray) -> np.ndarray:
+    """(B, 8, 32) 2-bit values -> (B, 64): 32-weight piece 4h + s in bytes 32h + l, bits 2s."""
+    q = q.reshape(-1, 2, 4, 32).astype(np.uint8)
+    return sum(q[:, :, s] << (2 * s) for s in range(4)).astype(np.uint8).reshape(-1, 64)
+
+
+def _q2_k(x: np.ndarray) -> np.ndarray:
+    """Q2_K: x (B, 256) -> (B, 84): 4-bit scales and minimums per 16 weights, 2-bit weights, d, dmin."""
+    groups = x.reshape(-1, 16, 16)
+    lo = np.minimum(groups.min(-1), 0)
+    scale, low = (groups.max(-1) - lo) / 3, -lo
+    d_bytes, d = _f16(scale.max(-1, keepdims=True) / 15)
+    m_bytes, dmin = _f16(low.max(-1, keepdims=True) / 15)
+    sc = np.clip(np.round(_ratio(scale, d)), 0, 15).astype(np.uint8)
+    m = np.clip(np.round(_ratio(low, dmin)), 0, 15).astype(np.uint8)
+    q = np.clip(np.round(_ratio(groups + (dmin * m)[..., None], (d * sc)[..., None])), 0, 3)
+    return np.concatenate([sc | m << 4, _pack_2_bits(q.reshape(-1, 8, 32)), d_bytes, m_bytes], axis=1)
+
+
+def _q3_k(x: np.ndarray) -> np.ndarray:
+    """Q3_K: x (B, 256) -> (B, 110): high-bit mask, 2-bit weights, 6-bit scales (less 32), d; weight
+    d sc (q - 4), q 0..7, its bit 2 in the mask."""
+    groups = x.reshape(-1, 16, 16)
+    peak = np.take_along_axis(groups, np.abs(groups).argmax(-1)[..., None], -1)[..., 0]
+    scale = peak / -4  # the value of largest magnitude becomes -4
+    d_bytes, d = _f16(np.abs(scale).max(-1, keepdims=True) / 31)
+    sc = np.clip(np.round(_ratio(scale, d)), -32, 31).astype(np.int8)
+    q = (np.clip(np.round(_ratio(groups, (d * sc)[..., None])), -4, 3) + 4).astype(np.uint8).reshape(-1, 8, 32)
+    mask = sum((q[:, p] >> 2) << p for p in range(8)).astype(np.uint8)  # (B, 32): bit p of byte l
+    u = (sc.astype(np.int16) + 32).astype(np.uint8)  # (B, 16), 6 bits
+    scales = np.concatenate([(u[:, :8] & 15) | (u[:, 8:] & 15) << 4,
+                             sum(((u[:, 4 * j:4 * j + 4] >> 4) & 3) << (2 * j) for j in range(4)).astype(np.uint8)],
+                            axis=1)
+    return np.concatenate([mask, _pack_2_bits(q & 3), scales, d_bytes], axis=1)
+
+
+_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
+
+
+def _nearest_level(x: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """The index of the level nearest x / d, for x (..., n) and d (..., 1)."""
+    return np.abs(_ratio(x, d)[..., None] - _LEVELS).argmin(-1).astype(np.uint8)
+
+
+def _iq4_nl(x: np.ndarray) -> np.ndarray:
+    """IQ4_NL: x (B, 32) -> (B, 18): d, then 4-bit indices into the levels (Q4_0's layout)."""
+    peak = np.take_along_axis(x, np.abs(x).argmax(-1)[:, None], -1)
+    d_bytes, d = _f16(peak / -127)
+    q = _nearest_level(x, d)
+    return np.concatenate([d_bytes, q[:, :16] | q[:, 16:] << 4], axis=1)
+
+
+def _iq4_xs(x: np.ndarray) -> np.ndarray:
+    """IQ4_XS: x (B, 256) -> (B, 136): d, 2 high and 4 low bits of each 32 weights' scale (less 32), then
+    each 32 weights' indices as IQ4_NL's."""
+    sub = x.reshape(-1, 8, 32)
+    peak = np.take_along_axis(sub, np.abs(sub).argmax(-1)[..., None], -1)[..., 0]
+    scale = peak / -127
+    d_bytes, d = _f16(np.abs(scale).max(-1, keepdims=True) / 31)
+    ls = (np.clip(np.round(_ratio(scale, d)), -32, 31) + 32).astype(np.uint16)  # (B, 8)
+    q = _nearest_level(sub, (d * (ls.astype(np.float32) - 32))[..., None])  # (B, 8, 32)
+    high = sum(((ls[:, i] >> 4) & 3) << (2 * i) for i in range(8)).astype(np.uint16)
+    low = ((ls[:, 0::2] & 15) | (ls[:, 1::2] & 15) << 4).astype(np.uint8)
+    return np.concatenate([d_bytes, high.view(np.uint8).reshape(-1, 2), low,
+                           (q[..., :16] | q[..., 16:] << 4).reshape(-1, 128)], axis=1)
 
 def write_gguf(folder: str, out: str, arch: str = "qwen3", matrices_as: str | Callable | None = None,
                 widths: bool = True, vocab: dict | None = None, extra: dict | None = None) -> None:

@@ -234,10 +234,11 @@ int linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *b, uint16_
 
 /* ------------------------------------------------------------------------------ packed weights */
 
-enum { Q4_0, Q4_1, Q8_0, Q4_Z, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, FORMATS }; /* reference.py's PACKED_FORMATS */
-static const int64_t BLOCK_WEIGHTS[] = {32, 32, 32, 32, 32, 32, 256, 256, 256};
-static const int64_t BLOCK_BYTES[] = {18, 20, 34, 20, 22, 24, 144, 176, 210};
-#define K_QUANT(fmt) ((fmt) >= Q4_K)
+enum { Q4_0, Q4_1, Q8_0, Q4_Z, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_NL, IQ4_XS, FORMATS }; /* PACKED_FORMATS */
+static const int64_t BLOCK_WEIGHTS[] = {32, 32, 32, 32, 32, 32, 256, 256, 256, 256, 256, 32, 256};
+static const int64_t BLOCK_BYTES[] = {18, 20, 34, 20, 22, 24, 144, 176, 210, 84, 110, 18, 136};
+#define K_QUANT(fmt) (BLOCK_WEIGHTS[fmt] == 256) /* super-blocks of 256, with scales of their own (k_scales) */
+static const int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 static inline float half_to_float(const uint8_t *p) { /* exact: every fp16 is a float */
     uint16_t h = (uint16_t)(p[0] | p[1] << 8);
@@ -264,8 +265,52 @@ static inline float half_to_float(const uint8_t *p) { /* exact: every fp16 is a 
 
 /* A K-quant super-block's scales as floats, once for its 8 sub-blocks: Q4_K and Q5_K d sc of sub-block g at
    [g] and -(dmin m) at [8 + g] (their 6-bit scales and minimums unpacked 4 at a time, as llama.cpp does);
-   Q6_K d sc of its 16 groups of 16. Each product is exact. */
-static inline __attribute__((always_inline)) void k_scales(const uint8_t *blk, const int fmt, float s[16]) {
+   Q6_K d sc of its 16 groups of 16; Q3_K d (sc - 32) of those; Q2_K d sc at [i] and -(dmin m) at [16 + i];
+   IQ4_XS d (sc - 32) of its 8 groups of 32. Each product is exact. */
+static inline __attribute__((always_inline)) void k_scales(const uint8_t *blk, const int fmt, float s[32]) {
+    if (fmt == Q2_K) {
+        const float d = half_to_float(blk + 80), dmin = half_to_float(blk + 82);
+#if defined(__AVX2__) && defined(__F16C__)
+        const __m128i v = _mm_loadu_si128((const __m128i *)blk), low = _mm_set1_epi8(15);
+        const __m128i part[2] = {_mm_and_si128(v, low), _mm_and_si128(_mm_srli_epi16(v, 4), low)};
+        for (int h = 0; h < 2; h++) /* scales, then minimums */
+            for (int i = 0; i < 2; i++)
+                _mm256_storeu_ps(s + 16 * h + 8 * i, _mm256_mul_ps(_mm256_set1_ps(h ? -dmin : d), _mm256_cvtepi32_ps(
+                                                          _mm256_cvtepu8_epi32(i ? _mm_srli_si128(part[h], 8) : part[h]))));
+#else
+        for (int i = 0; i < 16; i++) s[i] = d * (float)(blk[i] & 15), s[16 + i] = -(dmin * (float)(blk[i] >> 4));
+#endif
+        return;
+    }
+    if (fmt == Q3_K) { /* scale i: 4 bits from byte i mod 8 (half i / 8), 2 from byte 8 + i mod 4 (bits 2 (i / 4)) */
+        uint64_t lo;
+        uint32_t hi;
+        memcpy(&lo, blk + 96, 8), memcpy(&hi, blk + 104, 4);
+        const uint64_t v[2] = {(lo & 0x0f0f0f0f0f0f0f0f) | ((uint64_t)(hi >> 2 & 0x03030303) << 32 | (hi & 0x03030303)) << 4,
+                               (lo >> 4 & 0x0f0f0f0f0f0f0f0f) |
+                                   ((uint64_t)(hi >> 6 & 0x03030303) << 32 | (hi >> 4 & 0x03030303)) << 4};
+        uint8_t b[16];
+        memcpy(b, v, 16);
+        const float d = half_to_float(blk + 108);
+        for (int i = 0; i < 16; i++) s[i] = d * (float)((int)b[i] - 32);
+        return;
+    }
+    if (fmt == IQ4_XS) { /* scale i: 4 bits from byte 4 + i / 2 (half i mod 2), 2 from bits 2i of the 16 at 2 */
+        const float d = half_to_float(blk);
+        const int high = blk[2] | blk[3] << 8;
+#if defined(__AVX2__) && defined(__F16C__)
+        const __m256i lo = _mm256_setr_epi32(blk[4], blk[4], blk[5], blk[5], blk[6], blk[6], blk[7], blk[7]);
+        const __m256i ls = _mm256_or_si256(
+            _mm256_and_si256(_mm256_srlv_epi32(lo, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4)), _mm256_set1_epi32(15)),
+            _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(high),
+                                                                 _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+                                               _mm256_set1_epi32(3)), 4));
+        _mm256_storeu_ps(s, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_sub_epi32(ls, _mm256_set1_epi32(32)))));
+#else
+        for (int i = 0; i < 8; i++) s[i] = d * (float)(((blk[4 + i / 2] >> 4 * (i % 2) & 15) | (high >> 2 * i & 3) << 4) - 32);
+#endif
+        return;
+    }
     if (fmt == Q6_K) {
         const float d = half_to_float(blk + 208);
 #if defined(__AVX2__) && defined(__F16C__)
@@ -296,12 +341,24 @@ static inline __attribute__((always_inline)) void k_scales(const uint8_t *blk, c
 
 /* Weights 32 g .. 32 g + 31 of one block (g = 0 for the blocks of 32) as floats, one at a time: the
    spec of the vector code below, and the code where it does not compile. Q4_0 d (q - 8), Q5_0 d (q - 16),
-   Q4_1 and Q5_1 d q + m, Q8_0 d q, Q4_Z d (q - z); Q4_K and Q5_K (d sc) q - dmin m, Q6_K (d sc) (q - 32),
-   as reference.py lays them out, their scales from k_scales (s). Every product is exact; a sum is rounded
+   Q4_1 and Q5_1 d q + m, Q8_0 d q, Q4_Z d (q - z), IQ4_NL d IQ4_LEVELS[q]; Q4_K, Q5_K and Q2_K (d sc) q - dmin m,
+   Q6_K (d sc) (q - 32), Q3_K (d sc) q, IQ4_XS (d sc) IQ4_LEVELS[q], as reference.py lays them out, their scales
+   from k_scales (s). Every product is exact; a sum is rounded
    once (fused or not). */
 static inline __attribute__((always_inline)) void expand_scalar(const uint8_t *blk, const int fmt, const int g,
-                                                                const float s[16], float f[32]) {
-    if (fmt == Q6_K) {
+                                                                const float s[32], float f[32]) {
+    if (fmt == Q2_K || fmt == Q3_K) {
+        const uint8_t *qs = blk + (fmt == Q2_K ? 16 : 32) + 32 * (g >> 2);
+        const int shift = 2 * (g & 3);
+        for (int l = 0; l < 32; l++) {
+            const int q = qs[l] >> shift & 3, group = 2 * g + (l >> 4);
+            f[l] = fmt == Q2_K ? s[group] * (float)q + s[16 + group] : s[group] * (float)(q - (blk[l] >> g & 1 ? 0 : 4));
+        }
+    } else if (fmt == IQ4_NL || fmt == IQ4_XS) {
+        const uint8_t *qs = blk + (fmt == IQ4_NL ? 2 : 8 + 16 * g);
+        const float d = fmt == IQ4_NL ? half_to_float(blk) : s[g];
+        for (int i = 0; i < 32; i++) f[i] = d * (float)IQ4_LEVELS[i < 16 ? qs[i] & 15 : qs[i - 16] >> 4];
+    } else if (fmt == Q6_K) {
         const int h = g >> 2, r = g & 3;
         const uint8_t *ql = blk + 64 * h + 32 * (r & 1), *qh = blk + 128 + 32 * h;
         for (int l = 0; l < 32; l++)
@@ -342,7 +399,7 @@ static inline __attribute__((always_inline)) void widen32(__m256i q, const int s
 /* expand_scalar's K-quants, in vectors: 32 weights are 32 consecutive bytes' halves (and bits); sub-block
    g is not a constant (variable shifts, no branches) */
 static inline __attribute__((always_inline)) void expand_k(const uint8_t *blk, const int fmt, const int g,
-                                                           const float s[16], v8f out[4]) {
+                                                           const float s[32], v8f out[4]) {
     const __m256i low = _mm256_set1_epi8(0x0f);
     __m256 q[4];
     if (fmt == Q6_K) {
@@ -374,10 +431,27 @@ static inline __attribute__((always_inline)) void expand_k(const uint8_t *blk, c
 /* The 32 weights of one block (of a K-quant's super-block: sub-block g, its scales s), in 4 vectors of 8
    (expand_scalar's). */
 static inline __attribute__((always_inline)) void expand_block(const uint8_t *blk, const int fmt, const int g,
-                                                               const float s[16], v8f out[4]) {
+                                                               const float s[32], v8f out[4]) {
 #if defined(__AVX2__) && defined(__F16C__)
-    if (K_QUANT(fmt)) {
+    if (fmt == Q4_K || fmt == Q5_K || fmt == Q6_K) {
         expand_k(blk, fmt, g, s, out);
+        return;
+    }
+    if (fmt == Q2_K || fmt == Q3_K) { /* 2 bits of 32 consecutive bytes (Q3_K: and a bit of 32 more); 2 groups */
+        __m256i q = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)(blk + (fmt == Q2_K ? 16 : 32)
+                                                                                            + 32 * (g >> 2))),
+                                                      _mm_cvtsi32_si128(2 * (g & 3))), _mm256_set1_epi8(3));
+        if (fmt == Q3_K) /* q - 4 where bit g of the mask byte is clear: q | bit << 2, less 4, in int8 */
+            q = _mm256_sub_epi8(_mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(
+                _mm256_loadu_si256((const __m256i *)blk), _mm_cvtsi32_si128(g)), _mm256_set1_epi8(1)), 2)),
+                                _mm256_set1_epi8(4));
+        __m256 v[4];
+        widen32(q, fmt == Q3_K, v);
+        for (int i = 0; i < 4; i++) {
+            const __m256 dl = _mm256_broadcast_ss(s + 2 * g + i / 2);
+            out[i] = (v8f)(fmt == Q2_K ? _mm256_fmadd_ps(dl, v[i], _mm256_broadcast_ss(s + 16 + 2 * g + i / 2))
+                                       : _mm256_mul_ps(dl, v[i]));
+        }
         return;
     }
     /* d and m (a Q4_1 or Q5_1 block starts with both; a Q4_Z block with d and z) widened by one instruction */
@@ -392,13 +466,19 @@ static inline __attribute__((always_inline)) void expand_block(const uint8_t *bl
         }
         return;
     }
-    const int five = fmt == Q5_0 || fmt == Q5_1, with_m = fmt != Q4_0 && fmt != Q5_0;
+    const int five = fmt == Q5_0 || fmt == Q5_1, with_m = fmt == Q4_1 || fmt == Q5_1 || fmt == Q4_Z;
+    const int iq4 = fmt == IQ4_NL || fmt == IQ4_XS;
     /* the 16 bytes in both halves of a register; then byte j of 8 (j < 4: from the low half, else the
        high) goes to the low byte of 32-bit lane j, zeros above it: in-lane shuffles, no widening across
        (9.0 -> 7.7 ms for the default model's layers at one row, measured) */
-    const __m256i bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(blk + 2 + 2 * with_m + 4 * five)));
+    const uint8_t *qs = blk + (fmt == IQ4_XS ? 8 + 16 * g : 2 + 2 * with_m + 4 * five);
+    const __m256i bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
     const __m256i low = _mm256_set1_epi8(0x0f);
     __m256i half[2] = {_mm256_and_si256(bytes, low), _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low)};
+    if (iq4) { /* each 4 bits an index into the levels: one in-lane lookup a half */
+        const __m256i levels = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_LEVELS));
+        for (int h = 0; h < 2; h++) half[h] = _mm256_shuffle_epi8(levels, half[h]);
+    }
     if (five) { /* the fifth bits of half h's 16 weights as 0x10 in its bytes (both halves of the register):
                    bit j of the word to byte j, as llama.cpp's bytes_from_bits_32 does */
         int32_t bits;
@@ -416,10 +496,14 @@ static inline __attribute__((always_inline)) void expand_block(const uint8_t *bl
                          -1, -1, -1, 7, -1, -1, -1),
         _mm256_setr_epi8(8, -1, -1, -1, 9, -1, -1, -1, 10, -1, -1, -1, 11, -1, -1, -1, 12, -1, -1, -1, 13, -1, -1, -1,
                          14, -1, -1, -1, 15, -1, -1, -1)};
+    const __m256 scale = iq4 ? _mm256_set1_ps(fmt == IQ4_NL ? half_to_float(blk) : s[g]) : dv;
     for (int h = 0; h < 2; h++)
         for (int i = 0; i < 2; i++) {
-            const __m256 q = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(half[h], pick[i]));
-            out[2 * h + i] = (v8f)(fmt == Q4_1 || fmt == Q5_1 ? _mm256_fmadd_ps(dv, q, mv)
+            __m256i qi = _mm256_shuffle_epi8(half[h], pick[i]);
+            if (iq4) qi = _mm256_srai_epi32(_mm256_slli_epi32(qi, 24), 24); /* a signed level: its sign above it */
+            const __m256 q = _mm256_cvtepi32_ps(qi);
+            out[2 * h + i] = (v8f)(iq4 ? _mm256_mul_ps(scale, q)
+                                   : fmt == Q4_1 || fmt == Q5_1 ? _mm256_fmadd_ps(dv, q, mv)
                                    : _mm256_mul_ps(dv, _mm256_sub_ps(q, fmt == Q4_Z ? mv
                                                                      : _mm256_set1_ps(fmt == Q4_0 ? 8.0f : 16.0f))));
         }
@@ -449,7 +533,7 @@ static inline __attribute__((always_inline)) void tile_packed(const float *xf, c
        hardware: 15.4 -> 9.0 ms for the default model's layers at one row, measured. */
     const char *ahead = (const char *)w + C * row_bytes;
     const int64_t step = (C * row_bytes / (K / 32) + 63) / 64 * 64;
-    float scales[NB][16]; /* a K-quant's: each weight row's current super-block's, read once */
+    float scales[NB][32]; /* a K-quant's: each weight row's current super-block's, read once */
     for (int64_t k = 0; k < K; k += 32) {
         const int64_t at = k / BLOCK_WEIGHTS[fmt] * BLOCK_BYTES[fmt];
         const int g = (int)(k % BLOCK_WEIGHTS[fmt] / 32);
@@ -517,7 +601,7 @@ static inline __attribute__((always_inline)) void expand_rows(const uint8_t *w, 
     const int64_t blocks = rows * (K / BLOCK_WEIGHTS[fmt]); /* (rows are whole blocks) */
     for (int64_t i = 0; i < blocks; i++) {
         const uint8_t *blk = w + i * BLOCK_BYTES[fmt];
-        float scales[16];
+        float scales[32];
         if (K_QUANT(fmt)) k_scales(blk, fmt, scales);
         for (int g = 0; g < BLOCK_WEIGHTS[fmt] / 32; g++) {
             v8f v[4];
@@ -542,6 +626,10 @@ static void expand(const uint8_t *w, int fmt, float *out, int64_t rows, int64_t 
         EXPAND(Q4_K)
         EXPAND(Q5_K)
         EXPAND(Q6_K)
+        EXPAND(Q2_K)
+        EXPAND(Q3_K)
+        EXPAND(IQ4_NL)
+        EXPAND(IQ4_XS)
     }
 #undef EXPAND
 }
@@ -577,6 +665,10 @@ static void rows_packed(const float *xf, const uint8_t *w, int fmt, const void *
         ROWS_PACKED(Q4_K)
         ROWS_PACKED(Q5_K)
         ROWS_PACKED(Q6_K)
+        ROWS_PACKED(Q2_K)
+        ROWS_PACKED(Q3_K)
+        ROWS_PACKED(IQ4_NL)
+        ROWS_PACKED(IQ4_XS)
     }
 #undef ROWS_PACKED
 }
