@@ -214,6 +214,9 @@ def packed_row_bytes(fmt: str, k: int) -> int:
     return k // weights * size
 
 
+_SHIFTS_2 = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)  # 2-bit fields of a byte
+
+
 def _half(blocks: torch.Tensor, at: int) -> torch.Tensor:
     """The fp16 at byte ``at`` of each block, as float32 (..., 1)."""
     return blocks[..., at:at + 2].contiguous().view(torch.float16).float()
@@ -221,7 +224,7 @@ def _half(blocks: torch.Tensor, at: int) -> torch.Tensor:
 
 def _bits(b: torch.Tensor, count: int) -> torch.Tensor:
     """Bits 0..count-1 of each byte of ``b`` (..., n) as (..., count, n): bit i of every byte in row i."""
-    shifts = torch.arange(count, dtype=torch.uint8).view(-1, 1)
+    shifts = torch.arange(count, dtype=torch.uint8, device=b.device).view(-1, 1)
     return (b.unsqueeze(-2) >> shifts) & 1
 
 
@@ -241,7 +244,7 @@ def dequantize(weight: torch.Tensor, fmt: str) -> torch.Tensor:
     qs = blocks[..., {"q4_0": 2, "q5_0": 6, "q5_1": 8, "iq4_nl": 2}.get(fmt, 4):]
     q = torch.cat([qs & 15, qs >> 4], dim=-1)  # (N, K / 32, 32)
     if fmt == "iq4_nl":
-        return (d * torch.tensor(IQ4_LEVELS, dtype=torch.float32)[q.long()]).reshape(n, -1)
+        return (d * torch.tensor(IQ4_LEVELS, dtype=torch.float32, device=q.device)[q.long()]).reshape(n, -1)
     q = q.float()
     if fmt in ("q5_0", "q5_1"):  # the fifth bits: bit j of the 32-bit word for weight j
         at = 2 if fmt == "q5_0" else 4
@@ -268,7 +271,7 @@ def _k_quants(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
     if fmt == "q6_k":
         ql, qh = blocks[..., :128].reshape(n, b, 2, 2, 32), blocks[..., 128:192].reshape(n, b, 2, 1, 32)
         low = torch.stack([ql & 15, ql >> 4], dim=-3).reshape(n, b, 8, 32)  # (half, nibble, byte group)
-        high = ((qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 3).reshape(n, b, 8, 32)
+        high = ((qh >> _SHIFTS_2.to(qh.device)) & 3).reshape(n, b, 8, 32)
         q = (low | high << 4).float() - 32
         ds = _half(blocks, 208) * blocks[..., 192:208].contiguous().view(torch.int8).float()  # (N, B, 16)
         return (ds.view(n, b, 8, 2, 1) * q.view(n, b, 8, 2, 16)).reshape(n, b, 256)
@@ -298,14 +301,14 @@ def _low_bit_k_quants(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
         sh = blocks[..., 2:4].contiguous().view(torch.int16).to(torch.int32) & 0xFFFF  # (N, B, 1)
         sl = blocks[..., 4:8]
         low = torch.stack([sl & 15, sl >> 4], dim=-1).reshape(n, b, 8).to(torch.int32)
-        high = (sh >> torch.arange(0, 16, 2, dtype=torch.int32)) & 3
+        high = (sh >> torch.arange(0, 16, 2, dtype=torch.int32, device=sh.device)) & 3
         dl = _half(blocks, 0) * ((low | high << 4) - 32).float()  # (N, B, 8)
         qs = blocks[..., 8:].reshape(n, b, 8, 16)
         q = torch.cat([qs & 15, qs >> 4], dim=-1)  # (N, B, 8, 32)
-        levels = torch.tensor(IQ4_LEVELS, dtype=torch.float32)[q.long()]
+        levels = torch.tensor(IQ4_LEVELS, dtype=torch.float32, device=q.device)[q.long()]
         return (dl.unsqueeze(-1) * levels).reshape(n, b, 256)
     qs = blocks[..., 16:80] if fmt == "q2_k" else blocks[..., 32:96]
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
+    shifts = _SHIFTS_2.to(blocks.device)
     q = ((qs.reshape(n, b, 2, 1, 32) >> shifts) & 3).reshape(n, b, 16, 16)  # (N, B, group of 16, 16)
     if fmt == "q2_k":
         sc = blocks[..., :16]

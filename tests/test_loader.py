@@ -445,15 +445,17 @@ def test_a_k_quant_gguf_stays_packed_on_the_cpu(tmp_path, monkeypatch, smollm_to
 
 def test_write_gguf_writes_llama_cpps_mix(tmp_path, smollm_tokenizer_dir):
     """``tools/write_gguf.py --type Q4_K_M``: v and down in Q6_K in llama.cpp's layers, the rest in Q4_K,
-    the embeddings in Q6_K; rows not whole super-blocks in llama.cpp's fallbacks (Q5_0, Q8_0)."""
+    the output in Q6_K (and the embeddings where tied); rows not whole super-blocks in llama.cpp's
+    fallbacks (Q5_0, Q8_0)."""
     import subprocess
     import sys
 
     from gguf import GGUFReader
 
     wide = make_tiny_model(str(tmp_path / "wide"), "llama", smollm_tokenizer_dir, hidden_size=256,
-                           intermediate_size=512, num_hidden_layers=2)
-    narrow = make_tiny_model(str(tmp_path / "narrow"), "llama", smollm_tokenizer_dir, num_hidden_layers=2)
+                           intermediate_size=512, num_hidden_layers=2, tie_word_embeddings=True)
+    narrow = make_tiny_model(str(tmp_path / "narrow"), "llama", smollm_tokenizer_dir, num_hidden_layers=2,
+                             tie_word_embeddings=False)
     tool = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "write_gguf.py")
     for folder in (wide, narrow):
         r = subprocess.run([sys.executable, tool, folder, f"{folder}.gguf", "--type", "Q4_K_M"], capture_output=True,
@@ -464,8 +466,9 @@ def test_write_gguf_writes_llama_cpps_mix(tmp_path, smollm_tokenizer_dir):
     assert [types[0][n] for n in ("token_embd.weight", "blk.0.attn_q.weight", "blk.1.attn_v.weight",
                                   "blk.1.ffn_down.weight", "blk.0.ffn_up.weight")] == ["Q6_K", "Q4_K", "Q6_K", "Q6_K",
                                                                                        "Q4_K"]
-    assert [types[1][n] for n in ("token_embd.weight", "blk.0.attn_q.weight", "blk.1.attn_v.weight")] == [
-        "Q8_0", "Q5_0", "Q8_0"]
+    # untied: the output in Q6_K, the embeddings as the layers (here their fallbacks, Q8_0 and Q5_0)
+    assert [types[1][n] for n in ("output.weight", "token_embd.weight", "blk.0.attn_q.weight",
+                                  "blk.1.attn_v.weight")] == ["Q8_0", "Q5_0", "Q5_0", "Q8_0"]
     r = subprocess.run([sys.executable, tool, wide, str(tmp_path / "x.gguf"), "--type", "Q9_K"], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and "unknown type 'Q9_K'" in r.stderr

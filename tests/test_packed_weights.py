@@ -61,6 +61,7 @@ def test_reference_dequantize_is_gguf_exactly(fmt):
     raw = torch.randint(0, 256, packed.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     # any bytes: subnormal, infinite and NaN scales included
     torch.testing.assert_close(ref.dequantize(raw, fmt), gguf_floats(raw, fmt), rtol=0, atol=0, equal_nan=True)
+    assert ref.dequantize(raw.to("meta"), fmt).device.type == "meta"  # computed where the blocks are
 
 
 @pytest.mark.parametrize("fmt", FMTS)

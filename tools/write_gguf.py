@@ -38,16 +38,19 @@ def _more_bits(i: int, n: int) -> bool:
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
-def mix(kind: str, num_layers: int) -> Callable[[str], str | None]:
+def mix(kind: str, num_layers: int, tied: bool) -> Callable[[str], str | None]:
     """A tensor's GGUF name -> its type in llama.cpp's ``kind`` file (Q4_K_M, Q5_K_M: v and down in Q6_K
-    where ``_more_bits``, the embeddings and the output in Q6_K; other kinds: every matrix in that type)."""
+    where ``_more_bits``, the output in Q6_K, and the embeddings where they are the output too (``tied``);
+    other kinds: every matrix in that type)."""
     base = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}.get(kind)
 
     def type_of(name: str) -> str | None:
         if base is None:
             return kind if name.startswith(("blk.", "token_embd.", "output.")) else None
-        if name in ("token_embd.weight", "output.weight"):
+        if name == "output.weight" or tied and name == "token_embd.weight":
             return "Q6_K"
+        if name == "token_embd.weight":
+            return base
         if not name.startswith("blk."):
             return None
         more = any(p in name for p in ("attn_v.", "ffn_down")) and _more_bits(int(name.split(".")[1]), num_layers)
@@ -73,7 +76,10 @@ def quantize(t: np.ndarray, kind: str) -> np.ndarray:
            "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs}
     if kind not in own:
         return gguf_quantize(t.astype(np.float32), GGMLQuantizationType[kind])
-    x = t.astype(np.float32).reshape(-1, 32 if kind == "IQ4_NL" else 256)
+    weights = 32 if kind == "IQ4_NL" else 256
+    if t.shape[-1] % weights:
+        raise ValueError(f"{kind} needs rows of whole {weights}-weight blocks, got {t.shape[-1]} (see block_type)")
+    x = t.astype(np.float32).reshape(-1, weights)
     return own[kind](x).reshape(*t.shape[:-1], -1)
 
 
@@ -312,7 +318,8 @@ def main() -> None:
     kind = args.type.upper()
     if kind not in ("Q4_K_M", "Q5_K_M", "F32") and kind not in GGMLQuantizationType.__members__:
         p.error(f"unknown type {args.type!r}")
-    write_gguf(args.folder, args.out, ARCH[cfg.model_type], None if kind == "F32" else mix(kind, cfg.num_layers))
+    write_gguf(args.folder, args.out, ARCH[cfg.model_type],
+               None if kind == "F32" else mix(kind, cfg.num_layers, cfg.tie_word_embeddings))
     print(f"wrote {args.out} ({os.path.getsize(args.out) / 2**20:.1f} MiB)")
 
 
