@@ -494,8 +494,8 @@ _GGUF_MOE_PARTS = {**{k: v for k, v in _GGUF_PARTS.items() if k.startswith("self
 
 def _gguf_packing(path: str, model: LlamaForCausalLM, device: torch.device, tp: TPGroup | None) -> set[str]:
     """Pack every layer whose GGUF tensors are in block formats the CPU's C kernel multiplies as they
-    are (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), as llama.cpp keeps them: 4.5 to 8.5 bits a
-    weight instead of 16 or 32, and the same numbers (their expansion is exact). A fused layer's parts
+    are (``matmul.FORMATS``: Q4_0 to Q8_0, IQ4_NL, the K-quants, IQ4_XS), as llama.cpp keeps them: 2.6 to
+    8.5 bits a weight instead of 16 or 32, and the same numbers (their expansion is exact). A fused layer's parts
     may differ (Q4_K_M's q|k|v: v in Q6_K in half the layers), as may experts' gate|up and down. Only on
     the CPU, on one rank, where the CPU kernels say to (``matmul.keep_packed``). Returns the GGUF names
     of the tensors to load packed."""

@@ -16,11 +16,11 @@
  * hardware prefetcher to ramp up on): +10-40% at 1 to 4 rows, measured.
  *
  * Packed weights (``linear_q_*``): W as GGUF blocks along K, as llama.cpp keeps them: blocks of 32 (Q4_0,
- * Q4_1, Q5_0, Q5_1, Q8_0: an fp16 scale, an fp16 minimum for Q4_1 and Q5_1, 4-, 5- or 8-bit integers) and
- * the K-quants' super-blocks of 256 (Q4_K, Q5_K, Q6_K: 8 sub-blocks of 32 with scales of their own, read
- * 32 weights at a time like a block of 32), or as Q4_Z blocks (an fp16 scale, an fp16 zero point, 4-bit
- * integers: AWQ's and GPTQ's groups, ``engine/quant.py``): 4.5 to 8.5 bits a weight instead of 32, and a
- * single-stream step reads that much less. Up to IN_REGISTERS_UP_TO rows of x each block is expanded in
+ * Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL: an fp16 scale, an fp16 minimum for Q4_1 and Q5_1, 4-, 5- or 8-bit integers,
+ * IQ4's an index into 16 levels) and super-blocks of 256 (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS: sub-blocks of
+ * 16 or 32 with scales of their own, read 32 weights at a time like a block of 32), or as Q4_Z blocks (an fp16
+ * scale, an fp16 zero point, 4-bit integers: AWQ's and GPTQ's groups, ``engine/quant.py``): 2.6 to 8.5 bits a
+ * weight instead of 32, and a single-stream step reads that much less. Up to IN_REGISTERS_UP_TO rows of x each block is expanded in
  * registers as it is used; past that, each work item's rows are expanded into a buffer of floats that
  * stays in cache, then multiplied exactly as above. The expansion is exact (a product of an fp16 scale,
  * a 6- or 8-bit sub-block scale and a small integer is exact or rounded once, as gguf's dequantize rounds

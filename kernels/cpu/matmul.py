@@ -17,8 +17,8 @@ shape (0: never), for runs that must not depend on a timing. A shape never tuned
 
 Within the C kernel a row's result does not depend on how many rows share the step.
 
-Weights kept packed as blocks (``FORMATS``: GGUF's of 32 and its K-quants' super-blocks of 256, 4.5 to 8.5
-bits a weight, as llama.cpp keeps them; Q4_Z, 5 bits, for AWQ/GPTQ checkpoints)
+Weights kept packed as blocks (``FORMATS``: GGUF's of 32 and its super-blocks of 256, 2.6 to 8.5 bits a
+weight, as llama.cpp keeps them; Q4_Z, 5 bits, for AWQ/GPTQ checkpoints)
 go to ``linear_packed``: the C kernel multiplies the blocks as they are (their expansion to floats
 is exact, so a row's result is the dense C kernel's on ``reference.dequantize``'s weights, bit for
 bit), except past 64 rows (a prompt), where a weight of up to ``EXPAND_BYTES`` as floats is expanded
