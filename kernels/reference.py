@@ -230,8 +230,8 @@ def _bits(b: torch.Tensor, count: int) -> torch.Tensor:
 
 def dequantize(weight: torch.Tensor, fmt: str) -> torch.Tensor:
     """Packed (N, K / block weights * block bytes) uint8 rows -> float32 (N, K), each format as gguf's
-    ``dequantize`` computes it: Q4_0 d (q - 8), Q5_0 d (q - 16), Q4_1 and Q5_1 d q + m, Q8_0 d q (the
-    products are exact; a sum is rounded once); the K-quants in ``_k_quants``. Q4_Z (not GGUF's: AWQ's
+    ``dequantize`` computes it: Q4_0 d (q - 8), Q5_0 d (q - 16), Q4_1 and Q5_1 d q + m, Q8_0 d q, IQ4_NL
+    d IQ4_LEVELS[q] (the products are exact; a sum is rounded once); the super-blocks in ``_k_quants``. Q4_Z (not GGUF's: AWQ's
     and GPTQ's int4 groups, ``engine/quant.py``) is Q4_1's layout with an fp16 zero point z in place of
     the minimum, d (q - z), exact."""
     n = weight.shape[0]
