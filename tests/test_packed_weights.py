@@ -97,17 +97,21 @@ def test_packed_linear_is_the_dense_kernel_on_expanded_weights(fmt, n, k, compil
 
 
 def test_packed_linear_hands_a_prompts_rows_to_torch(compiled, monkeypatch):
+    """Past 64 rows torch's GEMM on the expanded weight, a slice of rows of up to EXPAND_BYTES at a time."""
     packed = packed_weight("q4_1", 30, 96)
     dense = ref.dequantize(packed, "q4_1")
     calls, linear = [], F.linear
     monkeypatch.setattr(matmul.F, "linear", lambda *a: calls.append(a) or linear(*a))
-    x = torch.randn(matmul.ROWS[-1] + 1, 96)
-    torch.testing.assert_close(matmul.linear_packed(x, packed, "q4_1"), linear(x, dense), rtol=1e-5, atol=1e-5)
+    x, bias = torch.randn(2, matmul.ROWS[-1] + 1, 96), torch.randn(30)
+    want = linear(x, dense, bias)
+    torch.testing.assert_close(matmul.linear_packed(x, packed, "q4_1", bias), want, rtol=1e-5, atol=1e-5)
     assert len(calls) == 1 and torch.equal(calls[0][1], dense)
-    matmul.linear_packed(x[:matmul.ROWS[-1]], packed, "q4_1")
-    monkeypatch.setattr(matmul, "EXPAND_BYTES", dense.numel() * 4 - 1)
-    matmul.linear_packed(x, packed, "q4_1")
-    assert len(calls) == 1  # up to 64 rows, and weights too large to expand: the C kernel
+    matmul.linear_packed(x[0, :matmul.ROWS[-1]], packed, "q4_1")
+    assert len(calls) == 1  # up to 64 rows: the C kernel
+    monkeypatch.setattr(matmul, "EXPAND_BYTES", 11 * 96 * 4)  # 11 rows at a time: slices of 11, 11 and 8
+    y = matmul.linear_packed(x.bfloat16(), packed, "q4_1", bias.bfloat16())
+    assert [c[1].shape[0] for c in calls[1:]] == [11, 11, 8] and y.dtype == torch.bfloat16 and y.shape == (2, 65, 30)
+    torch.testing.assert_close(y, linear(x.bfloat16().float(), dense, bias.bfloat16().float()).bfloat16())
 
 
 def test_packed_linear_of_a_strided_weight_and_bias(compiled):

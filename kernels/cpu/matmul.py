@@ -21,8 +21,8 @@ Weights kept packed as blocks (``FORMATS``: GGUF's of 32 and its super-blocks of
 weight, as llama.cpp keeps them; Q4_Z, 5 bits, for AWQ/GPTQ checkpoints)
 go to ``linear_packed``: the C kernel multiplies the blocks as they are (their expansion to floats
 is exact, so a row's result is the dense C kernel's on ``reference.dequantize``'s weights, bit for
-bit), except past 64 rows (a prompt), where a weight of up to ``EXPAND_BYTES`` as floats is expanded
-and torch's float32 GEMM runs (then cast back: bf16 too computes with the exact weights).
+bit), except past 64 rows (a prompt), where the weight is expanded, ``EXPAND_BYTES`` of floats at a
+time, and torch's float32 GEMM runs (then cast back: bf16 too computes with the exact weights).
 """
 
 from __future__ import annotations
@@ -50,9 +50,9 @@ log = logging.getLogger("tokenmill.kernels")
 _KERNELS = {torch.float32: "linear_f32", torch.bfloat16: "linear_bf16"}
 _PACKED_KERNELS = {torch.float32: "linear_q_f32", torch.bfloat16: "linear_q_bf16"}
 FORMATS = PACKED_FORMATS  # the block formats matmul.c reads, by its enum's numbering
-# Past ROWS[-1] rows, a packed weight of up to this many bytes as floats is expanded for torch's GEMM, whose
-# blocking beats the C kernel's tiles there (on the AVX2 EPYC, 109 GFLOP/s at 256 rows against ~75); the
-# expansion costs about 3% of such a multiply. Larger ones (a vocabulary's LM head) stay packed.
+# Past ROWS[-1] rows, a packed weight is expanded for torch's GEMM, whose blocking beats the C kernel's tiles
+# there (on the AVX2 EPYC, 109 GFLOP/s at 256 rows against ~75; the expansion costs about 3% of such a
+# multiply), a slice of rows of up to this many bytes as floats at a time (0: never, the C kernel: tests)
 EXPAND_BYTES = 32 << 20
 ROWS = (1, 2, 4, 8, 16, 32, 64)  # the row counts tune tries; more rows go to torch
 STREAM_BYTES = 64 << 20  # weights timed per shape: more than a CPU's last-level cache
@@ -108,8 +108,17 @@ def linear_packed(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.T
     if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype):
         raise ValueError(f"bias must be ({n},) {x.dtype}, got {bias.dtype} {tuple(bias.shape)}")
     x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()  # (runs per layer: lean)
-    if x2.shape[0] > ROWS[-1] and n * k * 4 <= EXPAND_BYTES:  # a prompt's rows: torch's GEMM, on the exact floats
-        return F.linear(x.float(), dequantize(weight, fmt), None if bias is None else bias.float()).to(x.dtype)
+    if x2.shape[0] > ROWS[-1] and EXPAND_BYTES:  # a prompt's rows: torch's GEMM, on the exact floats
+        rows, xf = max(1, EXPAND_BYTES // (4 * k)), x2.float()
+        bf = None if bias is None else bias.float()
+        if rows >= n:
+            y = F.linear(xf, dequantize(weight, fmt), bf)
+        else:  # (a large MLP's, or the LM head's for prompt logprobs)
+            y = torch.empty(x2.shape[0], n)
+            for r in range(0, n, rows):
+                y[:, r:r + rows] = F.linear(xf, dequantize(weight[r:r + rows], fmt), None if bf is None else bf[r:r + rows])
+        y = y.to(x.dtype)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
     weight = weight.contiguous()  # (held: the C code reads them)
     bias = None if bias is None else bias.contiguous()
     y = torch.empty(x2.shape[0], n, dtype=x.dtype)
