@@ -7,8 +7,8 @@ is the number of requests whose table holds it.
 
 Prefix caching: a full, computed block is named by a hash chained over its
 token ids and its parent block's hash; the chain starts from a root that
-covers the model and dtype (``hash_seed``) and the request's ``cache_salt``, so
-tenants with different salts never share a block. A new request takes every
+covers the model and dtype (``hash_seed``), the request's LoRA adapter and its
+``cache_salt``, so tenants with different salts never share a block. A new request takes every
 cached block of its longest cached prefix (ref counts up) and computes only the
 rest. Hashes are 128-bit BLAKE2b: a client cannot craft a prompt whose blocks
 collide with another tenant's. A block is findable as soon as a step is
@@ -153,7 +153,11 @@ class BlockManager:
     def _hashes(self, req: Request, num_blocks: int) -> list[bytes]:
         """Chained hashes of ``req``'s first ``num_blocks`` full blocks, computed once per request."""
         hashes, tokens, bs = req.block_hashes, req.all_token_ids, self.block_size
-        parent = hashes[-1] if hashes else chain_hash(self.hash_seed + req.cache_salt.encode(), [])
+        if hashes:
+            parent = hashes[-1]
+        else:  # the root: the model, the request's LoRA adapter (its length first) and its salt
+            lora = req.lora.encode()
+            parent = chain_hash(self.hash_seed + len(lora).to_bytes(4, "little") + lora + req.cache_salt.encode(), [])
         for i in range(len(hashes), min(num_blocks, len(tokens) // bs)):
             parent = chain_hash(parent, tokens[i * bs:(i + 1) * bs])
             hashes.append(parent)

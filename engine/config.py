@@ -51,6 +51,10 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA (or CPU) graphs, every decode step runs eagerly (vLLM's --enforce-eager)
     # schedule step N+1 while step N runs (engine.engine); auto = on CUDA, off on the CPU
     async_scheduling: str = "auto"
+    # LoRA adapters (engine.lora), name -> PEFT folder: a request whose model is the name runs with it (vLLM's
+    # --lora-modules); every one is kept on the device. max_lora_rank: the largest rank they may have
+    lora_modules: dict[str, str] | None = None
+    max_lora_rank: int = 16
     tensor_parallel_size: int = 1  # ranks the model is split over (engine.parallel); rank 0 is the engine
     # tensor parallel across machines (torchrun's names): the ranks spread evenly over nnodes hosts;
     # node 0 runs the engine (rank 0), node k > 0 only its workers (engine.tp_worker.run_node)
@@ -105,6 +109,11 @@ class EngineConfig:
                 bad(f"pooler_config pooling_type must be one of {', '.join(POOLING_TYPES)}, got {pc['pooling_type']!r}")
             if not isinstance(pc.get("normalize", True), bool):
                 bad(f"pooler_config normalize must be true or false, got {pc['normalize']!r}")
+        if self.lora_modules is not None and (not isinstance(self.lora_modules, dict) or not all(
+                isinstance(k, str) and k and isinstance(v, str) and v for k, v in self.lora_modules.items())):
+            bad(f"lora_modules must map adapter names to their folders, got {self.lora_modules!r}")
+        if not 1 <= self.max_lora_rank <= 512:
+            bad(f"max_lora_rank must be in [1, 512], got {self.max_lora_rank}")
         if self.tensor_parallel_size < 1:
             bad(f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}")
         if self.nnodes < 1:

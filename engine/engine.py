@@ -80,6 +80,9 @@ class Engine:
         path = resolve_model_path(config.model)
         self.model_name = config.served_model_name or model_name(path)
         self.runner = ModelRunner(config, path)
+        if self.model_name in self.runner.adapters:
+            raise ValueError(f"LoRA adapter {self.model_name!r} has the served model's name: a request could not "
+                             "ask for the model alone")
         facts = self.runner.facts
         capacity = facts.num_kv_blocks * config.block_size
         if capacity < facts.max_model_len:  # never advertise a length the cache cannot hold
@@ -150,13 +153,17 @@ class Engine:
     def ready_info(self) -> Ready:
         return Ready(self.model_name, self.max_model_len, self.vocab_size, self.eos_token_ids,
                      self.config.max_num_seqs, self.block_manager.num_blocks, self.config.block_size,
-                     self.config.max_num_waiting_requests)
+                     self.config.max_num_waiting_requests, [[name, path] for name, path in
+                                                            (self.config.lora_modules or {}).items()])
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0, deadline: float | None = None, cache_salt: str = "",
-                    pooling: PoolingParams | None = None) -> None:
-        """A generation, or with ``pooling`` an embedding (``params`` unused: nothing is sampled)."""
+                    pooling: PoolingParams | None = None, lora: str = "") -> None:
+        """A generation, or with ``pooling`` an embedding (``params`` unused: nothing is sampled); ``lora``: the
+        LoRA adapter it runs with ("": none)."""
         self._check(request_id, prompt_token_ids, params, pooling)
+        if lora and lora not in self.runner.adapters:
+            raise RequestError(404, "not_found_error", f"The model '{lora}' does not exist", "model")
         if deadline is None and self.config.request_timeout is not None:
             deadline = time.time() + self.config.request_timeout
         grammar = pool = None
@@ -170,7 +177,7 @@ class Engine:
             except (SchemaError, VocabularyError) as e:
                 raise RequestError(400, "invalid_request_error", f"response_format: {e}", "response_format") from e
         req = Request(request_id, prompt_token_ids, params, priority, deadline, SamplingState(params, grammar),
-                      cache_salt, pool)
+                      cache_salt, pool, lora, self.runner.adapters.get(lora, -1))
         try:
             self.scheduler.add(req)
         except QueueFull as e:

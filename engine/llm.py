@@ -79,10 +79,12 @@ class LLM:
 
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 priority: list[int] | None = None) -> list[RequestOutput]:
+                 priority: list[int] | None = None, lora_request=None) -> list[RequestOutput]:
         """Run every prompt to completion (continuously batched); outputs in prompt order.
 
         ``priority``: one per prompt, lower first, for ``scheduling_policy="priority"`` (as vLLM's).
+        ``lora_request``: the LoRA adapter (one of ``lora_modules``, by name, or anything with vLLM's
+        ``LoRARequest.lora_name``) for every prompt, or a list of one per prompt (None: the model alone).
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -96,6 +98,10 @@ class LLM:
         priority = [0] * len(prompts) if priority is None else list(priority)
         if len(priority) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(priority)} priorities")
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(loras)} LoRA requests")
+        loras = [getattr(a, "lora_name", a) or "" for a in loras]
 
         outputs: dict[str, RequestOutput] = {}
         stopped: set[str] = set()  # ended by a stop string: their text is already cut
@@ -104,13 +110,13 @@ class LLM:
         choices: dict[str, tuple[Choice, list[str]]] = {}
         ends = frozenset(self.engine.eos_token_ids)
         try:
-            for prompt, p, prio in zip(prompts, params, priority, strict=True):
+            for prompt, p, prio, lora in zip(prompts, params, priority, loras, strict=True):
                 ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
                 if fit:
                     room = self.engine.max_model_len - len(ids)
                     p = dataclasses.replace(p, max_tokens=max(1, min(p.max_tokens, room)))
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, ids, p, prio)
+                self.engine.add_request(rid, ids, p, prio, lora=lora)
                 outputs[rid] = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids,
                                              logprobs=[] if p.logprobs is not None else None)
                 if p.stop:

@@ -44,6 +44,7 @@ import kernels
 from engine.attention import StepIndex, build_metadata
 from engine.config import EngineConfig
 from engine.loader import build_model, load_model_config
+from engine.lora import LoraState, attach, read_adapter
 from engine.models.layers import ColumnLinear, LMHead, RowLinear
 from engine.models.moe import Experts
 from engine.parallel import StepInput, TPGroup, local_model_config
@@ -141,6 +142,17 @@ class ModelRunner:
         self.local_cfg = local_model_config(self.model_cfg, self.tp.size)  # this rank's heads
         torch.manual_seed(config.seed)
         self.model = build_model(model_path, self.model_cfg, max_model_len, dtype, device, self.tp)
+        self.adapters: dict[str, int] = {}  # LoRA adapter name -> its slot (engine.lora)
+        self.lora: LoraState | None = None
+        if config.lora_modules:
+            adapters = [read_adapter(name, path, config.max_lora_rank) for name, path in config.lora_modules.items()]
+            self.lora = LoraState(len(adapters), max(config.max_num_batched_tokens, config.max_num_seqs), dtype,
+                                  device)
+            attach(self.model, adapters, max(a.rank for a in adapters), self.lora)
+            self.adapters = {a.name: slot for slot, a in enumerate(adapters)}
+            log.info("LoRA: %d adapters (%s), ranks up to %d, on the device", len(adapters),
+                     ", ".join(f"{a.name}: rank {a.rank}, {len(a.weights)} matrices" for a in adapters),
+                     max(a.rank for a in adapters))
         if device.type == "cpu":  # which CPU GEMM serves which layer, measured on these weights
             modules = list(self.model.modules())
             kernels.tune_linear([m.weight for m in modules if isinstance(m, (ColumnLinear, RowLinear, LMHead))]
@@ -324,10 +336,14 @@ class ModelRunner:
             if driver and step.in_flight_at else {}
         pooling = {"pool_rows": ints(step.pool_rows), "pool_into": ints(step.pool_into)} \
             if driver and step.pool_rows else {}
+        lora = {"lora_slots": torch.repeat_interleave(ints(step.lora_slots), ints(step.query_lens))} \
+            if self.lora is not None else {}  # each token's adapter slot
         dev = self.staging({"token_ids": ints(step.token_ids), "logits_rows": ints(step.logits_rows),
                             "write_at": ints(step.write_at), "write_ids": ints(step.write_ids), **index.tensors,
-                            **gather, **pooling})
+                            **gather, **pooling, **lora})
         tables = self.block_tables.write(dev["write_at"], dev["write_ids"])
+        if self.lora is not None:
+            self.lora.set(dev["lora_slots"])
         index.tensors = dev
         positions, meta = index.metadata(tables, self.block_size, self.block_tables.window_map)
         ids = dev["token_ids"]
@@ -391,6 +407,8 @@ class ModelRunner:
         step = DriverStep(counts, starts, tokens, logprob_rows + sample_rows, rows, write_at, write_ids, gather_at,
                           gather_from, in_flight.output.ids if gather_at else None, pooled_rows, pool_into,
                           len(pool_spans))
+        if self.lora is not None:
+            step.lora_slots = [r.lora_slot for r in reqs]
         if self.decode_buckets and max(counts) == 1:
             self._pad(step)
         return step, sampled, spans, pool_spans
@@ -405,6 +423,8 @@ class ModelRunner:
         step.computed_lens = step.computed_lens + [0] * n
         step.token_ids = step.token_ids + [0] * n
         step.table_rows = step.table_rows + [t.scratch_row] * n
+        if self.lora is not None:
+            step.lora_slots = step.lora_slots + [-1] * n
 
     @staticmethod
     def _prompt_logprobs(spans: list[tuple[Request, int, int]],

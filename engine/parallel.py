@@ -32,12 +32,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import select
 import signal
 import socket
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -47,7 +48,7 @@ from engine.models.config import ModelConfig
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)  # a hung (not dead) peer fails the engine after this
 _IDLE_TIMEOUT = timedelta(days=365)  # a worker waiting for the next step
-HEADER_LEN = 8  # int64s: [command, num_seqs, num_tokens, num logits rows, num block table writes, 0, 0, 0]
+HEADER_LEN = 8  # int64s: [command, num_seqs, num_tokens, num logits rows, num block table writes, num LoRA slots, 0, 0]
 CMD_STEP, CMD_SHUTDOWN = 1, 2
 
 
@@ -104,26 +105,28 @@ class StepInput:
     table_rows: list[int]  # each sequence's row of the block tables
     write_at: list[int]  # flat index into the tables...
     write_ids: list[int]  # ...and the block id to write there
+    lora_slots: list[int] = field(default_factory=list)  # with LoRA adapters: each sequence's slot (-1: none)
 
     def pack(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(header, payload): the sizes, then everything in one int64 tensor."""
         flat = [*self.query_lens, *self.computed_lens, *self.table_rows, *self.token_ids, *self.logits_rows,
-                *self.write_at, *self.write_ids]
-        header = [CMD_STEP, len(self.query_lens), len(self.token_ids), len(self.logits_rows), len(self.write_at)]
+                *self.write_at, *self.write_ids, *self.lora_slots]
+        header = [CMD_STEP, len(self.query_lens), len(self.token_ids), len(self.logits_rows), len(self.write_at),
+                  len(self.lora_slots)]
         return _header(*header), torch.tensor(flat, dtype=torch.int64)
 
     @classmethod
     def unpack(cls, header: list[int], payload: torch.Tensor) -> StepInput:
-        _, b, t, r, w = header[:5]
+        _, b, t, r, w, s = header[:6]
         v = payload.tolist()
-        ends = [b, 2 * b, 3 * b, 3 * b + t, 3 * b + t + r, 3 * b + t + r + w, 3 * b + t + r + 2 * w]
-        q, c, rows, tokens, logits, at, ids = (v[lo:hi] for lo, hi in zip([0, *ends], ends, strict=False))
-        return cls(q, c, tokens, logits, rows, at, ids)
+        ends = list(itertools.accumulate([b, b, b, t, r, w, w, s]))
+        q, c, rows, tokens, logits, at, ids, slots = (v[lo:hi] for lo, hi in zip([0, *ends], ends, strict=False))
+        return cls(q, c, tokens, logits, rows, at, ids, slots)
 
     @staticmethod
     def payload_len(header: list[int]) -> int:
-        _, b, t, r, w = header[:5]
-        return 3 * b + t + r + 2 * w
+        _, b, t, r, w, s = header[:6]
+        return 3 * b + t + r + 2 * w + s
 
 
 def _header(*values: int) -> torch.Tensor:

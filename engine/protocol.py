@@ -20,7 +20,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 
 class Kind(IntEnum):
@@ -307,19 +307,22 @@ class Ready:
     num_kv_blocks: int
     block_size: int
     max_num_waiting_requests: int = 1024  # a call starting more requests than this could never be queued
+    loras: list[list[str]] = field(default_factory=list)  # LoRA adapters served beside the model: [name, folder]
     version: int = PROTOCOL_VERSION
     kind = Kind.READY
 
     def to_wire(self) -> list:
         return [
             self.model, self.max_model_len, self.vocab_size, list(self.eos_token_ids),
-            self.max_num_seqs, self.num_kv_blocks, self.block_size, self.max_num_waiting_requests, self.version,
+            self.max_num_seqs, self.num_kv_blocks, self.block_size, self.max_num_waiting_requests,
+            [list(a) for a in self.loras], self.version,
         ]
 
     @classmethod
     def from_wire(cls, p: list) -> Ready:
-        m, mml, vs, eos, mns, nb, bs, mw, v = p
-        return cls(str(m), int(mml), int(vs), [int(t) for t in eos], int(mns), int(nb), int(bs), int(mw), int(v))
+        m, mml, vs, eos, mns, nb, bs, mw, loras, v = p
+        return cls(str(m), int(mml), int(vs), [int(t) for t in eos], int(mns), int(nb), int(bs), int(mw),
+                   [[str(name), str(path)] for name, path in loras], int(v))
 
 
 @dataclass
@@ -331,19 +334,21 @@ class Add:
     deadline: float | None = None  # unix seconds; None = none
     cache_salt: str = ""  # prefix-cache blocks are shared only between requests with the same salt
     pooling: PoolingParams | None = None  # an embedding request: ``params`` are unused
+    lora: str = ""  # the LoRA adapter it runs with (one of ``Ready.loras``); "": the model alone
     kind = Kind.ADD
 
     def to_wire(self) -> list:
         return [self.request_id, list(self.prompt_token_ids), self.params.to_wire(), self.priority, self.deadline,
-                self.cache_salt, None if self.pooling is None else self.pooling.to_wire()]
+                self.cache_salt, None if self.pooling is None else self.pooling.to_wire(), self.lora]
 
     @classmethod
     def from_wire(cls, p: list) -> Add:
-        rid, toks, params, prio, deadline, salt, pooling = p
+        rid, toks, params, prio, deadline, salt, pooling, lora = p
         if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
             raise ProtocolError("prompt_token_ids must be a list of ints")
         return cls(str(rid), toks, SamplingParams.from_wire(params), int(prio),
-                   None if deadline is None else float(deadline), str(salt), PoolingParams.from_wire(pooling))
+                   None if deadline is None else float(deadline), str(salt), PoolingParams.from_wire(pooling),
+                   str(lora))
 
 
 @dataclass

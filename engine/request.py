@@ -30,12 +30,12 @@ class Request:
         "finish_reason", "stop_reason", "sampling_state", "num_cached_tokens", "num_preemptions",
         "prompt_logprobs", "_all_token_ids", "stop_token_ids", "arrival_time", "queued_at", "waited",
         "num_output_at_preemption", "cache_salt", "block_hashes", "num_cached_blocks", "num_in_flight",
-        "num_prompt_logprobs_in_flight", "pool", "window_from",
+        "num_prompt_logprobs_in_flight", "pool", "window_from", "lora", "lora_slot",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  priority: int = 0, deadline: float | None = None, sampling_state: Any = None,
-                 cache_salt: str = "", pool: Any = None):
+                 cache_salt: str = "", pool: Any = None, lora: str = "", lora_slot: int = -1):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -56,6 +56,7 @@ class Request:
         self.pool = pool  # an embedding request's engine.pooling.PoolState: pooled, never sampled
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.cache_salt = cache_salt  # blocks are shared only between requests with the same salt
+        self.lora, self.lora_slot = lora, lora_slot  # its LoRA adapter's name and slot (engine.lora); "", -1: none
         self.block_hashes: list[bytes] = []  # chained hashes of its full blocks (block manager's, kept)
         self.num_cached_blocks = 0  # leading blocks of block_table already offered to the prefix cache
         self.num_preemptions = 0

@@ -55,7 +55,8 @@ class FakeEngine:
     def ready_info(self) -> p.Ready:
         return p.Ready("fake", MAX_LEN, VOCAB, [2], 8, 100, 16)
 
-    def add_request(self, request_id, prompt_token_ids, params, priority=0, deadline=None, cache_salt="", pooling=None):
+    def add_request(self, request_id, prompt_token_ids, params, priority=0, deadline=None, cache_salt="", pooling=None,
+                    lora=""):
         if len(prompt_token_ids) + params.max_tokens > MAX_LEN:
             raise FakeRequestError(400, "invalid_request_error", "too long", "max_tokens")
         if len(self.running) >= self.max_waiting:

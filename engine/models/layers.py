@@ -70,6 +70,8 @@ class ColumnLinear(Packable):
         assert all(tp.size % r == 0 for r in replicas) and all(s % n == 0 for s, n in zip(out_sizes, shards, strict=True))
         self.out_sizes = [s // n for s, n in zip(out_sizes, shards, strict=True)]  # this rank's rows of each part
         self.starts = [tp.rank // r * n for r, n in zip(replicas, self.out_sizes, strict=True)]  # ...from this row
+        self.in_features = in_features
+        self.lora: nn.Module | None = None  # LoRA adapters' products added to the output (``engine.lora``)
         self.weight = _empty(sum(self.out_sizes), in_features)
         self.bias = _empty(sum(self.out_sizes)) if bias else None
         # parts packed in formats of their own (``pack_parts``): (format, first row, rows, first byte, row bytes)
@@ -110,11 +112,13 @@ class ColumnLinear(Packable):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.segments:
-            x = self.inputs(x)
-            return torch.cat([kernels.linear(x, self.weight[at:at + n * width].view(n, width),
-                                             None if self.bias is None else self.bias[first:first + n], fmt)
-                              for fmt, first, n, at, width in self.segments], dim=-1)
-        return kernels.linear(self.inputs(x), self.weight, self.bias, self.packed)
+            xp = self.inputs(x)
+            y = torch.cat([kernels.linear(xp, self.weight[at:at + n * width].view(n, width),
+                                          None if self.bias is None else self.bias[first:first + n], fmt)
+                           for fmt, first, n, at, width in self.segments], dim=-1)
+        else:
+            y = kernels.linear(self.inputs(x), self.weight, self.bias, self.packed)
+        return y if self.lora is None else self.lora(x, y)
 
 
 class RowLinear(Packable):
@@ -126,7 +130,8 @@ class RowLinear(Packable):
         super().__init__()
         assert in_features % tp.size == 0
         self.tp = tp
-        self.in_per_rank = in_features // tp.size
+        self.in_per_rank, self.out_features = in_features // tp.size, out_features
+        self.lora: nn.Module | None = None  # as ColumnLinear's
         self.weight = _empty(out_features, self.in_per_rank)
         self.bias = _empty(out_features) if bias else None
 
@@ -140,7 +145,8 @@ class RowLinear(Packable):
         getattr(self, kind).copy_(tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(kernels.linear(self.inputs(x), self.weight, packed=self.packed))
+        y = kernels.linear(self.inputs(x), self.weight, packed=self.packed)
+        y = self.tp.all_reduce(y if self.lora is None else self.lora(x, y))  # (a rank's share of A: a partial sum)
         return y if self.bias is None else y + self.bias
 
 

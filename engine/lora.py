@@ -1,0 +1,206 @@
+"""LoRA adapters served beside the base model (vLLM's ``--lora-modules``): a request names one by
+its ``model`` (or none: the base model), and one batch mixes them.
+
+An adapter is PEFT's folder (``adapter_config.json``, ``adapter_model.safetensors``): for some linear
+layers W, matrices A (r, in) and B (out, r) and a scale s (lora_alpha / r; / sqrt(r) with rsLoRA), the
+layer computing y = x W^T + s (x A^T) B^T.
+
+Decision: every adapter is kept on the device in a slot of its own, and each layer an adapter targets
+adds every slot's product in two small GEMMs over the step's tokens, each token's row masked to its
+own slot (``LoraWeights``)::
+
+    y += ((x @ A_all).view(T, S, P * R) * onehot[:, :, None]).view(T, -1) @ B_all
+
+A_all (in, S*P*R) holds each slot's A^T for each of the layer's fused parts (P: q|k|v is 3) padded to
+R = ``max_lora_rank`` columns; B_all (S*P*R, out) the scaled B^T, each part's rows at its columns of
+the fused output. Shapes never depend on which adapters a step uses, so decode graphs (CUDA's and the
+CPU's) capture it as it is (``onehot`` is a persistent buffer the runner fills before each step), no
+request waits for a slot, and there is no loop over adapters. The price is arithmetic for every
+slot in every step: S*P*R columns beside the layer's own (vLLM swaps adapters into ``--max-loras``
+slots instead: less arithmetic, and requests wait for a slot). A token without an adapter has a row
+of zeros: its output is the base model's, bit for bit.
+
+Under tensor parallelism a rank keeps its rows of B (column-parallel layers) or its columns of A
+(row-parallel ones: each rank's partial product joins the all-reduce the layer does anyway).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+# a LoRA tensor's name in PEFT's files: layer, module (self_attn.q_proj), A or B (an adapter name
+# between them in some saves)
+_KEY = re.compile(r"(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(.+)\.lora_([AB])(?:\.[\w-]+)?\.weight")
+_PARTS = {  # a checkpoint module -> (the model's layer holding it, its part there; None: every part)
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0), "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2), "self_attn.qkv_proj": ("self_attn.qkv_proj", None),
+    "self_attn.o_proj": ("self_attn.o_proj", 0), "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1), "mlp.gate_up_proj": ("mlp.gate_up_proj", None),
+    "mlp.down_proj": ("mlp.down_proj", 0),
+}
+
+
+class AdapterError(ValueError):
+    """An adapter folder this server cannot serve, and why."""
+
+
+@dataclass
+class Adapter:
+    name: str
+    path: str
+    rank: int  # the largest of its modules'
+    # (layer, checkpoint module such as "self_attn.q_proj") -> (A (r, in), B (out, r) times the scale)
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+def read_adapter(name: str, path: str, max_rank: int) -> Adapter:
+    """A PEFT LoRA folder, checked: refused (``AdapterError``) if it is not plain LoRA on the attention and
+    MLP projections, or a module's rank passes ``max_rank``."""
+    from safetensors.torch import load_file
+
+    def refuse(why: str) -> AdapterError:
+        return AdapterError(f"LoRA adapter {name!r} ({path}): {why}")
+
+    try:
+        with open(os.path.join(path, ADAPTER_CONFIG)) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise refuse(f"no readable {ADAPTER_CONFIG} ({e})") from None
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise refuse(f"a {cfg['peft_type']} adapter; only LoRA is served")
+    for key, why in (("use_dora", "DoRA"), ("modules_to_save", "whole modules saved beside the adapter"),
+                     ("fan_in_fan_out", "fan_in_fan_out weights (GPT-2's Conv1D)")):
+        if cfg.get(key):
+            raise refuse(f"{why} ({key}) is not supported")
+    if cfg.get("bias", "none") != "none":
+        raise refuse(f"trained biases (bias={cfg['bias']!r}) are not supported")
+    weights = os.path.join(path, ADAPTER_WEIGHTS)
+    if not os.path.exists(weights):
+        raise refuse(f"no {ADAPTER_WEIGHTS} (adapters saved as .bin are not read: save with safetensors)")
+    tensors = load_file(weights)
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        m = _KEY.fullmatch(key)
+        if m is None or m[2] not in _PARTS:
+            raise refuse(f"{key}: LoRA is served on the attention and MLP projections only (not on embeddings, "
+                         "the LM head or a mixture's experts)")
+        pairs.setdefault((int(m[1]), m[2]), {})[m[3]] = t
+    if not pairs:
+        raise refuse(f"{ADAPTER_WEIGHTS} holds no LoRA weights")
+    out, rank = {}, 0
+    for (layer, module), ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            raise refuse(f"layer {layer} {module}: lora_A and lora_B must both be there")
+        a, b = ab["A"], ab["B"]
+        r = a.shape[0]
+        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != r:
+            raise refuse(f"layer {layer} {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not match")
+        if r > max_rank:
+            raise refuse(f"rank {r} passes --max-lora-rank {max_rank}")
+        full = f"model.layers.{layer}.{module}"
+        r_cfg = _pattern(cfg.get("rank_pattern"), full, cfg.get("r", r))
+        alpha = _pattern(cfg.get("alpha_pattern"), full, cfg.get("lora_alpha", r_cfg))
+        scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+        out[layer, module] = (a.float(), b.float() * scale)
+        rank = max(rank, r)
+    return Adapter(name, path, rank, out)
+
+
+def _pattern(patterns: dict | None, module: str, default):
+    """PEFT's per-module override: the first key that names the end of ``module`` (a regex)."""
+    for key, value in (patterns or {}).items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+class LoraState:
+    """The step's one-hot rows, token by slot, that every ``LoraWeights`` reads: one persistent buffer
+    of ``rows`` (the most tokens a step has), which the runner fills before each forward (graphs read
+    it where they were captured)."""
+
+    def __init__(self, slots: int, rows: int, dtype: torch.dtype, device: torch.device):
+        self.onehot = torch.zeros(rows, slots, dtype=dtype, device=device)
+        self.slots = torch.arange(slots, device=device)
+
+    def set(self, token_slots: torch.Tensor) -> None:
+        """Each of the step's tokens' slot (-1: none), (T,) on the device."""
+        t = len(token_slots)
+        if t > self.onehot.shape[0]:
+            raise ValueError(f"a step of {t} tokens, but LoRA's rows were sized for {self.onehot.shape[0]}")
+        self.onehot[:t] = token_slots[:, None] == self.slots
+
+    def rows(self, t: int) -> torch.Tensor:
+        return self.onehot[:t]
+
+
+class LoraWeights(nn.Module):
+    """One linear layer's adapters: A_all (in, S*P*R) and B_all (S*P*R, out), in the model's dtype."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], rank: int, state: LoraState):
+        super().__init__()
+        slots = state.onehot.shape[1]
+        self.rank, self.out_sizes, self.state = rank, out_sizes, state
+        like = dict(dtype=state.onehot.dtype, device=state.onehot.device)
+        self.a = nn.Parameter(torch.zeros(in_features, slots * len(out_sizes) * rank, **like), requires_grad=False)
+        self.b = nn.Parameter(torch.zeros(slots * len(out_sizes) * rank, sum(out_sizes), **like), requires_grad=False)
+
+    def put(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Slot ``slot``'s part ``part``: ``a`` (r, in) and ``b`` (out of that part, r), this rank's share."""
+        r = a.shape[0]
+        col = (slot * len(self.out_sizes) + part) * self.rank
+        first = sum(self.out_sizes[:part])
+        self.a[:, col:col + r].copy_(a.T)
+        self.b[col:col + r, first:first + b.shape[0]].copy_(b.T)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``y`` (T, out), the layer's output for ``x`` (T, in), plus each token's adapter's product."""
+        t, slots = x.shape[0], self.state.onehot.shape[1]
+        u = (x @ self.a).view(t, slots, -1) * self.state.rows(t)[:, :, None]
+        return y.addmm_(u.view(t, -1), self.b)
+
+
+def attach(model: nn.Module, adapters: list[Adapter], rank: int, state: LoraState) -> None:
+    """Give each linear layer some adapter targets ``LoraWeights`` (``lora``), and put adapter i in slot i
+    (its share of each layer under tensor parallelism)."""
+    from engine.models.layers import ColumnLinear, RowLinear
+
+    targeted = {(layer, _PARTS[module][0]) for a in adapters for layer, module in a.weights}
+    for layer, name in sorted(targeted):
+        if layer >= len(model.layers):
+            raise AdapterError(f"LoRA adapter for layer {layer}, but the model has {len(model.layers)} layers")
+        target = model.layers[layer].get_submodule(name)
+        if not isinstance(target, ColumnLinear | RowLinear):  # (a mixture's experts)
+            raise AdapterError(f"layer {layer}'s {name} takes no LoRA (a mixture of experts' layer?)")
+        out_sizes = target.out_sizes if isinstance(target, ColumnLinear) else [target.out_features]
+        in_features = target.in_features if isinstance(target, ColumnLinear) else target.in_per_rank
+        target.lora = LoraWeights(in_features, out_sizes, rank, state)
+    for slot, adapter in enumerate(adapters):
+        for (layer, module), (a, b) in adapter.weights.items():
+            name, part = _PARTS[module]
+            target = model.layers[layer].get_submodule(name)
+            if isinstance(target, RowLinear):
+                if a.shape[1] != target.in_per_rank * target.tp.size:
+                    raise AdapterError(f"{adapter.name}: layer {layer} {module}'s lora_A has {a.shape[1]} columns, "
+                                       f"the model's layer {target.in_per_rank * target.tp.size}")
+                a = a.narrow(1, target.tp.rank * target.in_per_rank, target.in_per_rank)
+                target.lora.put(slot, 0, a, b)
+                continue
+            if a.shape[1] != target.in_features:
+                raise AdapterError(f"{adapter.name}: layer {layer} {module}'s lora_A has {a.shape[1]} columns, the "
+                                   f"model's layer {target.in_features}")
+            parts = range(len(target.full_sizes)) if part is None else [part]
+            want = sum(target.full_sizes[p] for p in parts)
+            if b.shape[0] != want:
+                raise AdapterError(f"{adapter.name}: layer {layer} {module}'s lora_B has {b.shape[0]} rows, the "
+                                   f"model's layer {want}")
+            for p, rows in zip(parts, b.split([target.full_sizes[p] for p in parts]), strict=True):
+                target.lora.put(slot, p, a, rows.narrow(0, target.starts[p], target.out_sizes[p]))

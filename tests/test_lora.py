@@ -1,0 +1,150 @@
+"""LoRA adapters (``engine.lora``): PEFT folders read and checked, greedy output token for token that of
+transformers running the adapter as PEFT does (fp32), adapters and the model alone mixed in one batch,
+the prefix cache kept apart per adapter, and the server's side (``/v1/models``, ``model`` naming one)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+from engine import LLM, SamplingParams
+from engine.lora import AdapterError, read_adapter
+from tests.conftest import make_tiny_model
+
+MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROMPTS = [[1, 450, 4996, 17354, 1701, 432], [1, 822, 18755, 29898, 29876], [1, 3681, 338, 263]]
+
+
+def make_lora(model_dir: str, out_dir: str, seed: int, r: int = 8, alpha: float = 16.0,
+              modules: tuple[str, ...] = MODULES, **config) -> str:
+    """A random LoRA adapter for the model in ``model_dir``, saved as PEFT saves one (B nonzero, so that it
+    changes the output)."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    kv = cfg["num_key_value_heads"] * d
+    shapes = {"q_proj": (cfg["num_attention_heads"] * d, h), "k_proj": (kv, h), "v_proj": (kv, h),
+              "o_proj": (h, cfg["num_attention_heads"] * d), "gate_proj": (inter, h), "up_proj": (inter, h),
+              "down_proj": (h, inter)}
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(cfg["num_hidden_layers"]):
+        for m in modules:
+            out, inp = shapes[m]
+            where = "self_attn" if m in MODULES[:4] else "mlp"
+            key = f"base_model.model.model.layers.{i}.{where}.{m}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(r, inp, generator=g) / inp ** 0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(out, r, generator=g) * 0.5
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"))
+    with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": list(modules),
+                   "bias": "none", "base_model_name_or_path": model_dir, "task_type": "CAUSAL_LM",
+                   "lora_dropout": 0.0, **config}, f)
+    return out_dir
+
+
+def with_adapter(hf, adapter_dir: str):
+    """``hf`` computing y = x W^T + s (x A^T) B^T in each adapted layer, as PEFT's LoRA layer does."""
+    a = read_adapter("ref", adapter_dir, 64)
+    hooks = []
+    for (layer, module), (lora_a, lora_b) in a.weights.items():
+        lin = hf.model.layers[layer].get_submodule(module)
+        hooks.append(lin.register_forward_hook(
+            lambda mod, args, y, lora_a=lora_a, lora_b=lora_b: y + (args[0] @ lora_a.T) @ lora_b.T))
+    return hooks
+
+
+def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
+    out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                      max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, smollm_tokenizer_dir):
+    root = tmp_path_factory.mktemp("lora")
+    model = make_tiny_model(str(root / "model"), "llama", smollm_tokenizer_dir, seed=4)
+    return model, make_lora(model, str(root / "a"), seed=1), make_lora(model, str(root / "b"), seed=2, r=4,
+                                                                       modules=("q_proj", "v_proj"))
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["cpu-graphs", "eager"])
+def test_adapters_and_the_model_alone_in_one_batch_match_transformers(tiny, eager):
+    model, a, b = tiny
+    llm = LLM(model, device="cpu", dtype="float32", num_kv_blocks=128, max_model_len=256, enforce_eager=eager,
+              lora_modules={"a": a, "b": b})
+    n = 12
+    prompts = PROMPTS * 3
+    loras = [None] * 3 + ["a"] * 3 + ["b"] * 3
+    outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0), lora_request=loras)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    want = {None: [hf_greedy(hf, p, n) for p in PROMPTS]}
+    for name, path in (("a", a), ("b", b)):
+        hooks = with_adapter(hf, path)
+        want[name] = [hf_greedy(hf, p, n) for p in PROMPTS]
+        for h in hooks:
+            h.remove()
+    assert want["a"] != want[None] and want["b"] != want[None]  # the adapters change the output
+    for out, lora, i in zip(outs, loras, [0, 1, 2] * 3, strict=True):
+        assert out.token_ids == want[lora][i], (lora, i)
+
+
+def test_the_prefix_cache_is_kept_apart_per_adapter(tiny):
+    model, a, b = tiny
+    llm = LLM(model, device="cpu", dtype="float32", num_kv_blocks=128, max_model_len=256,
+              lora_modules={"a": a, "b": b})
+    prompt = list(range(3, 3 + 40))
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    alone = llm.generate([prompt], greedy)[0]
+    first_a = llm.generate([prompt], greedy, lora_request="a")[0]
+    again_a = llm.generate([prompt], greedy, lora_request="a")[0]
+    first_b = llm.generate([prompt], greedy, lora_request="b")[0]
+    assert first_a.num_cached_tokens == 0 and first_b.num_cached_tokens == 0  # the model's blocks are not theirs
+    assert again_a.num_cached_tokens == 32 and again_a.token_ids == first_a.token_ids
+    assert llm.generate([prompt], greedy)[0].num_cached_tokens == 32
+    assert alone.token_ids != first_a.token_ids
+
+
+def test_unknown_adapter_is_refused(tiny):
+    model, a, _ = tiny
+    llm = LLM(model, device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=128, lora_modules={"a": a})
+    with pytest.raises(Exception, match="'nope' does not exist"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), lora_request="nope")
+
+
+@pytest.mark.parametrize(("config", "files", "match"), [
+    ({"use_dora": True}, None, "DoRA"),
+    ({"modules_to_save": ["lm_head"]}, None, "whole modules"),
+    ({"bias": "lora_only"}, None, "biases"),
+    ({"peft_type": "IA3"}, None, "only LoRA is served"),
+    ({}, {"base_model.model.lm_head.lora_A.weight": torch.zeros(2, 64),
+          "base_model.model.lm_head.lora_B.weight": torch.zeros(8, 2)}, "attention and MLP projections only"),
+    ({}, {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(2, 64)}, "must both"),
+    ({}, {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(32, 64),
+          "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(64, 32)}, "max-lora-rank 16"),
+])
+def test_adapters_that_cannot_be_served_are_refused(tiny, tmp_path, config, files, match):
+    path = make_lora(tiny[0], str(tmp_path / "x"), seed=0, **config)
+    if files is not None:
+        save_file(files, os.path.join(path, "adapter_model.safetensors"))
+    with pytest.raises(AdapterError, match=match):
+        read_adapter("x", path, 16)
+
+
+def test_scales_rslora_and_patterns(tiny, tmp_path):
+    model = tiny[0]
+    plain = read_adapter("p", make_lora(model, str(tmp_path / "p"), seed=0, r=4, alpha=8.0), 16)
+    rs = read_adapter("r", make_lora(model, str(tmp_path / "r"), seed=0, r=4, alpha=8.0, use_rslora=True), 16)
+    pat = read_adapter("q", make_lora(model, str(tmp_path / "q"), seed=0, r=4, alpha=8.0,
+                                      alpha_pattern={"q_proj": 2.0}), 16)
+    key, other = (0, "self_attn.q_proj"), (0, "self_attn.k_proj")
+    raw = plain.weights[key][1] / 2.0  # alpha / r = 2
+    assert torch.allclose(rs.weights[key][1], raw * 4.0)  # alpha / sqrt(r) = 4
+    assert torch.allclose(pat.weights[key][1], raw * 0.5) and torch.equal(pat.weights[other][1], plain.weights[other][1])
