@@ -48,6 +48,19 @@ def _json_map(text: str) -> dict:
     return value
 
 
+def _lora_module(text: str) -> tuple[str, str]:
+    """vLLM's two spellings of an adapter: ``name=path``, or ``{"name": ..., "path": ...}``."""
+    if text.lstrip().startswith("{"):
+        value = _json_map(text)
+        name, path = value.get("name"), value.get("path")
+    else:
+        name, _, path = text.partition("=")
+    if not (isinstance(name, str) and name and isinstance(path, str) and path):
+        raise argparse.ArgumentTypeError(f"not an adapter: {text!r} (NAME=PATH, or '{{\"name\": NAME, \"path\": "
+                                         f"PATH}}')")
+    return name, path
+
+
 def _engine_flags(p: argparse.ArgumentParser, generate: bool = False) -> None:
     d = _DEFAULTS
     g = p.add_argument_group("model and engine")
@@ -128,6 +141,15 @@ def _engine_flags(p: argparse.ArgumentParser, generate: bool = False) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
                    help="ranks to split the model over (tensor parallel): one process per rank, one GPU "
                         "each on CUDA, an equal share of the CPU threads each on the CPU (default: 1)")
+    a = p.add_argument_group("LoRA adapters")
+    a.add_argument("--enable-lora", action="store_true", help="serve the adapters of --lora-modules")
+    a.add_argument("--lora-modules", type=_lora_module, nargs="+", action="extend", default=None,
+                   metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders) served beside the model, as vLLM's flag: a request whose "
+                        "'model' is NAME runs with that adapter; each is kept on the device, and one step mixes "
+                        "them with the model alone (also '{\"name\": NAME, \"path\": PATH}')")
+    a.add_argument("--max-lora-rank", type=int, default=None, metavar="R",
+                   help=f"the largest rank an adapter may have (default: {d['max_lora_rank']})")
     m = p.add_argument_group("tensor parallel across machines (torchrun's names; a private network only: "
                              "the rendezvous and gloo/NCCL traffic are unauthenticated)")
     m.add_argument("--nnodes", type=int, default=None, metavar="N",
@@ -341,6 +363,13 @@ def _config_kwargs(args: argparse.Namespace) -> dict:
     kw = {k: v for k, v in vars(args).items() if k in _DEFAULTS and v is not None}
     if kw.get("served_model_name"):  # the first of its names (the others: ServeOptions.model_aliases)
         kw["served_model_name"] = kw["served_model_name"][0]
+    if kw.get("lora_modules"):
+        if not getattr(args, "enable_lora", False):
+            raise ValueError("--lora-modules needs --enable-lora, as in vLLM")
+        names = [name for name, _ in kw["lora_modules"]]
+        if len(set(names)) < len(names):
+            raise ValueError(f"--lora-modules names an adapter twice: {sorted(n for n in set(names) if names.count(n) > 1)}")
+        kw["lora_modules"] = dict(kw["lora_modules"])
     return kw
 
 
@@ -534,8 +563,8 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     # quiet by default: stdout is the text; TOKENMILL_LOG_LEVEL=INFO shows what start-up found
     logging.basicConfig(level=os.environ.get("TOKENMILL_LOG_LEVEL", "WARNING"), format=LOG_FORMAT, stream=sys.stderr)
 
-    kwargs = _config_kwargs(args)
     try:
+        kwargs = _config_kwargs(args)
         EngineConfig(**kwargs)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
     except ValueError as e:

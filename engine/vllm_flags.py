@@ -61,6 +61,12 @@ def add(parser: argparse.ArgumentParser) -> None:
                    help="tokenizers are transformers' here (--tokenizer for another one)")
     v.add_argument("--kv-cache-dtype", choices=("auto",), default=None,
                    help="the KV cache is kept in the model's dtype (an fp8 cache is not supported)")
+    v.add_argument("--max-loras", "--max-cpu-loras", type=int, default=None, metavar="N",
+                   help="every adapter of --lora-modules is kept on the device here, in a slot of its own: one "
+                        "step mixes them all, none waits for a slot")
+    v.add_argument("--lora-dtype", choices=("auto",), default=None, help="adapters are kept in the model's dtype")
+    v.add_argument("--fully-sharded-loras", action="store_true",
+                   help="under tensor parallel each rank keeps its share of every adapter here")
     v.add_argument("--pipeline-parallel-size", "-pp", type=int, choices=(1,), default=None,
                    help="no pipeline parallelism here: --tensor-parallel-size and --data-parallel-size split "
                         "the work")

@@ -92,7 +92,7 @@ async def embeddings_job(api, data: dict, arrival: float | None = None,
                          id_prefix: str = "embd") -> tuple[Generation, EmbeddingsFormat]:
     """A /v1/embeddings body checked and turned into an unstarted generation (``api``: the ``OpenAIApi``;
     ``frontends.scoring`` runs its rerank and score calls through it too)."""
-    op.check_model(data, api.model_names)
+    lora = op.check_model(data, api.model_names, api.adapters)
     encoding = op.field(data, "encoding_format", str, "float")
     if encoding not in ENCODINGS:
         raise ApiError(400, f"encoding_format must be one of {', '.join(ENCODINGS)}, got {encoding!r}",
@@ -115,5 +115,5 @@ async def embeddings_job(api, data: dict, arrival: float | None = None,
     api_id = api._new_id(id_prefix)
     gen = Generation(api.client, api.codec, api_id, prompts, 1, lambda i: SamplingParams(max_tokens=1), priority,
                      None, deadline, cache_salt, api.metrics, arrival)
-    gen.pooling = pooling
-    return gen, EmbeddingsFormat(api.model, gen, encoding)
+    gen.pooling, gen.lora = pooling, lora
+    return gen, EmbeddingsFormat(lora or api.model, gen, encoding)

@@ -147,6 +147,7 @@ class Generation:
         self._priority = priority
         self.deadline = deadline
         self.cache_salt = cache_salt
+        self.lora = ""  # the LoRA adapter the request's ``model`` names ("": the model alone)
         self.want_logprobs = self._params[0].logprobs is not None
         # the request's field the engine's json_schema / choice came from: its refusals are named so
         self.schema_param = "response_format"
@@ -171,7 +172,8 @@ class Generation:
             while count > 0 and self._num_sent < len(self.choices):
                 c, params = self.choices[self._num_sent], self._params[self._num_sent]
                 self.client.add(c.request_id, c.prompt_ids, params, self._priority, self.deadline,
-                                stream=self.stream, cache_salt=self.cache_salt, pooling=self.pooling)
+                                stream=self.stream, cache_salt=self.cache_salt, pooling=self.pooling,
+                                lora=self.lora)
                 self._num_sent += 1
                 count -= 1
         except EngineUnavailable as e:

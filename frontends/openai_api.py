@@ -97,6 +97,8 @@ class OpenAIApi:
         self.codec = codec
         self.model = served_model_name  # what responses say
         self.model_names = (served_model_name, *(model_aliases or ()))  # what requests may say
+        ready = getattr(client, "ready", None)  # LoRA adapters, name -> folder: a request's model may name one
+        self.adapters: dict[str, str] = dict(ready.loras) if ready is not None else {}
         self.auth = Auth(api_keys or (), allowed_origins or ())
         self._ids = itertools.count()
         self._id_prefix = os.urandom(4).hex()
@@ -218,11 +220,14 @@ class OpenAIApi:
         return _json({"object": "list", "data": [{
             "id": name, "object": "model", "created": self.created, "owned_by": "tokenmill",
             "root": self.model, "parent": None, "max_model_len": self.max_model_len,
-        } for name in self.model_names]})
+        } for name in self.model_names] + [{  # as vLLM lists them
+            "id": name, "object": "model", "created": self.created, "owned_by": "tokenmill",
+            "root": path, "parent": self.model, "max_model_len": self.max_model_len,
+        } for name, path in self.adapters.items()]})
 
     async def tokenize(self, req: Request) -> Response:
         data = op.parse_json(req.body)
-        op.check_model(data, self.model_names)
+        op.check_model(data, self.model_names, self.adapters)
         if "messages" in data:
             msgs = op.parse_messages(data, self.max_chars)
             calls = tools.parse_tools({"tools": data.get("tools"), "tool_choice": "none"}, None)
@@ -236,7 +241,7 @@ class OpenAIApi:
 
     async def detokenize(self, req: Request) -> Response:
         data = op.parse_json(req.body)
-        op.check_model(data, self.model_names)
+        op.check_model(data, self.model_names, self.adapters)
         tokens = op.field(data, "tokens", list)
         if len(tokens) > op.MAX_DETOKENIZE_TOKENS:
             raise ApiError(400, f"At most {op.MAX_DETOKENIZE_TOKENS} tokens per request, got {len(tokens)}",
@@ -253,7 +258,7 @@ class OpenAIApi:
         """A /v1/completions body checked and turned into an unstarted generation (also used over WebSocket).
 
         ``arrival``: ``time.monotonic()`` when the call came in, where its latency metrics start."""
-        op.check_model(data, self.model_names)
+        lora = op.check_model(data, self.model_names, self.adapters)
         deadline, priority = op.parse_deadline(data), op.parse_priority(data)
         cache_salt = op.parse_cache_salt(data)
         n = op.parse_n(data)
@@ -275,7 +280,7 @@ class OpenAIApi:
         gen = Generation(self.client, self.codec, api_id, prompts, n, self._seeded(base), priority, stop,
                          deadline, cache_salt, self.metrics, arrival,
                          skip_special_tokens=op.field(data, "skip_special_tokens", bool, True))
-        gen.schema_param = op.structured_field(data)
+        gen.schema_param, gen.lora = op.structured_field(data), lora
         return gen, _CompletionFormat(self, api_id, gen, echo, logprobs is not None)
 
     # ------------------------------------------------------------------ chat
@@ -286,7 +291,7 @@ class OpenAIApi:
     async def chat_job(self, data: dict, arrival: float | None = None,
                        id_prefix: str = "chatcmpl") -> tuple[Generation, _ChatFormat]:
         """A /v1/chat/completions body checked and turned into an unstarted generation."""
-        op.check_model(data, self.model_names)
+        lora = op.check_model(data, self.model_names, self.adapters)
         deadline, priority = op.parse_deadline(data), op.parse_priority(data)
         cache_salt = op.parse_cache_salt(data)
         messages = op.parse_messages(data, self.max_chars)
@@ -316,6 +321,7 @@ class OpenAIApi:
         gen = Generation(self.client, self.codec, api_id, [prompt], n, self._seeded(base), priority, stop,
                          deadline, cache_salt, self.metrics, arrival, skip_special_tokens=skip)
         gen.schema_param = "tools" if tool_schema is not None else op.structured_field(data)
+        gen.lora = lora
         return gen, _ChatFormat(self, api_id, gen, want_logprobs, self._answer(data, prompt, base, calls))
 
     def _answer(self, data: dict, prompt: list[int], base, calls: tools.ToolRequest | None):
@@ -347,7 +353,7 @@ class OpenAIApi:
             raise
         if gen.schema_param == "response_format":  # the engine's refusal of a text.format schema
             gen.schema_param = "text"
-        return gen, ResponsesFormat(self.model, data, gen, chat_fmt)
+        return gen, ResponsesFormat(gen.lora or self.model, data, gen, chat_fmt)
 
     # ------------------------------------------------------------------ embeddings
 
@@ -480,7 +486,8 @@ class _CompletionFormat(_SseFormat):
         self.gen = gen
         self.echo = echo
         self.logprobs = logprobs
-        self.base = {"id": api_id, "object": "text_completion", "created": int(time.time()), "model": api.model}
+        self.base = {"id": api_id, "object": "text_completion", "created": int(time.time()),
+                     "model": gen.lora or api.model}
         self.texts = [""] * len(gen.choices)
         self.lps: list[dict | None] = [None] * len(gen.choices)
         self.prompt_texts: list[str] = []
@@ -633,7 +640,7 @@ class _ChatFormat(_SseFormat):
         self.gen = gen
         self.logprobs = logprobs
         self.base = {"id": api_id, "object": "chat.completion.chunk", "created": int(time.time()),
-                     "model": api.model}
+                     "model": gen.lora or api.model}
         self.texts = [""] * len(gen.choices)
         self.lps: list[list] = [[] for _ in gen.choices]
         # with tools or thinking, each choice's text goes through its own _Answer

@@ -63,12 +63,16 @@ def _as_tuple(types: type | tuple) -> tuple:
     return types if isinstance(types, tuple) else (types,)
 
 
-def check_model(data: dict, names: tuple[str, ...]) -> None:
-    """A request's ``model``, if given, must be one of the served ``names`` (404 as OpenAI's)."""
+def check_model(data: dict, names: tuple[str, ...], adapters: dict[str, str] | None = None) -> str:
+    """A request's ``model``, if given, must be one of the served ``names`` or a LoRA adapter's (404 as
+    OpenAI's); returns the adapter it names ("": the model alone)."""
     model = field(data, "model", str, None)
+    if model is not None and adapters and model in adapters:
+        return model
     if model is not None and model not in names:
         raise ApiError(404, f"The model '{model}' does not exist", type="not_found_error",
                        param="model", code="model_not_found")
+    return ""
 
 
 def check_token_ids(ids: list, vocab_size: int, param: str) -> list[int]:

@@ -126,7 +126,7 @@ async def rerank_job(api, data: dict, arrival: float | None = None) -> tuple[Gen
     if not isinstance(with_documents, bool):
         raise ApiError(400, "return_documents must be true or false", param="return_documents")
     gen = await _embedded(api, data, [("query", query), ("documents", documents)], arrival, "rerank")
-    return gen, RerankFormat(api.model, gen, documents, top_n or 0, with_documents)
+    return gen, RerankFormat(gen.lora or api.model, gen, documents, top_n or 0, with_documents)
 
 
 async def score_job(api, data: dict, arrival: float | None = None) -> tuple[Generation, ScoreFormat]:
@@ -139,4 +139,4 @@ async def score_job(api, data: dict, arrival: float | None = None) -> tuple[Gene
         raise ApiError(400, f"text_1 has {len(first)} texts and text_2 {len(second)}: give one text_1, or as "
                        "many as text_2", param="text_2")
     gen = await _embedded(api, data, [("text_1", first), ("text_2", second)], arrival, "score")
-    return gen, ScoreFormat(api.model, gen, pairs)
+    return gen, ScoreFormat(gen.lora or api.model, gen, pairs)

@@ -148,3 +148,55 @@ def test_scales_rslora_and_patterns(tiny, tmp_path):
     raw = plain.weights[key][1] / 2.0  # alpha / r = 2
     assert torch.allclose(rs.weights[key][1], raw * 4.0)  # alpha / sqrt(r) = 4
     assert torch.allclose(pat.weights[key][1], raw * 0.5) and torch.equal(pat.weights[other][1], plain.weights[other][1])
+
+
+def test_served_adapters_with_the_openai_client(tiny):
+    """``tokenmill serve --enable-lora --lora-modules``: /v1/models lists each adapter (its parent the model), a
+    request's ``model`` picks one (responses name it), its text is the offline ``LLM``'s with that adapter;
+    streamed chat too; an unknown name is a 404, and a bad adapter folder stops the start with its reason."""
+    import openai
+
+    from tests.test_server_e2e import Server, openai_client
+
+    model, a, b = tiny
+    prompt = "The quick brown fox jumps over the lazy dog because"
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    llm = LLM(model, lora_modules={"a": a, "b": b})
+    want = {lora: llm.generate([prompt], greedy, lora_request=lora)[0].text for lora in (None, "a", "b")}
+    assert len(set(want.values())) == 3
+    llm.close()
+    s = Server("--model", model, "--served-model-name", "tiny", "--enable-lora", "--lora-modules", f"a={a}",
+               json.dumps({"name": "b", "path": b}))
+    try:
+        client = openai_client(s)
+        listed = {m.id: m for m in client.models.list().data}
+        assert list(listed) == ["tiny", "a", "b"]
+        assert listed["a"].parent == "tiny" and listed["a"].root == a
+        for name, lora in (("tiny", None), ("a", "a"), ("b", "b")):
+            r = client.completions.create(model=name, prompt=prompt, max_tokens=10, temperature=0,
+                                          extra_body={"ignore_eos": True})
+            assert r.model == name and r.choices[0].text == want[lora], name
+        chunks = list(client.chat.completions.create(model="b", messages=[{"role": "user", "content": "Hi"}],
+                                                     max_tokens=5, temperature=0, stream=True))
+        assert {c.model for c in chunks} == {"b"} and "".join(c.choices[0].delta.content or "" for c in chunks
+                                                              if c.choices)
+        with pytest.raises(openai.NotFoundError, match="'c' does not exist"):
+            client.completions.create(model="c", prompt=prompt, max_tokens=2)
+    finally:
+        s.close()
+    with pytest.raises(AssertionError, match="rank 8 passes --max-lora-rank 4"):
+        Server("--model", model, "--enable-lora", "--lora-modules", f"a={a}", "--max-lora-rank", "4", startup=120)
+
+
+def test_tensor_parallel_gives_one_ranks_tokens(tiny):
+    """Two ranks (gloo): each keeps its rows of B (q|k|v, gate|up) or columns of A (o, down); the same greedy
+    tokens as one rank, adapters and the model alone in one batch."""
+    model, a, b = tiny
+    kw = dict(device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=128, lora_modules={"a": a, "b": b})
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    loras = [None, "a", "b", "a"]
+    prompts = PROMPTS + [list(range(5, 45))]
+    with LLM(model, **kw) as one:
+        want = [o.token_ids for o in one.generate(prompts, greedy, lora_request=loras)]
+    with LLM(model, tensor_parallel_size=2, **kw) as two:
+        assert [o.token_ids for o in two.generate(prompts, greedy, lora_request=loras)] == want

@@ -211,6 +211,10 @@ def test_step_input_packs_into_one_int64_tensor():
     assert header.dtype == payload.dtype == torch.int64 and header.numel() == 8
     assert payload.numel() == StepInput.payload_len(header.tolist()) == 3 * 2 + 4 + 4 + 2 * 3
     assert StepInput.unpack(header.tolist(), payload) == step
+    step.lora_slots = [1, -1]  # with LoRA adapters: each sequence's slot
+    header, payload = step.pack()
+    assert payload.numel() == StepInput.payload_len(header.tolist()) == 3 * 2 + 4 + 4 + 2 * 3 + 2
+    assert StepInput.unpack(header.tolist(), payload) == step
 
 
 def test_step_input_does_not_grow_with_the_context_held():
