@@ -404,11 +404,9 @@ class ModelRunner:
                 sampled.append(r)
                 sample_rows.append(len(tokens) - 1)
         rows, write_at, write_ids = self.block_tables.update(reqs, batch.window_writes)
-        step = DriverStep(counts, starts, tokens, logprob_rows + sample_rows, rows, write_at, write_ids, gather_at,
-                          gather_from, in_flight.output.ids if gather_at else None, pooled_rows, pool_into,
-                          len(pool_spans))
-        if self.lora is not None:
-            step.lora_slots = [r.lora_slot for r in reqs]
+        step = DriverStep(counts, starts, tokens, logprob_rows + sample_rows, rows, write_at, write_ids,
+                          [r.lora_slot for r in reqs] if self.lora is not None else [], gather_at, gather_from,
+                          in_flight.output.ids if gather_at else None, pooled_rows, pool_into, len(pool_spans))
         if self.decode_buckets and max(counts) == 1:
             self._pad(step)
         return step, sampled, spans, pool_spans

@@ -1,6 +1,7 @@
 """LoRA adapters (``engine.lora``): PEFT folders read and checked, greedy output token for token that of
-transformers running the adapter as PEFT does (fp32), adapters and the model alone mixed in one batch,
-the prefix cache kept apart per adapter, and the server's side (``/v1/models``, ``model`` naming one)."""
+transformers running the adapter as PEFT does (fp32), adapters and the model alone mixed in one batch
+(CPU graphs, eager, asynchronous scheduling, two tensor-parallel ranks), the prefix cache kept apart per
+adapter, and the server's side (``/v1/models``, ``model`` naming one, the openai client)."""
 
 from __future__ import annotations
 
@@ -75,11 +76,12 @@ def tiny(tmp_path_factory, smollm_tokenizer_dir):
                                                                        modules=("q_proj", "v_proj"))
 
 
-@pytest.mark.parametrize("eager", [False, True], ids=["cpu-graphs", "eager"])
-def test_adapters_and_the_model_alone_in_one_batch_match_transformers(tiny, eager):
+@pytest.mark.parametrize(("eager", "overlap"), [(False, "off"), (True, "off"), (False, "on")],
+                         ids=["cpu-graphs", "eager", "async-scheduling"])
+def test_adapters_and_the_model_alone_in_one_batch_match_transformers(tiny, eager, overlap):
     model, a, b = tiny
     llm = LLM(model, device="cpu", dtype="float32", num_kv_blocks=128, max_model_len=256, enforce_eager=eager,
-              lora_modules={"a": a, "b": b})
+              async_scheduling=overlap, lora_modules={"a": a, "b": b})
     n = 12
     prompts = PROMPTS * 3
     loras = [None] * 3 + ["a"] * 3 + ["b"] * 3
