@@ -97,8 +97,7 @@ class OpenAIApi:
         self.codec = codec
         self.model = served_model_name  # what responses say
         self.model_names = (served_model_name, *(model_aliases or ()))  # what requests may say
-        ready = getattr(client, "ready", None)  # LoRA adapters, name -> folder: a request's model may name one
-        self.adapters: dict[str, str] = dict(ready.loras) if ready is not None else {}
+        self.adapters: dict[str, str] = dict(client.ready.loras)  # LoRA adapters, name -> folder (a model to ask for)
         self.auth = Auth(api_keys or (), allowed_origins or ())
         self._ids = itertools.count()
         self._id_prefix = os.urandom(4).hex()

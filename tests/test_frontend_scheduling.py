@@ -223,7 +223,8 @@ class _Client:
         self.salts: list[str] = []
         self.aborted: list[str] = []
 
-    def add(self, request_id, prompt_token_ids, params, priority=0, deadline=None, stream=None, cache_salt="", pooling=None):
+    def add(self, request_id, prompt_token_ids, params, priority=0, deadline=None, stream=None, cache_salt="", pooling=None,
+            lora=""):
         self.added.append((request_id, priority, deadline))
         self.salts.append(cache_salt)
         return stream
