@@ -12,8 +12,8 @@ own slot (``LoraWeights``)::
     y += ((x @ A_all).view(T, S, P * R) * onehot[:, :, None]).view(T, -1) @ B_all
 
 A_all (in, S*P*R) holds each slot's A^T for each of the layer's fused parts (P: q|k|v is 3) padded to
-R = ``max_lora_rank`` columns; B_all (S*P*R, out) the scaled B^T, each part's rows at its columns of
-the fused output. Shapes never depend on which adapters a step uses, so decode graphs (CUDA's and the
+R columns (the adapters' largest rank); B_all (S*P*R, out) the scaled B^T, each part's rows at its
+columns of the fused output. Shapes never depend on which adapters a step uses, so decode graphs (CUDA's and the
 CPU's) capture it as it is (``onehot`` is a persistent buffer the runner fills before each step), no
 request waits for a slot, and there is no loop over adapters. The price is arithmetic for every
 slot in every step: S*P*R columns beside the layer's own (vLLM swaps adapters into ``--max-loras``
@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+import kernels
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 # a LoRA tensor's name in PEFT's files: layer, module (self_attn.q_proj), A or B (an adapter name
@@ -143,29 +145,32 @@ class LoraState:
 
 
 class LoraWeights(nn.Module):
-    """One linear layer's adapters: A_all (in, S*P*R) and B_all (S*P*R, out), in the model's dtype."""
+    """One linear layer's adapters, as linear layers' weights are kept (out, in): A_all^T (S*P*R, in) and
+    B_all^T (out, S*P*R), in the model's dtype, multiplied by ``kernels.linear`` as the layer's own weight is
+    (on the CPU the C kernel for few rows, on the threads it uses: torch's between its calls cost a hand-over
+    of threads each)."""
 
     def __init__(self, in_features: int, out_sizes: list[int], rank: int, state: LoraState):
         super().__init__()
         slots = state.onehot.shape[1]
         self.rank, self.out_sizes, self.state = rank, out_sizes, state
         like = dict(dtype=state.onehot.dtype, device=state.onehot.device)
-        self.a = nn.Parameter(torch.zeros(in_features, slots * len(out_sizes) * rank, **like), requires_grad=False)
-        self.b = nn.Parameter(torch.zeros(slots * len(out_sizes) * rank, sum(out_sizes), **like), requires_grad=False)
+        self.a = nn.Parameter(torch.zeros(slots * len(out_sizes) * rank, in_features, **like), requires_grad=False)
+        self.b = nn.Parameter(torch.zeros(sum(out_sizes), slots * len(out_sizes) * rank, **like), requires_grad=False)
 
     def put(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Slot ``slot``'s part ``part``: ``a`` (r, in) and ``b`` (out of that part, r), this rank's share."""
         r = a.shape[0]
         col = (slot * len(self.out_sizes) + part) * self.rank
         first = sum(self.out_sizes[:part])
-        self.a[:, col:col + r].copy_(a.T)
-        self.b[col:col + r, first:first + b.shape[0]].copy_(b.T)
+        self.a[col:col + r].copy_(a)
+        self.b[first:first + b.shape[0], col:col + r].copy_(b)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (T, out), the layer's output for ``x`` (T, in), plus each token's adapter's product."""
         t, slots = x.shape[0], self.state.onehot.shape[1]
-        u = (x @ self.a).view(t, slots, -1) * self.state.rows(t)[:, :, None]
-        return y.addmm_(u.view(t, -1), self.b)
+        u = kernels.linear(x, self.a).view(t, slots, -1) * self.state.rows(t)[:, :, None]
+        return y.add_(kernels.linear(u.view(t, -1), self.b))
 
 
 def attach(model: nn.Module, adapters: list[Adapter], rank: int, state: LoraState) -> None:

@@ -44,7 +44,7 @@ import kernels
 from engine.attention import StepIndex, build_metadata
 from engine.config import EngineConfig
 from engine.loader import build_model, load_model_config
-from engine.lora import LoraState, attach, read_adapter
+from engine.lora import LoraState, LoraWeights, attach, read_adapter
 from engine.models.layers import ColumnLinear, LMHead, RowLinear
 from engine.models.moe import Experts
 from engine.parallel import StepInput, TPGroup, local_model_config
@@ -156,7 +156,8 @@ class ModelRunner:
         if device.type == "cpu":  # which CPU GEMM serves which layer, measured on these weights
             modules = list(self.model.modules())
             kernels.tune_linear([m.weight for m in modules if isinstance(m, (ColumnLinear, RowLinear, LMHead))]
-                                + [w for m in modules if isinstance(m, Experts) for w in (*m.w13, *m.w2)])
+                                + [w for m in modules if isinstance(m, Experts) for w in (*m.w13, *m.w2)]
+                                + [w for m in modules if isinstance(m, LoraWeights) for w in (m.a, m.b)])
         self.block_size, self.device, self.dtype = config.block_size, device, dtype
         self.sampler = Sampler(self.model_cfg.vocab_size, list(self.model_cfg.eos_token_ids), device, config.seed)
         cuda_budget = None

@@ -16,39 +16,9 @@ from transformers import AutoModelForCausalLM
 from engine import LLM, SamplingParams
 from engine.lora import AdapterError, read_adapter
 from tests.conftest import make_tiny_model
+from tools.random_lora import make_lora
 
-MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PROMPTS = [[1, 450, 4996, 17354, 1701, 432], [1, 822, 18755, 29898, 29876], [1, 3681, 338, 263]]
-
-
-def make_lora(model_dir: str, out_dir: str, seed: int, r: int = 8, alpha: float = 16.0,
-              modules: tuple[str, ...] = MODULES, **config) -> str:
-    """A random LoRA adapter for the model in ``model_dir``, saved as PEFT saves one (B nonzero, so that it
-    changes the output)."""
-    with open(os.path.join(model_dir, "config.json")) as f:
-        cfg = json.load(f)
-    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
-    kv = cfg["num_key_value_heads"] * d
-    shapes = {"q_proj": (cfg["num_attention_heads"] * d, h), "k_proj": (kv, h), "v_proj": (kv, h),
-              "o_proj": (h, cfg["num_attention_heads"] * d), "gate_proj": (inter, h), "up_proj": (inter, h),
-              "down_proj": (h, inter)}
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for i in range(cfg["num_hidden_layers"]):
-        for m in modules:
-            out, inp = shapes[m]
-            where = "self_attn" if m in MODULES[:4] else "mlp"
-            key = f"base_model.model.model.layers.{i}.{where}.{m}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(r, inp, generator=g) / inp ** 0.5
-            tensors[f"{key}.lora_B.weight"] = torch.randn(out, r, generator=g) * 0.5
-    os.makedirs(out_dir, exist_ok=True)
-    save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"))
-    with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
-        json.dump({"peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": list(modules),
-                   "bias": "none", "base_model_name_or_path": model_dir, "task_type": "CAUSAL_LM",
-                   "lora_dropout": 0.0, **config}, f)
-    return out_dir
 
 
 def with_adapter(hf, adapter_dir: str):

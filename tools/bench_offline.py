@@ -379,7 +379,7 @@ def run_tokenmill(
     path: str, requests: list[Request], dtype: str, max_num_seqs: int, max_num_batched_tokens: int,
     async_scheduling: str = "auto", enforce_eager: bool = False, hf_overrides: dict | None = None, **config,
 ) -> tuple[Result, list, StepReport]:
-    """``config``: more of ``EngineConfig`` (kv_cache_memory, disable_hybrid_kv_cache_manager)."""
+    """``config``: more of ``EngineConfig`` (kv_cache_memory, disable_hybrid_kv_cache_manager, lora_modules)."""
     from engine import LLM, SamplingParams
 
     llm = LLM(
@@ -388,9 +388,11 @@ def run_tokenmill(
     )
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
     params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in requests]
+    adapters = list(config.get("lora_modules") or ())  # request i runs with adapter i % len(adapters)
+    loras = [adapters[i % len(adapters)] for i in range(len(requests))] if adapters else None
     probe = StepProbe(llm)
     start = time.perf_counter()
-    outputs = llm.generate([r.prompt for r in requests], params)
+    outputs = llm.generate([r.prompt for r in requests], params, lora_request=loras)
     seconds = time.perf_counter() - start
     token_ids = [list(o.token_ids) for o in outputs]
     check_lengths("tokenmill", requests, token_ids)
@@ -586,6 +588,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "folder as it is)")
     p.add_argument("--kv-cache-memory", type=parse_size, default=None, metavar="BYTES",
                    help="tokenmill's KV cache memory (512M, 2GiB; default: its own, 1 GiB on the CPU)")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   type=lambda text: tuple(text.split("=", 1)),
+                   help="LoRA adapters (PEFT folders, tools/random_lora.py): request i runs with the (i mod N)th")
     p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
                    help="tokenmill's sliding-window layers keep every block (no pool of their own)")
     return p.parse_args(argv)
@@ -621,6 +626,7 @@ def main(argv: list[str] | None = None) -> None:
             path, requests, args.dtype, args.max_num_seqs, args.max_num_batched_tokens, args.async_scheduling,
             args.enforce_eager, args.hf_overrides, kv_cache_memory=args.kv_cache_memory,
             disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
+            lora_modules=dict(args.lora_modules) if args.lora_modules else None,
         )
         results.append(result)
         print(f"tokenmill: {result.out_tok_s:.1f} out tok/s", flush=True)
