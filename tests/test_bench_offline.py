@@ -66,3 +66,24 @@ def test_kv_memory_and_the_window_pool_flags(tmp_path, capsys):
         pools[bool(flag)] = summary["kv_blocks"], summary["kv_window_blocks"]
     # 256 layer-blocks: 128 each without; with, the sliding layer's 8 x (2 + 2 + 1) + 256 / 16 = 56
     assert pools == {True: (128, 0), False: (256 - 56, 56)}
+
+
+def test_lora_adapters_from_random_lora(tmp_path, capsys):
+    """``tools/random_lora.py`` writes an adapter for a model folder; ``--lora-modules`` runs every request with
+    one (request i with adapter i mod N), which the step report counts among the weights read."""
+    from tools import random_lora
+
+    path = build(str(tmp_path), "llama", torch.float32, **TINY)
+    adapters = [str(tmp_path / f"lora{i}") for i in range(2)]
+    for i, out in enumerate(adapters):
+        random_lora.main([path, out, "--rank", "8", "--seed", str(i), "--modules", "q_proj,v_proj,down_proj"])
+    assert "rank 8 on q_proj, v_proj, down_proj" in capsys.readouterr().out
+    bench_offline.main(["--model", path, "--num-requests", "3", "--max-num-seqs", "4"])
+    plain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    bench_offline.main(["--model", path, "--num-requests", "3", "--max-num-seqs", "4",
+                        "--lora-modules", *(f"a{i}={p}" for i, p in enumerate(adapters))])
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["tokenmill_out_tok_s"] > 0
+    # two slots of q|k|v (3 parts), v's neighbours zero, and down: (64 + 128) * 2 * 3 * 8 and (128 + 64) * 2 * 8
+    extra = 4 * 2 * TINY["num_hidden_layers"] * ((64 + 128) * 3 * 8 + (128 + 64) * 8)
+    assert summary["weight_bytes"] - plain["weight_bytes"] == extra
