@@ -115,7 +115,7 @@ def _value(parser: argparse.ArgumentParser, action: argparse.Action, name: str, 
         bad(str(e))
     if not many:
         return parsed[0]
-    if isinstance(action, argparse._AppendAction):
+    if isinstance(action, argparse._AppendAction) and not isinstance(action, argparse._ExtendAction):
         return parsed
     return [p for group in parsed for p in (group if isinstance(group, list) else [group])]
 

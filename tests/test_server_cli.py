@@ -72,6 +72,11 @@ def test_flags_map_to_engine_config():
     args = build_parser().parse_args(["serve", "--runner", "pooling", "--task", "embed", "--convert", "embed",
                                       "--pooler-config", '{"pooling_type": "MEAN", "normalize": false}'])
     assert _config_kwargs(args) == {"pooler_config": {"pooling_type": "MEAN", "normalize": False}}
+    # vLLM's LoRA flags: NAME=PATH or its JSON, repeatable; --max-loras and --lora-dtype set nothing
+    args = build_parser().parse_args(["serve", "--enable-lora", "--lora-modules", "a=/x",
+                                      '{"name": "b", "path": "/y", "base_model_name": "m"}', "--lora-modules",
+                                      "c=/z", "--max-lora-rank", "64", "--max-loras", "2", "--lora-dtype", "auto"])
+    assert _config_kwargs(args) == {"lora_modules": {"a": "/x", "b": "/y", "c": "/z"}, "max_lora_rank": 64}
 
 
 def test_a_config_file_gives_flags_and_the_command_line_wins(tmp_path, capsys):
@@ -82,13 +87,15 @@ def test_a_config_file_gives_flags_and_the_command_line_wins(tmp_path, capsys):
     path = tmp_path / "config.yaml"
     path.write_text("model: /models/gemma\nmax_num_seqs: 8\nkv-cache-memory: 512M\nenforce-eager: true\n"
                     "enable-prefix-caching: false\napi-key: [k1, k2]\nhf-overrides: {sliding_window: null}\n"
-                    "served-model-name: [a, b]\nasync-scheduling: 'off'\nport: 9001\nmax-model-len: 32k\n")
+                    "served-model-name: [a, b]\nasync-scheduling: 'off'\nport: 9001\nmax-model-len: 32k\n"
+                    "enable-lora: true\nlora-modules: [a=/x, b=/y]\n")
     args = build_parser().parse_args(["serve", "--config", str(path), "--port", "9000", "--max-num-seqs", "4"])
     assert (args.model_tag, args.port, args.api_key, args.served_model_name) == ("/models/gemma", 9000,
                                                                                  ["k1", "k2"], ["a", "b"])
     assert _config_kwargs(args) == {"max_num_seqs": 4, "kv_cache_memory": 512 << 20, "enforce_eager": True,
                                     "enable_prefix_caching": False, "hf_overrides": {"sliding_window": None},
-                                    "served_model_name": "a", "async_scheduling": "off", "max_model_len": 32000}
+                                    "served_model_name": "a", "async_scheduling": "off", "max_model_len": 32000,
+                                    "lora_modules": {"a": "/x", "b": "/y"}}
     # a model on the command line, either way, wins over the file's
     assert build_parser().parse_args(["serve", "other", f"--config={path}"]).model_tag == "other"
     args = build_parser().parse_args(["serve", "--config", str(path), "--model", "/m2"])
@@ -177,6 +184,10 @@ def test_bad_size_is_a_usage_error():
     (["--pooler-config", "{mean}"], "not JSON"),
     (["--pooler-config", '{"pooling_type": "CLS"}'], "pooler_config pooling_type must be one of last, mean"),
     (["--pooler-config", '{"normalise": true}'], "pooler_config must be a map of pooling_type and normalize"),
+    (["--lora-modules", "a=/x"], "--lora-modules needs --enable-lora"),
+    (["--enable-lora", "--lora-modules", "a=/x", "a=/y"], "names an adapter twice: ['a']"),
+    (["--enable-lora", "--lora-modules", "a"], "not an adapter: 'a'"),
+    (["--max-lora-rank", "0"], "max_lora_rank must be in [1, 512]"),
 ])
 def test_invalid_config_exits_2_before_starting_anything(args, message):
     r = tokenmill("serve", *args, timeout=30)
