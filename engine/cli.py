@@ -454,6 +454,10 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             args.model = args.model_tag
         config = EngineConfig(**_config_kwargs(args))
         options = serve_options(args)
+        clash = sorted(set(config.lora_modules or ()) & {config.served_model_name, *options.model_aliases})
+        if clash:
+            raise ValueError(f"--lora-modules: {', '.join(clash)} is also a name of the model (--served-model-name): "
+                             "a request could not say which it means")
         if config.node_rank > 0:
             raise ValueError(f"--node-rank {config.node_rank} runs only tensor-parallel ranks: start it with "
                              f"`tokenmill engine` (no --listen); `tokenmill serve` is node 0")

@@ -153,14 +153,15 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
              tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
-             add_generation_prompt: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, priority: list[int] | None = None,
+             lora_request=None) -> list[RequestOutput]:
         """vLLM's ``LLM.chat``: a conversation (a list of ``{"role", "content"}`` messages), or a list of
         them, each through the model's chat template (shown ``tools``, with ``chat_template_kwargs`` such
         as Qwen3's ``{"enable_thinking": False}``), then ``generate``; outputs in conversation order."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self._codec.apply_chat_template(c, add_generation_prompt, tools, chat_template_kwargs)
                    for c in conversations]
-        return self.generate(prompts, sampling_params, priority)
+        return self.generate(prompts, sampling_params, priority, lora_request)
 
     def embed(self, prompts: str | list[int] | list[str] | list[list[int]], dimensions: int | None = None,
               normalize: bool | None = None) -> list[EmbeddingOutput]:

@@ -76,6 +76,8 @@ def read_adapter(name: str, path: str, max_rank: int) -> Adapter:
             cfg = json.load(f)
     except (OSError, ValueError) as e:
         raise refuse(f"no readable {ADAPTER_CONFIG} ({e})") from None
+    if not isinstance(cfg, dict):
+        raise refuse(f"{ADAPTER_CONFIG} is not a JSON object")
     if cfg.get("peft_type", "LORA") != "LORA":
         raise refuse(f"a {cfg['peft_type']} adapter; only LoRA is served")
     for key, why in (("use_dora", "DoRA"), ("modules_to_save", "whole modules saved beside the adapter"),
@@ -87,7 +89,10 @@ def read_adapter(name: str, path: str, max_rank: int) -> Adapter:
     weights = os.path.join(path, ADAPTER_WEIGHTS)
     if not os.path.exists(weights):
         raise refuse(f"no {ADAPTER_WEIGHTS} (adapters saved as .bin are not read: save with safetensors)")
-    tensors = load_file(weights)
+    try:
+        tensors = load_file(weights)
+    except Exception as e:  # noqa: BLE001 - safetensors' own error types: a truncated or foreign file
+        raise refuse(f"{ADAPTER_WEIGHTS} cannot be read ({type(e).__name__}: {e})") from None
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         m = _KEY.fullmatch(key)
@@ -103,17 +108,24 @@ def read_adapter(name: str, path: str, max_rank: int) -> Adapter:
             raise refuse(f"layer {layer} {module}: lora_A and lora_B must both be there")
         a, b = ab["A"], ab["B"]
         r = a.shape[0]
-        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != r:
-            raise refuse(f"layer {layer} {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not match")
+        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != r or r == 0:
+            raise refuse(f"layer {layer} {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} are no LoRA "
+                         "of rank 1 or more")
         if r > max_rank:
             raise refuse(f"rank {r} passes --max-lora-rank {max_rank}")
-        full = f"model.layers.{layer}.{module}"
-        r_cfg = _pattern(cfg.get("rank_pattern"), full, cfg.get("r", r))
-        alpha = _pattern(cfg.get("alpha_pattern"), full, cfg.get("lora_alpha", r_cfg))
+        full = f"model.layers.{layer}.{module}"  # (its rank, rank_pattern's or not, is its tensors')
+        alpha = _pattern(cfg.get("alpha_pattern"), full, cfg.get("lora_alpha", 8))  # (PEFT's default alpha)
         scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
         out[layer, module] = (a.float(), b.float() * scale)
         rank = max(rank, r)
     return Adapter(name, path, rank, out)
+
+
+def _module(layer: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return layer.get_submodule(name)
+    except AttributeError:
+        return None
 
 
 def _pattern(patterns: dict | None, module: str, default):
@@ -182,9 +194,10 @@ def attach(model: nn.Module, adapters: list[Adapter], rank: int, state: LoraStat
     for layer, name in sorted(targeted):
         if layer >= len(model.layers):
             raise AdapterError(f"LoRA adapter for layer {layer}, but the model has {len(model.layers)} layers")
-        target = model.layers[layer].get_submodule(name)
-        if not isinstance(target, ColumnLinear | RowLinear):  # (a mixture's experts)
-            raise AdapterError(f"layer {layer}'s {name} takes no LoRA (a mixture of experts' layer?)")
+        target = _module(model.layers[layer], name)
+        if not isinstance(target, ColumnLinear | RowLinear):
+            raise AdapterError(f"LoRA adapter for layer {layer}'s {name}, which is no plain linear layer here (a "
+                               "mixture of experts' layer takes no LoRA)")
         out_sizes = target.out_sizes if isinstance(target, ColumnLinear) else [target.out_features]
         in_features = target.in_features if isinstance(target, ColumnLinear) else target.in_per_rank
         target.lora = LoraWeights(in_features, out_sizes, rank, state)
@@ -193,9 +206,11 @@ def attach(model: nn.Module, adapters: list[Adapter], rank: int, state: LoraStat
             name, part = _PARTS[module]
             target = model.layers[layer].get_submodule(name)
             if isinstance(target, RowLinear):
-                if a.shape[1] != target.in_per_rank * target.tp.size:
-                    raise AdapterError(f"{adapter.name}: layer {layer} {module}'s lora_A has {a.shape[1]} columns, "
-                                       f"the model's layer {target.in_per_rank * target.tp.size}")
+                if a.shape[1] != target.in_per_rank * target.tp.size or b.shape[0] != target.out_features:
+                    raise AdapterError(f"{adapter.name}: layer {layer} {module}'s lora_A and lora_B are "
+                                       f"{tuple(a.shape)} and {tuple(b.shape)}, for a layer of "
+                                       f"{target.in_per_rank * target.tp.size} inputs and {target.out_features} "
+                                       "outputs")
                 a = a.narrow(1, target.tp.rank * target.in_per_rank, target.in_per_rank)
                 target.lora.put(slot, 0, a, b)
                 continue

@@ -101,13 +101,37 @@ def test_unknown_adapter_is_refused(tiny):
     ({}, {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(2, 64)}, "must both"),
     ({}, {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(32, 64),
           "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(64, 32)}, "max-lora-rank 16"),
+    ({}, {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(0, 64),
+          "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(64, 0)}, "rank 1 or more"),
+    ({}, b"truncated", "cannot be read"),
+    ([], None, "not a JSON object"),
 ])
 def test_adapters_that_cannot_be_served_are_refused(tiny, tmp_path, config, files, match):
-    path = make_lora(tiny[0], str(tmp_path / "x"), seed=0, **config)
-    if files is not None:
+    path = make_lora(tiny[0], str(tmp_path / "x"), seed=0, **(config or {}))
+    if isinstance(files, bytes):
+        with open(os.path.join(path, "adapter_model.safetensors"), "wb") as f:
+            f.write(files)
+    elif files is not None:
         save_file(files, os.path.join(path, "adapter_model.safetensors"))
+    if config == []:
+        with open(os.path.join(path, "adapter_config.json"), "w") as f:
+            json.dump([], f)
     with pytest.raises(AdapterError, match=match):
         read_adapter("x", path, 16)
+
+
+def test_adapters_that_do_not_fit_the_model_are_refused_at_start(tiny, tmp_path, smollm_tokenizer_dir):
+    """An adapter made for another width (down_proj's lora_B rows: the model's hidden size), and one on a mixture
+    of experts' MLP: refused when the engine starts, naming the layer."""
+    model = tiny[0]
+    narrow = make_tiny_model(str(tmp_path / "narrow"), "llama", None, seed=0, hidden_size=32)
+    wrong = make_lora(narrow, str(tmp_path / "narrow-lora"), seed=0, modules=("down_proj",))
+    with pytest.raises(AdapterError, match=r"layer 0 mlp.down_proj's lora_A and lora_B are \(8, 128\) and \(32, 8\)"):
+        LLM(model, device="cpu", dtype="float32", num_kv_blocks=16, max_model_len=64, lora_modules={"w": wrong})
+    moe = make_tiny_model(str(tmp_path / "moe"), "qwen3_moe", None, seed=0)
+    on_mlp = make_lora(moe, str(tmp_path / "moe-lora"), seed=0, modules=("q_proj", "up_proj"))
+    with pytest.raises(AdapterError, match="no plain linear layer here"):
+        LLM(moe, device="cpu", dtype="float32", num_kv_blocks=16, max_model_len=64, lora_modules={"m": on_mlp})
 
 
 def test_scales_rslora_and_patterns(tiny, tmp_path):
@@ -116,7 +140,14 @@ def test_scales_rslora_and_patterns(tiny, tmp_path):
     rs = read_adapter("r", make_lora(model, str(tmp_path / "r"), seed=0, r=4, alpha=8.0, use_rslora=True), 16)
     pat = read_adapter("q", make_lora(model, str(tmp_path / "q"), seed=0, r=4, alpha=8.0,
                                       alpha_pattern={"q_proj": 2.0}), 16)
+    no_alpha = make_lora(model, str(tmp_path / "n"), seed=0, r=4)
+    with open(os.path.join(no_alpha, "adapter_config.json")) as f:
+        cfg = json.load(f)
+    del cfg["lora_alpha"]
+    with open(os.path.join(no_alpha, "adapter_config.json"), "w") as f:
+        json.dump(cfg, f)
     key, other = (0, "self_attn.q_proj"), (0, "self_attn.k_proj")
+    assert torch.allclose(read_adapter("n", no_alpha, 16).weights[key][1], plain.weights[key][1])  # PEFT's alpha 8
     raw = plain.weights[key][1] / 2.0  # alpha / r = 2
     assert torch.allclose(rs.weights[key][1], raw * 4.0)  # alpha / sqrt(r) = 4
     assert torch.allclose(pat.weights[key][1], raw * 0.5) and torch.equal(pat.weights[other][1], plain.weights[other][1])

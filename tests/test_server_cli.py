@@ -188,6 +188,7 @@ def test_bad_size_is_a_usage_error():
     (["--enable-lora", "--lora-modules", "a=/x", "a=/y"], "names an adapter twice: ['a']"),
     (["--enable-lora", "--lora-modules", "a"], "not an adapter: 'a'"),
     (["--max-lora-rank", "0"], "max_lora_rank must be in [1, 512]"),
+    (["--served-model-name", "m", "a", "--enable-lora", "--lora-modules", "a=/x"], "a is also a name of the model"),
 ])
 def test_invalid_config_exits_2_before_starting_anything(args, message):
     r = tokenmill("serve", *args, timeout=30)
