@@ -57,7 +57,6 @@ class AdapterError(ValueError):
 @dataclass
 class Adapter:
     name: str
-    path: str
     rank: int  # the largest of its modules'
     # (layer, checkpoint module such as "self_attn.q_proj") -> (A (r, in), B (out, r) times the scale)
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
@@ -118,7 +117,7 @@ def read_adapter(name: str, path: str, max_rank: int) -> Adapter:
         scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
         out[layer, module] = (a.float(), b.float() * scale)
         rank = max(rank, r)
-    return Adapter(name, path, rank, out)
+    return Adapter(name, rank, out)
 
 
 def _module(layer: nn.Module, name: str) -> nn.Module | None:
@@ -190,8 +189,8 @@ def attach(model: nn.Module, adapters: list[Adapter], rank: int, state: LoraStat
     (its share of each layer under tensor parallelism)."""
     from engine.models.layers import ColumnLinear, RowLinear
 
-    targeted = {(layer, _PARTS[module][0]) for a in adapters for layer, module in a.weights}
-    for layer, name in sorted(targeted):
+    targets = {}  # (layer, the model's module) -> that linear layer
+    for layer, name in sorted({(layer, _PARTS[module][0]) for a in adapters for layer, module in a.weights}):
         if layer >= len(model.layers):
             raise AdapterError(f"LoRA adapter for layer {layer}, but the model has {len(model.layers)} layers")
         target = _module(model.layers[layer], name)
@@ -201,10 +200,11 @@ def attach(model: nn.Module, adapters: list[Adapter], rank: int, state: LoraStat
         out_sizes = target.out_sizes if isinstance(target, ColumnLinear) else [target.out_features]
         in_features = target.in_features if isinstance(target, ColumnLinear) else target.in_per_rank
         target.lora = LoraWeights(in_features, out_sizes, rank, state)
+        targets[layer, name] = target
     for slot, adapter in enumerate(adapters):
         for (layer, module), (a, b) in adapter.weights.items():
             name, part = _PARTS[module]
-            target = model.layers[layer].get_submodule(name)
+            target = targets[layer, name]
             if isinstance(target, RowLinear):
                 if a.shape[1] != target.in_per_rank * target.tp.size or b.shape[0] != target.out_features:
                     raise AdapterError(f"{adapter.name}: layer {layer} {module}'s lora_A and lora_B are "
