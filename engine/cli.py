@@ -101,6 +101,12 @@ def _engine_flags(p: argparse.ArgumentParser, generate: bool = False) -> None:
                    help="schedule and prepare the next step while the current one runs on the device; auto = on "
                         "CUDA, off on the CPU (nothing to overlap there); always off under tensor parallel "
                         f"(default: {d['async_scheduling']})")
+    g.add_argument("--speculative-config", type=_json_map, default=None, metavar="JSON",
+                   help="speculative decoding, as vLLM's flag: '{\"method\": \"ngram\", \"num_speculative_tokens\": "
+                        "4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' drafts up to 4 tokens a step from "
+                        "where the last 4..2 tokens occurred earlier in the prompt or output, and keeps those the "
+                        "model agrees with: the same output, sooner where the text repeats its context (editing "
+                        "code, quoting a document)")
     if generate:
         return
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",

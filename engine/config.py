@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.speculative import NgramConfig
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 POLICIES = ("fcfs", "priority", "short-first")  # engine.request_queue has one queue for each
@@ -55,6 +57,9 @@ class EngineConfig:
     # --lora-modules); every one is kept on the device. max_lora_rank: the largest rank they may have
     lora_modules: dict[str, str] | None = None
     max_lora_rank: int = 16
+    # speculative decoding (engine.speculative), vLLM's --speculative-config: {"method": "ngram",
+    # "num_speculative_tokens": k, "prompt_lookup_min": n, "prompt_lookup_max": m}; None: off
+    speculative_config: dict | None = None
     tensor_parallel_size: int = 1  # ranks the model is split over (engine.parallel); rank 0 is the engine
     # tensor parallel across machines (torchrun's names): the ranks spread evenly over nnodes hosts;
     # node 0 runs the engine (rank 0), node k > 0 only its workers (engine.tp_worker.run_node)
@@ -114,6 +119,8 @@ class EngineConfig:
             bad(f"lora_modules must map adapter names to their folders, got {self.lora_modules!r}")
         if not 1 <= self.max_lora_rank <= 512:
             bad(f"max_lora_rank must be in [1, 512], got {self.max_lora_rank}")
+        if self.speculative_config is not None:
+            NgramConfig.of(self.speculative_config)  # (raises ValueError with the reason)
         if self.tensor_parallel_size < 1:
             bad(f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}")
         if self.nnodes < 1:

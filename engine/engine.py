@@ -41,6 +41,7 @@ from engine.request import Request, Status
 from engine.runtime import kv_block_bytes
 from engine.sampler import SamplingState
 from engine.scheduler import PromptTooLong, QueueFull, ScheduledBatch, Scheduler
+from engine.speculative import NgramConfig, NgramProposer
 from engine.structured import Grammars
 from engine.token_bytes import VocabularyError
 
@@ -111,10 +112,14 @@ class Engine:
         self.block_manager = BlockManager(facts.num_kv_blocks, config.block_size, config.enable_prefix_caching,
                                           f"{facts.model_path}|{facts.dtype}".encode(), facts.kv_window,
                                           facts.num_window_blocks)
+        self.speculative = NgramConfig.of(config.speculative_config) if config.speculative_config else None
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
             config.max_num_waiting_requests, config.scheduling_policy, config.scheduling_aging_seconds,
-            PrefillCap(config.max_num_batched_tokens, config.long_prefill_token_threshold))
+            PrefillCap(config.max_num_batched_tokens, config.long_prefill_token_threshold),
+            proposer=NgramProposer(self.speculative, self.max_model_len) if self.speculative else None)
+        # speculative decoding since start: decodes that had drafts, their drafts, the drafts accepted
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.requests: dict[str, Request] = {}
         # id -> (request, its output length then) for the requests of a step that ran out of memory, until
         # they sample a token: while there are any, the scheduler admits one at a time
@@ -125,6 +130,14 @@ class Engine:
         if self.async_scheduling and self.runner.tp.size > 1:
             log.info("asynchronous scheduling off: not under tensor parallelism")
             self.async_scheduling = False
+        if self.async_scheduling and self.speculative:
+            log.info("asynchronous scheduling off: not with speculative decoding (a step's input is known only "
+                     "once the last step's drafts are checked)")
+            self.async_scheduling = False
+        if self.speculative:
+            log.info("speculative decoding: up to %d drafts a step, from earlier occurrences of the last %d..%d "
+                     "tokens (n-gram lookup)", self.speculative.num_speculative_tokens,
+                     self.speculative.prompt_lookup_min, self.speculative.prompt_lookup_max)
         self._in_flight: InFlight | None = None
         cfg = self.runner.model_cfg
         in_pool = len(self.runner.window_layers)  # sliding-window layers with a pool of their own
@@ -265,10 +278,29 @@ class Engine:
             if not isinstance(e, torch.OutOfMemoryError) or self.runner.tp.size > 1:
                 raise
         else:
-            self.scheduler.update_from_output(batch, time.perf_counter() - start)
+            self.scheduler.update_from_output(batch, time.perf_counter() - start, self._check_drafts(result))
             return result, []
         # (out here, the exception's traceback, which holds the failed step's tensors, is gone)
         return StepResult([], None), self._recover_from_oom(failed)
+
+    def _check_drafts(self, result: StepResult) -> dict[str, int] | None:
+        """How many of each request's drafts its sampled tokens reject (request id -> that many, the
+        last ones): a draft is accepted when the token sampled at the position before it is the draft,
+        and every draft before it was accepted."""
+        if result.drafts is None:
+            return None
+        rejected, ids, row = {}, result.output.token_ids, 0
+        for req, drafts in zip(result.sampled, result.drafts, strict=True):
+            accepted = 0
+            while accepted < len(drafts) and ids[row + accepted] == drafts[accepted]:
+                accepted += 1
+            if drafts:
+                rejected[req.request_id] = len(drafts) - accepted
+                self.num_drafts += 1
+                self.num_draft_tokens += len(drafts)
+                self.num_accepted_tokens += accepted
+            row += len(drafts) + 1
+        return rejected
 
     def _step_overlapped(self) -> list[Delta]:
         """Schedule and launch step N+1 while step N (launched by the last call) runs, then collect N:
@@ -373,20 +405,29 @@ class Engine:
                                 num_cached_tokens=req.num_cached_tokens, embedding=vector))
         if result.output is None:
             return deltas
-        out = result.output
+        out, row = result.output, 0
         for i, req in enumerate(result.sampled):
+            drafts = result.drafts[i] if result.drafts is not None else ()
+            rows = range(row, row + len(drafts) + 1)
+            row = rows.stop
             if req.status is Status.FINISHED:  # (asynchronous scheduling) ended while this token was in flight
                 continue
-            token = out.token_ids[i]
             first = not req.output_token_ids
-            req.append_token(token)
-            reason = self._stop_reason(req, token)
-            delta = Delta(req.request_id, [token], reason,
-                          logprobs=[out.logprobs[i]] if out.logprobs and out.logprobs[i] is not None else None,
-                          num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
-                          prompt_logprobs=req.prompt_logprobs if first else None,
-                          stop_reason=req.stop_reason)
-            deltas.append(delta)
+            tokens, reason = [], None
+            for j in rows:  # the token sampled at its last position, then one per accepted draft
+                token = out.token_ids[j]
+                tokens.append(token)
+                req.append_token(token)
+                reason = self._stop_reason(req, token)
+                if reason is not None or j - rows.start == len(drafts) or token != drafts[j - rows.start]:
+                    break
+            logprobs = None
+            if out.logprobs and out.logprobs[rows.start] is not None:
+                logprobs = out.logprobs[rows.start:rows.start + len(tokens)]
+            deltas.append(Delta(req.request_id, tokens, reason, logprobs=logprobs,
+                                num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
+                                prompt_logprobs=req.prompt_logprobs if first else None,
+                                stop_reason=req.stop_reason))
             if reason is not None:
                 self.scheduler.finish(req, reason)
                 del self.requests[req.request_id]

@@ -83,8 +83,9 @@ CPU_GRAPH_SEQS, CPU_GRAPH_ROWS = 32, 64
 @dataclass
 class StepResult:
     sampled: list[Request]  # requests that got a new token this step, in row order
-    output: SamplerOutput | None
+    output: SamplerOutput | None  # a row per sampled request, and one more per draft it had
     pooled: list[tuple[Request, bytes]] = field(default_factory=list)  # embedding requests done: their vectors
+    drafts: list[list[int]] | None = None  # each sampled request's drafts (None: no request had any)
 
 
 @dataclass
@@ -98,6 +99,7 @@ class Launched:
     # prompt logprobs still on the device: each request and (logprobs, top logprobs, top ids) of its span
     prompt_logprobs: list[tuple[Request, tuple[torch.Tensor, ...]]] = field(default_factory=list)
     pooled: list[tuple[Request, torch.Tensor]] = field(default_factory=list)  # embeddings, on the device
+    drafts: list[list[int]] | None = None  # as StepResult's
 
     def seconds(self) -> float:
         """How long the step took the device, once collected: between its CUDA events, or on the CPU
@@ -107,7 +109,7 @@ class Launched:
         return self.events[0].elapsed_time(self.events[1]) / 1e3
 
     def rows(self) -> dict[str, int]:
-        """Request id -> its row of ``output.ids``."""
+        """Request id -> its row of ``output.ids`` (a step without drafts: asynchronous scheduling has none)."""
         return {r.request_id: i for i, r in enumerate(self.sampled)}
 
 
@@ -279,12 +281,12 @@ class ModelRunner:
         start = time.perf_counter()
         events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \
             if self.device.type == "cuda" else None
-        step, sampled, logprob_spans, pool_spans = self._prepare(batch, in_flight)
+        step, sampled, drafts, logprob_spans, pool_spans = self._prepare(batch, in_flight)
         if events is not None:
             events[0].record()
         with self.tp.driving(step):  # the other ranks get the step first; one that died fails it
             logits, sums = self.forward_step(step)  # (R, V): the prompt-logprob rows, then the sample rows
-        n = len(step.logits_rows) - len(sampled)
+        n = len(step.logits_rows) - len(sampled) - (sum(map(len, drafts)) if drafts else 0)  # prompt-logprob rows
         pending = self._prompt_logprobs(logprob_spans, logits[:n]) if logprob_spans else []
         pooled = []
         if pool_spans:
@@ -292,26 +294,31 @@ class ModelRunner:
             pooled = [(r, v) for (r, _, _), v in zip(pool_spans, vectors, strict=True) if v is not None]
         if not sampled:
             return self._launched([], None, start, events, pending, pooled)
-        out = self.sampler.sample(
-            logits[n:],
-            [r.params for r in sampled],
-            [r.sampling_state for r in sampled],
-            [r.prompt_token_ids for r in sampled],
-            [r.output_token_ids for r in sampled],
-            [r.num_sampled for r in sampled],
-        )
-        return self._launched(sampled, out, start, events, pending, pooled)
+        if drafts is None:
+            rows = sampled, [r.output_token_ids for r in sampled], [r.num_sampled for r in sampled]
+        else:  # a request's row at each draft, sampled as if the drafts before it were its output
+            rows = [], [], []
+            for r, d in zip(sampled, drafts, strict=True):
+                for i in range(len(d) + 1):
+                    rows[0].append(r)
+                    rows[1].append(r.output_token_ids + d[:i] if i and r.sampling_state.needs_penalties
+                                   else r.output_token_ids)
+                    rows[2].append(r.num_sampled + i)
+        reqs, outputs, counts = rows
+        out = self.sampler.sample(logits[n:], [r.params for r in reqs], [r.sampling_state for r in reqs],
+                                  [r.prompt_token_ids for r in reqs], outputs, counts)
+        return self._launched(sampled, out, start, events, pending, pooled, drafts)
 
     @staticmethod
     def _launched(sampled: list[Request], out: Sampled | None, start: float,
                   events: tuple[torch.cuda.Event, torch.cuda.Event] | None,
                   pending: list[tuple[Request, tuple[torch.Tensor, ...]]],
-                  pooled: list[tuple[Request, torch.Tensor]]) -> Launched:
+                  pooled: list[tuple[Request, torch.Tensor]], drafts: list[list[int]] | None = None) -> Launched:
         if events is not None:
             events[1].record()
         for r, tensors in pending:  # the launch has succeeded: these positions are on their way
             r.num_prompt_logprobs_in_flight += len(tensors[0])
-        return Launched(sampled, out, time.perf_counter() - start, events, pending, pooled)
+        return Launched(sampled, out, time.perf_counter() - start, events, pending, pooled, drafts)
 
     def collect(self, launched: Launched) -> StepResult:
         """The launched step's tokens (and prompt logprobs) on the host: waits for the device."""
@@ -324,7 +331,7 @@ class ModelRunner:
             r.prompt_logprobs.extend(lists)
             r.num_prompt_logprobs_in_flight -= len(lists)
         return StepResult(launched.sampled, launched.output.result() if launched.output is not None else None,
-                          pooled)
+                          pooled, launched.drafts)
 
     @torch.inference_mode()
     def forward_step(self, step: StepInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -363,7 +370,8 @@ class ModelRunner:
         return self.model.compute_logits(hidden[dev["logits_rows"]]), sums
 
     def _prepare(self, batch: ScheduledBatch, in_flight: Launched | None) -> tuple[
-            DriverStep, list[Request], list[tuple[Request, int, int]], list[tuple[Request, int, bool]]]:
+            DriverStep, list[Request], list[list[int]] | None, list[tuple[Request, int, int]],
+            list[tuple[Request, int, bool]]]:
         reqs, counts = batch.requests, batch.num_new_tokens
         starts = [r.num_computed_tokens for r in reqs]
         in_flight_rows = in_flight.rows() if in_flight is not None else {}
@@ -371,15 +379,20 @@ class ModelRunner:
         gather_from: list[int] = []  # ...and its row there
         tokens: list[int] = []
         sampled: list[Request] = []  # sequences whose every token is now computed
-        sample_rows: list[int] = []  # their last token's row in the flat batch
+        sample_rows: list[int] = []  # their last token's row in the flat batch (and their drafts')
+        drafts: list[list[int]] = []  # each one's drafts, after its last token (engine.speculative)
         logprob_rows: list[int] = []  # rows whose logits give prompt logprobs...
         spans: list[tuple[Request, int, int]] = []  # ...of positions [lo, hi) of these requests
         pool_spans: list[tuple[Request, int, bool]] = []  # embedding requests: chunk start, whether the last
         pooled_rows: list[int] = []  # their rows to pool...
         pool_into: list[int] = []  # ...and the span each is summed into
+        ks: list[int] = []  # each request's drafts this step
         for r, c, n in zip(reqs, starts, counts, strict=True):
             row = len(tokens)
-            tokens.extend(r.all_token_ids[c:c + n])
+            k = max(0, c + n - r.num_tokens - r.num_in_flight)  # its drafts (a decode's; asynchronous: none)
+            ks.append(k)
+            tokens.extend(r.all_token_ids[c:c + n - k])
+            tokens.extend(r.draft_token_ids[:k])
             if len(tokens) < row + n:  # past the tokens known: the one a step in flight samples (a decode)
                 gather_at.append(len(tokens))
                 gather_from.append(in_flight_rows[r.request_id])
@@ -394,7 +407,7 @@ class ModelRunner:
                 if hi > lo:
                     logprob_rows.extend(range(row + lo - c, row + hi - c))
                     spans.append((r, lo, hi))
-            final = c + n == r.num_tokens + r.num_in_flight
+            final = c + n - k == r.num_tokens + r.num_in_flight
             if r.pool is not None:
                 pooling = pool_rows(r.pool, row, n, final)
                 if pooling:
@@ -403,14 +416,18 @@ class ModelRunner:
                     pool_spans.append((r, c, final))
             elif final:
                 sampled.append(r)
-                sample_rows.append(len(tokens) - 1)
+                sample_rows.extend(range(len(tokens) - 1 - k, len(tokens)))
+                drafts.append(r.draft_token_ids[:k])
         rows, write_at, write_ids = self.block_tables.update(reqs, batch.window_writes)
-        step = DriverStep(counts, starts, tokens, logprob_rows + sample_rows, rows, write_at, write_ids,
-                          [r.lora_slot for r in reqs] if self.lora is not None else [], gather_at, gather_from,
-                          in_flight.output.ids if gather_at else None, pooled_rows, pool_into, len(pool_spans))
-        if self.decode_buckets and max(counts) == 1:
+        slots = [r.lora_slot for r in reqs] if self.lora is not None else []
+        if len(sample_rows) > len(sampled):
+            counts, starts, rows, slots = _split_drafts(ks, counts, starts, rows, slots)
+        step = DriverStep(counts, starts, tokens, logprob_rows + sample_rows, rows, write_at, write_ids, slots,
+                          gather_at, gather_from, in_flight.output.ids if gather_at else None, pooled_rows,
+                          pool_into, len(pool_spans))
+        if self.decode_buckets and max(counts) == 1 and len(counts) <= self.decode_buckets[-1]:
             self._pad(step)
-        return step, sampled, spans, pool_spans
+        return step, sampled, drafts if len(sample_rows) > len(sampled) else None, spans, pool_spans
 
     def _pad(self, step: DriverStep) -> None:
         """Pad a decode-only step to the next of ``decode_buckets`` with one-token sequences that
@@ -440,3 +457,19 @@ class ModelRunner:
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (also done at exit)."""
         self.tp.close()
+
+
+def _split_drafts(ks: list[int], counts: list[int], starts: list[int], rows: list[int],
+                  slots: list[int]) -> tuple[list[int], list[int], list[int], list[int]]:
+    """The step's sequences with each request that has ``k`` drafts (its decode token and them) made
+    ``k + 1`` one-token sequences on its block table, the i-th after ``i`` more cached tokens: the
+    K/V of all of them are stored before attention reads the cache, so each sees the ones before it,
+    and the step is a decode step (the decode kernel, CPU and CUDA graphs) rather than a prompt's."""
+    q, c, t, s = [], [], [], []
+    for i, k in enumerate(ks):
+        q += [1] * (k + 1) if k else [counts[i]]
+        c += range(starts[i], starts[i] + k + 1) if k else [starts[i]]
+        t += [rows[i]] * (k + 1)
+        if slots:
+            s += [slots[i]] * (k + 1)
+    return q, c, t, s

@@ -30,7 +30,8 @@ class Request:
         "finish_reason", "stop_reason", "sampling_state", "num_cached_tokens", "num_preemptions",
         "prompt_logprobs", "_all_token_ids", "stop_token_ids", "arrival_time", "queued_at", "waited",
         "num_output_at_preemption", "cache_salt", "block_hashes", "num_cached_blocks", "num_in_flight",
-        "num_prompt_logprobs_in_flight", "pool", "window_from", "lora", "lora_slot",
+        "num_prompt_logprobs_in_flight", "pool", "window_from", "lora", "lora_slot", "draft_token_ids",
+        "draft_history",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -57,6 +58,10 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.cache_salt = cache_salt  # blocks are shared only between requests with the same salt
         self.lora, self.lora_slot = lora, lora_slot  # its LoRA adapter's name and slot (engine.lora); "", -1: none
+        # speculative decoding (engine.speculative): the drafts its latest decode was scheduled with, and
+        # the proposer's copy of its tokens
+        self.draft_token_ids: list[int] = []
+        self.draft_history: Any = None
         self.block_hashes: list[bytes] = []  # chained hashes of its full blocks (block manager's, kept)
         self.num_cached_blocks = 0  # leading blocks of block_table already offered to the prefix cache
         self.num_preemptions = 0

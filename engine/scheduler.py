@@ -57,6 +57,7 @@ from engine.block_manager import BlockManager
 from engine.prefill_cap import PrefillCap
 from engine.request import Request, Status
 from engine.request_queue import make_queue
+from engine.speculative import NgramProposer
 
 log = logging.getLogger("tokenmill.engine")
 
@@ -68,6 +69,7 @@ class ScheduledBatch:
     preempted: list[Request] = field(default_factory=list)
     timed_out: list[Request] = field(default_factory=list)  # finished by their deadline this step
     num_tokens: int = 0  # sum of num_new_tokens
+    num_drafts: int = 0  # of which speculative drafts (engine.speculative), after their decodes' tokens
     short_of_blocks: bool = False  # a running request had to preempt for blocks: admit nobody
     pinned: set[str] = field(default_factory=set)  # compute blocks that others hit this step: never preempted
     window_writes: list[tuple[int, int]] = field(default_factory=list)  # (block, window block) links made
@@ -86,23 +88,27 @@ class ScheduledBatch:
 
     @property
     def num_prompt_tokens(self) -> int:
-        return self.num_tokens - self.num_decodes
+        return self.num_tokens - self.num_decodes - self.num_drafts
 
     def add(self, req: Request, n: int, decode: bool = False) -> None:
         self.requests.append(req)
         self.num_new_tokens.append(n)
         self._ids.add(req.request_id)
         self.num_tokens += n
-        if decode:
+        if decode:  # its one token, then drafts
             self._decode_ids.add(req.request_id)
+            self.num_drafts += n - 1
 
     def remove(self, req: Request) -> None:
         """Take ``req`` back out (it was preempted after being scheduled)."""
         i = self.requests.index(req)
         del self.requests[i]
         self._ids.discard(req.request_id)
-        self.num_tokens -= self.num_new_tokens.pop(i)
-        self._decode_ids.discard(req.request_id)
+        n = self.num_new_tokens.pop(i)
+        self.num_tokens -= n
+        if req.request_id in self._decode_ids:
+            self._decode_ids.remove(req.request_id)
+            self.num_drafts -= n - 1
 
 
 class QueueFull(Exception):
@@ -116,7 +122,8 @@ class PromptTooLong(ValueError):
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_num_waiting_requests: int = 1024, policy: str = "fcfs", aging_seconds: float = 30.0,
-                 prefill_cap: PrefillCap | None = None, clock: Callable[[], float] = time.time):
+                 prefill_cap: PrefillCap | None = None, clock: Callable[[], float] = time.time,
+                 proposer: NgramProposer | None = None):
         self.block_manager = block_manager
         window = block_manager.window
         held = window.max_seqs(max_num_batched_tokens) if window is not None else max_num_seqs
@@ -131,6 +138,7 @@ class Scheduler:
         self.waiting = make_queue(policy, aging_seconds)
         self.running: list[Request] = []  # admission order: the last is preempted first among equals
         self.prefill_cap = prefill_cap or PrefillCap(max_num_batched_tokens)
+        self.proposer = proposer  # speculative decoding's drafts (engine.speculative), if on
         self.clock = clock  # unix seconds, as deadlines are
         self._deadlines: list[tuple[float, int, Request]] = []  # heap; finished requests linger until due
         self._seq = itertools.count()
@@ -166,8 +174,10 @@ class Scheduler:
             if (req.status is Status.RUNNING and req.num_tokens + req.num_in_flight - req.num_computed_tokens == 1
                     and req.pool is None  # (an embedding's last prompt token is a prompt token)
                     and req.num_sampled < req.params.max_tokens  # (else the token in flight is its last)
-                    and batch.num_tokens < self.max_num_batched_tokens and self._allocate_running(req, 1, batch)):
-                self._add(batch, req, 1, decode=True)
+                    and batch.num_tokens < self.max_num_batched_tokens):
+                drafts = self._drafts(req, batch)
+                if drafts or self._allocate_running(req, 1, batch):
+                    self._add(batch, req, 1 + len(drafts), decode=True)
         budget = self.max_num_batched_tokens - batch.num_tokens
         # the batch being filled: every running and waiting generation, as far as seqs allow (when prompt
         # tokens could join at all: fitting the cap is most of a one-stream step's scheduling). Embeddings
@@ -182,22 +192,25 @@ class Scheduler:
         batch.window_writes = self.block_manager.take_window_writes()
         return batch
 
-    def update_from_output(self, batch: ScheduledBatch, seconds: float) -> None:
-        """After the model ran ``batch`` in ``seconds``: the scheduled tokens are in the cache."""
-        self.launched(batch)
+    def update_from_output(self, batch: ScheduledBatch, seconds: float, rejected: dict[str, int] | None = None) -> None:
+        """After the model ran ``batch`` in ``seconds``: the scheduled tokens are in the cache, but for the
+        ``rejected`` drafts (request id -> how many of its last)."""
+        self.launched(batch, rejected)
         self.observe(batch, seconds)
 
-    def launched(self, batch: ScheduledBatch) -> None:
+    def launched(self, batch: ScheduledBatch, rejected: dict[str, int] | None = None) -> None:
         """``batch`` runs (or is on its way: any later step runs after it): its tokens count as computed
-        and the blocks it fills are no longer pending."""
+        (its ``rejected`` drafts do not: later steps write over them) and the blocks it fills are no
+        longer pending."""
         for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
-            req.num_computed_tokens += n
+            req.num_computed_tokens += n - (rejected.get(req.request_id, 0) if rejected else 0)
         self.block_manager.end_step()
         self.block_manager.computed(batch.requests)
 
     def observe(self, batch: ScheduledBatch, seconds: float) -> None:
         """``batch`` took ``seconds``: what the prefill cap learns from."""
-        self.prefill_cap.observe(batch.num_decodes, batch.num_prompt_tokens, seconds)
+        # (a draft costs what a prompt token does: one more position of a sequence)
+        self.prefill_cap.observe(batch.num_decodes, batch.num_prompt_tokens + batch.num_drafts, seconds)
 
     def rollback(self, batch: ScheduledBatch) -> None:
         """The model failed to run ``batch``: nothing it scheduled was computed. Its requests go back to
@@ -306,6 +319,18 @@ class Scheduler:
             if victim is req:
                 return False
         return True
+
+    def _drafts(self, req: Request, batch: ScheduledBatch) -> list[int]:
+        """Drafts for decoding ``req`` this step (``req.draft_token_ids``), with the blocks for them and its
+        token: only as many as the token budget leaves, and none if the blocks are not free (no one is
+        preempted for a guess)."""
+        drafts = []
+        if self.proposer is not None:
+            drafts = self.proposer.propose(req, self.max_num_batched_tokens - batch.num_tokens - 1)
+            if drafts and not self.block_manager.allocate(req, 1 + len(drafts)):
+                drafts = []
+        req.draft_token_ids = drafts
+        return drafts
 
     def _order(self) -> Callable[[Request], tuple[float, int]]:
         """Running requests from best to worst: by rank, then the most recently admitted last."""
