@@ -212,7 +212,7 @@ class Engine:
         bm, s = self.block_manager, self.scheduler
         return Stats(len(s.waiting), len(s.running), bm.usage, *bm.fuller_pool,
                      s.num_preemptions, s.num_timeouts, s.prefix_cache_hit_rate, bm.num_evictions,
-                     s.kv_fragmentation)
+                     s.kv_fragmentation, self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens)
 
     def step(self) -> list[Delta]:
         if self.scheduler.one_at_a_time:

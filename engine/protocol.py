@@ -20,7 +20,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 
 class Kind(IntEnum):
@@ -430,19 +430,24 @@ class Stats:
     prefix_cache_hit_rate: float = 0.0  # prompt tokens served from the prefix cache / prompt tokens, since start
     num_evictions: int = 0  # cached blocks reused for other tokens, since start
     kv_fragmentation: float = 0.0  # allocated KV slots holding no token / allocated slots
+    # speculative decoding (engine.speculative), since start: decodes with drafts, their drafts, those accepted
+    num_spec_drafts: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
     kind = Kind.STATS
 
     def to_wire(self) -> list:
         return [self.num_waiting, self.num_running, self.kv_usage, self.num_free_blocks, self.num_kv_blocks,
                 self.num_preemptions, self.num_timeouts, self.prefix_cache_hit_rate, self.num_evictions,
-                self.kv_fragmentation]
+                self.kv_fragmentation, self.num_spec_drafts, self.num_spec_draft_tokens, self.num_spec_accepted_tokens]
 
     @classmethod
     def from_wire(cls, p: list) -> Stats:
         if not p:  # a request for stats
             return cls()
-        w, r, u, f, n, pre, to, hit, ev, frag = p
-        return cls(int(w), int(r), float(u), int(f), int(n), int(pre), int(to), float(hit), int(ev), float(frag))
+        w, r, u, f, n, pre, to, hit, ev, frag, drafts, draft_tokens, accepted = p
+        return cls(int(w), int(r), float(u), int(f), int(n), int(pre), int(to), float(hit), int(ev), float(frag),
+                   int(drafts), int(draft_tokens), int(accepted))
 
 
 @dataclass

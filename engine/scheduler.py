@@ -99,6 +99,12 @@ class ScheduledBatch:
             self._decode_ids.add(req.request_id)
             self.num_drafts += n - 1
 
+    def add_drafts(self, i: int, n: int) -> None:
+        """The ``i``-th request, a decode, computes ``n`` drafts after its token."""
+        self.num_new_tokens[i] += n
+        self.num_tokens += n
+        self.num_drafts += n
+
     def remove(self, req: Request) -> None:
         """Take ``req`` back out (it was preempted after being scheduled)."""
         i = self.requests.index(req)
@@ -174,10 +180,10 @@ class Scheduler:
             if (req.status is Status.RUNNING and req.num_tokens + req.num_in_flight - req.num_computed_tokens == 1
                     and req.pool is None  # (an embedding's last prompt token is a prompt token)
                     and req.num_sampled < req.params.max_tokens  # (else the token in flight is its last)
-                    and batch.num_tokens < self.max_num_batched_tokens):
-                drafts = self._drafts(req, batch)
-                if drafts or self._allocate_running(req, 1, batch):
-                    self._add(batch, req, 1 + len(drafts), decode=True)
+                    and batch.num_tokens < self.max_num_batched_tokens and self._allocate_running(req, 1, batch)):
+                self._add(batch, req, 1, decode=True)
+        if self.proposer is not None:
+            self._add_drafts(batch)
         budget = self.max_num_batched_tokens - batch.num_tokens
         # the batch being filled: every running and waiting generation, as far as seqs allow (when prompt
         # tokens could join at all: fitting the cap is most of a one-stream step's scheduling). Embeddings
@@ -320,17 +326,17 @@ class Scheduler:
                 return False
         return True
 
-    def _drafts(self, req: Request, batch: ScheduledBatch) -> list[int]:
-        """Drafts for decoding ``req`` this step (``req.draft_token_ids``), with the blocks for them and its
-        token: only as many as the token budget leaves, and none if the blocks are not free (no one is
-        preempted for a guess)."""
-        drafts = []
-        if self.proposer is not None:
-            drafts = self.proposer.propose(req, self.max_num_batched_tokens - batch.num_tokens - 1)
+    def _add_drafts(self, batch: ScheduledBatch) -> None:
+        """Drafts for the step's decodes (``req.draft_token_ids``), in admission order, with their blocks:
+        as many as the token budget leaves after every decode's own token, and none where the blocks are
+        not free (no one is preempted for a guess)."""
+        for i, req in enumerate(batch.requests):  # (decodes only, so far)
+            left = self.max_num_batched_tokens - batch.num_tokens
+            drafts = self.proposer.propose(req, left) if left > 0 else []
             if drafts and not self.block_manager.allocate(req, 1 + len(drafts)):
                 drafts = []
-        req.draft_token_ids = drafts
-        return drafts
+            batch.add_drafts(i, len(drafts))
+            req.draft_token_ids = drafts
 
     def _order(self) -> Callable[[Request], tuple[float, int]]:
         """Running requests from best to worst: by rank, then the most recently admitted last."""

@@ -40,7 +40,10 @@ def combined_stats(stats: list[Stats]) -> Stats:
         num_preemptions=sum(s.num_preemptions for s in stats), num_timeouts=sum(s.num_timeouts for s in stats),
         prefix_cache_hit_rate=sum(s.prefix_cache_hit_rate for s in stats) / n,
         num_evictions=sum(s.num_evictions for s in stats),
-        kv_fragmentation=sum(s.kv_fragmentation for s in stats) / n)
+        kv_fragmentation=sum(s.kv_fragmentation for s in stats) / n,
+        num_spec_drafts=sum(s.num_spec_drafts for s in stats),
+        num_spec_draft_tokens=sum(s.num_spec_draft_tokens for s in stats),
+        num_spec_accepted_tokens=sum(s.num_spec_accepted_tokens for s in stats))
 
 
 class EngineRouter:

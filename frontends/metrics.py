@@ -6,7 +6,9 @@ rename (``tools/grafana_dashboard.json`` is one for tokenmill).
 
 - From the engine's STATS (each frontend's liveness pings, every 2 s): gauges
   ``num_requests_running``, ``num_requests_waiting``, ``kv_cache_usage_perc``,
-  ``prefix_cache_hit_rate`` (since start), and the counter ``num_preemptions_total``,
+  ``prefix_cache_hit_rate`` (since start), and the counters ``num_preemptions_total`` and, with speculative
+  decoding, ``spec_decode_num_drafts_total``, ``spec_decode_num_draft_tokens_total``,
+  ``spec_decode_num_accepted_tokens_total`` (vLLM's: the acceptance rate is accepted / draft tokens),
   one series per engine (``engine`` = its index under data parallel, "0" with one).
   The per-request counters and histograms below carry ``engine="0"``: they are
   the frontend's, whichever engine ran the request.
@@ -89,7 +91,8 @@ def buckets_1_2_5(max_value: int) -> list[int]:
 
 # engine counters that STATS carry as totals since start: kept as livemostrecent gauges (a sum over
 # frontends would count them once per frontend) and shown as counters
-_ENGINE_COUNTERS = {PREFIX + "num_preemptions"}
+_ENGINE_COUNTERS = {PREFIX + n for n in ("num_preemptions", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                                         "spec_decode_num_accepted_tokens")}
 
 
 class _Exposition:
@@ -147,9 +150,11 @@ class Metrics:
             gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
             gauge("prefix_cache_hit_rate",
                   "Prompt tokens served from the prefix cache / prompt tokens, since the engine started."),
-            gauge("num_preemptions", "Cumulative number of preemptions from the engine."))
+            gauge("num_preemptions", "Cumulative number of preemptions from the engine."),
+            gauge("spec_decode_num_drafts", "Number of spec decoding drafts (decodes that had draft tokens)."),
+            gauge("spec_decode_num_draft_tokens", "Number of draft tokens."),
+            gauge("spec_decode_num_accepted_tokens", "Number of accepted tokens."))
         self._engine_children: dict[str, tuple] = {}
-        self.running, self.waiting, self.kv_usage, self.hit_rate, self.preemptions = self._gauges_of(engine)
 
         success = prom.Counter(PREFIX + "request_success", "Count of finished requests by finish reason "
                                "(abort: the client went away or cancelled; error: refused or failed).",
@@ -205,12 +210,11 @@ class Metrics:
         """An engine's numbers, as one STATS brought them (and a chance to write out what is pending).
 
         ``engine``: its label (the engine's index under data parallel; default: this object's)."""
-        running, waiting, kv_usage, hit_rate, preemptions = self._gauges_of(engine or self._engine)
-        running.set(s.num_running)
-        waiting.set(s.num_waiting)
-        kv_usage.set(s.kv_usage)
-        hit_rate.set(s.prefix_cache_hit_rate)
-        preemptions.set(s.num_preemptions)
+        gauges = self._gauges_of(engine or self._engine)
+        for gauge, value in zip(gauges, (s.num_running, s.num_waiting, s.kv_usage, s.prefix_cache_hit_rate,
+                                         s.num_preemptions, s.num_spec_drafts, s.num_spec_draft_tokens,
+                                         s.num_spec_accepted_tokens), strict=True):
+            gauge.set(value)
         self.flush()
 
     def first_token(self, ttft: float) -> None:

@@ -75,7 +75,8 @@ def stats_fields(s: Stats) -> dict:
             "num_free_blocks": s.num_free_blocks, "num_kv_blocks": s.num_kv_blocks,
             "num_preemptions": s.num_preemptions, "num_timeouts": s.num_timeouts,
             "prefix_cache_hit_rate": s.prefix_cache_hit_rate, "num_evictions": s.num_evictions,
-            "kv_fragmentation": s.kv_fragmentation}
+            "kv_fragmentation": s.kv_fragmentation, "num_spec_drafts": s.num_spec_drafts,
+            "num_spec_draft_tokens": s.num_spec_draft_tokens, "num_spec_accepted_tokens": s.num_spec_accepted_tokens}
 
 
 def _timed_out(started: float) -> ApiError:

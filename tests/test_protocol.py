@@ -26,13 +26,13 @@ MESSAGES = {
     ]),
     "embed": p.Add("e1", [1, 2], p.SamplingParams(max_tokens=1), 0, None, "", p.PoolingParams(64, False)),
     "embedding": p.Outputs([p.Delta("e1", [], "stop", None, 2, 0, None, None, b"\x00\x00\x80?\x00\x00\x00\xbf")]),
-    "stats": p.Stats(1, 2, 0.25, 75, 100, 3, 4, 0.5, 6, 0.125),
+    "stats": p.Stats(1, 2, 0.25, 75, 100, 3, 4, 0.5, 6, 0.125, 7, 20, 15),
     "error": p.Error("r1", 429, "rate_limit_error", "queue full", None),
 }
 
 GOLDEN = {
-    "hello": "920192a366653006",
-    "ready": "92029aa474696e79cd0400cdc0009102406410cd04009192a373716cad2f61646170746572732f73716c06",
+    "hello": "920192a366653007",
+    "ready": "92029aa474696e79cd0400cdc0009102406410cd04009192a373716cad2f61646170746572732f73716c07",
     "add": (
         "920398a2723193010203de0012aa6d61785f746f6b656e7304ab74656d7065726174757265cb0000000000000000"
         "a5746f705f70cb3ff0000000000000a5746f705f6b00a56d696e5f70cb0000000000000000a47365656407b07072"
@@ -57,13 +57,13 @@ GOLDEN = {
         "c0a09240c2a0"
     ),
     "embedding": "92059199a2653190a473746f70c00200c0c0c4080000803f000000bf",
-    "stats": "92069a0102cb3fd00000000000004b640304cb3fe000000000000006cb3fc0000000000000",
+    "stats": "92069d0102cb3fd00000000000004b640304cb3fe000000000000006cb3fc000000000000007140f",
     "error": "920795a27231cd01adb0726174655f6c696d69745f6572726f72aa71756575652066756c6cc0",
 }
 
 
 def test_protocol_version_is_pinned():
-    assert p.PROTOCOL_VERSION == 6
+    assert p.PROTOCOL_VERSION == 7
     assert [int(k) for k in p.Kind] == [1, 2, 3, 4, 5, 6, 7]
 
 

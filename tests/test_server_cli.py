@@ -77,6 +77,10 @@ def test_flags_map_to_engine_config():
                                       '{"name": "b", "path": "/y", "base_model_name": "m"}', "--lora-modules",
                                       "c=/z", "--max-lora-rank", "64", "--max-loras", "2", "--lora-dtype", "auto"])
     assert _config_kwargs(args) == {"lora_modules": {"a": "/x", "b": "/y", "c": "/z"}, "max_lora_rank": 64}
+    args = build_parser().parse_args(["serve", "--speculative-config",
+                                      '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'])
+    assert _config_kwargs(args) == {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
+                                                           "prompt_lookup_max": 4}}
 
 
 def test_a_config_file_gives_flags_and_the_command_line_wins(tmp_path, capsys):
@@ -188,6 +192,9 @@ def test_bad_size_is_a_usage_error():
     (["--enable-lora", "--lora-modules", "a=/x", "a=/y"], "names an adapter twice: ['a']"),
     (["--enable-lora", "--lora-modules", "a"], "not an adapter: 'a'"),
     (["--max-lora-rank", "0"], "max_lora_rank must be in [1, 512]"),
+    (["--speculative-config", "ngram"], "not JSON"),
+    (["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'], "method must be one of ngram"),
+    (["--speculative-config", '{"method": "ngram"}'], "num_speculative_tokens is required"),
     (["--served-model-name", "m", "a", "--enable-lora", "--lora-modules", "a=/x"], "a is also a name of the model"),
 ])
 def test_invalid_config_exits_2_before_starting_anything(args, message):
