@@ -13,7 +13,12 @@ or an abort or timeout meanwhile) has its N+1 token dropped, never emitted; its 
 at once (one stream: later steps run after N+1). Steps fall back to synchronous when the next
 needs N's tokens on the host: a request in N with repetition, frequency or presence penalties
 (the sampler counts its tokens). Under tensor parallelism steps are always synchronous: the
-workers get each step's token ids from the host.
+workers get each step's token ids from the host; so are they with speculative decoding.
+
+Speculative decoding (``--speculative-config``, ``engine.speculative``): a step's decodes may carry
+drafts; ``_check_drafts`` compares each request's sampled tokens with its drafts before the scheduler
+counts the step's tokens as computed, and ``_postprocess`` emits, per request, the tokens up to and
+including the first that differs from its draft (one delta, several tokens), or up to a stop.
 
 A step that runs out of device memory is rolled back and the engine keeps serving:
 its requests wait again and come back one at a time; a request that is in a second

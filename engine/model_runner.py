@@ -18,6 +18,11 @@ blocks the block manager hands out, and whose logits nobody asks for. On the CPU
 C kernels built) decode-only steps of up to ``CPU_GRAPH_SEQS`` sequences replay CPU graphs
 (``kernels.cpu.graph``), each recorded by the first step of its size, unpadded.
 
+A request decoding with speculative drafts (``engine.speculative``) is ``k + 1`` one-token sequences
+on its block table, its token then each draft, the i-th after i more cached positions: a step of
+decodes and drafts is a decode step (its kernel, its graphs), and each of those rows is sampled, as
+that token would be alone (the drafts before it counting as its output).
+
 A step is ``launch``ed (inputs staged, forward, sampler: all queued on the device, nothing waited
 for) then ``collect``ed (its ids copied to the host: the sync); ``execute`` does both. Under
 asynchronous scheduling the engine launches step N+1 before collecting N: a request with a token
@@ -167,8 +172,9 @@ class ModelRunner:
             # the KV cache gets what is left after the weights and the largest step's activations
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
+            drafts = config.speculative_config["num_speculative_tokens"] if config.speculative_config else 0
             self.profile_run(min(config.max_num_batched_tokens, config.max_num_seqs * max_model_len),
-                             config.max_num_seqs, max_model_len)
+                             min(config.max_num_batched_tokens, config.max_num_seqs * (1 + drafts)), max_model_len)
             cuda_budget = measured_cuda_budget(config, device)
             torch.cuda.empty_cache()
         self.window_layers = window_layers(config, self.model_cfg, max_model_len)

@@ -36,6 +36,14 @@ of memory) admits at most one waiting request per step, and only when every
 running request is decoding, preempting for it or not: a step then computes at
 most one prompt, so if it fails, that prompt is the culprit.
 
+Speculative decoding (``engine.speculative``): once every decode has its token, each gets the drafts
+the proposer finds for it, in admission order, as far as the token budget goes and only where its
+blocks are free (no preemption for a guess); they are the batch's ``num_drafts``, counted neither as
+decodes nor as prompt tokens (the prefill cap learns their cost as prompt tokens'). After the step
+``update_from_output`` is told how many of each request's drafts were rejected: those positions do
+not count as computed, and later steps write over them. Blocks hashed for the prefix cache never
+hold a draft: a block is named from the request's tokens, and drafts are not among them until kept.
+
 Asynchronous scheduling (``Engine``) schedules step N+1 while step N runs: a request that
 samples in N has that token in flight (``Request.num_in_flight``) and is scheduled for one more
 decode token, its input being the token in flight (the runner takes it from N's output on the

@@ -62,6 +62,15 @@ def test_jobs_per_workload():
     assert bs.extra_fields(args_for("--no-ignore-eos"), bs.Job("x", 1, 1, priority=0)) == {"priority": 0}
     assert bs.extra_fields(args_for(), random_jobs[0]) == {"ignore_eos": True}
 
+    jobs = bs.make_jobs(args_for("--workload", "edit", "--num-prompts", "6", "--output-len", "200"), random.Random(1))
+    assert [(j.prompt, j.est_tokens) for j in jobs] == bs.make_edit_prompts(6, random.Random(1))
+    assert all(j.max_tokens == 200 and j.cls == "" and "```python\n" in j.prompt for j in jobs)
+    assert len({j.prompt for j in jobs}) == 6
+    for j in jobs:  # each asks to rename a name its code holds, in code Python can read
+        code = j.prompt.split("```python\n")[1].removesuffix("```")
+        compile(code, "edit", "exec")
+        assert j.prompt.split()[1] in code
+
 
 def test_summary_per_class(capsys):
     a = args_for("--workload", "mixed", "--num-long", "2")

@@ -25,6 +25,14 @@ when a long request went out with no short one in flight):
     python tools/bench_serving.py --workload mixed --num-prompts 64 --input-len 128 \\
         --output-len 256 --max-concurrency 16 --num-long 3 --long-input-len 1800
 
+``edit``: each request asks to rewrite a short piece of Python (one of a few, its names random words)
+with one name changed, so that the answer repeats most of the prompt (``--input-len`` is unused):
+what speculative decoding's n-gram lookup (``--speculative-config``) is for. Compare a server with
+and without it, chat endpoint, stopping at EOS (both give the same greedy text):
+
+    python tools/bench_serving.py --workload edit --endpoint chat --no-ignore-eos \\
+        --num-prompts 16 --output-len 256 --max-concurrency 4
+
 ``two-priority``: ``--urgent-fraction`` of the requests (picked from ``--seed``,
 spread evenly through the sequence) send ``"priority": --urgent-priority``, the
 rest ``--normal-priority`` (lower runs first), as classes "urgent" and
@@ -58,6 +66,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import keyword
 import math
 import os
 import random
@@ -85,8 +94,19 @@ WORDS = (
 ).split()
 
 
-WORKLOADS = ("random", "mixed", "two-priority")
-CLASSES = {"random": (), "mixed": ("short", "long"), "two-priority": ("urgent", "normal")}  # report order
+WORKLOADS = ("random", "mixed", "two-priority", "edit")
+CLASSES = {"random": (), "mixed": ("short", "long"), "two-priority": ("urgent", "normal"), "edit": ()}  # report order
+
+# the edit workload's code, its names filled from WORDS: a function whose answer repeats it nearly whole
+EDIT_CODE = (
+    "def {f}({a}, {b}):\n    {c} = []\n    for {d} in {a}:\n        if {d} in {b}:\n            {c}.append({d})\n"
+    "        else:\n            {c}.append(None)\n    return {c}\n\n\ndef {e}({a}):\n    return len({f}({a}, {a}))\n",
+    "class {F}:\n    def __init__(self, {a}, {b}):\n        self.{a} = {a}\n        self.{b} = {b}\n\n"
+    "    def {f}(self):\n        return self.{a} + self.{b}\n\n    def {e}(self, {c}):\n"
+    "        return {F}(self.{a} * {c}, self.{b} * {c})\n",
+    "def {f}({a}):\n    {b} = {{}}\n    for {c} in {a}:\n        {b}[{c}] = {b}.get({c}, 0) + 1\n"
+    "    {d} = sorted({b}.items(), key=lambda {e}: {e}[1], reverse=True)\n    return [{c} for {c}, _ in {d}]\n",
+)
 
 
 @dataclass
@@ -171,6 +191,20 @@ def make_prompts(n: int, input_len: int, rng: random.Random, tokenizer=None) -> 
     return prompts
 
 
+def make_edit_prompts(n: int, rng: random.Random, tokenizer=None) -> list[tuple[str, int]]:
+    """``n`` requests to rewrite a short piece of code with one name changed: an answer that repeats its
+    prompt nearly whole, where speculative decoding's n-gram drafts are right (text, estimated tokens)."""
+    prompts = []
+    for _ in range(n):
+        names = rng.sample([w for w in WORDS if len(w) > 3 and not keyword.iskeyword(w)], 7)
+        code = rng.choice(EDIT_CODE).format(F=names[0].title(), f=names[0], a=names[1], b=names[2], c=names[3],
+                                            d=names[4], e=names[5])
+        text = (f"Rename {names[1]} to {names[6]} everywhere in this Python code. Reply with the whole new code "
+                f"and nothing else.\n\n```python\n{code}```")
+        prompts.append((text, len(tokenizer.encode(text, add_special_tokens=False)) if tokenizer else len(text) // 4))
+    return prompts
+
+
 def pick_urgent(n: int, fraction: float, rng: random.Random) -> set[int]:
     """``round(n * fraction)`` (at least one if ``fraction`` > 0) of ``range(n)``: one at random
     from each of that many equal stretches, so they are spread through the sequence."""
@@ -180,6 +214,8 @@ def pick_urgent(n: int, fraction: float, rng: random.Random) -> set[int]:
 
 def make_jobs(args, rng: random.Random, tokenizer=None) -> list[Job]:
     """The requests of ``args.workload``, in-turn ones first, in the order they go out."""
+    if args.workload == "edit":
+        return [Job(p, n, args.output_len) for p, n in make_edit_prompts(args.num_prompts, rng, tokenizer)]
     prompts = make_prompts(args.num_prompts, args.input_len, rng, tokenizer)
     if args.workload == "mixed":
         longs = make_prompts(args.num_long, args.long_input_len, rng, tokenizer)
@@ -541,7 +577,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="WebSocket connections shared by all requests with --protocol ws (default: 4)")
     p.add_argument("--workload", choices=WORKLOADS, default="random",
                    help="random: --num-prompts alike; mixed: with --num-long long prompts among them; "
-                   "two-priority: --urgent-fraction of them urgent (default: random)")
+                   "two-priority: --urgent-fraction of them urgent; edit: code to repeat with a name changed "
+                   "(default: random)")
     p.add_argument("--num-prompts", type=int, default=100,
                    help="requests (mixed: the short ones)")
     p.add_argument("--input-len", type=int, default=128, help="prompt length in tokens")
