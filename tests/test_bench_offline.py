@@ -87,3 +87,17 @@ def test_lora_adapters_from_random_lora(tmp_path, capsys):
     # two slots of q|k|v (3 parts), v's neighbours zero, and down: (64 + 128) * 2 * 3 * 8 and (128 + 64) * 2 * 8
     extra = 4 * 2 * TINY["num_hidden_layers"] * ((64 + 128) * 3 * 8 + (128 + 64) * 8)
     assert summary["weight_bytes"] - plain["weight_bytes"] == extra
+
+
+def test_speculative_decoding_counts_its_drafts(tmp_path, capsys):
+    """``--speculative-config``: the JSON line counts drafts and those kept; steps with drafts are not decode-only
+    steps (their floor is not one token's); the tokens are checked against the workload's lengths as ever."""
+    path = build(str(tmp_path), "llama", torch.float32, **TINY)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    bench_offline.main(["--model", path, "--num-requests", "3", "--max-num-seqs", "4", "--speculative-config",
+                        json.dumps(spec)])
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["speculative_config"] == spec
+    assert summary["draft_tokens"] >= summary["accepted_tokens"] >= 0 and summary["draft_tokens"] > 0
+    longest = max(r.max_tokens for r in bench_offline.make_workload(3, seed=0))
+    assert summary["num_steps"] <= longest  # drafts kept save steps, never add one

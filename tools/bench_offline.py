@@ -247,6 +247,8 @@ class StepReport:
     preemptions: int = 0
     kv_blocks: int = 0  # the KV cache's blocks, and the sliding-window layers' own (0: none)
     kv_window_blocks: int = 0
+    draft_tokens: int = 0  # speculative decoding: drafts computed, and kept
+    accepted_tokens: int = 0
 
 
 class StepProbe:
@@ -279,7 +281,7 @@ class StepProbe:
         self.windows = [cfg.window(i) for i in range(cfg.num_layers)]  # a sliding layer reads its window only
         # (wall s, host s, KV bytes if decode-only, sequences)
         self.steps: list[tuple[float, float, float | None, int]] = []
-        self.scheduler, self.facts = scheduler, runner.facts
+        self.scheduler, self.facts, self.engine = scheduler, runner.facts, engine
         self._host, self._kv_bytes, self._seqs, self._forward_step_start = 0.0, None, 0, None
 
         self._step, self._forward_step = engine.step, runner.forward_step
@@ -306,7 +308,8 @@ class StepProbe:
 
     def schedule(self):
         batch = self._schedule()
-        if len(batch) and batch.num_prompt_tokens == 0:  # decode-only: each sequence reads its KV (windows)
+        # decode-only (no drafts either): each sequence reads its KV (windows)
+        if len(batch) and batch.num_prompt_tokens == 0 and not batch.num_drafts:
             tokens = sum(min(r.num_tokens, w or r.num_tokens) for r in batch.requests for w in self.windows)
             self._kv_bytes = tokens * self.kv_bytes_per_layer_token
             self._seqs = len(batch.requests)
@@ -363,6 +366,8 @@ class StepProbe:
             preemptions=self.scheduler.num_preemptions,
             kv_blocks=self.facts.num_kv_blocks,
             kv_window_blocks=self.facts.num_window_blocks,
+            draft_tokens=self.engine.num_draft_tokens,
+            accepted_tokens=self.engine.num_accepted_tokens,
             decode_step_s=median([wall for wall, _ in decodes]),
             decode_floor_s=median([floor for _, floor in decodes]),
             decode_vs_floor=median([wall / floor for wall, floor in decodes]),
@@ -379,7 +384,8 @@ def run_tokenmill(
     path: str, requests: list[Request], dtype: str, max_num_seqs: int, max_num_batched_tokens: int,
     async_scheduling: str = "auto", enforce_eager: bool = False, hf_overrides: dict | None = None, **config,
 ) -> tuple[Result, list, StepReport]:
-    """``config``: more of ``EngineConfig`` (kv_cache_memory, disable_hybrid_kv_cache_manager, lora_modules)."""
+    """``config``: more of ``EngineConfig`` (kv_cache_memory, disable_hybrid_kv_cache_manager, lora_modules,
+    speculative_config)."""
     from engine import LLM, SamplingParams
 
     llm = LLM(
@@ -522,6 +528,7 @@ def print_steps(s: StepReport) -> None:
         + f"; {s.preemptions} preemptions; host {s.host_share:.0%} of the step time; memory "
         f"{s.bandwidth / 1e9:.1f} GB/s (copy); KV cache {s.kv_blocks} blocks"
         + (f", sliding-window layers {s.kv_window_blocks}" if s.kv_window_blocks else "")
+        + (f"; drafts: {s.accepted_tokens} of {s.draft_tokens} accepted" if s.draft_tokens else "")
     )
     if s.decode_step_s is not None:
         print(
@@ -544,6 +551,8 @@ def step_summary(s: StepReport | None) -> dict:
         "preemptions": getattr(s, "preemptions", None),
         "kv_blocks": getattr(s, "kv_blocks", None),
         "kv_window_blocks": getattr(s, "kv_window_blocks", None),
+        "draft_tokens": getattr(s, "draft_tokens", None),
+        "accepted_tokens": getattr(s, "accepted_tokens", None),
         "decode_step_ms": get("decode_step_s", 1e3),
         "decode_floor_ms": get("decode_floor_s", 1e3),
         "decode_vs_floor": get("decode_vs_floor", digits=3),
@@ -591,6 +600,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    type=lambda text: tuple(text.split("=", 1)),
                    help="LoRA adapters (PEFT folders, tools/random_lora.py): request i runs with the (i mod N)th")
+    p.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
+                   help="tokenmill's speculative decoding, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
+                        "(W1's random prompts: what drafts cost where they are rarely right)")
     p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
                    help="tokenmill's sliding-window layers keep every block (no pool of their own)")
     return p.parse_args(argv)
@@ -627,6 +639,7 @@ def main(argv: list[str] | None = None) -> None:
             args.enforce_eager, args.hf_overrides, kv_cache_memory=args.kv_cache_memory,
             disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
             lora_modules=dict(args.lora_modules) if args.lora_modules else None,
+            speculative_config=args.speculative_config,
         )
         results.append(result)
         print(f"tokenmill: {result.out_tok_s:.1f} out tok/s", flush=True)
@@ -667,6 +680,7 @@ def main(argv: list[str] | None = None) -> None:
         "hf_overrides": args.hf_overrides,
         "kv_cache_memory": args.kv_cache_memory,
         "disable_hybrid_kv_cache_manager": args.disable_hybrid_kv_cache_manager,
+        "speculative_config": args.speculative_config,
         "output_len_range": list(output_lens),
         "token_id_high": TOKEN_ID_HIGH,
         "prompt_tokens": prompt_tokens,
