@@ -19,7 +19,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.model_path import generation_defaults
 from engine.protocol import PoolingParams, SamplingParams, TokenLogprobs, embedding_floats
-from frontends.generation import Choice, text_ids
+from frontends.generation import Choice, one_token_each, text_ids
 from frontends.text import StopMatcher, TextCodec
 from frontends.tokenizer import load_tokenizer  # the same as the HTTP frontends use
 
@@ -122,7 +122,11 @@ class LLM:
                 if p.stop:
                     choices[rid] = (Choice(0, rid, ids, self._codec, StopMatcher(p.stop), p.min_tokens, ends), [])
             while self.engine.has_work():
-                for d in self.engine.step():
+                # (a delta of several tokens, speculative decoding's, one token at a time where a stop string
+                # may end it: the output stops at the token that completes it, as without drafts)
+                deltas = [part for d in self.engine.step() for part in
+                          (one_token_each(d) if d.request_id in choices and len(d.token_ids) > 1 else (d,))]
+                for d in deltas:
                     out = outputs.get(d.request_id)
                     if out is None or d.request_id in stopped:
                         continue

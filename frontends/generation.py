@@ -100,6 +100,15 @@ class Choice:
         return text, hit
 
 
+def one_token_each(d: Delta) -> list[Delta]:
+    """``d`` as one delta per token (the first with the prompt logprobs, the last with the end)."""
+    last = len(d.token_ids) - 1
+    return [Delta(d.request_id, [t], d.finish_reason if i == last else None, [d.logprobs[i]] if d.logprobs else None,
+                  d.num_prompt_tokens, d.num_cached_tokens, d.prompt_logprobs if i == 0 else None,
+                  d.stop_reason if i == last else None)
+            for i, t in enumerate(d.token_ids)]
+
+
 class Update:
     """What one choice produced in one batch."""
 
@@ -202,7 +211,7 @@ class Generation:
     async def next_updates(self) -> list[Update]:
         """Wait for the next batch; an engine ``Error`` is raised as an ``ApiError``."""
         updates: dict[int, Update] = {}
-        items = await self.stream.next_batch()
+        items = [part for item in await self.stream.next_batch() for part in self._split(item)]
         now = time.monotonic()
         for item in items:
             if isinstance(item, Error):
@@ -245,6 +254,15 @@ class Generation:
                 ended += 1
         self._send(ended)  # (a windowed start: as many more)
         return list(updates.values())
+
+    def _split(self, item: Delta | Error) -> tuple | list[Delta]:
+        """A delta of several tokens (speculative decoding's) for a choice with stop strings, as one delta
+        per token: a stop string ends the output, its usage and logprobs at the token that completes it,
+        as it does without drafts (the engine is aborted; the tokens after it are dropped)."""
+        if not isinstance(item, Delta) or len(item.token_ids) < 2:
+            return (item,)
+        choice = self._by_id.get(item.request_id)
+        return (item,) if choice is None or choice.stops is None else one_token_each(item)
 
     def _fail(self, items: list, now: float) -> None:
         """End the choices that ``items`` say the engine refused or could not run ("error"), and abort the

@@ -6,6 +6,7 @@ a draft; the server's flag and its /metrics."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import numpy as np
@@ -120,6 +121,47 @@ def test_sampling_penalties_logprobs_and_stops_are_unchanged(tiny):
     assert spec[4].token_ids[-1] == stop and len(spec[4].token_ids) <= 13
 
 
+STOP_PROMPT = "one two three one two three one two three one two"
+
+
+def mid_delta_stop(model: str) -> tuple[str, int]:
+    """A stop string whose first occurrence in ``STOP_PROMPT``'s greedy output (40 tokens) ends with a token
+    in the middle of one step's accepted drafts, and the tokens up to it."""
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    with LLM(model, **KW, speculative_config=SPEC) as llm:
+        deltas, step = [], llm.engine.step
+        llm.engine.step = lambda: [d for d in step() if not deltas.append(d.token_ids)]
+        out = llm.generate([STOP_PROMPT], greedy)[0]
+        decode = llm.tokenizer.decode
+    # a stop string whose first occurrence ends with the first token of a delta of several
+    starts = list(itertools.accumulate(len(d) for d in deltas))
+    stop, n = None, 0
+    for i, d in zip(starts, deltas[1:], strict=False):
+        head = decode(out.token_ids[:i + 1])
+        for size in range(3, len(head)):
+            if len(d) > 1 and out.text.find(head[-size:]) + size == len(head) and decode(out.token_ids[:i]) != head:
+                stop, n = head[-size:], i + 1
+                break
+        if stop:
+            break
+    assert stop, deltas
+    return stop, n
+
+
+def test_stop_strings_cut_where_they_do_without_drafts(tiny):
+    """A stop string completed by a token in the middle of a step's accepted drafts ends the output there: the
+    same text, tokens and logprobs as without drafts (the tokens after it dropped)."""
+    stop, n = mid_delta_stop(tiny)
+    prompt = STOP_PROMPT
+    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=1, stop=[stop])]
+    plain, _ = run(tiny, [prompt], params)
+    spec, (_, _, accepted) = run(tiny, [prompt], params, SPEC)
+    assert accepted
+    a, b = plain[0], spec[0]
+    assert (a.text, a.token_ids, a.finish_reason, a.stop_reason) == (b.text, b.token_ids, b.finish_reason, b.stop_reason)
+    assert b.finish_reason == "stop" and len(b.logprobs) == len(b.token_ids) == n
+
+
 def test_preemption_a_small_budget_and_the_prefix_cache_keep_the_tokens(tiny):
     """A KV cache too small for every request at once (preemptions, prefix-cache hits when they come back)
     and a token budget of 3 (drafts trimmed to what is left of it): the tokens of a run without drafts."""
@@ -181,6 +223,7 @@ def test_served_with_the_openai_client(tiny):
 
     prompt = "one two three one two three one two three one two"
     greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    stop, n = mid_delta_stop(tiny)
     with LLM(tiny) as llm:
         want = llm.generate([prompt], greedy)[0].text
     s = Server("--model", tiny, "--served-model-name", "tiny", "--speculative-config", json.dumps(SPEC))
@@ -192,6 +235,17 @@ def test_served_with_the_openai_client(tiny):
         chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=32, temperature=0,
                                                 stream=True, extra_body={"ignore_eos": True}))
         assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+        with LLM(tiny) as llm:
+            cut = llm.generate([STOP_PROMPT], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                                                             stop=[stop]))[0]
+        for stream in (False, True):  # usage counts the tokens up to the stop string's, as without drafts
+            r = client.completions.create(model="tiny", prompt=STOP_PROMPT, max_tokens=40, temperature=0,
+                                          stop=[stop], stream=stream, stream_options={"include_usage": True}
+                                          if stream else None, extra_body={"ignore_eos": True})
+            chunks = list(r) if stream else [r]
+            assert "".join(c.choices[0].text for c in chunks if c.choices) == cut.text
+            assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+            assert chunks[-1].usage.completion_tokens == len(cut.token_ids) == n
         stats = s.engine_stats()
         assert stats.num_spec_draft_tokens >= stats.num_spec_accepted_tokens > 0 and stats.num_spec_drafts > 0
 
