@@ -111,12 +111,13 @@ class BlockManager:
             blocks.pop()
         return blocks
 
-    def cache_full_blocks(self, req: Request, num_tokens: int) -> None:
+    def cache_full_blocks(self, req: Request, num_tokens: int, pending: bool = True) -> None:
         """Make the full blocks among ``req``'s first ``num_tokens`` tokens findable. Called when a step
         is scheduled to compute them: a request admitted later in the same step may hit them, since a
         forward pass stores every new token's K/V before any attention reads the cache. Until
         ``end_step`` they are *pending*: ``providers`` names who computes them, and ``free`` forgets
-        them if that request leaves the step (preempted) without computing them."""
+        them if that request leaves the step (preempted) without computing them. ``pending`` False: their
+        K/V are in the cache already (a step that ran)."""
         if not self.enable_prefix_caching:
             return
         num_full = min(num_tokens, req.num_tokens) // self.block_size  # (not past a token still in flight)
@@ -128,7 +129,8 @@ class BlockManager:
             if h not in self.cached:  # else an identical block computed alongside: this one stays private
                 self.cached[h] = block_id
                 self.block_hash[block_id] = h
-                self.pending[block_id] = req.request_id
+                if pending:
+                    self.pending[block_id] = req.request_id
         req.num_cached_blocks = num_full
 
     def providers(self, blocks: Iterable[int]) -> set[str]:

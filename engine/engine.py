@@ -434,7 +434,7 @@ class Engine:
                                 prompt_logprobs=req.prompt_logprobs if first else None,
                                 stop_reason=req.stop_reason))
             if reason is not None:
-                self.scheduler.finish(req, reason)
+                self.scheduler.finish(req, reason, cache_computed=len(tokens) > 1)
                 del self.requests[req.request_id]
         return deltas
 

@@ -36,9 +36,9 @@ of memory) admits at most one waiting request per step, and only when every
 running request is decoding, preempting for it or not: a step then computes at
 most one prompt, so if it fails, that prompt is the culprit.
 
-Speculative decoding (``engine.speculative``): once every decode has its token, each gets the drafts
-the proposer finds for it, in admission order, as far as the token budget goes and only where its
-blocks are free (no preemption for a guess); they are the batch's ``num_drafts``, counted neither as
+Speculative decoding (``engine.speculative``): once the decodes and the prompts have their tokens,
+each decode gets the drafts the proposer finds for it, in admission order, as far as the token budget
+goes and only where its blocks are free (a guess never delays a prompt nor preempts anyone); they are the batch's ``num_drafts``, counted neither as
 decodes nor as prompt tokens (the prefill cap learns their cost as prompt tokens'). After the step
 ``update_from_output`` is told how many of each request's drafts were rejected: those positions do
 not count as computed, and later steps write over them. Blocks hashed for the prefix cache never
@@ -190,8 +190,6 @@ class Scheduler:
                     and req.num_sampled < req.params.max_tokens  # (else the token in flight is its last)
                     and batch.num_tokens < self.max_num_batched_tokens and self._allocate_running(req, 1, batch)):
                 self._add(batch, req, 1, decode=True)
-        if self.proposer is not None:
-            self._add_drafts(batch)
         budget = self.max_num_batched_tokens - batch.num_tokens
         # the batch being filled: every running and waiting generation, as far as seqs allow (when prompt
         # tokens could join at all: fitting the cap is most of a one-stream step's scheduling). Embeddings
@@ -203,6 +201,8 @@ class Scheduler:
             rows = min(self.max_num_seqs, generating + joining)
             budget = min(budget, self.prefill_cap.value(rows))
         self._schedule_prompts(batch, budget)
+        if self.proposer is not None:
+            self._add_drafts(batch)
         batch.window_writes = self.block_manager.take_window_writes()
         return batch
 
@@ -234,8 +234,12 @@ class Scheduler:
                 self._preempt(req, batch)
         self.block_manager.end_step(computed=False)
 
-    def finish(self, req: Request, reason: str) -> None:
-        """Take ``req`` out (finished, aborted or timed out) and free its blocks at once."""
+    def finish(self, req: Request, reason: str, cache_computed: bool = False) -> None:
+        """Take ``req`` out (finished, aborted or timed out) and free its blocks at once. ``cache_computed``:
+        its last step ran (synchronously) and kept drafts, whose blocks are offered to the prefix cache
+        first (a decode's are when it is scheduled; these were drafts then)."""
+        if cache_computed:
+            self.block_manager.cache_full_blocks(req, req.num_computed_tokens, pending=False)
         if req.status is Status.RUNNING:
             self.running.remove(req)
         elif req.status is Status.WAITING:
@@ -335,11 +339,15 @@ class Scheduler:
         return True
 
     def _add_drafts(self, batch: ScheduledBatch) -> None:
-        """Drafts for the step's decodes (``req.draft_token_ids``), in admission order, with their blocks:
-        as many as the token budget leaves after every decode's own token, and none where the blocks are
-        not free (no one is preempted for a guess)."""
-        for i, req in enumerate(batch.requests):  # (decodes only, so far)
+        """Drafts for the step's decodes (``req.draft_token_ids``), in admission order, with their blocks: as
+        many as the token budget leaves after the decodes' and the prompts' tokens (a guess never delays a
+        prompt), and none where the blocks are not free (no one is preempted for a guess)."""
+        step_cap = self.block_manager.max_step_tokens  # (a sliding-window pool's bound on one request's step)
+        for i in range(batch.num_decodes):  # (the batch's first requests: its decodes, in admission order)
+            req = batch.requests[i]
             left = self.max_num_batched_tokens - batch.num_tokens
+            if step_cap is not None:
+                left = min(left, step_cap - 1)
             drafts = self.proposer.propose(req, left) if left > 0 else []
             if drafts and not self.block_manager.allocate(req, 1 + len(drafts)):
                 drafts = []

@@ -80,9 +80,9 @@ def computed_tokens(llm: LLM) -> list[int]:
     sched = llm.engine.scheduler
     update = sched.update_from_output
 
-    def counting(batch, seconds):
+    def counting(batch, seconds, rejected=None):
         counted[0] += batch.num_tokens
-        update(batch, seconds)
+        update(batch, seconds, rejected)
 
     sched.update_from_output = counting
     return counted
@@ -172,10 +172,10 @@ def test_a_preempted_request_resumes_from_its_own_cached_blocks(tiny_llama, unca
     eng, per_request = llm.engine, {}
     update = eng.scheduler.update_from_output
 
-    def counting(batch, seconds):
+    def counting(batch, seconds, rejected=None):
         for r, n in zip(batch.requests, batch.num_new_tokens, strict=True):
             per_request[r.request_id] = per_request.get(r.request_id, 0) + n
-        update(batch, seconds)
+        update(batch, seconds, rejected)
 
     eng.scheduler.update_from_output = counting
     eng.add_request("a", a_prompt, a_params, priority=5)

@@ -124,15 +124,20 @@ def test_sampling_penalties_logprobs_and_stops_are_unchanged(tiny):
 STOP_PROMPT = "one two three one two three one two three one two"
 
 
+def with_deltas(model: str, prompt, n: int, **kw):
+    """The greedy output of ``n`` tokens with drafts, the token lists of its deltas (one a step), the tokenizer."""
+    with LLM(model, **(KW | kw), speculative_config=SPEC) as llm:
+        deltas, step = [], llm.engine.step
+        llm.engine.step = lambda: [d for d in step() if not deltas.append(d.token_ids)]
+        out = llm.generate([prompt], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))[0]
+        return out, deltas, llm.tokenizer
+
+
 def mid_delta_stop(model: str) -> tuple[str, int]:
     """A stop string whose first occurrence in ``STOP_PROMPT``'s greedy output (40 tokens) ends with a token
     in the middle of one step's accepted drafts, and the tokens up to it."""
-    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    with LLM(model, **KW, speculative_config=SPEC) as llm:
-        deltas, step = [], llm.engine.step
-        llm.engine.step = lambda: [d for d in step() if not deltas.append(d.token_ids)]
-        out = llm.generate([STOP_PROMPT], greedy)[0]
-        decode = llm.tokenizer.decode
+    out, deltas, tokenizer = with_deltas(model, STOP_PROMPT, 40)
+    decode = tokenizer.decode
     # a stop string whose first occurrence ends with the first token of a delta of several
     starts = list(itertools.accumulate(len(d) for d in deltas))
     stop, n = None, 0
@@ -207,6 +212,51 @@ def test_no_one_is_preempted_for_a_draft():
     assert batch.num_prompt_tokens == 0
     s.update_from_output(batch, 0.01, {"a": 3})  # two accepted: their K/V count, the other three's do not
     assert a.num_computed_tokens == 4 + 1 + 2
+
+
+def test_drafts_come_after_prompts_and_preempt_no_one():
+    """A prompt chunk gets the budget and the blocks before any draft: drafts never make the scheduler
+    preempt a request (nor delay a prompt)."""
+    for proposer in (None, FixedDrafts([7] * 4)):
+        s = Scheduler(BlockManager(num_blocks=4, block_size=4), max_num_seqs=4, max_num_batched_tokens=11,
+                      proposer=proposer)
+        a, b = Request("a", [1, 2, 3], SamplingParams(max_tokens=20)), Request("b", list(range(10, 22)),
+                                                                               SamplingParams(max_tokens=4))
+        for r in (a, b):
+            s.add(r)
+        batch = s.schedule()  # a's prompt, 8 of b's
+        s.update_from_output(batch, 0.01)
+        a.append_token(9)
+        batch = s.schedule()
+        assert [r.request_id for r in batch.requests] == ["a", "b"] and batch.num_new_tokens == [1, 4]
+        assert not batch.preempted and a.draft_token_ids == []  # (no block was left for them)
+
+
+class Oracle:
+    """Drafts that are the output to come (of a run without drafts): every one is kept."""
+
+    def __init__(self, tokens: list[int], k: int):
+        self.tokens, self.k = tokens, k
+
+    def propose(self, req: Request, budget: int) -> list[int]:
+        n = req.num_sampled
+        return self.tokens[n:n + min(self.k, budget, req.params.max_tokens - n - 1)]
+
+
+def test_blocks_filled_by_kept_drafts_reach_the_prefix_cache(tiny):
+    """A request whose last step kept drafts that filled a block: that block is findable when it ends, as a
+    decode's is; a request whose prompt is its prompt and output finds all of it."""
+    prompt, n = PROMPTS[2], 6  # 12 tokens, 1 from the prompt's step, then 5 in one: positions 12..16 (block 1 full)
+    greedy = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    with LLM(tiny, **KW, block_size=8) as llm:
+        want = llm.generate([prompt], greedy)[0].token_ids
+    for spec in (False, True):
+        with LLM(tiny, **KW, block_size=8) as llm:
+            llm.engine.scheduler.proposer = Oracle(want, 4) if spec else None
+            assert llm.generate([prompt], greedy)[0].token_ids == want
+            assert llm.engine.num_accepted_tokens == (4 if spec else 0)
+            again = llm.generate([prompt + want], SamplingParams(max_tokens=1))[0]
+            assert again.num_cached_tokens == (len(prompt) + n - 1) // 8 * 8 == 16  # all but the last token's
 
 
 def test_tensor_parallel_gives_one_ranks_tokens(tiny):
