@@ -342,6 +342,9 @@ class Scheduler:
         """Drafts for the step's decodes (``req.draft_token_ids``), in admission order, with their blocks: as
         many as the token budget leaves after the decodes' and the prompts' tokens (a guess never delays a
         prompt), and none where the blocks are not free (no one is preempted for a guess)."""
+        busy = self.proposer.disable_by_batch_size
+        if busy is not None and len(self.running) > busy:
+            return
         step_cap = self.block_manager.max_step_tokens  # (a sliding-window pool's bound on one request's step)
         for i in range(batch.num_decodes):  # (the batch's first requests: its decodes, in admission order)
             req = batch.requests[i]

@@ -37,18 +37,22 @@ class NgramConfig:
     num_speculative_tokens: int  # k: drafts per step, at most
     prompt_lookup_min: int  # the shortest suffix looked up
     prompt_lookup_max: int  # the longest (the longest that occurs earlier wins)
+    disable_by_batch_size: int | None = None  # no drafts in a step with more requests running than this
 
     @classmethod
     def of(cls, spec: dict) -> NgramConfig:
-        """vLLM's speculative config map, checked: ``method`` "ngram", ``num_speculative_tokens``, and
-        ``prompt_lookup_min`` / ``prompt_lookup_max`` (one given: both that; none: both 5, as in vLLM)."""
+        """vLLM's speculative config map, checked: ``method`` "ngram", ``num_speculative_tokens``,
+        ``prompt_lookup_min`` / ``prompt_lookup_max`` (one given: both that; none: both 5, as in vLLM), and
+        ``disable_by_batch_size`` (where the device is busy enough without them, drafts cost more than they
+        save: the batch's decodes already keep it computing)."""
         if not isinstance(spec, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {spec!r}")
         method = spec.get("method", spec.get("model"))
         if method not in METHODS:
             raise ValueError(f"speculative_config: method must be one of {', '.join(METHODS)} (draft models, EAGLE "
                              f"and MTP heads are not served here), got {method!r}")
-        known = {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+        known = {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                 "disable_by_batch_size"}
         if set(spec) - known:
             raise ValueError(f"speculative_config: unknown keys {sorted(set(spec) - known)} for the ngram method "
                              f"(known: {', '.join(sorted(known))})")
@@ -67,7 +71,8 @@ class NgramConfig:
         lo, hi = lo or hi or 5, hi or lo or 5
         if lo > hi:
             raise ValueError(f"speculative_config: prompt_lookup_min {lo} is above prompt_lookup_max {hi}")
-        return cls(k, lo, hi)
+        busy = spec.get("disable_by_batch_size")
+        return cls(k, lo, hi, count("disable_by_batch_size", busy, 1 << 20) if busy is not None else None)
 
 
 class NgramProposer:
@@ -77,6 +82,7 @@ class NgramProposer:
     def __init__(self, config: NgramConfig, max_model_len: int):
         self.config = config
         self.max_model_len = max_model_len
+        self.disable_by_batch_size = config.disable_by_batch_size
 
     def propose(self, req: Request, budget: int) -> list[int]:
         """Up to k drafts for ``req``'s next decode, at most ``budget``, none that ``max_tokens`` or the

@@ -59,6 +59,7 @@ def test_find_draft_takes_the_longest_suffix_seen_before():
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2}, NgramConfig(2, 2, 2)),
     ({"model": "ngram", "num_speculative_tokens": 1, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
      NgramConfig(1, 1, 3)),
+    ({"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 2}, NgramConfig(4, 5, 5, 2)),
 ])
 def test_config_of(spec, want):
     assert NgramConfig.of(spec) == want
@@ -73,6 +74,7 @@ def test_config_of(spec, want):
      "prompt_lookup_min 4 is above prompt_lookup_max 2"),
     ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}, "unknown keys"),
     ([1], "must be a JSON object"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size must be"),
 ])
 def test_bad_configs_are_refused(spec, match):
     with pytest.raises(ValueError, match=match):
@@ -184,6 +186,8 @@ def test_preemption_a_small_budget_and_the_prefix_cache_keep_the_tokens(tiny):
 
 
 class FixedDrafts:
+    disable_by_batch_size = None
+
     def __init__(self, drafts: list[int]):
         self.drafts = drafts
 
@@ -214,6 +218,26 @@ def test_no_one_is_preempted_for_a_draft():
     assert a.num_computed_tokens == 4 + 1 + 2
 
 
+def test_no_drafts_while_more_requests_run_than_disable_by_batch_size():
+    proposer = FixedDrafts([7, 7])
+    proposer.disable_by_batch_size = 1
+    s = Scheduler(BlockManager(num_blocks=16, block_size=4), max_num_seqs=4, max_num_batched_tokens=64,
+                  proposer=proposer)
+    a, b = Request("a", [1, 2, 3], SamplingParams(max_tokens=20)), Request("b", [4, 5, 6], SamplingParams(max_tokens=20))
+    for r in (a, b):
+        s.add(r)
+    s.update_from_output(s.schedule(), 0.01)
+    for r in (a, b):
+        r.append_token(9)
+    batch = s.schedule()
+    assert batch.num_new_tokens == [1, 1] and batch.num_drafts == 0  # two running: no drafts
+    s.update_from_output(batch, 0.01)
+    for r in (a, b):
+        r.append_token(9)
+    s.finish(b, "stop")
+    assert s.schedule().num_new_tokens == [3]  # one running: a's token and two drafts
+
+
 def test_drafts_come_after_prompts_and_preempt_no_one():
     """A prompt chunk gets the budget and the blocks before any draft: drafts never make the scheduler
     preempt a request (nor delay a prompt)."""
@@ -234,6 +258,8 @@ def test_drafts_come_after_prompts_and_preempt_no_one():
 
 class Oracle:
     """Drafts that are the output to come (of a run without drafts): every one is kept."""
+
+    disable_by_batch_size = None
 
     def __init__(self, tokens: list[int], k: int):
         self.tokens, self.k = tokens, k
