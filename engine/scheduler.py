@@ -38,11 +38,13 @@ most one prompt, so if it fails, that prompt is the culprit.
 
 Speculative decoding (``engine.speculative``): once the decodes and the prompts have their tokens,
 each decode gets the drafts the proposer finds for it, in admission order, as far as the token budget
-goes and only where its blocks are free (a guess never delays a prompt nor preempts anyone); they are the batch's ``num_drafts``, counted neither as
-decodes nor as prompt tokens (the prefill cap learns their cost as prompt tokens'). After the step
-``update_from_output`` is told how many of each request's drafts were rejected: those positions do
-not count as computed, and later steps write over them. Blocks hashed for the prefix cache never
-hold a draft: a block is named from the request's tokens, and drafts are not among them until kept.
+goes and only where its blocks are free (a guess never delays a prompt nor preempts anyone); they are
+the batch's ``num_drafts``, counted neither as decodes nor as prompt tokens (the prefill cap learns
+their cost as prompt tokens'). None while more requests run than ``disable_by_batch_size``. After
+the step ``update_from_output`` is told how many of each request's drafts were rejected: those
+positions do not count as computed, and later steps write over them. Blocks hashed for the prefix
+cache never hold a draft: a block is named from the request's tokens, and drafts are not among them
+until kept.
 
 Asynchronous scheduling (``Engine``) schedules step N+1 while step N runs: a request that
 samples in N has that token in flight (``Request.num_in_flight``) and is scheduled for one more
@@ -103,9 +105,8 @@ class ScheduledBatch:
         self.num_new_tokens.append(n)
         self._ids.add(req.request_id)
         self.num_tokens += n
-        if decode:  # its one token, then drafts
+        if decode:  # one token (its drafts come with add_drafts)
             self._decode_ids.add(req.request_id)
-            self.num_drafts += n - 1
 
     def add_drafts(self, i: int, n: int) -> None:
         """The ``i``-th request, a decode, computes ``n`` drafts after its token."""
