@@ -16,9 +16,11 @@ R columns (the adapters' largest rank); B_all (S*P*R, out) the scaled B^T, each 
 columns of the fused output. Shapes never depend on which adapters a step uses, so decode graphs (CUDA's and the
 CPU's) capture it as it is (``onehot`` is a persistent buffer the runner fills before each step), no
 request waits for a slot, and there is no loop over adapters. The price is arithmetic for every
-slot in every step: S*P*R columns beside the layer's own (vLLM swaps adapters into ``--max-loras``
-slots instead: less arithmetic, and requests wait for a slot). A token without an adapter has a row
-of zeros: its output is the base model's, bit for bit.
+slot in every step that has an adapter token: S*P*R columns beside the layer's own (vLLM swaps
+adapters into ``--max-loras`` slots instead: less arithmetic, and requests wait for a slot). A token
+without an adapter has a row of zeros: its output is the base model's, bit for bit; a step in which
+no token has one skips the products (``LoraState.active``; CPU graphs keep a recording of each kind
+of step, CUDA graphs are captured with them and add the zeros).
 
 Under tensor parallelism a rank keeps its rows of B (column-parallel layers) or its columns of A
 (row-parallel ones: each rank's partial product joins the all-reduce the layer does anyway).
@@ -143,6 +145,9 @@ class LoraState:
     def __init__(self, slots: int, rows: int, dtype: torch.dtype, device: torch.device):
         self.onehot = torch.zeros(rows, slots, dtype=dtype, device=device)
         self.slots = torch.arange(slots, device=device)
+        # whether any of the step's tokens has an adapter (the host knows): when none has, the layers skip
+        # the products (a graph recorded either way replays that way: CPU graphs keep a recording of each)
+        self.active = True
 
     def set(self, token_slots: torch.Tensor) -> None:
         """Each of the step's tokens' slot (-1: none), (T,) on the device."""
@@ -179,6 +184,8 @@ class LoraWeights(nn.Module):
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (T, out), the layer's output for ``x`` (T, in), plus each token's adapter's product."""
+        if not self.state.active:
+            return y
         t, slots = x.shape[0], self.state.onehot.shape[1]
         u = kernels.linear(x, self.a).view(t, slots, -1) * self.state.rows(t)[:, :, None]
         return y.add_(kernels.linear(u.view(t, -1), self.b))

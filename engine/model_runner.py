@@ -216,7 +216,8 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, list(range(1, min(config.max_num_seqs, CPU_GRAPH_SEQS) + 1)),
                                        max_model_len, max_blocks, num_blocks, self.block_size,
                                        self.model_cfg.hidden_size, dtype, device, cpu_graph.capture(), lazy=True,
-                                       max_rows=CPU_GRAPH_ROWS, window_map=self.block_tables.window_map)
+                                       max_rows=CPU_GRAPH_ROWS, window_map=self.block_tables.window_map,
+                                       variant=(lambda: self.lora.active) if self.lora is not None else None)
 
     def _allocate_kv_cache(self) -> None:
         # one block more than the block manager hands out (in each pool): the scratch block of padding
@@ -358,6 +359,8 @@ class ModelRunner:
         tables = self.block_tables.write(dev["write_at"], dev["write_ids"])
         if self.lora is not None:
             self.lora.set(dev["lora_slots"])
+            # (CUDA graphs, captured with it on, compute the products whatever this says: zeros, added)
+            self.lora.active = max(step.lora_slots, default=-1) >= 0
         index.tensors = dev
         positions, meta = index.metadata(tables, self.block_size, self.block_tables.window_map)
         ids = dev["token_ids"]

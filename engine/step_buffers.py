@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import torch
 
@@ -145,7 +145,9 @@ class DecodeGraphs:
     its memory pool) and steps are padded to one of them (``ModelRunner._pad``). CPU (``lazy``):
     a size is captured by the first step of that size, whose forward the capture runs for real,
     so no step is padded and none is computed twice; recordings hold their own intermediates,
-    so those of at most ``max_rows`` rows in all are kept, the least recently used dropped.
+    so those of at most ``max_rows`` rows in all are kept, the least recently used dropped. A step
+    whose forward takes another path (``variant``: with LoRA adapters, whether any token has one)
+    has recordings of its own.
 
     The graphs attend up to ``max_model_len`` (their block tables are that wide): the decode
     kernel reads a sequence's blocks only up to its length, whatever the bound. Their rows are
@@ -156,21 +158,21 @@ class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, sizes: list[int], max_model_len: int, max_blocks: int,
                  scratch_block: int, block_size: int, hidden_size: int, dtype: torch.dtype,
                  device: torch.device, capture: Capture, lazy: bool = False, max_rows: int = 0,
-                 window_map: torch.Tensor | None = None):
+                 window_map: torch.Tensor | None = None, variant: Callable[[], Hashable] | None = None):
         n, i64 = sizes[-1], dict(dtype=torch.int64, device=device)
         self.model, self.capture, self.max_model_len = model, capture, max_model_len
         self.window_map = window_map  # (persistent: the graphs look window blocks up in it as they replay)
-        self.sizes, self.max_rows = set(sizes), max_rows
+        self.sizes, self.max_rows, self.variant = set(sizes), max_rows, variant
         self.input_ids, self.positions = torch.zeros(n, **i64), torch.zeros(n, **i64)
         self.slot_mapping = torch.full((n,), scratch_block * block_size, **i64)
         self.decode = DecodeMetadata(torch.arange(n, **i64), torch.full((n, max_blocks), scratch_block, **i64),
                                      torch.ones(n, **i64), max_model_len, in_order=True)
         self.hidden = torch.empty(n, hidden_size, dtype=dtype, device=device)
-        self.replays: OrderedDict[int, Callable[[], None]] = OrderedDict()
+        self.replays: OrderedDict[tuple[int, Hashable], Callable[[], None]] = OrderedDict()  # (size, variant)
         if not lazy:
             for b in reversed(sizes):
                 self._forward(b)  # once outside the graph: kernels compile, lazy state settles
-                self.replays[b] = capture(functools.partial(self._forward, b))
+                self.replays[b, self._variant()] = capture(functools.partial(self._forward, b))
 
     def _forward(self, b: int) -> None:
         d = self.decode
@@ -178,6 +180,9 @@ class DecodeGraphs:
             d.token_rows[:b], d.block_tables[:b], d.seq_lens[:b], self.max_model_len, in_order=True), None,
             self.window_map)
         self.hidden[:b] = self.model(self.input_ids[:b], self.positions[:b], meta)
+
+    def _variant(self) -> Hashable:
+        return self.variant() if self.variant is not None else None
 
     def serves(self, b: int) -> bool:
         return b in self.sizes  # (the captured sizes are among them)
@@ -191,15 +196,16 @@ class DecodeGraphs:
         rows = d.token_rows  # the step's decode rows are its sequences, longest first: put them back in order
         s.seq_lens.index_copy_(0, rows, d.seq_lens)
         s.block_tables[:, :d.block_tables.shape[1]].index_copy_(0, rows, d.block_tables)
-        replay = self.replays.get(b)
+        key = b, self._variant()
+        replay = self.replays.get(key)
         if replay is not None:
-            self.replays.move_to_end(b)
+            self.replays.move_to_end(key)
             replay()
             return self.hidden[:b]
-        while self.replays and sum(self.replays) + b > self.max_rows:
+        while self.replays and sum(size for size, _ in self.replays) + b > self.max_rows:
             self.replays.popitem(last=False)
         try:
-            self.replays[b] = self.capture(functools.partial(self._forward, b))
+            self.replays[key] = self.capture(functools.partial(self._forward, b))
         except Exception as e:  # noqa: BLE001 - a forward that cannot be recorded still runs, eagerly from now on
             self._forward(b)  # what the capture left half done, again: a failure of the forward raises here
             log.warning("decode graphs off: a step of %d could not be captured (%s: %s)", b, type(e).__name__, e)

@@ -84,6 +84,25 @@ def test_the_prefix_cache_is_kept_apart_per_adapter(tiny):
     assert alone.token_ids != first_a.token_ids
 
 
+@pytest.mark.parametrize("eager", [False, True], ids=["cpu-graphs", "eager"])
+def test_steps_without_an_adapter_skip_it_and_graphs_keep_a_recording_each_way(tiny, eager):
+    """A step in which no token has an adapter skips the adapters' products; a CPU graph recorded for one kind
+    of step is never replayed for the other: the model alone, an adapter, the model alone again, one stream
+    each (the same batch size), each as a fresh engine gives it."""
+    model, a, b = tiny
+    kw = dict(device="cpu", dtype="float32", num_kv_blocks=128, max_model_len=256, enforce_eager=eager)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with LLM(model, **kw) as plain:
+        want_alone = plain.generate([PROMPTS[0]], greedy)[0].token_ids
+    with LLM(model, **kw, lora_modules={"a": a}) as llm:
+        want_a = llm.generate([PROMPTS[0]], greedy, lora_request="a")[0].token_ids
+    with LLM(model, **kw, lora_modules={"a": a}) as llm:
+        runs = [llm.generate([PROMPTS[0]], greedy, lora_request=lora)[0].token_ids for lora in (None, "a", None)]
+        assert runs == [want_alone, want_a, want_alone] and want_a != want_alone
+        if not eager:
+            assert {(1, False), (1, True)} <= set(llm.engine.runner.graphs.replays)
+
+
 def test_unknown_adapter_is_refused(tiny):
     model, a, _ = tiny
     llm = LLM(model, device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=128, lora_modules={"a": a})
