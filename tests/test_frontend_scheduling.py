@@ -30,7 +30,8 @@ from tools.fake_engine import KEY, MODEL, FakeEngine, free_port, start_frontend,
 
 CHAT = [{"role": "user", "content": "hi"}]
 STATS_FIELDS = {"num_waiting", "num_running", "kv_usage", "num_free_blocks", "num_kv_blocks", "num_preemptions",
-                "num_timeouts", "prefix_cache_hit_rate", "num_evictions", "kv_fragmentation"}
+                "num_timeouts", "prefix_cache_hit_rate", "num_evictions", "kv_fragmentation", "num_spec_drafts",
+                "num_spec_draft_tokens", "num_spec_accepted_tokens"}
 INSTANT = 1e-6  # a timeout that has passed before the engine first steps the request
 
 
