@@ -123,8 +123,6 @@ class Engine:
             config.max_num_waiting_requests, config.scheduling_policy, config.scheduling_aging_seconds,
             PrefillCap(config.max_num_batched_tokens, config.long_prefill_token_threshold),
             proposer=NgramProposer(self.speculative, self.max_model_len) if self.speculative else None)
-        # speculative decoding since start: decodes that had drafts, their drafts, the drafts accepted
-        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.requests: dict[str, Request] = {}
         # id -> (request, its output length then) for the requests of a step that ran out of memory, until
         # they sample a token: while there are any, the scheduler admits one at a time
@@ -217,7 +215,7 @@ class Engine:
         bm, s = self.block_manager, self.scheduler
         return Stats(len(s.waiting), len(s.running), bm.usage, *bm.fuller_pool,
                      s.num_preemptions, s.num_timeouts, s.prefix_cache_hit_rate, bm.num_evictions,
-                     s.kv_fragmentation, self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens)
+                     s.kv_fragmentation, s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens)
 
     def step(self) -> list[Delta]:
         if self.scheduler.one_at_a_time:
@@ -288,10 +286,11 @@ class Engine:
         # (out here, the exception's traceback, which holds the failed step's tensors, is gone)
         return StepResult([], None), self._recover_from_oom(failed)
 
-    def _check_drafts(self, result: StepResult) -> dict[str, int] | None:
+    @staticmethod
+    def _check_drafts(result: StepResult) -> dict[str, int] | None:
         """How many of each request's drafts its sampled tokens reject (request id -> that many, the
-        last ones): a draft is accepted when the token sampled at the position before it is the draft,
-        and every draft before it was accepted."""
+        last ones; every request that had drafts): a draft is accepted when the token sampled at the
+        position before it is the draft, and every draft before it was accepted."""
         if result.drafts is None:
             return None
         rejected, ids, row = {}, result.output.token_ids, 0
@@ -301,9 +300,6 @@ class Engine:
                 accepted += 1
             if drafts:
                 rejected[req.request_id] = len(drafts) - accepted
-                self.num_drafts += 1
-                self.num_draft_tokens += len(drafts)
-                self.num_accepted_tokens += accepted
             row += len(drafts) + 1
         return rejected
 

@@ -40,11 +40,11 @@ Speculative decoding (``engine.speculative``): once the decodes and the prompts 
 each decode gets the drafts the proposer finds for it, in admission order, as far as the token budget
 goes and only where its blocks are free (a guess never delays a prompt nor preempts anyone); they are
 the batch's ``num_drafts``, counted neither as decodes nor as prompt tokens (the prefill cap learns
-their cost as prompt tokens'). None while more requests run than ``disable_by_batch_size``. After
-the step ``update_from_output`` is told how many of each request's drafts were rejected: those
-positions do not count as computed, and later steps write over them. Blocks hashed for the prefix
-cache never hold a draft: a block is named from the request's tokens, and drafts are not among them
-until kept.
+their cost as decode rows'). None while more requests run than ``disable_by_batch_size``. After the
+step ``update_from_output`` is told how many of each request's drafts were rejected: those positions
+do not count as computed, and later steps write over them; the scheduler counts drafts and those kept.
+Blocks hashed for the prefix cache never hold a draft: a block is named from the request's tokens,
+and drafts are not among them until kept.
 
 Asynchronous scheduling (``Engine``) schedules step N+1 while step N runs: a request that
 samples in N has that token in flight (``Request.num_in_flight``) and is scheduled for one more
@@ -162,6 +162,8 @@ class Scheduler:
         self.num_timeouts = 0
         self.num_prompt_tokens = 0  # of admitted requests, since start: the prefix cache's hit rate
         self.num_cached_prompt_tokens = 0
+        # speculative decoding since start: decodes that had drafts, their drafts, those kept
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self._waiting_embeddings = 0  # waiting requests that will never decode (engine.pooling)
 
     def add(self, req: Request) -> None:
@@ -219,13 +221,18 @@ class Scheduler:
         longer pending."""
         for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
             req.num_computed_tokens += n - (rejected.get(req.request_id, 0) if rejected else 0)
+        if batch.num_drafts and rejected is not None:
+            kept = batch.num_drafts - sum(rejected.values())
+            self.num_drafts += len(rejected)
+            self.num_draft_tokens += batch.num_drafts
+            self.num_accepted_tokens += kept
         self.block_manager.end_step()
         self.block_manager.computed(batch.requests)
 
     def observe(self, batch: ScheduledBatch, seconds: float) -> None:
         """``batch`` took ``seconds``: what the prefill cap learns from."""
-        # (a draft costs what a prompt token does: one more position of a sequence)
-        self.prefill_cap.observe(batch.num_decodes, batch.num_prompt_tokens + batch.num_drafts, seconds)
+        # (a draft is a decode row: a one-token sequence on its request's blocks)
+        self.prefill_cap.observe(batch.num_decodes + batch.num_drafts, batch.num_prompt_tokens, seconds)
 
     def rollback(self, batch: ScheduledBatch) -> None:
         """The model failed to run ``batch``: nothing it scheduled was computed. Its requests go back to

@@ -37,8 +37,8 @@ def run(model: str, prompts, params, spec: dict | None = None, **kw):
     """Each prompt's output, and the engine's (drafts, draft tokens, accepted tokens)."""
     with LLM(model, **(KW | kw), speculative_config=spec) as llm:
         outs = llm.generate(prompts, params)
-        e = llm.engine
-        return outs, (e.num_drafts, e.num_draft_tokens, e.num_accepted_tokens)
+        s = llm.engine.scheduler
+        return outs, (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens)
 
 
 def test_find_draft_takes_the_longest_suffix_seen_before():
@@ -178,7 +178,7 @@ def test_preemption_a_small_budget_and_the_prefix_cache_keep_the_tokens(tiny):
     plain, _ = run(tiny, prompts, greedy, **small)
     with LLM(tiny, **(KW | small), speculative_config=SPEC) as llm:
         assert [o.token_ids for o in llm.generate(prompts, greedy)] == [o.token_ids for o in plain]
-        assert llm.engine.scheduler.num_preemptions and llm.engine.num_accepted_tokens
+        assert llm.engine.scheduler.num_preemptions and llm.engine.scheduler.num_accepted_tokens
     tight, _ = run(tiny, prompts[:2], greedy, max_num_batched_tokens=3)
     spec, (drafts, draft_tokens, _) = run(tiny, prompts[:2], greedy, SPEC, max_num_batched_tokens=3)
     assert [o.token_ids for o in spec] == [o.token_ids for o in tight] == [o.token_ids for o in plain[:2]]
@@ -280,7 +280,7 @@ def test_blocks_filled_by_kept_drafts_reach_the_prefix_cache(tiny):
         with LLM(tiny, **KW, block_size=8) as llm:
             llm.engine.scheduler.proposer = Oracle(want, 4) if spec else None
             assert llm.generate([prompt], greedy)[0].token_ids == want
-            assert llm.engine.num_accepted_tokens == (4 if spec else 0)
+            assert llm.engine.scheduler.num_accepted_tokens == (4 if spec else 0)
             again = llm.generate([prompt + want], SamplingParams(max_tokens=1))[0]
             assert again.num_cached_tokens == (len(prompt) + n - 1) // 8 * 8 == 16  # all but the last token's
 
