@@ -64,7 +64,8 @@ class EngineRouter:
     # ------------------------------------------------------------------ lifecycle
 
     async def connect(self) -> Ready:
-        """Handshake with every engine; they must serve the same model (vocabulary, EOS)."""
+        """Handshake with every engine; they must serve the same model (vocabulary, EOS) and the same LoRA
+        adapters (names: a call may go to any engine)."""
         live = [c for i, c in enumerate(self.clients) if i not in self.dead]
         results = await asyncio.gather(*(c.connect() for c in live), return_exceptions=True)
         failed = [(c, r) for c, r in zip(live, results, strict=True) if isinstance(r, BaseException)]
@@ -82,6 +83,11 @@ class EngineRouter:
                 raise EngineUnavailable(f"{c.address} serves {r.model!r} (vocabulary {r.vocab_size}), "
                                         f"{live[0].address} {first.model!r} (vocabulary {first.vocab_size}): "
                                         "data parallel needs one model")
+            names, first_names = sorted(name for name, _ in r.loras), sorted(name for name, _ in first.loras)
+            if names != first_names:
+                await self.close()
+                raise EngineUnavailable(f"{c.address} serves the LoRA adapters {names}, {live[0].address} "
+                                        f"{first_names}: data parallel needs the same adapters on every engine")
         # one call runs on one engine: it must fit the smallest
         self.ready = dataclasses.replace(
             first, max_model_len=min(r.max_model_len for r in results),

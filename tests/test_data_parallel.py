@@ -113,6 +113,25 @@ def test_router_picks_the_least_loaded_engine_by_stats(two_engines):
     run(main())
 
 
+def test_router_refuses_engines_with_different_lora_adapters(two_engines):
+    """A call naming an adapter may go to any engine: every engine must serve the same ones (paths may differ)."""
+    two_engines[0].loras = [["sql", "/a/sql"], ["chat", "/a/chat"]]
+    two_engines[1].loras = [["chat", "/b/chat"], ["sql", "/b/sql"]]
+
+    async def connect():
+        router = router_for(two_engines)
+        try:
+            return await router.connect()
+        finally:
+            await router.close()
+
+    assert [name for name, _ in run(connect()).loras] == ["sql", "chat"]
+    two_engines[1].loras = [["sql", "/b/sql"]]
+    with pytest.raises(EngineUnavailable, match=r"the LoRA adapters \['sql'\], .* \['chat', 'sql'\]: data parallel "
+                                                r"needs the same adapters"):
+        run(connect())
+
+
 def test_router_survives_a_dead_engine(two_engines):
     async def main():
         router = router_for(two_engines)

@@ -127,6 +127,7 @@ class FakeEngine(threading.Thread):
         self.step_delay = step_delay
         self.tokens_per_step = tokens_per_step
         self.refuse: Error | None = None  # answer every ADD with this error
+        self.loras: list[list[str]] = []  # the LoRA adapters its READY names ([name, path])
         self.adds: list[Add] = []
         self.aborts: list[str] = []
         self.running: dict[str, list] = {}  # request id -> [identity, Add, produced, cached prompt tokens]
@@ -168,7 +169,7 @@ class FakeEngine(threading.Thread):
     def handle(self, sock, ident: bytes, msg) -> None:
         if isinstance(msg, Hello):
             ready = Ready(MODEL, MAX_MODEL_LEN, self.vocab_size, [2], 64, NUM_KV_BLOCKS, BLOCK_SIZE,
-                          self.max_num_waiting_requests)
+                          self.max_num_waiting_requests, self.loras)
             sock.send_multipart([ident, encode(ready)])
         elif isinstance(msg, Add):
             self.adds.append(msg)
