@@ -140,19 +140,15 @@ def mid_delta_stop(model: str) -> tuple[str, int]:
     in the middle of one step's accepted drafts, and the tokens up to it."""
     out, deltas, tokenizer = with_deltas(model, STOP_PROMPT, 40)
     decode = tokenizer.decode
-    # a stop string whose first occurrence ends with the first token of a delta of several
-    starts = list(itertools.accumulate(len(d) for d in deltas))
-    stop, n = None, 0
-    for i, d in zip(starts, deltas[1:], strict=False):
+    # a stop string whose first occurrence ends with the first token of a delta of several (the token i)
+    for i, d in zip(itertools.accumulate(len(d) for d in deltas), deltas[1:], strict=False):
         head = decode(out.token_ids[:i + 1])
+        if len(d) < 2 or decode(out.token_ids[:i]) == head:  # (that token must add text)
+            continue
         for size in range(3, len(head)):
-            if len(d) > 1 and out.text.find(head[-size:]) + size == len(head) and decode(out.token_ids[:i]) != head:
-                stop, n = head[-size:], i + 1
-                break
-        if stop:
-            break
-    assert stop, deltas
-    return stop, n
+            if out.text.find(head[-size:]) + size == len(head):
+                return head[-size:], i + 1
+    raise AssertionError(f"no such stop string: {deltas}")
 
 
 def test_stop_strings_cut_where_they_do_without_drafts(tiny):
