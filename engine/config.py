@@ -68,6 +68,11 @@ class EngineConfig:
     master_addr: str | None = None  # node 0's address (its rendezvous); None = 127.0.0.1, one node only
     master_port: int | None = None  # None = a free port on one node, 29500 (torchrun's) across nodes
 
+    @property
+    def speculative(self) -> NgramConfig | None:
+        """``speculative_config`` read (None: off)."""
+        return NgramConfig.of(self.speculative_config) if self.speculative_config is not None else None
+
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
             raise ValueError(msg)
@@ -120,7 +125,7 @@ class EngineConfig:
         if not 1 <= self.max_lora_rank <= 512:
             bad(f"max_lora_rank must be in [1, 512], got {self.max_lora_rank}")
         if self.speculative_config is not None:
-            NgramConfig.of(self.speculative_config)  # (raises ValueError with the reason)
+            _ = self.speculative  # (raises ValueError with the reason)
         if self.tensor_parallel_size < 1:
             bad(f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}")
         if self.nnodes < 1:

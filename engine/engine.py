@@ -46,7 +46,7 @@ from engine.request import Request, Status
 from engine.runtime import kv_block_bytes
 from engine.sampler import SamplingState
 from engine.scheduler import PromptTooLong, QueueFull, ScheduledBatch, Scheduler
-from engine.speculative import NgramConfig, NgramProposer
+from engine.speculative import NgramProposer
 from engine.structured import Grammars
 from engine.token_bytes import VocabularyError
 
@@ -117,7 +117,7 @@ class Engine:
         self.block_manager = BlockManager(facts.num_kv_blocks, config.block_size, config.enable_prefix_caching,
                                           f"{facts.model_path}|{facts.dtype}".encode(), facts.kv_window,
                                           facts.num_window_blocks)
-        self.speculative = NgramConfig.of(config.speculative_config) if config.speculative_config else None
+        self.speculative = config.speculative
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
             config.max_num_waiting_requests, config.scheduling_policy, config.scheduling_aging_seconds,
@@ -288,20 +288,12 @@ class Engine:
 
     @staticmethod
     def _check_drafts(result: StepResult) -> dict[str, int] | None:
-        """How many of each request's drafts its sampled tokens reject (request id -> that many, the
-        last ones; every request that had drafts): a draft is accepted when the token sampled at the
-        position before it is the draft, and every draft before it was accepted."""
+        """How many of each request's drafts its sampled tokens reject (request id -> that many, the last
+        ones), for every request that had drafts."""
         if result.drafts is None:
             return None
-        rejected, ids, row = {}, result.output.token_ids, 0
-        for req, drafts in zip(result.sampled, result.drafts, strict=True):
-            accepted = 0
-            while accepted < len(drafts) and ids[row + accepted] == drafts[accepted]:
-                accepted += 1
-            if drafts:
-                rejected[req.request_id] = len(drafts) - accepted
-            row += len(drafts) + 1
-        return rejected
+        return {req.request_id: len(drafts) - kept for req, drafts, kept in
+                zip(result.sampled, result.drafts, result.accepted, strict=True) if drafts}
 
     def _step_overlapped(self) -> list[Delta]:
         """Schedule and launch step N+1 while step N (launched by the last call) runs, then collect N:
@@ -408,23 +400,23 @@ class Engine:
             return deltas
         out, row = result.output, 0
         for i, req in enumerate(result.sampled):
-            drafts = result.drafts[i] if result.drafts is not None else ()
-            rows = range(row, row + len(drafts) + 1)
-            row = rows.stop
+            start = row
+            row += 1 + (len(result.drafts[i]) if result.drafts is not None else 0)
             if req.status is Status.FINISHED:  # (asynchronous scheduling) ended while this token was in flight
                 continue
             first = not req.output_token_ids
             tokens, reason = [], None
-            for j in rows:  # the token sampled at its last position, then one per accepted draft
-                token = out.token_ids[j]
+            # the token sampled at its last position, then one per accepted draft (the token sampled at a
+            # draft that was kept: the last of them differs from its draft, or follows the last draft)
+            for token in out.token_ids[start:start + 1 + (result.accepted[i] if result.drafts is not None else 0)]:
                 tokens.append(token)
                 req.append_token(token)
                 reason = self._stop_reason(req, token)
-                if reason is not None or j - rows.start == len(drafts) or token != drafts[j - rows.start]:
+                if reason is not None:
                     break
             logprobs = None
-            if out.logprobs and out.logprobs[rows.start] is not None:
-                logprobs = out.logprobs[rows.start:rows.start + len(tokens)]
+            if out.logprobs and out.logprobs[start] is not None:
+                logprobs = out.logprobs[start:start + len(tokens)]
             deltas.append(Delta(req.request_id, tokens, reason, logprobs=logprobs,
                                 num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
                                 prompt_logprobs=req.prompt_logprobs if first else None,

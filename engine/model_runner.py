@@ -38,6 +38,7 @@ Each rank keeps its own block tables, written with rank 0's writes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from bisect import bisect_left
@@ -91,6 +92,19 @@ class StepResult:
     output: SamplerOutput | None  # a row per sampled request, and one more per draft it had
     pooled: list[tuple[Request, bytes]] = field(default_factory=list)  # embedding requests done: their vectors
     drafts: list[list[int]] | None = None  # each sampled request's drafts (None: no request had any)
+
+    @functools.cached_property
+    def accepted(self) -> list[int]:
+        """Each sampled request's drafts kept (with ``drafts``): those before the first whose row's sampled
+        token, the one that follows the position before it, is not that draft."""
+        kept, ids, row = [], self.output.token_ids, 0
+        for drafts in self.drafts:
+            n = 0
+            while n < len(drafts) and ids[row + n] == drafts[n]:
+                n += 1
+            kept.append(n)
+            row += len(drafts) + 1
+        return kept
 
 
 @dataclass
@@ -172,7 +186,7 @@ class ModelRunner:
             # the KV cache gets what is left after the weights and the largest step's activations
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
-            drafts = config.speculative_config["num_speculative_tokens"] if config.speculative_config else 0
+            drafts = config.speculative.num_speculative_tokens if config.speculative else 0
             self.profile_run(min(config.max_num_batched_tokens, config.max_num_seqs * max_model_len),
                              min(config.max_num_batched_tokens, config.max_num_seqs * (1 + drafts)), max_model_len)
             cuda_budget = measured_cuda_budget(config, device)
@@ -293,7 +307,7 @@ class ModelRunner:
             events[0].record()
         with self.tp.driving(step):  # the other ranks get the step first; one that died fails it
             logits, sums = self.forward_step(step)  # (R, V): the prompt-logprob rows, then the sample rows
-        n = len(step.logits_rows) - len(sampled) - (sum(map(len, drafts)) if drafts else 0)  # prompt-logprob rows
+        n = sum(hi - lo for _, lo, hi in logprob_spans)  # the prompt-logprob rows come first
         pending = self._prompt_logprobs(logprob_spans, logits[:n]) if logprob_spans else []
         pooled = []
         if pool_spans:
