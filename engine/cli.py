@@ -22,7 +22,15 @@ import sys
 from urllib.parse import urlsplit
 
 from engine import vllm_flags
-from engine.config import ASYNC_SCHEDULING, DEVICES, DTYPES, POLICIES, QUANTIZATIONS, EngineConfig
+from engine.config import (
+    ASYNC_SCHEDULING,
+    DEVICES,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    POLICIES,
+    QUANTIZATIONS,
+    EngineConfig,
+)
 from engine.config_file import Parser
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
@@ -107,6 +115,11 @@ def _engine_flags(p: argparse.ArgumentParser, generate: bool = False) -> None:
                         "where the last 4..2 tokens occurred earlier in the prompt or output, and keeps those the "
                         "model agrees with: the same output, sooner where the text repeats its context (editing "
                         "code, quoting a document)")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+                   help="what the KV cache holds: auto = the model's dtype; fp8 (= fp8_e4m3: 3 mantissa bits, "
+                        "values up to 448) or fp8_e5m2 (2 bits, up to 57344) hold twice bf16's tokens, four times "
+                        "fp32's, in the same memory, each K and V value rounded (no scales: as vLLM's fp8 "
+                        f"without a checkpoint's) (default: {d['kv_cache_dtype']})")
     if generate:
         return
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",

@@ -19,6 +19,8 @@ ASYNC_SCHEDULING = ("auto", "on", "off")
 # the int4 checkpoints engine.quant reads (vLLM's names; its Marlin kernels' names mean the same files here)
 QUANTIZATIONS = ("awq", "gptq", "awq_marlin", "gptq_marlin")
 POOLING_TYPES = ("last", "mean")  # how an embedding is pooled from a prompt's hidden states (engine.pooling)
+# what the KV cache holds (vLLM's names): auto = the model's dtype; fp8 = fp8_e4m3 (engine.runtime.pick_kv_dtype)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # token budget per step (chunked prefill)
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory for weights + KV
     kv_cache_memory: int | None = None  # bytes for the KV cache; None = 1 GiB on CPU, gpu_memory_utilization's on CUDA
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES: fp8 holds twice bf16's tokens in the same memory, rounded
     enable_prefix_caching: bool = True  # share the KV blocks of common prompt prefixes
     # sliding-window layers keep every block, as the others (vLLM's flag): no pool of their own (engine.window_blocks)
     disable_hybrid_kv_cache_manager: bool = False
@@ -95,6 +98,8 @@ class EngineConfig:
             bad(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             bad(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            bad(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             bad(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
         if self.max_num_waiting_requests < 1:

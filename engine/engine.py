@@ -115,7 +115,7 @@ class Engine:
             log.warning("embeddings off: %s", e)
         # the cache is this process's: the model and dtype are the same for every block, named for clarity
         self.block_manager = BlockManager(facts.num_kv_blocks, config.block_size, config.enable_prefix_caching,
-                                          f"{facts.model_path}|{facts.dtype}".encode(), facts.kv_window,
+                                          f"{facts.model_path}|{facts.dtype}|{facts.kv_dtype}".encode(), facts.kv_window,
                                           facts.num_window_blocks)
         self.speculative = config.speculative
         self.scheduler = Scheduler(
@@ -144,20 +144,21 @@ class Engine:
         self._in_flight: InFlight | None = None
         cfg = self.runner.model_cfg
         in_pool = len(self.runner.window_layers)  # sliding-window layers with a pool of their own
-        per_token = kv_block_bytes(cfg, 1, facts.dtype) * (cfg.num_layers - in_pool) // cfg.num_layers
+        per_token = kv_block_bytes(cfg, 1, facts.kv_dtype) * (cfg.num_layers - in_pool) // cfg.num_layers
         moe = self.runner.model_cfg.moe
         if moe is not None:
             log.info("a mixture of experts: %d experts, %d a token, in %d of its %d layers%s", moe.num_experts,
                      moe.top_k, len(moe.layers), self.runner.model_cfg.num_layers,
                      ", and a shared expert" if moe.shared_intermediate_size else "")
-        log.info("engine ready: %s on %s (%s); KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB, "
+        log.info("engine ready: %s on %s (%s); KV cache%s: %d blocks of %d tokens (%d tokens, %.1f MiB, "
                  "%d bytes per token), prefix caching %s; max_model_len %d: at most %.1f requests of that "
                  "length at once", self.model_name, facts.device, str(facts.dtype).removeprefix("torch."),
+                 f" in {str(facts.kv_dtype).removeprefix('torch.')}" if facts.kv_dtype != facts.dtype else "",
                  facts.num_kv_blocks, config.block_size, capacity, capacity * per_token / 2**20, per_token,
                  "on" if config.enable_prefix_caching else "off", self.max_model_len,
                  capacity / self.max_model_len)
         if in_pool:
-            window_bytes = kv_block_bytes(cfg, config.block_size, facts.dtype) * in_pool // cfg.num_layers
+            window_bytes = kv_block_bytes(cfg, config.block_size, facts.kv_dtype) * in_pool // cfg.num_layers
             log.info("its %d sliding-window layers (window %d) keep only the blocks their window sees, in a pool "
                      "of their own: %d blocks (%.1f MiB); the bytes per token above are the %d others' "
                      "(--disable-hybrid-kv-cache-manager: every layer keeps every block)", in_pool, facts.kv_window,

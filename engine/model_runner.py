@@ -63,6 +63,7 @@ from engine.runtime import (
     measured_cuda_budget,
     pick_device,
     pick_dtype,
+    pick_kv_dtype,
     pick_max_model_len,
     window_layers,
 )
@@ -180,6 +181,7 @@ class ModelRunner:
                                 + [w for m in modules if isinstance(m, Experts) for w in (*m.w13, *m.w2)]
                                 + [w for m in modules if isinstance(m, LoraWeights) for w in (m.a, m.b)])
         self.block_size, self.device, self.dtype = config.block_size, device, dtype
+        self.kv_dtype = kv_dtype = pick_kv_dtype(config, dtype)
         self.sampler = Sampler(self.model_cfg.vocab_size, list(self.model_cfg.eos_token_ids), device, config.seed)
         cuda_budget = None
         if device.type == "cuda" and config.num_kv_blocks is None:
@@ -192,17 +194,17 @@ class ModelRunner:
             cuda_budget = measured_cuda_budget(config, device)
             torch.cuda.empty_cache()
         self.window_layers = window_layers(config, self.model_cfg, max_model_len)
-        num_blocks, num_window_blocks = count_kv_blocks(config, self.local_cfg, device, dtype, max_model_len,
+        num_blocks, num_window_blocks = count_kv_blocks(config, self.local_cfg, device, kv_dtype, max_model_len,
                                                         cuda_budget)
         if self.window_layers and self.tp.min_over_ranks(num_window_blocks) == 0:  # a rank keeps every block
             num_blocks, num_window_blocks = count_kv_blocks(
-                dataclasses.replace(config, disable_hybrid_kv_cache_manager=True), self.local_cfg, device, dtype,
+                dataclasses.replace(config, disable_hybrid_kv_cache_manager=True), self.local_cfg, device, kv_dtype,
                 max_model_len, cuda_budget)
         num_blocks = self.tp.min_over_ranks(num_blocks)  # every rank's slice of the cache has as many blocks
         num_window_blocks = self.tp.min_over_ranks(num_window_blocks)
         if not num_window_blocks:
             self.window_layers = []
-        self.facts = RuntimeFacts(model_path, device, dtype, max_model_len, num_blocks, num_window_blocks,
+        self.facts = RuntimeFacts(model_path, device, dtype, kv_dtype, max_model_len, num_blocks, num_window_blocks,
                                   self.model_cfg.sliding_window if num_window_blocks else 0)
         self.model.rotary.serve(min(max_model_len, num_blocks * self.block_size))  # (the engine's length)
         self._allocate_kv_cache()
@@ -249,7 +251,7 @@ class ModelRunner:
         def zeros(blocks: int, layers: int) -> torch.Tensor:
             # Zeros, not empty: padded slots are read (masked) by attention, and NaN * 0 is NaN.
             shape = (2, layers, blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+            return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
         caches = zeros(num_blocks, cfg.num_layers - len(in_pool)), zeros(num_window_blocks, len(in_pool))
         self._point_layers_at(*caches)

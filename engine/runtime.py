@@ -19,6 +19,7 @@ CPU_KV_CACHE_BYTES = 1 << 30
 log = logging.getLogger("tokenmill.engine")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class RuntimeFacts:
     model_path: str
     device: torch.device
     dtype: torch.dtype
+    kv_dtype: torch.dtype  # what the KV cache holds: dtype, or fp8 (pick_kv_dtype)
     max_model_len: int
     num_kv_blocks: int
     num_window_blocks: int = 0  # the sliding-window layers' own pool (engine.window_blocks); 0: none
@@ -59,6 +61,12 @@ def pick_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
         dtype, why = torch.float32, "this CPU has no native bf16; --dtype bfloat16 would be emulated"
     log.info("dtype auto: %s (%s)", str(dtype).removeprefix("torch."), why)
     return dtype
+
+
+def pick_kv_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype: the model's (``auto``), or fp8 (``fp8`` is e4m3: 3 mantissa bits, values up
+    to 448; e5m2 has 2, up to 57344), K and V rounded as ``kernels.reference.to_cache`` rounds them."""
+    return _KV_DTYPES.get(config.kv_cache_dtype, dtype)
 
 
 def pick_max_model_len(config: EngineConfig, model_cfg: ModelConfig, device: torch.device) -> int:

@@ -59,8 +59,6 @@ def add(parser: argparse.ArgumentParser) -> None:
                    help="read off --model: safetensors in a folder, or a .gguf file")
     v.add_argument("--tokenizer-mode", choices=("auto", "hf"), default=None,
                    help="tokenizers are transformers' here (--tokenizer for another one)")
-    v.add_argument("--kv-cache-dtype", choices=("auto",), default=None,
-                   help="the KV cache is kept in the model's dtype (an fp8 cache is not supported)")
     v.add_argument("--max-loras", "--max-cpu-loras", type=int, default=None, metavar="N",
                    help="every adapter of --lora-modules is kept on the device here, in a slot of its own: one "
                         "step mixes them all, none waits for a slot")

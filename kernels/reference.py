@@ -10,13 +10,30 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# What a KV cache may hold besides the model's dtype (``--kv-cache-dtype fp8``): K and V rounded as
+# ``to_cache`` rounds them, read back exactly (fp8 widens to fp32 without loss). No scale: a value is
+# kept as it is (vLLM's default of 1.0 where a checkpoint gives none).
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as a cache of ``dtype`` keeps it: fp8 rounds to the nearest value (ties to even) and
+    saturates at its largest finite one (448 for e4m3, 57344 for e5m2; a NaN stays NaN)."""
+    if dtype in FP8_DTYPES:
+        top = torch.finfo(dtype).max
+        return x.float().clamp(-top, top).to(dtype)
+    return x.to(dtype)
+
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
-    """Write new keys/values ``(T, Hkv, D)`` into their slots ``(T,)``."""
+    """Write new keys/values ``(T, Hkv, D)`` into their slots ``(T,)``; an fp8 cache gets them rounded
+    (``to_cache``)."""
     hkv, d = k.shape[1], k.shape[2]
-    k_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, v)
+    for x, cache in ((k, k_cache), (v, v_cache)):
+        if cache.dtype in FP8_DTYPES:  # (index_copy_ has no fp8 kernels: the bytes go in)
+            x, cache = to_cache(x, cache.dtype).view(torch.uint8), cache.view(torch.uint8)
+        cache.view(-1, hkv, d).index_copy_(0, slot_mapping, x)
 
 
 DECODE_GROUP = 16

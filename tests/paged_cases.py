@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.reference import to_cache
+
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 # fp32 to 1e-4 relative; 16-bit: a few ulps
 ATTN_TOL = {F32: dict(rtol=1e-4, atol=1e-5), BF16: dict(rtol=3e-2, atol=3e-2), F16: dict(rtol=5e-3, atol=5e-3)}
@@ -45,11 +47,30 @@ WINDOW_CASES = [
 ]
 
 
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+# fp8 caches (--kv-cache-dtype fp8): q's dtype, the caches', head_dim, block size, H, Hkv, query_lens, seq_lens,
+# window, softcap (query_lens all 1: decode)
+FP8_CASES = [
+    (F32, E4M3, 64, 16, 9, 3, [1, 1, 1], [1, 17, 40], 0, 0.0),  # SmolLM2's heads
+    (BF16, E4M3, 128, 16, 8, 2, [1, 1], [33, 70], 0, 0.0),
+    (F32, E5M2, 64, 16, 4, 4, [1, 1], [90, 7], 24, 5.0),  # a window and a cap
+    (BF16, E5M2, 32, 8, 4, 1, [1, 1], [20, 9], 0, 0.0),  # head size neither 64 nor 128
+    (F32, E4M3, 64, 16, 9, 3, [5, 12], [5, 40], 0, 0.0),  # prefill: a prompt, a chunk after a prefix
+    (BF16, E5M2, 32, 8, 6, 2, [9, 3], [30, 14], 12, 0.0),
+]
+
+
+def fp8_caches(seq_lens: list[int], page: int, hkv: int, d: int, dtype: torch.dtype, device: str = "cpu"):
+    """``paged_cache``'s five, the caches rounded to the fp8 ``dtype`` as a store rounds them (NaN kept)."""
+    *caches, tables = paged_cache(seq_lens, page, hkv, d, F32, device)
+    return *(to_cache(c, dtype) for c in caches), tables
+
+
 def case_id(case: tuple) -> str:
     """Readable test ids: f32-64-16-4-4-1,17,33,5-None."""
     def one(x) -> str:
         if isinstance(x, torch.dtype):
-            return {F32: "f32", BF16: "bf16", F16: "f16"}[x]
+            return {F32: "f32", BF16: "bf16", F16: "f16", E4M3: "e4m3", E5M2: "e5m2"}[x]
         return ",".join(map(str, x)) if isinstance(x, list) else str(x)
     return "-".join(map(one, case))
 

@@ -20,11 +20,15 @@ from tests.paged_cases import (
     ATTN_TOL,
     BF16,
     DECODE_CASES,
+    E4M3,
+    E5M2,
     F16,
     F32,
+    FP8_CASES,
     PREFILL_CASES,
     WINDOW_CASES,
     case_id,
+    fp8_caches,
     paged_cache,
     prefill_indices,
     randn,
@@ -83,6 +87,33 @@ def test_cpu_windows_and_softcap_match_reference(dtype, d, page, h, hkv, query_l
                                           window, softcap)
         want = ref.paged_prefill_attention(q, kc, vc, tables.long(), lens, start, q_index, out_index, max(seq_lens),
                                            scale, window, softcap)
+    torch.testing.assert_close(out.float(), want.float(), **ATTN_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype,cache_dtype,d,page,h,hkv,query_lens,seq_lens,window,softcap", FP8_CASES,
+                         ids=map(case_id, FP8_CASES))
+def test_cpu_attention_over_an_fp8_cache_matches_reference(dtype, cache_dtype, d, page, h, hkv, query_lens, seq_lens,
+                                                           window, softcap, compiled):
+    """An fp8 cache (``--kv-cache-dtype fp8``) under fp32 and bf16 queries: decode in C (through its
+    table of the 256 values; NaN in unowned slots would show), prefill per sequence."""
+    kc, vc, kp, vp, tables = fp8_caches(seq_lens, page, hkv, d, cache_dtype)
+    lens, scale = torch.tensor(seq_lens), d ** -0.5
+    q = randn(sum(query_lens), h, d, dtype=dtype)
+    if set(query_lens) == {1}:
+        assert attention.decodes_in_c(d, page)
+        out = cpu.paged_decode_attention(q, kp, vp, tables, lens, max(seq_lens), scale, window, softcap)
+        want = ref.paged_decode_attention(q, kc, vc, tables.long(), lens, max(seq_lens), scale, window, softcap)
+        # the reference reads an fp8 cache as its values, widened: attention over a cache of those values
+        widened = kc.float().to(dtype), vc.float().to(dtype)
+        assert torch.equal(want, ref.paged_decode_attention(q, *widened, tables.long(), lens, max(seq_lens), scale,
+                                                            window, softcap))
+    else:
+        start, q_index, out_index = prefill_indices(query_lens)
+        out = cpu.paged_prefill_attention(q, kp, vp, tables, lens, start, q_index, out_index, max(seq_lens), scale,
+                                          window, softcap)
+        want = ref.paged_prefill_attention(q, kc, vc, tables.long(), lens, start, q_index, out_index, max(seq_lens),
+                                           scale, window, softcap)
+    assert out.dtype == dtype
     torch.testing.assert_close(out.float(), want.float(), **ATTN_TOL[dtype])
 
 
@@ -162,7 +193,7 @@ def _args() -> dict:
 
 BAD_CALLS = {
     "head_dim mismatch": (lambda a: a.update(q=randn(2, 4, 32)), "head_dim"),
-    "mixed dtypes": (lambda a: a.update(k_cache=a["k_cache"].to(BF16)), "same dtype"),
+    "mixed dtypes": (lambda a: a.update(k_cache=a["k_cache"].to(BF16)), "q.s dtype or an fp8 one"),
     "heads not a multiple": (lambda a: a.update(q=randn(2, 3, 16)), "multiple"),
     "strided cache": (lambda a: a.update(k_cache=randn(4, 8, 4, 16)[:, :, ::2]), "contiguous"),
     "table too narrow": (lambda a: a.update(max_seq_len=17), "cannot hold"),
@@ -251,6 +282,31 @@ def test_cpu_store_kvcache_matches_reference_from_the_qkv_output(dtype, t, compi
     ref.store_kvcache(k, v, want_k, want_v, slots)
     assert torch.equal(kc.nan_to_num(7), want_k.nan_to_num(7)) and torch.equal(vc.nan_to_num(7), want_v.nan_to_num(7))
     assert kc.isnan().sum() == (6 * 4 - t) * hkv * d  # nothing else written
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("cache_dtype", [E4M3, E5M2])
+def test_cpu_store_kvcache_into_fp8_rounds_as_the_reference(dtype, cache_dtype, compiled):
+    """Every float16 value, random ones from 1e-12 to 1e6, and the edges (the largest value and past it,
+    infinities, NaN, signed zeros, subnormals and the halfway points between them) go in byte for byte
+    as ``reference.to_cache`` (torch's rounding) puts them, the unused slot left alone."""
+    halves = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+    g = torch.Generator().manual_seed(5)
+    spread = torch.randn(20000, generator=g) * torch.logspace(-12, 6, 20000)
+    inf, nan = float("inf"), float("nan")
+    edges = torch.tensor([448., 464., 480., 57344., 61440., 1e30, inf, -inf, nan, 0., -0., 2 ** -6, 2 ** -9, 2 ** -10,
+                          3 * 2 ** -11, 2 ** -14, 2 ** -16, 2 ** -17, 3 * 2 ** -18, -3 * 2 ** -18, 7.9, -7.9])
+    values = torch.cat([halves, spread, edges])
+    values = torch.cat([values, values.new_zeros(-len(values) % 32)]).to(dtype).view(-1, 2, 16)
+    t = len(values)
+    kc, vc = torch.zeros(t + 1, 1, 2, 16, dtype=cache_dtype), torch.zeros(t + 1, 1, 2, 16, dtype=cache_dtype)
+    want_k, want_v = kc.clone(), vc.clone()
+    slots = torch.arange(t) + 1
+    cpu.store_kvcache(values, -values, kc, vc, slots)
+    ref.store_kvcache(values, -values, want_k, want_v, slots)
+    assert torch.equal(kc.view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(vc.view(torch.uint8), want_v.view(torch.uint8))
+    assert not kc.view(torch.uint8)[0].any()
 
 
 def test_cpu_store_kvcache_refuses_a_slot_outside_the_cache_and_stores_nothing(compiled):

@@ -216,7 +216,7 @@ def test_a_vllm_command_line_starts_unchanged():
     from engine.cli import _config_kwargs
 
     vllm = ["--trust-remote-code", "--enable-chunked-prefill", "--disable-log-stats", "--max-logprobs", "20",
-            "--kv-cache-dtype", "auto", "-pp", "1", "--swap-space", "4", "--download-dir", "/tmp/x", "--revision",
+            "-pp", "1", "--swap-space", "4", "--download-dir", "/tmp/x", "--revision",
             "main", "--load-format", "safetensors", "--tokenizer-mode", "auto", "--distributed-executor-backend",
             "mp", "--uvicorn-log-level", "info", "--max-seq-len-to-capture", "8192", "--enable-log-requests"]
     args = build_parser().parse_args(["serve", "--model", "m", *vllm, "--max-model-len", "4096",
@@ -237,7 +237,7 @@ def test_a_vllm_command_line_starts_unchanged():
     help_text = tokenmill("serve", "--help", timeout=30).stdout
     for flag in [f for f in vllm if f.startswith("--")]:
         assert re.search(rf"^\s+{re.escape(flag)}\b.*?\S.*?(?=^\s+-|\Z)", help_text, re.M | re.S), flag
-    for bad in (["--kv-cache-dtype", "fp8"], ["-pp", "2"], ["--distributed-executor-backend", "ray"]):
+    for bad in (["--kv-cache-dtype", "fp4"], ["-pp", "2"], ["--distributed-executor-backend", "ray"]):
         r = tokenmill("serve", *bad, timeout=30)
         assert r.returncode == 2 and re.search(rf"invalid choice: '?{bad[1]}'?", r.stderr), r.stderr
     for bad, message in ((["--max-logprobs", "30"], "30: a token's top logprobs are at most 20 here"),

@@ -27,11 +27,15 @@ from tests.paged_cases import (  # noqa: E402
     ATTN_TOL,
     BF16,
     DECODE_CASES,
+    E4M3,
+    E5M2,
     F16,
     F32,
+    FP8_CASES,
     PREFILL_CASES,
     WINDOW_CASES,
     case_id,
+    fp8_caches,
     paged_cache,
     prefill_indices,
 )
@@ -159,6 +163,49 @@ def test_triton_store_kvcache_matches_reference(dtype, hkv, d):
     ref.store_kvcache(k, v, kw, vw, slots)
     assert torch.equal(kc.isnan(), kw.isnan()) and torch.equal(kc.nan_to_num(), kw.nan_to_num())
     assert torch.equal(vc.isnan(), vw.isnan()) and torch.equal(vc.nan_to_num(), vw.nan_to_num())
+
+
+@pytest.mark.parametrize("dtype,cache_dtype,d,page,h,hkv,query_lens,seq_lens,window,softcap", FP8_CASES,
+                         ids=map(case_id, FP8_CASES))
+def test_triton_attention_over_an_fp8_cache_matches_reference(dtype, cache_dtype, d, page, h, hkv, query_lens,
+                                                              seq_lens, window, softcap, poison):
+    """An fp8 cache (``--kv-cache-dtype fp8``), read as bytes and widened with integer arithmetic
+    (``kernels.triton.fp8``); NaN in unowned slots would show."""
+    kc, vc, kp, vp, tables = fp8_caches(seq_lens, page, hkv, d, cache_dtype, DEVICE)
+    lens, scale = torch.tensor(seq_lens, device=DEVICE), d ** -0.5
+    q = randn(sum(query_lens), h, d, dtype=dtype)
+    if set(query_lens) == {1}:
+        out = tri.paged_decode_attention(q, kp, vp, tables, lens, max(seq_lens), scale, window, softcap,
+                                         num_splits=2)
+        want = ref.paged_decode_attention(q, kc, vc, tables.long(), lens, max(seq_lens), scale, window, softcap)
+    else:
+        start, q_index, out_index = prefill_indices(query_lens, DEVICE)
+        out = tri.paged_prefill_attention(q, kp, vp, tables, lens, start, q_index, out_index, max(seq_lens), scale,
+                                          window, softcap)
+        want = ref.paged_prefill_attention(q, kc, vc, tables.long(), lens, start, q_index, out_index, max(seq_lens),
+                                           scale, window, softcap)
+    torch.testing.assert_close(out.float(), want.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", [(F32, E4M3), (BF16, E5M2), (F16, E4M3)])
+def test_triton_store_kvcache_into_fp8_rounds_as_the_reference(dtype, cache_dtype):
+    """Byte for byte as ``reference.to_cache`` (torch's rounding): values of every size, the largest and
+    past it, infinities, NaN, signed zeros, subnormals and the halfway points between them (and 7.9,
+    which Triton's own fp8 cast in the interpreter rounds to 4)."""
+    inf, nan = float("inf"), float("nan")
+    edges = [448., 464., 480., 57344., 61440., 1e30, inf, -inf, nan, 0., -0., 2 ** -6, 2 ** -9, 2 ** -10,
+             3 * 2 ** -11, 2 ** -14, 2 ** -16, 2 ** -17, 3 * 2 ** -18, -3 * 2 ** -18, 7.9, -7.9]
+    spread = torch.randn(4096 - len(edges), generator=gen()) * torch.logspace(-12, 6, 4096 - len(edges))
+    values = torch.cat([torch.tensor(edges), spread]).to(dtype).view(-1, 4, 32).to(DEVICE)
+    t = len(values)
+    kc = torch.zeros(t + 1, 1, 4, 32, dtype=cache_dtype, device=DEVICE)
+    vc, want_k, want_v = kc.clone(), kc.clone(), kc.clone()
+    slots = torch.arange(t, device=DEVICE) + 1
+    tri.store_kvcache(values, -values, kc, vc, slots)
+    ref.store_kvcache(values, -values, want_k, want_v, slots)
+    assert torch.equal(kc.view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(vc.view(torch.uint8), want_v.view(torch.uint8))
+    assert not kc.view(torch.uint8)[0].any()
 
 
 def test_triton_store_kvcache_skips_padding_slots():

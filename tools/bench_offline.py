@@ -60,6 +60,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.cli import parse_size  # noqa: E402
+from engine.config import KV_CACHE_DTYPES  # noqa: E402
 
 PROMPT_LEN = (32, 256)
 OUTPUT_LEN = (64, 128)
@@ -277,7 +278,7 @@ class StepProbe:
         experts = [layer.mlp.experts for i, layer in enumerate(model.layers) if model.cfg.sparse(i)]
         self.moe = (moe.num_experts, moe.top_k, sum(e.w13.nbytes + e.w2.nbytes for e in experts)) if moe else None
         cfg = runner.local_cfg
-        self.kv_bytes_per_layer_token = kv_block_bytes(cfg, 1, runner.dtype) / cfg.num_layers  # this rank's share
+        self.kv_bytes_per_layer_token = kv_block_bytes(cfg, 1, runner.kv_dtype) / cfg.num_layers  # this rank's share
         self.windows = [cfg.window(i) for i in range(cfg.num_layers)]  # a sliding layer reads its window only
         # (wall s, host s, KV bytes if decode-only, sequences)
         self.steps: list[tuple[float, float, float | None, int]] = []
@@ -384,8 +385,8 @@ def run_tokenmill(
     path: str, requests: list[Request], dtype: str, max_num_seqs: int, max_num_batched_tokens: int,
     async_scheduling: str = "auto", enforce_eager: bool = False, hf_overrides: dict | None = None, **config,
 ) -> tuple[Result, list, StepReport]:
-    """``config``: more of ``EngineConfig`` (kv_cache_memory, disable_hybrid_kv_cache_manager, lora_modules,
-    speculative_config)."""
+    """``config``: more of ``EngineConfig`` (kv_cache_memory, kv_cache_dtype, disable_hybrid_kv_cache_manager,
+    lora_modules, speculative_config)."""
     from engine import LLM, SamplingParams
 
     llm = LLM(
@@ -597,6 +598,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "folder as it is)")
     p.add_argument("--kv-cache-memory", type=parse_size, default=None, metavar="BYTES",
                    help="tokenmill's KV cache memory (512M, 2GiB; default: its own, 1 GiB on the CPU)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="what tokenmill's KV cache holds (fp8: a quarter of fp32's bytes per token)")
     p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    type=lambda text: tuple(text.split("=", 1)),
                    help="LoRA adapters (PEFT folders, tools/random_lora.py): request i runs with the (i mod N)th")
@@ -637,6 +640,7 @@ def main(argv: list[str] | None = None) -> None:
         result, outputs["tokenmill"], steps = run_tokenmill(
             path, requests, args.dtype, args.max_num_seqs, args.max_num_batched_tokens, args.async_scheduling,
             args.enforce_eager, args.hf_overrides, kv_cache_memory=args.kv_cache_memory,
+            kv_cache_dtype=args.kv_cache_dtype,
             disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
             lora_modules=dict(args.lora_modules) if args.lora_modules else None,
             speculative_config=args.speculative_config,
@@ -679,6 +683,7 @@ def main(argv: list[str] | None = None) -> None:
         "prompt_len_range": list(prompt_lens),
         "hf_overrides": args.hf_overrides,
         "kv_cache_memory": args.kv_cache_memory,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "disable_hybrid_kv_cache_manager": args.disable_hybrid_kv_cache_manager,
         "speculative_config": args.speculative_config,
         "output_len_range": list(output_lens),

@@ -2,14 +2,16 @@
 relative), without the reference's batch-wide gather into a padded grid.
 
 - decode: ``paged_attention.c`` (built by ``kernels.cpu.build``) reads each sequence's K/V
-  blocks where they sit, a query head at a time with an online softmax; float32 and bfloat16.
+  blocks where they sit, a query head at a time with an online softmax; float32 and bfloat16, the
+  cache in q's dtype or fp8 (``reference.FP8_DTYPES``, read through a table of the 256 values).
   The reference's gather and SDPA were a third of a 32-sequence fp32 decode step on 2 cores;
   this is ~2x faster (and one sequence of 240 tokens, SmolLM2's heads: 30 us, 2 threads; its scores
   exponentiated 8 at a time, 38 us with a scalar expf each).
 - prefill: one SDPA call per sequence over its own blocks, causal from its cached prefix on:
   no padding to the longest prompt, no (B, Q, S) mask; ~2x the reference's speed.
 - storing a step's K/V: ``paged_attention.c`` too, one call for both (the reference's two
-  ``index_copy_`` cost ~40 us a layer at one token, a tenth of a one-stream decode step).
+  ``index_copy_`` cost ~40 us a layer at one token, a tenth of a one-stream decode step); into an
+  fp8 cache rounded there, as ``reference.to_cache`` rounds.
 
 Where the library cannot be built, or for other dtypes, head sizes that are not multiples of 8 or
 past 256, or blocks of more than 256 tokens, decode goes to the reference.
@@ -35,14 +37,23 @@ MAX_D = MAX_BS = 256  # as in paged_attention.c: head sizes (multiples of 8) and
 
 class _Dims(ctypes.Structure):
     _fields_ = ([(name, ctypes.c_int64) for name in ("H", "HKV", "D", "BS", "W", "window")]
-                + [("scale", ctypes.c_float), ("softcap", ctypes.c_float)])
+                + [("scale", ctypes.c_float), ("softcap", ctypes.c_float), ("kv_lut", ctypes.c_void_p)])
+
+
+@functools.cache
+def _fp8_values(dtype: torch.dtype) -> torch.Tensor:
+    """What each of the 256 bytes of an fp8 ``dtype`` reads as, in float32 (as torch reads it); kept
+    for good: a decode call (and a recording of it) points at it."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     return load("paged_attention.c", dict.fromkeys(_DECODE.values(), [p] * 6 + [i64, ctypes.POINTER(_Dims), ctypes.c_int])
-                | {"store_kv": [p, i64, p, i64, p, p, p] + [i64] * 3}, restype=ctypes.c_int,
+                | {"store_kv": [p, i64, p, i64, p, p, p] + [i64] * 3,
+                   "store_kv_fp8": [p, i64, p, i64, p, p, p] + [i64] * 3 + [ctypes.c_int] * 2},
+                restype=ctypes.c_int,
                 errcheck=status_check("the C attention kernel"))
 
 
@@ -59,12 +70,15 @@ def decodes_in_c(head_dim: int, block_size: int) -> bool:
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
-    """As ``kernels.reference.store_kvcache``: k, v (T, Hkv, D) into the slots (T,) of the caches. A slot
-    outside the caches is an IndexError (as the reference's), with nothing stored."""
+    """As ``kernels.reference.store_kvcache``: k, v (T, Hkv, D) into the slots (T,) of the caches (an fp8
+    cache from fp32 or bf16, rounded as the reference rounds). A slot outside the caches is an
+    IndexError (as the reference's), with nothing stored."""
     t, hkv, d = k.shape if k.dim() == 3 else (0, 0, 0)
     lib = _library()
+    fp8 = k_cache.dtype in reference.FP8_DTYPES and k.dtype in _DECODE
     if (lib is None or not (k.is_cpu and v.is_cpu and k_cache.is_cpu and v_cache.is_cpu and slot_mapping.is_cpu)
-            or not k.dtype == v.dtype == k_cache.dtype == v_cache.dtype or v.shape != k.shape
+            or not k.dtype == v.dtype or not k_cache.dtype == v_cache.dtype
+            or not (fp8 or k.dtype == k_cache.dtype) or v.shape != k.shape
             or not (heads_rows(k) and heads_rows(v)) or k_cache.shape != v_cache.shape
             or k_cache.shape[2:] != (hkv, d) or not (k_cache.is_contiguous() and v_cache.is_contiguous())
             or slot_mapping.dtype != torch.int64 or slot_mapping.shape != (t,) or not slot_mapping.is_contiguous()):
@@ -72,6 +86,11 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
         return
     size = k.element_size()
     graph.hold(k_cache, v_cache)  # a replay writes into them: a recording keeps them alive
+    if fp8:
+        lib.store_kv_fp8(k.data_ptr(), k.stride(0) * size, v.data_ptr(), v.stride(0) * size, k_cache.data_ptr(),
+                         v_cache.data_ptr(), slot_mapping.data_ptr(), t, hkv * d, k_cache.numel() // (hkv * d),
+                         int(k.dtype == torch.bfloat16), int(k_cache.dtype == torch.float8_e5m2))
+        return
     lib.store_kv(k.data_ptr(), k.stride(0) * size, v.data_ptr(), v.stride(0) * size, k_cache.data_ptr(),
                  v_cache.data_ptr(), slot_mapping.data_ptr(), t, hkv * d * size, k_cache.numel() // (hkv * d))
 
@@ -84,8 +103,9 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
                          f"and {tuple(k_cache.shape)}")
     if not q.device == k_cache.device == v_cache.device == block_tables.device == seq_lens.device:
         raise ValueError("q, the caches, block_tables and seq_lens must be on one device")
-    if not k_cache.dtype == v_cache.dtype == q.dtype:
-        raise ValueError(f"q and the caches must have the same dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if not k_cache.dtype == v_cache.dtype or k_cache.dtype not in (q.dtype, *reference.FP8_DTYPES):
+        raise ValueError(f"the caches must have q's dtype or an fp8 one, alike, got {q.dtype}, {k_cache.dtype}, "
+                         f"{v_cache.dtype}")
     if k_cache.shape != v_cache.shape or k_cache.shape[3] != q.shape[2]:
         raise ValueError(f"caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)} do not fit q's head_dim {q.shape[2]}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -121,8 +141,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     q = q.contiguous()
     block_tables, seq_lens = block_tables.to(torch.int64).contiguous(), seq_lens.to(torch.int64).contiguous()
     out = torch.empty_like(q)
+    lut = _fp8_values(k_cache.dtype).data_ptr() if k_cache.dtype in reference.FP8_DTYPES else None
     dims = _Dims(H=h, HKV=k_cache.shape[2], D=d, BS=k_cache.shape[1], W=block_tables.shape[1], window=window,
-                 scale=scale, softcap=softcap)
+                 scale=scale, softcap=softcap, kv_lut=lut)
     kernel = getattr(_library(), _DECODE[q.dtype])
     kernel(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
            out.data_ptr(), b, ctypes.byref(dims), torch.get_num_threads())
@@ -140,7 +161,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         raise ValueError(f"query_start {tuple(query_start.shape)} must have one more row than seq_lens "
                          f"{tuple(seq_lens.shape)}")
     num_blocks, bs, hkv, d = k_cache.shape
-    keys, values = k_cache.view(num_blocks, -1), v_cache.view(num_blocks, -1)  # a block per row
+    keys, values = k_cache.view(num_blocks, -1), v_cache.view(num_blocks, -1)  # a block per row (fp8: read as
+    # it is, widened by attend)
     out = q.new_empty(q.shape)
     starts, lens = query_start.tolist(), seq_lens.tolist()
     for b, s in enumerate(lens):

@@ -9,7 +9,8 @@
  * all contiguous; D a multiple of 8 up to MAX_D. With a sliding window (window > 0) a query sees
  * its sequence's latest window keys; with softcap > 0 (Gemma 2) each score s is
  * softcap tanh(s / softcap). fp32 or bf16 (widened on load, rounded to nearest even on store, as
- * torch rounds); fp32 arithmetic throughout. One sequence per work
+ * torch rounds); fp32 arithmetic throughout. The cache holds q's dtype, or fp8 (kv_lut set: each
+ * byte's value, so that the cache reads as torch reads it). One sequence per work
  * item, or with fewer sequences than threads one KV head of one: so that one stream's attention
  * is not one thread's. Within an item, each query head in turn over its KV head's blocks, its
  * accumulators in registers (head sizes 64 and 128 are compiled as constants), the next block
@@ -18,7 +19,7 @@
  *
  * store_kv writes a step's new K and V rows into their slots: the twin of
  * kernels.reference.store_kvcache (two index_copy_ at ~20 us each per layer were a tenth of a
- * one-stream decode step).
+ * one-stream decode step); store_kv_fp8 into an fp8 cache, each value rounded to fp8 on the way.
  *
  * Each function returns OK, or BAD_ARGUMENTS for what attention.py never sends; store_kv returns
  * OUT_OF_RANGE for a slot outside the cache (packed.h's codes; nothing written unless OK).
@@ -34,7 +35,10 @@
 typedef struct {
     int64_t H, HKV, D, BS, W, window;
     float scale, softcap;
+    const float *kv_lut; /* an fp8 cache: the value of each of the 256 bytes; NULL: the cache holds q's dtype */
 } Dims;
+
+enum { KV_F32, KV_BF16, KV_FP8 }; /* what a cache (or q) row holds */
 
 #define MAX_D 256  /* head sizes up to this, multiples of 8 */
 #define MAX_BS 256 /* tokens per block up to this */
@@ -53,12 +57,17 @@ static inline __attribute__((always_inline)) float dot(const float *a, const flo
     return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
 }
 
-/* D values of a K or V row's head as floats: in place for fp32, else widened into buf */
+/* D values of a K or V row's head (of a kind above) as floats: in place for fp32, else widened into buf */
 static inline __attribute__((always_inline)) const float *head_row(const void *cache, int64_t at, const int64_t D,
-                                                                   const int bf16, float *buf) {
-    if (!bf16) return (const float *)cache + at;
-    const uint16_t *src = (const uint16_t *)cache + at;
-    for (int64_t d = 0; d < D; d++) buf[d] = bf16_to_float(src[d]);
+                                                                   const int kind, const float *lut, float *buf) {
+    if (kind == KV_F32) return (const float *)cache + at;
+    if (kind == KV_BF16) {
+        const uint16_t *src = (const uint16_t *)cache + at;
+        for (int64_t d = 0; d < D; d++) buf[d] = bf16_to_float(src[d]);
+    } else {
+        const uint8_t *src = (const uint8_t *)cache + at;
+        for (int64_t d = 0; d < D; d++) buf[d] = lut[src[d]];
+    }
     return buf;
 }
 
@@ -68,11 +77,12 @@ static inline __attribute__((always_inline)) void attend_head(const void *q, con
                                                               const void *v_cache, const int64_t *table,
                                                               int64_t len, int64_t b, int64_t h, int64_t kv,
                                                               const Dims *dm, void *out, const int64_t D,
-                                                              const int bf16, const int first) {
-    const int64_t BS = dm->BS, row = dm->HKV * D, block_size = BS * row, size = bf16 ? 2 : 4;
+                                                              const int bf16, const int kv_kind, const int first) {
+    const int64_t BS = dm->BS, row = dm->HKV * D, block_size = BS * row;
+    const int64_t size = kv_kind == KV_F32 ? 4 : kv_kind == KV_BF16 ? 2 : 1; /* bytes per cached value */
     float qf[MAX_D], buf[MAX_D], s[MAX_BS + 8]; /* s: exponentiated 8 at a time, past a block's end too */
     v8f acc[MAX_D / 8];
-    const float *src = head_row(q, (b * dm->H + h) * D, D, bf16, buf);
+    const float *src = head_row(q, (b * dm->H + h) * D, D, bf16 ? KV_BF16 : KV_F32, NULL, buf);
     for (int64_t d = 0; d < D; d++) qf[d] = src[d] * dm->scale;
     for (int64_t i = 0; i < D / 8; i++) acc[i] = (v8f){0};
     float m = -INFINITY, l = 0.f;
@@ -90,7 +100,7 @@ static inline __attribute__((always_inline)) void attend_head(const void *q, con
                 }
         float mx = m;
         for (int64_t t = t0; t < n; t++) {
-            s[t] = dot(qf, head_row(k_cache, block + t * row, D, bf16, buf), D);
+            s[t] = dot(qf, head_row(k_cache, block + t * row, D, kv_kind, dm->kv_lut, buf), D);
             if (dm->softcap > 0.f) s[t] = dm->softcap * tanhf(s[t] / dm->softcap);
             mx = s[t] > mx ? s[t] : mx;
         }
@@ -107,7 +117,7 @@ static inline __attribute__((always_inline)) void attend_head(const void *q, con
         m = mx;
         l = sum;
         for (int64_t t = t0; t < n; t++) {
-            const float *v = head_row(v_cache, block + t * row, D, bf16, buf);
+            const float *v = head_row(v_cache, block + t * row, D, kv_kind, dm->kv_lut, buf);
             for (int64_t i = 0; i < D / 8; i++) acc[i] += s[t] * *(const v8f_u *)(v + 8 * i);
         }
     }
@@ -122,25 +132,34 @@ static inline __attribute__((always_inline)) void attend_head(const void *q, con
         }
 }
 
+/* One instantiation per head size D (constant where the caller passes one) and mode: fp32 q and cache,
+   bf16 q and cache, fp32 q and fp8 cache, bf16 q and fp8 cache (each one's conversions inlined). */
+static inline __attribute__((always_inline)) void attend_mode(const void *q, const void *k_cache,
+                                                              const void *v_cache, const int64_t *table,
+                                                              int64_t len, int64_t b, int64_t h, int64_t kv,
+                                                              const Dims *dm, void *out, const int64_t D,
+                                                              const int mode, const int first) {
+    switch (mode) {
+    case 0: attend_head(q, k_cache, v_cache, table, len, b, h, kv, dm, out, D, 0, KV_F32, first); break;
+    case 1: attend_head(q, k_cache, v_cache, table, len, b, h, kv, dm, out, D, 1, KV_BF16, first); break;
+    case 2: attend_head(q, k_cache, v_cache, table, len, b, h, kv, dm, out, D, 0, KV_FP8, first); break;
+    default: attend_head(q, k_cache, v_cache, table, len, b, h, kv, dm, out, D, 1, KV_FP8, first); break;
+    }
+}
+
 /* KV heads [kv0, kv1) of sequence b: each one's query heads in turn, while its blocks are in cache. */
 static void attend_one(const void *q, const void *k_cache, const void *v_cache, const int64_t *table, int64_t len,
-                       int64_t b, int64_t kv0, int64_t kv1, const Dims *dm, void *out, int bf16) {
+                       int64_t b, int64_t kv0, int64_t kv1, const Dims *dm, void *out, int mode) {
     const int64_t G = dm->H / dm->HKV;
     for (int64_t kv = kv0; kv < kv1; kv++)
         for (int64_t h = kv * G; h < (kv + 1) * G; h++) {
             const int first = h == kv * G;
-            if (dm->D == 64 && !bf16)
-                attend_head(q, k_cache, v_cache, table, len, b, h, kv, dm, out, 64, 0, first);
-            else if (dm->D == 64)
-                attend_head(q, k_cache, v_cache, table, len, b, h, kv, dm, out, 64, 1, first);
-            else if (dm->D == 128 && !bf16)
-                attend_head(q, k_cache, v_cache, table, len, b, h, kv, dm, out, 128, 0, first);
+            if (dm->D == 64)
+                attend_mode(q, k_cache, v_cache, table, len, b, h, kv, dm, out, 64, mode, first);
             else if (dm->D == 128)
-                attend_head(q, k_cache, v_cache, table, len, b, h, kv, dm, out, 128, 1, first);
-            else if (!bf16)
-                attend_head(q, k_cache, v_cache, table, len, b, h, kv, dm, out, dm->D, 0, first);
+                attend_mode(q, k_cache, v_cache, table, len, b, h, kv, dm, out, 128, mode, first);
             else
-                attend_head(q, k_cache, v_cache, table, len, b, h, kv, dm, out, dm->D, 1, first);
+                attend_mode(q, k_cache, v_cache, table, len, b, h, kv, dm, out, dm->D, mode, first);
         }
 }
 
@@ -149,21 +168,23 @@ static int attend(const void *q, const void *k_cache, const void *v_cache, const
     if (dm->D % 8 || dm->D > MAX_D || dm->BS > MAX_BS) return BAD_ARGUMENTS;
     const int64_t parts = B < num_threads ? dm->HKV : 1, items = B * parts;
     const int threads = items < num_threads ? (int)items : num_threads; /* never wake a thread with nothing to do */
+    const int mode = (dm->kv_lut != NULL ? 2 : 0) + bf16;
     (void)threads;  /* without OpenMP: one thread */
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t i = 0; i < items; i++) {
         const int64_t b = i / parts, kv0 = parts == 1 ? 0 : i % parts, kv1 = parts == 1 ? dm->HKV : kv0 + 1;
-        attend_one(q, k_cache, v_cache, block_tables + b * dm->W, seq_lens[b], b, kv0, kv1, dm, out, bf16);
+        attend_one(q, k_cache, v_cache, block_tables + b * dm->W, seq_lens[b], b, kv0, kv1, dm, out, mode);
     }
     return OK;
 }
 
-int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache, const int64_t *block_tables,
+/* k_cache, v_cache: q's dtype, or fp8 bytes (dm->kv_lut) */
+int paged_decode_f32(const float *q, const void *k_cache, const void *v_cache, const int64_t *block_tables,
                      const int64_t *seq_lens, float *out, int64_t B, const Dims *dm, int num_threads) {
     return attend(q, k_cache, v_cache, block_tables, seq_lens, out, B, dm, num_threads, 0);
 }
 
-int paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+int paged_decode_bf16(const uint16_t *q, const void *k_cache, const void *v_cache,
                       const int64_t *block_tables, const int64_t *seq_lens, uint16_t *out, int64_t B,
                       const Dims *dm, int num_threads) {
     return attend(q, k_cache, v_cache, block_tables, seq_lens, out, B, dm, num_threads, 1);
@@ -182,6 +203,50 @@ int store_kv(const char *k, int64_t k_stride, const char *v, int64_t v_stride, c
     return OK;
 }
 
+/* f rounded to fp8 (e4m3fn, or e5m2), to the nearest value, ties to even; from the largest finite value
+   on (infinities too) saturated to it; a NaN stays NaN: torch's .to() after a clamp to that value. */
+static inline __attribute__((always_inline)) uint8_t to_fp8(float f, const int e5m2) {
+    const int mbits = e5m2 ? 2 : 3, shift = 23 - mbits, bias = e5m2 ? 15 : 7;
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80);
+    u &= 0x7fffffffu;
+    float a;
+    memcpy(&a, &u, 4);
+    if (u > 0x7f800000u) return sign | 0x7f;                           /* NaN */
+    if (a >= (e5m2 ? 57344.f : 448.f)) return sign | (e5m2 ? 0x7b : 0x7e); /* the largest */
+    if (a < (e5m2 ? 0x1p-14f : 0x1p-6f))  /* subnormal: a multiple of the smallest step (8 or 4 of them: the smallest normal) */
+        return sign | (uint8_t)nearbyintf(a * (e5m2 ? 0x1p16f : 0x1p9f));
+    u += (1u << (shift - 1)) - 1 + ((u >> shift) & 1); /* the mantissa to mbits, ties to even; a carry goes on up */
+    return sign | (uint8_t)((u >> shift) - ((uint32_t)(127 - bias) << mbits));
+}
+
+static inline __attribute__((always_inline)) void fp8_row(uint8_t *dst, const char *src, int64_t n,
+                                                          const int bf16, const int e5m2) {
+    for (int64_t i = 0; i < n; i++)
+        dst[i] = to_fp8(bf16 ? bf16_to_float(((const uint16_t *)src)[i]) : ((const float *)src)[i], e5m2);
+}
+
+/* store_kv for an fp8 cache (e5m2: 0 e4m3fn, 1 e5m2): rows of `row` values, fp32 or bf16 (src_bf16), each
+   value rounded by to_fp8; every slot checked first. */
+int store_kv_fp8(const char *k, int64_t k_stride, const char *v, int64_t v_stride, uint8_t *k_cache,
+                 uint8_t *v_cache, const int64_t *slots, int64_t T, int64_t row, int64_t num_slots, int src_bf16,
+                 int e5m2) {
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] < 0 || slots[t] >= num_slots) return OUT_OF_RANGE;
+    for (int64_t t = 0; t < T; t++)
+        for (int i = 0; i < 2; i++) {
+            uint8_t *dst = (i ? v_cache : k_cache) + slots[t] * row;
+            const char *src = i ? v + t * v_stride : k + t * k_stride;
+            if (src_bf16 && e5m2) fp8_row(dst, src, row, 1, 1);
+            else if (src_bf16) fp8_row(dst, src, row, 1, 0);
+            else if (e5m2) fp8_row(dst, src, row, 0, 1);
+            else fp8_row(dst, src, row, 0, 0);
+        }
+    return OK;
+}
+
 int paged_decode_f32_packed(const int64_t *a) { return paged_decode_f32(PTR(0), PTR(1), PTR(2), PTR(3), PTR(4), PTR(5), a[6], PTR(7), (int)a[8]); }
 int paged_decode_bf16_packed(const int64_t *a) { return paged_decode_bf16(PTR(0), PTR(1), PTR(2), PTR(3), PTR(4), PTR(5), a[6], PTR(7), (int)a[8]); }
 int store_kv_packed(const int64_t *a) { return store_kv(PTR(0), a[1], PTR(2), a[3], PTR(4), PTR(5), PTR(6), a[7], a[8], a[9]); }
+int store_kv_fp8_packed(const int64_t *a) { return store_kv_fp8(PTR(0), a[1], PTR(2), a[3], PTR(4), PTR(5), PTR(6), a[7], a[8], a[9], (int)a[10], (int)a[11]); }

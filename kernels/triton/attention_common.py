@@ -9,7 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.launch import INDEX_DTYPES, check_same, check_tensor, interpreting, require
+from kernels.reference import FP8_DTYPES
+from kernels.triton.launch import FLOAT_DTYPES, INDEX_DTYPES, check_same, check_tensor, interpreting, require
 
 LOG2E = 1.4426950408889634  # softmax runs in base 2: exp(x) = exp2(x * log2 e), exp2 is the fast one
 
@@ -32,16 +33,19 @@ def score_args(scale: float, softcap: float) -> dict:
 
 def check_paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, max_seq_len: int, scale: float, window: int = 0) -> None:
-    """q (N, H, D); caches (num_blocks, block_size, Hkv, D); block_tables (B, max_blocks); seq_lens (B,).
+    """q (N, H, D); caches (num_blocks, block_size, Hkv, D), q's dtype or fp8; block_tables (B, max_blocks);
+    seq_lens (B,).
 
     Only shapes, dtypes, strides and devices are checked: looking at values
     (seq_lens within the table, block ids within the cache) would cost a sync."""
     check_tensor("q", q, 3)
-    check_tensor("k_cache", k_cache, 4)
-    check_tensor("v_cache", v_cache, 4)
+    check_tensor("k_cache", k_cache, 4, FLOAT_DTYPES + FP8_DTYPES)
+    check_tensor("v_cache", v_cache, 4, FLOAT_DTYPES + FP8_DTYPES)
     check_tensor("block_tables", block_tables, 2, INDEX_DTYPES)
     check_tensor("seq_lens", seq_lens, 1, INDEX_DTYPES)
-    check_same("dtype", ["q", "k_cache", "v_cache"], [q.dtype, k_cache.dtype, v_cache.dtype])
+    check_same("dtype", ["k_cache", "v_cache"], [k_cache.dtype, v_cache.dtype])
+    require(k_cache.dtype in (q.dtype, *FP8_DTYPES), f"the caches must be q's dtype ({q.dtype}) or fp8, got "
+            f"{k_cache.dtype}")
     check_same("device", ["q", "k_cache", "v_cache", "block_tables", "seq_lens"],
                [q.device, k_cache.device, v_cache.device, block_tables.device, seq_lens.device])
     check_same("shape", ["k_cache", "v_cache"], [tuple(k_cache.shape), tuple(v_cache.shape)])

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton.attention_common import check_paged_args, dot_args, score_args, softcap_scores
+from kernels.triton.fp8 import cache_args, fp8_to_float
 from kernels.triton.launch import interpreting, next_pow2, require, sm_count
 
 MIN_SPLIT_TOKENS = 256  # below this a split's setup and merge cost more than its parallelism gains
@@ -33,6 +34,7 @@ def _decode_kernel(
     G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, TILE_N: tl.constexpr,
     SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -65,8 +67,11 @@ def _decode_kernel(
         blk = tl.load(table + tok // PAGE, mask=valid, other=0).to(tl.int64)
         rows = blk * stride_cb + (tok % PAGE) * stride_ct + kvh * stride_ch
         kv_mask = valid[:, None] & dmask[None, :]
-        k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0)
+        v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0)
+        if KV_FP8:  # the cache's bytes, widened exactly to q's dtype
+            k = fp8_to_float(k, KV_FP8).to(q_ptr.dtype.element_ty)
+            v = fp8_to_float(v, KV_FP8).to(q_ptr.dtype.element_ty)
         if DOT_F32:
             k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_G, TILE_N), base 2
@@ -158,13 +163,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_l = torch.empty_like(part_m)
     else:
         part_acc = part_m = part_l = out  # unused: the kernel writes the output itself
+    k_cache, v_cache, fmt = cache_args(k_cache, v_cache)
     _decode_kernel[(b, hkv, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_m, part_l,
         scores["qk_scale"], scores["inv_cap"], scores["cap_log2"], window, tokens_per_split, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         G=g, D=d, PAGE=page, BLOCK_G=next_pow2(g, 16), BLOCK_D=next_pow2(d, 16), TILE_N=tile,
-        SPLIT=splits > 1, SOFTCAP=scores["SOFTCAP"], num_warps=4, **dot_args(q),
+        SPLIT=splits > 1, SOFTCAP=scores["SOFTCAP"], num_warps=4, KV_FP8=fmt, **dot_args(q),
     )
     if splits > 1:
         _merge_splits_kernel[(b, h)](

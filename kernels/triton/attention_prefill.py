@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton.attention_common import check_paged_args, dot_args, score_args, softcap_scores
+from kernels.triton.fp8 import cache_args, fp8_to_float
 from kernels.triton.launch import INDEX_DTYPES, check_tensor, interpreting, next_pow2, require
 
 
@@ -28,6 +29,7 @@ def _prefill_kernel(
     G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, TILE_N: tl.constexpr,
     SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     b = tl.program_id(1)
@@ -64,8 +66,11 @@ def _prefill_kernel(
         blk = tl.load(table + tok // PAGE, mask=valid, other=0).to(tl.int64)
         rows = blk * stride_cb + (tok % PAGE) * stride_ct + kvh * stride_ch
         kv_mask = valid[:, None] & dmask[None, :]
-        k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0)
+        v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0)
+        if KV_FP8:  # the cache's bytes, widened exactly to q's dtype
+            k = fp8_to_float(k, KV_FP8).to(q_ptr.dtype.element_ty)
+            v = fp8_to_float(v, KV_FP8).to(q_ptr.dtype.element_ty)
         if DOT_F32:
             k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_M, TILE_N), base 2
@@ -121,12 +126,13 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         block_m, tile = 16, 16
     else:
         block_m, tile = (32, 32) if q.dtype == torch.float32 else (64, 64)
+    k_cache, v_cache, fmt = cache_args(k_cache, v_cache)
     _prefill_kernel[(triton.cdiv(max_query_len, block_m), nseq, h)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start, out,
         scores["qk_scale"], scores["inv_cap"], scores["cap_log2"], window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         G=h // hkv, D=d, PAGE=page, BLOCK_M=block_m, BLOCK_D=next_pow2(d, 16), TILE_N=tile,
-        SOFTCAP=scores["SOFTCAP"], num_warps=4, **dot_args(q),
+        SOFTCAP=scores["SOFTCAP"], num_warps=4, KV_FP8=fmt, **dot_args(q),
     )
     return out

@@ -51,28 +51,33 @@ def variants(everything: bool):
     """(kernel, pointer types, constexprs, float args) for each variant to compile."""
     dtypes = ["fp32", "bf16", "fp16"] if everything else ["fp32", "bf16"]
     shapes = [(8, 1, 8), (64, 3, 16), (128, 4, 32)] if everything else [(128, 4, 32)]
-    for dt in dtypes:
+    # (q's dtype, the cache's format: 0 the same dtype, 1 e4m3 and 2 e5m2 as their bytes)
+    for dt, fmt in [(dt, 0) for dt in dtypes] + [("bf16", 1), ("fp32", 2)]:
         p = f"*{dt}"
         precision = "ieee" if dt == "fp32" else "tf32"
-        cache = {"k_cache_ptr": p, "v_cache_ptr": p, "seq_lens_ptr": "*i64"}
+        c = "*u8" if fmt else p
+        cache = {"k_cache_ptr": c, "v_cache_ptr": c, "seq_lens_ptr": "*i64"}
         for d, g, page in shapes:
             for split in (False, True):
                 yield (_decode_kernel,
                        {**cache, "q_ptr": p, "out_ptr": p, "block_tables_ptr": "*i32", "part_acc_ptr": "*fp32",
                         "part_m_ptr": "*fp32", "part_l_ptr": "*fp32"},
                        dict(G=g, D=d, PAGE=page, BLOCK_G=16, BLOCK_D=max(16, d), TILE_N=32 if dt == "fp32" else 64,
-                            SPLIT=split, SOFTCAP=split, PRECISION=precision, DOT_F32=False), _SCORES)  # (both ways)
+                            SPLIT=split, SOFTCAP=split, PRECISION=precision, DOT_F32=False, KV_FP8=fmt),
+                       _SCORES)  # (both ways)
             block = 32 if dt == "fp32" else 64
             for softcap in (False, True):
                 yield (_prefill_kernel,
                        {**cache, "q_ptr": p, "out_ptr": p, "block_tables_ptr": "*i64", "query_start_ptr": "*i64"},
                        dict(G=g, D=d, PAGE=page, BLOCK_M=block, BLOCK_D=max(16, d), TILE_N=block, SOFTCAP=softcap,
-                            PRECISION=precision, DOT_F32=False), _SCORES)
+                            PRECISION=precision, DOT_F32=False, KV_FP8=fmt), _SCORES)
     p = "*bf16"
     yield (_merge_splits_kernel, {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "out_ptr": p},
            dict(H=12, D=128, BLOCK_S=8, BLOCK_D=128), ())
-    yield (_store_kvcache_kernel, {"k_ptr": p, "v_ptr": p, "k_cache_ptr": p, "v_cache_ptr": p, "slot_ptr": "*i64"},
-           dict(HKV=1, D=64, BLOCK_H=1, BLOCK_D=64), ())
+    for fmt in (0, 1, 2):
+        c = "*u8" if fmt else p
+        yield (_store_kvcache_kernel, {"k_ptr": p, "v_ptr": p, "k_cache_ptr": c, "v_cache_ptr": c, "slot_ptr": "*i64"},
+               dict(HKV=1, D=64, BLOCK_H=1, BLOCK_D=64, FMT=fmt), ())
     for residual, round_first in itertools.product((False, True), (False, True)):  # (a float32 weight: Gemma's)
         yield (_rms_norm_kernel, {"x_ptr": p, "res_ptr": p, "w_ptr": p if round_first else "*fp32", "out_ptr": p,
                                   "res_out_ptr": p},
