@@ -117,6 +117,22 @@ def test_cpu_attention_over_an_fp8_cache_matches_reference(dtype, cache_dtype, d
     torch.testing.assert_close(out.float(), want.float(), **ATTN_TOL[dtype])
 
 
+def test_cpu_fp8_widening_without_avx2_matches_reference(monkeypatch, compiled):
+    """Built for a CPU without AVX2 and F16C (-O3 alone, the last flags ``build`` tries): fp8 caches are
+    widened with generic vector arithmetic instead, to the same values."""
+    monkeypatch.setattr(build, "FLAG_SETS", [["-O3"]])
+    attention._library.cache_clear()
+    try:
+        for cache_dtype in (E4M3, E5M2):
+            kc, vc, kp, vp, tables = fp8_caches([1, 17, 40, 100], 16, 2, 64, cache_dtype)
+            lens, q = torch.tensor([1, 17, 40, 100]), randn(4, 8, 64)
+            out = cpu.paged_decode_attention(q, kp, vp, tables, lens, 100, 0.125)
+            want = ref.paged_decode_attention(q, kc, vc, tables.long(), lens, 100, 0.125)
+            torch.testing.assert_close(out, want, **ATTN_TOL[F32])
+    finally:
+        attention._library.cache_clear()
+
+
 def test_cpu_attention_w1_shapes(compiled):
     """SmolLM2's heads on W1-sized batches: 37 decodes (several of the reference's groups; each
     sequence is one thread's work, so 1 and 2 threads agree to the bit), and a long prompt beside

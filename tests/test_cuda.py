@@ -32,15 +32,16 @@ BF16_TOL = 2**-5  # of the top logit's magnitude: eight bf16 ulps
 
 
 @torch.inference_mode()
-def logit_gaps(hf, prompt: list[int], out: list[int]) -> torch.Tensor:
-    """How far below transformers' top logit each of ``out``'s tokens is, and the top logits."""
-    logits = hf(torch.tensor([prompt + out], device="cuda")).logits[0, len(prompt) - 1:-1].float()  # (N, V)
+def logit_gaps(hf, prompt: list[int], out: list[int], **kw) -> torch.Tensor:
+    """How far below transformers' top logit each of ``out``'s tokens is, and the top logits (``kw``: more
+    arguments for its forward)."""
+    logits = hf(torch.tensor([prompt + out], device="cuda"), **kw).logits[0, len(prompt) - 1:-1].float()  # (N, V)
     top = logits.max(-1).values
     return top - logits.gather(-1, torch.tensor(out, device="cuda")[:, None])[:, 0], top
 
 
-def generate(path: str, dtype: str) -> list[list[int]]:
-    llm = LLM(path, device="cuda", dtype=dtype, num_kv_blocks=256, max_model_len=512)
+def generate(path: str, dtype: str, **kw) -> list[list[int]]:
+    llm = LLM(path, device="cuda", dtype=dtype, num_kv_blocks=256, max_model_len=512, **kw)
     assert llm.engine.runner.facts.device.type == "cuda"
     return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
 
@@ -63,6 +64,21 @@ def test_fp32_greedy_equals_transformers(arch, tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to("cuda").eval()
     for prompt, out in zip(PROMPTS, outs, strict=True):
         gaps, _ = logit_gaps(hf, prompt, out)
+        assert gaps.max().item() == 0.0, (prompt, out, gaps.tolist())
+    free_gpu()
+
+
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_kv_cache_greedy_equals_transformers_with_its_cache_rounded_alike(kv, tmp_path):
+    """fp32 weights, an fp8 KV cache (Triton's integer fp8 arithmetic, decode in CUDA graphs): each token is
+    the top logit of transformers with a cache that rounds K and V the same way."""
+    from tests.test_kv_cache_dtype import FP8, RoundedCache
+
+    path = build(str(tmp_path), "llama", torch.float32, seed=1, **TINY)
+    outs = generate(path, "float32", kv_cache_dtype=kv)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to("cuda").eval()
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        gaps, _ = logit_gaps(hf, prompt, out, past_key_values=RoundedCache(FP8[kv]))
         assert gaps.max().item() == 0.0, (prompt, out, gaps.tolist())
     free_gpu()
 

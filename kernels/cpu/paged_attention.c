@@ -9,8 +9,8 @@
  * all contiguous; D a multiple of 8 up to MAX_D. With a sliding window (window > 0) a query sees
  * its sequence's latest window keys; with softcap > 0 (Gemma 2) each score s is
  * softcap tanh(s / softcap). fp32 or bf16 (widened on load, rounded to nearest even on store, as
- * torch rounds); fp32 arithmetic throughout. The cache holds q's dtype, or fp8 (kv_lut set: each
- * byte's value, so that the cache reads as torch reads it). One sequence per work
+ * torch rounds); fp32 arithmetic throughout. The cache holds q's dtype, or fp8 (kv_fp8: e4m3fn or
+ * e5m2, widened 8 values at a time with integer arithmetic, exactly as torch widens them). One sequence per work
  * item, or with fewer sequences than threads one KV head of one: so that one stream's attention
  * is not one thread's. Within an item, each query head in turn over its KV head's blocks, its
  * accumulators in registers (head sizes 64 and 128 are compiled as constants), the next block
@@ -28,6 +28,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#if defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 #include "bf16.h"
 #include "exp8.h"
 #include "packed.h"
@@ -35,10 +39,40 @@
 typedef struct {
     int64_t H, HKV, D, BS, W, window;
     float scale, softcap;
-    const float *kv_lut; /* an fp8 cache: the value of each of the 256 bytes; NULL: the cache holds q's dtype */
+    int64_t kv_fp8; /* the cache: 0 q's dtype, 1 fp8 e4m3fn, 2 fp8 e5m2 */
 } Dims;
 
-enum { KV_F32, KV_BF16, KV_FP8 }; /* what a cache (or q) row holds */
+enum { KV_F32, KV_BF16, KV_E4M3, KV_E5M2 }; /* what a cache (or q) row holds */
+
+/* 8 fp8 values (e4m3fn, or e5m2) as floats, exactly, as torch widens them. e5m2 is the top byte of a
+   half, so F16C widens it as it is; e4m3fn's exponent and mantissa move into a half's (whose exponent's
+   bias is 8 more: a multiplication by 2^8 makes up for it, subnormals included), its NaN made a half's.
+   Elsewhere the same in integer arithmetic. (A table of the 256 values, read a value at a time, took a
+   decode step over an fp8 cache to 1.6x fp32's time; this, to about bf16's.) */
+static inline __attribute__((always_inline)) v8f fp8x8(const uint8_t *p, const int e5m2) {
+#if defined(__AVX2__) && defined(__F16C__)
+    const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p)); /* 8 x uint16 */
+    if (e5m2) return (v8f)_mm256_cvtph_ps(_mm_slli_epi16(x, 8));
+    const __m128i em = _mm_and_si128(x, _mm_set1_epi16(0x7f)), sign = _mm_slli_epi16(_mm_srli_epi16(x, 7), 15);
+    const __m128i h = _mm_blendv_epi8(_mm_slli_epi16(em, 7), _mm_set1_epi16(0x7e00),
+                                      _mm_cmpeq_epi16(em, _mm_set1_epi16(0x7f)));
+    return (v8f)_mm256_cvtph_ps(_mm_or_si128(h, sign)) * 256.f;
+#else
+    const int mbits = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7;
+    const v8i x = {p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]};
+    const v8i em = x & 0x7f, sign = (x & 0x80) << 24;
+    const v8i special = em >= (e5m2 ? 0x7c : 0x7f), subnormal = em < (1 << mbits);
+    const v8i normal = (em << (23 - mbits)) + ((127 - bias) << 23);
+    const v8i inf_nan = 0x7f800000 | ((em & ((1 << mbits) - 1)) << (23 - mbits));
+    const v8f tiny = __builtin_convertvector(em, v8f) * (e5m2 ? 0x1p-16f : 0x1p-9f);
+    v8i tiny_bits;
+    memcpy(&tiny_bits, &tiny, 32);
+    const v8i bits = (subnormal & tiny_bits) | (~subnormal & ((special & inf_nan) | (~special & normal))) | sign;
+    v8f out;
+    memcpy(&out, &bits, 32);
+    return out;
+#endif
+}
 
 #define MAX_D 256  /* head sizes up to this, multiples of 8 */
 #define MAX_BS 256 /* tokens per block up to this */
@@ -59,14 +93,13 @@ static inline __attribute__((always_inline)) float dot(const float *a, const flo
 
 /* D values of a K or V row's head (of a kind above) as floats: in place for fp32, else widened into buf */
 static inline __attribute__((always_inline)) const float *head_row(const void *cache, int64_t at, const int64_t D,
-                                                                   const int kind, const float *lut, float *buf) {
+                                                                   const int kind, float *buf) {
     if (kind == KV_F32) return (const float *)cache + at;
     if (kind == KV_BF16) {
         const uint16_t *src = (const uint16_t *)cache + at;
         for (int64_t d = 0; d < D; d++) buf[d] = bf16_to_float(src[d]);
     } else {
-        const uint8_t *src = (const uint8_t *)cache + at;
-        for (int64_t d = 0; d < D; d++) buf[d] = lut[src[d]];
+        for (int64_t d = 0; d < D; d += 8) *(v8f_u *)(buf + d) = fp8x8((const uint8_t *)cache + at + d, kind == KV_E5M2);
     }
     return buf;
 }
@@ -82,7 +115,7 @@ static inline __attribute__((always_inline)) void attend_head(const void *q, con
     const int64_t size = kv_kind == KV_F32 ? 4 : kv_kind == KV_BF16 ? 2 : 1; /* bytes per cached value */
     float qf[MAX_D], buf[MAX_D], s[MAX_BS + 8]; /* s: exponentiated 8 at a time, past a block's end too */
     v8f acc[MAX_D / 8];
-    const float *src = head_row(q, (b * dm->H + h) * D, D, bf16 ? KV_BF16 : KV_F32, NULL, buf);
+    const float *src = head_row(q, (b * dm->H + h) * D, D, bf16 ? KV_BF16 : KV_F32, buf);
     for (int64_t d = 0; d < D; d++) qf[d] = src[d] * dm->scale;
     for (int64_t i = 0; i < D / 8; i++) acc[i] = (v8f){0};
     float m = -INFINITY, l = 0.f;
@@ -100,7 +133,7 @@ static inline __attribute__((always_inline)) void attend_head(const void *q, con
                 }
         float mx = m;
         for (int64_t t = t0; t < n; t++) {
-            s[t] = dot(qf, head_row(k_cache, block + t * row, D, kv_kind, dm->kv_lut, buf), D);
+            s[t] = dot(qf, head_row(k_cache, block + t * row, D, kv_kind, buf), D);
             if (dm->softcap > 0.f) s[t] = dm->softcap * tanhf(s[t] / dm->softcap);
             mx = s[t] > mx ? s[t] : mx;
         }
@@ -117,7 +150,7 @@ static inline __attribute__((always_inline)) void attend_head(const void *q, con
         m = mx;
         l = sum;
         for (int64_t t = t0; t < n; t++) {
-            const float *v = head_row(v_cache, block + t * row, D, kv_kind, dm->kv_lut, buf);
+            const float *v = head_row(v_cache, block + t * row, D, kv_kind, buf);
             for (int64_t i = 0; i < D / 8; i++) acc[i] += s[t] * *(const v8f_u *)(v + 8 * i);
         }
     }
@@ -132,8 +165,8 @@ static inline __attribute__((always_inline)) void attend_head(const void *q, con
         }
 }
 
-/* One instantiation per head size D (constant where the caller passes one) and mode: fp32 q and cache,
-   bf16 q and cache, fp32 q and fp8 cache, bf16 q and fp8 cache (each one's conversions inlined). */
+/* One instantiation per head size D (constant where the caller passes one) and mode: q fp32 (even modes)
+   or bf16 (odd), the cache q's dtype (0, 1), e4m3fn (2, 3) or e5m2 (4, 5); each one's conversions inlined. */
 static inline __attribute__((always_inline)) void attend_mode(const void *q, const void *k_cache,
                                                               const void *v_cache, const int64_t *table,
                                                               int64_t len, int64_t b, int64_t h, int64_t kv,
@@ -142,8 +175,10 @@ static inline __attribute__((always_inline)) void attend_mode(const void *q, con
     switch (mode) {
     case 0: attend_head(q, k_cache, v_cache, table, len, b, h, kv, dm, out, D, 0, KV_F32, first); break;
     case 1: attend_head(q, k_cache, v_cache, table, len, b, h, kv, dm, out, D, 1, KV_BF16, first); break;
-    case 2: attend_head(q, k_cache, v_cache, table, len, b, h, kv, dm, out, D, 0, KV_FP8, first); break;
-    default: attend_head(q, k_cache, v_cache, table, len, b, h, kv, dm, out, D, 1, KV_FP8, first); break;
+    case 2: attend_head(q, k_cache, v_cache, table, len, b, h, kv, dm, out, D, 0, KV_E4M3, first); break;
+    case 3: attend_head(q, k_cache, v_cache, table, len, b, h, kv, dm, out, D, 1, KV_E4M3, first); break;
+    case 4: attend_head(q, k_cache, v_cache, table, len, b, h, kv, dm, out, D, 0, KV_E5M2, first); break;
+    default: attend_head(q, k_cache, v_cache, table, len, b, h, kv, dm, out, D, 1, KV_E5M2, first); break;
     }
 }
 
@@ -165,10 +200,10 @@ static void attend_one(const void *q, const void *k_cache, const void *v_cache, 
 
 static int attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *block_tables,
                   const int64_t *seq_lens, void *out, int64_t B, const Dims *dm, int num_threads, int bf16) {
-    if (dm->D % 8 || dm->D > MAX_D || dm->BS > MAX_BS) return BAD_ARGUMENTS;
+    if (dm->D % 8 || dm->D > MAX_D || dm->BS > MAX_BS || dm->kv_fp8 < 0 || dm->kv_fp8 > 2) return BAD_ARGUMENTS;
     const int64_t parts = B < num_threads ? dm->HKV : 1, items = B * parts;
     const int threads = items < num_threads ? (int)items : num_threads; /* never wake a thread with nothing to do */
-    const int mode = (dm->kv_lut != NULL ? 2 : 0) + bf16;
+    const int mode = 2 * (int)dm->kv_fp8 + bf16;
     (void)threads;  /* without OpenMP: one thread */
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t i = 0; i < items; i++) {
@@ -178,7 +213,7 @@ static int attend(const void *q, const void *k_cache, const void *v_cache, const
     return OK;
 }
 
-/* k_cache, v_cache: q's dtype, or fp8 bytes (dm->kv_lut) */
+/* k_cache, v_cache: q's dtype, or fp8 bytes (dm->kv_fp8) */
 int paged_decode_f32(const float *q, const void *k_cache, const void *v_cache, const int64_t *block_tables,
                      const int64_t *seq_lens, float *out, int64_t B, const Dims *dm, int num_threads) {
     return attend(q, k_cache, v_cache, block_tables, seq_lens, out, B, dm, num_threads, 0);
