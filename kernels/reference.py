@@ -45,8 +45,15 @@ def _gather_context(cache: torch.Tensor, block_tables: torch.Tensor, max_seq_len
     nblk = -(-max_seq_len // block_size)
     bt = block_tables[:, :nblk].reshape(-1)
     # index_select over whole blocks (rows of a 2-D view) is ~3x faster than advanced indexing
-    rows = cache.view(num_blocks, -1).index_select(0, bt)
+    rows = cache_rows(cache).index_select(0, bt).view(cache.dtype)
     return rows.view(block_tables.shape[0], nblk * block_size, hkv, d)[:, :max_seq_len]
+
+
+def cache_rows(cache: torch.Tensor) -> torch.Tensor:
+    """A cache (num_blocks, block_size, Hkv, D) as one row per block to gather from: an fp8 one as its
+    bytes (``.view(cache.dtype)`` after), which every torch has kernels for."""
+    rows = cache.view(cache.shape[0], -1)
+    return rows.view(torch.uint8) if cache.dtype in FP8_DTYPES else rows
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,

@@ -94,8 +94,8 @@ def test_cpu_windows_and_softcap_match_reference(dtype, d, page, h, hkv, query_l
                          ids=map(case_id, FP8_CASES))
 def test_cpu_attention_over_an_fp8_cache_matches_reference(dtype, cache_dtype, d, page, h, hkv, query_lens, seq_lens,
                                                            window, softcap, compiled):
-    """An fp8 cache (``--kv-cache-dtype fp8``) under fp32 and bf16 queries: decode in C (through its
-    table of the 256 values; NaN in unowned slots would show), prefill per sequence."""
+    """An fp8 cache (``--kv-cache-dtype fp8``) under fp32 and bf16 queries: decode in C (widening 16
+    values at a time; NaN in unowned slots would show), prefill per sequence."""
     kc, vc, kp, vp, tables = fp8_caches(seq_lens, page, hkv, d, cache_dtype)
     lens, scale = torch.tensor(seq_lens), d ** -0.5
     q = randn(sum(query_lens), h, d, dtype=dtype)

@@ -1,5 +1,6 @@
 """An fp8 KV cache (``--kv-cache-dtype fp8``, ``fp8_e4m3``, ``fp8_e5m2``): greedy output token for token
-as transformers gives it with its cache rounded the same way (fp32), under every kernel path; scheduling
+as transformers gives it with its cache rounded the same way (fp32), under the C kernels and the reference
+ones (Triton's: tests/test_triton_kernels.py, and tests/test_cuda.py on a GPU); scheduling
 (preemption, chunked prefill, the prefix cache, drafts, tensor parallel) changes no token; the cache holds
 as many more tokens as its bytes say; the server takes the flag."""
 

@@ -456,9 +456,11 @@ def test_triton_kernels_compile_for_cuda():
 # ---------------------------------------------------------------- the engine on Triton kernels
 
 
-def test_triton_engine_greedy_equals_reference(tiny_llama, monkeypatch):
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_triton_engine_greedy_equals_reference(tiny_llama, kv, monkeypatch):
     """A tiny model's greedy tokens with every kernel Triton equal those with the references
-    (fp32), over prompts long enough for several blocks, chunked prefill and mixed batches."""
+    (fp32), over prompts long enough for several blocks, chunked prefill and mixed batches; with
+    the model's cache and an fp8 one."""
     from engine import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -470,7 +472,8 @@ def test_triton_engine_greedy_equals_reference(tiny_llama, monkeypatch):
             for fn in ("paged_decode_attention", "paged_prefill_attention", "fused_add_rms_norm"):
                 real = getattr(tri, fn)
                 monkeypatch.setattr(tri, fn, lambda *a, _real=real, _fn=fn, **k: calls.append(_fn) or _real(*a, **k))
-        llm = LLM(tiny_llama, device=DEVICE, dtype="float32", num_kv_blocks=64, max_model_len=128, max_num_batched_tokens=16)
+        llm = LLM(tiny_llama, device=DEVICE, dtype="float32", num_kv_blocks=64, max_model_len=128, max_num_batched_tokens=16,
+                  kv_cache_dtype=kv)
         outs[name] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outs["triton"] == outs["reference"]
     assert {"paged_decode_attention", "paged_prefill_attention", "fused_add_rms_norm"} <= set(calls)

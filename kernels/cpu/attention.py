@@ -157,15 +157,14 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         raise ValueError(f"query_start {tuple(query_start.shape)} must have one more row than seq_lens "
                          f"{tuple(seq_lens.shape)}")
     num_blocks, bs, hkv, d = k_cache.shape
-    keys, values = k_cache.view(num_blocks, -1), v_cache.view(num_blocks, -1)  # a block per row (fp8: read as
-    # it is, widened by attend)
+    keys, values = reference.cache_rows(k_cache), reference.cache_rows(v_cache)  # a block per row (fp8: bytes)
     out = q.new_empty(q.shape)
     starts, lens = query_start.tolist(), seq_lens.tolist()
     for b, s in enumerate(lens):
         first, end = starts[b], starts[b + 1]
         blocks = block_tables[b, :-(-s // bs)]
-        k = keys.index_select(0, blocks).view(-1, hkv, d)[:s].transpose(0, 1)  # (Hkv, S, D)
-        v = values.index_select(0, blocks).view(-1, hkv, d)[:s].transpose(0, 1)
+        k = keys.index_select(0, blocks).view(k_cache.dtype).view(-1, hkv, d)[:s].transpose(0, 1)  # (Hkv, S, D)
+        v = values.index_select(0, blocks).view(v_cache.dtype).view(-1, hkv, d)[:s].transpose(0, 1)
         if end - first == s and not window:  # a whole prompt
             mask = None
         else:  # a window, or a chunk after a cached prefix: the context's last tokens, query i at s - q_len + i

@@ -44,34 +44,52 @@ typedef struct {
 
 enum { KV_F32, KV_BF16, KV_E4M3, KV_E5M2 }; /* what a cache (or q) row holds */
 
-/* 8 fp8 values (e4m3fn, or e5m2) as floats, exactly, as torch widens them. e5m2 is the top byte of a
-   half, so F16C widens it as it is; e4m3fn's exponent and mantissa move into a half's (whose exponent's
-   bias is 8 more: a multiplication by 2^8 makes up for it, subnormals included), its NaN made a half's.
-   Elsewhere the same in integer arithmetic. (A table of the 256 values, read a value at a time, took a
-   decode step over an fp8 cache to 1.6x fp32's time; this, to about bf16's.) */
-static inline __attribute__((always_inline)) v8f fp8x8(const uint8_t *p, const int e5m2) {
+/* fp8 widened to floats, exactly, e4m3fn's in units of 2^-8 (the caller scales q and the output by 2^8
+   instead: an exact power of two, so the scores and the result are those of the values themselves). With
+   F16C, 16 at a time: e5m2 is the top byte of a half, widened as it is; e4m3fn's sign, exponent and
+   mantissa move into a half's places (whose exponent's bias is 8 more, hence the units), its NaN made a
+   half's. Elsewhere a value at a time from a table of the 256 (fp8_values). Over SmolLM2's heads at 240
+   tokens a table read with -march=native took decode to ~3x bf16's time; this, e4m3fn to ~1.2x and e5m2
+   to ~1x. */
+static float fp8_table[2][256]; /* e4m3fn (in 2^-8 units), e5m2: filled by fp8_values */
+
+__attribute__((constructor)) static void fp8_values(void) { /* (when the library loads) */
+    for (int e5m2 = 0; e5m2 < 2; e5m2++)
+        for (uint32_t x = 0; x < 256; x++) {
+            const uint32_t mbits = e5m2 ? 2 : 3, em = x & 0x7f;
+            float f;
+            if (em >= (e5m2 ? 0x7cu : 0x7fu)) { /* e5m2's infinities and NaNs, e4m3fn's NaN */
+                const uint32_t bits = 0x7f800000u | ((em & ((1u << mbits) - 1)) << (23 - mbits));
+                memcpy(&f, &bits, 4);
+            } else if (em < (1u << mbits)) { /* subnormal */
+                f = (float)em * (e5m2 ? 0x1p-16f : 0x1p-17f);
+            } else {
+                const uint32_t bits = (em << (23 - mbits)) + ((e5m2 ? 127u - 15u : 127u - 7u - 8u) << 23);
+                memcpy(&f, &bits, 4);
+            }
+            fp8_table[e5m2][x] = x & 0x80 ? -f : f;
+        }
+}
+
+static inline __attribute__((always_inline)) void widen_fp8(const uint8_t *p, int64_t D, const int e5m2, float *out) {
+    int64_t d = 0;
 #if defined(__AVX2__) && defined(__F16C__)
-    const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p)); /* 8 x uint16 */
-    if (e5m2) return (v8f)_mm256_cvtph_ps(_mm_slli_epi16(x, 8));
-    const __m128i em = _mm_and_si128(x, _mm_set1_epi16(0x7f)), sign = _mm_slli_epi16(_mm_srli_epi16(x, 7), 15);
-    const __m128i h = _mm_blendv_epi8(_mm_slli_epi16(em, 7), _mm_set1_epi16(0x7e00),
-                                      _mm_cmpeq_epi16(em, _mm_set1_epi16(0x7f)));
-    return (v8f)_mm256_cvtph_ps(_mm_or_si128(h, sign)) * 256.f;
-#else
-    const int mbits = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7;
-    const v8i x = {p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]};
-    const v8i em = x & 0x7f, sign = (x & 0x80) << 24;
-    const v8i special = em >= (e5m2 ? 0x7c : 0x7f), subnormal = em < (1 << mbits);
-    const v8i normal = (em << (23 - mbits)) + ((127 - bias) << 23);
-    const v8i inf_nan = 0x7f800000 | ((em & ((1 << mbits) - 1)) << (23 - mbits));
-    const v8f tiny = __builtin_convertvector(em, v8f) * (e5m2 ? 0x1p-16f : 0x1p-9f);
-    v8i tiny_bits;
-    memcpy(&tiny_bits, &tiny, 32);
-    const v8i bits = (subnormal & tiny_bits) | (~subnormal & ((special & inf_nan) | (~special & normal))) | sign;
-    v8f out;
-    memcpy(&out, &bits, 32);
-    return out;
+    for (; d + 16 <= D; d += 16) {
+        const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(p + d))); /* 16 x uint16 */
+        __m256i h;
+        if (e5m2) {
+            h = _mm256_slli_epi16(x, 8);
+        } else { /* the sign to bit 15 (and 14), the rest below it; bit 14 cleared; NaN (0x7f) a half's NaN */
+            h = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(x, 8), 1), _mm256_set1_epi16((short)0xbfff));
+            const __m256i nan = _mm256_cmpeq_epi16(_mm256_or_si256(h, _mm256_set1_epi16((short)0x8000)),
+                                                   _mm256_set1_epi16((short)0xbf80));
+            h = _mm256_blendv_epi8(h, _mm256_set1_epi16(0x7e00), nan);
+        }
+        _mm256_storeu_ps(out + d, _mm256_cvtph_ps(_mm256_castsi256_si128(h)));
+        _mm256_storeu_ps(out + d + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
+    }
 #endif
+    for (; d < D; d++) out[d] = fp8_table[e5m2][p[d]];
 }
 
 #define MAX_D 256  /* head sizes up to this, multiples of 8 */
@@ -99,7 +117,7 @@ static inline __attribute__((always_inline)) const float *head_row(const void *c
         const uint16_t *src = (const uint16_t *)cache + at;
         for (int64_t d = 0; d < D; d++) buf[d] = bf16_to_float(src[d]);
     } else {
-        for (int64_t d = 0; d < D; d += 8) *(v8f_u *)(buf + d) = fp8x8((const uint8_t *)cache + at + d, kind == KV_E5M2);
+        widen_fp8((const uint8_t *)cache + at, D, kind == KV_E5M2, buf); /* (e4m3fn in 2^-8 units) */
     }
     return buf;
 }
@@ -116,7 +134,8 @@ static inline __attribute__((always_inline)) void attend_head(const void *q, con
     float qf[MAX_D], buf[MAX_D], s[MAX_BS + 8]; /* s: exponentiated 8 at a time, past a block's end too */
     v8f acc[MAX_D / 8];
     const float *src = head_row(q, (b * dm->H + h) * D, D, bf16 ? KV_BF16 : KV_F32, buf);
-    for (int64_t d = 0; d < D; d++) qf[d] = src[d] * dm->scale;
+    const float unit = kv_kind == KV_E4M3 ? 256.f : 1.f; /* the cache's values are in 1 / unit */
+    for (int64_t d = 0; d < D; d++) qf[d] = src[d] * dm->scale * unit;
     for (int64_t i = 0; i < D / 8; i++) acc[i] = (v8f){0};
     float m = -INFINITY, l = 0.f;
     const int64_t lo = dm->window > 0 && len > dm->window ? len - dm->window : 0; /* the first key seen */
@@ -154,7 +173,7 @@ static inline __attribute__((always_inline)) void attend_head(const void *q, con
             for (int64_t i = 0; i < D / 8; i++) acc[i] += s[t] * *(const v8f_u *)(v + 8 * i);
         }
     }
-    const float inv = 1.f / l;
+    const float inv = 1.f / l * unit;
     for (int64_t i = 0; i < D / 8; i++)
         for (int d = 0; d < 8; d++) {
             const int64_t at = (b * dm->H + h) * D + 8 * i + d;
