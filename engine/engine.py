@@ -275,7 +275,7 @@ class Engine:
         try:
             result = self.runner.execute(batch)
         except BaseException as e:  # (an interrupt, out of memory): leave nothing half-done for the next step
-            failed = list(batch.requests)
+            failed, drafted = list(batch.requests), batch.num_drafts > 0
             self.scheduler.rollback(batch)
             # Under tensor parallelism the other ranks may be inside a collective of the failed step: only
             # a single rank can go on.
@@ -285,7 +285,7 @@ class Engine:
             self.scheduler.update_from_output(batch, time.perf_counter() - start, self._check_drafts(result))
             return result, []
         # (out here, the exception's traceback, which holds the failed step's tensors, is gone)
-        return StepResult([], None), self._recover_from_oom(failed)
+        return StepResult([], None), self._recover_from_oom(failed, drafted)
 
     @staticmethod
     def _check_drafts(result: StepResult) -> dict[str, int] | None:
@@ -344,10 +344,11 @@ class Engine:
             req.num_in_flight -= 1
         return result
 
-    def _recover_from_oom(self, failed: list[Request]) -> list[Request]:
+    def _recover_from_oom(self, failed: list[Request], drafted: bool = False) -> list[Request]:
         """After a step of ``failed`` ran out of memory (and was rolled back): free what the allocator
-        caches, end the requests that failed alone or for the second time, and let the others come back
-        one at a time. Returns the requests ended."""
+        caches, end the requests that failed alone (in a step without drafts: ``drafted`` says it had
+        some) or for the second time, and let the others come back one at a time, without drafts (the
+        scheduler takes none meanwhile). Returns the requests ended."""
         if self.runner.device.type == "cuda":
             torch.cuda.empty_cache()
         self._steps_since_oom = 0
@@ -357,7 +358,7 @@ class Engine:
         for req in failed:
             if req.status is Status.FINISHED:  # (asynchronous scheduling) by the token it had in flight
                 continue
-            if len(failed) == 1 or req.request_id in self._oom_suspects:
+            if (len(failed) == 1 and not drafted) or req.request_id in self._oom_suspects:
                 log.error("request %s ends with finish_reason 'error': out of memory in %s (%d tokens)",
                           req.request_id, "a step of its own" if len(failed) == 1 else "a second step",
                           req.num_tokens)

@@ -349,9 +349,10 @@ class Scheduler:
     def _add_drafts(self, batch: ScheduledBatch) -> None:
         """Drafts for the step's decodes (``req.draft_token_ids``), in admission order, with their blocks: as
         many as the token budget leaves after the decodes' and the prompts' tokens (a guess never delays a
-        prompt), and none where the blocks are not free (no one is preempted for a guess)."""
+        prompt), and none where the blocks are not free (no one is preempted for a guess); none while the
+        engine recovers from a step out of memory (``one_at_a_time``): one with drafts is retried without."""
         busy = self.proposer.disable_by_batch_size
-        if busy is not None and len(self.running) > busy:
+        if (busy is not None and len(self.running) > busy) or self.one_at_a_time:
             return
         step_cap = self.block_manager.max_step_tokens  # (a sliding-window pool's bound on one request's step)
         for i in range(batch.num_decodes):  # (the batch's first requests: its decodes, in admission order)

@@ -76,6 +76,25 @@ def test_a_lone_request_out_of_memory_ends_at_once(tiny_llama):
     assert_all_blocks_free(llm)
 
 
+def test_a_lone_request_out_of_memory_with_drafts_is_retried_without(tiny_llama):
+    """Speculative decoding: a lone request whose step with drafts runs out of memory comes back
+    without drafts (its tokens those of a run without any), and drafts resume once it has passed; one
+    that fails without drafts too ends with "error"."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+    repeats = [5, 6, 7, 8] * 6
+    want = LLM(tiny_llama, dtype="float32", num_kv_blocks=512, max_model_len=512).generate(repeats, GREEDY)[0]
+    llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=512, max_model_len=512, speculative_config=spec)
+    failed = fail_steps(llm, lambda batch, n: batch.num_drafts > 0 and not failed)
+    out = llm.generate(repeats, GREEDY)[0]
+    assert len(failed) == 1 and (out.finish_reason, out.token_ids) == ("length", want.token_ids)
+    s = llm.engine.scheduler
+    assert not s.one_at_a_time and s.num_drafts > 0  # (drafted after the retry)
+    failed = fail_steps(llm, lambda batch, n: batch.num_drafts > 0 or len(failed) == 1)
+    out = llm.generate(repeats, GREEDY)[0]
+    assert (out.finish_reason, len(failed)) == ("error", 2)
+    assert_all_blocks_free(llm)
+
+
 def test_seeded_tokens_survive_a_step_that_fails_after_sampling(tiny_llama):
     seeded = SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
     ps = prompts(3)

@@ -6,7 +6,7 @@ the floor, the bytes the kernel must move ÷ the device's copy bandwidth (the be
 device-to-device copies, as ``bench_offline`` measures it). ``bw`` is floor ÷ kernel time: the share of the bandwidth the kernel reaches.
 Shapes: SmolLM2-135M's and Qwen2-0.5B's heads (head_dim 64), bf16, KV blocks of 16 tokens scattered
 as in a busy cache; decode at ``--batch`` sequences for each ``--contexts`` length (and at the longest,
-through a sliding window of 1024: SDPA then over the window's keys alone), prefill of
+through a sliding window of 1024: SDPA then over the window's keys alone, and over an fp8 cache), prefill of
 ``--prefill`` fresh prompts, the other kernels at the decode batch's and the prefill's token counts;
 the MLP's gate|up projection as Q4_Z blocks (an int4 checkpoint) at 1 row, the batch's and the prefill's;
 a mixture of experts' layer (Qwen3-30B-A3B's: 128 experts, 8 a token) at the same token counts.
@@ -70,15 +70,19 @@ def cases(model: str, batch: int, contexts: list[int], prefill: tuple[int, int])
     h, hkv, hidden, inter = MODELS[model]
     d, scale = HEAD_DIM, HEAD_DIM ** -0.5
     sdpa, eager = "torch SDPA, contiguous KV", "torch eager (kernels.reference)"
-    # each context's decode, and at the longest a sliding layer's (Gemma 3's window), which reads its keys only
-    decodes = [(ctx, 0) for ctx in contexts] + [(contexts[-1], 1024)] * (contexts[-1] > 1024)
-    for ctx, window in decodes:
+    # each context's decode, and at the longest a sliding layer's (Gemma 3's window), which reads its keys only,
+    # and the longest over an fp8 cache (--kv-cache-dtype fp8: a byte a value to read)
+    decodes = [(ctx, 0, False) for ctx in contexts] + [(contexts[-1], 1024, False)] * (contexts[-1] > 1024)
+    for ctx, window, fp8 in decodes + [(contexts[-1], 0, True)]:
         span = window or ctx  # the keys a query reads (SDPA gets them alone, contiguous)
         k_cache, v_cache, tables = paged(ctx, batch, hkv)
+        if fp8:
+            k_cache, v_cache = ref.to_cache(k_cache, torch.float8_e4m3fn), ref.to_cache(v_cache, torch.float8_e4m3fn)
         lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
         q, k, v = randn(batch, h, d), randn(batch, hkv, span, d), randn(batch, hkv, span, d)
-        yield Case("paged_decode_attention", model, f"B={batch} ctx={ctx}" + (f" window={window}" if window else ""),
-                   2 * k.numel() * ELT + 2 * q.numel() * ELT + tables.numel() * 4,
+        yield Case("paged_decode_attention", model, f"B={batch} ctx={ctx}" + (f" window={window}" if window else "")
+                   + (" fp8 cache" if fp8 else ""),
+                   2 * k.numel() * k_cache.element_size() + 2 * q.numel() * ELT + tables.numel() * 4,
                    lambda q=q, kc=k_cache, vc=v_cache, bt=tables, sl=lens, n=ctx, w=window:
                    tri.paged_decode_attention(q, kc, vc, bt, sl, n, scale, w),
                    lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale,
