@@ -34,7 +34,8 @@ preempt for blocks.
 ``one_at_a_time`` (set by the engine while it recovers from a step that ran out
 of memory) admits at most one waiting request per step, and only when every
 running request is decoding, preempting for it or not: a step then computes at
-most one prompt, so if it fails, that prompt is the culprit.
+most one prompt, so if it fails, that prompt is the culprit; and it takes no
+speculative drafts, so a request that failed in a step with some is retried without.
 
 Speculative decoding (``engine.speculative``): once the decodes and the prompts have their tokens,
 each decode gets the drafts the proposer finds for it, in admission order, as far as the token budget

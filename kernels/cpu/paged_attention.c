@@ -10,7 +10,7 @@
  * its sequence's latest window keys; with softcap > 0 (Gemma 2) each score s is
  * softcap tanh(s / softcap). fp32 or bf16 (widened on load, rounded to nearest even on store, as
  * torch rounds); fp32 arithmetic throughout. The cache holds q's dtype, or fp8 (kv_fp8: e4m3fn or
- * e5m2, widened 8 values at a time with integer arithmetic, exactly as torch widens them). One sequence per work
+ * e5m2, widened exactly as torch widens them: widen_fp8). One sequence per work
  * item, or with fewer sequences than threads one KV head of one: so that one stream's attention
  * is not one thread's. Within an item, each query head in turn over its KV head's blocks, its
  * accumulators in registers (head sizes 64 and 128 are compiled as constants), the next block
@@ -48,9 +48,9 @@ enum { KV_F32, KV_BF16, KV_E4M3, KV_E5M2 }; /* what a cache (or q) row holds */
    instead: an exact power of two, so the scores and the result are those of the values themselves). With
    F16C, 16 at a time: e5m2 is the top byte of a half, widened as it is; e4m3fn's sign, exponent and
    mantissa move into a half's places (whose exponent's bias is 8 more, hence the units), its NaN made a
-   half's. Elsewhere a value at a time from a table of the 256 (fp8_values). Over SmolLM2's heads at 240
-   tokens a table read with -march=native took decode to ~3x bf16's time; this, e4m3fn to ~1.2x and e5m2
-   to ~1x. */
+   half's. Elsewhere a value at a time from a table of the 256 (fp8_values). Decode over SmolLM2's heads,
+   32 sequences of 240 tokens, one thread: the table alone took ~3x bf16's time; this, e4m3fn ~1.3x and
+   e5m2 ~1.15x (8 of 3000 tokens, two threads: both at or below bf16's, fp32's reading twice the bytes). */
 static float fp8_table[2][256]; /* e4m3fn (in 2^-8 units), e5m2: filled by fp8_values */
 
 __attribute__((constructor)) static void fp8_values(void) { /* (when the library loads) */
