@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.reference import to_cache
+from kernels import reference
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 # fp32 to 1e-4 relative; 16-bit: a few ulps
@@ -63,7 +63,7 @@ FP8_CASES = [
 def fp8_caches(seq_lens: list[int], page: int, hkv: int, d: int, dtype: torch.dtype, device: str = "cpu"):
     """``paged_cache``'s five, the caches rounded to the fp8 ``dtype`` as a store rounds them (NaN kept)."""
     *caches, tables = paged_cache(seq_lens, page, hkv, d, F32, device)
-    return *(to_cache(c, dtype) for c in caches), tables
+    return *(reference.to_cache(c, dtype) for c in caches), tables
 
 
 def case_id(case: tuple) -> str:
@@ -120,3 +120,20 @@ def prefill_indices(query_lens: list[int], device: str = "cpu") -> tuple[torch.T
     q_index = torch.where(grid < q_lens[:, None], start[:-1, None] + grid, t)
     out_index = seq_of * qmax + (torch.arange(t) - start[:-1][seq_of])
     return start.to(device), q_index.to(device), out_index.to(device)
+
+
+def against_reference(kernels, q: torch.Tensor, caches: tuple, tables: torch.Tensor, seq_lens: list[int],
+                      query_lens: list[int], scale: float, window: int = 0, softcap: float = 0.0, **decode_kw):
+    """(``kernels``' attention over the poisoned caches, the reference's over the clean ones): decode where
+    each sequence has one query, else prefill. ``caches``: ``paged_cache``'s (or ``fp8_caches``') first four;
+    ``decode_kw``: more for ``kernels``' decode (Triton's num_splits)."""
+    clean_k, clean_v, k, v = caches
+    lens, n = torch.tensor(seq_lens, device=q.device), max(seq_lens)
+    if set(query_lens) == {1}:
+        return (kernels.paged_decode_attention(q, k, v, tables, lens, n, scale, window, softcap, **decode_kw),
+                reference.paged_decode_attention(q, clean_k, clean_v, tables.long(), lens, n, scale, window, softcap))
+    start, q_index, out_index = prefill_indices(query_lens, q.device)
+    return (kernels.paged_prefill_attention(q, k, v, tables, lens, start, q_index, out_index, n, scale, window,
+                                            softcap),
+            reference.paged_prefill_attention(q, clean_k, clean_v, tables.long(), lens, start, q_index, out_index, n,
+                                              scale, window, softcap))

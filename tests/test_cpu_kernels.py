@@ -27,6 +27,7 @@ from tests.paged_cases import (
     FP8_CASES,
     PREFILL_CASES,
     WINDOW_CASES,
+    against_reference,
     case_id,
     fp8_caches,
     paged_cache,
@@ -75,18 +76,9 @@ def test_cpu_windows_and_softcap_match_reference(dtype, d, page, h, hkv, query_l
                                                  compiled):
     """A sliding window and Gemma 2's cap: decode in C (it reads only the window's blocks: NaN in the
     others would show), prefill per sequence; both against the reference."""
-    kc, vc, kp, vp, tables = paged_cache(seq_lens, page, hkv, d, dtype)
-    lens, scale = torch.tensor(seq_lens), d ** -0.5
+    *caches, tables = paged_cache(seq_lens, page, hkv, d, dtype)
     q = randn(sum(query_lens), h, d, dtype=dtype)
-    if set(query_lens) == {1}:
-        out = cpu.paged_decode_attention(q, kp, vp, tables, lens, max(seq_lens), scale, window, softcap)
-        want = ref.paged_decode_attention(q, kc, vc, tables.long(), lens, max(seq_lens), scale, window, softcap)
-    else:
-        start, q_index, out_index = prefill_indices(query_lens)
-        out = cpu.paged_prefill_attention(q, kp, vp, tables, lens, start, q_index, out_index, max(seq_lens), scale,
-                                          window, softcap)
-        want = ref.paged_prefill_attention(q, kc, vc, tables.long(), lens, start, q_index, out_index, max(seq_lens),
-                                           scale, window, softcap)
+    out, want = against_reference(cpu, q, caches, tables, seq_lens, query_lens, d ** -0.5, window, softcap)
     torch.testing.assert_close(out.float(), want.float(), **ATTN_TOL[dtype])
 
 
@@ -96,30 +88,21 @@ def test_cpu_attention_over_an_fp8_cache_matches_reference(dtype, cache_dtype, d
                                                            window, softcap, compiled):
     """An fp8 cache (``--kv-cache-dtype fp8``) under fp32 and bf16 queries: decode in C (widening 16
     values at a time; NaN in unowned slots would show), prefill per sequence."""
-    kc, vc, kp, vp, tables = fp8_caches(seq_lens, page, hkv, d, cache_dtype)
-    lens, scale = torch.tensor(seq_lens), d ** -0.5
+    *caches, tables = fp8_caches(seq_lens, page, hkv, d, cache_dtype)
     q = randn(sum(query_lens), h, d, dtype=dtype)
-    if set(query_lens) == {1}:
-        assert attention.decodes_in_c(d, page)
-        out = cpu.paged_decode_attention(q, kp, vp, tables, lens, max(seq_lens), scale, window, softcap)
-        want = ref.paged_decode_attention(q, kc, vc, tables.long(), lens, max(seq_lens), scale, window, softcap)
-        # the reference reads an fp8 cache as its values, widened: attention over a cache of those values
-        widened = kc.float().to(dtype), vc.float().to(dtype)
-        assert torch.equal(want, ref.paged_decode_attention(q, *widened, tables.long(), lens, max(seq_lens), scale,
-                                                            window, softcap))
-    else:
-        start, q_index, out_index = prefill_indices(query_lens)
-        out = cpu.paged_prefill_attention(q, kp, vp, tables, lens, start, q_index, out_index, max(seq_lens), scale,
-                                          window, softcap)
-        want = ref.paged_prefill_attention(q, kc, vc, tables.long(), lens, start, q_index, out_index, max(seq_lens),
-                                           scale, window, softcap)
+    assert attention.decodes_in_c(d, page)
+    out, want = against_reference(cpu, q, caches, tables, seq_lens, query_lens, d ** -0.5, window, softcap)
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), want.float(), **ATTN_TOL[dtype])
+    # the reference reads an fp8 cache as its values, widened: attention over a cache of those values
+    widened = (caches[0].float().to(dtype), caches[1].float().to(dtype)) * 2
+    assert torch.equal(want, against_reference(ref, q, widened, tables, seq_lens, query_lens, d ** -0.5, window,
+                                               softcap)[1])
 
 
 def test_cpu_fp8_widening_without_avx2_matches_reference(monkeypatch, compiled):
     """Built for a CPU without AVX2 and F16C (-O3 alone, the last flags ``build`` tries): fp8 caches are
-    widened with generic vector arithmetic instead, to the same values."""
+    widened through a table of the 256 values instead, to the same values."""
     monkeypatch.setattr(build, "FLAG_SETS", [["-O3"]])
     attention._library.cache_clear()
     try:

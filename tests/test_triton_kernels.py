@@ -34,6 +34,7 @@ from tests.paged_cases import (  # noqa: E402
     FP8_CASES,
     PREFILL_CASES,
     WINDOW_CASES,
+    against_reference,
     case_id,
     fp8_caches,
     paged_cache,
@@ -104,21 +105,11 @@ def test_triton_paged_prefill_matches_reference(dtype, d, page, h, hkv, query_le
 def test_triton_windows_and_softcap_match_reference(dtype, d, page, h, hkv, query_lens, seq_lens, window, softcap,
                                                     poison):
     """A sliding window (decode split along its keys too) and Gemma 2's cap, against the reference."""
-    kc, vc, kp, vp, tables = paged_cache(seq_lens, page, hkv, d, dtype, DEVICE)
-    lens, scale = torch.tensor(seq_lens, device=DEVICE), d ** -0.5
+    *caches, tables = paged_cache(seq_lens, page, hkv, d, dtype, DEVICE)
     q = randn(sum(query_lens), h, d, dtype=dtype)
-    if set(query_lens) == {1}:
-        for splits in (1, 3):
-            out = tri.paged_decode_attention(q, kp, vp, tables, lens, max(seq_lens), scale, window, softcap,
-                                             num_splits=splits)
-            want = ref.paged_decode_attention(q, kc, vc, tables.long(), lens, max(seq_lens), scale, window, softcap)
-            torch.testing.assert_close(out.float(), want.float(), **ATTN_TOL[dtype])
-    else:
-        start, q_index, out_index = prefill_indices(query_lens, DEVICE)
-        out = tri.paged_prefill_attention(q, kp, vp, tables, lens, start, q_index, out_index, max(seq_lens), scale,
-                                          window, softcap)
-        want = ref.paged_prefill_attention(q, kc, vc, tables.long(), lens, start, q_index, out_index, max(seq_lens),
-                                           scale, window, softcap)
+    for splits in (1, 3) if set(query_lens) == {1} else (None,):
+        out, want = against_reference(tri, q, caches, tables, seq_lens, query_lens, d ** -0.5, window, softcap,
+                                      **({"num_splits": splits} if splits else {}))
         torch.testing.assert_close(out.float(), want.float(), **ATTN_TOL[dtype])
 
 
@@ -171,19 +162,10 @@ def test_triton_attention_over_an_fp8_cache_matches_reference(dtype, cache_dtype
                                                               seq_lens, window, softcap, poison):
     """An fp8 cache (``--kv-cache-dtype fp8``), read as bytes and widened with integer arithmetic
     (``kernels.triton.fp8``); NaN in unowned slots would show."""
-    kc, vc, kp, vp, tables = fp8_caches(seq_lens, page, hkv, d, cache_dtype, DEVICE)
-    lens, scale = torch.tensor(seq_lens, device=DEVICE), d ** -0.5
+    *caches, tables = fp8_caches(seq_lens, page, hkv, d, cache_dtype, DEVICE)
     q = randn(sum(query_lens), h, d, dtype=dtype)
-    if set(query_lens) == {1}:
-        out = tri.paged_decode_attention(q, kp, vp, tables, lens, max(seq_lens), scale, window, softcap,
-                                         num_splits=2)
-        want = ref.paged_decode_attention(q, kc, vc, tables.long(), lens, max(seq_lens), scale, window, softcap)
-    else:
-        start, q_index, out_index = prefill_indices(query_lens, DEVICE)
-        out = tri.paged_prefill_attention(q, kp, vp, tables, lens, start, q_index, out_index, max(seq_lens), scale,
-                                          window, softcap)
-        want = ref.paged_prefill_attention(q, kc, vc, tables.long(), lens, start, q_index, out_index, max(seq_lens),
-                                           scale, window, softcap)
+    out, want = against_reference(tri, q, caches, tables, seq_lens, query_lens, d ** -0.5, window, softcap,
+                                  **({"num_splits": 2} if set(query_lens) == {1} else {}))
     torch.testing.assert_close(out.float(), want.float(), **TOL[dtype])
 
 
