@@ -100,6 +100,19 @@ def test_cpu_attention_over_an_fp8_cache_matches_reference(dtype, cache_dtype, d
                                                softcap)[1])
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("cache_dtype", [E4M3, E5M2])
+def test_cpu_decode_reads_every_fp8_byte_as_torch_does(dtype, cache_dtype, compiled):
+    """One key: the output is its value row, widened. Rows of 72 (16 at a time, then a table for the last
+    8), each of the 256 bytes in both parts, come out as torch reads them, NaN and infinities included."""
+    rows = [[(64 * r + i) % 256 for i in range(64)] + [8 * r + i for i in range(8)] for r in range(32)]
+    v = torch.tensor(rows, dtype=torch.uint8).view(32, 1, 1, 72).view(cache_dtype)
+    out = cpu.paged_decode_attention(torch.zeros(32, 1, 72, dtype=dtype), torch.zeros_like(v), v,
+                                     torch.arange(32).view(32, 1), torch.ones(32, dtype=torch.int64), 1, 1.0)
+    want = v.float().view(32, 1, 72).to(dtype)
+    assert torch.equal(out.isnan(), want.isnan()) and torch.equal(out.nan_to_num(), want.nan_to_num())
+
+
 def test_cpu_fp8_widening_without_avx2_matches_reference(monkeypatch, compiled):
     """Built for a CPU without AVX2 and F16C (-O3 alone, the last flags ``build`` tries): fp8 caches are
     widened through a table of the 256 values instead, to the same values."""
