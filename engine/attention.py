@@ -62,6 +62,20 @@ class AttentionMetadata:
         return self._windowed
 
 
+def decode_order(seq_lens: Sequence[int], table_rows: Sequence[int]) -> list[int]:
+    """The order of a step's decode rows: longest first, so that similar lengths sit side by side (the
+    reference's groups pad less); but the rows of one block table (a request's decode row and its
+    speculative drafts) together, longest first, where the longest of them sorts the group, so that the
+    CPU kernel walks their blocks once. Ties keep the step's order."""
+    if len(set(table_rows)) == len(table_rows):  # no drafts: a row per table (the usual step, kept lean)
+        return sorted(range(len(seq_lens)), key=seq_lens.__getitem__, reverse=True)  # (stable, as argsort's)
+    longest, first = {}, {}
+    for i, (n, row) in enumerate(zip(seq_lens, table_rows, strict=True)):
+        longest[row] = max(longest.get(row, 0), n)
+        first.setdefault(row, i)
+    return sorted(range(len(seq_lens)), key=lambda i: (-longest[table_rows[i]], first[table_rows[i]], -seq_lens[i]))
+
+
 @dataclass
 class StepIndex:
     """One step's metadata before its block ids: index tensors that the host computes from the
@@ -98,7 +112,7 @@ class StepIndex:
         in_order = False
         if num_decode:
             seqs = is_decode.nonzero().squeeze(1)
-            seqs = seqs[torch.argsort(seq_lens[seqs], descending=True, stable=True)]  # similar lengths side by side
+            seqs = seqs[decode_order(seq_lens[seqs].tolist(), rows[seqs].tolist())]
             in_order = num_decode == b and bool((seqs == torch.arange(b)).all())
             t["decode_token_rows"], t["decode_table_rows"] = query_start[seqs], rows[seqs]
             t["decode_seq_lens"] = seq_lens[seqs]
@@ -125,7 +139,7 @@ class StepIndex:
         """``build`` for a step of one new token per sequence (most steps): the same tensors, made from
         lists (a few operators, not the general case's ~25: ~0.3 ms a step on a CPU)."""
         seq_lens = [c + 1 for c in computed_lens]
-        seqs = sorted(range(len(seq_lens)), key=seq_lens.__getitem__, reverse=True)  # (stable, as argsort's)
+        seqs = decode_order(seq_lens, table_rows)
         i64 = dict(dtype=torch.int64)
         t = {"positions": torch.tensor(computed_lens, **i64), "token_table_rows": torch.tensor(table_rows, **i64),
              "decode_token_rows": torch.tensor(seqs, **i64),

@@ -129,6 +129,35 @@ def test_cpu_fp8_widening_without_avx2_matches_reference(monkeypatch, compiled):
         attention._library.cache_clear()
 
 
+@pytest.mark.parametrize("dtype,cache_dtype,window,softcap", [(F32, F32, 0, 0.0), (BF16, BF16, 600, 0.0),
+                                                             (F32, E4M3, 0, 3.0), (BF16, E5M2, 0, 0.0)])
+def test_cpu_decode_rows_on_one_block_table_walk_it_together_to_the_same_results(dtype, cache_dtype, window, softcap,
+                                                                                 compiled):
+    """A request's decode row and its drafts (one block table, one more key each), beside other sequences:
+    walked together a span of blocks at a time, each row's output is, to the bit, what it gets alone;
+    with a window, a cap, bf16 and fp8, contexts of several spans, on one thread and two."""
+    lens = [1100, 1101, 1102, 1103, 300, 1050, 1051]  # a request with three drafts, another sequence, one with a draft
+    rows = [0, 0, 0, 0, 1, 2, 2]  # (spans of 256 tokens in fp32, 512 in bf16, 1024 in fp8)
+    *caches, tables = paged_cache([1103, 300, 1051], 16, 3, 64, F32)
+    k, v = (ref.to_cache(c, cache_dtype) for c in caches[2:])
+    tables, lens = tables[rows], torch.tensor(lens)
+    q = randn(len(lens), 9, 64, dtype=dtype)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            together = cpu.paged_decode_attention(q, k, v, tables, lens, 1103, 0.125, window, softcap)
+            for i in range(len(lens)):
+                alone = cpu.paged_decode_attention(q[i:i + 1], k, v, tables[i:i + 1], lens[i:i + 1], int(lens[i]),
+                                                   0.125, window, softcap)
+                assert torch.equal(together[i], alone[0]), (n, i)
+    finally:
+        torch.set_num_threads(threads)
+    want = ref.paged_decode_attention(q, ref.to_cache(caches[0], cache_dtype), ref.to_cache(caches[1], cache_dtype),
+                                      tables.long(), lens, 1103, 0.125, window, softcap)
+    torch.testing.assert_close(together.float(), want.float(), **ATTN_TOL[dtype])
+
+
 def test_cpu_attention_w1_shapes(compiled):
     """SmolLM2's heads on W1-sized batches: 37 decodes (several of the reference's groups; each
     sequence is one thread's work, so 1 and 2 threads agree to the bit), and a long prompt beside

@@ -79,6 +79,22 @@ def test_a_decode_only_step_index_is_the_general_ones(computed):
         assert getattr(fast, field) == getattr(general, field), field
 
 
+def test_a_requests_draft_rows_stay_together_longest_first():
+    """Two requests with drafts (rows on one block table each, one more key a row) and one without: each
+    request's rows side by side (the CPU kernel walks their blocks once), groups by their longest row; in
+    decode-only steps and mixed ones alike."""
+    computed, rows = [100, 101, 102, 101, 102, 103, 50], [0, 0, 0, 1, 1, 1, 2]
+    want = [5, 4, 3, 2, 1, 0, 6]  # by length alone: 5, 2, 4, 1, 3, 0, 6 (the requests interleaved)
+    fast = StepIndex.build([1] * 7, computed, rows)
+    general = StepIndex.build(_General([1] * 7), computed, rows)
+    for index in (fast, general):
+        assert index.tensors["decode_token_rows"].tolist() == want
+        assert index.tensors["decode_seq_lens"].tolist() == [104, 103, 102, 103, 102, 101, 51]
+        assert index.max_decode_len == 104
+    mixed = StepIndex.build([1] * 7 + [4], computed + [0], rows + [3])  # and a prompt's chunk
+    assert mixed.tensors["decode_token_rows"].tolist() == want
+
+
 def test_persistent_tables_give_the_list_built_metadata():
     bs = 4
     query_lens, computed = [1, 5, 1, 3], [6, 0, 10, 2]
