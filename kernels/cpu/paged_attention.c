@@ -10,9 +10,9 @@
  * its sequence's latest window keys; with softcap > 0 (Gemma 2) each score s is
  * softcap tanh(s / softcap). fp32 or bf16 (widened on load, rounded to nearest even on store, as
  * torch rounds); fp32 arithmetic throughout. The cache holds q's dtype, or fp8 (kv_fp8: e4m3fn or
- * e5m2, widened exactly as torch widens them: widen_fp8). One sequence per work
- * item, or with fewer sequences than threads one KV head of one: so that one stream's attention
- * is not one thread's. Within an item, each query head in turn over its KV head's blocks, its
+ * e5m2, widened exactly as torch widens them: widen_fp8). One sequence per work item (or the rows
+ * of one request's decode and drafts: attend_rows), or with fewer of them than threads one KV head
+ * of one: so that one stream's attention is not one thread's. Within an item, each query head in turn over its KV head's blocks, its
  * accumulators in registers (head sizes 64 and 128 are compiled as constants), the next block
  * prefetched while one computes, an online softmax across blocks: nothing the size of the
  * context is ever written. A head's result does not depend on how the work was split.
@@ -21,8 +21,10 @@
  * kernels.reference.store_kvcache (two index_copy_ at ~20 us each per layer were a tenth of a
  * one-stream decode step); store_kv_fp8 into an fp8 cache, each value rounded to fp8 on the way.
  *
- * Each function returns OK, or BAD_ARGUMENTS for what attention.py never sends; store_kv returns
- * OUT_OF_RANGE for a slot outside the cache (packed.h's codes; nothing written unless OK).
+ * Each function returns OK, or BAD_ARGUMENTS for what attention.py never sends; decode returns
+ * OUT_OF_MEMORY where its small buffers cannot be allocated (some rows written then: the caller
+ * raises and drops the output); store_kv returns OUT_OF_RANGE for a slot outside the cache (nothing
+ * written then; packed.h's codes).
  */
 #include <math.h>
 #include <stdlib.h>
@@ -236,31 +238,31 @@ static void attend_d(const void *q, const void *k_cache, const void *v_cache, co
         attend_mode(q, k_cache, v_cache, table, len, b, h, kv, dm, out, dm->D, mode, first, j0, j1, p);
 }
 
-/* KV heads [kv0, kv1) of sequences [b0, b1), which share one block table (a request's decode row and its
-   speculative drafts, each with one more key than the last; or one sequence): each one's query heads in
-   turn, while its blocks are in cache. Several sequences walk the blocks together, a span of them (about
+/* KV heads [kv0, kv1) of sequences [b0, b1), whose block tables agree (a request's decode row and its
+   speculative drafts, each with one more key than the last; or one sequence), each read through its own:
+   each one's query heads in turn, while its blocks are in cache. Several sequences walk the blocks together, a span of them (about
    128 KB of K and V) at a time, every query head of every sequence over a span before the next span is
    read, their softmax states kept between spans: the context comes from memory once, not once per row
    (k + 1 rows read it k + 1 times: at 8000 tokens, 5 rows took 6.3x one row's time). Returns
    OUT_OF_MEMORY where the states cannot be allocated. */
-static int attend_rows(const void *q, const void *k_cache, const void *v_cache, const int64_t *table,
+static int attend_rows(const void *q, const void *k_cache, const void *v_cache, const int64_t *block_tables,
                        const int64_t *seq_lens, int64_t b0, int64_t b1, int64_t kv0, int64_t kv1, const Dims *dm,
                        void *out, int mode) {
     const int64_t G = dm->H / dm->HKV, n = b1 - b0;
     if (n == 1) {
         for (int64_t kv = kv0; kv < kv1; kv++)
             for (int64_t h = kv * G; h < (kv + 1) * G; h++)
-                attend_d(q, k_cache, v_cache, table, seq_lens[b0], b0, h, kv, dm, out, mode, h == kv * G, 0,
-                         INT64_MAX, NULL);
+                attend_d(q, k_cache, v_cache, block_tables + b0 * dm->W, seq_lens[b0], b0, h, kv, dm, out, mode,
+                         h == kv * G, 0, INT64_MAX, NULL);
         return OK;
     }
     Partial *parts = aligned_alloc(32, sizeof(Partial) * (size_t)(n * G));
     if (!parts) return OUT_OF_MEMORY;
     const int64_t size = mode < 2 ? 4 / (mode + 1) : 1; /* bytes per cached value: fp32, bf16, fp8 */
     const int64_t span = 131072 / (2 * dm->BS * dm->D * size) > 0 ? 131072 / (2 * dm->BS * dm->D * size) : 1;
-    int64_t longest = 0;
-    for (int64_t b = b0; b < b1; b++) longest = seq_lens[b] > longest ? seq_lens[b] : longest;
-    const int64_t blocks = (longest + dm->BS - 1) / dm->BS;
+    int64_t longest = b0; /* the row that reads the most blocks, which prefetches them */
+    for (int64_t b = b0; b < b1; b++) longest = seq_lens[b] > seq_lens[longest] ? b : longest;
+    const int64_t blocks = (seq_lens[longest] + dm->BS - 1) / dm->BS;
     for (int64_t kv = kv0; kv < kv1; kv++) {
         for (int64_t i = 0; i < n * G; i++) {
             parts[i].m = -INFINITY, parts[i].l = 0.f;
@@ -269,8 +271,8 @@ static int attend_rows(const void *q, const void *k_cache, const void *v_cache, 
         for (int64_t j0 = 0; j0 < blocks; j0 += span)
             for (int64_t b = b0; b < b1; b++)
                 for (int64_t h = kv * G; h < (kv + 1) * G; h++)
-                    attend_d(q, k_cache, v_cache, table, seq_lens[b], b, h, kv, dm, out, mode,
-                             b == b0 && h == kv * G, j0, j0 + span, parts + (b - b0) * G + (h - kv * G));
+                    attend_d(q, k_cache, v_cache, block_tables + b * dm->W, seq_lens[b], b, h, kv, dm, out, mode,
+                             b == longest && h == kv * G, j0, j0 + span, parts + (b - b0) * G + (h - kv * G));
         const float unit = mode == 2 || mode == 3 ? 256.f : 1.f; /* (as attend_head's) */
         for (int64_t b = b0; b < b1; b++)
             for (int64_t h = kv * G; h < (kv + 1) * G; h++) {
@@ -292,12 +294,16 @@ static int attend_rows(const void *q, const void *k_cache, const void *v_cache, 
 static int attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *block_tables,
                   const int64_t *seq_lens, void *out, int64_t B, const Dims *dm, int num_threads, int bf16) {
     if (dm->D % 8 || dm->D > MAX_D || dm->BS > MAX_BS || dm->kv_fp8 < 0 || dm->kv_fp8 > 2) return BAD_ARGUMENTS;
-    /* groups of consecutive sequences on one block table (attend_rows), starting at first[g] */
+    /* groups of consecutive sequences whose tables agree with their group's first one on the blocks they
+       read (attend_rows; only where they read: a table's later columns may hold anything), from first[g] */
     int64_t *first = malloc(sizeof(int64_t) * (size_t)(B + 1)), groups = 0;
     if (!first) return OUT_OF_MEMORY;
-    for (int64_t b = 0; b < B; b++)
-        if (!b || memcmp(block_tables + b * dm->W, block_tables + (b - 1) * dm->W, sizeof(int64_t) * dm->W))
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t used = seq_lens[b] > 0 ? (seq_lens[b] + dm->BS - 1) / dm->BS : 0;
+        if (!b || memcmp(block_tables + b * dm->W, block_tables + first[groups - 1] * dm->W,
+                         sizeof(int64_t) * (size_t)(used < dm->W ? used : dm->W)))
             first[groups++] = b;
+    }
     first[groups] = B;
     const int64_t parts = groups < num_threads ? dm->HKV : 1, items = groups * parts;
     const int threads = items < num_threads ? (int)items : num_threads; /* never wake a thread with nothing to do */
@@ -307,9 +313,11 @@ static int attend(const void *q, const void *k_cache, const void *v_cache, const
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t i = 0; i < items; i++) {
         const int64_t g = i / parts, kv0 = parts == 1 ? 0 : i % parts, kv1 = parts == 1 ? dm->HKV : kv0 + 1;
-        if (attend_rows(q, k_cache, v_cache, block_tables + first[g] * dm->W, seq_lens, first[g], first[g + 1],
-                        kv0, kv1, dm, out, mode) != OK)
-            status = OUT_OF_MEMORY; /* (any thread's: the same value) */
+        if (attend_rows(q, k_cache, v_cache, block_tables, seq_lens, first[g], first[g + 1], kv0, kv1, dm, out,
+                        mode) != OK) {
+#pragma omp atomic write
+            status = OUT_OF_MEMORY;
+        }
     }
     free(first);
     return status;
