@@ -16,6 +16,11 @@ import torch.nn.functional as F
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
+def fp8_format(dtype: torch.dtype) -> int:
+    """How the compiled kernels name a cache's dtype: 1 e4m3fn, 2 e5m2, 0 not fp8 (the model's)."""
+    return FP8_DTYPES.index(dtype) + 1 if dtype in FP8_DTYPES else 0
+
+
 def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x`` as a cache of ``dtype`` keeps it: fp8 rounds to the nearest value (ties to even) and
     saturates at its largest finite one (448 for e4m3, 57344 for e5m2; a NaN stays NaN)."""

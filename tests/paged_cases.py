@@ -59,6 +59,27 @@ FP8_CASES = [
     (BF16, E5M2, 32, 8, 6, 2, [9, 3], [30, 14], 12, 0.0),
 ]
 
+# values a store into an fp8 cache must round right: the largest and past it, infinities, NaN, signed zeros,
+# subnormals and the halfway points between them, and 7.9 (which Triton's own fp8 cast in the interpreter
+# rounds to 4)
+_INF = float("inf")
+FP8_EDGES = [448., 464., 480., 57344., 61440., 1e30, _INF, -_INF, float("nan"), 0., -0., 2 ** -6, 2 ** -9, 2 ** -10,
+             3 * 2 ** -11, 2 ** -14, 2 ** -16, 2 ** -17, 3 * 2 ** -18, -3 * 2 ** -18, 7.9, -7.9]
+
+
+def check_fp8_store(store, values: torch.Tensor, cache_dtype: torch.dtype) -> None:
+    """``store`` (a backend's ``store_kvcache``) puts ``values`` (T, Hkv, D) as K and their negatives as V
+    into an fp8 cache byte for byte as the reference does (torch's rounding), slot 0 left alone."""
+    t, hkv, d = values.shape
+    kc = torch.zeros(t + 1, 1, hkv, d, dtype=cache_dtype, device=values.device)
+    vc, want_k, want_v = kc.clone(), kc.clone(), kc.clone()
+    slots = torch.arange(t, device=values.device) + 1
+    store(values, -values, kc, vc, slots)
+    reference.store_kvcache(values, -values, want_k, want_v, slots)
+    assert torch.equal(kc.view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(vc.view(torch.uint8), want_v.view(torch.uint8))
+    assert not kc.view(torch.uint8)[0].any()
+
 
 def fp8_caches(seq_lens: list[int], page: int, hkv: int, d: int, dtype: torch.dtype, device: str = "cpu"):
     """``paged_cache``'s five, the caches rounded to the fp8 ``dtype`` as a store rounds them (NaN kept)."""

@@ -25,10 +25,12 @@ from tests.paged_cases import (
     F16,
     F32,
     FP8_CASES,
+    FP8_EDGES,
     PREFILL_CASES,
     WINDOW_CASES,
     against_reference,
     case_id,
+    check_fp8_store,
     fp8_caches,
     paged_cache,
     prefill_indices,
@@ -336,20 +338,9 @@ def test_cpu_store_kvcache_into_fp8_rounds_as_the_reference(dtype, cache_dtype, 
     halves = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
     g = torch.Generator().manual_seed(5)
     spread = torch.randn(20000, generator=g) * torch.logspace(-12, 6, 20000)
-    inf, nan = float("inf"), float("nan")
-    edges = torch.tensor([448., 464., 480., 57344., 61440., 1e30, inf, -inf, nan, 0., -0., 2 ** -6, 2 ** -9, 2 ** -10,
-                          3 * 2 ** -11, 2 ** -14, 2 ** -16, 2 ** -17, 3 * 2 ** -18, -3 * 2 ** -18, 7.9, -7.9])
-    values = torch.cat([halves, spread, edges])
+    values = torch.cat([halves, spread, torch.tensor(FP8_EDGES)])
     values = torch.cat([values, values.new_zeros(-len(values) % 32)]).to(dtype).view(-1, 2, 16)
-    t = len(values)
-    kc, vc = torch.zeros(t + 1, 1, 2, 16, dtype=cache_dtype), torch.zeros(t + 1, 1, 2, 16, dtype=cache_dtype)
-    want_k, want_v = kc.clone(), vc.clone()
-    slots = torch.arange(t) + 1
-    cpu.store_kvcache(values, -values, kc, vc, slots)
-    ref.store_kvcache(values, -values, want_k, want_v, slots)
-    assert torch.equal(kc.view(torch.uint8), want_k.view(torch.uint8))
-    assert torch.equal(vc.view(torch.uint8), want_v.view(torch.uint8))
-    assert not kc.view(torch.uint8)[0].any()
+    check_fp8_store(cpu.store_kvcache, values, cache_dtype)
 
 
 def test_cpu_store_kvcache_refuses_a_slot_outside_the_cache_and_stores_nothing(compiled):

@@ -32,10 +32,12 @@ from tests.paged_cases import (  # noqa: E402
     F16,
     F32,
     FP8_CASES,
+    FP8_EDGES,
     PREFILL_CASES,
     WINDOW_CASES,
     against_reference,
     case_id,
+    check_fp8_store,
     fp8_caches,
     paged_cache,
     prefill_indices,
@@ -174,20 +176,10 @@ def test_triton_store_kvcache_into_fp8_rounds_as_the_reference(dtype, cache_dtyp
     """Byte for byte as ``reference.to_cache`` (torch's rounding): values of every size, the largest and
     past it, infinities, NaN, signed zeros, subnormals and the halfway points between them (and 7.9,
     which Triton's own fp8 cast in the interpreter rounds to 4)."""
-    inf, nan = float("inf"), float("nan")
-    edges = [448., 464., 480., 57344., 61440., 1e30, inf, -inf, nan, 0., -0., 2 ** -6, 2 ** -9, 2 ** -10,
-             3 * 2 ** -11, 2 ** -14, 2 ** -16, 2 ** -17, 3 * 2 ** -18, -3 * 2 ** -18, 7.9, -7.9]
-    spread = torch.randn(4096 - len(edges), generator=gen()) * torch.logspace(-12, 6, 4096 - len(edges))
-    values = torch.cat([torch.tensor(edges), spread]).to(dtype).view(-1, 4, 32).to(DEVICE)
-    t = len(values)
-    kc = torch.zeros(t + 1, 1, 4, 32, dtype=cache_dtype, device=DEVICE)
-    vc, want_k, want_v = kc.clone(), kc.clone(), kc.clone()
-    slots = torch.arange(t, device=DEVICE) + 1
-    tri.store_kvcache(values, -values, kc, vc, slots)
-    ref.store_kvcache(values, -values, want_k, want_v, slots)
-    assert torch.equal(kc.view(torch.uint8), want_k.view(torch.uint8))
-    assert torch.equal(vc.view(torch.uint8), want_v.view(torch.uint8))
-    assert not kc.view(torch.uint8)[0].any()
+    n = 4096 - len(FP8_EDGES)
+    spread = torch.randn(n, generator=gen()) * torch.logspace(-12, 6, n)
+    values = torch.cat([torch.tensor(FP8_EDGES), spread]).to(dtype).view(-1, 4, 32).to(DEVICE)
+    check_fp8_store(tri.store_kvcache, values, cache_dtype)
 
 
 def test_triton_store_kvcache_skips_padding_slots():

@@ -41,10 +41,6 @@ class _Dims(ctypes.Structure):
                 + [("scale", ctypes.c_float), ("softcap", ctypes.c_float), ("kv_fp8", ctypes.c_int64)])
 
 
-_FP8 = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}  # Dims.kv_fp8 (0: the cache holds q's dtype)
-assert set(_FP8) == set(reference.FP8_DTYPES)
-
-
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -140,7 +136,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_tables, seq_lens = block_tables.to(torch.int64).contiguous(), seq_lens.to(torch.int64).contiguous()
     out = torch.empty_like(q)
     dims = _Dims(H=h, HKV=k_cache.shape[2], D=d, BS=k_cache.shape[1], W=block_tables.shape[1], window=window,
-                 scale=scale, softcap=softcap, kv_fp8=_FP8.get(k_cache.dtype, 0))
+                 scale=scale, softcap=softcap, kv_fp8=reference.fp8_format(k_cache.dtype))
     kernel = getattr(_library(), _DECODE[q.dtype])
     kernel(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
            out.data_ptr(), b, ctypes.byref(dims), torch.get_num_threads())

@@ -134,13 +134,14 @@ typedef struct {
 
 /* Query head h of sequence b over KV head kv, its blocks [j0, j1) (0, INT64_MAX: all): its D accumulators in
    registers when D is a constant (64, 128), scores a block at a time, an online softmax across blocks. With
-   part, it starts from there and leaves its state there, else it starts afresh and writes its output. */
+   part, it starts from that state, and unless last it leaves its state there and writes nothing; without,
+   it starts afresh. It writes its output last. */
 static inline __attribute__((always_inline)) void attend_head(const void *q, const void *k_cache,
                                                               const void *v_cache, const int64_t *table,
                                                               int64_t len, int64_t b, int64_t h, int64_t kv,
                                                               const Dims *dm, void *out, const int64_t D,
                                                               const int bf16, const int kv_kind, const int first,
-                                                              int64_t j0, int64_t j1, Partial *part) {
+                                                              int64_t j0, int64_t j1, Partial *part, const int last) {
     const int64_t BS = dm->BS, row = dm->HKV * D, block_size = BS * row;
     const int64_t size = kv_kind == KV_F32 ? 4 : kv_kind == KV_BF16 ? 2 : 1; /* bytes per cached value */
     float qf[MAX_D], buf[MAX_D], s[MAX_BS + 8]; /* s: exponentiated 8 at a time, past a block's end too */
@@ -192,7 +193,7 @@ static inline __attribute__((always_inline)) void attend_head(const void *q, con
             for (int64_t i = 0; i < D / 8; i++) acc[i] += s[t] * *(const v8f_u *)(v + 8 * i);
         }
     }
-    if (part) {
+    if (part && !last) {
         part->m = m, part->l = l;
         for (int64_t i = 0; i < D / 8; i++) part->acc[i] = acc[i];
         return;
@@ -215,27 +216,27 @@ static inline __attribute__((always_inline)) void attend_mode(const void *q, con
                                                               int64_t len, int64_t b, int64_t h, int64_t kv,
                                                               const Dims *dm, void *out, const int64_t D,
                                                               const int mode, const int first, int64_t j0,
-                                                              int64_t j1, Partial *p) {
+                                                              int64_t j1, Partial *p, const int last) {
     switch (mode) {
-    case 0: attend_head(q, k_cache, v_cache, table, len, b, h, kv, dm, out, D, 0, KV_F32, first, j0, j1, p); break;
-    case 1: attend_head(q, k_cache, v_cache, table, len, b, h, kv, dm, out, D, 1, KV_BF16, first, j0, j1, p); break;
-    case 2: attend_head(q, k_cache, v_cache, table, len, b, h, kv, dm, out, D, 0, KV_E4M3, first, j0, j1, p); break;
-    case 3: attend_head(q, k_cache, v_cache, table, len, b, h, kv, dm, out, D, 1, KV_E4M3, first, j0, j1, p); break;
-    case 4: attend_head(q, k_cache, v_cache, table, len, b, h, kv, dm, out, D, 0, KV_E5M2, first, j0, j1, p); break;
-    default: attend_head(q, k_cache, v_cache, table, len, b, h, kv, dm, out, D, 1, KV_E5M2, first, j0, j1, p); break;
+    case 0: attend_head(q, k_cache, v_cache, table, len, b, h, kv, dm, out, D, 0, KV_F32, first, j0, j1, p, last); break;
+    case 1: attend_head(q, k_cache, v_cache, table, len, b, h, kv, dm, out, D, 1, KV_BF16, first, j0, j1, p, last); break;
+    case 2: attend_head(q, k_cache, v_cache, table, len, b, h, kv, dm, out, D, 0, KV_E4M3, first, j0, j1, p, last); break;
+    case 3: attend_head(q, k_cache, v_cache, table, len, b, h, kv, dm, out, D, 1, KV_E4M3, first, j0, j1, p, last); break;
+    case 4: attend_head(q, k_cache, v_cache, table, len, b, h, kv, dm, out, D, 0, KV_E5M2, first, j0, j1, p, last); break;
+    default: attend_head(q, k_cache, v_cache, table, len, b, h, kv, dm, out, D, 1, KV_E5M2, first, j0, j1, p, last); break;
     }
 }
 
 /* attend_mode with D a constant where it is 64 or 128 */
 static void attend_d(const void *q, const void *k_cache, const void *v_cache, const int64_t *table, int64_t len,
                      int64_t b, int64_t h, int64_t kv, const Dims *dm, void *out, int mode, int first, int64_t j0,
-                     int64_t j1, Partial *p) {
+                     int64_t j1, Partial *p, int last) {
     if (dm->D == 64)
-        attend_mode(q, k_cache, v_cache, table, len, b, h, kv, dm, out, 64, mode, first, j0, j1, p);
+        attend_mode(q, k_cache, v_cache, table, len, b, h, kv, dm, out, 64, mode, first, j0, j1, p, last);
     else if (dm->D == 128)
-        attend_mode(q, k_cache, v_cache, table, len, b, h, kv, dm, out, 128, mode, first, j0, j1, p);
+        attend_mode(q, k_cache, v_cache, table, len, b, h, kv, dm, out, 128, mode, first, j0, j1, p, last);
     else
-        attend_mode(q, k_cache, v_cache, table, len, b, h, kv, dm, out, dm->D, mode, first, j0, j1, p);
+        attend_mode(q, k_cache, v_cache, table, len, b, h, kv, dm, out, dm->D, mode, first, j0, j1, p, last);
 }
 
 /* KV heads [kv0, kv1) of sequences [b0, b1), whose block tables agree (a request's decode row and its
@@ -253,12 +254,12 @@ static int attend_rows(const void *q, const void *k_cache, const void *v_cache, 
         for (int64_t kv = kv0; kv < kv1; kv++)
             for (int64_t h = kv * G; h < (kv + 1) * G; h++)
                 attend_d(q, k_cache, v_cache, block_tables + b0 * dm->W, seq_lens[b0], b0, h, kv, dm, out, mode,
-                         h == kv * G, 0, INT64_MAX, NULL);
+                         h == kv * G, 0, INT64_MAX, NULL, 1);
         return OK;
     }
     Partial *parts = aligned_alloc(32, sizeof(Partial) * (size_t)(n * G));
     if (!parts) return OUT_OF_MEMORY;
-    const int64_t size = mode < 2 ? 4 / (mode + 1) : 1; /* bytes per cached value: fp32, bf16, fp8 */
+    const int64_t size = dm->kv_fp8 ? 1 : mode == 1 ? 2 : 4; /* bytes per cached value: fp8, bf16, fp32 */
     const int64_t span = 131072 / (2 * dm->BS * dm->D * size) > 0 ? 131072 / (2 * dm->BS * dm->D * size) : 1;
     int64_t longest = b0; /* the row that reads the most blocks, which prefetches them */
     for (int64_t b = b0; b < b1; b++) longest = seq_lens[b] > seq_lens[longest] ? b : longest;
@@ -268,24 +269,12 @@ static int attend_rows(const void *q, const void *k_cache, const void *v_cache, 
             parts[i].m = -INFINITY, parts[i].l = 0.f;
             for (int64_t d = 0; d < MAX_D / 8; d++) parts[i].acc[d] = (v8f){0};
         }
-        for (int64_t j0 = 0; j0 < blocks; j0 += span)
+        for (int64_t j0 = 0; j0 == 0 || j0 < blocks; j0 += span) /* (every row over every span: the last writes it) */
             for (int64_t b = b0; b < b1; b++)
                 for (int64_t h = kv * G; h < (kv + 1) * G; h++)
                     attend_d(q, k_cache, v_cache, block_tables + b * dm->W, seq_lens[b], b, h, kv, dm, out, mode,
-                             b == longest && h == kv * G, j0, j0 + span, parts + (b - b0) * G + (h - kv * G));
-        const float unit = mode == 2 || mode == 3 ? 256.f : 1.f; /* (as attend_head's) */
-        for (int64_t b = b0; b < b1; b++)
-            for (int64_t h = kv * G; h < (kv + 1) * G; h++) {
-                const Partial *p = parts + (b - b0) * G + (h - kv * G);
-                const float inv = 1.f / p->l * unit;
-                for (int64_t d = 0; d < dm->D; d++) {
-                    const int64_t at = (b * dm->H + h) * dm->D + d;
-                    if (mode & 1)
-                        ((uint16_t *)out)[at] = float_to_bf16(p->acc[d / 8][d % 8] * inv);
-                    else
-                        ((float *)out)[at] = p->acc[d / 8][d % 8] * inv;
-                }
-            }
+                             b == longest && h == kv * G, j0, j0 + span, parts + (b - b0) * G + (h - kv * G),
+                             j0 + span >= blocks);
     }
     free(parts);
     return OK;

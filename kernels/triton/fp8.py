@@ -9,15 +9,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.reference import FP8_DTYPES
-
-FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
-assert set(FORMATS) == set(FP8_DTYPES)
+from kernels.reference import fp8_format
 
 
 def cache_args(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The caches as a kernel takes them (fp8 ones as their bytes) and their ``FMT``."""
-    fmt = FORMATS.get(k_cache.dtype, 0)
+    fmt = fp8_format(k_cache.dtype)
     if fmt:
         return k_cache.view(torch.uint8), v_cache.view(torch.uint8), fmt
     return k_cache, v_cache, 0
