@@ -7,7 +7,7 @@ is the number of requests whose table holds it.
 
 Prefix caching: a full, computed block is named by a hash chained over its
 token ids and its parent block's hash; the chain starts from a root that
-covers the model and dtype (``hash_seed``), the request's LoRA adapter and its
+covers the model and dtype (``hash_seed``), the request's LoRA adapter (which load of it) and its
 ``cache_salt``, so tenants with different salts never share a block. A new request takes every
 cached block of its longest cached prefix (ref counts up) and computes only the
 rest. Hashes are 128-bit BLAKE2b: a client cannot craft a prompt whose blocks

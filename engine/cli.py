@@ -29,6 +29,8 @@ from engine.config import (
     KV_CACHE_DTYPES,
     POLICIES,
     QUANTIZATIONS,
+    RUNTIME_LORA_ENV,
+    SPARE_LORA_SLOTS,
     EngineConfig,
 )
 from engine.config_file import Parser
@@ -169,6 +171,11 @@ def _engine_flags(p: argparse.ArgumentParser, generate: bool = False) -> None:
                         "them with the model alone (also '{\"name\": NAME, \"path\": PATH}')")
     a.add_argument("--max-lora-rank", type=int, default=None, metavar="R",
                    help=f"the largest rank an adapter may have (default: {d['max_lora_rank']})")
+    a.add_argument("--max-loras", type=int, default=None, metavar="N",
+                   help=f"with {RUNTIME_LORA_ENV}=true (vLLM's: POST /v1/load_lora_adapter and "
+                        "/v1/unload_lora_adapter while serving): the adapters the device holds at once, those of "
+                        f"--lora-modules and those loaded (default: --lora-modules' and {SPARE_LORA_SLOTS} more); "
+                        "without it every adapter of --lora-modules has a slot and no more are loaded")
     m = p.add_argument_group("tensor parallel across machines (torchrun's names; a private network only: "
                              "the rendezvous and gloo/NCCL traffic are unauthenticated)")
     m.add_argument("--nnodes", type=int, default=None, metavar="N",
@@ -389,6 +396,11 @@ def _config_kwargs(args: argparse.Namespace) -> dict:
         if len(set(names)) < len(names):
             raise ValueError(f"--lora-modules names an adapter twice: {sorted(n for n in set(names) if names.count(n) > 1)}")
         kw["lora_modules"] = dict(kw["lora_modules"])
+    kw.pop("max_loras", None)
+    if os.environ.get(RUNTIME_LORA_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
+        if not getattr(args, "enable_lora", False):
+            raise ValueError(f"{RUNTIME_LORA_ENV} loads LoRA adapters while serving: it needs --enable-lora, as in vLLM")
+        kw["max_loras"] = args.max_loras or len(kw.get("lora_modules") or ()) + SPARE_LORA_SLOTS
     return kw
 
 

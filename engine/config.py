@@ -21,6 +21,8 @@ QUANTIZATIONS = ("awq", "gptq", "awq_marlin", "gptq_marlin")
 POOLING_TYPES = ("last", "mean")  # how an embedding is pooled from a prompt's hidden states (engine.pooling)
 # what the KV cache holds (vLLM's names): auto = the model's dtype; fp8 = fp8_e4m3 (engine.runtime.pick_kv_dtype)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+# vLLM's switch for loading LoRA adapters while serving (max_loras), and the free slots it gives by default
+RUNTIME_LORA_ENV, SPARE_LORA_SLOTS = "VLLM_ALLOW_RUNTIME_LORA_UPDATING", 4
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,10 @@ class EngineConfig:
     # --lora-modules); every one is kept on the device. max_lora_rank: the largest rank they may have
     lora_modules: dict[str, str] | None = None
     max_lora_rank: int = 16
+    # slots on the device for adapters: those of lora_modules, and the others take adapters loaded while serving
+    # (Engine.load_lora), every attention and MLP projection ready for them, at max_lora_rank; None: one slot
+    # per adapter of lora_modules, and none loaded while serving
+    max_loras: int | None = None
     # speculative decoding (engine.speculative), vLLM's --speculative-config: {"method": "ngram",
     # "num_speculative_tokens": k, "prompt_lookup_min": n, "prompt_lookup_max": m}; None: off
     speculative_config: dict | None = None
@@ -129,6 +135,10 @@ class EngineConfig:
             bad(f"lora_modules must map adapter names to their folders, got {self.lora_modules!r}")
         if not 1 <= self.max_lora_rank <= 512:
             bad(f"max_lora_rank must be in [1, 512], got {self.max_lora_rank}")
+        if self.max_loras is not None and (isinstance(self.max_loras, bool) or not isinstance(self.max_loras, int)
+                                           or not max(1, len(self.lora_modules or ())) <= self.max_loras <= 256):
+            bad(f"max_loras must be in [1, 256] and hold the {len(self.lora_modules or ())} adapters of lora_modules, "
+                f"got {self.max_loras}")
         if self.speculative_config is not None:
             _ = self.speculative  # (raises ValueError with the reason)
         if self.tensor_parallel_size < 1:

@@ -28,6 +28,7 @@ big for the memory can neither loop forever nor take the others down.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.json_schema import SchemaError
+from engine.lora import AdapterError
 from engine.model_path import model_name, resolve_model_path
 from engine.model_runner import Launched, ModelRunner, StepResult
 from engine.pooling import PoolerConfig, PoolState
@@ -72,6 +74,18 @@ class InFlight:
                        for r in self.launched.sampled)
 
 
+MAX_ADAPTER_NAME = 256  # characters in a LoRA adapter's name
+
+
+@dataclass
+class ServedAdapter:
+    """A LoRA adapter requests may ask for by name."""
+
+    slot: int  # its slot on the device (engine.lora)
+    path: str  # its PEFT folder
+    key: str  # its name and which load of it: the prefix cache's root (a reloaded adapter shares no blocks)
+
+
 class RequestError(Exception):
     """A request the engine refuses; carries what an HTTP frontend should answer."""
 
@@ -89,6 +103,9 @@ class Engine:
         if self.model_name in self.runner.adapters:
             raise ValueError(f"LoRA adapter {self.model_name!r} has the served model's name: a request could not "
                              "ask for the model alone")
+        self._adapter_loads = itertools.count()
+        self.adapters = {name: ServedAdapter(slot, config.lora_modules[name], f"{next(self._adapter_loads)}:{name}")
+                         for name, slot in self.runner.adapters.items()}  # LoRA adapters by name (load_lora)
         facts = self.runner.facts
         capacity = facts.num_kv_blocks * config.block_size
         if capacity < facts.max_model_len:  # never advertise a length the cache cannot hold
@@ -170,8 +187,47 @@ class Engine:
     def ready_info(self) -> Ready:
         return Ready(self.model_name, self.max_model_len, self.vocab_size, self.eos_token_ids,
                      self.config.max_num_seqs, self.block_manager.num_blocks, self.config.block_size,
-                     self.config.max_num_waiting_requests, [[name, path] for name, path in
-                                                            (self.config.lora_modules or {}).items()])
+                     self.config.max_num_waiting_requests, [[name, a.path] for name, a in self.adapters.items()],
+                     self.config.max_loras or 0)
+
+    def load_lora(self, name: str, path: str) -> None:
+        """vLLM's ``/v1/load_lora_adapter``: LoRA adapter ``name`` from PEFT folder ``path`` into a free slot of
+        ``max_loras`` (one no adapter holds and no running or waiting request still reads); ``RequestError`` if
+        it cannot be."""
+        def bad(message: str, param: str = "lora_name") -> None:
+            raise RequestError(400, "invalid_request_error", message, param)
+
+        slots = self.config.max_loras
+        if not slots:
+            bad("LoRA adapters are not loaded while serving here: start with --enable-lora and "
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true (--max-loras: how many at once)")
+        if not name or len(name) > MAX_ADAPTER_NAME or not name.isprintable():
+            bad(f"an adapter's name must be 1 to {MAX_ADAPTER_NAME} printable characters")
+        if name == self.model_name:
+            bad(f"'{name}' is the served model's name: a request could not ask for the model alone")
+        if name in self.adapters:
+            bad(f"The LoRA adapter '{name}' is already loaded (unload it first to load another under its name)")
+        taken = {a.slot for a in self.adapters.values()}
+        reading = {r.lora_slot for r in self.requests.values() if r.lora_slot >= 0} - taken
+        free = [slot for slot in range(slots) if slot not in taken | reading]
+        if not free:
+            held = [f"{len(taken)} held by {', '.join(sorted(self.adapters))}"] if taken else []
+            held += [f"{len(reading)} by unloaded adapters whose requests still run"] if reading else []
+            bad(f"no free LoRA slot: of the {slots} of --max-loras, {' and '.join(held)}; unload one, or start "
+                "with a larger --max-loras")
+        try:
+            self.runner.load_adapter(free[0], name, path)
+        except AdapterError as e:
+            bad(str(e), "lora_path")
+        self.adapters[name] = ServedAdapter(free[0], path, f"{next(self._adapter_loads)}:{name}")
+        log.info("LoRA adapter %r loaded from %s into slot %d", name, path, free[0])
+
+    def unload_lora(self, name: str) -> None:
+        """vLLM's ``/v1/unload_lora_adapter``: new requests cannot ask for ``name`` any more; those running or
+        waiting with it finish with it, and its slot is free once they have."""
+        if self.adapters.pop(name, None) is None:
+            raise RequestError(404, "not_found_error", f"The LoRA adapter '{name}' is not loaded", "lora_name")
+        log.info("LoRA adapter %r unloaded", name)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0, deadline: float | None = None, cache_salt: str = "",
@@ -179,7 +235,8 @@ class Engine:
         """A generation, or with ``pooling`` an embedding (``params`` unused: nothing is sampled); ``lora``: the
         LoRA adapter it runs with ("": none)."""
         self._check(request_id, prompt_token_ids, params, pooling)
-        if lora and lora not in self.runner.adapters:
+        adapter = self.adapters.get(lora) if lora else None
+        if lora and adapter is None:
             raise RequestError(404, "not_found_error", f"The model '{lora}' does not exist", "model")
         if deadline is None and self.config.request_timeout is not None:
             deadline = time.time() + self.config.request_timeout
@@ -194,7 +251,7 @@ class Engine:
             except (SchemaError, VocabularyError) as e:
                 raise RequestError(400, "invalid_request_error", f"response_format: {e}", "response_format") from e
         req = Request(request_id, prompt_token_ids, params, priority, deadline, SamplingState(params, grammar),
-                      cache_salt, pool, lora, self.runner.adapters.get(lora, -1))
+                      cache_salt, pool, adapter.key if adapter else "", adapter.slot if adapter else -1)
         try:
             self.scheduler.add(req)
         except QueueFull as e:

@@ -15,7 +15,7 @@ import itertools
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from engine.config import EngineConfig
+from engine.config import SPARE_LORA_SLOTS, EngineConfig
 from engine.engine import Engine
 from engine.model_path import generation_defaults
 from engine.protocol import PoolingParams, SamplingParams, TokenLogprobs, embedding_floats
@@ -49,7 +49,12 @@ class EmbeddingOutput:
 
 class LLM:
     def __init__(self, model: str | None = None, **config):
+        """``config``: ``EngineConfig``'s fields; and vLLM's ``enable_lora=True``: ``generate`` loads the adapter of
+        a ``lora_request`` with a ``lora_path`` (vLLM's ``LoRARequest``), into ``max_loras`` slots (default: one
+        per adapter of ``lora_modules``, and ``SPARE_LORA_SLOTS`` more)."""
         config.pop("trust_remote_code", None)  # (vLLM's: nothing from a model's folder runs here)
+        if config.pop("enable_lora", False) and config.get("max_loras") is None:
+            config["max_loras"] = len(config.get("lora_modules") or ()) + SPARE_LORA_SLOTS
         self.config = EngineConfig(model=model, **config)
         self.engine = Engine(self.config)
         self._ids = itertools.count()
@@ -84,7 +89,8 @@ class LLM:
 
         ``priority``: one per prompt, lower first, for ``scheduling_policy="priority"`` (as vLLM's).
         ``lora_request``: the LoRA adapter (one of ``lora_modules``, by name, or anything with vLLM's
-        ``LoRARequest.lora_name``) for every prompt, or a list of one per prompt (None: the model alone).
+        ``LoRARequest.lora_name``) for every prompt, or a list of one per prompt (None: the model alone). One
+        with a ``lora_path`` that is not loaded yet is loaded first (``enable_lora``).
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -101,6 +107,10 @@ class LLM:
         loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(loras)} LoRA requests")
+        for a in loras:
+            path = getattr(a, "lora_path", None) or getattr(a, "lora_local_path", None)  # (older vLLM's name)
+            if path and a.lora_name not in self.engine.adapters:
+                self.engine.load_lora(a.lora_name, path)
         loras = [getattr(a, "lora_name", a) or "" for a in loras]
 
         outputs: dict[str, RequestOutput] = {}

@@ -117,6 +117,8 @@ def read_adapter(name: str, path: str, max_rank: int) -> Adapter:
         full = f"model.layers.{layer}.{module}"  # (its rank, rank_pattern's or not, is its tensors')
         alpha = _pattern(cfg.get("alpha_pattern"), full, cfg.get("lora_alpha", 8))  # (PEFT's default alpha)
         scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):  # (one slot's NaN would reach every token)
+            raise refuse(f"layer {layer} {module}: lora_A or lora_B holds a NaN or an infinity")
         out[layer, module] = (a.float(), b.float() * scale)
         rank = max(rank, r)
     return Adapter(name, rank, out)
@@ -182,6 +184,11 @@ class LoraWeights(nn.Module):
         self.a[col:col + r].copy_(a)
         self.b[first:first + b.shape[0], col:col + r].copy_(b)
 
+    def clear(self, slot: int) -> None:
+        cols = slice(slot * len(self.out_sizes) * self.rank, (slot + 1) * len(self.out_sizes) * self.rank)
+        self.a[cols].zero_()
+        self.b[:, cols].zero_()
+
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (T, out), the layer's output for ``x`` (T, in), plus each token's adapter's product."""
         if not self.state.active:
@@ -191,13 +198,19 @@ class LoraWeights(nn.Module):
         return y.add_(kernels.linear(u.view(t, -1), self.b))
 
 
-def attach(model: nn.Module, adapters: list[Adapter], rank: int, state: LoraState) -> None:
-    """Give each linear layer some adapter targets ``LoraWeights`` (``lora``), and put adapter i in slot i
-    (its share of each layer under tensor parallelism)."""
+def attach(model: nn.Module, adapters: list[Adapter], rank: int, state: LoraState,
+           every_layer: bool = False) -> dict[tuple[int, str], nn.Module]:
+    """Give each linear layer some adapter targets ``LoraWeights`` (``lora``), and put adapter i in slot i (its
+    share of each layer under tensor parallelism). ``every_layer``: every attention and MLP projection gets
+    them, for adapters loaded later (``put``). Returns the layers that have them, by (layer, module)."""
     from engine.models.layers import ColumnLinear, RowLinear
 
+    wanted = {(layer, _PARTS[module][0]) for a in adapters for layer, module in a.weights}
+    if every_layer:
+        wanted |= {(i, name) for i, layer in enumerate(model.layers) for name, _ in _PARTS.values()
+                   if isinstance(_module(layer, name), ColumnLinear | RowLinear)}
     targets = {}  # (layer, the model's module) -> that linear layer
-    for layer, name in sorted({(layer, _PARTS[module][0]) for a in adapters for layer, module in a.weights}):
+    for layer, name in sorted(wanted):
         if layer >= len(model.layers):
             raise AdapterError(f"LoRA adapter for layer {layer}, but the model has {len(model.layers)} layers")
         target = _module(model.layers[layer], name)
@@ -209,9 +222,26 @@ def attach(model: nn.Module, adapters: list[Adapter], rank: int, state: LoraStat
         target.lora = LoraWeights(in_features, out_sizes, rank, state)
         targets[layer, name] = target
     for slot, adapter in enumerate(adapters):
+        put(targets, slot, adapter)
+    return targets
+
+
+def put(targets: dict[tuple[int, str], nn.Module], slot: int, adapter: Adapter) -> None:
+    """``adapter`` into ``slot`` of ``targets`` (``attach``'s), in place of whatever the slot held (graphs read
+    the same tensors); ``AdapterError`` if it does not fit the model, the slot then left empty."""
+    from engine.models.layers import RowLinear
+
+    for target in targets.values():
+        target.lora.clear(slot)
+    try:
         for (layer, module), (a, b) in adapter.weights.items():
             name, part = _PARTS[module]
-            target = targets[layer, name]
+            target = targets.get((layer, name))
+            if target is None:
+                raise AdapterError(f"{adapter.name}: layer {layer}'s {name} takes no LoRA here (no such layer, "
+                                   "or a mixture of experts' layer)")
+            if adapter.rank > target.lora.rank:
+                raise AdapterError(f"{adapter.name}: rank {adapter.rank} passes the slots' {target.lora.rank}")
             if isinstance(target, RowLinear):
                 if a.shape[1] != target.in_per_rank * target.tp.size or b.shape[0] != target.out_features:
                     raise AdapterError(f"{adapter.name}: layer {layer} {module}'s lora_A and lora_B are "
@@ -231,3 +261,7 @@ def attach(model: nn.Module, adapters: list[Adapter], rank: int, state: LoraStat
                                    f"model's layer {want}")
             for p, rows in zip(parts, b.split([target.full_sizes[p] for p in parts]), strict=True):
                 target.lora.put(slot, p, a, rows.narrow(0, target.starts[p], target.out_sizes[p]))
+    except AdapterError:
+        for target in targets.values():
+            target.lora.clear(slot)
+        raise

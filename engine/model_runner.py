@@ -50,7 +50,7 @@ import kernels
 from engine.attention import StepIndex, build_metadata
 from engine.config import EngineConfig
 from engine.loader import build_model, load_model_config
-from engine.lora import LoraState, LoraWeights, attach, read_adapter
+from engine.lora import Adapter, AdapterError, LoraState, LoraWeights, attach, put, read_adapter
 from engine.models.layers import ColumnLinear, LMHead, RowLinear
 from engine.models.moe import Experts
 from engine.parallel import StepInput, TPGroup, local_model_config
@@ -164,17 +164,20 @@ class ModelRunner:
         self.local_cfg = local_model_config(self.model_cfg, self.tp.size)  # this rank's heads
         torch.manual_seed(config.seed)
         self.model = build_model(model_path, self.model_cfg, max_model_len, dtype, device, self.tp)
-        self.adapters: dict[str, int] = {}  # LoRA adapter name -> its slot (engine.lora)
+        self.adapters: dict[str, int] = {}  # the LoRA adapters of lora_modules -> their slots (engine.lora)
         self.lora: LoraState | None = None
-        if config.lora_modules:
-            adapters = [read_adapter(name, path, config.max_lora_rank) for name, path in config.lora_modules.items()]
-            self.lora = LoraState(len(adapters), max(config.max_num_batched_tokens, config.max_num_seqs), dtype,
-                                  device)
-            attach(self.model, adapters, max(a.rank for a in adapters), self.lora)
+        self.max_lora_rank = config.max_lora_rank
+        if config.lora_modules or config.max_loras:
+            adapters = [read_adapter(name, path, config.max_lora_rank)
+                        for name, path in (config.lora_modules or {}).items()]
+            slots = config.max_loras or len(adapters)  # (with max_loras: any adapter may come later, any rank)
+            rank = config.max_lora_rank if config.max_loras else max(a.rank for a in adapters)
+            self.lora = LoraState(slots, max(config.max_num_batched_tokens, config.max_num_seqs), dtype, device)
+            self._lora_layers = attach(self.model, adapters, rank, self.lora, every_layer=bool(config.max_loras))
             self.adapters = {a.name: slot for slot, a in enumerate(adapters)}
-            log.info("LoRA: %d adapters (%s), ranks up to %d, on the device", len(adapters),
-                     ", ".join(f"{a.name}: rank {a.rank}, {len(a.weights)} matrices" for a in adapters),
-                     max(a.rank for a in adapters))
+            log.info("LoRA: %d slots of rank %d on the device, %d taken (%s)%s", slots, rank, len(adapters),
+                     ", ".join(f"{a.name}: rank {a.rank}, {len(a.weights)} matrices" for a in adapters) or "none",
+                     "; the others take adapters loaded while serving" if config.max_loras else "")
         if device.type == "cpu":  # which CPU GEMM serves which layer, measured on these weights
             modules = list(self.model.modules())
             kernels.tune_linear([m.weight for m in modules if isinstance(m, (ColumnLinear, RowLinear, LMHead))]
@@ -234,6 +237,30 @@ class ModelRunner:
                                        self.model_cfg.hidden_size, dtype, device, cpu_graph.capture(), lazy=True,
                                        max_rows=CPU_GRAPH_ROWS, window_map=self.block_tables.window_map,
                                        variant=(lambda: self.lora.active) if self.lora is not None else None)
+
+    def load_adapter(self, slot: int, name: str, path: str) -> None:
+        """LoRA adapter ``name`` (PEFT folder ``path``) into ``slot`` on every rank, in place of the slot's last
+        one (engine.lora.put); ``AdapterError`` if it cannot be served, the slot then empty."""
+        adapter = read_adapter(name, path, self.max_lora_rank)  # refused here, the other ranks never hear of it
+        self.tp.send_adapter(slot, name, path)
+        self.put_adapter(slot, name, path, adapter)
+
+    def put_adapter(self, slot: int, name: str, path: str, adapter: Adapter | None = None) -> None:
+        """Every rank's part of ``load_adapter`` (a worker reads the folder itself): the ranks agree on whether
+        each of them could, or all leave the slot empty."""
+        error = None
+        try:
+            put(self._lora_layers, slot, adapter or read_adapter(name, path, self.max_lora_rank))
+        except Exception as e:  # noqa: BLE001 - whatever stopped this rank, every rank must hear of it
+            error = e
+        if self.tp.min_over_ranks(int(error is None)) == 0:
+            for layer in self._lora_layers.values():
+                layer.lora.clear(slot)
+            if isinstance(error, AdapterError):
+                raise error
+            raise AdapterError(f"LoRA adapter {name!r} ({path}): "
+                               + (f"{type(error).__name__}: {error}" if error else "a tensor-parallel rank could not "
+                                  "load it (its log says why)"))
 
     def _allocate_kv_cache(self) -> None:
         # one block more than the block manager hands out (in each pool): the scratch block of padding

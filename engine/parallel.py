@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import json
 import select
 import signal
 import socket
@@ -49,7 +50,7 @@ from engine.models.config import ModelConfig
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)  # a hung (not dead) peer fails the engine after this
 _IDLE_TIMEOUT = timedelta(days=365)  # a worker waiting for the next step
 HEADER_LEN = 8  # int64s: [command, num_seqs, num_tokens, num logits rows, num block table writes, num LoRA slots, 0, 0]
-CMD_STEP, CMD_SHUTDOWN = 1, 2
+CMD_STEP, CMD_SHUTDOWN, CMD_LORA = 1, 2, 3
 
 
 class TensorParallelError(RuntimeError):
@@ -127,6 +128,16 @@ class StepInput:
     def payload_len(header: list[int]) -> int:
         _, b, t, r, w, s = header[:6]
         return 3 * b + t + r + 2 * w + s
+
+
+@dataclass
+class LoraCommand:
+    """Rank 0's word to its workers: put LoRA adapter ``name`` (PEFT folder ``path``) into ``slot``
+    (``ModelRunner.put_adapter``)."""
+
+    slot: int
+    name: str
+    path: str
 
 
 def _header(*values: int) -> torch.Tensor:
@@ -212,6 +223,19 @@ class TPGroup:
             d.fail(e)  # an Exception becomes a TensorParallelError naming the rank that died
             raise
 
+    def send_adapter(self, slot: int, name: str, path: str) -> None:
+        """Rank 0: tell the workers to load a LoRA adapter (``LoraCommand``)."""
+        if self.driver is None:
+            return
+        self.driver.check()
+        data = json.dumps([name, path]).encode()
+        try:
+            dist.broadcast(_header(CMD_LORA, slot, len(data)), 0, group=self.cpu_group)
+            dist.broadcast(torch.tensor(list(data), dtype=torch.int64), 0, group=self.cpu_group)
+        except BaseException as e:
+            self.driver.fail(e)
+            raise
+
     def close(self) -> None:
         """Rank 0: stop the workers (a shutdown command, then signals) and leave the group."""
         if self.driver is not None:
@@ -219,8 +243,8 @@ class TPGroup:
 
     # ------------------------------------------------------------------ workers: follow
 
-    def recv_step(self) -> StepInput | None:
-        """A worker's wait for rank 0's next step; None when told to shut down."""
+    def recv_step(self) -> StepInput | LoraCommand | None:
+        """A worker's wait for rank 0's next step (or adapter to load); None when told to shut down."""
         header = torch.zeros(HEADER_LEN, dtype=torch.int64)
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.timeout = 0, _IDLE_TIMEOUT  # an idle engine sends nothing: no timeout here
@@ -228,6 +252,11 @@ class TPGroup:
         h = header.tolist()
         if h[0] == CMD_SHUTDOWN:
             return None
+        if h[0] == CMD_LORA:
+            data = torch.empty(h[2], dtype=torch.int64)
+            dist.broadcast(data, 0, group=self.cpu_group)
+            name, path = json.loads(bytes(data.tolist()))
+            return LoraCommand(h[1], name, path)
         payload = torch.empty(StepInput.payload_len(h), dtype=torch.int64)
         dist.broadcast(payload, 0, group=self.cpu_group)
         return StepInput.unpack(h, payload)

@@ -20,7 +20,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 
 class Kind(IntEnum):
@@ -31,6 +31,7 @@ class Kind(IntEnum):
     OUTPUTS = 5  # engine -> frontend: every delta of one step for that frontend
     STATS = 6  # frontend -> engine (empty): ask; engine -> frontend: the numbers
     ERROR = 7  # engine -> frontend: a request was refused or failed
+    LORA = 8  # frontend -> engine: load or unload a LoRA adapter; engine -> frontend: how that went
 
 
 class ProtocolError(ValueError):
@@ -308,6 +309,7 @@ class Ready:
     block_size: int
     max_num_waiting_requests: int = 1024  # a call starting more requests than this could never be queued
     loras: list[list[str]] = field(default_factory=list)  # LoRA adapters served beside the model: [name, folder]
+    max_loras: int = 0  # slots for adapters, loaded while serving too (``LoraUpdate``); 0: none loaded so
     version: int = PROTOCOL_VERSION
     kind = Kind.READY
 
@@ -315,14 +317,14 @@ class Ready:
         return [
             self.model, self.max_model_len, self.vocab_size, list(self.eos_token_ids),
             self.max_num_seqs, self.num_kv_blocks, self.block_size, self.max_num_waiting_requests,
-            [list(a) for a in self.loras], self.version,
+            [list(a) for a in self.loras], self.max_loras, self.version,
         ]
 
     @classmethod
     def from_wire(cls, p: list) -> Ready:
-        m, mml, vs, eos, mns, nb, bs, mw, loras, v = p
+        m, mml, vs, eos, mns, nb, bs, mw, loras, ml, v = p
         return cls(str(m), int(mml), int(vs), [int(t) for t in eos], int(mns), int(nb), int(bs), int(mw),
-                   [[str(name), str(path)] for name, path in loras], int(v))
+                   [[str(name), str(path)] for name, path in loras], int(ml), int(v))
 
 
 @dataclass
@@ -470,9 +472,33 @@ class Error:
         return cls(rid, int(status), str(typ), str(msg), param)
 
 
-Message = Hello | Ready | Add | Abort | Outputs | Stats | Error
+@dataclass
+class LoraUpdate:
+    """A frontend's call to load LoRA adapter ``name`` from folder ``path`` (None: to unload it), and the engine's
+    answer to it, the same message with ``status`` (200, or the HTTP status of its refusal) and ``message``. The
+    engine sends every frontend a new ``Ready`` (its ``loras``) before it answers."""
+
+    call_id: str
+    name: str
+    path: str | None
+    status: int = 0  # 0: a call
+    message: str = ""
+    kind = Kind.LORA
+
+    def to_wire(self) -> list:
+        return [self.call_id, self.name, self.path, self.status, self.message]
+
+    @classmethod
+    def from_wire(cls, p: list) -> LoraUpdate:
+        call_id, name, path, status, message = p
+        if not isinstance(name, str) or not (path is None or isinstance(path, str)):
+            raise ProtocolError("a LoRA update names an adapter and a folder (or none)")
+        return cls(str(call_id), name, path, int(status), str(message))
+
+
+Message = Hello | Ready | Add | Abort | Outputs | Stats | Error | LoraUpdate
 _DECODERS = {Kind.HELLO: Hello, Kind.READY: Ready, Kind.ADD: Add, Kind.ABORT: Abort,
-             Kind.OUTPUTS: Outputs, Kind.STATS: Stats, Kind.ERROR: Error}
+             Kind.OUTPUTS: Outputs, Kind.STATS: Stats, Kind.ERROR: Error, Kind.LORA: LoraUpdate}
 
 
 def encode(msg: Message) -> bytes:

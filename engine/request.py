@@ -57,7 +57,8 @@ class Request:
         self.pool = pool  # an embedding request's engine.pooling.PoolState: pooled, never sampled
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.cache_salt = cache_salt  # blocks are shared only between requests with the same salt
-        self.lora, self.lora_slot = lora, lora_slot  # its LoRA adapter's name and slot (engine.lora); "", -1: none
+        # its LoRA adapter's key (engine.engine.ServedAdapter: the prefix cache's) and slot (engine.lora); "", -1: none
+        self.lora, self.lora_slot = lora, lora_slot
         # speculative decoding (engine.speculative): the drafts its latest decode was scheduled with, and
         # the proposer's copy of its tokens
         self.draft_token_ids: list[int] = []

@@ -144,6 +144,8 @@ class EngineActor:
             self._send(ident, protocol.encode(self.engine.stats()))
         elif isinstance(msg, protocol.Hello):
             self._hello(ident, msg)
+        elif isinstance(msg, protocol.LoraUpdate) and not msg.status:
+            self._update_lora(ident, msg)
         else:
             log.warning("dropping %s frame from frontend %r: not for the engine", msg.kind.name, ident)
 
@@ -198,6 +200,26 @@ class EngineActor:
         for iid in iids:
             ident, _ = self._owner.pop(iid)
             self._owned[ident].discard(iid)
+
+    def _update_lora(self, ident: bytes, msg: protocol.LoraUpdate) -> None:
+        """Load or unload an adapter; on success every frontend hears the new list (a READY) before the caller
+        hears the answer, so a request naming a loaded adapter finds it at any frontend."""
+        try:
+            if msg.path is None:
+                self.engine.unload_lora(msg.name)
+            else:
+                self.engine.load_lora(msg.name, msg.path)
+        except Exception as e:  # noqa: BLE001 - RequestError carries status; anything else is a 500
+            status = getattr(e, "status", None)
+            if not isinstance(status, int):
+                log.exception("LoRA update %r failed", msg.name)
+            msg.status, msg.message = (status, e.message) if isinstance(status, int) else (500, f"engine error: {e}")
+        else:
+            self._ready_frame = protocol.encode(self.engine.ready_info())
+            for frontend in self._frontend_index:
+                self._send(frontend, self._ready_frame)
+            msg.status = 200
+        self._send(ident, protocol.encode(msg))
 
     def _index(self, ident: bytes) -> int:
         n = self._frontend_index.get(ident)

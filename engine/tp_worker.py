@@ -25,6 +25,7 @@ each rank takes an equal share of its node's threads.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -40,10 +41,12 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig
+from engine.lora import AdapterError
 from engine.models.config import ModelConfig
 from engine.parallel import (
     COLLECTIVE_TIMEOUT,
     Driver,
+    LoraCommand,
     TensorParallelError,
     TPGroup,
     check_split,
@@ -209,7 +212,11 @@ def worker_main(rank: int, size: int, addr: str, port: int, backend: str, config
     try:
         runner = ModelRunner(config, model_path, tp)
         while (step := tp.recv_step()) is not None:
-            runner.forward_step(step)
+            if isinstance(step, LoraCommand):
+                with contextlib.suppress(AdapterError):  # (rank 0 says why)
+                    runner.put_adapter(step.slot, step.name, step.path)
+            else:
+                runner.forward_step(step)
     except Exception as e:
         if rank >= local:  # on another node than rank 0: most likely rank 0 went; its parent says so
             log.error("tensor-parallel rank %d: the group broke (%s)", rank, e)

@@ -59,9 +59,9 @@ def add(parser: argparse.ArgumentParser) -> None:
                    help="read off --model: safetensors in a folder, or a .gguf file")
     v.add_argument("--tokenizer-mode", choices=("auto", "hf"), default=None,
                    help="tokenizers are transformers' here (--tokenizer for another one)")
-    v.add_argument("--max-loras", "--max-cpu-loras", type=int, default=None, metavar="N",
-                   help="every adapter of --lora-modules is kept on the device here, in a slot of its own: one "
-                        "step mixes them all, none waits for a slot")
+    v.add_argument("--max-cpu-loras", type=int, default=None, metavar="N",
+                   help="every adapter is kept on the device here, in a slot of its own (--max-loras): one step "
+                        "mixes them all, none waits for a slot")
     v.add_argument("--lora-dtype", choices=("auto",), default=None, help="adapters are kept in the model's dtype")
     v.add_argument("--fully-sharded-loras", action="store_true",
                    help="under tensor parallel each rank keeps its share of every adapter here")

@@ -29,6 +29,7 @@ from engine.protocol import (
     Delta,
     Error,
     Hello,
+    LoraUpdate,
     Outputs,
     PoolingParams,
     ProtocolError,
@@ -106,6 +107,8 @@ class EngineClient:
         self._sock: zmq.asyncio.Socket | None = None
         self._streams: dict[str, Stream] = {}
         self._stats_waiters: list[asyncio.Future] = []
+        self._lora_waiters: dict[str, asyncio.Future] = {}  # call id -> the engine's answer to a LoRA update
+        self._lora_calls = 0
         self.last_stats: Stats | None = None  # the engine's latest numbers (liveness pings keep them fresh)
         self.last_stats_at = 0.0  # time.monotonic() when they arrived
         self.in_flight_at_stats = 0  # our own requests in flight then (the rest of its load is others')
@@ -214,6 +217,20 @@ class EngineClient:
             if fut in self._stats_waiters:
                 self._stats_waiters.remove(fut)
 
+    async def update_lora(self, name: str, path: str | None, timeout: float = 120.0) -> LoraUpdate:
+        """Load LoRA adapter ``name`` from folder ``path`` (None: unload it); the engine's answer (its ``status``
+        200, or the HTTP status of its refusal). ``ready.loras`` is the new list by the time it returns."""
+        self._lora_calls += 1
+        call = LoraUpdate(f"{self.frontend_id}:{self._lora_calls}", name, path)
+        fut = self._lora_waiters[call.call_id] = asyncio.get_running_loop().create_future()
+        try:
+            self._send(encode(call))
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            raise EngineUnavailable(f"the engine did not answer a LoRA update within {timeout:g}s") from None
+        finally:
+            self._lora_waiters.pop(call.call_id, None)
+
     @property
     def num_in_flight(self) -> int:
         return len(self._streams)
@@ -266,6 +283,10 @@ class EngineClient:
                         fut.set_result(msg)
             elif isinstance(msg, Ready):
                 self.ready = msg
+            elif isinstance(msg, LoraUpdate):
+                fut = self._lora_waiters.get(msg.call_id)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
             if not self.healthy and self._connected:
                 log.warning("engine is answering again")
                 self.healthy = True
@@ -317,7 +338,8 @@ class EngineClient:
                 pass
         for rid, s in streams.items():
             s.push(_gone(rid, f"Engine unavailable: {why}"))
-        for fut in self._stats_waiters:
+        for fut in [*self._stats_waiters, *self._lora_waiters.values()]:
             if not fut.done():
                 fut.set_exception(EngineUnavailable(why))
         self._stats_waiters.clear()
+        self._lora_waiters.clear()

@@ -22,7 +22,7 @@ import asyncio
 import dataclasses
 import logging
 
-from engine.protocol import PoolingParams, Ready, SamplingParams, Stats
+from engine.protocol import LoraUpdate, PoolingParams, Ready, SamplingParams, Stats
 from frontends.engine_client import EngineClient, EngineUnavailable, Stream
 
 log = logging.getLogger("tokenmill.engine_router")
@@ -58,7 +58,9 @@ class EngineRouter:
         self.dead = set(dead or ())
         if len(self.dead) >= len(clients):
             raise ValueError("an EngineRouter needs at least one live engine")
-        self.ready: Ready | None = None
+        self._ready: Ready | None = None  # the engines' terms, agreed at connect
+        self._readies: tuple = ()  # the clients' READYs ``ready`` was last made of, and it:
+        self._ready_now: Ready | None = None
         self._next = 0  # round robin among equally loaded engines
 
     # ------------------------------------------------------------------ lifecycle
@@ -89,11 +91,23 @@ class EngineRouter:
                 raise EngineUnavailable(f"{c.address} serves the LoRA adapters {names}, {live[0].address} "
                                         f"{first_names}: data parallel needs the same adapters on every engine")
         # one call runs on one engine: it must fit the smallest
-        self.ready = dataclasses.replace(
+        self._ready = dataclasses.replace(
             first, max_model_len=min(r.max_model_len for r in results),
             max_num_waiting_requests=min(r.max_num_waiting_requests for r in results),
-            max_num_seqs=min(r.max_num_seqs for r in results))
+            max_num_seqs=min(r.max_num_seqs for r in results), max_loras=min(r.max_loras for r in results))
         return self.ready
+
+    @property
+    def ready(self) -> Ready | None:
+        """The terms every engine meets, the LoRA adapters those it can reach serve now (``update_lora``)."""
+        readies = tuple(c.ready for c in self.clients if c.healthy and c.ready is not None)
+        if self._ready is None or not readies:
+            return self._ready
+        if readies != self._readies:
+            names = set.intersection(*({name for name, _ in r.loras} for r in readies))
+            self._readies = readies
+            self._ready_now = dataclasses.replace(self._ready, loras=[a for a in readies[0].loras if a[0] in names])
+        return self._ready_now
 
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self.clients), return_exceptions=True)
@@ -165,6 +179,23 @@ class EngineRouter:
     def abort(self, request_ids: list[str]) -> None:
         for c in self.clients:  # each sends only the ids it owns, and nothing when it owns none
             c.abort(request_ids)
+
+    async def update_lora(self, name: str, path: str | None, timeout: float = 120.0) -> LoraUpdate:
+        """As ``EngineClient.update_lora``, on every engine it can reach: an adapter loaded on only some of them
+        is unloaded from those again (a call may go to any), and the first refusal answers."""
+        live = [c for c in self.clients if c.healthy]
+        if not live:
+            raise EngineUnavailable("no engine is available")
+        answers = await asyncio.gather(*(c.update_lora(name, path, timeout) for c in live), return_exceptions=True)
+        done = [(c, a) for c, a in zip(live, answers, strict=True) if isinstance(a, LoraUpdate) and a.status == 200]
+        refused = [a for a in answers if not (isinstance(a, LoraUpdate) and a.status == 200)]
+        if not refused or (path is None and done):  # (an unload: done wherever it was loaded)
+            return done[0][1]
+        if path is not None and done:
+            await asyncio.gather(*(c.update_lora(name, None, timeout) for c, _ in done), return_exceptions=True)
+        if isinstance(refused[0], BaseException):
+            raise refused[0]
+        return refused[0]
 
     async def stats(self, timeout: float = 5.0) -> Stats:
         live = [c for c in self.clients if c.healthy]

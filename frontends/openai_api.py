@@ -43,7 +43,7 @@ from frontends import reasoning, tools
 from frontends.access_log import CallInfo
 from frontends.auth import Auth
 from frontends.embeddings import embeddings_job
-from frontends.engine_client import EngineClient
+from frontends.engine_client import EngineClient, EngineUnavailable
 from frontends.errors import ApiError
 from frontends.generation import Generation, LogprobEntry, Update
 from frontends.http import Request, Response, Router, StreamingResponse
@@ -98,7 +98,6 @@ class OpenAIApi:
         self.codec = codec
         self.model = served_model_name  # what responses say
         self.model_names = (served_model_name, *(model_aliases or ()))  # what requests may say
-        self.adapters: dict[str, str] = dict(client.ready.loras)  # LoRA adapters, name -> folder (a model to ask for)
         self.auth = Auth(api_keys or (), allowed_origins or ())
         self._ids = itertools.count()
         self._id_prefix = os.urandom(4).hex()
@@ -130,6 +129,9 @@ class OpenAIApi:
         ]
         if self.metrics is not None:
             routes.append(("GET", "/metrics", self.prometheus))
+        if self.client.ready.max_loras:  # (the engine's VLLM_ALLOW_RUNTIME_LORA_UPDATING)
+            routes += [("POST", "/v1/load_lora_adapter", self.load_lora_adapter),
+                       ("POST", "/v1/unload_lora_adapter", self.unload_lora_adapter)]
         open_paths = {"/health", *(["/metrics"] if self.metrics_no_auth else [])}
         for method, path, handler in routes:
             # every POST here takes a JSON body; /health stays open for load balancers
@@ -147,6 +149,11 @@ class OpenAIApi:
     @property
     def max_model_len(self) -> int:
         return self.client.ready.max_model_len
+
+    @property
+    def adapters(self) -> dict[str, str]:
+        """The LoRA adapters a request may name as its model, name -> folder (the engine's latest word)."""
+        return dict(self.client.ready.loras)
 
     @property
     def max_chars(self) -> int:
@@ -224,6 +231,30 @@ class OpenAIApi:
             "id": name, "object": "model", "created": self.created, "owned_by": "tokenmill",
             "root": path, "parent": self.model, "max_model_len": self.max_model_len,
         } for name, path in self.adapters.items()]})
+
+    async def load_lora_adapter(self, req: Request) -> Response:
+        """vLLM's: ``{"lora_name", "lora_path"}``, a PEFT folder on the engine's machine, into a free slot."""
+        data = op.parse_json(req.body)
+        name, path = op.field(data, "lora_name", str), op.field(data, "lora_path", str)
+        if name in self.model_names:
+            raise ApiError(400, f"'{name}' is a name of the served model: a request could not ask for the model "
+                           "alone", param="lora_name")
+        await self._update_lora(name, path)
+        return Response(200, f"Success: LoRA adapter '{name}' added successfully.".encode(), "text/plain")
+
+    async def unload_lora_adapter(self, req: Request) -> Response:
+        """vLLM's: ``{"lora_name"}``; the requests running with it finish with it."""
+        name = op.field(op.parse_json(req.body), "lora_name", str)
+        await self._update_lora(name, None)
+        return Response(200, f"Success: LoRA adapter '{name}' removed successfully.".encode(), "text/plain")
+
+    async def _update_lora(self, name: str, path: str | None) -> None:
+        try:
+            answer = await self.client.update_lora(name, path)
+        except EngineUnavailable as e:
+            raise ApiError(503, f"Engine unavailable: {e}") from None
+        if answer.status != 200:
+            raise ApiError(answer.status, answer.message, param="lora_name" if answer.status == 404 else None)
 
     async def tokenize(self, req: Request) -> Response:
         data = op.parse_json(req.body)

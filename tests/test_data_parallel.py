@@ -132,6 +132,32 @@ def test_router_refuses_engines_with_different_lora_adapters(two_engines):
         run(connect())
 
 
+def test_router_loads_an_adapter_on_every_engine_or_on_none(two_engines):
+    """A LoRA update goes to every engine; ``ready.loras`` names what all of them serve. A load one engine refuses
+    is undone on the others (a call may go to any), and the refusal answers; an unload is done where it can be."""
+
+    async def main():
+        router = router_for(two_engines)
+        await router.connect()
+        try:
+            answer = await router.update_lora("sql", "/a/sql")
+            assert answer.status == 200 and [e.loras for e in two_engines] == [[["sql", "/a/sql"]]] * 2
+            assert router.ready.loras == [["sql", "/a/sql"]]
+            two_engines[1].lora_refusal = "no free LoRA slot"
+            answer = await router.update_lora("chat", "/a/chat")
+            assert (answer.status, answer.message) == (400, "no free LoRA slot")
+            assert [e.loras for e in two_engines] == [[["sql", "/a/sql"]]] * 2
+            await until(lambda: router.ready.loras == [["sql", "/a/sql"]])
+            two_engines[1].loras = []  # (an engine restarted: it lost what was loaded while serving)
+            answer = await router.update_lora("sql", None)
+            assert answer.status == 200 and two_engines[0].loras == []
+            assert (await router.update_lora("sql", None)).status == 404
+        finally:
+            await router.close()
+
+    run(main())
+
+
 def test_router_survives_a_dead_engine(two_engines):
     async def main():
         router = router_for(two_engines)

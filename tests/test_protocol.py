@@ -17,7 +17,7 @@ SP = p.SamplingParams(max_tokens=4, temperature=0.0, seed=7, logit_bias={5: -1.5
 
 MESSAGES = {
     "hello": p.Hello("fe0"),
-    "ready": p.Ready("tiny", 1024, 49152, [2], 64, 100, 16, loras=[["sql", "/adapters/sql"]]),
+    "ready": p.Ready("tiny", 1024, 49152, [2], 64, 100, 16, loras=[["sql", "/adapters/sql"]], max_loras=4),
     "add": p.Add("r1", [1, 2, 3], SP, 1, 1700000000.5, "t1", lora="sql"),
     "abort": p.Abort(["r1", "r2"]),
     "outputs": p.Outputs([
@@ -28,11 +28,14 @@ MESSAGES = {
     "embedding": p.Outputs([p.Delta("e1", [], "stop", None, 2, 0, None, None, b"\x00\x00\x80?\x00\x00\x00\xbf")]),
     "stats": p.Stats(1, 2, 0.25, 75, 100, 3, 4, 0.5, 6, 0.125, 7, 20, 15),
     "error": p.Error("r1", 429, "rate_limit_error", "queue full", None),
+    "lora load": p.LoraUpdate("c1", "sql", "/adapters/sql"),
+    "lora unload": p.LoraUpdate("c2", "sql", None),
+    "lora answer": p.LoraUpdate("c1", "sql", "/adapters/sql", 400, "no free LoRA slot"),
 }
 
 GOLDEN = {
-    "hello": "920192a366653007",
-    "ready": "92029aa474696e79cd0400cdc0009102406410cd04009192a373716cad2f61646170746572732f73716c07",
+    "hello": "920192a366653008",
+    "ready": "92029ba474696e79cd0400cdc0009102406410cd04009192a373716cad2f61646170746572732f73716c0408",
     "add": (
         "920398a2723193010203de0012aa6d61785f746f6b656e7304ab74656d7065726174757265cb0000000000000000"
         "a5746f705f70cb3ff0000000000000a5746f705f6b00a56d696e5f70cb0000000000000000a47365656407b07072"
@@ -59,12 +62,15 @@ GOLDEN = {
     "embedding": "92059199a2653190a473746f70c00200c0c0c4080000803f000000bf",
     "stats": "92069d0102cb3fd00000000000004b640304cb3fe000000000000006cb3fc000000000000007140f",
     "error": "920795a27231cd01adb0726174655f6c696d69745f6572726f72aa71756575652066756c6cc0",
+    "lora load": "920895a26331a373716cad2f61646170746572732f73716c00a0",
+    "lora unload": "920895a26332a373716cc000a0",
+    "lora answer": "920895a26331a373716cad2f61646170746572732f73716ccd0190b16e6f2066726565204c6f524120736c6f74",
 }
 
 
 def test_protocol_version_is_pinned():
-    assert p.PROTOCOL_VERSION == 7
-    assert [int(k) for k in p.Kind] == [1, 2, 3, 4, 5, 6, 7]
+    assert p.PROTOCOL_VERSION == 8
+    assert [int(k) for k in p.Kind] == [1, 2, 3, 4, 5, 6, 7, 8]
 
 
 @pytest.mark.parametrize("name", sorted(MESSAGES))
@@ -127,6 +133,9 @@ MALFORMED = {
     "outputs delta tokens not a list": _frame(5, [["r", 5, None, None, 0, 0, None, None]]),
     "stats short": _frame(6, [1, 2]),
     "error short": _frame(7, [None, 500]),
+    "lora short": _frame(8, ["c1", "sql"]),
+    "lora name not a string": _frame(8, ["c1", 5, None, 0, ""]),
+    "lora path not a string": _frame(8, ["c1", "sql", ["/a"], 0, ""]),
     "trailing bytes": p.encode(p.Hello("fe0")) + b"\x00",
 }
 

@@ -51,9 +51,19 @@ class FakeEngine:
         self.added: list[str] = []
         self.aborted: list[str] = []
         self.steps: list[list[p.Delta]] = []
+        self.loras: dict[str, str] = {}
 
     def ready_info(self) -> p.Ready:
-        return p.Ready("fake", MAX_LEN, VOCAB, [2], 8, 100, 16)
+        return p.Ready("fake", MAX_LEN, VOCAB, [2], 8, 100, 16, loras=[[n, path] for n, path in self.loras.items()])
+
+    def load_lora(self, name, path):
+        if path == "/bad":
+            raise FakeRequestError(400, "invalid_request_error", "no readable adapter_config.json")
+        self.loras[name] = path
+
+    def unload_lora(self, name):
+        if self.loras.pop(name, None) is None:
+            raise FakeRequestError(404, "not_found_error", f"The LoRA adapter '{name}' is not loaded")
 
     def add_request(self, request_id, prompt_token_ids, params, priority=0, deadline=None, cache_salt="", pooling=None,
                     lora=""):
@@ -230,6 +240,24 @@ def test_one_outputs_frame_per_frontend_per_step(address):
         assert sorted(h.engine.added) == ["0:x", "0:y", "1:x", "1:y"]
     finally:
         h.close()
+
+
+def test_a_lora_update_reaches_every_frontend_before_its_answer(harness):
+    a, b = harness.client(b"fe-a"), harness.client(b"fe-b")
+    hello(a, "fe-a")
+    hello(b, "fe-b")
+    send(a, p.LoraUpdate("c1", "sql", "/adapters/sql"))
+    assert recv(a).loras == recv(b).loras == [["sql", "/adapters/sql"]]
+    assert recv(a) == p.LoraUpdate("c1", "sql", "/adapters/sql", 200)
+    send(b, p.LoraUpdate("c2", "chat", "/bad"))
+    assert recv(b) == p.LoraUpdate("c2", "chat", "/bad", 400, "no readable adapter_config.json")
+    send(b, p.LoraUpdate("c3", "sql", None))
+    assert recv(a).loras == recv(b).loras == []
+    assert recv(b) == p.LoraUpdate("c3", "sql", None, 200)
+    send(a, p.LoraUpdate("c4", "sql", None))
+    assert recv(a) == p.LoraUpdate("c4", "sql", None, 404, "The LoRA adapter 'sql' is not loaded")
+    recv_none(b)
+    assert hello(b, "fe-b").loras == []  # (and a frontend connecting later hears the latest list)
 
 
 def test_request_error_becomes_error_frame(harness):

@@ -51,6 +51,7 @@ from engine.protocol import (
     Delta,
     Error,
     Hello,
+    LoraUpdate,
     Outputs,
     Ready,
     Stats,
@@ -127,7 +128,9 @@ class FakeEngine(threading.Thread):
         self.step_delay = step_delay
         self.tokens_per_step = tokens_per_step
         self.refuse: Error | None = None  # answer every ADD with this error
-        self.loras: list[list[str]] = []  # the LoRA adapters its READY names ([name, path])
+        self.loras: list[list[str]] = []  # the LoRA adapters its READY names ([name, path]); LORA updates change it
+        self.lora_refusal: str | None = None  # answer every LoRA load with this (a 400); unloads still work
+        self.max_loras = 0  # what READY announces: LoRA slots (0: none loaded while serving)
         self.adds: list[Add] = []
         self.aborts: list[str] = []
         self.running: dict[str, list] = {}  # request id -> [identity, Add, produced, cached prompt tokens]
@@ -168,9 +171,17 @@ class FakeEngine(threading.Thread):
 
     def handle(self, sock, ident: bytes, msg) -> None:
         if isinstance(msg, Hello):
-            ready = Ready(MODEL, MAX_MODEL_LEN, self.vocab_size, [2], 64, NUM_KV_BLOCKS, BLOCK_SIZE,
-                          self.max_num_waiting_requests, self.loras)
-            sock.send_multipart([ident, encode(ready)])
+            sock.send_multipart([ident, encode(self.ready())])
+        elif isinstance(msg, LoraUpdate):
+            status, message = 200, ""
+            if msg.path is None and msg.name not in dict(self.loras):
+                status, message = 404, f"The LoRA adapter '{msg.name}' is not loaded"
+            elif msg.path is not None and self.lora_refusal:
+                status, message = 400, self.lora_refusal
+            else:
+                self.loras = [a for a in self.loras if a[0] != msg.name] + ([[msg.name, msg.path]] if msg.path else [])
+                sock.send_multipart([ident, encode(self.ready())])
+            sock.send_multipart([ident, encode(LoraUpdate(msg.call_id, msg.name, msg.path, status, message))])
         elif isinstance(msg, Add):
             self.adds.append(msg)
             if self.refuse is not None:
@@ -190,6 +201,10 @@ class FakeEngine(threading.Thread):
                 stats = Stats(0, len(self.running), 0.1, 900, NUM_KV_BLOCKS, self.num_preemptions,
                               self.num_timeouts, pc.hit_rate, pc.num_evictions, self.kv_fragmentation())
                 sock.send_multipart([ident, encode(stats)])
+
+    def ready(self) -> Ready:
+        return Ready(MODEL, MAX_MODEL_LEN, self.vocab_size, [2], 64, NUM_KV_BLOCKS, BLOCK_SIZE,
+                     self.max_num_waiting_requests, self.loras, self.max_loras)
 
     def kv_fragmentation(self) -> float:
         """Empty slots in the running requests' blocks / their allocated slots."""
