@@ -13,14 +13,19 @@ own slot (``LoraWeights``)::
 
 A_all (in, S*P*R) holds each slot's A^T for each of the layer's fused parts (P: q|k|v is 3) padded to
 R columns (the adapters' largest rank); B_all (S*P*R, out) the scaled B^T, each part's rows at its
-columns of the fused output. Shapes never depend on which adapters a step uses, so decode graphs (CUDA's and the
-CPU's) capture it as it is (``onehot`` is a persistent buffer the runner fills before each step), no
-request waits for a slot, and there is no loop over adapters. The price is arithmetic for every
-slot in every step that has an adapter token: S*P*R columns beside the layer's own (vLLM swaps
-adapters into ``--max-loras`` slots instead: less arithmetic, and requests wait for a slot). A token
-without an adapter has a row of zeros: its output is the base model's, bit for bit; a step in which
-no token has one skips the products (``LoraState.active``; CPU graphs keep a recording of each kind
-of step, CUDA graphs are captured with them and add the zeros).
+columns of the fused output. CUDA graphs capture it as it is, with every slot (``onehot`` is a persistent
+buffer the runner fills before each step), no request waits for a slot, and there is no loop over
+adapters. The price is arithmetic for the slots: a step computes the first ``LoraState.span`` of them,
+up to the last one its tokens use (CPU graphs keep a recording for each span; a CUDA graph computes
+all S), P*R columns each beside the layer's own (vLLM swaps adapters into ``--max-loras`` slots
+instead: less arithmetic, and requests wait for a slot). A token without an adapter has a row of
+zeros: its output is the base model's, bit for bit; a step in which no token has one skips the products
+(span 0; CUDA graphs add the zeros).
+
+Adapters come with the engine (``lora_modules``: slot i for the i-th, and the layers they target get
+slots) or, with ``max_loras`` slots, while it serves (``put``, into a slot the engine picks): then every
+attention and MLP projection gets slots at ``max_lora_rank``, and loading one is a copy into tensors
+graphs already read.
 
 Under tensor parallelism a rank keeps its rows of B (column-parallel layers) or its columns of A
 (row-parallel ones: each rank's partial product joins the all-reduce the layer does anyway).
@@ -35,6 +40,7 @@ import re
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import kernels
@@ -147,9 +153,10 @@ class LoraState:
     def __init__(self, slots: int, rows: int, dtype: torch.dtype, device: torch.device):
         self.onehot = torch.zeros(rows, slots, dtype=dtype, device=device)
         self.slots = torch.arange(slots, device=device)
-        # whether any of the step's tokens has an adapter (the host knows): when none has, the layers skip
-        # the products (a graph recorded either way replays that way: CPU graphs keep a recording of each)
-        self.active = True
+        # the leading slots the step's products cover, up to the last one a token of the step uses (the host
+        # knows); 0: no token has an adapter, and the layers skip the products. CPU graphs keep a recording for
+        # each span; CUDA graphs are captured with every slot
+        self.span = slots
 
     def set(self, token_slots: torch.Tensor) -> None:
         """Each of the step's tokens' slot (-1: none), (T,) on the device."""
@@ -184,6 +191,11 @@ class LoraWeights(nn.Module):
         self.a[col:col + r].copy_(a)
         self.b[first:first + b.shape[0], col:col + r].copy_(b)
 
+    def spans(self) -> list[torch.Tensor]:
+        """The weights ``forward`` multiplies by ``kernels.linear``, in every span's shape: the shapes to tune."""
+        slots, width = self.state.onehot.shape[1], len(self.out_sizes) * self.rank
+        return [self.a[:n * width] for n in range(1, slots + 1)] + [self.b]
+
     def clear(self, slot: int) -> None:
         cols = slice(slot * len(self.out_sizes) * self.rank, (slot + 1) * len(self.out_sizes) * self.rank)
         self.a[cols].zero_()
@@ -191,11 +203,13 @@ class LoraWeights(nn.Module):
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (T, out), the layer's output for ``x`` (T, in), plus each token's adapter's product."""
-        if not self.state.active:
+        span = self.state.span
+        if not span:
             return y
-        t, slots = x.shape[0], self.state.onehot.shape[1]
-        u = kernels.linear(x, self.a).view(t, slots, -1) * self.state.rows(t)[:, :, None]
-        return y.add_(kernels.linear(u.view(t, -1), self.b))
+        t, cols = x.shape[0], span * len(self.out_sizes) * self.rank
+        u = (kernels.linear(x, self.a[:cols]).view(t, span, -1) * self.state.rows(t)[:, :span, None]).view(t, -1)
+        # B's first columns are no matrix of their own (its rows are longer): torch reads them where they are
+        return y.add_(kernels.linear(u, self.b) if cols == self.b.shape[1] else F.linear(u, self.b[:, :cols]))
 
 
 def attach(model: nn.Module, adapters: list[Adapter], rank: int, state: LoraState,

@@ -182,7 +182,7 @@ class ModelRunner:
             modules = list(self.model.modules())
             kernels.tune_linear([m.weight for m in modules if isinstance(m, (ColumnLinear, RowLinear, LMHead))]
                                 + [w for m in modules if isinstance(m, Experts) for w in (*m.w13, *m.w2)]
-                                + [w for m in modules if isinstance(m, LoraWeights) for w in (m.a, m.b)])
+                                + [w for m in modules if isinstance(m, LoraWeights) for w in m.spans()])
         self.block_size, self.device, self.dtype = config.block_size, device, dtype
         self.kv_dtype = kv_dtype = pick_kv_dtype(config, dtype)
         self.sampler = Sampler(self.model_cfg.vocab_size, list(self.model_cfg.eos_token_ids), device, config.seed)
@@ -236,7 +236,7 @@ class ModelRunner:
                                        max_model_len, max_blocks, num_blocks, self.block_size,
                                        self.model_cfg.hidden_size, dtype, device, cpu_graph.capture(), lazy=True,
                                        max_rows=CPU_GRAPH_ROWS, window_map=self.block_tables.window_map,
-                                       variant=(lambda: self.lora.active) if self.lora is not None else None)
+                                       variant=(lambda: self.lora.span) if self.lora is not None else None)
 
     def load_adapter(self, slot: int, name: str, path: str) -> None:
         """LoRA adapter ``name`` (PEFT folder ``path``) into ``slot`` on every rank, in place of the slot's last
@@ -403,7 +403,7 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.set(dev["lora_slots"])
             # (CUDA graphs, captured with it on, compute the products whatever this says: zeros, added)
-            self.lora.active = max(step.lora_slots, default=-1) >= 0
+            self.lora.span = max(step.lora_slots, default=-1) + 1
         index.tensors = dev
         positions, meta = index.metadata(tables, self.block_size, self.block_tables.window_map)
         ids = dev["token_ids"]

@@ -47,20 +47,25 @@ def tokens(llm: LLM, lora, prompts=PROMPTS) -> list[list[int]]:
 
 @pytest.mark.parametrize("eager", [False, True], ids=["cpu-graphs", "eager"])
 def test_an_adapter_loaded_while_serving_gives_the_tokens_of_one_loaded_at_start(tiny, want, eager):
-    """Loaded into a slot a recorded graph already read for another adapter: the graph reads the new weights;
-    a batch mixes the adapter and the model alone; a slot that held a larger adapter keeps none of it."""
+    """Adapters loaded into two slots: a step computes the slots up to the last one its tokens use (slot 0 alone:
+    the first columns of B, read in place), mixes adapters and the model alone; a recorded graph reads weights
+    loaded after it was recorded; a slot that held a larger adapter keeps none of it."""
     model, a, b = tiny
     assert len({str(v) for v in want.values()}) == 3
-    with LLM(model, **KW, enforce_eager=eager, max_loras=1) as llm:
+    with LLM(model, **KW, enforce_eager=eager, max_loras=2) as llm:
         assert tokens(llm, None) == want[None]
         llm.engine.load_lora("a", a)
         mixed = llm.generate(PROMPTS * 2, GREEDY, lora_request=[None] * 3 + ["a"] * 3)
         assert [o.token_ids for o in mixed] == want[None] + want["a"]
+        llm.engine.load_lora("b", b)
+        assert [llm.engine.adapters[n].slot for n in "ab"] == [0, 1]
+        assert tokens(llm, "b") == want["b"] and tokens(llm, "a") == want["a"]
+        assert tokens(llm, ["b", None, "a"]) == [want["b"][0], want[None][1], want["a"][2]]
         llm.engine.unload_lora("a")
-        llm.engine.load_lora("b", b)  # slot 0 again: a's rank-8 matrices on all seven projections cleared
-        assert tokens(llm, "b") == want["b"] and tokens(llm, None) == want[None]
-        if not eager:
-            assert (3, True) in llm.engine.runner.graphs.replays  # b's steps replayed a's recording
+        llm.engine.load_lora("c", b)  # slot 0 again: a's rank-8 matrices on all seven projections cleared
+        assert llm.engine.adapters["c"].slot == 0 and tokens(llm, "c") == want["b"]
+        if not eager:  # (batch size, slots computed): c's steps replayed the recording a's made
+            assert {(3, 0), (3, 1), (3, 2)} <= set(llm.engine.runner.graphs.replays)
 
 
 def test_vllm_style_offline_lora_requests_load_their_adapter(tiny, want):

@@ -603,6 +603,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    type=lambda text: tuple(text.split("=", 1)),
                    help="LoRA adapters (PEFT folders, tools/random_lora.py): request i runs with the (i mod N)th")
+    p.add_argument("--max-loras", type=int, default=None, metavar="N",
+                   help="tokenmill's LoRA slots, as with adapters loaded while serving: every projection ready at "
+                        "--max-lora-rank 16 (--lora-modules take the first)")
     p.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
                    help="tokenmill's speculative decoding, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
                         "(W1's random prompts: what drafts cost where they are rarely right)")
@@ -642,7 +645,7 @@ def main(argv: list[str] | None = None) -> None:
             args.enforce_eager, args.hf_overrides, kv_cache_memory=args.kv_cache_memory,
             kv_cache_dtype=args.kv_cache_dtype,
             disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
-            lora_modules=dict(args.lora_modules) if args.lora_modules else None,
+            lora_modules=dict(args.lora_modules) if args.lora_modules else None, max_loras=args.max_loras,
             speculative_config=args.speculative_config,
         )
         results.append(result)
