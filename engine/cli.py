@@ -398,9 +398,11 @@ def _config_kwargs(args: argparse.Namespace) -> dict:
         kw["lora_modules"] = dict(kw["lora_modules"])
     kw.pop("max_loras", None)
     if os.environ.get(RUNTIME_LORA_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
-        if not getattr(args, "enable_lora", False):
-            raise ValueError(f"{RUNTIME_LORA_ENV} loads LoRA adapters while serving: it needs --enable-lora, as in vLLM")
-        kw["max_loras"] = args.max_loras or len(kw.get("lora_modules") or ()) + SPARE_LORA_SLOTS
+        if getattr(args, "enable_lora", False):
+            kw["max_loras"] = args.max_loras or len(kw.get("lora_modules") or ()) + SPARE_LORA_SLOTS
+        else:
+            print(f"tokenmill: {RUNTIME_LORA_ENV} is set, but not --enable-lora: no LoRA adapter is loaded while "
+                  "serving", file=sys.stderr)
     return kw
 
 

@@ -83,6 +83,25 @@ def test_flags_map_to_engine_config():
                                                            "prompt_lookup_max": 4}}
 
 
+def test_runtime_lora_updating_gives_the_engine_slots(monkeypatch, capsys):
+    """vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING with --enable-lora: --max-loras slots, by default one per adapter
+    of --lora-modules and 4 more; without --enable-lora it says so and changes nothing (a vLLM command line that
+    sets the variable everywhere still starts)."""
+    from engine.cli import _config_kwargs
+
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+    args = build_parser().parse_args(["serve", "--enable-lora", "--lora-modules", "a=/x"])
+    assert _config_kwargs(args) == {"lora_modules": {"a": "/x"}, "max_loras": 5}
+    args = build_parser().parse_args(["serve", "--enable-lora", "--max-loras", "2"])
+    assert _config_kwargs(args) == {"max_loras": 2}
+    assert _config_kwargs(build_parser().parse_args(["serve", "--max-loras", "2"])) == {}
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING is set, but not --enable-lora" in capsys.readouterr().err
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "false")
+    assert _config_kwargs(build_parser().parse_args(["serve", "--enable-lora", "--max-loras", "2"])) == {}
+    with pytest.raises(ValueError, match="max_loras must be in"):
+        EngineConfig(lora_modules={"a": "/x", "b": "/y"}, max_loras=1)
+
+
 def test_a_config_file_gives_flags_and_the_command_line_wins(tmp_path, capsys):
     """vLLM's --config: a YAML map of long flag names (either spelling) to values, each parsed as the
     command line parses it; the command line over the file over the defaults."""
