@@ -1,5 +1,5 @@
 """On CUDA only (skipped elsewhere): greedy parity with transformers on the same GPU and weights, token
-for token in fp32 and within a logit tolerance in bf16; and the KV sizing pass (the profiling forward,
+for token in fp32 (LoRA adapters too) and within a logit tolerance in bf16; and the KV sizing pass (the profiling forward,
 ``measured_cuda_budget``) on a real device; int4 checkpoints the same way. The Triton kernels' own
 tests run compiled on CUDA in ``tests/test_triton_kernels.py``.
 
@@ -80,6 +80,32 @@ def test_fp8_kv_cache_greedy_equals_transformers_with_its_cache_rounded_alike(kv
     for prompt, out in zip(PROMPTS, outs, strict=True):
         gaps, _ = logit_gaps(hf, prompt, out, past_key_values=RoundedCache(FP8[kv]))
         assert gaps.max().item() == 0.0, (prompt, out, gaps.tolist())
+    free_gpu()
+
+
+def test_lora_adapters_at_start_and_loaded_while_serving(tmp_path):
+    """fp32, decode in CUDA graphs (captured with every slot's product): an adapter given at start and one loaded
+    later, in one batch with the model alone; each token the top logit of transformers adding the adapter's
+    product as PEFT does."""
+    from tests.test_lora import with_adapter
+    from tools.random_lora import make_lora
+
+    path = build(str(tmp_path), "llama", torch.float32, seed=1, **TINY)
+    adapters = {"a": make_lora(path, str(tmp_path / "a"), seed=1),
+                "b": make_lora(path, str(tmp_path / "b"), seed=2, r=4, modules=("q_proj", "v_proj"))}
+    llm = LLM(path, device="cuda", dtype="float32", num_kv_blocks=256, max_model_len=512,
+              lora_modules={"a": adapters["a"]}, max_loras=3)
+    assert llm.engine.runner.graphs is not None
+    llm.engine.load_lora("b", adapters["b"])
+    loras = [None, "a", "b"]
+    outs = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, lora_request=loras)]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to("cuda").eval()
+    for prompt, out, lora in zip(PROMPTS, outs, loras, strict=True):
+        hooks = with_adapter(hf, adapters[lora]) if lora else []
+        gaps, _ = logit_gaps(hf, prompt, out)
+        for h in hooks:
+            h.remove()
+        assert gaps.max().item() == 0.0, (lora, prompt, out, gaps.tolist())
     free_gpu()
 
 

@@ -26,6 +26,7 @@ def with_adapter(hf, adapter_dir: str):
     a = read_adapter("ref", adapter_dir, 64)
     hooks = []
     for (layer, module), (lora_a, lora_b) in a.weights.items():
+        lora_a, lora_b = lora_a.to(hf.device), lora_b.to(hf.device)
         lin = hf.model.layers[layer].get_submodule(module)
         hooks.append(lin.register_forward_hook(
             lambda mod, args, y, lora_a=lora_a, lora_b=lora_b: y + (args[0] @ lora_a.T) @ lora_b.T))
