@@ -399,7 +399,8 @@ def _config_kwargs(args: argparse.Namespace) -> dict:
     kw.pop("max_loras", None)
     if os.environ.get(RUNTIME_LORA_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
         if getattr(args, "enable_lora", False):
-            kw["max_loras"] = args.max_loras or len(kw.get("lora_modules") or ()) + SPARE_LORA_SLOTS
+            kw["max_loras"] = args.max_loras if args.max_loras is not None else \
+                len(kw.get("lora_modules") or ()) + SPARE_LORA_SLOTS
         else:
             print(f"tokenmill: {RUNTIME_LORA_ENV} is set, but not --enable-lora: no LoRA adapter is loaded while "
                   "serving", file=sys.stderr)

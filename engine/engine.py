@@ -43,7 +43,15 @@ from engine.model_path import model_name, resolve_model_path
 from engine.model_runner import Launched, ModelRunner, StepResult
 from engine.pooling import PoolerConfig, PoolState
 from engine.prefill_cap import PrefillCap
-from engine.protocol import Delta, PoolingParams, Ready, SamplingParamError, SamplingParams, Stats
+from engine.protocol import (
+    MAX_ADAPTER_NAME,
+    Delta,
+    PoolingParams,
+    Ready,
+    SamplingParamError,
+    SamplingParams,
+    Stats,
+)
 from engine.request import Request, Status
 from engine.runtime import kv_block_bytes
 from engine.sampler import SamplingState
@@ -74,9 +82,6 @@ class InFlight:
                        for r in self.launched.sampled)
 
 
-MAX_ADAPTER_NAME = 256  # characters in a LoRA adapter's name
-
-
 @dataclass
 class ServedAdapter:
     """A LoRA adapter requests may ask for by name."""
@@ -100,12 +105,12 @@ class Engine:
         path = resolve_model_path(config.model)
         self.model_name = config.served_model_name or model_name(path)
         self.runner = ModelRunner(config, path)
-        if self.model_name in self.runner.adapters:
+        if self.model_name in self.runner.initial_adapters:
             raise ValueError(f"LoRA adapter {self.model_name!r} has the served model's name: a request could not "
                              "ask for the model alone")
         self._adapter_loads = itertools.count()
         self.adapters = {name: ServedAdapter(slot, config.lora_modules[name], f"{next(self._adapter_loads)}:{name}")
-                         for name, slot in self.runner.adapters.items()}  # LoRA adapters by name (load_lora)
+                         for name, slot in self.runner.initial_adapters.items()}  # LoRA adapters by name (load_lora)
         facts = self.runner.facts
         capacity = facts.num_kv_blocks * config.block_size
         if capacity < facts.max_model_len:  # never advertise a length the cache cannot hold
@@ -207,20 +212,25 @@ class Engine:
             bad(f"'{name}' is the served model's name: a request could not ask for the model alone")
         if name in self.adapters:
             bad(f"The LoRA adapter '{name}' is already loaded (unload it first to load another under its name)")
-        taken = {a.slot for a in self.adapters.values()}
-        reading = {r.lora_slot for r in self.requests.values() if r.lora_slot >= 0} - taken
-        free = [slot for slot in range(slots) if slot not in taken | reading]
-        if not free:
+        slot = self.free_lora_slot()
+        if slot is None:
+            taken = {a.slot for a in self.adapters.values()}
             held = [f"{len(taken)} held by {', '.join(sorted(self.adapters))}"] if taken else []
-            held += [f"{len(reading)} by unloaded adapters whose requests still run"] if reading else []
+            if len(taken) < slots:
+                held.append(f"{slots - len(taken)} by unloaded adapters whose requests still run")
             bad(f"no free LoRA slot: of the {slots} of --max-loras, {' and '.join(held)}; unload one, or start "
                 "with a larger --max-loras")
         try:
-            self.runner.load_adapter(free[0], name, path)
+            self.runner.load_adapter(slot, name, path)
         except AdapterError as e:
             bad(str(e), "lora_path")
-        self.adapters[name] = ServedAdapter(free[0], path, f"{next(self._adapter_loads)}:{name}")
-        log.info("LoRA adapter %r loaded from %s into slot %d", name, path, free[0])
+        self.adapters[name] = ServedAdapter(slot, path, f"{next(self._adapter_loads)}:{name}")
+        log.info("LoRA adapter %r loaded from %s into slot %d", name, path, slot)
+
+    def free_lora_slot(self) -> int | None:
+        """The first LoRA slot no adapter holds and no running or waiting request reads (None: all are busy)."""
+        busy = {a.slot for a in self.adapters.values()} | {r.lora_slot for r in self.requests.values()}
+        return next((slot for slot in range(self.config.max_loras or 0) if slot not in busy), None)
 
     def unload_lora(self, name: str) -> None:
         """vLLM's ``/v1/unload_lora_adapter``: new requests cannot ask for ``name`` any more; those running or

@@ -58,6 +58,7 @@ class LLM:
         self.config = EngineConfig(model=model, **config)
         self.engine = Engine(self.config)
         self._ids = itertools.count()
+        self._adapter_use: dict[str, None] = {}  # LoRA adapters asked for, least recently first
         c = self.config
         self._sampling_defaults = generation_defaults(c.generation_config, self.engine.runner.facts.model_path,
                                                       c.override_generation_config)
@@ -107,10 +108,7 @@ class LLM:
         loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(loras)} LoRA requests")
-        for a in loras:
-            path = getattr(a, "lora_path", None) or getattr(a, "lora_local_path", None)  # (older vLLM's name)
-            if path and a.lora_name not in self.engine.adapters:
-                self.engine.load_lora(a.lora_name, path)
+        self._load_adapters(loras)
         loras = [getattr(a, "lora_name", a) or "" for a in loras]
 
         outputs: dict[str, RequestOutput] = {}
@@ -163,6 +161,27 @@ class LLM:
                 ids = text_ids(out.token_ids, out.finish_reason, out.stop_reason, ends)
                 out.text = self.tokenizer.decode(ids, skip_special_tokens=True)
         return list(outputs.values())
+
+    def _load_adapters(self, loras: list) -> None:
+        """Load the adapters of vLLM ``LoRARequest`` s (those with a ``lora_path``) that are not loaded yet, or were
+        loaded from another folder; as in vLLM, when every slot is taken, those that went unused longest make
+        room (never one these prompts ask for)."""
+        wanted = {a.lora_name: path for a in loras
+                  if (path := getattr(a, "lora_path", None) or getattr(a, "lora_local_path", None))}  # (older name)
+        asked = {getattr(a, "lora_name", a) for a in loras}
+        for name, path in wanted.items():
+            served = self.engine.adapters.get(name)
+            if served is not None and served.path != path:
+                self.engine.unload_lora(name)
+            elif served is not None:
+                continue
+            while self.engine.free_lora_slot() is None and (
+                    idle := [n for n in self._adapter_use if n in self.engine.adapters and n not in asked]):
+                self.engine.unload_lora(idle[0])
+            self.engine.load_lora(name, path)
+        for name in asked:  # (least recently asked for first)
+            self._adapter_use.pop(name, None)
+            self._adapter_use[name] = None
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, *,

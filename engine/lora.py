@@ -9,11 +9,12 @@ Decision: every adapter is kept on the device in a slot of its own, and each lay
 adds every slot's product in two small GEMMs over the step's tokens, each token's row masked to its
 own slot (``LoraWeights``)::
 
-    y += ((x @ A_all).view(T, S, P * R) * onehot[:, :, None]).view(T, -1) @ B_all
+    y += where(mine[:, :, None], (x @ A_all).view(T, S, P * R), 0).view(T, -1) @ B_all
 
 A_all (in, S*P*R) holds each slot's A^T for each of the layer's fused parts (P: q|k|v is 3) padded to
 R columns (the adapters' largest rank); B_all (S*P*R, out) the scaled B^T, each part's rows at its
-columns of the fused output. CUDA graphs capture it as it is, with every slot (``onehot`` is a persistent
+columns of the fused output (``where``, not a product with a one-hot row: a slot's inf must not become
+another token's NaN). CUDA graphs capture it as it is, with every slot (``mine`` is a persistent
 buffer the runner fills before each step), no request waits for a slot, and there is no loop over
 adapters. The price is arithmetic for the slots: a step computes the first ``LoraState.span`` of them,
 up to the last one its tokens use (CPU graphs keep a recording for each span; a CUDA graph computes
@@ -121,11 +122,18 @@ def read_adapter(name: str, path: str, max_rank: int) -> Adapter:
         if r > max_rank:
             raise refuse(f"rank {r} passes --max-lora-rank {max_rank}")
         full = f"model.layers.{layer}.{module}"  # (its rank, rank_pattern's or not, is its tensors')
-        alpha = _pattern(cfg.get("alpha_pattern"), full, cfg.get("lora_alpha", 8))  # (PEFT's default alpha)
+        try:
+            alpha = _pattern(cfg.get("alpha_pattern"), full, cfg.get("lora_alpha", 8))  # (PEFT's default alpha)
+        except (AttributeError, re.error) as e:
+            raise refuse(f"{ADAPTER_CONFIG}'s alpha_pattern is no map of regular expressions ({e})") from None
+        if isinstance(alpha, bool) or not isinstance(alpha, int | float):
+            raise refuse(f"{ADAPTER_CONFIG}: the alpha of {full} is {alpha!r}, not a number")
         scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
-        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):  # (one slot's NaN would reach every token)
-            raise refuse(f"layer {layer} {module}: lora_A or lora_B holds a NaN or an infinity")
-        out[layer, module] = (a.float(), b.float() * scale)
+        a, b = a.float(), b.float() * scale
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise refuse(f"layer {layer} {module}: lora_A or lora_B (times its scale, {scale:g}) holds a NaN or an "
+                         "infinity")
+        out[layer, module] = (a, b)
         rank = max(rank, r)
     return Adapter(name, rank, out)
 
@@ -146,13 +154,14 @@ def _pattern(patterns: dict | None, module: str, default):
 
 
 class LoraState:
-    """The step's one-hot rows, token by slot, that every ``LoraWeights`` reads: one persistent buffer
-    of ``rows`` (the most tokens a step has), which the runner fills before each forward (graphs read
-    it where they were captured)."""
+    """Which slot is each of the step's tokens', that every ``LoraWeights`` reads: a persistent (rows, slots)
+    buffer of booleans (rows: the most tokens a step has), which the runner fills before each forward (graphs
+    read it where they were captured); and the weights' dtype."""
 
     def __init__(self, slots: int, rows: int, dtype: torch.dtype, device: torch.device):
-        self.onehot = torch.zeros(rows, slots, dtype=dtype, device=device)
+        self.mine = torch.zeros(rows, slots, dtype=torch.bool, device=device)
         self.slots = torch.arange(slots, device=device)
+        self.dtype = dtype
         # the leading slots the step's products cover, up to the last one a token of the step uses (the host
         # knows); 0: no token has an adapter, and the layers skip the products. CPU graphs keep a recording for
         # each span; CUDA graphs are captured with every slot
@@ -161,12 +170,12 @@ class LoraState:
     def set(self, token_slots: torch.Tensor) -> None:
         """Each of the step's tokens' slot (-1: none), (T,) on the device."""
         t = len(token_slots)
-        if t > self.onehot.shape[0]:
-            raise ValueError(f"a step of {t} tokens, but LoRA's rows were sized for {self.onehot.shape[0]}")
-        self.onehot[:t] = token_slots[:, None] == self.slots
+        if t > self.mine.shape[0]:
+            raise ValueError(f"a step of {t} tokens, but LoRA's rows were sized for {self.mine.shape[0]}")
+        self.mine[:t] = token_slots[:, None] == self.slots
 
     def rows(self, t: int) -> torch.Tensor:
-        return self.onehot[:t]
+        return self.mine[:t]
 
 
 class LoraWeights(nn.Module):
@@ -177,14 +186,17 @@ class LoraWeights(nn.Module):
 
     def __init__(self, in_features: int, out_sizes: list[int], rank: int, state: LoraState):
         super().__init__()
-        slots = state.onehot.shape[1]
+        slots = len(state.slots)
         self.rank, self.out_sizes, self.state = rank, out_sizes, state
-        like = dict(dtype=state.onehot.dtype, device=state.onehot.device)
+        like = dict(dtype=state.dtype, device=state.mine.device)
         self.a = nn.Parameter(torch.zeros(slots * len(out_sizes) * rank, in_features, **like), requires_grad=False)
         self.b = nn.Parameter(torch.zeros(sum(out_sizes), slots * len(out_sizes) * rank, **like), requires_grad=False)
 
     def put(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Slot ``slot``'s part ``part``: ``a`` (r, in) and ``b`` (out of that part, r), this rank's share."""
+        a, b = a.to(self.a.dtype), b.to(self.b.dtype)
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise AdapterError(f"its weights overflow the model's {str(self.a.dtype).removeprefix('torch.')}")
         r = a.shape[0]
         col = (slot * len(self.out_sizes) + part) * self.rank
         first = sum(self.out_sizes[:part])
@@ -192,9 +204,10 @@ class LoraWeights(nn.Module):
         self.b[first:first + b.shape[0], col:col + r].copy_(b)
 
     def spans(self) -> list[torch.Tensor]:
-        """The weights ``forward`` multiplies by ``kernels.linear``, in every span's shape: the shapes to tune."""
-        slots, width = self.state.onehot.shape[1], len(self.out_sizes) * self.rank
-        return [self.a[:n * width] for n in range(1, slots + 1)] + [self.b]
+        """The weights ``forward`` multiplies by ``kernels.linear``, in every span's shape: the shapes to tune
+        (copies: the tuner measures each tensor once)."""
+        slots, width = len(self.state.slots), len(self.out_sizes) * self.rank
+        return [self.a[:n * width].clone() for n in range(1, slots + 1)] + [self.b]
 
     def clear(self, slot: int) -> None:
         cols = slice(slot * len(self.out_sizes) * self.rank, (slot + 1) * len(self.out_sizes) * self.rank)
@@ -207,7 +220,8 @@ class LoraWeights(nn.Module):
         if not span:
             return y
         t, cols = x.shape[0], span * len(self.out_sizes) * self.rank
-        u = (kernels.linear(x, self.a[:cols]).view(t, span, -1) * self.state.rows(t)[:, :span, None]).view(t, -1)
+        u = torch.where(self.state.rows(t)[:, :span, None], kernels.linear(x, self.a[:cols]).view(t, span, -1), 0)
+        u = u.view(t, -1)
         # B's first columns are no matrix of their own (its rows are longer): torch reads them where they are
         return y.add_(kernels.linear(u, self.b) if cols == self.b.shape[1] else F.linear(u, self.b[:, :cols]))
 
@@ -243,39 +257,42 @@ def attach(model: nn.Module, adapters: list[Adapter], rank: int, state: LoraStat
 def put(targets: dict[tuple[int, str], nn.Module], slot: int, adapter: Adapter) -> None:
     """``adapter`` into ``slot`` of ``targets`` (``attach``'s), in place of whatever the slot held (graphs read
     the same tensors); ``AdapterError`` if it does not fit the model, the slot then left empty."""
-    from engine.models.layers import RowLinear
 
     for target in targets.values():
         target.lora.clear(slot)
     try:
-        for (layer, module), (a, b) in adapter.weights.items():
-            name, part = _PARTS[module]
-            target = targets.get((layer, name))
-            if target is None:
-                raise AdapterError(f"{adapter.name}: layer {layer}'s {name} takes no LoRA here (no such layer, "
-                                   "or a mixture of experts' layer)")
-            if adapter.rank > target.lora.rank:
-                raise AdapterError(f"{adapter.name}: rank {adapter.rank} passes the slots' {target.lora.rank}")
-            if isinstance(target, RowLinear):
-                if a.shape[1] != target.in_per_rank * target.tp.size or b.shape[0] != target.out_features:
-                    raise AdapterError(f"{adapter.name}: layer {layer} {module}'s lora_A and lora_B are "
-                                       f"{tuple(a.shape)} and {tuple(b.shape)}, for a layer of "
-                                       f"{target.in_per_rank * target.tp.size} inputs and {target.out_features} "
-                                       "outputs")
-                a = a.narrow(1, target.tp.rank * target.in_per_rank, target.in_per_rank)
-                target.lora.put(slot, 0, a, b)
-                continue
-            if a.shape[1] != target.in_features:
-                raise AdapterError(f"{adapter.name}: layer {layer} {module}'s lora_A has {a.shape[1]} columns, the "
-                                   f"model's layer {target.in_features}")
-            parts = range(len(target.full_sizes)) if part is None else [part]
-            want = sum(target.full_sizes[p] for p in parts)
-            if b.shape[0] != want:
-                raise AdapterError(f"{adapter.name}: layer {layer} {module}'s lora_B has {b.shape[0]} rows, the "
-                                   f"model's layer {want}")
-            for p, rows in zip(parts, b.split([target.full_sizes[p] for p in parts]), strict=True):
-                target.lora.put(slot, p, a, rows.narrow(0, target.starts[p], target.out_sizes[p]))
-    except AdapterError:
+        _put(targets, slot, adapter)
+    except AdapterError as e:
         for target in targets.values():
             target.lora.clear(slot)
-        raise
+        raise AdapterError(f"LoRA adapter {adapter.name!r}: {e}") from None
+
+
+def _put(targets: dict[tuple[int, str], nn.Module], slot: int, adapter: Adapter) -> None:
+    from engine.models.layers import RowLinear
+
+    for (layer, module), (a, b) in adapter.weights.items():
+        name, part = _PARTS[module]
+        target = targets.get((layer, name))
+        if target is None:
+            raise AdapterError(f"layer {layer}'s {name} takes no LoRA here (no such layer, or a mixture of experts' "
+                               "layer)")
+        if adapter.rank > target.lora.rank:
+            raise AdapterError(f"rank {adapter.rank} passes the slots' {target.lora.rank}")
+        if isinstance(target, RowLinear):
+            if a.shape[1] != target.in_per_rank * target.tp.size or b.shape[0] != target.out_features:
+                raise AdapterError(f"layer {layer} {module}'s lora_A and lora_B are {tuple(a.shape)} and "
+                                   f"{tuple(b.shape)}, for a layer of {target.in_per_rank * target.tp.size} inputs "
+                                   f"and {target.out_features} outputs")
+            a = a.narrow(1, target.tp.rank * target.in_per_rank, target.in_per_rank)
+            target.lora.put(slot, 0, a, b)
+            continue
+        if a.shape[1] != target.in_features:
+            raise AdapterError(f"layer {layer} {module}'s lora_A has {a.shape[1]} columns, the model's layer "
+                               f"{target.in_features}")
+        parts = range(len(target.full_sizes)) if part is None else [part]
+        want = sum(target.full_sizes[p] for p in parts)
+        if b.shape[0] != want:
+            raise AdapterError(f"layer {layer} {module}'s lora_B has {b.shape[0]} rows, the model's layer {want}")
+        for p, rows in zip(parts, b.split([target.full_sizes[p] for p in parts]), strict=True):
+            target.lora.put(slot, p, a, rows.narrow(0, target.starts[p], target.out_sizes[p]))

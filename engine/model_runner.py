@@ -164,7 +164,7 @@ class ModelRunner:
         self.local_cfg = local_model_config(self.model_cfg, self.tp.size)  # this rank's heads
         torch.manual_seed(config.seed)
         self.model = build_model(model_path, self.model_cfg, max_model_len, dtype, device, self.tp)
-        self.adapters: dict[str, int] = {}  # the LoRA adapters of lora_modules -> their slots (engine.lora)
+        self.initial_adapters: dict[str, int] = {}  # the LoRA adapters of lora_modules -> their slots (engine.lora)
         self.lora: LoraState | None = None
         self.max_lora_rank = config.max_lora_rank
         if config.lora_modules or config.max_loras:
@@ -174,7 +174,7 @@ class ModelRunner:
             rank = config.max_lora_rank if config.max_loras else max(a.rank for a in adapters)
             self.lora = LoraState(slots, max(config.max_num_batched_tokens, config.max_num_seqs), dtype, device)
             self._lora_layers = attach(self.model, adapters, rank, self.lora, every_layer=bool(config.max_loras))
-            self.adapters = {a.name: slot for slot, a in enumerate(adapters)}
+            self.initial_adapters = {a.name: slot for slot, a in enumerate(adapters)}
             log.info("LoRA: %d slots of rank %d on the device, %d taken (%s)%s", slots, rank, len(adapters),
                      ", ".join(f"{a.name}: rank {a.rank}, {len(a.weights)} matrices" for a in adapters) or "none",
                      "; the others take adapters loaded while serving" if config.max_loras else "")
@@ -402,7 +402,7 @@ class ModelRunner:
         tables = self.block_tables.write(dev["write_at"], dev["write_ids"])
         if self.lora is not None:
             self.lora.set(dev["lora_slots"])
-            # (CUDA graphs, captured with it on, compute the products whatever this says: zeros, added)
+            # (CUDA graphs, captured with every slot, compute them all whatever this says: zeros, added)
             self.lora.span = max(step.lora_slots, default=-1) + 1
         index.tensors = dev
         positions, meta = index.metadata(tables, self.block_size, self.block_tables.window_map)

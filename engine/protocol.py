@@ -55,6 +55,7 @@ MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 10.0
 MAX_JSON_SCHEMA_BYTES = 65536  # a schema, packed: the engine compiles it (and caches the result) per request
 MAX_CHOICES = 4096  # strings in ``choice``
+MAX_ADAPTER_NAME = 256  # characters in a LoRA adapter's name (``LoraUpdate``)
 
 
 @dataclass
@@ -483,17 +484,18 @@ class LoraUpdate:
     path: str | None
     status: int = 0  # 0: a call
     message: str = ""
+    param: str | None = None  # the field a refusal is about
     kind = Kind.LORA
 
     def to_wire(self) -> list:
-        return [self.call_id, self.name, self.path, self.status, self.message]
+        return [self.call_id, self.name, self.path, self.status, self.message, self.param]
 
     @classmethod
     def from_wire(cls, p: list) -> LoraUpdate:
-        call_id, name, path, status, message = p
+        call_id, name, path, status, message, param = p
         if not isinstance(name, str) or not (path is None or isinstance(path, str)):
             raise ProtocolError("a LoRA update names an adapter and a folder (or none)")
-        return cls(str(call_id), name, path, int(status), str(message))
+        return cls(str(call_id), name, path, int(status), str(message), None if param is None else str(param))
 
 
 Message = Hello | Ready | Add | Abort | Outputs | Stats | Error | LoraUpdate

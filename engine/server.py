@@ -213,7 +213,8 @@ class EngineActor:
             status = getattr(e, "status", None)
             if not isinstance(status, int):
                 log.exception("LoRA update %r failed", msg.name)
-            msg.status, msg.message = (status, e.message) if isinstance(status, int) else (500, f"engine error: {e}")
+            msg.status, msg.message, msg.param = (status, e.message, getattr(e, "param", None)) \
+                if isinstance(status, int) else (500, f"engine error: {e}", None)
         else:
             self._ready_frame = protocol.encode(self.engine.ready_info())
             for frontend in self._frontend_index:

@@ -146,7 +146,7 @@ class DecodeGraphs:
     a size is captured by the first step of that size, whose forward the capture runs for real,
     so no step is padded and none is computed twice; recordings hold their own intermediates,
     so those of at most ``max_rows`` rows in all are kept, the least recently used dropped. A step
-    whose forward takes another path (``variant``: with LoRA adapters, whether any token has one)
+    whose forward takes another path (``variant``: with LoRA adapters, how many slots it computes)
     has recordings of its own.
 
     The graphs attend up to ``max_model_len`` (their block tables are that wide): the decode

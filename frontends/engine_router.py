@@ -62,6 +62,7 @@ class EngineRouter:
         self._readies: tuple = ()  # the clients' READYs ``ready`` was last made of, and it:
         self._ready_now: Ready | None = None
         self._next = 0  # round robin among equally loaded engines
+        self._lora_updates = asyncio.Lock()  # one at a time: two racing could leave the engines disagreeing
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -86,7 +87,10 @@ class EngineRouter:
                                         f"{live[0].address} {first.model!r} (vocabulary {first.vocab_size}): "
                                         "data parallel needs one model")
             names, first_names = sorted(name for name, _ in r.loras), sorted(name for name, _ in first.loras)
-            if names != first_names:
+            if names != first_names and r.max_loras and first.max_loras:  # (loaded while serving: see ready)
+                log.warning("%s serves the LoRA adapters %s, %s %s: only those every engine serves are asked for",
+                            c.address, names, live[0].address, first_names)
+            elif names != first_names:
                 await self.close()
                 raise EngineUnavailable(f"{c.address} serves the LoRA adapters {names}, {live[0].address} "
                                         f"{first_names}: data parallel needs the same adapters on every engine")
@@ -181,8 +185,14 @@ class EngineRouter:
             c.abort(request_ids)
 
     async def update_lora(self, name: str, path: str | None, timeout: float = 120.0) -> LoraUpdate:
-        """As ``EngineClient.update_lora``, on every engine it can reach: an adapter loaded on only some of them
-        is unloaded from those again (a call may go to any), and the first refusal answers."""
+        """As ``EngineClient.update_lora``, on every engine it can reach, one update at a time: an adapter loaded
+        on only some of them is unloaded from those again (a call may go to any), and the first refusal answers.
+        (Other frontend processes update on their own: racing updates of one name through two of them can leave
+        an engine holding an adapter the others do not, which ``ready`` then leaves out.)"""
+        async with self._lora_updates:
+            return await self._update_lora(name, path, timeout)
+
+    async def _update_lora(self, name: str, path: str | None, timeout: float) -> LoraUpdate:
         live = [c for c in self.clients if c.healthy]
         if not live:
             raise EngineUnavailable("no engine is available")

@@ -37,7 +37,7 @@ from typing import Any
 
 import orjson
 
-from engine.protocol import Stats
+from engine.protocol import MAX_ADAPTER_NAME, Stats
 from frontends import openai_params as op
 from frontends import reasoning, tools
 from frontends.access_log import CallInfo
@@ -77,6 +77,13 @@ def stats_fields(s: Stats) -> dict:
             "prefix_cache_hit_rate": s.prefix_cache_hit_rate, "num_evictions": s.num_evictions,
             "kv_fragmentation": s.kv_fragmentation, "num_spec_drafts": s.num_spec_drafts,
             "num_spec_draft_tokens": s.num_spec_draft_tokens, "num_spec_accepted_tokens": s.num_spec_accepted_tokens}
+
+
+def _adapter_name(data: dict) -> str:
+    name = op.field(data, "lora_name", str)
+    if not 0 < len(name) <= MAX_ADAPTER_NAME:  # (the engine checks it too: here, no long name goes further)
+        raise ApiError(400, f"an adapter's name must be 1 to {MAX_ADAPTER_NAME} characters", param="lora_name")
+    return name
 
 
 def _timed_out(started: float) -> ApiError:
@@ -235,7 +242,7 @@ class OpenAIApi:
     async def load_lora_adapter(self, req: Request) -> Response:
         """vLLM's: ``{"lora_name", "lora_path"}``, a PEFT folder on the engine's machine, into a free slot."""
         data = op.parse_json(req.body)
-        name, path = op.field(data, "lora_name", str), op.field(data, "lora_path", str)
+        name, path = _adapter_name(data), op.field(data, "lora_path", str)
         if name in self.model_names:
             raise ApiError(400, f"'{name}' is a name of the served model: a request could not ask for the model "
                            "alone", param="lora_name")
@@ -244,7 +251,7 @@ class OpenAIApi:
 
     async def unload_lora_adapter(self, req: Request) -> Response:
         """vLLM's: ``{"lora_name"}``; the requests running with it finish with it."""
-        name = op.field(op.parse_json(req.body), "lora_name", str)
+        name = _adapter_name(op.parse_json(req.body))
         await self._update_lora(name, None)
         return Response(200, f"Success: LoRA adapter '{name}' removed successfully.".encode(), "text/plain")
 
@@ -254,7 +261,7 @@ class OpenAIApi:
         except EngineUnavailable as e:
             raise ApiError(503, f"Engine unavailable: {e}") from None
         if answer.status != 200:
-            raise ApiError(answer.status, answer.message, param="lora_name" if answer.status == 404 else None)
+            raise ApiError(answer.status, answer.message, param=answer.param)
 
     async def tokenize(self, req: Request) -> Response:
         data = op.parse_json(req.body)

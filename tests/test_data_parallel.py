@@ -114,7 +114,8 @@ def test_router_picks_the_least_loaded_engine_by_stats(two_engines):
 
 
 def test_router_refuses_engines_with_different_lora_adapters(two_engines):
-    """A call naming an adapter may go to any engine: every engine must serve the same ones (paths may differ)."""
+    """A call naming an adapter may go to any engine: every engine must serve the same ones (paths may differ);
+    where adapters are loaded while serving, the router serves those every engine has."""
     two_engines[0].loras = [["sql", "/a/sql"], ["chat", "/a/chat"]]
     two_engines[1].loras = [["chat", "/b/chat"], ["sql", "/b/sql"]]
 
@@ -130,6 +131,9 @@ def test_router_refuses_engines_with_different_lora_adapters(two_engines):
     with pytest.raises(EngineUnavailable, match=r"the LoRA adapters \['sql'\], .* \['chat', 'sql'\]: data parallel "
                                                 r"needs the same adapters"):
         run(connect())
+    for e in two_engines:  # adapters loaded while serving: an engine that restarted lost them; serve those all have
+        e.max_loras = 4
+    assert run(connect()).loras == [["sql", "/a/sql"]]
 
 
 def test_router_loads_an_adapter_on_every_engine_or_on_none(two_engines):

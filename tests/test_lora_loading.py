@@ -69,7 +69,8 @@ def test_an_adapter_loaded_while_serving_gives_the_tokens_of_one_loaded_at_start
 
 
 def test_vllm_style_offline_lora_requests_load_their_adapter(tiny, want):
-    """``LLM(enable_lora=True)`` and vLLM's ``LoRARequest(name, id, path)``: loaded by the first generate."""
+    """``LLM(enable_lora=True)`` and vLLM's ``LoRARequest(name, id, path)``: loaded by the first generate, the
+    adapter unused longest unloaded when the slots are full."""
     model, a, b = tiny
 
     class LoRARequest:  # vLLM's fields
@@ -82,6 +83,13 @@ def test_vllm_style_offline_lora_requests_load_their_adapter(tiny, want):
         assert tokens(llm, [LoRARequest("b", 2, b), None, LoRARequest("a", 1, a)]) == [
             want["b"][0], want[None][1], want["a"][2]]
         assert sorted(llm.engine.adapters) == ["a", "b"]
+    with LLM(model, **KW, enable_lora=True, max_loras=2) as llm:  # full: the adapter unused longest makes room
+        assert tokens(llm, LoRARequest("a", 1, a)) == want["a"] and tokens(llm, LoRARequest("b", 2, b)) == want["b"]
+        assert tokens(llm, LoRARequest("a", 1, a)) == want["a"]
+        assert tokens(llm, LoRARequest("c", 3, b)) == want["b"] and sorted(llm.engine.adapters) == ["a", "c"]
+        assert tokens(llm, LoRARequest("a", 1, b)) == want["b"]  # another folder under its name: loaded again
+        with pytest.raises(RequestError, match="no free LoRA slot"):  # three at once in two slots
+            llm.generate(PROMPTS, GREEDY, lora_request=[LoRARequest(n, 0, a) for n in "xyz"])
 
 
 def test_a_slot_is_reused_only_once_no_request_reads_it(tiny, want):
@@ -144,6 +152,9 @@ def test_refusals_say_why_and_leave_the_engine_serving(tiny, want, tmp_path, smo
     with pytest.raises(AdapterError, match="holds a NaN or an infinity"):
         read_adapter("n", nan, 16)
     big = make_lora(model, str(tmp_path / "big"), seed=0, r=32)
+    huge = make_lora(model, str(tmp_path / "huge"), seed=0, alpha=1e40)  # finite weights, an infinite scale
+    text = make_lora(model, str(tmp_path / "text"), seed=0, alpha="16")
+    regex = make_lora(model, str(tmp_path / "regex"), seed=0, alpha_pattern={"q_proj(": 2.0})
     with LLM(model, **KW, lora_modules={"a": a}, max_loras=2) as llm:
         e = llm.engine
         for name, path, match in [
@@ -151,6 +162,9 @@ def test_refusals_say_why_and_leave_the_engine_serving(tiny, want, tmp_path, smo
             ("w", wrong, r"lora_A and lora_B are \(8, 128\) and \(32, 8\)"),
             ("n", nan, "NaN"),
             ("big", big, "rank 32 passes --max-lora-rank 16"),
+            ("huge", huge, r"times its scale, 1.25e\+39\) holds a NaN or an infinity"),
+            ("text", text, "the alpha of model.layers.0.mlp.down_proj is '16', not a number"),
+            ("regex", regex, "alpha_pattern is no map of regular expressions"),
             ("a", b, "The LoRA adapter 'a' is already loaded"),
             (e.model_name, b, "the served model's name"),
             ("", b, "1 to 256 printable characters"),
@@ -167,6 +181,33 @@ def test_refusals_say_why_and_leave_the_engine_serving(tiny, want, tmp_path, smo
         assert tokens(llm, "b") == want["b"] and tokens(llm, "a") == want["a"] and tokens(llm, None) == want[None]
         e.unload_lora("a")  # one of lora_modules, too
         assert sorted(e.adapters) == ["b"] and [n for n, _ in e.ready_info().loras] == ["b"]
+
+
+def test_an_adapter_that_overflows_harms_only_its_own_tokens(tiny, want, tmp_path):
+    """A slot whose products are inf (finite weights, ±3e38) beside requests of another slot and of the model
+    alone in every step: their tokens are unchanged (masked, not multiplied by zero: inf * 0 is NaN)."""
+    from safetensors.torch import load_file, save_file
+
+    model, a, _ = tiny
+    big = make_lora(model, str(tmp_path / "big"), seed=3)
+    weights = load_file(f"{big}/adapter_model.safetensors")
+    save_file({k: w.sign() * 3e38 if "lora_A" in k else w for k, w in weights.items()},
+              f"{big}/adapter_model.safetensors")
+    with LLM(model, **KW, max_loras=2) as llm:
+        llm.engine.load_lora("big", big)
+        llm.engine.load_lora("a", a)
+        outs = llm.generate(PROMPTS * 2, GREEDY, lora_request=[None, "a", None, "big", "big", "big"])
+        assert [o.token_ids for o in outs[:3]] == [want[None][0], want["a"][1], want[None][2]]
+
+
+def test_weights_that_overflow_the_models_dtype_are_refused():
+    import torch
+
+    from engine.lora import LoraState, LoraWeights
+
+    w = LoraWeights(8, [4], 2, LoraState(1, 4, torch.float16, torch.device("cpu")))
+    with pytest.raises(AdapterError, match="overflow the model's float16"):
+        w.put(0, 0, torch.full((2, 8), 1e5), torch.ones(4, 2))
 
 
 def test_tensor_parallel_ranks_load_their_share(tiny, want):
@@ -212,14 +253,16 @@ def test_served_loading_through_every_frontend_and_engine(tiny, monkeypatch):
             r = client().completions.create(model="a", prompt=prompt, max_tokens=8, temperature=0,
                                           extra_body={"ignore_eos": True})
             assert (r.model, r.choices[0].text) == ("a", text["a"])
-        for body, match in [
-            ({"lora_name": "b", "lora_path": b}, "no free LoRA slot"),
-            ({"lora_name": "a", "lora_path": a}, "already loaded"),
-            ({"lora_name": "tiny", "lora_path": a}, "a name of the served model"),
-            ({"lora_name": "a"}, "Missing required field: 'lora_path'"),
+        for body, match, param in [
+            ({"lora_name": "b", "lora_path": b}, "no free LoRA slot", "lora_name"),
+            ({"lora_name": "a", "lora_path": a}, "already loaded", "lora_name"),
+            ({"lora_name": "tiny", "lora_path": a}, "a name of the served model", "lora_name"),
+            ({"lora_name": "x" * 257, "lora_path": a}, "1 to 256 characters", "lora_name"),
+            ({"lora_name": "a"}, "Missing required field: 'lora_path'", "lora_path"),
         ]:
             status, body_text = call(s.url, "/v1/load_lora_adapter", body)
-            assert status == 400 and match in json.loads(body_text)["error"]["message"], (body, body_text)
+            error = json.loads(body_text)["error"]
+            assert (status, error["param"]) == (400, param) and match in error["message"], (body, body_text)
         unload = {"lora_name": "a"}
         assert call(s.url, "/v1/unload_lora_adapter", unload) == (200, "Success: LoRA adapter 'a' removed "
                                                                        "successfully.")
@@ -228,6 +271,9 @@ def test_served_loading_through_every_frontend_and_engine(tiny, monkeypatch):
         for _ in range(4):
             with pytest.raises(openai.NotFoundError, match="'a' does not exist"):
                 client().completions.create(model="a", prompt=prompt, max_tokens=2)
+        status, body_text = call(s.url, "/v1/load_lora_adapter", {"lora_name": "c", "lora_path": "/nonexistent"})
+        error = json.loads(body_text)["error"]
+        assert (status, error["param"]) == (400, "lora_path") and "no readable adapter_config.json" in error["message"]
         assert call(s.url, "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": b})[0] == 200  # a's slot
     finally:
         s.close()

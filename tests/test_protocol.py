@@ -30,7 +30,7 @@ MESSAGES = {
     "error": p.Error("r1", 429, "rate_limit_error", "queue full", None),
     "lora load": p.LoraUpdate("c1", "sql", "/adapters/sql"),
     "lora unload": p.LoraUpdate("c2", "sql", None),
-    "lora answer": p.LoraUpdate("c1", "sql", "/adapters/sql", 400, "no free LoRA slot"),
+    "lora answer": p.LoraUpdate("c1", "sql", "/adapters/sql", 400, "no free LoRA slot", "lora_name"),
 }
 
 GOLDEN = {
@@ -62,9 +62,9 @@ GOLDEN = {
     "embedding": "92059199a2653190a473746f70c00200c0c0c4080000803f000000bf",
     "stats": "92069d0102cb3fd00000000000004b640304cb3fe000000000000006cb3fc000000000000007140f",
     "error": "920795a27231cd01adb0726174655f6c696d69745f6572726f72aa71756575652066756c6cc0",
-    "lora load": "920895a26331a373716cad2f61646170746572732f73716c00a0",
-    "lora unload": "920895a26332a373716cc000a0",
-    "lora answer": "920895a26331a373716cad2f61646170746572732f73716ccd0190b16e6f2066726565204c6f524120736c6f74",
+    "lora load": "920896a26331a373716cad2f61646170746572732f73716c00a0c0",
+    "lora unload": "920896a26332a373716cc000a0c0",
+    "lora answer": "920896a26331a373716cad2f61646170746572732f73716ccd0190b16e6f2066726565204c6f524120736c6f74a96c6f72615f6e616d65",
 }
 
 
@@ -134,8 +134,8 @@ MALFORMED = {
     "stats short": _frame(6, [1, 2]),
     "error short": _frame(7, [None, 500]),
     "lora short": _frame(8, ["c1", "sql"]),
-    "lora name not a string": _frame(8, ["c1", 5, None, 0, ""]),
-    "lora path not a string": _frame(8, ["c1", "sql", ["/a"], 0, ""]),
+    "lora name not a string": _frame(8, ["c1", 5, None, 0, "", None]),
+    "lora path not a string": _frame(8, ["c1", "sql", ["/a"], 0, "", None]),
     "trailing bytes": p.encode(p.Hello("fe0")) + b"\x00",
 }
 
