@@ -38,7 +38,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.json_schema import SchemaError
-from engine.lora import AdapterError
+from engine.lora import Adapter, AdapterError, read_adapter
 from engine.model_path import model_name, resolve_model_path
 from engine.model_runner import Launched, ModelRunner, StepResult
 from engine.pooling import PoolerConfig, PoolState
@@ -195,12 +195,23 @@ class Engine:
                      self.config.max_num_waiting_requests, [[name, a.path] for name, a in self.adapters.items()],
                      self.config.max_loras or 0)
 
-    def load_lora(self, name: str, path: str) -> None:
-        """vLLM's ``/v1/load_lora_adapter``: LoRA adapter ``name`` from PEFT folder ``path`` into a free slot of
-        ``max_loras`` (one no adapter holds and no running or waiting request still reads); ``RequestError`` if
-        it cannot be."""
-        def bad(message: str, param: str = "lora_name") -> None:
-            raise RequestError(400, "invalid_request_error", message, param)
+    def load_lora(self, name: str, path: str, adapter: Adapter | None = None) -> None:
+        """vLLM's ``/v1/load_lora_adapter``: LoRA adapter ``name`` from PEFT folder ``path`` (``adapter``: as
+        ``read_lora`` read it) into a free slot of ``max_loras`` (one no adapter holds and no running or waiting
+        request still reads); ``RequestError`` if it cannot be."""
+        slot = self.check_lora(name)
+        try:
+            self.runner.load_adapter(slot, name, path, adapter)
+        except AdapterError as e:
+            raise RequestError(400, "invalid_request_error", str(e), "lora_path") from None
+        self.adapters[name] = ServedAdapter(slot, path, f"{next(self._adapter_loads)}:{name}")
+        log.info("LoRA adapter %r loaded from %s into slot %d", name, path, slot)
+
+    def check_lora(self, name: str) -> int:
+        """The slot ``load_lora`` would load adapter ``name`` into; ``RequestError`` if it would refuse the name
+        or find no free slot."""
+        def bad(message: str) -> None:
+            raise RequestError(400, "invalid_request_error", message, "lora_name")
 
         slots = self.config.max_loras
         if not slots:
@@ -220,12 +231,15 @@ class Engine:
                 held.append(f"{slots - len(taken)} by unloaded adapters whose requests still run")
             bad(f"no free LoRA slot: of the {slots} of --max-loras, {' and '.join(held)}; unload one, or start "
                 "with a larger --max-loras")
+        return slot
+
+    def read_lora(self, name: str, path: str) -> Adapter:
+        """Adapter ``name``'s folder read and checked, for ``load_lora``: touches nothing of the engine's, so
+        another thread may do it while the engine steps; ``RequestError`` if it cannot be served."""
         try:
-            self.runner.load_adapter(slot, name, path)
+            return read_adapter(name, path, self.config.max_lora_rank, self.runner.dtype)
         except AdapterError as e:
-            bad(str(e), "lora_path")
-        self.adapters[name] = ServedAdapter(slot, path, f"{next(self._adapter_loads)}:{name}")
-        log.info("LoRA adapter %r loaded from %s into slot %d", name, path, slot)
+            raise RequestError(400, "invalid_request_error", str(e), "lora_path") from None
 
     def free_lora_slot(self) -> int | None:
         """The first LoRA slot no adapter holds and no running or waiting request reads (None: all are busy)."""

@@ -168,7 +168,7 @@ class ModelRunner:
         self.lora: LoraState | None = None
         self.max_lora_rank = config.max_lora_rank
         if config.lora_modules or config.max_loras:
-            adapters = [read_adapter(name, path, config.max_lora_rank)
+            adapters = [read_adapter(name, path, config.max_lora_rank, dtype)
                         for name, path in (config.lora_modules or {}).items()]
             slots = config.max_loras or len(adapters)  # (with max_loras: any adapter may come later, any rank)
             rank = config.max_lora_rank if config.max_loras else max(a.rank for a in adapters)
@@ -238,10 +238,12 @@ class ModelRunner:
                                        max_rows=CPU_GRAPH_ROWS, window_map=self.block_tables.window_map,
                                        variant=(lambda: self.lora.span) if self.lora is not None else None)
 
-    def load_adapter(self, slot: int, name: str, path: str) -> None:
-        """LoRA adapter ``name`` (PEFT folder ``path``) into ``slot`` on every rank, in place of the slot's last
-        one (engine.lora.put); ``AdapterError`` if it cannot be served, the slot then empty."""
-        adapter = read_adapter(name, path, self.max_lora_rank)  # refused here, the other ranks never hear of it
+    def load_adapter(self, slot: int, name: str, path: str, adapter: Adapter | None = None) -> None:
+        """LoRA adapter ``name`` (PEFT folder ``path``; ``adapter``: read already) into ``slot`` on every rank, in
+        place of the slot's last one (engine.lora.put); ``AdapterError`` if it cannot be served, the slot then
+        empty."""
+        # refused here, no other rank hears of it
+        adapter = adapter or read_adapter(name, path, self.max_lora_rank, self.dtype)
         self.tp.send_adapter(slot, name, path)
         self.put_adapter(slot, name, path, adapter)
 
@@ -250,7 +252,7 @@ class ModelRunner:
         each of them could, or all leave the slot empty."""
         error = None
         try:
-            put(self._lora_layers, slot, adapter or read_adapter(name, path, self.max_lora_rank))
+            put(self._lora_layers, slot, adapter or read_adapter(name, path, self.max_lora_rank, self.dtype))
         except Exception as e:  # noqa: BLE001 - whatever stopped this rank, every rank must hear of it
             error = e
         if self.tp.min_over_ranks(int(error is None)) == 0:

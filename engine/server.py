@@ -54,6 +54,8 @@ class EngineActor:
         self._owner: dict[str, tuple[bytes, str]] = {}  # internal id -> (identity, frontend's id)
         self._owned: dict[bytes, set[str]] = {}  # identity -> its live internal ids
         self._stopping = False
+        self._lora_updates = asyncio.Lock()
+        self._lora_tasks: set[asyncio.Task] = set()  # (held: the loop keeps only weak references to tasks)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wakeup: asyncio.Future | None = None
         self.num_steps = 0
@@ -145,7 +147,9 @@ class EngineActor:
         elif isinstance(msg, protocol.Hello):
             self._hello(ident, msg)
         elif isinstance(msg, protocol.LoraUpdate) and not msg.status:
-            self._update_lora(ident, msg)
+            task = self._loop.create_task(self._update_lora(ident, msg))  # (steps go on while it reads the folder)
+            self._lora_tasks.add(task)
+            task.add_done_callback(self._lora_tasks.discard)
         else:
             log.warning("dropping %s frame from frontend %r: not for the engine", msg.kind.name, ident)
 
@@ -201,26 +205,31 @@ class EngineActor:
             ident, _ = self._owner.pop(iid)
             self._owned[ident].discard(iid)
 
-    def _update_lora(self, ident: bytes, msg: protocol.LoraUpdate) -> None:
-        """Load or unload an adapter; on success every frontend hears the new list (a READY) before the caller
-        hears the answer, so a request naming a loaded adapter finds it at any frontend."""
-        try:
-            if msg.path is None:
-                self.engine.unload_lora(msg.name)
+    async def _update_lora(self, ident: bytes, msg: protocol.LoraUpdate) -> None:
+        """Load or unload an adapter, one update at a time, in the order they came: a load's folder is read on
+        a thread while the engine steps, then copied into its slot between two steps. On success every frontend
+        hears the new list (a READY) before the caller hears the answer, so a request naming a loaded adapter
+        finds it at any frontend."""
+        async with self._lora_updates:
+            try:
+                if msg.path is None:
+                    self.engine.unload_lora(msg.name)
+                else:
+                    self.engine.check_lora(msg.name)  # (refused before the folder is read)
+                    adapter = await asyncio.to_thread(self.engine.read_lora, msg.name, msg.path)
+                    self.engine.load_lora(msg.name, msg.path, adapter)
+            except Exception as e:  # noqa: BLE001 - RequestError carries status; anything else is a 500
+                status = getattr(e, "status", None)
+                if not isinstance(status, int):
+                    log.exception("LoRA update %r failed", msg.name)
+                msg.status, msg.message, msg.param = (status, e.message, getattr(e, "param", None)) \
+                    if isinstance(status, int) else (500, f"engine error: {e}", None)
             else:
-                self.engine.load_lora(msg.name, msg.path)
-        except Exception as e:  # noqa: BLE001 - RequestError carries status; anything else is a 500
-            status = getattr(e, "status", None)
-            if not isinstance(status, int):
-                log.exception("LoRA update %r failed", msg.name)
-            msg.status, msg.message, msg.param = (status, e.message, getattr(e, "param", None)) \
-                if isinstance(status, int) else (500, f"engine error: {e}", None)
-        else:
-            self._ready_frame = protocol.encode(self.engine.ready_info())
-            for frontend in self._frontend_index:
-                self._send(frontend, self._ready_frame)
-            msg.status = 200
-        self._send(ident, protocol.encode(msg))
+                self._ready_frame = protocol.encode(self.engine.ready_info())
+                for frontend in self._frontend_index:
+                    self._send(frontend, self._ready_frame)
+                msg.status = 200
+            self._send(ident, protocol.encode(msg))
 
     def _index(self, ident: bytes) -> int:
         n = self._frontend_index.get(ident)

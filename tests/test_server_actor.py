@@ -56,9 +56,18 @@ class FakeEngine:
     def ready_info(self) -> p.Ready:
         return p.Ready("fake", MAX_LEN, VOCAB, [2], 8, 100, 16, loras=[[n, path] for n, path in self.loras.items()])
 
-    def load_lora(self, name, path):
+    def check_lora(self, name):
+        return 0
+
+    def read_lora(self, name, path):
         if path == "/bad":
             raise FakeRequestError(400, "invalid_request_error", "no readable adapter_config.json")
+        if path == "/slow":
+            time.sleep(1.0)
+        return path
+
+    def load_lora(self, name, path, adapter=None):
+        assert adapter == path
         self.loras[name] = path
 
     def unload_lora(self, name):
@@ -258,6 +267,22 @@ def test_a_lora_update_reaches_every_frontend_before_its_answer(harness):
     assert recv(a) == p.LoraUpdate("c4", "sql", None, 404, "The LoRA adapter 'sql' is not loaded")
     recv_none(b)
     assert hello(b, "fe-b").loras == []  # (and a frontend connecting later hears the latest list)
+
+
+def test_requests_step_while_an_adapters_folder_is_read(harness):
+    """A load reads its folder on a thread: a request added after it runs to its end meanwhile; an unload sent
+    after the load is answered after it (one update at a time, in order)."""
+    c = harness.client(b"fe0")
+    hello(c, "fe0")
+    send(c, p.LoraUpdate("c1", "sql", "/slow"))
+    send(c, p.LoraUpdate("c2", "sql", None))
+    send(c, p.Add("a", [1, 2, 3], p.SamplingParams(max_tokens=3)))
+    _, toks, fin = collect(c, {"a"}, timeout=0.9)
+    assert fin == {"a": "length"}
+    assert recv(c).loras == [["sql", "/slow"]]
+    assert recv(c) == p.LoraUpdate("c1", "sql", "/slow", 200)
+    assert recv(c).loras == []
+    assert recv(c) == p.LoraUpdate("c2", "sql", None, 200)
 
 
 def test_request_error_becomes_error_frame(harness):
