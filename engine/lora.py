@@ -41,7 +41,6 @@ import re
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import kernels
@@ -180,10 +179,9 @@ class LoraState:
 
 
 class LoraWeights(nn.Module):
-    """One linear layer's adapters, as linear layers' weights are kept (out, in): A_all^T (S*P*R, in) and
-    B_all^T (out, S*P*R), in the model's dtype, multiplied by ``kernels.linear`` as the layer's own weight is
-    (on the CPU the C kernel for few rows, on the threads it uses: torch's between its calls cost a hand-over
-    of threads each)."""
+    """One linear layer's adapters, in the model's dtype: A_all^T (S*P*R, in), kept as linear layers' weights
+    are and multiplied by ``kernels.linear`` as the layer's own weight is (on the CPU the C kernel for few rows),
+    and B_all (S*P*R, out), so that the first slots' rows are a matrix of their own, added by torch's addmm."""
 
     def __init__(self, in_features: int, out_sizes: list[int], rank: int, state: LoraState):
         super().__init__()
@@ -191,7 +189,7 @@ class LoraWeights(nn.Module):
         self.rank, self.out_sizes, self.state = rank, out_sizes, state
         like = dict(dtype=state.dtype, device=state.mine.device)
         self.a = nn.Parameter(torch.zeros(slots * len(out_sizes) * rank, in_features, **like), requires_grad=False)
-        self.b = nn.Parameter(torch.zeros(sum(out_sizes), slots * len(out_sizes) * rank, **like), requires_grad=False)
+        self.b = nn.Parameter(torch.zeros(slots * len(out_sizes) * rank, sum(out_sizes), **like), requires_grad=False)
 
     def put(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Slot ``slot``'s part ``part``: ``a`` (r, in) and ``b`` (out of that part, r), this rank's share."""
@@ -199,18 +197,18 @@ class LoraWeights(nn.Module):
         col = (slot * len(self.out_sizes) + part) * self.rank
         first = sum(self.out_sizes[:part])
         self.a[col:col + r].copy_(a)
-        self.b[first:first + b.shape[0], col:col + r].copy_(b)
+        self.b[col:col + r, first:first + b.shape[0]].copy_(b.T)
 
     def spans(self) -> list[torch.Tensor]:
-        """The weights ``forward`` multiplies by ``kernels.linear``, in every span's shape: the shapes to tune
-        (copies: the tuner measures each tensor once)."""
+        """A as ``forward`` multiplies it by ``kernels.linear`` for each span: the shapes to tune (copies: the
+        tuner measures each tensor once)."""
         slots, width = len(self.state.slots), len(self.out_sizes) * self.rank
-        return [self.a[:n * width].clone() for n in range(1, slots + 1)] + [self.b]
+        return [self.a[:n * width].clone() for n in range(1, slots + 1)]
 
     def clear(self, slot: int) -> None:
         cols = slice(slot * len(self.out_sizes) * self.rank, (slot + 1) * len(self.out_sizes) * self.rank)
         self.a[cols].zero_()
-        self.b[:, cols].zero_()
+        self.b[cols].zero_()
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (T, out), the layer's output for ``x`` (T, in), plus each token's adapter's product."""
@@ -219,9 +217,7 @@ class LoraWeights(nn.Module):
             return y
         t, cols = x.shape[0], span * len(self.out_sizes) * self.rank
         u = torch.where(self.state.rows(t)[:, :span, None], kernels.linear(x, self.a[:cols]).view(t, span, -1), 0)
-        u = u.view(t, -1)
-        # B's first columns are no matrix of their own (its rows are longer): torch reads them where they are
-        return y.add_(kernels.linear(u, self.b) if cols == self.b.shape[1] else F.linear(u, self.b[:, :cols]))
+        return y.addmm_(u.view(t, -1), self.b[:cols])
 
 
 def attach(model: nn.Module, adapters: list[Adapter], rank: int, state: LoraState,
