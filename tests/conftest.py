@@ -139,3 +139,15 @@ def make_tiny_gemma3_multimodal(out_dir: str, tokenizer_dir: str | None, seed: i
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory, smollm_tokenizer_dir) -> str:
     return make_tiny_model(str(tmp_path_factory.mktemp("tiny_llama")), "llama", smollm_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def lora_tiny(tmp_path_factory, smollm_tokenizer_dir) -> tuple[str, str, str]:
+    """A tiny llama and two LoRA adapters for it (``tools.random_lora``): rank 8 on all seven projections, and
+    rank 4 on q and v."""
+    from tools.random_lora import make_lora
+
+    root = tmp_path_factory.mktemp("lora")
+    model = make_tiny_model(str(root / "model"), "llama", smollm_tokenizer_dir, seed=4)
+    return model, make_lora(model, str(root / "a"), seed=1), make_lora(model, str(root / "b"), seed=2, r=4,
+                                                                       modules=("q_proj", "v_proj"))

@@ -39,18 +39,10 @@ def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory, smollm_tokenizer_dir):
-    root = tmp_path_factory.mktemp("lora")
-    model = make_tiny_model(str(root / "model"), "llama", smollm_tokenizer_dir, seed=4)
-    return model, make_lora(model, str(root / "a"), seed=1), make_lora(model, str(root / "b"), seed=2, r=4,
-                                                                       modules=("q_proj", "v_proj"))
-
-
 @pytest.mark.parametrize(("eager", "overlap"), [(False, "off"), (True, "off"), (False, "on")],
                          ids=["cpu-graphs", "eager", "async-scheduling"])
-def test_adapters_and_the_model_alone_in_one_batch_match_transformers(tiny, eager, overlap):
-    model, a, b = tiny
+def test_adapters_and_the_model_alone_in_one_batch_match_transformers(lora_tiny, eager, overlap):
+    model, a, b = lora_tiny
     llm = LLM(model, device="cpu", dtype="float32", num_kv_blocks=128, max_model_len=256, enforce_eager=eager,
               async_scheduling=overlap, lora_modules={"a": a, "b": b})
     n = 12
@@ -69,8 +61,8 @@ def test_adapters_and_the_model_alone_in_one_batch_match_transformers(tiny, eage
         assert out.token_ids == want[lora][i], (lora, i)
 
 
-def test_the_prefix_cache_is_kept_apart_per_adapter(tiny):
-    model, a, b = tiny
+def test_the_prefix_cache_is_kept_apart_per_adapter(lora_tiny):
+    model, a, b = lora_tiny
     llm = LLM(model, device="cpu", dtype="float32", num_kv_blocks=128, max_model_len=256,
               lora_modules={"a": a, "b": b})
     prompt = list(range(3, 3 + 40))
@@ -86,11 +78,11 @@ def test_the_prefix_cache_is_kept_apart_per_adapter(tiny):
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["cpu-graphs", "eager"])
-def test_steps_without_an_adapter_skip_it_and_graphs_keep_a_recording_each_way(tiny, eager):
+def test_steps_without_an_adapter_skip_it_and_graphs_keep_a_recording_each_way(lora_tiny, eager):
     """A step in which no token has an adapter skips the adapters' products; a CPU graph recorded for one kind
     of step is never replayed for the other: the model alone, an adapter, the model alone again, one stream
     each (the same batch size), each as a fresh engine gives it."""
-    model, a, b = tiny
+    model, a, b = lora_tiny
     kw = dict(device="cpu", dtype="float32", num_kv_blocks=128, max_model_len=256, enforce_eager=eager)
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     with LLM(model, **kw) as plain:
@@ -104,8 +96,8 @@ def test_steps_without_an_adapter_skip_it_and_graphs_keep_a_recording_each_way(t
             assert {(1, 0), (1, 1)} <= set(llm.engine.runner.graphs.replays)
 
 
-def test_unknown_adapter_is_refused(tiny):
-    model, a, _ = tiny
+def test_unknown_adapter_is_refused(lora_tiny):
+    model, a, _ = lora_tiny
     llm = LLM(model, device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=128, lora_modules={"a": a})
     with pytest.raises(Exception, match="'nope' does not exist"):
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), lora_request="nope")
@@ -126,8 +118,8 @@ def test_unknown_adapter_is_refused(tiny):
     ({}, b"truncated", "cannot be read"),
     ([], None, "not a JSON object"),
 ])
-def test_adapters_that_cannot_be_served_are_refused(tiny, tmp_path, config, files, match):
-    path = make_lora(tiny[0], str(tmp_path / "x"), seed=0, **(config or {}))
+def test_adapters_that_cannot_be_served_are_refused(lora_tiny, tmp_path, config, files, match):
+    path = make_lora(lora_tiny[0], str(tmp_path / "x"), seed=0, **(config or {}))
     if isinstance(files, bytes):
         with open(os.path.join(path, "adapter_model.safetensors"), "wb") as f:
             f.write(files)
@@ -140,10 +132,10 @@ def test_adapters_that_cannot_be_served_are_refused(tiny, tmp_path, config, file
         read_adapter("x", path, 16)
 
 
-def test_adapters_that_do_not_fit_the_model_are_refused_at_start(tiny, tmp_path, smollm_tokenizer_dir):
+def test_adapters_that_do_not_fit_the_model_are_refused_at_start(lora_tiny, tmp_path, smollm_tokenizer_dir):
     """An adapter made for another width (down_proj's lora_B rows: the model's hidden size), and one on a mixture
     of experts' MLP: refused when the engine starts, naming the layer."""
-    model = tiny[0]
+    model = lora_tiny[0]
     narrow = make_tiny_model(str(tmp_path / "narrow"), "llama", None, seed=0, hidden_size=32)
     wrong = make_lora(narrow, str(tmp_path / "narrow-lora"), seed=0, modules=("down_proj",))
     with pytest.raises(AdapterError, match=r"layer 0 mlp.down_proj's lora_A and lora_B are \(8, 128\) and \(32, 8\)"):
@@ -154,8 +146,8 @@ def test_adapters_that_do_not_fit_the_model_are_refused_at_start(tiny, tmp_path,
         LLM(moe, device="cpu", dtype="float32", num_kv_blocks=16, max_model_len=64, lora_modules={"m": on_mlp})
 
 
-def test_scales_rslora_and_patterns(tiny, tmp_path):
-    model = tiny[0]
+def test_scales_rslora_and_patterns(lora_tiny, tmp_path):
+    model = lora_tiny[0]
     plain = read_adapter("p", make_lora(model, str(tmp_path / "p"), seed=0, r=4, alpha=8.0), 16)
     rs = read_adapter("r", make_lora(model, str(tmp_path / "r"), seed=0, r=4, alpha=8.0, use_rslora=True), 16)
     pat = read_adapter("q", make_lora(model, str(tmp_path / "q"), seed=0, r=4, alpha=8.0,
@@ -173,7 +165,7 @@ def test_scales_rslora_and_patterns(tiny, tmp_path):
     assert torch.allclose(pat.weights[key][1], raw * 0.5) and torch.equal(pat.weights[other][1], plain.weights[other][1])
 
 
-def test_served_adapters_with_the_openai_client(tiny):
+def test_served_adapters_with_the_openai_client(lora_tiny):
     """``tokenmill serve --enable-lora --lora-modules``: /v1/models lists each adapter (its parent the model), a
     request's ``model`` picks one (responses name it), its text is the offline ``LLM``'s with that adapter;
     streamed chat too; an unknown name is a 404, and a bad adapter folder stops the start with its reason."""
@@ -181,7 +173,7 @@ def test_served_adapters_with_the_openai_client(tiny):
 
     from tests.test_server_e2e import Server, openai_client
 
-    model, a, b = tiny
+    model, a, b = lora_tiny
     prompt = "The quick brown fox jumps over the lazy dog because"
     greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     llm = LLM(model, lora_modules={"a": a, "b": b})
@@ -211,10 +203,10 @@ def test_served_adapters_with_the_openai_client(tiny):
         Server("--model", model, "--enable-lora", "--lora-modules", f"a={a}", "--max-lora-rank", "4", startup=120)
 
 
-def test_tensor_parallel_gives_one_ranks_tokens(tiny):
+def test_tensor_parallel_gives_one_ranks_tokens(lora_tiny):
     """Two ranks (gloo): each keeps its rows of B (q|k|v, gate|up) or columns of A (o, down); the same greedy
     tokens as one rank, adapters and the model alone in one batch."""
-    model, a, b = tiny
+    model, a, b = lora_tiny
     kw = dict(device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=128, lora_modules={"a": a, "b": b})
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     loras = [None, "a", "b", "a"]

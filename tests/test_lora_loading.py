@@ -25,17 +25,9 @@ KW = dict(device="cpu", dtype="float32", num_kv_blocks=96, max_model_len=128)
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, smollm_tokenizer_dir):
-    root = tmp_path_factory.mktemp("lora-loading")
-    model = make_tiny_model(str(root / "model"), "llama", smollm_tokenizer_dir, seed=4)
-    return model, make_lora(model, str(root / "a"), seed=1), make_lora(model, str(root / "b"), seed=2, r=4,
-                                                                       modules=("q_proj", "v_proj"))
-
-
-@pytest.fixture(scope="module")
-def want(tiny):
+def want(lora_tiny):
     """Each prompt's greedy tokens with each adapter loaded at start, and with none."""
-    model, a, b = tiny
+    model, a, b = lora_tiny
     with LLM(model, **KW, lora_modules={"a": a, "b": b}) as llm:
         return {lora: [o.token_ids for o in llm.generate(PROMPTS, GREEDY, lora_request=lora)]
                 for lora in (None, "a", "b")}
@@ -46,11 +38,11 @@ def tokens(llm: LLM, lora, prompts=PROMPTS) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["cpu-graphs", "eager"])
-def test_an_adapter_loaded_while_serving_gives_the_tokens_of_one_loaded_at_start(tiny, want, eager):
+def test_an_adapter_loaded_while_serving_gives_the_tokens_of_one_loaded_at_start(lora_tiny, want, eager):
     """Adapters loaded into two slots: a step computes the slots up to the last one its tokens use (slot 0 alone:
     the first columns of B, read in place), mixes adapters and the model alone; a recorded graph reads weights
     loaded after it was recorded; a slot that held a larger adapter keeps none of it."""
-    model, a, b = tiny
+    model, a, b = lora_tiny
     assert len({str(v) for v in want.values()}) == 3
     with LLM(model, **KW, enforce_eager=eager, max_loras=2) as llm:
         assert tokens(llm, None) == want[None]
@@ -68,10 +60,10 @@ def test_an_adapter_loaded_while_serving_gives_the_tokens_of_one_loaded_at_start
             assert {(3, 0), (3, 1), (3, 2)} <= set(llm.engine.runner.graphs.replays)
 
 
-def test_vllm_style_offline_lora_requests_load_their_adapter(tiny, want):
+def test_vllm_style_offline_lora_requests_load_their_adapter(lora_tiny, want):
     """``LLM(enable_lora=True)`` and vLLM's ``LoRARequest(name, id, path)``: loaded by the first generate, the
     adapter unused longest unloaded when the slots are full."""
-    model, a, b = tiny
+    model, a, b = lora_tiny
 
     class LoRARequest:  # vLLM's fields
         def __init__(self, lora_name, lora_int_id, lora_path):
@@ -92,10 +84,10 @@ def test_vllm_style_offline_lora_requests_load_their_adapter(tiny, want):
             llm.generate(PROMPTS, GREEDY, lora_request=[LoRARequest(n, 0, a) for n in "xyz"])
 
 
-def test_a_slot_is_reused_only_once_no_request_reads_it(tiny, want):
+def test_a_slot_is_reused_only_once_no_request_reads_it(lora_tiny, want):
     """max_loras=1: a second adapter is refused while the first is loaded, and after it is unloaded while one of
     its requests still runs; that request ends with the first adapter's tokens, then the slot takes the second."""
-    model, a, b = tiny
+    model, a, b = lora_tiny
     with LLM(model, **KW, max_loras=1) as llm:
         engine = llm.engine
         engine.load_lora("a", a)
@@ -119,8 +111,8 @@ def test_a_slot_is_reused_only_once_no_request_reads_it(tiny, want):
         assert tokens(llm, "b") == want["b"]
 
 
-def test_a_name_loaded_again_shares_no_cached_block_with_its_last_load(tiny, want):
-    model, a, b = tiny
+def test_a_name_loaded_again_shares_no_cached_block_with_its_last_load(lora_tiny, want):
+    model, a, b = lora_tiny
     prompt = list(range(3, 3 + 40))
     with LLM(model, **KW, max_loras=2) as llm:
         llm.engine.load_lora("x", a)
@@ -135,8 +127,8 @@ def test_a_name_loaded_again_shares_no_cached_block_with_its_last_load(tiny, wan
         assert reloaded.token_ids == llm.generate([prompt], GREEDY, lora_request="b")[0].token_ids
 
 
-def test_refusals_say_why_and_leave_the_engine_serving(tiny, want, tmp_path, smollm_tokenizer_dir):
-    model, a, b = tiny
+def test_refusals_say_why_and_leave_the_engine_serving(lora_tiny, want, tmp_path, smollm_tokenizer_dir):
+    model, a, b = lora_tiny
     with LLM(model, **KW, lora_modules={"a": a}) as llm:  # no max_loras: no loading while serving
         with pytest.raises(RequestError, match="not loaded while serving here: start with --enable-lora and "
                                                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true"):
@@ -183,12 +175,12 @@ def test_refusals_say_why_and_leave_the_engine_serving(tiny, want, tmp_path, smo
         assert sorted(e.adapters) == ["b"] and [n for n, _ in e.ready_info().loras] == ["b"]
 
 
-def test_an_adapter_that_overflows_harms_only_its_own_tokens(tiny, want, tmp_path):
+def test_an_adapter_that_overflows_harms_only_its_own_tokens(lora_tiny, want, tmp_path):
     """A slot whose products are inf (finite weights, ±3e38) beside requests of another slot and of the model
     alone in every step: their tokens are unchanged (masked, not multiplied by zero: inf * 0 is NaN)."""
     from safetensors.torch import load_file, save_file
 
-    model, a, _ = tiny
+    model, a, _ = lora_tiny
     big = make_lora(model, str(tmp_path / "big"), seed=3)
     weights = load_file(f"{big}/adapter_model.safetensors")
     save_file({k: w.sign() * 3e38 if "lora_A" in k else w for k, w in weights.items()},
@@ -200,17 +192,17 @@ def test_an_adapter_that_overflows_harms_only_its_own_tokens(tiny, want, tmp_pat
         assert [o.token_ids for o in outs[:3]] == [want[None][0], want["a"][1], want[None][2]]
 
 
-def test_weights_past_the_models_dtype_are_refused(tiny, tmp_path):
+def test_weights_past_the_models_dtype_are_refused(lora_tiny, tmp_path):
     import torch
 
-    big = make_lora(tiny[0], str(tmp_path / "big"), seed=0, alpha=8e5)  # B times 1e5: past float16's 65504
+    big = make_lora(lora_tiny[0], str(tmp_path / "big"), seed=0, alpha=8e5)  # B times 1e5: past float16's 65504
     assert read_adapter("big", big, 16, torch.float32).rank == 8
     with pytest.raises(AdapterError, match="a NaN or a value past float16's largest"):
         read_adapter("big", big, 16, torch.float16)
 
 
-def test_tensor_parallel_ranks_load_their_share(tiny, want):
-    model, a, b = tiny
+def test_tensor_parallel_ranks_load_their_share(lora_tiny, want):
+    model, a, b = lora_tiny
     with LLM(model, **KW, tensor_parallel_size=2, max_loras=1) as llm:
         with pytest.raises(RequestError, match="no readable"):
             llm.engine.load_lora("a", "/nonexistent")
@@ -221,7 +213,7 @@ def test_tensor_parallel_ranks_load_their_share(tiny, want):
         assert tokens(llm, "b") == want["b"]
 
 
-def test_served_loading_through_every_frontend_and_engine(tiny, monkeypatch):
+def test_served_loading_through_every_frontend_and_engine(lora_tiny, monkeypatch):
     """``VLLM_ALLOW_RUNTIME_LORA_UPDATING=true serve --enable-lora --max-loras 1``, two engines (data parallel)
     behind two frontends on one port, with a key: an adapter loaded through one frontend serves at any (every
     engine loaded it), /v1/models lists it, unloaded it is a 404 everywhere; refusals are OpenAI errors; the
@@ -231,7 +223,7 @@ def test_served_loading_through_every_frontend_and_engine(tiny, monkeypatch):
 
     from tests.test_server_e2e import Server
 
-    model, a, b = tiny
+    model, a, b = lora_tiny
     prompt = "The quick brown fox jumps over the lazy dog because"
     with LLM(model, lora_modules={"a": a}) as llm:
         text = {lora: llm.generate([prompt], GREEDY, lora_request=lora)[0].text for lora in (None, "a")}
