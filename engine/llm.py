@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -171,14 +172,17 @@ class LLM:
         asked = {getattr(a, "lora_name", a) for a in loras}
         for name, path in wanted.items():
             served = self.engine.adapters.get(name)
-            if served is not None and served.path != path:
-                self.engine.unload_lora(name)
-            elif served is not None:
+            if served is not None and os.path.realpath(served.path) == os.path.realpath(path):
                 continue
+            if not self.engine.config.max_loras:
+                self.engine.check_lora(name)  # (refuses: no adapter is loaded while serving)
+            adapter = self.engine.read_lora(name, path)  # (refused here, nothing has changed)
+            if served is not None:
+                self.engine.unload_lora(name)
             while self.engine.free_lora_slot() is None and (
                     idle := [n for n in self._adapter_use if n in self.engine.adapters and n not in asked]):
                 self.engine.unload_lora(idle[0])
-            self.engine.load_lora(name, path)
+            self.engine.load_lora(name, path, adapter)
         for name in asked:  # (least recently asked for first)
             self._adapter_use.pop(name, None)
             self._adapter_use[name] = None

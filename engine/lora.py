@@ -130,7 +130,7 @@ def read_adapter(name: str, path: str, max_rank: int, dtype: torch.dtype = torch
             raise refuse(f"{ADAPTER_CONFIG}: the alpha of {full} is {alpha!r}, not a number")
         scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
         a, b = a.float(), b.float() * scale
-        if not (a.abs().max() <= limit and b.abs().max() <= limit):  # (False for a NaN too)
+        if not all(t.abs().max() <= limit for t in (a, b) if t.numel()):  # (False for a NaN too)
             raise refuse(f"layer {layer} {module}: lora_A or lora_B (times its scale, {scale:g}) holds a NaN or a "
                          f"value past {str(dtype).removeprefix('torch.')}'s largest")
         out[layer, module] = (a, b)

@@ -94,6 +94,10 @@ class EngineActor:
 
     def _request_stop(self) -> None:
         self._stopping = True
+        self._wake()
+
+    def _wake(self) -> None:
+        """Have a wait for frames look at the socket again."""
         if self._wakeup is not None and not self._wakeup.done():
             self._wakeup.set_result(None)
 
@@ -218,6 +222,10 @@ class EngineActor:
                     self.engine.check_lora(msg.name)  # (refused before the folder is read)
                     adapter = await asyncio.to_thread(self.engine.read_lora, msg.name, msg.path)
                     self.engine.load_lora(msg.name, msg.path, adapter)
+            except asyncio.CancelledError:  # the engine is going down
+                msg.status, msg.message = 503, "the engine is shutting down"
+                self._send(ident, protocol.encode(msg))
+                raise
             except Exception as e:  # noqa: BLE001 - RequestError carries status; anything else is a 500
                 status = getattr(e, "status", None)
                 if not isinstance(status, int):
@@ -230,6 +238,7 @@ class EngineActor:
                     self._send(frontend, self._ready_frame)
                 msg.status = 200
             self._send(ident, protocol.encode(msg))
+            self._wake()  # (a send may have taken the edge of a frame that came meanwhile: see _wait_readable)
 
     def _index(self, ident: bytes) -> int:
         n = self._frontend_index.get(ident)

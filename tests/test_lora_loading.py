@@ -12,6 +12,8 @@ import urllib.error
 import urllib.request
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
 from engine.engine import RequestError
@@ -75,6 +77,10 @@ def test_vllm_style_offline_lora_requests_load_their_adapter(lora_tiny, want):
         assert tokens(llm, [LoRARequest("b", 2, b), None, LoRARequest("a", 1, a)]) == [
             want["b"][0], want[None][1], want["a"][2]]
         assert sorted(llm.engine.adapters) == ["a", "b"]
+    with LLM(model, **KW, lora_modules={"a": a}) as llm:  # no loading while serving: a stays as it was
+        with pytest.raises(RequestError, match="not loaded while serving"):
+            tokens(llm, LoRARequest("a", 1, b))
+        assert tokens(llm, LoRARequest("a", 1, a + "/")) == want["a"]  # (the same folder)
     with LLM(model, **KW, enable_lora=True, max_loras=2) as llm:  # full: the adapter unused longest makes room
         assert tokens(llm, LoRARequest("a", 1, a)) == want["a"] and tokens(llm, LoRARequest("b", 2, b)) == want["b"]
         assert tokens(llm, LoRARequest("a", 1, a)) == want["a"]
@@ -82,6 +88,9 @@ def test_vllm_style_offline_lora_requests_load_their_adapter(lora_tiny, want):
         assert tokens(llm, LoRARequest("a", 1, b)) == want["b"]  # another folder under its name: loaded again
         with pytest.raises(RequestError, match="no free LoRA slot"):  # three at once in two slots
             llm.generate(PROMPTS, GREEDY, lora_request=[LoRARequest(n, 0, a) for n in "xyz"])
+        with pytest.raises(RequestError, match="no readable"):  # another folder, refused: the old one stays
+            tokens(llm, LoRARequest("x", 1, "/nonexistent"))
+        assert tokens(llm, "x") == want["a"]
 
 
 def test_a_slot_is_reused_only_once_no_request_reads_it(lora_tiny, want):
@@ -136,8 +145,6 @@ def test_refusals_say_why_and_leave_the_engine_serving(lora_tiny, want, tmp_path
     narrow = make_tiny_model(str(tmp_path / "narrow"), "llama", None, seed=0, hidden_size=32)
     wrong = make_lora(narrow, str(tmp_path / "narrow-lora"), seed=0)
     nan = make_lora(model, str(tmp_path / "nan"), seed=0)
-    from safetensors.torch import load_file, save_file
-
     weights = load_file(f"{nan}/adapter_model.safetensors")
     next(iter(weights.values()))[0, 0] = float("nan")
     save_file(weights, f"{nan}/adapter_model.safetensors")
@@ -147,6 +154,10 @@ def test_refusals_say_why_and_leave_the_engine_serving(lora_tiny, want, tmp_path
     huge = make_lora(model, str(tmp_path / "huge"), seed=0, alpha=1e40)  # finite weights, an infinite scale
     text = make_lora(model, str(tmp_path / "text"), seed=0, alpha="16")
     regex = make_lora(model, str(tmp_path / "regex"), seed=0, alpha_pattern={"q_proj(": 2.0})
+    empty = make_lora(model, str(tmp_path / "empty"), seed=0)
+    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(4, 0),
+               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(64, 4)},
+              f"{empty}/adapter_model.safetensors")
     with LLM(model, **KW, lora_modules={"a": a}, max_loras=2) as llm:
         e = llm.engine
         for name, path, match in [
@@ -157,6 +168,7 @@ def test_refusals_say_why_and_leave_the_engine_serving(lora_tiny, want, tmp_path
             ("huge", huge, r"times its scale, 1.25e\+39\) holds a NaN or a value past float32's largest"),
             ("text", text, "the alpha of model.layers.0.mlp.down_proj is '16', not a number"),
             ("regex", regex, "alpha_pattern is no map of regular expressions"),
+            ("empty", empty, "layer 0 self_attn.q_proj's lora_A has 0 columns, the model's layer 64"),
             ("a", b, "The LoRA adapter 'a' is already loaded"),
             (e.model_name, b, "the served model's name"),
             ("", b, "1 to 256 printable characters"),
@@ -178,8 +190,6 @@ def test_refusals_say_why_and_leave_the_engine_serving(lora_tiny, want, tmp_path
 def test_an_adapter_that_overflows_harms_only_its_own_tokens(lora_tiny, want, tmp_path):
     """A slot whose products are inf (finite weights, ±3e38) beside requests of another slot and of the model
     alone in every step: their tokens are unchanged (masked, not multiplied by zero: inf * 0 is NaN)."""
-    from safetensors.torch import load_file, save_file
-
     model, a, _ = lora_tiny
     big = make_lora(model, str(tmp_path / "big"), seed=3)
     weights = load_file(f"{big}/adapter_model.safetensors")
@@ -193,8 +203,6 @@ def test_an_adapter_that_overflows_harms_only_its_own_tokens(lora_tiny, want, tm
 
 
 def test_weights_past_the_models_dtype_are_refused(lora_tiny, tmp_path):
-    import torch
-
     big = make_lora(lora_tiny[0], str(tmp_path / "big"), seed=0, alpha=8e5)  # B times 1e5: past float16's 65504
     assert read_adapter("big", big, 16, torch.float32).rank == 8
     with pytest.raises(AdapterError, match="a NaN or a value past float16's largest"):

@@ -68,6 +68,8 @@ class FakeEngine:
 
     def load_lora(self, name, path, adapter=None):
         assert adapter == path
+        if path == "/slow-copy":  # the copy into the slot, which runs between steps (on the loop)
+            time.sleep(0.3)
         self.loras[name] = path
 
     def unload_lora(self, name):
@@ -283,6 +285,20 @@ def test_requests_step_while_an_adapters_folder_is_read(harness):
     assert recv(c) == p.LoraUpdate("c1", "sql", "/slow", 200)
     assert recv(c).loras == []
     assert recv(c) == p.LoraUpdate("c2", "sql", None, 200)
+
+
+def test_a_frame_that_comes_during_an_adapters_copy_is_read(harness):
+    """The copy runs on the loop while the engine idles; a request another frontend sends meanwhile is read once
+    the answers are out (their sends may have taken the socket's edge for it)."""
+    a, b = harness.client(b"fe-a"), harness.client(b"fe-b")
+    hello(a, "fe-a")
+    hello(b, "fe-b")
+    send(a, p.LoraUpdate("c1", "sql", "/slow-copy"))
+    time.sleep(0.1)
+    send(b, p.Add("r", [1, 2, 3], p.SamplingParams(max_tokens=3)))
+    assert recv(a).loras == [["sql", "/slow-copy"]] and recv(a).status == 200
+    assert recv(b).loras == [["sql", "/slow-copy"]]
+    assert collect(b, {"r"}, timeout=2)[2] == {"r": "length"}
 
 
 def test_request_error_becomes_error_frame(harness):
