@@ -10,7 +10,9 @@ the same key, see ``protocol.curve_keys``). One uvloop loop, one thread:
 
 and await the socket only when the engine has nothing to do. ``step()`` runs
 directly on the loop: it is the only thing this process exists to do, and
-everything slow (HTTP, JSON, tokenizers) lives in the frontends.
+everything slow (HTTP, JSON, tokenizers) lives in the frontends. The one slow
+thing here, reading a LoRA adapter's folder (``LoraUpdate``), runs on a thread
+while steps go on; updates run one at a time, each as a task of its own.
 
 Request ids are namespaced per frontend (``"<n>:<id>"``, ``n`` a small number
 given to each frontend identity) so two frontends can never collide; replies
