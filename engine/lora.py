@@ -185,16 +185,16 @@ class LoraWeights(nn.Module):
 
     def __init__(self, in_features: int, out_sizes: list[int], rank: int, state: LoraState):
         super().__init__()
-        slots = len(state.slots)
         self.rank, self.out_sizes, self.state = rank, out_sizes, state
+        self.width = len(out_sizes) * rank  # a slot's rows of A and B
         like = dict(dtype=state.dtype, device=state.mine.device)
-        self.a = nn.Parameter(torch.zeros(slots * len(out_sizes) * rank, in_features, **like), requires_grad=False)
-        self.b = nn.Parameter(torch.zeros(slots * len(out_sizes) * rank, sum(out_sizes), **like), requires_grad=False)
+        self.a = nn.Parameter(torch.zeros(len(state.slots) * self.width, in_features, **like), requires_grad=False)
+        self.b = nn.Parameter(torch.zeros(len(state.slots) * self.width, sum(out_sizes), **like), requires_grad=False)
 
     def put(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Slot ``slot``'s part ``part``: ``a`` (r, in) and ``b`` (out of that part, r), this rank's share."""
         r = a.shape[0]
-        col = (slot * len(self.out_sizes) + part) * self.rank
+        col = slot * self.width + part * self.rank
         first = sum(self.out_sizes[:part])
         self.a[col:col + r].copy_(a)
         self.b[col:col + r, first:first + b.shape[0]].copy_(b.T)
@@ -202,22 +202,21 @@ class LoraWeights(nn.Module):
     def spans(self) -> list[torch.Tensor]:
         """A as ``forward`` multiplies it by ``kernels.linear`` for each span: the shapes to tune (copies: the
         tuner measures each tensor once)."""
-        slots, width = len(self.state.slots), len(self.out_sizes) * self.rank
-        return [self.a[:n * width].clone() for n in range(1, slots + 1)]
+        return [self.a[:n * self.width].clone() for n in range(1, len(self.state.slots) + 1)]
 
     def clear(self, slot: int) -> None:
-        cols = slice(slot * len(self.out_sizes) * self.rank, (slot + 1) * len(self.out_sizes) * self.rank)
-        self.a[cols].zero_()
-        self.b[cols].zero_()
+        rows = slice(slot * self.width, (slot + 1) * self.width)
+        self.a[rows].zero_()
+        self.b[rows].zero_()
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (T, out), the layer's output for ``x`` (T, in), plus each token's adapter's product."""
         span = self.state.span
         if not span:
             return y
-        t, cols = x.shape[0], span * len(self.out_sizes) * self.rank
-        u = torch.where(self.state.rows(t)[:, :span, None], kernels.linear(x, self.a[:cols]).view(t, span, -1), 0)
-        return y.addmm_(u.view(t, -1), self.b[:cols])
+        t, rows = x.shape[0], span * self.width
+        u = torch.where(self.state.rows(t)[:, :span, None], kernels.linear(x, self.a[:rows]).view(t, span, -1), 0)
+        return y.addmm_(u.view(t, -1), self.b[:rows])
 
 
 def attach(model: nn.Module, adapters: list[Adapter], rank: int, state: LoraState,
@@ -251,7 +250,6 @@ def attach(model: nn.Module, adapters: list[Adapter], rank: int, state: LoraStat
 def put(targets: dict[tuple[int, str], nn.Module], slot: int, adapter: Adapter) -> None:
     """``adapter`` into ``slot`` of ``targets`` (``attach``'s), in place of whatever the slot held (graphs read
     the same tensors); ``AdapterError`` if it does not fit the model, the slot then left empty."""
-
     for target in targets.values():
         target.lora.clear(slot)
     try:
