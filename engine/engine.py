@@ -269,9 +269,9 @@ class Engine:
             pool = PoolState(self.pooler.pooling_type, pooling.dimensions,
                              self.pooler.normalize if pooling.normalize is None else pooling.normalize)
             params = _EMBEDDING  # nothing is sampled: whatever came with it must not ask for logits
-        elif params.json_schema is not None or params.choice is not None:
+        elif params.structured:
             try:
-                grammar = self.grammars.matcher(params.json_schema, params.choice)
+                grammar = self.grammars.matcher(params)
             except (SchemaError, VocabularyError) as e:
                 raise RequestError(400, "invalid_request_error", f"response_format: {e}", "response_format") from e
         req = Request(request_id, prompt_token_ids, params, priority, deadline, SamplingState(params, grammar),

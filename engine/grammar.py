@@ -98,36 +98,48 @@ class Trie:
             self.value[at] = index
 
 
-class Grammar:
-    """States of one schema and their byte transitions."""
+class Automaton:
+    """Byte transitions over *states*: sets of items (what an item is, a subclass says), interned as
+    small integers. ``next(state, byte)`` is memoised; -1 is "cannot". At most ``max_items`` items
+    are kept after a byte (the first by ``_rank``): any item kept is a way to go on, so dropping some
+    only narrows the output."""
 
-    def __init__(self, nodes: Nodes, root: int, json: bool = True):
-        """``json``: the output is a JSON text, which may begin with whitespace (SentencePiece models
-        write ``▁{``); not so for a choice of raw strings."""
-        self.nodes, self._text_is_json = nodes, json
-        self._depth = self._depths()
-        if self._depth[root] > MAX_STACK:
-            raise SchemaError("the schema has no value that can be written: it requires itself forever, or "
-                              f"nests deeper than this server writes (about {MAX_STACK // 3} levels)")
-        self._tries: list[Trie] = []
-        self._key_tries: dict[tuple, int] = {}  # (object, first property, room) -> trie of keys that may come
-        self._candidates: dict[tuple, tuple[list[int], int]] = {}  # (object, first property) -> needs, their max
-        self._last_required: dict[int, int] = {}  # object -> index of its last required property
-        self._all_keys: dict[int, int] = {}  # object -> trie of all its declared keys
-        self._trie_ids: dict[tuple[bytes, ...], int] = {}  # an anyOf's literals -> their trie
-        self._starts = self._start_frames()
-        self._root = root
+    max_items = MAX_STACKS
+
+    def __init__(self) -> None:
         self.generation = -1
         self.forget()
 
+    def _first(self) -> frozenset:
+        """The items at the start."""
+        raise NotImplementedError
+
+    def _step(self, item: tuple, b: int, out: list) -> None:
+        """Append to ``out`` every item ``item`` becomes after byte ``b``."""
+        raise NotImplementedError
+
+    def _accepts(self, item: tuple) -> bool:
+        """Whether the output may end with this item."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _rank(item: tuple) -> tuple:
+        """The order in which items are kept when there are too many (the first ones)."""
+        return item
+
+    def _step_all(self, items: frozenset, b: int) -> list[tuple]:
+        out: list[tuple] = []
+        for item in items:
+            self._step(item, b, out)
+        return out
+
     def forget(self) -> None:
-        """Drop every state and transition learned (they are recomputed as needed): what bounds a
-        grammar's memory. State ids change: ``generation`` counts the forgettings."""
+        """Drop every state and transition learned (they are recomputed as needed): what bounds an
+        automaton's memory. State ids change: ``generation`` counts the forgettings."""
         self._ids: dict[frozenset, int] = {}
         self._states: list[frozenset] = []
         self._next: dict[int, int] = {}  # state * 256 + byte -> state, -1 where the byte cannot come
-        first = ((F_NODE, self._root), (F_WS, 0, False)) if self._text_is_json else ((F_NODE, self._root),)
-        self.start = self.intern(frozenset({first}))
+        self.start = self.intern(self._first())
         self.generation += 1
 
     @property
@@ -146,11 +158,9 @@ class Grammar:
         key = state * 256 + b
         nxt = self._next.get(key)
         if nxt is None:
-            out: list[tuple] = []
-            for stack in self._states[state]:
-                self._step(stack, b, out)
-            if len(out) > MAX_STACKS:  # any stack left is a way to finish: dropping some only narrows the output
-                out = sorted(set(out))[:MAX_STACKS]
+            out = self._step_all(self._states[state], b)
+            if len(out) > self.max_items:
+                out = sorted(set(out), key=self._rank)[:self.max_items]
             nxt = self._next[key] = self.intern(frozenset(out)) if out else -1
         return nxt
 
@@ -162,8 +172,37 @@ class Grammar:
         return state
 
     def accepting(self, state: int) -> bool:
-        """Whether the value may end here."""
-        return any(all(self._may_end(f) for f in stack) for stack in self._states[state])
+        """Whether the output may end here."""
+        return any(self._accepts(item) for item in self._states[state])
+
+
+class Grammar(Automaton):
+    """States of one schema and their byte transitions: an item is a stack of frames."""
+
+    def __init__(self, nodes: Nodes, root: int, json: bool = True):
+        """``json``: the output is a JSON text, which may begin with whitespace (SentencePiece models
+        write ``▁{``); not so for a choice of raw strings."""
+        self.nodes, self._text_is_json = nodes, json
+        self._depth = self._depths()
+        if self._depth[root] > MAX_STACK:
+            raise SchemaError("the schema has no value that can be written: it requires itself forever, or "
+                              f"nests deeper than this server writes (about {MAX_STACK // 3} levels)")
+        self._tries: list[Trie] = []
+        self._key_tries: dict[tuple, int] = {}  # (object, first property, room) -> trie of keys that may come
+        self._candidates: dict[tuple, tuple[list[int], int]] = {}  # (object, first property) -> needs, their max
+        self._last_required: dict[int, int] = {}  # object -> index of its last required property
+        self._all_keys: dict[int, int] = {}  # object -> trie of all its declared keys
+        self._trie_ids: dict[tuple[bytes, ...], int] = {}  # an anyOf's literals -> their trie
+        self._starts = self._start_frames()
+        self._root = root
+        super().__init__()
+
+    def _first(self) -> frozenset:
+        first = ((F_NODE, self._root), (F_WS, 0, False)) if self._text_is_json else ((F_NODE, self._root),)
+        return frozenset({first})
+
+    def _accepts(self, stack: tuple) -> bool:
+        return all(self._may_end(f) for f in stack)
 
     def _may_end(self, f: tuple) -> bool:
         return (f[0] == F_WS or (f[0] == F_NUM and f[1] in _NUM_ENDS)

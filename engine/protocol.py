@@ -20,7 +20,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 
 class Kind(IntEnum):
@@ -53,7 +53,7 @@ MAX_LOGIT_BIAS = 2048  # entries (token ids) in logit_bias
 # and then NaN probabilities. 10 on the other side multiplies negative logits.
 MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 10.0
-MAX_JSON_SCHEMA_BYTES = 65536  # a schema, packed: the engine compiles it (and caches the result) per request
+MAX_JSON_SCHEMA_BYTES = 65536  # a schema, packed (or a regex or grammar): the engine compiles it (and caches it) per request
 MAX_CHOICES = 4096  # strings in ``choice``
 MAX_ADAPTER_NAME = 256  # characters in a LoRA adapter's name (``LoraUpdate``)
 
@@ -89,7 +89,9 @@ class SamplingParams:
     # structured output: the output must be JSON valid under this schema (engine.json_schema says
     # which keywords are understood); {"type": "object"} is OpenAI's JSON mode ...
     json_schema: dict | None = None
-    choice: list[str] | None = None  # ... or exactly one of these strings (vLLM's guided_choice)
+    choice: list[str] | None = None  # ... or exactly one of these strings (vLLM's guided_choice) ...
+    regex: str | None = None  # ... or text the whole of which this regular expression matches (vLLM's) ...
+    grammar: str | None = None  # ... or text of this GBNF grammar (llama.cpp's; engine.text_grammar)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -107,6 +109,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    @property
+    def structured(self) -> bool:
+        """Whether the output is held to a schema, choices, a regex or a grammar."""
+        return not (self.json_schema is None and self.choice is None and self.regex is None and self.grammar is None)
 
     def validate(self) -> None:
         """Raise ``SamplingParamError(param, message)`` on a value no request may carry.
@@ -192,9 +199,18 @@ class SamplingParams:
                 bad("json_schema", "json_schema must be plain JSON")
             if size > MAX_JSON_SCHEMA_BYTES:
                 bad("json_schema", f"json_schema may be at most {MAX_JSON_SCHEMA_BYTES} bytes, got {size}")
+        given = [k for k in ("json_schema", "choice", "regex", "grammar") if getattr(self, k) is not None]
+        if len(given) > 1:
+            bad(given[1], f"give one of {' and '.join(given)}, not both")
+        for name in ("regex", "grammar"):
+            text = getattr(self, name)
+            if text is not None:
+                if not isinstance(text, str) or not text:
+                    bad(name, f"{name} must be a non-empty string")
+                size = len(text.encode("utf-8", "surrogatepass"))
+                if size > MAX_JSON_SCHEMA_BYTES:
+                    bad(name, f"{name} may be at most {MAX_JSON_SCHEMA_BYTES} bytes, got {size}")
         if self.choice is not None:
-            if self.json_schema is not None:
-                bad("choice", "give either a JSON schema or choices, not both")
             if not isinstance(self.choice, list) or not 0 < len(self.choice) <= MAX_CHOICES:
                 bad("choice", f"choice must be a list of 1 to {MAX_CHOICES} non-empty strings")
             if not all(isinstance(c, str) and c for c in self.choice):

@@ -1,11 +1,12 @@
-"""JSON schema's ``pattern``: a regular expression compiled to an automaton over code points.
+"""JSON schema's ``pattern`` (and vLLM's ``regex``): a regular expression compiled to an automaton over code points.
 
 Torch-free. ``Pattern(source)`` parses the ECMA-262 subset a schema's patterns use: literals and
 escapes (``\\d \\w \\s``, their negations, ``\\t \\n \\r \\f \\v \\0 \\xHH \\uHHHH``, escaped
 punctuation), classes (``[a-z]``, ``[^...]``), ``.`` (no line terminator), groups (``(...)``,
 ``(?:...)``, ``(?<name>...)``), ``|``, ``* + ? {n} {n,} {n,m}`` (lazy ones match the same
 strings), and ``^`` / ``$`` at the ends. Lookarounds and backreferences are refused
-(``SchemaError``). As in JSON schema, a pattern matches anywhere in the string unless anchored.
+(``SchemaError``). As in JSON schema, a pattern matches anywhere in the string unless anchored
+(``full``: the whole string, as vLLM's ``regex``).
 
 It is a Thompson NFA with its dead states removed, run as sets of states (interned as ids):
 ``step(state, code_point)`` -> state or -1, ``accepting(state)``, and ``allows(state, lo, hi)``:
@@ -65,9 +66,12 @@ def _intersect(a: tuple, b: tuple) -> tuple:
 
 
 class Pattern:
-    def __init__(self, source: str):
+    def __init__(self, source: str, full: bool = False, name: str = "pattern"):
+        """``full``: the whole string must match (as vLLM's ``regex``), anchored or not; ``name``:
+        what refusals call the source."""
+        self.name, self.full = f"'{name}'", full
         if not isinstance(source, str):
-            raise SchemaError("'pattern' must be a string")
+            raise SchemaError(f"{self.name} must be a string")
         self.source = source
         self.eps: list[list[int]] = []  # epsilon edges per NFA state
         self.edges: list[list[tuple[tuple, int]]] = []  # (character set, target) per NFA state
@@ -75,9 +79,9 @@ class Pattern:
         try:
             start, end = self._alternation(top=True)
         except RecursionError:
-            raise SchemaError(f"'pattern' {source[:40]!r}... nests too deep") from None
+            raise SchemaError(f"{self.name} {source[:40]!r}... nests too deep") from None
         if self._at != len(source):
-            raise SchemaError(f"'pattern' {source!r}: unexpected {source[self._at]!r} at {self._at}")
+            raise SchemaError(f"{self.name} {source!r}: unexpected {source[self._at]!r} at {self._at}")
         self.accept = end
         self._trim()
         self._ids: dict[frozenset, int] = {}
@@ -86,7 +90,7 @@ class Pattern:
         self._allows: dict[tuple[int, int, int], bool] = {}
         closure = self._closure({start})
         if not closure & self._live:
-            raise SchemaError(f"'pattern' {source!r} matches nothing")
+            raise SchemaError(f"{self.name} {source!r} matches nothing")
         self.start = self._intern(frozenset(closure & self._live))
 
     # ------------------------------------------------------------------ running
@@ -146,7 +150,7 @@ class Pattern:
 
     def _state(self) -> int:
         if len(self.eps) >= MAX_STATES:
-            raise SchemaError(f"'pattern' {self.source!r} is too large (more than {MAX_STATES} states)")
+            raise SchemaError(f"{self.name} {self.source!r} is too large (more than {MAX_STATES} states)")
         self.eps.append([])
         self.edges.append([])
         return len(self.eps) - 1
@@ -174,11 +178,11 @@ class Pattern:
             anchored = top and self._peek() == "^"
             self._at += anchored
             s, e = self._sequence(top)
-            if top and not anchored:
+            if top and not anchored and not self.full:
                 s = self._any_prefix(s)
             if top and self._anchor_end():
                 self._at += 1
-            elif top:
+            elif top and not self.full:
                 e = self._any_suffix(e)
             self.eps[start].append(s)
             self.eps[e].append(end)
@@ -209,11 +213,11 @@ class Pattern:
             parts = self.source[self._at + 1:close].split(",") if close > 0 else []
             number = re.compile("[0-9]{1,4}")
             if not 1 <= len(parts) <= 2 or not all(number.fullmatch(p) for p in parts if p) or not parts[0]:
-                raise SchemaError(f"'pattern' {self.source!r}: a bad repetition at {self._at}")
+                raise SchemaError(f"{self.name} {self.source!r}: a bad repetition at {self._at}")
             lo = int(parts[0])
             hi = lo if len(parts) == 1 else int(parts[1]) if parts[1] else -1
             if 0 <= hi < lo or max(lo, hi) > 1000:
-                raise SchemaError(f"'pattern' {self.source!r}: a bad repetition {{{','.join(parts)}}}")
+                raise SchemaError(f"{self.name} {self.source!r}: a bad repetition {{{','.join(parts)}}}")
             self._at = close + 1
         else:
             lo, hi = {"*": (0, -1), "+": (1, -1), "?": (0, 1)}[c]
@@ -248,19 +252,19 @@ class Pattern:
                     and not self.source.startswith("?<!", self._at):
                 close = self.source.find(">", self._at)
                 if close < 0:
-                    raise SchemaError(f"'pattern' {self.source!r}: an unfinished group name")
+                    raise SchemaError(f"{self.name} {self.source!r}: an unfinished group name")
                 self._at = close + 1
             elif self._peek() == "?":
-                raise SchemaError(f"'pattern' {self.source!r}: lookarounds are not supported")
+                raise SchemaError(f"{self.name} {self.source!r}: lookarounds are not supported")
             s, e = self._alternation()
             if self._peek() != ")":
-                raise SchemaError(f"'pattern' {self.source!r}: a '(' without its ')'")
+                raise SchemaError(f"{self.name} {self.source!r}: a '(' without its ')'")
             self._at += 1
             return s, e
         if c in ("*", "+", "?", "{", ")"):
-            raise SchemaError(f"'pattern' {self.source!r}: nothing to repeat at {self._at}")
+            raise SchemaError(f"{self.name} {self.source!r}: nothing to repeat at {self._at}")
         if c in ("^", "$"):
-            raise SchemaError(f"'pattern' {self.source!r}: '^' and '$' are supported only at the ends of its "
+            raise SchemaError(f"{self.name} {self.source!r}: '^' and '$' are supported only at the ends of its "
                               "alternatives")
         if c == "[":
             chars = self._class()
@@ -282,7 +286,7 @@ class Pattern:
         self._at += 1
         c = self._peek()
         if c is None:
-            raise SchemaError(f"'pattern' {self.source!r} ends with a backslash")
+            raise SchemaError(f"{self.name} {self.source!r} ends with a backslash")
         self._at += 1
         classes = {"d": _DIGIT, "w": _WORD, "s": _SPACE}
         if c in classes:
@@ -295,7 +299,7 @@ class Pattern:
             n = 2 if c == "x" else 4
             digits = self.source[self._at:self._at + n]
             if not re.fullmatch(f"[0-9a-fA-F]{{{n}}}", digits):
-                raise SchemaError(f"'pattern' {self.source!r}: a bad \\{c} escape")
+                raise SchemaError(f"{self.name} {self.source!r}: a bad \\{c} escape")
             self._at += n
             cp = int(digits, 16)
             low = re.match(r"\\u(d[c-f][0-9a-f]{2})", self.source[self._at:self._at + 6], re.IGNORECASE)
@@ -306,7 +310,7 @@ class Pattern:
         if c == "b" and in_class:
             return ((8, 8),)
         if c.isalnum():
-            raise SchemaError(f"'pattern' {self.source!r}: the escape \\{c} is not supported")
+            raise SchemaError(f"{self.name} {self.source!r}: the escape \\{c} is not supported")
         return ((ord(c), ord(c)),)
 
     def _class(self) -> tuple:
@@ -318,14 +322,14 @@ class Pattern:
         while self._peek() != "]":
             c = self._peek()
             if c is None:
-                raise SchemaError(f"'pattern' {self.source!r}: a '[' without its ']'")
+                raise SchemaError(f"{self.name} {self.source!r}: a '[' without its ']'")
             lo_set = self._escape(in_class=True) if c == "\\" else self._char()
             if self._peek() == "-" and self.source[self._at + 1:self._at + 2] not in ("]", ""):
                 self._at += 1
                 hi_set = self._escape(in_class=True) if self._peek() == "\\" else self._char()
                 if len(lo_set) != 1 or len(hi_set) != 1 or lo_set[0][0] != lo_set[0][1] \
                         or hi_set[0][0] != hi_set[0][1] or lo_set[0][0] > hi_set[0][0]:
-                    raise SchemaError(f"'pattern' {self.source!r}: a bad range in a class")
+                    raise SchemaError(f"{self.name} {self.source!r}: a bad range in a class")
                 parts.append(((lo_set[0][0], hi_set[0][0]),))
             else:
                 parts.append(lo_set)

@@ -1,7 +1,8 @@
-"""Structured output: which tokens keep a request's output inside its JSON schema, step by step.
+"""Structured output: which tokens keep a request's output inside its JSON schema (or choices,
+regex, GBNF grammar), step by step.
 
 ``Grammars`` (one per engine) compiles each schema once (``engine.json_schema`` then
-``engine.grammar``) over the model's vocabulary (``engine.token_bytes``) and hands each request
+``engine.grammar``; a regex or grammar by ``engine.text_grammar``) over the model's vocabulary (``engine.token_bytes``) and hands each request
 a ``GrammarMatcher``: its state, advanced with every token it samples. The sampler asks the
 matcher for the state's ``StateInfo``: the mask of the tokens whose bytes can follow (and the
 end-of-sequence tokens where the value may end), computed once per state and cached:
@@ -24,13 +25,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.grammar import Grammar
+from engine.grammar import Automaton, Grammar
 from engine.json_schema import SchemaError, compile_choice, compile_schema
+from engine.protocol import SamplingParams
+from engine.text_grammar import GbnfGrammar, RegexGrammar, compile_gbnf
 from engine.token_bytes import token_bytes
 
 log = logging.getLogger("tokenmill.engine")
 
-MAX_TOKEN_BYTES = 48  # longer tokens (runs of '=' or spaces) are never needed to write JSON
+MAX_TOKEN_BYTES = 48  # longer tokens (runs of '=' or spaces) are never needed: shorter ones write the same text
 MASK_CACHE = 1024  # masks kept per grammar (bit-packed: vocab/8 bytes each, 19 KB for 151k tokens)
 MAX_TRANSITIONS = 500_000  # (state, byte) pairs a grammar learns (~50 MB) before it forgets them all
 
@@ -81,7 +84,7 @@ class TokenVocab:
 class TokenGrammar:
     """A grammar over one vocabulary: its states' masks."""
 
-    def __init__(self, grammar: Grammar, vocab: TokenVocab):
+    def __init__(self, grammar: Automaton, vocab: TokenVocab):
         self.grammar, self.vocab = grammar, vocab
         self._info: OrderedDict[int, StateInfo] = OrderedDict()
 
@@ -194,17 +197,20 @@ class Grammars:
         self._vocab: TokenVocab | None = None
         self._cache: OrderedDict[str, TokenGrammar] = OrderedDict()
 
-    def matcher(self, schema: dict | None = None, choice: list[str] | None = None) -> GrammarMatcher:
-        """A matcher at the start of ``schema`` (or of ``choice``: one of these strings); ``SchemaError``
-        or ``VocabularyError`` if it cannot be."""
-        key = json.dumps(schema if choice is None else {"choice": choice}, separators=(",", ":"))
+    def matcher(self, params: SamplingParams) -> GrammarMatcher:
+        """A matcher at the start of what ``params`` hold the output to (a JSON schema, choices, a
+        regex or a GBNF grammar); ``SchemaError`` or ``VocabularyError`` if it cannot be."""
+        kind = next(k for k in ("json_schema", "choice", "regex", "grammar") if getattr(params, k) is not None)
+        value = getattr(params, kind)
+        key = kind + ":" + (value if isinstance(value, str) else json.dumps(value, separators=(",", ":")))
         tokens = self._cache.get(key)
         if tokens is None:
             try:
-                grammar = Grammar(*compile_schema(schema)) if choice is None else \
-                    Grammar(*compile_choice(choice), json=False)
+                grammar = (Grammar(*compile_schema(value)) if kind == "json_schema" else
+                           Grammar(*compile_choice(value), json=False) if kind == "choice" else
+                           RegexGrammar(value) if kind == "regex" else GbnfGrammar(*compile_gbnf(value)))
             except RecursionError:  # (every step is iterative or bounded: a last guard, not a path)
-                raise SchemaError("the schema nests too deep") from None
+                raise SchemaError(f"the {kind} nests too deep") from None
             if self._vocab is None:
                 start = time.perf_counter()
                 self._vocab = TokenVocab(token_bytes(self.model_path), self.vocab_size, self.eos_token_ids)

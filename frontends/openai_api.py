@@ -365,7 +365,7 @@ class OpenAIApi:
     def _answer(self, data: dict, prompt: list[int], base, calls: tools.ToolRequest | None):
         """What makes each choice's ``_Answer`` (None: its text is all content)."""
         include = op.field(data, "include_reasoning", bool, True)
-        think = self.thinking and base.json_schema is None and base.choice is None  # held output cannot think
+        think = self.thinking and not base.structured  # held output cannot think
         if not (think or calls):
             return None
         opened = think and reasoning.opens_thinking(self.codec.decode(prompt[-8:], skip_special_tokens=False))

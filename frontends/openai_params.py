@@ -240,7 +240,7 @@ def sampling_params(data: dict, *, max_tokens: int, logprobs: int | None, vocab_
     if tool_schema is not None and (given := structured_fields(data)):
         raise ApiError(400, f"tool_choice holds the output to tool calls: it cannot be combined with {given[0]}",
                        param=given[0])
-    structured = (tool_schema, None, "tools") if tool_schema is not None else parse_structured(data)
+    held, held_by = ({"json_schema": tool_schema}, "tools") if tool_schema is not None else parse_structured(data)
     num = (int, float)
     try:
         return SamplingParams(
@@ -260,17 +260,19 @@ def sampling_params(data: dict, *, max_tokens: int, logprobs: int | None, vocab_
             min_tokens=field(data, "min_tokens", int, 0),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
-            json_schema=structured[0],
-            choice=structured[1],
+            **held,
         )
     except SamplingParamError as e:
-        param = structured[2] if e.param in ("json_schema", "choice") else e.param
+        param = held_by if e.param in HELD else e.param
         raise ApiError(400, str(e), param=param) from None
     except (TypeError, ValueError) as e:
         raise ApiError(400, f"Invalid sampling parameters: {e}") from None
 
 
-_STRUCTURED = ("response_format", "json_schema", "structured_outputs", "guided_json", "guided_choice")
+_STRUCTURED = ("response_format", "json_schema", "structured_outputs", "guided_json", "guided_choice",
+               "guided_regex", "guided_grammar", "grammar")
+HELD = ("json_schema", "choice", "regex", "grammar")  # SamplingParams' fields that hold the output
+_KINDS = {"json": "json_schema", "choice": "choice", "regex": "regex", "grammar": "grammar"}  # structured_outputs'
 
 
 def structured_fields(data: dict) -> list[str]:
@@ -281,33 +283,44 @@ def structured_fields(data: dict) -> list[str]:
 
 
 def structured_field(data: dict) -> str:
-    """The field a request's output schema or choices come from (``response_format`` when none)."""
+    """The field a request's output schema, choices, regex or grammar come from (``response_format`` when none)."""
     return (structured_fields(data) or ["response_format"])[0]
 
 
-def parse_structured(data: dict) -> tuple[dict | None, list[str] | None, str]:
-    """(JSON schema, choices, the field they came from): what the output is held to, from whichever
-    one field of OpenAI's ``response_format``, llama.cpp's ``json_schema``, vLLM's
-    ``structured_outputs`` (``json`` or ``choice``) or its older ``guided_json`` / ``guided_choice``
-    the request gives (two of them: a 400)."""
+def parse_structured(data: dict) -> tuple[dict, str]:
+    """({SamplingParams field: value}, the request's field it came from): what the output is held
+    to, from whichever one field of OpenAI's ``response_format``, llama.cpp's ``json_schema`` or
+    ``grammar`` (GBNF), vLLM's ``structured_outputs`` (``json``, ``choice``, ``regex``, ``grammar``
+    or ``json_object``) or its older ``guided_json`` / ``guided_choice`` / ``guided_regex`` /
+    ``guided_grammar`` the request gives (two of them: a 400)."""
     given = structured_fields(data)
     if len(given) > 1:
         raise ApiError(400, f"give one of {' and '.join(given)}", param=given[1])
     if not given or given[0] == "response_format":
-        return parse_response_format(data), None, "response_format"
+        schema = parse_response_format(data)
+        return ({} if schema is None else {"json_schema": schema}), "response_format"
     name = given[0]
     value = data[name]
     if name == "structured_outputs":
-        if not isinstance(value, dict) or len(value) != 1 or next(iter(value)) not in ("json", "choice"):
-            raise ApiError(400, "structured_outputs must be {'json': schema} or {'choice': [strings]} here",
-                           param=name)
+        if value == {"json_object": True}:
+            return {"json_schema": {"type": "object"}}, name
+        if not isinstance(value, dict) or len(value) != 1 or next(iter(value)) not in _KINDS:
+            raise ApiError(400, "structured_outputs must be one of {'json': schema}, {'choice': [strings]}, "
+                           "{'regex': string}, {'grammar': GBNF string} or {'json_object': true} here", param=name)
         kind, value = next(iter(value.items()))
+        kind = _KINDS[kind]
     else:
-        kind = "choice" if name == "guided_choice" else "json"
+        kind = {"guided_choice": "choice", "guided_regex": "regex", "guided_grammar": "grammar",
+                "grammar": "grammar"}.get(name, "json_schema")
     if kind == "choice":
         if not isinstance(value, list):
             raise ApiError(400, f"'{name}' must give a list of strings", param=name)
-        return None, value, name
+        return {"choice": value}, name
+    if kind in ("regex", "grammar"):
+        if not isinstance(value, str):
+            raise ApiError(400, f"'{name}' must give a {'regular expression' if kind == 'regex' else 'GBNF grammar'} "
+                           "as a string", param=name)
+        return {kind: value}, name
     if isinstance(value, str):  # vLLM takes a schema as a JSON string too
         try:
             value = orjson.loads(value)
@@ -315,7 +328,7 @@ def parse_structured(data: dict) -> tuple[dict | None, list[str] | None, str]:
             raise ApiError(400, f"'{name}' is not valid JSON", param=name) from None
     if not isinstance(value, dict):
         raise ApiError(400, f"'{name}' must be a JSON schema (an object)", param=name)
-    return value, None, name
+    return {"json_schema": value}, name
 
 
 def parse_response_format(data: dict) -> dict | None:

@@ -75,6 +75,36 @@ def test_response_format_holds_the_answer_to_a_schema(server):
         assert e.value.body["param"] == "response_format" and word in e.value.body["message"]
 
 
+def test_a_regex_or_a_gbnf_grammar_holds_the_answer(server):
+    """vLLM's ``structured_outputs`` regex and grammar (and ``guided_regex``), llama.cpp's ``grammar`` field;
+    a grammar the engine cannot run is a 400 naming the field it came in."""
+    import re
+
+    from openai import BadRequestError
+
+    client = openai_client(server)
+    ask = [{"role": "user", "content": "When did the Berlin Wall fall? Give the date as YYYY-MM-DD."}]
+    date = r"\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"
+    for extra in ({"structured_outputs": {"regex": date}}, {"guided_regex": date}):
+        r = client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=ask, max_tokens=20,
+                                           temperature=0, extra_body=extra)
+        assert re.fullmatch(date, r.choices[0].message.content) and r.choices[0].finish_reason == "stop"
+    cities = 'root ::= city ("." | "!")?\ncity ::= "Paris" | "London" | "Berlin"  # one of three\n'
+    ask = [{"role": "user", "content": "What is the capital of France? Answer with one word."}]
+    for extra in ({"grammar": cities}, {"structured_outputs": {"grammar": cities}}):
+        stream = client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=ask, max_tokens=10,
+                                                temperature=0, stream=True, extra_body=extra)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices).rstrip(".!") == "Paris"
+    for extra, param in (({"grammar": 'root ::= root "a" | "b"'}, "grammar"),
+                         ({"structured_outputs": {"grammar": 'root ::= x'}}, "structured_outputs"),
+                         ({"guided_regex": "(?<=a)b"}, "guided_regex")):
+        with pytest.raises(BadRequestError) as e:
+            client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=ask, max_tokens=5,
+                                           extra_body=extra)
+        assert e.value.body["param"] == param, e.value.body
+        assert any(w in e.value.body["message"] for w in ("left recursive", "not defined", "lookarounds"))
+
+
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                           "required": ["city"]}}}

@@ -395,11 +395,12 @@ def test_an_unsupported_schema_is_a_400_naming_response_format(llm):
 
 def test_grammars_are_cached_by_schema_and_a_full_one_forgets_its_states(smollm_tokenizer_dir, monkeypatch):
     import engine.structured as structured
+    from engine import SamplingParams
 
     grammars = structured.Grammars(smollm_tokenizer_dir, 49152, [2])
-    first = grammars.matcher(PERSON)
-    assert grammars.matcher(PERSON).tokens is first.tokens
-    assert grammars.matcher(TREE).tokens is not first.tokens
+    first = grammars.matcher(SamplingParams(json_schema=PERSON))
+    assert grammars.matcher(SamplingParams(json_schema=PERSON)).tokens is first.tokens
+    assert grammars.matcher(SamplingParams(json_schema=TREE)).tokens is not first.tokens
     vocab = first.tokens.vocab
     token_of = {vocab.token(int(t)): int(t) for t in vocab.ids}
     pieces = [b'{"', b"name", b'":', b' "', b"Bob", b'",', b' "', b"age", b'":', b" ", b"4"]
@@ -429,13 +430,19 @@ def test_the_engine_holds_a_model_to_a_choice(llm):
 
 
 @pytest.mark.parametrize("body, want", [
-    ({"response_format": {"type": "json_object"}}, ({"type": "object"}, None, "response_format")),
-    ({"json_schema": {"type": "integer"}}, ({"type": "integer"}, None, "json_schema")),  # llama.cpp's
-    ({"guided_json": '{"type": "integer"}'}, ({"type": "integer"}, None, "guided_json")),  # vLLM's, as a string
-    ({"structured_outputs": {"json": {"type": "null"}}}, ({"type": "null"}, None, "structured_outputs")),
-    ({"structured_outputs": {"choice": ["a", "b"]}}, (None, ["a", "b"], "structured_outputs")),
-    ({"guided_choice": ["a"]}, (None, ["a"], "guided_choice")),
-    ({}, (None, None, "response_format")),
+    ({"response_format": {"type": "json_object"}}, ({"json_schema": {"type": "object"}}, "response_format")),
+    ({"json_schema": {"type": "integer"}}, ({"json_schema": {"type": "integer"}}, "json_schema")),  # llama.cpp's
+    ({"guided_json": '{"type": "integer"}'}, ({"json_schema": {"type": "integer"}}, "guided_json")),  # as a string
+    ({"structured_outputs": {"json": {"type": "null"}}}, ({"json_schema": {"type": "null"}}, "structured_outputs")),
+    ({"structured_outputs": {"json_object": True}}, ({"json_schema": {"type": "object"}}, "structured_outputs")),
+    ({"structured_outputs": {"choice": ["a", "b"]}}, ({"choice": ["a", "b"]}, "structured_outputs")),
+    ({"guided_choice": ["a"]}, ({"choice": ["a"]}, "guided_choice")),
+    ({"structured_outputs": {"regex": "a+"}}, ({"regex": "a+"}, "structured_outputs")),
+    ({"guided_regex": "a+"}, ({"regex": "a+"}, "guided_regex")),
+    ({"structured_outputs": {"grammar": 'root ::= "a"'}}, ({"grammar": 'root ::= "a"'}, "structured_outputs")),
+    ({"guided_grammar": 'root ::= "a"'}, ({"grammar": 'root ::= "a"'}, "guided_grammar")),
+    ({"grammar": 'root ::= "a"'}, ({"grammar": 'root ::= "a"'}, "grammar")),  # llama.cpp's
+    ({}, ({}, "response_format")),
 ])
 def test_the_structured_output_fields_clients_send(body, want):
     from frontends.openai_params import parse_structured
@@ -445,7 +452,9 @@ def test_the_structured_output_fields_clients_send(body, want):
 
 @pytest.mark.parametrize("body, param", [
     ({"response_format": {"type": "json_object"}, "guided_json": {}}, "guided_json"),
-    ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+    ({"structured_outputs": {"structural_tag": "a+"}}, "structured_outputs"),
+    ({"guided_regex": ["a+"]}, "guided_regex"),
+    ({"grammar": 'root ::= "a"', "guided_regex": "a"}, "grammar"),
     ({"guided_json": "{not json"}, "guided_json"),
     ({"guided_choice": "a"}, "guided_choice"),
 ])

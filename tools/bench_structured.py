@@ -1,4 +1,5 @@
-"""What structured output costs: the same chat requests with and without ``json_schema``.
+"""What structured output costs: the same chat requests with and without ``json_schema`` (or, with
+``--gbnf``, a GBNF ``grammar`` for the same object).
 
 On the default model (or ``--model``), ``--num-requests`` chat prompts that ask for a person
 as JSON, greedy, ``--max-tokens`` each, through ``LLM.generate`` in one batch:
@@ -39,6 +40,14 @@ SCHEMA = {
     },
     "required": ["name", "age", "city", "hobbies", "married"],
 }
+# SCHEMA as a GBNF grammar (keys in order, whitespace between tokens as the schema's automaton allows it)
+PERSON_GBNF = r'''
+root ::= "{" ws "\"name\":" ws str "," ws "\"age\":" ws int "," ws "\"city\":" ws str "," ws
+         "\"hobbies\":" ws "[" ws (str ws ("," ws str ws){0,2})? "]" ws "," ws "\"married\":" ws ("true" | "false") ws "}"
+str ::= "\"" ([^"\\\x00-\x1F] | "\\" ["\\/bfnrt]){0,40} "\""
+int ::= "-"? ("0" | [1-9] [0-9]{0,15})
+ws ::= [ \t\n]{0,20}
+'''
 PEOPLE = ["a baker from Lyon", "a retired pilot", "a student in Tokyo", "a chess champion", "a painter",
           "a nurse in Berlin", "a farmer", "a software engineer", "a sailor", "a violinist in Vienna"]
 
@@ -68,6 +77,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--gbnf", action="store_true", help="hold the output to the same object as a GBNF grammar")
     args = p.parse_args()
 
     from engine import LLM, SamplingParams
@@ -92,7 +102,8 @@ def main() -> None:
                                        tokenize=False, add_generation_prompt=True)
                for i in range(args.num_requests)]
     llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0))  # warm-up
-    structured = SamplingParams(max_tokens=args.max_tokens, temperature=0, json_schema=SCHEMA)
+    held = {"grammar": PERSON_GBNF} if args.gbnf else {"json_schema": SCHEMA}
+    structured = SamplingParams(max_tokens=args.max_tokens, temperature=0, **held)
     cold, lengths = run(llm, prompts, structured)
     free_params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
     runs: dict[str, list[dict]] = {"free": [], "schema_warm": []}
@@ -102,6 +113,7 @@ def main() -> None:
     free, warm = (max(runs[k], key=lambda r: r["out_tok_s"]) for k in ("free", "schema_warm"))
     result = {
         "model": llm.engine.model_name, "vocab_size": llm.engine.vocab_size, "requests": args.num_requests,
+        "held_by": next(iter(held)),
         "free": free, "schema_cold": cold, "schema_warm": warm, "runs": runs,
         "masks_computed": len(timings),
         "mask_ms": {"median": round(statistics.median(timings) * 1e3, 2), "max": round(max(timings) * 1e3, 2),

@@ -1,0 +1,258 @@
+"""Raw-text structured output: GBNF grammars (llama.cpp's) and regular expressions (vLLM's ``regex``)
+compiled or refused by name, their byte automata, masks equal to feeding every token by hand, random
+walks under the mask that end in text the grammar (or Python's ``re``) accepts, and the engine holding
+a model to them."""
+
+from __future__ import annotations
+
+import ast
+import json
+import random
+import re
+
+import numpy as np
+import pytest
+
+from engine.json_schema import SchemaError
+from engine.structured import TokenGrammar, TokenVocab
+from engine.text_grammar import GbnfGrammar, RegexGrammar, compile_gbnf
+
+EOS = 0
+PIECES = [None] + [bytes([b]) for b in range(256)] + [p.encode() for p in (
+    "12", "345", "+(", ")*", "((", "))", '{"', '":', '": ', '", "', '"}', "true", "null", "\\n", "é", "日本",
+    "ab", "abc", "-0", "2026-", "-12-", "yes", "no", " yes", "\n", "  ")]
+TINY = TokenVocab(PIECES, len(PIECES) + 3, [EOS])
+
+# llama.cpp's grammars/json.gbnf, as it ships (a newline inside parentheses, comments, {m,n})
+JSON_GBNF = r'''
+root   ::= object
+value  ::= object | array | string | number | ("true" | "false" | "null") ws
+
+object ::=
+  "{" ws (
+            string ":" ws value
+    ("," ws string ":" ws value)*
+  )? "}" ws
+
+array  ::=
+  "[" ws (
+            value
+    ("," ws value)*
+  )? "]" ws
+
+string ::=
+  "\"" (
+    [^"\\\x7F\x00-\x1F] |
+    "\\" (["\\bfnrt] | "u" [0-9a-fA-F]{4}) # escapes
+  )* "\"" ws
+
+number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9] [1-9]{0,15})? ws
+
+# Optional space: by convention, applied in this grammar after literal chars when allowed
+ws ::= | " " | "\n" [ \t]{0,20}
+'''
+ARITH = r'''root ::= expr
+expr ::= term (("+" | "-") term)*
+term ::= factor ("*" factor)*
+factor ::= [1-9] [0-9]{0,3} | "0" | "(" expr ")"
+'''
+
+
+class G(TokenGrammar):
+    start = property(lambda self: self.grammar.start)
+
+    def feed(self, state: int, data: bytes) -> int:
+        return self.grammar.feed(state, data)
+
+    def accepting(self, state: int) -> bool:
+        return self.grammar.accepting(state)
+
+
+def gbnf(text: str, vocab=TINY) -> G:
+    return G(GbnfGrammar(*compile_gbnf(text)), vocab)
+
+
+def accepts(g: G, text: str) -> bool:
+    s = g.feed(g.start, text.encode())
+    return s >= 0 and g.accepting(s)
+
+
+@pytest.mark.parametrize("grammar, good, bad", [
+    (ARITH, ["1+2*3", "(1-20)*(3)", "((7))", "0", "9999"], ["1+", "(1", "01", "10000", "", " 1", "1 "]),
+    (JSON_GBNF, ['{"a": 1}', '{"a": [1, -2.5e3, {"b": "é\\n\\u00e9"}], "c": true}', '{}\n  ', '{"日本": null}'],
+     ['{"a" 1}', "[]", '{"a": 01}', '{"a": "\x01"}', '{"a": 1}  \n']),
+    ('root ::= "a"{2} "b"{1,3} "c"{2,} "d"?', ["aabcc", "aabbbccccd"], ["abcc", "aabbbbcc", "aabc"]),
+    ('root ::= [^a-z\\]]+ # no lower case\n', ["ABC]".replace("]", ""), "日本", "Z9 \n"], ["aB", "]", "é" * 0]),
+    ('root ::= ( "x" | ) "\\x41\\u00e9\\U0001F600" [\\-+]', ["Aé😀-", "xAé😀+"], ["Aé😀*", "Aé😀"]),
+    ('root ::= line+\nline ::= [a-c]* "\\n"', ["\n", "ab\nc\n"], ["ab", "d\n"]),
+    ('root ::= . .', ["ab", "日本", "\n\t"], ["a", "abc"]),
+    ('root ::= ("a"? | "b")* "."', [".", "abba."], ["abc."]),  # a repetition of what may be nothing
+    ('root ::= x* "!"\nx ::= "a"? "b"?', ["!", "abba!"], ["c!"]),
+    ('root ::= ("a"? "b"?){20} "."', [".", "ab" * 19 + "b.", "b" * 20 + "."], ["ab" * 20 + "a."]),
+])
+def test_gbnf_accepts_its_language_and_nothing_else(grammar, good, bad):
+    g = gbnf(grammar)
+    for text in good:
+        assert accepts(g, text), text
+    for text in bad:
+        assert not accepts(g, text), text
+
+
+@pytest.mark.parametrize("grammar, words", [
+    ('root ::= root "a" | "b"', "rule 'root' is left recursive"),
+    ('root ::= x? y\ny ::= "c" | root "d"\nx ::= "e"', "rule 'root' is left recursive"),  # (through x?)
+    ('root ::= x', "rule 'x' is used but not defined"),
+    ('a ::= "x"', "no 'root' rule"),
+    ('root ::= "a"\nroot ::= "b"', "defined twice"),
+    ('root ::= "(" root ")"', "rule 'root' can never finish"),
+    ('root ::= [z-a]', "backwards"),
+    ('root ::= "\\q"', "unknown escape"),
+    ('root ::= "\\uD800"', "is not a character"),
+    ('root ::= ("a"', "not closed"),
+    ('root ::= "a"{3,2}', "counts are"),
+    ('root ::= "a"{1001}', "counts are"),
+    ("root ::= " + '"a"{1000} ' * 21, "too large"),
+    ('root ::= "a" ; "b"', "unexpected '; \"b\"'"),
+    ('root "a"', "expected 'name ::='"),
+    ("", "a grammar must be GBNF text"),
+])
+def test_what_gbnf_cannot_run_is_refused_by_name(grammar, words):
+    with pytest.raises(SchemaError, match=re.escape(words)):
+        gbnf(grammar)
+
+
+def test_nesting_past_the_depth_kept_narrows_the_output_and_right_recursion_runs_flat():
+    g = gbnf('root ::= "(" root ")" | "x"')
+    assert accepts(g, "(" * 100 + "x" + ")" * 100)
+    assert g.feed(g.start, b"(" * 400) < 0  # (dropped past MAX_DEPTH: the text can still end)
+    flat = gbnf('root ::= "a" root | ""')
+    states = {flat.feed(flat.start, b"a" * n) for n in range(1, 50)}
+    assert len(states) == 1  # one state however long: the stack does not grow
+
+
+@pytest.mark.parametrize("source, good, bad", [
+    (r"\d{4}-\d{2}-\d{2}", ["2026-12-02"], ["2026-12-2", "x2026-12-02", "2026-12-02 "]),
+    (r"^(yes|no)$", ["yes", "no"], ["yess", " no", ""]),
+    (r"[a-zé]+( [a-zé]+)*", ["é", "ab cd"], ["ab  cd", "AB", "ab "]),
+    (r"(日本|x){2}\.?", ["日本x", "xx."], ["日", "x"]),
+])
+def test_a_regex_must_match_the_whole_text(source, good, bad):
+    g = G(RegexGrammar(source), TINY)
+    for text in good:
+        assert accepts(g, text) and re.fullmatch(source, text), text
+    for text in bad:
+        assert not accepts(g, text) and not re.fullmatch(source, text), text
+
+
+def test_a_bad_regex_is_refused_by_name():
+    for source, words in ((r"(?=a)b", "lookarounds"), ("a(", "without its ')'"), ("[a", "without its ']'")):
+        with pytest.raises(SchemaError, match=re.escape(words)) as e:
+            RegexGrammar(source)
+        assert "'regex'" in str(e.value)
+
+
+def brute_force_mask(g: G, state: int) -> np.ndarray:
+    mask = np.zeros(TINY.size, dtype=bool)
+    for i, p in enumerate(PIECES):
+        if p:
+            mask[i] = g.feed(state, p) >= 0
+    if g.accepting(state) or not mask.any():
+        mask[EOS] = True
+    return mask
+
+
+@pytest.mark.parametrize("g, text", [
+    (lambda: gbnf(JSON_GBNF), '{"a": [1, "日本"], "b": {"c": null}}'),
+    (lambda: gbnf(ARITH), "(12+345)*6-0"),
+    (lambda: G(RegexGrammar(r"\d{4}-\d{2}-\d{2}( é+)?"), TINY), "2026-12-02 éé"),
+])
+def test_masks_equal_feeding_every_token(g, text):
+    g, data = g(), text.encode()
+    for i in range(len(data) + 1):
+        state = g.feed(g.start, data[:i])
+        if state < 0:  # (inside a character: its first bytes alone are no text)
+            continue
+        assert (g.info(state).mask(TINY.size) == brute_force_mask(g, state)).all(), data[:i]
+
+
+def walk(g: G, rng: random.Random, limit: int = 200) -> bytes | None:
+    state, out = g.start, b""
+    for _ in range(limit):
+        info = g.info(state)
+        allowed = np.flatnonzero(info.mask(TINY.size))
+        token = int(rng.choice(allowed))
+        if token == EOS:
+            return out if info.accepting else None
+        out += PIECES[token]
+        state = g.feed(state, PIECES[token])
+        assert state >= 0
+    return None
+
+
+def test_random_walks_under_the_mask_end_in_text_of_the_grammar():
+    rng = random.Random(0)
+    arith, regex, json_g = gbnf(ARITH), G(RegexGrammar(r"[a-c]{1,5}(-\d)?|é日本"), TINY), gbnf(JSON_GBNF)
+    ended = 0
+    for _ in range(100):
+        text = walk(arith, rng)
+        if text is not None:
+            ended += 1
+            tree = ast.parse(text.decode(), mode="eval")
+            assert all(isinstance(n, ast.Expression | ast.BinOp | ast.Constant | ast.operator) for n in ast.walk(tree))
+        text = walk(regex, rng)
+        if text is not None:
+            assert re.fullmatch(r"[a-c]{1,5}(-\d)?|é日本", text.decode())
+        text = walk(json_g, rng, 60)
+        if text is not None:
+            assert isinstance(json.loads(text), dict)
+    assert ended > 25
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    from engine import LLM
+
+    return LLM(tiny_llama, dtype="float32", num_kv_blocks=256, max_model_len=512, max_num_seqs=8)
+
+
+def test_the_engine_holds_a_model_to_a_regex_and_a_grammar(llm):
+    from engine import SamplingParams
+
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    date = r"\d{4}-(0[1-9]|1[0-2])-\d{2}"
+    maybe = 'root ::= "yes" | "no" | "maybe, " root'
+    ended = 0
+    for params, check in (
+        (dict(regex=date), lambda t: re.fullmatch(date, t)),
+        (dict(grammar=ARITH), lambda t: ast.parse(t, mode="eval")),
+        (dict(grammar=maybe), lambda t: re.fullmatch(r"(maybe, )*(yes|no)", t)),
+    ):
+        auto = RegexGrammar(params["regex"]) if "regex" in params else GbnfGrammar(*compile_gbnf(params["grammar"]))
+        for temperature in (0.0, 1.0):
+            outs = llm.generate(prompts, SamplingParams(max_tokens=60, temperature=temperature, seed=3, **params))
+            for o in outs:
+                assert o.finish_reason in ("stop", "length")
+                if o.finish_reason == "stop":
+                    ended += 1
+                    assert check(o.text), (params, o.text)
+                else:  # (a random model nests sums deep): what it wrote so far is still the grammar's
+                    assert auto.feed(auto.start, o.text.encode()) >= 0, o.text
+    assert ended >= 12
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, regex=date)
+    together = llm.generate(prompts, greedy)
+    assert [o.token_ids for o in together][1:2] == [o.token_ids for o in llm.generate(prompts[1:2], greedy)]
+
+
+def test_a_bad_grammar_is_a_400_and_only_one_kind_is_given(llm):
+    from engine import SamplingParams
+    from engine.engine import RequestError
+    from engine.protocol import SamplingParamError
+
+    with pytest.raises(RequestError) as e:
+        llm.engine.add_request("bad", [1, 2], SamplingParams(grammar='root ::= root "a" | "b"'))
+    assert e.value.status == 400 and e.value.param == "response_format" and "left recursive" in e.value.message
+    assert "bad" not in llm.engine.requests
+    with pytest.raises(SamplingParamError, match="give one of regex and grammar"):
+        SamplingParams(regex="a", grammar='root ::= "a"')
+    with pytest.raises(SamplingParamError, match="regex must be a non-empty string"):
+        SamplingParams(regex="")
