@@ -30,7 +30,7 @@ Headers = list[tuple[str, str]]
 
 _PREFLIGHT = [
     ("access-control-allow-methods", "GET, POST, OPTIONS"),
-    ("access-control-allow-headers", "authorization, content-type"),
+    ("access-control-allow-headers", "authorization, content-type, x-api-key, anthropic-version"),
     ("access-control-max-age", "600"),
 ]
 
@@ -70,11 +70,12 @@ class Auth:
 
     @staticmethod
     def bearer(req: Request) -> str:
+        """The key a request gives: ``Authorization: Bearer <key>`` (OpenAI's), else ``x-api-key`` (Anthropic's)."""
         scheme, _, token = req.headers.get("authorization", "").partition(" ")
-        return token.strip() if scheme.lower() == "bearer" else ""
+        return token.strip() if scheme.lower() == "bearer" else req.headers.get("x-api-key", "").strip()
 
     def check_key(self, tokens: list[str],
-                  how: str = "send 'Authorization: Bearer <key>'") -> None:
+                  how: str = "send 'Authorization: Bearer <key>' or 'x-api-key: <key>'") -> None:
         """Raise 401 unless one of ``tokens`` is a key (nothing to check without keys)."""
         if self._keys and not any([self.key_ok(t) for t in tokens]):  # a list: every candidate is compared
             raise ApiError(401, f"Invalid or missing API key ({how})", code="invalid_api_key")

@@ -38,9 +38,10 @@ from typing import Any
 import orjson
 
 from engine.protocol import MAX_ADAPTER_NAME, Stats
+from frontends import anthropic, reasoning, tools
 from frontends import openai_params as op
-from frontends import reasoning, tools
 from frontends.access_log import CallInfo
+from frontends.anthropic import MessagesFormat
 from frontends.auth import Auth
 from frontends.embeddings import embeddings_job
 from frontends.engine_client import EngineClient, EngineUnavailable
@@ -126,6 +127,8 @@ class OpenAIApi:
             ("POST", "/v1/completions", self.completions),
             ("POST", "/v1/chat/completions", self.chat_completions),
             ("POST", "/v1/responses", self.responses),
+            ("POST", "/v1/messages", self.messages),
+            ("POST", "/v1/messages/count_tokens", self.count_tokens),
             ("POST", "/v1/embeddings", self.embeddings),
             *(("POST", path, self.rerank) for path in ("/v1/rerank", "/rerank", "/v2/rerank")),
             *(("POST", path, self.score) for path in ("/v1/score", "/score")),
@@ -392,6 +395,32 @@ class OpenAIApi:
         if gen.schema_param == "response_format":  # the engine's refusal of a text.format schema
             gen.schema_param = "text"
         return gen, ResponsesFormat(gen.lora or self.model, data, gen, chat_fmt)
+
+    # ------------------------------------------------------------------ Anthropic's messages
+
+    async def messages(self, req: Request) -> Response | StreamingResponse:
+        return await self._run(req, op.parse_json(req.body), self.messages_job)
+
+    async def messages_job(self, data: dict, arrival: float | None = None) -> tuple[Generation, MessagesFormat]:
+        """A /v1/messages body run as the chat it amounts to (``frontends.anthropic``)."""
+        try:
+            gen, chat_fmt = await self.chat_job(anthropic.to_chat(data), arrival, id_prefix="msg")
+        except ApiError as e:  # named as this API names its fields
+            if e.param in anthropic.MESSAGES_PARAMS:
+                e.message = e.message.replace(e.param, anthropic.MESSAGES_PARAMS[e.param], 1)
+                e.param = anthropic.MESSAGES_PARAMS[e.param]
+            raise
+        if gen.schema_param == "response_format":  # the engine's refusal of an output_config schema
+            gen.schema_param = "output_config" if data.get("output_config") is not None else "output_format"
+        return gen, MessagesFormat(gen.lora or self.model, gen, chat_fmt)
+
+    async def count_tokens(self, req: Request) -> Response:
+        """Anthropic's ``/v1/messages/count_tokens``: the prompt a Messages body would make, counted."""
+        data = anthropic.to_chat({**op.parse_json(req.body), "max_tokens": 1})
+        op.check_model(data, self.model_names, self.adapters)
+        messages = op.parse_messages(data, self.max_chars)
+        prompt = await self._chat_template(data, messages, calls=tools.parse_tools(data, self.tool_format))
+        return _json({"input_tokens": len(prompt)})
 
     # ------------------------------------------------------------------ embeddings
 

@@ -35,6 +35,32 @@ def test_default_model_knows_the_capital_of_france(server):
     assert "Paris" in r.choices[0].message.content
 
 
+def test_anthropic_messages_api(server):
+    """Anthropic's SDK against the real model: a system prompt, the answer, its usage and stop reason, and
+    output held to a schema (``output_config``)."""
+    import json
+
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=120)
+    m = client.messages.create(model="SmolLM2-135M-Instruct.Q4_1", max_tokens=24, extra_body={"temperature": 0},
+                               system="You are a helpful assistant.",
+                               messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in m.content[0].text and m.stop_reason == "end_turn" and 0 < m.usage.output_tokens < 24
+    with client.messages.stream(model="SmolLM2-135M-Instruct.Q4_1", max_tokens=24, extra_body={"temperature": 0},
+                                system="You are a helpful assistant.",
+                                messages=[{"role": "user", "content": "What is the capital of France?"}]) as s:
+        assert "".join(s.text_stream) == m.content[0].text
+    m = client.messages.create(model="SmolLM2-135M-Instruct.Q4_1", max_tokens=60, extra_body={"temperature": 0},
+                               output_config={"format": {"type": "json_schema", "schema": CAPITAL}},
+                               messages=[{"role": "user", "content": "What is the capital of France? In JSON."}])
+    assert list(json.loads(m.content[0].text)) == ["country", "capital"] and m.stop_reason == "end_turn"
+    with pytest.raises(anthropic.BadRequestError) as e:  # the engine's refusal, named as this API names it
+        client.messages.create(model="SmolLM2-135M-Instruct.Q4_1", max_tokens=5, messages=[{"role": "user", "content": "x"}],
+                               output_config={"format": {"type": "json_schema", "schema": {"type": "integer", "minimum": 1}}})
+    assert e.value.body["error"]["param"] == "output_config" and "minimum" in e.value.body["error"]["message"]
+
+
 CAPITAL = {"type": "object", "properties": {"country": {"type": "string"}, "capital": {"type": "string"}},
            "required": ["country", "capital"]}
 

@@ -1,0 +1,285 @@
+"""Anthropic's Messages API, ``POST /v1/messages`` (and ``/v1/messages/count_tokens``): over the chat machinery.
+
+As llama.cpp's server and vLLM serve it, so that Anthropic's SDK, and the tools built on it, talk to
+an open model. A body is turned into a chat-completions one (``to_chat``) and runs as a chat does
+(the same checks, template, tools and thinking); ``MessagesFormat`` then writes what the chat
+produced as a Message: content blocks (``thinking``, ``text``, a ``tool_use`` per call) and a
+``stop_reason``, or streamed as its events (``message_start``, ``content_block_start`` /
+``_delta`` / ``_stop`` per block, ``message_delta``, ``message_stop``).
+
+Input: ``system`` (a string or text blocks), ``messages`` (text, ``tool_use`` and ``tool_result``
+blocks; earlier ``thinking`` blocks are dropped, as chat templates drop earlier thinking), ``tools``
+(custom tools: ``name``, ``description``, ``input_schema``), ``tool_choice`` (``auto``, ``any``,
+``tool``, ``none``; ``disable_parallel_tool_use``), ``max_tokens`` (required, as Anthropic's),
+``stop_sequences``, ``temperature``, ``top_p``, ``top_k``, ``thinking`` (``enabled`` / ``adaptive`` /
+``disabled``: the template's ``enable_thinking``), ``output_config.format`` (a JSON schema the output is
+held to; the beta's ``output_format`` too), ``metadata``, and the chat's own extra fields (``priority``,
+``timeout``, ``cache_salt``, ``seed``...). Images, documents and server tools are a 400.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import orjson
+
+from frontends.errors import ApiError
+from frontends.generation import Generation, Update
+
+# chat fields a Messages body may carry as they are (tokenmill's and vLLM's extras)
+_PASSED = ("model", "temperature", "top_p", "top_k", "priority", "timeout", "cache_salt", "seed", "min_p",
+           "repetition_penalty", "presence_penalty", "frequency_penalty", "stop_token_ids", "chat_template_kwargs",
+           "ignore_eos", "min_tokens", "logit_bias", "skip_special_tokens", "stream")
+MESSAGES_PARAMS = {"stop": "stop_sequences", "tool_choice": "tool_choice"}  # chat -> here, in refusals
+_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{os.urandom(12).hex()}"
+
+
+def _text_of(content: Any, where: str) -> str:
+    """A string, or a list of text blocks, as text."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for block in content:
+            if not (isinstance(block, dict) and block.get("type") == "text" and isinstance(block.get("text"), str)):
+                raise ApiError(400, f"{where}: only text blocks are supported here", param="messages")
+            texts.append(block["text"])
+        return "".join(texts)
+    raise ApiError(400, f"{where} must be a string or a list of text blocks", param="messages")
+
+
+def _messages(data: dict) -> list[dict]:
+    """``system`` and ``messages`` as chat messages."""
+    out: list[dict] = []
+    system = data.get("system")
+    if system is not None:
+        out.append({"role": "system", "content": _text_of(system, "system")})
+    messages = data.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list", param="messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+            raise ApiError(400, f"messages[{i}] must be an object with the role 'user' or 'assistant'",
+                           param="messages")
+        role, content = m["role"], m.get("content")
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise ApiError(400, f"messages[{i}].content must be a string or a list of blocks", param="messages")
+        texts: list[str] = []
+        calls: list[dict] = []
+        for j, block in enumerate(content):
+            where = f"messages[{i}].content[{j}]"
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind == "text" and isinstance(block.get("text"), str):
+                texts.append(block["text"])
+            elif kind == "tool_use" and role == "assistant":
+                if not (isinstance(block.get("id"), str) and isinstance(block.get("name"), str)
+                        and isinstance(block.get("input"), dict)):
+                    raise ApiError(400, f"{where}: a tool_use block needs id, name and an input object",
+                                   param="messages")
+                calls.append({"id": block["id"], "type": "function", "function": {
+                    "name": block["name"], "arguments": orjson.dumps(block["input"]).decode()}})
+            elif kind == "tool_result" and role == "user":
+                if not isinstance(block.get("tool_use_id"), str):
+                    raise ApiError(400, f"{where}: a tool_result block needs its tool_use_id", param="messages")
+                result = block.get("content", "")
+                text = _text_of(result, f"{where}.content")
+                if block.get("is_error") is True:
+                    text = f"Error: {text}"
+                out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
+            elif kind not in ("thinking", "redacted_thinking") or role != "assistant":
+                raise ApiError(400, f"{where}: blocks of type {kind!r} are not supported in a {role} message here "
+                               "(text, tool_use from the assistant, tool_result from the user are)", param="messages")
+        if texts or calls or not content:
+            msg: dict = {"role": role, "content": "".join(texts)}
+            if calls:
+                msg |= {"content": msg["content"] or None, "tool_calls": calls}
+            out.append(msg)
+    return out
+
+
+def to_chat(data: dict) -> dict:
+    """A Messages body as the chat-completions body that runs it (only the checks this API's own
+    shapes need: the chat's checks do the rest)."""
+    chat: dict[str, Any] = {k: data[k] for k in _PASSED if k in data}
+    chat["messages"] = _messages(data)
+    max_tokens = data.get("max_tokens")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ApiError(400, "max_tokens: a positive integer is required", param="max_tokens")
+    chat["max_tokens"] = max_tokens
+    if data.get("stop_sequences") is not None:
+        chat["stop"] = data["stop_sequences"]
+    tools = data.get("tools") or None
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise ApiError(400, "'tools' must be a list", param="tools")
+        for i, t in enumerate(tools):
+            if not isinstance(t, dict) or t.get("type", "custom") != "custom" or "input_schema" not in t:
+                raise ApiError(400, f"tools[{i}]: only custom tools (name, description, input_schema) are "
+                               "supported here", param="tools")
+        chat["tools"] = [{"type": "function", "function": {"name": t.get("name"), "parameters": t["input_schema"],
+                                                           **({"description": t["description"]}
+                                                              if "description" in t else {})}} for t in tools]
+    choice = data.get("tool_choice")
+    if choice is not None:
+        kind = choice.get("type") if isinstance(choice, dict) else None
+        if kind not in ("auto", "any", "tool", "none"):
+            raise ApiError(400, "tool_choice must be {'type': 'auto' | 'any' | 'tool' | 'none'}", param="tool_choice")
+        if tools is not None or kind == "none":
+            chat["tool_choice"] = ({"type": "function", "function": {"name": choice.get("name")}} if kind == "tool"
+                                   else "required" if kind == "any" else kind)
+        if choice.get("disable_parallel_tool_use") is True:
+            chat["parallel_tool_calls"] = False
+    thinking = data.get("thinking")
+    if thinking is not None:
+        kind = thinking.get("type") if isinstance(thinking, dict) else None
+        if kind not in ("enabled", "adaptive", "between_tools", "disabled"):
+            raise ApiError(400, "thinking must be {'type': 'enabled' | 'adaptive' | 'disabled'}", param="thinking")
+        kwargs = chat.get("chat_template_kwargs")
+        chat["chat_template_kwargs"] = {"enable_thinking": kind != "disabled",
+                                        **(kwargs if isinstance(kwargs, dict) else {})}
+    for name in ("output_config", "output_format"):  # structured output: today's field, and its beta's
+        config = data.get(name)
+        if config is None:
+            continue
+        if not isinstance(config, dict):
+            raise ApiError(400, f"{name} must be an object", param=name)
+        fmt = config.get("format") if name == "output_config" else config
+        if fmt is not None:
+            if not (isinstance(fmt, dict) and fmt.get("type") == "json_schema" and isinstance(fmt.get("schema"), dict)):
+                raise ApiError(400, f"{name}: a format must be {{'type': 'json_schema', 'schema': {{...}}}}", param=name)
+            chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
+    metadata = data.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise ApiError(400, "metadata must be an object", param="metadata")
+    return chat
+
+
+class MessagesFormat:
+    """What a chat generation produced, as a Message (``response``) or its events (``chunk``): both
+    built by ``_take`` from the same ordered parts of the answer, so they hold the same blocks."""
+
+    DONE = b""  # no [DONE] line: the stream ends after message_stop
+
+    def __init__(self, api_model: str, gen: Generation, chat_fmt) -> None:
+        self.gen, self.chat = gen, chat_fmt
+        self.answer = chat_fmt.answers[0] if chat_fmt.answers is not None else None
+        self.named = self.answer is not None and self.answer.calls is not None and self.answer.calls.mode == "named"
+        self.blocks: list[dict] = []  # content blocks done, in order
+        self.open: dict | None = None  # the block being written
+        self.base = {"id": _new_id("msg"), "type": "message", "role": "assistant", "model": api_model}
+
+    def _parts(self, text: str, finished: bool) -> list[tuple[str, Any]]:
+        if self.answer is not None:
+            return self.answer.parts(text, finished)
+        return [("text", text)] if text else []
+
+    def _stop(self) -> dict:
+        choice = self.gen.choices[0]
+        reason = self.chat.finish_reason(choice)
+        if reason == "stop" and isinstance(choice.stop_reason, str):
+            return {"stop_reason": "stop_sequence", "stop_sequence": choice.stop_reason}
+        return {"stop_reason": _STOP_REASONS.get(reason, reason), "stop_sequence": None}
+
+    def _usage(self, final: bool = True) -> dict:
+        usage = self.gen.usage()
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        return {"input_tokens": usage["prompt_tokens"] - cached, "cache_read_input_tokens": cached,
+                "cache_creation_input_tokens": 0, "output_tokens": usage["completion_tokens"] if final else 0}
+
+    # ------------------------------------------------------------------ whole
+
+    def collect(self, updates: list[Update]) -> None:
+        self.chat.collect(updates)
+
+    def response(self) -> dict:
+        self._take(self._parts(self.chat.texts[0], True), finished=True)  # the events are not sent
+        return {**self.base, "content": self.blocks, **self._stop(), "usage": self._usage()}
+
+    # ------------------------------------------------------------------ streamed
+
+    @staticmethod
+    def _event(kind: str, **fields) -> bytes:
+        return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, **fields}) + b"\n\n"
+
+    def stream_head(self) -> bytes:
+        return self._event("message_start", message={**self.base, "content": [], "stop_reason": None,
+                                                      "stop_sequence": None, "usage": self._usage(final=False)})
+
+    def chunk(self, updates: list[Update]) -> bytes:
+        out = b""
+        for up in updates:
+            out += self._take(self._parts(up.text, up.finished), up.finished)
+            if up.finished:
+                out += (self._event("message_delta", delta=self._stop(), usage=self._usage())
+                        + self._event("message_stop"))
+        return out
+
+    def stream_error(self, e: ApiError) -> bytes:
+        """An engine failure mid-stream: the open block closed, then Anthropic's error event."""
+        return self._close() + self._event("error", error={"type": e.type, "message": e.message})
+
+    def _take(self, parts: list[tuple[str, Any]], finished: bool) -> bytes:
+        """Parts of the answer into content blocks, in order; their events."""
+        out = b""
+        for kind, value in parts:
+            if kind == "call" and "id" not in value:  # a named function's further arguments
+                out += self._grow(value["function"]["arguments"])
+            elif kind == "call":
+                out += self._close() + self._open({"type": "tool_use", "id": _new_id("toolu"),
+                                                   "name": value["function"]["name"], "input": {}})
+                out += self._grow(value["function"]["arguments"])
+                if not self.named:
+                    out += self._close()  # a whole call
+            else:
+                kind = "thinking" if kind == "reasoning" else kind
+                if self.open is None or self.open["type"] != kind:
+                    out += self._close() + self._open({"type": "thinking", "thinking": "", "signature": ""}
+                                                      if kind == "thinking" else {"type": "text", "text": ""})
+                out += self._grow(value)
+        if finished:
+            out += self._close()
+            if not self.blocks:  # an empty answer is still a text block
+                out += self._open({"type": "text", "text": ""}) + self._close()
+        return out
+
+    def _open(self, block: dict) -> bytes:
+        self.open = block
+        return self._event("content_block_start", index=len(self.blocks), content_block=block)
+
+    def _grow(self, text: str) -> bytes:
+        """More text for the open block: its text or thinking, or a call's arguments (JSON so far)."""
+        block = self.open
+        if not text:
+            return b""
+        if block["type"] == "tool_use":
+            block["arguments"] = block.get("arguments", "") + text
+            delta = {"type": "input_json_delta", "partial_json": text}
+        elif block["type"] == "thinking":
+            block["thinking"] += text
+            delta = {"type": "thinking_delta", "thinking": text}
+        else:
+            block["text"] += text
+            delta = {"type": "text_delta", "text": text}
+        return self._event("content_block_delta", index=len(self.blocks), delta=delta)
+
+    def _close(self) -> bytes:
+        block, self.open = self.open, None
+        if block is None:
+            return b""
+        if block["type"] == "tool_use":
+            arguments = block.pop("arguments", "")
+            try:
+                block["input"] = orjson.loads(arguments) if arguments else {}
+            except orjson.JSONDecodeError:  # (cut short by max_tokens)
+                block["input"] = {}
+        self.blocks.append(block)
+        return self._event("content_block_stop", index=len(self.blocks) - 1)
+

@@ -1,0 +1,180 @@
+"""Anthropic's ``POST /v1/messages`` (``frontends.anthropic``): bodies turned into chats, and a real frontend
+process (the fake engine of ``test_tool_calls``, which answers with the prompt's own tokens) answering the
+official ``anthropic`` client's ``messages.create``, its ``messages.stream`` helper (which rebuilds the
+Message from the events and checks their order) and ``messages.count_tokens``; the key sent as Anthropic's
+``x-api-key``. The real engine behind it: ``test_server_default_model``."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import pytest
+
+from frontends.anthropic import to_chat
+from frontends.errors import ApiError
+from tests.test_tool_calls import ANSWER, THOUGHT, TOOLS, stack  # noqa: F401 - fixtures
+from tools.fake_engine import KEY, MODEL
+
+WEATHER = {"name": "get_weather", "description": "The weather in a city",
+           "input_schema": TOOLS[0]["function"]["parameters"]}
+STOP = {"stop_token_ids": [2]}  # <|im_end|>: where the fake engine's answers end
+
+
+@pytest.fixture
+def client(stack):  # noqa: F811 - the fixture
+    return anthropic.Anthropic(base_url=f"http://127.0.0.1:{stack[1]}", api_key=KEY, max_retries=0)
+
+
+def shape(block) -> tuple:
+    return (block.type, block.name, block.input) if block.type == "tool_use" else (block.type, getattr(
+        block, "text", None) or getattr(block, "thinking", None))
+
+
+def test_bodies_become_chats():
+    chat = to_chat({"model": "m", "system": [{"type": "text", "text": "Be brief."}], "max_tokens": 9,
+                    "stop_sequences": ["END"], "temperature": 0, "top_k": 5, "tools": [WEATHER],
+                    "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+                    "thinking": {"type": "disabled"}, "metadata": {"user_id": "u"},
+                    "messages": [{"role": "user", "content": "Weather in Oslo and Bergen?"},
+                                 {"role": "assistant", "content": [
+                                     {"type": "thinking", "thinking": "two calls", "signature": "x"},
+                                     {"type": "text", "text": "Checking."},
+                                     {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Oslo"}},
+                                     {"type": "tool_use", "id": "t2", "name": "get_weather", "input": {"city": "Bergen"}}]},
+                                 {"role": "user", "content": [
+                                     {"type": "tool_result", "tool_use_id": "t1", "content": "Rain"},
+                                     {"type": "tool_result", "tool_use_id": "t2", "is_error": True,
+                                      "content": [{"type": "text", "text": "no station"}]},
+                                     {"type": "text", "text": "And tomorrow?"}]}]})
+    assert chat["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Oslo and Bergen?"},
+        {"role": "assistant", "content": "Checking.", "tool_calls": [
+            {"id": "t1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}},
+            {"id": "t2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Bergen"}'}}]},
+        {"role": "tool", "tool_call_id": "t1", "content": "Rain"},
+        {"role": "tool", "tool_call_id": "t2", "content": "Error: no station"},
+        {"role": "user", "content": "And tomorrow?"}]
+    assert (chat["max_tokens"], chat["stop"], chat["temperature"], chat["top_k"]) == (9, ["END"], 0, 5)
+    assert chat["tools"] == [{"type": "function", "function": {"name": "get_weather", "description": WEATHER[
+        "description"], "parameters": WEATHER["input_schema"]}}]
+    assert (chat["tool_choice"], chat["parallel_tool_calls"]) == ("required", False)
+    assert chat["chat_template_kwargs"] == {"enable_thinking": False}
+    held = to_chat({"max_tokens": 1, "messages": [{"role": "user", "content": "x"}], "thinking": {"type": "adaptive"},
+                    "output_config": {"effort": "low", "format": {"type": "json_schema", "schema": {"type": "object"}}}})
+    assert held["response_format"] == {"type": "json_schema", "json_schema": {"name": "output", "schema": {
+        "type": "object"}}} and held["chat_template_kwargs"] == {"enable_thinking": True}
+    assert to_chat({"max_tokens": 1, "messages": [{"role": "user", "content": "x"}], "tools": [WEATHER],
+                    "tool_choice": {"type": "tool", "name": "get_weather"}})["tool_choice"] == {
+        "type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": [{"role": "user", "content": "x"}]}, "max_tokens"),  # required, as Anthropic's
+    ({"max_tokens": 0, "messages": [{"role": "user", "content": "x"}]}, "max_tokens"),
+    ({"max_tokens": 5, "messages": []}, "messages"),
+    ({"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, "messages"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "tool_use", "id": "a", "name": "b",
+                                                                   "input": {}}]}]}, "messages"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
+      "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, "tool_choice"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "thinking": {"type": "on"}}, "thinking"),
+    ({"max_tokens": 5, "system": 5, "messages": [{"role": "user", "content": "x"}]}, "messages"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "output_config": {"format": {
+        "type": "regex"}}}, "output_config"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "output_format": []}, "output_format"),
+])
+def test_what_this_server_cannot_do_is_a_400(body, param):
+    with pytest.raises(ApiError) as e:
+        to_chat(body)
+    assert e.value.status == 400 and e.value.param == param
+
+
+def test_served_text_thinking_and_a_call(client):
+    text = THOUGHT.replace("Hello! <think> stays.", ANSWER)  # thinks, says a word, calls
+    m = client.messages.create(model=MODEL, max_tokens=200, tools=[WEATHER], extra_body=STOP,
+                               messages=[{"role": "user", "content": text}])
+    assert m.type == "message" and m.role == "assistant" and m.model == MODEL and m.id.startswith("msg_")
+    assert [b.type for b in m.content] == ["thinking", "text", "tool_use"] and m.stop_reason == "tool_use"
+    assert m.content[0].thinking == "\nThe user greets me.\n" and m.content[1].text == "Checking."
+    call = m.content[2]
+    assert call.name == "get_weather" and call.id.startswith("toolu_")
+    assert call.input == {"city": "Paris", "unit": "celsius"}
+    assert m.usage.output_tokens > 0 and m.usage.input_tokens > 0
+    with client.messages.stream(model=MODEL, max_tokens=200, tools=[WEATHER], extra_body=STOP,
+                                messages=[{"role": "user", "content": text}]) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    kinds = [e.type for e in events]
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert [shape(b) for b in final.content] == [shape(b) for b in m.content] and final.stop_reason == "tool_use"
+    assert "".join(e.delta.text for e in events if e.type == "content_block_delta" and e.delta.type == "text_delta") \
+        == "Checking."
+    assert final.usage.output_tokens == m.usage.output_tokens
+
+
+def test_served_follow_up_stop_sequence_and_cut_short(client):
+    m = client.messages.create(model=MODEL, max_tokens=200, system="ignored by this template", tools=[WEATHER],
+                               extra_body=STOP, messages=[
+                                   {"role": "user", "content": "Weather in Paris?"},
+                                   {"role": "assistant", "content": [
+                                       {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                        "input": {"city": "Paris"}}]},
+                                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                                                 "content": "Sunny, 21 C<|im_end|>"}]}])
+    assert [shape(b) for b in m.content] == [("text", "Sunny, 21 C")] and m.stop_reason == "end_turn"
+    m = client.messages.create(model=MODEL, max_tokens=50, stop_sequences=["four"],
+                               messages=[{"role": "user", "content": "one two three four five six"}])
+    assert m.content[0].text == "one two three " and (m.stop_reason, m.stop_sequence) == ("stop_sequence", "four")
+    m = client.messages.create(model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "one two three four"}])
+    assert m.stop_reason == "max_tokens" and m.usage.output_tokens == 3
+    with client.messages.stream(model=MODEL, max_tokens=3,
+                                messages=[{"role": "user", "content": "one two three four"}]) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "max_tokens" and final.content[0].text == m.content[0].text
+
+
+def test_served_named_tool_streams_its_input(client):
+    with client.messages.stream(model=MODEL, max_tokens=100, tools=[WEATHER], extra_body=STOP,
+                                tool_choice={"type": "tool", "name": "get_weather"},
+                                messages=[{"role": "user", "content": '{"city": "Rome"}<|im_end|>'}]) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    pieces = [e.delta.partial_json for e in events if e.type == "content_block_delta"]
+    assert json.loads("".join(pieces)) == {"city": "Rome"}
+    (call,) = final.content
+    assert call.type == "tool_use" and call.input == {"city": "Rome"}
+
+
+def test_served_count_tokens_and_keys(client, stack):  # noqa: F811
+    body = dict(model=MODEL, messages=[{"role": "user", "content": "one two three"}])
+    counted = client.messages.count_tokens(**body).input_tokens
+    m = client.messages.create(max_tokens=2, **body)
+    assert counted == m.usage.input_tokens > 0
+    bad = anthropic.Anthropic(base_url=f"http://127.0.0.1:{stack[1]}", api_key="wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError):
+        bad.messages.create(max_tokens=2, **body)
+
+
+def test_served_bad_bodies_get_400(client):
+    for kw, param in (({"tools": [{"type": "bash_20250124", "name": "bash"}]}, "tools"),
+                      ({"stop_sequences": ["x"] * 100}, "stop_sequences"),
+                      ({"extra_body": {"temperature": "hot"}}, "temperature")):
+        with pytest.raises(anthropic.BadRequestError) as e:
+            client.messages.create(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "hi"}], **kw)
+        assert e.value.body["error"]["param"] == param, e.value.body
+
+
+def test_served_failure_mid_stream_ends_with_an_error_event(stack, client):  # noqa: F811
+    engine = stack[0]
+    engine.fail_after, engine.step_delay = 8, 0.01  # a few steps stream, then the engine fails the request
+    try:
+        with pytest.raises(anthropic.APIStatusError) as e, client.messages.stream(
+                model=MODEL, max_tokens=50, messages=[{"role": "user", "content": "one two three four five six"}]) as s:
+            list(s)
+    finally:
+        engine.fail_after, engine.step_delay = None, 0.0
+    assert "error" in str(e.value).lower()
