@@ -59,6 +59,10 @@ def add(parser: argparse.ArgumentParser) -> None:
                    help="read off --model: safetensors in a folder, or a .gguf file")
     v.add_argument("--tokenizer-mode", choices=("auto", "hf"), default=None,
                    help="tokenizers are transformers' here (--tokenizer for another one)")
+    v.add_argument("--structured-outputs-config", default=None, metavar="JSON",
+                   help="structured output is tokenmill's own automaton here, whatever backend is named: JSON "
+                        "schemas, choices, regexes and GBNF grammars")
+    v.add_argument("--guided-decoding-backend", default=None, metavar="NAME", help="as --structured-outputs-config")
     v.add_argument("--max-cpu-loras", type=int, default=None, metavar="N",
                    help="every adapter is kept on the device here, in a slot of its own (--max-loras): one step "
                         "mixes them all, none waits for a slot")

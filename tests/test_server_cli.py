@@ -237,7 +237,8 @@ def test_a_vllm_command_line_starts_unchanged():
     vllm = ["--trust-remote-code", "--enable-chunked-prefill", "--disable-log-stats", "--max-logprobs", "20",
             "-pp", "1", "--swap-space", "4", "--download-dir", "/tmp/x", "--revision",
             "main", "--load-format", "safetensors", "--tokenizer-mode", "auto", "--distributed-executor-backend",
-            "mp", "--uvicorn-log-level", "info", "--max-seq-len-to-capture", "8192", "--enable-log-requests"]
+            "mp", "--uvicorn-log-level", "info", "--max-seq-len-to-capture", "8192", "--enable-log-requests",
+            "--structured-outputs-config", '{"backend": "xgrammar"}', "--guided-decoding-backend", "outlines"]
     args = build_parser().parse_args(["serve", "--model", "m", *vllm, "--max-model-len", "4096",
                                       "--disable-uvicorn-access-log"])
     assert _config_kwargs(args) == {"model": "m", "max_model_len": 4096}
