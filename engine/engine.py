@@ -515,6 +515,10 @@ class Engine:
         grammar = req.sampling_state.grammar
         if grammar is not None:
             grammar.advance(token)
+            if grammar.failed is not None:  # (the token was the end of sequence its mask gave it)
+                log.warning("request %s ends with finish_reason 'error': %s", req.request_id, grammar.failed)
+                req.stop_reason = grammar.failed
+                return "error"
         if n >= p.min_tokens:
             if not p.ignore_eos and token in self._eos_set:
                 return "stop"

@@ -31,7 +31,10 @@ first token), nothing after it.
 
 from __future__ import annotations
 
-from engine.json_schema import ALT, LIT, NUM, OBJ, PAT, STR, Nodes, SchemaError
+import math
+import time
+
+from engine.json_schema import ALT, LIT, NUM, OBJ, PAT, STR, GrammarTooCostly, Nodes, SchemaError
 from engine.regex import Pattern, intern
 
 F_LIT, F_STR, F_NUM, F_WS, F_NODE, F_OBJ, F_KEY, F_ARR, F_TRIE, F_KTRIE, F_XKEY, F_PSTR = range(12)
@@ -105,6 +108,7 @@ class Automaton:
     only narrows the output."""
 
     max_items = MAX_STACKS
+    deadline = math.inf  # (time.perf_counter()) past which learning a transition raises GrammarTooCostly
 
     def __init__(self) -> None:
         self.generation = -1
@@ -158,6 +162,9 @@ class Automaton:
         key = state * 256 + b
         nxt = self._next.get(key)
         if nxt is None:
+            if time.perf_counter() > self.deadline:
+                raise GrammarTooCostly("the output's grammar takes too long to follow: one token's choices took more "
+                                       "than the time one step may give them")
             out = self._step_all(self._states[state], b)
             if len(out) > self.max_items:
                 out = sorted(set(out), key=self._rank)[:self.max_items]

@@ -50,6 +50,11 @@ class SchemaError(ValueError):
     """A schema this compiler refuses; the message names the keyword."""
 
 
+class GrammarTooCostly(SchemaError):
+    """A grammar (schema, regex, GBNF) whose automaton costs too much time or memory while it runs: the
+    request that meets it ends, and later ones with the same grammar are refused."""
+
+
 def compile_schema(schema: Any) -> tuple[Nodes, int]:
     """The node table of ``schema`` and its root's index."""
     c = _Compiler(schema)

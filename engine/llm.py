@@ -190,14 +190,18 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
              tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
-             add_generation_prompt: bool = True, priority: list[int] | None = None,
-             lora_request=None) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             priority: list[int] | None = None, lora_request=None) -> list[RequestOutput]:
         """vLLM's ``LLM.chat``: a conversation (a list of ``{"role", "content"}`` messages), or a list of
         them, each through the model's chat template (shown ``tools``, with ``chat_template_kwargs`` such
-        as Qwen3's ``{"enable_thinking": False}``), then ``generate``; outputs in conversation order."""
+        as Qwen3's ``{"enable_thinking": False}``), then ``generate``; outputs in conversation order.
+        ``continue_final_message`` (with ``add_generation_prompt=False``): the model goes on with the
+        last message, an assistant's."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt=False")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self._codec.apply_chat_template(c, add_generation_prompt, tools, chat_template_kwargs)
-                   for c in conversations]
+        prompts = [self._codec.apply_chat_template(c, add_generation_prompt, tools, chat_template_kwargs,
+                                                   continue_final_message) for c in conversations]
         return self.generate(prompts, sampling_params, priority, lora_request)
 
     def embed(self, prompts: str | list[int] | list[str] | list[list[int]], dimensions: int | None = None,

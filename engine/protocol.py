@@ -400,13 +400,14 @@ class Delta:
 
     request_id: str
     token_ids: list[int]
-    # "stop" | "length" | "abort" | "timeout" | "error" (could not run: out of memory) | None while running
+    # "stop" | "length" | "abort" | "timeout" | "error" (could not run: out of memory, or its grammar cost too
+    # much to follow) | None while running
     finish_reason: str | None = None
     logprobs: list[TokenLogprobs] | None = None  # one entry per token in token_ids
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # once, with the first delta
-    stop_reason: int | None = None  # the stop token id that ended it, if any
+    stop_reason: int | str | None = None  # the stop token id that ended it, if any; with "error", why (text)
     embedding: bytes | None = None  # an embedding request's vector: little-endian float32s, with its end
 
     def to_wire(self) -> list:

@@ -19,10 +19,11 @@ from __future__ import annotations
 import re
 from bisect import bisect_right
 
-from engine.json_schema import SchemaError
+from engine.json_schema import GrammarTooCostly, SchemaError
 
 MAX_STATES = 4096  # NFA states (a {n,m} copies its operand: a pattern can grow fast)
 MAX_MEMO = 200_000  # remembered steps (and ``allows`` answers) before they are dropped and recomputed
+MAX_HELD = 1_000_000  # NFA states in the state sets a pattern has met (tens of MB): past it, GrammarTooCostly
 _MAX = 0x10FFFF
 _ALL = ((0, 0xD7FF), (0xE000, _MAX))  # every character (surrogates are never one)
 _LINE_ENDS = ((0x0A, 0x0A), (0x0D, 0x0D), (0x2028, 0x2029))
@@ -79,18 +80,19 @@ class Pattern:
         try:
             start, end = self._alternation(top=True)
         except RecursionError:
-            raise SchemaError(f"{self.name} {source[:40]!r}... nests too deep") from None
+            raise SchemaError(f"{self.name} {_shown(source)} nests too deep") from None
         if self._at != len(source):
-            raise SchemaError(f"{self.name} {source!r}: unexpected {source[self._at]!r} at {self._at}")
+            raise SchemaError(f"{self.name} {_shown(source)}: unexpected {source[self._at]!r} at {self._at}")
         self.accept = end
         self._trim()
         self._ids: dict[frozenset, int] = {}
         self._sets: list[frozenset] = []
+        self._held = 0  # NFA states in all the sets interned (what they cost in memory)
         self._steps: dict[tuple[int, int], int] = {}
         self._allows: dict[tuple[int, int, int], bool] = {}
         closure = self._closure({start})
         if not closure & self._live:
-            raise SchemaError(f"{self.name} {source!r} matches nothing")
+            raise SchemaError(f"{self.name} {_shown(source)} matches nothing")
         self.start = self._intern(frozenset(closure & self._live))
 
     # ------------------------------------------------------------------ running
@@ -121,7 +123,13 @@ class Pattern:
         return hit
 
     def _intern(self, states: frozenset) -> int:
-        return intern(self._ids, self._sets, states)
+        index = intern(self._ids, self._sets, states)
+        if index == len(self._sets) - 1:  # (new)
+            self._held += len(states)
+            if self._held > MAX_HELD:
+                raise GrammarTooCostly(f"{self.name} {_shown(self.source)} keeps too many states open at once "
+                                       f"(its automaton grew past {MAX_HELD} NFA states in its state sets)")
+        return index
 
     def _closure(self, states: set) -> set:
         return self._closure_of(self.eps, states)
@@ -150,7 +158,7 @@ class Pattern:
 
     def _state(self) -> int:
         if len(self.eps) >= MAX_STATES:
-            raise SchemaError(f"{self.name} {self.source!r} is too large (more than {MAX_STATES} states)")
+            raise SchemaError(f"{self.name} {_shown(self.source)} is too large (more than {MAX_STATES} states)")
         self.eps.append([])
         self.edges.append([])
         return len(self.eps) - 1
@@ -213,11 +221,11 @@ class Pattern:
             parts = self.source[self._at + 1:close].split(",") if close > 0 else []
             number = re.compile("[0-9]{1,4}")
             if not 1 <= len(parts) <= 2 or not all(number.fullmatch(p) for p in parts if p) or not parts[0]:
-                raise SchemaError(f"{self.name} {self.source!r}: a bad repetition at {self._at}")
+                raise SchemaError(f"{self.name} {_shown(self.source)}: a bad repetition at {self._at}")
             lo = int(parts[0])
             hi = lo if len(parts) == 1 else int(parts[1]) if parts[1] else -1
             if 0 <= hi < lo or max(lo, hi) > 1000:
-                raise SchemaError(f"{self.name} {self.source!r}: a bad repetition {{{','.join(parts)}}}")
+                raise SchemaError(f"{self.name} {_shown(self.source)}: a bad repetition {{{','.join(parts)}}}")
             self._at = close + 1
         else:
             lo, hi = {"*": (0, -1), "+": (1, -1), "?": (0, 1)}[c]
@@ -252,19 +260,19 @@ class Pattern:
                     and not self.source.startswith("?<!", self._at):
                 close = self.source.find(">", self._at)
                 if close < 0:
-                    raise SchemaError(f"{self.name} {self.source!r}: an unfinished group name")
+                    raise SchemaError(f"{self.name} {_shown(self.source)}: an unfinished group name")
                 self._at = close + 1
             elif self._peek() == "?":
-                raise SchemaError(f"{self.name} {self.source!r}: lookarounds are not supported")
+                raise SchemaError(f"{self.name} {_shown(self.source)}: lookarounds are not supported")
             s, e = self._alternation()
             if self._peek() != ")":
-                raise SchemaError(f"{self.name} {self.source!r}: a '(' without its ')'")
+                raise SchemaError(f"{self.name} {_shown(self.source)}: a '(' without its ')'")
             self._at += 1
             return s, e
         if c in ("*", "+", "?", "{", ")"):
-            raise SchemaError(f"{self.name} {self.source!r}: nothing to repeat at {self._at}")
+            raise SchemaError(f"{self.name} {_shown(self.source)}: nothing to repeat at {self._at}")
         if c in ("^", "$"):
-            raise SchemaError(f"{self.name} {self.source!r}: '^' and '$' are supported only at the ends of its "
+            raise SchemaError(f"{self.name} {_shown(self.source)}: '^' and '$' are supported only at the ends of its "
                               "alternatives")
         if c == "[":
             chars = self._class()
@@ -286,7 +294,7 @@ class Pattern:
         self._at += 1
         c = self._peek()
         if c is None:
-            raise SchemaError(f"{self.name} {self.source!r} ends with a backslash")
+            raise SchemaError(f"{self.name} {_shown(self.source)} ends with a backslash")
         self._at += 1
         classes = {"d": _DIGIT, "w": _WORD, "s": _SPACE}
         if c in classes:
@@ -299,7 +307,7 @@ class Pattern:
             n = 2 if c == "x" else 4
             digits = self.source[self._at:self._at + n]
             if not re.fullmatch(f"[0-9a-fA-F]{{{n}}}", digits):
-                raise SchemaError(f"{self.name} {self.source!r}: a bad \\{c} escape")
+                raise SchemaError(f"{self.name} {_shown(self.source)}: a bad \\{c} escape")
             self._at += n
             cp = int(digits, 16)
             low = re.match(r"\\u(d[c-f][0-9a-f]{2})", self.source[self._at:self._at + 6], re.IGNORECASE)
@@ -310,7 +318,7 @@ class Pattern:
         if c == "b" and in_class:
             return ((8, 8),)
         if c.isalnum():
-            raise SchemaError(f"{self.name} {self.source!r}: the escape \\{c} is not supported")
+            raise SchemaError(f"{self.name} {_shown(self.source)}: the escape \\{c} is not supported")
         return ((ord(c), ord(c)),)
 
     def _class(self) -> tuple:
@@ -322,14 +330,14 @@ class Pattern:
         while self._peek() != "]":
             c = self._peek()
             if c is None:
-                raise SchemaError(f"{self.name} {self.source!r}: a '[' without its ']'")
+                raise SchemaError(f"{self.name} {_shown(self.source)}: a '[' without its ']'")
             lo_set = self._escape(in_class=True) if c == "\\" else self._char()
             if self._peek() == "-" and self.source[self._at + 1:self._at + 2] not in ("]", ""):
                 self._at += 1
                 hi_set = self._escape(in_class=True) if self._peek() == "\\" else self._char()
                 if len(lo_set) != 1 or len(hi_set) != 1 or lo_set[0][0] != lo_set[0][1] \
                         or hi_set[0][0] != hi_set[0][1] or lo_set[0][0] > hi_set[0][0]:
-                    raise SchemaError(f"{self.name} {self.source!r}: a bad range in a class")
+                    raise SchemaError(f"{self.name} {_shown(self.source)}: a bad range in a class")
                 parts.append(((lo_set[0][0], hi_set[0][0]),))
             else:
                 parts.append(lo_set)
@@ -341,6 +349,11 @@ class Pattern:
         c = self.source[self._at]
         self._at += 1
         return ((ord(c), ord(c)),)
+
+
+def _shown(source: str) -> str:
+    """A source as refusals quote it: its first 80 characters."""
+    return repr(source) if len(source) <= 80 else repr(source[:80]) + "..."
 
 
 def _contains(chars: tuple, cp: int) -> bool:

@@ -52,7 +52,7 @@ class Request:
         self.block_table: list[int] = []
         self.window_from = 0  # first block of block_table whose window block it holds (engine.window_blocks)
         self.finish_reason: str | None = None
-        self.stop_reason: int | None = None
+        self.stop_reason: int | str | None = None  # the stop token that ended it; or why it failed ("error")
         self.sampling_state = sampling_state
         self.pool = pool  # an embedding request's engine.pooling.PoolState: pooled, never sampled
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.grammar import Automaton, Grammar
-from engine.json_schema import SchemaError, compile_choice, compile_schema
+from engine.json_schema import GrammarTooCostly, SchemaError, compile_choice, compile_schema
 from engine.protocol import SamplingParams
 from engine.text_grammar import GbnfGrammar, RegexGrammar, compile_gbnf
 from engine.token_bytes import token_bytes
@@ -36,6 +37,11 @@ log = logging.getLogger("tokenmill.engine")
 MAX_TOKEN_BYTES = 48  # longer tokens (runs of '=' or spaces) are never needed: shorter ones write the same text
 MASK_CACHE = 1024  # masks kept per grammar (bit-packed: vocab/8 bytes each, 19 KB for 151k tokens)
 MAX_TRANSITIONS = 500_000  # (state, byte) pairs a grammar learns (~50 MB) before it forgets them all
+# The step loop's time one request's grammar may take: a new state's mask at most MASK_SECONDS, all of them
+# together at most REQUEST_SECONDS. Past either, the request ends with finish_reason "error" and the grammar
+# is refused from then on (GrammarTooCostly): a regex whose automaton keeps hundreds of states open, say.
+MASK_SECONDS = 0.5
+REQUEST_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
@@ -87,6 +93,14 @@ class TokenGrammar:
     def __init__(self, grammar: Automaton, vocab: TokenVocab):
         self.grammar, self.vocab = grammar, vocab
         self._info: OrderedDict[int, StateInfo] = OrderedDict()
+        self.failed: str | None = None  # why it costs too much to follow (GrammarTooCostly): refused from then on
+
+    @property
+    def ended(self) -> StateInfo:
+        """What a failed matcher allows: the end of sequence only."""
+        mask = np.zeros(self.vocab.size, dtype=bool)
+        mask[self.vocab.eos] = True
+        return StateInfo(np.packbits(mask), False, True)
 
     def forget(self) -> None:
         """Drop the grammar's states and their masks (``Grammar.forget``)."""
@@ -102,8 +116,15 @@ class TokenGrammar:
             self._info.move_to_end(state)
             return info
         g = self.grammar
-        row = np.array([g.next(state, b) for b in range(256)], dtype=np.int64)
-        allowed = self._allowed(state, row)
+        g.deadline = time.perf_counter() + MASK_SECONDS
+        try:
+            row = np.array([g.next(state, b) for b in range(256)], dtype=np.int64)
+            allowed = self._allowed(state, row)
+        except GrammarTooCostly as e:
+            self.failed = str(e)
+            raise
+        finally:
+            g.deadline = math.inf
         accepting = g.accepting(state)
         mask = np.zeros(self.vocab.size, dtype=bool)
         mask[self.vocab.ids[allowed]] = True
@@ -152,24 +173,49 @@ class GrammarMatcher:
     """One request's place in its grammar; advanced by the engine with each token it samples.
 
     Holds the state's stacks as well as its id: a grammar that has learned ``MAX_TRANSITIONS``
-    forgets everything (``TokenGrammar.forget``), and the matcher finds its state again."""
+    forgets everything (``TokenGrammar.forget``), and the matcher finds its state again. A grammar
+    that costs too much to follow (``GrammarTooCostly``, or more than ``REQUEST_SECONDS`` of masks for
+    this request) sets ``failed``: from then on only the end of sequence may come, and the engine
+    ends the request with finish_reason "error"."""
 
-    __slots__ = ("tokens", "state", "stacks", "generation")
+    __slots__ = ("tokens", "state", "stacks", "generation", "failed", "seconds")
 
     def __init__(self, tokens: TokenGrammar):
         g = tokens.grammar
         self.tokens, self.state, self.stacks, self.generation = tokens, g.start, g.stacks(g.start), g.generation
+        self.failed: str | None = None
+        self.seconds = 0.0  # spent on this request's new masks
 
     def info(self) -> StateInfo:
+        if self.failed is None and self.tokens.failed is not None:
+            self.failed = self.tokens.failed
+        if self.failed is not None:
+            return self.tokens.ended
         self._sync()
-        return self.tokens.info(self.state)
+        start = time.perf_counter()
+        try:
+            return self.tokens.info(self.state)
+        except GrammarTooCostly as e:
+            self.failed = str(e)
+            return self.tokens.ended
+        finally:
+            self.seconds += time.perf_counter() - start
+            if self.seconds > REQUEST_SECONDS and self.failed is None:
+                self.failed = (f"the output's grammar takes too long to follow: this request's token choices took "
+                               f"more than {REQUEST_SECONDS:g} s")
 
     def advance(self, token: int) -> None:
         """Move past ``token`` (state -1: a token the mask did not allow, e.g. an end-of-sequence)."""
+        if self.failed is not None:
+            self.state = -1
+            return
         self._sync()
         data = self.tokens.vocab.token(token)
         g = self.tokens.grammar
-        self.state = -1 if data is None or self.state < 0 else g.feed(self.state, data)
+        try:
+            self.state = -1 if data is None or self.state < 0 else g.feed(self.state, data)
+        except GrammarTooCostly as e:
+            self.failed, self.state = str(e), -1
         self.stacks = g.stacks(self.state) if self.state >= 0 else None
 
     @property
@@ -196,6 +242,7 @@ class Grammars:
         self.model_path, self.vocab_size, self.eos_token_ids = model_path, vocab_size, eos_token_ids
         self._vocab: TokenVocab | None = None
         self._cache: OrderedDict[str, TokenGrammar] = OrderedDict()
+        self._refused: OrderedDict[str, str] = OrderedDict()  # the last grammars refused, and why
 
     def matcher(self, params: SamplingParams) -> GrammarMatcher:
         """A matcher at the start of what ``params`` hold the output to (a JSON schema, choices, a
@@ -204,13 +251,22 @@ class Grammars:
         value = getattr(params, kind)
         key = kind + ":" + (value if isinstance(value, str) else json.dumps(value, separators=(",", ":")))
         tokens = self._cache.get(key)
+        if tokens is not None and tokens.failed is not None:
+            raise GrammarTooCostly(tokens.failed)
+        refused = self._refused.get(key)
+        if refused is not None:  # (refusing again costs what compiling did: a client could resend it forever)
+            raise SchemaError(refused)
         if tokens is None:
             try:
                 grammar = (Grammar(*compile_schema(value)) if kind == "json_schema" else
                            Grammar(*compile_choice(value), json=False) if kind == "choice" else
                            RegexGrammar(value) if kind == "regex" else GbnfGrammar(*compile_gbnf(value)))
-            except RecursionError:  # (every step is iterative or bounded: a last guard, not a path)
-                raise SchemaError(f"the {kind} nests too deep") from None
+            except (SchemaError, RecursionError) as e:  # (every step is iterative or bounded: RecursionError
+                message = str(e) if isinstance(e, SchemaError) else f"the {kind} nests too deep"  # is a last guard)
+                self._refused[key] = message
+                if len(self._refused) > self.CACHE:
+                    self._refused.popitem(last=False)
+                raise SchemaError(message) from None
             if self._vocab is None:
                 start = time.perf_counter()
                 self._vocab = TokenVocab(token_bytes(self.model_path), self.vocab_size, self.eos_token_ids)

@@ -14,16 +14,20 @@ at a newline outside parentheses: every grammar it reads reads the same here).
 
 A rule is alternatives of sequences of *elements*: a character set (code point ranges) or a rule.
 Repetitions and groups become rules of their own, as llama.cpp makes them (``x*``: ``r ::= x r |``).
-The elements are laid out flat, each alternative ended by an ``END``; an item of a state is a
+Alternatives that begin alike share their beginning (``_factor``: an enum of a thousand words is a
+trie). The elements are laid out flat, each alternative ended by an ``END``; an item of a state is a
 *stack* of positions in that table (its top last: the character set that comes next; empty: the
 text may end) and the bytes of a character begun but not finished. A reference whose alternative
-ends right after it is not kept on the stack (so ``x*`` runs in constant depth), and a stack deeper
-than ``MAX_DEPTH`` (nesting that deep) is dropped. Left recursion (``expr ::= expr "+" term``) would
-expand forever and is refused, as llama.cpp refuses it.
+ends right after it is not kept on the stack (so ``x*`` runs in constant depth); an alternative is
+started only where it can finish within ``MAX_DEPTH`` positions (each knows the depth it needs), so
+every stack kept can end. Left recursion (``expr ::= expr "+" term``) would expand forever and is
+refused, as llama.cpp refuses it. Compiling is linear in the grammar's size (worklists, no fixpoint
+passes): the engine compiles on its step loop.
 """
 
 from __future__ import annotations
 
+import heapq
 import re
 from bisect import bisect_right
 
@@ -34,10 +38,13 @@ from engine.regex import _ALL, Pattern, _intersect, _negate, _union
 MAX_GRAMMAR_ELEMENTS = 20_000  # elements after repetitions are unrolled ({m,n} copies its operand)
 MAX_REPEAT = 1000  # m and n of {m,n}
 MAX_DEPTH = 256  # positions on a stack
+MAX_NESTING = 100  # parentheses in parentheses (the parser recurses through them)
 MAX_ITEMS = 64  # stacks a state keeps (a grammar's alternatives not yet told apart)
 _EXPAND_BUDGET = 1024  # stacks one byte's expansions may reach: an ambiguous grammar cannot stall a step
 END = -1  # an alternative's end in the element table; a rule reference is its index (>= 0) ...
-Rules = tuple[list, list[list[int]]]  # (elements: a rule index or a character set, per rule its alternatives' starts)
+_UNFINISHABLE = 1 << 30
+# (elements: a rule index or a character set; per rule its alternatives' starts; and the depth each needs)
+Rules = tuple[list, list[list[int]], list[list[int]]]
 
 _TOKEN = re.compile(r"""
     (?P<space>(?:\s|\#[^\n]*)+)
@@ -116,7 +123,7 @@ class _Parser:
         self.names: dict[str, int] = {}  # rule name -> index (referred to before defined too)
         self.defined: set[str] = set()
         self.rules: list[list[list] | None] = []  # per rule its alternatives: lists of elements
-        self.size = 0
+        self.size = self.nesting = 0
         while self.at < len(self.tokens):
             kind, name, pos = self.tokens[self.at]
             if kind != "name" or self._peek(1)[0] != "define":
@@ -187,7 +194,11 @@ class _Parser:
         if value == ".":
             return [_ALL]
         if value == "(":
+            self.nesting += 1
+            if self.nesting > MAX_NESTING:
+                raise SchemaError(f"the grammar nests parentheses deeper than {MAX_NESTING} levels")
             alts = self._alternatives()
+            self.nesting -= 1
             if self._peek()[1] != ")":
                 raise SchemaError(f"'(' at character {pos} is not closed")
             self.at += 1
@@ -229,16 +240,9 @@ def compile_gbnf(text: str) -> tuple[Rules, int]:
     def called(r: int) -> str:
         return f"rule '{names[r]}'" if r in names else f"a group or repetition in the rule before it (#{r})"
 
-    # which rules may match nothing, and which can finish at all (both fixpoints)
-    nullable, finite = [False] * len(rules), [False] * len(rules)
-    changed = True
-    while changed:
-        changed = False
-        for r, alts in enumerate(rules):
-            if not nullable[r] and any(all(isinstance(e, int) and nullable[e] for e in a) for a in alts):
-                nullable[r] = changed = True
-            if not finite[r] and any(all(not isinstance(e, int) or finite[e] for e in a) for a in alts):
-                finite[r] = changed = True
+    rules = _factor(rules)
+    nullable = _nullable(rules)
+    depth, needs = _depths(rules)
     reachable, todo = {p.names["root"]}, [p.names["root"]]
     while todo:
         for a in rules[todo.pop()]:
@@ -247,7 +251,7 @@ def compile_gbnf(text: str) -> tuple[Rules, int]:
                     reachable.add(e)
                     todo.append(e)
     for r in sorted(reachable):
-        if not finite[r]:
+        if depth[r] >= _UNFINISHABLE:
             raise SchemaError(f"{called(r)} can never finish (every alternative needs itself again)")
     # left recursion: a rule that can come first in itself (past rules that may match nothing). Through a
     # reference with more of its alternative after it, each round grows the stack: refused. Through
@@ -260,6 +264,9 @@ def compile_gbnf(text: str) -> tuple[Rules, int]:
             if not last and component[e] == component[r]:
                 raise SchemaError(f"{called(e)} is left recursive (it can begin with itself), which GBNF "
                                   "cannot run: write the repetition with '*' instead")
+    root = p.names["root"]
+    if depth[root] > MAX_DEPTH:
+        raise SchemaError(f"the grammar nests deeper than {MAX_DEPTH} levels on every way to finish")
     elements: list = []
     starts: list[list[int]] = []
     for alts in rules:
@@ -268,7 +275,105 @@ def compile_gbnf(text: str) -> tuple[Rules, int]:
             starts[-1].append(len(elements))
             elements.extend(a)
             elements.append(END)
-    return (elements, starts), p.names["root"]
+    return (elements, starts, needs), root
+
+
+def _factor(rules: list[list[list]]) -> list[list[list]]:
+    """Alternatives that begin alike share their beginning (``"item1" | "item2"``: ``"item" ("1" | "2")``),
+    so that a state holds one stack for them while the text does not tell them apart, not one each
+    (an enum of a thousand words would otherwise overflow ``MAX_ITEMS``). The language is the same."""
+    todo = list(range(len(rules)))
+    while todo:
+        r = todo.pop()
+        alts = rules[r]
+        groups: dict = {}
+        for alt in alts:
+            if alt:
+                groups.setdefault(alt[0], []).append(alt)
+        if all(len(g) == 1 for g in groups.values()) and sum(not a for a in alts) <= 1:
+            continue
+        out: list[list] = []
+        for alt in alts:
+            group = groups.get(alt[0]) if alt else None
+            if group is None:  # (the first of several empty alternatives: one is enough)
+                if not alt and [] not in out:
+                    out.append(alt)
+                continue
+            if len(group) == 1:
+                out.append(alt)
+                continue
+            if group[0] is not alt:  # (the group is written where its first member was)
+                continue
+            k = 1  # the longest beginning the group shares
+            while all(len(g) > k and g[k] == group[0][k] for g in group):
+                k += 1
+            rests = list(dict.fromkeys(tuple(g[k:]) for g in group))
+            rules.append([list(rest) for rest in rests])
+            todo.append(len(rules) - 1)
+            out.append(group[0][:k] + [len(rules) - 1])
+        rules[r] = out
+    return rules
+
+
+def _users(rules: list[list[list]], alternatives: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """Per rule, the (rule, alternative) pairs among ``alternatives`` that refer to it, once per reference."""
+    users: list[list[tuple[int, int]]] = [[] for _ in rules]
+    for r, a in alternatives:
+        for e in rules[r][a]:
+            if isinstance(e, int):
+                users[e].append((r, a))
+    return users
+
+
+def _nullable(rules: list[list[list]]) -> list[bool]:
+    """Which rules may match nothing: a worklist over the alternatives made of rules only."""
+    candidates = [(r, a) for r, alts in enumerate(rules) for a, alt in enumerate(alts)
+                  if all(isinstance(e, int) for e in alt)]
+    left = {(r, a): len(rules[r][a]) for r, a in candidates}  # references not yet known to match nothing
+    users = _users(rules, candidates)
+    nullable = [False] * len(rules)
+    todo = []
+    for r, a in candidates:
+        if not rules[r][a] and not nullable[r]:
+            nullable[r] = True
+            todo.append(r)
+    while todo:
+        for r, a in users[todo.pop()]:
+            left[r, a] -= 1
+            if left[r, a] == 0 and not nullable[r]:
+                nullable[r] = True
+                todo.append(r)
+    return nullable
+
+
+def _depths(rules: list[list[list]]) -> tuple[list[int], list[list[int]]]:
+    """Per rule, the stack depth its shallowest finish needs (``_UNFINISHABLE``: it cannot finish), and per
+    alternative the depth it needs (its own position, and below a reference not at its end the
+    referenced rule's depth, one more). Knuth's generalisation of Dijkstra: a rule's depth is final when
+    it is the least one waiting."""
+    everything = [(r, a) for r, alts in enumerate(rules) for a in range(len(alts))]
+    left = {(r, a): sum(isinstance(e, int) for e in rules[r][a]) for r, a in everything}
+    users = _users(rules, everything)
+    depth = [_UNFINISHABLE] * len(rules)
+    needs = [[_UNFINISHABLE] * len(alts) for alts in rules]
+
+    def need(r: int, a: int) -> int:
+        alt = rules[r][a]
+        return max([1] + [depth[e] + (i < len(alt) - 1) for i, e in enumerate(alt) if isinstance(e, int)])
+
+    heap = [(1, r, a) for r, a in everything if left[r, a] == 0]
+    heapq.heapify(heap)
+    while heap:
+        d, r, a = heapq.heappop(heap)
+        needs[r][a] = d
+        if depth[r] < _UNFINISHABLE:
+            continue
+        depth[r] = d
+        for r2, a2 in users[r]:
+            left[r2, a2] -= 1
+            if left[r2, a2] == 0:
+                heapq.heappush(heap, (need(r2, a2), r2, a2))
+    return depth, needs
 
 
 def _leading_rules(seq: list, nullable: list[bool]) -> list[tuple[int, bool]]:
@@ -354,17 +459,18 @@ class GbnfGrammar(Automaton):
     max_items = MAX_ITEMS
 
     def __init__(self, rules: Rules, root: int):
-        self.elements, self.starts = rules
+        self.elements, self.starts, needs = rules
+        # per rule, its alternatives' starts and the depth each needs to finish, shallowest first
+        self.alternatives = [sorted(zip(need, start, strict=True)) for start, need in zip(self.starts, needs,
+                                                                                            strict=True)]
         self.root = root
         super().__init__()
 
     def _first(self) -> frozenset:
         out: list = []
-        budget = [_EXPAND_BUDGET]
-        for start in self.starts[self.root]:
-            self._expand((start,), out, budget)
+        self._push((), self.root, out, [_EXPAND_BUDGET])
         if not out:
-            raise SchemaError(f"the grammar nests deeper than {MAX_DEPTH} levels before its first character")
+            raise SchemaError(f"the grammar's start opens more than {_EXPAND_BUDGET} ways before its first character")
         return frozenset((stack, b"") for stack in out)
 
     def _accepts(self, item: tuple) -> bool:
@@ -375,8 +481,11 @@ class GbnfGrammar(Automaton):
         return len(item[0]), item  # shallow stacks first: the nearest to the end of the text
 
     def _step_all(self, items: frozenset, b: int) -> list[tuple]:
-        self._budget = [_EXPAND_BUDGET]  # one byte's expansions, over all its items
-        return super()._step_all(items, b)
+        self._budget = [_EXPAND_BUDGET]  # one byte's expansions, over all its items, in a fixed order
+        out: list[tuple] = []
+        for item in sorted(items, key=self._rank):
+            self._step(item, b, out)
+        return out
 
     def _step(self, item: tuple, b: int, out: list) -> None:
         stack, begun = item
@@ -411,9 +520,18 @@ class GbnfGrammar(Automaton):
                 out.append(stack)
                 continue
             after = stack[-1] + 1  # a rule: its alternatives on top of what follows it (nothing, at its end)
-            below = stack[:-1] if self.elements[after] == END else stack[:-1] + (after,)
-            if len(below) < MAX_DEPTH:
-                todo.extend(below + (start,) for start in reversed(self.starts[rule]))
+            self._push(stack[:-1] if self.elements[after] == END else stack[:-1] + (after,), rule, todo)
+
+    def _push(self, below: tuple, rule: int, into: list, budget: list[int] | None = None) -> None:
+        """``rule``'s alternatives on top of ``below``, those that can finish within ``MAX_DEPTH`` only (so
+        that every stack kept can end: none is ever left with nowhere to go), onto ``into`` (with a
+        ``budget``: expanded into it)."""
+        fits = [below + (start,) for need, start in self.alternatives[rule] if len(below) + need <= MAX_DEPTH]
+        if budget is None:
+            into.extend(reversed(fits))
+            return
+        for stack in fits:
+            self._expand(stack, into, budget)
 
 
 class RegexGrammar(Automaton):

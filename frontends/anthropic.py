@@ -11,7 +11,8 @@ Input: ``system`` (a string or text blocks), ``messages`` (text, ``tool_use`` an
 blocks; earlier ``thinking`` blocks are dropped, as chat templates drop earlier thinking), ``tools``
 (custom tools: ``name``, ``description``, ``input_schema``), ``tool_choice`` (``auto``, ``any``,
 ``tool``, ``none``; ``disable_parallel_tool_use``), ``max_tokens`` (required, as Anthropic's),
-``stop_sequences``, ``temperature``, ``top_p``, ``top_k``, ``thinking`` (``enabled`` / ``adaptive`` /
+``stop_sequences``, ``temperature``, ``top_p``, ``top_k``, a last assistant message (a prefill: the
+model goes on with it), ``thinking`` (``enabled`` / ``adaptive`` /
 ``disabled``: the template's ``enable_thinking``), ``output_config.format`` (a JSON schema the output is
 held to; the beta's ``output_format`` too), ``metadata``, and the chat's own extra fields (``priority``,
 ``timeout``, ``cache_salt``, ``seed``...). Images, documents and server tools are a 400.
@@ -30,8 +31,11 @@ from frontends.generation import Generation, Update
 # chat fields a Messages body may carry as they are (tokenmill's and vLLM's extras)
 _PASSED = ("model", "temperature", "top_p", "top_k", "priority", "timeout", "cache_salt", "seed", "min_p",
            "repetition_penalty", "presence_penalty", "frequency_penalty", "stop_token_ids", "chat_template_kwargs",
-           "ignore_eos", "min_tokens", "logit_bias", "skip_special_tokens", "stream")
-MESSAGES_PARAMS = {"stop": "stop_sequences", "tool_choice": "tool_choice"}  # chat -> here, in refusals
+           "ignore_eos", "min_tokens", "logit_bias", "skip_special_tokens", "stream", "structured_outputs", "guided_json",
+           "guided_choice", "guided_regex", "guided_grammar", "grammar", "json_schema")
+MESSAGES_PARAMS = {"stop": "stop_sequences"}  # chat -> here, in refusals
+_WORDS = (("tool_choice 'required'", "tool_choice {'type': 'any'}"),  # the chat's words -> this API's
+          ("a named function", "{'type': 'tool', 'name': ...}"), ("max_completion_tokens", "max_tokens"))
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
@@ -39,7 +43,17 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{os.urandom(12).hex()}"
 
 
-def _text_of(content: Any, where: str) -> str:
+def renamed(e: ApiError) -> ApiError:
+    """A chat's refusal, named as this API names its fields."""
+    if e.param in MESSAGES_PARAMS:
+        e.message = e.message.replace(e.param, MESSAGES_PARAMS[e.param], 1)
+        e.param = MESSAGES_PARAMS[e.param]
+    for chat, here in _WORDS:
+        e.message = e.message.replace(chat, here)
+    return e
+
+
+def _text_of(content: Any, where: str, param: str = "messages") -> str:
     """A string, or a list of text blocks, as text."""
     if isinstance(content, str):
         return content
@@ -47,10 +61,10 @@ def _text_of(content: Any, where: str) -> str:
         texts = []
         for block in content:
             if not (isinstance(block, dict) and block.get("type") == "text" and isinstance(block.get("text"), str)):
-                raise ApiError(400, f"{where}: only text blocks are supported here", param="messages")
+                raise ApiError(400, f"{where}: only text blocks are supported here", param=param)
             texts.append(block["text"])
         return "".join(texts)
-    raise ApiError(400, f"{where} must be a string or a list of text blocks", param="messages")
+    raise ApiError(400, f"{where} must be a string or a list of text blocks", param=param)
 
 
 def _messages(data: dict) -> list[dict]:
@@ -58,7 +72,7 @@ def _messages(data: dict) -> list[dict]:
     out: list[dict] = []
     system = data.get("system")
     if system is not None:
-        out.append({"role": "system", "content": _text_of(system, "system")})
+        out.append({"role": "system", "content": _text_of(system, "system", "system")})
     messages = data.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list", param="messages")
@@ -70,8 +84,9 @@ def _messages(data: dict) -> list[dict]:
         if isinstance(content, str):
             out.append({"role": role, "content": content})
             continue
-        if not isinstance(content, list):
-            raise ApiError(400, f"messages[{i}].content must be a string or a list of blocks", param="messages")
+        if not isinstance(content, list) or not content:
+            raise ApiError(400, f"messages[{i}].content must be a string or a non-empty list of blocks",
+                           param="messages")
         texts: list[str] = []
         calls: list[dict] = []
         for j, block in enumerate(content):
@@ -84,8 +99,13 @@ def _messages(data: dict) -> list[dict]:
                         and isinstance(block.get("input"), dict)):
                     raise ApiError(400, f"{where}: a tool_use block needs id, name and an input object",
                                    param="messages")
-                calls.append({"id": block["id"], "type": "function", "function": {
-                    "name": block["name"], "arguments": orjson.dumps(block["input"]).decode()}})
+                try:
+                    arguments = orjson.dumps(block["input"]).decode()
+                except orjson.JSONEncodeError:  # (nested past orjson's 254 levels, an integer past 64 bits)
+                    raise ApiError(400, f"{where}.input cannot be written as JSON (nested too deep?)",
+                                   param="messages") from None
+                calls.append({"id": block["id"], "type": "function", "function": {"name": block["name"],
+                                                                                  "arguments": arguments}})
             elif kind == "tool_result" and role == "user":
                 if not isinstance(block.get("tool_use_id"), str):
                     raise ApiError(400, f"{where}: a tool_result block needs its tool_use_id", param="messages")
@@ -97,7 +117,7 @@ def _messages(data: dict) -> list[dict]:
             elif kind not in ("thinking", "redacted_thinking") or role != "assistant":
                 raise ApiError(400, f"{where}: blocks of type {kind!r} are not supported in a {role} message here "
                                "(text, tool_use from the assistant, tool_result from the user are)", param="messages")
-        if texts or calls or not content:
+        if texts or calls or role == "assistant":  # (an assistant's turn of thinking only: still its turn)
             msg: dict = {"role": role, "content": "".join(texts)}
             if calls:
                 msg |= {"content": msg["content"] or None, "tool_calls": calls}
@@ -108,8 +128,13 @@ def _messages(data: dict) -> list[dict]:
 def to_chat(data: dict) -> dict:
     """A Messages body as the chat-completions body that runs it (only the checks this API's own
     shapes need: the chat's checks do the rest)."""
+    if data.get("mcp_servers"):
+        raise ApiError(400, "MCP servers are not supported here", param="mcp_servers")
     chat: dict[str, Any] = {k: data[k] for k in _PASSED if k in data}
     chat["messages"] = _messages(data)
+    last = chat["messages"][-1]
+    if last["role"] == "assistant" and last["content"] and not last.get("tool_calls"):  # a prefill: go on with it
+        chat |= {"continue_final_message": True, "add_generation_prompt": False}
     max_tokens = data.get("max_tokens")
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise ApiError(400, "max_tokens: a positive integer is required", param="max_tokens")
@@ -132,6 +157,8 @@ def to_chat(data: dict) -> dict:
         kind = choice.get("type") if isinstance(choice, dict) else None
         if kind not in ("auto", "any", "tool", "none"):
             raise ApiError(400, "tool_choice must be {'type': 'auto' | 'any' | 'tool' | 'none'}", param="tool_choice")
+        if tools is None and kind in ("any", "tool"):
+            raise ApiError(400, f"tool_choice {{'type': '{kind}'}} needs tools", param="tool_choice")
         if tools is not None or kind == "none":
             chat["tool_choice"] = ({"type": "function", "function": {"name": choice.get("name")}} if kind == "tool"
                                    else "required" if kind == "any" else kind)
@@ -143,8 +170,9 @@ def to_chat(data: dict) -> dict:
         if kind not in ("enabled", "adaptive", "between_tools", "disabled"):
             raise ApiError(400, "thinking must be {'type': 'enabled' | 'adaptive' | 'disabled'}", param="thinking")
         kwargs = chat.get("chat_template_kwargs")
-        chat["chat_template_kwargs"] = {"enable_thinking": kind != "disabled",
-                                        **(kwargs if isinstance(kwargs, dict) else {})}
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise ApiError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
+        chat["chat_template_kwargs"] = {"enable_thinking": kind != "disabled", **(kwargs or {})}
     for name in ("output_config", "output_format"):  # structured output: today's field, and its beta's
         config = data.get(name)
         if config is None:
@@ -174,7 +202,7 @@ class MessagesFormat:
         self.named = self.answer is not None and self.answer.calls is not None and self.answer.calls.mode == "named"
         self.blocks: list[dict] = []  # content blocks done, in order
         self.open: dict | None = None  # the block being written
-        self.base = {"id": _new_id("msg"), "type": "message", "role": "assistant", "model": api_model}
+        self.base = {"id": gen.api_id.replace("-", "_"), "type": "message", "role": "assistant", "model": api_model}
 
     def _parts(self, text: str, finished: bool) -> list[tuple[str, Any]]:
         if self.answer is not None:
@@ -184,6 +212,8 @@ class MessagesFormat:
     def _stop(self) -> dict:
         choice = self.gen.choices[0]
         reason = self.chat.finish_reason(choice)
+        if reason == "stop" and any(b["type"] == "tool_use" for b in self.blocks):  # (a named tool: "stop")
+            reason = "tool_calls"
         if reason == "stop" and isinstance(choice.stop_reason, str):
             return {"stop_reason": "stop_sequence", "stop_sequence": choice.stop_reason}
         return {"stop_reason": _STOP_REASONS.get(reason, reason), "stop_sequence": None}
@@ -257,6 +287,8 @@ class MessagesFormat:
     def _grow(self, text: str) -> bytes:
         """More text for the open block: its text or thinking, or a call's arguments (JSON so far)."""
         block = self.open
+        if block["type"] == "tool_use" and not block.get("arguments"):
+            text = text.lstrip()  # (clients parse the JSON so far at each delta: whitespace alone is none)
         if not text:
             return b""
         if block["type"] == "tool_use":

@@ -30,7 +30,7 @@ Headers = list[tuple[str, str]]
 
 _PREFLIGHT = [
     ("access-control-allow-methods", "GET, POST, OPTIONS"),
-    ("access-control-allow-headers", "authorization, content-type, x-api-key, anthropic-version"),
+    ("access-control-allow-headers", "authorization, content-type, x-api-key, anthropic-version"),  # (or as asked)
     ("access-control-max-age", "600"),
 ]
 
@@ -69,10 +69,11 @@ class Auth:
         return ok
 
     @staticmethod
-    def bearer(req: Request) -> str:
-        """The key a request gives: ``Authorization: Bearer <key>`` (OpenAI's), else ``x-api-key`` (Anthropic's)."""
+    def given(req: Request) -> list[str]:
+        """The keys a request gives: ``Authorization: Bearer <key>`` (OpenAI's) and ``x-api-key``
+        (Anthropic's, whose SDK may send both): either may be the right one."""
         scheme, _, token = req.headers.get("authorization", "").partition(" ")
-        return token.strip() if scheme.lower() == "bearer" else req.headers.get("x-api-key", "").strip()
+        return [token.strip() if scheme.lower() == "bearer" else "", req.headers.get("x-api-key", "").strip()]
 
     def check_key(self, tokens: list[str],
                   how: str = "send 'Authorization: Bearer <key>' or 'x-api-key: <key>'") -> None:
@@ -104,7 +105,12 @@ class Auth:
         if not self.origin_allowed(req):
             raise _origin_refused(req)
         cors = self.check_origin(req)
-        return Response(204, headers=[("allow", "GET, POST, OPTIONS"), *cors, *(_PREFLIGHT if cors else [])])
+        if not cors:
+            return Response(204, headers=[("allow", "GET, POST, OPTIONS")])
+        asked = req.headers.get("access-control-request-headers")  # (an allowed page may send what it likes:
+        allowed = [(k, asked) if asked and k == "access-control-allow-headers" else (k, v)  # SDKs add their own)
+                   for k, v in _PREFLIGHT]
+        return Response(204, headers=[("allow", "GET, POST, OPTIONS"), *cors, *allowed])
 
     # ------------------------------------------------------------------ the HTTP wrapper
 
@@ -115,7 +121,7 @@ class Auth:
             cors = self.check_origin(req)
             try:
                 if key:
-                    self.check_key([self.bearer(req)])
+                    self.check_key(self.given(req))
                 if json_body:
                     require_json(req)
                 resp = await handler(req)

@@ -16,7 +16,8 @@ engine refused it, could not be reached or could not run it (see ``frontends.met
 A choice that the engine ends with finish_reason "error" (it could not run it:
 out of memory) fails the whole call, as vLLM does: ``next_updates`` raises a
 500 and the other choices are aborted; no client is ever shown "error" as a
-finish reason.
+finish reason. (A 400 naming the structured-output field where the reason is the
+request's grammar: it cost the engine too much to follow.)
 """
 
 from __future__ import annotations
@@ -227,6 +228,9 @@ class Generation:
                 continue  # already ended by a stop string
             if item.finish_reason == "error":
                 self._fail(items, now)
+                if isinstance(item.stop_reason, str):  # its grammar cost the engine too much to follow
+                    raise ApiError(400, f"{self.schema_param}: {item.stop_reason}", param=self.schema_param,
+                                   headers=[("x-should-retry", "false")])
                 raise _engine_failed()
             up = updates.get(choice.index)
             if up is None:

@@ -181,7 +181,7 @@ class OpenAIApi:
         return await self._offload(len(text), self.codec.encode, text)
 
     async def _chat_template(self, data: dict, messages: list[dict], add_generation_prompt: bool = True,
-                             calls: tools.ToolRequest | None = None) -> list[int]:
+                             calls: tools.ToolRequest | None = None, continue_final: bool = False) -> list[int]:
         """The prompt: ``messages`` (and the tools) through the chat template, with the request's
         ``chat_template_kwargs``; a template that fails on them is the request's fault (400)."""
         extra = op.parse_template_kwargs(data)
@@ -192,7 +192,7 @@ class OpenAIApi:
             op.check_text_length(size, self.max_chars, "messages")
         try:
             return await self._offload(size, self.codec.apply_chat_template, messages, add_generation_prompt,
-                                       calls.tools if calls is not None else None, extra)
+                                       calls.tools if calls is not None else None, extra, continue_final)
         except ApiError:
             raise
         except Exception as e:  # noqa: BLE001 - templates raise whatever they like on odd conversations
@@ -272,7 +272,8 @@ class OpenAIApi:
         if "messages" in data:
             msgs = op.parse_messages(data, self.max_chars)
             calls = tools.parse_tools({"tools": data.get("tools"), "tool_choice": "none"}, None)
-            tokens = await self._chat_template(data, msgs, op.field(data, "add_generation_prompt", bool, True), calls)
+            add_generation_prompt, continue_final = op.parse_continuation(data, msgs)
+            tokens = await self._chat_template(data, msgs, add_generation_prompt, calls, continue_final)
         else:
             prompt = op.field(data, "prompt", str)
             op.check_text_length(len(prompt), self.max_chars, "prompt")
@@ -344,7 +345,8 @@ class OpenAIApi:
             raise ApiError(400, f"top_logprobs must be in [0, 20], got {top}", param="top_logprobs")
         if top and not want_logprobs:
             raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
-        prompt = await self._chat_template(data, messages, calls=calls)
+        add_generation_prompt, continue_final = op.parse_continuation(data, messages)
+        prompt = await self._chat_template(data, messages, add_generation_prompt, calls, continue_final)
         max_tokens = op.resolve_max_tokens(data, ("max_completion_tokens", "max_tokens"), [len(prompt)],
                                            self.max_model_len, default=self.sampling_defaults.get("max_tokens"),
                                            cap=self.max_tokens_cap)
@@ -405,21 +407,23 @@ class OpenAIApi:
         """A /v1/messages body run as the chat it amounts to (``frontends.anthropic``)."""
         try:
             gen, chat_fmt = await self.chat_job(anthropic.to_chat(data), arrival, id_prefix="msg")
-        except ApiError as e:  # named as this API names its fields
-            if e.param in anthropic.MESSAGES_PARAMS:
-                e.message = e.message.replace(e.param, anthropic.MESSAGES_PARAMS[e.param], 1)
-                e.param = anthropic.MESSAGES_PARAMS[e.param]
-            raise
+        except ApiError as e:
+            raise anthropic.renamed(e) from None
         if gen.schema_param == "response_format":  # the engine's refusal of an output_config schema
             gen.schema_param = "output_config" if data.get("output_config") is not None else "output_format"
         return gen, MessagesFormat(gen.lora or self.model, gen, chat_fmt)
 
     async def count_tokens(self, req: Request) -> Response:
         """Anthropic's ``/v1/messages/count_tokens``: the prompt a Messages body would make, counted."""
-        data = anthropic.to_chat({**op.parse_json(req.body), "max_tokens": 1})
-        op.check_model(data, self.model_names, self.adapters)
-        messages = op.parse_messages(data, self.max_chars)
-        prompt = await self._chat_template(data, messages, calls=tools.parse_tools(data, self.tool_format))
+        try:
+            data = anthropic.to_chat({**op.parse_json(req.body), "max_tokens": 1})
+            op.check_model(data, self.model_names, self.adapters)
+            messages = op.parse_messages(data, self.max_chars)
+            calls = tools.parse_tools({"tools": data.get("tools"), "tool_choice": "none"}, None)  # (only shown)
+            add_generation_prompt, continue_final = op.parse_continuation(data, messages)
+            prompt = await self._chat_template(data, messages, add_generation_prompt, calls, continue_final)
+        except ApiError as e:
+            raise anthropic.renamed(e) from None
         return _json({"input_tokens": len(prompt)})
 
     # ------------------------------------------------------------------ embeddings

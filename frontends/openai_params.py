@@ -184,6 +184,20 @@ _TEMPLATE_ARGS = frozenset({"conversation", "messages", "tools", "documents", "c
 MAX_TEMPLATE_KWARGS_BYTES = 1 << 16
 
 
+def parse_continuation(data: dict, messages: list[dict]) -> tuple[bool, bool]:
+    """vLLM's ``add_generation_prompt`` (true: the template opens the assistant's turn) and
+    ``continue_final_message`` (true: the model goes on with the last message, an assistant's: a prefill)."""
+    add = field(data, "add_generation_prompt", bool, True)
+    cont = field(data, "continue_final_message", bool, False)
+    if cont and add:
+        raise ApiError(400, "continue_final_message needs add_generation_prompt set to false",
+                       param="continue_final_message")
+    if cont and messages[-1]["role"] != "assistant":
+        raise ApiError(400, "continue_final_message needs the last message to be the assistant's",
+                       param="continue_final_message")
+    return add, cont
+
+
 def parse_template_kwargs(data: dict) -> dict[str, Any]:
     """vLLM's ``chat_template_kwargs``: more variables for the chat template (Qwen3's
     ``enable_thinking``, say); they override the tokenizer's special tokens of the same name, as

@@ -63,10 +63,21 @@ class TextCodec:
         return t if isinstance(t, str) else None
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None, extra: dict | None = None) -> list[int]:
-        """``extra``: more template variables (``chat_template_kwargs``)."""
+                            tools: list[dict] | None = None, extra: dict | None = None,
+                            continue_final: bool = False) -> list[int]:
+        """``extra``: more template variables (``chat_template_kwargs``). ``continue_final``: the prompt ends
+        inside the last (assistant) message, so the model goes on with it (vLLM's and transformers'
+        ``continue_final_message``: what the template writes after its content is cut off)."""
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, tools=tools,
                                                   add_generation_prompt=add_generation_prompt, **(extra or {}))
+        if continue_final:
+            final = messages[-1]["content"] or ""
+            at = text.rfind(final.strip()) if final.strip() else -1
+            if at < 0:
+                raise ValueError("the chat template does not write the final message's content as it is, so "
+                                 "it cannot be continued")
+            kept = len(final.lstrip()) if text[at:at + len(final.lstrip())] == final.lstrip() else len(final.strip())
+            text = text[:at + kept]
         return self.encode(text, add_special_tokens=False)
 
     async def run(self, size: int, fn: Callable[..., T], *args: Any) -> T:

@@ -153,7 +153,7 @@ class WebSocketEndpoint:
     def _check_auth(self, req: Request, offered: list[str]) -> None:
         auth = self.api.auth  # the same origin rule and keys as the HTTP API
         auth.check_origin(req)
-        tokens = [auth.bearer(req)] + [p[len(KEY_PREFIX):] for p in offered if p.startswith(KEY_PREFIX)]
+        tokens = auth.given(req) + [p[len(KEY_PREFIX):] for p in offered if p.startswith(KEY_PREFIX)]
         auth.check_key(tokens, f"send 'Authorization: Bearer <key>' or the subprotocol '{KEY_PREFIX}<key>'")
 
 

@@ -26,6 +26,13 @@ def client(stack):  # noqa: F811 - the fixture
     return anthropic.Anthropic(base_url=f"http://127.0.0.1:{stack[1]}", api_key=KEY, max_retries=0)
 
 
+def deep(n: int) -> dict:
+    x: dict = {}
+    for _ in range(n):
+        x = {"a": x}
+    return x
+
+
 def shape(block) -> tuple:
     return (block.type, block.name, block.input) if block.type == "tool_use" else (block.type, getattr(
         block, "text", None) or getattr(block, "thinking", None))
@@ -82,10 +89,17 @@ def test_bodies_become_chats():
       "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, "tool_choice"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "thinking": {"type": "on"}}, "thinking"),
-    ({"max_tokens": 5, "system": 5, "messages": [{"role": "user", "content": "x"}]}, "messages"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "output_config": {"format": {
         "type": "regex"}}}, "output_config"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "output_format": []}, "output_format"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "any"}}, "tool_choice"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": []}]}, "messages"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "mcp_servers": [{"url": "u"}]}, "mcp_servers"),
+    ({"max_tokens": 5, "system": 5, "messages": [{"role": "user", "content": "x"}]}, "system"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "thinking": {"type": "enabled"},
+      "chat_template_kwargs": 3}, "chat_template_kwargs"),
+    ({"max_tokens": 5, "messages": [{"role": "assistant", "content": [
+        {"type": "tool_use", "id": "a", "name": "b", "input": deep(300)}]}]}, "messages"),  # (past orjson's depth)
 ])
 def test_what_this_server_cannot_do_is_a_400(body, param):
     with pytest.raises(ApiError) as e:
@@ -137,16 +151,45 @@ def test_served_follow_up_stop_sequence_and_cut_short(client):
     assert final.stop_reason == "max_tokens" and final.content[0].text == m.content[0].text
 
 
+def test_served_prefill_is_continued(client):
+    """A last assistant message is the start of the answer (the template's end of its turn cut off)."""
+    m = client.messages.create(model=MODEL, max_tokens=50, extra_body=STOP, messages=[
+        {"role": "user", "content": "x"}, {"role": "assistant", "content": "one two<|im_end|>"}])
+    counted = client.messages.count_tokens(model=MODEL, messages=[
+        {"role": "user", "content": "x"}, {"role": "assistant", "content": "one two<|im_end|>"}]).input_tokens
+    assert m.usage.input_tokens == counted
+
+
+def test_served_chat_continues_a_final_message_as_vllm_does(stack):  # noqa: F811
+    import openai
+
+    chat = openai.OpenAI(base_url=f"http://127.0.0.1:{stack[1]}/v1", api_key=KEY, max_retries=0)
+    msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "one two"}]
+    r = chat.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2,
+                                     extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert r.choices[0].message.content == "one two"  # (the fake engine says its prompt again)
+    for extra in ({"continue_final_message": True}, {"continue_final_message": True, "add_generation_prompt": False,
+                                                     "messages": msgs[:1]}):
+        with pytest.raises(openai.BadRequestError) as e:
+            chat.chat.completions.create(model=MODEL, max_tokens=2, messages=msgs, extra_body=extra)
+        assert e.value.body["param"] == "continue_final_message"
+
+
 def test_served_named_tool_streams_its_input(client):
-    with client.messages.stream(model=MODEL, max_tokens=100, tools=[WEATHER], extra_body=STOP,
-                                tool_choice={"type": "tool", "name": "get_weather"},
-                                messages=[{"role": "user", "content": '{"city": "Rome"}<|im_end|>'}]) as stream:
-        events = list(stream)
-        final = stream.get_final_message()
-    pieces = [e.delta.partial_json for e in events if e.type == "content_block_delta"]
-    assert json.loads("".join(pieces)) == {"city": "Rome"}
-    (call,) = final.content
-    assert call.type == "tool_use" and call.input == {"city": "Rome"}
+    for answer in ('{"city": "Rome"}<|im_end|>', '\n  {"city": "Rome"}<|im_end|>'):  # (the SDK parses each delta)
+        with client.messages.stream(model=MODEL, max_tokens=100, tools=[WEATHER], extra_body=STOP,
+                                    tool_choice={"type": "tool", "name": "get_weather"},
+                                    messages=[{"role": "user", "content": answer}]) as stream:
+            events = list(stream)
+            final = stream.get_final_message()
+        pieces = [e.delta.partial_json for e in events if e.type == "content_block_delta"]
+        assert json.loads("".join(pieces)) == {"city": "Rome"} and not pieces[0][0].isspace()
+        (call,) = final.content
+        assert call.type == "tool_use" and call.input == {"city": "Rome"} and final.stop_reason == "tool_use"
+    m = client.messages.create(model=MODEL, max_tokens=100, tools=[WEATHER], extra_body=STOP,
+                               tool_choice={"type": "tool", "name": "get_weather"},
+                               messages=[{"role": "user", "content": '{"city": "Rome"}<|im_end|>'}])
+    assert m.stop_reason == "tool_use" and m.content[0].input == {"city": "Rome"}
 
 
 def test_served_count_tokens_and_keys(client, stack):  # noqa: F811
@@ -157,6 +200,15 @@ def test_served_count_tokens_and_keys(client, stack):  # noqa: F811
     bad = anthropic.Anthropic(base_url=f"http://127.0.0.1:{stack[1]}", api_key="wrong", max_retries=0)
     with pytest.raises(anthropic.AuthenticationError):
         bad.messages.create(max_tokens=2, **body)
+    import urllib.request
+
+    both = urllib.request.Request(f"http://127.0.0.1:{stack[1]}/v1/messages", data=json.dumps(
+        {**body, "max_tokens": 2}).encode(), headers={"content-type": "application/json", "x-api-key": KEY,
+                                                      "authorization": "Bearer other"})  # (either may be the key)
+    with urllib.request.urlopen(both) as r:
+        assert json.loads(r.read())["usage"]["output_tokens"] == 2
+    with_tools = client.messages.count_tokens(**body, tools=[WEATHER]).input_tokens  # (no format needed to count)
+    assert with_tools >= counted
 
 
 def test_served_bad_bodies_get_400(client):

@@ -121,3 +121,15 @@ def test_chat_template(codec):
     ids = codec.apply_chat_template([{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}])
     text = codec.decode(ids, skip_special_tokens=False)
     assert "<|im_start|>system\nS" in text and text.endswith("<|im_start|>assistant\n")
+
+
+def test_a_final_assistant_message_can_be_continued(codec):
+    """vLLM's continue_final_message (Anthropic's prefill): the prompt ends inside the last message."""
+    chat = [{"role": "user", "content": "Count to five."}, {"role": "assistant", "content": "1, 2, 3,"}]
+    text = codec.decode(codec.apply_chat_template(chat, False, continue_final=True), skip_special_tokens=False)
+    assert text.endswith("<|im_start|>assistant\n1, 2, 3,")
+    closed = codec.decode(codec.apply_chat_template(chat, False), skip_special_tokens=False)
+    assert closed.startswith(text) and closed.endswith("<|im_end|>\n")
+    with pytest.raises(ValueError, match="cannot be continued"):
+        codec.apply_chat_template([{"role": "user", "content": "x"}, {"role": "assistant", "content": "   "}], False,
+                                  continue_final=True)

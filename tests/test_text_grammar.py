@@ -16,6 +16,7 @@ import pytest
 from engine.json_schema import SchemaError
 from engine.structured import TokenGrammar, TokenVocab
 from engine.text_grammar import GbnfGrammar, RegexGrammar, compile_gbnf
+from tests.test_tool_calls import stack  # noqa: F401 - the fixture
 
 EOS = 0
 PIECES = [None] + [bytes([b]) for b in range(256)] + [p.encode() for p in (
@@ -119,6 +120,49 @@ def test_gbnf_accepts_its_language_and_nothing_else(grammar, good, bad):
 def test_what_gbnf_cannot_run_is_refused_by_name(grammar, words):
     with pytest.raises(SchemaError, match=re.escape(words)):
         gbnf(grammar)
+
+
+def test_alternatives_that_begin_alike_share_a_stack_so_a_long_enum_keeps_every_member():
+    import itertools
+
+    words = [f"item{i}" for i in range(100)] + ["".join(w) for w in itertools.product("abcdefghij", "klmnop",
+                                                                                       "qrstu", "vwxyz")]
+    g = gbnf("root ::= " + " | ".join(f'"{w}"' for w in words))
+    assert all(accepts(g, w) for w in words)
+    assert len(g.grammar.stacks(g.feed(g.start, b"item"))) <= 11  # one per next character, not one per word
+    sku = gbnf('root ::= "SKU-" (' + " | ".join(f'"{i:04d}"' for i in range(0, 3000, 7)) + ")")
+    assert all(accepts(sku, f"SKU-{i:04d}") for i in range(0, 3000, 7)) and not accepts(sku, "SKU-0001")
+
+
+def test_compiling_is_linear_in_the_grammar():
+    """Rules defined top-down, thousands of them: fixpoint passes would settle one rule a pass."""
+    import time
+
+    n = 4000
+    chain = "root ::= r0\n" + "".join(f"r{i} ::= \"a\" r{i + 1} | \"b\"\n" for i in range(n)) + f'r{n} ::= "x"'
+    start = time.perf_counter()
+    g = gbnf(chain)
+    assert time.perf_counter() - start < 2.0
+    assert accepts(g, "aab") and accepts(g, "a" * n + "x") and not accepts(g, "ax")
+
+
+def test_a_grammar_that_must_nest_too_deep_is_refused_and_a_kept_stack_can_always_end():
+    deep = "root ::= r0\n" + "".join(f'r{i} ::= "a" r{i + 1} "b"\n' for i in range(300)) + 'r300 ::= "c"'
+    with pytest.raises(SchemaError, match="nests deeper than 256 levels on every way to finish"):
+        gbnf(deep)
+    with pytest.raises(SchemaError, match="parentheses deeper than 100"):
+        gbnf("root ::= " + "(" * 150 + '"a"' + ")" * 150)
+    # may nest deep, need not: past the depth an open '(' is no longer offered, and every state can end
+    g = gbnf('root ::= "(" root ")" | "x"')
+    state = g.start
+    for _ in range(300):
+        info = g.info(state)
+        assert info.mask(TINY.size).any() and (info.accepting or info.mask(TINY.size)[1:].any())
+        nxt = g.feed(state, b"(")
+        if nxt < 0:
+            break
+        state = nxt
+    assert g.feed(state, b"x" + b")" * 255) >= 0
 
 
 def test_nesting_past_the_depth_kept_narrows_the_output_and_right_recursion_runs_flat():
@@ -256,3 +300,47 @@ def test_a_bad_grammar_is_a_400_and_only_one_kind_is_given(llm):
         SamplingParams(regex="a", grammar='root ::= "a"')
     with pytest.raises(SamplingParamError, match="regex must be a non-empty string"):
         SamplingParams(regex="")
+
+
+def test_a_grammar_too_costly_to_follow_ends_its_request_and_is_refused_after(llm, monkeypatch):
+    """A regex whose automaton keeps hundreds of NFA states open makes every new mask slow and its state sets
+    large: past the engine's bounds the request ends with finish_reason "error" (the reason in stop_reason),
+    the grammar is refused from then on, and the other requests of the batch go on."""
+    import engine.regex
+    import engine.structured
+    from engine import SamplingParams
+    from engine.engine import RequestError
+
+    monkeypatch.setattr(engine.regex, "MAX_HELD", 3000)
+    costly = SamplingParams(max_tokens=40, temperature=1.0, seed=1, regex=r"(.*[a-m].{30}|.*[n-z].{30}|.*\d.{30})*")
+    plain = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    out, other = llm.generate([[1, 2, 3], [4, 5]], [costly, plain])
+    assert out.finish_reason == "error" and "keeps too many states open" in out.stop_reason
+    assert other.finish_reason == "length" and len(other.token_ids) == 8
+    with pytest.raises(RequestError) as e:
+        llm.engine.add_request("again", [1, 2], costly)
+    assert e.value.status == 400 and "keeps too many states open" in e.value.message
+    monkeypatch.setattr(engine.structured, "MASK_SECONDS", 0.0)  # every new mask is over its time
+    slow = SamplingParams(max_tokens=20, temperature=0.0, regex=r"[a-z]+ [0-9]+")
+    out = llm.generate([[1, 2, 3]], slow)[0]
+    assert out.finish_reason == "error" and "takes too long" in out.stop_reason
+
+
+def test_served_a_grammar_the_engine_gives_up_on_is_a_400_naming_its_field(stack):  # noqa: F811 - the fixture
+    import openai
+
+    from tools.fake_engine import KEY, MODEL
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{stack[1]}/v1", api_key=KEY, max_retries=0)
+    engine = stack[0]
+    engine.fail_after = 2  # (the fake engine then ends a request with structured output as the real one gives up)
+    try:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "one two three"}],
+                                           extra_body={"guided_regex": "[a-z ]+"})
+        assert e.value.body["param"] == "guided_regex"
+        assert e.value.body["message"] == "guided_regex: its grammar cost too much"
+        with pytest.raises(openai.InternalServerError):  # (out of memory: no reason given)
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "one two three"}])
+    finally:
+        engine.fail_after = None

@@ -9,7 +9,8 @@ next step with an empty delta and finish_reason "timeout", as the real engine's
 does (so a deadline shorter than the generation gives part of it, one already
 past gives no token). With ``fail_after`` set, a request that has produced that
 many tokens ends at its next step with an empty delta and finish_reason "error",
-as the real engine ends one it cannot run (out of memory). An embedding request (``Add.pooling``)
+as the real engine ends one it cannot run (out of memory; a request with structured output: its
+grammar cost too much to follow, the reason in stop_reason). An embedding request (``Add.pooling``)
 ends at its first step with a vector of ``EMBEDDING_DIMS`` floats (or its ``dimensions``) made
 from its prompt, and no token. It records ADDs and
 ABORTs so tests can assert what the frontend told the engine. No torch, no
@@ -231,7 +232,8 @@ class FakeEngine(threading.Thread):
                 by_ident.setdefault(ident, []).append(
                     Delta(rid, [], "timeout" if timed_out else "error",
                           num_prompt_tokens=len(prompt) if produced == 0 else 0,
-                          num_cached_tokens=cached if produced == 0 else 0))
+                          num_cached_tokens=cached if produced == 0 else 0,
+                          stop_reason=None if timed_out or not p.structured else "its grammar cost too much"))
                 continue
             toks, lps, finish = [], [], None
             for _ in range(self.tokens_per_step):
