@@ -21,7 +21,7 @@ from engine.engine import Engine
 from engine.model_path import generation_defaults
 from engine.protocol import PoolingParams, SamplingParams, TokenLogprobs, embedding_floats
 from frontends.generation import Choice, one_token_each, text_ids
-from frontends.text import StopMatcher, TextCodec
+from frontends.text import StopMatcher, TextCodec, bad_words_token_ids
 from frontends.tokenizer import load_tokenizer  # the same as the HTTP frontends use
 
 
@@ -124,12 +124,16 @@ class LLM:
                 if fit:
                     room = self.engine.max_model_len - len(ids)
                     p = dataclasses.replace(p, max_tokens=max(1, min(p.max_tokens, room)))
+                if p.bad_words and p.bad_words_token_ids is None:  # (vLLM's words: the engine reads tokens)
+                    p = dataclasses.replace(p, bad_words_token_ids=bad_words_token_ids(
+                        p.bad_words, lambda w: self.tokenizer.encode(w, add_special_tokens=False)))
                 rid = str(next(self._ids))
                 self.engine.add_request(rid, ids, p, prio, lora=lora)
                 outputs[rid] = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids,
                                              logprobs=[] if p.logprobs is not None else None)
                 if p.stop:
-                    choices[rid] = (Choice(0, rid, ids, self._codec, StopMatcher(p.stop), p.min_tokens, ends), [])
+                    choices[rid] = (Choice(0, rid, ids, self._codec, StopMatcher(p.stop), p.min_tokens, ends,
+                                           include_stop=p.include_stop_str_in_output), [])
             while self.engine.has_work():
                 # (a delta of several tokens, speculative decoding's, one token at a time where a stop string
                 # may end it: the output stops at the token that completes it, as without drafts)

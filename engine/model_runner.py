@@ -353,7 +353,7 @@ class ModelRunner:
             for r, d in zip(sampled, drafts, strict=True):
                 for i in range(len(d) + 1):
                     rows[0].append(r)
-                    rows[1].append(r.output_token_ids + d[:i] if i and r.sampling_state.needs_penalties
+                    rows[1].append(r.output_token_ids + d[:i] if i and r.sampling_state.reads_output
                                    else r.output_token_ids)
                     rows[2].append(r.num_sampled + i)
         reqs, outputs, counts = rows

@@ -55,6 +55,9 @@ MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 10.0
 MAX_JSON_SCHEMA_BYTES = 65536  # a schema, packed (or a regex or grammar): the engine compiles it (and caches it) per request
 MAX_CHOICES = 4096  # strings in ``choice``
+MAX_ALLOWED_TOKEN_IDS = 32768  # entries in allowed_token_ids
+MAX_BAD_WORDS = 64  # words in bad_words (each tokenized twice: with a space before it and without)
+MAX_BAD_WORD_TOKENS = 64  # tokens in one of them
 MAX_ADAPTER_NAME = 256  # characters in a LoRA adapter's name (``LoraUpdate``)
 
 
@@ -92,6 +95,12 @@ class SamplingParams:
     choice: list[str] | None = None  # ... or exactly one of these strings (vLLM's guided_choice) ...
     regex: str | None = None  # ... or text the whole of which this regular expression matches (vLLM's) ...
     grammar: str | None = None  # ... or text of this GBNF grammar (llama.cpp's; engine.text_grammar)
+    # vLLM's: only these tokens may be sampled; never a word's last token after its others (bad_words, as
+    # token ids: the frontends and LLM tokenize the words); the stop string that ends the output kept in it
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -199,6 +208,28 @@ class SamplingParams:
                 bad("json_schema", "json_schema must be plain JSON")
             if size > MAX_JSON_SCHEMA_BYTES:
                 bad("json_schema", f"json_schema may be at most {MAX_JSON_SCHEMA_BYTES} bytes, got {size}")
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, list) or not 0 < len(ids) <= MAX_ALLOWED_TOKEN_IDS:
+                bad("allowed_token_ids", f"allowed_token_ids must be a list of 1 to {MAX_ALLOWED_TOKEN_IDS} token ids")
+            if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+                bad("allowed_token_ids", "allowed_token_ids must be a list of non-negative integers")
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, list) or len(self.bad_words) > MAX_BAD_WORDS:
+                bad("bad_words", f"bad_words must be a list of at most {MAX_BAD_WORDS} strings")
+            for w in self.bad_words:
+                if not isinstance(w, str) or not w.strip() or len(w.encode("utf-8", "surrogatepass")) > 1024:
+                    bad("bad_words", "each bad word must be a non-blank string of at most 1024 bytes")
+        if self.bad_words_token_ids is not None:
+            words = self.bad_words_token_ids
+            if not isinstance(words, list) or len(words) > 2 * MAX_BAD_WORDS:
+                bad("bad_words", f"at most {MAX_BAD_WORDS} bad words are allowed")
+            for w in words:
+                if not isinstance(w, list) or not 0 < len(w) <= MAX_BAD_WORD_TOKENS or not all(
+                        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in w):
+                    bad("bad_words", f"each bad word must be 1 to {MAX_BAD_WORD_TOKENS} tokens")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            bad("include_stop_str_in_output", "include_stop_str_in_output must be true or false")
         given = [k for k in ("json_schema", "choice", "regex", "grammar") if getattr(self, k) is not None]
         if len(given) > 1:
             bad(given[1], f"give one of {' and '.join(given)}, not both")
@@ -220,7 +251,12 @@ class SamplingParams:
                 bad("choice", f"the choices may be at most {MAX_JSON_SCHEMA_BYTES} bytes in all, got {size}")
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Raise ``SamplingParamError`` if a stop id or logit_bias key is not below ``vocab_size``."""
+        """Raise ``SamplingParamError`` if a stop id, logit_bias key or allowed or bad word's token id is not
+        below ``vocab_size``."""
+        for name, ids in (("allowed_token_ids", self.allowed_token_ids or ()),
+                          ("bad_words", [t for w in self.bad_words_token_ids or () for t in w])):
+            if ids and max(ids) >= vocab_size:
+                raise SamplingParamError(name, f"{name} token ids must be in [0, {vocab_size}), got {max(ids)}")
         if self.stop_token_ids and max(self.stop_token_ids) >= vocab_size:
             raise SamplingParamError("stop_token_ids", f"stop_token_ids must be in [0, {vocab_size}), "
                                      f"got {max(self.stop_token_ids)}")

@@ -63,8 +63,8 @@ class SamplingState:
     which the engine seeds with its ``--seed``.
     """
 
-    __slots__ = ("seed", "plain_greedy", "needs_penalties", "grammar", "_prompt_len", "_prompt_ids",
-                 "_stop_ids", "_bias_ids", "_bias_values", "_placed_for", "_placed")
+    __slots__ = ("seed", "plain_greedy", "needs_penalties", "reads_output", "grammar", "bad_words", "_prompt_len",
+                 "_prompt_ids", "_stop_ids", "_bias_ids", "_bias_values", "_allowed_ids", "_placed_for", "_placed")
 
     def __init__(self, params: SamplingParams, grammar: GrammarMatcher | None = None) -> None:
         self.grammar = grammar  # structured output: where the request's output stands in its grammar
@@ -74,11 +74,15 @@ class SamplingState:
             or params.frequency_penalty != 0.0
             or params.repetition_penalty != 1.0
         )
+        # bad_words: (the word's tokens but its last, its last); a step reads the output's last tokens for them
+        self.bad_words = [(tuple(w[:-1]), w[-1]) for w in params.bad_words_token_ids or ()]
+        # the sampler reads the output so far (the host's list): a step cannot overlap the one before it
+        self.reads_output = self.needs_penalties or bool(self.bad_words)
         # Greedy with nothing to process: eligible for the argmax-only fast path
         # (min_tokens is checked per step, since it stops mattering after a while).
         self.plain_greedy = (
-            params.greedy and not self.needs_penalties and not params.logit_bias and params.logprobs is None
-            and grammar is None
+            params.greedy and not self.reads_output and not params.logit_bias and params.logprobs is None
+            and grammar is None and params.allowed_token_ids is None
         )
         self._prompt_len = -1
         self._prompt_ids: torch.Tensor | None = None
@@ -87,8 +91,9 @@ class SamplingState:
         bias = params.logit_bias or {}
         self._bias_ids = _long_tensor(list(bias))
         self._bias_values = torch.tensor(list(bias.values()), dtype=torch.float32)
+        self._allowed_ids = _long_tensor(sorted(set(params.allowed_token_ids or ())))
         self._placed_for: tuple[int, torch.device] | None = None
-        self._placed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._placed: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def prompt_ids(self, prompt_token_ids: list[int]) -> torch.Tensor:
         """The prompt's distinct token ids as a CPU tensor, built once (repetition penalty)."""
@@ -97,8 +102,10 @@ class SamplingState:
             self._prompt_len = len(prompt_token_ids)
         return self._prompt_ids
 
-    def tensors(self, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(stop ids min_tokens bans, logit_bias ids, their values) on ``device``, ids < ``vocab`` only.
+    def tensors(self, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                 torch.Tensor]:
+        """(stop ids min_tokens bans, logit_bias ids, their values, allowed_token_ids) on ``device``, ids <
+        ``vocab`` only.
 
         Filtered and copied on first use, then cached: the vocab and device of a
         sampler do not change, so this happens once per request.
@@ -106,9 +113,15 @@ class SamplingState:
         if self._placed_for != (vocab, device):
             keep = self._bias_ids < vocab
             self._placed = (to_device(self._stop_ids[self._stop_ids < vocab], device),
-                            to_device(self._bias_ids[keep], device), to_device(self._bias_values[keep], device))
+                            to_device(self._bias_ids[keep], device), to_device(self._bias_values[keep], device),
+                            to_device(self._allowed_ids[self._allowed_ids < vocab], device))
             self._placed_for = (vocab, device)
         return self._placed
+
+    def banned(self, output_token_ids: list[int]) -> list[int]:
+        """The bad words' last tokens that may not come next: those whose other tokens end the output."""
+        return [last for head, last in self.bad_words
+                if not head or tuple(output_token_ids[len(output_token_ids) - len(head):]) == head]
 
 
 def to_device(data, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -285,6 +298,17 @@ def process_logits(
         vals = torch.cat([t[2] for _, t in biased])
         logits.index_put_((rows, cols), vals, accumulate=True)
 
+    # allowed_token_ids: every other token out; bad_words: a word's last token out after its others.
+    allowed = [(i, states[i].tensors(vocab, device)[3]) for i, p in enumerate(params) if p.allowed_token_ids]
+    rows, cols = _gather_rows(allowed, device)
+    if rows is not None:
+        kept = logits[rows, cols]
+        logits[to_device([i for i, _ in allowed], device)] = -math.inf
+        logits[rows, cols] = kept
+    banned = [(i, b) for i, s in enumerate(states) if s.bad_words for b in s.banned(output_token_ids[i]) if b < vocab]
+    if banned:
+        logits[to_device([i for i, _ in banned], device), to_device([b for _, b in banned], device)] = -math.inf
+
     # Penalties: tensors only for the rows that ask, padded with the spare column V.
     pen = [i for i, s in enumerate(states) if s.needs_penalties]
     if pen:
@@ -313,6 +337,11 @@ def process_logits(
         allow = to_device(torch.from_numpy(np.stack([g.info().mask(vocab) for _, g in ruled])), device)
         idx = to_device([i for i, _ in ruled], device)
         logits[idx] = logits[idx].masked_fill(~allow, -math.inf)
+    if (ruled or allowed or banned) and eos_token_ids:  # masks that together leave a row nothing: it ends (EOS)
+        eos = torch.zeros(vocab, dtype=torch.bool, device=device)
+        eos[to_device([t for t in eos_token_ids if 0 <= t < vocab], device)] = True
+        dead = torch.isneginf(logits).all(dim=1, keepdim=True)
+        logits = logits.masked_fill(dead & eos, 0.0)
     return logits
 
 

@@ -50,15 +50,16 @@ class Choice:
 
     def __init__(self, index: int, request_id: str, prompt_ids: list[int], codec: TextCodec,
                  stop: StopMatcher | None, min_tokens: int = 0, eos_ids: frozenset[int] = frozenset(),
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, include_stop: bool = False) -> None:
         """The token that ends the output (one of ``eos_ids``, or a stop token id) is no text, as vLLM
-        leaves it out; ``skip_special_tokens`` False: the others keep their text."""
+        leaves it out; ``skip_special_tokens`` False: the others keep their text. ``include_stop``: the
+        stop string that ends it does stay (vLLM's ``include_stop_str_in_output``)."""
         self.index = index
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.eos_ids = eos_ids
         self.detok = IncrementalDetokenizer(codec, prompt_ids, skip_special_tokens)
-        self.stops = StopStrings(stop) if stop is not None else None
+        self.stops = StopStrings(stop, include_stop) if stop is not None else None
         self.min_tokens = min_tokens  # as in vLLM, stop strings are not looked for before this many tokens
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None  # the stop string or stop token id that ended it
@@ -152,7 +153,7 @@ class Generation:
                 params = params_for(i)
                 self._params.append(params)
                 self.choices.append(Choice(idx, f"{api_id}-{idx}", prompt, codec, stop, params.min_tokens, eos_ids,
-                                           skip_special_tokens))
+                                           skip_special_tokens, params.include_stop_str_in_output))
         self._by_id = {c.request_id: c for c in self.choices}
         self._priority = priority
         self.deadline = deadline

@@ -180,6 +180,10 @@ class OpenAIApi:
     async def _encode(self, text: str) -> list[int]:
         return await self._offload(len(text), self.codec.encode, text)
 
+    def _encode_words(self, text: str) -> list[int]:
+        """A bad word's tokens (a short text: inline)."""
+        return self.codec.encode(text, add_special_tokens=False)
+
     async def _chat_template(self, data: dict, messages: list[dict], add_generation_prompt: bool = True,
                              calls: tools.ToolRequest | None = None, continue_final: bool = False) -> list[int]:
         """The prompt: ``messages`` (and the tools) through the chat template, with the request's
@@ -314,7 +318,7 @@ class OpenAIApi:
                                            self.max_model_len, default=16, cap=self.max_tokens_cap)
         base = op.sampling_params(data, max_tokens=max_tokens, logprobs=logprobs, vocab_size=self.codec.vocab_size,
                                   prompt_logprobs=logprobs if echo and logprobs is not None else None,
-                                  defaults=self.sampling_defaults)
+                                  defaults=self.sampling_defaults, encode=self._encode_words)
         op.check_fan_out(len(prompts), n, base, self.client.ready.max_num_waiting_requests)
         stop = await self._stop_matcher(base.stop)
         self._require_engine()
@@ -353,7 +357,7 @@ class OpenAIApi:
         tool_schema = calls.schema() if calls else None
         base = op.sampling_params(data, max_tokens=max_tokens, logprobs=(top or 0) if want_logprobs else None,
                                   vocab_size=self.codec.vocab_size, tool_schema=tool_schema,
-                                  defaults=self.sampling_defaults)
+                                  defaults=self.sampling_defaults, encode=self._encode_words)
         if tool_schema is not None and base.stop:  # stop strings could only cut the calls' JSON short
             base = dataclasses.replace(base, stop=[])
         op.check_fan_out(1, n, base, self.client.ready.max_num_waiting_requests)

@@ -13,6 +13,8 @@ from typing import Any
 import orjson
 
 from engine.protocol import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORDS,
     MAX_LOGIT_BIAS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
@@ -21,6 +23,7 @@ from engine.protocol import (
 )
 from frontends import tools
 from frontends.errors import ApiError
+from frontends.text import bad_words_token_ids
 
 _MISSING = object()
 MAX_N = 128
@@ -222,11 +225,11 @@ def parse_template_kwargs(data: dict) -> dict[str, Any]:
 
 def sampling_params(data: dict, *, max_tokens: int, logprobs: int | None, vocab_size: int,
                     prompt_logprobs: int | None = None, tool_schema: dict | None = None,
-                    defaults: dict | None = None) -> SamplingParams:
+                    defaults: dict | None = None, encode: Callable[[str], list[int]] | None = None) -> SamplingParams:
     """The sampling fields shared by both endpoints (``max_tokens`` already resolved). ``tool_schema``:
     what tool calling holds the output to (``frontends.tools``), in place of the structured-output fields.
     ``defaults``: the model's values (temperature, top_p, top_k, min_p, repetition_penalty) for fields the
-    request leaves out, in place of OpenAI's."""
+    request leaves out, in place of OpenAI's. ``encode``: text to token ids, for vLLM's ``bad_words``."""
     d = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0} | (defaults or {})
     stop = field(data, "stop", (str, list), [])
     if isinstance(stop, str):
@@ -251,6 +254,20 @@ def sampling_params(data: dict, *, max_tokens: int, logprobs: int | None, vocab_
                 raise ApiError(400, "logit_bias values must be numbers", param="logit_bias")
             logit_bias[tid] = float(v)
     check_token_ids(stop_token_ids, vocab_size, "stop_token_ids")
+    allowed = field(data, "allowed_token_ids", list, None)
+    if allowed is not None:
+        if not 0 < len(allowed) <= MAX_ALLOWED_TOKEN_IDS:
+            raise ApiError(400, f"'allowed_token_ids' must have 1 to {MAX_ALLOWED_TOKEN_IDS} entries, got "
+                           f"{len(allowed)}", param="allowed_token_ids")
+        check_token_ids(allowed, vocab_size, "allowed_token_ids")
+    bad_words = field(data, "bad_words", list, None)
+    bad_ids = None
+    if bad_words:
+        if len(bad_words) > MAX_BAD_WORDS or not all(isinstance(w, str) and w.strip() and len(w) <= 1024
+                                                      for w in bad_words):
+            raise ApiError(400, f"'bad_words' must be a list of at most {MAX_BAD_WORDS} non-blank strings of at most "
+                           "1024 characters", param="bad_words")
+        bad_ids = bad_words_token_ids(bad_words, encode) if encode is not None else None
     if tool_schema is not None and (given := structured_fields(data)):
         raise ApiError(400, f"tool_choice holds the output to tool calls: it cannot be combined with {given[0]}",
                        param=given[0])
@@ -275,6 +292,10 @@ def sampling_params(data: dict, *, max_tokens: int, logprobs: int | None, vocab_
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             **held,
+            allowed_token_ids=allowed,
+            bad_words=bad_words or None,
+            bad_words_token_ids=bad_ids,
+            include_stop_str_in_output=field(data, "include_stop_str_in_output", bool, False),
         )
     except SamplingParamError as e:
         param = held_by if e.param in HELD else e.param

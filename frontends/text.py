@@ -149,6 +149,20 @@ class IncrementalDetokenizer:
         return new_text[len(prefix_text):]
 
 
+def bad_words_token_ids(words: list[str], encode: Callable[[str], list[int]]) -> list[list[int]]:
+    """vLLM's ``bad_words`` as token ids, as vLLM tokenizes them: each word as it is (leading spaces
+    dropped), and with one space before it where that gives other tokens of the same count (a word
+    in the middle of a sentence)."""
+    out: list[list[int]] = []
+    for word in words:
+        bare = encode(word.lstrip())
+        out.append(bare)
+        spaced = encode(" " + word.lstrip())
+        if spaced and bare and spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(spaced)
+    return [ids for ids in out if ids]
+
+
 class StopMatcher:
     """A request's stop strings as an Aho-Corasick automaton: built once, shared by its choices.
 
@@ -202,13 +216,15 @@ class StopStrings:
     boundary is found when it completes and cut where it starts (as vLLM cuts).
     """
 
-    __slots__ = ("_m", "_state", "_held", "matched")
+    __slots__ = ("_m", "_state", "_held", "matched", "include")
 
-    def __init__(self, stops: list[str] | StopMatcher) -> None:
+    def __init__(self, stops: list[str] | StopMatcher, include: bool = False) -> None:
+        """``include``: the stop string stays in the text (vLLM's ``include_stop_str_in_output``)."""
         self._m = stops if isinstance(stops, StopMatcher) else StopMatcher(stops)
         self._state = 0
         self._held = ""
         self.matched: str | None = None  # the stop string that hit
+        self.include = include
 
     def feed(self, text: str, check: bool = True) -> tuple[str, bool]:
         """(text safe to emit now, whether a stop string matched)."""
@@ -223,7 +239,8 @@ class StopStrings:
             if check and hit[state] is not None:
                 self.matched = s = hit[state]
                 self._state, self._held = 0, ""
-                return (held + text)[:len(held) + i + 1 - len(s)], True  # it starts within what was held
+                return (held + text)[:len(held) + i + 1 - (0 if self.include else len(s))], True  # (it starts
+                # within what was held)
         self._state = state
         buf = held + text if held else text
         keep = min(m.depth[state], len(buf))

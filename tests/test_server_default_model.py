@@ -101,6 +101,48 @@ def test_response_format_holds_the_answer_to_a_schema(server):
         assert e.value.body["param"] == "response_format" and word in e.value.body["message"]
 
 
+def test_vllm_sampling_extras(server):
+    """bad_words keeps a word out of the answer, include_stop_str_in_output keeps the stop string in it,
+    allowed_token_ids holds the answer to a few tokens."""
+    from openai import BadRequestError
+
+    client = openai_client(server)
+    ask = [{"role": "user", "content": "What is the capital of France?"}]
+    plain = client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=ask, max_tokens=24,
+                                           temperature=0).choices[0].message.content
+    assert "Paris" in plain
+    r = client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=ask, max_tokens=24,
+                                       temperature=0, extra_body={"bad_words": ["Paris"]})
+    assert "Paris" not in r.choices[0].message.content
+    for include, want in ((True, plain[:plain.index("Paris") + 5]), (False, plain[:plain.index("Paris")])):
+        r = client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=ask, max_tokens=24,
+                                           temperature=0, stop=["Paris"],
+                                           extra_body={"include_stop_str_in_output": include})
+        assert r.choices[0].message.content == want and r.choices[0].finish_reason == "stop"
+    yes_no = server_token_ids(server, [" Yes", " No"])
+    r = client.completions.create(model="SmolLM2-135M-Instruct.Q4_1", prompt="Is Paris in France? Answer:",
+                                  max_tokens=3, temperature=1.0, seed=3, extra_body={"allowed_token_ids": yes_no})
+    assert r.choices[0].text.replace(" Yes", "").replace(" No", "") == ""
+    with pytest.raises(BadRequestError) as e:
+        client.completions.create(model="SmolLM2-135M-Instruct.Q4_1", prompt="x", max_tokens=3,
+                                  extra_body={"allowed_token_ids": [10**9]})
+    assert e.value.body["param"] == "allowed_token_ids"
+
+
+def server_token_ids(server, texts: list[str]) -> list[int]:
+    import json
+    import urllib.request
+
+    ids = []
+    for t in texts:
+        req = urllib.request.Request(server.url + "/tokenize", data=json.dumps({"prompt": t, "add_special_tokens": False})
+                                     .encode(), headers={"content-type": "application/json"})
+        with urllib.request.urlopen(req) as r:
+            (tid,) = json.loads(r.read())["tokens"]
+            ids.append(tid)
+    return ids
+
+
 def test_a_regex_or_a_gbnf_grammar_holds_the_answer(server):
     """vLLM's ``structured_outputs`` regex and grammar (and ``guided_regex``), llama.cpp's ``grammar`` field;
     a grammar the engine cannot run is a 400 naming the field it came in."""
