@@ -315,6 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--enable-force-include-usage", action="store_true",
                    help="end every stream with its usage chunk, as if each request asked for it with "
                         "stream_options.include_usage (vLLM's flag: for metering)")
+    o.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprobs name each token 'token_id:N' instead of its text (vLLM's flag; a request may ask "
+                        "with the field of the same name): texts that are no valid UTF-8 alone stay exact")
     o.add_argument("--disable-log-requests", action="store_true",
                    help="no access-log line per finished request (request id, endpoint, status, tokens, "
                         "time to first token, total time, finish reason); metrics still count them")
@@ -470,7 +473,7 @@ def serve_options(args: argparse.Namespace):
         engine_liveness_timeout=args.engine_liveness_timeout,
         ws=_ws_overrides(args), http=_http_overrides(args),
         allowed_origins=allowed_origins(args.allowed_origins), metrics_no_auth=args.metrics_no_auth,
-        force_include_usage=args.enable_force_include_usage,
+        force_include_usage=args.enable_force_include_usage, tokens_as_ids=args.return_tokens_as_token_ids,
         log_format=args.log_format, log_requests=not args.disable_log_requests, log_prompts=args.log_prompts,
         data_parallel_size=args.data_parallel_size, engine_addresses=list(args.engines or []),
         engine_key=engine_key(args.engine_key), tool_call_parser=args.tool_call_parser,

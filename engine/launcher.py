@@ -81,6 +81,7 @@ class ServeOptions:
     allowed_origins: list[str] = field(default_factory=list)  # browser origins besides the server's own
     metrics_no_auth: bool = False  # /metrics open even with API keys
     force_include_usage: bool = False  # every stream ends with its usage chunk
+    tokens_as_ids: bool = False  # logprobs name tokens "token_id:N" (--return-tokens-as-token-ids)
     log_format: str = "text"  # or "json", for every process
     log_requests: bool = True  # the frontends' access log
     log_prompts: bool = False  # prompts in the access log
@@ -342,6 +343,7 @@ class Launcher:
             handshake_timeout=o.startup_timeout, engine_liveness_timeout=o.engine_liveness_timeout,
             allowed_origins=list(o.allowed_origins), http=HttpConfig(**o.http), ws=WsConfig(**o.ws),
             metrics_no_auth=o.metrics_no_auth, force_include_usage=o.force_include_usage, log_format=o.log_format,
+            tokens_as_ids=o.tokens_as_ids,
             log_requests=o.log_requests,
             log_prompts=o.log_prompts, tool_call_parser=o.tool_call_parser, reasoning_parser=o.reasoning_parser,
             chat_template=o.chat_template, sampling_defaults=self.sampling_defaults, max_tokens_cap=self.max_tokens_cap,

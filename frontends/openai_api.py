@@ -99,7 +99,7 @@ class OpenAIApi:
                  metrics: Metrics | None = None, metrics_no_auth: bool = False, tool_call_parser: str = "auto",
                  reasoning_parser: str = "auto", sampling_defaults: dict | None = None,
                  max_tokens_cap: int | None = None, model_aliases: list[str] | None = None,
-                 force_include_usage: bool = False) -> None:
+                 force_include_usage: bool = False, tokens_as_ids: bool = False) -> None:
         self.client = client
         self.metrics = metrics
         self.metrics_no_auth = metrics_no_auth
@@ -119,6 +119,7 @@ class OpenAIApi:
         self.sampling_defaults = sampling_defaults or {}  # the model's (engine.model_path.generation_defaults)
         self.max_tokens_cap = max_tokens_cap  # on every request's max_tokens (engine.model_path.max_tokens_cap)
         self.force_include_usage = force_include_usage  # every stream ends with its usage chunk
+        self.tokens_as_ids = tokens_as_ids  # logprobs name tokens "token_id:N" unless a request says otherwise
 
     def routes(self, router: Router | None = None) -> Router:
         router = router or Router()
@@ -207,6 +208,13 @@ class OpenAIApi:
         if not stops:
             return None
         return await self._offload(sum(map(len, stops)), StopMatcher, stops)
+
+    def _token_names(self, data: dict) -> Callable[[int], str]:
+        """How logprobs name a token: its text, or ``token_id:N`` (vLLM's ``return_tokens_as_token_ids``: the
+        request's field, else the server's flag), exact where a token is no valid UTF-8 alone."""
+        if op.field(data, "return_tokens_as_token_ids", bool, self.tokens_as_ids):
+            return lambda t: f"token_id:{t}"
+        return self.codec.token_text
 
     def _new_id(self, prefix: str) -> str:
         return f"{prefix}-{self._id_prefix}{next(self._ids):x}"
@@ -327,7 +335,7 @@ class OpenAIApi:
                          deadline, cache_salt, self.metrics, arrival,
                          skip_special_tokens=op.field(data, "skip_special_tokens", bool, True))
         gen.schema_param, gen.lora = op.structured_field(data), lora
-        return gen, _CompletionFormat(self, api_id, gen, echo, logprobs is not None)
+        return gen, _CompletionFormat(self, api_id, gen, echo, logprobs is not None, self._token_names(data))
 
     # ------------------------------------------------------------------ chat
 
@@ -369,7 +377,8 @@ class OpenAIApi:
                          deadline, cache_salt, self.metrics, arrival, skip_special_tokens=skip)
         gen.schema_param = "tools" if tool_schema is not None else op.structured_field(data)
         gen.lora = lora
-        return gen, _ChatFormat(self, api_id, gen, want_logprobs, self._answer(data, prompt, base, calls))
+        return gen, _ChatFormat(self, api_id, gen, want_logprobs, self._answer(data, prompt, base, calls),
+                                self._token_names(data))
 
     def _answer(self, data: dict, prompt: list[int], base, calls: tools.ToolRequest | None):
         """What makes each choice's ``_Answer`` (None: its text is all content)."""
@@ -556,8 +565,10 @@ class _SseFormat:
 class _CompletionFormat(_SseFormat):
     """/v1/completions bodies: text choices, legacy logprobs."""
 
-    def __init__(self, api: OpenAIApi, api_id: str, gen: Generation, echo: bool, logprobs: bool) -> None:
+    def __init__(self, api: OpenAIApi, api_id: str, gen: Generation, echo: bool, logprobs: bool,
+                 token_name: Callable[[int], str] | None = None) -> None:
         self.codec = api.codec
+        self.token_name = token_name or api.codec.token_text  # what logprobs call a token
         self.gen = gen
         self.echo = echo
         self.logprobs = logprobs
@@ -590,15 +601,14 @@ class _CompletionFormat(_SseFormat):
         return self.prompt_texts[choice.index], lp
 
     def _legacy(self, entries: list[LogprobEntry], offset: int) -> tuple[dict, int]:
-        token_text = self.codec.token_text
+        token_text, name = self.codec.token_text, self.token_name
         tokens, token_lps, tops, offsets = [], [], [], []
         for tid, lp, top in entries:
-            s = token_text(tid)
-            tokens.append(s)
+            tokens.append(name(tid))
             token_lps.append(lp)
-            tops.append({token_text(t): v for t, v in top} if top is not None else None)
+            tops.append({name(t): v for t, v in top} if top is not None else None)
             offsets.append(offset)
-            offset += len(s)
+            offset += len(token_text(tid))  # (offsets into the text, whatever the tokens are called)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset
 
     def _choice_lp(self, up: Update) -> dict | None:
@@ -710,8 +720,9 @@ class _ChatFormat(_SseFormat):
     """/v1/chat/completions bodies: messages and deltas, chat logprobs."""
 
     def __init__(self, api: OpenAIApi, api_id: str, gen: Generation, logprobs: bool,
-                 answer: Callable[[], _Answer] | None = None) -> None:
+                 answer: Callable[[], _Answer] | None = None, token_name: Callable[[int], str] | None = None) -> None:
         self.codec = api.codec
+        self.token_name = token_name or api.codec.token_text  # what logprobs call a token
         self.gen = gen
         self.logprobs = logprobs
         self.base = {"id": api_id, "object": "chat.completion.chunk", "created": int(time.time()),
@@ -722,12 +733,11 @@ class _ChatFormat(_SseFormat):
         self.answers = [answer() for _ in gen.choices] if answer is not None else None
 
     def _chat_lp(self, entries: list[LogprobEntry] | None) -> list[dict]:
-        token_text = self.codec.token_text
+        token_text, name = self.codec.token_text, self.token_name
         out = []
         for tid, lp, top in entries or ():
-            s = token_text(tid)
-            out.append({"token": s, "logprob": lp, "bytes": list(s.encode()),
-                        "top_logprobs": [{"token": (t := token_text(i)), "logprob": v, "bytes": list(t.encode())}
+            out.append({"token": name(tid), "logprob": lp, "bytes": list(token_text(tid).encode()),
+                        "top_logprobs": [{"token": name(i), "logprob": v, "bytes": list(token_text(i).encode())}
                                          for i, v in (top or ())]})
         return out
 

@@ -54,6 +54,7 @@ class FrontendArgs:
     ws: websocket.WsConfig = field(default_factory=websocket.WsConfig)  # /v1/stream limits
     metrics_no_auth: bool = False  # /metrics without an API key (a scraper on a private network)
     force_include_usage: bool = False  # every stream ends with its usage chunk (--enable-force-include-usage)
+    tokens_as_ids: bool = False  # logprobs name tokens "token_id:N" (--return-tokens-as-token-ids)
     log_format: str = "text"  # or "json": one object per line
     log_requests: bool = True  # one access-log line per finished request
     log_prompts: bool = False  # the prompt in that line (user data: off by default)
@@ -113,7 +114,7 @@ async def serve(args: FrontendArgs, ready: Callable[[], None] | None = None) -> 
             c.on_stats(c.last_stats)
     api = OpenAIApi(client, codec, args.served_model_name, args.api_keys,
                     allowed_origins=args.allowed_origins, metrics=metrics, metrics_no_auth=args.metrics_no_auth,
-                    force_include_usage=args.force_include_usage,
+                    force_include_usage=args.force_include_usage, tokens_as_ids=args.tokens_as_ids,
                     tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                     sampling_defaults=args.sampling_defaults, max_tokens_cap=args.max_tokens_cap,
                     model_aliases=args.model_aliases)

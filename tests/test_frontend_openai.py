@@ -138,6 +138,22 @@ def test_chat_and_chat_logprobs(client, tok):
     assert r.object == "chat.completion" and r.usage.completion_tokens == 3
 
 
+def test_logprobs_name_tokens_by_id_when_asked(client, tok):
+    """vLLM's return_tokens_as_token_ids (its --return-tokens-as-token-ids for every request): "token_id:N",
+    offsets and bytes still the text's."""
+    ids = tok.encode("one two three", add_special_tokens=False)
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, logprobs=2, echo=True,
+                                  extra_body={"return_tokens_as_token_ids": True})
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [f"token_id:{t}" for t in ids + ids[:2]]
+    assert lp.text_offset[len(ids)] == len("one two three") and set(lp.top_logprobs[-1]) == {
+        f"token_id:{ids[1]}", f"token_id:{ids[1] + 1}"}
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       logprobs=True, top_logprobs=1, extra_body={"return_tokens_as_token_ids": True})
+    first = r.choices[0].logprobs.content[0]
+    assert first.token.startswith("token_id:") and bytes(first.bytes).decode() == tok.decode([int(first.token[9:])])
+
+
 def test_stream_completion_with_usage(client, tok):
     ids = tok.encode("streaming tokens one at a time", add_special_tokens=False)
     chunks = list(client.completions.create(model=MODEL, prompt=ids, max_tokens=len(ids), stream=True,
@@ -585,8 +601,11 @@ def test_a_tokenizer_larger_than_the_model_is_named_at_start(tmp_path, smollm_to
 
 def test_force_include_usage_ends_every_stream_with_its_usage(tmp_path, smollm_tokenizer_dir):
     """vLLM's --enable-force-include-usage: a stream that did not ask for it (stream_options) gets it too."""
-    with fake_stack(str(tmp_path), smollm_tokenizer_dir, force_include_usage=True) as (engine, port):
+    with fake_stack(str(tmp_path), smollm_tokenizer_dir, force_include_usage=True, tokens_as_ids=True) as (engine,
+                                                                                                          port):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
+        r = client.completions.create(model=MODEL, prompt="hi", max_tokens=1, logprobs=0)  # (the server's flag)
+        assert r.choices[0].logprobs.tokens[0].startswith("token_id:")
         chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                                      max_tokens=3, stream=True))
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3

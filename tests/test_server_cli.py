@@ -32,7 +32,7 @@ SERVE_FLAGS = ["--model", "--tokenizer", "--generation-config", "--override-gene
                "--scheduling-policy", "--scheduling-aging-seconds", "--long-prefill-token-threshold",
                "--max-num-waiting-requests", "--request-timeout", "--enable-prefix-caching",
                "--metrics-no-auth", "--log-format", "--disable-log-requests", "--log-prompts",
-               "--enable-force-include-usage"]
+               "--enable-force-include-usage", "--return-tokens-as-token-ids"]
 
 
 def tokenmill(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
