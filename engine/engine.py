@@ -338,6 +338,9 @@ class Engine:
         if not self.can_generate:
             bad(f"{self.model_name} has no language-model head (an embedding model's checkpoint): it can only "
                 "embed (/v1/embeddings)", "model")
+        if params.bad_words and params.bad_words_token_ids is None:
+            bad("bad_words must come as token ids here (bad_words_token_ids: LLM and the frontends tokenize them)",
+                "bad_words")
         try:  # the sampler would ignore them, but a client asking for them has a bug to hear about
             params.check_vocab(self.vocab_size)
         except SamplingParamError as e:
@@ -519,6 +522,9 @@ class Engine:
                 log.warning("request %s ends with finish_reason 'error': %s", req.request_id, grammar.failed)
                 req.stop_reason = grammar.failed
                 return "error"
+        allowed = req.sampling_state.allowed
+        if allowed is not None and token in self._eos_set and token not in allowed:
+            return "stop"  # allowed_token_ids and bad words (or a grammar) left it nothing else
         if n >= p.min_tokens:
             if not p.ignore_eos and token in self._eos_set:
                 return "stop"

@@ -114,6 +114,7 @@ class LLM:
 
         outputs: dict[str, RequestOutput] = {}
         stopped: set[str] = set()  # ended by a stop string: their text is already cut
+        keep_stop: set[str] = set()  # include_stop_str_in_output: the token that ends them stays in the text
         # requests with stop strings: matched as the HTTP frontends match them (the first stop
         # string completed in the detokenized text, never before min_tokens), the text cut before it
         choices: dict[str, tuple[Choice, list[str]]] = {}
@@ -129,6 +130,8 @@ class LLM:
                         p.bad_words, lambda w: self.tokenizer.encode(w, add_special_tokens=False)))
                 rid = str(next(self._ids))
                 self.engine.add_request(rid, ids, p, prio, lora=lora)
+                if p.include_stop_str_in_output:
+                    keep_stop.add(rid)
                 outputs[rid] = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids,
                                              logprobs=[] if p.logprobs is not None else None)
                 if p.stop:
@@ -163,7 +166,8 @@ class LLM:
             raise
         for rid, out in outputs.items():
             if rid not in stopped:  # the EOS or stop token that ends it is never text (as the frontends have it)
-                ids = text_ids(out.token_ids, out.finish_reason, out.stop_reason, ends)
+                ids = out.token_ids if rid in keep_stop else text_ids(out.token_ids, out.finish_reason,
+                                                                     out.stop_reason, ends)
                 out.text = self.tokenizer.decode(ids, skip_special_tokens=True)
         return list(outputs.values())
 

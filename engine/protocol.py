@@ -57,7 +57,8 @@ MAX_JSON_SCHEMA_BYTES = 65536  # a schema, packed (or a regex or grammar): the e
 MAX_CHOICES = 4096  # strings in ``choice``
 MAX_ALLOWED_TOKEN_IDS = 32768  # entries in allowed_token_ids
 MAX_BAD_WORDS = 64  # words in bad_words (each tokenized twice: with a space before it and without)
-MAX_BAD_WORD_TOKENS = 64  # tokens in one of them
+MAX_BAD_WORD_TOKENS = 64  # tokens in one of them ...
+MAX_BAD_WORD_BYTES = 256  # ... and its UTF-8 bytes
 MAX_ADAPTER_NAME = 256  # characters in a LoRA adapter's name (``LoraUpdate``)
 
 
@@ -95,8 +96,9 @@ class SamplingParams:
     choice: list[str] | None = None  # ... or exactly one of these strings (vLLM's guided_choice) ...
     regex: str | None = None  # ... or text the whole of which this regular expression matches (vLLM's) ...
     grammar: str | None = None  # ... or text of this GBNF grammar (llama.cpp's; engine.text_grammar)
-    # vLLM's: only these tokens may be sampled; never a word's last token after its others (bad_words, as
-    # token ids: the frontends and LLM tokenize the words); the stop string that ends the output kept in it
+    # vLLM's: only these tokens may be sampled; never a word's last token after its others (bad_words: the engine
+    # reads bad_words_token_ids only, which the frontends and LLM make of the words); the stop string (or
+    # stop token) that ends the output kept in its text
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
@@ -218,8 +220,8 @@ class SamplingParams:
             if not isinstance(self.bad_words, list) or len(self.bad_words) > MAX_BAD_WORDS:
                 bad("bad_words", f"bad_words must be a list of at most {MAX_BAD_WORDS} strings")
             for w in self.bad_words:
-                if not isinstance(w, str) or not w.strip() or len(w.encode("utf-8", "surrogatepass")) > 1024:
-                    bad("bad_words", "each bad word must be a non-blank string of at most 1024 bytes")
+                if not isinstance(w, str) or not w.strip() or len(w.encode("utf-8", "surrogatepass")) > MAX_BAD_WORD_BYTES:
+                    bad("bad_words", f"each bad word must be a non-blank string of at most {MAX_BAD_WORD_BYTES} bytes")
         if self.bad_words_token_ids is not None:
             words = self.bad_words_token_ids
             if not isinstance(words, list) or len(words) > 2 * MAX_BAD_WORDS:

@@ -63,8 +63,9 @@ class SamplingState:
     which the engine seeds with its ``--seed``.
     """
 
-    __slots__ = ("seed", "plain_greedy", "needs_penalties", "reads_output", "grammar", "bad_words", "_prompt_len",
-                 "_prompt_ids", "_stop_ids", "_bias_ids", "_bias_values", "_allowed_ids", "_placed_for", "_placed")
+    __slots__ = ("seed", "plain_greedy", "needs_penalties", "reads_output", "grammar", "bad_words", "allowed",
+                 "_bad_after", "_prompt_len", "_prompt_ids", "_stop_ids", "_bias_ids", "_bias_values", "_allowed_ids",
+                 "_placed_for", "_placed")
 
     def __init__(self, params: SamplingParams, grammar: GrammarMatcher | None = None) -> None:
         self.grammar = grammar  # structured output: where the request's output stands in its grammar
@@ -74,8 +75,13 @@ class SamplingState:
             or params.frequency_penalty != 0.0
             or params.repetition_penalty != 1.0
         )
-        # bad_words: (the word's tokens but its last, its last); a step reads the output's last tokens for them
+        # bad_words: (the word's tokens but its last, its last); a step reads the output's last tokens for them:
+        # the one-token words always, the others by the token before their last (most steps: none)
         self.bad_words = [(tuple(w[:-1]), w[-1]) for w in params.bad_words_token_ids or ()]
+        self._bad_after: dict[int | None, list[tuple[tuple, int]]] = {}
+        for head, last in self.bad_words:
+            self._bad_after.setdefault(head[-1] if head else None, []).append((head, last))
+        self.allowed = frozenset(params.allowed_token_ids) if params.allowed_token_ids else None
         # the sampler reads the output so far (the host's list): a step cannot overlap the one before it
         self.reads_output = self.needs_penalties or bool(self.bad_words)
         # Greedy with nothing to process: eligible for the argmax-only fast path
@@ -120,8 +126,12 @@ class SamplingState:
 
     def banned(self, output_token_ids: list[int]) -> list[int]:
         """The bad words' last tokens that may not come next: those whose other tokens end the output."""
-        return [last for head, last in self.bad_words
-                if not head or tuple(output_token_ids[len(output_token_ids) - len(head):]) == head]
+        out = [last for _, last in self._bad_after.get(None, ())]
+        if output_token_ids:
+            n = len(output_token_ids)
+            out += [last for head, last in self._bad_after.get(output_token_ids[-1], ())
+                    if tuple(output_token_ids[n - len(head):]) == head]
+        return out
 
 
 def to_device(data, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -337,11 +347,14 @@ def process_logits(
         allow = to_device(torch.from_numpy(np.stack([g.info().mask(vocab) for _, g in ruled])), device)
         idx = to_device([i for i, _ in ruled], device)
         logits[idx] = logits[idx].masked_fill(~allow, -math.inf)
-    if (ruled or allowed or banned) and eos_token_ids:  # masks that together leave a row nothing: it ends (EOS)
-        eos = torch.zeros(vocab, dtype=torch.bool, device=device)
-        eos[to_device([t for t in eos_token_ids if 0 <= t < vocab], device)] = True
-        dead = torch.isneginf(logits).all(dim=1, keepdim=True)
-        logits = logits.masked_fill(dead & eos, 0.0)
+    # allowed_token_ids with bad words or a grammar can leave a row nothing: its one choice is then EOS (the
+    # engine ends it: Engine._stop_reason). Only those rows are read: a grammar alone always leaves EOS.
+    eos = [t for t in eos_token_ids if 0 <= t < vocab]
+    narrowed = sorted({i for i, _ in allowed} & ({i for i, _ in banned} | {i for i, _ in ruled}))
+    if narrowed and eos:
+        idx, cols = to_device(narrowed, device).unsqueeze(1), to_device(eos, device).unsqueeze(0)
+        dead = torch.isneginf(logits[idx.squeeze(1)]).all(dim=1, keepdim=True)
+        logits[idx, cols] = torch.where(dead, 0.0, logits[idx, cols])
     return logits
 
 

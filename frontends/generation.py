@@ -46,20 +46,21 @@ def text_ids(ids: list[int], finish_reason: str | None, stop_reason, eos_ids) ->
 class Choice:
     __slots__ = ("index", "request_id", "prompt_ids", "detok", "stops", "min_tokens", "finish_reason", "stop_reason",
                  "num_tokens", "num_prompt_tokens", "num_cached_tokens", "prompt_logprobs", "text_offset",
-                 "first_token_at", "last_token_at", "answered_at", "end_reason", "embedding", "eos_ids")
+                 "first_token_at", "last_token_at", "answered_at", "end_reason", "embedding", "eos_ids", "include_stop")
 
     def __init__(self, index: int, request_id: str, prompt_ids: list[int], codec: TextCodec,
                  stop: StopMatcher | None, min_tokens: int = 0, eos_ids: frozenset[int] = frozenset(),
                  skip_special_tokens: bool = True, include_stop: bool = False) -> None:
         """The token that ends the output (one of ``eos_ids``, or a stop token id) is no text, as vLLM
         leaves it out; ``skip_special_tokens`` False: the others keep their text. ``include_stop``: the
-        stop string that ends it does stay (vLLM's ``include_stop_str_in_output``)."""
+        stop string (or token) that ends it does stay (vLLM's ``include_stop_str_in_output``)."""
         self.index = index
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.eos_ids = eos_ids
         self.detok = IncrementalDetokenizer(codec, prompt_ids, skip_special_tokens)
         self.stops = StopStrings(stop, include_stop) if stop is not None else None
+        self.include_stop = include_stop
         self.min_tokens = min_tokens  # as in vLLM, stop strings are not looked for before this many tokens
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None  # the stop string or stop token id that ended it
@@ -84,7 +85,7 @@ class Choice:
             self.prompt_logprobs = d.prompt_logprobs
         if d.embedding is not None:
             self.embedding = d.embedding
-        ids = text_ids(d.token_ids, d.finish_reason, d.stop_reason, self.eos_ids)
+        ids = d.token_ids if self.include_stop else text_ids(d.token_ids, d.finish_reason, d.stop_reason, self.eos_ids)
         text = self.detok.step(ids) if ids else ""
         if d.finish_reason is not None:
             text += self.detok.flush()

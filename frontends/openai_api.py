@@ -52,7 +52,7 @@ from frontends.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from frontends.metrics import Metrics
 from frontends.responses import RESPONSES_PARAMS, ResponsesFormat, to_chat
 from frontends.scoring import rerank_job, score_job
-from frontends.text import StopMatcher, TextCodec, TokenizerBusy
+from frontends.text import StopMatcher, TextCodec, TokenizerBusy, bad_words_token_ids
 
 VERSION = "0.1.0"
 _DONE = b"data: [DONE]\n\n"
@@ -181,9 +181,13 @@ class OpenAIApi:
     async def _encode(self, text: str) -> list[int]:
         return await self._offload(len(text), self.codec.encode, text)
 
-    def _encode_words(self, text: str) -> list[int]:
-        """A bad word's tokens (a short text: inline)."""
-        return self.codec.encode(text, add_special_tokens=False)
+    async def _bad_words(self, data: dict) -> list[list[int]] | None:
+        """vLLM's ``bad_words`` as token ids (many of them off the event loop, as any big text)."""
+        words = op.parse_bad_words(data)
+        if words is None:
+            return None
+        return await self._offload(2 * sum(map(len, words)), bad_words_token_ids, words,
+                                   lambda text: self.codec.encode(text, add_special_tokens=False))
 
     async def _chat_template(self, data: dict, messages: list[dict], add_generation_prompt: bool = True,
                              calls: tools.ToolRequest | None = None, continue_final: bool = False) -> list[int]:
@@ -326,7 +330,7 @@ class OpenAIApi:
                                            self.max_model_len, default=16, cap=self.max_tokens_cap)
         base = op.sampling_params(data, max_tokens=max_tokens, logprobs=logprobs, vocab_size=self.codec.vocab_size,
                                   prompt_logprobs=logprobs if echo and logprobs is not None else None,
-                                  defaults=self.sampling_defaults, encode=self._encode_words)
+                                  defaults=self.sampling_defaults, bad_words=await self._bad_words(data))
         op.check_fan_out(len(prompts), n, base, self.client.ready.max_num_waiting_requests)
         stop = await self._stop_matcher(base.stop)
         self._require_engine()
@@ -365,7 +369,7 @@ class OpenAIApi:
         tool_schema = calls.schema() if calls else None
         base = op.sampling_params(data, max_tokens=max_tokens, logprobs=(top or 0) if want_logprobs else None,
                                   vocab_size=self.codec.vocab_size, tool_schema=tool_schema,
-                                  defaults=self.sampling_defaults, encode=self._encode_words)
+                                  defaults=self.sampling_defaults, bad_words=await self._bad_words(data))
         if tool_schema is not None and base.stop:  # stop strings could only cut the calls' JSON short
             base = dataclasses.replace(base, stop=[])
         op.check_fan_out(1, n, base, self.client.ready.max_num_waiting_requests)

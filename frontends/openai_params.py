@@ -14,6 +14,7 @@ import orjson
 
 from engine.protocol import (
     MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORD_BYTES,
     MAX_BAD_WORDS,
     MAX_LOGIT_BIAS,
     MAX_STOP_STRINGS,
@@ -23,7 +24,6 @@ from engine.protocol import (
 )
 from frontends import tools
 from frontends.errors import ApiError
-from frontends.text import bad_words_token_ids
 
 _MISSING = object()
 MAX_N = 128
@@ -187,6 +187,17 @@ _TEMPLATE_ARGS = frozenset({"conversation", "messages", "tools", "documents", "c
 MAX_TEMPLATE_KWARGS_BYTES = 1 << 16
 
 
+def parse_bad_words(data: dict) -> list[str] | None:
+    """vLLM's ``bad_words``, checked before they are tokenized (``frontends.text.bad_words_token_ids``)."""
+    words = field(data, "bad_words", list, None)
+    if words and (len(words) > MAX_BAD_WORDS or not all(
+            isinstance(w, str) and w.strip() and len(w.encode("utf-8", "surrogatepass")) <= MAX_BAD_WORD_BYTES
+            for w in words)):
+        raise ApiError(400, f"'bad_words' must be a list of at most {MAX_BAD_WORDS} non-blank strings of at most "
+                       f"{MAX_BAD_WORD_BYTES} bytes", param="bad_words")
+    return words or None
+
+
 def parse_continuation(data: dict, messages: list[dict]) -> tuple[bool, bool]:
     """vLLM's ``add_generation_prompt`` (true: the template opens the assistant's turn) and
     ``continue_final_message`` (true: the model goes on with the last message, an assistant's: a prefill)."""
@@ -225,11 +236,11 @@ def parse_template_kwargs(data: dict) -> dict[str, Any]:
 
 def sampling_params(data: dict, *, max_tokens: int, logprobs: int | None, vocab_size: int,
                     prompt_logprobs: int | None = None, tool_schema: dict | None = None,
-                    defaults: dict | None = None, encode: Callable[[str], list[int]] | None = None) -> SamplingParams:
+                    defaults: dict | None = None, bad_words: list[list[int]] | None = None) -> SamplingParams:
     """The sampling fields shared by both endpoints (``max_tokens`` already resolved). ``tool_schema``:
     what tool calling holds the output to (``frontends.tools``), in place of the structured-output fields.
     ``defaults``: the model's values (temperature, top_p, top_k, min_p, repetition_penalty) for fields the
-    request leaves out, in place of OpenAI's. ``encode``: text to token ids, for vLLM's ``bad_words``."""
+    request leaves out, in place of OpenAI's. ``bad_words``: vLLM's, tokenized (``parse_bad_words``)."""
     d = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0} | (defaults or {})
     stop = field(data, "stop", (str, list), [])
     if isinstance(stop, str):
@@ -256,18 +267,10 @@ def sampling_params(data: dict, *, max_tokens: int, logprobs: int | None, vocab_
     check_token_ids(stop_token_ids, vocab_size, "stop_token_ids")
     allowed = field(data, "allowed_token_ids", list, None)
     if allowed is not None:
-        if not 0 < len(allowed) <= MAX_ALLOWED_TOKEN_IDS:
-            raise ApiError(400, f"'allowed_token_ids' must have 1 to {MAX_ALLOWED_TOKEN_IDS} entries, got "
+        if len(allowed) > MAX_ALLOWED_TOKEN_IDS:  # (before walking it; the rest: SamplingParams)
+            raise ApiError(400, f"'allowed_token_ids' may have at most {MAX_ALLOWED_TOKEN_IDS} entries, got "
                            f"{len(allowed)}", param="allowed_token_ids")
         check_token_ids(allowed, vocab_size, "allowed_token_ids")
-    bad_words = field(data, "bad_words", list, None)
-    bad_ids = None
-    if bad_words:
-        if len(bad_words) > MAX_BAD_WORDS or not all(isinstance(w, str) and w.strip() and len(w) <= 1024
-                                                      for w in bad_words):
-            raise ApiError(400, f"'bad_words' must be a list of at most {MAX_BAD_WORDS} non-blank strings of at most "
-                           "1024 characters", param="bad_words")
-        bad_ids = bad_words_token_ids(bad_words, encode) if encode is not None else None
     if tool_schema is not None and (given := structured_fields(data)):
         raise ApiError(400, f"tool_choice holds the output to tool calls: it cannot be combined with {given[0]}",
                        param=given[0])
@@ -293,8 +296,7 @@ def sampling_params(data: dict, *, max_tokens: int, logprobs: int | None, vocab_
             prompt_logprobs=prompt_logprobs,
             **held,
             allowed_token_ids=allowed,
-            bad_words=bad_words or None,
-            bad_words_token_ids=bad_ids,
+            bad_words_token_ids=bad_words,
             include_stop_str_in_output=field(data, "include_stop_str_in_output", bool, False),
         )
     except SamplingParamError as e:

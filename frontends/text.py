@@ -72,7 +72,9 @@ class TextCodec:
                                                   add_generation_prompt=add_generation_prompt, **(extra or {}))
         if continue_final:
             final = messages[-1]["content"] or ""
-            at = text.rfind(final.strip()) if final.strip() else -1
+            if not final.strip():
+                raise ValueError("the final message is empty: there is nothing to continue")
+            at = text.rfind(final.strip())
             if at < 0:
                 raise ValueError("the chat template does not write the final message's content as it is, so "
                                  "it cannot be continued")

@@ -40,6 +40,7 @@ def test_allowed_token_ids_keep_only_theirs_and_bad_words_ban_a_words_last_token
     ({"allowed_token_ids": list(range(40000))}, "allowed_token_ids"),
     ({"bad_words": ["  "]}, "bad_words"),
     ({"bad_words": ["x"] * 65}, "bad_words"),
+    ({"bad_words": ["x" * 257]}, "bad_words"),
     ({"bad_words_token_ids": [[]]}, "bad_words"),
     ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
 ])
@@ -127,6 +128,19 @@ def test_bad_words_hold_under_asynchronous_scheduling_and_drafts(tiny_llama, llm
         assert [o.token_ids for o in other.generate(prompts, params)] == want, kw
 
 
+def test_masks_that_leave_nothing_end_the_request_and_words_come_as_tokens(llm):
+    from engine.engine import RequestError
+
+    free = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0].token_ids
+    t = free[0]
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, min_tokens=4,
+                                                   allowed_token_ids=[t], bad_words_token_ids=[[t]]))[0]
+    assert out.finish_reason == "stop" and len(out.token_ids) == 1  # (its EOS: ignore_eos, min_tokens or not)
+    with pytest.raises(RequestError) as e:  # words the engine cannot read: only token ids reach it
+        llm.engine.add_request("words", [1, 2], SamplingParams(bad_words=["x"]))
+    assert e.value.status == 400 and e.value.param == "bad_words"
+
+
 def test_include_stop_str_in_output_offline(llm):
     prompt = [3, 1, 4, 1, 5]
     free = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0]
@@ -137,3 +151,8 @@ def test_include_stop_str_in_output_offline(llm):
     kept = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0, stop=[stop],
                                                  include_stop_str_in_output=True))[0]
     assert kept.text == cut.text + stop and cut.stop_reason == kept.stop_reason == stop
+    # a stop token's text stays too, as vLLM keeps it
+    t = free.token_ids[3]
+    cut, kept = (llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[t],
+                                                       include_stop_str_in_output=inc))[0] for inc in (False, True))
+    assert cut.stop_reason == kept.stop_reason == t and kept.text == cut.text + llm.tokenizer.decode([t])
