@@ -22,6 +22,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -243,6 +244,7 @@ class Grammars:
         self._vocab: TokenVocab | None = None
         self._cache: OrderedDict[str, TokenGrammar] = OrderedDict()
         self._refused: OrderedDict[str, str] = OrderedDict()  # the last grammars refused, and why
+        self.on_vocabulary: Callable[[], None] | None = None  # called once the vocabulary has been read
 
     def matcher(self, params: SamplingParams) -> GrammarMatcher:
         """A matcher at the start of what ``params`` hold the output to (a JSON schema, choices, a
@@ -272,6 +274,8 @@ class Grammars:
                 self._vocab = TokenVocab(token_bytes(self.model_path), self.vocab_size, self.eos_token_ids)
                 log.info("structured output: read %d tokens' bytes in %.1f s", len(self._vocab.ids),
                          time.perf_counter() - start)
+                if self.on_vocabulary is not None:
+                    self.on_vocabulary()
             tokens = self._cache[key] = TokenGrammar(grammar, self._vocab)
             if len(self._cache) > self.CACHE:
                 self._cache.popitem(last=False)

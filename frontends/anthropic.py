@@ -27,6 +27,7 @@ import orjson
 
 from frontends.errors import ApiError
 from frontends.generation import Generation, Update
+from frontends.http import Request, Response
 
 # chat fields a Messages body may carry as they are (tokenmill's and vLLM's extras)
 _PASSED = ("model", "temperature", "top_p", "top_k", "priority", "timeout", "cache_salt", "seed", "min_p",
@@ -42,6 +43,29 @@ _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool
 
 def _new_id(prefix: str) -> str:
     return f"{prefix}_{os.urandom(12).hex()}"
+
+
+# HTTP status -> Anthropic's error type (the others: invalid_request_error below 500, api_error from it)
+_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def error(e: ApiError) -> dict:
+    """``e`` as Anthropic's error object (its ``param`` kept: a client may show where)."""
+    kind = _ERROR_TYPES.get(e.status, "invalid_request_error" if e.status < 500 else "api_error")
+    return {"type": kind, "message": e.message, "param": e.param}
+
+
+def errors_as_anthropic(handler):
+    """``handler`` (already behind the keys and origins) with its refusals in Anthropic's shape:
+    ``{"type": "error", "error": {"type", "message"}}``, as vLLM answers on these routes."""
+
+    async def handle(req: Request):
+        try:
+            return await handler(req)
+        except ApiError as e:
+            return Response(e.status, orjson.dumps({"type": "error", "error": error(e)}), headers=e.headers)
+    return handle
 
 
 def renamed(e: ApiError) -> ApiError:
@@ -255,7 +279,7 @@ class MessagesFormat:
 
     def stream_error(self, e: ApiError) -> bytes:
         """An engine failure mid-stream: the open block closed, then Anthropic's error event."""
-        return self._close() + self._event("error", error={"type": e.type, "message": e.message})
+        return self._close() + self._event("error", error=error(e))
 
     def _take(self, parts: list[tuple[str, Any]], finished: bool) -> bytes:
         """Parts of the answer into content blocks, in order; their events."""

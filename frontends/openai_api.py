@@ -147,7 +147,8 @@ class OpenAIApi:
         for method, path, handler in routes:
             # every POST here takes a JSON body; /health stays open for load balancers
             guarded = self.auth.guard(handler, key=path not in open_paths, json_body=method == "POST")
-            router.add(method, path, guarded)
+            router.add(method, path, anthropic.errors_as_anthropic(guarded) if path.startswith("/v1/messages")
+                       else guarded)
             router.add("OPTIONS", path, self.auth.preflight)
         return router
 

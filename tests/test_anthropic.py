@@ -218,6 +218,10 @@ def test_served_bad_bodies_get_400(client):
         with pytest.raises(anthropic.BadRequestError) as e:
             client.messages.create(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "hi"}], **kw)
         assert e.value.body["error"]["param"] == param, e.value.body
+        assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+    with pytest.raises(anthropic.NotFoundError) as e:  # (Anthropic's shape on these routes, as vLLM answers)
+        client.messages.create(model="claude-sonnet-4-5", max_tokens=5, messages=[{"role": "user", "content": "hi"}])
+    assert e.value.body["error"]["type"] == "not_found_error" and "claude-sonnet-4-5" in e.value.body["error"]["message"]
 
 
 def test_served_failure_mid_stream_ends_with_an_error_event(stack, client):  # noqa: F811
