@@ -28,6 +28,7 @@ import orjson
 from frontends.errors import ApiError
 from frontends.generation import Generation, Update
 from frontends.http import Request, Response
+from frontends.responses import ItemWriter
 
 # chat fields a Messages body may carry as they are (tokenmill's and vLLM's extras)
 _PASSED = ("model", "temperature", "top_p", "top_k", "priority", "timeout", "cache_salt", "seed", "min_p",
@@ -215,9 +216,11 @@ def to_chat(data: dict) -> dict:
     return chat
 
 
-class MessagesFormat:
+class MessagesFormat(ItemWriter):
     """What a chat generation produced, as a Message (``response``) or its events (``chunk``): both
     built by ``_take`` from the same ordered parts of the answer, so they hold the same blocks."""
+
+    TYPES = {"reasoning": "thinking", "text": "text"}
 
     DONE = b""  # no [DONE] line: the stream ends after message_stop
 
@@ -225,7 +228,7 @@ class MessagesFormat:
         self.gen, self.chat = gen, chat_fmt
         self.answer = chat_fmt.answers[0] if chat_fmt.answers is not None else None
         self.named = self.answer is not None and self.answer.calls is not None and self.answer.calls.mode == "named"
-        self.blocks: list[dict] = []  # content blocks done, in order
+        self.items: list[dict] = []  # content blocks done, in order
         self.open: dict | None = None  # the block being written
         self.base = {"id": gen.api_id.replace("-", "_"), "type": "message", "role": "assistant", "model": api_model}
 
@@ -237,7 +240,7 @@ class MessagesFormat:
     def _stop(self) -> dict:
         choice = self.gen.choices[0]
         reason = self.chat.finish_reason(choice)
-        if reason == "stop" and any(b["type"] == "tool_use" for b in self.blocks):  # (a named tool: "stop")
+        if reason == "stop" and any(b["type"] == "tool_use" for b in self.items):  # (a named tool: "stop")
             reason = "tool_calls"
         if reason == "stop" and isinstance(choice.stop_reason, str):
             return {"stop_reason": "stop_sequence", "stop_sequence": choice.stop_reason}
@@ -256,7 +259,7 @@ class MessagesFormat:
 
     def response(self) -> dict:
         self._take(self._parts(self.chat.texts[0], True), finished=True)  # the events are not sent
-        return {**self.base, "content": self.blocks, **self._stop(), "usage": self._usage()}
+        return {**self.base, "content": self.items, **self._stop(), "usage": self._usage()}
 
     # ------------------------------------------------------------------ streamed
 
@@ -281,33 +284,15 @@ class MessagesFormat:
         """An engine failure mid-stream: the open block closed, then Anthropic's error event."""
         return self._close() + self._event("error", error=error(e))
 
-    def _take(self, parts: list[tuple[str, Any]], finished: bool) -> bytes:
-        """Parts of the answer into content blocks, in order; their events."""
-        out = b""
-        for kind, value in parts:
-            if kind == "call" and "id" not in value:  # a named function's further arguments
-                out += self._grow(value["function"]["arguments"])
-            elif kind == "call":
-                out += self._close() + self._open({"type": "tool_use", "id": _new_id("toolu"),
-                                                   "name": value["function"]["name"], "input": {}})
-                out += self._grow(value["function"]["arguments"])
-                if not self.named:
-                    out += self._close()  # a whole call
-            else:
-                kind = "thinking" if kind == "reasoning" else kind
-                if self.open is None or self.open["type"] != kind:
-                    out += self._close() + self._open({"type": "thinking", "thinking": "", "signature": ""}
-                                                      if kind == "thinking" else {"type": "text", "text": ""})
-                out += self._grow(value)
-        if finished:
-            out += self._close()
-            if not self.blocks:  # an empty answer is still a text block
-                out += self._open({"type": "text", "text": ""}) + self._close()
-        return out
+    def _new_item(self, kind: str) -> dict:
+        return {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else {"type": "text", "text": ""}
+
+    def _call_item(self, call: dict) -> dict:
+        return {"type": "tool_use", "id": _new_id("toolu"), "name": call["function"]["name"], "input": {}}
 
     def _open(self, block: dict) -> bytes:
         self.open = block
-        return self._event("content_block_start", index=len(self.blocks), content_block=block)
+        return self._event("content_block_start", index=len(self.items), content_block=block)
 
     def _grow(self, text: str) -> bytes:
         """More text for the open block: its text or thinking, or a call's arguments (JSON so far)."""
@@ -325,9 +310,9 @@ class MessagesFormat:
         else:
             block["text"] += text
             delta = {"type": "text_delta", "text": text}
-        return self._event("content_block_delta", index=len(self.blocks), delta=delta)
+        return self._event("content_block_delta", index=len(self.items), delta=delta)
 
-    def _close(self) -> bytes:
+    def _close(self, last: bool = False) -> bytes:
         block, self.open = self.open, None
         if block is None:
             return b""
@@ -337,6 +322,6 @@ class MessagesFormat:
                 block["input"] = orjson.loads(arguments) if arguments else {}
             except orjson.JSONDecodeError:  # (cut short by max_tokens)
                 block["input"] = {}
-        self.blocks.append(block)
-        return self._event("content_block_stop", index=len(self.blocks) - 1)
+        self.items.append(block)
+        return self._event("content_block_stop", index=len(self.items) - 1)
 

@@ -159,9 +159,59 @@ def _echoed(data: dict) -> dict:
             "text": {"format": fmt}, "reasoning": reasoning}
 
 
-class ResponsesFormat:
+class ItemWriter:
+    """An answer's parts in the order the model wrote them (``_Answer.parts``: thinking, text, tool-call
+    deltas) as items opened, grown and closed: a Response's output items, a Message's content blocks.
+    ``_take`` makes them and their events; a subclass says what an item is (``TYPES``, ``_new_item``,
+    ``_call_item``) and writes the events (``_open``, ``_grow``, ``_close``)."""
+
+    TYPES: dict[str, str] = {}  # an answer part's kind ("reasoning", "text") -> its item's type
+    items: list[dict]  # done, in order
+    open: dict | None  # the one being written
+    named: bool  # the call of a named function: its arguments grow across batches
+
+    def _take(self, parts: list[tuple[str, Any]], finished: bool) -> bytes:
+        """Parts of the answer into items, in order; their events."""
+        out = b""
+        for kind, value in parts:
+            if kind == "call" and "id" not in value:  # a named function's further arguments
+                out += self._grow(value["function"]["arguments"])
+            elif kind == "call":
+                out += self._close() + self._open(self._call_item(value)) + self._grow(value["function"]["arguments"])
+                if not self.named:
+                    out += self._close()  # a whole call
+            else:
+                kind = self.TYPES[kind]
+                if self.open is None or self.open["type"] != kind:
+                    out += self._close() + self._open(self._new_item(kind))
+                out += self._grow(value)
+        if finished:
+            out += self._close(last=True)
+            if not self.items:  # an empty answer is still a text item
+                out += self._open(self._new_item(self.TYPES["text"])) + self._close(last=True)
+        return out
+
+    def _new_item(self, kind: str) -> dict:
+        raise NotImplementedError
+
+    def _call_item(self, call: dict) -> dict:
+        raise NotImplementedError
+
+    def _open(self, item: dict) -> bytes:
+        raise NotImplementedError
+
+    def _grow(self, text: str) -> bytes:
+        raise NotImplementedError
+
+    def _close(self, last: bool = False) -> bytes:
+        raise NotImplementedError
+
+
+class ResponsesFormat(ItemWriter):
     """What a chat generation produced, as a Response (``response``) or its events (``chunk``): both
     built by ``_take`` from the same ordered parts of the answer, so they hold the same items."""
+
+    TYPES = {"reasoning": "reasoning", "text": "message"}
 
     DONE = b""  # no [DONE] line: the stream ends after response.completed (or .incomplete)
 
@@ -242,27 +292,6 @@ class ResponsesFormat:
         return (out + self._event("error", code=error["code"], message=e.message, param=e.param)
                 + self._event("response.failed", response=self._response("failed", error)))
 
-    def _take(self, parts: list[tuple[str, Any]], finished: bool) -> bytes:
-        """Parts of the answer into output items, in order; their events."""
-        out = b""
-        for kind, value in parts:
-            if kind == "call" and "id" not in value:  # a named function's further arguments
-                out += self._grow(value["function"]["arguments"])
-            elif kind == "call":
-                out += self._close() + self._open(self._function_call(value)) + self._grow(value["function"]["arguments"])
-                if not self.named:
-                    out += self._close()  # a whole call
-            else:
-                kind = "message" if kind == "text" else kind
-                if self.open is None or self.open["type"] != kind:
-                    out += self._close() + self._open(self._reasoning() if kind == "reasoning" else self._message())
-                out += self._grow(value)
-        if finished:
-            out += self._close(last=True)
-            if not self.items:  # an empty answer is still a message
-                out += self._open(self._message()) + self._close(last=True)
-        return out
-
     def _open(self, item: dict) -> bytes:
         self.open = item
         index = len(self.items)
@@ -308,6 +337,12 @@ class ResponsesFormat:
             out += self._event("response.content_part.done", item_id=item["id"], output_index=index,
                                content_index=0, part=part)
         return out + self._event("response.output_item.done", output_index=index, item=item)
+
+    def _new_item(self, kind: str) -> dict:
+        return self._reasoning() if kind == "reasoning" else self._message()
+
+    def _call_item(self, call: dict) -> dict:
+        return self._function_call(call)
 
     @staticmethod
     def _reasoning() -> dict:

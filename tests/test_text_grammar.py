@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from engine.json_schema import SchemaError
-from engine.structured import TokenGrammar, TokenVocab
+from engine.structured import TokenVocab
 from engine.text_grammar import GbnfGrammar, RegexGrammar, compile_gbnf
+from tests.test_structured_output import G  # a grammar's masks with its own calls at hand
 from tests.test_tool_calls import stack  # noqa: F401 - the fixture
 
 EOS = 0
@@ -57,16 +58,6 @@ expr ::= term (("+" | "-") term)*
 term ::= factor ("*" factor)*
 factor ::= [1-9] [0-9]{0,3} | "0" | "(" expr ")"
 '''
-
-
-class G(TokenGrammar):
-    start = property(lambda self: self.grammar.start)
-
-    def feed(self, state: int, data: bytes) -> int:
-        return self.grammar.feed(state, data)
-
-    def accepting(self, state: int) -> bool:
-        return self.grammar.accepting(state)
 
 
 def gbnf(text: str, vocab=TINY) -> G:
