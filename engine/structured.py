@@ -42,7 +42,7 @@ MAX_TRANSITIONS = 500_000  # (state, byte) pairs a grammar learns (~50 MB) befor
 # together at most REQUEST_SECONDS. Past either, the request ends with finish_reason "error" and the grammar
 # is refused from then on (GrammarTooCostly): a regex whose automaton keeps hundreds of states open, say.
 MASK_SECONDS = 0.5
-REQUEST_SECONDS = 5.0
+REQUEST_SECONDS = 20.0
 
 
 @dataclass(frozen=True)

@@ -470,7 +470,8 @@ class GbnfGrammar(Automaton):
         out: list = []
         self._push((), self.root, out, [_EXPAND_BUDGET])
         if not out:
-            raise SchemaError(f"the grammar's start opens more than {_EXPAND_BUDGET} ways before its first character")
+            raise SchemaError(f"the grammar's start needs more than {_EXPAND_BUDGET} steps through its rules before "
+                              "its first character")
         return frozenset((stack, b"") for stack in out)
 
     def _accepts(self, item: tuple) -> bool:
