@@ -1,15 +1,15 @@
 """The batched sampler: one call per engine step turns a batch of logits into token ids.
 
 Owns everything between the model's last-position logits and the sampled ids:
-min_tokens masking, logit bias, repetition / presence / frequency penalties,
-structured output's grammar masks, greedy argmax, temperature, top-k, top-p, min-p, per-request seeds and logprobs.
+min_tokens masking, logit bias, allowed_token_ids and bad_words, repetition / presence / frequency
+penalties, structured output's grammar masks, greedy argmax, temperature, top-k, top-p, min-p, per-request seeds and logprobs.
 It knows nothing of scheduling: the engine hands it the rows that need a token,
 each row's ``SamplingParams``, its ``SamplingState`` and its token history.
 
 Semantics follow vLLM v1:
-- processing order: min_tokens -> logit_bias -> repetition penalty -> presence /
-  frequency penalties -> grammar mask -> (greedy rows: argmax) -> temperature -> top-k -> top-p
-  -> min-p -> sample;
+- processing order: min_tokens -> logit_bias -> allowed_token_ids -> bad_words -> repetition
+  penalty -> presence / frequency penalties -> grammar mask -> (greedy rows: argmax) -> temperature
+  -> top-k -> top-p -> min-p -> sample;
 - logprobs are the RAW model logprobs (``log_softmax`` of the logits as given),
   not of the processed distribution;
 - a seeded request's tokens depend only on its seed and on how many tokens it has
