@@ -55,11 +55,22 @@ MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 10.0
 MAX_JSON_SCHEMA_BYTES = 65536  # a schema, packed (or a regex or grammar): the engine compiles it (and caches it) per request
 MAX_CHOICES = 4096  # strings in ``choice``
+STRUCTURED_FIELDS = ("json_schema", "choice", "regex", "grammar")  # SamplingParams' fields that hold the output
 MAX_ALLOWED_TOKEN_IDS = 32768  # entries in allowed_token_ids
 MAX_BAD_WORDS = 64  # words in bad_words (each tokenized twice: with a space before it and without)
 MAX_BAD_WORD_TOKENS = 64  # tokens in one of them ...
 MAX_BAD_WORD_BYTES = 256  # ... and its UTF-8 bytes
 MAX_ADAPTER_NAME = 256  # characters in a LoRA adapter's name (``LoraUpdate``)
+
+
+def check_bad_words(words: Any) -> None:
+    """vLLM's ``bad_words`` as text (before they are tokenized): ``SamplingParamError`` unless a list of at
+    most ``MAX_BAD_WORDS`` non-blank strings of at most ``MAX_BAD_WORD_BYTES`` bytes."""
+    if not isinstance(words, list) or len(words) > MAX_BAD_WORDS or not all(
+            isinstance(w, str) and w.strip() and len(w.encode("utf-8", "surrogatepass")) <= MAX_BAD_WORD_BYTES
+            for w in words):
+        raise SamplingParamError("bad_words", f"bad_words must be a list of at most {MAX_BAD_WORDS} non-blank "
+                                 f"strings of at most {MAX_BAD_WORD_BYTES} bytes")
 
 
 @dataclass
@@ -124,7 +135,7 @@ class SamplingParams:
     @property
     def structured(self) -> bool:
         """Whether the output is held to a schema, choices, a regex or a grammar."""
-        return not (self.json_schema is None and self.choice is None and self.regex is None and self.grammar is None)
+        return any(getattr(self, k) is not None for k in STRUCTURED_FIELDS)
 
     def validate(self) -> None:
         """Raise ``SamplingParamError(param, message)`` on a value no request may carry.
@@ -217,11 +228,7 @@ class SamplingParams:
             if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
                 bad("allowed_token_ids", "allowed_token_ids must be a list of non-negative integers")
         if self.bad_words is not None:
-            if not isinstance(self.bad_words, list) or len(self.bad_words) > MAX_BAD_WORDS:
-                bad("bad_words", f"bad_words must be a list of at most {MAX_BAD_WORDS} strings")
-            for w in self.bad_words:
-                if not isinstance(w, str) or not w.strip() or len(w.encode("utf-8", "surrogatepass")) > MAX_BAD_WORD_BYTES:
-                    bad("bad_words", f"each bad word must be a non-blank string of at most {MAX_BAD_WORD_BYTES} bytes")
+            check_bad_words(self.bad_words)
         if self.bad_words_token_ids is not None:
             words = self.bad_words_token_ids
             if not isinstance(words, list) or len(words) > 2 * MAX_BAD_WORDS:
@@ -232,7 +239,7 @@ class SamplingParams:
                     bad("bad_words", f"each bad word must be 1 to {MAX_BAD_WORD_TOKENS} tokens")
         if not isinstance(self.include_stop_str_in_output, bool):
             bad("include_stop_str_in_output", "include_stop_str_in_output must be true or false")
-        given = [k for k in ("json_schema", "choice", "regex", "grammar") if getattr(self, k) is not None]
+        given = [k for k in STRUCTURED_FIELDS if getattr(self, k) is not None]
         if len(given) > 1:
             bad(given[1], f"give one of {' and '.join(given)}, not both")
         for name in ("regex", "grammar"):

@@ -29,7 +29,7 @@ import numpy as np
 
 from engine.grammar import Automaton, Grammar
 from engine.json_schema import GrammarTooCostly, SchemaError, compile_choice, compile_schema
-from engine.protocol import SamplingParams
+from engine.protocol import STRUCTURED_FIELDS, SamplingParams
 from engine.text_grammar import GbnfGrammar, RegexGrammar, compile_gbnf
 from engine.token_bytes import token_bytes
 
@@ -249,7 +249,7 @@ class Grammars:
     def matcher(self, params: SamplingParams) -> GrammarMatcher:
         """A matcher at the start of what ``params`` hold the output to (a JSON schema, choices, a
         regex or a GBNF grammar); ``SchemaError`` or ``VocabularyError`` if it cannot be."""
-        kind = next(k for k in ("json_schema", "choice", "regex", "grammar") if getattr(params, k) is not None)
+        kind = next(k for k in STRUCTURED_FIELDS if getattr(params, k) is not None)
         value = getattr(params, kind)
         key = kind + ":" + (value if isinstance(value, str) else json.dumps(value, separators=(",", ":")))
         tokens = self._cache.get(key)

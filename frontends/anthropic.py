@@ -232,11 +232,6 @@ class MessagesFormat(ItemWriter):
         self.open: dict | None = None  # the block being written
         self.base = {"id": gen.api_id.replace("-", "_"), "type": "message", "role": "assistant", "model": api_model}
 
-    def _parts(self, text: str, finished: bool) -> list[tuple[str, Any]]:
-        if self.answer is not None:
-            return self.answer.parts(text, finished)
-        return [("text", text)] if text else []
-
     def _stop(self) -> dict:
         choice = self.gen.choices[0]
         reason = self.chat.finish_reason(choice)

@@ -208,6 +208,14 @@ class OpenAIApi:
         except Exception as e:  # noqa: BLE001 - templates raise whatever they like on odd conversations
             raise ApiError(400, f"Cannot apply the chat template: {e}", param="messages") from None
 
+    async def _shown_prompt(self, data: dict) -> list[int]:
+        """A chat body's prompt as its template makes it, for counting (/tokenize, count_tokens): its tools are
+        shown whatever the tool-call format (none is needed to count them)."""
+        messages = op.parse_messages(data, self.max_chars)
+        calls = tools.parse_tools({"tools": data.get("tools"), "tool_choice": "none"}, None)
+        add_generation_prompt, continue_final = op.parse_continuation(data, messages)
+        return await self._chat_template(data, messages, add_generation_prompt, calls, continue_final)
+
     async def _stop_matcher(self, stops: list[str]) -> StopMatcher | None:
         """Built once per call for all its choices; a big one off the event loop."""
         if not stops:
@@ -287,10 +295,7 @@ class OpenAIApi:
         data = op.parse_json(req.body)
         op.check_model(data, self.model_names, self.adapters)
         if "messages" in data:
-            msgs = op.parse_messages(data, self.max_chars)
-            calls = tools.parse_tools({"tools": data.get("tools"), "tool_choice": "none"}, None)
-            add_generation_prompt, continue_final = op.parse_continuation(data, msgs)
-            tokens = await self._chat_template(data, msgs, add_generation_prompt, calls, continue_final)
+            tokens = await self._shown_prompt(data)
         else:
             prompt = op.field(data, "prompt", str)
             op.check_text_length(len(prompt), self.max_chars, "prompt")
@@ -436,10 +441,7 @@ class OpenAIApi:
         try:
             data = anthropic.to_chat({**op.parse_json(req.body), "max_tokens": 1})
             op.check_model(data, self.model_names, self.adapters)
-            messages = op.parse_messages(data, self.max_chars)
-            calls = tools.parse_tools({"tools": data.get("tools"), "tool_choice": "none"}, None)  # (only shown)
-            add_generation_prompt, continue_final = op.parse_continuation(data, messages)
-            prompt = await self._chat_template(data, messages, add_generation_prompt, calls, continue_final)
+            prompt = await self._shown_prompt(data)
         except ApiError as e:
             raise anthropic.renamed(e) from None
         return _json({"input_tokens": len(prompt)})

@@ -14,13 +14,13 @@ import orjson
 
 from engine.protocol import (
     MAX_ALLOWED_TOKEN_IDS,
-    MAX_BAD_WORD_BYTES,
-    MAX_BAD_WORDS,
     MAX_LOGIT_BIAS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
+    STRUCTURED_FIELDS,
     SamplingParamError,
     SamplingParams,
+    check_bad_words,
 )
 from frontends import tools
 from frontends.errors import ApiError
@@ -190,11 +190,11 @@ MAX_TEMPLATE_KWARGS_BYTES = 1 << 16
 def parse_bad_words(data: dict) -> list[str] | None:
     """vLLM's ``bad_words``, checked before they are tokenized (``frontends.text.bad_words_token_ids``)."""
     words = field(data, "bad_words", list, None)
-    if words and (len(words) > MAX_BAD_WORDS or not all(
-            isinstance(w, str) and w.strip() and len(w.encode("utf-8", "surrogatepass")) <= MAX_BAD_WORD_BYTES
-            for w in words)):
-        raise ApiError(400, f"'bad_words' must be a list of at most {MAX_BAD_WORDS} non-blank strings of at most "
-                       f"{MAX_BAD_WORD_BYTES} bytes", param="bad_words")
+    if words:
+        try:
+            check_bad_words(words)
+        except SamplingParamError as e:
+            raise ApiError(400, str(e), param=e.param) from None
     return words or None
 
 
@@ -300,7 +300,7 @@ def sampling_params(data: dict, *, max_tokens: int, logprobs: int | None, vocab_
             include_stop_str_in_output=field(data, "include_stop_str_in_output", bool, False),
         )
     except SamplingParamError as e:
-        param = held_by if e.param in HELD else e.param
+        param = held_by if e.param in STRUCTURED_FIELDS else e.param
         raise ApiError(400, str(e), param=param) from None
     except (TypeError, ValueError) as e:
         raise ApiError(400, f"Invalid sampling parameters: {e}") from None
@@ -308,7 +308,6 @@ def sampling_params(data: dict, *, max_tokens: int, logprobs: int | None, vocab_
 
 _STRUCTURED = ("response_format", "json_schema", "structured_outputs", "guided_json", "guided_choice",
                "guided_regex", "guided_grammar", "grammar")
-HELD = ("json_schema", "choice", "regex", "grammar")  # SamplingParams' fields that hold the output
 _KINDS = {"json": "json_schema", "choice": "choice", "regex": "regex", "grammar": "grammar"}  # structured_outputs'
 
 

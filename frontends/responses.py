@@ -169,6 +169,12 @@ class ItemWriter:
     items: list[dict]  # done, in order
     open: dict | None  # the one being written
     named: bool  # the call of a named function: its arguments grow across batches
+    answer: Any  # the chat's _Answer (thinking and calls read out), or None: all its text is text
+
+    def _parts(self, text: str, finished: bool) -> list[tuple[str, Any]]:
+        if self.answer is not None:
+            return self.answer.parts(text, finished)
+        return [("text", text)] if text else []
 
     def _take(self, parts: list[tuple[str, Any]], finished: bool) -> bytes:
         """Parts of the answer into items, in order; their events."""
@@ -232,11 +238,6 @@ class ResponsesFormat(ItemWriter):
             orjson.dumps(self.base)
         except orjson.JSONEncodeError:
             raise ApiError(400, "the request nests too deeply to be written back in its Response") from None
-
-    def _parts(self, text: str, finished: bool) -> list[tuple[str, Any]]:
-        if self.answer is not None:
-            return self.answer.parts(text, finished)
-        return [("text", text)] if text else []
 
     @property
     def _cut(self) -> bool:
