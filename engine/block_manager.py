@@ -6,8 +6,9 @@ owns a ``block_table`` (list of block ids, in token order); a block's ref count
 is the number of requests whose table holds it.
 
 Prefix caching: a full, computed block is named by a hash chained over its
-token ids and its parent block's hash; the chain starts from a root that
-covers the model and dtype (``hash_seed``), the request's LoRA adapter (which load of it) and its
+token ids (and the hashes of the images whose placeholders it holds) and its parent
+block's hash; the chain starts from a root that covers the model and dtype
+(``hash_seed``), the request's LoRA adapter (which load of it) and its
 ``cache_salt``, so tenants with different salts never share a block. A new request takes every
 cached block of its longest cached prefix (ref counts up) and computes only the
 rest. Hashes are 128-bit BLAKE2b: a client cannot craft a prompt whose blocks
@@ -41,9 +42,10 @@ from engine.request import Request
 from engine.window_blocks import WindowBlocks
 
 
-def chain_hash(parent: bytes, token_ids: list[int]) -> bytes:
-    """The name of a block holding ``token_ids`` after the block named ``parent``."""
-    return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
+def chain_hash(parent: bytes, token_ids: list[int], images: bytes = b"") -> bytes:
+    """The name of a block holding ``token_ids`` after the block named ``parent``; ``images``: the hashes of the
+    images whose placeholders it holds (their tokens alike, their K/V not)."""
+    return hashlib.blake2b(parent + array("q", token_ids).tobytes() + images, digest_size=16).digest()
 
 
 class BlockManager:
@@ -160,8 +162,11 @@ class BlockManager:
         else:  # the root: the model, the request's LoRA adapter (its length first) and its salt
             lora = req.lora.encode()
             parent = chain_hash(self.hash_seed + len(lora).to_bytes(4, "little") + lora + req.cache_salt.encode(), [])
+        images = req.images
         for i in range(len(hashes), min(num_blocks, len(tokens) // bs)):
-            parent = chain_hash(parent, tokens[i * bs:(i + 1) * bs])
+            lo, hi = i * bs, (i + 1) * bs
+            seen = b"".join(im.hash for im in images if im.offset < hi and im.end > lo) if images else b""
+            parent = chain_hash(parent, tokens[lo:hi], seen)
             hashes.append(parent)
         return hashes if len(hashes) <= num_blocks else hashes[:num_blocks]
 

@@ -159,6 +159,9 @@ def _engine_flags(p: argparse.ArgumentParser, generate: bool = False) -> None:
                    help="how /v1/embeddings pools a prompt: '{\"pooling_type\": \"MEAN\", \"normalize\": false}'; "
                         "pooling_type LAST or MEAN (default: the model's sentence-transformers or GGUF setting, "
                         "else LAST, normalized)")
+    g.add_argument("--limit-mm-per-prompt", type=_json_map, default=None, metavar="JSON",
+                   help="the most images one prompt may hold, for a model that reads them (LLaVA), as vLLM's "
+                        "flag: '{\"image\": 4}'; 0: images refused (default: 16)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
                    help="ranks to split the model over (tensor parallel): one process per rank, one GPU "
                         "each on CUDA, an equal share of the CPU threads each on the CPU (default: 1)")

@@ -21,6 +21,7 @@ QUANTIZATIONS = ("awq", "gptq", "awq_marlin", "gptq_marlin")
 POOLING_TYPES = ("last", "mean")  # how an embedding is pooled from a prompt's hidden states (engine.pooling)
 # what the KV cache holds (vLLM's names): auto = the model's dtype; fp8 = fp8_e4m3 (engine.runtime.pick_kv_dtype)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+DEFAULT_MAX_IMAGES = 16  # images one prompt may hold unless limit_mm_per_prompt says otherwise
 # vLLM's switch for loading LoRA adapters while serving (max_loras), and the free slots it gives by default
 RUNTIME_LORA_ENV, SPARE_LORA_SLOTS = "VLLM_ALLOW_RUNTIME_LORA_UPDATING", 4
 
@@ -69,6 +70,8 @@ class EngineConfig:
     # speculative decoding (engine.speculative), vLLM's --speculative-config: {"method": "ngram",
     # "num_speculative_tokens": k, "prompt_lookup_min": n, "prompt_lookup_max": m}; None: off
     speculative_config: dict | None = None
+    # vLLM's --limit-mm-per-prompt: {"image": n}, the most images one prompt may hold (a LLaVA model's)
+    limit_mm_per_prompt: dict | None = None
     tensor_parallel_size: int = 1  # ranks the model is split over (engine.parallel); rank 0 is the engine
     # tensor parallel across machines (torchrun's names): the ranks spread evenly over nnodes hosts;
     # node 0 runs the engine (rank 0), node k > 0 only its workers (engine.tp_worker.run_node)
@@ -76,6 +79,11 @@ class EngineConfig:
     node_rank: int = 0
     master_addr: str | None = None  # node 0's address (its rendezvous); None = 127.0.0.1, one node only
     master_port: int | None = None  # None = a free port on one node, 29500 (torchrun's) across nodes
+
+    @property
+    def max_images(self) -> int:
+        """Images one prompt may hold (``limit_mm_per_prompt``'s, else ``DEFAULT_MAX_IMAGES``)."""
+        return (self.limit_mm_per_prompt or {}).get("image", DEFAULT_MAX_IMAGES)
 
     @property
     def speculative(self) -> NgramConfig | None:
@@ -106,6 +114,9 @@ class EngineConfig:
             bad(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             bad(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        mm = self.limit_mm_per_prompt or {}
+        if set(mm) - {"image"} or not all(type(n) is int and n >= 0 for n in mm.values()):
+            bad(f"limit_mm_per_prompt takes {{\"image\": n}} (n >= 0), got {self.limit_mm_per_prompt!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             bad(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
         if self.max_num_waiting_requests < 1:

@@ -28,6 +28,7 @@ big for the memory can neither loop forever nor take the others down.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import time
@@ -41,18 +42,20 @@ from engine.json_schema import SchemaError
 from engine.lora import Adapter, AdapterError, read_adapter
 from engine.model_path import model_name, resolve_model_path
 from engine.model_runner import Launched, ModelRunner, StepResult
+from engine.models.config import VisionConfig
 from engine.pooling import PoolerConfig, PoolState
 from engine.prefill_cap import PrefillCap
 from engine.protocol import (
     MAX_ADAPTER_NAME,
     Delta,
+    ImageInput,
     PoolingParams,
     Ready,
     SamplingParamError,
     SamplingParams,
     Stats,
 )
-from engine.request import Request, Status
+from engine.request import PromptImage, Request, Status
 from engine.runtime import kv_block_bytes
 from engine.sampler import SamplingState
 from engine.scheduler import PromptTooLong, QueueFull, ScheduledBatch, Scheduler
@@ -193,7 +196,8 @@ class Engine:
         return Ready(self.model_name, self.max_model_len, self.vocab_size, self.eos_token_ids,
                      self.config.max_num_seqs, self.block_manager.num_blocks, self.config.block_size,
                      self.config.max_num_waiting_requests, [[name, a.path] for name, a in self.adapters.items()],
-                     self.config.max_loras or 0)
+                     self.config.max_loras or 0, *((self.vision.image_token_id, self.vision.num_tokens,
+                                                     self.config.max_images) if self.vision else ()))
 
     def load_lora(self, name: str, path: str, adapter: Adapter | None = None) -> None:
         """vLLM's ``/v1/load_lora_adapter``: LoRA adapter ``name`` from PEFT folder ``path`` (``adapter``: as
@@ -255,10 +259,12 @@ class Engine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0, deadline: float | None = None, cache_salt: str = "",
-                    pooling: PoolingParams | None = None, lora: str = "") -> None:
+                    pooling: PoolingParams | None = None, lora: str = "",
+                    images: list[ImageInput] | None = None) -> None:
         """A generation, or with ``pooling`` an embedding (``params`` unused: nothing is sampled); ``lora``: the
-        LoRA adapter it runs with ("": none)."""
+        LoRA adapter it runs with ("": none); ``images``: what the prompt's image placeholders stand for."""
         self._check(request_id, prompt_token_ids, params, pooling)
+        prompt_images = self._images(prompt_token_ids, images or [], pooling is not None)
         adapter = self.adapters.get(lora) if lora else None
         if lora and adapter is None:
             raise RequestError(404, "not_found_error", f"The model '{lora}' does not exist", "model")
@@ -275,7 +281,8 @@ class Engine:
             except (SchemaError, VocabularyError) as e:
                 raise RequestError(400, "invalid_request_error", f"response_format: {e}", "response_format") from e
         req = Request(request_id, prompt_token_ids, params, priority, deadline, SamplingState(params, grammar),
-                      cache_salt, pool, adapter.key if adapter else "", adapter.slot if adapter else -1)
+                      cache_salt, pool, adapter.key if adapter else "", adapter.slot if adapter else -1,
+                      prompt_images)
         try:
             self.scheduler.add(req)
         except QueueFull as e:
@@ -350,6 +357,45 @@ class Engine:
             bad(f"this model's maximum context length is {self.max_model_len} tokens, but the request "
                 f"asks for {total} ({len(prompt)} in the prompt + {params.max_tokens} max_tokens)",
                 "max_tokens")
+
+    def _images(self, prompt: list[int], images: list[ImageInput], pooling: bool) -> list[PromptImage]:
+        """``images`` checked against the prompt and the model: each covers a run of the model's placeholder
+        tokens, in order, and every placeholder is covered; pixels of the image processor's shape."""
+        def bad(msg: str) -> None:
+            raise RequestError(400, "invalid_request_error", msg, "messages")
+
+        vision = self.vision
+        placeholders = prompt.count(vision.image_token_id) if vision is not None else 0
+        if not images and not placeholders:
+            return []
+        if vision is None:
+            bad(f"{self.model_name} does not read images" + (" (not under tensor parallelism)"
+                                                              if self.runner.model_cfg.vision else ""))
+        if pooling:
+            bad("images cannot be embedded here, only generated from")
+        if len(images) > self.config.max_images:
+            bad(f"at most {self.config.max_images} images per prompt (--limit-mm-per-prompt), got {len(images)}")
+        side = vision.image_size
+        out, end = [], 0
+        for i, im in enumerate(images):
+            if im.length != vision.num_tokens or im.shape != [3, side, side] or len(im.pixels) != 12 * side * side:
+                bad(f"image {i}: {im.length} placeholders of pixels {im.shape}, but this model's images are "
+                    f"{vision.num_tokens} placeholders of pixels [3, {side}, {side}]")
+            if im.offset < end or im.offset + im.length > len(prompt) or any(
+                    t != vision.image_token_id for t in prompt[im.offset:im.offset + im.length]):
+                bad(f"image {i} is not on a run of its placeholder tokens in the prompt")
+            end = im.offset + im.length
+            out.append(PromptImage(im.offset, im.length, tuple(im.shape), im.pixels,
+                                   hashlib.blake2b(im.pixels, digest_size=16).digest()))
+        if placeholders != len(images) * vision.num_tokens:
+            bad(f"the prompt holds {placeholders} image placeholder tokens, but its {len(images)} images take "
+                f"{len(images) * vision.num_tokens}")
+        return out
+
+    @property
+    def vision(self) -> VisionConfig | None:
+        """The model's eyes (None: it reads no images, or not here: under tensor parallelism)."""
+        return self.runner.model_cfg.vision if self.runner.model.vision is not None else None
 
     def _run(self, batch: ScheduledBatch) -> tuple[StepResult, list[Request]]:
         """The step's result, and the requests it ended with "error" (out of memory)."""

@@ -20,6 +20,7 @@ from engine.config import SPARE_LORA_SLOTS, EngineConfig
 from engine.engine import Engine
 from engine.model_path import generation_defaults
 from engine.protocol import PoolingParams, SamplingParams, TokenLogprobs, embedding_floats
+from frontends import images
 from frontends.generation import Choice, one_token_each, text_ids
 from frontends.text import StopMatcher, TextCodec, bad_words_token_ids
 from frontends.tokenizer import load_tokenizer  # the same as the HTTP frontends use
@@ -93,8 +94,12 @@ class LLM:
         ``lora_request``: the LoRA adapter (one of ``lora_modules``, by name, or anything with vLLM's
         ``LoRARequest.lora_name``) for every prompt, or a list of one per prompt (None: the model alone). One
         with a ``lora_path`` that is not loaded yet is loaded first (``enable_lora``).
+
+        A prompt may also be vLLM's dict: ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``, and for a model
+        that reads images ``"multi_modal_data": {"image": image or [images]}`` (Pillow images, or ``data:``
+        URLs), the prompt holding the model's image token (``<image>``) once where each goes.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, list) else [
             sampling_params or self.get_default_sampling_params()]
@@ -121,7 +126,13 @@ class LLM:
         ends = frozenset(self.engine.eos_token_ids)
         try:
             for prompt, p, prio, lora in zip(prompts, params, priority, loras, strict=True):
+                prompt, pictures = self._unpack(prompt)
                 ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                image_inputs = []
+                if pictures:
+                    vision = self._vision
+                    ids, image_inputs = images.expand(ids, [self._image_processor.pixels(im) for im in pictures],
+                                                      vision.image_token_id, vision.num_tokens)
                 if fit:
                     room = self.engine.max_model_len - len(ids)
                     p = dataclasses.replace(p, max_tokens=max(1, min(p.max_tokens, room)))
@@ -129,7 +140,7 @@ class LLM:
                     p = dataclasses.replace(p, bad_words_token_ids=bad_words_token_ids(
                         p.bad_words, lambda w: self.tokenizer.encode(w, add_special_tokens=False)))
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, ids, p, prio, lora=lora)
+                self.engine.add_request(rid, ids, p, prio, lora=lora, images=image_inputs)
                 if p.include_stop_str_in_output:
                     keep_stop.add(rid)
                 outputs[rid] = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids,
@@ -171,6 +182,28 @@ class LLM:
                 out.text = self.tokenizer.decode(ids, skip_special_tokens=True)
         return list(outputs.values())
 
+    @staticmethod
+    def _unpack(prompt) -> tuple[str | list[int], list]:
+        """A prompt as text or token ids, and its images (Pillow images), from vLLM's dict or as given."""
+        if not isinstance(prompt, dict):
+            return prompt, []
+        if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+            raise ValueError("a prompt dict holds 'prompt' or 'prompt_token_ids' (one of them)")
+        pictures = (prompt.get("multi_modal_data") or {}).get("image") or []
+        pictures = pictures if isinstance(pictures, list) else [pictures]
+        return prompt.get("prompt", prompt.get("prompt_token_ids")), [
+            images.open_image(im) if isinstance(im, str) else im for im in pictures]
+
+    @property
+    def _vision(self):
+        if self.engine.vision is None:
+            raise ValueError(f"{self.engine.model_name} does not read images")
+        return self.engine.vision
+
+    @cached_property
+    def _image_processor(self) -> images.ImageProcessor:
+        return images.ImageProcessor.load(self.engine.tokenizer_path)
+
     def _load_adapters(self, loras: list) -> None:
         """Load the adapters of vLLM ``LoRARequest`` s (those with a ``lora_path``) that are not loaded yet, or were
         loaded from another folder; as in vLLM, when every slot is taken, those that went unused longest make
@@ -208,8 +241,12 @@ class LLM:
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message needs add_generation_prompt=False")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self._codec.apply_chat_template(c, add_generation_prompt, tools, chat_template_kwargs,
-                                                   continue_final_message) for c in conversations]
+        prompts = []
+        for c in conversations:
+            c, pictures = _with_images(c)
+            ids = self._codec.apply_chat_template(c, add_generation_prompt, tools, chat_template_kwargs,
+                                                  continue_final_message)
+            prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": pictures}} if pictures else ids)
         return self.generate(prompts, sampling_params, priority, lora_request)
 
     def embed(self, prompts: str | list[int] | list[str] | list[list[int]], dimensions: int | None = None,
@@ -243,4 +280,33 @@ class LLM:
 
     @cached_property
     def _codec(self) -> TextCodec:
-        return TextCodec(self.tokenizer)
+        codec = TextCodec(self.tokenizer)
+        if self.engine.vision is not None:
+            codec.use_images(self.engine.vision.image_token_id)
+        return codec
+
+
+def _with_images(conversation: list[dict]) -> tuple[list[dict], list]:
+    """A conversation whose messages' content parts hold images (OpenAI's ``image_url`` parts with ``data:`` URLs,
+    or vLLM's ``{"type": "image_pil", "image_pil": image}``) as the chat template gets it (each message's text, its
+    images named in ``images``), and the images, in order; one without any as it is."""
+    if not any(isinstance(m.get("content"), list) and any(p.get("type") in ("image_url", "image_pil")
+                                                           for p in m["content"]) for m in conversation):
+        return conversation, []
+    out, pictures = [], []
+    for m in conversation:
+        parts = m.get("content")
+        if not isinstance(parts, list):
+            out.append(m)
+            continue
+        found = []
+        for p in parts:
+            if p.get("type") == "image_url":
+                url = p["image_url"]
+                found.append(images.open_image(url["url"] if isinstance(url, dict) else url))
+            elif p.get("type") == "image_pil":
+                found.append(p["image_pil"])
+        text = "".join(p["text"] for p in parts if p.get("type") == "text")
+        out.append({**m, "content": text, **({"images": found} if found else {})})
+        pictures += found
+    return out, pictures

@@ -124,6 +124,8 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
     seen: set[str] = set()
     with torch.no_grad():
         for name, w in weights:
+            if model.vision is not None and model.vision.load(name, w):
+                continue
             if not name.startswith(("model.", "lm_head.")):
                 name = "model." + name  # a backbone saved on its own (Qwen3-Embedding): no "model." prefix
             if ".block_sparse_moe." in name:
@@ -171,6 +173,8 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
             seen.add(name)
     expected = _expected_names(model.cfg)
     missing = sorted(expected - seen)
+    if model.vision is not None:
+        missing += sorted(model.vision.unloaded)
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
 

@@ -137,7 +137,8 @@ class Launched:
 class DriverStep(StepInput):
     """Rank 0's step: what every rank gets, and (asynchronous scheduling) the rows of token_ids whose
     token a step in flight samples, its rows of those ids, and the ids (on the device); the rows
-    embedding requests pool and which of them each row is summed into (``engine.pooling``)."""
+    embedding requests pool and which of them each row is summed into (``engine.pooling``); the rows
+    that are images' and their embeddings (one rank only: the vision tower is not split)."""
 
     in_flight_at: list[int] = field(default_factory=list)
     in_flight_from: list[int] = field(default_factory=list)
@@ -145,6 +146,8 @@ class DriverStep(StepInput):
     pool_rows: list[int] = field(default_factory=list)
     pool_into: list[int] = field(default_factory=list)
     num_pooled: int = 0
+    image_rows: list[int] = field(default_factory=list)  # rows whose input is an image's embedding...
+    image_embeds: torch.Tensor | None = None  # ...these, in that order (on the device)
 
 
 class ModelRunner:
@@ -396,11 +399,12 @@ class ModelRunner:
             if driver and step.in_flight_at else {}
         pooling = {"pool_rows": ints(step.pool_rows), "pool_into": ints(step.pool_into)} \
             if driver and step.pool_rows else {}
+        images = {"image_rows": ints(step.image_rows)} if driver and step.image_rows else {}
         lora = {"lora_slots": torch.repeat_interleave(ints(step.lora_slots), ints(step.query_lens))} \
             if self.lora is not None else {}  # each token's adapter slot
         dev = self.staging({"token_ids": ints(step.token_ids), "logits_rows": ints(step.logits_rows),
                             "write_at": ints(step.write_at), "write_ids": ints(step.write_ids), **index.tensors,
-                            **gather, **pooling, **lora})
+                            **gather, **pooling, **images, **lora})
         tables = self.block_tables.write(dev["write_at"], dev["write_ids"])
         if self.lora is not None:
             self.lora.set(dev["lora_slots"])
@@ -411,10 +415,10 @@ class ModelRunner:
         ids = dev["token_ids"]
         if isinstance(step, DriverStep) and step.in_flight_at:
             ids[dev["in_flight_at"]] = step.in_flight_ids[dev["in_flight_from"]]
-        if self.graphs is not None and meta.prefill is None and self.graphs.serves(len(ids)):
+        if self.graphs is not None and meta.prefill is None and not images and self.graphs.serves(len(ids)):
             hidden = self.graphs.replay(ids, positions, meta)
         else:
-            hidden = self.model(ids, positions, meta)
+            hidden = self.model(ids, positions, meta, (dev["image_rows"], step.image_embeds) if images else None)
         sums = None
         if pooling:
             sums = torch.zeros(step.num_pooled, hidden.shape[1], dtype=torch.float32, device=hidden.device)
@@ -441,8 +445,15 @@ class ModelRunner:
         pooled_rows: list[int] = []  # their rows to pool...
         pool_into: list[int] = []  # ...and the span each is summed into
         ks: list[int] = []  # each request's drafts this step
+        image_rows: list[int] = []  # rows that are images'...
+        image_parts: list[tuple[Request, int, int, int]] = []  # ...each run of them: request, image, its slice
         for r, c, n in zip(reqs, starts, counts, strict=True):
             row = len(tokens)
+            for i, im in enumerate(r.images):  # (a prompt chunk's: drafts and in-flight tokens are no images)
+                lo, hi = max(c, im.offset), min(c + n, im.end)
+                if lo < hi:
+                    image_rows.extend(range(row + lo - c, row + hi - c))
+                    image_parts.append((r, i, lo - im.offset, hi - im.offset))
             k = max(0, c + n - r.num_tokens - r.num_in_flight)  # its drafts (a decode's; asynchronous: none)
             ks.append(k)
             tokens.extend(r.all_token_ids[c:c + n - k])
@@ -478,10 +489,28 @@ class ModelRunner:
             counts, starts, rows, slots = _split_drafts(ks, counts, starts, rows, slots)
         step = DriverStep(counts, starts, tokens, logprob_rows + sample_rows, rows, write_at, write_ids, slots,
                           gather_at, gather_from, in_flight.output.ids if gather_at else None, pooled_rows,
-                          pool_into, len(pool_spans))
+                          pool_into, len(pool_spans), image_rows, self._image_embeds(image_parts))
         if self.decode_buckets and max(counts) == 1 and len(counts) <= self.decode_buckets[-1]:
             self._pad(step)
         return step, sampled, drafts if len(sample_rows) > len(sampled) else None, spans, pool_spans
+
+    def _image_embeds(self, parts: list[tuple[Request, int, int, int]]) -> torch.Tensor | None:
+        """The embeddings of each (request, image, first, end) run of image rows, in order: images not yet
+        encoded go through the vision tower together; each is kept on its request until its last run."""
+        if not parts:
+            return None
+        new = list(dict.fromkeys((r, i) for r, i, _, _ in parts if i not in r.image_embeds))
+        if new:
+            pixels = torch.stack([torch.frombuffer(bytearray(r.images[i].pixels), dtype=torch.float32).view(
+                r.images[i].shape) for r, i in new]).to(self.device, self.dtype)
+            for (r, i), e in zip(new, self.model.vision(pixels), strict=True):
+                r.image_embeds[i] = e
+        out = []
+        for r, i, lo, hi in parts:
+            out.append(r.image_embeds[i][lo:hi])
+            if hi == r.images[i].length:  # its last rows: the prompt has gone past it
+                del r.image_embeds[i]
+        return torch.cat(out)
 
     def _pad(self, step: DriverStep) -> None:
         """Pad a decode-only step to the next of ``decode_buckets`` with one-token sequences that

@@ -20,7 +20,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 
 
 class Kind(IntEnum):
@@ -372,6 +372,11 @@ class Ready:
     max_num_waiting_requests: int = 1024  # a call starting more requests than this could never be queued
     loras: list[list[str]] = field(default_factory=list)  # LoRA adapters served beside the model: [name, folder]
     max_loras: int = 0  # slots for adapters, loaded while serving too (``LoraUpdate``); 0: none loaded so
+    # images (LLaVA): the placeholder token, how many of it stand for one image, at most how many images a
+    # prompt holds; 0 tokens: the model takes none
+    image_token_id: int = -1
+    image_tokens: int = 0
+    max_images: int = 0
     version: int = PROTOCOL_VERSION
     kind = Kind.READY
 
@@ -379,14 +384,36 @@ class Ready:
         return [
             self.model, self.max_model_len, self.vocab_size, list(self.eos_token_ids),
             self.max_num_seqs, self.num_kv_blocks, self.block_size, self.max_num_waiting_requests,
-            [list(a) for a in self.loras], self.max_loras, self.version,
+            [list(a) for a in self.loras], self.max_loras, self.image_token_id, self.image_tokens, self.max_images,
+            self.version,
         ]
 
     @classmethod
     def from_wire(cls, p: list) -> Ready:
-        m, mml, vs, eos, mns, nb, bs, mw, loras, ml, v = p
+        m, mml, vs, eos, mns, nb, bs, mw, loras, ml, it, nt, mi, v = p
         return cls(str(m), int(mml), int(vs), [int(t) for t in eos], int(mns), int(nb), int(bs), int(mw),
-                   [[str(name), str(path)] for name, path in loras], int(ml), int(v))
+                   [[str(name), str(path)] for name, path in loras], int(ml), int(it), int(nt), int(mi), int(v))
+
+
+@dataclass
+class ImageInput:
+    """An image in a prompt: what its ``length`` placeholder tokens from ``offset`` stand for, as pixels the
+    model's image processor made (float32, little-endian, channels first: ``shape`` (3, H, W))."""
+
+    offset: int
+    length: int
+    shape: list[int]
+    pixels: bytes
+
+    def to_wire(self) -> list:
+        return [self.offset, self.length, list(self.shape), self.pixels]
+
+    @classmethod
+    def from_wire(cls, p: list) -> ImageInput:
+        offset, length, shape, pixels = p
+        if not all(type(v) is int for v in (offset, length, *shape)) or not isinstance(pixels, bytes):
+            raise ProtocolError("an image is [offset, length, shape, pixels]: ints, a list of ints, bytes")
+        return cls(offset, length, list(shape), pixels)
 
 
 @dataclass
@@ -399,20 +426,22 @@ class Add:
     cache_salt: str = ""  # prefix-cache blocks are shared only between requests with the same salt
     pooling: PoolingParams | None = None  # an embedding request: ``params`` are unused
     lora: str = ""  # the LoRA adapter it runs with (one of ``Ready.loras``); "": the model alone
+    images: list[ImageInput] = field(default_factory=list)  # in the prompt, in order
     kind = Kind.ADD
 
     def to_wire(self) -> list:
         return [self.request_id, list(self.prompt_token_ids), self.params.to_wire(), self.priority, self.deadline,
-                self.cache_salt, None if self.pooling is None else self.pooling.to_wire(), self.lora]
+                self.cache_salt, None if self.pooling is None else self.pooling.to_wire(), self.lora,
+                [i.to_wire() for i in self.images]]
 
     @classmethod
     def from_wire(cls, p: list) -> Add:
-        rid, toks, params, prio, deadline, salt, pooling, lora = p
+        rid, toks, params, prio, deadline, salt, pooling, lora, images = p
         if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
             raise ProtocolError("prompt_token_ids must be a list of ints")
         return cls(str(rid), toks, SamplingParams.from_wire(params), int(prio),
                    None if deadline is None else float(deadline), str(salt), PoolingParams.from_wire(pooling),
-                   str(lora))
+                   str(lora), [ImageInput.from_wire(i) for i in images])
 
 
 @dataclass

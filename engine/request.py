@@ -12,9 +12,26 @@ scheduled for its next token, whose input that in-flight token is.
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 from typing import Any
 
 from engine.protocol import SamplingParams
+
+
+@dataclass
+class PromptImage:
+    """An image of the prompt (``engine.models.vision``): its ``length`` placeholder tokens from ``offset``, its
+    pixels (the wire's: float32, channels first) and their hash, which names the blocks holding it."""
+
+    offset: int
+    length: int
+    shape: tuple[int, ...]
+    pixels: bytes
+    hash: bytes
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
 
 
 class Status(enum.Enum):
@@ -31,12 +48,13 @@ class Request:
         "prompt_logprobs", "_all_token_ids", "stop_token_ids", "arrival_time", "queued_at", "waited",
         "num_output_at_preemption", "cache_salt", "block_hashes", "num_cached_blocks", "num_in_flight",
         "num_prompt_logprobs_in_flight", "pool", "window_from", "lora", "lora_slot", "draft_token_ids",
-        "draft_history",
+        "draft_history", "images", "image_embeds",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  priority: int = 0, deadline: float | None = None, sampling_state: Any = None,
-                 cache_salt: str = "", pool: Any = None, lora: str = "", lora_slot: int = -1):
+                 cache_salt: str = "", pool: Any = None, lora: str = "", lora_slot: int = -1,
+                 images: list[PromptImage] | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -63,6 +81,8 @@ class Request:
         # the proposer's copy of its tokens
         self.draft_token_ids: list[int] = []
         self.draft_history: Any = None
+        self.images = images or []  # in the prompt, in order
+        self.image_embeds: dict[int, Any] = {}  # image index -> its embeddings, while a prompt chunk still needs them
         self.block_hashes: list[bytes] = []  # chained hashes of its full blocks (block manager's, kept)
         self.num_cached_blocks = 0  # leading blocks of block_table already offered to the prefix cache
         self.num_preemptions = 0

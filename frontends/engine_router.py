@@ -22,7 +22,7 @@ import asyncio
 import dataclasses
 import logging
 
-from engine.protocol import LoraUpdate, PoolingParams, Ready, SamplingParams, Stats
+from engine.protocol import ImageInput, LoraUpdate, PoolingParams, Ready, SamplingParams, Stats
 from frontends.engine_client import EngineClient, EngineUnavailable, Stream
 
 log = logging.getLogger("tokenmill.engine_router")
@@ -171,14 +171,16 @@ class EngineRouter:
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
             priority: int = 0, deadline: float | None = None, stream: Stream | None = None,
-            cache_salt: str = "", pooling: PoolingParams | None = None, lora: str = "") -> Stream:
+            cache_salt: str = "", pooling: PoolingParams | None = None, lora: str = "",
+            images: list[ImageInput] | None = None) -> Stream:
         """As ``EngineClient.add``; requests sharing ``stream`` go to the engine its first one went to."""
         if stream is None:
             stream = Stream()
         if stream.engine is None:
             stream.engine = self.pick()
         return self.clients[stream.engine].add(request_id, prompt_token_ids, params, priority, deadline,
-                                               stream=stream, cache_salt=cache_salt, pooling=pooling, lora=lora)
+                                               stream=stream, cache_salt=cache_salt, pooling=pooling, lora=lora,
+                                               images=images)
 
     def abort(self, request_ids: list[str]) -> None:
         for c in self.clients:  # each sends only the ids it owns, and nothing when it owns none

@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from engine.protocol import Delta, Error, PoolingParams, SamplingParams
+from engine.protocol import Delta, Error, ImageInput, PoolingParams, SamplingParams
 from frontends.engine_client import EngineClient, EngineUnavailable, Stream
 from frontends.errors import ApiError
 from frontends.metrics import Metrics
@@ -164,6 +164,7 @@ class Generation:
         # the request's field the engine's json_schema / choice came from: its refusals are named so
         self.schema_param = "response_format"
         self.pooling: PoolingParams | None = None  # set: every choice is an embedding request
+        self.images: list[ImageInput] = []  # what the prompt's image placeholders stand for (frontends.images)
         self._num_sent = 0
 
     @property
@@ -185,7 +186,7 @@ class Generation:
                 c, params = self.choices[self._num_sent], self._params[self._num_sent]
                 self.client.add(c.request_id, c.prompt_ids, params, self._priority, self.deadline,
                                 stream=self.stream, cache_salt=self.cache_salt, pooling=self.pooling,
-                                lora=self.lora)
+                                lora=self.lora, images=self.images)
                 self._num_sent += 1
                 count -= 1
         except EngineUnavailable as e:

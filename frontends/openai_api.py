@@ -38,7 +38,7 @@ from typing import Any
 import orjson
 
 from engine.protocol import MAX_ADAPTER_NAME, Stats
-from frontends import anthropic, reasoning, tools
+from frontends import anthropic, images, reasoning, tools
 from frontends import openai_params as op
 from frontends.access_log import CallInfo
 from frontends.anthropic import MessagesFormat
@@ -48,6 +48,7 @@ from frontends.engine_client import EngineClient, EngineUnavailable
 from frontends.errors import ApiError
 from frontends.generation import Generation, LogprobEntry, Update
 from frontends.http import Request, Response, Router, StreamingResponse
+from frontends.images import ImageProcessor
 from frontends.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from frontends.metrics import Metrics
 from frontends.responses import RESPONSES_PARAMS, ResponsesFormat, to_chat
@@ -99,8 +100,12 @@ class OpenAIApi:
                  metrics: Metrics | None = None, metrics_no_auth: bool = False, tool_call_parser: str = "auto",
                  reasoning_parser: str = "auto", sampling_defaults: dict | None = None,
                  max_tokens_cap: int | None = None, model_aliases: list[str] | None = None,
-                 force_include_usage: bool = False, tokens_as_ids: bool = False) -> None:
+                 force_include_usage: bool = False, tokens_as_ids: bool = False,
+                 images: ImageProcessor | str | None = None) -> None:
+        """``images``: the model's image processor (``frontends.images``), or why there is none for a model that
+        reads images (None: the model reads none)."""
         self.client = client
+        self.images = images
         self.metrics = metrics
         self.metrics_no_auth = metrics_no_auth
         self.codec = codec
@@ -368,7 +373,16 @@ class OpenAIApi:
         if top and not want_logprobs:
             raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
         add_generation_prompt, continue_final = op.parse_continuation(data, messages)
+        pixels = await self._pixels([url for m in messages for url in m.get("images", ())])
         prompt = await self._chat_template(data, messages, add_generation_prompt, calls, continue_final)
+        shown = prompt  # (the text the template wrote: what the reasoning parser reads)
+        image_inputs = []
+        if pixels:
+            try:
+                prompt, image_inputs = images.expand(prompt, pixels, self.client.ready.image_token_id,
+                                                     self.client.ready.image_tokens)
+            except images.ImageError as e:
+                raise ApiError(400, str(e), param="messages") from None
         max_tokens = op.resolve_max_tokens(data, ("max_completion_tokens", "max_tokens"), [len(prompt)],
                                            self.max_model_len, default=self.sampling_defaults.get("max_tokens"),
                                            cap=self.max_tokens_cap)
@@ -387,8 +401,24 @@ class OpenAIApi:
                          deadline, cache_salt, self.metrics, arrival, skip_special_tokens=skip)
         gen.schema_param = "tools" if tool_schema is not None else op.structured_field(data)
         gen.lora = lora
-        return gen, _ChatFormat(self, api_id, gen, want_logprobs, self._answer(data, prompt, base, calls),
+        gen.images = image_inputs
+        return gen, _ChatFormat(self, api_id, gen, want_logprobs, self._answer(data, shown, base, calls),
                                 self._token_names(data))
+
+    async def _pixels(self, urls: list[str]) -> list:
+        """The pixels of a chat's images (``frontends.images``), decoded off the event loop when large."""
+        if not urls:
+            return []
+        if not isinstance(self.images, ImageProcessor):
+            raise ApiError(400, f"{self.model} does not read images" + (f": {self.images}" if self.images else ""),
+                           param="messages")
+        limit = self.client.ready.max_images
+        if len(urls) > limit:
+            raise ApiError(400, f"at most {limit} images per request, got {len(urls)}", param="messages")
+        try:
+            return await self._offload(images.cost(urls), lambda: [self.images.from_url(u) for u in urls])
+        except images.ImageError as e:
+            raise ApiError(400, str(e), param="messages") from None
 
     def _answer(self, data: dict, prompt: list[int], base, calls: tools.ToolRequest | None):
         """What makes each choice's ``_Answer`` (None: its text is all content)."""

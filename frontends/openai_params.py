@@ -134,8 +134,9 @@ _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def parse_messages(data: dict, max_chars: int | None = None) -> list[dict[str, Any]]:
-    """Chat messages, text only, an assistant's ``tool_calls`` and a tool's ``tool_call_id`` kept
-    (``frontends.tools``); with ``max_chars``, their contents (and calls) together must fit in it."""
+    """Chat messages: their text, a user's images (``images``: their URLs, in order; ``frontends.images``), an
+    assistant's ``tool_calls`` and a tool's ``tool_call_id`` kept (``frontends.tools``); with ``max_chars``,
+    their texts (and calls) together must fit in it."""
     msgs = field(data, "messages", list)
     if not msgs:
         raise ApiError(400, "'messages' must not be empty", param="messages")
@@ -149,20 +150,32 @@ def parse_messages(data: dict, max_chars: int | None = None) -> list[dict[str, A
             raise ApiError(400, f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {role!r}",
                            param="messages")
         content = m.get("content")
+        images = []
         if content is None:
             content = ""
-        elif isinstance(content, list):  # content parts: only text ones
+        elif isinstance(content, list):  # content parts: text, and a user's images
             texts = []
             for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ApiError(400, f"messages[{i}].content: only text parts are supported",
-                                   param="messages")
-                texts.append(part["text"])
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "text" and isinstance(part.get("text"), str):
+                    texts.append(part["text"])
+                elif kind == "image_url" and role == "user":
+                    url = part.get("image_url")
+                    url = url.get("url") if isinstance(url, dict) else url
+                    if not isinstance(url, str):
+                        raise ApiError(400, f"messages[{i}].content: an image_url part needs image_url.url, a "
+                                       f"string", param="messages")
+                    images.append(url)
+                else:
+                    raise ApiError(400, f"messages[{i}].content: only text parts (and a user's image_url parts) "
+                                   f"are supported", param="messages")
             content = "".join(texts)
         elif not isinstance(content, str):
-            raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts",
+            raise ApiError(400, f"messages[{i}].content must be a string or a list of content parts",
                            param="messages")
         msg = {"role": "system" if role == "developer" else role, "content": content}
+        if images:
+            msg["images"] = images
         if role == "assistant" and m.get("tool_calls"):
             msg["tool_calls"] = tools.template_tool_calls(m["tool_calls"], i)
             size += sum(len(c["function"]["arguments"]) for c in m["tool_calls"])

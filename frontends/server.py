@@ -25,6 +25,7 @@ from frontends.access_log import AccessLog
 from frontends.engine_client import EngineClient
 from frontends.engine_router import EngineRouter
 from frontends.http import HttpConfig, HttpServer, Router
+from frontends.images import ImageProcessor
 from frontends.metrics import Metrics
 from frontends.openai_api import OpenAIApi
 from frontends.text import TextCodec
@@ -112,12 +113,20 @@ async def serve(args: FrontendArgs, ready: Callable[[], None] | None = None) -> 
         c.on_stats = functools.partial(metrics.engine_stats, engine=str(i))
         if c.last_stats is not None:
             c.on_stats(c.last_stats)
+    image_processor = None
+    if client.ready.image_tokens:
+        try:
+            image_processor = ImageProcessor.load(args.tokenizer_path)
+            codec.use_images(client.ready.image_token_id)
+        except ValueError as e:
+            log.warning("images refused: %s", e)
+            image_processor = str(e)
     api = OpenAIApi(client, codec, args.served_model_name, args.api_keys,
                     allowed_origins=args.allowed_origins, metrics=metrics, metrics_no_auth=args.metrics_no_auth,
                     force_include_usage=args.force_include_usage, tokens_as_ids=args.tokens_as_ids,
                     tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                     sampling_defaults=args.sampling_defaults, max_tokens_cap=args.max_tokens_cap,
-                    model_aliases=args.model_aliases)
+                    model_aliases=args.model_aliases, images=image_processor)
     access_log = AccessLog(metrics, enabled=args.log_requests, log_prompts=args.log_prompts)
     router = build_router(api, args.ws, access_log)
     access_log.router = router

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from frontends import images
+
 T = TypeVar("T")
 
 class TextCodec:
@@ -45,6 +47,31 @@ class TextCodec:
         self.max_token_chars = max(map(len, tokenizer.get_vocab()), default=1) or 1
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._queued = 0  # size of the work handed to the pool and not finished
+        self.image_token: str | None = None  # a model that reads images: its placeholder (``use_images``)
+        self._lists_contents = False
+
+    def use_images(self, token_id: int) -> None:
+        """The model reads images (``frontends.images``): chat templates get them, as parts of a content list
+        where the template reads those, else as the image token written before the message's text."""
+        self.image_token = self.token_text(token_id)
+        self._lists_contents = images.lists_contents(self.chat_template)
+
+    def _template_messages(self, messages: list[dict]) -> list[dict]:
+        """``messages`` as the chat template reads them: with images (``use_images``), each one's in its place."""
+        if self.image_token is None:
+            return messages
+        out = []
+        for m in messages:
+            n = len(m.get("images", ()))
+            m = {k: v for k, v in m.items() if k != "images"}
+            if not isinstance(m.get("content"), str):  # (parts already: as given)
+                pass
+            elif self._lists_contents:
+                m["content"] = [{"type": "image"}] * n + [{"type": "text", "text": m["content"]}]
+            elif n:
+                m["content"] = f"{self.image_token}\n" * n + m["content"]
+            out.append(m)
+        return out
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
@@ -68,7 +95,7 @@ class TextCodec:
         """``extra``: more template variables (``chat_template_kwargs``). ``continue_final``: the prompt ends
         inside the last (assistant) message, so the model goes on with it (vLLM's and transformers'
         ``continue_final_message``: what the template writes after its content is cut off)."""
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, tools=tools,
+        text = self.tokenizer.apply_chat_template(self._template_messages(messages), tokenize=False, tools=tools,
                                                   add_generation_prompt=add_generation_prompt, **(extra or {}))
         if continue_final:
             final = messages[-1]["content"] or ""

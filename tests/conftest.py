@@ -151,3 +151,48 @@ def lora_tiny(tmp_path_factory, smollm_tokenizer_dir) -> tuple[str, str, str]:
     model = make_tiny_model(str(root / "model"), "llama", smollm_tokenizer_dir, seed=4)
     return model, make_lora(model, str(root / "a"), seed=1), make_lora(model, str(root / "b"), seed=2, r=4,
                                                                        modules=("q_proj", "v_proj"))
+
+
+# llava-hf's chat template (llava-1.5): each message's images first, then its text, from content parts
+LLAVA_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': '}}{% endif %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' '}}"
+    "{% endfor %}{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}")
+
+
+def make_tiny_llava(out_dir: str, tokenizer_dir: str, seed: int = 5, template: str | None = LLAVA_TEMPLATE,
+                    **vision) -> str:
+    """A random LlavaForConditionalGeneration folder (fp32) as llava-hf ships llava-1.5: a Llama under a CLIP
+    tower (images of 30 pixels in patches of 6: 25 tokens each, the class token dropped), SmolLM2's tokenizer
+    with ``<image>`` added (id 49152), a CLIP image processor, llava-hf's chat template (``template``; None:
+    SmolLM2's, which reads contents as strings)."""
+    import json
+
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    text = LlamaConfig(**(TINY | {"vocab_size": 49153}))
+    tower = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=2, image_size=30, patch_size=6) | vision
+    cfg = LlavaConfig(text_config=text.to_dict(), vision_config=tower, image_token_index=49152,
+                      image_seq_length=25)
+    torch.manual_seed(seed)
+    _save_random(LlavaForConditionalGeneration(cfg), out_dir, None, gemma=False)
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    if template is not None:
+        tok.chat_template = template
+    tok.save_pretrained(out_dir)
+    size = tower["image_size"]
+    CLIPImageProcessorPil(size={"shortest_edge": size}, crop_size={"height": size, "width": size}).save_pretrained(
+        out_dir)
+    with open(os.path.join(out_dir, "config.json")) as f:
+        assert json.load(f)["model_type"] == "llava"
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_llava(tmp_path_factory, smollm_tokenizer_dir) -> str:
+    return make_tiny_llava(str(tmp_path_factory.mktemp("tiny_llava")), smollm_tokenizer_dir)

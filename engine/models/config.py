@@ -116,6 +116,53 @@ class MoEConfig:
                    or 0)
 
 
+# a LLaVA vision tower's defaults where its config leaves them out (transformers' CLIPVisionConfig and
+# SiglipVisionConfig; LlavaConfig's own, llava-1.5's CLIP ViT-L/14 at 336, where it names no tower at all)
+_TOWERS = {"clip_vision_model": {"image_size": 224, "patch_size": 32},
+           "siglip_vision_model": {"image_size": 224, "patch_size": 16}}
+_LLAVA_TOWER = {"model_type": "clip_vision_model", "intermediate_size": 4096, "hidden_size": 1024, "patch_size": 14,
+                "image_size": 336, "num_hidden_layers": 24, "num_attention_heads": 16, "projection_dim": 768}
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """A LLaVA model's eyes (``engine/models/vision.py``): a CLIP or SigLIP vision tower whose hidden states
+    at ``feature_layers`` (concatenated), past its class token unless ``keep_cls``, go through a two-layer
+    projector into the language model's embeddings; each image stands for ``num_tokens`` copies of
+    ``image_token_id`` in the prompt."""
+
+    tower: dict  # the tower's config (its config.json keys, model_type among them)
+    image_token_id: int
+    feature_layers: tuple[int, ...]
+    keep_cls: bool  # vision_feature_select_strategy "full" ("default": the first position is dropped)
+    projector_act: str
+    projector_bias: bool
+    image_size: int  # pixels a side
+    num_tokens: int
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> VisionConfig:
+        tower = dict(cfg.get("vision_config") or _LLAVA_TOWER)
+        kind = tower.setdefault("model_type", "clip_vision_model")
+        if kind not in _TOWERS:
+            raise ValueError(f"a LLaVA vision tower {kind!r} is not supported ({', '.join(_TOWERS)} are)")
+        tower = _TOWERS[kind] | tower
+        layers = cfg.get("vision_feature_layer", -2)
+        layers = (layers,) if isinstance(layers, int) else tuple(layers)
+        strategy = cfg.get("vision_feature_select_strategy", "default")
+        if strategy not in ("default", "full") or not layers or not all(isinstance(i, int) for i in layers):
+            raise ValueError(f"vision_feature_select_strategy {strategy!r} (default, full) or vision_feature_layer "
+                             f"{cfg.get('vision_feature_layer')!r} (an index or a list of them) not supported")
+        image, patch = tower["image_size"], tower["patch_size"]
+        if image % patch:
+            raise ValueError(f"a vision tower whose patches ({patch}) do not tile its images ({image})")
+        positions = (image // patch) ** 2 + (kind == "clip_vision_model")  # (CLIP's class token first)
+        return cls(tower, int(cfg.get("image_token_index", cfg.get("image_token_id", 32000))), layers,
+                   strategy == "full", cfg.get("projector_hidden_act", "gelu"),
+                   bool(cfg.get("multimodal_projector_bias", True)), image,
+                   positions - (strategy == "default"))
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model_type: str
@@ -153,6 +200,7 @@ class ModelConfig:
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    vision: VisionConfig | None = None  # LLaVA: images in the prompt (None: text only)
 
     def sparse(self, layer: int) -> bool:
         """Whether layer ``layer``'s MLP is the mixture of experts (else a dense one)."""
@@ -170,6 +218,10 @@ class ModelConfig:
     def from_hf(cls, cfg: dict, eos_token_ids: list[int] | None = None) -> ModelConfig:
         if cfg.get("model_type") == "gemma3":
             cfg = _gemma3_text(cfg)
+        vision = None
+        if cfg.get("model_type") == "llava":
+            vision = VisionConfig.from_hf(cfg)
+            cfg = _language_config(cfg, {"model_type": "llama"})
         model_type = cfg.get("model_type", "")
         if model_type not in SUPPORTED_ARCHITECTURES:
             archs = ", ".join(cfg.get("architectures") or [model_type or "unknown"])
@@ -239,6 +291,8 @@ class ModelConfig:
             eos = []
         elif isinstance(eos, int):
             eos = [eos]
+        if vision is not None and not 0 <= vision.image_token_id < cfg["vocab_size"]:
+            raise ValueError(f"image_token_index {vision.image_token_id} is not in the language model's vocabulary")
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -272,17 +326,24 @@ class ModelConfig:
             embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
             residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
             logits_scaling=float(cfg.get("logits_scaling", 1.0)),
+            vision=vision,
         )
 
 
 def _gemma3_text(cfg: dict) -> dict:
     """Gemma 3 4B, 12B, 27B (Gemma3ForConditionalGeneration): the language model's config, which holds
-    the text model's keys (the vision tower's weights are left unread); ids the top level keeps too."""
-    text = dict(cfg.get("text_config") or {})
+    the text model's keys (the vision tower's weights are left unread)."""
+    return _language_config(cfg, {}) | {"model_type": "gemma3_text"}
+
+
+def _language_config(cfg: dict, defaults: dict) -> dict:
+    """A multimodal model's language model config: its text_config (over ``defaults``), with the ids the top
+    level keeps."""
+    text = defaults | dict(cfg.get("text_config") or {})
     for key in ("eos_token_id", "bos_token_id", "quantization_config"):
         if key not in text and key in cfg:
             text[key] = cfg[key]
-    return text | {"model_type": "gemma3_text"}
+    return text
 
 
 def _sliding_window(cfg: dict, model_type: str) -> tuple[int | None, frozenset[int] | None]:

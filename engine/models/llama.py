@@ -30,6 +30,7 @@ from engine.models.layers import (
     VocabEmbedding,
 )
 from engine.models.moe import SparseMoE
+from engine.models.vision import LlavaVision
 from engine.parallel import TPGroup, kv_replicas
 
 
@@ -169,14 +170,20 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma > 0, cfg.olmo)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tp,
                               tied=self.embed_tokens if cfg.tie_word_embeddings else None) if cfg.lm_head else None
+        # LLaVA's vision tower and projector (one rank only: under tensor parallelism it serves text)
+        self.vision = LlavaVision(cfg.vision, cfg.hidden_size) if cfg.vision is not None and tp.size == 1 else None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """(T,) token ids at (T,) positions -> (T, hidden) final hidden states."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """(T,) token ids at (T,) positions -> (T, hidden) final hidden states. ``embeds``: (E,) rows whose
+        input is (E, hidden) given embeddings instead of their token's (an image's, ``LlavaVision``)."""
         x = self.embed_tokens(input_ids)  # (T, hidden)
         if self.cfg.gemma:
             x = x * self.embed_scale.to(x.dtype)
         elif self.cfg.embedding_multiplier != 1.0:  # Granite's, a Python float as transformers multiplies
             x = x * self.cfg.embedding_multiplier
+        if embeds is not None:
+            x[embeds[0]] = embeds[1].to(x.dtype)
         rope = self.rotary(positions, x.dtype)  # cos, sin: (T, D/2) each
         local = rope if self.local_rotary is None else self.local_rotary(positions, x.dtype)
         residual = None
