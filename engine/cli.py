@@ -58,6 +58,16 @@ def _json_map(text: str) -> dict:
     return value
 
 
+def _mm_limits(text: str) -> dict:
+    """vLLM's ``--limit-mm-per-prompt``: a JSON object, or its older ``image=4,video=0``."""
+    if text.lstrip().startswith("{"):
+        return _json_map(text)
+    try:
+        return {k.strip(): int(v) for k, v in (pair.split("=") for pair in text.split(","))}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected '{{\"image\": 4}}' or image=4, got {text!r}") from None
+
+
 def _lora_module(text: str) -> tuple[str, str]:
     """vLLM's two spellings of an adapter: ``name=path``, or ``{"name": ..., "path": ...}``."""
     if text.lstrip().startswith("{"):
@@ -159,9 +169,9 @@ def _engine_flags(p: argparse.ArgumentParser, generate: bool = False) -> None:
                    help="how /v1/embeddings pools a prompt: '{\"pooling_type\": \"MEAN\", \"normalize\": false}'; "
                         "pooling_type LAST or MEAN (default: the model's sentence-transformers or GGUF setting, "
                         "else LAST, normalized)")
-    g.add_argument("--limit-mm-per-prompt", type=_json_map, default=None, metavar="JSON",
+    g.add_argument("--limit-mm-per-prompt", type=_mm_limits, default=None, metavar="JSON",
                    help="the most images one prompt may hold, for a model that reads them (LLaVA), as vLLM's "
-                        "flag: '{\"image\": 4}'; 0: images refused (default: 16)")
+                        "flag: '{\"image\": 4}' (or image=4); 0: images refused (default: 16)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
                    help="ranks to split the model over (tensor parallel): one process per rank, one GPU "
                         "each on CUDA, an equal share of the CPU threads each on the CPU (default: 1)")

@@ -115,8 +115,9 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             bad(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         mm = self.limit_mm_per_prompt or {}
-        if set(mm) - {"image"} or not all(type(n) is int and n >= 0 for n in mm.values()):
-            bad(f"limit_mm_per_prompt takes {{\"image\": n}} (n >= 0), got {self.limit_mm_per_prompt!r}")
+        if set(mm) - {"image", "video", "audio"} or not all(type(n) is int and n >= 0 for n in mm.values()):
+            bad(f"limit_mm_per_prompt takes {{\"image\": n}} (n >= 0; video and audio are read nowhere here), got "
+                f"{self.limit_mm_per_prompt!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             bad(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
         if self.max_num_waiting_requests < 1:

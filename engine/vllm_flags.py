@@ -43,8 +43,6 @@ def add(parser: argparse.ArgumentParser) -> None:
                    help="reasoning is split off wherever the chat template shows it (--reasoning-parser)")
     v.add_argument("--disable-custom-all-reduce", action="store_true",
                    help="tensor-parallel ranks all-reduce through torch.distributed (NCCL, gloo) here")
-    v.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
-                   help="text only here: a request with images or audio is refused")
     v.add_argument("--compilation-config", "-O", default=None, metavar="JSON_OR_LEVEL",
                    help="no torch.compile settings here: decode steps replay as CUDA (or CPU) graphs, "
                         "--enforce-eager turns that off")

@@ -114,12 +114,16 @@ def _messages(data: dict) -> list[dict]:
             raise ApiError(400, f"messages[{i}].content must be a string or a non-empty list of blocks",
                            param="messages")
         texts: list[str] = []
+        parts: list[dict] = []  # texts and images, in order, where the message holds images
         calls: list[dict] = []
         for j, block in enumerate(content):
             where = f"messages[{i}].content[{j}]"
             kind = block.get("type") if isinstance(block, dict) else None
             if kind == "text" and isinstance(block.get("text"), str):
                 texts.append(block["text"])
+                parts.append({"type": "text", "text": block["text"]})
+            elif kind == "image" and role == "user":
+                parts.append({"type": "image_url", "image_url": {"url": _image_url(block.get("source"), where)}})
             elif kind == "tool_use" and role == "assistant":
                 if not (isinstance(block.get("id"), str) and isinstance(block.get("name"), str)
                         and isinstance(block.get("input"), dict)):
@@ -142,13 +146,26 @@ def _messages(data: dict) -> list[dict]:
                 out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
             elif kind not in ("thinking", "redacted_thinking") or role != "assistant":
                 raise ApiError(400, f"{where}: blocks of type {kind!r} are not supported in a {role} message here "
-                               "(text, tool_use from the assistant, tool_result from the user are)", param="messages")
-        if texts or calls or role == "assistant":  # (an assistant's turn of thinking only: still its turn)
+                               "(text, tool_use from the assistant, tool_result and image from the user are)", param="messages")
+        if len(parts) > len(texts):  # (a user's: text and images)
+            out.append({"role": role, "content": parts})
+        elif texts or calls or role == "assistant":  # (an assistant's turn of thinking only: still its turn)
             msg: dict = {"role": role, "content": "".join(texts)}
             if calls:
                 msg |= {"content": msg["content"] or None, "tool_calls": calls}
             out.append(msg)
     return out
+
+
+def _image_url(source: Any, where: str) -> str:
+    """An image block's ``source`` as a URL: base64 data as a ``data:`` URL (``frontends.images`` reads only those)."""
+    if isinstance(source, dict) and source.get("type") == "base64" and isinstance(source.get("data"), str) \
+            and isinstance(source.get("media_type"), str):
+        return f"data:{source['media_type']};base64,{source['data']}"
+    if isinstance(source, dict) and source.get("type") == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise ApiError(400, f"{where}: an image's source must be base64 data (type, media_type, data) or a url",
+                   param="messages")
 
 
 def to_chat(data: dict) -> dict:

@@ -55,6 +55,13 @@ def _text_of(content: Any, where: str) -> str:
     raise ApiError(400, f"{where} must be a string or a list of text parts", param="input")
 
 
+def _image_part(part: dict, where: str) -> dict:
+    """An ``input_image`` part as the chat's ``image_url`` part (its URL a ``data:`` one: ``frontends.images``)."""
+    if not isinstance(part.get("image_url"), str):
+        raise ApiError(400, f"{where}: an input_image needs its image_url (file_id is not supported)", param="input")
+    return {"type": "image_url", "image_url": {"url": part["image_url"]}}
+
+
 def _messages(data: dict) -> list[dict]:
     """``instructions`` and ``input`` as chat messages."""
     messages: list[dict] = []
@@ -73,7 +80,15 @@ def _messages(data: dict) -> list[dict]:
             raise ApiError(400, f"input[{i}] must be an object", param="input")
         kind = item.get("type", "message")
         if kind == "message":
-            messages.append({"role": item.get("role"), "content": _text_of(item.get("content"), f"input[{i}].content")})
+            content = item.get("content")
+            if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "input_image"
+                                                 for p in content):
+                content = [_image_part(p, f"input[{i}].content[{j}]") if isinstance(p, dict)
+                           and p.get("type") == "input_image" else {"type": "text", "text": _text_of([p], f"input[{i}]")}
+                           for j, p in enumerate(content)]  # (the chat's parts: its checks do the rest)
+            else:
+                content = _text_of(content, f"input[{i}].content")
+            messages.append({"role": item.get("role"), "content": content})
         elif kind == "function_call":
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
                 raise ApiError(400, f"input[{i}]: a function_call needs call_id, name and arguments, all strings",

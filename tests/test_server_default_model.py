@@ -35,6 +35,16 @@ def test_default_model_knows_the_capital_of_france(server):
     assert "Paris" in r.choices[0].message.content
 
 
+def test_a_text_model_refuses_images(server):
+    import openai
+
+    url = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
+    with pytest.raises(openai.BadRequestError, match="does not read images") as e:
+        openai_client(server).chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", max_tokens=2, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "?"}]}])
+    assert e.value.body["param"] == "messages"
+
+
 def test_anthropic_messages_api(server):
     """Anthropic's SDK against the real model: a system prompt, the answer, its usage and stop reason, and
     output held to a schema (``output_config``)."""

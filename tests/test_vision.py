@@ -1,0 +1,210 @@
+"""Images in prompts (LLaVA): pixels as transformers makes them, greedy output as transformers' LLaVA gives it
+(one image, two, none; chunked prefill through an image; preemption; prefix caching keyed by the image), and
+the served API: chat, Responses and Messages with data URLs through the official clients, and the 400s."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import pytest
+
+from engine import LLM, SamplingParams
+from frontends.images import ImageProcessor, lists_contents
+from tests.conftest import LLAVA_TEMPLATE, make_tiny_llava
+from tests.test_server_e2e import Server, openai_client
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+PROMPT = "USER: <image>\nWhat is in the picture? ASSISTANT:"
+
+
+def picture(seed: int, size=(40, 52), mode: str = "RGB"):
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    channels = {"RGB": 3, "RGBA": 4, "L": 1}[mode]
+    a = rng.integers(0, 256, (*size, channels), dtype=np.uint8)
+    return Image.fromarray(a[..., 0] if mode == "L" else a, mode)
+
+
+def data_url(image, fmt: str = "PNG") -> str:
+    buf = io.BytesIO()
+    image.save(buf, fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def hf_greedy(folder: str, ids: list[int], pixels: list[np.ndarray], n: int) -> list[int]:
+    import torch
+    from transformers import LlavaForConditionalGeneration
+
+    model = LlavaForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
+    kw = {"pixel_values": torch.from_numpy(np.stack(pixels))} if pixels else {}
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False, **kw)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llava):
+    with LLM(tiny_llava, dtype="float32") as llm:
+        yield llm
+
+
+def test_pixels_match_transformers_image_processor(tiny_llava, tmp_path):
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
+
+    ours, theirs = ImageProcessor.load(tiny_llava), CLIPImageProcessorPil.from_pretrained(tiny_llava)
+    siglip = SiglipImageProcessorPil(size={"height": 24, "width": 24})
+    siglip.save_pretrained(tmp_path)
+    ours_s = ImageProcessor.load(str(tmp_path))
+    for i, (size, mode) in enumerate([((40, 52), "RGB"), ((64, 30), "RGBA"), ((31, 31), "L"), ((300, 7), "RGB")]):
+        im = picture(i, size, mode)
+        a = ours.pixels(im)
+        assert a.shape == (3, 30, 30) and a.dtype == np.float32
+        assert np.array_equal(a, theirs(im, return_tensors="np")["pixel_values"][0])
+        assert np.array_equal(ours_s.pixels(im), siglip(im, return_tensors="np")["pixel_values"][0])
+
+
+def test_greedy_matches_transformers_with_one_two_and_no_images(llm, tiny_llava):
+    a, b = picture(1), picture(2, (64, 30))
+    prompts = [{"prompt": PROMPT, "multi_modal_data": {"image": a}},
+               {"prompt": "USER: <image>\n<image>\nWhich is brighter? ASSISTANT:",
+                "multi_modal_data": {"image": [a, data_url(b)]}},
+               "USER: Hello there ASSISTANT:"]
+    outs = llm.generate(prompts, GREEDY)
+    proc = ImageProcessor.load(tiny_llava)
+    for out, pics in zip(outs, ([a], [a, b], []), strict=True):
+        assert out.prompt_token_ids.count(49152) == 25 * len(pics)  # each image's 25 placeholders
+        assert out.token_ids == hf_greedy(tiny_llava, out.prompt_token_ids, [proc.pixels(p) for p in pics], 10)
+    assert outs[0].token_ids != llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": b}}],
+                                             GREEDY)[0].token_ids  # the image is read
+
+
+def test_chunked_prefill_through_an_image_preemption_and_prefix_cache(llm, tiny_llava):
+    images = [picture(i) for i in range(4)]
+    prompts = [{"prompt": f"USER: Look, {i}: <image>\nDescribe it. ASSISTANT:", "multi_modal_data": {"image": im}}
+               for i, im in enumerate(images)]
+    want = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    # chunks of 8 tokens cut each image's 25 placeholders in four; 7 blocks of 16 hold two prompts, not two answers
+    with LLM(tiny_llava, dtype="float32", max_num_batched_tokens=8, num_kv_blocks=7,
+             enable_prefix_caching=False) as small:
+        assert [o.token_ids for o in small.generate(prompts, GREEDY)] == want
+        assert small.engine.scheduler.num_preemptions > 0
+    # the same image again is served from the prefix cache; another image behind the same text is not
+    same = llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": images[0]}}] * 2, GREEDY)
+    again = llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": images[0]}}], GREEDY)[0]
+    fresh = picture(11)  # (not seen before by this LLM)
+    other = llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": fresh}}], GREEDY)[0]
+    assert again.num_cached_tokens >= 16 * (len(again.prompt_token_ids) // 16) - 16 > 0
+    assert again.token_ids == same[0].token_ids
+    assert other.num_cached_tokens < 16  # only the block before the image: "USER: " and the image's first
+    assert other.token_ids == hf_greedy(tiny_llava, other.prompt_token_ids,
+                                        [ImageProcessor.load(tiny_llava).pixels(fresh)], 10)
+
+
+def test_chat_writes_images_for_list_and_string_templates(llm, tiny_llava, tmp_path, smollm_tokenizer_dir):
+    im = picture(3)
+    msg = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(im)}},
+                                        {"type": "text", "text": "What is in the picture?"}]}]
+    out = llm.chat(msg, GREEDY)[0]
+    direct = llm.generate([{"prompt": "USER: <image>\nWhat is in the picture? ASSISTANT:",
+                            "multi_modal_data": {"image": im}}], GREEDY)[0]
+    assert out.prompt_token_ids == direct.prompt_token_ids and out.token_ids == direct.token_ids
+    assert lists_contents(LLAVA_TEMPLATE) and not lists_contents(llm.tokenizer.chat_template.replace(
+        "message['content']", "x"))
+    # a template that reads contents as strings (SmolLM2's): the image token before the message's text
+    folder = make_tiny_llava(str(tmp_path / "plain"), smollm_tokenizer_dir, template=None)
+    with LLM(folder, dtype="float32") as plain:
+        out = plain.chat([{"role": "user", "content": [{"type": "text", "text": "Hi"},
+                                                       {"type": "image_pil", "image_pil": im}]}], GREEDY)[0]
+        text = plain.tokenizer.decode(out.prompt_token_ids)
+        assert "<|im_start|>user\n" + "<image>" * 25 + "\nHi<|im_end|>" in text
+        assert out.token_ids == hf_greedy(folder, out.prompt_token_ids, [ImageProcessor.load(folder).pixels(im)], 10)
+
+
+def test_bad_images_are_refused_offline(llm, tiny_llama):
+    with pytest.raises(ValueError, match="placeholders for 2 images"):
+        llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": [picture(0), picture(1)]}}], GREEDY)
+    with pytest.raises(ValueError, match="one of them"):
+        llm.generate([{"prompt": PROMPT, "prompt_token_ids": [1]}], GREEDY)
+    with pytest.raises(Exception, match="image placeholder tokens"):  # the token typed, no image
+        llm.generate([PROMPT], GREEDY)
+    with LLM(tiny_llama) as text_only, pytest.raises(ValueError, match="does not read images"):
+        text_only.generate([{"prompt": "<image>", "multi_modal_data": {"image": picture(0)}}], GREEDY)
+
+
+# ---------------------------------------------------------------------------------------------------- served
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llava):
+    s = Server("--model", tiny_llava, "--served-model-name", "llava", "--dtype", "float32",
+               "--limit-mm-per-prompt", '{"image": 2}')
+    yield s
+    s.close()
+
+
+def chat(client, *parts, **kw):
+    content = [p if isinstance(p, dict) else {"type": "text", "text": p} for p in parts]
+    return client.chat.completions.create(model="llava", messages=[{"role": "user", "content": content}],
+                                          max_tokens=10, temperature=0.0, extra_body={"ignore_eos": True}, **kw)
+
+
+def image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def test_served_chat_responses_and_messages_read_images(server, llm):
+    import anthropic
+
+    im = picture(5)
+    url = data_url(im, "JPEG")
+    want = llm.chat([{"role": "user", "content": [image_part(url), {"type": "text", "text": "Describe it."}]}],
+                    GREEDY)[0]
+    client = openai_client(server)
+    r = chat(client, image_part(url), "Describe it.")
+    assert r.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert r.choices[0].message.content == want.text
+    stream = chat(client, image_part(url), "Describe it.", stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want.text
+    r = client.responses.create(model="llava", max_output_tokens=10, temperature=0.0, extra_body={"ignore_eos": True},
+                                input=[{"role": "user", "content": [{"type": "input_image", "image_url": url},
+                                                                    {"type": "input_text", "text": "Describe it."}]}])
+    assert r.output_text == want.text
+    ac = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
+    b64 = url.split(",", 1)[1]
+    m = ac.messages.create(model="llava", max_tokens=10, extra_body={"temperature": 0.0, "ignore_eos": True},
+                           messages=[{"role": "user", "content": [
+                               {"type": "image", "source": {"type": "base64", "media_type": "image/jpeg", "data": b64}},
+                               {"type": "text", "text": "Describe it."}]}])
+    assert m.content[0].text == want.text  # (the image's blocks cached by the calls before: Anthropic's count apart)
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == len(want.prompt_token_ids)
+
+
+@pytest.mark.parametrize("parts, message", [
+    ([image_part("https://example.com/cat.png"), "Hi"], "data:image"),
+    ([image_part("data:image/png;base64,!!!!"), "Hi"], "not valid base64"),
+    ([image_part("data:image/png;base64," + base64.b64encode(b"not an image").decode()), "Hi"], "cannot read"),
+    ([image_part(data_url(picture(0)))] * 3 + ["Hi"], "at most 2 images"),
+    ([image_part(data_url(picture(0))), "Is <image> here?"], "placeholders for 1 images"),
+    (["Is <image> here?"], "placeholder tokens"),
+])
+def test_served_bad_images_get_a_400_and_the_server_goes_on(server, parts, message):
+    import openai
+
+    client = openai_client(server)
+    with pytest.raises(openai.BadRequestError, match=message) as e:
+        chat(client, *parts)
+    assert e.value.body["param"] == "messages"
+    assert chat(client, image_part(data_url(picture(0))), "Hi").choices[0].finish_reason == "length"
+
+
+def test_an_assistants_image_is_refused(server):
+    import openai
+
+    client = openai_client(server)
+    with pytest.raises(openai.BadRequestError, match="image_url parts"):
+        client.chat.completions.create(model="llava", max_tokens=2, messages=[
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": [image_part(data_url(picture(0)))]}, {"role": "user", "content": "?"}])
