@@ -69,7 +69,7 @@ def test_bodies_become_chats():
     ({"input": []}, "input"),
     ({"input": 5}, "input"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file_1"}]}]}, "input"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools"),
     ({"input": "hi", "instructions": ["x"]}, "instructions"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input"),
