@@ -74,6 +74,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--num-requests", type=int, default=8)
     ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--compare-hf", action="store_true",
+                    help="also transformers' LLaVA (generate(), one request at a time) on each round's image requests: "
+                         "its tok/s, and how many of its greedy tokens tokenmill's match")
     args = ap.parse_args()
 
     from engine import LLM, SamplingParams
@@ -99,15 +102,38 @@ def main() -> None:
         llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))
         return time.perf_counter() - t
 
+    outputs = []
+
     def throughput(prompts) -> float:
         t = time.perf_counter()
         outs = llm.generate(prompts, SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True))
+        outputs.append(outs)
         return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t)
+
+    hf = None
+    if args.compare_hf:
+        import torch
+        from transformers import LlavaForConditionalGeneration
+
+        hf = LlavaForConditionalGeneration.from_pretrained(model, dtype=llm.engine.runner.dtype).eval()
+    agree = [0, 0]
+
+    def hf_throughput(batch, outs) -> float:
+        t = time.perf_counter()
+        for prompt, out in zip(batch, outs, strict=True):
+            pixels = torch.from_numpy(proc.pixels(prompt["multi_modal_data"]["image"]))[None].to(hf.dtype)
+            with torch.inference_mode():
+                ids = hf.generate(torch.tensor([out.prompt_token_ids]), pixel_values=pixels, do_sample=False,
+                                  max_new_tokens=args.output_len, min_new_tokens=args.output_len)
+            theirs = ids[0, len(out.prompt_token_ids):].tolist()
+            agree[0] += next((i for i, (a, b) in enumerate(zip(theirs, out.token_ids, strict=True)) if a != b), len(theirs))
+            agree[1] += len(theirs)
+        return len(batch) * args.output_len / (time.perf_counter() - t)
 
     first_token([4] + text_ids[:-1])  # (warm-up)
     fresh = iter(urls)
     cases: dict[str, list[float]] = {"ttft image": [], "ttft text": [], "ttft same image": [], "tok/s images": [],
-                                     "tok/s text": []}
+                                     "tok/s text": []}  # (and "tok/s images, HF" with --compare-hf)
     for r in range(args.rounds):
         url = next(fresh)
         cases["ttft image"].append(first_token({"prompt": question, "multi_modal_data": {"image": open_image(url)}}))
@@ -116,16 +142,21 @@ def main() -> None:
         batch = [{"prompt": question, "multi_modal_data": {"image": open_image(next(fresh))}}
                  for _ in range(args.num_requests - 1)]
         cases["tok/s images"].append(throughput(batch))
+        if hf is not None:
+            cases.setdefault("tok/s images, HF", []).append(hf_throughput(batch, outputs[-1]))
         cases["tok/s text"].append(throughput([[r + 100, i + 9] + text_ids[:-2] for i in range(len(batch))]))
     result = {"model": model, "image_tokens": vision.num_tokens, "prompt_tokens": n_text,
               "frontend_ms_per_image": round(decode_ms, 2)}
-    print(f"{'case':<18}" + "".join(f"round {r:<6}" for r in range(args.rounds)) + "median")
+    print(f"{'case':<20}" + "".join(f"round {r:<6}" for r in range(args.rounds)) + "median")
     for name, values in cases.items():
         scale = 1e3 if name.startswith("ttft") else 1.0
-        print(f"{name:<18}" + "".join(f"{v * scale:<12.1f}" for v in values) + f"{statistics.median(values) * scale:.1f}"
+        print(f"{name:<20}" + "".join(f"{v * scale:<12.1f}" for v in values) + f"{statistics.median(values) * scale:.1f}"
               + (" ms" if scale > 1 else ""))
-        result[name.replace(" ", "_").replace("/", "_per_")] = [round(v * scale, 2) for v in values]
+        result[name.replace(", ", "_").replace(" ", "_").replace("/", "_per_")] = [round(v * scale, 2) for v in values]
     print(f"frontend: {decode_ms:.1f} ms an image (a 640x480 JPEG data URL decoded, resized, normalized)")
+    if hf is not None:
+        result["greedy_agreement_with_hf"] = round(agree[0] / agree[1], 4)
+        print(f"greedy agreement with transformers (tokens before the first difference): {agree[0] / agree[1]:.4f}")
     print(json.dumps(result))
 
 
