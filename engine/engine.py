@@ -167,6 +167,8 @@ class Engine:
                      "tokens (n-gram lookup)", self.speculative.num_speculative_tokens,
                      self.speculative.prompt_lookup_min, self.speculative.prompt_lookup_max)
         self._in_flight: InFlight | None = None
+        if self.runner.model_cfg.vision is not None and self.vision is None:
+            log.warning("images refused: %s", self.no_images)
         cfg = self.runner.model_cfg
         in_pool = len(self.runner.window_layers)  # sliding-window layers with a pool of their own
         per_token = kv_block_bytes(cfg, 1, facts.kv_dtype) * (cfg.num_layers - in_pool) // cfg.num_layers
@@ -369,8 +371,7 @@ class Engine:
         if not images and not placeholders:
             return []
         if vision is None:
-            bad(f"{self.model_name} does not read images" + (" (not under tensor parallelism)"
-                                                              if self.runner.model_cfg.vision else ""))
+            bad(self.no_images)
         if pooling:
             bad("images cannot be embedded here, only generated from")
         if len(images) > self.config.max_images:
@@ -396,6 +397,12 @@ class Engine:
     def vision(self) -> VisionConfig | None:
         """The model's eyes (None: it reads no images, or not here: under tensor parallelism)."""
         return self.runner.model_cfg.vision if self.runner.model.vision is not None else None
+
+    @property
+    def no_images(self) -> str:
+        """Why a prompt with images is refused (where ``vision`` is None)."""
+        return f"{self.model_name} does not read images" + (
+            " under tensor parallelism (its vision tower is not split)" if self.runner.model_cfg.vision else "")
 
     def _run(self, batch: ScheduledBatch) -> tuple[StepResult, list[Request]]:
         """The step's result, and the requests it ended with "error" (out of memory)."""

@@ -197,7 +197,7 @@ class LLM:
     @property
     def _vision(self):
         if self.engine.vision is None:
-            raise ValueError(f"{self.engine.model_name} does not read images")
+            raise ValueError(self.engine.no_images)
         return self.engine.vision
 
     @cached_property

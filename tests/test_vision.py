@@ -208,3 +208,11 @@ def test_an_assistants_image_is_refused(server):
         client.chat.completions.create(model="llava", max_tokens=2, messages=[
             {"role": "user", "content": "Hi"},
             {"role": "assistant", "content": [image_part(data_url(picture(0)))]}, {"role": "user", "content": "?"}])
+
+
+def test_under_tensor_parallelism_text_is_served_and_images_refused(llm, tiny_llava):
+    text = llm.generate(["USER: Hello there ASSISTANT:"], GREEDY)[0].token_ids
+    with LLM(tiny_llava, dtype="float32", tensor_parallel_size=2) as tp:
+        assert tp.generate(["USER: Hello there ASSISTANT:"], GREEDY)[0].token_ids == text
+        with pytest.raises(ValueError, match="under tensor parallelism"):
+            tp.generate([{"prompt": PROMPT, "multi_modal_data": {"image": picture(0)}}], GREEDY)
