@@ -131,8 +131,9 @@ class LLM:
                 image_inputs = []
                 if pictures:
                     vision = self._vision
-                    ids, image_inputs = images.expand(ids, [self._image_processor.pixels(im) for im in pictures],
-                                                      vision.image_token_id, vision.num_tokens)
+                    ids, offsets = images.expand(ids, len(pictures), vision.image_token_id, vision.num_tokens)
+                    image_inputs = images.inputs(offsets, [self._image_processor.pixels(im) for im in pictures],
+                                                 vision.num_tokens)
                 if fit:
                     room = self.engine.max_model_len - len(ids)
                     p = dataclasses.replace(p, max_tokens=max(1, min(p.max_tokens, room)))

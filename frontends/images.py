@@ -138,24 +138,28 @@ def open_image(url: str):
     return image
 
 
-def expand(prompt: list[int], pixels: list[np.ndarray], token_id: int, num_tokens: int) -> tuple[
-        list[int], list[ImageInput]]:
+def expand(prompt: list[int], count: int, token_id: int, num_tokens: int) -> tuple[list[int], list[int]]:
     """The prompt with each image token (one per image, as the chat template wrote it) made ``num_tokens`` of
-    them, and the images on them; ``ImageError`` when the template wrote as many image tokens as images."""
+    them, and where each image's run begins; ``ImageError`` unless the template wrote ``count`` of them."""
     at = [i for i, t in enumerate(prompt) if t == token_id]
-    if len(at) != len(pixels):
-        raise ImageError(f"the prompt holds {len(at)} image placeholders for {len(pixels)} images (the model's "
-                         f"image token may not appear in text)")
+    if len(at) != count:
+        raise ImageError(f"the prompt holds {len(at)} image placeholders for {count} images (the model's image "
+                         f"token may not appear in text)")
     out: list[int] = []
-    images = []
+    offsets = []
     start = 0
-    for i, p in zip(at, pixels, strict=True):
+    for i in at:
         out.extend(prompt[start:i])
-        images.append(ImageInput(len(out), num_tokens, list(p.shape), p.tobytes()))
+        offsets.append(len(out))
         out.extend([token_id] * num_tokens)
         start = i + 1
     out.extend(prompt[start:])
-    return out, images
+    return out, offsets
+
+
+def inputs(offsets: list[int], pixels: list[np.ndarray], num_tokens: int) -> list[ImageInput]:
+    """The images of ``expand``'s prompt, as the engine takes them."""
+    return [ImageInput(o, num_tokens, list(p.shape), p.tobytes()) for o, p in zip(offsets, pixels, strict=True)]
 
 
 def cost(urls: list[str]) -> int:

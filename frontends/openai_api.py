@@ -219,7 +219,11 @@ class OpenAIApi:
         messages = op.parse_messages(data, self.max_chars)
         calls = tools.parse_tools({"tools": data.get("tools"), "tool_choice": "none"}, None)
         add_generation_prompt, continue_final = op.parse_continuation(data, messages)
-        return await self._chat_template(data, messages, add_generation_prompt, calls, continue_final)
+        count = sum(len(m.get("images", ())) for m in messages)  # (counted, not decoded)
+        if count:
+            self._check_images(count)
+        prompt = await self._chat_template(data, messages, add_generation_prompt, calls, continue_final)
+        return self._image_runs(prompt, count)[0]
 
     async def _stop_matcher(self, stops: list[str]) -> StopMatcher | None:
         """Built once per call for all its choices; a big one off the event loop."""
@@ -374,15 +378,9 @@ class OpenAIApi:
             raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
         add_generation_prompt, continue_final = op.parse_continuation(data, messages)
         pixels = await self._pixels([url for m in messages for url in m.get("images", ())])
-        prompt = await self._chat_template(data, messages, add_generation_prompt, calls, continue_final)
-        shown = prompt  # (the text the template wrote: what the reasoning parser reads)
-        image_inputs = []
-        if pixels:
-            try:
-                prompt, image_inputs = images.expand(prompt, pixels, self.client.ready.image_token_id,
-                                                     self.client.ready.image_tokens)
-            except images.ImageError as e:
-                raise ApiError(400, str(e), param="messages") from None
+        shown = await self._chat_template(data, messages, add_generation_prompt, calls, continue_final)
+        prompt, offsets = self._image_runs(shown, len(pixels))
+        image_inputs = images.inputs(offsets, pixels, self.client.ready.image_tokens)
         max_tokens = op.resolve_max_tokens(data, ("max_completion_tokens", "max_tokens"), [len(prompt)],
                                            self.max_model_len, default=self.sampling_defaults.get("max_tokens"),
                                            cap=self.max_tokens_cap)
@@ -405,16 +403,29 @@ class OpenAIApi:
         return gen, _ChatFormat(self, api_id, gen, want_logprobs, self._answer(data, shown, base, calls),
                                 self._token_names(data))
 
-    async def _pixels(self, urls: list[str]) -> list:
-        """The pixels of a chat's images (``frontends.images``), decoded off the event loop when large."""
-        if not urls:
-            return []
+    def _check_images(self, count: int) -> None:
+        """A 400 unless the model reads images and ``count`` of them are allowed in one request."""
         if not isinstance(self.images, ImageProcessor):
             raise ApiError(400, f"{self.model} does not read images" + (f": {self.images}" if self.images else ""),
                            param="messages")
         limit = self.client.ready.max_images
-        if len(urls) > limit:
-            raise ApiError(400, f"at most {limit} images per request, got {len(urls)}", param="messages")
+        if count > limit:
+            raise ApiError(400, f"at most {limit} images per request, got {count}", param="messages")
+
+    def _image_runs(self, prompt: list[int], count: int) -> tuple[list[int], list[int]]:
+        """The templated prompt with its ``count`` images' placeholders (``frontends.images.expand``)."""
+        if not count:
+            return prompt, []
+        try:
+            return images.expand(prompt, count, self.client.ready.image_token_id, self.client.ready.image_tokens)
+        except images.ImageError as e:
+            raise ApiError(400, str(e), param="messages") from None
+
+    async def _pixels(self, urls: list[str]) -> list:
+        """The pixels of a chat's images (``frontends.images``), decoded off the event loop when large."""
+        if not urls:
+            return []
+        self._check_images(len(urls))
         try:
             return await self._offload(images.cost(urls), lambda: [self.images.from_url(u) for u in urls])
         except images.ImageError as e:

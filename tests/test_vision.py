@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import base64
 import io
+import json
+import urllib.request
 
 import numpy as np
 import pytest
@@ -180,6 +182,16 @@ def test_served_chat_responses_and_messages_read_images(server, llm):
                                {"type": "text", "text": "Describe it."}]}])
     assert m.content[0].text == want.text  # (the image's blocks cached by the calls before: Anthropic's count apart)
     assert m.usage.input_tokens + m.usage.cache_read_input_tokens == len(want.prompt_token_ids)
+    # counted as they would run: /tokenize and count_tokens
+    body = {"model": "llava", "messages": [{"role": "user", "content": [image_part(url), {"type": "text",
+                                                                                        "text": "Describe it."}]}]}
+    request = urllib.request.Request(server.url + "/tokenize", json.dumps(body).encode(),
+                                     {"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as r:
+        assert json.load(r)["tokens"] == want.prompt_token_ids
+    assert ac.messages.count_tokens(model="llava", messages=[{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/jpeg", "data": b64}},
+        {"type": "text", "text": "Describe it."}]}]).input_tokens == len(want.prompt_token_ids)
 
 
 @pytest.mark.parametrize("parts, message", [
