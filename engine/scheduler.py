@@ -20,6 +20,11 @@ One step, in order:
    and computes only the rest. A request whose blocks another hit in this step
    is not preempted in it.
 
+A prompt chunk that reaches an image (``engine.models.vision``) not yet encoded also counts the image's
+positions against the step's prompt tokens, the vision tower's work being of that order: a burst of image
+requests encodes a step's worth of images, not all of them at once; the chunk stops before an image that does
+not fit (the step's first prompt chunk takes one whatever its size).
+
 Preemption is by recompute: the victim's blocks are freed (its full blocks stay
 in the prefix cache until evicted, so it resumes cheaply) and it waits again
 (keeping its arrival time, so its rank). When a running request needs a block
@@ -81,6 +86,7 @@ class ScheduledBatch:
     timed_out: list[Request] = field(default_factory=list)  # finished by their deadline this step
     num_tokens: int = 0  # sum of num_new_tokens
     num_drafts: int = 0  # of which speculative drafts (engine.speculative), after their decodes' tokens
+    image_tokens: int = 0  # positions of the images the step's prompt chunks begin (the vision tower's work)
     short_of_blocks: bool = False  # a running request had to preempt for blocks: admit nobody
     pinned: set[str] = field(default_factory=set)  # compute blocks that others hit this step: never preempted
     window_writes: list[tuple[int, int]] = field(default_factory=list)  # (block, window block) links made
@@ -294,17 +300,20 @@ class Scheduler:
         admit = not (self.one_at_a_time and prefilling)
         step_cap = self.block_manager.max_step_tokens or limit  # (a sliding-window pool's bound)
         i = 0
-        while batch.num_prompt_tokens < limit:
+        while batch.num_prompt_tokens + batch.image_tokens < limit:
             head = self.waiting.peek() if admit and self.waiting and not batch.short_of_blocks else None
             if head is not None and head.num_in_flight:  # preempted with a token in flight: back once it is known
                 head, admit = None, False
             if i < len(prefilling) and (head is None or rank(prefilling[i]) <= rank(head)):
                 req = prefilling[i]
                 i += 1
-                n = min(req.num_tokens - req.num_computed_tokens, limit - batch.num_prompt_tokens, step_cap)
+                n, images = _fit_images(req, req.num_computed_tokens, min(
+                    req.num_tokens - req.num_computed_tokens, limit - batch.num_prompt_tokens - batch.image_tokens,
+                    step_cap), limit, batch)
                 # (one preempted since this list was made may be running again, readmitted this step)
-                if req.status is Status.RUNNING and req not in batch and self._allocate_running(req, n, batch):
+                if n and req.status is Status.RUNNING and req not in batch and self._allocate_running(req, n, batch):
                     self._add(batch, req, n)
+                    batch.image_tokens += images
                 continue
             if head is None:
                 break
@@ -312,7 +321,11 @@ class Scheduler:
             cacheable = _cacheable_tokens(head)
             cached = bm.match_prefix(head, cacheable)
             hit = len(cached) * bm.block_size
-            n = min(head.num_tokens - hit, limit - batch.num_prompt_tokens, step_cap)
+            n, images = _fit_images(head, hit, min(head.num_tokens - hit, limit - batch.num_prompt_tokens
+                                                   - batch.image_tokens, step_cap), limit, batch)
+            if not n:  # its image waits for a step with room for it
+                admit = False
+                continue
             # a resumed request comes back only when its whole context fits: back in part, it would
             # just be pushed out again
             fits = not head.num_preemptions or bm.can_allocate(head, _context_needed(head) - hit, cached)
@@ -329,6 +342,7 @@ class Scheduler:
                 self.running.append(head)
                 batch.pinned |= bm.providers(cached)
                 self._add(batch, head, n)
+                batch.image_tokens += images
                 admit = not self.one_at_a_time
                 continue
             victim = self._victim_for(head, batch) if self.waiting.preempts else None
@@ -410,6 +424,27 @@ class Scheduler:
         self.waiting.requeue(req)
         self._waiting_embeddings += req.pool is not None
         batch.preempted.append(req)
+
+
+def _fit_images(req: Request, start: int, n: int, limit: int, batch: ScheduledBatch) -> tuple[int, int]:
+    """How many of the ``n`` prompt tokens from ``start`` to schedule, and the image positions they begin: a chunk
+    that reaches an image not yet encoded runs the vision tower over all of it, a work of the order of as many
+    prompt tokens, so those count against the step's ``limit`` too; the chunk stops before the first image that
+    does not fit, and within the limit (the step's first prompt chunk always takes one image: each gets a step)."""
+    room = limit - batch.num_prompt_tokens - batch.image_tokens
+    alone = not (batch.num_prompt_tokens or batch.image_tokens)
+    cost = reach = 0  # image positions begun; tokens that reach the last of those images
+    for i, im in enumerate(req.images):
+        if im.offset >= start + n:
+            break
+        if im.end <= start or i in req.image_embeds:
+            continue
+        at = max(im.offset - start, 0)
+        if at + 1 + cost + im.length > room and not (alone and not cost):
+            return min(at, max(room - cost, reach)), cost
+        cost += im.length
+        reach = at + 1
+    return (min(n, max(room - cost, reach)), cost) if cost else (n, 0)
 
 
 def _context_needed(req: Request) -> int:

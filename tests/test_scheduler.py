@@ -201,3 +201,39 @@ def test_an_embeddings_last_prompt_token_is_a_prompt_token():
     run_step(s, batch)
     batch = s.schedule()
     assert batch.requests == [doc, s.running[1]] and batch.num_new_tokens == [1, 3] and batch.num_decodes == 0
+
+
+def image_req(rid: str, n: int, images: list[tuple[int, int]]) -> Request:
+    from engine.request import PromptImage
+
+    return Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=50),
+                   images=[PromptImage(o, length, (3, 1, 1), b"", rid.encode()) for o, length in images])
+
+
+def test_an_image_a_chunk_begins_counts_its_positions_against_the_step():
+    from engine.prefill_cap import PrefillCap
+
+    s, _ = make(num_blocks=64, max_tokens=100, prefill_cap=PrefillCap(100, fixed=100))  # (no cap beside decodes)
+    a, b = image_req("a", 60, [(5, 40)]), image_req("b", 60, [(5, 40)])
+    s.add(a)
+    s.add(b)
+    batch = s.schedule()  # a's 60 tokens and its image's 40 positions fill the step: b's image waits
+    assert (batch.requests, batch.num_new_tokens, batch.image_tokens) == ([a], [60], 40)
+    run_step(s, batch)
+    a.image_embeds[0] = "encoded"  # (the runner keeps it while chunks still need it)
+    batch = s.schedule()  # a decodes; b's 59 tokens and its image in the 99 left
+    assert (batch.requests, batch.num_new_tokens, batch.image_tokens) == ([a, b], [1, 59], 40)
+    # a chunk stops before an image that does not fit; one larger than a step's budget still gets a step alone
+    s, _ = make(num_blocks=64, max_tokens=30, prefill_cap=PrefillCap(30, fixed=30))
+    c, d = req("c", 20), image_req("d", 60, [(5, 40), (50, 4)])
+    s.add(c)
+    s.add(d)
+    batch = s.schedule()
+    assert (batch.requests, batch.num_new_tokens, batch.image_tokens) == ([c, d], [20, 5], 0)
+    run_step(s, batch)
+    batch = s.schedule()  # c decodes: d's image alone, with its first token
+    assert (batch.requests, batch.num_new_tokens, batch.image_tokens) == ([c, d], [1, 1], 40)
+    run_step(s, batch)
+    d.image_embeds[0] = "encoded"
+    batch = s.schedule()  # the rest of the first image, up to the second, which waits: 29 tokens would not fit it
+    assert (batch.num_new_tokens, batch.image_tokens) == ([1, 29], 0)
