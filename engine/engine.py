@@ -364,7 +364,7 @@ class Engine:
         """``images`` checked against the prompt and the model: each covers a run of the model's placeholder
         tokens, in order, and every placeholder is covered; pixels of the image processor's shape."""
         def bad(msg: str) -> None:
-            raise RequestError(400, "invalid_request_error", msg, "messages")
+            raise RequestError(400, "invalid_request_error", msg, "messages" if images else "prompt")
 
         vision = self.vision
         placeholders = prompt.count(vision.image_token_id) if vision is not None else 0
@@ -389,8 +389,8 @@ class Engine:
             out.append(PromptImage(im.offset, im.length, tuple(im.shape), im.pixels,
                                    hashlib.blake2b(im.pixels, digest_size=16).digest()))
         if placeholders != len(images) * vision.num_tokens:
-            bad(f"the prompt holds {placeholders} image placeholder tokens, but its {len(images)} images take "
-                f"{len(images) * vision.num_tokens}")
+            bad(f"the prompt holds the model's image token {placeholders} times where its {len(images)} images "
+                f"take {len(images) * vision.num_tokens} (the token stands for an image: not in text)")
         return out
 
     @property

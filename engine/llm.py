@@ -300,14 +300,18 @@ def _with_images(conversation: list[dict]) -> tuple[list[dict], list]:
         if not isinstance(parts, list):
             out.append(m)
             continue
-        found = []
+        found, order = [], []
         for p in parts:
             if p.get("type") == "image_url":
                 url = p["image_url"]
                 found.append(images.open_image(url["url"] if isinstance(url, dict) else url))
+                order.append({"type": "image"})
             elif p.get("type") == "image_pil":
                 found.append(p["image_pil"])
+                order.append({"type": "image"})
+            elif p.get("type") == "text":
+                order.append(p)
         text = "".join(p["text"] for p in parts if p.get("type") == "text")
-        out.append({**m, "content": text, **({"images": found} if found else {})})
+        out.append({**m, "content": text, **({"images": found, "parts": order} if found else {})})
         pictures += found
     return out, pictures

@@ -26,6 +26,7 @@ from engine.protocol import ImageInput
 
 MAX_IMAGE_BYTES = 20 << 20  # an image's file, decoded from its data URL
 MAX_IMAGE_PIXELS = 50_000_000  # width x height, read from the header before anything is decoded
+MAX_REQUEST_PIXELS = 100_000_000  # all of a request's images together (about 3 s of decoding)
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 _PROCESSORS = ("CLIPImageProcessor", "CLIPImageProcessorFast", "SiglipImageProcessor", "SiglipImageProcessorFast")
 _DATA_URL = re.compile(r"data:image/[\w.+-]+(?:;[\w.+-]+=[\w.+-]+)*;base64,", re.ASCII)
@@ -79,9 +80,13 @@ class ImageProcessor:
         return self.crop or self.resize_to
 
     def pixels(self, image) -> np.ndarray:
-        """A Pillow image -> (3, H, W) float32 pixels."""
+        """A Pillow image (``open_image``'s: its pixels decoded here) -> (3, H, W) float32 pixels."""
         from PIL import Image
 
+        try:
+            image.load()
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:  # a truncated file, say
+            raise ImageError(f"cannot read the image: {e}") from None
         if "A" in image.getbands() or image.info.get("transparency") is not None:  # over white, as transformers
             image = image.convert("RGBA")
             image = Image.alpha_composite(Image.new("RGBA", image.size, (255, 255, 255, 255)), image)
@@ -109,7 +114,7 @@ class ImageProcessor:
 
 
 def open_image(url: str):
-    """The Pillow image of a ``data:`` URL (decoded, its size checked before its pixels)."""
+    """The Pillow image of a ``data:`` URL: its header read and its size checked, its pixels not decoded yet."""
     from PIL import Image, UnidentifiedImageError
 
     if not isinstance(url, str):
@@ -130,7 +135,6 @@ def open_image(url: str):
         w, h = image.size
         if w * h > MAX_IMAGE_PIXELS:
             raise ImageError(f"an image of {w}x{h} pixels: at most {MAX_IMAGE_PIXELS // 1_000_000} million")
-        image.load()
     except ImageError:
         raise
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError, SyntaxError) as e:
@@ -162,10 +166,15 @@ def inputs(offsets: list[int], pixels: list[np.ndarray], num_tokens: int) -> lis
     return [ImageInput(o, num_tokens, list(p.shape), p.tobytes()) for o, p in zip(offsets, pixels, strict=True)]
 
 
-def cost(urls: list[str]) -> int:
-    """What decoding ``urls`` costs, in the tokenizer thread's units (characters: ~1 us each), for
-    ``TextCodec.run``: an image's decoding and resizing, ~20 ms, and its base64, ~30 bytes a microsecond."""
-    return sum(20_000 + len(u) // 30 for u in urls)
+def cost(pictures: list) -> int:
+    """What decoding and resizing ``open_image``'s images costs, in the tokenizer thread's units (characters:
+    about a microsecond each), for ``TextCodec.run``: about 30 pixels a microsecond (a 49-megapixel PNG, 1.4 s);
+    ``ImageError`` past ``MAX_REQUEST_PIXELS`` in all."""
+    pixels = sum(im.size[0] * im.size[1] for im in pictures)
+    if pixels > MAX_REQUEST_PIXELS:
+        raise ImageError(f"images of {pixels / 1e6:.0f} million pixels in all: at most "
+                         f"{MAX_REQUEST_PIXELS // 1_000_000} million a request")
+    return pixels // 30 + 1000 * len(pictures)
 
 
 def lists_contents(template: str | None) -> bool:

@@ -413,8 +413,9 @@ class OpenAIApi:
             raise ApiError(400, f"at most {limit} images per request, got {count}", param="messages")
 
     def _image_runs(self, prompt: list[int], count: int) -> tuple[list[int], list[int]]:
-        """The templated prompt with its ``count`` images' placeholders (``frontends.images.expand``)."""
-        if not count:
+        """The templated prompt with its ``count`` images' placeholders (``frontends.images.expand``; where the
+        model reads images, also for none: the image token typed in a message is refused)."""
+        if not self.client.ready.image_tokens:
             return prompt, []
         try:
             return images.expand(prompt, count, self.client.ready.image_token_id, self.client.ready.image_tokens)
@@ -427,7 +428,8 @@ class OpenAIApi:
             return []
         self._check_images(len(urls))
         try:
-            return await self._offload(images.cost(urls), lambda: [self.images.from_url(u) for u in urls])
+            pictures = [images.open_image(u) for u in urls]  # (headers only: what decoding them will cost)
+            return await self._offload(images.cost(pictures), lambda: [self.images.pixels(p) for p in pictures])
         except images.ImageError as e:
             raise ApiError(400, str(e), param="messages") from None
 

@@ -134,7 +134,8 @@ _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def parse_messages(data: dict, max_chars: int | None = None) -> list[dict[str, Any]]:
-    """Chat messages: their text, a user's images (``images``: their URLs, in order; ``frontends.images``), an
+    """Chat messages: their text, a user's images (``images``: their URLs, in order, and ``parts``: the text and
+    images in order, for the chat template; ``frontends.images``), an
     assistant's ``tool_calls`` and a tool's ``tool_call_id`` kept (``frontends.tools``); with ``max_chars``,
     their texts (and calls) together must fit in it."""
     msgs = field(data, "messages", list)
@@ -151,6 +152,7 @@ def parse_messages(data: dict, max_chars: int | None = None) -> list[dict[str, A
                            param="messages")
         content = m.get("content")
         images = []
+        parts = []  # the template's parts, in order (frontends.text)
         if content is None:
             content = ""
         elif isinstance(content, list):  # content parts: text, and a user's images
@@ -159,6 +161,7 @@ def parse_messages(data: dict, max_chars: int | None = None) -> list[dict[str, A
                 kind = part.get("type") if isinstance(part, dict) else None
                 if kind == "text" and isinstance(part.get("text"), str):
                     texts.append(part["text"])
+                    parts.append({"type": "text", "text": part["text"]})
                 elif kind == "image_url" and role == "user":
                     url = part.get("image_url")
                     url = url.get("url") if isinstance(url, dict) else url
@@ -166,6 +169,7 @@ def parse_messages(data: dict, max_chars: int | None = None) -> list[dict[str, A
                         raise ApiError(400, f"messages[{i}].content: an image_url part needs image_url.url, a "
                                        f"string", param="messages")
                     images.append(url)
+                    parts.append({"type": "image"})
                 else:
                     raise ApiError(400, f"messages[{i}].content: only text parts (and a user's image_url parts) "
                                    f"are supported", param="messages")
@@ -175,7 +179,7 @@ def parse_messages(data: dict, max_chars: int | None = None) -> list[dict[str, A
                            param="messages")
         msg = {"role": "system" if role == "developer" else role, "content": content}
         if images:
-            msg["images"] = images
+            msg |= {"images": images, "parts": parts}
         if role == "assistant" and m.get("tool_calls"):
             msg["tool_calls"] = tools.template_tool_calls(m["tool_calls"], i)
             size += sum(len(c["function"]["arguments"]) for c in m["tool_calls"])

@@ -57,18 +57,19 @@ class TextCodec:
         self._lists_contents = images.lists_contents(self.chat_template)
 
     def _template_messages(self, messages: list[dict]) -> list[dict]:
-        """``messages`` as the chat template reads them: with images (``use_images``), each one's in its place."""
+        """``messages`` as the chat template reads them: with images (``use_images``), each one's in its place
+        (``parts``: ``frontends.openai_params.parse_messages``')."""
         if self.image_token is None:
             return messages
         out = []
         for m in messages:
-            n = len(m.get("images", ()))
-            m = {k: v for k, v in m.items() if k != "images"}
+            n, parts = len(m.get("images", ())), m.get("parts")
+            m = {k: v for k, v in m.items() if k not in ("images", "parts")}
             if not isinstance(m.get("content"), str):  # (parts already: as given)
                 pass
-            elif self._lists_contents:
-                m["content"] = [{"type": "image"}] * n + [{"type": "text", "text": m["content"]}]
-            elif n:
+            elif self._lists_contents:  # the text and images in their order
+                m["content"] = parts or [{"type": "text", "text": m["content"]}]
+            elif n:  # the images before the text, as vLLM writes them
                 m["content"] = f"{self.image_token}\n" * n + m["content"]
             out.append(m)
         return out

@@ -125,12 +125,41 @@ def test_chat_writes_images_for_list_and_string_templates(llm, tiny_llava, tmp_p
         assert out.token_ids == hf_greedy(folder, out.prompt_token_ids, [ImageProcessor.load(folder).pixels(im)], 10)
 
 
+def test_a_template_that_reads_parts_in_order_gets_them_in_order(tiny_llava):
+    from frontends.openai_params import parse_messages
+    from frontends.text import TextCodec
+    from frontends.tokenizer import load_tokenizer
+
+    codec = TextCodec(load_tokenizer(tiny_llava))
+    codec.tokenizer.chat_template = ("{% for m in messages %}{% for c in m['content'] %}{% if c['type'] == 'image' %}"
+                                     "[{{ '<image>' }}]{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endfor %}")
+    codec.use_images(49152)
+    messages = parse_messages({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "before "}, image_part("data:,"), {"type": "text", "text": " after"}]}]})
+    assert codec.tokenizer.decode(codec.apply_chat_template(messages, add_generation_prompt=False)) == \
+        "before [<image>] after"
+
+
+def test_decoding_is_charged_by_pixels_and_a_requests_pixels_are_bounded():
+    from PIL import Image
+
+    from frontends import images
+
+    big = data_url(Image.new("1", (7000, 7000)))  # 49 megapixels in a few kilobytes
+    small = images.open_image(data_url(picture(0)))
+    assert images.cost([images.open_image(big)]) > 1000 * images.cost([small]) > 0  # (before a pixel is decoded)
+    with pytest.raises(images.ImageError, match="million pixels in all"):
+        images.cost([images.open_image(big)] * 3)
+    with pytest.raises(images.ImageError, match="at most 50 million"):
+        images.open_image(data_url(Image.new("1", (8000, 8000))))
+
+
 def test_bad_images_are_refused_offline(llm, tiny_llama):
     with pytest.raises(ValueError, match="placeholders for 2 images"):
         llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": [picture(0), picture(1)]}}], GREEDY)
     with pytest.raises(ValueError, match="one of them"):
         llm.generate([{"prompt": PROMPT, "prompt_token_ids": [1]}], GREEDY)
-    with pytest.raises(Exception, match="image placeholder tokens"):  # the token typed, no image
+    with pytest.raises(Exception, match="not in text"):  # the token typed, no image
         llm.generate([PROMPT], GREEDY)
     with LLM(tiny_llama) as text_only, pytest.raises(ValueError, match="does not read images"):
         text_only.generate([{"prompt": "<image>", "multi_modal_data": {"image": picture(0)}}], GREEDY)
@@ -200,7 +229,7 @@ def test_served_chat_responses_and_messages_read_images(server, llm):
     ([image_part("data:image/png;base64," + base64.b64encode(b"not an image").decode()), "Hi"], "cannot read"),
     ([image_part(data_url(picture(0)))] * 3 + ["Hi"], "at most 2 images"),
     ([image_part(data_url(picture(0))), "Is <image> here?"], "placeholders for 1 images"),
-    (["Is <image> here?"], "placeholder tokens"),
+    (["Is <image> here?"], "placeholders for 0 images"),
 ])
 def test_served_bad_images_get_a_400_and_the_server_goes_on(server, parts, message):
     import openai
@@ -210,6 +239,14 @@ def test_served_bad_images_get_a_400_and_the_server_goes_on(server, parts, messa
         chat(client, *parts)
     assert e.value.body["param"] == "messages"
     assert chat(client, image_part(data_url(picture(0))), "Hi").choices[0].finish_reason == "length"
+
+
+def test_the_image_token_in_a_completions_prompt_is_refused(server):
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="not in text") as e:
+        openai_client(server).completions.create(model="llava", prompt="a <image> b", max_tokens=2)
+    assert e.value.body["param"] == "prompt"
 
 
 def test_an_assistants_image_is_refused(server):
