@@ -244,6 +244,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="browser origins besides the server's own that may call it, comma-separated "
                         "(https://app.example.com), or * for any; without API keys other origins get 403 "
                         "(default: none)")
+    h.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                   help="hosts whose http(s) image URLs the server fetches, as vLLM's flag (* for any: a URL can "
+                        "make the server call its own network); default: none, images come as data: URLs")
+    h.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="file:// image URLs are read from under this folder, as vLLM's flag (default: none)")
     h.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (PEM)")
     h.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate chain (PEM)")
     h.add_argument("--api-server-count", "-asc", type=int, default=1, metavar="N",
@@ -491,7 +496,15 @@ def serve_options(args: argparse.Namespace):
         data_parallel_size=args.data_parallel_size, engine_addresses=list(args.engines or []),
         engine_key=engine_key(args.engine_key), tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser, chat_template=chat_template(args.chat_template),
-        model_aliases=list(args.served_model_name or [])[1:])
+        model_aliases=list(args.served_model_name or [])[1:], media_domains=list(args.allowed_media_domains or []),
+        media_path=media_path(args.allowed_local_media_path))
+
+
+def media_path(path: str | None) -> str | None:
+    """``--allowed-local-media-path``: an existing folder, absolute."""
+    if path is not None and not os.path.isdir(path):
+        raise ValueError(f"--allowed-local-media-path {path!r}: no such folder")
+    return os.path.abspath(path) if path is not None else None
 
 
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -92,6 +92,8 @@ class ServeOptions:
     reasoning_parser: str = "auto"  # frontends.reasoning: <think> split off into reasoning_content
     chat_template: str | None = None  # instead of the model's (the template's text)
     model_aliases: list[str] = field(default_factory=list)  # more names requests may use (--served-model-name)
+    media_domains: list[str] = field(default_factory=list)  # hosts of http(s) images fetched (frontends.media)
+    media_path: str | None = None  # file:// images from under this folder
 
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:
@@ -327,6 +329,7 @@ class Launcher:
     def _frontend_args(self, i: int) -> Any:
         try:
             from frontends.http import HttpConfig
+            from frontends.media import MediaSources
             from frontends.server import FrontendArgs
             from frontends.websocket import WsConfig
         except ImportError as e:
@@ -347,7 +350,7 @@ class Launcher:
             log_requests=o.log_requests,
             log_prompts=o.log_prompts, tool_call_parser=o.tool_call_parser, reasoning_parser=o.reasoning_parser,
             chat_template=o.chat_template, sampling_defaults=self.sampling_defaults, max_tokens_cap=self.max_tokens_cap,
-            model_aliases=list(o.model_aliases))
+            model_aliases=list(o.model_aliases), media=MediaSources(tuple(o.media_domains), o.media_path))
 
     def _frontend_id(self, i: int) -> str:
         """Its ZMQ identity. Stable across its restarts (the engine then drops what its previous life

@@ -22,6 +22,7 @@ from engine.model_path import generation_defaults
 from engine.protocol import PoolingParams, SamplingParams, TokenLogprobs, embedding_floats
 from frontends import images
 from frontends.generation import Choice, one_token_each, text_ids
+from frontends.media import data_bytes
 from frontends.text import StopMatcher, TextCodec, bad_words_token_ids
 from frontends.tokenizer import load_tokenizer  # the same as the HTTP frontends use
 
@@ -193,7 +194,7 @@ class LLM:
         pictures = (prompt.get("multi_modal_data") or {}).get("image") or []
         pictures = pictures if isinstance(pictures, list) else [pictures]
         return prompt.get("prompt", prompt.get("prompt_token_ids")), [
-            images.open_image(im) if isinstance(im, str) else im for im in pictures]
+            images.open_image(data_bytes(im)) if isinstance(im, str) else im for im in pictures]
 
     @property
     def _vision(self):
@@ -304,7 +305,7 @@ def _with_images(conversation: list[dict]) -> tuple[list[dict], list]:
         for p in parts:
             if p.get("type") == "image_url":
                 url = p["image_url"]
-                found.append(images.open_image(url["url"] if isinstance(url, dict) else url))
+                found.append(images.open_image(data_bytes(url["url"] if isinstance(url, dict) else url)))
                 order.append({"type": "image"})
             elif p.get("type") == "image_pil":
                 found.append(p["image_pil"])

@@ -1,10 +1,9 @@
-"""Images in chat prompts (a LLaVA model's): URLs decoded and turned into pixels as the model's image
-processor would make them, without transformers or torch in the frontend (Pillow and NumPy).
+"""Images in chat prompts (a LLaVA model's): files (``frontends.media`` reads them) turned into pixels as the
+model's image processor would make them, without transformers or torch in the frontend (Pillow and NumPy).
 
 ``ImageProcessor`` reads the model's ``preprocessor_config.json`` (CLIP's and SigLIP's processors: resize
 by the shortest edge or to a size, bicubic; a center crop; rescale; normalize) and gives float32 pixels,
-channels first, equal to transformers' ``CLIPImageProcessor``'s (Pillow backend) to float32 rounding. Only
-``data:`` URLs are read: the frontend fetches nothing from the network on a client's word.
+channels first, equal to transformers' ``CLIPImageProcessor``'s (Pillow backend) to float32 rounding.
 
 ``expand`` then puts each image's placeholder tokens in the prompt: the chat template writes the model's
 image token once per image, which becomes the ``num_tokens`` copies the model reads the image's embeddings
@@ -13,8 +12,6 @@ into (as transformers' ``LlavaProcessor`` expands it).
 
 from __future__ import annotations
 
-import base64
-import binascii
 import io
 import json
 import os
@@ -24,12 +21,11 @@ import numpy as np
 
 from engine.protocol import ImageInput
 
-MAX_IMAGE_BYTES = 20 << 20  # an image's file, decoded from its data URL
+MAX_IMAGE_BYTES = 20 << 20  # an image's file (frontends.media reads it)
 MAX_IMAGE_PIXELS = 50_000_000  # width x height, read from the header before anything is decoded
 MAX_REQUEST_PIXELS = 100_000_000  # all of a request's images together (about 3 s of decoding)
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 _PROCESSORS = ("CLIPImageProcessor", "CLIPImageProcessorFast", "SiglipImageProcessor", "SiglipImageProcessorFast")
-_DATA_URL = re.compile(r"data:image/[\w.+-]+(?:;[\w.+-]+=[\w.+-]+)*;base64,", re.ASCII)
 
 
 class ImageError(ValueError):
@@ -108,37 +104,20 @@ class ImageProcessor:
             a = ((a.T - self.mean) / self.std).T
         return np.ascontiguousarray(a, dtype=np.float32)
 
-    def from_url(self, url: str) -> np.ndarray:
-        """A ``data:image/...;base64,`` URL's pixels; ``ImageError`` if it is none, or no image Pillow reads."""
-        return self.pixels(open_image(url))
 
 
-def open_image(url: str):
-    """The Pillow image of a ``data:`` URL: its header read and its size checked, its pixels not decoded yet."""
+def open_image(raw: bytes):
+    """The Pillow image of an image file's bytes (``frontends.media``'s): its header read and its size checked,
+    its pixels not decoded yet (``ImageProcessor.pixels`` does that)."""
     from PIL import Image, UnidentifiedImageError
 
-    if not isinstance(url, str):
-        raise ImageError("an image's url must be a string")
-    m = _DATA_URL.match(url)
-    if m is None:
-        what = "an http(s) URL" if url.startswith(("http://", "https://")) else f"{url[:24]!r}"
-        raise ImageError(f"images come as data:image/...;base64, URLs here, got {what} (the server fetches "
-                         f"nothing): read the file and send it as a data URL")
-    if (len(url) - m.end()) * 3 // 4 > MAX_IMAGE_BYTES:
-        raise ImageError(f"an image may be at most {MAX_IMAGE_BYTES >> 20} MiB")
-    try:
-        raw = base64.b64decode(url[m.end():], validate=True)
-    except (binascii.Error, ValueError):
-        raise ImageError("an image's data URL is not valid base64") from None
     try:
         image = Image.open(io.BytesIO(raw), formats=FORMATS)
         w, h = image.size
-        if w * h > MAX_IMAGE_PIXELS:
-            raise ImageError(f"an image of {w}x{h} pixels: at most {MAX_IMAGE_PIXELS // 1_000_000} million")
-    except ImageError:
-        raise
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError, SyntaxError) as e:
         raise ImageError(f"cannot read the image ({', '.join(FORMATS)} are read): {e}") from None
+    if w * h > MAX_IMAGE_PIXELS:
+        raise ImageError(f"an image of {w}x{h} pixels: at most {MAX_IMAGE_PIXELS // 1_000_000} million")
     return image
 
 

@@ -49,6 +49,7 @@ from frontends.errors import ApiError
 from frontends.generation import Generation, LogprobEntry, Update
 from frontends.http import Request, Response, Router, StreamingResponse
 from frontends.images import ImageProcessor
+from frontends.media import MediaReader
 from frontends.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from frontends.metrics import Metrics
 from frontends.responses import RESPONSES_PARAMS, ResponsesFormat, to_chat
@@ -101,11 +102,13 @@ class OpenAIApi:
                  reasoning_parser: str = "auto", sampling_defaults: dict | None = None,
                  max_tokens_cap: int | None = None, model_aliases: list[str] | None = None,
                  force_include_usage: bool = False, tokens_as_ids: bool = False,
-                 images: ImageProcessor | str | None = None) -> None:
+                 images: ImageProcessor | str | None = None, media: MediaReader | None = None) -> None:
         """``images``: the model's image processor (``frontends.images``), or why there is none for a model that
-        reads images (None: the model reads none)."""
+        reads images (None: the model reads none); ``media``: where images may come from (``frontends.media``;
+        None: data: URLs only)."""
         self.client = client
         self.images = images
+        self.media = media or MediaReader()
         self.metrics = metrics
         self.metrics_no_auth = metrics_no_auth
         self.codec = codec
@@ -428,7 +431,8 @@ class OpenAIApi:
             return []
         self._check_images(len(urls))
         try:
-            pictures = [images.open_image(u) for u in urls]  # (headers only: what decoding them will cost)
+            raws = await asyncio.gather(*(self.media.read(u) for u in urls))
+            pictures = [images.open_image(r) for r in raws]  # (headers only: what decoding them will cost)
             return await self._offload(images.cost(pictures), lambda: [self.images.pixels(p) for p in pictures])
         except images.ImageError as e:
             raise ApiError(400, str(e), param="messages") from None

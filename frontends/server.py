@@ -26,6 +26,7 @@ from frontends.engine_client import EngineClient
 from frontends.engine_router import EngineRouter
 from frontends.http import HttpConfig, HttpServer, Router
 from frontends.images import ImageProcessor
+from frontends.media import MediaReader, MediaSources
 from frontends.metrics import Metrics
 from frontends.openai_api import OpenAIApi
 from frontends.text import TextCodec
@@ -67,6 +68,7 @@ class FrontendArgs:
     sampling_defaults: dict = field(default_factory=dict)  # for fields a request leaves out (--generation-config)
     max_tokens_cap: int | None = None  # on every request's max_tokens (engine.model_path.max_tokens_cap)
     model_aliases: list[str] = field(default_factory=list)  # names besides served_model_name a request may use
+    media: MediaSources = field(default_factory=MediaSources)  # where images may come from besides data: URLs
 
 
 def engine_client(args: FrontendArgs) -> EngineClient | EngineRouter:
@@ -126,7 +128,7 @@ async def serve(args: FrontendArgs, ready: Callable[[], None] | None = None) -> 
                     force_include_usage=args.force_include_usage, tokens_as_ids=args.tokens_as_ids,
                     tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                     sampling_defaults=args.sampling_defaults, max_tokens_cap=args.max_tokens_cap,
-                    model_aliases=args.model_aliases, images=image_processor)
+                    model_aliases=args.model_aliases, images=image_processor, media=MediaReader(args.media))
     access_log = AccessLog(metrics, enabled=args.log_requests, log_prompts=args.log_prompts)
     router = build_router(api, args.ws, access_log)
     access_log.router = router

@@ -225,7 +225,7 @@ class _Client:
         self.aborted: list[str] = []
 
     def add(self, request_id, prompt_token_ids, params, priority=0, deadline=None, stream=None, cache_salt="", pooling=None,
-            lora=""):
+            lora="", images=None):
         self.added.append((request_id, priority, deadline))
         self.salts.append(cache_salt)
         return stream

@@ -145,13 +145,18 @@ def test_decoding_is_charged_by_pixels_and_a_requests_pixels_are_bounded():
 
     from frontends import images
 
-    big = data_url(Image.new("1", (7000, 7000)))  # 49 megapixels in a few kilobytes
-    small = images.open_image(data_url(picture(0)))
+    def png(image) -> bytes:
+        buf = io.BytesIO()
+        image.save(buf, "PNG")
+        return buf.getvalue()
+
+    big = png(Image.new("1", (7000, 7000)))  # 49 megapixels in a few kilobytes
+    small = images.open_image(png(picture(0)))
     assert images.cost([images.open_image(big)]) > 1000 * images.cost([small]) > 0  # (before a pixel is decoded)
     with pytest.raises(images.ImageError, match="million pixels in all"):
         images.cost([images.open_image(big)] * 3)
     with pytest.raises(images.ImageError, match="at most 50 million"):
-        images.open_image(data_url(Image.new("1", (8000, 8000))))
+        images.open_image(png(Image.new("1", (8000, 8000))))
 
 
 def test_bad_images_are_refused_offline(llm, tiny_llama):
@@ -169,11 +174,78 @@ def test_bad_images_are_refused_offline(llm, tiny_llama):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llava):
+def media(tmp_path_factory):
+    """A folder of images, served over HTTP on 127.0.0.1 too (``/moved`` redirects to ``/cat.png``, ``/away`` to
+    another host)."""
+    import http.server
+    import threading
+
+    folder = tmp_path_factory.mktemp("media")
+    picture(7).save(folder / "cat.png")
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, directory=str(folder), **kw)
+
+        def do_GET(self):
+            if self.path in ("/moved", "/away"):
+                self.send_response(302)
+                self.send_header("Location", "/cat.png" if self.path == "/moved" else "http://localhost:1/cat.png")
+                self.end_headers()
+                return
+            super().do_GET()
+
+        def log_message(self, *a):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield folder, f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+def test_media_sources(media):
+    import asyncio
+
+    from frontends.images import ImageError
+    from frontends.media import MediaReader, MediaSources
+
+    folder, base = media
+    png = (folder / "cat.png").read_bytes()
+    reader = MediaReader(MediaSources(("127.0.0.1",), str(folder)))
+
+    async def read(url, r=reader):
+        return await r.read(url)
+
+    for url in (f"{base}/cat.png", f"{base}/moved", f"file://{folder}/cat.png", data_url(picture(7))):
+        assert asyncio.run(read(url)) == png
+    for url, message in [(f"{base}/nothing.png", "HTTP 404"), (f"{base}/away", "only from 127.0.0.1"),
+                         (f"file://{folder}/../etc/passwd", "only from under"), ("http://example.com/a.png",
+                                                                                  "only from 127.0.0.1"),
+                         ("ftp://127.0.0.1/a.png", "data:image"), ("data:image/png;base64,!", "not valid base64")]:
+        with pytest.raises(ImageError, match=message):
+            asyncio.run(read(url))
+    for url, message in [(f"{base}/cat.png", "--allowed-media-domains"), (f"file://{folder}/cat.png",
+                                                                        "--allowed-local-media-path")]:
+        with pytest.raises(ImageError, match=message):
+            asyncio.run(read(url, MediaReader()))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llava, media):
     s = Server("--model", tiny_llava, "--served-model-name", "llava", "--dtype", "float32",
-               "--limit-mm-per-prompt", '{"image": 2}')
+               "--limit-mm-per-prompt", '{"image": 2}', "--allowed-media-domains", "127.0.0.1",
+               "--allowed-local-media-path", str(media[0]))
     yield s
     s.close()
+
+
+def test_served_images_from_urls_and_files(server, media):
+    folder, base = media
+    client = openai_client(server)
+    want = chat(client, image_part(data_url(picture(7))), "Hi").choices[0].message.content
+    for url in (f"{base}/cat.png", f"file://{folder}/cat.png"):
+        assert chat(client, image_part(url), "Hi").choices[0].message.content == want
 
 
 def chat(client, *parts, **kw):
@@ -224,7 +296,7 @@ def test_served_chat_responses_and_messages_read_images(server, llm):
 
 
 @pytest.mark.parametrize("parts, message", [
-    ([image_part("https://example.com/cat.png"), "Hi"], "data:image"),
+    ([image_part("https://example.com/cat.png"), "Hi"], "only from 127.0.0.1"),
     ([image_part("data:image/png;base64,!!!!"), "Hi"], "not valid base64"),
     ([image_part("data:image/png;base64," + base64.b64encode(b"not an image").decode()), "Hi"], "cannot read"),
     ([image_part(data_url(picture(0)))] * 3 + ["Hi"], "at most 2 images"),

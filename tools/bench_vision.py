@@ -81,13 +81,14 @@ def main() -> None:
 
     from engine import LLM, SamplingParams
     from frontends.images import ImageProcessor, open_image
+    from frontends.media import data_bytes
 
     model = args.model or build(args.work_dir)
     proc = ImageProcessor.load(model)
     urls = [jpeg_url(i) for i in range(args.rounds * (args.num_requests + 1))]  # each image asked about once
     t = time.perf_counter()
     for u in urls:
-        proc.from_url(u)
+        proc.pixels(open_image(data_bytes(u)))
     decode_ms = (time.perf_counter() - t) / len(urls) * 1e3
 
     llm = LLM(model, dtype=args.dtype)
@@ -121,7 +122,8 @@ def main() -> None:
     def hf_throughput(batch, outs) -> float:
         t = time.perf_counter()
         for prompt, out in zip(batch, outs, strict=True):
-            pixels = torch.from_numpy(proc.pixels(prompt["multi_modal_data"]["image"]))[None].to(hf.dtype)
+            image = open_image(data_bytes(prompt["multi_modal_data"]["image"]))
+            pixels = torch.from_numpy(proc.pixels(image))[None].to(hf.dtype)
             with torch.inference_mode():
                 ids = hf.generate(torch.tensor([out.prompt_token_ids]), pixel_values=pixels, do_sample=False,
                                   max_new_tokens=args.output_len, min_new_tokens=args.output_len)
@@ -136,10 +138,10 @@ def main() -> None:
                                      "tok/s text": []}  # (and "tok/s images, HF" with --compare-hf)
     for r in range(args.rounds):
         url = next(fresh)
-        cases["ttft image"].append(first_token({"prompt": question, "multi_modal_data": {"image": open_image(url)}}))
-        cases["ttft same image"].append(first_token({"prompt": question, "multi_modal_data": {"image": open_image(url)}}))
+        cases["ttft image"].append(first_token({"prompt": question, "multi_modal_data": {"image": url}}))
+        cases["ttft same image"].append(first_token({"prompt": question, "multi_modal_data": {"image": url}}))
         cases["ttft text"].append(first_token([r + 5] + text_ids[:-1]))  # (its own first token: nothing cached)
-        batch = [{"prompt": question, "multi_modal_data": {"image": open_image(next(fresh))}}
+        batch = [{"prompt": question, "multi_modal_data": {"image": next(fresh)}}
                  for _ in range(args.num_requests - 1)]
         cases["tok/s images"].append(throughput(batch))
         if hf is not None:
