@@ -2,7 +2,7 @@
 
 The page is read and filled in (model name, whether a key is needed) once per
 frontend process; its script and style are inline, so the response pins a strict
-Content-Security-Policy that allows only those and requests back to us. With API
+Content-Security-Policy that allows only those, requests back to us, and the data: images a user attaches. With API
 keys the page needs no key but says nothing the API would not say without one:
 its script asks ``/v1/models`` for the model name with the key the user types.
 """
@@ -20,7 +20,7 @@ _HEADERS = [
     ("cache-control", "no-cache"),
     ("x-content-type-options", "nosniff"),
     ("content-security-policy", "default-src 'none'; script-src 'unsafe-inline'; "
-     "style-src 'unsafe-inline'; connect-src 'self' ws: wss:; frame-ancestors 'none'"),
+     "style-src 'unsafe-inline'; img-src data:; connect-src 'self' ws: wss:; frame-ancestors 'none'"),
 ]
 
 

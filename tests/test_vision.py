@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 import urllib.request
 
 import numpy as np
@@ -337,3 +338,37 @@ def test_under_tensor_parallelism_text_is_served_and_images_refused(llm, tiny_ll
         assert tp.generate(["USER: Hello there ASSISTANT:"], GREEDY)[0].token_ids == text
         with pytest.raises(ValueError, match="under tensor parallelism"):
             tp.generate([{"prompt": PROMPT, "multi_modal_data": {"image": picture(0)}}], GREEDY)
+
+
+def test_chat_page_sends_an_image(server, tmp_path):
+    """The page at ``/`` in headless Chromium: an attached image goes with the next message (scaled down in the
+    browser) and the LLaVA answers it."""
+    from tests.test_chat_page import ARGS, CHROMIUM
+
+    if not os.path.exists(CHROMIUM):
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{CHROMIUM} is missing")
+        pytest.skip(f"{CHROMIUM} is missing")
+    from playwright.sync_api import sync_playwright
+
+    picture(8, (900, 1200)).save(tmp_path / "photo.png")
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+        page = browser.new_page()
+        errors = []
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        page.goto(server.url + "/")
+        page.fill("#max-tokens", "6")
+        page.set_input_files("#image", str(tmp_path / "photo.png"))
+        page.wait_for_function("() => !document.getElementById('attached').hidden", timeout=10_000)
+        page.fill("#prompt", "What is in the picture?")
+        page.press("#prompt", "Enter")
+        page.wait_for_function("() => !document.querySelector('.msg.assistant').classList.contains('streaming')",
+                               timeout=30_000)
+        assert "6 tokens" in page.locator(".msg.assistant .meta").inner_text()
+        assert not page.locator(".msg.error").count(), page.locator(".msg.error").all_inner_texts()
+        size = page.evaluate("() => [document.querySelector('.msg.user img').naturalWidth,"
+                             " document.querySelector('.msg.user img').naturalHeight]")
+        assert size == [768, 576]  # (1200 x 900 scaled to 768 a side at most)
+        assert page.locator("#attached").is_hidden() and not errors, errors
+        browser.close()
