@@ -4,7 +4,9 @@ run, offline, greedy:
 - the frontend's share: decoding a JPEG data URL and making its pixels (``frontends.images``);
 - time to first token of a prompt holding an image against a text prompt of as many tokens (the vision tower's
   share), and of the same image asked about again (its blocks from the prefix cache);
-- output tokens per second for requests that each hold an image of their own, against the same requests as text.
+- output tokens per second for requests that each hold an image of their own, against the same requests as text;
+- the longest gap between a decoding stream's tokens while such a burst of image requests arrives, against a burst
+  of the same requests as text (the scheduler counts an image's positions against a step's prompt budget).
 
 Rounds alternate the cases, so the ratios within one run are what to read on a noisy machine.
 
@@ -80,12 +82,13 @@ def main() -> None:
     args = ap.parse_args()
 
     from engine import LLM, SamplingParams
+    from frontends import images
     from frontends.images import ImageProcessor, open_image
     from frontends.media import data_bytes
 
     model = args.model or build(args.work_dir)
     proc = ImageProcessor.load(model)
-    urls = [jpeg_url(i) for i in range(args.rounds * (args.num_requests + 1))]  # each image asked about once
+    urls = [jpeg_url(i) for i in range(args.rounds * 2 * args.num_requests)]  # each image asked about once
     t = time.perf_counter()
     for u in urls:
         proc.pixels(open_image(data_bytes(u)))
@@ -111,6 +114,29 @@ def main() -> None:
         outputs.append(outs)
         return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t)
 
+    def stream_gap(burst: list) -> float:
+        """The longest gap between a stream's tokens while ``burst`` (image URLs, or token ids) arrives beside it."""
+        eng, q = llm.engine, llm.tokenizer.encode(question)
+        eng.add_request("stream", [3] + text_ids[:40], SamplingParams(max_tokens=4000, temperature=0.0,
+                                                                      ignore_eos=True))
+        for _ in range(3):
+            eng.step()
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        for i, item in enumerate(burst):
+            if isinstance(item, str):
+                ids, at = images.expand(q, 1, vision.image_token_id, vision.num_tokens)
+                eng.add_request(f"b{i}", ids, params, images=images.inputs(
+                    at, [proc.pixels(open_image(data_bytes(item)))], vision.num_tokens))
+            else:
+                eng.add_request(f"b{i}", item, params)
+        gaps, last = [], time.perf_counter()
+        while len(eng.requests) > 1:
+            if any(d.request_id == "stream" for d in eng.step()):
+                gaps.append(time.perf_counter() - last)
+                last = time.perf_counter()
+        eng.abort("stream")
+        return max(gaps)
+
     hf = None
     if args.compare_hf:
         import torch
@@ -135,7 +161,8 @@ def main() -> None:
     first_token([4] + text_ids[:-1])  # (warm-up)
     fresh = iter(urls)
     cases: dict[str, list[float]] = {"ttft image": [], "ttft text": [], "ttft same image": [], "tok/s images": [],
-                                     "tok/s text": []}  # (and "tok/s images, HF" with --compare-hf)
+                                     "tok/s text": [], "gap beside images": [], "gap beside text": []}
+    # (and "tok/s images, HF" with --compare-hf)
     for r in range(args.rounds):
         url = next(fresh)
         cases["ttft image"].append(first_token({"prompt": question, "multi_modal_data": {"image": url}}))
@@ -147,11 +174,13 @@ def main() -> None:
         if hf is not None:
             cases.setdefault("tok/s images, HF", []).append(hf_throughput(batch, outputs[-1]))
         cases["tok/s text"].append(throughput([[r + 100, i + 9] + text_ids[:-2] for i in range(len(batch))]))
+        cases["gap beside images"].append(stream_gap([next(fresh) for _ in range(len(batch))]))
+        cases["gap beside text"].append(stream_gap([[r + 200, i + 9] + text_ids[:-2] for i in range(len(batch))]))
     result = {"model": model, "image_tokens": vision.num_tokens, "prompt_tokens": n_text,
               "frontend_ms_per_image": round(decode_ms, 2)}
     print(f"{'case':<20}" + "".join(f"round {r:<6}" for r in range(args.rounds)) + "median")
     for name, values in cases.items():
-        scale = 1e3 if name.startswith("ttft") else 1.0
+        scale = 1.0 if name.startswith("tok/s") else 1e3
         print(f"{name:<20}" + "".join(f"{v * scale:<12.1f}" for v in values) + f"{statistics.median(values) * scale:.1f}"
               + (" ms" if scale > 1 else ""))
         result[name.replace(", ", "_").replace(" ", "_").replace("/", "_per_")] = [round(v * scale, 2) for v in values]
