@@ -15,6 +15,8 @@ import base64
 import binascii
 import os
 import re
+import stat
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -76,28 +78,41 @@ class MediaReader:
         raise ImageError(f"images are fetched only from {', '.join(sorted(self.domains))} here, not {host}")
 
     def _fetch(self, url: str) -> bytes:
+        """``url``'s body, read a piece at a time against the deadline (a server dripping bytes holds a thread
+        ``FETCH_SECONDS`` and a socket timeout at most)."""
+        deadline = time.monotonic() + FETCH_SECONDS
         opener = urllib.request.build_opener(_Redirects(self._check_host))
         request = urllib.request.Request(url, headers={"User-Agent": "tokenmill", "Accept": "image/*"})
+        data = bytearray()
         try:
-            with opener.open(request, timeout=FETCH_SECONDS) as r:
-                data = r.read(MAX_IMAGE_BYTES + 1)
+            with opener.open(request, timeout=FETCH_SECONDS / 4) as r:
+                while piece := r.read(1 << 16):
+                    data += piece
+                    if len(data) > MAX_IMAGE_BYTES:
+                        raise ImageError(f"an image may be at most {MAX_IMAGE_BYTES >> 20} MiB")
+                    if time.monotonic() > deadline:
+                        raise ImageError(f"fetching an image from {_host(url)} took longer than {FETCH_SECONDS:g} s")
+        except ImageError:
+            raise
         except urllib.error.HTTPError as e:
             raise ImageError(f"fetching an image from {_host(url)} gave HTTP {e.code}") from None
         except (urllib.error.URLError, OSError, ValueError) as e:
             raise ImageError(f"cannot fetch an image from {_host(url)}: {getattr(e, 'reason', e)}") from None
-        if len(data) > MAX_IMAGE_BYTES:
-            raise ImageError(f"an image may be at most {MAX_IMAGE_BYTES >> 20} MiB")
-        return data
+        return bytes(data)
 
     def _file(self, url: str) -> bytes:
         path = os.path.realpath(urllib.parse.unquote(urllib.parse.urlsplit(url).path))
         if os.path.commonpath([path, self.local_path]) != self.local_path:
             raise ImageError("file:// images are read only from under the server's --allowed-local-media-path")
         try:
-            with open(path, "rb") as f:
-                data = f.read(MAX_IMAGE_BYTES + 1)
+            regular = stat.S_ISREG(os.stat(path).st_mode)
+            if regular:  # (a FIFO or a device would block, or never end)
+                with open(path, "rb") as f:
+                    data = f.read(MAX_IMAGE_BYTES + 1)
         except OSError as e:
             raise ImageError(f"cannot read the image file: {e.strerror}") from None
+        if not regular:
+            raise ImageError("a file:// image must be a regular file")
         if len(data) > MAX_IMAGE_BYTES:
             raise ImageError(f"an image may be at most {MAX_IMAGE_BYTES >> 20} MiB")
         return data

@@ -220,7 +220,9 @@ def test_media_sources(media):
 
     for url in (f"{base}/cat.png", f"{base}/moved", f"file://{folder}/cat.png", data_url(picture(7))):
         assert asyncio.run(read(url)) == png
+    os.mkfifo(folder / "pipe")
     for url, message in [(f"{base}/nothing.png", "HTTP 404"), (f"{base}/away", "only from 127.0.0.1"),
+                         (f"file://{folder}/pipe", "regular file"), (f"file://{folder}", "regular file"),
                          (f"file://{folder}/../etc/passwd", "only from under"), ("http://example.com/a.png",
                                                                                   "only from 127.0.0.1"),
                          ("ftp://127.0.0.1/a.png", "data:image"), ("data:image/png;base64,!", "not valid base64")]:
