@@ -146,7 +146,8 @@ def _messages(data: dict) -> list[dict]:
                 out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
             elif kind not in ("thinking", "redacted_thinking") or role != "assistant":
                 raise ApiError(400, f"{where}: blocks of type {kind!r} are not supported in a {role} message here "
-                               "(text, tool_use from the assistant, tool_result and image from the user are)", param="messages")
+                               "(text, tool_use from the assistant, tool_result and image from the user are)",
+                               param="messages")
         if len(parts) > len(texts):  # (a user's: text and images)
             out.append({"role": role, "content": parts})
         elif texts or calls or role == "assistant":  # (an assistant's turn of thinking only: still its turn)
@@ -158,7 +159,8 @@ def _messages(data: dict) -> list[dict]:
 
 
 def _image_url(source: Any, where: str) -> str:
-    """An image block's ``source`` as a URL: base64 data as a ``data:`` URL (``frontends.images`` reads only those)."""
+    """An image block's ``source`` as the chat's image URL: base64 data as a ``data:`` URL (``frontends.media``
+    reads them, and URLs where the server allows)."""
     if isinstance(source, dict) and source.get("type") == "base64" and isinstance(source.get("data"), str) \
             and isinstance(source.get("media_type"), str):
         return f"data:{source['media_type']};base64,{source['data']}"

@@ -56,7 +56,7 @@ def _text_of(content: Any, where: str) -> str:
 
 
 def _image_part(part: dict, where: str) -> dict:
-    """An ``input_image`` part as the chat's ``image_url`` part (its URL a ``data:`` one: ``frontends.images``)."""
+    """An ``input_image`` part as the chat's ``image_url`` part (``frontends.media`` reads its URL)."""
     if not isinstance(part.get("image_url"), str):
         raise ApiError(400, f"{where}: an input_image needs its image_url (file_id is not supported)", param="input")
     return {"type": "image_url", "image_url": {"url": part["image_url"]}}
