@@ -496,8 +496,24 @@ def serve_options(args: argparse.Namespace):
         data_parallel_size=args.data_parallel_size, engine_addresses=list(args.engines or []),
         engine_key=engine_key(args.engine_key), tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser, chat_template=chat_template(args.chat_template),
-        model_aliases=list(args.served_model_name or [])[1:], media_domains=list(args.allowed_media_domains or []),
+        model_aliases=list(args.served_model_name or [])[1:], media_domains=media_domains(args.allowed_media_domains),
         media_path=media_path(args.allowed_local_media_path))
+
+
+def media_domains(hosts: list[str] | None) -> list[str]:
+    """``--allowed-media-domains``: host names (or ``*``); a URL, a port or a wildcard would never match one."""
+    import ipaddress
+
+    out = []
+    for host in hosts or []:
+        try:
+            host = str(ipaddress.ip_address(host.strip("[]")))  # (an IPv6 address as URLs' hosts read)
+        except ValueError:
+            if host != "*" and (not host or any(c in host for c in ":/*@ ") or host.endswith(".")):
+                raise ValueError(f"--allowed-media-domains {host!r}: give host names alone (cdn.example.com, "
+                                 f"127.0.0.1; any port of theirs is allowed), or * for any") from None
+        out.append(host.lower())
+    return out
 
 
 def media_path(path: str | None) -> str | None:

@@ -114,7 +114,9 @@ def open_image(raw: bytes):
     try:
         image = Image.open(io.BytesIO(raw), formats=FORMATS)
         w, h = image.size
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError, SyntaxError) as e:
+    except UnidentifiedImageError:
+        raise ImageError(f"cannot read the image: not a {', '.join(FORMATS)} file") from None
+    except (OSError, ValueError, Image.DecompressionBombError, SyntaxError) as e:
         raise ImageError(f"cannot read the image ({', '.join(FORMATS)} are read): {e}") from None
     if w * h > MAX_IMAGE_PIXELS:
         raise ImageError(f"an image of {w}x{h} pixels: at most {MAX_IMAGE_PIXELS // 1_000_000} million")

@@ -13,13 +13,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import http.client
 import os
 import re
+import socket
 import stat
+import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ from frontends.images import MAX_IMAGE_BYTES, ImageError
 
 FETCH_SECONDS = 10.0  # one image's fetch, connection to last byte
 FETCH_THREADS = 4
+MAX_REDIRECTS = 5
 _DATA_URL = re.compile(r"data:image/[\w.+-]+(?:;[\w.+-]+=[\w.+-]+)*;base64,", re.ASCII)
 
 
@@ -47,9 +49,9 @@ class MediaReader:
     async def read(self, url: str) -> bytes:
         if not isinstance(url, str):
             raise ImageError("an image's url must be a string")
-        if url.startswith("data:"):
-            return data_bytes(url)
         scheme = url.split(":", 1)[0].lower()
+        if scheme == "data":
+            return data_bytes(url)
         if scheme in ("http", "https"):
             self._check_host(url)
             work = self._fetch
@@ -62,11 +64,9 @@ class MediaReader:
             raise ImageError(f"images come as data:image/...;base64, URLs here, got {url[:24]!r}")
         if self._pool is None:
             self._pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="media")
-        loop = asyncio.get_running_loop()
-        try:
-            return await asyncio.wait_for(loop.run_in_executor(self._pool, work, url), FETCH_SECONDS + 1)
-        except TimeoutError:
-            raise ImageError(f"fetching an image from {_host(url)} took longer than {FETCH_SECONDS:g} s") from None
+        # (each fetch ends by its own deadline, counted from when a thread takes it; a request's fetches not
+        # started yet are dropped when another of them fails: asyncio.gather's caller cancels them)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, work, url)
 
     def _check_host(self, url: str) -> None:
         host = _host(url)
@@ -78,30 +78,36 @@ class MediaReader:
         raise ImageError(f"images are fetched only from {', '.join(sorted(self.domains))} here, not {host}")
 
     def _fetch(self, url: str) -> bytes:
-        """``url``'s body, read a piece at a time against the deadline (a server dripping bytes holds a thread
-        ``FETCH_SECONDS`` and a socket timeout at most)."""
+        """``url``'s body: redirects followed to allowed hosts only (at most ``MAX_REDIRECTS``), the whole
+        exchange, headers and all, cut off ``FETCH_SECONDS`` after it starts (the socket is shut from a timer:
+        a server dripping bytes cannot hold the thread longer)."""
         deadline = time.monotonic() + FETCH_SECONDS
-        opener = urllib.request.build_opener(_Redirects(self._check_host))
-        request = urllib.request.Request(url, headers={"User-Agent": "tokenmill", "Accept": "image/*"})
-        data = bytearray()
+        host = _host(url)
         try:
-            with opener.open(request, timeout=FETCH_SECONDS / 4) as r:
-                while piece := r.read(1 << 16):
-                    data += piece
-                    if len(data) > MAX_IMAGE_BYTES:
-                        raise ImageError(f"an image may be at most {MAX_IMAGE_BYTES >> 20} MiB")
-                    if time.monotonic() > deadline:
-                        raise ImageError(f"fetching an image from {_host(url)} took longer than {FETCH_SECONDS:g} s")
+            for _ in range(MAX_REDIRECTS + 1):
+                status, location, body = _get(url, deadline)
+                if location is None:
+                    if status != 200:
+                        raise ImageError(f"fetching an image from {host} gave HTTP {status}")
+                    return body
+                url = urllib.parse.urljoin(url, location)
+                if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
+                    raise ImageError(f"an image's URL redirects to {url[:24]!r}")
+                self._check_host(url)
         except ImageError:
             raise
-        except urllib.error.HTTPError as e:
-            raise ImageError(f"fetching an image from {_host(url)} gave HTTP {e.code}") from None
-        except (urllib.error.URLError, OSError, ValueError) as e:
-            raise ImageError(f"cannot fetch an image from {_host(url)}: {getattr(e, 'reason', e)}") from None
-        return bytes(data)
+        except Exception as e:  # noqa: BLE001 - whatever the peer or the URL makes http.client raise
+            if time.monotonic() >= deadline:
+                raise ImageError(f"fetching an image from {host} took longer than {FETCH_SECONDS:g} s") from None
+            raise ImageError(f"cannot fetch an image from {host}: {type(e).__name__}: {e}"[:300]) from None
+        raise ImageError(f"an image's URL redirects more than {MAX_REDIRECTS} times")
 
     def _file(self, url: str) -> bytes:
-        path = os.path.realpath(urllib.parse.unquote(urllib.parse.urlsplit(url).path))
+        parts = urllib.parse.urlsplit(url)
+        path = urllib.parse.unquote(parts.path)
+        if parts.netloc not in ("", "localhost") or "\0" in path:
+            raise ImageError("a file:// image URL names a local path (file:///path)")
+        path = os.path.realpath(path)
         if os.path.commonpath([path, self.local_path]) != self.local_path:
             raise ImageError("file:// images are read only from under the server's --allowed-local-media-path")
         try:
@@ -118,17 +124,44 @@ class MediaReader:
         return data
 
 
-class _Redirects(urllib.request.HTTPRedirectHandler):
-    """Redirects followed only to http(s) URLs of allowed hosts."""
+def _get(url: str, deadline: float) -> tuple[int, str | None, bytes]:
+    """One GET: (status, the redirect's Location or None, the body of a 200), within ``deadline``."""
+    parts = urllib.parse.urlsplit(url)
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise TimeoutError
+    cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    conn = cls(parts.hostname, parts.port, timeout=remaining)
+    timer = None
+    try:
+        conn.connect()
+        timer = threading.Timer(max(0.0, deadline - time.monotonic()), _shut, (conn.sock,))
+        timer.start()
+        conn.request("GET", (parts.path or "/") + (f"?{parts.query}" if parts.query else ""),
+                     headers={"User-Agent": "tokenmill", "Accept": "image/*", "Host": parts.netloc.rpartition("@")[2]})
+        r = conn.getresponse()
+        body = r.read(MAX_IMAGE_BYTES + 1) if r.status == 200 else b""
+        if time.monotonic() >= deadline:  # (shut by the timer: what was read may look whole, and is not)
+            raise TimeoutError
+        if r.status in (301, 302, 303, 307, 308) and r.getheader("Location"):
+            return r.status, r.getheader("Location"), b""
+        if r.status != 200:
+            return r.status, None, b""
+        if len(body) > MAX_IMAGE_BYTES:
+            raise ImageError(f"an image may be at most {MAX_IMAGE_BYTES >> 20} MiB")
+        return r.status, None, body
+    finally:
+        if timer is not None:
+            timer.cancel()
+        conn.close()
 
-    def __init__(self, check) -> None:
-        self.check = check
 
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        if urllib.parse.urlsplit(newurl).scheme not in ("http", "https"):
-            raise ImageError(f"an image's URL redirects to {newurl[:24]!r}")
-        self.check(newurl)
-        return super().redirect_request(req, fp, code, msg, headers, newurl)
+def _shut(sock: socket.socket) -> None:
+    """Cut a connection past its deadline: the thread blocked reading it gets an error at once."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def data_bytes(url: str) -> bytes:

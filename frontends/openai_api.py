@@ -431,7 +431,13 @@ class OpenAIApi:
             return []
         self._check_images(len(urls))
         try:
-            raws = await asyncio.gather(*(self.media.read(u) for u in urls))
+            reads = [asyncio.ensure_future(self.media.read(u)) for u in urls]
+            try:
+                raws = await asyncio.gather(*reads)
+            except BaseException:
+                for r in reads:  # (those not started yet are dropped; a running fetch ends by its deadline)
+                    r.cancel()
+                raise
             pictures = [images.open_image(r) for r in raws]  # (headers only: what decoding them will cost)
             return await self._offload(images.cost(pictures), lambda: [self.images.pixels(p) for p in pictures])
         except images.ImageError as e:

@@ -253,6 +253,15 @@ def test_a_vllm_command_line_starts_unchanged():
     args = build_parser().parse_args(["serve", "--served-model-name", "qwen", "qwen3-8b", "gpt-4o"])
     assert _config_kwargs(args) == {"served_model_name": "qwen"}
     assert serve_options(args).model_aliases == ["qwen3-8b", "gpt-4o"]
+    # images: vLLM's --limit-mm-per-prompt (JSON or key=value), media hosts and folder
+    args = build_parser().parse_args(["serve", "--limit-mm-per-prompt", "image=2,video=0", "--allowed-media-domains",
+                                      "CDN.example.com", "[::1]", "--allowed-local-media-path", "/tmp"])
+    assert _config_kwargs(args) == {"limit_mm_per_prompt": {"image": 2, "video": 0}}
+    options = serve_options(args)
+    assert (options.media_domains, options.media_path) == (["cdn.example.com", "::1"], "/tmp")
+    for bad in ("https://cdn.example.com", "cdn.example.com:8080", "*.example.com"):
+        with pytest.raises(ValueError, match="host names alone"):
+            serve_options(build_parser().parse_args(["serve", "--allowed-media-domains", bad]))
     assert build_parser().parse_args(["serve", "--max-model-len", "32K"]).max_model_len == 32768
     help_text = tokenmill("serve", "--help", timeout=30).stdout
     for flag in [f for f in vllm if f.startswith("--")]:

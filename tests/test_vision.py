@@ -229,9 +229,44 @@ def test_media_sources(media):
         with pytest.raises(ImageError, match=message):
             asyncio.run(read(url))
     for url, message in [(f"{base}/cat.png", "--allowed-media-domains"), (f"file://{folder}/cat.png",
-                                                                        "--allowed-local-media-path")]:
+                                                                        "--allowed-local-media-path"),
+                         (f"file://elsewhere{folder}/cat.png", "local path"), (f"file://{folder}/x%00.png", "local path")]:
         with pytest.raises(ImageError, match=message):
-            asyncio.run(read(url, MediaReader()))
+            asyncio.run(read(url, MediaReader(MediaSources((), str(folder)) if message == "local path"
+                                              else MediaSources())))
+
+
+def test_a_server_dripping_bytes_is_cut_off_at_the_deadline(monkeypatch):
+    import asyncio
+    import socket
+    import threading
+    import time
+
+    from frontends import media
+    from frontends.images import ImageError
+
+    monkeypatch.setattr(media, "FETCH_SECONDS", 1.0)
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def drip():  # a status line, then a header a byte at a time, forever
+        conn, _ = listener.accept()
+        conn.sendall(b"HTTP/1.1 200 OK\r\n")
+        while not stop.wait(0.1):
+            try:
+                conn.sendall(b"x")
+            except OSError:
+                break
+        conn.close()
+
+    threading.Thread(target=drip, daemon=True).start()
+    reader = media.MediaReader(media.MediaSources(("127.0.0.1",)))
+    started = time.monotonic()
+    with pytest.raises(ImageError, match="took longer than 1 s"):
+        asyncio.run(reader.read(f"http://127.0.0.1:{listener.getsockname()[1]}/slow.png"))
+    assert time.monotonic() - started < 3
+    stop.set()
+    listener.close()
 
 
 @pytest.fixture(scope="module")
@@ -373,4 +408,15 @@ def test_chat_page_sends_an_image(server, tmp_path):
                              " document.querySelector('.msg.user img').naturalHeight]")
         assert size == [768, 576]  # (1200 x 900 scaled to 768 a side at most)
         assert page.locator("#attached").is_hidden() and not errors, errors
+        # a second image, alone: only the latest image goes with the conversation
+        picture(9, (40, 40), "RGBA").save(tmp_path / "icon.png")
+        page.set_input_files("#image", str(tmp_path / "icon.png"))
+        page.wait_for_function("() => !document.getElementById('attached').hidden", timeout=10_000)
+        page.click("#send")
+        page.wait_for_function("() => document.querySelectorAll('.msg.assistant').length == 2 && !document"
+                               ".querySelectorAll('.msg.assistant')[1].classList.contains('streaming')", timeout=30_000)
+        assert "6 tokens" in page.locator(".msg.assistant .meta").nth(1).inner_text()
+        assert page.evaluate("() => history.map((m) => Array.isArray(m.content) ? m.content.length : 0)") == \
+            [0, 0, 1, 0]  # (the first turn's image dropped, its text kept; the second: the image alone)
+        assert not errors, errors
         browser.close()
