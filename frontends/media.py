@@ -29,7 +29,7 @@ from frontends.images import MAX_IMAGE_BYTES, ImageError
 FETCH_SECONDS = 10.0  # one image's fetch, connection to last byte
 FETCH_THREADS = 4
 MAX_REDIRECTS = 5
-_DATA_URL = re.compile(r"data:image/[\w.+-]+(?:;[\w.+-]+=[\w.+-]+)*;base64,", re.ASCII)
+_DATA_URL = re.compile(r"data:image/[\w.+-]+(?:;[\w.+-]+=[\w.+-]+)*;base64,", re.ASCII | re.IGNORECASE)
 
 
 @dataclass(frozen=True)
