@@ -204,3 +204,46 @@ def test_structured_output_on_the_gpu(tmp_path):
     for o in outs["on"]:
         assert o.finish_reason == "stop" and set(json.loads(o.text)) == {"flag", "pick", "list"}, o.text
     assert [o.token_ids for o in outs["on"]] == [o.token_ids for o in outs["off"]]
+
+
+def llava_parity(tmp_path, device: str) -> None:
+    """A random LLaVA (CLIP tower, 25 tokens an image) through the engine on ``device``, prompts holding
+    images cut by chunks of 16 tokens, against transformers' LLaVA on the same device, fp32, teacher-forced
+    (run on the CPU too, by ``tests/test_vision.py``, so that this one is known to work before a GPU runs it)."""
+    import numpy as np
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from frontends.images import expand, inputs
+
+    tower = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=2, image_size=30, patch_size=6)
+    cfg = LlavaConfig(text_config=dict(TINY, model_type="llama"), vision_config=tower, image_token_index=4095)
+    torch.manual_seed(2)
+    LlavaForConditionalGeneration(cfg).save_pretrained(tmp_path)
+    eng = Engine(EngineConfig(model=str(tmp_path), device=device, dtype="float32", num_kv_blocks=256,
+                              max_model_len=512, max_num_batched_tokens=16))
+    rng = np.random.default_rng(0)
+    cases = []
+    for i, prompt in enumerate(PROMPTS):
+        at = len(prompt) // 2
+        ids, offsets = expand(prompt[:at] + [4095] + prompt[at:], 1, 4095, 25)
+        pixels = rng.standard_normal((1, 3, 30, 30)).astype(np.float32)
+        eng.add_request(str(i), ids, GREEDY, images=inputs(offsets, list(pixels), 25))
+        cases.append((ids, pixels))
+    outs = {str(i): [] for i in range(len(PROMPTS))}
+    while eng.has_work():
+        for d in eng.step():
+            outs[d.request_id] += d.token_ids
+    eng.close()
+    hf = LlavaForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float32).to(device).eval()
+    for i, (ids, pixels) in enumerate(cases):
+        logits = hf(torch.tensor([ids + outs[str(i)]], device=device),
+                    pixel_values=torch.from_numpy(pixels).to(device)).logits[0, len(ids) - 1:-1]
+        assert logits.argmax(-1).tolist() == outs[str(i)], i
+
+
+def test_llava_fp32_greedy_equals_transformers(tmp_path):
+    llava_parity(tmp_path, "cuda")
+    free_gpu()

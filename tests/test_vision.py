@@ -420,3 +420,9 @@ def test_chat_page_sends_an_image(server, tmp_path):
             [0, 0, 1, 0]  # (the first turn's image dropped, its text kept; the second: the image alone)
         assert not errors, errors
         browser.close()
+
+
+def test_the_gpu_checks_llava_test_holds_on_the_cpu(tmp_path):
+    from tests.test_cuda import llava_parity
+
+    llava_parity(tmp_path, "cpu")

@@ -18,7 +18,7 @@
 #   models          build the two random-weight models
 #   kernel-tests    tests/test_triton_kernels.py, compiled on CUDA
 #   cuda-tests      tests/test_cuda.py: greedy parity with transformers on the GPU (int4 checkpoints, an fp8
-#                   cache, LoRA adapters too), KV sizing by profiling
+#                   cache, LoRA adapters, a LLaVA's images too), KV sizing by profiling
 #   bench-kernels   tools/bench_kernels.py: each kernel against torch and the memory floor
 #   offline-SHAPE   tools/bench_offline.py on each model, 256 requests at 256 sequences: out tok/s, the decode
 #                   step against the HBM floor, the host's share; with asynchronous scheduling off, then on
