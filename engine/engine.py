@@ -379,7 +379,7 @@ class Engine:
         side = vision.image_size
         out, end = [], 0
         for i, im in enumerate(images):
-            if im.length != vision.num_tokens or im.shape != [3, side, side] or len(im.pixels) != 12 * side * side:
+            if im.length != vision.num_tokens or im.shape != [3, side, side] or len(im.pixels) != 4 * 3 * side * side:
                 bad(f"image {i}: {im.length} placeholders of pixels {im.shape}, but this model's images are "
                     f"{vision.num_tokens} placeholders of pixels [3, {side}, {side}]")
             if im.offset < end or im.offset + im.length > len(prompt) or any(

@@ -307,9 +307,8 @@ class Scheduler:
             if i < len(prefilling) and (head is None or rank(prefilling[i]) <= rank(head)):
                 req = prefilling[i]
                 i += 1
-                n, images = _fit_images(req, req.num_computed_tokens, min(
-                    req.num_tokens - req.num_computed_tokens, limit - batch.num_prompt_tokens - batch.image_tokens,
-                    step_cap), limit, batch)
+                n, images = _fit_images(req, req.num_computed_tokens,
+                                        min(req.num_tokens - req.num_computed_tokens, step_cap), limit, batch)
                 # (one preempted since this list was made may be running again, readmitted this step)
                 if n and req.status is Status.RUNNING and req not in batch and self._allocate_running(req, n, batch):
                     self._add(batch, req, n)
@@ -321,8 +320,7 @@ class Scheduler:
             cacheable = _cacheable_tokens(head)
             cached = bm.match_prefix(head, cacheable)
             hit = len(cached) * bm.block_size
-            n, images = _fit_images(head, hit, min(head.num_tokens - hit, limit - batch.num_prompt_tokens
-                                                   - batch.image_tokens, step_cap), limit, batch)
+            n, images = _fit_images(head, hit, min(head.num_tokens - hit, step_cap), limit, batch)
             if not n:  # its image waits for a step with room for it
                 admit = False
                 continue
@@ -427,11 +425,12 @@ class Scheduler:
 
 
 def _fit_images(req: Request, start: int, n: int, limit: int, batch: ScheduledBatch) -> tuple[int, int]:
-    """How many of the ``n`` prompt tokens from ``start`` to schedule, and the image positions they begin: a chunk
-    that reaches an image not yet encoded runs the vision tower over all of it, a work of the order of as many
-    prompt tokens, so those count against the step's ``limit`` too; the chunk stops before the first image that
-    does not fit, and within the limit (the step's first prompt chunk always takes one image: each gets a step)."""
+    """How many of the ``n`` prompt tokens from ``start`` to schedule within the step's ``limit``, and the image
+    positions they begin: a chunk that reaches an image not yet encoded runs the vision tower over all of it, a
+    work of the order of as many prompt tokens, so those count against the limit too; the chunk stops before the
+    first image that does not fit (the step's first prompt chunk always takes one image: each gets a step)."""
     room = limit - batch.num_prompt_tokens - batch.image_tokens
+    n = min(n, room)
     alone = not (batch.num_prompt_tokens or batch.image_tokens)
     cost = reach = 0  # image positions begun; tokens that reach the last of those images
     for i, im in enumerate(req.images):

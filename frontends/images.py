@@ -70,11 +70,6 @@ class ImageProcessor:
         with open(path) as f:
             return cls(json.load(f))
 
-    @property
-    def side(self) -> tuple[int, int]:
-        """(height, width) of the pixels made."""
-        return self.crop or self.resize_to
-
     def pixels(self, image) -> np.ndarray:
         """A Pillow image (``open_image``'s: its pixels decoded here) -> (3, H, W) float32 pixels."""
         from PIL import Image
@@ -103,7 +98,6 @@ class ImageProcessor:
         if self.mean is not None:
             a = ((a.T - self.mean) / self.std).T
         return np.ascontiguousarray(a, dtype=np.float32)
-
 
 
 def open_image(raw: bytes):

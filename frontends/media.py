@@ -119,9 +119,7 @@ class MediaReader:
             raise ImageError(f"cannot read the image file: {e.strerror}") from None
         if not regular:
             raise ImageError("a file:// image must be a regular file")
-        if len(data) > MAX_IMAGE_BYTES:
-            raise ImageError(f"an image may be at most {MAX_IMAGE_BYTES >> 20} MiB")
-        return data
+        return _at_most_max(len(data), data)
 
 
 def _get(url: str, deadline: float) -> tuple[int, str | None, bytes]:
@@ -145,11 +143,7 @@ def _get(url: str, deadline: float) -> tuple[int, str | None, bytes]:
             raise TimeoutError
         if r.status in (301, 302, 303, 307, 308) and r.getheader("Location"):
             return r.status, r.getheader("Location"), b""
-        if r.status != 200:
-            return r.status, None, b""
-        if len(body) > MAX_IMAGE_BYTES:
-            raise ImageError(f"an image may be at most {MAX_IMAGE_BYTES >> 20} MiB")
-        return r.status, None, body
+        return r.status, None, _at_most_max(len(body), body)
     finally:
         if timer is not None:
             timer.cancel()
@@ -169,12 +163,18 @@ def data_bytes(url: str) -> bytes:
     m = _DATA_URL.match(url)
     if m is None:
         raise ImageError(f"an image's data URL must be data:image/...;base64, got {url[:24]!r}")
-    if (len(url) - m.end()) * 3 // 4 > MAX_IMAGE_BYTES:
-        raise ImageError(f"an image may be at most {MAX_IMAGE_BYTES >> 20} MiB")
+    _at_most_max((len(url) - m.end()) * 3 // 4)  # (before decoding it)
     try:
         return base64.b64decode(url[m.end():], validate=True)
     except (binascii.Error, ValueError):
         raise ImageError("an image's data URL is not valid base64") from None
+
+
+def _at_most_max(size: int, data: bytes = b"") -> bytes:
+    """``data`` (of ``size`` bytes), or an ``ImageError`` past ``MAX_IMAGE_BYTES``."""
+    if size > MAX_IMAGE_BYTES:
+        raise ImageError(f"an image may be at most {MAX_IMAGE_BYTES >> 20} MiB")
+    return data
 
 
 def _host(url: str) -> str:
