@@ -269,6 +269,31 @@ def test_a_server_dripping_bytes_is_cut_off_at_the_deadline(monkeypatch):
     listener.close()
 
 
+@pytest.mark.parametrize("reply", [b"garbage\r\n\r\n", b"\x89PNG\r\n\x1a\n", b"HTTP/1.1 200 OK\r\nX: " + b"y" * 70_000,
+                                   b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"])
+def test_a_malformed_response_is_the_clients_400(reply):
+    import asyncio
+    import socket
+    import threading
+
+    from frontends import media
+    from frontends.images import ImageError
+
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def answer():
+        conn, _ = listener.accept()
+        conn.recv(4096)
+        conn.sendall(reply)
+        conn.close()
+
+    threading.Thread(target=answer, daemon=True).start()
+    reader = media.MediaReader(media.MediaSources(("127.0.0.1",)))
+    with pytest.raises(ImageError, match="cannot fetch an image from 127.0.0.1"):
+        asyncio.run(reader.read(f"http://127.0.0.1:{listener.getsockname()[1]}/x.png"))
+    listener.close()
+
+
 @pytest.fixture(scope="module")
 def server(tiny_llava, media):
     s = Server("--model", tiny_llava, "--served-model-name", "llava", "--dtype", "float32",
