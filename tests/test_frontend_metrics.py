@@ -180,13 +180,16 @@ def test_metrics_count_a_known_mix_exactly_across_two_frontends(stack):
     cut_tokens = int(cut["generation_tokens"])
     assert 1 <= cut_tokens < 400
 
-    # whichever frontend answers, the numbers are the same: scrape until both have
-    scrapes = {}
-    for _ in range(200):
+    # whichever frontend answers, the numbers are the same: scrape until both have, once the engine
+    # gauges come from a STATS sent after the cut stream's abort (each frontend asks every 2 s)
+    scrapes, deadline = {}, time.monotonic() + 15
+    while len(scrapes) < 2 and time.monotonic() < deadline:
         after, fe = scrape(port)
+        if after[("tokenmill:num_requests_running",)] != 0:
+            scrapes.clear()
+            time.sleep(0.1)
+            continue
         scrapes.setdefault(fe, after)
-        if len(scrapes) == 2:
-            break
     assert set(scrapes) == seen
     (fe_a, a), (fe_b, b) = scrapes.items()
     metrics_key = ("tokenmill:http_requests_total", ("handler", "/metrics"), ("method", "GET"), ("status", "2xx"))
