@@ -304,7 +304,9 @@ class OpenAIApi:
             raise ApiError(answer.status, answer.message, param=answer.param)
 
     async def tokenize(self, req: Request) -> Response:
-        data = op.parse_json(req.body)
+        return _json(await self.tokenized(op.parse_json(req.body)))
+
+    async def tokenized(self, data: dict) -> dict:
         op.check_model(data, self.model_names, self.adapters)
         if "messages" in data:
             tokens = await self._shown_prompt(data)
@@ -313,17 +315,19 @@ class OpenAIApi:
             op.check_text_length(len(prompt), self.max_chars, "prompt")
             tokens = await self._offload(len(prompt), self.codec.encode, prompt,
                                          op.field(data, "add_special_tokens", bool, True))
-        return _json({"tokens": tokens, "count": len(tokens), "max_model_len": self.max_model_len})
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": self.max_model_len}
 
     async def detokenize(self, req: Request) -> Response:
-        data = op.parse_json(req.body)
+        return _json(await self.detokenized(op.parse_json(req.body)))
+
+    async def detokenized(self, data: dict) -> dict:
         op.check_model(data, self.model_names, self.adapters)
         tokens = op.field(data, "tokens", list)
         if len(tokens) > op.MAX_DETOKENIZE_TOKENS:
             raise ApiError(400, f"At most {op.MAX_DETOKENIZE_TOKENS} tokens per request, got {len(tokens)}",
                            param="tokens")
         op.check_token_ids(tokens, self.codec.vocab_size, "tokens")
-        return _json({"prompt": await self._offload(len(tokens), self.codec.decode, tokens)})
+        return {"prompt": await self._offload(len(tokens), self.codec.decode, tokens)}
 
     # ------------------------------------------------------------------ completions
 

@@ -26,6 +26,7 @@ from frontends.engine_client import EngineClient
 from frontends.engine_router import EngineRouter
 from frontends.http import HttpConfig, HttpServer, Router
 from frontends.images import ImageProcessor
+from frontends.llamacpp import LlamaCppApi
 from frontends.media import MediaReader, MediaSources
 from frontends.metrics import Metrics
 from frontends.openai_api import OpenAIApi
@@ -90,9 +91,11 @@ def ssl_context(args: FrontendArgs) -> ssl.SSLContext | None:
     return ctx
 
 
-def build_router(api: OpenAIApi, ws: websocket.WsConfig | None = None, access_log: AccessLog | None = None) -> Router:
-    """The HTTP API's routes, ``/v1/stream`` and the chat page."""
+def build_router(api: OpenAIApi, ws: websocket.WsConfig | None = None, access_log: AccessLog | None = None,
+                 model_path: str = "") -> Router:
+    """The HTTP API's routes (OpenAI's, llama.cpp's), ``/v1/stream`` and the chat page."""
     router = api.routes()
+    LlamaCppApi(api, model_path).routes(router)
     websocket.register(router, api, ws, access_log)
     return router
 
@@ -130,7 +133,7 @@ async def serve(args: FrontendArgs, ready: Callable[[], None] | None = None) -> 
                     sampling_defaults=args.sampling_defaults, max_tokens_cap=args.max_tokens_cap,
                     model_aliases=args.model_aliases, images=image_processor, media=MediaReader(args.media))
     access_log = AccessLog(metrics, enabled=args.log_requests, log_prompts=args.log_prompts)
-    router = build_router(api, args.ws, access_log)
+    router = build_router(api, args.ws, access_log, args.tokenizer_path)
     access_log.router = router
     http = HttpServer(router, args.http, observer=access_log)
     # What start-up made (the tokenizer, and transformers and torch when it was read without the

@@ -45,6 +45,21 @@ def test_a_text_model_refuses_images(server):
     assert e.value.body["param"] == "messages"
 
 
+def test_a_model_without_fim_tokens_refuses_infill(server):
+    """llama.cpp's /infill needs the model's fill-in-the-middle tokens: SmolLM2 has none (501, llama.cpp's words)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(server.url + "/infill", json.dumps({"input_prefix": "a", "input_suffix": "b"}).encode(),
+                                 {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == 501 and json.loads(e.value.read()) == {"error": {
+        "code": 501, "type": "not_supported_error", "message": "Infill is not supported by this model: prefix "
+        "token is missing. suffix token is missing. middle token is missing. "}}
+
+
 def test_anthropic_messages_api(server):
     """Anthropic's SDK against the real model: a system prompt, the answer, its usage and stop reason, and
     output held to a schema (``output_config``)."""

@@ -1,0 +1,578 @@
+"""llama.cpp's own server API: ``POST /completion`` (and ``/completions``), ``/infill``, ``/apply-template``,
+``GET /props``; the ``content`` shapes of ``/tokenize`` and ``/detokenize`` (``tokenize``, ``detokenize``).
+
+So that what is written for ``llama-server`` (code completion in editors: llama.vim, llama.vscode; chat
+front ends in their llama.cpp mode) talks to tokenmill. A body is turned into a ``/v1/completions`` one and
+runs as a completion does (the same checks, defaults, stop strings, structured output);
+``CompletionFormat`` writes the result as llama.cpp does: ``content``, ``stop_type``, ``tokens_predicted``,
+``timings``, ``completion_probabilities``... compact JSON, streamed as ``data: {...}`` events with no
+``[DONE]``; errors as ``{"error": {"code", "message", "type"}}``.
+
+Prompts as llama.cpp reads them: a string (with the tokenizer's BOS), token ids (as they are), a list
+mixing both (one prompt: BOS only where it starts with a string), or a list of those without a
+top-level integer (several prompts: the answer is a list). ``n_predict`` -1 (the default) runs to
+the end of the context, 0 still samples one token (as llama.cpp does: next-token probabilities).
+``n_indent`` and ``t_max_predict_ms`` end a completion at a line (``LineLimits``). Its samplers that
+tokenmill has not (``typical_p``, ``mirostat``, DRY, XTC, dynamic temperature, top-n-sigma) are taken
+at the values that turn them off and refused at any other; ``repeat_penalty`` is vLLM's repetition
+penalty over the whole context (``repeat_last_n`` is not read); ``cache_prompt``, ``id_slot``,
+``samplers`` (the order is tokenmill's), ``timings_per_token`` and ``return_progress`` are taken and
+not read: prefix caching is always on, there are no slots.
+
+``/infill`` builds llama.cpp's fill-in-the-middle prompt from the model's FIM tokens (``fim_tokens``:
+found by their text, as llama.cpp finds them in a vocabulary): ``[extra context] [BOS] <PRE> prefix
+prompt <SUF> suffix <MID>``, repository-level (``<REPO>``, ``<SEP>`` file names) where the model has those.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import orjson
+
+from frontends import openai_params as op
+from frontends.errors import ApiError
+from frontends.generation import Generation, Update
+from frontends.http import Request, Response
+from frontends.openai_api import VERSION, OpenAIApi
+from frontends.text import StopStrings
+
+# llama.cpp's FIM token texts, as src/llama-vocab.cpp looks for them (first found wins)
+FIM_TEXTS = {
+    "pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>", "<|code_prefix|>"),
+    "suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>", "<|code_suffix|>"),
+    "mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>", "<|code_middle|>"),
+    "pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>"),
+    "rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "sep": ("<|file_sep|>",),
+}
+N_BATCH = 2048  # llama-server's default -b: /infill takes 3/4 of it from the prefix, 1/4 from the suffix
+# llama.cpp's samplers that tokenmill has not: each taken only at a value that turns it off
+_OFF = {"typical_p": lambda v: v >= 1, "mirostat": lambda v: v == 0, "dynatemp_range": lambda v: v <= 0,
+        "dry_multiplier": lambda v: v <= 0, "xtc_probability": lambda v: v <= 0, "top_n_sigma": lambda v: v <= 0,
+        "tfs_z": lambda v: v >= 1}
+# passed to the completion as they are (llama.cpp's names that are OpenAI's or vLLM's, and tokenmill's extras)
+_PASSED = ("top_p", "min_p", "presence_penalty", "frequency_penalty", "ignore_eos", "grammar", "json_schema",
+           "min_tokens", "priority", "timeout", "cache_salt", "stop_token_ids", "allowed_token_ids", "bad_words",
+           "include_stop_str_in_output", "skip_special_tokens", "n")
+_NAMES = {"logprobs": "n_probs", "max_tokens": "n_predict", "repetition_penalty": "repeat_penalty"}  # in refusals
+SAMPLERS = ["penalties", "top_k", "top_p", "min_p", "temperature"]  # tokenmill's order, as llama.cpp names them
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 500: "server_error", 501: "not_supported_error", 503: "unavailable_error"}
+
+
+def _json_response(obj: Any) -> Response:
+    return Response(200, orjson.dumps(obj))
+
+
+def fim_tokens(vocab: dict[str, int]) -> dict[str, int]:
+    """The model's fill-in-the-middle tokens found in its ``vocab`` (token text -> id): "pre", "suf", "mid",
+    and where it has them "pad", "rep" (a repository's name), "sep" (a file's)."""
+    out = {}
+    for kind, texts in FIM_TEXTS.items():
+        found = next((vocab[t] for t in texts if t in vocab), None)
+        if found is not None:
+            out[kind] = found
+    return out
+
+
+def error(e: ApiError) -> dict:
+    return {"code": e.status, "message": e.message, "type": _ERROR_TYPES.get(e.status, e.type)}
+
+
+def errors_as_llamacpp(handler):
+    """``handler`` with its refusals in llama.cpp's shape: ``{"error": {"code", "message", "type"}}``."""
+
+    async def handle(req: Request):
+        try:
+            return await handler(req)
+        except ApiError as e:
+            return Response(e.status, orjson.dumps({"error": error(e)}), headers=e.headers)
+    return handle
+
+
+def renamed(e: ApiError) -> ApiError:
+    """A completion's refusal, named as llama.cpp names its fields."""
+    if e.param in _NAMES:
+        e.message = e.message.replace(e.param, _NAMES[e.param])
+        e.param = _NAMES[e.param]
+    return e
+
+
+def _number(data: dict, name: str, default: float | None = None) -> float | None:
+    return op.field(data, name, (int, float), default)
+
+
+def completion_body(data: dict, adapters: dict[str, str]) -> dict:
+    """The ``/v1/completions`` fields of a llama.cpp body (the prompt and ``max_tokens`` come later: they
+    need the prompt's tokens)."""
+    for name, off in _OFF.items():
+        v = _number(data, name)
+        if v is not None and not off(v):
+            raise ApiError(400, f"{name} {v:g} is not supported here (tokenmill samples with temperature, top_k, "
+                           "top_p, min_p and penalties)", param=name)
+    lora = data.get("lora")
+    if lora:
+        raise ApiError(400, "lora: name an adapter as the request's model instead", param="lora")
+    body: dict[str, Any] = {k: data[k] for k in _PASSED if data.get(k) is not None}
+    if data.get("model") in adapters:  # (llama.cpp reads no model: any other name is no error)
+        body["model"] = data["model"]
+    if "n_cmpl" in data:
+        body["n"] = data["n_cmpl"]
+    temperature = _number(data, "temperature")
+    if temperature is not None:
+        body["temperature"] = max(temperature, 0.0)  # (<= 0: greedy)
+    top_k = op.field(data, "top_k", int, None)
+    if top_k is not None:
+        body["top_k"] = max(top_k, 0)  # (<= 0: off)
+    if data.get("repeat_penalty") is not None:
+        body["repetition_penalty"] = data["repeat_penalty"]
+    seed = op.field(data, "seed", int, None)
+    if seed is not None and seed != -1 and seed != 0xFFFFFFFF:  # (-1: a random one)
+        body["seed"] = seed
+    stop = op.field(data, "stop", (list, str), None)
+    if stop is not None:
+        body["stop"] = [s for s in ([stop] if isinstance(stop, str) else stop) if s != ""]
+    if body.get("grammar") == "":  # (llama.cpp's "no grammar")
+        del body["grammar"]
+    if "grammar" in body:  # a grammar, where both are given, as llama.cpp takes it
+        body.pop("json_schema", None)
+    n_probs = op.field(data, "n_probs", int, 0)
+    if n_probs < 0:
+        raise ApiError(400, f"n_probs must be at least 0, got {n_probs}", param="n_probs")
+    if n_probs:
+        body["logprobs"] = n_probs
+    return body
+
+
+class LineLimits:
+    """llama.cpp's ``n_indent`` and ``t_max_predict_ms``, over a choice's stop strings (``inner``), with
+    ``StopStrings``' face for ``frontends.generation.Choice``. From the output's second line: a line
+    indented less than ``n_indent`` (spaces and tabs) ends it where the line starts (the end of a code
+    block); once ``max_ms`` have passed since the first token, the end of a token that ends a line does."""
+
+    __slots__ = ("inner", "n_indent", "max_s", "started", "newline", "line_start", "held", "matched", "limited")
+
+    def __init__(self, inner: StopStrings | None, n_indent: int, max_ms: float) -> None:
+        self.inner, self.n_indent, self.max_s = inner, n_indent, max_ms / 1000
+        self.started: float | None = None
+        self.newline = False  # a line has ended
+        self.line_start = False  # in a line's leading whitespace (``held``: not out until the line is known)
+        self.held = ""
+        self.matched: str | None = None  # the stop string that ended it
+        self.limited = False  # these limits ended it (llama.cpp's stop_type "limit")
+
+    def feed(self, text: str, check: bool = True) -> tuple[str, bool]:
+        now = time.monotonic()
+        if self.started is None:
+            self.started = now
+        hit = False
+        if self.inner is not None:
+            text, hit = self.inner.feed(text, check)
+        out, cut = self._lines(text)
+        if cut:
+            self.limited = True
+            return out, True
+        if hit:
+            self.matched = self.inner.matched
+            return out + self._release(), True
+        if self.newline and self.max_s > 0 and now - self.started > self.max_s:
+            self.limited = True
+            return out + self._release(), True
+        return out, False
+
+    def _lines(self, text: str) -> tuple[str, bool]:
+        """(``text`` that may go out, whether a line indented too little was cut off)."""
+        out = []
+        for ch in text:
+            if self.line_start and ch in " \t":
+                self.held += ch
+                continue
+            if self.line_start and ch != "\n":
+                if len(self.held) < self.n_indent:
+                    self.held = ""
+                    return "".join(out), True
+                self.line_start = False
+            out.append(self._release() + ch)
+            if ch == "\n":
+                self.newline = self.line_start = True
+        return "".join(out), False
+
+    def _release(self) -> str:
+        held, self.held = self.held, ""
+        return held
+
+    def flush(self) -> str:
+        out, cut = self._lines(self.inner.flush() if self.inner is not None else "")
+        return out if cut else out + self._release()
+
+
+def _pick(obj: dict, paths: list[str]) -> dict:
+    """llama.cpp's ``response_fields``: only these paths (``timings/prompt_n``), each under its path."""
+    out = {}
+    for path in paths:
+        v: Any = obj
+        for key in path.split("/"):
+            if not (isinstance(v, dict) and key in v):
+                break
+            v = v[key]
+        else:
+            out[path] = v
+    return out
+
+
+def _rate(n: int, ms: float) -> tuple[float | None, float | None]:
+    """(ms per token, tokens per second), None where undefined (llama.cpp writes its NaNs as null)."""
+    return (ms / n if n else None), (1e3 * n / ms if ms > 0 else None)
+
+
+class CompletionFormat:
+    """What a generation produced, as llama.cpp's results: one object per choice (a list of them for several),
+    or streamed: a ``data:`` event per update of a choice, and its whole result (less the text) at its end."""
+
+    DONE = b""  # no [DONE] line
+
+    def __init__(self, model: str, gen: Generation, settings: dict, prompt_texts: list[str], n_probs: int,
+                 post_sampling: bool, return_tokens: bool, fields: list[str] | None, token_text) -> None:
+        self.model, self.gen, self.settings = model, gen, settings
+        self.prompt_texts = prompt_texts  # per prompt ("" where no one asked for it)
+        self.n_probs, self.post_sampling, self.return_tokens, self.fields = n_probs, post_sampling, return_tokens, fields
+        self.token_text = token_text
+        k = len(gen.choices)
+        self.texts, self.ids = [""] * k, [[] for _ in range(k)]
+        self.probs: list[list[dict]] = [[] for _ in range(k)]
+        self.new_line = [False] * k
+
+    def _token(self, tid: int) -> dict:
+        text = self.token_text(tid)
+        return {"id": tid, "token": text, "bytes": list(text.encode())}
+
+    def _entry(self, tid: int, lp: float | None, top: list | None) -> dict:
+        key = "prob" if self.post_sampling else "logprob"
+
+        def value(v: float | None) -> float:
+            v = -3.4028234663852886e38 if v is None or v == -math.inf else v  # (llama.cpp's lowest float)
+            return math.exp(v) if self.post_sampling else v
+        tops = [{**self._token(t), key: value(v)} for t, v in (top or [])[:self.n_probs]]
+        return {**self._token(tid), key: value(lp), "top_probs" if self.post_sampling else "top_logprobs": tops}
+
+    def _take(self, up: Update) -> list[dict]:
+        i = up.choice.index
+        self.texts[i] += up.text
+        self.ids[i] += up.token_ids
+        self.new_line[i] = self.new_line[i] or "\n" in up.text
+        probs = [self._entry(*e) for e in up.logprobs or ()] if self.n_probs else []
+        self.probs[i] += probs
+        return probs
+
+    def _stop_type(self, c) -> tuple[str, str]:
+        if c.finish_reason == "stop":
+            if isinstance(c.stop_reason, str):
+                return "word", c.stop_reason
+            if not getattr(c.stops, "limited", False):
+                return "eos", ""
+        return "limit", ""
+
+    def _result(self, c, streamed: bool) -> dict:
+        stop_type, word = self._stop_type(c)
+        now = time.monotonic()
+        first = c.first_token_at or c.answered_at or now
+        prompt_ms, predicted_ms = 1e3 * (first - self.gen.arrival), 1e3 * ((c.last_token_at or first) - first)
+        prompt_n = c.num_prompt_tokens - c.num_cached_tokens
+        out = {
+            "index": c.index, "content": "" if streamed else self.texts[c.index],
+            "tokens": [] if streamed or not self.return_tokens else self.ids[c.index], "id_slot": 0, "stop": True,
+            "model": self.model, "tokens_predicted": c.num_tokens, "tokens_evaluated": c.num_prompt_tokens,
+            "generation_settings": self.settings, "prompt": self.prompt_texts[c.index // self.gen.n],
+            "has_new_line": self.new_line[c.index], "truncated": c.finish_reason == "length" and self.settings[
+                "n_predict"] < 0, "stop_type": stop_type, "stopping_word": word,
+            "tokens_cached": c.num_prompt_tokens + c.num_tokens,
+            "timings": {"cache_n": c.num_cached_tokens, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
+                        **dict(zip(("prompt_per_token_ms", "prompt_per_second"), _rate(prompt_n, prompt_ms),
+                                   strict=True)),
+                        "predicted_n": c.num_tokens, "predicted_ms": predicted_ms,
+                        **dict(zip(("predicted_per_token_ms", "predicted_per_second"),
+                                   _rate(c.num_tokens, predicted_ms), strict=True))},
+        }
+        if self.n_probs and not streamed:
+            out["completion_probabilities"] = self.probs[c.index]
+        return _pick(out, self.fields) if self.fields is not None else out
+
+    # ------------------------------------------------------------------ whole
+
+    def collect(self, updates: list[Update]) -> None:
+        for up in updates:
+            self._take(up)
+
+    def response(self) -> dict | list:
+        results = [self._result(c, streamed=False) for c in self.gen.choices]
+        return results[0] if len(results) == 1 else results
+
+    # ------------------------------------------------------------------ streamed
+
+    def stream_head(self) -> bytes:
+        return b""
+
+    def chunk(self, updates: list[Update]) -> bytes:
+        out = b""
+        for up in updates:
+            c = up.choice
+            probs = self._take(up)
+            if up.text or up.token_ids:
+                event = {"index": c.index, "content": up.text, "tokens": up.token_ids, "stop": False, "id_slot": -1,
+                         "tokens_predicted": c.num_tokens, "tokens_evaluated": c.num_prompt_tokens}
+                if self.n_probs:
+                    event["completion_probabilities"] = probs
+                out += b"data: " + orjson.dumps(event) + b"\n\n"
+            if up.finished:
+                out += b"data: " + orjson.dumps(self._result(c, streamed=True)) + b"\n\n"
+        return out
+
+    def stream_error(self, e: ApiError) -> bytes:
+        return b"data: " + orjson.dumps({"error": error(e)}) + b"\n\n"
+
+
+async def tokens_of(api: OpenAIApi, value: Any, param: str, add_special: bool) -> list[int]:
+    """A string, token ids, or a list of both (llama.cpp's mixed prompt) as ids; the string that starts
+    it with the tokenizer's BOS where ``add_special``."""
+    parts = [value] if isinstance(value, str) else value
+    if not isinstance(parts, list) or not all(isinstance(x, str | int) and not isinstance(x, bool) for x in parts):
+        raise ApiError(400, f"'{param}' must be a string, a list of token ids, or a list mixing strings and "
+                       "token ids", param=param)
+    op.check_text_length(sum(len(x) for x in parts if isinstance(x, str)), api.max_chars, param)
+    ids: list[int] = []
+    for i, x in enumerate(parts):
+        if isinstance(x, str):
+            ids += await api._offload(len(x), api.codec.encode, x, add_special and i == 0)
+        else:
+            ids.append(x)
+    return op.check_token_ids(ids, api.codec.vocab_size, param)
+
+
+class LlamaCppApi:
+    """The routes above, over an ``OpenAIApi``'s engine client, tokenizer and completion checks."""
+
+    def __init__(self, api: OpenAIApi, model_path: str = "") -> None:
+        self.api, self.codec, self.model_path = api, api.codec, model_path
+        self.fim = fim_tokens(api.codec.tokenizer.get_vocab())
+        self.bos = api.codec.encode("", add_special_tokens=True)  # what a string prompt starts with (or nothing)
+
+    def routes(self, router) -> None:
+        auth = self.api.auth
+        for method, path, handler in (("POST", "/completion", self.completion), ("POST", "/completions", self.completion),
+                                      ("POST", "/infill", self.infill), ("POST", "/apply-template", self.apply_template),
+                                      ("GET", "/props", self.props)):
+            router.add(method, path, errors_as_llamacpp(auth.guard(handler, json_body=method == "POST")))
+            router.add("OPTIONS", path, auth.preflight)
+        # the OpenAI frontend's, which take llama.cpp's shapes too (and answer in OpenAI's error shape)
+        router.add("POST", "/tokenize", auth.guard(self.tokenize, json_body=True))
+        router.add("POST", "/detokenize", auth.guard(self.detokenize, json_body=True))
+
+    # ------------------------------------------------------------------ prompts
+
+    async def _prompts(self, data: dict) -> list[list[int]]:
+        p = data.get("prompt")
+        if p is None:
+            raise ApiError(400, "Missing required field: 'prompt'", param="prompt")
+        if isinstance(p, list) and not p:
+            raise ApiError(400, "'prompt' must not be empty", param="prompt")
+        several = isinstance(p, list) and not any(isinstance(x, int) and not isinstance(x, bool) for x in p)
+        items = p if several else [p]
+        if len(items) > op.MAX_PROMPTS:
+            raise ApiError(400, f"At most {op.MAX_PROMPTS} prompts per request, got {len(items)}", param="prompt")
+        out = []
+        for x in items:
+            if isinstance(x, dict):  # llama.cpp's {"prompt_string", "multimodal_data"}
+                if x.get("multimodal_data"):
+                    raise ApiError(400, "images go through /v1/chat/completions here", param="prompt")
+                x = x.get("prompt_string")
+            out.append(await tokens_of(self.api, x, "prompt", add_special=True))
+        return out
+
+    def _infill_prompt(self, prefix: list[int], suffix: list[int], prompt: list[int],
+                       extra: list[tuple[list[int], list[int]]], n_predict: int, sep_name: list[int],
+                       repo_name: list[int], snippet: list[int]) -> list[int]:
+        """llama.cpp's ``format_prompt_infill``: ``[extra] [BOS] <PRE> prefix prompt <SUF> suffix <MID>``,
+        the end of the prefix, the start of the suffix and the end of the extra context kept where long."""
+        fim = self.fim
+        context: list[int] = [fim["rep"], *repo_name] if "rep" in fim else []
+        for name, text in extra:
+            context += [fim["sep"], *name] if "sep" in fim else snippet
+            context += text
+        if "sep" in fim:
+            context += [fim["sep"], *sep_name]
+        batch = min(N_BATCH, self.api.max_model_len)
+        take_prefix = min(len(prefix), 3 * (batch // 4))
+        take_suffix = min(len(suffix), max(0, batch // 4 - (2 + len(prompt))))
+        take_extra = min(max(0, self.api.max_model_len - batch - 2 * max(n_predict, 0)), len(context))
+        return [*context[len(context) - take_extra:], *self.bos, fim["pre"], *prefix[len(prefix) - take_prefix:],
+                *prompt, fim["suf"], *suffix[:take_suffix], fim["mid"]]
+
+    # ------------------------------------------------------------------ routes
+
+    async def completion(self, req: Request):
+        return await self.api._run(req, op.parse_json(req.body), self.completion_job)
+
+    async def infill(self, req: Request):
+        return await self.api._run(req, op.parse_json(req.body), self.infill_job)
+
+    async def completion_job(self, data: dict, arrival: float | None = None,
+                             prompts: list[list[int]] | None = None,
+                             stop_token_ids: list[int] = ()) -> tuple[Generation, CompletionFormat]:
+        """A llama.cpp body checked and run as a completion (``prompts``: already made, for /infill)."""
+        api = self.api
+        try:
+            body = completion_body(data, api.adapters)
+            if prompts is None:
+                prompts = await self._prompts(data)
+            if stop_token_ids:
+                body["stop_token_ids"] = [*op.field(body, "stop_token_ids", list, []), *stop_token_ids]
+            body["logit_bias"] = await self._logit_bias(data)
+            n_predict = op.field(data, "n_predict", int, None)
+            if n_predict is None:
+                n_predict = op.field(data, "max_completion_tokens", int, op.field(data, "max_tokens", int, -1))
+            room = api.max_model_len - max(map(len, prompts))
+            # -1: to the end of the context; 0: one token (llama.cpp samples one before it looks); past the context:
+            # up to its end (truncated)
+            body["max_tokens"] = max(1, room if n_predict < 0 else min(max(n_predict, 1), room))
+            body["prompt"] = prompts
+            gen, _ = await api.completion_job(body, arrival)
+        except ApiError as e:
+            raise renamed(e) from None
+        n_indent, max_ms = op.field(data, "n_indent", int, 0), _number(data, "t_max_predict_ms", 0)
+        if n_indent > 0 or max_ms > 0:
+            for c in gen.choices:
+                c.stops = LineLimits(c.stops, n_indent, max_ms)
+        fields = op.field(data, "response_fields", list, None) or None
+        if fields is not None and not all(isinstance(f, str) for f in fields):
+            raise ApiError(400, "response_fields must be a list of strings", param="response_fields")
+        texts = [""] * len(prompts)
+        if fields is None or "prompt" in fields:  # the prompt as text, special tokens written
+            texts = [await api._offload(len(p), self.codec.decode, p, False) for p in prompts]
+        params = gen.params
+        settings = {"n_ctx": api.max_model_len, "n_predict": n_predict, "max_tokens": params.max_tokens,
+                    "seed": params.seed if params.seed is not None else 0xFFFFFFFF,
+                    "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
+                    "min_p": params.min_p, "repeat_penalty": params.repetition_penalty,
+                    "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
+                    "stop": params.stop, "ignore_eos": params.ignore_eos, "stream": bool(data.get("stream")),
+                    "logit_bias": [{"token": t, "bias": b} for t, b in (params.logit_bias or {}).items()],
+                    "n_probs": params.logprobs or 0, "grammar": params.grammar or "", "samplers": SAMPLERS}
+        return gen, CompletionFormat(gen.lora or api.model, gen, settings, texts, params.logprobs or 0,
+                                     op.field(data, "post_sampling_probs", bool, False),
+                                     op.field(data, "return_tokens", bool, False), fields, self.codec.token_text)
+
+    async def _logit_bias(self, data: dict) -> dict[str, float] | None:
+        """llama.cpp's ``logit_bias``, ``[[token, bias], ...]`` or ``{token: bias}``, a token an id or a text (each of
+        its tokens), ``false`` for never: as OpenAI's (ids outside the vocabulary and other values skipped, as there)."""
+        given = data.get("logit_bias")
+        if given is None:
+            return None
+        if isinstance(given, dict):
+            pairs = list(given.items())
+        elif isinstance(given, list) and all(isinstance(p, list) and len(p) == 2 for p in given):
+            pairs = [tuple(p) for p in given]
+        else:
+            raise ApiError(400, "logit_bias must be [[token, bias], ...] or {token: bias}", param="logit_bias")
+        if len(pairs) > op.MAX_LOGIT_BIAS:
+            raise ApiError(400, f"'logit_bias' may have at most {op.MAX_LOGIT_BIAS} entries, got {len(pairs)}",
+                           param="logit_bias")
+        out: dict[str, float] = {}
+        for token, bias in pairs:
+            if bias is False:
+                bias = -100.0  # (the least a bias may be: never sampled)
+            elif isinstance(bias, bool) or not isinstance(bias, int | float):
+                continue
+            if isinstance(token, str) and token.isascii() and token.isdigit():
+                token = int(token)
+            if isinstance(token, str):
+                op.check_text_length(len(token), 4096, "logit_bias")
+                ids = await self.api._offload(len(token), self.codec.encode, token, False)
+            elif isinstance(token, int) and not isinstance(token, bool):
+                ids = [token]
+            else:
+                continue
+            for t in ids:
+                if 0 <= t < self.codec.vocab_size:
+                    out[str(t)] = max(-100.0, min(100.0, float(bias)))
+        if len(out) > op.MAX_LOGIT_BIAS:
+            raise ApiError(400, f"'logit_bias' may name at most {op.MAX_LOGIT_BIAS} tokens, got {len(out)}",
+                           param="logit_bias")
+        return out or None
+
+    async def infill_job(self, data: dict, arrival: float | None = None) -> tuple[Generation, CompletionFormat]:
+        missing = [f"{name} token is missing. " for name, kind in (("prefix", "pre"), ("suffix", "suf"),
+                                                                   ("middle", "mid")) if kind not in self.fim]
+        if missing:
+            raise ApiError(501, "Infill is not supported by this model: " + "".join(missing), type="not_supported_error")
+        for name in ("input_prefix", "input_suffix"):
+            if name not in data:
+                raise ApiError(400, f"'{name}' is required", param=name)
+        prefix = await tokens_of(self.api, data["input_prefix"], "input_prefix", add_special=False)
+        suffix = await tokens_of(self.api, data["input_suffix"], "input_suffix", add_special=False)
+        prompt = op.field(data, "prompt", str, "")
+        op.check_text_length(len(prompt), self.api.max_chars, "prompt")
+        prompt_ids = await self.api._offload(len(prompt), self.codec.encode, prompt, False)
+        chunks = op.field(data, "input_extra", list, [])
+        if len(chunks) > op.MAX_PROMPTS:
+            raise ApiError(400, f"At most {op.MAX_PROMPTS} input_extra chunks, got {len(chunks)}", param="input_extra")
+        extra = []
+        for chunk in chunks:
+            if not (isinstance(chunk, dict) and isinstance(chunk.get("text"), str)
+                    and isinstance(chunk.get("filename", ""), str)):
+                raise ApiError(400, "input_extra must be a list of {\"filename\": string, \"text\": string}",
+                               param="input_extra")
+            extra.append((await tokens_of(self.api, chunk.get("filename", "tmp") + "\n", "input_extra", False),
+                          await tokens_of(self.api, chunk["text"], "input_extra", False)))
+        encode = self.codec.encode
+        n_predict = op.field(data, "n_predict", int, -1)
+        tokens = self._infill_prompt(prefix, suffix, prompt_ids, extra, n_predict, encode("filename\n", False),
+                                     encode("myproject\n", False), encode("\n\n--- snippet ---\n\n", False))
+        ends = [self.fim[k] for k in ("pad", "rep", "sep") if k in self.fim]  # (llama.cpp's end-of-generation set)
+        return await self.completion_job(data, arrival, prompts=[tokens], stop_token_ids=ends)
+
+    async def apply_template(self, req: Request) -> Response:
+        """A chat body's prompt as its template writes it: ``{"prompt": text}``."""
+        data = op.parse_json(req.body)
+        ids = await self.api._shown_prompt({k: v for k, v in data.items() if k != "model"})
+        text = await self.api._offload(len(ids), self.codec.decode, ids, False)
+        return _json_response({"prompt": text})
+
+    async def props(self, req: Request) -> Response:
+        api, ready = self.api, self.api.client.ready
+        tok = self.codec.tokenizer
+        params = {"n_predict": -1, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
+                  "repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "seed": 0xFFFFFFFF,
+                  "stop": [], "ignore_eos": False, "n_probs": 0, "grammar": "", "samplers": SAMPLERS}
+        params |= {("repeat_penalty" if k == "repetition_penalty" else k): v for k, v in api.sampling_defaults.items()
+                   if k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")}
+        return Response(200, orjson.dumps({
+            "default_generation_settings": {"n_ctx": api.max_model_len, "params": params},
+            "total_slots": ready.max_num_seqs, "model_alias": api.model, "model_path": self.model_path,
+            "modalities": {"vision": bool(ready.image_tokens), "audio": False},
+            "chat_template": self.codec.chat_template or "", "bos_token": getattr(tok, "bos_token", None) or "",
+            "eos_token": getattr(tok, "eos_token", None) or "", "build_info": f"tokenmill {VERSION}"}))
+
+    async def tokenize(self, req: Request) -> Response:
+        """vLLM's ``/tokenize``, or llama.cpp's: ``content`` (a string, or ids and strings), ``add_special`` (False),
+        ``with_pieces``: ``{"tokens": [id, ...]}`` or ``[{"id", "piece"}, ...]`` (a piece no whole UTF-8: its bytes)."""
+        data = op.parse_json(req.body)
+        if "content" not in data or "prompt" in data or "messages" in data:
+            return _json_response(await self.api.tokenized(data))
+        ids = await tokens_of(self.api, data["content"], "content", op.field(data, "add_special", bool, False))
+        if not op.field(data, "with_pieces", bool, False):
+            return _json_response({"tokens": ids})
+        pieces = []
+        for t in ids:
+            text = self.codec.token_text(t)
+            pieces.append({"id": t, "piece": text if "\ufffd" not in text else list(text.encode())})
+        return _json_response({"tokens": pieces})
+
+    async def detokenize(self, req: Request) -> Response:
+        """vLLM's ``/detokenize`` (``prompt``: the text), with llama.cpp's ``content`` (special tokens written)."""
+        data = op.parse_json(req.body)
+        out = await self.api.detokenized(data)
+        return _json_response(out | {"content": await self.api._offload(len(data["tokens"]), self.codec.decode,
+                                                              data["tokens"], False)})

@@ -1,0 +1,272 @@
+"""llama.cpp's own API (``frontends.llamacpp``): ``/completion``, ``/infill``, ``/tokenize`` and ``/detokenize`` in
+its shapes, ``/props``, ``/apply-template``, against ``tokenmill serve`` on a tiny random llama whose tokenizer
+has Qwen2.5-Coder's FIM tokens. Greedy ``content`` equals ``/v1/completions``' text for the same prompt (whole,
+streamed, several prompts, mixed prompts); the infill prompt is llama.cpp's layout token for token; answers
+are compact JSON (llama.vim reads ``"content":"``), streams end without ``[DONE]``, errors are llama.cpp's."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import math
+
+import pytest
+
+from frontends.errors import ApiError
+from frontends.llamacpp import LineLimits, completion_body, fim_tokens
+from frontends.text import StopStrings
+from tests.conftest import make_tiny_model
+from tests.test_server_e2e import Server
+
+KEY = "sk-llama"
+FIM = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]
+
+
+@pytest.fixture(scope="module")
+def coder(tmp_path_factory, smollm_tokenizer_dir) -> str:
+    """A tiny llama, SmolLM2's tokenizer with Qwen2.5-Coder's FIM tokens added (ids 49152-49157)."""
+    from transformers import AutoTokenizer
+
+    out = str(tmp_path_factory.mktemp("coder"))
+    tok = AutoTokenizer.from_pretrained(smollm_tokenizer_dir)
+    tok.add_special_tokens({"additional_special_tokens": FIM})
+    tok_dir = str(tmp_path_factory.mktemp("coder_tokenizer"))
+    tok.save_pretrained(tok_dir)
+    return make_tiny_model(out, "llama", tok_dir, vocab_size=49160, max_position_embeddings=4096)
+
+
+@pytest.fixture(scope="module")
+def server(coder):
+    s = Server("--model", coder, "--served-model-name", "coder", "--dtype", "float32", "--api-key", KEY,
+               "--max-num-seqs", "8", startup=120)
+    yield s
+    s.close()
+
+
+def call(server: Server, path: str, body: dict | None = None, key: str | None = KEY) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    try:
+        conn.request("POST" if body is not None else "GET", path, json.dumps(body) if body is not None else None,
+                     headers)
+        r = conn.getresponse()
+        return r.status, r.read()
+    finally:
+        conn.close()
+
+
+def post(server: Server, path: str, body: dict, want: int = 200):
+    status, raw = call(server, path, body)
+    assert status == want, raw
+    return json.loads(raw)
+
+
+def events(raw: bytes) -> list[dict]:
+    text = raw.decode()
+    assert text.endswith("\n\n") and "[DONE]" not in text
+    return [json.loads(ev[len("data: "):]) for ev in text.split("\n\n") if ev]
+
+
+def openai_text(server: Server, prompt, max_tokens: int) -> str:
+    r = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+    return r["choices"][0]["text"]
+
+
+# ---------------------------------------------------------------------------- units
+
+
+def test_fim_tokens_are_found_by_their_text():
+    qwen = {t: i for i, t in enumerate(["a", *FIM])}
+    assert fim_tokens(qwen) == {"pre": 1, "suf": 2, "mid": 3, "pad": 4, "rep": 5, "sep": 6}
+    assert fim_tokens({"▁<PRE>": 7, "▁<SUF>": 8, "▁<MID>": 9}) == {"pre": 7, "suf": 8, "mid": 9}  # CodeLlama's
+    assert fim_tokens({"<fim_prefix>": 1, "<fim_middle>": 2, "<fim_suffix>": 3, "<reponame>": 4}) == {
+        "pre": 1, "mid": 2, "suf": 3, "rep": 4}  # StarCoder's, Granite's
+    assert fim_tokens({"<|im_start|>": 1}) == {}
+
+
+def test_bodies_become_completions():
+    body = completion_body({"prompt": "x", "n_predict": 5, "temperature": -1, "top_k": -5, "repeat_penalty": 1.1,
+                            "seed": -1, "stop": "END", "grammar": "", "json_schema": {"type": "object"},
+                            "n_probs": 3, "typical_p": 1.0, "mirostat": 0, "dry_multiplier": 0, "model": "anything",
+                            "cache_prompt": True, "id_slot": 2, "samplers": ["top_k"]}, {})
+    assert body == {"temperature": 0.0, "top_k": 0, "repetition_penalty": 1.1, "stop": ["END"],
+                    "json_schema": {"type": "object"}, "logprobs": 3}
+    assert completion_body({"grammar": "root ::= \"a\"", "json_schema": {}, "seed": 7, "stop": ["", "x"]}, {}) == {
+        "grammar": "root ::= \"a\"", "seed": 7, "stop": ["x"]}  # a grammar wins over a schema, as in llama.cpp
+    assert completion_body({"model": "sql"}, {"sql": "/adapters/sql"}) == {"model": "sql"}  # a LoRA adapter's name
+    for name, value in (("mirostat", 2), ("typical_p", 0.5), ("dry_multiplier", 0.8), ("xtc_probability", 0.5)):
+        with pytest.raises(ApiError, match=f"{name} .* is not supported") as e:
+            completion_body({name: value}, {})
+        assert e.value.param == name
+    with pytest.raises(ApiError, match="lora"):
+        completion_body({"lora": [{"id": 0, "scale": 1.0}]}, {})
+
+
+def feed_all(limits: LineLimits, pieces: list[str]) -> tuple[str, bool]:
+    out = ""
+    for p in pieces:
+        text, hit = limits.feed(p)
+        out += text
+        if hit:
+            return out, True
+    return out + limits.flush(), False
+
+
+def test_line_limits_end_a_completion_at_a_dedented_line():
+    code = "x = 1\n    if x:\n        y()\n\n  \n    z()\nprint(y)\n"
+    whole = LineLimits(None, 4, 0)
+    assert feed_all(whole, [code]) == ("x = 1\n    if x:\n        y()\n\n  \n    z()\n", True)
+    assert whole.limited and whole.matched is None
+    # piece by piece, the indentation split across pieces: the same cut; the first line is never checked
+    assert feed_all(LineLimits(None, 4, 0), [c for c in code]) == ("x = 1\n    if x:\n        y()\n\n  \n    z()\n",
+                                                                   True)
+    assert feed_all(LineLimits(None, 2, 0), ["a\n", "  b\n", "  "]) == ("a\n  b\n  ", False)  # (flushed at the end)
+    # a stop string inside the kept lines still ends it, as a word
+    words = LineLimits(StopStrings(["z("]), 4, 0)
+    assert feed_all(words, [code]) == ("x = 1\n    if x:\n        y()\n\n  \n    ", True)
+    assert words.matched == "z(" and not words.limited
+    # time is up: the token that ends a line, or any after a line ended, is the last
+    late = LineLimits(None, 0, 1e-9)
+    assert late.feed("a b") == ("a b", False)
+    assert late.feed("c\nd") == ("c\nd", True) and late.limited
+
+
+# ---------------------------------------------------------------------------- served
+
+
+def test_completion_matches_the_openai_completion_and_is_compact(server):
+    status, raw = call(server, "/completion", {"prompt": "def fibonacci(n):", "n_predict": 8, "temperature": 0,
+                                               "return_tokens": True})
+    assert status == 200 and raw.startswith(b'{"index":0,"content":"')  # compact, as llama.vim reads it
+    r = json.loads(raw)
+    assert r["content"] == openai_text(server, "def fibonacci(n):", 8)
+    assert len(r["tokens"]) == r["tokens_predicted"] == 8 and r["stop"] is True and r["stop_type"] == "limit"
+    assert r["tokens_evaluated"] == len(post(server, "/tokenize", {"content": "def fibonacci(n):",
+                                                                   "add_special": True})["tokens"])
+    assert r["prompt"] == "def fibonacci(n):" and r["model"] == "coder" and not r["truncated"]
+    assert r["tokens_cached"] == r["tokens_evaluated"] + 8
+    t = r["timings"]
+    assert t["predicted_n"] == 8 and t["prompt_n"] + t["cache_n"] == r["tokens_evaluated"] and t["prompt_ms"] > 0
+    assert r["generation_settings"]["n_predict"] == 8 and r["generation_settings"]["temperature"] == 0
+    assert post(server, "/completions", {"prompt": "def fibonacci(n):", "n_predict": 8, "temperature": 0})[
+        "content"] == r["content"]
+
+
+def test_streamed_content_adds_up_and_ends_without_done(server):
+    whole = post(server, "/completion", {"prompt": "import numpy", "n_predict": 12, "temperature": 0})
+    status, raw = call(server, "/completion", {"prompt": "import numpy", "n_predict": 12, "temperature": 0,
+                                               "stream": True, "n_probs": 2})
+    assert status == 200
+    evs = events(raw)
+    parts, final = evs[:-1], evs[-1]
+    assert all(not e["stop"] and e["index"] == 0 for e in parts) and final["stop"] is True
+    assert "".join(e["content"] for e in parts) == whole["content"]
+    assert sum(len(e["tokens"]) for e in parts) == 12 == final["tokens_predicted"]
+    assert all(len(e["completion_probabilities"]) == len(e["tokens"]) for e in parts)
+    assert final["content"] == "" and final["stop_type"] == "limit" and "completion_probabilities" not in final
+
+
+def test_prompt_forms_several_prompts_and_mixed_ones(server):
+    ids = post(server, "/tokenize", {"content": "class Stack:"})["tokens"]
+    one = post(server, "/completion", {"prompt": "class Stack:", "n_predict": 4, "temperature": 0})
+    both = post(server, "/completion", {"prompt": ["class Stack:", ids], "n_predict": 4, "temperature": 0})
+    assert [r["index"] for r in both] == [0, 1] and both[0]["content"] == one["content"]
+    assert both[1]["content"] == openai_text(server, ids, 4)
+    mixed = post(server, "/completion", {"prompt": [*ids, " # push"], "n_predict": 4, "temperature": 0,
+                                         "return_tokens": True})
+    more = post(server, "/tokenize", {"content": " # push"})["tokens"]
+    assert mixed["tokens_evaluated"] == len(ids) + len(more)
+    assert mixed["content"] == openai_text(server, ids + more, 4)
+    n2 = post(server, "/completion", {"prompt": "x", "n_predict": 3, "n": 2, "temperature": 0})
+    assert [r["index"] for r in n2] == [0, 1] and n2[0]["content"] == n2[1]["content"]
+
+
+def test_probabilities_fields_and_next_token_only(server):
+    r = post(server, "/completion", {"prompt": "for i in range(", "n_predict": 0, "n_probs": 3, "temperature": 0,
+                                     "return_tokens": True})
+    assert r["tokens_predicted"] == 1  # llama.cpp samples one token at n_predict 0
+    (entry,) = r["completion_probabilities"]
+    assert entry["id"] == r["tokens"][0] and len(entry["top_logprobs"]) == 3
+    assert entry["top_logprobs"][0]["id"] == entry["id"] and entry["logprob"] <= 0  # greedy: the likeliest
+    assert entry["bytes"] == list(entry["token"].encode())
+    post_ = post(server, "/completion", {"prompt": "for i in range(", "n_predict": 0, "n_probs": 3, "temperature": 0,
+                                         "post_sampling_probs": True})
+    (p,) = post_["completion_probabilities"]
+    assert math.isclose(p["prob"], math.exp(entry["logprob"]), rel_tol=1e-4) and len(p["top_probs"]) == 3
+    assert post(server, "/completion", {"prompt": "x", "n_predict": 2, "response_fields": [
+        "content", "timings/predicted_n", "nope/x"]}).keys() == {"content", "timings/predicted_n"}
+    assert post(server, "/completion", {"prompt": "x", "n_predict": 0, "response_fields": [""]}) == {}
+
+
+def test_stop_words_logit_bias_grammar_and_indentation(server):
+    whole = post(server, "/completion", {"prompt": "while True:", "n_predict": 16, "temperature": 0,
+                                         "return_tokens": True})
+    text = whole["content"]
+    stop = next(text[i:i + 2] for i in range(2, len(text) - 2) if text[i:i + 2].strip() == text[i:i + 2])
+    cut = post(server, "/completion", {"prompt": "while True:", "n_predict": 16, "temperature": 0, "stop": [stop]})
+    assert cut["content"] == text[:text.index(stop)] and cut["stop_type"] == "word" and cut["stopping_word"] == stop
+    first = whole["tokens"][0]
+    for bias in ([[first, False]], {str(first): False}, [[first, -100]]):
+        r = post(server, "/completion", {"prompt": "while True:", "n_predict": 1, "temperature": 0,
+                                         "return_tokens": True, "logit_bias": bias})
+        assert r["tokens"] != [first], bias
+    grammar = 'root ::= "a\\n" "  b\\n" "  c\\n" "d\\n"'
+    held = post(server, "/completion", {"prompt": "x", "n_predict": 30, "grammar": grammar, "temperature": 0})
+    assert held["content"] == "a\n  b\n  c\nd\n"
+    block = post(server, "/completion", {"prompt": "x", "n_predict": 30, "grammar": grammar, "n_indent": 2})
+    assert block["content"] == "a\n  b\n  c\n" and block["stop_type"] == "limit"
+    assert post(server, "/completion", {"prompt": "x", "n_predict": 30, "grammar": grammar,
+                                        "json_schema": {"type": "object"}})["content"] == held["content"]
+
+
+def test_infill_builds_llamacpp_s_prompt(server):
+    r = post(server, "/infill", {"input_prefix": "def add(a, b):\n    return ", "input_suffix": "\n\nprint(add(1, 2))",
+                                 "input_extra": [{"filename": "util.py", "text": "X = 1\n"}], "prompt": "a",
+                                 "n_predict": 6, "temperature": 0, "return_tokens": True})
+    assert r["prompt"] == ("<|repo_name|>myproject\n<|file_sep|>util.py\nX = 1\n<|file_sep|>filename\n"
+                           "<|fim_prefix|>def add(a, b):\n    return a<|fim_suffix|>\n\nprint(add(1, 2))<|fim_middle|>")
+    pre, suf, mid, rep, sep = 49152, 49153, 49154, 49156, 49157
+
+    def tok(text):
+        return post(server, "/tokenize", {"content": text})["tokens"]
+    ids = [rep, *tok("myproject\n"), sep, *tok("util.py\n"), *tok("X = 1\n"), sep, *tok("filename\n"), pre,
+           *tok("def add(a, b):\n    return "), *tok("a"), suf, *tok("\n\nprint(add(1, 2))"), mid]  # piece by piece
+    assert r["tokens_evaluated"] == len(ids) and r["content"] == openai_text(server, ids, r["tokens_predicted"])
+    status, raw = call(server, "/infill", {"input_prefix": "x"})
+    assert status == 400 and json.loads(raw) == {"error": {"code": 400, "message": "'input_suffix' is required",
+                                                           "type": "invalid_request_error"}}
+
+
+def test_tokenize_detokenize_props_and_apply_template(server):
+    toks = post(server, "/tokenize", {"content": "Hello world"})
+    assert toks == {"tokens": post(server, "/tokenize", {"prompt": "Hello world", "add_special_tokens": False})[
+        "tokens"]}
+    pieces = post(server, "/tokenize", {"content": "Hello world", "with_pieces": True})["tokens"]
+    assert [p["id"] for p in pieces] == toks["tokens"] and "".join(p["piece"] for p in pieces) == "Hello world"
+    assert post(server, "/tokenize", {"content": [*toks["tokens"], "<|fim_pad|>"]})["tokens"] == [*toks["tokens"],
+                                                                                                  49155]
+    de = post(server, "/detokenize", {"tokens": [*toks["tokens"], 49155]})
+    assert de["content"] == "Hello world<|fim_pad|>" and de["prompt"] == "Hello world"  # (vLLM's field, as was)
+    status, raw = call(server, "/props")
+    props = json.loads(raw)
+    assert status == 200 and props["default_generation_settings"]["n_ctx"] == 4096 and props["total_slots"] == 8
+    assert props["model_alias"] == "coder" and props["modalities"] == {"vision": False, "audio": False}
+    assert "im_start" in props["chat_template"]
+    shown = post(server, "/apply-template", {"messages": [{"role": "user", "content": "Hi"}]})
+    assert shown["prompt"].endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_refusals_in_llamacpp_s_shape(server):
+    for body, words in (({"prompt": "x", "mirostat": 2}, "mirostat 2 is not supported"),
+                        ({"prompt": []}, "'prompt' must not be empty"),
+                        ({"prompt": [1, 2.5]}, "must be a string, a list of token ids"),
+                        ({"prompt": [1, 10**9]}, "Invalid token id"),
+                        ({"prompt": "x", "n_probs": 99}, "n_probs must be in [0, 20]"),
+                        ({"prompt": [17] * 4096}, "maximum context length")):
+        status, raw = call(server, "/completion", body)
+        err = json.loads(raw)["error"]
+        assert status == 400 and words in err["message"] and err["type"] == "invalid_request_error", raw
+        assert err["code"] == 400 and set(err) == {"code", "message", "type"}
+    status, raw = call(server, "/completion", {"prompt": "x"}, key=None)
+    assert status == 401 and json.loads(raw)["error"]["type"] == "authentication_error"
+
