@@ -270,3 +270,19 @@ def test_refusals_in_llamacpp_s_shape(server):
     status, raw = call(server, "/completion", {"prompt": "x"}, key=None)
     assert status == 401 and json.loads(raw)["error"]["type"] == "authentication_error"
 
+
+
+def test_bench_serving_streams_from_completion(server):
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, os.path.join(root, "tools", "bench_serving.py"), "--base-url",
+                        server.url + "/v1", "--endpoint", "llamacpp", "--api-key", KEY, "--num-prompts", "4",
+                        "--input-len", "16", "--output-len", "8", "--max-concurrency", "2", "--quiet"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["endpoint"] == "llamacpp" and result["completed"] == 4 and result["failed"] == 0
+    assert result["total_output_tokens"] == 4 * 8 and result["ttft_ms"]["median"] > 0  # (ignore_eos)

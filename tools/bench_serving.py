@@ -272,6 +272,35 @@ async def sse_request(client, args, job: Job) -> RequestResult:
     return r
 
 
+async def llamacpp_request(client, args, job: Job) -> RequestResult:
+    """``--endpoint llamacpp``: one streamed request to llama.cpp's ``/completion`` (its own SSE events)."""
+    r = RequestResult(prompt_tokens=job.est_tokens, cls=job.cls)
+    base = args.base_url.rstrip("/")
+    base = base[:-3] if base.endswith("/v1") else base
+    body = {"prompt": job.prompt, "n_predict": job.max_tokens, "temperature": args.temperature, "stream": True,
+            **extra_fields(args, job)}
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    r.start = time.perf_counter()
+    try:
+        async with args.http.stream("POST", base + "/completion", json=body, headers=headers) as resp:
+            if resp.status_code != 200:
+                raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                event = json.loads(line[len("data: "):])
+                if "error" in event:
+                    raise RuntimeError(event["error"]["message"])
+                if event["stop"]:
+                    r.prompt_tokens, r.output_tokens = event["tokens_evaluated"], event["tokens_predicted"]
+                elif event["content"]:
+                    r.got_chunk(time.perf_counter())
+        r.finish()
+    except Exception as e:  # noqa: BLE001 - a failed request is a result, not a crash
+        r.finish(e)
+    return r
+
+
 class WsMux:
     """``--protocol ws``: requests multiplexed over ``--ws-connections`` sockets to ``/v1/stream``."""
 
@@ -368,7 +397,13 @@ async def run_benchmark(args, jobs: list[Job]) -> tuple[list[RequestResult], flo
                          max_retries=0)
     if args.model is None:
         args.model = (await client.models.list()).data[0].id
-    send = PROTOCOLS[args.protocol]
+    send = llamacpp_request if args.endpoint == "llamacpp" else PROTOCOLS[args.protocol]
+    if args.endpoint == "llamacpp":
+        try:  # the HTTP client the openai package brings (httpx, httpx2 in its later releases)
+            import httpx
+        except ImportError:
+            import httpx2 as httpx
+        args.http = httpx.AsyncClient(timeout=args.timeout, limits=httpx.Limits(max_connections=1000))
     sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     rng = random.Random(args.seed + 1)
     done = 0
@@ -414,6 +449,8 @@ async def run_benchmark(args, jobs: list[Job]) -> tuple[list[RequestResult], flo
     results = await asyncio.gather(*tasks)
     duration = time.perf_counter() - t0
     await client.close()
+    if (http := getattr(args, "http", None)) is not None:
+        await http.aclose()
     if (mux := getattr(args, "ws_mux", None)) is not None:
         await mux.close()
     return results, duration
@@ -569,7 +606,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the server's OpenAI base URL")
     p.add_argument("--model", default=None, help="model name to request (default: the first of /v1/models)")
     p.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY", "").split(",")[0] or None)
-    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    p.add_argument("--endpoint", choices=("completions", "chat", "llamacpp"), default="completions",
+                   help="llamacpp: llama.cpp's /completion, streamed (--protocol sse only)")
     p.add_argument("--protocol", choices=sorted(PROTOCOLS), default="sse",
                    help="how tokens are streamed back: sse (one HTTP request each) or ws (all multiplexed "
                    "over --ws-connections WebSockets to /v1/stream) (default: sse)")
@@ -629,6 +667,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--long-delay and --long-interval must be at least 0")
     if not 0 <= args.urgent_fraction <= 1:
         p.error("--urgent-fraction must be between 0 and 1")
+    if args.endpoint == "llamacpp" and args.protocol != "sse":
+        p.error("--endpoint llamacpp streams SSE: --protocol ws serves the OpenAI endpoints")
     return args
 
 
