@@ -117,7 +117,7 @@ def completion_body(data: dict, adapters: dict[str, str]) -> dict:
     if lora:
         raise ApiError(400, "lora: name an adapter as the request's model instead", param="lora")
     body: dict[str, Any] = {k: data[k] for k in _PASSED if data.get(k) is not None}
-    if data.get("model") in adapters:  # (llama.cpp reads no model: any other name is no error)
+    if isinstance(data.get("model"), str) and data["model"] in adapters:  # (llama.cpp reads no model: another is no error)
         body["model"] = data["model"]
     if "n_cmpl" in data:
         body["n"] = data["n_cmpl"]
@@ -240,6 +240,8 @@ class CompletionFormat:
         self.prompt_texts = prompt_texts  # per prompt ("" where no one asked for it)
         self.n_probs, self.post_sampling, self.return_tokens, self.fields = n_probs, post_sampling, return_tokens, fields
         self.token_text = token_text
+        # the context, not n_predict, bounds the output: ending by length is running out of it (llama.cpp's "truncated")
+        self.ran_out = not 0 <= settings["n_predict"] <= settings["max_tokens"]
         k = len(gen.choices)
         self.texts, self.ids = [""] * k, [[] for _ in range(k)]
         self.probs: list[list[dict]] = [[] for _ in range(k)]
@@ -286,8 +288,8 @@ class CompletionFormat:
             "tokens": [] if streamed or not self.return_tokens else self.ids[c.index], "id_slot": 0, "stop": True,
             "model": self.model, "tokens_predicted": c.num_tokens, "tokens_evaluated": c.num_prompt_tokens,
             "generation_settings": self.settings, "prompt": self.prompt_texts[c.index // self.gen.n],
-            "has_new_line": self.new_line[c.index], "truncated": c.finish_reason == "length" and self.settings[
-                "n_predict"] < 0, "stop_type": stop_type, "stopping_word": word,
+            "has_new_line": self.new_line[c.index], "truncated": c.finish_reason == "length" and self.ran_out,
+            "stop_type": stop_type, "stopping_word": word,
             "tokens_cached": c.num_prompt_tokens + c.num_tokens,
             "timings": {"cache_n": c.num_cached_tokens, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
                         **dict(zip(("prompt_per_token_ms", "prompt_per_second"), _rate(prompt_n, prompt_ms),
@@ -334,6 +336,13 @@ class CompletionFormat:
         return b"data: " + orjson.dumps({"error": error(e)}) + b"\n\n"
 
 
+async def encode_all(api: OpenAIApi, texts: list[str], specials: list[bool]) -> list[list[int]]:
+    """Each of ``texts`` encoded (with the tokenizer's BOS where ``specials`` says), in one piece of tokenizer
+    work: many small strings cost the event loop one call, or go to the tokenizer thread together."""
+    size = sum(map(len, texts)) + 16 * len(texts)  # (a call's own cost, counted as characters)
+    return await api._offload(size, lambda: [api.codec.encode(t, s) for t, s in zip(texts, specials, strict=True)])
+
+
 async def tokens_of(api: OpenAIApi, value: Any, param: str, add_special: bool) -> list[int]:
     """A string, token ids, or a list of both (llama.cpp's mixed prompt) as ids; the string that starts
     it with the tokenizer's BOS where ``add_special``."""
@@ -341,11 +350,14 @@ async def tokens_of(api: OpenAIApi, value: Any, param: str, add_special: bool) -
     if not isinstance(parts, list) or not all(isinstance(x, str | int) and not isinstance(x, bool) for x in parts):
         raise ApiError(400, f"'{param}' must be a string, a list of token ids, or a list mixing strings and "
                        "token ids", param=param)
-    op.check_text_length(sum(len(x) for x in parts if isinstance(x, str)), api.max_chars, param)
+    texts = [x for x in parts if isinstance(x, str)]
+    op.check_text_length(sum(map(len, texts)), api.max_chars, param)
+    encoded = iter(await encode_all(api, texts, [add_special and i == 0 and isinstance(x, str)
+                                                 for i, x in enumerate(parts) if isinstance(x, str)]))
     ids: list[int] = []
-    for i, x in enumerate(parts):
+    for x in parts:
         if isinstance(x, str):
-            ids += await api._offload(len(x), api.codec.encode, x, add_special and i == 0)
+            ids += next(encoded)
         else:
             ids.append(x)
     return op.check_token_ids(ids, api.codec.vocab_size, param)
@@ -479,22 +491,24 @@ class LlamaCppApi:
         if len(pairs) > op.MAX_LOGIT_BIAS:
             raise ApiError(400, f"'logit_bias' may have at most {op.MAX_LOGIT_BIAS} entries, got {len(pairs)}",
                            param="logit_bias")
-        out: dict[str, float] = {}
+        biases: list[tuple[list[int] | str, float]] = []
         for token, bias in pairs:
             if bias is False:
                 bias = -100.0  # (the least a bias may be: never sampled)
             elif isinstance(bias, bool) or not isinstance(bias, int | float):
                 continue
-            if isinstance(token, str) and token.isascii() and token.isdigit():
-                token = int(token)
-            if isinstance(token, str):
+            if isinstance(token, str) and token.lstrip("-").isascii() and token.lstrip("-").isdigit():
+                token = int(token)  # (a key that is an integer is an id)
+            if isinstance(token, int) and not isinstance(token, bool):
+                biases.append(([token], bias))
+            elif isinstance(token, str):
                 op.check_text_length(len(token), 4096, "logit_bias")
-                ids = await self.api._offload(len(token), self.codec.encode, token, False)
-            elif isinstance(token, int) and not isinstance(token, bool):
-                ids = [token]
-            else:
-                continue
-            for t in ids:
+                biases.append((token, bias))
+        texts = [t for t, _ in biases if isinstance(t, str)]
+        encoded = iter(await encode_all(self.api, texts, [False] * len(texts)))
+        out: dict[str, float] = {}
+        for token, bias in biases:
+            for t in token if isinstance(token, list) else next(encoded):
                 if 0 <= t < self.codec.vocab_size:
                     out[str(t)] = max(-100.0, min(100.0, float(bias)))
         if len(out) > op.MAX_LOGIT_BIAS:
@@ -513,23 +527,21 @@ class LlamaCppApi:
         prefix = await tokens_of(self.api, data["input_prefix"], "input_prefix", add_special=False)
         suffix = await tokens_of(self.api, data["input_suffix"], "input_suffix", add_special=False)
         prompt = op.field(data, "prompt", str, "")
-        op.check_text_length(len(prompt), self.api.max_chars, "prompt")
-        prompt_ids = await self.api._offload(len(prompt), self.codec.encode, prompt, False)
         chunks = op.field(data, "input_extra", list, [])
         if len(chunks) > op.MAX_PROMPTS:
             raise ApiError(400, f"At most {op.MAX_PROMPTS} input_extra chunks, got {len(chunks)}", param="input_extra")
-        extra = []
+        op.check_text_length(len(prompt), self.api.max_chars, "prompt")
+        texts = [prompt, "filename\n", "myproject\n", "\n\n--- snippet ---\n\n"]
         for chunk in chunks:
             if not (isinstance(chunk, dict) and isinstance(chunk.get("text"), str)
                     and isinstance(chunk.get("filename", ""), str)):
                 raise ApiError(400, "input_extra must be a list of {\"filename\": string, \"text\": string}",
                                param="input_extra")
-            extra.append((await tokens_of(self.api, chunk.get("filename", "tmp") + "\n", "input_extra", False),
-                          await tokens_of(self.api, chunk["text"], "input_extra", False)))
-        encode = self.codec.encode
-        n_predict = op.field(data, "n_predict", int, -1)
-        tokens = self._infill_prompt(prefix, suffix, prompt_ids, extra, n_predict, encode("filename\n", False),
-                                     encode("myproject\n", False), encode("\n\n--- snippet ---\n\n", False))
+            texts += [chunk.get("filename", "tmp") + "\n", chunk["text"]]
+        op.check_text_length(sum(map(len, texts)), self.api.max_chars, "input_extra")
+        prompt_ids, sep_name, repo_name, snippet, *extra = await encode_all(self.api, texts, [False] * len(texts))
+        tokens = self._infill_prompt(prefix, suffix, prompt_ids, list(zip(extra[::2], extra[1::2], strict=True)),
+                                     op.field(data, "n_predict", int, -1), sep_name, repo_name, snippet)
         ends = [self.fim[k] for k in ("pad", "rep", "sep") if k in self.fim]  # (llama.cpp's end-of-generation set)
         return await self.completion_job(data, arrival, prompts=[tokens], stop_token_ids=ends)
 

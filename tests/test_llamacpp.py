@@ -177,6 +177,9 @@ def test_prompt_forms_several_prompts_and_mixed_ones(server):
     more = post(server, "/tokenize", {"content": " # push"})["tokens"]
     assert mixed["tokens_evaluated"] == len(ids) + len(more)
     assert mixed["content"] == openai_text(server, ids + more, 4)
+    for n_predict in (-1, 100):  # to the end of the context: 6 tokens, truncated
+        r = post(server, "/completion", {"prompt": [17] * 4090, "n_predict": n_predict, "ignore_eos": True})
+        assert r["tokens_predicted"] == 6 and r["truncated"] and r["stop_type"] == "limit"
     n2 = post(server, "/completion", {"prompt": "x", "n_predict": 3, "n": 2, "temperature": 0})
     assert [r["index"] for r in n2] == [0, 1] and n2[0]["content"] == n2[1]["content"]
 
@@ -210,6 +213,10 @@ def test_stop_words_logit_bias_grammar_and_indentation(server):
         r = post(server, "/completion", {"prompt": "while True:", "n_predict": 1, "temperature": 0,
                                          "return_tokens": True, "logit_bias": bias})
         assert r["tokens"] != [first], bias
+    hello = post(server, "/tokenize", {"content": "Hello world"})["tokens"]
+    r = post(server, "/completion", {"prompt": "x", "n_predict": 1, "logit_bias": [
+        ["Hello world", False], ["99999999", 5], [5, True], [7, "x"], ["-3", 1]]})
+    assert r["generation_settings"]["logit_bias"] == [{"token": t, "bias": -100.0} for t in hello]
     grammar = 'root ::= "a\\n" "  b\\n" "  c\\n" "d\\n"'
     held = post(server, "/completion", {"prompt": "x", "n_predict": 30, "grammar": grammar, "temperature": 0})
     assert held["content"] == "a\n  b\n  c\nd\n"
