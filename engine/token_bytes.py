@@ -50,7 +50,7 @@ def _from_tokenizer_json(tj: dict) -> list[bytes | None]:
     for piece, i in pieces.items():
         if special.get(i):
             continue
-        out[i] = _piece_bytes(piece, byte_level, added=i in special)
+        out[i] = piece_bytes(piece, byte_level, added=i in special)
     return out
 
 
@@ -64,11 +64,13 @@ def _from_gguf(path: str) -> list[bytes | None]:
     pieces = _gguf_field(r, "tokenizer.ggml.tokens")
     types = _gguf_field(r, "tokenizer.ggml.token_type") or [1] * len(pieces)
     # token types: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
-    return [_piece_bytes(p, kind == "gpt2", added=t == 4) if t in (1, 4, 6) else None
+    return [piece_bytes(p, kind == "gpt2", added=t == 4) if t in (1, 4, 6) else None
             for p, t in zip(pieces, types, strict=True)]
 
 
-def _piece_bytes(piece: str, byte_level: bool, added: bool = False) -> bytes | None:
+def piece_bytes(piece: str, byte_level: bool, added: bool = False) -> bytes | None:
+    """A vocabulary entry's bytes: GPT-2's characters mapped back (``byte_level``), else SentencePiece's
+    ``<0xNN>`` and ``▁``."""
     if added:  # an added (not special) token is plain text
         return piece.encode()
     if byte_level:

@@ -22,6 +22,7 @@ request's grammar: it cost the engine too much to follow.)
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -171,6 +172,12 @@ class Generation:
     def params(self) -> SamplingParams:
         """The first choice's sampling values (the others' differ at most in their seed)."""
         return self._params[0]
+
+    def set_max_tokens(self, prompt: int, max_tokens: int) -> None:
+        """Before ``start``: prompt ``prompt``'s choices generate up to ``max_tokens`` (llama.cpp's several prompts
+        each run to their own end of the context)."""
+        for i in range(prompt * self.n, prompt * self.n + self.n):
+            self._params[i] = dataclasses.replace(self._params[i], max_tokens=max_tokens)
 
     def start(self, window: int | None = None) -> None:
         """Send the choices' requests: all at once, or at most ``window`` unfinished at a time (the

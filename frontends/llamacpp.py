@@ -37,17 +37,21 @@ from frontends.errors import ApiError
 from frontends.generation import Generation, Update
 from frontends.http import Request, Response
 from frontends.openai_api import VERSION, OpenAIApi
-from frontends.text import StopStrings
+from frontends.text import StopStrings, TextCodec
 
 # llama.cpp's FIM token texts, as src/llama-vocab.cpp looks for them (first found wins)
 FIM_TEXTS = {
-    "pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>", "<|code_prefix|>"),
-    "suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>", "<|code_suffix|>"),
-    "mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>", "<|code_middle|>"),
-    "pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>"),
+    "pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>", "<|code_prefix|>",
+            "<|prefix|>"),
+    "suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>", "<|code_suffix|>",
+            "<|suffix|>"),
+    "mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>", "<|code_middle|>",
+            "<|middle|>"),
+    "pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
     "rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
     "sep": ("<|file_sep|>",),
 }
+MAX_BIASED_TEXT = 256  # characters of a text logit_bias names (2048 of them: half a megabyte to tokenize)
 N_BATCH = 2048  # llama-server's default -b: /infill takes 3/4 of it from the prefix, 1/4 from the suffix
 # llama.cpp's samplers that tokenmill has not: each taken only at a value that turns it off
 _OFF = {"typical_p": lambda v: v >= 1, "mirostat": lambda v: v == 0, "dynatemp_range": lambda v: v <= 0,
@@ -78,7 +82,19 @@ def fim_tokens(vocab: dict[str, int]) -> dict[str, int]:
     return out
 
 
+class ContextExceeded(ApiError):
+    """A prompt with no room left in the context: llama.cpp's ``exceed_context_size_error``, with its numbers."""
+
+    def __init__(self, n_prompt_tokens: int, n_ctx: int) -> None:
+        super().__init__(400, "the request exceeds the available context size, try increasing it",
+                         type="exceed_context_size_error", param="prompt")
+        self.n_prompt_tokens, self.n_ctx = n_prompt_tokens, n_ctx
+
+
 def error(e: ApiError) -> dict:
+    if isinstance(e, ContextExceeded):
+        return {"code": 400, "message": e.message, "type": e.type, "n_prompt_tokens": e.n_prompt_tokens,
+                "n_ctx": e.n_ctx}
     return {"code": e.status, "message": e.message, "type": _ERROR_TYPES.get(e.status, e.type)}
 
 
@@ -139,7 +155,9 @@ def completion_body(data: dict, adapters: dict[str, str]) -> dict:
         del body["grammar"]
     if "grammar" in body:  # a grammar, where both are given, as llama.cpp takes it
         body.pop("json_schema", None)
-    n_probs = op.field(data, "n_probs", int, 0)
+    n_probs = op.field(data, "n_probs", int, None)
+    if n_probs is None:  # (OpenAI's name, as llama.cpp reads it where n_probs is not given)
+        n_probs = op.field(data, "logprobs", int, 0)
     if n_probs < 0:
         raise ApiError(400, f"n_probs must be at least 0, got {n_probs}", param="n_probs")
     if n_probs:
@@ -149,18 +167,18 @@ def completion_body(data: dict, adapters: dict[str, str]) -> dict:
 
 class LineLimits:
     """llama.cpp's ``n_indent`` and ``t_max_predict_ms``, over a choice's stop strings (``inner``), with
-    ``StopStrings``' face for ``frontends.generation.Choice``. From the output's second line: a line
-    indented less than ``n_indent`` (spaces and tabs) ends it where the line starts (the end of a code
-    block); once ``max_ms`` have passed since the first token, the end of a token that ends a line does."""
+    ``StopStrings``' face for ``frontends.generation.Choice``. From the output's second line on, a line
+    indented less than ``n_indent`` (spaces and tabs; an empty line too) ends it, cut after that line's
+    indentation (the end of a code block); once ``max_ms`` have passed since the first token, a token that
+    holds a newline is the last."""
 
-    __slots__ = ("inner", "n_indent", "max_s", "started", "newline", "line_start", "held", "matched", "limited")
+    __slots__ = ("inner", "n_indent", "max_s", "started", "line_start", "indent", "matched", "limited")
 
     def __init__(self, inner: StopStrings | None, n_indent: int, max_ms: float) -> None:
         self.inner, self.n_indent, self.max_s = inner, n_indent, max_ms / 1000
         self.started: float | None = None
-        self.newline = False  # a line has ended
-        self.line_start = False  # in a line's leading whitespace (``held``: not out until the line is known)
-        self.held = ""
+        self.line_start = False  # in the indentation of a line after the first
+        self.indent = 0  # its width so far
         self.matched: str | None = None  # the stop string that ended it
         self.limited = False  # these limits ended it (llama.cpp's stop_type "limit")
 
@@ -168,45 +186,35 @@ class LineLimits:
         now = time.monotonic()
         if self.started is None:
             self.started = now
-        hit = False
+        newline, hit = "\n" in text, False
         if self.inner is not None:
             text, hit = self.inner.feed(text, check)
-        out, cut = self._lines(text)
-        if cut:
+        text, cut = self._lines(text)
+        if cut or (not hit and newline and self.max_s > 0 and now - self.started > self.max_s):
             self.limited = True
-            return out, True
+            return text, True
         if hit:
             self.matched = self.inner.matched
-            return out + self._release(), True
-        if self.newline and self.max_s > 0 and now - self.started > self.max_s:
-            self.limited = True
-            return out + self._release(), True
-        return out, False
+        return text, hit
 
     def _lines(self, text: str) -> tuple[str, bool]:
-        """(``text`` that may go out, whether a line indented too little was cut off)."""
-        out = []
-        for ch in text:
-            if self.line_start and ch in " \t":
-                self.held += ch
-                continue
-            if self.line_start and ch != "\n":
-                if len(self.held) < self.n_indent:
-                    self.held = ""
-                    return "".join(out), True
+        """(``text`` up to a line indented too little, whether there was one)."""
+        if self.n_indent <= 0:
+            return text, False
+        for i, ch in enumerate(text):
+            if self.line_start:
+                if ch in " \t":
+                    self.indent += 1
+                    continue
+                if self.indent < self.n_indent:
+                    return text[:i], True
                 self.line_start = False
-            out.append(self._release() + ch)
             if ch == "\n":
-                self.newline = self.line_start = True
-        return "".join(out), False
-
-    def _release(self) -> str:
-        held, self.held = self.held, ""
-        return held
+                self.line_start, self.indent = True, 0
+        return text, False
 
     def flush(self) -> str:
-        out, cut = self._lines(self.inner.flush() if self.inner is not None else "")
-        return out if cut else out + self._release()
+        return self._lines(self.inner.flush() if self.inner is not None else "")[0]
 
 
 def _pick(obj: dict, paths: list[str]) -> dict:
@@ -235,21 +243,20 @@ class CompletionFormat:
     DONE = b""  # no [DONE] line
 
     def __init__(self, model: str, gen: Generation, settings: dict, prompt_texts: list[str], n_probs: int,
-                 post_sampling: bool, return_tokens: bool, fields: list[str] | None, token_text) -> None:
+                 post_sampling: bool, return_tokens: bool, fields: list[str] | None, codec: TextCodec) -> None:
         self.model, self.gen, self.settings = model, gen, settings
         self.prompt_texts = prompt_texts  # per prompt ("" where no one asked for it)
         self.n_probs, self.post_sampling, self.return_tokens, self.fields = n_probs, post_sampling, return_tokens, fields
-        self.token_text = token_text
-        # the context, not n_predict, bounds the output: ending by length is running out of it (llama.cpp's "truncated")
-        self.ran_out = not 0 <= settings["n_predict"] <= settings["max_tokens"]
+        self.codec = codec
         k = len(gen.choices)
         self.texts, self.ids = [""] * k, [[] for _ in range(k)]
         self.probs: list[list[dict]] = [[] for _ in range(k)]
         self.new_line = [False] * k
 
     def _token(self, tid: int) -> dict:
-        text = self.token_text(tid)
-        return {"id": tid, "token": text, "bytes": list(text.encode())}
+        """A token as llama.cpp writes one: its bytes, and its text but a character it holds only part of."""
+        raw = self.codec.token_bytes(tid)
+        return {"id": tid, "token": raw.decode(errors="ignore"), "bytes": list(raw)}
 
     def _entry(self, tid: int, lp: float | None, top: list | None) -> dict:
         key = "prob" if self.post_sampling else "logprob"
@@ -288,7 +295,8 @@ class CompletionFormat:
             "tokens": [] if streamed or not self.return_tokens else self.ids[c.index], "id_slot": 0, "stop": True,
             "model": self.model, "tokens_predicted": c.num_tokens, "tokens_evaluated": c.num_prompt_tokens,
             "generation_settings": self.settings, "prompt": self.prompt_texts[c.index // self.gen.n],
-            "has_new_line": self.new_line[c.index], "truncated": c.finish_reason == "length" and self.ran_out,
+            "has_new_line": self.new_line[c.index], "truncated": c.finish_reason == "length"
+            and c.num_prompt_tokens + c.num_tokens >= self.settings["n_ctx"],  # (the context ended it)
             "stop_type": stop_type, "stopping_word": word,
             "tokens_cached": c.num_prompt_tokens + c.num_tokens,
             "timings": {"cache_n": c.num_cached_tokens, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
@@ -298,8 +306,10 @@ class CompletionFormat:
                         **dict(zip(("predicted_per_token_ms", "predicted_per_second"),
                                    _rate(c.num_tokens, predicted_ms), strict=True))},
         }
-        if self.n_probs and not streamed:
-            out["completion_probabilities"] = self.probs[c.index]
+        if self.n_probs and not streamed:  # (less the stop word's tokens, as llama.cpp counts them)
+            probs = self.probs[c.index]
+            out["completion_probabilities"] = probs[:max(0, len(probs) - len(self.codec.encode(word, False)))] \
+                if word else probs
         return _pick(out, self.fields) if self.fields is not None else out
 
     # ------------------------------------------------------------------ whole
@@ -336,24 +346,33 @@ class CompletionFormat:
         return b"data: " + orjson.dumps({"error": error(e)}) + b"\n\n"
 
 
-async def encode_all(api: OpenAIApi, texts: list[str], specials: list[bool]) -> list[list[int]]:
-    """Each of ``texts`` encoded (with the tokenizer's BOS where ``specials`` says), in one piece of tokenizer
-    work: many small strings cost the event loop one call, or go to the tokenizer thread together."""
-    size = sum(map(len, texts)) + 16 * len(texts)  # (a call's own cost, counted as characters)
-    return await api._offload(size, lambda: [api.codec.encode(t, s) for t, s in zip(texts, specials, strict=True)])
+async def encode_all(api: OpenAIApi, texts: list[str], specials: list[bool] | None = None,
+                     literal: bool = False) -> list[list[int]]:
+    """Each of ``texts`` encoded (with the tokenizer's BOS where ``specials`` says; ``literal``: special tokens'
+    names read as text, llama.cpp's ``parse_special`` false), in one piece of tokenizer work: many small strings
+    cost the event loop one call, or go to the tokenizer thread together."""
+    codec = api.codec
+    specials = specials or [False] * len(texts)
+
+    def encode() -> list[list[int]]:
+        if not literal:
+            return [codec.encode(t, s) for t, s in zip(texts, specials, strict=True)]
+        bos = codec.encode("", True) if any(specials) else []
+        return [[*(bos if s else ()), *codec.encode_literal(t)] for t, s in zip(texts, specials, strict=True)]
+    return await api._offload(sum(map(len, texts)) + 16 * len(texts), encode)  # (a call's own cost as 16 characters)
 
 
-async def tokens_of(api: OpenAIApi, value: Any, param: str, add_special: bool) -> list[int]:
+async def tokens_of(api: OpenAIApi, value: Any, param: str, add_special: bool, literal: bool = False) -> list[int]:
     """A string, token ids, or a list of both (llama.cpp's mixed prompt) as ids; the string that starts
-    it with the tokenizer's BOS where ``add_special``."""
+    it with the tokenizer's BOS where ``add_special``; ``literal``: as ``encode_all``."""
     parts = [value] if isinstance(value, str) else value
     if not isinstance(parts, list) or not all(isinstance(x, str | int) and not isinstance(x, bool) for x in parts):
         raise ApiError(400, f"'{param}' must be a string, a list of token ids, or a list mixing strings and "
                        "token ids", param=param)
     texts = [x for x in parts if isinstance(x, str)]
     op.check_text_length(sum(map(len, texts)), api.max_chars, param)
-    encoded = iter(await encode_all(api, texts, [add_special and i == 0 and isinstance(x, str)
-                                                 for i, x in enumerate(parts) if isinstance(x, str)]))
+    encoded = iter(await encode_all(api, texts, [add_special and i == 0 for i, x in enumerate(parts)
+                                                 if isinstance(x, str)], literal))
     ids: list[int] = []
     for x in parts:
         if isinstance(x, str):
@@ -415,10 +434,15 @@ class LlamaCppApi:
             context += text
         if "sep" in fim:
             context += [fim["sep"], *sep_name]
-        batch = min(N_BATCH, self.api.max_model_len)
-        take_prefix = min(len(prefix), 3 * (batch // 4))
+        ctx = self.api.max_model_len
+        batch = min(N_BATCH, ctx)
         take_suffix = min(len(suffix), max(0, batch // 4 - (2 + len(prompt))))
-        take_extra = min(max(0, self.api.max_model_len - batch - 2 * max(n_predict, 0)), len(context))
+        rest = len(self.bos) + len(prompt) + take_suffix + 3  # (and the 3 FIM tokens)
+        # llama.cpp's 3/4 of a batch, less what would leave no room for a token (where the context is that small)
+        take_prefix = max(0, min(len(prefix), 3 * (batch // 4), ctx - 1 - rest))
+        rest += take_prefix
+        # llama.cpp's room beside a batch, less what leaves no room for n_predict (or one token)
+        take_extra = max(0, min(len(context), ctx - batch + 2, ctx - rest - max(n_predict, 1)))
         return [*context[len(context) - take_extra:], *self.bos, fim["pre"], *prefix[len(prefix) - take_prefix:],
                 *prompt, fim["suf"], *suffix[:take_suffix], fim["mid"]]
 
@@ -445,14 +469,21 @@ class LlamaCppApi:
             n_predict = op.field(data, "n_predict", int, None)
             if n_predict is None:
                 n_predict = op.field(data, "max_completion_tokens", int, op.field(data, "max_tokens", int, -1))
-            room = api.max_model_len - max(map(len, prompts))
-            # -1: to the end of the context; 0: one token (llama.cpp samples one before it looks); past the context:
-            # up to its end (truncated)
-            body["max_tokens"] = max(1, room if n_predict < 0 else min(max(n_predict, 1), room))
-            body["prompt"] = prompts
+            longest = max(map(len, prompts))
+            if longest >= api.max_model_len:
+                raise ContextExceeded(longest, api.max_model_len)
+
+            def budget(prompt: list[int]) -> int:
+                """-1: to the end of the context; 0: one token (llama.cpp samples one before it looks); past the
+                context: up to its end (truncated)."""
+                room = api.max_model_len - len(prompt)
+                return min(room if n_predict < 0 else max(n_predict, 1), room, api.max_tokens_cap or room)
+            body["max_tokens"], body["prompt"] = min(map(budget, prompts)), prompts
             gen, _ = await api.completion_job(body, arrival)
         except ApiError as e:
             raise renamed(e) from None
+        for i, prompt in enumerate(prompts):  # each prompt to its own end of the context
+            gen.set_max_tokens(i, budget(prompt))
         n_indent, max_ms = op.field(data, "n_indent", int, 0), _number(data, "t_max_predict_ms", 0)
         if n_indent > 0 or max_ms > 0:
             for c in gen.choices:
@@ -474,7 +505,7 @@ class LlamaCppApi:
                     "n_probs": params.logprobs or 0, "grammar": params.grammar or "", "samplers": SAMPLERS}
         return gen, CompletionFormat(gen.lora or api.model, gen, settings, texts, params.logprobs or 0,
                                      op.field(data, "post_sampling_probs", bool, False),
-                                     op.field(data, "return_tokens", bool, False), fields, self.codec.token_text)
+                                     op.field(data, "return_tokens", bool, False), fields, self.codec)
 
     async def _logit_bias(self, data: dict) -> dict[str, float] | None:
         """llama.cpp's ``logit_bias``, ``[[token, bias], ...]`` or ``{token: bias}``, a token an id or a text (each of
@@ -502,10 +533,12 @@ class LlamaCppApi:
             if isinstance(token, int) and not isinstance(token, bool):
                 biases.append(([token], bias))
             elif isinstance(token, str):
-                op.check_text_length(len(token), 4096, "logit_bias")
+                if len(token) > MAX_BIASED_TEXT:
+                    raise ApiError(400, f"logit_bias: a text of at most {MAX_BIASED_TEXT} characters, got {len(token)}",
+                                   param="logit_bias")
                 biases.append((token, bias))
         texts = [t for t, _ in biases if isinstance(t, str)]
-        encoded = iter(await encode_all(self.api, texts, [False] * len(texts)))
+        encoded = iter(await encode_all(self.api, texts))
         out: dict[str, float] = {}
         for token, bias in biases:
             for t in token if isinstance(token, list) else next(encoded):
@@ -524,14 +557,15 @@ class LlamaCppApi:
         for name in ("input_prefix", "input_suffix"):
             if name not in data:
                 raise ApiError(400, f"'{name}' is required", param=name)
-        prefix = await tokens_of(self.api, data["input_prefix"], "input_prefix", add_special=False)
-        suffix = await tokens_of(self.api, data["input_suffix"], "input_suffix", add_special=False)
+        # the code as text: a special token's name in it stays its characters (llama.cpp's parse_special false)
+        prefix = await tokens_of(self.api, data["input_prefix"], "input_prefix", add_special=False, literal=True)
+        suffix = await tokens_of(self.api, data["input_suffix"], "input_suffix", add_special=False, literal=True)
         prompt = op.field(data, "prompt", str, "")
         chunks = op.field(data, "input_extra", list, [])
         if len(chunks) > op.MAX_PROMPTS:
             raise ApiError(400, f"At most {op.MAX_PROMPTS} input_extra chunks, got {len(chunks)}", param="input_extra")
         op.check_text_length(len(prompt), self.api.max_chars, "prompt")
-        texts = [prompt, "filename\n", "myproject\n", "\n\n--- snippet ---\n\n"]
+        texts = ["filename\n", "myproject\n", "\n\n--- snippet ---\n\n"]
         for chunk in chunks:
             if not (isinstance(chunk, dict) and isinstance(chunk.get("text"), str)
                     and isinstance(chunk.get("filename", ""), str)):
@@ -539,7 +573,8 @@ class LlamaCppApi:
                                param="input_extra")
             texts += [chunk.get("filename", "tmp") + "\n", chunk["text"]]
         op.check_text_length(sum(map(len, texts)), self.api.max_chars, "input_extra")
-        prompt_ids, sep_name, repo_name, snippet, *extra = await encode_all(self.api, texts, [False] * len(texts))
+        (prompt_ids,) = await encode_all(self.api, [prompt])  # (its special tokens' names are the tokens)
+        sep_name, repo_name, snippet, *extra = await encode_all(self.api, texts, literal=True)
         tokens = self._infill_prompt(prefix, suffix, prompt_ids, list(zip(extra[::2], extra[1::2], strict=True)),
                                      op.field(data, "n_predict", int, -1), sep_name, repo_name, snippet)
         ends = [self.fim[k] for k in ("pad", "rep", "sep") if k in self.fim]  # (llama.cpp's end-of-generation set)
@@ -573,14 +608,24 @@ class LlamaCppApi:
         data = op.parse_json(req.body)
         if "content" not in data or "prompt" in data or "messages" in data:
             return _json_response(await self.api.tokenized(data))
-        ids = await tokens_of(self.api, data["content"], "content", op.field(data, "add_special", bool, False))
+        ids = await tokens_of(self.api, data["content"], "content", op.field(data, "add_special", bool, False),
+                              literal=not op.field(data, "parse_special", bool, True))
         if not op.field(data, "with_pieces", bool, False):
             return _json_response({"tokens": ids})
-        pieces = []
+        if len(ids) > op.MAX_DETOKENIZE_TOKENS:
+            raise ApiError(400, f"with_pieces: at most {op.MAX_DETOKENIZE_TOKENS} tokens, got {len(ids)}",
+                           param="content")
+        return _json_response({"tokens": await self.api._offload(len(ids), self._pieces, ids)})
+
+    def _pieces(self, ids: list[int]) -> list[dict]:
+        out = []
         for t in ids:
-            text = self.codec.token_text(t)
-            pieces.append({"id": t, "piece": text if "\ufffd" not in text else list(text.encode())})
-        return _json_response({"tokens": pieces})
+            raw = self.codec.token_bytes(t)
+            try:
+                out.append({"id": t, "piece": raw.decode()})
+            except UnicodeDecodeError:  # (part of a character: its bytes)
+                out.append({"id": t, "piece": list(raw)})
+        return out
 
     async def detokenize(self, req: Request) -> Response:
         """vLLM's ``/detokenize`` (``prompt``: the text), with llama.cpp's ``content`` (special tokens written)."""

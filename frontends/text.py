@@ -15,6 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from engine.token_bytes import piece_bytes
 from frontends import images
 
 T = TypeVar("T")
@@ -45,6 +46,9 @@ class TextCodec:
         # SentencePiece entries are at least as long as their text), so a text longer than
         # max_model_len x this cannot fit and is refused before it is tokenized.
         self.max_token_chars = max(map(len, tokenizer.get_vocab()), default=1) or 1
+        self._backend = backend
+        self._literal = None  # a copy of the Rust tokenizer that reads special tokens' names as text (encode_literal)
+        self._byte_level: bool | None = None  # whether its vocabulary is GPT-2's bytes (token_bytes)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._queued = 0  # size of the work handed to the pool and not finished
         self.image_token: str | None = None  # a model that reads images: its placeholder (``use_images``)
@@ -80,9 +84,35 @@ class TextCodec:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._decode(ids, skip_special_tokens)
 
+    def encode_literal(self, text: str) -> list[int]:
+        """``text`` as text alone: a special token's name in it is its characters, not the token (code that
+        mentions ``<|endoftext|>``; llama.cpp's ``parse_special`` false). No BOS."""
+        if self._backend is None or not hasattr(self._backend, "encode_special_tokens"):
+            return self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+        if self._literal is None:
+            from tokenizers import Tokenizer
+
+            literal = Tokenizer.from_str(self._backend.to_str())
+            literal.encode_special_tokens = True
+            self._literal = literal
+        return self._literal.encode(text, add_special_tokens=False).ids
+
     def token_text(self, token_id: int) -> str:
         """One token's own text (for logprobs); special tokens keep their names."""
         return self._decode([token_id], False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's own bytes: a token that is part of a character has those bytes (its text, U+FFFD)."""
+        text = self.token_text(token_id)
+        if "\ufffd" not in text or self._backend is None:
+            return text.encode()
+        if self._byte_level is None:
+            import json
+
+            self._byte_level = "ByteLevel" in json.dumps(json.loads(self._backend.to_str()).get("decoder"))
+        piece = self._backend.id_to_token(token_id)
+        raw = piece_bytes(piece, self._byte_level) if piece is not None else None
+        return raw if raw is not None else text.encode()
 
     @property
     def chat_template(self) -> str | None:

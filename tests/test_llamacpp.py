@@ -112,23 +112,24 @@ def feed_all(limits: LineLimits, pieces: list[str]) -> tuple[str, bool]:
     return out + limits.flush(), False
 
 
-def test_line_limits_end_a_completion_at_a_dedented_line():
-    code = "x = 1\n    if x:\n        y()\n\n  \n    z()\nprint(y)\n"
+def test_line_limits_end_a_completion_as_llama_cpp_does():
+    code = "x = 1\n    if x:\n        y()\n  z()\n"
     whole = LineLimits(None, 4, 0)
-    assert feed_all(whole, [code]) == ("x = 1\n    if x:\n        y()\n\n  \n    z()\n", True)
+    # the line indented less than 4 is cut after its indentation, as llama.cpp erases it
+    assert feed_all(whole, [code]) == ("x = 1\n    if x:\n        y()\n  ", True)
     assert whole.limited and whole.matched is None
     # piece by piece, the indentation split across pieces: the same cut; the first line is never checked
-    assert feed_all(LineLimits(None, 4, 0), [c for c in code]) == ("x = 1\n    if x:\n        y()\n\n  \n    z()\n",
-                                                                   True)
-    assert feed_all(LineLimits(None, 2, 0), ["a\n", "  b\n", "  "]) == ("a\n  b\n  ", False)  # (flushed at the end)
+    assert feed_all(LineLimits(None, 4, 0), list(code)) == ("x = 1\n    if x:\n        y()\n  ", True)
+    assert feed_all(LineLimits(None, 2, 0), ["a\n", "  b\n", "  "]) == ("a\n  b\n  ", False)  # (nothing after)
+    assert feed_all(LineLimits(None, 2, 0), ["a\n  b\n\n  c"]) == ("a\n  b\n", True)  # an empty line ends it too
     # a stop string inside the kept lines still ends it, as a word
-    words = LineLimits(StopStrings(["z("]), 4, 0)
-    assert feed_all(words, [code]) == ("x = 1\n    if x:\n        y()\n\n  \n    ", True)
-    assert words.matched == "z(" and not words.limited
-    # time is up: the token that ends a line, or any after a line ended, is the last
+    words = LineLimits(StopStrings(["y("]), 4, 0)
+    assert feed_all(words, [code]) == ("x = 1\n    if x:\n        ", True)
+    assert words.matched == "y(" and not words.limited
+    # time is up (counted from the first token): only a token holding a newline ends it (it is kept)
     late = LineLimits(None, 0, 1e-9)
-    assert late.feed("a b") == ("a b", False)
-    assert late.feed("c\nd") == ("c\nd", True) and late.limited
+    assert late.feed("a") == ("a", False) and late.feed("b c") == ("b c", False)
+    assert late.feed("d\ne") == ("d\ne", True) and late.limited
 
 
 # ---------------------------------------------------------------------------- served
@@ -180,6 +181,9 @@ def test_prompt_forms_several_prompts_and_mixed_ones(server):
     for n_predict in (-1, 100):  # to the end of the context: 6 tokens, truncated
         r = post(server, "/completion", {"prompt": [17] * 4090, "n_predict": n_predict, "ignore_eos": True})
         assert r["tokens_predicted"] == 6 and r["truncated"] and r["stop_type"] == "limit"
+    short, long = post(server, "/completion", {"prompt": ["a", [17] * 4090], "n_predict": 20, "ignore_eos": True})
+    assert (short["tokens_predicted"], short["truncated"]) == (20, False)  # each prompt to its own end
+    assert (long["tokens_predicted"], long["truncated"]) == (6, True)
     n2 = post(server, "/completion", {"prompt": "x", "n_predict": 3, "n": 2, "temperature": 0})
     assert [r["index"] for r in n2] == [0, 1] and n2[0]["content"] == n2[1]["content"]
 
@@ -206,8 +210,11 @@ def test_stop_words_logit_bias_grammar_and_indentation(server):
                                          "return_tokens": True})
     text = whole["content"]
     stop = next(text[i:i + 2] for i in range(2, len(text) - 2) if text[i:i + 2].strip() == text[i:i + 2])
-    cut = post(server, "/completion", {"prompt": "while True:", "n_predict": 16, "temperature": 0, "stop": [stop]})
+    cut = post(server, "/completion", {"prompt": "while True:", "n_predict": 16, "temperature": 0, "stop": [stop],
+                                       "logprobs": 1})  # (OpenAI's name for n_probs, where that is not given)
     assert cut["content"] == text[:text.index(stop)] and cut["stop_type"] == "word" and cut["stopping_word"] == stop
+    word_tokens = len(post(server, "/tokenize", {"content": stop})["tokens"])
+    assert len(cut["completion_probabilities"]) == cut["tokens_predicted"] - word_tokens  # (less the stop word's)
     first = whole["tokens"][0]
     for bias in ([[first, False]], {str(first): False}, [[first, -100]]):
         r = post(server, "/completion", {"prompt": "while True:", "n_predict": 1, "temperature": 0,
@@ -234,11 +241,24 @@ def test_infill_builds_llamacpp_s_prompt(server):
                            "<|fim_prefix|>def add(a, b):\n    return a<|fim_suffix|>\n\nprint(add(1, 2))<|fim_middle|>")
     pre, suf, mid, rep, sep = 49152, 49153, 49154, 49156, 49157
 
-    def tok(text):
-        return post(server, "/tokenize", {"content": text})["tokens"]
+    def tok(text, literal=False):
+        return post(server, "/tokenize", {"content": text, "parse_special": not literal})["tokens"]
     ids = [rep, *tok("myproject\n"), sep, *tok("util.py\n"), *tok("X = 1\n"), sep, *tok("filename\n"), pre,
            *tok("def add(a, b):\n    return "), *tok("a"), suf, *tok("\n\nprint(add(1, 2))"), mid]  # piece by piece
     assert r["tokens_evaluated"] == len(ids) and r["content"] == openai_text(server, ids, r["tokens_predicted"])
+    # the code's own text stays text: a special token's name in it is no FIM token
+    odd = post(server, "/infill", {"input_prefix": "s = '<|fim_middle|>'\n", "input_suffix": "<|endoftext|>",
+                                   "n_predict": 1, "input_extra": [{"text": "<|file_sep|>"}]})
+    assert odd["tokens_evaluated"] == len([rep, *tok("myproject\n"), sep, *tok("tmp\n"), *tok("<|file_sep|>", True),
+                                           sep, *tok("filename\n"), pre, *tok("s = '<|fim_middle|>'\n", True), suf,
+                                           *tok("<|endoftext|>", True), mid])
+    # long code everywhere: the prefix's end, the suffix's start and the extra context's end, in the context with
+    # room for n_predict (at least the one token of a cache-warming n_predict 0)
+    code = "".join(f"def f{i}(x):\n    return x + {i}\n" for i in range(600))
+    for n_predict, room in ((0, 1), (128, 128)):
+        r = post(server, "/infill", {"input_prefix": code, "input_suffix": code, "input_extra": [{"text": code}] * 3,
+                                     "n_predict": n_predict, "ignore_eos": True})
+        assert r["tokens_evaluated"] == 4096 - room and r["tokens_predicted"] == room
     status, raw = call(server, "/infill", {"input_prefix": "x"})
     assert status == 400 and json.loads(raw) == {"error": {"code": 400, "message": "'input_suffix' is required",
                                                            "type": "invalid_request_error"}}
@@ -252,6 +272,11 @@ def test_tokenize_detokenize_props_and_apply_template(server):
     assert [p["id"] for p in pieces] == toks["tokens"] and "".join(p["piece"] for p in pieces) == "Hello world"
     assert post(server, "/tokenize", {"content": [*toks["tokens"], "<|fim_pad|>"]})["tokens"] == [*toks["tokens"],
                                                                                                   49155]
+    literal = post(server, "/tokenize", {"content": "a<|fim_pad|>", "parse_special": False})["tokens"]
+    assert 49155 not in literal and post(server, "/detokenize", {"tokens": literal})["content"] == "a<|fim_pad|>"
+    emoji = post(server, "/tokenize", {"content": "😀 é", "with_pieces": True})["tokens"]
+    assert b"".join(bytes(p["piece"]) if isinstance(p["piece"], list) else p["piece"].encode() for p in emoji) == \
+        "😀 é".encode() and isinstance(emoji[0]["piece"], list)  # (a piece of a character: its bytes)
     de = post(server, "/detokenize", {"tokens": [*toks["tokens"], 49155]})
     assert de["content"] == "Hello world<|fim_pad|>" and de["prompt"] == "Hello world"  # (vLLM's field, as was)
     status, raw = call(server, "/props")
@@ -269,11 +294,15 @@ def test_refusals_in_llamacpp_s_shape(server):
                         ({"prompt": [1, 2.5]}, "must be a string, a list of token ids"),
                         ({"prompt": [1, 10**9]}, "Invalid token id"),
                         ({"prompt": "x", "n_probs": 99}, "n_probs must be in [0, 20]"),
-                        ({"prompt": [17] * 4096}, "maximum context length")):
+                        ):
         status, raw = call(server, "/completion", body)
         err = json.loads(raw)["error"]
         assert status == 400 and words in err["message"] and err["type"] == "invalid_request_error", raw
         assert err["code"] == 400 and set(err) == {"code", "message", "type"}
+    status, raw = call(server, "/completion", {"prompt": [17] * 4096})
+    assert status == 400 and json.loads(raw) == {"error": {
+        "code": 400, "message": "the request exceeds the available context size, try increasing it",
+        "type": "exceed_context_size_error", "n_prompt_tokens": 4096, "n_ctx": 4096}}
     status, raw = call(server, "/completion", {"prompt": "x"}, key=None)
     assert status == 401 and json.loads(raw)["error"]["type"] == "authentication_error"
 
