@@ -156,8 +156,9 @@ def completion_body(data: dict, adapters: dict[str, str]) -> dict:
     if "grammar" in body:  # a grammar, where both are given, as llama.cpp takes it
         body.pop("json_schema", None)
     n_probs = op.field(data, "n_probs", int, None)
-    if n_probs is None:  # (OpenAI's name, as llama.cpp reads it where n_probs is not given)
-        n_probs = op.field(data, "logprobs", int, 0)
+    if n_probs is None:  # OpenAI's name, as llama.cpp reads it where n_probs is not given (an integer; else none)
+        lp = data.get("logprobs")
+        n_probs = lp if isinstance(lp, int) and not isinstance(lp, bool) else 0
     if n_probs < 0:
         raise ApiError(400, f"n_probs must be at least 0, got {n_probs}", param="n_probs")
     if n_probs:
@@ -294,7 +295,8 @@ class CompletionFormat:
             "index": c.index, "content": "" if streamed else self.texts[c.index],
             "tokens": [] if streamed or not self.return_tokens else self.ids[c.index], "id_slot": 0, "stop": True,
             "model": self.model, "tokens_predicted": c.num_tokens, "tokens_evaluated": c.num_prompt_tokens,
-            "generation_settings": self.settings, "prompt": self.prompt_texts[c.index // self.gen.n],
+            "generation_settings": {**self.settings, "max_tokens": self.settings["max_tokens"][c.index // self.gen.n]},
+            "prompt": self.prompt_texts[c.index // self.gen.n],
             "has_new_line": self.new_line[c.index], "truncated": c.finish_reason == "length"
             and c.num_prompt_tokens + c.num_tokens >= self.settings["n_ctx"],  # (the context ended it)
             "stop_type": stop_type, "stopping_word": word,
@@ -438,8 +440,8 @@ class LlamaCppApi:
         batch = min(N_BATCH, ctx)
         take_suffix = min(len(suffix), max(0, batch // 4 - (2 + len(prompt))))
         rest = len(self.bos) + len(prompt) + take_suffix + 3  # (and the 3 FIM tokens)
-        # llama.cpp's 3/4 of a batch, less what would leave no room for a token (where the context is that small)
-        take_prefix = max(0, min(len(prefix), 3 * (batch // 4), ctx - 1 - rest))
+        # llama.cpp's 3/4 of a batch, less what leaves no room for n_predict (or one token) in a context that small
+        take_prefix = max(0, min(len(prefix), 3 * (batch // 4), ctx - rest - max(n_predict, 1)))
         rest += take_prefix
         # llama.cpp's room beside a batch, less what leaves no room for n_predict (or one token)
         take_extra = max(0, min(len(context), ctx - batch + 2, ctx - rest - max(n_predict, 1)))
@@ -482,8 +484,9 @@ class LlamaCppApi:
             gen, _ = await api.completion_job(body, arrival)
         except ApiError as e:
             raise renamed(e) from None
-        for i, prompt in enumerate(prompts):  # each prompt to its own end of the context
-            gen.set_max_tokens(i, budget(prompt))
+        budgets = [budget(p) for p in prompts]
+        for i, b in enumerate(budgets):  # each prompt to its own end of the context
+            gen.set_max_tokens(i, b)
         n_indent, max_ms = op.field(data, "n_indent", int, 0), _number(data, "t_max_predict_ms", 0)
         if n_indent > 0 or max_ms > 0:
             for c in gen.choices:
@@ -495,7 +498,7 @@ class LlamaCppApi:
         if fields is None or "prompt" in fields:  # the prompt as text, special tokens written
             texts = [await api._offload(len(p), self.codec.decode, p, False) for p in prompts]
         params = gen.params
-        settings = {"n_ctx": api.max_model_len, "n_predict": n_predict, "max_tokens": params.max_tokens,
+        settings = {"n_ctx": api.max_model_len, "n_predict": n_predict, "max_tokens": budgets,  # (one's, per prompt)
                     "seed": params.seed if params.seed is not None else 0xFFFFFFFF,
                     "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
                     "min_p": params.min_p, "repeat_penalty": params.repetition_penalty,

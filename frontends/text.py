@@ -102,17 +102,17 @@ class TextCodec:
         return self._decode([token_id], False)
 
     def token_bytes(self, token_id: int) -> bytes:
-        """One token's own bytes: a token that is part of a character has those bytes (its text, U+FFFD)."""
-        text = self.token_text(token_id)
-        if "\ufffd" not in text or self._backend is None:
-            return text.encode()
+        """One token's own bytes, from its vocabulary entry: a token that is part of a character has those bytes
+        (its text, U+FFFD), a SentencePiece word's first token its space (a decoded token alone drops it)."""
+        if self._backend is None:
+            return self.token_text(token_id).encode()
         if self._byte_level is None:
             import json
 
             self._byte_level = "ByteLevel" in json.dumps(json.loads(self._backend.to_str()).get("decoder"))
         piece = self._backend.id_to_token(token_id)
         raw = piece_bytes(piece, self._byte_level) if piece is not None else None
-        return raw if raw is not None else text.encode()
+        return raw if raw is not None else self.token_text(token_id).encode()
 
     @property
     def chat_template(self) -> str | None:

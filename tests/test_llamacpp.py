@@ -13,8 +13,8 @@ import math
 import pytest
 
 from frontends.errors import ApiError
-from frontends.llamacpp import LineLimits, completion_body, fim_tokens
-from frontends.text import StopStrings
+from frontends.llamacpp import LineLimits, LlamaCppApi, completion_body, fim_tokens
+from frontends.text import StopStrings, TextCodec
 from tests.conftest import make_tiny_model
 from tests.test_server_e2e import Server
 
@@ -100,6 +100,44 @@ def test_bodies_become_completions():
         assert e.value.param == name
     with pytest.raises(ApiError, match="lora"):
         completion_body({"lora": [{"id": 0, "scale": 1.0}]}, {})
+
+
+def test_the_infill_layout_leaves_room_for_n_predict_in_a_small_context():
+    from types import SimpleNamespace
+
+    vocab = {t: 100 + i for i, t in enumerate(FIM)}
+    codec = SimpleNamespace(tokenizer=SimpleNamespace(get_vocab=lambda: vocab),
+                            encode=lambda text, add_special_tokens: [1])  # (BOS: 1)
+    api = LlamaCppApi(SimpleNamespace(codec=codec, max_model_len=64))
+    prefix, suffix, extra = list(range(200, 300)), list(range(300, 400)), [([7], list(range(400, 500)))]
+    for n_predict in (-1, 0, 1, 30):
+        tokens = api._infill_prompt(prefix, suffix, [9], extra, n_predict, [8], [6], [5])
+        assert len(tokens) == 64 - max(n_predict, 1)
+        pre, suf = tokens.index(100), tokens.index(101)
+        assert tokens[:pre] == [1] and tokens[pre + 1:suf] == [*prefix[len(prefix) - (suf - pre - 2):], 9]
+        assert tokens[suf + 1:-1] == suffix[:16 - 3] and tokens[-1] == 102  # (a quarter of 64, less 2 and the prompt)
+    # short code: the extra context's end, as much as llama.cpp's room beside a batch (the context less 64, plus 2)
+    short = api._infill_prompt(prefix[:4], suffix[:4], [9], extra, 8, [8], [6], [5])
+    assert short[:short.index(1)] == [105, 8] and short[short.index(1):] == [1, 100, *prefix[:4], 9, 101, *suffix[:4],
+                                                                             102]
+
+
+def test_sentencepiece_token_bytes_keep_a_word_s_space():
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for w in ("▁", "a", "▁a"):
+        vocab[w] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("▁", "a")], byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])  # (Llama 2's and Mistral's)
+    tok.add_special_tokens(["<s>", "</s>"])
+    codec = TextCodec(PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>"))
+    ids = codec.encode("a 😀", False)
+    assert [codec.token_bytes(t) for t in ids] == [b" a", b" ", b"\xf0", b"\x9f", b"\x98", b"\x80"]
+    assert codec.encode_literal("a</s>") != codec.encode("a</s>", False) and 2 not in codec.encode_literal("a</s>")
 
 
 def feed_all(limits: LineLimits, pieces: list[str]) -> tuple[str, bool]:
@@ -203,6 +241,9 @@ def test_probabilities_fields_and_next_token_only(server):
     assert post(server, "/completion", {"prompt": "x", "n_predict": 2, "response_fields": [
         "content", "timings/predicted_n", "nope/x"]}).keys() == {"content", "timings/predicted_n"}
     assert post(server, "/completion", {"prompt": "x", "n_predict": 0, "response_fields": [""]}) == {}
+    # OpenAI's logprobs where n_probs is not given: a number of them, or (false, 1.0) none, as llama.cpp reads it
+    assert "completion_probabilities" not in post(server, "/completion", {"prompt": "x", "n_predict": 1,
+                                                                           "logprobs": False})
 
 
 def test_stop_words_logit_bias_grammar_and_indentation(server):
