@@ -25,7 +25,7 @@ MAX_STATES = 4096  # NFA states (a {n,m} copies its operand: a pattern can grow 
 MAX_MEMO = 200_000  # remembered steps (and ``allows`` answers) before they are dropped and recomputed
 MAX_HELD = 1_000_000  # NFA states in the state sets a pattern has met (tens of MB): past it, GrammarTooCostly
 _MAX = 0x10FFFF
-_ALL = ((0, 0xD7FF), (0xE000, _MAX))  # every character (surrogates are never one)
+ALL_CHARS = ((0, 0xD7FF), (0xE000, _MAX))  # every character (surrogates are never one)
 _LINE_ENDS = ((0x0A, 0x0A), (0x0D, 0x0D), (0x2028, 0x2029))
 _DIGIT = ((0x30, 0x39),)
 _WORD = ((0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A))
@@ -34,7 +34,8 @@ _SPACE = ((0x09, 0x0D), (0x20, 0x20), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0
 _CONTROL_ESCAPES = {"t": 9, "n": 10, "v": 11, "f": 12, "r": 13, "0": 0}
 
 
-def _union(*sets: tuple) -> tuple:
+# Character sets: sorted tuples of (lo, hi) code point ranges (engine.text_grammar builds its classes with these).
+def char_union(*sets: tuple) -> tuple:
     ranges = sorted(r for s in sets for r in s)
     out: list[list[int]] = []
     for lo, hi in ranges:
@@ -45,25 +46,25 @@ def _union(*sets: tuple) -> tuple:
     return tuple((lo, hi) for lo, hi in out)
 
 
-def _negate(s: tuple) -> tuple:
+def char_negate(s: tuple) -> tuple:
     out, at = [], 0
-    for lo, hi in _union(s):
+    for lo, hi in char_union(s):
         if lo > at:
             out.append((at, lo - 1))
         at = hi + 1
     if at <= _MAX:
         out.append((at, _MAX))
-    return _intersect(tuple(out), _ALL)
+    return char_intersect(tuple(out), ALL_CHARS)
 
 
-def _intersect(a: tuple, b: tuple) -> tuple:
+def char_intersect(a: tuple, b: tuple) -> tuple:
     out = []
     for lo1, hi1 in a:
         for lo2, hi2 in b:
             lo, hi = max(lo1, lo2), min(hi1, hi2)
             if lo <= hi:
                 out.append((lo, hi))
-    return _union(tuple(out))
+    return char_union(tuple(out))
 
 
 class Pattern:
@@ -118,7 +119,7 @@ class Pattern:
         if hit is None:
             if len(self._allows) > MAX_MEMO:
                 self._allows.clear()
-            hit = self._allows[key] = any(_intersect(cs, ((lo, hi),)) for s in self._sets[state]
+            hit = self._allows[key] = any(char_intersect(cs, ((lo, hi),)) for s in self._sets[state]
                                           for cs, _ in self.edges[s])
         return hit
 
@@ -165,14 +166,14 @@ class Pattern:
 
     def _any_prefix(self, start: int) -> int:
         s = self._state()
-        self.edges[s].append((_ALL, s))
+        self.edges[s].append((ALL_CHARS, s))
         self.eps[s].append(start)
         return s
 
     def _any_suffix(self, end: int) -> int:
         s = self._state()
         self.eps[end].append(s)
-        self.edges[s].append((_ALL, s))
+        self.edges[s].append((ALL_CHARS, s))
         return s
 
     def _peek(self) -> str | None:
@@ -278,14 +279,14 @@ class Pattern:
             chars = self._class()
         elif c == ".":
             self._at += 1
-            chars = _intersect(_negate(_LINE_ENDS), _ALL)
+            chars = char_intersect(char_negate(_LINE_ENDS), ALL_CHARS)
         elif c == "\\":
             chars = self._escape(in_class=False)
         else:
             self._at += 1
             chars = ((ord(c), ord(c)),)
         s, e = self._state(), self._state()
-        chars = _intersect(chars, _ALL)  # (a surrogate is never a character)
+        chars = char_intersect(chars, ALL_CHARS)  # (a surrogate is never a character)
         if chars:  # an empty set is no edge: nothing passes it
             self.edges[s].append((chars, e))
         return s, e
@@ -300,7 +301,7 @@ class Pattern:
         if c in classes:
             return classes[c]
         if c.lower() in classes:
-            return _negate(classes[c.lower()])
+            return char_negate(classes[c.lower()])
         if c in _CONTROL_ESCAPES:
             return ((_CONTROL_ESCAPES[c],) * 2,)
         if c in ("x", "u"):
@@ -342,8 +343,8 @@ class Pattern:
             else:
                 parts.append(lo_set)
         self._at += 1
-        chars = _intersect(_union(*parts), _ALL)
-        return _negate(chars) if negated else chars
+        chars = char_intersect(char_union(*parts), ALL_CHARS)
+        return char_negate(chars) if negated else chars
 
     def _char(self) -> tuple:
         c = self.source[self._at]

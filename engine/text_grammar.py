@@ -33,7 +33,7 @@ from bisect import bisect_right
 
 from engine.grammar import Automaton
 from engine.json_schema import SchemaError
-from engine.regex import _ALL, Pattern, _intersect, _negate, _union
+from engine.regex import ALL_CHARS, Pattern, char_intersect, char_negate, char_union
 
 MAX_GRAMMAR_ELEMENTS = 20_000  # elements after repetitions are unrolled ({m,n} copies its operand)
 MAX_REPEAT = 1000  # m and n of {m,n}
@@ -110,7 +110,7 @@ def _char_class(token: str, at: int) -> tuple:
             if hi < lo:
                 raise SchemaError(f"the range in {token!r} at character {at} is backwards")
         ranges.append((lo, hi))
-    chars = _negate(tuple(ranges)) if negated else _intersect(_union(tuple(ranges)), _ALL)
+    chars = char_negate(tuple(ranges)) if negated else char_intersect(char_union(tuple(ranges)), ALL_CHARS)
     if not chars:
         raise SchemaError(f"{token!r} at character {at} matches no character")
     return chars
@@ -192,7 +192,7 @@ class _Parser:
         if kind == "name":
             return [self._rule(value)]
         if value == ".":
-            return [_ALL]
+            return [ALL_CHARS]
         if value == "(":
             self.nesting += 1
             if self.nesting > MAX_NESTING:
