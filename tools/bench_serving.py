@@ -7,7 +7,11 @@ every request generates exactly that many), either at a Poisson
 request and token throughput, TTFT (time to first token), TPOT (time per output
 token after the first), ITL (gap between streamed chunks) and end-to-end latency
 (mean, p50, p90, p99), and goodput under ``--slo-ttft-ms`` / ``--slo-tpot-ms``.
-Prints a table, then one JSON line (also written to ``--save-json``).
+Prints a table, then one JSON line (also written to ``--save-json``). ``--endpoint`` picks
+``/v1/completions`` (the default), ``/v1/chat/completions`` (``chat``) or llama.cpp's own
+``/completion`` (``llamacpp``: its events, read with the openai package's HTTP client rather than the
+openai client itself, so compare it with the others on prompts of different ``--seed``s: the same
+prompts again are prefix-cache hits).
 
 ``--workload`` shapes the requests. ``random`` (the default) is the above:
 
