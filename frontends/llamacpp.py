@@ -531,8 +531,8 @@ class LlamaCppApi:
                 bias = -100.0  # (the least a bias may be: never sampled)
             elif isinstance(bias, bool) or not isinstance(bias, int | float):
                 continue
-            if isinstance(token, str) and token.lstrip("-").isascii() and token.lstrip("-").isdigit():
-                token = int(token)  # (a key that is an integer is an id)
+            if isinstance(token, str) and len(token) < 20 and token.lstrip("-").isascii() and token.lstrip("-").isdigit():
+                token = int(token)  # (a key that is an integer is an id; a longer one is none)
             if isinstance(token, int) and not isinstance(token, bool):
                 biases.append(([token], bias))
             elif isinstance(token, str):

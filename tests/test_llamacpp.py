@@ -263,8 +263,10 @@ def test_stop_words_logit_bias_grammar_and_indentation(server):
         assert r["tokens"] != [first], bias
     hello = post(server, "/tokenize", {"content": "Hello world"})["tokens"]
     r = post(server, "/completion", {"prompt": "x", "n_predict": 1, "logit_bias": [
-        ["Hello world", False], ["99999999", 5], [5, True], [7, "x"], ["-3", 1]]})
-    assert r["generation_settings"]["logit_bias"] == [{"token": t, "bias": -100.0} for t in hello]
+        ["Hello world", False], ["99999999", 5], [5, True], [7, "x"], ["-3", 1], ["9" * 200, 1]]})
+    nines = post(server, "/tokenize", {"content": "9" * 200})["tokens"]  # (no integer: a text)
+    assert r["generation_settings"]["logit_bias"] == [*({"token": t, "bias": -100.0} for t in hello),
+                                                      *({"token": t, "bias": 1.0} for t in dict.fromkeys(nines))]
     grammar = 'root ::= "a\\n" "  b\\n" "  c\\n" "d\\n"'
     held = post(server, "/completion", {"prompt": "x", "n_predict": 30, "grammar": grammar, "temperature": 0})
     assert held["content"] == "a\n  b\n  c\nd\n"
