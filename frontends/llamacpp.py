@@ -1,5 +1,6 @@
-"""llama.cpp's own server API: ``POST /completion`` (and ``/completions``), ``/infill``, ``/apply-template``,
-``GET /props``; the ``content`` shapes of ``/tokenize`` and ``/detokenize`` (``tokenize``, ``detokenize``).
+"""llama.cpp's own server API: ``POST /completion`` (and ``/completions``), ``/infill``, ``/embedding`` (and
+``/embeddings``), ``/apply-template``, ``GET /props``; the ``content`` shapes of ``/tokenize`` and
+``/detokenize`` (``tokenize``, ``detokenize``).
 
 So that what is written for ``llama-server`` (code completion in editors: llama.vim, llama.vscode; chat
 front ends in their llama.cpp mode) talks to tokenmill. A body is turned into a ``/v1/completions`` one and
@@ -32,7 +33,9 @@ from typing import Any
 
 import orjson
 
+from engine.protocol import embedding_floats
 from frontends import openai_params as op
+from frontends.embeddings import embeddings_job
 from frontends.errors import ApiError
 from frontends.generation import Generation, Update
 from frontends.http import Request, Response
@@ -396,7 +399,8 @@ class LlamaCppApi:
         auth = self.api.auth
         for method, path, handler in (("POST", "/completion", self.completion), ("POST", "/completions", self.completion),
                                       ("POST", "/infill", self.infill), ("POST", "/apply-template", self.apply_template),
-                                      ("GET", "/props", self.props)):
+                                      ("GET", "/props", self.props), ("POST", "/embedding", self.embedding),
+                                      ("POST", "/embeddings", self.embedding)):
             router.add(method, path, errors_as_llamacpp(auth.guard(handler, json_body=method == "POST")))
             router.add("OPTIONS", path, auth.preflight)
         # the OpenAI frontend's, which take llama.cpp's shapes too (and answer in OpenAI's error shape)
@@ -405,23 +409,22 @@ class LlamaCppApi:
 
     # ------------------------------------------------------------------ prompts
 
-    async def _prompts(self, data: dict) -> list[list[int]]:
-        p = data.get("prompt")
+    async def _prompts(self, p: Any, name: str = "prompt") -> list[list[int]]:
         if p is None:
-            raise ApiError(400, "Missing required field: 'prompt'", param="prompt")
+            raise ApiError(400, f"Missing required field: '{name}'", param=name)
         if isinstance(p, list) and not p:
-            raise ApiError(400, "'prompt' must not be empty", param="prompt")
+            raise ApiError(400, f"'{name}' must not be empty", param=name)
         several = isinstance(p, list) and not any(isinstance(x, int) and not isinstance(x, bool) for x in p)
         items = p if several else [p]
         if len(items) > op.MAX_PROMPTS:
-            raise ApiError(400, f"At most {op.MAX_PROMPTS} prompts per request, got {len(items)}", param="prompt")
+            raise ApiError(400, f"At most {op.MAX_PROMPTS} prompts per request, got {len(items)}", param=name)
         out = []
         for x in items:
             if isinstance(x, dict):  # llama.cpp's {"prompt_string", "multimodal_data"}
                 if x.get("multimodal_data"):
-                    raise ApiError(400, "images go through /v1/chat/completions here", param="prompt")
+                    raise ApiError(400, "images go through /v1/chat/completions here", param=name)
                 x = x.get("prompt_string")
-            out.append(await tokens_of(self.api, x, "prompt", add_special=True))
+            out.append(await tokens_of(self.api, x, name, add_special=True))
         return out
 
     def _infill_prompt(self, prefix: list[int], suffix: list[int], prompt: list[int],
@@ -464,7 +467,7 @@ class LlamaCppApi:
         try:
             body = completion_body(data, api.adapters)
             if prompts is None:
-                prompts = await self._prompts(data)
+                prompts = await self._prompts(data.get("prompt"))
             if stop_token_ids:
                 body["stop_token_ids"] = [*op.field(body, "stop_token_ids", list, []), *stop_token_ids]
             body["logit_bias"] = await self._logit_bias(data)
@@ -583,6 +586,19 @@ class LlamaCppApi:
         ends = [self.fim[k] for k in ("pad", "rep", "sep") if k in self.fim]  # (llama.cpp's end-of-generation set)
         return await self.completion_job(data, arrival, prompts=[tokens], stop_token_ids=ends)
 
+    async def embedding(self, req: Request) -> Response:
+        """llama.cpp's ``/embedding``: ``content`` (or ``input``) in its prompt forms, ``embd_normalize`` 2 (L2, the
+        default) or -1 (none), answered ``[{"index", "embedding": [[...]]}]``; run as ``/v1/embeddings`` runs."""
+        data = op.parse_json(req.body)
+        content = data.get("content", data.get("input"))
+        norm = op.field(data, "embd_normalize", int, 2)
+        if norm not in (-1, 2):
+            raise ApiError(400, f"embd_normalize {norm} is not supported here (2: Euclidean, -1: none)",
+                           param="embd_normalize")
+        body = {k: data[k] for k in ("priority", "timeout", "cache_salt") if k in data}
+        body |= {"input": await self._prompts(content, "content"), "normalize": norm == 2}
+        return await self.api._embed(req, body, _embeddings_job, content)
+
     async def apply_template(self, req: Request) -> Response:
         """A chat body's prompt as its template writes it: ``{"prompt": text}``."""
         data = op.parse_json(req.body)
@@ -636,3 +652,19 @@ class LlamaCppApi:
         out = await self.api.detokenized(data)
         return _json_response(out | {"content": await self.api._offload(len(data["tokens"]), self.codec.decode,
                                                               data["tokens"], False)})
+
+
+async def _embeddings_job(api: OpenAIApi, data: dict, arrival: float | None = None):
+    gen, _ = await embeddings_job(api, data, arrival)
+    return gen, _Embeddings(gen)
+
+
+class _Embeddings:
+    """llama.cpp's ``/embedding`` answer: a pooled vector per input, each in a list of one (as there)."""
+
+    def __init__(self, gen: Generation) -> None:
+        self.gen = gen
+
+    def body(self) -> bytes:
+        return orjson.dumps([{"index": c.index, "embedding": [embedding_floats(c.embedding)]}
+                             for c in self.gen.choices])

@@ -210,3 +210,20 @@ def test_a_frontend_before_the_fake_engine_windows_a_large_call(smollm_tokenizer
         want = json.loads(json.dumps(list(struct.unpack("<8f", fake_embedding(inputs[7], 8)))))
         assert body["data"][7]["embedding"] == want and body["usage"]["prompt_tokens"] == 600
         assert 0 < max(held) <= 128
+
+
+def test_llama_cpp_s_embedding_route(server, offline):
+    """llama.cpp's ``/embedding`` (``frontends.llamacpp``): ``content`` in, a vector in a list of one per input out."""
+    status, body = post(server, {"content": TEXTS[0]}, "/embedding")
+    assert status == 200 and body[0].keys() == {"index", "embedding"} and len(body[0]["embedding"]) == 1
+    assert close(body[0]["embedding"][0], offline[TEXTS[0]].embedding)
+    ids = offline[TEXTS[1]].prompt_token_ids
+    status, body = post(server, {"input": [TEXTS[0], ids], "embd_normalize": -1}, "/embeddings")
+    raw = post(server, {"input": [TEXTS[0], ids], "normalize": False})[1]["data"]
+    assert status == 200 and [b["index"] for b in body] == [0, 1]
+    assert all(close(b["embedding"][0], r["embedding"]) for b, r in zip(body, raw, strict=True))
+    status, body = post(server, {"content": "x", "embd_normalize": 1}, "/embedding")
+    assert status == 400 and body["error"]["type"] == "invalid_request_error" and "embd_normalize" in body["error"][
+        "message"]
+    status, body = post(server, {}, "/embedding")
+    assert status == 400 and body["error"]["message"] == "Missing required field: 'content'"
