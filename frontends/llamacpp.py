@@ -393,6 +393,8 @@ class LlamaCppApi:
     def __init__(self, api: OpenAIApi, model_path: str = "") -> None:
         self.api, self.codec, self.model_path = api, api.codec, model_path
         self.fim = fim_tokens(api.codec.tokenizer.get_vocab())
+        if "pre" in self.fim:  # /infill reads code literally: the tokenizer that does, made now, not in a request
+            api.codec.encode_literal("")
         self.bos = api.codec.encode("", add_special_tokens=True)  # what a string prompt starts with (or nothing)
 
     def routes(self, router) -> None:

@@ -47,7 +47,9 @@ class TextCodec:
         # max_model_len x this cannot fit and is refused before it is tokenized.
         self.max_token_chars = max(map(len, tokenizer.get_vocab()), default=1) or 1
         self._backend = backend
-        self._literal = None  # a copy of the Rust tokenizer that reads special tokens' names as text (encode_literal)
+        # a copy of the Rust tokenizer that reads special tokens' names as text (encode_literal; built at its first
+        # use, a fifth of a second for 50k tokens: frontends.llamacpp builds it at start for a model that infills)
+        self._literal = None
         self._byte_level: bool | None = None  # whether its vocabulary is GPT-2's bytes (token_bytes)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._queued = 0  # size of the work handed to the pool and not finished
@@ -107,9 +109,7 @@ class TextCodec:
         if self._backend is None:
             return self.token_text(token_id).encode()
         if self._byte_level is None:
-            import json
-
-            self._byte_level = "ByteLevel" in json.dumps(json.loads(self._backend.to_str()).get("decoder"))
+            self._byte_level = "ByteLevel" in repr(self._backend.decoder)  # (its decoders, written out)
         piece = self._backend.id_to_token(token_id)
         raw = piece_bytes(piece, self._byte_level) if piece is not None else None
         return raw if raw is not None else self.token_text(token_id).encode()

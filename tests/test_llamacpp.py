@@ -107,7 +107,7 @@ def test_the_infill_layout_leaves_room_for_n_predict_in_a_small_context():
 
     vocab = {t: 100 + i for i, t in enumerate(FIM)}
     codec = SimpleNamespace(tokenizer=SimpleNamespace(get_vocab=lambda: vocab),
-                            encode=lambda text, add_special_tokens: [1])  # (BOS: 1)
+                            encode=lambda text, add_special_tokens: [1], encode_literal=lambda text: [])  # (BOS: 1)
     api = LlamaCppApi(SimpleNamespace(codec=codec, max_model_len=64))
     prefix, suffix, extra = list(range(200, 300)), list(range(300, 400)), [([7], list(range(400, 500)))]
     for n_predict in (-1, 0, 1, 30):
