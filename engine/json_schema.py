@@ -160,7 +160,7 @@ class _Compiler:
         if "const" in s or "enum" in s:
             return self._literals(s)
         t = s.get("type")
-        if t is None:  # the type its keywords are for (as a schema without one would check them)
+        if "type" not in s:  # the type its keywords are for (as a schema without one would check them)
             implied = [k for k, words in _KEYWORDS_OF.items() if words & set(s)]
             if len(implied) > 1:
                 raise SchemaError(f"keywords of {implied[0]}s and of {implied[1]}s without a 'type'")

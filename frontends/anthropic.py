@@ -25,6 +25,7 @@ from typing import Any
 
 import orjson
 
+from frontends import openai_params as op
 from frontends.errors import ApiError
 from frontends.generation import Generation, Update
 from frontends.http import Request, Response
@@ -232,6 +233,14 @@ def to_chat(data: dict) -> dict:
     metadata = data.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
         raise ApiError(400, "metadata must be an object", param="metadata")
+    if chat.get("continue_final_message"):  # a format or forced tool would hold only what follows the prefill
+        held = op.structured_fields(chat)
+        if held or isinstance(chat.get("tool_choice"), dict) or chat.get("tool_choice") == "required":
+            name = (held or ["tool_choice"])[0]
+            if name == "response_format":
+                name = "output_config" if data.get("output_config") is not None else "output_format"
+            raise ApiError(400, f"a prefilled answer (a last assistant message) cannot be held to {name}: it would "
+                           "hold only what follows the prefill", param=name)
     return chat
 
 

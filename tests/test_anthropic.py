@@ -234,3 +234,18 @@ def test_served_failure_mid_stream_ends_with_an_error_event(stack, client):  # n
     finally:
         engine.fail_after, engine.step_delay = None, 0.0
     assert "error" in str(e.value).lower()
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "output_config"),
+    ({"output_format": {"type": "json_schema", "schema": {"type": "object"}}}, "output_format"),
+    ({"grammar": 'root ::= "a"'}, "grammar"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "any"}}, "tool_choice"),
+])
+def test_a_prefill_held_to_a_format_is_refused(extra, param):
+    """The format (or the forced call) would hold only what follows the prefill: '{"a":' + '{"a": 1}' is no JSON."""
+    body = {"max_tokens": 9, "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": '{"a":'}]}
+    with pytest.raises(ApiError, match="prefilled") as e:
+        to_chat({**body, **extra})
+    assert e.value.status == 400 and e.value.param == param
+    assert to_chat({**body, "tools": [WEATHER]})["continue_final_message"]  # (tools the model may call: fine)

@@ -134,6 +134,8 @@ def test_automaton_accepts_json_of_the_schema_and_nothing_else(schema, good, bad
     ({"allOf": [{"type": "string"}, {"maxLength": 3}]}, "allOf"),
     ({"type": "object", "properties": {}, "required": ["x"]}, "required"),
     ({"type": "text"}, "type"),
+    ({"type": None}, "type"),  # (a null type is no type given)
+    ({"type": None, "enum": [1]}, "type"),
     ({"type": "array", "minItems": 3, "maxItems": 2}, "minItems"),
     ({"type": "string", "maxLength": -1}, "maxLength"),
     ([1, 2], "object"),
