@@ -28,7 +28,6 @@ import orjson
 from frontends import openai_params as op
 from frontends.errors import ApiError
 from frontends.generation import Generation, Update
-from frontends.http import Request, Response
 from frontends.responses import ItemWriter
 
 # chat fields a Messages body may carry as they are (tokenmill's and vLLM's extras)
@@ -58,23 +57,15 @@ def error(e: ApiError) -> dict:
     return {"type": kind, "message": e.message, "param": e.param}
 
 
-def errors_as_anthropic(handler):
-    """``handler`` (already behind the keys and origins) with its refusals in Anthropic's shape:
-    ``{"type": "error", "error": {"type", "message"}}``, as vLLM answers on these routes."""
-
-    async def handle(req: Request):
-        try:
-            return await handler(req)
-        except ApiError as e:
-            return Response(e.status, orjson.dumps({"type": "error", "error": error(e)}), headers=e.headers)
-    return handle
+def error_body(e: ApiError) -> dict:
+    """Anthropic's error shape, ``{"type": "error", "error": {"type", "message"}}``, as vLLM answers on these
+    routes (``frontends.http.shaped_errors``)."""
+    return {"type": "error", "error": error(e)}
 
 
 def renamed(e: ApiError) -> ApiError:
     """A chat's refusal, named as this API names its fields."""
-    if e.param in MESSAGES_PARAMS:
-        e.message = e.message.replace(e.param, MESSAGES_PARAMS[e.param], 1)
-        e.param = MESSAGES_PARAMS[e.param]
+    e.renamed(MESSAGES_PARAMS)
     for chat, here in _WORDS:
         e.message = e.message.replace(chat, here)
     return e

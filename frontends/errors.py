@@ -39,6 +39,15 @@ class ApiError(Exception):
     def body(self) -> bytes:
         return error_body(self.message, self.type, self.param, self.code)
 
+    def renamed(self, names: dict[str, str]) -> ApiError:
+        """This refusal with its field named as another API names it (``names``: ours -> theirs), in the
+        message too (the Responses, Messages and llama.cpp APIs run as chats and completions do)."""
+        if self.param in names:
+            self.message = self.message.replace(self.param, names[self.param], 1)
+            self.param = names[self.param]
+        return self
+
+
 
 def error_body(message: str, type: str, param: str | None = None, code: str | int | None = None) -> bytes:
     return orjson.dumps({"error": {"message": message, "type": type, "param": param, "code": code}})

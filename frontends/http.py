@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 
 import httptools
+import orjson
 
 from frontends.errors import ApiError, status_error_body
 
@@ -120,6 +121,18 @@ UpgradeHandler = Callable[[Request], Awaitable[Response | Upgrade]]
 Observer = Callable[[Request, int], None]  # (request, status) once it is answered
 
 CLIENT_GONE = 499  # nginx's "client closed request": the client left before its answer
+
+
+def shaped_errors(handler: Handler, body: Callable[[ApiError], dict]) -> Handler:
+    """``handler`` with its refusals written as ``body(e)`` says: another API's error shape (Anthropic's, llama.cpp's)
+    on its routes."""
+
+    async def handle(req: Request) -> Response | StreamingResponse:
+        try:
+            return await handler(req)
+        except ApiError as e:
+            return Response(e.status, orjson.dumps(body(e)), headers=e.headers)
+    return handle
 
 
 class Router:

@@ -38,7 +38,7 @@ from frontends import openai_params as op
 from frontends.embeddings import embeddings_job
 from frontends.errors import ApiError
 from frontends.generation import Generation, Update
-from frontends.http import Request, Response
+from frontends.http import Request, Response, shaped_errors
 from frontends.openai_api import VERSION, OpenAIApi
 from frontends.text import StopStrings, TextCodec
 
@@ -101,23 +101,9 @@ def error(e: ApiError) -> dict:
     return {"code": e.status, "message": e.message, "type": _ERROR_TYPES.get(e.status, e.type)}
 
 
-def errors_as_llamacpp(handler):
-    """``handler`` with its refusals in llama.cpp's shape: ``{"error": {"code", "message", "type"}}``."""
-
-    async def handle(req: Request):
-        try:
-            return await handler(req)
-        except ApiError as e:
-            return Response(e.status, orjson.dumps({"error": error(e)}), headers=e.headers)
-    return handle
-
-
-def renamed(e: ApiError) -> ApiError:
-    """A completion's refusal, named as llama.cpp names its fields."""
-    if e.param in _NAMES:
-        e.message = e.message.replace(e.param, _NAMES[e.param])
-        e.param = _NAMES[e.param]
-    return e
+def error_body(e: ApiError) -> dict:
+    """llama.cpp's error shape: ``{"error": {"code", "message", "type"}}`` (``frontends.http.shaped_errors``)."""
+    return {"error": error(e)}
 
 
 def _number(data: dict, name: str, default: float | None = None) -> float | None:
@@ -403,7 +389,7 @@ class LlamaCppApi:
                                       ("POST", "/infill", self.infill), ("POST", "/apply-template", self.apply_template),
                                       ("GET", "/props", self.props), ("POST", "/embedding", self.embedding),
                                       ("POST", "/embeddings", self.embedding)):
-            router.add(method, path, errors_as_llamacpp(auth.guard(handler, json_body=method == "POST")))
+            router.add(method, path, shaped_errors(auth.guard(handler, json_body=method == "POST"), error_body))
             router.add("OPTIONS", path, auth.preflight)
         # the OpenAI frontend's, which take llama.cpp's shapes too (and answer in OpenAI's error shape)
         router.add("POST", "/tokenize", auth.guard(self.tokenize, json_body=True))
@@ -485,11 +471,11 @@ class LlamaCppApi:
                 context: up to its end (truncated)."""
                 room = api.max_model_len - len(prompt)
                 return min(room if n_predict < 0 else max(n_predict, 1), room, api.max_tokens_cap or room)
-            body["max_tokens"], body["prompt"] = min(map(budget, prompts)), prompts
+            budgets = [budget(p) for p in prompts]
+            body["max_tokens"], body["prompt"] = min(budgets), prompts
             gen, _ = await api.completion_job(body, arrival)
         except ApiError as e:
-            raise renamed(e) from None
-        budgets = [budget(p) for p in prompts]
+            raise e.renamed(_NAMES) from None
         for i, b in enumerate(budgets):  # each prompt to its own end of the context
             gen.set_max_tokens(i, b)
         n_indent, max_ms = op.field(data, "n_indent", int, 0), _number(data, "t_max_predict_ms", 0)
@@ -552,10 +538,7 @@ class LlamaCppApi:
             for t in token if isinstance(token, list) else next(encoded):
                 if 0 <= t < self.codec.vocab_size:
                     out[str(t)] = max(-100.0, min(100.0, float(bias)))
-        if len(out) > op.MAX_LOGIT_BIAS:
-            raise ApiError(400, f"'logit_bias' may name at most {op.MAX_LOGIT_BIAS} tokens, got {len(out)}",
-                           param="logit_bias")
-        return out or None
+        return out or None  # (its size: the completion's check, as OpenAI's logit_bias)
 
     async def infill_job(self, data: dict, arrival: float | None = None) -> tuple[Generation, CompletionFormat]:
         missing = [f"{name} token is missing. " for name, kind in (("prefix", "pre"), ("suffix", "suf"),

@@ -47,7 +47,7 @@ from frontends.embeddings import embeddings_job
 from frontends.engine_client import EngineClient, EngineUnavailable
 from frontends.errors import ApiError
 from frontends.generation import Generation, LogprobEntry, Update
-from frontends.http import Request, Response, Router, StreamingResponse
+from frontends.http import Request, Response, Router, StreamingResponse, shaped_errors
 from frontends.images import ImageProcessor
 from frontends.media import MediaReader
 from frontends.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -155,7 +155,7 @@ class OpenAIApi:
         for method, path, handler in routes:
             # every POST here takes a JSON body; /health stays open for load balancers
             guarded = self.auth.guard(handler, key=path not in open_paths, json_body=method == "POST")
-            router.add(method, path, anthropic.errors_as_anthropic(guarded) if path.startswith("/v1/messages")
+            router.add(method, path, shaped_errors(guarded, anthropic.error_body) if path.startswith("/v1/messages")
                        else guarded)
             router.add("OPTIONS", path, self.auth.preflight)
         return router
@@ -470,10 +470,7 @@ class OpenAIApi:
         try:
             gen, chat_fmt = await self.chat_job(to_chat(data), arrival, id_prefix="resp")
         except ApiError as e:  # named as this API names its fields
-            if e.param in RESPONSES_PARAMS:
-                e.message = e.message.replace(e.param, RESPONSES_PARAMS[e.param], 1)
-                e.param = RESPONSES_PARAMS[e.param]
-            raise
+            raise e.renamed(RESPONSES_PARAMS) from None
         if gen.schema_param == "response_format":  # the engine's refusal of a text.format schema
             gen.schema_param = "text"
         return gen, ResponsesFormat(gen.lora or self.model, data, gen, chat_fmt)
