@@ -337,11 +337,18 @@ def test_refusals_in_llamacpp_s_shape(server):
                         ({"prompt": [1, 2.5]}, "must be a string, a list of token ids"),
                         ({"prompt": [1, 10**9]}, "Invalid token id"),
                         ({"prompt": "x", "n_probs": 99}, "n_probs must be in [0, 20]"),
+                        ({"prompt": "x", "logit_bias": [["y" * 257, 1]]}, "at most 256 characters"),
+                        ({"prompt": "x", "logit_bias": [[t, 1] for t in range(2049)]}, "at most 2048 entries"),
+                        ({"prompt": "x", "logit_bias": {str(t): 1 for t in range(2049)}}, "at most 2048 entries"),
                         ):
         status, raw = call(server, "/completion", body)
         err = json.loads(raw)["error"]
         assert status == 400 and words in err["message"] and err["type"] == "invalid_request_error", raw
         assert err["code"] == 400 and set(err) == {"code", "message", "type"}
+    assert post(server, "/completion", {"prompt": "x", "n_predict": 1, "model": ["not", "a", "name"]})["stop"]
+    status, raw = call(server, "/tokenize", {"content": [17] * 131073, "with_pieces": True})
+    assert status == 400 and "at most 131072 tokens" in json.loads(raw)["error"]["message"]
+    assert len(post(server, "/tokenize", {"content": [17] * 5000, "with_pieces": True})["tokens"]) == 5000
     status, raw = call(server, "/completion", {"prompt": [17] * 4096})
     assert status == 400 and json.loads(raw) == {"error": {
         "code": 400, "message": "the request exceeds the available context size, try increasing it",
