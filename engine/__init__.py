@@ -4,10 +4,11 @@ Importing this package stays cheap (no torch): frontends import
 ``engine.protocol`` through it, so the heavy parts load on first use.
 """
 
+from engine.beam_search import BeamSearchParams
 from engine.config import EngineConfig
 from engine.protocol import SamplingParams
 
-__all__ = ["LLM", "Engine", "EngineConfig", "RequestOutput", "SamplingParams"]
+__all__ = ["BeamSearchParams", "LLM", "Engine", "EngineConfig", "RequestOutput", "SamplingParams"]
 
 
 def __getattr__(name: str):

@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from engine.beam_search import BeamSearch, BeamSearchParams, beam_text, first_stop
 from engine.config import SPARE_LORA_SLOTS, EngineConfig
 from engine.engine import Engine
 from engine.model_path import generation_defaults
@@ -48,6 +49,24 @@ class EmbeddingOutput:
     prompt_token_ids: list[int]
     embedding: list[float]  # the model's pooling of the prompt (engine.pooling)
     num_cached_tokens: int = 0
+
+
+@dataclass
+class BeamSearchSequence:
+    """vLLM's: ``tokens`` and ``text`` are the prompt's and the output's; ``logprobs``: each output token's
+    ``[logprob, [[token_id, logprob], ...]]``."""
+
+    tokens: list[int]
+    logprobs: list
+    cum_logprob: float
+    text: str
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+@dataclass
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]  # the best first
 
 
 class LLM:
@@ -183,6 +202,52 @@ class LLM:
                                                                      out.stop_reason, ends)
                 out.text = self.tokenizer.decode(ids, skip_special_tokens=True)
         return list(outputs.values())
+
+    def beam_search(self, prompts, params: BeamSearchParams, lora_request=None) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search``: each prompt's ``params.beam_width`` best sequences, best first, by
+        transformers' rules (``engine.beam_search``). Prompts as ``generate`` takes them; every round of the
+        searches (one token of each live beam) is one batch."""
+        params.check()
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        ends = frozenset(params.stop_token_ids) | frozenset(() if params.ignore_eos else self.engine.eos_token_ids)
+        stops = list(params.stop)
+
+        def decode(tokens: list[int]) -> str:
+            return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+        def stop_at(tokens: list[int]) -> str | None:
+            return first_stop(decode(tokens), stops)
+
+        searches, asked = [], []
+        for prompt in prompts:
+            text, pictures = self._unpack(prompt)
+            ids = self.tokenizer.encode(text) if isinstance(text, str) else list(text)
+            room = self.engine.max_model_len - len(ids)
+            p = dataclasses.replace(params, max_tokens=max(1, min(params.max_tokens, room)))
+            searches.append(BeamSearch(p, ends, stop_at if stops else None))
+            asked.append((ids, {"multi_modal_data": {"image": pictures}} if pictures else None))
+        while live := [(s, a) for s, a in zip(searches, asked, strict=True) if not s.done]:
+            round_prompts, owners = [], []
+            for s, (ids, images_of) in live:
+                for b in s.live:
+                    ids_b = ids + b.tokens
+                    round_prompts.append({"prompt_token_ids": ids_b, **images_of} if images_of else ids_b)
+                    owners.append(s)
+            k = max(s.num_logprobs for s, _ in live)
+            outs = self.generate(round_prompts, SamplingParams(max_tokens=1, temperature=0.0, logprobs=k),
+                                 lora_request=lora_request)
+            for s, _ in live:
+                tops = [out.logprobs[0][1] for out, o in zip(outs, owners, strict=True) if o is s]
+                s.advance(tops)
+        results = []
+        for s, (ids, _) in zip(searches, asked, strict=True):
+            prompt_text = decode(ids)
+            results.append(BeamSearchOutput([
+                BeamSearchSequence(ids + b.tokens, b.logprobs, b.cum_logprob,
+                                   prompt_text + beam_text(b, decode, ends, params.include_stop_str_in_output),
+                                   b.finish_reason, b.stop_reason) for b in s.best()]))
+        return results
 
     @staticmethod
     def _unpack(prompt) -> tuple[str | list[int], list]:
