@@ -137,24 +137,3 @@ class BeamSearch:
     def best(self) -> list[BeamSequence]:
         """The finished beams, best first (k of them, fewer only where the search was cut short)."""
         return self.finished
-
-
-def beam_text(beam: BeamSequence, decode: Callable[[list[int]], str], end_ids: frozenset[int],
-              include_stop: bool) -> str:
-    """A finished beam's text: without the end id that ended it, cut before the stop string that did
-    (``include_stop``: both kept)."""
-    tokens = beam.tokens
-    if beam.finish_reason == "stop" and isinstance(beam.stop_reason, int) and not include_stop:
-        tokens = tokens[:-1]
-    text = decode(tokens)
-    if isinstance(beam.stop_reason, str):
-        at = text.find(beam.stop_reason)
-        if at >= 0:
-            text = text[:at + len(beam.stop_reason)] if include_stop else text[:at]
-    return text
-
-
-def first_stop(text: str, stops: list[str]) -> str | None:
-    """The stop string that occurs first in ``text`` (None: none does)."""
-    found = [(at, s) for s in stops if (at := text.find(s)) >= 0]
-    return min(found)[1] if found else None

@@ -16,12 +16,13 @@ import os
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from engine.beam_search import BeamSearch, BeamSearchParams, beam_text, first_stop
+from engine.beam_search import BeamSearch, BeamSearchParams
 from engine.config import SPARE_LORA_SLOTS, EngineConfig
 from engine.engine import Engine
 from engine.model_path import generation_defaults
 from engine.protocol import PoolingParams, SamplingParams, TokenLogprobs, embedding_floats
 from frontends import images
+from frontends.beam_search import beam_delta, end_ids, stop_finder
 from frontends.generation import Choice, one_token_each, text_ids
 from frontends.media import data_bytes
 from frontends.text import StopMatcher, TextCodec, bad_words_token_ids
@@ -210,22 +211,15 @@ class LLM:
         params.check()
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        ends = frozenset(params.stop_token_ids) | frozenset(() if params.ignore_eos else self.engine.eos_token_ids)
-        stops = list(params.stop)
-
-        def decode(tokens: list[int]) -> str:
-            return self.tokenizer.decode(tokens, skip_special_tokens=True)
-
-        def stop_at(tokens: list[int]) -> str | None:
-            return first_stop(decode(tokens), stops)
-
+        ends = end_ids(params, self.engine.eos_token_ids)
+        stop = StopMatcher(params.stop) if params.stop else None
         searches, asked = [], []
         for prompt in prompts:
             text, pictures = self._unpack(prompt)
             ids = self.tokenizer.encode(text) if isinstance(text, str) else list(text)
             room = self.engine.max_model_len - len(ids)
             p = dataclasses.replace(params, max_tokens=max(1, min(params.max_tokens, room)))
-            searches.append(BeamSearch(p, ends, stop_at if stops else None))
+            searches.append(BeamSearch(p, ends, stop_finder(self._codec, ids, stop, True) if stop else None))
             asked.append((ids, {"multi_modal_data": {"image": pictures}} if pictures else None))
         while live := [(s, a) for s, a in zip(searches, asked, strict=True) if not s.done]:
             round_prompts, owners = [], []
@@ -241,12 +235,15 @@ class LLM:
                 tops = [out.logprobs[0][1] for out, o in zip(outs, owners, strict=True) if o is s]
                 s.advance(tops)
         results = []
+        eos = frozenset(self.engine.eos_token_ids)
         for s, (ids, _) in zip(searches, asked, strict=True):
-            prompt_text = decode(ids)
-            results.append(BeamSearchOutput([
-                BeamSearchSequence(ids + b.tokens, b.logprobs, b.cum_logprob,
-                                   prompt_text + beam_text(b, decode, ends, params.include_stop_str_in_output),
-                                   b.finish_reason, b.stop_reason) for b in s.best()]))
+            prompt_text, sequences = self.tokenizer.decode(ids, skip_special_tokens=True), []
+            for b in s.best():  # (the text as generate's: an end id dropped, cut before a stop string)
+                c = Choice(0, "", ids, self._codec, stop, 0, eos, include_stop=params.include_stop_str_in_output)
+                text, _ = c.consume(beam_delta("", b, params.stop_token_ids, len(ids), 0, None))
+                sequences.append(BeamSearchSequence(ids + b.tokens, b.logprobs, b.cum_logprob, prompt_text + text,
+                                                    c.finish_reason, c.stop_reason))
+            results.append(BeamSearchOutput(sequences))
         return results
 
     @staticmethod

@@ -43,6 +43,7 @@ from frontends import openai_params as op
 from frontends.access_log import CallInfo
 from frontends.anthropic import MessagesFormat
 from frontends.auth import Auth
+from frontends.beam_search import BeamGeneration, beam_search_params
 from frontends.embeddings import embeddings_job
 from frontends.engine_client import EngineClient, EngineUnavailable
 from frontends.errors import ApiError
@@ -353,13 +354,18 @@ class OpenAIApi:
         base = op.sampling_params(data, max_tokens=max_tokens, logprobs=logprobs, vocab_size=self.codec.vocab_size,
                                   prompt_logprobs=logprobs if echo and logprobs is not None else None,
                                   defaults=self.sampling_defaults, bad_words=await self._bad_words(data))
+        beam = beam_search_params(data, base, n)
         op.check_fan_out(len(prompts), n, base, self.client.ready.max_num_waiting_requests)
         stop = await self._stop_matcher(base.stop)
         self._require_engine()
         api_id = self._new_id("cmpl")
-        gen = Generation(self.client, self.codec, api_id, prompts, n, self._seeded(base), priority, stop,
-                         deadline, cache_salt, self.metrics, arrival,
-                         skip_special_tokens=op.field(data, "skip_special_tokens", bool, True))
+        skip = op.field(data, "skip_special_tokens", bool, True)
+        if beam is not None:
+            gen = BeamGeneration(self.client, self.codec, api_id, prompts, beam, base, priority, stop, deadline,
+                                 cache_salt, self.metrics, arrival, skip_special_tokens=skip)
+        else:
+            gen = Generation(self.client, self.codec, api_id, prompts, n, self._seeded(base), priority, stop,
+                             deadline, cache_salt, self.metrics, arrival, skip_special_tokens=skip)
         gen.schema_param, gen.lora = op.structured_field(data), lora
         return gen, _CompletionFormat(self, api_id, gen, echo, logprobs is not None, self._token_names(data))
 
@@ -397,13 +403,18 @@ class OpenAIApi:
                                   defaults=self.sampling_defaults, bad_words=await self._bad_words(data))
         if tool_schema is not None and base.stop:  # stop strings could only cut the calls' JSON short
             base = dataclasses.replace(base, stop=[])
+        beam = beam_search_params(data, base, n, forced_tools=tool_schema is not None)
         op.check_fan_out(1, n, base, self.client.ready.max_num_waiting_requests)
         stop = await self._stop_matcher(base.stop)
         self._require_engine()
         api_id = self._new_id(id_prefix)
         skip = op.field(data, "skip_special_tokens", bool, True) and not (calls and calls.keeps_special_tokens)
-        gen = Generation(self.client, self.codec, api_id, [prompt], n, self._seeded(base), priority, stop,
-                         deadline, cache_salt, self.metrics, arrival, skip_special_tokens=skip)
+        if beam is not None:
+            gen = BeamGeneration(self.client, self.codec, api_id, [prompt], beam, base, priority, stop, deadline,
+                                 cache_salt, self.metrics, arrival, skip_special_tokens=skip)
+        else:
+            gen = Generation(self.client, self.codec, api_id, [prompt], n, self._seeded(base), priority, stop,
+                             deadline, cache_salt, self.metrics, arrival, skip_special_tokens=skip)
         gen.schema_param = "tools" if tool_schema is not None else op.structured_field(data)
         gen.lora = lora
         gen.images = image_inputs

@@ -65,3 +65,187 @@ def test_beams_match_transformers(llm, hf, tiny_llama, k, length_penalty, early_
             assert s.finish_reason == ("stop" if tokens[-1] == end else "length")
         if length_penalty <= 1.0:  # (a penalty of 2 favours the longest: those max_tokens ended)
             assert any(s.finish_reason == "stop" for s in ours), prompt  # the end id did end some
+
+
+def test_stop_strings_end_beams_and_are_cut(llm, tiny_llama):
+    """A stop string ends a beam at the token that completes it (the text cut before it, or kept with
+    include_stop_str_in_output), as a sampled output's."""
+    ids = AutoTokenizer.from_pretrained(tiny_llama).encode(PROMPTS[0])
+    free = llm.beam_search([ids], BeamSearchParams(beam_width=3, max_tokens=12, ignore_eos=True))[0].sequences
+    prompt_text = llm.tokenizer.decode(ids, skip_special_tokens=True)
+    out = free[0].text[len(prompt_text):]
+    stop = out[len(out) // 2:len(out) // 2 + 3]
+    for include in (False, True):  # (no length penalty: a beam that ends early keeps its higher sum)
+        seqs = llm.beam_search([ids], BeamSearchParams(beam_width=3, max_tokens=12, ignore_eos=True, stop=[stop],
+                                                       include_stop_str_in_output=include, length_penalty=0.0))
+        seqs = seqs[0].sequences
+        assert len(seqs) == 3
+        ended = [s for s in seqs if s.finish_reason == "stop"]
+        assert ended and all(s.stop_reason == stop for s in ended)
+        for s in ended:
+            text = s.text[len(prompt_text):]
+            assert text.count(stop) == include and (text.endswith(stop) if include else stop not in text)
+        for s in seqs:
+            if s.finish_reason == "length":
+                assert stop not in s.text[len(prompt_text):] and len(s.tokens) == len(ids) + 12
+
+
+def _tops(*rows):
+    """A round's top lists from (token, probability) pairs per beam."""
+    import math
+
+    return [[[t, math.log(p)] for t, p in row] for row in rows]
+
+
+def test_early_stopping_true_ends_once_k_have_finished():
+    s = BeamSearch(BeamSearchParams(2, 10, early_stopping=True), frozenset({0}))
+    s.advance(_tops([(1, .5), (2, .3), (0, .1), (3, .05)]))
+    assert [b.tokens for b in s.live] == [[1], [2]] and not s.done
+    s.advance(_tops([(0, .9), (4, .05), (5, .02), (6, .01)], [(0, .8), (7, .1), (8, .05), (9, .01)]))
+    assert [b.tokens for b in s.best()] == [[1, 0], [2, 0]] and s.done
+    assert all(b.finish_reason == "stop" and b.stop_reason == 0 for b in s.best())
+
+
+def test_an_end_ranked_below_k_does_not_finish():
+    """transformers' rule: only the best k continuations may finish; an end id ranked lower is dropped."""
+    s = BeamSearch(BeamSearchParams(2, 10), frozenset({0}))
+    s.advance(_tops([(1, .5), (2, .3), (0, .15), (3, .05)]))
+    assert s.finished == [] and [b.tokens for b in s.live] == [[1], [2]]
+
+
+def test_a_deadline_keeps_the_best_so_far():
+    s = BeamSearch(BeamSearchParams(3, 10), frozenset({0}))
+    s.advance(_tops([(0, .5), (1, .3), (2, .1), (3, .05), (4, .03), (5, .02)]))
+    s.stop("timeout")
+    assert s.done and [(b.tokens, b.finish_reason) for b in s.best()] == [
+        ([0], "stop"), ([1], "timeout"), ([2], "timeout")]
+
+
+# ---------------------------------------------------------------------------- served
+
+KEY = "sk-beams"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    from tests.test_server_e2e import Server
+
+    s = Server("--model", tiny_llama, "--served-model-name", "tiny", "--dtype", "float32", "--api-key", KEY,
+               "--max-model-len", "256", startup=120)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+
+
+def offline(llm, ids: list[int], **kw) -> list:
+    return llm.beam_search([ids], BeamSearchParams(**kw))[0].sequences
+
+
+def test_served_completions_are_the_offline_beams(llm, client):
+    ids = llm.tokenizer.encode(PROMPTS[1])
+    end = a_likely_token(llm, ids)
+    prompt_text = llm.tokenizer.decode(ids, skip_special_tokens=True)
+    want = offline(llm, ids, beam_width=3, max_tokens=14, ignore_eos=True, stop_token_ids=[end])
+    r = client.completions.create(model="tiny", prompt=ids, n=3, max_tokens=14, temperature=0.9, seed=3,
+                                  logprobs=2, extra_body={"use_beam_search": True, "ignore_eos": True,
+                                                          "stop_token_ids": [end]})
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [s.text[len(prompt_text):] for s in want]
+    assert [c.finish_reason for c in r.choices] == [s.finish_reason for s in want]
+    assert any(c.finish_reason == "stop" for c in r.choices)
+    for c, s in zip(r.choices, want, strict=True):
+        generated = s.tokens[len(ids):]
+        assert len(c.logprobs.tokens) == len(generated)  # (the end id's entry too: it was sampled)
+        assert c.logprobs.token_logprobs == pytest.approx([lp for lp, _ in s.logprobs], abs=1e-5)
+        assert sum(c.logprobs.token_logprobs) == pytest.approx(s.cum_logprob, abs=1e-4)
+        assert all(len(top) == 2 for top in c.logprobs.top_logprobs)
+    assert r.usage.prompt_tokens == len(ids)
+    assert r.usage.completion_tokens == sum(len(s.tokens) - len(ids) for s in want)
+
+    chunks = client.completions.create(model="tiny", prompt=ids, n=3, max_tokens=14, stream=True,
+                                       stream_options={"include_usage": True}, extra_body={
+                                           "use_beam_search": True, "ignore_eos": True, "stop_token_ids": [end]})
+    texts, reasons, usage = [""] * 3, [None] * 3, None
+    for ch in chunks:
+        usage = ch.usage or usage
+        for c in ch.choices:
+            texts[c.index] += c.text
+            reasons[c.index] = c.finish_reason or reasons[c.index]
+    assert texts == [c.text for c in r.choices] and reasons == [c.finish_reason for c in r.choices]
+    assert usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_served_chat_and_echo(llm, client):
+    messages = [{"role": "user", "content": "Name three colours."}]
+    ids = llm._codec.apply_chat_template(messages, True, None, None, False)  # (the server's template call)
+    want = offline(llm, ids, beam_width=2, max_tokens=10, length_penalty=0.5)
+    prompt_text = llm.tokenizer.decode(ids, skip_special_tokens=True)
+    r = client.chat.completions.create(model="tiny", messages=messages, n=2, max_tokens=10, logprobs=True,
+                                       top_logprobs=1, extra_body={"use_beam_search": True, "length_penalty": 0.5})
+    assert [c.message.content for c in r.choices] == [s.text[len(prompt_text):] for s in want]
+    assert [len(c.logprobs.content) for c in r.choices] == [len(s.tokens) - len(ids) for s in want]
+
+    prompt = PROMPTS[0]
+    r = client.completions.create(model="tiny", prompt=prompt, n=2, max_tokens=6, echo=True, logprobs=0,
+                                  extra_body={"use_beam_search": True})
+    n_prompt = len(llm.tokenizer.encode(prompt))
+    for c in r.choices:
+        assert c.text.startswith(prompt)
+        assert len(c.logprobs.tokens) == n_prompt + 6 and c.logprobs.token_logprobs[0] is None
+        assert all(lp is not None for lp in c.logprobs.token_logprobs[1:])
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"n": 11}, "n"), ({"presence_penalty": 0.5}, "presence_penalty"), ({"logit_bias": {"5": 1}}, "logit_bias"),
+    ({"response_format": {"type": "json_object"}}, "response_format"), ({"min_tokens": 2}, "min_tokens"),
+    ({"length_penalty": "long"}, "length_penalty"), ({"early_stopping": "sometimes"}, "early_stopping"),
+    ({"use_beam_search": "yes"}, "use_beam_search")])
+def test_what_beam_search_cannot_honour_is_a_400(client, extra, param):
+    import openai
+
+    body = {"use_beam_search": True, "n": 2, **extra}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="Hi", max_tokens=4, extra_body=body)
+    assert e.value.body["param"] == param, e.value.body
+    r = client.completions.create(model="tiny", prompt="Hi", max_tokens=4, n=2, extra_body={  # neutral values pass
+        "use_beam_search": True, "presence_penalty": 0, "repetition_penalty": 1.0, "min_tokens": 0})
+    assert len(r.choices) == 2
+
+
+def test_a_deadline_answers_the_best_so_far(client):
+    """A search cut by its deadline answers its best beams so far, "timeout" for those still live."""
+    r = client.completions.create(model="tiny", prompt="Once upon a time", n=4, max_tokens=240,  # (~1 s of rounds)
+                                  extra_body={"use_beam_search": True, "ignore_eos": True, "timeout": 0.5})
+    assert len(r.choices) == 4 and all(c.finish_reason == "timeout" for c in r.choices)
+    assert 0 < r.usage.completion_tokens < 4 * 240
+
+
+def test_a_client_that_goes_away_ends_the_search(server):
+    """The rounds stop when the caller disconnects mid-search (no engine request runs after)."""
+    import json
+    import socket
+    import time
+
+    body = json.dumps({"prompt": "Once upon a time", "n": 4, "max_tokens": 240, "use_beam_search": True,
+                       "ignore_eos": True}).encode()
+    s = socket.create_connection(("127.0.0.1", server.port))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: " + str(len(body)).encode() +
+              b"\r\n\r\n" + body)
+    busy = 0
+    for _ in range(40):  # the rounds run
+        st = server.engine_stats()
+        busy += st.num_running + st.num_waiting > 0
+        time.sleep(0.005)
+    assert busy
+    s.close()
+    time.sleep(0.3)
+    samples = [server.engine_stats() for _ in range(40)]
+    assert all(st.num_running + st.num_waiting == 0 for st in samples)
+    assert samples[-1].num_free_blocks == samples[-1].num_kv_blocks
