@@ -249,3 +249,14 @@ def test_a_client_that_goes_away_ends_the_search(server):
     samples = [server.engine_stats() for _ in range(40)]
     assert all(st.num_running + st.num_waiting == 0 for st in samples)
     assert samples[-1].num_free_blocks == samples[-1].num_kv_blocks
+
+
+def test_bench_beam_search_runs_and_agrees(tiny_llama, capsys):
+    import json
+
+    from tools.bench_beam_search import main
+
+    main(["--model", tiny_llama, "--num-prompts", "2", "--prompt-len", "8", "--beam-width", "3", "--max-tokens", "5"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["same_sequences"] == result["sequences"] == 6 and result["same_best"] == 2
+    assert result["tokenmill_s"] > 0 and result["hf_s"] > 0
