@@ -464,7 +464,7 @@ def embedding_floats(embedding: bytes) -> list[float]:
     return list(struct.unpack(f"<{len(embedding) // 4}f", embedding))
 
 
-# per token: [logprob of the sampled token, [[token_id, logprob], ...top-k]]
+# per token: [logprob of the sampled token, [[token_id, logprob], ...top-k], its rank (1: the most likely)]
 TokenLogprobs = list
 
 

@@ -154,7 +154,7 @@ class Sampled:
     (their rows, each one's k, ``logprob_tensors``' output): nothing waited for yet."""
 
     ids: torch.Tensor  # (B,)
-    logprobs: tuple[list[int], list[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+    logprobs: tuple[list[int], list[int], tuple[torch.Tensor, ...]] | None = None
 
     def result(self) -> SamplerOutput:
         """The host's copy: waits for the device to have sampled."""
@@ -162,8 +162,8 @@ class Sampled:
         if self.logprobs is not None:
             rows, ks, tensors = self.logprobs
             logprobs = [None] * len(self.ids)
-            for i, k, (tok_lp, top) in zip(rows, ks, logprob_lists(*tensors), strict=True):
-                logprobs[i] = [tok_lp, top[:k]]
+            for i, k, (tok_lp, top, rank) in zip(rows, ks, logprob_lists(*tensors), strict=True):
+                logprobs[i] = [tok_lp, top[:k], rank]
         return SamplerOutput(self.ids.tolist(), logprobs)
 
 
@@ -179,31 +179,35 @@ class SamplerOutput:
 
 
 def logprob_tensors(logits: torch.Tensor, token_ids: torch.Tensor | list[int],
-                    k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Raw logprobs on the device, without a host sync: the (N,) logprobs of ``token_ids`` under
-    ``logits`` (N, V), and the (N, k) top logprobs and their ids (descending). Works in chunks of rows so prompt logprobs over a
+    ``logits`` (N, V), the (N, k) top logprobs and their ids (descending), and each token's (N,) rank
+    (1 + the tokens more likely than it, vLLM's). Works in chunks of rows so prompt logprobs over a
     long prompt do not materialise an (N, V) float32 copy."""
     n, vocab = logits.shape
     if not isinstance(token_ids, torch.Tensor):
         token_ids = torch.tensor(token_ids, dtype=torch.long)
     token_ids = token_ids.to(logits.device, torch.long)
     k = min(k, vocab)
-    tok, top_lp, top_ids = [], [], []
+    tok, top_lp, top_ids, ranks = [], [], [], []
     for start in range(0, n, _LOGPROBS_CHUNK):
         lp = torch.log_softmax(logits[start:start + _LOGPROBS_CHUNK].float(), dim=-1)  # (n, V)
-        tok.append(lp.gather(1, token_ids[start:start + _LOGPROBS_CHUNK, None]).squeeze(1))
+        t = lp.gather(1, token_ids[start:start + _LOGPROBS_CHUNK, None])
+        tok.append(t.squeeze(1))
+        ranks.append((lp > t).sum(dim=1) + 1)
         values, ids = lp.topk(k, dim=-1)  # (n, k), sorted descending
         top_lp.append(values)
         top_ids.append(ids)
-    return torch.cat(tok), torch.cat(top_lp), torch.cat(top_ids)
+    return torch.cat(tok), torch.cat(top_lp), torch.cat(top_ids), torch.cat(ranks)
 
 
-def logprob_lists(tok_lp: torch.Tensor, top_lp: torch.Tensor, top_ids: torch.Tensor) -> list[TokenLogprobs]:
-    """``logprob_tensors``' output on the host (the sync): one ``[logprob, [[token_id, logprob], ...top-k]]``
-    per row (the top-k list empty for ``k == 0``)."""
+def logprob_lists(tok_lp: torch.Tensor, top_lp: torch.Tensor, top_ids: torch.Tensor,
+                  ranks: torch.Tensor) -> list[TokenLogprobs]:
+    """``logprob_tensors``' output on the host (the sync): one ``[logprob, [[token_id, logprob], ...top-k],
+    rank]`` per row (the top-k list empty for ``k == 0``)."""
     top = [[[i, v] for i, v in zip(ids, vals, strict=True)]
            for ids, vals in zip(top_ids.tolist(), top_lp.tolist(), strict=True)]
-    return [[t, tk] for t, tk in zip(tok_lp.tolist(), top, strict=True)]
+    return [[t, tk, r] for t, tk, r in zip(tok_lp.tolist(), top, ranks.tolist(), strict=True)]
 
 
 # ----------------------------------------------------------------------------- processing

@@ -26,7 +26,6 @@ from frontends.generation import Generation
 
 ENCODINGS = ("float", "base64")
 MAX_INPUTS = 2048  # OpenAI's; LangChain's OpenAIEmbeddings sends 1000 at a time
-TRUNCATION_MARGIN = 16  # tokens tokenized before the kept ones of a long text cut for truncate_prompt_tokens
 
 
 def parse_pooling(data: dict) -> PoolingParams:
@@ -34,26 +33,6 @@ def parse_pooling(data: dict) -> PoolingParams:
         return PoolingParams(op.field(data, "dimensions", int, None), op.field(data, "normalize", bool, None))
     except SamplingParamError as e:
         raise ApiError(400, str(e), param=e.param) from None
-
-
-def parse_truncation(data: dict, max_model_len: int) -> int | None:
-    """``truncate_prompt_tokens``: the last k tokens of each input are kept (-1: as many as fit)."""
-    k = op.field(data, "truncate_prompt_tokens", int, None)
-    if k == -1:
-        k = max_model_len
-    if k is not None and not 1 <= k <= max_model_len:
-        raise ApiError(400, f"truncate_prompt_tokens must be -1 or in [1, {max_model_len}], got {k}",
-                       param="truncate_prompt_tokens")
-    return k
-
-
-def cut_texts(inputs, num_chars: int):
-    """``inputs`` with every text cut to its last ``num_chars`` characters (whatever else as it is)."""
-    if isinstance(inputs, str):
-        return inputs[-num_chars:]
-    if isinstance(inputs, list):
-        return [x[-num_chars:] if isinstance(x, str) else x for x in inputs]
-    return inputs
 
 
 def check_lengths(prompts: list[list[int]], max_model_len: int) -> None:
@@ -99,17 +78,8 @@ async def embeddings_job(api, data: dict, arrival: float | None = None,
                        param="encoding_format")
     pooling = parse_pooling(data)
     deadline, priority, cache_salt = op.parse_deadline(data), op.parse_priority(data), op.parse_cache_salt(data)
-    keep = parse_truncation(data, api.max_model_len)
-    max_chars = api.max_chars
-    if keep is not None:
-        # Only the end of a long text is tokenized: its last (keep + TRUNCATION_MARGIN) tokens at least (no
-        # token is longer than max_token_chars), of which the first few may differ from the whole text's,
-        # cut where the text was; the last keep are the same.
-        max_chars = (keep + TRUNCATION_MARGIN) * api.codec.max_token_chars
-        data = dict(data, input=cut_texts(data.get("input"), max_chars))
-    prompts = await op.parse_prompts(data, api._encode, api.codec.vocab_size, max_chars, "input", MAX_INPUTS)
-    if keep is not None:
-        prompts = [p[-keep:] for p in prompts]
+    prompts = await op.parse_truncated_prompts(data, api._encode, api.codec, api.max_chars, api.max_model_len,
+                                               "input", MAX_INPUTS)
     check_lengths(prompts, api.max_model_len)
     api._require_engine()
     api_id = api._new_id(id_prefix)

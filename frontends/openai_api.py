@@ -59,7 +59,6 @@ from frontends.text import StopMatcher, TextCodec, TokenizerBusy, bad_words_toke
 
 VERSION = "0.1.0"
 _DONE = b"data: [DONE]\n\n"
-_MAX_LOGPROBS_COMPLETIONS = 20
 
 
 EMBEDDINGS_INLINE_BYTES = 1 << 18  # float32 bytes of vectors a response is written with on the event loop (~5 ms)
@@ -343,16 +342,18 @@ class OpenAIApi:
         deadline, priority = op.parse_deadline(data), op.parse_priority(data)
         cache_salt = op.parse_cache_salt(data)
         n = op.parse_n(data)
-        prompts = await op.parse_prompts(data, self._encode, self.codec.vocab_size, self.max_chars)
+        prompts = await op.parse_truncated_prompts(data, self._encode, self.codec, self.max_chars,
+                                                   self.max_model_len)
         echo = op.field(data, "echo", bool, False)
         logprobs = op.field(data, "logprobs", int, None)
-        if logprobs is not None and not 0 <= logprobs <= _MAX_LOGPROBS_COMPLETIONS:
-            raise ApiError(400, f"logprobs must be in [0, {_MAX_LOGPROBS_COMPLETIONS}], got {logprobs}",
-                           param="logprobs")
+        if logprobs is not None and not 0 <= logprobs <= op.MAX_LOGPROBS:
+            raise ApiError(400, f"logprobs must be in [0, {op.MAX_LOGPROBS}], got {logprobs}", param="logprobs")
+        prompt_logprobs = op.parse_prompt_logprobs(data)
+        asked = [k for k in (prompt_logprobs, logprobs if echo else None) if k is not None]  # (echo shows them too)
         max_tokens = op.resolve_max_tokens(data, ("max_tokens",), [len(p) for p in prompts],
                                            self.max_model_len, default=16, cap=self.max_tokens_cap)
         base = op.sampling_params(data, max_tokens=max_tokens, logprobs=logprobs, vocab_size=self.codec.vocab_size,
-                                  prompt_logprobs=logprobs if echo and logprobs is not None else None,
+                                  prompt_logprobs=max(asked) if asked else None,
                                   defaults=self.sampling_defaults, bad_words=await self._bad_words(data))
         beam = beam_search_params(data, base, n)
         op.check_fan_out(len(prompts), n, base, self.client.ready.max_num_waiting_requests)
@@ -367,7 +368,8 @@ class OpenAIApi:
             gen = Generation(self.client, self.codec, api_id, prompts, n, self._seeded(base), priority, stop,
                              deadline, cache_salt, self.metrics, arrival, skip_special_tokens=skip)
         gen.schema_param, gen.lora = op.structured_field(data), lora
-        return gen, _CompletionFormat(self, api_id, gen, echo, logprobs is not None, self._token_names(data))
+        return gen, _CompletionFormat(self, api_id, gen, echo, logprobs, self._token_names(data),
+                                      op.field(data, "return_token_ids", bool, False), prompt_logprobs)
 
     # ------------------------------------------------------------------ chat
 
@@ -393,13 +395,21 @@ class OpenAIApi:
         pixels = await self._pixels([url for m in messages for url in m.get("images", ())])
         shown = await self._chat_template(data, messages, add_generation_prompt, calls, continue_final)
         prompt, offsets = self._image_runs(shown, len(pixels))
+        keep = op.parse_truncation(data, self.max_model_len)
+        if keep is not None and len(prompt) > keep:
+            if offsets:
+                raise ApiError(400, "truncate_prompt_tokens cannot cut a prompt with images",
+                               param="truncate_prompt_tokens")
+            prompt = prompt[-keep:]
         image_inputs = images.inputs(offsets, pixels, self.client.ready.image_tokens)
         max_tokens = op.resolve_max_tokens(data, ("max_completion_tokens", "max_tokens"), [len(prompt)],
                                            self.max_model_len, default=self.sampling_defaults.get("max_tokens"),
                                            cap=self.max_tokens_cap)
         tool_schema = calls.schema() if calls else None
+        prompt_logprobs = op.parse_prompt_logprobs(data)
         base = op.sampling_params(data, max_tokens=max_tokens, logprobs=(top or 0) if want_logprobs else None,
-                                  vocab_size=self.codec.vocab_size, tool_schema=tool_schema,
+                                  prompt_logprobs=prompt_logprobs, vocab_size=self.codec.vocab_size,
+                                  tool_schema=tool_schema,
                                   defaults=self.sampling_defaults, bad_words=await self._bad_words(data))
         if tool_schema is not None and base.stop:  # stop strings could only cut the calls' JSON short
             base = dataclasses.replace(base, stop=[])
@@ -419,7 +429,8 @@ class OpenAIApi:
         gen.lora = lora
         gen.images = image_inputs
         return gen, _ChatFormat(self, api_id, gen, want_logprobs, self._answer(data, shown, base, calls),
-                                self._token_names(data))
+                                self._token_names(data), op.field(data, "return_token_ids", bool, False),
+                                prompt_logprobs)
 
     def _check_images(self, count: int) -> None:
         """A 400 unless the model reads images and ``count`` of them are allowed in one request."""
@@ -621,9 +632,30 @@ class OpenAIApi:
 
 
 class _SseFormat:
-    """What completion and chat bodies share: their stream's last line, its error event, the usage chunk."""
+    """What completion and chat bodies share: their stream's last line, its error event, the usage chunk,
+    vLLM's token fields (``return_token_ids``: ``prompt_token_ids`` and ``token_ids``; ``prompt_logprobs``)."""
 
     DONE = _DONE  # the stream's last line
+    token_name: Callable[[int], str]
+    return_token_ids = False
+    prompt_logprobs: int | None = None
+
+    def prompt_lp(self, choice) -> list | None:
+        """vLLM's ``prompt_logprobs`` of a choice's prompt: per token (the first None) ``{"id": {"logprob",
+        "rank", "decoded_token"}}``, the prompt token's first, then the top k's (None: not asked for)."""
+        k, entries = self.prompt_logprobs, choice.prompt_logprobs
+        if k is None or entries is None:
+            return None
+        name, out = self.token_name, []
+        for tid, e in zip(choice.prompt_ids, entries, strict=False):
+            if e is None:
+                out.append(None)
+                continue
+            d = {str(tid): {"logprob": e[0], "rank": e[2], "decoded_token": name(tid)}}
+            for rank, (t, v) in enumerate(e[1][:k], 1):
+                d.setdefault(str(t), {"logprob": v, "rank": rank, "decoded_token": name(t)})
+            out.append(d)
+        return out
 
     def stream_error(self, e: ApiError) -> bytes:
         """An error once the stream has begun: an error event that ends it, as in vLLM."""
@@ -637,13 +669,20 @@ class _SseFormat:
 class _CompletionFormat(_SseFormat):
     """/v1/completions bodies: text choices, legacy logprobs."""
 
-    def __init__(self, api: OpenAIApi, api_id: str, gen: Generation, echo: bool, logprobs: bool,
-                 token_name: Callable[[int], str] | None = None) -> None:
+    def __init__(self, api: OpenAIApi, api_id: str, gen: Generation, echo: bool, logprobs: int | None,
+                 token_name: Callable[[int], str] | None = None, return_token_ids: bool = False,
+                 prompt_logprobs: int | None = None) -> None:
+        """``logprobs``: the top logprobs shown per token (None: no logprobs)."""
         self.codec = api.codec
         self.token_name = token_name or api.codec.token_text  # what logprobs call a token
         self.gen = gen
         self.echo = echo
-        self.logprobs = logprobs
+        self.logprobs = logprobs is not None
+        self.top = logprobs or 0
+        self.return_token_ids, self.prompt_logprobs = return_token_ids, prompt_logprobs
+        self.ids: list[list[int]] = [[] for _ in gen.choices]
+        # streaming: the prompt's fields (where asked for) go with a choice's first chunk
+        self.headed = [not (return_token_ids or prompt_logprobs is not None)] * len(gen.choices)
         self.base = {"id": api_id, "object": "text_completion", "created": int(time.time()),
                      "model": gen.lora or api.model}
         self.texts = [""] * len(gen.choices)
@@ -667,7 +706,7 @@ class _CompletionFormat(_SseFormat):
         lp = None
         if self.logprobs:
             plp = choice.prompt_logprobs or [None] * len(choice.prompt_ids)
-            entries = [(t, e[0] if e else None, e[1] if e else None)
+            entries = [(t, e[0] if e else None, e[1][:self.top] if e else None)
                        for t, e in zip(choice.prompt_ids, plp, strict=False)]
             lp, _ = self._legacy(entries, 0)
         return self.prompt_texts[choice.index], lp
@@ -702,16 +741,27 @@ class _CompletionFormat(_SseFormat):
         choices = []
         for up in updates:
             i = up.choice.index
-            if not (up.text or up.finished or up.logprobs or not self.echoed[i]):
+            if not (up.text or up.finished or up.logprobs or not self.echoed[i] or not self.headed[i]
+                    or (self.return_token_ids and up.token_ids)):
                 continue
             text, lp = up.text, self._choice_lp(up)
             if not self.echoed[i]:
                 self.echoed[i] = True
                 ptext, plp = self.echo_of(up.choice)
                 text, lp = ptext + text, self._merge(plp, lp)
-            choices.append({"index": i, "text": text, "logprobs": lp,
-                            "finish_reason": up.choice.finish_reason if up.finished else None})
+            choice = {"index": i, "text": text, "logprobs": lp,
+                      "finish_reason": up.choice.finish_reason if up.finished else None}
+            if not self.headed[i]:
+                self.headed[i] = True
+                choice |= self._prompt_fields(up.choice)
+            if self.return_token_ids:
+                choice["token_ids"] = up.token_ids
+            choices.append(choice)
         return _sse({**self.base, "choices": choices}) if choices else b""
+
+    def _prompt_fields(self, c) -> dict:
+        return ({"prompt_token_ids": c.prompt_ids} if self.return_token_ids else {}) | (
+            {"prompt_logprobs": self.prompt_lp(c)} if self.prompt_logprobs is not None else {})
 
     def delta_logprobs(self, up: Update) -> dict | None:
         """One update's logprobs in this endpoint's shape (None when not asked for)."""
@@ -721,6 +771,7 @@ class _CompletionFormat(_SseFormat):
         for up in updates:
             i = up.choice.index
             self.texts[i] += up.text
+            self.ids[i] += up.token_ids
             if self.logprobs:
                 self.lps[i] = self._merge(self.lps[i], self._choice_lp(up))
 
@@ -733,8 +784,9 @@ class _CompletionFormat(_SseFormat):
             if self.echo:
                 ptext, plp = self.echo_of(c)
                 text, lp = ptext + text, self._merge(plp, lp)
-            choices.append({"index": c.index, "text": text, "logprobs": lp,
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            choices.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
+                            "stop_reason": c.stop_reason, **self._prompt_fields(c),
+                            **({"token_ids": self.ids[c.index]} if self.return_token_ids else {})})
         return {**self.base, "choices": choices, "usage": self.gen.usage()}
 
 
@@ -792,11 +844,14 @@ class _ChatFormat(_SseFormat):
     """/v1/chat/completions bodies: messages and deltas, chat logprobs."""
 
     def __init__(self, api: OpenAIApi, api_id: str, gen: Generation, logprobs: bool,
-                 answer: Callable[[], _Answer] | None = None, token_name: Callable[[int], str] | None = None) -> None:
+                 answer: Callable[[], _Answer] | None = None, token_name: Callable[[int], str] | None = None,
+                 return_token_ids: bool = False, prompt_logprobs: int | None = None) -> None:
         self.codec = api.codec
         self.token_name = token_name or api.codec.token_text  # what logprobs call a token
         self.gen = gen
         self.logprobs = logprobs
+        self.return_token_ids, self.prompt_logprobs = return_token_ids, prompt_logprobs
+        self.ids: list[list[int]] = [[] for _ in gen.choices]
         self.base = {"id": api_id, "object": "chat.completion.chunk", "created": int(time.time()),
                      "model": gen.lora or api.model}
         self.texts = [""] * len(gen.choices)
@@ -813,24 +868,34 @@ class _ChatFormat(_SseFormat):
                                          for i, v in (top or ())]})
         return out
 
+    def _prompt_fields(self) -> dict:
+        """vLLM's: the prompt's token ids and logprobs, once per call (the prompt is every choice's)."""
+        c = next((c for c in self.gen.choices if c.prompt_logprobs is not None), self.gen.choices[0])
+        return ({"prompt_token_ids": c.prompt_ids} if self.return_token_ids else {}) | (
+            {"prompt_logprobs": self.prompt_lp(c)} if self.prompt_logprobs is not None else {})
+
     def stream_head(self) -> bytes:
-        return _sse({**self.base, "choices": [
+        return _sse({**self.base, **self._prompt_fields(), "choices": [
             {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
              "finish_reason": None} for c in self.gen.choices]})
 
     def chunk(self, updates: list[Update]) -> bytes:
         choices = []
         for up in updates:
-            if not (up.text or up.finished or up.logprobs):
+            ids = self.return_token_ids and up.token_ids
+            if not (up.text or up.finished or up.logprobs or ids):
                 continue
             delta: dict = {"content": up.text} if up.text else {}
             if self.answers is not None:
                 delta = self.answers[up.choice.index].delta(up.text, up.finished)
-                if not (delta or up.finished or self.logprobs):
+                if not (delta or up.finished or self.logprobs or ids):
                     continue  # text held back: it may be a tag or a call
-            choices.append({"index": up.choice.index, "delta": delta,
-                            "logprobs": {"content": self._chat_lp(up.logprobs)} if self.logprobs else None,
-                            "finish_reason": self.finish_reason(up.choice) if up.finished else None})
+            choice = {"index": up.choice.index, "delta": delta,
+                      "logprobs": {"content": self._chat_lp(up.logprobs)} if self.logprobs else None,
+                      "finish_reason": self.finish_reason(up.choice) if up.finished else None}
+            if self.return_token_ids:
+                choice["token_ids"] = up.token_ids
+            choices.append(choice)
         return _sse({**self.base, "choices": choices}) if choices else b""
 
     def finish_reason(self, choice) -> str | None:
@@ -844,14 +909,16 @@ class _ChatFormat(_SseFormat):
     def collect(self, updates: list[Update]) -> None:
         for up in updates:
             self.texts[up.choice.index] += up.text
+            self.ids[up.choice.index] += up.token_ids
             if self.logprobs:
                 self.lps[up.choice.index] += self._chat_lp(up.logprobs)
 
     def response(self) -> dict:
-        return {**self.base, "object": "chat.completion", "choices": [
+        return {**self.base, "object": "chat.completion", **self._prompt_fields(), "choices": [
             {"index": c.index, "message": self._message(c.index),
              "logprobs": {"content": self.lps[c.index]} if self.logprobs else None,
-             "finish_reason": self.finish_reason(c), "stop_reason": c.stop_reason}
+             "finish_reason": self.finish_reason(c), "stop_reason": c.stop_reason,
+             **({"token_ids": self.ids[c.index]} if self.return_token_ids else {})}
             for c in self.gen.choices], "usage": self.gen.usage()}
 
     def _message(self, index: int) -> dict:

@@ -27,6 +27,8 @@ from frontends.errors import ApiError
 
 _MISSING = object()
 MAX_N = 128
+MAX_LOGPROBS = 20  # a token's top logprobs (the engine's bound)
+TRUNCATION_MARGIN = 16  # tokens tokenized before the kept ones of a long text cut for truncate_prompt_tokens
 MAX_PROMPTS = 128  # prompts in one /v1/completions call
 MAX_CHOICES = 128  # prompts x n: engine requests one call may start
 MAX_MESSAGES = 4096
@@ -122,6 +124,48 @@ async def parse_prompts(data: dict, encode: Callable[[str], Awaitable[list[int]]
             raise ApiError(400, f"'{name}' encodes to no tokens", param=name)
         out.append(ids)
     return out
+
+
+def parse_truncation(data: dict, max_model_len: int) -> int | None:
+    """vLLM's ``truncate_prompt_tokens``: the last k tokens of each prompt are kept (-1: as many as fit)."""
+    k = field(data, "truncate_prompt_tokens", int, None)
+    if k == -1:
+        k = max_model_len
+    if k is not None and not 1 <= k <= max_model_len:
+        raise ApiError(400, f"truncate_prompt_tokens must be -1 or in [1, {max_model_len}], got {k}",
+                       param="truncate_prompt_tokens")
+    return k
+
+
+def cut_texts(inputs, num_chars: int):
+    """``inputs`` with every text cut to its last ``num_chars`` characters (whatever else as it is)."""
+    if isinstance(inputs, str):
+        return inputs[-num_chars:]
+    if isinstance(inputs, list):
+        return [x[-num_chars:] if isinstance(x, str) else x for x in inputs]
+    return inputs
+
+
+async def parse_truncated_prompts(data: dict, encode: Callable[[str], Awaitable[list[int]]], codec, max_chars: int,
+                                  max_model_len: int, name: str = "prompt", limit: int = MAX_PROMPTS) -> list[list[int]]:
+    """``parse_prompts``, each prompt cut to its last ``truncate_prompt_tokens`` tokens where the request says
+    so. Only the end of a long text is tokenized then: its last (k + TRUNCATION_MARGIN) tokens at least (no
+    token is longer than ``codec.max_token_chars``), of which the first few may differ from the whole
+    text's, cut where the text was; the last k are the same."""
+    keep = parse_truncation(data, max_model_len)
+    if keep is None:
+        return await parse_prompts(data, encode, codec.vocab_size, max_chars, name, limit)
+    max_chars = (keep + TRUNCATION_MARGIN) * codec.max_token_chars
+    data = dict(data, **{name: cut_texts(data.get(name), max_chars)})
+    return [p[-keep:] for p in await parse_prompts(data, encode, codec.vocab_size, max_chars, name, limit)]
+
+
+def parse_prompt_logprobs(data: dict) -> int | None:
+    """vLLM's ``prompt_logprobs``: the top k logprobs at every prompt position (and the prompt token's)."""
+    k = field(data, "prompt_logprobs", int, None)
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        raise ApiError(400, f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {k}", param="prompt_logprobs")
+    return k
 
 
 def check_text_length(num_chars: int, max_chars: int, param: str) -> None:

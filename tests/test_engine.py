@@ -86,7 +86,7 @@ def test_deltas_carry_counts_and_finish(tiny_llama):
     assert [len(d.token_ids) for d in deltas] == [1, 1, 1]
     assert [d.finish_reason for d in deltas] == [None, None, "length"]
     assert all(d.num_prompt_tokens == 3 for d in deltas)
-    lp, top = deltas[0].logprobs[0]
+    lp, top, _ = deltas[0].logprobs[0]
     assert lp <= 0 and len(top) == 2 and top[0][1] >= top[1][1]
 
 

@@ -467,7 +467,7 @@ def test_logprobs_are_raw_with_sorted_top_k():
     assert out.logprobs[2] is None
     assert out.token_ids[3] == 0
     for i, k in ((0, 3), (1, 5), (3, 0)):
-        tok_lp, top = out.logprobs[i]
+        tok_lp, top, _ = out.logprobs[i]
         assert tok_lp == pytest.approx(raw[i, out.token_ids[i]].item(), abs=1e-6)  # raw, not processed
         assert len(top) == k
         exp_lp, exp_ids = raw[i].topk(k) if k else (torch.empty(0), torch.empty(0, dtype=torch.long))
@@ -495,4 +495,5 @@ def test_logprobs_helpers_in_chunks():
     for i in (0, 1023, 1024, 2499):
         assert got[i][0] == pytest.approx(raw[i, ids[i]].item(), abs=1e-6)
         assert [t for t, _ in got[i][1]] == raw[i].topk(2).indices.tolist()
+        assert got[i][2] == raw[i].argsort(descending=True).tolist().index(ids[i].item()) + 1  # its rank
     assert compute_logprobs(logits[:2], ids[:2], 0)[0][1] == []

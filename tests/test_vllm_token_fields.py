@@ -1,0 +1,138 @@
+"""vLLM's token fields on /v1/completions and /v1/chat/completions, through the official openai client against
+``tokenmill serve`` on a tiny random llama (fp32): ``return_token_ids`` (``prompt_token_ids`` and ``token_ids``,
+whole and streamed), ``prompt_logprobs`` (every prompt token's logprob and rank, checked against transformers'
+``log_softmax``) and ``truncate_prompt_tokens`` (the last k prompt tokens, as if sent alone)."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from engine import LLM, SamplingParams
+from tests.test_server_e2e import Server
+
+KEY = "sk-fields"
+PROMPT = "The quick brown fox jumps over the lazy dog because"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    s = Server("--model", tiny_llama, "--served-model-name", "tiny", "--dtype", "float32", "--api-key", KEY,
+               "--max-model-len", "256", startup=120)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(tiny_llama, device="cpu", dtype="float32", num_kv_blocks=256, max_model_len=256)
+
+
+def greedy(llm, ids: list[int], n: int) -> list[int]:
+    return llm.generate([ids], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))[0].token_ids
+
+
+def test_return_token_ids_completions(client, llm):
+    ids = llm.tokenizer.encode(PROMPT)
+    want = greedy(llm, ids, 12)
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, n=2,
+                                  extra_body={"return_token_ids": True, "ignore_eos": True})
+    for c in r.choices:
+        assert c.prompt_token_ids == ids and c.token_ids == want
+        assert c.text == llm.tokenizer.decode(want)
+    plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
+    assert "token_ids" not in plain.choices[0].model_dump() and "prompt_token_ids" not in plain.choices[0].model_dump()
+
+    stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, n=2, stream=True,
+                                       extra_body={"return_token_ids": True, "ignore_eos": True})
+    got, prompts = [[], []], [None, None]
+    for chunk in stream:
+        for c in chunk.choices:
+            if prompts[c.index] is None:
+                prompts[c.index] = c.prompt_token_ids  # the first chunk of each choice
+            else:
+                assert getattr(c, "prompt_token_ids", None) is None
+            got[c.index] += c.token_ids
+    assert prompts == [ids, ids] and got == [want, want]
+
+
+def test_return_token_ids_chat(client, llm):
+    messages = [{"role": "user", "content": "Say something."}]
+    ids = llm._codec.apply_chat_template(messages, True, None, None, False)
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                       extra_body={"return_token_ids": True, "ignore_eos": True})
+    want = greedy(llm, ids, 10)
+    assert r.prompt_token_ids == ids and r.choices[0].token_ids == want
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                            stream=True, extra_body={"return_token_ids": True, "ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].prompt_token_ids == ids and all(getattr(c, "prompt_token_ids", None) is None
+                                                     for c in chunks[1:])
+    assert [t for c in chunks[1:] for ch in c.choices for t in ch.token_ids] == want
+
+
+def hf_prompt_logprobs(tiny_llama, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """transformers' logprob of each prompt token after the first, and the least and most its rank can be
+    within float noise (a random model's tail is full of near ties)."""
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    with torch.no_grad():
+        lp = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1].float(), -1)
+    tok = lp.gather(1, torch.tensor(ids[1:])[:, None])
+    return tok.squeeze(1), (lp > tok + 1e-4).sum(1) + 1, (lp > tok - 1e-4).sum(1) + 1
+
+
+def test_prompt_logprobs(client, tiny_llama):
+    ids = AutoTokenizer.from_pretrained(tiny_llama).encode(PROMPT)
+    want_lp, least, most = hf_prompt_logprobs(tiny_llama, ids)
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, echo=True, logprobs=1,
+                                  extra_body={"prompt_logprobs": 3})
+    plp = r.choices[0].prompt_logprobs
+    assert len(plp) == len(ids) and plp[0] is None
+    for i, entry in enumerate(plp[1:]):
+        tid = str(ids[i + 1])
+        assert next(iter(entry)) == tid  # the prompt token's entry first
+        assert entry[tid]["logprob"] == pytest.approx(want_lp[i].item(), abs=1e-4)
+        rank = entry[tid]["rank"]
+        assert least[i].item() <= rank <= most[i].item()
+        tops = sorted((e for k, e in entry.items() if e["rank"] <= 3), key=lambda e: e["rank"])
+        assert [e["rank"] for e in tops] == [1, 2, 3] and len(entry) == 3 + (rank > 3)
+        assert all(isinstance(e["decoded_token"], str) for e in entry.values())
+    echoed = r.choices[0].logprobs.top_logprobs
+    assert echoed[0] is None and all(len(t) == 1 for t in echoed[1:])  # echo shows logprobs=1's, not 3
+
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                          extra_body={"prompt_logprobs": 0})
+    assert chat.prompt_logprobs[0] is None and all(len(e) == 1 for e in chat.prompt_logprobs[1:])
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="Hi", max_tokens=2, extra_body={"prompt_logprobs": 21})
+    assert e.value.body["param"] == "prompt_logprobs"
+
+
+def test_truncate_prompt_tokens(client, llm):
+    long = [(7 * i) % 30000 + 100 for i in range(300)]  # longer than the context
+    r = client.completions.create(model="tiny", prompt=long, max_tokens=8, temperature=0,
+                                  extra_body={"truncate_prompt_tokens": 100, "ignore_eos": True,
+                                              "return_token_ids": True})
+    assert r.usage.prompt_tokens == 100 and r.choices[0].prompt_token_ids == long[-100:]
+    assert r.choices[0].token_ids == greedy(llm, long[-100:], 8)
+    text = " ".join(["word"] * 400)
+    r = client.completions.create(model="tiny", prompt=text, max_tokens=4, extra_body={"truncate_prompt_tokens": 50})
+    assert r.usage.prompt_tokens == 50
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": text}], max_tokens=4,
+                                       extra_body={"truncate_prompt_tokens": 20, "return_token_ids": True})
+    assert r.usage.prompt_tokens == 20 and len(r.prompt_token_ids) == 20
+    r = client.completions.create(model="tiny", prompt=long[:200], max_tokens=4,
+                                  extra_body={"truncate_prompt_tokens": -1})  # (as many as the context holds)
+    assert r.usage.prompt_tokens == 200
+    for bad in (0, -2, 257):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="tiny", prompt="Hi", max_tokens=2,
+                                      extra_body={"truncate_prompt_tokens": bad})
+        assert e.value.body["param"] == "truncate_prompt_tokens"
