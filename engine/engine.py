@@ -131,8 +131,11 @@ class Engine:
         self.can_generate = self.runner.model_cfg.lm_head  # a bare backbone (an embedding model) only embeds
         self.pooler: PoolerConfig | None = None  # embeddings (engine.pooling); None: refused, for this reason:
         self._no_pooler = ""
+        self.labels = self.runner.model_cfg.labels  # a sequence classifier's: it classifies, nothing else
         try:
-            self.pooler = PoolerConfig.of(facts.model_path, config.pooler_config)
+            # (a classifier scores its last token's state, raw, as transformers' *ForSequenceClassification)
+            self.pooler = PoolerConfig("last", False) if self.labels else \
+                PoolerConfig.of(facts.model_path, config.pooler_config)
         except ValueError as e:
             if config.pooler_config is not None:
                 raise
@@ -199,7 +202,8 @@ class Engine:
                      self.config.max_num_seqs, self.block_manager.num_blocks, self.config.block_size,
                      self.config.max_num_waiting_requests, [[name, a.path] for name, a in self.adapters.items()],
                      self.config.max_loras or 0, *((self.vision.image_token_id, self.vision.num_tokens,
-                                                     self.config.max_images) if self.vision else ()))
+                                                     self.config.max_images) if self.vision else ()),
+                     labels=list(self.labels))
 
     def load_lora(self, name: str, path: str, adapter: Adapter | None = None) -> None:
         """vLLM's ``/v1/load_lora_adapter``: LoRA adapter ``name`` from PEFT folder ``path`` (``adapter``: as
@@ -337,13 +341,15 @@ class Engine:
         if pooling is not None:
             if self.pooler is None:
                 bad(f"this model cannot embed: {self._no_pooler}", "input")
-            hidden = self.runner.model_cfg.hidden_size
+            hidden = len(self.labels) or self.runner.model_cfg.hidden_size
             if pooling.dimensions is not None and pooling.dimensions > hidden:
                 bad(f"dimensions must be at most the model's {hidden}, got {pooling.dimensions}", "dimensions")
             if len(prompt) > self.max_model_len:
                 bad(f"this model's maximum context length is {self.max_model_len} tokens, but the input has "
                     f"{len(prompt)}", "input")
             return
+        if self.labels:
+            bad(f"{self.model_name} is a sequence classifier: it can only classify (/classify)", "model")
         if not self.can_generate:
             bad(f"{self.model_name} has no language-model head (an embedding model's checkpoint): it can only "
                 "embed (/v1/embeddings)", "model")

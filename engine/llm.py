@@ -23,6 +23,7 @@ from engine.model_path import generation_defaults
 from engine.protocol import PoolingParams, SamplingParams, TokenLogprobs, embedding_floats
 from frontends import images
 from frontends.beam_search import beam_delta, end_ids, stop_finder
+from frontends.embeddings import class_probs
 from frontends.generation import Choice, one_token_each, text_ids
 from frontends.media import data_bytes
 from frontends.text import StopMatcher, TextCodec, bad_words_token_ids
@@ -50,6 +51,16 @@ class EmbeddingOutput:
     prompt_token_ids: list[int]
     embedding: list[float]  # the model's pooling of the prompt (engine.pooling)
     num_cached_tokens: int = 0
+
+
+@dataclass
+class ClassificationOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    probs: list[float]  # each label's (softmax; a single label's sigmoid)
+    logits: list[float]  # the raw scores
+    label: str  # the most likely
 
 
 @dataclass
@@ -341,6 +352,19 @@ class LLM:
             self.engine.abort(list(outputs))
             raise
         return list(outputs.values())
+
+    def classify(self, prompts: str | list[int] | list[str] | list[list[int]]) -> list[ClassificationOutput]:
+        """vLLM's ``LLM.classify``, for a sequence classifier (``*ForSequenceClassification``): each prompt's
+        label probabilities; outputs in prompt order."""
+        labels = self.engine.labels
+        if not labels:
+            raise ValueError("this model does not classify: it has no sequence-classification head")
+        out = []
+        for e in self.embed(prompts, normalize=False):
+            best = max(range(len(labels)), key=e.embedding.__getitem__)
+            out.append(ClassificationOutput(e.request_id, e.prompt, e.prompt_token_ids, class_probs(e.embedding),
+                                            e.embedding, labels[best]))
+        return out
 
     @cached_property
     def _codec(self) -> TextCodec:

@@ -126,7 +126,7 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
         for name, w in weights:
             if model.vision is not None and model.vision.load(name, w):
                 continue
-            if not name.startswith(("model.", "lm_head.")):
+            if not name.startswith(("model.", "lm_head.", "score.")):
                 name = "model." + name  # a backbone saved on its own (Qwen3-Embedding): no "model." prefix
             if ".block_sparse_moe." in name:
                 name = _mixtral_name(name)
@@ -137,6 +137,8 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
                     model.lm_head.load(w)
             elif name == "model.norm.weight":
                 model.norm.load(w)
+            elif name == "score.weight" and model.score is not None:  # a sequence classifier's head
+                model.score.weight.copy_(w)
             elif "rotary_emb." in name:
                 continue  # old checkpoints' inv_freq buffers, per layer or not: the model makes its own
             elif (m := _LAYER.fullmatch(name)) and (e := _EXPERTS.fullmatch(m.group(2))):
@@ -211,6 +213,8 @@ def _expected_names(cfg: ModelConfig) -> set[str]:
     names = {"model.embed_tokens.weight", "model.norm.weight"}
     if cfg.lm_head and not cfg.tie_word_embeddings:
         names.add("lm_head.weight")
+    if cfg.labels:
+        names.add("score.weight")
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         names |= {p + s for s in (

@@ -167,6 +167,8 @@ class ModelRunner:
         self.local_cfg = local_model_config(self.model_cfg, self.tp.size)  # this rank's heads
         torch.manual_seed(config.seed)
         self.model = build_model(model_path, self.model_cfg, max_model_len, dtype, device, self.tp)
+        score = self.model.score  # a sequence classifier's head: its pooled state's scores, in float32
+        self._head = (lambda v: score(v.to(score.weight.dtype)).float()) if score is not None else None
         self.initial_adapters: dict[str, int] = {}  # the LoRA adapters of lora_modules -> their slots (engine.lora)
         self.lora: LoraState | None = None
         self.max_lora_rank = config.max_lora_rank
@@ -345,7 +347,7 @@ class ModelRunner:
         pending = self._prompt_logprobs(logprob_spans, logits[:n]) if logprob_spans else []
         pooled = []
         if pool_spans:
-            vectors = pool([(r.pool, c, r.num_tokens, final) for r, c, final in pool_spans], sums)
+            vectors = pool([(r.pool, c, r.num_tokens, final) for r, c, final in pool_spans], sums, self._head)
             pooled = [(r, v) for (r, _, _), v in zip(pool_spans, vectors, strict=True) if v is not None]
         if not sampled:
             return self._launched([], None, start, events, pending, pooled)

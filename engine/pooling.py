@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -104,10 +105,12 @@ def pool_rows(state: PoolState, row: int, n: int, final: bool) -> list[int]:
     return [row + n - 1] if final else []
 
 
-def pool(spans: list[tuple[PoolState, int, int, bool]], sums: torch.Tensor) -> list[torch.Tensor | None]:
+def pool(spans: list[tuple[PoolState, int, int, bool]], sums: torch.Tensor,
+         head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[torch.Tensor | None]:
     """After a step: ``sums[k]`` is span k's pooled rows summed; a span is (state, its chunk's first
     position, the prompt's length, whether the chunk ends the prompt). Per span: its vector (float32,
-    on the device) when the prompt is done, else None (a mean's sum kept)."""
+    on the device) when the prompt is done, else None (a mean's sum kept). ``head``: what turns a pooled
+    state into the vector (a classifier's scores)."""
     out: list[torch.Tensor | None] = []
     for k, (state, start, length, final) in enumerate(spans):
         v = sums[k]
@@ -118,6 +121,8 @@ def pool(spans: list[tuple[PoolState, int, int, bool]], sums: torch.Tensor) -> l
                 out.append(None)
                 continue
             v = v / length
+        if head is not None:
+            v = head(v)
         if state.dimensions is not None:
             v = v[:state.dimensions]
         out.append(F.normalize(v, dim=0) if state.normalize else v)

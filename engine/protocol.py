@@ -20,7 +20,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 
 
 class Kind(IntEnum):
@@ -377,6 +377,7 @@ class Ready:
     image_token_id: int = -1
     image_tokens: int = 0
     max_images: int = 0
+    labels: list[str] = field(default_factory=list)  # a sequence classifier's (it classifies, nothing else)
     version: int = PROTOCOL_VERSION
     kind = Kind.READY
 
@@ -385,14 +386,15 @@ class Ready:
             self.model, self.max_model_len, self.vocab_size, list(self.eos_token_ids),
             self.max_num_seqs, self.num_kv_blocks, self.block_size, self.max_num_waiting_requests,
             [list(a) for a in self.loras], self.max_loras, self.image_token_id, self.image_tokens, self.max_images,
-            self.version,
+            list(self.labels), self.version,
         ]
 
     @classmethod
     def from_wire(cls, p: list) -> Ready:
-        m, mml, vs, eos, mns, nb, bs, mw, loras, ml, it, nt, mi, v = p
+        m, mml, vs, eos, mns, nb, bs, mw, loras, ml, it, nt, mi, labels, v = p
         return cls(str(m), int(mml), int(vs), [int(t) for t in eos], int(mns), int(nb), int(bs), int(mw),
-                   [[str(name), str(path)] for name, path in loras], int(ml), int(it), int(nt), int(mi), int(v))
+                   [[str(name), str(path)] for name, path in loras], int(ml), int(it), int(nt), int(mi),
+                   [str(x) for x in labels], int(v))
 
 
 @dataclass

@@ -15,6 +15,7 @@ counts prompt tokens.
 from __future__ import annotations
 
 import base64
+import math
 import time
 
 import orjson
@@ -72,6 +73,8 @@ async def embeddings_job(api, data: dict, arrival: float | None = None,
     """A /v1/embeddings body checked and turned into an unstarted generation (``api``: the ``OpenAIApi``;
     ``frontends.scoring`` runs its rerank and score calls through it too)."""
     lora = op.check_model(data, api.model_names, api.adapters)
+    if api.client.ready.labels and id_prefix != "classify":
+        raise ApiError(400, f"{api.model} is a sequence classifier: it does not embed (POST /classify)", param="model")
     encoding = op.field(data, "encoding_format", str, "float")
     if encoding not in ENCODINGS:
         raise ApiError(400, f"encoding_format must be one of {', '.join(ENCODINGS)}, got {encoding!r}",
@@ -87,3 +90,46 @@ async def embeddings_job(api, data: dict, arrival: float | None = None,
                      None, deadline, cache_salt, api.metrics, arrival)
     gen.pooling, gen.lora = pooling, lora
     return gen, EmbeddingsFormat(lora or api.model, gen, encoding)
+
+
+def class_probs(scores: list[float]) -> list[float]:
+    """A classifier's scores as probabilities: the softmax over its labels, a single label's sigmoid (vLLM's)."""
+    if len(scores) == 1:
+        return [1.0 / (1.0 + math.exp(-scores[0])) if scores[0] > -700 else 0.0]
+    top = max(scores)
+    exps = [math.exp(s - top) for s in scores]
+    total = sum(exps)
+    return [e / total for e in exps]
+
+
+class ClassifyFormat:
+    """vLLM's ``/classify`` body: per input its label, each label's probability (softmax over the labels; one
+    label's sigmoid) or, with ``"activation": false``, the raw scores, and ``num_classes``."""
+
+    def __init__(self, model: str, gen: Generation, labels: list[str], activation: bool) -> None:
+        self.model, self.gen, self.labels, self.activation = model, gen, labels, activation
+        self.created = int(time.time())
+
+    def body(self) -> bytes:
+        data = []
+        for c in self.gen.choices:
+            scores = embedding_floats(c.embedding)
+            probs = class_probs(scores) if self.activation else scores
+            best = max(range(len(scores)), key=scores.__getitem__)
+            data.append({"index": c.index, "label": self.labels[best], "probs": probs, "num_classes": len(probs)})
+        n = self.gen.num_prompt_tokens
+        return orjson.dumps({"id": self.gen.api_id, "object": "list", "created": self.created, "model": self.model,
+                             "data": data, "usage": {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0}})
+
+
+async def classify_job(api, data: dict, arrival: float | None = None) -> tuple[Generation, ClassifyFormat]:
+    """A /classify body (vLLM's: ``input`` as embeddings take it, ``truncate_prompt_tokens``, ``activation``)
+    run as embeddings of the classifier's raw scores."""
+    labels = api.client.ready.labels
+    if not labels:
+        raise ApiError(400, f"{api.model} does not classify: it has no sequence-classification head (a "
+                       "*ForSequenceClassification checkpoint classifies)", param="model")
+    activation = op.field(data, "activation", bool, True)
+    plain = {k: v for k, v in data.items() if k not in ("dimensions", "normalize", "encoding_format")}
+    gen, _ = await embeddings_job(api, plain | {"normalize": False}, arrival, id_prefix="classify")
+    return gen, ClassifyFormat(gen.lora or api.model, gen, labels, activation)

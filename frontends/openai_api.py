@@ -44,7 +44,7 @@ from frontends.access_log import CallInfo
 from frontends.anthropic import MessagesFormat
 from frontends.auth import Auth
 from frontends.beam_search import BeamGeneration, beam_search_params
-from frontends.embeddings import embeddings_job
+from frontends.embeddings import classify_job, embeddings_job
 from frontends.engine_client import EngineClient, EngineUnavailable
 from frontends.errors import ApiError
 from frontends.generation import Generation, LogprobEntry, Update
@@ -141,6 +141,7 @@ class OpenAIApi:
             ("POST", "/v1/embeddings", self.embeddings),
             *(("POST", path, self.rerank) for path in ("/v1/rerank", "/rerank", "/v2/rerank")),
             *(("POST", path, self.score) for path in ("/v1/score", "/score")),
+            ("POST", "/classify", self.classify),
             ("GET", "/v1/models", self.models),
             ("POST", "/tokenize", self.tokenize),
             ("POST", "/detokenize", self.detokenize),
@@ -535,6 +536,10 @@ class OpenAIApi:
     async def score(self, req: Request) -> Response:
         data = op.parse_json(req.body)
         return await self._embed(req, data, score_job, data.get("text_1"))
+
+    async def classify(self, req: Request) -> Response:
+        data = op.parse_json(req.body)
+        return await self._embed(req, data, classify_job, data.get("input"))
 
     async def _embed(self, req: Request, data: dict, job, logged) -> Response:
         """Run an embeddings ``job`` (``embeddings_job``, ``rerank_job``, ``score_job``): every vector in,

@@ -23,6 +23,7 @@ MESSAGES = {
         p.ImageInput(1, 2, [3, 1, 1], b"\x00\x00\x80?" * 3)]),
     "image ready": p.Ready("llava", 4096, 32064, [2], 64, 100, 16, image_token_id=32000, image_tokens=576,
                            max_images=16),
+    "classifier ready": p.Ready("reward", 4096, 32064, [2], 64, 100, 16, labels=["neg", "pos"]),
     "abort": p.Abort(["r1", "r2"]),
     "outputs": p.Outputs([
         p.Delta("r1", [7, 8], None, [[-0.5, [[7, -0.5]]], [-0.25, [[8, -0.25]]]], 3, 0),
@@ -38,8 +39,8 @@ MESSAGES = {
 }
 
 GOLDEN = {
-    "hello": "920192a36665300a",
-    "ready": "92029ea474696e79cd0400cdc0009102406410cd04009192a373716cad2f61646170746572732f73716c04ff00000a",
+    "hello": "920192a36665300b",
+    "ready": "92029fa474696e79cd0400cdc0009102406410cd04009192a373716cad2f61646170746572732f73716c04ff0000900b",
     "add": (
         "920399a2723193010203de0018aa6d61785f746f6b656e7304ab74656d7065726174757265cb0000000000000000a5"
         "746f705f70cb3ff0000000000000a5746f705f6b00a56d696e5f70cb0000000000000000a47365656407b070726573"
@@ -62,7 +63,8 @@ GOLDEN = {
         "6b656e5f696473c0ba696e636c7564655f73746f705f7374725f696e5f6f7574707574c200c0a0c0a091940102930301"
         "01c40c0000803f0000803f0000803f"
     ),
-    "image ready": "92029ea56c6c617661cd1000cd7d409102406410cd04009000cd7d00cd0240100a",
+    "image ready": "92029fa56c6c617661cd1000cd7d409102406410cd04009000cd7d00cd024010900b",
+    "classifier ready": "92029fa6726577617264cd1000cd7d409102406410cd04009000ff000092a36e6567a3706f730b",
     "abort": "920492a27231a27232",
     "outputs": (
         "92059299a27231920708c09292cbbfe0000000000000919207cbbfe000000000000092cbbfd0000000000000919208"
@@ -92,7 +94,7 @@ GOLDEN = {
 
 
 def test_protocol_version_is_pinned():
-    assert p.PROTOCOL_VERSION == 10
+    assert p.PROTOCOL_VERSION == 11
     assert [int(k) for k in p.Kind] == [1, 2, 3, 4, 5, 6, 7, 8]
 
 

@@ -201,6 +201,9 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
     vision: VisionConfig | None = None  # LLaVA: images in the prompt (None: text only)
+    # a sequence classifier's (``*ForSequenceClassification``: classifiers, reward models) labels, in their
+    # ids' order: its ``score`` head turns the last token's state into one logit each; no lm_head
+    labels: tuple[str, ...] = ()
 
     def sparse(self, layer: int) -> bool:
         """Whether layer ``layer``'s MLP is the mixture of experts (else a dense one)."""
@@ -293,6 +296,7 @@ class ModelConfig:
             eos = [eos]
         if vision is not None and not 0 <= vision.image_token_id < cfg["vocab_size"]:
             raise ValueError(f"image_token_index {vision.image_token_id} is not in the language model's vocabulary")
+        labels = _labels(cfg)
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -327,7 +331,21 @@ class ModelConfig:
             residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
             logits_scaling=float(cfg.get("logits_scaling", 1.0)),
             vision=vision,
+            labels=labels,
+            lm_head=not labels,
         )
+
+
+def _labels(cfg: dict) -> tuple[str, ...]:
+    """A ``*ForSequenceClassification`` checkpoint's labels, as transformers names them (``id2label``, else
+    ``LABEL_i`` for ``num_labels``, 2 by default); () for any other."""
+    if not any(str(a).endswith("ForSequenceClassification") for a in cfg.get("architectures") or ()):
+        return ()
+    names = {int(i): str(v) for i, v in (cfg.get("id2label") or {}).items()}
+    n = len(names) or int(cfg.get("num_labels", 2))
+    if n < 1 or (names and sorted(names) != list(range(n))):
+        raise ValueError(f"a sequence classifier needs labels 0..n-1 (id2label or num_labels), got {names or n!r}")
+    return tuple(names.get(i, f"LABEL_{i}") for i in range(n))
 
 
 def _gemma3_text(cfg: dict) -> dict:

@@ -170,6 +170,8 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma > 0, cfg.olmo)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tp,
                               tied=self.embed_tokens if cfg.tie_word_embeddings else None) if cfg.lm_head else None
+        # a sequence classifier's head (every rank holds it whole: it is small, and rank 0 runs it)
+        self.score = nn.Linear(cfg.hidden_size, len(cfg.labels), bias=False) if cfg.labels else None
         # LLaVA's vision tower and projector (one rank only: under tensor parallelism it serves text)
         self.vision = LlavaVision(cfg.vision, cfg.hidden_size) if cfg.vision is not None and tp.size == 1 else None
 

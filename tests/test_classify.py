@@ -1,0 +1,107 @@
+"""Sequence classifiers (``*ForSequenceClassification``: classifiers, reward models): their scores equal
+transformers' (fp32, tiny random Llama and Qwen2 ones), offline (``LLM.classify``) and served (vLLM's
+``/classify``); a classifier refuses to generate or embed, and a generator to classify."""
+
+from __future__ import annotations
+
+import json
+import math
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+import transformers
+
+from engine import LLM
+from tests.conftest import TINY, _save_random
+from tests.test_server_e2e import Server
+
+TEXTS = ["I love this movie", "Terrible, never again.", "It was fine, I guess, but the second half dragged on"]
+LABELS = {0: "negative", 1: "neutral", 2: "positive"}
+
+
+def make_classifier(out_dir: str, tokenizer_dir: str, arch: str, labels: dict | None) -> str:
+    cfg_cls, model_cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForSequenceClassification),
+                          "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForSequenceClassification)}[arch]
+    kw = {"id2label": labels, "label2id": {v: k for k, v in labels.items()}} if labels else {"num_labels": 1}
+    config = cfg_cls(**TINY, pad_token_id=0, **kw)
+    torch.manual_seed(3)
+    _save_random(model_cls(config).float().eval(), out_dir, tokenizer_dir, gemma=False)
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def sentiment(tmp_path_factory, smollm_tokenizer_dir) -> str:
+    return make_classifier(str(tmp_path_factory.mktemp("sentiment")), smollm_tokenizer_dir, "llama", LABELS)
+
+
+@pytest.fixture(scope="module")
+def reward(tmp_path_factory, smollm_tokenizer_dir) -> str:
+    return make_classifier(str(tmp_path_factory.mktemp("reward")), smollm_tokenizer_dir, "qwen2", None)
+
+
+def hf_scores(path: str, texts: list[str]) -> list[list[float]]:
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    with torch.no_grad():
+        return [model(torch.tensor([tok.encode(t)])).logits[0].tolist() for t in texts]
+
+
+@pytest.mark.parametrize("which", ["sentiment", "reward"])
+def test_scores_match_transformers(which, request):
+    path = request.getfixturevalue(which)
+    want = hf_scores(path, TEXTS)
+    llm = LLM(path, device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=128)
+    outs = llm.classify(TEXTS)
+    for out, w in zip(outs, want, strict=True):
+        assert out.logits == pytest.approx(w, abs=1e-4)
+        if len(w) == 1:
+            assert out.probs == pytest.approx([1 / (1 + math.exp(-w[0]))], abs=1e-5) and out.label == "LABEL_0"
+        else:
+            e = [math.exp(x) for x in w]
+            assert out.probs == pytest.approx([x / sum(e) for x in e], abs=1e-5)
+            assert out.label == LABELS[max(range(3), key=w.__getitem__)]
+    with pytest.raises(Exception, match="sequence classifier"):
+        llm.generate(TEXTS[:1])
+
+
+def post(url: str, path: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_served_classify(sentiment, tiny_llama):
+    want = hf_scores(sentiment, TEXTS)
+    s = Server("--model", sentiment, "--served-model-name", "sent", "--dtype", "float32", startup=120)
+    try:
+        status, r = post(s.url, "/classify", {"model": "sent", "input": TEXTS})
+        assert status == 200, r
+        assert r["object"] == "list" and [d["index"] for d in r["data"]] == [0, 1, 2]
+        for d, w in zip(r["data"], want, strict=True):
+            e = [math.exp(x) for x in w]
+            assert d["probs"] == pytest.approx([x / sum(e) for x in e], abs=1e-5)
+            assert d["label"] == LABELS[max(range(3), key=w.__getitem__)] and d["num_classes"] == 3
+        assert r["usage"]["prompt_tokens"] == r["usage"]["total_tokens"] > 0
+        status, r = post(s.url, "/classify", {"input": TEXTS[0], "activation": False, "truncate_prompt_tokens": 2})
+        assert status == 200 and len(r["data"][0]["probs"]) == 3 and r["usage"]["prompt_tokens"] == 2
+        status, raw = post(s.url, "/classify", {"input": TEXTS[0], "activation": False})
+        assert raw["data"][0]["probs"] == pytest.approx(want[0], abs=1e-4)  # the raw scores
+        for path, body, param in (("/v1/completions", {"prompt": "Hi", "max_tokens": 2}, "model"),
+                                  ("/v1/embeddings", {"input": "Hi"}, "model"),
+                                  ("/rerank", {"query": "a", "documents": ["b"]}, "model"),
+                                  ("/classify", {"input": []}, "input")):
+            status, r = post(s.url, path, body)
+            assert status == 400 and r["error"]["param"] == param, (path, r)
+    finally:
+        s.close()
+    s = Server("--model", tiny_llama, "--dtype", "float32", startup=120)
+    try:
+        status, r = post(s.url, "/classify", {"input": "Hi"})
+        assert status == 400 and r["error"]["param"] == "model" and "does not classify" in r["error"]["message"]
+    finally:
+        s.close()
