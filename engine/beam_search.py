@@ -18,11 +18,13 @@ model's own (``log_softmax`` of its logits: no temperature, penalties or bias).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-MAX_LOGPROBS = 20  # the engine's top logprobs per token (SamplingParams)
-MAX_BEAM_WIDTH = MAX_LOGPROBS // 2  # each round needs the best 2k continuations of every beam
+from engine.protocol import MAX_LOGPROBS
+
+MAX_BEAM_WIDTH = 10  # vLLM's in effect (its rounds ask for 2k logprobs, at most 20)
 
 
 @dataclass
@@ -40,11 +42,16 @@ class BeamSearchParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
 
-    def check(self) -> None:
-        """A ``ValueError`` naming the field that is out of range."""
+    def check(self, num_end_ids: int = 1) -> None:
+        """A ``ValueError`` naming the field that is out of range (``num_end_ids``: the ids that end a beam;
+        each round asks for ``max(2, 1 + num_end_ids) * beam_width`` logprobs per beam, at most
+        ``MAX_LOGPROBS``)."""
         if isinstance(self.beam_width, bool) or not isinstance(self.beam_width, int) or \
                 not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
             raise ValueError(f"beam_width must be in [1, {MAX_BEAM_WIDTH}], got {self.beam_width!r}")
+        if max(2, 1 + num_end_ids) * self.beam_width > MAX_LOGPROBS:
+            raise ValueError(f"beam_width must be at most {MAX_LOGPROBS // (1 + num_end_ids)} with {num_end_ids} "
+                             f"ids that end a sequence (EOS and stop_token_ids), got {self.beam_width}")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens!r}")
         if self.early_stopping not in (True, False, "never"):
@@ -81,7 +88,7 @@ class BeamSearch:
         self.end_ids = end_ids
         self.stop_at = stop_at
         # transformers keeps (1 + E) k continuations, so that k live on though the best k all end
-        self.num_logprobs = min(MAX_LOGPROBS, max(2, 1 + len(end_ids)) * self.k)
+        self.num_logprobs = max(2, 1 + len(end_ids)) * self.k  # (check: at most MAX_LOGPROBS)
         self.live = [BeamSequence([])]
         self.finished: list[BeamSequence] = []  # the k best, best first
         self.generated = 0
@@ -89,7 +96,13 @@ class BeamSearch:
         self._improvable = True  # transformers' is_early_stop_heuristic_unsatisfied
 
     def score(self, cum_logprob: float, length: int) -> float:
-        return cum_logprob / length ** self.length_penalty
+        """``cum_logprob / length ** length_penalty``, saturating as float arithmetic does (a huge penalty makes
+        every length's score 0 or -inf, not an error)."""
+        try:
+            d = math.pow(length, self.length_penalty)
+        except OverflowError:
+            return cum_logprob * 0.0
+        return cum_logprob / d if d else (-math.inf if cum_logprob < 0 else 0.0)
 
     def advance(self, tops: list[list]) -> None:
         """``tops[i]``: live beam i's next-token ``[[token_id, logprob], ...]``, best first (at least
@@ -102,6 +115,8 @@ class BeamSearch:
         live, ended = [], []
         may_finish = self._improvable and not (self.early_stopping is True and len(self.finished) == self.k)
         for rank, (cum, i, t, lp) in enumerate(candidates):
+            if rank >= self.k and len(live) == self.k:
+                break  # (the rest can neither finish nor live on)
             parent = self.live[i]
             tokens = parent.tokens + [t]
             reason = stop = None

@@ -219,16 +219,17 @@ class LLM:
         """vLLM's ``LLM.beam_search``: each prompt's ``params.beam_width`` best sequences, best first, by
         transformers' rules (``engine.beam_search``). Prompts as ``generate`` takes them; every round of the
         searches (one token of each live beam) is one batch."""
-        params.check()
+        ends = end_ids(params, self.engine.eos_token_ids)
+        params.check(len(ends))
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        ends = end_ids(params, self.engine.eos_token_ids)
         stop = StopMatcher(params.stop) if params.stop else None
         searches, asked = [], []
         for prompt in prompts:
             text, pictures = self._unpack(prompt)
             ids = self.tokenizer.encode(text) if isinstance(text, str) else list(text)
-            room = self.engine.max_model_len - len(ids)
+            # (each image's one token in the prompt becomes its placeholders)
+            room = self.engine.max_model_len - len(ids) - len(pictures) * (self._vision.num_tokens - 1 if pictures else 0)
             p = dataclasses.replace(params, max_tokens=max(1, min(params.max_tokens, room)))
             searches.append(BeamSearch(p, ends, stop_finder(self._codec, ids, stop, True) if stop else None))
             asked.append((ids, {"multi_modal_data": {"image": pictures}} if pictures else None))

@@ -21,6 +21,8 @@ from typing import Any
 import msgpack
 
 PROTOCOL_VERSION = 11
+# a token's top logprobs the engine gives at most (the APIs show at most 20; beam search asks for more)
+MAX_LOGPROBS = 64
 
 
 class Kind(IntEnum):
@@ -182,8 +184,8 @@ class SamplingParams:
             bad("min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 20):
-                bad(name, f"{name} must be an integer in [0, 20], got {v!r}")
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_LOGPROBS):
+                bad(name, f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
         if not isinstance(self.stop, list):
             bad("stop", "stop must be a non-empty string or a list of non-empty strings")
         if len(self.stop) > MAX_STOP_STRINGS:

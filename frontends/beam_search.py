@@ -29,15 +29,17 @@ _NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty":
             "allowed_token_ids": None, "bad_words": None, "min_tokens": 0}
 
 
-def beam_search_params(data: dict, base: SamplingParams, n: int, forced_tools: bool = False) -> BeamSearchParams | None:
+def beam_search_params(data: dict, base: SamplingParams, n: int, eos_ids, forced_tools: bool = False
+                       ) -> BeamSearchParams | None:
     """The request's beam search (None: ``use_beam_search`` is not set): ``n`` beams, ``length_penalty``,
-    ``early_stopping`` and ``base``'s max_tokens, end and stop fields; a 400 naming a field it cannot honour."""
+    ``early_stopping`` and ``base``'s max_tokens, end and stop fields; a 400 naming a field it cannot honour.
+    ``eos_ids``: the model's."""
     if not field(data, "use_beam_search", bool, False):
         return None
     if not 1 <= n <= MAX_BEAM_WIDTH:
         raise ApiError(400, f"beam search keeps n beams: n must be in [1, {MAX_BEAM_WIDTH}], got {n}", param="n")
     refused = structured_fields(data) + ["tool_choice"] * forced_tools + [
-        name for name, neutral in _NEUTRAL.items() if data.get(name) not in (None, neutral)]
+        name for name, neutral in _NEUTRAL.items() if data.get(name) not in (None, neutral, {}, [])]
     if refused:
         raise ApiError(400, f"{refused[0]} cannot be used with use_beam_search: beams are ranked by the model's "
                        "own logprobs", param=refused[0])
@@ -46,11 +48,18 @@ def beam_search_params(data: dict, base: SamplingParams, n: int, forced_tools: b
         early_stopping=field(data, "early_stopping", (bool, str), False), stop=list(base.stop),
         stop_token_ids=list(base.stop_token_ids))
     try:
-        params.check()
+        params.check(len(end_ids(params, eos_ids)))
     except ValueError as e:
         name = str(e).split(" ", 1)[0]
-        raise ApiError(400, str(e), param=name if name in ("length_penalty", "early_stopping") else None) from None
+        raise ApiError(400, str(e), param={"beam_width": "n"}.get(name, name)) from None
     return params
+
+
+def refuse_beam_search(data: dict) -> None:
+    """A 400 for ``use_beam_search`` where an API has no beam search (it would be silently sampled)."""
+    if data.get("use_beam_search"):
+        raise ApiError(400, "use_beam_search is served by /v1/completions and /v1/chat/completions only",
+                       param="use_beam_search")
 
 
 def end_ids(params: BeamSearchParams, eos_ids) -> frozenset[int]:
@@ -95,6 +104,7 @@ class BeamGeneration(Generation):
                                     if stop is not None else None) for p in prompts]
         self._round: Generation | None = None  # the round in flight
         self._rounds = 0
+        self._first_at: float | None = None  # when the first round ended: the beams' first tokens
 
     def start(self, window: int | None = None) -> None:
         self.sent_at = time.monotonic()  # (the rounds are sent by next_updates)
@@ -112,6 +122,8 @@ class BeamGeneration(Generation):
             owners = [p for p in live for _ in self.searches[p].live]
             beams = [self.prompts[p] + b.tokens for p in live for b in self.searches[p].live]
             tops, timed_out = await self._next_tokens(beams, params)
+            if first:
+                self._first_at = time.monotonic()
             for p in live:
                 mine = [(top, i) for i, (o, top) in enumerate(zip(owners, tops, strict=True)) if o == p]
                 if first:
@@ -163,8 +175,11 @@ class BeamGeneration(Generation):
                     up.logprobs = [(t, lp, top[:shown]) for t, (lp, top) in zip(beam.tokens, beam.logprobs,
                                                                                 strict=True)]
                 up.finished = True
-                if beam.tokens:
-                    self._got_tokens(c, len(beam.tokens), now)
+                if beam.tokens:  # (its first token came with the first round: that is its TTFT)
+                    c.first_token_at, c.last_token_at = self._first_at or now, now
+                    if self.metrics is not None:
+                        self.metrics.first_token(c.first_token_at - self.arrival)
+                        self.metrics.tokens(len(beam.tokens), None)
                 self._ended(c, c.finish_reason, now)
                 updates.append(up)
         return updates

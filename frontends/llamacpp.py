@@ -35,6 +35,7 @@ import orjson
 
 from engine.protocol import embedding_floats
 from frontends import openai_params as op
+from frontends.beam_search import refuse_beam_search
 from frontends.embeddings import embeddings_job
 from frontends.errors import ApiError
 from frontends.generation import Generation, Update
@@ -453,6 +454,7 @@ class LlamaCppApi:
         """A llama.cpp body checked and run as a completion (``prompts``: already made, for /infill)."""
         api = self.api
         try:
+            refuse_beam_search(data)
             body = completion_body(data, api.adapters)
             if prompts is None:
                 prompts = await self._prompts(data.get("prompt"))

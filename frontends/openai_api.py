@@ -43,7 +43,7 @@ from frontends import openai_params as op
 from frontends.access_log import CallInfo
 from frontends.anthropic import MessagesFormat
 from frontends.auth import Auth
-from frontends.beam_search import BeamGeneration, beam_search_params
+from frontends.beam_search import BeamGeneration, beam_search_params, refuse_beam_search
 from frontends.embeddings import classify_job, embeddings_job
 from frontends.engine_client import EngineClient, EngineUnavailable
 from frontends.errors import ApiError
@@ -356,10 +356,10 @@ class OpenAIApi:
         base = op.sampling_params(data, max_tokens=max_tokens, logprobs=logprobs, vocab_size=self.codec.vocab_size,
                                   prompt_logprobs=max(asked) if asked else None,
                                   defaults=self.sampling_defaults, bad_words=await self._bad_words(data))
-        beam = beam_search_params(data, base, n)
         op.check_fan_out(len(prompts), n, base, self.client.ready.max_num_waiting_requests)
         stop = await self._stop_matcher(base.stop)
         self._require_engine()
+        beam = beam_search_params(data, base, n, self.client.ready.eos_token_ids)
         api_id = self._new_id("cmpl")
         skip = op.field(data, "skip_special_tokens", bool, True)
         if beam is not None:
@@ -414,10 +414,10 @@ class OpenAIApi:
                                   defaults=self.sampling_defaults, bad_words=await self._bad_words(data))
         if tool_schema is not None and base.stop:  # stop strings could only cut the calls' JSON short
             base = dataclasses.replace(base, stop=[])
-        beam = beam_search_params(data, base, n, forced_tools=tool_schema is not None)
         op.check_fan_out(1, n, base, self.client.ready.max_num_waiting_requests)
         stop = await self._stop_matcher(base.stop)
         self._require_engine()
+        beam = beam_search_params(data, base, n, self.client.ready.eos_token_ids, forced_tools=tool_schema is not None)
         api_id = self._new_id(id_prefix)
         skip = op.field(data, "skip_special_tokens", bool, True) and not (calls and calls.keeps_special_tokens)
         if beam is not None:
@@ -490,6 +490,7 @@ class OpenAIApi:
 
     async def responses_job(self, data: dict, arrival: float | None = None) -> tuple[Generation, ResponsesFormat]:
         """A /v1/responses body run as the chat it amounts to (``frontends.responses``)."""
+        refuse_beam_search(data)
         try:
             gen, chat_fmt = await self.chat_job(to_chat(data), arrival, id_prefix="resp")
         except ApiError as e:  # named as this API names its fields
@@ -506,6 +507,7 @@ class OpenAIApi:
     async def messages_job(self, data: dict, arrival: float | None = None) -> tuple[Generation, MessagesFormat]:
         """A /v1/messages body run as the chat it amounts to (``frontends.anthropic``)."""
         try:
+            refuse_beam_search(data)
             gen, chat_fmt = await self.chat_job(anthropic.to_chat(data), arrival, id_prefix="msg")
         except ApiError as e:
             raise anthropic.renamed(e) from None

@@ -3,6 +3,7 @@ offline (``LLM.beam_search``) and served (``use_beam_search``)."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import pytest
@@ -205,7 +206,8 @@ def test_served_chat_and_echo(llm, client):
     ({"n": 11}, "n"), ({"presence_penalty": 0.5}, "presence_penalty"), ({"logit_bias": {"5": 1}}, "logit_bias"),
     ({"response_format": {"type": "json_object"}}, "response_format"), ({"min_tokens": 2}, "min_tokens"),
     ({"length_penalty": "long"}, "length_penalty"), ({"early_stopping": "sometimes"}, "early_stopping"),
-    ({"use_beam_search": "yes"}, "use_beam_search")])
+    ({"use_beam_search": "yes"}, "use_beam_search"),
+    ({"n": 7, "stop_token_ids": list(range(5, 15))}, "n")])  # (11+ end ids: (1 + 11) x 7 > 64 logprobs a round)
 def test_what_beam_search_cannot_honour_is_a_400(client, extra, param):
     import openai
 
@@ -214,8 +216,37 @@ def test_what_beam_search_cannot_honour_is_a_400(client, extra, param):
         client.completions.create(model="tiny", prompt="Hi", max_tokens=4, extra_body=body)
     assert e.value.body["param"] == param, e.value.body
     r = client.completions.create(model="tiny", prompt="Hi", max_tokens=4, n=2, extra_body={  # neutral values pass
-        "use_beam_search": True, "presence_penalty": 0, "repetition_penalty": 1.0, "min_tokens": 0})
+        "use_beam_search": True, "presence_penalty": 0, "repetition_penalty": 1.0, "min_tokens": 0,
+        "logit_bias": {}, "bad_words": []})
     assert len(r.choices) == 2
+
+
+@pytest.mark.parametrize("penalty", [1000, 1000.0, -1000, 400.5, -60])
+def test_extreme_length_penalties_saturate(client, penalty):
+    """A penalty whose power overflows (or underflows) scores as float arithmetic does: no error."""
+    r = client.completions.create(model="tiny", prompt="Hi", max_tokens=6, n=2,
+                                  extra_body={"use_beam_search": True, "length_penalty": penalty})
+    assert len(r.choices) == 2
+    s = BeamSearch(BeamSearchParams(2, 10, length_penalty=penalty), frozenset())
+    assert s.score(-3.0, 7) in (0.0, -math.inf) or math.isfinite(s.score(-3.0, 7))
+
+
+def test_other_apis_refuse_beam_search(server):
+    """Where an API has no beam search, asking for it is a 400, not a sampled answer."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    for path, body in (("/v1/responses", {"model": "tiny", "input": "Hi"}),
+                       ("/v1/messages", {"model": "tiny", "max_tokens": 4,
+                                         "messages": [{"role": "user", "content": "Hi"}]}),
+                       ("/completion", {"prompt": "Hi", "n_predict": 4})):
+        req = urllib.request.Request(server.url + path, json.dumps({**body, "use_beam_search": True}).encode(),
+                                     {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}",
+                                      "x-api-key": KEY})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=60)
+        assert e.value.code == 400 and "use_beam_search" in e.value.read().decode(), path
 
 
 def test_a_deadline_answers_the_best_so_far(client):
