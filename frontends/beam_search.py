@@ -7,7 +7,7 @@ once, finished. Its text goes through the choice's detokenizer and stop strings 
 does (a beam ends at the token that completes a stop string, as at an end id). A deadline ends the
 search where it stands: the best beams so far, "timeout" for those still live.
 
-The search reads the model's own logprobs, so what would change them is refused (``check_beam_search``):
+The search reads the model's own logprobs, so what would change them is refused (``beam_search_params``):
 structured output, forced tool calls, penalties, logit_bias, allowed or bad words, ``min_tokens``;
 temperature, top_p, top_k, min_p and seed are read by nothing, as in vLLM.
 """
