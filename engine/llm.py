@@ -330,9 +330,14 @@ class LLM:
         """Each prompt's embedding (batched with each other as generations are); outputs in prompt order.
 
         ``dimensions``: keep the first this many (Matryoshka); ``normalize``: None = the model's default."""
+        if self.engine.labels:
+            raise ValueError("this model is a sequence classifier: it does not embed (LLM.classify)")
+        return self._pool(prompts, PoolingParams(dimensions, normalize))
+
+    def _pool(self, prompts, pooling: PoolingParams) -> list[EmbeddingOutput]:
+        """Each prompt's pooled vector (an embedding, or a classifier's scores)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        pooling = PoolingParams(dimensions, normalize)
         outputs: dict[str, EmbeddingOutput] = {}
         try:
             for prompt in prompts:
@@ -361,7 +366,7 @@ class LLM:
         if not labels:
             raise ValueError("this model does not classify: it has no sequence-classification head")
         out = []
-        for e in self.embed(prompts, normalize=False):
+        for e in self._pool(prompts, PoolingParams(None, False)):
             best = max(range(len(labels)), key=e.embedding.__getitem__)
             out.append(ClassificationOutput(e.request_id, e.prompt, e.prompt_token_ids, class_probs(e.embedding),
                                             e.embedding, labels[best]))

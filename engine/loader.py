@@ -138,6 +138,9 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
             elif name == "model.norm.weight":
                 model.norm.load(w)
             elif name == "score.weight" and model.score is not None:  # a sequence classifier's head
+                if w.shape != model.score.weight.shape:
+                    raise ValueError(f"score.weight has {w.shape[0]} rows, but the config names "
+                                     f"{len(model.cfg.labels)} labels (id2label, num_labels)")
                 model.score.weight.copy_(w)
             elif "rotary_emb." in name:
                 continue  # old checkpoints' inv_freq buffers, per layer or not: the model makes its own

@@ -51,7 +51,7 @@ def beam_search_params(data: dict, base: SamplingParams, n: int, eos_ids, forced
         params.check(len(end_ids(params, eos_ids)))
     except ValueError as e:
         name = str(e).split(" ", 1)[0]
-        raise ApiError(400, str(e), param={"beam_width": "n"}.get(name, name)) from None
+        raise ApiError(400, str(e).replace("beam_width", "n", 1), param={"beam_width": "n"}.get(name, name)) from None
     return params
 
 

@@ -6,6 +6,7 @@ offending ``param``; unknown fields are ignored, as OpenAI-compatible servers do
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -137,27 +138,29 @@ def parse_truncation(data: dict, max_model_len: int) -> int | None:
     return k
 
 
-def cut_texts(inputs, num_chars: int):
-    """``inputs`` with every text cut to its last ``num_chars`` characters (whatever else as it is)."""
-    if isinstance(inputs, str):
-        return inputs[-num_chars:]
-    if isinstance(inputs, list):
-        return [x[-num_chars:] if isinstance(x, str) else x for x in inputs]
-    return inputs
-
-
 async def parse_truncated_prompts(data: dict, encode: Callable[[str], Awaitable[list[int]]], codec, max_chars: int,
                                   max_model_len: int, name: str = "prompt", limit: int = MAX_PROMPTS) -> list[list[int]]:
-    """``parse_prompts``, each prompt cut to its last ``truncate_prompt_tokens`` tokens where the request says
-    so. Only the end of a long text is tokenized then: its last (k + TRUNCATION_MARGIN) tokens at least (no
-    token is longer than ``codec.max_token_chars``), of which the first few may differ from the whole
-    text's, cut where the text was; the last k are the same."""
+    """``parse_prompts``, each prompt cut to its last ``truncate_prompt_tokens`` (k) tokens where the request
+    says so. A text within ``max_chars`` is tokenized whole; of a longer one (the body's size bounds it) only
+    the end: (k + TRUNCATION_MARGIN) tokens' worth of characters at least (no token is longer than
+    ``codec.max_token_chars``), the window doubled until its last k tokens stay the same (BPE may group a
+    long run of one character from wherever the cut falls)."""
     keep = parse_truncation(data, max_model_len)
     if keep is None:
         return await parse_prompts(data, encode, codec.vocab_size, max_chars, name, limit)
-    max_chars = (keep + TRUNCATION_MARGIN) * codec.max_token_chars
-    data = dict(data, **{name: cut_texts(data.get(name), max_chars)})
-    return [p[-keep:] for p in await parse_prompts(data, encode, codec.vocab_size, max_chars, name, limit)]
+    first = max(max_chars, (keep + TRUNCATION_MARGIN) * codec.max_token_chars)
+
+    async def tail(text: str) -> list[int]:
+        window, ids = first, await encode(text[-first:])
+        while window < len(text):
+            window *= 2
+            wider = await encode(text[-window:])
+            if wider[-keep:] == ids[-keep:]:
+                break
+            ids = wider
+        return ids
+
+    return [p[-keep:] for p in await parse_prompts(data, tail, codec.vocab_size, math.inf, name, limit)]
 
 
 def parse_prompt_logprobs(data: dict) -> int | None:

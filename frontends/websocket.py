@@ -416,6 +416,8 @@ class Connection(asyncio.Protocol):
         echo = getattr(fmt, "echo", False)
         answers = getattr(fmt, "answers", None)  # a chat with tools or thinking: calls are read out of the text
         answer = answers[0] if answers else None
+        # vLLM's prompt fields (return_token_ids, prompt_logprobs) go with the first delta
+        prompt_fields = bool(fmt.return_token_ids or fmt.prompt_logprobs is not None)
         try:
             while not gen.done:
                 for up in await gen.next_updates():
@@ -428,10 +430,16 @@ class Connection(asyncio.Protocol):
                         send(msg)
                     if answer is not None:
                         answer.parts(up.text, False)
-                    if up.text or up.token_ids or up.logprobs:
+                    if up.text or up.token_ids or up.logprobs or prompt_fields:
                         msg = {"type": "delta", "id": gid, "text": up.text, "token_ids": up.token_ids}
                         if want_lp:
                             msg["logprobs"] = fmt.delta_logprobs(up)
+                        if prompt_fields:
+                            prompt_fields = False
+                            if fmt.return_token_ids:
+                                msg["prompt_token_ids"] = choice.prompt_ids
+                            if fmt.prompt_logprobs is not None:
+                                msg["prompt_logprobs"] = fmt.prompt_lp(choice)
                         send(msg)
             done = {"type": "done", "id": gid, "finish_reason": choice.finish_reason, "usage": gen.usage()}
             if answer is not None:  # the deltas carried the raw text; done says what the message holds

@@ -64,6 +64,31 @@ def test_scores_match_transformers(which, request):
             assert out.label == LABELS[max(range(3), key=w.__getitem__)]
     with pytest.raises(Exception, match="sequence classifier"):
         llm.generate(TEXTS[:1])
+    with pytest.raises(ValueError, match="sequence classifier"):
+        llm.embed(TEXTS[:1])
+
+
+@pytest.mark.parametrize("cfg", [{"id2label": {"a": "x"}}, {"id2label": ["x", "y"]}, {"id2label": {"1": "x"}},
+                                 {"num_labels": 0}])
+def test_odd_labels_are_refused_clearly(cfg):
+    from engine.models.config import _labels
+
+    with pytest.raises(ValueError, match="id2label"):
+        _labels({"architectures": ["LlamaForSequenceClassification"], **cfg})
+    assert _labels({"architectures": ["LlamaForCausalLM"], **cfg}) == ()
+
+
+def test_a_head_that_does_not_fit_its_labels_is_refused(tmp_path, smollm_tokenizer_dir):
+    import json
+
+    path = make_classifier(str(tmp_path), smollm_tokenizer_dir, "llama", LABELS)
+    with open(f"{path}/config.json") as f:
+        cfg = json.load(f)
+    cfg["id2label"], cfg["label2id"] = {"0": "a", "1": "b"}, {"a": 0, "b": 1}
+    with open(f"{path}/config.json", "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ValueError, match="score.weight has 3 rows"):
+        LLM(path, device="cpu", dtype="float32", num_kv_blocks=16, max_model_len=64)
 
 
 def post(url: str, path: str, body: dict) -> tuple[int, dict]:

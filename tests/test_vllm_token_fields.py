@@ -136,3 +136,36 @@ def test_truncate_prompt_tokens(client, llm):
             client.completions.create(model="tiny", prompt="Hi", max_tokens=2,
                                       extra_body={"truncate_prompt_tokens": bad})
         assert e.value.body["param"] == "truncate_prompt_tokens"
+
+
+@pytest.mark.parametrize("text", ["x" * 3001, "x" * 3003, " " * 3003 + "a", "=" * 3003, "x" * 120000,
+                                  "the cat sat on the mat. " * 4000])
+def test_truncation_keeps_the_whole_texts_last_tokens(client, llm, text):
+    """Only a long text's end is tokenized, but its last k tokens are the whole text's, even in a run of one
+    character that BPE groups from wherever a cut falls."""
+    r = client.completions.create(model="tiny", prompt=text, max_tokens=1,
+                                  extra_body={"truncate_prompt_tokens": 10, "return_token_ids": True})
+    assert r.choices[0].prompt_token_ids == llm.tokenizer.encode(text)[-10:]
+
+
+def test_websocket_sends_the_prompt_fields(server, llm):
+    import asyncio
+    import json
+
+    from websockets.asyncio.client import connect
+
+    async def main():
+        async with connect(server.url.replace("http", "ws") + "/v1/stream",
+                           additional_headers={"Authorization": f"Bearer {KEY}"}) as ws:
+            await ws.send(json.dumps({"type": "completion", "id": "a", "prompt": PROMPT, "max_tokens": 3,
+                                      "return_token_ids": True, "prompt_logprobs": 1}))
+            msgs = []
+            while not msgs or msgs[-1]["type"] != "done":
+                msgs.append(json.loads(await asyncio.wait_for(ws.recv(), 60)))
+            return msgs
+
+    msgs = asyncio.run(main())
+    first = msgs[0]
+    assert first["type"] == "delta" and first["prompt_token_ids"] == llm.tokenizer.encode(PROMPT)
+    assert first["prompt_logprobs"][0] is None and len(first["prompt_logprobs"]) == len(first["prompt_token_ids"])
+    assert all("prompt_token_ids" not in m for m in msgs[1:])

@@ -341,10 +341,15 @@ def _labels(cfg: dict) -> tuple[str, ...]:
     ``LABEL_i`` for ``num_labels``, 2 by default); () for any other."""
     if not any(str(a).endswith("ForSequenceClassification") for a in cfg.get("architectures") or ()):
         return ()
-    names = {int(i): str(v) for i, v in (cfg.get("id2label") or {}).items()}
-    n = len(names) or int(cfg.get("num_labels", 2))
+    given = cfg.get("id2label") or {}
+    try:
+        names = {int(i): str(v) for i, v in given.items()}
+        n = len(names) or int(cfg.get("num_labels", 2))
+    except (AttributeError, TypeError, ValueError):
+        names, n = {}, 0
     if n < 1 or (names and sorted(names) != list(range(n))):
-        raise ValueError(f"a sequence classifier needs labels 0..n-1 (id2label or num_labels), got {names or n!r}")
+        raise ValueError(f"a sequence classifier needs labels 0..n-1 (id2label, or num_labels), got id2label "
+                         f"{given!r}, num_labels {cfg.get('num_labels')!r}")
     return tuple(names.get(i, f"LABEL_{i}") for i in range(n))
 
 
