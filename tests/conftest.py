@@ -141,6 +141,28 @@ def tiny_llama(tmp_path_factory, smollm_tokenizer_dir) -> str:
     return make_tiny_model(str(tmp_path_factory.mktemp("tiny_llama")), "llama", smollm_tokenizer_dir)
 
 
+TINY_KEY = "sk-tiny"
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_llama):
+    """``tokenmill serve`` on the tiny llama: float32, a 256-token context, served as "tiny", key ``TINY_KEY``."""
+    from tests.test_server_e2e import Server
+
+    s = Server("--model", tiny_llama, "--served-model-name", "tiny", "--dtype", "float32", "--api-key", TINY_KEY,
+               "--max-model-len", "256", startup=120)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_client(tiny_server):
+    """The official openai client of ``tiny_server``."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{tiny_server.url}/v1", api_key=TINY_KEY, max_retries=0)
+
+
 @pytest.fixture(scope="session")
 def lora_tiny(tmp_path_factory, smollm_tokenizer_dir) -> tuple[str, str, str]:
     """A tiny llama and two LoRA adapters for it (``tools.random_lora``): rank 8 on all seven projections, and

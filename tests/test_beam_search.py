@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine import LLM, BeamSearchParams
 from engine.beam_search import BeamSearch
+from tests.conftest import TINY_KEY
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog because", "def fibonacci(n):\n    "]
 
@@ -124,36 +125,16 @@ def test_a_deadline_keeps_the_best_so_far():
 
 # ---------------------------------------------------------------------------- served
 
-KEY = "sk-beams"
-
-
-@pytest.fixture(scope="module")
-def server(tiny_llama):
-    from tests.test_server_e2e import Server
-
-    s = Server("--model", tiny_llama, "--served-model-name", "tiny", "--dtype", "float32", "--api-key", KEY,
-               "--max-model-len", "256", startup=120)
-    yield s
-    s.close()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    import openai
-
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
-
-
 def offline(llm, ids: list[int], **kw) -> list:
     return llm.beam_search([ids], BeamSearchParams(**kw))[0].sequences
 
 
-def test_served_completions_are_the_offline_beams(llm, client):
+def test_served_completions_are_the_offline_beams(llm, tiny_client):
     ids = llm.tokenizer.encode(PROMPTS[1])
     end = a_likely_token(llm, ids)
     prompt_text = llm.tokenizer.decode(ids, skip_special_tokens=True)
     want = offline(llm, ids, beam_width=3, max_tokens=14, ignore_eos=True, stop_token_ids=[end])
-    r = client.completions.create(model="tiny", prompt=ids, n=3, max_tokens=14, temperature=0.9, seed=3,
+    r = tiny_client.completions.create(model="tiny", prompt=ids, n=3, max_tokens=14, temperature=0.9, seed=3,
                                   logprobs=2, extra_body={"use_beam_search": True, "ignore_eos": True,
                                                           "stop_token_ids": [end]})
     assert [c.index for c in r.choices] == [0, 1, 2]
@@ -169,7 +150,7 @@ def test_served_completions_are_the_offline_beams(llm, client):
     assert r.usage.prompt_tokens == len(ids)
     assert r.usage.completion_tokens == sum(len(s.tokens) - len(ids) for s in want)
 
-    chunks = client.completions.create(model="tiny", prompt=ids, n=3, max_tokens=14, stream=True,
+    chunks = tiny_client.completions.create(model="tiny", prompt=ids, n=3, max_tokens=14, stream=True,
                                        stream_options={"include_usage": True}, extra_body={
                                            "use_beam_search": True, "ignore_eos": True, "stop_token_ids": [end]})
     texts, reasons, usage = [""] * 3, [None] * 3, None
@@ -182,18 +163,18 @@ def test_served_completions_are_the_offline_beams(llm, client):
     assert usage.completion_tokens == r.usage.completion_tokens
 
 
-def test_served_chat_and_echo(llm, client):
+def test_served_chat_and_echo(llm, tiny_client):
     messages = [{"role": "user", "content": "Name three colours."}]
     ids = llm._codec.apply_chat_template(messages, True, None, None, False)  # (the server's template call)
     want = offline(llm, ids, beam_width=2, max_tokens=10, length_penalty=0.5)
     prompt_text = llm.tokenizer.decode(ids, skip_special_tokens=True)
-    r = client.chat.completions.create(model="tiny", messages=messages, n=2, max_tokens=10, logprobs=True,
+    r = tiny_client.chat.completions.create(model="tiny", messages=messages, n=2, max_tokens=10, logprobs=True,
                                        top_logprobs=1, extra_body={"use_beam_search": True, "length_penalty": 0.5})
     assert [c.message.content for c in r.choices] == [s.text[len(prompt_text):] for s in want]
     assert [len(c.logprobs.content) for c in r.choices] == [len(s.tokens) - len(ids) for s in want]
 
     prompt = PROMPTS[0]
-    r = client.completions.create(model="tiny", prompt=prompt, n=2, max_tokens=6, echo=True, logprobs=0,
+    r = tiny_client.completions.create(model="tiny", prompt=prompt, n=2, max_tokens=6, echo=True, logprobs=0,
                                   extra_body={"use_beam_search": True})
     n_prompt = len(llm.tokenizer.encode(prompt))
     for c in r.choices:
@@ -208,30 +189,30 @@ def test_served_chat_and_echo(llm, client):
     ({"length_penalty": "long"}, "length_penalty"), ({"early_stopping": "sometimes"}, "early_stopping"),
     ({"use_beam_search": "yes"}, "use_beam_search"),
     ({"n": 7, "stop_token_ids": list(range(5, 15))}, "n")])  # (11+ end ids: (1 + 11) x 7 > 64 logprobs a round)
-def test_what_beam_search_cannot_honour_is_a_400(client, extra, param):
+def test_what_beam_search_cannot_honour_is_a_400(tiny_client, extra, param):
     import openai
 
     body = {"use_beam_search": True, "n": 2, **extra}
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="tiny", prompt="Hi", max_tokens=4, extra_body=body)
+        tiny_client.completions.create(model="tiny", prompt="Hi", max_tokens=4, extra_body=body)
     assert e.value.body["param"] == param, e.value.body
-    r = client.completions.create(model="tiny", prompt="Hi", max_tokens=4, n=2, extra_body={  # neutral values pass
+    r = tiny_client.completions.create(model="tiny", prompt="Hi", max_tokens=4, n=2, extra_body={  # neutral values pass
         "use_beam_search": True, "presence_penalty": 0, "repetition_penalty": 1.0, "min_tokens": 0,
         "logit_bias": {}, "bad_words": []})
     assert len(r.choices) == 2
 
 
 @pytest.mark.parametrize("penalty", [1000, 1000.0, -1000, 400.5, -60])
-def test_extreme_length_penalties_saturate(client, penalty):
+def test_extreme_length_penalties_saturate(tiny_client, penalty):
     """A penalty whose power overflows (or underflows) scores as float arithmetic does: no error."""
-    r = client.completions.create(model="tiny", prompt="Hi", max_tokens=6, n=2,
+    r = tiny_client.completions.create(model="tiny", prompt="Hi", max_tokens=6, n=2,
                                   extra_body={"use_beam_search": True, "length_penalty": penalty})
     assert len(r.choices) == 2
     s = BeamSearch(BeamSearchParams(2, 10, length_penalty=penalty), frozenset())
     assert s.score(-3.0, 7) in (0.0, -math.inf) or math.isfinite(s.score(-3.0, 7))
 
 
-def test_other_apis_refuse_beam_search(server):
+def test_other_apis_refuse_beam_search(tiny_server):
     """Where an API has no beam search, asking for it is a 400, not a sampled answer."""
     import json
     import urllib.error
@@ -241,23 +222,23 @@ def test_other_apis_refuse_beam_search(server):
                        ("/v1/messages", {"model": "tiny", "max_tokens": 4,
                                          "messages": [{"role": "user", "content": "Hi"}]}),
                        ("/completion", {"prompt": "Hi", "n_predict": 4})):
-        req = urllib.request.Request(server.url + path, json.dumps({**body, "use_beam_search": True}).encode(),
-                                     {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}",
-                                      "x-api-key": KEY})
+        req = urllib.request.Request(tiny_server.url + path, json.dumps({**body, "use_beam_search": True}).encode(),
+                                     {"Content-Type": "application/json", "Authorization": f"Bearer {TINY_KEY}",
+                                      "x-api-key": TINY_KEY})
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(req, timeout=60)
         assert e.value.code == 400 and "use_beam_search" in e.value.read().decode(), path
 
 
-def test_a_deadline_answers_the_best_so_far(client):
+def test_a_deadline_answers_the_best_so_far(tiny_client):
     """A search cut by its deadline answers its best beams so far, "timeout" for those still live."""
-    r = client.completions.create(model="tiny", prompt="Once upon a time", n=4, max_tokens=240,  # (~1 s of rounds)
+    r = tiny_client.completions.create(model="tiny", prompt="Once upon a time", n=4, max_tokens=240,  # (~1 s of rounds)
                                   extra_body={"use_beam_search": True, "ignore_eos": True, "timeout": 0.5})
     assert len(r.choices) == 4 and all(c.finish_reason == "timeout" for c in r.choices)
     assert 0 < r.usage.completion_tokens < 4 * 240
 
 
-def test_a_client_that_goes_away_ends_the_search(server):
+def test_a_client_that_goes_away_ends_the_search(tiny_server):
     """The rounds stop when the caller disconnects mid-search (no engine request runs after)."""
     import json
     import socket
@@ -265,19 +246,19 @@ def test_a_client_that_goes_away_ends_the_search(server):
 
     body = json.dumps({"prompt": "Once upon a time", "n": 4, "max_tokens": 240, "use_beam_search": True,
                        "ignore_eos": True}).encode()
-    s = socket.create_connection(("127.0.0.1", server.port))
+    s = socket.create_connection(("127.0.0.1", tiny_server.port))
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: " + str(len(body)).encode() +
+              b"Authorization: Bearer " + TINY_KEY.encode() + b"\r\nContent-Length: " + str(len(body)).encode() +
               b"\r\n\r\n" + body)
     busy = 0
     for _ in range(40):  # the rounds run
-        st = server.engine_stats()
+        st = tiny_server.engine_stats()
         busy += st.num_running + st.num_waiting > 0
         time.sleep(0.005)
     assert busy
     s.close()
     time.sleep(0.3)
-    samples = [server.engine_stats() for _ in range(40)]
+    samples = [tiny_server.engine_stats() for _ in range(40)]
     assert all(st.num_running + st.num_waiting == 0 for st in samples)
     assert samples[-1].num_free_blocks == samples[-1].num_kv_blocks
 

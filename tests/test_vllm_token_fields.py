@@ -11,23 +11,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine import LLM, SamplingParams
-from tests.test_server_e2e import Server
+from tests.conftest import TINY_KEY
 
-KEY = "sk-fields"
 PROMPT = "The quick brown fox jumps over the lazy dog because"
-
-
-@pytest.fixture(scope="module")
-def server(tiny_llama):
-    s = Server("--model", tiny_llama, "--served-model-name", "tiny", "--dtype", "float32", "--api-key", KEY,
-               "--max-model-len", "256", startup=120)
-    yield s
-    s.close()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
 
 
 @pytest.fixture(scope="module")
@@ -39,18 +25,18 @@ def greedy(llm, ids: list[int], n: int) -> list[int]:
     return llm.generate([ids], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))[0].token_ids
 
 
-def test_return_token_ids_completions(client, llm):
+def test_return_token_ids_completions(tiny_client, llm):
     ids = llm.tokenizer.encode(PROMPT)
     want = greedy(llm, ids, 12)
-    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, n=2,
+    r = tiny_client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, n=2,
                                   extra_body={"return_token_ids": True, "ignore_eos": True})
     for c in r.choices:
         assert c.prompt_token_ids == ids and c.token_ids == want
         assert c.text == llm.tokenizer.decode(want)
-    plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
+    plain = tiny_client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
     assert "token_ids" not in plain.choices[0].model_dump() and "prompt_token_ids" not in plain.choices[0].model_dump()
 
-    stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, n=2, stream=True,
+    stream = tiny_client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, n=2, stream=True,
                                        extra_body={"return_token_ids": True, "ignore_eos": True})
     got, prompts = [[], []], [None, None]
     for chunk in stream:
@@ -63,14 +49,14 @@ def test_return_token_ids_completions(client, llm):
     assert prompts == [ids, ids] and got == [want, want]
 
 
-def test_return_token_ids_chat(client, llm):
+def test_return_token_ids_chat(tiny_client, llm):
     messages = [{"role": "user", "content": "Say something."}]
     ids = llm._codec.apply_chat_template(messages, True, None, None, False)
-    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+    r = tiny_client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
                                        extra_body={"return_token_ids": True, "ignore_eos": True})
     want = greedy(llm, ids, 10)
     assert r.prompt_token_ids == ids and r.choices[0].token_ids == want
-    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+    stream = tiny_client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
                                             stream=True, extra_body={"return_token_ids": True, "ignore_eos": True})
     chunks = list(stream)
     assert chunks[0].prompt_token_ids == ids and all(getattr(c, "prompt_token_ids", None) is None
@@ -88,10 +74,10 @@ def hf_prompt_logprobs(tiny_llama, ids: list[int]) -> tuple[torch.Tensor, torch.
     return tok.squeeze(1), (lp > tok + 1e-4).sum(1) + 1, (lp > tok - 1e-4).sum(1) + 1
 
 
-def test_prompt_logprobs(client, tiny_llama):
+def test_prompt_logprobs(tiny_client, tiny_llama):
     ids = AutoTokenizer.from_pretrained(tiny_llama).encode(PROMPT)
     want_lp, least, most = hf_prompt_logprobs(tiny_llama, ids)
-    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, echo=True, logprobs=1,
+    r = tiny_client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, echo=True, logprobs=1,
                                   extra_body={"prompt_logprobs": 3})
     plp = r.choices[0].prompt_logprobs
     assert len(plp) == len(ids) and plp[0] is None
@@ -107,56 +93,56 @@ def test_prompt_logprobs(client, tiny_llama):
     echoed = r.choices[0].logprobs.top_logprobs
     assert echoed[0] is None and all(len(t) == 1 for t in echoed[1:])  # echo shows logprobs=1's, not 3
 
-    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+    chat = tiny_client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
                                           extra_body={"prompt_logprobs": 0})
     assert chat.prompt_logprobs[0] is None and all(len(e) == 1 for e in chat.prompt_logprobs[1:])
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="tiny", prompt="Hi", max_tokens=2, extra_body={"prompt_logprobs": 21})
+        tiny_client.completions.create(model="tiny", prompt="Hi", max_tokens=2, extra_body={"prompt_logprobs": 21})
     assert e.value.body["param"] == "prompt_logprobs"
 
 
-def test_truncate_prompt_tokens(client, llm):
+def test_truncate_prompt_tokens(tiny_client, llm):
     long = [(7 * i) % 30000 + 100 for i in range(300)]  # longer than the context
-    r = client.completions.create(model="tiny", prompt=long, max_tokens=8, temperature=0,
+    r = tiny_client.completions.create(model="tiny", prompt=long, max_tokens=8, temperature=0,
                                   extra_body={"truncate_prompt_tokens": 100, "ignore_eos": True,
                                               "return_token_ids": True})
     assert r.usage.prompt_tokens == 100 and r.choices[0].prompt_token_ids == long[-100:]
     assert r.choices[0].token_ids == greedy(llm, long[-100:], 8)
     text = " ".join(["word"] * 400)
-    r = client.completions.create(model="tiny", prompt=text, max_tokens=4, extra_body={"truncate_prompt_tokens": 50})
+    r = tiny_client.completions.create(model="tiny", prompt=text, max_tokens=4, extra_body={"truncate_prompt_tokens": 50})
     assert r.usage.prompt_tokens == 50
-    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": text}], max_tokens=4,
+    r = tiny_client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": text}], max_tokens=4,
                                        extra_body={"truncate_prompt_tokens": 20, "return_token_ids": True})
     assert r.usage.prompt_tokens == 20 and len(r.prompt_token_ids) == 20
-    r = client.completions.create(model="tiny", prompt=long[:200], max_tokens=4,
+    r = tiny_client.completions.create(model="tiny", prompt=long[:200], max_tokens=4,
                                   extra_body={"truncate_prompt_tokens": -1})  # (as many as the context holds)
     assert r.usage.prompt_tokens == 200
     for bad in (0, -2, 257):
         with pytest.raises(openai.BadRequestError) as e:
-            client.completions.create(model="tiny", prompt="Hi", max_tokens=2,
+            tiny_client.completions.create(model="tiny", prompt="Hi", max_tokens=2,
                                       extra_body={"truncate_prompt_tokens": bad})
         assert e.value.body["param"] == "truncate_prompt_tokens"
 
 
 @pytest.mark.parametrize("text", ["x" * 3001, "x" * 3003, " " * 3003 + "a", "=" * 3003, "x" * 120000,
                                   "the cat sat on the mat. " * 4000])
-def test_truncation_keeps_the_whole_texts_last_tokens(client, llm, text):
+def test_truncation_keeps_the_whole_texts_last_tokens(tiny_client, llm, text):
     """Only a long text's end is tokenized, but its last k tokens are the whole text's, even in a run of one
     character that BPE groups from wherever a cut falls."""
-    r = client.completions.create(model="tiny", prompt=text, max_tokens=1,
+    r = tiny_client.completions.create(model="tiny", prompt=text, max_tokens=1,
                                   extra_body={"truncate_prompt_tokens": 10, "return_token_ids": True})
     assert r.choices[0].prompt_token_ids == llm.tokenizer.encode(text)[-10:]
 
 
-def test_websocket_sends_the_prompt_fields(server, llm):
+def test_websocket_sends_the_prompt_fields(tiny_server, llm):
     import asyncio
     import json
 
     from websockets.asyncio.client import connect
 
     async def main():
-        async with connect(server.url.replace("http", "ws") + "/v1/stream",
-                           additional_headers={"Authorization": f"Bearer {KEY}"}) as ws:
+        async with connect(tiny_server.url.replace("http", "ws") + "/v1/stream",
+                           additional_headers={"Authorization": f"Bearer {TINY_KEY}"}) as ws:
             await ws.send(json.dumps({"type": "completion", "id": "a", "prompt": PROMPT, "max_tokens": 3,
                                       "return_token_ids": True, "prompt_logprobs": 1}))
             msgs = []
