@@ -80,8 +80,8 @@ class EngineRouter:
             raise e
         first = results[0]
         for c, r in zip(live[1:], results[1:], strict=True):
-            if (r.model, r.vocab_size, sorted(r.eos_token_ids)) != (first.model, first.vocab_size,
-                                                                   sorted(first.eos_token_ids)):
+            if (r.model, r.vocab_size, sorted(r.eos_token_ids), r.labels) != (
+                    first.model, first.vocab_size, sorted(first.eos_token_ids), first.labels):
                 await self.close()
                 raise EngineUnavailable(f"{c.address} serves {r.model!r} (vocabulary {r.vocab_size}), "
                                         f"{live[0].address} {first.model!r} (vocabulary {first.vocab_size}): "

@@ -190,7 +190,7 @@ def test_seeded_sampling_min_tokens_and_logprobs_match(tiny_llama):
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     for g, w in zip(got, want, strict=True):
         assert (g.logprobs is None) == (w.logprobs is None)
-        for (glp, gtop), (wlp, wtop) in zip(g.logprobs or [], w.logprobs or [], strict=True):
+        for (glp, gtop, _), (wlp, wtop, _) in zip(g.logprobs or [], w.logprobs or [], strict=True):
             assert glp == pytest.approx(wlp, abs=1e-5) and [t for t, _ in gtop] == [t for t, _ in wtop]
     assert_all_blocks_free(overlapped)
 
