@@ -39,7 +39,8 @@ def two_engines(tmp_path):
 
 
 def router_for(engines, **kw) -> EngineRouter:
-    return EngineRouter([EngineClient(e.address, "fe-test", handshake_timeout=5, liveness_interval=0.1, **kw)
+    # (a generous handshake: the fake engines are threads of this process, slow to answer on a loaded machine)
+    return EngineRouter([EngineClient(e.address, "fe-test", handshake_timeout=30, liveness_interval=0.1, **kw)
                          for e in engines])
 
 
