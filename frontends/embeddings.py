@@ -68,18 +68,19 @@ class EmbeddingsFormat:
         return b"".join(parts)  # one copy of the whole
 
 
-async def embeddings_job(api, data: dict, arrival: float | None = None,
-                         id_prefix: str = "embd") -> tuple[Generation, EmbeddingsFormat]:
+async def embeddings_job(api, data: dict, arrival: float | None = None, id_prefix: str = "embd",
+                         pooling: PoolingParams | None = None) -> tuple[Generation, EmbeddingsFormat]:
     """A /v1/embeddings body checked and turned into an unstarted generation (``api``: the ``OpenAIApi``;
-    ``frontends.scoring`` runs its rerank and score calls through it too)."""
+    ``frontends.scoring`` runs its rerank and score calls through it too, ``classify_job`` its scores with
+    their ``pooling``: none of the request's)."""
     lora = op.check_model(data, api.model_names, api.adapters)
-    if api.client.ready.labels and id_prefix != "classify":
+    if api.client.ready.labels and pooling is None:
         raise ApiError(400, f"{api.model} is a sequence classifier: it does not embed (POST /classify)", param="model")
     encoding = op.field(data, "encoding_format", str, "float")
     if encoding not in ENCODINGS:
         raise ApiError(400, f"encoding_format must be one of {', '.join(ENCODINGS)}, got {encoding!r}",
                        param="encoding_format")
-    pooling = parse_pooling(data)
+    pooling = pooling or parse_pooling(data)
     deadline, priority, cache_salt = op.parse_deadline(data), op.parse_priority(data), op.parse_cache_salt(data)
     prompts = await op.parse_truncated_prompts(data, api._encode, api.codec, api.max_chars, api.max_model_len,
                                                "input", MAX_INPUTS)
@@ -130,6 +131,5 @@ async def classify_job(api, data: dict, arrival: float | None = None) -> tuple[G
         raise ApiError(400, f"{api.model} does not classify: it has no sequence-classification head (a "
                        "*ForSequenceClassification checkpoint classifies)", param="model")
     activation = op.field(data, "activation", bool, True)
-    plain = {k: v for k, v in data.items() if k not in ("dimensions", "normalize", "encoding_format")}
-    gen, _ = await embeddings_job(api, plain | {"normalize": False}, arrival, id_prefix="classify")
+    gen, _ = await embeddings_job(api, data, arrival, id_prefix="classify", pooling=PoolingParams(None, False))
     return gen, ClassifyFormat(gen.lora or api.model, gen, labels, activation)

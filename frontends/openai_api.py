@@ -664,6 +664,11 @@ class _SseFormat:
             out.append(d)
         return out
 
+    def prompt_fields(self, c) -> dict:
+        """Of choice ``c``'s prompt, the fields the request asked for (``prompt_token_ids``, ``prompt_logprobs``)."""
+        return ({"prompt_token_ids": c.prompt_ids} if self.return_token_ids else {}) | (
+            {"prompt_logprobs": self.prompt_lp(c)} if self.prompt_logprobs is not None else {})
+
     def stream_error(self, e: ApiError) -> bytes:
         """An error once the stream has begun: an error event that ends it, as in vLLM."""
         return _sse({"error": {"message": e.message, "type": e.type, "param": e.param,
@@ -760,15 +765,11 @@ class _CompletionFormat(_SseFormat):
                       "finish_reason": up.choice.finish_reason if up.finished else None}
             if not self.headed[i]:
                 self.headed[i] = True
-                choice |= self._prompt_fields(up.choice)
+                choice |= self.prompt_fields(up.choice)
             if self.return_token_ids:
                 choice["token_ids"] = up.token_ids
             choices.append(choice)
         return _sse({**self.base, "choices": choices}) if choices else b""
-
-    def _prompt_fields(self, c) -> dict:
-        return ({"prompt_token_ids": c.prompt_ids} if self.return_token_ids else {}) | (
-            {"prompt_logprobs": self.prompt_lp(c)} if self.prompt_logprobs is not None else {})
 
     def delta_logprobs(self, up: Update) -> dict | None:
         """One update's logprobs in this endpoint's shape (None when not asked for)."""
@@ -792,7 +793,7 @@ class _CompletionFormat(_SseFormat):
                 ptext, plp = self.echo_of(c)
                 text, lp = ptext + text, self._merge(plp, lp)
             choices.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
-                            "stop_reason": c.stop_reason, **self._prompt_fields(c),
+                            "stop_reason": c.stop_reason, **self.prompt_fields(c),
                             **({"token_ids": self.ids[c.index]} if self.return_token_ids else {})})
         return {**self.base, "choices": choices, "usage": self.gen.usage()}
 
@@ -876,10 +877,9 @@ class _ChatFormat(_SseFormat):
         return out
 
     def _prompt_fields(self) -> dict:
-        """vLLM's: the prompt's token ids and logprobs, once per call (the prompt is every choice's)."""
-        c = next((c for c in self.gen.choices if c.prompt_logprobs is not None), self.gen.choices[0])
-        return ({"prompt_token_ids": c.prompt_ids} if self.return_token_ids else {}) | (
-            {"prompt_logprobs": self.prompt_lp(c)} if self.prompt_logprobs is not None else {})
+        """The prompt's fields, once per call (the prompt is every choice's; any that has its logprobs)."""
+        return self.prompt_fields(next((c for c in self.gen.choices if c.prompt_logprobs is not None),
+                                       self.gen.choices[0]))
 
     def stream_head(self) -> bytes:
         return _sse({**self.base, **self._prompt_fields(), "choices": [

@@ -436,10 +436,7 @@ class Connection(asyncio.Protocol):
                             msg["logprobs"] = fmt.delta_logprobs(up)
                         if prompt_fields:
                             prompt_fields = False
-                            if fmt.return_token_ids:
-                                msg["prompt_token_ids"] = choice.prompt_ids
-                            if fmt.prompt_logprobs is not None:
-                                msg["prompt_logprobs"] = fmt.prompt_lp(choice)
+                            msg |= fmt.prompt_fields(choice)
                         send(msg)
             done = {"type": "done", "id": gid, "finish_reason": choice.finish_reason, "usage": gen.usage()}
             if answer is not None:  # the deltas carried the raw text; done says what the message holds
