@@ -76,6 +76,10 @@ def build_model(path: str, cfg: ModelConfig, max_positions: int, dtype: torch.dt
     a float32 copy of a bf16 model), and no freed float32 memory lingers in CUDA's caching allocator."""
     with torch.device(device), _default_dtype(dtype):
         model = LlamaForCausalLM(cfg, max_positions, tp)  # the RoPE tables ask for float32 themselves
+    if cfg.score_tokens:
+        if path.endswith(".gguf"):
+            raise ValueError("classifier_from_token needs a Hugging Face checkpoint (safetensors), not a GGUF file")
+        model.score_rows = _score_rows(path, cfg.score_tokens)
     if path.endswith(".gguf"):
         weights = _gguf_weights(path, cfg, _gguf_packing(path, model, device, tp))
     else:
@@ -130,6 +134,8 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
                 name = "model." + name  # a backbone saved on its own (Qwen3-Embedding): no "model." prefix
             if ".block_sparse_moe." in name:
                 name = _mixtral_name(name)
+            if _holds_score_rows(model, name):
+                _load_score_rows(model, w)
             if name == "model.embed_tokens.weight":
                 model.embed_tokens.load(w)
             elif name == "lm_head.weight":
@@ -184,6 +190,30 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
 
 
+def _score_rows(path: str, tokens: tuple[str, ...]) -> list[int]:
+    """The ids of vLLM's ``classifier_from_token`` tokens, as the model's tokenizer names them."""
+    from frontends.tokenizer import load_tokenizer
+
+    vocab = load_tokenizer(path).get_vocab()
+    missing = [t for t in tokens if t not in vocab]
+    if missing:
+        raise ValueError(f"classifier_from_token: {missing} are not tokens of this model's vocabulary")
+    return [vocab[t] for t in tokens]
+
+
+def _holds_score_rows(model: LlamaForCausalLM, name: str) -> bool:
+    """Whether checkpoint tensor ``name`` holds the rows a ``classifier_from_token`` score head is made of
+    (the LM head's, or the embeddings' where they are tied)."""
+    cfg = model.cfg
+    return bool(cfg.score_tokens) and name == ("model.embed_tokens.weight" if cfg.tie_word_embeddings
+                                               else "lm_head.weight")
+
+
+def _load_score_rows(model: LlamaForCausalLM, w: torch.Tensor) -> None:
+    rows = w[model.score_rows].float()
+    model.score.weight.copy_((rows[1] - rows[0])[None] if len(rows) == 2 else rows)
+
+
 def _language_model(name: str) -> str:
     """A multimodal checkpoint's language model (Gemma 3 4B+) in a text model's names: transformers 4's
     ``language_model.model.*`` and 5's ``model.language_model.*``; its vision tower's names stay apart."""
@@ -217,7 +247,8 @@ def _expected_names(cfg: ModelConfig) -> set[str]:
     if cfg.lm_head and not cfg.tie_word_embeddings:
         names.add("lm_head.weight")
     if cfg.labels:
-        names.add("score.weight")
+        names.add(("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight") if cfg.score_tokens
+                  else "score.weight")
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         names |= {p + s for s in (

@@ -11,8 +11,12 @@ pair by pair when both are lists of one length -> ``data``, ``{"index", "object"
 in pair order.
 
 Both take the embeddings' ``truncate_prompt_tokens``, ``priority``, ``timeout`` and ``cache_salt``;
-``usage`` counts every text's tokens. A cross-encoder (a reranker that reads query and document
-together) is not served: a decoder's embeddings are what there is.
+``usage`` counts every text's tokens.
+
+A one-label sequence classifier is a cross-encoder (a reranker that reads query and document together:
+a ``*ForSequenceClassification`` reranker, or Qwen3-Reranker served with vLLM's ``classifier_from_token``):
+each pair is one prompt, the two texts as its tokenizer pairs them, and its relevance the sigmoid of
+the classifier's score, in [0, 1], as vLLM scores them. ``usage`` then counts the pairs' tokens.
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ import time
 
 import orjson
 
-from engine.protocol import embedding_floats
-from frontends.embeddings import MAX_INPUTS, embeddings_job
+from engine.protocol import PoolingParams, embedding_floats
+from frontends.embeddings import MAX_INPUTS, class_probs, embeddings_job
 from frontends.errors import ApiError
 from frontends.generation import Generation
 
@@ -78,19 +82,60 @@ async def _embedded(api, data: dict, groups: list[tuple[str, list[str]]], arriva
     return gen
 
 
+async def _cross_encoded(api, data: dict, pairs: list[tuple[str, str]], arrival: float | None,
+                         prefix: str) -> Generation:
+    """The generation that scores each (first, second) pair with the one-label classifier, in order."""
+    if len(pairs) > MAX_INPUTS:
+        raise ApiError(400, f"at most {MAX_INPUTS} pairs, got {len(pairs)}",
+                       param="documents" if prefix == "rerank" else "text_2")
+    ids = await api._offload(sum(len(a) + len(b) for a, b in pairs),
+                             lambda: [api.codec.encode_pair(a, b) for a, b in pairs])
+    passed = {k: data[k] for k in _PASSED if k in data}
+    try:
+        gen, _ = await embeddings_job(api, passed | {"input": ids}, arrival, prefix,
+                                      pooling=PoolingParams(None, False))
+    except ApiError as e:
+        if e.param == "input":  # (a pair longer than the context)
+            e.param = name = "documents" if prefix == "rerank" else "text_2"
+            e.message = _renamed(e.message, name)
+        raise
+    return gen
+
+
+def _cross_encoder(api) -> bool:
+    """Whether the model scores pairs itself (a one-label classifier); a classifier of more labels scores none."""
+    labels = api.client.ready.labels
+    if len(labels) > 1:
+        raise ApiError(400, f"{api.model} classifies into {len(labels)} labels: it neither embeds nor scores pairs "
+                       "(POST /classify)", param="model")
+    return bool(labels)
+
+
+def _relevance(choice) -> float:
+    """A cross-encoder's relevance of one pair: the sigmoid of its score."""
+    return class_probs(embedding_floats(choice.embedding))[0]
+
+
 def _renamed(message: str, name: str) -> str:
     """An embeddings refusal's words, for the field ``name``."""
     return message.replace("'input'", f"'{name}'").replace("The input", f"The {name}").replace("the input", f"the {name}")
 
 
 class RerankFormat:
-    def __init__(self, model: str, gen: Generation, documents: list[str], top_n: int, with_documents: bool):
+    def __init__(self, model: str, gen: Generation, documents: list[str], top_n: int, with_documents: bool,
+                 cross: bool = False):
+        """``cross``: the choices are the (query, document) pairs' scores, not the texts' embeddings."""
         self.model, self.gen, self.documents = model, gen, documents
-        self.top_n, self.with_documents = top_n, with_documents
+        self.top_n, self.with_documents, self.cross = top_n, with_documents, cross
+
+    def _scores(self) -> list[float]:
+        if self.cross:
+            return [_relevance(c) for c in self.gen.choices]
+        query, *docs = (embedding_floats(c.embedding) for c in self.gen.choices)
+        return [_dot(query, d) for d in docs]
 
     def body(self) -> bytes:
-        query, *docs = (embedding_floats(c.embedding) for c in self.gen.choices)
-        ranked = sorted(((_dot(query, d), i) for i, d in enumerate(docs)), key=lambda s: -s[0])
+        ranked = sorted(((s, i) for i, s in enumerate(self._scores())), key=lambda s: -s[0])
         results = []
         for score, i in ranked[:self.top_n or None]:
             result = {"index": i, "relevance_score": score}
@@ -103,16 +148,21 @@ class RerankFormat:
 
 
 class ScoreFormat:
-    def __init__(self, model: str, gen: Generation, pairs: list[tuple[int, int]]):
-        self.model, self.gen, self.pairs = model, gen, pairs
+    def __init__(self, model: str, gen: Generation, pairs: list[tuple[int, int]], cross: bool = False):
+        """``cross``: choice k is pair k's score (else the texts' embeddings, ``pairs`` indexing them)."""
+        self.model, self.gen, self.pairs, self.cross = model, gen, pairs, cross
         self.created = int(time.time())
 
-    def body(self) -> bytes:
+    def _scores(self) -> list[float]:
+        if self.cross:
+            return [_relevance(c) for c in self.gen.choices]
         vectors = [embedding_floats(c.embedding) for c in self.gen.choices]
+        return [_dot(vectors[i], vectors[j]) for i, j in self.pairs]
+
+    def body(self) -> bytes:
         n = self.gen.num_prompt_tokens
         return orjson.dumps({"id": self.gen.api_id, "object": "list", "created": self.created, "model": self.model,
-                             "data": [{"index": k, "object": "score", "score": _dot(vectors[i], vectors[j])}
-                                      for k, (i, j) in enumerate(self.pairs)],
+                             "data": [{"index": k, "object": "score", "score": s} for k, s in enumerate(self._scores())],
                              "usage": {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0}})
 
 
@@ -125,8 +175,11 @@ async def rerank_job(api, data: dict, arrival: float | None = None) -> tuple[Gen
     with_documents = data.get("return_documents", True)
     if not isinstance(with_documents, bool):
         raise ApiError(400, "return_documents must be true or false", param="return_documents")
-    gen = await _embedded(api, data, [("query", query), ("documents", documents)], arrival, "rerank")
-    return gen, RerankFormat(gen.lora or api.model, gen, documents, top_n or 0, with_documents)
+    if _cross_encoder(api):
+        gen = await _cross_encoded(api, data, [(query[0], d) for d in documents], arrival, "rerank")
+    else:
+        gen = await _embedded(api, data, [("query", query), ("documents", documents)], arrival, "rerank")
+    return gen, RerankFormat(gen.lora or api.model, gen, documents, top_n or 0, with_documents, _cross_encoder(api))
 
 
 async def score_job(api, data: dict, arrival: float | None = None) -> tuple[Generation, ScoreFormat]:
@@ -138,5 +191,9 @@ async def score_job(api, data: dict, arrival: float | None = None) -> tuple[Gene
     else:
         raise ApiError(400, f"text_1 has {len(first)} texts and text_2 {len(second)}: give one text_1, or as "
                        "many as text_2", param="text_2")
-    gen = await _embedded(api, data, [("text_1", first), ("text_2", second)], arrival, "score")
-    return gen, ScoreFormat(gen.lora or api.model, gen, pairs)
+    if _cross_encoder(api):
+        texts = first + second
+        gen = await _cross_encoded(api, data, [(texts[i], texts[j]) for i, j in pairs], arrival, "score")
+    else:
+        gen = await _embedded(api, data, [("text_1", first), ("text_2", second)], arrival, "score")
+    return gen, ScoreFormat(gen.lora or api.model, gen, pairs, _cross_encoder(api))

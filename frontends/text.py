@@ -86,6 +86,14 @@ class TextCodec:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._decode(ids, skip_special_tokens)
 
+    def encode_pair(self, first: str, second: str) -> list[int]:
+        """Two texts as the tokenizer pairs them (a cross-encoder's query and document: its template's
+        special tokens around and between them, or none)."""
+        tok = self.tokenizer
+        if hasattr(tok, "encode_pair"):  # (frontends.tokenizer.CachedTokenizer)
+            return tok.encode_pair(first, second)
+        return tok(first, second)["input_ids"]
+
     def encode_literal(self, text: str) -> list[int]:
         """``text`` as text alone: a special token's name in it is its characters, not the token (code that
         mentions ``<|endoftext|>``; llama.cpp's ``parse_special`` false). No BOS."""

@@ -147,6 +147,9 @@ class CachedTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def encode_pair(self, first: str, second: str) -> list[int]:
+        return self._tokenizer.encode(first, second).ids
+
     def apply_chat_template(self, messages: list[dict], tokenize: bool = True, add_generation_prompt: bool = False,
                             tools: list[dict] | None = None, **kwargs: Any) -> str | list[int]:
         text = self._template.render(messages=messages, tools=tools, documents=None,

@@ -130,3 +130,68 @@ def test_served_classify(sentiment, tiny_llama):
         assert status == 400 and r["error"]["param"] == "model" and "does not classify" in r["error"]["message"]
     finally:
         s.close()
+
+
+def hf_pair_scores(path: str, pairs: list[tuple[str, str]]) -> list[float]:
+    """transformers' one-label classifier on each pair, tokenized as its tokenizer pairs two texts."""
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    with torch.no_grad():
+        return [model(torch.tensor([tok(a, b)["input_ids"]])).logits[0, 0].item() for a, b in pairs]
+
+
+def sigmoid(x: float) -> float:
+    return 1 / (1 + math.exp(-x))
+
+
+QUERY, DOCS = "Where do cats sleep?", ["Cats sleep in boxes.", "The stock market fell.", "Dogs bark at night."]
+
+
+def test_a_one_label_classifier_reranks_pairs(reward):
+    """A one-label classifier is a cross-encoder: /rerank and /score read each pair as one prompt and give the
+    sigmoid of its score, as vLLM does."""
+    want = [sigmoid(x) for x in hf_pair_scores(reward, [(QUERY, d) for d in DOCS])]
+    s = Server("--model", reward, "--dtype", "float32", startup=120)
+    try:
+        status, r = post(s.url, "/rerank", {"query": QUERY, "documents": DOCS, "top_n": 2})
+        assert status == 200, r
+        order = sorted(range(3), key=lambda i: -want[i])[:2]
+        assert [x["index"] for x in r["results"]] == order
+        assert [x["relevance_score"] for x in r["results"]] == pytest.approx([want[i] for i in order], abs=1e-5)
+        status, r = post(s.url, "/score", {"text_1": QUERY, "text_2": DOCS})
+        assert status == 200 and [d["score"] for d in r["data"]] == pytest.approx(want, abs=1e-5)
+        status, r = post(s.url, "/score", {"text_1": [QUERY, "b"], "text_2": [DOCS[0], "c"]})
+        assert r["data"][0]["score"] == pytest.approx(want[0], abs=1e-5)
+        status, r = post(s.url, "/rerank", {"query": QUERY, "documents": ["word " * 3000]})
+        assert status == 400 and r["error"]["param"] == "documents", r
+    finally:
+        s.close()
+
+
+def test_a_reranker_from_its_yes_and_no_tokens(tmp_path, smollm_tokenizer_dir):
+    """Qwen3-Reranker as vLLM serves it (``classifier_from_token: ["no", "yes"]``): the score is the LM head's
+    "yes" logit less its "no" logit at the pair's last token."""
+    from tests.conftest import make_tiny_model
+
+    path = make_tiny_model(str(tmp_path), "qwen3", smollm_tokenizer_dir)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    no, yes = tok.convert_tokens_to_ids("no"), tok.convert_tokens_to_ids("yes")
+    pairs = [(QUERY, d) for d in DOCS]
+    with torch.no_grad():
+        want = [(lg[yes] - lg[no]).item() for lg in (hf(torch.tensor([tok(a, b)["input_ids"]])).logits[0, -1]
+                                                      for a, b in pairs)]
+    overrides = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"]}
+    llm = LLM(path, device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=128, hf_overrides=overrides)
+    assert [o.logits[0] for o in llm.classify([tok(a, b)["input_ids"] for a, b in pairs])] == \
+        pytest.approx(want, abs=1e-4)
+    s = Server("--model", path, "--dtype", "float32", "--hf-overrides", json.dumps(overrides), startup=120)
+    try:
+        status, r = post(s.url, "/score", {"text_1": QUERY, "text_2": DOCS})
+        assert status == 200 and [d["score"] for d in r["data"]] == pytest.approx([sigmoid(x) for x in want],
+                                                                                   abs=1e-5)
+    finally:
+        s.close()
+    with pytest.raises(ValueError, match="not tokens"):
+        LLM(path, device="cpu", dtype="float32", num_kv_blocks=16, max_model_len=64,
+            hf_overrides={**overrides, "classifier_from_token": ["nope-not-a-token", "yes"]})

@@ -204,6 +204,9 @@ class ModelConfig:
     # a sequence classifier's (``*ForSequenceClassification``: classifiers, reward models) labels, in their
     # ids' order: its ``score`` head turns the last token's state into one logit each; no lm_head
     labels: tuple[str, ...] = ()
+    # vLLM's classifier_from_token (a reranker served as a classifier: Qwen3-Reranker): the score head is the
+    # LM head's rows of these tokens; of two (["no", "yes"]), one label, the second's row less the first's
+    score_tokens: tuple[str, ...] = ()
 
     def sparse(self, layer: int) -> bool:
         """Whether layer ``layer``'s MLP is the mixture of experts (else a dense one)."""
@@ -333,6 +336,7 @@ class ModelConfig:
             vision=vision,
             labels=labels,
             lm_head=not labels,
+            score_tokens=tuple(str(t) for t in cfg.get("classifier_from_token") or ()),
         )
 
 
@@ -341,6 +345,11 @@ def _labels(cfg: dict) -> tuple[str, ...]:
     ``LABEL_i`` for ``num_labels``, 2 by default); () for any other."""
     if not any(str(a).endswith("ForSequenceClassification") for a in cfg.get("architectures") or ()):
         return ()
+    tokens = cfg.get("classifier_from_token")
+    if tokens is not None:
+        if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+            raise ValueError(f"classifier_from_token must be a list of tokens, got {tokens!r}")
+        return ("LABEL_0",) if len(tokens) == 2 else tuple(tokens)
     given = cfg.get("id2label") or {}
     try:
         names = {int(i): str(v) for i, v in given.items()}
