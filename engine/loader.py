@@ -68,7 +68,7 @@ def _override(cfg: dict, overrides: dict) -> dict:
 
 
 def build_model(path: str, cfg: ModelConfig, max_positions: int, dtype: torch.dtype,
-                device: torch.device, tp: TPGroup | None = None) -> LlamaForCausalLM:
+                device: torch.device, tp: TPGroup | None = None, tokenizer: str | None = None) -> LlamaForCausalLM:
     """The model, or under tensor parallelism this rank's slice of it (``tp``).
 
     Its parameters are allocated once, in ``dtype``, on ``device``, and each checkpoint tensor is
@@ -79,7 +79,7 @@ def build_model(path: str, cfg: ModelConfig, max_positions: int, dtype: torch.dt
     if cfg.score_tokens:
         if path.endswith(".gguf"):
             raise ValueError("classifier_from_token needs a Hugging Face checkpoint (safetensors), not a GGUF file")
-        model.score_rows = _score_rows(path, cfg.score_tokens)
+        model.score_rows = _score_rows(tokenizer or path, cfg.score_tokens)
     if path.endswith(".gguf"):
         weights = _gguf_weights(path, cfg, _gguf_packing(path, model, device, tp))
     else:
@@ -210,7 +210,7 @@ def _holds_score_rows(model: LlamaForCausalLM, name: str) -> bool:
 
 
 def _load_score_rows(model: LlamaForCausalLM, w: torch.Tensor) -> None:
-    rows = w[model.score_rows].float()
+    rows = w[model.score_rows].float() / model.cfg.logits_scaling  # (Granite divides its logits)
     model.score.weight.copy_((rows[1] - rows[0])[None] if len(rows) == 2 else rows)
 
 

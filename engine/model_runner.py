@@ -166,7 +166,7 @@ class ModelRunner:
         device = self.tp.device_for(device)
         self.local_cfg = local_model_config(self.model_cfg, self.tp.size)  # this rank's heads
         torch.manual_seed(config.seed)
-        self.model = build_model(model_path, self.model_cfg, max_model_len, dtype, device, self.tp)
+        self.model = build_model(model_path, self.model_cfg, max_model_len, dtype, device, self.tp, config.tokenizer)
         score = self.model.score  # a sequence classifier's head: its pooled state's scores, in float32
         self._head = (lambda v: score(v.to(score.weight.dtype)).float()) if score is not None else None
         self.initial_adapters: dict[str, int] = {}  # the LoRA adapters of lora_modules -> their slots (engine.lora)

@@ -40,7 +40,7 @@ def check_lengths(prompts: list[list[int]], max_model_len: int) -> None:
     for p in prompts:
         if len(p) > max_model_len:
             raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
-                           f"requested {len(p)} tokens in the input for embedding generation. Please reduce "
+                           f"requested {len(p)} tokens in the input. Please reduce "
                            "the length of the input (or set truncate_prompt_tokens).", param="input")
 
 

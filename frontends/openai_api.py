@@ -559,7 +559,7 @@ class OpenAIApi:
             gen.abort_unfinished()
         if any(c.embedding is None for c in gen.choices):  # only a deadline ends one without its vector
             raise ApiError(408, f"Request timed out after {time.time() - started:.3g} s, before all its "
-                           "embeddings were done", headers=[("x-should-retry", "false")])
+                           "inputs were read", headers=[("x-should-retry", "false")])
         if len(gen.choices) * len(gen.choices[0].embedding) < EMBEDDINGS_INLINE_BYTES:
             return Response(200, fmt.body())
         # 2048 vectors of 1024 floats are 0.16 s of Python: on a thread, the event loop keeps its streams going

@@ -27,11 +27,13 @@ import time
 import orjson
 
 from engine.protocol import PoolingParams, embedding_floats
+from frontends import openai_params as op
 from frontends.embeddings import MAX_INPUTS, class_probs, embeddings_job
 from frontends.errors import ApiError
 from frontends.generation import Generation
 
 _PASSED = ("model", "truncate_prompt_tokens", "priority", "timeout", "cache_salt")
+_PAIRS_CHARS = 1 << 20  # characters of pairs tokenized in one piece of work (the tokenizer thread holds 4 MiB)
 
 
 def _text(x, param: str) -> str:
@@ -85,21 +87,41 @@ async def _embedded(api, data: dict, groups: list[tuple[str, list[str]]], arriva
 async def _cross_encoded(api, data: dict, pairs: list[tuple[str, str]], arrival: float | None,
                          prefix: str) -> Generation:
     """The generation that scores each (first, second) pair with the one-label classifier, in order."""
+    param = "documents" if prefix == "rerank" else "text_2"
     if len(pairs) > MAX_INPUTS:
-        raise ApiError(400, f"at most {MAX_INPUTS} pairs, got {len(pairs)}",
-                       param="documents" if prefix == "rerank" else "text_2")
-    ids = await api._offload(sum(len(a) + len(b) for a, b in pairs),
-                             lambda: [api.codec.encode_pair(a, b) for a, b in pairs])
-    passed = {k: data[k] for k in _PASSED if k in data}
+        raise ApiError(400, f"at most {MAX_INPUTS} pairs, got {len(pairs)}", param=param)
+    keep = op.parse_truncation(data, api.max_model_len)
+    if keep is None:  # (too long to fit, before any tokenizing)
+        for a, b in pairs:
+            op.check_text_length(len(a) + len(b), api.max_chars, param)
+    else:  # a pair truncated keeps each text's start: longer texts are read no further than their first k tokens
+        room = max(api.max_chars, (keep + op.TRUNCATION_MARGIN) * api.codec.max_token_chars)
+        pairs = [(a[:room], b[:room]) for a, b in pairs]
+    ids = []
+    for piece, size in _pieces(pairs, _PAIRS_CHARS):  # (the tokenizer thread's work, never more than it holds)
+        ids += await api._offload(size, lambda piece=piece: [api.codec.encode_pair(a, b, keep) for a, b in piece])
+    passed = {k: data[k] for k in _PASSED if k in data and k != "truncate_prompt_tokens"}
     try:
         gen, _ = await embeddings_job(api, passed | {"input": ids}, arrival, prefix,
                                       pooling=PoolingParams(None, False))
     except ApiError as e:
         if e.param == "input":  # (a pair longer than the context)
-            e.param = name = "documents" if prefix == "rerank" else "text_2"
-            e.message = _renamed(e.message, name)
+            e.param, e.message = param, _renamed(e.message, param)
         raise
     return gen
+
+
+def _pieces(pairs: list[tuple[str, str]], limit: int):
+    """``pairs`` in consecutive runs of at most ``limit`` characters (a longer pair alone), with their sizes."""
+    piece, size = [], 0
+    for a, b in pairs:
+        if piece and size + len(a) + len(b) > limit:
+            yield piece, size
+            piece, size = [], 0
+        piece.append((a, b))
+        size += len(a) + len(b)
+    if piece:
+        yield piece, size
 
 
 def _cross_encoder(api) -> bool:

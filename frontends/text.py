@@ -86,13 +86,16 @@ class TextCodec:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._decode(ids, skip_special_tokens)
 
-    def encode_pair(self, first: str, second: str) -> list[int]:
+    def encode_pair(self, first: str, second: str, max_length: int | None = None) -> list[int]:
         """Two texts as the tokenizer pairs them (a cross-encoder's query and document: its template's
-        special tokens around and between them, or none)."""
+        special tokens around and between them, or none); ``max_length``: at most that many tokens, the
+        longer text cut from its end first (transformers' ``longest_first``, as vLLM truncates pairs)."""
         tok = self.tokenizer
         if hasattr(tok, "encode_pair"):  # (frontends.tokenizer.CachedTokenizer)
-            return tok.encode_pair(first, second)
-        return tok(first, second)["input_ids"]
+            return tok.encode_pair(first, second, max_length)
+        if max_length is None:
+            return tok(first, second)["input_ids"]
+        return tok(first, second, truncation="longest_first", max_length=max_length)["input_ids"]
 
     def encode_literal(self, text: str) -> list[int]:
         """``text`` as text alone: a special token's name in it is its characters, not the token (code that

@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 from datetime import datetime
 from typing import Any
 
@@ -112,6 +113,12 @@ class CachedTokenizer:
         from tokenizers import Tokenizer
 
         self._tokenizer = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+        # a tokenizer.json may set truncation or padding (cross-encoder exports do); transformers turns them off
+        # unless a call asks, and so does this
+        self._tokenizer.no_truncation()
+        self._tokenizer.no_padding()
+        self._truncating: Any = None  # a copy that truncates pairs (encode_pair's max_length), made when asked
+        self._truncating_lock = threading.Lock()
         with open(os.path.join(folder, "tokenizer_config.json")) as f:
             config = json.load(f)
         self.special_tokens = {k: v["content"] if isinstance(v, dict) else v
@@ -147,8 +154,16 @@ class CachedTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def encode_pair(self, first: str, second: str) -> list[int]:
-        return self._tokenizer.encode(first, second).ids
+    def encode_pair(self, first: str, second: str, max_length: int | None = None) -> list[int]:
+        if max_length is None:
+            return self._tokenizer.encode(first, second).ids
+        with self._truncating_lock:  # (its truncation is set per call: one call at a time)
+            if self._truncating is None:
+                from tokenizers import Tokenizer
+
+                self._truncating = Tokenizer.from_str(self._tokenizer.to_str())
+            self._truncating.enable_truncation(max_length, strategy="longest_first")
+            return self._truncating.encode(first, second).ids
 
     def apply_chat_template(self, messages: list[dict], tokenize: bool = True, add_generation_prompt: bool = False,
                             tools: list[dict] | None = None, **kwargs: Any) -> str | list[int]:

@@ -132,12 +132,14 @@ def test_served_classify(sentiment, tiny_llama):
         s.close()
 
 
-def hf_pair_scores(path: str, pairs: list[tuple[str, str]]) -> list[float]:
-    """transformers' one-label classifier on each pair, tokenized as its tokenizer pairs two texts."""
+def hf_pair_scores(path: str, pairs: list[tuple[str, str]], max_length: int | None = None) -> list[float]:
+    """transformers' one-label classifier on each pair, tokenized as its tokenizer pairs two texts (truncated
+    as vLLM asks it to where ``max_length`` is given)."""
     model = transformers.AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
     tok = transformers.AutoTokenizer.from_pretrained(path)
+    cut = {"truncation": "longest_first", "max_length": max_length} if max_length else {}
     with torch.no_grad():
-        return [model(torch.tensor([tok(a, b)["input_ids"]])).logits[0, 0].item() for a, b in pairs]
+        return [model(torch.tensor([tok(a, b, **cut)["input_ids"]])).logits[0, 0].item() for a, b in pairs]
 
 
 def sigmoid(x: float) -> float:
@@ -164,16 +166,23 @@ def test_a_one_label_classifier_reranks_pairs(reward):
         assert r["data"][0]["score"] == pytest.approx(want[0], abs=1e-5)
         status, r = post(s.url, "/rerank", {"query": QUERY, "documents": ["word " * 3000]})
         assert status == 400 and r["error"]["param"] == "documents", r
+        # truncated as transformers truncates a pair (the longer text cut from its end first), the query kept
+        long = "word " * 3000
+        cut = hf_pair_scores(reward, [(QUERY, long)], max_length=12)
+        status, r = post(s.url, "/score", {"text_1": QUERY, "text_2": [long], "truncate_prompt_tokens": 12})
+        assert status == 200 and r["data"][0]["score"] == pytest.approx(sigmoid(cut[0]), abs=1e-5), r
+        assert r["usage"]["prompt_tokens"] == 12
     finally:
         s.close()
 
 
-def test_a_reranker_from_its_yes_and_no_tokens(tmp_path, smollm_tokenizer_dir):
+@pytest.mark.parametrize("arch", ["qwen3", "granite"])
+def test_a_reranker_from_its_yes_and_no_tokens(arch, tmp_path, smollm_tokenizer_dir):
     """Qwen3-Reranker as vLLM serves it (``classifier_from_token: ["no", "yes"]``): the score is the LM head's
-    "yes" logit less its "no" logit at the pair's last token."""
+    "yes" logit less its "no" logit at the pair's last token (Granite's logits scaled as its LM head's)."""
     from tests.conftest import make_tiny_model
 
-    path = make_tiny_model(str(tmp_path), "qwen3", smollm_tokenizer_dir)
+    path = make_tiny_model(str(tmp_path), arch, smollm_tokenizer_dir)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tok = transformers.AutoTokenizer.from_pretrained(path)
     no, yes = tok.convert_tokens_to_ids("no"), tok.convert_tokens_to_ids("yes")
@@ -181,17 +190,23 @@ def test_a_reranker_from_its_yes_and_no_tokens(tmp_path, smollm_tokenizer_dir):
     with torch.no_grad():
         want = [(lg[yes] - lg[no]).item() for lg in (hf(torch.tensor([tok(a, b)["input_ids"]])).logits[0, -1]
                                                       for a, b in pairs)]
-    overrides = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"]}
+    overrides = {"architectures": [f"{arch.capitalize()}ForSequenceClassification"],
+                 "classifier_from_token": ["no", "yes"]}
     llm = LLM(path, device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=128, hf_overrides=overrides)
     assert [o.logits[0] for o in llm.classify([tok(a, b)["input_ids"] for a, b in pairs])] == \
         pytest.approx(want, abs=1e-4)
-    s = Server("--model", path, "--dtype", "float32", "--hf-overrides", json.dumps(overrides), startup=120)
-    try:
-        status, r = post(s.url, "/score", {"text_1": QUERY, "text_2": DOCS})
-        assert status == 200 and [d["score"] for d in r["data"]] == pytest.approx([sigmoid(x) for x in want],
-                                                                                   abs=1e-5)
-    finally:
-        s.close()
-    with pytest.raises(ValueError, match="not tokens"):
+    if arch == "qwen3":
+        s = Server("--model", path, "--dtype", "float32", "--hf-overrides", json.dumps(overrides), startup=120)
+        try:
+            status, r = post(s.url, "/score", {"text_1": QUERY, "text_2": DOCS})
+            assert status == 200 and [d["score"] for d in r["data"]] == pytest.approx([sigmoid(x) for x in want],
+                                                                                       abs=1e-5)
+        finally:
+            s.close()
+    for odd, match in ((["nope-not-a-token", "yes"], "not tokens"), (["yes", "yes"], "distinct"), ("yes", "list")):
+        with pytest.raises(ValueError, match=match):
+            LLM(path, device="cpu", dtype="float32", num_kv_blocks=16, max_model_len=64,
+                hf_overrides={**overrides, "classifier_from_token": odd})
+    with pytest.raises(ValueError, match="architecture of a classifier"):
         LLM(path, device="cpu", dtype="float32", num_kv_blocks=16, max_model_len=64,
-            hf_overrides={**overrides, "classifier_from_token": ["nope-not-a-token", "yes"]})
+            hf_overrides={"classifier_from_token": ["no", "yes"]})

@@ -96,3 +96,25 @@ def test_a_chat_template_given_replaces_the_models_loaded_or_cached(tmp_path, sm
     assert first.apply_chat_template(hi, tokenize=False) == "XhiY"
     assert again.apply_chat_template(hi, tokenize=False) == "AhiB"
     assert "<|im_start|>" in load_tokenizer(smollm_tokenizer_dir, cache).apply_chat_template(hi, tokenize=False)
+
+
+def test_cached_pairs_as_transformers_and_ignores_a_saved_truncation(pair, tmp_path):
+    """Pairs (a cross-encoder's query and document) encode as transformers pairs them, truncated alike
+    (``longest_first``); a tokenizer.json that sets truncation or padding is read as transformers reads
+    it: not applied unless a call asks."""
+    import json
+    import shutil
+
+    hf, cached, cache = pair
+    for a, b in (("Where do cats sleep?", "In boxes."), (TEXTS[0], TEXTS[-1])):
+        assert cached.encode_pair(a, b) == hf(a, b)["input_ids"]
+        assert cached.encode_pair(a, b, 6) == hf(a, b, truncation="longest_first", max_length=6)["input_ids"]
+    folder = tmp_path / "truncating"
+    shutil.copytree(cache, folder)
+    with open(folder / "tokenizer.json") as f:
+        spec = json.load(f)
+    spec["truncation"] = {"direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0}
+    with open(folder / "tokenizer.json", "w") as f:
+        json.dump(spec, f)
+    text = "one two three four five six seven"
+    assert CachedTokenizer(str(folder)).encode(text) == hf.encode(text)

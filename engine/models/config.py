@@ -336,19 +336,25 @@ class ModelConfig:
             vision=vision,
             labels=labels,
             lm_head=not labels,
-            score_tokens=tuple(str(t) for t in cfg.get("classifier_from_token") or ()),
+            score_tokens=tuple(cfg["classifier_from_token"]) if labels and cfg.get("classifier_from_token") else (),
         )
 
 
 def _labels(cfg: dict) -> tuple[str, ...]:
     """A ``*ForSequenceClassification`` checkpoint's labels, as transformers names them (``id2label``, else
     ``LABEL_i`` for ``num_labels``, 2 by default); () for any other."""
-    if not any(str(a).endswith("ForSequenceClassification") for a in cfg.get("architectures") or ()):
-        return ()
     tokens = cfg.get("classifier_from_token")
+    if not any(str(a).endswith("ForSequenceClassification") for a in cfg.get("architectures") or ()):
+        if tokens is not None:
+            raise ValueError("classifier_from_token needs the architecture of a classifier too (vLLM's): "
+                             "--hf-overrides '{\"architectures\": [\"Qwen3ForSequenceClassification\"], ...}'")
+        return ()
     if tokens is not None:
-        if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
-            raise ValueError(f"classifier_from_token must be a list of tokens, got {tokens!r}")
+        if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens) \
+                or len(set(tokens)) < len(tokens):
+            raise ValueError(f"classifier_from_token must be a list of distinct tokens, got {tokens!r}")
+        if cfg.get("final_logit_softcapping"):  # (capped logits' difference is no row's product)
+            raise ValueError("classifier_from_token cannot serve a model whose logits are soft-capped (Gemma 2)")
         return ("LABEL_0",) if len(tokens) == 2 else tuple(tokens)
     given = cfg.get("id2label") or {}
     try:
