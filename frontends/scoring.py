@@ -94,12 +94,11 @@ async def _cross_encoded(api, data: dict, pairs: list[tuple[str, str]], arrival:
     if keep is None:  # (too long to fit, before any tokenizing)
         for a, b in pairs:
             op.check_text_length(len(a) + len(b), api.max_chars, param)
-    else:  # a pair truncated keeps each text's start: longer texts are read no further than their first k tokens
-        room = max(api.max_chars, (keep + op.TRUNCATION_MARGIN) * api.codec.max_token_chars)
-        pairs = [(a[:room], b[:room]) for a, b in pairs]
+    # (truncated pairs are tokenized whole: which text is the longer decides the cut; the body bounds them)
     ids = []
     for piece, size in _pieces(pairs, _PAIRS_CHARS):  # (the tokenizer thread's work, never more than it holds)
-        ids += await api._offload(size, lambda piece=piece: [api.codec.encode_pair(a, b, keep) for a, b in piece])
+        ids += await api._offload(min(size, _PAIRS_CHARS),
+                                  lambda piece=piece: [api.codec.encode_pair(a, b, keep) for a, b in piece])
     passed = {k: data[k] for k in _PASSED if k in data and k != "truncate_prompt_tokens"}
     try:
         gen, _ = await embeddings_job(api, passed | {"input": ids}, arrival, prefix,

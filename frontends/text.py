@@ -95,7 +95,11 @@ class TextCodec:
             return tok.encode_pair(first, second, max_length)
         if max_length is None:
             return tok(first, second)["input_ids"]
-        return tok(first, second, truncation="longest_first", max_length=max_length)["input_ids"]
+        from frontends.tokenizer import truncated_pair
+
+        backend = tok.backend_tokenizer
+        backend.no_truncation()  # (transformers leaves a call's truncation set on it)
+        return truncated_pair(backend, first, second, max_length)
 
     def encode_literal(self, text: str) -> list[int]:
         """``text`` as text alone: a special token's name in it is its characters, not the token (code that

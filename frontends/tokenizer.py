@@ -16,12 +16,40 @@ import os
 import re
 import shutil
 import tempfile
-import threading
 from datetime import datetime
 from typing import Any
 
 _SOURCE_FILE = "tokenmill_source.txt"  # in a tokenizer cache: the model it was saved from
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+
+def longest_first(n_first: int, n_second: int, budget: int) -> tuple[int, int]:
+    """How many tokens of each of two texts the ``longest_first`` truncation of Hugging Face's tokenizers (what
+    transformers' fast tokenizers, and so vLLM, run) keeps within ``budget``: the shorter text whole where it
+    is at most half of it, else half (rounded down); the longer one the rest."""
+    budget = max(budget, 0)
+    if n_first + n_second <= budget:
+        return n_first, n_second
+    short = min(n_first, n_second, budget // 2)
+    return (budget - short, short) if n_first > n_second else (short, budget - short)
+
+
+def truncated_pair(tok: Any, first: str, second: str, max_length: int) -> list[int]:
+    """Two texts paired by a ``tokenizers.Tokenizer`` in at most ``max_length`` tokens, cut as transformers'
+    ``longest_first`` cuts them: each text encoded once and cut to its share (the library's own truncation
+    tries every window: seconds on long texts)."""
+    a, b = tok.encode(first, add_special_tokens=False), tok.encode(second, add_special_tokens=False)
+    keep_a, keep_b = longest_first(len(a), len(b), max_length - tok.num_special_tokens_to_add(True))
+    return tok.post_process(_cut(tok, a, keep_a), _cut(tok, b, keep_b)).ids
+
+
+def _cut(tok: Any, encoding: Any, n: int) -> Any:
+    """``encoding``'s first ``n`` tokens."""
+    if n == 0:
+        return tok.encode("", add_special_tokens=False)  # (truncate(0) never returns)
+    if n < len(encoding):
+        encoding.truncate(n)
+    return encoding
 
 
 def load_tokenizer(model_path: str, cache_dir: str | None = None, chat_template: str | None = None) -> Any:
@@ -117,8 +145,6 @@ class CachedTokenizer:
         # unless a call asks, and so does this
         self._tokenizer.no_truncation()
         self._tokenizer.no_padding()
-        self._truncating: Any = None  # a copy that truncates pairs (encode_pair's max_length), made when asked
-        self._truncating_lock = threading.Lock()
         with open(os.path.join(folder, "tokenizer_config.json")) as f:
             config = json.load(f)
         self.special_tokens = {k: v["content"] if isinstance(v, dict) else v
@@ -157,13 +183,7 @@ class CachedTokenizer:
     def encode_pair(self, first: str, second: str, max_length: int | None = None) -> list[int]:
         if max_length is None:
             return self._tokenizer.encode(first, second).ids
-        with self._truncating_lock:  # (its truncation is set per call: one call at a time)
-            if self._truncating is None:
-                from tokenizers import Tokenizer
-
-                self._truncating = Tokenizer.from_str(self._tokenizer.to_str())
-            self._truncating.enable_truncation(max_length, strategy="longest_first")
-            return self._truncating.encode(first, second).ids
+        return truncated_pair(self._tokenizer, first, second, max_length)
 
     def apply_chat_template(self, messages: list[dict], tokenize: bool = True, add_generation_prompt: bool = False,
                             tools: list[dict] | None = None, **kwargs: Any) -> str | list[int]:

@@ -104,11 +104,22 @@ def test_cached_pairs_as_transformers_and_ignores_a_saved_truncation(pair, tmp_p
     it: not applied unless a call asks."""
     import json
     import shutil
+    import time
+
+    from frontends.text import TextCodec
 
     hf, cached, cache = pair
-    for a, b in (("Where do cats sleep?", "In boxes."), (TEXTS[0], TEXTS[-1])):
+    long = "the cat sat on the mat " * 40
+    for a, b in (("Where do cats sleep?", "In boxes."), (TEXTS[0], TEXTS[-1]), (long, "short one"),
+                 ("short one", long), (long, long[:-30])):
         assert cached.encode_pair(a, b) == hf(a, b)["input_ids"]
-        assert cached.encode_pair(a, b, 6) == hf(a, b, truncation="longest_first", max_length=6)["input_ids"]
+        for k in (1, 5, 6, 11, 17, 64):  # (odd ones: which text is the longer decides the last token)
+            want = hf(a, b, truncation="longest_first", max_length=k)["input_ids"]
+            assert cached.encode_pair(a, b, k) == want == TextCodec(hf).encode_pair(a, b, k), (a, b, k)
+    digits = "0123456789" * 2000  # (a truncating tokenizer that tries every window takes seconds on these)
+    start = time.perf_counter()
+    assert len(cached.encode_pair(digits, digits, 1)) == 1
+    assert time.perf_counter() - start < 1.0
     folder = tmp_path / "truncating"
     shutil.copytree(cache, folder)
     with open(folder / "tokenizer.json") as f:
