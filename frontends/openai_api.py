@@ -388,8 +388,8 @@ class OpenAIApi:
         n = op.parse_n(data)
         want_logprobs = op.field(data, "logprobs", bool, False)
         top = op.field(data, "top_logprobs", int, None)
-        if top is not None and not 0 <= top <= 20:
-            raise ApiError(400, f"top_logprobs must be in [0, 20], got {top}", param="top_logprobs")
+        if top is not None and not 0 <= top <= op.MAX_LOGPROBS:
+            raise ApiError(400, f"top_logprobs must be in [0, {op.MAX_LOGPROBS}], got {top}", param="top_logprobs")
         if top and not want_logprobs:
             raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
         add_generation_prompt, continue_final = op.parse_continuation(data, messages)

@@ -196,11 +196,12 @@ async def rerank_job(api, data: dict, arrival: float | None = None) -> tuple[Gen
     with_documents = data.get("return_documents", True)
     if not isinstance(with_documents, bool):
         raise ApiError(400, "return_documents must be true or false", param="return_documents")
-    if _cross_encoder(api):
+    cross = _cross_encoder(api)
+    if cross:
         gen = await _cross_encoded(api, data, [(query[0], d) for d in documents], arrival, "rerank")
     else:
         gen = await _embedded(api, data, [("query", query), ("documents", documents)], arrival, "rerank")
-    return gen, RerankFormat(gen.lora or api.model, gen, documents, top_n or 0, with_documents, _cross_encoder(api))
+    return gen, RerankFormat(gen.lora or api.model, gen, documents, top_n or 0, with_documents, cross)
 
 
 async def score_job(api, data: dict, arrival: float | None = None) -> tuple[Generation, ScoreFormat]:
@@ -212,9 +213,10 @@ async def score_job(api, data: dict, arrival: float | None = None) -> tuple[Gene
     else:
         raise ApiError(400, f"text_1 has {len(first)} texts and text_2 {len(second)}: give one text_1, or as "
                        "many as text_2", param="text_2")
-    if _cross_encoder(api):
+    cross = _cross_encoder(api)
+    if cross:
         texts = first + second
         gen = await _cross_encoded(api, data, [(texts[i], texts[j]) for i, j in pairs], arrival, "score")
     else:
         gen = await _embedded(api, data, [("text_1", first), ("text_2", second)], arrival, "score")
-    return gen, ScoreFormat(gen.lora or api.model, gen, pairs, _cross_encoder(api))
+    return gen, ScoreFormat(gen.lora or api.model, gen, pairs, cross)
