@@ -106,6 +106,7 @@ class EngineClient:
         self.healthy = False
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | None = None  # the socket's connection events
         self._streams: dict[str, Stream] = {}
         self._stats_waiters: list[asyncio.Future] = []
         self._lora_waiters: dict[str, asyncio.Future] = {}  # call id -> the engine's answer to a LoRA update
@@ -163,6 +164,7 @@ class EngineClient:
         self.ready = ready
         self.healthy = self._connected = True
         self._last_seen = time.monotonic()
+        self._monitor = monitor
         self._tasks = [loop.create_task(self._read()), loop.create_task(self._watch(monitor)),
                        loop.create_task(self._liveness())]
         with contextlib.suppress(zmq.ZMQError):  # numbers for /health now, not at the first liveness tick
@@ -173,8 +175,11 @@ class EngineClient:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._sock is not None:
-            self._sock.close(0)
+        # (here, not in the watcher's ``finally``: a task cancelled before its first step never runs it, and
+        # term() waits for every socket)
+        for sock in (self._sock, self._monitor):
+            if sock is not None:
+                sock.close(0)
         self._ctx.term()
 
     # ------------------------------------------------------------------ requests
@@ -296,18 +301,15 @@ class EngineClient:
 
     async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
         hello = encode(Hello(self.frontend_id))
-        try:
-            while True:
-                event = parse_monitor_message(await monitor.recv_multipart())["event"]
-                if event == zmq.EVENT_DISCONNECTED:
-                    self._connected = False
-                    self._mark_unhealthy("the engine closed the connection")
-                elif event == zmq.EVENT_CONNECTED:
-                    self._connected = True
-                    if not self.healthy and self._sock is not None:
-                        self._sock.send(hello, zmq.NOBLOCK)  # a restarted engine learns who we are
-        finally:
-            monitor.close(0)
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_DISCONNECTED:
+                self._connected = False
+                self._mark_unhealthy("the engine closed the connection")
+            elif event == zmq.EVENT_CONNECTED:
+                self._connected = True
+                if not self.healthy and self._sock is not None:
+                    self._sock.send(hello, zmq.NOBLOCK)  # a restarted engine learns who we are
 
     async def _liveness(self) -> None:
         while True:

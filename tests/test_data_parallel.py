@@ -137,6 +137,26 @@ def test_router_refuses_engines_with_different_lora_adapters(two_engines):
     assert run(connect()).loras == [["sql", "/a/sql"]]
 
 
+def test_a_frontend_reconnecting_under_its_identity_is_answered_before_its_old_connection_is_gone(two_engines):
+    """As the real engine, the fake one hands an identity over to a new connection: without that, a client that
+    connects again under its identity before the engine has seen its old connection close (these tests' routers,
+    on a loaded machine) was never read, and its handshake waited out its timeout. Closing at once works too."""
+
+    async def main():
+        old = EngineClient(two_engines[0].address, "fe-test", handshake_timeout=3)
+        await old.connect()
+        new = EngineClient(two_engines[0].address, "fe-test", handshake_timeout=3)
+        await new.connect()  # the old connection is still open
+        for c in (new, old):
+            await c.close()
+        for _ in range(5):  # closed right after its handshake: its tasks never ran (close used to hang in term())
+            c = EngineClient(two_engines[0].address, "fe-test", handshake_timeout=3)
+            await c.connect()
+            await c.close()
+
+    run(main())
+
+
 def test_router_loads_an_adapter_on_every_engine_or_on_none(two_engines):
     """A LoRA update goes to every engine; ``ready.loras`` names what all of them serve. A load one engine refuses
     is undone on the others (a call may go to any), and the refusal answers; an unload is done where it can be."""

@@ -155,6 +155,9 @@ class FakeEngine(threading.Thread):
         ctx = zmq.Context()
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        # as the real engine: a frontend that reconnects under its identity before its old connection is gone
+        # takes it over (without this, the new connection is never read and its HELLO waits for nothing)
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         sock.bind(self.address)
         self.bound.set()
         while not self._halt.is_set():
