@@ -34,7 +34,7 @@ serve: install
 
 test: install
 	$(VENV)/bin/ruff check engine frontends kernels tests tools
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q --durations=30 $(ARGS)  # (the slowest tests, last: what CI's time goes to)
 
 bench: install
 	$(PY) tools/bench_offline.py --compare hf $(ARGS)

@@ -203,7 +203,7 @@ class Engine:
                      self.config.max_num_waiting_requests, [[name, a.path] for name, a in self.adapters.items()],
                      self.config.max_loras or 0, *((self.vision.image_token_id, self.vision.num_tokens,
                                                      self.config.max_images) if self.vision else ()),
-                     labels=list(self.labels))
+                     labels=list(self.labels), request_timeout=self.config.request_timeout)
 
     def load_lora(self, name: str, path: str, adapter: Adapter | None = None) -> None:
         """vLLM's ``/v1/load_lora_adapter``: LoRA adapter ``name`` from PEFT folder ``path`` (``adapter``: as

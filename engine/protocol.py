@@ -20,7 +20,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 12
 # a token's top logprobs the engine gives at most (the APIs show at most 20; beam search asks for more)
 MAX_LOGPROBS = 64
 
@@ -96,6 +96,10 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # llama.cpp's repeat_last_n: 0, vLLM's rules (the repetition penalty over the prompt and output, presence and
+    # frequency over the output); N > 0, llama.cpp's: all three over the context's last N tokens, the prompt's
+    # among them; -1 the same over the whole context
+    penalty_last_n: int = 0
     logit_bias: dict[int, float] | None = None
     stop: list[str] = field(default_factory=list)  # stop strings: matched by whoever detokenizes
     stop_token_ids: list[int] = field(default_factory=list)
@@ -176,6 +180,9 @@ class SamplingParams:
         if not MIN_REPETITION_PENALTY <= num("repetition_penalty") <= MAX_REPETITION_PENALTY:
             bad("repetition_penalty", f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, "
                 f"{MAX_REPETITION_PENALTY}], got {self.repetition_penalty}")
+        if not -1 <= integer("penalty_last_n") < 2**31:
+            bad("penalty_last_n", f"penalty_last_n must be -1 (the whole context), 0 or a number of tokens, "
+                f"got {self.penalty_last_n}")
         if self.seed is not None and not -(2**63) <= integer("seed") < 2**64:
             bad("seed", f"seed must fit in 64 bits, got {self.seed}")
         if integer("min_tokens") < 0:
@@ -380,6 +387,9 @@ class Ready:
     image_tokens: int = 0
     max_images: int = 0
     labels: list[str] = field(default_factory=list)  # a sequence classifier's (it classifies, nothing else)
+    # ``--request-timeout``: seconds a request without a deadline of its own gets (None: no limit); a frontend
+    # running one call as several requests (beam search's rounds) holds the whole call to it
+    request_timeout: float | None = None
     version: int = PROTOCOL_VERSION
     kind = Kind.READY
 
@@ -388,15 +398,15 @@ class Ready:
             self.model, self.max_model_len, self.vocab_size, list(self.eos_token_ids),
             self.max_num_seqs, self.num_kv_blocks, self.block_size, self.max_num_waiting_requests,
             [list(a) for a in self.loras], self.max_loras, self.image_token_id, self.image_tokens, self.max_images,
-            list(self.labels), self.version,
+            list(self.labels), self.request_timeout, self.version,
         ]
 
     @classmethod
     def from_wire(cls, p: list) -> Ready:
-        m, mml, vs, eos, mns, nb, bs, mw, loras, ml, it, nt, mi, labels, v = p
+        m, mml, vs, eos, mns, nb, bs, mw, loras, ml, it, nt, mi, labels, rt, v = p
         return cls(str(m), int(mml), int(vs), [int(t) for t in eos], int(mns), int(nb), int(bs), int(mw),
                    [[str(name), str(path)] for name, path in loras], int(ml), int(it), int(nt), int(mi),
-                   [str(x) for x in labels], int(v))
+                   [str(x) for x in labels], None if rt is None else float(rt), int(v))
 
 
 @dataclass

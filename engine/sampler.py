@@ -9,7 +9,8 @@ each row's ``SamplingParams``, its ``SamplingState`` and its token history.
 Semantics follow vLLM v1:
 - processing order: min_tokens -> logit_bias -> allowed_token_ids -> bad_words -> repetition
   penalty -> presence / frequency penalties -> grammar mask -> (greedy rows: argmax) -> temperature
-  -> top-k -> top-p -> min-p -> sample;
+  -> top-k -> top-p -> min-p -> sample; a request's ``penalty_last_n`` (llama.cpp's repeat_last_n)
+  counts the three penalties over the context's last N tokens instead, as llama.cpp does;
 - logprobs are the RAW model logprobs (``log_softmax`` of the logits as given),
   not of the processed distribution;
 - a seeded request's tokens depend only on its seed and on how many tokens it has
@@ -233,6 +234,18 @@ def _gather_rows(row_ids: list[tuple[int, torch.Tensor]],
     return rows.repeat_interleave(counts, output_size=cols.numel()), cols
 
 
+def penalty_window(prompt: list[int], output: list[int], last_n: int) -> list[int]:
+    """The tokens llama.cpp's penalties count (``SamplingParams.penalty_last_n``): the context's last ``last_n``
+    (-1: all of it), the prompt's among them; 0 (vLLM's rules): the output."""
+    if last_n == 0:
+        return output
+    if last_n < 0 or last_n >= len(prompt) + len(output):
+        return prompt + output
+    if last_n <= len(output):
+        return output[len(output) - last_n:]
+    return prompt[len(prompt) - (last_n - len(output)):] + output
+
+
 def apply_penalties(
     logits: torch.Tensor,
     prompt_tokens: torch.Tensor | None,
@@ -324,17 +337,20 @@ def process_logits(
         logits[to_device([i for i, _ in banned], device), to_device([b for _, b in banned], device)] = -math.inf
 
     # Penalties: tensors only for the rows that ask, padded with the spare column V.
+    # (A row with llama.cpp's window counts its window as its output, and has no prompt of its own.)
     pen = [i for i, s in enumerate(states) if s.needs_penalties]
     if pen:
         sub_params = [params[i] for i in pen]
-        outputs = pad_token_ids([torch.tensor(output_token_ids[i], dtype=torch.long) for i in pen], vocab, device)
+        outputs = pad_token_ids([torch.tensor(penalty_window(prompt_token_ids[i], output_token_ids[i],
+                                                             params[i].penalty_last_n), dtype=torch.long)
+                                 for i in pen], vocab, device)
         repetition = prompts = None
         if any(p.repetition_penalty != 1.0 for p in sub_params):
             repetition = to_device([p.repetition_penalty for p in sub_params], device)
             empty = torch.empty(0, dtype=torch.long)
             prompts = pad_token_ids(
-                [states[i].prompt_ids(prompt_token_ids[i]) if params[i].repetition_penalty != 1.0 else empty
-                 for i in pen],
+                [states[i].prompt_ids(prompt_token_ids[i])
+                 if params[i].repetition_penalty != 1.0 and not params[i].penalty_last_n else empty for i in pen],
                 vocab, device,
             )
         presence = to_device([p.presence_penalty for p in sub_params], device)

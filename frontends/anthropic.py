@@ -32,10 +32,10 @@ from frontends.responses import ItemWriter
 
 # chat fields a Messages body may carry as they are (tokenmill's and vLLM's extras)
 _PASSED = ("model", "temperature", "top_p", "top_k", "priority", "timeout", "cache_salt", "seed", "min_p",
-           "repetition_penalty", "presence_penalty", "frequency_penalty", "stop_token_ids", "chat_template_kwargs",
-           "ignore_eos", "min_tokens", "logit_bias", "skip_special_tokens", "stream", "structured_outputs", "guided_json",
-           "guided_choice", "guided_regex", "guided_grammar", "grammar", "json_schema", "allowed_token_ids", "bad_words",
-           "include_stop_str_in_output")
+           "repetition_penalty", "presence_penalty", "frequency_penalty", "repeat_last_n", "stop_token_ids",
+           "chat_template_kwargs", "ignore_eos", "min_tokens", "logit_bias", "skip_special_tokens", "stream",
+           "structured_outputs", "guided_json", "guided_choice", "guided_regex", "guided_grammar", "grammar",
+           "json_schema", "allowed_token_ids", "bad_words", "include_stop_str_in_output")
 MESSAGES_PARAMS = {"stop": "stop_sequences"}  # chat -> here, in refusals
 _WORDS = (("tool_choice 'required'", "tool_choice {'type': 'any'}"),  # the chat's words -> this API's
           ("a named function", "{'type': 'tool', 'name': ...}"), ("max_completion_tokens", "max_tokens"))

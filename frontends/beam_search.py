@@ -4,8 +4,9 @@ A ``BeamGeneration`` is a ``Generation`` whose choices are each prompt's n best 
 runs the whole search: a round of one-token requests per step (every live beam of every prompt, in one
 batch, each asking for its top logprobs), until every search is done, then answers every choice at
 once, finished. Its text goes through the choice's detokenizer and stop strings as a sampled choice's
-does (a beam ends at the token that completes a stop string, as at an end id). A deadline ends the
-search where it stands: the best beams so far, "timeout" for those still live.
+does (a beam ends at the token that completes a stop string, as at an end id). A deadline (the request's
+``timeout``, else the server's ``--request-timeout``, over the whole search) ends the search where it
+stands: the best beams so far, "timeout" for those still live.
 
 The search reads the model's own logprobs, so what would change them is refused (``beam_search_params``):
 structured output, forced tool calls, penalties, logit_bias, allowed or bad words, ``min_tokens``;
@@ -98,6 +99,8 @@ class BeamGeneration(Generation):
         super().__init__(client, codec, api_id, prompts, beam.beam_width, lambda i: base, priority, stop, deadline,
                          cache_salt, metrics, arrival, skip_special_tokens)
         self.codec = codec
+        if deadline is None and client.ready.request_timeout is not None:  # the whole search, not each round
+            self.deadline = time.time() + client.ready.request_timeout
         self.stop_token_ids = beam.stop_token_ids
         self.ends = end_ids(beam, client.ready.eos_token_ids)
         self.searches = [BeamSearch(beam, self.ends, stop_finder(codec, p, stop, skip_special_tokens)

@@ -67,6 +67,7 @@ _PASSED = ("top_p", "min_p", "presence_penalty", "frequency_penalty", "ignore_eo
            "include_stop_str_in_output", "skip_special_tokens", "n")
 _NAMES = {"logprobs": "n_probs", "max_tokens": "n_predict", "repetition_penalty": "repeat_penalty"}  # in refusals
 SAMPLERS = ["penalties", "top_k", "top_p", "min_p", "temperature"]  # tokenmill's order, as llama.cpp names them
+REPEAT_LAST_N = 64  # llama.cpp's: its penalties count the context's last 64 tokens
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 500: "server_error", 501: "not_supported_error", 503: "unavailable_error"}
 
@@ -135,6 +136,7 @@ def completion_body(data: dict, adapters: dict[str, str]) -> dict:
         body["top_k"] = max(top_k, 0)  # (<= 0: off)
     if data.get("repeat_penalty") is not None:
         body["repetition_penalty"] = data["repeat_penalty"]
+    body["repeat_last_n"] = data.get("repeat_last_n", REPEAT_LAST_N)  # (checked with the others)
     seed = op.field(data, "seed", int, None)
     if seed is not None and seed != -1 and seed != 0xFFFFFFFF:  # (-1: a random one)
         body["seed"] = seed
@@ -495,6 +497,7 @@ class LlamaCppApi:
                     "seed": params.seed if params.seed is not None else 0xFFFFFFFF,
                     "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
                     "min_p": params.min_p, "repeat_penalty": params.repetition_penalty,
+                    "repeat_last_n": params.penalty_last_n,
                     "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
                     "stop": params.stop, "ignore_eos": params.ignore_eos, "stream": bool(data.get("stream")),
                     "logit_bias": [{"token": t, "bias": b} for t, b in (params.logit_bias or {}).items()],
@@ -597,7 +600,7 @@ class LlamaCppApi:
         api, ready = self.api, self.api.client.ready
         tok = self.codec.tokenizer
         params = {"n_predict": -1, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
-                  "repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "seed": 0xFFFFFFFF,
+                  "repeat_penalty": 1.0, "repeat_last_n": REPEAT_LAST_N, "presence_penalty": 0.0, "frequency_penalty": 0.0, "seed": 0xFFFFFFFF,
                   "stop": [], "ignore_eos": False, "n_probs": 0, "grammar": "", "samplers": SAMPLERS}
         params |= {("repeat_penalty" if k == "repetition_penalty" else k): v for k, v in api.sampling_defaults.items()
                    if k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")}

@@ -28,10 +28,10 @@ from frontends.generation import Generation, Update
 
 # chat fields a Responses body may carry as they are
 _PASSED = ("model", "temperature", "top_p", "parallel_tool_calls", "user", "priority", "timeout", "cache_salt",
-           "seed", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop",
-           "stop_token_ids", "chat_template_kwargs", "include_reasoning", "ignore_eos", "min_tokens", "logit_bias",
-           "skip_special_tokens", "structured_outputs", "guided_json", "guided_choice", "guided_regex", "guided_grammar",
-           "grammar", "json_schema", "allowed_token_ids", "bad_words", "include_stop_str_in_output")
+           "seed", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "repeat_last_n",
+           "stop", "stop_token_ids", "chat_template_kwargs", "include_reasoning", "ignore_eos", "min_tokens",
+           "logit_bias", "skip_special_tokens", "structured_outputs", "guided_json", "guided_choice", "guided_regex",
+           "guided_grammar", "grammar", "json_schema", "allowed_token_ids", "bad_words", "include_stop_str_in_output")
 _UNSTORED = ("previous_response_id", "conversation", "prompt")  # they name state this server does not keep
 RESPONSES_PARAMS = {"max_tokens": "max_output_tokens", "response_format": "text", "messages": "input"}  # chat -> here
 

@@ -238,6 +238,25 @@ def test_a_deadline_answers_the_best_so_far(tiny_client):
     assert 0 < r.usage.completion_tokens < 4 * 240
 
 
+def test_the_servers_request_timeout_holds_the_whole_search(tiny_llama):
+    """``--request-timeout`` ends a search without a timeout of its own as a whole (each round used to get it
+    anew: the search ran on for as long as it liked)."""
+    import openai
+
+    from tests.test_server_e2e import Server
+
+    s = Server("--model", tiny_llama, "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "256",
+               "--request-timeout", "0.5", startup=120)
+    try:
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=0)
+        r = client.completions.create(model="tiny", prompt="Once upon a time", n=4, max_tokens=240,  # (~1 s of rounds)
+                                      extra_body={"use_beam_search": True, "ignore_eos": True})
+        assert len(r.choices) == 4 and all(c.finish_reason == "timeout" for c in r.choices)
+        assert 0 < r.usage.completion_tokens < 4 * 240
+    finally:
+        s.close()
+
+
 def test_a_client_that_goes_away_ends_the_search(tiny_server):
     """The rounds stop when the caller disconnects mid-search (no engine request runs after)."""
     import json

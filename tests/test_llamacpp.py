@@ -89,11 +89,12 @@ def test_bodies_become_completions():
                             "seed": -1, "stop": "END", "grammar": "", "json_schema": {"type": "object"},
                             "n_probs": 3, "typical_p": 1.0, "mirostat": 0, "dry_multiplier": 0, "model": "anything",
                             "cache_prompt": True, "id_slot": 2, "samplers": ["top_k"]}, {})
-    assert body == {"temperature": 0.0, "top_k": 0, "repetition_penalty": 1.1, "stop": ["END"],
+    assert body == {"temperature": 0.0, "top_k": 0, "repetition_penalty": 1.1, "repeat_last_n": 64, "stop": ["END"],
                     "json_schema": {"type": "object"}, "logprobs": 3}
-    assert completion_body({"grammar": "root ::= \"a\"", "json_schema": {}, "seed": 7, "stop": ["", "x"]}, {}) == {
-        "grammar": "root ::= \"a\"", "seed": 7, "stop": ["x"]}  # a grammar wins over a schema, as in llama.cpp
-    assert completion_body({"model": "sql"}, {"sql": "/adapters/sql"}) == {"model": "sql"}  # a LoRA adapter's name
+    assert completion_body({"grammar": "root ::= \"a\"", "json_schema": {}, "seed": 7, "stop": ["", "x"],
+                            "repeat_last_n": -1}, {}) == {
+        "grammar": "root ::= \"a\"", "seed": 7, "stop": ["x"], "repeat_last_n": -1}  # a grammar wins over a schema
+    assert completion_body({"model": "sql"}, {"sql": "/adapters/sql"}) == {"model": "sql", "repeat_last_n": 64}
     for name, value in (("mirostat", 2), ("typical_p", 0.5), ("dry_multiplier", 0.8), ("xtc_probability", 0.5)):
         with pytest.raises(ApiError, match=f"{name} .* is not supported") as e:
             completion_body({name: value}, {})
@@ -329,6 +330,46 @@ def test_tokenize_detokenize_props_and_apply_template(server):
     assert "im_start" in props["chat_template"]
     shown = post(server, "/apply-template", {"messages": [{"role": "user", "content": "Hi"}]})
     assert shown["prompt"].endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.fixture(scope="module")
+def hf_coder(coder):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(coder, torch_dtype="float32").eval()
+
+
+def test_penalties_count_the_last_n_tokens_as_llama_cpp_s(server, hf_coder):
+    """repeat_penalty, presence_penalty and frequency_penalty over the context's last ``repeat_last_n`` tokens
+    (64 by default, -1 all, 0 none), the prompt's among them: greedy tokens equal transformers' greedy ones under
+    llama.cpp's penalties sampler (tests.test_sampler's), step by step; ``/v1/completions`` reads it too."""
+    import torch
+
+    from tests.test_sampler import _llama_cpp_penalties
+
+    prompt = "the cat sat on the mat, the cat sat on the mat, the cat"
+    ids = post(server, "/tokenize", {"content": prompt, "add_special": True})["tokens"]
+    pen = {"repeat_penalty": 1.8, "presence_penalty": 0.6, "frequency_penalty": 0.4}
+    got = {}
+    for last_n in (3, 64, -1, 0, None):
+        body = {"prompt": prompt, "n_predict": 20, "temperature": 0, "return_tokens": True, "ignore_eos": True, **pen,
+                **({} if last_n is None else {"repeat_last_n": last_n})}
+        got[last_n] = post(server, "/completion", body)["tokens"]
+        context = list(ids)
+        with torch.no_grad():
+            for _ in range(20):
+                logits = hf_coder(torch.tensor([context])).logits[0, -1].tolist()
+                logits = _llama_cpp_penalties(logits, context, 64 if last_n is None else last_n,
+                                              pen["repeat_penalty"], pen["frequency_penalty"], pen["presence_penalty"])
+                context.append(max(range(len(logits)), key=logits.__getitem__))
+        assert got[last_n] == context[len(ids):], last_n
+    assert len({tuple(t) for t in got.values()}) >= 3  # (the window matters)
+    openai = post(server, "/v1/completions", {"prompt": ids, "max_tokens": 20, "temperature": 0, "repeat_last_n": 3,
+                                              "repetition_penalty": 1.8, "presence_penalty": 0.6,
+                                              "frequency_penalty": 0.4, "return_token_ids": True})
+    assert openai["choices"][0]["token_ids"] == got[3]
+    status, raw = call(server, "/completion", {"prompt": "x", "repeat_last_n": -2})
+    assert status == 400 and "repeat_last_n must be -1" in json.loads(raw)["error"]["message"]
 
 
 def test_refusals_in_llamacpp_s_shape(server):

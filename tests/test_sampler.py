@@ -325,6 +325,58 @@ def test_penalties_only_touch_rows_that_ask():
     assert torch.allclose(got[1], exp)
 
 
+def _llama_cpp_penalties(logits: list[float], context: list[int], last_n: int, repeat: float, freq: float,
+                         present: float) -> list[float]:
+    """llama.cpp's penalties sampler, as written there: the last ``last_n`` tokens the sampler accepted (the
+    server feeds it the prompt, then each token; -1: the context's size, 0: off), counted; each counted token's
+    logit divided by ``repeat`` (multiplied where <= 0), then less ``count * freq + (count > 0) * present``."""
+    if last_n == 0:
+        return list(logits)
+    window = context[-last_n:] if last_n > 0 else context
+    out = list(logits)
+    for tok in set(window):
+        count = window.count(tok)
+        out[tok] = out[tok] * repeat if out[tok] <= 0 else out[tok] / repeat
+        out[tok] -= count * freq + (count > 0) * present
+    return out
+
+
+def test_penalty_last_n_is_llama_cpps_window_over_prompt_and_output():
+    """``penalty_last_n`` (llama.cpp's repeat_last_n) counts all three penalties over the context's last N tokens,
+    the prompt's among them, as llama.cpp's sampler does; rows of vLLM's rules (0) beside them keep theirs."""
+    torch.manual_seed(3)
+    vocab = 12
+    prompt = [1, 5, 5, 7, 2, 9, 9, 9]
+    output = [3, 5, 3, 11]
+    cases = [(1, 1.3, 0.0, 0.0), (3, 1.5, 0.4, 0.2), (6, 1.1, 0.3, -0.5), (10, 2.0, 0.1, 0.1), (12, 1.2, 0.2, 0.3),
+             (64, 1.4, -0.2, 0.5), (-1, 1.25, 0.5, 0.25)]
+    params = [SamplingParams(penalty_last_n=n, repetition_penalty=r, frequency_penalty=f, presence_penalty=pr)
+              for n, r, f, pr in cases] + [SamplingParams(repetition_penalty=1.5, frequency_penalty=0.5)]
+    logits = torch.randn(len(params), vocab)
+    logits[:, 5] = -0.0  # (a zero logit: llama.cpp multiplies it)
+    got = _process(logits, params, [prompt] * len(params), [output] * len(params))
+    for row, (n, r, f, pr) in enumerate(cases):
+        want = _llama_cpp_penalties(logits[row].tolist(), prompt + output, n, r, f, pr)
+        assert torch.allclose(got[row], torch.tensor(want), atol=1e-6), n
+    vllm = _process(logits[-1:], params[-1:], [prompt], [output])  # (the same row alone)
+    assert torch.equal(got[-1], vllm[0])
+
+
+@pytest.mark.parametrize(("last_n", "want"), [(0, [7, 8]), (1, [8]), (2, [7, 8]), (3, [3, 7, 8]), (5, [1, 2, 3, 7, 8]),
+                                               (9, [1, 2, 3, 7, 8]), (-1, [1, 2, 3, 7, 8])])
+def test_penalty_window(last_n, want):
+    from engine.sampler import penalty_window
+
+    assert penalty_window([1, 2, 3], [7, 8], last_n) == want
+    assert penalty_window([1, 2, 3], [], 2) == [2, 3]
+
+
+def test_penalty_last_n_is_checked():
+    for bad in (-2, 2**31, 1.5, True):
+        with pytest.raises(ValueError, match="penalty_last_n"):
+            SamplingParams(penalty_last_n=bad)
+
+
 def test_logit_bias_is_added_and_out_of_vocab_ids_ignored():
     logits = torch.zeros(2, 5)
     params = [SamplingParams(logit_bias={1: 5.0, 4: -100.0, 99: 3.0}), SamplingParams()]
