@@ -96,10 +96,10 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    # llama.cpp's repeat_last_n: 0, vLLM's rules (the repetition penalty over the prompt and output, presence and
-    # frequency over the output); N > 0, llama.cpp's: all three over the context's last N tokens, the prompt's
-    # among them; -1 the same over the whole context
-    penalty_last_n: int = 0
+    # llama.cpp's: the three penalties count the context's last repeat_last_n tokens, the prompt's among them (-1:
+    # the whole context; 0: no penalty at all); None: vLLM's rules (the repetition penalty over the prompt and
+    # output, presence and frequency over the output)
+    repeat_last_n: int | None = None
     logit_bias: dict[int, float] | None = None
     stop: list[str] = field(default_factory=list)  # stop strings: matched by whoever detokenizes
     stop_token_ids: list[int] = field(default_factory=list)
@@ -180,9 +180,9 @@ class SamplingParams:
         if not MIN_REPETITION_PENALTY <= num("repetition_penalty") <= MAX_REPETITION_PENALTY:
             bad("repetition_penalty", f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, "
                 f"{MAX_REPETITION_PENALTY}], got {self.repetition_penalty}")
-        if not -1 <= integer("penalty_last_n") < 2**31:
-            bad("penalty_last_n", f"penalty_last_n must be -1 (the whole context), 0 or a number of tokens, "
-                f"got {self.penalty_last_n}")
+        if self.repeat_last_n is not None and not -1 <= integer("repeat_last_n") < 2**31:
+            bad("repeat_last_n", f"repeat_last_n must be -1 (the whole context), 0 (no penalties) or a number of "
+                f"tokens, got {self.repeat_last_n}")
         if self.seed is not None and not -(2**63) <= integer("seed") < 2**64:
             bad("seed", f"seed must fit in 64 bits, got {self.seed}")
         if integer("min_tokens") < 0:

@@ -9,8 +9,8 @@ each row's ``SamplingParams``, its ``SamplingState`` and its token history.
 Semantics follow vLLM v1:
 - processing order: min_tokens -> logit_bias -> allowed_token_ids -> bad_words -> repetition
   penalty -> presence / frequency penalties -> grammar mask -> (greedy rows: argmax) -> temperature
-  -> top-k -> top-p -> min-p -> sample; a request's ``penalty_last_n`` (llama.cpp's repeat_last_n)
-  counts the three penalties over the context's last N tokens instead, as llama.cpp does;
+  -> top-k -> top-p -> min-p -> sample; a request's ``repeat_last_n`` (llama.cpp's) counts the three
+  penalties over the context's last N tokens instead, as llama.cpp does;
 - logprobs are the RAW model logprobs (``log_softmax`` of the logits as given),
   not of the processed distribution;
 - a seeded request's tokens depend only on its seed and on how many tokens it has
@@ -65,13 +65,13 @@ class SamplingState:
     """
 
     __slots__ = ("seed", "plain_greedy", "needs_penalties", "reads_output", "grammar", "bad_words", "allowed",
-                 "_bad_after", "_prompt_len", "_prompt_ids", "_stop_ids", "_bias_ids", "_bias_values", "_allowed_ids",
-                 "_placed_for", "_placed")
+                 "_bad_after", "_prompt_len", "_prompt_ids", "_window_len", "_window", "_stop_ids", "_bias_ids",
+                 "_bias_values", "_allowed_ids", "_placed_for", "_placed")
 
     def __init__(self, params: SamplingParams, grammar: GrammarMatcher | None = None) -> None:
         self.grammar = grammar  # structured output: where the request's output stands in its grammar
         self.seed = None if params.seed is None else params.seed & _SEED_MASK
-        self.needs_penalties = (
+        self.needs_penalties = params.repeat_last_n != 0 and (
             params.presence_penalty != 0.0
             or params.frequency_penalty != 0.0
             or params.repetition_penalty != 1.0
@@ -91,8 +91,9 @@ class SamplingState:
             params.greedy and not self.reads_output and not params.logit_bias and params.logprobs is None
             and grammar is None and params.allowed_token_ids is None
         )
-        self._prompt_len = -1
+        self._prompt_len = self._window_len = -1
         self._prompt_ids: torch.Tensor | None = None
+        self._window: torch.Tensor | None = None  # the prompt's part of llama.cpp's window
         # Stop ids matter to the sampler only while min_tokens bans them.
         self._stop_ids = _long_tensor(params.stop_token_ids if params.min_tokens > 0 else [])
         bias = params.logit_bias or {}
@@ -108,6 +109,19 @@ class SamplingState:
             self._prompt_ids = torch.tensor(prompt_token_ids, dtype=torch.long).unique()
             self._prompt_len = len(prompt_token_ids)
         return self._prompt_ids
+
+    def penalized(self, prompt_token_ids: list[int], output_token_ids: list[int], last_n: int | None) -> torch.Tensor:
+        """The tokens a row's penalties count, as a CPU tensor: the output (vLLM's rules, ``last_n`` None), or
+        llama.cpp's window, the context's last ``last_n`` tokens (-1: all), whose prompt part is built once."""
+        out = output_token_ids
+        if last_n is None or 0 < last_n <= len(out):
+            return torch.tensor(out if last_n is None else out[len(out) - last_n:], dtype=torch.long)
+        if self._window is None or self._window_len != len(prompt_token_ids):
+            keep = len(prompt_token_ids) if last_n < 0 else min(last_n, len(prompt_token_ids))
+            self._window = torch.tensor(prompt_token_ids[len(prompt_token_ids) - keep:], dtype=torch.long)
+            self._window_len = len(prompt_token_ids)
+        head = self._window if last_n < 0 else self._window[max(0, len(self._window) - (last_n - len(out))):]
+        return torch.cat((head, torch.tensor(out, dtype=torch.long)))
 
     def tensors(self, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                  torch.Tensor]:
@@ -234,18 +248,6 @@ def _gather_rows(row_ids: list[tuple[int, torch.Tensor]],
     return rows.repeat_interleave(counts, output_size=cols.numel()), cols
 
 
-def penalty_window(prompt: list[int], output: list[int], last_n: int) -> list[int]:
-    """The tokens llama.cpp's penalties count (``SamplingParams.penalty_last_n``): the context's last ``last_n``
-    (-1: all of it), the prompt's among them; 0 (vLLM's rules): the output."""
-    if last_n == 0:
-        return output
-    if last_n < 0 or last_n >= len(prompt) + len(output):
-        return prompt + output
-    if last_n <= len(output):
-        return output[len(output) - last_n:]
-    return prompt[len(prompt) - (last_n - len(output)):] + output
-
-
 def apply_penalties(
     logits: torch.Tensor,
     prompt_tokens: torch.Tensor | None,
@@ -341,8 +343,7 @@ def process_logits(
     pen = [i for i, s in enumerate(states) if s.needs_penalties]
     if pen:
         sub_params = [params[i] for i in pen]
-        outputs = pad_token_ids([torch.tensor(penalty_window(prompt_token_ids[i], output_token_ids[i],
-                                                             params[i].penalty_last_n), dtype=torch.long)
+        outputs = pad_token_ids([states[i].penalized(prompt_token_ids[i], output_token_ids[i], params[i].repeat_last_n)
                                  for i in pen], vocab, device)
         repetition = prompts = None
         if any(p.repetition_penalty != 1.0 for p in sub_params):
@@ -350,7 +351,7 @@ def process_logits(
             empty = torch.empty(0, dtype=torch.long)
             prompts = pad_token_ids(
                 [states[i].prompt_ids(prompt_token_ids[i])
-                 if params[i].repetition_penalty != 1.0 and not params[i].penalty_last_n else empty for i in pen],
+                 if params[i].repetition_penalty != 1.0 and params[i].repeat_last_n is None else empty for i in pen],
                 vocab, device,
             )
         presence = to_device([p.presence_penalty for p in sub_params], device)

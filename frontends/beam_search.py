@@ -26,6 +26,7 @@ from frontends.openai_params import field, structured_fields
 from frontends.text import IncrementalDetokenizer, StopMatcher, StopStrings, TextCodec
 
 # fields that change the distribution beams are ranked by, and the values that leave it as it is
+_PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 _NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "logit_bias": None,
             "allowed_token_ids": None, "bad_words": None, "min_tokens": 0}
 
@@ -39,8 +40,9 @@ def beam_search_params(data: dict, base: SamplingParams, n: int, eos_ids, forced
         return None
     if not 1 <= n <= MAX_BEAM_WIDTH:
         raise ApiError(400, f"beam search keeps n beams: n must be in [1, {MAX_BEAM_WIDTH}], got {n}", param="n")
+    off = _PENALTIES if base.repeat_last_n == 0 else ()  # (llama.cpp's window of none: no penalty)
     refused = structured_fields(data) + ["tool_choice"] * forced_tools + [
-        name for name, neutral in _NEUTRAL.items() if data.get(name) not in (None, neutral, {}, [])]
+        name for name, neutral in _NEUTRAL.items() if name not in off and data.get(name) not in (None, neutral, {}, [])]
     if refused:
         raise ApiError(400, f"{refused[0]} cannot be used with use_beam_search: beams are ranked by the model's "
                        "own logprobs", param=refused[0])

@@ -136,7 +136,8 @@ def completion_body(data: dict, adapters: dict[str, str]) -> dict:
         body["top_k"] = max(top_k, 0)  # (<= 0: off)
     if data.get("repeat_penalty") is not None:
         body["repetition_penalty"] = data["repeat_penalty"]
-    body["repeat_last_n"] = data.get("repeat_last_n", REPEAT_LAST_N)  # (checked with the others)
+    last_n = data.get("repeat_last_n")  # (checked with the others)
+    body["repeat_last_n"] = REPEAT_LAST_N if last_n is None else last_n
     seed = op.field(data, "seed", int, None)
     if seed is not None and seed != -1 and seed != 0xFFFFFFFF:  # (-1: a random one)
         body["seed"] = seed
@@ -497,7 +498,7 @@ class LlamaCppApi:
                     "seed": params.seed if params.seed is not None else 0xFFFFFFFF,
                     "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
                     "min_p": params.min_p, "repeat_penalty": params.repetition_penalty,
-                    "repeat_last_n": params.penalty_last_n,
+                    "repeat_last_n": api.max_model_len if params.repeat_last_n == -1 else params.repeat_last_n,
                     "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
                     "stop": params.stop, "ignore_eos": params.ignore_eos, "stream": bool(data.get("stream")),
                     "logit_bias": [{"token": t, "bias": b} for t, b in (params.logit_bias or {}).items()],
@@ -600,8 +601,9 @@ class LlamaCppApi:
         api, ready = self.api, self.api.client.ready
         tok = self.codec.tokenizer
         params = {"n_predict": -1, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
-                  "repeat_penalty": 1.0, "repeat_last_n": REPEAT_LAST_N, "presence_penalty": 0.0, "frequency_penalty": 0.0, "seed": 0xFFFFFFFF,
-                  "stop": [], "ignore_eos": False, "n_probs": 0, "grammar": "", "samplers": SAMPLERS}
+                  "repeat_penalty": 1.0, "repeat_last_n": REPEAT_LAST_N, "presence_penalty": 0.0,
+                  "frequency_penalty": 0.0, "seed": 0xFFFFFFFF, "stop": [], "ignore_eos": False, "n_probs": 0,
+                  "grammar": "", "samplers": SAMPLERS}
         params |= {("repeat_penalty" if k == "repetition_penalty" else k): v for k, v in api.sampling_defaults.items()
                    if k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")}
         return Response(200, orjson.dumps({

@@ -339,13 +339,9 @@ def sampling_params(data: dict, *, max_tokens: int, logprobs: int | None, vocab_
         raise ApiError(400, f"tool_choice holds the output to tool calls: it cannot be combined with {given[0]}",
                        param=given[0])
     held, held_by = ({"json_schema": tool_schema}, "tools") if tool_schema is not None else parse_structured(data)
-    last_n = field(data, "repeat_last_n", int, None)  # llama.cpp's (absent: vLLM's rules)
-    if last_n is not None and not -1 <= last_n < 2**31:
-        raise ApiError(400, f"repeat_last_n must be -1 (the whole context), 0 (no penalties) or a number of "
-                       f"tokens, got {last_n}", param="repeat_last_n")
     num = (int, float)
     try:
-        params = SamplingParams(
+        return SamplingParams(
             max_tokens=max_tokens,
             temperature=field(data, "temperature", num, d["temperature"]),
             top_p=field(data, "top_p", num, d["top_p"]),
@@ -355,7 +351,7 @@ def sampling_params(data: dict, *, max_tokens: int, logprobs: int | None, vocab_
             presence_penalty=field(data, "presence_penalty", num, 0.0),
             frequency_penalty=field(data, "frequency_penalty", num, 0.0),
             repetition_penalty=field(data, "repetition_penalty", num, d["repetition_penalty"]),
-            penalty_last_n=last_n or 0,
+            repeat_last_n=field(data, "repeat_last_n", int, None),  # llama.cpp's (absent: vLLM's rules)
             logit_bias=logit_bias,
             stop=stop,
             stop_token_ids=stop_token_ids,
@@ -373,9 +369,6 @@ def sampling_params(data: dict, *, max_tokens: int, logprobs: int | None, vocab_
         raise ApiError(400, str(e), param=param) from None
     except (TypeError, ValueError) as e:
         raise ApiError(400, f"Invalid sampling parameters: {e}") from None
-    if last_n == 0:  # llama.cpp's: a window of none, so no penalty at all
-        params.presence_penalty, params.frequency_penalty, params.repetition_penalty = 0.0, 0.0, 1.0
-    return params
 
 
 _STRUCTURED = ("response_format", "json_schema", "structured_outputs", "guided_json", "guided_choice",

@@ -200,6 +200,9 @@ def test_what_beam_search_cannot_honour_is_a_400(tiny_client, extra, param):
         "use_beam_search": True, "presence_penalty": 0, "repetition_penalty": 1.0, "min_tokens": 0,
         "logit_bias": {}, "bad_words": []})
     assert len(r.choices) == 2
+    r = tiny_client.completions.create(model="tiny", prompt="Hi", max_tokens=4, n=2, extra_body={  # penalties off
+        "use_beam_search": True, "presence_penalty": 1, "repeat_last_n": 0})
+    assert len(r.choices) == 2
 
 
 @pytest.mark.parametrize("penalty", [1000, 1000.0, -1000, 400.5, -60])

@@ -364,6 +364,12 @@ def test_penalties_count_the_last_n_tokens_as_llama_cpp_s(server, hf_coder):
                 context.append(max(range(len(logits)), key=logits.__getitem__))
         assert got[last_n] == context[len(ids):], last_n
     assert len({tuple(t) for t in got.values()}) >= 3  # (the window matters)
+    body = {"prompt": prompt, "n_predict": 20, "temperature": 0, "return_tokens": True, "ignore_eos": True, **pen}
+    nulled = post(server, "/completion", {**body, "repeat_last_n": None})  # (null: the default, as llama.cpp)
+    assert nulled["tokens"] == got[None] and nulled["generation_settings"]["repeat_last_n"] == 64
+    whole = post(server, "/completion", {**body, "repeat_last_n": -1})["generation_settings"]
+    assert whole["repeat_last_n"] == 4096 and whole["repeat_penalty"] == 1.8  # (-1: the context's size, as there)
+    assert post(server, "/completion", {**body, "repeat_last_n": 0})["generation_settings"]["repeat_penalty"] == 1.8
     openai = post(server, "/v1/completions", {"prompt": ids, "max_tokens": 20, "temperature": 0, "repeat_last_n": 3,
                                               "repetition_penalty": 1.8, "presence_penalty": 0.6,
                                               "frequency_penalty": 0.4, "return_token_ids": True})

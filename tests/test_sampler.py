@@ -341,16 +341,16 @@ def _llama_cpp_penalties(logits: list[float], context: list[int], last_n: int, r
     return out
 
 
-def test_penalty_last_n_is_llama_cpps_window_over_prompt_and_output():
-    """``penalty_last_n`` (llama.cpp's repeat_last_n) counts all three penalties over the context's last N tokens,
-    the prompt's among them, as llama.cpp's sampler does; rows of vLLM's rules (0) beside them keep theirs."""
+def test_repeat_last_n_is_llama_cpps_window_over_prompt_and_output():
+    """``repeat_last_n`` (llama.cpp's) counts all three penalties over the context's last N tokens, the prompt's
+    among them, as llama.cpp's sampler does (0: none); rows of vLLM's rules (None) beside them keep theirs."""
     torch.manual_seed(3)
     vocab = 12
     prompt = [1, 5, 5, 7, 2, 9, 9, 9]
     output = [3, 5, 3, 11]
-    cases = [(1, 1.3, 0.0, 0.0), (3, 1.5, 0.4, 0.2), (6, 1.1, 0.3, -0.5), (10, 2.0, 0.1, 0.1), (12, 1.2, 0.2, 0.3),
+    cases = [(0, 1.5, 0.5, 0.5), (1, 1.3, 0.0, 0.0), (3, 1.5, 0.4, 0.2), (6, 1.1, 0.3, -0.5), (10, 2.0, 0.1, 0.1), (12, 1.2, 0.2, 0.3),
              (64, 1.4, -0.2, 0.5), (-1, 1.25, 0.5, 0.25)]
-    params = [SamplingParams(penalty_last_n=n, repetition_penalty=r, frequency_penalty=f, presence_penalty=pr)
+    params = [SamplingParams(repeat_last_n=n, repetition_penalty=r, frequency_penalty=f, presence_penalty=pr)
               for n, r, f, pr in cases] + [SamplingParams(repetition_penalty=1.5, frequency_penalty=0.5)]
     logits = torch.randn(len(params), vocab)
     logits[:, 5] = -0.0  # (a zero logit: llama.cpp multiplies it)
@@ -362,19 +362,23 @@ def test_penalty_last_n_is_llama_cpps_window_over_prompt_and_output():
     assert torch.equal(got[-1], vllm[0])
 
 
-@pytest.mark.parametrize(("last_n", "want"), [(0, [7, 8]), (1, [8]), (2, [7, 8]), (3, [3, 7, 8]), (5, [1, 2, 3, 7, 8]),
-                                               (9, [1, 2, 3, 7, 8]), (-1, [1, 2, 3, 7, 8])])
-def test_penalty_window(last_n, want):
-    from engine.sampler import penalty_window
+def test_the_tokens_penalties_count():
+    """The window as the output grows: the prompt's part (built once) shrinks, then only the output's last N."""
+    state = SamplingState(SamplingParams(repeat_last_n=3, presence_penalty=1.0))
+    prompt = [1, 2, 3, 4]
+    for output, want in (([], [2, 3, 4]), ([7], [3, 4, 7]), ([7, 8], [4, 7, 8]), ([7, 8, 9], [7, 8, 9]),
+                         ([7, 8, 9, 10], [8, 9, 10])):
+        assert state.penalized(prompt, output, 3).tolist() == want
+    state = SamplingState(SamplingParams(repeat_last_n=-1, presence_penalty=1.0))
+    assert state.penalized(prompt, [7, 8], -1).tolist() == [1, 2, 3, 4, 7, 8]
+    assert SamplingState(SamplingParams()).penalized(prompt, [7, 8], None).tolist() == [7, 8]
+    assert not SamplingState(SamplingParams(repeat_last_n=0, repetition_penalty=2.0)).needs_penalties
 
-    assert penalty_window([1, 2, 3], [7, 8], last_n) == want
-    assert penalty_window([1, 2, 3], [], 2) == [2, 3]
 
-
-def test_penalty_last_n_is_checked():
+def test_repeat_last_n_is_checked():
     for bad in (-2, 2**31, 1.5, True):
-        with pytest.raises(ValueError, match="penalty_last_n"):
-            SamplingParams(penalty_last_n=bad)
+        with pytest.raises(ValueError, match="repeat_last_n"):
+            SamplingParams(repeat_last_n=bad)
 
 
 def test_logit_bias_is_added_and_out_of_vocab_ids_ignored():
