@@ -254,11 +254,22 @@ class HttpServer:
                 conn.close()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace
-        while self.connections and loop.time() < deadline:
+        # (not until every connection is gone: a closed TLS one waits for the client's close_notify, which an
+        # idle keep-alive client never sends; the whole grace went by for each such client)
+        while any(_owed(conn) for conn in self.connections) and loop.time() < deadline:
             await asyncio.sleep(0.05)
         for conn in list(self.connections):
-            conn.abort()
+            if _owed(conn):
+                conn.abort()
+            else:  # (its answers written: a TLS one may still be saying goodbye, with nothing to lose)
+                conn.close()
         await asyncio.sleep(0)
+
+
+def _owed(conn) -> bool:
+    """A connection (HTTP or WebSocket) with a request in flight, or bytes of an answer not yet handed to the
+    kernel."""
+    return not conn.idle or (conn.transport is not None and conn.transport.get_write_buffer_size() > 0)
 
 
 class _StopParsing(Exception):

@@ -6,10 +6,18 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
 
 from tools import bench_offline
 from tools.random_model import build
+
+@pytest.fixture(autouse=True)
+def quick_ceiling(monkeypatch):
+    """The FLOP ceiling timed over 5 ms a matmul, not 50 (5 of a run's 6 s on these tiny models; only > 0 is
+    checked here)."""
+    monkeypatch.setattr(bench_offline, "MATMUL_MIN_SECONDS", 0.005)
+
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=bench_offline.TOKEN_ID_HIGH + 256, max_position_embeddings=512)

@@ -66,6 +66,7 @@ PROMPT_LEN = (32, 256)
 OUTPUT_LEN = (64, 128)
 TOKEN_ID_HIGH = 10000  # prompt ids are drawn from [0, TOKEN_ID_HIGH)
 CEILING_BATCHES = (32, 256)  # M for the ceiling: a decode batch and a prefill chunk
+MATMUL_MIN_SECONDS = 0.05  # each of the ceiling's matmuls timed over at least this long (tests: shorter)
 BANDWIDTH_BYTES = 512 * 2**20  # the copy that measures memory bandwidth: far past any cache
 
 
@@ -173,8 +174,9 @@ def model_flops(requests: list[Request], dims: ModelDims) -> int:
     return 2 * dims.non_embedding_params * fed + 2 * k * n * logits
 
 
-def _time_matmul(x: torch.Tensor, w: torch.Tensor, min_seconds: float = 0.05) -> float:
-    """Seconds per ``x @ w.T``: best of 3 runs, each repeated for at least ``min_seconds``."""
+def _time_matmul(x: torch.Tensor, w: torch.Tensor) -> float:
+    """Seconds per ``x @ w.T``: best of 3 runs, each repeated for at least ``MATMUL_MIN_SECONDS``."""
+    min_seconds = MATMUL_MIN_SECONDS
     for _ in range(2):
         x @ w.T
     reps, t = 1, 0.0
