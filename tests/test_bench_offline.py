@@ -12,6 +12,7 @@ import torch
 from tools import bench_offline
 from tools.random_model import build
 
+
 @pytest.fixture(autouse=True)
 def quick_ceiling(monkeypatch):
     """The FLOP ceiling timed over 5 ms a matmul, not 50 (5 of a run's 6 s on these tiny models; only > 0 is
