@@ -240,12 +240,12 @@ def test_llama3_rope_scaling_and_tied_embeddings(tmp_path, smollm_tokenizer_dir)
     check_parity(llm, hf, llm.tokenizer, [PROMPTS[0], long_prompt])
 
 
-def test_default_smollm2_gguf_matches_transformers(default_gguf):
+def test_default_smollm2_gguf_matches_transformers(default_gguf, smollm_tokenizer_dir):
     llm = LLM(device="cpu", dtype="float32")  # no model given: the bundled SmolLM2-135M-Instruct GGUF
     model = llm.engine.runner.model  # its Q4_1 / Q8_0 blocks multiplied as they are: no dequantized copy
     assert {layer.mlp.gate_up_proj.packed for layer in model.layers} == {"q4_1"}
     assert model.embed_tokens.packed == "q8_0" and model.lm_head.shard is model.embed_tokens
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(default_gguf), gguf_file=os.path.basename(default_gguf))
+    tok = AutoTokenizer.from_pretrained(smollm_tokenizer_dir)  # (the GGUF's, as transformers reads it, saved once)
     hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(default_gguf), gguf_file=os.path.basename(default_gguf),
                                               dtype=torch.float32).eval()
     chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
