@@ -58,6 +58,7 @@ from frontends.errors import ApiError, status_error_body
 log = logging.getLogger("tokenmill.http")
 
 _MAX_PIPELINED = 32  # queued requests per connection before we stop reading from it
+TLS_GOODBYE_S = 1.0  # at shutdown, how long closed TLS connections get to send their last bytes
 
 
 class Request:
@@ -261,9 +262,14 @@ class HttpServer:
         for conn in list(self.connections):
             if _owed(conn):
                 conn.abort()
-            else:  # (its answers written: a TLS one may still be saying goodbye, with nothing to lose)
+            else:
                 conn.close()
-        await asyncio.sleep(0)
+        # A TLS connection's last encrypted bytes may still wait in the socket's own transport, which its write
+        # buffer size does not count: a moment more for them to leave (not the grace: an idle client never
+        # answers the goodbye that keeps the connection open)
+        goodbye = min(deadline, loop.time() + TLS_GOODBYE_S)
+        while self.connections and loop.time() < goodbye:
+            await asyncio.sleep(0.05)
 
 
 def _owed(conn) -> bool:
