@@ -52,12 +52,16 @@ def parse_json(body: bytes | bytearray) -> dict[str, Any]:
 
 
 def field(data: dict, name: str, types: type | tuple, default: Any = _MISSING, *, nullable: bool = True) -> Any:
-    """``data[name]`` checked against ``types`` (bool is never taken for a number)."""
+    """``data[name]`` checked against ``types`` (bool is never taken for a number; a whole float is taken for an
+    integer, 4.0 for 4, as vLLM's pydantic models take it)."""
     v = data.get(name, _MISSING)
     if v is _MISSING or (v is None and nullable):
         if default is _MISSING:
             raise ApiError(400, f"Missing required field: '{name}'", param=name)
         return default
+    if type(v) is float and v.is_integer() and abs(v) < 2**63 and int in _as_tuple(types) \
+            and float not in _as_tuple(types):
+        return int(v)
     ok = isinstance(v, types) and not (isinstance(v, bool) and bool not in _as_tuple(types))
     if not ok:
         want = " or ".join(t.__name__ for t in _as_tuple(types))

@@ -359,9 +359,26 @@ def _err(r, status: int, typ: str | None = None, param: str | None = None):
     ({"prompt": "x", "cache_salt": ["a"]}, "cache_salt"),
     ({"prompt": "x", "cache_salt": ""}, "cache_salt"),
     ({"prompt": "x", "cache_salt": "s" * 257}, "cache_salt"),
+    ({"prompt": "x", "max_tokens": 3.5}, "max_tokens"),
+    ({"prompt": "x", "n": 1e300}, "n"),
+    ({"prompt": "x", "max_tokens": True}, "max_tokens"),
 ])
 def test_bad_completion_requests(stack, body, param):
     _err(post(stack[1], "/v1/completions", body), 400, "invalid_request_error", param)
+
+
+def test_whole_floats_are_taken_for_integers(stack):
+    """4.0 where an integer is wanted is 4, as vLLM's pydantic models take it (a client computing its numbers
+    sends them so); 3.5 is refused (above)."""
+    engine, port = stack
+    r = post(port, "/v1/completions", {"prompt": [1000, 1001], "max_tokens": 3.0, "n": 2.0, "top_k": 5.0,
+                                        "seed": 7.0, "logprobs": 1.0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert len(body["choices"]) == 2 and body["usage"]["completion_tokens"] == 6
+    params = engine.adds[-2].params  # (the first choice's: the second's seed is the next)
+    assert (params.max_tokens, params.top_k, params.seed, params.logprobs) == (3, 5, 7, 1)
+    assert all(type(v) is int for v in (params.max_tokens, params.top_k, params.seed, params.logprobs))
 
 
 def test_context_overflow_states_the_numbers(stack):

@@ -109,10 +109,12 @@ def test_priority_and_timeout_reach_the_engine(engine, client):
         client.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body={"priority": p})
         assert engine.adds[-1].priority == p
     client.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body={"timeout": MAX_TIMEOUT_S})
+    client.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body={"priority": -3.0})  # (as vLLM)
+    assert engine.adds[-1].priority == -3 and type(engine.adds[-1].priority) is int
 
 
 @pytest.mark.parametrize("field,value", [
-    ("priority", True), ("priority", 1.5), ("priority", 1.0), ("priority", "1"), ("priority", [1]),
+    ("priority", True), ("priority", 1.5), ("priority", "1"), ("priority", [1]),
     ("priority", 2**31), ("priority", -(2**31) - 1), ("priority", 10**30),
     ("timeout", 0), ("timeout", -1), ("timeout", -0.5), ("timeout", True), ("timeout", "5"), ("timeout", [5]),
     ("timeout", MAX_TIMEOUT_S + 1), ("timeout", 10**30), ("timeout", 1.7e308),
