@@ -172,7 +172,7 @@ def to_chat(data: dict) -> dict:
     last = chat["messages"][-1]
     if last["role"] == "assistant" and last["content"] and not last.get("tool_calls"):  # a prefill: go on with it
         chat |= {"continue_final_message": True, "add_generation_prompt": False}
-    max_tokens = data.get("max_tokens")
+    max_tokens = op.whole(data.get("max_tokens"))
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise ApiError(400, "max_tokens: a positive integer is required", param="max_tokens")
     chat["max_tokens"] = max_tokens

@@ -150,7 +150,7 @@ def completion_body(data: dict, adapters: dict[str, str]) -> dict:
         body.pop("json_schema", None)
     n_probs = op.field(data, "n_probs", int, None)
     if n_probs is None:  # OpenAI's name, as llama.cpp reads it where n_probs is not given (an integer; else none)
-        lp = data.get("logprobs")
+        lp = op.whole(data.get("logprobs"))
         n_probs = lp if isinstance(lp, int) and not isinstance(lp, bool) else 0
     if n_probs < 0:
         raise ApiError(400, f"n_probs must be at least 0, got {n_probs}", param="n_probs")

@@ -59,14 +59,19 @@ def field(data: dict, name: str, types: type | tuple, default: Any = _MISSING, *
         if default is _MISSING:
             raise ApiError(400, f"Missing required field: '{name}'", param=name)
         return default
-    if type(v) is float and v.is_integer() and abs(v) < 2**63 and int in _as_tuple(types) \
-            and float not in _as_tuple(types):
-        return int(v)
+    if int in _as_tuple(types) and float not in _as_tuple(types):
+        v = whole(v)
     ok = isinstance(v, types) and not (isinstance(v, bool) and bool not in _as_tuple(types))
     if not ok:
         want = " or ".join(t.__name__ for t in _as_tuple(types))
         raise ApiError(400, f"'{name}' must be of type {want}, got {type(v).__name__}", param=name)
     return v
+
+
+def whole(v: Any) -> Any:
+    """``v``, or the integer a whole float stands for (4.0: 4; below 2**63 in size), as vLLM's pydantic models
+    read one where an integer is wanted."""
+    return int(v) if type(v) is float and v.is_integer() and abs(v) < 2**63 else v
 
 
 def _as_tuple(types: type | tuple) -> tuple:

@@ -190,7 +190,7 @@ class ScoreFormat:
 async def rerank_job(api, data: dict, arrival: float | None = None) -> tuple[Generation, RerankFormat]:
     query = _texts(data, "query", False)
     documents = _texts(data, "documents", True)
-    top_n = data.get("top_n", 0)
+    top_n = op.whole(data.get("top_n", 0))
     if isinstance(top_n, bool) or not isinstance(top_n, int | type(None)) or (top_n or 0) < 0:
         raise ApiError(400, f"top_n must be a non-negative integer, got {top_n!r}", param="top_n")
     with_documents = data.get("return_documents", True)

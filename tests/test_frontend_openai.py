@@ -379,6 +379,13 @@ def test_whole_floats_are_taken_for_integers(stack):
     params = engine.adds[-2].params  # (the first choice's: the second's seed is the next)
     assert (params.max_tokens, params.top_k, params.seed, params.logprobs) == (3, 5, 7, 1)
     assert all(type(v) is int for v in (params.max_tokens, params.top_k, params.seed, params.logprobs))
+    # the fields read outside field(): Anthropic's max_tokens, llama.cpp's logprobs fallback, rerank's top_n
+    r = post(port, "/v1/messages", {"model": MODEL, "max_tokens": 3.0, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200 and engine.adds[-1].params.max_tokens == 3, r.text
+    r = post(port, "/completion", {"prompt": [1000, 1001], "n_predict": 2, "logprobs": 2.0})
+    assert r.status_code == 200 and engine.adds[-1].params.logprobs == 2, r.text
+    r = post(port, "/v1/rerank", {"query": "a", "documents": ["b", "c", "d"], "top_n": 2.0})
+    assert r.status_code == 200 and len(r.json()["results"]) == 2, r.text
 
 
 def test_context_overflow_states_the_numbers(stack):
