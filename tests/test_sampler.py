@@ -348,8 +348,8 @@ def test_repeat_last_n_is_llama_cpps_window_over_prompt_and_output():
     vocab = 12
     prompt = [1, 5, 5, 7, 2, 9, 9, 9]
     output = [3, 5, 3, 11]
-    cases = [(0, 1.5, 0.5, 0.5), (1, 1.3, 0.0, 0.0), (3, 1.5, 0.4, 0.2), (6, 1.1, 0.3, -0.5), (10, 2.0, 0.1, 0.1), (12, 1.2, 0.2, 0.3),
-             (64, 1.4, -0.2, 0.5), (-1, 1.25, 0.5, 0.25)]
+    cases = [(0, 1.5, 0.5, 0.5), (1, 1.3, 0.0, 0.0), (3, 1.5, 0.4, 0.2), (6, 1.1, 0.3, -0.5), (10, 2.0, 0.1, 0.1),
+             (12, 1.2, 0.2, 0.3), (64, 1.4, -0.2, 0.5), (-1, 1.25, 0.5, 0.25)]
     params = [SamplingParams(repeat_last_n=n, repetition_penalty=r, frequency_penalty=f, presence_penalty=pr)
               for n, r, f, pr in cases] + [SamplingParams(repetition_penalty=1.5, frequency_penalty=0.5)]
     logits = torch.randn(len(params), vocab)
