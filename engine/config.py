@@ -18,7 +18,7 @@ POLICIES = ("fcfs", "priority", "short-first")  # engine.request_queue has one q
 ASYNC_SCHEDULING = ("auto", "on", "off")
 # the int4 checkpoints engine.quant reads (vLLM's names; its Marlin kernels' names mean the same files here)
 QUANTIZATIONS = ("awq", "gptq", "awq_marlin", "gptq_marlin")
-POOLING_TYPES = ("last", "mean")  # how an embedding is pooled from a prompt's hidden states (engine.pooling)
+POOLING_TYPES = ("last", "mean", "cls")  # how an embedding is pooled from a prompt's hidden states (engine.pooling)
 # what the KV cache holds (vLLM's names): auto = the model's dtype; fp8 = fp8_e4m3 (engine.runtime.pick_kv_dtype)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 DEFAULT_MAX_IMAGES = 16  # images one prompt may hold unless limit_mm_per_prompt says otherwise

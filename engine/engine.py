@@ -122,6 +122,10 @@ class Engine:
                         "ask for a smaller --max-model-len)", facts.max_model_len, capacity,
                         facts.num_kv_blocks, config.block_size)
         self.max_model_len = min(facts.max_model_len, capacity)
+        self.encoder = self.runner.model_cfg.encoder is not None  # its prompts are computed whole, in one step
+        if self.encoder and config.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"an encoder computes each input in one step: max_num_batched_tokens "
+                             f"({config.max_num_batched_tokens}) must be at least max_model_len ({self.max_model_len})")
         self.vocab_size = self.runner.model_cfg.vocab_size
         self.eos_token_ids = list(self.runner.model_cfg.eos_token_ids)
         self._eos_set = frozenset(self.eos_token_ids)  # looked up once per sampled token
@@ -134,8 +138,9 @@ class Engine:
         self.labels = self.runner.model_cfg.labels  # a sequence classifier's: it classifies, nothing else
         try:
             # (a classifier scores its last token's state, raw, as transformers' *ForSequenceClassification)
-            self.pooler = PoolerConfig("last", False) if self.labels else \
-                PoolerConfig.of(facts.model_path, config.pooler_config)
+            first = "cls" if self.encoder else "last"  # (an encoder's [CLS]: its classifiers' and embeddings')
+            self.pooler = PoolerConfig(first, False) if self.labels else \
+                PoolerConfig.of(facts.model_path, config.pooler_config, first)
         except ValueError as e:
             if config.pooler_config is not None:
                 raise
@@ -180,6 +185,12 @@ class Engine:
             log.info("a mixture of experts: %d experts, %d a token, in %d of its %d layers%s", moe.num_experts,
                      moe.top_k, len(moe.layers), self.runner.model_cfg.num_layers,
                      ", and a shared expert" if moe.shared_intermediate_size else "")
+        if self.encoder:
+            log.info("engine ready: %s on %s (%s), an encoder (%s): no KV cache, each input computed whole in one "
+                     "step; it %s; max_model_len %d", self.model_name, facts.device,
+                     str(facts.dtype).removeprefix("torch."), cfg.model_type,
+                     "classifies" if self.labels else "embeds", self.max_model_len)
+            return
         log.info("engine ready: %s on %s (%s); KV cache%s: %d blocks of %d tokens (%d tokens, %.1f MiB, "
                  "%d bytes per token), prefix caching %s; max_model_len %d: at most %.1f requests of that "
                  "length at once", self.model_name, facts.device, str(facts.dtype).removeprefix("torch."),
@@ -279,7 +290,7 @@ class Engine:
         grammar = pool = None
         if pooling is not None:
             pool = PoolState(self.pooler.pooling_type, pooling.dimensions,
-                             self.pooler.normalize if pooling.normalize is None else pooling.normalize)
+                             self.pooler.normalize if pooling.normalize is None else pooling.normalize, self.encoder)
             params = _EMBEDDING  # nothing is sampled: whatever came with it must not ask for logits
         elif params.structured:
             try:

@@ -26,6 +26,7 @@ import torch
 
 import kernels
 from engine import quant
+from engine.models.bert import BertModel, load_encoder_weights
 from engine.models.config import ModelConfig, QuantConfig
 from engine.models.layers import RMSNorm, RowLinear
 from engine.models.llama import LlamaForCausalLM
@@ -55,7 +56,7 @@ def load_model_config(path: str, overrides: dict | None = None) -> ModelConfig:
             g = json.load(f).get("eos_token_id")
         eos = [g] if isinstance(g, int) else g
     config = ModelConfig.from_hf(cfg, eos)
-    if not config.tie_word_embeddings and "lm_head.weight" not in _safetensors_index(path):
+    if config.encoder is None and not config.tie_word_embeddings and "lm_head.weight" not in _safetensors_index(path):
         config = dataclasses.replace(config, lm_head=False)  # a bare backbone (Qwen3-Embedding 4B, 8B): embeds only
     return config
 
@@ -74,6 +75,8 @@ def build_model(path: str, cfg: ModelConfig, max_positions: int, dtype: torch.dt
     Its parameters are allocated once, in ``dtype``, on ``device``, and each checkpoint tensor is
     converted as it is copied in: the peak is the model's final size plus one tensor in flight (never
     a float32 copy of a bf16 model), and no freed float32 memory lingers in CUDA's caching allocator."""
+    if cfg.encoder is not None:
+        return _build_encoder(path, cfg, max_positions, dtype, device, tokenizer)
     with torch.device(device), _default_dtype(dtype):
         model = LlamaForCausalLM(cfg, max_positions, tp)  # the RoPE tables ask for float32 themselves
     if cfg.score_tokens:
@@ -89,6 +92,24 @@ def build_model(path: str, cfg: ModelConfig, max_positions: int, dtype: torch.dt
             packed = _quant_packing(model, cfg.quant, index, device, dtype)
             weights = quant.weights(weights, cfg.quant, set(index), packed)
     load_weights(model, weights)
+    return model.eval()
+
+
+def _build_encoder(path: str, cfg: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device,
+                   tokenizer: str | None) -> BertModel:
+    """A BERT-style encoder (``engine/models/bert.py``) from a Hugging Face folder (on one rank: ``ModelRunner``)."""
+    if cfg.quant is not None or path.endswith(".gguf"):
+        raise ValueError(f"an encoder ({cfg.model_type}) loads from its safetensors checkpoint (not GGUF, AWQ, GPTQ)")
+    with torch.device(device), _default_dtype(dtype):
+        model = BertModel(cfg, max_positions)
+    # a BERT cross-encoder types a pair's texts by its [SEP] (RoBERTa's tokenizers type none)
+    if cfg.labels and not cfg.encoder.roberta and cfg.encoder.type_vocab_size > 1:
+        from frontends.tokenizer import load_tokenizer
+
+        model.sep_token_id = load_tokenizer(tokenizer or path).sep_token_id
+        if model.sep_token_id is None:
+            raise ValueError("a classifier with two token types needs its tokenizer's [SEP] token: it has none")
+    load_encoder_weights(model, _safetensors_weights(path))
     return model.eval()
 
 

@@ -161,6 +161,10 @@ class ModelRunner:
                 f"{found.upper()} int4" if found else "a GGUF file (its own quantization)"
                 if model_path.endswith(".gguf") else "not quantized"))
         max_model_len = pick_max_model_len(config, self.model_cfg, device)
+        if self.model_cfg.encoder is not None and (config.tensor_parallel_size > 1 or config.lora_modules
+                                                   or config.max_loras or config.speculative_config):
+            raise ValueError(f"an encoder ({self.model_cfg.model_type}) is served on one rank, without LoRA adapters "
+                             "or speculative decoding (--data-parallel-size runs more of them)")
         # rank 0 starts the other ranks (one rank: a group of one); a worker brings its group
         self.tp = tp if tp is not None else launch(config, model_path, self.model_cfg, device)
         device = self.tp.device_for(device)
@@ -214,7 +218,8 @@ class ModelRunner:
             self.window_layers = []
         self.facts = RuntimeFacts(model_path, device, dtype, kv_dtype, max_model_len, num_blocks, num_window_blocks,
                                   self.model_cfg.sliding_window if num_window_blocks else 0)
-        self.model.rotary.serve(min(max_model_len, num_blocks * self.block_size))  # (the engine's length)
+        if self.model_cfg.encoder is None:
+            self.model.rotary.serve(min(max_model_len, num_blocks * self.block_size))  # (the engine's length)
         self._allocate_kv_cache()
         max_blocks = -(-max_model_len // self.block_size)
         self.block_tables = BlockTables(config.max_num_seqs, max_blocks, num_blocks, device,
@@ -222,8 +227,10 @@ class ModelRunner:
         self.staging = Staging(device)
         self.decode_buckets: list[int] = []  # decode-only steps are padded to these batch sizes
         self.graphs: DecodeGraphs | None = None
-        # not with the reference kernels: their decode would gather every sequence to max_model_len
-        if device.type == "cuda" and not config.enforce_eager and kernels.backend() != "reference":
+        # none for an encoder (no decode steps, only prompts of one token), nor with the reference kernels:
+        # their decode would gather every sequence to max_model_len
+        eager = config.enforce_eager or self.model_cfg.encoder is not None
+        if device.type == "cuda" and not eager and kernels.backend() != "reference":
             self.decode_buckets = decode_buckets(config.max_num_seqs)
             start = time.perf_counter()
             with torch.inference_mode():
@@ -234,7 +241,7 @@ class ModelRunner:
                      "none)", len(self.decode_buckets), config.max_num_seqs, time.perf_counter() - start)
         # on the CPU not where decode attention is the reference's (see above), nor for a mixture of
         # experts: its routing is read on the host, which a recording would freeze
-        elif (device.type == "cpu" and not config.enforce_eager and kernels.backend() == "auto" and self.tp.size == 1
+        elif (device.type == "cpu" and not eager and kernels.backend() == "auto" and self.tp.size == 1
               and self.model_cfg.moe is None
               and kernels.cpu.decodes_in_c(self.model_cfg.head_dim, self.block_size)):
             self.graphs = DecodeGraphs(self.model, list(range(1, min(config.max_num_seqs, CPU_GRAPH_SEQS) + 1)),
@@ -287,7 +294,8 @@ class ModelRunner:
             shape = (2, layers, blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
             return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
-        caches = zeros(num_blocks, cfg.num_layers - len(in_pool)), zeros(num_window_blocks, len(in_pool))
+        layers = 0 if cfg.encoder is not None else cfg.num_layers - len(in_pool)  # (an encoder caches nothing)
+        caches = zeros(num_blocks, layers), zeros(num_window_blocks, len(in_pool))
         self._point_layers_at(*caches)
         return caches
 
@@ -422,9 +430,10 @@ class ModelRunner:
         else:
             hidden = self.model(ids, positions, meta, (dev["image_rows"], step.image_embeds) if images else None)
         sums = None
-        if pooling:
+        if driver and step.num_pooled:  # (a span may pool no row: a CLS embedding's chunk after its first)
             sums = torch.zeros(step.num_pooled, hidden.shape[1], dtype=torch.float32, device=hidden.device)
-            sums.index_add_(0, dev["pool_into"], hidden[dev["pool_rows"]].float())
+            if pooling:
+                sums.index_add_(0, dev["pool_into"], hidden[dev["pool_rows"]].float())
         if not step.logits_rows:  # the same on every rank: no gather to skip on one side only
             return None, sums
         return self.model.compute_logits(hidden[dev["logits_rows"]]), sums
@@ -476,8 +485,8 @@ class ModelRunner:
                     spans.append((r, lo, hi))
             final = c + n - k == r.num_tokens + r.num_in_flight
             if r.pool is not None:
-                pooling = pool_rows(r.pool, row, n, final)
-                if pooling:
+                pooling = pool_rows(r.pool, row, c, n, final)
+                if pooling or final:
                     pooled_rows.extend(pooling)
                     pool_into.extend([len(pool_spans)] * len(pooling))
                     pool_spans.append((r, c, final))

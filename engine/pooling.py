@@ -7,13 +7,19 @@ when its last prompt token is computed; it then ends, with its vector and no tok
 The pooling is the model's (``PoolerConfig.of``): its sentence-transformers files say it where it
 has them (``modules.json``, ``1_Pooling/config.json``: Qwen3-Embedding, gte-Qwen2...), a GGUF's
 ``<arch>.pooling_type`` where it is one, else the last token, L2-normalized (what vLLM and
-sentence-transformers do with a decoder). ``--pooler-config`` overrides it (vLLM's flag).
+sentence-transformers do with a decoder; an encoder's: the first token, ``cls``). ``--pooler-config``
+overrides it (vLLM's flag).
 
 - ``last``: the last prompt token's state. The rest of the prompt may come from the prefix cache
   (its last token is always computed).
 - ``mean``: the mean over every prompt token's state. Such a request takes nothing from the
   prefix cache; each chunk's sum is added to its ``PoolState``, and a chunk that starts at 0 (the
   first, or a recompute after a preemption) starts it afresh.
+- ``cls``: the first prompt token's state (an encoder's [CLS]; with a decoder, its BOS's). Nothing
+  from the prefix cache either; the first chunk's state is kept, as a mean's sum, until the last.
+
+An encoder's prompt (``whole``: ``engine/models/bert.py``) is computed in one step, none of it from
+the prefix cache, whatever its pooling.
 """
 
 from __future__ import annotations
@@ -48,12 +54,12 @@ class PoolerConfig:
                              "picks one)")
 
     @classmethod
-    def of(cls, model_path: str, override: dict | None = None) -> PoolerConfig:
+    def of(cls, model_path: str, override: dict | None = None, default: str = "last") -> PoolerConfig:
         """The model's pooling, with ``override`` (``--pooler-config``: ``pooling_type``, ``normalize``;
-        checked by ``EngineConfig``) over it."""
+        checked by ``EngineConfig``) over it; ``default`` where neither says (an encoder's: ``cls``)."""
         found = _from_gguf(model_path) if model_path.endswith(".gguf") else _from_sentence_transformers(model_path)
         found |= override or {}
-        return cls(str(found.get("pooling_type", "last")).lower(), found.get("normalize", True))
+        return cls(str(found.get("pooling_type", default)).lower(), found.get("normalize", True))
 
 
 def _from_sentence_transformers(path: str) -> dict:
@@ -86,22 +92,26 @@ def _from_gguf(path: str) -> dict:
 class PoolState:
     """One embedding request's pooling: what the engine needs of it, and a mean's running sum."""
 
-    __slots__ = ("pooling_type", "dimensions", "normalize", "sum")
+    __slots__ = ("pooling_type", "dimensions", "normalize", "whole", "sum")
 
-    def __init__(self, pooling_type: str, dimensions: int | None, normalize: bool):
+    def __init__(self, pooling_type: str, dimensions: int | None, normalize: bool, whole: bool = False):
         self.pooling_type, self.dimensions, self.normalize = pooling_type, dimensions, normalize
-        self.sum: torch.Tensor | None = None  # (hidden,) float32: a mean's prompt so far
+        self.whole = whole  # an encoder's prompt: computed in one step, none of it from the prefix cache
+        self.sum: torch.Tensor | None = None  # (hidden,) float32: a mean's prompt so far (a CLS's state)
 
     @property
-    def every_token(self) -> bool:
-        """Whether every prompt token's state is needed (none may come from the prefix cache)."""
-        return self.pooling_type == "mean"
+    def uncached(self) -> bool:
+        """Whether none of the prompt may come from the prefix cache (its states are all needed, or the first)."""
+        return self.whole or self.pooling_type != "last"
 
 
-def pool_rows(state: PoolState, row: int, n: int, final: bool) -> list[int]:
-    """Rows of the flat batch to pool for a request whose chunk of ``n`` tokens starts at ``row``."""
-    if state.every_token:
+def pool_rows(state: PoolState, row: int, start: int, n: int, final: bool) -> list[int]:
+    """Rows of the flat batch to pool for a request whose chunk of ``n`` tokens from prompt position
+    ``start`` is at ``row``."""
+    if state.pooling_type == "mean":
         return list(range(row, row + n))
+    if state.pooling_type == "cls":
+        return [row] if start == 0 else []
     return [row + n - 1] if final else []
 
 
@@ -114,13 +124,14 @@ def pool(spans: list[tuple[PoolState, int, int, bool]], sums: torch.Tensor,
     out: list[torch.Tensor | None] = []
     for k, (state, start, length, final) in enumerate(spans):
         v = sums[k]
-        if state.every_token:
+        if state.pooling_type != "last":  # (a CLS's later chunks add nothing: they pool no row)
             v = v if start == 0 or state.sum is None else state.sum + v
             state.sum = None if final else v
-            if not final:  # (only a mean pools a chunk that does not end the prompt)
+            if not final:  # (only a mean or a CLS pools a chunk that does not end the prompt)
                 out.append(None)
                 continue
-            v = v / length
+            if state.pooling_type == "mean":
+                v = v / length
         if head is not None:
             v = head(v)
         if state.dimensions is not None:

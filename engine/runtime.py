@@ -124,9 +124,12 @@ def count_kv_blocks(config: EngineConfig, model_cfg: ModelConfig, device: torch.
     and a few blocks of slack, and one step's tokens more); the full layers get the rest. When that
     pool would be no smaller than the full layers' (a small cache and many sequences), every layer
     keeps every block instead (0 window blocks): the split is never worse than none. Without full
-    layers at all the blocks are only names (no memory): as many as every sequence at full length."""
+    layers at all (or in an encoder, which caches nothing) the blocks are only names (no memory): as many
+    as every sequence at full length."""
     bs, layers = config.block_size, model_cfg.num_layers
     max_blocks = -(-max_model_len // bs)
+    if model_cfg.encoder is not None:  # nothing is cached: the blocks are names
+        return config.max_num_seqs * max_blocks, 0
     sliding = len(window_layers(config, model_cfg, max_model_len))
     window_need = least = 0
     if sliding:

@@ -321,7 +321,8 @@ class Scheduler:
             cached = bm.match_prefix(head, cacheable)
             hit = len(cached) * bm.block_size
             n, images = _fit_images(head, hit, min(head.num_tokens - hit, step_cap), limit, batch)
-            if not n:  # its image waits for a step with room for it
+            # its image waits for a step with room for it; an encoder's prompt for one with room for all of it
+            if not n or head.pool is not None and head.pool.whole and n < head.num_tokens:
                 admit = False
                 continue
             # a resumed request comes back only when its whole context fits: back in part, it would
@@ -455,8 +456,8 @@ def _context_needed(req: Request) -> int:
 def _cacheable_tokens(req: Request) -> int:
     """How many of ``req``'s leading tokens may come from the prefix cache: all but the last (its logits
     are needed), none whose prompt logprobs are still to be computed, and none where an embedding
-    pools every token's state."""
-    if req.pool is not None and req.pool.every_token:
+    pools every token's state or the first's (or is an encoder's)."""
+    if req.pool is not None and req.pool.uncached:
         return 0
     n = req.num_tokens - 1
     done = req.prompt_logprobs_end  # position p's logprob sits at index p + 1

@@ -28,7 +28,7 @@ TEXTS = ["The quick brown fox jumps over the lazy dog", "hello " * 70, "x", "def
 def hf_embedding(hf, ids: list[int], pooling: str, normalize: bool = True) -> torch.Tensor:
     with torch.no_grad():
         h = hf(torch.tensor([ids])).last_hidden_state[0]
-    v = h[-1] if pooling == "last" else h.mean(0)
+    v = h[-1] if pooling == "last" else h[0] if pooling == "cls" else h.mean(0)
     return F.normalize(v, dim=0) if normalize else v
 
 
@@ -42,10 +42,11 @@ def qwen3(tmp_path_factory, smollm_tokenizer_dir):
     return path, AutoModel.from_pretrained(path, dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("pooling", ["last", "mean"])
+@pytest.mark.parametrize("pooling", ["last", "mean", "cls"])
 def test_embeddings_match_transformers_chunked_and_cached(qwen3, pooling):
     """Chunks of 32 tokens (the 71-token prompt takes three steps); asked again, a last-token embedding
-    comes from the prefix cache but for its last token, a mean one computes every token again."""
+    comes from the prefix cache but for its last token, a mean or first-token one computes every token
+    again (a CLS's first chunk's state kept until its last)."""
     path, hf = qwen3
     llm = LLM(path, max_num_batched_tokens=32, pooler_config={"pooling_type": pooling}, **KW)
     first, again = llm.embed(TEXTS), llm.embed(TEXTS)
@@ -170,7 +171,9 @@ def test_the_models_pooling_and_the_override(tmp_path):
     assert PoolerConfig.of(path, {"pooling_type": "LAST"}) == PoolerConfig("last", False)
     assert PoolerConfig.of(path, {"normalize": True}) == PoolerConfig("mean", True)
     _sentence_transformers_files(path, {"pooling_mode_cls_token": True})
-    with pytest.raises(ValueError, match="cls"):
+    assert PoolerConfig.of(path) == PoolerConfig("cls", True)
+    _sentence_transformers_files(path, {"pooling_mode_max_tokens": True})
+    with pytest.raises(ValueError, match="max"):
         PoolerConfig.of(path)
     assert PoolerConfig.of(path, {"pooling_type": "mean"}) == PoolerConfig("mean", True)
     _sentence_transformers_files(path, {"pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": True})
@@ -202,15 +205,15 @@ def test_a_ggufs_pooling_type(tmp_path, code, want):
 
 
 def test_a_model_whose_pooling_is_unsupported_still_generates(tiny_llama, tmp_path):
-    """CLS pooling (an encoder's) in its sentence-transformers files: embeddings are refused, saying why."""
+    """Max pooling in its sentence-transformers files: embeddings are refused, saying why."""
     folder = str(tmp_path / "cls_model")
     os.makedirs(folder)
     for name in os.listdir(tiny_llama):
         os.symlink(os.path.join(tiny_llama, name), os.path.join(folder, name))
-    _sentence_transformers_files(folder, {"pooling_mode_cls_token": True})
+    _sentence_transformers_files(folder, {"pooling_mode_max_tokens": True})
     llm = LLM(folder, **KW)
     assert llm.generate(["Hi"], SamplingParams(max_tokens=2, ignore_eos=True))[0].finish_reason == "length"
-    with pytest.raises(RequestError, match="cannot embed.*cls") as e:
+    with pytest.raises(RequestError, match="cannot embed.*max") as e:
         llm.embed("Hi")
     assert e.value.param == "input"
 

@@ -175,7 +175,7 @@ def test_embeddings_do_not_size_the_prefill_cap_beside_streams():
     stream = req("g", 2)
     s.add(stream)
     run_step(s, s.schedule())
-    docs = [Request(f"e{i}", list(range(1, 11)), SamplingParams(max_tokens=1), pool=SimpleNamespace(every_token=False))
+    docs = [Request(f"e{i}", list(range(1, 11)), SamplingParams(max_tokens=1), pool=SimpleNamespace(uncached=False, whole=False))
             for i in range(6)]
     for d in docs:
         s.add(d)
@@ -193,7 +193,7 @@ def test_an_embeddings_last_prompt_token_is_a_prompt_token():
     from types import SimpleNamespace
 
     s, _ = make(max_tokens=4)
-    doc = Request("e", list(range(1, 6)), SamplingParams(max_tokens=1), pool=SimpleNamespace(every_token=False))
+    doc = Request("e", list(range(1, 6)), SamplingParams(max_tokens=1), pool=SimpleNamespace(uncached=False, whole=False))
     s.add(doc)
     s.add(req("late", 3))
     batch = s.schedule()

@@ -205,7 +205,7 @@ def test_bad_size_is_a_usage_error():
     (["--api-server-count", "0"], "api_server_count must be at least 1"),
     (["--ssl-keyfile", "/nonexistent.key"], "go together"),
     (["--pooler-config", "{mean}"], "not JSON"),
-    (["--pooler-config", '{"pooling_type": "CLS"}'], "pooler_config pooling_type must be one of last, mean"),
+    (["--pooler-config", '{"pooling_type": "MAX"}'], "pooler_config pooling_type must be one of last, mean, cls"),
     (["--pooler-config", '{"normalise": true}'], "pooler_config must be a map of pooling_type and normalize"),
     (["--lora-modules", "a=/x"], "--lora-modules needs --enable-lora"),
     (["--enable-lora", "--lora-modules", "a=/x", "a=/y"], "names an adapter twice: ['a']"),

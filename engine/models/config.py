@@ -31,6 +31,9 @@ SUPPORTED_ARCHITECTURES = {
     "olmo2": {"olmo": True, "qk_norm": True},
     "olmo3": {"olmo": True, "qk_norm": True},
 }
+# BERT-style encoders (``engine/models/bert.py``): bidirectional attention over the whole prompt, no KV cache;
+# they embed and classify (BERT, RoBERTa, XLM-R: bge, e5, all-MiniLM, bge-reranker, ms-marco cross-encoders)
+ENCODER_ARCHITECTURES = ("bert", "roberta", "xlm-roberta")
 # what transformers' Gemma2Config and Gemma3TextConfig assume for keys a config.json leaves out
 _GEMMA2_DEFAULTS = {"query_pre_attn_scalar": 256, "sliding_window": 4096, "attn_logit_softcapping": 50.0,
                     "final_logit_softcapping": 30.0, "rope_theta": 10_000.0, "max_position_embeddings": 8192}
@@ -164,6 +167,21 @@ class VisionConfig:
 
 
 @dataclass(frozen=True)
+class EncoderConfig:
+    """What a BERT-style encoder adds to the shape: LayerNorms after each sublayer, absolute position
+    embeddings (RoBERTa's past its padding id, skipping padding tokens) and token type embeddings."""
+
+    type_vocab_size: int  # 2: BERT's pairs, the second text's tokens (after the first [SEP]) of type 1
+    layer_norm_eps: float
+    hidden_act: str  # the intermediate layer's: gelu (erf), gelu_tanh, relu
+    pad_token_id: int | None  # RoBERTa: positions count from pad_token_id + 1, padding tokens at pad_token_id
+    roberta: bool  # RoBERTa, XLM-R: their positions, and their classifier's head (dense, tanh, out_proj)
+
+
+_ENCODER_ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     model_type: str
     vocab_size: int
@@ -207,6 +225,7 @@ class ModelConfig:
     # vLLM's classifier_from_token (a reranker served as a classifier: Qwen3-Reranker): the score head is the
     # LM head's rows of these tokens; of two (["no", "yes"]), one label, the second's row less the first's
     score_tokens: tuple[str, ...] = ()
+    encoder: EncoderConfig | None = None  # a BERT-style encoder (ENCODER_ARCHITECTURES): embeds, classifies
 
     def sparse(self, layer: int) -> bool:
         """Whether layer ``layer``'s MLP is the mixture of experts (else a dense one)."""
@@ -229,11 +248,14 @@ class ModelConfig:
             vision = VisionConfig.from_hf(cfg)
             cfg = _language_config(cfg, {"model_type": "llama"})
         model_type = cfg.get("model_type", "")
+        if model_type in ENCODER_ARCHITECTURES:
+            return _encoder(cfg, model_type)
         if model_type not in SUPPORTED_ARCHITECTURES:
             archs = ", ".join(cfg.get("architectures") or [model_type or "unknown"])
             raise ValueError(
                 f"unsupported architecture {archs} (model_type {model_type!r}); tokenmill supports "
-                f"the Llama family and its mixtures of experts: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"the Llama family and its mixtures of experts: {', '.join(SUPPORTED_ARCHITECTURES)}; "
+                f"and encoders that embed and classify: {', '.join(ENCODER_ARCHITECTURES)}"
             )
         arch = SUPPORTED_ARCHITECTURES[model_type]
         gemma = arch.get("gemma", 0)
@@ -338,6 +360,35 @@ class ModelConfig:
             lm_head=not labels,
             score_tokens=tuple(cfg["classifier_from_token"]) if labels and cfg.get("classifier_from_token") else (),
         )
+
+
+def _encoder(cfg: dict, model_type: str) -> ModelConfig:
+    """A BERT, RoBERTa or XLM-R checkpoint's shape (transformers' defaults where config.json leaves a key out)."""
+    if cfg.get("position_embedding_type", "absolute") != "absolute":
+        raise ValueError(f"position_embedding_type {cfg['position_embedding_type']!r} is not supported (absolute is)")
+    if cfg.get("is_decoder") or cfg.get("add_cross_attention"):
+        raise ValueError(f"a {model_type} decoder is not supported: encoders embed and classify")
+    if "classifier_from_token" in cfg:
+        raise ValueError("classifier_from_token reads a language model's head: an encoder has none")
+    name = cfg.get("hidden_act", "gelu")
+    if name not in _ENCODER_ACTS:
+        raise ValueError(f"activation {name!r} is not supported in an encoder ({', '.join(_ENCODER_ACTS)} are)")
+    roberta = model_type != "bert"
+    pad = cfg.get("pad_token_id", 1 if roberta else 0)
+    hidden, heads = cfg.get("hidden_size", 768), cfg.get("num_attention_heads", 12)
+    positions = cfg.get("max_position_embeddings", 512) - ((pad + 1) if roberta else 0)
+    if hidden % heads or positions < 1:
+        raise ValueError(f"{model_type}: {heads} heads do not divide hidden_size {hidden}, or no position is left "
+                         f"({cfg.get('max_position_embeddings')} past padding id {pad})")
+    labels = _labels(cfg)
+    return ModelConfig(
+        model_type=model_type, vocab_size=cfg["vocab_size"], hidden_size=hidden,
+        intermediate_size=cfg.get("intermediate_size", 3072), num_layers=cfg.get("num_hidden_layers", 12),
+        num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads, rms_norm_eps=0.0, rope_theta=0.0,
+        rope_scaling=None, max_position_embeddings=positions, tie_word_embeddings=False, attention_bias=True,
+        qk_norm=False, eos_token_ids=(), bos_token_id=None, lm_head=False, labels=labels,
+        encoder=EncoderConfig(int(cfg.get("type_vocab_size", 2)), float(cfg.get("layer_norm_eps", 1e-12)),
+                              _ENCODER_ACTS[name], pad, roberta))
 
 
 def _labels(cfg: dict) -> tuple[str, ...]:

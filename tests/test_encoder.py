@@ -1,0 +1,213 @@
+"""BERT-style encoders (``engine/models/bert.py``): embeddings and classifier scores equal to
+transformers' (fp32, tiny random BERT, RoBERTa and XLM-R checkpoints) however the inputs are batched
+(one-token ones beside long ones, more than one step's worth); each input computed whole, in one step,
+none of it from the prefix cache; a BERT cross-encoder's pair typed as its tokenizer types it; the
+refusals; and served: the official ``openai`` client's embeddings, ``/rerank`` on a cross-encoder."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import requests
+import torch
+import torch.nn.functional as F
+from transformers import (
+    AutoModel,
+    AutoModelForSequenceClassification,
+    BertConfig,
+    BertTokenizerFast,
+    RobertaConfig,
+    XLMRobertaConfig,
+)
+
+from engine import LLM, SamplingParams
+from engine.engine import RequestError
+from tests.test_server_e2e import Server
+
+KW = dict(device="cpu", dtype="float32")
+WORDS = ("the quick brown fox jumps over lazy dog what is capital of france paris a cat sat on mat hello world "
+         "search query document about cats dogs").split()
+SHAPE = dict(vocab_size=64, hidden_size=48, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96)
+
+
+def save_encoder(out: str, config, head: bool = False, seed: int = 0, tokenizer: bool = True) -> str:
+    """A random-weight checkpoint of ``config`` (its classifier's when ``head``), with a WordPiece tokenizer
+    over ``WORDS`` (the vocabulary's first 64 ids)."""
+    torch.manual_seed(seed)
+    cls = AutoModelForSequenceClassification if head else AutoModel
+    model = cls.from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(out)
+    if tokenizer:
+        vocab = os.path.join(out, "vocab.txt")
+        with open(vocab, "w") as f:
+            f.write("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]) + "\n")
+        BertTokenizerFast(vocab_file=vocab).save_pretrained(out)
+    return out
+
+
+def sentence_transformers_pooling(path: str, mode: str) -> None:
+    os.makedirs(os.path.join(path, "1_Pooling"), exist_ok=True)
+    with open(os.path.join(path, "modules.json"), "w") as f:
+        json.dump([{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                   {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+                   {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}],
+                  f)
+    with open(os.path.join(path, "1_Pooling", "config.json"), "w") as f:
+        json.dump({"word_embedding_dimension": 48, f"pooling_mode_{mode}": True}, f)
+
+
+def hf_vector(path: str, ids: list[int], pooling: str) -> torch.Tensor:
+    hf = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        h = hf(torch.tensor([ids])).last_hidden_state[0]
+    return F.normalize(h[0] if pooling == "cls" else h.mean(0), dim=0)
+
+
+def close(got: list[float], want: torch.Tensor) -> bool:
+    return torch.allclose(torch.tensor(got), want, atol=1e-5, rtol=1e-4)
+
+
+# a one-token input (a decode row of the step), short ones, and long ones: 2 x 120 tokens take two steps of 128
+INPUTS = [[2, 9, 10, 3], [7], [2, *range(5, 40), 3], [2, *range(5, 63), *range(5, 63), 3], [2, 11, 3],
+          [2, *range(63, 4, -1), *range(5, 63), 3]]
+
+
+@pytest.mark.parametrize("kind,pooling", [("bert", "cls"), ("bert", "mean"), ("xlm-roberta", "cls"),
+                                          ("roberta", "mean")])
+def test_embeddings_match_transformers(tmp_path, kind, pooling):
+    config = {"bert": BertConfig, "roberta": RobertaConfig, "xlm-roberta": XLMRobertaConfig}[kind](
+        **SHAPE, max_position_embeddings=128 + 2 * (kind != "bert"))
+    path = save_encoder(str(tmp_path / kind), config, seed=len(kind), tokenizer=False)
+    if pooling == "mean":
+        sentence_transformers_pooling(path, "mean_tokens")
+    llm = LLM(path, max_num_batched_tokens=128, **KW)
+    assert llm.engine.max_model_len == 128 and llm.engine.pooler.pooling_type == pooling
+    assert llm.engine.runner.kv_cache.numel() == 0  # nothing cached: the blocks are names
+    first, again = llm.embed(INPUTS), llm.embed(INPUTS)
+    for a, b, ids in zip(first, again, INPUTS, strict=True):
+        want = hf_vector(path, ids, pooling)
+        assert close(a.embedding, want) and close(b.embedding, want), len(ids)
+        assert a.num_cached_tokens == b.num_cached_tokens == 0
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_each_input_is_computed_whole_in_one_step(tmp_path):
+    """Budget 128: the 120-token inputs never share a step, and none is cut into chunks."""
+    path = save_encoder(str(tmp_path / "bert"), BertConfig(**SHAPE, max_position_embeddings=128), tokenizer=False)
+    llm = LLM(path, max_num_batched_tokens=128, **KW)
+    eng, steps = llm.engine, []
+    schedule = eng.scheduler.schedule
+
+    def spy():
+        batch = schedule()
+        steps.append([(r.num_computed_tokens, n, r.num_tokens) for r, n in zip(batch.requests, batch.num_new_tokens)])
+        return batch
+
+    eng.scheduler.schedule = spy
+    llm.embed(INPUTS)
+    chunks = [c for step in steps for c in step]
+    assert sorted(n for _, n, _ in chunks) == sorted(len(i) for i in INPUTS)  # each input once...
+    assert all(start == 0 and n == total for start, n, total in chunks)  # ...whole
+    assert all(sum(n for _, n, _ in step) <= 128 for step in steps) and len([s for s in steps if s]) >= 3
+
+
+def test_roberta_positions_skip_padding_tokens(tmp_path):
+    """transformers numbers a RoBERTa input's positions past its padding id, skipping padding tokens."""
+    config = XLMRobertaConfig(**SHAPE, max_position_embeddings=66)
+    path = save_encoder(str(tmp_path / "xlmr"), config, seed=3, tokenizer=False)
+    ids = [0, 9, 1, 1, 12, 13, 2]  # (1: the padding id)
+    assert close(LLM(path, **KW).embed([ids])[0].embedding, hf_vector(path, ids, "cls"))
+
+
+@pytest.fixture(scope="module")
+def cross_encoder(tmp_path_factory) -> str:
+    """A BERT cross-encoder (ms-marco-MiniLM's shape, small): one label, two token types."""
+    config = BertConfig(**SHAPE, max_position_embeddings=64, num_labels=1)
+    return save_encoder(str(tmp_path_factory.mktemp("ce") / "bert-ce"), config, head=True, seed=5)
+
+
+PAIRS = [("what is the capital of france", "paris"), ("cats", "a cat sat on the mat"),
+         ("hello", "the quick brown fox jumps over the lazy dog")]
+
+
+def hf_pair_scores(path: str, pairs: list[tuple[str, str]]) -> list[float]:
+    tok = BertTokenizerFast.from_pretrained(path)
+    hf = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [hf(**tok(q, d, return_tensors="pt")).logits[0, 0].item() for q, d in pairs]
+
+
+def test_a_bert_cross_encoder_types_the_pair_as_its_tokenizer_does(cross_encoder):
+    tok = BertTokenizerFast.from_pretrained(cross_encoder)
+    llm = LLM(cross_encoder, **KW)
+    assert llm.engine.labels == ("LABEL_0",) and llm.engine.pooler.pooling_type == "cls"
+    got = [o.logits[0] for o in llm.classify([tok(q, d)["input_ids"] for q, d in PAIRS])]
+    assert got == pytest.approx(hf_pair_scores(cross_encoder, PAIRS), abs=1e-5)
+
+
+def test_an_xlm_roberta_reranker_matches_transformers(tmp_path):
+    """bge-reranker's kind: XLMRobertaForSequenceClassification (dense, tanh, out_proj over <s>), one type."""
+    config = XLMRobertaConfig(**SHAPE, max_position_embeddings=66, num_labels=1, type_vocab_size=1)
+    path = save_encoder(str(tmp_path / "xlmr-rerank"), config, head=True, seed=6, tokenizer=False)
+    hf = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    inputs = [[0, 9, 10, 2, 2, 20, 21, 22, 2], [0, 5, 2], [7]]
+    got = [o.logits[0] for o in LLM(path, **KW).classify(inputs)]
+    with torch.no_grad():
+        want = [hf(torch.tensor([i])).logits[0, 0].item() for i in inputs]
+    assert got == pytest.approx(want, abs=1e-5)
+
+
+def test_what_an_encoder_refuses(tmp_path):
+    path = save_encoder(str(tmp_path / "bert"), BertConfig(**SHAPE, max_position_embeddings=128), tokenizer=False)
+    llm = LLM(path, **KW)
+    with pytest.raises(RequestError, match="no language-model head") as e:
+        llm.generate([[2, 9, 3]], SamplingParams(max_tokens=2))
+    assert e.value.status == 400
+    with pytest.raises(ValueError, match="max_num_batched_tokens \\(64\\) must be at least max_model_len \\(128\\)"):
+        LLM(path, max_num_batched_tokens=64, **KW)
+    with pytest.raises(ValueError, match="served on one rank"):
+        LLM(path, tensor_parallel_size=2, **KW)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    for key, value, why in [("position_embedding_type", "relative_key", "position_embedding_type"),
+                            ("is_decoder", True, "decoder is not supported"), ("hidden_act", "swish", "activation")]:
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(cfg | {key: value}, f)
+        with pytest.raises(ValueError, match=why):
+            LLM(path, **KW)
+
+
+def test_served_embeddings_and_rerank(tmp_path, cross_encoder):
+    """What users touch: the openai client's embeddings from a BERT embedding model (mean pooling, its
+    sentence-transformers files), a completion refused with a 400; a cross-encoder's /rerank."""
+    import openai
+
+    path = save_encoder(str(tmp_path / "minilm"), BertConfig(**SHAPE, max_position_embeddings=128), seed=7)
+    sentence_transformers_pooling(path, "mean_tokens")
+    tok = BertTokenizerFast.from_pretrained(path)
+    texts = ["the quick brown fox", "hello world", "paris"]
+    s = Server("--model", path, "--served-model-name", "minilm", "--dtype", "float32", startup=120)
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="x")
+        got = client.embeddings.create(model="minilm", input=texts)
+        for d, text in zip(got.data, texts, strict=True):
+            assert close(d.embedding, hf_vector(path, tok(text)["input_ids"], "mean")), text
+        assert got.usage.prompt_tokens == sum(len(tok(t)["input_ids"]) for t in texts)
+        with pytest.raises(openai.BadRequestError, match="no language-model head"):
+            client.completions.create(model="minilm", prompt="hello", max_tokens=2)
+        with pytest.raises(openai.BadRequestError, match="chat template"):  # (a tokenizer without one)
+            client.chat.completions.create(model="minilm", messages=[{"role": "user", "content": "hi"}])
+    finally:
+        s.stop()
+    s = Server("--model", cross_encoder, "--served-model-name", "ce", "--dtype", "float32", startup=120)
+    try:
+        docs = [d for _, d in PAIRS]
+        r = requests.post(s.url + "/rerank", json={"model": "ce", "query": "cats", "documents": docs}, timeout=30)
+        assert r.status_code == 200, r.text
+        want = [torch.sigmoid(torch.tensor(x)).item() for x in hf_pair_scores(cross_encoder, [("cats", d) for d in docs])]
+        got = {x["index"]: x["relevance_score"] for x in r.json()["results"]}
+        assert [got[i] for i in range(len(docs))] == pytest.approx(want, abs=1e-5)
+    finally:
+        s.stop()
