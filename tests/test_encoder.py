@@ -102,7 +102,8 @@ def test_each_input_is_computed_whole_in_one_step(tmp_path):
 
     def spy():
         batch = schedule()
-        steps.append([(r.num_computed_tokens, n, r.num_tokens) for r, n in zip(batch.requests, batch.num_new_tokens)])
+        steps.append([(r.num_computed_tokens, n, r.num_tokens)
+                      for r, n in zip(batch.requests, batch.num_new_tokens, strict=True)])
         return batch
 
     eng.scheduler.schedule = spy
