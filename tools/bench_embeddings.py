@@ -13,10 +13,13 @@ Systems, in this process, each warmed up first:
 
 Then the point of serving both from one engine: one greedy generation's step gaps (``--stream-tokens``
 tokens) alone, and while every document embeds; ``stream_gap_ms`` is their median and max (the
-engine's prefill cap keeps a step with decodes at about twice a decode-only one).
+engine's prefill cap keeps a step with decodes at about twice a decode-only one). An encoder (BERT:
+its own length, 512 at most; its [CLS] pooling) generates nothing: no streams then.
 
     python tools/bench_embeddings.py
     python tools/bench_embeddings.py --model /tmp/qwen3-0.6b --dtype bfloat16 --num-docs 64
+    python tools/random_model.py bge-small /tmp/bge-small --dtype float32
+    python tools/bench_embeddings.py --model /tmp/bge-small --max-len 510
 
 The last line of output is one JSON object.
 """
@@ -70,6 +73,8 @@ def run_hf(model, docs: list[list[int]], batch: int, pooling: str, normalize: bo
         lens = mask.sum(1)
         if pooling == "last":
             v = h[torch.arange(len(idx)), lens - 1]
+        elif pooling == "cls":
+            v = h[:, 0]
         else:
             v = (h * mask[..., None]).sum(1) / lens[:, None]
         if normalize:
@@ -94,6 +99,16 @@ def stream_gaps(llm: LLM, tokens: int, docs: list[list[int]] | None) -> list[flo
     return [b - a for a, b in itertools.pairwise(times[1:])]  # from the second token: the first is the prompt's
 
 
+def _is_encoder(model: str | None) -> bool:
+    """Whether ``model`` is a BERT-style encoder (served at its own length)."""
+    from engine.models.config import ENCODER_ARCHITECTURES
+
+    if model is None or not os.path.isfile(os.path.join(model, "config.json")):
+        return False
+    with open(os.path.join(model, "config.json")) as f:
+        return json.load(f).get("model_type") in ENCODER_ARCHITECTURES
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: bundled SmolLM2-135M)")
@@ -109,7 +124,8 @@ def main(argv: list[str] | None = None) -> None:
 
     docs = workload(args.num_docs, args.min_len, args.max_len, args.seed)
     num_tokens = sum(map(len, docs))
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=max(1024, args.max_len + 64))
+    encoder = _is_encoder(args.model)
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=None if encoder else max(1024, args.max_len + 64))
     pooler = llm.engine.pooler
     print(f"{len(docs)} documents, {num_tokens} tokens; pooling {pooler.pooling_type}, "
           f"normalize {pooler.normalize}; {args.dtype}", flush=True)
@@ -134,6 +150,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"hf-batched (batch {args.hf_batch_size}): {hf_seconds:.2f} s, {num_tokens / hf_seconds:.0f} tok/s; "
               f"tokenmill {hf_seconds / seconds:.2f}x; max |difference| {diff:.2e}", flush=True)
 
+    if not llm.engine.can_generate:
+        print(json.dumps(summary))
+        return
     alone = stream_gaps(llm, args.stream_tokens, None)
     beside = stream_gaps(llm, args.stream_tokens, docs)
     gaps = {name: [round(1e3 * statistics.median(g), 1), round(1e3 * max(g), 1)]

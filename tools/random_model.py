@@ -1,6 +1,6 @@
 """Random-weight model folders in the shapes of real models, so that a machine without network or model
 hub can load, run and benchmark them: a transformers config (SmolLM2-135M's or 1.7B's, Qwen2-0.5B's, Qwen3-0.6B's or
-Gemma-3-270M's, a scaled-down Qwen3-30B-A3B's, or any size), safetensors weights as transformers initialises them, and a byte-level BPE tokenizer over the
+Gemma-3-270M's, a scaled-down Qwen3-30B-A3B's, the encoder bge-small-en-v1.5's, or any size), safetensors weights as transformers initialises them, and a byte-level BPE tokenizer over the
 whole vocabulary (ids 0, 1, 2 are unk, bos and eos), so that no tokenizer is downloaded either.
 
     python3 tools/random_model.py smollm2-135m /tmp/smollm2 [--dtype bfloat16]
@@ -45,6 +45,9 @@ SHAPES = {
                                         vocab_size=262144, max_position_embeddings=32768, sliding_window=512,
                                         query_pre_attn_scalar=256, rope_theta=1000000.0, rms_norm_eps=1e-6,
                                         tie_word_embeddings=True)),
+    # bge-small-en-v1.5: a BERT encoder (embeddings only; its tokenizer here adds no [CLS] and [SEP])
+    "bge-small": ("bert", dict(hidden_size=384, intermediate_size=1536, num_hidden_layers=12, num_attention_heads=12,
+                               vocab_size=30522, max_position_embeddings=512, type_vocab_size=2)),
 }
 UNK, BOS, EOS = 0, 1, 2
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -74,16 +77,17 @@ def save_tokenizer(out_dir: str, vocab_size: int) -> None:
 
 def build(out_dir: str, arch: str = "llama", dtype: torch.dtype = torch.bfloat16, seed: int = 0,
           **config) -> str:
-    """Save a random ``arch`` ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text") model with these config values in
+    """Save a random ``arch`` ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "bert") model with these config values in
     ``out_dir``. ``initializer_range`` (transformers' 0.02 by default) is the weights' standard deviation."""
     import transformers
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModel, AutoModelForCausalLM
 
     cfg_cls = getattr(transformers, {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
-                                     "qwen3_moe": "Qwen3MoeConfig", "gemma3_text": "Gemma3TextConfig"}[arch])
+                                     "qwen3_moe": "Qwen3MoeConfig", "gemma3_text": "Gemma3TextConfig",
+                                     "bert": "BertConfig"}[arch])
     torch.manual_seed(seed)
     cfg = cfg_cls(bos_token_id=BOS, eos_token_id=EOS, **config)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    model = (AutoModel if arch == "bert" else AutoModelForCausalLM).from_config(cfg, dtype=dtype)
     model.save_pretrained(out_dir)
     save_tokenizer(out_dir, config["vocab_size"])
     return out_dir
