@@ -108,6 +108,7 @@ class Engine:
         path = resolve_model_path(config.model)
         self.model_name = config.served_model_name or model_name(path)
         self.runner = ModelRunner(config, path)
+        config = self.config = self.runner.config
         if self.model_name in self.runner.initial_adapters:
             raise ValueError(f"LoRA adapter {self.model_name!r} has the served model's name: a request could not "
                              "ask for the model alone")
@@ -123,9 +124,6 @@ class Engine:
                         facts.num_kv_blocks, config.block_size)
         self.max_model_len = min(facts.max_model_len, capacity)
         self.encoder = self.runner.model_cfg.encoder is not None  # its prompts are computed whole, in one step
-        if self.encoder and config.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(f"an encoder computes each input in one step: max_num_batched_tokens "
-                             f"({config.max_num_batched_tokens}) must be at least max_model_len ({self.max_model_len})")
         self.vocab_size = self.runner.model_cfg.vocab_size
         self.eos_token_ids = list(self.runner.model_cfg.eos_token_ids)
         self._eos_set = frozenset(self.eos_token_ids)  # looked up once per sampled token

@@ -165,6 +165,11 @@ class ModelRunner:
                                                    or config.max_loras or config.speculative_config):
             raise ValueError(f"an encoder ({self.model_cfg.model_type}) is served on one rank, without LoRA adapters "
                              "or speculative decoding (--data-parallel-size runs more of them)")
+        if self.model_cfg.encoder is not None and config.max_num_batched_tokens < max_model_len:
+            log.info("max_num_batched_tokens raised from %d to max_model_len, %d: an encoder computes each input "
+                     "whole, in one step", config.max_num_batched_tokens, max_model_len)
+            config = dataclasses.replace(config, max_num_batched_tokens=max_model_len)
+        self.config = config  # (an encoder's budget raised: the one the engine schedules by)
         # rank 0 starts the other ranks (one rank: a group of one); a worker brings its group
         self.tp = tp if tp is not None else launch(config, model_path, self.model_cfg, device)
         device = self.tp.device_for(device)
