@@ -36,7 +36,7 @@ def test_the_profiling_step_runs_and_leaves_the_engine_as_it_was(tiny_llama):
 
 
 def test_bytes_per_token():
-    cfg = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64)
+    cfg = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64, encoder=None)
     # SmolLM2-135M: K and V x 30 layers x 3 KV heads x 64 dims
     assert kv_block_bytes(cfg, 1, torch.float32) == 2 * 30 * 3 * 64 * 4 == 46080
     assert kv_block_bytes(cfg, 16, torch.bfloat16) == 46080 // 2 * 16
@@ -47,7 +47,7 @@ def test_kv_cache_memory_sizes_the_cache_on_cuda_too():
     from engine.config import EngineConfig
     from engine.runtime import count_kv_blocks
 
-    cfg = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64, sliding_window=None)
+    cfg = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64, sliding_window=None, encoder=None)
     per_block = kv_block_bytes(cfg, 16, torch.bfloat16)
     cuda = torch.device("cuda")  # (only its type is read)
     assert count_kv_blocks(EngineConfig(), cfg, cuda, torch.bfloat16, 4096, cuda_budget=100 * per_block) == (100, 0)
