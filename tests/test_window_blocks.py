@@ -148,7 +148,7 @@ def test_a_pool_short_of_the_sequences_windows_runs_fewer_at_once_and_finishes_a
 
 def gemma_like(layers: int = 18, window_every: int = 6) -> types.SimpleNamespace:
     """Gemma 3 270M's shape: 18 layers, five of each six with a window of 512."""
-    cfg = types.SimpleNamespace(num_layers=layers, num_kv_heads=1, head_dim=256, sliding_window=512)
+    cfg = types.SimpleNamespace(num_layers=layers, num_kv_heads=1, head_dim=256, sliding_window=512, encoder=None)
     cfg.window = lambda i: 512 if (i + 1) % window_every else 0
     return cfg
 
