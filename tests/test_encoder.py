@@ -40,10 +40,10 @@ def save_encoder(out: str, config, head: bool = False, seed: int = 0, tokenizer:
     model = cls.from_config(config, dtype=torch.float32).eval()
     model.save_pretrained(out)
     if tokenizer:
-        vocab = os.path.join(out, "vocab.txt")
-        with open(vocab, "w") as f:
-            f.write("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]) + "\n")
-        BertTokenizerFast(vocab_file=vocab).save_pretrained(out)
+        tokens = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *dict.fromkeys(WORDS)]
+        tok = BertTokenizerFast(vocab={t: i for i, t in enumerate(tokens)})
+        assert len(tok) == len(tokens) and tok.convert_tokens_to_ids("paris") == tokens.index("paris")
+        tok.save_pretrained(out)
     return out
 
 
@@ -160,6 +160,63 @@ def test_an_xlm_roberta_reranker_matches_transformers(tmp_path):
     assert got == pytest.approx(want, abs=1e-5)
 
 
+def test_a_roberta_classifiers_stray_pooler_is_not_read(tmp_path):
+    """Older RobertaForSequenceClassification checkpoints still hold ``roberta.pooler.dense``, which transformers
+    ignores (the head is ``classifier.dense``): it must not be read in the head's place."""
+    from safetensors.torch import load_file, save_file
+
+    config = RobertaConfig(**SHAPE, max_position_embeddings=66, num_labels=3, type_vocab_size=1)
+    path = save_encoder(str(tmp_path / "roberta-3"), config, head=True, seed=8, tokenizer=False)
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    torch.manual_seed(9)
+    tensors |= {"roberta.pooler.dense.weight": torch.randn(48, 48), "roberta.pooler.dense.bias": torch.randn(48)}
+    save_file(tensors, file, metadata={"format": "pt"})
+    hf = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    ids = [0, 9, 10, 11, 2]
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0]
+    assert LLM(path, **KW).classify([ids])[0].logits == pytest.approx(want.tolist(), abs=1e-5)
+
+
+def test_length_groups_pad_no_prompt_to_a_much_longer_ones_length():
+    """A prompt joins the group of the longer ones while it is at least half as long: 120 and 60 together,
+    the 8s apart, the 3 alone; a one-token prompt is a decode row, in no group."""
+    from engine.attention import build_metadata
+    from engine.models.bert import length_groups
+
+    lens = [8, 120, 3, 1, 60, 8]
+    _, meta = build_metadata(lens, [0] * len(lens), [[0]] * len(lens), 128, torch.device("cpu"))
+    groups = length_groups(meta)
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    want = [[1, 4], [0, 5], [2]]  # prompts, longest first
+    assert len(groups) == len(want)
+    for (rows, index, keep), prompts in zip(groups, want, strict=True):
+        assert rows.tolist() == [starts[i] + j for i in prompts for j in range(lens[i])]
+        assert keep.sum(1).tolist() == [lens[i] for i in prompts] and keep.shape[1] == lens[prompts[0]]
+        assert index[keep].tolist() == list(range(len(rows))) and (index[~keep] == len(rows)).all()
+
+
+def test_checkpoint_errors_name_the_checkpoints_tensors(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = save_encoder(str(tmp_path / "bert"), BertConfig(**SHAPE, max_position_embeddings=128), tokenizer=False)
+    file = os.path.join(path, "model.safetensors")
+    good = load_file(file)
+    for change, why in [
+        (lambda t: t.pop("encoder.layer.1.output.dense.weight"), "lacks 1 of the model's tensors: "
+                                                                  "encoder.layer.1.output.dense.weight$"),
+        (lambda t: t.update({"encoder.layer.0.attention.self.key.weight": torch.zeros(40, 48)}),
+         "encoder.layer.0.attention.self.key.weight: shape \\(40, 48\\), but the config says \\(48, 48\\)"),
+        (lambda t: t.update({"bert.embeddings.LayerNorm.gamma": t["embeddings.LayerNorm.weight"].clone()}), "read twice"),
+    ]:
+        tensors = dict(good)
+        change(tensors)
+        save_file(tensors, file, metadata={"format": "pt"})
+        with pytest.raises(ValueError, match=why):
+            LLM(path, **KW)
+
+
 def test_what_an_encoder_refuses(tmp_path):
     path = save_encoder(str(tmp_path / "bert"), BertConfig(**SHAPE, max_position_embeddings=128), tokenizer=False)
     llm = LLM(path, **KW)
@@ -190,6 +247,7 @@ def test_served_embeddings_and_rerank(tmp_path, cross_encoder):
     sentence_transformers_pooling(path, "mean_tokens")
     tok = BertTokenizerFast.from_pretrained(path)
     texts = ["the quick brown fox", "hello world", "paris"]
+    assert tok.unk_token_id not in tok(texts[0])["input_ids"]  # (words, not [UNK]s)
     s = Server("--model", path, "--served-model-name", "minilm", "--dtype", "float32", startup=120)
     try:
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="x")

@@ -5,9 +5,9 @@ decoders.
 Every token attends to every other token of its prompt, so a prompt is computed whole, in one step
 (``PoolState.whole``: the scheduler neither chunks it nor takes any of it from the prefix cache), and
 nothing is kept after it: no KV cache (its blocks are names only, ``count_kv_blocks``). The step's
-metadata says which rows are whose: a prompt of several tokens is a prefill row group (its grid,
-``q_index``, pads the prompts to the longest for one masked attention call), a one-token prompt is a
-decode row (it attends to itself alone).
+metadata says which rows are whose: prompts of several tokens are its prefill rows (padded, in groups
+of similar length, for a masked attention call each: ``length_groups``), a one-token prompt is a decode
+row (it attends to itself alone).
 
 Post-norm layers as transformers' ``BertLayer``: x = LN(x + attn(x)); x = LN(x + out(act(mid(x)))).
 Inputs: word + position + token type embeddings, normed. The token type of a pair's second text (after
@@ -17,6 +17,7 @@ a cross-encoder reads the query and the document so.
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Iterable
 
@@ -50,29 +51,57 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
 
 
-def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+Groups = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def length_groups(meta: AttentionMetadata) -> Groups:
+    """The step's prompts of several tokens in groups of similar length, each padded to its longest for one
+    masked attention call (one long input among many short ones pads none of them to its length): a prompt
+    joins the group of the longer ones before it while it is at least half as long. Per group: its tokens'
+    rows of the flat batch, prompt by prompt (N,); each grid cell's token among them, N where it pads (B, Q);
+    and which cells hold a token (B, Q). Made once a step (its lengths read on the host)."""
+    p = meta.prefill
+    if p is None:
+        return []
+    starts = p.query_start.tolist()  # (the one sync a step: an encoder's step overlaps nothing)
+    lens = [b - a for a, b in itertools.pairwise(starts)]
+    order = sorted(range(len(lens)), key=lambda i: -lens[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if not groups or 2 * lens[i] < lens[groups[-1][0]]:
+            groups.append([])
+        groups[-1].append(i)
+    out, device = [], p.query_start.device
+    for g in groups:
+        first, n = torch.tensor([starts[i] for i in g]), torch.tensor([lens[i] for i in g])
+        cell = torch.arange(lens[g[0]])[None, :]
+        keep = cell < n[:, None]
+        rows = (first[:, None] + cell)[keep]  # rows among the step's prompt rows
+        index = torch.full(keep.shape, len(rows), dtype=torch.int64)
+        index[keep] = torch.arange(len(rows))
+        rows = rows.to(device)
+        out.append((rows if p.token_rows is None else p.token_rows[rows], index.to(device), keep.to(device)))
+    return out
+
+
+def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, groups: Groups,
                       scale: float) -> torch.Tensor:
-    """(T, H, D) each -> (T, H, D): each prompt's tokens attending to all of its tokens."""
+    """(T, H, D) each -> (T, H, D): each prompt's tokens attending to all of its tokens (``length_groups``)."""
     out = torch.empty_like(q)
     if meta.decode is not None:  # one-token prompts: softmax over one score is 1
         rows = meta.decode.token_rows
         out[rows] = v[rows]
-    p = meta.prefill
-    if p is not None:
-        if p.token_rows is not None:
-            q, k, v = q[p.token_rows], k[p.token_rows], v[p.token_rows]
-        b, n = p.q_index.shape
-        keep = p.q_index < len(q)  # (B, Q): the grid's cells that hold a token (the others pad)
-
-        def grid(x: torch.Tensor) -> torch.Tensor:  # (Tp, H, D) -> (B, H, Q, D), padded with zeros
-            return torch.cat([x, x.new_zeros(1, *x.shape[1:])])[p.q_index].transpose(1, 2)
-
-        o = F.scaled_dot_product_attention(grid(q), grid(k), grid(v), attn_mask=keep[:, None, None, :], scale=scale)
-        o = o.transpose(1, 2).reshape(b * n, *q.shape[1:])[p.out_index]
-        if p.token_rows is None:
-            return o
-        out[p.token_rows] = o
+    for rows, index, keep in groups:
+        o = F.scaled_dot_product_attention(*(_grid(x, rows, index) for x in (q, k, v)),
+                                           attn_mask=keep[:, None, None, :], scale=scale)
+        out[rows] = o.transpose(1, 2)[keep]
     return out
+
+
+def _grid(x: torch.Tensor, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """(T, H, D) -> a group's (B, H, Q, D), padded with zeros."""
+    x = x[rows]
+    return torch.cat([x, x.new_zeros(1, *x.shape[1:])])[index].transpose(1, 2)
 
 
 class BertLayer(nn.Module):
@@ -90,10 +119,10 @@ class BertLayer(nn.Module):
         self.act = F.relu if act == "relu" else (lambda x: F.gelu(x, approximate="tanh")) if act == "gelu_tanh" \
             else F.gelu
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, groups: Groups) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = (y.view(t, self.heads, self.head_dim) for y in self.qkv(x).chunk(3, dim=-1))
-        a = encoder_attention(q, k, v, meta, self.head_dim ** -0.5).reshape(t, -1)
+        a = encoder_attention(q, k, v, meta, groups, self.head_dim ** -0.5).reshape(t, -1)
         x = self.attn_norm(x + self.attn_out(a))
         return self.out_norm(x + self.out(self.act(self.mid(x))))
 
@@ -150,8 +179,9 @@ class BertModel(nn.Module):
         else:
             x = x + self.token_type_embeddings.weight[0]
         x = self.embed_norm(x)
+        groups = length_groups(meta)
         for layer in self.encoder:
-            x = layer(x, meta)
+            x = layer(x, meta, groups)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -172,16 +202,16 @@ _LAYER_NAMES = {  # a checkpoint's module in a layer (past ``encoder.layer.N.``)
     "attention.output.dense": ("attn_out", 0), "attention.output.LayerNorm": ("attn_norm", 0),
     "intermediate.dense": ("mid", 0), "output.dense": ("out", 0), "output.LayerNorm": ("out_norm", 0),
 }
-_OTHER_NAMES = {
-    "embeddings.word_embeddings": "word_embeddings", "embeddings.position_embeddings": "position_embeddings",
-    "embeddings.token_type_embeddings": "token_type_embeddings", "embeddings.LayerNorm": "embed_norm",
-    "classifier.dense": "score.dense", "classifier.out_proj": "score.out_proj",  # RoBERTa's head
-    "pooler.dense": "score.dense", "classifier": "score.out_proj",  # BERT's
-}
+_EMBEDDINGS = {"embeddings.word_embeddings": "word_embeddings", "embeddings.position_embeddings": "position_embeddings",
+               "embeddings.token_type_embeddings": "token_type_embeddings", "embeddings.LayerNorm": "embed_norm"}
+# a classifier's head: RoBERTa's (dense, tanh, out_proj; a pooler some checkpoints still hold is not read, as
+# transformers reads none), BERT's (its pooler's dense and tanh, then its classifier)
+_HEADS = {True: {"classifier.dense": "score.dense", "classifier.out_proj": "score.out_proj"},
+          False: {"pooler.dense": "score.dense", "classifier": "score.out_proj"}}
 _LAYER = re.compile(r"encoder\.layer\.(\d+)\.(.+)")
 
 
-def _ours(name: str) -> tuple[str, int, str] | None:
+def _ours(name: str, roberta: bool) -> tuple[str, int, str] | None:
     """A checkpoint tensor's module here, its part (of a fused one) and kind (weight, bias); None: not read."""
     name = name.removeprefix("bert.").removeprefix("roberta.").removeprefix("model.")
     module, _, kind = name.rpartition(".")
@@ -190,37 +220,56 @@ def _ours(name: str) -> tuple[str, int, str] | None:
     if m:
         ours, part = _LAYER_NAMES.get(m[2], (None, 0))
         return None if ours is None else (f"encoder.{m[1]}.{ours}", part, kind)
-    return (_OTHER_NAMES[module], 0, kind) if module in _OTHER_NAMES else None  # (an MLM head, position_ids...)
+    ours = _EMBEDDINGS.get(module) or _HEADS[roberta].get(module)
+    return None if ours is None else (ours, 0, kind)  # (None: an MLM head, position_ids...)
+
+
+def _theirs(key: str, roberta: bool) -> str:
+    """The checkpoint's name for ``_ours``' ``module.kind#part`` (for messages)."""
+    module, part = key.split("#")
+    module, kind = module.rsplit(".", 1)
+    names = {(f"encoder.layer.{{}}.{theirs}", ours, p) for theirs, (ours, p) in _LAYER_NAMES.items()}
+    layer = re.fullmatch(r"encoder\.(\d+)\.(\w+)", module)
+    for theirs, ours, p in names:
+        if layer and ours == layer[2] and p == int(part):
+            return f"{theirs.format(layer[1])}.{kind}"
+    flat = {v: k for k, v in (_EMBEDDINGS | _HEADS[roberta]).items()}
+    return f"{flat.get(module, module)}.{kind}"
 
 
 def load_encoder_weights(model: BertModel, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copy each checkpoint tensor (transformers' names, with or without ``bert.`` / ``roberta.``; old
-    checkpoints' LayerNorm ``gamma`` and ``beta`` too) into place; check that nothing is missing."""
+    checkpoints' LayerNorm ``gamma`` and ``beta`` too) into place; check that each is read once and that
+    nothing is missing."""
     expected = {f"{m}.{kind}#{part}" for m, module in model.named_modules()
                 for kind, p in module.named_parameters(recurse=False)
                 for part in range(len(module.out_sizes) if isinstance(module, ColumnLinear) else 1)}
     seen: set[str] = set()
     with torch.no_grad():
         for name, w in weights:
-            found = _ours(name)
+            found = _ours(name, model.roberta)
             if found is None or found[0].startswith("score.") and model.score is None:
                 continue  # (an embedding model's pooler: not one it runs)
             module, part, kind = found
             key = f"{module}.{kind}#{part}"
-            if key not in expected:
-                raise ValueError(f"{name}: no such tensor in a {model.cfg.model_type} of this config")
+            if key not in expected or key in seen:
+                raise ValueError(f"{name}: " + ("read twice (the checkpoint holds it under two names)" if key in seen
+                                                else f"no such tensor in a {model.cfg.model_type} of this config"))
             target = model.get_submodule(module)
+            param = getattr(target, kind)
+            if module == "position_embeddings":
+                w = w[:param.shape[0]]  # (past the length served)
+            want = (target.full_sizes[part], *param.shape[1:]) if isinstance(target, ColumnLinear) else param.shape
+            if tuple(w.shape) != tuple(want):
+                raise ValueError(f"{name}: shape {tuple(w.shape)}, but the config says {tuple(want)}")
             if isinstance(target, ColumnLinear):
                 target.load(part, w, kind)
             elif isinstance(target, RowLinear):
                 target.load(w, kind)
             else:
-                param = getattr(target, kind)
-                w = w[:param.shape[0]] if module == "position_embeddings" else w  # (past the length served)
-                if param.shape != w.shape:
-                    raise ValueError(f"{name}: shape {tuple(w.shape)}, but the config says {tuple(param.shape)}")
                 param.copy_(w)
             seen.add(key)
-    missing = sorted(k.split("#")[0] for k in expected - seen)
+    missing = sorted(_theirs(k, model.roberta) for k in expected - seen)
     if missing:
-        raise ValueError(f"the checkpoint lacks {len(missing)} of the model's tensors: {', '.join(missing[:4])}...")
+        raise ValueError(f"the checkpoint lacks {len(missing)} of the model's tensors: {', '.join(missing[:4])}"
+                         + (", ..." if len(missing) > 4 else ""))

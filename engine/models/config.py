@@ -174,7 +174,7 @@ class EncoderConfig:
     type_vocab_size: int  # 2: BERT's pairs, the second text's tokens (after the first [SEP]) of type 1
     layer_norm_eps: float
     hidden_act: str  # the intermediate layer's: gelu (erf), gelu_tanh, relu
-    pad_token_id: int | None  # RoBERTa: positions count from pad_token_id + 1, padding tokens at pad_token_id
+    pad_token_id: int  # RoBERTa: positions count from pad_token_id + 1, padding tokens at pad_token_id
     roberta: bool  # RoBERTa, XLM-R: their positions, and their classifier's head (dense, tanh, out_proj)
 
 
@@ -374,7 +374,8 @@ def _encoder(cfg: dict, model_type: str) -> ModelConfig:
     if name not in _ENCODER_ACTS:
         raise ValueError(f"activation {name!r} is not supported in an encoder ({', '.join(_ENCODER_ACTS)} are)")
     roberta = model_type != "bert"
-    pad = cfg.get("pad_token_id", 1 if roberta else 0)
+    pad = cfg.get("pad_token_id")
+    pad = (1 if roberta else 0) if pad is None else pad
     hidden, heads = cfg.get("hidden_size", 768), cfg.get("num_attention_heads", 12)
     positions = cfg.get("max_position_embeddings", 512) - ((pad + 1) if roberta else 0)
     if hidden % heads or positions < 1:
