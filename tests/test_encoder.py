@@ -1,5 +1,5 @@
 """BERT-style encoders (``engine/models/bert.py``): embeddings and classifier scores equal to
-transformers' (fp32, tiny random BERT, RoBERTa and XLM-R checkpoints) however the inputs are batched
+transformers' (fp32, tiny random BERT, RoBERTa, XLM-R and MPNet checkpoints) however the inputs are batched
 (one-token ones beside long ones, more than one step's worth); each input computed whole, in one step,
 none of it from the prefix cache; a BERT cross-encoder's pair typed as its tokenizer types it; the
 refusals; and served: the official ``openai`` client's embeddings, ``/rerank`` on a cross-encoder."""
@@ -18,6 +18,7 @@ from transformers import (
     AutoModelForSequenceClassification,
     BertConfig,
     BertTokenizerFast,
+    MPNetConfig,
     RobertaConfig,
     XLMRobertaConfig,
 )
@@ -75,10 +76,11 @@ INPUTS = [[2, 9, 10, 3], [7], [2, *range(5, 40), 3], [2, *range(5, 63), *range(5
 
 
 @pytest.mark.parametrize("kind,pooling", [("bert", "cls"), ("bert", "mean"), ("xlm-roberta", "cls"),
-                                          ("roberta", "mean")])
+                                          ("roberta", "mean"), ("mpnet", "mean")])
 def test_embeddings_match_transformers(tmp_path, kind, pooling):
-    config = {"bert": BertConfig, "roberta": RobertaConfig, "xlm-roberta": XLMRobertaConfig}[kind](
-        **SHAPE, max_position_embeddings=128 + 2 * (kind != "bert"))
+    """(MPNet, all-mpnet-base-v2's kind: distances up to 117 cover its exact and logarithmic buckets.)"""
+    config = {"bert": BertConfig, "roberta": RobertaConfig, "xlm-roberta": XLMRobertaConfig, "mpnet": MPNetConfig}[
+        kind](**SHAPE, max_position_embeddings=128 + 2 * (kind != "bert"))
     path = save_encoder(str(tmp_path / kind), config, seed=len(kind), tokenizer=False)
     if pooling == "mean":
         sentence_transformers_pooling(path, "mean_tokens")
@@ -148,10 +150,13 @@ def test_a_bert_cross_encoder_types_the_pair_as_its_tokenizer_does(cross_encoder
     assert got == pytest.approx(hf_pair_scores(cross_encoder, PAIRS), abs=1e-5)
 
 
-def test_an_xlm_roberta_reranker_matches_transformers(tmp_path):
-    """bge-reranker's kind: XLMRobertaForSequenceClassification (dense, tanh, out_proj over <s>), one type."""
-    config = XLMRobertaConfig(**SHAPE, max_position_embeddings=66, num_labels=1, type_vocab_size=1)
-    path = save_encoder(str(tmp_path / "xlmr-rerank"), config, head=True, seed=6, tokenizer=False)
+@pytest.mark.parametrize("kind", ["xlm-roberta", "mpnet"])
+def test_a_roberta_style_classifier_matches_transformers(tmp_path, kind):
+    """bge-reranker's kind: XLMRobertaForSequenceClassification (dense, tanh, out_proj over <s>), one type;
+    MPNetForSequenceClassification's head is the same."""
+    config = (XLMRobertaConfig(type_vocab_size=1, **SHAPE, max_position_embeddings=66, num_labels=1)
+              if kind == "xlm-roberta" else MPNetConfig(**SHAPE, max_position_embeddings=66, num_labels=1))
+    path = save_encoder(str(tmp_path / kind), config, head=True, seed=6, tokenizer=False)
     hf = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
     inputs = [[0, 9, 10, 2, 2, 20, 21, 22, 2], [0, 5, 2], [7]]
     got = [o.logits[0] for o in LLM(path, **KW).classify(inputs)]
@@ -191,7 +196,8 @@ def test_length_groups_pad_no_prompt_to_a_much_longer_ones_length():
     starts = [sum(lens[:i]) for i in range(len(lens))]
     want = [[1, 4], [0, 5], [2]]  # prompts, longest first
     assert len(groups) == len(want)
-    for (rows, index, keep), prompts in zip(groups, want, strict=True):
+    for (rows, index, keep, mask), prompts in zip(groups, want, strict=True):
+        assert torch.equal(mask, keep[:, None, None, :])
         assert rows.tolist() == [starts[i] + j for i in prompts for j in range(lens[i])]
         assert keep.sum(1).tolist() == [lens[i] for i in prompts] and keep.shape[1] == lens[prompts[0]]
         assert index[keep].tolist() == list(range(len(rows))) and (index[~keep] == len(rows)).all()

@@ -1,6 +1,6 @@
-"""BERT-style encoders (BERT, RoBERTa, XLM-R): they embed (bge, e5, all-MiniLM, multilingual-e5) and
-classify (bge-reranker, ms-marco cross-encoders, sentiment heads), served by the same step loop as the
-decoders.
+"""BERT-style encoders (BERT, RoBERTa, XLM-R, MPNet): they embed (bge, e5, all-MiniLM, all-mpnet,
+multilingual-e5) and classify (bge-reranker, ms-marco cross-encoders, sentiment heads), served by the same
+step loop as the decoders.
 
 Every token attends to every other token of its prompt, so a prompt is computed whole, in one step
 (``PoolState.whole``: the scheduler neither chunks it nor takes any of it from the prefix cache), and
@@ -10,7 +10,8 @@ of similar length, for a masked attention call each: ``length_groups``), a one-t
 row (it attends to itself alone).
 
 Post-norm layers as transformers' ``BertLayer``: x = LN(x + attn(x)); x = LN(x + out(act(mid(x)))).
-Inputs: word + position + token type embeddings, normed. The token type of a pair's second text (after
+Inputs: word + position + token type embeddings, normed. MPNet has no token types, and adds to each
+score a bias learnt per head for the distance between query and key (in buckets, as T5's). The token type of a pair's second text (after
 its first [SEP], as BERT's tokenizer types a pair) is 1, where the model has two types and classifies:
 a cross-encoder reads the query and the document so.
 """
@@ -18,6 +19,7 @@ a cross-encoder reads the query and the document so.
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from collections.abc import Iterable
 
@@ -51,7 +53,7 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
 
 
-Groups = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+Groups = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 def length_groups(meta: AttentionMetadata) -> Groups:
@@ -59,7 +61,8 @@ def length_groups(meta: AttentionMetadata) -> Groups:
     masked attention call (one long input among many short ones pads none of them to its length): a prompt
     joins the group of the longer ones before it while it is at least half as long. Per group: its tokens'
     rows of the flat batch, prompt by prompt (N,); each grid cell's token among them, N where it pads (B, Q);
-    and which cells hold a token (B, Q). Made once a step (its lengths read on the host)."""
+    which cells hold a token (B, Q); and the attention's mask, the keys that do (B, 1, 1, Q). Made once a step
+    (its lengths read on the host)."""
     p = meta.prefill
     if p is None:
         return []
@@ -80,7 +83,9 @@ def length_groups(meta: AttentionMetadata) -> Groups:
         index = torch.full(keep.shape, len(rows), dtype=torch.int64)
         index[keep] = torch.arange(len(rows))
         rows = rows.to(device)
-        out.append((rows if p.token_rows is None else p.token_rows[rows], index.to(device), keep.to(device)))
+        keep = keep.to(device)
+        out.append((rows if p.token_rows is None else p.token_rows[rows], index.to(device), keep,
+                    keep[:, None, None, :]))
     return out
 
 
@@ -91,9 +96,8 @@ def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: A
     if meta.decode is not None:  # one-token prompts: softmax over one score is 1
         rows = meta.decode.token_rows
         out[rows] = v[rows]
-    for rows, index, keep in groups:
-        o = F.scaled_dot_product_attention(*(_grid(x, rows, index) for x in (q, k, v)),
-                                           attn_mask=keep[:, None, None, :], scale=scale)
+    for rows, index, keep, mask in groups:
+        o = F.scaled_dot_product_attention(*(_grid(x, rows, index) for x in (q, k, v)), attn_mask=mask, scale=scale)
         out[rows] = o.transpose(1, 2)[keep]
     return out
 
@@ -158,7 +162,8 @@ class BertModel(nn.Module):
         self.word_embeddings = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         offset = (e.pad_token_id + 1) if e.roberta else 0
         self.position_embeddings = Table(max_positions + offset, cfg.hidden_size)
-        self.token_type_embeddings = Table(e.type_vocab_size, cfg.hidden_size)
+        self.token_type_embeddings = Table(e.type_vocab_size, cfg.hidden_size) if e.type_vocab_size else None
+        self.relative_attention_bias = Table(e.relative_buckets, cfg.num_heads) if e.relative_buckets else None
         self.embed_norm = LayerNorm(cfg.hidden_size, e.layer_norm_eps)
         self.encoder = nn.ModuleList(BertLayer(cfg) for _ in range(cfg.num_layers))
         self.score = ClassifierHead(cfg.hidden_size, len(cfg.labels)) if cfg.labels else None
@@ -176,16 +181,36 @@ class BertModel(nn.Module):
             sep = input_ids == self.sep_token_id
             types = (_count_in_prompt(sep, first) - sep.long() > 0).long()
             x = x + self.token_type_embeddings.weight[types]
-        else:
+        elif self.token_type_embeddings is not None:
             x = x + self.token_type_embeddings.weight[0]
         x = self.embed_norm(x)
         groups = length_groups(meta)
+        if self.relative_attention_bias is not None:
+            groups = [(rows, index, keep, self._biased(keep, x.dtype)) for rows, index, keep, _ in groups]
         for layer in self.encoder:
             x = layer(x, meta, groups)
         return x
 
+    def _biased(self, keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """MPNet's mask for a group of width Q: each head's bias for each (query, key) distance, -inf at the
+        keys that pad (B, H, Q, Q); as transformers' ``compute_position_bias`` (its 32 buckets, whatever the
+        config's number)."""
+        cells = torch.arange(keep.shape[1], device=keep.device)
+        bias = self.relative_attention_bias.weight[_bucket(cells[None, :] - cells[:, None])]  # (Q, Q, H)
+        return bias.permute(2, 0, 1)[None].to(dtype).masked_fill(~keep[:, None, None, :], float("-inf"))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("an encoder has no language-model head: it can embed and classify, not generate")
+
+
+def _bucket(distance: torch.Tensor, buckets: int = 32, max_distance: int = 128) -> torch.Tensor:
+    """T5's and MPNet's bucket of each key-minus-query distance: half the buckets for each direction, exact up
+    to a quarter of them, then logarithmic up to ``max_distance``."""
+    n, half = -distance, buckets // 2
+    out = (n < 0).long() * half
+    n, exact = n.abs(), half // 2
+    large = exact + (torch.log(n.float() / exact) / math.log(max_distance / exact) * (half - exact)).long()
+    return out + torch.where(n < exact, n, large.clamp(max=half - 1))
 
 
 def _count_in_prompt(flags: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
@@ -201,9 +226,13 @@ _LAYER_NAMES = {  # a checkpoint's module in a layer (past ``encoder.layer.N.``)
     "attention.self.query": ("qkv", 0), "attention.self.key": ("qkv", 1), "attention.self.value": ("qkv", 2),
     "attention.output.dense": ("attn_out", 0), "attention.output.LayerNorm": ("attn_norm", 0),
     "intermediate.dense": ("mid", 0), "output.dense": ("out", 0), "output.LayerNorm": ("out_norm", 0),
+    # MPNet's names for the attention's
+    "attention.attn.q": ("qkv", 0), "attention.attn.k": ("qkv", 1), "attention.attn.v": ("qkv", 2),
+    "attention.attn.o": ("attn_out", 0), "attention.LayerNorm": ("attn_norm", 0),
 }
 _EMBEDDINGS = {"embeddings.word_embeddings": "word_embeddings", "embeddings.position_embeddings": "position_embeddings",
-               "embeddings.token_type_embeddings": "token_type_embeddings", "embeddings.LayerNorm": "embed_norm"}
+               "embeddings.token_type_embeddings": "token_type_embeddings", "embeddings.LayerNorm": "embed_norm",
+               "encoder.relative_attention_bias": "relative_attention_bias"}
 # a classifier's head: RoBERTa's (dense, tanh, out_proj; a pooler some checkpoints still hold is not read, as
 # transformers reads none), BERT's (its pooler's dense and tanh, then its classifier)
 _HEADS = {True: {"classifier.dense": "score.dense", "classifier.out_proj": "score.out_proj"},
@@ -213,7 +242,7 @@ _LAYER = re.compile(r"encoder\.layer\.(\d+)\.(.+)")
 
 def _ours(name: str, roberta: bool) -> tuple[str, int, str] | None:
     """A checkpoint tensor's module here, its part (of a fused one) and kind (weight, bias); None: not read."""
-    name = name.removeprefix("bert.").removeprefix("roberta.").removeprefix("model.")
+    name = name.removeprefix("bert.").removeprefix("roberta.").removeprefix("mpnet.").removeprefix("model.")
     module, _, kind = name.rpartition(".")
     kind = {"gamma": "weight", "beta": "bias"}.get(kind, kind)
     m = _LAYER.fullmatch(module)
@@ -225,14 +254,13 @@ def _ours(name: str, roberta: bool) -> tuple[str, int, str] | None:
 
 
 def _theirs(key: str, roberta: bool) -> str:
-    """The checkpoint's name for ``_ours``' ``module.kind#part`` (for messages)."""
+    """The checkpoint's name for ``_ours``' ``module.kind#part`` (for messages; in a layer, BERT's name)."""
     module, part = key.split("#")
     module, kind = module.rsplit(".", 1)
-    names = {(f"encoder.layer.{{}}.{theirs}", ours, p) for theirs, (ours, p) in _LAYER_NAMES.items()}
     layer = re.fullmatch(r"encoder\.(\d+)\.(\w+)", module)
-    for theirs, ours, p in names:
+    for theirs, (ours, p) in _LAYER_NAMES.items():
         if layer and ours == layer[2] and p == int(part):
-            return f"{theirs.format(layer[1])}.{kind}"
+            return f"encoder.layer.{layer[1]}.{theirs}.{kind}"
     flat = {v: k for k, v in (_EMBEDDINGS | _HEADS[roberta]).items()}
     return f"{flat.get(module, module)}.{kind}"
 

@@ -32,8 +32,9 @@ SUPPORTED_ARCHITECTURES = {
     "olmo3": {"olmo": True, "qk_norm": True},
 }
 # BERT-style encoders (``engine/models/bert.py``): bidirectional attention over the whole prompt, no KV cache;
-# they embed and classify (BERT, RoBERTa, XLM-R: bge, e5, all-MiniLM, bge-reranker, ms-marco cross-encoders)
-ENCODER_ARCHITECTURES = ("bert", "roberta", "xlm-roberta")
+# they embed and classify (BERT, RoBERTa, XLM-R, MPNet: bge, e5, all-MiniLM, all-mpnet, bge-reranker, ms-marco
+# cross-encoders)
+ENCODER_ARCHITECTURES = ("bert", "roberta", "xlm-roberta", "mpnet")
 # what transformers' Gemma2Config and Gemma3TextConfig assume for keys a config.json leaves out
 _GEMMA2_DEFAULTS = {"query_pre_attn_scalar": 256, "sliding_window": 4096, "attn_logit_softcapping": 50.0,
                     "final_logit_softcapping": 30.0, "rope_theta": 10_000.0, "max_position_embeddings": 8192}
@@ -171,11 +172,12 @@ class EncoderConfig:
     """What a BERT-style encoder adds to the shape: LayerNorms after each sublayer, absolute position
     embeddings (RoBERTa's past its padding id, skipping padding tokens) and token type embeddings."""
 
-    type_vocab_size: int  # 2: BERT's pairs, the second text's tokens (after the first [SEP]) of type 1
+    type_vocab_size: int  # 2: BERT's pairs, the second text's tokens (after the first [SEP]) of type 1; 0: none
     layer_norm_eps: float
     hidden_act: str  # the intermediate layer's: gelu (erf), gelu_tanh, relu
     pad_token_id: int  # RoBERTa: positions count from pad_token_id + 1, padding tokens at pad_token_id
-    roberta: bool  # RoBERTa, XLM-R: their positions, and their classifier's head (dense, tanh, out_proj)
+    roberta: bool  # RoBERTa, XLM-R, MPNet: their positions, and their classifier's head (dense, tanh, out_proj)
+    relative_buckets: int = 0  # MPNet: a bias on each score by the query's and key's distance (these buckets)
 
 
 _ENCODER_ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
@@ -363,7 +365,8 @@ class ModelConfig:
 
 
 def _encoder(cfg: dict, model_type: str) -> ModelConfig:
-    """A BERT, RoBERTa or XLM-R checkpoint's shape (transformers' defaults where config.json leaves a key out)."""
+    """A BERT, RoBERTa, XLM-R or MPNet checkpoint's shape (transformers' defaults where config.json leaves a key
+    out)."""
     if cfg.get("position_embedding_type", "absolute") != "absolute":
         raise ValueError(f"position_embedding_type {cfg['position_embedding_type']!r} is not supported (absolute is)")
     if cfg.get("is_decoder") or cfg.get("add_cross_attention"):
@@ -373,7 +376,7 @@ def _encoder(cfg: dict, model_type: str) -> ModelConfig:
     name = cfg.get("hidden_act", "gelu")
     if name not in _ENCODER_ACTS:
         raise ValueError(f"activation {name!r} is not supported in an encoder ({', '.join(_ENCODER_ACTS)} are)")
-    roberta = model_type != "bert"
+    roberta, mpnet = model_type != "bert", model_type == "mpnet"
     pad = cfg.get("pad_token_id")
     pad = (1 if roberta else 0) if pad is None else pad
     hidden, heads = cfg.get("hidden_size", 768), cfg.get("num_attention_heads", 12)
@@ -388,8 +391,9 @@ def _encoder(cfg: dict, model_type: str) -> ModelConfig:
         num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads, rms_norm_eps=0.0, rope_theta=0.0,
         rope_scaling=None, max_position_embeddings=positions, tie_word_embeddings=False, attention_bias=True,
         qk_norm=False, eos_token_ids=(), bos_token_id=None, lm_head=False, labels=labels,
-        encoder=EncoderConfig(int(cfg.get("type_vocab_size", 2)), float(cfg.get("layer_norm_eps", 1e-12)),
-                              _ENCODER_ACTS[name], pad, roberta))
+        encoder=EncoderConfig(0 if mpnet else int(cfg.get("type_vocab_size", 2)),
+                              float(cfg.get("layer_norm_eps", 1e-12)), _ENCODER_ACTS[name], pad, roberta,
+                              int(cfg.get("relative_attention_num_buckets", 32)) if mpnet else 0))
 
 
 def _labels(cfg: dict) -> tuple[str, ...]:
