@@ -18,6 +18,7 @@ from transformers import (
     AutoModelForSequenceClassification,
     BertConfig,
     BertTokenizerFast,
+    DistilBertConfig,
     MPNetConfig,
     RobertaConfig,
     XLMRobertaConfig,
@@ -31,6 +32,12 @@ KW = dict(device="cpu", dtype="float32")
 WORDS = ("the quick brown fox jumps over lazy dog what is capital of france paris a cat sat on mat hello world "
          "search query document about cats dogs").split()
 SHAPE = dict(vocab_size=64, hidden_size=48, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96)
+
+
+def distilbert(**kw) -> DistilBertConfig:
+    """SHAPE in DistilBERT's spelling (dim, n_layers, n_heads, hidden_dim)."""
+    return DistilBertConfig(vocab_size=64, dim=48, n_layers=2, n_heads=4, hidden_dim=96, **kw)
+
 
 
 def save_encoder(out: str, config, head: bool = False, seed: int = 0, tokenizer: bool = True) -> str:
@@ -76,11 +83,14 @@ INPUTS = [[2, 9, 10, 3], [7], [2, *range(5, 40), 3], [2, *range(5, 63), *range(5
 
 
 @pytest.mark.parametrize("kind,pooling", [("bert", "cls"), ("bert", "mean"), ("xlm-roberta", "cls"),
-                                          ("roberta", "mean"), ("mpnet", "mean")])
+                                          ("roberta", "mean"), ("mpnet", "mean"), ("distilbert", "mean")])
 def test_embeddings_match_transformers(tmp_path, kind, pooling):
     """(MPNet, all-mpnet-base-v2's kind: distances up to 117 cover its exact and logarithmic buckets.)"""
-    config = {"bert": BertConfig, "roberta": RobertaConfig, "xlm-roberta": XLMRobertaConfig, "mpnet": MPNetConfig}[
-        kind](**SHAPE, max_position_embeddings=128 + 2 * (kind != "bert"))
+    if kind == "distilbert":
+        config = distilbert(max_position_embeddings=128)
+    else:
+        config = {"bert": BertConfig, "roberta": RobertaConfig, "xlm-roberta": XLMRobertaConfig, "mpnet": MPNetConfig}[
+            kind](**SHAPE, max_position_embeddings=128 + 2 * (kind != "bert"))
     path = save_encoder(str(tmp_path / kind), config, seed=len(kind), tokenizer=False)
     if pooling == "mean":
         sentence_transformers_pooling(path, "mean_tokens")
@@ -150,19 +160,21 @@ def test_a_bert_cross_encoder_types_the_pair_as_its_tokenizer_does(cross_encoder
     assert got == pytest.approx(hf_pair_scores(cross_encoder, PAIRS), abs=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["xlm-roberta", "mpnet"])
-def test_a_roberta_style_classifier_matches_transformers(tmp_path, kind):
+@pytest.mark.parametrize("kind", ["xlm-roberta", "mpnet", "distilbert"])
+def test_a_classifier_matches_transformers(tmp_path, kind):
     """bge-reranker's kind: XLMRobertaForSequenceClassification (dense, tanh, out_proj over <s>), one type;
-    MPNetForSequenceClassification's head is the same."""
-    config = (XLMRobertaConfig(type_vocab_size=1, **SHAPE, max_position_embeddings=66, num_labels=1)
-              if kind == "xlm-roberta" else MPNetConfig(**SHAPE, max_position_embeddings=66, num_labels=1))
+    MPNetForSequenceClassification's head is the same; DistilBERT's (sst-2's) has a ReLU and two labels."""
+    config = {"xlm-roberta": lambda: XLMRobertaConfig(type_vocab_size=1, **SHAPE, max_position_embeddings=66,
+                                                      num_labels=1),
+              "mpnet": lambda: MPNetConfig(**SHAPE, max_position_embeddings=66, num_labels=1),
+              "distilbert": lambda: distilbert(max_position_embeddings=64, num_labels=2)}[kind]()
     path = save_encoder(str(tmp_path / kind), config, head=True, seed=6, tokenizer=False)
     hf = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
     inputs = [[0, 9, 10, 2, 2, 20, 21, 22, 2], [0, 5, 2], [7]]
-    got = [o.logits[0] for o in LLM(path, **KW).classify(inputs)]
+    got = [o.logits for o in LLM(path, **KW).classify(inputs)]
     with torch.no_grad():
-        want = [hf(torch.tensor([i])).logits[0, 0].item() for i in inputs]
-    assert got == pytest.approx(want, abs=1e-5)
+        want = [hf(torch.tensor([i])).logits[0].tolist() for i in inputs]
+    assert [x for g in got for x in g] == pytest.approx([x for w in want for x in w], abs=1e-5)
 
 
 def test_a_roberta_classifiers_stray_pooler_is_not_read(tmp_path):

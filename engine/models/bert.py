@@ -1,6 +1,6 @@
-"""BERT-style encoders (BERT, RoBERTa, XLM-R, MPNet): they embed (bge, e5, all-MiniLM, all-mpnet,
-multilingual-e5) and classify (bge-reranker, ms-marco cross-encoders, sentiment heads), served by the same
-step loop as the decoders.
+"""BERT-style encoders (BERT, RoBERTa, XLM-R, MPNet, DistilBERT): they embed (bge, e5, all-MiniLM,
+all-mpnet, multilingual-e5) and classify (bge-reranker, ms-marco cross-encoders, sentiment heads), served
+by the same step loop as the decoders.
 
 Every token attends to every other token of its prompt, so a prompt is computed whole, in one step
 (``PoolState.whole``: the scheduler neither chunks it nor takes any of it from the prefix cache), and
@@ -10,8 +10,8 @@ of similar length, for a masked attention call each: ``length_groups``), a one-t
 row (it attends to itself alone).
 
 Post-norm layers as transformers' ``BertLayer``: x = LN(x + attn(x)); x = LN(x + out(act(mid(x)))).
-Inputs: word + position + token type embeddings, normed. MPNet has no token types, and adds to each
-score a bias learnt per head for the distance between query and key (in buckets, as T5's). The token type of a pair's second text (after
+Inputs: word + position + token type embeddings, normed. MPNet and DistilBERT have no token types; MPNet
+adds to each score a bias learnt per head for the distance between query and key (in buckets, as T5's). The token type of a pair's second text (after
 its first [SEP], as BERT's tokenizer types a pair) is 1, where the model has two types and classifies:
 a cross-encoder reads the query and the document so.
 """
@@ -133,19 +133,21 @@ class BertLayer(nn.Module):
 
 class ClassifierHead(nn.Module):
     """A ``*ForSequenceClassification``'s head over the first token's state: RoBERTa's dense, tanh, out_proj;
-    BERT's pooler (dense, tanh) then its classifier. (N, hidden) -> (N, labels)."""
+    BERT's pooler (dense, tanh) then its classifier; DistilBERT's the same with a ReLU. (N, hidden) -> (N,
+    labels)."""
 
-    def __init__(self, hidden: int, labels: int):
+    def __init__(self, hidden: int, labels: int, relu: bool = False):
         super().__init__()
         self.dense = ColumnLinear(hidden, [hidden], bias=True)
         self.out_proj = ColumnLinear(hidden, [labels], bias=True)
+        self.act = torch.relu if relu else torch.tanh
 
     @property
     def weight(self) -> torch.Tensor:  # (its dtype is what the runner casts a pooled state to)
         return self.out_proj.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out_proj(torch.tanh(self.dense(x)))
+        return self.out_proj(self.act(self.dense(x)))
 
 
 class BertModel(nn.Module):
@@ -166,7 +168,7 @@ class BertModel(nn.Module):
         self.relative_attention_bias = Table(e.relative_buckets, cfg.num_heads) if e.relative_buckets else None
         self.embed_norm = LayerNorm(cfg.hidden_size, e.layer_norm_eps)
         self.encoder = nn.ModuleList(BertLayer(cfg) for _ in range(cfg.num_layers))
-        self.score = ClassifierHead(cfg.hidden_size, len(cfg.labels)) if cfg.labels else None
+        self.score = ClassifierHead(cfg.hidden_size, len(cfg.labels), e.head == "distilbert") if cfg.labels else None
         self.sep_token_id: int | None = None  # set by the loader where pairs are typed (two types, a classifier)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -229,31 +231,38 @@ _LAYER_NAMES = {  # a checkpoint's module in a layer (past ``encoder.layer.N.``)
     # MPNet's names for the attention's
     "attention.attn.q": ("qkv", 0), "attention.attn.k": ("qkv", 1), "attention.attn.v": ("qkv", 2),
     "attention.attn.o": ("attn_out", 0), "attention.LayerNorm": ("attn_norm", 0),
+    # DistilBERT's (past ``transformer.layer.N.``)
+    "attention.q_lin": ("qkv", 0), "attention.k_lin": ("qkv", 1), "attention.v_lin": ("qkv", 2),
+    "attention.out_lin": ("attn_out", 0), "sa_layer_norm": ("attn_norm", 0), "ffn.lin1": ("mid", 0),
+    "ffn.lin2": ("out", 0), "output_layer_norm": ("out_norm", 0),
 }
 _EMBEDDINGS = {"embeddings.word_embeddings": "word_embeddings", "embeddings.position_embeddings": "position_embeddings",
                "embeddings.token_type_embeddings": "token_type_embeddings", "embeddings.LayerNorm": "embed_norm",
                "encoder.relative_attention_bias": "relative_attention_bias"}
-# a classifier's head: RoBERTa's (dense, tanh, out_proj; a pooler some checkpoints still hold is not read, as
-# transformers reads none), BERT's (its pooler's dense and tanh, then its classifier)
-_HEADS = {True: {"classifier.dense": "score.dense", "classifier.out_proj": "score.out_proj"},
-          False: {"pooler.dense": "score.dense", "classifier": "score.out_proj"}}
-_LAYER = re.compile(r"encoder\.layer\.(\d+)\.(.+)")
+# a classifier's head (EncoderConfig.head): RoBERTa's (dense, tanh, out_proj; a pooler some checkpoints still
+# hold is not read, as transformers reads none), BERT's (its pooler's dense and tanh, then its classifier),
+# DistilBERT's (pre_classifier, ReLU, classifier)
+_HEADS = {"roberta": {"classifier.dense": "score.dense", "classifier.out_proj": "score.out_proj"},
+          "bert": {"pooler.dense": "score.dense", "classifier": "score.out_proj"},
+          "distilbert": {"pre_classifier": "score.dense", "classifier": "score.out_proj"}}
+_LAYER = re.compile(r"(?:encoder|transformer)\.layer\.(\d+)\.(.+)")
 
 
-def _ours(name: str, roberta: bool) -> tuple[str, int, str] | None:
+def _ours(name: str, head: str) -> tuple[str, int, str] | None:
     """A checkpoint tensor's module here, its part (of a fused one) and kind (weight, bias); None: not read."""
-    name = name.removeprefix("bert.").removeprefix("roberta.").removeprefix("mpnet.").removeprefix("model.")
+    for prefix in ("bert.", "roberta.", "mpnet.", "distilbert.", "model."):
+        name = name.removeprefix(prefix)
     module, _, kind = name.rpartition(".")
     kind = {"gamma": "weight", "beta": "bias"}.get(kind, kind)
     m = _LAYER.fullmatch(module)
     if m:
         ours, part = _LAYER_NAMES.get(m[2], (None, 0))
         return None if ours is None else (f"encoder.{m[1]}.{ours}", part, kind)
-    ours = _EMBEDDINGS.get(module) or _HEADS[roberta].get(module)
+    ours = _EMBEDDINGS.get(module) or _HEADS[head].get(module)
     return None if ours is None else (ours, 0, kind)  # (None: an MLM head, position_ids...)
 
 
-def _theirs(key: str, roberta: bool) -> str:
+def _theirs(key: str, head: str) -> str:
     """The checkpoint's name for ``_ours``' ``module.kind#part`` (for messages; in a layer, BERT's name)."""
     module, part = key.split("#")
     module, kind = module.rsplit(".", 1)
@@ -261,7 +270,7 @@ def _theirs(key: str, roberta: bool) -> str:
     for theirs, (ours, p) in _LAYER_NAMES.items():
         if layer and ours == layer[2] and p == int(part):
             return f"encoder.layer.{layer[1]}.{theirs}.{kind}"
-    flat = {v: k for k, v in (_EMBEDDINGS | _HEADS[roberta]).items()}
+    flat = {v: k for k, v in (_EMBEDDINGS | _HEADS[head]).items()}
     return f"{flat.get(module, module)}.{kind}"
 
 
@@ -275,7 +284,7 @@ def load_encoder_weights(model: BertModel, weights: Iterable[tuple[str, torch.Te
     seen: set[str] = set()
     with torch.no_grad():
         for name, w in weights:
-            found = _ours(name, model.roberta)
+            found = _ours(name, model.cfg.encoder.head)
             if found is None or found[0].startswith("score.") and model.score is None:
                 continue  # (an embedding model's pooler: not one it runs)
             module, part, kind = found
@@ -297,7 +306,7 @@ def load_encoder_weights(model: BertModel, weights: Iterable[tuple[str, torch.Te
             else:
                 param.copy_(w)
             seen.add(key)
-    missing = sorted(_theirs(k, model.roberta) for k in expected - seen)
+    missing = sorted(_theirs(k, model.cfg.encoder.head) for k in expected - seen)
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} of the model's tensors: {', '.join(missing[:4])}"
                          + (", ..." if len(missing) > 4 else ""))

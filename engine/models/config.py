@@ -32,9 +32,12 @@ SUPPORTED_ARCHITECTURES = {
     "olmo3": {"olmo": True, "qk_norm": True},
 }
 # BERT-style encoders (``engine/models/bert.py``): bidirectional attention over the whole prompt, no KV cache;
-# they embed and classify (BERT, RoBERTa, XLM-R, MPNet: bge, e5, all-MiniLM, all-mpnet, bge-reranker, ms-marco
-# cross-encoders)
-ENCODER_ARCHITECTURES = ("bert", "roberta", "xlm-roberta", "mpnet")
+# they embed and classify (BERT, RoBERTa, XLM-R, MPNet, DistilBERT: bge, e5, all-MiniLM, all-mpnet, bge-reranker,
+# ms-marco cross-encoders, sentiment classifiers)
+ENCODER_ARCHITECTURES = ("bert", "roberta", "xlm-roberta", "mpnet", "distilbert")
+# DistilBERT's config keys, as the others spell them (its LayerNorms' epsilon is fixed, its token types none)
+_DISTILBERT_KEYS = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
+                    "hidden_dim": "intermediate_size", "activation": "hidden_act"}
 # what transformers' Gemma2Config and Gemma3TextConfig assume for keys a config.json leaves out
 _GEMMA2_DEFAULTS = {"query_pre_attn_scalar": 256, "sliding_window": 4096, "attn_logit_softcapping": 50.0,
                     "final_logit_softcapping": 30.0, "rope_theta": 10_000.0, "max_position_embeddings": 8192}
@@ -176,8 +179,11 @@ class EncoderConfig:
     layer_norm_eps: float
     hidden_act: str  # the intermediate layer's: gelu (erf), gelu_tanh, relu
     pad_token_id: int  # RoBERTa: positions count from pad_token_id + 1, padding tokens at pad_token_id
-    roberta: bool  # RoBERTa, XLM-R, MPNet: their positions, and their classifier's head (dense, tanh, out_proj)
+    roberta: bool  # RoBERTa, XLM-R, MPNet: their positions (and not BERT's token types)
     relative_buckets: int = 0  # MPNet: a bias on each score by the query's and key's distance (these buckets)
+    # a classifier's head over the first token's state: "roberta" (RoBERTa's, MPNet's: dense, tanh, out_proj),
+    # "bert" (pooler dense, tanh, classifier), "distilbert" (pre_classifier, ReLU, classifier)
+    head: str = "bert"
 
 
 _ENCODER_ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
@@ -365,8 +371,10 @@ class ModelConfig:
 
 
 def _encoder(cfg: dict, model_type: str) -> ModelConfig:
-    """A BERT, RoBERTa, XLM-R or MPNet checkpoint's shape (transformers' defaults where config.json leaves a key
-    out)."""
+    """A BERT, RoBERTa, XLM-R, MPNet or DistilBERT checkpoint's shape (transformers' defaults where config.json
+    leaves a key out)."""
+    if model_type == "distilbert":
+        cfg = {_DISTILBERT_KEYS.get(k, k): v for k, v in cfg.items()} | {"type_vocab_size": 0, "layer_norm_eps": 1e-12}
     if cfg.get("position_embedding_type", "absolute") != "absolute":
         raise ValueError(f"position_embedding_type {cfg['position_embedding_type']!r} is not supported (absolute is)")
     if cfg.get("is_decoder") or cfg.get("add_cross_attention"):
@@ -376,7 +384,7 @@ def _encoder(cfg: dict, model_type: str) -> ModelConfig:
     name = cfg.get("hidden_act", "gelu")
     if name not in _ENCODER_ACTS:
         raise ValueError(f"activation {name!r} is not supported in an encoder ({', '.join(_ENCODER_ACTS)} are)")
-    roberta, mpnet = model_type != "bert", model_type == "mpnet"
+    roberta, mpnet = model_type not in ("bert", "distilbert"), model_type == "mpnet"
     pad = cfg.get("pad_token_id")
     pad = (1 if roberta else 0) if pad is None else pad
     hidden, heads = cfg.get("hidden_size", 768), cfg.get("num_attention_heads", 12)
@@ -393,7 +401,8 @@ def _encoder(cfg: dict, model_type: str) -> ModelConfig:
         qk_norm=False, eos_token_ids=(), bos_token_id=None, lm_head=False, labels=labels,
         encoder=EncoderConfig(0 if mpnet else int(cfg.get("type_vocab_size", 2)),
                               float(cfg.get("layer_norm_eps", 1e-12)), _ENCODER_ACTS[name], pad, roberta,
-                              int(cfg.get("relative_attention_num_buckets", 32)) if mpnet else 0))
+                              int(cfg.get("relative_attention_num_buckets", 32)) if mpnet else 0,
+                              "roberta" if roberta else model_type))
 
 
 def _labels(cfg: dict) -> tuple[str, ...]:
