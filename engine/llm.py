@@ -89,8 +89,8 @@ class LLM:
         config.pop("trust_remote_code", None)  # (vLLM's: nothing from a model's folder runs here)
         if config.pop("enable_lora", False) and config.get("max_loras") is None:
             config["max_loras"] = len(config.get("lora_modules") or ()) + SPARE_LORA_SLOTS
-        self.config = EngineConfig(model=model, **config)
-        self.engine = Engine(self.config)
+        self.engine = Engine(EngineConfig(model=model, **config))
+        self.config = self.engine.config  # (as the engine runs it: an encoder's budget raised)
         self._ids = itertools.count()
         self._adapter_use: dict[str, None] = {}  # LoRA adapters asked for, least recently first
         c = self.config

@@ -206,7 +206,9 @@ class ModelRunner:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
             drafts = config.speculative.num_speculative_tokens if config.speculative else 0
-            self.profile_run(min(config.max_num_batched_tokens, config.max_num_seqs * max_model_len),
+            # (an encoder pads a step's inputs in groups, to at most twice their tokens: measured so)
+            padded = 2 if self.model_cfg.encoder is not None else 1
+            self.profile_run(padded * min(config.max_num_batched_tokens, config.max_num_seqs * max_model_len),
                              min(config.max_num_batched_tokens, config.max_num_seqs * (1 + drafts)), max_model_len)
             cuda_budget = measured_cuda_budget(config, device)
             torch.cuda.empty_cache()

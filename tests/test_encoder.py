@@ -226,13 +226,23 @@ def test_checkpoint_errors_name_the_checkpoints_tensors(tmp_path):
                                                                   "encoder.layer.1.output.dense.weight$"),
         (lambda t: t.update({"encoder.layer.0.attention.self.key.weight": torch.zeros(40, 48)}),
          "encoder.layer.0.attention.self.key.weight: shape \\(40, 48\\), but the config says \\(48, 48\\)"),
-        (lambda t: t.update({"bert.embeddings.LayerNorm.gamma": t["embeddings.LayerNorm.weight"].clone()}), "read twice"),
+        (lambda t: t.update({"bert.embeddings.LayerNorm.gamma": t["embeddings.LayerNorm.weight"].clone()}),
+         "LayerNorm.* and .*LayerNorm.* are the same tensor"),
     ]:
         tensors = dict(good)
         change(tensors)
         save_file(tensors, file, metadata={"format": "pt"})
         with pytest.raises(ValueError, match=why):
             LLM(path, **KW)
+    # a classifier's checkpoint: its body's names prefixed (bert.), its head's not
+    path = save_encoder(str(tmp_path / "bert-ce"), BertConfig(**SHAPE, max_position_embeddings=64, num_labels=1),
+                        head=True)
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    del tensors["bert.pooler.dense.weight"], tensors["classifier.bias"]
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="lacks 2 of the model's tensors: bert.pooler.dense.weight, classifier.bias$"):
+        LLM(path, **KW)
 
 
 def test_what_an_encoder_refuses(tmp_path):

@@ -281,7 +281,8 @@ def load_encoder_weights(model: BertModel, weights: Iterable[tuple[str, torch.Te
     expected = {f"{m}.{kind}#{part}" for m, module in model.named_modules()
                 for kind, p in module.named_parameters(recurse=False)
                 for part in range(len(module.out_sizes) if isinstance(module, ColumnLinear) else 1)}
-    seen: set[str] = set()
+    seen: dict[str, str] = {}  # ours -> the checkpoint's name
+    prefix = ""  # the checkpoint's (bert., roberta., ...: for messages)
     with torch.no_grad():
         for name, w in weights:
             found = _ours(name, model.cfg.encoder.head)
@@ -289,9 +290,11 @@ def load_encoder_weights(model: BertModel, weights: Iterable[tuple[str, torch.Te
                 continue  # (an embedding model's pooler: not one it runs)
             module, part, kind = found
             key = f"{module}.{kind}#{part}"
-            if key not in expected or key in seen:
-                raise ValueError(f"{name}: " + ("read twice (the checkpoint holds it under two names)" if key in seen
-                                                else f"no such tensor in a {model.cfg.model_type} of this config"))
+            if key in seen:
+                raise ValueError(f"{seen[key]} and {name} are the same tensor: the checkpoint holds it twice")
+            if key not in expected:
+                raise ValueError(f"{name}: no such tensor in a {model.cfg.model_type} of this config")
+            prefix = prefix or name[:max(0, name.find("embeddings.word_embeddings"))]
             target = model.get_submodule(module)
             param = getattr(target, kind)
             if module == "position_embeddings":
@@ -305,8 +308,10 @@ def load_encoder_weights(model: BertModel, weights: Iterable[tuple[str, torch.Te
                 target.load(w, kind)
             else:
                 param.copy_(w)
-            seen.add(key)
-    missing = sorted(_theirs(k, model.cfg.encoder.head) for k in expected - seen)
+            seen[key] = name
+    missing = [_theirs(k, model.cfg.encoder.head) for k in expected - set(seen)]
+    # (a head's names are bare, the body's prefixed)
+    missing = sorted(m if m.startswith(("classifier", "pre_classifier")) else prefix + m for m in missing)
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} of the model's tensors: {', '.join(missing[:4])}"
                          + (", ..." if len(missing) > 4 else ""))
