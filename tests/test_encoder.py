@@ -252,7 +252,7 @@ def test_what_an_encoder_refuses(tmp_path):
         llm.generate([[2, 9, 3]], SamplingParams(max_tokens=2))
     assert e.value.status == 400
     small = LLM(path, max_num_batched_tokens=64, **KW)  # raised to the model's length: inputs are computed whole
-    assert small.engine.scheduler.max_num_batched_tokens == 128 and close(small.embed([INPUTS[3]])[0].embedding,
+    assert small.engine.scheduler.max_num_batched_tokens == small.config.max_num_batched_tokens == 128 and close(small.embed([INPUTS[3]])[0].embedding,
                                                                             hf_vector(path, INPUTS[3], "cls"))
     with pytest.raises(ValueError, match="served on one rank"):
         LLM(path, tensor_parallel_size=2, **KW)
