@@ -136,7 +136,8 @@ class Engine:
         self.labels = self.runner.model_cfg.labels  # a sequence classifier's: it classifies, nothing else
         try:
             # (a classifier scores its last token's state, raw, as transformers' *ForSequenceClassification)
-            first = "cls" if self.encoder else "last"  # (an encoder's [CLS]: its classifiers' and embeddings')
+            # (an encoder's [CLS]: its embeddings' and its classifier's, unless ModernBERT's says mean)
+            first = self.runner.model_cfg.encoder.pooling if self.encoder else "last"
             self.pooler = PoolerConfig(first, False) if self.labels else \
                 PoolerConfig.of(facts.model_path, config.pooler_config, first)
         except ValueError as e:

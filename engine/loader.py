@@ -30,6 +30,7 @@ from engine.models.bert import BertModel, load_encoder_weights
 from engine.models.config import ModelConfig, QuantConfig
 from engine.models.layers import RMSNorm, RowLinear
 from engine.models.llama import LlamaForCausalLM
+from engine.models.modernbert import ModernBertModel
 from engine.models.moe import Experts
 from engine.parallel import TPGroup
 
@@ -96,12 +97,12 @@ def build_model(path: str, cfg: ModelConfig, max_positions: int, dtype: torch.dt
 
 
 def _build_encoder(path: str, cfg: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device,
-                   tokenizer: str | None) -> BertModel:
+                   tokenizer: str | None) -> BertModel | ModernBertModel:
     """A BERT-style encoder (``engine/models/bert.py``) from a Hugging Face folder (on one rank: ``ModelRunner``)."""
     if cfg.quant is not None or path.endswith(".gguf"):
         raise ValueError(f"an encoder ({cfg.model_type}) loads from its safetensors checkpoint (not GGUF, AWQ, GPTQ)")
     with torch.device(device), _default_dtype(dtype):
-        model = BertModel(cfg, max_positions)
+        model = (ModernBertModel if cfg.encoder.modern is not None else BertModel)(cfg, max_positions)
     # a BERT cross-encoder types a pair's texts by its [SEP] (RoBERTa's tokenizers type none)
     if cfg.labels and not cfg.encoder.roberta and cfg.encoder.type_vocab_size > 1:
         from frontends.tokenizer import load_tokenizer

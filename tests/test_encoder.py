@@ -1,5 +1,5 @@
 """BERT-style encoders (``engine/models/bert.py``): embeddings and classifier scores equal to
-transformers' (fp32, tiny random BERT, RoBERTa, XLM-R and MPNet checkpoints) however the inputs are batched
+transformers' (fp32, tiny random BERT, RoBERTa, XLM-R, MPNet, DistilBERT and ModernBERT checkpoints) however the inputs are batched
 (one-token ones beside long ones, more than one step's worth); each input computed whole, in one step,
 none of it from the prefix cache; a BERT cross-encoder's pair typed as its tokenizer types it; the
 refusals; and served: the official ``openai`` client's embeddings, ``/rerank`` on a cross-encoder."""
@@ -19,6 +19,7 @@ from transformers import (
     BertConfig,
     BertTokenizerFast,
     DistilBertConfig,
+    ModernBertConfig,
     MPNetConfig,
     RobertaConfig,
     XLMRobertaConfig,
@@ -175,6 +176,53 @@ def test_a_classifier_matches_transformers(tmp_path, kind):
     with torch.no_grad():
         want = [hf(torch.tensor([i])).logits[0].tolist() for i in inputs]
     assert [x for g in got for x in g] == pytest.approx([x for w in want for x in w], abs=1e-5)
+
+
+def modernbert(**kw) -> ModernBertConfig:
+    """A small ModernBERT: a window of 8 either side in its sliding layers (1, 2: every third is full), weights
+    large enough (initializer_range 0.2) that a position's RoPE base or a window's edge shows in the output."""
+    return ModernBertConfig(vocab_size=64, hidden_size=48, num_hidden_layers=4, num_attention_heads=4,
+                            intermediate_size=80, max_position_embeddings=256, local_attention=16, pad_token_id=0,
+                            bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2, initializer_range=0.2, **kw)
+
+
+@pytest.mark.parametrize("pooling", ["cls", "mean"])
+def test_modernbert_embeddings_match_transformers(tmp_path, pooling):
+    path = save_encoder(str(tmp_path / "modernbert"), modernbert(), seed=11, tokenizer=False)
+    if pooling == "mean":
+        sentence_transformers_pooling(path, "mean_tokens")
+    llm = LLM(path, max_num_batched_tokens=256, **KW)
+    for out, ids in zip(llm.embed(INPUTS), INPUTS, strict=True):
+        assert torch.allclose(torch.tensor(out.embedding), hf_vector(path, ids, pooling), atol=1e-6), len(ids)
+
+
+def test_a_modernbert_configs_older_spelling_reads_the_same(tmp_path):
+    """Checkpoints before transformers 5 name the layer kinds by global_attn_every_n_layers and the RoPE bases
+    flat (global_rope_theta, local_rope_theta)."""
+    from engine.loader import load_model_config
+
+    path = save_encoder(str(tmp_path / "modernbert"), modernbert(), seed=11, tokenizer=False)
+    new = load_model_config(path)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    del cfg["layer_types"], cfg["rope_parameters"]
+    cfg |= {"global_attn_every_n_layers": 3, "global_rope_theta": 160000.0, "local_rope_theta": 10000.0}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    assert load_model_config(path) == new and new.encoder.modern.sliding == {1, 2} and new.encoder.modern.window == 8
+
+
+def test_a_modernbert_classifier_matches_transformers(tmp_path):
+    """gte-reranker-modernbert's kind: mean pooling (classifier_pooling), then dense, GELU, norm, classifier."""
+    path = save_encoder(str(tmp_path / "modernbert-cls"), modernbert(num_labels=2, classifier_pooling="mean"),
+                        head=True, seed=12, tokenizer=False)
+    hf = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(path, max_num_batched_tokens=256, **KW)
+    assert llm.engine.pooler.pooling_type == "mean"
+    for out, ids in zip(llm.classify(INPUTS), INPUTS, strict=True):
+        with torch.no_grad():
+            want = hf(torch.tensor([ids])).logits[0]
+        assert out.logits == pytest.approx(want.tolist(), abs=1e-5), len(ids)
 
 
 def test_a_roberta_classifiers_stray_pooler_is_not_read(tmp_path):

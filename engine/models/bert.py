@@ -45,9 +45,9 @@ class Table(nn.Module):
 
 
 class LayerNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, bias: bool = True):
         super().__init__()
-        self.eps, self.weight, self.bias = eps, _param(dim), _param(dim)
+        self.eps, self.weight, self.bias = eps, _param(dim), _param(dim) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
@@ -204,6 +204,14 @@ class BertModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("an encoder has no language-model head: it can embed and classify, not generate")
 
+    def ours(self, name: str) -> tuple[str, int, str] | None:
+        """A checkpoint tensor's module here, its part (of a fused one) and kind (weight, bias); None: not read."""
+        return _ours(name, self.cfg.encoder.head)
+
+    def theirs(self, key: str) -> str:
+        """The checkpoint's name (less its prefix) of ``ours``' ``module.kind#part`` (for messages)."""
+        return _theirs(key, self.cfg.encoder.head)
+
 
 def _bucket(distance: torch.Tensor, buckets: int = 32, max_distance: int = 128) -> torch.Tensor:
     """T5's and MPNet's bucket of each key-minus-query distance: half the buckets for each direction, exact up
@@ -274,10 +282,10 @@ def _theirs(key: str, head: str) -> str:
     return f"{flat.get(module, module)}.{kind}"
 
 
-def load_encoder_weights(model: BertModel, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+def load_encoder_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copy each checkpoint tensor (transformers' names, with or without ``bert.`` / ``roberta.``; old
-    checkpoints' LayerNorm ``gamma`` and ``beta`` too) into place; check that each is read once and that
-    nothing is missing."""
+    checkpoints' LayerNorm ``gamma`` and ``beta`` too) into place, as the model's ``ours`` names them; check
+    that each is read once and that nothing is missing."""
     expected = {f"{m}.{kind}#{part}" for m, module in model.named_modules()
                 for kind, p in module.named_parameters(recurse=False)
                 for part in range(len(module.out_sizes) if isinstance(module, ColumnLinear) else 1)}
@@ -285,7 +293,7 @@ def load_encoder_weights(model: BertModel, weights: Iterable[tuple[str, torch.Te
     prefix = ""  # the checkpoint's (bert., roberta., ...: for messages)
     with torch.no_grad():
         for name, w in weights:
-            found = _ours(name, model.cfg.encoder.head)
+            found = model.ours(name)
             if found is None or found[0].startswith("score.") and model.score is None:
                 continue  # (an embedding model's pooler: not one it runs)
             module, part, kind = found
@@ -294,7 +302,7 @@ def load_encoder_weights(model: BertModel, weights: Iterable[tuple[str, torch.Te
                 raise ValueError(f"{seen[key]} and {name} are the same tensor: the checkpoint holds it twice")
             if key not in expected:
                 raise ValueError(f"{name}: no such tensor in a {model.cfg.model_type} of this config")
-            prefix = prefix or name[:max(0, name.find("embeddings.word_embeddings"))]
+            prefix = prefix or name[:max(0, name.find("embeddings."))]
             target = model.get_submodule(module)
             param = getattr(target, kind)
             if module == "position_embeddings":
@@ -309,9 +317,9 @@ def load_encoder_weights(model: BertModel, weights: Iterable[tuple[str, torch.Te
             else:
                 param.copy_(w)
             seen[key] = name
-    missing = [_theirs(k, model.cfg.encoder.head) for k in expected - set(seen)]
+    missing = [model.theirs(k) for k in expected - set(seen)]
     # (a head's names are bare, the body's prefixed)
-    missing = sorted(m if m.startswith(("classifier", "pre_classifier")) else prefix + m for m in missing)
+    missing = sorted(m if m.startswith(("classifier", "pre_classifier", "head.")) else prefix + m for m in missing)
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} of the model's tensors: {', '.join(missing[:4])}"
                          + (", ..." if len(missing) > 4 else ""))

@@ -34,7 +34,7 @@ SUPPORTED_ARCHITECTURES = {
 # BERT-style encoders (``engine/models/bert.py``): bidirectional attention over the whole prompt, no KV cache;
 # they embed and classify (BERT, RoBERTa, XLM-R, MPNet, DistilBERT: bge, e5, all-MiniLM, all-mpnet, bge-reranker,
 # ms-marco cross-encoders, sentiment classifiers)
-ENCODER_ARCHITECTURES = ("bert", "roberta", "xlm-roberta", "mpnet", "distilbert")
+ENCODER_ARCHITECTURES = ("bert", "roberta", "xlm-roberta", "mpnet", "distilbert", "modernbert")
 # DistilBERT's config keys, as the others spell them (its LayerNorms' epsilon is fixed, its token types none)
 _DISTILBERT_KEYS = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
                     "hidden_dim": "intermediate_size", "activation": "hidden_act"}
@@ -184,6 +184,24 @@ class EncoderConfig:
     # a classifier's head over the first token's state: "roberta" (RoBERTa's, MPNet's: dense, tanh, out_proj),
     # "bert" (pooler dense, tanh, classifier), "distilbert" (pre_classifier, ReLU, classifier)
     head: str = "bert"
+    pooling: str = "cls"  # what a classifier's head reads: the first token's state (ModernBERT's may be "mean")
+    modern: ModernBertSettings | None = None  # ModernBERT (``engine/models/modernbert.py``)
+
+
+@dataclass(frozen=True)
+class ModernBertSettings:
+    """ModernBERT's: pre-norm layers, RoPE, a gated MLP, and layers whose keys are those within ``window`` positions
+    of the query (the others see all), each kind with its own RoPE base; no biases unless the config says."""
+
+    window: int  # local_attention // 2
+    sliding: frozenset[int]
+    rope_theta: float  # the full layers'
+    local_rope_theta: float
+    attention_bias: bool
+    mlp_bias: bool
+    norm_bias: bool
+    classifier_bias: bool
+    classifier_act: str
 
 
 _ENCODER_ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
@@ -375,6 +393,8 @@ def _encoder(cfg: dict, model_type: str) -> ModelConfig:
     leaves a key out)."""
     if model_type == "distilbert":
         cfg = {_DISTILBERT_KEYS.get(k, k): v for k, v in cfg.items()} | {"type_vocab_size": 0, "layer_norm_eps": 1e-12}
+    if model_type == "modernbert":
+        return _modernbert(cfg)
     if cfg.get("position_embedding_type", "absolute") != "absolute":
         raise ValueError(f"position_embedding_type {cfg['position_embedding_type']!r} is not supported (absolute is)")
     if cfg.get("is_decoder") or cfg.get("add_cross_attention"):
@@ -403,6 +423,46 @@ def _encoder(cfg: dict, model_type: str) -> ModelConfig:
                               float(cfg.get("layer_norm_eps", 1e-12)), _ENCODER_ACTS[name], pad, roberta,
                               int(cfg.get("relative_attention_num_buckets", 32)) if mpnet else 0,
                               "roberta" if roberta else model_type))
+
+
+def _modernbert(cfg: dict) -> ModelConfig:
+    """ModernBERT's shape (transformers' ModernBertConfig defaults where config.json leaves a key out): its layer
+    kinds from ``layer_types``, else every ``global_attn_every_n_layers``-th a full one; RoPE bases from
+    ``rope_parameters`` or the flat ``global_rope_theta``, ``local_rope_theta``."""
+    n = cfg.get("num_hidden_layers", 22)
+    types = cfg.get("layer_types") or ["full_attention" if i % cfg.get("global_attn_every_n_layers", 3) == 0
+                                       else "sliding_attention" for i in range(n)]
+    rope = cfg.get("rope_parameters") or {}
+    theta = float((rope.get("full_attention") or {}).get("rope_theta", cfg.get("global_rope_theta", 160_000.0)))
+    local = float((rope.get("sliding_attention") or {}).get("rope_theta", cfg.get("local_rope_theta", 10_000.0)))
+    names = {"hidden_activation": cfg.get("hidden_activation", "gelu"),
+             "classifier_activation": cfg.get("classifier_activation", "gelu")}
+    for key, name in names.items():
+        if name not in _ENCODER_ACTS:
+            raise ValueError(f"{key} {name!r} is not supported in an encoder ({', '.join(_ENCODER_ACTS)} are)")
+    pooling = cfg.get("classifier_pooling", "cls")
+    if pooling not in ("cls", "mean") or len(types) != n:
+        raise ValueError(f"ModernBERT with classifier_pooling {pooling!r} (cls, mean) or {len(types)} layer_types "
+                         f"for {n} layers is not supported")
+    hidden, heads = cfg.get("hidden_size", 768), cfg.get("num_attention_heads", 12)
+    if hidden % heads:
+        raise ValueError(f"modernbert: {heads} heads do not divide hidden_size {hidden}")
+    settings = ModernBertSettings(
+        cfg.get("local_attention", 128) // 2, frozenset(i for i, t in enumerate(types) if t == "sliding_attention"),
+        theta, local, bool(cfg.get("attention_bias", False)), bool(cfg.get("mlp_bias", False)),
+        bool(cfg.get("norm_bias", False)), bool(cfg.get("classifier_bias", False)),
+        _ENCODER_ACTS[names["classifier_activation"]])
+    pad = cfg.get("pad_token_id")
+    return ModelConfig(
+        model_type="modernbert", vocab_size=cfg.get("vocab_size", 50368), hidden_size=hidden,
+        intermediate_size=cfg.get("intermediate_size", 1152), num_layers=n, num_heads=heads, num_kv_heads=heads,
+        head_dim=hidden // heads, rms_norm_eps=0.0, rope_theta=theta, rope_scaling=None,
+        max_position_embeddings=cfg.get("max_position_embeddings", 8192), tie_word_embeddings=False,
+        attention_bias=settings.attention_bias, qk_norm=False, eos_token_ids=(), bos_token_id=None, lm_head=False,
+        labels=_labels(cfg),
+        encoder=EncoderConfig(0, float(cfg.get("norm_eps", 1e-5)), _ENCODER_ACTS[names["hidden_activation"]],
+                              50283 if pad is None else pad, False, head="modernbert", pooling=pooling,
+                              modern=settings))
 
 
 def _labels(cfg: dict) -> tuple[str, ...]:
