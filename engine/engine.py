@@ -136,10 +136,10 @@ class Engine:
         self.labels = self.runner.model_cfg.labels  # a sequence classifier's: it classifies, nothing else
         try:
             # (a classifier scores its last token's state, raw, as transformers' *ForSequenceClassification)
-            # (an encoder's [CLS]: its embeddings' and its classifier's, unless ModernBERT's says mean)
-            first = self.runner.model_cfg.encoder.pooling if self.encoder else "last"
-            self.pooler = PoolerConfig(first, False) if self.labels else \
-                PoolerConfig.of(facts.model_path, config.pooler_config, first)
+            # (an encoder's [CLS]: its embeddings' by default, and its classifier's unless ModernBERT's says mean)
+            enc = self.runner.model_cfg.encoder
+            self.pooler = PoolerConfig(enc.pooling if enc else "last", False) if self.labels else \
+                PoolerConfig.of(facts.model_path, config.pooler_config, "cls" if enc else "last")
         except ValueError as e:
             if config.pooler_config is not None:
                 raise

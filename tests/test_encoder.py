@@ -212,6 +212,22 @@ def test_a_modernbert_configs_older_spelling_reads_the_same(tmp_path):
     assert load_model_config(path) == new and new.encoder.modern.sliding == {1, 2} and new.encoder.modern.window == 8
 
 
+def test_what_a_modernbert_config_may_not_say(tmp_path):
+    """RoPE scaling (either spelling) and layer kinds other than full_attention and sliding_attention are
+    refused (transformers would scale, or refuse); classifier_pooling mean makes only the classifier's pooling
+    mean: a bare ModernBertModel still embeds by its first token."""
+    path = save_encoder(str(tmp_path / "modernbert"), modernbert(classifier_pooling="mean"), tokenizer=False)
+    assert LLM(path, **KW).engine.pooler.pooling_type == "cls"
+    linear = {"rope_type": "linear", "factor": 4.0}
+    for overrides, why in [({"rope_parameters": {"full_attention": linear}}, "RoPE scaling \\['linear'\\]"),
+                           ({"rope_scaling": linear}, "RoPE scaling"),
+                           ({"layer_types": ["full_attention", "sliding", "sliding", "full_attention"]}, "layer_types"),
+                           ({"layer_types": ["full_attention"]}, "each of its 4 layers"),
+                           ({"classifier_pooling": "max"}, "classifier_pooling 'max'")]:
+        with pytest.raises(ValueError, match=why):
+            LLM(path, hf_overrides=overrides, **KW)
+
+
 def test_a_modernbert_classifier_matches_transformers(tmp_path):
     """gte-reranker-modernbert's kind: mean pooling (classifier_pooling), then dense, GELU, norm, classifier."""
     path = save_encoder(str(tmp_path / "modernbert-cls"), modernbert(num_labels=2, classifier_pooling="mean"),
@@ -281,6 +297,16 @@ def test_checkpoint_errors_name_the_checkpoints_tensors(tmp_path):
         change(tensors)
         save_file(tensors, file, metadata={"format": "pt"})
         with pytest.raises(ValueError, match=why):
+            LLM(path, **KW)
+    # MPNet's and DistilBERT's own names
+    for config, name in [(MPNetConfig(**SHAPE, max_position_embeddings=66), "encoder.layer.1.attention.attn.q.weight"),
+                         (distilbert(max_position_embeddings=64), "transformer.layer.1.ffn.lin1.weight")]:
+        path = save_encoder(str(tmp_path / config.model_type), config, tokenizer=False)
+        file = os.path.join(path, "model.safetensors")
+        tensors = load_file(file)
+        del tensors[name]
+        save_file(tensors, file, metadata={"format": "pt"})
+        with pytest.raises(ValueError, match=f"lacks 1 of the model's tensors: {name}$"):
             LLM(path, **KW)
     # a classifier's checkpoint: its body's names prefixed (bert.), its head's not
     path = save_encoder(str(tmp_path / "bert-ce"), BertConfig(**SHAPE, max_position_embeddings=64, num_labels=1),

@@ -210,7 +210,7 @@ class BertModel(nn.Module):
 
     def theirs(self, key: str) -> str:
         """The checkpoint's name (less its prefix) of ``ours``' ``module.kind#part`` (for messages)."""
-        return _theirs(key, self.cfg.encoder.head)
+        return _theirs(key, self.cfg.model_type, self.cfg.encoder.head)
 
 
 def _bucket(distance: torch.Tensor, buckets: int = 32, max_distance: int = 128) -> torch.Tensor:
@@ -232,18 +232,21 @@ def _count_in_prompt(flags: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
     return total - before[first][prompt]
 
 
-_LAYER_NAMES = {  # a checkpoint's module in a layer (past ``encoder.layer.N.``) -> ours, and its part of a fused one
+# a checkpoint's module in a layer (past ``encoder.layer.N.``) -> ours, and its part of a fused one: BERT's names,
+# MPNet's for its attention, DistilBERT's (past ``transformer.layer.N.``)
+_BERT_LAYER = {
     "attention.self.query": ("qkv", 0), "attention.self.key": ("qkv", 1), "attention.self.value": ("qkv", 2),
     "attention.output.dense": ("attn_out", 0), "attention.output.LayerNorm": ("attn_norm", 0),
     "intermediate.dense": ("mid", 0), "output.dense": ("out", 0), "output.LayerNorm": ("out_norm", 0),
-    # MPNet's names for the attention's
-    "attention.attn.q": ("qkv", 0), "attention.attn.k": ("qkv", 1), "attention.attn.v": ("qkv", 2),
-    "attention.attn.o": ("attn_out", 0), "attention.LayerNorm": ("attn_norm", 0),
-    # DistilBERT's (past ``transformer.layer.N.``)
+}
+_MPNET_LAYER = {"attention.attn.q": ("qkv", 0), "attention.attn.k": ("qkv", 1), "attention.attn.v": ("qkv", 2),
+                "attention.attn.o": ("attn_out", 0), "attention.LayerNorm": ("attn_norm", 0)}
+_DISTILBERT_LAYER = {
     "attention.q_lin": ("qkv", 0), "attention.k_lin": ("qkv", 1), "attention.v_lin": ("qkv", 2),
     "attention.out_lin": ("attn_out", 0), "sa_layer_norm": ("attn_norm", 0), "ffn.lin1": ("mid", 0),
     "ffn.lin2": ("out", 0), "output_layer_norm": ("out_norm", 0),
 }
+_LAYER_NAMES = _BERT_LAYER | _MPNET_LAYER | _DISTILBERT_LAYER
 _EMBEDDINGS = {"embeddings.word_embeddings": "word_embeddings", "embeddings.position_embeddings": "position_embeddings",
                "embeddings.token_type_embeddings": "token_type_embeddings", "embeddings.LayerNorm": "embed_norm",
                "encoder.relative_attention_bias": "relative_attention_bias"}
@@ -270,14 +273,16 @@ def _ours(name: str, head: str) -> tuple[str, int, str] | None:
     return None if ours is None else (ours, 0, kind)  # (None: an MLM head, position_ids...)
 
 
-def _theirs(key: str, head: str) -> str:
-    """The checkpoint's name for ``_ours``' ``module.kind#part`` (for messages; in a layer, BERT's name)."""
+def _theirs(key: str, model_type: str, head: str) -> str:
+    """The checkpoint's name for ``_ours``' ``module.kind#part`` (for messages), as ``model_type`` spells it."""
     module, part = key.split("#")
     module, kind = module.rsplit(".", 1)
     layer = re.fullmatch(r"encoder\.(\d+)\.(\w+)", module)
-    for theirs, (ours, p) in _LAYER_NAMES.items():
+    names = {"mpnet": _MPNET_LAYER | _BERT_LAYER, "distilbert": _DISTILBERT_LAYER}.get(model_type, _BERT_LAYER)
+    stack = "transformer" if model_type == "distilbert" else "encoder"
+    for theirs, (ours, p) in names.items():
         if layer and ours == layer[2] and p == int(part):
-            return f"encoder.layer.{layer[1]}.{theirs}.{kind}"
+            return f"{stack}.layer.{layer[1]}.{theirs}.{kind}"
     flat = {v: k for k, v in (_EMBEDDINGS | _HEADS[head]).items()}
     return f"{flat.get(module, module)}.{kind}"
 

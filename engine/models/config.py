@@ -432,7 +432,14 @@ def _modernbert(cfg: dict) -> ModelConfig:
     n = cfg.get("num_hidden_layers", 22)
     types = cfg.get("layer_types") or ["full_attention" if i % cfg.get("global_attn_every_n_layers", 3) == 0
                                        else "sliding_attention" for i in range(n)]
+    if set(types) - {"full_attention", "sliding_attention"} or len(types) != n:
+        raise ValueError(f"ModernBERT's layer_types must name each of its {n} layers full_attention or "
+                         f"sliding_attention, got {types!r}")
     rope = cfg.get("rope_parameters") or {}
+    kinds = [cfg.get("rope_scaling") or {}, *(rope.get(k) or {} for k in ("full_attention", "sliding_attention"))]
+    scaled = [k.get("rope_type", k.get("type", "default")) for k in kinds if k.get("rope_type", k.get("type"))]
+    if set(scaled) - {"default"}:
+        raise ValueError(f"ModernBERT with RoPE scaling {sorted(set(scaled) - {'default'})} is not supported")
     theta = float((rope.get("full_attention") or {}).get("rope_theta", cfg.get("global_rope_theta", 160_000.0)))
     local = float((rope.get("sliding_attention") or {}).get("rope_theta", cfg.get("local_rope_theta", 10_000.0)))
     names = {"hidden_activation": cfg.get("hidden_activation", "gelu"),
@@ -441,9 +448,8 @@ def _modernbert(cfg: dict) -> ModelConfig:
         if name not in _ENCODER_ACTS:
             raise ValueError(f"{key} {name!r} is not supported in an encoder ({', '.join(_ENCODER_ACTS)} are)")
     pooling = cfg.get("classifier_pooling", "cls")
-    if pooling not in ("cls", "mean") or len(types) != n:
-        raise ValueError(f"ModernBERT with classifier_pooling {pooling!r} (cls, mean) or {len(types)} layer_types "
-                         f"for {n} layers is not supported")
+    if pooling not in ("cls", "mean"):
+        raise ValueError(f"ModernBERT's classifier_pooling {pooling!r} is not supported (cls, mean are)")
     hidden, heads = cfg.get("hidden_size", 768), cfg.get("num_attention_heads", 12)
     if hidden % heads:
         raise ValueError(f"modernbert: {heads} heads do not divide hidden_size {hidden}")
