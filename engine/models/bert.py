@@ -10,18 +10,20 @@ of similar length, for a masked attention call each: ``length_groups``), a one-t
 row (it attends to itself alone).
 
 Post-norm layers as transformers' ``BertLayer``: x = LN(x + attn(x)); x = LN(x + out(act(mid(x)))).
-Inputs: word + position + token type embeddings, normed. MPNet and DistilBERT have no token types; MPNet
-adds to each score a bias learnt per head for the distance between query and key (in buckets, as T5's). The token type of a pair's second text (after
+Inputs: word + position + token type embeddings, normed. The token type of a pair's second text (after
 its first [SEP], as BERT's tokenizer types a pair) is 1, where the model has two types and classifies:
-a cross-encoder reads the query and the document so.
+a cross-encoder reads the query and the document so. MPNet and DistilBERT have no token types; MPNet
+adds to each score a bias learnt per head for the distance between query and key (in buckets, as T5's).
+ModernBERT, a newer body, has a module of its own (``engine/models/modernbert.py``).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +53,12 @@ class LayerNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """An encoder's activation by ``EncoderConfig``'s name: gelu (erf), gelu_tanh, relu."""
+    return F.relu if name == "relu" else functools.partial(F.gelu, approximate="tanh") if name == "gelu_tanh" \
+        else F.gelu
 
 
 Groups = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -119,9 +127,7 @@ class BertLayer(nn.Module):
         self.mid = ColumnLinear(h, [cfg.intermediate_size], bias=True)
         self.out = RowLinear(cfg.intermediate_size, h, bias=True)
         self.out_norm = LayerNorm(h, eps)
-        act = cfg.encoder.hidden_act
-        self.act = F.relu if act == "relu" else (lambda x: F.gelu(x, approximate="tanh")) if act == "gelu_tanh" \
-            else F.gelu
+        self.act = activation(cfg.encoder.hidden_act)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, groups: Groups) -> torch.Tensor:
         t = x.shape[0]

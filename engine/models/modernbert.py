@@ -11,18 +11,13 @@ from __future__ import annotations
 import re
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import kernels
 from engine.attention import AttentionMetadata
-from engine.models.bert import Groups, LayerNorm, encoder_attention, length_groups
+from engine.models.bert import Groups, LayerNorm, activation, encoder_attention, length_groups
 from engine.models.config import ModelConfig
 from engine.models.layers import ColumnLinear, RotaryEmbedding, RowLinear, VocabEmbedding
-
-
-def _act(name: str):
-    return F.relu if name == "relu" else (lambda x: F.gelu(x, approximate="tanh")) if name == "gelu_tanh" else F.gelu
 
 
 class ModernBertLayer(nn.Module):
@@ -36,7 +31,7 @@ class ModernBertLayer(nn.Module):
         self.mlp_norm = LayerNorm(h, eps, m.norm_bias)
         self.mid = ColumnLinear(h, [2 * cfg.intermediate_size], bias=m.mlp_bias)  # input | gate
         self.out = RowLinear(cfg.intermediate_size, h, bias=m.mlp_bias)
-        self.act = _act(cfg.encoder.hidden_act)
+        self.act = activation(cfg.encoder.hidden_act)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                 groups: Groups) -> torch.Tensor:
@@ -57,7 +52,7 @@ class ModernBertHead(nn.Module):
         super().__init__()
         m, h = cfg.encoder.modern, cfg.hidden_size
         self.dense = ColumnLinear(h, [h], bias=m.classifier_bias)
-        self.act = _act(m.classifier_act)
+        self.act = activation(m.classifier_act)
         self.norm = LayerNorm(h, cfg.encoder.layer_norm_eps, m.norm_bias)
         self.out_proj = ColumnLinear(h, [len(cfg.labels)], bias=True)
 
