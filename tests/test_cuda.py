@@ -1,6 +1,6 @@
 """On CUDA only (skipped elsewhere): greedy parity with transformers on the same GPU and weights, token
-for token in fp32 (LoRA adapters too) and within a logit tolerance in bf16; encoders' embeddings; and the KV sizing pass (the profiling forward,
-``measured_cuda_budget``) on a real device; int4 checkpoints the same way. The Triton kernels' own
+for token in fp32 (LoRA adapters too) and within a logit tolerance in bf16; encoders' embeddings; and the
+KV sizing pass (the profiling forward, ``measured_cuda_budget``) on a real device; int4 checkpoints the same way. The Triton kernels' own
 tests run compiled on CUDA in ``tests/test_triton_kernels.py``.
 
 Parity is checked teacher-forced: transformers scores the prompt followed by tokenmill's tokens in one
