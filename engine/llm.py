@@ -64,6 +64,20 @@ class ClassificationOutput:
 
 
 @dataclass
+class ScoringOutput:
+    score: float  # a cross-encoder's sigmoid of its score; else the cosine similarity of the two embeddings
+
+
+@dataclass
+class ScoringRequestOutput:
+    """vLLM's: one pair's score (``outputs.score``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]  # the pair's, as a cross-encoder reads it (else the second text's)
+    outputs: ScoringOutput
+
+
+@dataclass
 class BeamSearchSequence:
     """vLLM's: ``tokens`` and ``text`` are the prompt's and the output's; ``logprobs``: each output token's
     ``[logprob, [[token_id, logprob], ...]]``."""
@@ -371,6 +385,41 @@ class LLM:
             out.append(ClassificationOutput(e.request_id, e.prompt, e.prompt_token_ids, class_probs(e.embedding),
                                             e.embedding, labels[best]))
         return out
+
+    def score(self, text_1: str | list[str], text_2: str | list[str],
+              truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
+        """vLLM's ``LLM.score``: each pair's relevance, as ``/score`` answers it. One ``text_1`` against each of
+        ``text_2``, or pair by pair when both are lists of one length. A cross-encoder (a one-label classifier:
+        bge-reranker, ms-marco) reads each pair as one prompt, the two texts as its tokenizer pairs them
+        (``truncate_prompt_tokens``: at most that many tokens, the longer text cut first; -1: as many as the
+        context holds), and scores the sigmoid of its score; an embedding model, the cosine similarity of the two
+        texts' embeddings (each cut to its last ``truncate_prompt_tokens``)."""
+        first = [text_1] if isinstance(text_1, str) else list(text_1)
+        second = [text_2] if isinstance(text_2, str) else list(text_2)
+        if len(first) != 1 and len(first) != len(second):
+            raise ValueError(f"text_1 has {len(first)} texts and text_2 {len(second)}: give one text_1, or as many "
+                             "as text_2")
+        pairs = list(zip(first * len(second) if len(first) == 1 else first, second, strict=True))
+        if truncate_prompt_tokens == -1:
+            truncate_prompt_tokens = self.engine.max_model_len
+        elif truncate_prompt_tokens is not None and truncate_prompt_tokens < 1:
+            raise ValueError(f"truncate_prompt_tokens must be -1 or positive, got {truncate_prompt_tokens}")
+        labels = self.engine.labels
+        if len(labels) > 1:
+            raise ValueError(f"this model classifies into {len(labels)} labels: it neither embeds nor scores pairs")
+        if labels:
+            ids = [self._codec.encode_pair(a, b, truncate_prompt_tokens) for a, b in pairs]
+            scores = [class_probs(e.embedding)[0] for e in self._pool(ids, PoolingParams(None, False))]
+        else:
+            texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+            ids = [self.tokenizer.encode(t) for t in texts]
+            if truncate_prompt_tokens is not None:
+                ids = [i[-truncate_prompt_tokens:] for i in ids]  # (the last tokens, as /v1/embeddings keeps)
+            vectors = dict(zip(texts, (e.embedding for e in self._pool(ids, PoolingParams(None, True))), strict=True))
+            scores = [sum(x * y for x, y in zip(vectors[a], vectors[b], strict=True)) for a, b in pairs]
+            ids = [ids[texts.index(b)] for _, b in pairs]
+        return [ScoringRequestOutput(str(next(self._ids)), i, ScoringOutput(s))
+                for i, s in zip(ids, scores, strict=True)]
 
     @cached_property
     def _codec(self) -> TextCodec:

@@ -161,6 +161,29 @@ def test_a_bert_cross_encoder_types_the_pair_as_its_tokenizer_does(cross_encoder
     assert got == pytest.approx(hf_pair_scores(cross_encoder, PAIRS), abs=1e-5)
 
 
+def test_llm_score_as_vllms(cross_encoder, tmp_path):
+    """``LLM.score``: a cross-encoder's sigmoid of each pair's score (one query against many documents, or pair by
+    pair); an embedding model's cosine similarity of the two texts' vectors."""
+    llm = LLM(cross_encoder, **KW)
+    docs = [d for _, d in PAIRS]
+    want = torch.sigmoid(torch.tensor(hf_pair_scores(cross_encoder, [("cats", d) for d in docs]))).tolist()
+    got = llm.score("cats", docs)
+    assert [o.outputs.score for o in got] == pytest.approx(want, abs=1e-6)
+    tok = BertTokenizerFast.from_pretrained(cross_encoder)
+    assert got[1].prompt_token_ids == tok("cats", docs[1])["input_ids"]
+    pairwise = llm.score([q for q, _ in PAIRS], docs)
+    want = torch.sigmoid(torch.tensor(hf_pair_scores(cross_encoder, PAIRS))).tolist()
+    assert [o.outputs.score for o in pairwise] == pytest.approx(want, abs=1e-6)
+    with pytest.raises(ValueError, match="text_1 has 2 texts and text_2 3"):
+        llm.score(["a", "b"], docs)
+
+    path = save_encoder(str(tmp_path / "bert"), BertConfig(**SHAPE, max_position_embeddings=128), seed=13)
+    vectors = {t: hf_vector(path, tok(t)["input_ids"], "cls") for t in ["cats", *docs]}
+    got = LLM(path, **KW).score("cats", docs)
+    assert [o.outputs.score for o in got] == pytest.approx([float(vectors["cats"] @ vectors[d]) for d in docs],
+                                                           abs=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["xlm-roberta", "mpnet", "distilbert"])
 def test_a_classifier_matches_transformers(tmp_path, kind):
     """bge-reranker's kind: XLMRobertaForSequenceClassification (dense, tanh, out_proj over <s>), one type;
@@ -172,10 +195,14 @@ def test_a_classifier_matches_transformers(tmp_path, kind):
     path = save_encoder(str(tmp_path / kind), config, head=True, seed=6, tokenizer=False)
     hf = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
     inputs = [[0, 9, 10, 2, 2, 20, 21, 22, 2], [0, 5, 2], [7]]
-    got = [o.logits for o in LLM(path, **KW).classify(inputs)]
+    llm = LLM(path, **KW)
+    got = [o.logits for o in llm.classify(inputs)]
     with torch.no_grad():
         want = [hf(torch.tensor([i])).logits[0].tolist() for i in inputs]
     assert [x for g in got for x in g] == pytest.approx([x for w in want for x in w], abs=1e-5)
+    if config.num_labels > 1:
+        with pytest.raises(ValueError, match=f"classifies into {config.num_labels} labels"):
+            llm.score("a", "b")
 
 
 def modernbert(**kw) -> ModernBertConfig:
