@@ -417,7 +417,8 @@ class LLM:
                 ids = [i[-truncate_prompt_tokens:] for i in ids]  # (the last tokens, as /v1/embeddings keeps)
             vectors = dict(zip(texts, (e.embedding for e in self._pool(ids, PoolingParams(None, True))), strict=True))
             scores = [sum(x * y for x, y in zip(vectors[a], vectors[b], strict=True)) for a, b in pairs]
-            ids = [ids[texts.index(b)] for _, b in pairs]
+            of = dict(zip(texts, ids, strict=True))
+            ids = [of[b] for _, b in pairs]
         return [ScoringRequestOutput(str(next(self._ids)), i, ScoringOutput(s))
                 for i, s in zip(ids, scores, strict=True)]
 
