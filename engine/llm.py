@@ -394,16 +394,17 @@ class LLM:
         (``truncate_prompt_tokens``: at most that many tokens, the longer text cut first; -1: as many as the
         context holds), and scores the sigmoid of its score; an embedding model, the cosine similarity of the two
         texts' embeddings (each cut to its last ``truncate_prompt_tokens``)."""
-        first = [text_1] if isinstance(text_1, str) else list(text_1)
-        second = [text_2] if isinstance(text_2, str) else list(text_2)
+        first, second = _texts(text_1, "text_1"), _texts(text_2, "text_2")
         if len(first) != 1 and len(first) != len(second):
             raise ValueError(f"text_1 has {len(first)} texts and text_2 {len(second)}: give one text_1, or as many "
                              "as text_2")
         pairs = list(zip(first * len(second) if len(first) == 1 else first, second, strict=True))
         if truncate_prompt_tokens == -1:
             truncate_prompt_tokens = self.engine.max_model_len
-        elif truncate_prompt_tokens is not None and truncate_prompt_tokens < 1:
-            raise ValueError(f"truncate_prompt_tokens must be -1 or positive, got {truncate_prompt_tokens}")
+        elif truncate_prompt_tokens is not None and (type(truncate_prompt_tokens) is not int
+                                                     or not 1 <= truncate_prompt_tokens <= self.engine.max_model_len):
+            raise ValueError(f"truncate_prompt_tokens must be -1 or in [1, {self.engine.max_model_len}], got "
+                             f"{truncate_prompt_tokens!r}")
         labels = self.engine.labels
         if len(labels) > 1:
             raise ValueError(f"this model classifies into {len(labels)} labels: it neither embeds nor scores pairs")
@@ -428,6 +429,14 @@ class LLM:
         if self.engine.vision is not None:
             codec.use_images(self.engine.vision.image_token_id)
         return codec
+
+
+def _texts(value, name: str) -> list[str]:
+    """``LLM.score``'s ``text_1`` or ``text_2``: a text or a list of texts, none empty (as ``/score`` takes them)."""
+    texts = [value] if isinstance(value, str) else value
+    if not isinstance(texts, (list, tuple)) or not all(isinstance(t, str) and t for t in texts):
+        raise ValueError(f"{name} must be a non-empty string or a list of them, got {value!r:.80}")
+    return list(texts)
 
 
 def _with_images(conversation: list[dict]) -> tuple[list[dict], list]:

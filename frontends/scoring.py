@@ -97,8 +97,11 @@ async def _cross_encoded(api, data: dict, pairs: list[tuple[str, str]], arrival:
     # (truncated pairs are tokenized whole: which text is the longer decides the cut; the body bounds them)
     ids = []
     for piece, size in _pieces(pairs, _PAIRS_CHARS):  # (the tokenizer thread's work, never more than it holds)
-        ids += await api._offload(min(size, _PAIRS_CHARS),
-                                  lambda piece=piece: [api.codec.encode_pair(a, b, keep) for a, b in piece])
+        try:
+            ids += await api._offload(min(size, _PAIRS_CHARS),
+                                      lambda piece=piece: [api.codec.encode_pair(a, b, keep) for a, b in piece])
+        except ValueError as e:  # (a cut that leaves no room for the texts: truncated_pair)
+            raise ApiError(400, str(e), param="truncate_prompt_tokens") from None
     passed = {k: data[k] for k in _PASSED if k in data and k != "truncate_prompt_tokens"}
     try:
         gen, _ = await embeddings_job(api, passed | {"input": ids}, arrival, prefix,

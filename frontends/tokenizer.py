@@ -37,9 +37,15 @@ def longest_first(n_first: int, n_second: int, budget: int) -> tuple[int, int]:
 def truncated_pair(tok: Any, first: str, second: str, max_length: int) -> list[int]:
     """Two texts paired by a ``tokenizers.Tokenizer`` in at most ``max_length`` tokens, cut as transformers'
     ``longest_first`` cuts them: each text encoded once and cut to its share (the library's own truncation
-    tries every window: seconds on long texts)."""
+    tries every window: seconds on long texts). A ``ValueError`` where ``max_length`` leaves no token of
+    either text beside the pair's special tokens (transformers would score the special tokens alone, or below
+    them not cut at all)."""
+    specials = tok.num_special_tokens_to_add(True)
+    if max_length <= specials:
+        raise ValueError(f"truncate_prompt_tokens {max_length} leaves no token of either text: a pair takes "
+                         f"{specials} special tokens")
     a, b = tok.encode(first, add_special_tokens=False), tok.encode(second, add_special_tokens=False)
-    keep_a, keep_b = longest_first(len(a), len(b), max_length - tok.num_special_tokens_to_add(True))
+    keep_a, keep_b = longest_first(len(a), len(b), max_length - specials)
     return tok.post_process(_cut(tok, a, keep_a), _cut(tok, b, keep_b)).ids
 
 

@@ -176,6 +176,13 @@ def test_llm_score_as_vllms(cross_encoder, tmp_path):
     assert [o.outputs.score for o in pairwise] == pytest.approx(want, abs=1e-6)
     with pytest.raises(ValueError, match="text_1 has 2 texts and text_2 3"):
         llm.score(["a", "b"], docs)
+    for bad, why in [(({"text": "a"}, "paris"), "text_1 must be"), (("paris", [None]), "text_2 must be"),
+                     (("", "paris"), "text_1 must be"), (("paris", "x", 2.5), "truncate_prompt_tokens"),
+                     (("paris", "x", True), "truncate_prompt_tokens"), (("paris", "x", 65), "in \\[1, 64\\]"),
+                     (("paris paris", "france", 3), "leaves no token of either text: a pair takes 3 special")]:
+        with pytest.raises(ValueError, match=why):
+            llm.score(*bad)
+    assert len(llm.score("paris paris", "france", 5)[0].prompt_token_ids) == 5  # [CLS] paris [SEP] france [SEP]
 
     path = save_encoder(str(tmp_path / "bert"), BertConfig(**SHAPE, max_position_embeddings=128), seed=13)
     vectors = {t: hf_vector(path, tok(t)["input_ids"], "cls") for t in ["cats", *docs]}
@@ -398,5 +405,8 @@ def test_served_embeddings_and_rerank(tmp_path, cross_encoder):
         want = [torch.sigmoid(torch.tensor(x)).item() for x in hf_pair_scores(cross_encoder, [("cats", d) for d in docs])]
         got = {x["index"]: x["relevance_score"] for x in r.json()["results"]}
         assert [got[i] for i in range(len(docs))] == pytest.approx(want, abs=1e-5)
+        r = requests.post(s.url + "/score", json={"model": "ce", "text_1": "cats", "text_2": docs,
+                                                  "truncate_prompt_tokens": 3}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
     finally:
         s.stop()
