@@ -31,9 +31,9 @@ SUPPORTED_ARCHITECTURES = {
     "olmo2": {"olmo": True, "qk_norm": True},
     "olmo3": {"olmo": True, "qk_norm": True},
 }
-# BERT-style encoders (``engine/models/bert.py``): bidirectional attention over the whole prompt, no KV cache;
-# they embed and classify (BERT, RoBERTa, XLM-R, MPNet, DistilBERT: bge, e5, all-MiniLM, all-mpnet, bge-reranker,
-# ms-marco cross-encoders, sentiment classifiers)
+# BERT-style encoders (``engine/models/bert.py``, ``modernbert.py``): bidirectional attention over the whole prompt,
+# no KV cache; they embed and classify (BERT, RoBERTa, XLM-R, MPNet, DistilBERT, ModernBERT: bge, e5, all-MiniLM,
+# all-mpnet, gte-modernbert, bge-reranker, ms-marco cross-encoders, sentiment classifiers)
 ENCODER_ARCHITECTURES = ("bert", "roberta", "xlm-roberta", "mpnet", "distilbert", "modernbert")
 # DistilBERT's config keys, as the others spell them (its LayerNorms' epsilon is fixed, its token types none)
 _DISTILBERT_KEYS = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
@@ -173,7 +173,8 @@ class VisionConfig:
 @dataclass(frozen=True)
 class EncoderConfig:
     """What a BERT-style encoder adds to the shape: LayerNorms after each sublayer, absolute position
-    embeddings (RoBERTa's past its padding id, skipping padding tokens) and token type embeddings."""
+    embeddings (RoBERTa's past its padding id, skipping padding tokens) and token type embeddings; or
+    ModernBERT's body (``modern``)."""
 
     type_vocab_size: int  # 2: BERT's pairs, the second text's tokens (after the first [SEP]) of type 1; 0: none
     layer_norm_eps: float
@@ -390,7 +391,7 @@ class ModelConfig:
 
 def _encoder(cfg: dict, model_type: str) -> ModelConfig:
     """A BERT, RoBERTa, XLM-R, MPNet or DistilBERT checkpoint's shape (transformers' defaults where config.json
-    leaves a key out)."""
+    leaves a key out); ModernBERT's: ``_modernbert``."""
     if model_type == "distilbert":
         cfg = {_DISTILBERT_KEYS.get(k, k): v for k, v in cfg.items()} | {"type_vocab_size": 0, "layer_norm_eps": 1e-12}
     if model_type == "modernbert":
@@ -437,9 +438,9 @@ def _modernbert(cfg: dict) -> ModelConfig:
                          f"sliding_attention, got {types!r}")
     rope = cfg.get("rope_parameters") or {}
     kinds = [cfg.get("rope_scaling") or {}, *(rope.get(k) or {} for k in ("full_attention", "sliding_attention"))]
-    scaled = [k.get("rope_type", k.get("type", "default")) for k in kinds if k.get("rope_type", k.get("type"))]
-    if set(scaled) - {"default"}:
-        raise ValueError(f"ModernBERT with RoPE scaling {sorted(set(scaled) - {'default'})} is not supported")
+    scaled = {k.get("rope_type", k.get("type", "default")) for k in kinds} - {"default"}
+    if scaled:
+        raise ValueError(f"ModernBERT with RoPE scaling {sorted(scaled)} is not supported")
     theta = float((rope.get("full_attention") or {}).get("rope_theta", cfg.get("global_rope_theta", 160_000.0)))
     local = float((rope.get("sliding_attention") or {}).get("rope_theta", cfg.get("local_rope_theta", 10_000.0)))
     names = {"hidden_activation": cfg.get("hidden_activation", "gelu"),
