@@ -26,7 +26,7 @@ import torch
 
 import kernels
 from engine import quant
-from engine.models.bert import BertModel, load_encoder_weights
+from engine.models.bert import BertModel, Encoder, load_encoder_weights
 from engine.models.config import ModelConfig, QuantConfig
 from engine.models.layers import RMSNorm, RowLinear
 from engine.models.llama import LlamaForCausalLM
@@ -97,7 +97,7 @@ def build_model(path: str, cfg: ModelConfig, max_positions: int, dtype: torch.dt
 
 
 def _build_encoder(path: str, cfg: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device,
-                   tokenizer: str | None) -> BertModel | ModernBertModel:
+                   tokenizer: str | None) -> Encoder:
     """A BERT-style encoder (``engine/models/bert.py``) from a Hugging Face folder (on one rank: ``ModelRunner``)."""
     if cfg.quant is not None or path.endswith(".gguf"):
         raise ValueError(f"an encoder ({cfg.model_type}) loads from its safetensors checkpoint (not GGUF, AWQ, GPTQ)")

@@ -156,12 +156,21 @@ class ClassifierHead(nn.Module):
         return self.out_proj(self.act(self.dense(x)))
 
 
-class BertModel(nn.Module):
-    """The encoder, and a classifier's head (``score``) where the checkpoint has one. As ``LlamaForCausalLM``
-    to the runner: ``forward`` gives the final hidden states; no ``lm_head``, no ``layers`` with a cache."""
+class Encoder(nn.Module):
+    """What every encoder is to the runner, as ``LlamaForCausalLM`` is: ``forward`` gives the final hidden
+    states; no ``lm_head`` or vision tower, no ``layers`` with a cache; a classifier's head is ``score``. To
+    the loader (``load_encoder_weights``): ``ours`` and ``theirs`` map the checkpoint's names."""
 
     lm_head = vision = None
     layers: tuple = ()  # (none holds a KV cache)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("an encoder has no language-model head: it can embed and classify, not generate")
+
+
+class BertModel(Encoder):
+    """BERT, RoBERTa, XLM-R, MPNet, DistilBERT: the encoder, and a classifier's head (``score``) where the
+    checkpoint has one."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
@@ -206,9 +215,6 @@ class BertModel(nn.Module):
         cells = torch.arange(keep.shape[1], device=keep.device)
         bias = self.relative_attention_bias.weight[_bucket(cells[None, :] - cells[:, None])]  # (Q, Q, H)
         return bias.permute(2, 0, 1)[None].to(dtype).masked_fill(~keep[:, None, None, :], float("-inf"))
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("an encoder has no language-model head: it can embed and classify, not generate")
 
     def ours(self, name: str) -> tuple[str, int, str] | None:
         """A checkpoint tensor's module here, its part (of a fused one) and kind (weight, bias); None: not read."""
@@ -293,7 +299,7 @@ def _theirs(key: str, model_type: str, head: str) -> str:
     return f"{flat.get(module, module)}.{kind}"
 
 
-def load_encoder_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+def load_encoder_weights(model: Encoder, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copy each checkpoint tensor (transformers' names, with or without ``bert.`` / ``roberta.``; old
     checkpoints' LayerNorm ``gamma`` and ``beta`` too) into place, as the model's ``ours`` names them; check
     that each is read once and that nothing is missing."""

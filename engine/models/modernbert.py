@@ -15,7 +15,7 @@ from torch import nn
 
 import kernels
 from engine.attention import AttentionMetadata
-from engine.models.bert import Groups, LayerNorm, activation, encoder_attention, length_groups
+from engine.models.bert import Encoder, Groups, LayerNorm, activation, encoder_attention, length_groups
 from engine.models.config import ModelConfig
 from engine.models.layers import ColumnLinear, RotaryEmbedding, RowLinear, VocabEmbedding
 
@@ -64,11 +64,8 @@ class ModernBertHead(nn.Module):
         return self.out_proj(self.norm(self.act(self.dense(x))))
 
 
-class ModernBertModel(nn.Module):
-    """As ``BertModel`` to the runner and the loader."""
-
-    lm_head = vision = None
-    layers: tuple = ()  # (none holds a KV cache)
+class ModernBertModel(Encoder):
+    """ModernBERT's encoder, and a classifier's head (``score``) where the checkpoint has one."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
@@ -97,9 +94,6 @@ class ModernBertModel(nn.Module):
         """(Q, Q): the keys a sliding layer's query sees, those at most ``window`` positions away either side."""
         cells = torch.arange(width, device=device)
         return (cells[None, :] - cells[:, None]).abs() <= self.window
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("an encoder has no language-model head: it can embed and classify, not generate")
 
     def ours(self, name: str) -> tuple[str, int, str] | None:
         """As ``BertModel.ours``: a checkpoint tensor's module here, part and kind; None: not read (an MLM head)."""
