@@ -187,16 +187,19 @@ def build_metadata(query_lens: list[int], computed_lens: list[int], block_tables
 class Attention(nn.Module):
     """One layer's attention: store this step's K/V in the cache, attend over the cache. ``scale``
     multiplies q.k (None: 1 / sqrt(head_dim)); ``window``: a sliding window's length, each query seeing
-    its latest ``window`` positions (0: all); ``softcap``: Gemma 2's cap on the scores (0: none). A
+    its latest ``window`` positions (0: all); ``softcap``: Gemma 2's cap on the scores (0: none); ``sinks``:
+    a learnt score per head that every softmax also counts, for a key without a value (GPT-OSS's). A
     windowed layer whose cache is the sliding-window pool (``in_window_pool``, set with the cache) finds
     its blocks through the step's ``window_map``."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
-                 window: int = 0, softcap: float = 0.0):
+                 window: int = 0, softcap: float = 0.0, sinks: bool = False):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.window, self.softcap = window, softcap
+        # (float32 whatever the model's dtype: the kernels add them to float32 sums)
+        self.sinks = nn.Parameter(torch.zeros(num_heads, dtype=torch.float32), requires_grad=False) if sinks else None
         # Set by the model runner once the cache is allocated: (num_blocks, block_size, Hkv, D) each.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
@@ -221,9 +224,9 @@ class Attention(nn.Module):
 
     def _decode(self, q: torch.Tensor, d: DecodeMetadata) -> torch.Tensor:
         return kernels.paged_decode_attention(q, self.k_cache, self.v_cache, d.block_tables, d.seq_lens,
-                                              d.max_seq_len, self.scale, self.window, self.softcap)
+                                              d.max_seq_len, self.scale, self.window, self.softcap, self.sinks)
 
     def _prefill(self, q: torch.Tensor, p: PrefillMetadata) -> torch.Tensor:
         return kernels.paged_prefill_attention(q, self.k_cache, self.v_cache, p.block_tables, p.seq_lens,
                                                p.query_start, p.q_index, p.out_index, p.max_seq_len,
-                                               self.scale, self.window, self.softcap)
+                                               self.scale, self.window, self.softcap, self.sinks)

@@ -73,19 +73,23 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
-                           scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                           scale: float, window: int = 0, softcap: float = 0.0,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """One query per sequence (``reference.paged_decode_attention``); ``sinks`` (H,) float32: GPT-OSS's
+    attention sinks (None: none)."""
     return _pick(q).paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, window,
-                                           softcap)
+                                           softcap, sinks)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.Tensor,
                             q_index: torch.Tensor, out_index: torch.Tensor, max_seq_len: int,
-                            scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                            scale: float, window: int = 0, softcap: float = 0.0,
+                            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention (``reference.paged_prefill_attention``); ``window``: a sliding window's length
-    (0: none); ``softcap``: Gemma 2's cap on the scores (0: none)."""
+    (0: none); ``softcap``: Gemma 2's cap on the scores (0: none); ``sinks``: as decode's."""
     return _pick(q).paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start, q_index,
-                                            out_index, max_seq_len, scale, window, softcap)
+                                            out_index, max_seq_len, scale, window, softcap, sinks)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

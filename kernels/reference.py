@@ -62,24 +62,31 @@ def cache_rows(cache: torch.Tensor) -> torch.Tensor:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-           softcap: float = 0.0, causal: bool = False) -> torch.Tensor:
+           softcap: float = 0.0, causal: bool = False, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention in float32 (16-bit inputs too, as prefill's SDPA accumulates: one rule for decode and
     prefill, so a request recomputed after preemption keeps its greedy tokens). q (B, H, Q, D); k, v
     (B, Hkv, S, D); ``mask`` (broadcast to (B, H, Q, S), True: visible) or ``causal`` (Q = S). ``softcap``
-    (Gemma 2): each score s becomes ``softcap * tanh(s / softcap)`` before the softmax."""
+    (Gemma 2): each score s becomes ``softcap * tanh(s / softcap)`` before the softmax. ``sinks`` (H,)
+    (GPT-OSS's attention sinks): one more score per head in each softmax, for a key without a value."""
     q, k, v = q.float(), k.float(), v.float()
     h, hkv = q.shape[1], k.shape[1]
-    if not softcap:
+    if not softcap and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=hkv != h,
                                               is_causal=causal)
     if hkv != h:
         k, v = k.repeat_interleave(h // hkv, dim=1), v.repeat_interleave(h // hkv, dim=1)
-    s = torch.tanh(q @ k.transpose(-1, -2) * (scale / softcap)) * softcap  # (B, H, Q, S)
+    if softcap:
+        s = torch.tanh(q @ k.transpose(-1, -2) * (scale / softcap)) * softcap  # (B, H, Q, S)
+    else:
+        s = q @ k.transpose(-1, -2) * scale
     if causal:
         mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
-    return torch.softmax(s, dim=-1) @ v
+    if sinks is None:
+        return torch.softmax(s, dim=-1) @ v
+    sink = sinks.float().view(1, h, 1, 1).expand(*s.shape[:-1], 1)
+    return torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1] @ v
 
 
 def window_mask(keys: int, q_pos: torch.Tensor, window: int) -> torch.Tensor:
@@ -93,9 +100,10 @@ def window_mask(keys: int, q_pos: torch.Tensor, window: int) -> torch.Tensor:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
-                           scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                           scale: float, window: int = 0, softcap: float = 0.0,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One new query per sequence: q (B, H, D) attends to its ``seq_lens[b]`` cached tokens; with a
-    sliding ``window``, to the latest ``window`` of them; ``softcap``: as ``attend``'s.
+    sliding ``window``, to the latest ``window`` of them; ``softcap``, ``sinks``: as ``attend``'s.
 
     On the CPU, large batches run in groups of ``DECODE_GROUP`` sequences: a group's gathered context
     stays in cache (measured on 2 CPU cores: decode attention ~1.5x faster, a W1 decode step
@@ -107,22 +115,23 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         for i in range(0, b, DECODE_GROUP):
             g = slice(i, i + DECODE_GROUP)
             parts.append(paged_decode_attention(q[g], k_cache, v_cache, block_tables[g], seq_lens[g],
-                                                int(seq_lens[g].max()), scale, window, softcap))
+                                                int(seq_lens[g].max()), scale, window, softcap, sinks))
         return torch.cat(parts)
     k = _gather_context(k_cache, block_tables, max_seq_len)  # (B, S, Hkv, D)
     v = _gather_context(v_cache, block_tables, max_seq_len)
     visible = window_mask(max_seq_len, seq_lens - 1, window)  # (B, S)
     out = attend(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), visible[:, None, None], scale,
-                 softcap)  # (B, H, 1, D)
+                 softcap, sinks=sinks)  # (B, H, 1, D)
     return out.view(b, h, d).to(q.dtype)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.Tensor,
                             q_index: torch.Tensor, out_index: torch.Tensor, max_seq_len: int,
-                            scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                            scale: float, window: int = 0, softcap: float = 0.0,
+                            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of several new tokens per sequence over each one's paged context (``window``,
-    ``softcap``: as decode's).
+    ``softcap``, ``sinks``: as decode's).
 
     q: (T, H, D) new tokens of B sequences, flattened. Sequence ``b`` owns queries
     ``query_start[b]:query_start[b+1]`` and has ``seq_lens[b]`` tokens of context in
@@ -142,7 +151,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     q_pos = (seq_lens - q_lens)[:, None] + torch.arange(qmax, device=q.device)[None, :]  # (B, Q)
     mask = window_mask(max_seq_len, torch.minimum(q_pos, seq_lens[:, None] - 1), window)  # (B, Q, S)
     out = attend(qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask[:, None], scale,
-                 softcap)  # (B, H, Q, D)
+                 softcap, sinks=sinks)  # (B, H, Q, D)
     return out.transpose(1, 2).reshape(b * qmax, h, d)[out_index].to(q.dtype)
 
 

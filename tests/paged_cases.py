@@ -47,6 +47,23 @@ WINDOW_CASES = [
 ]
 
 
+# GPT-OSS's attention sinks (one per query head): dtype, head_dim, block size, H, Hkv, query_lens, seq_lens, window
+# (query_lens all 1: decode); ``sinks_for`` gives each head's, one of them far above every score
+SINK_CASES = [
+    (F32, 64, 16, 8, 2, [1, 1, 1], [1, 40, 300], 0),  # decode, GQA 4 (its 300 keys split 3 ways in Triton)
+    (BF16, 64, 16, 8, 1, [1, 1], [90, 7], 24),  # a window
+    (F32, 64, 16, 4, 2, [30, 5, 1], [30, 50, 9], 12),  # prefill: prompts, a chunk after a prefix, a window
+    (BF16, 128, 32, 4, 4, [17, 2], [80, 18], 0),
+]
+
+
+def sinks_for(h: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """(h,) float32 sinks: small ones of both signs, and one (head 1) far above any score (its output ~0)."""
+    s = torch.linspace(-2.0, 2.0, h)
+    s[1] = 40.0
+    return s.to(device)
+
+
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 # fp8 caches (--kv-cache-dtype fp8): q's dtype, the caches', head_dim, block size, H, Hkv, query_lens, seq_lens,
 # window, softcap (query_lens all 1: decode)
@@ -144,17 +161,19 @@ def prefill_indices(query_lens: list[int], device: str = "cpu") -> tuple[torch.T
 
 
 def against_reference(kernels, q: torch.Tensor, caches: tuple, tables: torch.Tensor, seq_lens: list[int],
-                      query_lens: list[int], scale: float, window: int = 0, softcap: float = 0.0, **decode_kw):
+                      query_lens: list[int], scale: float, window: int = 0, softcap: float = 0.0,
+                      sinks: torch.Tensor | None = None, **decode_kw):
     """(``kernels``' attention over the poisoned caches, the reference's over the clean ones): decode where
     each sequence has one query, else prefill. ``caches``: ``paged_cache``'s (or ``fp8_caches``') first four;
     ``decode_kw``: more for ``kernels``' decode (Triton's num_splits)."""
     clean_k, clean_v, k, v = caches
     lens, n = torch.tensor(seq_lens, device=q.device), max(seq_lens)
     if set(query_lens) == {1}:
-        return (kernels.paged_decode_attention(q, k, v, tables, lens, n, scale, window, softcap, **decode_kw),
-                reference.paged_decode_attention(q, clean_k, clean_v, tables.long(), lens, n, scale, window, softcap))
+        return (kernels.paged_decode_attention(q, k, v, tables, lens, n, scale, window, softcap, sinks, **decode_kw),
+                reference.paged_decode_attention(q, clean_k, clean_v, tables.long(), lens, n, scale, window, softcap,
+                                                 sinks))
     start, q_index, out_index = prefill_indices(query_lens, q.device)
     return (kernels.paged_prefill_attention(q, k, v, tables, lens, start, q_index, out_index, n, scale, window,
-                                            softcap),
+                                            softcap, sinks),
             reference.paged_prefill_attention(q, clean_k, clean_v, tables.long(), lens, start, q_index, out_index, n,
-                                              scale, window, softcap))
+                                              scale, window, softcap, sinks))

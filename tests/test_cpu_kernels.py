@@ -27,6 +27,7 @@ from tests.paged_cases import (
     FP8_CASES,
     FP8_EDGES,
     PREFILL_CASES,
+    SINK_CASES,
     WINDOW_CASES,
     against_reference,
     case_id,
@@ -35,6 +36,7 @@ from tests.paged_cases import (
     paged_cache,
     prefill_indices,
     randn,
+    sinks_for,
 )
 
 COMPILED = [c for c in DECODE_CASES if c[0] in (F32, BF16)]
@@ -82,6 +84,19 @@ def test_cpu_windows_and_softcap_match_reference(dtype, d, page, h, hkv, query_l
     q = randn(sum(query_lens), h, d, dtype=dtype)
     out, want = against_reference(cpu, q, caches, tables, seq_lens, query_lens, d ** -0.5, window, softcap)
     torch.testing.assert_close(out.float(), want.float(), **ATTN_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype,d,page,h,hkv,query_lens,seq_lens,window", SINK_CASES, ids=map(case_id, SINK_CASES))
+def test_cpu_attention_sinks_match_reference(dtype, d, page, h, hkv, query_lens, seq_lens, window, compiled):
+    """GPT-OSS's sinks: decode in C (the sink's term added to each head's sum at the end), prefill per sequence;
+    a head whose sink is far above its scores gives ~0."""
+    *caches, tables = paged_cache(seq_lens, page, hkv, d, dtype)
+    q = randn(sum(query_lens), h, d, dtype=dtype)
+    out, want = against_reference(cpu, q, caches, tables, seq_lens, query_lens, d ** -0.5, window, sinks=sinks_for(h))
+    torch.testing.assert_close(out.float(), want.float(), **ATTN_TOL[dtype])
+    assert out[:, 1].abs().max() < 1e-6 and want[:, 0].abs().max() > 1e-3
+    plain = against_reference(cpu, q, caches, tables, seq_lens, query_lens, d ** -0.5, window)[0]
+    assert not torch.allclose(out.float(), plain.float(), atol=1e-3)  # (the sinks change every head)
 
 
 @pytest.mark.parametrize("dtype,cache_dtype,d,page,h,hkv,query_lens,seq_lens,window,softcap", FP8_CASES,

@@ -15,9 +15,10 @@ from engine.attention import Attention, build_metadata
 H, HKV, D, BS = 4, 2, 8, 4
 
 
-def naive_attention(q, k, v, pos0, window=0, softcap=0.0):
+def naive_attention(q, k, v, pos0, window=0, softcap=0.0, sinks=None):
     """q (Q, H, D) at positions pos0.. over k/v (S, Hkv, D), causal, GQA; with a sliding ``window``
-    over the latest ``window`` positions; ``softcap``: scores s -> softcap tanh(s / softcap)."""
+    over the latest ``window`` positions; ``softcap``: scores s -> softcap tanh(s / softcap); ``sinks`` (H,):
+    one more score per head in each softmax, its probability dropped (GPT-OSS's, as transformers computes it)."""
     k = k.repeat_interleave(H // HKV, 1).float()
     v = v.repeat_interleave(H // HKV, 1).float()
     out = []
@@ -27,15 +28,18 @@ def naive_attention(q, k, v, pos0, window=0, softcap=0.0):
         s = torch.einsum("hd,khd->hk", q[i].float(), k[first:p + 1]) / math.sqrt(D)
         if softcap:
             s = softcap * torch.tanh(s / softcap)
-        out.append(torch.einsum("hk,khd->hd", s.softmax(-1), v[first:p + 1]))
+        probs = s.softmax(-1) if sinks is None else torch.cat([s, sinks[:, None]], -1).softmax(-1)[:, :-1]
+        out.append(torch.einsum("hk,khd->hd", probs, v[first:p + 1]))
     return torch.stack(out)
 
 
-def make_batch(seq_lens, query_lens, dtype, seed=0, window=0, softcap=0.0):
+def make_batch(seq_lens, query_lens, dtype, seed=0, window=0, softcap=0.0, sinks=None):
     g = torch.Generator().manual_seed(seed)
     nblocks = sum(-(-n // BS) for n in seq_lens) + 3
     perm = torch.randperm(nblocks, generator=g).tolist()  # scattered, non-contiguous blocks
-    attn = Attention(H, HKV, D, window=window, softcap=softcap)
+    attn = Attention(H, HKV, D, window=window, softcap=softcap, sinks=sinks is not None)
+    if sinks is not None:
+        attn.sinks.copy_(sinks)
     attn.k_cache = torch.zeros(nblocks, BS, HKV, D, dtype=dtype)
     attn.v_cache = torch.zeros(nblocks, BS, HKV, D, dtype=dtype)
     tables, ks, vs = [], [], []
@@ -65,15 +69,19 @@ def make_batch(seq_lens, query_lens, dtype, seed=0, window=0, softcap=0.0):
     ([6, 3], [6, 10]),  # fresh prompt and a chunk after a cached prefix
     ([1, 7, 1, 2], [13, 7, 4, 8]),  # mixed: decodes and prompt chunks in one batch
 ])
-@pytest.mark.parametrize("window,softcap", [(0, 0.0), (5, 0.0), (6, 1.5)])  # sliding windows, Gemma 2's cap
-def test_paged_attention_matches_naive(query_lens, seq_lens, dtype, tol, backend, window, softcap, monkeypatch):
+# sliding windows, Gemma 2's cap, GPT-OSS's sinks (one far above every score: that head's output near 0)
+@pytest.mark.parametrize("window,softcap,sinks", [(0, 0.0, None), (5, 0.0, None), (6, 1.5, None),
+                                                  (0, 0.0, [0.5, -1.0, 2.0, 30.0]), (5, 0.0, [1.0, 0.0, -3.0, 0.5])])
+def test_paged_attention_matches_naive(query_lens, seq_lens, dtype, tol, backend, window, softcap, sinks,
+                                       monkeypatch):
     monkeypatch.setattr(kernels, "_backend", backend)
+    sinks = None if sinks is None else torch.tensor(sinks)
     attn, q, new_k, new_v, ks, vs, meta, positions = make_batch(seq_lens, query_lens, dtype, window=window,
-                                                                softcap=softcap)
+                                                                softcap=softcap, sinks=sinks)
     out = attn(q, new_k, new_v, meta)
     want, row = [], 0
     for k, v, n, ql in zip(ks, vs, seq_lens, query_lens, strict=True):
-        want.append(naive_attention(q[row:row + ql], k, v, n - ql, window, softcap))
+        want.append(naive_attention(q[row:row + ql], k, v, n - ql, window, softcap, sinks))
         row += ql
     assert torch.allclose(out.float(), torch.cat(want), atol=tol, rtol=tol)
     expected_pos = torch.cat([torch.arange(n - ql, n) for n, ql in zip(seq_lens, query_lens, strict=True)])

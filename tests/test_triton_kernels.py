@@ -34,6 +34,7 @@ from tests.paged_cases import (  # noqa: E402
     FP8_CASES,
     FP8_EDGES,
     PREFILL_CASES,
+    SINK_CASES,
     WINDOW_CASES,
     against_reference,
     case_id,
@@ -41,6 +42,7 @@ from tests.paged_cases import (  # noqa: E402
     fp8_caches,
     paged_cache,
     prefill_indices,
+    sinks_for,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -113,6 +115,20 @@ def test_triton_windows_and_softcap_match_reference(dtype, d, page, h, hkv, quer
         out, want = against_reference(tri, q, caches, tables, seq_lens, query_lens, d ** -0.5, window, softcap,
                                       **({"num_splits": splits} if splits else {}))
         torch.testing.assert_close(out.float(), want.float(), **ATTN_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype,d,page,h,hkv,query_lens,seq_lens,window", SINK_CASES, ids=map(case_id, SINK_CASES))
+def test_triton_attention_sinks_match_reference(dtype, d, page, h, hkv, query_lens, seq_lens, window, poison):
+    """GPT-OSS's sinks in decode (one pass, and split along the keys: the merge adds the sink's term) and
+    prefill, against the reference; a head whose sink is far above its scores gives ~0."""
+    *caches, tables = paged_cache(seq_lens, page, hkv, d, dtype, DEVICE)
+    q = randn(sum(query_lens), h, d, dtype=dtype)
+    sinks = sinks_for(h, DEVICE)
+    for splits in (1, 3) if set(query_lens) == {1} else (None,):
+        out, want = against_reference(tri, q, caches, tables, seq_lens, query_lens, d ** -0.5, window, sinks=sinks,
+                                      **({"num_splits": splits} if splits else {}))
+        torch.testing.assert_close(out.float(), want.float(), **ATTN_TOL[dtype])
+        assert out[:, 1].abs().max() < 1e-6
 
 
 def test_triton_splits_agree_with_one_pass(poison):

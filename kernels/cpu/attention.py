@@ -38,7 +38,8 @@ MAX_D = MAX_BS = 256  # as in paged_attention.c: head sizes (multiples of 8) and
 
 class _Dims(ctypes.Structure):
     _fields_ = ([(name, ctypes.c_int64) for name in ("H", "HKV", "D", "BS", "W", "window")]
-                + [("scale", ctypes.c_float), ("softcap", ctypes.c_float), ("kv_fp8", ctypes.c_int64)])
+                + [("scale", ctypes.c_float), ("softcap", ctypes.c_float), ("kv_fp8", ctypes.c_int64),
+                   ("sinks", ctypes.c_void_p)])
 
 
 @functools.cache
@@ -116,10 +117,11 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
-                           scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                           scale: float, window: int = 0, softcap: float = 0.0,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """As ``kernels.reference.paged_decode_attention``: q (B, H, D), one query per sequence."""
-    args = (q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, window, softcap)
-    if not q.is_cpu or q.dtype not in _DECODE or not available():
+    args = (q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, window, softcap, sinks)
+    if not q.is_cpu or q.dtype not in _DECODE or not available() or not _sinks_fit(sinks, q.shape[1]):
         return reference.paged_decode_attention(*args)
     _check(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len)
     if not decodes_in_c(q.shape[2], k_cache.shape[1]):  # shapes the C code does not take
@@ -136,17 +138,27 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_tables, seq_lens = block_tables.to(torch.int64).contiguous(), seq_lens.to(torch.int64).contiguous()
     out = torch.empty_like(q)
     dims = _Dims(H=h, HKV=k_cache.shape[2], D=d, BS=k_cache.shape[1], W=block_tables.shape[1], window=window,
-                 scale=scale, softcap=softcap, kv_fp8=reference.fp8_format(k_cache.dtype))
+                 scale=scale, softcap=softcap, kv_fp8=reference.fp8_format(k_cache.dtype),
+                 sinks=None if sinks is None else sinks.data_ptr())
+    if sinks is not None:
+        graph.hold(sinks)  # a recording keeps their pointer
     kernel = getattr(_library(), _DECODE[q.dtype])
     kernel(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
            out.data_ptr(), b, ctypes.byref(dims), torch.get_num_threads())
     return out
 
 
+def _sinks_fit(sinks: torch.Tensor | None, heads: int) -> bool:
+    """Whether the C kernel can read these sinks: none, or (H,) float32 contiguous on the CPU."""
+    return sinks is None or (sinks.is_cpu and sinks.dtype == torch.float32 and sinks.shape == (heads,)
+                             and sinks.is_contiguous())
+
+
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.Tensor,
                             q_index: torch.Tensor, out_index: torch.Tensor, max_seq_len: int,
-                            scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                            scale: float, window: int = 0, softcap: float = 0.0,
+                            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """As ``kernels.reference.paged_prefill_attention``; ``q_index`` / ``out_index`` (the
     reference's padded grid) are not needed here."""
     _check(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len)
@@ -168,6 +180,6 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             mask = reference.window_mask(s, torch.arange(s - (end - first), s, device=q.device), window)
         # in float32 as decode (and the reference): one rule, so a recomputed request keeps its tokens
         o = reference.attend(q[first:end].transpose(0, 1)[None], k[None], v[None], mask, scale, softcap,
-                             causal=mask is None)  # (1, H, Q, D)
+                             causal=mask is None, sinks=sinks)  # (1, H, Q, D)
         out[first:end] = o[0].transpose(0, 1)
     return out

@@ -8,7 +8,8 @@
  *   out          (B, H, D)
  * all contiguous; D a multiple of 8 up to MAX_D. With a sliding window (window > 0) a query sees
  * its sequence's latest window keys; with softcap > 0 (Gemma 2) each score s is
- * softcap tanh(s / softcap). fp32 or bf16 (widened on load, rounded to nearest even on store, as
+ * softcap tanh(s / softcap); with sinks (GPT-OSS's attention sinks, H floats) head h's softmax has one
+ * more term, exp(sinks[h]), for a key without a value. fp32 or bf16 (widened on load, rounded to nearest even on store, as
  * torch rounds); fp32 arithmetic throughout. The cache holds q's dtype, or fp8 (kv_fp8: e4m3fn or
  * e5m2, widened exactly as torch widens them: widen_fp8). One sequence per work item (or the rows
  * of one request's decode and drafts: attend_rows), or with fewer of them than threads one KV head
@@ -43,6 +44,7 @@ typedef struct {
     int64_t H, HKV, D, BS, W, window;
     float scale, softcap;
     int64_t kv_fp8; /* the cache: 0 q's dtype, 1 fp8 e4m3fn, 2 fp8 e5m2 */
+    const float *sinks; /* (H,) or NULL: none */
 } Dims;
 
 enum { KV_F32, KV_BF16, KV_E4M3, KV_E5M2 }; /* what a cache (or q) row holds */
@@ -198,6 +200,7 @@ static inline __attribute__((always_inline)) void attend_head(const void *q, con
         for (int64_t i = 0; i < D / 8; i++) part->acc[i] = acc[i];
         return;
     }
+    if (dm->sinks) l += expf(dm->sinks[h] - m); /* (a sink far above every score: l inf, the output 0) */
     const float inv = 1.f / l * unit;
     for (int64_t i = 0; i < D / 8; i++)
         for (int d = 0; d < 8; d++) {

@@ -13,6 +13,7 @@ from kernels.reference import FP8_DTYPES
 from kernels.triton.launch import FLOAT_DTYPES, INDEX_DTYPES, check_same, check_tensor, interpreting, require
 
 LOG2E = 1.4426950408889634  # softmax runs in base 2: exp(x) = exp2(x * log2 e), exp2 is the fast one
+SINK_LOG2E = tl.constexpr(LOG2E)  # (a kernel reads a module's constant only as a constexpr)
 
 
 @triton.jit
@@ -61,6 +62,14 @@ def check_paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             f"max_seq_len {max_seq_len}")
     require(isinstance(scale, (int, float)) and math.isfinite(scale), f"scale must be a finite float, got {scale}")
     require(isinstance(window, int) and window >= 0, f"window must be an int >= 0 (0: none), got {window!r}")
+
+
+def check_sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> None:
+    """Attention sinks: none, or one float32 per query head, on q's device."""
+    if sinks is not None:
+        check_tensor("sinks", sinks, 1, (torch.float32,))
+        require(sinks.shape[0] == q.shape[1] and sinks.device == q.device and sinks.is_contiguous(),
+                f"sinks must be ({q.shape[1]},) contiguous on {q.device}, got {tuple(sinks.shape)} on {sinks.device}")
 
 
 def dot_args(q: torch.Tensor) -> dict:

@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.attention_common import check_paged_args, dot_args, score_args, softcap_scores
+from kernels.triton.attention_common import (SINK_LOG2E, check_paged_args, check_sinks, dot_args, score_args,
+                                             softcap_scores)
 from kernels.triton.fp8 import cache_args, fp8_to_float
 from kernels.triton.launch import interpreting, next_pow2, require, sm_count
 
@@ -27,14 +28,14 @@ MAX_SPLITS = 64
 @triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, sinks_ptr,
     qk_scale, inv_cap, cap_log2, window, tokens_per_split, num_splits,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_cb, stride_ct, stride_ch, stride_bt,
     G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, TILE_N: tl.constexpr,
     SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -96,6 +97,8 @@ def _decode_kernel(
         tl.store(part_l_ptr + part, l_i, mask=gmask)
         tl.store(part_acc_ptr + part[:, None] * D + offs_d[None, :], acc, mask=qmask)
     else:
+        if SINKS:  # one more term in each head's softmax sum (base 2, as the scores)
+            l_i += tl.exp2(tl.load(sinks_ptr + heads, mask=gmask, other=0.0) * SINK_LOG2E - m_i)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=qmask)
@@ -103,8 +106,8 @@ def _decode_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, num_splits, stride_ob, stride_oh,
-    H: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, sinks_ptr, num_splits, stride_ob, stride_oh,
+    H: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)  # one program per (sequence, query head)
     h = tl.program_id(1)
@@ -116,10 +119,14 @@ def _merge_splits_kernel(
     m = tl.load(part_m_ptr + part, mask=smask, other=float("-inf"))
     l_s = tl.load(part_l_ptr + part, mask=smask, other=0.0)
     # split 0 always holds the first key seen, so the global max is finite and empty splits weigh 0
-    w = tl.exp2(m - tl.max(m, 0))
+    top = tl.max(m, 0)
+    w = tl.exp2(m - top)
     acc = tl.load(part_acc_ptr + part[:, None] * D + offs_d[None, :], mask=smask[:, None] & dmask[None, :],
                   other=0.0)
-    out = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
+    total = tl.sum(l_s * w, 0)
+    if SINKS:
+        total += tl.exp2(tl.load(sinks_ptr + h) * SINK_LOG2E - top)
+    out = tl.sum(acc * w[:, None], 0) / total
     tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
              mask=dmask)
 
@@ -134,15 +141,16 @@ def _auto_splits(batch: int, kv_heads: int, max_seq_len: int, device: torch.devi
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
-                           scale: float, window: int = 0, softcap: float = 0.0, *,
-                           num_splits: int | None = None) -> torch.Tensor:
+                           scale: float, window: int = 0, softcap: float = 0.0,
+                           sinks: torch.Tensor | None = None, *, num_splits: int | None = None) -> torch.Tensor:
     """One new query per sequence: q (B, H, D) attends to its ``seq_lens[b]`` cached tokens (with a
-    sliding ``window``, the latest ``window`` of them; ``softcap``: the reference's).
+    sliding ``window``, the latest ``window`` of them; ``softcap``, ``sinks``: the reference's).
 
     ``num_splits`` splits each context along the keys (None: chosen from the batch
     shape and the device); the result does not depend on it beyond rounding."""
     check_paged_args(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, window)
     scores = score_args(scale, softcap)
+    check_sinks(sinks, q)
     b, h, d = q.shape
     _, page, hkv, _ = k_cache.shape
     require(seq_lens.shape[0] == b, f"seq_lens must have {b} entries (one per query), got {seq_lens.shape[0]}")
@@ -166,15 +174,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     k_cache, v_cache, fmt = cache_args(k_cache, v_cache)
     _decode_kernel[(b, hkv, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_m, part_l,
-        scores["qk_scale"], scores["inv_cap"], scores["cap_log2"], window, tokens_per_split, splits,
+        sinks if sinks is not None else out, scores["qk_scale"], scores["inv_cap"], scores["cap_log2"], window, tokens_per_split, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         G=g, D=d, PAGE=page, BLOCK_G=next_pow2(g, 16), BLOCK_D=next_pow2(d, 16), TILE_N=tile,
-        SPLIT=splits > 1, SOFTCAP=scores["SOFTCAP"], num_warps=4, KV_FP8=fmt, **dot_args(q),
+        SPLIT=splits > 1, SOFTCAP=scores["SOFTCAP"], num_warps=4, KV_FP8=fmt, SINKS=sinks is not None,
+        **dot_args(q),
     )
     if splits > 1:
         _merge_splits_kernel[(b, h)](
-            part_acc, part_m, part_l, out, splits, out.stride(0), out.stride(1),
-            H=h, D=d, BLOCK_S=next_pow2(splits, 2), BLOCK_D=next_pow2(d, 16), num_warps=4,
+            part_acc, part_m, part_l, out, sinks if sinks is not None else out, splits, out.stride(0), out.stride(1),
+            H=h, D=d, BLOCK_S=next_pow2(splits, 2), BLOCK_D=next_pow2(d, 16), SINKS=sinks is not None, num_warps=4,
         )
     return out

@@ -15,21 +15,22 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.attention_common import check_paged_args, dot_args, score_args, softcap_scores
+from kernels.triton.attention_common import (SINK_LOG2E, check_paged_args, check_sinks, dot_args, score_args,
+                                             softcap_scores)
 from kernels.triton.fp8 import cache_args, fp8_to_float
 from kernels.triton.launch import INDEX_DTYPES, check_tensor, interpreting, next_pow2, require
 
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, out_ptr, sinks_ptr,
     qk_scale, inv_cap, cap_log2, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ct, stride_ch, stride_bt,
     G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, TILE_N: tl.constexpr,
     SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, SINKS: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     b = tl.program_id(1)
@@ -90,6 +91,8 @@ def _prefill_kernel(
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
         m_i = m_new
 
+    if SINKS:  # one more term in the softmax sum (base 2, as the scores)
+        l_i += tl.exp2(tl.load(sinks_ptr + h) * SINK_LOG2E - m_i)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + rows_q[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mmask)
@@ -98,9 +101,10 @@ def _prefill_kernel(
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.Tensor,
                             q_index: torch.Tensor | None, out_index: torch.Tensor | None, max_seq_len: int,
-                            scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                            scale: float, window: int = 0, softcap: float = 0.0,
+                            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of several new tokens per sequence over each one's paged context (``window``,
-    ``softcap``: as decode's).
+    ``softcap``, ``sinks``: as decode's).
 
     The reference's signature: q (T, H, D) holds the new tokens of B sequences,
     sequence ``b`` owning rows ``query_start[b]:query_start[b+1]`` and having
@@ -110,6 +114,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """
     check_paged_args(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, window)
     scores = score_args(scale, softcap)
+    check_sinks(sinks, q)
     check_tensor("query_start", query_start, 1, INDEX_DTYPES)
     t, h, d = q.shape
     _, page, hkv, _ = k_cache.shape
@@ -128,11 +133,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         block_m, tile = (32, 32) if q.dtype == torch.float32 else (64, 64)
     k_cache, v_cache, fmt = cache_args(k_cache, v_cache)
     _prefill_kernel[(triton.cdiv(max_query_len, block_m), nseq, h)](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start, out,
+        q, k_cache, v_cache, block_tables, seq_lens, query_start, out, sinks if sinks is not None else out,
         scores["qk_scale"], scores["inv_cap"], scores["cap_log2"], window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         G=h // hkv, D=d, PAGE=page, BLOCK_M=block_m, BLOCK_D=next_pow2(d, 16), TILE_N=tile,
-        SOFTCAP=scores["SOFTCAP"], num_warps=4, KV_FP8=fmt, **dot_args(q),
+        SOFTCAP=scores["SOFTCAP"], num_warps=4, KV_FP8=fmt, SINKS=sinks is not None, **dot_args(q),
     )
     return out
