@@ -16,8 +16,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.attention_common import (SINK_LOG2E, check_paged_args, check_sinks, dot_args, score_args,
-                                             softcap_scores)
+from kernels.triton.attention_common import (
+    SINK_LOG2E,
+    check_paged_args,
+    check_sinks,
+    dot_args,
+    score_args,
+    softcap_scores,
+)
 from kernels.triton.fp8 import cache_args, fp8_to_float
 from kernels.triton.launch import interpreting, next_pow2, require, sm_count
 
