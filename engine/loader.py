@@ -148,8 +148,12 @@ def _mixtral_name(name: str) -> str:
 def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
     """Copy each Hugging Face-named tensor into its (possibly fused) place; check nothing is missing."""
     seen: set[str] = set()
+    mxfp4: dict[str, torch.Tensor] = {}  # GPT-OSS: an MXFP4 weight's blocks or scales, until the other comes
     with torch.no_grad():
         for name, w in weights:
+            if model.cfg.gpt_oss and (m := _GPT_OSS.fullmatch(name)):
+                seen |= _load_gpt_oss(model, m, w, mxfp4)
+                continue
             if model.vision is not None and model.vision.load(name, w):
                 continue
             if not name.startswith(("model.", "lm_head.", "score.")):
@@ -208,6 +212,8 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
     missing = sorted(expected - seen)
     if model.vision is not None:
         missing += sorted(model.vision.unloaded)
+    if mxfp4:
+        missing += sorted(n.rpartition("_")[0] + ("_scales" if n.endswith("_blocks") else "_blocks") for n in mxfp4)
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
 
@@ -264,6 +270,55 @@ def _load_experts(model: LlamaForCausalLM, i: int, m: re.Match, w: torch.Tensor)
     return {f"model.layers.{i}.mlp.experts.{e}.{p}.weight" for e in ids for p in parts}
 
 
+# GPT-OSS's own tensors: its attention sinks, its router, its experts stacked (bf16, or MXFP4 blocks and scales)
+_GPT_OSS = re.compile(r"model\.layers\.(\d+)\.(self_attn\.sinks|mlp\.router\.(?:weight|bias)|"
+                      r"mlp\.experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?)")
+
+
+def _load_gpt_oss(model: LlamaForCausalLM, m: re.Match, w: torch.Tensor, mxfp4: dict[str, torch.Tensor]) -> set[str]:
+    """One of GPT-OSS's own tensors into layer ``m[1]``; returns the names it filled. Its experts come stacked,
+    gate|up's outputs interleaved (gate, up, gate, ...): ``gate_up_proj`` (E, H, 2I) and ``down_proj`` (E, I, H)
+    transposed (x W), or in MXFP4 as ``*_blocks`` and ``*_scales`` with the outputs first (W x)."""
+    layer, what, part, kind = model.layers[int(m[1])], m[2], m[3], m[4]
+    name = f"model.layers.{m[1]}.{what}"
+    if what == "self_attn.sinks":
+        layer.self_attn.load_sinks(w)
+        return {name}
+    if what.startswith("mlp.router."):
+        getattr(layer.mlp.gate, what.rpartition(".")[2]).copy_(w)
+        return {name}
+    experts = layer.mlp.experts
+    if kind == "_bias":
+        if part == "gate_up_proj":
+            experts.load_bias(0, w[:, 0::2])
+            experts.load_bias(1, w[:, 1::2])
+        else:
+            experts.load_bias(2, w)
+        return {name}
+    if kind in ("_blocks", "_scales"):
+        other = name[:-len(kind)] + ("_scales" if kind == "_blocks" else "_blocks")
+        if other not in mxfp4:
+            mxfp4[name] = w
+            return set()
+        blocks, scales = (w, mxfp4.pop(other)) if kind == "_blocks" else (mxfp4.pop(other), w)
+        # an expert at a time: a whole layer's values in floats would be GBs (gpt-oss-20b: 32 x 5760 x 2880)
+        for e in range(blocks.shape[0]):
+            _load_gpt_oss_expert(experts, e, part, quant.mxfp4_to_float(blocks[e], scales[e], experts.w13.dtype))
+        return {f"model.layers.{m[1]}.mlp.experts.{part}"}
+    for e in range(w.shape[0]):
+        _load_gpt_oss_expert(experts, e, part, w[e].t())
+    return {name}
+
+
+def _load_gpt_oss_expert(experts: Experts, e: int, part: str, w: torch.Tensor) -> None:
+    """Expert ``e``'s gate_up_proj (2I, H), its rows interleaved, or down_proj (H, I), outputs first."""
+    if part == "gate_up_proj":
+        experts.load(e, 0, w[0::2])
+        experts.load(e, 1, w[1::2])
+    else:
+        experts.load(e, 2, w)
+
+
 def _expected_names(cfg: ModelConfig) -> set[str]:
     names = {"model.embed_tokens.weight", "model.norm.weight"}
     if cfg.lm_head and not cfg.tie_word_embeddings:
@@ -282,7 +337,11 @@ def _expected_names(cfg: ModelConfig) -> set[str]:
             names.add(p + "pre_feedforward_layernorm.weight")
         if cfg.gemma >= 2 or cfg.olmo:
             names.add(p + "post_feedforward_layernorm.weight")
-        if cfg.sparse(i):
+        if cfg.gpt_oss:
+            names |= {p + "self_attn.sinks", p + "self_attn.o_proj.bias", p + "mlp.router.weight",
+                      p + "mlp.router.bias"}
+            names |= {f"{p}mlp.experts.{x}{b}" for x in ("gate_up_proj", "down_proj") for b in ("", "_bias")}
+        elif cfg.sparse(i):
             names |= {f"{p}mlp.experts.{e}.{x}_proj.weight" for e in range(cfg.moe.num_experts)
                       for x in ("gate", "up", "down")}
             names.add(p + "mlp.gate.weight")

@@ -18,6 +18,8 @@ A layer whose groups are whole blocks of 32 columns (``packs``) becomes Q4_Z blo
 Triton's packed kernels. Act-order GPTQ's groups are scattered over the columns: its columns are
 kept sorted by group (``permutation``), and the layer gathers its input in that order. Any other
 (groups of 16, act-order split over tensor-parallel ranks) is expanded to floats at load.
+
+GPT-OSS's experts come in MXFP4 (``mxfp4_to_float``), widened to the model's dtype at load.
 """
 
 from __future__ import annotations
@@ -27,6 +29,23 @@ from collections.abc import Iterator
 import torch
 
 from engine.models.config import QuantConfig
+
+# MXFP4 (GPT-OSS's experts): FP4 E2M1's sixteen values, in a nibble's order
+_FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def mxfp4_to_float(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An MXFP4 weight widened (exactly, as transformers widens it): ``blocks`` (..., N, G, 16) uint8, each
+    byte two FP4 values (the low nibble first), a block of 32 values along the input sharing ``scales``
+    (..., N, G) uint8, a power of two's exponent plus 127. Returns (..., N, 32 G) in ``dtype``."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape \
+            or blocks.shape[-1] != 16:
+        raise ValueError(f"MXFP4 blocks (..., G, 16) and scales (..., G), uint8, got {tuple(blocks.shape)} "
+                         f"{blocks.dtype} and {tuple(scales.shape)} {scales.dtype}")
+    lut = torch.tensor(_FP4, dtype=torch.float32, device=blocks.device)
+    values = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)  # (..., G, 16, 2)
+    values = torch.ldexp(values.flatten(-2), scales.to(torch.int32)[..., None] - 127)  # (..., G, 32)
+    return values.flatten(-2).to(dtype)
 
 FORMAT = "q4_z"  # the packed format a quantized layer is kept in
 PARTS = ("qweight", "qzeros", "scales", "g_idx")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -139,17 +140,25 @@ def gelu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, packed: str | None = None, packed_down: str | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, packed: str | None = None, packed_down: str | None = None,
+              bias13: torch.Tensor | None = None, bias2: torch.Tensor | None = None,
+              act: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """The routed experts of a mixture of experts (``reference.fused_moe``). ``packed``: the experts'
     weights are uint8 rows of blocks in that format (w2's in ``packed_down``, default the same), each
     expert's (E, N, bytes) slice multiplied as ``linear`` multiplies a packed weight, in the reference's
-    loop over experts."""
+    loop over experts. GPT-OSS's: ``bias13``, ``bias2`` and ``act`` (None: SiLU-and-mul), the reference's."""
+    extra = {"bias13": bias13, "bias2": bias2} | ({"act": act} if act is not None else {})
     if packed is not None:
         down = packed_down or packed
         return reference.fused_moe(x, w13, w2, topk_weights, topk_ids,
                                    linear=lambda a, w: _pick(a).linear_packed(a, w, packed),
-                                   linear_down=lambda a, w: _pick(a).linear_packed(a, w, down))
-    return _pick(x).fused_moe(x, w13, w2, topk_weights, topk_ids)
+                                   linear_down=lambda a, w: _pick(a).linear_packed(a, w, down), **extra)
+    return _pick(x).fused_moe(x, w13, w2, topk_weights, topk_ids, **extra)
+
+
+def swiglu_oai(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """GPT-OSS's clamped SwiGLU (``reference.swiglu_oai``): a few torch operators on every backend."""
+    return reference.swiglu_oai(x, alpha, limit)
 
 
 def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -160,4 +169,4 @@ set_backend(os.environ.get("TOKENMILL_KERNELS", "auto"))
 
 __all__ = ["BACKENDS", "apply_rope_", "backend", "embedding", "fused_add_rms_norm", "fused_moe", "gelu_and_mul",
            "linear", "paged_decode_attention", "paged_prefill_attention", "rms_norm", "set_backend", "silu_and_mul",
-           "store_kvcache", "tune_linear"]
+           "store_kvcache", "swiglu_oai", "tune_linear"]

@@ -186,8 +186,17 @@ def gelu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh").mul_(up)
 
 
+def swiglu_oai(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """(T, 2I) gate|up fused -> (T, I): GPT-OSS's clamped SwiGLU, as transformers computes it: gate capped at
+    ``limit``, up clamped to [-limit, limit], then (up + 1) gate sigmoid(alpha gate)."""
+    gate, up = x.chunk(2, dim=-1)
+    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, linear=F.linear, linear_down=None) -> torch.Tensor:
+              topk_ids: torch.Tensor, linear=F.linear, linear_down=None, bias13: torch.Tensor | None = None,
+              bias2: torch.Tensor | None = None, act=silu_and_mul) -> torch.Tensor:
     """A mixture of experts' MLPs: token t goes through experts ``topk_ids[t]`` (each a gated MLP,
     ``down(silu(gate x) * up x)``) and their outputs are summed, weighted by ``topk_weights[t]``.
 
@@ -197,7 +206,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     transformers adds them in float32; in bf16 it rounds the weights or each product to bf16). Reads
     the experts' token counts on the host: not for a captured graph. ``linear``: the ``F.linear`` each
     expert's projections go through (``kernels.cpu`` passes its own, ``kernels`` a packed one);
-    ``linear_down``: down's, where it differs (packed in another format)."""
+    ``linear_down``: down's, where it differs (packed in another format). GPT-OSS's experts: ``bias13`` (E, 2I)
+    and ``bias2`` (E, H) added to each projection's product (before the weighting), and its activation ``act``
+    (``swiglu_oai``) in place of SiLU-and-mul."""
     linear_down = linear_down or linear
     t, k = topk_ids.shape
     flat = topk_ids.reshape(-1)
@@ -210,7 +221,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         if n:
             pairs = order[start:start + n]
             rows = pairs // k
-            h = linear_down(silu_and_mul(linear(x[rows], w13[e])), w2[e])
+            h = linear(x[rows], w13[e])
+            h = act(h if bias13 is None else h + bias13[e])
+            h = linear_down(h, w2[e])
+            if bias2 is not None:
+                h = h + bias2[e]
             out.index_add_(0, rows, h.float() * weights[pairs, None])
             start += n
     return out.to(x.dtype)

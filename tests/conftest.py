@@ -54,7 +54,9 @@ def make_tiny_model(out_dir: str, arch: str, tokenizer_dir: str | None, seed: in
     """Save a random-weight ``arch`` ("llama", "qwen2", "qwen3", "mistral", "phi3"; mixtures of experts "mixtral",
     "qwen2_moe", "qwen3_moe", of 8 experts, 2 per token; "gemma", "gemma2", "gemma3_text": 4 layers, a sliding
     window of 16 in Gemma 2's every other layer and three of Gemma 3's four, Gemma 2's caps; "granite", with
-    Granite 3 8B's scales; "olmo2", "olmo3") model folder (fp32)."""
+    Granite 3 8B's scales; "olmo2", "olmo3"; "gpt_oss": 4 layers, a window of 16 over every other one, 8 experts,
+    2 per token, random sinks and biases, its experts' SwiGLU clamped at 0.5 so that the clamps bite) model folder
+    (fp32)."""
 
     import torch
     import transformers
@@ -64,7 +66,7 @@ def make_tiny_model(out_dir: str, arch: str, tokenizer_dir: str | None, seed: in
                                      "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig",
                                      "phi3": "Phi3Config", "gemma": "GemmaConfig", "gemma2": "Gemma2Config",
                                      "gemma3_text": "Gemma3TextConfig", "granite": "GraniteConfig",
-                                     "olmo2": "Olmo2Config", "olmo3": "Olmo3Config"}[arch])
+                                     "olmo2": "Olmo2Config", "olmo3": "Olmo3Config", "gpt_oss": "GptOssConfig"}[arch])
     kw = dict(TINY)
     if arch.startswith("gemma"):
         kw.update(num_hidden_layers=4, head_dim=16, tie_word_embeddings=True)
@@ -83,23 +85,30 @@ def make_tiny_model(out_dir: str, arch: str, tokenizer_dir: str | None, seed: in
             kw["shared_expert_intermediate_size"] = 96
         if arch == "qwen3_moe":
             kw["norm_topk_prob"] = True  # as Qwen3's MoE checkpoints set it (transformers' default is False)
+    if arch == "gpt_oss":  # (its YaRN stretches 4096 positions 32 times: served here to max_model_len)
+        kw.update(num_hidden_layers=4, head_dim=16, sliding_window=16, num_local_experts=8, num_experts_per_tok=2,
+                  intermediate_size=48, swiglu_limit=0.5)
     kw.update(overrides)
     config = cfg_cls(**kw)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _save_random(model, out_dir, tokenizer_dir, gemma=arch.startswith("gemma"))
+    _save_random(model, out_dir, tokenizer_dir, gemma=arch.startswith("gemma"), biases=arch == "gpt_oss")
     return out_dir
 
 
-def _save_random(model, out_dir: str, tokenizer_dir: str | None, gemma: bool) -> None:
+def _save_random(model, out_dir: str, tokenizer_dir: str | None, gemma: bool, biases: bool = False) -> None:
     """Save ``model`` with its random init scaled up (tiny, it leaves logits all ties) and its norms not all
-    ones, the tokenizer of ``tokenizer_dir`` beside it."""
+    ones, the tokenizer of ``tokenizer_dir`` beside it; ``biases``: every bias and sink random too (GPT-OSS)."""
     import torch
 
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.08)
+            elif biases and name.endswith("sinks"):
+                p.normal_(0.0, 1.0)
+            elif biases and "bias" in name:
+                p.normal_(0.0, 0.1)
             elif "q_norm" in name or "k_norm" in name:  # Qwen3's per-head norms: not all ones
                 p.uniform_(0.5, 1.5)
             elif "norm" in name and gemma:  # Gemma's (1 + w): not all ones either

@@ -259,3 +259,47 @@ def test_default_smollm2_gguf_matches_transformers(default_gguf, smollm_tokenize
     both = llm.chat([question, [*question, {"role": "assistant", "content": "Paris."},
                                 {"role": "user", "content": "And of Italy?"}]], SamplingParams(max_tokens=32, temperature=0.0))
     assert both[0].text == "The capital of France is Paris." and "Rome" in both[1].text
+
+
+def test_gpt_oss_matches_transformers(tmp_path, smollm_tokenizer_dir):
+    """GPT-OSS: attention sinks, a window of 16 over every other layer (the prompts and outputs pass it), YaRN,
+    biased router and experts, the clamped SwiGLU; prefill in chunks too, and decode both ways."""
+    path = make_tiny_model(str(tmp_path / "gpt_oss"), "gpt_oss", smollm_tokenizer_dir, seed=1)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(path, device="cpu", dtype="float32", num_kv_blocks=256, max_model_len=512)
+    model = llm.engine.runner.model
+    assert model.layers[0].self_attn.attn.window == 16 and model.layers[1].self_attn.attn.window == 0
+    assert model.layers[0].self_attn.attn.sinks.abs().min() > 0
+    check_parity(llm, hf, llm.tokenizer, PROMPTS, n=40)
+    chunked = LLM(path, device="cpu", dtype="float32", num_kv_blocks=256, max_model_len=512,
+                  max_num_batched_tokens=16, enforce_eager=True)
+    check_parity(chunked, hf, chunked.tokenizer, PROMPTS[:2], n=24)
+
+
+def test_gpt_oss_mxfp4_experts_load_as_transformers_widens_them(tmp_path, smollm_tokenizer_dir):
+    """GPT-OSS as OpenAI ships it: the experts in MXFP4 (``*_blocks``, ``*_scales``, config quant_method mxfp4),
+    widened at load to exactly transformers' values (every nibble, scales of 2^-6..2^-3), greedy output equal."""
+    from safetensors.torch import load_file, save_file
+
+    path = make_tiny_model(str(tmp_path / "mx"), "gpt_oss", smollm_tokenizer_dir, seed=2, intermediate_size=64)
+    file = os.path.join(path, "model.safetensors")
+    tensors, g = load_file(file), torch.Generator().manual_seed(0)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, k, n = tensors.pop(name).shape  # (E, K, N): x W
+        tensors[name + "_blocks"] = torch.randint(0, 256, (e, n, k // 32, 16), generator=g, dtype=torch.uint8)
+        tensors[name + "_scales"] = torch.randint(121, 125, (e, n, k // 32), generator=g, dtype=torch.uint8)
+    save_file(tensors, file)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()  # (widened: no GPU kernels here)
+    llm = LLM(path, device="cpu", dtype="float32", num_kv_blocks=256, max_model_len=512)
+    for ours, theirs in zip(llm.engine.runner.model.layers, hf.model.layers, strict=True):
+        gate_up = theirs.mlp.experts.gate_up_proj.transpose(1, 2)  # (E, 2I, H), gate and up rows interleaved
+        assert torch.equal(ours.mlp.experts.w13, torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1))
+        assert torch.equal(ours.mlp.experts.w2, theirs.mlp.experts.down_proj.transpose(1, 2))
+    assert len(torch.unique(llm.engine.runner.model.layers[0].mlp.experts.w13)) >= 25  # (FP4's 15 times 4 scales)
+    check_parity(llm, hf, llm.tokenizer, PROMPTS[:2], n=24)

@@ -10,6 +10,7 @@ element a kernel forgets to write cannot pass.
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -277,6 +278,26 @@ def test_triton_fused_moe_matches_reference(dtype, t, h, i, e, k, poison):
         exact = ref.fused_moe(x.double(), w13.double(), w2.double(), weights, ids)
         for got in (out, ref.fused_moe(x, w13, w2, weights, ids)):
             assert (got.double() - exact).abs().max() <= 0.025 * exact.abs().max()
+
+
+@pytest.mark.parametrize("dtype,t,h,i,e,k", MOE_CASES[:3], ids=map(case_id, MOE_CASES[:3]))
+def test_triton_fused_moe_with_gpt_oss_biases_and_activation_matches_reference(dtype, t, h, i, e, k, poison):
+    """GPT-OSS's experts: a bias on each projection and the clamped SwiGLU (values past its limit of 1.5)."""
+    x = randn(t, h, dtype=dtype)
+    w13, w2 = randn(e, 2 * i, h, dtype=dtype) * 0.5, randn(e, h, i, dtype=dtype) * 0.3
+    b13, b2 = randn(e, 2 * i, dtype=dtype), randn(e, h, dtype=dtype)
+    weights, ids = torch.softmax(randn(t, e), dim=-1).topk(k, dim=-1)
+    act = functools.partial(ref.swiglu_oai, alpha=1.702, limit=1.5)
+    out = tri.fused_moe(x, w13, w2, weights, ids, b13, b2, act)
+    want = ref.fused_moe(x, w13, w2, weights, ids, bias13=b13, bias2=b2, act=act)
+    if dtype == F32:
+        torch.testing.assert_close(out, want, **TOL[dtype])
+    else:
+        exact = ref.fused_moe(x.double(), w13.double(), w2.double(), weights, ids, bias13=b13.double(),
+                              bias2=b2.double(), act=act)
+        for got in (out, want):
+            assert (got.double() - exact).abs().max() <= 0.025 * exact.abs().max()
+    assert not torch.allclose(want, ref.fused_moe(x, w13, w2, weights, ids), atol=1e-2)  # (biases, act: used)
 
 
 def test_triton_fused_moe_align_pads_each_expert_to_blocks():

@@ -30,6 +30,11 @@ SUPPORTED_ARCHITECTURES = {
     # q and k normed across all heads; 3 slides a window over three of each four layers
     "olmo2": {"olmo": True, "qk_norm": True},
     "olmo3": {"olmo": True, "qk_norm": True},
+    # OpenAI's GPT-OSS: a mixture of experts whose router and experts have biases and whose experts' activation is a
+    # clamped SwiGLU (``MoEConfig.swiglu``); attention sinks, an o_proj bias, a window over every other layer;
+    # RMSNorm weights multiplied before the one rounding (OLMo's rule)
+    "gpt_oss": {"moe": True, "attention_bias": True, "norm_topk_prob": True, "expert_width": "intermediate_size",
+                "gpt_oss": True},
 }
 # BERT-style encoders (``engine/models/bert.py``, ``modernbert.py``): bidirectional attention over the whole prompt,
 # no KV cache; they embed and classify (BERT, RoBERTa, XLM-R, MPNet, DistilBERT, ModernBERT: bge, e5, all-MiniLM,
@@ -101,6 +106,9 @@ class MoEConfig:
     renormalize: bool
     layers: frozenset[int]  # the layers whose MLP is sparse (Qwen's mlp_only_layers keep a dense one)
     shared_intermediate_size: int = 0  # 0: no shared expert
+    # GPT-OSS: (alpha, limit) of its experts' clamped SwiGLU (``kernels.reference.swiglu_oai``); its router and
+    # experts then have biases, and gate|up come interleaved in the checkpoint (None: SiLU, no biases)
+    swiglu: tuple[float, float] | None = None
 
     @classmethod
     def from_hf(cls, cfg: dict, model_type: str) -> MoEConfig:
@@ -120,7 +128,9 @@ class MoEConfig:
         return cls(experts, top_k, intermediate_size=width,
                    renormalize=bool(arch.get("norm_topk_prob", cfg.get("norm_topk_prob", False))), layers=layers,
                    shared_intermediate_size=arch.get("shared_expert") and cfg.get("shared_expert_intermediate_size")
-                   or 0)
+                   or 0,
+                   swiglu=(float(cfg.get("swiglu_alpha", 1.702)), float(cfg.get("swiglu_limit", 7.0)))
+                   if arch.get("gpt_oss") else None)
 
 
 # a LLaVA vision tower's defaults where its config leaves them out (transformers' CLIPVisionConfig and
@@ -253,6 +263,7 @@ class ModelConfig:
     # LM head's rows of these tokens; of two (["no", "yes"]), one label, the second's row less the first's
     score_tokens: tuple[str, ...] = ()
     encoder: EncoderConfig | None = None  # a BERT-style encoder (ENCODER_ARCHITECTURES): embeds, classifies
+    gpt_oss: bool = False  # GPT-OSS: attention sinks, an o_proj bias, float32 norm weights (SUPPORTED_ARCHITECTURES)
 
     def sparse(self, layer: int) -> bool:
         """Whether layer ``layer``'s MLP is the mixture of experts (else a dense one)."""
@@ -326,7 +337,12 @@ class ModelConfig:
                 scaling = _longrope(scaling, cfg, rotary_dim)
             elif kind == "yarn":
                 scaling = _yarn(scaling, cfg)
-        if arch.get("moe") and cfg.get("quantization_config"):
+        quant = cfg.get("quantization_config")
+        if isinstance(quant, dict) and str(quant.get("quant_method", "")).lower() == "mxfp4":
+            if not arch.get("gpt_oss"):
+                raise ValueError(f"MXFP4 checkpoints are read for GPT-OSS's experts only, not {model_type}'s")
+            quant = None  # GPT-OSS's experts, in MXFP4 blocks: widened to the model's dtype at load (engine.loader)
+        if arch.get("moe") and quant:
             raise ValueError(f"int4 (AWQ, GPTQ) checkpoints of a mixture of experts ({model_type}) are not supported "
                              f"yet: load its bf16 checkpoint, or a GGUF file")
         # as transformers reads it: Gemma 2 and 3 by hidden_activation alone; Gemma 1's "gelu" meant tanh's
@@ -367,7 +383,7 @@ class ModelConfig:
             qk_norm=arch.get("qk_norm", False),
             eos_token_ids=tuple(int(e) for e in eos),
             bos_token_id=cfg.get("bos_token_id"),
-            quant=QuantConfig.from_hf(cfg["quantization_config"]) if cfg.get("quantization_config") else None,
+            quant=QuantConfig.from_hf(quant) if quant else None,
             moe=MoEConfig.from_hf(cfg, model_type) if arch.get("moe") else None,
             sliding_window=window,
             window_layers=window_layers,
@@ -379,6 +395,7 @@ class ModelConfig:
             final_softcap=float(cfg.get("final_logit_softcapping") or 0.0),
             local_rope_theta=local_theta,
             olmo=arch.get("olmo", False),
+            gpt_oss=arch.get("gpt_oss", False),
             embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
             residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
             logits_scaling=float(cfg.get("logits_scaling", 1.0)),
@@ -537,7 +554,8 @@ def _sliding_window(cfg: dict, model_type: str) -> tuple[int | None, frozenset[i
         layers = frozenset(range(0, min(n, cfg.get("max_window_layers", 28)), 2))
     else:
         layers = None
-    on = cfg.get("use_sliding_window", model_type in ("mistral", "mixtral", "phi3", "gemma2", "gemma3_text", "olmo3"))
+    on = cfg.get("use_sliding_window", model_type in ("mistral", "mixtral", "phi3", "gemma2", "gemma3_text", "olmo3",
+                                                      "gpt_oss"))
     window = cfg.get("sliding_window")
     if not on or not window or window >= cfg.get("max_position_embeddings", 0):
         return None, layers

@@ -1,5 +1,6 @@
 """The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM, Phi-3, Gemma, Granite, OLMo) for paged attention,
-and its mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE: ``engine/models/moe.py``). Gemma's,
+and its mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS: ``engine/models/moe.py``; GPT-OSS's
+attention sinks and o_proj bias are flags of the config too). Gemma's,
 Granite's and OLMo's differences are flags of the config (Gemma's norms, GELU, embedding scale, score
 caps, RoPE base for the sliding layers; Granite's scales; OLMo's q/k norms across heads) and, in Gemma 2
 and 3 and in OLMo, a layer of their own (``GemmaDecoderLayer``, ``OlmoDecoderLayer``).
@@ -46,10 +47,12 @@ class LlamaAttention(nn.Module):
         r = kv_replicas(hkv, tp.size)  # ranks sharing each KV head (fewer KV heads than ranks)
         self.qkv_proj = ColumnLinear(cfg.hidden_size, [h * d, hkv * d, hkv * d], bias=cfg.attention_bias, tp=tp,
                                      replicas=[1, r, r])
-        self.o_proj = RowLinear(h * d, cfg.hidden_size, tp=tp)
+        self.o_proj = RowLinear(h * d, cfg.hidden_size, bias=cfg.gpt_oss, tp=tp)
         self.h, self.hkv, self.d = h // tp.size, hkv * r // tp.size, d  # this rank's heads
+        self.rank, self.rank_count = tp.rank, tp.size
         self.rot = cfg.rotary_dim or d  # RoPE's share of each head (Phi-4-mini: 96 of 128)
-        self.attn = Attention(self.h, self.hkv, self.d, cfg.attn_scale, cfg.window(index), cfg.attn_softcap)
+        self.attn = Attention(self.h, self.hkv, self.d, cfg.attn_scale, cfg.window(index), cfg.attn_softcap,
+                              sinks=cfg.gpt_oss)
         # Qwen3, Gemma 3: q and k normed per head before RoPE, by (D,) weights every head and so every rank shares;
         # OLMo: across all heads at once, each rank holding its heads' share of the weights (``_across``)
         self.across = cfg.olmo
@@ -78,6 +81,13 @@ class LlamaAttention(nn.Module):
         o = self.attn(q, k, v, meta)  # (T, H, D)
         return self.o_proj(o.reshape(t, self.h * self.d))
 
+    def load_sinks(self, w: torch.Tensor) -> None:
+        """GPT-OSS's attention sinks, one per query head: this rank's heads'."""
+        if w.shape != (self.h * self.rank_count,):
+            raise ValueError(f"self_attn.sinks must hold one value per query head ({self.h * self.rank_count}), "
+                             f"got shape {tuple(w.shape)}")
+        self.attn.sinks.copy_(w[self.rank * self.h:(self.rank + 1) * self.h])
+
     def _across(self, x: torch.Tensor, norm: RMSNorm, part: int, replicas: int) -> torch.Tensor:
         """OLMo's norm of every head's values at once; under tensor parallelism the ranks' sums of squares
         are added (a KV head kept by several ranks counted once), then each rank scales its own share."""
@@ -91,9 +101,9 @@ class LlamaAttention(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, index: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma > 0)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma > 0, cfg.gpt_oss)
         self.self_attn = LlamaAttention(cfg, tp, index)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma > 0)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma > 0, cfg.gpt_oss)
         self.mlp = SparseMoE(cfg, tp) if cfg.sparse(index) else GatedMLP(cfg.hidden_size, cfg.intermediate_size, tp,
                                                                           cfg.hidden_act)
         self.residual_multiplier = cfg.residual_multiplier
@@ -167,7 +177,7 @@ class LlamaForCausalLM(nn.Module):
         layer = GemmaDecoderLayer if cfg.gemma >= 2 else OlmoDecoderLayer if cfg.olmo else LlamaDecoderLayer
         self.layers = nn.ModuleList(layer(cfg, tp, i) for i in range(cfg.num_layers))
         self.local = [self.local_rotary is not None and cfg.sliding(i) for i in range(cfg.num_layers)]
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma > 0, cfg.olmo)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma > 0, cfg.olmo or cfg.gpt_oss)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tp,
                               tied=self.embed_tokens if cfg.tie_word_embeddings else None) if cfg.lm_head else None
         # a sequence classifier's head (every rank holds it whole: it is small, and rank 0 runs it)

@@ -1,5 +1,6 @@
-"""A mixture of experts' MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks each token's top-k
-experts and ``kernels.fused_moe`` runs them.
+"""A mixture of experts' MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS): a router picks each token's top-k
+experts and ``kernels.fused_moe`` runs them. GPT-OSS's router and experts have biases, and its experts'
+activation is a clamped SwiGLU (``MoEConfig.swiglu``).
 
 Under tensor parallelism every rank keeps a 1/T slice of every expert's width (its rows of gate and
 up, its columns of down), as ``GatedMLP`` splits its one width, so each rank computes a partial sum
@@ -7,6 +8,8 @@ for every token and one all-reduce adds them up; the router is replicated (every
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -19,18 +22,21 @@ from engine.parallel import TPGroup
 
 class Experts(nn.Module):
     """The experts' weights, stacked: ``w13`` (E, 2 I/T, H) each expert's gate|up rows of this rank,
-    ``w2`` (E, H, I/T) its columns of down."""
+    ``w2`` (E, H, I/T) its columns of down; with ``biases`` (GPT-OSS) ``b13`` (E, 2 I/T) gate|up's biases of
+    this rank and ``b2`` (E, H) down's, which rank 0 alone holds (the others' zeros: the all-reduce adds it once)."""
 
     PARTS = ("gate_proj", "up_proj", "down_proj")
     packed: str | None = None  # kept as a GGUF file's blocks (``pack``): gate|up's format
     packed_down: str | None = None  # ...and down's
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, tp: TPGroup):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, tp: TPGroup, biases: bool = False):
         super().__init__()
         assert intermediate % tp.size == 0
         self.tp, self.width = tp, intermediate // tp.size
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.width, hidden), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, self.width), requires_grad=False)
+        self.b13 = nn.Parameter(torch.empty(num_experts, 2 * self.width), requires_grad=False) if biases else None
+        self.b2 = nn.Parameter(torch.zeros(num_experts, hidden), requires_grad=False) if biases else None
 
     def pack(self, fmt: str, down: str | None = None) -> None:
         """Keep the weights as uint8 rows of blocks (``layers.Packable``'s form), gate|up's in ``fmt`` and
@@ -61,14 +67,28 @@ class Experts(nn.Module):
         else:
             self.w2[expert].copy_(tensor.narrow(-1, first, n))
 
+    def load_bias(self, part: int, tensor: torch.Tensor) -> None:
+        """Every expert's bias of part ``part`` (0 gate, 1 up: (E, I); 2 down: (E, H))."""
+        want = self.b13.shape[0], (self.width * self.tp.size if part < 2 else self.b2.shape[1])
+        if tuple(tensor.shape) != want:
+            raise ValueError(f"the experts' {self.PARTS[part]} biases must be {want} in this model's config, got a "
+                             f"tensor of shape {tuple(tensor.shape)}")
+        if part < 2:
+            self.b13[:, part * self.width:(part + 1) * self.width].copy_(
+                tensor.narrow(-1, self.tp.rank * self.width, self.width))
+        elif self.tp.rank == 0:
+            self.b2.copy_(tensor)
+
 
 class SparseMoE(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup):
         super().__init__()
         moe = cfg.moe
         self.tp, self.top_k, self.renormalize = tp, moe.top_k, moe.renormalize
-        self.gate = _Weight(moe.num_experts, cfg.hidden_size)  # the router, on every rank
-        self.experts = Experts(moe.num_experts, cfg.hidden_size, moe.intermediate_size, tp)
+        self.gate = _Weight(moe.num_experts, cfg.hidden_size, bias=moe.swiglu is not None)  # the router, every rank's
+        self.experts = Experts(moe.num_experts, cfg.hidden_size, moe.intermediate_size, tp, moe.swiglu is not None)
+        self.act = None if moe.swiglu is None else functools.partial(kernels.swiglu_oai, alpha=moe.swiglu[0],
+                                                                     limit=moe.swiglu[1])
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_intermediate_size:  # Qwen2-MoE: one more expert every token takes, gated by a sigmoid
             self.shared_expert = GatedMLP(cfg.hidden_size, moe.shared_intermediate_size, tp)
@@ -76,12 +96,17 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(T, hidden) -> (T, hidden)."""
-        probs = torch.softmax(kernels.linear(x, self.gate.weight).float(), dim=-1)  # (T, E)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)  # (T, K) each
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        logits = kernels.linear(x, self.gate.weight, self.gate.bias).float()  # (T, E)
+        if self.act is not None:  # GPT-OSS: the softmax of the top k logits (the renormalized softmax, computed so)
+            top, ids = torch.topk(logits, self.top_k, dim=-1)
+            weights = torch.softmax(top, dim=-1)
+        else:
+            weights, ids = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)  # (T, K) each
+            if self.renormalize:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
         e = self.experts
-        out = self.tp.all_reduce(kernels.fused_moe(x, e.w13, e.w2, weights, ids, e.packed, e.packed_down))
+        out = self.tp.all_reduce(kernels.fused_moe(x, e.w13, e.w2, weights, ids, e.packed, e.packed_down, e.b13, e.b2,
+                                                   self.act))
         if self.shared_expert is not None:
             gate = torch.sigmoid(kernels.linear(x, self.shared_expert_gate.weight))  # (T, 1)
             out = out + gate * self.shared_expert(x)
@@ -89,8 +114,9 @@ class SparseMoE(nn.Module):
 
 
 class _Weight(nn.Module):
-    """A bare (N, K) weight, replicated on every rank."""
+    """A bare (N, K) weight (and an (N,) bias), replicated on every rank."""
 
-    def __init__(self, n: int, k: int):
+    def __init__(self, n: int, k: int, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(n, k), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(n), requires_grad=False) if bias else None

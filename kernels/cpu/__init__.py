@@ -22,9 +22,9 @@ from kernels.reference import fused_moe as _reference_moe
 from kernels.reference import gelu_and_mul
 
 
-def fused_moe(x, w13, w2, topk_weights, topk_ids):
+def fused_moe(x, w13, w2, topk_weights, topk_ids, bias13=None, bias2=None, act=silu_and_mul):
     """The reference's, each expert's projections through ``linear`` (the C kernel for its few rows)."""
-    return _reference_moe(x, w13, w2, topk_weights, topk_ids, linear=linear)
+    return _reference_moe(x, w13, w2, topk_weights, topk_ids, linear=linear, bias13=bias13, bias2=bias2, act=act)
 
 
 __all__ = ["apply_rope_", "available", "decodes_in_c", "dequantize", "fused_add_rms_norm", "fused_moe", "gelu_and_mul",

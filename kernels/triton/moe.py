@@ -90,8 +90,11 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, pairs: torch.Tens
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
-    """x (T, H); w13 (E, 2I, H); w2 (E, H, I); topk_weights (T, K) float32; topk_ids (T, K) -> (T, H)."""
+              topk_ids: torch.Tensor, bias13: torch.Tensor | None = None, bias2: torch.Tensor | None = None,
+              act=silu_and_mul) -> torch.Tensor:
+    """x (T, H); w13 (E, 2I, H); w2 (E, H, I); topk_weights (T, K) float32; topk_ids (T, K) -> (T, H).
+    GPT-OSS's ``bias13`` (E, 2I), ``bias2`` (E, H) and ``act`` (the reference's ``swiglu_oai``): each pair's
+    bias rows gathered and added on the device (torch: no sync), as the reference adds them."""
     check_tensor("x", x, 2)
     check_tensor("w13", w13, 3)
     check_tensor("w2", w2, 3)
@@ -115,7 +118,16 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     pairs, experts, total = _align(topk_ids, e, block_m)
     gate_up = torch.empty(num_pairs, i2, dtype=x.dtype, device=x.device)
     _gemm(x, w13, gate_up, pairs, experts, total, num_pairs, k, block_m, None)
-    act = silu_and_mul(gate_up)  # (T K, I)
-    down = torch.empty(num_pairs, h, dtype=torch.float32, device=x.device)
-    _gemm(act, w2, down, pairs, experts, total, num_pairs, 1, block_m, topk_weights.reshape(-1).contiguous())
+    flat = topk_ids.reshape(-1).long()  # each pair's expert (pair p = token p // K, slot p % K)
+    if bias13 is not None:
+        gate_up += bias13[flat]
+    hidden = act(gate_up)  # (T K, I)
+    weights = topk_weights.reshape(-1).contiguous()
+    if bias2 is None:
+        down = torch.empty(num_pairs, h, dtype=torch.float32, device=x.device)
+        _gemm(hidden, w2, down, pairs, experts, total, num_pairs, 1, block_m, weights)
+    else:  # the bias joins the product before the weighting
+        down = torch.empty(num_pairs, h, dtype=x.dtype, device=x.device)
+        _gemm(hidden, w2, down, pairs, experts, total, num_pairs, 1, block_m, None)
+        down = (down + bias2[flat]).float() * weights[:, None]
     return down.view(t, k, h).sum(1).to(x.dtype)
