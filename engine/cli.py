@@ -275,20 +275,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="SO_SNDBUF of each client connection: bounds what a client that does not read "
                         "parks in the kernel (default: the kernel's autotuning)")
     t = s.add_argument_group("tool calling and reasoning")
-    t.add_argument("--tool-call-parser", choices=("auto", "hermes", "llama3_json", "mistral", "none"),
+    t.add_argument("--tool-call-parser", choices=("auto", "hermes", "llama3_json", "mistral", "openai", "none"),
                    default="auto",
                    help="how tool calls are read out of a chat answer when a request's tool_choice is 'auto': "
                         "hermes (<tool_call>{...}</tool_call>: Qwen2.5, Qwen3, Hermes), llama3_json (Llama 3.x), "
-                        "mistral ([TOOL_CALLS]...: Mistral, Mixtral), or none; auto reads it off the chat "
+                        "mistral ([TOOL_CALLS]...: Mistral, Mixtral), openai (GPT-OSS's harmony messages), or none; "
+                        "auto reads it off the chat "
                         "template, and a template that shows no tools "
                         "gets none (default: auto)")
     t.add_argument("--chat-template", default=None,
                    help="the chat template to use instead of the model's: a Jinja file, or the template itself "
                         "(as vLLM's flag; default: the model's)")
-    t.add_argument("--reasoning-parser", choices=("auto", "qwen3", "deepseek_r1", "none"), default="auto",
+    t.add_argument("--reasoning-parser", choices=("auto", "qwen3", "deepseek_r1", "openai_gptoss", "none"),
+                   default="auto",
                    help="split a thinking model's <think>...</think> off into reasoning_content (qwen3 and "
                         "deepseek_r1 are one rule: thinking from an opening <think> in the prompt or the answer "
-                        "to </think>); auto: wherever the chat template knows </think>; none: all is content "
+                        "to </think>), or GPT-OSS's analysis channel (openai_gptoss); auto: wherever the chat "
+                        "template knows </think>, or writes harmony's <|channel|>; none: all is content "
                         "(default: auto)")
     t.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM's command lines: tool_choice 'auto' is on here wherever a "

@@ -38,7 +38,7 @@ from typing import Any
 import orjson
 
 from engine.protocol import MAX_ADAPTER_NAME, Stats
-from frontends import anthropic, images, reasoning, tools
+from frontends import anthropic, harmony, images, reasoning, tools
 from frontends import openai_params as op
 from frontends.access_log import CallInfo
 from frontends.anthropic import MessagesFormat
@@ -122,8 +122,12 @@ class OpenAIApi:
         # the format tool_choice "auto" reads (frontends.tools); None: "auto" is refused
         self.tool_format = (tools.detect_format(template) if tool_call_parser == "auto"
                             else None if tool_call_parser == "none" else tool_call_parser)
+        # GPT-OSS's harmony answers read into thinking, content and calls (frontends.harmony)
+        self.harmony = (harmony.detect(template) if reasoning_parser == "auto" else reasoning_parser == "openai_gptoss"
+                        ) or self.tool_format == "openai"
         # whether <think>...</think> is split off into reasoning_content (frontends.reasoning)
-        self.thinking = reasoning.detect(template) if reasoning_parser == "auto" else reasoning_parser != "none"
+        self.thinking = not self.harmony and (reasoning.detect(template) if reasoning_parser == "auto"
+                                              else reasoning_parser != "none")
         self.sampling_defaults = sampling_defaults or {}  # the model's (engine.model_path.generation_defaults)
         self.max_tokens_cap = max_tokens_cap  # on every request's max_tokens (engine.model_path.max_tokens_cap)
         self.force_include_usage = force_include_usage  # every stream ends with its usage chunk
@@ -419,7 +423,8 @@ class OpenAIApi:
         self._require_engine()
         beam = beam_search_params(data, base, n, self.client.ready.eos_token_ids, forced_tools=tool_schema is not None)
         api_id = self._new_id(id_prefix)
-        skip = op.field(data, "skip_special_tokens", bool, True) and not (calls and calls.keeps_special_tokens)
+        skip = op.field(data, "skip_special_tokens", bool, True) and not (calls and calls.keeps_special_tokens) \
+            and not (self.harmony and not base.structured)  # (harmony's markers are special tokens)
         if beam is not None:
             gen = BeamGeneration(self.client, self.codec, api_id, [prompt], beam, base, priority, stop, deadline,
                                  cache_salt, self.metrics, arrival, skip_special_tokens=skip)
@@ -473,6 +478,8 @@ class OpenAIApi:
     def _answer(self, data: dict, prompt: list[int], base, calls: tools.ToolRequest | None):
         """What makes each choice's ``_Answer`` (None: its text is all content)."""
         include = op.field(data, "include_reasoning", bool, True)
+        if self.harmony and not base.structured:
+            return lambda: _Answer(None, None, include, harmony.HarmonyReader(calls))
         think = self.thinking and not base.structured  # held output cannot think
         if not (think or calls):
             return None
@@ -800,16 +807,23 @@ class _CompletionFormat(_SseFormat):
 
 class _Answer:
     """One choice's text as an assistant message, as it streams: thinking split off into
-    ``reasoning_content`` (``frontends.reasoning``), tool calls read out (``frontends.tools``)."""
+    ``reasoning_content`` (``frontends.reasoning``), tool calls read out (``frontends.tools``); or both
+    read out of GPT-OSS's harmony messages (``frontends.harmony``)."""
 
     def __init__(self, think: reasoning.ThinkSplitter | None, calls: tools.CallReader | None,
-                 include_reasoning: bool) -> None:
+                 include_reasoning: bool, harmony_reader: harmony.HarmonyReader | None = None) -> None:
         self.think, self.calls, self.include_reasoning = think, calls, include_reasoning
+        self.harmony = harmony_reader
         self.reasoning = self.content = ""
 
     def parts(self, text: str, finished: bool) -> list[tuple[str, Any]]:
         """What of ``text`` (and, once ``finished``, of what was held back) can be sent now, in the
         order the model wrote it: ("reasoning", text), ("text", content), ("call", a tool-call delta)."""
+        if self.harmony is not None:
+            out = self.harmony.feed(text) + (self.harmony.finish() if finished else [])
+            self.reasoning += "".join(v for k, v in out if k == "reasoning")
+            self.content += "".join(v for k, v in out if k == "text")
+            return [p for p in out if p[0] != "reasoning" or self.include_reasoning]
         thought, content = "", text
         if self.think is not None:
             thought, content = self.think.feed(text)
@@ -837,13 +851,15 @@ class _Answer:
         msg: dict = {"role": "assistant", "content": self.content}
         if self.reasoning and self.include_reasoning:
             msg["reasoning_content"] = self.reasoning
-        if self.calls is not None and self.calls.calls:
-            msg |= {"content": self.content or None, "tool_calls": self.calls.calls}
+        reader = self.calls if self.calls is not None else self.harmony
+        if reader is not None and reader.calls:
+            msg |= {"content": self.content or None, "tool_calls": reader.calls}
         return msg
 
     def finish_reason(self, reason: str | None) -> str | None:
         """"tool_calls" for an answer that called tools and ended of itself (a named function: "stop")."""
-        if self.calls is not None and self.calls.calls and reason == "stop" and self.calls.mode != "named":
+        reader = self.calls if self.calls is not None else self.harmony
+        if reader is not None and reader.calls and reason == "stop" and reader.mode != "named":
             return "tool_calls"
         return reason
 

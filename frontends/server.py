@@ -146,7 +146,7 @@ async def serve(args: FrontendArgs, ready: Callable[[], None] | None = None) -> 
         loop.add_signal_handler(sig, stop.set)
     log.info("frontend %s serving %s on %s:%d (tool calls: %s; thinking split off: %s)", args.frontend_id,
              args.served_model_name, args.host, args.port, api.tool_format or "only 'required' or named",
-             "yes" if api.thinking else "no")
+             "harmony's analysis channel" if api.harmony else "yes" if api.thinking else "no")
     if ready is not None:
         ready()
     try:

@@ -10,7 +10,8 @@ model. What comes back depends on ``tool_choice``:
   joined by ``;``, as Llama 3.1-3.3 write) or ``mistral`` (``[TOOL_CALLS]`` and then a JSON array of
   ``{"name": ..., "arguments": {...}}``, as Mistral 7B v0.3, Nemo and Small 3 write, or ``name[ARGS]{...}``
   once per call, as their later tokenizers have it; ``[TOOL_CALLS]`` is a special token, so such a
-  chat's text is decoded with its special tokens). Which one: ``--tool-call-parser``, by default read
+  chat's text is decoded with its special tokens) or ``openai`` (GPT-OSS's harmony format, read with
+  its thinking by ``frontends.harmony``). Which one: ``--tool-call-parser``, by default read
   off the chat template (``detect_format``). A template that shows no tools has no format: then
   "auto" is a 400, as in vLLM without a parser, since the model would never see the tools.
 - ``"required"``: the output is held (structured output, ``engine.json_schema``) to a JSON array
@@ -39,7 +40,7 @@ import orjson
 from frontends.errors import ApiError
 from frontends.text import partial_suffix
 
-FORMATS = ("hermes", "llama3_json", "mistral")
+FORMATS = ("hermes", "llama3_json", "mistral", "openai")
 MAX_TOOLS = 128
 MAX_REQUIRED_TOOLS = 16  # "required" holds the output to one of these: more than the grammar tells apart at once
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -50,6 +51,8 @@ _ID_CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
 
 def detect_format(chat_template: str | None) -> str | None:
     """The call format a chat template teaches its model, or None where it shows no tools."""
+    if chat_template and "<|channel|>" in chat_template and "<|message|>" in chat_template:
+        return "openai"  # GPT-OSS's harmony format (frontends.harmony reads its calls)
     if not chat_template or "tools" not in chat_template:
         return None
     if _MISTRAL_CALLS in chat_template:
@@ -171,7 +174,7 @@ def template_tool_calls(calls: Any, i: int) -> list[dict]:
     return out
 
 
-def _call(name: str, arguments: str, fmt: str | None = None) -> dict:
+def new_call(name: str, arguments: str, fmt: str | None = None) -> dict:
     """A call, with an id as OpenAI's look; in the mistral format 9 letters or digits, the only ids
     Mistral's chat templates take back in the conversation that follows."""
     if fmt == "mistral":
@@ -196,7 +199,7 @@ def _finite(text: str) -> float:
 _DECODER = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite)
 
 
-def _json_values(text: str) -> list[tuple[Any, int]] | None:
+def json_values(text: str) -> list[tuple[Any, int]] | None:
     """``text`` as JSON values joined by ``;`` or whitespace (Llama 3's parallel calls), each with
     where it ends; None if it is not that."""
     values, i = [], 0
@@ -242,7 +245,7 @@ class CallReader:
             if self.calls:
                 self.calls[0]["function"]["arguments"] += text
                 return [("call", {"index": 0, "function": {"arguments": text}})]
-            self.calls.append(_call(self.req.name, text, self.req.fmt))
+            self.calls.append(new_call(self.req.name, text, self.req.fmt))
             return [("call", {"index": 0, **self.calls[0], "function": dict(self.calls[0]["function"])})]
         self._held += text
         if self.mode == "hermes":
@@ -264,7 +267,7 @@ class CallReader:
         held, self._held = self._held, ""
         if self.mode == "mistral":
             return self._mistral(held)
-        values = _json_values(held) if self.mode in ("required", "llama3_json") and held else None
+        values = json_values(held) if self.mode in ("required", "llama3_json") and held else None
         if not values:
             return self._text(held)
         if self.mode == "required":  # one array of {"name", "parameters"}
@@ -287,7 +290,7 @@ class CallReader:
             return self._text(held)
         body = held[len(_MISTRAL_CALLS):]
         if body.lstrip().startswith("["):  # one JSON array
-            values = _json_values(body)
+            values = json_values(body)
             items = values[0][0] if values and len(values) == 1 and isinstance(values[0][0], list) else []
             calls = [self._as_call({"arguments": {}, **item} if isinstance(item, dict) else item, "arguments")
                      for item in items]
@@ -380,7 +383,7 @@ class CallReader:
         return inside
 
     def _hermes_call(self, body: str) -> dict | None:
-        values = _json_values(body)
+        values = json_values(body)
         return self._as_call(values[0][0], "arguments") if values and len(values) == 1 else None
 
     def _as_call(self, obj: Any, args_key: str) -> dict | None:
@@ -393,7 +396,7 @@ class CallReader:
             arguments.encode()  # a lone surrogate (an escape the model wrote) has no UTF-8
         except (RecursionError, ValueError):  # (UnicodeEncodeError is one)
             return None
-        return _call(obj["name"], arguments, self.req.fmt)
+        return new_call(obj["name"], arguments, self.req.fmt)
 
     def _text(self, text: str) -> list[Segment]:
         """Text as content; at the start and after a call, whitespace waits to see whether words or
