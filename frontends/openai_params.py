@@ -192,7 +192,8 @@ _ROLES = ("system", "developer", "user", "assistant", "tool")
 def parse_messages(data: dict, max_chars: int | None = None) -> list[dict[str, Any]]:
     """Chat messages: their text, a user's images (``images``: their URLs, in order, and ``parts``: the text and
     images in order, for the chat template; ``frontends.images``), an
-    assistant's ``tool_calls`` and a tool's ``tool_call_id`` kept (``frontends.tools``); with ``max_chars``,
+    assistant's ``tool_calls`` and a tool's ``tool_call_id`` kept (``frontends.tools``), an assistant's
+    ``reasoning_content`` (or ``reasoning``) as ``reasoning_content`` and ``thinking``; with ``max_chars``,
     their texts (and calls) together must fit in it."""
     msgs = field(data, "messages", list)
     if not msgs:
@@ -236,6 +237,10 @@ def parse_messages(data: dict, max_chars: int | None = None) -> list[dict[str, A
         msg = {"role": "system" if role == "developer" else role, "content": content}
         if images:
             msg |= {"images": images, "parts": parts}
+        thought = m.get("reasoning_content", m.get("reasoning")) if role == "assistant" else None
+        if isinstance(thought, str) and thought:  # an earlier answer's thinking, sent back: as templates read it
+            msg |= {"reasoning_content": thought, "thinking": thought}  # (Qwen3's name; GPT-OSS's)
+            size += len(thought)
         if role == "assistant" and m.get("tool_calls"):
             msg["tool_calls"] = tools.template_tool_calls(m["tool_calls"], i)
             size += sum(len(c["function"]["arguments"]) for c in m["tool_calls"])

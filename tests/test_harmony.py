@@ -186,3 +186,34 @@ def test_served_completions_and_held_output_are_not_read(port):
     assert r.choices[0].text == "assistantfinalIt is sunny in Paris."
     held = chat(port, FINAL + "<|return|>", response_format={"type": "json_object"}).choices[0].message
     assert held.content == "assistantfinalIt is sunny in Paris." and "reasoning_content" not in (held.model_extra or {})
+
+
+def test_an_earlier_answers_thinking_goes_back_to_the_template():
+    """GPT-OSS's template writes an earlier call's thinking back from ``thinking`` (Qwen3's from
+    ``reasoning_content``): a client sends it as ``reasoning_content`` (or ``reasoning``), as it got it."""
+    from frontends.openai_params import parse_messages
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    msgs = parse_messages({"messages": [{"role": "user", "content": "Weather?"},
+                                        {"role": "assistant", "content": None, "reasoning_content": "Look it up.",
+                                         "tool_calls": [call]},
+                                        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+                                        {"role": "assistant", "content": "Sunny.", "reasoning": "Say it."}]})
+    assert (msgs[1]["thinking"], msgs[1]["reasoning_content"], msgs[3]["thinking"]) == ("Look it up.", "Look it up.",
+                                                                                        "Say it.")
+    assert "thinking" not in msgs[0] and "thinking" not in msgs[2]
+
+
+def test_websocket_deltas_are_the_raw_text_and_done_the_message(port):
+    from websockets.sync.client import connect
+
+    with connect(f"ws://127.0.0.1:{port}/v1/stream", additional_headers={"Authorization": f"Bearer {KEY}"}) as ws:
+        ws.send(json.dumps({"type": "chat", "id": "t", "messages": [{"role": "user", "content": THINK + CALL + "<|call|>"}],
+                            "tools": TOOLS, "max_tokens": 200, "stop_token_ids": [7, 8]}))
+        text = ""
+        while (msg := json.loads(ws.recv()))["type"] == "delta":
+            text += msg["text"]
+    assert text == THINK + CALL and msg["type"] == "done" and msg["finish_reason"] == "tool_calls"
+    assert msg["message"]["reasoning_content"] == "The user asks the weather. Call it."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["message"]["tool_calls"]] == [
+        ("get_weather", {"city": "Paris"})]

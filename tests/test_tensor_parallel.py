@@ -87,6 +87,7 @@ def assert_close_logprobs(got, want) -> None:
     ("granite", 6, 2, 2, 49152),  # sublayer outputs scaled after their all-reduce, logits after the gather
     ("olmo2", 6, 2, 2, 49152),  # q/k norms across all heads: the ranks' sums of squares added
     ("olmo3", 6, 1, 2, 49152),  # ...the KV head kept by both ranks counted once
+    ("gpt_oss", 6, 2, 2, 49152),  # each rank's heads' sinks, its share of the experts' biases; down's bias once
 ])
 def test_tp_greedy_equals_tp1(tmp_path, smollm_tokenizer_dir, tokenizer, arch, heads, kv_heads, t, vocab):
     path = tiny(tmp_path, smollm_tokenizer_dir, arch, heads, kv_heads, vocab_size=vocab)
@@ -99,7 +100,7 @@ def test_tp_greedy_equals_tp1(tmp_path, smollm_tokenizer_dir, tokenizer, arch, h
         runner = llm.engine.runner
         assert (runner.tp.rank, runner.tp.size) == (0, t)
         assert runner.kv_cache.shape[4] == max(1, kv_heads // t)  # this rank's slice of the cache
-        assert bool(runner.window_layers) == arch.startswith("gemma")  # sliding layers: their own pool
+        assert bool(runner.window_layers) == arch.startswith(("gemma", "gpt_oss"))  # sliding layers: own pool
         assert torch.get_num_threads() == max(1, threads // t)
         procs = workers_of(llm)
         assert len(procs) == t - 1 and all(p.is_alive() for p in procs)

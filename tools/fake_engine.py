@@ -238,18 +238,18 @@ class FakeEngine(threading.Thread):
                           num_cached_tokens=cached if produced == 0 else 0,
                           stop_reason=None if timed_out or not p.structured else "its grammar cost too much"))
                 continue
-            toks, lps, finish = [], [], None
+            toks, lps, finish, stop_reason = [], [], None, None
             for _ in range(self.tokens_per_step):
                 t = prompt[(produced + len(toks)) % len(prompt)]
                 toks.append(t)
                 lps.append([-0.5, [[t, -0.5], [(t + 1) % VOCAB, -1.5]][: max(p.logprobs or 0, 1)]])
                 if t in p.stop_token_ids:
-                    finish = "stop"
+                    finish, stop_reason = "stop", t  # (the stop token's id, as the engine says it)
                     break
                 if produced + len(toks) >= p.max_tokens:
                     finish = "length"
                     break
-            d = Delta(rid, toks, finish, lps if p.logprobs is not None else None)
+            d = Delta(rid, toks, finish, lps if p.logprobs is not None else None, stop_reason=stop_reason)
             if produced == 0:
                 d.num_prompt_tokens, d.num_cached_tokens = len(prompt), cached
                 if p.prompt_logprobs is not None:

@@ -1,6 +1,6 @@
 """Random-weight model folders in the shapes of real models, so that a machine without network or model
 hub can load, run and benchmark them: a transformers config (SmolLM2-135M's or 1.7B's, Qwen2-0.5B's, Qwen3-0.6B's or
-Gemma-3-270M's, a scaled-down Qwen3-30B-A3B's, the encoder bge-small-en-v1.5's, or any size), safetensors weights as transformers initialises them, and a byte-level BPE tokenizer over the
+Gemma-3-270M's, a scaled-down Qwen3-30B-A3B's or gpt-oss-20b's, the encoder bge-small-en-v1.5's, or any size), safetensors weights as transformers initialises them, and a byte-level BPE tokenizer over the
 whole vocabulary (ids 0, 1, 2 are unk, bos and eos), so that no tokenizer is downloaded either.
 
     python3 tools/random_model.py smollm2-135m /tmp/smollm2 [--dtype bfloat16]
@@ -39,6 +39,12 @@ SHAPES = {
                                          num_experts=64, num_experts_per_tok=8, moe_intermediate_size=384,
                                          norm_topk_prob=True, vocab_size=151936, max_position_embeddings=40960,
                                          rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)),
+    # gpt-oss-20b scaled down to run on a CPU (24 layers -> 6, hidden 2880 -> 1440, 64 heads -> 32, experts 2880 ->
+    # 720 wide), its 32 experts, 4 a token, window of 128 over every other layer, sinks, YaRN and vocabulary kept
+    "gpt-oss-tiny": ("gpt_oss", dict(hidden_size=1440, intermediate_size=720, num_hidden_layers=6,
+                                     num_attention_heads=32, num_key_value_heads=4, head_dim=64, num_local_experts=32,
+                                     num_experts_per_tok=4, vocab_size=201088, sliding_window=128,
+                                     max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False)),
     # Gemma 3 270M: a sliding window of 512 in five layers of each six, GELU, 256-wide heads, a 262k vocabulary
     "gemma3-270m": ("gemma3_text", dict(hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
                                         num_attention_heads=4, num_key_value_heads=1, head_dim=256,
@@ -77,14 +83,14 @@ def save_tokenizer(out_dir: str, vocab_size: int) -> None:
 
 def build(out_dir: str, arch: str = "llama", dtype: torch.dtype = torch.bfloat16, seed: int = 0,
           **config) -> str:
-    """Save a random ``arch`` ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "bert") model with these config values in
+    """Save a random ``arch`` ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gpt_oss", "bert") model with these config values in
     ``out_dir``. ``initializer_range`` (transformers' 0.02 by default) is the weights' standard deviation."""
     import transformers
     from transformers import AutoModel, AutoModelForCausalLM
 
     cfg_cls = getattr(transformers, {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
                                      "qwen3_moe": "Qwen3MoeConfig", "gemma3_text": "Gemma3TextConfig",
-                                     "bert": "BertConfig"}[arch])
+                                     "gpt_oss": "GptOssConfig", "bert": "BertConfig"}[arch])
     torch.manual_seed(seed)
     cfg = cfg_cls(bos_token_id=BOS, eos_token_id=EOS, **config)
     model = (AutoModel if arch == "bert" else AutoModelForCausalLM).from_config(cfg, dtype=dtype)
