@@ -47,13 +47,20 @@ class HarmonyReader:
 
     mode = "harmony"
 
-    def __init__(self, tools: ToolRequest | None) -> None:
+    def __init__(self, tools: ToolRequest | None, prompt_tail: str = "") -> None:
+        """``prompt_tail``: the prompt's last characters, special tokens kept: where it ends in a header
+        (``...<|channel|>analysis<|message|>``, a template that opens the answer's first message), the answer
+        begins in that message's body."""
         self.tools = tools if tools is not None and tools.mode == "auto" else None
         self.calls: list[dict] = []
         self._held = ""
         self._header: str | None = ""  # the message header read so far; None: inside a body
         self._channel, self._recipient = "", None
         self._args = ""  # a call's body, read whole before it is let out
+        if prompt_tail.endswith(MESSAGE):
+            at = max(prompt_tail.rfind(m) for m in _OPENS)
+            if at >= 0:
+                self._read_header([], prompt_tail[at:])
 
     def feed(self, text: str) -> list[Segment]:
         self._held += text
@@ -77,9 +84,10 @@ class HarmonyReader:
         self._header = ""
         return out
 
-    def _read_header(self, out: list[Segment]) -> bool:
-        """Take a header up to <|message|>, or text that is none; False while it needs more."""
-        text, self._header, self._held = self._header + self._held, "", ""
+    def _read_header(self, out: list[Segment], text: str | None = None) -> bool:
+        """Take a header up to <|message|>, or text that is none; False while it needs more. ``text``: this
+        instead of what was held (the prompt's tail)."""
+        text, self._header, self._held = self._header + self._held if text is None else text, "", ""
         if not text.startswith(_OPENS):
             if any(m.startswith(text) for m in _OPENS):  # a marker's first characters: wait
                 self._header = text

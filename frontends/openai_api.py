@@ -479,7 +479,8 @@ class OpenAIApi:
         """What makes each choice's ``_Answer`` (None: its text is all content)."""
         include = op.field(data, "include_reasoning", bool, True)
         if self.harmony and not base.structured:
-            return lambda: _Answer(None, None, include, harmony.HarmonyReader(calls))
+            tail = self.codec.decode(prompt[-16:], skip_special_tokens=False)
+            return lambda: _Answer(None, None, include, harmony.HarmonyReader(calls, tail))
         think = self.thinking and not base.structured  # held output cannot think
         if not (think or calls):
             return None

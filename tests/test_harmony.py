@@ -67,6 +67,19 @@ def test_thinking_and_answer_in_any_pieces(text, reasoning, content):
         assert got[:3] == (reasoning, content, []), pieces
 
 
+def test_an_answer_whose_first_header_ends_the_prompt_begins_in_that_message():
+    assert read_after("<|start|>user<|message|>Hi<|end|><|start|>assistant<|channel|>analysis<|message|>",
+                      "Hmm.<|end|>" + FINAL) == ("Hmm.", "It is sunny in Paris.")
+    assert read_after("<|start|>assistant<|channel|>final<|message|>", "Sunny.") == ("", "Sunny.")
+    assert read_after("<|start|>assistant", "<|channel|>final<|message|>Sunny.") == ("", "Sunny.")
+
+
+def read_after(tail: str, text: str) -> tuple[str, str]:
+    reader = HarmonyReader(None, tail)
+    segments = reader.feed(text) + reader.finish()
+    return "".join(v for k, v in segments if k == "reasoning"), "".join(v for k, v in segments if k == "text")
+
+
 def test_a_call_of_a_requested_tool_is_read_after_its_thinking():
     for pieces in splits(THINK + CALL):
         reasoning, content, calls, reader = read(pieces, auto())
