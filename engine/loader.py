@@ -88,6 +88,8 @@ def build_model(path: str, cfg: ModelConfig, max_positions: int, dtype: torch.dt
         weights = _gguf_weights(path, cfg, _gguf_packing(path, model, device, tp))
     else:
         weights = _safetensors_weights(path)
+        if cfg.gpt_oss:
+            _mxfp4_packing(model, _safetensors_index(path), device, tp)
         if cfg.quant is not None:
             index = _safetensors_index(path)
             packed = _quant_packing(model, cfg.quant, index, device, dtype)
@@ -152,7 +154,10 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
     with torch.no_grad():
         for name, w in weights:
             if model.cfg.gpt_oss and (m := _GPT_OSS.fullmatch(name)):
-                seen |= _load_gpt_oss(model, m, w, mxfp4)
+                got = _load_gpt_oss(model, m, w, mxfp4)
+                if got & seen:  # (a bf16 tensor and MXFP4 blocks of one weight, say)
+                    raise ValueError(f"{min(got & seen)} is held twice in the checkpoint")
+                seen |= got
                 continue
             if model.vision is not None and model.vision.load(name, w):
                 continue
@@ -301,22 +306,58 @@ def _load_gpt_oss(model: LlamaForCausalLM, m: re.Match, w: torch.Tensor, mxfp4: 
             mxfp4[name] = w
             return set()
         blocks, scales = (w, mxfp4.pop(other)) if kind == "_blocks" else (mxfp4.pop(other), w)
+        name = name[:-len(kind)]
+        count = experts.w13.shape[0]
+        if blocks.dim() != 4 or blocks.shape[0] != count or blocks.shape[-1] != 16 or blocks.shape[:-1] != scales.shape \
+                or blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+            raise ValueError(f"{name}_blocks and _scales must be uint8 ({count}, N, G, 16) and ({count}, N, G) in "
+                             f"this model's config, got {tuple(blocks.shape)} {blocks.dtype} and "
+                             f"{tuple(scales.shape)} {scales.dtype}")
         # an expert at a time: a whole layer's values in floats would be GBs (gpt-oss-20b: 32 x 5760 x 2880)
-        for e in range(blocks.shape[0]):
-            _load_gpt_oss_expert(experts, e, part, quant.mxfp4_to_float(blocks[e], scales[e], experts.w13.dtype))
-        return {f"model.layers.{m[1]}.mlp.experts.{part}"}
+        for e in range(count):
+            rows = quant.mxfp4_to_packed(blocks[e], scales[e]) if experts.packed == "mxfp4" \
+                else quant.mxfp4_to_float(blocks[e], scales[e], experts.w13.dtype)
+            _load_gpt_oss_expert(experts, e, part, rows, name)
+        return {name}
+    if experts.packed is not None:  # (packed: this layer's MXFP4 blocks are in the checkpoint too)
+        raise ValueError(f"{name} is held twice in the checkpoint: in floats, and as MXFP4 ({name}_blocks)")
+    if w.dim() != 3 or w.shape[0] != experts.w13.shape[0]:
+        raise ValueError(f"{name} must hold {experts.w13.shape[0]} experts' weights (E, K, N), got {tuple(w.shape)}")
     for e in range(w.shape[0]):
-        _load_gpt_oss_expert(experts, e, part, w[e].t())
+        _load_gpt_oss_expert(experts, e, part, w[e].t(), name)
     return {name}
 
 
-def _load_gpt_oss_expert(experts: Experts, e: int, part: str, w: torch.Tensor) -> None:
-    """Expert ``e``'s gate_up_proj (2I, H), its rows interleaved, or down_proj (H, I), outputs first."""
-    if part == "gate_up_proj":
-        experts.load(e, 0, w[0::2])
-        experts.load(e, 1, w[1::2])
-    else:
-        experts.load(e, 2, w)
+def _mxfp4_packing(model: LlamaForCausalLM, index: dict[str, tuple[str, str]], device: torch.device,
+                   tp: TPGroup | None) -> None:
+    """Keep GPT-OSS's MXFP4 experts so on the CPU (on one rank), where the C kernel multiplies ggml's MXFP4 blocks
+    as they are: gpt-oss-20b's experts in 12 GB, not 36 in bf16. Elsewhere (CUDA, tensor parallel,
+    ``TOKENMILL_CPU_LINEAR_ROWS=0``) they are widened at load."""
+    from kernels.cpu import matmul
+
+    layers = [layer.mlp.experts for i, layer in enumerate(model.layers)
+              if f"model.layers.{i}.mlp.experts.gate_up_proj_blocks" in index]
+    if not layers or device.type != "cpu" or (tp is not None and tp.size > 1) or kernels.backend() != "auto" \
+            or not matmul.keep_packed():
+        if layers:
+            log.info("MXFP4: the experts of %d layers widened to the model's dtype at load", len(layers))
+        return
+    for experts in layers:
+        experts.pack("mxfp4")
+    log.info("MXFP4: the experts of %d layers kept packed (4.25 bits a weight)", len(layers))
+
+
+def _load_gpt_oss_expert(experts: Experts, e: int, part: str, w: torch.Tensor, name: str) -> None:
+    """Expert ``e``'s gate_up_proj (2I, H), its rows interleaved, or down_proj (H, I), outputs first (packed: their
+    rows of blocks)."""
+    try:
+        if part == "gate_up_proj":
+            experts.load(e, 0, w[0::2])
+            experts.load(e, 1, w[1::2])
+        else:
+            experts.load(e, 2, w)
+    except (ValueError, RuntimeError) as err:  # (a wrong width, rows or packed bytes)
+        raise ValueError(f"{name}, expert {e}: {err}") from None
 
 
 def _expected_names(cfg: ModelConfig) -> set[str]:

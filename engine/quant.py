@@ -19,7 +19,8 @@ Triton's packed kernels. Act-order GPTQ's groups are scattered over the columns:
 kept sorted by group (``permutation``), and the layer gathers its input in that order. Any other
 (groups of 16, act-order split over tensor-parallel ranks) is expanded to floats at load.
 
-GPT-OSS's experts come in MXFP4 (``mxfp4_to_float``), widened to the model's dtype at load.
+GPT-OSS's experts come in MXFP4: on the CPU kept so (``mxfp4_to_packed``, 4.25 bits a weight), elsewhere widened
+to the model's dtype at load (``mxfp4_to_float``).
 """
 
 from __future__ import annotations
@@ -46,6 +47,14 @@ def mxfp4_to_float(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtyp
     values = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)  # (..., G, 16, 2)
     values = torch.ldexp(values.flatten(-2), scales.to(torch.int32)[..., None] - 127)  # (..., G, 32)
     return values.flatten(-2).to(dtype)
+
+
+def mxfp4_to_packed(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The same MXFP4 weight as rows of ggml's blocks (``kernels.reference.PACKED_BLOCKS["mxfp4"]``: the scale
+    byte, then value j in the low half of byte j and value j + 16 in its high half), which the CPU's packed kernel
+    multiplies as they are: (..., N, G, 16), (..., N, G) -> (..., N, 17 G) uint8, the same values."""
+    values = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2)  # (..., G, 32), in order
+    return torch.cat([scales[..., None], values[..., :16] | values[..., 16:] << 4], dim=-1).flatten(-2)
 
 FORMAT = "q4_z"  # the packed format a quantized layer is kept in
 PARTS = ("qweight", "qzeros", "scales", "g_idx")

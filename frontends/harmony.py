@@ -12,7 +12,7 @@ text is decoded with them kept (``keeps_special_tokens``), and ``HarmonyReader``
 - the final channel's, and a commentary one without a recipient (a preamble shown to the user), to ``content``;
 - a body addressed to ``functions.NAME`` of the request's tools, whose text is a JSON object, is a tool call
   (finish_reason "tool_calls"); any other (a built-in tool's, an unknown function's, arguments that are not an
-  object: a call cut short by ``max_tokens``) stays content, so nothing the model wrote is lost;
+  object: a call cut short by ``max_tokens``) stays content with its header, so nothing the model wrote is lost;
 - text that is not a harmony message (a model that strays from the format) is content too.
 
 On by default where the chat template writes ``<|channel|>`` (``detect``), or with ``--reasoning-parser
@@ -56,11 +56,13 @@ class HarmonyReader:
         self._held = ""
         self._header: str | None = ""  # the message header read so far; None: inside a body
         self._channel, self._recipient = "", None
+        self._raw = ""  # a call's header as written: content, with its body, if the call is not taken
         self._args = ""  # a call's body, read whole before it is let out
-        if prompt_tail.endswith(MESSAGE):
-            at = max(prompt_tail.rfind(m) for m in _OPENS)
+        if prompt_tail.endswith(MESSAGE):  # (the header from its <|start|>: the recipient may come first)
+            at = prompt_tail.rfind(START) if START in prompt_tail else prompt_tail.rfind(CHANNEL)
             if at >= 0:
                 self._read_header([], prompt_tail[at:])
+                self._raw = ""  # (the prompt's: not the answer's to give back)
 
     def feed(self, text: str) -> list[Segment]:
         self._held += text
@@ -99,16 +101,17 @@ class HarmonyReader:
             self._held = text[cut:]
             return True
         at = text.find(MESSAGE)
+        if at > _HEADER_LIMIT or at < 0 and len(text) > _HEADER_LIMIT:  # no header ends so late: text
+            out.append(("text", text[:at] if at >= 0 else text))
+            self._held = text[at:] if at >= 0 else ""
+            return at >= 0
         if at < 0:
-            if len(text) > _HEADER_LIMIT:
-                out.append(("text", text))  # no header ends so late: text
-            else:
-                self._header = text
+            self._header = text
             return False
         header, self._held = text[:at], text[at + len(MESSAGE):]
         channel, recipient = _CHANNEL.search(header), _RECIPIENT.search(header)
         self._channel, self._recipient = (channel[1] if channel else ""), (recipient[1] if recipient else None)
-        self._header, self._args = None, ""
+        self._header, self._args, self._raw = None, "", header + MESSAGE
         return True
 
     def _read_body(self, out: list[Segment]) -> bool:
@@ -147,7 +150,7 @@ class HarmonyReader:
             call = new_call(name, self._args.strip())
             self.calls.append(call)
             out.append(("call", {"index": len(self.calls) - 1, **call, "function": dict(call["function"])}))
-        elif self._args:
-            out.append(("text", self._args))
-        self._recipient, self._args = None, ""
+        elif self._raw + self._args:  # no call taken: what the model wrote, its header too
+            out.append(("text", self._raw + self._args))
+        self._recipient, self._args, self._raw = None, "", ""
 

@@ -119,12 +119,13 @@ class OpenAIApi:
         self._id_prefix = os.urandom(4).hex()
         self.created = int(time.time())
         template = codec.chat_template if codec is not None else None
-        # the format tool_choice "auto" reads (frontends.tools); None: "auto" is refused
-        self.tool_format = (tools.detect_format(template) if tool_call_parser == "auto"
-                            else None if tool_call_parser == "none" else tool_call_parser)
         # GPT-OSS's harmony answers read into thinking, content and calls (frontends.harmony)
         self.harmony = (harmony.detect(template) if reasoning_parser == "auto" else reasoning_parser == "openai_gptoss"
-                        ) or self.tool_format == "openai"
+                        ) or tool_call_parser == "openai"
+        # the format tool_choice "auto" reads (frontends.tools); None: "auto" is refused
+        fmt = (tools.detect_format(template) if tool_call_parser == "auto"
+               else None if tool_call_parser == "none" else tool_call_parser)
+        self.tool_format = None if fmt == "openai" and not self.harmony else fmt  # (harmony's calls: with its messages)
         # whether <think>...</think> is split off into reasoning_content (frontends.reasoning)
         self.thinking = not self.harmony and (reasoning.detect(template) if reasoning_parser == "auto"
                                               else reasoning_parser != "none")
@@ -479,7 +480,7 @@ class OpenAIApi:
         """What makes each choice's ``_Answer`` (None: its text is all content)."""
         include = op.field(data, "include_reasoning", bool, True)
         if self.harmony and not base.structured:
-            tail = self.codec.decode(prompt[-16:], skip_special_tokens=False)
+            tail = self.codec.decode(prompt[-32:], skip_special_tokens=False)
             return lambda: _Answer(None, None, include, harmony.HarmonyReader(calls, tail))
         think = self.thinking and not base.structured  # held output cannot think
         if not (think or calls):

@@ -247,12 +247,15 @@ def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
 # minimum m; Q5_0 and Q5_1 then the weights' fifth bits (32, little-endian); then the weights: 4-bit
 # (weight j in the low half of byte j, weight j + 16 in its high half) or signed 8-bit. K-quants: super-blocks
 # of 256 in sub-blocks of 32 (Q2_K, Q3_K, Q6_K: 16) with scales of their own (``_k_quants``). IQ4_NL is
-# Q4_0's layout with its 4 bits an index into ``IQ4_LEVELS``; IQ4_XS super-blocks of those (``_k_quants``).
+# Q4_0's layout with its 4 bits an index into ``IQ4_LEVELS``; IQ4_XS super-blocks of those (``_k_quants``). MXFP4
+# (GPT-OSS's experts, as ggml lays it out): a byte e, then IQ4_NL's nibbles, each an index into ``MXFP4_LEVELS``,
+# the weight 2^(e - 128) MXFP4_LEVELS[q] (FP4 E2M1's values doubled).
 PACKED_BLOCKS = {"q4_0": (32, 18), "q4_1": (32, 20), "q8_0": (32, 34), "q4_z": (32, 20), "q5_0": (32, 22),
                  "q5_1": (32, 24), "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210), "q2_k": (256, 84),
-                 "q3_k": (256, 110), "iq4_nl": (32, 18), "iq4_xs": (256, 136)}
+                 "q3_k": (256, 110), "iq4_nl": (32, 18), "iq4_xs": (256, 136), "mxfp4": (32, 17)}
 # IQ4_NL's and IQ4_XS's 16 levels (llama.cpp's kvalues_iq4nl): a 4-bit weight q is d * IQ4_LEVELS[q]
 IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+MXFP4_LEVELS = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 # each format's number in the packed kernels (matmul.c's enum, the Triton kernel's FMT): their order above
 PACKED_FORMATS = {fmt: i for i, fmt in enumerate(PACKED_BLOCKS)}
 
@@ -284,13 +287,18 @@ def _bits(b: torch.Tensor, count: int) -> torch.Tensor:
 def dequantize(weight: torch.Tensor, fmt: str) -> torch.Tensor:
     """Packed (N, K / block weights * block bytes) uint8 rows -> float32 (N, K), each format as gguf's
     ``dequantize`` computes it: Q4_0 d (q - 8), Q5_0 d (q - 16), Q4_1 and Q5_1 d q + m, Q8_0 d q, IQ4_NL
-    d IQ4_LEVELS[q] (the products are exact; a sum is rounded once); the super-blocks in ``_k_quants``. Q4_Z (not GGUF's: AWQ's
+    d IQ4_LEVELS[q], MXFP4 2^(e - 128) MXFP4_LEVELS[q] (the products are exact; a sum is rounded once); the
+    super-blocks in ``_k_quants``. Q4_Z (not GGUF's: AWQ's
     and GPTQ's int4 groups, ``engine/quant.py``) is Q4_1's layout with an fp16 zero point z in place of
     the minimum, d (q - z), exact."""
     n = weight.shape[0]
     if PACKED_BLOCKS[fmt][0] == 256:
         return _k_quants(weight.reshape(n, -1, PACKED_BLOCKS[fmt][1]), fmt).reshape(n, -1)
     blocks = weight.reshape(n, -1, PACKED_BLOCKS[fmt][1])  # (N, K / 32, block)
+    if fmt == "mxfp4":
+        q = torch.cat([blocks[..., 1:] & 15, blocks[..., 1:] >> 4], dim=-1).long()  # (N, K / 32, 32)
+        levels = torch.tensor(MXFP4_LEVELS, dtype=torch.float32, device=q.device)[q]
+        return torch.ldexp(levels, blocks[..., :1].to(torch.int32) - 128).reshape(n, -1)
     d = _half(blocks, 0)  # (N, K / 32, 1)
     if fmt == "q8_0":
         return (d * blocks[..., 2:].contiguous().view(torch.int8).float()).reshape(n, -1)

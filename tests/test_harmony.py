@@ -60,6 +60,8 @@ def test_detected_from_the_template():
     ("<|channel|>analysis<|message|>a<|start|>assistant<|channel|>final<|message|>b", "a", "b"),
     # a partial marker at the end is text
     ("<|channel|>final<|message|>ends with <|en", "", "ends with <|en"),
+    # a header too long to be one is text, whether it comes whole or in pieces
+    ("<|channel|>final" + " x" * 300 + "<|message|>body", "", "<|channel|>final" + " x" * 300 + "<|message|>body"),
 ])
 def test_thinking_and_answer_in_any_pieces(text, reasoning, content):
     for pieces in splits(text):
@@ -72,6 +74,10 @@ def test_an_answer_whose_first_header_ends_the_prompt_begins_in_that_message():
                       "Hmm.<|end|>" + FINAL) == ("Hmm.", "It is sunny in Paris.")
     assert read_after("<|start|>assistant<|channel|>final<|message|>", "Sunny.") == ("", "Sunny.")
     assert read_after("<|start|>assistant", "<|channel|>final<|message|>Sunny.") == ("", "Sunny.")
+    # a call's header, its recipient first (as the template writes calls back): its arguments make the call
+    reader = HarmonyReader(auto(), "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>")
+    segments = reader.feed('{"city": "Quito"}') + reader.finish()
+    assert [v["function"]["name"] for k, v in segments if k == "call"] == ["get_weather"]
 
 
 def read_after(tail: str, text: str) -> tuple[str, str]:
@@ -96,7 +102,7 @@ def test_calls_in_either_header_order_several_and_one_when_not_parallel():
     _, content, calls, _ = read([text], auto())
     assert content == "" and [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
     _, content, calls, _ = read([text], auto(parallel_tool_calls=False))
-    assert [c["function"]["name"] for c in calls] == ["get_weather"] and content == '{"zone": "UTC"}'
+    assert [c["function"]["name"] for c in calls] == ["get_weather"] and content == other.removesuffix("<|call|>")
 
 
 @pytest.mark.parametrize("text,tools", [
@@ -107,10 +113,15 @@ def test_calls_in_either_header_order_several_and_one_when_not_parallel():
     (CALL.replace('{"city": "Paris"}', '["Paris"]'), "auto"),  # arguments that are no object
     (CALL, "none"),  # tool_choice none
 ])
-def test_what_is_no_call_stays_content(text, tools):
+def test_what_is_no_call_stays_content_with_its_header(text, tools):
     req = {"auto": auto(), "none": auto(tool_choice="none"), None: None}[tools]
-    _, content, calls, _ = read([text], req)
-    assert calls == [] and content == text.partition("<|message|>")[2]
+    for pieces in splits(text):
+        _, content, calls, _ = read(pieces, req)
+        assert calls == [] and content == text, pieces
+    # cut short at its header's end, or within it: the header
+    header = CALL.partition("<|message|>")[0]
+    assert read([header + "<|message|>"], auto())[1:3] == (header + "<|message|>", [])
+    assert read([header[:40]], auto())[1:3] == (header[:40], [])
 
 
 # ---------------------------------------------------------------------------- a real frontend process

@@ -509,3 +509,34 @@ def test_a_gguf_transformers_does_not_load_still_gives_its_tokenizer(tmp_path):
     assert len(out.token_ids) == 4 and out.prompt_token_ids == ids
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
     assert "granite" not in GGUF_SUPPORTED_ARCHITECTURES  # (left as it was)
+
+
+def test_gpt_oss_mxfp4_checkpoint_errors_name_the_tensor(tmp_path, smollm_tokenizer_dir):
+    """A GPT-OSS folder in MXFP4 (``tools/quantize_model.py --method mxfp4``) loads, packed on the CPU; scales of
+    the wrong shape, a weight held both in bf16 and in MXFP4, or blocks without their scales are refused with the
+    checkpoint's own names. A config that says MXFP4 for another architecture is refused at start."""
+    from tools.quantize_model import mxfp4_checkpoint
+
+    dense = make_tiny_model(str(tmp_path / "dense"), "gpt_oss", smollm_tokenizer_dir, seed=4, intermediate_size=64,
+                            num_hidden_layers=2)
+    good = mxfp4_checkpoint(dense, str(tmp_path / "mx"))
+    cfg = load_model_config(good)
+    model = build_model(good, cfg, 256, torch.float32, torch.device("cpu"))
+    assert all(layer.mlp.experts.packed == "mxfp4" for layer in model.layers)
+    file = os.path.join(good, "model.safetensors")
+    tensors = load_file(file)
+    name = "model.layers.1.mlp.experts.down_proj"
+    for change, message in [
+        ({name + "_scales": tensors[name + "_scales"][:, :, :1].contiguous()}, f"{name}_blocks and _scales must be uint8"),
+        ({name: torch.zeros(8, 64, 64)}, f"{name} is held twice"),
+        ({name + "_scales": None}, "'model.layers.1.mlp.experts.down_proj_scales'"),
+    ]:
+        broken = {k: v for k, v in ({**tensors, **change}).items() if v is not None}
+        save_file(broken, file)
+        with pytest.raises(ValueError) as e:
+            build_model(good, cfg, 256, torch.float32, torch.device("cpu"))
+        assert message in str(e.value)
+    with pytest.raises(ValueError, match="MXFP4 checkpoints are read for GPT-OSS's experts only"):
+        ModelConfig.from_hf({"model_type": "llama", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+                             "num_hidden_layers": 1, "num_attention_heads": 1,
+                             "quantization_config": {"quant_method": "mxfp4"}})

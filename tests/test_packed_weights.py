@@ -28,7 +28,7 @@ from kernels.cpu import build, matmul
 from kernels.cpu.build import status_check
 from tools.write_gguf import quantize
 
-FMTS = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs"]
+FMTS = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs", "mxfp4"]
 TYPES = {f: GGMLQuantizationType[f.upper()] for f in FMTS}
 
 

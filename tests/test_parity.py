@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import kernels.reference as ref
 from engine import LLM, SamplingParams
 from tests.conftest import make_tiny_gemma3_multimodal, make_tiny_model
 
@@ -276,9 +277,10 @@ def test_gpt_oss_matches_transformers(tmp_path, smollm_tokenizer_dir):
     check_parity(chunked, hf, chunked.tokenizer, PROMPTS[:2], n=24)
 
 
-def test_gpt_oss_mxfp4_experts_load_as_transformers_widens_them(tmp_path, smollm_tokenizer_dir):
+def test_gpt_oss_mxfp4_experts_hold_transformers_values(tmp_path, smollm_tokenizer_dir, monkeypatch):
     """GPT-OSS as OpenAI ships it: the experts in MXFP4 (``*_blocks``, ``*_scales``, config quant_method mxfp4),
-    widened at load to exactly transformers' values (every nibble, scales of 2^-6..2^-3), greedy output equal."""
+    widened at load, or kept packed for the CPU's C kernel: exactly transformers' values either way (every nibble,
+    scales of 2^-6..2^-3), greedy output equal."""
     from safetensors.torch import load_file, save_file
 
     path = make_tiny_model(str(tmp_path / "mx"), "gpt_oss", smollm_tokenizer_dir, seed=2, intermediate_size=64)
@@ -296,10 +298,17 @@ def test_gpt_oss_mxfp4_experts_load_as_transformers_widens_them(tmp_path, smollm
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()  # (widened: no GPU kernels here)
-    llm = LLM(path, device="cpu", dtype="float32", num_kv_blocks=256, max_model_len=512)
-    for ours, theirs in zip(llm.engine.runner.model.layers, hf.model.layers, strict=True):
-        gate_up = theirs.mlp.experts.gate_up_proj.transpose(1, 2)  # (E, 2I, H), gate and up rows interleaved
-        assert torch.equal(ours.mlp.experts.w13, torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1))
-        assert torch.equal(ours.mlp.experts.w2, theirs.mlp.experts.down_proj.transpose(1, 2))
-    assert len(torch.unique(llm.engine.runner.model.layers[0].mlp.experts.w13)) >= 25  # (FP4's 15 times 4 scales)
-    check_parity(llm, hf, llm.tokenizer, PROMPTS[:2], n=24)
+    for rows in ("0", "64"):  # widened at load (torch's GEMM only), and kept packed for the C kernel
+        monkeypatch.setenv("TOKENMILL_CPU_LINEAR_ROWS", rows)
+        llm = LLM(path, device="cpu", dtype="float32", num_kv_blocks=256, max_model_len=512)
+        for ours, theirs in zip(llm.engine.runner.model.layers, hf.model.layers, strict=True):
+            e = ours.mlp.experts
+            assert e.packed == (None if rows == "0" else "mxfp4")
+            w13, w2 = (e.w13, e.w2) if e.packed is None else (
+                torch.stack([ref.dequantize(w, "mxfp4") for w in e.w13]), torch.stack([ref.dequantize(w, "mxfp4")
+                                                                                       for w in e.w2]))
+            gate_up = theirs.mlp.experts.gate_up_proj.transpose(1, 2)  # (E, 2I, H), gate and up rows interleaved
+            assert torch.equal(w13, torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1))
+            assert torch.equal(w2, theirs.mlp.experts.down_proj.transpose(1, 2))
+            assert len(torch.unique(w13)) >= 25  # (FP4's 15 values times 4 scales)
+        check_parity(llm, hf, llm.tokenizer, PROMPTS[:2], n=24)

@@ -7,6 +7,8 @@ AWQ's or GPTQ's search: for loading, parity tests and speed, not for quality.
 
     python3 tools/quantize_model.py DENSE_DIR OUT_DIR [--method awq|gptq] [--group-size 128] [--sym]
         [--act-order] [--gptq-v2]
+
+``--method mxfp4`` writes a GPT-OSS folder's experts in MXFP4 instead, as OpenAI ships gpt-oss (``mxfp4_checkpoint``).
 """
 
 from __future__ import annotations
@@ -78,6 +80,45 @@ def _int32(t: torch.Tensor) -> torch.Tensor:
     return torch.where(t >= 2**31, t - 2**32, t).to(torch.int32)
 
 
+FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # FP4 E2M1's magnitudes, a nibble's low 3 bits
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w (N, K) -> MXFP4 as OpenAI ships GPT-OSS's experts: blocks (N, K / 32, 16) uint8, values 2i and 2i + 1 of a
+    block in the low and high halves of byte i, and scales (N, K / 32) uint8, a power of two's exponent plus 127,
+    chosen as ggml's quantizer chooses it (the block's largest magnitude over 4 to 8); each value the nearest."""
+    b = w.float().unflatten(-1, (-1, 32))  # (N, G, 32)
+    amax = b.abs().amax(-1)
+    e = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 2 + 127, torch.zeros_like(amax)).clamp(0, 254)
+    scaled = b / torch.ldexp(torch.ones_like(amax), e.int() - 127)[..., None]
+    nibbles = ((scaled.abs()[..., None] - FP4).abs().argmin(-1) + 8 * (scaled < 0)).to(torch.uint8)
+    return nibbles[..., 0::2] | nibbles[..., 1::2] << 4, e.to(torch.uint8)
+
+
+def mxfp4_checkpoint(dense: str, out: str) -> str:
+    """Write ``out``: ``dense``'s GPT-OSS with its experts in MXFP4 (``*_blocks``, ``*_scales``, and the
+    ``quantization_config`` OpenAI's checkpoints carry), the rest as it is."""
+    shutil.copytree(dense, out)
+    for f in glob.glob(os.path.join(out, "*.safetensors*")):
+        os.remove(f)
+    tensors = {}
+    for f in glob.glob(os.path.join(dense, "*.safetensors")):
+        tensors.update(load_file(f))
+    for name in [n for n in tensors if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]:
+        w = tensors.pop(name).transpose(1, 2)  # (E, K, N) x W -> (E, N, K), outputs first
+        parts = [quantize_mxfp4(x) for x in w]  # an expert at a time
+        tensors[name + "_blocks"] = torch.stack([p[0] for p in parts])
+        tensors[name + "_scales"] = torch.stack([p[1] for p in parts])
+    save_file(tensors, os.path.join(out, "model.safetensors"))
+    with open(os.path.join(out, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return out
+
+
 def quantize_checkpoint(dense: str, out: str, method: str = "awq", group: int = 128, sym: bool = False,
                         act_order: bool = False, v1: bool = True, keep: tuple[str, ...] = (),
                         write_back: bool = False, shared_order: bool = True) -> str:
@@ -133,12 +174,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("dense_dir")
     p.add_argument("out_dir")
-    p.add_argument("--method", choices=("awq", "gptq"), default="awq")
+    p.add_argument("--method", choices=("awq", "gptq", "mxfp4"), default="awq",
+                   help="mxfp4: a GPT-OSS folder's experts in MXFP4, as OpenAI ships them (the other flags unused)")
     p.add_argument("--group-size", type=int, default=128, help="input columns per group; -1: one per row")
     p.add_argument("--sym", action="store_true", help="symmetric (zero point 8), as GPTQ's sym=True")
     p.add_argument("--act-order", action="store_true", help="GPTQ desc_act: groups over permuted columns")
     p.add_argument("--gptq-v2", action="store_true", help="GPTQ checkpoint_format gptq_v2 (zeros as they are)")
     a = p.parse_args()
+    if a.method == "mxfp4":
+        print(mxfp4_checkpoint(a.dense_dir, a.out_dir))
+        return
     print(quantize_checkpoint(a.dense_dir, a.out_dir, a.method, a.group_size, a.sym, a.act_order, not a.gptq_v2))
 
 

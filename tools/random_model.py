@@ -40,8 +40,9 @@ SHAPES = {
                                          norm_topk_prob=True, vocab_size=151936, max_position_embeddings=40960,
                                          rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)),
     # gpt-oss-20b scaled down to run on a CPU (24 layers -> 6, hidden 2880 -> 1440, 64 heads -> 32, experts 2880 ->
-    # 720 wide), its 32 experts, 4 a token, window of 128 over every other layer, sinks, YaRN and vocabulary kept
-    "gpt-oss-tiny": ("gpt_oss", dict(hidden_size=1440, intermediate_size=720, num_hidden_layers=6,
+    # 704 wide: whole MXFP4 blocks), its 32 experts, 4 a token, window of 128 over every other layer, sinks, YaRN and
+    # vocabulary kept
+    "gpt-oss-tiny": ("gpt_oss", dict(hidden_size=1440, intermediate_size=704, num_hidden_layers=6,
                                      num_attention_heads=32, num_key_value_heads=4, head_dim=64, num_local_experts=32,
                                      num_experts_per_tok=4, vocab_size=201088, sliding_window=128,
                                      max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False)),

@@ -17,7 +17,7 @@
  *
  * Packed weights (``linear_q_*``): W as GGUF blocks along K, as llama.cpp keeps them: blocks of 32 (Q4_0,
  * Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL: an fp16 scale, an fp16 minimum for Q4_1 and Q5_1, 4-, 5- or 8-bit integers,
- * IQ4's an index into 16 levels) and super-blocks of 256 (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS: sub-blocks of
+ * IQ4's an index into 16 levels; MXFP4: a power of two and FP4 values, GPT-OSS's experts) and super-blocks of 256 (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS: sub-blocks of
  * 16 or 32 with scales of their own, read 32 weights at a time like a block of 32), or as Q4_Z blocks (an fp16
  * scale, an fp16 zero point, 4-bit integers: AWQ's and GPTQ's groups, ``engine/quant.py``): 2.6 to 8.5 bits a
  * weight instead of 32, and a single-stream step reads that much less. Up to IN_REGISTERS_UP_TO rows of x each block is expanded in
@@ -234,11 +234,20 @@ int linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *b, uint16_
 
 /* ------------------------------------------------------------------------------ packed weights */
 
-enum { Q4_0, Q4_1, Q8_0, Q4_Z, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_NL, IQ4_XS, FORMATS }; /* PACKED_FORMATS */
-static const int64_t BLOCK_WEIGHTS[] = {32, 32, 32, 32, 32, 32, 256, 256, 256, 256, 256, 32, 256};
-static const int64_t BLOCK_BYTES[] = {18, 20, 34, 20, 22, 24, 144, 176, 210, 84, 110, 18, 136};
+enum { Q4_0, Q4_1, Q8_0, Q4_Z, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4, FORMATS }; /* PACKED_FORMATS */
+static const int64_t BLOCK_WEIGHTS[] = {32, 32, 32, 32, 32, 32, 256, 256, 256, 256, 256, 32, 256, 32};
+static const int64_t BLOCK_BYTES[] = {18, 20, 34, 20, 22, 24, 144, 176, 210, 84, 110, 18, 136, 17};
 #define K_QUANT(fmt) (BLOCK_WEIGHTS[fmt] == 256) /* super-blocks of 256, with scales of their own (k_scales) */
 static const int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+/* MXFP4's (GPT-OSS's experts): FP4 E2M1's values doubled, halved again by the block's scale (e8m0_half) */
+static const int8_t MXFP4_LEVELS[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+static inline float e8m0_half(uint8_t e) { /* 2^(e - 128), exactly (a subnormal float for e < 2), as ggml's */
+    const uint32_t u = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
 
 static inline float half_to_float(const uint8_t *p) { /* exact: every fp16 is a float */
     uint16_t h = (uint16_t)(p[0] | p[1] << 8);
@@ -354,10 +363,11 @@ static inline __attribute__((always_inline)) void expand_scalar(const uint8_t *b
             const int q = qs[l] >> shift & 3, group = 2 * g + (l >> 4);
             f[l] = fmt == Q2_K ? s[group] * (float)q + s[16 + group] : s[group] * (float)(q - (blk[l] >> g & 1 ? 0 : 4));
         }
-    } else if (fmt == IQ4_NL || fmt == IQ4_XS) {
-        const uint8_t *qs = blk + (fmt == IQ4_NL ? 2 : 8 + 16 * g);
-        const float d = fmt == IQ4_NL ? half_to_float(blk) : s[g];
-        for (int i = 0; i < 32; i++) f[i] = d * (float)IQ4_LEVELS[i < 16 ? qs[i] & 15 : qs[i - 16] >> 4];
+    } else if (fmt == IQ4_NL || fmt == IQ4_XS || fmt == MXFP4) {
+        const uint8_t *qs = blk + (fmt == IQ4_NL ? 2 : fmt == MXFP4 ? 1 : 8 + 16 * g);
+        const float d = fmt == IQ4_NL ? half_to_float(blk) : fmt == MXFP4 ? e8m0_half(blk[0]) : s[g];
+        const int8_t *levels = fmt == MXFP4 ? MXFP4_LEVELS : IQ4_LEVELS;
+        for (int i = 0; i < 32; i++) f[i] = d * (float)levels[i < 16 ? qs[i] & 15 : qs[i - 16] >> 4];
     } else if (fmt == Q6_K) {
         const int h = g >> 2, r = g & 3;
         const uint8_t *ql = blk + 64 * h + 32 * (r & 1), *qh = blk + 128 + 32 * h;
@@ -467,16 +477,17 @@ static inline __attribute__((always_inline)) void expand_block(const uint8_t *bl
         return;
     }
     const int five = fmt == Q5_0 || fmt == Q5_1, with_m = fmt == Q4_1 || fmt == Q5_1 || fmt == Q4_Z;
-    const int iq4 = fmt == IQ4_NL || fmt == IQ4_XS;
+    const int iq4 = fmt == IQ4_NL || fmt == IQ4_XS || fmt == MXFP4; /* 4 bits an index into 16 levels */
     /* the 16 bytes in both halves of a register; then byte j of 8 (j < 4: from the low half, else the
        high) goes to the low byte of 32-bit lane j, zeros above it: in-lane shuffles, no widening across
        (9.0 -> 7.7 ms for the default model's layers at one row, measured) */
-    const uint8_t *qs = blk + (fmt == IQ4_XS ? 8 + 16 * g : 2 + 2 * with_m + 4 * five);
+    const uint8_t *qs = blk + (fmt == IQ4_XS ? 8 + 16 * g : fmt == MXFP4 ? 1 : 2 + 2 * with_m + 4 * five);
     const __m256i bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
     const __m256i low = _mm256_set1_epi8(0x0f);
     __m256i half[2] = {_mm256_and_si256(bytes, low), _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low)};
     if (iq4) { /* each 4 bits an index into the levels: one in-lane lookup a half */
-        const __m256i levels = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_LEVELS));
+        const __m256i levels = _mm256_broadcastsi128_si256(
+            _mm_loadu_si128((const __m128i *)(fmt == MXFP4 ? MXFP4_LEVELS : IQ4_LEVELS)));
         for (int h = 0; h < 2; h++) half[h] = _mm256_shuffle_epi8(levels, half[h]);
     }
     if (five) { /* the fifth bits of half h's 16 weights as 0x10 in its bytes (both halves of the register):
@@ -496,7 +507,8 @@ static inline __attribute__((always_inline)) void expand_block(const uint8_t *bl
                          -1, -1, -1, 7, -1, -1, -1),
         _mm256_setr_epi8(8, -1, -1, -1, 9, -1, -1, -1, 10, -1, -1, -1, 11, -1, -1, -1, 12, -1, -1, -1, 13, -1, -1, -1,
                          14, -1, -1, -1, 15, -1, -1, -1)};
-    const __m256 scale = iq4 ? _mm256_set1_ps(fmt == IQ4_NL ? half_to_float(blk) : s[g]) : dv;
+    const __m256 scale = iq4 ? _mm256_set1_ps(fmt == IQ4_NL ? half_to_float(blk) : fmt == MXFP4 ? e8m0_half(blk[0])
+                                              : s[g]) : dv;
     for (int h = 0; h < 2; h++)
         for (int i = 0; i < 2; i++) {
             __m256i qi = _mm256_shuffle_epi8(half[h], pick[i]);
@@ -630,6 +642,7 @@ static void expand(const uint8_t *w, int fmt, float *out, int64_t rows, int64_t 
         EXPAND(Q3_K)
         EXPAND(IQ4_NL)
         EXPAND(IQ4_XS)
+        EXPAND(MXFP4)
     }
 #undef EXPAND
 }
@@ -669,6 +682,7 @@ static void rows_packed(const float *xf, const uint8_t *w, int fmt, const void *
         ROWS_PACKED(Q3_K)
         ROWS_PACKED(IQ4_NL)
         ROWS_PACKED(IQ4_XS)
+        ROWS_PACKED(MXFP4)
     }
 #undef ROWS_PACKED
 }
