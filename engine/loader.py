@@ -277,15 +277,21 @@ def _load_experts(model: LlamaForCausalLM, i: int, m: re.Match, w: torch.Tensor)
 
 # GPT-OSS's own tensors: its attention sinks, its router, its experts stacked (bf16, or MXFP4 blocks and scales)
 _GPT_OSS = re.compile(r"model\.layers\.(\d+)\.(self_attn\.sinks|mlp\.router\.(?:weight|bias)|"
-                      r"mlp\.experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?)")
+                      r"mlp\.experts\.(gate_up_proj|down_proj|gate_proj|up_proj)(_bias|_blocks|_scales)?)")
+_GPT_OSS_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "gate_proj": ("gate_proj",), "up_proj": ("up_proj",),
+                  "down_proj": ("down_proj",)}
 
 
 def _load_gpt_oss(model: LlamaForCausalLM, m: re.Match, w: torch.Tensor, mxfp4: dict[str, torch.Tensor]) -> set[str]:
-    """One of GPT-OSS's own tensors into layer ``m[1]``; returns the names it filled. Its experts come stacked,
-    gate|up's outputs interleaved (gate, up, gate, ...): ``gate_up_proj`` (E, H, 2I) and ``down_proj`` (E, I, H)
-    transposed (x W), or in MXFP4 as ``*_blocks`` and ``*_scales`` with the outputs first (W x)."""
+    """One of GPT-OSS's own tensors into layer ``m[1]``; returns the names it filled (an expert's part as
+    ``experts.E.gate_proj.weight``, as other mixtures name them). Its experts come stacked, gate|up's outputs
+    interleaved (gate, up, gate, ...): ``gate_up_proj`` (E, H, 2I) and ``down_proj`` (E, I, H) transposed (x W), or in
+    MXFP4 as ``*_blocks`` and ``*_scales`` with the outputs first (W x); their biases (E, 2I) and (E, H), or from a
+    GGUF file gate's and up's apart (``gate_proj_bias``, ``up_proj_bias``)."""
     layer, what, part, kind = model.layers[int(m[1])], m[2], m[3], m[4]
     name = f"model.layers.{m[1]}.{what}"
+    filled = {f"model.layers.{m[1]}.mlp.experts.{e}.{p}.weight" for e in range(layer.mlp.experts.w13.shape[0])
+              for p in _GPT_OSS_PARTS.get(part, ())}
     if what == "self_attn.sinks":
         layer.self_attn.load_sinks(w)
         return {name}
@@ -298,8 +304,10 @@ def _load_gpt_oss(model: LlamaForCausalLM, m: re.Match, w: torch.Tensor, mxfp4: 
             experts.load_bias(0, w[:, 0::2])
             experts.load_bias(1, w[:, 1::2])
         else:
-            experts.load_bias(2, w)
-        return {name}
+            experts.load_bias(Experts.PARTS.index(part), w)
+        return {f"model.layers.{m[1]}.mlp.experts.{p}_bias" for p in _GPT_OSS_PARTS[part]}
+    if part not in ("gate_up_proj", "down_proj"):
+        raise ValueError(f"{name}: GPT-OSS's experts' weights come as gate_up_proj and down_proj")
     if kind in ("_blocks", "_scales"):
         other = name[:-len(kind)] + ("_scales" if kind == "_blocks" else "_blocks")
         if other not in mxfp4:
@@ -318,14 +326,14 @@ def _load_gpt_oss(model: LlamaForCausalLM, m: re.Match, w: torch.Tensor, mxfp4: 
             rows = quant.mxfp4_to_packed(blocks[e], scales[e]) if experts.packed == "mxfp4" \
                 else quant.mxfp4_to_float(blocks[e], scales[e], experts.w13.dtype)
             _load_gpt_oss_expert(experts, e, part, rows, name)
-        return {name}
+        return filled
     if experts.packed is not None:  # (packed: this layer's MXFP4 blocks are in the checkpoint too)
         raise ValueError(f"{name} is held twice in the checkpoint: in floats, and as MXFP4 ({name}_blocks)")
     if w.dim() != 3 or w.shape[0] != experts.w13.shape[0]:
         raise ValueError(f"{name} must hold {experts.w13.shape[0]} experts' weights (E, K, N), got {tuple(w.shape)}")
     for e in range(w.shape[0]):
         _load_gpt_oss_expert(experts, e, part, w[e].t(), name)
-    return {name}
+    return filled
 
 
 def _mxfp4_packing(model: LlamaForCausalLM, index: dict[str, tuple[str, str]], device: torch.device,
@@ -381,7 +389,9 @@ def _expected_names(cfg: ModelConfig) -> set[str]:
         if cfg.gpt_oss:
             names |= {p + "self_attn.sinks", p + "self_attn.o_proj.bias", p + "mlp.router.weight",
                       p + "mlp.router.bias"}
-            names |= {f"{p}mlp.experts.{x}{b}" for x in ("gate_up_proj", "down_proj") for b in ("", "_bias")}
+            names |= {f"{p}mlp.experts.{e}.{x}_proj.weight" for e in range(cfg.moe.num_experts)
+                      for x in ("gate", "up", "down")}
+            names |= {f"{p}mlp.experts.{x}_proj_bias" for x in ("gate", "up", "down")}
         elif cfg.sparse(i):
             names |= {f"{p}mlp.experts.{e}.{x}_proj.weight" for e in range(cfg.moe.num_experts)
                       for x in ("gate", "up", "down")}
@@ -506,6 +516,7 @@ _GGUF_LAYER = {
     "ffn_down_exps": "mlp.experts.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
     "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "attn_sinks": "self_attn.sinks",  # GPT-OSS's
 }
 _GGUF_EXPERT = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}  # old Mixtral files: one each
 _GGUF_PHI3 = {"ffn_up": "mlp.gate_up_proj"}  # Phi-3's ffn_up is gate|up fused (its attn_qkv, q|k|v)
@@ -513,7 +524,7 @@ _GGUF_GEMMA2 = {"ffn_norm": "pre_feedforward_layernorm"}  # Gemma 2 and 3's (the
 # GGUF architecture -> model_type (llama with experts: Mixtral)
 _GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "qwen2moe": "qwen2_moe",
               "qwen3moe": "qwen3_moe", "phi3": "phi3", "gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3_text",
-              "granite": "granite", "olmo2": "olmo2"}
+              "granite": "granite", "olmo2": "olmo2", "gpt-oss": "gpt_oss"}
 
 
 def gguf_field(path: str, key: str, default=None):
@@ -574,6 +585,12 @@ def _gguf_config(path: str) -> tuple[dict, list[int]]:
         cfg |= _gguf_gemma(arch, a, cfg)
     if arch == "olmo2" and cfg["sliding_window"]:  # OLMo 3, as llama.cpp reads it: three of each four layers slide
         cfg["model_type"] = "olmo3"
+    if arch == "gpt-oss":  # as llama.cpp reads it: every other layer slides, from the first; its YaRN untruncated,
+        # as its config.json says (llama.cpp rounds the ramp's ends out); a turn ends at <|return|> or <|call|>
+        cfg["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                              for i in range(cfg["num_hidden_layers"])]
+        if cfg.get("rope_scaling"):
+            cfg["rope_scaling"]["truncate"] = False
     if arch == "granite":  # its scales, as llama.cpp names them
         cfg |= {"embedding_multiplier": a("embedding_scale", 1.0), "residual_multiplier": a("residual_scale", 1.0),
                 "attention_multiplier": a("attention.scale", head_dim ** -0.5), "logits_scaling": a("logit_scale", 1.0)}
@@ -598,6 +615,9 @@ def _gguf_config(path: str) -> tuple[dict, list[int]]:
     if arch.startswith("gemma") and ends[1] is None and "tokenizer.ggml.tokens" in r.fields:
         ends[1] = next((i for i, t in enumerate(r.fields["tokenizer.ggml.tokens"].contents()) if t == "<end_of_turn>"),
                        None)
+    if arch == "gpt-oss" and "tokenizer.ggml.tokens" in r.fields:  # (not <|end|>, which ends a harmony message)
+        tokens = r.fields["tokenizer.ggml.tokens"].contents()
+        ends = [i for i, t in enumerate(tokens) if t in ("<|return|>", "<|call|>")] or ends[:1]
     return cfg, list(dict.fromkeys(int(e) for e in ends if e is not None))
 
 
@@ -636,6 +656,19 @@ def _gguf_gemma(arch: str, a, cfg: dict) -> dict:
     if arch == "gemma3" and a("rope.scaling.type") == "linear":
         extra["rope_scaling"] = {"rope_type": "linear", "factor": a("rope.scaling.factor")}
     return extra
+
+
+def _gguf_gpt_oss_name(m: re.Match) -> str:
+    """A GPT-OSS GGUF tensor's name as ``_GPT_OSS`` reads it: its sinks, its router, its experts' biases (gate's
+    and up's apart); its experts' stacked parts ``model.layers.L.mlp.experts.E.gate_proj.E`` (split by
+    ``_gguf_weights``)."""
+    layer, kind, suffix = f"model.layers.{m[1]}", m[2], m[4]
+    if kind == "attn_sinks":
+        return f"{layer}.self_attn.sinks"
+    if kind == "ffn_gate_inp":
+        return f"{layer}.mlp.router.{suffix}"
+    part = _GGUF_LAYER[kind].rpartition(".")[2]  # gate_proj, up_proj, down_proj
+    return f"{layer}.mlp.experts.{part}_bias" if suffix == "bias" else f"{layer}.mlp.experts.E.{part}.E"
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -718,7 +751,9 @@ def _gguf_weights(path: str, cfg: ModelConfig, packed: set[str] = frozenset()) -
             m = re.fullmatch(r"blk\.(\d+)\.(\w+)(?:\.(\d+))?\.(weight|bias)", t.name)
             if not m or m[2] not in (_GGUF_EXPERT if m[3] else _GGUF_LAYER):
                 continue
-            if m[3]:  # one expert's part (Mixtral files before llama.cpp stacked them)
+            if cfg.gpt_oss and m[2] in ("attn_sinks", "ffn_gate_inp") or cfg.gpt_oss and m[2].endswith("_exps"):
+                name = _gguf_gpt_oss_name(m)  # (its own names, ``_GPT_OSS``; its experts one by one)
+            elif m[3]:  # one expert's part (Mixtral files before llama.cpp stacked them)
                 name = f"model.layers.{m[1]}.mlp.experts.{m[3]}.{_GGUF_EXPERT[m[2]]}.weight"
             elif m[2].endswith("_exps"):  # all experts' part, stacked: named without "weight" (``_EXPERTS``)
                 name = f"model.layers.{m[1]}.{_GGUF_LAYER[m[2]]}"
@@ -736,4 +771,8 @@ def _gguf_weights(path: str, cfg: ModelConfig, packed: set[str] = frozenset()) -
             w = _unpermute(w, cfg.num_kv_heads)
         elif cfg.gemma and name.endswith("norm.weight"):
             w = w.astype(np.float64) - 1  # llama.cpp stores Gemma's norms as 1 + w (exact in float64: RMSNorm.load)
+        if name.endswith(".E"):  # a GPT-OSS experts' part, stacked: one expert at a time (``_GPT_OSS`` takes its
+            for e in range(w.shape[0]):  # stacked names in transformers' orientation, which differs)
+                yield name[:-1].replace(".E.", f".{e}.") + "weight", torch.from_numpy(np.array(w[e], copy=True))
+            continue
         yield name, torch.from_numpy(np.array(w, copy=True))  # writable: torch warns on read-only

@@ -312,3 +312,29 @@ def test_gpt_oss_mxfp4_experts_hold_transformers_values(tmp_path, smollm_tokeniz
             assert torch.equal(w2, theirs.mlp.experts.down_proj.transpose(1, 2))
             assert len(torch.unique(w13)) >= 25  # (FP4's 15 values times 4 scales)
         check_parity(llm, hf, llm.tokenizer, PROMPTS[:2], n=24)
+
+
+def test_gpt_oss_gguf_matches_transformers(tmp_path, smollm_tokenizer_dir, monkeypatch):
+    """A GPT-OSS GGUF file as llama.cpp's converter writes one (``tools/write_gguf.py``: its sinks, router and
+    experts' parts split and outputs-first, biases too): in float32, greedy equal to transformers on the folder;
+    its experts in MXFP4 (ggml's blocks, as llama.cpp's files hold them), kept packed on the CPU and widened alike."""
+    from tools.write_gguf import write_gguf
+
+    # (the SwiGLU's limit as llama.cpp fixes it: GGUF files do not say)
+    path = make_tiny_model(str(tmp_path / "gpt_oss"), "gpt_oss", smollm_tokenizer_dir, seed=5, intermediate_size=64,
+                           swiglu_limit=7.0)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    write_gguf(path, str(tmp_path / "f32.gguf"), "gpt-oss")
+    llm = LLM(str(tmp_path / "f32.gguf"), tokenizer=path, device="cpu", dtype="float32", num_kv_blocks=256,
+              max_model_len=512)
+    assert llm.engine.runner.model.layers[0].self_attn.attn.window == 16
+    check_parity(llm, hf, llm.tokenizer, PROMPTS, n=32)
+    write_gguf(path, str(tmp_path / "mx.gguf"), "gpt-oss", lambda name: "MXFP4" if "_exps." in name else None)
+    outs = []
+    for rows in ("64", "0"):  # packed for the C kernel, and widened at load
+        monkeypatch.setenv("TOKENMILL_CPU_LINEAR_ROWS", rows)
+        llm = LLM(str(tmp_path / "mx.gguf"), tokenizer=path, device="cpu", dtype="float32", num_kv_blocks=256,
+                  max_model_len=512)
+        assert llm.engine.runner.model.layers[1].mlp.experts.packed == (None if rows == "0" else "mxfp4")
+        outs.append([o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0))])
+    assert outs[0] == outs[1]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import re
 import sys
 from collections.abc import Callable
 
@@ -30,7 +31,7 @@ from engine.loader import load_model_config  # noqa: E402
 # the GGUF architecture of each model_type this writer knows
 ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2_moe": "qwen2moe",
         "qwen3_moe": "qwen3moe", "mixtral": "llama", "phi3": "phi3", "gemma": "gemma", "gemma2": "gemma2",
-        "gemma3_text": "gemma3", "granite": "granite", "olmo2": "olmo2", "olmo3": "olmo2"}
+        "gemma3_text": "gemma3", "granite": "granite", "olmo2": "olmo2", "olmo3": "olmo2", "gpt_oss": "gpt-oss"}
 
 
 def _more_bits(i: int, n: int) -> bool:
@@ -206,6 +207,9 @@ def write_gguf(folder: str, out: str, arch: str = "qwen3", matrices_as: str | Ca
     from safetensors.torch import load_file
 
     cfg = load_model_config(folder)
+    if cfg.gpt_oss and cfg.moe.swiglu != (1.702, 7.0):  # (llama.cpp fixes them for the architecture)
+        raise ValueError(f"a GPT-OSS GGUF file holds no SwiGLU alpha and limit: llama.cpp reads 1.702 and 7.0, this "
+                         f"model has {cfg.moe.swiglu}")
     w = gguf.GGUFWriter(out, arch)
     values = [("context_length", 1024), ("embedding_length", cfg.hidden_size),
               ("feed_forward_length", cfg.intermediate_size), ("block_count", cfg.num_layers),
@@ -261,6 +265,11 @@ def write_gguf(folder: str, out: str, arch: str = "qwen3", matrices_as: str | Ca
     for file in glob.glob(f"{folder}/*.safetensors"):
         for name, t in load_file(file).items():
             t = t.float().numpy()
+            if arch == "gpt-oss" and (own := _gpt_oss(name, t)) is not None:
+                for gguf_name, part in own:
+                    as_type = matrices_as(gguf_name) if callable(matrices_as) else matrices_as
+                    add_matrix(w, gguf_name, np.ascontiguousarray(part), as_type if part.ndim > 2 else None)
+                continue
             if cfg.gemma and name.endswith("norm.weight"):
                 t = t + 1  # (llama.cpp stores Gemma's norms as 1 + w)
             if arch in ("llama", "granite") and name.endswith(("q_proj.weight", "k_proj.weight")):
@@ -294,6 +303,32 @@ def write_gguf(folder: str, out: str, arch: str = "qwen3", matrices_as: str | Ca
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def _gpt_oss(name: str, t: np.ndarray) -> list[tuple[str, np.ndarray]] | None:
+    """GPT-OSS's own tensors as llama.cpp's converter writes them (None: a tensor named as other models'): its
+    sinks, router and sublayer norm; its experts' gate|up split (their rows interleaved in the folder) and every
+    part turned outputs-first, (E, N, K), their biases split alike."""
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+    if not m:
+        return None
+    blk, sub = f"blk.{m[1]}", m[2]
+    if sub == "self_attn.sinks":
+        return [(f"{blk}.attn_sinks.weight", t)]
+    if sub.startswith("mlp.router."):
+        return [(f"{blk}.ffn_gate_inp.{sub.rpartition('.')[2]}", t)]
+    if sub == "post_attention_layernorm.weight":
+        return [(f"{blk}.post_attention_norm.weight", t)]
+    if sub == "mlp.experts.gate_up_proj":  # (E, K, 2N), x W
+        t = t.transpose(0, 2, 1)
+        return [(f"{blk}.ffn_gate_exps.weight", t[:, 0::2]), (f"{blk}.ffn_up_exps.weight", t[:, 1::2])]
+    if sub == "mlp.experts.gate_up_proj_bias":
+        return [(f"{blk}.ffn_gate_exps.bias", t[:, 0::2]), (f"{blk}.ffn_up_exps.bias", t[:, 1::2])]
+    if sub == "mlp.experts.down_proj":
+        return [(f"{blk}.ffn_down_exps.weight", t.transpose(0, 2, 1))]
+    if sub == "mlp.experts.down_proj_bias":
+        return [(f"{blk}.ffn_down_exps.bias", t)]
+    return None
 
 
 def add_matrix(writer, name: str, t, as_type: str | None) -> None:
