@@ -53,7 +53,8 @@ def test_shapes_are_the_real_models(name):
     cfg = AutoConfig.for_model(arch, **config)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     heads = {"smollm2-135m": (9, 3, 64), "smollm2-1.7b": (32, 32, 64), "qwen2-0.5b": (14, 2, 64), "qwen3-0.6b": (16, 8, 128),
-             "qwen3-moe-tiny": (16, 4, 64), "gemma3-270m": (4, 1, 256), "bge-small": (12, 12, 32)}[name]
+             "qwen3-moe-tiny": (16, 4, 64), "gemma3-270m": (4, 1, 256), "bge-small": (12, 12, 32),
+             "gpt-oss-tiny": (32, 4, 64)}[name]
     kv_heads = getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)  # (BERT's: every head its own)
     assert (cfg.num_attention_heads, kv_heads, head_dim) == heads
 

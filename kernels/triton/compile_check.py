@@ -58,22 +58,26 @@ def variants(everything: bool):
         c = "*u8" if fmt else p
         cache = {"k_cache_ptr": c, "v_cache_ptr": c, "seq_lens_ptr": "*i64"}
         for d, g, page in shapes:
-            for split in (False, True):
+            for split in (False, True):  # (softcap and sinks each both ways: one with the split, one without)
                 yield (_decode_kernel,
                        {**cache, "q_ptr": p, "out_ptr": p, "block_tables_ptr": "*i32", "part_acc_ptr": "*fp32",
-                        "part_m_ptr": "*fp32", "part_l_ptr": "*fp32"},
+                        "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "sinks_ptr": "*fp32"},
                        dict(G=g, D=d, PAGE=page, BLOCK_G=16, BLOCK_D=max(16, d), TILE_N=32 if dt == "fp32" else 64,
-                            SPLIT=split, SOFTCAP=split, PRECISION=precision, DOT_F32=False, KV_FP8=fmt),
-                       _SCORES)  # (both ways)
+                            SPLIT=split, SOFTCAP=split, PRECISION=precision, DOT_F32=False, KV_FP8=fmt,
+                            SINKS=not split),
+                       _SCORES)
             block = 32 if dt == "fp32" else 64
             for softcap in (False, True):
                 yield (_prefill_kernel,
-                       {**cache, "q_ptr": p, "out_ptr": p, "block_tables_ptr": "*i64", "query_start_ptr": "*i64"},
+                       {**cache, "q_ptr": p, "out_ptr": p, "block_tables_ptr": "*i64", "query_start_ptr": "*i64",
+                        "sinks_ptr": "*fp32"},
                        dict(G=g, D=d, PAGE=page, BLOCK_M=block, BLOCK_D=max(16, d), TILE_N=block, SOFTCAP=softcap,
-                            PRECISION=precision, DOT_F32=False, KV_FP8=fmt), _SCORES)
+                            PRECISION=precision, DOT_F32=False, KV_FP8=fmt, SINKS=not softcap), _SCORES)
     p = "*bf16"
-    yield (_merge_splits_kernel, {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "out_ptr": p},
-           dict(H=12, D=128, BLOCK_S=8, BLOCK_D=128), ())
+    for sinks in (False, True):
+        yield (_merge_splits_kernel, {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
+                                      "out_ptr": p, "sinks_ptr": "*fp32"},
+               dict(H=12, D=128, BLOCK_S=8, BLOCK_D=128, SINKS=sinks), ())
     for fmt in (0, 1, 2):
         c = "*u8" if fmt else p
         yield (_store_kvcache_kernel, {"k_ptr": p, "v_ptr": p, "k_cache_ptr": c, "v_cache_ptr": c, "slot_ptr": "*i64"},
