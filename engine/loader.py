@@ -217,8 +217,13 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
     missing = sorted(expected - seen)
     if model.vision is not None:
         missing += sorted(model.vision.unloaded)
-    if mxfp4:
-        missing += sorted(n.rpartition("_")[0] + ("_scales" if n.endswith("_blocks") else "_blocks") for n in mxfp4)
+    if model.cfg.gpt_oss:  # as its checkpoints name them: all experts' part at once, gate and up together
+        missing = list(dict.fromkeys(re.sub(r"experts\.(?:\d+\.)?(?:gate|up)_proj(?:\.weight)?", "experts.gate_up_proj",
+                                            re.sub(r"experts\.\d+\.down_proj\.weight", "experts.down_proj", n))
+                                     for n in missing))
+    if mxfp4:  # (first: what the checkpoint does hold tells most)
+        missing = sorted(n.rpartition("_")[0] + ("_scales" if n.endswith("_blocks") else "_blocks")
+                         for n in mxfp4) + missing
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
 
@@ -343,8 +348,8 @@ def _mxfp4_packing(model: LlamaForCausalLM, index: dict[str, tuple[str, str]], d
     ``TOKENMILL_CPU_LINEAR_ROWS=0``) they are widened at load."""
     from kernels.cpu import matmul
 
-    layers = [layer.mlp.experts for i, layer in enumerate(model.layers)
-              if f"model.layers.{i}.mlp.experts.gate_up_proj_blocks" in index]
+    layers = [layer.mlp.experts for i, layer in enumerate(model.layers)  # (both parts: one format a layer)
+              if all(f"model.layers.{i}.mlp.experts.{p}_blocks" in index for p in ("gate_up_proj", "down_proj"))]
     if not layers or device.type != "cpu" or (tp is not None and tp.size > 1) or kernels.backend() != "auto" \
             or not matmul.keep_packed():
         if layers:
@@ -617,7 +622,8 @@ def _gguf_config(path: str) -> tuple[dict, list[int]]:
                        None)
     if arch == "gpt-oss" and "tokenizer.ggml.tokens" in r.fields:  # (not <|end|>, which ends a harmony message)
         tokens = r.fields["tokenizer.ggml.tokens"].contents()
-        ends = [i for i, t in enumerate(tokens) if t in ("<|return|>", "<|call|>")] or ends[:1]
+        ends = [e for e in ends[:1] if e is not None and tokens[int(e)] != "<|end|>"] + [
+            i for i, t in enumerate(tokens) if t in ("<|return|>", "<|call|>", "<|endoftext|>")]
     return cfg, list(dict.fromkeys(int(e) for e in ends if e is not None))
 
 

@@ -101,10 +101,15 @@ class HarmonyReader:
             self._held = text[cut:]
             return True
         at = text.find(MESSAGE)
-        if at > _HEADER_LIMIT or at < 0 and len(text) > _HEADER_LIMIT:  # no header ends so late: text
-            out.append(("text", text[:at] if at >= 0 else text))
-            self._held = text[at:] if at >= 0 else ""
-            return at >= 0
+        if at > _HEADER_LIMIT or at < 0 and len(text) > _HEADER_LIMIT:
+            # no header ends so late: text, up to where a message may begin (as a stream that grew past the limit
+            # before its <|message|> came would have let it out)
+            starts = [i for i in (text.find(m, 1) for m in _OPENS) if i > 0 and (at < 0 or i < at)]
+            cut = min(starts) if starts else at if at >= 0 else len(text) - max(partial_suffix(text, m)
+                                                                                   for m in _OPENS)
+            out.append(("text", text[:cut]))
+            self._held = text[cut:]
+            return True
         if at < 0:
             self._header = text
             return False

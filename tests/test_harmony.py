@@ -60,8 +60,9 @@ def test_detected_from_the_template():
     ("<|channel|>analysis<|message|>a<|start|>assistant<|channel|>final<|message|>b", "a", "b"),
     # a partial marker at the end is text
     ("<|channel|>final<|message|>ends with <|en", "", "ends with <|en"),
-    # a header too long to be one is text, whether it comes whole or in pieces
+    # a header too long to be one is text, whether it comes whole or in pieces; a message may begin after it
     ("<|channel|>final" + " x" * 300 + "<|message|>body", "", "<|channel|>final" + " x" * 300 + "<|message|>body"),
+    ("<|channel|>" + "x" * 600 + "<|channel|>final<|message|>Hello", "", "<|channel|>" + "x" * 600 + "Hello"),
 ])
 def test_thinking_and_answer_in_any_pieces(text, reasoning, content):
     for pieces in splits(text):

@@ -536,7 +536,38 @@ def test_gpt_oss_mxfp4_checkpoint_errors_name_the_tensor(tmp_path, smollm_tokeni
         with pytest.raises(ValueError) as e:
             build_model(good, cfg, 256, torch.float32, torch.device("cpu"))
         assert message in str(e.value)
+    mixed = {k: v for k, v in tensors.items() if k not in (name + "_blocks", name + "_scales")}  # down in floats:
+    mixed[name] = torch.randn(8, 64, 64)  # (that layer's experts widened, both parts)
+    save_file(mixed, file)
+    model = build_model(good, cfg, 256, torch.float32, torch.device("cpu"))
+    assert [layer.mlp.experts.packed for layer in model.layers] == ["mxfp4", None]
     with pytest.raises(ValueError, match="MXFP4 checkpoints are read for GPT-OSS's experts only"):
         ModelConfig.from_hf({"model_type": "llama", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
                              "num_hidden_layers": 1, "num_attention_heads": 1,
                              "quantization_config": {"quant_method": "mxfp4"}})
+
+
+def test_a_gpt_oss_gguf_ends_a_turn_at_return_call_and_endoftext_not_end(tmp_path):
+    """As llama.cpp reads a gpt-oss file: <|end|> ends a harmony message, not the turn, even where the file
+    names it its end of sequence."""
+    import gguf
+    import numpy as np
+
+    from engine.loader import _gguf_config, _gguf_reader
+
+    path = str(tmp_path / "tok.gguf")
+    w = gguf.GGUFWriter(path, "gpt-oss")
+    for key in ("block_count", "embedding_length", "feed_forward_length", "attention.head_count", "context_length"):
+        w.add_uint32(f"gpt-oss.{key}", 4)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(["<|endoftext|>", "<|return|>", "<|end|>", "<|call|>", "a"])
+    w.add_eos_token_id(2)
+    w.add_tensor("token_embd.weight", np.zeros((5, 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _gguf_reader.cache_clear()
+    cfg, ends = _gguf_config(path)
+    assert cfg["model_type"] == "gpt_oss" and ends == [0, 1, 3]
+    assert cfg["layer_types"] == ["sliding_attention", "full_attention"] * 2

@@ -283,6 +283,8 @@ def test_gpt_oss_mxfp4_experts_hold_transformers_values(tmp_path, smollm_tokeniz
     scales of 2^-6..2^-3), greedy output equal."""
     from safetensors.torch import load_file, save_file
 
+    from tools.quantize_model import MXFP4_CONFIG, write_quantization_config
+
     path = make_tiny_model(str(tmp_path / "mx"), "gpt_oss", smollm_tokenizer_dir, seed=2, intermediate_size=64)
     file = os.path.join(path, "model.safetensors")
     tensors, g = load_file(file), torch.Generator().manual_seed(0)
@@ -291,12 +293,7 @@ def test_gpt_oss_mxfp4_experts_hold_transformers_values(tmp_path, smollm_tokeniz
         tensors[name + "_blocks"] = torch.randint(0, 256, (e, n, k // 32, 16), generator=g, dtype=torch.uint8)
         tensors[name + "_scales"] = torch.randint(121, 125, (e, n, k // 32), generator=g, dtype=torch.uint8)
     save_file(tensors, file)
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
-        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    write_quantization_config(path, MXFP4_CONFIG)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()  # (widened: no GPU kernels here)
     for rows in ("0", "64"):  # widened at load (torch's GEMM only), and kept packed for the C kernel
         monkeypatch.setenv("TOKENMILL_CPU_LINEAR_ROWS", rows)
@@ -338,3 +335,18 @@ def test_gpt_oss_gguf_matches_transformers(tmp_path, smollm_tokenizer_dir, monke
         assert llm.engine.runner.model.layers[1].mlp.experts.packed == (None if rows == "0" else "mxfp4")
         outs.append([o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0))])
     assert outs[0] == outs[1]
+    # from OpenAI's layout (an MXFP4 folder): the same values in the file, the same tokens as the folder's
+    from tools.quantize_model import mxfp4_checkpoint
+
+    folder = mxfp4_checkpoint(path, str(tmp_path / "mx_folder"))
+    write_gguf(folder, str(tmp_path / "mx2.gguf"), "gpt-oss", lambda name: "MXFP4" if "_exps." in name else None)
+    monkeypatch.setenv("TOKENMILL_CPU_LINEAR_ROWS", "64")
+    runs = [LLM(p, tokenizer=path, device="cpu", dtype="float32", num_kv_blocks=256, max_model_len=512)
+            for p in (folder, str(tmp_path / "mx2.gguf"))]
+    for a, b in zip(*(llm.engine.runner.model.layers for llm in runs), strict=True):  # (values: a -0 may be a 0)
+        for w in ("w13", "w2"):
+            assert torch.equal(*(torch.stack([ref.dequantize(e, "mxfp4") for e in getattr(x.mlp.experts, w)])
+                                 for x in (a, b)))
+    assert [[o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0))]
+            for llm in runs][0] == [o.token_ids for o in runs[1].generate(PROMPTS, SamplingParams(max_tokens=24,
+                                                                                                   temperature=0.0))]

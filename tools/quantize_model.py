@@ -110,13 +110,22 @@ def mxfp4_checkpoint(dense: str, out: str) -> str:
         tensors[name + "_blocks"] = torch.stack([p[0] for p in parts])
         tensors[name + "_scales"] = torch.stack([p[1] for p in parts])
     save_file(tensors, os.path.join(out, "model.safetensors"))
-    with open(os.path.join(out, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
-        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    write_quantization_config(out, MXFP4_CONFIG)
     return out
+
+
+# what OpenAI's gpt-oss folders say of their MXFP4 experts
+MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+
+
+def write_quantization_config(folder: str, q: dict) -> None:
+    """Set config.json's ``quantization_config`` in ``folder``."""
+    with open(os.path.join(folder, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = q
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f)
 
 
 def quantize_checkpoint(dense: str, out: str, method: str = "awq", group: int = 128, sym: bool = False,
@@ -158,15 +167,11 @@ def quantize_checkpoint(dense: str, out: str, method: str = "awq", group: int = 
     if write_back:
         save_file(tensors, os.path.join(dense, "model.safetensors"))
     save_file(quantized, os.path.join(out, "model.safetensors"))
-    with open(os.path.join(out, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"] = (
+    write_quantization_config(out, (
         {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm",
          "modules_to_not_convert": list(keep) or None} if method == "awq" else
         {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": sym, "desc_act": act_order,
-         "checkpoint_format": "gptq" if v1 else "gptq_v2"})
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(cfg, f)
+         "checkpoint_format": "gptq" if v1 else "gptq_v2"}))
     return out
 
 

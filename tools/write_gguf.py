@@ -262,32 +262,36 @@ def write_gguf(folder: str, out: str, arch: str = "qwen3", matrices_as: str | Ca
         for kind in ("short", "long"):
             w.add_tensor(f"rope_factors_{kind}.weight", np.array(rope[f"{kind}_factor"], dtype=np.float32))
     experts: dict[str, dict[int, np.ndarray]] = {}
+    tensors = {}
     for file in glob.glob(f"{folder}/*.safetensors"):
-        for name, t in load_file(file).items():
-            t = t.float().numpy()
-            if arch == "gpt-oss" and (own := _gpt_oss(name, t)) is not None:
-                for gguf_name, part in own:
-                    as_type = matrices_as(gguf_name) if callable(matrices_as) else matrices_as
-                    add_matrix(w, gguf_name, np.ascontiguousarray(part), as_type if part.ndim > 2 else None)
+        tensors.update(load_file(file))
+    if cfg.gpt_oss:
+        tensors = _widen_mxfp4(tensors)
+    for name, t in tensors.items():
+        t = t.float().numpy()
+        if arch == "gpt-oss" and (own := _gpt_oss(name, t)) is not None:
+            for gguf_name, part in own:
+                as_type = matrices_as(gguf_name) if callable(matrices_as) else matrices_as
+                add_matrix(w, gguf_name, np.ascontiguousarray(part), as_type if part.ndim > 2 else None)
+            continue
+        if cfg.gemma and name.endswith("norm.weight"):
+            t = t + 1  # (llama.cpp stores Gemma's norms as 1 + w)
+        if arch in ("llama", "granite") and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
+            t = t.reshape(heads, 2, t.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(t.shape)
+        if name not in names:
+            _, _, i, sub = name.split(".", 3)
+            sub, kind = sub.rsplit(".", 1)
+            if ".experts." in sub:  # Qwen's experts.E.up_proj, Mixtral's experts.E.w3
+                _, e, part = sub.rsplit(".", 2)
+                part = {"w1": "gate", "w3": "up", "w2": "down"}.get(part, part.removesuffix("_proj"))
+                experts.setdefault(f"blk.{i}.ffn_{part}_exps.weight", {})[int(e)] = t
                 continue
-            if cfg.gemma and name.endswith("norm.weight"):
-                t = t + 1  # (llama.cpp stores Gemma's norms as 1 + w)
-            if arch in ("llama", "granite") and name.endswith(("q_proj.weight", "k_proj.weight")):
-                heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
-                t = t.reshape(heads, 2, t.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(t.shape)
-            if name not in names:
-                _, _, i, sub = name.split(".", 3)
-                sub, kind = sub.rsplit(".", 1)
-                if ".experts." in sub:  # Qwen's experts.E.up_proj, Mixtral's experts.E.w3
-                    _, e, part = sub.rsplit(".", 2)
-                    part = {"w1": "gate", "w3": "up", "w2": "down"}.get(part, part.removesuffix("_proj"))
-                    experts.setdefault(f"blk.{i}.ffn_{part}_exps.weight", {})[int(e)] = t
-                    continue
-                names[name] = f"blk.{i}.{layer[sub]}.{kind}"
-            if names[name].endswith("ffn_gate_inp_shexp.weight"):
-                t = t.reshape(-1)  # llama.cpp keeps the shared expert's gate as a vector
-            as_type = matrices_as(names[name]) if callable(matrices_as) else matrices_as
-            add_matrix(w, names[name], t, as_type if callable(matrices_as) or names[name].startswith("blk.") else None)
+            names[name] = f"blk.{i}.{layer[sub]}.{kind}"
+        if names[name].endswith("ffn_gate_inp_shexp.weight"):
+            t = t.reshape(-1)  # llama.cpp keeps the shared expert's gate as a vector
+        as_type = matrices_as(names[name]) if callable(matrices_as) else matrices_as
+        add_matrix(w, names[name], t, as_type if callable(matrices_as) or names[name].startswith("blk.") else None)
     for name, parts in experts.items():
         add_matrix(w, name, np.stack([parts[e] for e in sorted(parts)]), matrices_as(name) if callable(matrices_as)
              else matrices_as)
@@ -303,6 +307,23 @@ def write_gguf(folder: str, out: str, arch: str = "qwen3", matrices_as: str | Ca
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def _widen_mxfp4(tensors: dict) -> dict:
+    """An MXFP4 folder's experts (as OpenAI ships gpt-oss) as a bf16 folder holds them, (E, K, N), exactly; a
+    ``matrices_as`` of MXFP4 writes the same values back (each block's scale and FP4 values recur)."""
+    import torch
+
+    from engine.quant import mxfp4_to_float
+
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith("_blocks"):
+            base = name.removesuffix("_blocks")
+            out[base] = mxfp4_to_float(t, tensors[base + "_scales"], torch.float32).transpose(1, 2)
+        elif not name.endswith("_scales"):
+            out[name] = t
+    return out
 
 
 def _gpt_oss(name: str, t: np.ndarray) -> list[tuple[str, np.ndarray]] | None:
