@@ -344,7 +344,7 @@ def _load_gpt_oss(model: LlamaForCausalLM, m: re.Match, w: torch.Tensor, mxfp4: 
 def _mxfp4_packing(model: LlamaForCausalLM, index: dict[str, tuple[str, str]], device: torch.device,
                    tp: TPGroup | None) -> None:
     """Keep GPT-OSS's MXFP4 experts so on the CPU (on one rank), where the C kernel multiplies ggml's MXFP4 blocks
-    as they are: gpt-oss-20b's experts in 12 GB, not 36 in bf16. Elsewhere (CUDA, tensor parallel,
+    as they are: gpt-oss-20b's experts in 10 GB, not 38 in bf16. Elsewhere (CUDA, tensor parallel,
     ``TOKENMILL_CPU_LINEAR_ROWS=0``) they are widened at load."""
     from kernels.cpu import matmul
 
@@ -591,7 +591,7 @@ def _gguf_config(path: str) -> tuple[dict, list[int]]:
     if arch == "olmo2" and cfg["sliding_window"]:  # OLMo 3, as llama.cpp reads it: three of each four layers slide
         cfg["model_type"] = "olmo3"
     if arch == "gpt-oss":  # as llama.cpp reads it: every other layer slides, from the first; its YaRN untruncated,
-        # as its config.json says (llama.cpp rounds the ramp's ends out); a turn ends at <|return|> or <|call|>
+        # as its config.json says (llama.cpp rounds the ramp's ends out); its ends of a turn: below
         cfg["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
                               for i in range(cfg["num_hidden_layers"])]
         if cfg.get("rope_scaling"):
