@@ -30,23 +30,21 @@ from collections.abc import Iterator
 import torch
 
 from engine.models.config import QuantConfig
-
-# MXFP4 (GPT-OSS's experts): FP4 E2M1's sixteen values, in a nibble's order
-_FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+from kernels.reference import dequantize
 
 
 def mxfp4_to_float(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """An MXFP4 weight widened (exactly, as transformers widens it): ``blocks`` (..., N, G, 16) uint8, each
     byte two FP4 values (the low nibble first), a block of 32 values along the input sharing ``scales``
-    (..., N, G) uint8, a power of two's exponent plus 127. Returns (..., N, 32 G) in ``dtype``."""
+    (..., N, G) uint8, a power of two's exponent plus 127. Returns (..., N, 32 G) in ``dtype``: the packed
+    form's values (``kernels.reference.dequantize``, the one place MXFP4's values are defined)."""
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape \
             or blocks.shape[-1] != 16:
         raise ValueError(f"MXFP4 blocks (..., G, 16) and scales (..., G), uint8, got {tuple(blocks.shape)} "
                          f"{blocks.dtype} and {tuple(scales.shape)} {scales.dtype}")
-    lut = torch.tensor(_FP4, dtype=torch.float32, device=blocks.device)
-    values = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)  # (..., G, 16, 2)
-    values = torch.ldexp(values.flatten(-2), scales.to(torch.int32)[..., None] - 127)  # (..., G, 32)
-    return values.flatten(-2).to(dtype)
+    packed = mxfp4_to_packed(blocks, scales)
+    values = dequantize(packed.reshape(-1, packed.shape[-1]), "mxfp4")  # (rows, 32 G) float32
+    return values.view(*blocks.shape[:-2], -1).to(dtype)
 
 
 def mxfp4_to_packed(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -55,6 +53,7 @@ def mxfp4_to_packed(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     multiplies as they are: (..., N, G, 16), (..., N, G) -> (..., N, 17 G) uint8, the same values."""
     values = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2)  # (..., G, 32), in order
     return torch.cat([scales[..., None], values[..., :16] | values[..., 16:] << 4], dim=-1).flatten(-2)
+
 
 FORMAT = "q4_z"  # the packed format a quantized layer is kept in
 PARTS = ("qweight", "qzeros", "scales", "g_idx")

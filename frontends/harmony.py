@@ -35,6 +35,15 @@ _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 _CHANNEL = re.compile(re.escape(CHANNEL) + r"\s*(\w+)")
 
 
+def _next_open(text: str, end: int | None = None) -> int:
+    """Where in ``text`` (past its first character) a message may begin: the first <|channel|> or <|start|> before
+    ``end``; else ``end``, or with None the text's end less a marker's first characters (they may grow into one)."""
+    starts = [i for i in (text.find(m, 1) for m in _OPENS) if i > 0 and (end is None or i < end)]
+    if starts:
+        return min(starts)
+    return end if end is not None else len(text) - max(partial_suffix(text, m) for m in _OPENS)
+
+
 def detect(chat_template: str | None) -> bool:
     """Whether a chat template is harmony's (GPT-OSS's)."""
     return bool(chat_template) and CHANNEL in chat_template and MESSAGE in chat_template
@@ -94,9 +103,7 @@ class HarmonyReader:
             if any(m.startswith(text) for m in _OPENS):  # a marker's first characters: wait
                 self._header = text
                 return False
-            # not harmony: content, up to where a message may begin
-            starts = [i for i in (text.find(m) for m in _OPENS) if i > 0]
-            cut = min(starts) if starts else len(text) - max(partial_suffix(text, m) for m in _OPENS)
+            cut = _next_open(text)  # not harmony: content, up to where a message may begin
             out.append(("text", text[:cut]))
             self._held = text[cut:]
             return True
@@ -104,9 +111,7 @@ class HarmonyReader:
         if at > _HEADER_LIMIT or at < 0 and len(text) > _HEADER_LIMIT:
             # no header ends so late: text, up to where a message may begin (as a stream that grew past the limit
             # before its <|message|> came would have let it out)
-            starts = [i for i in (text.find(m, 1) for m in _OPENS) if i > 0 and (at < 0 or i < at)]
-            cut = min(starts) if starts else at if at >= 0 else len(text) - max(partial_suffix(text, m)
-                                                                                   for m in _OPENS)
+            cut = _next_open(text, at if at >= 0 else None)
             out.append(("text", text[:cut]))
             self._held = text[cut:]
             return True

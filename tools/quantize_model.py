@@ -18,10 +18,14 @@ import glob
 import json
 import os
 import shutil
+import sys
 import zlib
 
 import torch
 from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # (run as a script from a checkout)
+from kernels.reference import MXFP4_LEVELS  # noqa: E402
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's order_map: nibble i of a word holds row 8 c + AWQ_ORDER[i]
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
@@ -80,7 +84,7 @@ def _int32(t: torch.Tensor) -> torch.Tensor:
     return torch.where(t >= 2**31, t - 2**32, t).to(torch.int32)
 
 
-FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # FP4 E2M1's magnitudes, a nibble's low 3 bits
+FP4 = torch.tensor(MXFP4_LEVELS[:8]) / 2  # FP4 E2M1's magnitudes (0, 0.5, ... 6), a nibble's low 3 bits
 
 
 def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,12 +102,7 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def mxfp4_checkpoint(dense: str, out: str) -> str:
     """Write ``out``: ``dense``'s GPT-OSS with its experts in MXFP4 (``*_blocks``, ``*_scales``, and the
     ``quantization_config`` OpenAI's checkpoints carry), the rest as it is."""
-    shutil.copytree(dense, out)
-    for f in glob.glob(os.path.join(out, "*.safetensors*")):
-        os.remove(f)
-    tensors = {}
-    for f in glob.glob(os.path.join(dense, "*.safetensors")):
-        tensors.update(load_file(f))
+    tensors = _copy_without_weights(dense, out)
     for name in [n for n in tensors if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]:
         w = tensors.pop(name).transpose(1, 2)  # (E, K, N) x W -> (E, N, K), outputs first
         parts = [quantize_mxfp4(x) for x in w]  # an expert at a time
@@ -112,6 +111,17 @@ def mxfp4_checkpoint(dense: str, out: str) -> str:
     save_file(tensors, os.path.join(out, "model.safetensors"))
     write_quantization_config(out, MXFP4_CONFIG)
     return out
+
+
+def _copy_without_weights(dense: str, out: str) -> dict[str, torch.Tensor]:
+    """``dense`` copied to ``out`` but its weights (and a sharded folder's index): its tensors, to write there."""
+    shutil.copytree(dense, out)
+    for f in glob.glob(os.path.join(out, "*.safetensors*")):
+        os.remove(f)
+    tensors = {}
+    for f in glob.glob(os.path.join(dense, "*.safetensors")):
+        tensors.update(load_file(f))
+    return tensors
 
 
 # what OpenAI's gpt-oss folders say of their MXFP4 experts
@@ -136,12 +146,7 @@ def quantize_checkpoint(dense: str, out: str, method: str = "awq", group: int = 
     for the layers reading one input, as GPTQ's one Hessian per input gives, unless ``shared_order`` is
     false; ``v1``: GPTQ's original format, zero points stored minus one). ``write_back``: also overwrite
     ``dense``'s linears with the exact weights ``out`` holds, a float32 reference for transformers."""
-    shutil.copytree(dense, out)
-    for f in glob.glob(os.path.join(out, "*.safetensors*")):  # the weights, and a sharded folder's index
-        os.remove(f)
-    tensors = {}
-    for f in glob.glob(os.path.join(dense, "*.safetensors")):
-        tensors.update(load_file(f))
+    tensors = _copy_without_weights(dense, out)
     quantized = {}
     for name, w in list(tensors.items()):
         prefix = name.removesuffix(".weight")
