@@ -343,15 +343,11 @@ def _load_gpt_oss(model: LlamaForCausalLM, m: re.Match, w: torch.Tensor, mxfp4: 
 
 def _mxfp4_packing(model: LlamaForCausalLM, index: dict[str, tuple[str, str]], device: torch.device,
                    tp: TPGroup | None) -> None:
-    """Keep GPT-OSS's MXFP4 experts so on the CPU (on one rank), where the C kernel multiplies ggml's MXFP4 blocks
-    as they are: gpt-oss-20b's experts in 10 GB, not 38 in bf16. Elsewhere (CUDA, tensor parallel,
-    ``TOKENMILL_CPU_LINEAR_ROWS=0``) they are widened at load."""
-    from kernels.cpu import matmul
-
+    """Keep GPT-OSS's MXFP4 experts so (as ggml's MXFP4 blocks) where a kernel multiplies them as they are
+    (``_packed_formats``): gpt-oss-20b's experts in 10 GB, not 38 in bf16. Elsewhere they are widened at load."""
     layers = [layer.mlp.experts for i, layer in enumerate(model.layers)  # (both parts: one format a layer)
               if all(f"model.layers.{i}.mlp.experts.{p}_blocks" in index for p in ("gate_up_proj", "down_proj"))]
-    if not layers or device.type != "cpu" or (tp is not None and tp.size > 1) or kernels.backend() != "auto" \
-            or not matmul.keep_packed():
+    if not layers or "mxfp4" not in _packed_formats(device, tp):
         if layers:
             log.info("MXFP4: the experts of %d layers widened to the model's dtype at load", len(layers))
         return
@@ -695,22 +691,24 @@ _GGUF_MOE_PARTS = {**{k: v for k, v in _GGUF_PARTS.items() if k.startswith("self
                    "mlp.shared_expert.down_proj": ("ffn_down_shexp",)}
 
 
-def _gguf_packing(path: str, model: LlamaForCausalLM, device: torch.device, tp: TPGroup | None) -> set[str]:
-    """Pack every layer whose GGUF tensors are in block formats the CPU's C kernel multiplies as they
-    are (``matmul.FORMATS``: Q4_0 to Q8_0, IQ4_NL, the K-quants, IQ4_XS), as llama.cpp keeps them: 2.6 to
-    8.5 bits a weight instead of 16 or 32, and the same numbers (their expansion is exact). A fused layer's parts
-    may differ (Q4_K_M's q|k|v: v in Q6_K in half the layers), as may experts' gate|up and down. Only on
-    the CPU, on one rank, where the CPU kernels say to (``matmul.keep_packed``). Returns the GGUF names
-    of the tensors to load packed."""
-    from kernels.cpu import matmul
+def _packed_formats(device: torch.device, tp: TPGroup | None) -> frozenset[str]:
+    """The block formats worth keeping packed here (``kernels.packed_formats``): none on several ranks (a rank's
+    columns would split blocks)."""
+    return frozenset() if tp is not None and tp.size > 1 else kernels.packed_formats(device)
 
-    if device.type != "cpu" or (tp is not None and tp.size > 1) or kernels.backend() != "auto" \
-            or not matmul.keep_packed():
+
+def _gguf_packing(path: str, model: LlamaForCausalLM, device: torch.device, tp: TPGroup | None) -> set[str]:
+    """Pack every layer whose GGUF tensors are in block formats a kernel multiplies as they are
+    (``_packed_formats``), as llama.cpp keeps them: 2.6 to 8.5 bits a weight instead of 16 or 32, and the same
+    numbers (their expansion is exact). A fused layer's parts may differ (Q4_K_M's q|k|v: v in Q6_K in half the
+    layers), as may experts' gate|up and down. Returns the GGUF names of the tensors to load packed."""
+    formats = _packed_formats(device, tp)
+    if not formats:
         return set()
     types = {t.name: t.tensor_type.name.lower() for t in _gguf_reader(path).tensors}
 
     def fits(name: str, k: int) -> bool:  # a format the kernel reads, in whole blocks along K
-        return types.get(name) in matmul.FORMATS and k % kernels.reference.PACKED_BLOCKS[types[name]][0] == 0
+        return types.get(name) in formats and k % kernels.reference.PACKED_BLOCKS[types[name]][0] == 0
 
     groups = [(model.embed_tokens, ["token_embd.weight"])]
     if not model.cfg.tie_word_embeddings:

@@ -19,8 +19,8 @@ Triton's packed kernels. Act-order GPTQ's groups are scattered over the columns:
 kept sorted by group (``permutation``), and the layer gathers its input in that order. Any other
 (groups of 16, act-order split over tensor-parallel ranks) is expanded to floats at load.
 
-GPT-OSS's experts come in MXFP4: on the CPU kept so (``mxfp4_to_packed``, 4.25 bits a weight), elsewhere widened
-to the model's dtype at load (``mxfp4_to_float``).
+GPT-OSS's experts come in MXFP4: kept so where a kernel reads it (``mxfp4_to_packed``, 4.25 bits a weight: the
+CPU's C kernel, Triton's fused MoE), else widened to the model's dtype at load (``mxfp4_to_float``).
 """
 
 from __future__ import annotations

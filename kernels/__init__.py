@@ -106,6 +106,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def packed_formats(device: torch.device) -> frozenset[str]:
+    """The block formats (``reference.PACKED_BLOCKS``) the kernels for ``device`` multiply as they are, so that
+    a loader keeps weights in them packed: Triton's (Q4_0, Q4_1, Q8_0, Q4_Z, MXFP4) on CUDA or with
+    ``TOKENMILL_KERNELS=triton``; on the CPU the C kernel's, unless turned off (``TOKENMILL_CPU_LINEAR_ROWS=0``);
+    none with the reference kernels or where Triton cannot be imported."""
+    if _backend == "reference":
+        return frozenset()
+    if _backend == "auto" and device.type == "cpu":
+        from kernels.cpu import matmul
+
+        return frozenset(matmul.FORMATS) if matmul.keep_packed() else frozenset()
+    t = _load_triton() if device.type == "cuda" or _backend == "triton" else None
+    return frozenset(t.PACKED_FORMATS) if t is not None else frozenset()
+
+
 def embedding(ids: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, packed: str | None = None) -> torch.Tensor:
     """Rows ``ids`` of ``weight`` in ``dtype``; ``packed`` as for ``linear``: only those rows expanded."""
     if packed is None:
@@ -144,12 +159,16 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
               bias13: torch.Tensor | None = None, bias2: torch.Tensor | None = None,
               act: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """The routed experts of a mixture of experts (``reference.fused_moe``). ``packed``: the experts'
-    weights are uint8 rows of blocks in that format (w2's in ``packed_down``, default the same), each
-    expert's (E, N, bytes) slice multiplied as ``linear`` multiplies a packed weight, in the reference's
-    loop over experts. GPT-OSS's: ``bias13``, ``bias2`` and ``act`` (None: SiLU-and-mul), the reference's."""
+    weights are uint8 rows of blocks in that format (w2's in ``packed_down``, default the same): Triton's
+    fused MoE expands them in its GEMMs where it reads both formats; elsewhere each expert's (E, N, bytes)
+    slice is multiplied as ``linear`` multiplies a packed weight, in the reference's loop over experts.
+    GPT-OSS's: ``bias13``, ``bias2`` and ``act`` (None: SiLU-and-mul), the reference's."""
     extra = {"bias13": bias13, "bias2": bias2} | ({"act": act} if act is not None else {})
     if packed is not None:
         down = packed_down or packed
+        module = _pick(x)
+        if module is _triton and {packed, down} <= module.PACKED_FORMATS.keys():
+            return module.fused_moe(x, w13, w2, topk_weights, topk_ids, packed=packed, packed_down=down, **extra)
         return reference.fused_moe(x, w13, w2, topk_weights, topk_ids,
                                    linear=lambda a, w: _pick(a).linear_packed(a, w, packed),
                                    linear_down=lambda a, w: _pick(a).linear_packed(a, w, down), **extra)

@@ -96,6 +96,26 @@ def make_tiny_model(out_dir: str, arch: str, tokenizer_dir: str | None, seed: in
     return out_dir
 
 
+def make_tiny_mxfp4_gpt_oss(out_dir: str, tokenizer_dir: str | None) -> str:
+    """A tiny GPT-OSS as OpenAI ships it: its experts in MXFP4 (``*_blocks``, ``*_scales``: random nibbles, every
+    FP4 value, and scales 2^-6..2^-3; config quant_method mxfp4)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from tools.quantize_model import MXFP4_CONFIG, write_quantization_config
+
+    path = make_tiny_model(out_dir, "gpt_oss", tokenizer_dir, seed=2, intermediate_size=64)
+    file = os.path.join(path, "model.safetensors")
+    tensors, g = load_file(file), torch.Generator().manual_seed(0)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, k, n = tensors.pop(name).shape  # (E, K, N): x W
+        tensors[name + "_blocks"] = torch.randint(0, 256, (e, n, k // 32, 16), generator=g, dtype=torch.uint8)
+        tensors[name + "_scales"] = torch.randint(121, 125, (e, n, k // 32), generator=g, dtype=torch.uint8)
+    save_file(tensors, file)
+    write_quantization_config(path, MXFP4_CONFIG)
+    return path
+
+
 def _save_random(model, out_dir: str, tokenizer_dir: str | None, gemma: bool, biases: bool = False) -> None:
     """Save ``model`` with its random init scaled up (tiny, it leaves logits all ties) and its norms not all
     ones, the tokenizer of ``tokenizer_dir`` beside it; ``biases``: every bias and sink random too (GPT-OSS)."""

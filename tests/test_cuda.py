@@ -72,6 +72,22 @@ def test_fp32_greedy_equals_transformers(arch, tmp_path):
     free_gpu()
 
 
+def test_gpt_oss_mxfp4_experts_kept_packed_on_the_gpu(tmp_path):
+    """GPT-OSS's MXFP4 experts stay packed on CUDA (Triton's fused MoE expands them in registers): in fp32 the same
+    greedy tokens as on the CPU, whose C kernel multiplies the same exact values."""
+    from tools.quantize_model import mxfp4_checkpoint
+
+    path = build(str(tmp_path / "bf16"), "gpt_oss", torch.float32, seed=1, **TINY, **GPT_OSS)
+    folder = mxfp4_checkpoint(path, str(tmp_path / "mxfp4"))
+    llm = LLM(folder, device="cuda", dtype="float32", num_kv_blocks=256, max_model_len=512)
+    assert llm.engine.runner.model.layers[0].mlp.experts.packed == "mxfp4"
+    outs = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    del llm
+    free_gpu()
+    cpu = LLM(folder, device="cpu", dtype="float32", num_kv_blocks=256, max_model_len=512)
+    assert outs == [o.token_ids for o in cpu.generate(PROMPTS, GREEDY)]
+
+
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
 def test_fp8_kv_cache_greedy_equals_transformers_with_its_cache_rounded_alike(kv, tmp_path):
     """fp32 weights, an fp8 KV cache (Triton's integer fp8 arithmetic, decode in CUDA graphs): each token is

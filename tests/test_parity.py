@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import kernels.reference as ref
 from engine import LLM, SamplingParams
-from tests.conftest import make_tiny_gemma3_multimodal, make_tiny_model
+from tests.conftest import make_tiny_gemma3_multimodal, make_tiny_model, make_tiny_mxfp4_gpt_oss
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog because",
@@ -281,19 +281,7 @@ def test_gpt_oss_mxfp4_experts_hold_transformers_values(tmp_path, smollm_tokeniz
     """GPT-OSS as OpenAI ships it: the experts in MXFP4 (``*_blocks``, ``*_scales``, config quant_method mxfp4),
     widened at load, or kept packed for the CPU's C kernel: exactly transformers' values either way (every nibble,
     scales of 2^-6..2^-3), greedy output equal."""
-    from safetensors.torch import load_file, save_file
-
-    from tools.quantize_model import MXFP4_CONFIG, write_quantization_config
-
-    path = make_tiny_model(str(tmp_path / "mx"), "gpt_oss", smollm_tokenizer_dir, seed=2, intermediate_size=64)
-    file = os.path.join(path, "model.safetensors")
-    tensors, g = load_file(file), torch.Generator().manual_seed(0)
-    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-        e, k, n = tensors.pop(name).shape  # (E, K, N): x W
-        tensors[name + "_blocks"] = torch.randint(0, 256, (e, n, k // 32, 16), generator=g, dtype=torch.uint8)
-        tensors[name + "_scales"] = torch.randint(121, 125, (e, n, k // 32), generator=g, dtype=torch.uint8)
-    save_file(tensors, file)
-    write_quantization_config(path, MXFP4_CONFIG)
+    path = make_tiny_mxfp4_gpt_oss(str(tmp_path / "mx"), smollm_tokenizer_dir)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()  # (widened: no GPU kernels here)
     for rows in ("0", "64"):  # widened at load (torch's GEMM only), and kept packed for the C kernel
         monkeypatch.setenv("TOKENMILL_CPU_LINEAR_ROWS", rows)

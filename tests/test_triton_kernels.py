@@ -300,6 +300,26 @@ def test_triton_fused_moe_with_gpt_oss_biases_and_activation_matches_reference(d
     assert not torch.allclose(want, ref.fused_moe(x, w13, w2, weights, ids), atol=1e-2)  # (biases, act: used)
 
 
+@pytest.mark.parametrize("fmt,down", [("mxfp4", "mxfp4"), ("q4_0", "q8_0")])
+@pytest.mark.parametrize("dtype,t,h,i,e,k", MOE_CASES[:3], ids=map(case_id, MOE_CASES[:3]))
+def test_triton_fused_moe_packed_matches_reference(fmt, down, dtype, t, h, i, e, k, poison):
+    """Experts kept packed (GPT-OSS's MXFP4; a GGUF file's gate|up and down in two formats), expanded in the
+    GEMMs' registers: as the reference's loop over experts multiplies them (``linear_packed``), with and without
+    GPT-OSS's biases and activation."""
+    h, i = (h + 31) // 32 * 32, (i + 31) // 32 * 32  # (whole blocks along K)
+    w13 = packed_weight(fmt, e * 2 * i, h).view(e, 2 * i, -1)
+    w2 = packed_weight(down, e * h, i).view(e, h, -1)
+    x = randn(t, h, dtype=dtype)
+    weights, ids = torch.softmax(randn(t, e), dim=-1).topk(k, dim=-1)
+    act = functools.partial(ref.swiglu_oai, alpha=1.702, limit=1.5)
+    for extra in ({}, dict(bias13=randn(e, 2 * i, dtype=dtype), bias2=randn(e, h, dtype=dtype), act=act)):
+        out = tri.fused_moe(x, w13, w2, weights, ids, packed=fmt, packed_down=down, **extra)
+        want = ref.fused_moe(x, w13, w2, weights, ids, linear=lambda a, w: ref.linear_packed(a, w, fmt),
+                             linear_down=lambda a, w: ref.linear_packed(a, w, down), **extra)
+        tol = TOL[dtype] if dtype == F32 else dict(rtol=0, atol=0.025 * float(want.abs().max()))
+        torch.testing.assert_close(out.float(), want.float(), **tol)
+
+
 def test_triton_fused_moe_align_pads_each_expert_to_blocks():
     from kernels.triton.moe import _align
 
@@ -321,6 +341,18 @@ def test_triton_fused_moe_refuses():
         tri.fused_moe(x, w13, w2, weights.half(), ids)
     with pytest.raises(ValueError, match="both be"):
         tri.fused_moe(x, w13, w2, weights[:2], ids[:2])
+    packed13, packed2 = packed_weight("mxfp4", 4 * 64, 32).view(4, 64, 17), packed_weight("mxfp4", 4 * 32, 32)
+    packed2 = packed2.view(4, 32, 17)  # (E, H, I / 32 * 17) for H = I = 32
+    assert tri.fused_moe(randn(3, 32), packed13, packed2, weights, ids, packed="mxfp4").shape == (3, 32)
+    with pytest.raises(ValueError, match=r"w2 must be \(4, 32, 17\), uint8 rows of mxfp4 blocks"):
+        tri.fused_moe(randn(3, 32), packed13, packed_weight("mxfp4", 4 * 32, 64).view(4, 32, 34), weights, ids,
+                      packed="mxfp4")
+    with pytest.raises(ValueError, match="unknown packed format 'q5_k'"):
+        tri.fused_moe(randn(3, 32), packed13, packed2, weights, ids, packed="q5_k")
+    with pytest.raises(ValueError, match="need the hidden size in whole blocks of 32, got 48"):
+        tri.fused_moe(randn(3, 48), packed13, packed2, weights, ids, packed="mxfp4")
+    with pytest.raises(ValueError, match="w13 must be one of torch.uint8"):
+        tri.fused_moe(randn(3, 32), packed13.float(), packed2, weights, ids, packed="mxfp4")
 
 
 # ---------------------------------------------------------------- packed linear
@@ -328,8 +360,11 @@ def test_triton_fused_moe_refuses():
 
 def packed_weight(fmt: str, n: int, k: int) -> torch.Tensor:
     """Random (N, K / 32 * block bytes) rows of ``fmt`` blocks with sensible fp16 scales (and Q4_1
-    minima, Q4_Z zero points from 0 to 16)."""
+    minima, Q4_Z zero points from 0 to 16; MXFP4's scales 2^-7..2^-3)."""
     blocks = torch.randint(0, 256, (n, k // 32, ref.PACKED_BLOCKS[fmt][1]), generator=gen(), dtype=torch.uint8)
+    if fmt == "mxfp4":
+        blocks[..., 0] = torch.randint(121, 126, (n, k // 32), generator=gen(), dtype=torch.uint8)
+        return blocks.reshape(n, -1).to(DEVICE)
     blocks[..., 0:2] = (torch.rand(n, k // 32, 1, generator=gen()) * 0.1 + 0.01).half().view(torch.uint8)
     if fmt == "q4_1":
         blocks[..., 2:4] = (torch.rand(n, k // 32, 1, generator=gen()) - 0.5).half().view(torch.uint8)
@@ -343,7 +378,7 @@ PACKED_CASES = [(F32, 1, 40, 64), (F32, 17, 33, 96), (BF16, 5, 64, 32), (F16, 3,
                 (BF16, 140, 40, 64)]
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "q4_z"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "q4_z", "mxfp4"])
 @pytest.mark.parametrize("dtype,m,n,k", PACKED_CASES, ids=map(case_id, PACKED_CASES))
 def test_triton_linear_packed_matches_reference(fmt, dtype, m, n, k, poison):
     """Against F.linear on the exact weights in float32; 16-bit: the weights rounded to x's dtype
@@ -356,6 +391,20 @@ def test_triton_linear_packed_matches_reference(fmt, dtype, m, n, k, poison):
         tol = TOL[dtype] if dtype == F32 else dict(rtol=TOL[dtype]["rtol"], atol=1e-2 * float(want.abs().max()))
         torch.testing.assert_close(out.float(), want, **tol)
     assert tri.linear_packed(x.view(1, m, k), w, fmt).shape == (1, m, n)  # leading dims kept
+
+
+def test_triton_linear_packed_expands_mxfp4_exactly():
+    """MXFP4's weights 2^(e - 128) MXFP4_LEVELS[q] bit for bit as the reference's, for every scale byte but those
+    whose 12 overflows float32 (subnormal scales included; -0 a 0), and every nibble: x one-hot, so y is the weights
+    themselves, through the register path and the expanded one (more rows than EXPAND_ROWS)."""
+    w = packed_weight("mxfp4", 251, 32)  # row e: one block of scale byte e
+    w[:, 0] = torch.arange(251, dtype=torch.uint8, device=DEVICE)
+    w[128, 1:] = torch.arange(16, dtype=torch.uint8, device=DEVICE) * 17  # every nibble, in both halves
+    dense = ref.dequantize(w, "mxfp4")  # (251, 32)
+    assert dense[128, :16].tolist() == [*range(4), 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]
+    for rows in (1, 5):  # 32 rows, 160 (expanded)
+        x = torch.eye(32, device=DEVICE).repeat(rows, 1)
+        assert torch.equal(tri.linear_packed(x, w, "mxfp4"), dense.t().repeat(rows, 1))
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16])
@@ -488,6 +537,54 @@ def test_triton_engine_greedy_equals_reference(tiny_llama, kv, monkeypatch):
         outs[name] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outs["triton"] == outs["reference"]
     assert {"paged_decode_attention", "paged_prefill_attention", "fused_add_rms_norm"} <= set(calls)
+
+
+def test_triton_engine_gpt_oss_mxfp4_kept_packed_greedy_equals_reference(tmp_path, smollm_tokenizer_dir, monkeypatch):
+    """GPT-OSS's MXFP4 experts kept packed where Triton's fused MoE multiplies them (as on CUDA): the same greedy
+    tokens as the reference kernels on the experts widened at load."""
+    from engine import LLM, SamplingParams
+    from tests.conftest import make_tiny_mxfp4_gpt_oss
+
+    path = make_tiny_mxfp4_gpt_oss(str(tmp_path / "mx"), smollm_tokenizer_dir)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    prompts = [[(11 * i + 5 * j) % 5000 + 3 for j in range(n)] for i, n in enumerate([3, 20])]
+    outs, calls = {}, []
+    for name in ("reference", "triton"):
+        monkeypatch.setattr(kernels, "_backend", name)
+        if name == "triton":
+            monkeypatch.setattr(tri, "fused_moe", lambda *a, _real=tri.fused_moe, **k: calls.append(k) or _real(*a, **k))
+        llm = LLM(path, device=DEVICE, dtype="float32", num_kv_blocks=64, max_model_len=128, max_num_batched_tokens=16)
+        assert llm.engine.runner.model.layers[0].mlp.experts.packed == (None if name == "reference" else "mxfp4")
+        outs[name] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert outs["triton"] == outs["reference"]
+    assert calls and all(k["packed"] == "mxfp4" for k in calls)
+
+
+def test_triton_engine_gguf_kept_packed_greedy_equals_reference(tmp_path, smollm_tokenizer_dir, monkeypatch):
+    """A GGUF file's matrices in formats Triton reads kept packed (as on CUDA): GPT-OSS's MXFP4 experts through
+    the fused MoE, its Q8_0 attention through ``linear_packed``; the same greedy tokens as the reference kernels
+    on the matrices expanded at load."""
+    from engine import LLM, SamplingParams
+    from tests.conftest import make_tiny_model
+    from tools.write_gguf import write_gguf
+
+    path = make_tiny_model(str(tmp_path / "gpt_oss"), "gpt_oss", smollm_tokenizer_dir, seed=5, intermediate_size=64,
+                           swiglu_limit=7.0)
+    gguf = str(tmp_path / "mx.gguf")
+    write_gguf(path, gguf, "gpt-oss", lambda name: "MXFP4" if "_exps." in name else "Q8_0" if ".attn_" in name
+               else None)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    prompts = [[(11 * i + 5 * j) % 5000 + 3 for j in range(n)] for i, n in enumerate([3, 20])]
+    outs = {}
+    for name in ("reference", "triton"):
+        monkeypatch.setattr(kernels, "_backend", name)
+        llm = LLM(gguf, tokenizer=path, device=DEVICE, dtype="float32", num_kv_blocks=64, max_model_len=128,
+                  max_num_batched_tokens=16)
+        layer = llm.engine.runner.model.layers[0]
+        assert (layer.mlp.experts.packed, layer.self_attn.qkv_proj.packed) == (
+            (None, None) if name == "reference" else ("mxfp4", "q8_0"))
+        outs[name] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert outs["triton"] == outs["reference"]
 
 
 def test_triton_engine_moe_greedy_equals_reference(tmp_path, smollm_tokenizer_dir, monkeypatch):

@@ -341,7 +341,7 @@ class ModelConfig:
         if isinstance(quant, dict) and str(quant.get("quant_method", "")).lower() == "mxfp4":
             if not arch.get("gpt_oss"):
                 raise ValueError(f"MXFP4 checkpoints are read for GPT-OSS's experts only, not {model_type}'s")
-            quant = None  # GPT-OSS's experts, in MXFP4 blocks: widened to the model's dtype at load (engine.loader)
+            quant = None  # GPT-OSS's experts, in MXFP4 blocks: kept so or widened at load (engine.loader)
         if arch.get("moe") and quant:
             raise ValueError(f"int4 (AWQ, GPTQ) checkpoints of a mixture of experts ({model_type}) are not supported "
                              f"yet: load its bf16 checkpoint, or a GGUF file")

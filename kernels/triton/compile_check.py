@@ -95,7 +95,16 @@ def variants(everything: bool):
                                   "weight_ptr": "*fp32", "pairs_ptr": "*i32", "experts_ptr": "*i32",
                                   "total_ptr": "*i64"},
                dict(A_ROWS_PER=1 if weighted else 8, MUL_WEIGHT=weighted, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=32,
-                    PRECISION="ieee" if dt == "fp32" else "tf32", DOT_F32=False), ())
+                    PRECISION="ieee" if dt == "fp32" else "tf32", DOT_F32=False, FMT=-1, BLOCK_BYTES=0, QUANTS=0), ())
+    # packed experts: GPT-OSS's MXFP4 in each dtype, both ways; a GGUF file's formats in bf16
+    for dt, fmt, weighted in [(dt, "mxfp4", w) for dt in dtypes for w in (False, True)] + \
+            [("bf16", fmt, True) for fmt in FORMATS if fmt != "mxfp4"]:
+        yield (_moe_gemm_kernel, {"a_ptr": f"*{dt}", "b_ptr": "*u8", "c_ptr": "*fp32" if weighted else f"*{dt}",
+                                  "weight_ptr": "*fp32", "pairs_ptr": "*i32", "experts_ptr": "*i32",
+                                  "total_ptr": "*i64"},
+               dict(A_ROWS_PER=1 if weighted else 4, MUL_WEIGHT=weighted, BLOCK_M=16, BLOCK_N=64, BLOCK_K=32,
+                    PRECISION="ieee" if dt == "fp32" else "tf32", DOT_F32=False, FMT=FORMATS[fmt],
+                    BLOCK_BYTES=PACKED_BLOCKS[fmt][1], QUANTS=_quants(fmt)), ())
     for dt in dtypes:
         for (fmt, number), block_m, split in itertools.product(FORMATS.items(), (16, 32), (False, True)):
             yield (_linear_packed_kernel, {"x_ptr": f"*{dt}", "w_ptr": "*u8", "b_ptr": f"*{dt}", "y_ptr": f"*{dt}",

@@ -1,6 +1,6 @@
 """``y = x W^T (+ b)`` with W kept packed in blocks of 32 along K (twin of
-``kernels.reference.linear_packed``): GGUF's Q4_0, Q4_1 and Q8_0, and Q4_Z, the form AWQ and
-GPTQ int4 checkpoints load into (``engine/quant.py``).
+``kernels.reference.linear_packed``): GGUF's Q4_0, Q4_1 and Q8_0, Q4_Z, the form AWQ and GPTQ int4
+checkpoints load into (``engine/quant.py``), and MXFP4, GPT-OSS's experts (``kernels.triton.moe``).
 
 One program per tile of BLOCK_M rows of x by BLOCK_N rows of W; each of W's blocks is read
 once per tile, expanded in registers (exactly, in float32: an fp16 scale times a small integer)
@@ -21,8 +21,10 @@ from kernels import reference
 from kernels.triton.attention_common import dot_args
 from kernels.triton.launch import check_tensor, interpreting, require, sm_count
 
-# the kernel's FMT for each format it reads (the blocks of 32 but Q5's: GGUF's stay packed on the CPU only)
-FORMATS = {fmt: n for fmt, n in reference.PACKED_FORMATS.items() if fmt in ("q4_0", "q4_1", "q8_0", "q4_z")}
+# the kernel's FMT for each format it reads (the blocks of 32 but Q5's and IQ4_NL: GGUF's stay packed on the
+# CPU only)
+FORMATS = {fmt: n for fmt, n in reference.PACKED_FORMATS.items() if fmt in ("q4_0", "q4_1", "q8_0", "q4_z", "mxfp4")}
+MXFP4: tl.constexpr = tl.constexpr(FORMATS["mxfp4"])
 EXPAND_ROWS = 128  # past this many rows of x, the weight is expanded once for torch's GEMM
 BLOCK_N = 32
 MIN_SPLIT_BLOCKS = 4  # a split of K covers at least this many blocks of 32
@@ -40,18 +42,25 @@ def _half(p, mask):
 def _expand(blk, ok, FMT: tl.constexpr, QUANTS: tl.constexpr):
     """The blocks at byte pointers ``blk`` (BLOCK_N,), where ``ok``, as float32 (32, BLOCK_N): exact."""
     j = tl.arange(0, 32)[:, None]  # a block's weights
-    d = _half(blk, ok)[None, :]  # (1, BLOCK_N)
     if FMT == 2:  # Q8_0: d q, q int8
         q = tl.load(blk[None, :] + QUANTS + j, mask=ok[None, :], other=0)
-        return d * q.to(tl.int8, bitcast=True).to(tl.float32)
+        return _half(blk, ok)[None, :] * q.to(tl.int8, bitcast=True).to(tl.float32)
     # 4-bit: weight j in the low half of byte j % 16 for j < 16, in the high half after
     byte = tl.load(blk[None, :] + QUANTS + j % 16, mask=ok[None, :], other=0).to(tl.int32)
-    q = ((byte >> (j // 16 * 4)) & 15).to(tl.float32)
+    q = (byte >> (j // 16 * 4)) & 15
+    if FMT == MXFP4:  # 2^(e - 128) MXFP4_LEVELS[q]: FP4 E2M1 doubled (0, 1, 2, 3, 4, 6, 8, 12), the sign in bit 3
+        e = tl.load(blk, mask=ok, other=0).to(tl.int32)[None, :]  # (1, BLOCK_N)
+        # 2^(e - 128) from its float32 bits: normal from e = 2 up, subnormal below (exact either way)
+        d = tl.where(e >= 2, (e - 1) << 23, 1 << (21 + tl.minimum(e, 1))).to(tl.float32, bitcast=True)
+        m = q & 7
+        level = tl.where(m < 2, m, ((2 + (m & 1)) << (m >> 1)) >> 1)
+        return d * tl.where(q >= 8, -level, level).to(tl.float32)
+    d = _half(blk, ok)[None, :]  # (1, BLOCK_N)
     if FMT == 0:  # Q4_0: d (q - 8)
-        return d * (q - 8.0)
+        return d * (q.to(tl.float32) - 8.0)
     if FMT == 1:  # Q4_1: d q + m
-        return d * q + _half(blk + 2, ok)[None, :]
-    return d * (q - _half(blk + 2, ok)[None, :])  # Q4_Z: d (q - z)
+        return d * q.to(tl.float32) + _half(blk + 2, ok)[None, :]
+    return d * (q.to(tl.float32) - _half(blk + 2, ok)[None, :])  # Q4_Z: d (q - z)
 
 
 @triton.jit
@@ -159,5 +168,6 @@ def _auto_splits(m: int, n: int, k: int, device: torch.device) -> int:
 
 
 def _quants(fmt: str) -> int:
-    """Where a block's integers start: after its scale, and Q4_1's minimum or Q4_Z's zero point."""
-    return 2 if fmt in ("q4_0", "q8_0") else 4
+    """Where a block's integers start: after its scale (MXFP4's: a byte), and Q4_1's minimum or Q4_Z's zero
+    point."""
+    return {"mxfp4": 1, "q4_0": 2, "q8_0": 2}.get(fmt, 4)
