@@ -31,7 +31,7 @@ from frontends.metrics import Metrics
 log = logging.getLogger("tokenmill.access")
 
 MAX_PROMPT_CHARS = 2000
-_QUIET = frozenset({"/health", "/metrics"})
+_QUIET = frozenset({"/health", "/ping", "/metrics"})
 
 
 @dataclass

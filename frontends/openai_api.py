@@ -138,6 +138,9 @@ class OpenAIApi:
         router = router or Router()
         routes = [
             ("GET", "/health", self.health),
+            ("GET", "/ping", self.health),  # SageMaker's, as vLLM answers them
+            ("POST", "/ping", self.health),
+            ("POST", "/invocations", self.invocations),
             ("POST", "/v1/completions", self.completions),
             ("POST", "/v1/chat/completions", self.chat_completions),
             ("POST", "/v1/responses", self.responses),
@@ -157,10 +160,11 @@ class OpenAIApi:
         if self.client.ready.max_loras:  # (the engine's VLLM_ALLOW_RUNTIME_LORA_UPDATING)
             routes += [("POST", "/v1/load_lora_adapter", self.load_lora_adapter),
                        ("POST", "/v1/unload_lora_adapter", self.unload_lora_adapter)]
-        open_paths = {"/health", *(["/metrics"] if self.metrics_no_auth else [])}
+        open_paths = {"/health", "/ping", *(["/metrics"] if self.metrics_no_auth else [])}
         for method, path, handler in routes:
-            # every POST here takes a JSON body; /health stays open for load balancers
-            guarded = self.auth.guard(handler, key=path not in open_paths, json_body=method == "POST")
+            # /health and /ping stay open for load balancers; every other POST takes a JSON body
+            json_body = method == "POST" and path != "/ping"
+            guarded = self.auth.guard(handler, key=path not in open_paths, json_body=json_body)
             router.add(method, path, shaped_errors(guarded, anthropic.error_body) if path.startswith("/v1/messages")
                        else guarded)
             router.add("OPTIONS", path, self.auth.preflight)
@@ -336,6 +340,24 @@ class OpenAIApi:
         return {"prompt": await self._offload(len(tokens), self.codec.decode, tokens)}
 
     # ------------------------------------------------------------------ completions
+
+    async def invocations(self, req: Request) -> Response | StreamingResponse:
+        """SageMaker's one endpoint, as vLLM serves it: the body's fields say which API it is for (the first that
+        fits, in vLLM's order)."""
+        data = op.parse_json(req.body)
+        if "messages" in data:
+            return await self._run(req, data, self.chat_job)
+        if "prompt" in data:
+            return await self._run(req, data, self.completion_job)
+        if "input" in data:
+            return await self._embed(req, data, embeddings_job, data.get("input"))
+        if "text_1" in data:
+            return await self._embed(req, data, score_job, data.get("text_1"))
+        if "query" in data:
+            return await self._embed(req, data, rerank_job, data.get("query"))
+        raise ApiError(400, "An /invocations body names its API by its fields: 'messages' (chat completions), "
+                       "'prompt' (completions), 'input' (embeddings), 'text_1' and 'text_2' (score), 'query' and "
+                       "'documents' (rerank); this one has none of them")
 
     async def completions(self, req: Request) -> Response | StreamingResponse:
         return await self._run(req, op.parse_json(req.body), self.completion_job)
@@ -576,9 +598,12 @@ class OpenAIApi:
 
     # ------------------------------------------------------------------ running a generation
 
-    def _include_usage(self, data: dict) -> bool:
+    def _include_usage(self, data: dict) -> tuple[bool, bool]:
+        """``stream_options``: a usage chunk last (``include_usage``, or the server's flag), and with it the usage so
+        far in every chunk (vLLM's ``continuous_usage_stats``)."""
         opts = op.field(data, "stream_options", dict, {})
-        return bool(op.field(opts, "include_usage", bool, False)) or self.force_include_usage
+        usage = bool(op.field(opts, "include_usage", bool, False)) or self.force_include_usage
+        return usage, usage and bool(op.field(opts, "continuous_usage_stats", bool, False))
 
     @staticmethod
     def _seeded(base):
@@ -595,7 +620,9 @@ class OpenAIApi:
         info = req.meta = CallInfo(prompt=data.get("messages", data.get("prompt", data.get("input"))))  # access log
         stream = op.field(data, "stream", bool, False)
         gen, fmt = await job(data, req.started)
-        include_usage = stream and fmt.DONE and self._include_usage(data)  # (a Response has its usage in it)
+        include_usage = False
+        if stream and fmt.DONE:  # (a Response has its usage in it)
+            include_usage, fmt.continuous_usage = self._include_usage(data)
         req.id, info.gen = gen.api_id, gen  # the access log and x-request-id name the call by its own id
         gen.start()
         try:
@@ -653,8 +680,14 @@ class _SseFormat:
 
     DONE = _DONE  # the stream's last line
     token_name: Callable[[int], str]
+    gen: Generation
     return_token_ids = False
     prompt_logprobs: int | None = None
+    continuous_usage = False  # every chunk carries the usage so far (``continuous_usage_stats``)
+
+    def event(self, body: dict) -> bytes:
+        """A chunk of the stream."""
+        return _sse(body | {"usage": self.gen.usage()} if self.continuous_usage else body)
 
     def prompt_lp(self, choice) -> list | None:
         """vLLM's ``prompt_logprobs`` of a choice's prompt: per token (the first None) ``{"id": {"logprob",
@@ -778,7 +811,7 @@ class _CompletionFormat(_SseFormat):
             if self.return_token_ids:
                 choice["token_ids"] = up.token_ids
             choices.append(choice)
-        return _sse({**self.base, "choices": choices}) if choices else b""
+        return self.event({**self.base, "choices": choices}) if choices else b""
 
     def delta_logprobs(self, up: Update) -> dict | None:
         """One update's logprobs in this endpoint's shape (None when not asked for)."""
@@ -900,7 +933,7 @@ class _ChatFormat(_SseFormat):
                                        self.gen.choices[0]))
 
     def stream_head(self) -> bytes:
-        return _sse({**self.base, **self._prompt_fields(), "choices": [
+        return self.event({**self.base, **self._prompt_fields(), "choices": [
             {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
              "finish_reason": None} for c in self.gen.choices]})
 
@@ -921,7 +954,7 @@ class _ChatFormat(_SseFormat):
             if self.return_token_ids:
                 choice["token_ids"] = up.token_ids
             choices.append(choice)
-        return _sse({**self.base, "choices": choices}) if choices else b""
+        return self.event({**self.base, "choices": choices}) if choices else b""
 
     def finish_reason(self, choice) -> str | None:
         if self.answers is None:

@@ -164,6 +164,27 @@ def test_stream_completion_with_usage(client, tok):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
+def test_stream_continuous_usage_stats_in_every_chunk(client, tok):
+    """vLLM's ``stream_options.continuous_usage_stats``: every chunk carries the usage so far, the last one the
+    whole; only with include_usage, as in vLLM."""
+    ids = tok.encode("streaming tokens one at a time", add_special_tokens=False)
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    for chunks in (list(client.completions.create(model=MODEL, prompt=ids, max_tokens=len(ids), stream=True,
+                                                  stream_options=opts)),
+                   list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                       max_tokens=len(ids), stream=True, stream_options=opts))):
+        counts = [c.usage.completion_tokens for c in chunks]  # (the fake engine's tokens may come all at once)
+        assert counts == sorted(counts) and counts[-1] == counts[-2] == len(ids)
+        assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+        assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == chunks[0].usage.prompt_tokens > 0
+    chunks = list(client.completions.create(model=MODEL, prompt=ids, max_tokens=2, stream=True,
+                                            stream_options={"continuous_usage_stats": True}))
+    assert all(c.usage is None for c in chunks)
+    with pytest.raises(openai.BadRequestError, match="continuous_usage_stats"):
+        client.completions.create(model=MODEL, prompt=ids, max_tokens=2, stream=True,
+                                  stream_options={"include_usage": True, "continuous_usage_stats": "yes"})
+
+
 def test_stream_chat_role_first(client):
     chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}],
                                                  max_tokens=5, stream=True))
@@ -319,6 +340,27 @@ def test_fake_engine_prefix_cache():
 def test_health(stack):
     r = get(stack[1], "/health", key=None)  # no key needed
     assert r.status_code == 200
+
+
+def test_sagemakers_ping_and_invocations(stack, tok):
+    """SageMaker's endpoints, as vLLM serves them: /ping (GET or POST, no key, no body) is /health; /invocations
+    runs the API its body's fields name."""
+    port = stack[1]
+    assert get(port, "/ping", key=None).json()["status"] == "ok"
+    assert call(port, "POST", "/ping", key=None).json()["status"] == "ok"
+    ids = tok.encode("abc def", add_special_tokens=False)
+    r = post(port, "/invocations", {"model": MODEL, "prompt": ids, "max_tokens": len(ids)}).json()
+    assert (r["object"], r["choices"][0]["text"]) == ("text_completion", "abc def")
+    r = post(port, "/invocations", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert r.json()["object"] == "chat.completion" and r.json()["usage"]["completion_tokens"] == 2
+    r = post(port, "/invocations", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True})
+    assert r.text.startswith("data: ") and r.text.endswith("data: [DONE]\n\n")
+    r = post(port, "/invocations", {"model": MODEL, "input": "abc"}).json()
+    assert r["object"] == "list" and len(r["data"][0]["embedding"]) > 0
+    _err(post(port, "/invocations", {"model": MODEL, "text": "abc"}), 400)
+    assert "'messages' (chat completions)" in post(port, "/invocations", {}).json()["error"]["message"]
+    _err(post(port, "/invocations", {"prompt": "x", "max_tokens": -1}), 400)
+    _err(post(port, "/invocations", {"prompt": "x"}, key=None), 401)
 
 
 # ----------------------------------------------------------------------------- errors
