@@ -1,6 +1,6 @@
 """What of the GPU tools runs without a GPU: ``tools/gpu_check.sh``'s argument handling, the random-weight
 model builder (``tools/random_model.py``) at tiny sizes, and ``tools/bench_kernels.py`` saying that
-there is nothing to time."""
+there is nothing to time, its cases run at tiny sizes through Triton's interpreter."""
 
 from __future__ import annotations
 
@@ -66,3 +66,22 @@ def test_bench_kernels_without_cuda_has_nothing_to_time():
     assert r.returncode == 0, r.stderr
     assert "nothing to time" in r.stdout
     assert json.loads(r.stdout.splitlines()[-1]) == {"device": "cpu", "nothing_to_time": True, "results": []}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the kernels' own tests and the benchmark run them")
+def test_bench_kernels_cases_run_through_the_interpreter(monkeypatch):
+    """Every case ``tools/bench_kernels.py`` would time, built at tiny sizes on the CPU and run once, Triton's and
+    torch's alike: a GPU session's benchmark does not fail on its own code."""
+    from tools import bench_kernels as bench
+
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setitem(bench.MODELS, "tiny", (4, 2, 64, 96))
+    layers = (("moe", 64, 4, 32, 2, None), ("moe-mxfp4", 64, 4, 64, 2, "mxfp4"))
+    cases = [*bench.cases("tiny", 2, [24, 40], (2, 8)), *bench.moe_cases(3, 8, layers)]
+    kinds = {c.kernel for c in cases}
+    assert {"paged_decode_attention", "paged_prefill_attention", "linear_packed q4_z", "fused_moe",
+            "fused_moe mxfp4"} <= kinds
+    for c in cases:
+        assert c.nbytes > 0
+        c.triton()
+        c.torch()

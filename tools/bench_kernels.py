@@ -9,7 +9,8 @@ as in a busy cache; decode at ``--batch`` sequences for each ``--contexts`` leng
 through a sliding window of 1024: SDPA then over the window's keys alone, and over an fp8 cache), prefill of
 ``--prefill`` fresh prompts, the other kernels at the decode batch's and the prefill's token counts;
 the MLP's gate|up projection as Q4_Z blocks (an int4 checkpoint) at 1 row, the batch's and the prefill's;
-a mixture of experts' layer (Qwen3-30B-A3B's: 128 experts, 8 a token) at the same token counts.
+a mixture of experts' layer (Qwen3-30B-A3B's: 128 experts, 8 a token) at the same token counts, and
+gpt-oss-20b's (32 experts of 2880, 4 a token) with its experts in MXFP4 against them widened to bf16.
 Prints a table, then one JSON line. Without CUDA there is nothing to time: it says so (JSON too).
 
     python3 tools/bench_kernels.py [--batch 256] [--contexts 512,2048,8192] [--prefill 4x1024]
@@ -37,8 +38,11 @@ MODELS = {  # attention heads, KV heads, hidden size, MLP size
     "smollm2-135m": (9, 3, 576, 1536),
     "qwen2-0.5b": (14, 2, 896, 4864),
 }
-MOE = ("qwen3-30b-a3b", 2048, 128, 768, 8)  # a mixture of experts' layer: hidden, experts, their width, top k
+# a mixture of experts' layer: name, hidden, experts, their width, top k, the experts' packed format (or None)
+MOE = ("qwen3-30b-a3b", 2048, 128, 768, 8, None)
+MOE_MXFP4 = ("gpt-oss-20b", 2880, 32, 2880, 4, "mxfp4")  # (its experts as OpenAI ships them)
 HEAD_DIM, PAGE, DTYPE, ELT = 64, 16, torch.bfloat16, 2
+DEVICE = "cuda"  # (tests build the cases on the CPU, for Triton's interpreter)
 
 
 @dataclass
@@ -53,13 +57,13 @@ class Case:
 
 
 def randn(*shape: int) -> torch.Tensor:
-    return torch.randn(*shape, device="cuda", dtype=DTYPE)
+    return torch.randn(*shape, device=DEVICE, dtype=DTYPE)
 
 
 def paged(tokens_per_seq: int, seqs: int, hkv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """K and V caches holding ``seqs`` contexts in scattered blocks, and their block tables."""
     nblk = -(-tokens_per_seq // PAGE)
-    tables = torch.randperm(seqs * nblk, device="cuda", dtype=torch.int32).view(seqs, nblk)
+    tables = torch.randperm(seqs * nblk, device=DEVICE, dtype=torch.int32).view(seqs, nblk)
     return randn(seqs * nblk, PAGE, hkv, HEAD_DIM), randn(seqs * nblk, PAGE, hkv, HEAD_DIM), tables
 
 
@@ -78,7 +82,7 @@ def cases(model: str, batch: int, contexts: list[int], prefill: tuple[int, int])
         k_cache, v_cache, tables = paged(ctx, batch, hkv)
         if fp8:
             k_cache, v_cache = ref.to_cache(k_cache, torch.float8_e4m3fn), ref.to_cache(v_cache, torch.float8_e4m3fn)
-        lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+        lens = torch.full((batch,), ctx, device=DEVICE, dtype=torch.int32)
         q, k, v = randn(batch, h, d), randn(batch, hkv, span, d), randn(batch, hkv, span, d)
         yield Case("paged_decode_attention", model, f"B={batch} ctx={ctx}" + (f" window={window}" if window else "")
                    + (" fp8 cache" if fp8 else ""),
@@ -91,9 +95,9 @@ def cases(model: str, batch: int, contexts: list[int], prefill: tuple[int, int])
     seqs, plen = prefill
     t = seqs * plen
     k_cache, v_cache, tables = paged(plen, seqs, hkv)
-    lens = torch.full((seqs,), plen, device="cuda", dtype=torch.int32)
-    start = torch.arange(0, t + 1, plen, device="cuda", dtype=torch.int32)
-    q_index = start[:-1, None] + torch.arange(plen, device="cuda")  # (B, Q): every prompt is plen long
+    lens = torch.full((seqs,), plen, device=DEVICE, dtype=torch.int32)
+    start = torch.arange(0, t + 1, plen, device=DEVICE, dtype=torch.int32)
+    q_index = start[:-1, None] + torch.arange(plen, device=DEVICE)  # (B, Q): every prompt is plen long
     q, k, v = randn(seqs, h, plen, d), randn(seqs, hkv, plen, d), randn(seqs, hkv, plen, d)
     q_flat = q.transpose(1, 2).reshape(t, h, d)
     yield Case("paged_prefill_attention", model, f"{seqs}x{plen}", (2 * q.numel() + 2 * k.numel()) * ELT,
@@ -105,7 +109,7 @@ def cases(model: str, batch: int, contexts: list[int], prefill: tuple[int, int])
     for n in (batch, t):
         kv = randn(n, hkv, d), randn(n, hkv, d)
         caches = randn(n * 2, PAGE, hkv, d), randn(n * 2, PAGE, hkv, d)
-        slots = torch.randperm(n * 2 * PAGE, device="cuda")[:n]
+        slots = torch.randperm(n * 2 * PAGE, device=DEVICE)[:n]
         yield Case("store_kvcache", model, f"T={n}", 4 * kv[0].numel() * ELT + n * 8,
                    lambda kv=kv, c=caches, s=slots: tri.store_kvcache(*kv, *c, s),
                    lambda kv=kv, c=caches, s=slots: ref.store_kvcache(*kv, *c, s), eager)
@@ -119,7 +123,7 @@ def cases(model: str, batch: int, contexts: list[int], prefill: tuple[int, int])
         qkv = randn(n, (h + 2 * hkv) * d)
         # views of a fused qkv projection, as the model passes them
         qr, kr = qkv[:, :h * d].view(n, h, d), qkv[:, h * d:(h + hkv) * d].view(n, hkv, d)
-        angle = torch.rand(n, d // 2, device="cuda") * 6.3
+        angle = torch.rand(n, d // 2, device=DEVICE) * 6.3
         cos, sin = angle.cos().to(DTYPE), angle.sin().to(DTYPE)
         yield Case("apply_rope_", model, f"T={n}", (2 * n * (h + hkv) * d + 2 * cos.numel()) * ELT,
                    lambda q=qr, k=kr, c=cos, s=sin: tri.apply_rope_(q, k, c, s),
@@ -131,9 +135,9 @@ def cases(model: str, batch: int, contexts: list[int], prefill: tuple[int, int])
     # the MLP's gate|up projection and the attention output kept as Q4_Z blocks (an int4 checkpoint), against
     # the bf16 dense GEMM; the narrow one at decode sizes only (where the kernel splits K to fill the SMs)
     for n_out, rows in ((2 * inter, (1, batch, t)), (hidden, (1, batch))):
-        blocks = torch.randint(0, 256, (n_out, hidden // 32, 20), device="cuda", dtype=torch.uint8)
-        blocks[..., 0:2] = (torch.rand(n_out, hidden // 32, 1, device="cuda") * 0.01).half().view(torch.uint8)
-        blocks[..., 2:4] = torch.full((n_out, hidden // 32, 1), 8.0, device="cuda").half().view(torch.uint8)
+        blocks = torch.randint(0, 256, (n_out, hidden // 32, 20), device=DEVICE, dtype=torch.uint8)
+        blocks[..., 0:2] = (torch.rand(n_out, hidden // 32, 1, device=DEVICE) * 0.01).half().view(torch.uint8)
+        blocks[..., 2:4] = torch.full((n_out, hidden // 32, 1), 8.0, device=DEVICE).half().view(torch.uint8)
         packed = blocks.view(n_out, -1)
         dense = ref.dequantize(packed, "q4_z").to(DTYPE)
         for n in rows:
@@ -144,21 +148,49 @@ def cases(model: str, batch: int, contexts: list[int], prefill: tuple[int, int])
                        "torch bf16 GEMM, dense weights")
 
 
-def moe_cases(batch: int, tokens: int) -> Iterator[Case]:
-    """``fused_moe`` on one layer of Qwen3-30B-A3B at 1 token, the decode batch and the prefill's tokens,
-    routed at random; its floor reads the experts the tokens were routed to (and x, out)."""
+def moe_cases(batch: int, tokens: int, layers: tuple = (MOE, MOE_MXFP4)) -> Iterator[Case]:
+    """``fused_moe`` on one layer of each of ``layers`` at 1 token, the decode batch and the prefill's tokens,
+    routed at random; its floor reads the experts the tokens were routed to (and x, out). Experts in bf16
+    against torch eager, expert by expert; packed (GPT-OSS's MXFP4) against Triton's own on them widened."""
+    for layer in layers:
+        yield from _moe_layer_cases(batch, tokens, *layer)
+
+
+def _moe_layer_cases(batch: int, tokens: int, name: str, hidden: int, experts: int, width: int, top_k: int,
+                     fmt: str | None) -> Iterator[Case]:
     import kernels.reference as ref
     import kernels.triton as tri
 
-    name, hidden, experts, width, top_k = MOE
-    w13, w2 = randn(experts, 2 * width, hidden) * 0.02, randn(experts, hidden, width) * 0.02
+    if fmt is None:
+        w13, w2 = randn(experts, 2 * width, hidden) * 0.02, randn(experts, hidden, width) * 0.02
+        elt = ELT
+    else:  # random blocks (widened an expert at a time)
+        w13, w2 = _random_blocks(fmt, experts, 2 * width, hidden), _random_blocks(fmt, experts, hidden, width)
+        wide13, wide2 = (torch.stack([ref.dequantize(e, fmt).to(DTYPE) for e in w]) for w in (w13, w2))
+        elt = ref.PACKED_BLOCKS[fmt][1] / ref.PACKED_BLOCKS[fmt][0]
     for n in (1, batch, tokens):
         x = randn(n, hidden)
-        weights, ids = torch.softmax(torch.randn(n, experts, device="cuda"), -1).topk(top_k, -1)
-        used = int(ids.unique().numel())
-        yield Case("fused_moe", name, f"T={n} E={experts}", used * 3 * hidden * width * ELT + 2 * x.numel() * ELT,
-                   lambda x=x, w=weights, i=ids: tri.fused_moe(x, w13, w2, w, i),
-                   lambda x=x, w=weights, i=ids: ref.fused_moe(x, w13, w2, w, i), "torch eager, expert by expert")
+        weights, ids = torch.softmax(torch.randn(n, experts, device=DEVICE), -1).topk(top_k, -1)
+        nbytes = int(ids.unique().numel() * 3 * hidden * width * elt) + 2 * x.numel() * ELT
+        if fmt is None:
+            yield Case("fused_moe", name, f"T={n} E={experts}", nbytes,
+                       lambda x=x, w=weights, i=ids: tri.fused_moe(x, w13, w2, w, i),
+                       lambda x=x, w=weights, i=ids: ref.fused_moe(x, w13, w2, w, i), "torch eager, expert by expert")
+        else:
+            yield Case(f"fused_moe {fmt}", name, f"T={n} E={experts}", nbytes,
+                       lambda x=x, w=weights, i=ids: tri.fused_moe(x, w13, w2, w, i, packed=fmt),
+                       lambda x=x, w=weights, i=ids: tri.fused_moe(x, wide13, wide2, w, i),
+                       "Triton, the experts widened to bf16")
+
+
+def _random_blocks(fmt: str, experts: int, n: int, k: int) -> torch.Tensor:
+    """(experts, n, k / 32 * block bytes) random ``fmt`` blocks (MXFP4's: scale bytes 120..124, 2^-8..2^-4)."""
+    import kernels.reference as ref
+
+    blocks = torch.randint(0, 256, (experts, n, k // 32, ref.PACKED_BLOCKS[fmt][1]), device=DEVICE,
+                           dtype=torch.uint8)
+    blocks[..., 0] = torch.randint(120, 125, blocks.shape[:-1], device=DEVICE, dtype=torch.uint8)
+    return blocks.view(experts, n, -1)
 
 
 def main() -> None:
