@@ -108,9 +108,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def packed_formats(device: torch.device) -> frozenset[str]:
     """The block formats (``reference.PACKED_BLOCKS``) the kernels for ``device`` multiply as they are, so that
-    a loader keeps weights in them packed: Triton's (Q4_0, Q4_1, Q8_0, Q4_Z, MXFP4) on CUDA or with
-    ``TOKENMILL_KERNELS=triton``; on the CPU the C kernel's, unless turned off (``TOKENMILL_CPU_LINEAR_ROWS=0``);
-    none with the reference kernels or where Triton cannot be imported."""
+    a loader keeps weights in them packed: Triton's (Q4_0, Q4_1, Q8_0, Q4_Z, MXFP4, Q4_K, Q5_K, Q6_K) on CUDA or
+    with ``TOKENMILL_KERNELS=triton``; on the CPU the C kernel's, unless turned off
+    (``TOKENMILL_CPU_LINEAR_ROWS=0``); none with the reference kernels or where Triton cannot be imported."""
     if _backend == "reference":
         return frozenset()
     if _backend == "auto" and device.type == "cpu":

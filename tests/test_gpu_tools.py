@@ -75,12 +75,12 @@ def test_bench_kernels_cases_run_through_the_interpreter(monkeypatch):
     from tools import bench_kernels as bench
 
     monkeypatch.setattr(bench, "DEVICE", "cpu")
-    monkeypatch.setitem(bench.MODELS, "tiny", (4, 2, 64, 96))
+    monkeypatch.setitem(bench.MODELS, "tiny", (4, 2, 64, 256))
     layers = (("moe", 64, 4, 32, 2, None), ("moe-mxfp4", 64, 4, 64, 2, "mxfp4"))
     cases = [*bench.cases("tiny", 2, [24, 40], (2, 8)), *bench.moe_cases(3, 8, layers)]
     kinds = {c.kernel for c in cases}
-    assert {"paged_decode_attention", "paged_prefill_attention", "linear_packed q4_z", "fused_moe",
-            "fused_moe mxfp4"} <= kinds
+    assert {"paged_decode_attention", "paged_prefill_attention", "linear_packed q4_z", "linear_packed q4_k",
+            "fused_moe", "fused_moe mxfp4"} <= kinds
     for c in cases:
         assert c.nbytes > 0
         c.triton()

@@ -290,22 +290,22 @@ def test_loader_packs_layers_whose_parts_the_kernel_reads(monkeypatch, compiled)
 
 
 def test_loader_packs_on_the_gpu_the_formats_triton_reads(monkeypatch):
-    """On CUDA Q4_0, Q4_1, Q8_0 (and MXFP4) stay packed for Triton's kernels; the K-quants are expanded."""
+    """On CUDA Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K (and MXFP4) stay packed for Triton's kernels; Q3_K is expanded."""
     types = {"token_embd.weight": "q8_0"}
     for i in range(2):
         types |= {f"blk.{i}.{p}.weight": "q4_0" for p in ("attn_q", "attn_k", "attn_v", "attn_output")}
-        types |= {f"blk.{i}.{p}.weight": "q4_k" for p in ("ffn_gate", "ffn_up", "ffn_down")}
+        types |= {f"blk.{i}.{p}.weight": "q3_k" for p in ("ffn_gate", "ffn_up", "ffn_down")}
     fake_gguf(monkeypatch, types)
     model = LlamaForCausalLM(tiny_config(), 64)
     packed = loader._gguf_packing("m.gguf", model, torch.device("cuda"), None)
-    assert packed == {n for n, t in types.items() if t != "q4_k"}
+    assert packed == {n for n, t in types.items() if t != "q3_k"}
     assert (model.embed_tokens.packed, model.layers[1].self_attn.qkv_proj.packed) == ("q8_0", "q4_0")
     assert model.layers[0].mlp.gate_up_proj.packed is None and model.layers[0].mlp.down_proj.packed is None
 
 
 @pytest.mark.parametrize("why", ["cuda", "tp", "env", "backend"])
 def test_loader_keeps_floats_where_packing_cannot_serve(why, monkeypatch, compiled):
-    fake_gguf(monkeypatch, {"token_embd.weight": "q8_0" if why != "cuda" else "q6_k"})  # (CUDA: Triton's formats)
+    fake_gguf(monkeypatch, {"token_embd.weight": "q8_0" if why != "cuda" else "q2_k"})  # (CUDA: Triton's formats)
     device, tp = torch.device("cpu"), None
     if why == "cuda":
         device = torch.device("cuda")

@@ -8,7 +8,8 @@ Shapes: SmolLM2-135M's and Qwen2-0.5B's heads (head_dim 64), bf16, KV blocks of 
 as in a busy cache; decode at ``--batch`` sequences for each ``--contexts`` length (and at the longest,
 through a sliding window of 1024: SDPA then over the window's keys alone, and over an fp8 cache), prefill of
 ``--prefill`` fresh prompts, the other kernels at the decode batch's and the prefill's token counts;
-the MLP's gate|up projection as Q4_Z blocks (an int4 checkpoint) at 1 row, the batch's and the prefill's;
+the MLP's gate|up projection as Q4_Z blocks (an int4 checkpoint) at 1 row, the batch's and the prefill's,
+and its down projection as Q4_K super-blocks (a Q4_K_M GGUF file's);
 a mixture of experts' layer (Qwen3-30B-A3B's: 128 experts, 8 a token) at the same token counts, and
 gpt-oss-20b's (32 experts of 2880, 4 a token) with its experts in MXFP4 against them widened to bf16.
 Prints a table, then one JSON line. Without CUDA there is nothing to time: it says so (JSON too).
@@ -146,6 +147,14 @@ def cases(model: str, batch: int, contexts: list[int], prefill: tuple[int, int])
                        packed.numel() + (x.numel() + n * n_out) * ELT,
                        lambda x=x, w=packed: tri.linear_packed(x, w, "q4_z"), lambda x=x, w=dense: F.linear(x, w),
                        "torch bf16 GEMM, dense weights")
+    # the down projection as a Q4_K_M GGUF file holds it (Q4_K super-blocks: its K, the MLP's width, is whole ones)
+    packed = _random_blocks("q4_k", 1, hidden, inter)[0]
+    dense = ref.dequantize(packed, "q4_k").to(DTYPE)
+    for n in (1, batch, t):
+        x = randn(n, inter)
+        yield Case("linear_packed q4_k", model, f"T={n} {hidden}x{inter}", packed.numel() + (x.numel() + n * hidden) * ELT,
+                   lambda x=x, w=packed: tri.linear_packed(x, w, "q4_k"), lambda x=x, w=dense: F.linear(x, w),
+                   "torch bf16 GEMM, dense weights")
 
 
 def moe_cases(batch: int, tokens: int, layers: tuple = (MOE, MOE_MXFP4)) -> Iterator[Case]:
@@ -184,12 +193,16 @@ def _moe_layer_cases(batch: int, tokens: int, name: str, hidden: int, experts: i
 
 
 def _random_blocks(fmt: str, experts: int, n: int, k: int) -> torch.Tensor:
-    """(experts, n, k / 32 * block bytes) random ``fmt`` blocks (MXFP4's: scale bytes 120..124, 2^-8..2^-4)."""
+    """(experts, n, k / block weights * block bytes) random ``fmt`` blocks (MXFP4's scale bytes 120..124, 2^-8..2^-4;
+    Q4_K's d and dmin 2^-12: its weights within about ±1)."""
     import kernels.reference as ref
 
-    blocks = torch.randint(0, 256, (experts, n, k // 32, ref.PACKED_BLOCKS[fmt][1]), device=DEVICE,
-                           dtype=torch.uint8)
-    blocks[..., 0] = torch.randint(120, 125, blocks.shape[:-1], device=DEVICE, dtype=torch.uint8)
+    weights, size = ref.PACKED_BLOCKS[fmt]
+    blocks = torch.randint(0, 256, (experts, n, k // weights, size), device=DEVICE, dtype=torch.uint8)
+    if fmt == "mxfp4":
+        blocks[..., 0] = torch.randint(120, 125, blocks.shape[:-1], device=DEVICE, dtype=torch.uint8)
+    else:
+        blocks[..., 0:4] = torch.full((*blocks.shape[:-1], 2), 2.0**-12, device=DEVICE).half().view(torch.uint8)
     return blocks.view(experts, n, -1)
 
 

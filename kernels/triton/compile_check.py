@@ -105,8 +105,8 @@ def variants(everything: bool):
                dict(A_ROWS_PER=1 if weighted else 4, MUL_WEIGHT=weighted, BLOCK_M=16, BLOCK_N=64, BLOCK_K=32,
                     PRECISION="ieee" if dt == "fp32" else "tf32", DOT_F32=False, FMT=FORMATS[fmt],
                     BLOCK_BYTES=PACKED_BLOCKS[fmt][1], QUANTS=_quants(fmt)), ())
-    for dt in dtypes:
-        for (fmt, number), block_m, split in itertools.product(FORMATS.items(), (16, 32), (False, True)):
+    for dt in dtypes:  # (each format with each block_m and split, but not every pair of them)
+        for (fmt, number), (block_m, split) in itertools.product(FORMATS.items(), ((16, False), (32, True))):
             yield (_linear_packed_kernel, {"x_ptr": f"*{dt}", "w_ptr": "*u8", "b_ptr": f"*{dt}", "y_ptr": f"*{dt}",
                                            "part_ptr": "*fp32"},
                    dict(FMT=number, BLOCK_BYTES=PACKED_BLOCKS[fmt][1], QUANTS=_quants(fmt),

@@ -1,6 +1,7 @@
-"""``y = x W^T (+ b)`` with W kept packed in blocks of 32 along K (twin of
-``kernels.reference.linear_packed``): GGUF's Q4_0, Q4_1 and Q8_0, Q4_Z, the form AWQ and GPTQ int4
-checkpoints load into (``engine/quant.py``), and MXFP4, GPT-OSS's experts (``kernels.triton.moe``).
+"""``y = x W^T (+ b)`` with W kept packed in blocks along K (twin of ``kernels.reference.linear_packed``):
+GGUF's Q4_0, Q4_1 and Q8_0, Q4_Z, the form AWQ and GPTQ int4 checkpoints load into (``engine/quant.py``),
+MXFP4, GPT-OSS's experts (``kernels.triton.moe``), and the K-quants of the usual Q4_K_M, Q5_K_M and Q6_K
+files, Q4_K, Q5_K and Q6_K: super-blocks of 256, read a sub-block of 32 at a time.
 
 One program per tile of BLOCK_M rows of x by BLOCK_N rows of W; each of W's blocks is read
 once per tile, expanded in registers (exactly, in float32: an fp16 scale times a small integer)
@@ -21,10 +22,14 @@ from kernels import reference
 from kernels.triton.attention_common import dot_args
 from kernels.triton.launch import check_tensor, interpreting, require, sm_count
 
-# the kernel's FMT for each format it reads (the blocks of 32 but Q5's and IQ4_NL: GGUF's stay packed on the
-# CPU only)
-FORMATS = {fmt: n for fmt, n in reference.PACKED_FORMATS.items() if fmt in ("q4_0", "q4_1", "q8_0", "q4_z", "mxfp4")}
+# the kernel's FMT for each format it reads (the others stay packed on the CPU only: Q5_0, Q5_1, IQ4_NL, IQ4_XS,
+# Q2_K, Q3_K)
+FORMATS = {fmt: n for fmt, n in reference.PACKED_FORMATS.items()
+           if fmt in ("q4_0", "q4_1", "q8_0", "q4_z", "mxfp4", "q4_k", "q5_k", "q6_k")}
 MXFP4: tl.constexpr = tl.constexpr(FORMATS["mxfp4"])
+Q4_K: tl.constexpr = tl.constexpr(FORMATS["q4_k"])
+Q5_K: tl.constexpr = tl.constexpr(FORMATS["q5_k"])
+Q6_K: tl.constexpr = tl.constexpr(FORMATS["q6_k"])
 EXPAND_ROWS = 128  # past this many rows of x, the weight is expanded once for torch's GEMM
 BLOCK_N = 32
 MIN_SPLIT_BLOCKS = 4  # a split of K covers at least this many blocks of 32
@@ -39,9 +44,13 @@ def _half(p, mask):
 
 
 @triton.jit
-def _expand(blk, ok, FMT: tl.constexpr, QUANTS: tl.constexpr):
-    """The blocks at byte pointers ``blk`` (BLOCK_N,), where ``ok``, as float32 (32, BLOCK_N): exact."""
+def _expand(rows, b, ok, FMT: tl.constexpr, BLOCK_BYTES: tl.constexpr, QUANTS: tl.constexpr):
+    """Weights b * 32.. of the rows at byte pointers ``rows`` (BLOCK_N,), where ``ok``, as float32 (32, BLOCK_N):
+    exact, as ``reference.dequantize``."""
     j = tl.arange(0, 32)[:, None]  # a block's weights
+    if FMT == Q4_K or FMT == Q5_K or FMT == Q6_K:
+        return _expand_k(rows + (b // 8) * BLOCK_BYTES, b % 8, ok, j, FMT, QUANTS)
+    blk = rows + b * BLOCK_BYTES
     if FMT == 2:  # Q8_0: d q, q int8
         q = tl.load(blk[None, :] + QUANTS + j, mask=ok[None, :], other=0)
         return _half(blk, ok)[None, :] * q.to(tl.int8, bitcast=True).to(tl.float32)
@@ -64,13 +73,44 @@ def _expand(blk, ok, FMT: tl.constexpr, QUANTS: tl.constexpr):
 
 
 @triton.jit
+def _expand_k(sup, s, ok, j, FMT: tl.constexpr, QUANTS: tl.constexpr):
+    """Sub-block ``s`` (of 8) of the super-blocks at ``sup`` (``reference._k_quants``' layouts) as float32
+    (32, BLOCK_N): Q4_K and Q5_K (d sc) q - dmin m, Q6_K (d sc) (q - 32), each product exact, rounded once."""
+    mask = ok[None, :]
+    if FMT == Q6_K:  # low 4 bits: bytes 64 (s // 4) + 32 (s & 1).., half (s % 4) >> 1; high 2: bytes 32 (s // 4).., bits 2 (s % 4)
+        h, r = s // 4, s % 4
+        low = tl.load(sup[None, :] + 64 * h + 32 * (r & 1) + j, mask=mask, other=0).to(tl.int32)
+        high = tl.load(sup[None, :] + 128 + 32 * h + j, mask=mask, other=0).to(tl.int32)
+        q = ((low >> (4 * (r >> 1))) & 15) | (((high >> (2 * r)) & 3) << 4)
+        sc = tl.load(sup[None, :] + 192 + 2 * s + j // 16, mask=mask, other=0).to(tl.int8, bitcast=True)
+        return (_half(sup + 208, ok)[None, :] * sc.to(tl.float32)) * (q - 32).to(tl.float32)
+    # 6-bit scale and minimum of sub-block s: s < 4: the low 6 bits of bytes 4 + s and 8 + s; s >= 4: the halves of
+    # byte 12 + (s - 4), above them the top 2 bits of bytes 4 + (s - 4) and 8 + (s - 4)
+    lo = s % 4
+    a = tl.load(sup + 4 + lo, mask=ok, other=0).to(tl.int32)  # scales' byte 0..3
+    m_byte = tl.load(sup + 8 + lo, mask=ok, other=0).to(tl.int32)  # 4..7
+    c = tl.load(sup + 12 + lo, mask=ok, other=0).to(tl.int32)  # 8..11
+    sc = tl.where(s < 4, a & 63, (c & 15) | ((a >> 6) << 4))
+    mn = tl.where(s < 4, m_byte & 63, (c >> 4) | ((m_byte >> 6) << 4))
+    # 4-bit weights: sub-blocks 2i and 2i + 1 in the low and high halves of the last 128 bytes' 32i..
+    qs = tl.load(sup[None, :] + QUANTS + 32 * (s // 2) + j, mask=mask, other=0).to(tl.int32)
+    q = (qs >> (4 * (s % 2))) & 15
+    if FMT == Q5_K:  # fifth bits: bit s of byte 16 + l for weight l
+        qh = tl.load(sup[None, :] + 16 + j, mask=mask, other=0).to(tl.int32)
+        q = q | (((qh >> s) & 1) << 4)
+    d1 = _half(sup, ok) * sc.to(tl.float32)
+    m1 = _half(sup + 2, ok) * mn.to(tl.float32)
+    return d1[None, :] * q.to(tl.float32) - m1[None, :]
+
+
+@triton.jit
 def _dequantize_kernel(w_ptr, out_ptr, N, K, row_bytes, FMT: tl.constexpr, BLOCK_BYTES: tl.constexpr,
                        QUANTS: tl.constexpr, BLOCK_N: tl.constexpr):
     """Block tl.program_id(1) of BLOCK_N rows of W, expanded into out (N, K) in out's dtype."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     b = tl.program_id(1)
     ok = cols < N
-    w = _expand(w_ptr + cols.to(tl.int64) * row_bytes + b * BLOCK_BYTES, ok, FMT, QUANTS)  # (32, BLOCK_N)
+    w = _expand(w_ptr + cols.to(tl.int64) * row_bytes, b, ok, FMT, BLOCK_BYTES, QUANTS)  # (32, BLOCK_N)
     k = b * 32 + tl.arange(0, 32)[:, None]
     out = out_ptr + cols.to(tl.int64)[None, :] * K + k
     tl.store(out, w.to(out_ptr.dtype.element_ty), mask=ok[None, :])
@@ -93,7 +133,7 @@ def _linear_packed_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, M, N, K, stride_
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     first = tl.program_id(2) * blocks_per_split
     for b in range(first, tl.minimum(first + blocks_per_split, K // 32)):
-        w = _expand(blocks + b * BLOCK_BYTES, col_ok, FMT, QUANTS)  # (32, BLOCK_N)
+        w = _expand(blocks, b, col_ok, FMT, BLOCK_BYTES, QUANTS)  # (32, BLOCK_N)
         x = tl.load(x_rows + b * 32 + j[None, :], mask=row_ok[:, None], other=0.0)  # (BLOCK_M, 32)
         w = w.to(dtype)
         if DOT_F32:  # the interpreter (``attention_common.dot_args``)
@@ -112,16 +152,16 @@ def _linear_packed_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, M, N, K, stride_
 
 def linear_packed(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.Tensor | None = None, *,
                   num_splits: int | None = None) -> torch.Tensor:
-    """x (..., K) float, weight (N, K / 32 * block bytes) uint8 rows of ``fmt`` blocks, bias (N) of x's
+    """x (..., K) float, weight (N, K / block weights * block bytes) uint8 rows of ``fmt`` blocks, bias (N) of x's
     dtype or None -> y (..., N) of x's dtype. ``num_splits``: K's blocks split over that many programs
     per tile (default ``_auto_splits``), their float32 sums added up after."""
     require(fmt in FORMATS, f"unknown packed format {fmt!r}; known: {', '.join(FORMATS)}")
-    block = reference.PACKED_BLOCKS[fmt][1]
+    weights_per, block = reference.PACKED_BLOCKS[fmt]
     check_tensor("weight", weight, 2, (torch.uint8,))
     require(weight.shape[1] % block == 0 and weight.stride(0) == weight.shape[1],
             f"a {fmt} weight must be contiguous rows of whole {block}-byte blocks, got {tuple(weight.shape)} "
             f"with strides {weight.stride()}")
-    n, k = weight.shape[0], weight.shape[1] // block * 32
+    n, k = weight.shape[0], weight.shape[1] // block * weights_per
     require(x.dim() >= 1 and x.shape[-1] == k, f"x must be (..., {k}) for this weight, got {tuple(x.shape)}")
     x2 = x.reshape(-1, k)
     check_tensor("x", x2, 2)
@@ -169,5 +209,5 @@ def _auto_splits(m: int, n: int, k: int, device: torch.device) -> int:
 
 def _quants(fmt: str) -> int:
     """Where a block's integers start: after its scale (MXFP4's: a byte), and Q4_1's minimum or Q4_Z's zero
-    point."""
-    return {"mxfp4": 1, "q4_0": 2, "q8_0": 2}.get(fmt, 4)
+    point; a K-quant super-block's 4-bit weights, after its scales (and Q5_K's fifth bits)."""
+    return {"mxfp4": 1, "q4_0": 2, "q8_0": 2, "q4_k": 16, "q5_k": 48, "q6_k": 0}.get(fmt, 4)

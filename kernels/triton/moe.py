@@ -32,7 +32,7 @@ def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, weight_ptr, pairs_ptr, experts_ptr, to
     """C[p, j * BLOCK_N..] = A[p // A_ROWS_PER] B[e]^T for the pairs p of block i (program (i, j)), e
     their expert; padding pairs (ids num_pairs and up) are skipped. MUL_WEIGHT: rounded to A's dtype,
     then times the pair's weight, in float32 (C float32). FMT (``linear_packed.FORMATS``; -1: B in A's
-    dtype): B's rows are blocks of 32 in that format (strides in bytes; BLOCK_K 32, K whole blocks), each
+    dtype): B's rows are blocks in that format (strides in bytes; BLOCK_K 32, K whole blocks), each
     expanded in registers and rounded to A's dtype, as ``linear_packed`` does."""
     block = tl.program_id(0)
     if block * BLOCK_M >= tl.load(total_ptr):
@@ -51,7 +51,7 @@ def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, weight_ptr, pairs_ptr, experts_ptr, to
         k_ok = ks < K
         a = tl.load(a_rows + ks[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_K)
         if FMT >= 0:
-            b = _expand(b_rows + k0 // 32 * BLOCK_BYTES, col_ok, FMT, QUANTS).to(dtype)  # (32, BLOCK_N)
+            b = _expand(b_rows, k0 // 32, col_ok, FMT, BLOCK_BYTES, QUANTS).to(dtype)  # (32, BLOCK_N)
         else:
             b = tl.load(b_rows[None, :] + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if DOT_F32:  # the interpreter (``attention_common.dot_args``)
@@ -153,8 +153,9 @@ def _row(fmt: str | None, k: int, what: str) -> int:
     """A weight row's last dimension: ``k`` values, or their bytes packed in ``fmt``."""
     if fmt is None:
         return k
-    require(k % 32 == 0, f"packed experts need {what} in whole blocks of 32, got {k}")
-    return k // 32 * PACKED_BLOCKS[fmt][1]
+    weights, size = PACKED_BLOCKS[fmt]
+    require(k % weights == 0, f"packed experts in {fmt} need {what} in whole blocks of {weights}, got {k}")
+    return k // weights * size
 
 
 def _shape(want: tuple[int, ...], fmt: str | None) -> str:
