@@ -47,7 +47,7 @@ from frontends.beam_search import BeamGeneration, beam_search_params, refuse_bea
 from frontends.embeddings import classify_job, embeddings_job
 from frontends.engine_client import EngineClient, EngineUnavailable
 from frontends.errors import ApiError
-from frontends.generation import Generation, LogprobEntry, Update
+from frontends.generation import Generation, LogprobEntry, Update, usage_dict
 from frontends.http import Request, Response, Router, StreamingResponse, shaped_errors
 from frontends.images import ImageProcessor
 from frontends.media import MediaReader
@@ -621,6 +621,8 @@ class OpenAIApi:
         stream = op.field(data, "stream", bool, False)
         gen, fmt = await job(data, req.started)
         include_usage = False
+        if fmt.DONE and not stream and data.get("stream_options") is not None:  # (as vLLM: not for a whole answer)
+            raise ApiError(400, "stream_options is only for streamed answers (stream: true)", param="stream_options")
         if stream and fmt.DONE:  # (a Response has its usage in it)
             include_usage, fmt.continuous_usage = self._include_usage(data)
         req.id, info.gen = gen.api_id, gen  # the access log and x-request-id name the call by its own id
@@ -685,9 +687,14 @@ class _SseFormat:
     prompt_logprobs: int | None = None
     continuous_usage = False  # every chunk carries the usage so far (``continuous_usage_stats``)
 
-    def event(self, body: dict) -> bytes:
-        """A chunk of the stream."""
-        return _sse(body | {"usage": self.gen.usage()} if self.continuous_usage else body)
+    def event(self, body: dict, head: bool = False) -> bytes:
+        """A chunk of the stream; with continuous usage, the usage so far (in the ``head``, none generated yet, as
+        vLLM counts its role chunk)."""
+        if not self.continuous_usage:
+            return _sse(body)
+        g = self.gen
+        return _sse(body | {"usage": usage_dict(g.num_prompt_tokens, 0 if head else g.num_completion_tokens,
+                                                g.num_cached_tokens)})
 
     def prompt_lp(self, choice) -> list | None:
         """vLLM's ``prompt_logprobs`` of a choice's prompt: per token (the first None) ``{"id": {"logprob",
@@ -935,7 +942,7 @@ class _ChatFormat(_SseFormat):
     def stream_head(self) -> bytes:
         return self.event({**self.base, **self._prompt_fields(), "choices": [
             {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-             "finish_reason": None} for c in self.gen.choices]})
+             "finish_reason": None} for c in self.gen.choices]}, head=True)
 
     def chunk(self, updates: list[Update]) -> bytes:
         choices = []

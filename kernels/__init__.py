@@ -122,12 +122,17 @@ def packed_formats(device: torch.device) -> frozenset[str]:
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, packed: str | None = None) -> torch.Tensor:
-    """Rows ``ids`` of ``weight`` in ``dtype``; ``packed`` as for ``linear``: only those rows expanded."""
+    """Rows ``ids`` of ``weight`` in ``dtype``; ``packed`` as for ``linear``: only those rows expanded (by Triton
+    on the device, with no host copy: a captured decode step holds it)."""
     if packed is None:
         return F.embedding(ids, weight).to(dtype)
     if _backend == "auto" and weight.device.type == "cpu":
         return cpu.dequantize(weight, packed, ids.reshape(-1)).view(*ids.shape, -1).to(dtype)
-    return reference.dequantize(weight[ids.reshape(-1)], packed).view(*ids.shape, -1).to(dtype)
+    module = _pick(weight)
+    rows = weight[ids.reshape(-1)]
+    if module is _triton and packed in module.PACKED_FORMATS:
+        return module.dequantize(rows, packed, dtype).view(*ids.shape, -1)
+    return reference.dequantize(rows, packed).view(*ids.shape, -1).to(dtype)
 
 
 def tune_linear(weights: list[torch.Tensor]) -> None:
@@ -164,6 +169,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     slice is multiplied as ``linear`` multiplies a packed weight, in the reference's loop over experts.
     GPT-OSS's: ``bias13``, ``bias2`` and ``act`` (None: SiLU-and-mul), the reference's."""
     extra = {"bias13": bias13, "bias2": bias2} | ({"act": act} if act is not None else {})
+    if packed is None and packed_down is not None:
+        raise ValueError("packed_down needs packed (gate|up's format) too")
     if packed is not None:
         down = packed_down or packed
         module = _pick(x)

@@ -88,6 +88,29 @@ def test_gpt_oss_mxfp4_experts_kept_packed_on_the_gpu(tmp_path):
     assert outs == [o.token_ids for o in cpu.generate(PROMPTS, GREEDY)]
 
 
+def test_gguf_kept_packed_on_the_gpu(tmp_path):
+    """A GGUF file's matrices in the formats Triton reads stay packed on CUDA (the K-quants, MXFP4 and Q8_0;
+    the embeddings' rows expanded on the device inside the captured decode steps): in fp32 the same greedy
+    tokens as on the CPU, whose C kernel multiplies the same exact values."""
+    from tools.write_gguf import write_gguf
+
+    types = {"token_embd": "Q6_K", "output": "Q8_0", "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K",
+             "attn_output": "Q5_K", "ffn_gate": "MXFP4", "ffn_up": "MXFP4", "ffn_down": "Q4_K"}
+    path = build(str(tmp_path / "llama"), "llama", torch.float32, seed=2,
+                 **(TINY | dict(hidden_size=256, intermediate_size=512)))
+    gguf = str(tmp_path / "mix.gguf")
+    write_gguf(path, gguf, "llama", lambda name: types.get(name.split(".")[-2]))
+    llm = LLM(gguf, tokenizer=path, device="cuda", dtype="float32", num_kv_blocks=256, max_model_len=512)
+    model = llm.engine.runner.model
+    assert (model.embed_tokens.packed, model.layers[0].mlp.gate_up_proj.packed,
+            model.layers[0].mlp.down_proj.packed) == ("q6_k", "mxfp4", "q4_k")
+    outs = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    del llm, model
+    free_gpu()
+    cpu = LLM(gguf, tokenizer=path, device="cpu", dtype="float32", num_kv_blocks=256, max_model_len=512)
+    assert outs == [o.token_ids for o in cpu.generate(PROMPTS, GREEDY)]
+
+
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
 def test_fp8_kv_cache_greedy_equals_transformers_with_its_cache_rounded_alike(kv, tmp_path):
     """fp32 weights, an fp8 KV cache (Triton's integer fp8 arithmetic, decode in CUDA graphs): each token is

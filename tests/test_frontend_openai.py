@@ -175,6 +175,7 @@ def test_stream_continuous_usage_stats_in_every_chunk(client, tok):
                                                        max_tokens=len(ids), stream=True, stream_options=opts))):
         counts = [c.usage.completion_tokens for c in chunks]  # (the fake engine's tokens may come all at once)
         assert counts == sorted(counts) and counts[-1] == counts[-2] == len(ids)
+        assert counts[0] == 0 or chunks[0].object == "text_completion"  # (a chat's role chunk, as in vLLM)
         assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
         assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == chunks[0].usage.prompt_tokens > 0
     chunks = list(client.completions.create(model=MODEL, prompt=ids, max_tokens=2, stream=True,
@@ -183,6 +184,9 @@ def test_stream_continuous_usage_stats_in_every_chunk(client, tok):
     with pytest.raises(openai.BadRequestError, match="continuous_usage_stats"):
         client.completions.create(model=MODEL, prompt=ids, max_tokens=2, stream=True,
                                   stream_options={"include_usage": True, "continuous_usage_stats": "yes"})
+    with pytest.raises(openai.BadRequestError, match=r"stream_options is only for streamed answers"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       stream_options={"include_usage": True})
 
 
 def test_stream_chat_role_first(client):

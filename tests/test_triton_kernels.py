@@ -365,6 +365,15 @@ def test_triton_fused_moe_refuses():
         tri.fused_moe(randn(3, 32), packed13, packed2, weights, ids, packed="q2_k")
     with pytest.raises(ValueError, match="in mxfp4 need the hidden size in whole blocks of 32, got 48"):
         tri.fused_moe(randn(3, 48), packed13, packed2, weights, ids, packed="mxfp4")
+    with pytest.raises(ValueError, match=r"w13 must hold each expert's gate and up rows \(2I\), got 63"):
+        tri.fused_moe(randn(3, 32), packed_weight("mxfp4", 4 * 63, 32).view(4, 63, 17), packed2, weights, ids,
+                      packed="mxfp4")
+    with pytest.raises(ValueError, match="packed_down needs packed"):
+        tri.fused_moe(x, w13, w2, weights, ids, packed_down="mxfp4")
+    with pytest.raises(ValueError, match=r"bias13 must be \(4, 6\)"):
+        tri.fused_moe(x, w13, w2, weights, ids, bias13=randn(4, 3))
+    with pytest.raises(ValueError, match="bias2 must be one of torch.float32"):
+        tri.fused_moe(x, w13, w2, weights, ids, bias2=randn(4, 8).double())
     with pytest.raises(ValueError, match="w13 must be one of torch.uint8"):
         tri.fused_moe(randn(3, 32), packed13.float(), packed2, weights, ids, packed="mxfp4")
 
@@ -425,6 +434,26 @@ def test_triton_linear_packed_expands_k_quants_exactly(fmt):
     for cols, splits in ((slice(0, 128), 1), (slice(384, 512), 3), (slice(0, 512), 1)):
         x = torch.eye(512, device=DEVICE)[cols]
         assert torch.equal(tri.linear_packed(x, w, fmt, num_splits=splits), dense[:, cols].t())
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "mxfp4", "q6_k"])
+def test_triton_packed_embedding_rows_expanded_on_the_device(fmt, monkeypatch):
+    """``kernels.embedding`` of a packed table where Triton's kernels serve (CUDA): the rows gathered and expanded
+    by Triton's dequantize (no host copy: a captured decode step holds it), exactly the reference's, rounded once."""
+    table = packed_weight(fmt, 50, 256)
+    ids = torch.tensor([[3, 49, 3], [0, 7, 12]], device=DEVICE)
+    monkeypatch.setattr(kernels, "_backend", "triton")
+    calls = []
+    monkeypatch.setattr(tri, "dequantize", lambda *a, _real=tri.dequantize: calls.append(a[1]) or _real(*a))
+    want = ref.dequantize(table, fmt)[ids]
+    for dtype in (F32, BF16):
+        got = kernels.embedding(ids, table, dtype, fmt)
+        assert got.shape == (2, 3, 256) and got.dtype == dtype
+        if dtype == F32:
+            assert torch.equal(got, want)
+        else:  # (the interpreter rounds to bf16 by truncation: within one ulp)
+            torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=0)
+    assert calls == [fmt, fmt]
 
 
 def test_triton_linear_packed_expands_mxfp4_exactly():

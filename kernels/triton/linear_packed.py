@@ -155,13 +155,7 @@ def linear_packed(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.T
     """x (..., K) float, weight (N, K / block weights * block bytes) uint8 rows of ``fmt`` blocks, bias (N) of x's
     dtype or None -> y (..., N) of x's dtype. ``num_splits``: K's blocks split over that many programs
     per tile (default ``_auto_splits``), their float32 sums added up after."""
-    require(fmt in FORMATS, f"unknown packed format {fmt!r}; known: {', '.join(FORMATS)}")
-    weights_per, block = reference.PACKED_BLOCKS[fmt]
-    check_tensor("weight", weight, 2, (torch.uint8,))
-    require(weight.shape[1] % block == 0 and weight.stride(0) == weight.shape[1],
-            f"a {fmt} weight must be contiguous rows of whole {block}-byte blocks, got {tuple(weight.shape)} "
-            f"with strides {weight.stride()}")
-    n, k = weight.shape[0], weight.shape[1] // block * weights_per
+    n, k, block = _packed_shape(weight, fmt)
     require(x.dim() >= 1 and x.shape[-1] == k, f"x must be (..., {k}) for this weight, got {tuple(x.shape)}")
     x2 = x.reshape(-1, k)
     check_tensor("x", x2, 2)
@@ -171,12 +165,7 @@ def linear_packed(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.T
         require(bias.shape == (n,), f"bias must be ({n},), got {tuple(bias.shape)}")
     m = x2.shape[0]
     if m > EXPAND_ROWS:  # the weight expanded once, straight into x's dtype
-        dense = torch.empty(n, k, dtype=x.dtype, device=x.device)
-        if n and k:
-            _dequantize_kernel[(triton.cdiv(n, BLOCK_N), k // 32)](
-                weight, dense, n, k, weight.shape[1], FMT=FORMATS[fmt], BLOCK_BYTES=block, QUANTS=_quants(fmt),
-                BLOCK_N=BLOCK_N)
-        return F.linear(x, dense, bias)
+        return F.linear(x, dequantize(weight, fmt, x.dtype), bias)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y.view(*x.shape[:-1], n)
@@ -194,6 +183,30 @@ def linear_packed(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.T
         total = part.sum(0) if bias is None else part.sum(0) + bias.float()
         y.copy_(total)
     return y.view(*x.shape[:-1], n)
+
+
+def dequantize(weight: torch.Tensor, fmt: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Packed (N, K / block weights * block bytes) uint8 rows -> (N, K) in ``dtype``: the exact weights
+    (``reference.dequantize``), rounded once to ``dtype``. On the device, without a sync (an embedding's rows in a
+    captured decode step)."""
+    n, k, block = _packed_shape(weight, fmt)
+    dense = torch.empty(n, k, dtype=dtype, device=weight.device)
+    if n and k:
+        _dequantize_kernel[(triton.cdiv(n, BLOCK_N), k // 32)](
+            weight, dense, n, k, weight.shape[1], FMT=FORMATS[fmt], BLOCK_BYTES=block, QUANTS=_quants(fmt),
+            BLOCK_N=BLOCK_N)
+    return dense
+
+
+def _packed_shape(weight: torch.Tensor, fmt: str) -> tuple[int, int, int]:
+    """(N, K, block bytes) of a packed weight, after checking it is one Triton reads."""
+    require(fmt in FORMATS, f"unknown packed format {fmt!r}; known: {', '.join(FORMATS)}")
+    weights_per, block = reference.PACKED_BLOCKS[fmt]
+    check_tensor("weight", weight, 2, (torch.uint8,))
+    require(weight.shape[1] % block == 0 and weight.stride(0) == weight.shape[1],
+            f"a {fmt} weight must be contiguous rows of whole {block}-byte blocks, got {tuple(weight.shape)} "
+            f"with strides {weight.stride()}")
+    return weight.shape[0], weight.shape[1] // block * weights_per, block
 
 
 def _auto_splits(m: int, n: int, k: int, device: torch.device) -> int:

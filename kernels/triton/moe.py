@@ -110,6 +110,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     check_tensor("x", x, 2)
     check_tensor("topk_weights", topk_weights, 2, (torch.float32,))
     check_tensor("topk_ids", topk_ids, 2, INDEX_DTYPES)
+    require(packed is not None or packed_down is None, "packed_down needs packed (gate|up's format) too")
     down_fmt = packed_down or packed
     for name, w, fmt in (("w13", w13, packed), ("w2", w2, down_fmt)):
         check_tensor(name, w, 3, (x.dtype,) if fmt is None else (torch.uint8,))
@@ -119,10 +120,14 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     t, h = x.shape
     e, i2 = w13.shape[:2]
     i = i2 // 2
+    require(i2 % 2 == 0, f"w13 must hold each expert's gate and up rows (2I), got {i2} rows")
     want13, want2 = (e, i2, _row(packed, h, "the hidden size")), (e, h, _row(down_fmt, i, "the experts' width"))
-    require(tuple(w13.shape) == want13 and i2 % 2 == 0,
-            f"w13 must be {_shape(want13, packed)}, got {tuple(w13.shape)}")
+    require(tuple(w13.shape) == want13, f"w13 must be {_shape(want13, packed)}, got {tuple(w13.shape)}")
     require(tuple(w2.shape) == want2, f"w2 must be {_shape(want2, down_fmt)}, got {tuple(w2.shape)}")
+    for name, bias, want in (("bias13", bias13, (e, i2)), ("bias2", bias2, (e, h))):
+        if bias is not None:
+            check_tensor(name, bias, 2, (x.dtype,))
+            require(tuple(bias.shape) == want, f"{name} must be {want}, got {tuple(bias.shape)}")
     require(topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == t,
             f"topk_ids and topk_weights must both be ({t}, K), got {tuple(topk_ids.shape)} and "
             f"{tuple(topk_weights.shape)}")
