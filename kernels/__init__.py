@@ -126,13 +126,15 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, packe
     on the device, with no host copy: a captured decode step holds it)."""
     if packed is None:
         return F.embedding(ids, weight).to(dtype)
+    weights, size = reference.PACKED_BLOCKS[packed]
+    shape = (*ids.shape, weight.shape[1] // size * weights)  # (no ids: no rows, still this wide)
     if _backend == "auto" and weight.device.type == "cpu":
-        return cpu.dequantize(weight, packed, ids.reshape(-1)).view(*ids.shape, -1).to(dtype)
+        return cpu.dequantize(weight, packed, ids.reshape(-1)).view(shape).to(dtype)
     module = _pick(weight)
     rows = weight[ids.reshape(-1)]
     if module is _triton and packed in module.PACKED_FORMATS:
-        return module.dequantize(rows, packed, dtype).view(*ids.shape, -1)
-    return reference.dequantize(rows, packed).view(*ids.shape, -1).to(dtype)
+        return module.dequantize(rows, packed, dtype).view(shape)
+    return reference.dequantize(rows, packed).view(shape).to(dtype)
 
 
 def tune_linear(weights: list[torch.Tensor]) -> None:

@@ -454,6 +454,7 @@ def test_triton_packed_embedding_rows_expanded_on_the_device(fmt, monkeypatch):
         else:  # (the interpreter rounds to bf16 by truncation: within one ulp)
             torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=0)
     assert calls == [fmt, fmt]
+    assert kernels.embedding(ids[:0], table, F32, fmt).shape == (0, 3, 256)  # (no rows, still that wide)
 
 
 def test_triton_linear_packed_expands_mxfp4_exactly():
@@ -487,6 +488,8 @@ def test_triton_linear_packed_refuses():
     w = packed_weight("q4_z", 4, 64)
     with pytest.raises(ValueError, match="unknown packed format"):
         tri.linear_packed(randn(2, 64), w, "q2_k")
+    with pytest.raises(ValueError, match="needs at least one block a row"):
+        tri.linear_packed(randn(2, 0), w[:, :0], "q4_z")
     with pytest.raises(ValueError, match=r"x must be \(\.\.\., 64\)"):
         tri.linear_packed(randn(2, 32), w, "q4_z")
     with pytest.raises(ValueError, match="whole 20-byte blocks"):

@@ -97,10 +97,11 @@ def variants(everything: bool):
                dict(A_ROWS_PER=1 if weighted else 8, MUL_WEIGHT=weighted, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=32,
                     PRECISION="ieee" if dt == "fp32" else "tf32", DOT_F32=False, FMT=-1, BLOCK_BYTES=0, QUANTS=0), ())
     # packed experts: GPT-OSS's MXFP4 in bf16 as it runs (gate|up, down weighted, down with its bias: weighted
-    # after), both block sizes, and in fp32; a GGUF file's formats in bf16
+    # after), both block sizes, and in fp32; a GGUF file's formats in bf16 (a prompt's down, a decode's gate|up)
     runs = [("bf16", "mxfp4", rows_per, weighted, block_m) for rows_per, weighted in ((4, False), (1, True), (1, False))
             for block_m in (16, 64)] + [("fp32", "mxfp4", 1, True, 16)]
-    for dt, fmt, rows_per, weighted, block_m in runs + [("bf16", f, 1, True, 64) for f in FORMATS if f != "mxfp4"]:
+    runs += [("bf16", f, *run) for f in FORMATS if f != "mxfp4" for run in ((1, True, 64), (4, False, 16))]
+    for dt, fmt, rows_per, weighted, block_m in runs:
         yield (_moe_gemm_kernel, {"a_ptr": f"*{dt}", "b_ptr": "*u8", "c_ptr": "*fp32" if weighted else f"*{dt}",
                                   "weight_ptr": "*fp32", "pairs_ptr": "*i32", "experts_ptr": "*i32",
                                   "total_ptr": "*i64"},

@@ -203,6 +203,7 @@ def _packed_shape(weight: torch.Tensor, fmt: str) -> tuple[int, int, int]:
     require(fmt in FORMATS, f"unknown packed format {fmt!r}; known: {', '.join(FORMATS)}")
     weights_per, block = reference.PACKED_BLOCKS[fmt]
     check_tensor("weight", weight, 2, (torch.uint8,))
+    require(weight.shape[1] > 0, f"a {fmt} weight needs at least one block a row, got {tuple(weight.shape)}")
     require(weight.shape[1] % block == 0 and weight.stride(0) == weight.shape[1],
             f"a {fmt} weight must be contiguous rows of whole {block}-byte blocks, got {tuple(weight.shape)} "
             f"with strides {weight.stride()}")
