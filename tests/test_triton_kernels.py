@@ -605,23 +605,38 @@ def test_triton_engine_greedy_equals_reference(tiny_llama, kv, monkeypatch):
     assert {"paged_decode_attention", "paged_prefill_attention", "fused_add_rms_norm"} <= set(calls)
 
 
-def test_triton_engine_gpt_oss_mxfp4_kept_packed_greedy_equals_reference(tmp_path, smollm_tokenizer_dir, monkeypatch):
-    """GPT-OSS's MXFP4 experts kept packed where Triton's fused MoE multiplies them (as on CUDA): the same greedy
-    tokens as the reference kernels on the experts widened at load."""
+def greedy_by_backend(monkeypatch, path: str, lengths: list[int], max_tokens: int, check=None,
+                      **kw) -> tuple[dict[str, list[list[int]]], list[dict]]:
+    """Greedy tokens of ``path`` with the reference kernels and with every kernel Triton (fp32, chunked prefill):
+    {backend: tokens}, and the keyword arguments of each Triton fused MoE call; ``check(llm, backend)`` looks at
+    the model loaded under each."""
     from engine import LLM, SamplingParams
-    from tests.conftest import make_tiny_mxfp4_gpt_oss
 
-    path = make_tiny_mxfp4_gpt_oss(str(tmp_path / "mx"), smollm_tokenizer_dir)
-    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-    prompts = [[(11 * i + 5 * j) % 5000 + 3 for j in range(n)] for i, n in enumerate([3, 20])]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    prompts = [[(11 * i + 5 * j) % 5000 + 3 for j in range(n)] for i, n in enumerate(lengths)]
     outs, calls = {}, []
     for name in ("reference", "triton"):
         monkeypatch.setattr(kernels, "_backend", name)
         if name == "triton":
             monkeypatch.setattr(tri, "fused_moe", lambda *a, _real=tri.fused_moe, **k: calls.append(k) or _real(*a, **k))
-        llm = LLM(path, device=DEVICE, dtype="float32", num_kv_blocks=64, max_model_len=128, max_num_batched_tokens=16)
-        assert llm.engine.runner.model.layers[0].mlp.experts.packed == (None if name == "reference" else "mxfp4")
+        llm = LLM(path, device=DEVICE, dtype="float32", num_kv_blocks=64, max_model_len=128, max_num_batched_tokens=16,
+                  **kw)
+        if check is not None:
+            check(llm, name)
         outs[name] = [o.token_ids for o in llm.generate(prompts, params)]
+    return outs, calls
+
+
+def test_triton_engine_gpt_oss_mxfp4_kept_packed_greedy_equals_reference(tmp_path, smollm_tokenizer_dir, monkeypatch):
+    """GPT-OSS's MXFP4 experts kept packed where Triton's fused MoE multiplies them (as on CUDA): the same greedy
+    tokens as the reference kernels on the experts widened at load."""
+    from tests.conftest import make_tiny_mxfp4_gpt_oss
+
+    def check(llm, backend):
+        assert llm.engine.runner.model.layers[0].mlp.experts.packed == (None if backend == "reference" else "mxfp4")
+
+    outs, calls = greedy_by_backend(monkeypatch, make_tiny_mxfp4_gpt_oss(str(tmp_path / "mx"), smollm_tokenizer_dir),
+                                    [3, 20], 3, check)
     assert outs["triton"] == outs["reference"]
     assert calls and all(k["packed"] == "mxfp4" for k in calls)
 
@@ -630,7 +645,6 @@ def test_triton_engine_gguf_kept_packed_greedy_equals_reference(tmp_path, smollm
     """A GGUF file's matrices in formats Triton reads kept packed (as on CUDA): GPT-OSS's MXFP4 experts through
     the fused MoE, its Q8_0 attention through ``linear_packed``; the same greedy tokens as the reference kernels
     on the matrices expanded at load."""
-    from engine import LLM, SamplingParams
     from tests.conftest import make_tiny_model
     from tools.write_gguf import write_gguf
 
@@ -639,35 +653,22 @@ def test_triton_engine_gguf_kept_packed_greedy_equals_reference(tmp_path, smollm
     gguf = str(tmp_path / "mx.gguf")
     write_gguf(path, gguf, "gpt-oss", lambda name: "MXFP4" if "_exps." in name else "Q8_0" if ".attn_" in name
                else None)
-    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-    prompts = [[(11 * i + 5 * j) % 5000 + 3 for j in range(n)] for i, n in enumerate([3, 20])]
-    outs = {}
-    for name in ("reference", "triton"):
-        monkeypatch.setattr(kernels, "_backend", name)
-        llm = LLM(gguf, tokenizer=path, device=DEVICE, dtype="float32", num_kv_blocks=64, max_model_len=128,
-                  max_num_batched_tokens=16)
+
+    def check(llm, backend):
         layer = llm.engine.runner.model.layers[0]
         assert (layer.mlp.experts.packed, layer.self_attn.qkv_proj.packed) == (
-            (None, None) if name == "reference" else ("mxfp4", "q8_0"))
-        outs[name] = [o.token_ids for o in llm.generate(prompts, params)]
+            (None, None) if backend == "reference" else ("mxfp4", "q8_0"))
+
+    outs, _ = greedy_by_backend(monkeypatch, gguf, [3, 20], 3, check, tokenizer=path)
     assert outs["triton"] == outs["reference"]
 
 
 def test_triton_engine_moe_greedy_equals_reference(tmp_path, smollm_tokenizer_dir, monkeypatch):
-    """The same for a mixture of experts (Qwen2-MoE: routed experts, and a shared one): the Triton
-    fused MoE serves every sparse layer."""
-    from engine import LLM, SamplingParams
+    """A mixture of experts (Qwen2-MoE: routed experts, and a shared one) with every kernel Triton: the same greedy
+    tokens as the reference kernels', the Triton fused MoE serving every sparse layer."""
     from tests.conftest import make_tiny_model
 
     path = make_tiny_model(str(tmp_path / "moe"), "qwen2_moe", smollm_tokenizer_dir, seed=4)
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    prompts = [[(11 * i + 5 * j) % 5000 + 3 for j in range(n)] for i, n in enumerate([3, 30])]
-    outs, calls = {}, []
-    for name in ("reference", "triton"):
-        monkeypatch.setattr(kernels, "_backend", name)
-        if name == "triton":
-            monkeypatch.setattr(tri, "fused_moe", lambda *a, _real=tri.fused_moe, **k: calls.append(1) or _real(*a, **k))
-        llm = LLM(path, device=DEVICE, dtype="float32", num_kv_blocks=64, max_model_len=128, max_num_batched_tokens=16)
-        outs[name] = [o.token_ids for o in llm.generate(prompts, params)]
+    outs, calls = greedy_by_backend(monkeypatch, path, [3, 30], 4)
     assert outs["triton"] == outs["reference"]
     assert calls
