@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 
 from frontends.text import partial_suffix
-from frontends.tools import Segment, ToolRequest, json_values, new_call
+from frontends.tools import Segment, ToolRequest, detect_format, json_values, new_call
 
 CHANNEL, MESSAGE, START = "<|channel|>", "<|message|>", "<|start|>"
 _OPENS = (CHANNEL, START)  # what a header begins with
@@ -45,8 +45,8 @@ def _next_open(text: str, end: int | None = None) -> int:
 
 
 def detect(chat_template: str | None) -> bool:
-    """Whether a chat template is harmony's (GPT-OSS's)."""
-    return bool(chat_template) and CHANNEL in chat_template and MESSAGE in chat_template
+    """Whether a chat template is harmony's (GPT-OSS's): the call format it teaches is "openai"."""
+    return detect_format(chat_template) == "openai"
 
 
 class HarmonyReader:

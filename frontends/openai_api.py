@@ -856,6 +856,7 @@ class _Answer:
                  include_reasoning: bool, harmony_reader: harmony.HarmonyReader | None = None) -> None:
         self.think, self.calls, self.include_reasoning = think, calls, include_reasoning
         self.harmony = harmony_reader
+        self._reader = calls if calls is not None else harmony_reader  # what reads the answer's tool calls
         self.reasoning = self.content = ""
 
     def parts(self, text: str, finished: bool) -> list[tuple[str, Any]]:
@@ -893,14 +894,13 @@ class _Answer:
         msg: dict = {"role": "assistant", "content": self.content}
         if self.reasoning and self.include_reasoning:
             msg["reasoning_content"] = self.reasoning
-        reader = self.calls if self.calls is not None else self.harmony
-        if reader is not None and reader.calls:
-            msg |= {"content": self.content or None, "tool_calls": reader.calls}
+        if self._reader is not None and self._reader.calls:
+            msg |= {"content": self.content or None, "tool_calls": self._reader.calls}
         return msg
 
     def finish_reason(self, reason: str | None) -> str | None:
         """"tool_calls" for an answer that called tools and ended of itself (a named function: "stop")."""
-        reader = self.calls if self.calls is not None else self.harmony
+        reader = self._reader
         if reader is not None and reader.calls and reason == "stop" and reader.mode != "named":
             return "tool_calls"
         return reason

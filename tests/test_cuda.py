@@ -79,13 +79,11 @@ def test_gpt_oss_mxfp4_experts_kept_packed_on_the_gpu(tmp_path):
 
     path = build(str(tmp_path / "bf16"), "gpt_oss", torch.float32, seed=1, **TINY, **GPT_OSS)
     folder = mxfp4_checkpoint(path, str(tmp_path / "mxfp4"))
-    llm = LLM(folder, device="cuda", dtype="float32", num_kv_blocks=256, max_model_len=512)
-    assert llm.engine.runner.model.layers[0].mlp.experts.packed == "mxfp4"
-    outs = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
-    del llm
-    free_gpu()
-    cpu = LLM(folder, device="cpu", dtype="float32", num_kv_blocks=256, max_model_len=512)
-    assert outs == [o.token_ids for o in cpu.generate(PROMPTS, GREEDY)]
+
+    def check(model):
+        assert model.layers[0].mlp.experts.packed == "mxfp4"
+
+    assert_cuda_tokens_are_the_cpus(folder, check)
 
 
 def test_gguf_kept_packed_on_the_gpu(tmp_path):
@@ -100,14 +98,23 @@ def test_gguf_kept_packed_on_the_gpu(tmp_path):
                  **(TINY | dict(hidden_size=256, intermediate_size=512)))
     gguf = str(tmp_path / "mix.gguf")
     write_gguf(path, gguf, "llama", lambda name: types.get(name.split(".")[-2]))
-    llm = LLM(gguf, tokenizer=path, device="cuda", dtype="float32", num_kv_blocks=256, max_model_len=512)
-    model = llm.engine.runner.model
-    assert (model.embed_tokens.packed, model.layers[0].mlp.gate_up_proj.packed,
-            model.layers[0].mlp.down_proj.packed) == ("q6_k", "mxfp4", "q4_k")
+
+    def check(model):
+        assert (model.embed_tokens.packed, model.layers[0].mlp.gate_up_proj.packed,
+                model.layers[0].mlp.down_proj.packed) == ("q6_k", "mxfp4", "q4_k")
+
+    assert_cuda_tokens_are_the_cpus(gguf, check, tokenizer=path)
+
+
+def assert_cuda_tokens_are_the_cpus(path: str, check, **kw) -> None:
+    """fp32 greedy tokens on CUDA (``check``: of the model loaded there) equal to those on the CPU, whose C kernel
+    multiplies the same exact values of packed weights."""
+    llm = LLM(path, device="cuda", dtype="float32", num_kv_blocks=256, max_model_len=512, **kw)
+    check(llm.engine.runner.model)
     outs = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
-    del llm, model
+    del llm
     free_gpu()
-    cpu = LLM(gguf, tokenizer=path, device="cpu", dtype="float32", num_kv_blocks=256, max_model_len=512)
+    cpu = LLM(path, device="cpu", dtype="float32", num_kv_blocks=256, max_model_len=512, **kw)
     assert outs == [o.token_ids for o in cpu.generate(PROMPTS, GREEDY)]
 
 
