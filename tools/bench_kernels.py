@@ -136,10 +136,7 @@ def cases(model: str, batch: int, contexts: list[int], prefill: tuple[int, int])
     # the MLP's gate|up projection and the attention output kept as Q4_Z blocks (an int4 checkpoint), against
     # the bf16 dense GEMM; the narrow one at decode sizes only (where the kernel splits K to fill the SMs)
     for n_out, rows in ((2 * inter, (1, batch, t)), (hidden, (1, batch))):
-        blocks = torch.randint(0, 256, (n_out, hidden // 32, 20), device=DEVICE, dtype=torch.uint8)
-        blocks[..., 0:2] = (torch.rand(n_out, hidden // 32, 1, device=DEVICE) * 0.01).half().view(torch.uint8)
-        blocks[..., 2:4] = torch.full((n_out, hidden // 32, 1), 8.0, device=DEVICE).half().view(torch.uint8)
-        packed = blocks.view(n_out, -1)
+        packed = _random_blocks("q4_z", 1, n_out, hidden)[0]
         dense = ref.dequantize(packed, "q4_z").to(DTYPE)
         for n in rows:
             x = randn(n, hidden)
@@ -194,13 +191,16 @@ def _moe_layer_cases(batch: int, tokens: int, name: str, hidden: int, experts: i
 
 def _random_blocks(fmt: str, experts: int, n: int, k: int) -> torch.Tensor:
     """(experts, n, k / block weights * block bytes) random ``fmt`` blocks (MXFP4's scale bytes 120..124, 2^-8..2^-4;
-    Q4_K's d and dmin 2^-12: its weights within about ±1)."""
+    Q4_Z's scales below 0.01, its zero points 8; Q4_K's d and dmin 2^-12: its weights within about ±1)."""
     import kernels.reference as ref
 
     weights, size = ref.PACKED_BLOCKS[fmt]
     blocks = torch.randint(0, 256, (experts, n, k // weights, size), device=DEVICE, dtype=torch.uint8)
     if fmt == "mxfp4":
         blocks[..., 0] = torch.randint(120, 125, blocks.shape[:-1], device=DEVICE, dtype=torch.uint8)
+    elif fmt == "q4_z":
+        blocks[..., 0:2] = (torch.rand(*blocks.shape[:-1], 1, device=DEVICE) * 0.01).half().view(torch.uint8)
+        blocks[..., 2:4] = torch.full((*blocks.shape[:-1], 1), 8.0, device=DEVICE).half().view(torch.uint8)
     else:
         blocks[..., 0:4] = torch.full((*blocks.shape[:-1], 2), 2.0**-12, device=DEVICE).half().view(torch.uint8)
     return blocks.view(experts, n, -1)
