@@ -85,11 +85,11 @@ def build_model(path: str, cfg: ModelConfig, max_positions: int, dtype: torch.dt
             raise ValueError("classifier_from_token needs a Hugging Face checkpoint (safetensors), not a GGUF file")
         model.score_rows = _score_rows(tokenizer or path, cfg.score_tokens)
     if path.endswith(".gguf"):
-        weights = _gguf_weights(path, cfg, _gguf_packing(path, model, device, tp))
+        weights = _gguf_weights(path, cfg, _gguf_packing(path, model, device))
     else:
         weights = _safetensors_weights(path)
         if cfg.gpt_oss:
-            _mxfp4_packing(model, _safetensors_index(path), device, tp)
+            _mxfp4_packing(model, _safetensors_index(path), device)
         if cfg.quant is not None:
             index = _safetensors_index(path)
             packed = _quant_packing(model, cfg.quant, index, device, dtype)
@@ -341,19 +341,19 @@ def _load_gpt_oss(model: LlamaForCausalLM, m: re.Match, w: torch.Tensor, mxfp4: 
     return filled
 
 
-def _mxfp4_packing(model: LlamaForCausalLM, index: dict[str, tuple[str, str]], device: torch.device,
-                   tp: TPGroup | None) -> None:
+def _mxfp4_packing(model: LlamaForCausalLM, index: dict[str, tuple[str, str]], device: torch.device) -> None:
     """Keep GPT-OSS's MXFP4 experts so (as ggml's MXFP4 blocks) where a kernel multiplies them as they are
-    (``_packed_formats``): gpt-oss-20b's experts in 10 GB, not 38 in bf16. Elsewhere they are widened at load."""
+    (``kernels.packed_formats``): gpt-oss-20b's experts in 10 GB, not 38 in bf16. Elsewhere, or where a rank's
+    columns of down are not whole blocks of 32 (gpt-oss-20b's width 2880 over 4 ranks), they are widened at load."""
     layers = [layer.mlp.experts for i, layer in enumerate(model.layers)  # (both parts: one format a layer)
               if all(f"model.layers.{i}.mlp.experts.{p}_blocks" in index for p in ("gate_up_proj", "down_proj"))]
-    if not layers or "mxfp4" not in _packed_formats(device, tp):
-        if layers:
-            log.info("MXFP4: the experts of %d layers widened to the model's dtype at load", len(layers))
-        return
-    for experts in layers:
+    packed = [e for e in layers if e.width % 32 == 0] if "mxfp4" in kernels.packed_formats(device) else []
+    for experts in packed:
         experts.pack("mxfp4")
-    log.info("MXFP4: the experts of %d layers kept packed (4.25 bits a weight)", len(layers))
+    if packed:
+        log.info("MXFP4: the experts of %d layers kept packed (4.25 bits a weight)", len(packed))
+    if len(packed) < len(layers):
+        log.info("MXFP4: the experts of %d layers widened to the model's dtype at load", len(layers) - len(packed))
 
 
 def _load_gpt_oss_expert(experts: Experts, e: int, part: str, w: torch.Tensor, name: str) -> None:
@@ -439,15 +439,21 @@ def _safetensors_index(path: str) -> dict[str, tuple[str, str]]:
     return index
 
 
-def _read(index: dict[str, tuple[str, str]], name: str) -> torch.Tensor | None:
-    """One tensor of the checkpoint, or None where it has none of that name."""
+def _read(index: dict[str, tuple[str, str]], name: str, files: dict | None = None) -> torch.Tensor | None:
+    """One tensor of the checkpoint, or None where it has none of that name. ``files``: the files opened so far
+    (a dict to keep them in: a mixture of experts' checkpoint has tens of thousands of tensors, and opening a file
+    parses all their names)."""
     from safetensors import safe_open
 
     if name not in index:
         return None
     file, stored = index[name]
-    with safe_open(file, framework="pt") as f:
-        return f.get_tensor(stored)
+    if files is None:
+        with safe_open(file, framework="pt") as f:
+            return f.get_tensor(stored)
+    if file not in files:
+        files[file] = safe_open(file, framework="pt")
+    return files[file].get_tensor(stored)
 
 
 # each layer linear, by the checkpoint layers it fuses
@@ -456,15 +462,16 @@ _LINEARS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self
             "mlp.down_proj": ("mlp.down_proj",)}
 
 
-def _packable(q: QuantConfig, index: dict[str, tuple[str, str]], prefixes: list[str], k: int, split: bool) -> bool:
-    """Whether the checkpoint layers ``prefixes``, fused into one of ``k`` input columns (``split``
-    over the tensor-parallel ranks), are all int4 and can be kept as Q4_Z blocks (``quant.packs``)."""
+def _packable(q: QuantConfig, index: dict[str, tuple[str, str]], prefixes: list[str], k: int, permutable: bool,
+              files: dict) -> bool:
+    """Whether the checkpoint layers ``prefixes``, fused into one of ``k`` input columns (``permutable``: its
+    input whole on this rank, and the layer's own), are all int4 and can be kept as Q4_Z blocks (``quant.packs``)."""
     if not all(f"{p}.qweight" in index for p in prefixes):
         return False
-    g_idx = [_read(index, f"{p}.g_idx") for p in prefixes]
+    g_idx = [_read(index, f"{p}.g_idx", files) for p in prefixes]
     if q.act_order and any(g is None or not torch.equal(g, g_idx[0]) for g in g_idx):
         return False  # fused parts gather their one input in one order
-    return all(quant.packs(q, k, _read(index, f"{p}.scales"), g, permutable=not split)
+    return all(quant.packs(q, k, _read(index, f"{p}.scales", files), g, permutable=permutable)
                for p, g in zip(prefixes, g_idx, strict=True))
 
 
@@ -473,30 +480,55 @@ def _quant_packing(model: LlamaForCausalLM, q: QuantConfig, index: dict[str, tup
     """Keep packed (Q4_Z) every layer linear whose checkpoint layers are all int4 and whose groups
     are whole blocks (``quant.packs``, which reads their scales and g_idx; under tensor parallelism, a
     rank's columns too), where a kernel multiplies packed weights: Triton's (CUDA, or the ``triton``
-    backend) or the CPU's C kernel (float32, bfloat16). The others are expanded to floats at load.
-    Returns the checkpoint prefixes of the packed ones."""
+    backend) or the CPU's C kernel (float32, bfloat16). A mixture of experts' experts are kept packed when all
+    of a layer's are, in column order (act-order's gather is a layer's own, and the experts share their input).
+    The others are expanded to floats at load. Returns the checkpoint prefixes of the packed ones."""
     from kernels.cpu import matmul
 
     backend = kernels.backend()
     kernel = backend == "triton" or backend == "auto" and (
         device.type == "cuda" or matmul.packed_available() and dtype in (torch.float32, torch.bfloat16))
-    packed = set()
+    packed, files = set(), {}
     for i, layer in enumerate(model.layers):
+        sparse = model.cfg.sparse(i)
         for sub, parts in _LINEARS.items():
+            if sparse and sub.startswith("mlp."):  # Qwen2-MoE's shared expert: a gated MLP of its own
+                if layer.mlp.shared_expert is None:
+                    continue
+                sub, parts = sub.replace("mlp.", "mlp.shared_expert."), [p.replace("mlp.", "mlp.shared_expert.")
+                                                                        for p in parts]
             module = layer.get_submodule(sub)
             prefixes = [f"model.layers.{i}.{p}" for p in parts]
             if f"model.layers.{i}.{sub}.qweight" in index:  # fused in the checkpoint too (Phi-3)
                 prefixes = [f"model.layers.{i}.{sub}"]
             k = module.weight.shape[1]  # this rank's columns
             split = isinstance(module, RowLinear) and module.tp.size > 1  # x's columns are over the ranks
-            if kernel and k % 32 == 0 and _packable(q, index, prefixes, k * module.tp.size if split else k, split):
+            if kernel and k % 32 == 0 and _packable(q, index, prefixes, k * module.tp.size if split else k,
+                                                    not split, files):
                 module.pack(quant.FORMAT)
                 packed.update(prefixes)
+        if sparse:
+            experts = layer.mlp.experts
+            names = [_expert_prefixes(index, i, e) for e in range(experts.w13.shape[0])]  # each's gate, up, down
+            if kernel and experts.width % 32 == 0 and \
+                    all(_packable(q, index, gate_up, experts.w13.shape[2], False, files) and
+                        _packable(q, index, [down], experts.width * experts.tp.size, False, files)
+                        for *gate_up, down in names):
+                experts.pack(quant.FORMAT)
+                packed.update(p for parts in names for p in parts)
     int4 = {n.rsplit(".", 1)[0] for n in index if n.endswith(".qweight")}
     log.info("%s int4 checkpoint (groups of %s): %d of its %d int4 layers kept packed (Q4_Z, 5 bits a weight), "
              "the others expanded at load", q.method.upper(), q.group_size or "a whole row", len(packed & int4),
              len(int4))
     return packed
+
+
+def _expert_prefixes(index: dict[str, tuple[str, str]], i: int, e: int) -> list[str]:
+    """Expert ``e`` of layer ``i``'s gate, up and down in the checkpoint's names (Mixtral's w1, w3, w2)."""
+    mixtral = f"model.layers.{i}.block_sparse_moe.experts.{e}"
+    if f"{mixtral}.w1.qweight" in index:
+        return [f"{mixtral}.{w}" for w in ("w1", "w3", "w2")]
+    return [f"model.layers.{i}.mlp.experts.{e}.{p}" for p in Experts.PARTS]
 
 
 # ----------------------------------------------------------------------------- GGUF
@@ -691,23 +723,18 @@ _GGUF_MOE_PARTS = {**{k: v for k, v in _GGUF_PARTS.items() if k.startswith("self
                    "mlp.shared_expert.down_proj": ("ffn_down_shexp",)}
 
 
-def _packed_formats(device: torch.device, tp: TPGroup | None) -> frozenset[str]:
-    """The block formats worth keeping packed here (``kernels.packed_formats``): none on several ranks (a rank's
-    columns would split blocks)."""
-    return frozenset() if tp is not None and tp.size > 1 else kernels.packed_formats(device)
-
-
-def _gguf_packing(path: str, model: LlamaForCausalLM, device: torch.device, tp: TPGroup | None) -> set[str]:
+def _gguf_packing(path: str, model: LlamaForCausalLM, device: torch.device) -> set[str]:
     """Pack every layer whose GGUF tensors are in block formats a kernel multiplies as they are
-    (``_packed_formats``), as llama.cpp keeps them: 2.6 to 8.5 bits a weight instead of 16 or 32, and the same
-    numbers (their expansion is exact). A fused layer's parts may differ (Q4_K_M's q|k|v: v in Q6_K in half the
-    layers), as may experts' gate|up and down. Returns the GGUF names of the tensors to load packed."""
-    formats = _packed_formats(device, tp)
+    (``kernels.packed_formats``), as llama.cpp keeps them: 2.6 to 8.5 bits a weight instead of 16 or 32, and the
+    same numbers (their expansion is exact). A fused layer's parts may differ (Q4_K_M's q|k|v: v in Q6_K in half
+    the layers), as may experts' gate|up and down. Under tensor parallelism a rank's columns of a row-parallel
+    layer (o, down) must be whole blocks too. Returns the GGUF names of the tensors to load packed."""
+    formats = kernels.packed_formats(device)
     if not formats:
         return set()
     types = {t.name: t.tensor_type.name.lower() for t in _gguf_reader(path).tensors}
 
-    def fits(name: str, k: int) -> bool:  # a format the kernel reads, in whole blocks along K
+    def fits(name: str, k: int) -> bool:  # a format the kernel reads, in whole blocks along this rank's K
         return types.get(name) in formats and k % kernels.reference.PACKED_BLOCKS[types[name]][0] == 0
 
     groups = [(model.embed_tokens, ["token_embd.weight"])]

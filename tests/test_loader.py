@@ -207,8 +207,9 @@ def test_moe_checkpoints_that_do_not_fit_are_refused(tmp_path):
            "moe_intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 4, "num_experts": 4}
     with pytest.raises(ValueError, match="needs num_experts and num_experts_per_tok .* got 4 and 5"):
         ModelConfig.from_hf(raw | {"num_experts_per_tok": 5})
-    with pytest.raises(ValueError, match="int4 .* of a mixture of experts \\(qwen3_moe\\) are not supported"):
-        ModelConfig.from_hf(raw | {"num_experts_per_tok": 2, "quantization_config": {"quant_method": "awq"}})
+    gpt_oss = raw | {"model_type": "gpt_oss", "num_local_experts": 4, "num_experts_per_tok": 2}
+    with pytest.raises(ValueError, match="int4 \\(AWQ, GPTQ\\) checkpoints of GPT-OSS are not supported"):
+        ModelConfig.from_hf(gpt_oss | {"quantization_config": {"quant_method": "awq", "bits": 4}})
 
 
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_0+Q8_0"])

@@ -278,7 +278,7 @@ def test_loader_packs_layers_whose_parts_the_kernel_reads(monkeypatch, compiled)
     types["blk.0.attn_v.weight"] = "q8_0"  # parts in two formats the kernel reads: packed, each its own
     fake_gguf(monkeypatch, types)
     model = LlamaForCausalLM(cfg, 64)
-    packed = loader._gguf_packing("m.gguf", model, torch.device("cpu"), None)
+    packed = loader._gguf_packing("m.gguf", model, torch.device("cpu"))
     first, second = model.layers
     assert [first.mlp.down_proj.packed, model.embed_tokens.packed] == ["q4_1", "q8_0"]
     assert [seg[:3] for seg in first.self_attn.qkv_proj.segments] == [("q4_1", 0, 96), ("q8_0", 96, 32)]
@@ -297,24 +297,44 @@ def test_loader_packs_on_the_gpu_the_formats_triton_reads(monkeypatch):
         types |= {f"blk.{i}.{p}.weight": "q3_k" for p in ("ffn_gate", "ffn_up", "ffn_down")}
     fake_gguf(monkeypatch, types)
     model = LlamaForCausalLM(tiny_config(), 64)
-    packed = loader._gguf_packing("m.gguf", model, torch.device("cuda"), None)
+    packed = loader._gguf_packing("m.gguf", model, torch.device("cuda"))
     assert packed == {n for n, t in types.items() if t != "q3_k"}
     assert (model.embed_tokens.packed, model.layers[1].self_attn.qkv_proj.packed) == ("q8_0", "q4_0")
     assert model.layers[0].mlp.gate_up_proj.packed is None and model.layers[0].mlp.down_proj.packed is None
 
 
-@pytest.mark.parametrize("why", ["cuda", "tp", "env", "backend"])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_under_tensor_parallelism_a_rank_packs_layers_whose_share_is_whole_blocks(device, monkeypatch, compiled):
+    """Rank 1 of 2: o's columns of the rank (32 of 64) are a Q4_0 block, down's (48 of 96) are not: expanded. Its
+    bytes are the rank's columns of the file's rows, its other layers' rows the rank's rows (experts: test_tensor_parallel)."""
+    types = {"token_embd.weight": "q8_0"}
+    for i in range(2):
+        types |= {f"blk.{i}.{p}.weight": "q4_0" for p in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
+                                                          "ffn_up", "ffn_down")}
+    fake_gguf(monkeypatch, types)
+    model = LlamaForCausalLM(tiny_config(), 64, TPGroup(rank=1, size=2))
+    packed = loader._gguf_packing("m.gguf", model, torch.device(device))
+    assert packed == {n for n in types if "ffn_down" not in n}
+    layer = model.layers[0]
+    assert (layer.self_attn.o_proj.packed, layer.mlp.gate_up_proj.packed, layer.mlp.down_proj.packed) == \
+        ("q4_0", "q4_0", None)
+    assert layer.self_attn.o_proj.weight.shape == (64, 18) and layer.mlp.gate_up_proj.weight.shape == (96, 36)
+    assert model.embed_tokens.packed == "q8_0" and model.embed_tokens.weight.shape == (48, 68)
+    rows = torch.randint(0, 256, (64, 36), dtype=torch.uint8)
+    layer.self_attn.o_proj.load(rows)
+    assert torch.equal(layer.self_attn.o_proj.weight, rows[:, 18:])
+
+
+@pytest.mark.parametrize("why", ["cuda", "env", "backend"])
 def test_loader_keeps_floats_where_packing_cannot_serve(why, monkeypatch, compiled):
     fake_gguf(monkeypatch, {"token_embd.weight": "q8_0" if why != "cuda" else "q2_k"})  # (CUDA: Triton's formats)
-    device, tp = torch.device("cpu"), None
+    device = torch.device("cpu")
     if why == "cuda":
         device = torch.device("cuda")
-    elif why == "tp":
-        tp = SimpleNamespace(size=2)
     elif why == "env":
         monkeypatch.setenv("TOKENMILL_CPU_LINEAR_ROWS", "0")
     else:
         monkeypatch.setattr(kernels, "_backend", "reference")
     model = LlamaForCausalLM(tiny_config(), 64)
-    assert loader._gguf_packing("m.gguf", model, device, tp) == set()
+    assert loader._gguf_packing("m.gguf", model, device) == set()
     assert model.embed_tokens.packed is None

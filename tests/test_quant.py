@@ -216,6 +216,37 @@ def test_int4_checkpoints_match_transformers_on_their_weights(case, tmp_path, sm
     check_parity(llm, hf, llm.tokenizer, PROMPTS, n=24)
 
 
+MOE_CASES = {  # name: (arch, quantize_checkpoint's arguments, whether the experts are kept packed)
+    "gptq-qwen2-moe": ("qwen2_moe", dict(method="gptq", group=32), True),  # and its shared expert, a gated MLP
+    "awq-mixtral": ("mixtral", dict(method="awq", group=64), True),  # experts named w1, w3, w2
+    "gptq-per-row-qwen3-moe": ("qwen3_moe", dict(method="gptq", group=-1, sym=True), True),
+    # each expert's columns in an order of its own: the experts share one input, so they are expanded
+    "gptq-act-order-qwen3-moe": ("qwen3_moe", dict(method="gptq", group=32, act_order=True), False),
+}
+
+
+@pytest.mark.parametrize("case", list(MOE_CASES))
+def test_int4_mixtures_of_experts_match_transformers_on_their_weights(case, tmp_path, smollm_tokenizer_dir):
+    """Every expert quantized (not the router): kept as Q4_Z blocks, which the C kernel multiplies in the experts'
+    loop, or expanded; greedy tokens equal transformers' on the exact weights."""
+    arch, how, experts_packed = MOE_CASES[case]
+    dense = make_tiny_model(str(tmp_path / "dense"), arch, smollm_tokenizer_dir, seed=3, moe_intermediate_size=64,
+                            intermediate_size=64 if arch == "mixtral" else 128)
+    path = quantize_checkpoint(dense, str(tmp_path / "int4"), **how, write_back=True)
+    assert not any(name.endswith(".gate.qweight") for name in load_file(f"{path}/model.safetensors"))
+    hf = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
+    llm = LLM(path, device="cpu", dtype="float32", num_kv_blocks=256, max_model_len=512)
+    for layer in llm.engine.runner.model.layers:
+        experts = layer.mlp.experts
+        assert (experts.packed, experts.packed_down) == (("q4_z", "q4_z") if experts_packed else (None, None))
+        assert experts.w2.shape[-1] == (64 // 32 * 20 if experts_packed else 64)
+        assert layer.self_attn.o_proj.packed == "q4_z"
+        if arch == "qwen2_moe":
+            shared = layer.mlp.shared_expert
+            assert (shared.gate_up_proj.packed, shared.down_proj.packed) == ("q4_z", "q4_z")
+    check_parity(llm, hf, llm.tokenizer, PROMPTS, n=16)
+
+
 def test_an_int4_gemma3_multimodal_checkpoint_stays_packed(tmp_path, smollm_tokenizer_dir):
     """Its language model's layers, named language_model.model.*, are found for packing as a text model's."""
     from transformers import Gemma3ForConditionalGeneration

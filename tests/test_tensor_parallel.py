@@ -2,7 +2,8 @@
 
 Tiny random Llama, Qwen2 and Qwen3 models with KV heads both split (divisible by T) and replicated
 (fewer than T), through chunked prefill, concurrent requests, a shared prefix, prompt
-logprobs and a vocab that T does not divide, and embeddings; the default SmolLM2 GGUF with TP=3. Failures:
+logprobs and a vocab that T does not divide, and embeddings; the default SmolLM2 GGUF with TP=3 and quantized
+weights kept packed on each rank. Failures:
 a killed worker fails the engine within seconds with a message naming the rank, and leaves no
 process behind; an unsupported split is refused at start. ``tokenmill serve -tp 2`` answers
 like TP=1, and when its engine (rank 0) dies the worker goes too.
@@ -130,10 +131,50 @@ def test_default_gguf_tp3_equals_tp1(default_gguf, tokenizer):
         ref.tokenizer = tokenizer
         want = ref.generate(chat, p)[0]
     with LLM(device="cpu", dtype="float32", tensor_parallel_size=3, num_kv_blocks=16, max_model_len=128) as llm:
+        layer = llm.engine.runner.model.layers[0]  # kept as the file's Q4_1 blocks: down's 512 columns a rank
+        assert (layer.self_attn.o_proj.packed, layer.mlp.down_proj.packed) == ("q4_1", "q4_1")
         llm.tokenizer = tokenizer
         got = llm.generate(chat, p)[0]
     assert got.token_ids == want.token_ids
     assert got.text == want.text == "The capital of France is Paris."
+
+
+@pytest.mark.parametrize("kind", ["gguf", "mxfp4", "int4"])
+def test_quantized_weights_stay_packed_on_each_rank(kind, tmp_path, smollm_tokenizer_dir, tokenizer):
+    """A Qwen2-MoE GGUF (Q4_0 matrices, Q8_0 experts' down and embeddings), a GPT-OSS MXFP4 folder and a Qwen2-MoE
+    GPTQ folder at TP=2: each rank keeps its rows, and whole blocks of its columns of o and down, as they are in
+    the file (the C kernel multiplies them); greedy tokens equal one rank's."""
+    from kernels.cpu import matmul
+    from tests.conftest import make_tiny_mxfp4_gpt_oss
+    from tools.quantize_model import quantize_checkpoint
+    from tools.write_gguf import write_gguf
+
+    if not matmul.packed_available():
+        pytest.skip("the C kernel does not build here")
+    folder = tiny(tmp_path, smollm_tokenizer_dir, "qwen2_moe", 8, 2, moe_intermediate_size=64)  # hidden 128
+    if kind == "gguf":
+        path = str(tmp_path / "moe.gguf")
+        write_gguf(folder, path, "qwen2moe", matrices_as=lambda name: "Q8_0" if "ffn_down_exps" in name or
+                   name == "token_embd.weight" else "Q4_0" if name.startswith("blk.") else None)
+        want_packed = ("q4_0", "q8_0", "q4_0")
+    elif kind == "int4":
+        path = quantize_checkpoint(folder, str(tmp_path / "int4"), method="gptq", group=32)
+        want_packed = ("q4_z", "q4_z", "q4_z")
+    else:
+        path = make_tiny_mxfp4_gpt_oss(str(tmp_path / "mx"), smollm_tokenizer_dir)
+        want_packed = ("mxfp4", "mxfp4", None)
+    kw = KW | dict(num_kv_blocks=64)
+    with LLM(path, **kw) as one:
+        one.tokenizer = tokenizer
+        want = [o.token_ids for o in one.generate(PROMPTS, params())]
+    with LLM(path, tensor_parallel_size=2, **kw) as two:
+        layer = two.engine.runner.model.layers[0]
+        experts = layer.mlp.experts
+        assert (experts.packed, experts.packed_down, layer.self_attn.o_proj.packed) == want_packed
+        assert experts.w2.shape[-1] == 32 // 32 * {"gguf": 34, "mxfp4": 17, "int4": 20}[kind]  # half of 64: a block
+        two.tokenizer = tokenizer
+        got = [o.token_ids for o in two.generate(PROMPTS, params())]
+    assert got == want
 
 
 def test_killed_worker_fails_the_engine_cleanly(tmp_path, smollm_tokenizer_dir):

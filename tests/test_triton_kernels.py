@@ -301,9 +301,9 @@ def test_triton_fused_moe_with_gpt_oss_biases_and_activation_matches_reference(d
 
 
 # (gate|up's format, down's, then MOE_CASES' fields): GPT-OSS's MXFP4 on each case; a GGUF file's two formats,
-# K-quants' super-blocks of 256 among them (in the interpreter, slow: few experts)
+# K-quants' super-blocks of 256 among them (in the interpreter, slow: few experts); an AWQ/GPTQ checkpoint's Q4_Z
 PACKED_MOE_CASES = [("mxfp4", "mxfp4", *c) for c in MOE_CASES[:3]] + [
-    ("q4_0", "q8_0", *MOE_CASES[2]), ("q4_k", "q6_k", F32, 5, 256, 256, 2, 2), ("q5_k", "q4_k", F32, 3, 256, 256, 2, 1)]
+    ("q4_0", "q8_0", *MOE_CASES[2]), ("q4_z", "q4_z", *MOE_CASES[2]), ("q4_k", "q6_k", F32, 5, 256, 256, 2, 2), ("q5_k", "q4_k", F32, 3, 256, 256, 2, 1)]
 
 
 @pytest.mark.parametrize("fmt,down,dtype,t,h,i,e,k", PACKED_MOE_CASES, ids=map(case_id, PACKED_MOE_CASES))

@@ -1,5 +1,5 @@
 """AWQ and GPTQ int4 checkpoints made from a dense Hugging Face folder, for machines without a model
-hub: every layer linear quantized by rounding to nearest (per output row and group of input columns,
+hub: every layer linear (a mixture of experts' experts too, not its router) quantized by rounding to nearest (per output row and group of input columns,
 min-max, or symmetric about 8), then packed as AutoAWQ's GEMM layout and AutoGPTQ's QuantLinear pack
 them (the packers follow theirs loop for loop; tokenmill's loader, ``engine/quant.py``, reads them
 independently), with the ``quantization_config`` those write. Accuracy is round-to-nearest's, not
@@ -17,6 +17,7 @@ import argparse
 import glob
 import json
 import os
+import re
 import shutil
 import sys
 import zlib
@@ -28,8 +29,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from kernels.reference import MXFP4_LEVELS  # noqa: E402
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's order_map: nibble i of a word holds row 8 c + AWQ_ORDER[i]
-LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-           "mlp.up_proj", "mlp.down_proj", "self_attn.qkv_proj", "mlp.gate_up_proj")  # (the last two: Phi-3's)
+# the linears quantized, by their names without ".weight": attention's, the MLP's (Phi-3's fused ones too), and in a
+# mixture of experts each expert's (Mixtral's w1, w3, w2) and Qwen2-MoE's shared expert's; not the router
+LINEARS = re.compile(r".*\.(self_attn\.(?:q|k|v|o|qkv)_proj|mlp\.(?:gate|up|down|gate_up)_proj|"
+                     r"(?:mlp|block_sparse_moe)\.experts\.\d+\.(?:gate_proj|up_proj|down_proj|w1|w2|w3)|"
+                     r"mlp\.shared_expert\.(?:gate|up|down)_proj)")
 
 
 def quantize(w: torch.Tensor, sym: bool, g_idx: torch.Tensor):
@@ -150,14 +154,15 @@ def quantize_checkpoint(dense: str, out: str, method: str = "awq", group: int = 
     quantized = {}
     for name, w in list(tensors.items()):
         prefix = name.removesuffix(".weight")
-        if not name.endswith(".weight") or not prefix.endswith(LINEARS) or prefix.endswith(keep):
+        if not name.endswith(".weight") or not LINEARS.fullmatch(prefix) or prefix.endswith(keep):
             quantized[name] = w
             continue
         k = w.shape[1]
         size = group if group > 0 else k
         g_idx = torch.arange(k) // size
         if act_order:  # q|k|v read one input, gate|up another
-            reads = prefix.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
+            reads = prefix.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj") \
+                .replace(".w3", ".w1")
             seed = zlib.crc32((reads if shared_order else prefix).encode())
             g_idx = g_idx[torch.randperm(k, generator=torch.Generator().manual_seed(seed))]
         ints, zeros, scales, exact = quantize(w.float(), sym, g_idx)

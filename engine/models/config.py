@@ -342,9 +342,9 @@ class ModelConfig:
             if not arch.get("gpt_oss"):
                 raise ValueError(f"MXFP4 checkpoints are read for GPT-OSS's experts only, not {model_type}'s")
             quant = None  # GPT-OSS's experts, in MXFP4 blocks: kept so or widened at load (engine.loader)
-        if arch.get("moe") and quant:
-            raise ValueError(f"int4 (AWQ, GPTQ) checkpoints of a mixture of experts ({model_type}) are not supported "
-                             f"yet: load its bf16 checkpoint, or a GGUF file")
+        if arch.get("gpt_oss") and quant:
+            raise ValueError("int4 (AWQ, GPTQ) checkpoints of GPT-OSS are not supported: load OpenAI's MXFP4 one, "
+                             "its bf16 one, or a GGUF file")
         # as transformers reads it: Gemma 2 and 3 by hidden_activation alone; Gemma 1's "gelu" meant tanh's
         name = cfg.get("hidden_activation") if gemma >= 2 else cfg.get("hidden_act")
         name = name or ("gelu_pytorch_tanh" if gemma else "silu")

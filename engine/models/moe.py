@@ -40,11 +40,9 @@ class Experts(nn.Module):
 
     def pack(self, fmt: str, down: str | None = None) -> None:
         """Keep the weights as uint8 rows of blocks (``layers.Packable``'s form), gate|up's in ``fmt`` and
-        down's in ``down`` (default: the same), which ``load`` then copies as they are; on one rank (a
-        rank's columns of down would split blocks)."""
+        down's in ``down`` (default: the same), which ``load`` then copies as they are (under tensor parallelism
+        a rank's columns of down must be whole blocks)."""
         (e, rows, k), down = self.w13.shape, down or fmt
-        if self.tp.size > 1:
-            raise ValueError(f"packed experts are kept on one rank, not {self.tp.size}")
         row_bytes = kernels.reference.packed_row_bytes
         device = self.w13.device
         self.w13 = nn.Parameter(torch.empty(e, rows, row_bytes(fmt, k), dtype=torch.uint8, device=device),
