@@ -219,7 +219,6 @@ def test_int4_checkpoints_match_transformers_on_their_weights(case, tmp_path, sm
 MOE_CASES = {  # name: (arch, quantize_checkpoint's arguments, whether the experts are kept packed)
     "gptq-qwen2-moe": ("qwen2_moe", dict(method="gptq", group=32), True),  # and its shared expert, a gated MLP
     "awq-mixtral": ("mixtral", dict(method="awq", group=64), True),  # experts named w1, w3, w2
-    "gptq-per-row-qwen3-moe": ("qwen3_moe", dict(method="gptq", group=-1, sym=True), True),
     # each expert's columns in an order of its own: the experts share one input, so they are expanded
     "gptq-act-order-qwen3-moe": ("qwen3_moe", dict(method="gptq", group=32, act_order=True), False),
 }
