@@ -343,11 +343,11 @@ def _load_gpt_oss(model: LlamaForCausalLM, m: re.Match, w: torch.Tensor, mxfp4: 
 
 def _mxfp4_packing(model: LlamaForCausalLM, index: dict[str, tuple[str, str]], device: torch.device) -> None:
     """Keep GPT-OSS's MXFP4 experts so (as ggml's MXFP4 blocks) where a kernel multiplies them as they are
-    (``kernels.packed_formats``): gpt-oss-20b's experts in 10 GB, not 38 in bf16. Elsewhere, or where a rank's
-    columns of down are not whole blocks of 32 (gpt-oss-20b's width 2880 over 4 ranks), they are widened at load."""
+    (``kernels.packed_formats``): gpt-oss-20b's experts in 10 GB, not 38 in bf16; under tensor parallelism each rank
+    its share of whole blocks (``Experts.pack``). Elsewhere they are widened at load."""
     layers = [layer.mlp.experts for i, layer in enumerate(model.layers)  # (both parts: one format a layer)
               if all(f"model.layers.{i}.mlp.experts.{p}_blocks" in index for p in ("gate_up_proj", "down_proj"))]
-    packed = [e for e in layers if e.width % 32 == 0] if "mxfp4" in kernels.packed_formats(device) else []
+    packed = [e for e in layers if e.packable("mxfp4")] if "mxfp4" in kernels.packed_formats(device) else []
     for experts in packed:
         experts.pack("mxfp4")
     if packed:
@@ -479,15 +479,12 @@ def _quant_packing(model: LlamaForCausalLM, q: QuantConfig, index: dict[str, tup
                    dtype: torch.dtype) -> set[str]:
     """Keep packed (Q4_Z) every layer linear whose checkpoint layers are all int4 and whose groups
     are whole blocks (``quant.packs``, which reads their scales and g_idx; under tensor parallelism, a
-    rank's columns too), where a kernel multiplies packed weights: Triton's (CUDA, or the ``triton``
-    backend) or the CPU's C kernel (float32, bfloat16). A mixture of experts' experts are kept packed when all
+    rank's columns too), where a kernel multiplies packed weights (``kernels.packed_formats``): Triton's (CUDA,
+    or the ``triton`` backend) or the CPU's C kernel (float32, bfloat16). A mixture of experts' experts are kept packed when all
     of a layer's are, in column order (act-order's gather is a layer's own, and the experts share their input).
     The others are expanded to floats at load. Returns the checkpoint prefixes of the packed ones."""
-    from kernels.cpu import matmul
-
-    backend = kernels.backend()
-    kernel = backend == "triton" or backend == "auto" and (
-        device.type == "cuda" or matmul.packed_available() and dtype in (torch.float32, torch.bfloat16))
+    kernel = quant.FORMAT in kernels.packed_formats(device) and (
+        device.type != "cpu" or kernels.backend() == "triton" or dtype in (torch.float32, torch.bfloat16))
     packed, files = set(), {}
     for i, layer in enumerate(model.layers):
         sparse = model.cfg.sparse(i)
@@ -510,9 +507,9 @@ def _quant_packing(model: LlamaForCausalLM, q: QuantConfig, index: dict[str, tup
         if sparse:
             experts = layer.mlp.experts
             names = [_expert_prefixes(index, i, e) for e in range(experts.w13.shape[0])]  # each's gate, up, down
-            if kernel and experts.width % 32 == 0 and \
+            if kernel and experts.packable(quant.FORMAT) and \
                     all(_packable(q, index, gate_up, experts.w13.shape[2], False, files) and
-                        _packable(q, index, [down], experts.width * experts.tp.size, False, files)
+                        _packable(q, index, [down], experts.intermediate, False, files)
                         for *gate_up, down in names):
                 experts.pack(quant.FORMAT)
                 packed.update(p for parts in names for p in parts)
@@ -527,7 +524,7 @@ def _expert_prefixes(index: dict[str, tuple[str, str]], i: int, e: int) -> list[
     """Expert ``e`` of layer ``i``'s gate, up and down in the checkpoint's names (Mixtral's w1, w3, w2)."""
     mixtral = f"model.layers.{i}.block_sparse_moe.experts.{e}"
     if f"{mixtral}.w1.qweight" in index:
-        return [f"{mixtral}.{w}" for w in ("w1", "w3", "w2")]
+        return [f"{mixtral}.{w}" for w in _MIXTRAL]
     return [f"model.layers.{i}.mlp.experts.{e}.{p}" for p in Experts.PARTS]
 
 
@@ -728,7 +725,8 @@ def _gguf_packing(path: str, model: LlamaForCausalLM, device: torch.device) -> s
     (``kernels.packed_formats``), as llama.cpp keeps them: 2.6 to 8.5 bits a weight instead of 16 or 32, and the
     same numbers (their expansion is exact). A fused layer's parts may differ (Q4_K_M's q|k|v: v in Q6_K in half
     the layers), as may experts' gate|up and down. Under tensor parallelism a rank's columns of a row-parallel
-    layer (o, down) must be whole blocks too. Returns the GGUF names of the tensors to load packed."""
+    layer (o, down) must be whole blocks too (the experts' down: the ranks share its blocks, ``Experts.pack``).
+    Returns the GGUF names of the tensors to load packed."""
     formats = kernels.packed_formats(device)
     if not formats:
         return set()
@@ -749,7 +747,8 @@ def _gguf_packing(path: str, model: LlamaForCausalLM, device: torch.device) -> s
     for module, names in groups:
         if isinstance(module, Experts):  # gate|up's K is the hidden size, down's their width
             gate, up, down = names
-            if fits(gate, module.w13.shape[2]) and types[up] == types[gate] and fits(down, module.width):
+            if fits(gate, module.w13.shape[2]) and types[up] == types[gate] and types.get(down) in formats \
+                    and module.packable(types[down]):
                 module.pack(types[gate], types[down])
                 packed.update(names)
         elif all(fits(n, module.weight.shape[1]) for n in names):

@@ -257,6 +257,39 @@ def test_experts_with_down_in_another_format(compiled):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))  # sums of ~1e3
 
 
+def test_tensor_parallel_ranks_share_the_experts_blocks():
+    """A width of 160 (5 blocks of 32) over 4 ranks: 40 a rank is not whole blocks, so packed the ranks keep 2, 1, 1
+    and 1 blocks; their rows of gate|up, columns of down and biases put together are the whole experts'. A width of
+    fewer blocks than ranks cannot be packed."""
+    e, hidden, width_ = 3, 64, 160
+    w13 = torch.stack([packed_weight("mxfp4", 2 * width_, hidden, seed=i) for i in range(e)])
+    w2 = torch.stack([packed_weight("q8_0", hidden, width_, seed=10 + i) for i in range(e)])
+    biases = torch.randn(e, 2 * width_), torch.randn(e, hidden)
+    ranks = [Experts(e, hidden, width_, TPGroup(rank=r, size=4), biases=True) for r in range(4)]
+    for experts in ranks:
+        assert experts.width == 40 and experts.packable("q8_0") and experts.packable("q4_k") is False
+        experts.pack("mxfp4", "q8_0")
+        experts.load(slice(None), 0, w13[:, :width_])
+        experts.load(slice(None), 1, w13[:, width_:])
+        experts.load(slice(None), 2, w2)
+        experts.load_bias(0, biases[0][:, :width_])
+        experts.load_bias(1, biases[0][:, width_:])
+        experts.load_bias(2, biases[1])
+    assert [(x.first, x.width) for x in ranks] == [(0, 64), (64, 32), (96, 32), (128, 32)]
+    assert torch.equal(torch.cat([x.w2 for x in ranks], dim=-1), w2)
+    for part in range(2):
+        rows = torch.cat([x.w13[:, part * x.width:(part + 1) * x.width] for x in ranks], dim=1)
+        assert torch.equal(rows, w13[:, part * width_:(part + 1) * width_])
+        assert torch.equal(torch.cat([x.b13[:, part * x.width:(part + 1) * x.width] for x in ranks], dim=1),
+                           biases[0][:, part * width_:(part + 1) * width_])
+    assert torch.equal(ranks[0].b2, biases[1]) and not ranks[1].b2.any()
+    with pytest.raises(ValueError, match=r"an expert's down_proj is 170 bytes of q8_0 blocks wide"):
+        ranks[1].load(0, 2, w2[0, :, :-34])
+    assert not Experts(e, hidden, 96, TPGroup(rank=0, size=4)).packable("q8_0")  # 3 blocks, 4 ranks
+    with pytest.raises(ValueError, match="not 4 or more whole q8_0 blocks"):
+        Experts(e, hidden, 96, TPGroup(rank=0, size=4)).pack("q8_0")
+
+
 def tiny_config() -> ModelConfig:
     return ModelConfig.from_hf({"model_type": "llama", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 96,
                                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,

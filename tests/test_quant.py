@@ -392,9 +392,9 @@ def test_settings_from_autogptqs_quantize_config_json(gptq_pair, tmp_path):
     assert greedy(path) == greedy(dense)
 
 
-def test_layers_that_cannot_be_exact_blocks_are_expanded(gptq_pair, tmp_path):
-    """Scales float16 cannot hold (a bf16 one too small), and float16 on the CPU (no C kernel for it):
-    expanded at load, the same tokens."""
+def test_layers_that_cannot_be_exact_blocks_are_expanded(gptq_pair, tmp_path, monkeypatch):
+    """Scales float16 cannot hold (a bf16 one too small), float16 on the CPU (no C kernel for it), and the C kernel
+    turned off (``TOKENMILL_CPU_LINEAR_ROWS=0``, as a GGUF's blocks): expanded at load."""
     dense, int4 = gptq_pair
     name = "model.layers.1.mlp.down_proj.scales"
 
@@ -407,6 +407,16 @@ def test_layers_that_cannot_be_exact_blocks_are_expanded(gptq_pair, tmp_path):
     assert [layer.mlp.down_proj.packed for layer in llm.engine.runner.model.layers] == ["q4_z", None]
     half = LLM(int4, device="cpu", dtype="float16", num_kv_blocks=8)
     assert {layer.mlp.down_proj.packed for layer in half.engine.runner.model.layers} == {None}
+    monkeypatch.setenv("TOKENMILL_CPU_LINEAR_ROWS", "0")
+    torch_only = LLM(int4, device="cpu", dtype="float32", num_kv_blocks=8)
+    assert {layer.mlp.down_proj.packed for layer in torch_only.engine.runner.model.layers} == {None}
+
+
+def test_a_layer_without_its_qweight_is_named():
+    q, parts, _ = layer_parts("gptq")
+    names = [f"model.layers.0.mlp.up_proj.{p}" for p in ("g_idx", "qzeros", "scales")]
+    with pytest.raises(ValueError, match="^model.layers.0.mlp.up_proj: qweight missing \\(its qzeros is in"):
+        list(quant.weights(((n, parts[n.rpartition(".")[2]]) for n in names), q, set(names), set()))
 
 
 def test_quantization_flag_is_checked_against_the_checkpoint(gptq_pair, default_gguf):

@@ -143,7 +143,8 @@ def test_default_gguf_tp3_equals_tp1(default_gguf, tokenizer):
 def test_quantized_weights_stay_packed_on_each_rank(kind, tmp_path, smollm_tokenizer_dir, tokenizer):
     """A Qwen2-MoE GGUF (Q4_0 matrices, Q8_0 experts' down and embeddings), a GPT-OSS MXFP4 folder and a Qwen2-MoE
     GPTQ folder at TP=2: each rank keeps its rows, and whole blocks of its columns of o and down, as they are in
-    the file (the C kernel multiplies them); greedy tokens equal one rank's."""
+    the file (the C kernel multiplies them), the experts' blocks shared out where their width over 2 is not whole
+    blocks; greedy tokens equal one rank's."""
     from kernels.cpu import matmul
     from tests.conftest import make_tiny_mxfp4_gpt_oss
     from tools.quantize_model import quantize_checkpoint
@@ -151,7 +152,7 @@ def test_quantized_weights_stay_packed_on_each_rank(kind, tmp_path, smollm_token
 
     if not matmul.packed_available():
         pytest.skip("the C kernel does not build here")
-    folder = tiny(tmp_path, smollm_tokenizer_dir, "qwen2_moe", 8, 2, moe_intermediate_size=64)  # hidden 128
+    folder = tiny(tmp_path, smollm_tokenizer_dir, "qwen2_moe", 8, 2, moe_intermediate_size=96)  # hidden 128
     if kind == "gguf":
         path = str(tmp_path / "moe.gguf")
         write_gguf(folder, path, "qwen2moe", matrices_as=lambda name: "Q8_0" if "ffn_down_exps" in name or
@@ -171,7 +172,8 @@ def test_quantized_weights_stay_packed_on_each_rank(kind, tmp_path, smollm_token
         layer = two.engine.runner.model.layers[0]
         experts = layer.mlp.experts
         assert (experts.packed, experts.packed_down, layer.self_attn.o_proj.packed) == want_packed
-        assert experts.w2.shape[-1] == 32 // 32 * {"gguf": 34, "mxfp4": 17, "int4": 20}[kind]  # half of 64: a block
+        # the experts' width 96 (int4, GGUF): rank 0 keeps 2 of its 3 blocks of 32; 64 (MXFP4): 1 of 2
+        assert experts.w2.shape[-1] == {"gguf": 2 * 34, "mxfp4": 17, "int4": 2 * 20}[kind]
         two.tokenizer = tokenizer
         got = [o.token_ids for o in two.generate(PROMPTS, params())]
     assert got == want

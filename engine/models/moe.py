@@ -21,9 +21,10 @@ from engine.parallel import TPGroup
 
 
 class Experts(nn.Module):
-    """The experts' weights, stacked: ``w13`` (E, 2 I/T, H) each expert's gate|up rows of this rank,
-    ``w2`` (E, H, I/T) its columns of down; with ``biases`` (GPT-OSS) ``b13`` (E, 2 I/T) gate|up's biases of
-    this rank and ``b2`` (E, H) down's, which rank 0 alone holds (the others' zeros: the all-reduce adds it once)."""
+    """The experts' weights, stacked: ``w13`` (E, 2 W, H) each expert's gate|up rows of this rank, ``w2`` (E, H, W)
+    its columns of down, W = ``width`` of the experts' width I from ``first`` on (I/T, or packed a share of whole
+    blocks: ``pack``); with ``biases`` (GPT-OSS) ``b13`` (E, 2 W) gate|up's biases of this rank and ``b2`` (E, H)
+    down's, which rank 0 alone holds (the others' zeros: the all-reduce adds it once)."""
 
     PARTS = ("gate_proj", "up_proj", "down_proj")
     packed: str | None = None  # kept as a GGUF file's blocks (``pack``): gate|up's format
@@ -32,20 +33,39 @@ class Experts(nn.Module):
     def __init__(self, num_experts: int, hidden: int, intermediate: int, tp: TPGroup, biases: bool = False):
         super().__init__()
         assert intermediate % tp.size == 0
-        self.tp, self.width = tp, intermediate // tp.size
+        self.tp, self.intermediate = tp, intermediate
+        self.width = intermediate // tp.size
+        self.first = tp.rank * self.width
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.width, hidden), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, self.width), requires_grad=False)
         self.b13 = nn.Parameter(torch.empty(num_experts, 2 * self.width), requires_grad=False) if biases else None
         self.b2 = nn.Parameter(torch.zeros(num_experts, hidden), requires_grad=False) if biases else None
 
+    def packable(self, down: str) -> bool:
+        """Whether down can be kept in format ``down``: the width whole blocks, at least one a rank."""
+        size = kernels.reference.PACKED_BLOCKS[down][0]
+        return self.intermediate % size == 0 and self.intermediate // size >= self.tp.size
+
     def pack(self, fmt: str, down: str | None = None) -> None:
         """Keep the weights as uint8 rows of blocks (``layers.Packable``'s form), gate|up's in ``fmt`` and
-        down's in ``down`` (default: the same), which ``load`` then copies as they are (under tensor parallelism
-        a rank's columns of down must be whole blocks)."""
-        (e, rows, k), down = self.w13.shape, down or fmt
+        down's in ``down`` (default: the same; ``packable``), which ``load`` then copies as they are. Under tensor
+        parallelism a rank's columns of down must be whole blocks: where I/T is not (gpt-oss's 2880 over 4 ranks:
+        720, 22.5 blocks of 32), the ranks share the blocks as evenly as they go (23, 23, 22, 22)."""
+        (e, _, k), down = self.w13.shape, down or fmt
+        if not self.packable(down):
+            raise ValueError(f"the experts' width {self.intermediate} is not {self.tp.size} or more whole {down} "
+                             f"blocks")
+        size = kernels.reference.PACKED_BLOCKS[down][0]
+        if self.width % size:
+            each, more = divmod(self.intermediate // size, self.tp.size)
+            rank = self.tp.rank
+            self.first, self.width = size * (rank * each + min(rank, more)), size * (each + (rank < more))
+            if self.b13 is not None:
+                self.b13 = nn.Parameter(torch.empty(e, 2 * self.width, dtype=self.b13.dtype, device=self.b13.device),
+                                        requires_grad=False)
         row_bytes = kernels.reference.packed_row_bytes
         device = self.w13.device
-        self.w13 = nn.Parameter(torch.empty(e, rows, row_bytes(fmt, k), dtype=torch.uint8, device=device),
+        self.w13 = nn.Parameter(torch.empty(e, 2 * self.width, row_bytes(fmt, k), dtype=torch.uint8, device=device),
                                 requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(e, self.w2.shape[1], row_bytes(down, self.width), dtype=torch.uint8,
                                            device=device), requires_grad=False)
@@ -54,11 +74,13 @@ class Experts(nn.Module):
     def load(self, expert: int | slice, part: int, tensor: torch.Tensor) -> None:
         """Part ``part`` (0 gate, 1 up: (I, H); 2 down: (H, I)) of one expert, or with ``expert`` a slice
         of all of them at once (tensors with the experts first)."""
-        n = self.width if part < 2 else self.w2.shape[-1]  # gate's and up's rows; down's columns (packed: bytes)
-        first = self.tp.rank * n
+        first, n, full, unit = self.first, self.width, self.intermediate, ""  # gate's, up's rows; down's columns
+        if part == 2 and self.packed_down is not None:  # ...packed: bytes of whole blocks
+            first, n, full = (kernels.reference.packed_row_bytes(self.packed_down, c) for c in (first, n, full))
+            unit = f" bytes of {self.packed_down} blocks"
         dim = -2 if part < 2 else -1
-        if tensor.shape[dim] != n * self.tp.size:
-            raise ValueError(f"an expert's {self.PARTS[part]} is {n * self.tp.size} wide in this model's config, "
+        if tensor.shape[dim] != full:
+            raise ValueError(f"an expert's {self.PARTS[part]} is {full}{unit} wide in this model's config, "
                              f"got a tensor of shape {tuple(tensor.shape)}")
         if part < 2:
             self.w13[expert, part * n:(part + 1) * n].copy_(tensor.narrow(-2, first, n))
@@ -67,13 +89,12 @@ class Experts(nn.Module):
 
     def load_bias(self, part: int, tensor: torch.Tensor) -> None:
         """Every expert's bias of part ``part`` (0 gate, 1 up: (E, I); 2 down: (E, H))."""
-        want = self.b13.shape[0], (self.width * self.tp.size if part < 2 else self.b2.shape[1])
+        want = self.b13.shape[0], (self.intermediate if part < 2 else self.b2.shape[1])
         if tuple(tensor.shape) != want:
             raise ValueError(f"the experts' {self.PARTS[part]} biases must be {want} in this model's config, got a "
                              f"tensor of shape {tuple(tensor.shape)}")
         if part < 2:
-            self.b13[:, part * self.width:(part + 1) * self.width].copy_(
-                tensor.narrow(-1, self.tp.rank * self.width, self.width))
+            self.b13[:, part * self.width:(part + 1) * self.width].copy_(tensor.narrow(-1, self.first, self.width))
         elif self.tp.rank == 0:
             self.b2.copy_(tensor)
 
