@@ -108,8 +108,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def packed_formats(device: torch.device) -> frozenset[str]:
     """The block formats (``reference.PACKED_BLOCKS``) the kernels for ``device`` multiply as they are, so that
-    a loader keeps weights in them packed: Triton's (Q4_0, Q4_1, Q8_0, Q4_Z, MXFP4, Q4_K, Q5_K, Q6_K) on CUDA or
-    with ``TOKENMILL_KERNELS=triton``; on the CPU the C kernel's, unless turned off
+    a loader keeps weights in them packed: Triton's (all of them) on CUDA or with ``TOKENMILL_KERNELS=triton``; on
+    the CPU the C kernel's (all of them too), unless turned off
     (``TOKENMILL_CPU_LINEAR_ROWS=0``); none with the reference kernels or where Triton cannot be imported."""
     if _backend == "reference":
         return frozenset()

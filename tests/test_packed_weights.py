@@ -324,15 +324,16 @@ def test_loader_packs_layers_whose_parts_the_kernel_reads(monkeypatch, compiled)
 
 
 def test_loader_packs_on_the_gpu_the_formats_triton_reads(monkeypatch):
-    """On CUDA Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K (and MXFP4) stay packed for Triton's kernels; Q3_K is expanded."""
+    """On CUDA every format the reference reads stays packed for Triton's kernels; IQ2_XS is expanded."""
     types = {"token_embd.weight": "q8_0"}
     for i in range(2):
         types |= {f"blk.{i}.{p}.weight": "q4_0" for p in ("attn_q", "attn_k", "attn_v", "attn_output")}
-        types |= {f"blk.{i}.{p}.weight": "q3_k" for p in ("ffn_gate", "ffn_up", "ffn_down")}
+        types |= {f"blk.{i}.{p}.weight": "iq2_xs" for p in ("ffn_gate", "ffn_up", "ffn_down")}
     fake_gguf(monkeypatch, types)
     model = LlamaForCausalLM(tiny_config(), 64)
     packed = loader._gguf_packing("m.gguf", model, torch.device("cuda"))
-    assert packed == {n for n, t in types.items() if t != "q3_k"}
+    assert packed == {n for n, t in types.items() if t != "iq2_xs"}
+    assert kernels.packed_formats(torch.device("cuda")) == set(ref.PACKED_BLOCKS)
     assert (model.embed_tokens.packed, model.layers[1].self_attn.qkv_proj.packed) == ("q8_0", "q4_0")
     assert model.layers[0].mlp.gate_up_proj.packed is None and model.layers[0].mlp.down_proj.packed is None
 
@@ -361,7 +362,7 @@ def test_under_tensor_parallelism_a_rank_packs_layers_whose_share_is_whole_block
 
 @pytest.mark.parametrize("why", ["cuda", "env", "backend"])
 def test_loader_keeps_floats_where_packing_cannot_serve(why, monkeypatch, compiled):
-    fake_gguf(monkeypatch, {"token_embd.weight": "q8_0" if why != "cuda" else "q2_k"})  # (CUDA: Triton's formats)
+    fake_gguf(monkeypatch, {"token_embd.weight": "q8_0" if why != "cuda" else "iq2_xs"})  # (CUDA: Triton's formats)
     device = torch.device("cpu")
     if why == "cuda":
         device = torch.device("cuda")

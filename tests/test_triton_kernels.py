@@ -301,9 +301,12 @@ def test_triton_fused_moe_with_gpt_oss_biases_and_activation_matches_reference(d
 
 
 # (gate|up's format, down's, then MOE_CASES' fields): GPT-OSS's MXFP4 on each case; a GGUF file's two formats,
-# K-quants' super-blocks of 256 among them (in the interpreter, slow: few experts); an AWQ/GPTQ checkpoint's Q4_Z
+# K-quants' super-blocks of 256 among them (in the interpreter, slow: few experts); an AWQ/GPTQ checkpoint's Q4_Z;
+# the rarer GGUF formats
 PACKED_MOE_CASES = [("mxfp4", "mxfp4", *c) for c in MOE_CASES[:3]] + [
-    ("q4_0", "q8_0", *MOE_CASES[2]), ("q4_z", "q4_z", *MOE_CASES[2]), ("q4_k", "q6_k", F32, 5, 256, 256, 2, 2), ("q5_k", "q4_k", F32, 3, 256, 256, 2, 1)]
+    ("q4_0", "q8_0", *MOE_CASES[2]), ("q4_z", "q4_z", *MOE_CASES[2]), ("q5_1", "iq4_nl", *MOE_CASES[2]),
+    ("q4_k", "q6_k", F32, 5, 256, 256, 2, 2), ("q5_k", "q4_k", F32, 3, 256, 256, 2, 1),
+    ("q3_k", "q2_k", F32, 3, 256, 256, 2, 1)]
 
 
 @pytest.mark.parametrize("fmt,down,dtype,t,h,i,e,k", PACKED_MOE_CASES, ids=map(case_id, PACKED_MOE_CASES))
@@ -382,20 +385,20 @@ def test_triton_fused_moe_refuses():
 
 
 def packed_weight(fmt: str, n: int, k: int) -> torch.Tensor:
-    """Random (N, K / block weights * block bytes) rows of ``fmt`` blocks with sensible fp16 scales (and Q4_1
-    minima, Q4_Z zero points from 0 to 16; MXFP4's scales 2^-7..2^-3; the K-quants' sub-block scales and minima
-    random bytes, their super-block's d and dmin, Q6_K's d last, small)."""
+    """Random (N, K / block weights * block bytes) rows of ``fmt`` blocks with sensible fp16 scales (and Q4_1 and
+    Q5_1 minima, Q4_Z zero points from 0 to 16; MXFP4's scales 2^-7..2^-3; the K-quants' and IQ4_XS's sub-block
+    scales and minima random bytes, their super-block's d and dmin, small)."""
     weights, size = ref.PACKED_BLOCKS[fmt]
     blocks = torch.randint(0, 256, (n, k // weights, size), generator=gen(), dtype=torch.uint8)
     if weights == 256:
-        for at in ((208,) if fmt == "q6_k" else (0, 2)):
+        for at in {"q6_k": (208,), "q2_k": (80, 82), "q3_k": (108,), "iq4_xs": (0,)}.get(fmt, (0, 2)):
             blocks[..., at:at + 2] = (torch.rand(n, k // 256, 1, generator=gen()) * 1e-3 + 1e-4).half().view(torch.uint8)
         return blocks.reshape(n, -1).to(DEVICE)
     if fmt == "mxfp4":
         blocks[..., 0] = torch.randint(121, 126, (n, k // 32), generator=gen(), dtype=torch.uint8)
         return blocks.reshape(n, -1).to(DEVICE)
     blocks[..., 0:2] = (torch.rand(n, k // 32, 1, generator=gen()) * 0.1 + 0.01).half().view(torch.uint8)
-    if fmt == "q4_1":
+    if fmt in ("q4_1", "q5_1"):
         blocks[..., 2:4] = (torch.rand(n, k // 32, 1, generator=gen()) - 0.5).half().view(torch.uint8)
     elif fmt == "q4_z":
         blocks[..., 2:4] = torch.randint(0, 17, (n, k // 32, 1), generator=gen()).half().view(torch.uint8)
@@ -407,8 +410,13 @@ PACKED_CASES = [(F32, 1, 40, 64), (F32, 17, 33, 96), (BF16, 5, 64, 32), (F16, 3,
                 (BF16, 140, 40, 64)]
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "q4_z", "mxfp4", "q4_k", "q5_k", "q6_k"])
-@pytest.mark.parametrize("dtype,m,n,k", PACKED_CASES, ids=map(case_id, PACKED_CASES))
+# every format on the first cases, the rarer ones (in GGUF files alone) on fewer: the interpreter is slow
+LINEAR_PACKED_CASES = [(fmt, *c) for fmt in ("q4_0", "q4_1", "q8_0", "q4_z", "mxfp4", "q4_k", "q5_k", "q6_k")
+                       for c in PACKED_CASES] + [(fmt, *c) for fmt in ("q5_0", "q5_1", "iq4_nl", "q2_k", "q3_k", "iq4_xs")
+                                                 for c in PACKED_CASES[1:5]]
+
+
+@pytest.mark.parametrize("fmt,dtype,m,n,k", LINEAR_PACKED_CASES, ids=map(case_id, LINEAR_PACKED_CASES))
 def test_triton_linear_packed_matches_reference(fmt, dtype, m, n, k, poison):
     """Against F.linear on the exact weights in float32; 16-bit: the weights rounded to x's dtype
     (so an output near cancellation is compared to the largest one's scale). K-quants: K whole super-blocks."""
@@ -424,11 +432,11 @@ def test_triton_linear_packed_matches_reference(fmt, dtype, m, n, k, poison):
     assert tri.linear_packed(x.view(1, m, k), w, fmt).shape == (1, m, n)  # leading dims kept
 
 
-@pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("fmt", ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs"])
 def test_triton_linear_packed_expands_k_quants_exactly(fmt):
-    """The K-quants' weights bit for bit as the reference's (``_k_quants``: each sub-block's scale and minimum,
-    all but d and dmin random bytes): x one-hot, so y is the weights, through the register path (sub-blocks 0..3
-    of the first super-block; 4..7 of the second, K split) and the expanded one (every weight)."""
+    """The K-quants' and IQ4_XS's weights bit for bit as the reference's (``_k_quants``: each sub-block's scale and
+    minimum, all but d and dmin random bytes): x one-hot, so y is the weights, through the register path
+    (sub-blocks 0..3 of the first super-block; 4..7 of the second, K split) and the expanded one (every weight)."""
     w = packed_weight(fmt, 4, 512)
     dense = ref.dequantize(w, fmt)  # (4, 512)
     for cols, splits in ((slice(0, 128), 1), (slice(384, 512), 3), (slice(0, 512), 1)):
@@ -455,6 +463,17 @@ def test_triton_packed_embedding_rows_expanded_on_the_device(fmt, monkeypatch):
             torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=0)
     assert calls == [fmt, fmt]
     assert kernels.embedding(ids[:0], table, F32, fmt).shape == (0, 3, 256)  # (no rows, still that wide)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl"])
+def test_triton_linear_packed_expands_blocks_of_32_exactly(fmt):
+    """Every block of 32 format's weights bit for bit as the reference's, all bytes but the scales random (Q5's fifth
+    bits, IQ4_NL's levels: every nibble): x one-hot, so y is the weights, through both paths."""
+    w = packed_weight(fmt, 40, 128)
+    dense = ref.dequantize(w, fmt)  # (40, 128)
+    for rows in (1, 2):  # 128 rows, 256 (expanded)
+        x = torch.eye(128, device=DEVICE).repeat(rows, 1)
+        assert torch.equal(tri.linear_packed(x, w, fmt), dense.t().repeat(rows, 1))
 
 
 def test_triton_linear_packed_expands_mxfp4_exactly():
@@ -487,7 +506,7 @@ def test_triton_linear_packed_split_k_agrees(dtype, poison):
 def test_triton_linear_packed_refuses():
     w = packed_weight("q4_z", 4, 64)
     with pytest.raises(ValueError, match="unknown packed format"):
-        tri.linear_packed(randn(2, 64), w, "q2_k")
+        tri.linear_packed(randn(2, 64), w, "iq2_xs")
     with pytest.raises(ValueError, match="needs at least one block a row"):
         tri.linear_packed(randn(2, 0), w[:, :0], "q4_z")
     with pytest.raises(ValueError, match=r"x must be \(\.\.\., 64\)"):
@@ -643,21 +662,23 @@ def test_triton_engine_gpt_oss_mxfp4_kept_packed_greedy_equals_reference(tmp_pat
 
 def test_triton_engine_gguf_kept_packed_greedy_equals_reference(tmp_path, smollm_tokenizer_dir, monkeypatch):
     """A GGUF file's matrices in formats Triton reads kept packed (as on CUDA): GPT-OSS's MXFP4 experts through
-    the fused MoE, its Q8_0 attention through ``linear_packed``; the same greedy tokens as the reference kernels
-    on the matrices expanded at load."""
+    the fused MoE, its attention through ``linear_packed`` (q and k in Q5_1, v in IQ4_NL, o in Q5_0); the same
+    greedy tokens as the reference kernels on the matrices expanded at load."""
     from tests.conftest import make_tiny_model
     from tools.write_gguf import write_gguf
 
     path = make_tiny_model(str(tmp_path / "gpt_oss"), "gpt_oss", smollm_tokenizer_dir, seed=5, intermediate_size=64,
                            swiglu_limit=7.0)
     gguf = str(tmp_path / "mx.gguf")
-    write_gguf(path, gguf, "gpt-oss", lambda name: "MXFP4" if "_exps." in name else "Q8_0" if ".attn_" in name
-               else None)
+    types = {"attn_q": "Q5_1", "attn_k": "Q5_1", "attn_v": "IQ4_NL", "attn_output": "Q5_0"}
+    write_gguf(path, gguf, "gpt-oss", lambda name: "MXFP4" if "_exps." in name else types.get(name.split(".")[-2]))
 
     def check(llm, backend):
         layer = llm.engine.runner.model.layers[0]
-        assert (layer.mlp.experts.packed, layer.self_attn.qkv_proj.packed) == (
-            (None, None) if backend == "reference" else ("mxfp4", "q8_0"))
+        assert (layer.mlp.experts.packed, layer.self_attn.o_proj.packed) == (
+            (None, None) if backend == "reference" else ("mxfp4", "q5_0"))
+        assert [seg[0] for seg in layer.self_attn.qkv_proj.segments] == ([] if backend == "reference" else
+                                                                         ["q5_1", "iq4_nl"])
 
     outs, _ = greedy_by_backend(monkeypatch, gguf, [3, 20], 3, check, tokenizer=path)
     assert outs["triton"] == outs["reference"]

@@ -1,7 +1,8 @@
 """``y = x W^T (+ b)`` with W kept packed in blocks along K (twin of ``kernels.reference.linear_packed``):
-GGUF's Q4_0, Q4_1 and Q8_0, Q4_Z, the form AWQ and GPTQ int4 checkpoints load into (``engine/quant.py``),
-MXFP4, GPT-OSS's experts (``kernels.triton.moe``), and the K-quants of the usual Q4_K_M, Q5_K_M and Q6_K
-files, Q4_K, Q5_K and Q6_K: super-blocks of 256, read a sub-block of 32 at a time.
+every format the reference reads (``reference.PACKED_BLOCKS``): GGUF's blocks of 32, Q4_0, Q4_1, Q5_0, Q5_1,
+Q8_0 and IQ4_NL; Q4_Z, the form AWQ and GPTQ int4 checkpoints load into (``engine/quant.py``); MXFP4, GPT-OSS's
+experts (``kernels.triton.moe``); and the super-blocks of 256 of the K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
+and IQ4_XS, read a sub-block of 32 at a time.
 
 One program per tile of BLOCK_M rows of x by BLOCK_N rows of W; each of W's blocks is read
 once per tile, expanded in registers (exactly, in float32: an fp16 scale times a small integer)
@@ -22,14 +23,26 @@ from kernels import reference
 from kernels.triton.attention_common import dot_args
 from kernels.triton.launch import check_tensor, interpreting, require, sm_count
 
-# the kernel's FMT for each format it reads (the others stay packed on the CPU only: Q5_0, Q5_1, IQ4_NL, IQ4_XS,
-# Q2_K, Q3_K)
-FORMATS = {fmt: n for fmt, n in reference.PACKED_FORMATS.items()
-           if fmt in ("q4_0", "q4_1", "q8_0", "q4_z", "mxfp4", "q4_k", "q5_k", "q6_k")}
+FORMATS = reference.PACKED_FORMATS  # the kernel's FMT for each format
+Q4_0: tl.constexpr = tl.constexpr(FORMATS["q4_0"])
+Q4_1: tl.constexpr = tl.constexpr(FORMATS["q4_1"])
+Q5_0: tl.constexpr = tl.constexpr(FORMATS["q5_0"])
+Q5_1: tl.constexpr = tl.constexpr(FORMATS["q5_1"])
+Q8_0: tl.constexpr = tl.constexpr(FORMATS["q8_0"])
+IQ4_NL: tl.constexpr = tl.constexpr(FORMATS["iq4_nl"])
 MXFP4: tl.constexpr = tl.constexpr(FORMATS["mxfp4"])
+Q2_K: tl.constexpr = tl.constexpr(FORMATS["q2_k"])
+Q3_K: tl.constexpr = tl.constexpr(FORMATS["q3_k"])
 Q4_K: tl.constexpr = tl.constexpr(FORMATS["q4_k"])
 Q5_K: tl.constexpr = tl.constexpr(FORMATS["q5_k"])
 Q6_K: tl.constexpr = tl.constexpr(FORMATS["q6_k"])
+IQ4_XS: tl.constexpr = tl.constexpr(FORMATS["iq4_xs"])
+# IQ4's 16 levels, 4 to a constant in 16-bit fields (each level + 128): ``_iq4_level`` picks one, with no table
+IQ4_FIELDS = [sum((v + 128) << (16 * i) for i, v in enumerate(reference.IQ4_LEVELS[at:at + 4])) for at in (0, 4, 8, 12)]
+IQ4_A: tl.constexpr = tl.constexpr(IQ4_FIELDS[0])
+IQ4_B: tl.constexpr = tl.constexpr(IQ4_FIELDS[1])
+IQ4_C: tl.constexpr = tl.constexpr(IQ4_FIELDS[2])
+IQ4_D: tl.constexpr = tl.constexpr(IQ4_FIELDS[3])
 EXPAND_ROWS = 128  # past this many rows of x, the weight is expanded once for torch's GEMM
 BLOCK_N = 32
 MIN_SPLIT_BLOCKS = 4  # a split of K covers at least this many blocks of 32
@@ -48,15 +61,18 @@ def _expand(rows, b, ok, FMT: tl.constexpr, BLOCK_BYTES: tl.constexpr, QUANTS: t
     """Weights b * 32.. of the rows at byte pointers ``rows`` (BLOCK_N,), where ``ok``, as float32 (32, BLOCK_N):
     exact, as ``reference.dequantize``."""
     j = tl.arange(0, 32)[:, None]  # a block's weights
-    if FMT == Q4_K or FMT == Q5_K or FMT == Q6_K:
+    if FMT == Q2_K or FMT == Q3_K or FMT == Q4_K or FMT == Q5_K or FMT == Q6_K or FMT == IQ4_XS:
         return _expand_k(rows + (b // 8) * BLOCK_BYTES, b % 8, ok, j, FMT, QUANTS)
     blk = rows + b * BLOCK_BYTES
-    if FMT == 2:  # Q8_0: d q, q int8
+    if FMT == Q8_0:  # d q, q int8
         q = tl.load(blk[None, :] + QUANTS + j, mask=ok[None, :], other=0)
         return _half(blk, ok)[None, :] * q.to(tl.int8, bitcast=True).to(tl.float32)
     # 4-bit: weight j in the low half of byte j % 16 for j < 16, in the high half after
     byte = tl.load(blk[None, :] + QUANTS + j % 16, mask=ok[None, :], other=0).to(tl.int32)
     q = (byte >> (j // 16 * 4)) & 15
+    if FMT == Q5_0 or FMT == Q5_1:  # the fifth bit: bit j of the 32-bit word after the scale (Q5_1: the minimum)
+        word = blk[None, :] + (2 if FMT == Q5_0 else 4) + j // 8
+        q = q | (((tl.load(word, mask=ok[None, :], other=0).to(tl.int32) >> (j % 8)) & 1) << 4)
     if FMT == MXFP4:  # 2^(e - 128) MXFP4_LEVELS[q]: FP4 E2M1 doubled (0, 1, 2, 3, 4, 6, 8, 12), the sign in bit 3
         e = tl.load(blk, mask=ok, other=0).to(tl.int32)[None, :]  # (1, BLOCK_N)
         # 2^(e - 128) from its float32 bits: normal from e = 2 up, subnormal below (exact either way)
@@ -65,18 +81,47 @@ def _expand(rows, b, ok, FMT: tl.constexpr, BLOCK_BYTES: tl.constexpr, QUANTS: t
         level = tl.where(m < 2, m, ((2 + (m & 1)) << (m >> 1)) >> 1)
         return d * tl.where(q >= 8, -level, level).to(tl.float32)
     d = _half(blk, ok)[None, :]  # (1, BLOCK_N)
-    if FMT == 0:  # Q4_0: d (q - 8)
-        return d * (q.to(tl.float32) - 8.0)
-    if FMT == 1:  # Q4_1: d q + m
+    if FMT == IQ4_NL:  # d IQ4_LEVELS[q]
+        return d * _iq4_level(q)
+    if FMT == Q4_0 or FMT == Q5_0:  # d (q - 8), d (q - 16)
+        return d * (q.to(tl.float32) - (8.0 if FMT == Q4_0 else 16.0))
+    if FMT == Q4_1 or FMT == Q5_1:  # d q + m
         return d * q.to(tl.float32) + _half(blk + 2, ok)[None, :]
     return d * (q.to(tl.float32) - _half(blk + 2, ok)[None, :])  # Q4_Z: d (q - z)
 
 
 @triton.jit
+def _iq4_level(q):
+    """IQ4_LEVELS[q] (q int32, 0..15) as float32: field q % 4 of the constant for q // 4."""
+    four = tl.where(q < 8, tl.where(q < 4, IQ4_A, IQ4_B), tl.where(q < 12, IQ4_C, IQ4_D))
+    return (((four >> ((q & 3) * 16).to(tl.int64)) & 0xFFFF) - 128).to(tl.float32)
+
+
+@triton.jit
 def _expand_k(sup, s, ok, j, FMT: tl.constexpr, QUANTS: tl.constexpr):
-    """Sub-block ``s`` (of 8) of the super-blocks at ``sup`` (``reference._k_quants``' layouts) as float32
-    (32, BLOCK_N): Q4_K and Q5_K (d sc) q - dmin m, Q6_K (d sc) (q - 32), each product exact, rounded once."""
+    """Sub-block ``s`` (of 8) of the super-blocks at ``sup`` (``reference._k_quants``' and ``_low_bit_k_quants``'
+    layouts) as float32 (32, BLOCK_N): Q2_K, Q4_K and Q5_K (d sc) q - dmin m, Q3_K (d sc) q, Q6_K (d sc) (q - 32),
+    each product exact, rounded once; IQ4_XS (d (sc - 32)) IQ4_LEVELS[q], rounded once."""
     mask = ok[None, :]
+    if FMT == Q2_K or FMT == Q3_K:  # 2-bit weights: bytes 32 (s // 4).., bits 2 (s % 4); a scale per 16 weights
+        q = (tl.load(sup[None, :] + QUANTS + 32 * (s // 4) + j, mask=mask, other=0).to(tl.int32) >> (2 * (s % 4))) & 3
+        g = 2 * s + j // 16  # (32, 1): each weight's group of 16
+        if FMT == Q2_K:  # scale in the low 4 bits of byte g, minimum in the high 4; d, dmin at 80, 82
+            sc = tl.load(sup[None, :] + g, mask=mask, other=0).to(tl.int32)
+            return (_half(sup + 80, ok)[None, :] * (sc & 15).to(tl.float32)) * q.to(tl.float32) - \
+                _half(sup + 82, ok)[None, :] * (sc >> 4).to(tl.float32)
+        # Q3_K: a high bit (bit s of byte j) clear takes 4 off; scale g: its low 4 bits in byte 96 + g % 8 (half
+        # g // 8), its high 2 in byte 104 + g % 4 (bits 2 (g // 4)), less 32; d at 108
+        q = q - (((tl.load(sup[None, :] + j, mask=mask, other=0).to(tl.int32) >> s) & 1) ^ 1) * 4
+        low = (tl.load(sup[None, :] + 96 + g % 8, mask=mask, other=0).to(tl.int32) >> (4 * (g // 8))) & 15
+        high = (tl.load(sup[None, :] + 104 + g % 4, mask=mask, other=0).to(tl.int32) >> (2 * (g // 4))) & 3
+        return (_half(sup + 108, ok)[None, :] * ((low | (high << 4)) - 32).to(tl.float32)) * q.to(tl.float32)
+    if FMT == IQ4_XS:  # d; 2 high scale bits a sub-block (bytes 2..3), 4 low (bytes 4..7); IQ4_NL's nibbles from 8
+        high = (tl.load(sup + 2 + s // 4, mask=ok, other=0).to(tl.int32) >> (2 * (s % 4))) & 3
+        low = (tl.load(sup + 4 + s // 2, mask=ok, other=0).to(tl.int32) >> (4 * (s % 2))) & 15
+        dl = _half(sup, ok) * ((low | (high << 4)) - 32).to(tl.float32)
+        byte = tl.load(sup[None, :] + QUANTS + 16 * s + j % 16, mask=mask, other=0).to(tl.int32)
+        return dl[None, :] * _iq4_level((byte >> (j // 16 * 4)) & 15)
     if FMT == Q6_K:  # low 4 bits: bytes 64 (s // 4) + 32 (s & 1).., half (s % 4) >> 1; high 2: bytes 32 (s // 4).., bits 2 (s % 4)
         h, r = s // 4, s % 4
         low = tl.load(sup[None, :] + 64 * h + 32 * (r & 1) + j, mask=mask, other=0).to(tl.int32)
@@ -223,5 +268,7 @@ def _auto_splits(m: int, n: int, k: int, device: torch.device) -> int:
 
 def _quants(fmt: str) -> int:
     """Where a block's integers start: after its scale (MXFP4's: a byte), and Q4_1's minimum or Q4_Z's zero
-    point; a K-quant super-block's 4-bit weights, after its scales (and Q5_K's fifth bits)."""
-    return {"mxfp4": 1, "q4_0": 2, "q8_0": 2, "q4_k": 16, "q5_k": 48, "q6_k": 0}.get(fmt, 4)
+    point, and Q5's fifth bits; a K-quant super-block's 4-bit (2-bit) weights, after its scales (and Q5_K's
+    fifth bits, Q3_K's high bits); IQ4_XS's after its scales."""
+    return {"mxfp4": 1, "q4_0": 2, "q8_0": 2, "iq4_nl": 2, "q5_0": 6, "q5_1": 8, "q4_k": 16, "q5_k": 48,
+            "q6_k": 0, "q2_k": 16, "q3_k": 32, "iq4_xs": 8}.get(fmt, 4)
