@@ -92,7 +92,7 @@ def weights(stream: Iterator[tuple[str, torch.Tensor]], q: QuantConfig, names: s
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, t in stream:
         prefix, _, part = name.rpartition(".")
-        if part in ("qzeros", "scales") and f"{prefix}.qweight" not in names:
+        if part in PARTS[1:] and f"{prefix}.qweight" not in names:
             raise ValueError(f"{prefix}: qweight missing (its {part} is in the checkpoint)")
         if part not in PARTS or f"{prefix}.qweight" not in names:
             yield name, t

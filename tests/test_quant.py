@@ -415,7 +415,7 @@ def test_layers_that_cannot_be_exact_blocks_are_expanded(gptq_pair, tmp_path, mo
 def test_a_layer_without_its_qweight_is_named():
     q, parts, _ = layer_parts("gptq")
     names = [f"model.layers.0.mlp.up_proj.{p}" for p in ("g_idx", "qzeros", "scales")]
-    with pytest.raises(ValueError, match="^model.layers.0.mlp.up_proj: qweight missing \\(its qzeros is in"):
+    with pytest.raises(ValueError, match="^model.layers.0.mlp.up_proj: qweight missing \\(its g_idx is in"):
         list(quant.weights(((n, parts[n.rpartition(".")[2]]) for n in names), q, set(names), set()))
 
 
