@@ -356,7 +356,7 @@ def _low_bit_k_quants(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
     Q2_K's), 12 bytes of 6-bit scales less 32 (scale i: low 4 bits from byte i mod 8, half i // 8; high 2
     from byte 8 + i mod 4, bits 2 (i // 4)), d; weight (d sc) q, exact. IQ4_XS: d, 16 bits of high scale
     bits (2 per 32 weights), 4 bytes of low scale bits (4 per 32), then 32-weight blocks as IQ4_NL's;
-    weight (d (sc - 32)) IQ4_LEVELS[q], rounded once."""
+    weight (d (sc - 32)) IQ4_LEVELS[q], exact (24 bits at most)."""
     n, b = blocks.shape[:2]
     if fmt == "iq4_xs":
         sh = blocks[..., 2:4].contiguous().view(torch.int16).to(torch.int32) & 0xFFFF  # (N, B, 1)

@@ -101,7 +101,7 @@ def _iq4_level(q):
 def _expand_k(sup, s, ok, j, FMT: tl.constexpr, QUANTS: tl.constexpr):
     """Sub-block ``s`` (of 8) of the super-blocks at ``sup`` (``reference._k_quants``' and ``_low_bit_k_quants``'
     layouts) as float32 (32, BLOCK_N): Q2_K, Q4_K and Q5_K (d sc) q - dmin m, Q3_K (d sc) q, Q6_K (d sc) (q - 32),
-    each product exact, rounded once; IQ4_XS (d (sc - 32)) IQ4_LEVELS[q], rounded once."""
+    each product exact, rounded once; IQ4_XS (d (sc - 32)) IQ4_LEVELS[q], exact (24 bits at most)."""
     mask = ok[None, :]
     if FMT == Q2_K or FMT == Q3_K:  # 2-bit weights: bytes 32 (s // 4).., bits 2 (s % 4); a scale per 16 weights
         q = (tl.load(sup[None, :] + QUANTS + 32 * (s // 4) + j, mask=mask, other=0).to(tl.int32) >> (2 * (s % 4))) & 3
