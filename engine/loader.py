@@ -480,9 +480,10 @@ def _quant_packing(model: LlamaForCausalLM, q: QuantConfig, index: dict[str, tup
     """Keep packed (Q4_Z) every layer linear whose checkpoint layers are all int4 and whose groups
     are whole blocks (``quant.packs``, which reads their scales and g_idx; under tensor parallelism, a
     rank's columns too), where a kernel multiplies packed weights (``kernels.packed_formats``): Triton's (CUDA,
-    or the ``triton`` backend) or the CPU's C kernel (float32, bfloat16). A mixture of experts' experts are kept packed when all
-    of a layer's are, in column order (act-order's gather is a layer's own, and the experts share their input).
-    The others are expanded to floats at load. Returns the checkpoint prefixes of the packed ones."""
+    or the ``triton`` backend) or the CPU's C kernel (float32, bfloat16). A mixture of experts' experts are kept
+    packed when all of a layer's can be, in column order (act-order's gather is a layer's own, and the experts
+    share their input). The others are expanded to floats at load. Returns the checkpoint prefixes of the packed
+    ones."""
     kernel = quant.FORMAT in kernels.packed_formats(device) and (
         device.type != "cpu" or kernels.backend() == "triton" or dtype in (torch.float32, torch.bfloat16))
     packed, files = set(), {}

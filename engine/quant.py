@@ -92,11 +92,11 @@ def weights(stream: Iterator[tuple[str, torch.Tensor]], q: QuantConfig, names: s
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, t in stream:
         prefix, _, part = name.rpartition(".")
-        if part in PARTS[1:] and f"{prefix}.qweight" not in names:
-            raise ValueError(f"{prefix}: qweight missing (its {part} is in the checkpoint)")
-        if part not in PARTS or f"{prefix}.qweight" not in names:
+        if part not in PARTS:
             yield name, t
             continue
+        if f"{prefix}.qweight" not in names:
+            raise ValueError(f"{prefix}: qweight missing (its {part} is in the checkpoint)")
         parts = pending.setdefault(prefix, {})
         parts[part] = t
         if all(f"{prefix}.{p}" not in names or p in parts for p in PARTS):

@@ -341,7 +341,8 @@ def test_loader_packs_on_the_gpu_the_formats_triton_reads(monkeypatch):
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_under_tensor_parallelism_a_rank_packs_layers_whose_share_is_whole_blocks(device, monkeypatch, compiled):
     """Rank 1 of 2: o's columns of the rank (32 of 64) are a Q4_0 block, down's (48 of 96) are not: expanded. Its
-    bytes are the rank's columns of the file's rows, its other layers' rows the rank's rows (experts: test_tensor_parallel)."""
+    bytes are the rank's columns of the file's rows, its other layers' rows the rank's rows (experts:
+    test_tensor_parallel)."""
     types = {"token_embd.weight": "q8_0"}
     for i in range(2):
         types |= {f"blk.{i}.{p}.weight": "q4_0" for p in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",

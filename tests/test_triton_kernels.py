@@ -412,8 +412,8 @@ PACKED_CASES = [(F32, 1, 40, 64), (F32, 17, 33, 96), (BF16, 5, 64, 32), (F16, 3,
 
 # every format on every case, the rarer ones (in GGUF files alone) on three (the expanded path: the exactness tests)
 LINEAR_PACKED_CASES = [(fmt, *c) for fmt in ("q4_0", "q4_1", "q8_0", "q4_z", "mxfp4", "q4_k", "q5_k", "q6_k")
-                       for c in PACKED_CASES] + [(fmt, *c) for fmt in ("q5_0", "q5_1", "iq4_nl", "q2_k", "q3_k", "iq4_xs")
-                                                 for c in PACKED_CASES[1:4]]
+                       for c in PACKED_CASES]
+LINEAR_PACKED_CASES += [(fmt, *c) for fmt in ("q5_0", "q5_1", "iq4_nl", "q2_k", "q3_k", "iq4_xs") for c in PACKED_CASES[1:4]]
 
 
 @pytest.mark.parametrize("fmt,dtype,m,n,k", LINEAR_PACKED_CASES, ids=map(case_id, LINEAR_PACKED_CASES))
