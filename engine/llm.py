@@ -131,6 +131,14 @@ class LLM:
     def tokenizer(self):
         return load_tokenizer(self.engine.tokenizer_path)
 
+    def get_tokenizer(self):
+        """vLLM's: the tokenizer prompts are encoded and outputs decoded with."""
+        return self.tokenizer
+
+    def set_tokenizer(self, tokenizer) -> None:
+        """vLLM's: encode and decode with ``tokenizer`` from now on (its ``encode`` and ``decode`` are used)."""
+        self.tokenizer = tokenizer
+
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  priority: list[int] | None = None, lora_request=None) -> list[RequestOutput]:

@@ -279,7 +279,7 @@ def test_a_vllm_command_line_starts_unchanged():
 def test_generation_config_flags(tmp_path, tiny_llama):
     """--generation-config / --override-generation-config reach the config; a folder without the file, or a
     value that is no sampling number, stops the server at start (exit 2)."""
-    from engine import LLM
+    from engine import LLM, SamplingParams
     from engine.cli import _config_kwargs
 
     args = build_parser().parse_args(["serve", "--generation-config", "vllm", "--override-generation-config",
@@ -300,6 +300,19 @@ def test_generation_config_flags(tmp_path, tiny_llama):
     llm = LLM(tiny_llama, max_model_len=64, override_generation_config={"max_new_tokens": 1000, "temperature": 0})
     outs = llm.generate([[5] * 10, [7] * 60])  # (refused before: 1000 tokens asked of a 64-token context)
     assert all(0 < len(o.token_ids) <= 64 - len(o.prompt_token_ids) for o in outs)
+    tokenizer = llm.get_tokenizer()  # vLLM's get_tokenizer and set_tokenizer
+    assert tokenizer is llm.tokenizer and tokenizer.decode(tokenizer.encode("Paris")) == "Paris"
+
+    class Shouting:
+        encode = tokenizer.encode
+
+        def decode(self, ids, **kw):
+            return tokenizer.decode(ids, **kw).upper()
+
+    llm.set_tokenizer(Shouting())
+    assert isinstance(llm.get_tokenizer(), Shouting)
+    out = llm.generate("Paris is", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
+    assert out.text == tokenizer.decode(out.token_ids, skip_special_tokens=True).upper() != ""
     with pytest.raises(ValueError, match="top_p must be in"):  # at construction, not at the first generate
         LLM(tiny_llama, override_generation_config={"top_p": 0})
 
