@@ -147,6 +147,20 @@ class BlockManager:
                 self._forget(block_id)
         self.pending.clear()
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: forget every cached block, so that no later request finds one (a benchmark's rounds start cold;
+        a reloaded model's K/V would differ), when no request holds a block; else False, nothing forgotten."""
+        if self.num_used_blocks or self.pending:
+            return False
+        for block_id in self.evictable:
+            if self.window:
+                self.window.drop(block_id)
+            self.block_hash[block_id] = None
+        self.free_block_ids.extend(self.evictable)
+        self.evictable.clear()
+        self.cached.clear()
+        return True
+
     def _forget(self, block_id: int) -> None:
         if self.window:
             self.window.drop(block_id)

@@ -215,6 +215,16 @@ class Engine:
                                                      self.config.max_images) if self.vision else ()),
                      labels=list(self.labels), request_timeout=self.config.request_timeout)
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: every cached block forgotten (``BlockManager.reset_prefix_cache``), if no request holds a block;
+        else False."""
+        done = self.block_manager.reset_prefix_cache()
+        if done:
+            log.info("prefix cache reset")
+        else:
+            log.info("prefix cache not reset: %d blocks are in use", self.block_manager.num_used_blocks)
+        return done
+
     def load_lora(self, name: str, path: str, adapter: Adapter | None = None) -> None:
         """vLLM's ``/v1/load_lora_adapter``: LoRA adapter ``name`` from PEFT folder ``path`` (``adapter``: as
         ``read_lora`` read it) into a free slot of ``max_loras`` (one no adapter holds and no running or waiting

@@ -131,6 +131,11 @@ class LLM:
     def tokenizer(self):
         return load_tokenizer(self.engine.tokenizer_path)
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: forget every cached block, so that the next prompts find none (``Engine.reset_prefix_cache``;
+        between ``generate`` calls no request holds one)."""
+        return self.engine.reset_prefix_cache()
+
     def get_tokenizer(self):
         """vLLM's: the tokenizer prompts are encoded and outputs decoded with."""
         return self.tokenizer

@@ -20,7 +20,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 13
 # a token's top logprobs the engine gives at most (the APIs show at most 20; beam search asks for more)
 MAX_LOGPROBS = 64
 
@@ -34,6 +34,7 @@ class Kind(IntEnum):
     STATS = 6  # frontend -> engine (empty): ask; engine -> frontend: the numbers
     ERROR = 7  # engine -> frontend: a request was refused or failed
     LORA = 8  # frontend -> engine: load or unload a LoRA adapter; engine -> frontend: how that went
+    RESET_PREFIX_CACHE = 9  # frontend -> engine: forget the cached blocks; engine -> frontend: whether it did
 
 
 class ProtocolError(ValueError):
@@ -603,9 +604,29 @@ class LoraUpdate:
         return cls(str(call_id), name, path, int(status), str(message), None if param is None else str(param))
 
 
-Message = Hello | Ready | Add | Abort | Outputs | Stats | Error | LoraUpdate
+@dataclass
+class PrefixCacheReset:
+    """A frontend's call to forget the engine's cached blocks (vLLM's ``/reset_prefix_cache``), and the engine's
+    answer, the same message with ``status`` 200 and ``reset``: whether it did (not while a request holds one)."""
+
+    call_id: str
+    status: int = 0  # 0: a call
+    reset: bool = False
+    kind = Kind.RESET_PREFIX_CACHE
+
+    def to_wire(self) -> list:
+        return [self.call_id, self.status, self.reset]
+
+    @classmethod
+    def from_wire(cls, p: list) -> PrefixCacheReset:
+        call_id, status, reset = p
+        return cls(str(call_id), int(status), bool(reset))
+
+
+Message = Hello | Ready | Add | Abort | Outputs | Stats | Error | LoraUpdate | PrefixCacheReset
 _DECODERS = {Kind.HELLO: Hello, Kind.READY: Ready, Kind.ADD: Add, Kind.ABORT: Abort,
-             Kind.OUTPUTS: Outputs, Kind.STATS: Stats, Kind.ERROR: Error, Kind.LORA: LoraUpdate}
+             Kind.OUTPUTS: Outputs, Kind.STATS: Stats, Kind.ERROR: Error, Kind.LORA: LoraUpdate,
+             Kind.RESET_PREFIX_CACHE: PrefixCacheReset}
 
 
 def encode(msg: Message) -> bytes:

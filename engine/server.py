@@ -171,6 +171,9 @@ class EngineActor:
             self._send(ident, protocol.encode(self.engine.stats()))
         elif isinstance(msg, protocol.Hello):
             self._hello(ident, msg)
+        elif isinstance(msg, protocol.PrefixCacheReset) and not msg.status:  # (between two steps: the actor's turn)
+            msg.status, msg.reset = 200, self.engine.reset_prefix_cache()
+            self._send(ident, protocol.encode(msg))
         elif isinstance(msg, protocol.LoraUpdate) and not msg.status:
             task = self._loop.create_task(self._update_lora(ident, msg))  # (steps go on while it reads the folder)
             self._lora_tasks.add(task)

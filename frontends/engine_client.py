@@ -33,6 +33,7 @@ from engine.protocol import (
     LoraUpdate,
     Outputs,
     PoolingParams,
+    PrefixCacheReset,
     ProtocolError,
     Ready,
     SamplingParams,
@@ -109,8 +110,8 @@ class EngineClient:
         self._monitor: zmq.asyncio.Socket | None = None  # the socket's connection events
         self._streams: dict[str, Stream] = {}
         self._stats_waiters: list[asyncio.Future] = []
-        self._lora_waiters: dict[str, asyncio.Future] = {}  # call id -> the engine's answer to a LoRA update
-        self._lora_calls = 0
+        self._calls: dict[str, asyncio.Future] = {}  # call id -> the engine's answer (a LoRA update, a cache reset)
+        self._num_calls = 0
         self.last_stats: Stats | None = None  # the engine's latest numbers (liveness pings keep them fresh)
         self.last_stats_at = 0.0  # time.monotonic() when they arrived
         self.in_flight_at_stats = 0  # our own requests in flight then (the rest of its load is others')
@@ -228,16 +229,26 @@ class EngineClient:
     async def update_lora(self, name: str, path: str | None, timeout: float = 120.0) -> LoraUpdate:
         """Load LoRA adapter ``name`` from folder ``path`` (None: unload it); the engine's answer (its ``status``
         200, or the HTTP status of its refusal). ``ready.loras`` is the new list by the time it returns."""
-        self._lora_calls += 1
-        call = LoraUpdate(f"{self.frontend_id}:{self._lora_calls}", name, path)
-        fut = self._lora_waiters[call.call_id] = asyncio.get_running_loop().create_future()
+        return await self._call(LoraUpdate(self._call_id(), name, path), timeout, "a LoRA update")
+
+    async def reset_prefix_cache(self, timeout: float = 30.0) -> bool:
+        """vLLM's: the engine forgets its cached blocks; whether it did (not while a request holds a block)."""
+        return (await self._call(PrefixCacheReset(self._call_id()), timeout, "a prefix cache reset")).reset
+
+    def _call_id(self) -> str:
+        self._num_calls += 1
+        return f"{self.frontend_id}:{self._num_calls}"
+
+    async def _call(self, call: LoraUpdate | PrefixCacheReset, timeout: float, what: str):
+        """Send ``call``; the engine's answer, the same message with its ``status`` set."""
+        fut = self._calls[call.call_id] = asyncio.get_running_loop().create_future()
         try:
             self._send(encode(call))
             return await asyncio.wait_for(fut, timeout)
         except TimeoutError:
-            raise EngineUnavailable(f"the engine did not answer a LoRA update within {timeout:g}s") from None
+            raise EngineUnavailable(f"the engine did not answer {what} within {timeout:g}s") from None
         finally:
-            self._lora_waiters.pop(call.call_id, None)
+            self._calls.pop(call.call_id, None)
 
     @property
     def num_in_flight(self) -> int:
@@ -291,8 +302,8 @@ class EngineClient:
                         fut.set_result(msg)
             elif isinstance(msg, Ready):
                 self.ready = msg
-            elif isinstance(msg, LoraUpdate):
-                fut = self._lora_waiters.get(msg.call_id)
+            elif isinstance(msg, (LoraUpdate, PrefixCacheReset)):
+                fut = self._calls.get(msg.call_id)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
             if not self.healthy and self._connected:
@@ -343,8 +354,8 @@ class EngineClient:
                 pass
         for rid, s in streams.items():
             s.push(_gone(rid, f"Engine unavailable: {why}"))
-        for fut in [*self._stats_waiters, *self._lora_waiters.values()]:
+        for fut in [*self._stats_waiters, *self._calls.values()]:
             if not fut.done():
                 fut.set_exception(EngineUnavailable(why))
         self._stats_waiters.clear()
-        self._lora_waiters.clear()
+        self._calls.clear()

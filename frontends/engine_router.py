@@ -209,6 +209,13 @@ class EngineRouter:
             raise refused[0]
         return refused[0]
 
+    async def reset_prefix_cache(self, timeout: float = 30.0) -> bool:
+        """As ``EngineClient.reset_prefix_cache``, on every engine it can reach: whether all of them did."""
+        live = [c for c in self.clients if c.healthy]
+        if not live:
+            raise EngineUnavailable("no engine is available")
+        return all(await asyncio.gather(*(c.reset_prefix_cache(timeout) for c in live)))
+
     async def stats(self, timeout: float = 5.0) -> Stats:
         live = [c for c in self.clients if c.healthy]
         if not live:

@@ -34,6 +34,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
+from urllib.parse import parse_qs
 
 import orjson
 
@@ -59,6 +60,7 @@ from frontends.text import StopMatcher, TextCodec, TokenizerBusy, bad_words_toke
 
 VERSION = "0.1.0"
 _DONE = b"data: [DONE]\n\n"
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"  # vLLM's: its development endpoints on (here POST /reset_prefix_cache)
 
 
 EMBEDDINGS_INLINE_BYTES = 1 << 18  # float32 bytes of vectors a response is written with on the event loop (~5 ms)
@@ -160,10 +162,12 @@ class OpenAIApi:
         if self.client.ready.max_loras:  # (the engine's VLLM_ALLOW_RUNTIME_LORA_UPDATING)
             routes += [("POST", "/v1/load_lora_adapter", self.load_lora_adapter),
                        ("POST", "/v1/unload_lora_adapter", self.unload_lora_adapter)]
+        if os.environ.get(DEV_MODE_ENV, "").strip().lower() in ("1", "true", "yes", "on"):  # vLLM's dev endpoints
+            routes.append(("POST", "/reset_prefix_cache", self.reset_prefix_cache))
         open_paths = {"/health", "/ping", *(["/metrics"] if self.metrics_no_auth else [])}
         for method, path, handler in routes:
-            # /health and /ping stay open for load balancers; every other POST takes a JSON body
-            json_body = method == "POST" and path != "/ping"
+            # /health and /ping stay open for load balancers; every other POST but these two takes a JSON body
+            json_body = method == "POST" and path not in ("/ping", "/reset_prefix_cache")
             guarded = self.auth.guard(handler, key=path not in open_paths, json_body=json_body)
             router.add(method, path, shaped_errors(guarded, anthropic.error_body) if path.startswith("/v1/messages")
                        else guarded)
@@ -304,6 +308,23 @@ class OpenAIApi:
         name = _adapter_name(op.parse_json(req.body))
         await self._update_lora(name, None)
         return Response(200, f"Success: LoRA adapter '{name}' removed successfully.".encode(), "text/plain")
+
+    async def reset_prefix_cache(self, req: Request) -> Response:
+        """vLLM's (with VLLM_SERVER_DEV_MODE=1): every engine forgets its cached blocks, so that the next requests
+        find none (a benchmark's rounds start cold). 200 when all did; 409 while requests hold blocks (vLLM's
+        ``reset_running_requests=true``, which would preempt them first, is refused)."""
+        flag = parse_qs(req.query).get("reset_running_requests", ["false"])[-1].lower()
+        if flag not in ("false", "0"):
+            raise ApiError(400, "reset_running_requests=true is not supported: the prefix cache is reset when no "
+                           "request is running", param="reset_running_requests")
+        try:
+            done = await self.client.reset_prefix_cache()
+        except EngineUnavailable as e:
+            raise ApiError(503, f"Engine unavailable: {e}") from None
+        if not done:
+            raise ApiError(409, "the prefix cache was not reset: running requests hold cached blocks; reset it when "
+                           "the engine is idle")
+        return Response(200, b"", "text/plain")
 
     async def _update_lora(self, name: str, path: str | None) -> None:
         try:

@@ -156,6 +156,24 @@ def test_freed_blocks_stay_cached_count_as_free_and_are_hit_again():
     assert bm.ref_counts[:2] == [1, 1]
 
 
+def test_a_reset_forgets_every_cached_block_but_never_one_a_request_holds():
+    """vLLM's reset_prefix_cache: refused (False, nothing forgotten) while a request holds blocks; then every
+    cached block is plainly free and no prompt finds one."""
+    bm = cached_bm()
+    a, b = tokens_req(PROMPT, "a"), tokens_req(PROMPT[:4] + [1, 2, 3, 4], "b")
+    admit(bm, a)
+    admit(bm, b)
+    bm.free(a)
+    assert not bm.reset_prefix_cache()
+    assert len(bm.cached) == 3 and len(bm.match_prefix(tokens_req(PROMPT, "c"), 9)) == 2
+    bm.free(b)
+    assert bm.reset_prefix_cache()
+    assert not bm.cached and not bm.evictable and bm.block_hash == [None] * 8
+    assert sorted(bm.free_block_ids) == list(range(8)) and bm.num_free_blocks == 8
+    assert admit(bm, tokens_req(PROMPT, "d")) == 0
+    assert admit(bm, tokens_req(PROMPT, "e")) == 8  # cached again as new prompts are computed
+
+
 def test_eviction_takes_plain_free_blocks_first_then_least_recently_freed_tail_first():
     bm = cached_bm(6)
     a = tokens_req(PROMPT, "a")

@@ -183,6 +183,29 @@ def test_router_loads_an_adapter_on_every_engine_or_on_none(two_engines):
     run(main())
 
 
+def test_router_resets_the_prefix_cache_of_every_engine(two_engines):
+    """vLLM's /reset_prefix_cache through the router: every engine forgets its cached blocks, or (one running a
+    request) the call says it was not done everywhere."""
+
+    async def main():
+        router = router_for(two_engines)
+        await router.connect()
+        try:
+            for e in two_engines:
+                e.prefix_cache.admit(list(range(64)))
+            assert await router.reset_prefix_cache()
+            assert all(not e.prefix_cache.blocks for e in two_engines)
+            s = Stream()
+            router.add("long", [1, 2, 3], p.SamplingParams(max_tokens=10_000, temperature=0), stream=s)
+            await until(lambda: any(e.running for e in two_engines))
+            assert not await router.reset_prefix_cache()
+            router.abort(["long"])
+        finally:
+            await router.close()
+
+    run(main())
+
+
 def test_router_survives_a_dead_engine(two_engines):
     async def main():
         router = router_for(two_engines)

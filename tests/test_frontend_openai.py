@@ -346,6 +346,11 @@ def test_health(stack):
     assert r.status_code == 200
 
 
+def test_reset_prefix_cache_is_served_in_dev_mode_only(stack):
+    """vLLM's POST /reset_prefix_cache exists with VLLM_SERVER_DEV_MODE=1 (test_server_e2e), else not."""
+    assert post(stack[1], "/reset_prefix_cache", None).status_code == 404
+
+
 def test_sagemakers_ping_and_invocations(stack, tok):
     """SageMaker's endpoints, as vLLM serves them: /ping (GET or POST, no key, no body) is /health; /invocations
     runs the API its body's fields name."""

@@ -49,6 +49,11 @@ def test_a_repeated_prompt_hits_all_but_its_last_block(tiny_llama, uncached):
     first, again = one_by_one(llm, [p, p])
     assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 48)
     assert first.token_ids == again.token_ids == uncached.generate(p, GREEDY)[0].token_ids
+    assert llm.reset_prefix_cache()  # vLLM's: the next prompt finds nothing cached
+    cold, warm = one_by_one(llm, [p, p])
+    assert (cold.num_cached_tokens, warm.num_cached_tokens) == (0, 48)
+    assert cold.token_ids == warm.token_ids == first.token_ids
+    assert_all_blocks_free(llm)
 
 
 def test_a_hit_after_part_of_the_chain_was_evicted(tiny_llama, uncached):

@@ -37,11 +37,13 @@ MESSAGES = {
     "lora load": p.LoraUpdate("c1", "sql", "/adapters/sql"),
     "lora unload": p.LoraUpdate("c2", "sql", None),
     "lora answer": p.LoraUpdate("c1", "sql", "/adapters/sql", 400, "no free LoRA slot", "lora_name"),
+    "prefix cache reset": p.PrefixCacheReset("c1"),
+    "prefix cache reset answer": p.PrefixCacheReset("c1", 200, True),
 }
 
 GOLDEN = {
-    "hello": "920192a36665300c",
-    "ready": "9202dc0010a474696e79cd0400cdc0009102406410cd04009192a373716cad2f61646170746572732f73716c04ff000090c00c",
+    "hello": "920192a36665300d",
+    "ready": "9202dc0010a474696e79cd0400cdc0009102406410cd04009192a373716cad2f61646170746572732f73716c04ff000090c00d",
     "add": (
         "920399a2723193010203de0019aa6d61785f746f6b656e7304ab74656d7065726174757265cb0000000000000000a574"
         "6f705f70cb3ff0000000000000a5746f705f6b00a56d696e5f70cb0000000000000000a47365656407b070726573656e"
@@ -64,9 +66,9 @@ GOLDEN = {
         "73c0b36261645f776f7264735f746f6b656e5f696473c0ba696e636c7564655f73746f705f7374725f696e5f6f757470"
         "7574c200c0a0c0a09194010293030101c40c0000803f0000803f0000803f"
     ),
-    "image ready": "9202dc0010a56c6c617661cd1000cd7d409102406410cd04009000cd7d00cd02401090c00c",
-    "classifier ready": "9202dc0010a6726577617264cd1000cd7d409102406410cd04009000ff000092a36e6567a3706f73c00c",
-    "ready with a request timeout": "9202dc0010a474696e79cd0400cdc0009102406410cd04009000ff000090cb403e0000000000000c",
+    "image ready": "9202dc0010a56c6c617661cd1000cd7d409102406410cd04009000cd7d00cd02401090c00d",
+    "classifier ready": "9202dc0010a6726577617264cd1000cd7d409102406410cd04009000ff000092a36e6567a3706f73c00d",
+    "ready with a request timeout": "9202dc0010a474696e79cd0400cdc0009102406410cd04009000ff000090cb403e0000000000000d",
     "abort": "920492a27231a27232",
     "outputs": (
         "92059299a27231920708c09292cbbfe0000000000000919207cbbfe000000000000092cbbfd0000000000000919208"
@@ -92,12 +94,14 @@ GOLDEN = {
         "920896a26331a373716cad2f61646170746572732f73716ccd0190b16e6f2066726565204c6f524120736c6f74a96c"
         "6f72615f6e616d65"
     ),
+    "prefix cache reset": "920993a2633100c2",
+    "prefix cache reset answer": "920993a26331ccc8c3",
 }
 
 
 def test_protocol_version_is_pinned():
-    assert p.PROTOCOL_VERSION == 12
-    assert [int(k) for k in p.Kind] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert p.PROTOCOL_VERSION == 13
+    assert [int(k) for k in p.Kind] == [1, 2, 3, 4, 5, 6, 7, 8, 9]
 
 
 @pytest.mark.parametrize("name", sorted(MESSAGES))

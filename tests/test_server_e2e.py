@@ -81,11 +81,11 @@ def wait_for(cond, timeout: float, what: str, interval: float = 0.05):
 class Server:
     """``tokenmill serve`` as a subprocess; knows its URL, runtime dir and child pids (from the log)."""
 
-    def __init__(self, *args: str, api_server_count: int = 1, startup: float = 300.0):
+    def __init__(self, *args: str, api_server_count: int = 1, startup: float = 300.0, env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_file = tempfile.NamedTemporaryFile("w+", prefix="tokenmill-test-", suffix=".log", delete=False)
-        env = dict(os.environ, TOKENMILL_LOG_LEVEL="INFO", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, TOKENMILL_LOG_LEVEL="INFO", PYTHONUNBUFFERED="1", **(env or {}))
         self.proc = subprocess.Popen(
             [*CMD, "serve", *args, "--port", str(self.port), "--api-server-count", str(api_server_count)],
             stdout=subprocess.PIPE, stderr=self.log_file, text=True, env=env, cwd=ROOT)
@@ -178,7 +178,8 @@ WRITE_TIMEOUT = 2.0  # seconds a client may read nothing of a full stream before
 @pytest.fixture(scope="module")
 def server(tiny_llama):
     s = Server("--model", tiny_llama, "--served-model-name", "tiny", "--max-num-seqs", "16",
-               "--write-timeout", str(WRITE_TIMEOUT), "--socket-send-buffer", "64K", api_server_count=2)
+               "--write-timeout", str(WRITE_TIMEOUT), "--socket-send-buffer", "64K", api_server_count=2,
+               env={"VLLM_SERVER_DEV_MODE": "1"})  # (vLLM's /reset_prefix_cache)
     yield s
     s.close()
 
@@ -276,6 +277,27 @@ def test_a_shared_system_prompt_is_served_from_the_prefix_cache(server, tiny_lla
                       15, "/health to show prefix-cache hits, the requests done")
     assert 0 < health["prefix_cache_hit_rate"] < 1 and health["num_evictions"] == 0
     # (and every block free: cached ones count as free)
+    # vLLM's POST /reset_prefix_cache (VLLM_SERVER_DEV_MODE=1): refused while a request runs, then done
+    running = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=200, temperature=0,
+                                        stream=True, extra_body={"ignore_eos": True})
+    next(iter(running))
+    status, body = _post(server.url + "/reset_prefix_cache")
+    assert status == 409 and "running requests hold cached blocks" in json.loads(body)["error"]["message"]
+    running.close()
+    status, body = _post(server.url + "/reset_prefix_cache?reset_running_requests=true")
+    assert status == 400 and json.loads(body)["error"]["param"] == "reset_running_requests"
+    assert wait_for(lambda: _post(server.url + "/reset_prefix_cache") == (200, b""), 10, "the reset, once idle")
+    again = client.chat.completions.create(model="tiny", messages=chats[0], max_tokens=4, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == 0  # every block forgotten
+    assert again.choices[0].message.content == first.choices[0].message.content
+
+
+def _post(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=10) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
 
 
 def test_client_disconnect_frees_kv_blocks(server):

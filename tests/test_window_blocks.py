@@ -99,6 +99,16 @@ def test_a_prefix_hit_reaches_only_as_far_as_its_window_blocks_are_kept():
     assert len(bm.match_prefix(follow, 27)) < 6
 
 
+def test_a_prefix_cache_reset_lets_the_kept_window_blocks_go():
+    bm = BlockManager(64, BS, enable_prefix_caching=True, window=W, num_window_blocks=6)
+    first = req(24, "first")
+    run(bm, first, 24)
+    bm.free(first)
+    assert bm.window.evictable and bm.reset_prefix_cache()
+    assert bm.window.num_free_blocks == 6 and not bm.window.evictable and all(s < 0 for s in bm.window.of)
+    assert bm.match_prefix(req(list(range(24)) + [99] * 4, "follow"), 27) == []
+
+
 def test_evicting_a_block_drops_its_window_block_and_a_failed_step_keeps_none():
     bm = BlockManager(6, BS, enable_prefix_caching=True, window=W, num_window_blocks=6)
     a = req(24, "a")

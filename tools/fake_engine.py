@@ -54,6 +54,7 @@ from engine.protocol import (
     Hello,
     LoraUpdate,
     Outputs,
+    PrefixCacheReset,
     Ready,
     Stats,
     decode,
@@ -186,6 +187,10 @@ class FakeEngine(threading.Thread):
                 self.loras = [a for a in self.loras if a[0] != msg.name] + ([[msg.name, msg.path]] if msg.path else [])
                 sock.send_multipart([ident, encode(self.ready())])
             sock.send_multipart([ident, encode(LoraUpdate(msg.call_id, msg.name, msg.path, status, message))])
+        elif isinstance(msg, PrefixCacheReset):  # (forgotten when nothing runs, as the real block manager does)
+            if not self.running:
+                self.prefix_cache.blocks.clear()
+            sock.send_multipart([ident, encode(PrefixCacheReset(msg.call_id, 200, not self.running))])
         elif isinstance(msg, Add):
             self.adds.append(msg)
             if self.refuse is not None:
