@@ -364,8 +364,8 @@ def test_triton_fused_moe_refuses():
     with pytest.raises(ValueError, match=r"w2 must be \(4, 32, 17\), uint8 rows of mxfp4 blocks"):
         tri.fused_moe(randn(3, 32), packed13, packed_weight("mxfp4", 4 * 32, 64).view(4, 32, 34), weights, ids,
                       packed="mxfp4")
-    with pytest.raises(ValueError, match="unknown packed format 'q2_k'"):
-        tri.fused_moe(randn(3, 32), packed13, packed2, weights, ids, packed="q2_k")
+    with pytest.raises(ValueError, match="unknown packed format 'iq2_xs'"):
+        tri.fused_moe(randn(3, 32), packed13, packed2, weights, ids, packed="iq2_xs")
     with pytest.raises(ValueError, match="in mxfp4 need the hidden size in whole blocks of 32, got 48"):
         tri.fused_moe(randn(3, 48), packed13, packed2, weights, ids, packed="mxfp4")
     with pytest.raises(ValueError, match=r"w13 must hold each expert's gate and up rows \(2I\), got 63"):
