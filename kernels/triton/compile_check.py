@@ -4,8 +4,10 @@ rejects (a ``tl.dot`` under 16 wide, a loop-carried value changing type, a
 non-power-of-two range) fails here on a CPU-only machine.
 
 Run ``python -m kernels.triton.compile_check [--all]`` with ``TRITON_INTERPRET``
-unset. By default one variant of each kernel, in each dtype for attention;
-``--all`` adds head sizes 8, 64, 128 and fp16.
+unset. By default one variant of each kernel, in each dtype for attention; the packed kernels' every
+format in bf16, and in each dtype and launch shape for ``COMMON``'s (the format's code is its own
+branch of ``_expand``, the same in every dtype); ``--all`` adds head sizes 8, 64, 128, fp16 and every
+format in every variant.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from kernels.triton.norm import _rms_norm_kernel
 from kernels.triton.rope import _rope_kernel
 
 TARGET = GPUTarget("cuda", 90, 32)  # Hopper; any recent arch catches the same errors
+COMMON = ("q4_z", "q4_k")  # the packed formats compiled in every dtype and launch shape (the others: once)
 _SCORES = ("qk_scale", "inv_cap", "cap_log2")  # the attention kernels' float arguments
 
 
@@ -100,7 +103,8 @@ def variants(everything: bool):
     # after), both block sizes, and in fp32; a GGUF file's formats in bf16 (a prompt's down, a decode's gate|up)
     runs = [("bf16", "mxfp4", rows_per, weighted, block_m) for rows_per, weighted in ((4, False), (1, True), (1, False))
             for block_m in (16, 64)] + [("fp32", "mxfp4", 1, True, 16)]
-    runs += [("bf16", f, *run) for f in FORMATS if f != "mxfp4" for run in ((1, True, 64), (4, False, 16))]
+    runs += [("bf16", f, *run) for f in FORMATS if f != "mxfp4" for run in ((1, True, 64), (4, False, 16))
+             if everything or f in COMMON or run[1]]
     for dt, fmt, rows_per, weighted, block_m in runs:
         yield (_moe_gemm_kernel, {"a_ptr": f"*{dt}", "b_ptr": "*u8", "c_ptr": "*fp32" if weighted else f"*{dt}",
                                   "weight_ptr": "*fp32", "pairs_ptr": "*i32", "experts_ptr": "*i32",
@@ -110,6 +114,8 @@ def variants(everything: bool):
                     BLOCK_BYTES=PACKED_BLOCKS[fmt][1], QUANTS=_quants(fmt)), ())
     for dt in dtypes:  # (each format with each block_m and split, but not every pair of them)
         for (fmt, number), (block_m, split) in itertools.product(FORMATS.items(), ((16, False), (32, True))):
+            if not everything and fmt not in COMMON and (dt != "bf16" or split):
+                continue
             yield (_linear_packed_kernel, {"x_ptr": f"*{dt}", "w_ptr": "*u8", "b_ptr": f"*{dt}", "y_ptr": f"*{dt}",
                                            "part_ptr": "*fp32"},
                    dict(FMT=number, BLOCK_BYTES=PACKED_BLOCKS[fmt][1], QUANTS=_quants(fmt),
