@@ -149,7 +149,10 @@ class BlockManager:
 
     def reset_prefix_cache(self) -> bool:
         """vLLM's: forget every cached block, so that no later request finds one (a benchmark's rounds start cold;
-        a reloaded model's K/V would differ), when no request holds a block; else False, nothing forgotten."""
+        a reloaded model's K/V would differ), when no request holds a block; else False, nothing forgotten. (Without
+        prefix caching there is nothing to forget: True.)"""
+        if not self.enable_prefix_caching:
+            return True
         if self.num_used_blocks or self.pending:
             return False
         for block_id in self.evictable:

@@ -141,8 +141,10 @@ class LLM:
         return self.tokenizer
 
     def set_tokenizer(self, tokenizer) -> None:
-        """vLLM's: encode and decode with ``tokenizer`` from now on (its ``encode`` and ``decode`` are used)."""
+        """vLLM's: encode and decode with ``tokenizer`` from now on (its ``encode`` and ``decode``; chat templates,
+        stop strings and pairs through a codec made anew from it)."""
         self.tokenizer = tokenizer
+        self.__dict__.pop("_codec", None)  # (a cached_property)
 
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,

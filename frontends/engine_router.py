@@ -210,7 +210,8 @@ class EngineRouter:
         return refused[0]
 
     async def reset_prefix_cache(self, timeout: float = 30.0) -> bool:
-        """As ``EngineClient.reset_prefix_cache``, on every engine it can reach: whether all of them did."""
+        """As ``EngineClient.reset_prefix_cache``, on every engine it can reach: whether all of them did (those
+        running no request do, whatever the others answer)."""
         live = [c for c in self.clients if c.healthy]
         if not live:
             raise EngineUnavailable("no engine is available")

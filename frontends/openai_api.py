@@ -61,6 +61,7 @@ from frontends.text import StopMatcher, TextCodec, TokenizerBusy, bad_words_toke
 VERSION = "0.1.0"
 _DONE = b"data: [DONE]\n\n"
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"  # vLLM's: its development endpoints on (here POST /reset_prefix_cache)
+_TRUE, _FALSE = ("1", "true", "t", "yes", "y", "on"), ("", "0", "false", "f", "no", "n", "off")  # a query's booleans
 
 
 EMBEDDINGS_INLINE_BYTES = 1 << 18  # float32 bytes of vectors a response is written with on the event loop (~5 ms)
@@ -310,20 +311,22 @@ class OpenAIApi:
         return Response(200, f"Success: LoRA adapter '{name}' removed successfully.".encode(), "text/plain")
 
     async def reset_prefix_cache(self, req: Request) -> Response:
-        """vLLM's (with VLLM_SERVER_DEV_MODE=1): every engine forgets its cached blocks, so that the next requests
-        find none (a benchmark's rounds start cold). 200 when all did; 409 while requests hold blocks (vLLM's
-        ``reset_running_requests=true``, which would preempt them first, is refused)."""
-        flag = parse_qs(req.query).get("reset_running_requests", ["false"])[-1].lower()
-        if flag not in ("false", "0"):
+        """vLLM's (with VLLM_SERVER_DEV_MODE=1): every engine it reaches forgets its cached blocks, so that the next
+        requests find none (a benchmark's rounds start cold). 200 when all did; 409 where requests hold blocks (the
+        idle engines of several did forget theirs). vLLM's ``reset_running_requests=true``, which would preempt
+        them first, is refused."""
+        flag = parse_qs(req.query, keep_blank_values=True).get("reset_running_requests", ["false"])[-1]
+        if flag.strip().lower() not in _FALSE:
             raise ApiError(400, "reset_running_requests=true is not supported: the prefix cache is reset when no "
-                           "request is running", param="reset_running_requests")
+                           "request is running" if flag.strip().lower() in _TRUE else
+                           f"reset_running_requests must be a boolean, got {flag!r}", param="reset_running_requests")
         try:
             done = await self.client.reset_prefix_cache()
         except EngineUnavailable as e:
             raise ApiError(503, f"Engine unavailable: {e}") from None
         if not done:
-            raise ApiError(409, "the prefix cache was not reset: running requests hold cached blocks; reset it when "
-                           "the engine is idle")
+            raise ApiError(409, "the prefix cache was not reset: running requests hold cached blocks (an idle engine "
+                           "of several forgot its own); reset it when the engines are idle")
         return Response(200, b"", "text/plain")
 
     async def _update_lora(self, name: str, path: str | None) -> None:

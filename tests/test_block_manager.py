@@ -174,6 +174,11 @@ def test_a_reset_forgets_every_cached_block_but_never_one_a_request_holds():
     assert admit(bm, tokens_req(PROMPT, "e")) == 8  # cached again as new prompts are computed
 
 
+def test_without_prefix_caching_a_reset_has_nothing_to_forget():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    assert bm.allocate(req(6), 6) and bm.reset_prefix_cache()
+
+
 def test_eviction_takes_plain_free_blocks_first_then_least_recently_freed_tail_first():
     bm = cached_bm(6)
     a = tokens_req(PROMPT, "a")

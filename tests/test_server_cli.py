@@ -303,14 +303,19 @@ def test_generation_config_flags(tmp_path, tiny_llama):
     tokenizer = llm.get_tokenizer()  # vLLM's get_tokenizer and set_tokenizer
     assert tokenizer is llm.tokenizer and tokenizer.decode(tokenizer.encode("Paris")) == "Paris"
 
-    class Shouting:
-        encode = tokenizer.encode
+    class Shouting:  # the model's tokenizer, its texts upper-cased
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+        def __len__(self):
+            return len(tokenizer)
 
         def decode(self, ids, **kw):
             return tokenizer.decode(ids, **kw).upper()
 
+    assert llm._codec.tokenizer is tokenizer
     llm.set_tokenizer(Shouting())
-    assert isinstance(llm.get_tokenizer(), Shouting)
+    assert isinstance(llm.get_tokenizer(), Shouting) and isinstance(llm._codec.tokenizer, Shouting)  # (chats, stops)
     out = llm.generate("Paris is", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
     assert out.text == tokenizer.decode(out.token_ids, skip_special_tokens=True).upper() != ""
     with pytest.raises(ValueError, match="top_p must be in"):  # at construction, not at the first generate

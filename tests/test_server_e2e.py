@@ -286,7 +286,10 @@ def test_a_shared_system_prompt_is_served_from_the_prefix_cache(server, tiny_lla
     running.close()
     status, body = _post(server.url + "/reset_prefix_cache?reset_running_requests=true")
     assert status == 400 and json.loads(body)["error"]["param"] == "reset_running_requests"
-    assert wait_for(lambda: _post(server.url + "/reset_prefix_cache") == (200, b""), 10, "the reset, once idle")
+    status, body = _post(server.url + "/reset_prefix_cache?reset_running_requests=banana")
+    assert status == 400 and "must be a boolean, got 'banana'" in json.loads(body)["error"]["message"]
+    assert wait_for(lambda: _post(server.url + "/reset_prefix_cache?reset_running_requests=off") == (200, b""), 10,
+                    "the reset, once idle")
     again = client.chat.completions.create(model="tiny", messages=chats[0], max_tokens=4, temperature=0)
     assert again.usage.prompt_tokens_details.cached_tokens == 0  # every block forgotten
     assert again.choices[0].message.content == first.choices[0].message.content
