@@ -316,10 +316,12 @@ class OpenAIApi:
         idle engines of several did forget theirs). vLLM's ``reset_running_requests=true``, which would preempt
         them first, is refused."""
         flag = parse_qs(req.query, keep_blank_values=True).get("reset_running_requests", ["false"])[-1]
-        if flag.strip().lower() not in _FALSE:
+        if flag.strip().lower() in _TRUE:
             raise ApiError(400, "reset_running_requests=true is not supported: the prefix cache is reset when no "
-                           "request is running" if flag.strip().lower() in _TRUE else
-                           f"reset_running_requests must be a boolean, got {flag!r}", param="reset_running_requests")
+                           "request is running", param="reset_running_requests")
+        if flag.strip().lower() not in _FALSE:
+            raise ApiError(400, f"reset_running_requests must be a boolean, got {flag!r}",
+                           param="reset_running_requests")
         try:
             done = await self.client.reset_prefix_cache()
         except EngineUnavailable as e:
