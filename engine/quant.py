@@ -155,6 +155,8 @@ def unpack(layer: str, q: QuantConfig, parts: dict[str, torch.Tensor]
         raise ValueError(f"{layer}: qweight says K={k}, N={n} (groups of {group}), so scales and qzeros must be "
                          f"({groups}, {n}) and ({groups}, {n // 8}); got {tuple(scales.shape)} and "
                          f"{tuple(qzeros.shape)}")
+    if q.act_order and "g_idx" not in parts:  # (column order would silently give other weights)
+        raise ValueError(f"{layer}: g_idx missing, which an act-order (desc_act) checkpoint's groups follow")
     group_of = parts["g_idx"].long() if "g_idx" in parts else torch.arange(k) // group
     if group_of.shape != (k,) or (k and not 0 <= int(group_of.min()) <= int(group_of.max()) < groups):
         raise ValueError(f"{layer}: g_idx must give each of {k} columns a group in [0, {groups})")

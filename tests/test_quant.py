@@ -154,6 +154,15 @@ def test_a_malformed_layer_is_named(edit, error):
         quant.convert("model.layers.0.mlp.up_proj", q, parts, pack=True)
 
 
+def test_an_act_order_layer_without_its_g_idx_is_named():
+    """Its groups follow g_idx: read in column order instead, its weights would silently be others."""
+    q, parts, _ = layer_parts("gptq", act_order=True)
+    del parts["g_idx"]
+    for pack in (True, False):
+        with pytest.raises(ValueError, match="^l: g_idx missing, which an act-order"):
+            quant.convert("l", q, parts, pack=pack)
+
+
 @pytest.mark.parametrize("config,error", [
     ({"quant_method": "bitsandbytes"}, "unsupported quantization 'bitsandbytes'"),
     ({"quant_method": "gptq", "bits": 8}, "GPTQ with bits 8 is not supported"),
