@@ -439,7 +439,7 @@ def _safetensors_index(path: str) -> dict[str, tuple[str, str]]:
     return index
 
 
-def _read(index: dict[str, tuple[str, str]], name: str, files: dict | None = None) -> torch.Tensor | None:
+def _read(index: dict[str, tuple[str, str]], name: str, files: dict) -> torch.Tensor | None:
     """One tensor of the checkpoint, or None where it has none of that name. ``files``: the files opened so far
     (a dict to keep them in: a mixture of experts' checkpoint has tens of thousands of tensors, and opening a file
     parses all their names)."""
@@ -448,9 +448,6 @@ def _read(index: dict[str, tuple[str, str]], name: str, files: dict | None = Non
     if name not in index:
         return None
     file, stored = index[name]
-    if files is None:
-        with safe_open(file, framework="pt") as f:
-            return f.get_tensor(stored)
     if file not in files:
         files[file] = safe_open(file, framework="pt")
     return files[file].get_tensor(stored)
