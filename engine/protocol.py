@@ -20,7 +20,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 13
+PROTOCOL_VERSION = 14
 # a token's top logprobs the engine gives at most (the APIs show at most 20; beam search asks for more)
 MAX_LOGPROBS = 64
 
@@ -63,6 +63,13 @@ MAX_ALLOWED_TOKEN_IDS = 32768  # entries in allowed_token_ids
 MAX_BAD_WORDS = 64  # words in bad_words (each tokenized twice: with a space before it and without)
 MAX_BAD_WORD_TOKENS = 64  # tokens in one of them ...
 MAX_BAD_WORD_BYTES = 256  # ... and its UTF-8 bytes
+# llama.cpp's DRY: sequence breakers as text (each cut to 40 characters, as llama.cpp cuts them), and as the
+# token sequences they become (every token holding one, or ending in its start: a vocabulary's worth at most)
+MAX_DRY_BREAKERS = 64
+MAX_DRY_BREAKER_CHARS = 40
+MAX_DRY_BREAKER_SEQUENCES = 1 << 18
+MAX_DRY_BREAKER_TOKENS = 21  # a sequence's head and at most 20 tokens after it (llama.cpp's MAX_SEQ_LEN)
+DRY_BREAKERS = ["\n", ":", "\"", "*"]  # llama.cpp's default dry_sequence_breakers
 MAX_ADAPTER_NAME = 256  # characters in a LoRA adapter's name (``LoraUpdate``)
 
 
@@ -121,6 +128,38 @@ class SamplingParams:
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
     include_stop_str_in_output: bool = False
+    # llama.cpp's samplers (engine.sampler_llamacpp), each off at its default. DRY: a token that would make the
+    # context repeat a sequence longer than dry_allowed_length loses dry_multiplier * dry_base ** (length -
+    # allowed) from its logit, over the context's last dry_penalty_last_n tokens (-1: all); a sequence breaker
+    # ends the sequences before it (dry_sequence_breakers: the text, None for llama.cpp's defaults; the engine
+    # reads dry_breaker_token_ids only, [head, tokens after it] each, which the frontends and LLM make of them)
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1
+    dry_sequence_breakers: list[str] | None = None
+    dry_breaker_token_ids: list[list[int]] | None = None
+    xtc_probability: float = 0.0  # XTC: this often, the tokens above xtc_threshold go but the least likely of them
+    xtc_threshold: float = 0.1
+    typical_p: float = 1.0  # locally typical sampling (1: off)
+    top_n_sigma: float = -1.0  # logits more than n standard deviations below the top one go (<= 0: off)
+    dynatemp_range: float = 0.0  # dynamic temperature: temperature +- range by the candidates' entropy (0: off) ...
+    dynatemp_exponent: float = 1.0  # ... raised to this power
+    mirostat: int = 0  # 1 or 2: mirostat's version, which then takes the place of the truncations
+    mirostat_tau: float = 5.0  # its target surprise (bits) ...
+    mirostat_eta: float = 0.1  # ... and learning rate
+
+    @property
+    def dry(self) -> bool:
+        """Whether DRY is on (llama.cpp's rule: a multiplier, a base of at least 1, a window)."""
+        return self.dry_multiplier != 0.0 and self.dry_base >= 1.0 and self.dry_penalty_last_n != 0
+
+    @property
+    def dry_breakers(self) -> list[str]:
+        """The sequence breakers as text: the given ones (each cut to 40 characters, empty ones dropped, as
+        llama.cpp does) or llama.cpp's defaults."""
+        given = DRY_BREAKERS if self.dry_sequence_breakers is None else self.dry_sequence_breakers
+        return [b[:MAX_DRY_BREAKER_CHARS] for b in given if b]
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -247,6 +286,7 @@ class SamplingParams:
                 if not isinstance(w, list) or not 0 < len(w) <= MAX_BAD_WORD_TOKENS or not all(
                         isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in w):
                     bad("bad_words", f"each bad word must be 1 to {MAX_BAD_WORD_TOKENS} tokens")
+        self._validate_llamacpp(bad, num, integer)
         if not isinstance(self.include_stop_str_in_output, bool):
             bad("include_stop_str_in_output", "include_stop_str_in_output must be true or false")
         given = [k for k in STRUCTURED_FIELDS if getattr(self, k) is not None]
@@ -269,11 +309,54 @@ class SamplingParams:
             if size > MAX_JSON_SCHEMA_BYTES:
                 bad("choice", f"the choices may be at most {MAX_JSON_SCHEMA_BYTES} bytes in all, got {size}")
 
+    def _validate_llamacpp(self, bad, num, integer) -> None:
+        """llama.cpp's samplers' fields (``validate``'s helpers)."""
+        if num("dry_multiplier") < 0:
+            bad("dry_multiplier", f"dry_multiplier must be >= 0, got {self.dry_multiplier}")
+        if not 0 <= num("dry_base") <= 100:  # (below 1: off, as in llama.cpp)
+            bad("dry_base", f"dry_base must be in [0, 100], got {self.dry_base}")
+        if integer("dry_allowed_length") < 0:
+            bad("dry_allowed_length", f"dry_allowed_length must be >= 0, got {self.dry_allowed_length}")
+        if not -1 <= integer("dry_penalty_last_n") < 2**31:
+            bad("dry_penalty_last_n", "dry_penalty_last_n must be -1 (the whole context), 0 (off) or a number of "
+                f"tokens, got {self.dry_penalty_last_n}")
+        breakers = self.dry_sequence_breakers
+        if breakers is not None and (not isinstance(breakers, list) or not 0 < len(breakers) <= MAX_DRY_BREAKERS
+                                     or not all(isinstance(b, str) for b in breakers)):
+            bad("dry_sequence_breakers", f"dry_sequence_breakers must be a non-empty list of at most {MAX_DRY_BREAKERS} "
+                "strings")
+        seqs = self.dry_breaker_token_ids
+        if seqs is not None:
+            if not isinstance(seqs, list) or len(seqs) > MAX_DRY_BREAKER_SEQUENCES:
+                bad("dry_sequence_breakers", f"at most {MAX_DRY_BREAKER_SEQUENCES} breaker sequences are allowed")
+            for w in seqs:
+                if not isinstance(w, list) or not 0 < len(w) <= MAX_DRY_BREAKER_TOKENS or not all(
+                        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in w):
+                    bad("dry_sequence_breakers", f"each breaker sequence must be 1 to {MAX_DRY_BREAKER_TOKENS} "
+                        "token ids")
+        if not 0 <= num("xtc_probability") <= 1:
+            bad("xtc_probability", f"xtc_probability must be in [0, 1], got {self.xtc_probability}")
+        if not 0 <= num("xtc_threshold") <= 1:  # (above 0.5: off, as in llama.cpp)
+            bad("xtc_threshold", f"xtc_threshold must be in [0, 1], got {self.xtc_threshold}")
+        if not 0 < num("typical_p") <= 1:
+            bad("typical_p", f"typical_p must be in (0, 1], got {self.typical_p}")
+        num("top_n_sigma")
+        if not 0 <= num("dynatemp_range") <= 100:
+            bad("dynatemp_range", f"dynatemp_range must be in [0, 100], got {self.dynatemp_range}")
+        if not 0 <= num("dynatemp_exponent") <= 100:
+            bad("dynatemp_exponent", f"dynatemp_exponent must be in [0, 100], got {self.dynatemp_exponent}")
+        if integer("mirostat") not in (0, 1, 2):
+            bad("mirostat", f"mirostat must be 0 (off), 1 or 2 (its version), got {self.mirostat}")
+        for name in ("mirostat_tau", "mirostat_eta"):
+            if not 0 <= num(name) <= 100:
+                bad(name, f"{name} must be in [0, 100], got {getattr(self, name)}")
+
     def check_vocab(self, vocab_size: int) -> None:
         """Raise ``SamplingParamError`` if a stop id, logit_bias key or allowed or bad word's token id is not
         below ``vocab_size``."""
         for name, ids in (("allowed_token_ids", self.allowed_token_ids or ()),
-                          ("bad_words", [t for w in self.bad_words_token_ids or () for t in w])):
+                          ("bad_words", [t for w in self.bad_words_token_ids or () for t in w]),
+                          ("dry_sequence_breakers", [t for w in self.dry_breaker_token_ids or () for t in w])):
             if ids and max(ids) >= vocab_size:
                 raise SamplingParamError(name, f"{name} token ids must be in [0, {vocab_size}), got {max(ids)}")
         if self.stop_token_ids and max(self.stop_token_ids) >= vocab_size:

@@ -2,7 +2,9 @@
 
 Owns everything between the model's last-position logits and the sampled ids:
 min_tokens masking, logit bias, allowed_token_ids and bad_words, repetition / presence / frequency
-penalties, structured output's grammar masks, greedy argmax, temperature, top-k, top-p, min-p, per-request seeds and logprobs.
+penalties, structured output's grammar masks, greedy argmax, temperature, top-k, top-p, min-p, per-request seeds and logprobs;
+llama.cpp's samplers (DRY, XTC, typical, top-n-sigma, dynamic temperature, mirostat) come from
+``engine.sampler_llamacpp``, which says where they stand in this order.
 It knows nothing of scheduling: the engine hands it the rows that need a token,
 each row's ``SamplingParams``, its ``SamplingState`` and its token history.
 
@@ -41,11 +43,13 @@ import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from engine import sampler_llamacpp as llamacpp
 from engine.protocol import SamplingParams, TokenLogprobs
 from engine.structured import GrammarMatcher
 
 _SEED_MASK = (1 << 64) - 1  # seeds are 64-bit; fold bigger (or negative) ones in
 _MASK32 = (1 << 32) - 1
+_XTC_SALT = 0x5854432D44524157  # a seeded row's XTC draws: a stream of their own
 _LOGPROBS_CHUNK = 1024  # rows per log_softmax in logprob_tensors: bounds memory for long prompts
 
 
@@ -65,8 +69,8 @@ class SamplingState:
     """
 
     __slots__ = ("seed", "plain_greedy", "needs_penalties", "reads_output", "grammar", "bad_words", "allowed",
-                 "_bad_after", "_prompt_len", "_prompt_ids", "_window_len", "_window", "_stop_ids", "_bias_ids",
-                 "_bias_values", "_allowed_ids", "_placed_for", "_placed")
+                 "dry_breakers", "mu", "_bad_after", "_prompt_len", "_prompt_ids", "_window_len", "_window",
+                 "_dry_prompt", "_stop_ids", "_bias_ids", "_bias_values", "_allowed_ids", "_placed_for", "_placed")
 
     def __init__(self, params: SamplingParams, grammar: GrammarMatcher | None = None) -> None:
         self.grammar = grammar  # structured output: where the request's output stands in its grammar
@@ -83,8 +87,12 @@ class SamplingState:
         for head, last in self.bad_words:
             self._bad_after.setdefault(head[-1] if head else None, []).append((head, last))
         self.allowed = frozenset(params.allowed_token_ids) if params.allowed_token_ids else None
-        # the sampler reads the output so far (the host's list): a step cannot overlap the one before it
-        self.reads_output = self.needs_penalties or bool(self.bad_words)
+        self.dry_breakers = llamacpp.breaker_map(params.dry_breaker_token_ids) if params.dry else None
+        # mirostat's surprise target (bits), moved by each token sampled (``Sampled.result``)
+        self.mu = 2.0 * params.mirostat_tau if params.mirostat else None
+        # the sampler reads the output so far (the host's list), or mirostat's target that the last token moved:
+        # a step cannot overlap the one before it
+        self.reads_output = self.needs_penalties or bool(self.bad_words) or params.dry or self.mu is not None
         # Greedy with nothing to process: eligible for the argmax-only fast path
         # (min_tokens is checked per step, since it stops mattering after a while).
         self.plain_greedy = (
@@ -94,6 +102,7 @@ class SamplingState:
         self._prompt_len = self._window_len = -1
         self._prompt_ids: torch.Tensor | None = None
         self._window: torch.Tensor | None = None  # the prompt's part of llama.cpp's window
+        self._dry_prompt: np.ndarray | None = None  # the prompt, for DRY's window
         # Stop ids matter to the sampler only while min_tokens bans them.
         self._stop_ids = _long_tensor(params.stop_token_ids if params.min_tokens > 0 else [])
         bias = params.logit_bias or {}
@@ -122,6 +131,16 @@ class SamplingState:
             self._window_len = len(prompt_token_ids)
         head = self._window if last_n < 0 else self._window[max(0, len(self._window) - (last_n - len(out))):]
         return torch.cat((head, torch.tensor(out, dtype=torch.long)))
+
+    def dry_window(self, prompt_token_ids: list[int], output_token_ids: list[int], last_n: int) -> np.ndarray:
+        """DRY's window: the context's last ``last_n`` tokens (-1: all), int64; the prompt's array built once."""
+        if self._dry_prompt is None or len(self._dry_prompt) != len(prompt_token_ids):
+            self._dry_prompt = np.asarray(prompt_token_ids, np.int64)
+        out = np.asarray(output_token_ids, np.int64)
+        if 0 < last_n <= len(out):
+            return out[len(out) - last_n:]
+        head = self._dry_prompt if last_n < 0 else self._dry_prompt[max(0, len(self._dry_prompt) - last_n + len(out)):]
+        return np.concatenate((head, out))
 
     def tensors(self, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                  torch.Tensor]:
@@ -170,9 +189,13 @@ class Sampled:
 
     ids: torch.Tensor  # (B,)
     logprobs: tuple[list[int], list[int], tuple[torch.Tensor, ...]] | None = None
+    mirostat: tuple[list[SamplingState], torch.Tensor] | None = None  # the mirostat rows' states, their next mu
 
     def result(self) -> SamplerOutput:
-        """The host's copy: waits for the device to have sampled."""
+        """The host's copy: waits for the device to have sampled (and moves the mirostat rows' targets)."""
+        if self.mirostat is not None:
+            for state, mu in zip(self.mirostat[0], self.mirostat[1].tolist(), strict=True):
+                state.mu = mu
         logprobs = None
         if self.logprobs is not None:
             rows, ks, tensors = self.logprobs
@@ -362,6 +385,18 @@ def process_logits(
             idx = to_device(pen, device)
             logits[idx] = apply_penalties(logits[idx], prompts, outputs, presence, frequency, repetition)
 
+    # DRY (llama.cpp's): each such row's penalties found on the host in its history.
+    dried = [(i, *llamacpp.dry_penalties(states[i].dry_window(prompt_token_ids[i], output_token_ids[i],
+                                                              p.dry_penalty_last_n),
+                                         states[i].dry_breakers, p.dry_multiplier, p.dry_base, p.dry_allowed_length))
+             for i, p in enumerate(params) if p.dry]
+    dried = [(i, t[t < vocab], v[t < vocab]) for i, t, v in dried if len(t)]
+    if dried:
+        rows = np.concatenate([np.full(len(t), i) for i, t, _ in dried])
+        cols, vals = np.concatenate([t for _, t, _ in dried]), np.concatenate([v for *_, v in dried])
+        logits.index_put_((to_device(torch.from_numpy(rows), device), to_device(torch.from_numpy(cols), device)),
+                          to_device(torch.from_numpy(-vals).float(), device), accumulate=True)
+
     # Structured output, last: only the tokens that keep each such row's output inside its grammar.
     ruled = [(i, s.grammar) for i, s in enumerate(states) if s.grammar is not None]
     if ruled:
@@ -482,49 +517,91 @@ class Sampler:
         logits = process_logits(logits, params, states, prompt_token_ids, output_token_ids, self.eos_token_ids,
                                 num_output_tokens)
         rand = [i for i, p in enumerate(params) if not p.greedy]
+        mirostat = None
         if len(rand) == len(params):
-            ids = self._sample(logits, params, states, num_output_tokens)
+            ids, mirostat = self._sample(logits, params, states, num_output_tokens)
         else:
             ids = logits.argmax(dim=-1)
             if rand:
                 idx = to_device(rand, logits.device)
-                ids[idx] = self._sample(logits[idx], [params[i] for i in rand], [states[i] for i in rand],
-                                        [num_output_tokens[i] for i in rand])
+                ids[idx], mirostat = self._sample(logits[idx], [params[i] for i in rand], [states[i] for i in rand],
+                                                  [num_output_tokens[i] for i in rand])
 
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         if not lp_rows:
-            return Sampled(ids)
+            return Sampled(ids, None, mirostat)
         k = max(params[i].logprobs for i in lp_rows)
         if len(lp_rows) == len(params):
             tensors = logprob_tensors(raw, ids, k)
         else:
             idx = to_device(lp_rows, logits.device)
             tensors = logprob_tensors(raw[idx], ids[idx], k)
-        return Sampled(ids, (lp_rows, [params[i].logprobs for i in lp_rows], tensors))
+        return Sampled(ids, (lp_rows, [params[i].logprobs for i in lp_rows], tensors), mirostat)
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams], states: list[SamplingState],
-                num_output_tokens: list[int]) -> torch.Tensor:
-        """Temperature, top-k, top-p, min-p, then the exponential race; all rows non-greedy."""
+                num_output_tokens: list[int]) -> tuple[torch.Tensor, tuple[list[SamplingState], torch.Tensor] | None]:
+        """Temperature, the truncations, then the exponential race; all rows non-greedy. Also the mirostat rows'
+        states and next targets (None without such rows)."""
         n, vocab = logits.shape
         device = logits.device
+        # mirostat takes the place of the truncations; a dynamic temperature is applied after them
+        cut = [(0, 1.0, 0.0) if p.mirostat else (p.top_k, p.top_p, p.min_p) for p in params]
         # One host-to-device copy for all four per-row knobs.
-        knobs = to_device([[p.temperature, p.top_k, p.top_p, p.min_p] for p in params], device,
-                          torch.float32)  # (n, 4)
+        knobs = to_device([[1.0 if p.dynatemp_range > 0 else p.temperature, *c] for p, c in zip(params, cut, strict=True)],
+                          device, torch.float32)  # (n, 4)
         logits = logits / knobs[:, 0:1]
-        max_k = max(p.top_k for p in params)
-        use_p = any(p.top_p < 1.0 for p in params)
-        if max_k > 0 or use_p:
+        logits = _on_rows(logits, [(i, p.top_n_sigma) for i, p in enumerate(params)
+                                   if p.top_n_sigma > 0 and not p.mirostat], llamacpp.apply_top_n_sigma)
+        max_k = max(c[0] for c in cut)
+        use_p = any(c[1] < 1.0 for c in cut)
+        typical = [(i, p.typical_p) for i, p in enumerate(params) if p.typical_p < 1.0 and not p.mirostat]
+        if max_k > 0 or (use_p and not typical):
             logits = apply_top_k_top_p(
                 logits,
                 knobs[:, 1].long() if max_k > 0 else None,
-                knobs[:, 2] if use_p else None,
+                knobs[:, 2] if use_p and not typical else None,
                 max_k,
-                every_row_has_k=all(p.top_k > 0 for p in params),
+                every_row_has_k=all(c[0] > 0 for c in cut),
             )
-        if any(p.min_p > 0.0 for p in params):
+        if typical:  # between top-k and top-p, as in llama.cpp
+            logits = _on_rows(logits, typical, llamacpp.apply_typical)
+            if use_p:
+                logits = apply_top_k_top_p(logits, None, knobs[:, 2])
+        if any(c[2] > 0.0 for c in cut):
             logits = apply_min_p(logits, knobs[:, 3])
+        xtc = [(i, p.xtc_threshold, p.xtc_probability) for i, p in enumerate(params)
+               if p.xtc_probability > 0 and p.xtc_threshold <= 0.5 and not p.mirostat]
+        if xtc:
+            chance = self._uniforms([states[i] for i, *_ in xtc], [num_output_tokens[i] for i, *_ in xtc], device)
+            logits = _on_rows(logits, xtc, lambda x, threshold, p: llamacpp.apply_xtc(x, threshold, chance <= p))
+        dyn = [(i, p.temperature, p.dynatemp_range, p.dynatemp_exponent) for i, p in enumerate(params)
+               if p.dynatemp_range > 0 and not p.mirostat]
+        logits = _on_rows(logits, dyn, llamacpp.apply_dynamic_temperature)
+        miro = [i for i, p in enumerate(params) if p.mirostat]
+        for version in (1, 2):
+            rows = [(i, states[i].mu) for i in miro if params[i].mirostat == version]
+            logits = _on_rows(logits, rows, lambda x, mu, v=version: llamacpp.apply_mirostat(x, mu, v, vocab))
         probs = logits.softmax(dim=-1)
-        return probs.div_(self._noise(n, vocab, states, num_output_tokens, device)).argmax(dim=-1)
+        ids = probs.div_(self._noise(n, vocab, states, num_output_tokens, device)).argmax(dim=-1)
+        if not miro:
+            return ids, None
+        idx = to_device(miro, device)
+        knobs = to_device([[states[i].mu, params[i].mirostat_tau, params[i].mirostat_eta] for i in miro], device,
+                          torch.float32)
+        mu = llamacpp.mirostat_mu(logits[idx], ids[idx], knobs[:, 0], knobs[:, 1], knobs[:, 2])
+        return ids, ([states[i] for i in miro], mu)
+
+    def _uniforms(self, states: list[SamplingState], num_output_tokens: list[int],
+                  device: torch.device) -> torch.Tensor:
+        """A uniform in [0, 1) per row (XTC's draw): a seeded row's from its seed and token count (the same on
+        every device and in any batch), the rest from the engine's generator."""
+        out = torch.rand(len(states), generator=self.generator, device=device)
+        seeded = [j for j, s in enumerate(states) if s.seed is not None]
+        if seeded:
+            u = [(_splitmix64(_splitmix64(states[j].seed ^ _XTC_SALT) ^ num_output_tokens[j]) >> 40) * 2.0 ** -24
+                 for j in seeded]
+            out[to_device(seeded, device)] = to_device(u, device, torch.float32)
+        return out
 
     def _noise(self, n: int, vocab: int, states: list[SamplingState], num_output_tokens: list[int],
                device: torch.device) -> torch.Tensor:
@@ -548,6 +625,20 @@ class Sampler:
         (a zero would make a masked token's 0/0 = NaN win the argmax)."""
         u = torch.empty((n, vocab), device=device).uniform_(generator=self.generator)
         return u.clamp_min_(torch.finfo(torch.float32).tiny).log_().neg_()
+
+
+def _on_rows(logits: torch.Tensor, rows: list[tuple], fn) -> torch.Tensor:
+    """``fn`` applied to the rows of ``logits`` named by ``rows`` (row index, then each one's values of
+    ``fn``'s further arguments); the logits as they were where ``rows`` is empty."""
+    if not rows:
+        return logits
+    idx = to_device([r[0] for r in rows], logits.device)
+    args = to_device([r[1:] for r in rows], logits.device, torch.float32).unbind(1)
+    if len(rows) == len(logits):
+        return fn(logits, *args)
+    logits = logits.clone()
+    logits[idx] = fn(logits[idx], *args)
+    return logits
 
 
 def _mix32_(x: torch.Tensor) -> torch.Tensor:

@@ -13,12 +13,13 @@ Prompts as llama.cpp reads them: a string (with the tokenizer's BOS), token ids 
 mixing both (one prompt: BOS only where it starts with a string), or a list of those without a
 top-level integer (several prompts: the answer is a list). ``n_predict`` -1 (the default) runs to
 the end of the context, 0 still samples one token (as llama.cpp does: next-token probabilities).
-``n_indent`` and ``t_max_predict_ms`` end a completion at a line (``LineLimits``). Its samplers that
-tokenmill has not (``typical_p``, ``mirostat``, DRY, XTC, dynamic temperature, top-n-sigma) are taken
-at the values that turn them off and refused at any other; ``repeat_penalty`` is vLLM's repetition
-penalty over the whole context (``repeat_last_n`` is not read); ``cache_prompt``, ``id_slot``,
-``samplers`` (the order is tokenmill's), ``timings_per_token`` and ``return_progress`` are taken and
-not read: prefix caching is always on, there are no slots.
+``n_indent`` and ``t_max_predict_ms`` end a completion at a line (``LineLimits``). Its samplers
+(DRY, XTC, ``typical_p``, ``top_n_sigma``, dynamic temperature, mirostat) are ``engine.sampler_llamacpp``'s,
+a value past the edge that turns one off in llama.cpp turning it off here too (``tfs_z``, which llama.cpp
+dropped, is taken only at 1); ``repeat_penalty`` is the repetition penalty over the context's last
+``repeat_last_n`` tokens, as there; ``cache_prompt``, ``id_slot``, ``samplers`` (the order is tokenmill's:
+``SAMPLERS``), ``timings_per_token`` and ``return_progress`` are taken and not read: prefix caching is
+always on, there are no slots.
 
 ``/infill`` builds llama.cpp's fill-in-the-middle prompt from the model's FIM tokens (``fim_tokens``:
 found by their text, as llama.cpp finds them in a vocabulary): ``[extra context] [BOS] <PRE> prefix
@@ -33,7 +34,7 @@ from typing import Any
 
 import orjson
 
-from engine.protocol import embedding_floats
+from engine.protocol import SamplingParams, embedding_floats
 from frontends import openai_params as op
 from frontends.beam_search import refuse_beam_search
 from frontends.embeddings import embeddings_job
@@ -57,19 +58,25 @@ FIM_TEXTS = {
 }
 MAX_BIASED_TEXT = 256  # characters of a text logit_bias names (2048 of them: half a megabyte to tokenize)
 N_BATCH = 2048  # llama-server's default -b: /infill takes 3/4 of it from the prefix, 1/4 from the suffix
-# llama.cpp's samplers that tokenmill has not: each taken only at a value that turns it off
-_OFF = {"typical_p": lambda v: v >= 1, "mirostat": lambda v: v == 0, "dynatemp_range": lambda v: v <= 0,
-        "dry_multiplier": lambda v: v <= 0, "xtc_probability": lambda v: v <= 0, "top_n_sigma": lambda v: v <= 0,
-        "tfs_z": lambda v: v >= 1}
+# llama.cpp's samplers' values that turn them off there (those past tokenmill's ranges: taken as off)
+_OFF = {"typical_p": (lambda v: v >= 1, 1.0), "dynatemp_range": (lambda v: v <= 0, 0.0),
+        "dry_multiplier": (lambda v: v <= 0, 0.0), "xtc_probability": (lambda v: v <= 0, 0.0),
+        "top_n_sigma": (lambda v: v <= 0, -1.0)}
 # passed to the completion as they are (llama.cpp's names that are OpenAI's or vLLM's, and tokenmill's extras)
 _PASSED = ("top_p", "min_p", "presence_penalty", "frequency_penalty", "ignore_eos", "grammar", "json_schema",
            "min_tokens", "priority", "timeout", "cache_salt", "stop_token_ids", "allowed_token_ids", "bad_words",
-           "include_stop_str_in_output", "skip_special_tokens", "n")
+           "include_stop_str_in_output", "skip_special_tokens", "n", *op.LLAMACPP_SAMPLERS)
 _NAMES = {"logprobs": "n_probs", "max_tokens": "n_predict", "repetition_penalty": "repeat_penalty"}  # in refusals
-SAMPLERS = ["penalties", "top_k", "top_p", "min_p", "temperature"]  # tokenmill's order, as llama.cpp names them
+# tokenmill's order (engine.sampler_llamacpp), as llama.cpp names them
+SAMPLERS = ["penalties", "dry", "temperature", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc"]
 REPEAT_LAST_N = 64  # llama.cpp's: its penalties count the context's last 64 tokens
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 500: "server_error", 501: "not_supported_error", 503: "unavailable_error"}
+
+
+def samplers_settings(params: SamplingParams) -> dict:
+    """llama.cpp's samplers' settings of ``params``, as its ``generation_settings`` show them."""
+    return {k: params.dry_breakers if k == "dry_sequence_breakers" else getattr(params, k) for k in op.LLAMACPP_SAMPLERS}
 
 
 def _json_response(obj: Any) -> Response:
@@ -115,15 +122,18 @@ def _number(data: dict, name: str, default: float | None = None) -> float | None
 def completion_body(data: dict, adapters: dict[str, str]) -> dict:
     """The ``/v1/completions`` fields of a llama.cpp body (the prompt and ``max_tokens`` come later: they
     need the prompt's tokens)."""
-    for name, off in _OFF.items():
-        v = _number(data, name)
-        if v is not None and not off(v):
-            raise ApiError(400, f"{name} {v:g} is not supported here (tokenmill samples with temperature, top_k, "
-                           "top_p, min_p and penalties)", param=name)
+    tfs_z = _number(data, "tfs_z")
+    if tfs_z is not None and tfs_z < 1:
+        raise ApiError(400, f"tfs_z {tfs_z:g} is not supported (llama.cpp has dropped tail-free sampling)",
+                       param="tfs_z")
     lora = data.get("lora")
     if lora:
         raise ApiError(400, "lora: name an adapter as the request's model instead", param="lora")
     body: dict[str, Any] = {k: data[k] for k in _PASSED if data.get(k) is not None}
+    for name, (off, value) in _OFF.items():
+        v = _number(data, name)
+        if v is not None and off(v):
+            body[name] = value
     if isinstance(data.get("model"), str) and data["model"] in adapters:  # (llama.cpp reads no model: another is no error)
         body["model"] = data["model"]
     if "n_cmpl" in data:
@@ -502,7 +512,8 @@ class LlamaCppApi:
                     "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
                     "stop": params.stop, "ignore_eos": params.ignore_eos, "stream": bool(data.get("stream")),
                     "logit_bias": [{"token": t, "bias": b} for t, b in (params.logit_bias or {}).items()],
-                    "n_probs": params.logprobs or 0, "grammar": params.grammar or "", "samplers": SAMPLERS}
+                    "n_probs": params.logprobs or 0, "grammar": params.grammar or "", "samplers": SAMPLERS,
+                    **samplers_settings(params)}
         return gen, CompletionFormat(gen.lora or api.model, gen, settings, texts, params.logprobs or 0,
                                      op.field(data, "post_sampling_probs", bool, False),
                                      op.field(data, "return_tokens", bool, False), fields, self.codec)
@@ -603,7 +614,7 @@ class LlamaCppApi:
         params = {"n_predict": -1, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
                   "repeat_penalty": 1.0, "repeat_last_n": REPEAT_LAST_N, "presence_penalty": 0.0,
                   "frequency_penalty": 0.0, "seed": 0xFFFFFFFF, "stop": [], "ignore_eos": False, "n_probs": 0,
-                  "grammar": "", "samplers": SAMPLERS}
+                  "grammar": "", "samplers": SAMPLERS, **samplers_settings(SamplingParams())}
         params |= {("repeat_penalty" if k == "repetition_penalty" else k): v for k, v in api.sampling_defaults.items()
                    if k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")}
         return Response(200, orjson.dumps({

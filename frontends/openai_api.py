@@ -38,7 +38,7 @@ from urllib.parse import parse_qs
 
 import orjson
 
-from engine.protocol import MAX_ADAPTER_NAME, Stats
+from engine.protocol import MAX_ADAPTER_NAME, SamplingParams, Stats
 from frontends import anthropic, harmony, images, reasoning, tools
 from frontends import openai_params as op
 from frontends.access_log import CallInfo
@@ -212,6 +212,14 @@ class OpenAIApi:
             return None
         return await self._offload(2 * sum(map(len, words)), bad_words_token_ids, words,
                                    lambda text: self.codec.encode(text, add_special_tokens=False))
+
+    async def _dry_breakers(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with llama.cpp's DRY sequence breakers as token sequences where DRY is on (a scan of the
+        vocabulary, off the event loop: ``TextCodec.dry_breakers``)."""
+        if not (params.dry and params.dry_breakers):
+            return params
+        ids = await self._offload(self.codec.INLINE_CHARS + 1, self.codec.dry_breakers, tuple(params.dry_breakers))
+        return dataclasses.replace(params, dry_breaker_token_ids=ids)
 
     async def _chat_template(self, data: dict, messages: list[dict], add_generation_prompt: bool = True,
                              calls: tools.ToolRequest | None = None, continue_final: bool = False) -> list[int]:
@@ -409,6 +417,7 @@ class OpenAIApi:
         base = op.sampling_params(data, max_tokens=max_tokens, logprobs=logprobs, vocab_size=self.codec.vocab_size,
                                   prompt_logprobs=max(asked) if asked else None,
                                   defaults=self.sampling_defaults, bad_words=await self._bad_words(data))
+        base = await self._dry_breakers(base)
         op.check_fan_out(len(prompts), n, base, self.client.ready.max_num_waiting_requests)
         stop = await self._stop_matcher(base.stop)
         self._require_engine()
@@ -465,6 +474,7 @@ class OpenAIApi:
                                   prompt_logprobs=prompt_logprobs, vocab_size=self.codec.vocab_size,
                                   tool_schema=tool_schema,
                                   defaults=self.sampling_defaults, bad_words=await self._bad_words(data))
+        base = await self._dry_breakers(base)
         if tool_schema is not None and base.stop:  # stop strings could only cut the calls' JSON short
             base = dataclasses.replace(base, stop=[])
         op.check_fan_out(1, n, base, self.client.ready.max_num_waiting_requests)

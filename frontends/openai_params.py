@@ -312,6 +312,14 @@ def parse_template_kwargs(data: dict) -> dict[str, Any]:
     return kw
 
 
+# llama.cpp's samplers' fields (engine.sampler_llamacpp), taken by every endpoint as llama.cpp's server takes them
+_NUM = (int, float)
+LLAMACPP_SAMPLERS = {"dry_multiplier": _NUM, "dry_base": _NUM, "dry_allowed_length": int, "dry_penalty_last_n": int,
+                     "dry_sequence_breakers": list, "xtc_probability": _NUM, "xtc_threshold": _NUM,
+                     "typical_p": _NUM, "top_n_sigma": _NUM, "dynatemp_range": _NUM, "dynatemp_exponent": _NUM,
+                     "mirostat": int, "mirostat_tau": _NUM, "mirostat_eta": _NUM}
+
+
 def sampling_params(data: dict, *, max_tokens: int, logprobs: int | None, vocab_size: int,
                     prompt_logprobs: int | None = None, tool_schema: dict | None = None,
                     defaults: dict | None = None, bad_words: list[list[int]] | None = None) -> SamplingParams:
@@ -377,6 +385,7 @@ def sampling_params(data: dict, *, max_tokens: int, logprobs: int | None, vocab_
             allowed_token_ids=allowed,
             bad_words_token_ids=bad_words,
             include_stop_str_in_output=field(data, "include_stop_str_in_output", bool, False),
+            **{k: field(data, k, t) for k, t in LLAMACPP_SAMPLERS.items() if data.get(k) is not None},
         )
     except SamplingParamError as e:
         param = held_by if e.param in STRUCTURED_FIELDS else e.param

@@ -55,6 +55,8 @@ class TextCodec:
         self._queued = 0  # size of the work handed to the pool and not finished
         self.image_token: str | None = None  # a model that reads images: its placeholder (``use_images``)
         self._lists_contents = False
+        self._texts: list[str] | None = None  # every token's text (token_texts)
+        self._dry: dict[tuple[str, ...], list[list[int]]] = {}  # DRY's breakers as token sequences (dry_breakers)
 
     def use_images(self, token_id: int) -> None:
         """The model reads images (``frontends.images``): chat templates get them, as parts of a content list
@@ -117,6 +119,26 @@ class TextCodec:
     def token_text(self, token_id: int) -> str:
         """One token's own text (for logprobs); special tokens keep their names."""
         return self._decode([token_id], False)
+
+    def token_texts(self) -> list[str]:
+        """Every token's own text, by id (special tokens with their names); built once."""
+        if self._texts is None:
+            ids = [[i] for i in range(self.vocab_size)]
+            if self._backend is not None and hasattr(self._backend, "decode_batch"):
+                self._texts = self._backend.decode_batch(ids, skip_special_tokens=False)
+            else:
+                self._texts = [self.token_text(i[0]) for i in ids]
+        return self._texts
+
+    def dry_breakers(self, breakers: tuple[str, ...]) -> list[list[int]]:
+        """llama.cpp's DRY sequence breakers as token sequences (``dry_breaker_token_ids``): a scan of the
+        vocabulary, so kept for the last few lists asked for (most requests give llama.cpp's defaults)."""
+        if breakers not in self._dry:
+            if len(self._dry) >= 16:
+                del self._dry[next(iter(self._dry))]
+            self._dry[breakers] = dry_breaker_token_ids(list(breakers), self.token_texts(),
+                                                        lambda text: self.encode(text, add_special_tokens=False))
+        return self._dry[breakers]
 
     def token_bytes(self, token_id: int) -> bytes:
         """One token's own bytes, from its vocabulary entry: a token that is part of a character has those bytes
@@ -222,6 +244,38 @@ class IncrementalDetokenizer:
         new_text = self._codec.decode(ids[self._prefix_offset:], self._skip)
         self._prefix_offset = self._read_offset = len(ids)
         return new_text[len(prefix_text):]
+
+
+DRY_TAIL_TOKENS = 20  # a breaker's tokens after the first, at most (llama.cpp's MAX_SEQ_LEN)
+
+
+def dry_breaker_token_ids(breakers: list[str], texts: list[str], encode: Callable[[str], list[int]]) -> list[list[int]]:
+    """llama.cpp's DRY sequence breakers as token sequences, found as llama.cpp finds them
+    (``get_overlapping_token_sequences``): each token whose text holds a breaker, alone; and each token whose
+    text ends in the start of one, followed by the rest of it tokenized (at most 20 tokens). ``texts``:
+    every token's text, by id."""
+    out: list[list[int]] = []
+    seen: set[tuple[int, ...]] = set()
+    rest: dict[str, list[int]] = {}
+    for b in breakers:
+        for tid, text in enumerate(texts):
+            if b in text:
+                found = [(tid,)]
+            else:
+                found = []
+                pos = text.find(b[0])
+                while pos >= 0:
+                    if b.startswith(text[pos:]):  # the token ends in the breaker's start: the rest must follow
+                        tail = b[len(text) - pos:]
+                        if tail not in rest:
+                            rest[tail] = encode(tail)[:DRY_TAIL_TOKENS]
+                        found.append((tid, *rest[tail]))
+                    pos = text.find(b[0], pos + 1)
+            for seq in found:
+                if seq not in seen:
+                    seen.add(seq)
+                    out.append(list(seq))
+    return out
 
 
 def bad_words_token_ids(words: list[str], encode: Callable[[str], list[int]]) -> list[list[int]]:

@@ -1,0 +1,299 @@
+"""llama.cpp's samplers (``engine.sampler_llamacpp``): each batched one against a plain per-row reference written
+from llama.cpp's definition, then through the ``Sampler`` (seeds, greedy rows, mirostat's moving target), the
+breakers' tokens, and a random model through ``LLM``. HTTP: ``tests/test_llamacpp.py``."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from engine import sampler_llamacpp as lc
+from engine.protocol import SamplingParamError, SamplingParams
+from engine.sampler import Sampler, SamplingState, process_logits
+from frontends.text import dry_breaker_token_ids
+
+# ----------------------------------------------------------------------------- DRY
+
+
+def _dry_reference(window: list[int], breakers: list[list[int]], multiplier: float, base: float,
+                   allowed: int) -> dict[int, float]:
+    """DRY by its definition, the slow way: the last breaker caps the lengths; each earlier position's longest
+    suffix shared with the window's end; the token after it penalised by the longest."""
+    n = len(window)
+    if n <= allowed:
+        return {}
+    limit = n
+    for pos in range(n - 1, -1, -1):
+        after = n - 1 - pos
+        tails = [len(b) - 1 for b in breakers if b[0] == window[pos] and len(b) - 1 <= after
+                 and window[pos + 1:pos + len(b)] == b[1:]]
+        if tails:
+            limit = after - max(tails)
+            break
+    if limit < allowed:
+        return {}
+    best: dict[int, int] = {}
+    for i in range(n - 1):
+        length = 0
+        while length < limit and length <= i and window[i - length] == window[n - 1 - length]:
+            length += 1
+        if length >= allowed:
+            best[window[i + 1]] = max(best.get(window[i + 1], 0), length)
+    single = {b[0] for b in breakers if len(b) == 1}
+    cap = int(lc.FLOAT_MAX_LOG / math.log(base)) if base > 1.000001 else None
+    return {t: multiplier * base ** (L - allowed if cap is None else min(L - allowed, cap))
+            for t, L in best.items() if t not in single}
+
+
+def _dry(window, breakers, multiplier=0.8, base=1.75, allowed=2):
+    tokens, pens = lc.dry_penalties(np.array(window, np.int64), lc.breaker_map(breakers), multiplier, base, allowed)
+    return dict(zip(tokens.tolist(), pens.tolist(), strict=True))
+
+
+def test_dry_follows_llama_cpps_worked_example():
+    # llama.cpp's comment: "a b c c b c y a b c" -> c would repeat "a b c" (3), y "b c" (2), b "c" (1)
+    a, b, c, y = 1, 2, 3, 4
+    window = [a, b, c, c, b, c, y, a, b, c]
+    assert _dry(window, [], allowed=2) == pytest.approx({c: 0.8 * 1.75, y: 0.8})
+    assert _dry(window, [], allowed=1) == pytest.approx({c: 0.8 * 1.75 ** 2, y: 0.8 * 1.75, b: 0.8})
+    assert _dry(window, [[y]], allowed=1) == pytest.approx({c: 0.8 * 1.75 ** 2, b: 0.8})  # y: a breaker itself
+    assert _dry(window, [[a]], allowed=1) == pytest.approx({c: 0.8 * 1.75, y: 0.8 * 1.75, b: 0.8})  # capped at 2
+    assert _dry(window, [[b, c]], allowed=1) == {}  # "b c" ends the window: nothing after it to repeat
+    assert _dry([a, b], [], allowed=2) == {}
+
+
+def test_dry_matches_its_definition_on_random_histories():
+    rng = random.Random(0)
+    for case in range(300):
+        n = rng.randint(1, 60)
+        alphabet = rng.randint(2, 6)
+        window = [rng.randrange(alphabet) for _ in range(n)]
+        if case % 3 == 0:  # a loop: the model repeating itself
+            period = window[:rng.randint(1, 8)]
+            window = (period * 20)[:n]
+        breakers = [[rng.randrange(alphabet) for _ in range(rng.randint(1, 3))] for _ in range(rng.randint(0, 2))]
+        allowed, base = rng.randint(0, 4), rng.choice([1.0, 1.75, 3.0])
+        assert _dry(window, breakers, 0.5, base, allowed) == pytest.approx(
+            _dry_reference(window, breakers, 0.5, base, allowed)), (window, breakers, allowed)
+
+
+def test_dry_exponent_is_clamped_below_float32s_overflow():
+    window = [7] * 400  # a 399-long repeat: base ** 397 would overflow
+    got = _dry(window, [], multiplier=1.0, base=2.0, allowed=2)
+    assert got == {7: 2.0 ** int(lc.FLOAT_MAX_LOG / math.log(2.0))} and math.isfinite(np.float32(got[7]))
+
+
+def test_dry_in_process_logits_steers_greedy_over_its_window():
+    vocab = 8
+    logits = torch.zeros(3, vocab)
+    logits[:, 3] = 1.0  # greedy's choice...
+    params = [SamplingParams(temperature=0, dry_multiplier=2.0, dry_breaker_token_ids=[[6]]),
+              SamplingParams(temperature=0, dry_multiplier=2.0, dry_penalty_last_n=3),
+              SamplingParams(temperature=0)]
+    states = [SamplingState(p) for p in params]
+    assert all(s.reads_output and not s.plain_greedy for s in states[:2])
+    prompt, out = [1, 2, 3, 1, 2], [4, 1, 2]  # ...would repeat "1 2 3" (as 4 would "1 2 4"); "4 1 2" alone: nothing
+    got = process_logits(logits, params, states, [prompt] * 3, [out] * 3, [])
+    assert got[0, 3] == pytest.approx(1.0 - 2.0) and got[0, 4] == pytest.approx(-2.0) and got[0].argmax() != 3
+    assert got[1].tolist() == logits[1].tolist()  # its window, "4 1 2", repeats nothing
+    assert got[2].tolist() == logits[2].tolist()
+
+
+def test_breakers_become_tokens_as_llama_cpp_finds_them():
+    texts = ["a", ":", "x:", "b\n", "\n", "c*", "*d", "ab", "q"]
+    encode = {"\n": [4], "*": [9, 9], "b\n": [3]}.__getitem__  # the rest of a breaker, tokenized
+    got = dry_breaker_token_ids(["\n", ":", "*"], texts, encode)
+    assert sorted(map(tuple, got)) == sorted([(1,), (2,), (3,), (4,), (5,), (6,)])  # each holds one: alone
+    # "ab\n": "a" and "ab" end in its start ("a", "ab"): the rest of it follows them
+    got = dry_breaker_token_ids(["ab\n"], texts, encode)
+    assert sorted(map(tuple, got)) == [(0, 3), (7, 4)]
+
+
+# ----------------------------------------------------------------------------- truncations
+
+
+def _ref_rows(logits: torch.Tensor, fn) -> torch.Tensor:
+    return torch.stack([fn(row.double().numpy(), i) for i, row in enumerate(logits)]).float()
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x[np.isfinite(x)].max())
+    return e / e.sum()
+
+
+def _logits(rows: int = 6, vocab: int = 40, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, vocab, generator=g) * 2
+    x[0, 5:9] = -math.inf  # masked tokens (a grammar, top-k before)
+    return x
+
+
+def test_top_n_sigma_matches_llama_cpp():
+    x, n = _logits(), torch.tensor([0.5, 1.0, 1.5, 2.0, 3.0, 0.1])
+
+    def ref(row, i):
+        f = row[np.isfinite(row)]
+        cut = f.max() - n[i].item() * f.std()
+        return torch.from_numpy(np.where(row < cut, -np.inf, row))
+    assert torch.equal(lc.apply_top_n_sigma(x, n), _ref_rows(x, ref))
+    assert torch.equal(lc.apply_top_n_sigma(x / 0.5, n).isinf(), lc.apply_top_n_sigma(x, n).isinf())  # any temperature
+
+
+def test_typical_matches_llama_cpp():
+    x, p = _logits(), torch.tensor([0.2, 0.5, 0.9, 0.95, 0.01, 0.7])
+
+    def ref(row, i):
+        probs = _softmax(row)
+        ok = probs > 0
+        entropy = -(probs[ok] * np.log(probs[ok])).sum()
+        shifted = np.where(ok, np.abs(-np.log(np.where(ok, probs, 1)) - entropy), np.inf)
+        order = np.argsort(shifted, kind="stable")
+        keep, total = [], 0.0
+        for j in order:
+            keep.append(j)
+            total += probs[j]
+            if total > p[i].item():
+                break
+        return torch.from_numpy(np.where(np.isin(np.arange(len(row)), keep), row, -np.inf))
+    assert torch.equal(lc.apply_typical(x, p).isinf(), _ref_rows(x, ref).isinf())
+
+
+def test_xtc_drops_all_top_choices_but_the_least_likely_where_its_draw_fires():
+    probs = torch.tensor([[0.4, 0.3, 0.2, 0.1], [0.4, 0.3, 0.2, 0.1], [0.85, 0.05, 0.05, 0.05], [0.4, 0.3, 0.2, 0.1]])
+    fire = torch.tensor([True, True, True, False])
+    got = lc.apply_xtc(probs.log(), torch.tensor([0.15, 0.35, 0.1, 0.15]), fire)
+    assert got.isinf().tolist() == [[True, True, False, False],  # 0.4, 0.3 go: 0.2 is the least above 0.15
+                                    [False, False, False, False],  # one token above 0.35: nothing goes
+                                    [False, False, False, False],  # one above 0.1
+                                    [False, False, False, False]]  # its draw did not fire
+
+
+def test_dynamic_temperature_matches_llama_cpp():
+    x = _logits()
+    x[1, 1:] = -math.inf  # one candidate: left as it is
+    t, spread, exp = torch.tensor([0.8, 1.0, 0.5, 1.2, 0.3, 1.0]), torch.tensor([0.5, 0.5, 0.5, 1.0, 0.3, 1.5]), \
+        torch.tensor([1.0, 1.0, 2.0, 0.5, 1.0, 0.0])
+
+    def ref(row, i):
+        f = np.isfinite(row)
+        if f.sum() <= 1:
+            return torch.from_numpy(row)
+        probs = _softmax(row)
+        ok = probs > 0
+        entropy = -(probs[ok] * np.log(probs[ok])).sum()
+        lo, hi = max(0.0, t[i].item() - spread[i].item()), t[i].item() + spread[i].item()
+        dyn = lo + (hi - lo) * (entropy / math.log(f.sum())) ** exp[i].item()
+        return torch.from_numpy(row / dyn)
+    torch.testing.assert_close(lc.apply_dynamic_temperature(x, t, spread, exp), _ref_rows(x, ref), rtol=1e-5, atol=1e-5)
+    zero = lc.apply_dynamic_temperature(x[:1], torch.tensor([0.2]), torch.tensor([0.5]), torch.tensor([1.0]))
+    assert torch.isfinite(zero).sum() >= 1  # a range reaching below 0 clamps the low end at 0, not below
+
+
+def test_mirostat_2_keeps_tokens_no_more_surprising_than_mu():
+    x, mu = _logits(), torch.tensor([1.0, 3.0, 5.0, 0.0, 10.0, 2.0])
+    got = lc.apply_mirostat(x, mu, 2, 40)
+    for i, row in enumerate(x):
+        probs = _softmax(row.double().numpy())
+        keep = (-np.log2(np.maximum(probs, 1e-300)) <= mu[i].item()) | (probs == probs.max())
+        assert (~got[i].isinf()).numpy().tolist() == keep.tolist()
+
+
+def test_mirostat_1_keeps_llama_cpps_k():
+    x, mu = _logits(vocab=300), torch.tensor([2.0, 4.0, 6.0, 8.0, 10.0, 3.0])
+    got = lc.apply_mirostat(x, mu, 1, 300)
+    for i, row in enumerate(x):
+        probs = np.sort(_softmax(row.double().numpy()))[::-1]
+        probs = probs[probs > 0]
+        num = sum(math.log((j + 2) / (j + 1)) * math.log(probs[j] / probs[j + 1]) for j in range(99))
+        s_hat = num / sum(math.log((j + 2) / (j + 1)) ** 2 for j in range(99))
+        eps = s_hat - 1
+        k = max(int((eps * 2 ** mu[i].item() / (1 - 300 ** -eps)) ** (1 / s_hat)), 1)
+        assert abs(int((~got[i].isinf()).sum()) - min(k, len(probs))) <= 1  # (float32 against float64 at the edge)
+
+
+# ----------------------------------------------------------------------------- through the sampler
+
+
+def _steps(sampler, rows, steps=8, vocab=64):
+    outs = [[] for _ in rows]
+    for step in range(steps):
+        logits = torch.stack([torch.randn(vocab, generator=torch.Generator().manual_seed(1000 * key + step))
+                              for _, _, key in rows])
+        res = sampler(logits, [p for p, _, _ in rows], [s for _, s, _ in rows], [[1, 2, 3]] * len(rows),
+                      [list(o) for o in outs])
+        for o, t in zip(outs, res.token_ids, strict=True):
+            o.append(t)
+    return outs
+
+
+@pytest.mark.parametrize("kw", [dict(xtc_probability=0.7, xtc_threshold=0.02), dict(typical_p=0.6, top_k=30),
+                                dict(top_n_sigma=1.0), dict(dynatemp_range=0.5, min_p=0.05), dict(mirostat=2),
+                                dict(mirostat=1, mirostat_tau=3.0)])
+def test_a_seeded_request_is_independent_of_the_batch(kw):
+    p = SamplingParams(temperature=0.9, seed=77, **kw)
+    alone = _steps(Sampler(64, [], "cpu"), [(p, SamplingState(p), 5)])[0]
+    others = [SamplingParams(temperature=0.8, xtc_probability=1.0), SamplingParams(temperature=0),
+              SamplingParams(temperature=1.1, mirostat=2, seed=3), SamplingParams(temperature=1.0, typical_p=0.3)]
+    rows = [(o, SamplingState(o), k) for k, o in enumerate(others, start=20)]
+    rows.insert(1, (p, SamplingState(p), 5))
+    assert _steps(Sampler(64, [], "cpu", seed=9), rows)[1] == alone
+    q = SamplingParams(temperature=0.9, seed=78, **kw)
+    assert _steps(Sampler(64, [], "cpu"), [(q, SamplingState(q), 5)])[0] != alone
+
+
+def test_greedy_rows_ignore_the_truncations():
+    x = _logits(rows=2)
+    params = [SamplingParams(temperature=0, xtc_probability=1.0, mirostat=2, typical_p=0.1, top_n_sigma=0.1,
+                             dynatemp_range=1.0)] * 2
+    assert Sampler(40, [], "cpu")(x, params, [SamplingState(p) for p in params], [[]] * 2, [[]] * 2).token_ids == \
+        x.argmax(dim=-1).tolist()
+
+
+def test_xtc_at_probability_1_never_picks_the_top_token_of_a_flat_head():
+    probs = torch.tensor([0.3, 0.3, 0.25, 0.1, 0.05])
+    p = SamplingParams(temperature=1.0, xtc_probability=1.0, xtc_threshold=0.2)
+    n = 400
+    got = Sampler(5, [], "cpu")(probs.log().expand(n, -1).contiguous(), [p] * n, [SamplingState(p) for _ in range(n)],
+                               [[]] * n, [[]] * n).token_ids
+    assert set(got) <= {2, 3, 4} and 2 in got  # 0.3 and 0.3 go, 0.25 (the least above 0.2) stays
+
+
+def test_mirostats_target_moves_by_each_sampled_tokens_surprise():
+    p = SamplingParams(temperature=1.0, mirostat=2, mirostat_tau=3.0, mirostat_eta=0.5, seed=1)
+    state = SamplingState(p)
+    assert state.mu == 6.0 and state.reads_output
+    logits = _logits(rows=1)
+    sampled = Sampler(40, [], "cpu").sample(logits, [p], [state], [[]], [[]])
+    assert state.mu == 6.0  # moved when the step's result is read, not before
+    token = sampled.result().token_ids[0]
+    kept = lc.apply_mirostat(logits / 1.0, torch.tensor([6.0]), 2, 40)
+    surprise = -kept.log_softmax(dim=-1)[0, token].item() / math.log(2)
+    assert state.mu == pytest.approx(6.0 - 0.5 * (surprise - 3.0), rel=1e-5)
+
+
+@pytest.mark.parametrize("kw, param", [
+    (dict(dry_multiplier=-1), "dry_multiplier"), (dict(dry_base=-1), "dry_base"),
+    (dict(dry_allowed_length=-1), "dry_allowed_length"), (dict(dry_penalty_last_n=-2), "dry_penalty_last_n"),
+    (dict(dry_sequence_breakers=[]), "dry_sequence_breakers"), (dict(dry_sequence_breakers=[1]), "dry_sequence_breakers"),
+    (dict(dry_breaker_token_ids=[[]]), "dry_sequence_breakers"), (dict(xtc_probability=1.5), "xtc_probability"),
+    (dict(xtc_threshold=-0.1), "xtc_threshold"), (dict(typical_p=0), "typical_p"),
+    (dict(top_n_sigma=math.inf), "top_n_sigma"), (dict(dynatemp_range=-1), "dynatemp_range"),
+    (dict(mirostat=3), "mirostat"), (dict(mirostat_tau=-1), "mirostat_tau"), (dict(mirostat_eta=True), "mirostat_eta"),
+])
+def test_bad_values_are_refused_by_name(kw, param):
+    with pytest.raises(SamplingParamError) as e:
+        SamplingParams(**kw)
+    assert e.value.param == param
+
+
+def test_breakers_default_to_llama_cpps_and_are_cut_as_there():
+    assert SamplingParams().dry_breakers == ["\n", ":", "\"", "*"]
+    assert SamplingParams(dry_sequence_breakers=["", "x" * 50]).dry_breakers == ["x" * 40]
+    assert not SamplingParams(dry_multiplier=0.8, dry_base=0.9).dry  # llama.cpp's "off"s
+    assert not SamplingParams(dry_multiplier=0.8, dry_penalty_last_n=0).dry
+    with pytest.raises(SamplingParamError, match="dry_sequence_breakers"):
+        SamplingParams(dry_breaker_token_ids=[[5]]).check_vocab(5)
