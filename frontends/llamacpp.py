@@ -74,9 +74,14 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
                 404: "not_found_error", 500: "server_error", 501: "not_supported_error", 503: "unavailable_error"}
 
 
-def samplers_settings(params: SamplingParams) -> dict:
-    """llama.cpp's samplers' settings of ``params``, as its ``generation_settings`` show them."""
-    return {k: params.dry_breakers if k == "dry_sequence_breakers" else getattr(params, k) for k in op.LLAMACPP_SAMPLERS}
+def samplers_settings(params: SamplingParams, n_ctx: int) -> dict:
+    """llama.cpp's samplers' settings of ``params``, as its ``generation_settings`` show them (a window of -1:
+    the context's size ``n_ctx``)."""
+    out = {k: getattr(params, k) for k in op.LLAMACPP_SAMPLERS}
+    out["dry_sequence_breakers"] = params.dry_breakers
+    if params.dry_penalty_last_n == -1:
+        out["dry_penalty_last_n"] = n_ctx
+    return out
 
 
 def _json_response(obj: Any) -> Response:
@@ -513,7 +518,7 @@ class LlamaCppApi:
                     "stop": params.stop, "ignore_eos": params.ignore_eos, "stream": bool(data.get("stream")),
                     "logit_bias": [{"token": t, "bias": b} for t, b in (params.logit_bias or {}).items()],
                     "n_probs": params.logprobs or 0, "grammar": params.grammar or "", "samplers": SAMPLERS,
-                    **samplers_settings(params)}
+                    **samplers_settings(params, api.max_model_len)}
         return gen, CompletionFormat(gen.lora or api.model, gen, settings, texts, params.logprobs or 0,
                                      op.field(data, "post_sampling_probs", bool, False),
                                      op.field(data, "return_tokens", bool, False), fields, self.codec)
@@ -614,7 +619,7 @@ class LlamaCppApi:
         params = {"n_predict": -1, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
                   "repeat_penalty": 1.0, "repeat_last_n": REPEAT_LAST_N, "presence_penalty": 0.0,
                   "frequency_penalty": 0.0, "seed": 0xFFFFFFFF, "stop": [], "ignore_eos": False, "n_probs": 0,
-                  "grammar": "", "samplers": SAMPLERS, **samplers_settings(SamplingParams())}
+                  "grammar": "", "samplers": SAMPLERS, **samplers_settings(SamplingParams(), api.max_model_len)}
         params |= {("repeat_penalty" if k == "repetition_penalty" else k): v for k, v in api.sampling_defaults.items()
                    if k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")}
         return Response(200, orjson.dumps({

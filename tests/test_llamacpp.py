@@ -90,15 +90,25 @@ def test_bodies_become_completions():
                             "n_probs": 3, "typical_p": 1.0, "mirostat": 0, "dry_multiplier": 0, "model": "anything",
                             "cache_prompt": True, "id_slot": 2, "samplers": ["top_k"]}, {})
     assert body == {"temperature": 0.0, "top_k": 0, "repetition_penalty": 1.1, "repeat_last_n": 64, "stop": ["END"],
-                    "json_schema": {"type": "object"}, "logprobs": 3}
+                    "json_schema": {"type": "object"}, "logprobs": 3, "typical_p": 1.0, "mirostat": 0,
+                    "dry_multiplier": 0.0}
+    # llama.cpp's samplers pass as they are; values past an edge that turns one off there, as its "off"
+    sampled = {"mirostat": 2, "mirostat_tau": 4, "dry_multiplier": 0.8, "dry_sequence_breakers": ["\n"],
+               "xtc_probability": 0.5, "xtc_threshold": 0.2, "typical_p": 0.9, "top_n_sigma": 1.5,
+               "dynatemp_range": 0.5, "dynatemp_exponent": 2, "dry_base": 2, "dry_allowed_length": 3,
+               "dry_penalty_last_n": 64, "mirostat_eta": 0.2}
+    assert completion_body(sampled, {}) == {**sampled, "repeat_last_n": 64}
+    assert completion_body({"typical_p": 1.5, "top_n_sigma": -3, "dynatemp_range": -1, "xtc_probability": -1,
+                            "dry_multiplier": -2, "tfs_z": 1}, {}) == {
+        "typical_p": 1.0, "top_n_sigma": -1.0, "dynatemp_range": 0.0, "xtc_probability": 0.0, "dry_multiplier": 0.0,
+        "repeat_last_n": 64}
     assert completion_body({"grammar": "root ::= \"a\"", "json_schema": {}, "seed": 7, "stop": ["", "x"],
                             "repeat_last_n": -1}, {}) == {
         "grammar": "root ::= \"a\"", "seed": 7, "stop": ["x"], "repeat_last_n": -1}  # a grammar wins over a schema
     assert completion_body({"model": "sql"}, {"sql": "/adapters/sql"}) == {"model": "sql", "repeat_last_n": 64}
-    for name, value in (("mirostat", 2), ("typical_p", 0.5), ("dry_multiplier", 0.8), ("xtc_probability", 0.5)):
-        with pytest.raises(ApiError, match=f"{name} .* is not supported") as e:
-            completion_body({name: value}, {})
-        assert e.value.param == name
+    with pytest.raises(ApiError, match="tfs_z 0.5 is not supported") as e:
+        completion_body({"tfs_z": 0.5}, {})
+    assert e.value.param == "tfs_z"
     with pytest.raises(ApiError, match="lora"):
         completion_body({"lora": [{"id": 0, "scale": 1.0}]}, {})
 
@@ -379,7 +389,9 @@ def test_penalties_count_the_last_n_tokens_as_llama_cpp_s(server, hf_coder):
 
 
 def test_refusals_in_llamacpp_s_shape(server):
-    for body, words in (({"prompt": "x", "mirostat": 2}, "mirostat 2 is not supported"),
+    for body, words in (({"prompt": "x", "mirostat": 3}, "mirostat must be 0 (off), 1 or 2"),
+                        ({"prompt": "x", "dry_sequence_breakers": []}, "dry_sequence_breakers must be a non-empty"),
+                        ({"prompt": "x", "tfs_z": 0.9}, "tfs_z 0.9 is not supported"),
                         ({"prompt": []}, "'prompt' must not be empty"),
                         ({"prompt": [1, 2.5]}, "must be a string, a list of token ids"),
                         ({"prompt": [1, 10**9]}, "Invalid token id"),
@@ -419,3 +431,57 @@ def test_bench_serving_streams_from_completion(server):
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["endpoint"] == "llamacpp" and result["completed"] == 4 and result["failed"] == 0
     assert result["total_output_tokens"] == 4 * 8 and result["ttft_ms"]["median"] > 0  # (ignore_eos)
+
+
+def test_dry_is_llama_cpps_over_the_served_context(server, hf_coder, coder):
+    """DRY with llama.cpp's default breakers: greedy tokens equal transformers' greedy ones with DRY's penalties
+    (``tests.test_sampler_llamacpp``'s definition) over the prompt and output, step by step; the settings as
+    llama.cpp shows them."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from tests.test_sampler_llamacpp import _dry_reference
+
+    prompt = "the cat sat on the mat, the cat sat on the mat, the cat"
+    ids = post(server, "/tokenize", {"content": prompt, "add_special": True})["tokens"]
+    dry = {"dry_multiplier": 3.0, "dry_base": 1.75, "dry_allowed_length": 1}
+    body = {"prompt": prompt, "n_predict": 16, "temperature": 0, "return_tokens": True, "ignore_eos": True}
+    got = post(server, "/completion", {**body, **dry})
+    plain = post(server, "/completion", body)["tokens"]
+    breakers = TextCodec(AutoTokenizer.from_pretrained(coder)).dry_breakers(("\n", ":", "\"", "*"))
+    context = list(ids)
+    with torch.no_grad():
+        for _ in range(16):
+            logits = hf_coder(torch.tensor([context])).logits[0, -1]
+            for tok, pen in _dry_reference(context, breakers, 3.0, 1.75, 1).items():
+                logits[tok] -= pen
+            context.append(int(logits.argmax()))
+    assert got["tokens"] == context[len(ids):] and got["tokens"] != plain
+    settings = got["generation_settings"]
+    assert settings["dry_multiplier"] == 3.0 and settings["dry_penalty_last_n"] == 4096  # (-1: the context's size)
+    assert settings["dry_sequence_breakers"] == ["\n", ":", "\"", "*"] and settings["samplers"][:3] == [
+        "penalties", "dry", "temperature"]
+    props = call(server, "/props")[1]
+    assert json.loads(props)["default_generation_settings"]["params"]["xtc_threshold"] == 0.1
+
+
+def test_llama_cpps_samplers_on_the_openai_endpoints(server):
+    """The official openai client sends them as extra fields: a seed gives the same text again, another seed
+    another; a bad value is a 400 naming it."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=KEY, max_retries=0)
+    extra = {"xtc_probability": 0.5, "xtc_threshold": 0.05, "mirostat": 2, "mirostat_tau": 3.0, "top_n_sigma": 2.0,
+             "dry_multiplier": 0.8, "dry_sequence_breakers": ["\n", "."], "typical_p": 0.9, "dynatemp_range": 0.3}
+
+    def chat(seed, **more):
+        return client.chat.completions.create(model="coder", messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=12, seed=seed, extra_body={**extra, **more})
+
+    first = chat(1).choices[0].message.content
+    assert chat(1).choices[0].message.content == first
+    assert client.completions.create(model="coder", prompt="Hello", max_tokens=8, seed=2,
+                                     extra_body=extra).choices[0].text
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(1, mirostat_eta=-1)
+    assert e.value.body["param"] == "mirostat_eta"

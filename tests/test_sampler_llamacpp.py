@@ -4,6 +4,7 @@ breakers' tokens, and a random model through ``LLM``. HTTP: ``tests/test_llamacp
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -297,3 +298,58 @@ def test_breakers_default_to_llama_cpps_and_are_cut_as_there():
     assert not SamplingParams(dry_multiplier=0.8, dry_penalty_last_n=0).dry
     with pytest.raises(SamplingParamError, match="dry_sequence_breakers"):
         SamplingParams(dry_breaker_token_ids=[[5]]).check_vocab(5)
+
+
+# ----------------------------------------------------------------------------- a random model
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    from engine import LLM
+
+    return LLM(tiny_llama, dtype="float32", num_kv_blocks=256, max_model_len=512, max_num_seqs=8)
+
+
+def _repeats(tokens: list[int], start: int, params: SamplingParams) -> list[int]:
+    """The positions from ``start`` whose token DRY would have penalised, given the tokens before it."""
+    breakers = lc.breaker_map(params.dry_breaker_token_ids)
+    return [j for j in range(start, len(tokens))
+            if tokens[j] in lc.dry_penalties(np.array(tokens[:j], np.int64), breakers, 1.0, params.dry_base,
+                                             params.dry_allowed_length)[0].tolist()]
+
+
+def test_dry_keeps_a_looping_model_from_repeating_itself(llm):
+    loop = [11, 12, 13, 14, 15, 16] * 5
+    prompts = [loop, [3, 1, 4, 1, 5, 9, 2, 6] * 3]
+    free = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    dry = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, dry_multiplier=1000.0,
+                         dry_sequence_breakers=["\x00"])
+    got = llm.generate(prompts, dry)
+    assert any(_repeats(p + o.token_ids, len(p), dry) for p, o in zip(prompts, free, strict=True))  # it would
+    checked = dataclasses.replace(dry, dry_breaker_token_ids=llm._codec.dry_breakers(("\x00",)))
+    for p, o in zip(prompts, got, strict=True):
+        assert not _repeats(p + o.token_ids, len(p), checked)
+    # llama.cpp's default breakers, as text: LLM makes them tokens (the engine reads only those)
+    assert llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0, dry_multiplier=0.8))[0].token_ids
+    from engine.engine import RequestError
+
+    with pytest.raises(RequestError) as e:
+        llm.engine.add_request("words", [1, 2], SamplingParams(dry_multiplier=0.8))
+    assert e.value.status == 400 and e.value.param == "dry_sequence_breakers"
+
+
+def test_llama_cpps_samplers_hold_under_asynchronous_scheduling_and_drafts(tiny_llama, llm):
+    from engine import LLM
+
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 7, 5, 6, 7]]
+    cases = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, dry_multiplier=3.0, dry_allowed_length=1),
+             SamplingParams(max_tokens=16, temperature=0.9, seed=5, ignore_eos=True, mirostat=2, mirostat_tau=4.0),
+             SamplingParams(max_tokens=16, temperature=0.9, seed=6, ignore_eos=True, xtc_probability=0.5,
+                            xtc_threshold=0.01, typical_p=0.8, top_n_sigma=2.0, dynatemp_range=0.4)]
+    want = [[o.token_ids for o in llm.generate(prompts, p)] for p in cases]
+    for kw in ({"async_scheduling": "on"},
+               {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2,
+                                       "prompt_lookup_min": 1}}):
+        other = LLM(tiny_llama, dtype="float32", num_kv_blocks=256, max_model_len=512, **kw)
+        for p, w in zip(cases, want, strict=True):
+            assert [o.token_ids for o in other.generate(prompts, p)] == w, (kw, p)
