@@ -320,7 +320,8 @@ class ModelRunner:
     def profile_run(self, num_tokens: int, num_seqs: int, max_model_len: int) -> None:
         """The step with the largest activations, run once so that CUDA can measure its peak: a forward
         of ``num_tokens`` prompt tokens (in sequences of at most ``max_model_len``), logits for all of them
-        (as prompt logprobs may ask), and the sampler's heaviest path (top-k, top-p) over ``num_seqs`` rows.
+        (as prompt logprobs may ask), and the sampler's heaviest path (top-k, typical, top-p and llama.cpp's
+        other truncations) over ``num_seqs`` rows.
         The KV cache is a temporary one."""
         lens = [max_model_len] * (num_tokens // max_model_len) + [num_tokens % max_model_len]
         lens = [n for n in lens if n]
@@ -333,7 +334,8 @@ class ModelRunner:
         positions, meta = build_metadata(lens, [0] * len(lens), tables, self.block_size, self.device)
         hidden = self.model(torch.zeros(num_tokens, dtype=torch.int64, device=self.device), positions, meta)
         logits = self.model.compute_logits(hidden) if self.model.lm_head is not None else None
-        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, typical_p=0.9, top_n_sigma=3.0,
+                                xtc_probability=1.0, dynatemp_range=0.5)
         if logits is not None:  # None on tensor-parallel workers: rank 0 samples
             logits = logits[:num_seqs] if num_seqs <= num_tokens else logits[-1:].expand(num_seqs, -1)
             self.sampler(logits, [params] * num_seqs, [SamplingState(params) for _ in range(num_seqs)],

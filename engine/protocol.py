@@ -64,10 +64,11 @@ MAX_BAD_WORDS = 64  # words in bad_words (each tokenized twice: with a space bef
 MAX_BAD_WORD_TOKENS = 64  # tokens in one of them ...
 MAX_BAD_WORD_BYTES = 256  # ... and its UTF-8 bytes
 # llama.cpp's DRY: sequence breakers as text (each cut to 40 characters, as llama.cpp cuts them), and as the
-# token sequences they become (every token holding one, or ending in its start: a vocabulary's worth at most)
+# token sequences they become (every token holding one, or ending in its start: llama.cpp's four defaults are a
+# few hundred to a few thousand; a common letter, tens of thousands, each checked and sent per request)
 MAX_DRY_BREAKERS = 64
 MAX_DRY_BREAKER_CHARS = 40
-MAX_DRY_BREAKER_SEQUENCES = 1 << 18
+MAX_DRY_BREAKER_SEQUENCES = 16384
 MAX_DRY_BREAKER_TOKENS = 21  # a sequence's head and at most 20 tokens after it (llama.cpp's MAX_SEQ_LEN)
 DRY_BREAKERS = ["\n", ":", "\"", "*"]  # llama.cpp's default dry_sequence_breakers
 MAX_ADAPTER_NAME = 256  # characters in a LoRA adapter's name (``LoraUpdate``)

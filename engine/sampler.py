@@ -87,7 +87,7 @@ class SamplingState:
         for head, last in self.bad_words:
             self._bad_after.setdefault(head[-1] if head else None, []).append((head, last))
         self.allowed = frozenset(params.allowed_token_ids) if params.allowed_token_ids else None
-        self.dry_breakers = llamacpp.breaker_map(params.dry_breaker_token_ids) if params.dry else None
+        self.dry_breakers = llamacpp.Breakers.of(params.dry_breaker_token_ids) if params.dry else None
         # mirostat's surprise target (bits), moved by each token sampled (``Sampled.result``)
         self.mu = 2.0 * params.mirostat_tau if params.mirostat else None
         # the sampler reads the output so far (the host's list), or mirostat's target that the last token moved:

@@ -24,6 +24,7 @@ its steps wait for the one before (no asynchronous overlap), as penalties do. To
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -31,17 +32,21 @@ import torch
 FLOAT_MAX_LOG = 88.7228391  # log of float32's largest value: DRY's exponent is clamped below it, as in llama.cpp
 MIROSTAT_M = 100  # mirostat 1's estimate of the Zipf exponent reads the top 100 tokens (llama.cpp's m)
 
-Breakers = dict[int, list[tuple[int, ...]]]  # DRY's sequence breakers: head token -> the tokens after it, each
+@dataclass
+class Breakers:
+    """DRY's sequence breakers of a request, built once from the wire's ``[head, tokens after it]`` lists."""
 
+    tails: dict[int, list[tuple[int, ...]]]  # head token -> the tokens after it, each breaker's
+    heads: np.ndarray  # the head tokens
+    single: np.ndarray  # the heads that are breakers alone: never penalised
 
-def breaker_map(sequences: list[list[int]] | None) -> Breakers:
-    """DRY's sequence breakers, as given on the wire (``[head, tokens after it]`` each), by head."""
-    out: Breakers = {}
-    for seq in sequences or ():
-        tails = out.setdefault(seq[0], [])
-        if tuple(seq[1:]) not in tails:
-            tails.append(tuple(seq[1:]))
-    return out
+    @classmethod
+    def of(cls, sequences: list[list[int]] | None) -> Breakers:
+        tails: dict[int, list[tuple[int, ...]]] = {}
+        for seq in sequences or ():
+            tails.setdefault(seq[0], []).append(tuple(seq[1:]))
+        return cls(tails, np.fromiter(tails, np.int64, len(tails)),
+                   np.array([h for h, ts in tails.items() if () in ts], np.int64))
 
 
 def dry_penalties(window: np.ndarray, breakers: Breakers, multiplier: float, base: float,
@@ -61,11 +66,10 @@ def dry_penalties(window: np.ndarray, breakers: Breakers, multiplier: float, bas
     if n <= allowed_length:
         return none
     rep_limit = n
-    if breakers:
-        heads = np.flatnonzero(np.isin(window, np.fromiter(breakers, np.int64, len(breakers))))
-        for pos in heads[::-1]:  # the breaker nearest the end wins: its longest tail that matches
+    if len(breakers.heads):
+        for pos in np.flatnonzero(np.isin(window, breakers.heads))[::-1]:  # the one nearest the end: its longest
             after = n - 1 - pos  # tokens after the head
-            fits = [len(t) for t in breakers[int(window[pos])]
+            fits = [len(t) for t in breakers.tails[int(window[pos])]
                     if len(t) <= after and tuple(window[pos + 1:pos + 1 + len(t)].tolist()) == t]
             if fits:
                 rep_limit = after - max(fits)
@@ -87,8 +91,7 @@ def dry_penalties(window: np.ndarray, breakers: Breakers, multiplier: float, bas
     tokens, where = np.unique(window[ends + 1], return_inverse=True)  # the token after each repeat extends it
     longest = np.zeros(len(tokens), np.int64)
     np.maximum.at(longest, where, length[ends])
-    single = [t for t, tails in breakers.items() if () in tails]
-    keep = ~np.isin(tokens, np.array(single, np.int64)) if single else np.ones(len(tokens), bool)
+    keep = ~np.isin(tokens, breakers.single)
     exponent = longest[keep] - allowed_length
     if base > 1.000001:
         exponent = np.minimum(exponent, int(FLOAT_MAX_LOG / math.log(base)))

@@ -38,7 +38,7 @@ from urllib.parse import parse_qs
 
 import orjson
 
-from engine.protocol import MAX_ADAPTER_NAME, SamplingParams, Stats
+from engine.protocol import MAX_ADAPTER_NAME, MAX_DRY_BREAKER_SEQUENCES, SamplingParams, Stats
 from frontends import anthropic, harmony, images, reasoning, tools
 from frontends import openai_params as op
 from frontends.access_log import CallInfo
@@ -214,11 +214,19 @@ class OpenAIApi:
                                    lambda text: self.codec.encode(text, add_special_tokens=False))
 
     async def _dry_breakers(self, params: SamplingParams) -> SamplingParams:
-        """``params`` with llama.cpp's DRY sequence breakers as token sequences where DRY is on (a scan of the
-        vocabulary, off the event loop: ``TextCodec.dry_breakers``)."""
+        """``params`` with llama.cpp's DRY sequence breakers as token sequences where DRY is on: a scan of the
+        vocabulary per breaker, off the event loop and weighed as such in the tokenizer's queue, unless the codec
+        has these breakers' already (``TextCodec.dry_breakers``)."""
         if not (params.dry and params.dry_breakers):
             return params
-        ids = await self._offload(self.codec.INLINE_CHARS + 1, self.codec.dry_breakers, tuple(params.dry_breakers))
+        key = tuple(params.dry_breakers)
+        size = 0 if self.codec.has_dry_breakers(key) else min(len(key) * self.codec.vocab_size // 2,
+                                                               self.codec.MAX_QUEUED)
+        ids = await self._offload(size, self.codec.dry_breakers, key)
+        if len(ids) > MAX_DRY_BREAKER_SEQUENCES:
+            raise ApiError(400, f"dry_sequence_breakers become {len(ids)} token sequences in this model's vocabulary, "
+                           f"more than {MAX_DRY_BREAKER_SEQUENCES} (a breaker is every token that holds it, and "
+                           "every token that ends in its start)", param="dry_sequence_breakers")
         return dataclasses.replace(params, dry_breaker_token_ids=ids)
 
     async def _chat_template(self, data: dict, messages: list[dict], add_generation_prompt: bool = True,

@@ -25,13 +25,15 @@ import orjson
 
 from frontends.errors import ApiError
 from frontends.generation import Generation, Update
+from frontends.openai_params import LLAMACPP_SAMPLERS
 
 # chat fields a Responses body may carry as they are
 _PASSED = ("model", "temperature", "top_p", "parallel_tool_calls", "user", "priority", "timeout", "cache_salt",
            "seed", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "repeat_last_n",
            "stop", "stop_token_ids", "chat_template_kwargs", "include_reasoning", "ignore_eos", "min_tokens",
            "logit_bias", "skip_special_tokens", "structured_outputs", "guided_json", "guided_choice", "guided_regex",
-           "guided_grammar", "grammar", "json_schema", "allowed_token_ids", "bad_words", "include_stop_str_in_output")
+           "guided_grammar", "grammar", "json_schema", "allowed_token_ids", "bad_words", "include_stop_str_in_output",
+           *LLAMACPP_SAMPLERS)
 _UNSTORED = ("previous_response_id", "conversation", "prompt")  # they name state this server does not keep
 RESPONSES_PARAMS = {"max_tokens": "max_output_tokens", "response_format": "text", "messages": "input"}  # chat -> here
 

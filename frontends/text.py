@@ -130,6 +130,10 @@ class TextCodec:
                 self._texts = [self.token_text(i[0]) for i in ids]
         return self._texts
 
+    def has_dry_breakers(self, breakers: tuple[str, ...]) -> bool:
+        """Whether ``dry_breakers`` has these at hand (no scan)."""
+        return breakers in self._dry
+
     def dry_breakers(self, breakers: tuple[str, ...]) -> list[list[int]]:
         """llama.cpp's DRY sequence breakers as token sequences (``dry_breaker_token_ids``): a scan of the
         vocabulary, so kept for the last few lists asked for (most requests give llama.cpp's defaults)."""

@@ -392,6 +392,8 @@ def test_refusals_in_llamacpp_s_shape(server):
     for body, words in (({"prompt": "x", "mirostat": 3}, "mirostat must be 0 (off), 1 or 2"),
                         ({"prompt": "x", "dry_sequence_breakers": []}, "dry_sequence_breakers must be a non-empty"),
                         ({"prompt": "x", "tfs_z": 0.9}, "tfs_z 0.9 is not supported"),
+                        ({"prompt": "x", "dry_multiplier": 0.8, "dry_sequence_breakers": list("abcdefghijklmnopqrstuvwxyz")},
+                         "token sequences in this model's vocabulary, more than 16384"),
                         ({"prompt": []}, "'prompt' must not be empty"),
                         ({"prompt": [1, 2.5]}, "must be a string, a list of token ids"),
                         ({"prompt": [1, 10**9]}, "Invalid token id"),

@@ -51,7 +51,7 @@ def _dry_reference(window: list[int], breakers: list[list[int]], multiplier: flo
 
 
 def _dry(window, breakers, multiplier=0.8, base=1.75, allowed=2):
-    tokens, pens = lc.dry_penalties(np.array(window, np.int64), lc.breaker_map(breakers), multiplier, base, allowed)
+    tokens, pens = lc.dry_penalties(np.array(window, np.int64), lc.Breakers.of(breakers), multiplier, base, allowed)
     return dict(zip(tokens.tolist(), pens.tolist(), strict=True))
 
 
@@ -312,7 +312,7 @@ def llm(tiny_llama):
 
 def _repeats(tokens: list[int], start: int, params: SamplingParams) -> list[int]:
     """The positions from ``start`` whose token DRY would have penalised, given the tokens before it."""
-    breakers = lc.breaker_map(params.dry_breaker_token_ids)
+    breakers = lc.Breakers.of(params.dry_breaker_token_ids)
     return [j for j in range(start, len(tokens))
             if tokens[j] in lc.dry_penalties(np.array(tokens[:j], np.int64), breakers, 1.0, params.dry_base,
                                              params.dry_allowed_length)[0].tolist()]
