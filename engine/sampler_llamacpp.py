@@ -128,7 +128,7 @@ def apply_xtc(logits: torch.Tensor, threshold: torch.Tensor, fire: torch.Tensor)
     """XTC ("exclude top choices"), on the rows whose draw came up (``fire``): where at least two tokens are
     at least ``threshold`` likely, every one of them but the least likely goes. (rows,) each."""
     probs = logits.softmax(dim=-1)
-    above = probs >= threshold.unsqueeze(1)
+    above = (probs >= threshold.unsqueeze(1)) & (probs > 0)  # (a threshold of 0: not the tokens already out)
     least = torch.where(above, probs, 2.0).amin(dim=-1, keepdim=True)
     fire = fire.unsqueeze(1) & (above.sum(dim=-1, keepdim=True) >= 2)
     return logits.masked_fill(fire & above & (probs > least), -math.inf)

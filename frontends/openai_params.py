@@ -361,6 +361,12 @@ def sampling_params(data: dict, *, max_tokens: int, logprobs: int | None, vocab_
         raise ApiError(400, f"tool_choice holds the output to tool calls: it cannot be combined with {given[0]}",
                        param=given[0])
     held, held_by = ({"json_schema": tool_schema}, "tools") if tool_schema is not None else parse_structured(data)
+    if isinstance(data.get("dry_sequence_breakers"), str):  # a JSON array in a string, as llama.cpp also reads it
+        try:
+            data = data | {"dry_sequence_breakers": orjson.loads(data["dry_sequence_breakers"])}
+        except orjson.JSONDecodeError:
+            raise ApiError(400, "dry_sequence_breakers must be an array of strings (or one written as JSON)",
+                           param="dry_sequence_breakers") from None
     num = (int, float)
     try:
         return SamplingParams(

@@ -482,8 +482,11 @@ def test_llama_cpps_samplers_on_the_openai_endpoints(server):
 
     first = chat(1).choices[0].message.content
     assert chat(1).choices[0].message.content == first
+    assert chat(1, dry_sequence_breakers='["\\n", "."]').choices[0].message.content == first  # (as JSON, as llama.cpp)
     assert client.completions.create(model="coder", prompt="Hello", max_tokens=8, seed=2,
                                      extra_body=extra).choices[0].text
-    with pytest.raises(openai.BadRequestError) as e:
-        chat(1, mirostat_eta=-1)
-    assert e.value.body["param"] == "mirostat_eta"
+    for bad, param in (({"mirostat_eta": -1}, "mirostat_eta"), ({"dry_sequence_breakers": "[oops"}, "dry_sequence_breakers"),
+                       ({"dry_sequence_breakers": "{}"}, "dry_sequence_breakers")):
+        with pytest.raises(openai.BadRequestError) as e:
+            chat(1, **bad)
+        assert e.value.body["param"] == param

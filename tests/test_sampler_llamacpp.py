@@ -171,6 +171,8 @@ def test_xtc_drops_all_top_choices_but_the_least_likely_where_its_draw_fires():
                                     [False, False, False, False],  # one token above 0.35: nothing goes
                                     [False, False, False, False],  # one above 0.1
                                     [False, False, False, False]]  # its draw did not fire
+    masked = torch.tensor([[0.5, 0.3, 0.2, 0.0]]).log()  # a threshold of 0: every token in, the least likely stays
+    assert lc.apply_xtc(masked, torch.tensor([0.0]), torch.tensor([True])).isinf().tolist() == [[True, True, False, True]]
 
 
 def test_dynamic_temperature_matches_llama_cpp():
