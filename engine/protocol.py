@@ -63,11 +63,11 @@ MAX_ALLOWED_TOKEN_IDS = 32768  # entries in allowed_token_ids
 MAX_BAD_WORDS = 64  # words in bad_words (each tokenized twice: with a space before it and without)
 MAX_BAD_WORD_TOKENS = 64  # tokens in one of them ...
 MAX_BAD_WORD_BYTES = 256  # ... and its UTF-8 bytes
-# llama.cpp's DRY: sequence breakers as text (each cut to 40 characters, as llama.cpp cuts them), and as the
+# llama.cpp's DRY: sequence breakers as text (each cut to 40 bytes, as llama.cpp cuts them), and as the
 # token sequences they become (every token holding one, or ending in its start: llama.cpp's four defaults are a
 # few hundred to a few thousand; a common letter, tens of thousands, each checked and sent per request)
 MAX_DRY_BREAKERS = 64
-MAX_DRY_BREAKER_CHARS = 40
+MAX_DRY_BREAKER_BYTES = 40
 MAX_DRY_BREAKER_SEQUENCES = 16384
 MAX_DRY_BREAKER_TOKENS = 21  # a sequence's head and at most 20 tokens after it (llama.cpp's MAX_SEQ_LEN)
 DRY_BREAKERS = ["\n", ":", "\"", "*"]  # llama.cpp's default dry_sequence_breakers
@@ -157,10 +157,11 @@ class SamplingParams:
 
     @property
     def dry_breakers(self) -> list[str]:
-        """The sequence breakers as text: the given ones (each cut to 40 characters, empty ones dropped, as
-        llama.cpp does) or llama.cpp's defaults."""
+        """The sequence breakers as text: the given ones (each cut to 40 bytes of UTF-8, at a character's end, empty
+        ones dropped, as llama.cpp does) or llama.cpp's defaults."""
         given = DRY_BREAKERS if self.dry_sequence_breakers is None else self.dry_sequence_breakers
-        return [b[:MAX_DRY_BREAKER_CHARS] for b in given if b]
+        cut = [b.encode("utf-8", "surrogatepass")[:MAX_DRY_BREAKER_BYTES].decode("utf-8", "ignore") for b in given]
+        return [b for b in cut if b]
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -330,11 +331,10 @@ class SamplingParams:
         if seqs is not None:
             if not isinstance(seqs, list) or len(seqs) > MAX_DRY_BREAKER_SEQUENCES:
                 bad("dry_sequence_breakers", f"at most {MAX_DRY_BREAKER_SEQUENCES} breaker sequences are allowed")
-            for w in seqs:
-                if not isinstance(w, list) or not 0 < len(w) <= MAX_DRY_BREAKER_TOKENS or not all(
-                        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in w):
-                    bad("dry_sequence_breakers", f"each breaker sequence must be 1 to {MAX_DRY_BREAKER_TOKENS} "
-                        "token ids")
+            # (tens of thousands of short lists: checked as one flat list, the types with ``type() is``)
+            if not all(type(w) is list and 0 < len(w) <= MAX_DRY_BREAKER_TOKENS for w in seqs) or not all(
+                    type(t) is int and t >= 0 for w in seqs for t in w):
+                bad("dry_sequence_breakers", f"each breaker sequence must be 1 to {MAX_DRY_BREAKER_TOKENS} token ids")
         if not 0 <= num("xtc_probability") <= 1:
             bad("xtc_probability", f"xtc_probability must be in [0, 1], got {self.xtc_probability}")
         if not 0 <= num("xtc_threshold") <= 1:  # (above 0.5: off, as in llama.cpp)

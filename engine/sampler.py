@@ -547,7 +547,8 @@ class Sampler:
         # mirostat takes the place of the truncations; a dynamic temperature is applied after them
         cut = [(0, 1.0, 0.0) if p.mirostat else (p.top_k, p.top_p, p.min_p) for p in params]
         # One host-to-device copy for all four per-row knobs.
-        knobs = to_device([[1.0 if p.dynatemp_range > 0 else p.temperature, *c] for p, c in zip(params, cut, strict=True)],
+        knobs = to_device([[1.0 if p.dynatemp_range > 0 and not p.mirostat else p.temperature, *c]
+                           for p, c in zip(params, cut, strict=True)],
                           device, torch.float32)  # (n, 4)
         logits = logits / knobs[:, 0:1]
         logits = _on_rows(logits, [(i, p.top_n_sigma) for i, p in enumerate(params)

@@ -30,23 +30,30 @@ import numpy as np
 import torch
 
 FLOAT_MAX_LOG = 88.7228391  # log of float32's largest value: DRY's exponent is clamped below it, as in llama.cpp
+DRY_MAX_PENALTY = 1e30  # and its penalty kept finite (a token it bans must stay above those a mask took out)
+LINEAR_STEPS = 16  # DRY's repeats compared a token at a time this far (most end sooner), then bisected on hashes
+_HASHES = ((2147483647, 16807), (2147483629, 48271))  # primes below 2**31 and bases: every product fits in int64
 MIROSTAT_M = 100  # mirostat 1's estimate of the Zipf exponent reads the top 100 tokens (llama.cpp's m)
 
 @dataclass
 class Breakers:
     """DRY's sequence breakers of a request, built once from the wire's ``[head, tokens after it]`` lists."""
 
-    tails: dict[int, list[tuple[int, ...]]]  # head token -> the tokens after it, each breaker's
+    tails: dict[int, list[tuple[int, ...]]]  # head token -> the tokens after it, each breaker's of two or more
     heads: np.ndarray  # the head tokens
-    single: np.ndarray  # the heads that are breakers alone: never penalised
+    single: np.ndarray  # the tokens that are breakers alone: never penalised ...
+    lone: frozenset[int]  # ... as a set
 
     @classmethod
     def of(cls, sequences: list[list[int]] | None) -> Breakers:
+        sequences = sequences or []
         tails: dict[int, list[tuple[int, ...]]] = {}
-        for seq in sequences or ():
-            tails.setdefault(seq[0], []).append(tuple(seq[1:]))
-        return cls(tails, np.fromiter(tails, np.int64, len(tails)),
-                   np.array([h for h, ts in tails.items() if () in ts], np.int64))
+        for seq in sequences:
+            if len(seq) > 1:  # (most are one token: those go straight into an array)
+                tails.setdefault(seq[0], []).append(tuple(seq[1:]))
+        single = np.unique(np.array([seq[0] for seq in sequences if len(seq) == 1], np.int64))
+        return cls(tails, np.union1d(single, np.fromiter(tails, np.int64, len(tails))), single,
+                   frozenset(single.tolist()))
 
 
 def dry_penalties(window: np.ndarray, breakers: Breakers, multiplier: float, base: float,
@@ -56,10 +63,9 @@ def dry_penalties(window: np.ndarray, breakers: Breakers, multiplier: float, bas
     ``window``: the context's last ``dry_penalty_last_n`` tokens (int64). A token that would extend a
     sequence of at least ``allowed_length`` tokens ending the window, seen earlier in it, loses
     ``multiplier * base ** (length - allowed_length)`` (the longest such sequence counts; the exponent is
-    clamped where the power would overflow float32). The last sequence breaker in the window (a head and
-    its tokens after it) caps the lengths at the tokens after it; a token that is a breaker by itself is
-    never penalised. llama.cpp finds the lengths with a Z-algorithm; here they are compared a position at
-    a time for every candidate at once, the candidates thinning out as they stop matching.
+    clamped where the power would overflow float32, the penalty at ``DRY_MAX_PENALTY``). The last sequence
+    breaker in the window (a head and its tokens after it) caps the lengths at the tokens after it; a token
+    that is a breaker by itself is never penalised. The lengths: ``repeat_lengths``.
     """
     none = np.empty(0, np.int64), np.empty(0)
     n = len(window)
@@ -69,22 +75,16 @@ def dry_penalties(window: np.ndarray, breakers: Breakers, multiplier: float, bas
     if len(breakers.heads):
         for pos in np.flatnonzero(np.isin(window, breakers.heads))[::-1]:  # the one nearest the end: its longest
             after = n - 1 - pos  # tokens after the head
-            fits = [len(t) for t in breakers.tails[int(window[pos])]
+            token = int(window[pos])
+            fits = [len(t) for t in breakers.tails.get(token, ())
                     if len(t) <= after and tuple(window[pos + 1:pos + 1 + len(t)].tolist()) == t]
+            fits += [0] if token in breakers.lone else []
             if fits:
                 rep_limit = after - max(fits)
                 break
     if rep_limit < allowed_length:
         return none
-    # length[i]: the longest suffix of the window that also ends at position i < n - 1, capped at rep_limit
-    length = np.zeros(n - 1, np.int64)
-    alive = np.arange(n - 1)
-    for k in range(min(rep_limit, n - 1)):
-        alive = alive[alive >= k]
-        alive = alive[window[alive - k] == window[n - 1 - k]]
-        if not len(alive):
-            break
-        length[alive] += 1
+    length = repeat_lengths(window, rep_limit)
     ends = np.flatnonzero(length >= allowed_length)
     if not len(ends):
         return none
@@ -95,7 +95,61 @@ def dry_penalties(window: np.ndarray, breakers: Breakers, multiplier: float, bas
     exponent = longest[keep] - allowed_length
     if base > 1.000001:
         exponent = np.minimum(exponent, int(FLOAT_MAX_LOG / math.log(base)))
-    return tokens[keep], multiplier * np.power(float(base), exponent.astype(np.float64))
+    penalty = multiplier * np.power(float(base), exponent.astype(np.float64))
+    return tokens[keep], np.minimum(penalty, DRY_MAX_PENALTY)
+
+
+def repeat_lengths(window: np.ndarray, limit: int) -> np.ndarray:
+    """``length[i]`` for each position ``i < n - 1`` of the window: the longest suffix of the window that also ends
+    at ``i``, at most ``limit`` (what llama.cpp's Z-algorithm finds). The candidates are compared a token at a
+    time for ``LINEAR_STEPS`` tokens, dropping out as they stop matching; those still matching then (a
+    repeated passage, a loop) are bisected on prefix hashes, so a window of n tokens costs O(n log n) at worst."""
+    n = len(window)
+    length = np.zeros(n - 1, np.int64)
+    alive = np.arange(n - 1)
+    steps = min(limit, n - 1)
+    for k in range(min(steps, LINEAR_STEPS)):
+        alive = alive[alive >= k]
+        alive = alive[window[alive - k] == window[n - 1 - k]]
+        if not len(alive):
+            return length
+        length[alive] += 1
+    if steps > LINEAR_STEPS:
+        length[alive] = _bisect(window, alive, length[alive], np.minimum(alive + 1, limit))
+    return length
+
+
+def _powers(base: int, p: int, n: int, _kept: dict = {}) -> np.ndarray:  # noqa: B006 (the cache, grown)
+    """``base ** j % p`` for ``j < n``, int64."""
+    have = _kept.get((base, p), np.ones(1, np.int64))
+    while len(have) < n:
+        have = np.concatenate((have, have * pow(base, len(have), p) % p))
+    _kept[(base, p)] = have
+    return have[:n]
+
+
+def _bisect(window: np.ndarray, ends: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """For each end position, the longest ``L`` in [``lo``, ``hi``] with ``window[end - L + 1:end + 1]`` equal to
+    the window's last ``L`` tokens (``lo`` known to match), by comparing polynomial hashes modulo two primes."""
+    n = len(window)
+    tables = []
+    for p, b in _HASHES:  # prefix[x]: sum of (token + 1) * b**-j over j < x; a span's hash, that times b**start
+        prefix = np.concatenate(([0], np.cumsum((window + 1) * _powers(pow(b, p - 2, p), p, n) % p) % p))
+        tables.append((p, prefix, _powers(b, p, n + 1)))
+
+    def same(length: np.ndarray) -> np.ndarray:
+        start, tail = ends - length + 1, n - length
+        out = np.ones(len(ends), bool)
+        for p, prefix, power in tables:
+            out &= (prefix[ends + 1] - prefix[start]) % p * power[start] % p == \
+                (prefix[n] - prefix[tail]) % p * power[tail] % p
+        return out
+
+    while (open_ := lo < hi).any():
+        mid = np.where(open_, (lo + hi + 1) // 2, lo)
+        ok = same(mid)
+        lo, hi = np.where(ok, mid, lo), np.where(ok, hi, mid - 1)
+    return lo
 
 
 def apply_top_n_sigma(logits: torch.Tensor, n: torch.Tensor) -> torch.Tensor:

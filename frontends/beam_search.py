@@ -42,7 +42,8 @@ def beam_search_params(data: dict, base: SamplingParams, n: int, eos_ids, forced
         raise ApiError(400, f"beam search keeps n beams: n must be in [1, {MAX_BEAM_WIDTH}], got {n}", param="n")
     off = _PENALTIES if base.repeat_last_n == 0 else ()  # (llama.cpp's window of none: no penalty)
     refused = structured_fields(data) + ["tool_choice"] * forced_tools + [
-        name for name, neutral in _NEUTRAL.items() if name not in off and data.get(name) not in (None, neutral, {}, [])]
+        name for name, neutral in _NEUTRAL.items() if name not in off and data.get(name) not in (None, neutral, {}, [])
+    ] + ["dry_multiplier"] * base.dry  # (llama.cpp's DRY: a penalty; its other samplers only cut what is sampled)
     if refused:
         raise ApiError(400, f"{refused[0]} cannot be used with use_beam_search: beams are ranked by the model's "
                        "own logprobs", param=refused[0])

@@ -15,8 +15,8 @@ top-level integer (several prompts: the answer is a list). ``n_predict`` -1 (the
 the end of the context, 0 still samples one token (as llama.cpp does: next-token probabilities).
 ``n_indent`` and ``t_max_predict_ms`` end a completion at a line (``LineLimits``). Its samplers
 (DRY, XTC, ``typical_p``, ``top_n_sigma``, dynamic temperature, mirostat) are ``engine.sampler_llamacpp``'s,
-a value past the edge that turns one off in llama.cpp turning it off here too (``tfs_z``, which llama.cpp
-dropped, is taken only at 1); ``repeat_penalty`` is the repetition penalty over the context's last
+read as every endpoint reads them (``frontends.openai_params``; ``tfs_z``, which llama.cpp dropped, is taken
+only at 1); ``repeat_penalty`` is the repetition penalty over the context's last
 ``repeat_last_n`` tokens, as there; ``cache_prompt``, ``id_slot``, ``samplers`` (the order is tokenmill's:
 ``SAMPLERS``), ``timings_per_token`` and ``return_progress`` are taken and not read: prefix caching is
 always on, there are no slots.
@@ -58,10 +58,6 @@ FIM_TEXTS = {
 }
 MAX_BIASED_TEXT = 256  # characters of a text logit_bias names (2048 of them: half a megabyte to tokenize)
 N_BATCH = 2048  # llama-server's default -b: /infill takes 3/4 of it from the prefix, 1/4 from the suffix
-# llama.cpp's samplers' values that turn them off there (those past tokenmill's ranges: taken as off)
-_OFF = {"typical_p": (lambda v: v >= 1, 1.0), "dynatemp_range": (lambda v: v <= 0, 0.0),
-        "dry_multiplier": (lambda v: v <= 0, 0.0), "xtc_probability": (lambda v: v <= 0, 0.0),
-        "top_n_sigma": (lambda v: v <= 0, -1.0)}
 # passed to the completion as they are (llama.cpp's names that are OpenAI's or vLLM's, and tokenmill's extras)
 _PASSED = ("top_p", "min_p", "presence_penalty", "frequency_penalty", "ignore_eos", "grammar", "json_schema",
            "min_tokens", "priority", "timeout", "cache_salt", "stop_token_ids", "allowed_token_ids", "bad_words",
@@ -135,10 +131,6 @@ def completion_body(data: dict, adapters: dict[str, str]) -> dict:
     if lora:
         raise ApiError(400, "lora: name an adapter as the request's model instead", param="lora")
     body: dict[str, Any] = {k: data[k] for k in _PASSED if data.get(k) is not None}
-    for name, (off, value) in _OFF.items():
-        v = _number(data, name)
-        if v is not None and off(v):
-            body[name] = value
     if isinstance(data.get("model"), str) and data["model"] in adapters:  # (llama.cpp reads no model: another is no error)
         body["model"] = data["model"]
     if "n_cmpl" in data:

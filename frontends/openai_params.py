@@ -320,6 +320,32 @@ LLAMACPP_SAMPLERS = {"dry_multiplier": _NUM, "dry_base": _NUM, "dry_allowed_leng
                      "mirostat": int, "mirostat_tau": _NUM, "mirostat_eta": _NUM}
 
 
+_LLAMACPP_EDGES = (("dry_base", lambda v: v < 1, 1.75), ("typical_p", lambda v: v > 1, 1.0),
+                   ("dry_multiplier", lambda v: v < 0, 0.0), ("xtc_probability", lambda v: v < 0, 0.0),
+                   ("xtc_threshold", lambda v: v > 1, 1.0), ("dynatemp_range", lambda v: v < 0, 0.0))
+
+
+def _llamacpp_server_values(data: dict) -> dict:
+    """``data`` with llama.cpp's samplers' values as its server reads them: a ``dry_base`` below 1 is its default
+    1.75, and a value past the edge where one turns off is that edge's (a ``typical_p`` above 1 is 1; a negative
+    ``dry_multiplier``, which llama.cpp would apply as a reward for repeating, is off too). Also DRY's breakers
+    written as text-generation-webui's API (and SillyTavern for it) sends them: quoted JSON strings in one
+    string, with or without the brackets of an array."""
+    for name, past, edge in _LLAMACPP_EDGES:
+        v = data.get(name)
+        if isinstance(v, int | float) and not isinstance(v, bool) and past(v):
+            data = data | {name: edge}
+    breakers = data.get("dry_sequence_breakers")
+    if isinstance(breakers, str):
+        text = breakers.strip()
+        try:
+            data = data | {"dry_sequence_breakers": orjson.loads(text if text.startswith("[") else f"[{text}]")}
+        except orjson.JSONDecodeError:
+            raise ApiError(400, "dry_sequence_breakers must be an array of strings (or quoted strings in one string)",
+                           param="dry_sequence_breakers") from None
+    return data
+
+
 def sampling_params(data: dict, *, max_tokens: int, logprobs: int | None, vocab_size: int,
                     prompt_logprobs: int | None = None, tool_schema: dict | None = None,
                     defaults: dict | None = None, bad_words: list[list[int]] | None = None) -> SamplingParams:
@@ -361,12 +387,7 @@ def sampling_params(data: dict, *, max_tokens: int, logprobs: int | None, vocab_
         raise ApiError(400, f"tool_choice holds the output to tool calls: it cannot be combined with {given[0]}",
                        param=given[0])
     held, held_by = ({"json_schema": tool_schema}, "tools") if tool_schema is not None else parse_structured(data)
-    if isinstance(data.get("dry_sequence_breakers"), str):  # a JSON array in a string, as llama.cpp also reads it
-        try:
-            data = data | {"dry_sequence_breakers": orjson.loads(data["dry_sequence_breakers"])}
-        except orjson.JSONDecodeError:
-            raise ApiError(400, "dry_sequence_breakers must be an array of strings (or one written as JSON)",
-                           param="dry_sequence_breakers") from None
+    data = _llamacpp_server_values(data)
     num = (int, float)
     try:
         return SamplingParams(

@@ -91,17 +91,14 @@ def test_bodies_become_completions():
                             "cache_prompt": True, "id_slot": 2, "samplers": ["top_k"]}, {})
     assert body == {"temperature": 0.0, "top_k": 0, "repetition_penalty": 1.1, "repeat_last_n": 64, "stop": ["END"],
                     "json_schema": {"type": "object"}, "logprobs": 3, "typical_p": 1.0, "mirostat": 0,
-                    "dry_multiplier": 0.0}
-    # llama.cpp's samplers pass as they are; values past an edge that turns one off there, as its "off"
+                    "dry_multiplier": 0}
+    # llama.cpp's samplers pass as they are (frontends.openai_params reads them as llama.cpp's server does)
     sampled = {"mirostat": 2, "mirostat_tau": 4, "dry_multiplier": 0.8, "dry_sequence_breakers": ["\n"],
                "xtc_probability": 0.5, "xtc_threshold": 0.2, "typical_p": 0.9, "top_n_sigma": 1.5,
                "dynatemp_range": 0.5, "dynatemp_exponent": 2, "dry_base": 2, "dry_allowed_length": 3,
                "dry_penalty_last_n": 64, "mirostat_eta": 0.2}
     assert completion_body(sampled, {}) == {**sampled, "repeat_last_n": 64}
-    assert completion_body({"typical_p": 1.5, "top_n_sigma": -3, "dynatemp_range": -1, "xtc_probability": -1,
-                            "dry_multiplier": -2, "tfs_z": 1}, {}) == {
-        "typical_p": 1.0, "top_n_sigma": -1.0, "dynatemp_range": 0.0, "xtc_probability": 0.0, "dry_multiplier": 0.0,
-        "repeat_last_n": 64}
+    assert completion_body({"tfs_z": 1}, {}) == {"repeat_last_n": 64}
     assert completion_body({"grammar": "root ::= \"a\"", "json_schema": {}, "seed": 7, "stop": ["", "x"],
                             "repeat_last_n": -1}, {}) == {
         "grammar": "root ::= \"a\"", "seed": 7, "stop": ["x"], "repeat_last_n": -1}  # a grammar wins over a schema
@@ -485,6 +482,10 @@ def test_llama_cpps_samplers_on_the_openai_endpoints(server):
     assert chat(1, dry_sequence_breakers='["\\n", "."]').choices[0].message.content == first  # (as JSON, as llama.cpp)
     assert client.completions.create(model="coder", prompt="Hello", max_tokens=8, seed=2,
                                      extra_body=extra).choices[0].text
+    with pytest.raises(openai.BadRequestError) as e:  # DRY moves the logprobs beams are ranked by
+        client.completions.create(model="coder", prompt="Hello", max_tokens=4, n=2,
+                                  extra_body={"use_beam_search": True, "dry_multiplier": 0.8})
+    assert e.value.body["param"] == "dry_multiplier"
     for bad, param in (({"mirostat_eta": -1}, "mirostat_eta"), ({"dry_sequence_breakers": "[oops"}, "dry_sequence_breakers"),
                        ({"dry_sequence_breakers": "{}"}, "dry_sequence_breakers")):
         with pytest.raises(openai.BadRequestError) as e:

@@ -82,10 +82,31 @@ def test_dry_matches_its_definition_on_random_histories():
             _dry_reference(window, breakers, 0.5, base, allowed)), (window, breakers, allowed)
 
 
-def test_dry_exponent_is_clamped_below_float32s_overflow():
+def test_dry_exponent_is_clamped_below_float32s_overflow_and_the_penalty_kept_finite():
     window = [7] * 400  # a 399-long repeat: base ** 397 would overflow
-    got = _dry(window, [], multiplier=1.0, base=2.0, allowed=2)
-    assert got == {7: 2.0 ** int(lc.FLOAT_MAX_LOG / math.log(2.0))} and math.isfinite(np.float32(got[7]))
+    cap = int(lc.FLOAT_MAX_LOG / math.log(2.0))
+    assert _dry(window, [], multiplier=1e-20, base=2.0, allowed=2) == pytest.approx({7: 1e-20 * 2.0 ** cap})
+    assert _dry(window, [], multiplier=1.0, base=2.0, allowed=2) == {7: lc.DRY_MAX_PENALTY}
+
+
+@pytest.mark.parametrize("linear_steps", [0, 1, 3])
+def test_dry_repeats_bisected_on_hashes_match_the_definition(monkeypatch, linear_steps):
+    """Past ``LINEAR_STEPS`` the lengths are bisected on hashes: loops, long repeated passages, limits."""
+    monkeypatch.setattr(lc, "LINEAR_STEPS", linear_steps)
+    rng = random.Random(1)
+    for case in range(40):
+        n = rng.randint(2, 700)
+        period = [rng.randrange(50) for _ in range(rng.randint(1, 9))]
+        window = (period * n)[:n]
+        if case % 2:  # a passage repeated, with noise around it
+            passage = [rng.randrange(5) for _ in range(rng.randint(1, 60))]
+            window = [rng.randrange(5) for _ in range(rng.randint(0, 50))] + passage + [9] + passage
+        breakers = [[rng.randrange(50)]] if case % 3 == 0 else []
+        allowed = rng.randint(0, 3)
+        assert _dry(window, breakers, 0.5, 1.1, allowed) == pytest.approx(
+            _dry_reference(window, breakers, 0.5, 1.1, allowed)), (window, breakers, allowed)
+    long_loop = [5, 6, 7] * 3000  # a 9000-token loop: every third position repeats up to its start
+    assert lc.repeat_lengths(np.array(long_loop, np.int64), 10**9)[-3:].tolist() == [8997, 0, 0]
 
 
 def test_dry_in_process_logits_steers_greedy_over_its_window():
@@ -265,6 +286,28 @@ def test_xtc_at_probability_1_never_picks_the_top_token_of_a_flat_head():
     assert set(got) <= {2, 3, 4} and 2 in got  # 0.3 and 0.3 go, 0.25 (the least above 0.2) stays
 
 
+def test_mirostat_keeps_the_temperature_a_dynamic_one_would_replace():
+    """llama.cpp's mirostat chain is the temperature and mirostat: a dynamic temperature is not in it."""
+    base = SamplingParams(temperature=0.3, mirostat=2, seed=4)
+    dyn = dataclasses.replace(base, dynatemp_range=0.5)
+    assert _steps(Sampler(64, [], "cpu"), [(base, SamplingState(base), 1)]) == \
+        _steps(Sampler(64, [], "cpu"), [(dyn, SamplingState(dyn), 1)])
+
+
+def test_the_http_fields_are_read_as_llama_cpps_server_reads_them():
+    from frontends import openai_params as op
+
+    p = op.sampling_params({"dry_base": 0.5, "typical_p": 1.5, "dry_multiplier": -1, "xtc_probability": -0.5,
+                            "xtc_threshold": 2, "dynatemp_range": -1, "top_n_sigma": -3,
+                            "dry_sequence_breakers": '"\\n", ":"'}, max_tokens=4, logprobs=None, vocab_size=100)
+    assert (p.dry_base, p.typical_p, p.dry_multiplier, p.xtc_probability, p.xtc_threshold, p.dynatemp_range,
+            p.top_n_sigma) == (1.75, 1.0, 0.0, 0.0, 1.0, 0.0, -3)
+    assert p.dry_sequence_breakers == ["\n", ":"] and not p.dry
+    q = op.sampling_params({"dry_multiplier": 0.8, "dry_sequence_breakers": '["*"]'}, max_tokens=4, logprobs=None,
+                           vocab_size=100)
+    assert q.dry and q.dry_breakers == ["*"]
+
+
 def test_mirostats_target_moves_by_each_sampled_tokens_surprise():
     p = SamplingParams(temperature=1.0, mirostat=2, mirostat_tau=3.0, mirostat_eta=0.5, seed=1)
     state = SamplingState(p)
@@ -295,7 +338,7 @@ def test_bad_values_are_refused_by_name(kw, param):
 
 def test_breakers_default_to_llama_cpps_and_are_cut_as_there():
     assert SamplingParams().dry_breakers == ["\n", ":", "\"", "*"]
-    assert SamplingParams(dry_sequence_breakers=["", "x" * 50]).dry_breakers == ["x" * 40]
+    assert SamplingParams(dry_sequence_breakers=["", "x" * 50, "é" * 30]).dry_breakers == ["x" * 40, "é" * 20]
     assert not SamplingParams(dry_multiplier=0.8, dry_base=0.9).dry  # llama.cpp's "off"s
     assert not SamplingParams(dry_multiplier=0.8, dry_penalty_last_n=0).dry
     with pytest.raises(SamplingParamError, match="dry_sequence_breakers"):
