@@ -24,6 +24,7 @@ its steps wait for the one before (no asynchronous overlap), as penalties do. To
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,28 +33,52 @@ import torch
 FLOAT_MAX_LOG = 88.7228391  # log of float32's largest value: DRY's exponent is clamped below it, as in llama.cpp
 DRY_MAX_PENALTY = 1e30  # and its penalty kept finite (a token it bans must stay above those a mask took out)
 LINEAR_STEPS = 16  # DRY's repeats compared a token at a time this far (most end sooner), then bisected on hashes
-_HASHES = ((2147483647, 16807), (2147483629, 48271))  # primes below 2**31 and bases: every product fits in int64
+# two primes below 2**31 (every product fits in int64), with bases drawn at start: a window built to collide
+# would have to be built against this process's
+_HASHES = tuple((p, random.SystemRandom().randrange(1 << 16, p - 1)) for p in (2147483647, 2147483629))
 MIROSTAT_M = 100  # mirostat 1's estimate of the Zipf exponent reads the top 100 tokens (llama.cpp's m)
 
 @dataclass
 class Breakers:
     """DRY's sequence breakers of a request, built once from the wire's ``[head, tokens after it]`` lists."""
 
-    tails: dict[int, list[tuple[int, ...]]]  # head token -> the tokens after it, each breaker's of two or more
-    heads: np.ndarray  # the head tokens
-    single: np.ndarray  # the tokens that are breakers alone: never penalised ...
-    lone: frozenset[int]  # ... as a set
+    single: np.ndarray  # the one-token breakers: never penalised
+    heads: dict[int, np.ndarray]  # length (2 to 21) -> the heads of the breakers of that length ...
+    longer: dict[int, np.ndarray]  # ... and the breakers, as rows (``_rows``)
 
     @classmethod
     def of(cls, sequences: list[list[int]] | None) -> Breakers:
-        sequences = sequences or []
-        tails: dict[int, list[tuple[int, ...]]] = {}
-        for seq in sequences:
-            if len(seq) > 1:  # (most are one token: those go straight into an array)
-                tails.setdefault(seq[0], []).append(tuple(seq[1:]))
-        single = np.unique(np.array([seq[0] for seq in sequences if len(seq) == 1], np.int64))
-        return cls(tails, np.union1d(single, np.fromiter(tails, np.int64, len(tails))), single,
-                   frozenset(single.tolist()))
+        by_length: dict[int, list[list[int]]] = {}
+        for seq in sequences or ():
+            by_length.setdefault(len(seq), []).append(seq)
+        single = np.unique(np.array([seq[0] for seq in by_length.pop(1, ())], np.int64))
+        arrays = {k: np.array(v, np.int64) for k, v in by_length.items()}
+        return cls(single, {k: np.unique(a[:, 0]) for k, a in arrays.items()},
+                   {k: _rows(a) for k, a in arrays.items()})
+
+    def limit(self, window: np.ndarray) -> int:
+        """The tokens after the last breaker in ``window`` (the one nearest its end; of those that start there,
+        the longest): what DRY's repeats are capped at. The window's length where none is in it. Each length
+        of breaker is looked for at once (its heads' positions, then their spans as rows)."""
+        n = len(window)
+        pos, length = -1, 0
+        hits = np.flatnonzero(np.isin(window, self.single))
+        if len(hits):
+            pos, length = int(hits[-1]), 1
+        for k, rows in self.longer.items():
+            starts = np.flatnonzero(np.isin(window[:n - k + 1], self.heads[k])) if n >= k else ()
+            if len(starts):
+                spans = window[starts[:, None] + np.arange(k)]
+                hits = starts[np.isin(_rows(spans), rows)]
+                if len(hits) and (hits[-1], k) > (pos, length):
+                    pos, length = int(hits[-1]), k
+        return n if pos < 0 else n - pos - length
+
+
+def _rows(a: np.ndarray) -> np.ndarray:
+    """The rows of an int64 (m, k) array as m opaque values of 8k bytes: ``np.isin`` then compares whole rows."""
+    a = np.ascontiguousarray(a, np.int64)
+    return a.view(np.dtype((np.void, 8 * a.shape[1]))).ravel()
 
 
 def dry_penalties(window: np.ndarray, breakers: Breakers, multiplier: float, base: float,
@@ -71,17 +96,7 @@ def dry_penalties(window: np.ndarray, breakers: Breakers, multiplier: float, bas
     n = len(window)
     if n <= allowed_length:
         return none
-    rep_limit = n
-    if len(breakers.heads):
-        for pos in np.flatnonzero(np.isin(window, breakers.heads))[::-1]:  # the one nearest the end: its longest
-            after = n - 1 - pos  # tokens after the head
-            token = int(window[pos])
-            fits = [len(t) for t in breakers.tails.get(token, ())
-                    if len(t) <= after and tuple(window[pos + 1:pos + 1 + len(t)].tolist()) == t]
-            fits += [0] if token in breakers.lone else []
-            if fits:
-                rep_limit = after - max(fits)
-                break
+    rep_limit = breakers.limit(window)
     if rep_limit < allowed_length:
         return none
     length = repeat_lengths(window, rep_limit)
