@@ -32,6 +32,7 @@ from engine.config import (
     RUNTIME_LORA_ENV,
     SPARE_LORA_SLOTS,
     EngineConfig,
+    env_flag,
 )
 from engine.config_file import Parser
 
@@ -421,7 +422,7 @@ def _config_kwargs(args: argparse.Namespace) -> dict:
             raise ValueError(f"--lora-modules names an adapter twice: {sorted(n for n in set(names) if names.count(n) > 1)}")
         kw["lora_modules"] = dict(kw["lora_modules"])
     kw.pop("max_loras", None)
-    if os.environ.get(RUNTIME_LORA_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
+    if env_flag(RUNTIME_LORA_ENV):
         if getattr(args, "enable_lora", False):
             kw["max_loras"] = args.max_loras if args.max_loras is not None else \
                 len(kw.get("lora_modules") or ()) + SPARE_LORA_SLOTS

@@ -8,6 +8,7 @@ validate it before any process starts.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from engine.speculative import NgramConfig
@@ -24,6 +25,12 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 DEFAULT_MAX_IMAGES = 16  # images one prompt may hold unless limit_mm_per_prompt says otherwise
 # vLLM's switch for loading LoRA adapters while serving (max_loras), and the free slots it gives by default
 RUNTIME_LORA_ENV, SPARE_LORA_SLOTS = "VLLM_ALLOW_RUNTIME_LORA_UPDATING", 4
+
+
+def env_flag(name: str) -> bool:
+    """Whether the environment variable ``name`` is set to a true value ("1", "true", "yes", "on"; any case), as
+    vLLM reads its switches (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``, ``VLLM_SERVER_DEV_MODE``)."""
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from urllib.parse import parse_qs
 
 import orjson
 
+from engine.config import env_flag
 from engine.protocol import MAX_ADAPTER_NAME, MAX_DRY_BREAKER_SEQUENCES, SamplingParams, Stats
 from frontends import anthropic, harmony, images, reasoning, tools
 from frontends import openai_params as op
@@ -163,7 +164,7 @@ class OpenAIApi:
         if self.client.ready.max_loras:  # (the engine's VLLM_ALLOW_RUNTIME_LORA_UPDATING)
             routes += [("POST", "/v1/load_lora_adapter", self.load_lora_adapter),
                        ("POST", "/v1/unload_lora_adapter", self.unload_lora_adapter)]
-        if os.environ.get(DEV_MODE_ENV, "").strip().lower() in ("1", "true", "yes", "on"):  # vLLM's dev endpoints
+        if env_flag(DEV_MODE_ENV):  # vLLM's dev endpoints
             routes.append(("POST", "/reset_prefix_cache", self.reset_prefix_cache))
         open_paths = {"/health", "/ping", *(["/metrics"] if self.metrics_no_auth else [])}
         for method, path, handler in routes:
