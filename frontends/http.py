@@ -137,7 +137,8 @@ def shaped_errors(handler: Handler, body: Callable[[ApiError], dict]) -> Handler
 
 
 class Router:
-    """Routes by exact (method, path): unknown path 404, known path with another method 405."""
+    """Routes by exact (method, path): unknown path 404, known path with another method 405. A HEAD request is
+    answered as its GET is, without the body (RFC 9110 9.3.2; vLLM's server answers HEAD /health and /ping)."""
 
     def __init__(self) -> None:
         self._routes: dict[str, dict[str, Handler]] = {}
@@ -157,10 +158,10 @@ class Router:
         by_method = self._routes.get(path)
         if by_method is None:
             raise ApiError(404, f"Not found: {path}", code=404)
-        handler = by_method.get(method)
+        handler = by_method.get("GET" if method == "HEAD" and "HEAD" not in by_method else method)
         if handler is None:
-            raise ApiError(405, f"Method {method} not allowed for {path}; allowed: "
-                           f"{', '.join(sorted(by_method))}", code=405)
+            allowed = sorted({*by_method, *(["HEAD"] if "GET" in by_method else [])})
+            raise ApiError(405, f"Method {method} not allowed for {path}; allowed: {', '.join(allowed)}", code=405)
         return handler
 
     def handler_name(self, path: str) -> str:
@@ -549,7 +550,7 @@ class HttpProtocol(asyncio.Protocol):
             return
         headers = [*resp.headers, ("x-request-id", req.id)]
         self.transport.write(_head(resp.status, resp.content_type, headers, req.keep_alive,
-                                   len(resp.body)) + resp.body)
+                                   len(resp.body)) + (resp.body if req.method != "HEAD" else b""))
 
     async def _stream(self, req: Request, resp: StreamingResponse, status: int) -> None:
         """Send ``resp`` in chunks; observe it once it has ended, before its last chunk goes out.
@@ -564,7 +565,7 @@ class HttpProtocol(asyncio.Protocol):
         chunks = resp.chunks
         try:
             async for chunk in chunks:
-                if self.lost:
+                if self.lost or req.method == "HEAD":  # (a HEAD request's answer: the head alone)
                     break
                 if chunk:
                     write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
@@ -584,7 +585,7 @@ class HttpProtocol(asyncio.Protocol):
             if aclose is not None:
                 await aclose()
         self.server.observe(req, status)
-        if not (cut or self.lost):
+        if not (cut or self.lost or req.method == "HEAD"):
             write(b"0\r\n\r\n")
 
     def _hand_over(self, up: Upgrade) -> None:

@@ -233,3 +233,23 @@ def test_an_answer_is_observed_before_the_client_has_all_of_it():
         assert observed[0][2] <= plain_at and observed[1][2] <= stream_at
     finally:
         loop.call_soon_threadsafe(loop.stop)
+
+
+def test_head_is_answered_as_its_get_without_the_body(port):
+    """RFC 9110: the GET's status and headers (its length too), no body; the connection goes on. A stream's head
+    alone, its generator closed. A path with a GET names HEAD among its methods in a 405."""
+    s = connect(port)
+    s.sendall(b"HEAD /slow HTTP/1.1\r\nHost: x\r\n\r\nHEAD /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+    time.sleep(0.5)
+    s.sendall(post_echo(b"after"))
+    got = read_until(s, b"after")
+    heads = got.split(b"\r\n\r\n")
+    assert heads[0].startswith(b"HTTP/1.1 200") and b"content-length: 4" in heads[0]  # (b"slow": not sent)
+    assert heads[1].startswith(b"HTTP/1.1 200") and b"transfer-encoding: chunked" in heads[1]
+    assert heads[2].startswith(b"HTTP/1.1 200") and got.endswith(b"after") and b"slow" not in got
+    assert b"data:" not in got
+    s.sendall(b"HEAD /echo HTTP/1.1\r\nHost: x\r\n\r\n")  # (its 405: the head alone too)
+    assert read_until(s, b"\r\n\r\n").startswith(b"HTTP/1.1 405 ")
+    s.sendall(b"POST /slow HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+    assert b"allowed: GET, HEAD" in read_until(s, b"}}")
+    s.close()
