@@ -130,7 +130,7 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] | None = None
     include_stop_str_in_output: bool = False
     # llama.cpp's samplers (engine.sampler_llamacpp), each off at its default. DRY: a token that would make the
-    # context repeat a sequence longer than dry_allowed_length loses dry_multiplier * dry_base ** (length -
+    # context repeat a sequence of at least dry_allowed_length tokens loses dry_multiplier * dry_base ** (length -
     # allowed) from its logit, over the context's last dry_penalty_last_n tokens (-1: all); a sequence breaker
     # ends the sequences before it (dry_sequence_breakers: the text, None for llama.cpp's defaults; the engine
     # reads dry_breaker_token_ids only, [head, tokens after it] each, which the frontends and LLM make of them)
