@@ -138,7 +138,7 @@ def shaped_errors(handler: Handler, body: Callable[[ApiError], dict]) -> Handler
 
 class Router:
     """Routes by exact (method, path): unknown path 404, known path with another method 405. A HEAD request is
-    answered as its GET is, without the body (RFC 9110 9.3.2; vLLM's server answers HEAD /health and /ping)."""
+    answered as its GET is, without the body (RFC 9110 9.3.2: load balancers' and monitors' probes may send one)."""
 
     def __init__(self) -> None:
         self._routes: dict[str, dict[str, Handler]] = {}
