@@ -89,6 +89,16 @@ def test_dry_exponent_is_clamped_below_float32s_overflow_and_the_penalty_kept_fi
     assert _dry(window, [], multiplier=1.0, base=2.0, allowed=2) == {7: lc.DRY_MAX_PENALTY}
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_dry_at_its_largest_keeps_allowed_tokens_and_grammars_whole(temperature):
+    """The first review's finding: an infinite penalty made the only allowed token -inf, and the sampler then
+    picked token 0. Capped, the allowed token is still the one sampled, however long the repeat."""
+    p = SamplingParams(temperature=temperature, seed=1, allowed_token_ids=[7], dry_multiplier=1e30, dry_base=100.0,
+                       dry_allowed_length=0, dry_breaker_token_ids=[[0]])
+    got = Sampler(16, [], "cpu")(torch.randn(1, 16), [p], [SamplingState(p)], [[7] * 300], [[7] * 5]).token_ids
+    assert got == [7]
+
+
 @pytest.mark.parametrize("linear_steps", [0, 1, 3])
 def test_dry_repeats_bisected_on_hashes_match_the_definition(monkeypatch, linear_steps):
     """Past ``LINEAR_STEPS`` the lengths are bisected on hashes: loops, long repeated passages, limits."""
