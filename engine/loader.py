@@ -427,16 +427,21 @@ def _safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield _language_model(name), f.get_tensor(name)
 
 
-def _safetensors_index(path: str) -> dict[str, tuple[str, str]]:
+def _safetensors_index(path: str, _last: list = [None, None]) -> dict[str, tuple[str, str]]:  # noqa: B006
     """Every tensor's name (as ``_safetensors_weights`` names it) -> its file and its name there, from
-    the files' headers."""
+    the files' headers. Read again only where the files changed since the last call (``load_model_config``
+    and ``build_model`` both ask, and a mixture of experts' checkpoint has tens of thousands of names)."""
     from safetensors import safe_open
 
-    index: dict[str, tuple[str, str]] = {}
-    for file in _safetensors_files(path):
-        with safe_open(file, framework="pt") as f:
-            index.update({_language_model(name): (file, name) for name in f.keys()})
-    return index
+    files = _safetensors_files(path)
+    key = tuple((file, (st := os.stat(file)).st_size, st.st_mtime_ns) for file in files)
+    if _last[0] != key:
+        index: dict[str, tuple[str, str]] = {}
+        for file in files:
+            with safe_open(file, framework="pt") as f:
+                index.update({_language_model(name): (file, name) for name in f.keys()})
+        _last[:] = [key, index]
+    return _last[1]
 
 
 def _read(index: dict[str, tuple[str, str]], name: str, files: dict) -> torch.Tensor | None:
