@@ -155,13 +155,10 @@ class BlockManager:
             return True
         if self.num_used_blocks or self.pending:
             return False
-        for block_id in self.evictable:
-            if self.window:
-                self.window.drop(block_id)
-            self.block_hash[block_id] = None
+        for block_id in self.evictable:  # (with no block in use, every cached block is evictable)
+            self._forget(block_id)
         self.free_block_ids.extend(self.evictable)
         self.evictable.clear()
-        self.cached.clear()
         return True
 
     def _forget(self, block_id: int) -> None:

@@ -376,7 +376,7 @@ class Engine:
         if params.bad_words and params.bad_words_token_ids is None:
             bad("bad_words must come as token ids here (bad_words_token_ids: LLM and the frontends tokenize them)",
                 "bad_words")
-        if params.dry and params.dry_breakers and params.dry_breaker_token_ids is None:
+        if params.dry_breakers_as_text:
             bad("dry_sequence_breakers must come as token ids here (dry_breaker_token_ids: LLM and the frontends "
                 "tokenize them)", "dry_sequence_breakers")
         try:  # the sampler would ignore them, but a client asking for them has a bug to hear about

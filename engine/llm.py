@@ -201,7 +201,7 @@ class LLM:
                 if p.bad_words and p.bad_words_token_ids is None:  # (vLLM's words: the engine reads tokens)
                     p = dataclasses.replace(p, bad_words_token_ids=bad_words_token_ids(
                         p.bad_words, lambda w: self.tokenizer.encode(w, add_special_tokens=False)))
-                if p.dry and p.dry_breakers and p.dry_breaker_token_ids is None:  # (llama.cpp's DRY: likewise)
+                if p.dry_breakers_as_text:  # (llama.cpp's DRY: likewise)
                     p = dataclasses.replace(p, dry_breaker_token_ids=self._codec.dry_breakers(tuple(p.dry_breakers)))
                 rid = str(next(self._ids))
                 self.engine.add_request(rid, ids, p, prio, lora=lora, images=image_inputs)

@@ -156,6 +156,17 @@ class SamplingParams:
         return self.dry_multiplier != 0.0 and self.dry_base >= 1.0 and self.dry_penalty_last_n != 0
 
     @property
+    def xtc(self) -> bool:
+        """Whether XTC is on (llama.cpp's rule: a probability, a threshold of at most 0.5)."""
+        return self.xtc_probability > 0 and self.xtc_threshold <= 0.5
+
+    @property
+    def dry_breakers_as_text(self) -> bool:
+        """Whether DRY is on with breakers that are text still: the engine reads their token sequences only
+        (``dry_breaker_token_ids``), which the frontends and ``LLM`` make of them."""
+        return self.dry and bool(self.dry_breakers) and self.dry_breaker_token_ids is None
+
+    @property
     def dry_breakers(self) -> list[str]:
         """The sequence breakers as text: the given ones (each cut to 40 bytes of UTF-8, at a character's end, empty
         ones dropped, as llama.cpp does) or llama.cpp's defaults."""

@@ -69,7 +69,7 @@ class SamplingState:
     """
 
     __slots__ = ("seed", "plain_greedy", "needs_penalties", "reads_output", "grammar", "bad_words", "allowed",
-                 "dry_breakers", "mu", "_bad_after", "_prompt_len", "_prompt_ids", "_window_len", "_window",
+                 "dry_breakers", "mu", "llamacpp", "_bad_after", "_prompt_len", "_prompt_ids", "_window_len", "_window",
                  "_dry_prompt", "_stop_ids", "_bias_ids", "_bias_values", "_allowed_ids", "_placed_for", "_placed")
 
     def __init__(self, params: SamplingParams, grammar: GrammarMatcher | None = None) -> None:
@@ -90,6 +90,9 @@ class SamplingState:
         self.dry_breakers = llamacpp.Breakers.of(params.dry_breaker_token_ids) if params.dry else None
         # mirostat's surprise target (bits), moved by each token sampled (``Sampled.result``)
         self.mu = 2.0 * params.mirostat_tau if params.mirostat else None
+        # one of llama.cpp's truncations or a dynamic temperature (a step looks for them among these rows only)
+        self.llamacpp = bool(params.mirostat or params.typical_p < 1.0 or params.top_n_sigma > 0
+                             or params.xtc or params.dynatemp_range > 0)
         # the sampler reads the output so far (the host's list), or mirostat's target that the last token moved:
         # a step cannot overlap the one before it
         self.reads_output = self.needs_penalties or bool(self.bad_words) or params.dry or self.mu is not None
@@ -551,11 +554,12 @@ class Sampler:
                            for p, c in zip(params, cut, strict=True)],
                           device, torch.float32)  # (n, 4)
         logits = logits / knobs[:, 0:1]
-        logits = _on_rows(logits, [(i, p.top_n_sigma) for i, p in enumerate(params)
-                                   if p.top_n_sigma > 0 and not p.mirostat], llamacpp.apply_top_n_sigma)
+        extra = [(i, params[i]) for i, s in enumerate(states) if s.llamacpp]  # llama.cpp's (most steps: none)
+        logits = _on_rows(logits, [(i, p.top_n_sigma) for i, p in extra if p.top_n_sigma > 0 and not p.mirostat],
+                          llamacpp.apply_top_n_sigma)
         max_k = max(c[0] for c in cut)
         use_p = any(c[1] < 1.0 for c in cut)
-        typical = [(i, p.typical_p) for i, p in enumerate(params) if p.typical_p < 1.0 and not p.mirostat]
+        typical = [(i, p.typical_p) for i, p in extra if p.typical_p < 1.0 and not p.mirostat]
         if max_k > 0 or (use_p and not typical):
             logits = apply_top_k_top_p(
                 logits,
@@ -570,15 +574,14 @@ class Sampler:
                 logits = apply_top_k_top_p(logits, None, knobs[:, 2])
         if any(c[2] > 0.0 for c in cut):
             logits = apply_min_p(logits, knobs[:, 3])
-        xtc = [(i, p.xtc_threshold, p.xtc_probability) for i, p in enumerate(params)
-               if p.xtc_probability > 0 and p.xtc_threshold <= 0.5 and not p.mirostat]
+        xtc = [(i, p.xtc_threshold, p.xtc_probability) for i, p in extra if p.xtc and not p.mirostat]
         if xtc:
             chance = self._uniforms([states[i] for i, *_ in xtc], [num_output_tokens[i] for i, *_ in xtc], device)
             logits = _on_rows(logits, xtc, lambda x, threshold, p: llamacpp.apply_xtc(x, threshold, chance <= p))
-        dyn = [(i, p.temperature, p.dynatemp_range, p.dynatemp_exponent) for i, p in enumerate(params)
+        dyn = [(i, p.temperature, p.dynatemp_range, p.dynatemp_exponent) for i, p in extra
                if p.dynatemp_range > 0 and not p.mirostat]
         logits = _on_rows(logits, dyn, llamacpp.apply_dynamic_temperature)
-        miro = [i for i, p in enumerate(params) if p.mirostat]
+        miro = [i for i, p in extra if p.mirostat]
         for version in (1, 2):
             rows = [(i, states[i].mu) for i in miro if params[i].mirostat == version]
             logits = _on_rows(logits, rows, lambda x, mu, v=version: llamacpp.apply_mirostat(x, mu, v, vocab))

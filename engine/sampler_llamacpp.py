@@ -167,6 +167,13 @@ def _bisect(window: np.ndarray, ends: np.ndarray, lo: np.ndarray, hi: np.ndarray
     return lo
 
 
+def _entropy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's log-probabilities, probabilities and (rows,) entropy (a masked token adds nothing)."""
+    logp = logits.log_softmax(dim=-1)
+    probs = logp.exp()
+    return logp, probs, -(probs * torch.where(probs > 0, logp, 0.0)).sum(dim=-1)
+
+
 def apply_top_n_sigma(logits: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
     """Top-n-sigma: mask the logits below the row's top one less ``n`` standard deviations of its logits
     (the finite ones, as a population). (rows,) ``n``, every one positive."""
@@ -182,10 +189,8 @@ def apply_top_n_sigma(logits: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
 def apply_typical(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """Locally typical sampling: the tokens whose surprise is nearest the distribution's entropy, in that
     order, until their mass passes ``p`` (the token that passes it kept). (rows,) ``p``, each below 1."""
-    logp = logits.log_softmax(dim=-1)
-    probs = logp.exp()
-    entropy = -(probs * torch.where(probs > 0, logp, 0.0)).sum(dim=-1, keepdim=True)
-    shifted = (-logp - entropy).abs()  # inf for a masked token: last
+    logp, probs, entropy = _entropy(logits)
+    shifted = (-logp - entropy.unsqueeze(1)).abs()  # inf for a masked token: last
     order = shifted.argsort(dim=-1, stable=True)
     sorted_probs = probs.gather(1, order)
     drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) > p.unsqueeze(1)  # the mass before it already passed p
@@ -209,9 +214,7 @@ def apply_dynamic_temperature(logits: torch.Tensor, temperature: torch.Tensor, s
     entropy over its largest possible value (the log of their count) raised to ``exponent``; at a temperature
     of 0 only the most likely token stays. A row with one candidate is left as it is. (rows,) each."""
     count = torch.isfinite(logits).sum(dim=-1)
-    logp = logits.log_softmax(dim=-1)
-    probs = logp.exp()
-    entropy = -(probs * torch.where(probs > 0, logp, 0.0)).sum(dim=-1)
+    entropy = _entropy(logits)[2]
     normalized = entropy / count.clamp_min(2).log()
     low = (temperature - spread).clamp_min(0.0)
     t = low + (temperature + spread - low) * normalized.pow(exponent)

@@ -17,8 +17,9 @@ unseeded sampling draws from the same distribution (a draft is one token for cer
 when the sample equals it is rejection sampling's rule for such a draft).
 
 Not for a request with structured output (the grammar's mask at a draft's position depends on the
-drafts before it) or mirostat (its target moves with each token kept), nor under asynchronous scheduling (the next step's input is known only once
-this step's tokens are compared with its drafts). Torch-free.
+drafts before it) or mirostat (its target moves with each token kept), nor under asynchronous
+scheduling (the next step's input is known only once this step's tokens are compared with its
+drafts). Torch-free.
 """
 
 from __future__ import annotations
@@ -90,7 +91,8 @@ class NgramProposer:
         k = min(self.config.num_speculative_tokens, budget, req.params.max_tokens - req.num_sampled - 1,
                 self.max_model_len - req.num_tokens - 1)
         state = req.sampling_state
-        if k <= 0 or req.num_in_flight or getattr(state, "grammar", None) is not None or getattr(state, "mu", None) is not None:
+        if k <= 0 or req.num_in_flight or getattr(state, "grammar", None) is not None \
+                or getattr(state, "mu", None) is not None:
             return []
         return find_draft(_history(req), self.config.prompt_lookup_min, self.config.prompt_lookup_max, k)
 

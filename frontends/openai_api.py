@@ -218,7 +218,7 @@ class OpenAIApi:
         """``params`` with llama.cpp's DRY sequence breakers as token sequences where DRY is on: a scan of the
         vocabulary per breaker, off the event loop and weighed as such in the tokenizer's queue, unless the codec
         has these breakers' already (``TextCodec.dry_breakers``)."""
-        if not (params.dry and params.dry_breakers):
+        if not params.dry_breakers_as_text:
             return params
         key = tuple(params.dry_breakers)
         size = 0 if self.codec.has_dry_breakers(key) else min(len(key) * self.codec.vocab_size // 2,

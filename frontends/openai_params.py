@@ -388,18 +388,17 @@ def sampling_params(data: dict, *, max_tokens: int, logprobs: int | None, vocab_
                        param=given[0])
     held, held_by = ({"json_schema": tool_schema}, "tools") if tool_schema is not None else parse_structured(data)
     data = _llamacpp_server_values(data)
-    num = (int, float)
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=field(data, "temperature", num, d["temperature"]),
-            top_p=field(data, "top_p", num, d["top_p"]),
+            temperature=field(data, "temperature", _NUM, d["temperature"]),
+            top_p=field(data, "top_p", _NUM, d["top_p"]),
             top_k=field(data, "top_k", int, d["top_k"]),
-            min_p=field(data, "min_p", num, d["min_p"]),
+            min_p=field(data, "min_p", _NUM, d["min_p"]),
             seed=field(data, "seed", int, None),
-            presence_penalty=field(data, "presence_penalty", num, 0.0),
-            frequency_penalty=field(data, "frequency_penalty", num, 0.0),
-            repetition_penalty=field(data, "repetition_penalty", num, d["repetition_penalty"]),
+            presence_penalty=field(data, "presence_penalty", _NUM, 0.0),
+            frequency_penalty=field(data, "frequency_penalty", _NUM, 0.0),
+            repetition_penalty=field(data, "repetition_penalty", _NUM, d["repetition_penalty"]),
             repeat_last_n=field(data, "repeat_last_n", int, None),  # llama.cpp's (absent: vLLM's rules)
             logit_bias=logit_bias,
             stop=stop,

@@ -1,8 +1,9 @@
 """AWQ and GPTQ int4 checkpoints made from a dense Hugging Face folder, for machines without a model
 hub: every layer linear (a mixture of experts' experts too, not its router) quantized by rounding to
-nearest (per output row and group of input columns, min-max, or symmetric about 8), then packed as AutoAWQ's GEMM layout and AutoGPTQ's QuantLinear pack
-them (the packers follow theirs loop for loop; tokenmill's loader, ``engine/quant.py``, reads them
-independently), with the ``quantization_config`` those write. Accuracy is round-to-nearest's, not
+nearest (per output row and group of input columns, min-max, or symmetric about 8), then packed as
+AutoAWQ's GEMM layout and AutoGPTQ's QuantLinear pack them (the packers follow theirs loop for loop;
+tokenmill's loader, ``engine/quant.py``, reads them independently), with the ``quantization_config``
+those write. Accuracy is round-to-nearest's, not
 AWQ's or GPTQ's search: for loading, parity tests and speed, not for quality.
 
     python3 tools/quantize_model.py DENSE_DIR OUT_DIR [--method awq|gptq] [--group-size 128] [--sym]
