@@ -16,6 +16,7 @@ from engine import sampler_llamacpp as lc
 from engine.protocol import SamplingParamError, SamplingParams
 from engine.sampler import Sampler, SamplingState, process_logits
 from frontends.text import dry_breaker_token_ids
+from tests.test_sampler import _run_steps
 
 # ----------------------------------------------------------------------------- DRY
 
@@ -252,31 +253,19 @@ def test_mirostat_1_keeps_llama_cpps_k():
 # ----------------------------------------------------------------------------- through the sampler
 
 
-def _steps(sampler, rows, steps=8, vocab=64):
-    outs = [[] for _ in rows]
-    for step in range(steps):
-        logits = torch.stack([torch.randn(vocab, generator=torch.Generator().manual_seed(1000 * key + step))
-                              for _, _, key in rows])
-        res = sampler(logits, [p for p, _, _ in rows], [s for _, s, _ in rows], [[1, 2, 3]] * len(rows),
-                      [list(o) for o in outs])
-        for o, t in zip(outs, res.token_ids, strict=True):
-            o.append(t)
-    return outs
-
-
 @pytest.mark.parametrize("kw", [dict(xtc_probability=0.7, xtc_threshold=0.02), dict(typical_p=0.6, top_k=30),
                                 dict(top_n_sigma=1.0), dict(dynatemp_range=0.5, min_p=0.05), dict(mirostat=2),
                                 dict(mirostat=1, mirostat_tau=3.0)])
 def test_a_seeded_request_is_independent_of_the_batch(kw):
     p = SamplingParams(temperature=0.9, seed=77, **kw)
-    alone = _steps(Sampler(64, [], "cpu"), [(p, SamplingState(p), 5)])[0]
+    alone = _run_steps(Sampler(64, [], "cpu"), [(p, SamplingState(p), 5)], 8)[0]
     others = [SamplingParams(temperature=0.8, xtc_probability=1.0), SamplingParams(temperature=0),
               SamplingParams(temperature=1.1, mirostat=2, seed=3), SamplingParams(temperature=1.0, typical_p=0.3)]
     rows = [(o, SamplingState(o), k) for k, o in enumerate(others, start=20)]
     rows.insert(1, (p, SamplingState(p), 5))
-    assert _steps(Sampler(64, [], "cpu", seed=9), rows)[1] == alone
+    assert _run_steps(Sampler(64, [], "cpu", seed=9), rows, 8)[1] == alone
     q = SamplingParams(temperature=0.9, seed=78, **kw)
-    assert _steps(Sampler(64, [], "cpu"), [(q, SamplingState(q), 5)])[0] != alone
+    assert _run_steps(Sampler(64, [], "cpu"), [(q, SamplingState(q), 5)], 8)[0] != alone
 
 
 def test_greedy_rows_ignore_the_truncations():
@@ -300,8 +289,8 @@ def test_mirostat_keeps_the_temperature_a_dynamic_one_would_replace():
     """llama.cpp's mirostat chain is the temperature and mirostat: a dynamic temperature is not in it."""
     base = SamplingParams(temperature=0.3, mirostat=2, seed=4)
     dyn = dataclasses.replace(base, dynatemp_range=0.5)
-    assert _steps(Sampler(64, [], "cpu"), [(base, SamplingState(base), 1)]) == \
-        _steps(Sampler(64, [], "cpu"), [(dyn, SamplingState(dyn), 1)])
+    assert _run_steps(Sampler(64, [], "cpu"), [(base, SamplingState(base), 1)], 8) == \
+        _run_steps(Sampler(64, [], "cpu"), [(dyn, SamplingState(dyn), 1)], 8)
 
 
 def test_the_http_fields_are_read_as_llama_cpps_server_reads_them():
