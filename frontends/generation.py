@@ -173,6 +173,10 @@ class Generation:
         """The first choice's sampling values (the others' differ at most in their seed)."""
         return self._params[0]
 
+    def params_of(self, index: int) -> SamplingParams:
+        """Choice ``index``'s sampling values (its own seed)."""
+        return self._params[index]
+
     def set_max_tokens(self, prompt: int, max_tokens: int) -> None:
         """Before ``start``: prompt ``prompt``'s choices generate up to ``max_tokens`` (llama.cpp's several prompts
         each run to their own end of the context)."""

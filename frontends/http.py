@@ -124,15 +124,16 @@ Observer = Callable[[Request, int], None]  # (request, status) once it is answer
 CLIENT_GONE = 499  # nginx's "client closed request": the client left before its answer
 
 
-def shaped_errors(handler: Handler, body: Callable[[ApiError], dict]) -> Handler:
-    """``handler`` with its refusals written as ``body(e)`` says: another API's error shape (Anthropic's, llama.cpp's)
-    on its routes."""
+def shaped_errors(handler: Handler, body: Callable[[ApiError], dict],
+                  status: Callable[[ApiError], int] = lambda e: e.status) -> Handler:
+    """``handler`` with its refusals written as ``body(e)`` says, with ``status(e)``: another API's error shape
+    (Anthropic's, llama.cpp's, TGI's) on its routes."""
 
     async def handle(req: Request) -> Response | StreamingResponse:
         try:
             return await handler(req)
         except ApiError as e:
-            return Response(e.status, orjson.dumps(body(e)), headers=e.headers)
+            return Response(status(e), orjson.dumps(body(e)), headers=e.headers)
     return handle
 
 

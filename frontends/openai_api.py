@@ -696,7 +696,10 @@ class OpenAIApi:
             gen.abort_unfinished()
         if gen.timed_out_empty:
             raise _timed_out(started)
-        return _json(fmt.response())
+        resp = _json(fmt.response())
+        if hasattr(fmt, "headers"):  # (TGI's numbers about the answer)
+            resp.headers += fmt.headers()
+        return resp
 
     async def _events(self, gen: Generation, fmt, first: list[Update], include_usage: bool) -> AsyncIterator[bytes]:
         try:

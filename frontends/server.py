@@ -31,6 +31,7 @@ from frontends.media import MediaReader, MediaSources
 from frontends.metrics import Metrics
 from frontends.openai_api import OpenAIApi
 from frontends.text import TextCodec
+from frontends.tgi import TgiApi
 from frontends.tokenizer import load_tokenizer
 
 log = logging.getLogger("tokenmill.frontend")
@@ -93,9 +94,11 @@ def ssl_context(args: FrontendArgs) -> ssl.SSLContext | None:
 
 def build_router(api: OpenAIApi, ws: websocket.WsConfig | None = None, access_log: AccessLog | None = None,
                  model_path: str = "") -> Router:
-    """The HTTP API's routes (OpenAI's, llama.cpp's), ``/v1/stream`` and the chat page."""
+    """The HTTP API's routes (OpenAI's, llama.cpp's, TGI's), ``/v1/stream`` and the chat page."""
     router = api.routes()
-    LlamaCppApi(api, model_path).routes(router)
+    llamacpp = LlamaCppApi(api, model_path)
+    llamacpp.routes(router)
+    TgiApi(api).routes(router, llamacpp.tokenize, api.invocations)
     websocket.register(router, api, ws, access_log)
     return router
 

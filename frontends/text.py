@@ -116,6 +116,14 @@ class TextCodec:
             self._literal = literal
         return self._literal.encode(text, add_special_tokens=False).ids
 
+    def encode_offsets(self, text: str) -> list[tuple[int, int, int]]:
+        """``text``'s tokens (with the tokenizer's special ones) as (id, start, end): the characters each came
+        from, (0, 0) where the tokenizer cannot say (a special token it adds; a tokenizer without offsets)."""
+        if self._backend is not None and hasattr(self._backend, "encode"):
+            enc = self._backend.encode(text, add_special_tokens=True)
+            return [(t, a, b) for t, (a, b) in zip(enc.ids, enc.offsets, strict=True)]
+        return [(t, 0, 0) for t in self.encode(text)]
+
     def token_text(self, token_id: int) -> str:
         """One token's own text (for logprobs); special tokens keep their names."""
         return self._decode([token_id], False)
