@@ -684,7 +684,8 @@ class OpenAIApi:
         if gen.timed_out_empty:  # a stream that has nothing to send yet can still get a status
             raise _timed_out(started)
         if stream:
-            return StreamingResponse(self._events(gen, fmt, first, include_usage), on_close=gen.abort_unfinished)
+            return StreamingResponse(self._events(gen, fmt, first, include_usage), on_close=gen.abort_unfinished,
+                                     content_type=getattr(fmt, "CONTENT_TYPE", "text/event-stream"))
         try:
             updates = first
             while True:

@@ -29,6 +29,7 @@ from frontends.images import ImageProcessor
 from frontends.llamacpp import LlamaCppApi
 from frontends.media import MediaReader, MediaSources
 from frontends.metrics import Metrics
+from frontends.ollama import OllamaApi
 from frontends.openai_api import OpenAIApi
 from frontends.text import TextCodec
 from frontends.tgi import TgiApi
@@ -94,11 +95,12 @@ def ssl_context(args: FrontendArgs) -> ssl.SSLContext | None:
 
 def build_router(api: OpenAIApi, ws: websocket.WsConfig | None = None, access_log: AccessLog | None = None,
                  model_path: str = "") -> Router:
-    """The HTTP API's routes (OpenAI's, llama.cpp's, TGI's), ``/v1/stream`` and the chat page."""
+    """The HTTP API's routes (OpenAI's, llama.cpp's, TGI's, Ollama's), ``/v1/stream`` and the chat page."""
     router = api.routes()
     llamacpp = LlamaCppApi(api, model_path)
     llamacpp.routes(router)
     TgiApi(api).routes(router, llamacpp.tokenize, api.invocations)
+    OllamaApi(api, llamacpp, model_path).routes(router)
     websocket.register(router, api, ws, access_log)
     return router
 

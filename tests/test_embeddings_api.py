@@ -227,3 +227,22 @@ def test_llama_cpp_s_embedding_route(server, offline):
         "message"]
     status, body = post(server, {}, "/embedding")
     assert status == 400 and body["error"]["message"] == "Missing required field: 'content'"
+
+
+def test_ollamas_embed_routes(server, offline):
+    """Ollama's ``/api/embed`` (``frontends.ollama``) through its official client: the offline vectors; the older
+    ``/api/embeddings``, one vector as pooled (not normalised)."""
+    import ollama
+
+    client = ollama.Client(host=server.url)
+    out = client.embed(model="tiny", input=TEXTS[:2])
+    assert out.model == "tiny" and len(out.embeddings) == 2 and out.prompt_eval_count > 0
+    assert all(close(v, offline[t].embedding) for v, t in zip(out.embeddings, TEXTS, strict=False))
+    assert close(client.embed(model="tiny:latest", input=TEXTS[0]).embeddings[0], offline[TEXTS[0]].embedding)
+    raw = post(server, {"input": TEXTS[0], "normalize": False})[1]["data"][0]["embedding"]
+    assert close(list(client.embeddings(model="tiny", prompt=TEXTS[0]).embedding), raw)
+    with pytest.raises(ollama.ResponseError) as e:
+        client.embed(model="nope", input="x")
+    assert e.value.status_code == 404 and e.value.error == "model 'nope' not found"
+    status, body = post(server, {"model": "tiny", "input": 3}, "/api/embed")
+    assert status == 400 and body == {"error": "invalid input type"}

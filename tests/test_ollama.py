@@ -1,0 +1,138 @@
+"""Ollama's own API (``frontends.ollama``): ``/api/generate``, ``/api/chat``, ``/api/tags``, ``/api/show``, ``/api/ps``,
+``/api/version``, against ``tokenmill serve`` on the tiny llama (``tiny_server``) with Ollama's official Python client.
+Greedy text equals the OpenAI endpoints' for the same prompt (a chat of one user message; ``raw``: the prompt as
+it is), whole and streamed as JSON lines; refusals are Ollama's ``{"error"}``. (``/api/embed``: in
+``tests/test_embeddings_api.py``, beside a server of embeddings.)"""
+
+from __future__ import annotations
+
+import http.client
+import json
+
+import pytest
+
+from frontends.errors import ApiError
+from frontends.ollama import options, response_format
+from tests.conftest import TINY_KEY
+
+PROMPT = "The capital of France is"
+GREEDY = {"temperature": 0, "num_predict": 8}
+
+
+@pytest.fixture(scope="module")
+def client(tiny_server):
+    import ollama
+
+    return ollama.Client(host=tiny_server.url, headers={"Authorization": f"Bearer {TINY_KEY}"})
+
+
+def post(server, path: str, body: dict) -> tuple[int, bytes, str]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    try:
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json",
+                                                      "Authorization": f"Bearer {TINY_KEY}"})
+        r = conn.getresponse()
+        return r.status, r.read(), r.getheader("content-type")
+    finally:
+        conn.close()
+
+
+def openai(tiny_client, prompt: str, chat: bool, n: int = 8) -> str:
+    if chat:
+        r = tiny_client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
+                                                temperature=0, max_tokens=n)
+        return r.choices[0].message.content
+    return tiny_client.completions.create(model="tiny", prompt=prompt, temperature=0, max_tokens=n).choices[0].text
+
+
+# ---------------------------------------------------------------------------- units
+
+
+def test_options_are_llama_cpps_names():
+    assert options({"options": {"num_predict": 5, "temperature": 0.2, "repeat_penalty": 1.1, "repeat_last_n": 32,
+                                "seed": -1, "num_ctx": 4096, "stop": ["\n"], "unknown": 1, "top_k": None}}) == {
+        "max_tokens": 5, "temperature": 0.2, "repetition_penalty": 1.1, "repeat_last_n": 32, "stop": ["\n"]}
+    assert options({"options": {"num_predict": -1, "seed": 7}}) == {"seed": 7}
+    for opts, message in (({"temperature": "hot"}, 'option "temperature" must be of type float32'),
+                          ({"num_predict": True}, 'option "num_predict" must be of type integer'),
+                          ({"stop": [1]}, 'option "stop" must be of an array of strings')):
+        with pytest.raises(ApiError, match=message):
+            options({"options": opts})
+    assert response_format("json") == {"type": "json_object"}
+    assert response_format({"type": "object"})["json_schema"]["schema"] == {"type": "object"}
+    assert response_format("") is None
+    with pytest.raises(ApiError, match='invalid format: "yaml"'):
+        response_format("yaml")
+
+
+# ---------------------------------------------------------------------------- served
+
+
+def test_generate_whole_streamed_and_raw(tiny_server, tiny_client, client):
+    want = openai(tiny_client, PROMPT, chat=True)
+    r = client.generate(model="tiny", prompt=PROMPT, options=GREEDY)
+    assert r.response == want and r.done and r.done_reason == "length" and r.eval_count == 8
+    assert r.total_duration > 0 and r.prompt_eval_count > 0
+    parts = list(client.generate(model="tiny", prompt=PROMPT, options=GREEDY, stream=True))
+    assert "".join(p.response for p in parts) == want and parts[-1].done and not any(p.done for p in parts[:-1])
+    assert parts[-1].eval_count == 8
+    raw = client.generate(model="tiny:latest", prompt=PROMPT, options=GREEDY, raw=True)
+    assert raw.response == openai(tiny_client, PROMPT, chat=False)
+    assert raw.context is None  # (as Ollama: no context for a raw prompt)
+    # context: the prompt's tokens and the output's; sent back, the next prompt goes on after them
+    ids = json.loads(post(tiny_server, "/tokenize", {"messages": [{"role": "user", "content": PROMPT}]})[1])["tokens"]
+    assert r.context[:len(ids)] == ids and len(r.context) == len(ids) + 8
+    more = client.generate(model="tiny", prompt="And of Italy?", context=r.context, options=GREEDY)
+    assert more.context[:len(r.context)] == r.context and len(more.context) > len(r.context) + 8
+    status, body, ctype = post(tiny_server, "/api/generate", {"model": "tiny", "prompt": PROMPT, "options": GREEDY})
+    lines = body.decode().splitlines()
+    assert status == 200 and ctype == "application/x-ndjson" and len(lines) >= 2  # (streamed unless stream is false)
+    assert "".join(json.loads(x)["response"] for x in lines) == want
+
+
+def test_chat_whole_and_streamed(tiny_client, client):
+    want = openai(tiny_client, PROMPT, chat=True)
+    messages = [{"role": "user", "content": PROMPT}]
+    r = client.chat(model="tiny", messages=messages, options=GREEDY)
+    assert r.message.role == "assistant" and r.message.content == want and r.done_reason == "length"
+    parts = list(client.chat(model="tiny", messages=messages, options=GREEDY, stream=True))
+    assert "".join(p.message.content for p in parts) == want and parts[-1].done
+    r = client.chat(model="tiny", messages=messages, options={"num_predict": 16}, format={"type": "string",
+                                                                                             "enum": ["yes", "no"]})
+    assert json.loads(r.message.content) in ("yes", "no") and r.done_reason == "stop"
+    # an earlier turn with a tool call and its result goes through the template
+    history = [*messages, {"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "lookup", "arguments": {"city": "Paris"}}}]}, {"role": "tool", "content": "sunny",
+                                                                             "tool_name": "lookup"}]
+    assert isinstance(client.chat(model="tiny", messages=history, options=GREEDY).message.content, str)
+
+
+def test_models_and_refusals(tiny_server, client):
+    import ollama
+
+    tags = client.list()
+    assert [m.model for m in tags.models] == ["tiny"] and tags.models[0].size > 0
+    assert tags.models[0].details.context_length == 256 if hasattr(tags.models[0].details, "context_length") else True
+    shown = client.show("tiny")
+    assert "completion" in shown.capabilities and shown.modelinfo["general.context_length"] == 256
+    assert client.ps().models[0].name == "tiny"
+    status, body, _ = post(tiny_server, "/api/generate", {"model": "tiny", "prompt": ""})
+    assert status == 200 and json.loads(body)["done_reason"] == "load"  # (Ollama's "load the model" call)
+    with pytest.raises(ollama.ResponseError) as e:
+        client.generate(model="nope", prompt="x")
+    assert e.value.status_code == 404 and e.value.error == "model 'nope' not found"
+    with pytest.raises(ollama.ResponseError) as e:
+        client.generate(model="tiny", prompt="x", options={"temperature": "hot"})
+    assert e.value.status_code == 400 and e.value.error == 'option "temperature" must be of type float32'
+    # num_predict past the context: up to its end, as Ollama (not refused)
+    r = client.chat(model="tiny", messages=[{"role": "user", "content": PROMPT}], options={"num_predict": 999,
+                                                                                        "temperature": 0})
+    assert r.done_reason in ("stop", "length") and r.eval_count <= 256 - r.prompt_eval_count
+    r = client.generate(model="tiny", prompt=PROMPT, raw=True, options={"num_predict": 999, "temperature": 0})
+    assert r.eval_count <= 256
+    status, body, _ = post(tiny_server, "/api/generate", {"model": "tiny", "prompt": "x", "raw": True, "system": "s"})
+    assert status == 400 and json.loads(body) == {"error": "raw mode does not support template, system, or context"}
+    status, body, _ = post(tiny_server, "/api/chat", {"prompt": "x"})
+    assert status == 400 and json.loads(body) == {"error": "model is required"}
+    status, body, _ = post(tiny_server, "/api/version", {})
+    assert status == 405
