@@ -173,9 +173,10 @@ def tiny_llama(tmp_path_factory, smollm_tokenizer_dir) -> str:
 TINY_KEY = "sk-tiny"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tiny_server(tiny_llama):
-    """``tokenmill serve`` on the tiny llama: float32, a 256-token context, served as "tiny", key ``TINY_KEY``."""
+    """``tokenmill serve`` on the tiny llama: float32, a 256-token context, served as "tiny", key ``TINY_KEY``; one
+    for the session (its users leave it as they found it)."""
     from tests.test_server_e2e import Server
 
     s = Server("--model", tiny_llama, "--served-model-name", "tiny", "--dtype", "float32", "--api-key", TINY_KEY,
@@ -184,7 +185,7 @@ def tiny_server(tiny_llama):
     s.close()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tiny_client(tiny_server):
     """The official openai client of ``tiny_server``."""
     import openai
