@@ -42,7 +42,8 @@ _NUM = (int, float)
 _NAMES = {"max_tokens": "max_new_tokens", "logprobs": "top_n_tokens", "prompt": "inputs", "model": "adapter_id",
           "n": "best_of", "structured_outputs": "grammar"}
 _ERROR_TYPES = {422: "validation", 424: "generation", 429: "overloaded", 401: "authentication", 408: "generation",
-                503: "unhealthy"}
+                503: "generation"}
+TRUNCATED_CHARS = 2_000_000  # inputs tokenized whole before ``truncate`` cuts them (TGI's payload limit)
 
 
 def error_status(e: ApiError) -> int:
@@ -54,7 +55,8 @@ def error_body(e: ApiError) -> dict:
     """TGI's error shape: ``{"error", "error_type"}``."""
     status = error_status(e)
     prefix = "Input validation error: " if status == 422 else ""
-    return {"error": prefix + e.message, "error_type": _ERROR_TYPES.get(status, "unknown")}
+    kind = e.type if e.type == "incomplete_generation" else _ERROR_TYPES.get(status, "unknown")
+    return {"error": prefix + e.message, "error_type": kind}
 
 
 def _refuse(message: str, param: str) -> ApiError:
@@ -134,7 +136,8 @@ class Params:
             self.top_k) or (self.top_p is not None and self.top_p < 1) or (
             self.typical_p is not None and self.typical_p < 1)
 
-    def completion_body(self, prompt: list[int], max_new_tokens: int, adapters: dict[str, str]) -> dict:
+    def completion_body(self, prompt: list[int], max_new_tokens: int, adapters: dict[str, str],
+                        served: tuple[str, ...] = ()) -> dict:
         """The ``/v1/completions`` body this runs as (``prompt``: the inputs' tokens, truncated)."""
         body: dict[str, Any] = {"prompt": prompt, "max_tokens": max_new_tokens, "stop": self.stop,
                                 "include_stop_str_in_output": True, "n": self.best_of}
@@ -149,10 +152,10 @@ class Params:
             body["logprobs"] = self.top_n_tokens  # (each token's own, and the top n)
         if self.decoder_input_details:
             body["prompt_logprobs"] = 0
-        if self.adapter_id:
+        if self.adapter_id and self.adapter_id not in served:  # (the model's own name: no adapter)
             if self.adapter_id not in adapters:
-                raise _refuse(f"adapter_id {self.adapter_id!r} is not loaded; the loaded ones: {sorted(adapters)}",
-                              "adapter_id")
+                raise _refuse(f"adapter_id {self.adapter_id[:64]!r} is not loaded; the loaded ones: "
+                              f"{sorted(adapters)[:16]}", "adapter_id")
             body["model"] = self.adapter_id
         if self.structured is not None:
             body["structured_outputs"] = self.structured
@@ -204,14 +207,18 @@ class TgiApi:
         router.add("GET", "/info", shaped_errors(auth.guard(self.info), error_body, error_status))
         router.add("OPTIONS", "/info", auth.preflight)
         for path, other, mine in (("/tokenize", tokenize, self.tokenize), ("/invocations", invocations, self.compat)):
-            router.add("POST", path, auth.guard(self._or(other, shaped_errors(mine, error_body, error_status)),
-                                                json_body=True))
+            router.add("POST", path, self._or(auth.guard(other, json_body=True), shaped_errors(
+                auth.guard(mine, json_body=True), error_body, error_status)))
 
     @staticmethod
     def _or(other, mine):
+        """``mine`` for a body with ``inputs`` (refusals in TGI's shape, the key's too), else ``other``."""
         async def handle(req: Request):
-            data = op.parse_json(req.body)
-            return await (mine if "inputs" in data else other)(req)
+            try:
+                ours = "inputs" in op.parse_json(req.body)
+            except ApiError:
+                ours = False  # (other's refusal)
+            return await (mine if ours else other)(req)
         return handle
 
     # ------------------------------------------------------------------ routes
@@ -237,7 +244,8 @@ class TgiApi:
                   listed: bool) -> tuple[Generation, GenerateFormat]:
         api = self.api
         p = Params(data, stream)
-        op.check_text_length(len(p.inputs), api.max_chars, "inputs")
+        op.check_text_length(len(p.inputs), api.max_chars if p.truncate is None else max(api.max_chars, TRUNCATED_CHARS),
+                             "inputs")
         ids = await api._offload(len(p.inputs), self.codec.encode, p.inputs, True)
         max_input = api.max_model_len - 1
         if p.truncate is not None:
@@ -252,7 +260,7 @@ class TgiApi:
             raise _refuse(f"`inputs` tokens + `max_new_tokens` must be <= {api.max_model_len}. Given: {len(ids)} "
                           f"`inputs` tokens and {new} `max_new_tokens`", "max_new_tokens")
         try:
-            gen, _ = await api.completion_job(p.completion_body(ids, new, api.adapters), arrival)
+            gen, _ = await api.completion_job(p.completion_body(ids, new, api.adapters, api.model_names), arrival)
         except ApiError as e:
             raise e.renamed(_NAMES) from None
         full_text = p.return_full_text if p.return_full_text is not None else full_text
@@ -309,7 +317,8 @@ class GenerateFormat:
         self.best = gen.choices[0]  # the answer (of best_of's)
 
     def _take(self, up: Update) -> list[tuple[dict, list[dict]]]:
-        i = up.choice.index
+        c = up.choice
+        i = c.index
         self.texts[i] += up.text
         entries = up.logprobs or [(t, None, None) for t in up.token_ids]
         out = []
@@ -319,6 +328,9 @@ class GenerateFormat:
             self.tokens[i].append(tok)
             self.tops[i].append(tops)
             out.append((tok, tops))
+        if up.finished and out and isinstance(c.stop_reason, str):  # a stop sequence may end inside the last token:
+            before = sum(len(t["text"]) for t in self.tokens[i][:-1])  # its text as the text was cut
+            out[-1][0]["text"] = self.texts[i][before:]
         return out
 
     def _finish_reason(self, c) -> str:
@@ -387,10 +399,9 @@ class GenerateFormat:
                 self.index += 1
                 last = up.finished and j == len(taken) - 1
                 out += self._event(c, tok, tops, last)
-            if up.finished and not taken:  # (ended without a token: the last one's end, its text empty)
-                self.index += 1
-                last_id = self.tokens[c.index][-1]["id"] if self.tokens[c.index] else 0
-                out += self._event(c, {"id": last_id, "text": "", "logprob": None, "special": True}, [], True)
+            if up.finished and not taken:  # (ended without a token, its deadline passed: TGI sends no such event)
+                out += self.stream_error(ApiError(500, f"Incomplete generation: the request ended ({c.finish_reason}) "
+                                                       f"after {c.num_tokens} tokens", type="incomplete_generation"))
         return out
 
     def _event(self, c, tok: dict, tops: list[dict], last: bool) -> bytes:

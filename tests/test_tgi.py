@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.client
 import json
 import re
+from types import SimpleNamespace
 
 import pytest
 
@@ -128,9 +129,31 @@ def test_grammars_become_structured_outputs():
 
 def test_error_shapes():
     assert error_body(ApiError(429, "busy")) == {"error": "busy", "error_type": "overloaded"}
+    assert error_body(ApiError(503, "Engine unavailable"))["error_type"] == "generation"  # (huggingface_hub's
+    # GenerationError, as TGI's for a failure while generating)
     assert error_status(ApiError(500, "boom")) == 424
     assert error_body(ApiError(500, "boom"))["error_type"] == "generation"
     assert error_status(ApiError(401, "key")) == 401
+
+
+def test_a_stream_that_ends_without_a_token_ends_with_an_error_event(smollm_tokenizer_dir):
+    """A choice whose deadline passed between tokens: no made-up token event (TGI never sends one), TGI's
+    incomplete_generation error instead."""
+    from transformers import AutoTokenizer
+
+    from frontends.generation import Update
+    from frontends.text import TextCodec
+    from frontends.tgi import GenerateFormat, TgiApi
+
+    tgi = TgiApi(SimpleNamespace(codec=TextCodec(AutoTokenizer.from_pretrained(smollm_tokenizer_dir))))
+    choice = SimpleNamespace(index=0, prompt_ids=[1, 2], finish_reason="timeout", stop_reason=None, num_tokens=3,
+                             num_prompt_tokens=2)
+    fmt = GenerateFormat(tgi, SimpleNamespace(choices=[choice]), Params({"inputs": "x", "parameters": {
+        "details": True}}, stream=True), "", listed=False)
+    up = Update(choice)
+    up.finished = True
+    (event,) = events(fmt.chunk([up]))
+    assert event["error_type"] == "incomplete_generation" and "after 3 tokens" in event["error"]
 
 
 # ---------------------------------------------------------------------------- served
@@ -208,6 +231,17 @@ def test_stop_sequences_stay_and_grammars_hold(tiny_server):
         "max_new_tokens": 12, "stop": [stop], "details": True}})
     assert r["generated_text"].endswith(stop) and r["generated_text"] == text[:text.index(stop) + len(stop)]
     assert r["details"]["finish_reason"] == "stop_sequence"
+    # a stop sequence that ends inside a token: the text cut there, the last token's text as the text was cut
+    tokens = post(tiny_server, "/generate", {"inputs": PROMPT, "parameters": {"max_new_tokens": 12, "details": True}}
+                  )["details"]["tokens"]
+    k = next(k for k in range(1, 11) if len(tokens[k + 1]["text"]) > 2)  # (its stop ends inside token k + 1)
+    stop = tokens[k]["text"] + tokens[k + 1]["text"][:2]
+    body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 12, "stop": [stop], "details": True}}
+    r = post(tiny_server, "/generate", body)
+    assert r["generated_text"].endswith(stop) and "".join(t["text"] for t in r["details"]["tokens"]) == r[
+        "generated_text"]
+    evs = events(call(tiny_server, "/generate_stream", body)[1])
+    assert "".join(e["token"]["text"] for e in evs) == evs[-1]["generated_text"] == r["generated_text"]
     r = post(tiny_server, "/generate", {"inputs": PROMPT, "parameters": {
         "max_new_tokens": 6, "grammar": {"type": "regex", "value": "(yes|no)"}, "details": True}})
     assert r["generated_text"] in ("yes", "no") and r["details"]["finish_reason"] == "eos_token"
@@ -228,8 +262,16 @@ def test_refusals_are_tgis(tiny_server, hf):
     assert status == 401 and json.loads(raw)["error_type"] == "authentication"
     status, raw, _ = call(tiny_server, "/generate", {"inputs": PROMPT, "parameters": {"adapter_id": "nope"}})
     assert status == 422 and "adapter_id 'nope' is not loaded" in json.loads(raw)["error"]
-    r = post(tiny_server, "/generate", {"inputs": "x " * 400, "parameters": {"max_new_tokens": 2, "truncate": 20}})
-    assert isinstance(r["generated_text"], str)  # (the last 20 tokens kept)
+    r = post(tiny_server, "/generate", {"inputs": "x " * 400, "parameters": {"max_new_tokens": 2, "truncate": 20,
+                                                                          "decoder_input_details": True}})
+    assert len(r["details"]["prefill"]) == 20  # (the last 20 tokens kept)
+    r = post(tiny_server, "/generate", {"inputs": "x " * 60000, "parameters": {"max_new_tokens": 2, "truncate": 20}})
+    assert isinstance(r["generated_text"], str)  # (longer than the context could hold, as text: cut, not refused)
+    assert post(tiny_server, "/generate", {"inputs": PROMPT, "parameters": {"adapter_id": "tiny", "max_new_tokens": 2}})
+    status, raw, _ = call(tiny_server, "/invocations", {"inputs": PROMPT}, key=None)
+    assert status == 401 and json.loads(raw)["error_type"] == "authentication"  # (a TGI body: TGI's shape)
+    status, raw, _ = call(tiny_server, "/invocations", {"prompt": PROMPT}, key=None)
+    assert status == 401 and "error_type" not in json.loads(raw)  # (vLLM's: OpenAI's)
 
 
 def test_info_tokenize_and_invocations(tiny_server):
