@@ -12,7 +12,8 @@ with ``done``, ``done_reason`` ("stop" | "length") and the durations in nanoseco
 ``options`` are llama.cpp's names, read as the llama.cpp endpoints read them (``num_predict``, ``temperature``,
 ``top_k``, ``top_p``, ``min_p``, ``typical_p``, ``repeat_penalty`` over ``repeat_last_n``, the penalties,
 ``seed``, ``stop``, mirostat); what sets up the server (``num_ctx``, ``num_gpu``, ``num_thread``...) is taken
-and not read: the model is loaded once, at start, with the server's flags. Errors: ``{"error": message}``.
+and not read: the model is loaded once, at start, with the server's flags. tokenmill's own fields (``EXTRAS``:
+``priority``, ``timeout``, ``ignore_eos``...) are taken beside Ollama's. Errors: ``{"error": message}``.
 """
 
 from __future__ import annotations
@@ -136,13 +137,21 @@ def _think(data: dict, chat: dict) -> None:
                                     **({"reasoning_effort": think} if isinstance(think, str) else {})}
 
 
+# tokenmill's own fields, taken beside Ollama's as they are (the OpenAI endpoints' extras)
+EXTRAS = ("ignore_eos", "min_tokens", "priority", "timeout", "cache_salt")
+
+
 def to_chat(data: dict, messages: list[dict]) -> dict:
-    chat: dict[str, Any] = {"messages": messages, **options(data)}
+    chat: dict[str, Any] = {"messages": messages, **options(data), **_extras(data)}
     fmt = response_format(data.get("format"))
     if fmt is not None:
         chat["response_format"] = fmt
     _think(data, chat)
     return chat
+
+
+def _extras(data: dict) -> dict:
+    return {k: data[k] for k in EXTRAS if data.get(k) is not None}
 
 
 def chat_messages(data: dict) -> list[dict]:
@@ -327,7 +336,7 @@ class OllamaApi:
                                      else await self.api._shown_prompt({"messages": self._messages(data, prompt)}))
                 else:
                     ids = await self.api._encode(prompt)
-                body = {"prompt": ids, **options(data), "model": name}
+                body = {"prompt": ids, **options(data), **_extras(data), "model": name}
                 room = max(1, self.api.max_model_len - len(ids))  # (none: the completion's refusal)
                 body["max_tokens"] = min(body.get("max_tokens", room), room)
                 fmt = response_format(data.get("format"))
@@ -389,7 +398,7 @@ def _llamacpp_fields(data: dict, name: str) -> dict:
     fmt = response_format(data.get("format"))
     if fmt is not None:
         out["json_schema"] = fmt.get("json_schema", {}).get("schema", {})
-    return out | {"model": name}
+    return out | _extras(data) | {"model": name}
 
 
 class _Embeddings:

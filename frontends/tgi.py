@@ -15,7 +15,8 @@ without any of temperature 1, ``top_k``, ``top_p`` < 1, ``typical_p`` < 1 is gre
 to the end of the context; ``truncate`` keeps the prompt's last tokens; a stop sequence stays in the text;
 ``return_full_text`` puts the inputs before it (on ``/`` by default, as TGI does for a text-generation model);
 ``best_of`` samples that many and answers the one with the highest mean token logprob; a sampled request gets a
-seed where it has none, and ``details`` shows it. ``watermark`` is refused (not built here).
+seed where it has none, and ``details`` shows it. ``watermark`` is refused (not built here). tokenmill's own
+fields (``EXTRAS``: ``priority``, ``timeout``, ``ignore_eos``...) are taken in ``parameters``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from frontends.http import Request, Response, StreamingResponse, shaped_errors
 from frontends.openai_api import VERSION, OpenAIApi
 from frontends.text import IncrementalDetokenizer
 
+# tokenmill's own fields, taken in ``parameters`` as they are (the OpenAI endpoints' extras)
+EXTRAS = ("ignore_eos", "min_tokens", "priority", "timeout", "cache_salt")
 MAX_BEST_OF = 16  # TGI's --max-best-of is 2 by default
 MAX_TOP_N_TOKENS = op.MAX_LOGPROBS  # TGI's --max-top-n-tokens is 5 by default
 _NUM = (int, float)
@@ -130,6 +133,7 @@ class Params:
         if op.field(p, "watermark", bool, False):
             raise _refuse("`watermark` is not supported by this server", "watermark")
         self.adapter_id = op.field(p, "adapter_id", str, None)
+        self.extras = {k: p[k] for k in EXTRAS if p.get(k) is not None}
         self.structured = grammar(p.get("grammar"))
         # the Python server's rule: sampled where asked, or where a warper would change the distribution
         self.sampling = self.do_sample or (self.temperature is not None and self.temperature != 1) or bool(
@@ -159,7 +163,7 @@ class Params:
             body["model"] = self.adapter_id
         if self.structured is not None:
             body["structured_outputs"] = self.structured
-        return body
+        return body | self.extras
 
 
 def grammar(g: Any) -> dict | None:

@@ -136,3 +136,22 @@ def test_models_and_refusals(tiny_server, client):
     assert status == 400 and json.loads(body) == {"error": "model is required"}
     status, body, _ = post(tiny_server, "/api/version", {})
     assert status == 405
+
+
+@pytest.mark.parametrize("endpoint", ["tgi", "ollama"])
+def test_bench_serving_streams_from_other_servers_apis(tiny_server, endpoint):
+    """``tools/bench_serving.py --endpoint tgi | ollama``: TGI's /generate_stream and Ollama's /api/generate, read
+    as their own events; tokenmill's ``ignore_eos`` taken beside their fields."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, os.path.join(root, "tools", "bench_serving.py"), "--base-url",
+                        tiny_server.url + "/v1", "--endpoint", endpoint, "--api-key", TINY_KEY, "--num-prompts", "4",
+                        "--input-len", "16", "--output-len", "8", "--max-concurrency", "2", "--quiet"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["endpoint"] == endpoint and result["completed"] == 4 and result["failed"] == 0
+    assert result["total_output_tokens"] == 4 * 8 and result["ttft_ms"]["median"] > 0  # (ignore_eos)

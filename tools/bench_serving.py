@@ -8,9 +8,10 @@ request and token throughput, TTFT (time to first token), TPOT (time per output
 token after the first), ITL (gap between streamed chunks) and end-to-end latency
 (mean, p50, p90, p99), and goodput under ``--slo-ttft-ms`` / ``--slo-tpot-ms``.
 Prints a table, then one JSON line (also written to ``--save-json``). ``--endpoint`` picks
-``/v1/completions`` (the default), ``/v1/chat/completions`` (``chat``) or llama.cpp's own
-``/completion`` (``llamacpp``: its events, read with the openai package's HTTP client rather than the
-openai client itself, so compare it with the others on prompts of different ``--seed``s: the same
+``/v1/completions`` (the default), ``/v1/chat/completions`` (``chat``), or another server's own API:
+llama.cpp's ``/completion`` (``llamacpp``), TGI's ``/generate_stream`` (``tgi``), Ollama's ``/api/generate``
+(``ollama``, raw), each read as its own events with the openai package's HTTP client rather than the
+openai client itself (compare them with the others on prompts of different ``--seed``s: the same
 prompts again are prefix-cache hits).
 
 ``--workload`` shapes the requests. ``random`` (the default) is the above:
@@ -276,29 +277,64 @@ async def sse_request(client, args, job: Job) -> RequestResult:
     return r
 
 
-async def llamacpp_request(client, args, job: Job) -> RequestResult:
-    """``--endpoint llamacpp``: one streamed request to llama.cpp's ``/completion`` (its own SSE events)."""
+def native_body(args, job: Job) -> tuple[str, dict]:
+    """``--endpoint llamacpp | tgi | ollama``: the path and streamed body of another server's own API."""
+    extra = extra_fields(args, job)
+    if args.endpoint == "llamacpp":
+        return "/completion", {"prompt": job.prompt, "n_predict": job.max_tokens, "temperature": args.temperature,
+                               "stream": True, **extra}
+    if args.endpoint == "tgi":  # (greedy: no sampling parameter at all)
+        sampling = {"do_sample": True, "temperature": args.temperature} if args.temperature > 0 else {}
+        return "/generate_stream", {"inputs": job.prompt, "parameters": {
+            "max_new_tokens": job.max_tokens, "details": True, **sampling, **extra}}
+    return "/api/generate", {"model": args.model, "prompt": job.prompt, "raw": True, "stream": True, **extra,
+                             "options": {"num_predict": job.max_tokens, "temperature": args.temperature}}
+
+
+def native_event(args, line: str) -> tuple[bool, bool, int, int] | None:
+    """One line of a native stream: (has text, last, prompt tokens, output tokens), or None (no event)."""
+    if args.endpoint == "ollama":
+        event = json.loads(line) if line else None
+    elif line.startswith("data:"):
+        event = json.loads(line[len("data:"):])
+    else:
+        return None
+    if event is None:
+        return None
+    if "error" in event:
+        raise RuntimeError(event["error"]["message"] if isinstance(event["error"], dict) else event["error"])
+    if args.endpoint == "llamacpp":
+        return bool(event["content"]) and not event["stop"], event["stop"], event.get(
+            "tokens_evaluated", 0), event.get("tokens_predicted", 0)
+    if args.endpoint == "tgi":
+        details = event.get("details") or {}
+        return bool(event["token"]["text"]), event["generated_text"] is not None, details.get(
+            "input_length", 0), details.get("generated_tokens", 0)
+    return bool(event.get("response")), event["done"], event.get("prompt_eval_count", 0), event.get("eval_count", 0)
+
+
+async def native_request(client, args, job: Job) -> RequestResult:
+    """``--endpoint llamacpp | tgi | ollama``: one streamed request to llama.cpp's ``/completion``, TGI's
+    ``/generate_stream`` or Ollama's ``/api/generate`` (raw), each read as its own events."""
     r = RequestResult(prompt_tokens=job.est_tokens, cls=job.cls)
     base = args.base_url.rstrip("/")
     base = base[:-3] if base.endswith("/v1") else base
-    body = {"prompt": job.prompt, "n_predict": job.max_tokens, "temperature": args.temperature, "stream": True,
-            **extra_fields(args, job)}
+    path, body = native_body(args, job)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     r.start = time.perf_counter()
     try:
-        async with args.http.stream("POST", base + "/completion", json=body, headers=headers) as resp:
+        async with args.http.stream("POST", base + path, json=body, headers=headers) as resp:
             if resp.status_code != 200:
                 raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
             async for line in resp.aiter_lines():
-                if not line.startswith("data: "):
+                got = native_event(args, line)
+                if got is None:
                     continue
-                event = json.loads(line[len("data: "):])
-                if "error" in event:
-                    raise RuntimeError(event["error"]["message"])
-                if event["stop"]:
-                    r.prompt_tokens, r.output_tokens = event["tokens_evaluated"], event["tokens_predicted"]
-                elif event["content"]:
+                text, last, prompt_tokens, output_tokens = got
+                if text:
                     r.got_chunk(time.perf_counter())
+                if last:
+                    r.prompt_tokens, r.output_tokens = prompt_tokens or r.prompt_tokens, output_tokens
         r.finish()
     except Exception as e:  # noqa: BLE001 - a failed request is a result, not a crash
         r.finish(e)
@@ -401,8 +437,9 @@ async def run_benchmark(args, jobs: list[Job]) -> tuple[list[RequestResult], flo
                          max_retries=0)
     if args.model is None:
         args.model = (await client.models.list()).data[0].id
-    send = llamacpp_request if args.endpoint == "llamacpp" else PROTOCOLS[args.protocol]
-    if args.endpoint == "llamacpp":
+    native = args.endpoint in ("llamacpp", "tgi", "ollama")
+    send = native_request if native else PROTOCOLS[args.protocol]
+    if native:
         try:  # the HTTP client the openai package brings (httpx, httpx2 in its later releases)
             import httpx
         except ImportError:
@@ -610,8 +647,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the server's OpenAI base URL")
     p.add_argument("--model", default=None, help="model name to request (default: the first of /v1/models)")
     p.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY", "").split(",")[0] or None)
-    p.add_argument("--endpoint", choices=("completions", "chat", "llamacpp"), default="completions",
-                   help="llamacpp: llama.cpp's /completion, streamed (--protocol sse only)")
+    p.add_argument("--endpoint", choices=("completions", "chat", "llamacpp", "tgi", "ollama"), default="completions",
+                   help="llamacpp: llama.cpp's /completion; tgi: TGI's /generate_stream; ollama: Ollama's /api/generate "
+                        "(raw); each streamed (--protocol sse only)")
     p.add_argument("--protocol", choices=sorted(PROTOCOLS), default="sse",
                    help="how tokens are streamed back: sse (one HTTP request each) or ws (all multiplexed "
                    "over --ws-connections WebSockets to /v1/stream) (default: sse)")
@@ -671,8 +709,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--long-delay and --long-interval must be at least 0")
     if not 0 <= args.urgent_fraction <= 1:
         p.error("--urgent-fraction must be between 0 and 1")
-    if args.endpoint == "llamacpp" and args.protocol != "sse":
-        p.error("--endpoint llamacpp streams SSE: --protocol ws serves the OpenAI endpoints")
+    if args.endpoint in ("llamacpp", "tgi", "ollama") and args.protocol != "sse":
+        p.error(f"--endpoint {args.endpoint} streams its own events: --protocol ws serves the OpenAI endpoints")
     return args
 
 
