@@ -126,9 +126,9 @@ class Auth:
                     require_json(req)
                 resp = await handler(req)
             except ApiError as e:
-                if not cors:
-                    raise
-                return Response(e.status, e.body(), headers=[*e.headers, *cors])  # so the page can read why
+                if cors:  # so the page can read why (in the route's own shape: frontends.http.shaped_errors)
+                    e.headers = [*e.headers, *cors]
+                raise
             if cors:
                 resp.headers = [*resp.headers, *cors]
             return resp

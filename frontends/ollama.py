@@ -22,6 +22,7 @@ import datetime
 import hashlib
 import json
 import os
+import re
 import time
 from typing import Any
 
@@ -45,6 +46,7 @@ _OPTION_TYPES = {"num_predict": "integer", "temperature": "float32", "top_k": "i
                  "tfs_z": "float32", "numa": "boolean", "low_vram": "boolean", "f16_kv": "boolean",
                  "logits_all": "boolean", "vocab_only": "boolean", "use_mlock": "boolean"}
 _PY_TYPES = {"integer": (int, float), "float32": (int, float), "boolean": bool, "array": list}
+_DURATION = re.compile(r"-?(\d+(\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)?((\d+(\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h))*")
 # the options a completion reads, under its names; the others are the server's (taken, not read)
 _READ = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "typical_p": "typical_p",
          "repeat_last_n": "repeat_last_n", "repeat_penalty": "repetition_penalty",
@@ -56,6 +58,23 @@ _NAMES = {"max_tokens": "num_predict", "repetition_penalty": "repeat_penalty", "
 
 def error_body(e: ApiError) -> dict:
     return {"error": e.message}
+
+
+def _shown(data: dict) -> Any:
+    """The model as the request named it (``model``, or the older ``name``)."""
+    return data.get("model", data.get("name"))
+
+
+def keep_alive(data: dict) -> None:
+    """``keep_alive`` checked as Ollama reads it (seconds, or a Go duration: "5m"); taken, not read: the model
+    stays loaded while the server runs."""
+    v = data.get("keep_alive")
+    if v is None or (isinstance(v, int | float) and not isinstance(v, bool)):
+        return
+    if not isinstance(v, str):
+        raise ApiError(400, f"Unsupported type: '{type(v).__name__}'", param="keep_alive")
+    if not _DURATION.fullmatch(v):
+        raise ApiError(400, f'time: invalid duration "{v}"', param="keep_alive")
 
 
 def _now() -> str:
@@ -75,7 +94,8 @@ def options(data: dict) -> dict:
         kind = _OPTION_TYPES.get(name)
         if kind is None or value is None:  # (Ollama: an unknown option is logged and ignored)
             continue
-        if not isinstance(value, _PY_TYPES[kind]) or (kind != "boolean" and isinstance(value, bool)):
+        if not isinstance(value, _PY_TYPES[kind]) or (kind != "boolean" and isinstance(value, bool)) or (
+                kind == "integer" and not -2**63 <= value < 2**63):  # (Go's int)
             raise ApiError(400, f"option {name!r} must be of type {kind}".replace("'", '"'), param="options")
         if name == "stop":
             if not all(isinstance(s, str) for s in value):
@@ -163,16 +183,20 @@ def chat_messages(data: dict) -> list[dict]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ApiError(400, f"messages[{i}] must be an object with a role", param="messages")
-        role, content = m["role"].lower(), m.get("content") or ""
+        role, content = m["role"].lower(), m.get("content")
+        content = "" if content is None else content
         if not isinstance(content, str):
             raise ApiError(400, f"messages[{i}].content must be a string", param="messages")
+        if not isinstance(m.get("thinking") or "", str):
+            raise ApiError(400, f"messages[{i}].thinking must be a string", param="messages")
         msg: dict[str, Any] = {"role": role, "content": _image_parts(content, _images(m.get("images")))}
         calls = m.get("tool_calls")
         if calls:
-            if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
-                                                      for c in calls):
-                raise ApiError(400, f"messages[{i}].tool_calls must be a list of {{\"function\": {{...}}}}",
-                               param="messages")
+            if not isinstance(calls, list) or not all(
+                    isinstance(c, dict) and isinstance(c.get("function"), dict)
+                    and isinstance(c["function"].get("arguments") or {}, dict) for c in calls):
+                raise ApiError(400, f"messages[{i}].tool_calls must be a list of {{\"function\": {{\"name\", "
+                               "\"arguments\": {...}}}", param="messages")
             msg["tool_calls"] = [{"id": c.get("id") or f"call_{i}_{j}", "type": "function", "function": {
                 "name": c["function"].get("name"), "arguments": json.dumps(c["function"].get("arguments") or {})}}
                 for j, c in enumerate(calls)]
@@ -262,8 +286,9 @@ class OllamaApi:
         data = op.parse_json(req.body)
         name = self._model(data)
         caps = ["completion"] + (["tools"] if self.api.tool_format else []) + (
-            ["vision"] if self.api.client.ready.image_tokens else []) + (["thinking"] if self.api.thinking else []) + (
-            ["insert"] if getattr(self.llamacpp, "fim", None) and {"pre", "suf", "mid"} <= set(self.llamacpp.fim) else [])
+            ["vision"] if self.api.client.ready.image_tokens else []) + (
+            ["thinking"] if self.api.thinking or self.api.harmony else []) + (
+            ["insert"] if {"pre", "suf", "mid"} <= set(self.llamacpp.fim) else [])
         template = self.api.codec.chat_template or ""
         return Response(200, orjson.dumps({
             "modelfile": f"FROM {self.model_path}\n", "parameters": "", "template": template,
@@ -282,11 +307,11 @@ class OllamaApi:
     async def _run(self, req: Request, data: dict, job, logged: str):
         name = self._model(data)
         stream = op.field(data, "stream", bool, True)  # (Ollama's default: streamed)
-        op.field(data, "keep_alive", (int, float, str), None)  # (taken: the model stays loaded)
-        empty = data.get(logged) in (None, "", [])
-        if empty and not (logged == "prompt" and data.get("suffix")):  # Ollama's "load" (or "unload") call
+        keep_alive(data)
+        given = op.field(data, logged, str if logged == "prompt" else list, None)
+        if not given and not (logged == "prompt" and data.get("suffix")):  # Ollama's "load" (or "unload") call
             reason = "unload" if data.get("keep_alive") in (0, "0", "0s", "0m") else "load"
-            body = {"model": data.get("model"), "created_at": _now(), "done": True, "done_reason": reason}
+            body = {"model": _shown(data), "created_at": _now(), "done": True, "done_reason": reason}
             body |= {"message": {"role": "assistant", "content": ""}} if logged == "messages" else {"response": ""}
             return Response(200, orjson.dumps(body))
 
@@ -295,14 +320,23 @@ class OllamaApi:
         return await self.api._run(req, {"stream": stream, "prompt": data.get(logged)}, run)
 
     async def chat_job(self, data: dict, name: str, arrival: float | None) -> tuple[Generation, OllamaFormat]:
-        chat = to_chat(data, chat_messages(data)) | {"model": name}
-        if data.get("tools"):
-            chat["tools"] = data["tools"]
+        chat = self._to_chat(data, chat_messages(data)) | {"model": name}
+        tools = op.field(data, "tools", list, None)
+        if tools:
+            chat["tools"] = tools
         try:
             gen, chat_fmt = await self._chat(chat, arrival)
         except ApiError as e:
             raise e.renamed(_NAMES) from None
-        return gen, OllamaFormat(data.get("model"), gen, chat_fmt.answers, chat=True)
+        return gen, OllamaFormat(_shown(data), gen, chat_fmt.answers, chat=True)
+
+    def _to_chat(self, data: dict, messages: list[dict]) -> dict:
+        """``to_chat``, refusing ``think`` where the model's thinking is not split off (Ollama's refusal)."""
+        chat = to_chat(data, messages)
+        if (chat.get("chat_template_kwargs") or {}).get("enable_thinking") and not (self.api.thinking
+                                                                                      or self.api.harmony):
+            raise ApiError(400, f'"{_shown(data)}" does not support thinking', param="think")
+        return chat
 
     async def _chat(self, chat: dict, arrival: float | None):
         """``chat`` run with ``max_tokens`` as Ollama's ``num_predict``: at most that many, up to the context's end
@@ -323,6 +357,13 @@ class OllamaApi:
         raw, suffix = op.field(data, "raw", bool, False), op.field(data, "suffix", str, "")
         if raw and (system or context):
             raise ApiError(400, "raw mode does not support template, system, or context", param="raw")
+        if (raw or context or suffix) and _images(data.get("images")):
+            raise ApiError(400, "images go with a templated prompt here (not with raw, context or suffix)",
+                           param="images")
+        if suffix and (system or context):
+            raise ApiError(400, "suffix does not support system or context here", param="suffix")
+        if suffix and not {"pre", "suf", "mid"} <= set(self.llamacpp.fim):
+            raise ApiError(400, f'"{_shown(data)}" does not support insert', param="suffix")
         try:
             if suffix:
                 fields = {"input_prefix": prompt, "input_suffix": suffix, **_llamacpp_fields(data, name)}
@@ -345,11 +386,12 @@ class OllamaApi:
                 gen, _ = await self.api.completion_job(body, arrival)
                 answers = None
             else:
-                gen, chat_fmt = await self._chat(to_chat(data, self._messages(data, prompt)) | {"model": name}, arrival)
+                gen, chat_fmt = await self._chat(self._to_chat(data, self._messages(data, prompt)) | {"model": name},
+                                                 arrival)
                 answers = chat_fmt.answers
         except ApiError as e:
             raise e.renamed(_NAMES) from None
-        return gen, OllamaFormat(data.get("model"), gen, answers, chat=False, context=not raw)
+        return gen, OllamaFormat(_shown(data), gen, answers, chat=False, context=not raw)
 
     @staticmethod
     def _messages(data: dict, prompt: str) -> list[dict]:
@@ -365,6 +407,8 @@ class OllamaApi:
         (``prompt``: one vector, as the model pools it)."""
         data = op.parse_json(req.body)
         name = self._model(data)
+        keep_alive(data)
+        options(data)  # (checked, as a generation's; a model's options do not change its vectors)
         legacy = req.path == "/api/embeddings"
         given = data.get("prompt") if legacy else data.get("input")
         if legacy and not isinstance(given, str):
@@ -373,7 +417,7 @@ class OllamaApi:
                                                             and all(isinstance(x, str) for x in given))):
             raise ApiError(400, "invalid input type", param="input")
         if given in ("", []):
-            return Response(200, orjson.dumps({"embedding": []} if legacy else {"model": data.get("model"),
+            return Response(200, orjson.dumps({"embedding": []} if legacy else {"model": _shown(data),
                                                                                   "embeddings": []}))
         body = {"model": name, "input": given, "normalize": not legacy}
         if op.field(data, "truncate", bool, True):
@@ -383,7 +427,7 @@ class OllamaApi:
 
         async def job(api, body, arrival):
             gen, _ = await embeddings_job(api, body, arrival)
-            return gen, _Embeddings(gen, data.get("model"), legacy)
+            return gen, _Embeddings(gen, _shown(data), legacy)
         return await self.api._embed(req, body, job, given)
 
 

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 
 import pytest
 
 from frontends.errors import ApiError
-from frontends.ollama import options, response_format
+from frontends.ollama import keep_alive, options, response_format
 from tests.conftest import TINY_KEY
 
 PROMPT = "The capital of France is"
@@ -58,6 +59,13 @@ def test_options_are_llama_cpps_names():
                           ({"stop": [1]}, 'option "stop" must be of an array of strings')):
         with pytest.raises(ApiError, match=message):
             options({"options": opts})
+    with pytest.raises(ApiError, match='option "top_k" must be of type integer'):  # (past Go's int)
+        options({"options": {"top_k": 2**64}})
+    for good in (5, -1, "5m", "1h30m", "0", None):
+        keep_alive({"keep_alive": good})
+    for bad, message in (("abc", 'time: invalid duration "abc"'), ([], "Unsupported type: 'list'")):
+        with pytest.raises(ApiError, match=re.escape(message)):
+            keep_alive({"keep_alive": bad})
     assert response_format("json") == {"type": "json_object"}
     assert response_format({"type": "object"})["json_schema"]["schema"] == {"type": "object"}
     assert response_format("") is None
@@ -134,6 +142,17 @@ def test_models_and_refusals(tiny_server, client):
     assert status == 400 and json.loads(body) == {"error": "raw mode does not support template, system, or context"}
     status, body, _ = post(tiny_server, "/api/chat", {"prompt": "x"})
     assert status == 400 and json.loads(body) == {"error": "model is required"}
+    for body, message in (({"prompt": "x", "raw": True, "images": ["aGk="]}, "images go with a templated prompt"),
+                          ({"prompt": "def f(", "suffix": "\n"}, '"tiny" does not support insert'),
+                          ({"prompt": "x", "think": True}, '"tiny" does not support thinking'),
+                          ({"prompt": ["x"]}, "'prompt' must be of type str"),
+                          ({"prompt": "x", "keep_alive": "abc"}, 'time: invalid duration "abc"')):
+        status, raw, _ = post(tiny_server, "/api/generate", {"model": "tiny", **body})
+        assert status == 400 and message in json.loads(raw)["error"], raw
+    for messages in ([{"role": "user", "content": []}], [{"role": "assistant", "content": "", "tool_calls": [
+            {"function": {"name": "f", "arguments": [1]}}]}]):
+        status, raw, _ = post(tiny_server, "/api/chat", {"model": "tiny", "messages": messages})
+        assert status == 400 and "messages[0]" in json.loads(raw)["error"]
     status, body, _ = post(tiny_server, "/api/version", {})
     assert status == 405
 
