@@ -28,7 +28,7 @@ from typing import Any
 
 import orjson
 
-from engine.protocol import embedding_floats
+from engine.protocol import SamplingParamError, embedding_floats
 from frontends import openai_params as op
 from frontends.embeddings import embeddings_job
 from frontends.errors import ApiError
@@ -46,7 +46,7 @@ _OPTION_TYPES = {"num_predict": "integer", "temperature": "float32", "top_k": "i
                  "tfs_z": "float32", "numa": "boolean", "low_vram": "boolean", "f16_kv": "boolean",
                  "logits_all": "boolean", "vocab_only": "boolean", "use_mlock": "boolean"}
 _PY_TYPES = {"integer": (int, float), "float32": (int, float), "boolean": bool, "array": list}
-_DURATION = re.compile(r"-?(\d+(\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)?((\d+(\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h))*")
+_DURATION = re.compile(r"[+-]?(0|((\d+(\.\d*)?|\.\d+)(ns|us|\u00b5s|\u03bcs|ms|s|m|h))+)")  # (Go's time.ParseDuration)
 # the options a completion reads, under its names; the others are the server's (taken, not read)
 _READ = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "typical_p": "typical_p",
          "repeat_last_n": "repeat_last_n", "repeat_penalty": "repetition_penalty",
@@ -187,14 +187,14 @@ def chat_messages(data: dict) -> list[dict]:
         content = "" if content is None else content
         if not isinstance(content, str):
             raise ApiError(400, f"messages[{i}].content must be a string", param="messages")
-        if not isinstance(m.get("thinking") or "", str):
+        if not isinstance(m.get("thinking", ""), str | None):
             raise ApiError(400, f"messages[{i}].thinking must be a string", param="messages")
         msg: dict[str, Any] = {"role": role, "content": _image_parts(content, _images(m.get("images")))}
         calls = m.get("tool_calls")
         if calls:
             if not isinstance(calls, list) or not all(
                     isinstance(c, dict) and isinstance(c.get("function"), dict)
-                    and isinstance(c["function"].get("arguments") or {}, dict) for c in calls):
+                    and isinstance(c["function"].get("arguments", {}), dict | None) for c in calls):
                 raise ApiError(400, f"messages[{i}].tool_calls must be a list of {{\"function\": {{\"name\", "
                                "\"arguments\": {...}}}", param="messages")
             msg["tool_calls"] = [{"id": c.get("id") or f"call_{i}_{j}", "type": "function", "function": {
@@ -307,6 +307,8 @@ class OllamaApi:
     async def _run(self, req: Request, data: dict, job, logged: str):
         name = self._model(data)
         stream = op.field(data, "stream", bool, True)  # (Ollama's default: streamed)
+        if data.get("think") not in (None, False) and not (self.api.thinking or self.api.harmony):
+            raise ApiError(400, f'"{_shown(data)}" does not support thinking', param="think")  # (Ollama's refusal)
         keep_alive(data)
         given = op.field(data, logged, str if logged == "prompt" else list, None)
         if not given and not (logged == "prompt" and data.get("suffix")):  # Ollama's "load" (or "unload") call
@@ -320,7 +322,7 @@ class OllamaApi:
         return await self.api._run(req, {"stream": stream, "prompt": data.get(logged)}, run)
 
     async def chat_job(self, data: dict, name: str, arrival: float | None) -> tuple[Generation, OllamaFormat]:
-        chat = self._to_chat(data, chat_messages(data)) | {"model": name}
+        chat = to_chat(data, chat_messages(data)) | {"model": name}
         tools = op.field(data, "tools", list, None)
         if tools:
             chat["tools"] = tools
@@ -330,21 +332,16 @@ class OllamaApi:
             raise e.renamed(_NAMES) from None
         return gen, OllamaFormat(_shown(data), gen, chat_fmt.answers, chat=True)
 
-    def _to_chat(self, data: dict, messages: list[dict]) -> dict:
-        """``to_chat``, refusing ``think`` where the model's thinking is not split off (Ollama's refusal)."""
-        chat = to_chat(data, messages)
-        if (chat.get("chat_template_kwargs") or {}).get("enable_thinking") and not (self.api.thinking
-                                                                                      or self.api.harmony):
-            raise ApiError(400, f'"{_shown(data)}" does not support thinking', param="think")
-        return chat
-
     async def _chat(self, chat: dict, arrival: float | None):
         """``chat`` run with ``max_tokens`` as Ollama's ``num_predict``: at most that many, up to the context's end
         (not refused past it)."""
         limit = chat.pop("max_tokens", None)
         gen, chat_fmt = await self.api.chat_job(chat, arrival)
         if limit is not None:
-            gen.set_max_tokens(0, min(limit, gen.params.max_tokens))
+            try:
+                gen.set_max_tokens(0, min(limit, gen.params.max_tokens))
+            except SamplingParamError as e:  # (min_tokens past it)
+                raise ApiError(400, f"{e} (num_predict {limit})", param="num_predict") from None
         return gen, chat_fmt
 
     async def generate_job(self, data: dict, name: str, arrival: float | None) -> tuple[Generation, OllamaFormat]:
@@ -386,7 +383,7 @@ class OllamaApi:
                 gen, _ = await self.api.completion_job(body, arrival)
                 answers = None
             else:
-                gen, chat_fmt = await self._chat(self._to_chat(data, self._messages(data, prompt)) | {"model": name},
+                gen, chat_fmt = await self._chat(to_chat(data, self._messages(data, prompt)) | {"model": name},
                                                  arrival)
                 answers = chat_fmt.answers
         except ApiError as e:

@@ -58,7 +58,8 @@ def error_body(e: ApiError) -> dict:
     """TGI's error shape: ``{"error", "error_type"}``."""
     status = error_status(e)
     prefix = "Input validation error: " if status == 422 else ""
-    kind = e.type if e.type == "incomplete_generation" else _ERROR_TYPES.get(status, "unknown")
+    kind = e.type if e.type == "incomplete_generation" else _ERROR_TYPES.get(
+        status, "validation" if status < 500 else "generation")
     return {"error": prefix + e.message, "error_type": kind}
 
 
@@ -248,14 +249,14 @@ class TgiApi:
                   listed: bool) -> tuple[Generation, GenerateFormat]:
         api = self.api
         p = Params(data, stream)
+        max_input = api.max_model_len - 1
+        if p.truncate is not None and not 0 < p.truncate <= max_input:
+            raise _refuse(f"`truncate` must be strictly positive and less than {max_input}. Given: {p.truncate}",
+                          "truncate")
         op.check_text_length(len(p.inputs), api.max_chars if p.truncate is None else max(api.max_chars, TRUNCATED_CHARS),
                              "inputs")
         ids = await api._offload(len(p.inputs), self.codec.encode, p.inputs, True)
-        max_input = api.max_model_len - 1
         if p.truncate is not None:
-            if not 0 < p.truncate <= max_input:
-                raise _refuse(f"`truncate` must be strictly positive and less than {max_input}. Given: {p.truncate}",
-                              "truncate")
             ids = ids[-p.truncate:]
         if len(ids) > max_input:
             raise _refuse(f"`inputs` must have less than {api.max_model_len} tokens. Given: {len(ids)}", "inputs")
@@ -333,7 +334,8 @@ class GenerateFormat:
             self.tops[i].append(tops)
             out.append((tok, tops))
         if up.finished and out and isinstance(c.stop_reason, str):  # a stop sequence may end inside the last token:
-            before = sum(len(t["text"]) for t in self.tokens[i][:-1])  # its text as the text was cut
+            before = sum(len(t["text"]) for t in self.tokens[i][:-1] if not t["special"])  # its text as the text was
+            # cut (the special tokens' names are not in the text)
             out[-1][0]["text"] = self.texts[i][before:]
         return out
 

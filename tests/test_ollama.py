@@ -61,9 +61,10 @@ def test_options_are_llama_cpps_names():
             options({"options": opts})
     with pytest.raises(ApiError, match='option "top_k" must be of type integer'):  # (past Go's int)
         options({"options": {"top_k": 2**64}})
-    for good in (5, -1, "5m", "1h30m", "0", None):
+    for good in (5, -1, "5m", "1h30m", "0", "+5m", "-1s", "10\u03bcs", "1.5h", None):  # (Go's durations)
         keep_alive({"keep_alive": good})
-    for bad, message in (("abc", 'time: invalid duration "abc"'), ([], "Unsupported type: 'list'")):
+    for bad, message in (("abc", 'time: invalid duration "abc"'), ("5", 'time: invalid duration "5"'),
+                         ([], "Unsupported type: 'list'")):
         with pytest.raises(ApiError, match=re.escape(message)):
             keep_alive({"keep_alive": bad})
     assert response_format("json") == {"type": "json_object"}
@@ -145,12 +146,15 @@ def test_models_and_refusals(tiny_server, client):
     for body, message in (({"prompt": "x", "raw": True, "images": ["aGk="]}, "images go with a templated prompt"),
                           ({"prompt": "def f(", "suffix": "\n"}, '"tiny" does not support insert'),
                           ({"prompt": "x", "think": True}, '"tiny" does not support thinking'),
+                          ({"prompt": "x", "think": "high", "raw": True}, '"tiny" does not support thinking'),
+                          ({"prompt": "x", "min_tokens": 10, "options": {"num_predict": 2}}, "num_predict 2"),
                           ({"prompt": ["x"]}, "'prompt' must be of type str"),
                           ({"prompt": "x", "keep_alive": "abc"}, 'time: invalid duration "abc"')):
         status, raw, _ = post(tiny_server, "/api/generate", {"model": "tiny", **body})
         assert status == 400 and message in json.loads(raw)["error"], raw
     for messages in ([{"role": "user", "content": []}], [{"role": "assistant", "content": "", "tool_calls": [
-            {"function": {"name": "f", "arguments": [1]}}]}]):
+            {"function": {"name": "f", "arguments": [1]}}]}], [{"role": "assistant", "content": "", "tool_calls": [
+            {"function": {"name": "f", "arguments": ""}}]}], [{"role": "assistant", "content": "", "thinking": 0}]):
         status, raw, _ = post(tiny_server, "/api/chat", {"model": "tiny", "messages": messages})
         assert status == 400 and "messages[0]" in json.loads(raw)["error"]
     status, body, _ = post(tiny_server, "/api/version", {})

@@ -242,6 +242,13 @@ def test_stop_sequences_stay_and_grammars_hold(tiny_server):
         "generated_text"]
     evs = events(call(tiny_server, "/generate_stream", body)[1])
     assert "".join(e["token"]["text"] for e in evs) == evs[-1]["generated_text"] == r["generated_text"]
+    # a special token before it (its name is a token's text, not the text's)
+    r = post(tiny_server, "/generate", {"inputs": "Hello world", "parameters": {
+        "max_new_tokens": 30, "do_sample": True, "seed": 18, "temperature": 1.5, "ignore_eos": True, "stop": ["rac"],
+        "details": True}})
+    texts = [t["text"] for t in r["details"]["tokens"] if not t["special"]]
+    assert any(t["special"] for t in r["details"]["tokens"][:-1])
+    assert "".join(texts) == r["generated_text"] and r["generated_text"].endswith("rac")
     r = post(tiny_server, "/generate", {"inputs": PROMPT, "parameters": {
         "max_new_tokens": 6, "grammar": {"type": "regex", "value": "(yes|no)"}, "details": True}})
     assert r["generated_text"] in ("yes", "no") and r["details"]["finish_reason"] == "eos_token"
