@@ -290,11 +290,12 @@ class OllamaApi:
             ["thinking"] if self.api.thinking or self.api.harmony else []) + (
             ["insert"] if {"pre", "suf", "mid"} <= set(self.llamacpp.fim) else [])
         template = self.api.codec.chat_template or ""
+        entry = self._entry(name)  # (the model's files and config.json, read once)
         return Response(200, orjson.dumps({
             "modelfile": f"FROM {self.model_path}\n", "parameters": "", "template": template,
-            "details": self._details(), "model_info": {"general.architecture": self._details()["family"],
-                                                       "general.context_length": self.api.max_model_len},
-            "capabilities": caps, "modified_at": self._entry(name)["modified_at"]}))
+            "details": entry["details"], "model_info": {"general.architecture": entry["details"]["family"],
+                                                        "general.context_length": self.api.max_model_len},
+            "capabilities": caps, "modified_at": entry["modified_at"]}))
 
     # ------------------------------------------------------------------ generation
 
