@@ -118,6 +118,11 @@ def _engine_flags(p: argparse.ArgumentParser, generate: bool = False) -> None:
                    help="run every step eagerly, without replaying decode steps as CUDA graphs (or on the CPU "
                         "as recorded kernel calls): slower decode; quicker start-up, a little less memory "
                         "(default: graphs)")
+    g.add_argument("--batch-invariant", action="store_true", default=None,
+                   help="make greedy output independent of batching (CPU only): every linear layer and every "
+                        "prompt's attention run through the kernels that compute a row alone, so a request's "
+                        "tokens never depend on what else its step holds, a cached prefix or a recomputation; "
+                        "prompts are slower (see the README) (default: off, as vLLM's VLLM_BATCH_INVARIANT)")
     g.add_argument("--async-scheduling", choices=ASYNC_SCHEDULING, nargs="?", const="on", default=None,
                    help="schedule and prepare the next step while the current one runs on the device; auto = on "
                         "CUDA, off on the CPU (nothing to overlap there); always off under tensor parallel "

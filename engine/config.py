@@ -64,6 +64,8 @@ class EngineConfig:
     # embeddings: {"pooling_type": "last" | "mean", "normalize": bool} over the model's own (vLLM's --pooler-config)
     pooler_config: dict | None = None
     enforce_eager: bool = False  # no CUDA (or CPU) graphs, every decode step runs eagerly (vLLM's --enforce-eager)
+    # a token's logits the same bits in any batch (kernels.set_batch_invariant; vLLM's VLLM_BATCH_INVARIANT): CPU only
+    batch_invariant: bool = False
     # schedule step N+1 while step N runs (engine.engine); auto = on CUDA, off on the CPU
     async_scheduling: str = "auto"
     # LoRA adapters (engine.lora), name -> PEFT folder: a request whose model is the name runs with it (vLLM's
@@ -139,6 +141,8 @@ class EngineConfig:
             bad(f"request_timeout must be a positive number of seconds, got {self.request_timeout}")
         if not isinstance(self.enforce_eager, bool):
             bad(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
+        if not isinstance(self.batch_invariant, bool):
+            bad(f"batch_invariant must be true or false, got {self.batch_invariant!r}")
         if self.async_scheduling not in ASYNC_SCHEDULING:
             bad(f"async_scheduling must be one of {', '.join(ASYNC_SCHEDULING)}, got {self.async_scheduling!r}")
         if self.pooler_config is not None:

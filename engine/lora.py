@@ -181,7 +181,8 @@ class LoraState:
 class LoraWeights(nn.Module):
     """One linear layer's adapters, in the model's dtype: A_all^T (S*P*R, in), kept as linear layers' weights
     are and multiplied by ``kernels.linear`` as the layer's own weight is (on the CPU the C kernel for few rows),
-    and B_all (S*P*R, out), so that the first slots' rows are a matrix of their own, added by torch's addmm."""
+    and B_all (S*P*R, out), so that the first slots' rows are a matrix of their own, added by torch's addmm (in
+    batch-invariant mode by ``kernels.linear`` too, on B's transpose)."""
 
     def __init__(self, in_features: int, out_sizes: list[int], rank: int, state: LoraState):
         super().__init__()
@@ -216,6 +217,8 @@ class LoraWeights(nn.Module):
             return y
         t, rows = x.shape[0], span * self.width
         u = torch.where(self.state.rows(t)[:, :span, None], kernels.linear(x, self.a[:rows]).view(t, span, -1), 0)
+        if kernels.batch_invariant() and x.is_cpu:  # a row's sum as the C kernel makes it: the step's rows and
+            return y.add_(kernels.linear(u.view(t, -1), self.b[:rows].T))  # span (zeros at its end) change nothing
         return y.addmm_(u.view(t, -1), self.b[:rows])
 
 

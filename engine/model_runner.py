@@ -154,6 +154,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: str, tp: TPGroup | None = None):
         device = pick_device(config)
         dtype = pick_dtype(config, device)
+        if config.batch_invariant and (device.type != "cpu" or kernels.backend() != "auto"):
+            raise ValueError("batch_invariant runs on the CPU only, with its own kernels (TOKENMILL_KERNELS=auto)")
         self.model_cfg = load_model_config(model_path, config.hf_overrides)
         found = self.model_cfg.quant.method if self.model_cfg.quant else None
         if config.quantization and config.quantization.removesuffix("_marlin") != found:
@@ -192,7 +194,12 @@ class ModelRunner:
             log.info("LoRA: %d slots of rank %d on the device, %d taken (%s)%s", slots, rank, len(adapters),
                      ", ".join(f"{a.name}: rank {a.rank}, {len(a.weights)} matrices" for a in adapters) or "none",
                      "; the others take adapters loaded while serving" if config.max_loras else "")
-        if device.type == "cpu":  # which CPU GEMM serves which layer, measured on these weights
+        if device.type == "cpu":
+            kernels.set_batch_invariant(config.batch_invariant)  # (set each time: engines in one process)
+            if config.batch_invariant:
+                log.info("batch-invariant mode: every linear layer in the C kernel, every prompt's attention "
+                         "as decode rows (a token's logits do not depend on its step)")
+        if device.type == "cpu" and not config.batch_invariant:  # which CPU GEMM serves which layer, measured
             modules = list(self.model.modules())
             kernels.tune_linear([m.weight for m in modules if isinstance(m, (ColumnLinear, RowLinear, LMHead))]
                                 + [w for m in modules if isinstance(m, Experts) for w in (*m.w13, *m.w2)]

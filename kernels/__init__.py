@@ -32,6 +32,7 @@ BACKENDS = ("auto", "triton", "reference")
 _backend = "auto"
 _triton: ModuleType | None = None
 _triton_failed = False
+_batch_invariant = False
 
 
 def set_backend(name: str) -> None:
@@ -135,6 +136,23 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, packe
     if module is _triton and packed in module.PACKED_FORMATS:
         return module.dequantize(rows, packed, dtype).view(shape)
     return reference.dequantize(rows, packed).view(shape).to(dtype)
+
+
+def set_batch_invariant(on: bool) -> None:
+    """Batch-invariant mode (vLLM's ``VLLM_BATCH_INVARIANT``), for CPU tensors and the ``auto`` kernels
+    (``kernels.cpu.set_batch_invariant``): a token's logits come out the same bits whatever else its step
+    holds (other requests, a prompt's chunk, a cached prefix, a recomputation), so greedy output never
+    depends on the batch. ValueError for other kernels; RuntimeError where the CPU kernels do not build."""
+    global _batch_invariant
+    if on and _backend != "auto":
+        raise ValueError(f"batch-invariant mode runs on the CPU's own kernels (TOKENMILL_KERNELS=auto), not {_backend}")
+    cpu.set_batch_invariant(on)
+    _batch_invariant = on
+
+
+def batch_invariant() -> bool:
+    """Whether batch-invariant mode is on (``set_batch_invariant``)."""
+    return _batch_invariant
 
 
 def tune_linear(weights: list[torch.Tensor]) -> None:

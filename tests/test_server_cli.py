@@ -111,14 +111,14 @@ def test_a_config_file_gives_flags_and_the_command_line_wins(tmp_path, capsys):
     path.write_text("model: /models/gemma\nmax_num_seqs: 8\nkv-cache-memory: 512M\nenforce-eager: true\n"
                     "enable-prefix-caching: false\napi-key: [k1, k2]\nhf-overrides: {sliding_window: null}\n"
                     "served-model-name: [a, b]\nasync-scheduling: 'off'\nport: 9001\nmax-model-len: 32k\n"
-                    "enable-lora: true\nlora-modules: [a=/x, b=/y]\n")
+                    "enable-lora: true\nlora-modules: [a=/x, b=/y]\nbatch-invariant: true\n")
     args = build_parser().parse_args(["serve", "--config", str(path), "--port", "9000", "--max-num-seqs", "4"])
     assert (args.model_tag, args.port, args.api_key, args.served_model_name) == ("/models/gemma", 9000,
                                                                                  ["k1", "k2"], ["a", "b"])
     assert _config_kwargs(args) == {"max_num_seqs": 4, "kv_cache_memory": 512 << 20, "enforce_eager": True,
                                     "enable_prefix_caching": False, "hf_overrides": {"sliding_window": None},
                                     "served_model_name": "a", "async_scheduling": "off", "max_model_len": 32000,
-                                    "lora_modules": {"a": "/x", "b": "/y"}}
+                                    "lora_modules": {"a": "/x", "b": "/y"}, "batch_invariant": True}
     # a model on the command line, either way, wins over the file's
     assert build_parser().parse_args(["serve", "other", f"--config={path}"]).model_tag == "other"
     args = build_parser().parse_args(["serve", "--config", str(path), "--model", "/m2"])

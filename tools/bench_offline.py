@@ -613,6 +613,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(W1's random prompts: what drafts cost where they are rarely right)")
     p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
                    help="tokenmill's sliding-window layers keep every block (no pool of their own)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="tokenmill's batch-invariant mode (CPU): what making greedy output independent of the batch costs")
     return p.parse_args(argv)
 
 
@@ -648,7 +650,7 @@ def main(argv: list[str] | None = None) -> None:
             kv_cache_dtype=args.kv_cache_dtype,
             disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
             lora_modules=dict(args.lora_modules) if args.lora_modules else None, max_loras=args.max_loras,
-            speculative_config=args.speculative_config,
+            speculative_config=args.speculative_config, batch_invariant=args.batch_invariant,
         )
         results.append(result)
         print(f"tokenmill: {result.out_tok_s:.1f} out tok/s", flush=True)
@@ -691,6 +693,7 @@ def main(argv: list[str] | None = None) -> None:
         "kv_cache_dtype": args.kv_cache_dtype,
         "disable_hybrid_kv_cache_manager": args.disable_hybrid_kv_cache_manager,
         "speculative_config": args.speculative_config,
+        "batch_invariant": args.batch_invariant,
         "output_len_range": list(output_lens),
         "token_id_high": TOKEN_ID_HIGH,
         "prompt_tokens": prompt_tokens,

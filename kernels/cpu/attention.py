@@ -36,6 +36,12 @@ _DECODE = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16
 MAX_D = MAX_BS = 256  # as in paged_attention.c: head sizes (multiples of 8) and block sizes it takes
 
 
+# batch-invariant mode (``kernels.set_batch_invariant``): a prompt's queries go through the decode kernel,
+# each as the one query of its position's prefix, so that a query's result is the same bits whether it
+# comes in a prompt, a chunk of one, after a cached prefix, or as a decode step
+prefill_as_decode = False
+
+
 class _Dims(ctypes.Structure):
     _fields_ = ([(name, ctypes.c_int64) for name in ("H", "HKV", "D", "BS", "W", "window")]
                 + [("scale", ctypes.c_float), ("softcap", ctypes.c_float), ("kv_fp8", ctypes.c_int64),
@@ -165,6 +171,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if query_start.shape != (seq_lens.shape[0] + 1,):
         raise ValueError(f"query_start {tuple(query_start.shape)} must have one more row than seq_lens "
                          f"{tuple(seq_lens.shape)}")
+    if prefill_as_decode and q.dtype in _DECODE and decodes_in_c(q.shape[2], k_cache.shape[1]) and _sinks_fit(
+            sinks, q.shape[1]):
+        return _as_decode_rows(q, k_cache, v_cache, block_tables, seq_lens, query_start, max_seq_len, scale, window,
+                               softcap, sinks)
     _, bs, hkv, d = k_cache.shape
     keys, values = reference.cache_rows(k_cache), reference.cache_rows(v_cache)  # a block per row (fp8: bytes)
     out = q.new_empty(q.shape)
@@ -183,3 +193,17 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                              causal=mask is None, sinks=sinks)  # (1, H, Q, D)
         out[first:end] = o[0].transpose(0, 1)
     return out
+
+
+def _as_decode_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, query_start: torch.Tensor, max_seq_len: int, scale: float, window: int,
+                    softcap: float, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Prefill as decode rows: query i of a sequence of S keys whose last Q are its queries attends as the
+    one query of a sequence of S - Q + i + 1 keys, through that sequence's block table. The rows of one
+    table sit side by side, so the C kernel reads their blocks once for all of them (as it reads a request's
+    speculative rows)."""
+    q_lens = query_start[1:] - query_start[:-1]
+    seq_of = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)
+    lens = (seq_lens - q_lens)[seq_of] + torch.arange(q.shape[0]) - query_start[:-1][seq_of] + 1
+    return paged_decode_attention(q, k_cache, v_cache, block_tables[seq_of], lens, max_seq_len, scale, window, softcap,
+                                  sinks)

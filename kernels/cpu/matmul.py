@@ -62,6 +62,9 @@ MARGIN = 1.15
 # (N, K, dtype) -> for each of ROWS, whether the C kernel takes steps of up to that many rows (and
 # more than the one before)
 _use_c: dict[tuple[int, int, torch.dtype], tuple[bool, ...]] = {}
+# batch-invariant mode (``set_every_row``): the C kernel takes every step, whatever its rows, so that a
+# row's result never depends on what else the step holds
+_every_row = False
 
 
 @functools.cache
@@ -108,7 +111,7 @@ def linear_packed(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.T
     if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype):
         raise ValueError(f"bias must be ({n},) {x.dtype}, got {bias.dtype} {tuple(bias.shape)}")
     x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()  # (runs per layer: lean)
-    if x2.shape[0] > ROWS[-1] and EXPAND_BYTES:  # a prompt's rows: torch's GEMM, on the exact floats
+    if x2.shape[0] > ROWS[-1] and EXPAND_BYTES and not _every_row:  # a prompt's rows: torch's GEMM, exact floats
         rows, xf = max(1, EXPAND_BYTES // (4 * k)), x2.float()
         bf = None if bias is None else bias.float()
         if rows >= n:
@@ -179,12 +182,15 @@ def linear_c(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, by the C kernel where ``tune`` found it faster for this many rows."""
+    """``F.linear``, by the C kernel where ``tune`` found it faster for this many rows (every step in
+    batch-invariant mode: ``set_every_row``)."""
     rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
-    use = _use_c.get((weight.shape[0], weight.shape[-1], weight.dtype), ()) if weight.dim() == 2 else ()
-    bucket = bisect_left(ROWS, rows)
-    if not 0 < rows or bucket >= len(use) or not use[bucket] or x.dtype != weight.dtype or x.device.type != "cpu":
+    if not 0 < rows or weight.dim() != 2 or x.dtype != weight.dtype or x.device.type != "cpu":
         return F.linear(x, weight, bias)
+    if not (_every_row and x.dtype in _KERNELS):
+        use, bucket = _use_c.get((weight.shape[0], weight.shape[1], weight.dtype), ()), bisect_left(ROWS, rows)
+        if bucket >= len(use) or not use[bucket]:
+            return F.linear(x, weight, bias)
     return linear_c(x.reshape(rows, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
 
 
@@ -248,6 +254,17 @@ def _time(fn: Callable, x: torch.Tensor, ws: list[torch.Tensor], limit: float) -
         if time.perf_counter() - start > limit:
             return math.inf
     return time.perf_counter() - start
+
+
+def set_every_row(on: bool) -> None:
+    """Batch-invariant mode (``kernels.set_batch_invariant``): the C kernel multiplies every step, dense
+    and packed, prompts too (about 30% slower than torch's GEMM past 64 rows), so that a row's result
+    depends on nothing but the row. Raises RuntimeError where the C kernel does not build."""
+    global _every_row
+    if on and _library() is None:
+        raise RuntimeError("batch-invariant mode needs the C linear kernel, which could not be built here "
+                           "(see the warning above)")
+    _every_row = on
 
 
 def reset() -> None:
