@@ -164,3 +164,13 @@ def test_a_served_requests_answer_is_the_same_alone_and_among_concurrent_ones(ti
             assert list(pool.map(ask, questions)) == alone  # (prefix-cached)
     finally:
         server.close()
+
+
+def test_the_tool_counts_changed_answers(tiny_llama, capsys):
+    """``tools/batch_invariance.py`` on the tiny llama, logprobs compared: none change with the mode."""
+    from tools import batch_invariance
+
+    summary = batch_invariance.main(["--model", tiny_llama, "--num-prompts", "10", "--max-tokens", "6", "--logprobs",
+                                     "--batch-invariant"])
+    assert summary["changed"] == {"batched": 0, "prefix-cached": 0, "batches of 8": 0}
+    assert summary["num_prompts"] == 10 and capsys.readouterr().out.count(" 0 answers changed") == 3
