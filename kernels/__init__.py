@@ -176,7 +176,17 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def gelu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    return _pick(x).gelu_and_mul(x)
+    return by_rows(_pick(x).gelu_and_mul, x)
+
+
+def by_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``fn(x)``, for torch's elementwise operators with a tanh, a sigmoid or an exp in them, over x (T, ...); in
+    batch-invariant mode a row at a time. Torch computes most of a tensor in vector code, and the elements after
+    its last whole vector (and after each thread's) in scalar code whose last bits differ: which path a row's
+    numbers take depends on the rows beside it. A row at a time, never."""
+    if not (_batch_invariant and x.is_cpu and x.dim() >= 2 and x.shape[0] > 1):
+        return fn(x)
+    return torch.cat([fn(row) for row in x.split(1)])
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -204,7 +214,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
 def swiglu_oai(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """GPT-OSS's clamped SwiGLU (``reference.swiglu_oai``): a few torch operators on every backend."""
-    return reference.swiglu_oai(x, alpha, limit)
+    return by_rows(lambda rows: reference.swiglu_oai(rows, alpha, limit), x)
 
 
 def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

@@ -107,6 +107,21 @@ def test_greedy_tokens_and_logprobs_never_depend_on_the_batch(tiny_llama, dtype)
             assert answers(outs) == alone, "prefix-cached"
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "mixtral", "qwen2_moe", "gpt_oss"])
+def test_other_architectures_alone_and_batched(arch, tmp_path, smollm_tokenizer_dir):
+    """Qwen3's norms of q and k, Gemma 2's caps and windows (its logits' tanh), mixtures of experts (Qwen2-MoE's
+    shared expert and its sigmoid gate; GPT-OSS's sinks and clamped SwiGLU): alone against batched in chunks of 37
+    tokens. (Torch's tanh and sigmoid go a row at a time in this mode: ``kernels.by_rows``.)"""
+    from tests.conftest import make_tiny_model
+
+    model = make_tiny_model(str(tmp_path), arch, smollm_tokenizer_dir)
+    base = dict(dtype="float32", max_model_len=512, batch_invariant=True)
+    llm = LLM(model, enable_prefix_caching=False, **base)
+    alone = answers(llm.generate(p, GREEDY)[0] for p in prompts())
+    llm = LLM(model, max_num_batched_tokens=37, **base)
+    assert answers(llm.generate(prompts(), GREEDY)) == alone
+
+
 def test_a_lora_adapters_requests_and_the_base_models_beside_them(lora_tiny):
     """Requests of an adapter, alone and in a batch with the base model's and another adapter's (the step's
     span of slots changes): the same bits."""

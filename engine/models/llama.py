@@ -215,4 +215,4 @@ class LlamaForCausalLM(nn.Module):
         if self.cfg.logits_scaling != 1.0:  # Granite's
             logits = logits / self.cfg.logits_scaling
         cap = self.cfg.final_softcap  # Gemma 2's cap on the logits
-        return logits if not cap else torch.tanh(logits / cap).mul_(cap)
+        return logits if not cap else kernels.by_rows(lambda rows: torch.tanh(rows / cap).mul_(cap), logits)

@@ -127,7 +127,7 @@ class SparseMoE(nn.Module):
         out = self.tp.all_reduce(kernels.fused_moe(x, e.w13, e.w2, weights, ids, e.packed, e.packed_down, e.b13, e.b2,
                                                    self.act))
         if self.shared_expert is not None:
-            gate = torch.sigmoid(kernels.linear(x, self.shared_expert_gate.weight))  # (T, 1)
+            gate = kernels.by_rows(torch.sigmoid, kernels.linear(x, self.shared_expert_gate.weight))  # (T, 1)
             out = out + gate * self.shared_expert(x)
         return out
 
