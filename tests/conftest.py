@@ -173,6 +173,23 @@ def tiny_llama(tmp_path_factory, smollm_tokenizer_dir) -> str:
 TINY_KEY = "sk-tiny"
 
 
+def http_call(port: int, path: str, body: dict | None = None, key: str | None = None):
+    """One request to 127.0.0.1:``port`` over raw HTTP: POST of ``body`` as JSON (GET without one), a bearer
+    ``key`` if given; (status, body bytes, headers: read case-insensitively)."""
+    import http.client
+    import json
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    try:
+        conn.request("POST" if body is not None else "GET", path, json.dumps(body) if body is not None else None,
+                     headers)
+        r = conn.getresponse()
+        return r.status, r.read(), r.headers
+    finally:
+        conn.close()
+
+
 @pytest.fixture(scope="session")
 def tiny_server(tiny_llama):
     """``tokenmill serve`` on the tiny llama: float32, a 256-token context, served as "tiny", key ``TINY_KEY``; one

@@ -6,7 +6,6 @@ are compact JSON (llama.vim reads ``"content":"``), streams end without ``[DONE]
 
 from __future__ import annotations
 
-import http.client
 import json
 import math
 
@@ -15,7 +14,7 @@ import pytest
 from frontends.errors import ApiError
 from frontends.llamacpp import LineLimits, LlamaCppApi, completion_body, fim_tokens
 from frontends.text import StopStrings, TextCodec
-from tests.conftest import make_tiny_model
+from tests.conftest import http_call, make_tiny_model
 from tests.test_server_e2e import Server
 
 KEY = "sk-llama"
@@ -44,15 +43,7 @@ def server(coder):
 
 
 def call(server: Server, path: str, body: dict | None = None, key: str | None = KEY) -> tuple[int, bytes]:
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
-    try:
-        conn.request("POST" if body is not None else "GET", path, json.dumps(body) if body is not None else None,
-                     headers)
-        r = conn.getresponse()
-        return r.status, r.read()
-    finally:
-        conn.close()
+    return http_call(server.port, path, body, key)[:2]
 
 
 def post(server: Server, path: str, body: dict, want: int = 200):

@@ -6,7 +6,6 @@ it is), whole and streamed as JSON lines; refusals are Ollama's ``{"error"}``. (
 
 from __future__ import annotations
 
-import http.client
 import json
 import re
 
@@ -14,7 +13,7 @@ import pytest
 
 from frontends.errors import ApiError
 from frontends.ollama import keep_alive, options, response_format
-from tests.conftest import TINY_KEY
+from tests.conftest import TINY_KEY, http_call
 
 PROMPT = "The capital of France is"
 GREEDY = {"temperature": 0, "num_predict": 8}
@@ -28,14 +27,8 @@ def client(tiny_server):
 
 
 def post(server, path: str, body: dict) -> tuple[int, bytes, str]:
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
-    try:
-        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json",
-                                                      "Authorization": f"Bearer {TINY_KEY}"})
-        r = conn.getresponse()
-        return r.status, r.read(), r.getheader("content-type")
-    finally:
-        conn.close()
+    status, raw, headers = http_call(server.port, path, body, TINY_KEY)
+    return status, raw, headers["content-type"]
 
 
 def openai(tiny_client, prompt: str, chat: bool, n: int = 8) -> str:

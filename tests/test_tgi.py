@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import http.client
 import json
 import re
 from types import SimpleNamespace
@@ -14,7 +13,7 @@ import pytest
 
 from frontends.errors import ApiError
 from frontends.tgi import MAX_BEST_OF, Params, error_body, error_status, grammar
-from tests.conftest import TINY_KEY
+from tests.conftest import TINY_KEY, http_call
 
 PROMPT = "The capital of France is"
 
@@ -27,16 +26,8 @@ def hf(tiny_server):
     return InferenceClient(model=tiny_server.url, token=TINY_KEY)
 
 
-def call(server, path: str, body: dict | None = None, key: str | None = TINY_KEY) -> tuple[int, bytes, dict]:
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
-    try:
-        conn.request("POST" if body is not None else "GET", path, json.dumps(body) if body is not None else None,
-                     headers)
-        r = conn.getresponse()
-        return r.status, r.read(), dict(r.getheaders())
-    finally:
-        conn.close()
+def call(server, path: str, body: dict | None = None, key: str | None = TINY_KEY):
+    return http_call(server.port, path, body, key)
 
 
 def post(server, path: str, body: dict, want: int = 200):
