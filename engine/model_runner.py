@@ -51,6 +51,7 @@ from engine.attention import StepIndex, build_metadata
 from engine.config import EngineConfig
 from engine.loader import build_model, load_model_config
 from engine.lora import Adapter, AdapterError, LoraState, LoraWeights, attach, put, read_adapter
+from engine.models.config import ModelConfig
 from engine.models.layers import ColumnLinear, LMHead, RowLinear
 from engine.models.moe import Experts
 from engine.parallel import StepInput, TPGroup, local_model_config
@@ -150,13 +151,35 @@ class DriverStep(StepInput):
     image_embeds: torch.Tensor | None = None  # ...these, in that order (on the device)
 
 
+def check_batch_invariant(config: EngineConfig, model_cfg: ModelConfig, device: torch.device,
+                          dtype: torch.dtype) -> None:
+    """A ValueError that says why, where batch-invariant mode cannot hold (before the weights load): every
+    step must go to the C kernels, which take CPU tensors of float32 or bfloat16 and heads of a multiple of 8 up
+    to 256 wide (blocks of up to 256 tokens: every --block-size)."""
+    from kernels.cpu import attention
+
+    if device.type != "cpu" or kernels.backend() != "auto":
+        why = "runs on the CPU only, with its own kernels (TOKENMILL_KERNELS=auto)"
+    elif model_cfg.encoder is not None:
+        why = "is for generating models: an encoder's attention pads its inputs in groups"
+    elif dtype not in (torch.float32, torch.bfloat16):
+        why = f"needs float32 or bfloat16, not {str(dtype).removeprefix('torch.')}"
+    elif not attention.available():
+        why = "needs the C attention kernel, which could not be built here (see the warning above)"
+    elif not attention.decodes_in_c(model_cfg.head_dim, config.block_size):
+        why = f"needs heads a multiple of 8 up to {attention.MAX_D} wide (this model's: {model_cfg.head_dim})"
+    else:
+        return
+    raise ValueError(f"batch_invariant {why}")
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: str, tp: TPGroup | None = None):
         device = pick_device(config)
         dtype = pick_dtype(config, device)
-        if config.batch_invariant and (device.type != "cpu" or kernels.backend() != "auto"):
-            raise ValueError("batch_invariant runs on the CPU only, with its own kernels (TOKENMILL_KERNELS=auto)")
         self.model_cfg = load_model_config(model_path, config.hf_overrides)
+        if config.batch_invariant:
+            check_batch_invariant(config, self.model_cfg, device, dtype)
         found = self.model_cfg.quant.method if self.model_cfg.quant else None
         if config.quantization and config.quantization.removesuffix("_marlin") != found:
             raise ValueError(f"--quantization {config.quantization}, but {model_path} is " + (
@@ -419,6 +442,8 @@ class ModelRunner:
         """The forward every rank runs (tensor-parallel workers mirror rank 0 through it): the
         (R, V) logits of ``step.logits_rows`` on rank 0 (None on the others or when R is 0), and
         there the (P, hidden) float32 sums of the rows each embedding request pools (or None)."""
+        if self.device.type == "cpu" and kernels.batch_invariant() != self.config.batch_invariant:
+            kernels.set_batch_invariant(self.config.batch_invariant)  # (the mode is the process's: engines share it)
         index = StepIndex.build(step.query_lens, step.computed_lens, step.table_rows)
         driver = isinstance(step, DriverStep)
         gather = {"in_flight_at": ints(step.in_flight_at), "in_flight_from": ints(step.in_flight_from)} \

@@ -135,9 +135,36 @@ def test_a_lora_adapters_requests_and_the_base_models_beside_them(lora_tiny):
     assert mixed == [x[0] for x in alone]
 
 
-def test_batch_invariant_is_for_the_cpu_kernels(tiny_llama, monkeypatch):
+def test_an_engine_keeps_its_mode_beside_another_engine(tiny_llama):
+    """The mode is the process's: an engine sets its own before each step, so one made later without it (or
+    with it) changes nothing for the other."""
+    base = dict(dtype="float32", max_model_len=512, enable_prefix_caching=False)
+    invariant = LLM(tiny_llama, batch_invariant=True, **base)
+    alone = answers(invariant.generate(p, GREEDY)[0] for p in prompts())
+    LLM(tiny_llama, **base).generate(prompts(), GREEDY)
+    assert not kernels.batch_invariant()
+    assert answers(invariant.generate(prompts(), GREEDY)) == alone
+    assert kernels.batch_invariant()
+
+
+def test_batch_invariant_is_for_the_cpu_kernels(tiny_llama, monkeypatch, tmp_path, smollm_tokenizer_dir):
+    """Refused where a step could leave the C kernels: other kernels, float16, heads they do not take,
+    encoders."""
+    from transformers import BertConfig
+
+    from tests.conftest import make_tiny_model
+    from tests.test_encoder import SHAPE, save_encoder
+
     with pytest.raises(ValueError, match="batch_invariant must be true or false"):
         LLM(tiny_llama, batch_invariant="yes")
+    with pytest.raises(ValueError, match="batch_invariant needs float32 or bfloat16, not float16"):
+        LLM(tiny_llama, batch_invariant=True, dtype="float16")
+    odd = make_tiny_model(str(tmp_path / "odd"), "llama", smollm_tokenizer_dir, head_dim=12)
+    with pytest.raises(ValueError, match=r"heads a multiple of 8 up to 256 wide \(this model's: 12\)"):
+        LLM(odd, batch_invariant=True)
+    bert = save_encoder(str(tmp_path / "bert"), BertConfig(**SHAPE, max_position_embeddings=64), head=False, seed=1)
+    with pytest.raises(ValueError, match="batch_invariant is for generating models"):
+        LLM(bert, batch_invariant=True)
     monkeypatch.setattr(kernels, "_backend", "reference")
     with pytest.raises(ValueError, match="CPU only, with its own kernels"):
         LLM(tiny_llama, batch_invariant=True)
