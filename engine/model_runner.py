@@ -156,7 +156,7 @@ def check_batch_invariant(config: EngineConfig, model_cfg: ModelConfig, device: 
     """A ValueError that says why, where batch-invariant mode cannot hold (before the weights load): every
     step must go to the C kernels, which take CPU tensors of float32 or bfloat16 and heads of a multiple of 8 up
     to 256 wide (blocks of up to 256 tokens: every --block-size)."""
-    from kernels.cpu import attention
+    from kernels.cpu import attention, matmul
 
     if device.type != "cpu" or kernels.backend() != "auto":
         why = "runs on the CPU only, with its own kernels (TOKENMILL_KERNELS=auto)"
@@ -164,8 +164,8 @@ def check_batch_invariant(config: EngineConfig, model_cfg: ModelConfig, device: 
         why = "is for generating models: an encoder's attention pads its inputs in groups"
     elif dtype not in (torch.float32, torch.bfloat16):
         why = f"needs float32 or bfloat16, not {str(dtype).removeprefix('torch.')}"
-    elif not attention.available():
-        why = "needs the C attention kernel, which could not be built here (see the warning above)"
+    elif not (attention.available() and matmul.packed_available()):
+        why = "needs the C kernels, which could not be built here (see the warning above)"
     elif not attention.decodes_in_c(model_cfg.head_dim, config.block_size):
         why = f"needs heads a multiple of 8 up to {attention.MAX_D} wide (this model's: {model_cfg.head_dim})"
     else:
@@ -218,7 +218,7 @@ class ModelRunner:
                      ", ".join(f"{a.name}: rank {a.rank}, {len(a.weights)} matrices" for a in adapters) or "none",
                      "; the others take adapters loaded while serving" if config.max_loras else "")
         if device.type == "cpu":
-            kernels.set_batch_invariant(config.batch_invariant)  # (set each time: engines in one process)
+            kernels.set_batch_invariant(config.batch_invariant)  # (and before every step: engines share it)
             if config.batch_invariant:
                 log.info("batch-invariant mode: every linear layer in the C kernel, every prompt's attention "
                          "as decode rows (a token's logits do not depend on its step)")
