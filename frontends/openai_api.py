@@ -415,6 +415,8 @@ class OpenAIApi:
         n = op.parse_n(data)
         prompts = await op.parse_truncated_prompts(data, self._encode, self.codec, self.max_chars,
                                                    self.max_model_len)
+        if op.field(data, "suffix", str, None):  # (as vLLM: no fill-in-the-middle here; llama.cpp's /infill has it)
+            raise ApiError(400, "suffix is not supported", param="suffix")
         echo = op.field(data, "echo", bool, False)
         logprobs = op.field(data, "logprobs", int, None)
         if logprobs is not None and not 0 <= logprobs <= op.MAX_LOGPROBS:
@@ -464,6 +466,9 @@ class OpenAIApi:
         if top and not want_logprobs:
             raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
         add_generation_prompt, continue_final = op.parse_continuation(data, messages)
+        if data.get("chat_template") is not None:  # a client's Jinja is not run (vLLM refuses it by default too)
+            raise ApiError(400, "chat_template in a request is not accepted: the server's template renders every "
+                                "chat (--chat-template sets it)", param="chat_template")
         pixels = await self._pixels([url for m in messages for url in m.get("images", ())])
         shown = await self._chat_template(data, messages, add_generation_prompt, calls, continue_final)
         prompt, offsets = self._image_runs(shown, len(pixels))
@@ -860,7 +865,8 @@ class _CompletionFormat(_SseFormat):
                 ptext, plp = self.echo_of(up.choice)
                 text, lp = ptext + text, self._merge(plp, lp)
             choice = {"index": i, "text": text, "logprobs": lp,
-                      "finish_reason": up.choice.finish_reason if up.finished else None}
+                      "finish_reason": up.choice.finish_reason if up.finished else None,
+                      "stop_reason": up.choice.stop_reason if up.finished else None}
             if not self.headed[i]:
                 self.headed[i] = True
                 choice |= self.prompt_fields(up.choice)
@@ -1006,7 +1012,8 @@ class _ChatFormat(_SseFormat):
                     continue  # text held back: it may be a tag or a call
             choice = {"index": up.choice.index, "delta": delta,
                       "logprobs": {"content": self._chat_lp(up.logprobs)} if self.logprobs else None,
-                      "finish_reason": self.finish_reason(up.choice) if up.finished else None}
+                      "finish_reason": self.finish_reason(up.choice) if up.finished else None,
+                      "stop_reason": up.choice.stop_reason if up.finished else None}
             if self.return_token_ids:
                 choice["token_ids"] = up.token_ids
             choices.append(choice)

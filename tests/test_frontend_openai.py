@@ -226,6 +226,13 @@ def test_stop_string_held_back_while_streaming(client, tok):
     texts = [c.choices[0].text for c in chunks if c.choices]
     assert "".join(texts) == "aaa bbb "
     assert not any("cc" in t for t in texts)
+    # as in vLLM, each streamed choice carries stop_reason: null until its last chunk, then the stop string
+    reasons = [c.choices[0].model_extra["stop_reason"] for c in chunks if c.choices]
+    assert reasons[-1] == "ccc dd" and set(reasons[:-1]) <= {None}
+    chat = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "aaa bbb ccc ddd"}],
+                                               max_tokens=64, stop=["ccc dd"], stream=True))  # (the template, echoed)
+    reasons = [c.choices[0].model_extra.get("stop_reason") for c in chat if c.choices]
+    assert reasons[-1] == "ccc dd" and set(reasons[:-1]) <= {None}
     # a held-back prefix that never completes comes out at the end
     chunks = list(client.completions.create(model=MODEL, prompt=ids, max_tokens=len(ids), stop=["eee fff"],
                                             stream=True))
@@ -240,6 +247,16 @@ def test_stop_reason_and_min_tokens_hold_stop_strings(stack, tok):
     # as in vLLM, stop strings are not looked for before min_tokens tokens exist
     choice = post(stack[1], "/v1/completions", {**body, "min_tokens": len(ids)}).json()["choices"][0]
     assert (choice["text"], choice["finish_reason"]) == ("aaa bbb ccc ddd eee", "length")
+
+
+def test_a_suffix_and_a_requests_own_chat_template_are_refused_not_ignored(stack):
+    body = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 3}
+    _err(post(stack[1], "/v1/completions", {**body, "suffix": "\nprint(add(1, 2))"}), 400, "invalid_request_error",
+         "suffix")
+    assert post(stack[1], "/v1/completions", {**body, "suffix": None}).status_code == 200
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    _err(post(stack[1], "/v1/chat/completions", {**chat, "chat_template": "{{ raise_exception('boom') }}"}), 400,
+         "invalid_request_error", "chat_template")
 
 
 def test_n_with_the_largest_seed(stack):
