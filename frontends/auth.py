@@ -4,8 +4,11 @@ Keys: ``Authorization: Bearer <key>`` (the WebSocket also takes one from its
 subprotocol list), compared in constant time against every key.
 
 Origins: a request that carries an ``Origin`` header comes from a browser page.
-It is allowed when it is same-origin (the origin's host[:port] equals ``Host``)
-or listed in ``--allowed-origins`` (``*``: any). Without API keys any other
+It is allowed when it is same-origin (the origin's host[:port] equals ``Host``,
+and that host is one DNS rebinding cannot take over: an IP address, localhost,
+this machine's name, a name under .local or .internal) or listed in
+``--allowed-origins`` (``*``: any). (A page of attacker.example whose name the
+attacker re-points at 127.0.0.1 sends Origin and Host both attacker.example.) Without API keys any other
 origin is refused with 403: a cross-origin WebSocket, or a ``POST`` with a
 "simple" content type, reaches the server with no CORS preflight, so CORS alone
 would let any web page spend the GPU. With keys the key is the protection and
@@ -19,7 +22,10 @@ a browser must preflight that type, so a foreign page cannot send it unseen.
 
 from __future__ import annotations
 
+import functools
 import hmac
+import ipaddress
+import socket
 from collections.abc import Iterable
 from urllib.parse import urlsplit
 
@@ -89,7 +95,12 @@ class Auth:
             return True  # not a browser, or a same-origin navigation
         if self._any_origin or normalize_origin(origin) in self._origins:
             return True
-        return urlsplit(origin).netloc.lower() == req.headers.get("host", "").lower()
+        host = req.headers.get("host", "").lower()
+        try:
+            same = urlsplit(origin).netloc.lower() == host
+        except ValueError:  # ("http://[bad": no origin of a page)
+            return False
+        return same and _rebinding_proof(host)
 
     def check_origin(self, req: Request) -> Headers:
         """Raise 403 for a foreign origin when no key protects the server; the CORS headers to send."""
@@ -142,6 +153,27 @@ def require_json(req: Request) -> None:
     if mime != "application/json" and not (mime.startswith("application/") and mime.endswith("+json")):
         raise ApiError(415, f"Content-Type must be application/json, not {mime or 'missing'}",
                        code="unsupported_media_type")
+
+
+def _rebinding_proof(host: str) -> bool:
+    """Whether a ``Host`` header names this server in a way no other site's DNS can: an IP address,
+    localhost (or a name under it), this machine's own name, or a name under .local or .internal
+    (as Ollama's check). Any other name may be an attacker's, pointed at this server (DNS rebinding)."""
+    try:
+        name = (urlsplit("//" + host).hostname or "").rstrip(".")
+    except ValueError:  # (a malformed port or bracket)
+        return False
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        pass
+    return name in ("localhost", _machine_name()) or name.endswith((".localhost", ".local", ".internal"))
+
+
+@functools.cache
+def _machine_name() -> str:
+    return socket.gethostname().lower()
 
 
 def _origin_refused(req: Request) -> ApiError:

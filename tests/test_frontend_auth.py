@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import http.client
+import socket
 import threading
 from types import SimpleNamespace
 
@@ -118,6 +119,29 @@ def test_allowed_and_same_origins_get_cors(open_port):
     assert status == 415  # same-origin passes the origin rule
     status, headers, _ = call(open_port, "GET", "/v1/models")  # no Origin: not a browser, no CORS headers
     assert status == 200 and "access-control-allow-origin" not in headers
+
+
+def test_a_rebound_name_is_not_same_origin(open_port):
+    """DNS rebinding: a page of attacker.example, its name re-pointed at 127.0.0.1, sends Origin and Host both
+    attacker.example. Same-origin counts only for names no other site's DNS can take: IP addresses,
+    localhost, this machine's name, names under .local/.internal."""
+    body = b'{"prompt": "spend my GPU", "max_tokens": 1}'
+    for host in ("attacker.example", "attacker.example."):
+        headers = {"Origin": f"http://{host}:{open_port}", "Host": f"{host}:{open_port}", "Content-Type": "text/plain"}
+        status, _, answer = call(open_port, "POST", "/v1/completions", headers, body)
+        assert status == 403 and error(answer)["code"] == "origin_not_allowed"
+        with pytest.raises(ApiError) as e:
+            websocket.WebSocketEndpoint(make_api(), websocket.WsConfig())._check_auth(_upgrade_request(
+                {"Origin": f"http://{host}:8000", "Host": f"{host}:8000"}), [])
+        assert e.value.status == 403
+    for host in ("127.0.0.1", "[::1]", "localhost", "app.localhost", socket.gethostname(), "box.local",
+                 "gpu.internal"):
+        headers = {"Origin": f"http://{host}:{open_port}", "Host": f"{host}:{open_port}", "Content-Type": "text/plain"}
+        status, _, _ = call(open_port, "POST", "/detokenize", headers, b"")
+        assert status == 415, host  # past the origin rule
+    status, _, _ = call(open_port, "POST", "/detokenize", {"Origin": "http://[bad", "Host": "[bad",
+                                                           "Content-Type": "text/plain"}, b"")
+    assert status == 403
 
 
 def test_with_keys_the_key_is_the_protection():
