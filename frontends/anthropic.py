@@ -36,7 +36,7 @@ _PASSED = ("model", "temperature", "top_p", "top_k", "priority", "timeout", "cac
            "chat_template_kwargs", "ignore_eos", "min_tokens", "logit_bias", "skip_special_tokens", "stream",
            "structured_outputs", "guided_json", "guided_choice", "guided_regex", "guided_grammar", "grammar",
            "json_schema", "allowed_token_ids", "bad_words", "include_stop_str_in_output", *op.LLAMACPP_SAMPLERS)
-MESSAGES_PARAMS = {"stop": "stop_sequences"}  # chat -> here, in refusals
+MESSAGES_PARAMS = {"stop": "stop_sequences", "max_completion_tokens": "max_tokens"}  # chat -> here, in refusals
 _WORDS = (("tool_choice 'required'", "tool_choice {'type': 'any'}"),  # the chat's words -> this API's
           ("a named function", "{'type': 'tool', 'name': ...}"), ("max_completion_tokens", "max_tokens"))
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}

@@ -214,9 +214,11 @@ def test_served_count_tokens_and_keys(client, stack):  # noqa: F811
 def test_served_bad_bodies_get_400(client):
     for kw, param in (({"tools": [{"type": "bash_20250124", "name": "bash"}]}, "tools"),
                       ({"stop_sequences": ["x"] * 100}, "stop_sequences"),
-                      ({"extra_body": {"temperature": "hot"}}, "temperature")):
+                      ({"extra_body": {"temperature": "hot"}}, "temperature"),
+                      ({"max_tokens": 20000}, "max_tokens")):  # (past the context: the chat's field named as here)
         with pytest.raises(anthropic.BadRequestError) as e:
-            client.messages.create(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "hi"}], **kw)
+            client.messages.create(**{"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
+                                      **kw})
         assert e.value.body["error"]["param"] == param, e.value.body
         assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
     with pytest.raises(anthropic.NotFoundError) as e:  # (Anthropic's shape on these routes, as vLLM answers)
