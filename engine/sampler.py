@@ -181,6 +181,12 @@ def to_device(data, device: torch.device | str, dtype: torch.dtype | None = None
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def _forbid(logits: torch.Tensor, index: tuple[torch.Tensor, ...]) -> None:
+    """``logits[index] = -inf`` without a host sync: on CUDA, ``__setitem__`` makes a Python number a CPU
+    tensor and copies it to the GPU from pageable memory, which waits for the stream."""
+    logits.index_put_(index, logits.new_full((), -math.inf))
+
+
 def _long_tensor(ids: list[int]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long) if ids else torch.empty(0, dtype=torch.long)
 
@@ -341,10 +347,10 @@ def process_logits(
         eos = [t for t in eos_token_ids if 0 <= t < vocab]
         eos_rows = [i for i in early if not params[i].ignore_eos]
         if eos and eos_rows:
-            logits[to_device(eos_rows, device).unsqueeze(1), to_device(eos, device)] = -math.inf
+            _forbid(logits, (to_device(eos_rows, device).unsqueeze(1), to_device(eos, device)))
         rows, cols = _gather_rows([(i, states[i].tensors(vocab, device)[0]) for i in early], device)
         if rows is not None:
-            logits[rows, cols] = -math.inf
+            _forbid(logits, (rows, cols))
 
     # logit_bias: added to the logits as given (ids outside the vocab are ignored).
     biased = [(i, states[i].tensors(vocab, device)) for i, p in enumerate(params) if p.logit_bias]
@@ -358,11 +364,11 @@ def process_logits(
     rows, cols = _gather_rows(allowed, device)
     if rows is not None:
         kept = logits[rows, cols]
-        logits[to_device([i for i, _ in allowed], device)] = -math.inf
+        _forbid(logits, (to_device([i for i, _ in allowed], device),))
         logits[rows, cols] = kept
     banned = [(i, b) for i, s in enumerate(states) if s.bad_words for b in s.banned(output_token_ids[i]) if b < vocab]
     if banned:
-        logits[to_device([i for i, _ in banned], device), to_device([b for _, b in banned], device)] = -math.inf
+        _forbid(logits, (to_device([i for i, _ in banned], device), to_device([b for _, b in banned], device)))
 
     # Penalties: tensors only for the rows that ask, padded with the spare column V.
     # (A row with llama.cpp's window counts its window as its output, and has no prompt of its own.)

@@ -33,31 +33,31 @@ def naive_attention(q, k, v, pos0, window=0, softcap=0.0, sinks=None):
     return torch.stack(out)
 
 
-def make_batch(seq_lens, query_lens, dtype, seed=0, window=0, softcap=0.0, sinks=None):
-    g = torch.Generator().manual_seed(seed)
+def make_batch(seq_lens, query_lens, dtype, seed=0, window=0, softcap=0.0, sinks=None, device="cpu"):
+    g = torch.Generator().manual_seed(seed)  # the same numbers on every device
     nblocks = sum(-(-n // BS) for n in seq_lens) + 3
     perm = torch.randperm(nblocks, generator=g).tolist()  # scattered, non-contiguous blocks
-    attn = Attention(H, HKV, D, window=window, softcap=softcap, sinks=sinks is not None)
+    attn = Attention(H, HKV, D, window=window, softcap=softcap, sinks=sinks is not None).to(device)
     if sinks is not None:
         attn.sinks.copy_(sinks)
-    attn.k_cache = torch.zeros(nblocks, BS, HKV, D, dtype=dtype)
-    attn.v_cache = torch.zeros(nblocks, BS, HKV, D, dtype=dtype)
+    attn.k_cache = torch.zeros(nblocks, BS, HKV, D, dtype=dtype, device=device)
+    attn.v_cache = torch.zeros(nblocks, BS, HKV, D, dtype=dtype, device=device)
     tables, ks, vs = [], [], []
     for n in seq_lens:
         need = -(-n // BS)
         tables.append([perm.pop() for _ in range(need)])
-        ks.append(torch.randn(n, HKV, D, generator=g).to(dtype))
-        vs.append(torch.randn(n, HKV, D, generator=g).to(dtype))
+        ks.append(torch.randn(n, HKV, D, generator=g).to(dtype=dtype, device=device))
+        vs.append(torch.randn(n, HKV, D, generator=g).to(dtype=dtype, device=device))
     # the cached part goes in through store_kvcache, as the engine would have put it
     for bt, k, v, n, ql in zip(tables, ks, vs, seq_lens, query_lens, strict=True):
         pos = torch.arange(n - ql)
-        slots = torch.tensor(bt)[pos // BS] * BS + pos % BS
+        slots = (torch.tensor(bt)[pos // BS] * BS + pos % BS).to(device)
         kernels.store_kvcache(k[:n - ql], v[:n - ql], attn.k_cache, attn.v_cache, slots)
-    q = torch.randn(sum(query_lens), H, D, generator=g).to(dtype)
+    q = torch.randn(sum(query_lens), H, D, generator=g).to(dtype=dtype, device=device)
     new_k = torch.cat([k[n - ql:] for k, n, ql in zip(ks, seq_lens, query_lens, strict=True)])
     new_v = torch.cat([v[n - ql:] for v, n, ql in zip(vs, seq_lens, query_lens, strict=True)])
     computed = [n - ql for n, ql in zip(seq_lens, query_lens, strict=True)]
-    positions, meta = build_metadata(query_lens, computed, tables, BS, torch.device("cpu"))
+    positions, meta = build_metadata(query_lens, computed, tables, BS, torch.device(device))
     return attn, q, new_k, new_v, ks, vs, meta, positions
 
 

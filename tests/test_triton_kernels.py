@@ -149,7 +149,7 @@ def test_triton_attention_module_mixed_batch(monkeypatch):
 
     monkeypatch.setattr(kernels, "_backend", "triton")
     query_lens, seq_lens = [1, 7, 1, 2, 5], [13, 7, 4, 8, 5]
-    attn, q, new_k, new_v, ks, vs, meta, _ = make_batch(seq_lens, query_lens, F32, seed=3)
+    attn, q, new_k, new_v, ks, vs, meta, _ = make_batch(seq_lens, query_lens, F32, seed=3, device=DEVICE)
     out = attn(q, new_k, new_v, meta)
     want, row = [], 0
     for k, v, n, ql in zip(ks, vs, seq_lens, query_lens, strict=True):
@@ -568,9 +568,9 @@ def test_triton_other_launchers_refuse():
         tri.apply_rope_(randn(3, 2, 8), randn(3, 1, 8), randn(3, 4, dtype=BF16), randn(3, 4))
     cache = randn(2, 4, 1, 8)
     with pytest.raises(ValueError, match="slot_mapping must have 3"):
-        tri.store_kvcache(randn(3, 1, 8), randn(3, 1, 8), cache, cache, torch.zeros(2, dtype=torch.long))
+        tri.store_kvcache(randn(3, 1, 8), randn(3, 1, 8), cache, cache, torch.zeros(2, dtype=torch.long, device=DEVICE))
     with pytest.raises(ValueError, match="k_cache must be"):
-        tri.store_kvcache(randn(3, 2, 8), randn(3, 2, 8), cache, cache, torch.zeros(3, dtype=torch.long))
+        tri.store_kvcache(randn(3, 2, 8), randn(3, 2, 8), cache, cache, torch.zeros(3, dtype=torch.long, device=DEVICE))
     with pytest.raises(ValueError, match="query_start must have 3"):
         a = _attn_args()
         tri.paged_prefill_attention(a["q"], a["k_cache"], a["v_cache"], a["block_tables"], a["seq_lens"],

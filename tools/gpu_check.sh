@@ -6,9 +6,9 @@
 # the repository root (git-ignored: carry it; about 8 MB), made on a machine with a registry by
 #
 #   pip download --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64 -d .whl \
-#       pyzmq orjson httptools websockets openai
+#       pyzmq orjson httptools websockets openai gguf
 #
-# (openai, with what pip brings along, is for tools/bench_serving.py); here they are unpacked into a
+# (openai, with what pip brings along, is for tools/bench_serving.py; gguf for a test); here they are unpacked into a
 # temporary folder put first on PYTHONPATH. Models are random-weight ones in
 # SmolLM2-135M's and Qwen2-0.5B's shapes, bf16 (tools/random_model.py), built in a temporary folder:
 # the real ones cannot be downloaded there, nor carried. Parts, each under a timeout and all within
