@@ -286,9 +286,11 @@ class Engine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0, deadline: float | None = None, cache_salt: str = "",
                     pooling: PoolingParams | None = None, lora: str = "",
-                    images: list[ImageInput] | None = None) -> None:
+                    images: list[ImageInput] | None = None, admitted: bool = False) -> None:
         """A generation, or with ``pooling`` an embedding (``params`` unused: nothing is sampled); ``lora``: the
-        LoRA adapter it runs with ("": none); ``images``: what the prompt's image placeholders stand for."""
+        LoRA adapter it runs with ("": none); ``images``: what the prompt's image placeholders stand for;
+        ``admitted``: a later part of work already taken (a beam search's next round), which a full waiting
+        queue does not refuse."""
         self._check(request_id, prompt_token_ids, params, pooling)
         prompt_images = self._images(prompt_token_ids, images or [], pooling is not None)
         adapter = self.adapters.get(lora) if lora else None
@@ -310,7 +312,7 @@ class Engine:
                       cache_salt, pool, adapter.key if adapter else "", adapter.slot if adapter else -1,
                       prompt_images)
         try:
-            self.scheduler.add(req)
+            self.scheduler.add(req, bounded=not admitted)
         except QueueFull as e:
             raise RequestError(429, "rate_limit_error", f"server busy: {e}; retry later") from e
         except PromptTooLong as e:

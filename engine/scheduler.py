@@ -173,8 +173,10 @@ class Scheduler:
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self._waiting_embeddings = 0  # waiting requests that will never decode (engine.pooling)
 
-    def add(self, req: Request) -> None:
-        if len(self.waiting) >= self.max_num_waiting_requests:
+    def add(self, req: Request, bounded: bool = True) -> None:
+        """Queue ``req``; ``bounded``: refused with ``QueueFull`` when the waiting queue is full (False: a later
+        part of work already admitted, which must not fail halfway)."""
+        if bounded and len(self.waiting) >= self.max_num_waiting_requests:
             raise QueueFull(f"the waiting queue is full ({self.max_num_waiting_requests} requests)")
         bm = self.block_manager
         if bm.blocks_needed(req, _context_needed(req)) > bm.num_blocks:  # could never run, not even alone

@@ -150,6 +150,7 @@ class BeamGeneration(Generation):
                                      lambda i: params, self._priority, None, self.deadline, self.cache_salt,
                                      skip_special_tokens=self.skip_special_tokens)
         r.lora, r.images = self.lora, self.images
+        r.admitted = self._rounds > 1  # the first round took the queue's room; the search must not fail halfway
         tops: list = [None] * len(beams)
         r.start()
         try:

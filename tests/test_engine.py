@@ -141,6 +141,8 @@ def test_bad_requests_are_refused(tiny_llama):
     with pytest.raises(RequestError) as e:
         eng.add_request("c", [1], SamplingParams())
     assert e.value.status == 429
+    eng.add_request("c", [1], SamplingParams(), admitted=True)  # a beam search's later round: never a 429
+    assert len(eng.scheduler.waiting) == 3
 
 
 def test_out_of_vocab_stop_ids_and_bias_keys_are_refused(tiny_llama):

@@ -175,6 +175,29 @@ def test_a_call_larger_than_the_engine_queue_is_400_not_429(tmp_path, smollm_tok
         e.stop()
 
 
+def test_a_beam_searchs_later_rounds_are_not_refused_by_a_full_queue(tmp_path, smollm_tokenizer_dir):
+    """Each round of a beam search is new engine requests. Once its first round is in, a full waiting queue
+    must not end the search halfway with a 429 (its rounds lost): later rounds go as ``admitted``; a new
+    request still gets the 429."""
+    e = FakeEngine(f"ipc://{tmp_path}/engine.sock")
+    e.room = 1  # the first round (the prompt alone: one beam); then the queue is full for new work
+    e.start()
+    p = free_port()
+    proc = start_frontend(e.address, smollm_tokenizer_dir, p)
+    try:
+        body = {"prompt": "x", "max_tokens": 4, "n": 2, "use_beam_search": True, "ignore_eos": True}
+        status, _, raw = post_raw(p, "/v1/completions", body)
+        assert status == 200, raw
+        assert [len(c["text"]) > 0 for c in json.loads(raw)["choices"]] == [True, True]
+        rounds = [a.admitted for a in e.adds]
+        assert rounds[0] is False and len(rounds) > 2 and all(rounds[1:]), rounds  # then 2 beams a round
+        status, headers, raw = post_raw(p, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+        assert status == 429 and "retry-after" in headers, raw
+    finally:
+        assert stop_frontend(proc) == 0
+        e.stop()
+
+
 def test_408_through_the_openai_client(client):
     with pytest.raises(openai.APIStatusError) as e:
         client.completions.create(model=MODEL, prompt="x", max_tokens=5, extra_body={"timeout": INSTANT})
@@ -227,7 +250,7 @@ class _Client:
         self.aborted: list[str] = []
 
     def add(self, request_id, prompt_token_ids, params, priority=0, deadline=None, stream=None, cache_salt="", pooling=None,
-            lora="", images=None):
+            lora="", images=None, admitted=False):
         self.added.append((request_id, priority, deadline))
         self.salts.append(cache_salt)
         return stream

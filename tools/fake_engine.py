@@ -130,6 +130,8 @@ class FakeEngine(threading.Thread):
         self.step_delay = step_delay
         self.tokens_per_step = tokens_per_step
         self.refuse: Error | None = None  # answer every ADD with this error
+        self.room: int | None = None  # new work taken before the waiting queue counts as full: later ADDs get
+        # a 429, but for those marked ``admitted`` (a beam search's later rounds), as the real scheduler does
         self.loras: list[list[str]] = []  # the LoRA adapters its READY names ([name, path]); LORA updates change it
         self.lora_refusal: str | None = None  # answer every LoRA load with this (a 400); unloads still work
         self.max_loras = 0  # what READY announces: LoRA slots (0: none loaded while serving)
@@ -193,9 +195,12 @@ class FakeEngine(threading.Thread):
             sock.send_multipart([ident, encode(PrefixCacheReset(msg.call_id, 200, not self.running))])
         elif isinstance(msg, Add):
             self.adds.append(msg)
-            if self.refuse is not None:
-                err = Error(msg.request_id, self.refuse.status, self.refuse.type, self.refuse.message)
-                sock.send_multipart([ident, encode(err)])
+            full = self.room is not None and not msg.admitted and self.room <= 0
+            if self.room is not None and not msg.admitted:
+                self.room -= 1
+            if self.refuse is not None or full:
+                err = self.refuse or Error("", 429, "rate_limit_error", "server busy: the waiting queue is full")
+                sock.send_multipart([ident, encode(Error(msg.request_id, err.status, err.type, err.message))])
             else:
                 cached = self.prefix_cache.admit(msg.prompt_token_ids, msg.cache_salt)
                 self.running[msg.request_id] = [ident, msg, 0, cached]
