@@ -7,7 +7,8 @@ body does (the same template, tools, thinking, structured output); ``/api/genera
 message (``system`` before it), or with ``raw`` as a completion of the prompt as it is, or with ``suffix`` as
 llama.cpp's ``/infill`` (``frontends.llamacpp``). ``OllamaFormat`` writes Ollama's answers: one object, or
 streamed (the default) as newline-delimited JSON (``application/x-ndjson``), a line per update and a last one
-with ``done``, ``done_reason`` ("stop" | "length") and the durations in nanoseconds.
+with ``done``, ``done_reason`` ("stop" | "length"; "timeout" when the request's ``timeout`` passed) and the
+durations in nanoseconds.
 
 ``options`` are llama.cpp's names, read as the llama.cpp endpoints read them (``num_predict``, ``temperature``,
 ``top_k``, ``top_p``, ``min_p``, ``typical_p``, ``repeat_penalty`` over ``repeat_last_n``, the penalties,
@@ -512,7 +513,7 @@ class OllamaFormat:
         c, now = self.gen.choices[0], time.monotonic()
         sent = self.gen.sent_at or self.gen.arrival
         first = c.first_token_at or now
-        out = {"done_reason": "stop" if c.finish_reason == "stop" else "length",
+        out = {"done_reason": c.finish_reason if c.finish_reason in ("stop", "timeout") else "length",
                "total_duration": int((now - self.gen.arrival) * 1e9), "load_duration": 0,
                "prompt_eval_count": c.num_prompt_tokens - c.num_cached_tokens,
                "prompt_eval_duration": int(max(0.0, first - sent) * 1e9), "eval_count": c.num_tokens,

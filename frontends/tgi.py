@@ -6,9 +6,10 @@ So that what is written for text-generation-inference (``huggingface_hub.Inferen
 ``text_generation.Client``, LangChain's and LlamaIndex's TGI classes) talks to tokenmill. A body ``{"inputs",
 "parameters", "stream"}`` is checked by TGI's rules (its messages, 422 ``{"error", "error_type": "validation"}``)
 and run as a ``/v1/completions`` body of the prompt's tokens; ``GenerateFormat`` writes TGI's answers:
-``generated_text``, ``details`` (``finish_reason`` "length" | "eos_token" | "stop_sequence", ``tokens``,
-``prefill``, ``top_tokens``, ``best_of_sequences``), streamed as ``data:{...}`` events, one per token, the
-last with the whole text, no ``[DONE]``.
+``generated_text``, ``details`` (``finish_reason`` "length" | "eos_token" | "stop_sequence", or "timeout" when
+the request's ``timeout`` passed; ``tokens``, ``prefill``, ``top_tokens``, ``best_of_sequences``), streamed as
+``data:{...}`` events, one per token, the last with the whole text, no ``[DONE]`` (a stream cut by its
+``timeout`` ends with TGI's ``incomplete_generation`` error event instead).
 
 As TGI reads them: no ``parameters`` at all samples (``do_sample`` true), ``parameters`` without ``do_sample`` and
 without any of temperature 1, ``top_k``, ``top_p`` < 1, ``typical_p`` < 1 is greedy; ``max_new_tokens`` null runs
@@ -300,7 +301,10 @@ def _lp(v: float | None) -> float | None:
     return None if v is None or math.isnan(v) else max(v, -3.4028234663852886e38)  # (-inf as f32's lowest, as TGI)
 
 
-_FINISH = {"length": "length", "timeout": "length", "abort": "length"}
+# TGI's finish reasons, and this server's "timeout" (a request's ``timeout`` passed: TGI has no deadlines), never
+# passed off as "length", which says max_new_tokens was reached
+_FINISH = {"length": "length", "timeout": "timeout", "abort": "length"}
+_CUT = ("timeout", "abort")  # a stream these end says so with TGI's incomplete_generation error event
 
 
 class GenerateFormat:
@@ -401,11 +405,14 @@ class GenerateFormat:
         for up in updates:
             c = up.choice
             taken = self._take(up)
+            cut = up.finished and c.finish_reason in _CUT
             for j, (tok, tops) in enumerate(taken):
                 self.index += 1
-                last = up.finished and j == len(taken) - 1
+                last = up.finished and j == len(taken) - 1 and not cut
                 out += self._event(c, tok, tops, last)
-            if up.finished and not taken:  # (ended without a token, its deadline passed: TGI sends no such event)
+            # a deadline ends the stream the same way whether or not a token came with it (TGI never sends a
+            # token event without a token, and a final one would pass the cut off as a normal end)
+            if up.finished and (cut or not taken):
                 out += self.stream_error(ApiError(500, f"Incomplete generation: the request ended ({c.finish_reason}) "
                                                        f"after {c.num_tokens} tokens", type="incomplete_generation"))
         return out

@@ -70,6 +70,21 @@ def test_options_are_llama_cpps_names():
 # ---------------------------------------------------------------------------- served
 
 
+@pytest.mark.parametrize("finish,reason", [("stop", "stop"), ("length", "length"), ("timeout", "timeout"),
+                                           ("abort", "length")])
+def test_done_reason_says_a_timeout_was_one(finish, reason):
+    """A request's ``timeout`` passing is "timeout", as on the OpenAI routes, never passed off as "length"
+    (num_predict reached)."""
+    from types import SimpleNamespace
+
+    from frontends.ollama import OllamaFormat
+
+    choice = SimpleNamespace(finish_reason=finish, num_prompt_tokens=3, num_cached_tokens=0, num_tokens=2,
+                             first_token_at=None, last_token_at=None, prompt_ids=[1, 2, 3])
+    fmt = OllamaFormat("m", SimpleNamespace(choices=[choice], sent_at=None, arrival=0.0), None, chat=False)
+    assert fmt._stats()["done_reason"] == reason
+
+
 def test_generate_whole_streamed_and_raw(tiny_server, tiny_client, client):
     want = openai(tiny_client, PROMPT, chat=True)
     r = client.generate(model="tiny", prompt=PROMPT, options=GREEDY)

@@ -146,6 +146,17 @@ def test_a_stream_that_ends_without_a_token_ends_with_an_error_event(smollm_toke
     (event,) = events(fmt.chunk([up]))
     assert event["error_type"] == "incomplete_generation" and "after 3 tokens" in event["error"]
 
+    # the deadline ending the request in the same update as a token: that token, then the same error event
+    # (not a normal last event, which would pass the cut off as max_new_tokens reached)
+    choice.num_tokens = 4
+    up = Update(choice)
+    up.token_ids, up.text, up.finished = [42], "x", True
+    token, end = events(fmt.chunk([up]))
+    assert token["token"]["id"] == 42 and token["generated_text"] is None and token["details"] is None
+    assert end["error_type"] == "incomplete_generation" and "(timeout) after 4 tokens" in end["error"]
+    # whole: the text so far, and "timeout" for its finish, never "length"
+    assert fmt._sequence(choice)["finish_reason"] == "timeout"
+
 
 # ---------------------------------------------------------------------------- served
 
