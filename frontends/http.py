@@ -124,16 +124,28 @@ Observer = Callable[[Request, int], None]  # (request, status) once it is answer
 CLIENT_GONE = 499  # nginx's "client closed request": the client left before its answer
 
 
+ErrorShape = tuple  # (body, status): another API's error shape (``shaped_errors``); status optional
+
+
+def _answer(shape: ErrorShape | None, e: ApiError) -> Response:
+    """``e`` as the response ``shape`` writes (None: OpenAI's)."""
+    if shape is None:
+        return Response(e.status, e.body(), headers=list(e.headers))
+    body, status = (*shape, lambda e: e.status)[:2]
+    return Response(status(e), orjson.dumps(body(e)), headers=list(e.headers))
+
+
 def shaped_errors(handler: Handler, body: Callable[[ApiError], dict],
                   status: Callable[[ApiError], int] = lambda e: e.status) -> Handler:
     """``handler`` with its refusals written as ``body(e)`` says, with ``status(e)``: another API's error shape
-    (Anthropic's, llama.cpp's, TGI's) on its routes."""
+    (Anthropic's, llama.cpp's, TGI's) on its routes. ``Router.add``'s ``errors`` does this, and shapes the
+    refusals made before a handler runs (405, 413) too."""
 
     async def handle(req: Request) -> Response | StreamingResponse:
         try:
             return await handler(req)
         except ApiError as e:
-            return Response(status(e), orjson.dumps(body(e)), headers=e.headers)
+            return _answer((body, status), e)
     return handle
 
 
@@ -144,9 +156,19 @@ class Router:
     def __init__(self) -> None:
         self._routes: dict[str, dict[str, Handler]] = {}
         self._upgrades: dict[str, UpgradeHandler] = {}
+        self._shapes: dict[str, ErrorShape] = {}  # a path's error shape, where not OpenAI's
 
-    def add(self, method: str, path: str, handler: Handler) -> None:
+    def add(self, method: str, path: str, handler: Handler, errors: ErrorShape | None = None) -> None:
+        """``errors``: (body, status) of the path's error shape (``shaped_errors``), for what its handler
+        raises and for what the server refuses on that path before any handler runs (405, 413, 408)."""
+        if errors is not None:
+            self._shapes[path] = errors
+            handler = shaped_errors(handler, *errors)
         self._routes.setdefault(path, {})[method.upper()] = handler
+
+    def error(self, path: str, e: ApiError) -> Response:
+        """``e`` in ``path``'s error shape."""
+        return _answer(self._shapes.get(path), e)
 
     def add_upgrade(self, path: str, handler: UpgradeHandler) -> None:
         """``handler`` serves requests to ``path`` that carry an ``Upgrade`` header."""
@@ -510,7 +532,7 @@ class HttpProtocol(asyncio.Protocol):
             if req.error is not None:
                 status, msg = req.error
                 req.keep_alive = False
-                self._send(req, Response(status, status_error_body(status, msg)))
+                self._send(req, self.server.router.error(req.path, ApiError(status, msg, code=status)))
                 return False
             try:
                 if req.upgrade and (up := self.server.router.upgrade_handler(req.path)) is not None:
@@ -523,8 +545,8 @@ class HttpProtocol(asyncio.Protocol):
                     if self._leftover or self._stop_reading and req.upgrade:
                         req.keep_alive = False  # the parser stopped at an upgrade nobody took
                     result = await self.server.router.resolve(req.method, req.path)(req)
-            except ApiError as e:
-                result = Response(e.status, e.body(), headers=list(e.headers))
+            except ApiError as e:  # (404 or 405: in the path's shape)
+                result = self.server.router.error(req.path, e)
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - a handler bug must not take the connection's other requests down

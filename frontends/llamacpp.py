@@ -40,7 +40,7 @@ from frontends.beam_search import refuse_beam_search
 from frontends.embeddings import embeddings_job
 from frontends.errors import ApiError
 from frontends.generation import Generation, Update
-from frontends.http import Request, Response, shaped_errors
+from frontends.http import Request, Response
 from frontends.openai_api import VERSION, OpenAIApi
 from frontends.text import StopStrings, TextCodec
 
@@ -400,7 +400,7 @@ class LlamaCppApi:
                                       ("POST", "/infill", self.infill), ("POST", "/apply-template", self.apply_template),
                                       ("GET", "/props", self.props), ("POST", "/embedding", self.embedding),
                                       ("POST", "/embeddings", self.embedding)):
-            router.add(method, path, shaped_errors(auth.guard(handler, json_body=method == "POST"), error_body))
+            router.add(method, path, auth.guard(handler, json_body=method == "POST"), errors=(error_body,))
             router.add("OPTIONS", path, auth.preflight)
         # the OpenAI frontend's, which take llama.cpp's shapes too (and answer in OpenAI's error shape)
         router.add("POST", "/tokenize", auth.guard(self.tokenize, json_body=True))

@@ -34,7 +34,7 @@ from frontends import openai_params as op
 from frontends.embeddings import embeddings_job
 from frontends.errors import ApiError
 from frontends.generation import Generation, Update
-from frontends.http import Request, Response, shaped_errors
+from frontends.http import Request, Response
 from frontends.openai_api import VERSION, OpenAIApi
 
 # Ollama's options as llama.cpp's names, with their types ("float32": a number)
@@ -223,7 +223,7 @@ class OllamaApi:
                                       ("POST", "/api/embed", self.embed), ("POST", "/api/embeddings", self.embed),
                                       ("POST", "/api/show", self.show), ("GET", "/api/tags", self.tags),
                                       ("GET", "/api/ps", self.ps), ("GET", "/api/version", self.version)):
-            router.add(method, path, shaped_errors(auth.guard(handler, json_body=method == "POST"), error_body))
+            router.add(method, path, auth.guard(handler, json_body=method == "POST"), errors=(error_body,))
             router.add("OPTIONS", path, auth.preflight)
 
     # ------------------------------------------------------------------ models

@@ -50,7 +50,7 @@ from frontends.embeddings import classify_job, embeddings_job
 from frontends.engine_client import EngineClient, EngineUnavailable
 from frontends.errors import ApiError
 from frontends.generation import Generation, LogprobEntry, Update, usage_dict
-from frontends.http import Request, Response, Router, StreamingResponse, shaped_errors
+from frontends.http import Request, Response, Router, StreamingResponse
 from frontends.images import ImageProcessor
 from frontends.media import MediaReader
 from frontends.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -171,8 +171,7 @@ class OpenAIApi:
             # /health and /ping stay open for load balancers; every other POST but these two takes a JSON body
             json_body = method == "POST" and path not in ("/ping", "/reset_prefix_cache")
             guarded = self.auth.guard(handler, key=path not in open_paths, json_body=json_body)
-            router.add(method, path, shaped_errors(guarded, anthropic.error_body) if path.startswith("/v1/messages")
-                       else guarded)
+            router.add(method, path, guarded, errors=(anthropic.error_body,) if path.startswith("/v1/messages") else None)
             router.add("OPTIONS", path, self.auth.preflight)
         return router
 

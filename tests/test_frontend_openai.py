@@ -500,6 +500,22 @@ def test_routing_errors_and_body_limit(stack):
     _err(post(port, "/v1/completions", None, raw=b'{"prompt": "' + b"x" * 70000 + b'"}'), 413)
 
 
+@pytest.mark.parametrize("path,shape", [
+    ("/v1/messages", lambda b: b["type"] == "error" and {"type", "message"} <= set(b["error"])),  # Anthropic's
+    ("/api/generate", lambda b: set(b) == {"error"} and isinstance(b["error"], str)),  # Ollama's
+    ("/generate", lambda b: set(b) == {"error", "error_type"}),  # TGI's
+    ("/completion", lambda b: set(b["error"]) == {"code", "message", "type"}),  # llama.cpp's
+])
+def test_refusals_before_routing_come_in_the_routes_own_shape(stack, path, shape):
+    """A wrong method (405) and a body past the limit (413), refused before any handler runs, are written in
+    the error shape of the API the path belongs to, as the handler's own refusals are."""
+    port = stack[1]
+    r = get(port, path)
+    assert r.status_code == 405 and shape(r.json()) and "not allowed" in r.text, r.text
+    r = post(port, path, None, raw=b'{"prompt": "' + b"x" * 70000 + b'"}')
+    assert r.status_code == 413 and shape(r.json()) and "too large" in r.text, r.text
+
+
 def test_engine_refusal_passes_status(stack, client):
     engine = stack[0]
     engine.refuse = Error(None, 429, "rate_limit_error", "queue full")
