@@ -384,7 +384,8 @@ class OllamaApi:
                     body["response_format"] = fmt
                 gen, _ = await self.api.completion_job(body, arrival)
                 answers = None
-            else:
+            else:  # (run as a chat, whose refusal of a long text would name messages, not the prompt)
+                op.check_text_length(len(prompt), self.api.max_chars, "prompt")
                 gen, chat_fmt = await self._chat(to_chat(data, self._messages(data, prompt)) | {"model": name},
                                                  arrival)
                 answers = chat_fmt.answers

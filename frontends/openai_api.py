@@ -367,7 +367,10 @@ class OpenAIApi:
             op.check_text_length(len(prompt), self.max_chars, "prompt")
             tokens = await self._offload(len(prompt), self.codec.encode, prompt,
                                          op.field(data, "add_special_tokens", bool, True))
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": self.max_model_len}
+        out = {"tokens": tokens, "count": len(tokens), "max_model_len": self.max_model_len}
+        if op.field(data, "return_token_strs", bool, False):  # vLLM's: each token as the vocabulary spells it
+            out["token_strs"] = self.codec.tokenizer.convert_ids_to_tokens(tokens)
+        return out
 
     async def detokenize(self, req: Request) -> Response:
         return _json(await self.detokenized(op.parse_json(req.body)))

@@ -64,7 +64,8 @@ def field(data: dict, name: str, types: type | tuple, default: Any = _MISSING, *
     ok = isinstance(v, types) and not (isinstance(v, bool) and bool not in _as_tuple(types))
     if not ok:
         want = " or ".join(t.__name__ for t in _as_tuple(types))
-        raise ApiError(400, f"'{name}' must be of type {want}, got {type(v).__name__}", param=name)
+        got = "a whole number past 64 bits" if type(v) is float and v.is_integer() else type(v).__name__
+        raise ApiError(400, f"'{name}' must be of type {want}, got {got}", param=name)
     return v
 
 
@@ -545,6 +546,14 @@ def parse_n(data: dict) -> int:
     n = field(data, "n", int, 1)
     if not 1 <= n <= MAX_N:
         raise ApiError(400, f"n must be in [1, {MAX_N}], got {n}", param="n")
+    # OpenAI's legacy best_of: that many samples, the n most likely answered. As vLLM V1, only its no-op
+    # values are taken (n, or 1: LangChain's default beside any n); anything else is a 400, not ignored
+    best_of = field(data, "best_of", int, None)
+    if best_of not in (None, 1, n):
+        if best_of < n:
+            raise ApiError(400, f"best_of must be at least n ({n}), got {best_of}", param="best_of")
+        raise ApiError(400, f"best_of above n is not supported (as in vLLM V1), got {best_of} for n = {n}: ask "
+                       "for n choices with logprobs and keep the likeliest", param="best_of")
     return n
 
 

@@ -285,6 +285,10 @@ def test_models_version_tokenize_detokenize(client, stack):
     assert post(port, "/detokenize", {"tokens": t["tokens"]}).json()["prompt"].endswith("hello world")
     c = post(port, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]}).json()
     assert c["count"] > 3
+    assert "token_strs" not in t  # vLLM's return_token_strs: the vocabulary's spelling of each token
+    s = post(port, "/tokenize", {"prompt": "hello world", "return_token_strs": True}).json()
+    assert s["tokens"] == t["tokens"] and s["token_strs"] == ["hello", "Ġworld"]
+    assert post(port, "/tokenize", {"prompt": "x", "return_token_strs": "yes"}).status_code == 400
 
 
 # ----------------------------------------------------------------------------- prefix cache: cache_salt, cached_tokens
@@ -430,9 +434,24 @@ def _err(r, status: int, typ: str | None = None, param: str | None = None):
     ({"prompt": "x", "max_tokens": 3.5}, "max_tokens"),
     ({"prompt": "x", "n": 1e300}, "n"),
     ({"prompt": "x", "max_tokens": True}, "max_tokens"),
+    ({"prompt": "x", "n": 3, "best_of": 2}, "best_of"),  # (fewer samples than answers)
+    ({"prompt": "x", "n": 1, "best_of": 4}, "best_of"),  # (not done, so not silently ignored: as vLLM V1)
+    ({"prompt": "x", "best_of": "2"}, "best_of"),
 ])
 def test_bad_completion_requests(stack, body, param):
     _err(post(stack[1], "/v1/completions", body), 400, "invalid_request_error", param)
+
+
+def test_an_integer_past_64_bits_is_called_so(stack):
+    e = _err(post(stack[1], "/v1/completions", {"prompt": "x", "priority": 2**70}), 400, param="priority")
+    assert "got a whole number past 64 bits" in e["message"]
+
+
+def test_best_of_no_op_values_are_taken(stack):
+    """best_of equal to n, or 1 beside any n (LangChain's default): what was asked is done."""
+    for body in ({"n": 2, "best_of": 2}, {"n": 2, "best_of": 1}, {"best_of": None}):
+        r = post(stack[1], "/v1/completions", {"prompt": "x", "max_tokens": 2, **body})
+        assert r.status_code == 200 and len(r.json()["choices"]) == body.get("n", 1), r.text
 
 
 def test_whole_floats_are_taken_for_integers(stack):

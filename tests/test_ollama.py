@@ -157,7 +157,8 @@ def test_models_and_refusals(tiny_server, client):
                           ({"prompt": "x", "think": "high", "raw": True}, '"tiny" does not support thinking'),
                           ({"prompt": "x", "min_tokens": 10, "options": {"num_predict": 2}}, "num_predict 2"),
                           ({"prompt": ["x"]}, "'prompt' must be of type str"),
-                          ({"prompt": "x", "keep_alive": "abc"}, 'time: invalid duration "abc"')):
+                          ({"prompt": "x", "keep_alive": "abc"}, 'time: invalid duration "abc"'),
+                          ({"prompt": "x" * 400_000}, "The prompt is 400000 characters long")):  # (not "messages")
         status, raw, _ = post(tiny_server, "/api/generate", {"model": "tiny", **body})
         assert status == 400 and message in json.loads(raw)["error"], raw
     for messages in ([{"role": "user", "content": []}], [{"role": "assistant", "content": "", "tool_calls": [
