@@ -41,11 +41,20 @@ def default_gguf() -> str:
 
 
 @pytest.fixture(scope="session")
-def smollm_tokenizer_dir(tmp_path_factory, default_gguf) -> str:
+def smollm_tokenizer_dir(tmp_path_factory) -> str:
+    """SmolLM2's tokenizer; where the default model is not installed (a GPU machine it cannot be carried
+    to), a random one of its vocabulary's size, for the tests that give token ids (tools/gpu_check.sh)."""
     from transformers import AutoTokenizer
 
     out = tmp_path_factory.mktemp("smollm_tokenizer")
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(default_gguf), gguf_file=os.path.basename(default_gguf))
+    try:
+        gguf = default_model_path()
+    except FileNotFoundError:
+        from tools.random_model import save_tokenizer
+
+        save_tokenizer(str(out), TINY["vocab_size"])
+        return str(out)
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
     tok.save_pretrained(out)
     return str(out)
 

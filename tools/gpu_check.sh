@@ -17,8 +17,9 @@
 #   wheels          unpack the carried wheels
 #   models          build the two random-weight models
 #   kernel-tests    tests/test_triton_kernels.py, compiled on CUDA (8 pytest-xdist workers, where it is there)
-#   cuda-tests      tests/test_cuda.py: greedy parity with transformers on the GPU (int4 checkpoints, an fp8
-#                   cache, LoRA adapters, a LLaVA's images too), KV sizing by profiling
+#   cuda-tests      tests/test_cuda.py (and the CUDA tests of four other files): greedy parity with
+#                   transformers on the GPU (int4 checkpoints, an fp8 cache, LoRA adapters, a LLaVA's images
+#                   too), KV sizing by profiling, CUDA graphs, surviving an out-of-memory step
 #   bench-kernels   tools/bench_kernels.py: each kernel against torch and the memory floor
 #   offline-SHAPE   tools/bench_offline.py on each model, 256 requests at 256 sequences: out tok/s, the decode
 #                   step against the HBM floor, the host's share; with asynchronous scheduling off, then on
@@ -133,7 +134,12 @@ if ((!CUDA)); then
 elif ! has "pytest, $ENGINE"; then
   skip cuda-tests "pytest or the engine's imports missing (pyzmq, orjson: carry their wheels in .whl/)"
 else
-  part cuda-tests 150 "$PY -m pytest -q -p no:cacheprovider $(xdist 4) tests/test_cuda.py"  # int4: more kernels
+  # and the CUDA tests of other files (their tiny models take a random tokenizer there: tests/conftest.py)
+  part cuda-tests 150 "$PY -m pytest -q -p no:cacheprovider $(xdist 4) tests/test_cuda.py \
+    tests/test_loader.py::test_cuda_bf16_load_peaks_at_the_model_size \
+    tests/test_sampler.py::test_seeded_noise_and_tokens_are_the_same_on_cuda \
+    tests/test_engine_oom.py::test_a_real_cuda_out_of_memory_is_survived \
+    tests/test_model_runner.py::test_cuda_graphs_keep_greedy_outputs"
 fi
 
 if ((!CUDA)); then
