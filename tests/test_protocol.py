@@ -20,7 +20,7 @@ MESSAGES = {
     "ready": p.Ready("tiny", 1024, 49152, [2], 64, 100, 16, loras=[["sql", "/adapters/sql"]], max_loras=4),
     "add": p.Add("r1", [1, 2, 3], SP, 1, 1700000000.5, "t1", lora="sql"),
     "image add": p.Add("r3", [5, 9, 9, 6], p.SamplingParams(max_tokens=2), images=[
-        p.ImageInput(1, 2, [3, 1, 1], b"\x00\x00\x80?" * 3)], admitted=True),  # (admitted: a beam search's later round)
+        p.ImageInput(1, 2, [3, 1, 1], b"\x00\x00\x80?" * 3)], admitted=True),  # (a beam search's later round)
     "image ready": p.Ready("llava", 4096, 32064, [2], 64, 100, 16, image_token_id=32000, image_tokens=576,
                            max_images=16),
     "classifier ready": p.Ready("reward", 4096, 32064, [2], 64, 100, 16, labels=["neg", "pos"]),
