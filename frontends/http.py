@@ -157,6 +157,7 @@ class Router:
         self._routes: dict[str, dict[str, Handler]] = {}
         self._upgrades: dict[str, UpgradeHandler] = {}
         self._shapes: dict[str, ErrorShape] = {}  # a path's error shape, where not OpenAI's
+        self._prefix_shapes: list[tuple[str, ErrorShape]] = []  # ... and of the paths under a prefix
 
     def add(self, method: str, path: str, handler: Handler, errors: ErrorShape | None = None) -> None:
         """``errors``: (body, status) of the path's error shape (``shaped_errors``), for what its handler
@@ -166,9 +167,17 @@ class Router:
             handler = shaped_errors(handler, *errors)
         self._routes.setdefault(path, {})[method.upper()] = handler
 
+    def shape_prefix(self, prefix: str, errors: ErrorShape) -> None:
+        """Refusals on paths under ``prefix`` that no route takes (404s) in that API's shape too."""
+        self._prefix_shapes.append((prefix, errors))
+
     def error(self, path: str, e: ApiError) -> Response:
         """``e`` in ``path``'s error shape."""
-        return _answer(self._shapes.get(path), e)
+        shape = self._shapes.get(path)
+        if shape is None:
+            shape = max(((p, s) for p, s in self._prefix_shapes if path.startswith(p)), key=lambda ps: len(ps[0]),
+                        default=(None, None))[1]
+        return _answer(shape, e)
 
     def add_upgrade(self, path: str, handler: UpgradeHandler) -> None:
         """``handler`` serves requests to ``path`` that carry an ``Upgrade`` header."""
@@ -184,7 +193,8 @@ class Router:
         handler = by_method.get("GET" if method == "HEAD" and "HEAD" not in by_method else method)
         if handler is None:
             allowed = sorted({*by_method, *(["HEAD"] if "GET" in by_method else [])})
-            raise ApiError(405, f"Method {method} not allowed for {path}; allowed: {', '.join(allowed)}", code=405)
+            raise ApiError(405, f"Method {method} not allowed for {path}; allowed: {', '.join(allowed)}", code=405,
+                           headers=[("allow", ", ".join(allowed))])
         return handler
 
     def handler_name(self, path: str) -> str:
@@ -478,6 +488,12 @@ class HttpProtocol(asyncio.Protocol):
     def _refuse(self, req: Request, status: int, message: str) -> None:
         """Answer ``req`` with an error in its turn, then close: nothing more is read."""
         req.error = (status, message)
+        if self._in_head and self._url:  # (its path, for the error's shape, as far as it came)
+            try:
+                url = httptools.parse_url(bytes(self._url))
+                req.path = url.path.decode("utf-8", "replace") if url.path else "/"
+            except httptools.HttpParserInvalidURLError:
+                pass
         req.body = bytearray()
         req.keep_alive = False
         self._in_head = False

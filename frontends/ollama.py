@@ -225,6 +225,7 @@ class OllamaApi:
                                       ("GET", "/api/ps", self.ps), ("GET", "/api/version", self.version)):
             router.add(method, path, auth.guard(handler, json_body=method == "POST"), errors=(error_body,))
             router.add("OPTIONS", path, auth.preflight)
+        router.shape_prefix("/api/", (error_body,))
 
     # ------------------------------------------------------------------ models
 
@@ -386,6 +387,7 @@ class OllamaApi:
                 answers = None
             else:  # (run as a chat, whose refusal of a long text would name messages, not the prompt)
                 op.check_text_length(len(prompt), self.api.max_chars, "prompt")
+                op.check_text_length(len(op.field(data, "system", str, None) or ""), self.api.max_chars, "system")
                 gen, chat_fmt = await self._chat(to_chat(data, self._messages(data, prompt)) | {"model": name},
                                                  arrival)
                 answers = chat_fmt.answers

@@ -173,6 +173,7 @@ class OpenAIApi:
             guarded = self.auth.guard(handler, key=path not in open_paths, json_body=json_body)
             router.add(method, path, guarded, errors=(anthropic.error_body,) if path.startswith("/v1/messages") else None)
             router.add("OPTIONS", path, self.auth.preflight)
+        router.shape_prefix("/v1/messages", (anthropic.error_body,))
         return router
 
     # ------------------------------------------------------------------ plumbing

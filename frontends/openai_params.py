@@ -64,7 +64,7 @@ def field(data: dict, name: str, types: type | tuple, default: Any = _MISSING, *
     ok = isinstance(v, types) and not (isinstance(v, bool) and bool not in _as_tuple(types))
     if not ok:
         want = " or ".join(t.__name__ for t in _as_tuple(types))
-        got = "a whole number past 64 bits" if type(v) is float and v.is_integer() else type(v).__name__
+        got = "a whole number outside the 64-bit range" if type(v) is float and v.is_integer() else type(v).__name__
         raise ApiError(400, f"'{name}' must be of type {want}, got {got}", param=name)
     return v
 
@@ -183,7 +183,8 @@ def parse_prompt_logprobs(data: dict) -> int | None:
 
 def check_text_length(num_chars: int, max_chars: int, param: str) -> None:
     if num_chars > max_chars:
-        raise ApiError(400, f"The {param} is {num_chars} characters long: more than fits this model's context "
+        verb = "are" if param.endswith("s") else "is"  # (the messages, the prompt)
+        raise ApiError(400, f"The {param} {verb} {num_chars} characters long: more than fits this model's context "
                        f"(at most {max_chars} characters). Please reduce the length of the {param}.", param=param)
 
 

@@ -442,9 +442,9 @@ def test_bad_completion_requests(stack, body, param):
     _err(post(stack[1], "/v1/completions", body), 400, "invalid_request_error", param)
 
 
-def test_an_integer_past_64_bits_is_called_so(stack):
+def test_an_integer_outside_64_bits_is_called_so(stack):
     e = _err(post(stack[1], "/v1/completions", {"prompt": "x", "priority": 2**70}), 400, param="priority")
-    assert "got a whole number past 64 bits" in e["message"]
+    assert "got a whole number outside the 64-bit range" in e["message"]
 
 
 def test_best_of_no_op_values_are_taken(stack):
@@ -519,20 +519,35 @@ def test_routing_errors_and_body_limit(stack):
     _err(post(port, "/v1/completions", None, raw=b'{"prompt": "' + b"x" * 70000 + b'"}'), 413)
 
 
-@pytest.mark.parametrize("path,shape", [
-    ("/v1/messages", lambda b: b["type"] == "error" and {"type", "message"} <= set(b["error"])),  # Anthropic's
-    ("/api/generate", lambda b: set(b) == {"error"} and isinstance(b["error"], str)),  # Ollama's
-    ("/generate", lambda b: set(b) == {"error", "error_type"}),  # TGI's
-    ("/completion", lambda b: set(b["error"]) == {"code", "message", "type"}),  # llama.cpp's
+@pytest.mark.parametrize("path,shape,unknown", [
+    ("/v1/messages", lambda b: b["type"] == "error" and {"type", "message"} <= set(b["error"]),  # Anthropic's
+     "/v1/messages/nope"),
+    ("/api/generate", lambda b: set(b) == {"error"} and isinstance(b["error"], str), "/api/nope"),  # Ollama's
+    ("/generate", lambda b: set(b) == {"error", "error_type"}, None),  # TGI's
+    ("/completion", lambda b: set(b["error"]) == {"code", "message", "type"}, None),  # llama.cpp's
 ])
-def test_refusals_before_routing_come_in_the_routes_own_shape(stack, path, shape):
-    """A wrong method (405) and a body past the limit (413), refused before any handler runs, are written in
-    the error shape of the API the path belongs to, as the handler's own refusals are."""
+def test_refusals_before_routing_come_in_the_routes_own_shape(stack, path, shape, unknown):
+    """A wrong method (405, with its Allow header), a body past the limit (413), headers past theirs (431)
+    and, under an API's own prefix, a path no route takes (404) are refused before any handler runs; they
+    are written in the error shape of the API the path belongs to, as the handler's own refusals are."""
     port = stack[1]
-    r = get(port, path)
-    assert r.status_code == 405 and shape(r.json()) and "not allowed" in r.text, r.text
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request("GET", path, headers={"Authorization": f"Bearer {KEY}"})
+    r = conn.getresponse()
+    body = json.loads(r.read())
+    assert r.status == 405 and shape(body) and "not allowed" in str(body) and "POST" in r.getheader("allow"), body
+    conn.close()
     r = post(port, path, None, raw=b'{"prompt": "' + b"x" * 70000 + b'"}')
     assert r.status_code == 413 and shape(r.json()) and "too large" in r.text, r.text
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request("POST", path, body=b"{}", headers={"X-Big": "a" * 70000})
+    r = conn.getresponse()
+    body = json.loads(r.read())
+    assert r.status == 431 and shape(body), body
+    conn.close()
+    if unknown:
+        r = post(port, unknown, {})
+        assert r.status_code == 404 and shape(r.json()), r.text
 
 
 def test_engine_refusal_passes_status(stack, client):

@@ -158,7 +158,8 @@ def test_models_and_refusals(tiny_server, client):
                           ({"prompt": "x", "min_tokens": 10, "options": {"num_predict": 2}}, "num_predict 2"),
                           ({"prompt": ["x"]}, "'prompt' must be of type str"),
                           ({"prompt": "x", "keep_alive": "abc"}, 'time: invalid duration "abc"'),
-                          ({"prompt": "x" * 400_000}, "The prompt is 400000 characters long")):  # (not "messages")
+                          ({"prompt": "x" * 400_000}, "The prompt is 400000 characters long"),  # (not "messages")
+                          ({"prompt": "x", "system": "s" * 400_000}, "The system is 400000 characters long")):
         status, raw, _ = post(tiny_server, "/api/generate", {"model": "tiny", **body})
         assert status == 400 and message in json.loads(raw)["error"], raw
     for messages in ([{"role": "user", "content": []}], [{"role": "assistant", "content": "", "tool_calls": [
