@@ -387,7 +387,6 @@ class OllamaApi:
                 answers = None
             else:  # (run as a chat, whose refusal of a long text would name messages, not the prompt)
                 op.check_text_length(len(prompt), self.api.max_chars, "prompt")
-                op.check_text_length(len(op.field(data, "system", str, None) or ""), self.api.max_chars, "system")
                 gen, chat_fmt = await self._chat(to_chat(data, self._messages(data, prompt)) | {"model": name},
                                                  arrival)
                 answers = chat_fmt.answers
@@ -395,10 +394,10 @@ class OllamaApi:
             raise e.renamed(_NAMES) from None
         return gen, OllamaFormat(_shown(data), gen, answers, chat=False, context=not raw)
 
-    @staticmethod
-    def _messages(data: dict, prompt: str) -> list[dict]:
+    def _messages(self, data: dict, prompt: str) -> list[dict]:
         """/api/generate's prompt as a chat: ``system`` (where given), then the prompt (and its images) as the user's."""
         system = op.field(data, "system", str, None)
+        op.check_text_length(len(system or ""), self.api.max_chars, "system")  # (the chat's refusal says messages)
         return ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": _image_parts(prompt, _images(data.get("images")))}]
 

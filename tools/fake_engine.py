@@ -195,8 +195,9 @@ class FakeEngine(threading.Thread):
             sock.send_multipart([ident, encode(PrefixCacheReset(msg.call_id, 200, not self.running))])
         elif isinstance(msg, Add):
             self.adds.append(msg)
-            full = self.room is not None and not msg.admitted and self.room <= 0
+            full = False
             if self.room is not None and not msg.admitted:
+                full = self.room <= 0
                 self.room -= 1
             if self.refuse is not None or full:
                 err = self.refuse or Error("", 429, "rate_limit_error", "server busy: the waiting queue is full")
