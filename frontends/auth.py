@@ -35,7 +35,6 @@ from frontends.http import Handler, Request, Response, StreamingResponse
 Headers = list[tuple[str, str]]
 
 _PREFLIGHT = [
-    ("access-control-allow-methods", "GET, POST, OPTIONS"),
     ("access-control-allow-headers", "authorization, content-type, x-api-key, anthropic-version"),  # (or as asked)
     ("access-control-max-age", "600"),
 ]
@@ -111,17 +110,18 @@ class Auth:
         origin = req.headers.get("origin")
         return [("access-control-allow-origin", origin), ("vary", "origin")] if origin else []
 
-    async def preflight(self, req: Request) -> Response:
-        """``OPTIONS``: a CORS preflight, answered for allowed origins only (it never carries a key)."""
+    async def preflight(self, req: Request, methods: str) -> Response:
+        """``OPTIONS``: a CORS preflight, answered for allowed origins only (it never carries a key);
+        ``methods``: those the path takes (``Router.add_preflight``)."""
         if not self.origin_allowed(req):
             raise _origin_refused(req)
         cors = self.check_origin(req)
         if not cors:
-            return Response(204, headers=[("allow", "GET, POST, OPTIONS")])
+            return Response(204, headers=[("allow", methods)])
         asked = req.headers.get("access-control-request-headers")  # (an allowed page may send what it likes:
         allowed = [(k, asked) if asked and k == "access-control-allow-headers" else (k, v)  # SDKs add their own)
                    for k, v in _PREFLIGHT]
-        return Response(204, headers=[("allow", "GET, POST, OPTIONS"), *cors, *allowed])
+        return Response(204, headers=[("allow", methods), *cors, ("access-control-allow-methods", methods), *allowed])
 
     # ------------------------------------------------------------------ the HTTP wrapper
 

@@ -167,6 +167,14 @@ class Router:
             handler = shaped_errors(handler, *errors)
         self._routes.setdefault(path, {})[method.upper()] = handler
 
+    def add_preflight(self, path: str, preflight: Callable[[Request, str], Awaitable[Response]]) -> None:
+        """``OPTIONS`` on ``path``: ``preflight`` given the methods the path takes, as a 405's ``Allow`` lists them."""
+        self._routes.setdefault(path, {})["OPTIONS"] = lambda req: preflight(req, ", ".join(self.allowed(path)))
+
+    def allowed(self, path: str) -> list[str]:
+        by_method = self._routes.get(path, {})
+        return sorted({*by_method, *(["HEAD"] if "GET" in by_method else [])})
+
     def shape_prefix(self, prefix: str, errors: ErrorShape) -> None:
         """Refusals on paths under ``prefix`` that no route takes (404s) in that API's shape too."""
         self._prefix_shapes.append((prefix, errors))
@@ -192,7 +200,7 @@ class Router:
             raise ApiError(404, f"Not found: {path}", code=404)
         handler = by_method.get("GET" if method == "HEAD" and "HEAD" not in by_method else method)
         if handler is None:
-            allowed = sorted({*by_method, *(["HEAD"] if "GET" in by_method else [])})
+            allowed = self.allowed(path)
             raise ApiError(405, f"Method {method} not allowed for {path}; allowed: {', '.join(allowed)}", code=405,
                            headers=[("allow", ", ".join(allowed))])
         return handler

@@ -224,7 +224,7 @@ class OllamaApi:
                                       ("POST", "/api/show", self.show), ("GET", "/api/tags", self.tags),
                                       ("GET", "/api/ps", self.ps), ("GET", "/api/version", self.version)):
             router.add(method, path, auth.guard(handler, json_body=method == "POST"), errors=(error_body,))
-            router.add("OPTIONS", path, auth.preflight)
+            router.add_preflight(path, auth.preflight)
         router.shape_prefix("/api/", (error_body,))
 
     # ------------------------------------------------------------------ models

@@ -172,7 +172,7 @@ class OpenAIApi:
             json_body = method == "POST" and path not in ("/ping", "/reset_prefix_cache")
             guarded = self.auth.guard(handler, key=path not in open_paths, json_body=json_body)
             router.add(method, path, guarded, errors=(anthropic.error_body,) if path.startswith("/v1/messages") else None)
-            router.add("OPTIONS", path, self.auth.preflight)
+            router.add_preflight(path, self.auth.preflight)
         router.shape_prefix("/v1/messages", (anthropic.error_body,))
         return router
 

@@ -209,9 +209,9 @@ class TgiApi:
         for path, handler in (("/generate", self.generate), ("/generate_stream", self.generate_stream),
                               ("/", self.compat)):
             router.add("POST", path, auth.guard(handler, json_body=True), errors=(error_body, error_status))
-            router.add("OPTIONS", path, auth.preflight)
+            router.add_preflight(path, auth.preflight)
         router.add("GET", "/info", auth.guard(self.info), errors=(error_body, error_status))
-        router.add("OPTIONS", "/info", auth.preflight)
+        router.add_preflight("/info", auth.preflight)
         for path, other, mine in (("/tokenize", tokenize, self.tokenize), ("/invocations", invocations, self.compat)):
             router.add("POST", path, self._or(auth.guard(other, json_body=True), shaped_errors(
                 auth.guard(mine, json_body=True), error_body, error_status)))

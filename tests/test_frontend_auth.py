@@ -108,12 +108,16 @@ def test_allowed_and_same_origins_get_cors(open_port):
                                   "Access-Control-Request-Headers": "authorization, content-type, x-stainless-os"})
     assert status == 204 and body == b"" and "content-length" not in headers
     assert headers["access-control-allow-origin"] == APP
-    assert set(headers["access-control-allow-methods"].replace(" ", "").split(",")) == {"GET", "POST", "OPTIONS"}
+    # the methods the path takes, as its 405 would list them
+    assert headers["access-control-allow-methods"] == headers["allow"] == "OPTIONS, POST"
     assert headers["access-control-allow-headers"] == "authorization, content-type, x-stainless-os"  # as asked
     assert int(headers["access-control-max-age"]) > 0
     _, headers, _ = call(open_port, "OPTIONS", "/v1/messages", {"Origin": APP, "Access-Control-Request-Method": "POST"})
     assert set(headers["access-control-allow-headers"].replace(" ", "").split(",")) == {
         "authorization", "content-type", "x-api-key", "anthropic-version"}  # (Anthropic's SDK sends its key so)
+    assert headers["access-control-allow-methods"] == "OPTIONS, POST"  # (a GET there is a 405)
+    _, headers, _ = call(open_port, "OPTIONS", "/v1/models", {"Origin": APP, "Access-Control-Request-Method": "GET"})
+    assert headers["access-control-allow-methods"] == "GET, HEAD, OPTIONS"
     own = f"http://127.0.0.1:{open_port}"
     status, headers, _ = call(open_port, "POST", "/detokenize", {"Origin": own, "Content-Type": "text/plain"}, b"")
     assert status == 415  # same-origin passes the origin rule
