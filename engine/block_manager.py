@@ -122,6 +122,8 @@ class BlockManager:
         K/V are in the cache already (a step that ran)."""
         if not self.enable_prefix_caching:
             return
+        if num_tokens // self.block_size <= req.num_cached_blocks:  # (most calls: no block filled)
+            return
         num_full = min(num_tokens, req.num_tokens) // self.block_size  # (not past a token still in flight)
         if num_full <= req.num_cached_blocks:
             return
@@ -201,6 +203,13 @@ class BlockManager:
     def allocate(self, req: Request, num_new_tokens: int, cached: Sequence[int] = ()) -> bool:
         """Grow ``req.block_table`` by the ``cached`` blocks, then for ``num_new_tokens`` more tokens
         (the step computing them); False (and no change) if it can't."""
+        if not cached and self.window is None:  # (most calls: a running request's next step, a decode)
+            short = -(-(req.num_computed_tokens + num_new_tokens) // self.block_size) - len(req.block_table)
+            if short > len(self.free_block_ids) + len(self.evictable):
+                return False
+            for _ in range(short):
+                req.block_table.append(self._take())
+            return True
         if self.blocks_needed(req, num_new_tokens, cached) > self.num_free_blocks:
             return False
         start = req.num_computed_tokens + len(cached) * self.block_size  # the step's first position

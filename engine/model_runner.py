@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 import torch
 
 import kernels
-from engine.attention import StepIndex, build_metadata
+from engine.attention import StepIndex, build_metadata, ints
 from engine.config import EngineConfig
 from engine.loader import build_model, load_model_config
 from engine.lora import Adapter, AdapterError, LoraState, LoraWeights, attach, put, read_adapter
@@ -78,7 +78,7 @@ from engine.sampler import (
     to_device,
 )
 from engine.scheduler import ScheduledBatch
-from engine.step_buffers import BlockTables, DecodeGraphs, Staging, cuda_graph_capture, decode_buckets, ints
+from engine.step_buffers import BlockTables, DecodeGraphs, Staging, cuda_graph_capture, decode_buckets
 from engine.tp_worker import launch
 from kernels.cpu import graph as cpu_graph
 
@@ -506,10 +506,12 @@ class ModelRunner:
                 if lo < hi:
                     image_rows.extend(range(row + lo - c, row + hi - c))
                     image_parts.append((r, i, lo - im.offset, hi - im.offset))
-            k = max(0, c + n - r.num_tokens - r.num_in_flight)  # its drafts (a decode's; asynchronous: none)
+            known = r.num_tokens + r.num_in_flight
+            k = max(0, c + n - known)  # its drafts (a decode's; asynchronous: none)
             ks.append(k)
             tokens.extend(r.all_token_ids[c:c + n - k])
-            tokens.extend(r.draft_token_ids[:k])
+            if k:
+                tokens.extend(r.draft_token_ids[:k])
             if len(tokens) < row + n:  # past the tokens known: the one a step in flight samples (a decode)
                 gather_at.append(len(tokens))
                 gather_from.append(in_flight_rows[r.request_id])
@@ -524,7 +526,7 @@ class ModelRunner:
                 if hi > lo:
                     logprob_rows.extend(range(row + lo - c, row + hi - c))
                     spans.append((r, lo, hi))
-            final = c + n - k == r.num_tokens + r.num_in_flight
+            final = c + n - k == known
             if r.pool is not None:
                 pooling = pool_rows(r.pool, row, c, n, final)
                 if pooling or final:
@@ -534,7 +536,7 @@ class ModelRunner:
             elif final:
                 sampled.append(r)
                 sample_rows.extend(range(len(tokens) - 1 - k, len(tokens)))
-                drafts.append(r.draft_token_ids[:k])
+                drafts.append(r.draft_token_ids[:k] if k else [])
         rows, write_at, write_ids = self.block_tables.update(reqs, batch.window_writes)
         slots = [r.lora_slot for r in reqs] if self.lora is not None else []
         if len(sample_rows) > len(sampled):

@@ -581,7 +581,7 @@ def embedding_floats(embedding: bytes) -> list[float]:
 TokenLogprobs = list
 
 
-@dataclass
+@dataclass(slots=True)  # (one per request per step)
 class Delta:
     """What one request produced in one engine step."""
 

@@ -36,6 +36,8 @@ include a token still in flight (``num_output_tokens``).
 
 from __future__ import annotations
 
+import array
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -68,7 +70,7 @@ class SamplingState:
     which the engine seeds with its ``--seed``.
     """
 
-    __slots__ = ("seed", "plain_greedy", "needs_penalties", "reads_output", "grammar", "bad_words", "allowed",
+    __slots__ = ("seed", "greedy", "plain", "plain_greedy", "knobs", "needs_penalties", "reads_output", "grammar", "bad_words", "allowed",
                  "dry_breakers", "mu", "llamacpp", "_bad_after", "_prompt_len", "_prompt_ids", "_window_len", "_window",
                  "_dry_prompt", "_stop_ids", "_bias_ids", "_bias_values", "_allowed_ids", "_placed_for", "_placed")
 
@@ -96,12 +98,16 @@ class SamplingState:
         # the sampler reads the output so far (the host's list), or mirostat's target that the last token moved:
         # a step cannot overlap the one before it
         self.reads_output = self.needs_penalties or bool(self.bad_words) or params.dry or self.mu is not None
-        # Greedy with nothing to process: eligible for the argmax-only fast path
-        # (min_tokens is checked per step, since it stops mattering after a while).
-        self.plain_greedy = (
-            params.greedy and not self.reads_output and not params.logit_bias and params.logprobs is None
-            and grammar is None and params.allowed_token_ids is None
-        )
+        # Nothing for ``process_logits`` to do (min_tokens is checked per step, since it stops mattering after a
+        # while); greedy too and no logprobs: eligible for the argmax-only fast path.
+        self.greedy = params.greedy
+        self.plain = (not self.reads_output and not params.logit_bias and grammar is None
+                      and params.allowed_token_ids is None)
+        self.plain_greedy = self.greedy and self.plain and params.logprobs is None
+        # temperature, top_k, top_p, min_p as a step applies them: mirostat takes the truncations' place, and a
+        # dynamic temperature is applied after them
+        self.knobs = (1.0 if params.dynatemp_range > 0 and not params.mirostat else params.temperature,
+                      *((0, 1.0, 0.0) if params.mirostat else (params.top_k, params.top_p, params.min_p)))
         self._prompt_len = self._window_len = -1
         self._prompt_ids: torch.Tensor | None = None
         self._window: torch.Tensor | None = None  # the prompt's part of llama.cpp's window
@@ -523,9 +529,12 @@ class Sampler:
             return Sampled(logits.argmax(dim=-1))
 
         raw = logits
-        logits = process_logits(logits, params, states, prompt_token_ids, output_token_ids, self.eos_token_ids,
-                                num_output_tokens)
-        rand = [i for i, p in enumerate(params) if not p.greedy]
+        if all(s.plain and m >= p.min_tokens for p, s, m in zip(params, states, num_output_tokens, strict=True)):
+            logits = logits.float()  # (nothing to process: a step's per-row passes skipped; nothing writes to it)
+        else:
+            logits = process_logits(logits, params, states, prompt_token_ids, output_token_ids, self.eos_token_ids,
+                                    num_output_tokens)
+        rand = [i for i, s in enumerate(states) if not s.greedy]
         mirostat = None
         if len(rand) == len(params):
             ids, mirostat = self._sample(logits, params, states, num_output_tokens)
@@ -553,18 +562,17 @@ class Sampler:
         states and next targets (None without such rows)."""
         n, vocab = logits.shape
         device = logits.device
-        # mirostat takes the place of the truncations; a dynamic temperature is applied after them
-        cut = [(0, 1.0, 0.0) if p.mirostat else (p.top_k, p.top_p, p.min_p) for p in params]
-        # One host-to-device copy for all four per-row knobs.
-        knobs = to_device([[1.0 if p.dynatemp_range > 0 and not p.mirostat else p.temperature, *c]
-                           for p, c in zip(params, cut, strict=True)],
-                          device, torch.float32)  # (n, 4)
+        # One host-to-device copy for all four per-row knobs (SamplingState.knobs); what the step needs of
+        # them read on the host copy (a few operators, not a pass over the rows each)
+        host = torch.frombuffer(array.array("f", itertools.chain.from_iterable(s.knobs for s in states)),
+                                dtype=torch.float32).view(n, 4)
+        knobs = to_device(host, device)  # (n, 4)
+        top_k = host[:, 1]
+        max_k, use_p, every_row_has_k = int(top_k.max()), bool((host[:, 2] < 1.0).any()), bool((top_k > 0).all())
         logits = logits / knobs[:, 0:1]
         extra = [(i, params[i]) for i, s in enumerate(states) if s.llamacpp]  # llama.cpp's (most steps: none)
         logits = _on_rows(logits, [(i, p.top_n_sigma) for i, p in extra if p.top_n_sigma > 0 and not p.mirostat],
                           llamacpp.apply_top_n_sigma)
-        max_k = max(c[0] for c in cut)
-        use_p = any(c[1] < 1.0 for c in cut)
         typical = [(i, p.typical_p) for i, p in extra if p.typical_p < 1.0 and not p.mirostat]
         if max_k > 0 or (use_p and not typical):
             logits = apply_top_k_top_p(
@@ -572,13 +580,13 @@ class Sampler:
                 knobs[:, 1].long() if max_k > 0 else None,
                 knobs[:, 2] if use_p and not typical else None,
                 max_k,
-                every_row_has_k=all(c[0] > 0 for c in cut),
+                every_row_has_k=every_row_has_k,
             )
         if typical:  # between top-k and top-p, as in llama.cpp
             logits = _on_rows(logits, typical, llamacpp.apply_typical)
             if use_p:
                 logits = apply_top_k_top_p(logits, None, knobs[:, 2])
-        if any(c[2] > 0.0 for c in cut):
+        if bool((host[:, 3] > 0.0).any()):
             logits = apply_min_p(logits, knobs[:, 3])
         xtc = [(i, p.xtc_threshold, p.xtc_probability) for i, p in extra if p.xtc and not p.mirostat]
         if xtc:
@@ -620,7 +628,7 @@ class Sampler:
         seeded = [j for j, s in enumerate(states) if s.seed is not None]
         if not seeded:
             return self._exponentials(n, vocab, device)
-        keys = to_device([_row_key(states[j].seed, num_output_tokens[j]) for j in seeded], device)
+        keys = to_device(_row_keys([states[j].seed for j in seeded], [num_output_tokens[j] for j in seeded]), device)
         if len(seeded) == n:
             return seeded_exponentials(keys, vocab)
         unseeded = [j for j, s in enumerate(states) if s.seed is None]
@@ -670,14 +678,23 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def _row_key(seed: int, index: int) -> tuple[int, int]:
-    """Two 32-bit keys for the ``index``-th token a request with ``seed`` samples (host-side, exact)."""
-    k = _splitmix64(seed ^ _splitmix64(index))
-    return k & _MASK32, k >> 32
+def _splitmix64_np(x: np.ndarray) -> np.ndarray:
+    """``_splitmix64`` of each uint64 lane (numpy's uint64 arithmetic wraps: the same bits)."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _row_keys(seeds: list[int], indices: list[int]) -> torch.Tensor:
+    """(n, 2) int64: two 32-bit keys for the ``indices[j]``-th token a request with ``seeds[j]`` samples,
+    ``splitmix64(seed ^ splitmix64(index))`` split in halves (host-side, exact; in numpy: a step's rows at once)."""
+    k = _splitmix64_np(np.array(seeds, dtype=np.uint64) ^ _splitmix64_np(np.array(indices, dtype=np.uint64)))
+    return torch.from_numpy(np.stack([k & np.uint64(_MASK32), k >> np.uint64(32)], axis=1).astype(np.int64))
 
 
 def seeded_exponentials(keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Exp(1) noise (n, ``vocab``) float32 from (n, 2) int64 row keys (``_row_key``), on ``keys``' device.
+    """Exp(1) noise (n, ``vocab``) float32 from (n, 2) int64 row keys (``_row_keys``), on ``keys``' device.
 
     Token ``v`` of a row gets ``mix(mix(v ^ k0) ^ k1)``; its top 23 bits, centred in their
     bucket, are a uniform ``u`` in (0, 1), exact in float32 (so never 0 nor 1, and ``-log(u)`` is

@@ -90,18 +90,14 @@ class ScheduledBatch:
     short_of_blocks: bool = False  # a running request had to preempt for blocks: admit nobody
     pinned: set[str] = field(default_factory=set)  # compute blocks that others hit this step: never preempted
     window_writes: list[tuple[int, int]] = field(default_factory=list)  # (block, window block) links made
+    num_decodes: int = 0  # the first requests: those computing the one token they sample from
     _ids: set[str] = field(default_factory=set)
-    _decode_ids: set[str] = field(default_factory=set)  # those computing the one token they sample from
 
     def __len__(self) -> int:
         return len(self.requests)
 
     def __contains__(self, req: Request) -> bool:
         return req.request_id in self._ids
-
-    @property
-    def num_decodes(self) -> int:
-        return len(self._decode_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -112,8 +108,8 @@ class ScheduledBatch:
         self.num_new_tokens.append(n)
         self._ids.add(req.request_id)
         self.num_tokens += n
-        if decode:  # one token (its drafts come with add_drafts)
-            self._decode_ids.add(req.request_id)
+        if decode:  # one token (its drafts come with add_drafts), added before any prompt's
+            self.num_decodes += 1
 
     def add_drafts(self, i: int, n: int) -> None:
         """The ``i``-th request, a decode, computes ``n`` drafts after its token."""
@@ -128,8 +124,8 @@ class ScheduledBatch:
         self._ids.discard(req.request_id)
         n = self.num_new_tokens.pop(i)
         self.num_tokens -= n
-        if req.request_id in self._decode_ids:
-            self._decode_ids.remove(req.request_id)
+        if i < self.num_decodes:
+            self.num_decodes -= 1
             self.num_drafts -= n - 1
 
 

@@ -25,10 +25,6 @@ from engine.request import Request
 log = logging.getLogger("tokenmill.engine")
 
 
-def ints(values) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64)
-
-
 class BlockTables:
     """Every running request's block table, as a row of one persistent (rows, max_blocks) tensor.
 
@@ -71,6 +67,9 @@ class BlockTables:
                 if row < 0:
                     row = self._free.pop() if self._free else held.popitem(last=False)[1][0]
                 written = 0
+            elif written == len(table):  # (most decode steps: no block gained)
+                rows.append(row)
+                continue
             new = r.block_table[written:]
             start = row * width + written
             write_at.extend(range(start, start + len(new)))

@@ -16,7 +16,8 @@ from engine.sampler import (
     _SEED_MASK,
     Sampler,
     SamplingState,
-    _row_key,
+    _row_keys,
+    _splitmix64,
     apply_min_p,
     apply_top_k_top_p,
     logprob_lists,
@@ -142,7 +143,10 @@ def _reference_noise(k0: int, k1: int, vocab: int) -> list[float]:
 def test_seeded_noise_is_exactly_its_integer_spec():
     # every lane stays below 2**63, so any device's int64 ops give the spec's bits (CUDA as the CPU);
     # only the float32 log may differ from Python's by rounding
-    keys = [_row_key(seed, index) for seed, index in [(0, 0), (1234, 7), (_SEED_MASK, 2**31), (-5 & _SEED_MASK, 1)]]
+    pairs = [(0, 0), (1234, 7), (_SEED_MASK, 2**31), (-5 & _SEED_MASK, 1), (2**63 + 12345, 2**40 + 3)]
+    keys = [(k & 0xFFFFFFFF, k >> 32) for k in (_splitmix64(seed ^ _splitmix64(index)) for seed, index in pairs)]
+    got_keys = _row_keys([seed for seed, _ in pairs], [index for _, index in pairs])
+    assert got_keys.tolist() == [list(k) for k in keys]  # numpy's wrapping uint64: the same bits
     got = seeded_exponentials(torch.tensor(keys), 300)
     want = torch.tensor([_reference_noise(k0, k1, 300) for k0, k1 in keys], dtype=torch.float32)
     assert torch.allclose(got, want, rtol=1e-6, atol=0)
@@ -151,7 +155,7 @@ def test_seeded_noise_is_exactly_its_integer_spec():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_seeded_noise_and_tokens_are_the_same_on_cuda():
-    keys = torch.tensor([_row_key(seed, index) for seed in (0, 99, _SEED_MASK) for index in (0, 5, 1000)])
+    keys = _row_keys([seed for seed in (0, 99, _SEED_MASK) for _ in range(3)], [0, 5, 1000] * 3)
     cpu, cuda = seeded_exponentials(keys, 49152), seeded_exponentials(keys.cuda(), 49152)
     assert torch.allclose(cuda.cpu(), cpu, rtol=1e-6, atol=0)
     p = SamplingParams(temperature=1.0, seed=1234)  # (no top-p: its cut could differ by float round-off)
