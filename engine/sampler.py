@@ -37,7 +37,6 @@ include a token still in flight (``num_output_tokens``).
 from __future__ import annotations
 
 import array
-import itertools
 import math
 from dataclasses import dataclass
 
@@ -70,8 +69,8 @@ class SamplingState:
     which the engine seeds with its ``--seed``.
     """
 
-    __slots__ = ("seed", "greedy", "plain", "plain_greedy", "knobs", "needs_penalties", "reads_output", "grammar", "bad_words", "allowed",
-                 "dry_breakers", "mu", "llamacpp", "_bad_after", "_prompt_len", "_prompt_ids", "_window_len", "_window",
+    __slots__ = ("seed", "greedy", "plain", "plain_greedy", "knobs", "needs_penalties", "reads_output", "grammar",
+                 "bad_words", "allowed", "dry_breakers", "mu", "llamacpp", "_bad_after", "_prompt_len", "_prompt_ids", "_window_len", "_window",
                  "_dry_prompt", "_stop_ids", "_bias_ids", "_bias_values", "_allowed_ids", "_placed_for", "_placed")
 
     def __init__(self, params: SamplingParams, grammar: GrammarMatcher | None = None) -> None:
@@ -106,8 +105,9 @@ class SamplingState:
         self.plain_greedy = self.greedy and self.plain and params.logprobs is None
         # temperature, top_k, top_p, min_p as a step applies them: mirostat takes the truncations' place, and a
         # dynamic temperature is applied after them
-        self.knobs = (1.0 if params.dynatemp_range > 0 and not params.mirostat else params.temperature,
-                      *((0, 1.0, 0.0) if params.mirostat else (params.top_k, params.top_p, params.min_p)))
+        temperature = 1.0 if params.dynatemp_range > 0 and not params.mirostat else params.temperature
+        cut = (0, 1.0, 0.0) if params.mirostat else (params.top_k, params.top_p, params.min_p)
+        self.knobs = array.array("f", (temperature, *cut)).tobytes()  # (float32s: a step joins the rows')
         self._prompt_len = self._window_len = -1
         self._prompt_ids: torch.Tensor | None = None
         self._window: torch.Tensor | None = None  # the prompt's part of llama.cpp's window
@@ -564,8 +564,7 @@ class Sampler:
         device = logits.device
         # One host-to-device copy for all four per-row knobs (SamplingState.knobs); what the step needs of
         # them read on the host copy (a few operators, not a pass over the rows each)
-        host = torch.frombuffer(array.array("f", itertools.chain.from_iterable(s.knobs for s in states)),
-                                dtype=torch.float32).view(n, 4)
+        host = torch.frombuffer(bytearray(b"".join([s.knobs for s in states])), dtype=torch.float32).view(n, 4)
         knobs = to_device(host, device)  # (n, 4)
         top_k = host[:, 1]
         max_k, use_p, every_row_has_k = int(top_k.max()), bool((host[:, 2] < 1.0).any()), bool((top_k > 0).all())
