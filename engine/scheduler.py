@@ -293,8 +293,8 @@ class Scheduler:
         """Up to ``limit`` prompt tokens, to running requests still prefilling and to waiting ones,
         best rank first."""
         rank = self.waiting.rank
-        prefilling = sorted((r for r in self.running if r.num_tokens - r.num_computed_tokens > (r.pool is None)),
-                            key=rank)
+        prefilling = [] if batch.num_decodes == len(self.running) else sorted(  # (all decoding: none is)
+            (r for r in self.running if r.num_tokens - r.num_computed_tokens > (r.pool is None)), key=rank)
         admit = not (self.one_at_a_time and prefilling)
         step_cap = self.block_manager.max_step_tokens or limit  # (a sliding-window pool's bound)
         i = 0
