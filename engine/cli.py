@@ -228,6 +228,13 @@ def _engine_flags(p: argparse.ArgumentParser, generate: bool = False) -> None:
     q.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                    help="a request without its own 'timeout' ends after this long with finish_reason "
                         "'timeout' (HTTP 408 if it produced nothing) (default: none)")
+    if not generate:
+        q.add_argument("--log-stats-interval", type=float, default=None, metavar="SECONDS",
+                       help="while the engine works, a log line this often with its prompt and generation "
+                            "throughput, requests running and waiting, KV cache use, and its steps' median times "
+                            f"(decode-only and with prompt tokens, apart) (default: {d['log_stats_interval']:g})")
+        q.add_argument("--disable-log-stats", action="store_const", const=0.0, dest="log_stats_interval",
+                       help="no such lines (vLLM's flag; GET /metrics still has the figures)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -60,6 +60,7 @@ class EngineConfig:
     scheduling_aging_seconds: float = 30.0  # waiting this long is worth one rank step (no starvation); inf: off
     long_prefill_token_threshold: int | None = None  # prompt tokens per step beside decodes; None = measured
     request_timeout: float | None = None  # seconds; a request without its own timeout gets this one
+    log_stats_interval: float = 10.0  # seconds between the engine's stats lines while it works (engine.stats_log); 0: none
     seed: int = 0
     # embeddings: {"pooling_type": "last" | "mean", "normalize": bool} over the model's own (vLLM's --pooler-config)
     pooler_config: dict | None = None
@@ -139,6 +140,8 @@ class EngineConfig:
             bad(f"long_prefill_token_threshold must be positive, got {self.long_prefill_token_threshold}")
         if self.request_timeout is not None and not 0 < self.request_timeout < float("inf"):
             bad(f"request_timeout must be a positive number of seconds, got {self.request_timeout}")
+        if not 0 <= self.log_stats_interval < float("inf"):
+            bad(f"log_stats_interval must be 0 (none) or a number of seconds, got {self.log_stats_interval}")
         if not isinstance(self.enforce_eager, bool):
             bad(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
         if not isinstance(self.batch_invariant, bool):

@@ -174,6 +174,7 @@ class Engine:
                      "tokens (n-gram lookup)", self.speculative.num_speculative_tokens,
                      self.speculative.prompt_lookup_min, self.speculative.prompt_lookup_max)
         self._in_flight: InFlight | None = None
+        self.step_prompt_tokens = 0  # the prompt tokens the last step() scheduled (engine.stats_log)
         if self.runner.model_cfg.vision is not None and self.vision is None:
             log.warning("images refused: %s", self.no_images)
         cfg = self.runner.model_cfg
@@ -340,6 +341,7 @@ class Engine:
         if self.async_scheduling:
             return self._step_overlapped()
         batch = self.scheduler.schedule()
+        self.step_prompt_tokens = batch.num_prompt_tokens
         result, errored = self._run(batch)
         return self._postprocess([*batch.timed_out, *errored], result)
 
@@ -473,6 +475,7 @@ class Engine:
             self._in_flight = prev = None
             deltas = self._postprocess([], result)
         batch = self.scheduler.schedule()
+        self.step_prompt_tokens = batch.num_prompt_tokens
         self._in_flight = None
         failed = self._launch(batch, prev)
         if prev is not None:

@@ -27,6 +27,7 @@ import gc
 import logging
 import signal
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +35,7 @@ import zmq
 
 from engine import protocol
 from engine.config import EngineConfig
+from engine.stats_log import StatsLog
 
 log = logging.getLogger("tokenmill.engine")
 
@@ -67,8 +69,9 @@ def freeze_heap() -> None:
 class EngineActor:
     """Routes frames between a ROUTER socket and an ``Engine`` (see module doc)."""
 
-    def __init__(self, engine: Any, sock: zmq.Socket):
+    def __init__(self, engine: Any, sock: zmq.Socket, log_stats_interval: float = 0.0):
         self.engine = engine
+        self.stats_log = StatsLog(log_stats_interval) if log_stats_interval > 0 else None
         self.sock = sock
         self._ready_frame = protocol.encode(engine.ready_info())
         self._frontend_index: dict[bytes, int] = {}  # ZMQ identity -> n in "<n>:<id>"
@@ -94,6 +97,7 @@ class EngineActor:
                     self._step()
                     await asyncio.sleep(0)  # lets signal handlers and stop() in while busy
                 else:
+                    self._log_stats()  # (the last of a burst's steps, at once)
                     await self._wait_readable(loop, fd)
         except Exception as e:
             log.exception("engine failure; going down")
@@ -273,8 +277,14 @@ class EngineActor:
     # ------------------------------------------------------------------ outbound
 
     def _step(self) -> None:
+        start = time.perf_counter()
         deltas = self.engine.step()
         self.num_steps += 1
+        if self.stats_log is not None:
+            self.stats_log.step(time.perf_counter() - start, self.engine.step_prompt_tokens,
+                                sum(len(d.token_ids) for d in deltas))
+            if self.stats_log.due():
+                self._log_stats()
         if self.num_steps in FREEZE_AT_STEPS:
             freeze_heap()
         if not deltas:
@@ -293,6 +303,11 @@ class EngineActor:
             by_frontend.setdefault(ident, []).append(d)
         for ident, ds in by_frontend.items():
             self._send(ident, protocol.encode(protocol.Outputs(ds)))
+
+    def _log_stats(self) -> None:
+        line = self.stats_log.line(self.engine.stats()) if self.stats_log is not None else None
+        if line is not None:
+            log.info("%s", line)
 
     def _send_error(self, ident: bytes, rid: str | None, status: int, typ: str, message: str,
                     param: str | None = None) -> None:
@@ -410,7 +425,7 @@ def run_engine(
         raise
     try:
         engine = (engine_factory or _default_engine_factory)(config)
-        actor = EngineActor(engine, sock)
+        actor = EngineActor(engine, sock, config.log_stats_interval)
         freeze_heap()  # the model and torch live as long as the process: keep them out of every GC pass
         if on_actor is not None:
             on_actor(actor)

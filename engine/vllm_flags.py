@@ -26,8 +26,6 @@ def add(parser: argparse.ArgumentParser) -> None:
                    help="no code from a model's folder runs here: every architecture is tokenmill's own")
     v.add_argument("--enable-chunked-prefill", action="store_true",
                    help="prompts are always prefilled in chunks here (--max-num-batched-tokens a step)")
-    v.add_argument("--disable-log-stats", action="store_true",
-                   help="there is no periodic stats log here: GET /metrics has them")
     v.add_argument("--enable-log-requests", action="store_true",
                    help="finished requests are logged by default here (--disable-log-requests)")
     v.add_argument("--disable-uvicorn-access-log", action="store_true", dest="disable_log_requests",

@@ -8,6 +8,7 @@ errors, aborts, stats, malformed frames, shutdown. Hermetic and fast: no torch.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import signal
@@ -43,6 +44,7 @@ class FakeEngine:
     def __init__(self, config: EngineConfig, start_after: int = 0, max_waiting: int = 8,
                  fail_on_step: int | None = None, step_delay: float = 0.0):
         self.config = config
+        self.step_prompt_tokens = 0
         self.start_after = start_after
         self.max_waiting = max_waiting
         self.fail_on_step = fail_on_step
@@ -101,6 +103,7 @@ class FakeEngine:
         if self.step_delay:
             time.sleep(self.step_delay)
         out = []
+        self.step_prompt_tokens = sum(len(prompt) for prompt, _, n in self.running.values() if n == 0)
         for rid, st in list(self.running.items()):
             prompt, params, n = st
             tok = (sum(prompt) + n) % VOCAB
@@ -228,6 +231,23 @@ def test_add_streams_deterministic_tokens_and_finishes(harness):
     assert frames[0].deltas[0].num_prompt_tokens == 3
     assert harness.engine.added == ["0:a"]  # namespaced inside the engine
     assert not harness.actor._owner  # finished requests are forgotten
+
+
+def test_a_burst_of_work_ends_with_a_stats_line(harness, caplog):
+    # (the harness's EngineConfig: a line every 10 s while busy, and one as the engine goes idle)
+    c = harness.client(b"fe0")
+    hello(c, "fe0")
+    with caplog.at_level(logging.INFO, logger="tokenmill.engine"):
+        send(c, p.Add("a", [1, 2, 3], p.SamplingParams(max_tokens=5)))
+        collect(c, {"a"})
+        deadline = time.monotonic() + 5
+        while not any("Avg prompt throughput" in r.getMessage() for r in caplog.records):
+            assert time.monotonic() < deadline, "no stats line"
+            time.sleep(0.01)
+    line = next(r.getMessage() for r in caplog.records if "Avg prompt throughput" in r.getMessage())
+    # 5 steps: the first computed the 3 prompt tokens, each sampled one token
+    assert "Running: 0 reqs, Waiting: 0 reqs" in line and "Steps: 4 decode-only (median " in line, line
+    assert ", 1 with prompt tokens (median " in line, line
 
 
 def test_one_outputs_frame_per_frontend_per_step(address):

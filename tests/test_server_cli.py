@@ -234,7 +234,7 @@ def test_a_vllm_command_line_starts_unchanged():
     --help); a value tokenmill cannot honour is refused, naming the flag."""
     from engine.cli import _config_kwargs
 
-    vllm = ["--trust-remote-code", "--enable-chunked-prefill", "--disable-log-stats", "--max-logprobs", "20",
+    vllm = ["--trust-remote-code", "--enable-chunked-prefill", "--max-logprobs", "20",
             "-pp", "1", "--swap-space", "4", "--download-dir", "/tmp/x", "--revision",
             "main", "--load-format", "safetensors", "--tokenizer-mode", "auto", "--distributed-executor-backend",
             "mp", "--uvicorn-log-level", "info", "--max-seq-len-to-capture", "8192", "--enable-log-requests",
@@ -249,6 +249,10 @@ def test_a_vllm_command_line_starts_unchanged():
                                       "--allowed-origins", '["https://a.example"]'])
     assert (args.model_tag, args.api_server_count) == ("Qwen3-8B", 2)
     assert _config_kwargs(args) == {"dtype": "float16", "max_model_len": 32000, "async_scheduling": "on"}
+    # vLLM's --disable-log-stats: no stats lines (engine.stats_log)
+    assert _config_kwargs(build_parser().parse_args(["serve", "--disable-log-stats"])) == {"log_stats_interval": 0.0}
+    assert _config_kwargs(build_parser().parse_args(["engine", "--log-stats-interval", "5"])) == {
+        "log_stats_interval": 5.0}
     assert allowed_origins(args.allowed_origins) == ["https://a.example"]
     args = build_parser().parse_args(["serve", "--served-model-name", "qwen", "qwen3-8b", "gpt-4o"])
     assert _config_kwargs(args) == {"served_model_name": "qwen"}

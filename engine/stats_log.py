@@ -1,0 +1,58 @@
+"""The engine's periodic stats line, vLLM's "Avg prompt throughput: ..." (``--disable-log-stats`` turns it off).
+
+While the engine works, one INFO line every ``interval`` seconds (``EngineConfig.log_stats_interval``, 10 as
+vLLM's) says what its steps did since the last line: prompt and generation tokens per second, the requests
+running and waiting, the KV cache's use and the prefix cache's hit rate (as vLLM's, that one since start),
+then the steps, apart: decode-only steps (those replayed as graphs) and steps that carried prompt tokens
+(run eagerly), each with its median time. Where the two medians differ by far more than the prompt tokens explain, the host's work of
+an eager step is what the streams wait for. A step's time is the engine's ``step()`` call: under
+asynchronous scheduling the period from one step to the next, counted to the step it launched.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+from engine.protocol import Stats
+
+
+class StatsLog:
+    def __init__(self, interval: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval = interval
+        self.clock = clock
+        self._start = clock()
+        self._prompt_tokens = self._generated = 0
+        self._decode_steps: list[float] = []  # seconds of each decode-only step since the last line...
+        self._prompt_steps: list[float] = []  # ... and of each step that carried prompt tokens
+
+    def step(self, seconds: float, prompt_tokens: int, generated: int) -> None:
+        """One step: how long it took, the prompt tokens it computed (not those found cached), tokens it sampled."""
+        (self._prompt_steps if prompt_tokens else self._decode_steps).append(seconds)
+        self._prompt_tokens += prompt_tokens
+        self._generated += generated
+
+    def due(self) -> bool:
+        return self.clock() - self._start >= self.interval
+
+    def line(self, stats: Stats) -> str | None:
+        """The line for the steps since the last one (None without any), and a fresh count from here."""
+        now = self.clock()
+        elapsed, self._start = max(now - self._start, 1e-9), now
+        decode, prompt = self._decode_steps, self._prompt_steps
+        if not decode and not prompt:
+            return None
+        text = (f"Avg prompt throughput: {self._prompt_tokens / elapsed:.1f} tokens/s, "
+                f"Avg generation throughput: {self._generated / elapsed:.1f} tokens/s, "
+                f"Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "
+                f"KV cache usage: {stats.kv_usage * 100:.1f}%, "
+                f"Prefix cache hit rate: {stats.prefix_cache_hit_rate * 100:.1f}% (since start), "
+                f"Steps: {len(decode)} decode-only{_median(decode)}, {len(prompt)} with prompt tokens{_median(prompt)}")
+        self._prompt_tokens = self._generated = 0
+        self._decode_steps, self._prompt_steps = [], []
+        return text
+
+
+def _median(seconds: list[float]) -> str:
+    return f" (median {statistics.median(seconds) * 1e3:.2f} ms)" if seconds else ""

@@ -1,0 +1,31 @@
+"""The engine's periodic stats line (engine.stats_log), on a clock the test moves."""
+
+from __future__ import annotations
+
+from engine.protocol import Stats
+from engine.stats_log import StatsLog
+
+
+def test_the_line_says_what_the_steps_since_the_last_one_did():
+    now = [100.0]
+    log = StatsLog(10.0, clock=lambda: now[0])
+    stats = Stats(num_waiting=3, num_running=5, kv_usage=0.25, prefix_cache_hit_rate=0.5)
+    assert log.line(stats) is None  # no step yet: no line
+    for seconds in (0.004, 0.006, 0.005):
+        log.step(seconds, 0, 5)  # decode-only steps of 5 sequences
+    log.step(0.040, 1000, 5)  # one with a prompt chunk
+    now[0] = 109.0
+    assert not log.due()
+    now[0] = 110.0
+    assert log.due()
+    line = log.line(stats)
+    assert line == ("Avg prompt throughput: 100.0 tokens/s, Avg generation throughput: 2.0 tokens/s, "
+                    "Running: 5 reqs, Waiting: 3 reqs, KV cache usage: 25.0%, Prefix cache hit rate: 50.0% "
+                    "(since start), Steps: 3 decode-only (median 5.00 ms), 1 with prompt tokens (median 40.00 ms)")
+    # counted afresh from there
+    assert not log.due() and log.line(stats) is None
+    now[0] = 112.0
+    log.step(0.002, 8, 0)
+    line = log.line(stats)
+    assert line.startswith("Avg prompt throughput: 4.0 tokens/s, Avg generation throughput: 0.0 tokens/s")
+    assert line.endswith("Steps: 0 decode-only, 1 with prompt tokens (median 2.00 ms)")
