@@ -23,7 +23,8 @@
 #   bench-kernels   tools/bench_kernels.py: each kernel against torch and the memory floor
 #   offline-SHAPE   tools/bench_offline.py on each model, 256 requests at 256 sequences: out tok/s, the decode
 #                   step against the HBM floor, the host's share; with asynchronous scheduling off, then on
-#   serve           tokenmill serve (Qwen2-0.5B shape) + tools/bench_serving.py, when the wheels allow
+#   serve           tokenmill serve (Qwen2-0.5B shape) + tools/bench_serving.py, when the wheels allow; then
+#                   the engine's busiest stats line: its decode-only and eager steps' median times apart
 #
 # Each part's output goes to OUTDIR/PART.log (eight files at most: what a device call brings back); a
 # table of results is printed last. Exit status 1 when a part failed or timed out, 0 otherwise.
@@ -177,6 +178,9 @@ else
   wait "$SERVER" 2>/dev/null
   SERVER=
   { echo "== the server's output"; cat "$WORK/server.log"; } >>"$OUT/serve.log"
+  # the engine's busiest stats line (engine.stats_log): its decode-only and eager steps' median times apart
+  busiest=$(grep -o "Avg generation throughput: .*" "$WORK/server.log" | sort -t: -k2 -n -r | head -n 1)
+  note serve-steps "" "" "${busiest:-no stats line in the server log}"
 fi
 
 echo
