@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.launch import check_tensor, require
+from kernels.triton.launch import cdiv, check_tensor, next_pow2, require
 
 BLOCK = 1024
 
@@ -47,6 +47,6 @@ def _act_and_mul(x: torch.Tensor, gelu: bool) -> torch.Tensor:
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
     if t == 0 or n == 0:
         return out
-    block = min(BLOCK, triton.next_power_of_2(n))
-    _act_and_mul_kernel[(t, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n, GELU=gelu, BLOCK=block)
+    block = min(BLOCK, next_pow2(n))
+    _act_and_mul_kernel[(t, cdiv(n, block))](x, out, x.stride(0), out.stride(0), n, GELU=gelu, BLOCK=block)
     return out

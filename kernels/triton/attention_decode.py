@@ -25,7 +25,7 @@ from kernels.triton.attention_common import (
     softcap_scores,
 )
 from kernels.triton.fp8 import cache_args, fp8_to_float
-from kernels.triton.launch import interpreting, next_pow2, require, sm_count
+from kernels.triton.launch import cdiv, interpreting, next_pow2, require, sm_count
 
 MIN_SPLIT_TOKENS = 256  # below this a split's setup and merge cost more than its parallelism gains
 MAX_SPLITS = 64
@@ -141,8 +141,8 @@ def _auto_splits(batch: int, kv_heads: int, max_seq_len: int, device: torch.devi
     """Enough splits to give every SM about two programs, none shorter than MIN_SPLIT_TOKENS."""
     if interpreting():
         return 1  # programs run one after another: splitting only adds the merge
-    want = triton.cdiv(2 * sm_count(device), batch * kv_heads)
-    return max(1, min(want, triton.cdiv(max_seq_len, MIN_SPLIT_TOKENS), MAX_SPLITS))
+    want = cdiv(2 * sm_count(device), batch * kv_heads)
+    return max(1, min(want, cdiv(max_seq_len, MIN_SPLIT_TOKENS), MAX_SPLITS))
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -168,8 +168,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     span = min(max_seq_len, window) if window else max_seq_len  # the most keys a query sees
     splits = num_splits if num_splits is not None else _auto_splits(b, hkv, span, q.device)
     require(splits >= 1, f"num_splits must be positive, got {splits}")
-    tokens_per_split = triton.cdiv(triton.cdiv(span, splits), tile) * tile
-    splits = triton.cdiv(span, tokens_per_split)  # no split left wholly past the last key
+    tokens_per_split = cdiv(cdiv(span, splits), tile) * tile
+    splits = cdiv(span, tokens_per_split)  # no split left wholly past the last key
     g = h // hkv
     if splits > 1:
         part_acc = torch.empty(b, h, splits, d, dtype=torch.float32, device=q.device)

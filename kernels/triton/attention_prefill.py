@@ -24,7 +24,7 @@ from kernels.triton.attention_common import (
     softcap_scores,
 )
 from kernels.triton.fp8 import cache_args, fp8_to_float
-from kernels.triton.launch import INDEX_DTYPES, check_tensor, interpreting, next_pow2, require
+from kernels.triton.launch import INDEX_DTYPES, cdiv, check_tensor, interpreting, next_pow2, require
 
 
 @triton.jit
@@ -138,7 +138,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     else:
         block_m, tile = (32, 32) if q.dtype == torch.float32 else (64, 64)
     k_cache, v_cache, fmt = cache_args(k_cache, v_cache)
-    _prefill_kernel[(triton.cdiv(max_query_len, block_m), nseq, h)](
+    _prefill_kernel[(cdiv(max_query_len, block_m), nseq, h)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start, out, sinks if sinks is not None else out,
         scores["qk_scale"], scores["inv_cap"], scores["cap_log2"], window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),

@@ -71,4 +71,10 @@ def _sm_count(device_index: int) -> int:
 
 
 def next_pow2(n: int, at_least: int = 1) -> int:
-    return max(at_least, triton.next_power_of_2(n))
+    return max(at_least, 1 << (n - 1).bit_length() if n > 1 else 1)
+
+
+def cdiv(a: int, b: int) -> int:
+    """``triton.cdiv`` without its ~2 us a call (a ``ConstexprFunction`` in triton >= 3.5: launchers call
+    these a few times a launch, an eager step's launches a few hundred times)."""
+    return -(-a // b)

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from kernels import reference
 from kernels.triton.attention_common import dot_args
-from kernels.triton.launch import check_tensor, interpreting, require, sm_count
+from kernels.triton.launch import cdiv, check_tensor, interpreting, require, sm_count
 
 FORMATS = reference.PACKED_FORMATS  # the kernel's FMT for each format
 Q4_0: tl.constexpr = tl.constexpr(FORMATS["q4_0"])
@@ -217,10 +217,10 @@ def linear_packed(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.T
     block_m = 16 if m <= 16 or interpreting() else 32
     splits = num_splits if num_splits is not None else _auto_splits(m, n, k, x.device)
     require(splits >= 1, f"num_splits must be positive, got {splits}")
-    per_split = triton.cdiv(k // 32, splits)
-    splits = triton.cdiv(k // 32, per_split)  # none empty
+    per_split = cdiv(k // 32, splits)
+    splits = cdiv(k // 32, per_split)  # none empty
     part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else y
-    _linear_packed_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, BLOCK_N), splits)](
+    _linear_packed_kernel[(cdiv(m, block_m), cdiv(n, BLOCK_N), splits)](
         x2, weight, bias if bias is not None else weight, y, part, m, n, k, x2.stride(0), y.stride(0),
         weight.shape[1], per_split, FMT=FORMATS[fmt], BLOCK_BYTES=block, QUANTS=_quants(fmt),
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=BLOCK_N, SPLIT=splits > 1, **dot_args(x))
@@ -237,7 +237,7 @@ def dequantize(weight: torch.Tensor, fmt: str, dtype: torch.dtype = torch.float3
     n, k, block = _packed_shape(weight, fmt)
     dense = torch.empty(n, k, dtype=dtype, device=weight.device)
     if n and k:
-        _dequantize_kernel[(triton.cdiv(n, BLOCK_N), k // 32)](
+        _dequantize_kernel[(cdiv(n, BLOCK_N), k // 32)](
             weight, dense, n, k, weight.shape[1], FMT=FORMATS[fmt], BLOCK_BYTES=block, QUANTS=_quants(fmt),
             BLOCK_N=BLOCK_N)
     return dense
@@ -262,7 +262,7 @@ def _auto_splits(m: int, n: int, k: int, device: torch.device) -> int:
     and read) at most a quarter of the weight's bytes (5 n k / 8 for Q4_Z)."""
     if interpreting() or device.type != "cuda":
         return 1
-    want = triton.cdiv(2 * sm_count(device), triton.cdiv(m, 16) * triton.cdiv(n, BLOCK_N))
+    want = cdiv(2 * sm_count(device), cdiv(m, 16) * cdiv(n, BLOCK_N))
     return max(1, min(want, k // 32 // MIN_SPLIT_BLOCKS, 5 * k // (256 * m)))
 
 

@@ -17,7 +17,7 @@ import triton.language as tl
 from kernels.reference import PACKED_BLOCKS
 from kernels.triton.activation import silu_and_mul
 from kernels.triton.attention_common import dot_args
-from kernels.triton.launch import INDEX_DTYPES, check_same, check_tensor, interpreting, require
+from kernels.triton.launch import INDEX_DTYPES, cdiv, check_same, check_tensor, interpreting, require
 from kernels.triton.linear_packed import FORMATS, _expand, _quants
 
 BLOCK_N, BLOCK_K = 64, 32
@@ -80,7 +80,7 @@ def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torc
     order = torch.argsort(flat, stable=True)
     by_expert = flat[order]
     rank = torch.arange(n, device=dev) - (counts.cumsum(0) - counts)[by_expert]  # each pair's place in its run
-    blocks = triton.cdiv(n, block_m) + min(n, num_experts)  # at most one part-filled block per expert used
+    blocks = cdiv(n, block_m) + min(n, num_experts)  # at most one part-filled block per expert used
     pairs = torch.full((blocks * block_m,), n, dtype=torch.int32, device=dev)
     pairs[(ends - padded)[by_expert] + rank] = order.to(torch.int32)
     starts = torch.arange(blocks, device=dev) * block_m
@@ -93,7 +93,7 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, pairs: torch.Tens
           fmt: str | None, k: int) -> None:
     n = b.shape[1]
     packed = {} if fmt is None else dict(FMT=FORMATS[fmt], BLOCK_BYTES=PACKED_BLOCKS[fmt][1], QUANTS=_quants(fmt))
-    _moe_gemm_kernel[(len(experts), triton.cdiv(n, BLOCK_N))](
+    _moe_gemm_kernel[(len(experts), cdiv(n, BLOCK_N))](
         a, b, out, weights if weights is not None else out, pairs, experts, total, num_pairs, n, k, a.stride(0),
         b.stride(0), b.stride(1), out.stride(0), A_ROWS_PER=rows_per, MUL_WEIGHT=weights is not None,
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, **packed, **dot_args(a))
