@@ -1,6 +1,7 @@
 """What of the GPU tools runs without a GPU: ``tools/gpu_check.sh``'s argument handling, the random-weight
-model builder (``tools/random_model.py``) at tiny sizes, and ``tools/bench_kernels.py`` saying that
-there is nothing to time, its cases run at tiny sizes through Triton's interpreter."""
+model builder (``tools/random_model.py``) at tiny sizes, ``tools/bench_kernels.py`` saying that
+there is nothing to time, its cases run at tiny sizes through Triton's interpreter, and
+``tools/bench_host.py``'s table of a decode step's host work."""
 
 from __future__ import annotations
 
@@ -85,3 +86,19 @@ def test_bench_kernels_cases_run_through_the_interpreter(monkeypatch):
         assert c.nbytes > 0
         c.triton()
         c.torch()
+
+
+def test_bench_host_times_each_stage_of_a_decode_step_side_by_side():
+    """``tools/bench_host.py``: the host's part of each stage per decode step, the model stubbed out; with
+    ``--before`` another checkout (here this one again) timed in turns with this one."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_host.py"), "--num-seqs", "8", "--steps",
+                        "3", "--rounds", "1", "--sampling", "seeded", "--before", ROOT, "--turns", "1"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    for name in ("this", "before"):
+        stages = out[name]
+        assert set(stages) == {"schedule", "prepare", "forward_step", "sample", "postprocess", "step"}
+        # the stages are parts of the step
+        assert 0 < stages["schedule"]["min_us"] + stages["postprocess"]["min_us"] < stages["step"]["median_us"]
+    assert "this checkout's minimum is" in r.stdout

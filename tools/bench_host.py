@@ -1,0 +1,138 @@
+"""The host's work in a decode step at many sequences, the model taken out: what stands between the GPU
+and a step as short as its memory floor (issue "GPU path": a step at 256 sequences is host-bound).
+
+A tiny random model (two layers, 64 wide) whose forward and logits are stubbed out, so that what is left
+of a step is the engine's Python and the few host-side tensors it builds: scheduling, ``_prepare``, the
+host part of ``forward_step`` (index tensors, block tables, metadata), the sampler, ``_postprocess``.
+``--num-seqs`` requests run one round at a time; each round times ``--steps`` decode-only steps after
+their prompts. Per stage, the minimum and the median over rounds of the mean per step (the minimum is
+the steadier figure on a shared machine). Device-independent: the same Python runs before a GPU's
+launches, though a CUDA launch costs more host time than a CPU tensor op.
+
+``--before DIR`` times another checkout (a ``git worktree`` of an older commit) the same way, in turns
+with this one, and prints both side by side. The last line is one JSON object.
+
+    python tools/bench_host.py                                  # greedy, 256 sequences
+    python tools/bench_host.py --sampling top_p --before /tmp/old
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STAGES = ("schedule", "prepare", "forward_step", "sample", "postprocess", "step")
+SAMPLING = {"greedy": {"temperature": 0.0}, "top_p": {"temperature": 0.8, "top_p": 0.95},
+            "seeded": {"temperature": 0.8, "top_p": 0.95, "seed": 7}}
+HIDDEN = 64
+
+
+def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_scheduling: str) -> dict[str, list[float]]:
+    """Per stage, each round's mean seconds per decode step."""
+    import torch
+
+    from engine import LLM, SamplingParams
+    from tools.random_model import build
+
+    path = build(tempfile.mkdtemp(), "qwen2", torch.float32, seed=0, hidden_size=HIDDEN, intermediate_size=128,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=4096,
+                 max_position_embeddings=1024)
+    llm = LLM(path, dtype="float32", max_num_seqs=num_seqs, num_kv_blocks=64 * num_seqs, max_model_len=512,
+              async_scheduling=async_scheduling)
+    engine, runner = llm.engine, llm.engine.runner
+    hidden = torch.zeros(max(num_seqs, 2048), HIDDEN)
+    runner.model.forward = lambda ids, positions, meta, images=None: hidden[:len(ids)]
+    runner.model.compute_logits = lambda h: torch.zeros(len(h), 8)  # (8 columns: the argmax costs nothing)
+    if runner.graphs is not None:
+        runner.graphs.replay = lambda ids, positions, meta: hidden[:len(ids)]
+    spent = {stage: [0.0] for stage in STAGES}
+
+    def timed(obj, name: str, stage: str) -> None:
+        fn = getattr(obj, name)
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[stage][-1] += time.perf_counter() - start
+
+        setattr(obj, name, wrapper)
+
+    for obj, name, stage in ((engine.scheduler, "schedule", "schedule"), (runner, "_prepare", "prepare"),
+                             (runner, "forward_step", "forward_step"), (runner.sampler, "sample", "sample"),
+                             (engine, "_postprocess", "postprocess"), (engine, "step", "step")):
+        timed(obj, name, stage)
+    params = SamplingParams(max_tokens=steps + 8, ignore_eos=True, **SAMPLING[sampling])
+    for k in range(rounds + 1):  # (the first round warms up)
+        for i in range(num_seqs):
+            engine.add_request(f"{k}-{i}", [(7 * i + 13 * k + j) % 4000 + 3 for j in range(64)], params)
+        while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
+                                              for r in engine.scheduler.running):
+            engine.step()
+        for stage in STAGES:
+            spent[stage].append(0.0)
+        for _ in range(steps):
+            engine.step()
+        for stage in STAGES:
+            spent[stage][-1] /= steps
+        while engine.has_work():
+            engine.step()
+    return {stage: values[2:] for stage, values in spent.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--num-seqs", type=int, default=256)
+    p.add_argument("--steps", type=int, default=40, help="decode-only steps timed per round")
+    p.add_argument("--rounds", type=int, default=12)
+    p.add_argument("--sampling", choices=sorted(SAMPLING), default="greedy")
+    p.add_argument("--async-scheduling", choices=("on", "off"), default="off")
+    p.add_argument("--before", metavar="DIR", help="another checkout to time the same way, in turns with this one")
+    p.add_argument("--turns", type=int, default=3, help="with --before: runs of each checkout")
+    p.add_argument("--raw", action="store_true", help=argparse.SUPPRESS)  # (a --before run's child: JSON only)
+    args = p.parse_args()
+    flags = ["--num-seqs", str(args.num_seqs), "--steps", str(args.steps), "--rounds", str(args.rounds),
+             "--sampling", args.sampling, "--async-scheduling", args.async_scheduling]
+    if args.raw:
+        print(json.dumps(measure(args.num_seqs, args.steps, args.rounds, args.sampling, args.async_scheduling)))
+        return
+    checkouts = {"this": HERE, **({"before": os.path.abspath(args.before)} if args.before else {})}
+    runs: dict[str, dict[str, list[float]]] = {name: {stage: [] for stage in STAGES} for name in checkouts}
+    for _ in range(args.turns if args.before else 1):
+        for name, checkout in reversed(checkouts.items()):  # (the older first in each turn)
+            out = subprocess.run([sys.executable, os.path.abspath(__file__), *flags, "--raw"], cwd=checkout,
+                                 env=dict(os.environ, PYTHONPATH=checkout), check=True, capture_output=True, text=True)
+            for stage, values in json.loads(out.stdout.strip().splitlines()[-1]).items():
+                runs[name][stage] += values
+    print(f"host time per decode step at {args.num_seqs} sequences ({args.sampling}, asynchronous scheduling "
+          f"{args.async_scheduling}), µs: min / median over {args.rounds} rounds"
+          f"{f' x {args.turns} turns' if args.before else ''}")
+    names = list(reversed(checkouts))
+    print(f"{'stage':14s}" + "".join(f"{name:>20s}" for name in names))
+    result = {}
+    for stage in STAGES:
+        cells = []
+        for name in names:
+            v = runs[name][stage]
+            result.setdefault(name, {})[stage] = {"min_us": min(v) * 1e6, "median_us": statistics.median(v) * 1e6}
+            cells.append(f"{min(v) * 1e6:9.1f} / {statistics.median(v) * 1e6:7.1f}")
+        print(f"{stage:14s}" + "".join(f"{c:>20s}" for c in cells))
+    if args.before:
+        ratio = result["this"]["step"]["min_us"] / result["before"]["step"]["min_us"]
+        print(f"step: this checkout's minimum is {ratio:.2f}x the other's")
+    print(json.dumps({"num_seqs": args.num_seqs, "sampling": args.sampling,
+                      "async_scheduling": args.async_scheduling, **result}))
+
+
+if __name__ == "__main__":
+    main()
