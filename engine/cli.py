@@ -233,7 +233,7 @@ def _engine_flags(p: argparse.ArgumentParser, generate: bool = False) -> None:
                        help="while the engine works, a log line this often with its prompt and generation "
                             "throughput, requests running and waiting, KV cache use, and its steps' median times "
                             f"(decode-only and with prompt tokens, apart) (default: {d['log_stats_interval']:g})")
-        q.add_argument("--disable-log-stats", action="store_const", const=0.0, dest="log_stats_interval",
+        q.add_argument("--disable-log-stats", action="store_true", default=None,
                        help="no such lines (vLLM's flag; GET /metrics still has the figures)")
 
 
@@ -433,6 +433,8 @@ def _config_kwargs(args: argparse.Namespace) -> dict:
         if len(set(names)) < len(names):
             raise ValueError(f"--lora-modules names an adapter twice: {sorted(n for n in set(names) if names.count(n) > 1)}")
         kw["lora_modules"] = dict(kw["lora_modules"])
+    if getattr(args, "disable_log_stats", None):
+        kw["log_stats_interval"] = 0.0
     kw.pop("max_loras", None)
     if env_flag(RUNTIME_LORA_ENV):
         if getattr(args, "enable_lora", False):

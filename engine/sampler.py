@@ -106,7 +106,8 @@ class SamplingState:
         # temperature, top_k, top_p, min_p as a step applies them: mirostat takes the truncations' place, and a
         # dynamic temperature is applied after them
         temperature = 1.0 if params.dynatemp_range > 0 and not params.mirostat else params.temperature
-        cut = (0, 1.0, 0.0) if params.mirostat else (params.top_k, params.top_p, params.min_p)
+        # (top_k held to 2**24, exact in float32 and past any vocabulary: no cut, as any larger k)
+        cut = (0, 1.0, 0.0) if params.mirostat else (min(params.top_k, 1 << 24), params.top_p, params.min_p)
         self.knobs = array.array("f", (temperature, *cut)).tobytes()  # (float32s: a step joins the rows')
         self._prompt_len = self._window_len = -1
         self._prompt_ids: torch.Tensor | None = None

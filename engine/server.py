@@ -96,9 +96,12 @@ class EngineActor:
                 if self.engine.has_work():
                     self._step()
                     await asyncio.sleep(0)  # lets signal handlers and stop() in while busy
-                else:
-                    self._log_stats()  # (the last of a burst's steps, at once)
-                    await self._wait_readable(loop, fd)
+                else:  # (until a frame comes, or until the stats line of the steps just run is due)
+                    try:
+                        await asyncio.wait_for(self._wait_readable(loop, fd),
+                                               self.stats_log.remaining() if self.stats_log is not None else None)
+                    except TimeoutError:
+                        self._log_stats()
         except Exception as e:
             log.exception("engine failure; going down")
             self._fail_outstanding(500, "internal_server_error", f"engine failure: {e}")

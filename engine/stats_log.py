@@ -1,7 +1,7 @@
 """The engine's periodic stats line, vLLM's "Avg prompt throughput: ..." (``--disable-log-stats`` turns it off).
 
 While the engine works, one INFO line every ``interval`` seconds (``EngineConfig.log_stats_interval``, 10 as
-vLLM's) says what its steps did since the last line: prompt and generation tokens per second, the requests
+vLLM's; the last one when the interval ends, idle or not) says what its steps did in that interval: prompt and generation tokens per second, the requests
 running and waiting, the KV cache's use and the prefix cache's hit rate (as vLLM's, that one since start),
 then the steps, apart: decode-only steps (those replayed as graphs) and steps that carried prompt tokens
 (run eagerly), each with its median time. Where the two medians differ by far more than the prompt tokens explain, the host's work of
@@ -28,21 +28,30 @@ class StatsLog:
         self._prompt_steps: list[float] = []  # ... and of each step that carried prompt tokens
 
     def step(self, seconds: float, prompt_tokens: int, generated: int) -> None:
-        """One step: how long it took, the prompt tokens it computed (not those found cached), tokens it sampled."""
+        """One step: how long it took, the prompt tokens it computed (not those found cached), tokens it sampled.
+        The first since the last line starts the next line's interval (an idle gap before it is none of it)."""
+        if not self._decode_steps and not self._prompt_steps:
+            self._start = self.clock() - seconds
         (self._prompt_steps if prompt_tokens else self._decode_steps).append(seconds)
         self._prompt_tokens += prompt_tokens
         self._generated += generated
 
+    def remaining(self) -> float | None:
+        """Seconds until the line for the steps counted is due (None: no step counted, no line to come)."""
+        if not self._decode_steps and not self._prompt_steps:
+            return None
+        return self._start + self.interval - self.clock()
+
     def due(self) -> bool:
-        return self.clock() - self._start >= self.interval
+        left = self.remaining()
+        return left is not None and left <= 0
 
     def line(self, stats: Stats) -> str | None:
-        """The line for the steps since the last one (None without any), and a fresh count from here."""
-        now = self.clock()
-        elapsed, self._start = max(now - self._start, 1e-9), now
+        """The line for the steps since the last one (None without any); the count starts afresh."""
         decode, prompt = self._decode_steps, self._prompt_steps
         if not decode and not prompt:
             return None
+        elapsed = max(self.clock() - self._start, 1e-9)
         text = (f"Avg prompt throughput: {self._prompt_tokens / elapsed:.1f} tokens/s, "
                 f"Avg generation throughput: {self._generated / elapsed:.1f} tokens/s, "
                 f"Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "

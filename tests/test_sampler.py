@@ -557,3 +557,11 @@ def test_logprobs_helpers_in_chunks():
         assert [t for t, _ in got[i][1]] == raw[i].topk(2).indices.tolist()
         assert got[i][2] == raw[i].argsort(descending=True).tolist().index(ids[i].item()) + 1  # its rank
     assert compute_logprobs(logits[:2], ids[:2], 0)[0][1] == []
+
+
+def test_a_top_k_past_any_vocabulary_cuts_nothing():
+    # (a step reads the knobs as float32: a k past 2**128 must not become inf there)
+    logits = torch.tensor([PROBS]).log()
+    got = {k: _call(Sampler(5, [], "cpu"), logits, [SamplingParams(temperature=1.0, top_k=k, seed=3)]).token_ids
+           for k in (0, 5, 10**40)}
+    assert got[0] == got[5] == got[10**40]

@@ -126,7 +126,7 @@ def expected_tokens(prompt: list[int], n: int) -> list[int]:
 class ActorHarness:
     """run_engine in a thread (signals are the main thread's; stop() instead)."""
 
-    def __init__(self, address: str, **engine_kw):
+    def __init__(self, address: str, config: EngineConfig | None = None, **engine_kw):
         self.address = address
         self.engine: FakeEngine | None = None
         self.actor = None
@@ -139,7 +139,7 @@ class ActorHarness:
 
         def target():
             try:
-                run_engine(EngineConfig(), address, ready=ready.set, engine_factory=factory,
+                run_engine(config or EngineConfig(), address, ready=ready.set, engine_factory=factory,
                            on_actor=lambda a: setattr(self, "actor", a))
             except BaseException as e:  # noqa: BLE001 - surfaced by the test
                 self.error = e
@@ -233,18 +233,27 @@ def test_add_streams_deterministic_tokens_and_finishes(harness):
     assert not harness.actor._owner  # finished requests are forgotten
 
 
-def test_a_burst_of_work_ends_with_a_stats_line(harness, caplog):
-    # (the harness's EngineConfig: a line every 10 s while busy, and one as the engine goes idle)
-    c = harness.client(b"fe0")
-    hello(c, "fe0")
-    with caplog.at_level(logging.INFO, logger="tokenmill.engine"):
-        send(c, p.Add("a", [1, 2, 3], p.SamplingParams(max_tokens=5)))
-        collect(c, {"a"})
-        deadline = time.monotonic() + 5
-        while not any("Avg prompt throughput" in r.getMessage() for r in caplog.records):
-            assert time.monotonic() < deadline, "no stats line"
-            time.sleep(0.01)
-    line = next(r.getMessage() for r in caplog.records if "Avg prompt throughput" in r.getMessage())
+def test_a_burst_of_work_ends_with_a_stats_line(address, caplog):
+    # a line at the end of the interval that began with the burst's first step, though the engine is idle by then
+    harness = ActorHarness(address, EngineConfig(log_stats_interval=0.5))
+    try:
+        c = harness.client(b"fe0")
+        hello(c, "fe0")
+        with caplog.at_level(logging.INFO, logger="tokenmill.engine"):
+            start = time.monotonic()
+            send(c, p.Add("a", [1, 2, 3], p.SamplingParams(max_tokens=5)))
+            collect(c, {"a"})
+            deadline = time.monotonic() + 5
+            while not any("Avg prompt throughput" in r.getMessage() for r in caplog.records):
+                assert time.monotonic() < deadline, "no stats line"
+                time.sleep(0.01)
+            assert time.monotonic() - start >= 0.45
+            time.sleep(0.7)  # idle: no further line
+    finally:
+        harness.close()
+    lines = [r.getMessage() for r in caplog.records if "Avg prompt throughput" in r.getMessage()]
+    assert len(lines) == 1, lines
+    line = lines[0]
     # 5 steps: the first computed the 3 prompt tokens, each sampled one token
     assert "Running: 0 reqs, Waiting: 0 reqs" in line and "Steps: 4 decode-only (median " in line, line
     assert ", 1 with prompt tokens (median " in line, line

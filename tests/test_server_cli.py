@@ -132,6 +132,8 @@ def test_a_config_file_gives_flags_and_the_command_line_wins(tmp_path, capsys):
     path.write_text("async-scheduling: true\nprompt: hi\nmax-tokens: 3\n")
     gen = build_parser().parse_args(["generate", "--config", str(path)])
     assert (gen.prompt, gen.async_scheduling) == ("hi", "on")
+    path.write_text("log-stats-interval: 5\ndisable-log-stats: false\n")  # (a false switch leaves the interval)
+    assert _config_kwargs(build_parser().parse_args(["serve", "--config", str(path)])) == {"log_stats_interval": 5.0}
     path.write_text("async-scheduling: false\n")
     assert build_parser().parse_args(["serve", "--config", str(path)]).async_scheduling == "off"
     for text, why in [("max-num-seqz: 8\n", "'max-num-seqz' is no flag"),
