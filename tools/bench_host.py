@@ -53,7 +53,8 @@ def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_schedul
     runner.model.compute_logits = lambda h: torch.zeros(len(h), 8)  # (8 columns: the argmax costs nothing)
     if runner.graphs is not None:
         runner.graphs.replay = lambda ids, positions, meta: hidden[:len(ids)]
-    spent = {stage: [0.0] for stage in STAGES}
+    spent: dict[str, list[float]] = {stage: [] for stage in STAGES}  # each round's decode steps' seconds
+    timing = [False]  # (prompts and the tails of the rounds are not counted)
 
     def timed(obj, name: str, stage: str) -> None:
         fn = getattr(obj, name)
@@ -64,7 +65,8 @@ def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_schedul
             try:
                 return fn(*args, **kwargs)
             finally:
-                spent[stage][-1] += time.perf_counter() - start
+                if timing[0]:
+                    spent[stage][-1] += time.perf_counter() - start
 
         setattr(obj, name, wrapper)
 
@@ -81,13 +83,15 @@ def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_schedul
             engine.step()
         for stage in STAGES:
             spent[stage].append(0.0)
+        timing[0] = True
         for _ in range(steps):
             engine.step()
+        timing[0] = False
         for stage in STAGES:
             spent[stage][-1] /= steps
         while engine.has_work():
             engine.step()
-    return {stage: values[2:] for stage, values in spent.items()}
+    return {stage: values[1:] for stage, values in spent.items()}
 
 
 def main() -> None:
