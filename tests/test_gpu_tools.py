@@ -98,7 +98,19 @@ def test_bench_host_times_each_stage_of_a_decode_step_side_by_side():
     out = json.loads(r.stdout.strip().splitlines()[-1])
     for name in ("this", "before"):
         stages = out[name]
-        assert set(stages) == {"schedule", "prepare", "forward_step", "sample", "postprocess", "step"}
+        assert set(stages) == {"schedule", "prepare", "forward_step", "model", "sample", "postprocess", "step"}
         # the stages are parts of the step
         assert 0 < stages["schedule"]["min_us"] + stages["postprocess"]["min_us"] < stages["step"]["median_us"]
     assert "this checkout's minimum is" in r.stdout
+
+
+def test_bench_host_times_an_eager_step_with_its_kernels_stubbed_out():
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_host.py"), "--eager-layers", "3",
+                        "--num-seqs", "8", "--steps", "3", "--rounds", "1"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["eager_layers"] == 3 and "before" not in out
+    stages = out["this"]
+    # the model's forward ran (its launches and GEMMs stubbed), inside forward_step
+    assert 0 < stages["model"]["min_us"] < stages["forward_step"]["min_us"] < stages["step"]["min_us"]

@@ -9,11 +9,16 @@ their prompts. Per stage, the minimum and the median over rounds of the mean per
 the steadier figure on a shared machine). Device-independent: the same Python runs before a GPU's
 launches, though a CUDA launch costs more host time than a CPU tensor op.
 
+``--eager-layers N`` times instead steps that carry prompt tokens beside the decodes, as a busy server's
+are, through a model of N layers run eagerly with its Triton kernels (through the interpreter's imports)
+and its GEMMs stubbed out: the host work of an eager step's launches, which a GPU cannot hide either.
+
 ``--before DIR`` times another checkout (a ``git worktree`` of an older commit) the same way, in turns
 with this one, and prints both side by side. The last line is one JSON object.
 
     python tools/bench_host.py                                  # greedy, 256 sequences
     python tools/bench_host.py --sampling top_p --before /tmp/old
+    python tools/bench_host.py --eager-layers 24 --before /tmp/old
 """
 
 from __future__ import annotations
@@ -29,30 +34,44 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STAGES = ("schedule", "prepare", "forward_step", "sample", "postprocess", "step")
+STAGES = ("schedule", "prepare", "forward_step", "model", "sample", "postprocess", "step")
 SAMPLING = {"greedy": {"temperature": 0.0}, "top_p": {"temperature": 0.8, "top_p": 0.95},
             "seeded": {"temperature": 0.8, "top_p": 0.95, "seed": 7}}
 HIDDEN = 64
 
 
-def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_scheduling: str) -> dict[str, list[float]]:
-    """Per stage, each round's mean seconds per decode step."""
+def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_scheduling: str,
+            eager_layers: int = 0) -> dict[str, list[float]]:
+    """Per stage, each round's mean seconds per decode step. ``eager_layers``: instead, steps that also carry two
+    new 128-token prompts, through a model of that many layers whose Triton kernels and GEMMs are stubbed out
+    (the Python of an eager step's launches, ``model``; on the CPU, through Triton's interpreter's imports)."""
+    if eager_layers:
+        os.environ["TRITON_INTERPRET"] = "1"  # (before anything imports triton)
     import torch
+
+    import kernels
+
+    if eager_layers:
+        kernels.set_backend("triton")
 
     from engine import LLM, SamplingParams
     from tools.random_model import build
 
     path = build(tempfile.mkdtemp(), "qwen2", torch.float32, seed=0, hidden_size=HIDDEN, intermediate_size=128,
-                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=4096,
-                 max_position_embeddings=1024)
-    llm = LLM(path, dtype="float32", max_num_seqs=num_seqs, num_kv_blocks=64 * num_seqs, max_model_len=512,
-              async_scheduling=async_scheduling)
+                 num_hidden_layers=eager_layers or 2, num_attention_heads=4, num_key_value_heads=2,
+                 vocab_size=4096, max_position_embeddings=1024)
+    arrivals = 2 * steps if eager_layers else 0
+    llm = LLM(path, dtype="float32", max_num_seqs=num_seqs + arrivals, num_kv_blocks=64 * (num_seqs + arrivals),
+              max_model_len=512, async_scheduling=async_scheduling, enforce_eager=bool(eager_layers))
     engine, runner = llm.engine, llm.engine.runner
-    hidden = torch.zeros(max(num_seqs, 2048), HIDDEN)
-    runner.model.forward = lambda ids, positions, meta, images=None: hidden[:len(ids)]
-    runner.model.compute_logits = lambda h: torch.zeros(len(h), 8)  # (8 columns: the argmax costs nothing)
-    if runner.graphs is not None:
-        runner.graphs.replay = lambda ids, positions, meta: hidden[:len(ids)]
+    if eager_layers:
+        _stub_kernels()
+    else:
+        hidden = torch.zeros(max(num_seqs, 2048), HIDDEN)
+        runner.model.forward = lambda ids, positions, meta, images=None: hidden[:len(ids)]
+        runner.model.compute_logits = lambda h: torch.zeros(len(h), 8)  # (8 columns: the argmax costs nothing)
+        if runner.graphs is not None:
+            runner.graphs.replay = lambda ids, positions, meta: hidden[:len(ids)]
     spent: dict[str, list[float]] = {stage: [] for stage in STAGES}  # each round's decode steps' seconds
     timing = [False]  # (prompts and the tails of the rounds are not counted)
 
@@ -72,8 +91,10 @@ def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_schedul
 
     for obj, name, stage in ((engine.scheduler, "schedule", "schedule"), (runner, "_prepare", "prepare"),
                              (runner, "forward_step", "forward_step"), (runner.sampler, "sample", "sample"),
-                             (engine, "_postprocess", "postprocess"), (engine, "step", "step")):
+                             (engine, "_postprocess", "postprocess"), (engine, "step", "step"),
+                             (runner.model, "forward", "model")):  # (nn.Module calls self.forward)
         timed(obj, name, stage)
+    arrived = 0
     params = SamplingParams(max_tokens=steps + 8, ignore_eos=True, **SAMPLING[sampling])
     for k in range(rounds + 1):  # (the first round warms up)
         for i in range(num_seqs):
@@ -85,6 +106,9 @@ def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_schedul
             spent[stage].append(0.0)
         timing[0] = True
         for _ in range(steps):
+            for _ in range(2 if eager_layers else 0):
+                engine.add_request(f"new-{arrived}", [(11 * arrived + j) % 4000 + 3 for j in range(128)], params)
+                arrived += 1
             engine.step()
         timing[0] = False
         for stage in STAGES:
@@ -94,6 +118,39 @@ def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_schedul
     return {stage: values[1:] for stage, values in spent.items()}
 
 
+def _stub_kernels() -> None:
+    """Every Triton kernel a launch that does nothing, and ``F.linear`` an empty result: what is left of a
+    forward is its Python and the small host-side tensor ops."""
+    import importlib
+    import pkgutil
+
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import KernelInterface
+
+    import kernels.triton
+
+    class Launch:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    for info in pkgutil.iter_modules(kernels.triton.__path__):
+        module = importlib.import_module(f"kernels.triton.{info.name}")
+        for name, value in vars(module).items():
+            if isinstance(value, (KernelInterface, InterpretedFunction)):
+                setattr(module, name, Launch())
+
+    class Functional:
+        def __getattr__(self, name):
+            return getattr(torch_functional, name)
+
+        @staticmethod
+        def linear(x, weight, bias=None):
+            return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+    torch_functional = kernels.F
+    kernels.F = Functional()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--num-seqs", type=int, default=256)
@@ -101,14 +158,19 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--sampling", choices=sorted(SAMPLING), default="greedy")
     p.add_argument("--async-scheduling", choices=("on", "off"), default="off")
+    p.add_argument("--eager-layers", type=int, default=0, metavar="N",
+                   help="time steps that also carry two new 128-token prompts, run eagerly through a model of N "
+                        "layers with its Triton kernels and GEMMs stubbed out (CPU only): an eager step's host work")
     p.add_argument("--before", metavar="DIR", help="another checkout to time the same way, in turns with this one")
     p.add_argument("--turns", type=int, default=3, help="with --before: runs of each checkout")
     p.add_argument("--raw", action="store_true", help=argparse.SUPPRESS)  # (a --before run's child: JSON only)
     args = p.parse_args()
     flags = ["--num-seqs", str(args.num_seqs), "--steps", str(args.steps), "--rounds", str(args.rounds),
-             "--sampling", args.sampling, "--async-scheduling", args.async_scheduling]
+             "--sampling", args.sampling, "--async-scheduling", args.async_scheduling,
+             "--eager-layers", str(args.eager_layers)]
     if args.raw:
-        print(json.dumps(measure(args.num_seqs, args.steps, args.rounds, args.sampling, args.async_scheduling)))
+        print(json.dumps(measure(args.num_seqs, args.steps, args.rounds, args.sampling, args.async_scheduling,
+                                 args.eager_layers)))
         return
     checkouts = {"this": HERE, **({"before": os.path.abspath(args.before)} if args.before else {})}
     runs: dict[str, dict[str, list[float]]] = {name: {stage: [] for stage in STAGES} for name in checkouts}
@@ -118,9 +180,10 @@ def main() -> None:
                                  env=dict(os.environ, PYTHONPATH=checkout), check=True, capture_output=True, text=True)
             for stage, values in json.loads(out.stdout.strip().splitlines()[-1]).items():
                 runs[name][stage] += values
-    print(f"host time per decode step at {args.num_seqs} sequences ({args.sampling}, asynchronous scheduling "
-          f"{args.async_scheduling}), µs: min / median over {args.rounds} rounds"
-          f"{f' x {args.turns} turns' if args.before else ''}")
+    what = (f"step of {args.num_seqs} decodes and two 128-token prompts, eager, {args.eager_layers} layers stubbed"
+            if args.eager_layers else f"decode step at {args.num_seqs} sequences")
+    print(f"host time per {what} ({args.sampling}, asynchronous scheduling {args.async_scheduling}), µs: min / "
+          f"median over {args.rounds} rounds{f' x {args.turns} turns' if args.before else ''}")
     names = list(reversed(checkouts))
     print(f"{'stage':14s}" + "".join(f"{name:>20s}" for name in names))
     result = {}
@@ -134,8 +197,8 @@ def main() -> None:
     if args.before:
         ratio = result["this"]["step"]["min_us"] / result["before"]["step"]["min_us"]
         print(f"step: this checkout's minimum is {ratio:.2f}x the other's")
-    print(json.dumps({"num_seqs": args.num_seqs, "sampling": args.sampling,
-                      "async_scheduling": args.async_scheduling, **result}))
+    print(json.dumps({"num_seqs": args.num_seqs, "sampling": args.sampling, "async_scheduling": args.async_scheduling,
+                      "eager_layers": args.eager_layers, **result}))
 
 
 if __name__ == "__main__":

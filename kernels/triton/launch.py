@@ -22,8 +22,10 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
+@functools.cache
 def interpreting() -> bool:
-    """Whether Triton kernels run through the interpreter in this process."""
+    """Whether Triton kernels run through the interpreter in this process (fixed when triton was imported, as its
+    own library functions were decorated; a launch asks several times: ~2 us each from triton's knobs)."""
     knobs = getattr(triton, "knobs", None)  # triton >= 3.4; older ones read the variable directly
     if knobs is not None:
         return bool(knobs.runtime.interpret)
