@@ -523,6 +523,7 @@ class Engine:
         if self.runner.device.type == "cuda":
             torch.cuda.empty_cache()
         self._steps_since_oom = 0
+        self.step_prompt_tokens = 0  # (none computed)
         log.warning("out of memory in a step of %d requests (%d tokens): rolled back", len(failed),
                     sum(r.num_tokens for r in failed))
         ended = []
