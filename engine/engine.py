@@ -174,7 +174,7 @@ class Engine:
                      "tokens (n-gram lookup)", self.speculative.num_speculative_tokens,
                      self.speculative.prompt_lookup_min, self.speculative.prompt_lookup_max)
         self._in_flight: InFlight | None = None
-        self.step_prompt_tokens = 0  # the prompt tokens the last step() scheduled (engine.stats_log)
+        self.step_batch = (0, 0)  # the requests and prompt tokens the last step() scheduled (engine.stats_log)
         if self.runner.model_cfg.vision is not None and self.vision is None:
             log.warning("images refused: %s", self.no_images)
         cfg = self.runner.model_cfg
@@ -341,7 +341,7 @@ class Engine:
         if self.async_scheduling:
             return self._step_overlapped()
         batch = self.scheduler.schedule()
-        self.step_prompt_tokens = batch.num_prompt_tokens
+        self.step_batch = (len(batch), batch.num_prompt_tokens)
         result, errored = self._run(batch)
         return self._postprocess([*batch.timed_out, *errored], result)
 
@@ -475,7 +475,7 @@ class Engine:
             self._in_flight = prev = None
             deltas = self._postprocess([], result)
         batch = self.scheduler.schedule()
-        self.step_prompt_tokens = batch.num_prompt_tokens
+        self.step_batch = (len(batch), batch.num_prompt_tokens)
         self._in_flight = None
         failed = self._launch(batch, prev)
         if prev is not None:
@@ -523,7 +523,7 @@ class Engine:
         if self.runner.device.type == "cuda":
             torch.cuda.empty_cache()
         self._steps_since_oom = 0
-        self.step_prompt_tokens = 0  # (none computed)
+        self.step_batch = (self.step_batch[0], 0)  # (no prompt token computed)
         log.warning("out of memory in a step of %d requests (%d tokens): rolled back", len(failed),
                     sum(r.num_tokens for r in failed))
         ended = []

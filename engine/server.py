@@ -284,8 +284,9 @@ class EngineActor:
         deltas = self.engine.step()
         self.num_steps += 1
         if self.stats_log is not None:
-            self.stats_log.step(time.perf_counter() - start, self.engine.step_prompt_tokens,
-                                sum(len(d.token_ids) for d in deltas))
+            scheduled, prompt_tokens = self.engine.step_batch
+            self.stats_log.step(time.perf_counter() - start, prompt_tokens, sum(len(d.token_ids) for d in deltas),
+                                scheduled > 0)
             if self.stats_log.due():
                 self._log_stats()
         if self.num_steps in FREEZE_AT_STEPS:

@@ -27,14 +27,17 @@ class StatsLog:
         self._decode_steps: list[float] = []  # seconds of each decode-only step since the last line...
         self._prompt_steps: list[float] = []  # ... and of each step that carried prompt tokens
 
-    def step(self, seconds: float, prompt_tokens: int, generated: int) -> None:
+    def step(self, seconds: float, prompt_tokens: int, generated: int, scheduled: bool = True) -> None:
         """One step: how long it took, the prompt tokens it computed (not those found cached), tokens it sampled.
-        The first since the last line starts the next line's interval (an idle gap before it is none of it)."""
+        The first since the last line starts the next line's interval (an idle gap before it is none of it).
+        ``scheduled`` False: it only collected the tokens of the step before (asynchronous scheduling's last)."""
+        self._generated += generated
+        if not scheduled:
+            return
         if not self._decode_steps and not self._prompt_steps:
             self._start = self.clock() - seconds
         (self._prompt_steps if prompt_tokens else self._decode_steps).append(seconds)
         self._prompt_tokens += prompt_tokens
-        self._generated += generated
 
     def remaining(self) -> float | None:
         """Seconds until the line for the steps counted is due (None: no step counted, no line to come)."""

@@ -44,7 +44,7 @@ class FakeEngine:
     def __init__(self, config: EngineConfig, start_after: int = 0, max_waiting: int = 8,
                  fail_on_step: int | None = None, step_delay: float = 0.0):
         self.config = config
-        self.step_prompt_tokens = 0
+        self.step_batch = (0, 0)
         self.start_after = start_after
         self.max_waiting = max_waiting
         self.fail_on_step = fail_on_step
@@ -103,7 +103,7 @@ class FakeEngine:
         if self.step_delay:
             time.sleep(self.step_delay)
         out = []
-        self.step_prompt_tokens = sum(len(prompt) for prompt, _, n in self.running.values() if n == 0)
+        self.step_batch = (len(self.running), sum(len(prompt) for prompt, _, n in self.running.values() if n == 0))
         for rid, st in list(self.running.items()):
             prompt, params, n = st
             tok = (sum(prompt) + n) % VOCAB

@@ -24,10 +24,12 @@ def test_the_line_says_what_the_steps_since_the_last_one_did():
                     "(since start), Steps: 3 decode-only (median 5.00 ms), 1 with prompt tokens (median 40.00 ms)")
     # counted afresh from there
     assert not log.due() and log.line(stats) is None
+    log.step(0.001, 0, 7, scheduled=False)  # (a collect-only step: its tokens count, not the step)
+    assert log.line(stats) is None
     now[0] = 150.0  # an idle gap, then one step: its interval begins with it
     log.step(0.002, 8, 0)
     assert 9.9 < log.remaining() < 10.0
     now[0] = 152.0
     line = log.line(stats)
-    assert line.startswith("Avg prompt throughput: 4.0 tokens/s, Avg generation throughput: 0.0 tokens/s")
+    assert line.startswith("Avg prompt throughput: 4.0 tokens/s, Avg generation throughput: 3.5 tokens/s")
     assert line.endswith("Steps: 0 decode-only, 1 with prompt tokens (median 2.00 ms)")
