@@ -198,7 +198,7 @@ def main() -> None:
         ratio = result["this"]["step"]["min_us"] / result["before"]["step"]["min_us"]
         print(f"step: this checkout's minimum is {ratio:.2f}x the other's")
     print(json.dumps({"num_seqs": args.num_seqs, "sampling": args.sampling, "async_scheduling": args.async_scheduling,
-                      "eager_layers": args.eager_layers, **result}))
+                      "eager_layers": args.eager_layers, "step_min_us": result["this"]["step"]["min_us"], **result}))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@
 #   cuda-tests      tests/test_cuda.py (and the CUDA tests of four other files): greedy parity with
 #                   transformers on the GPU (int4 checkpoints, an fp8 cache, LoRA adapters, a LLaVA's images
 #                   too), KV sizing by profiling, CUDA graphs, surviving an out-of-memory step
-#   bench-kernels   tools/bench_kernels.py: each kernel against torch and the memory floor
+#   bench-kernels   tools/bench_kernels.py: each kernel against torch and the memory floor; then
+#                   tools/bench_host.py: a decode step's Python at 256 sequences on this machine's host
 #   offline-SHAPE   tools/bench_offline.py on each model, 256 requests at 256 sequences: out tok/s, the decode
 #                   step against the HBM floor, the host's share; with asynchronous scheduling off, then on
 #   serve           tokenmill serve (Qwen2-0.5B shape) + tools/bench_serving.py, when the wheels allow; then
@@ -48,9 +49,9 @@ FAILED=0
 
 has() { "$PY" -c "import $1" >/dev/null 2>&1; }  # has "zmq, orjson": all of them import
 
-json_last() {  # json_last FILE KEY [N]: KEY's value in FILE's Nth-from-last (1) line that is a JSON object
+json_last() {  # json_last FILE KEY [N]: KEY's value in FILE's Nth-from-last (1) JSON object line that has KEY
   "$PY" -c 'import json, sys
-lines = [s for s in open(sys.argv[1]) if s.startswith("{")]
+lines = [s for s in open(sys.argv[1]) if s.startswith("{") and sys.argv[2] in json.loads(s)]
 n = int(sys.argv[3])
 v = json.loads(lines[-n]).get(sys.argv[2]) if len(lines) >= n else "?"
 print(round(v, 3) if isinstance(v, float) else v)' "$1" "$2" "${3:-1}" 2>/dev/null
@@ -61,7 +62,8 @@ figure() {  # the figure to read in a part's log
   case $1 in
     *-tests) grep -E "[0-9]+ (passed|failed|skipped|error)" "$log" | tail -n 1 ;;
     bench-kernels) echo "paged decode >= $(json_last "$log" decode_min_bw_fraction) of" \
-                        "$(json_last "$log" copy_bandwidth_gb_s) GB/s" ;;
+                        "$(json_last "$log" copy_bandwidth_gb_s) GB/s; a decode step's Python at 256 sequences" \
+                        "$(json_last "$log" step_min_us) us (bench_host)" ;;
     offline-*) echo "$(json_last "$log" tokenmill_out_tok_s) out tok/s, $(json_last "$log" decode_vs_floor)x floor," \
                     "host $(json_last "$log" host_share) (synchronous steps: $(json_last "$log" tokenmill_out_tok_s 2)" \
                     "out tok/s, host $(json_last "$log" host_share 2))" ;;
@@ -146,7 +148,11 @@ fi
 if ((!CUDA)); then
   skip bench-kernels "no CUDA device"
 else
-  part bench-kernels 90 "$PY tools/bench_kernels.py"
+  # then the host's Python per decode step (tools/bench_host.py, the model stubbed out), to set beside the
+  # figure of the machine that measured the code last
+  host_bench=
+  has "$ENGINE" && host_bench="&& $PY tools/bench_host.py --rounds 4 --steps 20"
+  part bench-kernels 120 "$PY tools/bench_kernels.py $host_bench"
 fi
 
 for shape in smollm2-135m qwen2-0.5b; do
