@@ -34,7 +34,8 @@ engine's objects (the engine's code is untouched; on CUDA each step ends with a 
   (``measure_bandwidth``); the median over decode-only steps, as are ``decode_step_ms`` and
   ``decode_floor_ms``.
 - ``host_share``: the steps' time on the host (scheduling, ``ModelRunner._prepare``, the host part of
-  ``forward_step`` before the forward, ``update_from_output``, turning sampled tokens into deltas)
+  ``forward_step`` before the forward, the sampler's launches, ``update_from_output``, turning sampled
+  tokens into deltas)
   ÷ their wall time, over all steps.
 
 The last line of output is one JSON object.
@@ -260,8 +261,9 @@ class StepProbe:
 
     Per step: the wall time, the time on the host, and for a decode-only step the tokens of KV cache it
     reads. The host's parts are the scheduler's ``schedule``, ``launched`` and ``observe``, the runner's
-    ``_prepare`` and ``forward_step`` up to the model's forward (or CUDA graph replay), and the engine's
-    ``_postprocess`` (sampled tokens to deltas). The sampler is left out: on CUDA it waits for the forward.
+    ``_prepare`` and ``forward_step`` up to the model's forward (or CUDA graph replay), the sampler's
+    ``sample`` (on CUDA it only launches: ``Sampled.result()``, left out, is the wait for the device), and
+    the engine's ``_postprocess`` (sampled tokens to deltas).
     """
 
     def __init__(self, llm) -> None:
@@ -295,6 +297,7 @@ class StepProbe:
         scheduler.launched, scheduler.observe = self._on_host(scheduler.launched), self._on_host(scheduler.observe)
         engine._postprocess = self._on_host(engine._postprocess)
         runner._prepare = self._on_host(runner._prepare)
+        runner.sampler.sample = self._on_host(runner.sampler.sample)
         runner.model.forward = self._forward_begins(runner.model.forward)  # nn.Module calls self.forward
         if runner.graphs is not None:
             runner.graphs.replay = self._forward_begins(runner.graphs.replay)
