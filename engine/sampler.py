@@ -70,8 +70,9 @@ class SamplingState:
     """
 
     __slots__ = ("seed", "greedy", "plain", "plain_greedy", "knobs", "needs_penalties", "reads_output", "grammar",
-                 "bad_words", "allowed", "dry_breakers", "mu", "llamacpp", "_bad_after", "_prompt_len", "_prompt_ids", "_window_len", "_window",
-                 "_dry_prompt", "_stop_ids", "_bias_ids", "_bias_values", "_allowed_ids", "_placed_for", "_placed")
+                 "bad_words", "allowed", "dry_breakers", "mu", "llamacpp", "_bad_after", "_prompt_len", "_prompt_ids",
+                 "_window_len", "_window", "_dry_prompt", "_stop_ids", "_bias_ids", "_bias_values", "_allowed_ids",
+                 "_placed_for", "_placed")
 
     def __init__(self, params: SamplingParams, grammar: GrammarMatcher | None = None) -> None:
         self.grammar = grammar  # structured output: where the request's output stands in its grammar
