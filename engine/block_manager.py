@@ -205,7 +205,7 @@ class BlockManager:
         (the step computing them); False (and no change) if it can't."""
         if not cached and self.window is None:  # (most calls: a running request's next step, a decode)
             short = -(-(req.num_computed_tokens + num_new_tokens) // self.block_size) - len(req.block_table)
-            if short > len(self.free_block_ids) + len(self.evictable):
+            if short > 0 and short > self.num_free_blocks:  # (short > 0 one step in block_size)
                 return False
             for _ in range(short):
                 req.block_table.append(self._take())
