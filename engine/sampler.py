@@ -617,9 +617,11 @@ class Sampler:
         out = torch.rand(len(states), generator=self.generator, device=device)
         seeded = [j for j, s in enumerate(states) if s.seed is not None]
         if seeded:
-            u = [(_splitmix64(_splitmix64(states[j].seed ^ _XTC_SALT) ^ num_output_tokens[j]) >> 40) * 2.0 ** -24
-                 for j in seeded]
-            out[to_device(seeded, device)] = to_device(u, device, torch.float32)
+            seeds = np.array([states[j].seed for j in seeded], dtype=np.uint64)
+            counts = np.array([num_output_tokens[j] for j in seeded], dtype=np.uint64)
+            k = _splitmix64(_splitmix64(seeds ^ np.uint64(_XTC_SALT)) ^ counts)
+            u = (k >> np.uint64(40)).astype(np.float32) * np.float32(2.0 ** -24)  # (24 bits: exact)
+            out[to_device(seeded, device)] = to_device(torch.from_numpy(u), device)
         return out
 
     def _noise(self, n: int, vocab: int, states: list[SamplingState], num_output_tokens: list[int],
@@ -672,15 +674,8 @@ def _mix32_(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _SEED_MASK
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _SEED_MASK
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _SEED_MASK
-    return x ^ (x >> 31)
-
-
-def _splitmix64_np(x: np.ndarray) -> np.ndarray:
-    """``_splitmix64`` of each uint64 lane (numpy's uint64 arithmetic wraps: the same bits)."""
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finalizer of each uint64 lane (numpy's uint64 arithmetic wraps modulo 2**64, as the spec's)."""
     x = x + np.uint64(0x9E3779B97F4A7C15)
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
@@ -690,7 +685,7 @@ def _splitmix64_np(x: np.ndarray) -> np.ndarray:
 def _row_keys(seeds: list[int], indices: list[int]) -> torch.Tensor:
     """(n, 2) int64: two 32-bit keys for the ``indices[j]``-th token a request with ``seeds[j]`` samples,
     ``splitmix64(seed ^ splitmix64(index))`` split in halves (host-side, exact; in numpy: a step's rows at once)."""
-    k = _splitmix64_np(np.array(seeds, dtype=np.uint64) ^ _splitmix64_np(np.array(indices, dtype=np.uint64)))
+    k = _splitmix64(np.array(seeds, dtype=np.uint64) ^ _splitmix64(np.array(indices, dtype=np.uint64)))
     return torch.from_numpy(np.stack([k & np.uint64(_MASK32), k >> np.uint64(32)], axis=1).astype(np.int64))
 
 

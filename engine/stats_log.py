@@ -22,7 +22,7 @@ class StatsLog:
     def __init__(self, interval: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.interval = interval
         self.clock = clock
-        self._start = clock()
+        self._start = 0.0  # (the interval's first step sets it)
         self._prompt_tokens = self._generated = 0
         self._decode_steps: list[float] = []  # seconds of each decode-only step since the last line...
         self._prompt_steps: list[float] = []  # ... and of each step that carried prompt tokens

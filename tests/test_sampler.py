@@ -17,7 +17,6 @@ from engine.sampler import (
     Sampler,
     SamplingState,
     _row_keys,
-    _splitmix64,
     apply_min_p,
     apply_top_k_top_p,
     logprob_lists,
@@ -140,11 +139,19 @@ def _reference_noise(k0: int, k1: int, vocab: int) -> list[float]:
     return [-math.log(((mix(mix(v ^ k0) ^ k1) >> 9) + 0.5) / 2**23) for v in range(vocab)]
 
 
+def _splitmix64_spec(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _SEED_MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _SEED_MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _SEED_MASK
+    return x ^ (x >> 31)
+
+
 def test_seeded_noise_is_exactly_its_integer_spec():
     # every lane stays below 2**63, so any device's int64 ops give the spec's bits (CUDA as the CPU);
     # only the float32 log may differ from Python's by rounding
     pairs = [(0, 0), (1234, 7), (_SEED_MASK, 2**31), (-5 & _SEED_MASK, 1), (2**63 + 12345, 2**40 + 3)]
-    keys = [(k & 0xFFFFFFFF, k >> 32) for k in (_splitmix64(seed ^ _splitmix64(index)) for seed, index in pairs)]
+    spec = (_splitmix64_spec(seed ^ _splitmix64_spec(index)) for seed, index in pairs)
+    keys = [(k & 0xFFFFFFFF, k >> 32) for k in spec]
     got_keys = _row_keys([seed for seed, _ in pairs], [index for _, index in pairs])
     assert got_keys.tolist() == [list(k) for k in keys]  # numpy's wrapping uint64: the same bits
     got = seeded_exponentials(torch.tensor(keys), 300)
@@ -565,3 +572,14 @@ def test_a_top_k_past_any_vocabulary_cuts_nothing():
     got = {k: _call(Sampler(5, [], "cpu"), logits, [SamplingParams(temperature=1.0, top_k=k, seed=3)]).token_ids
            for k in (0, 5, 10**40)}
     assert got[0] == got[5] == got[10**40]
+
+
+def test_seeded_xtc_draws_are_exactly_their_integer_spec():
+    from engine.sampler import _XTC_SALT
+
+    seeds, counts = [0, 7, 2**63 + 5, 2**64 - 1], [0, 3, 100, 2**40]
+    params = [SamplingParams(temperature=1.0, seed=x, xtc_threshold=0.1, xtc_probability=0.5) for x in seeds]
+    got = Sampler(64, [EOS], "cpu")._uniforms([SamplingState(p) for p in params], counts, torch.device("cpu"))
+    want = [(_splitmix64_spec(_splitmix64_spec(x ^ _XTC_SALT) ^ n) >> 40) * 2.0 ** -24
+            for x, n in zip(seeds, counts, strict=True)]
+    assert got.tolist() == want
