@@ -224,6 +224,11 @@ class HttpConfig:
     socket_send_buffer: int | None = None
 
 
+def _path(url) -> str:
+    """A parsed request target's path ("/" for none)."""
+    return url.path.decode("utf-8", "replace") if url.path else "/"
+
+
 def _status_line(status: int) -> bytes:
     try:
         reason = HTTPStatus(status).phrase
@@ -442,7 +447,7 @@ class HttpProtocol(asyncio.Protocol):
         assert req is not None
         req.method = self.parser.get_method().decode()
         url = httptools.parse_url(bytes(self._url))
-        req.path = url.path.decode("utf-8", "replace") if url.path else "/"
+        req.path = _path(url)
         req.query = url.query.decode("utf-8", "replace") if url.query else ""
         req.headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in req.raw_headers}
         req.keep_alive = self.parser.should_keep_alive() and not self.server.shutting_down
@@ -498,8 +503,7 @@ class HttpProtocol(asyncio.Protocol):
         req.error = (status, message)
         if self._in_head and self._url:  # (its path, for the error's shape, as far as it came)
             try:
-                url = httptools.parse_url(bytes(self._url))
-                req.path = url.path.decode("utf-8", "replace") if url.path else "/"
+                req.path = _path(httptools.parse_url(bytes(self._url)))
             except httptools.HttpParserInvalidURLError:
                 pass
         req.body = bytearray()
