@@ -33,3 +33,16 @@ def test_the_line_says_what_the_steps_since_the_last_one_did():
     line = log.line(stats)
     assert line.startswith("Avg prompt throughput: 4.0 tokens/s, Avg generation throughput: 3.5 tokens/s")
     assert line.endswith("Steps: 0 decode-only, 1 with prompt tokens (median 2.00 ms)")
+
+
+def test_an_interval_is_zero_or_a_number_of_seconds():
+    import math
+
+    import pytest
+
+    from engine.config import EngineConfig
+
+    assert EngineConfig(log_stats_interval=0).log_stats_interval == 0
+    for bad in (-1.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match="log_stats_interval must be 0"):
+            EngineConfig(log_stats_interval=bad)
