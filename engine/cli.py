@@ -217,10 +217,16 @@ def _engine_flags(p: argparse.ArgumentParser, generate: bool = False) -> None:
                    help="no starvation: every this many seconds a request has waited count as one priority "
                         "level (priority) or as halving its work (short-first); inf turns aging off, as in vLLM "
                         f"(default: {d['scheduling_aging_seconds']:g})")
+    q.add_argument("--scheduler-delay-factor", type=float, default=None, metavar="F",
+                   help="in a step that carries decodes, waiting prompts join only once the oldest has waited F "
+                        "times as long as the last step with prompt tokens took: fewer, larger such steps (on "
+                        "CUDA those run eagerly, decode-only ones replay graphs), for a later first token "
+                        f"(vLLM's flag) (default: {d['scheduler_delay_factor']:g}, at once)")
     q.add_argument("--long-prefill-token-threshold", type=int, default=None, metavar="N",
-                   help="most prompt tokens in a step that also carries decodes, so that running streams "
-                        "do not stall behind a long prompt (default: measured online, so that such a step "
-                        "costs about twice a decode-only one; set it to --max-num-batched-tokens for no cap)")
+                   help="most prompt tokens of one request in a step that also carries decodes, so that "
+                        "running streams do not stall behind a long prompt (default: measured online, so that "
+                        "one prompt's chunk makes such a step cost about twice a decode-only one; set it to "
+                        "--max-num-batched-tokens for no cap)")
     q.add_argument("--max-num-waiting-requests", "--max-waiting", type=int, default=None, metavar="N",
                    dest="max_num_waiting_requests",
                    help=f"queued requests before new ones get HTTP 429 with Retry-After "

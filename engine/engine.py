@@ -154,7 +154,7 @@ class Engine:
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
             config.max_num_waiting_requests, config.scheduling_policy, config.scheduling_aging_seconds,
             PrefillCap(config.max_num_batched_tokens, config.long_prefill_token_threshold),
-            proposer=NgramProposer(self.speculative, self.max_model_len) if self.speculative else None)
+            delay_factor=config.scheduler_delay_factor, proposer=NgramProposer(self.speculative, self.max_model_len) if self.speculative else None)
         self.requests: dict[str, Request] = {}
         # id -> (request, its output length then) for the requests of a step that ran out of memory, until
         # they sample a token: while there are any, the scheduler admits one at a time

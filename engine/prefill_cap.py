@@ -1,10 +1,12 @@
-"""How many prompt tokens a step that carries decodes may add (stall-free batching).
+"""How many prompt tokens one request may add to a step that carries decodes (stall-free batching).
 
 A step that carries running streams' decodes must not cost much more than a
 decode-only step, or every stream stalls while a long prompt prefills
-(Sarathi-Serve). The cap lets such a step cost about ``ratio`` (2) times a
-decode-only step of the batch the scheduler is filling, from step costs
-measured online on this device. Every step's time is fitted as
+(Sarathi-Serve). The cap lets one request's chunk make such a step cost about
+``ratio`` (2) times a decode-only step of the batch the scheduler is filling,
+from step costs measured online on this device (the scheduler applies it per
+request: several prompts joining at once each bring their own, so that a queue
+joins as fast as seats free up). Every step's time is fitted as
 
     seconds = a + b * decode rows + c * prompt tokens
 
@@ -55,7 +57,7 @@ class PrefillCap:
         self._clip_step = 0
 
     def value(self, rows: int) -> int:
-        """The cap for a step whose batch, once the waiting requests join, holds ``rows`` decodes."""
+        """One request's cap in a step whose batch, once the waiting requests join, holds ``rows`` decodes."""
         if self.fixed is not None:
             return self.fixed
         floor = max(self.minimum, int((self.ratio - 1.0) * rows))

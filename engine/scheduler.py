@@ -11,10 +11,23 @@ One step, in order:
 2. Decodes of running requests, in admission order: streams never wait for prompts.
 3. Prompt tokens (new requests, chunks of long prompts, resumed requests), best
    rank first (``engine.request_queue``: the policy is the waiting queue's
-   order). In a step that carries decodes they are capped by
-   ``engine.prefill_cap`` so the step costs about twice a decode-only one of the
-   generations running and waiting (embedding requests never decode: they do not
-   count); a step without decodes (an idle server) takes the whole token budget. A request
+   order), up to the token budget. In a step that carries decodes each request's
+   chunk is capped by ``engine.prefill_cap``, so that one prompt adds to the step
+   about what a decode-only step of the generations running and waiting costs
+   (embedding requests never decode: they do not count): a long prompt never
+   stalls the streams, and a queue of prompts still joins as fast as seats free
+   up, each bringing its own share (vLLM's ``--long-prefill-token-threshold`` is
+   per request too). One prompt longer than the cap at a time takes a chunk
+   (vLLM's ``--max-long-partial-prefills 1``), so that several long prompts do
+   not stall the streams several times over; the others wait, shorter ones join.
+   A cap on the step's prompt tokens in all starved the batch: a prompt-heavy
+   load joined at the rate of one decode step's worth of tokens a step, slower
+   than requests finished. A step without decodes (an idle server)
+   gives each request the whole token budget. With ``delay_factor`` (vLLM's
+   ``--scheduler-delay-factor``) waiting requests join a step that carries
+   decodes only once the oldest has waited that many times as long as the last
+   step with prompt tokens took: fewer, larger such steps (on CUDA they run
+   eagerly, decode-only steps replay graphs). A request
    being admitted starts after the longest prefix the block manager has cached
    (all but its last token at most; a block counts from the step that fills it),
    and computes only the rest. A request whose blocks another hit in this step
@@ -141,7 +154,7 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_num_waiting_requests: int = 1024, policy: str = "fcfs", aging_seconds: float = 30.0,
                  prefill_cap: PrefillCap | None = None, clock: Callable[[], float] = time.time,
-                 proposer: NgramProposer | None = None):
+                 proposer: NgramProposer | None = None, delay_factor: float = 0.0):
         self.block_manager = block_manager
         window = block_manager.window
         held = window.max_seqs(max_num_batched_tokens) if window is not None else max_num_seqs
@@ -157,6 +170,8 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: the last is preempted first among equals
         self.prefill_cap = prefill_cap or PrefillCap(max_num_batched_tokens)
         self.proposer = proposer  # speculative decoding's drafts (engine.speculative), if on
+        self.delay_factor = delay_factor  # beside decodes, hold waiting prompts this many prompt steps' times
+        self._prompt_seconds = 0.0  # how long the last step with prompt tokens took
         self.clock = clock  # unix seconds, as deadlines are
         self._deadlines: list[tuple[float, int, Request]] = []  # heap; finished requests linger until due
         self._seq = itertools.count()
@@ -198,7 +213,7 @@ class Scheduler:
                     and req.num_sampled < req.params.max_tokens  # (else the token in flight is its last)
                     and batch.num_tokens < self.max_num_batched_tokens and self._allocate_running(req, 1, batch)):
                 self._add(batch, req, 1, decode=True)
-        budget = self.max_num_batched_tokens - batch.num_tokens
+        budget = cap = self.max_num_batched_tokens - batch.num_tokens
         # the batch being filled: every running and waiting generation, as far as seqs allow (when prompt
         # tokens could join at all: fitting the cap is most of a one-stream step's scheduling). Embeddings
         # never decode: counted, they would size the cap for a batch that never comes, and stall the streams
@@ -207,8 +222,8 @@ class Scheduler:
             joining = min(1, waiting) if self.one_at_a_time else waiting
             generating = sum(r.pool is None for r in self.running)
             rows = min(self.max_num_seqs, generating + joining)
-            budget = min(budget, self.prefill_cap.value(rows))
-        self._schedule_prompts(batch, budget)
+            cap = min(budget, self.prefill_cap.value(rows))
+        self._schedule_prompts(batch, budget, cap, admit=not (batch.num_decodes and self._delayed()))
         if self.proposer is not None:
             self._add_drafts(batch)
         batch.window_writes = self.block_manager.take_window_writes()
@@ -238,6 +253,15 @@ class Scheduler:
         """``batch`` took ``seconds``: what the prefill cap learns from."""
         # (a draft is a decode row: a one-token sequence on its request's blocks)
         self.prefill_cap.observe(batch.num_decodes + batch.num_drafts, batch.num_prompt_tokens, seconds)
+        if batch.num_prompt_tokens:
+            self._prompt_seconds = seconds
+
+    def _delayed(self) -> bool:
+        """Waiting prompts are held this step (``delay_factor``): the oldest has waited less than the factor
+        times the last step with prompt tokens took."""
+        if not self.delay_factor or not self.waiting:
+            return False
+        return self.now - min(r.queued_at for r in self.waiting) < self.delay_factor * self._prompt_seconds
 
     def rollback(self, batch: ScheduledBatch) -> None:
         """The model failed to run ``batch``: nothing it scheduled was computed. Its requests go back to
@@ -289,14 +313,15 @@ class Scheduler:
             self._deadlines = [d for d in self._deadlines if d[2].status is not Status.FINISHED]
             heapq.heapify(self._deadlines)
 
-    def _schedule_prompts(self, batch: ScheduledBatch, limit: int) -> None:
-        """Up to ``limit`` prompt tokens, to running requests still prefilling and to waiting ones,
-        best rank first."""
+    def _schedule_prompts(self, batch: ScheduledBatch, limit: int, cap: int, admit: bool = True) -> None:
+        """Up to ``limit`` prompt tokens, at most ``cap`` to each request, to running requests still
+        prefilling and to waiting ones (unless not ``admit``), best rank first."""
         rank = self.waiting.rank
         prefilling = [] if batch.num_decodes == len(self.running) else sorted(  # (all decoding: none is)
             (r for r in self.running if r.num_tokens - r.num_computed_tokens > (r.pool is None)), key=rank)
-        admit = not (self.one_at_a_time and prefilling)
+        admit = admit and not (self.one_at_a_time and prefilling)
         step_cap = self.block_manager.max_step_tokens or limit  # (a sliding-window pool's bound)
+        long_free = cap < limit  # beside decodes, one prompt longer than the cap at a time takes a chunk
         i = 0
         while batch.num_prompt_tokens + batch.image_tokens < limit:
             head = self.waiting.peek() if admit and self.waiting and not batch.short_of_blocks else None
@@ -305,12 +330,15 @@ class Scheduler:
             if i < len(prefilling) and (head is None or rank(prefilling[i]) <= rank(head)):
                 req = prefilling[i]
                 i += 1
-                n, images = _fit_images(req, req.num_computed_tokens,
-                                        min(req.num_tokens - req.num_computed_tokens, step_cap), limit, batch)
+                left = min(req.num_tokens - req.num_computed_tokens, step_cap)
+                if left > cap and not long_free:
+                    continue
+                n, images = _fit_images(req, req.num_computed_tokens, left, limit, cap, batch)
                 # (one preempted since this list was made may be running again, readmitted this step)
                 if n and req.status is Status.RUNNING and req not in batch and self._allocate_running(req, n, batch):
                     self._add(batch, req, n)
                     batch.image_tokens += images
+                    long_free = long_free and left <= cap
                 continue
             if head is None:
                 break
@@ -318,9 +346,11 @@ class Scheduler:
             cacheable = _cacheable_tokens(head)
             cached = bm.match_prefix(head, cacheable)
             hit = len(cached) * bm.block_size
-            n, images = _fit_images(head, hit, min(head.num_tokens - hit, step_cap), limit, batch)
-            # its image waits for a step with room for it; an encoder's prompt for one with room for all of it
-            if not n or head.pool is not None and head.pool.whole and n < head.num_tokens:
+            left = min(head.num_tokens - hit, step_cap)
+            n, images = _fit_images(head, hit, left, limit, cap, batch)
+            # its image waits for a step with room for it; an encoder's prompt for one with room for all of it;
+            # a long prompt for a step without another's chunk
+            if not n or head.pool is not None and head.pool.whole and n < head.num_tokens or left > cap and not long_free:
                 admit = False
                 continue
             # a resumed request comes back only when its whole context fits: back in part, it would
@@ -341,6 +371,7 @@ class Scheduler:
                 self._add(batch, head, n)
                 batch.image_tokens += images
                 admit = not self.one_at_a_time
+                long_free = long_free and left <= cap
                 continue
             victim = self._victim_for(head, batch) if self.waiting.preempts else None
             if victim is None:
@@ -423,12 +454,13 @@ class Scheduler:
         batch.preempted.append(req)
 
 
-def _fit_images(req: Request, start: int, n: int, limit: int, batch: ScheduledBatch) -> tuple[int, int]:
-    """How many of the ``n`` prompt tokens from ``start`` to schedule within the step's ``limit``, and the image
-    positions they begin: a chunk that reaches an image not yet encoded runs the vision tower over all of it, a
-    work of the order of as many prompt tokens, so those count against the limit too; the chunk stops before the
-    first image that does not fit (the step's first prompt chunk always takes one image: each gets a step)."""
-    room = limit - batch.num_prompt_tokens - batch.image_tokens
+def _fit_images(req: Request, start: int, n: int, limit: int, cap: int, batch: ScheduledBatch) -> tuple[int, int]:
+    """How many of the ``n`` prompt tokens from ``start`` to schedule within the step's ``limit`` and the
+    request's ``cap``, and the image positions they begin: a chunk that reaches an image not yet encoded runs
+    the vision tower over all of it, a work of the order of as many prompt tokens, so those count against both
+    too; the chunk stops before the first image that does not fit (the step's first prompt chunk always takes
+    one image: each gets a step)."""
+    room = min(cap, limit - batch.num_prompt_tokens - batch.image_tokens)
     n = min(n, room)
     alone = not (batch.num_prompt_tokens or batch.image_tokens)
     cost = reach = 0  # image positions begun; tokens that reach the last of those images

@@ -285,6 +285,55 @@ def test_decodes_go_first_and_prompt_tokens_beside_them_are_capped():
     assert batch.num_new_tokens == [1, 8]
 
 
+def test_prompts_queued_together_each_bring_their_own_cap():
+    """The cap is one request's: a queue of prompts joins as fast as seats free up, the step's prompt
+    tokens bounded by the token budget. (A cap on the step as a whole let a prompt-heavy load join slower
+    than requests finished: served on the CPU, 8 of 32 seats ran and TTFT grew to 7 s.) One prompt longer
+    than the cap at a time takes a chunk: the next long one waits for it."""
+    s, _, clock = make(budget=64, cap=8, max_num_seqs=8)
+    add_all(s, clock, req("a", 4))
+    step(s)
+    add_all(s, clock, req("b", 6), req("c", 8), req("d", 8), req("e", 12), req("f", 12))
+    batch = step(s)
+    assert ids(batch.requests) == ["a", "b", "c", "d", "e"] and batch.num_new_tokens == [1, 6, 8, 8, 8]
+    assert ids(s.waiting) == ["f"]  # long too: it waits for e's chunks
+    batch = step(s)  # e's last 4 are no long prompt's: f takes its first chunk beside them
+    assert ids(batch.requests) == ["a", "b", "c", "d", "e", "f"] and batch.num_new_tokens == [1, 1, 1, 1, 4, 8]
+
+
+def test_the_budget_bounds_the_prompts_queued_together():
+    s, _, clock = make(budget=20, cap=8, max_num_seqs=8)
+    add_all(s, clock, req("a", 4))
+    step(s)
+    add_all(s, clock, req("b", 8), req("c", 8), req("d", 8))
+    batch = step(s)
+    assert batch.num_new_tokens == [1, 8, 8, 3] and batch.num_tokens == 20
+
+
+def test_the_delay_factor_holds_waiting_prompts_for_fewer_larger_steps():
+    """vLLM's --scheduler-delay-factor: beside decodes, waiting prompts join once the oldest has waited the
+    factor times as long as the last step with prompt tokens took; a step without decodes never waits."""
+    clock = Clock()
+    s = Scheduler(BlockManager(32, 4), 8, 64, 64, "fcfs", 10.0, PrefillCap(64, fixed=64), clock, delay_factor=2.0)
+    a = req("a", 4)
+    s.add(a)
+    batch = s.schedule()  # an idle server: at once
+    assert ids(batch.requests) == ["a"]
+    s.update_from_output(batch, 0.5)  # a step with prompt tokens: 0.5 s
+    a.append_token(7)
+    s.add(req("b", 4))
+    clock.now += 0.6
+    s.add(req("c", 4))
+    batch = s.schedule()
+    assert ids(batch.requests) == ["a"]  # b has waited 0.6 s of the 1 s: held
+    s.update_from_output(batch, 0.01)
+    a.append_token(7)
+    clock.now += 0.5
+    assert ids(s.schedule().requests) == ["a", "b", "c"]  # 1.1 s: both join, one step
+    s = Scheduler(BlockManager(32, 4), 8, 64, 64, "fcfs", 10.0, PrefillCap(64, fixed=64), clock)
+    assert s.delay_factor == 0.0
+
+
 def test_an_idle_server_prefills_at_full_speed():
     s, _, clock = make(budget=64, cap=8)
     add_all(s, clock, req("long", 40), req("b", 30))

@@ -25,8 +25,11 @@
 #   offline-SHAPE   tools/bench_offline.py on each model, 256 requests at 256 sequences: out tok/s, the decode
 #                   step against the HBM floor, the host's share; with asynchronous scheduling off, then on
 #   serve           tokenmill serve (Qwen2-0.5B shape) + tools/bench_serving.py, when the wheels allow; then
-#                   the engine's busiest stats line: its decode-only and eager steps' median times apart
+#                   the engine's busiest stats line: its decode-only and eager steps' median times apart. Side
+#                   by side, where set: the same from GPU_CHECK_BEFORE (a copy of an older commit's code, in a
+#                   git-ignored folder that is carried), and with GPU_CHECK_SERVE_FLAGS added to serve's flags
 #
+# GPU_CHECK_SKIP="PART ...": parts not to run (the serve part's variants all go into serve.log).
 # Each part's output goes to OUTDIR/PART.log (eight files at most: what a device call brings back); a
 # table of results is printed last. Exit status 1 when a part failed or timed out, 0 otherwise.
 set -uo pipefail
@@ -39,6 +42,7 @@ mkdir -p "$1" || exit 2
 OUT=$(cd "$1" && pwd)
 cd "$(dirname "$0")/.." || exit 2
 PY=${PYTHON:-python3}
+[[ $PY == */* ]] && PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")  # (the serve part runs it elsewhere too)
 WORK=$(mktemp -d)  # unpacked wheels and models: too big to come back with OUTDIR
 SERVER=
 trap '[ -n "$SERVER" ] && kill "$SERVER" 2>/dev/null; rm -rf "$WORK"' EXIT
@@ -67,7 +71,6 @@ figure() {  # the figure to read in a part's log
     offline-*) echo "$(json_last "$log" tokenmill_out_tok_s) out tok/s, $(json_last "$log" decode_vs_floor)x floor," \
                     "host $(json_last "$log" host_share) (synchronous steps: $(json_last "$log" tokenmill_out_tok_s 2)" \
                     "out tok/s, host $(json_last "$log" host_share 2))" ;;
-    serve) echo "$(json_last "$log" output_throughput) out tok/s" ;;
   esac
 }
 
@@ -83,8 +86,13 @@ skip() {
   note "$1" skipped "" "$2"
 }
 
+wanted() {  # wanted NAME: NAME is not among GPU_CHECK_SKIP's parts
+  case " ${GPU_CHECK_SKIP:-} " in *" $1 "*) return 1 ;; esac
+}
+
 part() {  # part NAME CAP_SECONDS COMMAND: run COMMAND (a bash string) into OUTDIR/NAME.log
   local name=$1 cap=$2 cmd=$3 left=$((DEADLINE - SECONDS)) start=$SECONDS rc=0 status=ok
+  if ! wanted "$name"; then skip "$name" "in GPU_CHECK_SKIP"; return 0; fi
   if ((left < 20)); then skip "$name" "no time left"; return 1; fi
   ((cap > left)) && cap=$left
   echo "== $name (at most ${cap}s): $cmd"
@@ -115,8 +123,9 @@ fi
 if ((!CUDA)); then
   skip models "no CUDA device: the models serve only the GPU parts"
 else
-  part models 120 "$PY tools/random_model.py smollm2-135m $WORK/smollm2-135m &&
-                   $PY tools/random_model.py qwen2-0.5b $WORK/qwen2-0.5b"
+  smollm=  # (only for its offline part)
+  wanted offline-smollm2-135m && smollm="$PY tools/random_model.py smollm2-135m $WORK/smollm2-135m &&"
+  part models 120 "$smollm $PY tools/random_model.py qwen2-0.5b $WORK/qwen2-0.5b"
 fi
 MODELS_OK=$([ -f "$WORK/qwen2-0.5b/config.json" ] && echo 1 || echo 0)
 
@@ -167,26 +176,54 @@ for shape in smollm2-135m qwen2-0.5b; do
   fi
 done
 
+serve_run() {  # serve_run LABEL CHECKOUT [FLAGS...]: tokenmill serve from CHECKOUT (Qwen2-0.5B shape, FLAGS
+  # added) and tools/bench_serving.py against it, into serve.log; then its figures and the engine's busiest
+  # stats line (engine.stats_log: decode-only and prompt-carrying steps' median times apart) in the summary
+  local label=$1 checkout=$2 left=$((DEADLINE - SECONDS)) start=$SECONDS rc=0 status=ok cap=120 bench=$WORK/bench.log
+  shift 2
+  if ((left < 30)); then skip "serve $label" "no time left"; return 1; fi
+  ((cap > left)) && cap=$left
+  (cd "$checkout" && PYTHONPATH="$WORK/site:$PWD" exec "$PY" -m engine.cli serve --model "$WORK/qwen2-0.5b" \
+    --port 18123 --dtype bfloat16 --max-num-seqs 256 --log-stats-interval 3 "$@") >"$WORK/server.log" 2>&1 &
+  SERVER=$!
+  echo "== serve $label (at most ${cap}s): $checkout $*" | tee -a "$OUT/serve.log"
+  timeout -k 10 "$cap" bash -c "for i in \$(seq 90); do
+      $PY -c 'import urllib.request; urllib.request.urlopen(\"http://127.0.0.1:18123/health\", timeout=2)' \
+        2>/dev/null && break; sleep 1; done
+    $PY tools/bench_serving.py --base-url http://127.0.0.1:18123/v1 --tokenizer $WORK/qwen2-0.5b \
+      --num-prompts 512 --input-len 128 --output-len 64 --max-concurrency 256 --quiet" >"$bench" 2>&1 || rc=$?
+  kill "$SERVER" 2>/dev/null
+  wait "$SERVER" 2>/dev/null
+  SERVER=
+  if ((rc == 124 || rc == 137)); then status="timeout ${cap}s"; elif ((rc)); then status="FAIL rc=$rc"; fi
+  ((rc)) && FAILED=1
+  tail -n 3 "$bench"
+  { cat "$bench"; echo "== the server's output"; cat "$WORK/server.log"; } >>"$OUT/serve.log"
+  note "serve $label" "$status" "$((SECONDS - start))s" "$("$PY" -c 'import json, sys
+r = [json.loads(s) for s in open(sys.argv[1]) if s.startswith("{")][-1]
+print("%.0f out tok/s; TTFT p50 %.0f ms; TPOT mean %.1f ms; ITL p50 %.1f, p99 %.1f ms" % (r["output_throughput"],
+      r["ttft_ms"]["median"], r["tpot_ms"]["mean"], r["itl_ms"]["median"], r["itl_ms"]["p99"]))' \
+    "$bench" 2>/dev/null || echo "no figures")"
+  local busiest
+  busiest=$(grep -o "Avg generation throughput: .*" "$WORK/server.log" | sort -t: -k2 -n -r | head -n 1)
+  note "  steps ($label)" "" "" "${busiest:-no stats line in the server log}"
+  return $rc
+}
+
 if ((!CUDA || !MODELS_OK)); then
   skip serve "no CUDA device or no models"
 elif ! has "$ENGINE, httptools, websockets, uvloop, openai"; then
   skip serve "pyzmq, orjson, httptools, websockets or openai missing (carry their wheels in .whl/)"
+elif ! wanted serve; then
+  skip serve "in GPU_CHECK_SKIP"
 else
-  "$PY" -m engine.cli serve --model "$WORK/qwen2-0.5b" --port 18123 --dtype bfloat16 --max-num-seqs 256 \
-    >"$WORK/server.log" 2>&1 &
-  SERVER=$!
-  part serve 120 "for i in \$(seq 90); do
-      $PY -c 'import urllib.request; urllib.request.urlopen(\"http://127.0.0.1:18123/health\", timeout=2)' \
-        2>/dev/null && break; sleep 1; done
-    $PY tools/bench_serving.py --base-url http://127.0.0.1:18123/v1 --tokenizer $WORK/qwen2-0.5b \
-      --num-prompts 512 --input-len 128 --output-len 64 --max-concurrency 256 --quiet"
-  kill "$SERVER" 2>/dev/null
-  wait "$SERVER" 2>/dev/null
-  SERVER=
-  { echo "== the server's output"; cat "$WORK/server.log"; } >>"$OUT/serve.log"
-  # the engine's busiest stats line (engine.stats_log): its decode-only and eager steps' median times apart
-  busiest=$(grep -o "Avg generation throughput: .*" "$WORK/server.log" | sort -t: -k2 -n -r | head -n 1)
-  note serve-steps "" "" "${busiest:-no stats line in the server log}"
+  : >"$OUT/serve.log"
+  serve_run now "$PWD"
+  # the same against another checkout (GPU_CHECK_BEFORE: a copy of an older commit's code, carried), and with
+  # other flags (GPU_CHECK_SERVE_FLAGS): side by side in one run
+  [ -n "${GPU_CHECK_BEFORE:-}" ] && serve_run before "$(cd "$GPU_CHECK_BEFORE" && pwd)"
+  # shellcheck disable=SC2086  # (flags, split on purpose)
+  [ -n "${GPU_CHECK_SERVE_FLAGS:-}" ] && serve_run "$GPU_CHECK_SERVE_FLAGS" "$PWD" $GPU_CHECK_SERVE_FLAGS
 fi
 
 echo
