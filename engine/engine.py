@@ -543,13 +543,14 @@ class Engine:
         return ended
 
     def _forget_cleared_suspects(self) -> None:
-        """Drop the suspects that have finished or sampled a token since their out-of-memory step; with
+        """Drop the suspects that have finished or sampled a token since their out-of-memory step (or have
+        one in flight: under asynchronous scheduling a step that launched has its memory); with
         none left, or ``OOM_RECOVERY_STEPS`` steps after the last failure (a suspect that better-ranked
         arrivals keep waiting must not hold the whole server at one admission per step), the scheduler
         admits as many requests at once as it likes again."""
         self._steps_since_oom += 1
         self._oom_suspects = {k: (r, n) for k, (r, n) in self._oom_suspects.items()
-                              if r.status is not Status.FINISHED and len(r.output_token_ids) == n
+                              if r.status is not Status.FINISHED and len(r.output_token_ids) + r.num_in_flight == n
                               and self._steps_since_oom <= OOM_RECOVERY_STEPS}
         if not self._oom_suspects:
             self.scheduler.one_at_a_time = False

@@ -251,9 +251,33 @@ def test_a_step_out_of_memory_while_another_is_in_flight(tiny_llama):
     while eng.has_work():
         step()
     assert (ends.pop("big"), tokens.pop("big")) == ("error", [])
-    assert failed == [True, False]  # behind the step in flight, then alone (its fellows rolled back too)
+    # behind a step in flight both times: the second time beside fellows whose tokens were in flight (so
+    # no suspects: they survive it, suspects again, and only BIG, failing twice, ends)
+    assert failed == [True, True]
     assert [tokens[str(i)] for i in range(4)] == alone
     assert all(r == "length" for r in ends.values())
+    assert_all_blocks_free(overlapped)
+
+
+def test_out_of_memory_at_once_ends_only_the_culprit(tiny_llama):
+    """Submitted together, the step that carries BIG fails; its fellows come back one at a time. One
+    whose next token is in flight has had its step's memory (a CUDA allocation fails at launch): it is
+    no suspect when BIG's next step fails beside it. (Counted a suspect until the token came back, it
+    ended with "error" too: the GPU run's CUDA test found it.)"""
+    sync, overlapped = pair(tiny_llama)
+    ps = prompts(4)
+    alone = [sync.generate(p, GREEDY)[0].token_ids for p in ps]
+    launch = overlapped.engine.runner.launch
+
+    def run(batch, in_flight=None):
+        if has_big(batch, 0):
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return launch(batch, in_flight)
+
+    overlapped.engine.runner.launch = run
+    outs = overlapped.generate([*ps[:2], BIG, *ps[2:]], GREEDY)
+    assert outs.pop(2).finish_reason == "error"
+    assert [o.token_ids for o in outs] == alone and all(o.finish_reason == "length" for o in outs)
     assert_all_blocks_free(overlapped)
 
 

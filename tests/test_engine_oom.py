@@ -116,17 +116,21 @@ def test_seeded_tokens_survive_a_step_that_fails_after_sampling(tiny_llama):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_a_real_cuda_out_of_memory_is_survived(tiny_llama):
-    llm = LLM(tiny_llama, dtype="float32", device="cuda", num_kv_blocks=256, max_model_len=512)
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_a_real_cuda_out_of_memory_is_survived(tiny_llama, overlap):
+    """Synchronous steps (``execute``) and, as CUDA runs by default, asynchronous ones (``launch``)."""
+    llm = LLM(tiny_llama, dtype="float32", device="cuda", num_kv_blocks=256, max_model_len=512,
+              async_scheduling=overlap)
     ps = prompts(4)
-    execute = llm.engine.runner.execute
+    runner, name = llm.engine.runner, "launch" if overlap == "on" else "execute"
+    real = getattr(runner, name)
 
-    def run(batch):  # the step carrying BIG asks the allocator for far more than any card has
+    def run(batch, *in_flight):  # the step carrying BIG asks the allocator for far more than any card has
         if has_big(batch, 0):
             torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
-        return execute(batch)
+        return real(batch, *in_flight)
 
-    llm.engine.runner.execute = run
+    setattr(runner, name, run)
     outs = llm.generate([*ps[:2], BIG, *ps[2:]], GREEDY)
     assert outs.pop(2).finish_reason == "error"
     # (the exact tokens are checked on the CPU: batches of other sizes may round differently on a GPU)

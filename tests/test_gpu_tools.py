@@ -114,3 +114,15 @@ def test_bench_host_times_an_eager_step_with_its_kernels_stubbed_out():
     stages = out["this"]
     # the model's forward ran (its launches and GEMMs stubbed), inside forward_step
     assert 0 < stages["model"]["min_us"] < stages["forward_step"]["min_us"] < stages["step"]["min_us"]
+
+
+def test_profile_steps_times_and_profiles_steps_with_prompts(tmp_path):
+    """``tools/profile_steps.py`` (run by tools/gpu_check.sh): both kinds of step timed, the profiles printed."""
+    path = build(str(tmp_path), "llama", torch.float32, seed=3, **TINY)
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "profile_steps.py"), "--model", path,
+                        "--num-seqs", "4", "--join", "2", "--prompt-len", "8", "--steps", "4", "--profile",
+                        "--rows", "3"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.splitlines()[-1])
+    assert out["num_seqs"] == 4 and out["decode_step_ms"] > 0 and out["prompt_step_ms"] > 0
+    assert "operators by host (self) time" in r.stdout and "Python functions by tottime" in r.stdout

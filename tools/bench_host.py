@@ -176,8 +176,11 @@ def main() -> None:
     runs: dict[str, dict[str, list[float]]] = {name: {stage: [] for stage in STAGES} for name in checkouts}
     for _ in range(args.turns if args.before else 1):
         for name, checkout in reversed(checkouts.items()):  # (the older first in each turn)
+            path = os.pathsep.join([checkout, *filter(None, [os.environ.get("PYTHONPATH")])])  # (the wheels' too)
             out = subprocess.run([sys.executable, os.path.abspath(__file__), *flags, "--raw"], cwd=checkout,
-                                 env=dict(os.environ, PYTHONPATH=checkout), check=True, capture_output=True, text=True)
+                                 env=dict(os.environ, PYTHONPATH=path), capture_output=True, text=True)
+            if out.returncode:
+                sys.exit(f"{checkout}: bench_host.py {' '.join(flags)} failed:\n{out.stderr}")
             for stage, values in json.loads(out.stdout.strip().splitlines()[-1]).items():
                 runs[name][stage] += values
     what = (f"step of {args.num_seqs} decodes and two 128-token prompts, eager, {args.eager_layers} layers stubbed"

@@ -23,7 +23,8 @@
 #   bench-kernels   tools/bench_kernels.py: each kernel against torch and the memory floor; then
 #                   tools/bench_host.py: a decode step's Python at 256 sequences on this machine's host
 #   offline-SHAPE   tools/bench_offline.py on each model, 256 requests at 256 sequences: out tok/s, the decode
-#                   step against the HBM floor, the host's share; with asynchronous scheduling off, then on
+#                   step against the HBM floor, the host's share; with asynchronous scheduling off, then on;
+#                   on Qwen2-0.5B's shape then tools/profile_steps.py: where a step with new prompts goes
 #   serve           tokenmill serve (Qwen2-0.5B shape) + tools/bench_serving.py, when the wheels allow; then
 #                   the engine's busiest stats line: its decode-only and eager steps' median times apart. Side
 #                   by side, where set: the same from GPU_CHECK_BEFORE (a copy of an older commit's code, in a
@@ -70,7 +71,9 @@ figure() {  # the figure to read in a part's log
                         "$(json_last "$log" step_min_us) us (bench_host)" ;;
     offline-*) echo "$(json_last "$log" tokenmill_out_tok_s) out tok/s, $(json_last "$log" decode_vs_floor)x floor," \
                     "host $(json_last "$log" host_share) (synchronous steps: $(json_last "$log" tokenmill_out_tok_s 2)" \
-                    "out tok/s, host $(json_last "$log" host_share 2))" ;;
+                    "out tok/s, host $(json_last "$log" host_share 2))$(grep -q prompt_step_ms "$log" &&
+                    echo "; a step with 4 new prompts $(json_last "$log" prompt_step_ms) ms, decode-only" \
+                         "$(json_last "$log" decode_step_ms) ms (profile_steps)")" ;;
   esac
 }
 
@@ -170,9 +173,12 @@ for shape in smollm2-135m qwen2-0.5b; do
   elif ! has "$ENGINE"; then
     skip "offline-$shape" "the engine's imports missing (pyzmq, orjson: carry their wheels in .whl/)"
   else
-    # with asynchronous scheduling off first, then as served (on): what the overlap buys
-    part "offline-$shape" 150 "for a in off auto; do $PY tools/bench_offline.py --model $WORK/$shape --dtype bfloat16 \
-      --num-requests 256 --max-num-seqs 256 --async-scheduling \$a || exit 1; done"
+    # with asynchronous scheduling off first, then as served (on): what the overlap buys; then, on the 0.5B
+    # shape, where a busy server's steps with prompts spend their time (tools/profile_steps.py)
+    profile=
+    [ "$shape" = qwen2-0.5b ] && profile="&& $PY tools/profile_steps.py --model $WORK/$shape --dtype bfloat16 --profile"
+    part "offline-$shape" 180 "for a in off auto; do $PY tools/bench_offline.py --model $WORK/$shape --dtype bfloat16 \
+      --num-requests 256 --max-num-seqs 256 --async-scheduling \$a || exit 1; done $profile"
   fi
 done
 
