@@ -220,8 +220,8 @@ def _engine_flags(p: argparse.ArgumentParser, generate: bool = False) -> None:
     q.add_argument("--scheduler-delay-factor", type=float, default=None, metavar="F",
                    help="in a step that carries decodes, waiting prompts join only once the oldest has waited F "
                         "times as long as the last step with prompt tokens took: fewer, larger such steps (on "
-                        "CUDA those run eagerly, decode-only ones replay graphs), for a later first token "
-                        f"(vLLM's flag) (default: {d['scheduler_delay_factor']:g}, at once)")
+                        "CUDA those run eagerly, decode-only ones replay graphs) (vLLM's flag; 0: at once) "
+                        "(default: 1 on CUDA with graphs, 0 elsewhere)")
     q.add_argument("--long-prefill-token-threshold", type=int, default=None, metavar="N",
                    help="most prompt tokens of one request in a step that also carries decodes, so that "
                         "running streams do not stall behind a long prompt (default: measured online, so that "

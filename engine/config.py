@@ -59,8 +59,9 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"  # fcfs | priority | short-first (engine.request_queue)
     scheduling_aging_seconds: float = 30.0  # waiting this long is worth one rank step (no starvation); inf: off
     # vLLM's: beside decodes, waiting prompts join once the oldest has waited this many times the last step
-    # with prompt tokens took (fewer, larger such steps); 0: at once
-    scheduler_delay_factor: float = 0.0
+    # with prompt tokens took (fewer, larger such steps); 0: at once; None: 1 on CUDA (where such steps run
+    # eagerly, decode-only ones replay graphs), 0 elsewhere
+    scheduler_delay_factor: float | None = None
     long_prefill_token_threshold: int | None = None  # a request's prompt tokens per step beside decodes; None = measured
     request_timeout: float | None = None  # seconds; a request without its own timeout gets this one
     log_stats_interval: float = 10.0  # seconds between the engine's stats lines while it works (engine.stats_log); 0: none
@@ -139,7 +140,7 @@ class EngineConfig:
             bad(f"scheduling_policy must be one of {', '.join(POLICIES)}, got {self.scheduling_policy!r}")
         if not self.scheduling_aging_seconds > 0:  # inf turns aging off
             bad(f"scheduling_aging_seconds must be positive (or inf), got {self.scheduling_aging_seconds}")
-        if not 0 <= self.scheduler_delay_factor < float("inf"):
+        if self.scheduler_delay_factor is not None and not 0 <= self.scheduler_delay_factor < float("inf"):
             bad(f"scheduler_delay_factor must be 0 (none) or a positive number, got {self.scheduler_delay_factor}")
         if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 1:
             bad(f"long_prefill_token_threshold must be positive, got {self.long_prefill_token_threshold}")

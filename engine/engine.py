@@ -150,11 +150,15 @@ class Engine:
                                           f"{facts.model_path}|{facts.dtype}|{facts.kv_dtype}".encode(), facts.kv_window,
                                           facts.num_window_blocks)
         self.speculative = config.speculative
+        delay = config.scheduler_delay_factor
+        if delay is None:  # CUDA graphs: a step with prompts runs eagerly, at several times a decode-only step
+            delay = 1.0 if self.runner.device.type == "cuda" and self.runner.graphs is not None else 0.0
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
             config.max_num_waiting_requests, config.scheduling_policy, config.scheduling_aging_seconds,
             PrefillCap(config.max_num_batched_tokens, config.long_prefill_token_threshold),
-            delay_factor=config.scheduler_delay_factor, proposer=NgramProposer(self.speculative, self.max_model_len) if self.speculative else None)
+            proposer=NgramProposer(self.speculative, self.max_model_len) if self.speculative else None,
+            delay_factor=delay)
         self.requests: dict[str, Request] = {}
         # id -> (request, its output length then) for the requests of a step that ran out of memory, until
         # they sample a token: while there are any, the scheduler admits one at a time

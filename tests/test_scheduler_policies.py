@@ -488,3 +488,19 @@ def test_a_request_preempted_in_the_step_it_was_admitted_leaves_the_decode_count
     batch = s.schedule()
     assert ids(batch.requests) == ["B"] and batch.preempted == [a]
     assert (batch.num_decodes, batch.num_prompt_tokens) == (0, 1)
+
+
+def test_the_delay_factor_setting(tiny_llama):
+    from engine import LLM
+    from engine.cli import _config_kwargs, build_parser
+    from engine.config import EngineConfig
+
+    parse = build_parser().parse_args
+    assert _config_kwargs(parse(["serve", "--scheduler-delay-factor", "0.5"]))["scheduler_delay_factor"] == 0.5
+    assert "scheduler_delay_factor" not in _config_kwargs(parse(["serve"]))
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="scheduler_delay_factor"):
+            EngineConfig(scheduler_delay_factor=bad)
+    # auto: 1 where a step with prompts runs eagerly beside graph-replayed decodes (CUDA), else 0
+    assert LLM(tiny_llama, device="cpu", num_kv_blocks=64).engine.scheduler.delay_factor == 0.0
+    assert LLM(tiny_llama, device="cpu", num_kv_blocks=64, scheduler_delay_factor=2).engine.scheduler.delay_factor == 2

@@ -61,7 +61,8 @@ def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_schedul
                  num_hidden_layers=eager_layers or 2, num_attention_heads=4, num_key_value_heads=2,
                  vocab_size=4096, max_position_embeddings=1024)
     arrivals = 2 * steps if eager_layers else 0
-    llm = LLM(path, dtype="float32", max_num_seqs=num_seqs + arrivals, num_kv_blocks=64 * (num_seqs + arrivals),
+    # (on the CPU wherever it runs: the stubs are host tensors, and the host's work is what is timed)
+    llm = LLM(path, dtype="float32", device="cpu", max_num_seqs=num_seqs + arrivals, num_kv_blocks=64 * (num_seqs + arrivals),
               max_model_len=512, async_scheduling=async_scheduling, enforce_eager=bool(eager_layers))
     engine, runner = llm.engine, llm.engine.runner
     if eager_layers:
