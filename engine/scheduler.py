@@ -19,7 +19,8 @@ One step, in order:
    up, each bringing its own share (vLLM's ``--long-prefill-token-threshold`` is
    per request too). One prompt longer than the cap at a time takes a chunk
    (vLLM's ``--max-long-partial-prefills 1``), so that several long prompts do
-   not stall the streams several times over; the others wait, shorter ones join.
+   not stall the streams several times over; the others wait, and shorter ones
+   join, from behind a waiting long one too.
    A cap on the step's prompt tokens in all starved the batch: a prompt-heavy
    load joined at the rate of one decode step's worth of tokens a step, slower
    than requests finished. A step without decodes (an idle server)
@@ -78,7 +79,10 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import math
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -171,7 +175,8 @@ class Scheduler:
         self.prefill_cap = prefill_cap or PrefillCap(max_num_batched_tokens)
         self.proposer = proposer  # speculative decoding's drafts (engine.speculative), if on
         self.delay_factor = delay_factor  # beside decodes, hold waiting prompts this many prompt steps' times
-        self._prompt_seconds = 0.0  # how long the last step with prompt tokens took
+        self._prompt_seconds: deque[float] = deque(maxlen=5)  # how long the last steps with prompt tokens took
+        self._prompt_steps = 0  # steps with prompt tokens so far (the first, paying one-time costs, is not timed)
         self.clock = clock  # unix seconds, as deadlines are
         self._deadlines: list[tuple[float, int, Request]] = []  # heap; finished requests linger until due
         self._seq = itertools.count()
@@ -253,15 +258,20 @@ class Scheduler:
         """``batch`` took ``seconds``: what the prefill cap learns from."""
         # (a draft is a decode row: a one-token sequence on its request's blocks)
         self.prefill_cap.observe(batch.num_decodes + batch.num_drafts, batch.num_prompt_tokens, seconds)
-        if batch.num_prompt_tokens:
-            self._prompt_seconds = seconds
+        if batch.num_prompt_tokens and 0 <= seconds < math.inf:
+            self._prompt_steps += 1
+            if self._prompt_steps > 1:
+                self._prompt_seconds.append(seconds)
 
     def _delayed(self) -> bool:
         """Waiting prompts are held this step (``delay_factor``): the oldest has waited less than the factor
-        times the last step with prompt tokens took."""
-        if not self.delay_factor or not self.waiting:
+        times a step with prompt tokens takes (vLLM: the last one; here the lower median of the last five,
+        the first ever left out, so that a slow step, a kernel built on first use, holds nobody for long). A
+        wait the clock made negative (set back) holds nobody either."""
+        if not self.delay_factor or not self.waiting or not self._prompt_seconds:
             return False
-        return self.now - min(r.queued_at for r in self.waiting) < self.delay_factor * self._prompt_seconds
+        waited = self.now - min(r.queued_at for r in self.waiting)
+        return 0 <= waited < self.delay_factor * statistics.median_low(self._prompt_seconds)
 
     def rollback(self, batch: ScheduledBatch) -> None:
         """The model failed to run ``batch``: nothing it scheduled was computed. Its requests go back to
@@ -321,63 +331,71 @@ class Scheduler:
             (r for r in self.running if r.num_tokens - r.num_computed_tokens > (r.pool is None)), key=rank)
         admit = admit and not (self.one_at_a_time and prefilling)
         step_cap = self.block_manager.max_step_tokens or limit  # (a sliding-window pool's bound)
-        long_free = cap < limit  # beside decodes, one prompt longer than the cap at a time takes a chunk
-        i = 0
-        while batch.num_prompt_tokens + batch.image_tokens < limit:
-            head = self.waiting.peek() if admit and self.waiting and not batch.short_of_blocks else None
-            if head is not None and head.num_in_flight:  # preempted with a token in flight: back once it is known
-                head, admit = None, False
-            if i < len(prefilling) and (head is None or rank(prefilling[i]) <= rank(head)):
-                req = prefilling[i]
-                i += 1
-                left = min(req.num_tokens - req.num_computed_tokens, step_cap)
-                if left > cap and not long_free:
+        # beside decodes, one prompt longer than the cap at a time takes a chunk; the others wait, and a long
+        # waiting one steps aside (``passed``) for the shorter ones behind it
+        one_long, long_taken, passed = cap < limit, False, []
+        try:
+            i = 0
+            while batch.num_prompt_tokens + batch.image_tokens < limit:
+                head = self.waiting.peek() if admit and self.waiting and not batch.short_of_blocks else None
+                if head is not None and head.num_in_flight:  # preempted with a token in flight: back once it is known
+                    head, admit = None, False
+                if i < len(prefilling) and (head is None or rank(prefilling[i]) <= rank(head)):
+                    req = prefilling[i]
+                    i += 1
+                    left = min(req.num_tokens - req.num_computed_tokens, step_cap)
+                    if one_long and left > cap and long_taken:
+                        continue
+                    n, images = _fit_images(req, req.num_computed_tokens, left, limit, cap, batch)
+                    # (one preempted since this list was made may be running again, readmitted this step)
+                    if n and req.status is Status.RUNNING and req not in batch and self._allocate_running(req, n, batch):
+                        self._add(batch, req, n)
+                        batch.image_tokens += images
+                        long_taken |= left > cap
                     continue
-                n, images = _fit_images(req, req.num_computed_tokens, left, limit, cap, batch)
-                # (one preempted since this list was made may be running again, readmitted this step)
-                if n and req.status is Status.RUNNING and req not in batch and self._allocate_running(req, n, batch):
-                    self._add(batch, req, n)
+                if head is None:
+                    break
+                bm = self.block_manager
+                cacheable = _cacheable_tokens(head)
+                cached = bm.match_prefix(head, cacheable)
+                hit = len(cached) * bm.block_size
+                left = min(head.num_tokens - hit, step_cap)
+                n, images = _fit_images(head, hit, left, limit, cap, batch)
+                # its image waits for a step with room for it; an encoder's prompt for one with room for all of it
+                if not n or head.pool is not None and head.pool.whole and n < head.num_tokens:
+                    admit = False
+                    continue
+                if one_long and left > cap and long_taken:  # another long prompt has this step's chunk
+                    passed.append(self.waiting.pop())
+                    continue
+                # a resumed request comes back only when its whole context fits: back in part, it would
+                # just be pushed out again
+                fits = not head.num_preemptions or bm.can_allocate(head, _context_needed(head) - hit, cached)
+                if len(self.running) < self.max_num_seqs and fits and bm.allocate(head, n, cached):
+                    self.waiting.pop()
+                    self._waiting_embeddings -= head.pool is not None
+                    head.num_computed_tokens = hit
+                    if not head.num_preemptions:  # first admission: what the client is told, and the hit rate
+                        head.num_cached_tokens = hit
+                        self.num_prompt_tokens += head.num_prompt_tokens
+                        self.num_cached_prompt_tokens += hit
+                    head.waited += self.now - head.queued_at
+                    head.status = Status.RUNNING
+                    self.running.append(head)
+                    batch.pinned |= bm.providers(cached)
+                    self._add(batch, head, n)
                     batch.image_tokens += images
-                    long_free = long_free and left <= cap
-                continue
-            if head is None:
-                break
-            bm = self.block_manager
-            cacheable = _cacheable_tokens(head)
-            cached = bm.match_prefix(head, cacheable)
-            hit = len(cached) * bm.block_size
-            left = min(head.num_tokens - hit, step_cap)
-            n, images = _fit_images(head, hit, left, limit, cap, batch)
-            # its image waits for a step with room for it; an encoder's prompt for one with room for all of it;
-            # a long prompt for a step without another's chunk
-            if not n or head.pool is not None and head.pool.whole and n < head.num_tokens or left > cap and not long_free:
-                admit = False
-                continue
-            # a resumed request comes back only when its whole context fits: back in part, it would
-            # just be pushed out again
-            fits = not head.num_preemptions or bm.can_allocate(head, _context_needed(head) - hit, cached)
-            if len(self.running) < self.max_num_seqs and fits and bm.allocate(head, n, cached):
-                self.waiting.pop()
-                self._waiting_embeddings -= head.pool is not None
-                head.num_computed_tokens = hit
-                if not head.num_preemptions:  # first admission: what the client is told, and the hit rate
-                    head.num_cached_tokens = hit
-                    self.num_prompt_tokens += head.num_prompt_tokens
-                    self.num_cached_prompt_tokens += hit
-                head.waited += self.now - head.queued_at
-                head.status = Status.RUNNING
-                self.running.append(head)
-                batch.pinned |= bm.providers(cached)
-                self._add(batch, head, n)
-                batch.image_tokens += images
-                admit = not self.one_at_a_time
-                long_free = long_free and left <= cap
-                continue
-            victim = self._victim_for(head, batch) if self.waiting.preempts else None
-            if victim is None:
-                admit = False  # the head waits; running prompts may still use the budget
-                continue
-            self._preempt(victim, batch)
+                    admit = not self.one_at_a_time
+                    long_taken |= left > cap
+                    continue
+                victim = self._victim_for(head, batch) if self.waiting.preempts else None
+                if victim is None:
+                    admit = False  # the head waits; running prompts may still use the budget
+                    continue
+                self._preempt(victim, batch)
+        finally:
+            for req in reversed(passed):  # back where they were
+                self.waiting.requeue(req)
 
     def _allocate_running(self, req: Request, n: int, batch: ScheduledBatch) -> bool:
         """Blocks for ``n`` more tokens of running ``req``, preempting for them if needed."""

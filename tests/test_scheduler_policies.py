@@ -301,6 +301,29 @@ def test_prompts_queued_together_each_bring_their_own_cap():
     assert ids(batch.requests) == ["a", "b", "c", "d", "e", "f"] and batch.num_new_tokens == [1, 1, 1, 1, 4, 8]
 
 
+def test_a_long_prompt_held_for_another_lets_shorter_ones_pass():
+    """As vLLM's --max-long-partial-prefills 1: the long one waits, the short one behind it joins."""
+    s, _, clock = make(budget=64, cap=8, max_num_seqs=8)
+    add_all(s, clock, req("a", 4))
+    step(s)
+    add_all(s, clock, req("L1", 40), req("L2", 40), req("short", 3))
+    batch = step(s)
+    assert ids(batch.requests) == ["a", "L1", "short"] and batch.num_new_tokens == [1, 8, 3]
+    assert ids(s.waiting) == ["L2"]  # back in its place
+
+
+def test_a_window_pool_step_bound_past_the_budget_still_chunks_long_prompts():
+    """A sliding-window pool's per-step bound can exceed the budget: a prompt longer than the budget is
+    chunked by the budget (the reviewer's hang: an idle server took it for a long prompt held back)."""
+    from engine.window_blocks import pool_needed
+
+    clock = Clock()
+    bm = BlockManager(64, 4, window=16, num_window_blocks=pool_needed(16, 4, 2, 16))
+    s = Scheduler(bm, 2, 16, 64, "fcfs", 10.0, PrefillCap(16), clock)
+    s.add(req("long", 40, max_tokens=2))
+    assert [step(s).num_new_tokens for _ in range(3)] == [[16], [16], [8]]
+
+
 def test_the_budget_bounds_the_prompts_queued_together():
     s, _, clock = make(budget=20, cap=8, max_num_seqs=8)
     add_all(s, clock, req("a", 4))
@@ -315,7 +338,10 @@ def test_the_delay_factor_holds_waiting_prompts_for_fewer_larger_steps():
     factor times as long as the last step with prompt tokens took; a step without decodes never waits."""
     clock = Clock()
     s = Scheduler(BlockManager(32, 4), 8, 64, 64, "fcfs", 10.0, PrefillCap(64, fixed=64), clock, delay_factor=2.0)
-    a = req("a", 4)
+    w, a = req("w", 4), req("a", 4)
+    s.add(w)
+    s.update_from_output(s.schedule(), 30.0)  # the first step with prompt tokens (kernels built): not counted
+    s.finish(w, "length")
     s.add(a)
     batch = s.schedule()  # an idle server: at once
     assert ids(batch.requests) == ["a"]
@@ -329,7 +355,17 @@ def test_the_delay_factor_holds_waiting_prompts_for_fewer_larger_steps():
     s.update_from_output(batch, 0.01)
     a.append_token(7)
     clock.now += 0.5
-    assert ids(s.schedule().requests) == ["a", "b", "c"]  # 1.1 s: both join, one step
+    batch = s.schedule()
+    assert ids(batch.requests) == ["a", "b", "c"]  # 1.1 s: both join, one step
+    s.update_from_output(batch, 40.0)  # one slow step: the lower median of (0.5, 40) is still 0.5
+    for r in batch.requests[1:]:
+        r.append_token(7)
+    s.add(req("d", 4))
+    clock.now += 1.1
+    assert "d" in ids(s.schedule().requests)
+    s.add(req("e", 4))
+    clock.now -= 100  # the clock set back: a negative wait holds nobody
+    assert "e" in ids(s.schedule().requests)
     s = Scheduler(BlockManager(32, 4), 8, 64, 64, "fcfs", 10.0, PrefillCap(64, fixed=64), clock)
     assert s.delay_factor == 0.0
 
