@@ -440,10 +440,16 @@ def test_one_slow_step_does_not_swing_the_cap():
 def test_random_traffic_keeps_every_invariant_and_finishes(policy, seed):
     import random
 
+    from engine.window_blocks import pool_needed
+
     rng = random.Random(seed)
-    s, bm, clock = make(policy, num_blocks=rng.choice([6, 12, 40]), block_size=4, max_num_seqs=rng.choice([1, 3, 8]),
-                        budget=rng.choice([4, 16, 64]), cap=rng.choice([None, 2, 8]), aging=rng.choice([0.5, 30.0]),
-                        prefix_caching=seed % 2 == 0)
+    seqs, budget, cap = rng.choice([1, 3, 8]), rng.choice([4, 16, 64]), rng.choice([None, 2, 8])
+    # a sliding-window pool at times (its per-step bound may pass the budget), and the delay factor
+    window = dict(window=8, num_window_blocks=pool_needed(8, 4, seqs, budget)) if rng.random() < 0.3 else {}
+    clock = Clock()
+    bm = BlockManager(rng.choice([12, 40] if window else [6, 12, 40]), 4, seed % 2 == 0, **window)
+    s = Scheduler(bm, seqs, budget, 64, policy, rng.choice([0.5, 30.0]), PrefillCap(budget, fixed=cap), clock,
+                  delay_factor=rng.choice([0.0, 0.0, 1.0, 3.0]))
     live: list[Request] = []
     kv: dict[int, int] = {}  # slot -> the token whose K/V it holds: a hit must never serve other tokens
     for n in range(5000):  # 250 steps of arrivals, then until all are done (a livelock would use them all)
@@ -451,19 +457,24 @@ def test_random_traffic_keeps_every_invariant_and_finishes(policy, seed):
             break
         if n < 250 and rng.random() < 0.3:
             max_tokens = rng.randint(1, 6)  # prompt + max_tokens fit the cache, as the engine's length check makes sure
-            prompt = rng.randint(1, min(20, bm.num_blocks * bm.block_size - max_tokens))
+            prompt = rng.randint(1, min(rng.choice([20, 48]), bm.num_blocks * bm.block_size - max_tokens))
             # two token values only: prompts share prefixes often, so blocks are hit, shared and evicted
             r = Request(f"r{n}", [rng.choice([1, 1, 1, 2]) for _ in range(prompt)], SamplingParams(max_tokens=max_tokens),
                         rng.randint(-2, 2), clock.now + rng.uniform(0.5, 30) if rng.random() < 0.2 else None)
             s.add(r)
             live.append(r)
-        clock.now += 0.1
+        clock.now += rng.choice([0.01, 0.1, 0.5])
         batch = s.schedule()
         assert len({r.request_id for r in batch.requests}) == len(batch.requests), "scheduled twice"
         assert batch.num_tokens == sum(batch.num_new_tokens) <= s.max_num_batched_tokens
         assert all(r.status is Status.RUNNING for r in batch.requests)
         assert len(s.running) <= s.max_num_seqs
         assert all(not r.block_table for r in s.waiting)
+        if batch.num_decodes and cap is not None and cap < budget - batch.num_decodes:  # beside decodes: capped,
+            # one long at a time
+            prompts = list(zip(batch.requests, batch.num_new_tokens, strict=True))[batch.num_decodes:]  # one long
+            assert all(k <= cap for _, k in prompts)
+            assert sum(r.num_tokens - r.num_computed_tokens > cap for r, _ in prompts) <= 1
         holders = Counter(b for r in s.running for b in r.block_table)
         assert bm.num_free_blocks + len(holders) == bm.num_blocks
         assert all(bm.ref_counts[b] == (holders[b]) for b in range(bm.num_blocks))
@@ -478,7 +489,7 @@ def test_random_traffic_keeps_every_invariant_and_finishes(policy, seed):
         for r, k in zip(batch.requests, batch.num_new_tokens, strict=True):  # then attends
             n = r.num_computed_tokens + k
             assert [kv.get(x) for x in slots[r.request_id]] == r.all_token_ids[:n], "served another token's K/V"
-        s.update_from_output(batch, 0.01)
+        s.update_from_output(batch, rng.choice([0.01, 0.05, 0.3]))
         for r in batch.requests:
             if r.num_computed_tokens == r.num_tokens:
                 r.append_token(7)
