@@ -285,16 +285,21 @@ def test_decodes_go_first_and_prompt_tokens_beside_them_are_capped():
     assert batch.num_new_tokens == [1, 8]
 
 
+def beside_a_decode(budget: int, *queued: Request):
+    """A scheduler (a fixed cap of 8, 8 seats) where "a" decodes when ``queued`` arrive; and the step then."""
+    s, _, clock = make(budget=budget, cap=8, max_num_seqs=8)
+    add_all(s, clock, req("a", 4))
+    step(s)
+    add_all(s, clock, *queued)
+    return s, step(s)
+
+
 def test_prompts_queued_together_each_bring_their_own_cap():
     """The cap is one request's: a queue of prompts joins as fast as seats free up, the step's prompt
     tokens bounded by the token budget. (A cap on the step as a whole let a prompt-heavy load join slower
     than requests finished: served on the CPU, 8 of 32 seats ran and TTFT grew to 7 s.) One prompt longer
     than the cap at a time takes a chunk: the next long one waits for it."""
-    s, _, clock = make(budget=64, cap=8, max_num_seqs=8)
-    add_all(s, clock, req("a", 4))
-    step(s)
-    add_all(s, clock, req("b", 6), req("c", 8), req("d", 8), req("e", 12), req("f", 12))
-    batch = step(s)
+    s, batch = beside_a_decode(64, req("b", 6), req("c", 8), req("d", 8), req("e", 12), req("f", 12))
     assert ids(batch.requests) == ["a", "b", "c", "d", "e"] and batch.num_new_tokens == [1, 6, 8, 8, 8]
     assert ids(s.waiting) == ["f"]  # long too: it waits for e's chunks
     batch = step(s)  # e's last 4 are no long prompt's: f takes its first chunk beside them
@@ -303,11 +308,7 @@ def test_prompts_queued_together_each_bring_their_own_cap():
 
 def test_a_long_prompt_held_for_another_lets_shorter_ones_pass():
     """As vLLM's --max-long-partial-prefills 1: the long one waits, the short one behind it joins."""
-    s, _, clock = make(budget=64, cap=8, max_num_seqs=8)
-    add_all(s, clock, req("a", 4))
-    step(s)
-    add_all(s, clock, req("L1", 40), req("L2", 40), req("short", 3))
-    batch = step(s)
+    s, batch = beside_a_decode(64, req("L1", 40), req("L2", 40), req("short", 3))
     assert ids(batch.requests) == ["a", "L1", "short"] and batch.num_new_tokens == [1, 8, 3]
     assert ids(s.waiting) == ["L2"]  # back in its place
 
@@ -325,11 +326,7 @@ def test_a_window_pool_step_bound_past_the_budget_still_chunks_long_prompts():
 
 
 def test_the_budget_bounds_the_prompts_queued_together():
-    s, _, clock = make(budget=20, cap=8, max_num_seqs=8)
-    add_all(s, clock, req("a", 4))
-    step(s)
-    add_all(s, clock, req("b", 8), req("c", 8), req("d", 8))
-    batch = step(s)
+    _, batch = beside_a_decode(20, req("b", 8), req("c", 8), req("d", 8))
     assert batch.num_new_tokens == [1, 8, 8, 3] and batch.num_tokens == 20
 
 
