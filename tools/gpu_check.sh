@@ -62,8 +62,8 @@ v = json.loads(lines[-n]).get(sys.argv[2]) if len(lines) >= n else "?"
 print(round(v, 3) if isinstance(v, float) else v)' "$1" "$2" "${3:-1}" 2>/dev/null
 }
 
-figure() {  # the figure to read in a part's log
-  local log=$OUT/$1.log
+figure() {  # figure NAME LOG: the figure to read in a part's log
+  local log=$2
   case $1 in
     *-tests) grep -E "[0-9]+ (passed|failed|skipped|error)" "$log" | tail -n 1 ;;
     bench-kernels) echo "paged decode >= $(json_last "$log" decode_min_bw_fraction) of" \
@@ -74,6 +74,11 @@ figure() {  # the figure to read in a part's log
                     "out tok/s, host $(json_last "$log" host_share 2))$(grep -q prompt_step_ms "$log" &&
                     echo "; a step with 4 new prompts $(json_last "$log" prompt_step_ms) ms, decode-only" \
                          "$(json_last "$log" decode_step_ms) ms (profile_steps)")" ;;
+    serve*) "$PY" -c 'import json, sys
+r = [json.loads(s) for s in open(sys.argv[1]) if s.startswith("{")][-1]
+print("%.0f out tok/s; TTFT p50 %.0f ms; TPOT mean %.1f ms; ITL p50 %.1f, p99 %.1f ms" % (r["output_throughput"],
+      r["ttft_ms"]["median"], r["tpot_ms"]["mean"], r["itl_ms"]["median"], r["itl_ms"]["p99"]))' \
+              "$log" 2>/dev/null || echo "no figures" ;;
   esac
 }
 
@@ -93,17 +98,17 @@ wanted() {  # wanted NAME: NAME is not among GPU_CHECK_SKIP's parts
   case " ${GPU_CHECK_SKIP:-} " in *" $1 "*) return 1 ;; esac
 }
 
-part() {  # part NAME CAP_SECONDS COMMAND: run COMMAND (a bash string) into OUTDIR/NAME.log
-  local name=$1 cap=$2 cmd=$3 left=$((DEADLINE - SECONDS)) start=$SECONDS rc=0 status=ok
+part() {  # part NAME CAP_SECONDS COMMAND: run COMMAND (a bash string) into OUTDIR/NAME.log (or $PART_LOG)
+  local name=$1 cap=$2 cmd=$3 left=$((DEADLINE - SECONDS)) start=$SECONDS rc=0 status=ok log=${PART_LOG:-$OUT/$1.log}
   if ! wanted "$name"; then skip "$name" "in GPU_CHECK_SKIP"; return 0; fi
   if ((left < 20)); then skip "$name" "no time left"; return 1; fi
   ((cap > left)) && cap=$left
   echo "== $name (at most ${cap}s): $cmd"
-  timeout -k 10 "$cap" bash -c "$cmd" >"$OUT/$name.log" 2>&1 || rc=$?
+  timeout -k 10 "$cap" bash -c "$cmd" >"$log" 2>&1 || rc=$?
   if ((rc == 124 || rc == 137)); then status="timeout ${cap}s"; elif ((rc)); then status="FAIL rc=$rc"; fi
   ((rc)) && FAILED=1
-  tail -n 3 "$OUT/$name.log"
-  note "$name" "$status" "$((SECONDS - start))s" "$(figure "$name")"
+  tail -n 3 "$log"
+  note "$name" "$status" "$((SECONDS - start))s" "$(figure "$name" "$log")"
   return $rc
 }
 
@@ -185,32 +190,21 @@ done
 serve_run() {  # serve_run LABEL CHECKOUT [FLAGS...]: tokenmill serve from CHECKOUT (Qwen2-0.5B shape, FLAGS
   # added) and tools/bench_serving.py against it, into serve.log; then its figures and the engine's busiest
   # stats line (engine.stats_log: decode-only and prompt-carrying steps' median times apart) in the summary
-  local label=$1 checkout=$2 left=$((DEADLINE - SECONDS)) start=$SECONDS rc=0 status=ok cap=120 bench=$WORK/bench.log
+  local label=$1 checkout=$2 rc=0 busiest
   shift 2
-  if ((left < 30)); then skip "serve $label" "no time left"; return 1; fi
-  ((cap > left)) && cap=$left
   (cd "$checkout" && PYTHONPATH="$WORK/site:$PWD" exec "$PY" -m engine.cli serve --model "$WORK/qwen2-0.5b" \
     --port 18123 --dtype bfloat16 --max-num-seqs 256 --log-stats-interval 3 "$@") >"$WORK/server.log" 2>&1 &
   SERVER=$!
-  echo "== serve $label (at most ${cap}s): $checkout $*" | tee -a "$OUT/serve.log"
-  timeout -k 10 "$cap" bash -c "for i in \$(seq 90); do
+  PART_LOG=$WORK/bench.log part "serve $label" 120 "for i in \$(seq 90); do
       $PY -c 'import urllib.request; urllib.request.urlopen(\"http://127.0.0.1:18123/health\", timeout=2)' \
         2>/dev/null && break; sleep 1; done
     $PY tools/bench_serving.py --base-url http://127.0.0.1:18123/v1 --tokenizer $WORK/qwen2-0.5b \
-      --num-prompts 512 --input-len 128 --output-len 64 --max-concurrency 256 --quiet" >"$bench" 2>&1 || rc=$?
+      --num-prompts 512 --input-len 128 --output-len 64 --max-concurrency 256 --quiet" || rc=$?
   kill "$SERVER" 2>/dev/null
   wait "$SERVER" 2>/dev/null
   SERVER=
-  if ((rc == 124 || rc == 137)); then status="timeout ${cap}s"; elif ((rc)); then status="FAIL rc=$rc"; fi
-  ((rc)) && FAILED=1
-  tail -n 3 "$bench"
-  { cat "$bench"; echo "== the server's output"; cat "$WORK/server.log"; } >>"$OUT/serve.log"
-  note "serve $label" "$status" "$((SECONDS - start))s" "$("$PY" -c 'import json, sys
-r = [json.loads(s) for s in open(sys.argv[1]) if s.startswith("{")][-1]
-print("%.0f out tok/s; TTFT p50 %.0f ms; TPOT mean %.1f ms; ITL p50 %.1f, p99 %.1f ms" % (r["output_throughput"],
-      r["ttft_ms"]["median"], r["tpot_ms"]["mean"], r["itl_ms"]["median"], r["itl_ms"]["p99"]))' \
-    "$bench" 2>/dev/null || echo "no figures")"
-  local busiest
+  { echo "== serve $label: $checkout $*"; cat "$WORK/bench.log" 2>/dev/null; echo "== the server's output"
+    cat "$WORK/server.log"; } >>"$OUT/serve.log"
   busiest=$(grep -o "Avg generation throughput: .*" "$WORK/server.log" | sort -t: -k2 -n -r | head -n 1)
   note "  steps ($label)" "" "" "${busiest:-no stats line in the server log}"
   return $rc
