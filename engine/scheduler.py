@@ -334,68 +334,68 @@ class Scheduler:
         # beside decodes, one prompt longer than the cap at a time takes a chunk; the others wait, and a long
         # waiting one steps aside (``passed``) for the shorter ones behind it
         one_long, long_taken, passed = cap < limit, False, []
-        try:
-            i = 0
-            while batch.num_prompt_tokens + batch.image_tokens < limit:
-                head = self.waiting.peek() if admit and self.waiting and not batch.short_of_blocks else None
-                if head is not None and head.num_in_flight:  # preempted with a token in flight: back once it is known
-                    head, admit = None, False
-                if i < len(prefilling) and (head is None or rank(prefilling[i]) <= rank(head)):
-                    req = prefilling[i]
-                    i += 1
-                    left = min(req.num_tokens - req.num_computed_tokens, step_cap)
-                    if one_long and left > cap and long_taken:
-                        continue
-                    n, images = _fit_images(req, req.num_computed_tokens, left, limit, cap, batch)
-                    # (one preempted since this list was made may be running again, readmitted this step)
-                    if n and req.status is Status.RUNNING and req not in batch and self._allocate_running(req, n, batch):
-                        self._add(batch, req, n)
-                        batch.image_tokens += images
-                        long_taken |= left > cap
+        i = 0
+        while batch.num_prompt_tokens + batch.image_tokens < limit:
+            head = self.waiting.peek() if admit and self.waiting and not batch.short_of_blocks else None
+            if head is not None and head.num_in_flight:  # preempted with a token in flight: back once it is known
+                head, admit = None, False
+            if i < len(prefilling) and (head is None or rank(prefilling[i]) <= rank(head)):
+                req = prefilling[i]
+                i += 1
+                left = min(req.num_tokens - req.num_computed_tokens, step_cap)
+                long = one_long and left > cap
+                if long and long_taken:
                     continue
-                if head is None:
-                    break
-                bm = self.block_manager
-                cacheable = _cacheable_tokens(head)
-                cached = bm.match_prefix(head, cacheable)
-                hit = len(cached) * bm.block_size
-                left = min(head.num_tokens - hit, step_cap)
-                n, images = _fit_images(head, hit, left, limit, cap, batch)
-                # its image waits for a step with room for it; an encoder's prompt for one with room for all of it
-                if not n or head.pool is not None and head.pool.whole and n < head.num_tokens:
-                    admit = False
-                    continue
-                if one_long and left > cap and long_taken:  # another long prompt has this step's chunk
-                    passed.append(self.waiting.pop())
-                    continue
-                # a resumed request comes back only when its whole context fits: back in part, it would
-                # just be pushed out again
-                fits = not head.num_preemptions or bm.can_allocate(head, _context_needed(head) - hit, cached)
-                if len(self.running) < self.max_num_seqs and fits and bm.allocate(head, n, cached):
-                    self.waiting.pop()
-                    self._waiting_embeddings -= head.pool is not None
-                    head.num_computed_tokens = hit
-                    if not head.num_preemptions:  # first admission: what the client is told, and the hit rate
-                        head.num_cached_tokens = hit
-                        self.num_prompt_tokens += head.num_prompt_tokens
-                        self.num_cached_prompt_tokens += hit
-                    head.waited += self.now - head.queued_at
-                    head.status = Status.RUNNING
-                    self.running.append(head)
-                    batch.pinned |= bm.providers(cached)
-                    self._add(batch, head, n)
+                n, images = _fit_images(req, req.num_computed_tokens, left, limit, cap, batch)
+                # (one preempted since this list was made may be running again, readmitted this step)
+                if n and req.status is Status.RUNNING and req not in batch and self._allocate_running(req, n, batch):
+                    self._add(batch, req, n)
                     batch.image_tokens += images
-                    admit = not self.one_at_a_time
-                    long_taken |= left > cap
-                    continue
-                victim = self._victim_for(head, batch) if self.waiting.preempts else None
-                if victim is None:
-                    admit = False  # the head waits; running prompts may still use the budget
-                    continue
-                self._preempt(victim, batch)
-        finally:
-            for req in reversed(passed):  # back where they were
-                self.waiting.requeue(req)
+                    long_taken |= long
+                continue
+            if head is None:
+                break
+            bm = self.block_manager
+            cacheable = _cacheable_tokens(head)
+            cached = bm.match_prefix(head, cacheable)
+            hit = len(cached) * bm.block_size
+            left = min(head.num_tokens - hit, step_cap)
+            long = one_long and left > cap
+            n, images = _fit_images(head, hit, left, limit, cap, batch)
+            # its image waits for a step with room for it; an encoder's prompt for one with room for all of it
+            if not n or head.pool is not None and head.pool.whole and n < head.num_tokens:
+                admit = False
+                continue
+            if long and long_taken:  # another long prompt has this step's chunk
+                passed.append(self.waiting.pop())
+                continue
+            # a resumed request comes back only when its whole context fits: back in part, it would
+            # just be pushed out again
+            fits = not head.num_preemptions or bm.can_allocate(head, _context_needed(head) - hit, cached)
+            if len(self.running) < self.max_num_seqs and fits and bm.allocate(head, n, cached):
+                self.waiting.pop()
+                self._waiting_embeddings -= head.pool is not None
+                head.num_computed_tokens = hit
+                if not head.num_preemptions:  # first admission: what the client is told, and the hit rate
+                    head.num_cached_tokens = hit
+                    self.num_prompt_tokens += head.num_prompt_tokens
+                    self.num_cached_prompt_tokens += hit
+                head.waited += self.now - head.queued_at
+                head.status = Status.RUNNING
+                self.running.append(head)
+                batch.pinned |= bm.providers(cached)
+                self._add(batch, head, n)
+                batch.image_tokens += images
+                admit = not self.one_at_a_time
+                long_taken |= long
+                continue
+            victim = self._victim_for(head, batch) if self.waiting.preempts else None
+            if victim is None:
+                admit = False  # the head waits; running prompts may still use the budget
+                continue
+            self._preempt(victim, batch)
+        for req in reversed(passed):  # back where they were
+            self.waiting.requeue(req)
 
     def _allocate_running(self, req: Request, n: int, batch: ScheduledBatch) -> bool:
         """Blocks for ``n`` more tokens of running ``req``, preempting for them if needed."""
