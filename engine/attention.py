@@ -4,8 +4,10 @@ The model runner builds one ``AttentionMetadata`` per step and passes it down
 ``forward()`` (no globals): ``StepIndex`` computes its index tensors on the host
 from the sequence lengths, then looks the block ids up on the device, in the
 runner's persistent block tables (``build_metadata`` does both from lists).
-A batch mixes prompt chunks and decodes freely; the flat new tokens are split
-into the decode rows (one query per sequence) and the prefill rows (several),
+A batch mixes prompt chunks and decodes freely. Where the prefill kernel takes
+one-token sequences as cheaply as the decode kernel (Triton's), a step with prompt
+tokens is all prefill rows: one launch a layer. Elsewhere the flat new tokens are
+split into the decode rows (one query per sequence) and the prefill rows (several),
 so that one long prompt chunk never pads every decode row to its length.
 """
 
@@ -98,9 +100,12 @@ class StepIndex:
     decode_in_order: bool  # decode rows only, already longest first (one sequence, say)
 
     @classmethod
-    def build(cls, query_lens: list[int], computed_lens: list[int], table_rows: Sequence[int]) -> StepIndex:
+    def build(cls, query_lens: list[int], computed_lens: list[int], table_rows: Sequence[int],
+              split: bool = True) -> StepIndex:
         """Sequence b adds ``query_lens[b]`` tokens after ``computed_lens[b]`` cached ones; its block
-        table is row ``table_rows[b]`` of the tables ``metadata`` will be given."""
+        table is row ``table_rows[b]`` of the tables ``metadata`` will be given. ``split=False``: in a step
+        with prompt tokens, the one-token sequences are prefill rows too, so that one prefill kernel takes
+        the whole step (``kernels.prefill_takes_decodes``); a step of decodes alone stays a decode step."""
         b = len(query_lens)
         if b and query_lens.count(1) == b:
             return cls._decode_only(computed_lens, table_rows)
@@ -113,7 +118,7 @@ class StepIndex:
         offset = torch.arange(len(seq_of)) - query_start[:-1][seq_of]  # (T,) index within its sequence
         t = {"positions": (seq_lens - q_lens)[seq_of] + offset, "token_table_rows": rows[seq_of]}
 
-        is_decode = q_lens == 1
+        is_decode = q_lens == 1 if split else torch.zeros(b, dtype=torch.bool)
         num_decode = int(is_decode.sum())
         max_decode = max_prefill = max_query = 0
         in_order = False
@@ -178,13 +183,14 @@ class StepIndex:
 
 
 def build_metadata(query_lens: list[int], computed_lens: list[int], block_tables: list[list[int]],
-                   block_size: int, device: torch.device) -> tuple[torch.Tensor, AttentionMetadata]:
+                   block_size: int, device: torch.device, split: bool = True) -> tuple[torch.Tensor, AttentionMetadata]:
     """Positions (T,) and attention metadata for sequences that add ``query_lens[b]`` tokens after
     ``computed_lens[b]`` cached ones, their block tables given as lists (padded here: for tests and
-    the profiling run; the model runner keeps its tables in one persistent tensor instead)."""
+    the profiling run; the model runner keeps its tables in one persistent tensor instead); ``split``:
+    ``StepIndex.build``'s."""
     width = max(len(bt) for bt in block_tables)
     tables = torch.tensor([bt + [0] * (width - len(bt)) for bt in block_tables], dtype=torch.int64)
-    index = StepIndex.build(query_lens, computed_lens, range(len(block_tables)))
+    index = StepIndex.build(query_lens, computed_lens, range(len(block_tables)), split)
     index.tensors = {k: v.to(device) for k, v in index.tensors.items()}
     return index.metadata(tables.to(device), block_size)
 

@@ -444,7 +444,8 @@ class ModelRunner:
         there the (P, hidden) float32 sums of the rows each embedding request pools (or None)."""
         if self.device.type == "cpu" and kernels.batch_invariant() != self.config.batch_invariant:
             kernels.set_batch_invariant(self.config.batch_invariant)  # (the mode is the process's: engines share it)
-        index = StepIndex.build(step.query_lens, step.computed_lens, step.table_rows)
+        index = StepIndex.build(step.query_lens, step.computed_lens, step.table_rows,
+                                split=not kernels.prefill_takes_decodes(self.device))
         driver = isinstance(step, DriverStep)
         gather = {"in_flight_at": ints(step.in_flight_at), "in_flight_from": ints(step.in_flight_from)} \
             if driver and step.in_flight_at else {}

@@ -94,6 +94,15 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                                             out_index, max_seq_len, scale, window, softcap, sinks)
 
 
+def prefill_takes_decodes(device: torch.device) -> bool:
+    """Whether a step's one-token sequences go to ``paged_prefill_attention`` with its prompt chunks (one launch a
+    layer, no rows split apart and put back): Triton's, whose prefill kernel costs a one-token sequence what its
+    decode kernel does. The CPU's and the reference's take them to ``paged_decode_attention``."""
+    if _backend == "reference" or (_backend == "auto" and device.type != "cuda"):
+        return False
+    return _load_triton() is not None
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: str | None = None) -> torch.Tensor:
     """``F.linear``; for CPU tensors (``auto``) ``kernels.cpu.linear``, which takes the steps of few
@@ -224,5 +233,5 @@ def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
 set_backend(os.environ.get("TOKENMILL_KERNELS", "auto"))
 
 __all__ = ["BACKENDS", "apply_rope_", "backend", "embedding", "fused_add_rms_norm", "fused_moe", "gelu_and_mul",
-           "linear", "paged_decode_attention", "paged_prefill_attention", "rms_norm", "set_backend", "silu_and_mul",
-           "store_kvcache", "swiglu_oai", "tune_linear"]
+           "linear", "paged_decode_attention", "paged_prefill_attention", "prefill_takes_decodes", "rms_norm",
+           "set_backend", "silu_and_mul", "store_kvcache", "swiglu_oai", "tune_linear"]

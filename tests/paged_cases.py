@@ -34,6 +34,10 @@ PREFILL_CASES = [
     (BF16, 64, 16, 8, 2, [17, 2], [50, 18]),  # GQA 4
     (F16, 32, 16, 4, 1, [9, 24], [9, 33]),
     (F32, 16, 8, 9, 3, [3, 11], [14, 11]),  # SmolLM2's grouping, small heads and blocks
+    # a step of decodes (one query each) around prompt chunks, Qwen2-0.5B's grouping of 7 (rows of a program's
+    # tile that no query fills), and a run of decodes longer than a program's block of queries
+    (F32, 64, 16, 14, 2, [1, 1, 9, 1, 1, 1, 1, 20, 1], [30, 1, 20, 17, 64, 5, 2, 40, 33]),
+    (BF16, 64, 16, 14, 2, [1, 12, 1, 1], [50, 12, 7, 90]),
 ]
 
 # sliding windows (decode, prefill) and Gemma 2's softcap: dtype, head_dim, block size, H, Hkv, query_lens,

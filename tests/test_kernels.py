@@ -33,7 +33,7 @@ def naive_attention(q, k, v, pos0, window=0, softcap=0.0, sinks=None):
     return torch.stack(out)
 
 
-def make_batch(seq_lens, query_lens, dtype, seed=0, window=0, softcap=0.0, sinks=None, device="cpu"):
+def make_batch(seq_lens, query_lens, dtype, seed=0, window=0, softcap=0.0, sinks=None, device="cpu", split=True):
     g = torch.Generator().manual_seed(seed)  # the same numbers on every device
     nblocks = sum(-(-n // BS) for n in seq_lens) + 3
     perm = torch.randperm(nblocks, generator=g).tolist()  # scattered, non-contiguous blocks
@@ -57,7 +57,7 @@ def make_batch(seq_lens, query_lens, dtype, seed=0, window=0, softcap=0.0, sinks
     new_k = torch.cat([k[n - ql:] for k, n, ql in zip(ks, seq_lens, query_lens, strict=True)])
     new_v = torch.cat([v[n - ql:] for v, n, ql in zip(vs, seq_lens, query_lens, strict=True)])
     computed = [n - ql for n, ql in zip(seq_lens, query_lens, strict=True)]
-    positions, meta = build_metadata(query_lens, computed, tables, BS, torch.device(device))
+    positions, meta = build_metadata(query_lens, computed, tables, BS, torch.device(device), split)
     return attn, q, new_k, new_v, ks, vs, meta, positions
 
 
@@ -96,6 +96,28 @@ def test_metadata_splits_decode_and_prefill_rows():
     assert meta.prefill.query_start.tolist() == [0, 7, 9]
     assert meta.prefill.max_query_len == 7
     assert not meta.decode.in_order
+
+
+@pytest.mark.parametrize("backend", ["reference", "auto"])
+@pytest.mark.parametrize("window,sinks", [(0, None), (5, [1.0, 0.0, -3.0, 0.5])])
+def test_a_mixed_step_unsplit_is_all_prefill_rows_attended_alike(backend, window, sinks, monkeypatch):
+    """``split=False`` (where the prefill kernel takes one-token sequences, Triton's): a step of decodes and
+    prompt chunks is one prefill over every sequence in the step's order, whose attention is the naive one."""
+    monkeypatch.setattr(kernels, "_backend", backend)
+    sinks = None if sinks is None else torch.tensor(sinks)
+    seq_lens, query_lens = [13, 7, 4, 8, 1], [1, 7, 1, 2, 1]
+    attn, q, new_k, new_v, ks, vs, meta, _ = make_batch(seq_lens, query_lens, torch.float32, window=window,
+                                                         sinks=sinks, split=False)
+    assert meta.decode is None and meta.prefill.token_rows is None
+    assert meta.prefill.query_start.tolist() == [0, 1, 8, 9, 11, 12]
+    assert meta.prefill.seq_lens.tolist() == seq_lens and meta.prefill.max_query_len == 7
+    want, row = [], 0
+    for k, v, n, ql in zip(ks, vs, seq_lens, query_lens, strict=True):
+        want.append(naive_attention(q[row:row + ql], k, v, n - ql, window, 0.0, sinks))
+        row += ql
+    torch.testing.assert_close(attn(q, new_k, new_v, meta), torch.cat(want), atol=1e-5, rtol=1e-5)
+    _, _, _, _, _, _, decodes, _ = make_batch([5, 9], [1, 1], torch.float32, split=False)
+    assert decodes.prefill is None and decodes.decode is not None  # decodes alone: still a decode step
 
 
 def test_decode_rows_already_in_order_are_attended_where_they_are():

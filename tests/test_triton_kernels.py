@@ -604,8 +604,8 @@ def test_triton_kernels_compile_for_cuda():
 @pytest.mark.parametrize("kv", ["auto", "fp8"])
 def test_triton_engine_greedy_equals_reference(tiny_llama, kv, monkeypatch):
     """A tiny model's greedy tokens with every kernel Triton equal those with the references
-    (fp32), over prompts long enough for several blocks, chunked prefill and mixed batches; with
-    the model's cache and an fp8 one."""
+    (fp32), over prompts long enough for several blocks, chunked prefill and mixed batches (one prefill
+    launch a layer, its decodes among its sequences); with the model's cache and an fp8 one."""
     from engine import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -622,6 +622,11 @@ def test_triton_engine_greedy_equals_reference(tiny_llama, kv, monkeypatch):
         outs[name] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outs["triton"] == outs["reference"]
     assert {"paged_decode_attention", "paged_prefill_attention", "fused_add_rms_norm"} <= set(calls)
+    real, mixed = tri.paged_prefill_attention, []  # each prefill call's query lengths
+    monkeypatch.setattr(tri, "paged_prefill_attention", lambda q, k, v, t, lens, start, *a, **kw: mixed.append(
+        start.diff().tolist()) or real(q, k, v, t, lens, start, *a, **kw))
+    assert [o.token_ids for o in llm.generate(prompts, params)] == outs["triton"]
+    assert any(1 in lens and max(lens) > 1 for lens in mixed), mixed
 
 
 def greedy_by_backend(monkeypatch, path: str, lengths: list[int], max_tokens: int, check=None,
