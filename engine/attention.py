@@ -45,8 +45,9 @@ class PrefillMetadata:
     block_tables: torch.Tensor  # (Bp, max_blocks)
     seq_lens: torch.Tensor  # (Bp,) context length after this step
     query_start: torch.Tensor  # (Bp+1,) offsets of each sequence's queries among the Tp rows
-    q_index: torch.Tensor  # (Bp, Q) row (of the Tp) for each padded grid cell; Tp = padding
-    out_index: torch.Tensor  # (Tp,) grid cell of each row
+    # the reference's (and the CPU's) gather indices; None where only Triton's kernel reads the step (its graphs)
+    q_index: torch.Tensor | None  # (Bp, Q) row (of the Tp) for each padded grid cell; Tp = padding
+    out_index: torch.Tensor | None  # (Tp,) grid cell of each row
     max_seq_len: int
     max_query_len: int
 

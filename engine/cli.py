@@ -118,6 +118,11 @@ def _engine_flags(p: argparse.ArgumentParser, generate: bool = False) -> None:
                    help="run every step eagerly, without replaying decode steps as CUDA graphs (or on the CPU "
                         "as recorded kernel calls): slower decode; quicker start-up, a little less memory "
                         "(default: graphs)")
+    g.add_argument("--prompt-graph-tokens", type=int, default=None, metavar="N",
+                   help="CUDA: steps that carry prompt tokens (with decodes beside them or not) of up to N tokens "
+                        "replay CUDA graphs captured at start-up for padded token counts, as decode-only steps "
+                        "do; longer ones run eagerly; 0: only decode-only steps replay graphs (default: "
+                        f"{d['prompt_graph_tokens']}, at most --max-num-batched-tokens)")
     g.add_argument("--batch-invariant", action="store_true", default=None,
                    help="make greedy output independent of batching (CPU only): every linear layer and every "
                         "prompt's attention run through the kernels that compute a row alone, so a request's "

@@ -59,8 +59,8 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"  # fcfs | priority | short-first (engine.request_queue)
     scheduling_aging_seconds: float = 30.0  # waiting this long is worth one rank step (no starvation); inf: off
     # vLLM's: beside decodes, waiting prompts join once the oldest has waited this many times the last step
-    # with prompt tokens took (fewer, larger such steps); 0: at once; None: 1 on CUDA (where such steps run
-    # eagerly, decode-only ones replay graphs), 0 elsewhere
+    # with prompt tokens took (fewer, larger such steps); 0: at once; None: 1 on CUDA with graphs (measured
+    # while such steps ran eagerly), 0 elsewhere
     scheduler_delay_factor: float | None = None
     long_prefill_token_threshold: int | None = None  # a request's prompt tokens per step beside decodes; None = measured
     request_timeout: float | None = None  # seconds; a request without its own timeout gets this one
@@ -69,6 +69,8 @@ class EngineConfig:
     # embeddings: {"pooling_type": "last" | "mean", "normalize": bool} over the model's own (vLLM's --pooler-config)
     pooler_config: dict | None = None
     enforce_eager: bool = False  # no CUDA (or CPU) graphs, every decode step runs eagerly (vLLM's --enforce-eager)
+    # CUDA: steps with prompt tokens of up to this many tokens (and max_num_batched_tokens) replay graphs; 0: none
+    prompt_graph_tokens: int = 2048
     # a token's logits the same bits in any batch (kernels.set_batch_invariant; vLLM's VLLM_BATCH_INVARIANT): CPU only
     batch_invariant: bool = False
     # schedule step N+1 while step N runs (engine.engine); auto = on CUDA, off on the CPU
@@ -148,6 +150,8 @@ class EngineConfig:
             bad(f"request_timeout must be a positive number of seconds, got {self.request_timeout}")
         if not 0 <= self.log_stats_interval < float("inf"):
             bad(f"log_stats_interval must be 0 (none) or a number of seconds, got {self.log_stats_interval}")
+        if not isinstance(self.prompt_graph_tokens, int) or self.prompt_graph_tokens < 0:
+            bad(f"prompt_graph_tokens must be 0 (none) or a positive number of tokens, got {self.prompt_graph_tokens!r}")
         if not isinstance(self.enforce_eager, bool):
             bad(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
         if not isinstance(self.batch_invariant, bool):

@@ -151,7 +151,7 @@ class Engine:
                                           facts.num_window_blocks)
         self.speculative = config.speculative
         delay = config.scheduler_delay_factor
-        if delay is None:  # CUDA graphs: a step with prompts runs eagerly, at several times a decode-only step
+        if delay is None:  # CUDA graphs: a step with prompts costs several decode-only steps (measured when eager)
             delay = 1.0 if self.runner.device.type == "cuda" and self.runner.graphs is not None else 0.0
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,

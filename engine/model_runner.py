@@ -14,7 +14,9 @@ buffer, one asynchronous copy).
 On CUDA (unless ``enforce_eager``) decode-only steps replay CUDA graphs (``DecodeGraphs``)
 captured at start-up for a few batch sizes (``decode_buckets``): such a step is padded to the
 next size with one-token sequences that write and read only a scratch KV block, one past the
-blocks the block manager hands out, and whose logits nobody asks for. On the CPU (one rank, the
+blocks the block manager hands out, and whose logits nobody asks for. Steps with prompt tokens
+replay graphs of their own (``PromptGraphs``), per padded token count (``prompt_buckets``) up to
+``prompt_graph_tokens``, where Triton's prefill kernel takes the whole step. On the CPU (one rank, the
 C kernels built) decode-only steps of up to ``CPU_GRAPH_SEQS`` sequences replay CPU graphs
 (``kernels.cpu.graph``), each recorded by the first step of its size, unpadded.
 
@@ -78,7 +80,16 @@ from engine.sampler import (
     to_device,
 )
 from engine.scheduler import ScheduledBatch
-from engine.step_buffers import BlockTables, DecodeGraphs, Staging, cuda_graph_capture, decode_buckets
+from engine.step_buffers import (
+    BlockTables,
+    Capture,
+    DecodeGraphs,
+    PromptGraphs,
+    Staging,
+    cuda_graph_capture,
+    decode_buckets,
+    prompt_buckets,
+)
 from engine.tp_worker import launch
 from kernels.cpu import graph as cpu_graph
 
@@ -264,18 +275,20 @@ class ModelRunner:
         self.staging = Staging(device)
         self.decode_buckets: list[int] = []  # decode-only steps are padded to these batch sizes
         self.graphs: DecodeGraphs | None = None
+        self.prompt_graphs: PromptGraphs | None = None
         # none for an encoder (no decode steps, only prompts of one token), nor with the reference kernels:
         # their decode would gather every sequence to max_model_len
         eager = config.enforce_eager or self.model_cfg.encoder is not None
         if device.type == "cuda" and not eager and kernels.backend() != "reference":
             self.decode_buckets = decode_buckets(config.max_num_seqs)
-            start = time.perf_counter()
+            start, capture = time.perf_counter(), cuda_graph_capture()  # (one memory pool for all: one replays at a time)
             with torch.inference_mode():
                 self.graphs = DecodeGraphs(self.model, self.decode_buckets, max_model_len, max_blocks, num_blocks,
                                            self.block_size, self.model_cfg.hidden_size, dtype, device,
-                                           cuda_graph_capture(), window_map=self.block_tables.window_map)
+                                           capture, window_map=self.block_tables.window_map)
             log.info("CUDA graphs: decode steps of %d batch sizes up to %d captured in %.1f s (--enforce-eager: "
                      "none)", len(self.decode_buckets), config.max_num_seqs, time.perf_counter() - start)
+            self._capture_prompt_graphs(capture)
         # on the CPU not where decode attention is the reference's (see above), nor for a mixture of
         # experts: its routing is read on the host, which a recording would freeze
         elif (device.type == "cpu" and not eager and kernels.backend() == "auto" and self.tp.size == 1
@@ -286,6 +299,27 @@ class ModelRunner:
                                        self.model_cfg.hidden_size, dtype, device, cpu_graph.capture(), lazy=True,
                                        max_rows=CPU_GRAPH_ROWS, window_map=self.block_tables.window_map,
                                        variant=(lambda: self.lora.span) if self.lora is not None else None)
+
+    def _capture_prompt_graphs(self, capture: Capture) -> None:
+        """``PromptGraphs`` where one prefill launch a layer takes a step (Triton's kernels) and its tokens are all
+        it varies by (no LoRA adapters: their slots are per token); a capture that fails leaves them off."""
+        config, tables = self.config, self.block_tables
+        tokens = min(config.prompt_graph_tokens, config.max_num_batched_tokens)
+        if not tokens or self.lora is not None or not kernels.prefill_takes_decodes(self.device):
+            return
+        drafts = config.speculative.num_speculative_tokens if config.speculative else 0
+        start = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                self.prompt_graphs = PromptGraphs(
+                    self.model, prompt_buckets(tokens), config.max_num_seqs * (1 + drafts) + 1,
+                    self.facts.max_model_len, tables.table.shape[1], tables.scratch_block, self.block_size,
+                    self.model_cfg.hidden_size, self.dtype, self.device, capture, window_map=tables.window_map)
+        except Exception as e:  # noqa: BLE001 - such steps still run, eagerly
+            log.warning("CUDA graphs for steps with prompt tokens off: the capture failed (%s: %s)", type(e).__name__, e)
+            return
+        log.info("CUDA graphs: steps with prompt tokens of %d token counts up to %d captured in %.1f s "
+                 "(--prompt-graph-tokens 0: none)", len(self.prompt_graphs.sizes), tokens, time.perf_counter() - start)
 
     def load_adapter(self, slot: int, name: str, path: str, adapter: Adapter | None = None) -> None:
         """LoRA adapter ``name`` (PEFT folder ``path``; ``adapter``: read already) into ``slot`` on every rank, in
@@ -469,6 +503,8 @@ class ModelRunner:
             ids[dev["in_flight_at"]] = step.in_flight_ids[dev["in_flight_from"]]
         if self.graphs is not None and meta.prefill is None and not images and self.graphs.serves(len(ids)):
             hidden = self.graphs.replay(ids, positions, meta)
+        elif self.prompt_graphs is not None and not images and self.prompt_graphs.serves(len(ids), meta):
+            hidden = self.prompt_graphs.replay(ids, positions, meta)
         else:
             hidden = self.model(ids, positions, meta, (dev["image_rows"], step.image_embeds) if images else None)
         sums = None

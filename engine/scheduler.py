@@ -27,8 +27,8 @@ One step, in order:
    gives each request the whole token budget. With ``delay_factor`` (vLLM's
    ``--scheduler-delay-factor``) waiting requests join a step that carries
    decodes only once the oldest has waited that many times as long as the last
-   step with prompt tokens took: fewer, larger such steps (on CUDA they run
-   eagerly, decode-only steps replay graphs). A request
+   step with prompt tokens took: fewer, larger such steps (on CUDA each costs
+   several decode-only steps). A request
    being admitted starts after the longest prefix the block manager has cached
    (all but its last token at most; a block counts from the step that fills it),
    and computes only the rest. A request whose blocks another hit in this step

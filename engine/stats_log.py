@@ -3,9 +3,9 @@
 While the engine works, one INFO line every ``interval`` seconds (``EngineConfig.log_stats_interval``, 10 as
 vLLM's; the last one when the interval ends, idle or not) says what its steps did in that interval: prompt and generation tokens per second, the requests
 running and waiting, the KV cache's use and the prefix cache's hit rate (as vLLM's, that one since start),
-then the steps, apart: decode-only steps (those replayed as graphs) and steps that carried prompt tokens
-(run eagerly), each with its median time. Where the two medians differ by far more than the prompt tokens explain, the host's work of
-an eager step is what the streams wait for. A step's time is the engine's ``step()`` call: under
+then the steps, apart: decode-only steps and steps that carried prompt tokens, each with its median time.
+Where the two medians differ by far more than the prompt tokens explain, the host's work for the steps with
+prompts (eager ones: too long for their graphs, or no graphs) is what the streams wait for. A step's time is the engine's ``step()`` call: under
 asynchronous scheduling the period from one step to the next, counted to the step it launched.
 """
 

@@ -8,18 +8,21 @@
 - ``DecodeGraphs``: decode-only forwards captured as CUDA graphs for the batch sizes of
   ``decode_buckets`` (or on the CPU recorded as their kernel calls, ``kernels.cpu.graph``),
   replayed over static inputs.
+- ``PromptGraphs``: on CUDA, steps with prompt tokens (and decodes beside them) captured for the
+  token counts of ``prompt_buckets``, where one prefill launch a layer takes the whole step.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
 import torch
 
-from engine.attention import AttentionMetadata, DecodeMetadata
+from engine.attention import AttentionMetadata, DecodeMetadata, PrefillMetadata
 from engine.request import Request
 
 log = logging.getLogger("tokenmill.engine")
@@ -211,3 +214,78 @@ class DecodeGraphs:
             self.sizes.clear()
             self.replays.clear()
         return self.hidden[:b]
+
+
+def prompt_buckets(max_tokens: int) -> list[int]:
+    """The token counts steps with prompt tokens are padded to: 16, 24, 32, 48, 64, 96... (powers of two and
+    halfway between: a third of a step at most is padding) below ``max_tokens``, then ``max_tokens``."""
+    sizes, n = [], 16
+    while n < max_tokens:
+        sizes.append(n)
+        n = n * 3 // 2 if n & (n - 1) == 0 else n // 3 * 4
+    return sizes + [max_tokens]
+
+
+class PromptGraphs:
+    """Steps with prompt tokens (prompt chunks, with or without decodes beside them) captured per token count
+    (``sizes``, the largest first, all in one memory pool) where one prefill launch a layer takes the whole step
+    (``kernels.prefill_takes_decodes``: Triton's, whose grid depends only on the numbers of tokens and sequences):
+    at start-up on CUDA, so that such a step costs a few copies and a replay, not a few hundred launches.
+
+    A step of T tokens and B sequences (T at most ``sizes[-1]``, B below ``max_seqs``) copies its inputs in and
+    is padded to the next size N with one more sequence of N - T tokens that write and read only the scratch
+    block (positions 0..N-T-1 at its slots: finite numbers in every row, attended by nobody else), then with
+    empty sequences up to ``max_seqs`` (no queries, no keys: their programs do nothing). The graphs attend up to
+    ``max_model_len``, as decode's; their block tables are that wide, read only as far as each sequence goes."""
+
+    def __init__(self, model: torch.nn.Module, sizes: list[int], max_seqs: int, max_model_len: int,
+                 max_blocks: int, scratch_block: int, block_size: int, hidden_size: int, dtype: torch.dtype,
+                 device: torch.device, capture: Capture, window_map: torch.Tensor | None = None):
+        n, i64 = sizes[-1], dict(dtype=torch.int64, device=device)
+        self.model, self.sizes, self.max_model_len, self.window_map = model, sizes, max_model_len, window_map
+        self.scratch_block = scratch_block
+        self.pad_positions = torch.arange(n, **i64)  # the padding sequence's, and its slots in the scratch block
+        self.pad_slots = scratch_block * block_size + self.pad_positions % block_size
+        self.input_ids, self.positions, self.slot_mapping = torch.zeros(n, **i64), self.pad_positions.clone(), \
+            self.pad_slots.clone()
+        self.seq_lens = torch.zeros(max_seqs, **i64)
+        self.query_start = torch.zeros(max_seqs + 1, **i64)
+        self.block_tables = torch.full((max_seqs, max_blocks), scratch_block, **i64)
+        self.hidden = torch.empty(n, hidden_size, dtype=dtype, device=device)
+        self.replays: dict[int, Callable[[], None]] = {}
+        for size in reversed(sizes):  # (each captured as a step of the padding sequence alone)
+            self.seq_lens[0], self.query_start[1:] = size, size
+            self._forward(size)  # once outside the graph: kernels compile, lazy state settles
+            self.replays[size] = capture(functools.partial(self._forward, size))
+
+    def _forward(self, n: int) -> None:
+        prefill = PrefillMetadata(None, self.block_tables, self.seq_lens, self.query_start, None, None,
+                                  self.max_model_len, n)
+        meta = AttentionMetadata(self.slot_mapping[:n], None, prefill, self.window_map)
+        self.hidden[:n] = self.model(self.input_ids[:n], self.positions[:n], meta)
+
+    def serves(self, num_tokens: int, meta: AttentionMetadata) -> bool:
+        """Whether a step of ``num_tokens`` with this metadata replays: one prefill over all its sequences,
+        few enough of both."""
+        return (meta.decode is None and meta.prefill.token_rows is None and num_tokens <= self.sizes[-1]
+                and meta.prefill.seq_lens.shape[0] < self.seq_lens.shape[0])
+
+    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The (T, hidden) final hidden states of a step of T tokens (``serves``)."""
+        t, p = len(input_ids), meta.prefill
+        n, b = self.sizes[bisect_left(self.sizes, t)], p.seq_lens.shape[0]
+        self.input_ids[:t] = input_ids
+        self.input_ids[t:n] = 0
+        self.positions[:t] = positions
+        self.positions[t:n] = self.pad_positions[:n - t]
+        self.slot_mapping[:t] = meta.slot_mapping
+        self.slot_mapping[t:n] = self.pad_slots[:n - t]
+        self.seq_lens[:b] = p.seq_lens
+        self.seq_lens[b] = n - t  # the padding sequence (none: N = T), then empty ones
+        self.seq_lens[b + 1:] = 0
+        self.query_start[:b + 1] = p.query_start
+        self.query_start[b + 1:] = n
+        self.block_tables[:b, :p.block_tables.shape[1]] = p.block_tables
+        self.block_tables[b] = self.scratch_block
+        self.replays[n]()
+        return self.hidden[:t]

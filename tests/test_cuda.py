@@ -84,6 +84,28 @@ def test_fp32_greedy_equals_transformers(arch, tmp_path):
     free_gpu()
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_steps_with_prompts_replay_graphs_fp32_equals_transformers(arch, tmp_path):
+    """Prompts chunked beside decodes (48 tokens a step), every step with prompt tokens a replay of the
+    ``PromptGraphs`` captured at start-up (padded to 16, 24, 32 or 48 tokens): token for token transformers'
+    greedy in fp32, sliding-window layers in a pool of their own too (Gemma 3); ``--prompt-graph-tokens 0``: none."""
+    path = build(str(tmp_path), arch, torch.float32, seed=1, **TINY, **EXTRA.get(arch, {}))
+    assert LLM(path, device="cuda", dtype="float32", num_kv_blocks=64, prompt_graph_tokens=0).engine.runner \
+        .prompt_graphs is None
+    llm = LLM(path, device="cuda", dtype="float32", num_kv_blocks=256, max_model_len=512, max_num_batched_tokens=48)
+    graphs = llm.engine.runner.prompt_graphs
+    assert graphs is not None and graphs.sizes == [16, 24, 32, 48]
+    replayed, real = [], graphs.replay
+    graphs.replay = lambda ids, positions, meta: replayed.append(len(meta.prefill.seq_lens)) or real(ids, positions, meta)
+    outs = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    assert len(replayed) >= 3 and max(replayed) > 1, replayed  # (the 100-token prompt's chunks beside decodes)
+    hf = transformers_model(path, torch.float32)
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        gaps, _ = logit_gaps(hf, prompt, out)
+        assert gaps.max().item() == 0.0, (prompt, out, gaps.tolist())
+    free_gpu()
+
+
 def test_gpt_oss_mxfp4_experts_kept_packed_on_the_gpu(tmp_path):
     """GPT-OSS's MXFP4 experts stay packed on CUDA (Triton's fused MoE expands them in registers): in fp32 the same
     greedy tokens as on the CPU, whose C kernel multiplies the same exact values."""

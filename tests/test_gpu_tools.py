@@ -121,8 +121,10 @@ def test_profile_steps_times_and_profiles_steps_with_prompts(tmp_path):
     path = build(str(tmp_path), "llama", torch.float32, seed=3, **TINY)
     r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "profile_steps.py"), "--model", path,
                         "--num-seqs", "4", "--join", "2", "--prompt-len", "8", "--steps", "4", "--profile",
-                        "--rows", "3"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+                        "--rows", "3", "--prompt-graph-tokens", "0"], capture_output=True, text=True, timeout=300,
+                       cwd=ROOT)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.splitlines()[-1])
     assert out["num_seqs"] == 4 and out["decode_step_ms"] > 0 and out["prompt_step_ms"] > 0
+    assert out["prompt_graphs"] is False and "steps with prompts eager" in r.stdout
     assert "operators by host (self) time" in r.stdout and "Python functions by tottime" in r.stdout

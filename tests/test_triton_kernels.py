@@ -629,6 +629,37 @@ def test_triton_engine_greedy_equals_reference(tiny_llama, kv, monkeypatch):
     assert any(1 in lens and max(lens) > 1 for lens in mixed), mixed
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_triton_prompt_graphs_give_the_eager_tokens(arch, tmp_path, smollm_tokenizer_dir, monkeypatch):
+    """Steps with prompt tokens replayed through ``PromptGraphs`` (as CUDA captures them at start-up; here each
+    "replay" runs the captured forward again over the static inputs, which is all a graph reads): padded to each
+    token count, beside decodes or alone, after larger steps left their inputs behind, with sliding-window
+    layers in a pool of their own (Gemma 2), the same greedy tokens as every step run eagerly (fp32)."""
+    from engine import LLM, SamplingParams
+    from tests.conftest import make_tiny_model
+
+    path = make_tiny_model(str(tmp_path / arch), arch, smollm_tokenizer_dir,
+                           **({"sliding_window": 8} if arch == "gemma2" else {}))
+    monkeypatch.setattr(kernels, "_backend", "triton")
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [[(13 * i + 7 * j) % 5000 + 3 for j in range(n)] for i, n in enumerate([5, 23, 40, 3, 17, 30])]
+    kw = dict(device=DEVICE, dtype="float32", num_kv_blocks=96, max_model_len=128, max_num_batched_tokens=40,
+              max_num_seqs=4)
+    want = [o.token_ids for o in LLM(path, **kw).generate(prompts, params)]
+    llm = LLM(path, **kw)
+    runner, replays = llm.engine.runner, []
+
+    def capture(forward):
+        return lambda: replays.append(len(runner.prompt_graphs.seq_lens[runner.prompt_graphs.seq_lens > 0])) \
+            or forward()
+
+    if runner.prompt_graphs is None:  # (on CUDA the runner has captured its own)
+        runner._capture_prompt_graphs(capture)
+        assert runner.prompt_graphs.sizes == [16, 24, 32, 40]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert DEVICE == "cuda" or len(replays) >= 4 and max(replays) > 2, replays  # several sequences a step
+
+
 def greedy_by_backend(monkeypatch, path: str, lengths: list[int], max_tokens: int, check=None,
                       **kw) -> tuple[dict[str, list[list[int]]], list[dict]]:
     """Greedy tokens of ``path`` with the reference kernels and with every kernel Triton (fp32, chunked prefill):

@@ -26,7 +26,7 @@
 #                   step against the HBM floor, the host's share; with asynchronous scheduling off, then on;
 #                   on Qwen2-0.5B's shape then tools/profile_steps.py: where a step with new prompts goes
 #   serve           tokenmill serve (Qwen2-0.5B shape) + tools/bench_serving.py, when the wheels allow; then
-#                   the engine's busiest stats line: its decode-only and eager steps' median times apart. Side
+#                   the engine's busiest stats line: its decode-only and prompt steps' median times apart. Side
 #                   by side, where set: the same from GPU_CHECK_BEFORE (a copy of an older commit's code, in a
 #                   git-ignored folder that is carried), and with GPU_CHECK_SERVE_FLAGS added to serve's flags
 #
@@ -72,8 +72,9 @@ figure() {  # figure NAME LOG: the figure to read in a part's log
     offline-*) echo "$(json_last "$log" tokenmill_out_tok_s) out tok/s, $(json_last "$log" decode_vs_floor)x floor," \
                     "host $(json_last "$log" host_share) (synchronous steps: $(json_last "$log" tokenmill_out_tok_s 2)" \
                     "out tok/s, host $(json_last "$log" host_share 2))$(grep -q prompt_step_ms "$log" &&
-                    echo "; a step with 4 new prompts $(json_last "$log" prompt_step_ms) ms, decode-only" \
-                         "$(json_last "$log" decode_step_ms) ms (profile_steps)")" ;;
+                    echo "; a step with 4 new prompts $(json_last "$log" prompt_step_ms) ms (eager:" \
+                         "$(json_last "$log" prompt_step_ms 2) ms), decode-only $(json_last "$log" decode_step_ms)" \
+                         "ms (profile_steps)")" ;;
     serve*) "$PY" -c 'import json, sys
 r = [json.loads(s) for s in open(sys.argv[1]) if s.startswith("{")][-1]
 print("%.0f out tok/s; TTFT p50 %.0f ms; TPOT mean %.1f ms; ITL p50 %.1f, p99 %.1f ms" % (r["output_throughput"],
@@ -181,8 +182,10 @@ for shape in smollm2-135m qwen2-0.5b; do
     # with asynchronous scheduling off first, then as served (on): what the overlap buys; then, on the 0.5B
     # shape, where a busy server's steps with prompts spend their time (tools/profile_steps.py)
     profile=
-    [ "$shape" = qwen2-0.5b ] && profile="&& $PY tools/profile_steps.py --model $WORK/$shape --dtype bfloat16 --profile"
-    part "offline-$shape" 180 "for a in off auto; do $PY tools/bench_offline.py --model $WORK/$shape --dtype bfloat16 \
+    # (steps with prompts eagerly, then replayed as graphs: the last JSON line is the latter's)
+    [ "$shape" = qwen2-0.5b ] && profile="&& $PY tools/profile_steps.py --model $WORK/$shape --dtype bfloat16 \
+      --prompt-graph-tokens 0 && $PY tools/profile_steps.py --model $WORK/$shape --dtype bfloat16 --profile"
+    part "offline-$shape" 240 "for a in off auto; do $PY tools/bench_offline.py --model $WORK/$shape --dtype bfloat16 \
       --num-requests 256 --max-num-seqs 256 --async-scheduling \$a || exit 1; done $profile"
   fi
 done

@@ -10,6 +10,7 @@ where the steps with prompts spend it, by torch.profiler (operators by host time
 cProfile (Python functions by cumulative time). The last line is one JSON object.
 
     python tools/profile_steps.py --model DIR --dtype bfloat16 --profile     # on a GPU (tools/gpu_check.sh)
+    python tools/profile_steps.py --model DIR --dtype bfloat16 --prompt-graph-tokens 0   # steps with prompts eager
 """
 
 from __future__ import annotations
@@ -42,9 +43,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60, help="timed steps")
     p.add_argument("--profile", action="store_true", help="then profile steps with prompts (torch.profiler, cProfile)")
     p.add_argument("--rows", type=int, default=25, help="rows of each profile table")
+    p.add_argument("--prompt-graph-tokens", type=int, default=None, metavar="N",
+                   help="the engine's (CUDA: steps with prompts of up to N tokens replay graphs; 0: none)")
     a = p.parse_args()
     rng = random.Random(0)
-    llm = LLM(a.model, dtype=a.dtype, max_num_seqs=a.num_seqs + a.join, async_scheduling="off")
+    graphs = {} if a.prompt_graph_tokens is None else {"prompt_graph_tokens": a.prompt_graph_tokens}
+    llm = LLM(a.model, dtype=a.dtype, max_num_seqs=a.num_seqs + a.join, async_scheduling="off", **graphs)
     eng, vocab = llm.engine, min(llm.engine.runner.model_cfg.vocab_size, 10000)
     cuda = eng.runner.device.type == "cuda"
     forever = SamplingParams(max_tokens=eng.max_model_len - a.prompt_len, temperature=0.0, ignore_eos=True)
@@ -75,8 +79,9 @@ def main() -> None:
     for i in range(a.steps):
         times[i % 2 == 1].append(step(i % 2 == 1))
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    graphed = eng.runner.prompt_graphs is not None
     print(f"{a.num_seqs} decoding, {a.join} prompts of {a.prompt_len} joining every other step ({eng.runner.device}, "
-          f"{a.dtype}): decode-only step {med[False]:.2f} ms, step with prompts {med[True]:.2f} ms "
+          f"{a.dtype}, steps with prompts {'replayed as graphs' if graphed else 'eager'}): decode-only step {med[False]:.2f} ms, step with prompts {med[True]:.2f} ms "
           f"({med[True] / med[False]:.1f}x), medians over {len(times[False])} and {len(times[True])}")
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
@@ -103,7 +108,7 @@ def main() -> None:
             print(f"== cProfile, 10 steps with prompts: Python functions by {order}")
             print(out.getvalue())
     print(json.dumps({"num_seqs": a.num_seqs, "join": a.join, "prompt_len": a.prompt_len,
-                      "device": str(eng.runner.device), "decode_step_ms": round(med[False], 3),
+                      "device": str(eng.runner.device), "prompt_graphs": graphed, "decode_step_ms": round(med[False], 3),
                       "prompt_step_ms": round(med[True], 3)}))
 
 
