@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 import kernels
+from kernels import reference
 
 
 def ints(values) -> torch.Tensor:
@@ -45,7 +46,7 @@ class PrefillMetadata:
     block_tables: torch.Tensor  # (Bp, max_blocks)
     seq_lens: torch.Tensor  # (Bp,) context length after this step
     query_start: torch.Tensor  # (Bp+1,) offsets of each sequence's queries among the Tp rows
-    # the reference's (and the CPU's) gather indices; None where only Triton's kernel reads the step (its graphs)
+    # the reference's gather indices (kernels.reference.prefill_gather); None: it makes them (a step built unsplit)
     q_index: torch.Tensor | None  # (Bp, Q) row (of the Tp) for each padded grid cell; Tp = padding
     out_index: torch.Tensor | None  # (Tp,) grid cell of each row
     max_seq_len: int
@@ -110,6 +111,8 @@ class StepIndex:
         b = len(query_lens)
         if b and query_lens.count(1) == b:
             return cls._decode_only(computed_lens, table_rows)
+        if b and not split:
+            return cls._unsplit(query_lens, computed_lens, table_rows)
         q_lens = torch.tensor(query_lens, dtype=torch.int64)
         query_start = torch.zeros(b + 1, dtype=torch.int64)
         torch.cumsum(q_lens, 0, out=query_start[1:])
@@ -119,7 +122,7 @@ class StepIndex:
         offset = torch.arange(len(seq_of)) - query_start[:-1][seq_of]  # (T,) index within its sequence
         t = {"positions": (seq_lens - q_lens)[seq_of] + offset, "token_table_rows": rows[seq_of]}
 
-        is_decode = q_lens == 1 if split else torch.zeros(b, dtype=torch.bool)
+        is_decode = q_lens == 1
         num_decode = int(is_decode.sum())
         max_decode = max_prefill = max_query = 0
         in_order = False
@@ -135,17 +138,28 @@ class StepIndex:
             pq = q_lens[seqs]
             start = torch.zeros(len(seqs) + 1, dtype=torch.int64)
             torch.cumsum(pq, 0, out=start[1:])
-            tp = int(start[-1])
             max_query = int(pq.max())
-            grid = torch.arange(max_query)[None, :]
-            p_seq_of = torch.repeat_interleave(torch.arange(len(seqs)), pq)
             if num_decode:
                 t["prefill_token_rows"] = (~is_decode)[seq_of].nonzero().squeeze(1)
             t["prefill_table_rows"], t["prefill_seq_lens"], t["prefill_query_start"] = rows[seqs], seq_lens[seqs], start
-            t["prefill_q_index"] = torch.where(grid < pq[:, None], start[:-1, None] + grid, tp)
-            t["prefill_out_index"] = p_seq_of * max_query + (torch.arange(tp) - start[:-1][p_seq_of])
+            t["prefill_q_index"], t["prefill_out_index"] = reference.prefill_gather(pq)
             max_prefill = int(seq_lens[seqs].max())
         return cls(t, max_decode, max_prefill, max_query, 0 < num_decode < b, in_order)
+
+    @classmethod
+    def _unsplit(cls, query_lens: list[int], computed_lens: list[int], table_rows: Sequence[int]) -> StepIndex:
+        """``build(split=False)`` for a step with prompt tokens: every sequence a prefill one, in the step's
+        order, made from lists; without the reference's gather indices (Triton's kernel, which takes such
+        steps, reads none; the reference makes them where it is given none)."""
+        positions, token_rows, seq_lens, start = [], [], [], [0]
+        for q, c, row in zip(query_lens, computed_lens, table_rows, strict=True):
+            positions += range(c, c + q)
+            token_rows += [row] * q
+            seq_lens.append(c + q)
+            start.append(start[-1] + q)
+        t = {"positions": ints(positions), "token_table_rows": ints(token_rows), "prefill_table_rows": ints(table_rows),
+             "prefill_seq_lens": ints(seq_lens), "prefill_query_start": ints(start)}
+        return cls(t, 0, max(seq_lens), max(query_lens), False, False)
 
     @classmethod
     def _decode_only(cls, computed_lens: list[int], table_rows: Sequence[int]) -> StepIndex:
@@ -176,8 +190,8 @@ class StepIndex:
             prefill = PrefillMetadata(
                 token_rows=t["prefill_token_rows"] if self.mixed else None,
                 block_tables=tables[t["prefill_table_rows"], :width], seq_lens=t["prefill_seq_lens"],
-                query_start=t["prefill_query_start"], q_index=t["prefill_q_index"],
-                out_index=t["prefill_out_index"], max_seq_len=self.max_prefill_len,
+                query_start=t["prefill_query_start"], q_index=t.get("prefill_q_index"),
+                out_index=t.get("prefill_out_index"), max_seq_len=self.max_prefill_len,
                 max_query_len=self.max_query_len,
             )
         return pos, AttentionMetadata(slot_mapping, decode, prefill, window_map)

