@@ -36,7 +36,11 @@ _SCORES = ("qk_scale", "inv_cap", "cap_log2")  # the attention kernels' float ar
 
 
 def compile_one(fn, pointers: dict[str, str], constexprs: dict, floats: tuple[str, ...] = ()) -> float:
-    """Compile ``fn`` with the given pointer types; other arguments are i32 (``floats``: fp32)."""
+    """Compile ``fn`` with the given pointer types; other arguments are i32 (``floats``: fp32). Every constexpr
+    must be given (one left out would compile as an i32 argument, and check nothing)."""
+    missing = [p.name for p in fn.params if p.is_constexpr and p.name not in constexprs]
+    if missing:
+        raise ValueError(f"{fn.__name__}: no value for constexpr {', '.join(missing)}")
     start = time.perf_counter()
     signature = {}
     for name in fn.arg_names:
@@ -70,12 +74,14 @@ def variants(everything: bool):
                             SINKS=not split),
                        _SCORES)
             block = 32 if dt == "fp32" else 64
-            for softcap in (False, True):
+            # (and Qwen2-0.5B's grouping of 7, a program's rows not filled by whole queries)
+            for softcap, group in ((False, g), (True, g), *([(False, 7)] if dt == "bf16" and not fmt else [])):
                 yield (_prefill_kernel,
                        {**cache, "q_ptr": p, "out_ptr": p, "block_tables_ptr": "*i64", "query_start_ptr": "*i64",
                         "sinks_ptr": "*fp32"},
-                       dict(G=g, D=d, PAGE=page, BLOCK_M=block, BLOCK_D=max(16, d), TILE_N=block, SOFTCAP=softcap,
-                            PRECISION=precision, DOT_F32=False, KV_FP8=fmt, SINKS=not softcap), _SCORES)
+                       dict(G=group, D=d, PAGE=page, BLOCK_M=block, BLOCK_Q=block // group, BLOCK_D=max(16, d),
+                            TILE_N=block, SOFTCAP=softcap, PRECISION=precision, DOT_F32=False, KV_FP8=fmt,
+                            SINKS=not softcap), _SCORES)
     p = "*bf16"
     for sinks in (False, True):
         yield (_merge_splits_kernel, {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
