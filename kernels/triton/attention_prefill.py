@@ -49,7 +49,7 @@ def _sequence_of(query_start_ptr, block, nseq, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["nseq"])  # (one compiled kernel for one sequence or many)
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, out_ptr, sinks_ptr,
     qk_scale, inv_cap, cap_log2, window, nseq,
