@@ -249,9 +249,12 @@ class ModelRunner:
             drafts = config.speculative.num_speculative_tokens if config.speculative else 0
             # (an encoder pads a step's inputs in groups, to at most twice their tokens: measured so)
             padded = 2 if self.model_cfg.encoder is not None else 1
-            self.profile_run(padded * min(config.max_num_batched_tokens, config.max_num_seqs * max_model_len),
-                             min(config.max_num_batched_tokens, config.max_num_seqs * (1 + drafts)), max_model_len)
+            profiled = padded * min(config.max_num_batched_tokens, config.max_num_seqs * max_model_len)
+            forward_peak = self.profile_run(profiled, min(config.max_num_batched_tokens,
+                                                          config.max_num_seqs * (1 + drafts)), max_model_len)
             cuda_budget = measured_cuda_budget(config, device)
+            # the prompt graphs' memory pool keeps their largest forward's activations for good
+            cuda_budget -= forward_peak * self._prompt_graph_tokens(max_model_len) // profiled
             torch.cuda.empty_cache()
         self.window_layers = window_layers(config, self.model_cfg, max_model_len)
         num_blocks, num_window_blocks = count_kv_blocks(config, self.local_cfg, device, kv_dtype, max_model_len,
@@ -288,7 +291,7 @@ class ModelRunner:
                                            capture, window_map=self.block_tables.window_map)
             log.info("CUDA graphs: decode steps of %d batch sizes up to %d captured in %.1f s (--enforce-eager: "
                      "none)", len(self.decode_buckets), config.max_num_seqs, time.perf_counter() - start)
-            self._capture_prompt_graphs(capture)
+            self._capture_prompt_graphs(capture, self._prompt_graph_tokens(max_model_len))
         # on the CPU not where decode attention is the reference's (see above), nor for a mixture of
         # experts: its routing is read on the host, which a recording would freeze
         elif (device.type == "cpu" and not eager and kernels.backend() == "auto" and self.tp.size == 1
@@ -300,13 +303,23 @@ class ModelRunner:
                                        max_rows=CPU_GRAPH_ROWS, window_map=self.block_tables.window_map,
                                        variant=(lambda: self.lora.span) if self.lora is not None else None)
 
-    def _capture_prompt_graphs(self, capture: Capture) -> None:
-        """``PromptGraphs`` where one prefill launch a layer takes a step (Triton's kernels) and its tokens are all
-        it varies by (no LoRA adapters: their slots are per token); a capture that fails leaves them off."""
-        config, tables = self.config, self.block_tables
-        tokens = min(config.prompt_graph_tokens, config.max_num_batched_tokens)
-        if not tokens or self.lora is not None or not kernels.prefill_takes_decodes(self.device):
+    def _prompt_graph_tokens(self, max_model_len: int) -> int:
+        """The most tokens a step with prompt tokens may have to replay a graph (``PromptGraphs``; 0: none): where
+        one prefill launch a layer takes such a step (Triton's kernels) and its tokens are all it varies by (no
+        LoRA adapters: their slots are per token); at most the step budget and the model's length (the padding
+        sequence's positions)."""
+        c = self.config
+        if (c.enforce_eager or self.model_cfg.encoder is not None or self.lora is not None
+                or not kernels.prefill_takes_decodes(self.device)):
+            return 0
+        return min(c.prompt_graph_tokens, c.max_num_batched_tokens, max_model_len)
+
+    def _capture_prompt_graphs(self, capture: Capture, tokens: int) -> None:
+        """``PromptGraphs`` of up to ``tokens`` (``_prompt_graph_tokens``); with one rank, a capture that fails
+        leaves them off (with more, it fails the start: another rank may wait in a collective for this one)."""
+        if not tokens:
             return
+        config, tables = self.config, self.block_tables
         drafts = config.speculative.num_speculative_tokens if config.speculative else 0
         start = time.perf_counter()
         try:
@@ -316,6 +329,9 @@ class ModelRunner:
                     self.facts.max_model_len, tables.table.shape[1], tables.scratch_block, self.block_size,
                     self.model_cfg.hidden_size, self.dtype, self.device, capture, window_map=tables.window_map)
         except Exception as e:  # noqa: BLE001 - such steps still run, eagerly
+            if self.tp.size > 1:
+                raise
+            self.prompt_graphs = None
             log.warning("CUDA graphs for steps with prompt tokens off: the capture failed (%s: %s)", type(e).__name__, e)
             return
         log.info("CUDA graphs: steps with prompt tokens of %d token counts up to %d captured in %.1f s "
@@ -381,12 +397,12 @@ class ModelRunner:
             attn.k_cache, attn.v_cache = c[0, j], c[1, j]
 
     @torch.inference_mode()
-    def profile_run(self, num_tokens: int, num_seqs: int, max_model_len: int) -> None:
+    def profile_run(self, num_tokens: int, num_seqs: int, max_model_len: int) -> int:
         """The step with the largest activations, run once so that CUDA can measure its peak: a forward
         of ``num_tokens`` prompt tokens (in sequences of at most ``max_model_len``), logits for all of them
         (as prompt logprobs may ask), and the sampler's heaviest path (top-k, typical, top-p and llama.cpp's
-        other truncations) over ``num_seqs`` rows.
-        The KV cache is a temporary one."""
+        other truncations) over ``num_seqs`` rows. Returns the forward's own peak, in bytes of activations
+        (CUDA; 0 elsewhere). The KV cache is a temporary one."""
         lens = [max_model_len] * (num_tokens // max_model_len) + [num_tokens % max_model_len]
         lens = [n for n in lens if n]
         kept = (self.kv_cache, self.window_kv_cache) if hasattr(self, "kv_cache") else None
@@ -396,7 +412,10 @@ class ModelRunner:
             tables.append(list(range(first, first + -(-n // self.block_size))))
             first += len(tables[-1])
         positions, meta = build_metadata(lens, [0] * len(lens), tables, self.block_size, self.device)
+        cuda = self.device.type == "cuda"
+        before = torch.cuda.memory_allocated(self.device) if cuda else 0
         hidden = self.model(torch.zeros(num_tokens, dtype=torch.int64, device=self.device), positions, meta)
+        forward_peak = torch.cuda.max_memory_allocated(self.device) - before if cuda else 0
         logits = self.model.compute_logits(hidden) if self.model.lm_head is not None else None
         params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, typical_p=0.9, top_n_sigma=3.0,
                                 xtc_probability=1.0, dynatemp_range=0.5)
@@ -406,6 +425,7 @@ class ModelRunner:
                          [[0]] * num_seqs, [[]] * num_seqs)
         if kept is not None:  # called again on a running engine (tests): put the real cache back
             self._point_layers_at(*kept)
+        return forward_peak
 
     def execute(self, batch: ScheduledBatch) -> StepResult:
         """Run ``batch`` and wait for its tokens."""
@@ -479,7 +499,7 @@ class ModelRunner:
         if self.device.type == "cpu" and kernels.batch_invariant() != self.config.batch_invariant:
             kernels.set_batch_invariant(self.config.batch_invariant)  # (the mode is the process's: engines share it)
         index = StepIndex.build(step.query_lens, step.computed_lens, step.table_rows,
-                                split=not kernels.prefill_takes_decodes(self.device))
+                                split=not kernels.prefill_takes_decodes(self.device, max(step.computed_lens, default=0)))
         driver = isinstance(step, DriverStep)
         gather = {"in_flight_at": ints(step.in_flight_at), "in_flight_from": ints(step.in_flight_from)} \
             if driver and step.in_flight_at else {}

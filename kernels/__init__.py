@@ -94,11 +94,16 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                                             out_index, max_seq_len, scale, window, softcap, sinks)
 
 
-def prefill_takes_decodes(device: torch.device) -> bool:
+UNSPLIT_CONTEXT = 4096  # (prefill_takes_decodes) a prefill program streams this many keys in a few microseconds
+
+
+def prefill_takes_decodes(device: torch.device, longest: int = 0) -> bool:
     """Whether a step's one-token sequences go to ``paged_prefill_attention`` with its prompt chunks (one launch a
     layer, no rows split apart and put back): Triton's, whose prefill kernel costs a one-token sequence what its
-    decode kernel does. The CPU's and the reference's take them to ``paged_decode_attention``."""
-    if _backend == "reference" or (_backend == "auto" and device.type != "cuda"):
+    decode kernel does, while no sequence of the step has more than ``UNSPLIT_CONTEXT`` tokens cached
+    (``longest``): past that the decode kernel splits a long context over the device, the prefill one would stream
+    it in one program. The CPU's and the reference's take them to ``paged_decode_attention``."""
+    if _backend == "reference" or (_backend == "auto" and device.type != "cuda") or longest > UNSPLIT_CONTEXT:
         return False
     return _load_triton() is not None
 

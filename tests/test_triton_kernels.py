@@ -20,6 +20,7 @@ import torch
 
 pytest.importorskip("triton")
 
+import engine.attention as engine_attention  # noqa: E402
 import kernels  # noqa: E402
 import kernels.reference as ref  # noqa: E402
 import kernels.triton as tri  # noqa: E402
@@ -654,10 +655,40 @@ def test_triton_prompt_graphs_give_the_eager_tokens(arch, tmp_path, smollm_token
             or forward()
 
     if runner.prompt_graphs is None:  # (on CUDA the runner has captured its own)
-        runner._capture_prompt_graphs(capture)
+        runner._capture_prompt_graphs(capture, runner._prompt_graph_tokens(128))
         assert runner.prompt_graphs.sizes == [16, 24, 32, 40]
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
     assert DEVICE == "cuda" or len(replays) >= 4 and max(replays) > 2, replays  # several sequences a step
+
+
+def test_triton_prompt_graphs_stop_at_the_models_length_and_long_contexts(tiny_llama, monkeypatch):
+    """The prompt graphs' largest size is at most the model's length (their padding sequence's positions), and a
+    step where a sequence has more than ``kernels.UNSPLIT_CONTEXT`` tokens cached keeps its decodes apart (the
+    decode kernel splits long contexts over the device)."""
+    from engine import LLM, SamplingParams
+
+    monkeypatch.setattr(kernels, "_backend", "triton")
+    llm = LLM(tiny_llama, device=DEVICE, dtype="float32", num_kv_blocks=64, max_model_len=32, max_num_batched_tokens=64)
+    runner = llm.engine.runner
+    assert runner._prompt_graph_tokens(32) == 32 and runner._prompt_graph_tokens(1000) == 64
+    if runner.prompt_graphs is None:
+        runner._capture_prompt_graphs(lambda forward: forward, runner._prompt_graph_tokens(32))
+    assert runner.prompt_graphs.sizes[-1] == 32
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prompts, fresh = ([[(k * i + 3 * j + k) % 5000 + 3 for j in range(n)] for i, n in enumerate([20, 7])] for k in (5, 11))
+    eager = LLM(tiny_llama, device=DEVICE, dtype="float32", num_kv_blocks=64, max_model_len=32,
+                max_num_batched_tokens=64, prompt_graph_tokens=0)
+    want, want_fresh = ([o.token_ids for o in eager.generate(p, params)] for p in (prompts, fresh))
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert kernels.prefill_takes_decodes(torch.device(DEVICE), kernels.UNSPLIT_CONTEXT)
+    assert not kernels.prefill_takes_decodes(torch.device(DEVICE), kernels.UNSPLIT_CONTEXT + 1)
+    monkeypatch.setattr(kernels, "UNSPLIT_CONTEXT", 4)  # a step with a sequence past 4 tokens: decodes apart
+    index = []
+    monkeypatch.setattr(runner, "prompt_graphs", None)
+    real = engine_attention.StepIndex.build
+    monkeypatch.setattr(engine_attention.StepIndex, "build", lambda *a, **kw: index.append(kw["split"]) or real(*a, **kw))
+    assert [o.token_ids for o in llm.generate(fresh, params)] == want_fresh
+    assert index and all(index[1:]) and not index[0]  # (the first step: fresh prompts, nothing cached)
 
 
 def greedy_by_backend(monkeypatch, path: str, lengths: list[int], max_tokens: int, check=None,
