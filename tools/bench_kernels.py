@@ -7,7 +7,8 @@ device-to-device copies, as ``bench_offline`` measures it). ``bw`` is floor ÷ k
 Shapes: SmolLM2-135M's and Qwen2-0.5B's heads (head_dim 64), bf16, KV blocks of 16 tokens scattered
 as in a busy cache; decode at ``--batch`` sequences for each ``--contexts`` length (and at the longest,
 through a sliding window of 1024: SDPA then over the window's keys alone, and over an fp8 cache), prefill of
-``--prefill`` fresh prompts, the other kernels at the decode batch's and the prefill's token counts;
+``--prefill`` fresh prompts, a mixed step (the batch decoding beside a 128-token chunk: one prefill launch against
+the decode and prefill kernels on rows split apart), the other kernels at the decode batch's and the prefill's token counts;
 the MLP's gate|up projection as Q4_Z blocks (an int4 checkpoint) at 1 row, the batch's and the prefill's,
 and its down projection as Q4_K super-blocks (a Q4_K_M GGUF file's);
 a mixture of experts' layer (Qwen3-30B-A3B's: 128 experts, 8 a token) at the same token counts, and
@@ -68,6 +69,37 @@ def paged(tokens_per_seq: int, seqs: int, hkv: int) -> tuple[torch.Tensor, torch
     return randn(seqs * nblk, PAGE, hkv, HEAD_DIM), randn(seqs * nblk, PAGE, hkv, HEAD_DIM), tables
 
 
+def mixed_case(model: str, batch: int, ctx: int) -> Case:
+    """A busy server's step with a prompt: ``batch`` sequences decoding at ``ctx`` beside one 128-token chunk
+    (after a cached prefix, to the same context), in one launch of the prefill kernel, against the split it
+    replaced: decode rows to the decode kernel, the chunk to the prefill kernel, gathered and put back."""
+    import kernels.triton as tri
+
+    h, hkv, _, _ = MODELS[model]
+    d, scale, chunk = HEAD_DIM, HEAD_DIM ** -0.5, min(128, ctx)
+    k_cache, v_cache, tables = paged(ctx, batch + 1, hkv)
+    lens = torch.full((batch + 1,), ctx, device=DEVICE, dtype=torch.int32)
+    start = torch.arange(batch + 2, device=DEVICE, dtype=torch.int32)
+    start[-1] = batch + chunk
+    q = randn(batch + chunk, h, d)
+    rows = torch.arange(batch + chunk, device=DEVICE)
+    dec_rows, chunk_rows, chunk_start = rows[:batch], rows[batch:], start[-2:] - batch
+
+    def split() -> torch.Tensor:
+        out = torch.empty_like(q)
+        out.index_copy_(0, dec_rows, tri.paged_decode_attention(q.index_select(0, dec_rows), k_cache, v_cache,
+                                                                tables[:batch], lens[:batch], ctx, scale))
+        out.index_copy_(0, chunk_rows, tri.paged_prefill_attention(
+            q.index_select(0, chunk_rows), k_cache, v_cache, tables[batch:], lens[batch:], chunk_start, None, None,
+            ctx, scale))
+        return out
+
+    return Case("paged_prefill_attention", model, f"mixed: B={batch} ctx={ctx} + {chunk}-token chunk",
+                2 * (batch + 1) * ctx * hkv * d * ELT + 2 * q.numel() * ELT + tables.numel() * 4,
+                lambda: tri.paged_prefill_attention(q, k_cache, v_cache, tables, lens, start, None, None, ctx, scale),
+                split, "decode + prefill kernels, rows split")
+
+
 def cases(model: str, batch: int, contexts: list[int], prefill: tuple[int, int]) -> Iterator[Case]:
     import kernels.reference as ref
     import kernels.triton as tri
@@ -106,6 +138,8 @@ def cases(model: str, batch: int, contexts: list[int], prefill: tuple[int, int])
                                                    None, plen, scale),
                lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True),
                sdpa)
+
+    yield mixed_case(model, batch, contexts[0])
 
     for n in (batch, t):
         kv = randn(n, hkv, d), randn(n, hkv, d)
@@ -239,9 +273,10 @@ def main() -> None:
                             floor_us=round(floor_ms * 1e3, 2), bw_fraction=round(floor_ms / tri_ms, 3),
                             baseline=c.baseline))
     decode = [r["bw_fraction"] for r in results if r["kernel"] == "paged_decode_attention"]
+    mixed = [r["torch_us"] / r["triton_us"] for r in results if r["shape"].startswith("mixed:")]
     print(json.dumps({"device": device, "dtype": "bfloat16", "copy_bandwidth_gb_s": round(bw / 1e9, 1),
                       "decode_batch": args.batch, "decode_min_bw_fraction": min(decode, default=None),
-                      "results": results}))
+                      "mixed_split_over_one_launch": round(min(mixed), 2) if mixed else None, "results": results}))
 
 
 if __name__ == "__main__":
