@@ -18,7 +18,7 @@ from engine.model_runner import DriverStep
 from engine.parallel import StepInput
 from engine.protocol import SamplingParams as Params
 from engine.request import Request
-from engine.step_buffers import BlockTables, DecodeGraphs, Staging, decode_buckets
+from engine.step_buffers import BlockTables, DecodeGraphs, Staging, decode_buckets, prompt_buckets
 
 CPU = dict(device="cpu", dtype="float32", num_kv_blocks=40, max_model_len=256, max_num_seqs=8)
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
@@ -212,6 +212,18 @@ def test_enforce_eager_flag_reaches_the_config():
     assert EngineConfig().enforce_eager is False
     with pytest.raises(ValueError, match="enforce_eager"):
         EngineConfig(enforce_eager="yes")
+    assert _config_kwargs(parse(["serve", "--prompt-graph-tokens", "0"]))["prompt_graph_tokens"] == 0
+    assert EngineConfig().prompt_graph_tokens == 2048
+    for bad in (-1, 1.5, "all"):
+        with pytest.raises(ValueError, match="prompt_graph_tokens"):
+            EngineConfig(prompt_graph_tokens=bad)
+
+
+def test_prompt_buckets_pad_by_a_third_at_most():
+    sizes = prompt_buckets(2048)
+    assert sizes[:8] == [16, 24, 32, 48, 64, 96, 128, 192] and sizes[-1] == 2048
+    assert all(b > a and b <= a * 3 // 2 for a, b in zip(sizes, sizes[1:], strict=False))
+    assert prompt_buckets(40) == [16, 24, 32, 40] and prompt_buckets(10) == [10]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
