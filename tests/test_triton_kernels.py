@@ -631,7 +631,7 @@ def test_triton_engine_greedy_equals_reference(tiny_llama, kv, monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
-def test_triton_prompt_graphs_give_the_eager_tokens(arch, tmp_path, smollm_tokenizer_dir, monkeypatch):
+def test_triton_engine_prompt_graphs_give_the_eager_tokens(arch, tmp_path, smollm_tokenizer_dir, monkeypatch):
     """Steps with prompt tokens replayed through ``PromptGraphs`` (as CUDA captures them at start-up; here each
     "replay" runs the captured forward again over the static inputs, which is all a graph reads): padded to each
     token count, beside decodes or alone, after larger steps left their inputs behind, with sliding-window
@@ -646,7 +646,7 @@ def test_triton_prompt_graphs_give_the_eager_tokens(arch, tmp_path, smollm_token
     prompts = [[(13 * i + 7 * j) % 5000 + 3 for j in range(n)] for i, n in enumerate([5, 23, 40, 3, 17, 30])]
     kw = dict(device=DEVICE, dtype="float32", num_kv_blocks=96, max_model_len=128, max_num_batched_tokens=40,
               max_num_seqs=4)
-    want = [o.token_ids for o in LLM(path, **kw).generate(prompts, params)]
+    want = [o.token_ids for o in LLM(path, prompt_graph_tokens=0, **kw).generate(prompts, params)]
     llm = LLM(path, **kw)
     runner, replays = llm.engine.runner, []
 
@@ -661,7 +661,7 @@ def test_triton_prompt_graphs_give_the_eager_tokens(arch, tmp_path, smollm_token
     assert DEVICE == "cuda" or len(replays) >= 4 and max(replays) > 2, replays  # several sequences a step
 
 
-def test_triton_prompt_graphs_stop_at_the_models_length_and_long_contexts(tiny_llama, monkeypatch):
+def test_triton_engine_prompt_graphs_stop_at_the_models_length_and_long_contexts(tiny_llama, monkeypatch):
     """The prompt graphs' largest size is at most the model's length (their padding sequence's positions), and a
     step where a sequence has more than ``kernels.UNSPLIT_CONTEXT`` tokens cached keeps its decodes apart (the
     decode kernel splits long contexts over the device)."""
