@@ -331,7 +331,6 @@ class ModelRunner:
         except Exception as e:  # noqa: BLE001 - such steps still run, eagerly
             if self.tp.size > 1:
                 raise
-            self.prompt_graphs = None
             log.warning("CUDA graphs for steps with prompt tokens off: the capture failed (%s: %s)", type(e).__name__, e)
             return
         log.info("CUDA graphs: steps with prompt tokens of %d token counts up to %d captured in %.1f s "

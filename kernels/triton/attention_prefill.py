@@ -129,12 +129,6 @@ def _prefill_kernel(
              out.to(out_ptr.dtype.element_ty), mask=mmask)
 
 
-def block_rows(q: torch.Tensor, hkv: int) -> int:
-    """BLOCK_M: a program's rows (queries x the heads of one KV head), at least 16 (``tl.dot``'s least)."""
-    rows = 16 if interpreting() else (32 if q.dtype == torch.float32 else 64)
-    return max(rows, next_pow2(q.shape[1] // hkv))
-
-
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.Tensor,
                             q_index: torch.Tensor | None, out_index: torch.Tensor | None, max_seq_len: int,
@@ -162,9 +156,9 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if t == 0 or nseq == 0:
         return out
     g = h // hkv
-    block_m = block_rows(q, hkv)
-    block_q = block_m // g
     tile = 16 if interpreting() else (32 if q.dtype == torch.float32 else 64)
+    block_m = max(tile, next_pow2(g))  # a program's rows: its queries x the G heads of its KV head
+    block_q = block_m // g
     k_cache, v_cache, fmt = cache_args(k_cache, v_cache)
     _prefill_kernel[(t // block_q + nseq, hkv)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start, out, sinks if sinks is not None else out,
