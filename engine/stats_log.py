@@ -5,8 +5,9 @@ vLLM's; the last one when the interval ends, idle or not) says what its steps di
 running and waiting, the KV cache's use and the prefix cache's hit rate (as vLLM's, that one since start),
 then the steps, apart: decode-only steps and steps that carried prompt tokens, each with its median time.
 Where the two medians differ by far more than the prompt tokens explain, the host's work for the steps with
-prompts (eager ones: too long for their graphs, or no graphs) is what the streams wait for. A step's time is the engine's ``step()`` call: under
-asynchronous scheduling the period from one step to the next, counted to the step it launched.
+prompts (eager ones: too long for their graphs, or no graphs) is what the streams wait for. A step's time
+is the engine's ``step()`` call: under asynchronous scheduling the period from one step to the next, counted
+to the step it launched.
 """
 
 from __future__ import annotations
