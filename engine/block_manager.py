@@ -200,6 +200,11 @@ class BlockManager:
         time: a step's tokens need theirs, a request's whole context never does)."""
         return self.blocks_needed(req, num_new_tokens, cached) <= self.num_free_blocks
 
+    def holds(self, req: Request, num_tokens: int) -> bool:
+        """Whether ``req``'s blocks already hold its first ``num_tokens`` tokens, so that a step up to there
+        allocates nothing (most decodes; not known here with a sliding-window pool: ``allocate`` asks it)."""
+        return self.window is None and num_tokens <= len(req.block_table) * self.block_size
+
     def allocate(self, req: Request, num_new_tokens: int, cached: Sequence[int] = ()) -> bool:
         """Grow ``req.block_table`` by the ``cached`` blocks, then for ``num_new_tokens`` more tokens
         (the step computing them); False (and no change) if it can't."""

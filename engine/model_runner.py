@@ -538,7 +538,7 @@ class ModelRunner:
     def _prepare(self, batch: ScheduledBatch, in_flight: Launched | None) -> tuple[
             DriverStep, list[Request], list[list[int]] | None, list[tuple[Request, int, int]],
             list[tuple[Request, int, bool]]]:
-        reqs, counts = batch.requests, batch.num_new_tokens
+        reqs, counts, d = batch.requests, batch.num_new_tokens, batch.num_decodes
         starts = [r.num_computed_tokens for r in reqs]
         in_flight_rows = in_flight.rows() if in_flight is not None else {}
         gather_at: list[int] = []  # rows whose token the step in flight samples...
@@ -555,23 +555,35 @@ class ModelRunner:
         ks: list[int] = []  # each request's drafts this step
         image_rows: list[int] = []  # rows that are images'...
         image_parts: list[tuple[Request, int, int, int]] = []  # ...each run of them: request, image, its slice
-        for r, c, n in zip(reqs, starts, counts, strict=True):
+        # the decodes (the batch's first requests, most of a busy step's): the one token each samples from
+        # (known, or the one a step in flight samples), then its drafts; it samples at each of them
+        for r, c, n in zip(reqs[:d], starts[:d], counts[:d], strict=True):
             row = len(tokens)
-            for i, im in enumerate(r.images):  # (a prompt chunk's: drafts and in-flight tokens are no images)
-                lo, hi = max(c, im.offset), min(c + n, im.end)
-                if lo < hi:
-                    image_rows.extend(range(row + lo - c, row + hi - c))
-                    image_parts.append((r, i, lo - im.offset, hi - im.offset))
-            known = r.num_tokens + r.num_in_flight
-            k = max(0, c + n - known)  # its drafts (a decode's; asynchronous: none)
-            ks.append(k)
-            tokens.extend(r.all_token_ids[c:c + n - k])
-            if k:
-                tokens.extend(r.draft_token_ids[:k])
-            if len(tokens) < row + n:  # past the tokens known: the one a step in flight samples (a decode)
-                gather_at.append(len(tokens))
+            if r.images:  # (the decode of a prompt's last token, an image's)
+                _image_runs(r, row, c, 1, image_rows, image_parts)
+            if c < len(r.all_token_ids):
+                tokens.append(r.all_token_ids[c])
+            else:
+                gather_at.append(row)
                 gather_from.append(in_flight_rows[r.request_id])
                 tokens.append(0)
+            sampled.append(r)
+            ks.append(n - 1)
+            if n == 1:
+                sample_rows.append(row)
+                drafts.append([])
+            else:
+                drafts.append(r.draft_token_ids[:n - 1])
+                tokens += drafts[-1]
+                sample_rows += range(row, row + n)
+        # the prompt chunks (and an embedding's last prompt token)
+        for r, c, n in zip(reqs[d:], starts[d:], counts[d:], strict=True):
+            row = len(tokens)
+            if r.images:
+                _image_runs(r, row, c, n, image_rows, image_parts)
+            known = r.num_tokens + r.num_in_flight
+            tokens += r.all_token_ids[c:c + n]
+            ks.append(0)
             if r.params.prompt_logprobs is not None and c < r.num_prompt_tokens:
                 if r.prompt_logprobs is None:
                     r.prompt_logprobs = [None]  # the first token has no context
@@ -582,7 +594,7 @@ class ModelRunner:
                 if hi > lo:
                     logprob_rows.extend(range(row + lo - c, row + hi - c))
                     spans.append((r, lo, hi))
-            final = c + n - k == known
+            final = c + n == known
             if r.pool is not None:
                 pooling = pool_rows(r.pool, row, c, n, final)
                 if pooling or final:
@@ -591,8 +603,8 @@ class ModelRunner:
                     pool_spans.append((r, c, final))
             elif final:
                 sampled.append(r)
-                sample_rows.extend(range(len(tokens) - 1 - k, len(tokens)))
-                drafts.append(r.draft_token_ids[:k] if k else [])
+                sample_rows.append(row + n - 1)
+                drafts.append([])
         rows, write_at, write_ids = self.block_tables.update(reqs, batch.window_writes)
         slots = [r.lora_slot for r in reqs] if self.lora is not None else []
         if len(sample_rows) > len(sampled):
@@ -650,6 +662,17 @@ class ModelRunner:
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (also done at exit)."""
         self.tp.close()
+
+
+def _image_runs(r: Request, row: int, c: int, n: int, image_rows: list[int],
+                image_parts: list[tuple[Request, int, int, int]]) -> None:
+    """The rows of the ``n`` tokens from position ``c`` of ``r`` (the first at ``row``) that are its images',
+    and each run of them: (request, image, first, end) in the image's positions."""
+    for i, im in enumerate(r.images):
+        lo, hi = max(c, im.offset), min(c + n, im.end)
+        if lo < hi:
+            image_rows.extend(range(row + lo - c, row + hi - c))
+            image_parts.append((r, i, lo - im.offset, hi - im.offset))
 
 
 def _split_drafts(ks: list[int], counts: list[int], starts: list[int], rows: list[int],

@@ -212,12 +212,7 @@ class Scheduler:
         batch = ScheduledBatch()
         self.now = self.waiting.now = self.clock()
         self._expire(batch)
-        for req in list(self.running):  # decodes first, in admission order
-            if (req.status is Status.RUNNING and req.num_tokens + req.num_in_flight - req.num_computed_tokens == 1
-                    and req.pool is None  # (an embedding's last prompt token is a prompt token)
-                    and req.num_sampled < req.params.max_tokens  # (else the token in flight is its last)
-                    and batch.num_tokens < self.max_num_batched_tokens and self._allocate_running(req, 1, batch)):
-                self._add(batch, req, 1, decode=True)
+        self._schedule_decodes(batch)
         budget = cap = self.max_num_batched_tokens - batch.num_tokens
         # the batch being filled: every running and waiting generation, as far as seqs allow (when prompt
         # tokens could join at all: fitting the cap is most of a one-stream step's scheduling). Embeddings
@@ -322,6 +317,20 @@ class Scheduler:
         if len(self._deadlines) > 64 and len(self._deadlines) > 4 * (len(self.waiting) + len(self.running)):
             self._deadlines = [d for d in self._deadlines if d[2].status is not Status.FINISHED]
             heapq.heapify(self._deadlines)
+
+    def _schedule_decodes(self, batch: ScheduledBatch) -> None:
+        """Decodes first, in admission order: each running request that computes the one token it samples
+        from, but an embedding (its last prompt token is a prompt token) and one whose token in flight is
+        its last by ``max_tokens``. (Most of a step's requests: a few operations each.)"""
+        limit, bm = self.max_num_batched_tokens, self.block_manager
+        for req in list(self.running):  # (a copy: one may be preempted for another's block)
+            tokens = len(req.all_token_ids) + req.num_in_flight
+            if (tokens - req.num_computed_tokens != 1 or req.pool is not None or req.status is not Status.RUNNING
+                    or tokens - req.num_prompt_tokens >= req.params.max_tokens or batch.num_tokens >= limit):
+                continue
+            if bm.holds(req, tokens) or self._allocate_running(req, 1, batch):
+                batch.add(req, 1, decode=True)
+                bm.cache_full_blocks(req, tokens)
 
     def _schedule_prompts(self, batch: ScheduledBatch, limit: int, cap: int, admit: bool = True) -> None:
         """Up to ``limit`` prompt tokens, at most ``cap`` to each request, to running requests still
