@@ -497,14 +497,16 @@ class ModelRunner:
         there the (P, hidden) float32 sums of the rows each embedding request pools (or None)."""
         if self.device.type == "cpu" and kernels.batch_invariant() != self.config.batch_invariant:
             kernels.set_batch_invariant(self.config.batch_invariant)  # (the mode is the process's: engines share it)
-        index = StepIndex.build(step.query_lens, step.computed_lens, step.table_rows,
-                                split=not kernels.prefill_takes_decodes(self.device, max(step.computed_lens, default=0)))
         driver = isinstance(step, DriverStep)
+        t, images = len(step.token_ids), driver and step.image_rows
+        replay = self.graphs is not None and t == len(step.query_lens) and not images and self.graphs.serves(t)
+        index = StepIndex.build(step.query_lens, step.computed_lens, step.table_rows, sort=not replay,
+                                split=not kernels.prefill_takes_decodes(self.device, max(step.computed_lens, default=0)))
         gather = {"in_flight_at": ints(step.in_flight_at), "in_flight_from": ints(step.in_flight_from)} \
             if driver and step.in_flight_at else {}
         pooling = {"pool_rows": ints(step.pool_rows), "pool_into": ints(step.pool_into)} \
             if driver and step.pool_rows else {}
-        images = {"image_rows": ints(step.image_rows)} if driver and step.image_rows else {}
+        images = {"image_rows": ints(step.image_rows)} if images else {}
         lora = {"lora_slots": torch.repeat_interleave(ints(step.lora_slots), ints(step.query_lens))} \
             if self.lora is not None else {}  # each token's adapter slot
         dev = self.staging({"token_ids": ints(step.token_ids), "logits_rows": ints(step.logits_rows),
@@ -520,7 +522,7 @@ class ModelRunner:
         ids = dev["token_ids"]
         if isinstance(step, DriverStep) and step.in_flight_at:
             ids[dev["in_flight_at"]] = step.in_flight_ids[dev["in_flight_from"]]
-        if self.graphs is not None and meta.prefill is None and not images and self.graphs.serves(len(ids)):
+        if replay:
             hidden = self.graphs.replay(ids, positions, meta)
         elif self.prompt_graphs is not None and not images and self.prompt_graphs.serves(len(ids), meta):
             hidden = self.prompt_graphs.replay(ids, positions, meta)

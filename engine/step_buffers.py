@@ -195,9 +195,12 @@ class DecodeGraphs:
         self.input_ids[:b] = input_ids
         self.positions[:b] = positions
         self.slot_mapping[:b] = meta.slot_mapping
-        rows = d.token_rows  # the step's decode rows are its sequences, longest first: put them back in order
-        s.seq_lens.index_copy_(0, rows, d.seq_lens)
-        s.block_tables[:, :d.block_tables.shape[1]].index_copy_(0, rows, d.block_tables)
+        if d.in_order:  # (the runner builds a step it replays in its own order)
+            s.seq_lens[:b] = d.seq_lens
+            s.block_tables[:b, :d.block_tables.shape[1]] = d.block_tables
+        else:  # its decode rows longest first: put them back in order
+            s.seq_lens.index_copy_(0, d.token_rows, d.seq_lens)
+            s.block_tables[:, :d.block_tables.shape[1]].index_copy_(0, d.token_rows, d.block_tables)
         key = b, self._variant()
         replay = self.replays.get(key)
         if replay is not None:
