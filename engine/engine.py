@@ -577,22 +577,32 @@ class Engine:
                                 num_cached_tokens=req.num_cached_tokens, embedding=vector))
         if result.output is None:
             return deltas
-        out, row = result.output, 0
-        for i, req in enumerate(result.sampled):
-            start = row
-            row += 1 + (len(result.drafts[i]) if result.drafts is not None else 0)
+        out, ids = result.output, result.output.token_ids
+        if result.drafts is None:  # each request's row: its token
+            spans = zip(range(len(ids)), itertools.repeat(1))
+        else:  # its rows: its last position's and its drafts'; it takes the token sampled at the first, then
+            # one per draft kept (the token sampled at a draft that was kept: the last of them differs from
+            # its draft, or follows the last draft)
+            spans, row = [], 0
+            for drafts, kept in zip(result.drafts, result.accepted, strict=True):
+                spans.append((row, 1 + kept))
+                row += 1 + len(drafts)
+        for req, (start, take) in zip(result.sampled, spans, strict=True):
             if req.status is Status.FINISHED:  # (asynchronous scheduling) ended while this token was in flight
                 continue
             first = not req.output_token_ids
-            tokens, reason = [], None
-            # the token sampled at its last position, then one per accepted draft (the token sampled at a
-            # draft that was kept: the last of them differs from its draft, or follows the last draft)
-            for token in out.token_ids[start:start + 1 + (result.accepted[i] if result.drafts is not None else 0)]:
-                tokens.append(token)
-                req.append_token(token)
-                reason = self._stop_reason(req, token)
-                if reason is not None:
-                    break
+            if take == 1:
+                tokens = [ids[start]]
+                req.append_token(tokens[0])
+                reason = self._stop_reason(req, tokens[0])
+            else:
+                tokens, reason = [], None
+                for token in ids[start:start + take]:
+                    tokens.append(token)
+                    req.append_token(token)
+                    reason = self._stop_reason(req, token)
+                    if reason is not None:
+                        break
             logprobs = None
             if out.logprobs and out.logprobs[start] is not None:
                 logprobs = out.logprobs[start:start + len(tokens)]
