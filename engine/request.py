@@ -45,7 +45,7 @@ class Request:
         "request_id", "prompt_token_ids", "output_token_ids", "params", "priority", "deadline",
         "status", "num_computed_tokens", "block_table",
         "finish_reason", "stop_reason", "sampling_state", "num_cached_tokens", "num_preemptions",
-        "prompt_logprobs", "_all_token_ids", "stop_token_ids", "arrival_time", "queued_at", "waited",
+        "prompt_logprobs", "all_token_ids", "num_prompt_tokens", "stop_token_ids", "arrival_time", "queued_at", "waited",
         "num_output_at_preemption", "cache_salt", "block_hashes", "num_cached_blocks", "num_in_flight",
         "num_prompt_logprobs_in_flight", "pool", "window_from", "lora", "lora_slot", "draft_token_ids",
         "draft_history", "images", "image_embeds",
@@ -58,7 +58,8 @@ class Request:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
-        self._all_token_ids = list(prompt_token_ids)  # prompt + output, kept in step with both
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.all_token_ids = list(prompt_token_ids)  # prompt + output, kept in step with both (read, never set)
         self.params = params
         # Looked up once per sampled token: a set, so the cost does not grow with the list.
         self.stop_token_ids = frozenset(params.stop_token_ids)
@@ -102,15 +103,7 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self._all_token_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self._all_token_ids
+        return len(self.all_token_ids)
 
     @property
     def num_sampled(self) -> int:
@@ -124,7 +117,7 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
-        self._all_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "

@@ -59,30 +59,35 @@ class BlockTables:
             list[int], list[int], list[int]]:
         """The rows of ``reqs``, and the writes (flat index, block id) that bring them, and the window
         map (``window_writes``: block, window block), up to date."""
-        held, width = self._held, self.table.shape[1]
-        for r in reqs:  # first out of reach of the reclaiming below
-            if r.request_id in held:
-                held.move_to_end(r.request_id)
-        rows, write_at, write_ids = [], [], []
-        for r in reqs:
-            row, table, written = held.get(r.request_id, (-1, None, 0))
-            if table is not r.block_table:
-                if row < 0:
-                    row = self._free.pop() if self._free else held.popitem(last=False)[1][0]
-                written = 0
-            elif written == len(table):  # (most decode steps: no block gained)
-                rows.append(row)
+        held = self._held
+        rows, write_at, write_ids, new = [], [], [], []
+        for i, r in enumerate(reqs):
+            got = held.get(r.request_id)
+            if got is None:  # a row once the step's others are out of reach of the reclaiming
+                new.append(i)
+                rows.append(-1)
                 continue
-            new = r.block_table[written:]
-            start = row * width + written
-            write_at.extend(range(start, start + len(new)))
-            write_ids.extend(new)
-            held[r.request_id] = (row, r.block_table, len(r.block_table))
+            held.move_to_end(r.request_id)
+            row, table, written = got
             rows.append(row)
+            if table is not r.block_table:  # replaced (preempted and readmitted): written again
+                self._write(r, row, 0, write_at, write_ids)
+            elif written < len(table):  # (most decode steps: no block gained)
+                self._write(r, row, written, write_at, write_ids)
+        for i in new:
+            rows[i] = self._free.pop() if self._free else held.popitem(last=False)[1][0]
+            self._write(reqs[i], rows[i], 0, write_at, write_ids)
         for block, window_block in window_writes:
             write_at.append(self.table.numel() + block)
             write_ids.append(window_block)
         return rows, write_at, write_ids
+
+    def _write(self, r: Request, row: int, written: int, write_at: list[int], write_ids: list[int]) -> None:
+        """The writes of ``r``'s blocks from its ``written``-th on, into ``row``."""
+        start = row * self.table.shape[1] + written
+        write_at.extend(range(start, start + len(r.block_table) - written))
+        write_ids.extend(r.block_table[written:])
+        self._held[r.request_id] = (row, r.block_table, len(r.block_table))
 
     def write(self, at: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         self.storage[at] = ids
