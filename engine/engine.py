@@ -635,6 +635,6 @@ class Engine:
                 return "stop"
         if grammar is not None and grammar.finished:  # the JSON value is complete: nothing may follow
             return "stop"
-        if n >= p.max_tokens or req.num_tokens >= self.max_model_len:
+        if n >= p.max_tokens or n + req.num_prompt_tokens >= self.max_model_len:
             return "length"
         return None

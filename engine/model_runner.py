@@ -452,7 +452,7 @@ class ModelRunner:
         if not sampled:
             return self._launched([], None, start, events, pending, pooled)
         if drafts is None:
-            rows = sampled, [r.output_token_ids for r in sampled], [r.num_sampled for r in sampled]
+            rows = sampled, [r.output_token_ids for r in sampled], [len(r.output_token_ids) + r.num_in_flight for r in sampled]
         else:  # a request's row at each draft, sampled as if the drafts before it were its output
             rows = [], [], []
             for r, d in zip(sampled, drafts, strict=True):

@@ -279,6 +279,20 @@ def test_sampling_never_waits_for_the_gpu():
     assert len(out.token_ids) == len(params) and all(0 <= t < vocab for t in out.token_ids)
 
 
+def test_bench_offline_counts_the_devices_idle_time(tmp_path, capsys):
+    """``tools/bench_offline.py`` on CUDA: ``device_idle_share``, the steps' wall time that no step's device work
+    filled (CUDA events around each step's forward and sampling), lies strictly between 0 and 1."""
+    import json
+
+    from tools import bench_offline
+
+    path = build(str(tmp_path), "llama", torch.bfloat16, **{**TINY, "vocab_size": bench_offline.TOKEN_ID_HIGH + 256})
+    bench_offline.main(["--model", path, "--num-requests", "8", "--max-num-seqs", "8", "--dtype", "bfloat16"])
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert 0 < summary["device_idle_share"] < 1 and 0 < summary["host_share"] < 1
+    free_gpu()
+
+
 def test_structured_output_on_the_gpu(tmp_path):
     """Grammar masks reach the GPU and hold a random model to a schema; asynchronous scheduling (on by
     default on CUDA, where such requests run synchronously) gives the same tokens as off."""

@@ -37,6 +37,12 @@ engine's objects (the engine's code is untouched; on CUDA each step ends with a 
   ``forward_step`` before the forward, the sampler's launches, ``update_from_output``, turning sampled
   tokens into deltas)
   ÷ their wall time, over all steps.
+- ``device_idle_share`` (CUDA): the share of the steps' wall time the device did not spend on a step's
+  work (each step's span between the CUDA events around its forward and sampling,
+  ``Launched.seconds()``): what the host costs the device. Under asynchronous scheduling the host's work
+  for one step overlaps the device's for the one before, so that ``host_share`` may be high while this
+  is low; it is the figure issue "GPU path"'s goal of host overhead under 10% means. (A span holds the
+  device's waits for launches the host issues inside it: an eager step's.)
 
 The last line of output is one JSON object.
 
@@ -254,6 +260,7 @@ class StepReport:
     kv_window_blocks: int = 0
     draft_tokens: int = 0  # speculative decoding: drafts computed, and kept
     accepted_tokens: int = 0
+    device_idle_share: float | None = None  # CUDA: 1 - the steps' device seconds ÷ their wall seconds
 
 
 class StepProbe:
@@ -289,6 +296,7 @@ class StepProbe:
         self.steps: list[tuple[float, float, float | None, int]] = []
         self.scheduler, self.facts, self.engine = scheduler, runner.facts, engine
         self._host, self._kv_bytes, self._seqs, self._forward_step_start = 0.0, None, 0, None
+        self.device_seconds = 0.0  # CUDA: the collected steps' spans between their events
 
         self._step, self._forward_step = engine.step, runner.forward_step
         self._schedule = self._on_host(scheduler.schedule)
@@ -298,6 +306,7 @@ class StepProbe:
         engine._postprocess = self._on_host(engine._postprocess)
         runner._prepare = self._on_host(runner._prepare)
         runner.sampler.sample = self._on_host(runner.sampler.sample)
+        self._collect, runner.collect = runner.collect, self.collect
         runner.model.forward = self._forward_begins(runner.model.forward)  # nn.Module calls self.forward
         if runner.graphs is not None:
             runner.graphs.replay = self._forward_begins(runner.graphs.replay)
@@ -321,6 +330,12 @@ class StepProbe:
             self._kv_bytes = tokens * self.kv_bytes_per_layer_token
             self._seqs = len(batch.requests)
         return batch
+
+    def collect(self, launched):
+        result = self._collect(launched)
+        if launched.events is not None:  # (collected: its events have fired)
+            self.device_seconds += launched.seconds()
+        return result
 
     def forward_step(self, step_input):
         self._forward_step_start = time.perf_counter()
@@ -379,6 +394,7 @@ class StepProbe:
             decode_floor_s=median([floor for _, floor in decodes]),
             decode_vs_floor=median([wall / floor for wall, floor in decodes]),
             host_share=sum(h for _, h, _, _ in self.steps) / sum(w for w, _, _, _ in self.steps),
+            device_idle_share=1 - self.device_seconds / sum(w for w, _, _, _ in self.steps) if self.cuda else None,
             bandwidth=bandwidth,
             weight_bytes=self.weight_bytes,
         )
@@ -538,7 +554,9 @@ def print_steps(s: StepReport) -> None:
     print(
         f"tokenmill steps: {s.num_steps}, {s.num_decode_steps} decode-only"
         + (f" of {s.decode_batch:.1f} sequences on average" if s.decode_batch else "")
-        + f"; {s.preemptions} preemptions; host {s.host_share:.0%} of the step time; memory "
+        + f"; {s.preemptions} preemptions; host {s.host_share:.0%} of the step time"
+        + (f", device idle {s.device_idle_share:.0%} of it" if s.device_idle_share is not None else "")
+        + "; memory "
         f"{s.bandwidth / 1e9:.1f} GB/s (copy); KV cache {s.kv_blocks} blocks"
         + (f", sliding-window layers {s.kv_window_blocks}" if s.kv_window_blocks else "")
         + (f"; drafts: {s.accepted_tokens} of {s.draft_tokens} accepted" if s.draft_tokens else "")
@@ -570,6 +588,7 @@ def step_summary(s: StepReport | None) -> dict:
         "decode_floor_ms": get("decode_floor_s", 1e3),
         "decode_vs_floor": get("decode_vs_floor", digits=3),
         "host_share": get("host_share"),
+        "device_idle_share": get("device_idle_share"),
         "mem_bandwidth_gb_s": get("bandwidth", 1e-9, 2),
         "weight_bytes": getattr(s, "weight_bytes", None),
     }

@@ -71,7 +71,7 @@ figure() {  # figure NAME LOG: the figure to read in a part's log
                         "in one launch >= $(json_last "$log" mixed_split_over_one_launch)x; a decode step's" \
                         "Python at 256 sequences $(json_last "$log" step_min_us) us (bench_host)" ;;
     offline-*) echo "$(json_last "$log" tokenmill_out_tok_s) out tok/s, $(json_last "$log" decode_vs_floor)x floor," \
-                    "host $(json_last "$log" host_share) (synchronous steps: $(json_last "$log" tokenmill_out_tok_s 2)" \
+                    "host $(json_last "$log" host_share), device idle $(json_last "$log" device_idle_share) (synchronous steps: $(json_last "$log" tokenmill_out_tok_s 2)" \
                     "out tok/s, host $(json_last "$log" host_share 2))$(grep -q prompt_step_ms "$log" &&
                     echo "; a step with 4 new prompts $(json_last "$log" prompt_step_ms) ms (eager:" \
                          "$(json_last "$log" prompt_step_ms 2) ms), decode-only $(json_last "$log" decode_step_ms)" \
