@@ -500,8 +500,9 @@ class ModelRunner:
         driver = isinstance(step, DriverStep)
         t, images = len(step.token_ids), driver and step.image_rows
         replay = self.graphs is not None and t == len(step.query_lens) and not images and self.graphs.serves(t)
-        index = StepIndex.build(step.query_lens, step.computed_lens, step.table_rows, sort=not replay,
-                                split=not kernels.prefill_takes_decodes(self.device, max(step.computed_lens, default=0)))
+        cached = step.computed_lens
+        unsplit = kernels.prefill_takes_decodes(self.device, max(cached, default=0), sum(cached) * self.local_cfg.num_kv_heads)
+        index = StepIndex.build(step.query_lens, cached, step.table_rows, split=not unsplit, sort=not replay)
         gather = {"in_flight_at": ints(step.in_flight_at), "in_flight_from": ints(step.in_flight_from)} \
             if driver and step.in_flight_at else {}
         pooling = {"pool_rows": ints(step.pool_rows), "pool_into": ints(step.pool_into)} \

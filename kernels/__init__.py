@@ -97,15 +97,26 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 UNSPLIT_CONTEXT = 4096  # (prefill_takes_decodes) a prefill program streams this many keys in a few microseconds
 
 
-def prefill_takes_decodes(device: torch.device, longest: int = 0) -> bool:
+def prefill_takes_decodes(device: torch.device, longest: int = 0, streamed: int = 0) -> bool:
     """Whether a step's one-token sequences go to ``paged_prefill_attention`` with its prompt chunks (one launch a
     layer, no rows split apart and put back): Triton's, whose prefill kernel costs a one-token sequence what its
-    decode kernel does, while no sequence of the step has more than ``UNSPLIT_CONTEXT`` tokens cached
-    (``longest``): past that the decode kernel splits a long context over the device, the prefill one would stream
-    it in one program. The CPU's and the reference's take them to ``paged_decode_attention``."""
-    if _backend == "reference" or (_backend == "auto" and device.type != "cuda") or longest > UNSPLIT_CONTEXT:
+    decode kernel does, while no sequence's context is the step's critical path. One program streams a sequence's
+    context (``longest``: the most tokens one has cached) for each KV head: at most ``UNSPLIT_CONTEXT`` keys, or
+    no more than each multiprocessor streams anyway (``streamed``: the cached tokens of every sequence times the
+    KV heads, spread over the device's multiprocessors), as when many long sequences fill the device. Past that
+    the decode kernel splits a long context over the device, where the prefill one would stream it alone. The
+    CPU's and the reference's take them to ``paged_decode_attention``."""
+    if _backend == "reference" or (_backend == "auto" and device.type != "cuda"):
         return False
-    return _load_triton() is not None
+    if _load_triton() is None:
+        return False
+    return longest <= UNSPLIT_CONTEXT or longest * multiprocessors(device) <= streamed
+
+
+def multiprocessors(device: torch.device) -> int:
+    """How many programs run at once, roughly: CUDA's streaming multiprocessors; elsewhere (Triton's
+    interpreter) one."""
+    return _load_triton().launch.sm_count(device) if device.type == "cuda" else 1
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

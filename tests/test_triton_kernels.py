@@ -664,7 +664,7 @@ def test_triton_engine_prompt_graphs_give_the_eager_tokens(arch, tmp_path, smoll
 def test_triton_engine_prompt_graphs_stop_at_the_models_length_and_long_contexts(tiny_llama, monkeypatch):
     """The prompt graphs' largest size is at most the model's length (their padding sequence's positions), and a
     step where a sequence has more than ``kernels.UNSPLIT_CONTEXT`` tokens cached keeps its decodes apart (the
-    decode kernel splits long contexts over the device)."""
+    decode kernel splits long contexts over the device), unless every multiprocessor streams as many keys anyway."""
     from engine import LLM, SamplingParams
 
     monkeypatch.setattr(kernels, "_backend", "triton")
@@ -680,15 +680,23 @@ def test_triton_engine_prompt_graphs_stop_at_the_models_length_and_long_contexts
                 max_num_batched_tokens=64, prompt_graph_tokens=0)
     want, want_fresh = ([o.token_ids for o in eager.generate(p, params)] for p in (prompts, fresh))
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
-    assert kernels.prefill_takes_decodes(torch.device(DEVICE), kernels.UNSPLIT_CONTEXT)
-    assert not kernels.prefill_takes_decodes(torch.device(DEVICE), kernels.UNSPLIT_CONTEXT + 1)
-    monkeypatch.setattr(kernels, "UNSPLIT_CONTEXT", 4)  # a step with a sequence past 4 tokens: decodes apart
+    device, long = torch.device(DEVICE), kernels.UNSPLIT_CONTEXT + 1
+    sms = kernels.multiprocessors(device)
+    assert kernels.prefill_takes_decodes(device, kernels.UNSPLIT_CONTEXT)
+    assert not kernels.prefill_takes_decodes(device, long) and not kernels.prefill_takes_decodes(device, long, long * sms - 1)
+    assert kernels.prefill_takes_decodes(device, long, long * sms)  # (many long sequences: each SM streams as much)
+    monkeypatch.setattr(kernels, "UNSPLIT_CONTEXT", 4)  # a step with a sequence past 4 tokens...
+    monkeypatch.setattr(kernels, "multiprocessors", lambda device: 1000)  # ...on a device it does not fill: decodes apart
     index = []
     monkeypatch.setattr(runner, "prompt_graphs", None)
     real = engine_attention.StepIndex.build
     monkeypatch.setattr(engine_attention.StepIndex, "build", lambda *a, **kw: index.append(kw["split"]) or real(*a, **kw))
     assert [o.token_ids for o in llm.generate(fresh, params)] == want_fresh
     assert index and all(index[1:]) and not index[0]  # (the first step: fresh prompts, nothing cached)
+    index.clear()
+    monkeypatch.setattr(kernels, "multiprocessors", lambda device: 1)  # one it fills: one launch again
+    assert [o.token_ids for o in llm.generate(fresh, params)] == want_fresh
+    assert index and not any(index)
 
 
 def greedy_by_backend(monkeypatch, path: str, lengths: list[int], max_tokens: int, check=None,
