@@ -260,3 +260,15 @@ def test_prompt_logprobs_in_flight_are_not_computed_twice(tiny_llama):
     whole = LLM(tiny_llama, **CPU).generate([r.prompt_token_ids], Params(prompt_logprobs=1, max_tokens=1))[0]
     for got, want in zip(r.prompt_logprobs[1:], whole.prompt_logprobs[1:25], strict=True):
         assert got[0] == pytest.approx(want[0], abs=1e-5)
+
+
+def test_logits_come_in_the_models_dtype(tiny_llama):
+    """A bf16 model's logits stay bf16 (no float32 copy of every row's vocabulary written and read again for
+    a greedy step's argmax); its greedy tokens are the argmax of those logits."""
+    llm = LLM(tiny_llama, **{**CPU, "dtype": "bfloat16"})
+    runner, seen = llm.engine.runner, []
+    real = runner.model.compute_logits
+    runner.model.compute_logits = lambda hidden: seen.append(real(hidden)) or seen[-1]
+    out = llm.generate([prompts(1)[0]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))[0]
+    assert seen and all(x.dtype == torch.bfloat16 for x in seen)
+    assert out.token_ids == [int(x[-1].float().argmax()) for x in seen]

@@ -63,14 +63,19 @@ def test_greedy_with_logprobs_is_still_argmax():
     assert out.token_ids == logits.argmax(-1).tolist()
 
 
-def test_bf16_logits_are_accepted():
+def test_bf16_logits_sample_as_their_float32_values():
+    """The LM head's logits come in the model's dtype (``LMHead``): each row samples what the same values in
+    float32 sample, greedy on the fast path or not, seeded, penalized, with logprobs."""
     torch.manual_seed(0)
-    logits = torch.randn(3, 40).bfloat16()
+    logits = torch.randn(4, 40).bfloat16()
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logprobs=2),
-              SamplingParams(temperature=0.7, seed=3)]
-    out = _call(Sampler(40, [EOS], "cpu"), logits, params)
-    assert out.token_ids[:2] == logits.float().argmax(-1).tolist()[:2]
-    assert len(out.logprobs[1][1]) == 2
+              SamplingParams(temperature=0.7, seed=3, logprobs=1), SamplingParams(temperature=0.0, presence_penalty=1.5)]
+    outputs = [[], [], [], logits[3].float().topk(2).indices.tolist()]  # (penalized: its output holds its two best)
+    got, want = (_call(Sampler(40, [EOS], "cpu"), x, params, outputs=outputs) for x in (logits, logits.float()))
+    assert got.token_ids == want.token_ids and got.logprobs == want.logprobs
+    assert got.token_ids[:2] == logits.float().argmax(-1).tolist()[:2] and len(got.logprobs[1][1]) == 2
+    fast = _call(Sampler(40, [EOS], "cpu"), logits, [SamplingParams(temperature=0.0)] * 4)
+    assert fast.token_ids == logits.float().argmax(-1).tolist()
 
 
 def test_padded_vocab_columns_are_never_sampled():

@@ -200,7 +200,10 @@ class LMHead(nn.Module):
     lives in rank 0 only and workers never see a request; the gather moves N * V floats per
     step for the N rows that need logits (sample rows and prompt-logprob rows), small beside
     the forward. So every rank must ask for the same rows in one call: the gather is
-    collective. Returns (N, V) float32 on rank 0, None on the other ranks.
+    collective. Returns (N, V) in the model's dtype on rank 0, None on the other ranks: a
+    greedy step's argmax reads them as they are (the same token as in float32, which holds
+    each value exactly), at half the bytes of a float32 copy written and read again; the
+    sampler and logprobs read them in float32 where they compute more.
     """
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup = _SINGLE,
@@ -217,7 +220,7 @@ class LMHead(nn.Module):
         self.shard.load(tensor)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = kernels.linear(hidden, self.shard.weight, packed=self.shard.packed).float()  # (N, V/T)
+        logits = kernels.linear(hidden, self.shard.weight, packed=self.shard.packed)  # (N, V/T)
         if self.tp.size == 1:
             return logits
         full = self.tp.gather_last_dim(logits)

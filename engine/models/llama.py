@@ -205,7 +205,8 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """(N, hidden) -> (N, vocab) float32 logits, only for the rows that need them; under tensor
+        """(N, hidden) -> (N, vocab) logits in the model's dtype (``LMHead``'s; Granite's scaling and Gemma 2's
+        cap computed in it too, as transformers does), only for the rows that need them; under tensor
         parallelism on rank 0 only (None on the others), and collective: every rank calls it."""
         if self.lm_head is None:
             raise RuntimeError("this checkpoint has no lm_head: it can embed, not generate")
