@@ -50,7 +50,6 @@ class PrefillMetadata:
     q_index: torch.Tensor | None  # (Bp, Q) row (of the Tp) for each padded grid cell; Tp = padding
     out_index: torch.Tensor | None  # (Tp,) grid cell of each row
     max_seq_len: int
-    max_query_len: int
 
 
 @dataclass
@@ -97,7 +96,6 @@ class StepIndex:
     tensors: dict[str, torch.Tensor]
     max_decode_len: int  # 0: no decode rows
     max_prefill_len: int  # 0: no prefill rows
-    max_query_len: int
     mixed: bool  # decode and prefill rows both: each part says which rows of the flat batch are its
     decode_in_order: bool  # decode rows only, already longest first (one sequence, say)
 
@@ -126,7 +124,7 @@ class StepIndex:
 
         is_decode = q_lens == 1
         num_decode = int(is_decode.sum())
-        max_decode = max_prefill = max_query = 0
+        max_decode = max_prefill = 0
         in_order = False
         if num_decode:
             seqs = is_decode.nonzero().squeeze(1)
@@ -140,13 +138,12 @@ class StepIndex:
             pq = q_lens[seqs]
             start = torch.zeros(len(seqs) + 1, dtype=torch.int64)
             torch.cumsum(pq, 0, out=start[1:])
-            max_query = int(pq.max())
             if num_decode:
                 t["prefill_token_rows"] = (~is_decode)[seq_of].nonzero().squeeze(1)
             t["prefill_table_rows"], t["prefill_seq_lens"], t["prefill_query_start"] = rows[seqs], seq_lens[seqs], start
             t["prefill_q_index"], t["prefill_out_index"] = reference.prefill_gather(pq)
             max_prefill = int(seq_lens[seqs].max())
-        return cls(t, max_decode, max_prefill, max_query, 0 < num_decode < b, in_order)
+        return cls(t, max_decode, max_prefill, 0 < num_decode < b, in_order)
 
     @classmethod
     def _unsplit(cls, query_lens: list[int], computed_lens: list[int], table_rows: Sequence[int]) -> StepIndex:
@@ -161,7 +158,7 @@ class StepIndex:
             start.append(start[-1] + q)
         t = {"positions": ints(positions), "token_table_rows": ints(token_rows), "prefill_table_rows": ints(table_rows),
              "prefill_seq_lens": ints(seq_lens), "prefill_query_start": ints(start)}
-        return cls(t, 0, max(seq_lens), max(query_lens), False, False)
+        return cls(t, 0, max(seq_lens), False, False)
 
     @classmethod
     def _decode_only(cls, computed_lens: list[int], table_rows: Sequence[int], sort: bool = True) -> StepIndex:
@@ -176,7 +173,7 @@ class StepIndex:
             rows, lens = [table_rows[i] for i in seqs], [seq_lens[i] for i in seqs]
         t = {"positions": ints(computed_lens), "token_table_rows": ints(table_rows), "decode_token_rows": ints(seqs),
              "decode_table_rows": ints(rows), "decode_seq_lens": ints(lens)}
-        return cls(t, max(seq_lens), 0, 0, False, in_order)
+        return cls(t, max(seq_lens), 0, False, in_order)
 
     def metadata(self, tables: torch.Tensor, block_size: int,
                  window_map: torch.Tensor | None = None) -> tuple[torch.Tensor, AttentionMetadata]:
@@ -198,7 +195,6 @@ class StepIndex:
                 block_tables=tables[t["prefill_table_rows"], :width], seq_lens=t["prefill_seq_lens"],
                 query_start=t["prefill_query_start"], q_index=t.get("prefill_q_index"),
                 out_index=t.get("prefill_out_index"), max_seq_len=self.max_prefill_len,
-                max_query_len=self.max_query_len,
             )
         return pos, AttentionMetadata(slot_mapping, decode, prefill, window_map)
 

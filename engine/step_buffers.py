@@ -268,7 +268,7 @@ class PromptGraphs:
 
     def _forward(self, n: int) -> None:
         prefill = PrefillMetadata(None, self.block_tables, self.seq_lens, self.query_start, None, None,
-                                  self.max_model_len, n)
+                                  self.max_model_len)
         meta = AttentionMetadata(self.slot_mapping[:n], None, prefill, self.window_map)
         self.hidden[:n] = self.model(self.input_ids[:n], self.positions[:n], meta)
 

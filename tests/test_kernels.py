@@ -94,7 +94,6 @@ def test_metadata_splits_decode_and_prefill_rows():
     assert meta.decode.seq_lens.tolist() == [13, 4]
     assert meta.prefill.token_rows.tolist() == [1, 2, 3, 4, 5, 6, 7, 9, 10]
     assert meta.prefill.query_start.tolist() == [0, 7, 9]
-    assert meta.prefill.max_query_len == 7
     assert not meta.decode.in_order
 
 
@@ -110,7 +109,7 @@ def test_a_mixed_step_unsplit_is_all_prefill_rows_attended_alike(backend, window
                                                          sinks=sinks, split=False)
     assert meta.decode is None and meta.prefill.token_rows is None
     assert meta.prefill.query_start.tolist() == [0, 1, 8, 9, 11, 12]
-    assert meta.prefill.seq_lens.tolist() == seq_lens and meta.prefill.max_query_len == 7
+    assert meta.prefill.seq_lens.tolist() == seq_lens
     want, row = [], 0
     for k, v, n, ql in zip(ks, vs, seq_lens, query_lens, strict=True):
         want.append(naive_attention(q[row:row + ql], k, v, n - ql, window, 0.0, sinks))

@@ -75,7 +75,7 @@ def test_a_decode_only_step_index_is_the_general_ones(computed):
     assert fast.tensors.keys() == general.tensors.keys()
     for name, t in general.tensors.items():
         assert torch.equal(fast.tensors[name], t), name
-    for field in ("max_decode_len", "max_prefill_len", "max_query_len", "mixed", "decode_in_order"):
+    for field in ("max_decode_len", "max_prefill_len", "mixed", "decode_in_order"):
         assert getattr(fast, field) == getattr(general, field), field
 
 
@@ -106,7 +106,7 @@ def test_an_unsplit_step_index_is_one_prefill_over_every_sequence():
     assert set(t) == {"positions", "token_table_rows", "prefill_table_rows", "prefill_seq_lens", "prefill_query_start"}
     assert t["prefill_table_rows"].tolist() == rows and t["prefill_seq_lens"].tolist() == [7, 5, 11, 5, 5]
     assert t["prefill_query_start"].tolist() == [0, 1, 6, 7, 10, 11]
-    assert (unsplit.max_decode_len, unsplit.max_prefill_len, unsplit.max_query_len, unsplit.mixed) == (0, 11, 5, False)
+    assert (unsplit.max_decode_len, unsplit.max_prefill_len, unsplit.mixed) == (0, 11, False)
     assert StepIndex.build([1, 1], [3, 9], [0, 1], False).max_decode_len == 10
 
 
