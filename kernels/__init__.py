@@ -246,8 +246,20 @@ def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
     _pick(q).apply_rope_(q, k, cos, sin)
 
 
+def rope_and_store_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, rot: int) -> None:
+    """``apply_rope_`` on the first ``rot`` dims of each head of q and k, then ``store_kvcache`` of k and v: a
+    layer's step into the cache. Triton's in one launch; elsewhere the two, one after the other (the spec)."""
+    m = _pick(q)
+    if hasattr(m, "rope_and_store_"):
+        m.rope_and_store_(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, rot)
+        return
+    m.apply_rope_(q[..., :rot], k[..., :rot], cos, sin)
+    m.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+
+
 set_backend(os.environ.get("TOKENMILL_KERNELS", "auto"))
 
 __all__ = ["BACKENDS", "apply_rope_", "backend", "embedding", "fused_add_rms_norm", "fused_moe", "gelu_and_mul",
-           "linear", "paged_decode_attention", "paged_prefill_attention", "prefill_takes_decodes", "rms_norm",
+           "linear", "paged_decode_attention", "paged_prefill_attention", "prefill_takes_decodes", "rms_norm", "rope_and_store_",
            "set_backend", "silu_and_mul", "store_kvcache", "swiglu_oai", "tune_linear"]

@@ -252,6 +252,39 @@ def test_triton_rope_on_the_first_dims_of_each_head():
     torch.testing.assert_close(k, want_k, **TOL[F32])
 
 
+@pytest.mark.parametrize("dtype,cache_dtype,h,hkv,d,rot", [(F32, F32, 4, 2, 16, 16), (BF16, BF16, 9, 3, 64, 64),
+                                                          (F16, E4M3, 4, 1, 32, 32), (F32, F32, 4, 2, 16, 12),
+                                                          (BF16, E5M2, 7, 1, 64, 48)])
+def test_triton_rope_and_store_matches_the_reference_two(dtype, cache_dtype, h, hkv, d, rot):
+    """``rope_and_store_``: q and k turned in place and k, v stored, as the reference's ``apply_rope_`` (on each head's
+    first ``rot`` dims: partial rotary) then ``store_kvcache`` (an fp8 cache too); a padding slot (-1) stores
+    nothing, its token is turned all the same."""
+    t, nblocks, page = 7, 4, 8
+    qkv = randn(t, (h + 2 * hkv) * d, dtype=dtype)
+    views = lambda x: (x[:, :h * d].view(t, h, d), x[:, h * d:(h + hkv) * d].view(t, hkv, d),  # noqa: E731
+                       x[:, (h + hkv) * d:].view(t, hkv, d))
+    ang = torch.rand(t, rot // 2, generator=gen()).to(DEVICE) * 100
+    cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+    slots = torch.randperm(nblocks * page, generator=gen())[:t].to(DEVICE)
+    slots[3] = -1
+    cache = torch.zeros(nblocks, page, hkv, d, dtype=dtype, device=DEVICE).to(cache_dtype)
+    got, want = qkv.clone(), qkv.clone()
+    caches, want_caches = (cache.clone(), cache.clone()), (cache.clone(), cache.clone())
+    tri.rope_and_store_(*views(got), cos, sin, *caches, slots, rot)
+    q, k, v = views(want)
+    ref.apply_rope_(q[..., :rot], k[..., :rot], cos, sin)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    keep = slots >= 0  # the keys it turned, stored as the reference stores them: the same bytes
+    _, k, v = views(got)
+    ref.store_kvcache(k[keep], v[keep], *want_caches, slots[keep])
+    for c, w in zip(caches, want_caches, strict=True):
+        assert torch.equal(c.view(torch.uint8), w.view(torch.uint8))
+    assert torch.equal(got[:, (h + hkv) * d:], qkv[:, (h + hkv) * d:])  # v untouched
+    stored = torch.zeros(nblocks * page, dtype=torch.bool)
+    stored[slots[keep].cpu()] = True
+    assert not caches[0].float().view(-1, hkv, d)[~stored.to(DEVICE)].any()  # nothing stored for the padding
+
+
 @pytest.mark.parametrize("dtype,t,i", [(F32, 3, 48), (BF16, 2, 1536), (F16, 4, 100)])
 def test_triton_silu_and_mul_matches_reference(dtype, t, i, poison):
     x = randn(t, 2 * i, dtype=dtype) * 3

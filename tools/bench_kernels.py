@@ -163,6 +163,14 @@ def cases(model: str, batch: int, contexts: list[int], prefill: tuple[int, int])
         yield Case("apply_rope_", model, f"T={n}", (2 * n * (h + hkv) * d + 2 * cos.numel()) * ELT,
                    lambda q=qr, k=kr, c=cos, s=sin: tri.apply_rope_(q, k, c, s),
                    lambda q=qr, k=kr, c=cos, s=sin: ref.apply_rope_(q, k, c, s), eager)
+        # the two above in one launch, as a layer runs them (the new keys turned and stored from registers)
+        vr = qkv[:, (h + hkv) * d:].view(n, hkv, d)
+        yield Case("rope_and_store_", model, f"T={n}", (2 * n * (h + 2 * hkv) * d + 2 * cos.numel()) * ELT + n * 8,
+                   lambda q=qr, k=kr, v=vr, c=cos, s=sin, kc=caches, sl=slots: tri.rope_and_store_(q, k, v, c, s, *kc,
+                                                                                                 sl, d),
+                   lambda q=qr, k=kr, v=vr, c=cos, s=sin, kc=caches, sl=slots: (tri.apply_rope_(q, k, c, s),
+                                                                                tri.store_kvcache(k, v, *kc, sl)),
+                   "apply_rope_ then store_kvcache (Triton)")
         gate_up = randn(n, 2 * inter)
         yield Case("silu_and_mul", model, f"T={n}", 3 * n * inter * ELT,
                    lambda x=gate_up: tri.silu_and_mul(x), lambda x=gate_up: ref.silu_and_mul(x), eager)

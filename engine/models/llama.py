@@ -74,11 +74,8 @@ class LlamaAttention(nn.Module):
         elif self.q_norm is not None:  # each head's D values normed as rows: (T * H, D)
             q, k = self.q_norm(q.reshape(t * self.h, self.d)), self.k_norm(k.reshape(t * self.hkv, self.d))
         q, k, v = q.view(t, self.h, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
-        if self.rot == self.d:
-            kernels.apply_rope_(q, k, cos, sin)  # in place, in the qkv projection's output
-        else:  # the first rot dims of each head turned, the others left as they are
-            kernels.apply_rope_(q[..., :self.rot], k[..., :self.rot], cos, sin)
-        o = self.attn(q, k, v, meta)  # (T, H, D)
+        # RoPE (the first rot dims of each head turned, in place, in the qkv projection's output) as k is stored
+        o = self.attn(q, k, v, meta, (cos, sin, self.rot))  # (T, H, D)
         return self.o_proj(o.reshape(t, self.h * self.d))
 
     def load_sinks(self, w: torch.Tensor) -> None:
