@@ -43,6 +43,22 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
                   slot_mapping: torch.Tensor) -> None:
     """Write new keys/values ``(T, Hkv, D)`` into their slots ``(T,)`` of the caches
     ``(num_blocks, block_size, Hkv, D)``: of their dtype, or fp8."""
+    check_store(k, v, k_cache, v_cache, slot_mapping)
+    t, hkv, d = k.shape
+    if t == 0:
+        return
+    k_cache, v_cache, fmt = cache_args(k_cache, v_cache)
+    _store_kvcache_kernel[(t,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(1), k_cache.stride(2),
+        HKV=hkv, D=d, BLOCK_H=next_pow2(hkv), BLOCK_D=next_pow2(d), FMT=fmt,
+    )
+
+
+def check_store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                slot_mapping: torch.Tensor) -> None:
+    """``store_kvcache``'s arguments (and ``rope_and_store_``'s) as its kernel takes them, or ValueError."""
     check_tensor("k", k, 3)
     check_tensor("v", v, 3)
     check_tensor("k_cache", k_cache, 4, FLOAT_DTYPES + FP8_DTYPES)
@@ -61,12 +77,3 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     require(slot_mapping.shape[0] == t, f"slot_mapping must have {t} entries, got {slot_mapping.shape[0]}")
     # One slot index addresses both caches, so they must be laid out alike, slots evenly spaced.
     require(k_cache.is_contiguous() and v_cache.is_contiguous(), "k_cache and v_cache must be contiguous")
-    if t == 0:
-        return
-    k_cache, v_cache, fmt = cache_args(k_cache, v_cache)
-    _store_kvcache_kernel[(t,)](
-        k, v, k_cache, v_cache, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(1), k_cache.stride(2),
-        HKV=hkv, D=d, BLOCK_H=next_pow2(hkv), BLOCK_D=next_pow2(d), FMT=fmt,
-    )

@@ -14,9 +14,33 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.reference import FP8_DTYPES
 from kernels.triton.fp8 import cache_args, float_to_fp8
-from kernels.triton.launch import FLOAT_DTYPES, INDEX_DTYPES, check_same, check_tensor, next_pow2, require
+from kernels.triton.kv_store import check_store
+from kernels.triton.launch import check_same, check_tensor, next_pow2, require
+
+
+@triton.jit
+def _turn(p1, mask, c, s, HALF: tl.constexpr):
+    """Rotate-half in place: each row's first halves at ``p1``, second at ``p1 + HALF``, by the float32 ``c``
+    and ``s``, products and sums rounded to the tensor's dtype as the reference's are. Returns the new halves."""
+    dtype = p1.dtype.element_ty
+    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
+    y1 = ((x1 * c).to(dtype).to(tl.float32) - (x2 * s).to(dtype).to(tl.float32)).to(dtype)
+    y2 = ((x2 * c).to(dtype).to(tl.float32) + (x1 * s).to(dtype).to(tl.float32)).to(dtype)
+    tl.store(p1, y1, mask=mask)
+    tl.store(p1 + HALF, y2, mask=mask)
+    return y1, y2
+
+
+@triton.jit
+def _turn_heads(x_ptr, stride_h, heads, cos_ptr, sin_ptr, offs_h, offs_c, HALF: tl.constexpr):
+    """One token's ``heads`` heads at ``x_ptr`` turned in place by its angles; returns its (float32) cos and sin."""
+    cmask = offs_c < HALF
+    c = tl.load(cos_ptr + offs_c, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + offs_c, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    _turn(x_ptr + offs_h[:, None] * stride_h + offs_c[None, :], (offs_h[:, None] < heads) & cmask[None, :], c, s, HALF)
+    return c, s
 
 
 @triton.jit
@@ -30,27 +54,10 @@ def _rope_kernel(
     offs_h = tl.arange(0, BLOCK_H)
     offs_c = tl.arange(0, BLOCK_HALF)
     cmask = offs_c < HALF
-    dtype = q_ptr.dtype.element_ty
-    c = tl.load(cos_ptr + t * stride_cos + offs_c, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    s = tl.load(sin_ptr + t * stride_sin + offs_c, mask=cmask, other=0.0).to(tl.float32)[None, :]
-
-    mask = (offs_h[:, None] < H) & cmask[None, :]
-    p1 = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_c[None, :]
-    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
-    y1 = (x1 * c).to(dtype).to(tl.float32) - (x2 * s).to(dtype).to(tl.float32)
-    y2 = (x2 * c).to(dtype).to(tl.float32) + (x1 * s).to(dtype).to(tl.float32)
-    tl.store(p1, y1.to(dtype), mask=mask)
-    tl.store(p1 + HALF, y2.to(dtype), mask=mask)
-
-    mask = (offs_h[:, None] < HKV) & cmask[None, :]
-    p1 = k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_c[None, :]
-    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
-    y1 = (x1 * c).to(dtype).to(tl.float32) - (x2 * s).to(dtype).to(tl.float32)
-    y2 = (x2 * c).to(dtype).to(tl.float32) + (x1 * s).to(dtype).to(tl.float32)
-    tl.store(p1, y1.to(dtype), mask=mask)
-    tl.store(p1 + HALF, y2.to(dtype), mask=mask)
+    c, s = _turn_heads(q_ptr + t * stride_qt, stride_qh, H, cos_ptr + t * stride_cos, sin_ptr + t * stride_sin,
+                       offs_h, offs_c, HALF)
+    _turn(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_c[None, :],
+          (offs_h[:, None] < HKV) & cmask[None, :], c, s, HALF)
 
 
 def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -91,30 +98,16 @@ def _rope_store_kernel(
     offs_h = tl.arange(0, BLOCK_H)
     offs_c = tl.arange(0, BLOCK_HALF)
     cmask = offs_c < HALF
-    dtype = q_ptr.dtype.element_ty
-    c = tl.load(cos_ptr + t * stride_cos + offs_c, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    s = tl.load(sin_ptr + t * stride_sin + offs_c, mask=cmask, other=0.0).to(tl.float32)[None, :]
-
-    mask = (offs_h[:, None] < H) & cmask[None, :]
-    p1 = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_c[None, :]
-    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
-    tl.store(p1, ((x1 * c).to(dtype).to(tl.float32) - (x2 * s).to(dtype).to(tl.float32)).to(dtype), mask=mask)
-    tl.store(p1 + HALF, ((x2 * c).to(dtype).to(tl.float32) + (x1 * s).to(dtype).to(tl.float32)).to(dtype), mask=mask)
+    c, s = _turn_heads(q_ptr + t * stride_qt, stride_qh, H, cos_ptr + t * stride_cos, sin_ptr + t * stride_sin,
+                       offs_h, offs_c, HALF)
 
     slot = tl.load(slot_ptr + t).to(tl.int64)
     # a negative slot marks a padding token (vLLM's convention): rotated, not stored (as a head count: see
     # _store_kvcache_kernel)
     stored = tl.where(slot >= 0, HKV, 0)
     offs_g = tl.arange(0, BLOCK_HKV)
-    mask = (offs_g[:, None] < HKV) & cmask[None, :]
-    p1 = k_ptr + t * stride_kt + offs_g[:, None] * stride_kh + offs_c[None, :]
-    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
-    y1 = ((x1 * c).to(dtype).to(tl.float32) - (x2 * s).to(dtype).to(tl.float32)).to(dtype)
-    y2 = ((x2 * c).to(dtype).to(tl.float32) + (x1 * s).to(dtype).to(tl.float32)).to(dtype)
-    tl.store(p1, y1, mask=mask)
-    tl.store(p1 + HALF, y2, mask=mask)
+    y1, y2 = _turn(k_ptr + t * stride_kt + offs_g[:, None] * stride_kh + offs_c[None, :],
+                   (offs_g[:, None] < HKV) & cmask[None, :], c, s, HALF)
     dst = k_cache_ptr + slot * stride_cache_slot + offs_g[:, None] * stride_cache_h + offs_c[None, :]
     mask = (offs_g[:, None] < stored) & cmask[None, :]
     if FMT:
@@ -143,29 +136,16 @@ def rope_and_store_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
     """``apply_rope_`` on the first ``rot`` dims of each head of q (T, H, D) and k (T, Hkv, D), then
     ``store_kvcache`` of k and v into their slots: one launch (twin: ``kernels.reference``'s ``apply_rope_``, then
     its ``store_kvcache``)."""
-    for name, x, nd in (("q", q, 3), ("k", k, 3), ("v", v, 3), ("cos", cos, 2), ("sin", sin, 2)):
+    check_store(k, v, k_cache, v_cache, slot_mapping)
+    for name, x, nd in (("q", q, 3), ("cos", cos, 2), ("sin", sin, 2)):
         check_tensor(name, x, nd)
-    check_tensor("k_cache", k_cache, 4, FLOAT_DTYPES + FP8_DTYPES)
-    check_tensor("v_cache", v_cache, 4, FLOAT_DTYPES + FP8_DTYPES)
-    check_tensor("slot_mapping", slot_mapping, 1, INDEX_DTYPES)
-    check_same("dtype", ["q", "k", "v", "cos", "sin"], [q.dtype, k.dtype, v.dtype, cos.dtype, sin.dtype])
-    check_same("dtype", ["k_cache", "v_cache"], [k_cache.dtype, v_cache.dtype])
-    require(k_cache.dtype in (k.dtype, *FP8_DTYPES), f"the caches must be k's dtype or fp8, got {k_cache.dtype}")
-    check_same("device", ["q", "k", "v", "cos", "sin", "k_cache", "v_cache", "slot_mapping"],
-               [q.device, k.device, v.device, cos.device, sin.device, k_cache.device, v_cache.device,
-                slot_mapping.device])
+    check_same("dtype", ["q", "k", "cos", "sin"], [q.dtype, k.dtype, cos.dtype, sin.dtype])
+    check_same("device", ["q", "k", "cos", "sin"], [q.device, k.device, cos.device, sin.device])
     t, h, d = q.shape
-    hkv = k.shape[1]
-    require(0 < rot <= d and rot % 2 == 0, f"rot must be even, in 1..{d}, got {rot}")
-    check_same("shape", ["k", "v"], [tuple(k.shape), tuple(v.shape)])
     require(k.shape[0] == t and k.shape[2] == d, f"k must be ({t}, Hkv, {d}), got {tuple(k.shape)}")
+    require(0 < rot <= d and rot % 2 == 0, f"rot must be even, in 1..{d}, got {rot}")
     for name, x in (("cos", cos), ("sin", sin)):
         require(tuple(x.shape) == (t, rot // 2), f"{name} must be ({t}, {rot // 2}), got {tuple(x.shape)}")
-    check_same("shape", ["k_cache", "v_cache"], [tuple(k_cache.shape), tuple(v_cache.shape)])
-    require(tuple(k_cache.shape[2:]) == (hkv, d),
-            f"k_cache must be (num_blocks, block_size, {hkv}, {d}), got {tuple(k_cache.shape)}")
-    require(slot_mapping.shape[0] == t, f"slot_mapping must have {t} entries, got {slot_mapping.shape[0]}")
-    require(k_cache.is_contiguous() and v_cache.is_contiguous(), "k_cache and v_cache must be contiguous")
     if t == 0:
         return
     k_cache, v_cache, fmt = cache_args(k_cache, v_cache)
@@ -173,6 +153,6 @@ def rope_and_store_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
         q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
         k_cache.stride(1), k_cache.stride(2),
-        H=h, HKV=hkv, D=d, HALF=rot // 2, BLOCK_H=next_pow2(h), BLOCK_HKV=next_pow2(hkv),
+        H=h, HKV=k.shape[1], D=d, HALF=rot // 2, BLOCK_H=next_pow2(h), BLOCK_HKV=next_pow2(k.shape[1]),
         BLOCK_HALF=next_pow2(rot // 2), BLOCK_D=next_pow2(d), FMT=fmt,
     )
