@@ -138,6 +138,8 @@ class Launched:
         (which computes as it launches) the launch's time."""
         if self.events is None:
             return self.launch_seconds
+        # (a step that sampled nothing, a prompt's chunk, was never waited for: CUDA refuses to time a pending event)
+        self.events[1].synchronize()
         return self.events[0].elapsed_time(self.events[1]) / 1e3
 
     def rows(self) -> dict[str, int]:

@@ -246,7 +246,8 @@ def logprob_tensors(logits: torch.Tensor, token_ids: torch.Tensor | list[int],
     k = min(k, vocab)
     tok, top_lp, top_ids, ranks = [], [], [], []
     for start in range(0, n, _LOGPROBS_CHUNK):
-        lp = torch.log_softmax(logits[start:start + _LOGPROBS_CHUNK].float(), dim=-1)  # (n, V)
+        # (float32 from the model's dtype inside the op: no float32 copy of the chunk beside its result)
+        lp = torch.log_softmax(logits[start:start + _LOGPROBS_CHUNK], dim=-1, dtype=torch.float32)  # (n, V)
         t = lp.gather(1, token_ids[start:start + _LOGPROBS_CHUNK, None])
         tok.append(t.squeeze(1))
         ranks.append((lp > t).sum(dim=1) + 1)

@@ -279,6 +279,19 @@ def test_sampling_never_waits_for_the_gpu():
     assert len(out.token_ids) == len(params) and all(0 <= t < vocab for t in out.token_ids)
 
 
+def test_steps_that_sample_nothing_under_asynchronous_scheduling(tmp_path):
+    """A prompt longer than the step's budget alone in the engine: its first chunks sample nothing, so nothing
+    waits for their device work before the engine reads their time (CUDA refuses to time a pending event); it
+    is waited for there. Greedy tokens as without asynchronous scheduling."""
+    path = build(str(tmp_path), "llama", torch.float32, seed=1, **TINY)
+    prompt = [[(5 * j) % 4000 + 3 for j in range(300)]]
+    outs = [[o.token_ids for o in LLM(path, device="cuda", dtype="float32", num_kv_blocks=64, max_model_len=512,
+                                      max_num_batched_tokens=32, async_scheduling=mode).generate(prompt, GREEDY)]
+            for mode in ("on", "off")]
+    assert outs[0] == outs[1] and len(outs[0][0]) == GREEDY.max_tokens
+    free_gpu()
+
+
 def test_bench_offline_counts_the_devices_idle_time(tmp_path, capsys):
     """``tools/bench_offline.py`` on CUDA: ``device_idle_share``, the steps' wall time that no step's device work
     filled (CUDA events around each step's forward and sampling), lies strictly between 0 and 1."""

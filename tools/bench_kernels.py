@@ -165,7 +165,7 @@ def cases(model: str, batch: int, contexts: list[int], prefill: tuple[int, int])
                    lambda q=qr, k=kr, c=cos, s=sin: ref.apply_rope_(q, k, c, s), eager)
         # the two above in one launch, as a layer runs them (the new keys turned and stored from registers)
         vr = qkv[:, (h + hkv) * d:].view(n, hkv, d)
-        yield Case("rope_and_store_", model, f"T={n}", (2 * n * (h + 2 * hkv) * d + 2 * cos.numel()) * ELT + n * 8,
+        yield Case("rope_and_store_", model, f"T={n}", (n * (2 * h + 5 * hkv) * d + 2 * cos.numel()) * ELT + n * 8,
                    lambda q=qr, k=kr, v=vr, c=cos, s=sin, kc=caches, sl=slots: tri.rope_and_store_(q, k, v, c, s, *kc,
                                                                                                  sl, d),
                    lambda q=qr, k=kr, v=vr, c=cos, s=sin, kc=caches, sl=slots: (tri.apply_rope_(q, k, c, s),

@@ -41,8 +41,9 @@ engine's objects (the engine's code is untouched; on CUDA each step ends with a 
   work (each step's span between the CUDA events around its forward and sampling,
   ``Launched.seconds()``): what the host costs the device. Under asynchronous scheduling the host's work
   for one step overlaps the device's for the one before, so that ``host_share`` may be high while this
-  is low; it is the figure issue "GPU path"'s goal of host overhead under 10% means. (A span holds the
-  device's waits for launches the host issues inside it: an eager step's.)
+  is low; it is the figure issue "GPU path"'s goal of host overhead under 10% means. A step's span runs
+  from the end of ``ModelRunner._prepare`` to its sampling's launch, so the device's waits inside it
+  count as busy (for ``forward_step``'s host part, and an eager step's launches): a lower bound.
 
 The last line of output is one JSON object.
 
