@@ -234,15 +234,17 @@ class Attention(nn.Module):
         self.in_window_pool = False
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-                rope: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
+                rope: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+                norms: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
         """q: (T, H, D), k/v: (T, Hkv, D) -> (T, H, D). ``rope``: (cos, sin, rot), RoPE still to turn the first
-        rot dims of each head of q and k by, in place, as k goes into the cache (``kernels.rope_and_store_``)."""
+        rot dims of each head of q and k by, in place, as k goes into the cache; ``norms``: (q's weight, k's, eps),
+        an RMSNorm of each head of q and k before it (``kernels.rope_and_store_``)."""
         if self.in_window_pool:
             meta = meta.windowed(self.k_cache.shape[1])
         if rope is None:
             kernels.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         else:
-            kernels.rope_and_store_(q, k, v, *rope[:2], self.k_cache, self.v_cache, meta.slot_mapping, rope[2])
+            kernels.rope_and_store_(q, k, v, *rope[:2], self.k_cache, self.v_cache, meta.slot_mapping, rope[2], norms)
         d, p = meta.decode, meta.prefill
         if d is None:
             return self._prefill(q, p)  # (T, H, D)

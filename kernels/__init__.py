@@ -247,13 +247,18 @@ def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
 
 
 def rope_and_store_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, rot: int) -> None:
-    """``apply_rope_`` on the first ``rot`` dims of each head of q and k, then ``store_kvcache`` of k and v: a
-    layer's step into the cache. Triton's in one launch; elsewhere the two, one after the other (the spec)."""
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, rot: int,
+                    norms: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> None:
+    """A layer's new q, k (T, heads, D) and v made ready and k, v stored: with ``norms`` (q's (D,) weight, k's,
+    eps) ``rms_norm`` of each head first, in place; ``apply_rope_`` on the first ``rot`` dims of each head; then
+    ``store_kvcache``. Triton's in one launch; elsewhere these, one after the other (the spec)."""
     m = _pick(q)
     if hasattr(m, "rope_and_store_"):
-        m.rope_and_store_(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, rot)
+        m.rope_and_store_(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, rot, norms)
         return
+    if norms is not None:
+        for x, w in zip((q, k), norms[:2], strict=True):
+            x.copy_(m.rms_norm(x.reshape(-1, x.shape[-1]), w, norms[2]).view(x.shape))
     m.apply_rope_(q[..., :rot], k[..., :rot], cos, sin)
     m.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
 

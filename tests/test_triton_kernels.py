@@ -252,29 +252,35 @@ def test_triton_rope_on_the_first_dims_of_each_head():
     torch.testing.assert_close(k, want_k, **TOL[F32])
 
 
-@pytest.mark.parametrize("dtype,cache_dtype,h,hkv,d,rot", [(F32, F32, 4, 2, 16, 16), (BF16, BF16, 9, 3, 64, 64),
-                                                          (F16, E4M3, 4, 1, 32, 32), (F32, F32, 4, 2, 16, 12),
-                                                          (BF16, E5M2, 7, 1, 64, 48)])
-def test_triton_rope_and_store_matches_the_reference_two(dtype, cache_dtype, h, hkv, d, rot):
-    """``rope_and_store_``: q and k turned in place and k, v stored, as the reference's ``apply_rope_`` (on each head's
-    first ``rot`` dims: partial rotary) then ``store_kvcache`` (an fp8 cache too); a padding slot (-1) stores
-    nothing, its token is turned all the same."""
+@pytest.mark.parametrize("dtype,cache_dtype,h,hkv,d,rot,norm", [
+    (F32, F32, 4, 2, 16, 16, None), (BF16, BF16, 9, 3, 64, 64, None), (F16, E4M3, 4, 1, 32, 32, None),
+    (F32, F32, 4, 2, 16, 12, None), (BF16, E5M2, 7, 1, 64, 48, None), (BF16, BF16, 8, 2, 64, 64, BF16),
+    (BF16, BF16, 5, 3, 32, 32, F32), (F32, F32, 4, 2, 16, 12, F32), (F16, E4M3, 6, 2, 32, 24, F16)])
+def test_triton_rope_and_store_matches_the_reference_ones(dtype, cache_dtype, h, hkv, d, rot, norm):
+    """``rope_and_store_``: q and k (with ``norm``: first each head RMS-normed, Qwen3's weight in the model's dtype
+    or Gemma 3's float32 one) turned in place and k, v stored, as the reference's ``rms_norm``, ``apply_rope_`` (on
+    each head's first ``rot`` dims: partial rotary) then ``store_kvcache`` (an fp8 cache too); a padding slot (-1)
+    stores nothing, its token is made ready all the same."""
     t, nblocks, page = 7, 4, 8
     qkv = randn(t, (h + 2 * hkv) * d, dtype=dtype)
     views = lambda x: (x[:, :h * d].view(t, h, d), x[:, h * d:(h + hkv) * d].view(t, hkv, d),  # noqa: E731
                        x[:, (h + hkv) * d:].view(t, hkv, d))
     ang = torch.rand(t, rot // 2, generator=gen()).to(DEVICE) * 100
     cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+    norms = None if norm is None else (1 + randn(d, dtype=norm) / 4, 1 + randn(d, dtype=norm) / 4, 1e-6)
     slots = torch.randperm(nblocks * page, generator=gen())[:t].to(DEVICE)
     slots[3] = -1
     cache = torch.zeros(nblocks, page, hkv, d, dtype=dtype, device=DEVICE).to(cache_dtype)
     got, want = qkv.clone(), qkv.clone()
     caches, want_caches = (cache.clone(), cache.clone()), (cache.clone(), cache.clone())
-    tri.rope_and_store_(*views(got), cos, sin, *caches, slots, rot)
+    tri.rope_and_store_(*views(got), cos, sin, *caches, slots, rot, norms)
     q, k, v = views(want)
+    if norms is not None:
+        for x, w in zip((q, k), norms[:2], strict=True):
+            x.copy_(ref.rms_norm(x.reshape(-1, d), w, norms[2]).view(x.shape))
     ref.apply_rope_(q[..., :rot], k[..., :rot], cos, sin)
     torch.testing.assert_close(got, want, **TOL[dtype])
-    keep = slots >= 0  # the keys it turned, stored as the reference stores them: the same bytes
+    keep = slots >= 0  # the keys it made, stored as the reference stores them: the same bytes
     _, k, v = views(got)
     ref.store_kvcache(k[keep], v[keep], *want_caches, slots[keep])
     for c, w in zip(caches, want_caches, strict=True):
@@ -790,6 +796,23 @@ def test_triton_engine_gguf_kept_packed_greedy_equals_reference(tmp_path, smollm
 
     outs, _ = greedy_by_backend(monkeypatch, gguf, [3, 20], 3, check, tokenizer=path)
     assert outs["triton"] == outs["reference"]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3_text", "phi3"])
+def test_triton_engine_head_norms_and_partial_rotary_greedy_equal_reference(arch, tmp_path, smollm_tokenizer_dir,
+                                                                           monkeypatch):
+    """Qwen3's per-head q/k norms (Gemma 3's with their float32 1 + w weights) and Phi-3's partial rotary (a quarter
+    of each head's dims left unturned), made in ``rope_and_store_``'s one Triton launch with the store: the same
+    greedy tokens as the reference kernels'."""
+    from tests.conftest import make_tiny_model
+
+    extra = {"head_dim": 24} if arch == "qwen3" else {"partial_rotary_factor": 0.75}
+    path = make_tiny_model(str(tmp_path / arch), arch, smollm_tokenizer_dir, seed=5, **extra)
+    calls = []
+    monkeypatch.setattr(tri, "rope_and_store_", lambda *a, _real=tri.rope_and_store_: calls.append(a[-1]) or _real(*a))
+    outs, _ = greedy_by_backend(monkeypatch, path, [3, 30], 4)
+    assert outs["triton"] == outs["reference"]
+    assert calls and all((norms is not None) == (arch != "phi3") for norms in calls)
 
 
 def test_triton_engine_moe_greedy_equals_reference(tmp_path, smollm_tokenizer_dir, monkeypatch):

@@ -171,6 +171,19 @@ def cases(model: str, batch: int, contexts: list[int], prefill: tuple[int, int])
                    lambda q=qr, k=kr, v=vr, c=cos, s=sin, kc=caches, sl=slots: (tri.apply_rope_(q, k, c, s),
                                                                                 tri.store_kvcache(k, v, *kc, sl)),
                    "apply_rope_ then store_kvcache (Triton)")
+        # and with Qwen3's per-head q/k norms first, against the four launches the model made for them
+        norms = (1 + randn(d) / 4, 1 + randn(d) / 4, 1e-6)
+
+        def apart(q=qr, k=kr, v=vr, c=cos, s=sin, kc=caches, sl=slots, w=norms):
+            qn = tri.rms_norm(q.reshape(-1, d), w[0], w[2]).view(q.shape)
+            kn = tri.rms_norm(k.reshape(-1, d), w[1], w[2]).view(k.shape)
+            tri.apply_rope_(qn, kn, c, s)
+            tri.store_kvcache(kn, v, *kc, sl)
+
+        yield Case("rope_and_store_", model, f"T={n}, head norms",
+                   (n * (2 * h + 5 * hkv) * d + 2 * cos.numel() + 2 * d) * ELT + n * 8,
+                   lambda q=qr, k=kr, v=vr, c=cos, s=sin, kc=caches, sl=slots, w=norms: tri.rope_and_store_(
+                       q, k, v, c, s, *kc, sl, d, w), apart, "rms_norm x2, apply_rope_, store_kvcache (Triton)")
         gate_up = randn(n, 2 * inter)
         yield Case("silu_and_mul", model, f"T={n}", 3 * n * inter * ELT,
                    lambda x=gate_up: tri.silu_and_mul(x), lambda x=gate_up: ref.silu_and_mul(x), eager)

@@ -71,11 +71,12 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.out_sizes, dim=-1)
         if self.across:
             q, k = self._across(q, self.q_norm, 0, 1), self._across(k, self.k_norm, 1, self.replicas)
-        elif self.q_norm is not None:  # each head's D values normed as rows: (T * H, D)
-            q, k = self.q_norm(q.reshape(t * self.h, self.d)), self.k_norm(k.reshape(t * self.hkv, self.d))
         q, k, v = q.view(t, self.h, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
-        # RoPE (the first rot dims of each head turned, in place, in the qkv projection's output) as k is stored
-        o = self.attn(q, k, v, meta, (cos, sin, self.rot))  # (T, H, D)
+        # each head's D values normed (Qwen3, Gemma 3), then RoPE (the first rot dims of each head turned), in
+        # place, in the qkv projection's output, as k is stored
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) \
+            if self.q_norm is not None and not self.across else None
+        o = self.attn(q, k, v, meta, (cos, sin, self.rot), norms)  # (T, H, D)
         return self.o_proj(o.reshape(t, self.h * self.d))
 
     def load_sinks(self, w: torch.Tensor) -> None:

@@ -25,6 +25,7 @@ from kernels.triton.activation import _act_and_mul_kernel
 from kernels.triton.attention_decode import _decode_kernel, _merge_splits_kernel
 from kernels.triton.attention_prefill import _prefill_kernel
 from kernels.triton.kv_store import _store_kvcache_kernel
+from kernels.triton.launch import next_pow2
 from kernels.triton.linear_packed import BLOCK_N, FORMATS, _dequantize_kernel, _linear_packed_kernel, _quants
 from kernels.triton.moe import _moe_gemm_kernel
 from kernels.triton.norm import _rms_norm_kernel
@@ -97,11 +98,14 @@ def variants(everything: bool):
                dict(HAS_RESIDUAL=residual, ROUND_FIRST=round_first, BLOCK=1024), ("eps",))
     yield (_rope_kernel, {"q_ptr": p, "k_ptr": p, "cos_ptr": p, "sin_ptr": p},
            dict(H=9, HKV=3, HALF=32, BLOCK_H=16, BLOCK_HALF=32), ())
-    for fmt, half in ((0, 32), (1, 32), (0, 24)):  # (24 of 64 dims a half: partial rotary, Phi-4-mini's)
+    # (24 of 64 dims a half: partial rotary, Phi-4-mini's; NORM 1 Qwen3's q/k norms, 2 Gemma 3's float32 weights)
+    for fmt, half, norm in ((0, 32, 0), (1, 32, 0), (0, 24, 0), (0, 32, 1), (1, 32, 2), (0, 24, 2)):
         c = "*u8" if fmt else p
+        w = "*fp32" if norm == 2 else p
         yield (_rope_store_kernel, {"q_ptr": p, "k_ptr": p, "v_ptr": p, "cos_ptr": p, "sin_ptr": p, "k_cache_ptr": c,
-                                    "v_cache_ptr": c, "slot_ptr": "*i64"},
-               dict(H=14, HKV=2, D=64, HALF=half, BLOCK_H=16, BLOCK_HKV=2, BLOCK_HALF=32, BLOCK_D=64, FMT=fmt), ())
+                                    "v_cache_ptr": c, "slot_ptr": "*i64", "qw_ptr": w, "kw_ptr": w},
+               dict(H=14, HKV=2, D=64, HALF=half, BLOCK_H=16, BLOCK_HKV=2, BLOCK_HALF=32,
+                    BLOCK_REST=next_pow2(max(64 - 2 * half, 1)), BLOCK_D=64, NORM=norm, FMT=fmt), ("eps",))
     for gelu in (False, True):
         yield (_act_and_mul_kernel, {"x_ptr": p, "out_ptr": p}, dict(GELU=gelu, BLOCK=1024), ())
     for dt, block_m, weighted in itertools.product(dtypes, (16, 64), (False, True)):

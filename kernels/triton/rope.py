@@ -20,27 +20,45 @@ from kernels.triton.launch import check_same, check_tensor, next_pow2, require
 
 
 @triton.jit
-def _turn(p1, mask, c, s, HALF: tl.constexpr):
-    """Rotate-half in place: each row's first halves at ``p1``, second at ``p1 + HALF``, by the float32 ``c``
-    and ``s``, products and sums rounded to the tensor's dtype as the reference's are. Returns the new halves."""
-    dtype = p1.dtype.element_ty
-    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
-    y1 = ((x1 * c).to(dtype).to(tl.float32) - (x2 * s).to(dtype).to(tl.float32)).to(dtype)
-    y2 = ((x2 * c).to(dtype).to(tl.float32) + (x1 * s).to(dtype).to(tl.float32)).to(dtype)
-    tl.store(p1, y1, mask=mask)
-    tl.store(p1 + HALF, y2, mask=mask)
-    return y1, y2
+def _normed(x, rstd, w_ptr, mask, dtype, NORM: tl.constexpr):
+    """``kernels.reference.rms_norm``'s rule for one part of the rows (``x`` float32, ``rstd`` each row's): a weight in
+    the rows' dtype (NORM 1) multiplies the rounded row, a float32 one (NORM 2, Gemma's 1 + w) multiplies before
+    the one rounding. Returns the values rounded to ``dtype``, as float32."""
+    w = tl.load(w_ptr, mask=mask, other=0.0).to(tl.float32)
+    if NORM == 1:
+        y = (x * rstd).to(dtype).to(tl.float32) * w
+    else:
+        y = x * rstd * w
+    return y.to(dtype).to(tl.float32)
 
 
 @triton.jit
-def _turn_heads(x_ptr, stride_h, heads, cos_ptr, sin_ptr, offs_h, offs_c, HALF: tl.constexpr):
-    """One token's ``heads`` heads at ``x_ptr`` turned in place by its angles; returns its (float32) cos and sin."""
-    cmask = offs_c < HALF
-    c = tl.load(cos_ptr + offs_c, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    s = tl.load(sin_ptr + offs_c, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    _turn(x_ptr + offs_h[:, None] * stride_h + offs_c[None, :], (offs_h[:, None] < heads) & cmask[None, :], c, s, HALF)
-    return c, s
+def _prepare_heads(x_ptr, stride_h, heads, w_ptr, eps, c, s, offs_h, offs_c, offs_r,
+                   D: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr):
+    """One token's ``heads`` heads at ``x_ptr`` made ready for attention, in place: RMS-normed over each head's D
+    values by the (D,) weight at ``w_ptr`` (NORM: 0 none, else ``_normed``'s rule), then their first ``2 * HALF``
+    dims turned. Returns the three parts as stored (the two halves, the dims past them), in the rows' dtype."""
+    dtype = x_ptr.dtype.element_ty
+    rows = offs_h[:, None] < heads
+    m1 = rows & (offs_c[None, :] < HALF)
+    mr = rows & (offs_r[None, :] < D - 2 * HALF)
+    p1 = x_ptr + offs_h[:, None] * stride_h + offs_c[None, :]
+    pr = x_ptr + offs_h[:, None] * stride_h + 2 * HALF + offs_r[None, :]
+    x1 = tl.load(p1, mask=m1, other=0.0).to(tl.float32)
+    x2 = tl.load(p1 + HALF, mask=m1, other=0.0).to(tl.float32)
+    xr = tl.load(pr, mask=mr, other=0.0).to(tl.float32)
+    if NORM:
+        squares = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1) + tl.sum(xr * xr, axis=1)
+        rstd = tl.rsqrt(squares / D + eps)[:, None]
+        x1 = _normed(x1, rstd, w_ptr + offs_c[None, :], m1, dtype, NORM)
+        x2 = _normed(x2, rstd, w_ptr + HALF + offs_c[None, :], m1, dtype, NORM)
+        xr = _normed(xr, rstd, w_ptr + 2 * HALF + offs_r[None, :], mr, dtype, NORM)
+        tl.store(pr, xr.to(dtype), mask=mr)
+    y1 = ((x1 * c).to(dtype).to(tl.float32) - (x2 * s).to(dtype).to(tl.float32)).to(dtype)
+    y2 = ((x2 * c).to(dtype).to(tl.float32) + (x1 * s).to(dtype).to(tl.float32)).to(dtype)
+    tl.store(p1, y1, mask=m1)
+    tl.store(p1 + HALF, y2, mask=m1)
+    return y1, y2, xr.to(dtype)
 
 
 @triton.jit
@@ -53,11 +71,12 @@ def _rope_kernel(
     t = tl.program_id(0).to(tl.int64)  # one program per token: its q heads, then its k heads
     offs_h = tl.arange(0, BLOCK_H)
     offs_c = tl.arange(0, BLOCK_HALF)
+    offs_r = tl.arange(0, 1)  # (no dims past the turned ones: the caller's views end there)
     cmask = offs_c < HALF
-    c, s = _turn_heads(q_ptr + t * stride_qt, stride_qh, H, cos_ptr + t * stride_cos, sin_ptr + t * stride_sin,
-                       offs_h, offs_c, HALF)
-    _turn(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_c[None, :],
-          (offs_h[:, None] < HKV) & cmask[None, :], c, s, HALF)
+    c = tl.load(cos_ptr + t * stride_cos + offs_c, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + t * stride_sin + offs_c, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    _prepare_heads(q_ptr + t * stride_qt, stride_qh, H, q_ptr, 0.0, c, s, offs_h, offs_c, offs_r, 2 * HALF, HALF, 0)
+    _prepare_heads(k_ptr + t * stride_kt, stride_kh, HKV, k_ptr, 0.0, c, s, offs_h, offs_c, offs_r, 2 * HALF, HALF, 0)
 
 
 def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -85,57 +104,52 @@ def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
 
 @triton.jit
 def _rope_store_kernel(
-    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, qw_ptr, kw_ptr, eps,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, stride_sin,
     stride_cache_slot, stride_cache_h,
     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
-    FMT: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
+    BLOCK_D: tl.constexpr, NORM: tl.constexpr, FMT: tl.constexpr,
 ):
-    """``_rope_kernel``'s rotation of each head's first ``2 * HALF`` dims, then ``_store_kvcache_kernel``'s
-    store of the token's k (as rotated, from registers) and v, in one program per token."""
+    """``_prepare_heads`` of q's heads and k's (normed by their own weights where NORM, turned), then
+    ``_store_kvcache_kernel``'s store of the token's k (as made, from registers) and v, in one program per token."""
     t = tl.program_id(0).to(tl.int64)
-    offs_h = tl.arange(0, BLOCK_H)
     offs_c = tl.arange(0, BLOCK_HALF)
+    offs_r = tl.arange(0, BLOCK_REST)
     cmask = offs_c < HALF
-    c, s = _turn_heads(q_ptr + t * stride_qt, stride_qh, H, cos_ptr + t * stride_cos, sin_ptr + t * stride_sin,
-                       offs_h, offs_c, HALF)
+    c = tl.load(cos_ptr + t * stride_cos + offs_c, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + t * stride_sin + offs_c, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    _prepare_heads(q_ptr + t * stride_qt, stride_qh, H, qw_ptr, eps, c, s, tl.arange(0, BLOCK_H), offs_c, offs_r,
+                   D, HALF, NORM)
+    offs_g = tl.arange(0, BLOCK_HKV)
+    y1, y2, yr = _prepare_heads(k_ptr + t * stride_kt, stride_kh, HKV, kw_ptr, eps, c, s, offs_g, offs_c, offs_r,
+                                D, HALF, NORM)
 
     slot = tl.load(slot_ptr + t).to(tl.int64)
-    # a negative slot marks a padding token (vLLM's convention): rotated, not stored (as a head count: see
+    # a negative slot marks a padding token (vLLM's convention): made ready, not stored (as a head count: see
     # _store_kvcache_kernel)
-    stored = tl.where(slot >= 0, HKV, 0)
-    offs_g = tl.arange(0, BLOCK_HKV)
-    y1, y2 = _turn(k_ptr + t * stride_kt + offs_g[:, None] * stride_kh + offs_c[None, :],
-                   (offs_g[:, None] < HKV) & cmask[None, :], c, s, HALF)
-    dst = k_cache_ptr + slot * stride_cache_slot + offs_g[:, None] * stride_cache_h + offs_c[None, :]
-    mask = (offs_g[:, None] < stored) & cmask[None, :]
+    rows = offs_g[:, None] < tl.where(slot >= 0, HKV, 0)
     if FMT:
-        y1 = float_to_fp8(y1.to(tl.float32), FMT)
-        y2 = float_to_fp8(y2.to(tl.float32), FMT)
-    tl.store(dst, y1, mask=mask)
-    tl.store(dst + HALF, y2, mask=mask)
-
-    # the rest of k (dims past the rotated ones: partial rotary), and v, as they are
+        y1, y2, yr = float_to_fp8(y1.to(tl.float32), FMT), float_to_fp8(y2.to(tl.float32), FMT), \
+            float_to_fp8(yr.to(tl.float32), FMT)
+    dst = k_cache_ptr + slot * stride_cache_slot + offs_g[:, None] * stride_cache_h
+    tl.store(dst + offs_c[None, :], y1, mask=rows & cmask[None, :])
+    tl.store(dst + HALF + offs_c[None, :], y2, mask=rows & cmask[None, :])
+    tl.store(dst + 2 * HALF + offs_r[None, :], yr, mask=rows & (offs_r[None, :] < D - 2 * HALF))
     offs_d = tl.arange(0, BLOCK_D)
-    heads = offs_g[:, None] < stored
-    rest = heads & (offs_d[None, :] >= 2 * HALF) & (offs_d[None, :] < D)
-    k = tl.load(k_ptr + t * stride_kt + offs_g[:, None] * stride_kh + offs_d[None, :], mask=rest)
-    mask = heads & (offs_d[None, :] < D)
+    mask = rows & (offs_d[None, :] < D)
     v = tl.load(v_ptr + t * stride_vt + offs_g[:, None] * stride_vh + offs_d[None, :], mask=mask)
     if FMT:
-        k = float_to_fp8(k.to(tl.float32), FMT)
         v = float_to_fp8(v.to(tl.float32), FMT)
-    dst = slot * stride_cache_slot + offs_g[:, None] * stride_cache_h + offs_d[None, :]
-    tl.store(k_cache_ptr + dst, k, mask=rest)
-    tl.store(v_cache_ptr + dst, v, mask=mask)
+    tl.store(v_cache_ptr + slot * stride_cache_slot + offs_g[:, None] * stride_cache_h + offs_d[None, :], v, mask=mask)
 
 
 def rope_and_store_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, rot: int) -> None:
-    """``apply_rope_`` on the first ``rot`` dims of each head of q (T, H, D) and k (T, Hkv, D), then
-    ``store_kvcache`` of k and v into their slots: one launch (twin: ``kernels.reference``'s ``apply_rope_``, then
-    its ``store_kvcache``)."""
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, rot: int,
+                    norms: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> None:
+    """``norms`` (q's (D,) weight, k's, eps): ``rms_norm`` of each head of q (T, H, D) and k (T, Hkv, D) first, in
+    place (Qwen3's, Gemma 3's); then ``apply_rope_`` on the first ``rot`` dims of each head, then ``store_kvcache``
+    of k and v into their slots: one launch (twin: ``kernels.reference``'s three, one after the other)."""
     check_store(k, v, k_cache, v_cache, slot_mapping)
     for name, x, nd in (("q", q, 3), ("cos", cos, 2), ("sin", sin, 2)):
         check_tensor(name, x, nd)
@@ -146,13 +160,22 @@ def rope_and_store_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
     require(0 < rot <= d and rot % 2 == 0, f"rot must be even, in 1..{d}, got {rot}")
     for name, x in (("cos", cos), ("sin", sin)):
         require(tuple(x.shape) == (t, rot // 2), f"{name} must be ({t}, {rot // 2}), got {tuple(x.shape)}")
+    qw, kw, eps = norms if norms is not None else (q, q, 0.0)  # (no norm: pointers never read)
+    if norms is not None:
+        for name, w in (("q_norm", qw), ("k_norm", kw)):
+            check_tensor(name, w, 1)
+            require(tuple(w.shape) == (d,), f"{name} must have {d} entries, got {tuple(w.shape)}")
+        check_same("dtype", ["q_norm", "k_norm"], [qw.dtype, kw.dtype])
+        require(qw.dtype in (q.dtype, torch.float32), f"the norms' weights must be {q.dtype} or float32, got {qw.dtype}")
+        check_same("device", ["q", "q_norm", "k_norm"], [q.device, qw.device, kw.device])
     if t == 0:
         return
     k_cache, v_cache, fmt = cache_args(k_cache, v_cache)
     _rope_store_kernel[(t,)](
-        q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
+        q, k, v, cos, sin, k_cache, v_cache, slot_mapping, qw, kw, float(eps),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
         k_cache.stride(1), k_cache.stride(2),
         H=h, HKV=k.shape[1], D=d, HALF=rot // 2, BLOCK_H=next_pow2(h), BLOCK_HKV=next_pow2(k.shape[1]),
-        BLOCK_HALF=next_pow2(rot // 2), BLOCK_D=next_pow2(d), FMT=fmt,
+        BLOCK_HALF=next_pow2(rot // 2), BLOCK_REST=next_pow2(max(d - rot, 1)), BLOCK_D=next_pow2(d),
+        NORM=0 if norms is None else 1 if qw.dtype == q.dtype else 2, FMT=fmt,
     )
