@@ -238,7 +238,7 @@ class Attention(nn.Module):
                 norms: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
         """q: (T, H, D), k/v: (T, Hkv, D) -> (T, H, D). ``rope``: (cos, sin, rot), RoPE still to turn the first
         rot dims of each head of q and k by, in place, as k goes into the cache; ``norms``: (q's weight, k's, eps),
-        an RMSNorm of each head of q and k before it (``kernels.rope_and_store_``)."""
+        an RMSNorm of each head of q and k before it, with ``rope`` only (``kernels.rope_and_store_``)."""
         if self.in_window_pool:
             meta = meta.windowed(self.k_cache.shape[1])
         if rope is None:

@@ -1,7 +1,9 @@
 """Rotary position embedding applied to q and k in place, rotate-half (neox /
 Hugging Face) layout (twin of ``kernels.reference.apply_rope_``); and fused with the
-store of the step's keys and values into the paged KV cache (``rope_and_store_``, whose
-twin is the reference's two one after the other): one launch a layer fewer, k read once.
+store of the step's keys and values into the paged KV cache, after Qwen3's and Gemma 3's
+per-head q/k norms where a model has them (``rope_and_store_``, whose twin is the
+reference's rms_norm, apply_rope_ and store_kvcache one after the other): one launch
+a layer for all of them, k read once.
 
 cos/sin are the model's per-token tables, ``(T, D/2)``, already in the model
 dtype: every RoPE scaling is folded into them upstream, so this kernel knows none.
