@@ -500,8 +500,8 @@ class ModelRunner:
         if self.device.type == "cpu" and kernels.batch_invariant() != self.config.batch_invariant:
             kernels.set_batch_invariant(self.config.batch_invariant)  # (the mode is the process's: engines share it)
         driver = isinstance(step, DriverStep)
-        t, images = len(step.token_ids), driver and step.image_rows
-        replay = self.graphs is not None and t == len(step.query_lens) and not images and self.graphs.serves(t)
+        t, has_images = len(step.token_ids), driver and bool(step.image_rows)
+        replay = self.graphs is not None and t == len(step.query_lens) and not has_images and self.graphs.serves(t)
         cached = step.computed_lens
         unsplit = kernels.prefill_takes_decodes(self.device, max(cached, default=0), sum(cached) * self.local_cfg.num_kv_heads)
         index = StepIndex.build(step.query_lens, cached, step.table_rows, split=not unsplit, sort=not replay)
@@ -509,7 +509,7 @@ class ModelRunner:
             if driver and step.in_flight_at else {}
         pooling = {"pool_rows": ints(step.pool_rows), "pool_into": ints(step.pool_into)} \
             if driver and step.pool_rows else {}
-        images = {"image_rows": ints(step.image_rows)} if images else {}
+        images = {"image_rows": ints(step.image_rows)} if has_images else {}
         lora = {"lora_slots": torch.repeat_interleave(ints(step.lora_slots), ints(step.query_lens))} \
             if self.lora is not None else {}  # each token's adapter slot
         dev = self.staging({"token_ids": ints(step.token_ids), "logits_rows": ints(step.logits_rows),
