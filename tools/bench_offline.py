@@ -334,7 +334,7 @@ class StepProbe:
 
     def collect(self, launched):
         result = self._collect(launched)
-        if launched.events is not None:  # (collected: its events have fired)
+        if launched.events is not None:  # (CUDA: timed by its events, once its end has fired)
             self.device_seconds += launched.seconds()
         return result
 
@@ -373,6 +373,7 @@ class StepProbe:
         return int(self.weight_bytes - nbytes * (1 - k / e) ** seqs)
 
     def report(self, bandwidth: float) -> StepReport:
+        seconds = sum(w for w, _, _, _ in self.steps)  # (the steps' wall time)
         decodes = [  # (wall s, floor s)
             (wall, (self.step_weight_bytes(seqs) + kv) / bandwidth)
             for wall, _, kv, seqs in self.steps
@@ -394,8 +395,8 @@ class StepProbe:
             decode_step_s=median([wall for wall, _ in decodes]),
             decode_floor_s=median([floor for _, floor in decodes]),
             decode_vs_floor=median([wall / floor for wall, floor in decodes]),
-            host_share=sum(h for _, h, _, _ in self.steps) / sum(w for w, _, _, _ in self.steps),
-            device_idle_share=1 - self.device_seconds / sum(w for w, _, _, _ in self.steps) if self.cuda else None,
+            host_share=sum(h for _, h, _, _ in self.steps) / seconds,
+            device_idle_share=1 - self.device_seconds / seconds if self.cuda else None,
             bandwidth=bandwidth,
             weight_bytes=self.weight_bytes,
         )
