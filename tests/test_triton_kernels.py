@@ -225,7 +225,8 @@ def test_triton_rms_norms_match_reference(dtype, t, n, poison):
     torch.testing.assert_close(new_res, want_res, **TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype,t,h,hkv,d", [(F32, 6, 4, 2, 16), (BF16, 3, 9, 3, 64), (F16, 2, 4, 1, 128)])
+@pytest.mark.parametrize("dtype,t,h,hkv,d", [(F32, 6, 4, 2, 16), (BF16, 3, 9, 3, 64), (F16, 2, 4, 1, 128),
+                                               (BF16, 2, 36, 20, 128)])  # (q's heads in 3 programs, k's in 2)
 def test_triton_rope_in_place_matches_reference(dtype, t, h, hkv, d):
     qkv = randn(t, (h + 2 * hkv) * d, dtype=dtype)
     q, k = qkv[:, :h * d].view(t, h, d), qkv[:, h * d:(h + hkv) * d].view(t, hkv, d)  # views, as the model's
@@ -255,12 +256,14 @@ def test_triton_rope_on_the_first_dims_of_each_head():
 @pytest.mark.parametrize("dtype,cache_dtype,h,hkv,d,rot,norm", [
     (F32, F32, 4, 2, 16, 16, None), (BF16, BF16, 9, 3, 64, 64, None), (F16, E4M3, 4, 1, 32, 32, None),
     (F32, F32, 4, 2, 16, 12, None), (BF16, E5M2, 7, 1, 64, 48, None), (BF16, BF16, 8, 2, 64, 64, BF16),
-    (BF16, BF16, 5, 3, 32, 32, F32), (F32, F32, 4, 2, 16, 12, F32), (F16, E4M3, 6, 2, 32, 24, F16)])
+    (BF16, BF16, 5, 3, 32, 32, F32), (F32, F32, 4, 2, 16, 12, F32), (F16, E4M3, 6, 2, 32, 24, F16),
+    (F16, F16, 36, 20, 128, 128, F16), (F32, E4M3, 40, 18, 128, 96, F32)])
 def test_triton_rope_and_store_matches_the_reference_ones(dtype, cache_dtype, h, hkv, d, rot, norm):
     """``rope_and_store_``: q and k (with ``norm``: first each head RMS-normed, Qwen3's weight in the model's dtype
     or Gemma 3's float32 one) turned in place and k, v stored, as the reference's ``rms_norm``, ``apply_rope_`` (on
     each head's first ``rot`` dims: partial rotary) then ``store_kvcache`` (an fp8 cache too); a padding slot (-1)
-    stores nothing, its token is made ready all the same."""
+    stores nothing, its token is made ready all the same. The last two: q's and k's heads over several programs
+    a token, the last of each partly filled."""
     t, nblocks, page = 7, 4, 8
     qkv = randn(t, (h + 2 * hkv) * d, dtype=dtype)
     views = lambda x: (x[:, :h * d].view(t, h, d), x[:, h * d:(h + hkv) * d].view(t, hkv, d),  # noqa: E731

@@ -3,17 +3,23 @@ a GPU (Triton ships ptxas): what the interpreter accepts but the compiler
 rejects (a ``tl.dot`` under 16 wide, a loop-carried value changing type, a
 non-power-of-two range) fails here on a CPU-only machine.
 
-Run ``python -m kernels.triton.compile_check [--all]`` with ``TRITON_INTERPRET``
+Run ``python -m kernels.triton.compile_check [--all] [--resources]`` with ``TRITON_INTERPRET``
 unset. By default one variant of each kernel, in each dtype for attention; the packed kernels' every
 format in bf16, and in each dtype and launch shape for ``COMMON``'s (the format's code is its own
 branch of ``_expand``, the same in every dtype); ``--all`` adds head sizes 8, 64, 128, fp16 and every
-format in every variant.
+format in every variant. ``--resources`` prints each variant's registers a thread and spilled bytes
+(``cuobjdump --dump-resource-usage`` of its cubin, the tool Triton ships beside ptxas): what bounds how
+many programs share a multiprocessor, known without a GPU.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
 
 import triton
@@ -29,16 +35,17 @@ from kernels.triton.launch import next_pow2
 from kernels.triton.linear_packed import BLOCK_N, FORMATS, _dequantize_kernel, _linear_packed_kernel, _quants
 from kernels.triton.moe import _moe_gemm_kernel
 from kernels.triton.norm import _rms_norm_kernel
-from kernels.triton.rope import _rope_kernel, _rope_store_kernel
+from kernels.triton.rope import _rope_kernel, _rope_store_kernel, heads_per_program
 
 TARGET = GPUTarget("cuda", 90, 32)  # Hopper; any recent arch catches the same errors
 COMMON = ("q4_z", "q4_k")  # the packed formats compiled in every dtype and launch shape (the others: once)
 _SCORES = ("qk_scale", "inv_cap", "cap_log2")  # the attention kernels' float arguments
 
 
-def compile_one(fn, pointers: dict[str, str], constexprs: dict, floats: tuple[str, ...] = ()) -> float:
+def compile_one(fn, pointers: dict[str, str], constexprs: dict, floats: tuple[str, ...] = ()) -> tuple[float, bytes]:
     """Compile ``fn`` with the given pointer types; other arguments are i32 (``floats``: fp32). Every constexpr
-    must be given (one left out would compile as an i32 argument, and check nothing)."""
+    must be given (one left out would compile as an i32 argument, and check nothing). Seconds taken, and the
+    cubin."""
     missing = [p.name for p in fn.params if p.is_constexpr and p.name not in constexprs]
     if missing:
         raise ValueError(f"{fn.__name__}: no value for constexpr {', '.join(missing)}")
@@ -51,8 +58,20 @@ def compile_one(fn, pointers: dict[str, str], constexprs: dict, floats: tuple[st
             signature[name] = pointers[name]
         else:
             signature[name] = "fp32" if name in floats else "i32"
-    triton.compile(ASTSource(fn, signature, constexprs), target=TARGET, options={"num_warps": 4})
-    return time.perf_counter() - start
+    compiled = triton.compile(ASTSource(fn, signature, constexprs), target=TARGET, options={"num_warps": 4})
+    return time.perf_counter() - start, compiled.asm["cubin"]
+
+
+def resources(cubin: bytes) -> dict[str, int]:
+    """A cubin's registers a thread (``REG``) and spilled bytes a thread (``LOCAL``), by Triton's cuobjdump."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        out = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True, check=True).stdout
+    found = dict(re.findall(r"\b(REG|LOCAL):(\d+)", out))
+    return {"registers": int(found["REG"]), "spilled": int(found["LOCAL"])}
 
 
 def variants(everything: bool):
@@ -99,13 +118,15 @@ def variants(everything: bool):
     yield (_rope_kernel, {"q_ptr": p, "k_ptr": p, "cos_ptr": p, "sin_ptr": p},
            dict(H=9, HKV=3, HALF=32, BLOCK_H=16, BLOCK_HALF=32), ())
     # (24 of 64 dims a half: partial rotary, Phi-4-mini's; NORM 1 Qwen3's q/k norms, 2 Gemma 3's float32 weights)
-    for fmt, half, norm in ((0, 32, 0), (1, 32, 0), (0, 24, 0), (0, 32, 1), (1, 32, 2), (0, 24, 2)):
+    # (and 64 query heads of 128, Qwen3-32B's, four programs a token for them)
+    for fmt, half, norm, h, d in ((0, 32, 0, 14, 64), (1, 32, 0, 14, 64), (0, 24, 0, 14, 64), (0, 32, 1, 14, 64),
+                                  (1, 32, 2, 14, 64), (0, 24, 2, 14, 64), (0, 64, 1, 64, 128)):
         c = "*u8" if fmt else p
         w = "*fp32" if norm == 2 else p
         yield (_rope_store_kernel, {"q_ptr": p, "k_ptr": p, "v_ptr": p, "cos_ptr": p, "sin_ptr": p, "k_cache_ptr": c,
                                     "v_cache_ptr": c, "slot_ptr": "*i64", "qw_ptr": w, "kw_ptr": w},
-               dict(H=14, HKV=2, D=64, HALF=half, BLOCK_H=16, BLOCK_HKV=2, BLOCK_HALF=32,
-                    BLOCK_REST=next_pow2(max(64 - 2 * half, 1)), BLOCK_D=64, NORM=norm, FMT=fmt), ("eps",))
+               dict(H=h, HKV=h // 8 + 1, D=d, HALF=half, BLOCK_H=heads_per_program(h, h // 8 + 1, d), BLOCK_HALF=next_pow2(half),
+                    BLOCK_REST=next_pow2(max(d - 2 * half, 1)), BLOCK_D=d, NORM=norm, FMT=fmt), ("eps",))
     for gelu in (False, True):
         yield (_act_and_mul_kernel, {"x_ptr": p, "out_ptr": p}, dict(GELU=gelu, BLOCK=1024), ())
     for dt, block_m, weighted in itertools.product(dtypes, (16, 64), (False, True)):
@@ -146,8 +167,12 @@ def main(argv: list[str]) -> int:
         print("TRITON_INTERPRET is set: kernels are interpreted, nothing to compile", file=sys.stderr)
         return 2
     for fn, pointers, constexprs, floats in variants("--all" in argv):
-        seconds = compile_one(fn, pointers, constexprs, floats)
-        print(f"{fn.__name__} {constexprs} compiled in {seconds:.1f}s")
+        seconds, cubin = compile_one(fn, pointers, constexprs, floats)
+        used = ""
+        if "--resources" in argv:
+            r = resources(cubin)
+            used = f": {r['registers']} registers, {r['spilled']} bytes spilled a thread"
+        print(f"{fn.__name__} {constexprs} compiled in {seconds:.1f}s{used}")
     return 0
 
 

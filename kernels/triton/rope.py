@@ -20,6 +20,8 @@ from kernels.triton.fp8 import cache_args, float_to_fp8
 from kernels.triton.kv_store import check_store
 from kernels.triton.launch import check_same, check_tensor, next_pow2, require
 
+HEAD_ELEMENTS = 2048  # the most head values (heads x head_dim, padded) one program of these kernels holds
+
 
 @triton.jit
 def _normed(x, rstd, w_ptr, mask, dtype, NORM: tl.constexpr):
@@ -70,15 +72,33 @@ def _rope_kernel(
     H: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)  # one program per token: its q heads, then its k heads
+    t = tl.program_id(0).to(tl.int64)  # one program per (token, ``BLOCK_H`` of its heads): q's, then k's
+    j = tl.program_id(1)
     offs_h = tl.arange(0, BLOCK_H)
     offs_c = tl.arange(0, BLOCK_HALF)
     offs_r = tl.arange(0, 1)  # (no dims past the turned ones: the caller's views end there)
     cmask = offs_c < HALF
     c = tl.load(cos_ptr + t * stride_cos + offs_c, mask=cmask, other=0.0).to(tl.float32)[None, :]
     s = tl.load(sin_ptr + t * stride_sin + offs_c, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    _prepare_heads(q_ptr + t * stride_qt, stride_qh, H, q_ptr, 0.0, c, s, offs_h, offs_c, offs_r, 2 * HALF, HALF, 0)
-    _prepare_heads(k_ptr + t * stride_kt, stride_kh, HKV, k_ptr, 0.0, c, s, offs_h, offs_c, offs_r, 2 * HALF, HALF, 0)
+    nq = tl.cdiv(H, BLOCK_H)
+    if j < nq:
+        _prepare_heads(q_ptr + t * stride_qt + j * BLOCK_H * stride_qh, stride_qh, H - j * BLOCK_H, q_ptr, 0.0,
+                       c, s, offs_h, offs_c, offs_r, 2 * HALF, HALF, 0)
+    else:
+        first = (j - nq) * BLOCK_H
+        _prepare_heads(k_ptr + t * stride_kt + first * stride_kh, stride_kh, HKV - first, k_ptr, 0.0,
+                       c, s, offs_h, offs_c, offs_r, 2 * HALF, HALF, 0)
+
+
+def heads_per_program(h: int, hkv: int, d: int) -> int:
+    """How many heads (a power of two) one program of the RoPE kernels takes: all of a token's q heads, and all
+    its k heads, up to ``HEAD_ELEMENTS`` values (64 query heads of 128 with their norms in one program took 220
+    registers a thread; 16 of them take 56)."""
+    return min(next_pow2(max(h, hkv)), max(1, HEAD_ELEMENTS // next_pow2(d)))
+
+
+def _grid(t: int, h: int, hkv: int, per: int) -> tuple[int, int]:
+    return t, triton.cdiv(h, per) + triton.cdiv(hkv, per)
 
 
 def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -97,10 +117,11 @@ def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
         require(tuple(x.shape) == (t, d // 2), f"{name} must be ({t}, {d // 2}), got {tuple(x.shape)}")
     if t == 0:
         return
-    _rope_kernel[(t,)](
+    per = heads_per_program(h, k.shape[1], d)
+    _rope_kernel[_grid(t, h, k.shape[1], per)](
         q, k, cos, sin,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
-        H=h, HKV=k.shape[1], HALF=d // 2, BLOCK_H=next_pow2(max(h, k.shape[1])), BLOCK_HALF=next_pow2(d // 2),
+        H=h, HKV=k.shape[1], HALF=d // 2, BLOCK_H=per, BLOCK_HALF=next_pow2(d // 2),
     )
 
 
@@ -110,40 +131,46 @@ def _rope_store_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, stride_sin,
     stride_cache_slot, stride_cache_h,
     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
     BLOCK_D: tl.constexpr, NORM: tl.constexpr, FMT: tl.constexpr,
 ):
-    """``_prepare_heads`` of q's heads and k's (normed by their own weights where NORM, turned), then
-    ``_store_kvcache_kernel``'s store of the token's k (as made, from registers) and v, in one program per token."""
+    """One program per (token, ``BLOCK_H`` of its heads): ``_prepare_heads`` of q's heads (normed by their weight
+    where NORM, turned), or of k's, then ``_store_kvcache_kernel``'s store of those k heads (as made, from
+    registers) and of their v heads."""
     t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    offs_h = tl.arange(0, BLOCK_H)
     offs_c = tl.arange(0, BLOCK_HALF)
     offs_r = tl.arange(0, BLOCK_REST)
     cmask = offs_c < HALF
     c = tl.load(cos_ptr + t * stride_cos + offs_c, mask=cmask, other=0.0).to(tl.float32)[None, :]
     s = tl.load(sin_ptr + t * stride_sin + offs_c, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    _prepare_heads(q_ptr + t * stride_qt, stride_qh, H, qw_ptr, eps, c, s, tl.arange(0, BLOCK_H), offs_c, offs_r,
-                   D, HALF, NORM)
-    offs_g = tl.arange(0, BLOCK_HKV)
-    y1, y2, yr = _prepare_heads(k_ptr + t * stride_kt, stride_kh, HKV, kw_ptr, eps, c, s, offs_g, offs_c, offs_r,
-                                D, HALF, NORM)
-
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    # a negative slot marks a padding token (vLLM's convention): made ready, not stored (as a head count: see
-    # _store_kvcache_kernel)
-    rows = offs_g[:, None] < tl.where(slot >= 0, HKV, 0)
-    if FMT:
-        y1, y2, yr = float_to_fp8(y1.to(tl.float32), FMT), float_to_fp8(y2.to(tl.float32), FMT), \
-            float_to_fp8(yr.to(tl.float32), FMT)
-    dst = k_cache_ptr + slot * stride_cache_slot + offs_g[:, None] * stride_cache_h
-    tl.store(dst + offs_c[None, :], y1, mask=rows & cmask[None, :])
-    tl.store(dst + HALF + offs_c[None, :], y2, mask=rows & cmask[None, :])
-    tl.store(dst + 2 * HALF + offs_r[None, :], yr, mask=rows & (offs_r[None, :] < D - 2 * HALF))
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = rows & (offs_d[None, :] < D)
-    v = tl.load(v_ptr + t * stride_vt + offs_g[:, None] * stride_vh + offs_d[None, :], mask=mask)
-    if FMT:
-        v = float_to_fp8(v.to(tl.float32), FMT)
-    tl.store(v_cache_ptr + slot * stride_cache_slot + offs_g[:, None] * stride_cache_h + offs_d[None, :], v, mask=mask)
+    nq = tl.cdiv(H, BLOCK_H)
+    if j < nq:
+        _prepare_heads(q_ptr + t * stride_qt + j * BLOCK_H * stride_qh, stride_qh, H - j * BLOCK_H, qw_ptr, eps,
+                       c, s, offs_h, offs_c, offs_r, D, HALF, NORM)
+    else:
+        first = (j - nq) * BLOCK_H
+        y1, y2, yr = _prepare_heads(k_ptr + t * stride_kt + first * stride_kh, stride_kh, HKV - first, kw_ptr, eps,
+                                    c, s, offs_h, offs_c, offs_r, D, HALF, NORM)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        # a negative slot marks a padding token (vLLM's convention): made ready, not stored (as a head count: see
+        # _store_kvcache_kernel)
+        rows = offs_h[:, None] < tl.where(slot >= 0, HKV - first, 0)
+        if FMT:
+            y1, y2, yr = float_to_fp8(y1.to(tl.float32), FMT), float_to_fp8(y2.to(tl.float32), FMT), \
+                float_to_fp8(yr.to(tl.float32), FMT)
+        dst = k_cache_ptr + slot * stride_cache_slot + (first + offs_h)[:, None] * stride_cache_h
+        tl.store(dst + offs_c[None, :], y1, mask=rows & cmask[None, :])
+        tl.store(dst + HALF + offs_c[None, :], y2, mask=rows & cmask[None, :])
+        tl.store(dst + 2 * HALF + offs_r[None, :], yr, mask=rows & (offs_r[None, :] < D - 2 * HALF))
+        offs_d = tl.arange(0, BLOCK_D)
+        mask = rows & (offs_d[None, :] < D)
+        v = tl.load(v_ptr + t * stride_vt + (first + offs_h)[:, None] * stride_vh + offs_d[None, :], mask=mask)
+        if FMT:
+            v = float_to_fp8(v.to(tl.float32), FMT)
+        tl.store(v_cache_ptr + slot * stride_cache_slot + (first + offs_h)[:, None] * stride_cache_h + offs_d[None, :],
+                 v, mask=mask)
 
 
 def rope_and_store_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -173,11 +200,11 @@ def rope_and_store_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
     if t == 0:
         return
     k_cache, v_cache, fmt = cache_args(k_cache, v_cache)
-    _rope_store_kernel[(t,)](
+    per = heads_per_program(h, k.shape[1], d)
+    _rope_store_kernel[_grid(t, h, k.shape[1], per)](
         q, k, v, cos, sin, k_cache, v_cache, slot_mapping, qw, kw, float(eps),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
         k_cache.stride(1), k_cache.stride(2),
-        H=h, HKV=k.shape[1], D=d, HALF=rot // 2, BLOCK_H=next_pow2(h), BLOCK_HKV=next_pow2(k.shape[1]),
-        BLOCK_HALF=next_pow2(rot // 2), BLOCK_REST=next_pow2(max(d - rot, 1)), BLOCK_D=next_pow2(d),
+        H=h, HKV=k.shape[1], D=d, HALF=rot // 2, BLOCK_H=per, BLOCK_HALF=next_pow2(rot // 2), BLOCK_REST=next_pow2(max(d - rot, 1)), BLOCK_D=next_pow2(d),
         NORM=0 if norms is None else 1 if qw.dtype == q.dtype else 2, FMT=fmt,
     )
