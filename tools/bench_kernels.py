@@ -9,6 +9,7 @@ as in a busy cache; decode at ``--batch`` sequences for each ``--contexts`` leng
 through a sliding window of 1024: SDPA then over the window's keys alone, and over an fp8 cache), prefill of
 ``--prefill`` fresh prompts, a mixed step (the batch decoding beside a 128-token chunk: one prefill launch against
 the decode and prefill kernels on rows split apart), the other kernels at the decode batch's and the prefill's token counts;
+the shortest context's decode in other launch shapes (warps, keys a loop step) against the default launch;
 the MLP's gate|up projection as Q4_Z blocks (an int4 checkpoint) at 1 row, the batch's and the prefill's,
 and its down projection as Q4_K super-blocks (a Q4_K_M GGUF file's);
 a mixture of experts' layer (Qwen3-30B-A3B's: 128 experts, 8 a token) at the same token counts, and
@@ -44,6 +45,9 @@ MODELS = {  # attention heads, KV heads, hidden size, MLP size
 MOE = ("qwen3-30b-a3b", 2048, 128, 768, 8, None)
 MOE_MXFP4 = ("gpt-oss-20b", 2880, 32, 2880, 4, "mxfp4")  # (its experts as OpenAI ships them)
 HEAD_DIM, PAGE, DTYPE, ELT = 64, 16, torch.bfloat16, 2
+# the decode kernel's other launch shapes timed (num_warps, keys a loop step): compiled for sm_90 at Qwen2-0.5B's
+# heads, the default (4, 64) takes 255 registers a thread, (8, 64) 162, (4, 32) 158, (8, 32) 102
+LAUNCHES = ((8, 64), (4, 32), (8, 32), (2, 64))
 DEVICE = "cuda"  # (tests build the cases on the CPU, for Triton's interpreter)
 
 
@@ -124,6 +128,20 @@ def cases(model: str, batch: int, contexts: list[int], prefill: tuple[int, int])
                    tri.paged_decode_attention(q, kc, vc, bt, sl, n, scale, w),
                    lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale,
                                                                         enable_gqa=True), sdpa)
+    # the shortest context's decode in other launch shapes (num_warps, keys a loop step), each against the default
+    # (4 warps, 64 keys): "torch us" is the default's here, so torch/triton above 1 means that shape wins
+    ctx = contexts[0]
+    k_cache, v_cache, tables = paged(ctx, batch, hkv)
+    lens = torch.full((batch,), ctx, device=DEVICE, dtype=torch.int32)
+    q = randn(batch, h, d)
+    default = lambda q=q, kc=k_cache, vc=v_cache, bt=tables, sl=lens, n=ctx: (  # noqa: E731
+        tri.paged_decode_attention(q, kc, vc, bt, sl, n, scale))
+    for warps, tile in LAUNCHES:
+        yield Case("paged_decode_attention", model, f"launch: ctx={ctx} w{warps} n{tile}",
+                   2 * batch * hkv * ctx * d * ELT + 2 * q.numel() * ELT + tables.numel() * 4,
+                   lambda q=q, kc=k_cache, vc=v_cache, bt=tables, sl=lens, n=ctx, w=warps, tl=tile:
+                   tri.paged_decode_attention(q, kc, vc, bt, sl, n, scale, num_warps=w, tile=tl),
+                   default, "the default launch (4 warps, 64 keys a step)")
 
     seqs, plen = prefill
     t = seqs * plen
@@ -293,13 +311,20 @@ def main() -> None:
                             triton_us=round(tri_ms * 1e3, 2), torch_us=round(torch_ms * 1e3, 2),
                             floor_us=round(floor_ms * 1e3, 2), bw_fraction=round(floor_ms / tri_ms, 3),
                             baseline=c.baseline))
-    decode = [r["bw_fraction"] for r in results if r["kernel"] == "paged_decode_attention"]
+    decode = [r["bw_fraction"] for r in results if r["kernel"] == "paged_decode_attention"
+              and not r["shape"].startswith("launch:")]
+    launches = [r for r in results if r["shape"].startswith("launch:")]
+    best = max(launches, key=lambda r: r["torch_us"] / r["triton_us"], default=None)
     mixed = [r["torch_us"] / r["triton_us"] for r in results if r["shape"].startswith("mixed:")]
     fused = [r["torch_us"] / r["triton_us"] for r in results if r["kernel"] == "rope_and_store_"]
     print(json.dumps({"device": device, "dtype": "bfloat16", "copy_bandwidth_gb_s": round(bw / 1e9, 1),
                       "decode_batch": args.batch, "decode_min_bw_fraction": min(decode, default=None),
                       "mixed_split_over_one_launch": round(min(mixed), 2) if mixed else None,
-                      "rope_store_apart_over_fused": round(min(fused), 2) if fused else None, "results": results}))
+                      "rope_store_apart_over_fused": round(min(fused), 2) if fused else None,
+                      "decode_best_launch": None if best is None else
+                      {"shape": best["shape"], "model": best["model"],
+                       "default_over_it": round(best["torch_us"] / best["triton_us"], 2)},
+                      "results": results}))
 
 
 if __name__ == "__main__":

@@ -148,12 +148,15 @@ def _auto_splits(batch: int, kv_heads: int, max_seq_len: int, device: torch.devi
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
                            scale: float, window: int = 0, softcap: float = 0.0,
-                           sinks: torch.Tensor | None = None, *, num_splits: int | None = None) -> torch.Tensor:
+                           sinks: torch.Tensor | None = None, *, num_splits: int | None = None,
+                           tile: int | None = None, num_warps: int = 4) -> torch.Tensor:
     """One new query per sequence: q (B, H, D) attends to its ``seq_lens[b]`` cached tokens (with a
     sliding ``window``, the latest ``window`` of them; ``softcap``, ``sinks``: the reference's).
 
     ``num_splits`` splits each context along the keys (None: chosen from the batch
-    shape and the device); the result does not depend on it beyond rounding."""
+    shape and the device); the result does not depend on it beyond rounding. ``tile`` (keys a
+    loop step, a power of two from 16; None: 64, fp32's 32) and ``num_warps`` shape the launch
+    (``tools/bench_kernels.py`` times the choices)."""
     check_paged_args(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, window)
     scores = score_args(scale, softcap)
     check_sinks(sinks, q)
@@ -164,7 +167,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if b == 0 or max_seq_len == 0:
         return out
     interp = interpreting()
-    tile = 16 if interp else (32 if q.dtype == torch.float32 else 64)
+    tile = tile or (16 if interp else (32 if q.dtype == torch.float32 else 64))
+    require(tile >= 16 and tile & (tile - 1) == 0, f"tile must be a power of two from 16, got {tile}")
     span = min(max_seq_len, window) if window else max_seq_len  # the most keys a query sees
     splits = num_splits if num_splits is not None else _auto_splits(b, hkv, span, q.device)
     require(splits >= 1, f"num_splits must be positive, got {splits}")
@@ -184,7 +188,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         G=g, D=d, PAGE=page, BLOCK_G=next_pow2(g, 16), BLOCK_D=next_pow2(d, 16), TILE_N=tile,
-        SPLIT=splits > 1, SOFTCAP=scores["SOFTCAP"], num_warps=4, KV_FP8=fmt, SINKS=sinks is not None,
+        SPLIT=splits > 1, SOFTCAP=scores["SOFTCAP"], num_warps=num_warps, KV_FP8=fmt, SINKS=sinks is not None,
         **dot_args(q),
     )
     if splits > 1:
