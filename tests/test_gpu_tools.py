@@ -135,3 +135,5 @@ def test_profile_steps_times_and_profiles_steps_with_prompts(tmp_path):
     assert out["num_seqs"] == 4 and out["decode_step_ms"] > 0 and out["prompt_step_ms"] > 0
     assert out["prompt_graphs"] is False and "steps with prompts eager" in r.stdout
     assert "operators by host (self) time" in r.stdout and "Python functions by tottime" in r.stdout
+    assert "5 decode-only steps: operators by host time" in r.stdout
+    assert out["decode_top"] and all(isinstance(name, str) and us > 0 for name, us in out["decode_top"])

@@ -77,7 +77,7 @@ figure() {  # figure NAME LOG: the figure to read in a part's log
                     "out tok/s, host $(json_last "$log" host_share 2))$(grep -q prompt_step_ms "$log" &&
                     echo "; a step with 4 new prompts $(json_last "$log" prompt_step_ms) ms (eager:" \
                          "$(json_last "$log" prompt_step_ms 2) ms), decode-only $(json_last "$log" decode_step_ms)" \
-                         "ms (profile_steps)")" ;;
+                         "ms (profile_steps); a decode-only step's kernels, us: $(json_last "$log" decode_top)")" ;;
     serve*) "$PY" -c 'import json, sys
 r = [json.loads(s) for s in open(sys.argv[1]) if s.startswith("{")][-1]
 print("%.0f out tok/s; TTFT p50 %.0f ms; TPOT mean %.1f ms; ITL p50 %.1f, p99 %.1f ms" % (r["output_throughput"],

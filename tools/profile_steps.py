@@ -6,7 +6,8 @@ few prompts beside the decodes).
 steps, every other step ``--join`` new requests of ``--prompt-len`` random tokens join, each asking for
 one token, so that they leave once prefilled and the batch stays the same. Steps are synchronous (the
 step's whole time is its own). Printed: each kind's step count and median time, then with ``--profile``
-where the steps with prompts spend it, by torch.profiler (operators by host time and by device time) and
+where decode-only steps spend it (on CUDA by kernel, the device's time, inside replayed graphs too:
+``decode_top`` in the JSON line), and where the steps with prompts spend it, by torch.profiler (operators by host time and by device time) and
 cProfile (Python functions by cumulative time). The last line is one JSON object.
 
     python tools/profile_steps.py --model DIR --dtype bfloat16 --profile     # on a GPU (tools/gpu_check.sh)
@@ -83,10 +84,15 @@ def main() -> None:
     print(f"{a.num_seqs} decoding, {a.join} prompts of {a.prompt_len} joining every other step ({eng.runner.device}, "
           f"{a.dtype}, steps with prompts {'replayed as graphs' if graphed else 'eager'}): decode-only step {med[False]:.2f} ms, step with prompts {med[True]:.2f} ms "
           f"({med[True] / med[False]:.1f}x), medians over {len(times[False])} and {len(times[True])}")
+    top: list[list] = []
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+        with profile(activities=activities) as prof:
+            for _ in range(5):
+                step(False)
+        top = decode_breakdown(prof.key_averages(), 5, a.rows, cuda)
         with profile(activities=activities) as prof:
             for i in range(10):
                 step(i % 2 == 1)
@@ -109,7 +115,25 @@ def main() -> None:
             print(out.getvalue())
     print(json.dumps({"num_seqs": a.num_seqs, "join": a.join, "prompt_len": a.prompt_len,
                       "device": str(eng.runner.device), "prompt_graphs": graphed, "decode_step_ms": round(med[False], 3),
-                      "prompt_step_ms": round(med[True], 3)}))
+                      "prompt_step_ms": round(med[True], 3), "decode_top": top}))
+
+
+def decode_breakdown(table, steps: int, rows: int, cuda: bool) -> list[list]:
+    """Print where ``steps`` decode-only steps spend their time, by operator or kernel (on CUDA the device's
+    time, the kernels inside replayed graphs included; elsewhere the host's), in µs a step; the first eight
+    as [name, µs a step] for the JSON line."""
+    def spent(e) -> float:  # (torch.profiler's name for the device's self time changed in torch 2.4)
+        if not cuda:
+            return e.self_cpu_time_total
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+
+    events = sorted((e for e in table if spent(e) > 0), key=spent, reverse=True)
+    total = sum(spent(e) for e in events) / steps
+    print(f"\n== torch.profiler, {steps} decode-only steps: {'kernels by device' if cuda else 'operators by host'} "
+          f"time, {total:.0f} us a step in all")
+    for e in events[:rows]:
+        print(f"{spent(e) / steps:>10.1f} us {e.count / steps:>6.1f}x  {e.key[:100]}")
+    return [[e.key[:80], round(spent(e) / steps, 1)] for e in events[:8]]
 
 
 if __name__ == "__main__":
