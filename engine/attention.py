@@ -141,7 +141,7 @@ class StepIndex:
             if num_decode:
                 t["prefill_token_rows"] = (~is_decode)[seq_of].nonzero().squeeze(1)
             t["prefill_table_rows"], t["prefill_seq_lens"], t["prefill_query_start"] = rows[seqs], seq_lens[seqs], start
-            t["prefill_q_index"], t["prefill_out_index"] = reference.prefill_gather(pq)
+            t["prefill_q_index"], t["prefill_out_index"] = reference.prefill_gather(start)
             max_prefill = int(seq_lens[seqs].max())
         return cls(t, max_decode, max_prefill, 0 < num_decode < b, in_order)
 

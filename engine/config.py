@@ -106,6 +106,13 @@ class EngineConfig:
         """``speculative_config`` read (None: off)."""
         return NgramConfig.of(self.speculative_config) if self.speculative_config is not None else None
 
+    @property
+    def max_step_rows(self) -> int:
+        """The most one-token sequences a step can hold: each request's token, and its drafts with speculative
+        decoding (each a sequence of its own, ``engine.model_runner``)."""
+        spec = self.speculative
+        return self.max_num_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))
+
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
             raise ValueError(msg)

@@ -248,12 +248,11 @@ class ModelRunner:
             # the KV cache gets what is left after the weights and the largest step's activations
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
-            drafts = config.speculative.num_speculative_tokens if config.speculative else 0
             # (an encoder pads a step's inputs in groups, to at most twice their tokens: measured so)
             padded = 2 if self.model_cfg.encoder is not None else 1
             profiled = padded * min(config.max_num_batched_tokens, config.max_num_seqs * max_model_len)
-            forward_peak = self.profile_run(profiled, min(config.max_num_batched_tokens,
-                                                          config.max_num_seqs * (1 + drafts)), max_model_len)
+            forward_peak = self.profile_run(profiled, min(config.max_num_batched_tokens, config.max_step_rows),
+                                            max_model_len)
             cuda_budget = measured_cuda_budget(config, device)
             # the prompt graphs' memory pool keeps their largest forward's activations for good
             cuda_budget -= forward_peak * self._prompt_graph_tokens(max_model_len) // profiled
@@ -322,12 +321,11 @@ class ModelRunner:
         if not tokens:
             return
         config, tables = self.config, self.block_tables
-        drafts = config.speculative.num_speculative_tokens if config.speculative else 0
         start = time.perf_counter()
         try:
             with torch.inference_mode():
                 self.prompt_graphs = PromptGraphs(
-                    self.model, prompt_buckets(tokens), config.max_num_seqs * (1 + drafts) + 1,
+                    self.model, prompt_buckets(tokens), config.max_step_rows + 1,
                     self.facts.max_model_len, tables.table.shape[1], tables.scratch_block, self.block_size,
                     self.model_cfg.hidden_size, self.dtype, self.device, capture, window_map=tables.window_map)
         except Exception as e:  # noqa: BLE001 - such steps still run, eagerly

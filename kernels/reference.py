@@ -125,16 +125,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out.view(b, h, d).to(q.dtype)
 
 
-def prefill_gather(q_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``paged_prefill_attention``'s ``q_index`` (B, Q) and ``out_index`` (T,) for B sequences of ``q_lens`` new
-    tokens each (T of them in all, Q the most)."""
-    start = torch.zeros(len(q_lens) + 1, dtype=torch.int64, device=q_lens.device)
-    torch.cumsum(q_lens, 0, out=start[1:])
-    t, qmax = int(start[-1]), int(q_lens.max()) if len(q_lens) else 0
+def prefill_gather(query_start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``paged_prefill_attention``'s ``q_index`` (B, Q) and ``out_index`` (T,) for B sequences whose new tokens
+    start at ``query_start`` (B + 1,) offsets (T of them in all, Q the most)."""
+    q_lens = query_start[1:] - query_start[:-1]
+    t, qmax = int(query_start[-1]), int(q_lens.max()) if len(q_lens) else 0
     grid = torch.arange(qmax, device=q_lens.device)[None, :]
     seq_of = torch.repeat_interleave(torch.arange(len(q_lens), device=q_lens.device), q_lens)  # (T,) each one's
-    q_index = torch.where(grid < q_lens[:, None], start[:-1, None] + grid, t)
-    return q_index, seq_of * qmax + (torch.arange(t, device=q_lens.device) - start[:-1][seq_of])
+    q_index = torch.where(grid < q_lens[:, None], query_start[:-1, None] + grid, t)
+    return q_index, seq_of * qmax + (torch.arange(t, device=q_lens.device) - query_start[:-1][seq_of])
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -153,7 +152,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     back out of the flattened grid (None: made here, ``prefill_gather``). Returns (T, H, D).
     """
     if q_index is None or out_index is None:
-        q_index, out_index = prefill_gather(query_start[1:] - query_start[:-1])
+        q_index, out_index = prefill_gather(query_start)
     t, h, d = q.shape
     b, qmax = q_index.shape
     qp = torch.cat([q, q.new_zeros(1, h, d)])[q_index]  # (B, Q, H, D)

@@ -156,7 +156,7 @@ def prefill_indices(query_lens: list[int], device: str = "cpu") -> tuple[torch.T
     q_lens = torch.tensor(query_lens)
     start = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
     torch.cumsum(q_lens, 0, out=start[1:])
-    q_index, out_index = reference.prefill_gather(q_lens)
+    q_index, out_index = reference.prefill_gather(start)
     return start.to(device), q_index.to(device), out_index.to(device)
 
 
