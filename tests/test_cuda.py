@@ -279,6 +279,47 @@ def test_sampling_never_waits_for_the_gpu():
     assert len(out.token_ids) == len(params) and all(0 <= t < vocab for t in out.token_ids)
 
 
+def test_steps_launch_without_waiting_for_the_gpu(tmp_path):
+    """Asynchronous scheduling's premise, a step at a time: a step's launch (its inputs, block tables and metadata,
+    its graph's replay, its sampling) queues the step's work without a host sync (an ``.item()``, a pageable copy,
+    a ``nonzero``), so that the host prepares the next step while this one runs. Decode-only steps (decode graphs)
+    and steps where new prompts join (prompt graphs), with greedy, seeded and unseeded sampled rows, their block
+    tables growing; the engine's own check (not this test's) is torch's sync debug mode, raising at the first."""
+    path = build(str(tmp_path), "qwen2", torch.bfloat16, seed=2, **TINY)
+    llm = LLM(path, device="cuda", dtype="bfloat16", num_kv_blocks=256, max_model_len=512, async_scheduling="on")
+    eng, runner = llm.engine, llm.engine.runner
+    assert eng.async_scheduling and runner.graphs is not None and runner.prompt_graphs is not None
+    kinds = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+             SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True),
+             SamplingParams(max_tokens=40, temperature=0.7, top_k=20, ignore_eos=True)]
+
+    def add(i: int) -> None:
+        eng.add_request(f"r{i}", [(5 * i + 3 * j) % 4000 + 3 for j in range(20 + i)], kinds[i % 3])
+
+    for i in range(6):
+        add(i)
+    for _ in range(4):  # (the prompts in, the first tokens out)
+        eng.step()
+    real, launched = runner.launch, []
+
+    def launch(batch, in_flight=None):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = real(batch, in_flight)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        launched.append(batch.num_prompt_tokens)
+        return out
+
+    runner.launch = launch
+    for k in range(30):
+        if k in (10, 20):  # a new prompt joins: a step with prompt tokens beside the decodes
+            add(6 + k // 10)
+        eng.step()
+    assert len(launched) == 30 and 0 < sum(1 for n in launched if n) < 30
+    free_gpu()
+
+
 def test_steps_that_sample_nothing_under_asynchronous_scheduling(tmp_path):
     """A prompt longer than the step's budget alone in the engine: its first chunks sample nothing, so nothing
     waits for their device work before the engine reads their time (CUDA refuses to time a pending event); it
