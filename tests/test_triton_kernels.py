@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import subprocess
 import sys
 
@@ -634,11 +635,16 @@ def test_triton_backend_choice_and_bad_name(monkeypatch):
 
 def test_triton_kernels_compile_for_cuda():
     """What only the compiler catches, caught without a GPU: each kernel compiled for sm_90 in a
-    process without the interpreter (about a minute the first time, then Triton's cache answers)."""
+    process without the interpreter (about a minute the first time, then Triton's cache answers); and again as
+    launches specialize it, its registers and spills read from the cubin (``--resources``): none spills."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-m", "kernels.triton.compile_check"], env=env, capture_output=True,
-                         text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    run = subprocess.run([sys.executable, "-m", "kernels.triton.compile_check", "--resources"], env=env,
+                         capture_output=True, text=True, timeout=900,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert run.returncode == 0, run.stdout + run.stderr
+    used = re.findall(r"compiled in [\d.]+s: (\d+) registers, (\d+) bytes spilled", run.stdout)
+    assert len(used) == len(run.stdout.strip().splitlines()) > 20
+    assert all(0 < int(regs) <= 255 and spilled == "0" for regs, spilled in used), run.stdout
 
 
 # ---------------------------------------------------------------- the engine on Triton kernels
