@@ -95,6 +95,26 @@ def test_bench_kernels_cases_run_through_the_interpreter(monkeypatch):
         c.torch()
 
 
+def test_profile_steps_counts_each_kernel_once_on_cuda(capsys):
+    """``decode_breakdown`` on CUDA: the kernels' device time alone (an eager operator's row holds its kernel's
+    time too, and a user annotation spans others'), in µs a step."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from tools.profile_steps import decode_breakdown
+
+    def event(key, device_type, us, annotation=False):
+        return SimpleNamespace(key=key, count=5, device_type=device_type, self_device_time_total=us,
+                               self_cpu_time_total=7.0, is_user_annotation=annotation)
+
+    table = [event("aten::mm", DeviceType.CPU, 500.0), event("sm90_gemm_kernel", DeviceType.CUDA, 500.0),
+             event("_decode_kernel", DeviceType.CUDA, 250.0), event("step", DeviceType.CUDA, 900.0, True)]
+    top = decode_breakdown(table, 5, 10, cuda=True)
+    assert top == [["sm90_gemm_kernel", 100.0], ["_decode_kernel", 50.0]]
+    assert "150 us a step in all" in capsys.readouterr().out
+
+
 def test_bench_host_times_each_stage_of_a_decode_step_side_by_side():
     """``tools/bench_host.py``: the host's part of each stage per decode step, the model stubbed out; with
     ``--before`` another checkout (here this one again) timed in turns with this one."""

@@ -122,9 +122,15 @@ def decode_breakdown(table, steps: int, rows: int, cuda: bool) -> list[list]:
     """Print where ``steps`` decode-only steps spend their time, by operator or kernel (on CUDA the device's
     time, the kernels inside replayed graphs included; elsewhere the host's), in µs a step; the first eight
     as [name, µs a step] for the JSON line."""
-    def spent(e) -> float:  # (torch.profiler's name for the device's self time changed in torch 2.4)
+    from torch.autograd import DeviceType
+
+    def spent(e) -> float:
         if not cuda:
             return e.self_cpu_time_total
+        # the kernels alone: an eager operator's row holds its kernel's time too (counted twice otherwise), and a
+        # user annotation's spans others' (torch.profiler's name for the device's time changed in torch 2.4)
+        if e.device_type != DeviceType.CUDA or getattr(e, "is_user_annotation", False):
+            return 0.0
         return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
 
     events = sorted((e for e in table if spent(e) > 0), key=spent, reverse=True)

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from kernels.triton.fp8 import cache_args, float_to_fp8
 from kernels.triton.kv_store import check_store
-from kernels.triton.launch import check_same, check_tensor, next_pow2, require
+from kernels.triton.launch import cdiv, check_same, check_tensor, next_pow2, require
 
 HEAD_ELEMENTS = 2048  # the most head values (heads x head_dim, padded) one program of these kernels holds
 
@@ -94,12 +94,13 @@ def heads_per_program(h: int, hkv: int, d: int) -> int:
     """How many heads (a power of two) one program of the RoPE kernels takes: all of a token's q heads, and all
     its k heads, up to ``HEAD_ELEMENTS`` values. A decode step's few tokens get several programs each (Qwen3-32B's
     64 query heads of 128 and 8 KV heads: 5, not 1), and a program's registers stay bounded (compiled for sm_90,
-    with their norms: 40 a thread at any head count, where one program a token took 69 at 64 heads, 132 at 128)."""
+    bf16 with their norms: 40-64 a thread at any head count, where one program a token took 69 at 64 heads of
+    128, 132 at 128, 255 at head dim 256)."""
     return min(next_pow2(max(h, hkv)), max(1, HEAD_ELEMENTS // next_pow2(d)))
 
 
 def _grid(t: int, h: int, hkv: int, per: int) -> tuple[int, int]:
-    return t, triton.cdiv(h, per) + triton.cdiv(hkv, per)
+    return t, cdiv(h, per) + cdiv(hkv, per)
 
 
 def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
