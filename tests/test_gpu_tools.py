@@ -115,6 +115,51 @@ def test_profile_steps_counts_each_kernel_once_on_cuda(capsys):
     assert "150 us a step in all" in capsys.readouterr().out
 
 
+def test_bench_kernels_reads_graphed_times_where_the_capture_works(monkeypatch, capsys):
+    """``tools/bench_kernels.py``'s report, its timers faked: eager times for every case, CUDA-graph replays for
+    the dense ones (the mixture-of-experts layers are not captured), ``bw`` and the ratios from the graphed times
+    where both sides were captured, the eager ones where a capture failed."""
+    import triton.testing
+
+    from tools import bench_kernels as bench
+
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setitem(bench.MODELS, "tiny", (4, 2, 64, 256))
+    small = (("moe", 64, 4, 32, 2, None),)
+    real_moe = bench.moe_cases
+    monkeypatch.setattr(bench, "moe_cases", lambda batch, tokens: real_moe(batch, tokens, small))
+    monkeypatch.setattr(bench, "measure_bandwidth", lambda device, nbytes: 1e12)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
+    graphed = []
+
+    def do_bench(fn, return_mode):  # 1 ms a call, eager
+        return 1.0
+
+    def do_bench_cudagraph(fn, rep, return_mode):  # 0.25 ms replayed; the decode's launch cases cannot be captured
+        graphed.append(fn)
+        if len(graphed) == 1:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return 0.25
+
+    monkeypatch.setattr(triton.testing, "do_bench", do_bench)
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", do_bench_cudagraph)
+    monkeypatch.setattr(sys, "argv", ["bench_kernels.py", "--models", "tiny", "--batch", "2", "--contexts", "24,40",
+                                      "--prefill", "2x8"])
+    bench.main()
+    out = capsys.readouterr().out
+    report = json.loads(out.strip().splitlines()[-1])
+    rows = report["results"]
+    assert "no CUDA graph, RuntimeError" in out
+    first, moe = rows[0], [r for r in rows if r["kernel"].startswith("fused_moe")]
+    assert first["graphed_us"] is None and first["torch_over_triton"] == 1.0  # (its capture failed: eager times)
+    assert moe and all(r["graphed_us"] is None for r in moe)  # (never captured)
+    dense = [r for r in rows[1:] if not r["kernel"].startswith("fused_moe")]
+    assert dense and all(r["graphed_us"] == 250.0 and r["torch_graphed_us"] == 250.0 for r in dense)
+    assert all(r["bw_fraction"] == round(r["floor_us"] / 250.0, 3) for r in dense)
+    assert report["decode_best_launch"]["default_over_it"] == 1.0
+
+
 def test_bench_host_times_each_stage_of_a_decode_step_side_by_side():
     """``tools/bench_host.py``: the host's part of each stage per decode step, the model stubbed out; with
     ``--before`` another checkout (here this one again) timed in turns with this one."""

@@ -1,9 +1,11 @@
 """Time each Triton kernel of ``kernels/`` on CUDA against a torch equivalent and against its memory floor.
 
-Each kernel's median time (``triton.testing.do_bench``) beside: torch's (SDPA over the same context
+Each kernel's median time (``triton.testing.do_bench``, launched from Python; and for the dense cases again
+replayed from a CUDA graph, ``graphed``: the kernel's own time, as decode and prompt graphs run it) beside: torch's (SDPA over the same context
 stored contiguously for attention, the eager reference twin in ``kernels.reference`` for the rest), and
 the floor, the bytes the kernel must move ÷ the device's copy bandwidth (the best of a few 1 GiB
-device-to-device copies, as ``bench_offline`` measures it). ``bw`` is floor ÷ kernel time: the share of the bandwidth the kernel reaches.
+device-to-device copies, as ``bench_offline`` measures it). ``bw`` is floor ÷ kernel time (the graphed one where
+there is one): the share of the bandwidth the kernel reaches.
 Shapes: SmolLM2-135M's and Qwen2-0.5B's heads (head_dim 64), bf16, KV blocks of 16 tokens scattered
 as in a busy cache; decode at ``--batch`` sequences for each ``--contexts`` length (and at the longest,
 through a sliding window of 1024: SDPA then over the window's keys alone, and over an fp8 cache), prefill of
@@ -22,7 +24,6 @@ Prints a table, then one JSON line. Without CUDA there is nothing to time: it sa
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import sys
@@ -280,6 +281,38 @@ def _random_blocks(fmt: str, experts: int, n: int, k: int) -> torch.Tensor:
     return blocks.view(experts, n, -1)
 
 
+def time_case(c: Case, bw: float, graphed: bool) -> dict:
+    """One case timed and printed: Triton's median and torch's (``do_bench``: each launch from Python, as an eager
+    step makes it); ``graphed``: both again replayed from a CUDA graph (``do_bench_cudagraph``), the kernels' own
+    time as decode and prompt graphs run them (a launcher slower than its kernel makes ``do_bench`` time the
+    launcher). ``bw`` and ``torch/triton`` read the graphed times where both sides were captured; a side that
+    cannot be captured keeps its eager time."""
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    def replayed(fn) -> float | None:
+        try:
+            return do_bench_cudagraph(fn, rep=10, return_mode="median")
+        except Exception as e:  # noqa: BLE001 - a case that cannot be captured is still timed, eagerly
+            print(f"({c.kernel} {c.shape}: no CUDA graph, {type(e).__name__}: {e})")
+            return None
+
+    tri_ms = do_bench(c.triton, return_mode="median")
+    torch_ms = do_bench(c.torch, return_mode="median")
+    tri_graph = replayed(c.triton) if graphed else None
+    torch_graph = replayed(c.torch) if tri_graph else None
+    own_ms = tri_graph or tri_ms
+    ratio = torch_graph / tri_graph if tri_graph and torch_graph else torch_ms / tri_ms
+    floor_ms = c.nbytes / bw * 1e3
+    print(f"{c.kernel:<24}{c.model:<14}{c.shape:<16}{tri_ms * 1e3:>10.1f}"
+          f"{tri_graph * 1e3 if tri_graph else float('nan'):>9.1f}{torch_ms * 1e3:>10.1f}"
+          f"{floor_ms * 1e3:>10.1f}{floor_ms / own_ms:>6.0%}{ratio:>14.2f}", flush=True)
+    us = lambda ms: round(ms * 1e3, 2) if ms else None  # noqa: E731
+    return dict(kernel=c.kernel, model=c.model, shape=c.shape, bytes=c.nbytes, triton_us=us(tri_ms),
+                graphed_us=us(tri_graph), torch_us=us(torch_ms), torch_graphed_us=us(torch_graph),
+                floor_us=us(floor_ms), bw_fraction=round(floor_ms / own_ms, 3), torch_over_triton=round(ratio, 3),
+                baseline=c.baseline)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=256, help="decode batch (sequences)")
@@ -291,40 +324,29 @@ def main() -> None:
         print("no CUDA device: nothing to time (bench_kernels times the Triton kernels on a GPU)")
         print(json.dumps({"device": "cpu", "nothing_to_time": True, "results": []}))
         return
-    from triton.testing import do_bench
-
     contexts = [int(c) for c in args.contexts.split(",")]
     prefill = tuple(int(x) for x in args.prefill.split("x"))
     bw = measure_bandwidth(torch.device("cuda"), 1 << 30)
     device = torch.cuda.get_device_name()
     print(f"{device}: copy bandwidth {bw / 1e9:.0f} GB/s; bf16, head_dim {HEAD_DIM}, KV blocks of {PAGE}")
-    print(f"{'kernel':<24}{'model':<14}{'shape':<16}{'triton us':>10}{'torch us':>10}{'floor us':>10}"
+    print(f"{'kernel':<24}{'model':<14}{'shape':<16}{'triton us':>10}{'graphed':>9}{'torch us':>10}{'floor us':>10}"
           f"{'bw':>6}{'torch/triton':>14}")
-    results = []
     dense = (c for model in args.models.split(",") for c in cases(model, args.batch, contexts, prefill))
-    for c in itertools.chain(dense, moe_cases(args.batch, prefill[0] * prefill[1])):  # each made when timed
-        tri_ms = do_bench(c.triton, return_mode="median")
-        torch_ms = do_bench(c.torch, return_mode="median")
-        floor_ms = c.nbytes / bw * 1e3
-        print(f"{c.kernel:<24}{c.model:<14}{c.shape:<16}{tri_ms * 1e3:>10.1f}{torch_ms * 1e3:>10.1f}"
-              f"{floor_ms * 1e3:>10.1f}{floor_ms / tri_ms:>6.0%}{torch_ms / tri_ms:>14.2f}", flush=True)
-        results.append(dict(kernel=c.kernel, model=c.model, shape=c.shape, bytes=c.nbytes,
-                            triton_us=round(tri_ms * 1e3, 2), torch_us=round(torch_ms * 1e3, 2),
-                            floor_us=round(floor_ms * 1e3, 2), bw_fraction=round(floor_ms / tri_ms, 3),
-                            baseline=c.baseline))
+    results = [time_case(c, bw, graphed=True) for c in dense]  # (each case made when timed)
+    results += [time_case(c, bw, graphed=False) for c in moe_cases(args.batch, prefill[0] * prefill[1])]
     decode = [r["bw_fraction"] for r in results if r["kernel"] == "paged_decode_attention"
               and not r["shape"].startswith("launch:")]
     launches = [r for r in results if r["shape"].startswith("launch:")]
-    best = max(launches, key=lambda r: r["torch_us"] / r["triton_us"], default=None)
-    mixed = [r["torch_us"] / r["triton_us"] for r in results if r["shape"].startswith("mixed:")]
-    fused = [r["torch_us"] / r["triton_us"] for r in results if r["kernel"] == "rope_and_store_"]
+    best = max(launches, key=lambda r: r["torch_over_triton"], default=None)
+    mixed = [r["torch_over_triton"] for r in results if r["shape"].startswith("mixed:")]
+    fused = [r["torch_over_triton"] for r in results if r["kernel"] == "rope_and_store_"]
     print(json.dumps({"device": device, "dtype": "bfloat16", "copy_bandwidth_gb_s": round(bw / 1e9, 1),
                       "decode_batch": args.batch, "decode_min_bw_fraction": min(decode, default=None),
                       "mixed_split_over_one_launch": round(min(mixed), 2) if mixed else None,
                       "rope_store_apart_over_fused": round(min(fused), 2) if fused else None,
                       "decode_best_launch": None if best is None else
                       {"shape": best["shape"], "model": best["model"],
-                       "default_over_it": round(best["torch_us"] / best["triton_us"], 2)},
+                       "default_over_it": round(best["torch_over_triton"], 2)},
                       "results": results}))
 
 

@@ -174,7 +174,7 @@ else
   # figure of the machine that measured the code last
   host_bench=
   has "$ENGINE" && host_bench="&& $PY tools/bench_host.py --rounds 4 --steps 20"
-  part bench-kernels 120 "$PY tools/bench_kernels.py $host_bench"
+  part bench-kernels 150 "$PY tools/bench_kernels.py $host_bench"
 fi
 
 for shape in smollm2-135m qwen2-0.5b; do
