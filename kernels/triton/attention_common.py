@@ -72,6 +72,12 @@ def check_sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> None:
                 f"sinks must be ({q.shape[1]},) contiguous on {q.device}, got {tuple(sinks.shape)} on {sinks.device}")
 
 
+def key_tile(q: torch.Tensor) -> int:
+    """Keys a loop step of the paged attention kernels by default: 64 (32 in fp32, whose tiles take twice the
+    registers; 16 in the interpreter, which runs every program one after another)."""
+    return 16 if interpreting() else (32 if q.dtype == torch.float32 else 64)
+
+
 def dot_args(q: torch.Tensor) -> dict:
     """Constexprs for ``tl.dot``: fp32 stays fp32 (TF32 would miss the reference by ~1e-3); the
     interpreter multiplies bf16 as raw integers (Triton 3.x), so it gets operands upcast to fp32

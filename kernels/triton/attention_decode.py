@@ -21,6 +21,7 @@ from kernels.triton.attention_common import (
     check_paged_args,
     check_sinks,
     dot_args,
+    key_tile,
     score_args,
     softcap_scores,
 )
@@ -166,8 +167,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.empty(b, h, d, dtype=q.dtype, device=q.device)
     if b == 0 or max_seq_len == 0:
         return out
-    interp = interpreting()
-    tile = tile or (16 if interp else (32 if q.dtype == torch.float32 else 64))
+    tile = tile or key_tile(q)
     require(tile >= 16 and tile & (tile - 1) == 0, f"tile must be a power of two from 16, got {tile}")
     span = min(max_seq_len, window) if window else max_seq_len  # the most keys a query sees
     splits = num_splits if num_splits is not None else _auto_splits(b, hkv, span, q.device)

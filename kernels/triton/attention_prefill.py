@@ -27,11 +27,12 @@ from kernels.triton.attention_common import (
     check_paged_args,
     check_sinks,
     dot_args,
+    key_tile,
     score_args,
     softcap_scores,
 )
 from kernels.triton.fp8 import cache_args, fp8_to_float
-from kernels.triton.launch import INDEX_DTYPES, check_tensor, interpreting, next_pow2, require
+from kernels.triton.launch import INDEX_DTYPES, check_tensor, next_pow2, require
 
 
 @triton.jit
@@ -156,7 +157,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if t == 0 or nseq == 0:
         return out
     g = h // hkv
-    tile = 16 if interpreting() else (32 if q.dtype == torch.float32 else 64)
+    tile = key_tile(q)
     block_m = max(tile, next_pow2(g))  # a program's rows: its queries x the G heads of its KV head
     block_q = block_m // g
     k_cache, v_cache, fmt = cache_args(k_cache, v_cache)
