@@ -123,27 +123,22 @@ def cases(model: str, batch: int, contexts: list[int], prefill: tuple[int, int])
             k_cache, v_cache = ref.to_cache(k_cache, torch.float8_e4m3fn), ref.to_cache(v_cache, torch.float8_e4m3fn)
         lens = torch.full((batch,), ctx, device=DEVICE, dtype=torch.int32)
         q, k, v = randn(batch, h, d), randn(batch, hkv, span, d), randn(batch, hkv, span, d)
+        nbytes = 2 * k.numel() * k_cache.element_size() + 2 * q.numel() * ELT + tables.numel() * 4
+        default = lambda q=q, kc=k_cache, vc=v_cache, bt=tables, sl=lens, n=ctx, w=window: (  # noqa: E731
+            tri.paged_decode_attention(q, kc, vc, bt, sl, n, scale, w))
         yield Case("paged_decode_attention", model, f"B={batch} ctx={ctx}" + (f" window={window}" if window else "")
-                   + (" fp8 cache" if fp8 else ""),
-                   2 * k.numel() * k_cache.element_size() + 2 * q.numel() * ELT + tables.numel() * 4,
-                   lambda q=q, kc=k_cache, vc=v_cache, bt=tables, sl=lens, n=ctx, w=window:
-                   tri.paged_decode_attention(q, kc, vc, bt, sl, n, scale, w),
+                   + (" fp8 cache" if fp8 else ""), nbytes, default,
                    lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale,
                                                                         enable_gqa=True), sdpa)
-    # the shortest context's decode in other launch shapes (num_warps, keys a loop step), each against the default
-    # (4 warps, 64 keys): "torch us" is the default's here, so torch/triton above 1 means that shape wins
-    ctx = contexts[0]
-    k_cache, v_cache, tables = paged(ctx, batch, hkv)
-    lens = torch.full((batch,), ctx, device=DEVICE, dtype=torch.int32)
-    q = randn(batch, h, d)
-    default = lambda q=q, kc=k_cache, vc=v_cache, bt=tables, sl=lens, n=ctx: (  # noqa: E731
-        tri.paged_decode_attention(q, kc, vc, bt, sl, n, scale))
-    for warps, tile in LAUNCHES:
-        yield Case("paged_decode_attention", model, f"launch: ctx={ctx} w{warps} n{tile}",
-                   2 * batch * hkv * ctx * d * ELT + 2 * q.numel() * ELT + tables.numel() * 4,
-                   lambda q=q, kc=k_cache, vc=v_cache, bt=tables, sl=lens, n=ctx, w=warps, tl=tile:
-                   tri.paged_decode_attention(q, kc, vc, bt, sl, n, scale, num_warps=w, tile=tl),
-                   default, "the default launch (4 warps, 64 keys a step)")
+        if (ctx, window, fp8) != (contexts[0], 0, False):
+            continue
+        # the shortest context's decode in other launch shapes (num_warps, keys a loop step), each against the
+        # default (4 warps, 64 keys): "torch us" is the default's here, so torch/triton above 1 means that shape wins
+        for warps, tile in LAUNCHES:
+            yield Case("paged_decode_attention", model, f"launch: ctx={ctx} w{warps} n{tile}", nbytes,
+                       lambda q=q, kc=k_cache, vc=v_cache, bt=tables, sl=lens, n=ctx, w=warps, tl=tile:
+                       tri.paged_decode_attention(q, kc, vc, bt, sl, n, scale, num_warps=w, tile=tl),
+                       default, "the default launch (4 warps, 64 keys a step)")
 
     seqs, plen = prefill
     t = seqs * plen
