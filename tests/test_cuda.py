@@ -284,7 +284,7 @@ def test_steps_launch_without_waiting_for_the_gpu(tmp_path):
     its graph's replay, its sampling) queues the step's work without a host sync (an ``.item()``, a pageable copy,
     a ``nonzero``), so that the host prepares the next step while this one runs. Decode-only steps (decode graphs)
     and steps where new prompts join (prompt graphs), with greedy, seeded and unseeded sampled rows, their block
-    tables growing; the engine's own check (not this test's) is torch's sync debug mode, raising at the first."""
+    tables growing. The check is torch's sync debug mode, raising at the first sync."""
     path = build(str(tmp_path), "qwen2", torch.bfloat16, seed=2, **TINY)
     llm = LLM(path, device="cuda", dtype="bfloat16", num_kv_blocks=256, max_model_len=512, async_scheduling="on")
     eng, runner = llm.engine, llm.engine.runner
