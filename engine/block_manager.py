@@ -137,6 +137,15 @@ class BlockManager:
                     self.pending[block_id] = req.request_id
         req.num_cached_blocks = num_full
 
+    def cache_decodes(self, reqs: list[Request]) -> None:
+        """``cache_full_blocks`` for the one token each of ``reqs`` computes (a step's decodes): for most
+        of them, no block is filled."""
+        if self.enable_prefix_caching:
+            bs = self.block_size
+            for req in reqs:
+                if (req.num_computed_tokens + 1) // bs > req.num_cached_blocks:
+                    self.cache_full_blocks(req, req.num_computed_tokens + 1)
+
     def providers(self, blocks: Iterable[int]) -> set[str]:
         """The requests computing, in this step, any of ``blocks`` (pending hits): they must stay in it."""
         return {self.pending[b] for b in blocks if b in self.pending}

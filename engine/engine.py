@@ -587,8 +587,9 @@ class Engine:
             for drafts, kept in zip(result.drafts, result.accepted, strict=True):
                 spans.append((row, 1 + kept))
                 row += 1 + len(drafts)
+        lps, finished = out.logprobs, Status.FINISHED
         for req, (start, take) in zip(result.sampled, spans, strict=True):
-            if req.status is Status.FINISHED:  # (asynchronous scheduling) ended while this token was in flight
+            if req.status is finished:  # (asynchronous scheduling) ended while this token was in flight
                 continue
             first = not req.output_token_ids
             if take == 1:
@@ -604,8 +605,8 @@ class Engine:
                     if reason is not None:
                         break
             logprobs = None
-            if out.logprobs and out.logprobs[start] is not None:
-                logprobs = out.logprobs[start:start + len(tokens)]
+            if lps and lps[start] is not None:
+                logprobs = lps[start:start + len(tokens)]
             # (positional: under half the keywords' cost, for one delta per request per step)
             deltas.append(Delta(req.request_id, tokens, reason, logprobs, req.num_prompt_tokens, req.num_cached_tokens,
                                 req.prompt_logprobs if first else None, req.stop_reason))
@@ -615,8 +616,18 @@ class Engine:
         return deltas
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
-        p, state = req.params, req.sampling_state
         n = len(req.output_token_ids)
+        if req.sampling_state.grammar is not None or token in self._eos_set or token in req.stop_token_ids:
+            reason = self._stop_at(req, token, n)  # (few tokens: most only count against the length)
+            if reason is not None:
+                return reason
+        if n >= req.params.max_tokens or n + req.num_prompt_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _stop_at(self, req: Request, token: int, n: int) -> str | None:
+        """Whether ``token``, the ``n``-th of ``req``'s output, ends it by its grammar or as a stop token."""
+        p, state = req.params, req.sampling_state
         grammar = state.grammar
         if grammar is not None:
             grammar.advance(token)
@@ -635,6 +646,4 @@ class Engine:
                 return "stop"
         if grammar is not None and grammar.finished:  # the JSON value is complete: nothing may follow
             return "stop"
-        if n >= p.max_tokens or n + req.num_prompt_tokens >= self.max_model_len:
-            return "length"
         return None

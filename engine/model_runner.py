@@ -287,9 +287,8 @@ class ModelRunner:
             self.decode_buckets = decode_buckets(config.max_num_seqs)
             start, capture = time.perf_counter(), cuda_graph_capture()  # (one memory pool for all: one replays at a time)
             with torch.inference_mode():
-                self.graphs = DecodeGraphs(self.model, self.decode_buckets, max_model_len, max_blocks, num_blocks,
-                                           self.block_size, self.model_cfg.hidden_size, dtype, device,
-                                           capture, window_map=self.block_tables.window_map)
+                self.graphs = DecodeGraphs(self.model, self.decode_buckets, max_model_len, self.block_tables,
+                                           self.block_size, self.model_cfg.hidden_size, dtype, device, capture)
             log.info("CUDA graphs: decode steps of %d batch sizes up to %d captured in %.1f s (--enforce-eager: "
                      "none)", len(self.decode_buckets), config.max_num_seqs, time.perf_counter() - start)
             self._capture_prompt_graphs(capture, self._prompt_graph_tokens(max_model_len))
@@ -299,9 +298,9 @@ class ModelRunner:
               and self.model_cfg.moe is None
               and kernels.cpu.decodes_in_c(self.model_cfg.head_dim, self.block_size)):
             self.graphs = DecodeGraphs(self.model, list(range(1, min(config.max_num_seqs, CPU_GRAPH_SEQS) + 1)),
-                                       max_model_len, max_blocks, num_blocks, self.block_size,
+                                       max_model_len, self.block_tables, self.block_size,
                                        self.model_cfg.hidden_size, dtype, device, cpu_graph.capture(), lazy=True,
-                                       max_rows=CPU_GRAPH_ROWS, window_map=self.block_tables.window_map,
+                                       max_rows=CPU_GRAPH_ROWS,
                                        variant=(lambda: self.lora.span) if self.lora is not None else None)
 
     def _prompt_graph_tokens(self, max_model_len: int) -> int:
@@ -500,9 +499,14 @@ class ModelRunner:
         driver = isinstance(step, DriverStep)
         t, has_images = len(step.token_ids), driver and bool(step.image_rows)
         replay = self.graphs is not None and t == len(step.query_lens) and not has_images and self.graphs.serves(t)
-        cached = step.computed_lens
-        unsplit = kernels.prefill_takes_decodes(self.device, max(cached, default=0), sum(cached) * self.local_cfg.num_kv_heads)
-        index = StepIndex.build(step.query_lens, cached, step.table_rows, split=not unsplit, sort=not replay)
+        cached, index = step.computed_lens, None
+        if replay:  # the graph makes the metadata from the positions and table rows (DecodeGraphs)
+            tensors = {"positions": ints(cached), "token_table_rows": ints(step.table_rows)}
+        else:
+            unsplit = t > len(step.query_lens) and kernels.prefill_takes_decodes(
+                self.device, max(cached, default=0), sum(cached) * self.local_cfg.num_kv_heads)
+            index = StepIndex.build(step.query_lens, cached, step.table_rows, split=not unsplit)
+            tensors = index.tensors
         gather = {"in_flight_at": ints(step.in_flight_at), "in_flight_from": ints(step.in_flight_from)} \
             if driver and step.in_flight_at else {}
         pooling = {"pool_rows": ints(step.pool_rows), "pool_into": ints(step.pool_into)} \
@@ -511,24 +515,25 @@ class ModelRunner:
         lora = {"lora_slots": torch.repeat_interleave(ints(step.lora_slots), ints(step.query_lens))} \
             if self.lora is not None else {}  # each token's adapter slot
         dev = self.staging({"token_ids": ints(step.token_ids), "logits_rows": ints(step.logits_rows),
-                            "write_at": ints(step.write_at), "write_ids": ints(step.write_ids), **index.tensors,
+                            "write_at": ints(step.write_at), "write_ids": ints(step.write_ids), **tensors,
                             **gather, **pooling, **images, **lora})
         tables = self.block_tables.write(dev["write_at"], dev["write_ids"])
         if self.lora is not None:
             self.lora.set(dev["lora_slots"])
             # (CUDA graphs, captured with every slot, compute them all whatever this says: zeros, added)
             self.lora.span = max(step.lora_slots, default=-1) + 1
-        index.tensors = dev
-        positions, meta = index.metadata(tables, self.block_size, self.block_tables.window_map)
         ids = dev["token_ids"]
         if isinstance(step, DriverStep) and step.in_flight_at:
             ids[dev["in_flight_at"]] = step.in_flight_ids[dev["in_flight_from"]]
-        if replay:
-            hidden = self.graphs.replay(ids, positions, meta)
-        elif self.prompt_graphs is not None and not images and self.prompt_graphs.serves(len(ids), meta):
-            hidden = self.prompt_graphs.replay(ids, positions, meta)
+        if index is None:
+            hidden = self.graphs.replay(ids, dev["positions"], dev["token_table_rows"])
         else:
-            hidden = self.model(ids, positions, meta, (dev["image_rows"], step.image_embeds) if images else None)
+            index.tensors = dev
+            positions, meta = index.metadata(tables, self.block_size, self.block_tables.window_map)
+            if self.prompt_graphs is not None and not images and self.prompt_graphs.serves(len(ids), meta):
+                hidden = self.prompt_graphs.replay(ids, positions, meta)
+            else:
+                hidden = self.model(ids, positions, meta, (dev["image_rows"], step.image_embeds) if images else None)
         sums = None
         if driver and step.num_pooled:  # (a span may pool no row: a CLS embedding's chunk after its first)
             sums = torch.zeros(step.num_pooled, hidden.shape[1], dtype=torch.float32, device=hidden.device)
@@ -547,20 +552,16 @@ class ModelRunner:
         gather_at: list[int] = []  # rows whose token the step in flight samples...
         gather_from: list[int] = []  # ...and its row there
         tokens: list[int] = []
-        sampled: list[Request] = []  # sequences whose every token is now computed
-        sample_rows: list[int] = []  # their last token's row in the flat batch (and their drafts')
-        drafts: list[list[int]] = []  # each one's drafts, after its last token (engine.speculative)
         logprob_rows: list[int] = []  # rows whose logits give prompt logprobs...
         spans: list[tuple[Request, int, int]] = []  # ...of positions [lo, hi) of these requests
         pool_spans: list[tuple[Request, int, bool]] = []  # embedding requests: chunk start, whether the last
         pooled_rows: list[int] = []  # their rows to pool...
         pool_into: list[int] = []  # ...and the span each is summed into
-        ks: list[int] = []  # each request's drafts this step
         image_rows: list[int] = []  # rows that are images'...
         image_parts: list[tuple[Request, int, int, int]] = []  # ...each run of them: request, image, its slice
         # the decodes (the batch's first requests, most of a busy step's): the one token each samples from
         # (known, or the one a step in flight samples), then its drafts; it samples at each of them
-        for r, c, n in zip(reqs[:d], starts[:d], counts[:d], strict=True):
+        for r, c, n in zip(reqs[:d], starts, counts, strict=False):
             row = len(tokens)
             if r.images:  # (the decode of a prompt's last token, an image's)
                 _image_runs(r, row, c, 1, image_rows, image_parts)
@@ -570,15 +571,13 @@ class ModelRunner:
                 gather_at.append(row)
                 gather_from.append(in_flight_rows[r.request_id])
                 tokens.append(0)
-            sampled.append(r)
-            ks.append(n - 1)
-            if n == 1:
-                sample_rows.append(row)
-                drafts.append([])
-            else:
-                drafts.append(r.draft_token_ids[:n - 1])
-                tokens += drafts[-1]
-                sample_rows += range(row, row + n)
+            if n > 1:
+                tokens += r.draft_token_ids[:n - 1]
+        sampled = reqs[:d]  # sequences whose every token is now computed...
+        sample_rows = list(range(len(tokens)))  # ...their last token's row in the flat batch (and their drafts')
+        # each one's drafts, after its last token (engine.speculative)
+        drafts = [r.draft_token_ids[:n - 1] for r, n in zip(sampled, counts, strict=False)]\
+            if batch.num_drafts else None
         # the prompt chunks (and an embedding's last prompt token)
         for r, c, n in zip(reqs[d:], starts[d:], counts[d:], strict=True):
             row = len(tokens)
@@ -586,7 +585,6 @@ class ModelRunner:
                 _image_runs(r, row, c, n, image_rows, image_parts)
             known = r.num_tokens + r.num_in_flight
             tokens += r.all_token_ids[c:c + n]
-            ks.append(0)
             if r.params.prompt_logprobs is not None and c < r.num_prompt_tokens:
                 if r.prompt_logprobs is None:
                     r.prompt_logprobs = [None]  # the first token has no context
@@ -607,17 +605,19 @@ class ModelRunner:
             elif final:
                 sampled.append(r)
                 sample_rows.append(row + n - 1)
-                drafts.append([])
+                if drafts is not None:
+                    drafts.append([])
         rows, write_at, write_ids = self.block_tables.update(reqs, batch.window_writes)
         slots = [r.lora_slot for r in reqs] if self.lora is not None else []
-        if len(sample_rows) > len(sampled):
+        if drafts is not None:
+            ks = [n - 1 for n in counts[:d]] + [0] * (len(reqs) - d)  # each request's drafts this step
             counts, starts, rows, slots = _split_drafts(ks, counts, starts, rows, slots)
         step = DriverStep(counts, starts, tokens, logprob_rows + sample_rows, rows, write_at, write_ids, slots,
                           gather_at, gather_from, in_flight.output.ids if gather_at else None, pooled_rows,
                           pool_into, len(pool_spans), image_rows, self._image_embeds(image_parts))
         if self.decode_buckets and max(counts) == 1 and len(counts) <= self.decode_buckets[-1]:
             self._pad(step)
-        return step, sampled, drafts if len(sample_rows) > len(sampled) else None, spans, pool_spans
+        return step, sampled, drafts, spans, pool_spans
 
     def _image_embeds(self, parts: list[tuple[Request, int, int, int]]) -> torch.Tensor | None:
         """The embeddings of each (request, image, first, end) run of image rows, in order: images not yet

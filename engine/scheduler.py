@@ -120,13 +120,20 @@ class ScheduledBatch:
     def num_prompt_tokens(self) -> int:
         return self.num_tokens - self.num_decodes - self.num_drafts
 
-    def add(self, req: Request, n: int, decode: bool = False) -> None:
+    def add(self, req: Request, n: int) -> None:
         self.requests.append(req)
         self.num_new_tokens.append(n)
         self._ids.add(req.request_id)
         self.num_tokens += n
-        if decode:  # one token (its drafts come with add_drafts), added before any prompt's
-            self.num_decodes += 1
+
+    def add_decodes(self, reqs: list[Request]) -> None:
+        """One token each (their drafts come with ``add_drafts``), added before any prompt's: in one go, for
+        a step's hundreds of decodes."""
+        self.requests += reqs
+        self.num_new_tokens += [1] * len(reqs)
+        self._ids.update(r.request_id for r in reqs)
+        self.num_tokens += len(reqs)
+        self.num_decodes += len(reqs)
 
     def add_drafts(self, i: int, n: int) -> None:
         """The ``i``-th request, a decode, computes ``n`` drafts after its token."""
@@ -323,14 +330,21 @@ class Scheduler:
         from, but an embedding (its last prompt token is a prompt token) and one whose token in flight is
         its last by ``max_tokens``. (Most of a step's requests: a few operations each.)"""
         limit, bm = self.max_num_batched_tokens, self.block_manager
+        decodes: list[Request] = []  # (added to the batch together: before any allocation, which may preempt)
         for req in list(self.running):  # (a copy: one may be preempted for another's block)
             tokens = len(req.all_token_ids) + req.num_in_flight
             if (tokens - req.num_computed_tokens != 1 or req.pool is not None or req.status is not Status.RUNNING
-                    or tokens - req.num_prompt_tokens >= req.params.max_tokens or batch.num_tokens >= limit):
+                    or tokens - req.num_prompt_tokens >= req.params.max_tokens
+                    or batch.num_tokens + len(decodes) >= limit):
                 continue
-            if bm.holds(req, tokens) or self._allocate_running(req, 1, batch):
-                batch.add(req, 1, decode=True)
-                bm.cache_full_blocks(req, tokens)
+            if not bm.holds(req, tokens):
+                batch.add_decodes(decodes)
+                decodes = []
+                if not self._allocate_running(req, 1, batch):
+                    continue
+            decodes.append(req)
+        batch.add_decodes(decodes)
+        bm.cache_decodes(batch.requests)
 
     def _schedule_prompts(self, batch: ScheduledBatch, limit: int, cap: int, admit: bool = True) -> None:
         """Up to ``limit`` prompt tokens, at most ``cap`` to each request, to running requests still
@@ -459,9 +473,9 @@ class Scheduler:
         better_by = self.waiting.rank(victim) - self.waiting.rank(head)
         return victim if better_by >= self.waiting.preempt_margin else None
 
-    def _add(self, batch: ScheduledBatch, req: Request, n: int, decode: bool = False) -> None:
+    def _add(self, batch: ScheduledBatch, req: Request, n: int) -> None:
         """Schedule ``n`` tokens of ``req``; the full blocks they complete become findable at once."""
-        batch.add(req, n, decode)
+        batch.add(req, n)
         self.block_manager.cache_full_blocks(req, req.num_computed_tokens + n)
 
     def _preempt(self, req: Request, batch: ScheduledBatch) -> None:

@@ -22,7 +22,7 @@ from collections.abc import Callable, Hashable
 
 import torch
 
-from engine.attention import AttentionMetadata, DecodeMetadata, PrefillMetadata
+from engine.attention import AttentionMetadata, PrefillMetadata, StepIndex
 from engine.request import Request
 
 log = logging.getLogger("tokenmill.engine")
@@ -162,18 +162,17 @@ class DecodeGraphs:
     no reordering of q. At a start-up capture every row is a one-token sequence on the scratch
     block; afterwards a step fills all the rows its graph reads (its padding rows included)."""
 
-    def __init__(self, model: torch.nn.Module, sizes: list[int], max_model_len: int, max_blocks: int,
-                 scratch_block: int, block_size: int, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device, capture: Capture, lazy: bool = False, max_rows: int = 0,
-                 window_map: torch.Tensor | None = None, variant: Callable[[], Hashable] | None = None):
+    def __init__(self, model: torch.nn.Module, sizes: list[int], max_model_len: int, tables: BlockTables,
+                 block_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device, capture: Capture,
+                 lazy: bool = False, max_rows: int = 0, variant: Callable[[], Hashable] | None = None):
         n, i64 = sizes[-1], dict(dtype=torch.int64, device=device)
-        self.model, self.capture, self.max_model_len = model, capture, max_model_len
-        self.window_map = window_map  # (persistent: the graphs look window blocks up in it as they replay)
+        self.model, self.capture, self.max_model_len, self.block_size = model, capture, max_model_len, block_size
+        self.tables = tables  # (persistent: the graphs read the step's rows of its tables, and its window map)
         self.sizes, self.max_rows, self.variant = set(sizes), max_rows, variant
+        # each row's token, cached tokens and row of the block tables (at a start-up capture: the scratch block's)
         self.input_ids, self.positions = torch.zeros(n, **i64), torch.zeros(n, **i64)
-        self.slot_mapping = torch.full((n,), scratch_block * block_size, **i64)
-        self.decode = DecodeMetadata(torch.arange(n, **i64), torch.full((n, max_blocks), scratch_block, **i64),
-                                     torch.ones(n, **i64), max_model_len, in_order=True)
+        self.table_rows = torch.full((n,), tables.scratch_row, **i64)
+        self.token_rows = torch.arange(n, **i64)
         self.hidden = torch.empty(n, hidden_size, dtype=dtype, device=device)
         self.replays: OrderedDict[tuple[int, Hashable], Callable[[], None]] = OrderedDict()  # (size, variant)
         if not lazy:
@@ -182,11 +181,14 @@ class DecodeGraphs:
                 self.replays[b, self._variant()] = capture(functools.partial(self._forward, b))
 
     def _forward(self, b: int) -> None:
-        d = self.decode
-        meta = AttentionMetadata(self.slot_mapping[:b], DecodeMetadata(
-            d.token_rows[:b], d.block_tables[:b], d.seq_lens[:b], self.max_model_len, in_order=True), None,
-            self.window_map)
-        self.hidden[:b] = self.model(self.input_ids[:b], self.positions[:b], meta)
+        """The forward of ``b`` rows, its metadata included: a replay makes the step's slot mapping, block
+        tables and lengths from its positions and table rows, with no launch of its own outside the graph."""
+        pos, rows = self.positions[:b], self.table_rows[:b]
+        index = StepIndex({"positions": pos, "token_table_rows": rows, "decode_token_rows": self.token_rows[:b],
+                           "decode_table_rows": rows, "decode_seq_lens": pos + 1}, max_decode_len=self.max_model_len,
+                          max_prefill_len=0, mixed=False, decode_in_order=True)
+        _, meta = index.metadata(self.tables.table, self.block_size, self.tables.window_map)
+        self.hidden[:b] = self.model(self.input_ids[:b], pos, meta)
 
     def _variant(self) -> Hashable:
         return self.variant() if self.variant is not None else None
@@ -194,18 +196,13 @@ class DecodeGraphs:
     def serves(self, b: int) -> bool:
         return b in self.sizes  # (the captured sizes are among them)
 
-    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The (B, hidden) final hidden states of a decode-only step of B sequences (``serves(B)``)."""
-        b, d, s = len(input_ids), meta.decode, self.decode
+    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, table_rows: torch.Tensor) -> torch.Tensor:
+        """The (B, hidden) final hidden states of a decode-only step of B sequences (``serves(B)``), in the
+        step's order: each one's token, its cached tokens (the token's position) and its row of the tables."""
+        b = len(input_ids)
         self.input_ids[:b] = input_ids
         self.positions[:b] = positions
-        self.slot_mapping[:b] = meta.slot_mapping
-        if d.in_order:  # (the runner builds a step it replays in its own order)
-            s.seq_lens[:b] = d.seq_lens
-            s.block_tables[:b, :d.block_tables.shape[1]] = d.block_tables
-        else:  # its decode rows longest first: put them back in order
-            s.seq_lens.index_copy_(0, d.token_rows, d.seq_lens)
-            s.block_tables[:, :d.block_tables.shape[1]].index_copy_(0, d.token_rows, d.block_tables)
+        self.table_rows[:b] = table_rows
         key = b, self._variant()
         replay = self.replays.get(key)
         if replay is not None:

@@ -203,9 +203,9 @@ def test_decode_steps_padded_and_replayed_as_on_cuda(tiny_llama):
     sync, overlapped = pair(tiny_llama, num_kv_blocks=14, max_num_seqs=8, max_model_len=256)
     runner, f = overlapped.engine.runner, overlapped.engine.runner.facts
     runner.decode_buckets = decode_buckets(8)
-    runner.graphs = DecodeGraphs(runner.model, runner.decode_buckets, f.max_model_len,
-                                 runner.block_tables.table.shape[1], f.num_kv_blocks, runner.block_size,
-                                 runner.model_cfg.hidden_size, f.dtype, f.device, capture=lambda forward: forward)
+    runner.graphs = DecodeGraphs(runner.model, runner.decode_buckets, f.max_model_len, runner.block_tables,
+                                 runner.block_size, runner.model_cfg.hidden_size, f.dtype, f.device,
+                                 capture=lambda forward: forward)
     gathered = []
     forward_step = runner.forward_step
 

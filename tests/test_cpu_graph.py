@@ -9,6 +9,7 @@ import threading
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import engine.model_runner as model_runner
 from engine import LLM, SamplingParams
@@ -127,9 +128,9 @@ def test_cpu_graphs_keep_greedy_outputs(arch, dtype, tiny_llama, tmp_path, smoll
         captured.append(forward.args[0])
         return capture(forward)
 
-    def counting_replay(ids, positions, meta):
+    def counting_replay(ids, positions, table_rows):
         replayed.append(len(ids))
-        return replay(ids, positions, meta)
+        return replay(ids, positions, table_rows)
 
     graphs.capture, graphs.replay = counting_capture, counting_replay
     for _ in range(2):  # the second time, sizes dropped the first time are recorded again
@@ -164,3 +165,53 @@ def test_a_forward_that_cannot_be_recorded_runs_eagerly(tiny_llama, caplog):
         assert [o.token_ids for o in llm.generate(prompts(3), GREEDY)] == want
     assert "decode graphs off" in caplog.text and "NotReplayable" in caplog.text
     assert not graphs.replays and not graphs.serves(1)
+
+
+@needs_c
+def test_a_replayed_decode_step_makes_its_metadata_inside_the_graph(tiny_llama):
+    """Outside a decode graph's replay, a decode step runs only the block tables' write and the copies of
+    its three inputs (tokens, positions, rows of the block tables): the slot mapping, the step's block
+    tables and its lengths are made inside the graph. (On CUDA each operator outside is a launch the host
+    pays for, and a small kernel between two graphs.)"""
+    llm = LLM(tiny_llama, device="cpu", dtype="float32", num_kv_blocks=40, max_model_len=256, max_num_seqs=8)
+    runner, graphs = llm.engine.runner, llm.engine.runner.graphs
+    outside: list[list[str]] = []  # each replayed step's operators up to its replay's end, but the graph's own
+    counting = [False]
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if counting[0] and not func.is_view and func.overloadpacket.__name__ not in ("empty", "detach"):
+                outside[-1].append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    def uncounted(fn):
+        def run(*args):
+            was, counting[0] = counting[0], False
+            try:
+                return fn(*args)
+            finally:
+                counting[0] = was
+        return run
+
+    capture, replay, forward_step = graphs.capture, graphs.replay, runner.forward_step
+    graphs.capture = lambda forward: uncounted(uncounted(capture)(forward))  # (a capture runs the forward too)
+
+    def replay_then_stop(*args):
+        hidden = replay(*args)
+        counting[0] = False
+        return hidden
+
+    def step_counted(step):
+        counting[0] = len(step.token_ids) == len(step.query_lens) and graphs.serves(len(step.token_ids))
+        outside.append([])
+        try:
+            return forward_step(step)
+        finally:
+            counting[0] = False
+
+    graphs.replay, runner.forward_step = replay_then_stop, step_counted
+    with Count():
+        llm.generate(prompts(3), GREEDY)
+    replayed = [ops for ops in outside if ops]
+    assert len(replayed) >= 15
+    assert all(sorted(ops) == ["copy_", "copy_", "copy_", "index_put_"] for ops in replayed), replayed

@@ -177,9 +177,9 @@ def test_padded_decode_steps_keep_greedy_outputs(tiny_llama, unpadded, static):
     runner.decode_buckets = decode_buckets(8)
     if static:
         f = runner.facts
-        runner.graphs = DecodeGraphs(runner.model, runner.decode_buckets, f.max_model_len,
-                                     runner.block_tables.table.shape[1], f.num_kv_blocks, runner.block_size,
-                                     runner.model_cfg.hidden_size, f.dtype, f.device, capture=lambda forward: forward)
+        runner.graphs = DecodeGraphs(runner.model, runner.decode_buckets, f.max_model_len, runner.block_tables,
+                                     runner.block_size, runner.model_cfg.hidden_size, f.dtype, f.device,
+                                     capture=lambda forward: forward)
     decodes, replayed = [], []  # (batch size, real sequences) of decode steps; graph replays
     forward_step, replay = runner.forward_step, runner.graphs.replay if static else None
 

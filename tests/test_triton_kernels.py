@@ -738,7 +738,12 @@ def test_triton_engine_prompt_graphs_stop_at_the_models_length_and_long_contexts
     index = []
     monkeypatch.setattr(runner, "prompt_graphs", None)
     real = engine_attention.StepIndex.build
-    monkeypatch.setattr(engine_attention.StepIndex, "build", lambda *a, **kw: index.append(kw["split"]) or real(*a, **kw))
+    def build(query_lens, *a, **kw):  # (a step with prompt tokens: decodes alone are decode rows anyway)
+        if max(query_lens) > 1:
+            index.append(kw["split"])
+        return real(query_lens, *a, **kw)
+
+    monkeypatch.setattr(engine_attention.StepIndex, "build", build)
     assert [o.token_ids for o in llm.generate(fresh, params)] == want_fresh
     assert index and all(index[1:]) and not index[0]  # (the first step: fresh prompts, nothing cached)
     index.clear()

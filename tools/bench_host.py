@@ -72,7 +72,7 @@ def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_schedul
         runner.model.forward = lambda ids, positions, meta, images=None: hidden[:len(ids)]
         runner.model.compute_logits = lambda h: torch.zeros(len(h), 8)  # (8 columns: the argmax costs nothing)
         if runner.graphs is not None:
-            runner.graphs.replay = lambda ids, positions, meta: hidden[:len(ids)]
+            runner.graphs.replay = lambda ids, positions, table_rows: hidden[:len(ids)]
     spent: dict[str, list[float]] = {stage: [] for stage in STAGES}  # each round's decode steps' seconds
     timing = [False]  # (prompts and the tails of the rounds are not counted)
 
