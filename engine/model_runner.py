@@ -576,8 +576,8 @@ class ModelRunner:
         sampled = reqs[:d]  # sequences whose every token is now computed...
         sample_rows = list(range(len(tokens)))  # ...their last token's row in the flat batch (and their drafts')
         # each one's drafts, after its last token (engine.speculative)
-        drafts = [r.draft_token_ids[:n - 1] for r, n in zip(sampled, counts, strict=False)]\
-            if batch.num_drafts else None
+        drafts = ([r.draft_token_ids[:n - 1] for r, n in zip(sampled, counts, strict=False)]
+                  if batch.num_drafts else None)
         # the prompt chunks (and an embedding's last prompt token)
         for r, c, n in zip(reqs[d:], starts[d:], counts[d:], strict=True):
             row = len(tokens)

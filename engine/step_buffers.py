@@ -146,7 +146,9 @@ def cuda_graph_capture() -> Capture:
 class DecodeGraphs:
     """Decode-only forwards captured per batch size (by ``capture``: as CUDA graphs, or as CPU
     graphs, ``kernels.cpu.graph``) over static inputs: a step of a captured size copies its inputs
-    in and replays.
+    in (each row's token, position and row of the persistent block tables) and replays. The graph
+    makes the step's attention metadata itself (slot mapping, block tables, lengths): outside it,
+    a step launches only those three copies and its block tables' write.
 
     CUDA: every size of ``sizes`` is captured at start-up (the largest first: the others fit in
     its memory pool) and steps are padded to one of them (``ModelRunner._pad``). CPU (``lazy``):

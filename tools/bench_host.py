@@ -3,7 +3,8 @@ and a step as short as its memory floor (issue "GPU path": a step at 256 sequenc
 
 A tiny random model (two layers, 64 wide) whose forward and logits are stubbed out, so that what is left
 of a step is the engine's Python and the few host-side tensors it builds: scheduling, ``_prepare``, the
-host part of ``forward_step`` (index tensors, block tables, metadata), the sampler, ``_postprocess``.
+host part of ``forward_step`` (index tensors, block tables, the inputs of a decode graph), the sampler,
+``_postprocess``. As on CUDA, a decode step is padded to a graph's batch size and replays it (stubbed).
 ``--num-seqs`` requests run one round at a time; each round times ``--steps`` decode-only steps after
 their prompts. Per stage, the minimum and the median over rounds of the mean per step (the minimum is
 the steadier figure on a shared machine). Device-independent: the same Python runs before a GPU's
@@ -32,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAGES = ("schedule", "prepare", "forward_step", "model", "sample", "postprocess", "step")
@@ -55,6 +57,7 @@ def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_schedul
         kernels.set_backend("triton")
 
     from engine import LLM, SamplingParams
+    from engine.step_buffers import decode_buckets
     from tools.random_model import build
 
     path = build(tempfile.mkdtemp(), "qwen2", torch.float32, seed=0, hidden_size=HIDDEN, intermediate_size=128,
@@ -71,8 +74,10 @@ def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_schedul
         hidden = torch.zeros(max(num_seqs, 2048), HIDDEN)
         runner.model.forward = lambda ids, positions, meta, images=None: hidden[:len(ids)]
         runner.model.compute_logits = lambda h: torch.zeros(len(h), 8)  # (8 columns: the argmax costs nothing)
-        if runner.graphs is not None:
-            runner.graphs.replay = lambda ids, positions, table_rows: hidden[:len(ids)]
+        # as on CUDA: every decode step padded to a graph's batch size and replayed, the replay stubbed (what is
+        # left is the host's work around it)
+        runner.decode_buckets = decode_buckets(num_seqs)
+        runner.graphs = types.SimpleNamespace(serves=lambda b: True, replay=lambda ids, *inputs: hidden[:len(ids)])
     spent: dict[str, list[float]] = {stage: [] for stage in STAGES}  # each round's decode steps' seconds
     timing = [False]  # (prompts and the tails of the rounds are not counted)
 
