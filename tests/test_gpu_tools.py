@@ -95,6 +95,21 @@ def test_bench_kernels_cases_run_through_the_interpreter(monkeypatch):
         c.torch()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the benchmark runs them")
+def test_bench_kernels_sampler_steps_run_on_the_cpu(monkeypatch):
+    """The sampler's steps ``tools/bench_kernels.py`` times, at a tiny vocabulary on the CPU: one id a row, within
+    the vocabulary, the greedy ones the argmax."""
+    from tools import bench_kernels as bench
+
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    steps = dict(bench.sampler_steps(3, vocab=50))
+    assert set(steps) == set(bench.SAMPLING) >= {"greedy", "top_p", "seeded_top_p"}
+    for kind, step in steps.items():
+        ids = step()
+        assert ids.shape == (3,) and 0 <= int(ids.min()) and int(ids.max()) < 50, kind
+    assert torch.equal(steps["seeded_top_p"](), steps["seeded_top_p"]())  # (a seed: the same ids again)
+
+
 def test_profile_steps_counts_each_kernel_once_on_cuda(capsys):
     """``decode_breakdown`` on CUDA: the kernels' device time alone (an eager operator's row holds its kernel's
     time too, and a user annotation spans others'), in µs a step."""
@@ -131,6 +146,8 @@ def test_bench_kernels_reads_graphed_times_where_the_capture_works(monkeypatch, 
     monkeypatch.setattr(bench, "measure_bandwidth", lambda device, nbytes: 1e12)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(bench, "VOCAB", 64)
     graphed = []
 
     def do_bench(fn, return_mode):  # 1 ms a call, eager
@@ -158,6 +175,8 @@ def test_bench_kernels_reads_graphed_times_where_the_capture_works(monkeypatch, 
     assert dense and all(r["graphed_us"] == 250.0 and r["torch_graphed_us"] == 250.0 for r in dense)
     assert all(r["bw_fraction"] == round(r["floor_us"] / 250.0, 3) for r in dense)
     assert report["decode_best_launch"]["default_over_it"] == 1.0
+    assert report["sampler_us"] == {kind: 1000.0 for kind in bench.SAMPLING}  # (1 ms a step, faked)
+    assert all(r["floor_us"] == round(2 * 64 * 2 / 1e12 * 1e6, 1) for r in report["sampler"].values())
 
 
 def test_bench_host_times_each_stage_of_a_decode_step_side_by_side():

@@ -70,7 +70,8 @@ figure() {  # figure NAME LOG: the figure to read in a part's log
                         "$(json_last "$log" copy_bandwidth_gb_s) GB/s; a mixed step's attention split apart /" \
                         "in one launch >= $(json_last "$log" mixed_split_over_one_launch)x; RoPE and the KV store apart / in one" \
                         "launch >= $(json_last "$log" rope_store_apart_over_fused)x; decode's best other launch" \
-                        "$(json_last "$log" decode_best_launch); a decode step's" \
+                        "$(json_last "$log" decode_best_launch); sampling 256 rows of Qwen2's vocabulary, us:" \
+                        "$(json_last "$log" sampler_us); a decode step's" \
                         "Python at 256 sequences $(json_last "$log" step_min_us) us (bench_host)" ;;
     offline-*) echo "$(json_last "$log" tokenmill_out_tok_s) out tok/s, $(json_last "$log" decode_vs_floor)x floor," \
                     "host $(json_last "$log" host_share), device idle $(json_last "$log" device_idle_share) (synchronous steps: $(json_last "$log" tokenmill_out_tok_s 2)" \
