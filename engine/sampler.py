@@ -19,7 +19,7 @@ Semantics follow vLLM v1:
   sampled, never on the rest of the batch: sampling is an exponential race
   (``argmax(probs / q)``, ``q ~ Exp(1)``) and a seeded row's ``q`` is a hash of
   (seed, tokens sampled so far, token id), computed on the logits' device with integer
-  ops that give the same bits on every device (``seeded_exponentials``). A step that is
+  ops that give the same bits on every device (``kernels.reference.exponentials``). A step that is
   run again (after an out-of-memory rollback, or a preemption) draws the same noise.
 
 Hot-path rule: no per-request Python loops beyond building small tensors from each
@@ -44,9 +44,11 @@ import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+import kernels
 from engine import sampler_llamacpp as llamacpp
 from engine.protocol import SamplingParams, TokenLogprobs
 from engine.structured import GrammarMatcher
+from kernels import reference
 
 _SEED_MASK = (1 << 64) - 1  # seeds are 64-bit; fold bigger (or negative) ones in
 _MASK32 = (1 << 32) - 1
@@ -532,9 +534,9 @@ class Sampler:
             return Sampled(logits.argmax(dim=-1))
 
         raw = logits
-        if all(s.plain and m >= p.min_tokens for p, s, m in zip(params, states, num_output_tokens, strict=True)):
-            logits = logits.float()  # (nothing to process: a step's per-row passes skipped; nothing writes to it)
-        else:
+        # (nothing to process: the model's logits as they are, read, never written; the temperature's division
+        # makes float32 ones, and the race reads any dtype)
+        if not all(s.plain and m >= p.min_tokens for p, s, m in zip(params, states, num_output_tokens, strict=True)):
             logits = process_logits(logits, params, states, prompt_token_ids, output_token_ids, self.eos_token_ids,
                                     num_output_tokens)
         rand = [i for i, s in enumerate(states) if not s.greedy]
@@ -571,8 +573,11 @@ class Sampler:
         knobs = to_device(host, device)  # (n, 4)
         top_k = host[:, 1]
         max_k, use_p, every_row_has_k = int(top_k.max()), bool((host[:, 2] < 1.0).any()), bool((top_k > 0).all())
-        logits = logits / knobs[:, 0:1]
         extra = [(i, params[i]) for i, s in enumerate(states) if s.llamacpp]  # llama.cpp's (most steps: none)
+        if max_k == 0 and not extra and kernels.races(device):  # (no sort: one kernel reads each row a few times)
+            return kernels.sample_race(logits, knobs[:, 0].contiguous(), knobs[:, 2].contiguous(),
+                                       knobs[:, 3].contiguous(), self._keys(states, num_output_tokens, device)), None
+        logits = logits / knobs[:, 0:1]
         logits = _on_rows(logits, [(i, p.top_n_sigma) for i, p in extra if p.top_n_sigma > 0 and not p.mirostat],
                           llamacpp.apply_top_n_sigma)
         typical = [(i, p.typical_p) for i, p in extra if p.typical_p < 1.0 and not p.mirostat]
@@ -611,6 +616,16 @@ class Sampler:
         mu = llamacpp.mirostat_mu(logits[idx], ids[idx], knobs[:, 0], knobs[:, 1], knobs[:, 2])
         return ids, ([states[i] for i in miro], mu)
 
+    def _keys(self, states: list[SamplingState], num_output_tokens: list[int], device: torch.device) -> torch.Tensor:
+        """(n, 2) int64 keys of each row's race (``kernels.sample_race``): a seeded row's from its seed and token count,
+        so that its draws are ``_noise``'s; the others' from the engine's generator."""
+        keys = torch.randint(0, 1 << 32, (len(states), 2), generator=self.generator, device=device)
+        seeded = [j for j, s in enumerate(states) if s.seed is not None]
+        if seeded:
+            keys[to_device(seeded, device)] = to_device(
+                _row_keys([states[j].seed for j in seeded], [num_output_tokens[j] for j in seeded]), device)
+        return keys
+
     def _uniforms(self, states: list[SamplingState], num_output_tokens: list[int],
                   device: torch.device) -> torch.Tensor:
         """A uniform in [0, 1) per row (XTC's draw): a seeded row's from its seed and token count (the same on
@@ -627,18 +642,18 @@ class Sampler:
 
     def _noise(self, n: int, vocab: int, states: list[SamplingState], num_output_tokens: list[int],
                device: torch.device) -> torch.Tensor:
-        """Exp(1) noise (n, V): seeded rows from their hash (``seeded_exponentials``), the rest in one
+        """Exp(1) noise (n, V): seeded rows from their hash (``kernels.reference.exponentials``), the rest in one
         draw from the engine's generator."""
         seeded = [j for j, s in enumerate(states) if s.seed is not None]
         if not seeded:
             return self._exponentials(n, vocab, device)
         keys = to_device(_row_keys([states[j].seed for j in seeded], [num_output_tokens[j] for j in seeded]), device)
         if len(seeded) == n:
-            return seeded_exponentials(keys, vocab)
+            return reference.exponentials(keys, vocab)
         unseeded = [j for j, s in enumerate(states) if s.seed is None]
         q = torch.empty((n, vocab), device=device)
         q[to_device(unseeded, device)] = self._exponentials(len(unseeded), vocab, device)
-        q[to_device(seeded, device)] = seeded_exponentials(keys, vocab)
+        q[to_device(seeded, device)] = reference.exponentials(keys, vocab)
         return q
 
     def _exponentials(self, n: int, vocab: int, device: torch.device) -> torch.Tensor:
@@ -663,18 +678,6 @@ def _on_rows(logits: torch.Tensor, rows: list[tuple], fn) -> torch.Tensor:
     return logits
 
 
-def _mix32_(x: torch.Tensor) -> torch.Tensor:
-    """In place: a 32-bit integer hash (hash-prospector's ``[16 21f0aaad 15 735a2d97 15]``) of int64
-    lanes holding 32-bit values. Both multipliers are below 2**31, so no product leaves int64: every
-    device computes the same bits, without relying on overflow."""
-    x ^= x >> 16
-    x.mul_(0x21F0AAAD).bitwise_and_(_MASK32)
-    x ^= x >> 15
-    x.mul_(0x735A2D97).bitwise_and_(_MASK32)
-    x ^= x >> 15
-    return x
-
-
 def _splitmix64(x: np.ndarray) -> np.ndarray:
     """SplitMix64's finalizer of each uint64 lane (numpy's uint64 arithmetic wraps modulo 2**64, as the spec's)."""
     x = x + np.uint64(0x9E3779B97F4A7C15)
@@ -688,17 +691,3 @@ def _row_keys(seeds: list[int], indices: list[int]) -> torch.Tensor:
     ``splitmix64(seed ^ splitmix64(index))`` split in halves (host-side, exact; in numpy: a step's rows at once)."""
     k = _splitmix64(np.array(seeds, dtype=np.uint64) ^ _splitmix64(np.array(indices, dtype=np.uint64)))
     return torch.from_numpy(np.stack([k & np.uint64(_MASK32), k >> np.uint64(32)], axis=1).astype(np.int64))
-
-
-def seeded_exponentials(keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Exp(1) noise (n, ``vocab``) float32 from (n, 2) int64 row keys (``_row_keys``), on ``keys``' device.
-
-    Token ``v`` of a row gets ``mix(mix(v ^ k0) ^ k1)``; its top 23 bits, centred in their
-    bucket, are a uniform ``u`` in (0, 1), exact in float32 (so never 0 nor 1, and ``-log(u)`` is
-    finite and positive).
-    """
-    x = torch.arange(vocab, device=keys.device) ^ keys[:, :1]  # (n, V) int64, 32-bit values
-    _mix32_(x)
-    x ^= keys[:, 1:]
-    _mix32_(x)
-    return x.bitwise_right_shift_(9).float().add_(0.5).mul_(2.0 ** -23).log_().neg_()

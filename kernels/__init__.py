@@ -113,6 +113,21 @@ def prefill_takes_decodes(device: torch.device, longest: int = 0, streamed: int 
     return longest <= UNSPLIT_CONTEXT or longest * multiprocessors(device) <= streamed
 
 
+def races(device: torch.device) -> bool:
+    """Whether ``sample_race`` runs Triton's kernel for tensors on ``device`` (CUDA, or any device with the
+    ``triton`` backend); elsewhere the sampler's torch operators sort each row instead."""
+    if _backend == "reference" or (_backend == "auto" and device.type != "cuda"):
+        return False
+    return _load_triton() is not None
+
+
+def sample_race(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                keys: torch.Tensor) -> torch.Tensor:
+    """One token a row by the exponential race over what top-p and min-p keep (``reference.sample_race``)."""
+    m = _pick(logits)
+    return (m if hasattr(m, "sample_race") else reference).sample_race(logits, temperature, top_p, min_p, keys)
+
+
 def multiprocessors(device: torch.device) -> int:
     """How many programs run at once, roughly: CUDA's streaming multiprocessors; elsewhere (Triton's
     interpreter) one."""

@@ -403,3 +403,51 @@ def linear_packed(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.T
     """``F.linear`` with ``weight`` packed (``dequantize``): computed in float32 on the exact weights,
     then cast back to x's dtype."""
     return F.linear(x.float(), dequantize(weight, fmt), None if bias is None else bias.float()).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------- sampling
+
+_MASK32 = (1 << 32) - 1
+
+
+def _mix32_(x: torch.Tensor) -> torch.Tensor:
+    """In place: a 32-bit integer hash (hash-prospector's ``[16 21f0aaad 15 735a2d97 15]``) of int64
+    lanes holding 32-bit values. Both multipliers are below 2**31, so no product leaves int64: every
+    device computes the same bits, without relying on overflow."""
+    x ^= x >> 16
+    x.mul_(0x21F0AAAD).bitwise_and_(_MASK32)
+    x ^= x >> 15
+    x.mul_(0x735A2D97).bitwise_and_(_MASK32)
+    x ^= x >> 15
+    return x
+
+
+def exponentials(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) noise (n, ``vocab``) float32 from (n, 2) int64 row keys (two 32-bit values each), on ``keys``' device.
+
+    Token ``v`` of a row gets ``mix(mix(v ^ k0) ^ k1)``; its top 23 bits, centred in their
+    bucket, are a uniform ``u`` in (0, 1), exact in float32 (so never 0 nor 1, and ``-log(u)`` is
+    finite and positive).
+    """
+    x = torch.arange(vocab, device=keys.device) ^ keys[:, :1]  # (n, V) int64, 32-bit values
+    _mix32_(x)
+    x ^= keys[:, 1:]
+    _mix32_(x)
+    return x.bitwise_right_shift_(9).float().add_(0.5).mul_(2.0 ** -23).log_().neg_()
+
+
+def sample_race(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                keys: torch.Tensor) -> torch.Tensor:
+    """One token a row, (n,) int64: the exponential race ``argmax(p / E)`` (``E`` from ``exponentials(keys)``)
+    over the tokens that top-p and min-p keep, under ``softmax(logits / temperature)`` (all (n,) float32).
+    Top-p keeps the smallest prefix of the sorted distribution whose mass reaches ``top_p`` (>= 1: every token;
+    the likeliest always); min-p the tokens at least ``min_p`` times as likely as the likeliest (0: every one)."""
+    x = logits.float() / temperature.unsqueeze(1)
+    probs = x.softmax(dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    p = torch.where(top_p >= 1.0, 2.0, top_p).unsqueeze(1)  # (>= 1: a bound no round-off reaches)
+    drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= p
+    drop[:, 0] = False
+    kept = torch.empty_like(drop).scatter_(1, order, ~drop)
+    kept &= x >= x.amax(dim=-1, keepdim=True) + torch.log(min_p).unsqueeze(1)
+    return probs.masked_fill_(~kept, 0.0).div_(exponentials(keys, x.shape[1])).argmax(dim=-1)

@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+import kernels
 from engine import LLM, SamplingParams
 from tools.random_model import SHAPES, build
 
@@ -176,7 +177,9 @@ def test_bench_kernels_reads_graphed_times_where_the_capture_works(monkeypatch, 
     assert all(r["bw_fraction"] == round(r["floor_us"] / 250.0, 3) for r in dense)
     assert report["decode_best_launch"]["default_over_it"] == 1.0
     assert report["sampler_us"] == {kind: 1000.0 for kind in bench.SAMPLING}  # (1 ms a step, faked)
-    assert all(r["floor_us"] == round(2 * 64 * 2 / 1e12 * 1e6, 1) for r in report["sampler"].values())
+    assert all(r["torch_us"] == 1000.0 and r["floor_us"] == round(2 * 64 * 2 / 1e12 * 1e6, 1)
+               for r in report["sampler"].values())
+    assert kernels.backend() == "auto"  # (the torch path's timing put it back)
 
 
 def test_bench_host_times_each_stage_of_a_decode_step_side_by_side():

@@ -22,8 +22,8 @@ from engine.sampler import (
     logprob_lists,
     logprob_tensors,
     process_logits,
-    seeded_exponentials,
 )
+from kernels import reference
 
 EOS = 2
 PROBS = [0.5, 0.2, 0.15, 0.1, 0.05]
@@ -159,7 +159,7 @@ def test_seeded_noise_is_exactly_its_integer_spec():
     keys = [(k & 0xFFFFFFFF, k >> 32) for k in spec]
     got_keys = _row_keys([seed for seed, _ in pairs], [index for _, index in pairs])
     assert got_keys.tolist() == [list(k) for k in keys]  # numpy's wrapping uint64: the same bits
-    got = seeded_exponentials(torch.tensor(keys), 300)
+    got = reference.exponentials(torch.tensor(keys), 300)
     want = torch.tensor([_reference_noise(k0, k1, 300) for k0, k1 in keys], dtype=torch.float32)
     assert torch.allclose(got, want, rtol=1e-6, atol=0)
     assert (got > 0).all() and got.isfinite().all()
@@ -168,7 +168,7 @@ def test_seeded_noise_is_exactly_its_integer_spec():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_seeded_noise_and_tokens_are_the_same_on_cuda():
     keys = _row_keys([seed for seed in (0, 99, _SEED_MASK) for _ in range(3)], [0, 5, 1000] * 3)
-    cpu, cuda = seeded_exponentials(keys, 49152), seeded_exponentials(keys.cuda(), 49152)
+    cpu, cuda = reference.exponentials(keys, 49152), reference.exponentials(keys.cuda(), 49152)
     assert torch.allclose(cuda.cpu(), cpu, rtol=1e-6, atol=0)
     p = SamplingParams(temperature=1.0, seed=1234)  # (no top-p: its cut could differ by float round-off)
     on = {dev: _run_steps(Sampler(64, [EOS], dev), [(p, SamplingState(p), 7)], steps=16, device=dev)[0]

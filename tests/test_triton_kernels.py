@@ -838,3 +838,65 @@ def test_triton_engine_moe_greedy_equals_reference(tmp_path, smollm_tokenizer_di
     outs, calls = greedy_by_backend(monkeypatch, path, [3, 30], 4)
     assert outs["triton"] == outs["reference"]
     assert calls
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+def _race_inputs(n: int, vocab: int, dtype: torch.dtype, spread: float, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(n, vocab, generator=g) * spread).to(dtype)
+    logits[0, : vocab // 3] = float("-inf")  # (a row whose processing forbade a third of its tokens)
+    temperature = torch.tensor([0.7, 1.0, 1.5] * n)[:n]
+    top_p = torch.tensor([1.0, 0.9, 0.5, 0.05, 0.95, 1.0] * n)[:n]
+    min_p = torch.tensor([0.0, 0.0, 0.05, 0.0, 0.3] * n)[:n]
+    keys = torch.randint(0, 1 << 32, (n, 2), generator=g)
+    return [t.to(DEVICE) for t in (logits, temperature, top_p, min_p, keys)]
+
+
+@pytest.mark.parametrize("dtype,vocab,spread", [(F32, 2500, 3.0), (BF16, 777, 3.0), (F32, 2100, 0.05)],
+                         ids=["fp32-peaked", "bf16", "fp32-flat"])
+def test_sample_race_matches_reference(dtype, vocab, spread):
+    """The race over the nucleus without a sort picks the reference's token (same draws, masked first) in every
+    row; the flat rows' races mostly miss the small nuclei of top-p 0.05 and 0.5 and run again, several times."""
+    args = _race_inputs(30, vocab, dtype, spread, seed=next(_seed))
+    got, want = tri.sample_race(*args), ref.sample_race(*args)
+    assert got.dtype == torch.int64 and got.shape == (30,)
+    assert got.tolist() == want.tolist()
+    assert not (args[0].gather(1, got.unsqueeze(1)) == float("-inf")).any()
+
+
+def test_sample_race_checks_its_arguments():
+    logits, temperature, top_p, min_p, keys = _race_inputs(4, 100, F32, 1.0, seed=next(_seed))
+    with pytest.raises(ValueError, match="keys"):
+        tri.sample_race(logits, temperature, top_p, min_p, keys[:, :1].contiguous())
+    with pytest.raises(ValueError, match="top_p"):
+        tri.sample_race(logits, temperature, top_p[:3], min_p, keys)
+    with pytest.raises(ValueError, match="temperature"):
+        tri.sample_race(logits, temperature.double(), top_p, min_p, keys)
+
+
+def test_sampler_races_on_triton_as_it_masks_on_torch(monkeypatch):
+    """The sampler's non-greedy rows through ``kernels.sample_race`` (Triton's) give a seeded row the tokens the
+    torch path (top-p and min-p masks, then the race) gives it, step after step; top-k rows keep the torch path."""
+    from engine.protocol import SamplingParams
+    from engine.sampler import Sampler, SamplingState
+
+    g = torch.Generator().manual_seed(next(_seed))
+    logits = (torch.randn(6, 300, generator=g) * 3).to(DEVICE)
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=11), SamplingParams(temperature=1.0, seed=5),
+              SamplingParams(temperature=0.6, top_p=0.5, min_p=0.1, seed=7), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.9, top_p=0.3, seed=3), SamplingParams(temperature=1.2, min_p=0.2, seed=9)]
+
+    def steps(backend: str) -> list[list[int]]:
+        monkeypatch.setattr(kernels, "_backend", backend)
+        sampler, states = Sampler(300, [2], DEVICE), [SamplingState(p) for p in params]
+        return [sampler(logits, params, states, [[1]] * 6, [[]] * 6, [k] * 6).token_ids for k in range(4)]
+
+    raced = steps("triton")
+    assert kernels.races(logits.device)
+    assert raced == steps("reference") and not kernels.races(logits.device)
+    monkeypatch.setattr(kernels, "_backend", "triton")
+    top_k = [SamplingParams(temperature=0.8, top_k=5, seed=1)]
+    monkeypatch.setattr(kernels, "sample_race", lambda *a: pytest.fail("top-k rows take the torch path"))
+    Sampler(300, [2], DEVICE)(logits[:1], top_k, [SamplingState(top_k[0])], [[1]], [[]], [0])

@@ -17,7 +17,8 @@ and its down projection as Q4_K super-blocks (a Q4_K_M GGUF file's);
 a mixture of experts' layer (Qwen3-30B-A3B's: 128 experts, 8 a token) at the same token counts, and
 gpt-oss-20b's (32 experts of 2880, 4 a token) with its experts in MXFP4 against them widened to bf16.
 Last, the sampler's step at the decode batch over Qwen2's vocabulary (``Sampler.sample``: greedy, top-p, seeded
-top-p, top-k), against the logits read once (JSON ``sampler_us``).
+top-p, top-k), as the engine runs it (Triton's race, ``kernels.sample_race``, for the non-greedy rows without top-k)
+and with the torch operators that sort each row, against the logits read once (JSON ``sampler_us``, ``sampler``).
 Prints a table, then one JSON line. Without CUDA there is nothing to time: it says so (JSON too).
 
     python3 tools/bench_kernels.py [--batch 256] [--contexts 512,2048,8192] [--prefill 4x1024]
@@ -303,11 +304,14 @@ def _sample(sampler, logits: torch.Tensor, params: list, states: list) -> torch.
 
 
 def time_sampler(batch: int, bw: float) -> dict[str, dict[str, float]]:
-    """Each kind's sampling step timed and printed: its median time back to back (``do_bench``: the device's
-    time where it is the longer) beside the host's time a call (its launches, measured without waiting for
-    them) and the floor, the logits read once. A decode step of Qwen2-0.5B at 256 sequences has a floor of
-    about 0.36 ms: a sampler that sorts each row of the vocabulary can take longer than the model."""
+    """Each kind's sampling step timed and printed: its median time back to back (``do_bench``: the device's time
+    where it is the longer) as the engine runs it (non-greedy rows without top-k: ``kernels.sample_race``), again
+    with the torch operators that sort each row (the ``reference`` backend's path, in the torch column), the host's
+    time a call (its launches, measured without waiting for them) and the floor, the logits read once. A decode
+    step of Qwen2-0.5B at 256 sequences has a floor of about 0.36 ms."""
     from triton.testing import do_bench
+
+    import kernels
 
     floor_ms = batch * VOCAB * ELT / bw * 1e3
     out = {}
@@ -319,9 +323,17 @@ def time_sampler(batch: int, bw: float) -> dict[str, dict[str, float]]:
             step()
         host_ms = (time.perf_counter() - start) / 10 * 1e3
         torch.cuda.synchronize()
-        print(f"{'sampler ' + kind:<24}{'qwen2-0.5b':<14}{f'{batch}x{VOCAB}':<16}{ms * 1e3:>10.1f}{'':>9}"
-              f"{'host ' + format(host_ms * 1e3, '.0f'):>10}{floor_ms * 1e3:>10.1f}{floor_ms / ms:>6.0%}", flush=True)
-        out[kind] = {"us": round(ms * 1e3, 1), "host_us": round(host_ms * 1e3, 1), "floor_us": round(floor_ms * 1e3, 1)}
+        backend = kernels.backend()
+        kernels.set_backend("reference")  # (only the sampler runs here: its torch path)
+        try:
+            torch_ms = do_bench(step, return_mode="median")
+        finally:
+            kernels.set_backend(backend)
+        print(f"{'sampler ' + kind:<24}{'qwen2-0.5b':<14}{f'{batch}x{VOCAB}':<16}{ms * 1e3:>10.1f}"
+              f"{'host ' + format(host_ms * 1e3, '.0f'):>9}{torch_ms * 1e3:>10.1f}{floor_ms * 1e3:>10.1f}"
+              f"{floor_ms / ms:>6.0%}{torch_ms / ms:>14.2f}", flush=True)
+        out[kind] = {"us": round(ms * 1e3, 1), "torch_us": round(torch_ms * 1e3, 1), "host_us": round(host_ms * 1e3, 1),
+                     "floor_us": round(floor_ms * 1e3, 1)}
     return out
 
 

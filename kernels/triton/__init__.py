@@ -17,7 +17,8 @@ from kernels.triton.linear_packed import dequantize, linear_packed
 from kernels.triton.moe import fused_moe
 from kernels.triton.norm import fused_add_rms_norm, rms_norm
 from kernels.triton.rope import apply_rope_, rope_and_store_
+from kernels.triton.sample import sample_race
 
 __all__ = ["PACKED_FORMATS", "apply_rope_", "dequantize", "fused_add_rms_norm", "fused_moe", "gelu_and_mul",
            "linear_packed", "paged_decode_attention", "paged_prefill_attention", "rms_norm", "rope_and_store_",
-           "silu_and_mul", "store_kvcache"]
+           "sample_race", "silu_and_mul", "store_kvcache"]

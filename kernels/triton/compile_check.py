@@ -37,6 +37,8 @@ from kernels.triton.linear_packed import BLOCK_N, FORMATS, _dequantize_kernel, _
 from kernels.triton.moe import _moe_gemm_kernel
 from kernels.triton.norm import _rms_norm_kernel
 from kernels.triton.rope import _rope_kernel, _rope_store_kernel, heads_per_program
+from kernels.triton.sample import BLOCK as SAMPLE_BLOCK
+from kernels.triton.sample import ROUNDS, _sample_race_kernel
 
 TARGET = GPUTarget("cuda", 90, 32)  # Hopper; any recent arch catches the same errors
 COMMON = ("q4_z", "q4_k")  # the packed formats compiled in every dtype and launch shape (the others: once)
@@ -133,6 +135,10 @@ def variants(everything: bool):
                                     "v_cache_ptr": c, "slot_ptr": "*i64", "qw_ptr": w, "kw_ptr": w},
                dict(H=h, HKV=h // 8 + 1, D=d, HALF=half, BLOCK_H=heads_per_program(h, h // 8 + 1, d), BLOCK_HALF=next_pow2(half),
                     BLOCK_REST=next_pow2(max(d - 2 * half, 1)), BLOCK_D=d, NORM=norm, FMT=fmt), ("eps",))
+    for dt in ("bf16", "fp32"):  # (the model's logits, or processed ones)
+        yield (_sample_race_kernel, {"logits_ptr": f"*{dt}", "temp_ptr": "*fp32", "top_p_ptr": "*fp32",
+                                     "min_p_ptr": "*fp32", "keys_ptr": "*i64", "out_ptr": "*i64"},
+               dict(BLOCK=SAMPLE_BLOCK, ROUNDS=ROUNDS), ())
     for gelu in (False, True):
         yield (_act_and_mul_kernel, {"x_ptr": p, "out_ptr": p}, dict(GELU=gelu, BLOCK=1024), ())
     for dt, block_m, weighted in itertools.product(dtypes, (16, 64), (False, True)):

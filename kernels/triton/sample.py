@@ -1,0 +1,123 @@
+"""Sampling by the exponential race over the nucleus, without sorting the vocabulary (the twin of
+``kernels.reference.sample_race``).
+
+The race picks ``argmax(p_i / E_i)`` with one Exp(1) draw ``E_i`` a token (``reference.exponentials``,
+a hash of the row's keys and the token id, computed here as it is read). Restricted to the tokens that
+top-p and min-p keep, which are an upper set of the distribution (a token kept, every likelier one
+is), the same draws give the same winner as masking first: the race over a larger upper set ``S``
+either lands in the kept set, and then it is that set's winner too, or on a token that is not kept,
+and then no token as likely or less is, so the race runs again over those above it. One program a
+row: a pass for the row's largest logit and normaliser (only where top-p or min-p truncate), then a
+pass for the race and one for the mass above its winner, once in most rows (the winner is kept
+with at least probability ``top_p``), at most ``ROUNDS`` times; past that, the likeliest token.
+Three reads of a row where the sort-based path sorts it and makes a dozen passes over it.
+
+A token is kept by top-p when the mass strictly above it is below ``top_p`` of the row's (tokens tied
+with it all stay: the reference's sort keeps them in its order); by min-p when its logit is at least
+the largest plus ``log(min_p)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton.launch import check_tensor, require
+
+BLOCK = 1024  # tokens a loop step
+ROUNDS = 32  # races at most a row; each one that misses halves the candidates on average
+
+
+@triton.jit
+def _mix32(x):
+    # hash-prospector's [16 21f0aaad 15 735a2d97 15] on uint32 lanes (reference._mix32_'s, which masks int64)
+    x ^= x >> 16
+    x *= 0x21F0AAAD
+    x ^= x >> 15
+    x *= 0x735A2D97
+    x ^= x >> 15
+    return x
+
+
+@triton.jit
+def _scaled(base, cols, V, t):
+    return tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32) / t
+
+
+@triton.jit
+def _sample_race_kernel(logits_ptr, stride, temp_ptr, top_p_ptr, min_p_ptr, keys_ptr, out_ptr, V,
+                        BLOCK: tl.constexpr, ROUNDS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * stride
+    t = tl.load(temp_ptr + row)
+    top_p = tl.load(top_p_ptr + row)
+    min_p = tl.load(min_p_ptr + row)
+    k0 = tl.load(keys_ptr + 2 * row).to(tl.uint32)
+    k1 = tl.load(keys_ptr + 2 * row + 1).to(tl.uint32)
+    lanes = tl.arange(0, BLOCK)
+    # the row's largest scaled logit, its token and the normaliser: what top-p and min-p measure against
+    m = tl.full([], float("-inf"), tl.float32)
+    z = tl.full([], 0.0, tl.float32)
+    top = tl.full([], 0, tl.int32)
+    truncated = (top_p < 1.0) | (min_p > 0.0)
+    if truncated:
+        mv = tl.full([BLOCK], float("-inf"), tl.float32)
+        iv = tl.zeros([BLOCK], tl.int32)
+        for start in range(0, V, BLOCK):
+            x = _scaled(base, start + lanes, V, t)
+            iv = tl.where(x > mv, start + lanes, iv)
+            mv = tl.maximum(mv, x)
+        m = tl.max(mv)
+        top = tl.min(tl.where(mv == m, iv, V))
+        zv = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, V, BLOCK):
+            zv += tl.exp(_scaled(base, start + lanes, V, t) - m)
+        z = tl.sum(zv)
+    floor = tl.where(min_p > 0.0, m + tl.log(tl.maximum(min_p, 1e-30)), float("-inf"))  # (min_p 0: every token)
+    pivot = tl.full([], float("-inf"), tl.float32)  # the race runs over the tokens above it
+    best = top
+    done = tl.full([], 0, tl.int32)
+    for _ in range(ROUNDS):
+        if done == 0:
+            sv = tl.full([BLOCK], float("-inf"), tl.float32)
+            iv = tl.zeros([BLOCK], tl.int32)
+            for start in range(0, V, BLOCK):
+                cols = start + lanes
+                x = _scaled(base, cols, V, t)
+                u = ((_mix32(_mix32(cols.to(tl.uint32) ^ k0) ^ k1) >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
+                s = tl.where(x > pivot, x - tl.log(-tl.log(u)), float("-inf"))  # log(p / E), but a constant
+                iv = tl.where(s > sv, cols, iv)
+                sv = tl.maximum(sv, s)
+            won = tl.max(sv)
+            best = tl.min(tl.where(sv == won, iv, V))
+            best_x = tl.load(base + best).to(tl.float32) / t
+            kept = best_x >= floor
+            if top_p < 1.0:
+                av = tl.zeros([BLOCK], tl.float32)
+                for start in range(0, V, BLOCK):
+                    x = _scaled(base, start + lanes, V, t)
+                    av += tl.where(x > best_x, tl.exp(x - m), 0.0)
+                kept = kept & (tl.sum(av) < top_p * z)
+            done = kept.to(tl.int32)
+            pivot = best_x
+    best = tl.where(done != 0, best, top)
+    tl.store(out_ptr + row, best.to(tl.int64))
+
+
+def sample_race(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                keys: torch.Tensor) -> torch.Tensor:
+    check_tensor("logits", logits, 2)
+    n, vocab = logits.shape
+    require(logits.stride(1) == 1, "logits must be contiguous in their last dimension")
+    for name, t in (("temperature", temperature), ("top_p", top_p), ("min_p", min_p)):
+        check_tensor(name, t, 1, (torch.float32,))
+        require(t.shape[0] == n and t.is_contiguous(), f"{name} must be ({n},) and contiguous")
+    require(keys.dtype == torch.int64 and tuple(keys.shape) == (n, 2) and keys.is_contiguous(),
+            f"keys must be ({n}, 2) int64 and contiguous")
+    require(vocab < 2 ** 31, "the vocabulary must have fewer than 2**31 tokens")
+    out = torch.empty(n, dtype=torch.int64, device=logits.device)
+    if n:
+        _sample_race_kernel[(n,)](logits, logits.stride(0), temperature, top_p, min_p, keys, out, vocab,
+                                  BLOCK=BLOCK, ROUNDS=ROUNDS)
+    return out
