@@ -20,7 +20,10 @@ Semantics follow vLLM v1:
   (``argmax(probs / q)``, ``q ~ Exp(1)``) and a seeded row's ``q`` is a hash of
   (seed, tokens sampled so far, token id), computed on the logits' device with integer
   ops that give the same bits on every device (``kernels.reference.exponentials``). A step that is
-  run again (after an out-of-memory rollback, or a preemption) draws the same noise.
+  run again (after an out-of-memory rollback, or a preemption) draws the same noise. On CUDA the
+  non-greedy rows without top-k or llama.cpp's samplers race in one Triton kernel
+  (``kernels.sample_race``) that never sorts the vocabulary: the same draws pick the same token as
+  masking by top-p and min-p first (the unseeded rows' keys come from the engine's generator).
 
 Hot-path rule: no per-request Python loops beyond building small tensors from each
 row's scalar knobs (and the seeded rows' hash keys); the params' lists (stop ids,
