@@ -449,7 +449,8 @@ def apply_top_k_top_p(
     top_k (n,) long, 0 = off; top_p (n,) float, >= 1 = off; ``max_k`` the largest k
     in ``top_k``; ``every_row_has_k`` says no row has top-k off (told by the caller,
     who knows it from the params, so the GPU need not be asked). top-p keeps the smallest prefix of the (top-k renormalised) sorted
-    distribution whose mass reaches p, and always the most likely token.
+    distribution whose mass reaches p, and always the most likely token, and the tokens tied with its last
+    (``kernels.sample_race``'s cut: a token goes when the mass strictly above it reaches p).
 
     Sorting all V logits is by far the dearest step on a CPU, so it is avoided when
     it can be: top-k alone masks by each row's k-th value from ``topk(max_k)`` (ties
@@ -481,6 +482,8 @@ def apply_top_k_top_p(
     p = torch.where(top_p >= 1.0, 2.0, top_p).to(probs.dtype).unsqueeze(1)
     drop = (probs.cumsum(dim=-1) - probs) >= p
     drop[:, 0] = False
+    # ...and the cut never splits tokens tied in probability (the same set in whatever order the sort left them)
+    drop &= probs < probs.masked_fill(drop, math.inf).amin(dim=-1, keepdim=True)
     sorted_logits.masked_fill_(drop, -math.inf)
     return torch.full_like(logits, -math.inf).scatter_(1, sorted_idx, sorted_logits)
 

@@ -7,6 +7,8 @@ for K and for V. A token's *slot* is ``block_id * block_size + offset``.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -441,13 +443,15 @@ def sample_race(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Te
     """One token a row, (n,) int64: the exponential race ``argmax(p / E)`` (``E`` from ``exponentials(keys)``)
     over the tokens that top-p and min-p keep, under ``softmax(logits / temperature)`` (all (n,) float32).
     Top-p keeps the smallest prefix of the sorted distribution whose mass reaches ``top_p`` (>= 1: every token;
-    the likeliest always); min-p the tokens at least ``min_p`` times as likely as the likeliest (0: every one)."""
+    the likeliest always), and the tokens tied with its last; min-p the tokens at least ``min_p`` times as likely
+    as the likeliest (0: every one)."""
     x = logits.float() / temperature.unsqueeze(1)
     probs = x.softmax(dim=-1)
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     p = torch.where(top_p >= 1.0, 2.0, top_p).unsqueeze(1)  # (>= 1: a bound no round-off reaches)
     drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= p
     drop[:, 0] = False
+    drop &= sorted_probs < sorted_probs.masked_fill(drop, math.inf).amin(dim=-1, keepdim=True)
     kept = torch.empty_like(drop).scatter_(1, order, ~drop)
     kept &= x >= x.amax(dim=-1, keepdim=True) + torch.log(min_p).unsqueeze(1)
     return probs.masked_fill_(~kept, 0.0).div_(exponentials(keys, x.shape[1])).argmax(dim=-1)

@@ -858,16 +858,34 @@ def _race_inputs(n: int, vocab: int, dtype: torch.dtype, spread: float, seed: in
                          ids=["fp32-peaked", "bf16", "fp32-flat"])
 def test_sample_race_matches_reference(dtype, vocab, spread):
     """The race over the nucleus without a sort picks the reference's token (same draws, masked first) in every
-    row; the flat rows' races mostly miss the small nuclei of top-p 0.05 and 0.5 and run again, several times."""
-    args = _race_inputs(30, vocab, dtype, spread, seed=next(_seed))
+    row, bf16's ties in probability included; in these inputs 7 or 8 rows of 30 miss in their first race (most
+    of them rows of top-p 0.05 or 0.5) and run again."""
+    args = _race_inputs(30, vocab, dtype, spread, seed=5)
     got, want = tri.sample_race(*args), ref.sample_race(*args)
     assert got.dtype == torch.int64 and got.shape == (30,)
     assert got.tolist() == want.tolist()
     assert not (args[0].gather(1, got.unsqueeze(1)) == float("-inf")).any()
 
 
+def test_sample_race_keeps_tied_tokens_and_tells_close_scores_apart():
+    """Top-p's cut never splits tokens tied in probability (eight equal logits at top-p 0.3: the race over all
+    eight, as the reference and the sampler's torch path keep them), and at a small temperature two equal large
+    logits still race by their draws (scores taken from the row's largest logit, not from 50 / 0.01)."""
+    n = 16
+    keys = torch.randint(0, 1 << 32, (n, 2), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    ones, zeros = torch.ones(n, device=DEVICE), torch.zeros(n, device=DEVICE)
+    tied = torch.zeros(n, 8, dtype=BF16, device=DEVICE)
+    got = tri.sample_race(tied, ones, torch.full((n,), 0.3, device=DEVICE), zeros, keys)
+    assert got.tolist() == ref.sample_race(tied, ones, torch.full((n,), 0.3, device=DEVICE), zeros, keys).tolist()
+    assert len(set(got.tolist())) > 3  # (not the first three of a sort: all eight race)
+    close = torch.full((n, 2), 50.0, device=DEVICE)
+    cold = torch.full((n,), 0.01, device=DEVICE)
+    got = tri.sample_race(close, cold, ones, zeros, keys)
+    assert got.tolist() == ref.sample_race(close, cold, ones, zeros, keys).tolist() and 0 < sum(got.tolist()) < n
+
+
 def test_sample_race_checks_its_arguments():
-    logits, temperature, top_p, min_p, keys = _race_inputs(4, 100, F32, 1.0, seed=next(_seed))
+    logits, temperature, top_p, min_p, keys = _race_inputs(4, 100, F32, 1.0, seed=1)
     with pytest.raises(ValueError, match="keys"):
         tri.sample_race(logits, temperature, top_p, min_p, keys[:, :1].contiguous())
     with pytest.raises(ValueError, match="top_p"):
@@ -882,7 +900,7 @@ def test_sampler_races_on_triton_as_it_masks_on_torch(monkeypatch):
     from engine.protocol import SamplingParams
     from engine.sampler import Sampler, SamplingState
 
-    g = torch.Generator().manual_seed(next(_seed))
+    g = torch.Generator().manual_seed(2)
     logits = (torch.randn(6, 300, generator=g) * 3).to(DEVICE)
     params = [SamplingParams(temperature=0.8, top_p=0.9, seed=11), SamplingParams(temperature=1.0, seed=5),
               SamplingParams(temperature=0.6, top_p=0.5, min_p=0.1, seed=7), SamplingParams(temperature=0.0),

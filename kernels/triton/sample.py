@@ -3,18 +3,20 @@
 
 The race picks ``argmax(p_i / E_i)`` with one Exp(1) draw ``E_i`` a token (``reference.exponentials``,
 a hash of the row's keys and the token id, computed here as it is read). Restricted to the tokens that
-top-p and min-p keep, which are an upper set of the distribution (a token kept, every likelier one
-is), the same draws give the same winner as masking first: the race over a larger upper set ``S``
+top-p and min-p keep, which are an upper set of the distribution (a token kept, every one at least as
+likely is), the same draws give the same winner as masking first: the race over a larger upper set
 either lands in the kept set, and then it is that set's winner too, or on a token that is not kept,
-and then no token as likely or less is, so the race runs again over those above it. One program a
-row: a pass for the row's largest logit and normaliser (only where top-p or min-p truncate), then a
-pass for the race and one for the mass above its winner, once in most rows (the winner is kept
-with at least probability ``top_p``), at most ``ROUNDS`` times; past that, the likeliest token.
-Three reads of a row where the sort-based path sorts it and makes a dozen passes over it.
+and then no token as likely or less is, so the race runs again over those likelier. One program a
+row: a pass for the row's largest logit (and one for its mass where top-p truncates), then a pass for
+the race and one for the mass above its winner, once in most rows (the winner is kept with at least
+probability ``top_p``), at most ``ROUNDS`` times; past that, the likeliest token (a row's misses count
+the records of a random order, about ln(candidates / kept) of them: 64 lies far in their tail). Three or four reads of a row where the sort-based path sorts
+it and makes a dozen passes over it.
 
-A token is kept by top-p when the mass strictly above it is below ``top_p`` of the row's (tokens tied
-with it all stay: the reference's sort keeps them in its order); by min-p when its logit is at least
-the largest plus ``log(min_p)``.
+A token is kept by top-p when the mass strictly above it is below ``top_p`` of the row's, so the cut
+never splits tokens tied in probability (as ``engine.sampler.apply_top_k_top_p``'s), and by min-p when
+its logit is at least the largest plus ``log(min_p)``. Divisions are rounded as torch's; the exponential
+is Triton's (a few ulps on CUDA): scores a rounding apart may pick another of two near-tied tokens.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import triton.language as tl
 from kernels.triton.launch import check_tensor, require
 
 BLOCK = 1024  # tokens a loop step
-ROUNDS = 32  # races at most a row; each one that misses halves the candidates on average
+ROUNDS = 64  # races at most a row (misses run about ln(candidates / kept) times: ~12 at 151936 tokens)
 
 
 @triton.jit
@@ -42,7 +44,8 @@ def _mix32(x):
 
 @triton.jit
 def _scaled(base, cols, V, t):
-    return tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32) / t
+    # (rounded as torch divides: a compiled ``/`` is an approximate division)
+    return tl.math.div_rn(tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32), t)
 
 
 @triton.jit
@@ -56,20 +59,18 @@ def _sample_race_kernel(logits_ptr, stride, temp_ptr, top_p_ptr, min_p_ptr, keys
     k0 = tl.load(keys_ptr + 2 * row).to(tl.uint32)
     k1 = tl.load(keys_ptr + 2 * row + 1).to(tl.uint32)
     lanes = tl.arange(0, BLOCK)
-    # the row's largest scaled logit, its token and the normaliser: what top-p and min-p measure against
-    m = tl.full([], float("-inf"), tl.float32)
-    z = tl.full([], 0.0, tl.float32)
-    top = tl.full([], 0, tl.int32)
-    truncated = (top_p < 1.0) | (min_p > 0.0)
-    if truncated:
-        mv = tl.full([BLOCK], float("-inf"), tl.float32)
-        iv = tl.zeros([BLOCK], tl.int32)
-        for start in range(0, V, BLOCK):
-            x = _scaled(base, start + lanes, V, t)
-            iv = tl.where(x > mv, start + lanes, iv)
-            mv = tl.maximum(mv, x)
-        m = tl.max(mv)
-        top = tl.min(tl.where(mv == m, iv, V))
+    # the row's largest scaled logit and its token: the scores are taken from it (exp(x - m), as a softmax's),
+    # and min-p measures against it
+    mv = tl.full([BLOCK], float("-inf"), tl.float32)
+    iv = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, V, BLOCK):
+        x = _scaled(base, start + lanes, V, t)
+        iv = tl.where(x > mv, start + lanes, iv)
+        mv = tl.maximum(mv, x)
+    m = tl.max(mv)
+    top = tl.min(tl.where(mv == m, iv, V))
+    z = tl.full([], 0.0, tl.float32)  # the row's mass (of exp(x - m)), where top-p measures against it
+    if top_p < 1.0:
         zv = tl.zeros([BLOCK], tl.float32)
         for start in range(0, V, BLOCK):
             zv += tl.exp(_scaled(base, start + lanes, V, t) - m)
@@ -80,18 +81,18 @@ def _sample_race_kernel(logits_ptr, stride, temp_ptr, top_p_ptr, min_p_ptr, keys
     done = tl.full([], 0, tl.int32)
     for _ in range(ROUNDS):
         if done == 0:
-            sv = tl.full([BLOCK], float("-inf"), tl.float32)
+            sv = tl.full([BLOCK], -1.0, tl.float32)
             iv = tl.zeros([BLOCK], tl.int32)
             for start in range(0, V, BLOCK):
                 cols = start + lanes
                 x = _scaled(base, cols, V, t)
                 u = ((_mix32(_mix32(cols.to(tl.uint32) ^ k0) ^ k1) >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
-                s = tl.where(x > pivot, x - tl.log(-tl.log(u)), float("-inf"))  # log(p / E), but a constant
+                s = tl.where(x > pivot, tl.math.div_rn(tl.exp(x - m), -tl.log(u)), -1.0)  # p / E, but the 1 / Z
                 iv = tl.where(s > sv, cols, iv)
                 sv = tl.maximum(sv, s)
             won = tl.max(sv)
             best = tl.min(tl.where(sv == won, iv, V))
-            best_x = tl.load(base + best).to(tl.float32) / t
+            best_x = tl.math.div_rn(tl.load(base + best).to(tl.float32), t)
             kept = best_x >= floor
             if top_p < 1.0:
                 av = tl.zeros([BLOCK], tl.float32)
