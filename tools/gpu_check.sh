@@ -28,7 +28,9 @@
 #   serve           tokenmill serve (Qwen2-0.5B shape) + tools/bench_serving.py, when the wheels allow; then
 #                   the engine's busiest stats line: its decode-only and prompt steps' median times apart. Side
 #                   by side, where set: the same from GPU_CHECK_BEFORE (a copy of an older commit's code, in a
-#                   git-ignored folder that is carried), and with GPU_CHECK_SERVE_FLAGS added to serve's flags
+#                   git-ignored folder that is carried), and with GPU_CHECK_SERVE_FLAGS added to serve's flags;
+#                   GPU_CHECK_BENCH_FLAGS are added to bench_serving's in every run (say "--temperature 1": the
+#                   requests sample, where they are greedy by default)
 #
 # GPU_CHECK_SKIP="PART ...": parts not to run (the serve part's variants all go into serve.log).
 # Each part's output goes to OUTDIR/PART.log (eight files at most: what a device call brings back); a
@@ -207,7 +209,8 @@ serve_run() {  # serve_run LABEL CHECKOUT [FLAGS...]: tokenmill serve from CHECK
       $PY -c 'import urllib.request; urllib.request.urlopen(\"http://127.0.0.1:18123/health\", timeout=2)' \
         2>/dev/null && break; sleep 1; done
     $PY tools/bench_serving.py --base-url http://127.0.0.1:18123/v1 --tokenizer $WORK/qwen2-0.5b \
-      --num-prompts 512 --input-len 128 --output-len 64 --max-concurrency 256 --quiet" || rc=$?
+      --num-prompts 512 --input-len 128 --output-len 64 --max-concurrency 256 --quiet ${GPU_CHECK_BENCH_FLAGS:-}" \
+    || rc=$?
   kill "$SERVER" 2>/dev/null
   wait "$SERVER" 2>/dev/null
   SERVER=
