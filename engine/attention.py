@@ -101,16 +101,15 @@ class StepIndex:
 
     @classmethod
     def build(cls, query_lens: list[int], computed_lens: list[int], table_rows: Sequence[int],
-              split: bool = True, sort: bool = True) -> StepIndex:
+              split: bool = True) -> StepIndex:
         """Sequence b adds ``query_lens[b]`` tokens after ``computed_lens[b]`` cached ones; its block
         table is row ``table_rows[b]`` of the tables ``metadata`` will be given. ``split=False``: in a step
         with prompt tokens, the one-token sequences are prefill rows too, so that one prefill kernel takes
-        the whole step (``kernels.prefill_takes_decodes``); a step of decodes alone stays a decode step.
-        ``sort=False``: a step of decodes alone keeps its order (a decode graph's replay reads its rows in
-        the step's order: ``decode_order`` would be undone there)."""
+        the whole step (``kernels.prefill_takes_decodes``); a step of decodes alone stays a decode step. (A
+        step that replays a decode graph needs none of this: the graph makes its metadata, ``DecodeGraphs``.)"""
         b = len(query_lens)
         if b and query_lens.count(1) == b:
-            return cls._decode_only(computed_lens, table_rows, sort)
+            return cls._decode_only(computed_lens, table_rows)
         if b and not split:
             return cls._unsplit(query_lens, computed_lens, table_rows)
         q_lens = torch.tensor(query_lens, dtype=torch.int64)
@@ -161,12 +160,12 @@ class StepIndex:
         return cls(t, 0, max(seq_lens), False, False)
 
     @classmethod
-    def _decode_only(cls, computed_lens: list[int], table_rows: Sequence[int], sort: bool = True) -> StepIndex:
+    def _decode_only(cls, computed_lens: list[int], table_rows: Sequence[int]) -> StepIndex:
         """``build`` for a step of one new token per sequence (most steps): the same tensors, made from
         lists (a few operators, not the general case's ~25: ~0.3 ms a step on a CPU)."""
         seq_lens = [c + 1 for c in computed_lens]
-        seqs = decode_order(seq_lens, table_rows) if sort else None
-        in_order = seqs is None or seqs == list(range(len(seqs)))
+        seqs = decode_order(seq_lens, table_rows)
+        in_order = seqs == list(range(len(seqs)))
         if in_order:  # the step's own lists
             seqs, rows, lens = range(len(seq_lens)), table_rows, seq_lens
         else:
