@@ -21,9 +21,9 @@ Semantics follow vLLM v1:
   (seed, tokens sampled so far, token id), computed on the logits' device with integer
   ops that give the same bits on every device (``kernels.reference.exponentials``). A step that is
   run again (after an out-of-memory rollback, or a preemption) draws the same noise. On CUDA the
-  non-greedy rows without top-k or llama.cpp's samplers race in one Triton kernel
-  (``kernels.sample_race``) that never sorts the vocabulary: the same draws pick the same token as
-  masking by top-p and min-p first (the unseeded rows' keys come from the engine's generator).
+  non-greedy rows race in one Triton kernel (``kernels.sample_race``) that never sorts the
+  vocabulary, unless a row uses llama.cpp's samplers: the same draws pick the same token as masking
+  by top-k, top-p and min-p first (the unseeded rows' keys come from the engine's generator).
 
 Hot-path rule: no per-request Python loops beyond building small tensors from each
 row's scalar knobs (and the seeded rows' hash keys); the params' lists (stop ids,
@@ -580,9 +580,10 @@ class Sampler:
         top_k = host[:, 1]
         max_k, use_p, every_row_has_k = int(top_k.max()), bool((host[:, 2] < 1.0).any()), bool((top_k > 0).all())
         extra = [(i, params[i]) for i, s in enumerate(states) if s.llamacpp]  # llama.cpp's (most steps: none)
-        if max_k == 0 and not extra and kernels.races(device):  # (no sort: one kernel reads each row a few times)
-            return kernels.sample_race(logits, knobs[:, 0].contiguous(), knobs[:, 2].contiguous(),
-                                       knobs[:, 3].contiguous(), self._keys(states, num_output_tokens, device)), None
+        if not extra and kernels.races(device):  # (no sort: one kernel reads each row a few times)
+            return kernels.sample_race(logits, knobs[:, 0].contiguous(), knobs[:, 1].long(), knobs[:, 2].contiguous(),
+                                       knobs[:, 3].contiguous(), self._keys(states, num_output_tokens, device),
+                                       max_k), None
         logits = logits / knobs[:, 0:1]
         logits = _on_rows(logits, [(i, p.top_n_sigma) for i, p in extra if p.top_n_sigma > 0 and not p.mirostat],
                           llamacpp.apply_top_n_sigma)

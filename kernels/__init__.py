@@ -121,11 +121,12 @@ def races(device: torch.device) -> bool:
     return _load_triton() is not None
 
 
-def sample_race(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-                keys: torch.Tensor) -> torch.Tensor:
-    """One token a row by the exponential race over what top-p and min-p keep (``reference.sample_race``)."""
+def sample_race(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                min_p: torch.Tensor, keys: torch.Tensor, max_k: int = 0) -> torch.Tensor:
+    """One token a row by the exponential race over what top-k, top-p and min-p keep (``reference.sample_race``)."""
     m = _pick(logits)
-    return (m if hasattr(m, "sample_race") else reference).sample_race(logits, temperature, top_p, min_p, keys)
+    return (m if hasattr(m, "sample_race") else reference).sample_race(logits, temperature, top_k, top_p, min_p,
+                                                                       keys, max_k)
 
 
 def multiprocessors(device: torch.device) -> int:

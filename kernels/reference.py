@@ -438,20 +438,24 @@ def exponentials(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     return x.bitwise_right_shift_(9).float().add_(0.5).mul_(2.0 ** -23).log_().neg_()
 
 
-def sample_race(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-                keys: torch.Tensor) -> torch.Tensor:
+def sample_race(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                min_p: torch.Tensor, keys: torch.Tensor, max_k: int = 0) -> torch.Tensor:
     """One token a row, (n,) int64: the exponential race ``argmax(p / E)`` (``E`` from ``exponentials(keys)``)
-    over the tokens that top-p and min-p keep, under ``softmax(logits / temperature)`` (all (n,) float32).
-    Top-p keeps the smallest prefix of the sorted distribution whose mass reaches ``top_p`` (>= 1: every token;
-    the likeliest always), and the tokens tied with its last; min-p the tokens at least ``min_p`` times as likely
-    as the likeliest (0: every one)."""
+    over the tokens that top-k, top-p and min-p keep, under ``softmax(logits / temperature)``. Per row: top-k
+    (int64, 0: off; ``max_k`` the largest, as the sampler knows it) keeps the tokens at least as likely as the
+    k-th (ties kept); top-p (float32, >= 1: off) the smallest prefix of the sorted distribution that top-k leaves,
+    renormalised, whose mass reaches ``top_p`` (the likeliest always), and the tokens tied with its last; min-p
+    the tokens at least ``min_p`` times as likely as the likeliest (0: every one)."""
     x = logits.float() / temperature.unsqueeze(1)
-    probs = x.softmax(dim=-1)
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    sorted_x, order = x.sort(dim=-1, descending=True)
+    k = torch.where(top_k > 0, top_k, x.shape[1]).clamp(max=x.shape[1])
+    in_k = sorted_x >= sorted_x.gather(1, (k - 1).unsqueeze(1))
+    sorted_probs = sorted_x.masked_fill(~in_k, -math.inf).softmax(dim=-1)
     p = torch.where(top_p >= 1.0, 2.0, top_p).unsqueeze(1)  # (>= 1: a bound no round-off reaches)
     drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= p
     drop[:, 0] = False
     drop &= sorted_probs < sorted_probs.masked_fill(drop, math.inf).amin(dim=-1, keepdim=True)
-    kept = torch.empty_like(drop).scatter_(1, order, ~drop)
+    kept = torch.empty_like(drop).scatter_(1, order, in_k & ~drop)
     kept &= x >= x.amax(dim=-1, keepdim=True) + torch.log(min_p).unsqueeze(1)
+    probs = x.softmax(dim=-1)  # (the race's order: the same over the kept tokens as their renormalised one's)
     return probs.masked_fill_(~kept, 0.0).div_(exponentials(keys, x.shape[1])).argmax(dim=-1)

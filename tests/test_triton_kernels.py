@@ -848,10 +848,11 @@ def _race_inputs(n: int, vocab: int, dtype: torch.dtype, spread: float, seed: in
     logits = (torch.randn(n, vocab, generator=g) * spread).to(dtype)
     logits[0, : vocab // 3] = float("-inf")  # (a row whose processing forbade a third of its tokens)
     temperature = torch.tensor([0.7, 1.0, 1.5] * n)[:n]
+    top_k = torch.tensor([0, 0, 0, 5, 0, 0, 40, 1] * n)[:n]
     top_p = torch.tensor([1.0, 0.9, 0.5, 0.05, 0.95, 1.0] * n)[:n]
     min_p = torch.tensor([0.0, 0.0, 0.05, 0.0, 0.3] * n)[:n]
     keys = torch.randint(0, 1 << 32, (n, 2), generator=g)
-    return [t.to(DEVICE) for t in (logits, temperature, top_p, min_p, keys)]
+    return [t.to(DEVICE) for t in (logits, temperature, top_k, top_p, min_p, keys)] + [int(top_k.max())]
 
 
 @pytest.mark.parametrize("dtype,vocab,spread", [(F32, 2500, 3.0), (BF16, 777, 3.0), (F32, 2100, 0.05)],
@@ -869,52 +870,62 @@ def test_sample_race_matches_reference(dtype, vocab, spread):
 
 def test_sample_race_keeps_tied_tokens_and_tells_close_scores_apart():
     """Top-p's cut never splits tokens tied in probability (eight equal logits at top-p 0.3: the race over all
-    eight, as the reference and the sampler's torch path keep them), and at a small temperature two equal large
-    logits still race by their draws (scores taken from the row's largest logit, not from 50 / 0.01)."""
+    eight, as the reference and the sampler's torch path keep them), nor top-k's (top-k 3 of the eight: the same
+    tokens), and at a small temperature two equal large logits still race by their draws (scores taken from the
+    row's largest logit, not from 50 / 0.01)."""
     n = 16
     keys = torch.randint(0, 1 << 32, (n, 2), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     ones, zeros = torch.ones(n, device=DEVICE), torch.zeros(n, device=DEVICE)
+    no_k, p = torch.zeros(n, dtype=torch.int64, device=DEVICE), torch.full((n,), 0.3, device=DEVICE)
     tied = torch.zeros(n, 8, dtype=BF16, device=DEVICE)
-    got = tri.sample_race(tied, ones, torch.full((n,), 0.3, device=DEVICE), zeros, keys)
-    assert got.tolist() == ref.sample_race(tied, ones, torch.full((n,), 0.3, device=DEVICE), zeros, keys).tolist()
+    got = tri.sample_race(tied, ones, no_k, p, zeros, keys)
+    assert got.tolist() == ref.sample_race(tied, ones, no_k, p, zeros, keys).tolist()
     assert len(set(got.tolist())) > 3  # (not the first three of a sort: all eight race)
+    three = torch.full((n,), 3, device=DEVICE)  # (top-k 3 of eight tied: all eight tie with the third)
+    assert tri.sample_race(tied, ones, three, ones, zeros, keys, 3).tolist() == got.tolist()
     close = torch.full((n, 2), 50.0, device=DEVICE)
     cold = torch.full((n,), 0.01, device=DEVICE)
-    got = tri.sample_race(close, cold, ones, zeros, keys)
-    assert got.tolist() == ref.sample_race(close, cold, ones, zeros, keys).tolist() and 0 < sum(got.tolist()) < n
+    got = tri.sample_race(close, cold, no_k, ones, zeros, keys)
+    assert got.tolist() == ref.sample_race(close, cold, no_k, ones, zeros, keys).tolist() and 0 < sum(got.tolist()) < n
 
 
 def test_sample_race_checks_its_arguments():
-    logits, temperature, top_p, min_p, keys = _race_inputs(4, 100, F32, 1.0, seed=1)
+    logits, temperature, top_k, top_p, min_p, keys, _ = _race_inputs(4, 100, F32, 1.0, seed=1)
     with pytest.raises(ValueError, match="keys"):
-        tri.sample_race(logits, temperature, top_p, min_p, keys[:, :1].contiguous())
+        tri.sample_race(logits, temperature, top_k, top_p, min_p, keys[:, :1].contiguous())
     with pytest.raises(ValueError, match="top_p"):
-        tri.sample_race(logits, temperature, top_p[:3], min_p, keys)
+        tri.sample_race(logits, temperature, top_k, top_p[:3], min_p, keys)
     with pytest.raises(ValueError, match="temperature"):
-        tri.sample_race(logits, temperature.double(), top_p, min_p, keys)
+        tri.sample_race(logits, temperature.double(), top_k, top_p, min_p, keys)
+    with pytest.raises(ValueError, match="top_k"):
+        tri.sample_race(logits, temperature, top_k.int(), top_p, min_p, keys)
 
 
 def test_sampler_races_on_triton_as_it_masks_on_torch(monkeypatch):
     """The sampler's non-greedy rows through ``kernels.sample_race`` (Triton's) give a seeded row the tokens the
-    torch path (top-p and min-p masks, then the race) gives it, step after step; top-k rows keep the torch path."""
+    torch path (top-k, top-p and min-p masks, then the race) gives it, step after step; a row of llama.cpp's
+    samplers (typical) keeps the torch path."""
     from engine.protocol import SamplingParams
     from engine.sampler import Sampler, SamplingState
 
     g = torch.Generator().manual_seed(2)
-    logits = (torch.randn(6, 300, generator=g) * 3).to(DEVICE)
+    logits = (torch.randn(8, 300, generator=g) * 3).to(DEVICE)
     params = [SamplingParams(temperature=0.8, top_p=0.9, seed=11), SamplingParams(temperature=1.0, seed=5),
               SamplingParams(temperature=0.6, top_p=0.5, min_p=0.1, seed=7), SamplingParams(temperature=0.0),
-              SamplingParams(temperature=0.9, top_p=0.3, seed=3), SamplingParams(temperature=1.2, min_p=0.2, seed=9)]
+              SamplingParams(temperature=0.9, top_p=0.3, seed=3), SamplingParams(temperature=1.2, min_p=0.2, seed=9),
+              SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=4), SamplingParams(temperature=1.0, top_k=3)]
 
     def steps(backend: str) -> list[list[int]]:
         monkeypatch.setattr(kernels, "_backend", backend)
-        sampler, states = Sampler(300, [2], DEVICE), [SamplingState(p) for p in params]
-        return [sampler(logits, params, states, [[1]] * 6, [[]] * 6, [k] * 6).token_ids for k in range(4)]
+        sampler, states, n = Sampler(300, [2], DEVICE), [SamplingState(p) for p in params], len(params)
+        return [sampler(logits, params, states, [[1]] * n, [[]] * n, [k] * n).token_ids for k in range(4)]
 
     raced = steps("triton")
     assert kernels.races(logits.device)
-    assert raced == steps("reference") and not kernels.races(logits.device)
+    masked = steps("reference")
+    assert not kernels.races(logits.device)
+    assert [ids[:7] for ids in raced] == [ids[:7] for ids in masked]  # (the last row is unseeded: other draws)
     monkeypatch.setattr(kernels, "_backend", "triton")
-    top_k = [SamplingParams(temperature=0.8, top_k=5, seed=1)]
-    monkeypatch.setattr(kernels, "sample_race", lambda *a: pytest.fail("top-k rows take the torch path"))
-    Sampler(300, [2], DEVICE)(logits[:1], top_k, [SamplingState(top_k[0])], [[1]], [[]], [0])
+    typical = [SamplingParams(temperature=0.8, typical_p=0.5, seed=1)]
+    monkeypatch.setattr(kernels, "sample_race", lambda *a: pytest.fail("llama.cpp's samplers take the torch path"))
+    Sampler(300, [2], DEVICE)(logits[:1], typical, [SamplingState(typical[0])], [[1]], [[]], [0])

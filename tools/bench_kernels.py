@@ -17,7 +17,7 @@ and its down projection as Q4_K super-blocks (a Q4_K_M GGUF file's);
 a mixture of experts' layer (Qwen3-30B-A3B's: 128 experts, 8 a token) at the same token counts, and
 gpt-oss-20b's (32 experts of 2880, 4 a token) with its experts in MXFP4 against them widened to bf16.
 Last, the sampler's step at the decode batch over Qwen2's vocabulary (``Sampler.sample``: greedy, top-p, seeded
-top-p, top-k), as the engine runs it (Triton's race, ``kernels.sample_race``, for the non-greedy rows without top-k)
+top-p, top-k), as the engine runs it (Triton's race, ``kernels.sample_race``, for the non-greedy rows)
 and with the torch operators that sort each row, against the logits read once (JSON ``sampler_us``, ``sampler``).
 Prints a table, then one JSON line. Without CUDA there is nothing to time: it says so (JSON too).
 
@@ -305,7 +305,7 @@ def _sample(sampler, logits: torch.Tensor, params: list, states: list) -> torch.
 
 def time_sampler(batch: int, bw: float) -> dict[str, dict[str, float]]:
     """Each kind's sampling step timed and printed: its median time back to back (``do_bench``: the device's time
-    where it is the longer) as the engine runs it (non-greedy rows without top-k: ``kernels.sample_race``), again
+    where it is the longer) as the engine runs it (non-greedy rows: ``kernels.sample_race``), again
     with the torch operators that sort each row (the ``reference`` backend's path, in the torch column), the host's
     time a call (its launches, measured without waiting for them) and the floor, the logits read once. A decode
     step of Qwen2-0.5B at 256 sequences has a floor of about 0.36 ms."""

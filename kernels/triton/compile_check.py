@@ -136,8 +136,8 @@ def variants(everything: bool):
                dict(H=h, HKV=h // 8 + 1, D=d, HALF=half, BLOCK_H=heads_per_program(h, h // 8 + 1, d), BLOCK_HALF=next_pow2(half),
                     BLOCK_REST=next_pow2(max(d - 2 * half, 1)), BLOCK_D=d, NORM=norm, FMT=fmt), ("eps",))
     for dt in ("bf16", "fp32"):  # (the model's logits, or processed ones)
-        yield (_sample_race_kernel, {"logits_ptr": f"*{dt}", "temp_ptr": "*fp32", "top_p_ptr": "*fp32",
-                                     "min_p_ptr": "*fp32", "keys_ptr": "*i64", "out_ptr": "*i64"},
+        yield (_sample_race_kernel, {"logits_ptr": f"*{dt}", "temp_ptr": "*fp32", "k_floor_ptr": "*fp32",
+                                     "top_p_ptr": "*fp32", "min_p_ptr": "*fp32", "keys_ptr": "*i64", "out_ptr": "*i64"},
                dict(BLOCK=SAMPLE_BLOCK, ROUNDS=ROUNDS), ())
     for gelu in (False, True):
         yield (_act_and_mul_kernel, {"x_ptr": p, "out_ptr": p}, dict(GELU=gelu, BLOCK=1024), ())
