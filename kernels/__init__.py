@@ -122,8 +122,9 @@ def races(device: torch.device) -> bool:
 
 
 def sample_race(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                min_p: torch.Tensor, keys: torch.Tensor, max_k: int = 0) -> torch.Tensor:
-    """One token a row by the exponential race over what top-k, top-p and min-p keep (``reference.sample_race``)."""
+                min_p: torch.Tensor, keys: torch.Tensor, max_k: int | None = None) -> torch.Tensor:
+    """One token a row by the exponential race over what top-k, top-p and min-p keep (``reference.sample_race``);
+    ``max_k``: the largest of ``top_k`` where the caller knows it without asking the device (0: no row has one)."""
     m = _pick(logits)
     return (m if hasattr(m, "sample_race") else reference).sample_race(logits, temperature, top_k, top_p, min_p,
                                                                        keys, max_k)

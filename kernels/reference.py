@@ -439,11 +439,11 @@ def exponentials(keys: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def sample_race(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                min_p: torch.Tensor, keys: torch.Tensor, max_k: int = 0) -> torch.Tensor:
+                min_p: torch.Tensor, keys: torch.Tensor, max_k: int | None = None) -> torch.Tensor:
     """One token a row, (n,) int64: the exponential race ``argmax(p / E)`` (``E`` from ``exponentials(keys)``)
     over the tokens that top-k, top-p and min-p keep, under ``softmax(logits / temperature)``. Per row: top-k
-    (int64, 0: off; ``max_k`` the largest, as the sampler knows it) keeps the tokens at least as likely as the
-    k-th (ties kept); top-p (float32, >= 1: off) the smallest prefix of the sorted distribution that top-k leaves,
+    (int64, 0: off) keeps the tokens at least as likely as the k-th (ties kept; ``max_k``, the largest k where
+    the caller knows it, spares Triton's launcher a search over the whole vocabulary; unused here); top-p (float32, >= 1: off) the smallest prefix of the sorted distribution that top-k leaves,
     renormalised, whose mass reaches ``top_p`` (the likeliest always), and the tokens tied with its last; min-p
     the tokens at least ``min_p`` times as likely as the likeliest (0: every one)."""
     x = logits.float() / temperature.unsqueeze(1)

@@ -858,9 +858,9 @@ def _race_inputs(n: int, vocab: int, dtype: torch.dtype, spread: float, seed: in
 @pytest.mark.parametrize("dtype,vocab,spread", [(F32, 2500, 3.0), (BF16, 777, 3.0), (F32, 2100, 0.05)],
                          ids=["fp32-peaked", "bf16", "fp32-flat"])
 def test_sample_race_matches_reference(dtype, vocab, spread):
-    """The race over the nucleus without a sort picks the reference's token (same draws, masked first) in every
-    row, bf16's ties in probability included; in these inputs 7 or 8 rows of 30 miss in their first race (most
-    of them rows of top-p 0.05 or 0.5) and run again."""
+    """The race over what top-k, top-p and min-p keep, without a sort, picks the reference's token (same draws,
+    masked first) in every row, bf16's ties in probability included; in these inputs the masks change 9 to 13
+    rows' tokens of 30 (against the race over the whole row), those of top-p 0.05 and 0.5 by later races."""
     args = _race_inputs(30, vocab, dtype, spread, seed=5)
     got, want = tri.sample_race(*args), ref.sample_race(*args)
     assert got.dtype == torch.int64 and got.shape == (30,)
@@ -899,6 +899,9 @@ def test_sample_race_checks_its_arguments():
         tri.sample_race(logits, temperature.double(), top_k, top_p, min_p, keys)
     with pytest.raises(ValueError, match="top_k"):
         tri.sample_race(logits, temperature, top_k.int(), top_p, min_p, keys)
+    # (no max_k: each row's k-th largest is looked for among all the logits, and found)
+    assert tri.sample_race(logits, temperature, top_k, top_p, min_p, keys).tolist() == \
+        ref.sample_race(logits, temperature, top_k, top_p, min_p, keys).tolist()
 
 
 def test_sampler_races_on_triton_as_it_masks_on_torch(monkeypatch):
@@ -914,17 +917,19 @@ def test_sampler_races_on_triton_as_it_masks_on_torch(monkeypatch):
               SamplingParams(temperature=0.6, top_p=0.5, min_p=0.1, seed=7), SamplingParams(temperature=0.0),
               SamplingParams(temperature=0.9, top_p=0.3, seed=3), SamplingParams(temperature=1.2, min_p=0.2, seed=9),
               SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=4), SamplingParams(temperature=1.0, top_k=3)]
+    every_k = [SamplingParams(temperature=0.7, top_k=k, top_p=0.8, seed=k) for k in (1, 4, 30)]  # (torch: topk)
 
-    def steps(backend: str) -> list[list[int]]:
+    def steps(backend: str, params: list[SamplingParams]) -> list[list[int]]:
         monkeypatch.setattr(kernels, "_backend", backend)
         sampler, states, n = Sampler(300, [2], DEVICE), [SamplingState(p) for p in params], len(params)
-        return [sampler(logits, params, states, [[1]] * n, [[]] * n, [k] * n).token_ids for k in range(4)]
+        return [sampler(logits[:n], params, states, [[1]] * n, [[]] * n, [k] * n).token_ids for k in range(4)]
 
-    raced = steps("triton")
+    raced = steps("triton", params)
     assert kernels.races(logits.device)
-    masked = steps("reference")
+    masked = steps("reference", params)
     assert not kernels.races(logits.device)
     assert [ids[:7] for ids in raced] == [ids[:7] for ids in masked]  # (the last row is unseeded: other draws)
+    assert steps("triton", every_k) == steps("reference", every_k)
     monkeypatch.setattr(kernels, "_backend", "triton")
     typical = [SamplingParams(temperature=0.8, typical_p=0.5, seed=1)]
     monkeypatch.setattr(kernels, "sample_race", lambda *a: pytest.fail("llama.cpp's samplers take the torch path"))

@@ -115,20 +115,24 @@ def _sample_race_kernel(logits_ptr, stride, temp_ptr, k_floor_ptr, top_p_ptr, mi
 
 
 def sample_race(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                min_p: torch.Tensor, keys: torch.Tensor, max_k: int = 0) -> torch.Tensor:
+                min_p: torch.Tensor, keys: torch.Tensor, max_k: int | None = None) -> torch.Tensor:
+    """``reference.sample_race``. ``max_k``: the largest of ``top_k`` where the caller knows it without asking the
+    device (0: no row has a top-k); None: every row's k-th largest logit is looked for among all of them."""
     check_tensor("logits", logits, 2)
     n, vocab = logits.shape
     require(logits.stride(1) == 1, "logits must be contiguous in their last dimension")
     for name, t in (("temperature", temperature), ("top_p", top_p), ("min_p", min_p)):
         check_tensor(name, t, 1, (torch.float32,))
         require(t.shape[0] == n and t.is_contiguous(), f"{name} must be ({n},) and contiguous")
-    require(top_k.dtype == torch.int64 and tuple(top_k.shape) == (n,), f"top_k must be ({n},) int64")
+    require(top_k.dtype == torch.int64 and tuple(top_k.shape) == (n,) and top_k.device == logits.device,
+            f"top_k must be ({n},) int64, on the logits' device")
     require(keys.dtype == torch.int64 and tuple(keys.shape) == (n, 2) and keys.is_contiguous(),
             f"keys must be ({n}, 2) int64 and contiguous")
     require(vocab < 2 ** 31, "the vocabulary must have fewer than 2**31 tokens")
     k_floor = torch.full((n,), float("-inf"), dtype=torch.float32, device=logits.device)
+    max_k = vocab if max_k is None else min(max_k, vocab)
     if max_k > 0 and n:  # each row's k-th largest logit, scaled as the kernel scales it (ties at it are kept)
-        top = logits.topk(min(max_k, vocab), dim=-1).values
+        top = logits.topk(max_k, dim=-1).values
         kth = top.gather(1, (top_k.clamp(1, top.shape[1]) - 1).unsqueeze(1)).squeeze(1).float() / temperature
         k_floor = torch.where(top_k > 0, kth, k_floor)
     out = torch.empty(n, dtype=torch.int64, device=logits.device)
