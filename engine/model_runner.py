@@ -499,7 +499,7 @@ class ModelRunner:
         driver = isinstance(step, DriverStep)
         t, has_images = len(step.token_ids), driver and bool(step.image_rows)
         replay = self.graphs is not None and t == len(step.query_lens) and not has_images and self.graphs.serves(t)
-        cached, index = step.computed_lens, None
+        cached = step.computed_lens
         if replay:  # the graph makes the metadata from the positions and table rows (DecodeGraphs)
             tensors = {"positions": ints(cached), "token_table_rows": ints(step.table_rows)}
         else:
@@ -525,7 +525,7 @@ class ModelRunner:
         ids = dev["token_ids"]
         if isinstance(step, DriverStep) and step.in_flight_at:
             ids[dev["in_flight_at"]] = step.in_flight_ids[dev["in_flight_from"]]
-        if index is None:
+        if replay:
             hidden = self.graphs.replay(ids, dev["positions"], dev["token_table_rows"])
         else:
             index.tensors = dev

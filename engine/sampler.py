@@ -450,7 +450,7 @@ def apply_top_k_top_p(
     in ``top_k``; ``every_row_has_k`` says no row has top-k off (told by the caller,
     who knows it from the params, so the GPU need not be asked). top-p keeps the smallest prefix of the (top-k renormalised) sorted
     distribution whose mass reaches p, and always the most likely token, and the tokens tied with its last
-    (``kernels.sample_race``'s cut: a token goes when the mass strictly above it reaches p).
+    (``kernels.reference.top_p_cut``: ``kernels.sample_race``'s cut).
 
     Sorting all V logits is by far the dearest step on a CPU, so it is avoided when
     it can be: top-k alone masks by each row's k-th value from ``topk(max_k)`` (ties
@@ -476,15 +476,7 @@ def apply_top_k_top_p(
         k = torch.where(top_k <= 0, vocab, top_k).clamp(max=sorted_logits.shape[1])
         kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))
         sorted_logits.masked_fill_(sorted_logits < kth, -math.inf)
-    probs = sorted_logits.softmax(dim=-1)
-    # A token goes when the tokens above it already hold p of the mass. Rows with
-    # p >= 1 get an unreachable bound, so float round-off in the cumsum drops nothing.
-    p = torch.where(top_p >= 1.0, 2.0, top_p).to(probs.dtype).unsqueeze(1)
-    drop = (probs.cumsum(dim=-1) - probs) >= p
-    drop[:, 0] = False
-    # ...and the cut never splits tokens tied in probability (the same set in whatever order the sort left them)
-    drop &= probs < probs.masked_fill(drop, math.inf).amin(dim=-1, keepdim=True)
-    sorted_logits.masked_fill_(drop, -math.inf)
+    sorted_logits.masked_fill_(reference.top_p_cut(sorted_logits.softmax(dim=-1), top_p), -math.inf)
     return torch.full_like(logits, -math.inf).scatter_(1, sorted_idx, sorted_logits)
 
 
@@ -627,10 +619,9 @@ class Sampler:
         """(n, 2) int64 keys of each row's race (``kernels.sample_race``): a seeded row's from its seed and token count,
         so that its draws are ``_noise``'s; the others' from the engine's generator."""
         keys = torch.randint(0, 1 << 32, (len(states), 2), generator=self.generator, device=device)
-        seeded = [j for j, s in enumerate(states) if s.seed is not None]
+        seeded, seeded_keys = _seeded_keys(states, num_output_tokens, device)
         if seeded:
-            keys[to_device(seeded, device)] = to_device(
-                _row_keys([states[j].seed for j in seeded], [num_output_tokens[j] for j in seeded]), device)
+            keys[to_device(seeded, device)] = seeded_keys
         return keys
 
     def _uniforms(self, states: list[SamplingState], num_output_tokens: list[int],
@@ -651,10 +642,9 @@ class Sampler:
                device: torch.device) -> torch.Tensor:
         """Exp(1) noise (n, V): seeded rows from their hash (``kernels.reference.exponentials``), the rest in one
         draw from the engine's generator."""
-        seeded = [j for j, s in enumerate(states) if s.seed is not None]
+        seeded, keys = _seeded_keys(states, num_output_tokens, device)
         if not seeded:
             return self._exponentials(n, vocab, device)
-        keys = to_device(_row_keys([states[j].seed for j in seeded], [num_output_tokens[j] for j in seeded]), device)
         if len(seeded) == n:
             return reference.exponentials(keys, vocab)
         unseeded = [j for j, s in enumerate(states) if s.seed is None]
@@ -691,6 +681,16 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return x ^ (x >> np.uint64(31))
+
+
+def _seeded_keys(states: list[SamplingState], num_output_tokens: list[int],
+                 device: torch.device) -> tuple[list[int], torch.Tensor | None]:
+    """The seeded rows, and their (rows, 2) noise keys on ``device`` (``_row_keys``; None without such rows)."""
+    seeded = [j for j, s in enumerate(states) if s.seed is not None]
+    if not seeded:
+        return seeded, None
+    return seeded, to_device(_row_keys([states[j].seed for j in seeded], [num_output_tokens[j] for j in seeded]),
+                             device)
 
 
 def _row_keys(seeds: list[int], indices: list[int]) -> torch.Tensor:

@@ -438,23 +438,30 @@ def exponentials(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     return x.bitwise_right_shift_(9).float().add_(0.5).mul_(2.0 ** -23).log_().neg_()
 
 
+def top_p_cut(sorted_probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Which tokens top-p drops, for each row's (n, V) probabilities sorted likeliest first: a token goes when the
+    tokens above it already hold ``top_p`` (n,) of the mass (>= 1: none goes), but never the likeliest, nor one
+    tied in probability with the last kept (the same set in whatever order the sort left ties)."""
+    p = torch.where(top_p >= 1.0, 2.0, top_p).to(sorted_probs.dtype).unsqueeze(1)  # (a bound no round-off reaches)
+    drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= p
+    drop[:, 0] = False
+    return drop & (sorted_probs < sorted_probs.masked_fill(drop, math.inf).amin(dim=-1, keepdim=True))
+
+
 def sample_race(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                 min_p: torch.Tensor, keys: torch.Tensor, max_k: int | None = None) -> torch.Tensor:
     """One token a row, (n,) int64: the exponential race ``argmax(p / E)`` (``E`` from ``exponentials(keys)``)
     over the tokens that top-k, top-p and min-p keep, under ``softmax(logits / temperature)``. Per row: top-k
     (int64, 0: off) keeps the tokens at least as likely as the k-th (ties kept; ``max_k``, the largest k where
-    the caller knows it, spares Triton's launcher a search over the whole vocabulary; unused here); top-p (float32, >= 1: off) the smallest prefix of the sorted distribution that top-k leaves,
-    renormalised, whose mass reaches ``top_p`` (the likeliest always), and the tokens tied with its last; min-p
-    the tokens at least ``min_p`` times as likely as the likeliest (0: every one)."""
+    the caller knows it, spares Triton's launcher a search over the whole vocabulary; unused here); top-p
+    (float32, >= 1: off) the smallest prefix of the sorted distribution that top-k leaves, renormalised, whose
+    mass reaches ``top_p`` (the likeliest always), and the tokens tied with its last (``top_p_cut``); min-p the
+    tokens at least ``min_p`` times as likely as the likeliest (0: every one)."""
     x = logits.float() / temperature.unsqueeze(1)
     sorted_x, order = x.sort(dim=-1, descending=True)
     k = torch.where(top_k > 0, top_k, x.shape[1]).clamp(max=x.shape[1])
     in_k = sorted_x >= sorted_x.gather(1, (k - 1).unsqueeze(1))
-    sorted_probs = sorted_x.masked_fill(~in_k, -math.inf).softmax(dim=-1)
-    p = torch.where(top_p >= 1.0, 2.0, top_p).unsqueeze(1)  # (>= 1: a bound no round-off reaches)
-    drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= p
-    drop[:, 0] = False
-    drop &= sorted_probs < sorted_probs.masked_fill(drop, math.inf).amin(dim=-1, keepdim=True)
+    drop = top_p_cut(sorted_x.masked_fill(~in_k, -math.inf).softmax(dim=-1), top_p)
     kept = torch.empty_like(drop).scatter_(1, order, in_k & ~drop)
     kept &= x >= x.amax(dim=-1, keepdim=True) + torch.log(min_p).unsqueeze(1)
     probs = x.softmax(dim=-1)  # (the race's order: the same over the kept tokens as their renormalised one's)

@@ -1,8 +1,9 @@
 """Time each Triton kernel of ``kernels/`` on CUDA against a torch equivalent and against its memory floor.
 
 Each kernel's median time (``triton.testing.do_bench``, launched from Python; and for the dense cases again
-replayed from a CUDA graph, ``graphed``: the kernel's own time, as decode and prompt graphs run it) beside: torch's (SDPA over the same context
-stored contiguously for attention, the eager reference twin in ``kernels.reference`` for the rest), and
+replayed from a CUDA graph, ``graphed``: the kernel's own time, as decode and prompt graphs run it) beside:
+torch's (SDPA over the same context stored contiguously for attention, the eager reference twin in
+``kernels.reference`` for the rest), and
 the floor, the bytes the kernel must move ÷ the device's copy bandwidth (the best of a few 1 GiB
 device-to-device copies, as ``bench_offline`` measures it). ``bw`` is floor ÷ kernel time (the graphed one where
 there is one): the share of the bandwidth the kernel reaches.

@@ -7,8 +7,8 @@ steps, every other step ``--join`` new requests of ``--prompt-len`` random token
 one token, so that they leave once prefilled and the batch stays the same. Steps are synchronous (the
 step's whole time is its own). Printed: each kind's step count and median time, then with ``--profile``
 where decode-only steps spend it (on CUDA by kernel, the device's time, inside replayed graphs too:
-``decode_top`` in the JSON line), and where the steps with prompts spend it, by torch.profiler (operators by host time and by device time) and
-cProfile (Python functions by cumulative time). The last line is one JSON object.
+``decode_top`` in the JSON line), and where the steps with prompts spend it, by torch.profiler (operators by
+host time and by device time) and cProfile (Python functions by cumulative time). The last line is one JSON object.
 
     python tools/profile_steps.py --model DIR --dtype bfloat16 --profile     # on a GPU (tools/gpu_check.sh)
     python tools/profile_steps.py --model DIR --dtype bfloat16 --prompt-graph-tokens 0   # steps with prompts eager

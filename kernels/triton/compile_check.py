@@ -133,8 +133,9 @@ def variants(everything: bool):
         w = "*fp32" if norm == 2 else p
         yield (_rope_store_kernel, {"q_ptr": p, "k_ptr": p, "v_ptr": p, "cos_ptr": p, "sin_ptr": p, "k_cache_ptr": c,
                                     "v_cache_ptr": c, "slot_ptr": "*i64", "qw_ptr": w, "kw_ptr": w},
-               dict(H=h, HKV=h // 8 + 1, D=d, HALF=half, BLOCK_H=heads_per_program(h, h // 8 + 1, d), BLOCK_HALF=next_pow2(half),
-                    BLOCK_REST=next_pow2(max(d - 2 * half, 1)), BLOCK_D=d, NORM=norm, FMT=fmt), ("eps",))
+               dict(H=h, HKV=h // 8 + 1, D=d, HALF=half, BLOCK_H=heads_per_program(h, h // 8 + 1, d),
+                    BLOCK_HALF=next_pow2(half), BLOCK_REST=next_pow2(max(d - 2 * half, 1)), BLOCK_D=d, NORM=norm,
+                    FMT=fmt), ("eps",))
     for dt in ("bf16", "fp32"):  # (the model's logits, or processed ones)
         yield (_sample_race_kernel, {"logits_ptr": f"*{dt}", "temp_ptr": "*fp32", "k_floor_ptr": "*fp32",
                                      "top_p_ptr": "*fp32", "min_p_ptr": "*fp32", "keys_ptr": "*i64", "out_ptr": "*i64"},

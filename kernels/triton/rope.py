@@ -207,6 +207,7 @@ def rope_and_store_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
         q, k, v, cos, sin, k_cache, v_cache, slot_mapping, qw, kw, float(eps),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
         k_cache.stride(1), k_cache.stride(2),
-        H=h, HKV=k.shape[1], D=d, HALF=rot // 2, BLOCK_H=per, BLOCK_HALF=next_pow2(rot // 2), BLOCK_REST=next_pow2(max(d - rot, 1)), BLOCK_D=next_pow2(d),
+        H=h, HKV=k.shape[1], D=d, HALF=rot // 2, BLOCK_H=per, BLOCK_HALF=next_pow2(rot // 2),
+        BLOCK_REST=next_pow2(max(d - rot, 1)), BLOCK_D=next_pow2(d),
         NORM=0 if norms is None else 1 if qw.dtype == q.dtype else 2, FMT=fmt,
     )
