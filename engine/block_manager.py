@@ -137,15 +137,6 @@ class BlockManager:
                     self.pending[block_id] = req.request_id
         req.num_cached_blocks = num_full
 
-    def cache_decodes(self, reqs: list[Request]) -> None:
-        """``cache_full_blocks`` for the one token each of ``reqs`` computes (a step's decodes): for most
-        of them, no block is filled."""
-        if self.enable_prefix_caching:
-            bs = self.block_size
-            for req in reqs:
-                if (req.num_computed_tokens + 1) // bs > req.num_cached_blocks:
-                    self.cache_full_blocks(req, req.num_computed_tokens + 1)
-
     def providers(self, blocks: Iterable[int]) -> set[str]:
         """The requests computing, in this step, any of ``blocks`` (pending hits): they must stay in it."""
         return {self.pending[b] for b in blocks if b in self.pending}
@@ -209,10 +200,11 @@ class BlockManager:
         time: a step's tokens need theirs, a request's whole context never does)."""
         return self.blocks_needed(req, num_new_tokens, cached) <= self.num_free_blocks
 
-    def holds(self, req: Request, num_tokens: int) -> bool:
-        """Whether ``req``'s blocks already hold its first ``num_tokens`` tokens, so that a step up to there
-        allocates nothing (most decodes; not known here with a sliding-window pool: ``allocate`` asks it)."""
-        return self.window is None and num_tokens <= len(req.block_table) * self.block_size
+    @property
+    def tokens_per_block(self) -> int:
+        """The tokens each block of a table holds, for telling whether a request's blocks hold its next
+        ones without asking ``allocate``; 0 with a sliding-window pool (whose blocks ``allocate`` trims)."""
+        return self.block_size if self.window is None else 0
 
     def allocate(self, req: Request, num_new_tokens: int, cached: Sequence[int] = ()) -> bool:
         """Grow ``req.block_table`` by the ``cached`` blocks, then for ``num_new_tokens`` more tokens

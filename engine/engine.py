@@ -578,26 +578,26 @@ class Engine:
         if result.output is None:
             return deltas
         out, ids = result.output, result.output.token_ids
-        if result.drafts is None:  # each request's row: its token
-            spans = zip(range(len(ids)), itertools.repeat(1))
-        else:  # its rows: its last position's and its drafts'; it takes the token sampled at the first, then
-            # one per draft kept (the token sampled at a draft that was kept: the last of them differs from
-            # its draft, or follows the last draft)
+        spans = None  # each request's row: its token
+        if result.drafts is not None:  # its rows: its last position's and its drafts'; it takes the token
+            # sampled at the first, then one per draft kept (the token sampled at a draft that was kept: the
+            # last of them differs from its draft, or follows the last draft)
             spans, row = [], 0
             for drafts, kept in zip(result.drafts, result.accepted, strict=True):
                 spans.append((row, 1 + kept))
                 row += 1 + len(drafts)
         lps, finished = out.logprobs, Status.FINISHED
-        for req, (start, take) in zip(result.sampled, spans, strict=True):
+        for i, req in enumerate(result.sampled):
             if req.status is finished:  # (asynchronous scheduling) ended while this token was in flight
                 continue
             first = not req.output_token_ids
-            if take == 1:
-                tokens = [ids[start]]
+            if spans is None:
+                start = i
+                tokens = [ids[i]]
                 req.append_token(tokens[0])
                 reason = self._stop_reason(req, tokens[0])
             else:
-                tokens, reason = [], None
+                (start, take), tokens, reason = spans[i], [], None
                 for token in ids[start:start + take]:
                     tokens.append(token)
                     req.append_token(token)

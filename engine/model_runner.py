@@ -548,7 +548,6 @@ class ModelRunner:
             list[tuple[Request, int, bool]]]:
         reqs, counts, d = batch.requests, batch.num_new_tokens, batch.num_decodes
         starts = [r.num_computed_tokens for r in reqs]
-        in_flight_rows = in_flight.rows() if in_flight is not None else {}
         gather_at: list[int] = []  # rows whose token the step in flight samples...
         gather_from: list[int] = []  # ...and its row there
         tokens: list[int] = []
@@ -561,18 +560,11 @@ class ModelRunner:
         image_parts: list[tuple[Request, int, int, int]] = []  # ...each run of them: request, image, its slice
         # the decodes (the batch's first requests, most of a busy step's): the one token each samples from
         # (known, or the one a step in flight samples), then its drafts; it samples at each of them
-        for r, c, n in zip(reqs[:d], starts, counts, strict=False):
-            row = len(tokens)
-            if r.images:  # (the decode of a prompt's last token, an image's)
-                _image_runs(r, row, c, 1, image_rows, image_parts)
-            if c < len(r.all_token_ids):
-                tokens.append(r.all_token_ids[c])
-            else:
-                gather_at.append(row)
-                gather_from.append(in_flight_rows[r.request_id])
-                tokens.append(0)
-            if n > 1:
-                tokens += r.draft_token_ids[:n - 1]
+        if in_flight is None and not batch.num_drafts and self.model.vision is None:  # (known, no image's)
+            tokens = [r.all_token_ids[c] for r, c in zip(reqs[:d], starts, strict=False)]
+        else:
+            self._decode_tokens(reqs[:d], starts, counts, in_flight, tokens, gather_at, gather_from, image_rows,
+                                image_parts)
         sampled = reqs[:d]  # sequences whose every token is now computed...
         sample_rows = list(range(len(tokens)))  # ...their last token's row in the flat batch (and their drafts')
         # each one's drafts, after its last token (engine.speculative)
@@ -618,6 +610,26 @@ class ModelRunner:
         if self.decode_buckets and max(counts) == 1 and len(counts) <= self.decode_buckets[-1]:
             self._pad(step)
         return step, sampled, drafts, spans, pool_spans
+
+    @staticmethod
+    def _decode_tokens(decodes: list[Request], starts: list[int], counts: list[int], in_flight: Launched | None,
+                       tokens: list[int], gather_at: list[int], gather_from: list[int], image_rows: list[int],
+                       image_parts: list[tuple[Request, int, int, int]]) -> None:
+        """``_prepare``'s decodes, one at a time: each one's token, or the row of ``in_flight`` that samples
+        it (and 0 until it is gathered), then its drafts; an image's placeholder's decode, its run."""
+        in_flight_rows = in_flight.rows() if in_flight is not None else {}
+        for r, c, n in zip(decodes, starts, counts, strict=False):
+            row = len(tokens)
+            if r.images:  # (the decode of a prompt's last token, an image's)
+                _image_runs(r, row, c, 1, image_rows, image_parts)
+            if c < len(r.all_token_ids):
+                tokens.append(r.all_token_ids[c])
+            else:
+                gather_at.append(row)
+                gather_from.append(in_flight_rows[r.request_id])
+                tokens.append(0)
+            if n > 1:
+                tokens += r.draft_token_ids[:n - 1]
 
     def _image_embeds(self, parts: list[tuple[Request, int, int, int]]) -> torch.Tensor | None:
         """The embeddings of each (request, image, first, end) run of image rows, in order: images not yet

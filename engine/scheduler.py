@@ -108,13 +108,13 @@ class ScheduledBatch:
     pinned: set[str] = field(default_factory=set)  # compute blocks that others hit this step: never preempted
     window_writes: list[tuple[int, int]] = field(default_factory=list)  # (block, window block) links made
     num_decodes: int = 0  # the first requests: those computing the one token they sample from
-    _ids: set[str] = field(default_factory=set)
+    _members: set[Request] = field(default_factory=set)  # (the requests themselves: hashed by identity)
 
     def __len__(self) -> int:
         return len(self.requests)
 
     def __contains__(self, req: Request) -> bool:
-        return req.request_id in self._ids
+        return req in self._members
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -123,7 +123,7 @@ class ScheduledBatch:
     def add(self, req: Request, n: int) -> None:
         self.requests.append(req)
         self.num_new_tokens.append(n)
-        self._ids.add(req.request_id)
+        self._members.add(req)
         self.num_tokens += n
 
     def add_decodes(self, reqs: list[Request]) -> None:
@@ -131,7 +131,7 @@ class ScheduledBatch:
         a step's hundreds of decodes."""
         self.requests += reqs
         self.num_new_tokens += [1] * len(reqs)
-        self._ids.update(r.request_id for r in reqs)
+        self._members.update(reqs)
         self.num_tokens += len(reqs)
         self.num_decodes += len(reqs)
 
@@ -145,7 +145,7 @@ class ScheduledBatch:
         """Take ``req`` back out (it was preempted after being scheduled)."""
         i = self.requests.index(req)
         del self.requests[i]
-        self._ids.discard(req.request_id)
+        self._members.discard(req)
         n = self.num_new_tokens.pop(i)
         self.num_tokens -= n
         if i < self.num_decodes:
@@ -246,8 +246,12 @@ class Scheduler:
         """``batch`` runs (or is on its way: any later step runs after it): its tokens count as computed
         (its ``rejected`` drafts do not: later steps write over them) and the blocks it fills are no
         longer pending."""
-        for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
-            req.num_computed_tokens += n - (rejected.get(req.request_id, 0) if rejected else 0)
+        if rejected:
+            for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
+                req.num_computed_tokens += n - rejected.get(req.request_id, 0)
+        else:
+            for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
+                req.num_computed_tokens += n
         if batch.num_drafts and rejected is not None:
             kept = batch.num_drafts - sum(rejected.values())
             self.num_drafts += len(rejected)
@@ -329,22 +333,33 @@ class Scheduler:
         """Decodes first, in admission order: each running request that computes the one token it samples
         from, but an embedding (its last prompt token is a prompt token) and one whose token in flight is
         its last by ``max_tokens``. (Most of a step's requests: a few operations each.)"""
-        limit, bm = self.max_num_batched_tokens, self.block_manager
+        bm, running, limit = self.block_manager, Status.RUNNING, self.max_num_batched_tokens
+        room = limit - batch.num_tokens  # (decodes past it wait)
+        per_block = bm.tokens_per_block  # (a decode whose blocks hold its tokens allocates nothing: most)
+        # those whose token fills a block for the prefix cache (one step in block_size)
+        caching, filling = bm.block_size if bm.enable_prefix_caching else 0, []
         decodes: list[Request] = []  # (added to the batch together: before any allocation, which may preempt)
         for req in list(self.running):  # (a copy: one may be preempted for another's block)
             tokens = len(req.all_token_ids) + req.num_in_flight
-            if (tokens - req.num_computed_tokens != 1 or req.pool is not None or req.status is not Status.RUNNING
-                    or tokens - req.num_prompt_tokens >= req.params.max_tokens
-                    or batch.num_tokens + len(decodes) >= limit):
+            if (tokens - req.num_computed_tokens != 1 or req.pool is not None or req.status is not running
+                    or tokens - req.num_prompt_tokens >= req.params.max_tokens):
                 continue
-            if not bm.holds(req, tokens):
+            if len(decodes) >= room:
+                break
+            if tokens > len(req.block_table) * per_block:
                 batch.add_decodes(decodes)
                 decodes = []
-                if not self._allocate_running(req, 1, batch):
+                allocated = self._allocate_running(req, 1, batch)
+                room = limit - batch.num_tokens  # (less, or more if it preempted one of them)
+                if not allocated:
                     continue
             decodes.append(req)
+            if caching and tokens // caching > req.num_cached_blocks:
+                filling.append(req)
         batch.add_decodes(decodes)
-        bm.cache_decodes(batch.requests)
+        for req in filling:
+            if req.status is running:  # (not one preempted since, for another's block)
+                bm.cache_full_blocks(req, req.num_computed_tokens + 1)
 
     def _schedule_prompts(self, batch: ScheduledBatch, limit: int, cap: int, admit: bool = True) -> None:
         """Up to ``limit`` prompt tokens, at most ``cap`` to each request, to running requests still

@@ -52,8 +52,8 @@ class BlockTables:
         self.table[num_rows] = scratch_block
         self.scratch_row, self.scratch_block = num_rows, scratch_block
         self._free = list(range(num_rows))
-        # request id -> (row, its block_table list as last seen, blocks written); least recently used first
-        self._held: OrderedDict[str, tuple[int, list[int], int]] = OrderedDict()
+        # request id -> (row, its block_table list as last seen, blocks written)
+        self._held: dict[str, tuple[int, list[int], int]] = {}
 
     def update(self, reqs: list[Request], window_writes: list[tuple[int, int]] = ()) -> tuple[
             list[int], list[int], list[int]]:
@@ -63,19 +63,23 @@ class BlockTables:
         rows, write_at, write_ids, new = [], [], [], []
         for i, r in enumerate(reqs):
             got = held.get(r.request_id)
-            if got is None:  # a row once the step's others are out of reach of the reclaiming
+            if got is None:
                 new.append(i)
                 rows.append(-1)
                 continue
-            held.move_to_end(r.request_id)
             row, table, written = got
             rows.append(row)
             if table is not r.block_table:  # replaced (preempted and readmitted): written again
                 self._write(r, row, 0, write_at, write_ids)
             elif written < len(table):  # (most decode steps: no block gained)
                 self._write(r, row, written, write_at, write_ids)
+        if len(new) > len(self._free):  # rows are reclaimed from every request not in this step (the runner
+            # is not told who left; one that comes back gets a row again, written whole)
+            stepping = {r.request_id for r in reqs}
+            for request_id in [k for k in held if k not in stepping]:
+                self._free.append(held.pop(request_id)[0])
         for i in new:
-            rows[i] = self._free.pop() if self._free else held.popitem(last=False)[1][0]
+            rows[i] = self._free.pop()
             self._write(reqs[i], rows[i], 0, write_at, write_ids)
         for block, window_block in window_writes:
             write_at.append(self.table.numel() + block)

@@ -54,10 +54,11 @@ def test_block_tables_write_only_what_grew():
     assert t.update([b, a]) == ([0, 1], [], [])
     b.block_table = [8, 2]  # preempted and readmitted: a new table, written whole
     assert t.update([b]) == ([0], [0, 1], [8, 2])
-    # a third request takes the row least recently used (a's), never one of the step's
+    # a third request takes the row of one not in the step (a's), never one of the step's
     c = request("c", [6])
     assert t.update([b, c]) == ([0, 1], [4], [6])
-    assert t.update([a]) == ([0], [0, 1, 2], [3, 4, 5])  # a came back: b's row, whole
+    assert t.update([a, c]) == ([0, 1], [0, 1, 2], [3, 4, 5])  # a came back: b's row, whole
+    assert t.update([b, a]) == ([1, 0], [4, 5], [8, 2])  # and b: c's
 
 
 class _General(list):
