@@ -514,7 +514,10 @@ class ModelRunner:
         images = {"image_rows": ints(step.image_rows)} if has_images else {}
         lora = {"lora_slots": torch.repeat_interleave(ints(step.lora_slots), ints(step.query_lens))} \
             if self.lora is not None else {}  # each token's adapter slot
-        dev = self.staging({"token_ids": ints(step.token_ids), "logits_rows": ints(step.logits_rows),
+        # a decode step's logits rows are most often its first ones, its sequences' (not the padding's): a slice
+        first = replay and step.logits_rows == list(range(len(step.logits_rows)))  # (cheaper than a gather)
+        rows = {} if first else {"logits_rows": ints(step.logits_rows)}
+        dev = self.staging({"token_ids": ints(step.token_ids), **rows,
                             "write_at": ints(step.write_at), "write_ids": ints(step.write_ids), **tensors,
                             **gather, **pooling, **images, **lora})
         tables = self.block_tables.write(dev["write_at"], dev["write_ids"])
@@ -541,7 +544,7 @@ class ModelRunner:
                 sums.index_add_(0, dev["pool_into"], hidden[dev["pool_rows"]].float())
         if not step.logits_rows:  # the same on every rank: no gather to skip on one side only
             return None, sums
-        return self.model.compute_logits(hidden[dev["logits_rows"]]), sums
+        return self.model.compute_logits(hidden[:len(step.logits_rows)] if first else hidden[dev["logits_rows"]]), sums
 
     def _prepare(self, batch: ScheduledBatch, in_flight: Launched | None) -> tuple[
             DriverStep, list[Request], list[list[int]] | None, list[tuple[Request, int, int]],
@@ -560,8 +563,13 @@ class ModelRunner:
         image_parts: list[tuple[Request, int, int, int]] = []  # ...each run of them: request, image, its slice
         # the decodes (the batch's first requests, most of a busy step's): the one token each samples from
         # (known, or the one a step in flight samples), then its drafts; it samples at each of them
-        if in_flight is None and not batch.num_drafts and self.model.vision is None:  # (known, no image's)
-            tokens = [r.all_token_ids[c] for r, c in zip(reqs[:d], starts, strict=False)]
+        if not batch.num_drafts and self.model.vision is None:  # (no drafts, no image's: most steps, in one go)
+            tokens = [r.all_token_ids[c] if c < len(r.all_token_ids) else -1  # (-1: in flight)
+                      for r, c in zip(reqs[:d], starts, strict=False)]
+            if in_flight is not None and -1 in tokens:
+                in_flight_rows = in_flight.rows()
+                gather_at = [i for i, token in enumerate(tokens) if token < 0]
+                gather_from = [in_flight_rows[reqs[i].request_id] for i in gather_at]
         else:
             self._decode_tokens(reqs[:d], starts, counts, in_flight, tokens, gather_at, gather_from, image_rows,
                                 image_parts)

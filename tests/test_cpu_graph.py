@@ -13,11 +13,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import engine.model_runner as model_runner
 from engine import LLM, SamplingParams
+from engine.model_runner import DriverStep
 from kernels import cpu
 from kernels import reference as kernels_ref
 from kernels.cpu import graph
 from tests.conftest import make_tiny_model
-from tests.test_model_runner import prompts
+from tests.test_model_runner import prompts, request
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 needs_c = pytest.mark.skipif(not cpu.available(), reason="needs the C kernels (a C compiler)")
@@ -171,8 +172,9 @@ def test_a_forward_that_cannot_be_recorded_runs_eagerly(tiny_llama, caplog):
 def test_a_replayed_decode_step_makes_its_metadata_inside_the_graph(tiny_llama):
     """Outside a decode graph's replay, a decode step runs only the block tables' write and the copies of
     its three inputs (tokens, positions, rows of the block tables): the slot mapping, the step's block
-    tables and its lengths are made inside the graph. (On CUDA each operator outside is a launch the host
-    pays for, and a small kernel between two graphs.)"""
+    tables and its lengths are made inside the graph, and the rows the LM head reads are a slice of its
+    output. (On CUDA each operator outside is a launch the host pays for, and a small kernel between two
+    graphs.)"""
     llm = LLM(tiny_llama, device="cpu", dtype="float32", num_kv_blocks=40, max_model_len=256, max_num_seqs=8)
     runner, graphs = llm.engine.runner, llm.engine.runner.graphs
     outside: list[list[str]] = []  # each replayed step's operators up to its replay's end, but the graph's own
@@ -193,13 +195,11 @@ def test_a_replayed_decode_step_makes_its_metadata_inside_the_graph(tiny_llama):
                 counting[0] = was
         return run
 
-    capture, replay, forward_step = graphs.capture, graphs.replay, runner.forward_step
+    capture, forward_step = graphs.capture, runner.forward_step
     graphs.capture = lambda forward: uncounted(uncounted(capture)(forward))  # (a capture runs the forward too)
 
-    def replay_then_stop(*args):
-        hidden = replay(*args)
-        counting[0] = False
-        return hidden
+    head = runner.model.compute_logits
+    runner.model.compute_logits = uncounted(head)  # (the LM head: the model's, after the graph)
 
     def step_counted(step):
         counting[0] = len(step.token_ids) == len(step.query_lens) and graphs.serves(len(step.token_ids))
@@ -209,9 +209,27 @@ def test_a_replayed_decode_step_makes_its_metadata_inside_the_graph(tiny_llama):
         finally:
             counting[0] = False
 
-    graphs.replay, runner.forward_step = replay_then_stop, step_counted
+    runner.forward_step = step_counted
     with Count():
         llm.generate(prompts(3), GREEDY)
     replayed = [ops for ops in outside if ops]
     assert len(replayed) >= 15
     assert all(sorted(ops) == ["copy_", "copy_", "copy_", "index_put_"] for ops in replayed), replayed
+
+
+def test_a_replayed_decode_step_gives_the_logits_rows_it_is_asked_for(tiny_llama):
+    """A replayed decode step hands the LM head a slice of its rows when its logits rows are its first ones,
+    and gathers them when not (a step whose last sequence is an embedding's 1-token chunk, say): the same
+    logits as the eager forward in both cases."""
+    llm = LLM(tiny_llama, device="cpu", dtype="float32", num_kv_blocks=40, max_model_len=256, max_num_seqs=8)
+    runner = llm.engine.runner
+    rows, at, ids = runner.block_tables.update([request("a", [1]), request("b", [2]), request("c", [3])])
+    for logits_rows in ([0, 1, 2], [0, 1], [0, 2], [2, 0]):
+        step = DriverStep([1, 1, 1], [3, 5, 7], [11, 12, 13], logits_rows, rows, at, ids)
+        replayed, _ = runner.forward_step(step)
+        graphs, runner.graphs = runner.graphs, None
+        try:
+            eager, _ = runner.forward_step(step)
+        finally:
+            runner.graphs = graphs
+        assert runner.graphs.replays and torch.allclose(replayed, eager, atol=1e-5), logits_rows
