@@ -177,6 +177,7 @@ class Engine:
             log.info("speculative decoding: up to %d drafts a step, from earlier occurrences of the last %d..%d "
                      "tokens (n-gram lookup)", self.speculative.num_speculative_tokens,
                      self.speculative.prompt_lookup_min, self.speculative.prompt_lookup_max)
+        self.runner.feeds_next_step = self.async_scheduling
         self._in_flight: InFlight | None = None
         self.step_batch = (0, 0)  # the requests and prompt tokens the last step() scheduled (engine.stats_log)
         if self.runner.model_cfg.vision is not None and self.vision is None:
@@ -494,7 +495,7 @@ class Engine:
         if not batch:
             return []
         try:
-            launched = self.runner.launch(batch, prev.launched if prev is not None else None)
+            launched = self.runner.launch(batch)
         except BaseException as e:  # as in _run; the step in flight is still to be collected
             failed = list(batch.requests)
             self.scheduler.rollback(batch)

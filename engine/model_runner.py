@@ -142,21 +142,15 @@ class Launched:
         self.events[1].synchronize()
         return self.events[0].elapsed_time(self.events[1]) / 1e3
 
-    def rows(self) -> dict[str, int]:
-        """Request id -> its row of ``output.ids`` (a step without drafts: asynchronous scheduling has none)."""
-        return {r.request_id: i for i, r in enumerate(self.sampled)}
-
 
 @dataclass
 class DriverStep(StepInput):
-    """Rank 0's step: what every rank gets, and (asynchronous scheduling) the rows of token_ids whose
-    token a step in flight samples, its rows of those ids, and the ids (on the device); the rows
-    embedding requests pool and which of them each row is summed into (``engine.pooling``); the rows
-    that are images' and their embeddings (one rank only: the vision tower is not split)."""
+    """Rank 0's step: what every rank gets, and (asynchronous scheduling) whether some of its tokens are
+    still in flight; the rows embedding requests pool and which of them each row is summed into
+    (``engine.pooling``); the rows that are images' and their embeddings (one rank only: the vision tower
+    is not split)."""
 
-    in_flight_at: list[int] = field(default_factory=list)
-    in_flight_from: list[int] = field(default_factory=list)
-    in_flight_ids: torch.Tensor | None = None
+    in_flight: bool = False  # some token_ids are -1: sampled by the step in flight (BlockTables.last_tokens)
     pool_rows: list[int] = field(default_factory=list)
     pool_into: list[int] = field(default_factory=list)
     num_pooled: int = 0
@@ -277,6 +271,10 @@ class ModelRunner:
         self.block_tables = BlockTables(config.max_num_seqs, max_blocks, num_blocks, device,
                                         num_window_blocks if num_window_blocks else None)
         self.staging = Staging(device)
+        # asynchronous scheduling (the engine's): each step's sampled tokens are kept in their rows of
+        # BlockTables.last_tokens, for the next step, launched before they are known
+        self.feeds_next_step = False
+        self._logits_table_rows = torch.empty(0, dtype=torch.int64, device=device)  # (the step's: forward_step's)
         self.decode_buckets: list[int] = []  # decode-only steps are padded to these batch sizes
         self.graphs: DecodeGraphs | None = None
         self.prompt_graphs: PromptGraphs | None = None
@@ -430,14 +428,14 @@ class ModelRunner:
         return self.collect(self.launch(batch))
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch, in_flight: Launched | None = None) -> Launched:
+    def launch(self, batch: ScheduledBatch) -> Launched:
         """Run ``batch`` up to its sampled ids (and prompt logprobs) on the device, without waiting for
-        them. ``in_flight``: the step still running, whose sampled ids are the inputs of the requests it
-        left a token in flight (gathered on the device: no host round trip)."""
+        them. A request whose token a step still running samples (asynchronous scheduling) reads it from
+        its row of ``BlockTables.last_tokens``, on the device: no host round trip."""
         start = time.perf_counter()
         events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \
             if self.device.type == "cuda" else None
-        step, sampled, drafts, logprob_spans, pool_spans = self._prepare(batch, in_flight)
+        step, sampled, drafts, logprob_spans, pool_spans = self._prepare(batch)
         if events is not None:
             events[0].record()
         with self.tp.driving(step):  # the other ranks get the step first; one that died fails it
@@ -463,6 +461,8 @@ class ModelRunner:
         reqs, outputs, counts = rows
         out = self.sampler.sample(logits[n:], [r.params for r in reqs], [r.sampling_state for r in reqs],
                                   [r.prompt_token_ids for r in reqs], outputs, counts)
+        if self.feeds_next_step:  # (no drafts then: one row a request)
+            self.block_tables.last_tokens[self._logits_table_rows[n:]] = out.ids
         return self._launched(sampled, out, start, events, pending, pooled, drafts)
 
     @staticmethod
@@ -507,8 +507,6 @@ class ModelRunner:
                 self.device, max(cached, default=0), sum(cached) * self.local_cfg.num_kv_heads)
             index = StepIndex.build(step.query_lens, cached, step.table_rows, split=not unsplit)
             tensors = index.tensors
-        gather = {"in_flight_at": ints(step.in_flight_at), "in_flight_from": ints(step.in_flight_from)} \
-            if driver and step.in_flight_at else {}
         pooling = {"pool_rows": ints(step.pool_rows), "pool_into": ints(step.pool_into)} \
             if driver and step.pool_rows else {}
         images = {"image_rows": ints(step.image_rows)} if has_images else {}
@@ -519,18 +517,20 @@ class ModelRunner:
         rows = {} if first else {"logits_rows": ints(step.logits_rows)}
         dev = self.staging({"token_ids": ints(step.token_ids), **rows,
                             "write_at": ints(step.write_at), "write_ids": ints(step.write_ids), **tensors,
-                            **gather, **pooling, **images, **lora})
+                            **pooling, **images, **lora})
         tables = self.block_tables.write(dev["write_at"], dev["write_ids"])
         if self.lora is not None:
             self.lora.set(dev["lora_slots"])
             # (CUDA graphs, captured with every slot, compute them all whatever this says: zeros, added)
             self.lora.span = max(step.lora_slots, default=-1) + 1
-        ids = dev["token_ids"]
-        if isinstance(step, DriverStep) and step.in_flight_at:
-            ids[dev["in_flight_at"]] = step.in_flight_ids[dev["in_flight_from"]]
-        if replay:
-            hidden = self.graphs.replay(ids, dev["positions"], dev["token_table_rows"])
+        ids, table_rows = dev["token_ids"], dev["token_table_rows"]
+        if self.feeds_next_step and driver:  # each sampled row's row of the tables: where its token is kept
+            self._logits_table_rows = table_rows[:len(step.logits_rows)] if first else table_rows[dev["logits_rows"]]
+        if replay:  # (the graph takes the tokens in flight from last_tokens itself)
+            hidden = self.graphs.replay(ids, dev["positions"], table_rows)
         else:
+            if driver and step.in_flight:
+                ids = torch.where(ids < 0, self.block_tables.last_tokens[table_rows], ids)
             index.tensors = dev
             positions, meta = index.metadata(tables, self.block_size, self.block_tables.window_map)
             if self.prompt_graphs is not None and not images and self.prompt_graphs.serves(len(ids), meta):
@@ -546,13 +546,11 @@ class ModelRunner:
             return None, sums
         return self.model.compute_logits(hidden[:len(step.logits_rows)] if first else hidden[dev["logits_rows"]]), sums
 
-    def _prepare(self, batch: ScheduledBatch, in_flight: Launched | None) -> tuple[
+    def _prepare(self, batch: ScheduledBatch) -> tuple[
             DriverStep, list[Request], list[list[int]] | None, list[tuple[Request, int, int]],
             list[tuple[Request, int, bool]]]:
         reqs, counts, d = batch.requests, batch.num_new_tokens, batch.num_decodes
         starts = [r.num_computed_tokens for r in reqs]
-        gather_at: list[int] = []  # rows whose token the step in flight samples...
-        gather_from: list[int] = []  # ...and its row there
         tokens: list[int] = []
         logprob_rows: list[int] = []  # rows whose logits give prompt logprobs...
         spans: list[tuple[Request, int, int]] = []  # ...of positions [lo, hi) of these requests
@@ -562,17 +560,14 @@ class ModelRunner:
         image_rows: list[int] = []  # rows that are images'...
         image_parts: list[tuple[Request, int, int, int]] = []  # ...each run of them: request, image, its slice
         # the decodes (the batch's first requests, most of a busy step's): the one token each samples from
-        # (known, or the one a step in flight samples), then its drafts; it samples at each of them
+        # (known, or the one a step in flight samples: -1, read on the device from BlockTables.last_tokens),
+        # then its drafts; it samples at each of them
         if not batch.num_drafts and self.model.vision is None:  # (no drafts, no image's: most steps, in one go)
-            tokens = [r.all_token_ids[c] if c < len(r.all_token_ids) else -1  # (-1: in flight)
+            tokens = [r.all_token_ids[c] if c < len(r.all_token_ids) else -1
                       for r, c in zip(reqs[:d], starts, strict=False)]
-            if in_flight is not None and -1 in tokens:
-                in_flight_rows = in_flight.rows()
-                gather_at = [i for i, token in enumerate(tokens) if token < 0]
-                gather_from = [in_flight_rows[reqs[i].request_id] for i in gather_at]
         else:
-            self._decode_tokens(reqs[:d], starts, counts, in_flight, tokens, gather_at, gather_from, image_rows,
-                                image_parts)
+            self._decode_tokens(reqs[:d], starts, counts, tokens, image_rows, image_parts)
+        in_flight = -1 in tokens
         sampled = reqs[:d]  # sequences whose every token is now computed...
         sample_rows = list(range(len(tokens)))  # ...their last token's row in the flat batch (and their drafts')
         # each one's drafts, after its last token (engine.speculative)
@@ -613,29 +608,21 @@ class ModelRunner:
             ks = [n - 1 for n in counts[:d]] + [0] * (len(reqs) - d)  # each request's drafts this step
             counts, starts, rows, slots = _split_drafts(ks, counts, starts, rows, slots)
         step = DriverStep(counts, starts, tokens, logprob_rows + sample_rows, rows, write_at, write_ids, slots,
-                          gather_at, gather_from, in_flight.output.ids if gather_at else None, pooled_rows,
+                          in_flight, pooled_rows,
                           pool_into, len(pool_spans), image_rows, self._image_embeds(image_parts))
         if self.decode_buckets and max(counts) == 1 and len(counts) <= self.decode_buckets[-1]:
             self._pad(step)
         return step, sampled, drafts, spans, pool_spans
 
     @staticmethod
-    def _decode_tokens(decodes: list[Request], starts: list[int], counts: list[int], in_flight: Launched | None,
-                       tokens: list[int], gather_at: list[int], gather_from: list[int], image_rows: list[int],
-                       image_parts: list[tuple[Request, int, int, int]]) -> None:
-        """``_prepare``'s decodes, one at a time: each one's token, or the row of ``in_flight`` that samples
-        it (and 0 until it is gathered), then its drafts; an image's placeholder's decode, its run."""
-        in_flight_rows = in_flight.rows() if in_flight is not None else {}
+    def _decode_tokens(decodes: list[Request], starts: list[int], counts: list[int], tokens: list[int],
+                       image_rows: list[int], image_parts: list[tuple[Request, int, int, int]]) -> None:
+        """``_prepare``'s decodes, one at a time: each one's token (-1: in flight), then its drafts; an
+        image's placeholder's decode, its run."""
         for r, c, n in zip(decodes, starts, counts, strict=False):
-            row = len(tokens)
             if r.images:  # (the decode of a prompt's last token, an image's)
-                _image_runs(r, row, c, 1, image_rows, image_parts)
-            if c < len(r.all_token_ids):
-                tokens.append(r.all_token_ids[c])
-            else:
-                gather_at.append(row)
-                gather_from.append(in_flight_rows[r.request_id])
-                tokens.append(0)
+                _image_runs(r, len(tokens), c, 1, image_rows, image_parts)
+            tokens.append(r.all_token_ids[c] if c < len(r.all_token_ids) else -1)
             if n > 1:
                 tokens += r.draft_token_ids[:n - 1]
 

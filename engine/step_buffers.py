@@ -51,6 +51,9 @@ class BlockTables:
         self.window_map = self.storage[n:].fill_(scratch_window_block) if map_len else None
         self.table[num_rows] = scratch_block
         self.scratch_row, self.scratch_block = num_rows, scratch_block
+        # each row's request's last sampled token, kept on the device (``ModelRunner.feeds_next_step``): the
+        # input of its next decode, launched before that token is known
+        self.last_tokens = torch.zeros(num_rows + 1, dtype=torch.int64, device=device)
         self._free = list(range(num_rows))
         # request id -> (row, its block_table list as last seen, blocks written)
         self._held: dict[str, tuple[int, list[int], int]] = {}
@@ -188,13 +191,16 @@ class DecodeGraphs:
 
     def _forward(self, b: int) -> None:
         """The forward of ``b`` rows, its metadata included: a replay makes the step's slot mapping, block
-        tables and lengths from its positions and table rows, with no launch of its own outside the graph."""
+        tables and lengths from its positions and table rows, and takes the tokens still in flight from
+        their rows' ``last_tokens``, with no launch of its own outside the graph."""
         pos, rows = self.positions[:b], self.table_rows[:b]
         index = StepIndex({"positions": pos, "token_table_rows": rows, "decode_token_rows": self.token_rows[:b],
                            "decode_table_rows": rows, "decode_seq_lens": pos + 1}, max_decode_len=self.max_model_len,
                           max_prefill_len=0, mixed=False, decode_in_order=True)
         _, meta = index.metadata(self.tables.table, self.block_size, self.tables.window_map)
-        self.hidden[:b] = self.model(self.input_ids[:b], pos, meta)
+        ids = self.input_ids[:b]  # (-1: a token the step in flight samples, kept in its row's last_tokens)
+        ids = torch.where(ids < 0, self.tables.last_tokens[rows], ids)
+        self.hidden[:b] = self.model(ids, pos, meta)
 
     def _variant(self) -> Hashable:
         return self.variant() if self.variant is not None else None

@@ -50,14 +50,15 @@ def drive(llm: LLM, requests: list[tuple[list[int], SamplingParams]]) -> dict[st
 
 def launches(llm: LLM) -> list[bool]:
     """Record, for each step launched from now on, whether another was in flight then."""
-    runner, seen = llm.engine.runner, []
-    launch = runner.launch
+    eng, seen = llm.engine, []
+    launch = eng._launch
 
-    def recording(batch, in_flight=None):
-        seen.append(in_flight is not None)
-        return launch(batch, in_flight)
+    def recording(batch, prev):
+        if batch:  # (an empty one launches nothing)
+            seen.append(prev is not None)
+        return launch(batch, prev)
 
-    runner.launch = recording
+    eng._launch = recording
     return seen
 
 
@@ -210,7 +211,7 @@ def test_decode_steps_padded_and_replayed_as_on_cuda(tiny_llama):
     forward_step = runner.forward_step
 
     def counting(step):
-        gathered.append(len(step.in_flight_at))
+        gathered.append(step.token_ids.count(-1))  # (tokens in flight: read from last_tokens)
         return forward_step(step)
 
     runner.forward_step = counting
@@ -222,16 +223,16 @@ def test_a_step_out_of_memory_while_another_is_in_flight(tiny_llama):
     sync, overlapped = pair(tiny_llama)
     ps = prompts(4)
     alone = [sync.generate(p, GREEDY)[0].token_ids for p in ps]
-    launch, failed = overlapped.engine.runner.launch, []
-
-    def run(batch, in_flight=None):
-        if has_big(batch, 0):
-            failed.append(in_flight is not None)
-            raise torch.OutOfMemoryError("CUDA out of memory (test)")
-        return launch(batch, in_flight)
-
-    overlapped.engine.runner.launch = run
     eng = overlapped.engine
+    launch, failed, behind = eng.runner.launch, [], launches(overlapped)
+
+    def run(batch):
+        if has_big(batch, 0):
+            failed.append(behind[-1])
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return launch(batch)
+
+    eng.runner.launch = run
     tokens: dict[str, list[int]] = {str(i): [] for i in range(4)}
     ends: dict[str, str] = {}
 
@@ -269,10 +270,10 @@ def test_out_of_memory_at_once_ends_only_the_culprit(tiny_llama):
     alone = [sync.generate(p, GREEDY)[0].token_ids for p in ps]
     launch = overlapped.engine.runner.launch
 
-    def run(batch, in_flight=None):
+    def run(batch):
         if has_big(batch, 0):
             raise torch.OutOfMemoryError("CUDA out of memory (test)")
-        return launch(batch, in_flight)
+        return launch(batch)
 
     overlapped.engine.runner.launch = run
     outs = overlapped.generate([*ps[:2], BIG, *ps[2:]], GREEDY)

@@ -254,7 +254,7 @@ def test_prompt_logprobs_in_flight_are_not_computed_twice(tiny_llama):
     r.block_table = [3, 4, 5]  # preempted (a new table) and readmitted from position 0
     again = ScheduledBatch()
     again.add(r, 24)
-    second = runner.launch(again, in_flight)  # recomputes 0..23: logprobs only for 16..23
+    second = runner.launch(again)  # recomputes 0..23: logprobs only for 16..23
     for launched in (in_flight, second):
         runner.collect(launched)
     assert len(r.prompt_logprobs) == 1 + 24 and r.num_prompt_logprobs_in_flight == 0
