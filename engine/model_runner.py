@@ -151,6 +151,7 @@ class DriverStep(StepInput):
     is not split)."""
 
     in_flight: bool = False  # some token_ids are -1: sampled by the step in flight (BlockTables.last_tokens)
+    sample_table_rows: list[int] = field(default_factory=list)  # (feeds_next_step) each sampled row's table row
     pool_rows: list[int] = field(default_factory=list)
     pool_into: list[int] = field(default_factory=list)
     num_pooled: int = 0
@@ -274,7 +275,7 @@ class ModelRunner:
         # asynchronous scheduling (the engine's): each step's sampled tokens are kept in their rows of
         # BlockTables.last_tokens, for the next step, launched before they are known
         self.feeds_next_step = False
-        self._logits_table_rows = torch.empty(0, dtype=torch.int64, device=device)  # (the step's: forward_step's)
+        self._sample_table_rows = torch.empty(0, dtype=torch.int64, device=device)  # (the step's: forward_step's)
         self.decode_buckets: list[int] = []  # decode-only steps are padded to these batch sizes
         self.graphs: DecodeGraphs | None = None
         self.prompt_graphs: PromptGraphs | None = None
@@ -322,9 +323,8 @@ class ModelRunner:
         try:
             with torch.inference_mode():
                 self.prompt_graphs = PromptGraphs(
-                    self.model, prompt_buckets(tokens), config.max_step_rows + 1,
-                    self.facts.max_model_len, tables.table.shape[1], tables.scratch_block, self.block_size,
-                    self.model_cfg.hidden_size, self.dtype, self.device, capture, window_map=tables.window_map)
+                    self.model, prompt_buckets(tokens), config.max_step_rows + 1, self.facts.max_model_len, tables,
+                    self.block_size, self.model_cfg.hidden_size, self.dtype, self.device, capture)
         except Exception as e:  # noqa: BLE001 - such steps still run, eagerly
             if self.tp.size > 1:
                 raise
@@ -462,7 +462,7 @@ class ModelRunner:
         out = self.sampler.sample(logits[n:], [r.params for r in reqs], [r.sampling_state for r in reqs],
                                   [r.prompt_token_ids for r in reqs], outputs, counts)
         if self.feeds_next_step:  # (no drafts then: one row a request)
-            self.block_tables.last_tokens[self._logits_table_rows[n:]] = out.ids
+            self.block_tables.last_tokens[self._sample_table_rows] = out.ids
         return self._launched(sampled, out, start, events, pending, pooled, drafts)
 
     @staticmethod
@@ -497,46 +497,48 @@ class ModelRunner:
         if self.device.type == "cpu" and kernels.batch_invariant() != self.config.batch_invariant:
             kernels.set_batch_invariant(self.config.batch_invariant)  # (the mode is the process's: engines share it)
         driver = isinstance(step, DriverStep)
-        t, has_images = len(step.token_ids), driver and bool(step.image_rows)
-        replay = self.graphs is not None and t == len(step.query_lens) and not has_images and self.graphs.serves(t)
-        cached = step.computed_lens
-        if replay:  # the graph makes the metadata from the positions and table rows (DecodeGraphs)
-            tensors = {"positions": ints(cached), "token_table_rows": ints(step.table_rows)}
+        t, b, has_images = len(step.token_ids), len(step.query_lens), driver and bool(step.image_rows)
+        cached, unsplit, graphs = step.computed_lens, False, None
+        if t > b:  # prompt tokens: one prefill launch a layer takes them all, decodes too, where that is faster
+            unsplit = kernels.prefill_takes_decodes(self.device, max(cached, default=0),
+                                                    sum(cached) * self.local_cfg.num_kv_heads)
+            if (self.prompt_graphs is not None and not has_images and (unsplit or 1 not in step.query_lens)
+                    and self.prompt_graphs.serves(t, b)):
+                graphs = self.prompt_graphs
+        elif self.graphs is not None and not has_images and self.graphs.serves(t):
+            graphs = self.graphs
+        if graphs is not None:  # its inputs in one tensor, one copy in: the graph makes the metadata from them
+            tensors = {"graph_inputs": ints(graphs.inputs_of(step.token_ids, step.query_lens, cached, step.table_rows))}
         else:
-            unsplit = t > len(step.query_lens) and kernels.prefill_takes_decodes(
-                self.device, max(cached, default=0), sum(cached) * self.local_cfg.num_kv_heads)
             index = StepIndex.build(step.query_lens, cached, step.table_rows, split=not unsplit)
-            tensors = index.tensors
+            tensors = {"token_ids": ints(step.token_ids), **index.tensors}
         pooling = {"pool_rows": ints(step.pool_rows), "pool_into": ints(step.pool_into)} \
             if driver and step.pool_rows else {}
         images = {"image_rows": ints(step.image_rows)} if has_images else {}
         lora = {"lora_slots": torch.repeat_interleave(ints(step.lora_slots), ints(step.query_lens))} \
             if self.lora is not None else {}  # each token's adapter slot
+        feeds = {"sample_table_rows": ints(step.sample_table_rows)} if driver and self.feeds_next_step else {}
         # a decode step's logits rows are most often its first ones, its sequences' (not the padding's): a slice
-        first = replay and step.logits_rows == list(range(len(step.logits_rows)))  # (cheaper than a gather)
+        first = step.logits_rows == list(range(len(step.logits_rows)))  # (no index tensor, no gather)
         rows = {} if first else {"logits_rows": ints(step.logits_rows)}
-        dev = self.staging({"token_ids": ints(step.token_ids), **rows,
-                            "write_at": ints(step.write_at), "write_ids": ints(step.write_ids), **tensors,
-                            **pooling, **images, **lora})
+        dev = self.staging({**tensors, **rows, "write_at": ints(step.write_at), "write_ids": ints(step.write_ids),
+                            **pooling, **images, **lora, **feeds})
         tables = self.block_tables.write(dev["write_at"], dev["write_ids"])
         if self.lora is not None:
             self.lora.set(dev["lora_slots"])
             # (CUDA graphs, captured with every slot, compute them all whatever this says: zeros, added)
             self.lora.span = max(step.lora_slots, default=-1) + 1
-        ids, table_rows = dev["token_ids"], dev["token_table_rows"]
-        if self.feeds_next_step and driver:  # each sampled row's row of the tables: where its token is kept
-            self._logits_table_rows = table_rows[:len(step.logits_rows)] if first else table_rows[dev["logits_rows"]]
-        if replay:  # (the graph takes the tokens in flight from last_tokens itself)
-            hidden = self.graphs.replay(ids, dev["positions"], table_rows)
+        if feeds:  # where each sampled token is kept: its row's last_tokens (launch writes it)
+            self._sample_table_rows = dev["sample_table_rows"]
+        if graphs is not None:  # (the graph takes the tokens in flight from last_tokens itself)
+            hidden = graphs.replay(dev["graph_inputs"], t)
         else:
+            ids = dev["token_ids"]
             if driver and step.in_flight:
-                ids = torch.where(ids < 0, self.block_tables.last_tokens[table_rows], ids)
+                ids = torch.where(ids < 0, self.block_tables.last_tokens[dev["token_table_rows"]], ids)
             index.tensors = dev
             positions, meta = index.metadata(tables, self.block_size, self.block_tables.window_map)
-            if self.prompt_graphs is not None and not images and self.prompt_graphs.serves(len(ids), meta):
-                hidden = self.prompt_graphs.replay(ids, positions, meta)
-            else:
-                hidden = self.model(ids, positions, meta, (dev["image_rows"], step.image_embeds) if images else None)
+            hidden = self.model(ids, positions, meta, (dev["image_rows"], step.image_embeds) if images else None)
         sums = None
         if driver and step.num_pooled:  # (a span may pool no row: a CLS embedding's chunk after its first)
             sums = torch.zeros(step.num_pooled, hidden.shape[1], dtype=torch.float32, device=hidden.device)
@@ -573,8 +575,9 @@ class ModelRunner:
         # each one's drafts, after its last token (engine.speculative)
         drafts = ([r.draft_token_ids[:n - 1] for r, n in zip(sampled, counts, strict=False)]
                   if batch.num_drafts else None)
+        finals: list[int] = []  # the prompt chunks that sample (their requests' index in the batch)
         # the prompt chunks (and an embedding's last prompt token)
-        for r, c, n in zip(reqs[d:], starts[d:], counts[d:], strict=True):
+        for i, (r, c, n) in enumerate(zip(reqs[d:], starts[d:], counts[d:], strict=True), d):
             row = len(tokens)
             if r.images:
                 _image_runs(r, row, c, n, image_rows, image_parts)
@@ -600,16 +603,20 @@ class ModelRunner:
             elif final:
                 sampled.append(r)
                 sample_rows.append(row + n - 1)
+                finals.append(i)
                 if drafts is not None:
                     drafts.append([])
         rows, write_at, write_ids = self.block_tables.update(reqs, batch.window_writes)
+        # (asynchronous scheduling, which has no drafts) the rows of the tables each sampled token is kept in
+        sample_table_rows = rows[:d] + [rows[i] for i in finals] if self.feeds_next_step else []
         slots = [r.lora_slot for r in reqs] if self.lora is not None else []
         if drafts is not None:
             ks = [n - 1 for n in counts[:d]] + [0] * (len(reqs) - d)  # each request's drafts this step
             counts, starts, rows, slots = _split_drafts(ks, counts, starts, rows, slots)
         step = DriverStep(counts, starts, tokens, logprob_rows + sample_rows, rows, write_at, write_ids, slots,
-                          in_flight, pooled_rows,
-                          pool_into, len(pool_spans), image_rows, self._image_embeds(image_parts))
+                          in_flight=in_flight, sample_table_rows=sample_table_rows, pool_rows=pooled_rows,
+                          pool_into=pool_into, num_pooled=len(pool_spans), image_rows=image_rows,
+                          image_embeds=self._image_embeds(image_parts))
         if self.decode_buckets and max(counts) == 1 and len(counts) <= self.decode_buckets[-1]:
             self._pad(step)
         return step, sampled, drafts, spans, pool_spans

@@ -153,9 +153,10 @@ def cuda_graph_capture() -> Capture:
 class DecodeGraphs:
     """Decode-only forwards captured per batch size (by ``capture``: as CUDA graphs, or as CPU
     graphs, ``kernels.cpu.graph``) over static inputs: a step of a captured size copies its inputs
-    in (each row's token, position and row of the persistent block tables) and replays. The graph
-    makes the step's attention metadata itself (slot mapping, block tables, lengths): outside it,
-    a step launches only those three copies and its block tables' write.
+    in (each row's token, position and row of the persistent block tables: one buffer a size, in
+    one copy) and replays. The graph makes the step's attention metadata itself (slot mapping, block
+    tables, lengths) and takes the tokens still in flight from their rows' ``last_tokens``: outside
+    it, a step launches only that copy and its block tables' write.
 
     CUDA: every size of ``sizes`` is captured at start-up (the largest first: the others fit in
     its memory pool) and steps are padded to one of them (``ModelRunner._pad``). CPU (``lazy``):
@@ -178,9 +179,10 @@ class DecodeGraphs:
         self.model, self.capture, self.max_model_len, self.block_size = model, capture, max_model_len, block_size
         self.tables = tables  # (persistent: the graphs read the step's rows of its tables, and its window map)
         self.sizes, self.max_rows, self.variant = set(sizes), max_rows, variant
-        # each row's token, cached tokens and row of the block tables (at a start-up capture: the scratch block's)
-        self.input_ids, self.positions = torch.zeros(n, **i64), torch.zeros(n, **i64)
-        self.table_rows = torch.full((n,), tables.scratch_row, **i64)
+        # each size's inputs (inputs_of), (3, b): each row's token, cached tokens and row of the tables (at a
+        # start-up capture: the scratch row's)
+        self.inputs = {b: torch.stack([torch.zeros(b, **i64), torch.zeros(b, **i64),
+                                       torch.full((b,), tables.scratch_row, **i64)]) for b in sizes}
         self.token_rows = torch.arange(n, **i64)
         self.hidden = torch.empty(n, hidden_size, dtype=dtype, device=device)
         self.replays: OrderedDict[tuple[int, Hashable], Callable[[], None]] = OrderedDict()  # (size, variant)
@@ -189,16 +191,21 @@ class DecodeGraphs:
                 self._forward(b)  # once outside the graph: kernels compile, lazy state settles
                 self.replays[b, self._variant()] = capture(functools.partial(self._forward, b))
 
+    @staticmethod
+    def inputs_of(token_ids: list[int], query_lens: list[int], computed_lens: list[int],
+                  table_rows: list[int]) -> list[int]:
+        """A decode step's inputs as ``replay`` takes them (flat, its tokens, positions and table rows)."""
+        return token_ids + computed_lens + table_rows
+
     def _forward(self, b: int) -> None:
         """The forward of ``b`` rows, its metadata included: a replay makes the step's slot mapping, block
-        tables and lengths from its positions and table rows, and takes the tokens still in flight from
-        their rows' ``last_tokens``, with no launch of its own outside the graph."""
-        pos, rows = self.positions[:b], self.table_rows[:b]
+        tables and lengths from its positions and table rows, and takes the tokens still in flight (-1)
+        from their rows' ``last_tokens``, with no launch of its own outside the graph."""
+        ids, pos, rows = self.inputs[b]
         index = StepIndex({"positions": pos, "token_table_rows": rows, "decode_token_rows": self.token_rows[:b],
                            "decode_table_rows": rows, "decode_seq_lens": pos + 1}, max_decode_len=self.max_model_len,
                           max_prefill_len=0, mixed=False, decode_in_order=True)
         _, meta = index.metadata(self.tables.table, self.block_size, self.tables.window_map)
-        ids = self.input_ids[:b]  # (-1: a token the step in flight samples, kept in its row's last_tokens)
         ids = torch.where(ids < 0, self.tables.last_tokens[rows], ids)
         self.hidden[:b] = self.model(ids, pos, meta)
 
@@ -208,13 +215,10 @@ class DecodeGraphs:
     def serves(self, b: int) -> bool:
         return b in self.sizes  # (the captured sizes are among them)
 
-    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, table_rows: torch.Tensor) -> torch.Tensor:
+    def replay(self, inputs: torch.Tensor, b: int) -> torch.Tensor:
         """The (B, hidden) final hidden states of a decode-only step of B sequences (``serves(B)``), in the
-        step's order: each one's token, its cached tokens (the token's position) and its row of the tables."""
-        b = len(input_ids)
-        self.input_ids[:b] = input_ids
-        self.positions[:b] = positions
-        self.table_rows[:b] = table_rows
+        step's order, from its ``inputs_of`` (on the device)."""
+        self.inputs[b].view(-1).copy_(inputs)
         key = b, self._variant()
         replay = self.replays.get(key)
         if replay is not None:
@@ -247,62 +251,68 @@ class PromptGraphs:
     """Steps with prompt tokens (prompt chunks, with or without decodes beside them) captured per token count
     (``sizes``, the largest first, all in one memory pool) where one prefill launch a layer takes the whole step
     (``kernels.prefill_takes_decodes``: Triton's, whose grid depends only on the numbers of tokens and sequences):
-    at start-up on CUDA, so that such a step costs a few copies and a replay, not a few hundred launches.
+    at start-up on CUDA, so that such a step costs its inputs' copy and a replay, not a few hundred launches.
 
-    A step of T tokens and B sequences (T at most ``sizes[-1]``, B below ``max_seqs``) copies its inputs in and
-    is padded to the next size N with one more sequence of N - T tokens that write and read only the scratch
-    block (positions 0..N-T-1 at its slots: finite numbers in every row, attended by nobody else), then with
-    empty sequences up to ``max_seqs`` (no queries, no keys: their programs do nothing). The graphs attend up to
-    ``max_model_len``, as decode's; their block tables are that wide, read only as far as each sequence goes."""
+    A step of T tokens and B sequences (T at most ``sizes[-1]``, B below ``max_seqs``) is padded to the next size
+    N with one more sequence of N - T tokens that write and read only the scratch block (its row of the tables is
+    the scratch row: positions 0..N-T-1 at its slots, finite numbers in every row, attended by nobody else), then
+    with empty sequences up to ``max_seqs`` (no queries, no keys: their programs do nothing). Its inputs, padded on
+    the host (``inputs_of``), come in one copy; the graph makes the slot mapping and the block tables from them,
+    and takes the tokens still in flight (-1) from their rows' ``last_tokens``, as decode's do. The graphs attend
+    up to ``max_model_len``, as decode's; their block tables are that wide, read only as far as each sequence goes."""
 
     def __init__(self, model: torch.nn.Module, sizes: list[int], max_seqs: int, max_model_len: int,
-                 max_blocks: int, scratch_block: int, block_size: int, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device, capture: Capture, window_map: torch.Tensor | None = None):
-        n, i64 = sizes[-1], dict(dtype=torch.int64, device=device)
-        self.model, self.sizes, self.max_model_len, self.window_map = model, sizes, max_model_len, window_map
-        self.scratch_block = scratch_block
-        self.pad_positions = torch.arange(n, **i64)  # the padding sequence's, and its slots in the scratch block
-        self.pad_slots = scratch_block * block_size + self.pad_positions % block_size
-        self.input_ids, self.positions, self.slot_mapping = torch.zeros(n, **i64), self.pad_positions.clone(), \
-            self.pad_slots.clone()
-        self.seq_lens = torch.zeros(max_seqs, **i64)
-        self.query_start = torch.zeros(max_seqs + 1, **i64)
-        self.block_tables = torch.full((max_seqs, max_blocks), scratch_block, **i64)
-        self.hidden = torch.empty(n, hidden_size, dtype=dtype, device=device)
+                 tables: BlockTables, block_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device,
+                 capture: Capture):
+        self.model, self.sizes, self.max_seqs, self.max_model_len = model, sizes, max_seqs, max_model_len
+        self.tables, self.block_size = tables, block_size
+        # each size's inputs (inputs_of): tokens, positions and table rows (N each), then each sequence's
+        # table row, length (M each) and first token (M + 1)
+        self.inputs = {n: torch.zeros(3 * n + 3 * max_seqs + 1, dtype=torch.int64, device=device) for n in sizes}
+        self.hidden = torch.empty(sizes[-1], hidden_size, dtype=dtype, device=device)
         self.replays: dict[int, Callable[[], None]] = {}
         for size in reversed(sizes):  # (each captured as a step of the padding sequence alone)
-            self.seq_lens[0], self.query_start[1:] = size, size
+            self.inputs[size].copy_(torch.tensor(self._padded([], [], [], [], size), dtype=torch.int64))
             self._forward(size)  # once outside the graph: kernels compile, lazy state settles
             self.replays[size] = capture(functools.partial(self._forward, size))
 
+    def inputs_of(self, token_ids: list[int], query_lens: list[int], computed_lens: list[int],
+                  table_rows: list[int]) -> list[int]:
+        """A step's inputs as ``replay`` takes them (flat; padded to the next size, ``serves``)."""
+        n = self.sizes[bisect_left(self.sizes, len(token_ids))]
+        return self._padded(token_ids, query_lens, computed_lens, table_rows, n)
+
+    def _padded(self, token_ids: list[int], query_lens: list[int], computed_lens: list[int], table_rows: list[int],
+                n: int) -> list[int]:
+        positions, token_rows, seq_lens, start = [], [], [], [0]
+        for q, c, row in zip(query_lens, computed_lens, table_rows, strict=True):
+            positions += range(c, c + q)
+            token_rows += [row] * q
+            seq_lens.append(c + q)
+            start.append(start[-1] + q)
+        pad, scratch, empty = n - len(token_ids), self.tables.scratch_row, self.max_seqs - len(query_lens) - 1
+        return (token_ids + [0] * pad + positions + list(range(pad)) + token_rows + [scratch] * pad
+                + table_rows + [scratch] * (empty + 1) + seq_lens + [pad] + [0] * empty + start + [n] * (empty + 1))
+
     def _forward(self, n: int) -> None:
-        prefill = PrefillMetadata(None, self.block_tables, self.seq_lens, self.query_start, None, None,
-                                  self.max_model_len)
-        meta = AttentionMetadata(self.slot_mapping[:n], None, prefill, self.window_map)
-        self.hidden[:n] = self.model(self.input_ids[:n], self.positions[:n], meta)
+        m, bs = self.max_seqs, self.block_size
+        ids, pos, token_rows, seq_rows, seq_lens, start = self.inputs[n].split([n, n, n, m, m, m + 1])
+        table = self.tables.table
+        slot_mapping = table[token_rows, pos // bs] * bs + pos % bs
+        prefill = PrefillMetadata(None, table[seq_rows], seq_lens, start, None, None, self.max_model_len)
+        meta = AttentionMetadata(slot_mapping, None, prefill, self.tables.window_map)
+        ids = torch.where(ids < 0, self.tables.last_tokens[token_rows], ids)
+        self.hidden[:n] = self.model(ids, pos, meta)
 
-    def serves(self, num_tokens: int, meta: AttentionMetadata) -> bool:
-        """Whether a step of ``num_tokens`` with this metadata replays: one prefill over all its sequences,
+    def serves(self, num_tokens: int, num_seqs: int) -> bool:
+        """Whether a step of ``num_tokens`` in ``num_seqs`` sequences (one prefill over all of them) replays:
         few enough of both."""
-        return (meta.decode is None and meta.prefill.token_rows is None and num_tokens <= self.sizes[-1]
-                and meta.prefill.seq_lens.shape[0] < self.seq_lens.shape[0])
+        return num_tokens <= self.sizes[-1] and num_seqs < self.max_seqs
 
-    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The (T, hidden) final hidden states of a step of T tokens (``serves``)."""
-        t, p = len(input_ids), meta.prefill
-        n, b = self.sizes[bisect_left(self.sizes, t)], p.seq_lens.shape[0]
-        self.input_ids[:t] = input_ids
-        self.input_ids[t:n] = 0
-        self.positions[:t] = positions
-        self.positions[t:n] = self.pad_positions[:n - t]
-        self.slot_mapping[:t] = meta.slot_mapping
-        self.slot_mapping[t:n] = self.pad_slots[:n - t]
-        self.seq_lens[:b] = p.seq_lens
-        self.seq_lens[b] = n - t  # the padding sequence (none: N = T), then empty ones
-        self.seq_lens[b + 1:] = 0
-        self.query_start[:b + 1] = p.query_start
-        self.query_start[b + 1:] = n
-        self.block_tables[:b, :p.block_tables.shape[1]] = p.block_tables
-        self.block_tables[b] = self.scratch_block
+    def replay(self, inputs: torch.Tensor, t: int) -> torch.Tensor:
+        """The (T, hidden) final hidden states of a step of T tokens (``serves``), from its ``inputs_of`` (on
+        the device)."""
+        n = (len(inputs) - 3 * self.max_seqs - 1) // 3
+        self.inputs[n].copy_(inputs)
         self.replays[n]()
         return self.hidden[:t]

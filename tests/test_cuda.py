@@ -95,8 +95,8 @@ def test_steps_with_prompts_replay_graphs_fp32_equals_transformers(arch, tmp_pat
     llm = LLM(path, device="cuda", dtype="float32", num_kv_blocks=256, max_model_len=512, max_num_batched_tokens=48)
     graphs = llm.engine.runner.prompt_graphs
     assert graphs is not None and graphs.sizes == [16, 24, 32, 48]
-    replayed, real = [], graphs.replay
-    graphs.replay = lambda ids, positions, meta: replayed.append(len(meta.prefill.seq_lens)) or real(ids, positions, meta)
+    replayed, real = [], graphs.inputs_of  # (made for each replay: its sequences counted)
+    graphs.inputs_of = lambda ids, query_lens, *rest: replayed.append(len(query_lens)) or real(ids, query_lens, *rest)
     outs = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
     assert len(replayed) >= 3 and max(replayed) > 1, replayed  # (the 100-token prompt's chunks beside decodes)
     hf = transformers_model(path, torch.float32)

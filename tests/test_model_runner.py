@@ -189,9 +189,9 @@ def test_padded_decode_steps_keep_greedy_outputs(tiny_llama, unpadded, static):
             decodes.append((len(step.query_lens), len(step.logits_rows)))
         return forward_step(step)
 
-    def counting_replay(*args):
-        replayed.append(len(args[0]))
-        return replay(*args)
+    def counting_replay(inputs, b):
+        replayed.append(b)
+        return replay(inputs, b)
 
     runner.forward_step = counting_forward
     if static:
@@ -225,6 +225,60 @@ def test_prompt_buckets_pad_by_a_third_at_most():
     assert sizes[:8] == [16, 24, 32, 48, 64, 96, 128, 192] and sizes[-1] == 2048
     assert all(b > a and b <= a * 3 // 2 for a, b in zip(sizes, sizes[1:], strict=False))
     assert prompt_buckets(40) == [16, 24, 32, 40] and prompt_buckets(10) == [10]
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_prompt_graphs_make_their_metadata_and_keep_greedy_outputs(tiny_llama, monkeypatch, overlap):
+    """Steps with prompt tokens (chunks beside decodes, one prefill over all of them) replayed through
+    ``PromptGraphs`` (each capture here the eager forward itself, which is all a graph reads): padded to
+    a token count with a sequence of its own, the same greedy tokens as eager steps, with preemption, and
+    with tokens in flight (asynchronous scheduling: read from last_tokens inside the graph). Outside the
+    replay a step runs the block tables' write, the copy of its inputs (one buffer) and the LM head's
+    gather: the slot mapping and the block tables are made inside."""
+    import kernels
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    monkeypatch.setattr(kernels, "prefill_takes_decodes", lambda *args: True)  # (as Triton's, on CUDA)
+    kw = dict(CPU, num_kv_blocks=14, max_num_batched_tokens=40, enforce_eager=True, async_scheduling=overlap)
+    want = [o.token_ids for o in LLM(tiny_llama, **kw).generate(prompts(7), GREEDY)]
+    llm = LLM(tiny_llama, **kw)
+    runner, outside, counting = llm.engine.runner, [], [False]
+    runner._capture_prompt_graphs(lambda forward: forward, 40)
+    graphs, forward_step = runner.prompt_graphs, runner.forward_step
+    assert graphs.sizes == [16, 24, 32, 40]
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if counting[0] and not func.is_view and func.overloadpacket.__name__ not in ("empty", "detach"):
+                outside[-1].append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    def quiet(fn):
+        def run(*args):
+            was, counting[0] = counting[0], False
+            try:
+                return fn(*args)
+            finally:
+                counting[0] = was
+        return run
+
+    def step_counted(step):
+        counting[0] = len(step.token_ids) > len(step.query_lens)
+        outside.append([])
+        try:
+            return forward_step(step)
+        finally:
+            counting[0] = False
+
+    graphs.replays = {n: quiet(replay) for n, replay in graphs.replays.items()}
+    runner.model.compute_logits = quiet(runner.model.compute_logits)
+    runner.forward_step = step_counted
+    with Count():
+        got = [o.token_ids for o in llm.generate(prompts(7), GREEDY)]
+    assert got == want and llm.engine.scheduler.num_preemptions > 0
+    replayed = [ops for ops in outside if ops]
+    assert len(replayed) >= 5
+    assert all(sorted(ops) in (["copy_", "index", "index_put_"], ["copy_", "index_put_"]) for ops in replayed), replayed
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")

@@ -699,8 +699,11 @@ def test_triton_engine_prompt_graphs_give_the_eager_tokens(arch, tmp_path, smoll
     runner, replays = llm.engine.runner, []
 
     def capture(forward):
-        return lambda: replays.append(len(runner.prompt_graphs.seq_lens[runner.prompt_graphs.seq_lens > 0])) \
-            or forward()
+        def replay():  # (the step's sequences: its inputs' nonzero lengths, the padding's among them)
+            n, m = forward.args[0], runner.prompt_graphs.max_seqs
+            replays.append(int((runner.prompt_graphs.inputs[n][3 * n + m:3 * n + 2 * m] > 0).sum()))
+            forward()
+        return replay
 
     if runner.prompt_graphs is None:  # (on CUDA the runner has captured its own)
         runner._capture_prompt_graphs(capture, runner._prompt_graph_tokens(128))

@@ -57,7 +57,7 @@ def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_schedul
         kernels.set_backend("triton")
 
     from engine import LLM, SamplingParams
-    from engine.step_buffers import decode_buckets
+    from engine.step_buffers import DecodeGraphs, decode_buckets
     from tools.random_model import build
 
     path = build(tempfile.mkdtemp(), "qwen2", torch.float32, seed=0, hidden_size=HIDDEN, intermediate_size=128,
@@ -77,7 +77,8 @@ def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_schedul
         # as on CUDA: every decode step padded to a graph's batch size and replayed, the replay stubbed (what is
         # left is the host's work around it)
         runner.decode_buckets = decode_buckets(num_seqs)
-        runner.graphs = types.SimpleNamespace(serves=lambda b: True, replay=lambda ids, *inputs: hidden[:len(ids)])
+        runner.graphs = types.SimpleNamespace(serves=lambda b: True, inputs_of=getattr(DecodeGraphs, "inputs_of", None),
+                                              replay=functools.partial(_replayed, hidden))
     spent: dict[str, list[float]] = {stage: [] for stage in STAGES}  # each round's decode steps' seconds
     timing = [False]  # (prompts and the tails of the rounds are not counted)
 
@@ -122,6 +123,12 @@ def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_schedul
         while engine.has_work():
             engine.step()
     return {stage: values[1:] for stage, values in spent.items()}
+
+
+def _replayed(hidden, inputs, *rest):
+    """A stubbed decode graph's replay: ``replay(inputs, b)``, or (``--before`` an older checkout) its
+    ``replay(ids, positions, table_rows)``."""
+    return hidden[:rest[0] if len(rest) == 1 else len(inputs)]
 
 
 def _stub_kernels() -> None:
