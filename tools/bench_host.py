@@ -19,6 +19,7 @@ with this one, and prints both side by side. The last line is one JSON object.
 
     python tools/bench_host.py                                  # greedy, 256 sequences
     python tools/bench_host.py --sampling top_p --before /tmp/old
+    python tools/bench_host.py --sampling top_p --race          # top-p sampled as on CUDA
     python tools/bench_host.py --eager-layers 24 --before /tmp/old
 """
 
@@ -43,10 +44,11 @@ HIDDEN = 64
 
 
 def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_scheduling: str,
-            eager_layers: int = 0) -> dict[str, list[float]]:
+            eager_layers: int = 0, race: bool = False) -> dict[str, list[float]]:
     """Per stage, each round's mean seconds per decode step. ``eager_layers``: instead, steps that also carry two
     new 128-token prompts, through a model of that many layers whose Triton kernels and GEMMs are stubbed out
-    (the Python of an eager step's launches, ``model``; on the CPU, through Triton's interpreter's imports)."""
+    (the Python of an eager step's launches, ``model``; on the CPU, through Triton's interpreter's imports).
+    ``race``: non-greedy rows sample as on CUDA, through the race kernel (stubbed: its host side is timed)."""
     if eager_layers:
         os.environ["TRITON_INTERPRET"] = "1"  # (before anything imports triton)
     import torch
@@ -55,6 +57,9 @@ def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_schedul
 
     if eager_layers:
         kernels.set_backend("triton")
+    if race:
+        kernels.races = lambda device: True
+        kernels.sample_race = lambda logits, *args, **kwargs: torch.zeros(len(logits), dtype=torch.int64)
 
     from engine import LLM, SamplingParams
     from engine.step_buffers import DecodeGraphs, decode_buckets
@@ -174,16 +179,18 @@ def main() -> None:
     p.add_argument("--eager-layers", type=int, default=0, metavar="N",
                    help="time steps that also carry two new 128-token prompts, run eagerly through a model of N "
                         "layers with its Triton kernels and GEMMs stubbed out (CPU only): an eager step's host work")
+    p.add_argument("--race", action="store_true",
+                   help="non-greedy rows sample as on CUDA: through the race kernel, stubbed (its host side timed)")
     p.add_argument("--before", metavar="DIR", help="another checkout to time the same way, in turns with this one")
     p.add_argument("--turns", type=int, default=3, help="with --before: runs of each checkout")
     p.add_argument("--raw", action="store_true", help=argparse.SUPPRESS)  # (a --before run's child: JSON only)
     args = p.parse_args()
     flags = ["--num-seqs", str(args.num_seqs), "--steps", str(args.steps), "--rounds", str(args.rounds),
              "--sampling", args.sampling, "--async-scheduling", args.async_scheduling,
-             "--eager-layers", str(args.eager_layers)]
+             "--eager-layers", str(args.eager_layers), *(["--race"] if args.race else [])]
     if args.raw:
         print(json.dumps(measure(args.num_seqs, args.steps, args.rounds, args.sampling, args.async_scheduling,
-                                 args.eager_layers)))
+                                 args.eager_layers, args.race)))
         return
     checkouts = {"this": HERE, **({"before": os.path.abspath(args.before)} if args.before else {})}
     runs: dict[str, dict[str, list[float]]] = {name: {stage: [] for stage in STAGES} for name in checkouts}
@@ -198,7 +205,8 @@ def main() -> None:
                 runs[name][stage] += values
     what = (f"step of {args.num_seqs} decodes and two 128-token prompts, eager, {args.eager_layers} layers stubbed"
             if args.eager_layers else f"decode step at {args.num_seqs} sequences")
-    print(f"host time per {what} ({args.sampling}, asynchronous scheduling {args.async_scheduling}), µs: min / "
+    print(f"host time per {what} ({args.sampling}{', race as on CUDA' if args.race else ''}, asynchronous "
+          f"scheduling {args.async_scheduling}), µs: min / "
           f"median over {args.rounds} rounds{f' x {args.turns} turns' if args.before else ''}")
     names = list(reversed(checkouts))
     print(f"{'stage':14s}" + "".join(f"{name:>20s}" for name in names))
@@ -213,7 +221,8 @@ def main() -> None:
     if args.before:
         ratio = result["this"]["step"]["min_us"] / result["before"]["step"]["min_us"]
         print(f"step: this checkout's minimum is {ratio:.2f}x the other's")
-    print(json.dumps({"num_seqs": args.num_seqs, "sampling": args.sampling, "async_scheduling": args.async_scheduling,
+    print(json.dumps({"num_seqs": args.num_seqs, "sampling": args.sampling, "race": args.race,
+                      "async_scheduling": args.async_scheduling,
                       "eager_layers": args.eager_layers, "step_min_us": result["this"]["step"]["min_us"], **result}))
 
 
