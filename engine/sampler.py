@@ -56,6 +56,10 @@ from kernels import reference
 _SEED_MASK = (1 << 64) - 1  # seeds are 64-bit; fold bigger (or negative) ones in
 _MASK32 = (1 << 32) - 1
 _XTC_SALT = 0x5854432D44524157  # a seeded row's XTC draws: a stream of their own
+# What a step asks of a row, as bits of ``SamplingState.kind``: a step reads its rows' kinds in one pass (a set of a
+# few values), and looks for the rows of a kind only where some row has it (most steps: none have most kinds)
+_GREEDY, _PLAIN, _LOGPROBS, _LLAMACPP, _SEEDED, _MIN_TOKENS, _TOP_K, _TOP_P, _MIN_P = (1 << i for i in range(9))
+_EVERY_KIND = (1 << 9) - 1
 _LOGPROBS_CHUNK = 1024  # rows per log_softmax in logprob_tensors: bounds memory for long prompts
 
 
@@ -74,7 +78,7 @@ class SamplingState:
     which the engine seeds with its ``--seed``.
     """
 
-    __slots__ = ("seed", "greedy", "plain", "plain_greedy", "knobs", "needs_penalties", "reads_output", "grammar",
+    __slots__ = ("seed", "greedy", "plain", "kind", "knobs", "needs_penalties", "reads_output", "grammar",
                  "bad_words", "allowed", "dry_breakers", "mu", "llamacpp", "_bad_after", "_prompt_len", "_prompt_ids",
                  "_window_len", "_window", "_dry_prompt", "_stop_ids", "_bias_ids", "_bias_values", "_allowed_ids",
                  "_placed_for", "_placed")
@@ -108,13 +112,17 @@ class SamplingState:
         self.greedy = params.greedy
         self.plain = (not self.reads_output and not params.logit_bias and grammar is None
                       and params.allowed_token_ids is None)
-        self.plain_greedy = self.greedy and self.plain and params.logprobs is None
         # temperature, top_k, top_p, min_p as a step applies them: mirostat takes the truncations' place, and a
         # dynamic temperature is applied after them
         temperature = 1.0 if params.dynatemp_range > 0 and not params.mirostat else params.temperature
         # (top_k held to 2**24, exact in float32 and past any vocabulary: no cut, as any larger k)
         cut = (0, 1.0, 0.0) if params.mirostat else (min(params.top_k, 1 << 24), params.top_p, params.min_p)
-        self.knobs = array.array("f", (temperature, *cut)).tobytes()  # (float32s: a step joins the rows')
+        knobs = array.array("f", (temperature, *cut))
+        self.knobs = knobs.tobytes()  # (float32s: a step joins the rows')
+        self.kind = (_GREEDY * self.greedy | _PLAIN * self.plain | _LOGPROBS * (params.logprobs is not None)
+                     | _LLAMACPP * self.llamacpp | _SEEDED * (self.seed is not None)
+                     | _MIN_TOKENS * (params.min_tokens > 0) | _TOP_K * (knobs[1] > 0) | _TOP_P * (knobs[2] < 1.0)
+                     | _MIN_P * (knobs[3] > 0.0))
         self._prompt_len = self._window_len = -1
         self._prompt_ids: torch.Tensor | None = None
         self._window: torch.Tensor | None = None  # the prompt's part of llama.cpp's window
@@ -127,6 +135,11 @@ class SamplingState:
         self._allowed_ids = _long_tensor(sorted(set(params.allowed_token_ids or ())))
         self._placed_for: tuple[int, torch.device] | None = None
         self._placed: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing to process and no logprobs: a row of the argmax-only fast path."""
+        return self.kind & (_GREEDY | _PLAIN | _LOGPROBS) == _GREEDY | _PLAIN
 
     def prompt_ids(self, prompt_token_ids: list[int]) -> torch.Tensor:
         """The prompt's distinct token ids as a CPU tensor, built once (repetition penalty)."""
@@ -527,30 +540,33 @@ class Sampler:
         if num_output_tokens is None:
             num_output_tokens = [len(out) for out in output_token_ids]
 
+        some, every = _kinds(states)
+        # min_tokens past in every row (its stop ids no longer banned)
+        late = not (some & _MIN_TOKENS) or all(m >= p.min_tokens for p, m in zip(params, num_output_tokens, strict=True))
         # Fast path: the common benchmark batch, all greedy with nothing to process.
-        if all(s.plain_greedy and m >= p.min_tokens for p, s, m in zip(params, states, num_output_tokens, strict=True)):
+        if every & _GREEDY and every & _PLAIN and not (some & _LOGPROBS) and late:
             return Sampled(logits.argmax(dim=-1))
 
         raw = logits
         # (nothing to process: the model's logits as they are, read, never written; the temperature's division
         # makes float32 ones, and the race reads any dtype)
-        if not all(s.plain and m >= p.min_tokens for p, s, m in zip(params, states, num_output_tokens, strict=True)):
+        if not (every & _PLAIN and late):
             logits = process_logits(logits, params, states, prompt_token_ids, output_token_ids, self.eos_token_ids,
                                     num_output_tokens)
-        rand = [i for i, s in enumerate(states) if not s.greedy]
         mirostat = None
-        if len(rand) == len(params):
+        if not (some & _GREEDY):
             ids, mirostat = self._sample(logits, params, states, num_output_tokens)
         else:
             ids = logits.argmax(dim=-1)
-            if rand:
+            if not (every & _GREEDY):
+                rand = [i for i, s in enumerate(states) if not s.greedy]
                 idx = to_device(rand, logits.device)
                 ids[idx], mirostat = self._sample(logits[idx], [params[i] for i in rand], [states[i] for i in rand],
                                                   [num_output_tokens[i] for i in rand])
 
-        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if not lp_rows:
+        if not (some & _LOGPROBS):
             return Sampled(ids, None, mirostat)
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         k = max(params[i].logprobs for i in lp_rows)
         if len(lp_rows) == len(params):
             tensors = logprob_tensors(raw, ids, k)
@@ -569,13 +585,15 @@ class Sampler:
         # them read on the host copy (a few operators, not a pass over the rows each)
         host = torch.frombuffer(bytearray(b"".join([s.knobs for s in states])), dtype=torch.float32).view(n, 4)
         knobs = to_device(host, device)  # (n, 4)
-        top_k = host[:, 1]
-        max_k, use_p, every_row_has_k = int(top_k.max()), bool((host[:, 2] < 1.0).any()), bool((top_k > 0).all())
-        extra = [(i, params[i]) for i, s in enumerate(states) if s.llamacpp]  # llama.cpp's (most steps: none)
+        some, every = _kinds(states)
+        max_k = int(host[:, 1].max()) if some & _TOP_K else 0
+        use_p, every_row_has_k = bool(some & _TOP_P), bool(every & _TOP_K)
+        # llama.cpp's rows (most steps: none)
+        extra = [(i, params[i]) for i, s in enumerate(states) if s.llamacpp] if some & _LLAMACPP else []
         if not extra and kernels.races(device):  # (no sort: one kernel reads each row a few times)
+            keys = self._keys(states, num_output_tokens, device, seeded=bool(some & _SEEDED))
             return kernels.sample_race(logits, knobs[:, 0].contiguous(), knobs[:, 1].long(), knobs[:, 2].contiguous(),
-                                       knobs[:, 3].contiguous(), self._keys(states, num_output_tokens, device),
-                                       max_k), None
+                                       knobs[:, 3].contiguous(), keys, max_k), None
         logits = logits / knobs[:, 0:1]
         logits = _on_rows(logits, [(i, p.top_n_sigma) for i, p in extra if p.top_n_sigma > 0 and not p.mirostat],
                           llamacpp.apply_top_n_sigma)
@@ -592,7 +610,7 @@ class Sampler:
             logits = _on_rows(logits, typical, llamacpp.apply_typical)
             if use_p:
                 logits = apply_top_k_top_p(logits, None, knobs[:, 2])
-        if bool((host[:, 3] > 0.0).any()):
+        if some & _MIN_P:
             logits = apply_min_p(logits, knobs[:, 3])
         xtc = [(i, p.xtc_threshold, p.xtc_probability) for i, p in extra if p.xtc and not p.mirostat]
         if xtc:
@@ -615,13 +633,14 @@ class Sampler:
         mu = llamacpp.mirostat_mu(logits[idx], ids[idx], knobs[:, 0], knobs[:, 1], knobs[:, 2])
         return ids, ([states[i] for i in miro], mu)
 
-    def _keys(self, states: list[SamplingState], num_output_tokens: list[int], device: torch.device) -> torch.Tensor:
+    def _keys(self, states: list[SamplingState], num_output_tokens: list[int], device: torch.device,
+              seeded: bool = True) -> torch.Tensor:
         """(n, 2) int64 keys of each row's race (``kernels.sample_race``): a seeded row's from its seed and token count,
-        so that its draws are ``_noise``'s; the others' from the engine's generator."""
+        so that its draws are ``_noise``'s; the others' from the engine's generator. (``seeded`` False: no row is.)"""
         keys = torch.randint(0, 1 << 32, (len(states), 2), generator=self.generator, device=device)
-        seeded, seeded_keys = _seeded_keys(states, num_output_tokens, device)
-        if seeded:
-            keys[to_device(seeded, device)] = seeded_keys
+        rows, seeded_keys = _seeded_keys(states, num_output_tokens, device) if seeded else ([], None)
+        if rows:
+            keys[to_device(rows, device)] = seeded_keys
         return keys
 
     def _uniforms(self, states: list[SamplingState], num_output_tokens: list[int],
@@ -659,6 +678,14 @@ class Sampler:
         (a zero would make a masked token's 0/0 = NaN win the argmax)."""
         u = torch.empty((n, vocab), device=device).uniform_(generator=self.generator)
         return u.clamp_min_(torch.finfo(torch.float32).tiny).log_().neg_()
+
+
+def _kinds(states: list[SamplingState]) -> tuple[int, int]:
+    """The bits of ``SamplingState.kind`` that some row has, and those that every row has."""
+    some, every = 0, _EVERY_KIND
+    for kind in {s.kind for s in states}:  # (a few distinct values)
+        some, every = some | kind, every & kind
+    return some, every
 
 
 def _on_rows(logits: torch.Tensor, rows: list[tuple], fn) -> torch.Tensor:
