@@ -86,6 +86,19 @@ def decode_order(seq_lens: Sequence[int], table_rows: Sequence[int]) -> list[int
     return sorted(range(len(seq_lens)), key=lambda i: (-longest[table_rows[i]], first[table_rows[i]], -seq_lens[i]))
 
 
+def prefill_lists(query_lens: list[int], computed_lens: list[int], table_rows: Sequence[int]) -> tuple[
+        list[int], list[int], list[int], list[int]]:
+    """Sequences that add ``query_lens[b]`` tokens after ``computed_lens[b]`` cached ones, as one prefill: each
+    token's position and row of the tables, each sequence's length, and its first token's index (B + 1)."""
+    positions, token_rows, seq_lens, start = [], [], [], [0]
+    for q, c, row in zip(query_lens, computed_lens, table_rows, strict=True):
+        positions += range(c, c + q)
+        token_rows += [row] * q
+        seq_lens.append(c + q)
+        start.append(start[-1] + q)
+    return positions, token_rows, seq_lens, start
+
+
 @dataclass
 class StepIndex:
     """One step's metadata before its block ids: index tensors that the host computes from the
@@ -149,12 +162,7 @@ class StepIndex:
         """``build(split=False)`` for a step with prompt tokens: every sequence a prefill one, in the step's
         order, made from lists; without the reference's gather indices (Triton's kernel, which takes such
         steps, reads none; the reference makes them where it is given none)."""
-        positions, token_rows, seq_lens, start = [], [], [], [0]
-        for q, c, row in zip(query_lens, computed_lens, table_rows, strict=True):
-            positions += range(c, c + q)
-            token_rows += [row] * q
-            seq_lens.append(c + q)
-            start.append(start[-1] + q)
+        positions, token_rows, seq_lens, start = prefill_lists(query_lens, computed_lens, table_rows)
         t = {"positions": ints(positions), "token_table_rows": ints(token_rows), "prefill_table_rows": ints(table_rows),
              "prefill_seq_lens": ints(seq_lens), "prefill_query_start": ints(start)}
         return cls(t, 0, max(seq_lens), False, False)

@@ -22,7 +22,7 @@ from collections.abc import Callable, Hashable
 
 import torch
 
-from engine.attention import AttentionMetadata, PrefillMetadata, StepIndex
+from engine.attention import AttentionMetadata, PrefillMetadata, StepIndex, prefill_lists
 from engine.request import Request
 
 log = logging.getLogger("tokenmill.engine")
@@ -284,12 +284,7 @@ class PromptGraphs:
 
     def _padded(self, token_ids: list[int], query_lens: list[int], computed_lens: list[int], table_rows: list[int],
                 n: int) -> list[int]:
-        positions, token_rows, seq_lens, start = [], [], [], [0]
-        for q, c, row in zip(query_lens, computed_lens, table_rows, strict=True):
-            positions += range(c, c + q)
-            token_rows += [row] * q
-            seq_lens.append(c + q)
-            start.append(start[-1] + q)
+        positions, token_rows, seq_lens, start = prefill_lists(query_lens, computed_lens, table_rows)
         pad, scratch, empty = n - len(token_ids), self.tables.scratch_row, self.max_seqs - len(query_lens) - 1
         return (token_ids + [0] * pad + positions + list(range(pad)) + token_rows + [scratch] * pad
                 + table_rows + [scratch] * (empty + 1) + seq_lens + [pad] + [0] * empty + start + [n] * (empty + 1))

@@ -9,7 +9,6 @@ import threading
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import engine.model_runner as model_runner
 from engine import LLM, SamplingParams
@@ -18,6 +17,7 @@ from kernels import cpu
 from kernels import reference as kernels_ref
 from kernels.cpu import graph
 from tests.conftest import make_tiny_model
+from tests.ops_outside import OpsOutside
 from tests.test_model_runner import prompts, request
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
@@ -176,45 +176,17 @@ def test_a_replayed_decode_step_makes_its_metadata_inside_the_graph(tiny_llama):
     output. (On CUDA each operator outside is a launch the host pays for, and a small kernel between two
     graphs.)"""
     llm = LLM(tiny_llama, device="cpu", dtype="float32", num_kv_blocks=40, max_model_len=256, max_num_seqs=8)
-    runner, graphs = llm.engine.runner, llm.engine.runner.graphs
-    outside: list[list[str]] = []  # each replayed step's operators up to its replay's end, but the graph's own
-    counting = [False]
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if counting[0] and not func.is_view and func.overloadpacket.__name__ not in ("empty", "detach"):
-                outside[-1].append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
-    def uncounted(fn):
-        def run(*args):
-            was, counting[0] = counting[0], False
-            try:
-                return fn(*args)
-            finally:
-                counting[0] = was
-        return run
-
-    capture, forward_step = graphs.capture, runner.forward_step
-    graphs.capture = lambda forward: uncounted(uncounted(capture)(forward))  # (a capture runs the forward too)
-
-    head = runner.model.compute_logits
-    runner.model.compute_logits = uncounted(head)  # (the LM head: the model's, after the graph)
-
-    def step_counted(step):
-        counting[0] = len(step.token_ids) == len(step.query_lens) and graphs.serves(len(step.token_ids))
-        outside.append([])
-        try:
-            return forward_step(step)
-        finally:
-            counting[0] = False
-
-    runner.forward_step = step_counted
-    with Count():
+    runner, graphs, ops = llm.engine.runner, llm.engine.runner.graphs, OpsOutside()
+    capture = graphs.capture
+    graphs.capture = lambda forward: ops.quiet(ops.quiet(capture)(forward))  # (a capture runs the forward too)
+    runner.model.compute_logits = ops.quiet(runner.model.compute_logits)  # (the LM head: the model's, after the graph)
+    runner.forward_step = ops.steps_of(runner.forward_step, lambda step: len(step.token_ids) == len(step.query_lens)
+                                       and graphs.serves(len(step.token_ids)))
+    with ops:
         llm.generate(prompts(3), GREEDY)
-    replayed = [ops for ops in outside if ops]
+    replayed = [step for step in ops.steps if step]
     assert len(replayed) >= 15
-    assert all(sorted(ops) == ["copy_", "index_put_"] for ops in replayed), replayed
+    assert all(sorted(step) == ["copy_", "index_put_"] for step in replayed), replayed
 
 
 def test_a_replayed_decode_step_gives_the_logits_rows_it_is_asked_for(tiny_llama):

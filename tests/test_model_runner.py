@@ -19,6 +19,7 @@ from engine.parallel import StepInput
 from engine.protocol import SamplingParams as Params
 from engine.request import Request
 from engine.step_buffers import BlockTables, DecodeGraphs, Staging, decode_buckets, prompt_buckets
+from tests.ops_outside import OpsOutside
 
 CPU = dict(device="cpu", dtype="float32", num_kv_blocks=40, max_model_len=256, max_num_seqs=8)
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
@@ -236,49 +237,24 @@ def test_prompt_graphs_make_their_metadata_and_keep_greedy_outputs(tiny_llama, m
     replay a step runs the block tables' write, the copy of its inputs (one buffer) and the LM head's
     gather: the slot mapping and the block tables are made inside."""
     import kernels
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     monkeypatch.setattr(kernels, "prefill_takes_decodes", lambda *args: True)  # (as Triton's, on CUDA)
     kw = dict(CPU, num_kv_blocks=14, max_num_batched_tokens=40, enforce_eager=True, async_scheduling=overlap)
     want = [o.token_ids for o in LLM(tiny_llama, **kw).generate(prompts(7), GREEDY)]
     llm = LLM(tiny_llama, **kw)
-    runner, outside, counting = llm.engine.runner, [], [False]
+    runner, ops = llm.engine.runner, OpsOutside()
     runner._capture_prompt_graphs(lambda forward: forward, 40)
-    graphs, forward_step = runner.prompt_graphs, runner.forward_step
+    graphs = runner.prompt_graphs
     assert graphs.sizes == [16, 24, 32, 40]
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if counting[0] and not func.is_view and func.overloadpacket.__name__ not in ("empty", "detach"):
-                outside[-1].append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
-    def quiet(fn):
-        def run(*args):
-            was, counting[0] = counting[0], False
-            try:
-                return fn(*args)
-            finally:
-                counting[0] = was
-        return run
-
-    def step_counted(step):
-        counting[0] = len(step.token_ids) > len(step.query_lens)
-        outside.append([])
-        try:
-            return forward_step(step)
-        finally:
-            counting[0] = False
-
-    graphs.replays = {n: quiet(replay) for n, replay in graphs.replays.items()}
-    runner.model.compute_logits = quiet(runner.model.compute_logits)
-    runner.forward_step = step_counted
-    with Count():
+    graphs.replays = {n: ops.quiet(replay) for n, replay in graphs.replays.items()}
+    runner.model.compute_logits = ops.quiet(runner.model.compute_logits)
+    runner.forward_step = ops.steps_of(runner.forward_step, lambda step: len(step.token_ids) > len(step.query_lens))
+    with ops:
         got = [o.token_ids for o in llm.generate(prompts(7), GREEDY)]
     assert got == want and llm.engine.scheduler.num_preemptions > 0
-    replayed = [ops for ops in outside if ops]
+    replayed = [step for step in ops.steps if step]
     assert len(replayed) >= 5
-    assert all(sorted(ops) in (["copy_", "index", "index_put_"], ["copy_", "index_put_"]) for ops in replayed), replayed
+    assert all(sorted(step) in (["copy_", "index", "index_put_"], ["copy_", "index_put_"]) for step in replayed), replayed
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
