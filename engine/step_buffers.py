@@ -22,7 +22,7 @@ from collections.abc import Callable, Hashable
 
 import torch
 
-from engine.attention import AttentionMetadata, PrefillMetadata, StepIndex, prefill_lists
+from engine.attention import StepIndex, prefill_lists
 from engine.request import Request
 
 log = logging.getLogger("tokenmill.engine")
@@ -290,12 +290,12 @@ class PromptGraphs:
                 + table_rows + [scratch] * (empty + 1) + seq_lens + [pad] + [0] * empty + start + [n] * (empty + 1))
 
     def _forward(self, n: int) -> None:
-        m, bs = self.max_seqs, self.block_size
+        m = self.max_seqs
         ids, pos, token_rows, seq_rows, seq_lens, start = self.inputs[n].split([n, n, n, m, m, m + 1])
-        table = self.tables.table
-        slot_mapping = table[token_rows, pos // bs] * bs + pos % bs
-        prefill = PrefillMetadata(None, table[seq_rows], seq_lens, start, None, None, self.max_model_len)
-        meta = AttentionMetadata(slot_mapping, None, prefill, self.tables.window_map)
+        index = StepIndex({"positions": pos, "token_table_rows": token_rows, "prefill_table_rows": seq_rows,
+                           "prefill_seq_lens": seq_lens, "prefill_query_start": start}, max_decode_len=0,
+                          max_prefill_len=self.max_model_len, mixed=False, decode_in_order=False)
+        _, meta = index.metadata(self.tables.table, self.block_size, self.tables.window_map)
         ids = torch.where(ids < 0, self.tables.last_tokens[token_rows], ids)
         self.hidden[:n] = self.model(ids, pos, meta)
 
