@@ -3,7 +3,7 @@
 # is lent: one NVIDIA GPU, no network and no package registry, and a system python3 (3.12, with torch,
 # triton, transformers, safetensors, msgpack, uvloop, prometheus-client and pytest, but not pyzmq, orjson,
 # httptools, websockets or gguf). So: no make, no venv; the missing packages travel as wheels in .whl/ at
-# the repository root (git-ignored: carry it; about 8 MB), made on a machine with a registry by
+# the repository root (git-ignored: carry it; about 25 MB), made on a machine with a registry by
 #
 #   pip download --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64 -d .whl \
 #       pyzmq orjson httptools websockets openai gguf
@@ -131,8 +131,18 @@ CUDA=$("$PY" -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/nul
 ENGINE="torch, transformers, safetensors, msgpack, zmq, orjson, prometheus_client"
 
 if [ -d .whl ]; then
-  # unpacked, not pip-installed: a wheel is a zip of what goes into site-packages, and pip may be absent
-  part wheels 60 "for w in .whl/*.whl; do $PY -m zipfile -e \$w $WORK/site || exit; done; ls .whl"
+  # unpacked, not pip-installed: a wheel is a zip of what goes into site-packages, and pip may be absent. A
+  # wheel of a package the python already has is left packed: pip download brings dependencies along (numpy
+  # with gguf), which first on PYTHONPATH would shadow the machine's own builds
+  UNPACK='import importlib.metadata as md, pathlib, sys, zipfile
+for w in sorted(pathlib.Path(".whl").glob("*.whl")):
+    name = w.name.split("-")[0]
+    try:
+        print("left packed:", w.name, "(this python has", name, md.version(name) + ")")
+    except md.PackageNotFoundError:
+        zipfile.ZipFile(w).extractall(sys.argv[1])
+        print("unpacked:", w.name)'
+  part wheels 60 "$PY -c '$UNPACK' $WORK/site"
 else
   skip wheels "no .whl/ folder (the header of this script says how to make one)"
 fi
