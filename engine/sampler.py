@@ -581,11 +581,22 @@ class Sampler:
         states and next targets (None without such rows)."""
         n, vocab = logits.shape
         device = logits.device
+        some, every = _kinds(states)
+        if some & _LLAMACPP and not every & _LLAMACPP and kernels.races(device):
+            # the rows of llama.cpp's samplers on the torch path, which sorts each row, the others raced: a step
+            # with one such row does not sort them all
+            ids = torch.empty(n, dtype=torch.int64, device=device)
+            mirostat = None
+            for llamacpp_rows in (False, True):
+                rows = [i for i, s in enumerate(states) if s.llamacpp is llamacpp_rows]
+                idx = to_device(rows, device)
+                ids[idx], mirostat = self._sample(logits[idx], [params[i] for i in rows], [states[i] for i in rows],
+                                                  [num_output_tokens[i] for i in rows])
+            return ids, mirostat
         # One host-to-device copy for all four per-row knobs (SamplingState.knobs); what the step needs of
         # them read on the host copy (a few operators, not a pass over the rows each)
         host = torch.frombuffer(bytearray(b"".join([s.knobs for s in states])), dtype=torch.float32).view(n, 4)
         knobs = to_device(host, device)  # (n, 4)
-        some, every = _kinds(states)
         max_k = int(host[:, 1].max()) if some & _TOP_K else 0
         use_p, every_row_has_k = bool(some & _TOP_P), bool(every & _TOP_K)
         # llama.cpp's rows (most steps: none)

@@ -910,7 +910,7 @@ def test_sample_race_checks_its_arguments():
 def test_sampler_races_on_triton_as_it_masks_on_torch(monkeypatch):
     """The sampler's non-greedy rows through ``kernels.sample_race`` (Triton's) give a seeded row the tokens the
     torch path (top-k, top-p and min-p masks, then the race) gives it, step after step; a row of llama.cpp's
-    samplers (typical) keeps the torch path."""
+    samplers (typical) keeps the torch path, and in a step with other rows it alone does: they still race."""
     from engine.protocol import SamplingParams
     from engine.sampler import Sampler, SamplingState
 
@@ -933,7 +933,14 @@ def test_sampler_races_on_triton_as_it_masks_on_torch(monkeypatch):
     assert not kernels.races(logits.device)
     assert [ids[:7] for ids in raced] == [ids[:7] for ids in masked]  # (the last row is unseeded: other draws)
     assert steps("triton", every_k) == steps("reference", every_k)
+    race, raced = kernels.sample_race, []
     monkeypatch.setattr(kernels, "_backend", "triton")
     typical = [SamplingParams(temperature=0.8, typical_p=0.5, seed=1)]
     monkeypatch.setattr(kernels, "sample_race", lambda *a: pytest.fail("llama.cpp's samplers take the torch path"))
     Sampler(300, [2], DEVICE)(logits[:1], typical, [SamplingState(typical[0])], [[1]], [[]], [0])
+    monkeypatch.setattr(kernels, "sample_race", lambda logits, *a: raced.append(len(logits)) or race(logits, *a))
+    llama = typical + [SamplingParams(temperature=0.8, mirostat=2, seed=13)]  # (mirostat's target moves a step)
+    mixed = steps("triton", params[:6] + llama)
+    assert raced == [5] * 4  # (one of the six is greedy)
+    assert [ids[:6] for ids in mixed] == [ids[:6] for ids in masked]
+    assert [ids[6:] for ids in mixed] == [ids[6:] for ids in steps("reference", params[:6] + llama)]

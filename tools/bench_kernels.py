@@ -18,8 +18,9 @@ and its down projection as Q4_K super-blocks (a Q4_K_M GGUF file's);
 a mixture of experts' layer (Qwen3-30B-A3B's: 128 experts, 8 a token) at the same token counts, and
 gpt-oss-20b's (32 experts of 2880, 4 a token) with its experts in MXFP4 against them widened to bf16.
 Last, the sampler's step at the decode batch over Qwen2's vocabulary (``Sampler.sample``: greedy, top-p, seeded
-top-p, top-k), as the engine runs it (Triton's race, ``kernels.sample_race``, for the non-greedy rows)
-and with the torch operators that sort each row, against the logits read once (JSON ``sampler_us``, ``sampler``).
+top-p, top-k, top-p with one row of llama.cpp's typical sampling), as the engine runs it (Triton's race,
+``kernels.sample_race``, for the non-greedy rows but llama.cpp's) and with the torch operators that sort each
+row, against the logits read once (JSON ``sampler_us``, ``sampler``).
 Prints a table, then one JSON line. Without CUDA there is nothing to time: it says so (JSON too).
 
     python3 tools/bench_kernels.py [--batch 256] [--contexts 512,2048,8192] [--prefill 4x1024]
@@ -60,7 +61,9 @@ DEVICE = "cuda"  # (tests build the cases on the CPU, for Triton's interpreter)
 VOCAB = 151936  # Qwen2's: the sampler's step reads and sorts rows this long
 # the sampler's step, every row of the batch one kind of request (the OpenAI API's default is temperature 1)
 SAMPLING = {"greedy": {"temperature": 0.0}, "top_p": {"temperature": 0.8, "top_p": 0.95},
-            "seeded_top_p": {"temperature": 0.8, "top_p": 0.95, "seed": 7}, "top_k": {"temperature": 0.8, "top_k": 50}}
+            "seeded_top_p": {"temperature": 0.8, "top_p": 0.95, "seed": 7}, "top_k": {"temperature": 0.8, "top_k": 50},
+            "top_p_one_typical": {"temperature": 0.8, "top_p": 0.95}}
+FIRST_ROW = {"top_p_one_typical": {"typical_p": 0.5}}  # one row of llama.cpp's samplers: its own path
 
 
 @dataclass
@@ -294,7 +297,7 @@ def sampler_steps(batch: int, vocab: int = VOCAB) -> Iterator[tuple[str, Callabl
 
     sampler, logits = Sampler(vocab, [0], DEVICE), randn(batch, vocab)
     for kind, knobs in SAMPLING.items():
-        params = [SamplingParams(**knobs) for _ in range(batch)]
+        params = [SamplingParams(**knobs, **FIRST_ROW.get(kind, {}) if i == 0 else {}) for i in range(batch)]
         states = [SamplingState(p) for p in params]
         yield kind, functools.partial(_sample, sampler, logits, params, states)
 
