@@ -79,10 +79,9 @@ class InFlight:
     @property
     def can_overlap(self) -> bool:
         """Whether the next step may be scheduled before this one's tokens reach the host: not when
-        a request sampling in it has penalties or bad words (the sampler reads the host's lists for them)
-        or a grammar (its next mask depends on this token)."""
-        return not any(r.sampling_state.reads_output or r.sampling_state.grammar is not None
-                       for r in self.launched.sampled)
+        a request sampling in it has bad words, DRY or mirostat (the sampler reads the host's lists or
+        state for them) or a grammar (its next mask depends on this token): ``SamplingState.overlaps``."""
+        return all(r.sampling_state.overlaps for r in self.launched.sampled)
 
 
 @dataclass

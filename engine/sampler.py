@@ -22,7 +22,7 @@ Semantics follow vLLM v1:
   ops that give the same bits on every device (``kernels.reference.exponentials``). A step that is
   run again (after an out-of-memory rollback, or a preemption) draws the same noise. On CUDA the
   non-greedy rows race in one Triton kernel (``kernels.sample_race``) that never sorts the
-  vocabulary, unless a row uses llama.cpp's samplers: the same draws pick the same token as masking
+  vocabulary, but those of llama.cpp's samplers: the same draws pick the same token as masking
   by top-k, top-p and min-p first (the unseeded rows' keys come from the engine's generator).
 
 Hot-path rule: no per-request Python loops beyond building small tensors from each
@@ -34,13 +34,16 @@ single ``argmax``.
 ``Sampler.sample`` leaves the ids (and logprobs) on the device; ``Sampled.result()`` is the
 host sync, so that the engine can collect a step after launching the next (asynchronous
 scheduling). A row's sampled-token count, which min_tokens and the seeded noise use, may then
-include a token still in flight (``num_output_tokens``).
+include a token still in flight (``num_output_tokens``), which the penalties read on the device
+(``in_flight``). Bad words, DRY, mirostat and grammars need it on the host: a step that samples
+such a row waits for the one before (``SamplingState.overlaps``).
 """
 
 from __future__ import annotations
 
 import array
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -78,7 +81,7 @@ class SamplingState:
     which the engine seeds with its ``--seed``.
     """
 
-    __slots__ = ("seed", "greedy", "plain", "kind", "knobs", "needs_penalties", "reads_output", "grammar",
+    __slots__ = ("seed", "greedy", "plain", "kind", "knobs", "needs_penalties", "reads_output", "overlaps", "grammar",
                  "bad_words", "allowed", "dry_breakers", "mu", "llamacpp", "_bad_after", "_prompt_len", "_prompt_ids",
                  "_window_len", "_window", "_dry_prompt", "_stop_ids", "_bias_ids", "_bias_values", "_allowed_ids",
                  "_placed_for", "_placed")
@@ -104,9 +107,12 @@ class SamplingState:
         # one of llama.cpp's truncations or a dynamic temperature (a step looks for them among these rows only)
         self.llamacpp = bool(params.mirostat or params.typical_p < 1.0 or params.top_n_sigma > 0
                              or params.xtc or params.dynatemp_range > 0)
-        # the sampler reads the output so far (the host's list), or mirostat's target that the last token moved:
-        # a step cannot overlap the one before it
+        # the sampler reads the output so far (the host's list), or mirostat's target that the last token moved
         self.reads_output = self.needs_penalties or bool(self.bad_words) or params.dry or self.mu is not None
+        # a step may sample it while the step before, which samples its last token, still runs (asynchronous
+        # scheduling): the penalties read that token on the device; bad words, DRY, mirostat and a grammar need
+        # it on the host
+        self.overlaps = not (self.bad_words or params.dry or self.mu is not None or grammar is not None)
         # Nothing for ``process_logits`` to do (min_tokens is checked per step, since it stops mattering after a
         # while); greedy too and no logprobs: eligible for the argmax-only fast path.
         self.greedy = params.greedy
@@ -353,11 +359,14 @@ def process_logits(
     output_token_ids: list[list[int]],
     eos_token_ids: list[int],
     num_output_tokens: list[int] | None = None,
+    in_flight: Callable[[list[int]], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The argmax-changing stage, applied before greedy rows pick: min_tokens, logit bias, penalties.
 
     ``num_output_tokens``: how many tokens each row has sampled before this one, when more than its
-    ``output_token_ids`` hold (a token still in flight; never for a row with penalties, which read them).
+    ``output_token_ids`` hold (a token still in flight: asynchronous scheduling; only in rows that
+    ``SamplingState.overlaps``). ``in_flight(rows)``: those rows' tokens in flight, on the device (the
+    penalties count them).
     Returns a new float32 tensor; ``logits`` itself is left untouched (the caller
     still needs the raw values for logprobs).
     """
@@ -402,8 +411,13 @@ def process_logits(
     pen = [i for i, s in enumerate(states) if s.needs_penalties]
     if pen:
         sub_params = [params[i] for i in pen]
-        outputs = pad_token_ids([states[i].penalized(prompt_token_ids[i], output_token_ids[i], params[i].repeat_last_n)
-                                 for i in pen], vocab, device)
+        # (a token still in flight: -1 here, then read on the device)
+        flying = [num_output_tokens[i] > len(output_token_ids[i]) for i in pen]
+        outputs = pad_token_ids([states[i].penalized(prompt_token_ids[i], output_token_ids[i] + [-1] if f
+                                                     else output_token_ids[i], params[i].repeat_last_n)
+                                 for i, f in zip(pen, flying, strict=True)], vocab, device)
+        if any(flying):
+            outputs = torch.where(outputs < 0, in_flight(pen).unsqueeze(1), outputs)
         repetition = prompts = None
         if any(p.repetition_penalty != 1.0 for p in sub_params):
             repetition = to_device([p.repetition_penalty for p in sub_params], device)
@@ -530,11 +544,12 @@ class Sampler:
         prompt_token_ids: list[list[int]],
         output_token_ids: list[list[int]],
         num_output_tokens: list[int] | None = None,
+        in_flight: Callable[[list[int]], torch.Tensor] | None = None,
     ) -> Sampled:
         """The step's ids (and logprobs) on the device, without waiting for them: ``Sampled.result()``
         is the host sync. ``num_output_tokens``: how many tokens each row has sampled before this one,
         when more than its ``output_token_ids`` hold (asynchronous scheduling: a token still in flight);
-        min_tokens and the seeded noise count them, penalties read the lists."""
+        min_tokens and the seeded noise count them, penalties read the lists and ``in_flight``'s tokens."""
         if logits.shape[-1] > self.vocab_size:  # padded lm_head columns are not tokens
             logits = logits[:, :self.vocab_size]
         if num_output_tokens is None:
@@ -552,7 +567,7 @@ class Sampler:
         # makes float32 ones, and the race reads any dtype)
         if not (every & _PLAIN and late):
             logits = process_logits(logits, params, states, prompt_token_ids, output_token_ids, self.eos_token_ids,
-                                    num_output_tokens)
+                                    num_output_tokens, in_flight)
         mirostat = None
         if not (some & _GREEDY):
             ids, mirostat = self._sample(logits, params, states, num_output_tokens)

@@ -1,7 +1,7 @@
 """Asynchronous scheduling (step N+1 scheduled and launched while step N runs), run on the CPU, where
 it only changes the order of the host's work: outputs are token for token those of synchronous
 steps, no token follows a finish, and every block comes back, through chunked prefill, stop tokens,
-aborts, timeouts, preemption, prefix-cache hits, penalties (which fall back to synchronous steps),
+aborts, timeouts, preemption, prefix-cache hits, penalties (bad words fall back to synchronous steps),
 seeded sampling and an out-of-memory step."""
 
 from __future__ import annotations
@@ -169,16 +169,27 @@ def test_prefix_cache_hits_include_blocks_filled_by_tokens_that_were_in_flight(t
         assert_all_blocks_free(llm)
 
 
-def test_penalties_fall_back_to_synchronous_steps_and_match(tiny_llama):
-    penalised = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, repetition_penalty=1.5,
-                               frequency_penalty=0.5, presence_penalty=0.3)
+def test_penalties_count_the_token_in_flight_and_their_steps_overlap(tiny_llama):
+    """Penalties read a request's token still in flight on the device: their steps overlap, with the tokens of
+    synchronous steps (vLLM's rules over the output, llama.cpp's window over the context's last tokens, greedy
+    and seeded). Bad words, read on the host, make the steps wait."""
+    rules = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, frequency_penalty=2.0)
+    window = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, repetition_penalty=4.0, repeat_last_n=4)
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, seed=3, ignore_eos=True, frequency_penalty=2.0)
     sync, overlapped = pair(tiny_llama)
     seen = launches(overlapped)
-    ps = prompts(2, seed=5)
-    assert drive(overlapped, [(p, penalised) for p in ps]) == drive(sync, [(p, penalised) for p in ps])
+    ps = prompts(4, seed=5)
+    reqs = [(ps[0], rules), (ps[1], window), (ps[2], seeded), (ps[3], GREEDY)]
+    got = drive(overlapped, reqs)
+    assert got == drive(sync, reqs)
+    assert sum(seen) >= len(seen) - 2  # (all but the first steps: prompts, then their first decode)
+    free = drive(sync, [(p, GREEDY) for p in ps[:2]])
+    assert got["0"][0] != free["0"][0] and got["1"][0] != free["1"][0]  # (the penalties bite)
+    seen.clear()
+    banned = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, bad_words=["x"],
+                             bad_words_token_ids=[[free["0"][0][3]]])]
+    assert drive(overlapped, [(ps[0], banned[0])]) == drive(sync, [(ps[0], banned[0])])
     assert not any(seen)  # every step waited for the one before
-    reqs = [(ps[0], penalised), (ps[1], GREEDY)]
-    assert drive(overlapped, reqs) == drive(sync, reqs)
 
 
 def test_seeded_sampling_min_tokens_and_logprobs_match(tiny_llama):

@@ -257,22 +257,25 @@ def test_kv_cache_is_sized_by_profiling_the_gpu(tmp_path):
 def test_sampling_never_waits_for_the_gpu():
     """Sampling a step with every kind of row queues its work without a host sync (a pageable copy, an
     ``.item()``) before ``Sampled.result()``, which asynchronous scheduling relies on: the next step is
-    prepared while this one runs. Penalties are the documented exception (they read the host lists)."""
+    prepared while this one runs. The penalties too, with a token still in flight that they read on the device."""
     from engine.sampler import Sampler, SamplingState
 
     vocab = 4096
     sampler = Sampler(vocab, [2], "cuda", seed=0)
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=20, seed=7),
               SamplingParams(temperature=1.0, top_p=0.9, min_p=0.05, logprobs=3),
-              SamplingParams(temperature=0.7, logit_bias={5: 2.0}, min_tokens=4)]
+              SamplingParams(temperature=0.7, logit_bias={5: 2.0}, min_tokens=4),
+              SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5, repeat_last_n=8)]
     states = [SamplingState(p) for p in params]
     logits = torch.randn(len(params), vocab, device="cuda")
+    flying = torch.tensor([9] * len(params), device="cuda")  # (each row's token in flight)
     for s in states:
         s.tensors(vocab, torch.device("cuda"))  # once per request, at its first step: not what this is about
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        sampled = sampler.sample(logits, params, states, [[1, 2, 3]] * len(params), [[]] * len(params))
+        sampled = sampler.sample(logits, params, states, [[1, 2, 3]] * len(params), [[]] * len(params),
+                                 [1] * len(params), lambda rows: flying[:len(rows)])
     finally:
         torch.cuda.set_sync_debug_mode("default")
     out = sampled.result()
@@ -283,18 +286,20 @@ def test_steps_launch_without_waiting_for_the_gpu(tmp_path):
     """Asynchronous scheduling's premise, a step at a time: a step's launch (its inputs, block tables and metadata,
     its graph's replay, its sampling) queues the step's work without a host sync (an ``.item()``, a pageable copy,
     a ``nonzero``), so that the host prepares the next step while this one runs. Decode-only steps (decode graphs)
-    and steps where new prompts join (prompt graphs), with greedy, seeded and unseeded sampled rows, their block
-    tables growing. The check is torch's sync debug mode, raising at the first sync."""
+    and steps where new prompts join (prompt graphs), with greedy, seeded, unseeded and penalized sampled rows (the
+    penalties read the tokens in flight on the device), their block tables growing. The check is torch's sync
+    debug mode, raising at the first sync."""
     path = build(str(tmp_path), "qwen2", torch.bfloat16, seed=2, **TINY)
     llm = LLM(path, device="cuda", dtype="bfloat16", num_kv_blocks=256, max_model_len=512, async_scheduling="on")
     eng, runner = llm.engine, llm.engine.runner
     assert eng.async_scheduling and runner.graphs is not None and runner.prompt_graphs is not None
     kinds = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
              SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True),
-             SamplingParams(max_tokens=40, temperature=0.7, top_k=20, ignore_eos=True)]
+             SamplingParams(max_tokens=40, temperature=0.7, top_k=20, ignore_eos=True),
+             SamplingParams(max_tokens=40, temperature=0.0, repetition_penalty=1.2, ignore_eos=True)]
 
     def add(i: int) -> None:
-        eng.add_request(f"r{i}", [(5 * i + 3 * j) % 4000 + 3 for j in range(20 + i)], kinds[i % 3])
+        eng.add_request(f"r{i}", [(5 * i + 3 * j) % 4000 + 3 for j in range(20 + i)], kinds[i % len(kinds)])
 
     for i in range(6):
         add(i)
@@ -302,21 +307,23 @@ def test_steps_launch_without_waiting_for_the_gpu(tmp_path):
         eng.step()
     real, launched = runner.launch, []
 
-    def launch(batch, in_flight=None):
+    def launch(batch):
         torch.cuda.set_sync_debug_mode("error")
         try:
-            out = real(batch, in_flight)
+            out = real(batch)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         launched.append(batch.num_prompt_tokens)
         return out
 
-    runner.launch = launch
+    runner.launch, engine_launch, behind = launch, eng._launch, []
+    eng._launch = lambda batch, prev: behind.append(prev is not None) or engine_launch(batch, prev)
     for k in range(30):
         if k in (10, 20):  # a new prompt joins: a step with prompt tokens beside the decodes
             add(6 + k // 10)
         eng.step()
     assert len(launched) == 30 and 0 < sum(1 for n in launched if n) < 30
+    assert all(behind)  # each launched behind the step before: none waited for it (the penalized rows neither)
     free_gpu()
 
 

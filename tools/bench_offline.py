@@ -269,7 +269,7 @@ class StepProbe:
 
     Per step: the wall time, the time on the host, and for a decode-only step the tokens of KV cache it
     reads. The host's parts are the scheduler's ``schedule``, ``launched`` and ``observe``, the runner's
-    ``_prepare`` and ``forward_step`` up to the model's forward (or CUDA graph replay), the sampler's
+    ``_prepare`` and ``forward_step`` up to the model's forward (or a CUDA graph's replay), the sampler's
     ``sample`` (on CUDA it only launches: ``Sampled.result()``, left out, is the wait for the device), and
     the engine's ``_postprocess`` (sampled tokens to deltas).
     """
@@ -309,8 +309,9 @@ class StepProbe:
         runner.sampler.sample = self._on_host(runner.sampler.sample)
         self._collect, runner.collect = runner.collect, self.collect
         runner.model.forward = self._forward_begins(runner.model.forward)  # nn.Module calls self.forward
-        if runner.graphs is not None:
-            runner.graphs.replay = self._forward_begins(runner.graphs.replay)
+        for graphs in (runner.graphs, runner.prompt_graphs):  # (a replayed step calls neither forward)
+            if graphs is not None:
+                graphs.replay = self._forward_begins(graphs.replay)
 
     def step(self):
         self._host, self._kv_bytes = 0.0, None
