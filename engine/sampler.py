@@ -496,11 +496,20 @@ def apply_top_k_top_p(
         return logits.masked_fill(logits < kth, -math.inf)
 
     if top_k is not None and every_row_has_k and max_k < vocab:
-        sorted_logits, sorted_idx = logits.topk(max_k, dim=-1)  # (n, max_k): the only candidates
-    else:
-        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)  # (n, V)
+        sorted_logits = logits.topk(max_k, dim=-1).values  # (n, max_k): the candidates
+        kth = sorted_logits.gather(1, (top_k.clamp(1, max_k) - 1).unsqueeze(1))
+        sorted_logits.masked_fill_(sorted_logits < kth, -math.inf)
+        # top-k keeps the tokens tied with the k-th that topk left out too: their mass counts in top-p's
+        # distribution, and where top-p keeps the k-th value they stay (as the sort below and the race keep them)
+        left_out = (logits == kth).sum(dim=1, keepdim=True) - (sorted_logits == kth).sum(dim=1, keepdim=True)
+        top = sorted_logits[:, :1]
+        kept = (sorted_logits - top).exp().sum(dim=1, keepdim=True)
+        probs = sorted_logits.softmax(dim=-1) * (kept / (kept + left_out * (kth - top).exp()))
+        least = sorted_logits.masked_fill(reference.top_p_cut(probs, top_p), math.inf).amin(dim=1, keepdim=True)
+        return logits.masked_fill(logits < torch.maximum(least, kth), -math.inf)  # (kth: top-p may keep all)
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)  # (n, V)
     if top_k is not None:
-        k = torch.where(top_k <= 0, vocab, top_k).clamp(max=sorted_logits.shape[1])
+        k = torch.where(top_k <= 0, vocab, top_k).clamp(max=vocab)
         kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))
         sorted_logits.masked_fill_(sorted_logits < kth, -math.inf)
     sorted_logits.masked_fill_(reference.top_p_cut(sorted_logits.softmax(dim=-1), top_p), -math.inf)

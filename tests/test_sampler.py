@@ -281,6 +281,20 @@ def test_top_p_over_top_k_candidates_matches_the_full_sort():
     assert torch.equal(ref, full)
 
 
+def test_top_p_over_top_k_candidates_keeps_the_ties_the_full_sort_keeps():
+    """Logits tied at a row's k-th value, some of them past topk's candidates: top-k keeps them all, and their
+    mass counts in top-p's distribution, as in the full sort (and the race kernel): the same tokens kept."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        vocab = int(torch.randint(4, 40, (1,), generator=g))
+        logits = torch.randint(0, int(torch.randint(2, 6, (1,), generator=g)), (4, vocab), generator=g) * 0.7
+        top_k = torch.randint(1, vocab, (4,), generator=g)
+        top_p = torch.where(torch.rand(4, generator=g) < 0.3, 1.0, torch.rand(4, generator=g))
+        max_k = int(top_k.max())
+        fast = apply_top_k_top_p(logits, top_k, top_p, max_k, every_row_has_k=True)
+        assert torch.equal(fast, apply_top_k_top_p(logits, top_k, top_p, max_k)), (logits, top_k, top_p)
+
+
 def test_min_p_mask_directly():
     logits = torch.tensor(PROBS).log().expand(3, -1).contiguous()
     kept = (apply_min_p(logits, torch.tensor([0.0, 0.25, 1.0])) > -math.inf).sum(-1).tolist()
