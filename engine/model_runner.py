@@ -461,12 +461,12 @@ class ModelRunner:
         reqs, outputs, counts = rows
         out = self.sampler.sample(logits[n:], [r.params for r in reqs], [r.sampling_state for r in reqs],
                                   [r.prompt_token_ids for r in reqs], outputs, counts,
-                                  self._in_flight if self.feeds_next_step else None)
+                                  self._tokens_in_flight if self.feeds_next_step else None)
         if self.feeds_next_step:  # (no drafts then: one row a request)
             self.block_tables.last_tokens[self._sample_table_rows] = out.ids
         return self._launched(sampled, out, start, events, pending, pooled, drafts)
 
-    def _in_flight(self, rows: list[int]) -> torch.Tensor:
+    def _tokens_in_flight(self, rows: list[int]) -> torch.Tensor:
         """The tokens in flight of these sampled rows of the step being launched (asynchronous scheduling), on
         the device: their rows of ``BlockTables.last_tokens``, not yet written by this step."""
         return self.block_tables.last_tokens[self._sample_table_rows[to_device(rows, self.device)]]
