@@ -10,10 +10,11 @@ runs, then waits for N's tokens and returns N's deltas; N+1 stays in flight acro
 (``has_work()`` stays true while it does). A request that samples in N is scheduled in N+1 for
 one more token, whose input is N's token, taken on the device. One that N finishes (stop token,
 or an abort or timeout meanwhile) has its N+1 token dropped, never emitted; its blocks are freed
-at once (one stream: later steps run after N+1). Steps fall back to synchronous when the next
-needs N's tokens on the host: a request in N with repetition, frequency or presence penalties
-(the sampler counts its tokens). Under tensor parallelism steps are always synchronous: the
-workers get each step's token ids from the host; so are they with speculative decoding.
+at once (one stream: later steps run after N+1). Where N+1's sampling needs N's tokens on the
+host (a request in N with bad words, DRY, mirostat or a grammar), N is collected between N+1's
+forward and its sampling: the device runs the forward while the host advances the grammars.
+Under tensor parallelism steps are always synchronous: the workers get each step's token ids
+from the host; so are they with speculative decoding.
 
 Speculative decoding (``--speculative-config``, ``engine.speculative``): a step's decodes may carry
 drafts; ``_check_drafts`` compares each request's sampled tokens with its drafts before the scheduler
@@ -77,11 +78,11 @@ class InFlight:
     launched: Launched
 
     @property
-    def can_overlap(self) -> bool:
-        """Whether the next step may be scheduled before this one's tokens reach the host: not when
-        a request sampling in it has bad words, DRY or mirostat (the sampler reads the host's lists or
-        state for them) or a grammar (its next mask depends on this token): ``SamplingState.overlaps``."""
-        return all(r.sampling_state.overlaps for r in self.launched.sampled)
+    def sampling_waits(self) -> bool:
+        """Whether the next step's sampling waits for this step's tokens on the host (its forward does not):
+        a request sampling in it has bad words, DRY or mirostat (the sampler reads the host's lists or state
+        for them) or a grammar (its next mask depends on this token): ``SamplingState.waits``."""
+        return any(r.sampling_state.waits for r in self.launched.sampled)
 
 
 @dataclass
@@ -473,41 +474,43 @@ class Engine:
     def _step_overlapped(self) -> list[Delta]:
         """Schedule and launch step N+1 while step N (launched by the last call) runs, then collect N:
         N's deltas (and those of the requests N+1's scheduling or failure ended)."""
-        prev, deltas = self._in_flight, []
-        if prev is not None and not prev.can_overlap:
-            result = self._collect(prev)  # (should it raise, the step stays in flight)
-            self._in_flight = prev = None
-            deltas = self._postprocess([], result)
+        prev = self._in_flight
         batch = self.scheduler.schedule()
         self.step_batch = (len(batch), batch.num_prompt_tokens)
         self._in_flight = None
-        failed = self._launch(batch, prev)
-        if prev is not None:
-            deltas += self._postprocess([], self._collect(prev))
+        deltas, failed = self._launch(batch, prev)
         # recovered only now: a request that failed with a token in flight has it, and counts it
         errored = self._recover_from_oom(failed) if failed else []
         return deltas + self._postprocess([*batch.timed_out, *errored], StepResult([], None))
 
-    def _launch(self, batch: ScheduledBatch, prev: InFlight | None) -> list[Request]:
-        """Launch ``batch`` behind ``prev`` (the step in flight, if any): it is in flight then. If it
-        runs out of memory: rolled back, and its requests returned for ``_recover_from_oom``."""
-        if not batch:
-            return []
+    def _launch(self, batch: ScheduledBatch, prev: InFlight | None) -> tuple[list[Delta], list[Request]]:
+        """Launch ``batch`` behind ``prev`` (the step in flight, if any), then collect ``prev``: its deltas,
+        and ``batch``'s requests if it ran out of memory (rolled back, for ``_recover_from_oom``). Where
+        ``batch``'s sampling needs ``prev``'s tokens on the host (``InFlight.sampling_waits``), ``prev`` is
+        collected between ``batch``'s forward and its sampling: the device runs the forward meanwhile."""
+        deltas, failed = [], []
         try:
-            launched = self.runner.launch(batch)
-        except BaseException as e:  # as in _run; the step in flight is still to be collected
+            if batch:
+                launched = self.runner.launch_forward(batch)
+                self.scheduler.launched(batch)  # (before prev's requests finish: batch's blocks are computed)
+            if prev is not None and prev.sampling_waits:
+                deltas, prev = self._postprocess([], self._collect(prev)), None
+            if batch:
+                launched = self.runner.launch_sampling(launched)
+        except BaseException as e:  # as in _run; the step in flight, if not collected, is still to be
             failed = list(batch.requests)
             self.scheduler.rollback(batch)
             if not isinstance(e, torch.OutOfMemoryError):
                 self._in_flight = prev
                 raise
         else:
-            self.scheduler.launched(batch)
-            for req in launched.sampled:
-                req.num_in_flight += 1
-            self._in_flight = InFlight(batch, launched)
-            return []
-        return failed
+            if batch:
+                for req in launched.sampled:
+                    req.num_in_flight += 1
+                self._in_flight = InFlight(batch, launched)
+        if prev is not None:
+            deltas += self._postprocess([], self._collect(prev))
+        return deltas, failed
 
     def _collect(self, flight: InFlight) -> StepResult:
         """Wait for the step in flight's tokens (they are no longer in flight)."""

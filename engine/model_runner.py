@@ -132,6 +132,18 @@ class Launched:
     prompt_logprobs: list[tuple[Request, tuple[torch.Tensor, ...]]] = field(default_factory=list)
     pooled: list[tuple[Request, torch.Tensor]] = field(default_factory=list)  # embeddings, on the device
     drafts: list[list[int]] | None = None  # as StepResult's
+    logits: torch.Tensor | None = None  # the sample rows' logits, from launch_forward until launch_sampling
+
+    def to_host(self) -> None:
+        """Start copying what ``collect`` reads to the host (pinned memory), without waiting: the copies
+        are queued behind this step alone, where reading a device tensor would also wait for the steps
+        queued behind it (asynchronous scheduling's next one). Done once ``events[1]``, recorded after
+        them, is."""
+        if self.output is not None:
+            self.output = self.output.to_host()
+        self.prompt_logprobs = [(r, tuple(t.to("cpu", non_blocking=True) for t in tensors))
+                                for r, tensors in self.prompt_logprobs]
+        self.pooled = [(r, v.to("cpu", non_blocking=True)) for r, v in self.pooled]
 
     def seconds(self) -> float:
         """How long the step took the device, once collected: between its CUDA events, or on the CPU
@@ -427,11 +439,18 @@ class ModelRunner:
         """Run ``batch`` and wait for its tokens."""
         return self.collect(self.launch(batch))
 
-    @torch.inference_mode()
     def launch(self, batch: ScheduledBatch) -> Launched:
         """Run ``batch`` up to its sampled ids (and prompt logprobs) on the device, without waiting for
-        them. A request whose token a step still running samples (asynchronous scheduling) reads it from
-        its row of ``BlockTables.last_tokens``, on the device: no host round trip."""
+        them: ``launch_forward`` then ``launch_sampling``."""
+        return self.launch_sampling(self.launch_forward(batch))
+
+    @torch.inference_mode()
+    def launch_forward(self, batch: ScheduledBatch) -> Launched:
+        """Launch ``batch``'s forward, up to its logits (and prompt logprobs, pooled vectors), without waiting:
+        ``launch_sampling`` samples them. The host may collect the step before meanwhile (its rows' bad words,
+        DRY, mirostat and grammars read its tokens there): the device runs this forward behind it. A request
+        whose token a step still running samples (asynchronous scheduling) reads it from its row of
+        ``BlockTables.last_tokens``, on the device: no host round trip."""
         start = time.perf_counter()
         events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \
             if self.device.type == "cuda" else None
@@ -446,44 +465,51 @@ class ModelRunner:
         if pool_spans:
             vectors = pool([(r.pool, c, r.num_tokens, final) for r, c, final in pool_spans], sums, self._head)
             pooled = [(r, v) for (r, _, _), v in zip(pool_spans, vectors, strict=True) if v is not None]
-        if not sampled:
-            return self._launched([], None, start, events, pending, pooled)
-        if drafts is None:
-            rows = sampled, [r.output_token_ids for r in sampled], [len(r.output_token_ids) + r.num_in_flight for r in sampled]
-        else:  # a request's row at each draft, sampled as if the drafts before it were its output
-            rows = [], [], []
-            for r, d in zip(sampled, drafts, strict=True):
-                for i in range(len(d) + 1):
-                    rows[0].append(r)
-                    rows[1].append(r.output_token_ids + d[:i] if i and r.sampling_state.reads_output
-                                   else r.output_token_ids)
-                    rows[2].append(r.num_sampled + i)
-        reqs, outputs, counts = rows
-        out = self.sampler.sample(logits[n:], [r.params for r in reqs], [r.sampling_state for r in reqs],
-                                  [r.prompt_token_ids for r in reqs], outputs, counts,
-                                  self._tokens_in_flight if self.feeds_next_step else None)
-        if self.feeds_next_step:  # (no drafts then: one row a request)
-            self.block_tables.last_tokens[self._sample_table_rows] = out.ids
-        return self._launched(sampled, out, start, events, pending, pooled, drafts)
+        return Launched(sampled, None, time.perf_counter() - start, events, pending, pooled, drafts,
+                        logits[n:] if sampled else None)
+
+    @torch.inference_mode()
+    def launch_sampling(self, launched: Launched) -> Launched:
+        """Sample ``launch_forward``'s logits on the device, from the requests' state as it is now, and start
+        copying the step's results to the host (CUDA): ``collect`` waits for those copies alone, not for the
+        steps queued behind."""
+        start, (sampled, drafts, logits) = time.perf_counter(), (launched.sampled, launched.drafts, launched.logits)
+        if logits is not None:
+            if drafts is None:
+                rows = sampled, [r.output_token_ids for r in sampled], [len(r.output_token_ids) + r.num_in_flight
+                                                                        for r in sampled]
+            else:  # a request's row at each draft, sampled as if the drafts before it were its output
+                rows = [], [], []
+                for r, d in zip(sampled, drafts, strict=True):
+                    for i in range(len(d) + 1):
+                        rows[0].append(r)
+                        rows[1].append(r.output_token_ids + d[:i] if i and r.sampling_state.reads_output
+                                       else r.output_token_ids)
+                        rows[2].append(r.num_sampled + i)
+            reqs, outputs, counts = rows
+            out = self.sampler.sample(logits, [r.params for r in reqs], [r.sampling_state for r in reqs],
+                                      [r.prompt_token_ids for r in reqs], outputs, counts,
+                                      self._tokens_in_flight if self.feeds_next_step else None)
+            if self.feeds_next_step:  # (no drafts then: one row a request)
+                self.block_tables.last_tokens[self._sample_table_rows] = out.ids
+            launched.output, launched.logits = out, None
+        if launched.events is not None:  # (read on the device, they would wait for every step queued behind)
+            launched.to_host()
+            launched.events[1].record()
+        for r, tensors in launched.prompt_logprobs:  # the launch has succeeded: these positions are on their way
+            r.num_prompt_logprobs_in_flight += len(tensors[0])
+        launched.launch_seconds += time.perf_counter() - start
+        return launched
 
     def _tokens_in_flight(self, rows: list[int]) -> torch.Tensor:
         """The tokens in flight of these sampled rows of the step being launched (asynchronous scheduling), on
         the device: their rows of ``BlockTables.last_tokens``, not yet written by this step."""
         return self.block_tables.last_tokens[self._sample_table_rows[to_device(rows, self.device)]]
 
-    @staticmethod
-    def _launched(sampled: list[Request], out: Sampled | None, start: float,
-                  events: tuple[torch.cuda.Event, torch.cuda.Event] | None,
-                  pending: list[tuple[Request, tuple[torch.Tensor, ...]]],
-                  pooled: list[tuple[Request, torch.Tensor]], drafts: list[list[int]] | None = None) -> Launched:
-        if events is not None:
-            events[1].record()
-        for r, tensors in pending:  # the launch has succeeded: these positions are on their way
-            r.num_prompt_logprobs_in_flight += len(tensors[0])
-        return Launched(sampled, out, time.perf_counter() - start, events, pending, pooled, drafts)
-
     def collect(self, launched: Launched) -> StepResult:
         """The launched step's tokens (and prompt logprobs) on the host: waits for the device."""
+        if launched.events is not None:  # (CUDA: the copies to_host queued)
+            launched.events[1].synchronize()
         # all converted before anything changes: should the sync raise, the step can be collected again
         done = [(r, logprob_lists(*tensors)) for r, tensors in launched.prompt_logprobs]
         vectors = to_bytes([v for _, v in launched.pooled])

@@ -36,7 +36,8 @@ host sync, so that the engine can collect a step after launching the next (async
 scheduling). A row's sampled-token count, which min_tokens and the seeded noise use, may then
 include a token still in flight (``num_output_tokens``), which the penalties read on the device
 (``in_flight``). Bad words, DRY, mirostat and grammars need it on the host: a step that samples
-such a row waits for the one before (``SamplingState.overlaps``).
+such a row samples once the step before has reached the host (``SamplingState.waits``; its forward
+does not wait).
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ class SamplingState:
     which the engine seeds with its ``--seed``.
     """
 
-    __slots__ = ("seed", "greedy", "plain", "kind", "knobs", "needs_penalties", "reads_output", "overlaps", "grammar",
+    __slots__ = ("seed", "greedy", "plain", "kind", "knobs", "needs_penalties", "reads_output", "waits", "grammar",
                  "bad_words", "allowed", "dry_breakers", "mu", "llamacpp", "_bad_after", "_prompt_len", "_prompt_ids",
                  "_window_len", "_window", "_dry_prompt", "_stop_ids", "_bias_ids", "_bias_values", "_allowed_ids",
                  "_placed_for", "_placed")
@@ -109,10 +110,10 @@ class SamplingState:
                              or params.xtc or params.dynatemp_range > 0)
         # the sampler reads the output so far (the host's list), or mirostat's target that the last token moved
         self.reads_output = self.needs_penalties or bool(self.bad_words) or params.dry or self.mu is not None
-        # a step may sample it while the step before, which samples its last token, still runs (asynchronous
-        # scheduling): the penalties read that token on the device; bad words, DRY, mirostat and a grammar need
-        # it on the host
-        self.overlaps = not (self.bad_words or params.dry or self.mu is not None or grammar is not None)
+        # a step's sampling waits for the step before, which samples its last token, to reach the host
+        # (asynchronous scheduling): bad words, DRY, mirostat and a grammar read that token there; the
+        # penalties read it on the device
+        self.waits = bool(self.bad_words or params.dry or self.mu is not None or grammar is not None)
         # Nothing for ``process_logits`` to do (min_tokens is checked per step, since it stops mattering after a
         # while); greedy too and no logprobs: eligible for the argmax-only fast path.
         self.greedy = params.greedy
@@ -231,6 +232,14 @@ class Sampled:
     ids: torch.Tensor  # (B,)
     logprobs: tuple[list[int], list[int], tuple[torch.Tensor, ...]] | None = None
     mirostat: tuple[list[SamplingState], torch.Tensor] | None = None  # the mirostat rows' states, their next mu
+
+    def to_host(self) -> Sampled:
+        """The same, copied to the host's pinned memory without waiting (from CUDA): read them (``result``)
+        only once the stream has done the copies."""
+        lp, miro = self.logprobs, self.mirostat
+        return Sampled(self.ids.to("cpu", non_blocking=True),
+                       lp and (lp[0], lp[1], tuple(t.to("cpu", non_blocking=True) for t in lp[2])),
+                       miro and (miro[0], miro[1].to("cpu", non_blocking=True)))
 
     def result(self) -> SamplerOutput:
         """The host's copy: waits for the device to have sampled (and moves the mirostat rows' targets)."""
@@ -364,8 +373,8 @@ def process_logits(
     """The argmax-changing stage, applied before greedy rows pick: min_tokens, logit bias, penalties.
 
     ``num_output_tokens``: how many tokens each row has sampled before this one, when more than its
-    ``output_token_ids`` hold (a token still in flight: asynchronous scheduling; only in rows that
-    ``SamplingState.overlaps``). ``in_flight(rows)``: those rows' tokens in flight, on the device (the
+    ``output_token_ids`` hold (a token still in flight: asynchronous scheduling; only in rows whose
+    ``SamplingState.waits`` is False). ``in_flight(rows)``: those rows' tokens in flight, on the device (the
     penalties count them).
     Returns a new float32 tensor; ``logits`` itself is left untouched (the caller
     still needs the raw values for logprobs).

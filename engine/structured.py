@@ -190,7 +190,7 @@ class GrammarMatcher:
     def info(self) -> StateInfo:
         if self.failed is None and self.tokens.failed is not None:
             self.failed = self.tokens.failed
-        if self.failed is not None:
+        if self.failed is not None or self.state < 0:  # (past the end: its request ended, a token in flight)
             return self.tokens.ended
         self._sync()
         start = time.perf_counter()

@@ -1,7 +1,7 @@
 """Asynchronous scheduling (step N+1 scheduled and launched while step N runs), run on the CPU, where
 it only changes the order of the host's work: outputs are token for token those of synchronous
 steps, no token follows a finish, and every block comes back, through chunked prefill, stop tokens,
-aborts, timeouts, preemption, prefix-cache hits, penalties (bad words fall back to synchronous steps),
+aborts, timeouts, preemption, prefix-cache hits, penalties (bad words' sampling waits for the step before),
 seeded sampling and an out-of-memory step."""
 
 from __future__ import annotations
@@ -48,18 +48,29 @@ def drive(llm: LLM, requests: list[tuple[list[int], SamplingParams]]) -> dict[st
     return {rid: (tokens[rid], *ends[rid]) for rid in tokens}
 
 
-def launches(llm: LLM) -> list[bool]:
-    """Record, for each step launched from now on, whether another was in flight then."""
-    eng, seen = llm.engine, []
-    launch = eng._launch
+def launches(llm: LLM) -> tuple[list[bool], list[bool]]:
+    """Record, for each step launched from now on, whether another step was in flight when its forward was
+    launched, and whether it still was when its sampling was (its tokens not yet collected)."""
+    eng, forwards, samplings, flying = llm.engine, [], [], [None]
+    launch, collect, sample = eng._launch, eng._collect, eng.runner.launch_sampling
 
-    def recording(batch, prev):
+    def launching(batch, prev):
+        flying[0] = prev
         if batch:  # (an empty one launches nothing)
-            seen.append(prev is not None)
+            forwards.append(prev is not None)
         return launch(batch, prev)
 
-    eng._launch = recording
-    return seen
+    def collecting(flight):
+        if flight is flying[0]:
+            flying[0] = None
+        return collect(flight)
+
+    def sampling(launched):
+        samplings.append(flying[0] is not None)
+        return sample(launched)
+
+    eng._launch, eng._collect, eng.runner.launch_sampling = launching, collecting, sampling
+    return forwards, samplings
 
 
 def mixed(tiny_llama) -> list[tuple[list[int], SamplingParams]]:
@@ -78,7 +89,7 @@ def mixed(tiny_llama) -> list[tuple[list[int], SamplingParams]]:
 def test_greedy_outputs_are_those_of_synchronous_steps(tiny_llama):
     reqs = mixed(tiny_llama)
     sync, overlapped = pair(tiny_llama, max_num_batched_tokens=24)  # prompts of up to 60 tokens: chunked
-    seen = launches(overlapped)
+    seen, _ = launches(overlapped)
     want = drive(sync, reqs)
     assert drive(overlapped, reqs) == want
     assert sum(seen) > 0.8 * len(seen)  # steps did overlap
@@ -172,24 +183,71 @@ def test_prefix_cache_hits_include_blocks_filled_by_tokens_that_were_in_flight(t
 def test_penalties_count_the_token_in_flight_and_their_steps_overlap(tiny_llama):
     """Penalties read a request's token still in flight on the device: their steps overlap, with the tokens of
     synchronous steps (vLLM's rules over the output, llama.cpp's window over the context's last tokens, greedy
-    and seeded). Bad words, read on the host, make the steps wait."""
+    and seeded). Bad words, read on the host, make the steps' sampling wait, not their forward."""
     rules = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, frequency_penalty=2.0)
     window = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, repetition_penalty=4.0, repeat_last_n=4)
     seeded = SamplingParams(max_tokens=16, temperature=1.0, seed=3, ignore_eos=True, frequency_penalty=2.0)
     sync, overlapped = pair(tiny_llama)
-    seen = launches(overlapped)
+    seen, sampled_behind = launches(overlapped)
     ps = prompts(4, seed=5)
     reqs = [(ps[0], rules), (ps[1], window), (ps[2], seeded), (ps[3], GREEDY)]
     got = drive(overlapped, reqs)
     assert got == drive(sync, reqs)
     assert sum(seen) >= len(seen) - 2  # (all but the first steps: prompts, then their first decode)
+    assert sampled_behind == seen
     free = drive(sync, [(p, GREEDY) for p in ps[:2]])
     assert got["0"][0] != free["0"][0] and got["1"][0] != free["1"][0]  # (the penalties bite)
     seen.clear()
+    sampled_behind.clear()
     banned = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, bad_words=["x"],
                              bad_words_token_ids=[[free["0"][0][3]]])]
     assert drive(overlapped, [(ps[0], banned[0])]) == drive(sync, [(ps[0], banned[0])])
-    assert not any(seen)  # every step waited for the one before
+    assert all(seen[1:]) and not any(sampled_behind)  # each forward behind the step before, not the sampling
+
+
+def test_grammars_dry_and_mirostat_sample_once_the_step_before_is_collected(tiny_llama):
+    """A grammar's next mask (and DRY's, mirostat's rows) needs the token in flight on the host: a step's forward
+    is launched behind the step in flight, which is collected (its grammars advanced) before the step's sampling.
+    Tokens and finishes as in synchronous steps, where requests end with their next step launched (a grammar past
+    its end allows only the end of sequence there)."""
+    sync, overlapped = pair(tiny_llama)
+    forwards, samplings = launches(overlapped)
+    ps = prompts(5, seed=11)
+    reqs = [(ps[0], SamplingParams(max_tokens=40, temperature=0.0, regex="(yes|no|maybe)[0-9]{1,3}")),
+            (ps[1], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, dry_multiplier=2.0,
+                                   dry_allowed_length=1, dry_breaker_token_ids=[])),
+            (ps[2], SamplingParams(max_tokens=16, temperature=1.0, seed=4, mirostat=2, ignore_eos=True)),
+            (ps[3], SamplingParams(max_tokens=40, temperature=1.0, seed=8, regex="[a-c]{3,9}")),
+            (ps[4], GREEDY)]
+    got = drive(overlapped, reqs)
+    assert got == drive(sync, reqs)
+    assert got["0"][1] == got["3"][1] == "stop" and len(got["0"][0]) < 40  # (ended by their grammars)
+    assert len(forwards) > 16 and all(forwards[1:])
+    assert not any(samplings[:14]) and any(samplings)  # (DRY's and mirostat's 16 tokens; the greedy row's last ones)
+
+
+def test_out_of_memory_in_a_sampling_that_waited_for_the_step_before(tiny_llama):
+    """A step's sampling that fails after its forward ran and the step before was collected in between (a
+    grammar in it): the step is rolled back (its requests wait again, recomputed), the tokens collected are
+    kept, and the outputs are those of synchronous steps."""
+    sync, overlapped = pair(tiny_llama)
+    ps = prompts(3, seed=12)
+    reqs = [(ps[0], SamplingParams(max_tokens=30, temperature=0.0, regex="[a-z]{2,12}!")), (ps[1], GREEDY),
+            (ps[2], GREEDY)]
+    eng, calls, failed = overlapped.engine, [], []
+    sample = eng.runner.launch_sampling
+
+    def run(launched):
+        calls.append(len(launched.sampled))
+        if not failed and len(calls) > 1 and len(launched.sampled) == 3:
+            failed.append(len(calls) - 1)
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return sample(launched)
+
+    eng.runner.launch_sampling = run
+    _, behind = launches(overlapped)
+    assert drive(overlapped, reqs) == drive(sync, reqs)
+    assert failed and not behind[failed[0]] and eng.scheduler.num_preemptions == 3
 
 
 def test_seeded_sampling_min_tokens_and_logprobs_match(tiny_llama):
@@ -235,7 +293,7 @@ def test_a_step_out_of_memory_while_another_is_in_flight(tiny_llama):
     ps = prompts(4)
     alone = [sync.generate(p, GREEDY)[0].token_ids for p in ps]
     eng = overlapped.engine
-    launch, failed, behind = eng.runner.launch, [], launches(overlapped)
+    launch, failed, (behind, _) = eng.runner.launch_forward, [], launches(overlapped)
 
     def run(batch):
         if has_big(batch, 0):
@@ -243,7 +301,7 @@ def test_a_step_out_of_memory_while_another_is_in_flight(tiny_llama):
             raise torch.OutOfMemoryError("CUDA out of memory (test)")
         return launch(batch)
 
-    eng.runner.launch = run
+    eng.runner.launch_forward = run
     tokens: dict[str, list[int]] = {str(i): [] for i in range(4)}
     ends: dict[str, str] = {}
 
@@ -279,14 +337,14 @@ def test_out_of_memory_at_once_ends_only_the_culprit(tiny_llama):
     sync, overlapped = pair(tiny_llama)
     ps = prompts(4)
     alone = [sync.generate(p, GREEDY)[0].token_ids for p in ps]
-    launch = overlapped.engine.runner.launch
+    launch = overlapped.engine.runner.launch_forward
 
     def run(batch):
         if has_big(batch, 0):
             raise torch.OutOfMemoryError("CUDA out of memory (test)")
         return launch(batch)
 
-    overlapped.engine.runner.launch = run
+    overlapped.engine.runner.launch_forward = run
     outs = overlapped.generate([*ps[:2], BIG, *ps[2:]], GREEDY)
     assert outs.pop(2).finish_reason == "error"
     assert [o.token_ids for o in outs] == alone and all(o.finish_reason == "length" for o in outs)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import inspect
+import time
 
 import pytest
 import torch
@@ -305,18 +306,19 @@ def test_steps_launch_without_waiting_for_the_gpu(tmp_path):
         add(i)
     for _ in range(4):  # (the prompts in, the first tokens out)
         eng.step()
-    real, launched = runner.launch, []
+    forward, sample, launched = runner.launch_forward, runner.launch_sampling, []
 
-    def launch(batch):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            out = real(batch)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        launched.append(batch.num_prompt_tokens)
-        return out
+    def unsynced(real):
+        def launch(arg):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return real(arg)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return launch
 
-    runner.launch, engine_launch, behind = launch, eng._launch, []
+    runner.launch_forward = lambda batch: launched.append(batch.num_prompt_tokens) or unsynced(forward)(batch)
+    runner.launch_sampling, engine_launch, behind = unsynced(sample), eng._launch, []
     eng._launch = lambda batch, prev: behind.append(prev is not None) or engine_launch(batch, prev)
     for k in range(30):
         if k in (10, 20):  # a new prompt joins: a step with prompt tokens beside the decodes
@@ -324,6 +326,41 @@ def test_steps_launch_without_waiting_for_the_gpu(tmp_path):
         eng.step()
     assert len(launched) == 30 and 0 < sum(1 for n in launched if n) < 30
     assert all(behind)  # each launched behind the step before: none waited for it (the penalized rows neither)
+    free_gpu()
+
+
+@pytest.mark.parametrize("waits", [False, True], ids=["sampling-ahead", "bad-words"])
+def test_collecting_a_step_does_not_wait_for_the_step_behind_it(tmp_path, waits):
+    """A step's tokens are copied to the host as the step ends (pinned memory, ``Launched.to_host``), and
+    collecting them waits for those copies alone, not for the step launched behind it: otherwise asynchronous
+    scheduling leaves the device idle while the host postprocesses a step and prepares the next. A step made
+    long on the device (a sleep queued before its forward) still runs when the ``step()`` that launched it has
+    returned the tokens of the step before. With bad words (``waits``) the step's sampling waited for those
+    tokens, behind its forward, which did not."""
+    path = build(str(tmp_path), "qwen2", torch.bfloat16, seed=2, **TINY)
+    llm = LLM(path, device="cuda", dtype="bfloat16", num_kv_blocks=256, max_model_len=512, async_scheduling="on")
+    eng, runner = llm.engine, llm.engine.runner
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                            **(dict(bad_words=["x"], bad_words_token_ids=[[7]]) if waits else {}))
+    for i in range(4):
+        eng.add_request(f"r{i}", [(5 * i + 3 * j) % 4000 + 3 for j in range(20 + i)], params)
+    for _ in range(4):
+        eng.step()
+    forward = runner.launch_forward
+
+    def slow(batch):
+        torch.cuda._sleep(1_000_000_000)  # (GPU clock cycles: about half a second)
+        return forward(batch)
+
+    runner.launch_forward = slow
+    start = time.perf_counter()
+    deltas = eng.step()
+    took = time.perf_counter() - start
+    assert len(deltas) == 4 and all(len(d.token_ids) == 1 for d in deltas)
+    assert not eng._in_flight.launched.events[1].query(), f"step() took {took:.3f} s: it waited for the step behind"
+    runner.launch_forward = forward
+    while eng.has_work():
+        eng.step()
     free_gpu()
 
 

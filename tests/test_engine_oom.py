@@ -118,11 +118,11 @@ def test_seeded_tokens_survive_a_step_that_fails_after_sampling(tiny_llama):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("overlap", ["off", "on"])
 def test_a_real_cuda_out_of_memory_is_survived(tiny_llama, overlap):
-    """Synchronous steps (``execute``) and, as CUDA runs by default, asynchronous ones (``launch``)."""
+    """Synchronous steps (``execute``) and, as CUDA runs by default, asynchronous ones (``launch_forward``)."""
     llm = LLM(tiny_llama, dtype="float32", device="cuda", num_kv_blocks=256, max_model_len=512,
               async_scheduling=overlap)
     ps = prompts(4)
-    runner, name = llm.engine.runner, "launch" if overlap == "on" else "execute"
+    runner, name = llm.engine.runner, "launch_forward" if overlap == "on" else "execute"
     real = getattr(runner, name)
 
     def run(batch):  # the step carrying BIG asks the allocator for far more than any card has
