@@ -20,7 +20,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 15
+PROTOCOL_VERSION = 16
 # a token's top logprobs the engine gives at most (the APIs show at most 20; beam search asks for more)
 MAX_LOGPROBS = 64
 
@@ -597,32 +597,38 @@ class Delta:
     stop_reason: int | str | None = None  # the stop token id that ended it, if any; with "error", why (text)
     embedding: bytes | None = None  # an embedding request's vector: little-endian float32s, with its end
 
-    def to_wire(self) -> list:
-        return [self.request_id, self.token_ids, self.finish_reason, self.logprobs,
-                self.num_prompt_tokens, self.num_cached_tokens, self.prompt_logprobs, self.stop_reason,
-                self.embedding]
-
-    @classmethod
-    def from_wire(cls, p: list) -> Delta:
-        rid, toks, fin, lps, npt, nct, plp, sr, emb = p
-        if not isinstance(toks, list):
-            raise ProtocolError("delta token_ids must be a list")
-        if emb is not None and (not isinstance(emb, bytes) or len(emb) % 4):
-            raise ProtocolError("delta embedding must be float32 bytes")
-        return cls(str(rid), list(toks), fin, lps, int(npt), int(nct), plp, sr, emb)
-
 
 @dataclass
 class Outputs:
+    """A step's deltas for one frontend, in columns: request ids, token lists, prompt and cached token counts,
+    then ``[index, finish_reason, logprobs, prompt_logprobs, stop_reason, embedding]`` for the few deltas that
+    have any of those (most deltas of a step are one token of a running request). Half the engine's
+    packing of a delta a request, and of a frontend's decoding."""
+
     deltas: list[Delta]
     kind = Kind.OUTPUTS
 
     def to_wire(self) -> list:
-        return [d.to_wire() for d in self.deltas]
+        ds = self.deltas
+        rare = [[i, d.finish_reason, d.logprobs, d.prompt_logprobs, d.stop_reason, d.embedding]
+                for i, d in enumerate(ds)
+                if d.finish_reason is not None or d.logprobs is not None or d.prompt_logprobs is not None]
+        return [[d.request_id for d in ds], [d.token_ids for d in ds], [d.num_prompt_tokens for d in ds],
+                [d.num_cached_tokens for d in ds], rare]
 
     @classmethod
     def from_wire(cls, p: list) -> Outputs:
-        return cls([Delta.from_wire(d) for d in p])
+        rids, tokens, prompts, cached, rare = p
+        if not all(type(t) is list for t in tokens):
+            raise ProtocolError("delta token_ids must be a list")
+        deltas = [Delta(str(r), t, None, None, int(n), int(c))
+                  for r, t, n, c in zip(rids, tokens, prompts, cached, strict=True)]
+        for i, fin, lps, plp, sr, emb in rare:
+            if emb is not None and (not isinstance(emb, bytes) or len(emb) % 4):
+                raise ProtocolError("delta embedding must be float32 bytes")
+            d = deltas[i]
+            d.finish_reason, d.logprobs, d.prompt_logprobs, d.stop_reason, d.embedding = fin, lps, plp, sr, emb
+        return cls(deltas)
 
 
 @dataclass

@@ -45,10 +45,10 @@ MESSAGES = {
 }
 
 GOLDEN = {
-    "hello": "920192a36665300f",
+    "hello": "920192a366653010",
     "ready": (
         "9202dc0010a474696e79cd0400cdc0009102406410cd04009192a373716cad2f61646170746572732f73716c04ff0000"
-        "90c00f"
+        "90c010"
     ),
     "add": (
         "92039aa2723193010203de0028aa6d61785f746f6b656e7304ab74656d7065726174757265cb0000000000000000a574"
@@ -86,15 +86,13 @@ GOLDEN = {
         "745f746175cb4014000000000000ac6d69726f737461745f657461cb3fb999999999999a00c0a0c0a091940102930301"
         "01c40c0000803f0000803f0000803fc3"
     ),
-    "image ready": "9202dc0010a56c6c617661cd1000cd7d409102406410cd04009000cd7d00cd02401090c00f",
-    "classifier ready": (
-        "9202dc0010a6726577617264cd1000cd7d409102406410cd04009000ff000092a36e6567a3706f73c00f"
-    ),
-    "ready with a request timeout": "9202dc0010a474696e79cd0400cdc0009102406410cd04009000ff000090cb403e0000000000000f",
+    "image ready": "9202dc0010a56c6c617661cd1000cd7d409102406410cd04009000cd7d00cd02401090c010",
+    "classifier ready": "9202dc0010a6726577617264cd1000cd7d409102406410cd04009000ff000092a36e6567a3706f73c010",
+    "ready with a request timeout": "9202dc0010a474696e79cd0400cdc0009102406410cd04009000ff000090cb403e00000000000010",
     "abort": "920492a27231a27232",
     "outputs": (
-        "92059299a27231920708c09292cbbfe0000000000000919207cbbfe000000000000092cbbfd0000000000000919208cb"
-        "bfd00000000000000300c0c0c099a272329109a66c656e677468c00201c0c0c0"
+        "92059592a27231a27232929207089109920302920001929600c09292cbbfe0000000000000919207cbbfe00000000000"
+        "0092cbbfd0000000000000919208cbbfd0000000000000c0c0c09601a66c656e677468c0c0c0c0"
     ),
     "embed": (
         "92039aa26531920102de0028aa6d61785f746f6b656e7301ab74656d7065726174757265cb3ff0000000000000a5746f"
@@ -113,7 +111,7 @@ GOLDEN = {
         "00b164796e6174656d705f6578706f6e656e74cb3ff0000000000000a86d69726f7374617400ac6d69726f737461745f"
         "746175cb4014000000000000ac6d69726f737461745f657461cb3fb999999999999a00c0a09240c2a090c2"
     ),
-    "embedding": "92059199a2653190a473746f70c00200c0c0c4080000803f000000bf",
+    "embedding": "92059591a26531919091029100919600a473746f70c0c0c0c4080000803f000000bf",
     "stats": "92069d0102cb3fd00000000000004b640304cb3fe000000000000006cb3fc000000000000007140f",
     "error": "920795a27231cd01adb0726174655f6c696d69745f6572726f72aa71756575652066756c6cc0",
     "lora load": "920896a26331a373716cad2f61646170746572732f73716c00a0c0",
@@ -145,7 +143,7 @@ GOLDEN = {
 
 
 def test_protocol_version_is_pinned():
-    assert p.PROTOCOL_VERSION == 15
+    assert p.PROTOCOL_VERSION == 16
     assert [int(k) for k in p.Kind] == [1, 2, 3, 4, 5, 6, 7, 8, 9]
 
 
@@ -205,8 +203,11 @@ MALFORMED = {
     "add bad priority": _frame(3, ["r", [1], {}, "high", None]),
     "add bad deadline": _frame(3, ["r", [1], {}, 0, "soon"]),
     "abort a string": _frame(4, "r1"),
-    "outputs bad delta": _frame(5, [["r", [1]]]),
-    "outputs delta tokens not a list": _frame(5, [["r", 5, None, None, 0, 0, None, None]]),
+    "outputs short": _frame(5, [["r"], [[1]]]),
+    "outputs delta tokens not a list": _frame(5, [["r"], [5], [0], [0], []]),
+    "outputs columns of different lengths": _frame(5, [["r", "s"], [[1], [2]], [0], [0, 0], []]),
+    "outputs end of no delta": _frame(5, [["r"], [[1]], [0], [0], [[3, "stop", None, None, None, None]]]),
+    "outputs embedding not float32s": _frame(5, [["r"], [[]], [0], [0], [[0, "stop", None, None, None, b"\x00"]]]),
     "stats short": _frame(6, [1, 2]),
     "error short": _frame(7, [None, 500]),
     "lora short": _frame(8, ["c1", "sql"]),
