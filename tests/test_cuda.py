@@ -259,15 +259,31 @@ def test_sampling_never_waits_for_the_gpu():
     """Sampling a step with every kind of row queues its work without a host sync (a pageable copy, an
     ``.item()``) before ``Sampled.result()``, which asynchronous scheduling relies on: the next step is
     prepared while this one runs. The penalties too, with a token still in flight that they read on the device."""
+    import numpy as np
+
     from engine.sampler import Sampler, SamplingState
+    from engine.structured import StateInfo
+
+    class Matcher:  # a grammar's matcher at a state (two rows at one state, their mask sent once)
+        def __init__(self, allowed: list[int]):
+            mask = np.zeros(vocab, dtype=bool)
+            mask[allowed] = True
+            self.state = StateInfo(np.packbits(mask), False, False)
+
+        def info(self) -> StateInfo:
+            return self.state
 
     vocab = 4096
     sampler = Sampler(vocab, [2], "cuda", seed=0)
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=20, seed=7),
               SamplingParams(temperature=1.0, top_p=0.9, min_p=0.05, logprobs=3),
               SamplingParams(temperature=0.7, logit_bias={5: 2.0}, min_tokens=4),
-              SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5, repeat_last_n=8)]
-    states = [SamplingState(p) for p in params]
+              SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5, repeat_last_n=8),
+              SamplingParams(temperature=0.0, regex="a"), SamplingParams(temperature=1.0, regex="a"),
+              SamplingParams(temperature=0.0, regex="b")]
+    at_a, at_b = Matcher([11, 12, 4000]), Matcher([13])
+    states = [SamplingState(p) for p in params[:5]] + [SamplingState(p, m) for p, m in
+                                                       zip(params[5:], [at_a, at_a, at_b], strict=True)]
     logits = torch.randn(len(params), vocab, device="cuda")
     flying = torch.tensor([9] * len(params), device="cuda")  # (each row's token in flight)
     for s in states:
@@ -281,6 +297,7 @@ def test_sampling_never_waits_for_the_gpu():
         torch.cuda.set_sync_debug_mode("default")
     out = sampled.result()
     assert len(out.token_ids) == len(params) and all(0 <= t < vocab for t in out.token_ids)
+    assert out.token_ids[5] in (11, 12, 4000) and out.token_ids[6] in (11, 12, 4000) and out.token_ids[7] == 13
 
 
 def test_steps_launch_without_waiting_for_the_gpu(tmp_path):
