@@ -494,7 +494,8 @@ class Engine:
                 launched = self.runner.launch_forward(batch)
                 self.scheduler.launched(batch)  # (before prev's requests finish: batch's blocks are computed)
             if prev is not None and prev.sampling_waits:
-                deltas, prev = self._postprocess([], self._collect(prev)), None
+                result, prev = self._collect(prev), None  # (should the collect raise, prev stays in flight)
+                deltas = self._postprocess([], result)
             if batch:
                 launched = self.runner.launch_sampling(launched)
         except BaseException as e:  # as in _run; the step in flight, if not collected, is still to be

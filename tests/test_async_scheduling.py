@@ -399,6 +399,34 @@ def test_a_step_stays_in_flight_when_scheduling_raises(tiny_llama):
     assert_all_blocks_free(llm)
 
 
+def test_a_step_collected_before_the_next_ones_sampling_is_not_put_back_in_flight(tiny_llama):
+    """Where the next step's sampling waits for the step in flight (a grammar), that step is collected between
+    the next one's forward and sampling. Should its postprocessing raise (an interrupt), it is not put back in
+    flight to be collected twice (its tokens' counts would go negative); the next step, launched, is rolled back.
+    Should its collecting raise, it stays in flight."""
+    llm = LLM(tiny_llama, async_scheduling="on", **KW)
+    eng = llm.engine
+    eng.add_request("g", [1, 2, 3], SamplingParams(max_tokens=8, temperature=0.0, regex="[a-z]{6,8}"))
+    eng.step()
+    in_flight, postprocess, collect = eng._in_flight, eng._postprocess, eng.runner.collect
+    eng._postprocess = lambda ended, result: (_ for _ in ()).throw(KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        eng.step()
+    assert eng._in_flight is None and eng.requests["g"].num_in_flight == 0
+    eng._postprocess = postprocess
+    eng.step()
+    in_flight = eng._in_flight
+    eng.runner.collect = lambda launched: (_ for _ in ()).throw(KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        eng.step()
+    assert eng._in_flight is in_flight
+    eng.runner.collect = collect
+    while eng.has_work():
+        eng.step()
+    assert all(r.num_in_flight == 0 for r in eng.requests.values())
+    assert_all_blocks_free(llm)
+
+
 def test_prompt_logprobs_chunked_and_overlapped(tiny_llama):
     """Prompt logprobs come back with the step that computed them (``collect``), not at its launch: with a
     long prompt in chunks beside streams that decode, both modes give the same logprobs and tokens."""
