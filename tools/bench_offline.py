@@ -43,7 +43,9 @@ engine's objects (the engine's code is untouched; on CUDA each step ends with a 
   for one step overlaps the device's for the one before, so that ``host_share`` may be high while this
   is low; it is the figure issue "GPU path"'s goal of host overhead under 10% means. A step's span runs
   from the end of ``ModelRunner._prepare`` to its sampling's launch, so the device's waits inside it
-  count as busy (for ``forward_step``'s host part, and an eager step's launches): a lower bound.
+  count as busy (for ``forward_step``'s host part, and an eager step's launches, and where grammars, bad
+  words, DRY or mirostat make its sampling wait for the step before, the host's work between): a lower
+  bound.
 
 The last line of output is one JSON object.
 
