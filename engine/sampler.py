@@ -217,6 +217,12 @@ def to_device(data, device: torch.device | str, dtype: torch.dtype | None = None
 def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
     """Each (uint8) row of ``packed`` as ``np.unpackbits(row, count=n)`` would give it, as bools, on the row's
     device (bits past a row's end are False)."""
+    if packed.device.type == "cpu":  # (numpy's is the faster on the host: a twentieth of the shifts' time)
+        return torch.from_numpy(np.unpackbits(packed.numpy(), axis=1, count=n).view(bool))
+    return _unpack_bits_by_shifts(packed, n)
+
+
+def _unpack_bits_by_shifts(packed: torch.Tensor, n: int) -> torch.Tensor:
     shifts = torch.arange(7, -1, -1, dtype=torch.uint8, device=packed.device)
     bits = ((packed.unsqueeze(-1) >> shifts) & 1).view(len(packed), -1).bool()
     if bits.shape[1] < n:
@@ -474,7 +480,9 @@ def process_logits(
         uniq: dict[int, tuple[int, StateInfo]] = {}
         which = [uniq.setdefault(id(info), (len(uniq), info))[0] for _, info in ruled]
         packed = to_device(torch.from_numpy(np.stack([info.packed_mask for _, info in uniq.values()])), device)
-        allow = unpack_bits(packed, vocab)[to_device(which, device)]
+        allow = unpack_bits(packed, vocab)
+        if len(uniq) < len(ruled):
+            allow = allow[to_device(which, device)]
         idx = to_device([i for i, _ in ruled], device)
         logits[idx] = logits[idx].masked_fill(~allow, -math.inf)
     # allowed_token_ids with bad words or a grammar can leave a row nothing: its one choice is then EOS (the

@@ -608,11 +608,12 @@ def test_seeded_xtc_draws_are_exactly_their_integer_spec():
 def test_grammar_masks_unpacked_on_the_device_are_numpys():
     """A grammar's mask goes to the device as packed bits (``StateInfo.packed_mask``) and is unpacked there: the
     same bools as ``np.unpackbits``, for vocabularies that are no multiple of 8 and logits wider than the mask."""
-    from engine.sampler import unpack_bits
+    from engine.sampler import _unpack_bits_by_shifts, unpack_bits
 
     rng = np.random.default_rng(1)
     for size in (1, 7, 9, 4096, 151936):
         rows = np.stack([np.packbits(rng.random(size) < 0.4) for _ in range(3)])
         for n in (size, size + 5, max(size - 3, 1)):
             want = np.stack([np.unpackbits(r, count=n).view(bool) for r in rows])
-            assert (unpack_bits(torch.from_numpy(rows), n).numpy() == want).all(), (size, n)
+            for unpack in (unpack_bits, _unpack_bits_by_shifts):  # (the host's, the devices')
+                assert (unpack(torch.from_numpy(rows), n).numpy() == want).all(), (size, n)
