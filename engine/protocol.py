@@ -602,8 +602,8 @@ class Delta:
 class Outputs:
     """A step's deltas for one frontend, in columns: request ids, token lists, prompt and cached token counts,
     then ``[index, finish_reason, logprobs, prompt_logprobs, stop_reason, embedding]`` for the few deltas that
-    have any of those (most deltas of a step are one token of a running request). Half the engine's
-    packing of a delta a request, and of a frontend's decoding."""
+    have any of those (most deltas of a step are one token of a running request): a quarter less of the
+    engine's time a step than a list a delta, and a third less of a frontend's decoding."""
 
     deltas: list[Delta]
     kind = Kind.OUTPUTS
