@@ -385,6 +385,57 @@ def test_asynchronous_scheduling_keeps_structured_output(tiny_llama, llm):
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
 
 
+def test_a_server_with_asynchronous_scheduling_streams_json_beside_plain_text(tiny_llama, llm):
+    """A real server with asynchronous scheduling (CUDA's default) on the CPU, the official client, JSON-schema
+    streams and plain ones at once: each next step's forward is launched before the grammars' tokens are back,
+    its sampling after. Every JSON stream is valid and is what the engine writes offline, synchronously; so is
+    every plain one."""
+    import asyncio
+
+    from openai import AsyncOpenAI
+
+    from engine import SamplingParams
+    from tests.test_server_e2e import Server
+
+    prompts = ["Hello, my name is", "The capital of France is", "1, 2, 3, 4,", "Once upon a time"]
+    schema = SamplingParams(max_tokens=120, temperature=0.0, json_schema=FINITE)
+    plain = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    want = {(p, True): llm.generate([p], schema)[0].text for p in prompts}
+    want |= {(p, False): llm.generate([p], plain)[0].text for p in prompts}
+
+    async def one(client, prompt: str, json_mode: bool) -> tuple[str, bool, str, str]:
+        extra = {"structured_outputs": {"json": FINITE}} if json_mode else {"ignore_eos": True}
+        stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=120 if json_mode else 16,
+                                                 temperature=0, stream=True, extra_body=extra)
+        text, finish = "", None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+                finish = chunk.choices[0].finish_reason or finish
+        return prompt, json_mode, text, finish
+
+    async def main(url: str) -> list[tuple[str, bool, str, str]]:
+        client = AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        try:
+            return await asyncio.gather(*[one(client, p, j) for p in prompts for j in (True, False)] * 2)
+        finally:
+            await client.close()
+
+    server = Server("--model", tiny_llama, "--served-model-name", "tiny", "--dtype", "float32",
+                    "--async-scheduling", "on", "--max-num-seqs", "16")
+    try:
+        results = asyncio.run(main(server.url))
+    finally:
+        server.close()
+    assert len(results) == 16
+    for prompt, json_mode, text, finish in results:
+        assert text == want[prompt, json_mode], (prompt, json_mode)
+        if json_mode:
+            assert finish == "stop" and matches(json.loads(text), FINITE, FINITE), text
+        else:
+            assert finish == "length"
+
+
 def test_an_unsupported_schema_is_a_400_naming_response_format(llm):
     from engine import SamplingParams
     from engine.engine import RequestError
