@@ -704,8 +704,10 @@ class Sampler:
               seeded: bool = True) -> torch.Tensor:
         """(n, 2) int64 keys of each row's race (``kernels.sample_race``): a seeded row's from its seed and token count,
         so that its draws are ``_noise``'s; the others' from the engine's generator. (``seeded`` False: no row is.)"""
-        keys = torch.randint(0, 1 << 32, (len(states), 2), generator=self.generator, device=device)
         rows, seeded_keys = _seeded_keys(states, num_output_tokens, device) if seeded else ([], None)
+        if rows and len(rows) == len(states):  # (as _noise: the generator draws for none)
+            return seeded_keys
+        keys = torch.randint(0, 1 << 32, (len(states), 2), generator=self.generator, device=device)
         if rows:
             keys[to_device(rows, device)] = seeded_keys
         return keys
