@@ -48,8 +48,8 @@ from engine.pooling import PoolerConfig, PoolState
 from engine.prefill_cap import PrefillCap
 from engine.protocol import (
     MAX_ADAPTER_NAME,
-    Delta,
     ImageInput,
+    Outputs,
     PoolingParams,
     Ready,
     SamplingParamError,
@@ -340,15 +340,19 @@ class Engine:
                      s.num_preemptions, s.num_timeouts, s.prefix_cache_hit_rate, bm.num_evictions,
                      s.kv_fragmentation, s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens)
 
-    def step(self) -> list[Delta]:
+    def step(self) -> Outputs:
+        """One step: its deltas, in columns (iterating gives each one's ``Delta``)."""
         if self.scheduler.one_at_a_time:
             self._forget_cleared_suspects()
+        out = Outputs()
         if self.async_scheduling:
-            return self._step_overlapped()
+            self._step_overlapped(out)
+            return out
         batch = self.scheduler.schedule()
         self.step_batch = (len(batch), batch.num_prompt_tokens)
         result, errored = self._run(batch)
-        return self._postprocess([*batch.timed_out, *errored], result)
+        self._postprocess(out, [*batch.timed_out, *errored], result)
+        return out
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (also done at exit)."""
@@ -471,31 +475,31 @@ class Engine:
         return {req.request_id: len(drafts) - kept for req, drafts, kept in
                 zip(result.sampled, result.drafts, result.accepted, strict=True) if drafts}
 
-    def _step_overlapped(self) -> list[Delta]:
+    def _step_overlapped(self, out: Outputs) -> None:
         """Schedule and launch step N+1 while step N (launched by the last call) runs, then collect N:
-        N's deltas (and those of the requests N+1's scheduling or failure ended)."""
+        N's deltas into ``out`` (and those of the requests N+1's scheduling or failure ended)."""
         prev = self._in_flight
         batch = self.scheduler.schedule()
         self.step_batch = (len(batch), batch.num_prompt_tokens)
         self._in_flight = None
-        deltas, failed = self._launch(batch, prev)
+        failed = self._launch(out, batch, prev)
         # recovered only now: a request that failed with a token in flight has it, and counts it
         errored = self._recover_from_oom(failed) if failed else []
-        return deltas + self._postprocess([*batch.timed_out, *errored], StepResult([], None))
+        self._postprocess(out, [*batch.timed_out, *errored], StepResult([], None))
 
-    def _launch(self, batch: ScheduledBatch, prev: InFlight | None) -> tuple[list[Delta], list[Request]]:
-        """Launch ``batch`` behind ``prev`` (the step in flight, if any), then collect ``prev``: its deltas,
-        and ``batch``'s requests if it ran out of memory (rolled back, for ``_recover_from_oom``). Where
+    def _launch(self, out: Outputs, batch: ScheduledBatch, prev: InFlight | None) -> list[Request]:
+        """Launch ``batch`` behind ``prev`` (the step in flight, if any), then collect ``prev``: its deltas
+        into ``out``; returns ``batch``'s requests if it ran out of memory (rolled back, for ``_recover_from_oom``). Where
         ``batch``'s sampling needs ``prev``'s tokens on the host (``InFlight.sampling_waits``), ``prev`` is
         collected between ``batch``'s forward and its sampling: the device runs the forward meanwhile."""
-        deltas, failed = [], []
+        failed = []
         try:
             if batch:
                 launched = self.runner.launch_forward(batch)
                 self.scheduler.launched(batch)  # (before prev's requests finish: batch's blocks are computed)
             if prev is not None and prev.sampling_waits:
                 result, prev = self._collect(prev), None  # (should the collect raise, prev stays in flight)
-                deltas = self._postprocess([], result)
+                self._postprocess(out, [], result)
             if batch:
                 launched = self.runner.launch_sampling(launched)
         except BaseException as e:  # as in _run; the step in flight, if not collected, is still to be
@@ -510,8 +514,8 @@ class Engine:
                     req.num_in_flight += 1
                 self._in_flight = InFlight(batch, launched)
         if prev is not None:
-            deltas += self._postprocess([], self._collect(prev))
-        return deltas, failed
+            self._postprocess(out, [], self._collect(prev))
+        return failed
 
     def _collect(self, flight: InFlight) -> StepResult:
         """Wait for the step in flight's tokens (they are no longer in flight)."""
@@ -565,23 +569,21 @@ class Engine:
             log.info("out-of-memory recovery over: up to %d requests run at once again",
                      self.scheduler.max_num_seqs)
 
-    def _postprocess(self, ended: list[Request], result: StepResult) -> list[Delta]:
-        """Deltas for the requests ``ended`` (timed out or errored: finished already) and for ``result``'s."""
-        deltas = []
+    def _postprocess(self, out: Outputs, ended: list[Request], result: StepResult) -> None:
+        """Into ``out``, the deltas of the requests ``ended`` (timed out or errored: finished already) and of
+        ``result``'s."""
         for req in ended:
             del self.requests[req.request_id]
-            deltas.append(Delta(req.request_id, [], req.finish_reason, num_prompt_tokens=req.num_prompt_tokens,
-                                num_cached_tokens=req.num_cached_tokens))
+            out.add(req.request_id, [], req.num_prompt_tokens, req.num_cached_tokens, req.finish_reason)
         for req, vector in result.pooled:
             if req.status is Status.FINISHED:  # (asynchronous scheduling) aborted or timed out meanwhile
                 continue
             self.scheduler.finish(req, "stop")
             del self.requests[req.request_id]
-            deltas.append(Delta(req.request_id, [], "stop", num_prompt_tokens=req.num_prompt_tokens,
-                                num_cached_tokens=req.num_cached_tokens, embedding=vector))
+            out.add(req.request_id, [], req.num_prompt_tokens, req.num_cached_tokens, "stop", embedding=vector)
         if result.output is None:
-            return deltas
-        out, ids = result.output, result.output.token_ids
+            return
+        ids = result.output.token_ids
         spans = None  # each request's row: its token
         if result.drafts is not None:  # its rows: its last position's and its drafts'; it takes the token
             # sampled at the first, then one per draft kept (the token sampled at a draft that was kept: the
@@ -590,7 +592,10 @@ class Engine:
             for drafts, kept in zip(result.drafts, result.accepted, strict=True):
                 spans.append((row, 1 + kept))
                 row += 1 + len(drafts)
-        lps, finished = out.logprobs, Status.FINISHED
+        lps, finished = result.output.logprobs, Status.FINISHED
+        # (the columns appended to in place: most deltas are one token of a running request)
+        rids, token_lists = out.request_ids.append, out.token_ids.append
+        prompt_counts, cached_counts = out.num_prompt_tokens.append, out.num_cached_tokens.append
         for i, req in enumerate(result.sampled):
             if req.status is finished:  # (asynchronous scheduling) ended while this token was in flight
                 continue
@@ -611,13 +616,17 @@ class Engine:
             logprobs = None
             if lps and lps[start] is not None:
                 logprobs = lps[start:start + len(tokens)]
-            # (positional: under half the keywords' cost, for one delta per request per step)
-            deltas.append(Delta(req.request_id, tokens, reason, logprobs, req.num_prompt_tokens, req.num_cached_tokens,
-                                req.prompt_logprobs if first else None, req.stop_reason))
+            if reason is None and logprobs is None and (not first or req.prompt_logprobs is None):
+                rids(req.request_id)
+                token_lists(tokens)
+                prompt_counts(req.num_prompt_tokens)
+                cached_counts(req.num_cached_tokens)
+                continue
+            out.add(req.request_id, tokens, req.num_prompt_tokens, req.num_cached_tokens, reason, logprobs,
+                    req.prompt_logprobs if first else None, req.stop_reason)
             if reason is not None:
                 self.scheduler.finish(req, reason, cache_computed=len(tokens) > 1)
                 del self.requests[req.request_id]
-        return deltas
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         n = len(req.output_token_ids)

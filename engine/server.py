@@ -29,6 +29,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from operator import itemgetter
 from typing import Any
 
 import zmq
@@ -281,32 +282,36 @@ class EngineActor:
 
     def _step(self) -> None:
         start = time.perf_counter()
-        deltas = self.engine.step()
+        out = self.engine.step()
         self.num_steps += 1
         if self.stats_log is not None:
             scheduled, prompt_tokens = self.engine.step_batch
-            self.stats_log.step(time.perf_counter() - start, prompt_tokens, sum(len(d.token_ids) for d in deltas),
+            self.stats_log.step(time.perf_counter() - start, prompt_tokens, sum(map(len, out.token_ids)),
                                 scheduled > 0)
             if self.stats_log.due():
                 self._log_stats()
         if self.num_steps in FREEZE_AT_STEPS:
             freeze_heap()
-        if not deltas:
+        if not out:
             return
-        by_frontend: dict[bytes, list[protocol.Delta]] = {}
-        owner = self._owner
-        for d in deltas:
-            who = owner.get(d.request_id)
-            if who is None:  # aborted by its frontend since it was scheduled
-                continue
-            ident, rid = who
-            if d.finish_reason is not None:
-                del owner[d.request_id]
-                self._owned[ident].discard(d.request_id)
-            d.request_id = rid  # the deltas are ours once step() returns them
-            by_frontend.setdefault(ident, []).append(d)
-        for ident, ds in by_frontend.items():
-            self._send(ident, protocol.encode(protocol.Outputs(ds)))
+        iids = out.request_ids
+        whos = list(map(self._owner.get, iids))  # (frontend, its id); None: aborted by it since it was scheduled
+        for i, finish_reason, *_ in out.rare:
+            if finish_reason is not None and (who := whos[i]) is not None:
+                del self._owner[iids[i]]
+                self._owned[who[0]].discard(iids[i])
+        aborted = None in whos
+        idents = list(map(itemgetter(0), filter(None, whos) if aborted else whos))
+        if not aborted and len(set(idents)) == 1:  # the usual step: one frontend's requests
+            out.request_ids = list(map(itemgetter(1), whos))
+            self._send(idents[0], protocol.encode(out))
+            return
+        rows = {ident: [] for ident in idents}
+        for i, who in enumerate(whos):
+            if who is not None:
+                rows[who[0]].append(i)
+        for ident, at in rows.items():
+            self._send(ident, protocol.encode(out.take(at, [whos[i][1] for i in at])))
 
     def _log_stats(self) -> None:
         line = self.stats_log.line(self.engine.stats()) if self.stats_log is not None else None

@@ -277,7 +277,7 @@ class EngineClient:
                 continue
             if isinstance(msg, Outputs):
                 step_before, self._last_outputs_at = self._last_outputs_at, self._last_seen
-                for d in msg.deltas:
+                for d in msg:
                     s = streams.get(d.request_id)
                     if s is not None:
                         s.step_before_first.setdefault(d.request_id, step_before)

@@ -54,11 +54,11 @@ def launches(llm: LLM) -> tuple[list[bool], list[bool]]:
     eng, forwards, samplings, flying = llm.engine, [], [], [None]
     launch, collect, sample = eng._launch, eng._collect, eng.runner.launch_sampling
 
-    def launching(batch, prev):
+    def launching(out, batch, prev):
         flying[0] = prev
         if batch:  # (an empty one launches nothing)
             forwards.append(prev is not None)
-        return launch(batch, prev)
+        return launch(out, batch, prev)
 
     def collecting(flight):
         if flight is flying[0]:
@@ -101,7 +101,7 @@ def test_a_step_stays_in_flight_across_calls(tiny_llama):
     llm = LLM(tiny_llama, async_scheduling="on", **KW)
     eng = llm.engine
     eng.add_request("a", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
-    assert eng.step() == []  # the prompt's step is launched, not yet collected
+    assert not eng.step()  # the prompt's step is launched, not yet collected
     assert eng.has_work() and eng.requests["a"].num_in_flight == 1
     (first,) = eng.step()  # the second step launched with the first's token as its input
     assert first.token_ids and eng.requests["a"].num_in_flight == 1
@@ -409,7 +409,7 @@ def test_a_step_collected_before_the_next_ones_sampling_is_not_put_back_in_fligh
     eng.add_request("g", [1, 2, 3], SamplingParams(max_tokens=8, temperature=0.0, regex="[a-z]{6,8}"))
     eng.step()
     in_flight, postprocess, collect = eng._in_flight, eng._postprocess, eng.runner.collect
-    eng._postprocess = lambda ended, result: (_ for _ in ()).throw(KeyboardInterrupt())
+    eng._postprocess = lambda out, ended, result: (_ for _ in ()).throw(KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):
         eng.step()
     assert eng._in_flight is None and eng.requests["g"].num_in_flight == 0

@@ -336,7 +336,7 @@ def test_steps_launch_without_waiting_for_the_gpu(tmp_path):
 
     runner.launch_forward = lambda batch: launched.append(batch.num_prompt_tokens) or unsynced(forward)(batch)
     runner.launch_sampling, engine_launch, behind = unsynced(sample), eng._launch, []
-    eng._launch = lambda batch, prev: behind.append(prev is not None) or engine_launch(batch, prev)
+    eng._launch = lambda out, batch, prev: behind.append(prev is not None) or engine_launch(out, batch, prev)
     for k in range(30):
         if k in (10, 20):  # a new prompt joins: a step with prompt tokens beside the decodes
             add(6 + k // 10)

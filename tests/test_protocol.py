@@ -26,12 +26,12 @@ MESSAGES = {
     "classifier ready": p.Ready("reward", 4096, 32064, [2], 64, 100, 16, labels=["neg", "pos"]),
     "ready with a request timeout": p.Ready("tiny", 1024, 49152, [2], 64, 100, 16, request_timeout=30.0),
     "abort": p.Abort(["r1", "r2"]),
-    "outputs": p.Outputs([
+    "outputs": p.Outputs.of([
         p.Delta("r1", [7, 8], None, [[-0.5, [[7, -0.5]]], [-0.25, [[8, -0.25]]]], 3, 0),
         p.Delta("r2", [9], "length", None, 2, 1, None, None),
     ]),
     "embed": p.Add("e1", [1, 2], p.SamplingParams(max_tokens=1), 0, None, "", p.PoolingParams(64, False)),
-    "embedding": p.Outputs([p.Delta("e1", [], "stop", None, 2, 0, None, None, b"\x00\x00\x80?\x00\x00\x00\xbf")]),
+    "embedding": p.Outputs.of([p.Delta("e1", [], "stop", None, 2, 0, None, None, b"\x00\x00\x80?\x00\x00\x00\xbf")]),
     "stats": p.Stats(1, 2, 0.25, 75, 100, 3, 4, 0.5, 6, 0.125, 7, 20, 15),
     "error": p.Error("r1", 429, "rate_limit_error", "queue full", None),
     "lora load": p.LoraUpdate("c1", "sql", "/adapters/sql"),
@@ -207,6 +207,9 @@ MALFORMED = {
     "outputs delta tokens not a list": _frame(5, [["r"], [5], [0], [0], []]),
     "outputs columns of different lengths": _frame(5, [["r", "s"], [[1], [2]], [0], [0, 0], []]),
     "outputs end of no delta": _frame(5, [["r"], [[1]], [0], [0], [[3, "stop", None, None, None, None]]]),
+    "outputs delta id not a string": _frame(5, [[7], [[1]], [0], [0], []]),
+    "outputs count not an integer": _frame(5, [["r"], [[1]], [0], ["3"], []]),
+    "outputs end's index not an integer": _frame(5, [["r"], [[1]], [0], [0], [["0", "stop", None, None, None, None]]]),
     "outputs embedding not float32s": _frame(5, [["r"], [[]], [0], [0], [[0, "stop", None, None, None, b"\x00"]]]),
     "stats short": _frame(6, [1, 2]),
     "error short": _frame(7, [None, 500]),
@@ -221,6 +224,21 @@ MALFORMED = {
 def test_malformed_frames_raise_protocol_error(name):
     with pytest.raises(p.ProtocolError):
         p.decode(MALFORMED[name])
+
+
+def test_outputs_are_their_deltas_in_order_and_take_some_renamed():
+    """``Outputs`` iterates as the deltas it was made of; ``take`` keeps some of them (an actor's step for one of
+    several frontends), renamed, with their ends and logprobs at their new places."""
+    lps = [[-0.5, [[3, -0.5]], 1]]
+    deltas = [p.Delta("a", [1], None, None, 3, 0), p.Delta("b", [2], "stop", None, 4, 1, None, 7),
+              p.Delta("c", [3], None, lps, 5, 2), p.Delta("d", [], "stop", None, 6, 0, None, None, b"\0\0\0\0")]
+    out = p.Outputs.of(deltas)
+    assert list(out) == deltas and len(out) == 4 and not p.Outputs()
+    assert [r[0] for r in out.rare] == [1, 2, 3]  # (a's delta, one token of a running request, has no row)
+    assert list(out.take([1, 2], ["B", "C"])) == [p.Delta("B", [2], "stop", None, 4, 1, None, 7),
+                                                  p.Delta("C", [3], None, lps, 5, 2)]
+    assert list(out.take([0, 3], ["A", "D"])) == [p.Delta("A", [1], None, None, 3, 0),
+                                                  p.Delta("D", [], "stop", None, 6, 0, None, None, b"\0\0\0\0")]
 
 
 def test_protocol_error_is_a_value_error():

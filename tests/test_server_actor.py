@@ -38,17 +38,20 @@ class FakeEngine:
 
     ``start_after``: has_work() stays False until that many requests were added,
     so tests can line requests up to share steps. ``fail_on_step``: step number
-    that raises.
+    that raises. ``late_aborts``: an aborted request still gets a delta in the next
+    step (as a token the engine had in flight would, were it not dropped).
     """
 
     def __init__(self, config: EngineConfig, start_after: int = 0, max_waiting: int = 8,
-                 fail_on_step: int | None = None, step_delay: float = 0.0):
+                 fail_on_step: int | None = None, step_delay: float = 0.0, late_aborts: bool = False):
         self.config = config
         self.step_batch = (0, 0)
         self.start_after = start_after
         self.max_waiting = max_waiting
         self.fail_on_step = fail_on_step
         self.step_delay = step_delay
+        self.late_aborts = late_aborts
+        self.leaving: list[str] = []  # (late_aborts) aborted, one delta still to come
         self.running: dict[str, list] = {}  # id -> [prompt, params, num generated]
         self.added: list[str] = []
         self.aborted: list[str] = []
@@ -91,13 +94,14 @@ class FakeEngine:
 
     def abort(self, request_ids):
         for rid in request_ids:
-            if self.running.pop(rid, None) is not None:
+            if (self.running.get(rid) if self.late_aborts else self.running.pop(rid, None)) is not None:
                 self.aborted.append(rid)
+                self.leaving.append(rid)
 
     def has_work(self) -> bool:
         return bool(self.running) and len(self.added) >= self.start_after
 
-    def step(self) -> list[p.Delta]:
+    def step(self) -> p.Outputs:
         if self.fail_on_step is not None and len(self.steps) + 1 >= self.fail_on_step:
             raise RuntimeError("step exploded")
         if self.step_delay:
@@ -110,10 +114,11 @@ class FakeEngine:
             st[2] = n + 1
             fin = "length" if st[2] >= params.max_tokens else None
             out.append(p.Delta(rid, [tok], fin, None, len(prompt) if n == 0 else 0, 0))
-            if fin:
+            if fin or rid in self.leaving:
                 del self.running[rid]
+        self.leaving = [rid for rid in self.leaving if rid in self.running]
         self.steps.append([p.Delta(d.request_id, list(d.token_ids), d.finish_reason) for d in out])
-        return out
+        return p.Outputs.of(out)
 
     def stats(self) -> p.Stats:
         return p.Stats(0, len(self.running), len(self.running) / 100, 100 - len(self.running), 100)
@@ -190,7 +195,7 @@ def collect(sock: zmq.Socket, request_ids: set[str], timeout: float = 5.0) -> tu
         msg = recv(sock, max(0.01, deadline - time.monotonic()))
         frames.append(msg)
         assert isinstance(msg, p.Outputs), msg
-        for d in msg.deltas:
+        for d in msg:
             toks[d.request_id] += d.token_ids
             if d.finish_reason:
                 fin[d.request_id] = d.finish_reason
@@ -228,7 +233,7 @@ def test_add_streams_deterministic_tokens_and_finishes(harness):
     frames, toks, fin = collect(c, {"a"})
     assert toks["a"] == expected_tokens([1, 2, 3], 5)
     assert fin == {"a": "length"}
-    assert frames[0].deltas[0].num_prompt_tokens == 3
+    assert frames[0].num_prompt_tokens[0] == 3
     assert harness.engine.added == ["0:a"]  # namespaced inside the engine
     assert not harness.actor._owner  # finished requests are forgotten
 
@@ -274,10 +279,43 @@ def test_one_outputs_frame_per_frontend_per_step(address):
         fb, tb, _ = collect(b, {"x", "y"})
         assert len(h.engine.steps) == 3
         assert len(fa) == len(fb) == 3  # one frame per step, both requests in it
-        assert all(sorted(d.request_id for d in f.deltas) == ["x", "y"] for f in fa + fb)
+        assert all(sorted(d.request_id for d in f) == ["x", "y"] for f in fa + fb)
         assert ta == {"x": expected_tokens([1], 3), "y": expected_tokens([2], 3)}
         assert tb == {"x": expected_tokens([10], 3), "y": expected_tokens([20], 3)}
         assert sorted(h.engine.added) == ["0:x", "0:y", "1:x", "1:y"]
+    finally:
+        h.close()
+
+
+def test_a_delta_of_a_request_aborted_meanwhile_goes_nowhere(address):
+    """A step's delta for a request its frontend aborted since (the actor has forgotten it) reaches no frontend;
+    the step's other deltas reach theirs, under their own ids, their ends too."""
+    h = ActorHarness(address, start_after=3, step_delay=0.05, late_aborts=True)
+    try:
+        a, b = h.client(b"fe-a"), h.client(b"fe-b")
+        hello(a, "fe-a")
+        hello(b, "fe-b")
+        send(a, p.Add("x", [1], p.SamplingParams(max_tokens=8)))
+        send(b, p.Add("x", [10], p.SamplingParams(max_tokens=40)))
+        send(b, p.Add("y", [20], p.SamplingParams(max_tokens=8)))
+        first = recv(b)
+        assert {d.request_id for d in first} == {"x", "y"}
+        send(b, p.Abort(["x"]))
+        _, ta, fa = collect(a, {"x"})
+        tb, fb = {"x": [], "y": []}, None
+        for f in [first] + [recv(b) for _ in range(7)]:  # (y's 8 tokens, one a step)
+            for d in f:
+                tb[d.request_id] += d.token_ids
+                fb = d.finish_reason if d.request_id == "y" else fb
+        assert ta == {"x": expected_tokens([1], 8)} and fa == {"x": "length"}
+        assert tb["y"] == expected_tokens([20], 8) and fb == "length"
+        with_x = [step for step in h.engine.steps if any(d.request_id == "1:x" for d in step)]
+        late = with_x[-1]  # the step after the abort: a delta for a request the actor no longer has
+        assert {d.request_id for d in late} == {"0:x", "1:x", "1:y"}, late
+        assert len(tb["x"]) == len(with_x) - 1  # every delta of x but that one
+        recv_none(a)
+        recv_none(b)
+        assert not h.actor._owner and not h.engine.running
     finally:
         h.close()
 
@@ -376,7 +414,7 @@ def test_abort_stops_a_request(address):
         send(c, p.Add("long", [1], p.SamplingParams(max_tokens=60)))
         send(c, p.Add("short", [2], p.SamplingParams(max_tokens=3)))
         first = recv(c)
-        assert {d.request_id for d in first.deltas} == {"long", "short"}
+        assert {d.request_id for d in first} == {"long", "short"}
         send(c, p.Abort(["long", "never-existed"]))
         deadline = time.monotonic() + 5
         while h.engine.aborted != ["0:long"]:

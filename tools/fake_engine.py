@@ -270,7 +270,7 @@ class FakeEngine(threading.Thread):
                 del self.running[rid]
             by_ident.setdefault(ident, []).append(d)
         for ident, deltas in by_ident.items():
-            sock.send_multipart([ident, encode(Outputs(deltas))])
+            sock.send_multipart([ident, encode(Outputs.of(deltas))])
 
     def stop(self) -> None:
         self._halt.set()
