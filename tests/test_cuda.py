@@ -287,7 +287,7 @@ def test_sampling_never_waits_for_the_gpu():
     logits = torch.randn(len(params), vocab, device="cuda")
     flying = torch.tensor([9] * len(params), device="cuda")  # (each row's token in flight)
     for s in states:
-        s.tensors(vocab, torch.device("cuda"))  # once per request, at its first step: not what this is about
+        s.tensors(vocab, logits.device)  # once per request, at its first step: not what this is about
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
