@@ -683,18 +683,20 @@ def test_triton_engine_prompt_graphs_give_the_eager_tokens(arch, tmp_path, smoll
     """Steps with prompt tokens replayed through ``PromptGraphs`` (as CUDA captures them at start-up; here each
     "replay" runs the captured forward again over the static inputs, which is all a graph reads): padded to each
     token count, beside decodes or alone, after larger steps left their inputs behind, with sliding-window
-    layers in a pool of their own (Gemma 2), the same greedy tokens as every step run eagerly (fp32)."""
+    layers in a pool of their own (Gemma 2), the same greedy tokens as every step run eagerly (fp32, through the
+    reference kernels, which the Triton ones match)."""
     from engine import LLM, SamplingParams
     from tests.conftest import make_tiny_model
 
     path = make_tiny_model(str(tmp_path / arch), arch, smollm_tokenizer_dir,
                            **({"sliding_window": 8} if arch == "gemma2" else {}))
-    monkeypatch.setattr(kernels, "_backend", "triton")
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     prompts = [[(13 * i + 7 * j) % 5000 + 3 for j in range(n)] for i, n in enumerate([5, 23, 40, 3, 17, 30])]
     kw = dict(device=DEVICE, dtype="float32", num_kv_blocks=96, max_model_len=128, max_num_batched_tokens=40,
               max_num_seqs=4)
+    monkeypatch.setattr(kernels, "_backend", "reference")  # (eager and no interpreter: quicker on the CPU)
     want = [o.token_ids for o in LLM(path, prompt_graph_tokens=0, **kw).generate(prompts, params)]
+    monkeypatch.setattr(kernels, "_backend", "triton")
     llm = LLM(path, **kw)
     runner, replays = llm.engine.runner, []
 
@@ -727,9 +729,11 @@ def test_triton_engine_prompt_graphs_stop_at_the_models_length_and_long_contexts
     assert runner.prompt_graphs.sizes[-1] == 32
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     prompts, fresh = ([[(k * i + 3 * j + k) % 5000 + 3 for j in range(n)] for i, n in enumerate([20, 7])] for k in (5, 11))
+    monkeypatch.setattr(kernels, "_backend", "reference")  # (eager and no interpreter: quicker on the CPU)
     eager = LLM(tiny_llama, device=DEVICE, dtype="float32", num_kv_blocks=64, max_model_len=32,
                 max_num_batched_tokens=64, prompt_graph_tokens=0)
     want, want_fresh = ([o.token_ids for o in eager.generate(p, params)] for p in (prompts, fresh))
+    monkeypatch.setattr(kernels, "_backend", "triton")
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
     device, long = torch.device(DEVICE), kernels.UNSPLIT_CONTEXT + 1
     sms = kernels.multiprocessors(device)
