@@ -297,9 +297,8 @@ class EngineActor:
         iids = out.request_ids
         whos = list(map(self._owner.get, iids))  # (frontend, its id); None: aborted by it since it was scheduled
         for i, finish_reason, *_ in out.rare:
-            if finish_reason is not None and (who := whos[i]) is not None:
-                del self._owner[iids[i]]
-                self._owned[who[0]].discard(iids[i])
+            if finish_reason is not None and self._owner.pop(iids[i], None) is not None:
+                self._owned[whos[i][0]].discard(iids[i])
         aborted = None in whos
         idents = list(map(itemgetter(0), filter(None, whos) if aborted else whos))
         if not aborted and len(set(idents)) == 1:  # the usual step: one frontend's requests
