@@ -264,12 +264,18 @@ def test_a_burst_of_work_ends_with_a_stats_line(address, caplog):
     assert ", 1 with prompt tokens (median " in line, line
 
 
+def two_frontends(h: ActorHarness) -> tuple[zmq.Socket, zmq.Socket]:
+    """Frontends "fe-a" and "fe-b", each greeted (its index: 0 and 1, in that order)."""
+    a, b = h.client(b"fe-a"), h.client(b"fe-b")
+    hello(a, "fe-a")
+    hello(b, "fe-b")
+    return a, b
+
+
 def test_one_outputs_frame_per_frontend_per_step(address):
     h = ActorHarness(address, start_after=4)
     try:
-        a, b = h.client(b"fe-a"), h.client(b"fe-b")
-        hello(a, "fe-a")
-        hello(b, "fe-b")
+        a, b = two_frontends(h)
         # the same request ids from two frontends must not collide
         send(a, p.Add("x", [1], p.SamplingParams(max_tokens=3)))
         send(a, p.Add("y", [2], p.SamplingParams(max_tokens=3)))
@@ -292,9 +298,7 @@ def test_a_delta_of_a_request_aborted_meanwhile_goes_nowhere(address):
     the step's other deltas reach theirs, under their own ids, their ends too."""
     h = ActorHarness(address, start_after=3, step_delay=0.05, late_aborts=True)
     try:
-        a, b = h.client(b"fe-a"), h.client(b"fe-b")
-        hello(a, "fe-a")
-        hello(b, "fe-b")
+        a, b = two_frontends(h)
         send(a, p.Add("x", [1], p.SamplingParams(max_tokens=8)))
         send(b, p.Add("x", [10], p.SamplingParams(max_tokens=40)))
         send(b, p.Add("y", [20], p.SamplingParams(max_tokens=8)))
