@@ -488,10 +488,11 @@ class Engine:
         self._postprocess(out, [*batch.timed_out, *errored], StepResult([], None))
 
     def _launch(self, out: Outputs, batch: ScheduledBatch, prev: InFlight | None) -> list[Request]:
-        """Launch ``batch`` behind ``prev`` (the step in flight, if any), then collect ``prev``: its deltas
-        into ``out``; returns ``batch``'s requests if it ran out of memory (rolled back, for ``_recover_from_oom``). Where
-        ``batch``'s sampling needs ``prev``'s tokens on the host (``InFlight.sampling_waits``), ``prev`` is
-        collected between ``batch``'s forward and its sampling: the device runs the forward meanwhile."""
+        """Launch ``batch`` behind ``prev`` (the step in flight, if any), then collect ``prev`` (its deltas
+        into ``out``). Returns ``batch``'s requests if it ran out of memory (rolled back, for
+        ``_recover_from_oom``). Where ``batch``'s sampling needs ``prev``'s tokens on the host
+        (``InFlight.sampling_waits``), ``prev`` is collected between ``batch``'s forward and its sampling:
+        the device runs the forward meanwhile."""
         failed = []
         try:
             if batch:

@@ -672,8 +672,9 @@ class ModelRunner:
             return None
         new = list(dict.fromkeys((r, i) for r, i, _, _ in parts if i not in r.image_embeds))
         if new:
-            pixels = to_device(torch.stack([torch.frombuffer(bytearray(r.images[i].pixels), dtype=torch.float32).view(
-                r.images[i].shape) for r, i in new]), self.device).to(self.dtype)  # (queued: no wait for a step in flight)
+            pixels = torch.stack([torch.frombuffer(bytearray(r.images[i].pixels), dtype=torch.float32).view(
+                r.images[i].shape) for r, i in new])
+            pixels = to_device(pixels, self.device).to(self.dtype)  # (queued: no wait for a step in flight)
             for (r, i), e in zip(new, self.model.vision(pixels), strict=True):
                 r.image_embeds[i] = e
         out = []

@@ -617,6 +617,7 @@ class Outputs:
 
     @classmethod
     def of(cls, deltas: list[Delta]) -> Outputs:
+        """``deltas`` in columns (a fake engine's, a test's)."""
         out = cls()
         for d in deltas:
             out.add(d.request_id, d.token_ids, d.num_prompt_tokens, d.num_cached_tokens, d.finish_reason,
