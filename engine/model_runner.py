@@ -316,11 +316,12 @@ class ModelRunner:
 
     def _prompt_graph_tokens(self, max_model_len: int) -> int:
         """The most tokens a step with prompt tokens may have to replay a graph (``PromptGraphs``; 0: none): where
-        one prefill launch a layer takes such a step (Triton's kernels) and its tokens are all it varies by (no
-        LoRA adapters: their slots are per token); at most the step budget and the model's length (the padding
-        sequence's positions)."""
+        one prefill launch a layer takes such a step (Triton's kernels); at most the step budget and the model's
+        length (the padding sequence's positions). With LoRA adapters too: the graphs read each token's slot from
+        ``LoraState.mine``, set before the replay, and compute every slot, as the decode graphs do (a padding
+        token's rows there may be an earlier step's: its outputs are dropped, and no other row reads them)."""
         c = self.config
-        if (c.enforce_eager or self.model_cfg.encoder is not None or self.lora is not None
+        if (c.enforce_eager or self.model_cfg.encoder is not None
                 or not kernels.prefill_takes_decodes(self.device)):
             return 0
         return min(c.prompt_graph_tokens, c.max_num_batched_tokens, max_model_len)

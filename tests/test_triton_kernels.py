@@ -714,6 +714,32 @@ def test_triton_engine_prompt_graphs_give_the_eager_tokens(arch, tmp_path, smoll
     assert DEVICE == "cuda" or len(replays) >= 4 and max(replays) > 2, replays  # several sequences a step
 
 
+def test_triton_engine_prompt_graphs_with_lora_adapters_give_the_eager_tokens(lora_tiny, monkeypatch):
+    """Steps with prompt tokens of requests with different LoRA adapters, and none, replayed through
+    ``PromptGraphs`` (each "replay" runs the captured forward again, as in the test above): each token's slot is
+    set before the replay, so the same greedy tokens as every step run eagerly through the reference kernels."""
+    from engine import LLM, SamplingParams
+
+    model, a, b = lora_tiny
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prompts = [[(17 * i + 5 * j) % 5000 + 3 for j in range(n)] for i, n in enumerate([9, 20, 4, 14, 11])]
+    loras = ["a", None, "b", "a", "b"]
+    kw = dict(device=DEVICE, dtype="float32", num_kv_blocks=64, max_model_len=64, max_num_batched_tokens=24,
+              max_num_seqs=4, lora_modules={"a": a, "b": b})
+    monkeypatch.setattr(kernels, "_backend", "reference")
+    eager = LLM(model, prompt_graph_tokens=0, **kw)
+    want = [o.token_ids for o in eager.generate(prompts, params, lora_request=loras)]
+    assert want != [o.token_ids for o in eager.generate(prompts, params)]  # (the adapters change the tokens)
+    monkeypatch.setattr(kernels, "_backend", "triton")
+    llm = LLM(model, **kw)
+    runner, replays = llm.engine.runner, []
+    assert runner._prompt_graph_tokens(64) == 24
+    if runner.prompt_graphs is None:  # (on CUDA the runner has captured its own)
+        runner._capture_prompt_graphs(lambda forward: lambda: replays.append(forward.args[0]) or forward(), 24)
+    assert [o.token_ids for o in llm.generate(prompts, params, lora_request=loras)] == want
+    assert DEVICE == "cuda" or len(replays) >= 2, replays
+
+
 def test_triton_engine_prompt_graphs_stop_at_the_models_length_and_long_contexts(tiny_llama, monkeypatch):
     """The prompt graphs' largest size is at most the model's length (their padding sequence's positions), and a
     step where a sequence has more than ``kernels.UNSPLIT_CONTEXT`` tokens cached keeps its decodes apart (the
