@@ -600,7 +600,7 @@ class Engine:
         for i, req in enumerate(result.sampled):
             if req.status is finished:  # (asynchronous scheduling) ended while this token was in flight
                 continue
-            first = not req.output_token_ids
+            prompt_logprobs = None if req.output_token_ids else req.prompt_logprobs  # (with its first delta)
             if spans is None:
                 start = i
                 tokens = [ids[i]]
@@ -617,14 +617,14 @@ class Engine:
             logprobs = None
             if lps and lps[start] is not None:
                 logprobs = lps[start:start + len(tokens)]
-            if reason is None and logprobs is None and (not first or req.prompt_logprobs is None):
+            if reason is None and logprobs is None and prompt_logprobs is None:  # (no rare row: Outputs.add's test)
                 rids(req.request_id)
                 token_lists(tokens)
                 prompt_counts(req.num_prompt_tokens)
                 cached_counts(req.num_cached_tokens)
                 continue
             out.add(req.request_id, tokens, req.num_prompt_tokens, req.num_cached_tokens, reason, logprobs,
-                    req.prompt_logprobs if first else None, req.stop_reason)
+                    prompt_logprobs, req.stop_reason)
             if reason is not None:
                 self.scheduler.finish(req, reason, cache_computed=len(tokens) > 1)
                 del self.requests[req.request_id]
