@@ -597,15 +597,22 @@ class Engine:
         # (the columns appended to in place: most deltas are one token of a running request)
         rids, token_lists = out.request_ids.append, out.token_ids.append
         prompt_counts, cached_counts = out.num_prompt_tokens.append, out.num_cached_tokens.append
+        watched, max_model_len = self._eos_set, self.max_model_len
         for i, req in enumerate(result.sampled):
             if req.status is finished:  # (asynchronous scheduling) ended while this token was in flight
                 continue
-            prompt_logprobs = None if req.output_token_ids else req.prompt_logprobs  # (with its first delta)
+            output = req.output_token_ids
+            prompt_logprobs = None if output else req.prompt_logprobs  # (with its first delta)
             if spans is None:
-                start = i
-                tokens = [ids[i]]
-                req.append_token(tokens[0])
-                reason = self._stop_reason(req, tokens[0])
+                start, token = i, ids[i]
+                tokens = [token]
+                output.append(token)
+                req.all_token_ids.append(token)
+                n, reason = len(output), None  # (_stop_reason inline: most tokens only count against the length)
+                if req.sampling_state.grammar is not None or token in watched or token in req.stop_token_ids:
+                    reason = self._stop_at(req, token, n)
+                if reason is None and (n >= req.params.max_tokens or n + req.num_prompt_tokens >= max_model_len):
+                    reason = "length"
             else:
                 (start, take), tokens, reason = spans[i], [], None
                 for token in ids[start:start + take]:

@@ -35,7 +35,9 @@ from itertools import combinations
 
 _KNOWN = 1e-3  # the prompt-step weight below which c counts as unknown (~340 steps after the last one)
 OUTLIER = 4.0  # a step counts as at most this many times the fit's prediction
-REFIT = 8  # steps between the fits that clip outliers (a fit is ~0.3 ms of Python: most of a one-stream step's host work)
+# the fit that clips outliers is made anew for a step it calls one, at most every REFIT steps, and at least every
+# STALE steps (a fit is ~40 us of Python: made every few steps, it was a tenth of a decode step's host work)
+REFIT, STALE = 8, 64
 _MODELS = [keep for k in (3, 2, 1) for keep in combinations(range(3), k)]  # which of (a, b, c) are free
 
 
@@ -71,17 +73,17 @@ class PrefillCap:
     def observe(self, num_decodes: int, num_prompt_tokens: int, seconds: float) -> None:
         """One step's make-up (decode rows, prompt tokens) and how long it took. A step far slower than
         the fit predicts (a pause, a first call compiling something) counts as ``OUTLIER`` times the
-        prediction (of a fit up to ``REFIT`` steps old), so that one such step cannot swing the cap for
-        the next fifty."""
+        prediction (of a fit up to ``REFIT`` steps old: one older, up to ``STALE``, is made anew for a step it
+        calls slow), so that one such step cannot swing the cap for the next fifty."""
         self._steps += 1
         if self._steps == 1 or not math.isfinite(seconds) or seconds < 0:
             return  # the first step pays one-time costs (allocations, kernels built on first use)
         x = (1.0, float(num_decodes), float(num_prompt_tokens))
         if self._prompt_weight > _KNOWN:
-            if self._clip is None or self._steps - self._clip_step >= REFIT:
+            age = self._steps - self._clip_step
+            if self._clip is None or age >= STALE or age >= REFIT and seconds > OUTLIER * _predict(self._clip, x):
                 self._clip, self._clip_step = self.fit(), self._steps
-            a, b, c = self._clip
-            predicted = a + b * x[1] + c * x[2]
+            predicted = _predict(self._clip, x)
             if predicted > 0:
                 seconds = min(seconds, OUTLIER * predicted)
         d = self.decay
@@ -111,6 +113,10 @@ class PrefillCap:
                     best, best_rss = (full[0], full[1], full[2]), rss
             self._fit = best
         return self._fit
+
+
+def _predict(fit: tuple[float, float, float], x: tuple[float, float, float]) -> float:
+    return fit[0] * x[0] + fit[1] * x[1] + fit[2] * x[2]
 
 
 def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
