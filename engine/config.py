@@ -106,6 +106,17 @@ class EngineConfig:
         """``speculative_config`` read (None: off)."""
         return NgramConfig.of(self.speculative_config) if self.speculative_config is not None else None
 
+    def overlapped(self, device_type: str) -> tuple[bool, str]:
+        """Whether a step is scheduled and launched while the last one runs (asynchronous scheduling, the
+        engine's) on a device of that type; and, where it was asked for but is off, why (else "")."""
+        on = self.async_scheduling == "on" or (self.async_scheduling == "auto" and device_type == "cuda")
+        if on and self.tensor_parallel_size > 1:
+            return False, "not under tensor parallelism"
+        if on and self.speculative_config is not None:
+            return False, ("not with speculative decoding (a step's input is known only once the last step's "
+                           "drafts are checked)")
+        return on, ""
+
     @property
     def max_step_rows(self) -> int:
         """The most one-token sequences a step can hold: each request's token, and its drafts with speculative

@@ -164,20 +164,13 @@ class Engine:
         # they sample a token: while there are any, the scheduler admits one at a time
         self._oom_suspects: dict[str, tuple[Request, int]] = {}
         self._steps_since_oom = 0
-        self.async_scheduling = config.async_scheduling == "on" or (
-            config.async_scheduling == "auto" and self.runner.device.type == "cuda")
-        if self.async_scheduling and self.runner.tp.size > 1:
-            log.info("asynchronous scheduling off: not under tensor parallelism")
-            self.async_scheduling = False
-        if self.async_scheduling and self.speculative:
-            log.info("asynchronous scheduling off: not with speculative decoding (a step's input is known only "
-                     "once the last step's drafts are checked)")
-            self.async_scheduling = False
+        self.async_scheduling, off_because = config.overlapped(self.runner.device.type)  # (the runner's graphs know)
+        if off_because:
+            log.info("asynchronous scheduling off: %s", off_because)
         if self.speculative:
             log.info("speculative decoding: up to %d drafts a step, from earlier occurrences of the last %d..%d "
                      "tokens (n-gram lookup)", self.speculative.num_speculative_tokens,
                      self.speculative.prompt_lookup_min, self.speculative.prompt_lookup_max)
-        self.runner.feeds_next_step = self.async_scheduling
         self._in_flight: InFlight | None = None
         self.step_batch = (0, 0)  # the requests and prompt tokens the last step() scheduled (engine.stats_log)
         if self.runner.model_cfg.vision is not None and self.vision is None:

@@ -285,8 +285,9 @@ class ModelRunner:
                                         num_window_blocks if num_window_blocks else None)
         self.staging = Staging(device)
         # asynchronous scheduling (the engine's): each step's sampled tokens are kept in their rows of
-        # BlockTables.last_tokens, for the next step, launched before they are known
-        self.feeds_next_step = False
+        # BlockTables.last_tokens, for the next step, launched before they are known (known before the graphs
+        # are captured: without it, theirs take no token from last_tokens)
+        self.feeds_next_step = config.overlapped(device.type)[0]
         self._sample_table_rows = torch.empty(0, dtype=torch.int64, device=device)  # (the step's: forward_step's)
         self.decode_buckets: list[int] = []  # decode-only steps are padded to these batch sizes
         self.graphs: DecodeGraphs | None = None
@@ -299,7 +300,8 @@ class ModelRunner:
             start, capture = time.perf_counter(), cuda_graph_capture()  # (one memory pool for all: one replays at a time)
             with torch.inference_mode():
                 self.graphs = DecodeGraphs(self.model, self.decode_buckets, max_model_len, self.block_tables,
-                                           self.block_size, self.model_cfg.hidden_size, dtype, device, capture)
+                                           self.block_size, self.model_cfg.hidden_size, dtype, device, capture,
+                                           in_flight=self.feeds_next_step)
             log.info("CUDA graphs: decode steps of %d batch sizes up to %d captured in %.1f s (--enforce-eager: "
                      "none)", len(self.decode_buckets), config.max_num_seqs, time.perf_counter() - start)
             self._capture_prompt_graphs(capture, self._prompt_graph_tokens(max_model_len))
@@ -311,7 +313,7 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, list(range(1, min(config.max_num_seqs, CPU_GRAPH_SEQS) + 1)),
                                        max_model_len, self.block_tables, self.block_size,
                                        self.model_cfg.hidden_size, dtype, device, cpu_graph.capture(), lazy=True,
-                                       max_rows=CPU_GRAPH_ROWS,
+                                       max_rows=CPU_GRAPH_ROWS, in_flight=self.feeds_next_step,
                                        variant=(lambda: self.lora.span) if self.lora is not None else None)
 
     def _prompt_graph_tokens(self, max_model_len: int) -> int:
@@ -337,7 +339,8 @@ class ModelRunner:
             with torch.inference_mode():
                 self.prompt_graphs = PromptGraphs(
                     self.model, prompt_buckets(tokens), config.max_step_rows + 1, self.facts.max_model_len, tables,
-                    self.block_size, self.model_cfg.hidden_size, self.dtype, self.device, capture)
+                    self.block_size, self.model_cfg.hidden_size, self.dtype, self.device, capture,
+                    in_flight=self.feeds_next_step)
         except Exception as e:  # noqa: BLE001 - such steps still run, eagerly
             if self.tp.size > 1:
                 raise

@@ -155,8 +155,9 @@ class DecodeGraphs:
     graphs, ``kernels.cpu.graph``) over static inputs: a step of a captured size copies its inputs
     in (each row's token, position and row of the persistent block tables: one buffer a size, in
     one copy) and replays. The graph makes the step's attention metadata itself (slot mapping, block
-    tables, lengths) and takes the tokens still in flight from their rows' ``last_tokens``: outside
-    it, a step launches only that copy and its block tables' write.
+    tables, lengths) and takes the tokens still in flight from their rows' ``last_tokens`` (``in_flight``:
+    under asynchronous scheduling only, the one mode with such tokens): outside it, a step launches only
+    that copy and its block tables' write.
 
     CUDA: every size of ``sizes`` is captured at start-up (the largest first: the others fit in
     its memory pool) and steps are padded to one of them (``ModelRunner._pad``). CPU (``lazy``):
@@ -174,9 +175,11 @@ class DecodeGraphs:
 
     def __init__(self, model: torch.nn.Module, sizes: list[int], max_model_len: int, tables: BlockTables,
                  block_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device, capture: Capture,
-                 lazy: bool = False, max_rows: int = 0, variant: Callable[[], Hashable] | None = None):
+                 lazy: bool = False, max_rows: int = 0, variant: Callable[[], Hashable] | None = None,
+                 in_flight: bool = True):
         n, i64 = sizes[-1], dict(dtype=torch.int64, device=device)
         self.model, self.capture, self.max_model_len, self.block_size = model, capture, max_model_len, block_size
+        self.in_flight = in_flight  # whether a token may be in flight (asynchronous scheduling): else none is read
         self.tables = tables  # (persistent: the graphs read the step's rows of its tables, and its window map)
         self.sizes, self.max_rows, self.variant = set(sizes), max_rows, variant
         # each size's inputs (inputs_of), (3, b): each row's token, cached tokens and row of the tables (at a
@@ -206,7 +209,8 @@ class DecodeGraphs:
                            "decode_table_rows": rows, "decode_seq_lens": pos + 1}, max_decode_len=self.max_model_len,
                           max_prefill_len=0, mixed=False, decode_in_order=True)
         _, meta = index.metadata(self.tables.table, self.block_size, self.tables.window_map)
-        ids = torch.where(ids < 0, self.tables.last_tokens[rows], ids)
+        if self.in_flight:
+            ids = torch.where(ids < 0, self.tables.last_tokens[rows], ids)
         self.hidden[:b] = self.model(ids, pos, meta)
 
     def _variant(self) -> Hashable:
@@ -263,9 +267,9 @@ class PromptGraphs:
 
     def __init__(self, model: torch.nn.Module, sizes: list[int], max_seqs: int, max_model_len: int,
                  tables: BlockTables, block_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device,
-                 capture: Capture):
+                 capture: Capture, in_flight: bool = True):
         self.model, self.sizes, self.max_seqs, self.max_model_len = model, sizes, max_seqs, max_model_len
-        self.tables, self.block_size = tables, block_size
+        self.tables, self.block_size, self.in_flight = tables, block_size, in_flight  # (as DecodeGraphs')
         # each size's inputs (inputs_of): tokens, positions and table rows (N each), then each sequence's
         # table row, length (M each) and first token (M + 1)
         self.inputs = {n: torch.zeros(3 * n + 3 * max_seqs + 1, dtype=torch.int64, device=device) for n in sizes}
@@ -296,7 +300,8 @@ class PromptGraphs:
                            "prefill_seq_lens": seq_lens, "prefill_query_start": start}, max_decode_len=0,
                           max_prefill_len=self.max_model_len, mixed=False, decode_in_order=False)
         _, meta = index.metadata(self.tables.table, self.block_size, self.tables.window_map)
-        ids = torch.where(ids < 0, self.tables.last_tokens[token_rows], ids)
+        if self.in_flight:
+            ids = torch.where(ids < 0, self.tables.last_tokens[token_rows], ids)
         self.hidden[:n] = self.model(ids, pos, meta)
 
     def serves(self, num_tokens: int, num_seqs: int) -> bool:

@@ -9,6 +9,7 @@ import threading
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import engine.model_runner as model_runner
 from engine import LLM, SamplingParams
@@ -187,6 +188,38 @@ def test_a_replayed_decode_step_makes_its_metadata_inside_the_graph(tiny_llama):
     replayed = [step for step in ops.steps if step]
     assert len(replayed) >= 15
     assert all(sorted(step) == ["copy_", "index_put_"] for step in replayed), replayed
+
+
+@needs_c
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_a_decode_graph_reads_tokens_in_flight_only_under_asynchronous_scheduling(tiny_llama, overlap):
+    """A decode graph takes a row's token from ``last_tokens`` (where it is -1: in flight) only where a token can
+    be in flight, under asynchronous scheduling: a synchronous engine's graphs leave out those operators (three
+    kernels a step on CUDA, its prompt graphs alike) and give the same tokens."""
+    kw = dict(device="cpu", dtype="float32", num_kv_blocks=40, max_model_len=256, max_num_seqs=8)
+    want = [o.token_ids for o in LLM(tiny_llama, enforce_eager=True, **kw).generate(prompts(3), GREEDY)]
+    llm = LLM(tiny_llama, async_scheduling=overlap, **kw)
+    graphs, recorded = llm.engine.runner.graphs, []
+    forward = graphs._forward
+
+    def recording(b):  # (what a capture runs)
+        with OpNames() as names:
+            forward(b)
+        recorded.append(names.seen)
+
+    graphs._forward = recording
+    assert [o.token_ids for o in llm.generate(prompts(3), GREEDY)] == want
+    assert recorded and all(("where" in ops) == (overlap == "on") for ops in recorded)
+
+
+class OpNames(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
 
 
 def test_a_replayed_decode_step_gives_the_logits_rows_it_is_asked_for(tiny_llama):
