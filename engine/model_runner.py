@@ -544,7 +544,7 @@ class ModelRunner:
         elif self.graphs is not None and not has_images and self.graphs.serves(t):
             graphs = self.graphs
         if graphs is not None:  # its inputs in one tensor, one copy in: the graph makes the metadata from them
-            tensors = {"graph_inputs": ints(graphs.inputs_of(step.token_ids, step.query_lens, cached, step.table_rows))}
+            tensors = {"graph_inputs": graphs.inputs_of(step.token_ids, step.query_lens, cached, step.table_rows)}
         else:
             index = StepIndex.build(step.query_lens, cached, step.table_rows, split=not unsplit)
             tensors = {"token_ids": ints(step.token_ids), **index.tensors}

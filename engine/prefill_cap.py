@@ -104,12 +104,12 @@ class PrefillCap:
                 beta = _solve([[self._xx[i][j] for j in keep] for i in keep], [self._xt[i] for i in keep])
                 if beta is None or min(beta) < 0:
                     continue
-                full = [0.0] * 3
-                for i, v in zip(keep, beta, strict=True):
-                    full[i] = v
-                rss = self._tt - 2 * sum(full[i] * self._xt[i] for i in range(3)) + sum(
-                    full[i] * self._xx[i][j] * full[j] for i in range(3) for j in range(3))
+                # t't - 2 b'X't + b'X'X b, where b solves X'X b = X't: t't - b'X't
+                rss = self._tt - sum(v * self._xt[i] for i, v in zip(keep, beta, strict=True))
                 if rss < best_rss - 1e-12 * max(self._tt, 1e-30):
+                    full = [0.0] * 3
+                    for i, v in zip(keep, beta, strict=True):
+                        full[i] = v
                     best, best_rss = (full[0], full[1], full[2]), rss
             self._fit = best
         return self._fit

@@ -20,9 +20,10 @@ from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
+import numpy as np
 import torch
 
-from engine.attention import StepIndex, prefill_lists
+from engine.attention import StepIndex, ints
 from engine.request import Request
 
 log = logging.getLogger("tokenmill.engine")
@@ -196,9 +197,9 @@ class DecodeGraphs:
 
     @staticmethod
     def inputs_of(token_ids: list[int], query_lens: list[int], computed_lens: list[int],
-                  table_rows: list[int]) -> list[int]:
+                  table_rows: list[int]) -> torch.Tensor:
         """A decode step's inputs as ``replay`` takes them (flat, its tokens, positions and table rows)."""
-        return token_ids + computed_lens + table_rows
+        return ints(token_ids + computed_lens + table_rows)
 
     def _forward(self, b: int) -> None:
         """The forward of ``b`` rows, its metadata included: a replay makes the step's slot mapping, block
@@ -276,22 +277,34 @@ class PromptGraphs:
         self.hidden = torch.empty(sizes[-1], hidden_size, dtype=dtype, device=device)
         self.replays: dict[int, Callable[[], None]] = {}
         for size in reversed(sizes):  # (each captured as a step of the padding sequence alone)
-            self.inputs[size].copy_(torch.tensor(self._padded([], [], [], [], size), dtype=torch.int64))
+            self.inputs[size].copy_(self._padded([], [], [], [], size))
             self._forward(size)  # once outside the graph: kernels compile, lazy state settles
             self.replays[size] = capture(functools.partial(self._forward, size))
 
     def inputs_of(self, token_ids: list[int], query_lens: list[int], computed_lens: list[int],
-                  table_rows: list[int]) -> list[int]:
+                  table_rows: list[int]) -> torch.Tensor:
         """A step's inputs as ``replay`` takes them (flat; padded to the next size, ``serves``)."""
         n = self.sizes[bisect_left(self.sizes, len(token_ids))]
         return self._padded(token_ids, query_lens, computed_lens, table_rows, n)
 
     def _padded(self, token_ids: list[int], query_lens: list[int], computed_lens: list[int], table_rows: list[int],
-                n: int) -> list[int]:
-        positions, token_rows, seq_lens, start = prefill_lists(query_lens, computed_lens, table_rows)
-        pad, scratch, empty = n - len(token_ids), self.tables.scratch_row, self.max_seqs - len(query_lens) - 1
-        return (token_ids + [0] * pad + positions + list(range(pad)) + token_rows + [scratch] * pad
-                + table_rows + [scratch] * (empty + 1) + seq_lens + [pad] + [0] * empty + start + [n] * (empty + 1))
+                n: int) -> torch.Tensor:
+        """In numpy: a few operations a step, not a few a sequence (a step of hundreds of decodes beside its
+        prompts is most of a busy server's)."""
+        t, b, m, scratch = len(token_ids), len(query_lens), self.max_seqs, self.tables.scratch_row
+        q, cached, rows = (np.array(v, dtype=np.int64) for v in (query_lens, computed_lens, table_rows))
+        out = np.empty(3 * n + 3 * m + 1, dtype=np.int64)
+        ids, positions, token_rows, seq_rows, seq_lens, start = np.split(
+            out, [n, 2 * n, 3 * n, 3 * n + m, 3 * n + 2 * m])
+        first = np.cumsum(q) - q  # each sequence's first token in the step
+        ids[:t], ids[t:] = token_ids, 0
+        positions[:t] = np.arange(t) + np.repeat(cached - first, q)
+        positions[t:] = np.arange(n - t)  # the padding sequence's, on the scratch block
+        token_rows[:t], token_rows[t:] = np.repeat(rows, q), scratch
+        seq_rows[:b], seq_rows[b:] = rows, scratch  # (the padding sequence's and the empty ones')
+        seq_lens[:b], seq_lens[b], seq_lens[b + 1:] = cached + q, n - t, 0
+        start[:b], start[b], start[b + 1:] = first, t, n
+        return torch.from_numpy(out)
 
     def _forward(self, n: int) -> None:
         m = self.max_seqs

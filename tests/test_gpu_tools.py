@@ -210,6 +210,18 @@ def test_bench_host_times_an_eager_step_with_its_kernels_stubbed_out():
     assert 0 < stages["model"]["min_us"] < stages["forward_step"]["min_us"] < stages["step"]["min_us"]
 
 
+def test_bench_host_times_steps_with_prompts_replayed_through_prompt_graphs():
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_host.py"), "--prompt-graphs",
+                        "--num-seqs", "8", "--steps", "3", "--rounds", "1"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["prompt_graphs"] is True and "two 128-token prompts, prompt graphs" in r.stdout
+    stages = out["this"]
+    # every timed step carried prompts and replayed a (stubbed) prompt graph: the model's forward never ran
+    assert stages["model"]["median_us"] == 0 < stages["forward_step"]["min_us"] < stages["step"]["min_us"]
+
+
 def test_profile_steps_times_and_profiles_steps_with_prompts(tmp_path):
     """``tools/profile_steps.py`` (run by tools/gpu_check.sh): both kinds of step timed, the profiles printed."""
     path = build(str(tmp_path), "llama", torch.float32, seed=3, **TINY)

@@ -13,6 +13,8 @@ launches, though a CUDA launch costs more host time than a CPU tensor op.
 ``--eager-layers N`` times instead steps that carry prompt tokens beside the decodes, as a busy server's
 are, through a model of N layers run eagerly with its Triton kernels (through the interpreter's imports)
 and its GEMMs stubbed out: the host work of an eager step's launches, which a GPU cannot hide either.
+``--prompt-graphs`` times such steps as CUDA runs them by default: each step with prompt tokens padded
+to a prompt graph's token count and replayed (stubbed), the model stubbed out as for decode steps.
 
 ``--before DIR`` times another checkout (a ``git worktree`` of an older commit) the same way, in turns
 with this one, and prints both side by side. The last line is one JSON object.
@@ -21,6 +23,7 @@ with this one, and prints both side by side. The last line is one JSON object.
     python tools/bench_host.py --sampling top_p --before /tmp/old
     python tools/bench_host.py --sampling top_p --race          # top-p sampled as on CUDA
     python tools/bench_host.py --eager-layers 24 --before /tmp/old
+    python tools/bench_host.py --prompt-graphs --before /tmp/old
 """
 
 from __future__ import annotations
@@ -44,11 +47,13 @@ HIDDEN = 64
 
 
 def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_scheduling: str,
-            eager_layers: int = 0, race: bool = False) -> dict[str, list[float]]:
+            eager_layers: int = 0, race: bool = False, prompt_graphs: bool = False) -> dict[str, list[float]]:
     """Per stage, each round's mean seconds per decode step. ``eager_layers``: instead, steps that also carry two
     new 128-token prompts, through a model of that many layers whose Triton kernels and GEMMs are stubbed out
     (the Python of an eager step's launches, ``model``; on the CPU, through Triton's interpreter's imports).
-    ``race``: non-greedy rows sample as on CUDA, through the race kernel (stubbed: its host side is timed)."""
+    ``race``: non-greedy rows sample as on CUDA, through the race kernel (stubbed: its host side is timed).
+    ``prompt_graphs``: steps that carry two new 128-token prompts beside the decodes, replayed through prompt
+    graphs as on CUDA (stubbed)."""
     if eager_layers:
         os.environ["TRITON_INTERPRET"] = "1"  # (before anything imports triton)
     import torch
@@ -67,11 +72,12 @@ def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_schedul
 
     path = build(tempfile.mkdtemp(), "qwen2", torch.float32, seed=0, hidden_size=HIDDEN, intermediate_size=128,
                  num_hidden_layers=eager_layers or 2, num_attention_heads=4, num_key_value_heads=2,
-                 vocab_size=4096, max_position_embeddings=1024)
-    arrivals = 2 * steps if eager_layers else 0
+                 vocab_size=4096, max_position_embeddings=2048)
+    arrivals = 2 * steps if eager_layers or prompt_graphs else 0
     # (on the CPU wherever it runs: the stubs are host tensors, and the host's work is what is timed)
     llm = LLM(path, dtype="float32", device="cpu", max_num_seqs=num_seqs + arrivals, num_kv_blocks=64 * (num_seqs + arrivals),
-              max_model_len=512, async_scheduling=async_scheduling, enforce_eager=bool(eager_layers))
+              max_model_len=2048 if prompt_graphs else 512, async_scheduling=async_scheduling,
+              enforce_eager=bool(eager_layers))
     engine, runner = llm.engine, llm.engine.runner
     if eager_layers:
         _stub_kernels()
@@ -84,6 +90,13 @@ def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_schedul
         runner.decode_buckets = decode_buckets(num_seqs)
         runner.graphs = types.SimpleNamespace(serves=lambda b: True, inputs_of=getattr(DecodeGraphs, "inputs_of", None),
                                               replay=functools.partial(_replayed, hidden))
+        if prompt_graphs:  # as on CUDA: one prefill launch a layer takes a step's prompts and decodes, padded
+            from engine.step_buffers import PromptGraphs, prompt_buckets
+
+            kernels.prefill_takes_decodes = lambda *args: True
+            runner.prompt_graphs = graphs = PromptGraphs.__new__(PromptGraphs)  # (its padding, its replay stubbed)
+            graphs.sizes, graphs.max_seqs = prompt_buckets(runner._prompt_graph_tokens(2048)), num_seqs + arrivals + 1
+            graphs.tables, graphs.replay = runner.block_tables, lambda inputs, t: hidden[:t]
     spent: dict[str, list[float]] = {stage: [] for stage in STAGES}  # each round's decode steps' seconds
     timing = [False]  # (prompts and the tails of the rounds are not counted)
 
@@ -118,7 +131,7 @@ def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_schedul
             spent[stage].append(0.0)
         timing[0] = True
         for _ in range(steps):
-            for _ in range(2 if eager_layers else 0):
+            for _ in range(2 if arrivals else 0):
                 engine.add_request(f"new-{arrived}", [(11 * arrived + j) % 4000 + 3 for j in range(128)], params)
                 arrived += 1
             engine.step()
@@ -179,6 +192,9 @@ def main() -> None:
     p.add_argument("--eager-layers", type=int, default=0, metavar="N",
                    help="time steps that also carry two new 128-token prompts, run eagerly through a model of N "
                         "layers with its Triton kernels and GEMMs stubbed out (CPU only): an eager step's host work")
+    p.add_argument("--prompt-graphs", action="store_true",
+                   help="time steps that also carry two new 128-token prompts, replayed through prompt graphs as on "
+                        "CUDA (stubbed)")
     p.add_argument("--race", action="store_true",
                    help="non-greedy rows sample as on CUDA: through the race kernel, stubbed (its host side timed)")
     p.add_argument("--before", metavar="DIR", help="another checkout to time the same way, in turns with this one")
@@ -187,10 +203,11 @@ def main() -> None:
     args = p.parse_args()
     flags = ["--num-seqs", str(args.num_seqs), "--steps", str(args.steps), "--rounds", str(args.rounds),
              "--sampling", args.sampling, "--async-scheduling", args.async_scheduling,
-             "--eager-layers", str(args.eager_layers), *(["--race"] if args.race else [])]
+             "--eager-layers", str(args.eager_layers), *(["--race"] if args.race else []),
+             *(["--prompt-graphs"] if args.prompt_graphs else [])]
     if args.raw:
         print(json.dumps(measure(args.num_seqs, args.steps, args.rounds, args.sampling, args.async_scheduling,
-                                 args.eager_layers, args.race)))
+                                 args.eager_layers, args.race, args.prompt_graphs)))
         return
     checkouts = {"this": HERE, **({"before": os.path.abspath(args.before)} if args.before else {})}
     runs: dict[str, dict[str, list[float]]] = {name: {stage: [] for stage in STAGES} for name in checkouts}
@@ -204,7 +221,8 @@ def main() -> None:
             for stage, values in json.loads(out.stdout.strip().splitlines()[-1]).items():
                 runs[name][stage] += values
     what = (f"step of {args.num_seqs} decodes and two 128-token prompts, eager, {args.eager_layers} layers stubbed"
-            if args.eager_layers else f"decode step at {args.num_seqs} sequences")
+            if args.eager_layers else f"step of {args.num_seqs} decodes and two 128-token prompts, prompt graphs"
+            if args.prompt_graphs else f"decode step at {args.num_seqs} sequences")
     print(f"host time per {what} ({args.sampling}{', race as on CUDA' if args.race else ''}, asynchronous "
           f"scheduling {args.async_scheduling}), µs: min / "
           f"median over {args.rounds} rounds{f' x {args.turns} turns' if args.before else ''}")
@@ -223,7 +241,7 @@ def main() -> None:
         print(f"step: this checkout's minimum is {ratio:.2f}x the other's")
     print(json.dumps({"num_seqs": args.num_seqs, "sampling": args.sampling, "race": args.race,
                       "async_scheduling": args.async_scheduling,
-                      "eager_layers": args.eager_layers, "step_min_us": result["this"]["step"]["min_us"], **result}))
+                      "eager_layers": args.eager_layers, "prompt_graphs": args.prompt_graphs, "step_min_us": result["this"]["step"]["min_us"], **result}))
 
 
 if __name__ == "__main__":
