@@ -601,10 +601,10 @@ class Engine:
                 tokens = [token]
                 output.append(token)
                 req.all_token_ids.append(token)
-                n, reason = len(output), None  # (_stop_reason inline: most tokens only count against the length)
+                n, reason = len(output), None  # (most tokens stop nothing: only their length is checked here)
                 if req.sampling_state.grammar is not None or token in watched or token in req.stop_token_ids:
-                    reason = self._stop_at(req, token, n)
-                if reason is None and (n >= req.params.max_tokens or n + req.num_prompt_tokens >= max_model_len):
+                    reason = self._stop_reason(req, token)
+                elif n >= req.params.max_tokens or n + req.num_prompt_tokens >= max_model_len:
                     reason = "length"
             else:
                 (start, take), tokens, reason = spans[i], [], None
