@@ -35,8 +35,8 @@ from itertools import combinations
 
 _KNOWN = 1e-3  # the prompt-step weight below which c counts as unknown (~340 steps after the last one)
 OUTLIER = 4.0  # a step counts as at most this many times the fit's prediction
-# the fit that clips outliers is made anew for a step it calls one, at most every REFIT steps, and at least every
-# STALE steps (a fit is ~40 us of Python: made every few steps, it was a tenth of a decode step's host work)
+# the fit that clips outliers is made anew for a step it is OUTLIER times off for, at most every REFIT steps, and at
+# least every STALE steps (a fit is ~40 us of Python: made every few steps, it was a tenth of a decode step's host work)
 REFIT, STALE = 8, 64
 _MODELS = [keep for k in (3, 2, 1) for keep in combinations(range(3), k)]  # which of (a, b, c) are free
 
@@ -74,14 +74,18 @@ class PrefillCap:
         """One step's make-up (decode rows, prompt tokens) and how long it took. A step far slower than
         the fit predicts (a pause, a first call compiling something) counts as ``OUTLIER`` times the
         prediction (of a fit up to ``REFIT`` steps old: one older, up to ``STALE``, is made anew for a step it
-        calls slow), so that one such step cannot swing the cap for the next fifty."""
+        is off for by that factor either way), so that one such step cannot swing the cap for the next fifty."""
         self._steps += 1
         if self._steps == 1 or not math.isfinite(seconds) or seconds < 0:
             return  # the first step pays one-time costs (allocations, kernels built on first use)
         x = (1.0, float(num_decodes), float(num_prompt_tokens))
         if self._prompt_weight > _KNOWN:
             age = self._steps - self._clip_step
-            if self._clip is None or age >= STALE or age >= REFIT and seconds > OUTLIER * _predict(self._clip, x):
+            stale = self._clip is None or age >= STALE
+            if not stale and age >= REFIT:  # off by OUTLIER either way (one made after a few prompt steps may
+                was = _predict(self._clip, x)  # predict decodes far too slow)
+                stale = not was / OUTLIER <= seconds <= OUTLIER * was
+            if stale:
                 self._clip, self._clip_step = self.fit(), self._steps
             predicted = _predict(self._clip, x)
             if predicted > 0:

@@ -429,6 +429,21 @@ def test_one_slow_step_does_not_swing_the_cap():
     assert abs(cap.value(8) - 140) < 14  # and back
 
 
+def test_stalls_soon_after_the_first_prompts_do_not_swing_the_cap():
+    """The fit that clips slow steps is made anew when it is off by the clip's factor either way: one made after
+    the first steps, all prompt chunks, predicts a decode step far too slow, and three stalls of 0.4 s (a first
+    recording, a compile) that it would let through whole must not push the cap to thousands (review)."""
+    def device(rows, prompt):  # 10 ms a step, 1 ms a decode row, 0.2 ms a prompt token: the cap is about 97
+        return 0.010 + 0.001 * rows + 0.0002 * prompt
+    cap = PrefillCap(maximum=8192)
+    for step in range(1, 81):
+        rows, prompt = (8 * (step > 2), 500) if step <= 2 or step % 20 == 0 else (8, 0)
+        cap.observe(rows, prompt, 0.4 if step in (15, 16, 17) else device(rows, prompt))
+        if step == 18:
+            assert cap.value(8) < 2 * 97
+    assert abs(cap.value(8) - 97) <= 3
+
+
 # ----------------------------------------------------------------------------- invariants, at random
 
 
