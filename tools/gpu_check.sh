@@ -22,7 +22,8 @@
 #                   too), KV sizing by profiling, CUDA graphs, surviving an out-of-memory step
 #   bench-kernels   tools/bench_kernels.py: each kernel against torch and the memory floor; then
 #                   tools/bench_host.py: a decode step's Python at 256 sequences on this machine's host,
-#                   greedy, then top-p sampled as on CUDA (the race)
+#                   greedy, then top-p sampled as on CUDA (the race), then a step with two new prompts
+#                   beside them replayed through prompt graphs
 #   offline-SHAPE   tools/bench_offline.py on each model, 256 requests at 256 sequences: out tok/s, the decode
 #                   step against the HBM floor, the host's share; with asynchronous scheduling off, then on;
 #                   on Qwen2-0.5B's shape then tools/profile_steps.py: where a step with new prompts goes
@@ -75,8 +76,9 @@ figure() {  # figure NAME LOG: the figure to read in a part's log
                         "launch >= $(json_last "$log" rope_store_apart_over_fused)x; decode's best other launch" \
                         "$(json_last "$log" decode_best_launch); sampling 256 rows of Qwen2's vocabulary, us:" \
                         "$(json_last "$log" sampler_us); a decode step's" \
-                        "Python at 256 sequences $(json_last "$log" step_min_us 2) us greedy," \
-                        "$(json_last "$log" step_min_us) us top-p (bench_host)" ;;
+                        "Python at 256 sequences $(json_last "$log" step_min_us 3) us greedy," \
+                        "$(json_last "$log" step_min_us 2) us top-p, $(json_last "$log" step_min_us) us with two new" \
+                        "prompts through prompt graphs (bench_host)" ;;
     offline-*) echo "$(json_last "$log" tokenmill_out_tok_s) out tok/s, $(json_last "$log" decode_vs_floor)x floor," \
                     "host $(json_last "$log" host_share), device idle $(json_last "$log" device_idle_share) (synchronous steps: $(json_last "$log" tokenmill_out_tok_s 2)" \
                     "out tok/s, host $(json_last "$log" host_share 2))$(grep -q prompt_step_ms "$log" &&
@@ -189,7 +191,8 @@ else
   # figure of the machine that measured the code last
   host_bench=
   has "$ENGINE" && host_bench="&& $PY tools/bench_host.py --rounds 4 --steps 20 &&
-    $PY tools/bench_host.py --rounds 4 --steps 20 --sampling top_p --race"
+    $PY tools/bench_host.py --rounds 4 --steps 20 --sampling top_p --race &&
+    $PY tools/bench_host.py --rounds 4 --steps 20 --prompt-graphs"
   part bench-kernels 150 "$PY tools/bench_kernels.py $host_bench"
 fi
 
