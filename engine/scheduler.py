@@ -219,7 +219,7 @@ class Scheduler:
         batch = ScheduledBatch()
         self.now = self.waiting.now = self.clock()
         self._expire(batch)
-        self._schedule_decodes(batch)
+        others = self._schedule_decodes(batch)
         budget = cap = self.max_num_batched_tokens - batch.num_tokens
         # the batch being filled: every running and waiting generation, as far as seqs allow (when prompt
         # tokens could join at all: fitting the cap is most of a one-stream step's scheduling). Embeddings
@@ -230,7 +230,7 @@ class Scheduler:
             generating = sum(r.pool is None for r in self.running)
             rows = min(self.max_num_seqs, generating + joining)
             cap = min(budget, self.prefill_cap.value(rows))
-        self._schedule_prompts(batch, budget, cap, admit=not (batch.num_decodes and self._delayed()))
+        self._schedule_prompts(batch, others, budget, cap, admit=not (batch.num_decodes and self._delayed()))
         if self.proposer is not None:
             self._add_drafts(batch)
         batch.window_writes = self.block_manager.take_window_writes()
@@ -329,22 +329,27 @@ class Scheduler:
             self._deadlines = [d for d in self._deadlines if d[2].status is not Status.FINISHED]
             heapq.heapify(self._deadlines)
 
-    def _schedule_decodes(self, batch: ScheduledBatch) -> None:
+    def _schedule_decodes(self, batch: ScheduledBatch) -> list[Request]:
         """Decodes first, in admission order: each running request that computes the one token it samples
         from, but an embedding (its last prompt token is a prompt token) and one whose token in flight is
-        its last by ``max_tokens``. (Most of a step's requests: a few operations each.)"""
+        its last by ``max_tokens``. (Most of a step's requests: a few operations each.) Returns the running
+        requests it did not schedule, those still prefilling among them, in admission order."""
         bm, running, limit = self.block_manager, Status.RUNNING, self.max_num_batched_tokens
         room = limit - batch.num_tokens  # (decodes past it wait)
         per_block = bm.tokens_per_block  # (a decode whose blocks hold its tokens allocates nothing: most)
         # those whose token fills a block for the prefix cache (one step in block_size)
         caching, filling = bm.block_size if bm.enable_prefix_caching else 0, []
         decodes: list[Request] = []  # (added to the batch together: before any allocation, which may preempt)
-        for req in list(self.running):  # (a copy: one may be preempted for another's block)
+        others: list[Request] = []
+        admitted = list(self.running)  # (a copy: one may be preempted for another's block)
+        for req in admitted:
             tokens = len(req.all_token_ids) + req.num_in_flight
             if (tokens - req.num_computed_tokens != 1 or req.pool is not None or req.status is not running
                     or tokens - req.num_prompt_tokens >= req.params.max_tokens):
+                others.append(req)
                 continue
-            if len(decodes) >= room:
+            if len(decodes) >= room:  # (the budget is spent: no prompt token joins either)
+                others += admitted[admitted.index(req):]
                 break
             if tokens > len(req.block_table) * per_block:
                 batch.add_decodes(decodes)
@@ -360,13 +365,16 @@ class Scheduler:
         for req in filling:
             if req.status is running:  # (not one preempted since, for another's block)
                 bm.cache_full_blocks(req, req.num_computed_tokens + 1)
+        return others
 
-    def _schedule_prompts(self, batch: ScheduledBatch, limit: int, cap: int, admit: bool = True) -> None:
+    def _schedule_prompts(self, batch: ScheduledBatch, others: list[Request], limit: int, cap: int,
+                          admit: bool = True) -> None:
         """Up to ``limit`` prompt tokens, at most ``cap`` to each request, to running requests still
-        prefilling and to waiting ones (unless not ``admit``), best rank first."""
+        prefilling (among ``others``: those not decoding) and to waiting ones (unless not ``admit``), best
+        rank first."""
         rank = self.waiting.rank
-        prefilling = [] if batch.num_decodes == len(self.running) else sorted(  # (all decoding: none is)
-            (r for r in self.running if r.num_tokens - r.num_computed_tokens > (r.pool is None)), key=rank)
+        prefilling = sorted((r for r in others if r.status is Status.RUNNING
+                             and r.num_tokens - r.num_computed_tokens > (r.pool is None)), key=rank)
         admit = admit and not (self.one_at_a_time and prefilling)
         step_cap = self.block_manager.max_step_tokens or limit  # (a sliding-window pool's bound)
         # beside decodes, one prompt longer than the cap at a time takes a chunk; the others wait, and a long
