@@ -100,8 +100,8 @@ class PrefillCap:
         self._fit = None
 
     def fit(self) -> tuple[float, float, float]:
-        """(a, b, c): the least-squares fit with every coefficient >= 0 (each subset of the three
-        solved exactly, the feasible one with the least residual kept)."""
+        """(a, b, c): the least-squares fit with every coefficient >= 0 (all three solved exactly, or where that
+        is not feasible each subset, the feasible one with the least residual kept)."""
         if self._fit is None:
             best, best_rss = (0.0, 0.0, 0.0), self._tt
             for keep in _MODELS:
@@ -115,6 +115,8 @@ class PrefillCap:
                     for i, v in zip(keep, beta, strict=True):
                         full[i] = v
                     best, best_rss = (full[0], full[1], full[2]), rss
+                if len(keep) == 3:  # the least squares of all three feasible: no subset's residual is less
+                    break
             self._fit = best
         return self._fit
 
