@@ -36,7 +36,7 @@ from itertools import combinations
 _KNOWN = 1e-3  # the prompt-step weight below which c counts as unknown (~340 steps after the last one)
 OUTLIER = 4.0  # a step counts as at most this many times the fit's prediction
 # the fit that clips outliers is made anew for a step it is OUTLIER times off for, at most every REFIT steps, and at
-# least every STALE steps (a fit is ~40 us of Python: made every few steps, it was a tenth of a decode step's host work)
+# least every STALE steps (a fit is 10 to 50 us of Python: a decode-only step need not pay for one)
 REFIT, STALE = 8, 64
 _MODELS = [keep for k in (3, 2, 1) for keep in combinations(range(3), k)]  # which of (a, b, c) are free
 
