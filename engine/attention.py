@@ -18,6 +18,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -86,17 +87,17 @@ def decode_order(seq_lens: Sequence[int], table_rows: Sequence[int]) -> list[int
     return sorted(range(len(seq_lens)), key=lambda i: (-longest[table_rows[i]], first[table_rows[i]], -seq_lens[i]))
 
 
-def prefill_lists(query_lens: list[int], computed_lens: list[int], table_rows: Sequence[int]) -> tuple[
-        list[int], list[int], list[int], list[int]]:
+def prefill_index(query_lens: list[int], computed_lens: list[int], table_rows: Sequence[int]) -> tuple[
+        np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Sequences that add ``query_lens[b]`` tokens after ``computed_lens[b]`` cached ones, as one prefill: each
-    token's position and row of the tables, each sequence's length, and its first token's index (B + 1)."""
-    positions, token_rows, seq_lens, start = [], [], [], [0]
-    for q, c, row in zip(query_lens, computed_lens, table_rows, strict=True):
-        positions += range(c, c + q)
-        token_rows += [row] * q
-        seq_lens.append(c + q)
-        start.append(start[-1] + q)
-    return positions, token_rows, seq_lens, start
+    token's position and row of the tables, each sequence's length, and its first token's index (B + 1); int64
+    arrays, made in a few operations a step, not a few a sequence (a step of hundreds of decodes beside its
+    prompts is most of a busy server's)."""
+    q, cached, rows = (np.array(v, dtype=np.int64) for v in (query_lens, computed_lens, table_rows))
+    start = np.zeros(len(q) + 1, dtype=np.int64)
+    np.cumsum(q, out=start[1:])
+    positions = np.arange(start[-1]) + np.repeat(cached - start[:-1], q)
+    return positions, np.repeat(rows, q), cached + q, start
 
 
 @dataclass
@@ -162,10 +163,11 @@ class StepIndex:
         """``build(split=False)`` for a step with prompt tokens: every sequence a prefill one, in the step's
         order, made from lists; without the reference's gather indices (Triton's kernel, which takes such
         steps, reads none; the reference makes them where it is given none)."""
-        positions, token_rows, seq_lens, start = prefill_lists(query_lens, computed_lens, table_rows)
-        t = {"positions": ints(positions), "token_table_rows": ints(token_rows), "prefill_table_rows": ints(table_rows),
-             "prefill_seq_lens": ints(seq_lens), "prefill_query_start": ints(start)}
-        return cls(t, 0, max(seq_lens), False, False)
+        positions, token_rows, seq_lens, start = prefill_index(query_lens, computed_lens, table_rows)
+        t = {"positions": torch.from_numpy(positions), "token_table_rows": torch.from_numpy(token_rows),
+             "prefill_table_rows": ints(table_rows), "prefill_seq_lens": torch.from_numpy(seq_lens),
+             "prefill_query_start": torch.from_numpy(start)}
+        return cls(t, 0, int(seq_lens.max()), False, False)
 
     @classmethod
     def _decode_only(cls, computed_lens: list[int], table_rows: Sequence[int]) -> StepIndex:

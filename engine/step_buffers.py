@@ -23,7 +23,7 @@ from collections.abc import Callable, Hashable
 import numpy as np
 import torch
 
-from engine.attention import StepIndex, ints
+from engine.attention import StepIndex, ints, prefill_index
 from engine.request import Request
 
 log = logging.getLogger("tokenmill.engine")
@@ -289,21 +289,16 @@ class PromptGraphs:
 
     def _padded(self, token_ids: list[int], query_lens: list[int], computed_lens: list[int], table_rows: list[int],
                 n: int) -> torch.Tensor:
-        """In numpy: a few operations a step, not a few a sequence (a step of hundreds of decodes beside its
-        prompts is most of a busy server's)."""
         t, b, m, scratch = len(token_ids), len(query_lens), self.max_seqs, self.tables.scratch_row
-        q, cached, rows = (np.array(v, dtype=np.int64) for v in (query_lens, computed_lens, table_rows))
-        out = np.empty(3 * n + 3 * m + 1, dtype=np.int64)
-        ids, positions, token_rows, seq_rows, seq_lens, start = np.split(
-            out, [n, 2 * n, 3 * n, 3 * n + m, 3 * n + 2 * m])
-        first = np.cumsum(q) - q  # each sequence's first token in the step
+        positions, token_rows, seq_lens, start = prefill_index(query_lens, computed_lens, table_rows)
+        out = np.empty(3 * n + 3 * m + 1, dtype=np.int64)  # its parts, in order:
+        ids, pos, rows, seq_rows, lens, starts = np.split(out, [n, 2 * n, 3 * n, 3 * n + m, 3 * n + 2 * m])
         ids[:t], ids[t:] = token_ids, 0
-        positions[:t] = np.arange(t) + np.repeat(cached - first, q)
-        positions[t:] = np.arange(n - t)  # the padding sequence's, on the scratch block
-        token_rows[:t], token_rows[t:] = np.repeat(rows, q), scratch
-        seq_rows[:b], seq_rows[b:] = rows, scratch  # (the padding sequence's and the empty ones')
-        seq_lens[:b], seq_lens[b], seq_lens[b + 1:] = cached + q, n - t, 0
-        start[:b], start[b], start[b + 1:] = first, t, n
+        pos[:t], pos[t:] = positions, np.arange(n - t)  # (the padding sequence's, on the scratch block)
+        rows[:t], rows[t:] = token_rows, scratch
+        seq_rows[:b], seq_rows[b:] = table_rows, scratch  # (the padding sequence's and the empty ones')
+        lens[:b], lens[b], lens[b + 1:] = seq_lens, n - t, 0
+        starts[:b + 1], starts[b + 1:] = start, n
         return torch.from_numpy(out)
 
     def _forward(self, n: int) -> None:
