@@ -138,8 +138,9 @@ class PriorityQueue(RankedQueue):
     # waited ``aging_seconds / 2`` longer: equals take turns no faster than that.
     preempt_margin = 0.5
 
-    def base_rank(self, req: Request) -> float:
-        return float(req.priority)
+    def rank(self, req: Request) -> float:  # (the base, the priority, inlined: a full server's step ranks every
+        t = req.queued_at if req.status is Status.WAITING else self.now  # running request for a victim)
+        return req.priority + (t - req.waited) / self.aging_seconds
 
 
 class ShortFirstQueue(RankedQueue):

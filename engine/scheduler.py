@@ -220,17 +220,21 @@ class Scheduler:
         self.now = self.waiting.now = self.clock()
         self._expire(batch)
         others = self._schedule_decodes(batch)
-        budget = cap = self.max_num_batched_tokens - batch.num_tokens
-        # the batch being filled: every running and waiting generation, as far as seqs allow (when prompt
-        # tokens could join at all: fitting the cap is most of a one-stream step's scheduling). Embeddings
-        # never decode: counted, they would size the cap for a batch that never comes, and stall the streams
-        if batch.num_decodes and (self.waiting or batch.num_decodes < len(self.running)):
-            waiting = len(self.waiting) - self._waiting_embeddings
-            joining = min(1, waiting) if self.one_at_a_time else waiting
-            generating = sum(r.pool is None for r in self.running)
-            rows = min(self.max_num_seqs, generating + joining)
-            cap = min(budget, self.prefill_cap.value(rows))
-        self._schedule_prompts(batch, others, budget, cap, admit=not (batch.num_decodes and self._delayed()))
+        prefilling = sorted((r for r in others if r.status is Status.RUNNING
+                             and r.num_tokens - r.num_computed_tokens > (r.pool is None)), key=self.waiting.rank)
+        # no prompt token joins a full server's step: its waiting queue, however long, costs nothing
+        if prefilling or self.waiting and self._seat_for(self.waiting.peek(), batch):
+            budget = cap = self.max_num_batched_tokens - batch.num_tokens
+            # the batch being filled: every running and waiting generation, as far as seqs allow (when prompt
+            # tokens could join at all: fitting the cap is most of a one-stream step's scheduling). Embeddings
+            # never decode: counted, they would size the cap for a batch that never comes, and stall the streams
+            if batch.num_decodes and (self.waiting or batch.num_decodes < len(self.running)):
+                waiting = len(self.waiting) - self._waiting_embeddings
+                joining = min(1, waiting) if self.one_at_a_time else waiting
+                generating = sum(r.pool is None for r in self.running)
+                rows = min(self.max_num_seqs, generating + joining)
+                cap = min(budget, self.prefill_cap.value(rows))
+            self._schedule_prompts(batch, prefilling, budget, cap, hold=batch.num_decodes > 0)
         if self.proposer is not None:
             self._add_drafts(batch)
         batch.window_writes = self.block_manager.take_window_writes()
@@ -367,15 +371,13 @@ class Scheduler:
                 bm.cache_full_blocks(req, req.num_computed_tokens + 1)
         return others
 
-    def _schedule_prompts(self, batch: ScheduledBatch, others: list[Request], limit: int, cap: int,
-                          admit: bool = True) -> None:
+    def _schedule_prompts(self, batch: ScheduledBatch, prefilling: list[Request], limit: int, cap: int,
+                          hold: bool = False) -> None:
         """Up to ``limit`` prompt tokens, at most ``cap`` to each request, to running requests still
-        prefilling (among ``others``: those not decoding) and to waiting ones (unless not ``admit``), best
-        rank first."""
+        ``prefilling`` (best rank first) and to waiting ones, best rank first (unless ``hold`` and the
+        scheduler delay holds them)."""
         rank = self.waiting.rank
-        prefilling = sorted((r for r in others if r.status is Status.RUNNING
-                             and r.num_tokens - r.num_computed_tokens > (r.pool is None)), key=rank)
-        admit = admit and not (self.one_at_a_time and prefilling)
+        admit = not (self.one_at_a_time and prefilling)
         step_cap = self.block_manager.max_step_tokens or limit  # (a sliding-window pool's bound)
         # beside decodes, one prompt longer than the cap at a time takes a chunk; the others wait, and a long
         # waiting one steps aside (``passed``) for the shorter ones behind it
@@ -401,6 +403,14 @@ class Scheduler:
                 continue
             if head is None:
                 break
+            if not self._seat_for(head, batch):
+                admit = False  # the head waits (and those behind it)
+                continue
+            if hold:  # (asked once a head could join: a full server's steps never walk the queue for it)
+                hold = False
+                if self._delayed():
+                    admit = False
+                    continue
             bm = self.block_manager
             cacheable = _cacheable_tokens(head)
             cached = bm.match_prefix(head, cacheable)
@@ -435,13 +445,18 @@ class Scheduler:
                 admit = not self.one_at_a_time
                 long_taken |= long
                 continue
-            victim = self._victim_for(head, batch) if self.waiting.preempts else None
+            victim = self._victim_for(head, batch)
             if victim is None:
                 admit = False  # the head waits; running prompts may still use the budget
                 continue
             self._preempt(victim, batch)
         for req in reversed(passed):  # back where they were
             self.waiting.requeue(req)
+
+    def _seat_for(self, head: Request, batch: ScheduledBatch) -> bool:
+        """Whether waiting ``head`` may take a seat: one is free, or a running request ranks low enough to
+        give one up."""
+        return len(self.running) < self.max_num_seqs or self._victim_for(head, batch) is not None
 
     def _allocate_running(self, req: Request, n: int, batch: ScheduledBatch) -> bool:
         """Blocks for ``n`` more tokens of running ``req``, preempting for them if needed."""
@@ -488,13 +503,17 @@ class Scheduler:
         return max(pool, key=key) if pool else req
 
     def _victim_for(self, head: Request, batch: ScheduledBatch) -> Request | None:
-        """A running request that ranks worse than waiting ``head`` and may be preempted, if any."""
-        candidates = [r for r in self.running if not r.just_preempted and r.request_id not in batch.pinned]
-        if not candidates:
+        """A running request that ranks worse than waiting ``head`` and may be preempted, if any (never but
+        under a policy that ``preempts``)."""
+        if not self.waiting.preempts or not self.running:
             return None
-        victim = max(candidates, key=self._order())
-        better_by = self.waiting.rank(victim) - self.waiting.rank(head)
-        return victim if better_by >= self.waiting.preempt_margin else None
+        rank, margin = self.waiting.rank, self.waiting.preempt_margin
+        if max(map(rank, self.running)) - rank(head) < margin:  # (of all running first: nobody's order needed)
+            return None
+        candidates = [r for r in self.running if not r.just_preempted and r.request_id not in batch.pinned]
+        if not candidates or max(map(rank, candidates)) - rank(head) < margin:
+            return None
+        return max(candidates, key=self._order())
 
     def _add(self, batch: ScheduledBatch, req: Request, n: int) -> None:
         """Schedule ``n`` tokens of ``req``; the full blocks they complete become findable at once."""

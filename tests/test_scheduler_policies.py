@@ -367,6 +367,36 @@ def test_the_delay_factor_holds_waiting_prompts_for_fewer_larger_steps():
     assert s.delay_factor == 0.0
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "short-first", "priority"])
+def test_a_full_servers_step_leaves_its_waiting_queue_alone(policy, monkeypatch):
+    """Every seat taken, nobody to preempt (the waiting ones are no more urgent): a decode step neither looks
+    the waiting up in the prefix cache, nor fits the prefill cap, nor walks the queue for the delay, nor orders
+    the running for a victim; the queue keeps its order. Once a seat frees, the head joins (held as usual)."""
+    clock = Clock()
+    bm = BlockManager(64, 4, True)
+    s = Scheduler(bm, 2, 64, 64, policy, 30.0, PrefillCap(64), clock, delay_factor=1.0)
+    add_all(s, clock, req("a", 4, max_tokens=3), req("b", 4))
+    step(s)
+    queued = [req(f"w{i}", 4 + i % 3, max_tokens=5 + i) for i in range(8)]
+    add_all(s, clock, *queued)
+    order = ids(s.waiting)
+
+    def untouched(*args):
+        raise AssertionError("a full server's step touched its waiting queue")
+
+    with monkeypatch.context() as m:
+        for obj, name in ((bm, "match_prefix"), (s.prefill_cap, "value"), (s, "_delayed"), (s, "_order"),
+                          (type(s.waiting), "__iter__")):
+            m.setattr(obj, name, untouched)
+        for _ in range(2):
+            clock.now += 0.01
+            assert ids(step(s).requests) == ["a", "b"]
+    assert ids(s.waiting) == order
+    s.finish(s.running[0], "length")
+    clock.now += 0.01
+    assert ids(step(s).requests) == ["b", order[0]]  # (the delay: the head has waited longer than a prompt step)
+
+
 def test_an_idle_server_prefills_at_full_speed():
     s, _, clock = make(budget=64, cap=8)
     add_all(s, clock, req("long", 40), req("b", 30))

@@ -16,6 +16,9 @@ and its GEMMs stubbed out: the host work of an eager step's launches, which a GP
 ``--prompt-graphs`` times such steps as CUDA runs them by default: each step with prompt tokens padded
 to a prompt graph's token count and replayed (stubbed), the model stubbed out as for decode steps.
 
+``--waiting N`` times decode steps of a full server: N requests wait behind the full seats, with the
+scheduler delay CUDA's graphs get (``--scheduling-policy priority``: a waiting request may preempt).
+
 ``--before DIR`` times another checkout (a ``git worktree`` of an older commit) the same way, in turns
 with this one, and prints both side by side. The last line is one JSON object.
 
@@ -24,6 +27,7 @@ with this one, and prints both side by side. The last line is one JSON object.
     python tools/bench_host.py --sampling top_p --race          # top-p sampled as on CUDA
     python tools/bench_host.py --eager-layers 24 --before /tmp/old
     python tools/bench_host.py --prompt-graphs --before /tmp/old
+    python tools/bench_host.py --waiting 1000 --scheduling-policy priority --before /tmp/old
 """
 
 from __future__ import annotations
@@ -47,13 +51,15 @@ HIDDEN = 64
 
 
 def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_scheduling: str,
-            eager_layers: int = 0, race: bool = False, prompt_graphs: bool = False) -> dict[str, list[float]]:
+            eager_layers: int = 0, race: bool = False, prompt_graphs: bool = False, waiting: int = 0,
+            policy: str = "fcfs") -> dict[str, list[float]]:
     """Per stage, each round's mean seconds per decode step. ``eager_layers``: instead, steps that also carry two
     new 128-token prompts, through a model of that many layers whose Triton kernels and GEMMs are stubbed out
     (the Python of an eager step's launches, ``model``; on the CPU, through Triton's interpreter's imports).
     ``race``: non-greedy rows sample as on CUDA, through the race kernel (stubbed: its host side is timed).
     ``prompt_graphs``: steps that carry two new 128-token prompts beside the decodes, replayed through prompt
-    graphs as on CUDA (stubbed)."""
+    graphs as on CUDA (stubbed). ``waiting``: that many requests wait behind the full seats (``max_num_seqs``
+    is ``num_seqs``) through the timed decode steps, with CUDA's scheduler delay (a full server's steps)."""
     if eager_layers:
         os.environ["TRITON_INTERPRET"] = "1"  # (before anything imports triton)
     import torch
@@ -77,7 +83,8 @@ def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_schedul
     # (on the CPU wherever it runs: the stubs are host tensors, and the host's work is what is timed)
     llm = LLM(path, dtype="float32", device="cpu", max_num_seqs=num_seqs + arrivals, num_kv_blocks=64 * (num_seqs + arrivals),
               max_model_len=2048 if prompt_graphs else 512, async_scheduling=async_scheduling,
-              enforce_eager=bool(eager_layers))
+              enforce_eager=bool(eager_layers), scheduling_policy=policy,
+              **({"scheduler_delay_factor": 1.0, "max_num_waiting_requests": waiting} if waiting else {}))
     engine, runner = llm.engine, llm.engine.runner
     if eager_layers:
         _stub_kernels()
@@ -129,6 +136,9 @@ def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_schedul
             engine.step()
         for stage in STAGES:
             spent[stage].append(0.0)
+        queued = [f"{k}-w{i}" for i in range(waiting)]  # (behind the full seats: never admitted while timed)
+        for i, request_id in enumerate(queued):
+            engine.add_request(request_id, [(5 * i + j) % 4000 + 3 for j in range(64)], params)
         timing[0] = True
         for _ in range(steps):
             for _ in range(2 if arrivals else 0):
@@ -138,6 +148,7 @@ def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_schedul
         timing[0] = False
         for stage in STAGES:
             spent[stage][-1] /= steps
+        engine.abort(queued)
         while engine.has_work():
             engine.step()
     return {stage: values[1:] for stage, values in spent.items()}
@@ -197,6 +208,10 @@ def main() -> None:
                         "CUDA (stubbed)")
     p.add_argument("--race", action="store_true",
                    help="non-greedy rows sample as on CUDA: through the race kernel, stubbed (its host side timed)")
+    p.add_argument("--waiting", type=int, default=0, metavar="N",
+                   help="N requests wait behind the full seats (max_num_seqs is --num-seqs) through the decode steps, "
+                        "with CUDA's scheduler delay: a full server's steps")
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority", "short-first"), default="fcfs")
     p.add_argument("--before", metavar="DIR", help="another checkout to time the same way, in turns with this one")
     p.add_argument("--turns", type=int, default=3, help="with --before: runs of each checkout")
     p.add_argument("--raw", action="store_true", help=argparse.SUPPRESS)  # (a --before run's child: JSON only)
@@ -204,10 +219,14 @@ def main() -> None:
     flags = ["--num-seqs", str(args.num_seqs), "--steps", str(args.steps), "--rounds", str(args.rounds),
              "--sampling", args.sampling, "--async-scheduling", args.async_scheduling,
              "--eager-layers", str(args.eager_layers), *(["--race"] if args.race else []),
-             *(["--prompt-graphs"] if args.prompt_graphs else [])]
+             *(["--prompt-graphs"] if args.prompt_graphs else []), "--waiting", str(args.waiting),
+             "--scheduling-policy", args.scheduling_policy]
+    if args.waiting and (args.eager_layers or args.prompt_graphs):
+        p.error("--waiting times decode steps: not with --eager-layers or --prompt-graphs")
     if args.raw:
         print(json.dumps(measure(args.num_seqs, args.steps, args.rounds, args.sampling, args.async_scheduling,
-                                 args.eager_layers, args.race, args.prompt_graphs)))
+                                 args.eager_layers, args.race, args.prompt_graphs, args.waiting,
+                                 args.scheduling_policy)))
         return
     checkouts = {"this": HERE, **({"before": os.path.abspath(args.before)} if args.before else {})}
     runs: dict[str, dict[str, list[float]]] = {name: {stage: [] for stage in STAGES} for name in checkouts}
@@ -222,8 +241,10 @@ def main() -> None:
                 runs[name][stage] += values
     what = (f"step of {args.num_seqs} decodes and two 128-token prompts, eager, {args.eager_layers} layers stubbed"
             if args.eager_layers else f"step of {args.num_seqs} decodes and two 128-token prompts, prompt graphs"
-            if args.prompt_graphs else f"decode step at {args.num_seqs} sequences")
-    print(f"host time per {what} ({args.sampling}{', race as on CUDA' if args.race else ''}, asynchronous "
+            if args.prompt_graphs else f"decode step at {args.num_seqs} sequences"
+            + (f", {args.waiting} waiting" if args.waiting else ""))
+    print(f"host time per {what} ({args.sampling}{', race as on CUDA' if args.race else ''}, "
+          f"{args.scheduling_policy}, asynchronous "
           f"scheduling {args.async_scheduling}), µs: min / "
           f"median over {args.rounds} rounds{f' x {args.turns} turns' if args.before else ''}")
     names = list(reversed(checkouts))
@@ -241,7 +262,8 @@ def main() -> None:
         print(f"step: this checkout's minimum is {ratio:.2f}x the other's")
     print(json.dumps({"num_seqs": args.num_seqs, "sampling": args.sampling, "race": args.race,
                       "async_scheduling": args.async_scheduling,
-                      "eager_layers": args.eager_layers, "prompt_graphs": args.prompt_graphs, "step_min_us": result["this"]["step"]["min_us"], **result}))
+                      "eager_layers": args.eager_layers, "prompt_graphs": args.prompt_graphs, "waiting": args.waiting,
+                      "scheduling_policy": args.scheduling_policy, "step_min_us": result["this"]["step"]["min_us"], **result}))
 
 
 if __name__ == "__main__":
