@@ -43,9 +43,11 @@ class FcfsQueue:
     """Arrival order; preempted requests go back to the front. Never preempts on rank."""
 
     preempts = False
+    preempt_margin = 0.0
 
     def __init__(self, aging_seconds: float = math.inf) -> None:
         self._q: deque[Request] = deque()
+        self._aside: list[Request] = []
         self.now = 0.0
 
     def rank(self, req: Request) -> float:
@@ -63,6 +65,15 @@ class FcfsQueue:
 
     def pop(self) -> Request:
         return self._q.popleft()
+
+    def set_aside(self) -> Request:
+        """Take the head out for this step: ``put_back`` returns what was set aside to where it was."""
+        self._aside.append(self._q.popleft())
+        return self._aside[-1]
+
+    def put_back(self) -> None:
+        self._q.extendleft(reversed(self._aside))
+        self._aside.clear()
 
     def remove(self, req: Request) -> None:
         self._q.remove(req)
@@ -83,6 +94,7 @@ class RankedQueue:
     """
 
     preempts = False
+    preempt_margin = 0.0
 
     def __init__(self, aging_seconds: float) -> None:
         if not aging_seconds > 0:
@@ -91,6 +103,7 @@ class RankedQueue:
         self.now = 0.0  # the scheduler's clock at this step: where running requests' ranks stand
         self._heap: list[list] = []  # [rank, seq, request or None once removed]
         self._entries: dict[str, list] = {}
+        self._aside: list[list] = []  # entries set aside for a step, their order kept
         self._seq = itertools.count()
 
     def base_rank(self, req: Request) -> float:
@@ -117,6 +130,19 @@ class RankedQueue:
         heapq.heappop(self._heap)
         del self._entries[req.request_id]
         return req
+
+    def set_aside(self) -> Request:
+        """Take the head out for this step: ``put_back`` returns what was set aside to where it was."""
+        req = self.peek()
+        self._aside.append(heapq.heappop(self._heap))
+        del self._entries[req.request_id]
+        return req
+
+    def put_back(self) -> None:
+        for entry in self._aside:
+            heapq.heappush(self._heap, entry)
+            self._entries[entry[2].request_id] = entry
+        self._aside.clear()
 
     def remove(self, req: Request) -> None:
         self._entries.pop(req.request_id)[2] = None

@@ -20,7 +20,7 @@ One step, in order:
    per request too). One prompt longer than the cap at a time takes a chunk
    (vLLM's ``--max-long-partial-prefills 1``), so that several long prompts do
    not stall the streams several times over; the others wait, and shorter ones
-   join, from behind a waiting long one too.
+   join, from behind a waiting long one too (up to ``LOOK_BEHIND`` of them).
    A cap on the step's prompt tokens in all starved the batch: a prompt-heavy
    load joined at the rate of one decode step's worth of tokens a step, slower
    than requests finished. A step without decodes (an idle server)
@@ -93,6 +93,10 @@ from engine.request_queue import make_queue
 from engine.speculative import NgramProposer
 
 log = logging.getLogger("tokenmill.engine")
+
+# Long waiting prompts a step passes over, at most, for shorter ones behind them: a queue of a thousand long
+# prompts cost 2.2 ms a step when each step walked it whole (fcfs; 4.4 ms under priority, its heap's pops)
+LOOK_BEHIND = 16
 
 
 @dataclass
@@ -376,18 +380,21 @@ class Scheduler:
         """Up to ``limit`` prompt tokens, at most ``cap`` to each request, to running requests still
         ``prefilling`` (best rank first) and to waiting ones, best rank first (unless ``hold`` and the
         scheduler delay holds them)."""
-        rank = self.waiting.rank
+        rank, margin = self.waiting.rank, self.waiting.preempt_margin
         admit = not (self.one_at_a_time and prefilling)
         step_cap = self.block_manager.max_step_tokens or limit  # (a sliding-window pool's bound)
         # beside decodes, one prompt longer than the cap at a time takes a chunk; the others wait, and a long
-        # waiting one steps aside (``passed``) for the shorter ones behind it
-        one_long, long_taken, passed = cap < limit, False, []
+        # waiting one steps aside (``passed``) for the shorter ones behind it (behind ``LOOK_BEHIND`` at most)
+        one_long, long_taken, passed = cap < limit, False, 0
         i = 0
         while batch.num_prompt_tokens + batch.image_tokens < limit:
             head = self.waiting.peek() if admit and self.waiting and not batch.short_of_blocks else None
             if head is not None and head.num_in_flight:  # preempted with a token in flight: back once it is known
                 head, admit = None, False
-            if i < len(prefilling) and (head is None or rank(prefilling[i]) <= rank(head)):
+            # a running prompt goes on first unless the head ranks better by the margin a preemption needs (one
+            # that may not push it out may not take its chunk either: a burst of long prompts, each ranking a
+            # little better than the last admitted as they wait, would start one a step and finish none)
+            if i < len(prefilling) and (head is None or rank(prefilling[i]) <= rank(head) + margin):
                 req = prefilling[i]
                 i += 1
                 left = min(req.num_tokens - req.num_computed_tokens, step_cap)
@@ -423,7 +430,11 @@ class Scheduler:
                 admit = False
                 continue
             if long and long_taken:  # another long prompt has this step's chunk
-                passed.append(self.waiting.pop())
+                if passed == LOOK_BEHIND:  # (a queue of long prompts: not walked whole every step)
+                    admit = False
+                    continue
+                self.waiting.set_aside()
+                passed += 1
                 continue
             # a resumed request comes back only when its whole context fits: back in part, it would
             # just be pushed out again
@@ -450,8 +461,7 @@ class Scheduler:
                 admit = False  # the head waits; running prompts may still use the budget
                 continue
             self._preempt(victim, batch)
-        for req in reversed(passed):  # back where they were
-            self.waiting.requeue(req)
+        self.waiting.put_back()  # (those passed)
 
     def _seat_for(self, head: Request, batch: ScheduledBatch) -> bool:
         """Whether waiting ``head`` may take a seat: one is free, or a running request ranks low enough to

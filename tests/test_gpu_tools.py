@@ -184,12 +184,14 @@ def test_bench_kernels_reads_graphed_times_where_the_capture_works(monkeypatch, 
 
 def test_bench_host_times_each_stage_of_a_decode_step_side_by_side():
     """``tools/bench_host.py``: the host's part of each stage per decode step, the model stubbed out; with
-    ``--before`` another checkout (here this one again) timed in turns with this one."""
+    ``--before`` another checkout (here this one again) timed in turns with this one; ``--waiting``: a full
+    server's steps (requests wait behind the full seats, never admitted while timed)."""
     r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_host.py"), "--num-seqs", "8", "--steps",
-                        "3", "--rounds", "1", "--sampling", "seeded", "--before", ROOT, "--turns", "1"],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+                        "3", "--rounds", "1", "--sampling", "seeded", "--before", ROOT, "--turns", "1", "--waiting", "5",
+                        "--scheduling-policy", "priority"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert (out["waiting"], out["scheduling_policy"]) == (5, "priority") and "8 sequences, 5 waiting" in r.stdout
     for name in ("this", "before"):
         stages = out[name]
         assert set(stages) == {"schedule", "prepare", "forward_step", "model", "sample", "postprocess", "step"}

@@ -313,6 +313,43 @@ def test_a_long_prompt_held_for_another_lets_shorter_ones_pass():
     assert ids(s.waiting) == ["L2"]  # back in its place
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "short-first"])
+def test_a_queue_of_long_prompts_is_passed_over_only_so_far(policy):
+    """A short prompt joins from behind up to ``LOOK_BEHIND`` long waiting ones, not from further back (a step
+    does not walk a thousand long prompts; short-first ranks it first anyway); those passed over keep their
+    places, ties too."""
+    from engine.scheduler import LOOK_BEHIND
+
+    for behind, joins in ((LOOK_BEHIND, True), (LOOK_BEHIND + 1, False)):
+        longs = [req(f"L{i}", 40) for i in range(behind + 1)]
+        s, _, clock = make(policy, num_blocks=512, budget=64, cap=8, max_num_seqs=8)
+        add_all(s, clock, req("a", 4))
+        step(s)
+        for r in [*longs, req("short", 3)]:
+            s.add(r)  # (at one instant: equal ranks, in arrival order)
+        order = ids(s.waiting)
+        batch = step(s)
+        assert set(ids(batch.requests)) == ({"a", "L0", "short"} if joins or policy == "short-first" else {"a", "L0"})
+        assert ids(s.waiting) == [x for x in order if x not in ids(batch.requests)]
+
+
+@pytest.mark.parametrize("policy", ["priority", "short-first"])
+def test_a_burst_of_long_prompts_is_prefilled_one_at_a_time(policy):
+    """A waiting long prompt ranks a little better than the last admitted one as it waits (it ages; a running one
+    does not), but takes the step's long chunk from it only by the margin a preemption needs: before, each step
+    started another and finished none."""
+    s, _, clock = make(policy, num_blocks=512, budget=64, cap=8, max_num_seqs=8, aging=30.0)
+    add_all(s, clock, req("a", 4, max_tokens=500))
+    step(s)
+    add_all(s, clock, *[req(f"L{i}", 40, max_tokens=2) for i in range(5)])
+    for _ in range(12):
+        clock.now += 0.05
+        step(s)
+        started = [r for r in s.running if 0 < r.num_computed_tokens < r.num_prompt_tokens]
+        assert len(started) <= 1, ids(started)
+    assert [r.num_computed_tokens >= r.num_prompt_tokens for r in s.running[1:3]] == [True, True]
+
+
 def test_a_window_pool_step_bound_past_the_budget_still_chunks_long_prompts():
     """A sliding-window pool's per-step bound can exceed the budget: a prompt longer than the budget is
     chunked by the budget (the reviewer's hang: an idle server took it for a long prompt held back)."""

@@ -84,7 +84,7 @@ def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_schedul
     llm = LLM(path, dtype="float32", device="cpu", max_num_seqs=num_seqs + arrivals, num_kv_blocks=64 * (num_seqs + arrivals),
               max_model_len=2048 if prompt_graphs else 512, async_scheduling=async_scheduling,
               enforce_eager=bool(eager_layers), scheduling_policy=policy,
-              **({"scheduler_delay_factor": 1.0, "max_num_waiting_requests": waiting} if waiting else {}))
+              **({"scheduler_delay_factor": 1.0, "max_num_waiting_requests": num_seqs + waiting} if waiting else {}))
     engine, runner = llm.engine, llm.engine.runner
     if eager_layers:
         _stub_kernels()
@@ -148,6 +148,8 @@ def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_schedul
         timing[0] = False
         for stage in STAGES:
             spent[stage][-1] /= steps
+        if sum(r.request_id in queued for r in engine.scheduler.running):
+            sys.exit("a waiting request joined while timed: not a full server's steps")
         engine.abort(queued)
         while engine.has_work():
             engine.step()
