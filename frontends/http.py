@@ -17,7 +17,10 @@ among the pipelined ones, then the connection closes:
   connection past ``keep_alive_timeout`` is just closed);
 - ``max_header_bytes`` for the request line and headers: 431, checked as the
   bytes arrive, so at most one read more than that is ever buffered;
-- ``body_timeout``: no body bytes for that long: 408; ``max_body_bytes``: 413;
+- ``body_timeout``: no body bytes for that long, or a body slower on average than
+  ``min_body_rate`` bytes a second past its first ``body_timeout`` (Apache's
+  ``MinRate``: a byte now and then must not hold a connection for ever): 408;
+  ``max_body_bytes``: 413;
 - ``write_timeout``: a client that reads nothing of a response (an SSE stream
   above all) for that long, while the transport is full, is cut off.
 
@@ -215,6 +218,7 @@ class HttpConfig:
     max_body_bytes: int = 8 << 20
     header_timeout: float = 30.0  # from a request's first byte (or the connection's start) to its headers
     body_timeout: float = 30.0  # longest pause between body bytes
+    min_body_rate: float = 500.0  # bytes a second a body must average past its first body_timeout (408)
     keep_alive_timeout: float = 5.0  # an idle keep-alive connection is closed after this
     write_timeout: float = 30.0  # longest a response may wait on a client that does not read
     max_header_bytes: int = 64 << 10  # request line + headers
@@ -355,6 +359,7 @@ class HttpProtocol(asyncio.Protocol):
         self._head_bytes = 0  # of that head: the request target and the headers parsed so far
         self._head_raw = 0  # of that head: the reads known to hold nothing else
         self._last_body = 0.0  # loop time of the current request's last body bytes
+        self._body_start = 0.0  # ... and of when its body was due to start
 
     # ------------------------------------------------------------------ asyncio callbacks
 
@@ -457,7 +462,7 @@ class HttpProtocol(asyncio.Protocol):
         if length is not None and length.isdigit() and int(length) > self.config.max_body_bytes:
             self._too_large(req)
         if length is not None or "transfer-encoding" in req.headers:  # a body follows: time it
-            self._last_body = self._loop.time()
+            self._last_body = self._body_start = self._loop.time()
             self._arm(self.config.body_timeout)
         else:
             self._disarm()
@@ -543,7 +548,7 @@ class HttpProtocol(asyncio.Protocol):
             cur = self._cur
             if cur is not None and cur.expect_continue and not self._pending:
                 cur.expect_continue = False
-                self._last_body = self._loop.time()  # its body timer starts now
+                self._last_body = self._body_start = self._loop.time()  # its body timer starts now
                 self.transport.write(_CONTINUE)
         if self.lost:
             return
@@ -708,10 +713,13 @@ class HttpProtocol(asyncio.Protocol):
             self._arm(c.header_timeout if self._in_head else c.body_timeout)
         elif self._in_head:
             self._refuse(req, 408, f"Request headers not received within {c.header_timeout:g}s")
-        elif (left := self._last_body + c.body_timeout - self._loop.time()) > 0:
-            self._arm(left)
-        else:
+        elif (paused := self._loop.time() - self._last_body) >= c.body_timeout:
             self._refuse(req, 408, f"No request body bytes for {c.body_timeout:g}s")
+        elif (left := self._body_start + c.body_timeout + len(req.body) / c.min_body_rate - self._loop.time()) <= 0:
+            self._refuse(req, 408, f"Request body too slow: under {c.min_body_rate:g} bytes a second after the "
+                                   f"first {c.body_timeout:g}s")
+        else:
+            self._arm(min(c.body_timeout - paused, left))
 
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():

@@ -20,7 +20,7 @@ import pytest
 from frontends.http import HttpConfig, HttpServer, Response, Router, Upgrade
 from tests.test_frontend_http import CLOSED, connect, echo, forever, post_echo, read_all, read_until
 
-LIMITS = HttpConfig(max_body_bytes=1000, header_timeout=0.4, body_timeout=0.3, keep_alive_timeout=0.5,
+LIMITS = HttpConfig(max_body_bytes=1000, header_timeout=0.4, body_timeout=0.3, min_body_rate=10, keep_alive_timeout=0.5,
                     write_timeout=0.3, max_header_bytes=2048)
 
 
@@ -85,6 +85,20 @@ def test_stalled_body_gets_408(port):
         time.sleep(0.12)
         s.sendall(bytes([b]))
     assert read_until(s, b"tickle").startswith(b"HTTP/1.1 200 ")
+
+
+def test_a_body_that_trickles_in_for_ever_gets_408(port):
+    """A byte every 0.2 s never pauses for the body timeout (0.3 s), but averages 5 bytes a second where 10 are
+    due past the first 0.3 s: cut at about 0.4 s (the review: a byte every few seconds held a connection, and
+    enough of them every connection a frontend takes, with no API key)."""
+    s = connect(port)
+    s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n")
+    t = time.time()
+    while not select.select([s], [], [], 0.2)[0] and time.time() - t < 3:
+        s.sendall(b"x")
+    r = read_all(s)
+    assert r.startswith(b"HTTP/1.1 408 ") and b"too slow: under 10 bytes a second" in r
+    assert 0.3 < time.time() - t < 1.5
 
 
 def test_header_timeout_fires_behind_a_pipelined_request(port):

@@ -13,6 +13,7 @@ prints one table, then one JSON line:
   normal TTFT, fcfs against priority.
 
     python tools/bench_scheduling.py --before /tmp/tokenmill-before
+    python tools/bench_scheduling.py --only mixed --policies priority --before-policies priority --before /tmp/old
 
 Each configuration takes about a minute with the default model on 2 CPU cores.
 """
@@ -92,6 +93,7 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=8, help="short streams in flight in the mixed workload")
     p.add_argument("--only", default="mixed,w2,two-priority", help="comma-separated workloads to run")
     p.add_argument("--policies", default="fcfs,short-first,priority", help="policies to run after the change")
+    p.add_argument("--before-policies", default="fcfs", help="policies to run before it (its flag: the checkout has it)")
     p.add_argument("--repeat", type=int, default=1, help="run the whole plan this many times (noise)")
     a = p.parse_args()
     model = ["--model", a.model] if a.model else []
@@ -107,9 +109,9 @@ def main() -> int:
     only = set(a.only.split(","))
     for name, checkout in versions:
         # "fcfs, no cap": the prefill cap lifted (a step may take the whole token budget), for its cost alone
-        policies = ["fcfs"] if name == "before" else [*a.policies.split(","), "fcfs, no cap"]
+        policies = a.before_policies.split(",") if name == "before" else [*a.policies.split(","), "fcfs, no cap"]
         for pol in policies:
-            flags = [*model, "--scheduling-policy", pol.split(",")[0]] if name == "after" else model
+            flags = [*model, "--scheduling-policy", pol.split(",")[0]] if pol != "fcfs" or name == "after" else model
             if pol.endswith("no cap"):
                 flags += ["--long-prefill-token-threshold", "2048"]
             if "mixed" in only:
