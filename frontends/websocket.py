@@ -220,6 +220,7 @@ class Connection(asyncio.Protocol):
         self._ping_timer: asyncio.TimerHandle | None = None
         self._idle_timer: asyncio.TimerHandle | None = None
         self._close_timer: asyncio.TimerHandle | None = None
+        self._draining = False  # our side is closed: what the client still sends is read and dropped
         self._last_activity = 0.0
         self._tokens = float(ep.config.max_frames_per_second)  # the frame rate limit's bucket
         self._tokens_at = 0.0
@@ -250,6 +251,8 @@ class Connection(asyncio.Protocol):
         return False  # the client is gone: close, which cancels its generations
 
     def data_received(self, data: bytes) -> None:
+        if self._draining:
+            return
         proto = self.proto
         proto.receive_data(data)
         for frame in proto.events_received():
@@ -536,8 +539,12 @@ class Connection(asyncio.Protocol):
         transport = self.transport
         if out:
             transport.writelines(out)
-        if eof:
-            transport.close()  # what is buffered still goes out; the close timer cuts a client that never reads
+        if eof:  # what is buffered still goes out; the close timer cuts a client that never reads or closes
+            if transport.can_write_eof():  # (a close with the client's bytes unread, a flood's, would reset the
+                transport.write_eof()  # connection, our close frame and answers lost: half-close, read on)
+                self._draining = True
+            else:
+                transport.close()
             self._expect_close()
         elif transport.get_write_buffer_size() > self.config.max_buffered_bytes:
             log.warning("websocket client %s is not reading: closing it", transport.get_extra_info("peername"))

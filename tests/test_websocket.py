@@ -597,13 +597,16 @@ def test_liveness_timeout_aborts_what_it_gives_up_on(engine):
     assert [t for d in after for t in d.token_ids] == [5, 6, 7] and after[-1].finish_reason == "length"
 
 
-def test_a_frame_flood_closes_the_socket_1008_and_others_go_on(engine, codec):
+@pytest.mark.parametrize("messages", [400, 5000])
+def test_a_frame_flood_closes_the_socket_1008_and_others_go_on(engine, codec, messages):
+    """5000: more than the server reads before it closes, unread in its socket when it does: the close must
+    still reach the client (the review: a reset, no close frame, none of the answers)."""
     config = WsConfig(max_frames_per_second=50)
 
     async def main():
         async with serving(engine, codec, config) as s:
             flood = await asyncio.to_thread(RawClient, s.port)
-            for i in range(400):
+            for i in range(messages):
                 flood.send({"type": "stats", "id": f"s{i}"})
             msgs, code = await asyncio.to_thread(flood.read_until_closed)
             flood.close()
