@@ -105,7 +105,7 @@ class Auth:
         """Raise 403 for a foreign origin when no key protects the server; the CORS headers to send."""
         if not self.origin_allowed(req):
             if not self._keys:
-                raise _origin_refused(req)
+                raise _origin_refused(req, "list it in --allowed-origins, or configure API keys")
             return []
         origin = req.headers.get("origin")
         return [("access-control-allow-origin", origin), ("vary", "origin")] if origin else []
@@ -113,8 +113,9 @@ class Auth:
     async def preflight(self, req: Request, methods: str) -> Response:
         """``OPTIONS``: a CORS preflight, answered for allowed origins only (it never carries a key);
         ``methods``: those the path takes (``Router.add_preflight``)."""
-        if not self.origin_allowed(req):
-            raise _origin_refused(req)
+        if not self.origin_allowed(req):  # (with keys too: a page's scripts get CORS only from a listed origin)
+            raise _origin_refused(req, "list it in --allowed-origins" if self._keys
+                                  else "list it in --allowed-origins, or configure API keys")
         cors = self.check_origin(req)
         if not cors:
             return Response(204, headers=[("allow", methods)])
@@ -176,7 +177,6 @@ def _machine_name() -> str:
     return socket.gethostname().lower()
 
 
-def _origin_refused(req: Request) -> ApiError:
-    return ApiError(403, f"Cross-origin request from {req.headers.get('origin')} refused (list it in "
-                    "--allowed-origins, or configure API keys)", type="permission_error",
+def _origin_refused(req: Request, fix: str) -> ApiError:
+    return ApiError(403, f"Cross-origin request from {req.headers.get('origin')} refused ({fix})", type="permission_error",
                     code="origin_not_allowed")

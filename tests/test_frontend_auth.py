@@ -159,6 +159,9 @@ def test_with_keys_the_key_is_the_protection():
         assert status == 415
         status, _, _ = call(port, "GET", "/health", {"Origin": EVIL})
         assert status == 200
+        # a preflight carries no key: refused, with the one fix that applies (keys are configured already)
+        status, _, body = call(port, "OPTIONS", "/v1/completions", {"Origin": EVIL})
+        assert status == 403 and error(body)["message"].endswith("refused (list it in --allowed-origins)")
 
 
 def test_any_origin():
