@@ -103,9 +103,11 @@ class BlockManager:
         (whole blocks only), for a request that holds no blocks yet."""
         if not self.enable_prefix_caching:
             return []
-        blocks = []
-        for h in self._hashes(req, max_tokens // self.block_size):
-            block_id = self.cached.get(h)
+        blocks, hashes = [], req.block_hashes
+        for i in range(max_tokens // self.block_size):  # (hashed as far as it hits: a miss ends it)
+            if i == len(hashes) and len(self._hashes(req, i + 1)) == i:  # (extends req.block_hashes by one)
+                break
+            block_id = self.cached.get(hashes[i])
             if block_id is None:
                 break
             blocks.append(block_id)

@@ -18,6 +18,8 @@ to a prompt graph's token count and replayed (stubbed), the model stubbed out as
 
 ``--waiting N`` times decode steps of a full server: N requests wait behind the full seats, with the
 scheduler delay CUDA's graphs get (``--scheduling-policy priority``: a waiting request may preempt).
+``--long-queue`` makes them 4000-token prompts with seats free for them: each step carries a 512-token chunk
+of one (the cap fixed there) beside the decodes, and the others wait for it.
 
 ``--before DIR`` times another checkout (a ``git worktree`` of an older commit) the same way, in turns
 with this one, and prints both side by side. The last line is one JSON object.
@@ -28,6 +30,7 @@ with this one, and prints both side by side. The last line is one JSON object.
     python tools/bench_host.py --eager-layers 24 --before /tmp/old
     python tools/bench_host.py --prompt-graphs --before /tmp/old
     python tools/bench_host.py --waiting 1000 --scheduling-policy priority --before /tmp/old
+    python tools/bench_host.py --waiting 1000 --long-queue --before /tmp/old
 """
 
 from __future__ import annotations
@@ -52,14 +55,16 @@ HIDDEN = 64
 
 def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_scheduling: str,
             eager_layers: int = 0, race: bool = False, prompt_graphs: bool = False, waiting: int = 0,
-            policy: str = "fcfs") -> dict[str, list[float]]:
+            policy: str = "fcfs", long_queue: bool = False) -> dict[str, list[float]]:
     """Per stage, each round's mean seconds per decode step. ``eager_layers``: instead, steps that also carry two
     new 128-token prompts, through a model of that many layers whose Triton kernels and GEMMs are stubbed out
     (the Python of an eager step's launches, ``model``; on the CPU, through Triton's interpreter's imports).
     ``race``: non-greedy rows sample as on CUDA, through the race kernel (stubbed: its host side is timed).
     ``prompt_graphs``: steps that carry two new 128-token prompts beside the decodes, replayed through prompt
     graphs as on CUDA (stubbed). ``waiting``: that many requests wait behind the full seats (``max_num_seqs``
-    is ``num_seqs``) through the timed decode steps, with CUDA's scheduler delay (a full server's steps)."""
+    is ``num_seqs``) through the timed decode steps, with CUDA's scheduler delay (a full server's steps);
+    ``long_queue``: they are 4000-token prompts with seats free, each step one's 512-token chunk beside the
+    decodes."""
     if eager_layers:
         os.environ["TRITON_INTERPRET"] = "1"  # (before anything imports triton)
     import torch
@@ -78,13 +83,15 @@ def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_schedul
 
     path = build(tempfile.mkdtemp(), "qwen2", torch.float32, seed=0, hidden_size=HIDDEN, intermediate_size=128,
                  num_hidden_layers=eager_layers or 2, num_attention_heads=4, num_key_value_heads=2,
-                 vocab_size=4096, max_position_embeddings=2048)
+                 vocab_size=4096, max_position_embeddings=8192 if long_queue else 2048)
     arrivals = 2 * steps if eager_layers or prompt_graphs else 0
     # (on the CPU wherever it runs: the stubs are host tensors, and the host's work is what is timed)
-    llm = LLM(path, dtype="float32", device="cpu", max_num_seqs=num_seqs + arrivals, num_kv_blocks=64 * (num_seqs + arrivals),
-              max_model_len=2048 if prompt_graphs else 512, async_scheduling=async_scheduling,
+    seats = num_seqs + arrivals + (waiting if long_queue else 0)
+    llm = LLM(path, dtype="float32", device="cpu", max_num_seqs=seats, num_kv_blocks=64 * (num_seqs + arrivals),
+              max_model_len=8192 if long_queue else 2048 if prompt_graphs else 512, async_scheduling=async_scheduling,
               enforce_eager=bool(eager_layers), scheduling_policy=policy,
-              **({"scheduler_delay_factor": 1.0, "max_num_waiting_requests": num_seqs + waiting} if waiting else {}))
+              **({"scheduler_delay_factor": 1.0, "max_num_waiting_requests": num_seqs + waiting} if waiting else {}),
+              **({"long_prefill_token_threshold": 512} if long_queue else {}))
     engine, runner = llm.engine, llm.engine.runner
     if eager_layers:
         _stub_kernels()
@@ -127,7 +134,8 @@ def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_schedul
                              (runner.model, "forward", "model")):  # (nn.Module calls self.forward)
         timed(obj, name, stage)
     arrived = 0
-    params = SamplingParams(max_tokens=steps + 8, ignore_eos=True, **SAMPLING[sampling])
+    # (with requests waiting, none of the round's may finish while timed: a seat would free)
+    params = SamplingParams(max_tokens=steps + (64 if waiting else 8), ignore_eos=True, **SAMPLING[sampling])
     for k in range(rounds + 1):  # (the first round warms up)
         for i in range(num_seqs):
             engine.add_request(f"{k}-{i}", [(7 * i + 13 * k + j) % 4000 + 3 for j in range(64)], params)
@@ -138,7 +146,8 @@ def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_schedul
             spent[stage].append(0.0)
         queued = [f"{k}-w{i}" for i in range(waiting)]  # (behind the full seats: never admitted while timed)
         for i, request_id in enumerate(queued):
-            engine.add_request(request_id, [(5 * i + j) % 4000 + 3 for j in range(64)], params)
+            engine.add_request(request_id, [(5 * i + 17 * k + j) % 4000 + 3 for j in range(4000 if long_queue else 64)],
+                               params)
         timing[0] = True
         for _ in range(steps):
             for _ in range(2 if arrivals else 0):
@@ -148,7 +157,7 @@ def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_schedul
         timing[0] = False
         for stage in STAGES:
             spent[stage][-1] /= steps
-        if sum(r.request_id in queued for r in engine.scheduler.running):
+        if not long_queue and sum(r.request_id in queued for r in engine.scheduler.running):
             sys.exit("a waiting request joined while timed: not a full server's steps")
         engine.abort(queued)
         while engine.has_work():
@@ -213,6 +222,9 @@ def main() -> None:
     p.add_argument("--waiting", type=int, default=0, metavar="N",
                    help="N requests wait behind the full seats (max_num_seqs is --num-seqs) through the decode steps, "
                         "with CUDA's scheduler delay: a full server's steps")
+    p.add_argument("--long-queue", action="store_true",
+                   help="with --waiting: 4000-token prompts, seats free for them, each step one's 512-token chunk "
+                        "beside the decodes")
     p.add_argument("--scheduling-policy", choices=("fcfs", "priority", "short-first"), default="fcfs")
     p.add_argument("--before", metavar="DIR", help="another checkout to time the same way, in turns with this one")
     p.add_argument("--turns", type=int, default=3, help="with --before: runs of each checkout")
@@ -222,13 +234,15 @@ def main() -> None:
              "--sampling", args.sampling, "--async-scheduling", args.async_scheduling,
              "--eager-layers", str(args.eager_layers), *(["--race"] if args.race else []),
              *(["--prompt-graphs"] if args.prompt_graphs else []), "--waiting", str(args.waiting),
-             "--scheduling-policy", args.scheduling_policy]
+             "--scheduling-policy", args.scheduling_policy, *(["--long-queue"] if args.long_queue else [])]
+    if args.long_queue and not args.waiting:
+        p.error("--long-queue needs --waiting N")
     if args.waiting and (args.eager_layers or args.prompt_graphs):
         p.error("--waiting times decode steps: not with --eager-layers or --prompt-graphs")
     if args.raw:
         print(json.dumps(measure(args.num_seqs, args.steps, args.rounds, args.sampling, args.async_scheduling,
                                  args.eager_layers, args.race, args.prompt_graphs, args.waiting,
-                                 args.scheduling_policy)))
+                                 args.scheduling_policy, args.long_queue)))
         return
     checkouts = {"this": HERE, **({"before": os.path.abspath(args.before)} if args.before else {})}
     runs: dict[str, dict[str, list[float]]] = {name: {stage: [] for stage in STAGES} for name in checkouts}
@@ -244,7 +258,8 @@ def main() -> None:
     what = (f"step of {args.num_seqs} decodes and two 128-token prompts, eager, {args.eager_layers} layers stubbed"
             if args.eager_layers else f"step of {args.num_seqs} decodes and two 128-token prompts, prompt graphs"
             if args.prompt_graphs else f"decode step at {args.num_seqs} sequences"
-            + (f", {args.waiting} waiting" if args.waiting else ""))
+            + (f", {args.waiting} waiting" if args.waiting else "")
+            + (" 4000-token prompts with seats free, one's 512-token chunk a step" if args.long_queue else ""))
     print(f"host time per {what} ({args.sampling}{', race as on CUDA' if args.race else ''}, "
           f"{args.scheduling_policy}, asynchronous "
           f"scheduling {args.async_scheduling}), µs: min / "
@@ -264,7 +279,7 @@ def main() -> None:
         print(f"step: this checkout's minimum is {ratio:.2f}x the other's")
     print(json.dumps({"num_seqs": args.num_seqs, "sampling": args.sampling, "race": args.race,
                       "async_scheduling": args.async_scheduling,
-                      "eager_layers": args.eager_layers, "prompt_graphs": args.prompt_graphs, "waiting": args.waiting,
+                      "eager_layers": args.eager_layers, "prompt_graphs": args.prompt_graphs, "waiting": args.waiting, "long_queue": args.long_queue,
                       "scheduling_policy": args.scheduling_policy, "step_min_us": result["this"]["step"]["min_us"], **result}))
 
 
