@@ -224,6 +224,17 @@ def test_bench_host_times_steps_with_prompts_replayed_through_prompt_graphs():
     assert stages["model"]["median_us"] == 0 < stages["forward_step"]["min_us"] < stages["step"]["min_us"]
 
 
+def test_bench_host_times_steps_beside_a_queue_of_long_prompts():
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_host.py"), "--waiting", "3", "--long-queue",
+                        "--num-seqs", "4", "--steps", "3", "--rounds", "1"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["long_queue"] is True and "3 waiting 4000-token prompts with seats free" in r.stdout
+    # every timed step carried a prompt chunk: eager, through the (stubbed) model, not a decode graph
+    assert 0 < out["this"]["model"]["min_us"] < out["this"]["forward_step"]["min_us"]
+
+
 def test_profile_steps_times_and_profiles_steps_with_prompts(tmp_path):
     """``tools/profile_steps.py`` (run by tools/gpu_check.sh): both kinds of step timed, the profiles printed."""
     path = build(str(tmp_path), "llama", torch.float32, seed=3, **TINY)
