@@ -91,6 +91,7 @@ def main() -> int:
     p.add_argument("--model", default=None, help="served model (default: the bundled SmolLM2)")
     p.add_argument("--short", type=int, default=24, help="short requests in the mixed workload")
     p.add_argument("--concurrency", type=int, default=8, help="short streams in flight in the mixed workload")
+    p.add_argument("--long-interval", default="0.5", help="seconds between the mixed workload's long prompts (0: a burst)")
     p.add_argument("--only", default="mixed,w2,two-priority", help="comma-separated workloads to run")
     p.add_argument("--policies", default="fcfs,short-first,priority", help="policies to run after the change")
     p.add_argument("--before-policies", default="fcfs", help="policies to run before it (its flag: the checkout has it)")
@@ -99,7 +100,7 @@ def main() -> int:
     model = ["--model", a.model] if a.model else []
     mixed = ["--workload", "mixed", "--num-prompts", str(a.short), "--input-len", "64", "--output-len", "128",
              "--max-concurrency", str(a.concurrency), "--num-long", "3", "--long-input-len", "1800",
-             "--long-output-len", "16", "--long-delay", "3", "--long-interval", "0.5"]
+             "--long-output-len", "16", "--long-delay", "3", "--long-interval", a.long_interval]
     w2 = ["--num-prompts", "64", "--input-len", "128", "--output-len", "64", "--max-concurrency", "16"]
     prio = ["--workload", "two-priority", "--num-prompts", "64", "--input-len", "128", "--output-len", "64",
             "--urgent-fraction", "0.1"]
