@@ -218,7 +218,7 @@ class HttpConfig:
     max_body_bytes: int = 8 << 20
     header_timeout: float = 30.0  # from a request's first byte (or the connection's start) to its headers
     body_timeout: float = 30.0  # longest pause between body bytes
-    min_body_rate: float = 500.0  # bytes a second a body must average past its first body_timeout (408)
+    min_body_rate: float = 500.0  # bytes a second a body must average past its first body_timeout (408; 0: any)
     keep_alive_timeout: float = 5.0  # an idle keep-alive connection is closed after this
     write_timeout: float = 30.0  # longest a response may wait on a client that does not read
     max_header_bytes: int = 64 << 10  # request line + headers
@@ -360,6 +360,7 @@ class HttpProtocol(asyncio.Protocol):
         self._head_raw = 0  # of that head: the reads known to hold nothing else
         self._last_body = 0.0  # loop time of the current request's last body bytes
         self._body_start = 0.0  # ... and of when its body was due to start
+        self._paused_at = 0.0  # loop time of the last pause_reading (too many pipelined requests)
 
     # ------------------------------------------------------------------ asyncio callbacks
 
@@ -526,6 +527,7 @@ class HttpProtocol(asyncio.Protocol):
         self._pending.append(req)
         if len(self._pending) >= _MAX_PIPELINED and not self._reading_paused:
             self._reading_paused = True
+            self._paused_at = self._loop.time()
             self.transport.pause_reading()
         if self._worker is None or self._worker.done():
             self._worker = self._loop.create_task(self._work())
@@ -535,6 +537,9 @@ class HttpProtocol(asyncio.Protocol):
             req = self._pending.popleft()
             if self._reading_paused and len(self._pending) < _MAX_PIPELINED // 2:
                 self._reading_paused = False
+                paused = self._loop.time() - self._paused_at  # (a body's clocks stood still meanwhile)
+                self._last_body += paused
+                self._body_start += paused
                 self.transport.resume_reading()
             self._responding = True
             try:
@@ -713,13 +718,18 @@ class HttpProtocol(asyncio.Protocol):
             self._arm(c.header_timeout if self._in_head else c.body_timeout)
         elif self._in_head:
             self._refuse(req, 408, f"Request headers not received within {c.header_timeout:g}s")
-        elif (paused := self._loop.time() - self._last_body) >= c.body_timeout:
+        elif (idle := self._loop.time() - self._last_body) >= c.body_timeout:
             self._refuse(req, 408, f"No request body bytes for {c.body_timeout:g}s")
-        elif (left := self._body_start + c.body_timeout + len(req.body) / c.min_body_rate - self._loop.time()) <= 0:
-            self._refuse(req, 408, f"Request body too slow: under {c.min_body_rate:g} bytes a second after the "
-                                   f"first {c.body_timeout:g}s")
         else:
-            self._arm(min(c.body_timeout - paused, left))
+            left = c.body_timeout - idle
+            if c.min_body_rate:  # (the body's deadline moves on as its bytes come)
+                due = self._body_start + c.body_timeout + len(req.body) / c.min_body_rate - self._loop.time()
+                if due <= 0:
+                    self._refuse(req, 408, f"Request body too slow: under {c.min_body_rate:g} bytes a second "
+                                           f"after the first {c.body_timeout:g}s")
+                    return
+                left = min(left, due)
+            self._arm(left)
 
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
