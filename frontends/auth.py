@@ -105,7 +105,7 @@ class Auth:
         """Raise 403 for a foreign origin when no key protects the server; the CORS headers to send."""
         if not self.origin_allowed(req):
             if not self._keys:
-                raise _origin_refused(req, "list it in --allowed-origins, or configure API keys")
+                raise _origin_refused(req, keyed=False)
             return []
         origin = req.headers.get("origin")
         return [("access-control-allow-origin", origin), ("vary", "origin")] if origin else []
@@ -114,8 +114,7 @@ class Auth:
         """``OPTIONS``: a CORS preflight, answered for allowed origins only (it never carries a key);
         ``methods``: those the path takes (``Router.add_preflight``)."""
         if not self.origin_allowed(req):  # (with keys too: a page's scripts get CORS only from a listed origin)
-            raise _origin_refused(req, "list it in --allowed-origins" if self._keys
-                                  else "list it in --allowed-origins, or configure API keys")
+            raise _origin_refused(req, keyed=bool(self._keys))
         cors = self.check_origin(req)
         if not cors:
             return Response(204, headers=[("allow", methods)])
@@ -177,6 +176,7 @@ def _machine_name() -> str:
     return socket.gethostname().lower()
 
 
-def _origin_refused(req: Request, fix: str) -> ApiError:
-    return ApiError(403, f"Cross-origin request from {req.headers.get('origin')} refused ({fix})", type="permission_error",
-                    code="origin_not_allowed")
+def _origin_refused(req: Request, keyed: bool) -> ApiError:
+    fix = "" if keyed else ", or configure API keys"  # (a keyed server's preflight: listing is the one fix)
+    return ApiError(403, f"Cross-origin request from {req.headers.get('origin')} refused (list it in "
+                    f"--allowed-origins{fix})", type="permission_error", code="origin_not_allowed")
