@@ -144,7 +144,7 @@ def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_schedul
             engine.step()
         for stage in STAGES:
             spent[stage].append(0.0)
-        queued = [f"{k}-w{i}" for i in range(waiting)]  # (behind the full seats: never admitted while timed)
+        queued = [f"{k}-w{i}" for i in range(waiting)]  # (behind the full seats, or a long queue with seats)
         for i, request_id in enumerate(queued):
             engine.add_request(request_id, [(5 * i + 17 * k + j) % 4000 + 3 for j in range(4000 if long_queue else 64)],
                                params)
