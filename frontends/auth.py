@@ -125,6 +125,13 @@ class Auth:
 
     # ------------------------------------------------------------------ the HTTP wrapper
 
+    def refuses(self, req: Request, key: bool = True) -> bool:
+        """Whether ``guard(..., key=key)`` refuses ``req`` from its head alone (a foreign origin on a server
+        without keys, or a missing or wrong key): ``Router.add``'s ``refuses``, so its body is never read."""
+        if not self._keys:
+            return not self.origin_allowed(req)
+        return key and not any([self.key_ok(t) for t in self.given(req)])
+
     def guard(self, handler: Handler, *, key: bool = True, json_body: bool = False) -> Handler:
         """``handler`` behind the origin rule, the key (``key``) and a JSON content type (``json_body``)."""
 

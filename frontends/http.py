@@ -158,17 +158,28 @@ class Router:
 
     def __init__(self) -> None:
         self._routes: dict[str, dict[str, Handler]] = {}
+        self._refusals: dict[tuple[str, str], Callable[[Request], bool]] = {}  # (method, path) -> refuses(head)
         self._upgrades: dict[str, UpgradeHandler] = {}
         self._shapes: dict[str, ErrorShape] = {}  # a path's error shape, where not OpenAI's
         self._prefix_shapes: list[tuple[str, ErrorShape]] = []  # ... and of the paths under a prefix
 
-    def add(self, method: str, path: str, handler: Handler, errors: ErrorShape | None = None) -> None:
+    def add(self, method: str, path: str, handler: Handler, errors: ErrorShape | None = None,
+            refuses: Callable[[Request], bool] | None = None) -> None:
         """``errors``: (body, status) of the path's error shape (``shaped_errors``), for what its handler
-        raises and for what the server refuses on that path before any handler runs (405, 413, 408)."""
+        raises and for what the server refuses on that path before any handler runs (405, 413, 408).
+        ``refuses(req)``: whether the handler refuses ``req`` from its head alone (a missing API key): then
+        it is answered at once, its body never read."""
+        self._refusals.pop((method.upper(), path), None)  # (a route added again is the new handler's alone)
+        if refuses is not None:
+            self._refusals[method.upper(), path] = refuses
         if errors is not None:
             self._shapes[path] = errors
             handler = shaped_errors(handler, *errors)
         self._routes.setdefault(path, {})[method.upper()] = handler
+
+    def refuses(self, req: Request) -> bool:
+        check = self._refusals.get((req.method, req.path))
+        return check is not None and check(req)
 
     def add_preflight(self, path: str, preflight: Callable[[Request, str], Awaitable[Response]]) -> None:
         """``OPTIONS`` on ``path``: ``preflight`` given the methods the path takes, as a 405's ``Allow`` lists them."""
@@ -462,6 +473,13 @@ class HttpProtocol(asyncio.Protocol):
         length = req.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.config.max_body_bytes:
             self._too_large(req)
+        if (length is not None or "transfer-encoding" in req.headers) and self.server.router.refuses(req):
+            # refused from its head (no API key): answered at once, in its turn, its body never read
+            req.keep_alive = False
+            self._disarm()
+            self._enqueue(req)
+            self._stop_reading = True
+            raise _StopParsing
         if length is not None or "transfer-encoding" in req.headers:  # a body follows: time it
             self._last_body = self._body_start = self._loop.time()
             self._arm(self.config.body_timeout)

@@ -400,11 +400,12 @@ class LlamaCppApi:
                                       ("POST", "/infill", self.infill), ("POST", "/apply-template", self.apply_template),
                                       ("GET", "/props", self.props), ("POST", "/embedding", self.embedding),
                                       ("POST", "/embeddings", self.embedding)):
-            router.add(method, path, auth.guard(handler, json_body=method == "POST"), errors=(error_body,))
+            router.add(method, path, auth.guard(handler, json_body=method == "POST"), errors=(error_body,),
+                       refuses=auth.refuses)
             router.add_preflight(path, auth.preflight)
         # the OpenAI frontend's, which take llama.cpp's shapes too (and answer in OpenAI's error shape)
-        router.add("POST", "/tokenize", auth.guard(self.tokenize, json_body=True))
-        router.add("POST", "/detokenize", auth.guard(self.detokenize, json_body=True))
+        router.add("POST", "/tokenize", auth.guard(self.tokenize, json_body=True), refuses=auth.refuses)
+        router.add("POST", "/detokenize", auth.guard(self.detokenize, json_body=True), refuses=auth.refuses)
 
     # ------------------------------------------------------------------ prompts
 

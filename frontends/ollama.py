@@ -223,7 +223,8 @@ class OllamaApi:
                                       ("POST", "/api/embed", self.embed), ("POST", "/api/embeddings", self.embed),
                                       ("POST", "/api/show", self.show), ("GET", "/api/tags", self.tags),
                                       ("GET", "/api/ps", self.ps), ("GET", "/api/version", self.version)):
-            router.add(method, path, auth.guard(handler, json_body=method == "POST"), errors=(error_body,))
+            router.add(method, path, auth.guard(handler, json_body=method == "POST"), errors=(error_body,),
+                       refuses=auth.refuses)
             router.add_preflight(path, auth.preflight)
         router.shape_prefix("/api/", (error_body,))
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import os
 import time
@@ -170,8 +171,12 @@ class OpenAIApi:
         for method, path, handler in routes:
             # /health and /ping stay open for load balancers; every other POST but these two takes a JSON body
             json_body = method == "POST" and path not in ("/ping", "/reset_prefix_cache")
-            guarded = self.auth.guard(handler, key=path not in open_paths, json_body=json_body)
-            router.add(method, path, guarded, errors=(anthropic.error_body,) if path.startswith("/v1/messages") else None)
+            key = path not in open_paths
+            guarded = self.auth.guard(handler, key=key, json_body=json_body)
+            # refused from the head, but where the body says which API's shape the refusal takes
+            refuses = functools.partial(self.auth.refuses, key=key) if path != "/invocations" else None
+            router.add(method, path, guarded, errors=(anthropic.error_body,) if path.startswith("/v1/messages") else None,
+                       refuses=refuses)
             router.add_preflight(path, self.auth.preflight)
         router.shape_prefix("/v1/messages", (anthropic.error_body,))
         return router

@@ -208,7 +208,8 @@ class TgiApi:
         auth = self.api.auth
         for path, handler in (("/generate", self.generate), ("/generate_stream", self.generate_stream),
                               ("/", self.compat)):
-            router.add("POST", path, auth.guard(handler, json_body=True), errors=(error_body, error_status))
+            router.add("POST", path, auth.guard(handler, json_body=True), errors=(error_body, error_status),
+                       refuses=auth.refuses)
             router.add_preflight(path, auth.preflight)
         router.add("GET", "/info", auth.guard(self.info), errors=(error_body, error_status))
         router.add_preflight("/info", auth.preflight)

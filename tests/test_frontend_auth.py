@@ -164,6 +164,25 @@ def test_with_keys_the_key_is_the_protection():
         assert status == 403 and error(body)["message"].endswith("refused (list it in --allowed-origins)")
 
 
+def test_a_request_without_its_key_is_refused_before_its_body():
+    """401 straight after the head: a client without the key cannot make the server read (or wait for) a body,
+    100-continue or not; with the key, the same head is read on as usual."""
+    with serving(make_api(api_keys=[KEY])) as port:
+        for expect in ({}, {"Expect": "100-continue"}):
+            s = socket.create_connection(("127.0.0.1", port), timeout=5)
+            head = {"Host": "x", "Content-Type": "application/json", "Content-Length": "100000", **expect}
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\n" + b"".join(f"{k}: {v}\r\n".encode() for k, v in head.items())
+                      + b"\r\n")  # (the body never comes)
+            answer = b""
+            while chunk := s.recv(65536):
+                answer += chunk
+            s.close()
+            assert answer.startswith(b"HTTP/1.1 401 ") and b"invalid_api_key" in answer and b"100 Continue" not in answer
+        status, _, body = call(port, "POST", "/v1/completions", {"Content-Type": "application/json",
+                                                                 "Authorization": f"Bearer {KEY}"}, b"{")
+        assert status == 400  # past the key: the body was read (and is no JSON)
+
+
 def test_any_origin():
     with serving(make_api(allowed_origins=["*"])) as port:
         status, headers, _ = call(port, "GET", "/v1/models", {"Origin": EVIL})
