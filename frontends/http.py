@@ -473,14 +473,11 @@ class HttpProtocol(asyncio.Protocol):
         length = req.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.config.max_body_bytes:
             self._too_large(req)
-        if (length is not None or "transfer-encoding" in req.headers) and self.server.router.refuses(req):
-            # refused from its head (no API key): answered at once, in its turn, its body never read
-            req.keep_alive = False
-            self._disarm()
-            self._enqueue(req)
-            self._stop_reading = True
+        has_body = length is not None or "transfer-encoding" in req.headers
+        if has_body and self.server.router.refuses(req):  # (no API key: its handler answers without its body)
+            self._answer_now(req)
             raise _StopParsing
-        if length is not None or "transfer-encoding" in req.headers:  # a body follows: time it
+        if has_body:  # time it
             self._last_body = self._body_start = self._loop.time()
             self._arm(self.config.body_timeout)
         else:
@@ -530,6 +527,11 @@ class HttpProtocol(asyncio.Protocol):
                 req.path = _path(httptools.parse_url(bytes(self._url)))
             except httptools.HttpParserInvalidURLError:
                 pass
+        self._answer_now(req)
+
+    def _answer_now(self, req: Request) -> None:
+        """``req`` answered in its turn as it stands, without (the rest of) its body, then the close: nothing
+        more is read."""
         req.body = bytearray()
         req.keep_alive = False
         self._in_head = False
