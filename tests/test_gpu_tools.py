@@ -182,15 +182,20 @@ def test_bench_kernels_reads_graphed_times_where_the_capture_works(monkeypatch, 
     assert kernels.backend() == "auto"  # (the torch path's timing put it back)
 
 
+def bench_host(*flags: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """``tools/bench_host.py FLAGS``, run to its end: the run and its last line's JSON."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_host.py"), *flags],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r, json.loads(r.stdout.strip().splitlines()[-1])
+
+
 def test_bench_host_times_each_stage_of_a_decode_step_side_by_side():
     """``tools/bench_host.py``: the host's part of each stage per decode step, the model stubbed out; with
     ``--before`` another checkout (here this one again) timed in turns with this one; ``--waiting``: a full
     server's steps (requests wait behind the full seats, never admitted while timed)."""
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_host.py"), "--num-seqs", "8", "--steps",
-                        "3", "--rounds", "1", "--sampling", "seeded", "--before", ROOT, "--turns", "1", "--waiting", "5",
-                        "--scheduling-policy", "priority"], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    r, out = bench_host("--num-seqs", "8", "--steps", "3", "--rounds", "1", "--sampling", "seeded", "--before", ROOT,
+                        "--turns", "1", "--waiting", "5", "--scheduling-policy", "priority")
     assert (out["waiting"], out["scheduling_policy"]) == (5, "priority") and "8 sequences, 5 waiting" in r.stdout
     for name in ("this", "before"):
         stages = out[name]
@@ -201,11 +206,7 @@ def test_bench_host_times_each_stage_of_a_decode_step_side_by_side():
 
 
 def test_bench_host_times_an_eager_step_with_its_kernels_stubbed_out():
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_host.py"), "--eager-layers", "3",
-                        "--num-seqs", "8", "--steps", "3", "--rounds", "1"],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    _, out = bench_host("--eager-layers", "3", "--num-seqs", "8", "--steps", "3", "--rounds", "1")
     assert out["eager_layers"] == 3 and "before" not in out
     stages = out["this"]
     # the model's forward ran (its launches and GEMMs stubbed), inside forward_step
@@ -213,11 +214,7 @@ def test_bench_host_times_an_eager_step_with_its_kernels_stubbed_out():
 
 
 def test_bench_host_times_steps_with_prompts_replayed_through_prompt_graphs():
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_host.py"), "--prompt-graphs",
-                        "--num-seqs", "8", "--steps", "3", "--rounds", "1"],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    r, out = bench_host("--prompt-graphs", "--num-seqs", "8", "--steps", "3", "--rounds", "1")
     assert out["prompt_graphs"] is True and "two 128-token prompts, prompt graphs" in r.stdout
     stages = out["this"]
     # every timed step carried prompts and replayed a (stubbed) prompt graph: the model's forward never ran
@@ -225,11 +222,7 @@ def test_bench_host_times_steps_with_prompts_replayed_through_prompt_graphs():
 
 
 def test_bench_host_times_steps_beside_a_queue_of_long_prompts():
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_host.py"), "--waiting", "3", "--long-queue",
-                        "--num-seqs", "4", "--steps", "3", "--rounds", "1"],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    r, out = bench_host("--waiting", "3", "--long-queue", "--num-seqs", "4", "--steps", "3", "--rounds", "1")
     assert out["long_queue"] is True and "3 waiting 4000-token prompts with seats free" in r.stdout
     # every timed step carried a prompt chunk: eager, through the (stubbed) model, not a decode graph
     assert 0 < out["this"]["model"]["min_us"] < out["this"]["forward_step"]["min_us"]
