@@ -21,6 +21,7 @@ among the pipelined ones, then the connection closes:
   ``min_body_rate`` bytes a second past its first ``body_timeout`` (Apache's
   ``MinRate``: a byte now and then must not hold a connection for ever): 408;
   ``max_body_bytes``: 413;
+- an ``Expect`` other than ``100-continue``: 417;
 - ``write_timeout``: a client that reads nothing of a response (an SSE stream
   above all) for that long, while the transport is full, is cut off.
 
@@ -473,6 +474,10 @@ class HttpProtocol(asyncio.Protocol):
         length = req.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.config.max_body_bytes:
             self._too_large(req)
+        expect = req.headers.get("expect", "").strip().lower()
+        if expect and expect != "100-continue":  # (RFC 9110 10.1.1: one it cannot meet)
+            self._refuse(req, 417, f"Expectation not supported: {req.headers['expect']!r} (only 100-continue)")
+            raise _StopParsing
         has_body = length is not None or "transfer-encoding" in req.headers
         if has_body and self.server.router.refuses(req):  # (no API key: its handler answers without its body)
             self._answer_now(req)
@@ -482,7 +487,7 @@ class HttpProtocol(asyncio.Protocol):
             self._arm(self.config.body_timeout)
         else:
             self._disarm()
-        if req.headers.get("expect", "").lower() == "100-continue":
+        if expect:
             if self._responding or self._pending:
                 req.expect_continue = True  # sent when the responses ahead of it are written
             else:

@@ -251,9 +251,12 @@ class Connection(asyncio.Protocol):
         return False  # the client is gone: close, which cancels its generations
 
     def data_received(self, data: bytes) -> None:
-        if self._draining:
-            return
         proto = self.proto
+        if self._draining:  # (dropped; over TLS read for the client's close frame, which ends the handshake)
+            proto.receive_data(data)
+            proto.events_received()
+            self._flush()
+            return
         proto.receive_data(data)
         for frame in proto.events_received():
             if frame.opcode is not Opcode.CLOSE and not self._take_token():
@@ -561,7 +564,12 @@ class Connection(asyncio.Protocol):
     def _fail(self, code: int, reason: str) -> None:
         self._cancel_all()
         if not self.lost and self.proto.state is State.OPEN:
-            self.proto.fail(code, reason)
+            if self.transport.can_write_eof():
+                self.proto.fail(code, reason)  # our close frame and half-close (_flush)
+            else:  # TLS, which cannot half-close: our close frame, and what the client sends is dropped until
+                self.proto.send_close(code, reason)  # its own close ends the handshake (or the timer cuts it)
+                self._draining = True
+                self._expect_close()
             self._flush()
 
     def _expect_close(self) -> None:

@@ -141,6 +141,10 @@ def test_expect_100_continue(port):
     s = connect(port)  # too big: 413 instead of 100
     s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 4000\r\nExpect: 100-continue\r\n\r\n")
     assert read_all(s).startswith(b"HTTP/1.1 413 ")
+    s = connect(port)  # any other expectation: 417, its body never waited for
+    s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\nExpect: 200-ok\r\n\r\n")
+    r = read_all(s)
+    assert r.startswith(b"HTTP/1.1 417 ") and b'"error"' in r and b"200-ok" in r
 
 
 def test_streaming_chunked_response(port):

@@ -13,6 +13,8 @@ import contextlib
 import itertools
 import json
 import socket
+import ssl
+import subprocess
 import time
 from types import SimpleNamespace
 
@@ -62,17 +64,19 @@ def _reset_engine(engine):
 
 
 @contextlib.asynccontextmanager
-async def serving(engine, codec, config: WsConfig | None = None, api_keys=(KEY,), http: HttpConfig | None = None):
+async def serving(engine, codec, config: WsConfig | None = None, api_keys=(KEY,), http: HttpConfig | None = None,
+                  tls: ssl.SSLContext | None = None):
     client = EngineClient(engine.address, f"ws-test-{next(_client_ids)}", handshake_timeout=5)
     await client.connect()
     api = OpenAIApi(client, codec, MODEL, list(api_keys))
     router = api.routes()
     ep = ws_mod.register(router, api, config)
     http = HttpServer(router, http)
-    server = await asyncio.get_running_loop().create_server(http, "127.0.0.1", 0)
+    server = await asyncio.get_running_loop().create_server(http, "127.0.0.1", 0, ssl=tls)
     port = server.sockets[0].getsockname()[1]
+    scheme = "wss" if tls else "ws"
     try:
-        yield SimpleNamespace(port=port, url=f"ws://127.0.0.1:{port}/v1/stream", api=api, http=http, ep=ep)
+        yield SimpleNamespace(port=port, url=f"{scheme}://127.0.0.1:{port}/v1/stream", api=api, http=http, ep=ep)
     finally:
         server.close()
         await http.shutdown(0.5)
@@ -121,15 +125,24 @@ async def await_until(cond, timeout: float = 5.0):
         await asyncio.sleep(0.01)
 
 
+def client_tls() -> ssl.SSLContext:
+    """A client context that trusts any certificate (the server's is the test's own)."""
+    ctx = ssl.create_default_context()
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    return ctx
+
+
 class RawClient:
     """A WebSocket client on a plain blocking-free socket that reads only when told to."""
 
-    def __init__(self, port: int, rcvbuf: int | None = None, headers: dict | None = None) -> None:
+    def __init__(self, port: int, rcvbuf: int | None = None, headers: dict | None = None, tls: bool = False) -> None:
         self.sock = socket.socket()
         if rcvbuf:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
         self.sock.connect(("127.0.0.1", port))
-        self.proto = ClientProtocol(parse_uri(f"ws://127.0.0.1:{port}/v1/stream"))
+        if tls:
+            self.sock = client_tls().wrap_socket(self.sock)
+        self.proto = ClientProtocol(parse_uri(f"{'wss' if tls else 'ws'}://127.0.0.1:{port}/v1/stream"))
         req = self.proto.connect()
         for k, v in (headers if headers is not None else AUTH).items():
             req.headers[k] = v
@@ -597,20 +610,33 @@ def test_liveness_timeout_aborts_what_it_gives_up_on(engine):
     assert [t for d in after for t in d.token_ids] == [5, 6, 7] and after[-1].finish_reason == "length"
 
 
-@pytest.mark.parametrize("messages", [400, 5000])
-def test_a_frame_flood_closes_the_socket_1008_and_others_go_on(engine, codec, messages):
+@pytest.fixture(scope="module")
+def server_tls(tmp_path_factory) -> ssl.SSLContext:
+    """A server context with a self-signed certificate."""
+    d = tmp_path_factory.mktemp("tls")
+    key, cert = d / "key.pem", d / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1"], check=True, capture_output=True)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(cert, key)
+    return ctx
+
+
+@pytest.mark.parametrize("messages,tls", [(400, False), (5000, False), (5000, True)])
+def test_a_frame_flood_closes_the_socket_1008_and_others_go_on(engine, codec, server_tls, messages, tls):
     """5000: more than the server reads before it closes, unread in its socket when it does: the close must
-    still reach the client (the review: a reset, no close frame, none of the answers)."""
+    still reach the client (the review: a reset, no close frame, none of the answers), over TLS too (where
+    the server cannot half-close)."""
     config = WsConfig(max_frames_per_second=50)
 
     async def main():
-        async with serving(engine, codec, config) as s:
-            flood = await asyncio.to_thread(RawClient, s.port)
-            for i in range(messages):
-                flood.send({"type": "stats", "id": f"s{i}"})
+        async with serving(engine, codec, config, tls=server_tls if tls else None) as s:
+            flood = await asyncio.to_thread(RawClient, s.port, tls=tls)
+            await asyncio.to_thread(lambda: [flood.send({"type": "stats", "id": f"s{i}"}) for i in range(messages)])
             msgs, code = await asyncio.to_thread(flood.read_until_closed)
             flood.close()
-            async with connect(s.url, additional_headers=AUTH) as ws:  # a well-behaved client is unaffected
+            async with connect(s.url, additional_headers=AUTH,  # a well-behaved client is unaffected
+                               ssl=client_tls() if tls else None) as ws:
                 await ws.send(json.dumps({"type": "completion", "id": "ok", "prompt": [5, 6], "max_tokens": 3}))
                 ok = await collect(ws, {"ok"})
             return msgs, code, ok
