@@ -105,7 +105,7 @@ class BeamSearch:
         return cum_logprob / d if d else (-math.inf if cum_logprob < 0 else 0.0)
 
     def advance(self, tops: list[list]) -> None:
-        """``tops[i]``: live beam i's next-token ``[[token_id, logprob], ...]``, best first (at least
+        """``tops[i]``: live beam i's next-token ``[(token_id, logprob), ...]``, best first (at least
         ``num_logprobs`` of them where the vocabulary has as many)."""
         g = self.generated = self.generated + 1
         last = g >= self.max_tokens

@@ -80,7 +80,7 @@ class ScoringRequestOutput:
 @dataclass
 class BeamSearchSequence:
     """vLLM's: ``tokens`` and ``text`` are the prompt's and the output's; ``logprobs``: each output token's
-    ``[logprob, [[token_id, logprob], ...]]``."""
+    ``[logprob, [(token_id, logprob), ...]]``."""
 
     tokens: list[int]
     logprobs: list

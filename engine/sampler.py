@@ -53,7 +53,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 import kernels
 from engine import sampler_llamacpp as llamacpp
-from engine.protocol import SamplingParams, TokenLogprobs
+from engine.protocol import SamplingParams
 from engine.structured import GrammarMatcher, StateInfo
 from kernels import reference
 
@@ -266,17 +266,17 @@ class Sampled:
         if self.logprobs is not None:
             rows, ks, tensors = self.logprobs
             logprobs = [None] * len(self.ids)
-            for i, k, (tok_lp, top, rank) in zip(rows, ks, logprob_lists(*tensors), strict=True):
-                logprobs[i] = [tok_lp, top[:k], rank]
+            for i, entry in zip(rows, logprob_lists(*tensors, ks), strict=True):
+                logprobs[i] = entry
         return SamplerOutput(self.ids.tolist(), logprobs)
 
 
 @dataclass
 class SamplerOutput:
     token_ids: list[int]  # (B,) sampled ids
-    # per row: [sampled_logprob, [[token_id, logprob], ...top-k]] (protocol.TokenLogprobs),
-    # or None for a row that did not ask; the whole list is None when no row asked
-    logprobs: list[TokenLogprobs | None] | None
+    # per row: [sampled_logprob, top-k packed (protocol.pack_top), rank] (protocol.TokenLogprobs, as Outputs
+    # carries it), or None for a row that did not ask; the whole list is None when no row asked
+    logprobs: list[list | None] | None
 
 
 # ----------------------------------------------------------------------------- logprobs
@@ -306,13 +306,19 @@ def logprob_tensors(logits: torch.Tensor, token_ids: torch.Tensor | list[int],
     return torch.cat(tok), torch.cat(top_lp), torch.cat(top_ids), torch.cat(ranks)
 
 
-def logprob_lists(tok_lp: torch.Tensor, top_lp: torch.Tensor, top_ids: torch.Tensor,
-                  ranks: torch.Tensor) -> list[TokenLogprobs]:
-    """``logprob_tensors``' output on the host (the sync): one ``[logprob, [[token_id, logprob], ...top-k],
-    rank]`` per row (the top-k list empty for ``k == 0``)."""
-    top = [[[i, v] for i, v in zip(ids, vals, strict=True)]
-           for ids, vals in zip(top_ids.tolist(), top_lp.tolist(), strict=True)]
-    return [[t, tk, r] for t, tk, r in zip(tok_lp.tolist(), top, ranks.tolist(), strict=True)]
+def logprob_lists(tok_lp: torch.Tensor, top_lp: torch.Tensor, top_ids: torch.Tensor, ranks: torch.Tensor,
+                  ks: list[int] | None = None) -> list[list]:
+    """``logprob_tensors``' output on the host (the sync): one ``[logprob, top-k, rank]`` per row, the top-k
+    packed as ``Outputs`` carries it (``protocol.pack_top``: no list a pair), ``ks[i]`` of row i's (all of
+    them where None; empty for ``k == 0``)."""
+    pairs = torch.stack((top_ids.to(torch.int32), top_lp.float().view(torch.int32)), dim=-1)  # (n, k, 2)
+    packed = np.ascontiguousarray(pairs.numpy(), "<i4").tobytes()
+    width = 8 * top_ids.shape[1]  # (bytes a row)
+    if ks is None:
+        return [[t, packed[j * width:(j + 1) * width], r]
+                for j, (t, r) in enumerate(zip(tok_lp.tolist(), ranks.tolist(), strict=True))]
+    return [[t, packed[j * width:j * width + 8 * k], r]
+            for j, (t, k, r) in enumerate(zip(tok_lp.tolist(), ks, ranks.tolist(), strict=True))]
 
 
 # ----------------------------------------------------------------------------- processing

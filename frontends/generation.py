@@ -32,7 +32,7 @@ from frontends.errors import ApiError
 from frontends.metrics import Metrics
 from frontends.text import IncrementalDetokenizer, StopMatcher, StopStrings, TextCodec
 
-# one sampled token's logprobs: (token_id, logprob, [[token_id, logprob], ...] top-k)
+# one sampled token's logprobs: (token_id, logprob, [(token_id, logprob), ...] top-k)
 LogprobEntry = tuple[int, float | None, list | None]
 
 

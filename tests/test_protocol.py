@@ -45,10 +45,10 @@ MESSAGES = {
 }
 
 GOLDEN = {
-    "hello": "920192a366653010",
+    "hello": "920192a366653011",
     "ready": (
         "9202dc0010a474696e79cd0400cdc0009102406410cd04009192a373716cad2f61646170746572732f73716c04ff0000"
-        "90c010"
+        "90c011"
     ),
     "add": (
         "92039aa2723193010203de0028aa6d61785f746f6b656e7304ab74656d7065726174757265cb0000000000000000a574"
@@ -86,13 +86,17 @@ GOLDEN = {
         "745f746175cb4014000000000000ac6d69726f737461745f657461cb3fb999999999999a00c0a0c0a091940102930301"
         "01c40c0000803f0000803f0000803fc3"
     ),
-    "image ready": "9202dc0010a56c6c617661cd1000cd7d409102406410cd04009000cd7d00cd02401090c010",
-    "classifier ready": "9202dc0010a6726577617264cd1000cd7d409102406410cd04009000ff000092a36e6567a3706f73c010",
-    "ready with a request timeout": "9202dc0010a474696e79cd0400cdc0009102406410cd04009000ff000090cb403e00000000000010",
+    "image ready": "9202dc0010a56c6c617661cd1000cd7d409102406410cd04009000cd7d00cd02401090c011",
+    "classifier ready": (
+        "9202dc0010a6726577617264cd1000cd7d409102406410cd04009000ff000092a36e6567a3706f73c011"
+    ),
+    "ready with a request timeout": (
+        "9202dc0010a474696e79cd0400cdc0009102406410cd04009000ff000090cb403e00000000000011"
+    ),
     "abort": "920492a27231a27232",
     "outputs": (
-        "92059592a27231a27232929207089109920302920001929600c09292cbbfe0000000000000919207cbbfe00000000000"
-        "0092cbbfd0000000000000919208cbbfd0000000000000c0c0c09601a66c656e677468c0c0c0c0"
+        "92059592a27231a27232929207089109920302920001929600c09292cbbfe0000000000000c40807000000000000bf92"
+        "cbbfd0000000000000c40808000000000080bec0c0c09601a66c656e677468c0c0c0c0"
     ),
     "embed": (
         "92039aa26531920102de0028aa6d61785f746f6b656e7301ab74656d7065726174757265cb3ff0000000000000a5746f"
@@ -143,7 +147,7 @@ GOLDEN = {
 
 
 def test_protocol_version_is_pinned():
-    assert p.PROTOCOL_VERSION == 16
+    assert p.PROTOCOL_VERSION == 17
     assert [int(k) for k in p.Kind] == [1, 2, 3, 4, 5, 6, 7, 8, 9]
 
 
@@ -211,6 +215,11 @@ MALFORMED = {
     "outputs count not an integer": _frame(5, [["r"], [[1]], [0], ["3"], []]),
     "outputs end's index not an integer": _frame(5, [["r"], [[1]], [0], [0], [["0", "stop", None, None, None, None]]]),
     "outputs embedding not float32s": _frame(5, [["r"], [[]], [0], [0], [[0, "stop", None, None, None, b"\x00"]]]),
+    "outputs top logprobs not packed": _frame(5, [["r"], [[1]], [0], [0], [[0, None, [[-0.5, [[1, -0.5]], 1]], None,
+                                                                               None, None]]]),
+    "outputs top logprobs cut short": _frame(5, [["r"], [[1]], [0], [0], [[0, None, [[-0.5, b"\x01" * 7, 1]], None,
+                                                                              None, None]]]),
+    "outputs prompt logprobs not a list": _frame(5, [["r"], [[1]], [0], [0], [[0, None, None, 3, None, None]]]),
     "stats short": _frame(6, [1, 2]),
     "error short": _frame(7, [None, 500]),
     "lora short": _frame(8, ["c1", "sql"]),
@@ -229,7 +238,7 @@ def test_malformed_frames_raise_protocol_error(name):
 def test_outputs_are_their_deltas_in_order_and_take_some_renamed():
     """``Outputs`` iterates as the deltas it was made of; ``take`` keeps some of them (an actor's step for one of
     several frontends), renamed, with their ends and logprobs at their new places."""
-    lps = [[-0.5, [[3, -0.5]], 1]]
+    lps = [[-0.5, [(3, -0.5)], 1]]
     deltas = [p.Delta("a", [1], None, None, 3, 0), p.Delta("b", [2], "stop", None, 4, 1, None, 7),
               p.Delta("c", [3], None, lps, 5, 2), p.Delta("d", [], "stop", None, 6, 0, None, None, b"\0\0\0\0")]
     out = p.Outputs.of(deltas)
@@ -237,6 +246,7 @@ def test_outputs_are_their_deltas_in_order_and_take_some_renamed():
     assert [r[0] for r in out.rare] == [1, 2, 3]  # (a's delta, one token of a running request, has no row)
     assert list(out.take([1, 2], ["B", "C"])) == [p.Delta("B", [2], "stop", None, 4, 1, None, 7),
                                                   p.Delta("C", [3], None, lps, 5, 2)]
+    assert out.rare[1][2] == [[-0.5, p.pack_top([[3, -0.5]]), 1]]  # (packed as the engine's step makes it)
     assert list(out.take([0, 3], ["A", "D"])) == [p.Delta("A", [1], None, None, 3, 0),
                                                   p.Delta("D", [], "stop", None, 6, 0, None, None, b"\0\0\0\0")]
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.protocol import SamplingParams
+from engine.protocol import SamplingParams, unpack_top
 from engine.sampler import (
     _SEED_MASK,
     Sampler,
@@ -74,7 +74,7 @@ def test_bf16_logits_sample_as_their_float32_values():
     outputs = [[], [], [], logits[3].float().topk(2).indices.tolist()]  # (penalized: its output holds its two best)
     got, want = (_call(Sampler(40, [EOS], "cpu"), x, params, outputs=outputs) for x in (logits, logits.float()))
     assert got.token_ids == want.token_ids and got.logprobs == want.logprobs
-    assert got.token_ids[:2] == logits.float().argmax(-1).tolist()[:2] and len(got.logprobs[1][1]) == 2
+    assert got.token_ids[:2] == logits.float().argmax(-1).tolist()[:2] and len(unpack_top(got.logprobs[1][1])) == 2
     fast = _call(Sampler(40, [EOS], "cpu"), logits, [SamplingParams(temperature=0.0)] * 4)
     assert fast.token_ids == logits.float().argmax(-1).tolist()
 
@@ -554,7 +554,8 @@ def test_logprobs_are_raw_with_sorted_top_k():
     assert out.logprobs[2] is None
     assert out.token_ids[3] == 0
     for i, k in ((0, 3), (1, 5), (3, 0)):
-        tok_lp, top, _ = out.logprobs[i]
+        tok_lp, packed, _ = out.logprobs[i]
+        top = unpack_top(packed)  # (the engine's step packs the top-k as Outputs carries it)
         assert tok_lp == pytest.approx(raw[i, out.token_ids[i]].item(), abs=1e-6)  # raw, not processed
         assert len(top) == k
         exp_lp, exp_ids = raw[i].topk(k) if k else (torch.empty(0), torch.empty(0, dtype=torch.long))
@@ -569,7 +570,7 @@ def test_no_logprobs_asked_means_none():
 
 
 def compute_logprobs(logits, ids, k):
-    return logprob_lists(*logprob_tensors(logits, ids, k))
+    return [[t, unpack_top(top), r] for t, top, r in logprob_lists(*logprob_tensors(logits, ids, k))]
 
 
 def test_logprobs_helpers_in_chunks():

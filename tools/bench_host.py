@@ -21,6 +21,10 @@ scheduler delay CUDA's graphs get (``--scheduling-policy priority``: a waiting r
 ``--long-queue`` makes them 4000-token prompts with seats free for them: each step carries a 512-token chunk
 of one (the cap fixed there) beside the decodes, and the others wait for it.
 
+``--logprobs K``: every request asks for its tokens' top K logprobs (a step's logits have 64 columns then).
+Every run also times ``encode``, the engine actor's msgpack frame of a step's outputs, and ``decode``, a
+frontend's reading of it back into deltas: not part of ``step``.
+
 ``--before DIR`` times another checkout (a ``git worktree`` of an older commit) the same way, in turns
 with this one, and prints both side by side. The last line is one JSON object.
 
@@ -31,6 +35,7 @@ with this one, and prints both side by side. The last line is one JSON object.
     python tools/bench_host.py --prompt-graphs --before /tmp/old
     python tools/bench_host.py --waiting 1000 --scheduling-policy priority --before /tmp/old
     python tools/bench_host.py --waiting 1000 --long-queue --before /tmp/old
+    python tools/bench_host.py --logprobs 20 --before /tmp/old     # every row's top 20 logprobs
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ import time
 import types
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STAGES = ("schedule", "prepare", "forward_step", "model", "sample", "postprocess", "step")
+STAGES = ("schedule", "prepare", "forward_step", "model", "sample", "postprocess", "step", "encode", "decode")
 SAMPLING = {"greedy": {"temperature": 0.0}, "top_p": {"temperature": 0.8, "top_p": 0.95},
             "seeded": {"temperature": 0.8, "top_p": 0.95, "seed": 7}}
 HIDDEN = 64
@@ -55,7 +60,7 @@ HIDDEN = 64
 
 def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_scheduling: str,
             eager_layers: int = 0, race: bool = False, prompt_graphs: bool = False, waiting: int = 0,
-            policy: str = "fcfs", long_queue: bool = False) -> dict[str, list[float]]:
+            policy: str = "fcfs", long_queue: bool = False, logprobs: int | None = None) -> dict[str, list[float]]:
     """Per stage, each round's mean seconds per decode step. ``eager_layers``: instead, steps that also carry two
     new 128-token prompts, through a model of that many layers whose Triton kernels and GEMMs are stubbed out
     (the Python of an eager step's launches, ``model``; on the CPU, through Triton's interpreter's imports).
@@ -64,7 +69,9 @@ def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_schedul
     graphs as on CUDA (stubbed). ``waiting``: that many requests wait behind the full seats (``max_num_seqs``
     is ``num_seqs``) through the timed decode steps, with CUDA's scheduler delay (a full server's steps);
     ``long_queue``: they are 4000-token prompts with seats free, each step one's 512-token chunk beside the
-    decodes."""
+    decodes. ``logprobs``: every request asks for its tokens' top that many logprobs. Beside the engine's
+    stages, ``encode`` (the actor's frame of a step's outputs) and ``decode`` (a frontend's: the frame read
+    back into its deltas)."""
     if eager_layers:
         os.environ["TRITON_INTERPRET"] = "1"  # (before anything imports triton)
     import torch
@@ -77,7 +84,8 @@ def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_schedul
         kernels.races = lambda device: True
         kernels.sample_race = lambda logits, *args, **kwargs: torch.zeros(len(logits), dtype=torch.int64)
 
-    from engine import LLM, SamplingParams
+    from engine import LLM, SamplingParams, protocol
+    from engine import server as engine_server
     from engine.step_buffers import DecodeGraphs, decode_buckets
     from tools.random_model import build
 
@@ -98,7 +106,9 @@ def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_schedul
     else:
         hidden = torch.zeros(max(num_seqs, 2048), HIDDEN)
         runner.model.forward = lambda ids, positions, meta, images=None: hidden[:len(ids)]
-        runner.model.compute_logits = lambda h: torch.zeros(len(h), 8)  # (8 columns: the argmax costs nothing)
+        # (8 columns: the argmax costs nothing; 64 random ones where logprobs are asked, the top 20 of them)
+        table = torch.randn(max(num_seqs, 2048), 64) if logprobs is not None else torch.zeros(max(num_seqs, 2048), 8)
+        runner.model.compute_logits = lambda h: table[:len(h)]
         # as on CUDA: every decode step padded to a graph's batch size and replayed, the replay stubbed (what is
         # left is the host's work around it)
         runner.decode_buckets = decode_buckets(num_seqs)
@@ -111,6 +121,8 @@ def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_schedul
             runner.prompt_graphs = graphs = PromptGraphs.__new__(PromptGraphs)  # (its padding, its replay stubbed)
             graphs.sizes, graphs.max_seqs = prompt_buckets(runner._prompt_graph_tokens(2048)), num_seqs + arrivals + 1
             graphs.tables, graphs.replay = runner.block_tables, lambda inputs, t: hidden[:t]
+    if hasattr(engine_server, "freeze_heap"):
+        engine_server.freeze_heap()  # (as the engine's process does once it has started: its heap frozen)
     spent: dict[str, list[float]] = {stage: [] for stage in STAGES}  # each round's decode steps' seconds
     timing = [False]  # (prompts and the tails of the rounds are not counted)
 
@@ -135,7 +147,8 @@ def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_schedul
         timed(obj, name, stage)
     arrived = 0
     # (with requests waiting, none of the round's may finish while timed: a seat would free)
-    params = SamplingParams(max_tokens=steps + (64 if waiting else 8), ignore_eos=True, **SAMPLING[sampling])
+    params = SamplingParams(max_tokens=steps + (64 if waiting else 8), ignore_eos=True, logprobs=logprobs,
+                            **SAMPLING[sampling])
     for k in range(rounds + 1):  # (the first round warms up)
         for i in range(num_seqs):
             engine.add_request(f"{k}-{i}", [(7 * i + 13 * k + j) % 4000 + 3 for j in range(64)], params)
@@ -153,7 +166,13 @@ def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_schedul
             for _ in range(2 if arrivals else 0):
                 engine.add_request(f"new-{arrived}", [(11 * arrived + j) % 4000 + 3 for j in range(128)], params)
                 arrived += 1
-            engine.step()
+            out = engine.step()
+            start = time.perf_counter()
+            frame = protocol.encode(out)
+            encoded = time.perf_counter()
+            list(protocol.decode(frame))
+            spent["encode"][-1] += encoded - start
+            spent["decode"][-1] += time.perf_counter() - encoded
         timing[0] = False
         for stage in STAGES:
             spent[stage][-1] /= steps
@@ -226,6 +245,7 @@ def main() -> None:
                    help="with --waiting: 4000-token prompts, seats free for them, each step one's 512-token chunk "
                         "beside the decodes")
     p.add_argument("--scheduling-policy", choices=("fcfs", "priority", "short-first"), default="fcfs")
+    p.add_argument("--logprobs", type=int, metavar="K", help="every request asks for its tokens' top K logprobs")
     p.add_argument("--before", metavar="DIR", help="another checkout to time the same way, in turns with this one")
     p.add_argument("--turns", type=int, default=3, help="with --before: runs of each checkout")
     p.add_argument("--raw", action="store_true", help=argparse.SUPPRESS)  # (a --before run's child: JSON only)
@@ -234,7 +254,8 @@ def main() -> None:
              "--sampling", args.sampling, "--async-scheduling", args.async_scheduling,
              "--eager-layers", str(args.eager_layers), *(["--race"] if args.race else []),
              *(["--prompt-graphs"] if args.prompt_graphs else []), "--waiting", str(args.waiting),
-             "--scheduling-policy", args.scheduling_policy, *(["--long-queue"] if args.long_queue else [])]
+             "--scheduling-policy", args.scheduling_policy, *(["--long-queue"] if args.long_queue else []),
+             *(["--logprobs", str(args.logprobs)] if args.logprobs is not None else [])]
     if args.long_queue and not args.waiting:
         p.error("--long-queue needs --waiting N")
     if args.waiting and (args.eager_layers or args.prompt_graphs):
@@ -242,7 +263,7 @@ def main() -> None:
     if args.raw:
         print(json.dumps(measure(args.num_seqs, args.steps, args.rounds, args.sampling, args.async_scheduling,
                                  args.eager_layers, args.race, args.prompt_graphs, args.waiting,
-                                 args.scheduling_policy, args.long_queue)))
+                                 args.scheduling_policy, args.long_queue, args.logprobs)))
         return
     checkouts = {"this": HERE, **({"before": os.path.abspath(args.before)} if args.before else {})}
     runs: dict[str, dict[str, list[float]]] = {name: {stage: [] for stage in STAGES} for name in checkouts}
@@ -260,7 +281,8 @@ def main() -> None:
             if args.prompt_graphs else f"decode step at {args.num_seqs} sequences"
             + (f", {args.waiting} waiting" if args.waiting else "")
             + (" 4000-token prompts with seats free, one's 512-token chunk a step" if args.long_queue else ""))
-    print(f"host time per {what} ({args.sampling}{', race as on CUDA' if args.race else ''}, "
+    print(f"host time per {what} ({args.sampling}{', race as on CUDA' if args.race else ''}"
+          f"{f', top {args.logprobs} logprobs' if args.logprobs is not None else ''}, "
           f"{args.scheduling_policy}, asynchronous "
           f"scheduling {args.async_scheduling}), µs: min / "
           f"median over {args.rounds} rounds{f' x {args.turns} turns' if args.before else ''}")
@@ -280,7 +302,7 @@ def main() -> None:
     print(json.dumps({"num_seqs": args.num_seqs, "sampling": args.sampling, "race": args.race,
                       "async_scheduling": args.async_scheduling,
                       "eager_layers": args.eager_layers, "prompt_graphs": args.prompt_graphs, "waiting": args.waiting, "long_queue": args.long_queue,
-                      "scheduling_policy": args.scheduling_policy, "step_min_us": result["this"]["step"]["min_us"], **result}))
+                      "scheduling_policy": args.scheduling_policy, "logprobs": args.logprobs, "step_min_us": result["this"]["step"]["min_us"], **result}))
 
 
 if __name__ == "__main__":
