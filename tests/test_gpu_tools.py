@@ -193,15 +193,20 @@ def bench_host(*flags: str) -> tuple[subprocess.CompletedProcess, dict]:
 def test_bench_host_times_each_stage_of_a_decode_step_side_by_side():
     """``tools/bench_host.py``: the host's part of each stage per decode step, the model stubbed out; with
     ``--before`` another checkout (here this one again) timed in turns with this one; ``--waiting``: a full
-    server's steps (requests wait behind the full seats, never admitted while timed)."""
+    server's steps (requests wait behind the full seats, never admitted while timed); ``--logprobs``: every
+    request asks for its top logprobs. Beside the step, the actor's frame of its outputs and a frontend's
+    reading of it."""
     r, out = bench_host("--num-seqs", "8", "--steps", "3", "--rounds", "1", "--sampling", "seeded", "--before", ROOT,
-                        "--turns", "1", "--waiting", "5", "--scheduling-policy", "priority")
-    assert (out["waiting"], out["scheduling_policy"]) == (5, "priority") and "8 sequences, 5 waiting" in r.stdout
+                        "--turns", "1", "--waiting", "5", "--scheduling-policy", "priority", "--logprobs", "5")
+    assert (out["waiting"], out["scheduling_policy"], out["logprobs"]) == (5, "priority", 5)
+    assert "8 sequences, 5 waiting" in r.stdout and "top 5 logprobs" in r.stdout
     for name in ("this", "before"):
         stages = out[name]
-        assert set(stages) == {"schedule", "prepare", "forward_step", "model", "sample", "postprocess", "step"}
-        # the stages are parts of the step
+        assert set(stages) == {"schedule", "prepare", "forward_step", "model", "sample", "postprocess", "step",
+                               "encode", "decode"}
+        # the stages are parts of the step; the frame's are not
         assert 0 < stages["schedule"]["min_us"] + stages["postprocess"]["min_us"] < stages["step"]["median_us"]
+        assert stages["encode"]["min_us"] > 0 and stages["decode"]["min_us"] > 0
     assert "this checkout's minimum is" in r.stdout
 
 
