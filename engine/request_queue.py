@@ -32,7 +32,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections import deque
+from collections import OrderedDict
 from collections.abc import Iterator
 
 from engine.config import POLICIES
@@ -40,13 +40,15 @@ from engine.request import Request, Status
 
 
 class FcfsQueue:
-    """Arrival order; preempted requests go back to the front. Never preempts on rank."""
+    """Arrival order; preempted requests go back to the front. Never preempts on rank. An ordered dict, not a
+    deque: removing a request (an abort, a deadline) from anywhere in it is O(1), so that a burst of them over a
+    long queue is not O(waiting) each."""
 
     preempts = False
     preempt_margin = 0.0
 
     def __init__(self, aging_seconds: float = math.inf) -> None:
-        self._q: deque[Request] = deque()
+        self._q: OrderedDict[Request, None] = OrderedDict()
         self._aside: list[Request] = []
         self.now = 0.0
 
@@ -54,29 +56,31 @@ class FcfsQueue:
         return req.arrival_time
 
     def push(self, req: Request) -> None:
-        self._q.append(req)
+        self._q[req] = None
 
     def requeue(self, req: Request) -> None:
         """A preempted request: it arrived before anything still waiting."""
-        self._q.appendleft(req)
+        self._q[req] = None
+        self._q.move_to_end(req, last=False)
 
     def peek(self) -> Request:
-        return self._q[0]
+        return next(iter(self._q))
 
     def pop(self) -> Request:
-        return self._q.popleft()
+        return self._q.popitem(last=False)[0]
 
     def set_aside(self) -> Request:
         """Take the head out for this step: ``put_back`` returns what was set aside to where it was."""
-        self._aside.append(self._q.popleft())
+        self._aside.append(self.pop())
         return self._aside[-1]
 
     def put_back(self) -> None:
-        self._q.extendleft(reversed(self._aside))
+        for req in reversed(self._aside):
+            self.requeue(req)
         self._aside.clear()
 
     def remove(self, req: Request) -> None:
-        self._q.remove(req)
+        del self._q[req]
 
     def __len__(self) -> int:
         return len(self._q)

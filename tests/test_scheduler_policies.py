@@ -259,6 +259,32 @@ def test_deadlines_finish_waiting_and_running_requests_with_timeout():
     assert s.num_timeouts == 2
 
 
+def test_a_burst_of_deadlines_over_a_long_fcfs_queue_never_walks_it():
+    """Each waiting request that times out (or is aborted) leaves the queue without a walk of it: a deque's
+    ``remove`` compared it with every request ahead, O(waiting) each, 446 ms for 10,000 at once."""
+    compared = []
+
+    class Counted(Request):
+        __slots__ = ()
+        __hash__ = object.__hash__
+
+        def __eq__(self, other):
+            compared.append(other)
+            return self is other
+
+    s, _, clock = make(max_num_seqs=1, num_blocks=4096)
+    s.max_num_waiting_requests = 300
+    reqs = [Counted(f"r{i}", [1, 2, 3, 4], SamplingParams(max_tokens=50), deadline=clock.now + 2 + (i < 150))
+            for i in range(300)]
+    add_all(s, clock, *reqs)
+    step(s)  # (r0 runs)
+    clock.now += 2.5  # the later half's deadlines, the latest arrivals the last in the queue
+    assert len(step(s).timed_out) == 150 and ids(s.waiting) == [f"r{i}" for i in range(1, 150)]
+    for r in reqs[1:150:2]:
+        s.finish(r, "abort")
+    assert ids(s.waiting) == [f"r{i}" for i in range(2, 150, 2)] and not compared
+
+
 def test_a_finished_request_does_not_time_out():
     s, _, clock = make()
     a = req("a", deadline=clock.now + 1)

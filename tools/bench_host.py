@@ -146,9 +146,12 @@ def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_schedul
                              (runner.model, "forward", "model")):  # (nn.Module calls self.forward)
         timed(obj, name, stage)
     arrived = 0
-    # (with requests waiting, none of the round's may finish while timed: a seat would free)
-    params = SamplingParams(max_tokens=steps + (64 if waiting else 8), ignore_eos=True, logprobs=logprobs,
-                            **SAMPLING[sampling])
+    # (behind full seats, none of the round's may finish while timed, however many steps their prompts took
+    # beside others' decodes on a busy machine: a seat would free. As long as the context allows; aborted once
+    # timed)
+    full = waiting and not long_queue
+    params = SamplingParams(max_tokens=512 - 64 if full else steps + (64 if waiting else 8), ignore_eos=True,
+                            logprobs=logprobs, **SAMPLING[sampling])
     for k in range(rounds + 1):  # (the first round warms up)
         for i in range(num_seqs):
             engine.add_request(f"{k}-{i}", [(7 * i + 13 * k + j) % 4000 + 3 for j in range(64)], params)
@@ -178,7 +181,7 @@ def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_schedul
             spent[stage][-1] /= steps
         if not long_queue and sum(r.request_id in queued for r in engine.scheduler.running):
             sys.exit("a waiting request joined while timed: not a full server's steps")
-        engine.abort(queued)
+        engine.abort(queued + ([r.request_id for r in engine.scheduler.running] if full else []))
         while engine.has_work():
             engine.step()
     return {stage: values[1:] for stage, values in spent.items()}
