@@ -56,6 +56,7 @@ class TextCodec:
         self.image_token: str | None = None  # a model that reads images: its placeholder (``use_images``)
         self._lists_contents = False
         self._texts: list[str] | None = None  # every token's text (token_texts)
+        self._text_of: dict[int, str] = {}  # the texts token_text has made, by id
         self._dry: dict[tuple[str, ...], list[list[int]]] = {}  # DRY's breakers as token sequences (dry_breakers)
 
     def use_images(self, token_id: int) -> None:
@@ -125,8 +126,15 @@ class TextCodec:
         return [(t, 0, 0) for t in self.encode(text)]
 
     def token_text(self, token_id: int) -> str:
-        """One token's own text (for logprobs); special tokens keep their names."""
-        return self._decode([token_id], False)
+        """One token's own text (for logprobs); special tokens keep their names. Kept once made (for the ids of
+        the vocabulary): logprobs ask for the same tokens' texts over and over, a stream's top 20 twice a token
+        in chat (at 256 streams, 10,000 decodes a step: 9.3 ms against 2.9 kept)."""
+        text = self._text_of.get(token_id)
+        if text is None:
+            text = self._decode([token_id], False)
+            if 0 <= token_id < self.vocab_size:
+                self._text_of[token_id] = text
+        return text
 
     def token_texts(self) -> list[str]:
         """Every token's own text, by id (special tokens with their names); built once."""

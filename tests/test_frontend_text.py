@@ -133,3 +133,18 @@ def test_a_final_assistant_message_can_be_continued(codec):
     with pytest.raises(ValueError, match="nothing to continue"):
         codec.apply_chat_template([{"role": "user", "content": "x"}, {"role": "assistant", "content": "   "}], False,
                                   continue_final=True)
+
+
+def test_a_tokens_text_is_decoded_once(smollm_tokenizer_dir):
+    """Logprobs name the same tokens over and over (a stream's top 20, twice a token in chat): each
+    vocabulary token's text is decoded once, then kept; an id past the vocabulary is never kept."""
+    codec = TextCodec(load_tokenizer(smollm_tokenizer_dir))
+    decoded = []
+    decode = codec._decode
+    codec._decode = lambda ids, skip: decoded.append(ids) or decode(ids, skip)
+    hello = codec.encode("Hello", add_special_tokens=False)[0]
+    assert codec.token_text(hello) == codec.token_text(hello) == decode([hello], False) == "Hello"
+    assert decoded == [[hello]]
+    past = codec.vocab_size + 5
+    codec.token_text(past), codec.token_text(past)
+    assert decoded == [[hello], [past], [past]]

@@ -27,6 +27,7 @@ one JSON line (also written to ``--save-json``).
 
     python tools/bench_frontend.py                                  # 1 frontend, 1 client process
     python tools/bench_frontend.py --api-server-count 2 --client-procs 2
+    python tools/bench_frontend.py --endpoint chat --logprobs 20    # each token with its top 20
 """
 
 from __future__ import annotations
@@ -73,11 +74,14 @@ def machine_busy_seconds() -> float:
 # ----------------------------------------------------------------------------- clients
 
 
-def request_bytes(prompt_len: int, max_tokens: int, endpoint: str = "completions") -> bytes:
+def request_bytes(prompt_len: int, max_tokens: int, endpoint: str = "completions", logprobs: int | None = None) -> bytes:
     """A streamed request: token ids to /v1/completions; to the chat and Responses endpoints a text of
-    about ``prompt_len`` tokens (one word each), through the chat template."""
+    about ``prompt_len`` tokens (one word each), through the chat template. ``logprobs``: each token's top
+    that many logprobs (not the Responses API's)."""
     usage = {"stream_options": {"include_usage": True}}
-    body = json.dumps({"model": MODEL, "stream": True} | {
+    lps = {} if logprobs is None else {"completions": {"logprobs": logprobs},
+                                       "chat": {"logprobs": True, "top_logprobs": logprobs}}[endpoint]
+    body = json.dumps({"model": MODEL, "stream": True} | lps | {
         "completions": {"prompt": [1000 + i for i in range(prompt_len)], "max_tokens": max_tokens} | usage,
         "chat": {"messages": [{"role": "user", "content": " ".join(["word"] * prompt_len)}],
                  "max_tokens": max_tokens} | usage,
@@ -197,6 +201,7 @@ def summarize(args, rounds: list[dict]) -> dict:
         "waves": args.waves,
         "prompt_len": args.prompt_len,
         "endpoint": args.endpoint,
+        "logprobs": args.logprobs,
         "step_ms": args.step_ms,
         "rounds": len(rounds),
         "cpu_count": os.cpu_count(),
@@ -219,7 +224,7 @@ def print_table(rounds: list[dict], s: dict) -> None:
     cols = ("round", "wall s", "tokens/s", "events/s", "fe CPU s", "tok/fe-CPU-s", "fe us/tok", "eng CPU s",
             "cli CPU s", "other CPU s", "errors")
     print(f"endpoint={s['endpoint']} frontends={s['api_server_count']} client-procs={s['client_procs']} concurrency={s['concurrency']} "
-          f"max-tokens={s['max_tokens']} waves={s['waves']} step-ms={s['step_ms']} cpus={s['cpu_count']}")
+          f"max-tokens={s['max_tokens']} waves={s['waves']} step-ms={s['step_ms']} logprobs={s['logprobs']} cpus={s['cpu_count']}")
     print("".join(f"{c:>13}" for c in cols))
     for i, r in enumerate(rounds, 1):
         fe = "+".join(f"{c:.2f}" for c in r["frontend_cpu_s"])
@@ -249,6 +254,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="what the clients stream: /v1/completions (token-id prompts), /v1/chat/completions "
                         "or /v1/responses (text prompts through the chat template)")
     p.add_argument("--step-ms", type=float, default=0.5, help="the fake engine sleeps this long after each step")
+    p.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="each streamed token with its top K logprobs (completions and chat)")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds, after one warm-up round")
     p.add_argument("--model", default=None, help="model folder or .gguf for the tokenizer (default: the default model)")
     p.add_argument("--tokenizer-dir", default=os.path.join(tempfile.gettempdir(), "tokenmill-bench-tokenizer"),
@@ -264,6 +271,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("counts must be positive")
     if args.client_procs > args.concurrency:
         p.error("--client-procs must be at most --concurrency")
+    if args.logprobs is not None and args.endpoint == "responses":
+        p.error("--logprobs: with completions or chat")
     return args
 
 
@@ -277,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     os.chmod(run_dir, 0o700)
     address = f"ipc://{run_dir}/engine.sock"
     engine = FakeEngine(address, step_delay=args.step_ms / 1000)
+    if args.logprobs is not None:
+        engine.alternatives = args.logprobs  # (as many as asked, each a token of its own)
     engine.start()
     engine_stat = f"/proc/self/task/{engine.native_id}/stat"
     port = free_port()
@@ -285,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for i in range(args.api_server_count):
             frontends.append(start_frontend(address, args.tokenizer_dir, port, frontend_id=f"frontend-{i}"))
-        request = request_bytes(args.prompt_len, args.max_tokens, args.endpoint)
+        request = request_bytes(args.prompt_len, args.max_tokens, args.endpoint, args.logprobs)
         for i in range(args.client_procs):
             n = args.concurrency // args.client_procs + (i < args.concurrency % args.client_procs)
             parent, child = ctx.Pipe()

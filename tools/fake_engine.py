@@ -129,6 +129,7 @@ class FakeEngine(threading.Thread):
         self.address = address
         self.step_delay = step_delay
         self.tokens_per_step = tokens_per_step
+        self.alternatives = 2  # a token's top logprobs: at most this many (a benchmark's: as many as asked)
         self.refuse: Error | None = None  # answer every ADD with this error
         self.room: int | None = None  # new work taken before the waiting queue counts as full: later ADDs get
         # a 429, but for those marked ``admitted`` (a beam search's later rounds), as the real scheduler does
@@ -253,7 +254,8 @@ class FakeEngine(threading.Thread):
             for _ in range(self.tokens_per_step):
                 t = prompt[(produced + len(toks)) % len(prompt)]
                 toks.append(t)
-                lps.append([-0.5, [[t, -0.5], [(t + 1) % VOCAB, -1.5]][: max(p.logprobs or 0, 1)]])
+                top = min(max(p.logprobs or 0, 1), self.alternatives)
+                lps.append([-0.5, [[(t + j) % VOCAB, -0.5 - j] for j in range(top)]])
                 if t in p.stop_token_ids:
                     finish, stop_reason = "stop", t  # (the stop token's id, as the engine says it)
                     break
