@@ -312,12 +312,13 @@ def logprob_lists(tok_lp: torch.Tensor, top_lp: torch.Tensor, top_ids: torch.Ten
     packed as ``Outputs`` carries it (``protocol.pack_top``: no list a pair), ``ks[i]`` of row i's (all of
     them where None; empty for ``k == 0``)."""
     pairs = torch.stack((top_ids.to(torch.int32), top_lp.float().view(torch.int32)), dim=-1)  # (n, k, 2)
-    packed = np.ascontiguousarray(pairs.numpy(), "<i4").tobytes()
-    width = 8 * top_ids.shape[1]  # (bytes a row)
+    packed = np.ascontiguousarray(pairs.cpu().numpy(), "<i4").tobytes()
+    k_max = top_ids.shape[1]  # (the vocabulary's size where a row asked for more: a row's k is cut to it)
+    width = 8 * k_max  # (bytes a row)
     if ks is None:
         return [[t, packed[j * width:(j + 1) * width], r]
                 for j, (t, r) in enumerate(zip(tok_lp.tolist(), ranks.tolist(), strict=True))]
-    return [[t, packed[j * width:j * width + 8 * k], r]
+    return [[t, packed[j * width:j * width + 8 * min(k, k_max)], r]
             for j, (t, k, r) in enumerate(zip(tok_lp.tolist(), ks, ranks.tolist(), strict=True))]
 
 

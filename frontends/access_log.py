@@ -112,7 +112,10 @@ class _Text:
 
 def peer_of(transport) -> str:
     """``host:port`` of a connection's client ("-" when unknown)."""
-    peer = transport.get_extra_info("peername") if transport is not None else None
+    try:
+        peer = transport.get_extra_info("peername") if transport is not None else None
+    except AttributeError:  # (uvloop's, asked once a reset has closed the connection: its socket is gone)
+        peer = None
     return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "-"
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import struct
 import time
 
 import pytest
@@ -310,3 +311,22 @@ def test_json_access_log_with_prompts(stack):
     (w,) = ws_lines
     assert (w["endpoint"], w["status"], w["generation_tokens"], w["finish_reason"]) == ("/v1/stream", 200, 3, "length")
     assert w["request_id"].startswith("cmpl-") and w["client"].startswith("127.0.0.1:")
+
+
+def test_a_request_reset_before_its_answer_is_logged_499(stack):
+    """A client that resets its connection (RST) right after its request: the access log's line has 499, with
+    no error of the observer's (uvloop's transport, closed by then, raised for its peer)."""
+    _, _, open_port, _, json_log = stack
+    body = json.dumps({"model": "smol", "prompt": "reset me " + SECRET, "max_tokens": 200}).encode()
+    s = socket.create_connection(("127.0.0.1", open_port))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+              + b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    s.close()
+    deadline = time.monotonic() + 10
+    while not (mine := [e for e in (json.loads(ln) for ln in log_lines(json_log) if ln.startswith("{"))
+                        if e.get("prompt") == "reset me " + SECRET]):
+        assert time.monotonic() < deadline, "the reset request was never logged (its observer failed)"
+        time.sleep(0.05)
+    assert [e["status"] for e in mine] == [499]
+    assert not [ln for ln in log_lines(json_log) if "observer failed" in ln]

@@ -564,6 +564,15 @@ def test_logprobs_are_raw_with_sorted_top_k():
         assert [v for _, v in top] == sorted((v for _, v in top), reverse=True)
 
 
+def test_a_top_k_past_the_vocabulary_stops_at_its_own_row():
+    """Rows asking for more top logprobs than the vocabulary has get the whole vocabulary, their own (the
+    step's top-k is packed row after row: a row cut by its k would run into the next row's)."""
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0], [1.0, 2.0, 3.0, 4.0]])
+    params = [SamplingParams(temperature=0.0, logprobs=6), SamplingParams(temperature=0.0, logprobs=6)]
+    out = _call(Sampler(4, [EOS], "cpu"), logits, params)
+    assert [[t for t, _ in unpack_top(lp[1])] for lp in out.logprobs] == [[0, 1, 2, 3], [3, 2, 1, 0]]
+
+
 def test_no_logprobs_asked_means_none():
     out = _call(Sampler(8, [EOS], "cpu"), torch.randn(2, 8), [SamplingParams(seed=1), SamplingParams()])
     assert out.logprobs is None
