@@ -989,12 +989,11 @@ class _ChatFormat(_SseFormat):
         self.answers = [answer() for _ in gen.choices] if answer is not None else None
 
     def _chat_lp(self, entries: list[LogprobEntry] | None) -> list[dict]:
-        token_text, name = self.codec.token_text, self.token_name
+        utf8, name = self.codec.token_utf8, self.token_name
         out = []
         for tid, lp, top in entries or ():
-            out.append({"token": name(tid), "logprob": lp, "bytes": list(token_text(tid).encode()),
-                        "top_logprobs": [{"token": name(i), "logprob": v, "bytes": list(token_text(i).encode())}
-                                         for i, v in (top or ())]})
+            out.append({"token": name(tid), "logprob": lp, "bytes": utf8(tid),
+                        "top_logprobs": [{"token": name(i), "logprob": v, "bytes": utf8(i)} for i, v in (top or ())]})
         return out
 
     def _prompt_fields(self) -> dict:

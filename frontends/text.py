@@ -57,6 +57,7 @@ class TextCodec:
         self._lists_contents = False
         self._texts: list[str] | None = None  # every token's text (token_texts)
         self._text_of: dict[int, str] = {}  # the texts token_text has made, by id
+        self._utf8_of: dict[int, list[int]] = {}  # and their bytes (token_utf8)
         self._dry: dict[tuple[str, ...], list[list[int]]] = {}  # DRY's breakers as token sequences (dry_breakers)
 
     def use_images(self, token_id: int) -> None:
@@ -135,6 +136,16 @@ class TextCodec:
             if 0 <= token_id < self.vocab_size:
                 self._text_of[token_id] = text
         return text
+
+    def token_utf8(self, token_id: int) -> list[int]:
+        """``token_text``'s UTF-8 bytes, as chat logprobs give them; kept as the texts are (one list for every
+        answer: never change it)."""
+        utf8 = self._utf8_of.get(token_id)
+        if utf8 is None:
+            utf8 = list(self.token_text(token_id).encode())
+            if 0 <= token_id < self.vocab_size:
+                self._utf8_of[token_id] = utf8
+        return utf8
 
     def token_texts(self) -> list[str]:
         """Every token's own text, by id (special tokens with their names); built once."""
