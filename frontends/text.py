@@ -58,6 +58,7 @@ class TextCodec:
         self._texts: list[str] | None = None  # every token's text (token_texts)
         self._text_of: dict[int, str] = {}  # the texts token_text has made, by id
         self._utf8_of: dict[int, list[int]] = {}  # and their bytes (token_utf8)
+        self._bytes_of: dict[int, bytes] = {}  # tokens' own bytes (token_bytes)
         self._dry: dict[tuple[str, ...], list[list[int]]] = {}  # DRY's breakers as token sequences (dry_breakers)
 
     def use_images(self, token_id: int) -> None:
@@ -173,14 +174,23 @@ class TextCodec:
 
     def token_bytes(self, token_id: int) -> bytes:
         """One token's own bytes, from its vocabulary entry: a token that is part of a character has those bytes
-        (its text, U+FFFD), a SentencePiece word's first token its space (a decoded token alone drops it)."""
+        (its text, U+FFFD), a SentencePiece word's first token its space (a decoded token alone drops it). Kept
+        as the texts are."""
+        raw = self._bytes_of.get(token_id)
+        if raw is not None:
+            return raw
         if self._backend is None:
-            return self.token_text(token_id).encode()
-        if self._byte_level is None:
-            self._byte_level = "ByteLevel" in repr(self._backend.decoder)  # (its decoders, written out)
-        piece = self._backend.id_to_token(token_id)
-        raw = piece_bytes(piece, self._byte_level) if piece is not None else None
-        return raw if raw is not None else self.token_text(token_id).encode()
+            raw = self.token_text(token_id).encode()
+        else:
+            if self._byte_level is None:
+                self._byte_level = "ByteLevel" in repr(self._backend.decoder)  # (its decoders, written out)
+            piece = self._backend.id_to_token(token_id)
+            raw = piece_bytes(piece, self._byte_level) if piece is not None else None
+            if raw is None:
+                raw = self.token_text(token_id).encode()
+        if 0 <= token_id < self.vocab_size:
+            self._bytes_of[token_id] = raw
+        return raw
 
     @property
     def chat_template(self) -> str | None:

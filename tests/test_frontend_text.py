@@ -146,6 +146,7 @@ def test_a_tokens_text_is_decoded_once(smollm_tokenizer_dir):
     assert codec.token_text(hello) == codec.token_text(hello) == decode([hello], False) == "Hello"
     assert decoded == [[hello]]
     assert codec.token_utf8(hello) is codec.token_utf8(hello) and codec.token_utf8(hello) == list(b"Hello")
+    assert codec.token_bytes(hello) is codec.token_bytes(hello) == b"Hello"  # (llama.cpp's n_probs)
     past = codec.vocab_size + 5
     codec.token_text(past), codec.token_text(past)
     assert decoded == [[hello], [past], [past]]
