@@ -61,6 +61,14 @@ def test_jobs_per_workload():
     assert bs.extra_fields(a, jobs[0]) == {"ignore_eos": True, "priority": jobs[0].priority}
     assert bs.extra_fields(args_for("--no-ignore-eos"), bs.Job("x", 1, 1, priority=0)) == {"priority": 0}
     assert bs.extra_fields(args_for(), random_jobs[0]) == {"ignore_eos": True}
+    # --logprobs, in each endpoint's words
+    job = bs.Job("x", 1, 1)
+    assert [bs.extra_fields(args_for("--logprobs", "20", "--endpoint", e), job) for e in
+            ("completions", "chat", "llamacpp", "tgi")] == [
+        {"ignore_eos": True, "logprobs": 20}, {"ignore_eos": True, "logprobs": True, "top_logprobs": 20},
+        {"ignore_eos": True, "n_probs": 20}, {"ignore_eos": True, "top_n_tokens": 20}]
+    with pytest.raises(SystemExit):
+        args_for("--logprobs", "5", "--endpoint", "ollama")
 
     jobs = bs.make_jobs(args_for("--workload", "edit", "--num-prompts", "6", "--output-len", "200"), random.Random(1))
     assert [(j.prompt, j.est_tokens) for j in jobs] == bs.make_edit_prompts(6, random.Random(1))

@@ -239,10 +239,13 @@ def make_jobs(args, rng: random.Random, tokenizer=None) -> list[Job]:
 
 
 def extra_fields(args, job: Job) -> dict:
-    """Body fields beyond the OpenAI API's: ``ignore_eos`` and ``priority``."""
+    """Body fields beyond the basics: ``ignore_eos``, ``priority``, and ``--logprobs`` in the endpoint's words."""
     extra: dict = {"ignore_eos": True} if args.ignore_eos else {}
     if job.priority is not None:
         extra["priority"] = job.priority
+    if args.logprobs is not None:
+        extra |= {"chat": {"logprobs": True, "top_logprobs": args.logprobs}, "llamacpp": {"n_probs": args.logprobs},
+                  "tgi": {"top_n_tokens": args.logprobs}}.get(args.endpoint, {"logprobs": args.logprobs})
     return extra
 
 
@@ -576,6 +579,7 @@ def summarize(args, results: list[RequestResult], duration: float) -> dict:
     """The overall metrics with the run's settings, and per class for workloads that have classes."""
     s = {
         "base_url": args.base_url, "model": args.model, "endpoint": args.endpoint, "protocol": args.protocol,
+        "logprobs": args.logprobs,
         "num_prompts": len(results), "input_len": args.input_len, "output_len": args.output_len,
         "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
         "max_concurrency": args.max_concurrency,
@@ -667,6 +671,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Poisson arrival rate in requests/s (default: inf = all at once)")
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="each token with its top K logprobs (not --endpoint ollama)")
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="let requests stop at EOS (default: ignore EOS, generate exactly --output-len)")
     p.add_argument("--tokenizer", default=None, help="model folder or .gguf whose tokenizer makes the prompts")
@@ -709,6 +715,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--long-delay and --long-interval must be at least 0")
     if not 0 <= args.urgent_fraction <= 1:
         p.error("--urgent-fraction must be between 0 and 1")
+    if args.logprobs is not None and args.endpoint == "ollama":
+        p.error("--logprobs: Ollama's API has none")
     if args.endpoint in ("llamacpp", "tgi", "ollama") and args.protocol != "sse":
         p.error(f"--endpoint {args.endpoint} streams its own events: --protocol ws serves the OpenAI endpoints")
     return args
