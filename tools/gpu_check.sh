@@ -192,7 +192,8 @@ else
   host_bench=
   has "$ENGINE" && host_bench="&& $PY tools/bench_host.py --rounds 4 --steps 20 &&
     $PY tools/bench_host.py --rounds 4 --steps 20 --sampling top_p --race &&
-    $PY tools/bench_host.py --rounds 4 --steps 20 --prompt-graphs"
+    $PY tools/bench_host.py --rounds 4 --steps 20 --prompt-graphs &&
+    $PY tools/bench_host.py --rounds 4 --steps 20 --logprobs 20"
   part bench-kernels 150 "$PY tools/bench_kernels.py $host_bench"
 fi
 
