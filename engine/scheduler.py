@@ -190,6 +190,9 @@ class Scheduler:
         self._prompt_steps = 0  # steps with prompt tokens so far (the first, paying one-time costs, is not timed)
         self.clock = clock  # unix seconds, as deadlines are
         self._deadlines: list[tuple[float, int, Request]] = []  # heap; finished requests linger until due
+        # heap of (queued_at, seq, request) as each was queued: the oldest waiting one (_delayed) without a walk
+        # of the queue; those no longer waiting, or queued again since, linger until they come up
+        self._queued: list[tuple[float, int, Request]] = []
         self._seq = itertools.count()
         self.now = clock()  # this step's time
         self.num_preemptions = 0  # since start, for stats
@@ -212,6 +215,7 @@ class Scheduler:
         req.status = Status.WAITING
         req.arrival_time = req.queued_at = self.clock()
         self.waiting.push(req)
+        self._queue_time(req)
         self._waiting_embeddings += req.pool is not None
         if req.deadline is not None:
             heapq.heappush(self._deadlines, (req.deadline, next(self._seq), req))
@@ -284,8 +288,18 @@ class Scheduler:
         wait the clock made negative (set back) holds nobody either."""
         if not self.delay_factor or not self.waiting or not self._prompt_seconds:
             return False
-        waited = self.now - min(r.queued_at for r in self.waiting)
+        queued = self._queued
+        while queued[0][2].status is not Status.WAITING or queued[0][2].queued_at != queued[0][0]:
+            heapq.heappop(queued)  # (admitted, finished, or queued again since)
+        waited = self.now - queued[0][0]
         return 0 <= waited < self.delay_factor * statistics.median_low(self._prompt_seconds)
+
+    def _queue_time(self, req: Request) -> None:
+        """``req`` was queued at ``req.queued_at``: for ``_delayed``."""
+        heapq.heappush(self._queued, (req.queued_at, next(self._seq), req))
+        if len(self._queued) > 64 and len(self._queued) > 4 * len(self.waiting):  # (drop the stale ones)
+            self._queued = [e for e in self._queued if e[2].status is Status.WAITING and e[2].queued_at == e[0]]
+            heapq.heapify(self._queued)
 
     def rollback(self, batch: ScheduledBatch) -> None:
         """The model failed to run ``batch``: nothing it scheduled was computed. Its requests go back to
@@ -543,6 +557,7 @@ class Scheduler:
         req.status = Status.WAITING
         req.queued_at = self.now
         self.waiting.requeue(req)
+        self._queue_time(req)
         self._waiting_embeddings += req.pool is not None
         batch.preempted.append(req)
 

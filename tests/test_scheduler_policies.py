@@ -3,6 +3,7 @@
 Exact orders with a fake clock; torch-free and fast.
 """
 
+import statistics
 from collections import Counter
 
 import pytest
@@ -11,7 +12,7 @@ from engine.block_manager import BlockManager
 from engine.prefill_cap import PrefillCap
 from engine.protocol import SamplingParams
 from engine.request import Request, Status
-from engine.scheduler import PromptTooLong, Scheduler
+from engine.scheduler import PromptTooLong, ScheduledBatch, Scheduler
 
 
 class Clock:
@@ -431,6 +432,34 @@ def test_the_delay_factor_holds_waiting_prompts_for_fewer_larger_steps():
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "short-first", "priority"])
+def test_the_delay_finds_the_oldest_waiting_without_a_walk(policy, monkeypatch):
+    """The delay holds waiting prompts until the longest-waiting one has waited long enough: found without a
+    walk of the queue (at 1000 waiting a walk a step, and a sort for a ranked queue), and not the head, which
+    under fcfs may be one just preempted (queued again, at the front, a moment ago)."""
+    clock = Clock()
+    s = Scheduler(BlockManager(64, 4), 8, 64, 64, policy, 30.0, PrefillCap(64, fixed=64), clock, delay_factor=1.0)
+    w, a, b, c = req("w", 4), req("a", 4), req("b", 4), req("c", 4)
+    s.add(w)
+    s.update_from_output(s.schedule(), 30.0)  # the first step with prompt tokens: not counted
+    w.append_token(7)
+    s.add(a)
+    s.update_from_output(s.schedule(), 0.5)  # a step with prompt tokens: the delay is 0.5 s
+    a.append_token(7)
+    add_all(s, clock, b, c)
+    clock.now += 0.3
+    s.now = clock.now
+    s._preempt(a, ScheduledBatch())  # (queued again 0.3 s after b and c)
+    with monkeypatch.context() as m:
+        m.setattr(type(s.waiting), "__iter__", lambda q: (_ for _ in ()).throw(AssertionError("walked")))
+        for after, held in ((0.15, True), (0.25, False)):  # b has waited 0.45 s, then 0.55 (a 0.15, then 0.25)
+            s.now = clock.now + after
+            assert s._delayed() is held
+        s.finish(b, "abort")
+        s.finish(c, "abort")
+        assert s._delayed() is True  # the oldest waiting is a now
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "short-first", "priority"])
 def test_a_full_servers_step_leaves_its_waiting_queue_alone(policy, monkeypatch):
     """Every seat taken, nobody to preempt (the waiting ones are no more urgent): a decode step neither looks
     the waiting up in the prefix cache, nor fits the prefill cap, nor walks the queue for the delay, nor orders
@@ -571,6 +600,9 @@ def test_random_traffic_keeps_every_invariant_and_finishes(policy, seed):
         clock.now += rng.choice([0.01, 0.1, 0.5])
         batch = s.schedule()
         assert len({r.request_id for r in batch.requests}) == len(batch.requests), "scheduled twice"
+        if s.delay_factor and s.waiting and s._prompt_seconds:  # the delay's oldest, kept: as a walk finds it
+            waited = s.now - min(r.queued_at for r in s.waiting)
+            assert s._delayed() == (0 <= waited < s.delay_factor * statistics.median_low(s._prompt_seconds))
         assert batch.num_tokens == sum(batch.num_new_tokens) <= s.max_num_batched_tokens
         assert all(r.status is Status.RUNNING for r in batch.requests)
         assert len(s.running) <= s.max_num_seqs
