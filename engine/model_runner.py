@@ -75,7 +75,7 @@ from engine.sampler import (
     Sampler,
     SamplerOutput,
     SamplingState,
-    logprob_lists,
+    logprob_entries,
     logprob_tensors,
     to_device,
 )
@@ -515,7 +515,7 @@ class ModelRunner:
         if launched.events is not None:  # (CUDA: the copies to_host queued)
             launched.events[1].synchronize()
         # all converted before anything changes: should the sync raise, the step can be collected again
-        done = [(r, logprob_lists(*tensors)) for r, tensors in launched.prompt_logprobs]
+        done = [(r, logprob_entries(*tensors)) for r, tensors in launched.prompt_logprobs]
         vectors = to_bytes([v for _, v in launched.pooled])
         pooled = list(zip([r for r, _ in launched.pooled], vectors, strict=True))
         launched.prompt_logprobs = []

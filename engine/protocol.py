@@ -635,9 +635,9 @@ class Outputs:
     prompt and cached token counts, then ``[index, finish_reason, logprobs, prompt_logprobs, stop_reason,
     embedding]`` for the few deltas that have any of those (most deltas of a step are one token of a running
     request), their logprobs' top-k packed (``pack_top``). Iterating gives the ``Delta`` of each, in order,
-    its logprobs unpacked. No object a request: at 256 one-token deltas, the
-    engine's ``_postprocess`` takes 96 µs instead of 135 and the actor's sending 57 instead of 83 (a ``Delta``
-    each, then columns for the wire, on this project's CPU)."""
+    its logprobs unpacked. No object a request: at 256 one-token deltas, the engine's ``_postprocess`` takes
+    96 µs instead of 135 and the actor's sending 57 instead of 83 (a ``Delta`` each, then columns for the wire,
+    on this project's CPU)."""
 
     request_ids: list[str] = field(default_factory=list)
     token_ids: list[list[int]] = field(default_factory=list)

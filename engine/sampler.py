@@ -266,7 +266,7 @@ class Sampled:
         if self.logprobs is not None:
             rows, ks, tensors = self.logprobs
             logprobs = [None] * len(self.ids)
-            for i, entry in zip(rows, logprob_lists(*tensors, ks), strict=True):
+            for i, entry in zip(rows, logprob_entries(*tensors, ks), strict=True):
                 logprobs[i] = entry
         return SamplerOutput(self.ids.tolist(), logprobs)
 
@@ -306,7 +306,7 @@ def logprob_tensors(logits: torch.Tensor, token_ids: torch.Tensor | list[int],
     return torch.cat(tok), torch.cat(top_lp), torch.cat(top_ids), torch.cat(ranks)
 
 
-def logprob_lists(tok_lp: torch.Tensor, top_lp: torch.Tensor, top_ids: torch.Tensor, ranks: torch.Tensor,
+def logprob_entries(tok_lp: torch.Tensor, top_lp: torch.Tensor, top_ids: torch.Tensor, ranks: torch.Tensor,
                   ks: list[int] | None = None) -> list[list]:
     """``logprob_tensors``' output on the host (the sync): one ``[logprob, top-k, rank]`` per row, the top-k
     packed as ``Outputs`` carries it (``protocol.pack_top``: no list a pair), ``ks[i]`` of row i's (all of

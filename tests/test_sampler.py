@@ -20,7 +20,7 @@ from engine.sampler import (
     _row_keys,
     apply_min_p,
     apply_top_k_top_p,
-    logprob_lists,
+    logprob_entries,
     logprob_tensors,
     process_logits,
 )
@@ -579,7 +579,7 @@ def test_no_logprobs_asked_means_none():
 
 
 def compute_logprobs(logits, ids, k):
-    return [[t, unpack_top(top), r] for t, top, r in logprob_lists(*logprob_tensors(logits, ids, k))]
+    return [[t, unpack_top(top), r] for t, top, r in logprob_entries(*logprob_tensors(logits, ids, k))]
 
 
 def test_logprobs_helpers_in_chunks():
