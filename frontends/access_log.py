@@ -110,14 +110,5 @@ class _Text:
         return " ".join(parts)
 
 
-def peer_of(transport) -> str:
-    """``host:port`` of a connection's client ("-" when unknown)."""
-    try:
-        peer = transport.get_extra_info("peername") if transport is not None else None
-    except AttributeError:  # (uvloop's, asked once a reset has closed the connection: its socket is gone)
-        peer = None
-    return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "-"
-
-
 def _peer(req: Request) -> str:
-    return peer_of(req.protocol.transport if req.protocol is not None else None)
+    return req.protocol.peer if req.protocol is not None else "-"

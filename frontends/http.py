@@ -240,6 +240,21 @@ class HttpConfig:
     socket_send_buffer: int | None = None
 
 
+def peer_of(transport) -> str:
+    """``host:port`` of a connection's client ("-" when unknown)."""
+    try:
+        peer = transport.get_extra_info("peername") if transport is not None else None
+    except AttributeError:  # (uvloop's, asked once a reset has closed the connection: its socket is gone)
+        peer = None
+    return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "-"
+
+
+def _expectations(raw_headers: list[tuple[bytes, bytes]]) -> set[str]:
+    """What the ``Expect`` fields ask, every line of them as one list (RFC 9110 5.3), lower-cased."""
+    values = b",".join(v for k, v in raw_headers if k.lower() == b"expect").decode("latin-1").lower()
+    return {e.strip() for e in values.split(",")} - {""}
+
+
 def _path(url) -> str:
     """A parsed request target's path ("/" for none)."""
     return url.path.decode("utf-8", "replace") if url.path else "/"
@@ -352,6 +367,7 @@ class HttpProtocol(asyncio.Protocol):
         self.server = server
         self.config = server.config
         self.transport: asyncio.Transport | None = None
+        self.peer = "-"  # the client's host:port, as it connected (one that reset has none to give by then)
         self.parser = httptools.HttpRequestParser(self)
         self.lost = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -378,6 +394,7 @@ class HttpProtocol(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.peer = peer_of(transport)
         self._loop = asyncio.get_running_loop()
         if self.server.at_capacity():
             self._stop_reading = self.lost = True  # never counted, never served
@@ -474,9 +491,9 @@ class HttpProtocol(asyncio.Protocol):
         length = req.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.config.max_body_bytes:
             self._too_large(req)
-        expect = req.headers.get("expect", "").strip().lower()
-        if expect and expect != "100-continue":  # (RFC 9110 10.1.1: one it cannot meet)
-            self._refuse(req, 417, f"Expectation not supported: {req.headers['expect']!r} (only 100-continue)")
+        expect = "expect" in req.headers and _expectations(req.raw_headers)
+        if expect and expect != {"100-continue"}:  # (RFC 9110 10.1.1: one it cannot meet)
+            self._refuse(req, 417, f"Expectation not supported: {', '.join(sorted(expect))} (only 100-continue)")
             raise _StopParsing
         has_body = length is not None or "transfer-encoding" in req.headers
         if has_body and self.server.router.refuses(req):  # (no API key: its handler answers without its body)
@@ -487,7 +504,8 @@ class HttpProtocol(asyncio.Protocol):
             self._arm(self.config.body_timeout)
         else:
             self._disarm()
-        if expect:
+        # a body to wait for, from an HTTP/1.1 client (one of HTTP/1.0 is to be ignored: it may not know a 100)
+        if expect and has_body and self.parser.get_http_version() != "1.0":
             if self._responding or self._pending:
                 req.expect_continue = True  # sent when the responses ahead of it are written
             else:

@@ -61,10 +61,10 @@ from websockets.server import ServerProtocol
 
 from frontends import chat_page
 from frontends import openai_params as op
-from frontends.access_log import AccessLog, peer_of
+from frontends.access_log import AccessLog
 from frontends.errors import ApiError, status_error_body
 from frontends.generation import Generation, usage_dict
-from frontends.http import HttpServer, Request, Response, Router, Upgrade
+from frontends.http import HttpServer, Request, Response, Router, Upgrade, peer_of
 from frontends.openai_api import OpenAIApi, stats_fields
 
 log = logging.getLogger("tokenmill.websocket")
@@ -251,12 +251,9 @@ class Connection(asyncio.Protocol):
         return False  # the client is gone: close, which cancels its generations
 
     def data_received(self, data: bytes) -> None:
-        proto = self.proto
-        if self._draining:  # (dropped; over TLS read for the client's close frame, which ends the handshake)
-            proto.receive_data(data)
-            proto.events_received()
-            self._flush()
+        if self._draining:  # (half-closed: what the client still sends is dropped)
             return
+        proto = self.proto
         proto.receive_data(data)
         for frame in proto.events_received():
             if frame.opcode is not Opcode.CLOSE and not self._take_token():
@@ -546,8 +543,8 @@ class Connection(asyncio.Protocol):
             if transport.can_write_eof():  # (a close with the client's bytes unread, a flood's, would reset the
                 transport.write_eof()  # connection, our close frame and answers lost: half-close, read on)
                 self._draining = True
-            else:
-                transport.close()
+            else:  # TLS: no half-close. uvloop's SSL transport reads on (dropping) while it shuts down, so the
+                transport.close()  # close frame and answers still arrive (the stdlib loop's does not: a reset)
             self._expect_close()
         elif transport.get_write_buffer_size() > self.config.max_buffered_bytes:
             log.warning("websocket client %s is not reading: closing it", transport.get_extra_info("peername"))
@@ -564,12 +561,7 @@ class Connection(asyncio.Protocol):
     def _fail(self, code: int, reason: str) -> None:
         self._cancel_all()
         if not self.lost and self.proto.state is State.OPEN:
-            if self.transport.can_write_eof():
-                self.proto.fail(code, reason)  # our close frame and half-close (_flush)
-            else:  # TLS, which cannot half-close: our close frame, and what the client sends is dropped until
-                self.proto.send_close(code, reason)  # its own close ends the handshake (or the timer cuts it)
-                self._draining = True
-                self._expect_close()
+            self.proto.fail(code, reason)
             self._flush()
 
     def _expect_close(self) -> None:

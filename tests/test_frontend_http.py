@@ -145,6 +145,19 @@ def test_expect_100_continue(port):
     s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\nExpect: 200-ok\r\n\r\n")
     r = read_all(s)
     assert r.startswith(b"HTTP/1.1 417 ") and b'"error"' in r and b"200-ok" in r
+    for lines in (b"Expect: foo\r\nExpect: 100-continue", b"Expect: 100-continue, foo"):  # every line counts
+        s = connect(port)
+        s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n" + lines + b"\r\n\r\n")
+        assert read_all(s).startswith(b"HTTP/1.1 417 ")
+    # no 100 where no body is to come, nor to an HTTP/1.0 client (RFC 9110 10.1.1: it ignores the expectation)
+    s = connect(port)
+    s.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n\r\n")
+    assert read_until(s, b"\r\n\r\n").startswith(b"HTTP/1.1 200 ")
+    s = connect(port)
+    s.sendall(b"POST /echo HTTP/1.0\r\nHost: x\r\nContent-Length: 4\r\nExpect: 100-continue\r\n\r\n")
+    time.sleep(0.1)
+    s.sendall(b"body")
+    assert read_all(s).startswith(b"HTTP/1.1 200 ")
 
 
 def test_streaming_chunked_response(port):

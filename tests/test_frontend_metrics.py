@@ -314,19 +314,21 @@ def test_json_access_log_with_prompts(stack):
 
 
 def test_a_request_reset_before_its_answer_is_logged_499(stack):
-    """A client that resets its connection (RST) right after its request: the access log's line has 499, with
-    no error of the observer's (uvloop's transport, closed by then, raised for its peer)."""
+    """A client that resets its connection (RST) right after its request: the access log's line has 499 and
+    the client's address, as it connected (uvloop's transport, closed by then, raised when asked for it, and
+    the observer's error kept the line from the log)."""
     _, _, open_port, _, json_log = stack
     body = json.dumps({"model": "smol", "prompt": "reset me " + SECRET, "max_tokens": 200}).encode()
     s = socket.create_connection(("127.0.0.1", open_port))
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
               + b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    address = "%s:%d" % s.getsockname()
     s.close()
     deadline = time.monotonic() + 10
     while not (mine := [e for e in (json.loads(ln) for ln in log_lines(json_log) if ln.startswith("{"))
                         if e.get("prompt") == "reset me " + SECRET]):
         assert time.monotonic() < deadline, "the reset request was never logged (its observer failed)"
         time.sleep(0.05)
-    assert [e["status"] for e in mine] == [499]
+    assert [(e["status"], e["client"]) for e in mine] == [(499, address)]
     assert not [ln for ln in log_lines(json_log) if "observer failed" in ln]
