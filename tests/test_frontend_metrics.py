@@ -323,7 +323,7 @@ def test_a_request_reset_before_its_answer_is_logged_499(stack):
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
               + b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    address = "%s:%d" % s.getsockname()
+    address = "{}:{}".format(*s.getsockname())
     s.close()
     deadline = time.monotonic() + 10
     while not (mine := [e for e in (json.loads(ln) for ln in log_lines(json_log) if ln.startswith("{"))
