@@ -314,9 +314,10 @@ def test_json_access_log_with_prompts(stack):
 
 
 def test_a_request_reset_before_its_answer_is_logged_499(stack):
-    """A client that resets its connection (RST) right after its request: the access log's line has 499 and
-    the client's address, as it connected (uvloop's transport, closed by then, raised when asked for it, and
-    the observer's error kept the line from the log)."""
+    """A client that resets its connection (RST) right after its request: the access log has its line, 499
+    (uvloop's transport, closed by then, raised when asked for the client's address, and the observer's error
+    kept the line from the log). The address is the one taken as the connection was made: "-" where the reset
+    came before the server took the connection."""
     _, _, open_port, _, json_log = stack
     body = json.dumps({"model": "smol", "prompt": "reset me " + SECRET, "max_tokens": 200}).encode()
     s = socket.create_connection(("127.0.0.1", open_port))
@@ -330,5 +331,5 @@ def test_a_request_reset_before_its_answer_is_logged_499(stack):
                         if e.get("prompt") == "reset me " + SECRET]):
         assert time.monotonic() < deadline, "the reset request was never logged (its observer failed)"
         time.sleep(0.05)
-    assert [(e["status"], e["client"]) for e in mine] == [(499, address)]
+    assert [e["status"] for e in mine] == [499] and mine[0]["client"] in (address, "-")
     assert not [ln for ln in log_lines(json_log) if "observer failed" in ln]
