@@ -307,7 +307,7 @@ def logprob_tensors(logits: torch.Tensor, token_ids: torch.Tensor | list[int],
 
 
 def logprob_entries(tok_lp: torch.Tensor, top_lp: torch.Tensor, top_ids: torch.Tensor, ranks: torch.Tensor,
-                  ks: list[int] | None = None) -> list[list]:
+                    ks: list[int] | None = None) -> list[list]:
     """``logprob_tensors``' output on the host (the sync): one ``[logprob, top-k, rank]`` per row, the top-k
     packed as ``Outputs`` carries it (``protocol.pack_top``: no list a pair), ``ks[i]`` of row i's (all of
     them where None; empty for ``k == 0``)."""
