@@ -8,7 +8,7 @@ message (``system`` before it), or with ``raw`` as a completion of the prompt as
 llama.cpp's ``/infill`` (``frontends.llamacpp``). ``OllamaFormat`` writes Ollama's answers: one object, or
 streamed (the default) as newline-delimited JSON (``application/x-ndjson``), a line per update and a last one
 with ``done``, ``done_reason`` ("stop" | "length"; "timeout" when the request's ``timeout`` passed) and the
-durations in nanoseconds.
+durations in nanoseconds; with ``logprobs`` (``top_logprobs``), each token's as Ollama writes them.
 
 ``options`` are llama.cpp's names, read as the llama.cpp endpoints read them (``num_predict``, ``temperature``,
 ``top_k``, ``top_p``, ``min_p``, ``typical_p``, ``repeat_penalty`` over ``repeat_last_n``, the penalties,
@@ -36,6 +36,7 @@ from frontends.errors import ApiError
 from frontends.generation import Generation, Update
 from frontends.http import Request, Response
 from frontends.openai_api import VERSION, OpenAIApi
+from frontends.text import TextCodec
 
 # Ollama's options as llama.cpp's names, with their types ("float32": a number)
 _OPTION_TYPES = {"num_predict": "integer", "temperature": "float32", "top_k": "integer", "top_p": "float32",
@@ -164,6 +165,9 @@ EXTRAS = ("ignore_eos", "min_tokens", "priority", "timeout", "cache_salt")
 
 def to_chat(data: dict, messages: list[dict]) -> dict:
     chat: dict[str, Any] = {"messages": messages, **options(data), **_extras(data)}
+    top = top_logprobs(data)
+    if top is not None:
+        chat |= {"logprobs": True, "top_logprobs": top}
     fmt = response_format(data.get("format"))
     if fmt is not None:
         chat["response_format"] = fmt
@@ -173,6 +177,15 @@ def to_chat(data: dict, messages: list[dict]) -> dict:
 
 def _extras(data: dict) -> dict:
     return {k: data[k] for k in EXTRAS if data.get(k) is not None}
+
+
+def top_logprobs(data: dict) -> int | None:
+    """Ollama's ``logprobs`` (each output token's) and ``top_logprobs`` (0 to 20 likeliest at each): how many
+    alternatives a token comes with, or None where none were asked for (``top_logprobs`` alone asks nothing)."""
+    top = op.field(data, "top_logprobs", int, 0)
+    if not 0 <= top <= 20:
+        raise ApiError(400, f"top_logprobs must be between 0 and 20, got {top}", param="top_logprobs")
+    return top if op.field(data, "logprobs", bool, False) else None
 
 
 def chat_messages(data: dict) -> list[dict]:
@@ -334,7 +347,7 @@ class OllamaApi:
             gen, chat_fmt = await self._chat(chat, arrival)
         except ApiError as e:
             raise e.renamed(_NAMES) from None
-        return gen, OllamaFormat(_shown(data), gen, chat_fmt.answers, chat=True)
+        return gen, OllamaFormat(_shown(data), gen, chat_fmt.answers, chat=True, codec=self.api.codec)
 
     async def _chat(self, chat: dict, arrival: float | None):
         """``chat`` run with ``max_tokens`` as Ollama's ``num_predict``: at most that many, up to the context's end
@@ -379,6 +392,9 @@ class OllamaApi:
                 else:
                     ids = await self.api._encode(prompt)
                 body = {"prompt": ids, **options(data), **_extras(data), "model": name}
+                top = top_logprobs(data)
+                if top is not None:
+                    body["logprobs"] = top
                 room = max(1, self.api.max_model_len - len(ids))  # (none: the completion's refusal)
                 body["max_tokens"] = min(body.get("max_tokens", room), room)
                 fmt = response_format(data.get("format"))
@@ -393,7 +409,7 @@ class OllamaApi:
                 answers = chat_fmt.answers
         except ApiError as e:
             raise e.renamed(_NAMES) from None
-        return gen, OllamaFormat(_shown(data), gen, answers, chat=False, context=not raw)
+        return gen, OllamaFormat(_shown(data), gen, answers, chat=False, context=not raw, codec=self.api.codec)
 
     def _messages(self, data: dict, prompt: str) -> list[dict]:
         """/api/generate's prompt as a chat: ``system`` (where given), then the prompt (and its images) as the user's."""
@@ -444,6 +460,9 @@ def _llamacpp_fields(data: dict, name: str) -> dict:
     fmt = response_format(data.get("format"))
     if fmt is not None:
         out["json_schema"] = fmt.get("json_schema", {}).get("schema", {})
+    top = top_logprobs(data)
+    if top:  # (llama.cpp's n_probs: 0 is none at all)
+        out["n_probs"] = top
     return out | _extras(data) | {"model": name}
 
 
@@ -462,22 +481,28 @@ class _Embeddings:
 
 class OllamaFormat:
     """What a generation produced, as Ollama's answers: one object, or a JSON line per update and a last one with
-    ``done``, its reason and the durations (nanoseconds)."""
+    ``done``, its reason and the durations (nanoseconds). Asked for, each line has its tokens' ``logprobs``
+    (``token``, ``logprob``, ``bytes``, ``top_logprobs``), those of tokens whose text is still held back (part of
+    a character, a stop string's start) with the next line that has text."""
 
     DONE = b""
     CONTENT_TYPE = "application/x-ndjson"
 
-    def __init__(self, model: str, gen: Generation, answers: list | None, chat: bool, context: bool = False) -> None:
-        self.model, self.gen, self.chat = model, gen, chat
+    def __init__(self, model: str, gen: Generation, answers: list | None, chat: bool, context: bool = False,
+                 codec: TextCodec | None = None) -> None:
+        self.model, self.gen, self.chat, self.codec = model, gen, chat, codec
         self.answer = answers[0] if answers else None  # thinking and tool calls read out of the text
         self.context = context  # /api/generate's: the prompt's and the output's tokens, last
         self.content = self.thinking = ""
         self.calls: list[dict] = []
         self.ids: list[int] = []
+        self.logprobs: list[dict] = []  # those not sent yet (streamed), or all (whole)
 
     def _parts(self, up: Update) -> tuple[str, str, list[dict]]:
         """(text, thinking, whole tool calls) of one update."""
         self.ids += up.token_ids
+        if up.logprobs:
+            self.logprobs += [self._logprob(tid, lp, top) for tid, lp, top in up.logprobs]
         if self.answer is None:
             return up.text, "", []
         parts = self.answer.parts(up.text, up.finished)
@@ -494,6 +519,14 @@ class OllamaFormat:
                                                                "name": fn.get("name"), "arguments": arguments}})
         return text, thinking, calls
 
+    def _logprob(self, tid: int, lp: float | None, top: list | None) -> dict:
+        codec = self.codec
+        out = {"token": codec.token_text(tid), "logprob": lp, "bytes": codec.token_utf8(tid)}
+        if top:
+            out["top_logprobs"] = [{"token": codec.token_text(t), "logprob": v, "bytes": codec.token_utf8(t)}
+                                   for t, v in top]
+        return out
+
     def _line(self, text: str, thinking: str, calls: list[dict], done: bool) -> dict:
         out: dict[str, Any] = {"model": self.model, "created_at": _now()}
         if self.chat:
@@ -507,6 +540,8 @@ class OllamaFormat:
             out["response"] = text
             if thinking:
                 out["thinking"] = thinking
+        if self.logprobs:
+            out["logprobs"], self.logprobs = self.logprobs, []
         out["done"] = done
         if done:
             out |= self._stats()

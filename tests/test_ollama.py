@@ -124,6 +124,44 @@ def test_chat_whole_and_streamed(tiny_client, client):
     assert isinstance(client.chat(model="tiny", messages=history, options=GREEDY).message.content, str)
 
 
+def test_logprobs_in_ollamas_words(tiny_server, tiny_client, client):
+    """``logprobs`` and ``top_logprobs`` (Ollama's since 0.12.11): each output token's text, logprob and bytes,
+    with its likeliest alternatives, the OpenAI chat's own figures for the same greedy answer; streamed, each
+    line has its own tokens'; the raw prompt's too. Out of range, or not a boolean: 400."""
+    import ollama
+
+    messages = [{"role": "user", "content": PROMPT}]
+    lp = tiny_client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                             logprobs=True, top_logprobs=3).choices[0].logprobs.content
+    want = [{"token": e.token, "logprob": e.logprob, "bytes": e.bytes,
+             "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": t.bytes} for t in e.top_logprobs]}
+            for e in lp]
+    def same(got: list[dict]) -> bool:  # (the logprobs to float32 noise: a prefix-cache hit computes otherwise)
+        def rounded(entries):
+            return [{**e, "logprob": round(e["logprob"], 4)} | (
+                {"top_logprobs": rounded(e["top_logprobs"])} if "top_logprobs" in e else {}) for e in entries]
+        return rounded(got) == rounded(want)
+
+    asked = {"logprobs": True, "top_logprobs": 3, "options": GREEDY, "stream": False}
+    for path, body in (("/api/chat", {"messages": messages}), ("/api/generate", {"prompt": PROMPT})):
+        status, raw, _ = post(tiny_server, path, {"model": "tiny", **body, **asked})
+        assert status == 200 and same(json.loads(raw)["logprobs"])
+        status, raw, _ = post(tiny_server, path, {"model": "tiny", **body, **asked, "stream": True})
+        lines = [json.loads(x) for x in raw.decode().splitlines()]
+        assert same([e for x in lines for e in x.get("logprobs", [])]) and len(lines) > 2
+    r = client.chat(model="tiny", messages=messages, options=GREEDY, logprobs=True)  # (the official client)
+    assert [(e.token, e.top_logprobs) for e in r.logprobs] == [(e["token"], None) for e in want]
+    assert [e.logprob for e in r.logprobs] == pytest.approx([e["logprob"] for e in want], abs=1e-4)
+    raw = client.generate(model="tiny", prompt=PROMPT, options=GREEDY, raw=True, logprobs=True, top_logprobs=1)
+    assert len(raw.logprobs) == raw.eval_count == 8 and all(len(e.top_logprobs) == 1 for e in raw.logprobs)
+    assert client.chat(model="tiny", messages=messages, options=GREEDY, top_logprobs=3).logprobs is None
+    with pytest.raises(ollama.ResponseError) as e:
+        client.chat(model="tiny", messages=messages, options=GREEDY, logprobs=True, top_logprobs=21)
+    assert e.value.status_code == 400 and "top_logprobs" in e.value.error
+    status, raw, _ = post(tiny_server, "/api/chat", {"model": "tiny", "messages": messages, "logprobs": "yes"})
+    assert status == 400 and "logprobs" in json.loads(raw)["error"]  # (the client would have made it True)
+
+
 def test_models_and_refusals(tiny_server, client):
     import ollama
 
