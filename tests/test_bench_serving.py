@@ -64,11 +64,10 @@ def test_jobs_per_workload():
     # --logprobs, in each endpoint's words
     job = bs.Job("x", 1, 1)
     assert [bs.extra_fields(args_for("--logprobs", "20", "--endpoint", e), job) for e in
-            ("completions", "chat", "llamacpp", "tgi")] == [
+            ("completions", "chat", "llamacpp", "tgi", "ollama")] == [
         {"ignore_eos": True, "logprobs": 20}, {"ignore_eos": True, "logprobs": True, "top_logprobs": 20},
-        {"ignore_eos": True, "n_probs": 20}, {"ignore_eos": True, "top_n_tokens": 20}]
-    with pytest.raises(SystemExit):
-        args_for("--logprobs", "5", "--endpoint", "ollama")
+        {"ignore_eos": True, "n_probs": 20}, {"ignore_eos": True, "top_n_tokens": 20},
+        {"ignore_eos": True, "logprobs": True, "top_logprobs": 20}]
 
     jobs = bs.make_jobs(args_for("--workload", "edit", "--num-prompts", "6", "--output-len", "200"), random.Random(1))
     assert [(j.prompt, j.est_tokens) for j in jobs] == bs.make_edit_prompts(6, random.Random(1))

@@ -244,7 +244,8 @@ def extra_fields(args, job: Job) -> dict:
     if job.priority is not None:
         extra["priority"] = job.priority
     if args.logprobs is not None:
-        extra |= {"chat": {"logprobs": True, "top_logprobs": args.logprobs}, "llamacpp": {"n_probs": args.logprobs},
+        asked = {"logprobs": True, "top_logprobs": args.logprobs}
+        extra |= {"chat": asked, "ollama": asked, "llamacpp": {"n_probs": args.logprobs},
                   "tgi": {"top_n_tokens": args.logprobs}}.get(args.endpoint, {"logprobs": args.logprobs})
     return extra
 
@@ -672,7 +673,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--logprobs", type=int, default=None, metavar="K",
-                   help="each token with its top K logprobs (not --endpoint ollama)")
+                   help="each token with its top K logprobs")
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="let requests stop at EOS (default: ignore EOS, generate exactly --output-len)")
     p.add_argument("--tokenizer", default=None, help="model folder or .gguf whose tokenizer makes the prompts")
@@ -715,8 +716,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--long-delay and --long-interval must be at least 0")
     if not 0 <= args.urgent_fraction <= 1:
         p.error("--urgent-fraction must be between 0 and 1")
-    if args.logprobs is not None and args.endpoint == "ollama":
-        p.error("--logprobs: Ollama's API has none")
     if args.endpoint in ("llamacpp", "tgi", "ollama") and args.protocol != "sse":
         p.error(f"--endpoint {args.endpoint} streams its own events: --protocol ws serves the OpenAI endpoints")
     return args
