@@ -209,6 +209,7 @@ class Connection(asyncio.Protocol):
         self.proto = proto
         self.server = server
         self.transport: asyncio.Transport | None = None
+        self.peer = "-"  # the client's host:port, as it connected (one that reset has none to give by then)
         self.lost = False
         self.live: dict[str, _Live] = {}
         self._side_tasks: set[asyncio.Task] = set()  # the stats round trip
@@ -229,6 +230,7 @@ class Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.peer = peer_of(transport)
         self.ep.connections.add(self)
         if self.server is not None:
             self.server.connections.add(self)  # so a graceful shutdown closes it too
@@ -407,7 +409,7 @@ class Connection(asyncio.Protocol):
         finally:
             if self.ep.access_log is not None:
                 gen = live.gen
-                self.ep.access_log.websocket(gen.api_id if gen is not None else f"ws-{gid}", peer_of(self.transport),
+                self.ep.access_log.websocket(gen.api_id if gen is not None else f"ws-{gid}", self.peer,
                                              status, arrival, gen, msg.get("messages", msg.get("prompt")))
 
     async def _pump(self, gid: str, live: _Live, fmt) -> int:

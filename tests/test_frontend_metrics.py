@@ -13,6 +13,7 @@ request with its id, tokens and finish reason, and no prompt text unless
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import socket
@@ -298,6 +299,7 @@ def test_json_access_log_with_prompts(stack):
     time.sleep(0.2)
     assert not [x for x in (json.loads(ln) for ln in log_lines(json_log)) if x.get("endpoint") in ("/health", "/metrics")]
     # a WebSocket generation gets its own line
+    from websockets.exceptions import ConnectionClosed
     from websockets.sync.client import connect
 
     with connect(f"ws://127.0.0.1:{open_port}/v1/stream", additional_headers={"Authorization": f"Bearer {KEY}"}) as ws:
@@ -311,6 +313,21 @@ def test_json_access_log_with_prompts(stack):
     (w,) = ws_lines
     assert (w["endpoint"], w["status"], w["generation_tokens"], w["finish_reason"]) == ("/v1/stream", 200, 3, "length")
     assert w["request_id"].startswith("cmpl-") and w["client"].startswith("127.0.0.1:")
+    # one whose client resets in the middle of it keeps the client's address, taken as the socket connected
+    first = None
+    with contextlib.suppress(OSError, ConnectionClosed), connect(  # (the client's own close, on the reset socket)
+            f"ws://127.0.0.1:{open_port}/v1/stream", additional_headers={"Authorization": f"Bearer {KEY}"}) as ws:
+        address = "{}:{}".format(*ws.socket.getsockname())
+        ws.send(json.dumps({"type": "completion", "id": "w2", "prompt": [5, 6, 7], "max_tokens": 200}))
+        first = json.loads(ws.recv())["type"]
+        ws.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        ws.socket.close()
+    assert first == "delta"
+    deadline = time.monotonic() + 10
+    while len(ws_lines := [x for x in (json.loads(ln) for ln in log_lines(json_log)) if x.get("method") == "WS"]) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert ws_lines[1]["client"] == address
 
 
 def test_a_request_reset_before_its_answer_is_logged_499(stack):
