@@ -461,12 +461,16 @@ class LlamaCppApi:
 
     async def completion_job(self, data: dict, arrival: float | None = None,
                              prompts: list[list[int]] | None = None,
-                             stop_token_ids: list[int] = ()) -> tuple[Generation, CompletionFormat]:
-        """A llama.cpp body checked and run as a completion (``prompts``: already made, for /infill)."""
+                             stop_token_ids: list[int] = (), logprobs: int | None = None
+                             ) -> tuple[Generation, CompletionFormat]:
+        """A llama.cpp body checked and run as a completion (``prompts``: already made, for /infill;
+        ``logprobs``: the top logprobs of each token, given in place of ``n_probs``, where 0 is none)."""
         api = self.api
         try:
             refuse_beam_search(data)
             body = completion_body(data, api.adapters)
+            if logprobs is not None:  # (Ollama's: 0 is each token's own logprob)
+                body["logprobs"] = logprobs
             if prompts is None:
                 prompts = await self._prompts(data.get("prompt"))
             if stop_token_ids:
@@ -555,7 +559,8 @@ class LlamaCppApi:
                     out[str(t)] = max(-100.0, min(100.0, float(bias)))
         return out or None  # (its size: the completion's check, as OpenAI's logit_bias)
 
-    async def infill_job(self, data: dict, arrival: float | None = None) -> tuple[Generation, CompletionFormat]:
+    async def infill_job(self, data: dict, arrival: float | None = None,
+                         logprobs: int | None = None) -> tuple[Generation, CompletionFormat]:
         missing = [f"{name} token is missing. " for name, kind in (("prefix", "pre"), ("suffix", "suf"),
                                                                    ("middle", "mid")) if kind not in self.fim]
         if missing:
@@ -584,7 +589,7 @@ class LlamaCppApi:
         tokens = self._infill_prompt(prefix, suffix, prompt_ids, list(zip(extra[::2], extra[1::2], strict=True)),
                                      op.field(data, "n_predict", int, -1), sep_name, repo_name, snippet)
         ends = [self.fim[k] for k in ("pad", "rep", "sep") if k in self.fim]  # (llama.cpp's end-of-generation set)
-        return await self.completion_job(data, arrival, prompts=[tokens], stop_token_ids=ends)
+        return await self.completion_job(data, arrival, prompts=[tokens], stop_token_ids=ends, logprobs=logprobs)
 
     async def embedding(self, req: Request) -> Response:
         """llama.cpp's ``/embedding``: ``content`` (or ``input``) in its prompt forms, ``embd_normalize`` 2 (L2, the

@@ -381,7 +381,7 @@ class OllamaApi:
         try:
             if suffix:
                 fields = {"input_prefix": prompt, "input_suffix": suffix, **_llamacpp_fields(data, name)}
-                gen, _ = await self.llamacpp.infill_job(fields, arrival)
+                gen, _ = await self.llamacpp.infill_job(fields, arrival, top_logprobs(data))
                 answers = None
             elif raw or context:  # (context: an earlier answer's tokens, this prompt's after them)
                 op.check_text_length(len(prompt), self.api.max_chars, "prompt")
@@ -460,9 +460,6 @@ def _llamacpp_fields(data: dict, name: str) -> dict:
     fmt = response_format(data.get("format"))
     if fmt is not None:
         out["json_schema"] = fmt.get("json_schema", {}).get("schema", {})
-    top = top_logprobs(data)
-    if top:  # (llama.cpp's n_probs: 0 is none at all)
-        out["n_probs"] = top
     return out | _extras(data) | {"model": name}
 
 

@@ -173,10 +173,8 @@ class OpenAIApi:
             json_body = method == "POST" and path not in ("/ping", "/reset_prefix_cache")
             key = path not in open_paths
             guarded = self.auth.guard(handler, key=key, json_body=json_body)
-            # refused from the head, but where the body says which API's shape the refusal takes
-            refuses = functools.partial(self.auth.refuses, key=key) if path != "/invocations" else None
             router.add(method, path, guarded, errors=(anthropic.error_body,) if path.startswith("/v1/messages") else None,
-                       refuses=refuses)
+                       refuses=functools.partial(self.auth.refuses, key=key))  # (from the head: its body unread)
             router.add_preflight(path, self.auth.preflight)
         router.shape_prefix("/v1/messages", (anthropic.error_body,))
         return router

@@ -213,13 +213,14 @@ class TgiApi:
             router.add_preflight(path, auth.preflight)
         router.add("GET", "/info", auth.guard(self.info), errors=(error_body, error_status))
         router.add_preflight("/info", auth.preflight)
+        # (a missing key is refused from the head, its body unread: in OpenAI's shape, as vLLM refuses it)
         for path, other, mine in (("/tokenize", tokenize, self.tokenize), ("/invocations", invocations, self.compat)):
             router.add("POST", path, self._or(auth.guard(other, json_body=True), shaped_errors(
-                auth.guard(mine, json_body=True), error_body, error_status)))
+                auth.guard(mine, json_body=True), error_body, error_status)), refuses=auth.refuses)
 
     @staticmethod
     def _or(other, mine):
-        """``mine`` for a body with ``inputs`` (refusals in TGI's shape, the key's too), else ``other``."""
+        """``mine`` for a body with ``inputs`` (its refusals in TGI's shape), else ``other``."""
         async def handle(req: Request):
             try:
                 ours = "inputs" in op.parse_json(req.body)

@@ -304,6 +304,14 @@ def test_infill_builds_llamacpp_s_prompt(server):
     status, raw = call(server, "/infill", {"input_prefix": "x"})
     assert status == 400 and json.loads(raw) == {"error": {"code": 400, "message": "'input_suffix' is required",
                                                            "type": "invalid_request_error"}}
+    # Ollama's suffix is this infill; its logprobs too, each token's own at top_logprobs 0 (n_probs 0 is none)
+    body = {"model": "coder", "prompt": "def add(a, b):\n    return ", "suffix": "\n", "stream": False,
+            "options": {"temperature": 0, "num_predict": 4}, "logprobs": True}
+    for top in (0, 2):
+        r = post(server, "/api/generate", {**body, "top_logprobs": top})
+        assert len(r["logprobs"]) == r["eval_count"] and all(len(e.get("top_logprobs", ())) == top
+                                                            for e in r["logprobs"])
+        assert "".join(e["token"] for e in r["logprobs"]).startswith(r["response"])
 
 
 def test_tokenize_detokenize_props_and_apply_template(server):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 from types import SimpleNamespace
 
 import pytest
@@ -277,10 +278,14 @@ def test_refusals_are_tgis(tiny_server, hf):
     r = post(tiny_server, "/generate", {"inputs": "x " * 60000, "parameters": {"max_new_tokens": 2, "truncate": 20}})
     assert isinstance(r["generated_text"], str)  # (longer than the context could hold, as text: cut, not refused)
     assert post(tiny_server, "/generate", {"inputs": PROMPT, "parameters": {"adapter_id": "tiny", "max_new_tokens": 2}})
-    status, raw, _ = call(tiny_server, "/invocations", {"inputs": PROMPT}, key=None)
-    assert status == 401 and json.loads(raw)["error_type"] == "authentication"  # (a TGI body: TGI's shape)
-    status, raw, _ = call(tiny_server, "/invocations", {"prompt": PROMPT}, key=None)
-    assert status == 401 and "error_type" not in json.loads(raw)  # (vLLM's: OpenAI's)
+    for path in ("/invocations", "/tokenize"):  # refused from the head whatever the body: OpenAI's shape (vLLM's)
+        for body in ({"inputs": PROMPT}, {"prompt": PROMPT}):
+            status, raw, _ = call(tiny_server, path, body, key=None)
+            assert status == 401 and json.loads(raw)["error"]["code"] == "invalid_api_key"
+        with socket.create_connection(("127.0.0.1", tiny_server.port), timeout=10) as s:  # (the body never comes)
+            s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      "Content-Length: 100000\r\n\r\n".encode())
+            assert s.recv(65536).startswith(b"HTTP/1.1 401 ")
 
 
 def test_info_tokenize_and_invocations(tiny_server):
