@@ -337,6 +337,7 @@ class Engine:
         """One step: its deltas, in columns (iterating gives each one's ``Delta``)."""
         if self.scheduler.one_at_a_time:
             self._forget_cleared_suspects()
+        self.grammars.new_step()
         out = Outputs()
         if self.async_scheduling:
             self._step_overlapped(out)
@@ -642,12 +643,13 @@ class Engine:
     def _stop_at(self, req: Request, token: int, n: int) -> str | None:
         """Whether ``token``, the ``n``-th of ``req``'s output, ends it by its grammar or as a stop token."""
         p, state = req.params, req.sampling_state
-        grammar = state.grammar
+        grammar, complete = state.grammar, False
         if grammar is not None:
             grammar.advance(token)
-            if grammar.failed is not None:  # (the token was the end of sequence its mask gave it)
+            complete = grammar.finished  # (the next state's mask, most often made here: it may cost too much)
+            if grammar.failed is not None:  # (the token was the end of sequence its mask gave it, or the next
                 log.warning("request %s ends with finish_reason 'error': %s", req.request_id, grammar.failed)
-                req.stop_reason = grammar.failed
+                req.stop_reason = grammar.failed  # mask failed: the output so far is in the grammar, unfinished)
                 return "error"
         allowed = state.allowed
         if allowed is not None and token in self._eos_set and token not in allowed:
@@ -658,6 +660,6 @@ class Engine:
             if token in req.stop_token_ids:
                 req.stop_reason = token
                 return "stop"
-        if grammar is not None and grammar.finished:  # the JSON value is complete: nothing may follow
+        if complete:  # the JSON value is complete: nothing may follow
             return "stop"
         return None

@@ -512,8 +512,9 @@ def _string(top: tuple, below: tuple, b: int, out: list) -> None:
         if b in _HEX:
             if phase == 3 and b in b"dD":  # \uD...: perhaps a high surrogate
                 to(10)
-            elif phase == 10:
-                to(11 if b in _HIGH_SURROGATE_2ND else 5)
+            elif phase == 10:  # (\uDC..-\uDF..: a low surrogate alone is no character)
+                if b not in _LOW_SURROGATE[33]:
+                    to(11 if b in _HIGH_SURROGATE_2ND else 5)
             else:
                 to({4: 5, 5: 6, 6: 1, 11: 12, 12: 30}.get(phase, 4), 1 if phase == 6 else 0)
     elif phase >= 30:  # a high surrogate's low surrogate: backslash, u, D, C-F, two hex digits

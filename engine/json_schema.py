@@ -193,7 +193,7 @@ class _Compiler:
             if "pattern" in s and "format" in s or "minLength" in s or "maxLength" in s:
                 raise SchemaError(f"'{'pattern' if 'pattern' in s else 'format'}' goes with no 'format', 'minLength' "
                                   "or 'maxLength' here")
-            if "format" in s and s["format"] not in FORMATS:
+            if "format" in s and (not isinstance(s["format"], str) or s["format"] not in FORMATS):
                 raise SchemaError(f"the string 'format' {s['format']!r} is not supported (supported: "
                                   f"{', '.join(FORMATS)})")
             return self._add((PAT, self._pattern(s["pattern"] if "pattern" in s else FORMATS[s["format"]])))
@@ -281,7 +281,7 @@ def _count(s: dict, key: str, default: int) -> int:
 def _is_type(value: Any, t: Any) -> bool:
     kinds = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "null": type(None),
              "object": dict, "array": list}
-    if t not in kinds:
+    if not isinstance(t, str) or t not in kinds:
         raise SchemaError(f"'type' must be one of {', '.join(_TYPES)} (or a list of them), got {t!r}")
     return isinstance(value, kinds[t]) and (t == "boolean" or not isinstance(value, bool))
 

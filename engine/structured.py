@@ -43,6 +43,12 @@ MAX_TRANSITIONS = 500_000  # (state, byte) pairs a grammar learns (~50 MB) befor
 # is refused from then on (GrammarTooCostly): a regex whose automaton keeps hundreds of states open, say.
 MASK_SECONDS = 0.5
 REQUEST_SECONDS = 20.0
+# ... and all of one step's new masks together at most STEP_SECONDS (a request's first step makes two): past it,
+# a new mask gets MASK_FLOOR_SECONDS (a few milliseconds is the usual), so that several requests' costly grammars
+# stall every stream for about STEP_SECONDS a step, not MASK_SECONDS each.
+STEP_SECONDS = 1.0
+MASK_FLOOR_SECONDS = 0.1
+SPLITS_CACHE = 64  # byte sets' token splits kept (TokenVocab.split: 10 bytes a token each, 0.5 MB for 49k tokens)
 
 
 @dataclass(frozen=True)
@@ -70,7 +76,7 @@ class TokenVocab:
         self.bytes = np.zeros((len(usable), width), dtype=np.uint8)
         for r, (_, p) in enumerate(usable):
             self.bytes[r, :len(p)] = np.frombuffer(p, dtype=np.uint8)
-        self._splits: dict[bytes, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._splits: OrderedDict[bytes, tuple[np.ndarray, np.ndarray, np.ndarray]] = OrderedDict()
 
     def token(self, token_id: int) -> bytes | None:
         r = np.searchsorted(self.ids, token_id)
@@ -81,18 +87,36 @@ class TokenVocab:
         the others the position and value of their first byte outside it. Cached per set."""
         key = np.packbits(keep).tobytes()
         hit = self._splits.get(key)
-        if hit is None:
-            inside = keep[self.bytes] | (np.arange(self.bytes.shape[1]) >= self.lens[:, None])
-            first = np.argmin(inside, axis=1)
-            hit = self._splits[key] = (inside.all(axis=1), first, self.bytes[np.arange(len(first)), first])
+        if hit is not None:
+            self._splits.move_to_end(key)
+            return hit
+        inside = keep[self.bytes] | (np.arange(self.bytes.shape[1]) >= self.lens[:, None])
+        first = np.argmin(inside, axis=1)
+        hit = self._splits[key] = (inside.all(axis=1), first, self.bytes[np.arange(len(first)), first])
+        if len(self._splits) > SPLITS_CACHE:  # (every grammar's sets, the ones gone too: a client makes new ones)
+            self._splits.popitem(last=False)
         return hit
+
+
+class MaskClock:
+    """The step loop's time spent on new masks this step, shared by an engine's grammars (``Grammars.new_step``
+    starts each step's at zero)."""
+
+    __slots__ = ("spent",)
+
+    def __init__(self) -> None:
+        self.spent = 0.0
+
+    def allowance(self) -> float:
+        """What the next new mask may take: ``MASK_SECONDS``, less once the step has spent ``STEP_SECONDS``."""
+        return min(MASK_SECONDS, max(MASK_FLOOR_SECONDS, STEP_SECONDS - self.spent))
 
 
 class TokenGrammar:
     """A grammar over one vocabulary: its states' masks."""
 
-    def __init__(self, grammar: Automaton, vocab: TokenVocab):
-        self.grammar, self.vocab = grammar, vocab
+    def __init__(self, grammar: Automaton, vocab: TokenVocab, clock: MaskClock | None = None):
+        self.grammar, self.vocab, self.clock = grammar, vocab, clock or MaskClock()
         self._info: OrderedDict[int, StateInfo] = OrderedDict()
         self.failed: str | None = None  # why it costs too much to follow (GrammarTooCostly): refused from then on
 
@@ -116,8 +140,8 @@ class TokenGrammar:
         if info is not None:
             self._info.move_to_end(state)
             return info
-        g = self.grammar
-        g.deadline = time.perf_counter() + MASK_SECONDS
+        g, start = self.grammar, time.perf_counter()
+        g.deadline = start + self.clock.allowance()
         try:
             row = np.array([g.next(state, b) for b in range(256)], dtype=np.int64)
             allowed = self._allowed(state, row)
@@ -126,6 +150,7 @@ class TokenGrammar:
             raise
         finally:
             g.deadline = math.inf
+            self.clock.spent += time.perf_counter() - start
         accepting = g.accepting(state)
         mask = np.zeros(self.vocab.size, dtype=bool)
         mask[self.vocab.ids[allowed]] = True
@@ -245,6 +270,11 @@ class Grammars:
         self._cache: OrderedDict[str, TokenGrammar] = OrderedDict()
         self._refused: OrderedDict[str, str] = OrderedDict()  # the last grammars refused, and why
         self.on_vocabulary: Callable[[], None] | None = None  # called once the vocabulary has been read
+        self.clock = MaskClock()
+
+    def new_step(self) -> None:
+        """A step begins: its new masks share ``STEP_SECONDS`` afresh."""
+        self.clock.spent = 0.0
 
     def matcher(self, params: SamplingParams) -> GrammarMatcher:
         """A matcher at the start of what ``params`` hold the output to (a JSON schema, choices, a
@@ -276,7 +306,7 @@ class Grammars:
                          time.perf_counter() - start)
                 if self.on_vocabulary is not None:
                     self.on_vocabulary()
-            tokens = self._cache[key] = TokenGrammar(grammar, self._vocab)
+            tokens = self._cache[key] = TokenGrammar(grammar, self._vocab, self.clock)
             if len(self._cache) > self.CACHE:
                 self._cache.popitem(last=False)
         self._cache.move_to_end(key)

@@ -103,6 +103,7 @@ def accepts(schema, text: str) -> bool:
     ({"properties": {"a": {"type": "integer"}}, "additionalProperties": {"type": "string"}},
      ['{"b": "x"}'], ['{"\\u0061": "x"}', '{"b\\n": "x"}']),  # no escapes in other keys: no "a" in disguise
     ({"type": "string", "maxLength": 1}, ['"\\udbff\\udfff"'], ['"\\ud800\\ud800"', '"\\ud800a"', '"\\ud800"']),
+    ({"type": "string"}, ['"\\ud7ff"', '"\\ue000"', '"\\uDBFF\\uDC00"'], ['"\\udc00"', '"\\uDFFF"', '"a\\udcff"']),  # (alone)
     ({"minLength": 3}, ['"abc"'], ['"ab"', '3']),  # keywords imply their type
     ({"maxItems": 1}, ['[1]'], ['[1, 2]', '{}']),
     ({"additionalProperties": False}, ['{}'], ['{"a": 1}']),
@@ -146,6 +147,8 @@ def test_automaton_accepts_json_of_the_schema_and_nothing_else(schema, good, bad
     ({"enum": [1], "minimum": 0}, "minimum"),
     ({"minLength": 1, "items": {}}, "without a 'type'"),
     ({"required": ["a"]}, "required"),
+    ({"type": "string", "format": ["date"]}, "format"),  # (unhashable: a TypeError, a 500, before)
+    ({"enum": [1], "type": ["string", {"x": 1}]}, "type"),
 ])
 def test_what_the_compiler_cannot_enforce_is_refused_by_name(schema, keyword):
     with pytest.raises(SchemaError, match=keyword.replace("$", r"\$")):
@@ -531,3 +534,21 @@ def test_a_pattern_used_often_is_compiled_once_and_patterns_together_are_bounded
     props = {f"p{i}": {"type": "string", "pattern": f"(a|b)*c{{1,200}}x{i}"} for i in range(95)}
     with pytest.raises(SchemaError, match=f"more than {MAX_PATTERN_STATES} states"):
         compile_schema({"type": "object", "properties": props})
+
+
+def test_the_vocabularys_splits_are_kept_for_the_byte_sets_used_last():
+    """``TokenVocab.split`` keeps a whole-vocabulary split per byte set, for every grammar, those gone from the
+    cache too: a client sending new grammars brings new sets, so only the last ``SPLITS_CACHE`` used are kept
+    (they grew without bound, 0.5 MB each for a 49k vocabulary)."""
+    from engine.structured import SPLITS_CACHE
+
+    vocab = TokenVocab(PIECES, len(PIECES) + 3, [EOS])
+    rng = np.random.default_rng(0)
+    sets = [rng.random(256) < 0.5 for _ in range(SPLITS_CACHE + 10)]
+    first = vocab.split(sets[0])
+    for keep in sets[1:]:
+        vocab.split(keep)
+        assert vocab.split(sets[0]) is first  # (used again each time: kept)
+    assert len(vocab._splits) == SPLITS_CACHE
+    assert all((a == b).all() for a, b in zip(vocab.split(sets[1]), TokenVocab(PIECES, len(PIECES) + 3, [EOS]).split(
+        sets[1]), strict=True))  # (dropped, made again)

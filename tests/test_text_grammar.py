@@ -317,6 +317,72 @@ def test_a_grammar_too_costly_to_follow_ends_its_request_and_is_refused_after(ll
     assert out.finish_reason == "error" and "takes too long" in out.stop_reason
 
 
+def test_a_mask_too_costly_after_the_first_token_ends_its_request_with_error_not_stop(llm, monkeypatch):
+    """The next state's mask is most often made as the engine checks whether the output is complete: a grammar
+    that fails there ends its request with finish_reason "error", its output so far inside the grammar (it
+    was read as complete before: "stop", with a value cut short)."""
+    import engine.structured
+    from engine import SamplingParams
+    from engine.json_schema import GrammarTooCostly
+
+    made = []
+    allowed = engine.structured.TokenGrammar._allowed
+
+    def second_fails(self, state, row):
+        made.append(state)
+        if len(made) > 1:
+            raise GrammarTooCostly("the output's grammar takes too long to follow (a test's)")
+        return allowed(self, state, row)
+    monkeypatch.setattr(engine.structured.TokenGrammar, "_allowed", second_fails)
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=20, temperature=0.0, regex=r"[a-z]+ [0-9]+;"))[0]
+    assert out.finish_reason == "error" and out.stop_reason.endswith("(a test's)")
+    assert len(out.token_ids) == 1 and re.fullmatch(r"[a-z]+( [0-9]*)?", out.text), out.text  # (no ";" yet)
+
+
+def test_a_steps_new_masks_share_its_time(llm, monkeypatch):
+    """Each new mask may take MASK_SECONDS, but a step's together STEP_SECONDS: past it, MASK_FLOOR_SECONDS
+    each. Two requests whose every new mask takes 0.3 s (by a clock of the test's) and two whose masks cost
+    nothing: the first step makes four costly masks (each costly request's first and next state's), the fourth
+    past the budget, so its request ends with finish_reason "error"; the other costly one goes on, a mask a
+    step, and the cheap ones and a plain request beside them are untouched."""
+    import time as real_time
+    import types
+
+    import engine.grammar
+    import engine.structured
+    import engine.text_grammar
+    from engine import SamplingParams
+
+    assert (engine.structured.STEP_SECONDS, engine.structured.MASK_FLOOR_SECONDS) == (1.0, 0.1)
+    clock = engine.structured.MaskClock()
+    assert clock.allowance() == engine.structured.MASK_SECONDS
+    clock.spent = 0.65
+    assert clock.allowance() == pytest.approx(0.35)
+    clock.spent = 0.95
+    assert clock.allowance() == 0.1
+
+    skew = [0.0]
+    fake = types.SimpleNamespace(perf_counter=lambda: real_time.perf_counter() + skew[0])
+    monkeypatch.setattr(engine.grammar, "time", fake)
+    monkeypatch.setattr(engine.structured, "time", fake)
+    init, allowed = engine.text_grammar.RegexGrammar.__init__, engine.structured.TokenGrammar._allowed
+
+    def kept(self, source):
+        init(self, source)
+        self.costly = source.endswith("!")
+    monkeypatch.setattr(engine.text_grammar.RegexGrammar, "__init__", kept)
+
+    def slow(self, state, row):
+        skew[0] += 0.3 * self.grammar.costly
+        return allowed(self, state, row)
+    monkeypatch.setattr(engine.structured.TokenGrammar, "_allowed", slow)
+    regexes = [r"[a-z]+ [0-9]+!", r"[a-z]+-[0-9]+!", r"[a-z]+_[0-9]+%", r"[a-z]+=[0-9]+%"]  # (four grammars)
+    outs = llm.generate([[1, 2, 3]] * 5, [SamplingParams(max_tokens=6, temperature=0.0, regex=r) for r in regexes]
+                        + [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)])
+    assert outs[1].finish_reason == "error" and "one step may give" in outs[1].stop_reason
+    assert [o.finish_reason for o in (outs[0], *outs[2:])] == ["length"] * 4
+
+
 def test_served_a_grammar_the_engine_gives_up_on_is_a_400_naming_its_field(stack):  # noqa: F811 - the fixture
     import openai
 
