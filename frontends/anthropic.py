@@ -29,6 +29,7 @@ from frontends import openai_params as op
 from frontends.errors import ApiError
 from frontends.generation import Generation, Update
 from frontends.responses import ItemWriter
+from frontends.tools import check_tool
 
 # chat fields a Messages body may carry as they are (tokenmill's and vLLM's extras)
 _PASSED = ("model", "temperature", "top_p", "top_k", "priority", "timeout", "cache_salt", "seed", "min_p",
@@ -36,7 +37,8 @@ _PASSED = ("model", "temperature", "top_p", "top_k", "priority", "timeout", "cac
            "chat_template_kwargs", "ignore_eos", "min_tokens", "logit_bias", "skip_special_tokens", "stream",
            "structured_outputs", "guided_json", "guided_choice", "guided_regex", "guided_grammar", "grammar",
            "json_schema", "allowed_token_ids", "bad_words", "include_stop_str_in_output", *op.LLAMACPP_SAMPLERS)
-MESSAGES_PARAMS = {"stop": "stop_sequences", "max_completion_tokens": "max_tokens"}  # chat -> here, in refusals
+MESSAGES_PARAMS = {"stop": "stop_sequences", "max_completion_tokens": "max_tokens",  # chat -> here, in refusals
+                   "response_format": "output_config"}
 _WORDS = (("tool_choice 'required'", "tool_choice {'type': 'any'}"),  # the chat's words -> this API's
           ("a named function", "{'type': 'tool', 'name': ...}"), ("max_completion_tokens", "max_tokens"))
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -47,7 +49,7 @@ def _new_id(prefix: str) -> str:
 
 
 # HTTP status -> Anthropic's error type (the others: invalid_request_error below 500, api_error from it)
-_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 408: "timeout_error",
                 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 
 
@@ -186,6 +188,7 @@ def to_chat(data: dict) -> dict:
             if not isinstance(t, dict) or t.get("type", "custom") != "custom" or "input_schema" not in t:
                 raise ApiError(400, f"tools[{i}]: only custom tools (name, description, input_schema) are "
                                "supported here", param="tools")
+            check_tool(i, t.get("name"), t["input_schema"], ("name", "input_schema"))
         chat["tools"] = [{"type": "function", "function": {"name": t.get("name"), "parameters": t["input_schema"],
                                                            **({"description": t["description"]}
                                                               if "description" in t else {})}} for t in tools]

@@ -26,6 +26,7 @@ import orjson
 from frontends.errors import ApiError
 from frontends.generation import Generation, Update
 from frontends.openai_params import LLAMACPP_SAMPLERS
+from frontends.tools import check_tool
 
 # chat fields a Responses body may carry as they are
 _PASSED = ("model", "temperature", "top_p", "parallel_tool_calls", "user", "priority", "timeout", "cache_salt",
@@ -133,10 +134,14 @@ def to_chat(data: dict) -> dict:
         for i, t in enumerate(tools):
             if not isinstance(t, dict) or t.get("type") != "function":
                 raise ApiError(400, f"tools[{i}]: only function tools are supported", param="tools")
+            check_tool(i, t.get("name"), t.get("parameters", {"type": "object"}), ("name", "parameters"))
         chat["tools"] = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")
                                                            if k in t}} for t in tools]
     choice = data.get("tool_choice")
-    if isinstance(choice, dict) and choice.get("type") == "function":
+    if isinstance(choice, dict):  # (allowed_tools, a hosted tool's, a custom tool's: not here)
+        if choice.get("type") != "function":
+            raise ApiError(400, f"tool_choice of type {choice.get('type')!r} is not supported here: 'none', 'auto', "
+                           "'required' or {'type': 'function', 'name': ...}", param="tool_choice")
         choice = {"type": "function", "function": {"name": choice.get("name")}}
     if choice is not None and (tools is not None or choice not in ("none", "auto")):
         chat["tool_choice"] = choice

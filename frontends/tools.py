@@ -96,6 +96,19 @@ class ToolRequest:
         return self.mode == "auto" and self.fmt == "mistral"
 
 
+def check_tool(i: int, name: Any, params: Any, fields: tuple[str, str] = ("function.name", "function.parameters")
+               ) -> None:
+    """``tools[i]``'s name and parameters' schema, which must be an object's (a call's arguments are an object, as
+    OpenAI and Anthropic refuse others); ``fields``: where the API keeps them, as its refusals name them."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ApiError(400, f"tools[{i}].{fields[0]} must be 1 to 64 letters, digits, '_', '-' or '.', got {name!r}",
+                       param="tools")
+    if not isinstance(params, dict) or params.get("type", "object") != "object":
+        got = f"of type {params['type']!r}" if isinstance(params, dict) else "no object"
+        raise ApiError(400, f"tools[{i}].{fields[1]} must be a JSON schema of type 'object' (a call's arguments are "
+                       f"an object), got {got}", param="tools")
+
+
 def parse_tools(data: dict, fmt: str | None) -> ToolRequest | None:
     """``tools``, ``tool_choice`` and ``parallel_tool_calls`` checked (None: no tools given).
     ``fmt``: the server's call format for "auto" (``detect_format`` or ``--tool-call-parser``)."""
@@ -114,13 +127,9 @@ def parse_tools(data: dict, fmt: str | None) -> ToolRequest | None:
             raise ApiError(400, f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}",
                            param="tools")
         name, params = fn.get("name"), fn.get("parameters", {"type": "object"})
-        if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise ApiError(400, f"tools[{i}].function.name must be 1 to 64 letters, digits, '_', '-' or '.', "
-                           f"got {name!r}", param="tools")
+        check_tool(i, name, params)
         if name in schemas:
             raise ApiError(400, f"two tools are named {name!r}", param="tools")
-        if not isinstance(params, dict):
-            raise ApiError(400, f"tools[{i}].function.parameters must be a JSON schema (an object)", param="tools")
         schemas[name] = params
     parallel = data.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):

@@ -11,7 +11,7 @@ import json
 import anthropic
 import pytest
 
-from frontends.anthropic import to_chat
+from frontends.anthropic import error, renamed, to_chat
 from frontends.errors import ApiError
 from tests.test_tool_calls import ANSWER, THOUGHT, TOOLS, stack  # noqa: F401 - fixtures
 from tools.fake_engine import KEY, MODEL
@@ -105,6 +105,25 @@ def test_what_this_server_cannot_do_is_a_400(body, param):
     with pytest.raises(ApiError) as e:
         to_chat(body)
     assert e.value.status == 400 and e.value.param == param
+
+
+def test_a_tool_is_checked_in_this_apis_words():
+    """A tool's input_schema must be an object's (a tool_use's input is an object: one of an integer came back
+    as ``"input": 1234567890``, which this server then refused when the client sent it back)."""
+    body = {"max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}
+    for tool, words in (({"name": "pick", "input_schema": {"type": "integer"}}, "tools[0].input_schema must be a "
+                         "JSON schema of type 'object'"), ({"name": "a b", "input_schema": {}}, "tools[0].name")):
+        with pytest.raises(ApiError) as e:
+            to_chat({**body, "tools": [tool]})
+        assert (e.value.status, e.value.param) == (400, "tools") and e.value.message.startswith(words)
+
+
+
+def test_refusals_take_this_apis_names_and_types():
+    e = renamed(ApiError(400, "a named function cannot be combined with response_format", param="response_format"))
+    assert (e.param, e.message) == ("output_config", "{'type': 'tool', 'name': ...} cannot be combined with "
+                                                     "output_config")
+    assert error(ApiError(408, "the request's timeout passed"))["type"] == "timeout_error"  # (the SDK's type)
 
 
 def test_served_text_thinking_and_a_call(client):

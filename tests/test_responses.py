@@ -74,11 +74,15 @@ def test_bodies_become_chats():
     ({"input": "hi", "instructions": ["x"]}, "instructions"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {}}]}, "input"),
+    ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {"type": "array"}}]}, "tools"),
+    ({"input": "hi", "tools": [{"type": "function", "name": "f"}], "tool_choice": {
+        "type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "f"}]}}, "tool_choice"),
 ])
 def test_what_this_server_cannot_do_is_a_400(body, param):
     with pytest.raises(ApiError) as e:
         to_chat(body)
     assert (e.value.status, e.value.param) == (400, param)
+    assert "function.parameters" not in e.value.message and "None" not in e.value.message  # (in this API's words)
 
 
 def test_served_text_thinking_and_a_call(client):  # noqa: F811 - the fixture

@@ -103,6 +103,9 @@ def args_of(call: dict) -> dict:
     ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools", "letters"),
     ({"tools": [WEATHER, WEATHER]}, "tools", "two tools are named 'get_weather'"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools", "JSON schema"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "integer"}}}]}, "tools",
+     "tools[0].function.parameters must be a JSON schema of type 'object' (a call's arguments are an object), got "
+     "of type 'integer'"),  # (its calls' arguments were the integer: no client could dispatch them)
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "'none', 'auto', 'required'"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "'nope'"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": ["x"]}}}, "tool_choice", "['x']"),
