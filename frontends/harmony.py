@@ -73,6 +73,11 @@ class HarmonyReader:
                 self._read_header([], prompt_tail[at:])
                 self._raw = ""  # (the prompt's: not the answer's to give back)
 
+    @property
+    def thinking(self) -> bool:
+        """Inside the body of an analysis message (its reasoning)."""
+        return self._header is None and self._recipient is None and self._channel == "analysis"
+
     def feed(self, text: str) -> list[Segment]:
         self._held += text
         out: list[Segment] = []

@@ -920,6 +920,13 @@ class _Answer:
         self._reader = calls if calls is not None else harmony_reader  # what reads the answer's tool calls
         self.reasoning = self.content = ""
 
+    @property
+    def thinking(self) -> bool:
+        """Whether the answer stands inside its thinking (what comes next is reasoning, or its end)."""
+        if self.harmony is not None:
+            return self.harmony.thinking
+        return self.think is not None and self.think.state == "think"
+
     def parts(self, text: str, finished: bool) -> list[tuple[str, Any]]:
         """What of ``text`` (and, once ``finished``, of what was held back) can be sent now, in the
         order the model wrote it: ("reasoning", text), ("text", content), ("call", a tool-call delta)."""

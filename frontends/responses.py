@@ -26,6 +26,7 @@ import orjson
 from frontends.errors import ApiError
 from frontends.generation import Generation, Update
 from frontends.openai_params import LLAMACPP_SAMPLERS
+from frontends.reasoning import CLOSE
 from frontends.tools import check_tool
 
 # chat fields a Responses body may carry as they are
@@ -248,6 +249,14 @@ class ResponsesFormat(ItemWriter):
         self.answer = chat_fmt.answers[0] if chat_fmt.answers is not None else None
         self.named = self.answer is not None and self.answer.calls is not None and self.answer.calls.mode == "named"
         self.seq = 0
+        self.reasoning_tokens = 0  # output tokens of the thinking (of the batches that carried it, or held it back)
+        self._end_id = None  # the token that ends the thinking, where one token does (Qwen3's, DeepSeek-R1's)
+        if self.answer is not None:
+            end = "<|end|>" if self.answer.harmony is not None else CLOSE
+            tid = chat_fmt.codec.tokenizer.convert_tokens_to_ids(end)
+            self._end_id = tid if isinstance(tid, int) and chat_fmt.codec.tokenizer.convert_ids_to_tokens(
+                tid) == end else None
+        self._ended = False  # the last update was taken
         self.items: list[dict] = []  # output items done, in order
         self.open: dict | None = None  # the reasoning item, message or named call being written
         self.base = {"id": gen.api_id, "object": "response", "created_at": int(time.time()), "model": api_model,
@@ -269,10 +278,29 @@ class ResponsesFormat(ItemWriter):
 
     def collect(self, updates: list[Update]) -> None:
         self.chat.collect(updates)
+        for up in updates:  # the items as a stream makes them (the events are not sent), reasoning tokens counted
+            self._take(self._counted(up), up.finished)
 
     def response(self) -> dict:
-        self._take(self._parts(self.chat.texts[0], True), finished=True)  # the events are not sent
+        if not self._ended:
+            self._take(self._parts("", True), finished=True)
         return self._response("incomplete" if self._cut else "completed")
+
+    def _counted(self, up: Update) -> list[tuple[str, Any]]:
+        """``up``'s parts of the answer; its tokens count as reasoning where it carried thinking, or left the
+        answer inside it: the batch that ends the thinking up to the token that ends it, where one token does
+        (as vLLM counts), else whole."""
+        a, self._ended = self.answer, self._ended or up.finished
+        if a is None:
+            return self._parts(up.text, up.finished)
+        thinking, thought = a.thinking, len(a.reasoning)
+        parts = self._parts(up.text, up.finished)
+        if thinking or a.thinking or len(a.reasoning) > thought:
+            ids = up.token_ids
+            if not a.thinking and self._end_id in ids:
+                ids = ids[:ids.index(self._end_id) + 1]
+            self.reasoning_tokens += len(ids)
+        return parts
 
     def _response(self, status: str, error: dict | None = None) -> dict:
         reason = self.gen.choices[0].finish_reason
@@ -285,7 +313,7 @@ class ResponsesFormat(ItemWriter):
                     "input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
                     "total_tokens": usage["total_tokens"],
                     "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
-                    "output_tokens_details": {"reasoning_tokens": 0}}}
+                    "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens}}}
 
     # ------------------------------------------------------------------ streamed
 
@@ -301,7 +329,7 @@ class ResponsesFormat(ItemWriter):
     def chunk(self, updates: list[Update]) -> bytes:
         out = b""
         for up in updates:
-            out += self._take(self._parts(up.text, up.finished), up.finished)
+            out += self._take(self._counted(up), up.finished)
             if up.finished:
                 kind = "incomplete" if self._cut else "completed"
                 out += self._event(f"response.{kind}", response=self._response(kind))

@@ -94,6 +94,7 @@ def test_served_text_thinking_and_a_call(client):  # noqa: F811 - the fixture
     assert call.name == "get_weather" and call.call_id.startswith("call_") and call.status == "completed"
     assert json.loads(call.arguments) == {"city": "Paris", "unit": "celsius"}
     assert r.usage.output_tokens > 0 and r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    assert 0 < r.usage.output_tokens_details.reasoning_tokens <= r.usage.output_tokens  # (the thinking's batches)
     with client.responses.stream(model=MODEL, input=text, tools=[WEATHER], max_output_tokens=200,
                                  extra_body=STOP) as stream:
         events = list(stream)
@@ -103,6 +104,7 @@ def test_served_text_thinking_and_a_call(client):  # noqa: F811 - the fixture
     assert [i.content for i in added if i.type != "function_call"] == [[], []]  # parts come in their own events
     assert events[0].type == "response.created" and events[-1].type == "response.completed"
     assert [shape(o) for o in final.output] == [shape(o) for o in r.output]
+    assert 0 < final.usage.output_tokens_details.reasoning_tokens <= final.usage.output_tokens
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert deltas == "Checking."
 
@@ -119,6 +121,7 @@ def test_served_follow_up_and_cut_short(client):  # noqa: F811
     r = client.responses.create(model=MODEL, input="one two three four five six", max_output_tokens=3)
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.output[0].status == "incomplete" and r.usage.output_tokens == 3
+    assert r.usage.output_tokens_details.reasoning_tokens == 0  # (no thinking)
     assert (r.max_output_tokens, r.temperature, r.top_p) == (3, 1.0, 1.0)  # what it sampled with, not nulls
     with client.responses.stream(model=MODEL, input="one two three four five six", max_output_tokens=3) as stream:
         events = list(stream)
@@ -208,3 +211,40 @@ def test_served_echoed_and_renamed_fields_are_400s_named_as_this_api_names_them(
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=MODEL, input="hi", extra_body=kw)
     assert e.value.body["param"] == param
+
+
+@pytest.mark.parametrize("end_token, want", [(True, 4), (False, 6)])
+def test_reasoning_tokens_count_the_thinking_up_to_its_end_token(end_token, want):
+    """usage.output_tokens_details.reasoning_tokens: the tokens of the batches that carried the thinking, the one
+    that ends it up to ``</think>`` where that is one token (Qwen3's, DeepSeek-R1's), else whole; the same whole
+    and streamed."""
+    from types import SimpleNamespace as NS
+
+    from frontends import reasoning
+    from frontends.openai_api import _Answer
+    from frontends.responses import ResponsesFormat
+
+    names = {7: "</think>"} if end_token else {}
+    tok = NS(convert_tokens_to_ids=lambda t: {v: k for k, v in names.items()}.get(t, 0),
+             convert_ids_to_tokens=lambda i: names.get(i, "<unk>"))
+
+    def fmt():
+        chat = NS(answers=[_Answer(reasoning.ThinkSplitter(True), None, True)], codec=NS(tokenizer=tok),
+                  collect=lambda updates: None)
+        gen = NS(api_id="resp_1", params=NS(temperature=1.0, top_p=1.0, max_tokens=50),
+                 choices=[NS(finish_reason="stop", index=0)],
+                 usage=lambda: {"prompt_tokens": 3, "completion_tokens": 7, "total_tokens": 10})
+        return ResponsesFormat("m", {"input": "x"}, gen, chat)
+
+    def batch(text, ids, finished=False):
+        return NS(text=text, token_ids=ids, finished=finished, choice=NS(index=0))
+    batches = [batch("a b", [1, 2]), batch("c</think>\n\nDone", [3, 7, 8, 9]), batch(".", [10], True)]
+    whole = fmt()
+    whole.collect(batches)
+    r = whole.response()
+    assert [o["type"] for o in r["output"]] == ["reasoning", "message"] and r["output"][1]["content"][0]["text"] == (
+        "Done.")
+    assert r["usage"]["output_tokens_details"]["reasoning_tokens"] == want
+    streamed = fmt()
+    events = streamed.chunk(batches).decode()
+    assert f'"output_tokens_details":{{"reasoning_tokens":{want}}}' in events.split("response.completed")[-1]
