@@ -97,6 +97,10 @@ def _messages(data: dict) -> list[dict]:
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
                 raise ApiError(400, f"input[{i}]: a function_call needs call_id, name and arguments, all strings",
                                param="input")
+            try:  # (checked here, in this API's words: the chat it becomes would name its own message)
+                orjson.loads(item["arguments"])
+            except orjson.JSONDecodeError:
+                raise ApiError(400, f"input[{i}].arguments is not JSON text", param="input") from None
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
             last = messages[-1] if messages else None
@@ -152,6 +156,8 @@ def to_chat(data: dict) -> dict:
         if not isinstance(fmt, dict):
             raise ApiError(400, "text.format must be an object", param="text")
         if fmt.get("type") == "json_schema":
+            if not isinstance(fmt.get("name", ""), str):  # (written back in the Response as it came)
+                raise ApiError(400, "text.format.name must be a string", param="text")
             chat["response_format"] = {"type": "json_schema", "json_schema": {"name": fmt.get("name"),
                                                                               "schema": fmt.get("schema")}}
         else:
