@@ -344,9 +344,11 @@ class ResponsesFormat(ItemWriter):
     def stream_error(self, e: ApiError) -> bytes:
         """An engine failure mid-stream: what the readers held back, the open item closed incomplete, the
         error, then the Response as it stood, failed."""
-        error = {"code": str(e.code or e.status), "message": e.message}
+        # (the Response's error.code is one of OpenAI's: the error event keeps this server's own)
+        code = "server_error" if e.status >= 500 else "rate_limit_exceeded" if e.status == 429 else "invalid_prompt"
+        error = {"code": code, "message": e.message}
         out = self._take(self._parts("", True), finished=False) + self._close(last=True, status="incomplete")
-        return (out + self._event("error", code=error["code"], message=e.message, param=e.param)
+        return (out + self._event("error", code=str(e.code or e.status), message=e.message, param=e.param)
                 + self._event("response.failed", response=self._response("failed", error)))
 
     def _open(self, item: dict) -> bytes:

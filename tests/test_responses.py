@@ -196,6 +196,7 @@ def test_served_failure_mid_stream_ends_with_response_failed(stack, client):  # 
         engine.fail_after, engine.step_delay = None, 0.0
     assert [e.type for e in got[-2:]] == ["error", "response.failed"]
     assert got[-1].response.status == "failed" and got[-1].response.error.message == got[-2].message
+    assert got[-1].response.error.code == "server_error"  # (one of OpenAI's codes)
     (item,) = got[-1].response.output  # what was streamed is in it, closed: incomplete
     assert item.status == "incomplete" and item.content[0].text
     added = [e.item.id for e in got if e.type == "response.output_item.added"]
