@@ -647,9 +647,9 @@ class Engine:
         if grammar is not None:
             grammar.advance(token)
             complete = grammar.finished  # (the next state's mask, most often made here: it may cost too much)
-            if grammar.failed is not None:  # (the token was the end of sequence its mask gave it, or the next
+            if grammar.failed is not None:  # (its mask allowed only the end of sequence, or the next mask failed:
                 log.warning("request %s ends with finish_reason 'error': %s", req.request_id, grammar.failed)
-                req.stop_reason = grammar.failed  # mask failed: the output so far is in the grammar, unfinished)
+                req.stop_reason = grammar.failed  # the output so far is in the grammar, unfinished)
                 return "error"
         allowed = state.allowed
         if allowed is not None and token in self._eos_set and token not in allowed:
