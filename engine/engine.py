@@ -632,25 +632,22 @@ class Engine:
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         n = len(req.output_token_ids)
+        length = n >= req.params.max_tokens or n + req.num_prompt_tokens >= self.max_model_len
         if req.sampling_state.grammar is not None or token in self._eos_set or token in req.stop_token_ids:
-            reason = self._stop_at(req, token, n)  # (few tokens: most only count against the length)
+            reason = self._stop_at(req, token, n, length)  # (few tokens: most only count against the length)
             if reason is not None:
                 return reason
-        if n >= req.params.max_tokens or n + req.num_prompt_tokens >= self.max_model_len:
-            return "length"
-        return None
+        return "length" if length else None
 
-    def _stop_at(self, req: Request, token: int, n: int) -> str | None:
-        """Whether ``token``, the ``n``-th of ``req``'s output, ends it by its grammar or as a stop token."""
+    def _stop_at(self, req: Request, token: int, n: int, length: bool) -> str | None:
+        """Whether ``token``, the ``n``-th of ``req``'s output, ends it by its grammar or as a stop token
+        (``length``: it is the last the request may have)."""
         p, state = req.params, req.sampling_state
-        grammar, complete = state.grammar, False
+        grammar = state.grammar
         if grammar is not None:
             grammar.advance(token)
-            complete = grammar.finished  # (the next state's mask, most often made here: it may cost too much)
-            if grammar.failed is not None:  # (its mask allowed only the end of sequence, or the next mask failed:
-                log.warning("request %s ends with finish_reason 'error': %s", req.request_id, grammar.failed)
-                req.stop_reason = grammar.failed  # the output so far is in the grammar, unfinished)
-                return "error"
+            if grammar.failed is not None:  # (the token was the end of sequence its mask gave it)
+                return self._grammar_failed(req)
         allowed = state.allowed
         if allowed is not None and token in self._eos_set and token not in allowed:
             return "stop"  # allowed_token_ids and bad words (or a grammar) left it nothing else
@@ -660,6 +657,16 @@ class Engine:
             if token in req.stop_token_ids:
                 req.stop_reason = token
                 return "stop"
-        if complete:  # the JSON value is complete: nothing may follow
-            return "stop"
+        if grammar is not None:
+            complete = grammar.finished  # (the next state's mask, most often made here: it may cost too much)
+            if grammar.failed is None:
+                return "stop" if complete else None  # complete: the JSON value has ended, nothing may follow
+            if not length:  # (the output so far is in the grammar, unfinished; at its length, it ends so)
+                return self._grammar_failed(req)
         return None
+
+    @staticmethod
+    def _grammar_failed(req: Request) -> str:
+        log.warning("request %s ends with finish_reason 'error': %s", req.request_id, req.sampling_state.grammar.failed)
+        req.stop_reason = req.sampling_state.grammar.failed
+        return "error"

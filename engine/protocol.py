@@ -60,6 +60,9 @@ MAX_REPETITION_PENALTY = 10.0
 MAX_JSON_SCHEMA_BYTES = 65536  # a schema, packed (or a regex or grammar): the engine compiles it (and caches it) per request
 MAX_CHOICES = 4096  # strings in ``choice``
 STRUCTURED_FIELDS = ("json_schema", "choice", "regex", "grammar")  # SamplingParams' fields that hold the output
+# A request's stop_reason where its grammar's next mask ran out of the time the step had left (others' masks took
+# it): finish_reason "error", but the grammar is not at fault (a frontend answers 503, to be retried)
+GRAMMARS_BUSY = "the server's other grammars took this step's time for new token choices: try again"
 MAX_ALLOWED_TOKEN_IDS = 32768  # entries in allowed_token_ids
 MAX_BAD_WORDS = 64  # words in bad_words (each tokenized twice: with a space before it and without)
 MAX_BAD_WORD_TOKENS = 64  # tokens in one of them ...

@@ -29,7 +29,7 @@ import numpy as np
 
 from engine.grammar import Automaton, Grammar
 from engine.json_schema import GrammarTooCostly, SchemaError, compile_choice, compile_schema
-from engine.protocol import STRUCTURED_FIELDS, SamplingParams
+from engine.protocol import GRAMMARS_BUSY, STRUCTURED_FIELDS, SamplingParams
 from engine.text_grammar import GbnfGrammar, RegexGrammar, compile_gbnf
 from engine.token_bytes import token_bytes
 
@@ -45,7 +45,8 @@ MASK_SECONDS = 0.5
 REQUEST_SECONDS = 20.0
 # ... and all of one step's new masks together at most STEP_SECONDS (a request's first step makes two): past it,
 # a new mask gets MASK_FLOOR_SECONDS (a few milliseconds is the usual), so that several requests' costly grammars
-# stall every stream for about STEP_SECONDS a step, not MASK_SECONDS each.
+# stall every stream for about STEP_SECONDS a step, not MASK_SECONDS each. A request whose mask that cuts short ends
+# with finish_reason "error" and GRAMMARS_BUSY (a 503): its grammar is not refused.
 STEP_SECONDS = 1.0
 MASK_FLOOR_SECONDS = 0.1
 SPLITS_CACHE = 64  # byte sets' token splits kept (TokenVocab.split: 10 bytes a token each, 0.5 MB for 49k tokens)
@@ -140,12 +141,14 @@ class TokenGrammar:
         if info is not None:
             self._info.move_to_end(state)
             return info
-        g, start = self.grammar, time.perf_counter()
-        g.deadline = start + self.clock.allowance()
+        g, start, allowance = self.grammar, time.perf_counter(), self.clock.allowance()
+        g.deadline = start + allowance
         try:
             row = np.array([g.next(state, b) for b in range(256)], dtype=np.int64)
             allowed = self._allowed(state, row)
         except GrammarTooCostly as e:
+            if allowance < MASK_SECONDS and time.perf_counter() > g.deadline:  # (the step's budget cut it short:
+                raise GrammarTooCostly(GRAMMARS_BUSY) from None  # the grammar is not refused, what it learned kept)
             self.failed = str(e)
             raise
         finally:

@@ -26,7 +26,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 
-from engine.protocol import Delta, Error, ImageInput, PoolingParams, SamplingParams
+from engine.protocol import GRAMMARS_BUSY, Delta, Error, ImageInput, PoolingParams, SamplingParams
 from frontends.engine_client import EngineClient, EngineUnavailable, Stream
 from frontends.errors import ApiError
 from frontends.metrics import Metrics
@@ -243,6 +243,8 @@ class Generation:
                 continue  # already ended by a stop string
             if item.finish_reason == "error":
                 self._fail(items, now)
+                if item.stop_reason == GRAMMARS_BUSY:  # (other requests' grammars took the step's time)
+                    raise ApiError(503, f"{self.schema_param}: {item.stop_reason}", headers=[("retry-after", "1")])
                 if isinstance(item.stop_reason, str):  # its grammar cost the engine too much to follow
                     raise ApiError(400, f"{self.schema_param}: {item.stop_reason}", param=self.schema_param,
                                    headers=[("x-should-retry", "false")])

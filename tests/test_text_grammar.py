@@ -343,8 +343,9 @@ def test_a_steps_new_masks_share_its_time(llm, monkeypatch):
     """Each new mask may take MASK_SECONDS, but a step's together STEP_SECONDS: past it, MASK_FLOOR_SECONDS
     each. Two requests whose every new mask takes 0.3 s (by a clock of the test's) and two whose masks cost
     nothing: the first step makes four costly masks (each costly request's first and next state's), the fourth
-    past the budget, so its request ends with finish_reason "error"; the other costly one goes on, a mask a
-    step, and the cheap ones and a plain request beside them are untouched."""
+    past the budget, so its request ends with finish_reason "error" (GRAMMARS_BUSY: a frontend's 503); the other
+    costly one goes on, a mask a step, and the cheap ones and a plain request beside them are untouched. The
+    grammar cut short is not refused: alone, it runs."""
     import time as real_time
     import types
 
@@ -352,6 +353,7 @@ def test_a_steps_new_masks_share_its_time(llm, monkeypatch):
     import engine.structured
     import engine.text_grammar
     from engine import SamplingParams
+    from engine.protocol import GRAMMARS_BUSY
 
     assert (engine.structured.STEP_SECONDS, engine.structured.MASK_FLOOR_SECONDS) == (1.0, 0.1)
     clock = engine.structured.MaskClock()
@@ -379,13 +381,16 @@ def test_a_steps_new_masks_share_its_time(llm, monkeypatch):
     regexes = [r"[a-z]+ [0-9]+!", r"[a-z]+-[0-9]+!", r"[a-z]+_[0-9]+%", r"[a-z]+=[0-9]+%"]  # (four grammars)
     outs = llm.generate([[1, 2, 3]] * 5, [SamplingParams(max_tokens=6, temperature=0.0, regex=r) for r in regexes]
                         + [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)])
-    assert outs[1].finish_reason == "error" and "one step may give" in outs[1].stop_reason
+    assert outs[1].finish_reason == "error" and outs[1].stop_reason == GRAMMARS_BUSY
     assert [o.finish_reason for o in (outs[0], *outs[2:])] == ["length"] * 4
+    again = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=6, temperature=0.0, regex=regexes[1]))[0]
+    assert again.finish_reason == "length"  # (not refused: it was the step's budget, not the grammar)
 
 
 def test_served_a_grammar_the_engine_gives_up_on_is_a_400_naming_its_field(stack):  # noqa: F811 - the fixture
     import openai
 
+    from engine.protocol import GRAMMARS_BUSY
     from tools.fake_engine import KEY, MODEL
 
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{stack[1]}/v1", api_key=KEY, max_retries=0)
@@ -397,6 +402,13 @@ def test_served_a_grammar_the_engine_gives_up_on_is_a_400_naming_its_field(stack
                                            extra_body={"guided_regex": "[a-z ]+"})
         assert e.value.body["param"] == "guided_regex"
         assert e.value.body["message"] == "guided_regex: its grammar cost too much"
+        engine.fail_reason = GRAMMARS_BUSY  # (other requests' grammars took the step's time: to be retried)
+        with pytest.raises(openai.InternalServerError) as e:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "one two three"}],
+                                           extra_body={"guided_regex": "[a-z ]+"})
+        assert e.value.status_code == 503 and e.value.response.headers["retry-after"] == "1"
+        assert e.value.body["message"] == f"guided_regex: {GRAMMARS_BUSY}"
+        engine.fail_reason = "its grammar cost too much"
         with pytest.raises(openai.InternalServerError):  # (out of memory: no reason given)
             client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "one two three"}])
     finally:

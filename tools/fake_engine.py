@@ -146,6 +146,7 @@ class FakeEngine(threading.Thread):
         self.max_num_waiting_requests = 1024  # what READY announces
         self.vocab_size = VOCAB  # and this: the model's vocabulary
         self.fail_after: int | None = None  # end every request with "error" once it has this many tokens
+        self.fail_reason = "its grammar cost too much"  # ... the stop_reason of one with structured output
         self.mute = False  # a hung engine: it reads (and records) frames but answers nothing and never steps
         self._halt = threading.Event()
         self.bound = threading.Event()
@@ -248,7 +249,7 @@ class FakeEngine(threading.Thread):
                     Delta(rid, [], "timeout" if timed_out else "error",
                           num_prompt_tokens=len(prompt) if produced == 0 else 0,
                           num_cached_tokens=cached if produced == 0 else 0,
-                          stop_reason=None if timed_out or not p.structured else "its grammar cost too much"))
+                          stop_reason=None if timed_out or not p.structured else self.fail_reason))
                 continue
             toks, lps, finish, stop_reason = [], [], None, None
             for _ in range(self.tokens_per_step):
