@@ -139,9 +139,9 @@ def to_chat(data: dict) -> dict:
         for i, t in enumerate(tools):
             if not isinstance(t, dict) or t.get("type") != "function":
                 raise ApiError(400, f"tools[{i}]: only function tools are supported", param="tools")
-            check_tool(i, t.get("name"), t.get("parameters", {"type": "object"}), ("name", "parameters"))
+            check_tool(i, t.get("name"), t.get("parameters") or {}, ("name", "parameters"))  # (null: none, as OpenAI's)
         chat["tools"] = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")
-                                                           if k in t}} for t in tools]
+                                                           if t.get(k) is not None}} for t in tools]
     choice = data.get("tool_choice")
     if isinstance(choice, dict):  # (allowed_tools, a hosted tool's, a custom tool's: not here)
         if choice.get("type") != "function":

@@ -103,10 +103,41 @@ def check_tool(i: int, name: Any, params: Any, fields: tuple[str, str] = ("funct
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ApiError(400, f"tools[{i}].{fields[0]} must be 1 to 64 letters, digits, '_', '-' or '.', got {name!r}",
                        param="tools")
-    if not isinstance(params, dict) or params.get("type", "object") != "object":
-        got = f"of type {params['type']!r}" if isinstance(params, dict) else "no object"
+    if not _is_object(params, params):
+        got = f"of type {params['type']!r}" if isinstance(params, dict) and "type" in params else "another"
         raise ApiError(400, f"tools[{i}].{fields[1]} must be a JSON schema of type 'object' (a call's arguments are "
                        f"an object), got {got}", param="tools")
+
+
+_OBJECT_WORDS = frozenset({"properties", "required", "additionalProperties"})  # (engine.json_schema's, implying it)
+_NOT_OBJECT = frozenset({"items", "prefixItems", "minItems", "maxItems", "minLength", "maxLength", "pattern", "format",
+                         "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "enum", "const"})
+
+
+def _is_object(s: Any, root: dict, depth: int = 0) -> bool:
+    """Whether every value of schema ``s`` is an object: its type is, or no type and no other type's keywords
+    (``as_object`` then says so), or a local ``$ref`` to such a schema, or alternatives that all are."""
+    if not isinstance(s, dict) or depth > 8:
+        return False
+    if "type" in s:
+        return s["type"] == "object"
+    ref = s.get("$ref")
+    if ref is not None:  # (pydantic's recursive models: {"$ref": "#/$defs/Model", "$defs": {...}})
+        where, _, name = ref.removeprefix("#/").partition("/") if isinstance(ref, str) else ("", "", "")
+        defs = root.get(where) if where in ("$defs", "definitions") else None
+        return isinstance(defs, dict) and "/" not in name and _is_object(defs.get(name), root, depth + 1)
+    alts = s.get("anyOf", s.get("oneOf", s.get("allOf")))
+    if alts is not None:
+        return isinstance(alts, list) and bool(alts) and all(_is_object(a, root, depth + 1) for a in alts)
+    # no type: an object's keywords make it one (below the root; there ``as_object`` says so)
+    return not _NOT_OBJECT & s.keys() and (depth == 0 or bool(_OBJECT_WORDS & s.keys()))
+
+
+def as_object(params: dict) -> dict:
+    """A tool's parameters as the schema its calls are held to: one without a type (``{}``, properties alone)
+    is an object's (else it would hold them to any JSON value)."""
+    plain = "type" not in params and not {"$ref", "anyOf", "oneOf", "allOf"} & params.keys()
+    return {**params, "type": "object"} if plain else params
 
 
 def parse_tools(data: dict, fmt: str | None) -> ToolRequest | None:
@@ -130,7 +161,7 @@ def parse_tools(data: dict, fmt: str | None) -> ToolRequest | None:
         check_tool(i, name, params)
         if name in schemas:
             raise ApiError(400, f"two tools are named {name!r}", param="tools")
-        schemas[name] = params
+        schemas[name] = as_object(params)
     parallel = data.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
         raise ApiError(400, "parallel_tool_calls must be true or false", param="parallel_tool_calls")

@@ -62,6 +62,11 @@ def test_bodies_become_chats():
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
 
 
+def test_a_function_without_parameters():
+    chat = to_chat({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": None}]})
+    assert chat["tools"] == [{"type": "function", "function": {"name": "f"}}]  # (null: none, as OpenAI's types allow)
+
+
 @pytest.mark.parametrize("body,param", [
     ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": "hi", "conversation": "conv_1"}, "conversation"),

@@ -106,6 +106,12 @@ def args_of(call: dict) -> dict:
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "integer"}}}]}, "tools",
      "tools[0].function.parameters must be a JSON schema of type 'object' (a call's arguments are an object), got "
      "of type 'integer'"),  # (its calls' arguments were the integer: no client could dispatch them)
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"anyOf": [{"type": "integer"}]}}}]},
+     "tools", "must be a JSON schema of type 'object'"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "$ref": "#/$defs/I", "$defs": {"I": {"type": "integer"}}}}}]}, "tools", "must be a JSON schema of type 'object'"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"items": {}}}}]}, "tools", "'object'"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"anyOf": [{}]}}}]}, "tools", "'object'"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "'none', 'auto', 'required'"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "'nope'"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": ["x"]}}}, "tool_choice", "['x']"),
@@ -119,6 +125,20 @@ def test_bad_tool_requests_are_400s_naming_the_field(body, param, words):
     with pytest.raises(ApiError) as e:
         parse_tools(body, "hermes")
     assert (e.value.status, e.value.param) == (400, param) and words in e.value.message
+
+
+def test_a_tools_calls_are_held_to_an_object():
+    """Parameters with no type are an object's (``{}`` would hold a named call to any JSON value); a local
+    ``$ref`` to an object's schema (pydantic's recursive models) and alternatives of objects pass as they are."""
+    def named(params):
+        return parse_tools({"tools": [{"type": "function", "function": {"name": "f", "parameters": params}}],
+                            "tool_choice": {"type": "function", "function": {"name": "f"}}}, "hermes").schema()
+    assert named({}) == {"type": "object"}
+    assert named({"properties": {"a": {"type": "string"}}}) == {"properties": {"a": {"type": "string"}}, "type": "object"}
+    node = {"$ref": "#/$defs/Node", "$defs": {"Node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/Node"}}}}}
+    assert named(node) == node
+    union = {"anyOf": [{"type": "object", "properties": {"a": {}}}, {"properties": {"b": {}}}]}
+    assert named(union) == union
 
 
 def test_auto_needs_a_format_the_others_do_not():
