@@ -27,9 +27,9 @@ import re
 from frontends.text import partial_suffix
 from frontends.tools import Segment, ToolRequest, detect_format, json_values, new_call
 
-CHANNEL, MESSAGE, START = "<|channel|>", "<|message|>", "<|start|>"
+CHANNEL, MESSAGE, START, END = "<|channel|>", "<|message|>", "<|start|>", "<|end|>"
 _OPENS = (CHANNEL, START)  # what a header begins with
-_ENDS = ("<|end|>", "<|call|>", "<|return|>", START)  # what ends a body (<|start|>: a header missing its <|end|>)
+_ENDS = (END, "<|call|>", "<|return|>", START)  # what ends a body (<|start|>: a header missing its <|end|>)
 _HEADER_LIMIT = 512  # characters of a header without <|message|>: past that it is taken for text
 _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 _CHANNEL = re.compile(re.escape(CHANNEL) + r"\s*(\w+)")

@@ -927,6 +927,11 @@ class _Answer:
             return self.harmony.thinking
         return self.think is not None and self.think.state == "think"
 
+    @property
+    def thinking_end(self) -> str:
+        """The marker that ends the thinking: harmony's analysis message's end, or ``</think>``."""
+        return harmony.END if self.harmony is not None else reasoning.CLOSE
+
     def parts(self, text: str, finished: bool) -> list[tuple[str, Any]]:
         """What of ``text`` (and, once ``finished``, of what was held back) can be sent now, in the
         order the model wrote it: ("reasoning", text), ("text", content), ("call", a tool-call delta)."""

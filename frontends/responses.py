@@ -26,7 +26,6 @@ import orjson
 from frontends.errors import ApiError
 from frontends.generation import Generation, Update
 from frontends.openai_params import LLAMACPP_SAMPLERS
-from frontends.reasoning import CLOSE
 from frontends.tools import check_tool
 
 # chat fields a Responses body may carry as they are
@@ -256,12 +255,8 @@ class ResponsesFormat(ItemWriter):
         self.named = self.answer is not None and self.answer.calls is not None and self.answer.calls.mode == "named"
         self.seq = 0
         self.reasoning_tokens = 0  # output tokens of the thinking (of the batches that carried it, or held it back)
-        self._end_id = None  # the token that ends the thinking, where one token does (Qwen3's, DeepSeek-R1's)
-        if self.answer is not None:
-            end = "<|end|>" if self.answer.harmony is not None else CLOSE
-            tid = chat_fmt.codec.tokenizer.convert_tokens_to_ids(end)
-            self._end_id = tid if isinstance(tid, int) and chat_fmt.codec.tokenizer.convert_ids_to_tokens(
-                tid) == end else None
+        # the token that ends the thinking, where one token does (Qwen3's </think>, harmony's <|end|>)
+        self._end_id = chat_fmt.codec.single_token(self.answer.thinking_end) if self.answer is not None else None
         self._ended = False  # the last update was taken
         self.items: list[dict] = []  # output items done, in order
         self.open: dict | None = None  # the reasoning item, message or named call being written

@@ -59,6 +59,7 @@ class TextCodec:
         self._text_of: dict[int, str] = {}  # the texts token_text has made, by id
         self._utf8_of: dict[int, list[int]] = {}  # and their bytes (token_utf8)
         self._bytes_of: dict[int, bytes] = {}  # tokens' own bytes (token_bytes)
+        self._single: dict[str, int | None] = {}  # texts that are one token's, and its id (single_token)
         self._dry: dict[tuple[str, ...], list[list[int]]] = {}  # DRY's breakers as token sequences (dry_breakers)
 
     def use_images(self, token_id: int) -> None:
@@ -148,6 +149,15 @@ class TextCodec:
         if 0 <= token_id < self.vocab_size:
             kept[token_id] = value
         return value
+
+    def single_token(self, text: str) -> int | None:
+        """The id of the token whose own name is ``text`` (a marker such as ``</think>``), or None where no one
+        token is; looked up once per text."""
+        if text not in self._single:
+            tid = self.tokenizer.convert_tokens_to_ids(text)
+            ok = isinstance(tid, int) and self.tokenizer.convert_ids_to_tokens(tid) == text
+            self._single[text] = tid if ok else None
+        return self._single[text]
 
     def token_texts(self) -> list[str]:
         """Every token's own text, by id (special tokens with their names); built once."""

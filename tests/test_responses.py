@@ -232,13 +232,26 @@ def test_reasoning_tokens_count_the_thinking_up_to_its_end_token(end_token, want
     from frontends import reasoning
     from frontends.openai_api import _Answer
     from frontends.responses import ResponsesFormat
+    from frontends.text import TextCodec
 
-    names = {7: "</think>"} if end_token else {}
-    tok = NS(convert_tokens_to_ids=lambda t: {v: k for k, v in names.items()}.get(t, 0),
-             convert_ids_to_tokens=lambda i: names.get(i, "<unk>"))
+    names = {0: "<unk>", 7: "</think>"} if end_token else {0: "<unk>"}
+
+    class Tokenizer:  # (a vocabulary where </think> is one token, or is none)
+        def __len__(self):
+            return 11
+
+        def get_vocab(self):
+            return {v: k for k, v in names.items()}
+
+        def convert_tokens_to_ids(self, text):
+            return self.get_vocab().get(text, 0)
+
+        def convert_ids_to_tokens(self, i):
+            return names.get(i, "<unk>")
+    codec = TextCodec(Tokenizer())
 
     def fmt():
-        chat = NS(answers=[_Answer(reasoning.ThinkSplitter(True), None, True)], codec=NS(tokenizer=tok),
+        chat = NS(answers=[_Answer(reasoning.ThinkSplitter(True), None, True)], codec=codec,
                   collect=lambda updates: None)
         gen = NS(api_id="resp_1", params=NS(temperature=1.0, top_p=1.0, max_tokens=50),
                  choices=[NS(finish_reason="stop", index=0)],
