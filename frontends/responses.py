@@ -24,8 +24,8 @@ from typing import Any
 import orjson
 
 from frontends.errors import ApiError
-from frontends.generation import Generation, Update
-from frontends.openai_params import LLAMACPP_SAMPLERS
+from frontends.generation import Generation, Update, text_ids
+from frontends.openai_params import LLAMACPP_SAMPLERS, MAX_LOGPROBS
 from frontends.tools import check_tool
 
 # chat fields a Responses body may carry as they are
@@ -37,6 +37,11 @@ _PASSED = ("model", "temperature", "top_p", "parallel_tool_calls", "user", "prio
            *LLAMACPP_SAMPLERS)
 _UNSTORED = ("previous_response_id", "conversation", "prompt")  # they name state this server does not keep
 RESPONSES_PARAMS = {"max_tokens": "max_output_tokens", "response_format": "text", "messages": "input"}  # chat -> here
+LOGPROBS = "message.output_text.logprobs"  # what ``include`` names to have each output_text's logprobs
+# what else ``include`` may name (OpenAI's): accepted, with nothing of them here to include
+INCLUDABLE = (LOGPROBS, "reasoning.encrypted_content", "message.input_image.image_url", "file_search_call.results",
+              "web_search_call.results", "web_search_call.action.sources", "computer_call_output.output.image_url",
+              "code_interpreter_call.outputs")
 
 
 def _new_id(prefix: str) -> str:
@@ -129,6 +134,8 @@ def to_chat(data: dict) -> dict:
         raise ApiError(400, "background responses are not supported", param="background")
     chat: dict[str, Any] = {k: data[k] for k in _PASSED if k in data}
     chat["messages"] = _messages(data)
+    if _logprobs(data) is not None:
+        chat["logprobs"], chat["top_logprobs"] = True, _logprobs(data)
     if data.get("max_output_tokens") is not None:
         chat["max_tokens"] = data["max_output_tokens"]
     tools = data.get("tools") or None  # [] (some clients send it): none
@@ -164,6 +171,20 @@ def to_chat(data: dict) -> dict:
     return chat
 
 
+def _logprobs(data: dict) -> int | None:
+    """The top logprobs each output token shows (0: its own only), where ``include`` asks for logprobs, else
+    None. ``top_logprobs`` alone asks for none, as in vLLM."""
+    include, top = data.get("include"), data.get("top_logprobs")
+    if include is not None and not (isinstance(include, list) and all(isinstance(v, str) for v in include)):
+        raise ApiError(400, "'include' must be a list of strings", param="include")
+    for v in include or ():
+        if v not in INCLUDABLE:
+            raise ApiError(400, f"include: {v!r} is not one of {', '.join(INCLUDABLE)}", param="include")
+    if top is not None and (type(top) is not int or not 0 <= top <= MAX_LOGPROBS):
+        raise ApiError(400, f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}]", param="top_logprobs")
+    return (top or 0) if LOGPROBS in (include or ()) else None
+
+
 def _echoed(data: dict) -> dict:
     """The request's fields a Response repeats, checked (they are written back as they came)."""
     metadata = data.get("metadata")
@@ -184,7 +205,7 @@ def _echoed(data: dict) -> dict:
     return {"instructions": data.get("instructions"), "metadata": metadata, "user": data.get("user"),
             "parallel_tool_calls": data.get("parallel_tool_calls") is not False,
             "tools": tools, "tool_choice": choice if choice is not None else "auto" if tools else "none",
-            "text": {"format": fmt}, "reasoning": reasoning}
+            "text": {"format": fmt}, "reasoning": reasoning, "top_logprobs": data.get("top_logprobs") or 0}
 
 
 class ItemWriter:
@@ -258,6 +279,8 @@ class ResponsesFormat(ItemWriter):
         # the token that ends the thinking, where one token does (Qwen3's </think>, harmony's <|end|>)
         self._end_id = chat_fmt.codec.single_token(self.answer.thinking_end) if self.answer is not None else None
         self._ended = False  # the last update was taken
+        self.logprobs = chat_fmt.logprobs  # each output_text carries the logprobs of the tokens that wrote it
+        self._lps: list[dict] = []  # of the answer's tokens whose text is not out yet (those of a call: dropped)
         self.items: list[dict] = []  # output items done, in order
         self.open: dict | None = None  # the reasoning item, message or named call being written
         self.base = {"id": gen.api_id, "object": "response", "created_at": int(time.time()), "model": api_model,
@@ -290,17 +313,23 @@ class ResponsesFormat(ItemWriter):
     def _counted(self, up: Update) -> list[tuple[str, Any]]:
         """``up``'s parts of the answer; its tokens count as reasoning where it carried thinking, or left the
         answer inside it: the batch that ends the thinking up to the token that ends it, where one token does
-        (as vLLM counts), else whole."""
+        (as vLLM counts), else whole. The logprobs of its other tokens wait for the text that shows them."""
         a, self._ended = self.answer, self._ended or up.finished
-        if a is None:
-            return self._parts(up.text, up.finished)
-        thinking, thought = a.thinking, len(a.reasoning)
+        was_thinking, thought = (a.thinking, len(a.reasoning)) if a is not None else (False, 0)
         parts = self._parts(up.text, up.finished)
-        if thinking or a.thinking or len(a.reasoning) > thought:
+        ids: list[int] = []  # this batch's tokens of the thinking
+        if a is not None and (was_thinking or a.thinking or len(a.reasoning) > thought):
             ids = up.token_ids
             if not a.thinking and self._end_id in ids:
                 ids = ids[:ids.index(self._end_id) + 1]
-            self.reasoning_tokens += len(ids)
+        self.reasoning_tokens += len(ids)
+        if self.logprobs:
+            if ids:  # (what waited, since no text showed it, opened the thinking: "<think>" in several tokens)
+                self._lps = []
+            c, shown = up.choice, up.token_ids
+            if up.finished and not c.include_stop:  # (the token that ends the output is no text)
+                shown = text_ids(shown, c.finish_reason, c.stop_reason, c.eos_ids)
+            self._lps += self.chat.delta_logprobs(up)[len(ids):len(shown)]
         return parts
 
     def _response(self, status: str, error: dict | None = None) -> dict:
@@ -362,6 +391,7 @@ class ResponsesFormat(ItemWriter):
         if not text:
             return b""
         if item["type"] == "function_call":
+            self._lps = []
             item["arguments"] += text
             return self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
                                delta=text)
@@ -369,8 +399,10 @@ class ResponsesFormat(ItemWriter):
         if item["type"] == "reasoning":
             return self._event("response.reasoning_text.delta", item_id=item["id"], output_index=index,
                                content_index=0, delta=text)
+        lps, self._lps = self._lps, []
+        item["content"][0]["logprobs"] += lps
         return self._event("response.output_text.delta", item_id=item["id"], output_index=index, content_index=0,
-                           delta=text, logprobs=[])
+                           delta=text, logprobs=lps)
 
     def _close(self, last: bool = False, status: str | None = None) -> bytes:
         """The open item done (``last``: the one the generation ended in, incomplete if it was cut short):
@@ -385,9 +417,10 @@ class ResponsesFormat(ItemWriter):
             out = self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                               arguments=item["arguments"])
         else:
-            part, kind = item["content"][0], "reasoning_text" if item["type"] == "reasoning" else "output_text"
+            part = item["content"][0]
+            kind, lps = ("reasoning_text", {}) if item["type"] == "reasoning" else ("output_text", {"logprobs": part["logprobs"]})
             out = self._event(f"response.{kind}.done", item_id=item["id"], output_index=index, content_index=0,
-                              text=part["text"], **({} if item["type"] == "reasoning" else {"logprobs": []}))
+                              text=part["text"], **lps)
             out += self._event("response.content_part.done", item_id=item["id"], output_index=index,
                                content_index=0, part=part)
         return out + self._event("response.output_item.done", output_index=index, item=item)

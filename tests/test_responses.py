@@ -62,6 +62,17 @@ def test_bodies_become_chats():
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
 
 
+def test_logprobs_are_asked_for_by_include():
+    """``include: ["message.output_text.logprobs"]`` asks for them, ``top_logprobs`` says how many alternatives
+    (alone it asks for none, as in vLLM); what else ``include`` may name is accepted."""
+    asked = to_chat({"input": "hi", "include": ["reasoning.encrypted_content", "message.output_text.logprobs"],
+                     "top_logprobs": 3})
+    assert (asked["logprobs"], asked["top_logprobs"]) == (True, 3)
+    assert to_chat({"input": "hi", "include": ["message.output_text.logprobs"]})["top_logprobs"] == 0
+    for body in ({"input": "hi", "top_logprobs": 5}, {"input": "hi", "include": ["reasoning.encrypted_content"]}):
+        assert "logprobs" not in to_chat(body) and "top_logprobs" not in to_chat(body)
+
+
 def test_a_function_without_parameters():
     chat = to_chat({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": None}]})
     assert chat["tools"] == [{"type": "function", "function": {"name": "f"}}]  # (null: none, as OpenAI's types allow)
@@ -85,6 +96,10 @@ def test_a_function_without_parameters():
     ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {"type": "array"}}]}, "tools"),
     ({"input": "hi", "tools": [{"type": "function", "name": "f"}], "tool_choice": {
         "type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "f"}]}}, "tool_choice"),
+    ({"input": "hi", "include": "message.output_text.logprobs"}, "include"),
+    ({"input": "hi", "include": ["message.output_text.logprob"]}, "include"),
+    ({"input": "hi", "include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs"),
+    ({"input": "hi", "top_logprobs": True}, "top_logprobs"),
 ])
 def test_what_this_server_cannot_do_is_a_400(body, param):
     with pytest.raises(ApiError) as e:
@@ -115,6 +130,31 @@ def test_served_text_thinking_and_a_call(client):  # noqa: F811 - the fixture
     assert 0 < final.usage.output_tokens_details.reasoning_tokens <= final.usage.output_tokens
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert deltas == "Checking."
+
+
+def test_served_logprobs_are_those_of_the_texts_tokens(stack, client):  # noqa: F811
+    """Each output_text carries its own tokens' logprobs (not the thinking's, nor the token that ends the
+    answer), whole and streamed alike, the deltas' adding up to the part's."""
+    kw = dict(model=MODEL, input="one two three<|im_end|>", extra_body=STOP)
+    r = client.responses.create(include=["message.output_text.logprobs"], top_logprobs=2, **kw)
+    lps = r.output[0].content[0].logprobs
+    assert "".join(lp.token for lp in lps) == r.output_text == "one two three" and r.top_logprobs == 2
+    assert all(lp.logprob <= 0 and lp.bytes == list(lp.token.encode()) and len(lp.top_logprobs) == 2 for lp in lps)
+    with client.responses.stream(include=["message.output_text.logprobs"], top_logprobs=2, **kw) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    deltas = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert [(lp.token, lp.logprob) for lp in deltas] == [(lp.token, lp.logprob) for lp in done.logprobs] == [
+        (lp.token, lp.logprob) for lp in lps] and final.output[0].content[0].logprobs == lps
+    stack[0].step_delay = 0.01  # a token a batch: the one that ends the thinking is known (</think> is not one)
+    try:  # thinks first: its tokens have none here
+        r = client.responses.create(include=["message.output_text.logprobs"], **{**kw, "input": THOUGHT + "<|im_end|>"})
+    finally:
+        stack[0].step_delay = 0.0
+    assert [o.type for o in r.output] == ["reasoning", "message"]
+    assert "".join(lp.token for lp in r.output[1].content[0].logprobs) == "\n\n" + r.output_text  # (after </think>)
+    assert client.responses.create(top_logprobs=2, **kw).output[0].content[0].logprobs == []  # (not included)
 
 
 def test_served_follow_up_and_cut_short(client):  # noqa: F811
@@ -251,15 +291,16 @@ def test_reasoning_tokens_count_the_thinking_up_to_its_end_token(end_token, want
     codec = TextCodec(Tokenizer())
 
     def fmt():
-        chat = NS(answers=[_Answer(reasoning.ThinkSplitter(True), None, True)], codec=codec,
-                  collect=lambda updates: None)
+        chat = NS(answers=[_Answer(reasoning.ThinkSplitter(True), None, True)], codec=codec, logprobs=True,
+                  collect=lambda updates: None, delta_logprobs=lambda up: [{"token": t} for t in up.token_ids])
         gen = NS(api_id="resp_1", params=NS(temperature=1.0, top_p=1.0, max_tokens=50),
                  choices=[NS(finish_reason="stop", index=0)],
                  usage=lambda: {"prompt_tokens": 3, "completion_tokens": 7, "total_tokens": 10})
         return ResponsesFormat("m", {"input": "x"}, gen, chat)
 
     def batch(text, ids, finished=False):
-        return NS(text=text, token_ids=ids, finished=finished, choice=NS(index=0))
+        return NS(text=text, token_ids=ids, finished=finished, choice=NS(
+            index=0, include_stop=False, finish_reason="stop", stop_reason=None, eos_ids=frozenset()))
     batches = [batch("a b", [1, 2]), batch("c</think>\n\nDone", [3, 7, 8, 9]), batch(".", [10], True)]
     whole = fmt()
     whole.collect(batches)
@@ -267,6 +308,8 @@ def test_reasoning_tokens_count_the_thinking_up_to_its_end_token(end_token, want
     assert [o["type"] for o in r["output"]] == ["reasoning", "message"] and r["output"][1]["content"][0]["text"] == (
         "Done.")
     assert r["usage"]["output_tokens_details"]["reasoning_tokens"] == want
+    # the text's logprobs: the tokens after the thinking's (those of the batch that ended it, where it is counted whole)
+    assert [lp["token"] for lp in r["output"][1]["content"][0]["logprobs"]] == [8, 9, 10] if end_token else [10]
     streamed = fmt()
     events = streamed.chunk(batches).decode()
     assert f'"output_tokens_details":{{"reasoning_tokens":{want}}}' in events.split("response.completed")[-1]
