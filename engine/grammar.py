@@ -25,7 +25,7 @@ Written as the output must be: literals (``const``, ``enum``, keys) byte for byt
 high surrogate escape followed by its low one; keys of ``additionalProperties`` without escapes;
 numbers with at most ``MAX_DIGITS`` digits before and after the point and 2 in the exponent;
 between tokens, at most one newline and then up to ``MAX_WS`` spaces or tabs (no blank lines),
-nothing before ``:``; before the value as between tokens (``▁{`` is a SentencePiece model's
+nothing before ``:``; before the value one space or tab at most (``▁{`` is a SentencePiece model's
 first token), nothing after it.
 """
 
@@ -205,7 +205,9 @@ class Grammar(Automaton):
         super().__init__()
 
     def _first(self) -> frozenset:
-        first = ((F_NODE, self._root), (F_WS, 0, False)) if self._text_is_json else ((F_NODE, self._root),)
+        # before the value, one space or tab at most (a newline "came" and all but one space): the first
+        # token of a SentencePiece model may be "▁{", and whitespace more is only tokens wasted
+        first = ((F_NODE, self._root), (F_WS, MAX_WS - 1, True)) if self._text_is_json else ((F_NODE, self._root),)
         return frozenset({first})
 
     def _accepts(self, stack: tuple) -> bool:

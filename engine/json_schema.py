@@ -283,5 +283,7 @@ def _is_type(value: Any, t: Any) -> bool:
              "object": dict, "array": list}
     if not isinstance(t, str) or t not in kinds:
         raise SchemaError(f"'type' must be one of {', '.join(_TYPES)} (or a list of them), got {t!r}")
+    if t == "integer" and isinstance(value, float):
+        return value.is_integer()  # (1.0 is an integer to JSON Schema)
     return isinstance(value, kinds[t]) and (t == "boolean" or not isinstance(value, bool))
 

@@ -71,13 +71,15 @@ def accepts(schema, text: str) -> bool:
      ['{"age": 1, "name": "x"}', '{"name": "x"}', '{"name": "x", "age": 1,}', '{"name": "x", "age": 01}',
       '{"name": "123456789", "age": 1}', '{"name": "x", "age": 1.5}', '{"name": "a\nb", "age": 1}',
       '{"name": "x", "age": 1, "other": 2}', '{"name" : "x", "age": 1}', '{\n\n"name": "x", "age": 1}',
-      '\n\n{"name": "x", "age": 1}', '{"name": "x", "age": 1, "tags": ["x", "y", "x", "y"]}']),
+      '\n\n{"name": "x", "age": 1}', '{"name": "x", "age": 1, "tags": ["x", "y", "x", "y"]}',
+      '\n{"name": "x", "age": 1}', '\t {"name": "x", "age": 1}']),  # (before the value: one space at most)
     (TREE, ['{"v": 1.5e+3, "kids": [{"v": -2}, {"v": 0, "kids": []}]}'],
      ['{"v": 1, "kids": [{"v": 1}, {"v": 2}, {"v": 3}]}', '{"kids": []}', '{"v": 1.}']),
     ({"type": "object"}, ['{}', '{"a": [1, {"b": null}], "c": "d"}'], ['[]', '{"a"}', '{"a": }']),
     ({}, ['"x"', '3', 'true', '[1, "a"]'], ['', 'tru', "'x'"]),
     ({"const": {"a": [1, 2]}}, ['{"a":[1,2]}'], ['{"a": [1, 2]}']),
     ({"type": "array", "items": {"enum": [1, 12, "a", None]}}, ['[1, 12, "a", null, 1]'], ['[2]', '[123]', '["b"]']),
+    ({"enum": [1.0, 1.5, True], "type": "integer"}, ['1.0'], ['1.5', 'true', '1']),  # (1.0 is an integer)
     ({"enum": [f"option {i}" for i in range(3000)]}, ['"option 0"', '"option 2999"'], ['"option 3000"', '"option"']),
     ({"properties": {"a": {"type": "integer"}}, "additionalProperties": True},  # declared keys are not "additional"
      ['{"a": 1, "b": "x"}', '{"b": [1]}', '{}'], ['{"a": "x"}', '{"a": 1, "a": 2}', '{"b": 1, "a": 1}']),
