@@ -150,6 +150,8 @@ class TokenGrammar:
             if allowance < MASK_SECONDS and time.perf_counter() > g.deadline:  # (the step's budget cut it short:
                 raise GrammarTooCostly(GRAMMARS_BUSY) from None  # the grammar is not refused, what it learned kept)
             self.failed = str(e)
+            g.forget()  # refused from then on: what it learned (tens of MB, for a costly one) is of no more use
+            self._info.clear()
             raise
         finally:
             g.deadline = math.inf
@@ -235,6 +237,8 @@ class GrammarMatcher:
 
     def advance(self, token: int) -> None:
         """Move past ``token`` (state -1: a token the mask did not allow, e.g. an end-of-sequence)."""
+        if self.failed is None and self.tokens.failed is not None:  # (another request's mask failed it)
+            self.failed = self.tokens.failed
         if self.failed is not None:
             self.state = -1
             return
