@@ -578,8 +578,9 @@ class OpenAIApi:
     async def responses_job(self, data: dict, arrival: float | None = None) -> tuple[Generation, ResponsesFormat]:
         """A /v1/responses body run as the chat it amounts to (``frontends.responses``)."""
         refuse_beam_search(data)
+        chat = to_chat(data)  # (its refusals name this API's fields already)
         try:
-            gen, chat_fmt = await self.chat_job(to_chat(data), arrival, id_prefix="resp")
+            gen, chat_fmt = await self.chat_job(chat, arrival, id_prefix="resp")
         except ApiError as e:  # named as this API names its fields
             raise e.renamed(RESPONSES_PARAMS) from None
         if gen.schema_param == "response_format":  # the engine's refusal of a text.format schema

@@ -583,13 +583,13 @@ def resolve_max_tokens(data: dict, names: tuple[str, ...], prompt_lens: list[int
     ``default`` None means: whatever room the longest prompt leaves (vLLM's chat default). ``cap``: the
     server's limit on any request's (``--override-generation-config``'s max_new_tokens, as vLLM's).
     """
-    requested = None
+    requested, given = None, names[0]
     for name in names:
         v = field(data, name, int, None)
         if v is not None:
             if v < 1:
                 raise ApiError(400, f"{name} must be at least 1, got {v}", param=name)
-            requested = v
+            requested, given = v, name
             break
     longest = max(prompt_lens)
     if longest >= max_model_len:
@@ -605,5 +605,5 @@ def resolve_max_tokens(data: dict, names: tuple[str, ...], prompt_lens: list[int
         raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
                        f"requested {longest + requested} tokens ({longest} in the prompt, {requested} in "
                        "the completion). Please reduce the length of the prompt or the completion.",
-                       param=names[0])
+                       param=given)
     return requested

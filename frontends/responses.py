@@ -36,7 +36,13 @@ _PASSED = ("model", "temperature", "top_p", "parallel_tool_calls", "user", "prio
            "guided_grammar", "grammar", "json_schema", "allowed_token_ids", "bad_words", "include_stop_str_in_output",
            *LLAMACPP_SAMPLERS)
 _UNSTORED = ("previous_response_id", "conversation", "prompt")  # they name state this server does not keep
-RESPONSES_PARAMS = {"max_tokens": "max_output_tokens", "response_format": "text", "messages": "input"}  # chat -> here
+# the chat's and completions' own fields, which would change the answer there: unknown here (as OpenAI answers)
+_OTHER_APIS = {"n": "one Response is one answer", "best_of": "one Response is one answer",
+               "logprobs": "include ['message.output_text.logprobs']", "max_tokens": "max_output_tokens",
+               "max_completion_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format",
+               "echo": None, "suffix": None}
+RESPONSES_PARAMS = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",  # chat -> here
+                    "response_format": "text", "messages": "input"}
 LOGPROBS = "message.output_text.logprobs"  # what ``include`` names to have each output_text's logprobs
 # what else ``include`` may name (OpenAI's): accepted, with nothing of them here to include
 INCLUDABLE = (LOGPROBS, "reasoning.encrypted_content", "message.input_image.image_url", "file_search_call.results",
@@ -132,6 +138,10 @@ def to_chat(data: dict) -> dict:
                            "conversation in 'input'", param=name)
     if data.get("background"):
         raise ApiError(400, "background responses are not supported", param="background")
+    for name, ours in _OTHER_APIS.items():
+        if name in data:
+            hint = f"the Responses API's: {ours}" if ours else "the Responses API has none"
+            raise ApiError(400, f"Unknown parameter: '{name}' ({hint})", param=name)
     chat: dict[str, Any] = {k: data[k] for k in _PASSED if k in data}
     chat["messages"] = _messages(data)
     if _logprobs(data) is not None:

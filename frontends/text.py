@@ -136,12 +136,13 @@ class TextCodec:
         return text if text is not None else self._keep(self._text_of, token_id, self._decode([token_id], False))
 
     def token_utf8(self, token_id: int) -> list[int]:
-        """``token_text``'s UTF-8 bytes, as chat logprobs give them; kept as the texts are (one list for every
-        answer: never change it)."""
+        """The token's own bytes (``token_bytes``) as a list, as logprobs give them: a token that is part of a
+        character has those bytes, not U+FFFD's, so that a client can join them into the text (OpenAI's
+        rule). Kept as the texts are (one list for every answer: never change it)."""
         utf8 = self._utf8_of.get(token_id)
         if utf8 is not None:
             return utf8
-        return self._keep(self._utf8_of, token_id, list(self.token_text(token_id).encode()))
+        return self._keep(self._utf8_of, token_id, list(self.token_bytes(token_id)))
 
     def _keep(self, kept: dict, token_id: int, value: Any) -> Any:
         """``value``, made for ``token_id``, kept in ``kept`` if the id is the vocabulary's (what a client names

@@ -150,3 +150,6 @@ def test_a_tokens_text_is_decoded_once(smollm_tokenizer_dir):
     past = codec.vocab_size + 5
     codec.token_text(past), codec.token_text(past)
     assert decoded == [[hello], [past], [past]]
+    parts = codec.encode("世", add_special_tokens=False)  # a character in two tokens: each has its own bytes
+    assert len(parts) == 2 and {codec.token_text(t) for t in parts} == {"\ufffd"}
+    assert sum((codec.token_utf8(t) for t in parts), []) == list("世".encode())

@@ -394,6 +394,7 @@ def test_refusals_in_llamacpp_s_shape(server):
                         ({"prompt": [1, 2.5]}, "must be a string, a list of token ids"),
                         ({"prompt": [1, 10**9]}, "Invalid token id"),
                         ({"prompt": "x", "n_probs": 99}, "n_probs must be in [0, 20]"),
+                        ({"prompt": "x", "n_predict": 3, "min_tokens": 10}, "must not exceed n_predict (3)"),
                         ({"prompt": "x", "logit_bias": [["y" * 257, 1]]}, "at most 256 characters"),
                         ({"prompt": "x", "logit_bias": [[t, 1] for t in range(2049)]}, "at most 2048 entries"),
                         ({"prompt": "x", "logit_bias": {str(t): 1 for t in range(2049)}}, "at most 2048 entries"),

@@ -100,6 +100,9 @@ def test_a_function_without_parameters():
     ({"input": "hi", "include": ["message.output_text.logprob"]}, "include"),
     ({"input": "hi", "include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs"),
     ({"input": "hi", "top_logprobs": True}, "top_logprobs"),
+    ({"input": "hi", "n": 2}, "n"),  # (the chat's and completions' own fields: one Response is one answer)
+    ({"input": "hi", "max_tokens": 5}, "max_tokens"),
+    ({"input": "hi", "logprobs": True}, "logprobs"),
 ])
 def test_what_this_server_cannot_do_is_a_400(body, param):
     with pytest.raises(ApiError) as e:
@@ -249,6 +252,8 @@ def test_served_failure_mid_stream_ends_with_response_failed(stack, client):  # 
 
 
 @pytest.mark.parametrize("kw,param", [
+    ({"max_output_tokens": 100000}, "max_output_tokens"),  # (more than the context holds)
+    ({"max_output_tokens": 3, "min_tokens": 10}, "min_tokens"),
     ({"metadata": {"a": nested(300)}}, "metadata"),
     ({"metadata": [1, 2]}, "metadata"),
     ({"text": "abc"}, "text"),
@@ -260,6 +265,7 @@ def test_served_echoed_and_renamed_fields_are_400s_named_as_this_api_names_them(
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=MODEL, input="hi", extra_body=kw)
     assert e.value.body["param"] == param
+    assert not any(w in e.value.body["message"] for w in ("max_tokens", "max_completion_tokens", "response_format"))
 
 
 @pytest.mark.parametrize("end_token, want", [(True, 4), (False, 6)])
