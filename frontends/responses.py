@@ -144,8 +144,9 @@ def to_chat(data: dict) -> dict:
             raise ApiError(400, f"Unknown parameter: '{name}' ({hint})", param=name)
     chat: dict[str, Any] = {k: data[k] for k in _PASSED if k in data}
     chat["messages"] = _messages(data)
-    if _logprobs(data) is not None:
-        chat["logprobs"], chat["top_logprobs"] = True, _logprobs(data)
+    top = _logprobs(data)
+    if top is not None:
+        chat["logprobs"], chat["top_logprobs"] = True, top
     if data.get("max_output_tokens") is not None:
         chat["max_tokens"] = data["max_output_tokens"]
     tools = data.get("tools") or None  # [] (some clients send it): none
@@ -428,9 +429,12 @@ class ResponsesFormat(ItemWriter):
                               arguments=item["arguments"])
         else:
             part = item["content"][0]
-            kind, lps = ("reasoning_text", {}) if item["type"] == "reasoning" else ("output_text", {"logprobs": part["logprobs"]})
-            out = self._event(f"response.{kind}.done", item_id=item["id"], output_index=index, content_index=0,
-                              text=part["text"], **lps)
+            if item["type"] == "reasoning":
+                out = self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                                  content_index=0, text=part["text"])
+            else:
+                out = self._event("response.output_text.done", item_id=item["id"], output_index=index,
+                                  content_index=0, text=part["text"], logprobs=part["logprobs"])
             out += self._event("response.content_part.done", item_id=item["id"], output_index=index,
                                content_index=0, part=part)
         return out + self._event("response.output_item.done", output_index=index, item=item)
