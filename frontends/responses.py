@@ -289,6 +289,9 @@ class ResponsesFormat(ItemWriter):
         self.reasoning_tokens = 0  # output tokens of the thinking (of the batches that carried it, or held it back)
         # the token that ends the thinking, where one token does (Qwen3's </think>, harmony's <|end|>)
         self._end_id = chat_fmt.codec.single_token(self.answer.thinking_end) if self.answer is not None else None
+        # where it takes several: its bytes, found across the thinking's last bytes (``_tail``) and the tokens after
+        self._end = self.answer.thinking_end.encode() if self.answer is not None and self._end_id is None else b""
+        self._tail = b""
         self._ended = False  # the last update was taken
         self.logprobs = chat_fmt.logprobs  # each output_text carries the logprobs of the tokens that wrote it
         self._lps: list[dict] = []  # of the answer's tokens whose text is not out yet (those of a call: dropped)
@@ -323,16 +326,16 @@ class ResponsesFormat(ItemWriter):
 
     def _counted(self, up: Update) -> list[tuple[str, Any]]:
         """``up``'s parts of the answer; its tokens count as reasoning where it carried thinking, or left the
-        answer inside it: the batch that ends the thinking up to the token that ends it, where one token does
-        (as vLLM counts), else whole. The logprobs of its other tokens wait for the text that shows them."""
+        answer inside it: the batch that ends the thinking up to the token that ends it (as vLLM counts). The
+        logprobs of its other tokens wait for the text that shows them."""
         a, self._ended = self.answer, self._ended or up.finished
         was_thinking, thought = (a.thinking, len(a.reasoning)) if a is not None else (False, 0)
         parts = self._parts(up.text, up.finished)
         ids: list[int] = []  # this batch's tokens of the thinking
         if a is not None and (was_thinking or a.thinking or len(a.reasoning) > thought):
-            ids = up.token_ids
-            if not a.thinking and self._end_id in ids:
-                ids = ids[:ids.index(self._end_id) + 1]
+            ids = up.token_ids if a.thinking else up.token_ids[:self._through_end(up.token_ids)]
+            if a.thinking and self._end:
+                self._tail = (self._tail + b"".join(map(self.chat.codec.token_bytes, ids)))[-len(self._end):]
         self.reasoning_tokens += len(ids)
         if self.logprobs:
             if ids:  # (what waited, since no text showed it, opened the thinking: "<think>" in several tokens)
@@ -342,6 +345,18 @@ class ResponsesFormat(ItemWriter):
                 shown = text_ids(shown, c.finish_reason, c.stop_reason, c.eos_ids)
             self._lps += self.chat.delta_logprobs(up)[len(ids):len(shown)]
         return parts
+
+    def _through_end(self, ids: list[int]) -> int:
+        """How many of ``ids``, the batch that ended the thinking, are the thinking's: up to the token that ends
+        it (all of them where none does: the output ended inside it)."""
+        if self._end_id is not None:
+            return ids.index(self._end_id) + 1 if self._end_id in ids else len(ids)
+        seen = self._tail
+        for i, t in enumerate(ids):
+            seen += self.chat.codec.token_bytes(t)
+            if self._end in seen:
+                return i + 1
+        return len(ids)
 
     def _response(self, status: str, error: dict | None = None) -> dict:
         reason = self.gen.choices[0].finish_reason

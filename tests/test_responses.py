@@ -135,7 +135,7 @@ def test_served_text_thinking_and_a_call(client):  # noqa: F811 - the fixture
     assert deltas == "Checking."
 
 
-def test_served_logprobs_are_those_of_the_texts_tokens(stack, client):  # noqa: F811
+def test_served_logprobs_are_those_of_the_texts_tokens(client):  # noqa: F811
     """Each output_text carries its own tokens' logprobs (not the thinking's, nor the token that ends the
     answer), whole and streamed alike, the deltas' adding up to the part's."""
     kw = dict(model=MODEL, input="one two three<|im_end|>", extra_body=STOP)
@@ -150,11 +150,8 @@ def test_served_logprobs_are_those_of_the_texts_tokens(stack, client):  # noqa: 
     (done,) = [e for e in events if e.type == "response.output_text.done"]
     assert [(lp.token, lp.logprob) for lp in deltas] == [(lp.token, lp.logprob) for lp in done.logprobs] == [
         (lp.token, lp.logprob) for lp in lps] and final.output[0].content[0].logprobs == lps
-    stack[0].step_delay = 0.01  # a token a batch: the one that ends the thinking is known (</think> is not one)
-    try:  # thinks first: its tokens have none here
-        r = client.responses.create(include=["message.output_text.logprobs"], **{**kw, "input": THOUGHT + "<|im_end|>"})
-    finally:
-        stack[0].step_delay = 0.0
+    # thinks first (</think> in several tokens, the answer in one batch): the thinking's tokens have none here
+    r = client.responses.create(include=["message.output_text.logprobs"], **{**kw, "input": THOUGHT + "<|im_end|>"})
     assert [o.type for o in r.output] == ["reasoning", "message"]
     assert "".join(lp.token for lp in r.output[1].content[0].logprobs) == "\n\n" + r.output_text  # (after </think>)
     assert client.responses.create(top_logprobs=2, **kw).output[0].content[0].logprobs == []  # (not included)
@@ -268,11 +265,11 @@ def test_served_echoed_and_renamed_fields_are_400s_named_as_this_api_names_them(
     assert not any(w in e.value.body["message"] for w in ("max_tokens", "max_completion_tokens", "response_format"))
 
 
-@pytest.mark.parametrize("end_token, want", [(True, 4), (False, 6)])
+@pytest.mark.parametrize("end_token, want", [(True, 4), (False, 5)])
 def test_reasoning_tokens_count_the_thinking_up_to_its_end_token(end_token, want):
     """usage.output_tokens_details.reasoning_tokens: the tokens of the batches that carried the thinking, the one
-    that ends it up to ``</think>`` where that is one token (Qwen3's, DeepSeek-R1's), else whole; the same whole
-    and streamed."""
+    that ends it up to the token that ends ``</think>``, one token (Qwen3's, DeepSeek-R1's) or several (here
+    across two batches); the same whole and streamed. The text's logprobs are those of the tokens after."""
     from types import SimpleNamespace as NS
 
     from frontends import reasoning
@@ -280,6 +277,7 @@ def test_reasoning_tokens_count_the_thinking_up_to_its_end_token(end_token, want
     from frontends.responses import ResponsesFormat
     from frontends.text import TextCodec
 
+    texts = {1: "a", 2: " b", 3: "c", 4: "</", 5: "think>", 7: "</think>", 8: "\n\n", 9: "Done", 10: "."}
     names = {0: "<unk>", 7: "</think>"} if end_token else {0: "<unk>"}
 
     class Tokenizer:  # (a vocabulary where </think> is one token, or is none)
@@ -294,6 +292,9 @@ def test_reasoning_tokens_count_the_thinking_up_to_its_end_token(end_token, want
 
         def convert_ids_to_tokens(self, i):
             return names.get(i, "<unk>")
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(texts[i] for i in ids)
     codec = TextCodec(Tokenizer())
 
     def fmt():
@@ -304,18 +305,18 @@ def test_reasoning_tokens_count_the_thinking_up_to_its_end_token(end_token, want
                  usage=lambda: {"prompt_tokens": 3, "completion_tokens": 7, "total_tokens": 10})
         return ResponsesFormat("m", {"input": "x"}, gen, chat)
 
-    def batch(text, ids, finished=False):
-        return NS(text=text, token_ids=ids, finished=finished, choice=NS(
+    def batch(ids, finished=False):
+        return NS(text="".join(texts[i] for i in ids), token_ids=ids, finished=finished, choice=NS(
             index=0, include_stop=False, finish_reason="stop", stop_reason=None, eos_ids=frozenset()))
-    batches = [batch("a b", [1, 2]), batch("c</think>\n\nDone", [3, 7, 8, 9]), batch(".", [10], True)]
+    ends = [[3, 7, 8, 9]] if end_token else [[3, 4], [5, 8, 9]]  # (</ think> across two batches)
+    batches = [batch([1, 2]), *map(batch, ends), batch([10], True)]
     whole = fmt()
     whole.collect(batches)
     r = whole.response()
     assert [o["type"] for o in r["output"]] == ["reasoning", "message"] and r["output"][1]["content"][0]["text"] == (
         "Done.")
     assert r["usage"]["output_tokens_details"]["reasoning_tokens"] == want
-    # the text's logprobs: the tokens after the thinking's (those of the batch that ended it, where it is counted whole)
-    assert [lp["token"] for lp in r["output"][1]["content"][0]["logprobs"]] == [8, 9, 10] if end_token else [10]
+    assert [lp["token"] for lp in r["output"][1]["content"][0]["logprobs"]] == [8, 9, 10]
     streamed = fmt()
     events = streamed.chunk(batches).decode()
     assert f'"output_tokens_details":{{"reasoning_tokens":{want}}}' in events.split("response.completed")[-1]
