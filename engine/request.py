@@ -48,7 +48,7 @@ class Request:
         "prompt_logprobs", "all_token_ids", "num_prompt_tokens", "stop_token_ids", "arrival_time", "queued_at", "waited",
         "num_output_at_preemption", "cache_salt", "block_hashes", "num_cached_blocks", "num_in_flight",
         "num_prompt_logprobs_in_flight", "pool", "window_from", "lora", "lora_slot", "draft_token_ids",
-        "draft_history", "images", "image_embeds",
+        "draft_history", "images", "image_embeds", "__weakref__",  # (the scheduler's heaps hold weak references)
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

@@ -82,6 +82,7 @@ import logging
 import math
 import statistics
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -189,10 +190,12 @@ class Scheduler:
         self._prompt_seconds: deque[float] = deque(maxlen=5)  # how long the last steps with prompt tokens took
         self._prompt_steps = 0  # steps with prompt tokens so far (the first, paying one-time costs, is not timed)
         self.clock = clock  # unix seconds, as deadlines are
-        self._deadlines: list[tuple[float, int, Request]] = []  # heap; finished requests linger until due
+        # heap of (deadline, seq, request): weak references, so that a finished request (its grammar, images,
+        # token lists) is freed at once, not when its entry comes up
+        self._deadlines: list[tuple[float, int, weakref.ref]] = []
         # heap of (queued_at, seq, request) as each was queued: the oldest waiting one (_delayed) without a walk
-        # of the queue; those no longer waiting, or queued again since, linger until they come up
-        self._queued: list[tuple[float, int, Request]] = []
+        # of the queue; those no longer waiting, or queued again since, linger until they come up (weakly held)
+        self._queued: list[tuple[float, int, weakref.ref]] = []
         self._seq = itertools.count()
         self.now = clock()  # this step's time
         self.num_preemptions = 0  # since start, for stats
@@ -218,7 +221,7 @@ class Scheduler:
         self._queue_time(req)
         self._waiting_embeddings += req.pool is not None
         if req.deadline is not None:
-            heapq.heappush(self._deadlines, (req.deadline, next(self._seq), req))
+            heapq.heappush(self._deadlines, (req.deadline, next(self._seq), weakref.ref(req)))
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -289,17 +292,23 @@ class Scheduler:
         if not self.delay_factor or not self.waiting or not self._prompt_seconds:
             return False
         queued = self._queued
-        while queued[0][2].status is not Status.WAITING or queued[0][2].queued_at != queued[0][0]:
+        while not self._waits_since(*queued[0]):
             heapq.heappop(queued)  # (admitted, finished, or queued again since)
         waited = self.now - queued[0][0]
         return 0 <= waited < self.delay_factor * statistics.median_low(self._prompt_seconds)
 
     def _queue_time(self, req: Request) -> None:
         """``req`` was queued at ``req.queued_at``: for ``_delayed``."""
-        heapq.heappush(self._queued, (req.queued_at, next(self._seq), req))
+        heapq.heappush(self._queued, (req.queued_at, next(self._seq), weakref.ref(req)))
         if len(self._queued) > 64 and len(self._queued) > 4 * len(self.waiting):  # (drop the stale ones)
-            self._queued = [e for e in self._queued if e[2].status is Status.WAITING and e[2].queued_at == e[0]]
+            self._queued = [e for e in self._queued if self._waits_since(*e)]
             heapq.heapify(self._queued)
+
+    @staticmethod
+    def _waits_since(queued_at: float, _seq: int, ref: weakref.ref) -> bool:
+        """Whether a ``_queued`` entry's request is alive and still waiting since it was queued then."""
+        req = ref()
+        return req is not None and req.status is Status.WAITING and req.queued_at == queued_at
 
     def rollback(self, batch: ScheduledBatch) -> None:
         """The model failed to run ``batch``: nothing it scheduled was computed. Its requests go back to
@@ -342,13 +351,14 @@ class Scheduler:
 
     def _expire(self, batch: ScheduledBatch) -> None:
         while self._deadlines and self._deadlines[0][0] <= self.now:
-            req = heapq.heappop(self._deadlines)[2]
-            if req.status is not Status.FINISHED:
+            req = heapq.heappop(self._deadlines)[2]()
+            if req is not None and req.status is not Status.FINISHED:
                 self.finish(req, "timeout")
                 self.num_timeouts += 1
                 batch.timed_out.append(req)
         if len(self._deadlines) > 64 and len(self._deadlines) > 4 * (len(self.waiting) + len(self.running)):
-            self._deadlines = [d for d in self._deadlines if d[2].status is not Status.FINISHED]
+            self._deadlines = [d for d in self._deadlines
+                               if (r := d[2]()) is not None and r.status is not Status.FINISHED]
             heapq.heapify(self._deadlines)
 
     def _schedule_decodes(self, batch: ScheduledBatch) -> list[Request]:

@@ -117,7 +117,8 @@ class TokenGrammar:
     """A grammar over one vocabulary: its states' masks."""
 
     def __init__(self, grammar: Automaton, vocab: TokenVocab, clock: MaskClock | None = None):
-        self.grammar, self.vocab, self.clock = grammar, vocab, clock or MaskClock()
+        self.grammar: Automaton | None = grammar  # None once failed
+        self.vocab, self.clock = vocab, clock or MaskClock()
         self._info: OrderedDict[int, StateInfo] = OrderedDict()
         self.failed: str | None = None  # why it costs too much to follow (GrammarTooCostly): refused from then on
 
@@ -150,8 +151,8 @@ class TokenGrammar:
             if allowance < MASK_SECONDS and time.perf_counter() > g.deadline:  # (the step's budget cut it short:
                 raise GrammarTooCostly(GRAMMARS_BUSY) from None  # the grammar is not refused, what it learned kept)
             self.failed = str(e)
-            g.forget()  # refused from then on: what it learned (tens of MB, for a costly one) is of no more use
-            self._info.clear()
+            self.grammar = None  # refused from then on: the automaton and what it learned (tens of MB, for a
+            self._info.clear()  # costly one: a regex's state sets too) are of no more use; no matcher reads them
             raise
         finally:
             g.deadline = math.inf

@@ -296,6 +296,33 @@ def test_a_finished_request_does_not_time_out():
     assert not step(s).timed_out and a.finish_reason == "stop" and s.num_timeouts == 0
 
 
+def test_a_finished_request_is_not_kept():
+    """The deadlines' and the queue's heaps hold their requests weakly: a finished one (its grammar, tens of MB
+    for a costly one, its images, its tokens) is freed at once. They lingered until up to 64 had finished."""
+    import gc
+    import weakref
+
+    s, _, clock = make(max_num_seqs=2)
+    s.delay_factor = 0.5
+    class Held:  # what a request holds (its sampling state, here), freed with it
+        pass
+    reqs = [req(f"r{i}", deadline=clock.now + 60) for i in range(6)]
+    for r in reqs:
+        r.sampling_state = Held()
+    add_all(s, clock, *reqs)
+    step(s)
+    refs = [weakref.ref(r.sampling_state) for r in reqs]
+    for r in reqs:
+        s.finish(r, "stop")
+    del reqs, r
+    gc.collect()
+    assert [ref() for ref in refs] == [None] * 6
+    late = req("late", deadline=clock.now + 1)  # (the heaps go on: deadlines and the delay still work)
+    add_all(s, clock, late, req("next"))
+    clock.now += 2
+    assert step(s).timed_out == [late]
+
+
 # ----------------------------------------------------------------------------- prefill cap
 
 
