@@ -70,6 +70,14 @@ class ImageProcessor:
         with open(path) as f:
             return cls(json.load(f))
 
+    def resized(self, w: int, h: int) -> tuple[int, int]:
+        """The (width, height) an image of ``w`` x ``h`` is resized to (before its crop)."""
+        if self.shortest_edge is not None:
+            short, long = (w, h) if w <= h else (h, w)
+            new_long = int(self.shortest_edge * long / short)
+            return (self.shortest_edge, new_long) if w <= h else (new_long, self.shortest_edge)
+        return (self.resize_to[1], self.resize_to[0]) if self.resize_to is not None else (w, h)
+
     def pixels(self, image) -> np.ndarray:
         """A Pillow image (``open_image``'s: its pixels decoded here) -> (3, H, W) float32 pixels."""
         from PIL import Image
@@ -82,14 +90,8 @@ class ImageProcessor:
             image = image.convert("RGBA")
             image = Image.alpha_composite(Image.new("RGBA", image.size, (255, 255, 255, 255)), image)
         image = image.convert("RGB")
-        if self.shortest_edge is not None:
-            w, h = image.size
-            short, long = (w, h) if w <= h else (h, w)
-            new_long = int(self.shortest_edge * long / short)
-            image = image.resize((self.shortest_edge, new_long) if w <= h else (new_long, self.shortest_edge),
-                                 resample=self.resample)
-        elif self.resize_to is not None:
-            image = image.resize(self.resize_to[::-1], resample=self.resample)
+        if self.shortest_edge is not None or self.resize_to is not None:
+            image = image.resize(self.resized(*image.size), resample=self.resample)
         a = np.asarray(image).transpose(2, 0, 1)  # (3, H, W) uint8
         if self.crop is not None:
             top, left = (a.shape[1] - self.crop[0]) // 2, (a.shape[2] - self.crop[1]) // 2
@@ -141,11 +143,19 @@ def inputs(offsets: list[int], pixels: list[np.ndarray], num_tokens: int) -> lis
     return [ImageInput(o, num_tokens, list(p.shape), p.tobytes()) for o, p in zip(offsets, pixels, strict=True)]
 
 
-def cost(pictures: list) -> int:
+def cost(pictures: list, processor: ImageProcessor) -> int:
     """What decoding and resizing ``open_image``'s images costs, in the tokenizer thread's units (characters:
-    about a microsecond each), for ``TextCodec.run``: about 30 pixels a microsecond (a 49-megapixel PNG, 1.4 s);
-    ``ImageError`` past ``MAX_REQUEST_PIXELS`` in all."""
-    pixels = sum(im.size[0] * im.size[1] for im in pictures)
+    about a microsecond each), for ``TextCodec.run``: about 30 pixels a microsecond (a 49-megapixel PNG, 1.4 s),
+    of the larger of each image and what it is resized to (a 1x200000 image resized by its shortest edge to
+    336 would be 336x67200000); ``ImageError`` past ``MAX_IMAGE_PIXELS`` resized, or ``MAX_REQUEST_PIXELS``
+    in all."""
+    pixels = 0
+    for im in pictures:
+        w, h = processor.resized(*im.size)
+        if w * h > MAX_IMAGE_PIXELS:
+            raise ImageError(f"an image of {im.size[0]}x{im.size[1]} pixels is resized to {w}x{h} for this model: "
+                             f"at most {MAX_IMAGE_PIXELS // 1_000_000} million (its sides are too unequal)")
+        pixels += max(w * h, im.size[0] * im.size[1])
     if pixels > MAX_REQUEST_PIXELS:
         raise ImageError(f"images of {pixels / 1e6:.0f} million pixels in all: at most "
                          f"{MAX_REQUEST_PIXELS // 1_000_000} million a request")

@@ -550,7 +550,8 @@ class OpenAIApi:
                     r.cancel()
                 raise
             pictures = [images.open_image(r) for r in raws]  # (headers only: what decoding them will cost)
-            return await self._offload(images.cost(pictures), lambda: [self.images.pixels(p) for p in pictures])
+            return await self._offload(images.cost(pictures, self.images),
+                                       lambda: [self.images.pixels(p) for p in pictures])
         except images.ImageError as e:
             raise ApiError(400, str(e), param="messages") from None
 

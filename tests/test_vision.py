@@ -151,13 +151,19 @@ def test_decoding_is_charged_by_pixels_and_a_requests_pixels_are_bounded():
         image.save(buf, "PNG")
         return buf.getvalue()
 
+    clip = images.ImageProcessor({"size": {"shortest_edge": 336}, "crop_size": {"height": 336, "width": 336},
+                                  "do_center_crop": True})
     big = png(Image.new("1", (7000, 7000)))  # 49 megapixels in a few kilobytes
     small = images.open_image(png(picture(0)))
-    assert images.cost([images.open_image(big)]) > 1000 * images.cost([small]) > 0  # (before a pixel is decoded)
+    assert images.cost([images.open_image(big)], clip) > 100 * images.cost([small], clip) > 0  # (before decoding)
     with pytest.raises(images.ImageError, match="million pixels in all"):
-        images.cost([images.open_image(big)] * 3)
+        images.cost([images.open_image(big)] * 3, clip)
     with pytest.raises(images.ImageError, match="at most 50 million"):
         images.open_image(png(Image.new("1", (8000, 8000))))
+    # 1x200000 in 467 bytes: resized by its shortest edge, 336x67200000 (tens of GB): refused before decoding
+    with pytest.raises(images.ImageError, match="resized to 336x67200000 for this model: at most 50 million"):
+        images.cost([images.open_image(png(Image.new("L", (1, 200_000))))], clip)
+    assert images.cost([images.open_image(png(Image.new("L", (4000, 10))))], clip) > 134_400 * 336 // 30  # (charged so)
 
 
 def test_bad_images_are_refused_offline(llm, tiny_llama):
