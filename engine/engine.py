@@ -408,8 +408,9 @@ class Engine:
             return []
         if vision is None:
             bad(self.no_images)
-        if pooling:
-            bad("images cannot be embedded here, only generated from")
+        if pooling:  # (an embedding's field is its input)
+            raise RequestError(400, "invalid_request_error", "images cannot be embedded here, only generated from",
+                               "input")
         if len(images) > self.config.max_images:
             bad(f"at most {self.config.max_images} images per prompt (--limit-mm-per-prompt), got {len(images)}")
         side = vision.image_size

@@ -121,11 +121,15 @@ def read_adapter(name: str, path: str, max_rank: int, dtype: torch.dtype = torch
                          "of rank 1 or more")
         if r > max_rank:
             raise refuse(f"rank {r} passes --max-lora-rank {max_rank}")
-        full = f"model.layers.{layer}.{module}"  # (its rank, rank_pattern's or not, is its tensors')
+        full = f"model.layers.{layer}.{module}"
         try:
             alpha = _pattern(cfg.get("alpha_pattern"), full, cfg.get("lora_alpha", 8))  # (PEFT's default alpha)
-        except (AttributeError, re.error) as e:
-            raise refuse(f"{ADAPTER_CONFIG}'s alpha_pattern is no map of regular expressions ({e})") from None
+            said = _pattern(cfg.get("rank_pattern"), full, cfg.get("r", r))  # (what PEFT would build: it refuses
+        except (AttributeError, re.error) as e:  # tensors of another rank, and the scale is alpha over it)
+            raise refuse(f"{ADAPTER_CONFIG}'s alpha_pattern or rank_pattern is no map of regular expressions "
+                         f"({e})") from None
+        if said != r:
+            raise refuse(f"layer {layer} {module}: {ADAPTER_CONFIG} says rank {said!r}, its tensors are of rank {r}")
         if isinstance(alpha, bool) or not isinstance(alpha, int | float):
             raise refuse(f"{ADAPTER_CONFIG}: the alpha of {full} is {alpha!r}, not a number")
         scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r

@@ -56,7 +56,8 @@ def _texts(data: dict, param: str, one_or_many: bool) -> list[str]:
 
 
 def _dot(a: list[float], b: list[float]) -> float:
-    return sum(map(operator.mul, a, b))
+    """The cosine of two normalized embeddings (within [-1, 1]: their float32 rounding may pass 1 by 1e-7)."""
+    return min(1.0, max(-1.0, sum(map(operator.mul, a, b))))
 
 
 async def _embedded(api, data: dict, groups: list[tuple[str, list[str]]], arrival: float | None,
@@ -86,10 +87,13 @@ async def _embedded(api, data: dict, groups: list[tuple[str, list[str]]], arriva
 
 async def _cross_encoded(api, data: dict, pairs: list[tuple[str, str]], arrival: float | None,
                          prefix: str) -> Generation:
-    """The generation that scores each (first, second) pair with the one-label classifier, in order."""
-    param = "documents" if prefix == "rerank" else "text_2"
+    """The generation that scores each (first, second) pair with the one-label classifier, in order. A pair too
+    long is named by the field of the longer text of the longest pair."""
+    first, second = ("query", "documents") if prefix == "rerank" else ("text_1", "text_2")
     if len(pairs) > MAX_INPUTS:
-        raise ApiError(400, f"at most {MAX_INPUTS} pairs, got {len(pairs)}", param=param)
+        raise ApiError(400, f"at most {MAX_INPUTS} pairs, got {len(pairs)}", param=second)
+    a, b = max(pairs, key=lambda p: len(p[0]) + len(p[1]))
+    param = first if len(a) > len(b) else second
     keep = op.parse_truncation(data, api.max_model_len)
     if keep is None:  # (too long to fit, before any tokenizing)
         for a, b in pairs:

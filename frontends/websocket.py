@@ -37,7 +37,8 @@ socket is closed with 1008.
 
 Auth: the HTTP API's keys, from ``Authorization: Bearer`` or, for browsers, a
 ``Sec-WebSocket-Protocol`` value ``tokenmill.key.<KEY>`` (offer ``tokenmill.v1``
-with it: that is the one echoed back, so the key is not). Without keys, a
+with it: that is the one echoed back, so the key never is; a key offered alone
+is a 400). Without keys, a
 browser page from an origin that is neither ours nor in ``--allowed-origins`` is
 refused (403): a WebSocket is not bound by the same-origin policy, and any site
 could otherwise drive the server (the rule lives in ``frontends.auth``).
@@ -123,6 +124,9 @@ class WebSocketEndpoint:
     async def upgrade(self, req: Request) -> Response | Upgrade:
         offered = _offered_subprotocols(req)
         self._check_auth(req, offered)
+        if SUBPROTOCOL not in offered and any(p.startswith(KEY_PREFIX) for p in offered):
+            raise ApiError(400, f"offer the subprotocol '{SUBPROTOCOL}' beside '{KEY_PREFIX}<key>': it is the one "
+                           "answered (a key is never sent back)")
         server = req.protocol.server if req.protocol is not None else None
         if server is not None and server.shutting_down:
             raise ApiError(503, "Server is shutting down")
@@ -166,10 +170,8 @@ def _offered_subprotocols(req: Request) -> list[str]:
 
 
 def _select_subprotocol(proto: ServerProtocol, offered) -> str | None:
-    # a browser fails the handshake unless one offered value comes back: prefer the one that is not a key
-    if SUBPROTOCOL in offered:
-        return SUBPROTOCOL
-    return next((p for p in offered if p.startswith(KEY_PREFIX)), None)
+    # (a browser fails the handshake unless one offered value comes back: never a key, refused alone above)
+    return SUBPROTOCOL if SUBPROTOCOL in offered else None
 
 
 def _error_msg(gid: str | None, e: ApiError) -> dict:

@@ -166,6 +166,8 @@ def test_a_one_label_classifier_reranks_pairs(reward):
         assert r["data"][0]["score"] == pytest.approx(want[0], abs=1e-5)
         status, r = post(s.url, "/rerank", {"query": QUERY, "documents": ["word " * 3000]})
         assert status == 400 and r["error"]["param"] == "documents", r
+        status, r = post(s.url, "/score", {"text_1": "word " * 3000, "text_2": ["a", "b"]})  # (the longer text's)
+        assert status == 400 and r["error"]["param"] == "text_1" and "text_1" in r["error"]["message"], r
         # truncated as transformers truncates a pair (the longer text cut from its end first), the query kept
         long = "word " * 3000
         cut = hf_pair_scores(reward, [(QUERY, long)], max_length=12)

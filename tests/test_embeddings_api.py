@@ -167,6 +167,8 @@ def test_score_pairs_texts(server, offline):
     assert status == 200 and [d["index"] for d in r["data"]] == [0, 1] and r["data"][0]["object"] == "score"
     assert all(abs(d["score"] - cosine(offline[TEXTS[0]].embedding, offline[t].embedding)) < 1e-5
                for d, t in zip(r["data"], TEXTS[1:], strict=True))
+    status, r = post(server, {"text_1": TEXTS[0], "text_2": [TEXTS[0]] * 8}, "/score")  # a text with itself: 1,
+    assert all(-1 <= d["score"] <= 1 for d in r["data"]) and r["data"][0]["score"] == pytest.approx(1)  # never past
     status, r = post(server, {"text_1": TEXTS[:2], "text_2": [TEXTS[2], TEXTS[0]]}, "/score")
     assert [round(d["score"], 4) for d in r["data"]] == [
         round(cosine(offline[a].embedding, offline[b].embedding), 4) for a, b in ((TEXTS[0], TEXTS[2]), (TEXTS[1], TEXTS[0]))]

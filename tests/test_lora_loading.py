@@ -155,8 +155,13 @@ def test_refusals_say_why_and_leave_the_engine_serving(lora_tiny, want, tmp_path
     text = make_lora(model, str(tmp_path / "text"), seed=0, alpha="16")
     regex = make_lora(model, str(tmp_path / "regex"), seed=0, alpha_pattern={"q_proj(": 2.0})
     empty = make_lora(model, str(tmp_path / "empty"), seed=0)
-    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(4, 0),
-               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(64, 4)},
+    liar = make_lora(model, str(tmp_path / "liar"), seed=0)  # its config's r not its tensors' (PEFT refuses it)
+    with open(f"{liar}/adapter_config.json") as f:
+        cfg = json.load(f)
+    with open(f"{liar}/adapter_config.json", "w") as f:
+        json.dump({**cfg, "r": cfg["r"] * 2}, f)
+    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(8, 0),
+               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(64, 8)},
               f"{empty}/adapter_model.safetensors")
     with LLM(model, **KW, lora_modules={"a": a}, max_loras=2) as llm:
         e = llm.engine
@@ -167,7 +172,8 @@ def test_refusals_say_why_and_leave_the_engine_serving(lora_tiny, want, tmp_path
             ("big", big, "rank 32 passes --max-lora-rank 16"),
             ("huge", huge, r"times its scale, 1.25e\+39\) holds a NaN or a value past float32's largest"),
             ("text", text, "the alpha of model.layers.0.mlp.down_proj is '16', not a number"),
-            ("regex", regex, "alpha_pattern is no map of regular expressions"),
+            ("regex", regex, "alpha_pattern or rank_pattern is no map of regular expressions"),
+            ("liar", liar, "adapter_config.json says rank 16, its tensors are of rank 8"),
             ("empty", empty, "layer 0 self_attn.q_proj's lora_A has 0 columns, the model's layer 64"),
             ("a", b, "The LoRA adapter 'a' is already loaded"),
             (e.model_name, b, "the served model's name"),

@@ -388,6 +388,9 @@ def test_the_image_token_in_a_completions_prompt_is_refused(server):
     with pytest.raises(openai.BadRequestError, match="not in text") as e:
         openai_client(server).completions.create(model="llava", prompt="a <image> b", max_tokens=2)
     assert e.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError, match="cannot be embedded") as e:  # (by its ids: the engine's)
+        openai_client(server).embeddings.create(model="llava", input=[[5, 49152, 6]])  # (tiny_llava's image token)
+    assert e.value.body["param"] == "input"
 
 
 def test_an_assistants_image_is_refused(server):
