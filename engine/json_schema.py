@@ -186,6 +186,8 @@ class _Compiler:
             values = [v for v in values if any(_is_type(v, t) for t in types)]
             if not values:
                 raise SchemaError(f"no member of '{key}' has the schema's 'type'")
+            if "integer" in types and "number" not in types:  # 1.0 written as the integer it is (strict clients)
+                values = [int(v) if isinstance(v, float) else v for v in values]
         return self._alt([self._add((LIT, literal(v))) for v in values])
 
     def _typed(self, t: str, s: dict, depth: int) -> int:

@@ -44,13 +44,15 @@ class ApiError(Exception):
     def renamed(self, names: dict[str, str]) -> ApiError:
         """This refusal with its field named as another API names it (``names``: ours -> theirs), in the
         message too (the Responses, Messages and llama.cpp APIs run as chats and completions do), as are the
-        other fields it names there (those spelled with "_": no plain word is one)."""
+        other fields it names there (those spelled with "_": no plain word is one), but where quoted: a
+        quoted value is the client's (a tool's name, a schema's key), not a field."""
         if self.param in names:
             self.message = self.message.replace(self.param, names[self.param], 1)
             self.param = names[self.param]
         fields = [re.escape(k) for k in names if "_" in k]
         if fields:
-            self.message = re.sub(rf"\b(?:{'|'.join(fields)})\b", lambda m: names[m.group()], self.message)
+            self.message = re.sub(rf"'[^']*'|\"[^\"]*\"|\b(?:{'|'.join(fields)})\b",
+                                  lambda m: names.get(m.group(), m.group()), self.message)
         return self
 
 

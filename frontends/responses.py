@@ -139,7 +139,7 @@ def to_chat(data: dict) -> dict:
     if data.get("background"):
         raise ApiError(400, "background responses are not supported", param="background")
     for name, ours in _OTHER_APIS.items():
-        if name in data:
+        if name in data and not (name == "n" and data[name] in (1, None) and data[name] is not True):  # (n 1: one)
             hint = f"the Responses API's: {ours}" if ours else "the Responses API has none"
             raise ApiError(400, f"Unknown parameter: '{name}' ({hint})", param=name)
     chat: dict[str, Any] = {k: data[k] for k in _PASSED if k in data}

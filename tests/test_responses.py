@@ -71,6 +71,7 @@ def test_logprobs_are_asked_for_by_include():
     assert to_chat({"input": "hi", "include": ["message.output_text.logprobs"]})["top_logprobs"] == 0
     for body in ({"input": "hi", "top_logprobs": 5}, {"input": "hi", "include": ["reasoning.encrypted_content"]}):
         assert "logprobs" not in to_chat(body) and "top_logprobs" not in to_chat(body)
+    assert "n" not in to_chat({"input": "hi", "n": 1})  # (one answer asked for: what a Response is; wrappers send it)
 
 
 def test_a_function_without_parameters():
@@ -101,6 +102,7 @@ def test_a_function_without_parameters():
     ({"input": "hi", "include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs"),
     ({"input": "hi", "top_logprobs": True}, "top_logprobs"),
     ({"input": "hi", "n": 2}, "n"),  # (the chat's and completions' own fields: one Response is one answer)
+    ({"input": "hi", "n": True}, "n"),
     ({"input": "hi", "max_tokens": 5}, "max_tokens"),
     ({"input": "hi", "logprobs": True}, "logprobs"),
 ])
@@ -263,6 +265,14 @@ def test_served_echoed_and_renamed_fields_are_400s_named_as_this_api_names_them(
         client.responses.create(model=MODEL, input="hi", extra_body=kw)
     assert e.value.body["param"] == param
     assert not any(w in e.value.body["message"] for w in ("max_tokens", "max_completion_tokens", "response_format"))
+
+
+def test_served_refusals_quote_the_clients_names_as_they_came(client):  # noqa: F811
+    """A refusal renamed into this API's words leaves what it quotes alone: a tool may be called max_tokens."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="hi", tools=[{**WEATHER, "name": "max_tokens"}],
+                                tool_choice={"type": "function", "name": "response_format"})
+    assert e.value.body["param"] == "tool_choice" and "'response_format'" in e.value.body["message"]
 
 
 @pytest.mark.parametrize("end_token, want", [(True, 4), (False, 5)])

@@ -79,7 +79,8 @@ def accepts(schema, text: str) -> bool:
     ({}, ['"x"', '3', 'true', '[1, "a"]'], ['', 'tru', "'x'"]),
     ({"const": {"a": [1, 2]}}, ['{"a":[1,2]}'], ['{"a": [1, 2]}']),
     ({"type": "array", "items": {"enum": [1, 12, "a", None]}}, ['[1, 12, "a", null, 1]'], ['[2]', '[123]', '["b"]']),
-    ({"enum": [1.0, 1.5, True], "type": "integer"}, ['1.0'], ['1.5', 'true', '1']),  # (1.0 is an integer)
+    ({"enum": [1.0, 1.5, True], "type": "integer"}, ['1'], ['1.5', 'true', '1.0']),  # (1.0 is an integer: 1)
+    ({"enum": [1.0, 1.5], "type": ["integer", "number"]}, ['1.0', '1.5'], ['1']),
     ({"enum": [f"option {i}" for i in range(3000)]}, ['"option 0"', '"option 2999"'], ['"option 3000"', '"option"']),
     ({"properties": {"a": {"type": "integer"}}, "additionalProperties": True},  # declared keys are not "additional"
      ['{"a": 1, "b": "x"}', '{"b": [1]}', '{}'], ['{"a": "x"}', '{"a": 1, "a": 2}', '{"b": 1, "a": 1}']),
