@@ -122,10 +122,11 @@ def read_adapter(name: str, path: str, max_rank: int, dtype: torch.dtype = torch
         if r > max_rank:
             raise refuse(f"rank {r} passes --max-lora-rank {max_rank}")
         full = f"model.layers.{layer}.{module}"
+        # the rank the config says (PEFT builds that, and refuses tensors of another; the scale is alpha over it)
         try:
             alpha = _pattern(cfg.get("alpha_pattern"), full, cfg.get("lora_alpha", 8))  # (PEFT's default alpha)
-            said = _pattern(cfg.get("rank_pattern"), full, cfg.get("r", r))  # (what PEFT would build: it refuses
-        except (AttributeError, re.error) as e:  # tensors of another rank, and the scale is alpha over it)
+            said = _pattern(cfg.get("rank_pattern"), full, cfg.get("r", r))
+        except (AttributeError, re.error) as e:
             raise refuse(f"{ADAPTER_CONFIG}'s alpha_pattern or rank_pattern is no map of regular expressions "
                          f"({e})") from None
         if said != r:

@@ -92,8 +92,8 @@ async def _cross_encoded(api, data: dict, pairs: list[tuple[str, str]], arrival:
     first, second = ("query", "documents") if prefix == "rerank" else ("text_1", "text_2")
     if len(pairs) > MAX_INPUTS:
         raise ApiError(400, f"at most {MAX_INPUTS} pairs, got {len(pairs)}", param=second)
-    a, b = max(pairs, key=lambda p: len(p[0]) + len(p[1]))
-    param = first if len(a) > len(b) else second
+    longest = max(pairs, key=lambda p: len(p[0]) + len(p[1]))
+    param = first if len(longest[0]) > len(longest[1]) else second
     keep = op.parse_truncation(data, api.max_model_len)
     if keep is None:  # (too long to fit, before any tokenizing)
         for a, b in pairs:
