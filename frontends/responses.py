@@ -219,6 +219,15 @@ def _echoed(data: dict) -> dict:
             "text": {"format": fmt}, "reasoning": reasoning, "top_logprobs": data.get("top_logprobs") or 0}
 
 
+def _whole(call: dict) -> bool:
+    """Whether a call's arguments are whole JSON (not those of a call cut short)."""
+    try:
+        orjson.loads(call["function"]["arguments"])
+    except orjson.JSONDecodeError:
+        return False
+    return True
+
+
 class ItemWriter:
     """An answer's parts in the order the model wrote them (``_Answer.parts``: thinking, text, tool-call
     deltas) as items opened, grown and closed: a Response's output items, a Message's content blocks.
@@ -239,13 +248,13 @@ class ItemWriter:
     def _take(self, parts: list[tuple[str, Any]], finished: bool) -> bytes:
         """Parts of the answer into items, in order; their events."""
         out = b""
-        for kind, value in parts:
+        for k, (kind, value) in enumerate(parts):
             if kind == "call" and "id" not in value:  # a named function's further arguments
                 out += self._grow(value["function"]["arguments"])
             elif kind == "call":
                 out += self._close() + self._open(self._call_item(value)) + self._grow(value["function"]["arguments"])
-                if not self.named:
-                    out += self._close()  # a whole call
+                if not self.named:  # a whole call, or the one an answer was cut short in ("required")
+                    out += self._close(last=finished and k == len(parts) - 1 and not _whole(value))
             else:
                 kind = self.TYPES[kind]
                 if self.open is None or self.open["type"] != kind:

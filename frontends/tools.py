@@ -44,6 +44,8 @@ FORMATS = ("hermes", "llama3_json", "mistral", "openai")
 MAX_TOOLS = 128
 MAX_REQUIRED_TOOLS = 16  # "required" holds the output to one of these: more than the grammar tells apart at once
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+# a "required" answer's call cut short after its name: the name, and its parameters so far
+_CUT_CALL = re.compile(r'\{\s*"name"\s*:\s*"([A-Za-z0-9_.-]{1,64})"\s*,\s*"parameters"\s*:\s*(.*)\Z', re.S)
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _MISTRAL_CALLS, _MISTRAL_ARGS, _MISTRAL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 _ID_CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
@@ -309,7 +311,7 @@ class CallReader:
             return self._mistral(held)
         values = json_values(held) if self.mode in ("required", "llama3_json") and held else None
         if not values:
-            return self._text(held)
+            return self._cut_calls(held) if self.mode == "required" else self._text(held)
         if self.mode == "required":  # one array of {"name", "parameters"}
             items = values[0][0] if len(values) == 1 and isinstance(values[0][0], list) else []
             calls = [self._as_call(c, "parameters") for c in items]
@@ -320,6 +322,32 @@ class CallReader:
         if not self.req.parallel and len(calls) > 1:  # one call; the others stay text
             return self._call(calls[0]) + self._text(held[values[0][1]:].lstrip(" \t\r\n;"))
         return [seg for c in calls for seg in self._call(c)]
+
+    def _cut_calls(self, held: str) -> list[Segment]:
+        """A "required" array cut short (by ``max_tokens`` or a stop): its whole calls, then the one it was
+        writing, if its name is whole, with its arguments so far (as a named function's cut short); all of it
+        text if it is not that."""
+        i = held.find("[")
+        if i < 0 or held[:i].strip():
+            return self._text(held)
+        calls, i = [], i + 1
+        while True:
+            while i < len(held) and held[i] in " \t\r\n,":
+                i += 1
+            try:
+                value, i = _DECODER.raw_decode(held, i)
+            except (RecursionError, ValueError):
+                break
+            call = self._as_call(value, "parameters")
+            if call is None:
+                return self._text(held)
+            calls.append(call)
+        cut = _CUT_CALL.match(held, i)
+        if cut is not None and cut[1] in self.req.schemas:
+            calls.append(new_call(cut[1], cut[2], self.req.fmt))
+        if not calls:
+            return self._text(held)
+        return [seg for c in calls[:None if self.req.parallel else 1] for seg in self._call(c)]
 
     def _mistral(self, held: str) -> list[Segment]:
         """What follows ``[TOOL_CALLS]`` (words before it have streamed): a JSON array of ``{"name": ...,

@@ -178,6 +178,17 @@ def test_served_follow_up_and_cut_short(client):  # noqa: F811
     assert events[-1].type == "response.incomplete" and events[-1].response.output_text == r.output_text
 
 
+def test_served_required_calls_cut_short(client):  # noqa: F811
+    """tool_choice "required" cut by max_output_tokens: the calls so far, the last one incomplete (as a named
+    one cut short), not the array as text."""
+    text = '[{"name": "get_weather", "parameters": {"city": "Rome"}}, {"name": "get_weather", "parameters": {"city": "Oslo"}}]'
+    r = client.responses.create(model=MODEL, input=text, tools=[WEATHER], tool_choice="required",
+                                max_output_tokens=32, extra_body=STOP)
+    assert r.status == "incomplete" and [(o.type, o.status) for o in r.output] == [
+        ("function_call", "completed"), ("function_call", "incomplete")]
+    assert json.loads(r.output[0].arguments) == {"city": "Rome"} and r.output[1].arguments.startswith('{"city')
+
+
 def test_served_named_function_streams_its_arguments(client):  # noqa: F811
     with client.responses.stream(model=MODEL, input='{"city": "Rome"}<|im_end|>', tools=[WEATHER], extra_body=STOP,
                                  tool_choice={"type": "function", "name": "get_weather"}) as stream:

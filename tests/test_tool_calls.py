@@ -366,6 +366,12 @@ def test_required_and_named_outputs():
     content, deltas, reader = read_all(hermes(tool_choice="required"), list(text))
     assert content == "" and [(d["index"], d["function"]["name"]) for d in deltas] == [(0, "get_time"), (1, "get_weather")]
     assert read_all(hermes(tool_choice="required"), ['[{"name": "get_ti'])[:2] == ('[{"name": "get_ti', [])  # cut short
+    # cut short in a call's parameters (max_tokens): the whole calls, then that one with its arguments so far
+    content, deltas, _ = read_all(hermes(tool_choice="required"), [text[:text.index("Rome") + 1]])
+    assert content == "" and [(d["function"]["name"], d["function"]["arguments"]) for d in deltas] == [
+        ("get_time", '{"zone": "CET"}'), ("get_weather", '{"city": "R')]
+    content, deltas, _ = read_all(hermes(tool_choice="required"), [text[:58]])  # (in the second one's name)
+    assert content == "" and [d["function"]["name"] for d in deltas] == ["get_time"]
     assert read_all(hermes(tool_choice="required"), [text + " [1]"])[:2] == (text + " [1]", [])  # more than the array
     odd = '[{"name": {"a": 1}, "parameters": {}}]'  # a name that is no string (not even hashable)
     assert read_all(hermes(tool_choice="required"), [odd])[:2] == (odd, [])
