@@ -302,7 +302,7 @@ class ResponsesFormat(ItemWriter):
         self._end = self.answer.thinking_end.encode() if self.answer is not None and self._end_id is None else b""
         self._tail = b""
         self._ended = False  # the last update was taken
-        self.logprobs = chat_fmt.logprobs  # each output_text carries the logprobs of the tokens that wrote it
+        # with the chat's logprobs asked for, each output_text carries those of the tokens that wrote it
         self._lps: list[dict] = []  # of the answer's tokens whose text is not out yet (those of a call: dropped)
         self.items: list[dict] = []  # output items done, in order
         self.open: dict | None = None  # the reasoning item, message or named call being written
@@ -346,7 +346,7 @@ class ResponsesFormat(ItemWriter):
             if a.thinking and self._end:
                 self._tail = (self._tail + b"".join(map(self.chat.codec.token_bytes, ids)))[-len(self._end):]
         self.reasoning_tokens += len(ids)
-        if self.logprobs:
+        if self.chat.logprobs:
             if ids:  # (what waited, since no text showed it, opened the thinking: "<think>" in several tokens)
                 self._lps = []
             c, shown = up.choice, up.token_ids

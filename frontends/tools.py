@@ -45,7 +45,7 @@ MAX_TOOLS = 128
 MAX_REQUIRED_TOOLS = 16  # "required" holds the output to one of these: more than the grammar tells apart at once
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 # a "required" answer's call cut short after its name: the name, and its parameters so far
-_CUT_CALL = re.compile(r'\{\s*"name"\s*:\s*"([A-Za-z0-9_.-]{1,64})"\s*,\s*"parameters"\s*:\s*(.*)\Z', re.S)
+_CUT_CALL = re.compile(rf'\{{\s*"name"\s*:\s*"({_NAME.pattern})"\s*,\s*"parameters"\s*:\s*(.*)\Z', re.S)
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _MISTRAL_CALLS, _MISTRAL_ARGS, _MISTRAL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 _ID_CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
