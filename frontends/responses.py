@@ -23,6 +23,7 @@ from typing import Any
 
 import orjson
 
+from frontends import openai_params as op
 from frontends.errors import ApiError
 from frontends.generation import Generation, Update, text_ids
 from frontends.openai_params import LLAMACPP_SAMPLERS, MAX_LOGPROBS
@@ -185,13 +186,13 @@ def to_chat(data: dict) -> dict:
 def _logprobs(data: dict) -> int | None:
     """The top logprobs each output token shows (0: its own only), where ``include`` asks for logprobs, else
     None. ``top_logprobs`` alone asks for none, as in vLLM."""
-    include, top = data.get("include"), data.get("top_logprobs")
+    include, top = data.get("include"), op.field(data, "top_logprobs", int, None)
     if include is not None and not (isinstance(include, list) and all(isinstance(v, str) for v in include)):
         raise ApiError(400, "'include' must be a list of strings", param="include")
     for v in include or ():
         if v not in INCLUDABLE:
             raise ApiError(400, f"include: {v!r} is not one of {', '.join(INCLUDABLE)}", param="include")
-    if top is not None and (type(top) is not int or not 0 <= top <= MAX_LOGPROBS):
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
         raise ApiError(400, f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}]", param="top_logprobs")
     return (top or 0) if LOGPROBS in (include or ()) else None
 
@@ -216,7 +217,7 @@ def _echoed(data: dict) -> dict:
     return {"instructions": data.get("instructions"), "metadata": metadata, "user": data.get("user"),
             "parallel_tool_calls": data.get("parallel_tool_calls") is not False,
             "tools": tools, "tool_choice": choice if choice is not None else "auto" if tools else "none",
-            "text": {"format": fmt}, "reasoning": reasoning, "top_logprobs": data.get("top_logprobs") or 0}
+            "text": {"format": fmt}, "reasoning": reasoning, "top_logprobs": op.whole(data.get("top_logprobs")) or 0}
 
 
 def _whole(call: dict) -> bool:

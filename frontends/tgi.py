@@ -88,7 +88,7 @@ class Params:
         best_of = op.field(p, "best_of", int, None)
         if stream and best_of is not None and best_of != 1:
             raise _refuse("`best_of` != 1 is not supported when streaming tokens", "best_of")
-        if best_of is not None and not 0 <= best_of <= MAX_BEST_OF:
+        if best_of is not None and not 0 < best_of <= MAX_BEST_OF:
             raise _refuse(f"`best_of` must be > 0 and <= {MAX_BEST_OF}. Given: {best_of}", "best_of")
         self.best_of = best_of or 1
         self.decoder_input_details = op.field(p, "decoder_input_details", bool, False)

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from frontends.errors import ApiError
-from frontends.responses import to_chat
+from frontends.responses import _echoed, to_chat
 from tests.test_tool_calls import ANSWER, THOUGHT, TOOLS, client, nested, stack  # noqa: F401 - fixtures
 from tools.fake_engine import MODEL
 
@@ -68,6 +68,9 @@ def test_logprobs_are_asked_for_by_include():
     asked = to_chat({"input": "hi", "include": ["reasoning.encrypted_content", "message.output_text.logprobs"],
                      "top_logprobs": 3})
     assert (asked["logprobs"], asked["top_logprobs"]) == (True, 3)
+    whole = {"input": "hi", "include": ["message.output_text.logprobs"], "top_logprobs": 2.0}  # (as the chat takes it)
+    assert to_chat(whole)["top_logprobs"] == 2 and type(to_chat(whole)["top_logprobs"]) is int
+    assert type(_echoed(whole)["top_logprobs"]) is int  # (the Response repeats it as the integer it was taken for)
     assert to_chat({"input": "hi", "include": ["message.output_text.logprobs"]})["top_logprobs"] == 0
     for body in ({"input": "hi", "top_logprobs": 5}, {"input": "hi", "include": ["reasoning.encrypted_content"]}):
         assert "logprobs" not in to_chat(body) and "top_logprobs" not in to_chat(body)
@@ -101,6 +104,7 @@ def test_a_function_without_parameters():
     ({"input": "hi", "include": ["message.output_text.logprob"]}, "include"),
     ({"input": "hi", "include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs"),
     ({"input": "hi", "top_logprobs": True}, "top_logprobs"),
+    ({"input": "hi", "top_logprobs": 2.5}, "top_logprobs"),
     ({"input": "hi", "n": 2}, "n"),  # (the chat's and completions' own fields: one Response is one answer)
     ({"input": "hi", "n": True}, "n"),
     ({"input": "hi", "max_tokens": 5}, "max_tokens"),

@@ -63,6 +63,7 @@ def greedy(server, prompt: str, max_tokens: int) -> str:
     ({"best_of": 2}, "you must use sampling when `best_of` is > 1"),
     ({"best_of": 2, "do_sample": True, "seed": 1}, "`seed` must not be set when `best_of` > 1"),
     ({"best_of": MAX_BEST_OF + 1, "do_sample": True}, f"`best_of` must be > 0 and <= {MAX_BEST_OF}"),
+    ({"best_of": 0}, f"`best_of` must be > 0 and <= {MAX_BEST_OF}. Given: 0"),
     ({"top_n_tokens": 21}, "`top_n_tokens` must be >= 0 and <= 20. Given: 21"),
     ({"stop": ["a"] * 65}, "`stop` supports up to 64 stop sequences. Given: 65"),
     ({"watermark": True}, "`watermark` is not supported"),
