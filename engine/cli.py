@@ -216,8 +216,9 @@ def _engine_flags(p: argparse.ArgumentParser, generate: bool = False) -> None:
     q = p.add_argument_group("scheduling")
     q.add_argument("--scheduling-policy", choices=POLICIES, default=None,
                    help="the order waiting requests start in: fcfs (arrival), priority (the request's "
-                        "'priority', lower first; a more urgent request preempts a less urgent running one) "
-                        f"or short-first (least expected work first) (default: {d['scheduling_policy']})")
+                        "'priority', lower first; a more urgent request preempts a less urgent running one), "
+                        "short-first (least expected work first) or fair (the client served the fewest tokens "
+                        f"first: its 'user', else its address) (default: {d['scheduling_policy']})")
     q.add_argument("--scheduling-aging-seconds", type=float, default=None, metavar="SECONDS",
                    help="no starvation: every this many seconds a request has waited count as one priority "
                         "level (priority) or as halving its work (short-first); inf turns aging off, as in vLLM "

@@ -15,7 +15,7 @@ from engine.speculative import NgramConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-POLICIES = ("fcfs", "priority", "short-first")  # engine.request_queue has one queue for each
+POLICIES = ("fcfs", "priority", "short-first", "fair")  # engine.request_queue has one queue for each
 ASYNC_SCHEDULING = ("auto", "on", "off")
 # the int4 checkpoints engine.quant reads (vLLM's names; its Marlin kernels' names mean the same files here)
 QUANTIZATIONS = ("awq", "gptq", "awq_marlin", "gptq_marlin")

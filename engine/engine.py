@@ -285,11 +285,12 @@ class Engine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0, deadline: float | None = None, cache_salt: str = "",
                     pooling: PoolingParams | None = None, lora: str = "",
-                    images: list[ImageInput] | None = None, admitted: bool = False) -> None:
+                    images: list[ImageInput] | None = None, admitted: bool = False, client: str = "") -> None:
         """A generation, or with ``pooling`` an embedding (``params`` unused: nothing is sampled); ``lora``: the
         LoRA adapter it runs with ("": none); ``images``: what the prompt's image placeholders stand for;
         ``admitted``: a later part of work already taken (a beam search's next round), which a full waiting
-        queue does not refuse."""
+        queue does not refuse; ``client``: who asked (``--scheduling-policy fair`` shares the engine between
+        clients)."""
         self._check(request_id, prompt_token_ids, params, pooling)
         prompt_images = self._images(prompt_token_ids, images or [], pooling is not None)
         adapter = self.adapters.get(lora) if lora else None
@@ -309,7 +310,7 @@ class Engine:
                 raise RequestError(400, "invalid_request_error", f"response_format: {e}", "response_format") from e
         req = Request(request_id, prompt_token_ids, params, priority, deadline, SamplingState(params, grammar),
                       cache_salt, pool, adapter.key if adapter else "", adapter.slot if adapter else -1,
-                      prompt_images)
+                      prompt_images, client)
         try:
             self.scheduler.add(req, bounded=not admitted)
         except QueueFull as e:

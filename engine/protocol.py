@@ -21,7 +21,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 17
+PROTOCOL_VERSION = 18
 # a token's top logprobs the engine gives at most (the APIs show at most 20; beam search asks for more)
 MAX_LOGPROBS = 64
 
@@ -544,21 +544,22 @@ class Add:
     # a later part of work already admitted (a beam search's next round): the waiting-queue bound, which
     # refuses new work with a 429, does not apply, or a search could fail halfway with its rounds lost
     admitted: bool = False
+    client: str = ""  # who asked (the fair policy counts tokens per client): "user:<user>" or "addr:<host>"
     kind = Kind.ADD
 
     def to_wire(self) -> list:
         return [self.request_id, list(self.prompt_token_ids), self.params.to_wire(), self.priority, self.deadline,
                 self.cache_salt, None if self.pooling is None else self.pooling.to_wire(), self.lora,
-                [i.to_wire() for i in self.images], self.admitted]
+                [i.to_wire() for i in self.images], self.admitted, self.client]
 
     @classmethod
     def from_wire(cls, p: list) -> Add:
-        rid, toks, params, prio, deadline, salt, pooling, lora, images, admitted = p
+        rid, toks, params, prio, deadline, salt, pooling, lora, images, admitted, client = p
         if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
             raise ProtocolError("prompt_token_ids must be a list of ints")
         return cls(str(rid), toks, SamplingParams.from_wire(params), int(prio),
                    None if deadline is None else float(deadline), str(salt), PoolingParams.from_wire(pooling),
-                   str(lora), [ImageInput.from_wire(i) for i in images], bool(admitted))
+                   str(lora), [ImageInput.from_wire(i) for i in images], bool(admitted), str(client))
 
 
 @dataclass

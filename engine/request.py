@@ -48,13 +48,13 @@ class Request:
         "prompt_logprobs", "all_token_ids", "num_prompt_tokens", "stop_token_ids", "arrival_time", "queued_at", "waited",
         "num_output_at_preemption", "cache_salt", "block_hashes", "num_cached_blocks", "num_in_flight",
         "num_prompt_logprobs_in_flight", "pool", "window_from", "lora", "lora_slot", "draft_token_ids",
-        "draft_history", "images", "image_embeds", "__weakref__",  # (the scheduler's heaps hold weak references)
+        "draft_history", "images", "image_embeds", "client", "__weakref__",  # (the scheduler's heaps hold weak references)
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  priority: int = 0, deadline: float | None = None, sampling_state: Any = None,
                  cache_salt: str = "", pool: Any = None, lora: str = "", lora_slot: int = -1,
-                 images: list[PromptImage] | None = None):
+                 images: list[PromptImage] | None = None, client: str = ""):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -64,6 +64,7 @@ class Request:
         # Looked up once per sampled token: a set, so the cost does not grow with the list.
         self.stop_token_ids = frozenset(params.stop_token_ids)
         self.priority = priority
+        self.client = client  # who asked (the fair policy's unit): the frontend's "user", else the caller's address
         self.deadline = deadline
         self.status = Status.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache (or on their way: a step in flight)

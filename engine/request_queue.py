@@ -22,9 +22,19 @@ was admitted, so the waiting ones catch up with it:
   generate, counted up to ``EXPECTED_OUTPUT_CAP`` (a defaulted ``max_tokens``, the
   rest of the context, says nothing about how long the answer will be):
   waiting ``aging_seconds`` is worth halving it.
+- ``fair``: rank = the tokens the request's *client* has been served so far
+  (``Request.client``: the frontend's ``user``, else the caller's address), so
+  that the least-served client's request is admitted first and one client's
+  hundreds of requests cannot queue everyone else behind them: a virtual token
+  counter (Sheng et al., "Fairness in Serving Large Language Models", OSDI '24).
+  A prompt token counts 1 and a generated token 2, as computed. A client is
+  counted while it has requests in the engine; one that comes (back) starts at
+  the least-served active client's count, so that idle time earns no credit.
+  No aging: a waiting client's count stands still while the others' grow.
 
 ``aging_seconds`` = inf turns aging off (as in vLLM), at the risk of starvation.
-Torch-free.
+Every queue is told of the steps launched (``served``) and of the requests that
+end (``finished``); only ``fair`` counts them. Torch-free.
 """
 
 from __future__ import annotations
@@ -39,13 +49,23 @@ from engine.config import POLICIES
 from engine.request import Request, Status
 
 
-class FcfsQueue:
-    """Arrival order; preempted requests go back to the front. Never preempts on rank. An ordered dict, not a
-    deque: removing a request (an abort, a deadline) from anywhere in it is O(1), so that a burst of them over a
-    long queue is not O(waiting) each."""
+class Queue:
+    """What the scheduler asks of every queue but the order itself."""
 
     preempts = False
     preempt_margin = 0.0
+
+    def served(self, requests: list[Request], num_new_tokens: list[int], num_decodes: int) -> None:
+        """A step launched with ``num_new_tokens`` of each of ``requests`` (the first ``num_decodes`` decode)."""
+
+    def finished(self, req: Request) -> None:
+        """``req`` has left the engine (finished, aborted, timed out), waiting or running."""
+
+
+class FcfsQueue(Queue):
+    """Arrival order; preempted requests go back to the front. Never preempts on rank. An ordered dict, not a
+    deque: removing a request (an abort, a deadline) from anywhere in it is O(1), so that a burst of them over a
+    long queue is not O(waiting) each."""
 
     def __init__(self, aging_seconds: float = math.inf) -> None:
         self._q: OrderedDict[Request, None] = OrderedDict()
@@ -89,16 +109,13 @@ class FcfsQueue:
         return iter(self._q)
 
 
-class RankedQueue:
+class RankedQueue(Queue):
     """A heap keyed by (rank, insertion order), with lazy removal.
 
     Ranks are kept as ``base + (t - waited) / aging_seconds``, with t the time it was
     queued (waiting) or now (running): the same order as ``base - waited_so_far /
     aging_seconds``, shifted by ``now / aging_seconds`` for every request alike.
     """
-
-    preempts = False
-    preempt_margin = 0.0
 
     def __init__(self, aging_seconds: float) -> None:
         if not aging_seconds > 0:
@@ -178,6 +195,120 @@ class ShortFirstQueue(RankedQueue):
         return math.log2(max(1, expected_work(req)))
 
 
+class FairQueue(Queue):
+    """Each client's requests in arrival order (preempted ones back at the front), the clients in a heap keyed
+    by (tokens served, their head's arrival), with lazy removal: an entry is stale once its client's count or
+    head has changed (a step re-keys only the clients it served that have requests waiting)."""
+
+    # a running request's prompt takes its chunk before a waiting one of a client served less, unless that
+    # one's client was served this many tokens less: equals' long prompts are not all started at once
+    preempt_margin = 2048.0
+
+    def __init__(self, aging_seconds: float = math.inf) -> None:
+        self.now = 0.0
+        self._served: dict[str, float] = {}  # client -> tokens served, while it has requests in the engine
+        self._held: dict[str, int] = {}  # client -> its requests in the engine (waiting or running)
+        self._waiting: dict[str, OrderedDict[Request, None]] = {}  # client -> its waiting requests, in order
+        self._heap: list[list] = []  # [served, head's arrival, seq, client, live]
+        self._entry: dict[str, list] = {}  # client -> its live entry (clients with requests waiting)
+        self._aside: list[Request] = []
+        self._len = 0
+        self._seq = itertools.count()
+
+    def rank(self, req: Request) -> float:
+        return self._served.get(req.client, 0.0)
+
+    def push(self, req: Request) -> None:
+        c = req.client
+        if c not in self._held:  # (back) with nothing in the engine: level with the least served
+            self._served[c] = min(self._served.values(), default=0.0)
+            self._held[c] = 0
+        self._held[c] += 1
+        self._waiting.setdefault(c, OrderedDict())[req] = None
+        self._len += 1
+        self._rekey(c)
+
+    def requeue(self, req: Request) -> None:
+        """A preempted (or set aside) request: back at the front of its client's."""
+        c = req.client
+        q = self._waiting.setdefault(c, OrderedDict())
+        q[req] = None
+        q.move_to_end(req, last=False)
+        self._len += 1
+        self._rekey(c)
+
+    def peek(self) -> Request:
+        while not self._heap[0][4]:
+            heapq.heappop(self._heap)
+        return next(iter(self._waiting[self._heap[0][3]]))
+
+    def pop(self) -> Request:
+        req = self.peek()
+        self._take(req)
+        return req
+
+    def set_aside(self) -> Request:
+        """Take the head out for this step: ``put_back`` returns what was set aside to where it was."""
+        self._aside.append(self.pop())
+        return self._aside[-1]
+
+    def put_back(self) -> None:
+        for req in reversed(self._aside):
+            self.requeue(req)
+        self._aside.clear()
+
+    def remove(self, req: Request) -> None:
+        self._take(req)
+
+    def served(self, requests: list[Request], num_new_tokens: list[int], num_decodes: int) -> None:
+        served, touched = self._served, set()
+        for i, (req, n) in enumerate(zip(requests, num_new_tokens, strict=True)):
+            c = req.client
+            if c in served:  # (always, but for one that ended with its step in flight: gone, and forgotten)
+                served[c] += 2 * n if i < num_decodes else n
+                touched.add(c)
+        for c in touched & self._entry.keys():
+            self._rekey(c)
+
+    def finished(self, req: Request) -> None:
+        c = req.client
+        left = self._held.get(c, 0) - 1
+        if left > 0:
+            self._held[c] = left
+        elif c in self._held:
+            del self._held[c], self._served[c]
+
+    def _take(self, req: Request) -> None:
+        c = req.client
+        q = self._waiting[c]
+        del q[req]
+        self._len -= 1
+        if not q:
+            del self._waiting[c]
+        self._rekey(c)
+
+    def _rekey(self, c: str) -> None:
+        """Client ``c``'s entry anew: its count or head changed (none once nothing of it waits)."""
+        old = self._entry.pop(c, None)
+        if old is not None:
+            old[4] = False
+        q = self._waiting.get(c)
+        if q:
+            entry = [self._served[c], next(iter(q)).arrival_time, next(self._seq), c, True]
+            self._entry[c] = entry
+            heapq.heappush(self._heap, entry)
+        if len(self._heap) > 64 and len(self._heap) > 2 * len(self._entry):  # drop the stale entries
+            self._heap = [e for e in self._heap if e[4]]
+            heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[Request]:
+        for entry in sorted(self._entry.values()):
+            yield from self._waiting[entry[3]]
+
+
 EXPECTED_OUTPUT_CAP = 512
 
 
@@ -187,8 +318,8 @@ def expected_work(req: Request) -> int:
     return to_compute + min(EXPECTED_OUTPUT_CAP, max(0, req.params.max_tokens - len(req.output_token_ids)))
 
 
-def make_queue(policy: str, aging_seconds: float) -> FcfsQueue | RankedQueue:
-    queues = {"fcfs": FcfsQueue, "priority": PriorityQueue, "short-first": ShortFirstQueue}
+def make_queue(policy: str, aging_seconds: float) -> Queue:
+    queues = {"fcfs": FcfsQueue, "priority": PriorityQueue, "short-first": ShortFirstQueue, "fair": FairQueue}
     if policy not in queues:
         raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, got {policy!r}")
     return queues[policy](aging_seconds)

@@ -274,6 +274,7 @@ class Scheduler:
             self.num_accepted_tokens += kept
         self.block_manager.end_step()
         self.block_manager.computed(batch.requests)
+        self.waiting.served(batch.requests, batch.num_new_tokens, batch.num_decodes)
 
     def observe(self, batch: ScheduledBatch, seconds: float) -> None:
         """``batch`` took ``seconds``: what the prefill cap learns from."""
@@ -330,6 +331,7 @@ class Scheduler:
             self.waiting.remove(req)
             self._waiting_embeddings -= req.pool is not None
         self.block_manager.free(req)
+        self.waiting.finished(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
 

@@ -214,7 +214,7 @@ class EngineActor:
             return
         try:
             self.engine.add_request(iid, msg.prompt_token_ids, msg.params, msg.priority, msg.deadline,
-                                    msg.cache_salt, msg.pooling, msg.lora, msg.images, msg.admitted)
+                                    msg.cache_salt, msg.pooling, msg.lora, msg.images, msg.admitted, msg.client)
         except Exception as e:  # noqa: BLE001 - RequestError carries status; anything else is a 500
             status = getattr(e, "status", None)
             if isinstance(status, int):

@@ -149,7 +149,7 @@ class BeamGeneration(Generation):
         r = self._round = Generation(self.client, self.codec, f"{self.api_id}-beam{self._rounds}", beams, 1,
                                      lambda i: params, self._priority, None, self.deadline, self.cache_salt,
                                      skip_special_tokens=self.skip_special_tokens)
-        r.lora, r.images = self.lora, self.images
+        r.lora, r.images, r.client_id = self.lora, self.images, self.client_id
         r.admitted = self._rounds > 1  # the first round took the queue's room; the search must not fail halfway
         tops: list = [None] * len(beams)
         r.start()

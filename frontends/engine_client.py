@@ -188,21 +188,22 @@ class EngineClient:
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
             priority: int = 0, deadline: float | None = None, stream: Stream | None = None,
             cache_salt: str = "", pooling: PoolingParams | None = None, lora: str = "",
-            images: list[ImageInput] | None = None, admitted: bool = False) -> Stream:
+            images: list[ImageInput] | None = None, admitted: bool = False, client_id: str = "") -> Stream:
         """Send one request; its deltas (or an ``Error``) arrive on the returned stream.
 
         Several requests may share a ``stream`` (the n choices of one API call). ``cache_salt``: the
         request shares prefix-cache blocks only with requests of the same salt ("" for none).
         ``pooling``: an embedding request (its one delta carries the vector). ``lora``: the LoRA adapter it
         runs with (one of ``ready.loras``; "": the model alone). ``images``: its prompt's (``frontends.images``).
-        ``admitted``: a later part of work the engine already took (``protocol.Add.admitted``).
+        ``admitted``: a later part of work the engine already took (``protocol.Add.admitted``). ``client_id``:
+        who asked (``protocol.Add.client``).
         """
         if stream is None:
             stream = Stream()
         self._streams[request_id] = stream
         try:
             self._send(encode(Add(request_id, prompt_token_ids, params, priority, deadline, cache_salt, pooling, lora,
-                                  images or [], admitted)))
+                                  images or [], admitted, client_id)))
         except EngineUnavailable:
             del self._streams[request_id]
             raise

@@ -172,7 +172,7 @@ class EngineRouter:
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
             priority: int = 0, deadline: float | None = None, stream: Stream | None = None,
             cache_salt: str = "", pooling: PoolingParams | None = None, lora: str = "",
-            images: list[ImageInput] | None = None, admitted: bool = False) -> Stream:
+            images: list[ImageInput] | None = None, admitted: bool = False, client_id: str = "") -> Stream:
         """As ``EngineClient.add``; requests sharing ``stream`` go to the engine its first one went to."""
         if stream is None:
             stream = Stream()
@@ -180,7 +180,7 @@ class EngineRouter:
             stream.engine = self.pick()
         return self.clients[stream.engine].add(request_id, prompt_token_ids, params, priority, deadline,
                                                stream=stream, cache_salt=cache_salt, pooling=pooling, lora=lora,
-                                               images=images, admitted=admitted)
+                                               images=images, admitted=admitted, client_id=client_id)
 
     def abort(self, request_ids: list[str]) -> None:
         for c in self.clients:  # each sends only the ids it owns, and nothing when it owns none

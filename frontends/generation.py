@@ -162,6 +162,7 @@ class Generation:
         self.cache_salt = cache_salt
         self.lora = ""  # the LoRA adapter the request's ``model`` names ("": the model alone)
         self.admitted = False  # a later part of admitted work (a beam search's next round): no 429 for a full queue
+        self.client_id = ""  # who asked (``openai_params.client_id``): the fair scheduling policy's unit
         self.want_logprobs = self._params[0].logprobs is not None
         # the request's field the engine's json_schema / choice came from: its refusals are named so
         self.schema_param = "response_format"
@@ -198,7 +199,8 @@ class Generation:
                 c, params = self.choices[self._num_sent], self._params[self._num_sent]
                 self.client.add(c.request_id, c.prompt_ids, params, self._priority, self.deadline,
                                 stream=self.stream, cache_salt=self.cache_salt, pooling=self.pooling,
-                                lora=self.lora, images=self.images, admitted=self.admitted)
+                                lora=self.lora, images=self.images, admitted=self.admitted,
+                                client_id=self.client_id)
                 self._num_sent += 1
                 count -= 1
         except EngineUnavailable as e:

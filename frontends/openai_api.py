@@ -639,6 +639,7 @@ class OpenAIApi:
         info = req.meta = CallInfo(prompt=logged)  # access log
         gen, fmt = await job(self, data, req.started)
         req.id, info.gen = gen.api_id, gen
+        gen.client_id = op.client_id(data, req.protocol)
         # a window of the inputs at a time: later calls queue behind that many of them, not all
         gen.start(window=2 * self.client.ready.max_num_seqs)
         try:
@@ -684,6 +685,7 @@ class OpenAIApi:
         if stream and fmt.DONE:  # (a Response has its usage in it)
             include_usage, fmt.continuous_usage = self._include_usage(data)
         req.id, info.gen = gen.api_id, gen  # the access log and x-request-id name the call by its own id
+        gen.client_id = op.client_id(data, req.protocol)
         gen.start()
         try:
             first = await gen.next_updates()  # an engine refusal (429, 400) still gets its status

@@ -506,6 +506,20 @@ def parse_response_format(data: dict) -> dict | None:
                    param="response_format")
 
 
+def client_id(data: dict, conn: Any) -> str:
+    """Who asks, for ``--scheduling-policy fair``: the body's end user (OpenAI's ``user``, or its successor
+    ``safety_identifier``; Anthropic's ``metadata.user_id``) as the client names it, else the host of ``conn``
+    (anything with a ``peer``, "host:port": an HTTP request's connection, a WebSocket). Taken at its word, as a
+    priority is: a gateway in front sets or strips it. Kept to 256 characters (the engine holds one count each)."""
+    metadata = data.get("metadata")
+    for user in (data.get("user"), data.get("safety_identifier"),
+                 metadata.get("user_id") if isinstance(metadata, dict) else None):
+        if isinstance(user, str) and user:
+            return "user:" + user[:256]
+    peer = getattr(conn, "peer", "-")
+    return "addr:" + (peer.rsplit(":", 1)[0] if peer != "-" else peer)
+
+
 def parse_priority(data: dict) -> int:
     """``priority`` (vLLM's extra field): lower runs first, 0 by default."""
     p = field(data, "priority", int, 0)

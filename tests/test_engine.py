@@ -274,7 +274,7 @@ def run_staged(llm: LLM, early: list[list[int]], late: list[list[int]], early_pr
     return out
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "priority", "short-first"])
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "short-first", "fair"])
 @pytest.mark.parametrize("num_kv_blocks", [512, 12], ids=["roomy", "preempting"])
 def test_policies_and_preemption_keep_outputs(tiny_llama, reference, policy, num_kv_blocks):
     llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=num_kv_blocks, max_model_len=512, max_num_seqs=2,

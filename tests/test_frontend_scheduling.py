@@ -113,6 +113,23 @@ def test_priority_and_timeout_reach_the_engine(engine, client):
     assert engine.adds[-1].priority == -3 and type(engine.adds[-1].priority) is int
 
 
+def test_who_asks_reaches_the_engine(engine, client, port):
+    """``--scheduling-policy fair``'s unit: the body's end user (OpenAI's ``user`` or ``safety_identifier``,
+    Anthropic's ``metadata.user_id``), else the caller's host; a ``user`` that is no string is not taken."""
+    client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1, user="alice")
+    assert engine.adds[-1].client == "user:alice"
+    client.completions.create(model=MODEL, prompt="x", max_tokens=1, n=2, extra_body={"safety_identifier": "h1"})
+    assert [a.client for a in engine.adds[-2:]] == ["user:h1", "user:h1"]
+    for body in ({}, {"user": ""}, {"user": 7}):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body=body)
+        assert engine.adds[-1].client == "addr:127.0.0.1"
+    client.completions.create(model=MODEL, prompt="x", max_tokens=1, user="u" * 1000)
+    assert engine.adds[-1].client == "user:" + "u" * 256
+    r = post(port, "/v1/messages", {"model": MODEL, "max_tokens": 1, "messages": CHAT,
+                                    "metadata": {"user_id": "bob"}})
+    assert r.status_code == 200 and engine.adds[-1].client == "user:bob"
+
+
 @pytest.mark.parametrize("field,value", [
     ("priority", True), ("priority", 1.5), ("priority", "1"), ("priority", [1]),
     ("priority", 2**31), ("priority", -(2**31) - 1), ("priority", 10**30),
@@ -250,7 +267,7 @@ class _Client:
         self.aborted: list[str] = []
 
     def add(self, request_id, prompt_token_ids, params, priority=0, deadline=None, stream=None, cache_salt="", pooling=None,
-            lora="", images=None, admitted=False):
+            lora="", images=None, admitted=False, client_id=""):
         self.added.append((request_id, priority, deadline))
         self.salts.append(cache_salt)
         return stream
@@ -381,11 +398,13 @@ def test_websocket_priority_timeout_and_endings(engine, codec):
                 while (m := await recv(ws))["type"] != "done":
                     pass
                 add = engine.adds[-1]
-                assert (add.priority, m["finish_reason"]) == (4, "length")
+                assert (add.priority, m["finish_reason"], add.client) == (4, "length", "addr:127.0.0.1")
                 assert t0 + 60 <= add.deadline <= time.time() + 60
                 # a timeout before the first token: a done all the same, never an error
-                await ws.send(json.dumps({"type": "chat", "id": "z", "messages": CHAT, "timeout": INSTANT}))
+                await ws.send(json.dumps({"type": "chat", "id": "z", "messages": CHAT, "timeout": INSTANT,
+                                          "user": "carol"}))
                 m = await recv(ws)
+                assert engine.adds[-1].client == "user:carol"
                 assert (m["type"], m["id"], m["finish_reason"]) == ("done", "z", "timeout")
                 assert m["usage"]["completion_tokens"] == 0
                 paced(engine)

@@ -31,8 +31,10 @@ def make(policy="fcfs", num_blocks=32, block_size=4, max_num_seqs=4, budget=100,
     return s, bm, clock
 
 
-def req(rid: str, n: int = 4, priority: int = 0, max_tokens: int = 50, deadline: float | None = None) -> Request:
-    return Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens), priority, deadline)
+def req(rid: str, n: int = 4, priority: int = 0, max_tokens: int = 50, deadline: float | None = None,
+        client: str = "") -> Request:
+    return Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens), priority, deadline,
+                   client=client)
 
 
 def step(s: Scheduler):
@@ -77,6 +79,53 @@ def test_short_first_admits_least_expected_work_first():
     add_all(s, clock, req("long", 40, max_tokens=200), req("mid", 8, max_tokens=30), req("short", 4, max_tokens=5))
     assert ids(step(s).requests) == ["short"]
     assert ids(s.waiting) == ["mid", "long"]
+
+
+def test_fair_admits_the_least_served_clients_request_first():
+    """One client's many requests do not queue another client's behind them: a freed seat goes to the client
+    served fewer tokens (fcfs would admit a's whole queue first)."""
+    s, _, clock = make("fair", max_num_seqs=2, num_blocks=64)
+    add_all(s, clock, *[req(f"a{i}", max_tokens=3, client="a") for i in range(6)])
+    step(s)
+    add_all(s, clock, req("b0", max_tokens=3, client="b"), req("b1", max_tokens=3, client="b"))
+    order = []
+    while s.has_work():
+        clock.now += 0.01
+        batch = step(s)
+        for r in list(s.running):
+            if len(r.output_token_ids) >= r.params.max_tokens:
+                s.finish(r, "length")
+                order.append(r.request_id)
+        assert batch.num_tokens
+    # a0 and a1 were running; b's two took the seats they freed (b had been served less), then a's went on
+    assert order == ["a0", "a1", "b0", "b1", "a2", "a3", "a4", "a5"]
+    assert s.waiting._served == {} and s.waiting._held == {}  # (nothing kept of clients with nothing running)
+
+
+def test_fair_counts_prompt_tokens_once_and_generated_tokens_twice():
+    s, _, clock = make("fair", max_num_seqs=4, num_blocks=64, budget=6)
+    add_all(s, clock, req("a", n=10, client="a"), req("b", n=2, client="b"))
+    step(s)  # a's first 6 prompt tokens
+    assert s.waiting._served == {"a": 6, "b": 0}
+    step(s)  # a's last 4 (the one that samples among them), b's 2
+    assert s.waiting._served == {"a": 10, "b": 2}
+    step(s)  # a decode each
+    assert s.waiting._served == {"a": 12, "b": 4}
+
+
+def test_a_client_that_comes_back_starts_level_with_the_least_served():
+    """Time away earns no credit: a client new (or back) starts at the least-served active client's count,
+    so it goes next, but cannot then hold the seats for as long as it was away."""
+    s, _, clock = make("fair", max_num_seqs=1, num_blocks=64)
+    add_all(s, clock, req("a0", client="a", max_tokens=40), req("a1", client="a"))
+    for _ in range(10):
+        step(s)
+    served = s.waiting._served["a"]
+    add_all(s, clock, req("c0", client="c"))
+    assert s.waiting._served["c"] == served and s.waiting.rank(req("x", client="c")) == served
+    assert ids(s.waiting) == ["a1", "c0"]  # (level: the older head first)
+    step(s)  # a is served on
+    assert ids(s.waiting) == ["c0", "a1"]
 
 
 def test_short_first_never_preempts_on_its_own():
@@ -367,7 +416,7 @@ def test_a_long_prompt_held_for_another_lets_shorter_ones_pass():
     assert ids(s.waiting) == ["L2"]  # back in its place
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "priority", "short-first"])
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "short-first", "fair"])
 def test_a_queue_of_long_prompts_is_passed_over_only_so_far(policy):
     """A short prompt joins from behind up to ``LOOK_BEHIND`` long waiting ones, not from further back (a step
     does not walk a thousand long prompts; short-first ranks it first anyway); those passed over keep their
@@ -458,7 +507,7 @@ def test_the_delay_factor_holds_waiting_prompts_for_fewer_larger_steps():
     assert s.delay_factor == 0.0
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "short-first", "priority"])
+@pytest.mark.parametrize("policy", ["fcfs", "short-first", "priority", "fair"])
 def test_the_delay_finds_the_oldest_waiting_without_a_walk(policy, monkeypatch):
     """The delay holds waiting prompts until the longest-waiting one has waited long enough: found without a
     walk of the queue (at 1000 waiting a walk a step, and a sort for a ranked queue), and not the head, which
@@ -486,7 +535,7 @@ def test_the_delay_finds_the_oldest_waiting_without_a_walk(policy, monkeypatch):
         assert s._delayed() is True  # the oldest waiting is a now
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "short-first", "priority"])
+@pytest.mark.parametrize("policy", ["fcfs", "short-first", "priority", "fair"])
 def test_a_full_servers_step_leaves_its_waiting_queue_alone(policy, monkeypatch):
     """Every seat taken, nobody to preempt (the waiting ones are no more urgent): a decode step neither looks
     the waiting up in the prefix cache, nor fits the prefill cap, nor walks the queue for the delay, nor orders
@@ -596,7 +645,7 @@ def test_stalls_soon_after_the_first_prompts_do_not_swing_the_cap():
 # ----------------------------------------------------------------------------- invariants, at random
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "priority", "short-first"])
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "short-first", "fair"])
 @pytest.mark.parametrize("seed", range(20))
 def test_random_traffic_keeps_every_invariant_and_finishes(policy, seed):
     import random
@@ -621,7 +670,8 @@ def test_random_traffic_keeps_every_invariant_and_finishes(policy, seed):
             prompt = rng.randint(1, min(rng.choice([20, 48]), bm.num_blocks * bm.block_size - max_tokens))
             # two token values only: prompts share prefixes often, so blocks are hit, shared and evicted
             r = Request(f"r{n}", [rng.choice([1, 1, 1, 2]) for _ in range(prompt)], SamplingParams(max_tokens=max_tokens),
-                        rng.randint(-2, 2), clock.now + rng.uniform(0.5, 30) if rng.random() < 0.2 else None)
+                        rng.randint(-2, 2), clock.now + rng.uniform(0.5, 30) if rng.random() < 0.2 else None,
+                        client=rng.choice("abc"))
             s.add(r)
             live.append(r)
         clock.now += rng.choice([0.01, 0.1, 0.5])
@@ -660,6 +710,8 @@ def test_random_traffic_keeps_every_invariant_and_finishes(policy, seed):
                 if len(r.output_token_ids) >= r.params.max_tokens:
                     s.finish(r, "length")
         live = [r for r in live if r.status is not Status.FINISHED]
+        if policy == "fair":  # (each client counted while it has requests in the engine, and only then)
+            assert s.waiting._held == Counter(r.client for r in live) and s.waiting._served.keys() == s.waiting._held.keys()
     assert not live and not s.has_work(), f"stuck: {live}"
     assert bm.num_free_blocks == bm.num_blocks
 
