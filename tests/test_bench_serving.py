@@ -69,6 +69,13 @@ def test_jobs_per_workload():
         {"ignore_eos": True, "n_probs": 20}, {"ignore_eos": True, "top_n_tokens": 20},
         {"ignore_eos": True, "logprobs": True, "top_logprobs": 20}]
 
+    a = args_for("--workload", "two-client", "--num-prompts", "4", "--num-light", "2", "--light-output-len", "3",
+                 "--light-delay", "1.5", "--light-interval", "0.5")
+    jobs = bs.make_jobs(a, random.Random(0))
+    assert [(j.cls, j.user, j.at, j.max_tokens) for j in jobs] == [("flood", "flood", None, 64)] * 4 + [
+        ("light", "light", 1.5, 3), ("light", "light", 2.0, 3)]
+    assert bs.extra_fields(a, jobs[-1]) == {"ignore_eos": True, "user": "light"}
+
     jobs = bs.make_jobs(args_for("--workload", "edit", "--num-prompts", "6", "--output-len", "200"), random.Random(1))
     assert [(j.prompt, j.est_tokens) for j in jobs] == bs.make_edit_prompts(6, random.Random(1))
     assert all(j.max_tokens == 200 and j.cls == "" and "```python\n" in j.prompt for j in jobs)

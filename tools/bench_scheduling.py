@@ -11,6 +11,8 @@ prints one table, then one JSON line:
 - ``w2``: 64 requests of 128 prompt tokens, 16 in flight (ITL p99 against p50, throughput).
 - ``two-priority``: 64 requests at once into 8 seats, 10% urgent: urgent against
   normal TTFT, fcfs against priority.
+- ``two-client``: one client's 48 requests at once into 8 seats, and another's 6
+  short ones while they run: the light client's TTFT, fcfs against fair.
 
     python tools/bench_scheduling.py --before /tmp/tokenmill-before
     python tools/bench_scheduling.py --only mixed --policies priority --before-policies priority --before /tmp/old
@@ -78,8 +80,8 @@ def row(label: str, s: dict) -> dict:
     if cls.get("long", {}).get("completed"):
         out["long TTFT p50"] = cls["long"]["ttft_ms"]["median"]
         out["long TTFT p99"] = cls["long"]["ttft_ms"]["p99"]
-    if "urgent" in cls:
-        for c in ("urgent", "normal"):
+    for pair in (("urgent", "normal"), ("light", "flood")):
+        for c in pair if pair[0] in cls else ():
             out[f"{c} TTFT p50"] = cls[c]["ttft_ms"]["median"]
             out[f"{c} TTFT p99"] = cls[c]["ttft_ms"]["p99"]
     return out
@@ -92,8 +94,8 @@ def main() -> int:
     p.add_argument("--short", type=int, default=24, help="short requests in the mixed workload")
     p.add_argument("--concurrency", type=int, default=8, help="short streams in flight in the mixed workload")
     p.add_argument("--long-interval", default="0.5", help="seconds between the mixed workload's long prompts (0: a burst)")
-    p.add_argument("--only", default="mixed,w2,two-priority", help="comma-separated workloads to run")
-    p.add_argument("--policies", default="fcfs,short-first,priority", help="policies to run after the change")
+    p.add_argument("--only", default="mixed,w2,two-priority,two-client", help="comma-separated workloads to run")
+    p.add_argument("--policies", default="fcfs,short-first,priority,fair", help="policies to run after the change")
     p.add_argument("--before-policies", default="fcfs", help="policies to run before it (its flag: the checkout has it)")
     p.add_argument("--repeat", type=int, default=1, help="run the whole plan this many times (noise)")
     a = p.parse_args()
@@ -104,6 +106,8 @@ def main() -> int:
     w2 = ["--num-prompts", "64", "--input-len", "128", "--output-len", "64", "--max-concurrency", "16"]
     prio = ["--workload", "two-priority", "--num-prompts", "64", "--input-len", "128", "--output-len", "64",
             "--urgent-fraction", "0.1"]
+    clients = ["--workload", "two-client", "--num-prompts", "48", "--input-len", "64", "--output-len", "64",
+               "--num-light", "6", "--light-output-len", "16"]
     versions = [("before", a.before)] if a.before else []
     versions.append(("after", HERE))
     plan = []
@@ -123,6 +127,8 @@ def main() -> int:
                 plan.append((f"w2 {name} {pol}", checkout, flags, w2))
             if "two-priority" in only and pol in ("fcfs", "priority"):
                 plan.append((f"two-priority {name} {pol}", checkout, [*flags, "--max-num-seqs", "8"], prio))
+            if "two-client" in only and pol in ("fcfs", "fair"):
+                plan.append((f"two-client {name} {pol}", checkout, [*flags, "--max-num-seqs", "8"], clients))
     rows = []
     for label, checkout, flags, args in plan * a.repeat:
         print(f"... {label}", file=sys.stderr, flush=True)

@@ -47,8 +47,18 @@ it runs (no ``--max-concurrency``, or one above its batch size):
     python tools/bench_serving.py --workload two-priority --num-prompts 200 \\
         --input-len 256 --output-len 64 --urgent-fraction 0.1
 
-The JSON names the workload (``workload``, ``workload_params``); for ``mixed``
-and ``two-priority`` its ``classes`` key has, per class, the same metrics as the
+``two-client``: one client (``"user": "flood"``) sends the ``--num-prompts``
+requests at once, as class "flood"; another (``"user": "light"``) sends
+``--num-light`` requests asking for ``--light-output-len`` tokens, the first
+``--light-delay`` seconds after the start, then one every ``--light-interval``
+seconds, as class "light": how long the flood keeps the light client waiting
+(compare ``--scheduling-policy fcfs`` with ``fair``):
+
+    python tools/bench_serving.py --workload two-client --num-prompts 48 \
+        --input-len 64 --output-len 64 --num-light 6 --light-output-len 16
+
+The JSON names the workload (``workload``, ``workload_params``); for ``mixed``,
+``two-priority`` and ``two-client`` its ``classes`` key has, per class, the same metrics as the
 overall run, computed from that class's requests only (throughputs over the
 whole run's duration), and the table a section per class.
 
@@ -99,8 +109,9 @@ WORDS = (
 ).split()
 
 
-WORKLOADS = ("random", "mixed", "two-priority", "edit")
-CLASSES = {"random": (), "mixed": ("short", "long"), "two-priority": ("urgent", "normal"), "edit": ()}  # report order
+WORKLOADS = ("random", "mixed", "two-priority", "two-client", "edit")
+CLASSES = {"random": (), "mixed": ("short", "long"), "two-priority": ("urgent", "normal"),  # report order
+           "two-client": ("light", "flood"), "edit": ()}
 
 # the edit workload's code, its names filled from WORDS: a function whose answer repeats it nearly whole
 EDIT_CODE = (
@@ -124,6 +135,7 @@ class Job:
     cls: str = ""
     priority: int | None = None  # sent in the body when set
     at: float | None = None  # send this many seconds after the start, outside --max-concurrency; None: in turn
+    user: str | None = None  # sent in the body when set: who asks (--scheduling-policy fair's client)
 
 
 @dataclass
@@ -232,6 +244,11 @@ def make_jobs(args, rng: random.Random, tokenizer=None) -> list[Job]:
         return [Job(p, n, args.output_len, "urgent", args.urgent_priority) if i in urgent
                 else Job(p, n, args.output_len, "normal", args.normal_priority)
                 for i, (p, n) in enumerate(prompts)]
+    if args.workload == "two-client":
+        lights = make_prompts(args.num_light, args.input_len, rng, tokenizer)
+        return ([Job(p, n, args.output_len, "flood", user="flood") for p, n in prompts]
+                + [Job(p, n, args.light_output_len, "light", at=args.light_delay + i * args.light_interval,
+                       user="light") for i, (p, n) in enumerate(lights)])
     return [Job(p, n, args.output_len) for p, n in prompts]
 
 
@@ -243,6 +260,8 @@ def extra_fields(args, job: Job) -> dict:
     extra: dict = {"ignore_eos": True} if args.ignore_eos else {}
     if job.priority is not None:
         extra["priority"] = job.priority
+    if job.user is not None:
+        extra["user"] = job.user
     if args.logprobs is not None:
         asked = {"logprobs": True, "top_logprobs": args.logprobs}
         extra |= {"chat": asked, "ollama": asked, "llamacpp": {"n_probs": args.logprobs},
@@ -573,6 +592,9 @@ def workload_params(args) -> dict:
     if args.workload == "two-priority":
         return {"urgent_fraction": args.urgent_fraction, "urgent_priority": args.urgent_priority,
                 "normal_priority": args.normal_priority}
+    if args.workload == "two-client":
+        return {"num_flood": args.num_prompts, "num_light": args.num_light, "light_output_len": args.light_output_len,
+                "light_delay_s": args.light_delay, "light_interval_s": args.light_interval}
     return {}
 
 
@@ -691,6 +713,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--urgent-priority", type=int, default=-1,
                    help="the urgent requests' priority; lower runs first (default: -1)")
     g.add_argument("--normal-priority", type=int, default=0, help="the others' priority (default: 0)")
+    g = p.add_argument_group("--workload two-client")
+    g.add_argument("--num-light", type=int, default=6, help="the light client's requests (default: 6)")
+    g.add_argument("--light-output-len", type=int, default=16, help="their tokens to generate (default: 16)")
+    g.add_argument("--light-delay", type=float, default=2.0,
+                   help="seconds after the start the first goes out (default: 2)")
+    g.add_argument("--light-interval", type=float, default=1.0, help="seconds between them (default: 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT must be at most this")
