@@ -152,9 +152,11 @@ def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_schedul
     full = waiting and not long_queue
     params = SamplingParams(max_tokens=512 - 64 if full else steps + (64 if waiting else 8), ignore_eos=True,
                             logprobs=logprobs, **SAMPLING[sampling])
+    # fair: the requests of eight clients (a keyword the other policies' checkouts, --before's, may not know)
+    who = (lambda i: {"client": f"c{i % 8}"}) if policy == "fair" else (lambda i: {})
     for k in range(rounds + 1):  # (the first round warms up)
         for i in range(num_seqs):
-            engine.add_request(f"{k}-{i}", [(7 * i + 13 * k + j) % 4000 + 3 for j in range(64)], params)
+            engine.add_request(f"{k}-{i}", [(7 * i + 13 * k + j) % 4000 + 3 for j in range(64)], params, **who(i))
         while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
                                               for r in engine.scheduler.running):
             engine.step()
@@ -163,7 +165,7 @@ def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_schedul
         queued = [f"{k}-w{i}" for i in range(waiting)]  # (behind the full seats, or a long queue with seats)
         for i, request_id in enumerate(queued):
             engine.add_request(request_id, [(5 * i + 17 * k + j) % 4000 + 3 for j in range(4000 if long_queue else 64)],
-                               params)
+                               params, **who(i))
         timing[0] = True
         for _ in range(steps):
             for _ in range(2 if arrivals else 0):
@@ -247,7 +249,8 @@ def main() -> None:
     p.add_argument("--long-queue", action="store_true",
                    help="with --waiting: 4000-token prompts, seats free for them, each step one's 512-token chunk "
                         "beside the decodes")
-    p.add_argument("--scheduling-policy", choices=("fcfs", "priority", "short-first"), default="fcfs")
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority", "short-first", "fair"), default="fcfs",
+                   help="fair: the requests of eight clients")
     p.add_argument("--logprobs", type=int, metavar="K", help="every request asks for its tokens' top K logprobs")
     p.add_argument("--before", metavar="DIR", help="another checkout to time the same way, in turns with this one")
     p.add_argument("--turns", type=int, default=3, help="with --before: runs of each checkout")
