@@ -251,7 +251,8 @@ def test_default_smollm2_gguf_matches_transformers(default_gguf, smollm_tokenize
                                               dtype=torch.float32).eval()
     chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                    add_generation_prompt=True, tokenize=False)
-    check_parity(llm, hf, tok, [chat, *PROMPTS])
+    check_parity(llm, hf, tok, [chat])
+    check_parity(llm, hf, tok, PROMPTS, n=16)  # (transformers' generate is most of this test's time)
     answer = llm.generate(chat, SamplingParams(max_tokens=32, temperature=0.0))[0]
     assert answer.text == "The capital of France is Paris."
     assert answer.finish_reason == "stop"
