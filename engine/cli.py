@@ -218,7 +218,7 @@ def _engine_flags(p: argparse.ArgumentParser, generate: bool = False) -> None:
                    help="the order waiting requests start in: fcfs (arrival), priority (the request's "
                         "'priority', lower first; a more urgent request preempts a less urgent running one), "
                         "short-first (least expected work first) or fair (the client served the fewest tokens "
-                        f"first: its 'user', else its address) (default: {d['scheduling_policy']})")
+                        f"first: see --fair-client) (default: {d['scheduling_policy']})")
     q.add_argument("--scheduling-aging-seconds", type=float, default=None, metavar="SECONDS",
                    help="no starvation: every this many seconds a request has waited count as one priority "
                         "level (priority) or as halving its work (short-first); inf turns aging off, as in vLLM "
@@ -269,6 +269,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="browser origins besides the server's own that may call it, comma-separated "
                         "(https://app.example.com), or * for any; without API keys other origins get 403 "
                         "(default: none)")
+    h.add_argument("--fair-client", choices=("address", "user"), default="address",
+                   help="who a client is for --scheduling-policy fair: the caller's address, or the body's 'user' "
+                        "(OpenAI's; safety_identifier, Anthropic's metadata.user_id), which any caller may name as "
+                        "it likes: only for a gateway in front that sets it (default: address)")
     h.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
                    help="hosts whose http(s) image URLs the server fetches, as vLLM's flag (* for any: a URL can "
                         "make the server call its own network); default: none, images come as data: URLs")
@@ -527,7 +531,7 @@ def serve_options(args: argparse.Namespace):
         engine_key=engine_key(args.engine_key), tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser, chat_template=chat_template(args.chat_template),
         model_aliases=list(args.served_model_name or [])[1:], media_domains=media_domains(args.allowed_media_domains),
-        media_path=media_path(args.allowed_local_media_path))
+        media_path=media_path(args.allowed_local_media_path), fair_client=args.fair_client)
 
 
 def media_domains(hosts: list[str] | None) -> list[str]:

@@ -94,6 +94,7 @@ class ServeOptions:
     model_aliases: list[str] = field(default_factory=list)  # more names requests may use (--served-model-name)
     media_domains: list[str] = field(default_factory=list)  # hosts of http(s) images fetched (frontends.media)
     media_path: str | None = None  # file:// images from under this folder
+    fair_client: str = "address"  # who a client is for the fair policy: "address", or the body's "user"
 
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:
@@ -350,7 +351,8 @@ class Launcher:
             log_requests=o.log_requests,
             log_prompts=o.log_prompts, tool_call_parser=o.tool_call_parser, reasoning_parser=o.reasoning_parser,
             chat_template=o.chat_template, sampling_defaults=self.sampling_defaults, max_tokens_cap=self.max_tokens_cap,
-            model_aliases=list(o.model_aliases), media=MediaSources(tuple(o.media_domains), o.media_path))
+            model_aliases=list(o.model_aliases), media=MediaSources(tuple(o.media_domains), o.media_path),
+            fair_client=o.fair_client)
 
     def _frontend_id(self, i: int) -> str:
         """Its ZMQ identity. Stable across its restarts (the engine then drops what its previous life

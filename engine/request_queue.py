@@ -27,7 +27,8 @@ was admitted, so the waiting ones catch up with it:
   that the least-served client's request is admitted first and one client's
   hundreds of requests cannot queue everyone else behind them: a virtual token
   counter (Sheng et al., "Fairness in Serving Large Language Models", OSDI '24).
-  A prompt token counts 1 and a generated token 2, as computed. A client is
+  A prompt token counts 1 and a generated token 2, as computed (once: what a
+  preemption makes the engine compute again, and drafts not kept, are free). A client is
   counted while it has requests in the engine; one that comes (back) starts at
   the least-served active client's count, so that idle time earns no credit.
   No aging: a waiting client's count stands still while the others' grow.
@@ -42,7 +43,8 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections import OrderedDict
+import operator
+from collections import Counter, OrderedDict
 from collections.abc import Iterator
 
 from engine.config import POLICIES
@@ -55,8 +57,14 @@ class Queue:
     preempts = False
     preempt_margin = 0.0
 
-    def served(self, requests: list[Request], num_new_tokens: list[int], num_decodes: int) -> None:
-        """A step launched with ``num_new_tokens`` of each of ``requests`` (the first ``num_decodes`` decode)."""
+    def served(self, requests: list[Request], num_new_tokens: list[int], num_decodes: int,
+               rejected: dict[str, int] | None = None) -> None:
+        """A step launched with ``num_new_tokens`` of each of ``requests`` (the first ``num_decodes`` decode,
+        their ``rejected`` drafts by request id not kept)."""
+
+    def preempted(self, req: Request, computed: int) -> None:
+        """``req`` lost the KV of its first ``computed`` tokens (preempted, or its step failed): computing them
+        again is the scheduler's doing, not more work of the request's."""
 
     def finished(self, req: Request) -> None:
         """``req`` has left the engine (finished, aborted, timed out), waiting or running."""
@@ -212,6 +220,7 @@ class FairQueue(Queue):
         self._heap: list[list] = []  # [served, head's arrival, seq, client, live]
         self._entry: dict[str, list] = {}  # client -> its live entry (clients with requests waiting)
         self._aside: list[Request] = []
+        self._redo: dict[Request, int] = {}  # a preempted request -> the tokens it had computed (computed again free)
         self._len = 0
         self._seq = itertools.count()
 
@@ -260,17 +269,40 @@ class FairQueue(Queue):
     def remove(self, req: Request) -> None:
         self._take(req)
 
-    def served(self, requests: list[Request], num_new_tokens: list[int], num_decodes: int) -> None:
-        served, touched = self._served, set()
-        for i, (req, n) in enumerate(zip(requests, num_new_tokens, strict=True)):
-            c = req.client
+    def served(self, requests: list[Request], num_new_tokens: list[int], num_decodes: int,
+               rejected: dict[str, int] | None = None) -> None:
+        decodes = requests[:num_decodes]
+        if rejected:  # (drafts: their kept tokens only)
+            counts: Counter[str] = Counter()
+            for req, n in zip(decodes, num_new_tokens, strict=False):
+                counts[req.client] += n - rejected.get(req.request_id, 0)
+        else:
+            counts = Counter(map(_CLIENT, decodes))  # (one token each, or drafts all kept: counted below)
+            if len(decodes) < sum(num_new_tokens[:num_decodes]):
+                counts = Counter()
+                for req, n in zip(decodes, num_new_tokens, strict=False):
+                    counts[req.client] += n
+        served, redo = self._served, self._redo
+        for c, n in counts.items():
+            counts[c] = 2 * n  # (a generated token counts twice)
+        for req, n in zip(requests[num_decodes:], num_new_tokens[num_decodes:], strict=True):
+            if redo and req in redo:  # the step computed [end - n, end); up to where it had come, again
+                end, had = req.num_computed_tokens, redo[req]
+                n -= max(0, min(end, had) - (end - n))
+                if end >= had:
+                    del redo[req]
+            counts[req.client] += n
+        for c, n in counts.items():
             if c in served:  # (always, but for one that ended with its step in flight: gone, and forgotten)
-                served[c] += 2 * n if i < num_decodes else n
-                touched.add(c)
-        for c in touched & self._entry.keys():
-            self._rekey(c)
+                served[c] += n
+                if c in self._entry:
+                    self._rekey(c)
+
+    def preempted(self, req: Request, computed: int) -> None:
+        self._redo[req] = max(computed, self._redo.get(req, 0))
 
     def finished(self, req: Request) -> None:
+        self._redo.pop(req, None)
         c = req.client
         left = self._held.get(c, 0) - 1
         if left > 0:
@@ -309,6 +341,7 @@ class FairQueue(Queue):
             yield from self._waiting[entry[3]]
 
 
+_CLIENT = operator.attrgetter("client")
 EXPECTED_OUTPUT_CAP = 512
 
 

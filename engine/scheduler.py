@@ -274,7 +274,7 @@ class Scheduler:
             self.num_accepted_tokens += kept
         self.block_manager.end_step()
         self.block_manager.computed(batch.requests)
-        self.waiting.served(batch.requests, batch.num_new_tokens, batch.num_decodes)
+        self.waiting.served(batch.requests, batch.num_new_tokens, batch.num_decodes, rejected)
 
     def observe(self, batch: ScheduledBatch, seconds: float) -> None:
         """``batch`` took ``seconds``: what the prefill cap learns from."""
@@ -562,6 +562,7 @@ class Scheduler:
             batch.remove(req)
         self.running.remove(req)
         self.block_manager.free(req)
+        self.waiting.preempted(req, req.num_computed_tokens)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.num_output_at_preemption = req.num_sampled

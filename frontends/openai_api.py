@@ -107,10 +107,11 @@ class OpenAIApi:
                  reasoning_parser: str = "auto", sampling_defaults: dict | None = None,
                  max_tokens_cap: int | None = None, model_aliases: list[str] | None = None,
                  force_include_usage: bool = False, tokens_as_ids: bool = False,
-                 images: ImageProcessor | str | None = None, media: MediaReader | None = None) -> None:
+                 images: ImageProcessor | str | None = None, media: MediaReader | None = None,
+                 fair_client: str = "address") -> None:
         """``images``: the model's image processor (``frontends.images``), or why there is none for a model that
         reads images (None: the model reads none); ``media``: where images may come from (``frontends.media``;
-        None: data: URLs only)."""
+        None: data: URLs only); ``fair_client``: who a client is for the fair policy (``openai_params.client_id``)."""
         self.client = client
         self.images = images
         self.media = media or MediaReader()
@@ -136,6 +137,7 @@ class OpenAIApi:
                                               else reasoning_parser != "none")
         self.sampling_defaults = sampling_defaults or {}  # the model's (engine.model_path.generation_defaults)
         self.max_tokens_cap = max_tokens_cap  # on every request's max_tokens (engine.model_path.max_tokens_cap)
+        self.fair_by_user = fair_client == "user"  # the body's end user is the fair policy's client, not the address
         self.force_include_usage = force_include_usage  # every stream ends with its usage chunk
         self.tokens_as_ids = tokens_as_ids  # logprobs name tokens "token_id:N" unless a request says otherwise
 
@@ -639,7 +641,7 @@ class OpenAIApi:
         info = req.meta = CallInfo(prompt=logged)  # access log
         gen, fmt = await job(self, data, req.started)
         req.id, info.gen = gen.api_id, gen
-        gen.client_id = op.client_id(data, req.protocol)
+        gen.client_id = op.client_id(data, req.protocol, self.fair_by_user)
         # a window of the inputs at a time: later calls queue behind that many of them, not all
         gen.start(window=2 * self.client.ready.max_num_seqs)
         try:
@@ -685,7 +687,7 @@ class OpenAIApi:
         if stream and fmt.DONE:  # (a Response has its usage in it)
             include_usage, fmt.continuous_usage = self._include_usage(data)
         req.id, info.gen = gen.api_id, gen  # the access log and x-request-id name the call by its own id
-        gen.client_id = op.client_id(data, req.protocol)
+        gen.client_id = op.client_id(data, req.protocol, self.fair_by_user)
         gen.start()
         try:
             first = await gen.next_updates()  # an engine refusal (429, 400) still gets its status

@@ -506,14 +506,15 @@ def parse_response_format(data: dict) -> dict | None:
                    param="response_format")
 
 
-def client_id(data: dict, conn: Any) -> str:
-    """Who asks, for ``--scheduling-policy fair``: the body's end user (OpenAI's ``user``, or its successor
-    ``safety_identifier``; Anthropic's ``metadata.user_id``) as the client names it, else the host of ``conn``
-    (anything with a ``peer``, "host:port": an HTTP request's connection, a WebSocket). Taken at its word, as a
-    priority is: a gateway in front sets or strips it. Kept to 256 characters (the engine holds one count each)."""
-    metadata = data.get("metadata")
+def client_id(data: dict, conn: Any, by_user: bool = False) -> str:
+    """Who asks, for ``--scheduling-policy fair``: the host of ``conn`` (anything with a ``peer``, "host:port":
+    an HTTP request's connection, a WebSocket); ``by_user`` (``--fair-client user``, behind a gateway that sets
+    it): the body's end user (OpenAI's ``user``, or its successor ``safety_identifier``; Anthropic's
+    ``metadata.user_id``), else that host. A caller names its user as it likes: by address, one that sends each
+    request under another name is still one client. Kept to 256 characters (the engine holds one count each)."""
+    metadata = data.get("metadata") if by_user else None
     for user in (data.get("user"), data.get("safety_identifier"),
-                 metadata.get("user_id") if isinstance(metadata, dict) else None):
+                 metadata.get("user_id") if isinstance(metadata, dict) else None) if by_user else ():
         if isinstance(user, str) and user:
             return "user:" + user[:256]
     peer = getattr(conn, "peer", "-")

@@ -72,6 +72,7 @@ class FrontendArgs:
     max_tokens_cap: int | None = None  # on every request's max_tokens (engine.model_path.max_tokens_cap)
     model_aliases: list[str] = field(default_factory=list)  # names besides served_model_name a request may use
     media: MediaSources = field(default_factory=MediaSources)  # where images may come from besides data: URLs
+    fair_client: str = "address"  # who a client is for the fair policy: "address", or the body's "user"
 
 
 def engine_client(args: FrontendArgs) -> EngineClient | EngineRouter:
@@ -136,7 +137,8 @@ async def serve(args: FrontendArgs, ready: Callable[[], None] | None = None) -> 
                     force_include_usage=args.force_include_usage, tokens_as_ids=args.tokens_as_ids,
                     tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                     sampling_defaults=args.sampling_defaults, max_tokens_cap=args.max_tokens_cap,
-                    model_aliases=args.model_aliases, images=image_processor, media=MediaReader(args.media))
+                    model_aliases=args.model_aliases, images=image_processor, media=MediaReader(args.media),
+                    fair_client=args.fair_client)
     access_log = AccessLog(metrics, enabled=args.log_requests, log_prompts=args.log_prompts)
     router = build_router(api, args.ws, access_log, args.tokenizer_path)
     access_log.router = router

@@ -395,7 +395,7 @@ class Connection(asyncio.Protocol):
             try:
                 job = self.api.completion_job if kind == "completion" else self.api.chat_job
                 live.gen, fmt = await job(msg, arrival)
-                live.gen.client_id = op.client_id(msg, self)
+                live.gen.client_id = op.client_id(msg, self, self.api.fair_by_user)
                 live.gen.start()
             except ApiError as e:
                 status = e.status

@@ -113,21 +113,34 @@ def test_priority_and_timeout_reach_the_engine(engine, client):
     assert engine.adds[-1].priority == -3 and type(engine.adds[-1].priority) is int
 
 
-def test_who_asks_reaches_the_engine(engine, client, port):
-    """``--scheduling-policy fair``'s unit: the body's end user (OpenAI's ``user`` or ``safety_identifier``,
-    Anthropic's ``metadata.user_id``), else the caller's host; a ``user`` that is no string is not taken."""
+def test_who_asks_reaches_the_engine(engine, client, port, codec):
+    """``--scheduling-policy fair``'s unit: the caller's host (``--fair-client address``, the default: a ``user``
+    is the caller's word, and one caller could name each request differently), or with ``--fair-client user``
+    the body's end user (OpenAI's ``user`` or ``safety_identifier``, Anthropic's ``metadata.user_id``; one that
+    is no string is not taken), over HTTP and WebSocket alike."""
     client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1, user="alice")
-    assert engine.adds[-1].client == "user:alice"
-    client.completions.create(model=MODEL, prompt="x", max_tokens=1, n=2, extra_body={"safety_identifier": "h1"})
-    assert [a.client for a in engine.adds[-2:]] == ["user:h1", "user:h1"]
-    for body in ({}, {"user": ""}, {"user": 7}):
-        client.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body=body)
-        assert engine.adds[-1].client == "addr:127.0.0.1"
-    client.completions.create(model=MODEL, prompt="x", max_tokens=1, user="u" * 1000)
-    assert engine.adds[-1].client == "user:" + "u" * 256
-    r = post(port, "/v1/messages", {"model": MODEL, "max_tokens": 1, "messages": CHAT,
-                                    "metadata": {"user_id": "bob"}})
-    assert r.status_code == 200 and engine.adds[-1].client == "user:bob"
+    assert engine.adds[-1].client == "addr:127.0.0.1"
+
+    async def main():
+        async with serving(engine, codec) as s:
+            s.api.fair_by_user = True
+            base = {"model": MODEL, "max_tokens": 1}
+            for body, want in (({"user": "alice"}, ["user:alice"]), ({"safety_identifier": "h1", "n": 2}, ["user:h1"] * 2),
+                               ({}, ["addr:127.0.0.1"]), ({"user": ""}, ["addr:127.0.0.1"]),
+                               ({"user": 7}, ["addr:127.0.0.1"]), ({"user": "u" * 1000}, ["user:" + "u" * 256])):
+                r = await asyncio.to_thread(post, s.port, "/v1/completions", {**base, "prompt": "x", **body})
+                assert r.status_code == 200 and [a.client for a in engine.adds[-len(want):]] == want, body
+            r = await asyncio.to_thread(post, s.port, "/v1/messages", {**base, "messages": CHAT,
+                                                                        "metadata": {"user_id": "bob"}})
+            assert r.status_code == 200 and engine.adds[-1].client == "user:bob"
+            async with connect(s.url, additional_headers=AUTH) as ws:
+                for msg, want in (({"user": "carol"}, "user:carol"), ({}, "addr:127.0.0.1")):
+                    await ws.send(json.dumps({"type": "chat", "id": "c", "messages": CHAT, "max_tokens": 1, **msg}))
+                    while (await recv(ws))["type"] != "done":
+                        pass
+                    assert engine.adds[-1].client == want
+
+    run(main())
 
 
 @pytest.mark.parametrize("field,value", [
@@ -401,10 +414,8 @@ def test_websocket_priority_timeout_and_endings(engine, codec):
                 assert (add.priority, m["finish_reason"], add.client) == (4, "length", "addr:127.0.0.1")
                 assert t0 + 60 <= add.deadline <= time.time() + 60
                 # a timeout before the first token: a done all the same, never an error
-                await ws.send(json.dumps({"type": "chat", "id": "z", "messages": CHAT, "timeout": INSTANT,
-                                          "user": "carol"}))
+                await ws.send(json.dumps({"type": "chat", "id": "z", "messages": CHAT, "timeout": INSTANT}))
                 m = await recv(ws)
-                assert engine.adds[-1].client == "user:carol"
                 assert (m["type"], m["id"], m["finish_reason"]) == ("done", "z", "timeout")
                 assert m["usage"]["completion_tokens"] == 0
                 paced(engine)

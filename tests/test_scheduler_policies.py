@@ -113,6 +113,27 @@ def test_fair_counts_prompt_tokens_once_and_generated_tokens_twice():
     assert s.waiting._served == {"a": 12, "b": 4}
 
 
+def test_fair_counts_neither_what_a_preemption_computes_again_nor_drafts_not_kept():
+    """The client of a request pushed out of its blocks (``--scheduling-policy fair`` makes it the most-served
+    one's) does not pay again for the tokens it had computed: only for those past them, cache hits aside."""
+    s, bm, clock = make("fair", max_num_seqs=4, num_blocks=64, budget=64)
+    add_all(s, clock, req("a", n=10, client="a"))
+    step(s)
+    step(s)  # 10 prompt tokens, a decode
+    assert s.waiting._served == {"a": 12}
+    a = s.running[0]
+    s._preempt(a, ScheduledBatch())
+    step(s)  # the 11 tokens it had computed, free, and its last one (sampled, never computed) as a prompt's
+    assert s.waiting._served == {"a": 13} and not s.waiting._redo
+    step(s)
+    assert s.waiting._served == {"a": 15}
+    batch = ScheduledBatch()
+    batch.add_decodes([a])
+    batch.add_drafts(0, 3)
+    s.waiting.served(batch.requests, batch.num_new_tokens, batch.num_decodes, {"a": 2})
+    assert s.waiting._served == {"a": 19}  # its token and the one draft kept
+
+
 def test_a_client_that_comes_back_starts_level_with_the_least_served():
     """Time away earns no credit: a client new (or back) starts at the least-served active client's count,
     so it goes next, but cannot then hold the seats for as long as it was away."""
@@ -712,6 +733,7 @@ def test_random_traffic_keeps_every_invariant_and_finishes(policy, seed):
         live = [r for r in live if r.status is not Status.FINISHED]
         if policy == "fair":  # (each client counted while it has requests in the engine, and only then)
             assert s.waiting._held == Counter(r.client for r in live) and s.waiting._served.keys() == s.waiting._held.keys()
+            assert set(s.waiting._redo) <= set(live)
     assert not live and not s.has_work(), f"stuck: {live}"
     assert bm.num_free_blocks == bm.num_blocks
 

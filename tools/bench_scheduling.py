@@ -12,7 +12,8 @@ prints one table, then one JSON line:
 - ``two-priority``: 64 requests at once into 8 seats, 10% urgent: urgent against
   normal TTFT, fcfs against priority.
 - ``two-client``: one client's 48 requests at once into 8 seats, and another's 6
-  short ones while they run: the light client's TTFT, fcfs against fair.
+  short ones while they run: the light client's TTFT, fcfs against fair (both
+  call from this machine: told apart by ``user``, ``--fair-client user``).
 
     python tools/bench_scheduling.py --before /tmp/tokenmill-before
     python tools/bench_scheduling.py --only mixed --policies priority --before-policies priority --before /tmp/old
@@ -127,8 +128,9 @@ def main() -> int:
                 plan.append((f"w2 {name} {pol}", checkout, flags, w2))
             if "two-priority" in only and pol in ("fcfs", "priority"):
                 plan.append((f"two-priority {name} {pol}", checkout, [*flags, "--max-num-seqs", "8"], prio))
-            if "two-client" in only and pol in ("fcfs", "fair"):
-                plan.append((f"two-client {name} {pol}", checkout, [*flags, "--max-num-seqs", "8"], clients))
+            if "two-client" in only and pol in ("fcfs", "fair"):  # (both clients call from here: told apart by user)
+                by_user = ["--fair-client", "user"] if name == "after" else []
+                plan.append((f"two-client {name} {pol}", checkout, [*flags, "--max-num-seqs", "8", *by_user], clients))
     rows = []
     for label, checkout, flags, args in plan * a.repeat:
         print(f"... {label}", file=sys.stderr, flush=True)

@@ -52,7 +52,7 @@ requests at once, as class "flood"; another (``"user": "light"``) sends
 ``--num-light`` requests asking for ``--light-output-len`` tokens, the first
 ``--light-delay`` seconds after the start, then one every ``--light-interval``
 seconds, as class "light": how long the flood keeps the light client waiting
-(compare ``--scheduling-policy fcfs`` with ``fair``):
+(compare ``--scheduling-policy fcfs`` with ``fair``; from one machine, ``--fair-client user``):
 
     python tools/bench_serving.py --workload two-client --num-prompts 48 \
         --input-len 64 --output-len 64 --num-light 6 --light-output-len 16
