@@ -269,10 +269,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="browser origins besides the server's own that may call it, comma-separated "
                         "(https://app.example.com), or * for any; without API keys other origins get 403 "
                         "(default: none)")
-    h.add_argument("--fair-client", choices=("address", "user"), default="address",
-                   help="who a client is for --scheduling-policy fair: the caller's address, or the body's 'user' "
-                        "(OpenAI's; safety_identifier, Anthropic's metadata.user_id), which any caller may name as "
-                        "it likes: only for a gateway in front that sets it (default: address)")
+    h.add_argument("--fair-client", choices=("address", "key", "user"), default="address",
+                   help="who a client is for --scheduling-policy fair: the caller's address, the API key it gave "
+                        "(one client per --api-key), or the body's 'user' (OpenAI's; safety_identifier, Anthropic's "
+                        "metadata.user_id), which any caller may name as it likes: only for a gateway in front "
+                        "that sets it (default: address)")
     h.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
                    help="hosts whose http(s) image URLs the server fetches, as vLLM's flag (* for any: a URL can "
                         "make the server call its own network); default: none, images come as data: URLs")

@@ -56,7 +56,7 @@ class EngineConfig:
     disable_hybrid_kv_cache_manager: bool = False
     num_kv_blocks: int | None = None  # override the computed number of KV blocks (tests, tuning)
     max_num_waiting_requests: int = 1024  # bounded waiting queue; more is refused (HTTP 429)
-    scheduling_policy: str = "fcfs"  # fcfs | priority | short-first (engine.request_queue)
+    scheduling_policy: str = "fcfs"  # fcfs | priority | short-first | fair (engine.request_queue)
     scheduling_aging_seconds: float = 30.0  # waiting this long is worth one rank step (no starvation); inf: off
     # vLLM's: beside decodes, waiting prompts join once the oldest has waited this many times the last step
     # with prompt tokens took (fewer, larger such steps); 0: at once; None: 1 on CUDA with graphs (measured

@@ -94,7 +94,7 @@ class ServeOptions:
     model_aliases: list[str] = field(default_factory=list)  # more names requests may use (--served-model-name)
     media_domains: list[str] = field(default_factory=list)  # hosts of http(s) images fetched (frontends.media)
     media_path: str | None = None  # file:// images from under this folder
-    fair_client: str = "address"  # who a client is for the fair policy: "address", or the body's "user"
+    fair_client: str = "address"  # who a client is for the fair policy: "address", its API "key", the body's "user"
 
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:

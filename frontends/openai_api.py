@@ -137,7 +137,7 @@ class OpenAIApi:
                                               else reasoning_parser != "none")
         self.sampling_defaults = sampling_defaults or {}  # the model's (engine.model_path.generation_defaults)
         self.max_tokens_cap = max_tokens_cap  # on every request's max_tokens (engine.model_path.max_tokens_cap)
-        self.fair_by_user = fair_client == "user"  # the body's end user is the fair policy's client, not the address
+        self.fair_client = fair_client  # who a client is for the fair policy (client_of)
         self.force_include_usage = force_include_usage  # every stream ends with its usage chunk
         self.tokens_as_ids = tokens_as_ids  # logprobs name tokens "token_id:N" unless a request says otherwise
 
@@ -280,6 +280,14 @@ class OpenAIApi:
 
     def _new_id(self, prefix: str) -> str:
         return f"{prefix}-{self._id_prefix}{next(self._ids):x}"
+
+    def client_of(self, data: dict, conn: Any, tokens: list[str]) -> str:
+        """Who asks, for ``--scheduling-policy fair`` (``--fair-client``): "key:N" for the N-th API key one of
+        ``tokens`` is (a caller without one, where no keys are needed, by its address), else
+        ``openai_params.client_id``'s address, or the body's user."""
+        if self.fair_client == "key" and (n := self.auth.key_number(tokens)) is not None:
+            return f"key:{n}"
+        return op.client_id(data, conn, self.fair_client == "user")
 
     def _require_engine(self) -> None:
         if not self.client.healthy:
@@ -641,7 +649,7 @@ class OpenAIApi:
         info = req.meta = CallInfo(prompt=logged)  # access log
         gen, fmt = await job(self, data, req.started)
         req.id, info.gen = gen.api_id, gen
-        gen.client_id = op.client_id(data, req.protocol, self.fair_by_user)
+        gen.client_id = self.client_of(data, req.protocol, Auth.given(req))
         # a window of the inputs at a time: later calls queue behind that many of them, not all
         gen.start(window=2 * self.client.ready.max_num_seqs)
         try:
@@ -687,7 +695,7 @@ class OpenAIApi:
         if stream and fmt.DONE:  # (a Response has its usage in it)
             include_usage, fmt.continuous_usage = self._include_usage(data)
         req.id, info.gen = gen.api_id, gen  # the access log and x-request-id name the call by its own id
-        gen.client_id = op.client_id(data, req.protocol, self.fair_by_user)
+        gen.client_id = self.client_of(data, req.protocol, Auth.given(req))
         gen.start()
         try:
             first = await gen.next_updates()  # an engine refusal (429, 400) still gets its status

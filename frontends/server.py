@@ -72,7 +72,7 @@ class FrontendArgs:
     max_tokens_cap: int | None = None  # on every request's max_tokens (engine.model_path.max_tokens_cap)
     model_aliases: list[str] = field(default_factory=list)  # names besides served_model_name a request may use
     media: MediaSources = field(default_factory=MediaSources)  # where images may come from besides data: URLs
-    fair_client: str = "address"  # who a client is for the fair policy: "address", or the body's "user"
+    fair_client: str = "address"  # who a client is for the fair policy: "address", its API "key", the body's "user"
 
 
 def engine_client(args: FrontendArgs) -> EngineClient | EngineRouter:

@@ -123,7 +123,7 @@ class WebSocketEndpoint:
 
     async def upgrade(self, req: Request) -> Response | Upgrade:
         offered = _offered_subprotocols(req)
-        self._check_auth(req, offered)
+        tokens = self._check_auth(req, offered)
         if SUBPROTOCOL not in offered and any(p.startswith(KEY_PREFIX) for p in offered):
             raise ApiError(400, f"offer the subprotocol '{SUBPROTOCOL}' beside '{KEY_PREFIX}<key>': it is the one "
                            "answered (a key is never sent back)")
@@ -152,13 +152,15 @@ class WebSocketEndpoint:
             return Response(resp.status_code, status_error_body(resp.status_code, msg), headers=extra)
         proto.send_response(resp)
         head = b"".join(proto.data_to_send())
-        return Upgrade(Connection(self, proto, server), head)
+        return Upgrade(Connection(self, proto, server, tokens), head)
 
-    def _check_auth(self, req: Request, offered: list[str]) -> None:
+    def _check_auth(self, req: Request, offered: list[str]) -> list[str]:
+        """The keys the handshake gave, checked (the connection's, for ``--fair-client key``)."""
         auth = self.api.auth  # the same origin rule and keys as the HTTP API
         auth.check_origin(req)
         tokens = auth.given(req) + [p[len(KEY_PREFIX):] for p in offered if p.startswith(KEY_PREFIX)]
         auth.check_key(tokens, f"send 'Authorization: Bearer <key>' or the subprotocol '{KEY_PREFIX}<key>'")
+        return tokens
 
 
 def _offered_subprotocols(req: Request) -> list[str]:
@@ -204,8 +206,10 @@ class _Live:
 class Connection(asyncio.Protocol):
     """One upgraded client connection and its generations."""
 
-    def __init__(self, ep: WebSocketEndpoint, proto: ServerProtocol, server: HttpServer | None) -> None:
+    def __init__(self, ep: WebSocketEndpoint, proto: ServerProtocol, server: HttpServer | None,
+                 tokens: list[str] | None = None) -> None:
         self.ep = ep
+        self.tokens = tokens or []  # the keys its handshake gave (its client, for --fair-client key)
         self.api = ep.api
         self.config = ep.config
         self.proto = proto
@@ -395,7 +399,7 @@ class Connection(asyncio.Protocol):
             try:
                 job = self.api.completion_job if kind == "completion" else self.api.chat_job
                 live.gen, fmt = await job(msg, arrival)
-                live.gen.client_id = op.client_id(msg, self, self.api.fair_by_user)
+                live.gen.client_id = self.api.client_of(msg, self, self.tokens)
                 live.gen.start()
             except ApiError as e:
                 status = e.status

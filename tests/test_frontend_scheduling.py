@@ -115,15 +115,28 @@ def test_priority_and_timeout_reach_the_engine(engine, client):
 
 def test_who_asks_reaches_the_engine(engine, client, port, codec):
     """``--scheduling-policy fair``'s unit: the caller's host (``--fair-client address``, the default: a ``user``
-    is the caller's word, and one caller could name each request differently), or with ``--fair-client user``
-    the body's end user (OpenAI's ``user`` or ``safety_identifier``, Anthropic's ``metadata.user_id``; one that
-    is no string is not taken), over HTTP and WebSocket alike."""
+    is the caller's word, and one caller could name each request differently); with ``--fair-client key`` the
+    API key it gave, by its place among the keys; with ``--fair-client user`` the body's end user (OpenAI's
+    ``user`` or ``safety_identifier``, Anthropic's ``metadata.user_id``; one that is no string is not taken),
+    over HTTP and WebSocket alike."""
     client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1, user="alice")
     assert engine.adds[-1].client == "addr:127.0.0.1"
 
     async def main():
-        async with serving(engine, codec) as s:
-            s.api.fair_by_user = True
+        async with serving(engine, codec, api_keys=(KEY, "k2")) as s:
+            s.api.fair_client = "key"
+            for key, want in ((KEY, "key:0"), ("k2", "key:1")):
+                r = await asyncio.to_thread(post, s.port, "/v1/completions",
+                                            {"model": MODEL, "max_tokens": 1, "prompt": "x", "user": "u"}, key)
+                assert r.status_code == 200 and engine.adds[-1].client == want
+            for headers, subprotocols, want in ((AUTH, None, "key:0"), ({}, ["tokenmill.v1", "tokenmill.key.k2"],
+                                                                          "key:1")):
+                async with connect(s.url, additional_headers=headers, subprotocols=subprotocols) as ws:
+                    await ws.send(json.dumps({"type": "chat", "id": "c", "messages": CHAT, "max_tokens": 1}))
+                    while (await recv(ws))["type"] != "done":
+                        pass
+                    assert engine.adds[-1].client == want
+            s.api.fair_client = "user"
             base = {"model": MODEL, "max_tokens": 1}
             for body, want in (({"user": "alice"}, ["user:alice"]), ({"safety_identifier": "h1", "n": 2}, ["user:h1"] * 2),
                                ({}, ["addr:127.0.0.1"]), ({"user": ""}, ["addr:127.0.0.1"]),

@@ -198,7 +198,7 @@ def test_bad_size_is_a_usage_error():
     (["--max-num-seqs", "0"], "max_num_seqs must be positive"),
     (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be in"),
     (["--tensor-parallel-size", "0"], "tensor_parallel_size must be positive"),
-    (["--scheduling-policy", "lifo"], "invalid choice: 'lifo' (choose from 'fcfs', 'priority', 'short-first')"),
+    (["--scheduling-policy", "lifo"], "invalid choice: 'lifo' (choose from 'fcfs', 'priority', 'short-first', 'fair')"),
     (["--request-timeout", "0"], "request_timeout must be a positive number of seconds"),
     (["--request-timeout", "-1"], "request_timeout must be a positive number of seconds"),
     (["--long-prefill-token-threshold", "0"], "long_prefill_token_threshold must be positive"),
