@@ -282,21 +282,23 @@ class FairQueue(Queue):
                 counts = Counter()
                 for req, n in zip(decodes, num_new_tokens, strict=False):
                     counts[req.client] += n
-        served, redo = self._served, self._redo
-        for c, n in counts.items():
-            counts[c] = 2 * n  # (a generated token counts twice)
-        for req, n in zip(requests[num_decodes:], num_new_tokens[num_decodes:], strict=True):
-            if redo and req in redo:  # the step computed [end - n, end); up to where it had come, again
-                end, had = req.num_computed_tokens, redo[req]
-                n -= max(0, min(end, had) - (end - n))
-                if end >= had:
-                    del redo[req]
-            counts[req.client] += n
+        served, redo, touched = self._served, self._redo, counts.keys()
         for c, n in counts.items():
             if c in served:  # (always, but for one that ended with its step in flight: gone, and forgotten)
-                served[c] += n
-                if c in self._entry:
-                    self._rekey(c)
+                served[c] += 2 * n  # (a generated token counts twice)
+        if num_decodes < len(requests):
+            touched = set(touched)
+            for req, n in zip(requests[num_decodes:], num_new_tokens[num_decodes:], strict=True):
+                if redo and req in redo:  # the step computed [end - n, end); up to where it had come, again
+                    end, had = req.num_computed_tokens, redo[req]
+                    n -= max(0, min(end, had) - (end - n))
+                    if end >= had:
+                        del redo[req]
+                if (c := req.client) in served:
+                    served[c] += n
+                    touched.add(c)
+        for c in touched & self._entry.keys():
+            self._rekey(c)
 
     def preempted(self, req: Request, computed: int) -> None:
         self._redo[req] = max(computed, self._redo.get(req, 0))
