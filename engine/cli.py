@@ -26,6 +26,7 @@ from engine.config import (
     ASYNC_SCHEDULING,
     DEVICES,
     DTYPES,
+    FAIR_CLIENTS,
     KV_CACHE_DTYPES,
     POLICIES,
     QUANTIZATIONS,
@@ -269,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="browser origins besides the server's own that may call it, comma-separated "
                         "(https://app.example.com), or * for any; without API keys other origins get 403 "
                         "(default: none)")
-    h.add_argument("--fair-client", choices=("address", "key", "user"), default="address",
+    h.add_argument("--fair-client", choices=FAIR_CLIENTS, default="address",
                    help="who a client is for --scheduling-policy fair: the caller's address, the API key it gave "
                         "(one client per --api-key), or the body's 'user' (OpenAI's; safety_identifier, Anthropic's "
                         "metadata.user_id), which any caller may name as it likes: only for a gateway in front "

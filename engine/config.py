@@ -16,6 +16,7 @@ from engine.speculative import NgramConfig
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 POLICIES = ("fcfs", "priority", "short-first", "fair")  # engine.request_queue has one queue for each
+FAIR_CLIENTS = ("address", "key", "user")  # who a client is for the fair policy (frontends' OpenAIApi.client_of)
 ASYNC_SCHEDULING = ("auto", "on", "off")
 # the int4 checkpoints engine.quant reads (vLLM's names; its Marlin kernels' names mean the same files here)
 QUANTIZATIONS = ("awq", "gptq", "awq_marlin", "gptq_marlin")

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from engine.config import EngineConfig
+from engine.config import FAIR_CLIENTS, EngineConfig
 from engine.model_path import (
     generation_defaults,
     max_tokens_cap,
@@ -109,6 +109,8 @@ class ServeOptions:
                 raise ValueError(f"--engine {a} needs the engine's key: --engine-key or $TOKENMILL_ENGINE_KEY")
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"--log-format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
+        if self.fair_client not in FAIR_CLIENTS:
+            raise ValueError(f"--fair-client must be one of {', '.join(FAIR_CLIENTS)}, got {self.fair_client!r}")
         if self.api_server_count < 1:
             raise ValueError(f"api_server_count must be at least 1, got {self.api_server_count}")
         if not 0 <= self.port <= 65535:

@@ -271,34 +271,38 @@ class FairQueue(Queue):
 
     def served(self, requests: list[Request], num_new_tokens: list[int], num_decodes: int,
                rejected: dict[str, int] | None = None) -> None:
-        decodes = requests[:num_decodes]
-        if rejected:  # (drafts: their kept tokens only)
+        decodes, redo = requests[:num_decodes], self._redo
+        if rejected:  # (a step with drafts: it has each drafting request's count; their kept tokens only)
             counts: Counter[str] = Counter()
             for req, n in zip(decodes, num_new_tokens, strict=False):
                 counts[req.client] += n - rejected.get(req.request_id, 0)
         else:
-            counts = Counter(map(_CLIENT, decodes))  # (one token each, or drafts all kept: counted below)
-            if len(decodes) < sum(num_new_tokens[:num_decodes]):
-                counts = Counter()
-                for req, n in zip(decodes, num_new_tokens, strict=False):
-                    counts[req.client] += n
-        served, redo, touched = self._served, self._redo, counts.keys()
+            counts = Counter(map(_CLIENT, decodes))  # (one token each)
+        if redo:  # (a decode of a request back from a preemption may still be below where it had come)
+            for req, n in zip(decodes, num_new_tokens, strict=False):
+                if req in redo:
+                    counts[req.client] -= self._again(req, n)
+        served, touched = self._served, counts.keys()
         for c, n in counts.items():
             if c in served:  # (always, but for one that ended with its step in flight: gone, and forgotten)
                 served[c] += 2 * n  # (a generated token counts twice)
         if num_decodes < len(requests):
             touched = set(touched)
             for req, n in zip(requests[num_decodes:], num_new_tokens[num_decodes:], strict=True):
-                if redo and req in redo:  # the step computed [end - n, end); up to where it had come, again
-                    end, had = req.num_computed_tokens, redo[req]
-                    n -= max(0, min(end, had) - (end - n))
-                    if end >= had:
-                        del redo[req]
+                if redo and req in redo:
+                    n -= self._again(req, n)
                 if (c := req.client) in served:
                     served[c] += n
                     touched.add(c)
         for c in touched & self._entry.keys():
             self._rekey(c)
+
+    def _again(self, req: Request, n: int) -> int:
+        """Of the ``n`` tokens a step computed for ``req``, those it had computed before its preemption."""
+        end, had = req.num_computed_tokens, self._redo[req]  # (the step computed [end - n, end))
+        if end >= had:
+            del self._redo[req]
+        return max(0, min(end, had) - (end - n))
 
     def preempted(self, req: Request, computed: int) -> None:
         self._redo[req] = max(computed, self._redo.get(req, 0))

@@ -132,6 +132,10 @@ def test_fair_counts_neither_what_a_preemption_computes_again_nor_drafts_not_kep
     batch.add_drafts(0, 3)
     s.waiting.served(batch.requests, batch.num_new_tokens, batch.num_decodes, {"a": 2})
     assert s.waiting._served == {"a": 19}  # its token and the one draft kept
+    s.waiting.preempted(a, a.num_computed_tokens + 1)  # (a step launched, counted, then failed: rolled back)
+    a.num_computed_tokens += 1  # its recompute ended one short, and that token ran as a decode: free too
+    s.waiting.served([a], [1], 1)
+    assert s.waiting._served == {"a": 19} and not s.waiting._redo
 
 
 def test_a_client_that_comes_back_starts_level_with_the_least_served():
