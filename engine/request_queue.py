@@ -57,6 +57,17 @@ class Queue:
     preempts = False
     preempt_margin = 0.0
 
+    def set_aside(self) -> Request:
+        """Take the head out for this step: ``put_back`` returns what was set aside to where it was (kept in
+        the queue's ``_aside``; a heap's keeps its entries instead)."""
+        self._aside.append(self.pop())
+        return self._aside[-1]
+
+    def put_back(self) -> None:
+        for req in reversed(self._aside):
+            self.requeue(req)
+        self._aside.clear()
+
     def served(self, requests: list[Request], num_new_tokens: list[int], num_decodes: int,
                rejected: dict[str, int] | None = None) -> None:
         """A step launched with ``num_new_tokens`` of each of ``requests`` (the first ``num_decodes`` decode,
@@ -96,16 +107,6 @@ class FcfsQueue(Queue):
 
     def pop(self) -> Request:
         return self._q.popitem(last=False)[0]
-
-    def set_aside(self) -> Request:
-        """Take the head out for this step: ``put_back`` returns what was set aside to where it was."""
-        self._aside.append(self.pop())
-        return self._aside[-1]
-
-    def put_back(self) -> None:
-        for req in reversed(self._aside):
-            self.requeue(req)
-        self._aside.clear()
 
     def remove(self, req: Request) -> None:
         del self._q[req]
@@ -255,16 +256,6 @@ class FairQueue(Queue):
         req = self.peek()
         self._take(req)
         return req
-
-    def set_aside(self) -> Request:
-        """Take the head out for this step: ``put_back`` returns what was set aside to where it was."""
-        self._aside.append(self.pop())
-        return self._aside[-1]
-
-    def put_back(self) -> None:
-        for req in reversed(self._aside):
-            self.requeue(req)
-        self._aside.clear()
 
     def remove(self, req: Request) -> None:
         self._take(req)
