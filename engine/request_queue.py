@@ -23,19 +23,21 @@ was admitted, so the waiting ones catch up with it:
   rest of the context, says nothing about how long the answer will be):
   waiting ``aging_seconds`` is worth halving it.
 - ``fair``: rank = the tokens the request's *client* has been served so far
-  (``Request.client``: the frontend's ``user``, else the caller's address), so
-  that the least-served client's request is admitted first and one client's
-  hundreds of requests cannot queue everyone else behind them: a virtual token
-  counter (Sheng et al., "Fairness in Serving Large Language Models", OSDI '24).
-  A prompt token counts 1 and a generated token 2, as computed (once: what a
-  preemption makes the engine compute again, and drafts not kept, are free). A client is
-  counted while it has requests in the engine; one that comes (back) starts at
-  the least-served active client's count, so that idle time earns no credit.
-  No aging: a waiting client's count stands still while the others' grow.
+  (``Request.client``: the caller's address, API key or user, as the frontend's
+  ``--fair-client`` says), so that the least-served client's request is admitted
+  first and one client's hundreds of requests cannot queue everyone else behind
+  them: a virtual token counter (Sheng et al., "Fairness in Serving Large
+  Language Models", OSDI '24). A token computed in a prompt row counts 1, in a
+  decode row 2 (a generated one), once: what a preemption makes the engine
+  compute again, and drafts not kept, are free. A client is counted while it has
+  requests in the engine; one that comes (back) starts at the least-served
+  active client's count, so that idle time earns no credit. No aging: a waiting
+  client's count stands still while the others' grow.
 
 ``aging_seconds`` = inf turns aging off (as in vLLM), at the risk of starvation.
-Every queue is told of the steps launched (``served``) and of the requests that
-end (``finished``); only ``fair`` counts them. Torch-free.
+Every queue is told of the steps launched (``served``), of the KV preemptions
+drop (``preempted``) and of the requests that end (``finished``); only ``fair``
+counts them. Torch-free.
 """
 
 from __future__ import annotations
