@@ -64,7 +64,7 @@ class Request:
         # Looked up once per sampled token: a set, so the cost does not grow with the list.
         self.stop_token_ids = frozenset(params.stop_token_ids)
         self.priority = priority
-        self.client = client  # who asked (the fair policy's unit): the frontend's "user", else the caller's address
+        self.client = client  # who asked (the fair policy's unit): the caller's address, API key or user (--fair-client)
         self.deadline = deadline
         self.status = Status.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache (or on their way: a step in flight)

@@ -162,7 +162,7 @@ class Generation:
         self.cache_salt = cache_salt
         self.lora = ""  # the LoRA adapter the request's ``model`` names ("": the model alone)
         self.admitted = False  # a later part of admitted work (a beam search's next round): no 429 for a full queue
-        self.client_id = ""  # who asked (``openai_params.client_id``): the fair scheduling policy's unit
+        self.client_id = ""  # who asked (``OpenAIApi.client_of``): the fair scheduling policy's unit
         self.want_logprobs = self._params[0].logprobs is not None
         # the request's field the engine's json_schema / choice came from: its refusals are named so
         self.schema_param = "response_format"

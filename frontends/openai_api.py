@@ -111,7 +111,7 @@ class OpenAIApi:
                  fair_client: str = "address") -> None:
         """``images``: the model's image processor (``frontends.images``), or why there is none for a model that
         reads images (None: the model reads none); ``media``: where images may come from (``frontends.media``;
-        None: data: URLs only); ``fair_client``: who a client is for the fair policy (``openai_params.client_id``)."""
+        None: data: URLs only); ``fair_client``: who a client is for the fair policy (``client_of``)."""
         self.client = client
         self.images = images
         self.media = media or MediaReader()

@@ -512,11 +512,12 @@ def client_id(data: dict, conn: Any, by_user: bool = False) -> str:
     it): the body's end user (OpenAI's ``user``, or its successor ``safety_identifier``; Anthropic's
     ``metadata.user_id``), else that host. A caller names its user as it likes: by address, one that sends each
     request under another name is still one client. Kept to 256 characters (the engine holds one count each)."""
-    metadata = data.get("metadata") if by_user else None
-    for user in (data.get("user"), data.get("safety_identifier"),
-                 metadata.get("user_id") if isinstance(metadata, dict) else None) if by_user else ():
-        if isinstance(user, str) and user:
-            return "user:" + user[:256]
+    if by_user:
+        metadata = data.get("metadata")
+        for user in (data.get("user"), data.get("safety_identifier"),
+                     metadata.get("user_id") if isinstance(metadata, dict) else None):
+            if isinstance(user, str) and user:
+                return "user:" + user[:256]
     peer = getattr(conn, "peer", "-")
     return "addr:" + (peer.rsplit(":", 1)[0] if peer != "-" else peer)
 
