@@ -82,7 +82,7 @@ class FakeEngine:
             raise FakeRequestError(404, "not_found_error", f"The LoRA adapter '{name}' is not loaded")
 
     def add_request(self, request_id, prompt_token_ids, params, priority=0, deadline=None, cache_salt="", pooling=None,
-                    lora="", images=None, admitted=False):
+                    lora="", images=None, admitted=False, client=""):
         if len(prompt_token_ids) + params.max_tokens > MAX_LEN:
             raise FakeRequestError(400, "invalid_request_error", "too long", "max_tokens")
         if len(self.running) >= self.max_waiting:
