@@ -342,6 +342,8 @@ class OllamaApi:
         chat = to_chat(data, chat_messages(data)) | {"model": name}
         tools = op.field(data, "tools", list, None)
         if tools:
+            if self.api.tool_format is None:  # (Ollama's refusal: Ollama has no tool_choice for the chat's to name)
+                raise ApiError(400, f'"{_shown(data)}" does not support tools', param="tools")
             chat["tools"] = tools
         try:
             gen, chat_fmt = await self._chat(chat, arrival)

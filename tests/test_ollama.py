@@ -200,6 +200,10 @@ def test_models_and_refusals(tiny_server, client):
                           ({"prompt": "x", "system": "s" * 400_000}, "The system is 400000 characters long")):
         status, raw, _ = post(tiny_server, "/api/generate", {"model": "tiny", **body})
         assert status == 400 and message in json.loads(raw)["error"], raw
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    status, raw, _ = post(tiny_server, "/api/chat", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                                                     "tools": [tool]})  # (the tiny model's template shows none)
+    assert status == 400 and json.loads(raw) == {"error": '"tiny" does not support tools'}
     for messages in ([{"role": "user", "content": []}], [{"role": "assistant", "content": "", "tool_calls": [
             {"function": {"name": "f", "arguments": [1]}}]}], [{"role": "assistant", "content": "", "tool_calls": [
             {"function": {"name": "f", "arguments": ""}}]}], [{"role": "assistant", "content": "", "thinking": 0}]):
