@@ -63,10 +63,6 @@ class Auth:
 
     # ------------------------------------------------------------------ keys
 
-    def key_ok(self, token: str) -> bool:
-        """Whether ``token`` is one of the API keys (always True when none are configured)."""
-        return not self._keys or self.key_number([token]) is not None
-
     @staticmethod
     def given(req: Request) -> list[str]:
         """The keys a request gives: ``Authorization: Bearer <key>`` (OpenAI's) and ``x-api-key``
@@ -87,7 +83,7 @@ class Auth:
     def check_key(self, tokens: list[str],
                   how: str = "send 'Authorization: Bearer <key>' or 'x-api-key: <key>'") -> None:
         """Raise 401 unless one of ``tokens`` is a key (nothing to check without keys)."""
-        if self._keys and not any([self.key_ok(t) for t in tokens]):  # a list: every candidate is compared
+        if self._keys and self.key_number(tokens) is None:
             raise ApiError(401, f"Invalid or missing API key ({how})", code="invalid_api_key")
 
     # ------------------------------------------------------------------ origins
@@ -134,7 +130,7 @@ class Auth:
         without keys, or a missing or wrong key): ``Router.add``'s ``refuses``, so its body is never read."""
         if not self._keys:
             return not self.origin_allowed(req)
-        return key and not any([self.key_ok(t) for t in self.given(req)])
+        return key and self.key_number(self.given(req)) is None
 
     def guard(self, handler: Handler, *, key: bool = True, json_body: bool = False) -> Handler:
         """``handler`` behind the origin rule, the key (``key``) and a JSON content type (``json_body``)."""

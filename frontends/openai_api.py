@@ -281,12 +281,17 @@ class OpenAIApi:
     def _new_id(self, prefix: str) -> str:
         return f"{prefix}-{self._id_prefix}{next(self._ids):x}"
 
-    def client_of(self, data: dict, conn: Any, tokens: list[str]) -> str:
-        """Who asks, for ``--scheduling-policy fair`` (``--fair-client``): "key:N" for the N-th API key one of
-        ``tokens`` is (a caller without one, where no keys are needed, by its address), else
+    def key_of(self, tokens: list[str]) -> int | None:
+        """Which API key of ``tokens`` is the caller's client under ``--fair-client key`` (None: none, or
+        another mode: no keys compared)."""
+        return self.auth.key_number(tokens) if self.fair_client == "key" else None
+
+    def client_of(self, data: dict, conn: Any, key: int | None) -> str:
+        """Who asks, for ``--scheduling-policy fair`` (``--fair-client``): "key:N" for the N-th API key
+        (``key_of``; a caller without one, where no keys are needed, by its address), else
         ``openai_params.client_id``'s address, or the body's user."""
-        if self.fair_client == "key" and (n := self.auth.key_number(tokens)) is not None:
-            return f"key:{n}"
+        if key is not None:
+            return f"key:{key}"
         return op.client_id(data, conn, self.fair_client == "user")
 
     def _require_engine(self) -> None:
@@ -649,7 +654,7 @@ class OpenAIApi:
         info = req.meta = CallInfo(prompt=logged)  # access log
         gen, fmt = await job(self, data, req.started)
         req.id, info.gen = gen.api_id, gen
-        gen.client_id = self.client_of(data, req.protocol, Auth.given(req))
+        gen.client_id = self.client_of(data, req.protocol, self.key_of(Auth.given(req)))
         # a window of the inputs at a time: later calls queue behind that many of them, not all
         gen.start(window=2 * self.client.ready.max_num_seqs)
         try:
@@ -695,7 +700,7 @@ class OpenAIApi:
         if stream and fmt.DONE:  # (a Response has its usage in it)
             include_usage, fmt.continuous_usage = self._include_usage(data)
         req.id, info.gen = gen.api_id, gen  # the access log and x-request-id name the call by its own id
-        gen.client_id = self.client_of(data, req.protocol, Auth.given(req))
+        gen.client_id = self.client_of(data, req.protocol, self.key_of(Auth.given(req)))
         gen.start()
         try:
             first = await gen.next_updates()  # an engine refusal (429, 400) still gets its status

@@ -152,10 +152,10 @@ class WebSocketEndpoint:
             return Response(resp.status_code, status_error_body(resp.status_code, msg), headers=extra)
         proto.send_response(resp)
         head = b"".join(proto.data_to_send())
-        return Upgrade(Connection(self, proto, server, tokens), head)
+        return Upgrade(Connection(self, proto, server, self.api.key_of(tokens)), head)
 
     def _check_auth(self, req: Request, offered: list[str]) -> list[str]:
-        """The keys the handshake gave, checked (the connection's, for ``--fair-client key``)."""
+        """The keys the handshake gave, checked (the connection's client's, for ``--fair-client key``)."""
         auth = self.api.auth  # the same origin rule and keys as the HTTP API
         auth.check_origin(req)
         tokens = auth.given(req) + [p[len(KEY_PREFIX):] for p in offered if p.startswith(KEY_PREFIX)]
@@ -207,9 +207,9 @@ class Connection(asyncio.Protocol):
     """One upgraded client connection and its generations."""
 
     def __init__(self, ep: WebSocketEndpoint, proto: ServerProtocol, server: HttpServer | None,
-                 tokens: list[str] | None = None) -> None:
+                 key: int | None = None) -> None:
         self.ep = ep
-        self.tokens = tokens or []  # the keys its handshake gave (its client, for --fair-client key)
+        self.key = key  # which API key its handshake gave (OpenAIApi.key_of): its client under --fair-client key
         self.api = ep.api
         self.config = ep.config
         self.proto = proto
@@ -399,7 +399,7 @@ class Connection(asyncio.Protocol):
             try:
                 job = self.api.completion_job if kind == "completion" else self.api.chat_job
                 live.gen, fmt = await job(msg, arrival)
-                live.gen.client_id = self.api.client_of(msg, self, self.tokens)
+                live.gen.client_id = self.api.client_of(msg, self, self.key)
                 live.gen.start()
             except ApiError as e:
                 status = e.status
