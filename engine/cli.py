@@ -219,7 +219,8 @@ def _engine_flags(p: argparse.ArgumentParser, generate: bool = False) -> None:
                    help="the order waiting requests start in: fcfs (arrival), priority (the request's "
                         "'priority', lower first; a more urgent request preempts a less urgent running one), "
                         "short-first (least expected work first) or fair (the client served the fewest tokens "
-                        f"first: see --fair-client) (default: {d['scheduling_policy']})")
+                        "first, one with nothing running before all, taking a seat from a client holding several: "
+                        f"see --fair-client) (default: {d['scheduling_policy']})")
     q.add_argument("--scheduling-aging-seconds", type=float, default=None, metavar="SECONDS",
                    help="no starvation: every this many seconds a request has waited count as one priority "
                         "level (priority) or as halving its work (short-first); inf turns aging off, as in vLLM "

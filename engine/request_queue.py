@@ -5,8 +5,9 @@ uses the same rank for running requests: the best gets prompt tokens first, the
 worst is preempted first (the most recently admitted among equals). One order
 for both is what guarantees progress: the best-ranked request is never the one
 pushed out to make room for others. ``preempts`` says whether a waiting request
-may push a running one out on rank alone (only ``priority``, and only when it
-ranks at least ``preempt_margin`` better, half a level).
+may push a running one out: under ``priority`` on rank alone, when it ranks at
+least ``preempt_margin`` better (half a level); under ``fair`` (``by_client``)
+when its client has nothing running and another client holds several seats.
 
 Aging, so that nothing starves: every ``aging_seconds`` a request has spent
 *waiting* (in total, across preemptions; time running does not count) improves
@@ -32,7 +33,11 @@ was admitted, so the waiting ones catch up with it:
   compute again, and drafts not kept, are free. A client is counted while it has
   requests in the engine; one that comes (back) starts at the least-served
   active client's count, so that idle time earns no credit. No aging: a waiting
-  client's count stands still while the others' grow.
+  client's count stands still while the others' grow. A client with nothing
+  running takes a seat from the most-served client holding two or more (its
+  latest admitted request is preempted), so that one client's long generations
+  filling every seat do not keep the others waiting for one to end; a client
+  holding one seat keeps it, so seats never change hands back and forth.
 
 ``aging_seconds`` = inf turns aging off (as in vLLM), at the risk of starvation.
 Every queue is told of the steps launched (``served``), of the KV preemptions
@@ -58,6 +63,7 @@ class Queue:
 
     preempts = False
     preempt_margin = 0.0
+    by_client = False  # (fair: preempts for a client with no seat, not on rank)
 
     def set_aside(self) -> Request:
         """Take the head out for this step: ``put_back`` returns what was set aside to where it was (kept in
@@ -208,9 +214,12 @@ class ShortFirstQueue(RankedQueue):
 
 class FairQueue(Queue):
     """Each client's requests in arrival order (preempted ones back at the front), the clients in a heap keyed
-    by (tokens served, their head's arrival), with lazy removal: an entry is stale once its client's count or
-    head has changed (a step re-keys only the clients it served that have requests waiting)."""
+    by (holds a seat, tokens served, their head's arrival), with lazy removal: an entry is stale once its
+    client's seats, count or head have changed (a step re-keys only the clients it served that have requests
+    waiting). A freed seat goes first to a client that holds none, which a seat taken from another (the
+    scheduler's preemption) would give it anyway: no seat is given to be taken back the next step."""
 
+    preempts = by_client = True
     # a running request's prompt takes its chunk before a waiting one of a client served less, unless that
     # one's client was served this many tokens less: equals' long prompts are not all started at once
     preempt_margin = 2048.0
@@ -219,8 +228,9 @@ class FairQueue(Queue):
         self.now = 0.0
         self._served: dict[str, float] = {}  # client -> tokens served, while it has requests in the engine
         self._held: dict[str, int] = {}  # client -> its requests in the engine (waiting or running)
+        self._seats: dict[str, int] = {}  # client -> its running requests (admitted, not yet preempted or ended)
         self._waiting: dict[str, OrderedDict[Request, None]] = {}  # client -> its waiting requests, in order
-        self._heap: list[list] = []  # [served, head's arrival, seq, client, live]
+        self._heap: list[list] = []  # [holds a seat, served, head's arrival, seq, client, live]
         self._entry: dict[str, list] = {}  # client -> its live entry (clients with requests waiting)
         self._aside: list[Request] = []
         self._redo: dict[Request, int] = {}  # a preempted request -> the tokens it had computed (computed again free)
@@ -229,6 +239,10 @@ class FairQueue(Queue):
 
     def rank(self, req: Request) -> float:
         return self._served.get(req.client, 0.0)
+
+    def seats(self, client: str) -> int:
+        """How many of ``client``'s requests run."""
+        return self._seats.get(client, 0)
 
     def push(self, req: Request) -> None:
         c = req.client
@@ -250,12 +264,19 @@ class FairQueue(Queue):
         self._rekey(c)
 
     def peek(self) -> Request:
-        while not self._heap[0][4]:
+        while not self._heap[0][5]:
             heapq.heappop(self._heap)
-        return next(iter(self._waiting[self._heap[0][3]]))
+        return next(iter(self._waiting[self._heap[0][4]]))
 
     def pop(self) -> Request:
+        """The head, admitted: it holds a seat."""
         req = self.peek()
+        self._seats[req.client] = self._seats.get(req.client, 0) + 1
+        self._take(req)
+        return req
+
+    def set_aside(self) -> Request:
+        self._aside.append(req := self.peek())
         self._take(req)
         return req
 
@@ -270,7 +291,7 @@ class FairQueue(Queue):
             for req, n in zip(decodes, num_new_tokens, strict=False):
                 counts[req.client] += n - rejected.get(req.request_id, 0)
         else:
-            counts = Counter(map(_CLIENT, decodes))  # (one token each)
+            counts = Counter(map(CLIENT, decodes))  # (one token each)
         if redo:  # (a decode of a request back from a preemption may still be below where it had come)
             for req, n in zip(decodes, num_new_tokens, strict=False):
                 if req in redo:
@@ -299,15 +320,26 @@ class FairQueue(Queue):
 
     def preempted(self, req: Request, computed: int) -> None:
         self._redo[req] = max(computed, self._redo.get(req, 0))
+        self._unseat(req.client)  # (requeued next, which re-keys its client)
 
     def finished(self, req: Request) -> None:
         self._redo.pop(req, None)
         c = req.client
+        if req.status is Status.RUNNING:
+            self._unseat(c)
+            if c in self._entry:  # (a client with requests waiting that may now hold no seat)
+                self._rekey(c)
         left = self._held.get(c, 0) - 1
         if left > 0:
             self._held[c] = left
         elif c in self._held:
             del self._held[c], self._served[c]
+
+    def _unseat(self, c: str) -> None:
+        if self._seats[c] > 1:
+            self._seats[c] -= 1
+        else:
+            del self._seats[c]
 
     def _take(self, req: Request) -> None:
         c = req.client
@@ -322,14 +354,14 @@ class FairQueue(Queue):
         """Client ``c``'s entry anew: its count or head changed (none once nothing of it waits)."""
         old = self._entry.pop(c, None)
         if old is not None:
-            old[4] = False
+            old[5] = False
         q = self._waiting.get(c)
         if q:
-            entry = [self._served[c], next(iter(q)).arrival_time, next(self._seq), c, True]
+            entry = [c in self._seats, self._served[c], next(iter(q)).arrival_time, next(self._seq), c, True]
             self._entry[c] = entry
             heapq.heappush(self._heap, entry)
         if len(self._heap) > 64 and len(self._heap) > 2 * len(self._entry):  # drop the stale entries
-            self._heap = [e for e in self._heap if e[4]]
+            self._heap = [e for e in self._heap if e[5]]
             heapq.heapify(self._heap)
 
     def __len__(self) -> int:
@@ -337,10 +369,10 @@ class FairQueue(Queue):
 
     def __iter__(self) -> Iterator[Request]:
         for entry in sorted(self._entry.values()):
-            yield from self._waiting[entry[3]]
+            yield from self._waiting[entry[4]]
 
 
-_CLIENT = operator.attrgetter("client")
+CLIENT = operator.attrgetter("client")  # (a request's client)
 EXPECTED_OUTPUT_CAP = 512
 
 

@@ -45,7 +45,9 @@ in the prefix cache until evicted, so it resumes cheaply) and it waits again
 and none is free, the worst-ranked running request goes (the most recently
 admitted among equals; under fcfs the latest arrival), possibly the one asking.
 Under the ``priority`` policy a waiting request that ranks half a level better
-than a running one also preempts it when the sequence budget or the blocks are short. No
+than a running one also preempts it when the sequence budget or the blocks are short;
+under ``fair``, one whose client has nothing running preempts the latest request of
+the most-served client running two or more. No
 thrash: a preempted request is not chosen again until it has produced another
 token, unless nothing else is left. Nothing is admitted after a step has had to
 preempt for blocks.
@@ -539,10 +541,12 @@ class Scheduler:
         return max(pool, key=key) if pool else req
 
     def _victim_for(self, head: Request, batch: ScheduledBatch) -> Request | None:
-        """A running request that ranks worse than waiting ``head`` and may be preempted, if any (never but
-        under a policy that ``preempts``)."""
+        """A running request that may be preempted for waiting ``head``, if any (never but under a policy that
+        ``preempts``): one that ranks worse by the queue's margin, or under ``fair`` a client's seat."""
         if not self.waiting.preempts or not self.running:
             return None
+        if self.waiting.by_client:
+            return self._seat_for_client(head, batch)
         rank, margin = self.waiting.rank, self.waiting.preempt_margin
         if max(map(rank, self.running)) - rank(head) < margin:  # (of all running first: nobody's order needed)
             return None
@@ -550,6 +554,19 @@ class Scheduler:
         if not candidates or max(map(rank, candidates)) - rank(head) < margin:
             return None
         return max(candidates, key=self._order())
+
+    def _seat_for_client(self, head: Request, batch: ScheduledBatch) -> Request | None:
+        """Under ``fair``: for waiting ``head`` of a client with nothing running, the latest admitted request of
+        the most-served client among those running two or more (served at least as much as ``head``'s), so that
+        a client whose requests hold every seat gives one up to each client that has none; a client holding a
+        single seat never gives it up, so no seat changes hands back and forth."""
+        seats, rank = self.waiting.seats, self.waiting.rank
+        if seats(head.client):
+            return None
+        least = rank(head)
+        candidates = [r for r in self.running if seats(r.client) > 1 and rank(r) >= least
+                      and not r.just_preempted and r.request_id not in batch.pinned]
+        return max(candidates, key=self._order()) if candidates else None
 
     def _add(self, batch: ScheduledBatch, req: Request, n: int) -> None:
         """Schedule ``n`` tokens of ``req``; the full blocks they complete become findable at once."""

@@ -82,8 +82,9 @@ def test_short_first_admits_least_expected_work_first():
 
 
 def test_fair_admits_the_least_served_clients_request_first():
-    """One client's many requests do not queue another client's behind them: a freed seat goes to the client
-    served fewer tokens (fcfs would admit a's whole queue first)."""
+    """One client's many requests do not queue another client's behind them: a client holding no seat takes
+    one from a client holding both, and a freed seat goes to the client holding none, else to the one served
+    fewer tokens (fcfs would admit a's whole queue first)."""
     s, _, clock = make("fair", max_num_seqs=2, num_blocks=64)
     add_all(s, clock, *[req(f"a{i}", max_tokens=3, client="a") for i in range(6)])
     step(s)
@@ -97,8 +98,10 @@ def test_fair_admits_the_least_served_clients_request_first():
                 s.finish(r, "length")
                 order.append(r.request_id)
         assert batch.num_tokens
-    # a0 and a1 were running; b's two took the seats they freed (b had been served less), then a's went on
-    assert order == ["a0", "a1", "b0", "b1", "a2", "a3", "a4", "a5"]
+    # a0 and a1 were running: b0 took a1's seat at once; a0's went to a1 (a held none), b0's to b1 (b held none),
+    # then a's went on
+    assert order == ["a0", "b0", "a1", "b1", "a2", "a3", "a4", "a5"]
+    assert s.num_preemptions == 1
     assert s.waiting._served == {} and s.waiting._held == {}  # (nothing kept of clients with nothing running)
 
 
@@ -138,6 +141,38 @@ def test_fair_counts_neither_what_a_preemption_computes_again_nor_drafts_not_kep
     assert s.waiting._served == {"a": 19} and not s.waiting._redo
 
 
+def test_fair_gives_a_client_with_no_seat_one_of_a_client_holding_several_and_never_takes_it_back():
+    """One client's long generations hold every seat: each other client that comes takes one of them (the
+    latest admitted of the client holding the most, counted first by tokens served), at once rather than
+    when one ends; a client down to one seat keeps it, and nobody takes a seat back."""
+    s, _, clock = make("fair", max_num_seqs=3, num_blocks=64)
+    add_all(s, clock, *[req(f"a{i}", max_tokens=40, client="a") for i in range(4)])
+    step(s)
+    assert ids(s.running) == ["a0", "a1", "a2"]
+    add_all(s, clock, req("b0", max_tokens=40, client="b"))
+    batch = step(s)
+    assert ids(batch.preempted) == ["a2"] and ids(s.running) == ["a0", "a1", "b0"]
+    add_all(s, clock, req("c0", max_tokens=40, client="c"), req("c1", max_tokens=40, client="c"))
+    batch = step(s)
+    assert ids(batch.preempted) == ["a1"] and ids(s.running) == ["a0", "b0", "c0"]
+    add_all(s, clock, req("d0", max_tokens=40, client="d"))
+    for _ in range(20):  # every client with requests holds one seat or waits for one to end: nobody is pushed out
+        step(s)
+    assert ids(s.running) == ["a0", "b0", "c0"] and s.num_preemptions == 2
+    assert ids(s.waiting)[0] == "d0"  # the next seat is d's: it holds none
+    s.finish(s.running[1], "length")
+    step(s)
+    assert ids(s.running) == ["a0", "c0", "d0"]
+    # only a client served at least as much gives a seat up: one that had been served more waits
+    s, _, clock = make("fair", max_num_seqs=2, num_blocks=64)
+    add_all(s, clock, req("a0", max_tokens=40, client="a"), req("a1", max_tokens=40, client="a"))
+    step(s)
+    add_all(s, clock, req("b0", client="b"))
+    s.waiting._served["b"] = s.waiting._served["a"] + 1
+    step(s)
+    assert not s.num_preemptions and ids(s.waiting) == ["b0"]
+
+
 def test_a_client_that_comes_back_starts_level_with_the_least_served():
     """Time away earns no credit: a client new (or back) starts at the least-served active client's count,
     so it goes next, but cannot then hold the seats for as long as it was away."""
@@ -148,9 +183,7 @@ def test_a_client_that_comes_back_starts_level_with_the_least_served():
     served = s.waiting._served["a"]
     add_all(s, clock, req("c0", client="c"))
     assert s.waiting._served["c"] == served and s.waiting.rank(req("x", client="c")) == served
-    assert ids(s.waiting) == ["a1", "c0"]  # (level: the older head first)
-    step(s)  # a is served on
-    assert ids(s.waiting) == ["c0", "a1"]
+    assert ids(s.waiting) == ["c0", "a1"]  # (c holds no seat: first)
 
 
 def test_short_first_never_preempts_on_its_own():
@@ -737,6 +770,7 @@ def test_random_traffic_keeps_every_invariant_and_finishes(policy, seed):
         live = [r for r in live if r.status is not Status.FINISHED]
         if policy == "fair":  # (each client counted while it has requests in the engine, and only then)
             assert s.waiting._held == Counter(r.client for r in live) and s.waiting._served.keys() == s.waiting._held.keys()
+            assert s.waiting._seats == Counter(r.client for r in s.running)
             assert set(s.waiting._redo) <= set(live)
     assert not live and not s.has_work(), f"stuck: {live}"
     assert bm.num_free_blocks == bm.num_blocks

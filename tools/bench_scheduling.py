@@ -14,6 +14,9 @@ prints one table, then one JSON line:
 - ``two-client``: one client's 48 requests at once into 8 seats, and another's 6
   short ones while they run: the light client's TTFT, fcfs against fair (both
   call from this machine: told apart by ``user``, ``--fair-client user``).
+- ``long-flood``: the same, the flood 16 requests of 256 tokens each: its
+  generations hold every seat for long, so a light request waits for one to end
+  unless it takes a seat from the flood.
 
     python tools/bench_scheduling.py --before /tmp/tokenmill-before
     python tools/bench_scheduling.py --only mixed --policies priority --before-policies priority --before /tmp/old
@@ -95,7 +98,7 @@ def main() -> int:
     p.add_argument("--short", type=int, default=24, help="short requests in the mixed workload")
     p.add_argument("--concurrency", type=int, default=8, help="short streams in flight in the mixed workload")
     p.add_argument("--long-interval", default="0.5", help="seconds between the mixed workload's long prompts (0: a burst)")
-    p.add_argument("--only", default="mixed,w2,two-priority,two-client", help="comma-separated workloads to run")
+    p.add_argument("--only", default="mixed,w2,two-priority,two-client,long-flood", help="comma-separated workloads to run")
     p.add_argument("--policies", default="fcfs,short-first,priority,fair", help="policies to run after the change")
     p.add_argument("--before-policies", default="fcfs", help="policies to run before it (its flag: the checkout has it)")
     p.add_argument("--repeat", type=int, default=1, help="run the whole plan this many times (noise)")
@@ -107,8 +110,11 @@ def main() -> int:
     w2 = ["--num-prompts", "64", "--input-len", "128", "--output-len", "64", "--max-concurrency", "16"]
     prio = ["--workload", "two-priority", "--num-prompts", "64", "--input-len", "128", "--output-len", "64",
             "--urgent-fraction", "0.1"]
-    clients = ["--workload", "two-client", "--num-prompts", "48", "--input-len", "64", "--output-len", "64",
-               "--num-light", "6", "--light-output-len", "16"]
+    def two_client(flood: int, tokens: int) -> list[str]:  # (a flood of requests, and a light client's 6)
+        return ["--workload", "two-client", "--num-prompts", str(flood), "--input-len", "64", "--output-len",
+                str(tokens), "--num-light", "6", "--light-output-len", "16"]
+
+    clients, long_flood = two_client(48, 64), two_client(16, 256)
     versions = [("before", a.before)] if a.before else []
     versions.append(("after", HERE))
     plan = []
@@ -128,9 +134,10 @@ def main() -> int:
                 plan.append((f"w2 {name} {pol}", checkout, flags, w2))
             if "two-priority" in only and pol in ("fcfs", "priority"):
                 plan.append((f"two-priority {name} {pol}", checkout, [*flags, "--max-num-seqs", "8"], prio))
-            if "two-client" in only and pol in ("fcfs", "fair"):  # (both clients call from here: told apart by user)
-                by_user = ["--fair-client", "user"] if name == "after" else []
-                plan.append((f"two-client {name} {pol}", checkout, [*flags, "--max-num-seqs", "8", *by_user], clients))
+            by_user = ["--fair-client", "user"] if pol == "fair" else []  # (both clients call from here)
+            for workload, args in (("two-client", clients), ("long-flood", long_flood)):
+                if workload in only and pol in ("fcfs", "fair"):
+                    plan.append((f"{workload} {name} {pol}", checkout, [*flags, "--max-num-seqs", "8", *by_user], args))
     rows = []
     for label, checkout, flags, args in plan * a.repeat:
         print(f"... {label}", file=sys.stderr, flush=True)
