@@ -114,8 +114,8 @@ async def parse_prompts(data: dict, encode: Callable[[str], Awaitable[list[int]]
         prompts: list = [p]
     elif isinstance(p, list) and p and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
         prompts = [p]
-    elif isinstance(p, list) and p and all(isinstance(x, str | list) for x in p):
-        prompts = p
+    elif isinstance(p, list) and p and (all(isinstance(x, str) for x in p) or all(isinstance(x, list) for x in p)):
+        prompts = p  # (strings, or lists of token ids: not both, as OpenAI and vLLM refuse)
     elif isinstance(p, list) and not p:
         raise ApiError(400, f"'{name}' must not be empty", param=name)
     else:

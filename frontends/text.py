@@ -51,6 +51,7 @@ class TextCodec:
         # use, a fifth of a second for 50k tokens: frontends.llamacpp builds it at start for a model that infills)
         self._literal = None
         self._byte_level: bool | None = None  # whether its vocabulary is GPT-2's bytes (token_bytes)
+        self._added: set[int] = set()  # its added tokens, whose entries are their text (token_bytes)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._queued = 0  # size of the work handed to the pool and not finished
         self.image_token: str | None = None  # a model that reads images: its placeholder (``use_images``)
@@ -194,8 +195,9 @@ class TextCodec:
         if self._backend is not None:
             if self._byte_level is None:
                 self._byte_level = "ByteLevel" in repr(self._backend.decoder)  # (its decoders, written out)
+                self._added = set(self._backend.get_added_tokens_decoder())
             piece = self._backend.id_to_token(token_id)
-            raw = piece_bytes(piece, self._byte_level) if piece is not None else None
+            raw = piece_bytes(piece, self._byte_level, token_id in self._added) if piece is not None else None
         return self._keep(self._bytes_of, token_id, raw if raw is not None else self.token_text(token_id).encode())
 
     @property

@@ -153,3 +153,6 @@ def test_a_tokens_text_is_decoded_once(smollm_tokenizer_dir):
     parts = codec.encode("世", add_special_tokens=False)  # a character in two tokens: each has its own bytes
     assert len(parts) == 2 and {codec.token_text(t) for t in parts} == {"\ufffd"}
     assert sum((codec.token_utf8(t) for t in parts), []) == list("世".encode())
+    tok = load_tokenizer(smollm_tokenizer_dir)
+    tok.add_tokens(["<café>"])  # an added token's entry is its text, not GPT-2's byte characters (é is 0xE9 there)
+    assert TextCodec(tok).token_bytes(tok.convert_tokens_to_ids("<café>")) == "<café>".encode()
