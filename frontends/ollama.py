@@ -102,6 +102,8 @@ def options(data: dict) -> dict:
         if name == "stop":
             if not all(isinstance(s, str) for s in value):
                 raise ApiError(400, 'option "stop" must be of an array of strings', param="options")
+            if not all(value):  # (the chat's refusal would name "stop", a field Ollama has not)
+                raise ApiError(400, 'option "stop" must not hold an empty string', param="options")
             out["stop"] = value
         elif name == "num_predict":
             if int(value) > 0:  # (0 and below: to the end of the context)

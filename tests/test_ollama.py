@@ -49,7 +49,8 @@ def test_options_are_llama_cpps_names():
     assert options({"options": {"num_predict": -1, "seed": 7}}) == {"seed": 7}
     for opts, message in (({"temperature": "hot"}, 'option "temperature" must be of type float32'),
                           ({"num_predict": True}, 'option "num_predict" must be of type integer'),
-                          ({"stop": [1]}, 'option "stop" must be of an array of strings')):
+                          ({"stop": [1]}, 'option "stop" must be of an array of strings'),
+                          ({"stop": ["a", ""]}, 'option "stop" must not hold an empty string')):
         with pytest.raises(ApiError, match=message):
             options({"options": opts})
     with pytest.raises(ApiError, match='option "top_k" must be of type integer'):  # (past Go's int)
