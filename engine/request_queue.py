@@ -7,7 +7,7 @@ for both is what guarantees progress: the best-ranked request is never the one
 pushed out to make room for others. ``preempts`` says whether a waiting request
 may push a running one out: under ``priority`` on rank alone, when it ranks at
 least ``preempt_margin`` better (half a level); under ``fair`` (``by_client``)
-when its client has nothing running and another client holds several seats.
+when its client holds two seats fewer than another client.
 
 Aging, so that nothing starves: every ``aging_seconds`` a request has spent
 *waiting* (in total, across preemptions; time running does not count) improves
@@ -23,21 +23,23 @@ was admitted, so the waiting ones catch up with it:
   generate, counted up to ``EXPECTED_OUTPUT_CAP`` (a defaulted ``max_tokens``, the
   rest of the context, says nothing about how long the answer will be):
   waiting ``aging_seconds`` is worth halving it.
-- ``fair``: rank = the tokens the request's *client* has been served so far
+- ``fair``: the seats are shared equally between the *clients* with requests
   (``Request.client``: the caller's address, API key or user, as the frontend's
-  ``--fair-client`` says), so that the least-served client's request is admitted
-  first and one client's hundreds of requests cannot queue everyone else behind
-  them: a virtual token counter (Sheng et al., "Fairness in Serving Large
-  Language Models", OSDI '24). A token computed in a prompt row counts 1, in a
+  ``--fair-client`` says), then tokens: a freed seat goes to the client holding
+  the fewest, among those to the one served the fewest tokens so far, so that one
+  client's hundreds of requests cannot queue everyone else behind them. rank =
+  the tokens the client has been served: a virtual token counter (Sheng et al.,
+  "Fairness in Serving Large Language Models", OSDI '24). A token computed in a prompt row counts 1, in a
   decode row 2 (a generated one), once: what a preemption makes the engine
   compute again, and drafts not kept, are free. A client is counted while it has
   requests in the engine; one that comes (back) starts at the least-served
   active client's count, so that idle time earns no credit. No aging: a waiting
-  client's count stands still while the others' grow. A client with nothing
-  running takes a seat from the most-served client holding two or more (its
-  latest admitted request is preempted), so that one client's long generations
-  filling every seat do not keep the others waiting for one to end; a client
-  holding one seat keeps it, so seats never change hands back and forth.
+  client's count stands still while the others' grow. A client holding two
+  seats fewer than another takes one of its seats (the latest admitted request
+  of the client holding the most, the most served among equals, is preempted),
+  so that one client's long generations filling every seat do not keep the
+  others waiting for one to end; after the move the other still holds as many
+  as it, so no seat changes hands back and forth.
 
 ``aging_seconds`` = inf turns aging off (as in vLLM), at the risk of starvation.
 Every queue is told of the steps launched (``served``), of the KV preemptions
@@ -63,7 +65,7 @@ class Queue:
 
     preempts = False
     preempt_margin = 0.0
-    by_client = False  # (fair: preempts for a client with no seat, not on rank)
+    by_client = False  # (fair: preempts for a client's share of the seats, not on rank)
 
     def set_aside(self) -> Request:
         """Take the head out for this step: ``put_back`` returns what was set aside to where it was (kept in
@@ -214,10 +216,9 @@ class ShortFirstQueue(RankedQueue):
 
 class FairQueue(Queue):
     """Each client's requests in arrival order (preempted ones back at the front), the clients in a heap keyed
-    by (holds a seat, tokens served, their head's arrival), with lazy removal: an entry is stale once its
+    by (seats held, tokens served, their head's arrival), with lazy removal: an entry is stale once its
     client's seats, count or head have changed (a step re-keys only the clients it served that have requests
-    waiting). A freed seat goes first to a client that holds none, which a seat taken from another (the
-    scheduler's preemption) would give it anyway: no seat is given to be taken back the next step."""
+    waiting). Seats first, as the scheduler preempts by them: no seat is given to be taken back the next step."""
 
     preempts = by_client = True
     # a running request's prompt takes its chunk before a waiting one of a client served less, unless that
@@ -230,7 +231,7 @@ class FairQueue(Queue):
         self._held: dict[str, int] = {}  # client -> its requests in the engine (waiting or running)
         self._seats: dict[str, int] = {}  # client -> its running requests (admitted, not yet preempted or ended)
         self._waiting: dict[str, OrderedDict[Request, None]] = {}  # client -> its waiting requests, in order
-        self._heap: list[list] = []  # [holds a seat, served, head's arrival, seq, client, live]
+        self._heap: list[list] = []  # [seats held, served, head's arrival, seq, client, live]
         self._entry: dict[str, list] = {}  # client -> its live entry (clients with requests waiting)
         self._aside: list[Request] = []
         self._redo: dict[Request, int] = {}  # a preempted request -> the tokens it had computed (computed again free)
@@ -243,6 +244,9 @@ class FairQueue(Queue):
     def seats(self, client: str) -> int:
         """How many of ``client``'s requests run."""
         return self._seats.get(client, 0)
+
+    def most_seats(self) -> int:
+        return max(self._seats.values(), default=0)
 
     def push(self, req: Request) -> None:
         c = req.client
@@ -327,7 +331,7 @@ class FairQueue(Queue):
         c = req.client
         if req.status is Status.RUNNING:
             self._unseat(c)
-            if c in self._entry:  # (a client with requests waiting that may now hold no seat)
+            if c in self._entry:  # (a client with requests waiting: one seat fewer)
                 self._rekey(c)
         left = self._held.get(c, 0) - 1
         if left > 0:
@@ -351,13 +355,13 @@ class FairQueue(Queue):
         self._rekey(c)
 
     def _rekey(self, c: str) -> None:
-        """Client ``c``'s entry anew: its count or head changed (none once nothing of it waits)."""
+        """Client ``c``'s entry anew: its seats, count or head changed (none once nothing of it waits)."""
         old = self._entry.pop(c, None)
         if old is not None:
             old[5] = False
         q = self._waiting.get(c)
         if q:
-            entry = [c in self._seats, self._served[c], next(iter(q)).arrival_time, next(self._seq), c, True]
+            entry = [self._seats.get(c, 0), self._served[c], next(iter(q)).arrival_time, next(self._seq), c, True]
             self._entry[c] = entry
             heapq.heappush(self._heap, entry)
         if len(self._heap) > 64 and len(self._heap) > 2 * len(self._entry):  # drop the stale entries

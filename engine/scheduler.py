@@ -46,8 +46,8 @@ and none is free, the worst-ranked running request goes (the most recently
 admitted among equals; under fcfs the latest arrival), possibly the one asking.
 Under the ``priority`` policy a waiting request that ranks half a level better
 than a running one also preempts it when the sequence budget or the blocks are short;
-under ``fair``, one whose client has nothing running preempts the latest request of
-the most-served client running two or more. No
+under ``fair``, one whose client holds two seats fewer than another preempts the
+latest request of the client holding the most. No
 thrash: a preempted request is not chosen again until it has produced another
 token, unless nothing else is left. Nothing is admitted after a step has had to
 preempt for blocks.
@@ -556,17 +556,18 @@ class Scheduler:
         return max(candidates, key=self._order())
 
     def _seat_for_client(self, head: Request, batch: ScheduledBatch) -> Request | None:
-        """Under ``fair``: for waiting ``head`` of a client with nothing running, the latest admitted request of
-        the most-served client among those running two or more (served at least as much as ``head``'s), so that
-        a client whose requests hold every seat gives one up to each client that has none; a client holding a
-        single seat never gives it up, so no seat changes hands back and forth."""
-        seats, rank = self.waiting.seats, self.waiting.rank
-        if seats(head.client):
+        """Under ``fair``: for waiting ``head``, a seat of a client holding at least two more than ``head``'s:
+        the latest admitted request of the client holding the most (the most served among equals). After the
+        move that client holds at least as many as ``head``'s, so neither takes a seat back from the other."""
+        seats, at_least = self.waiting.seats, self.waiting.seats(head.client) + 2
+        if self.waiting.most_seats() < at_least:  # (most steps of a full server: nobody's order needed)
             return None
-        least = rank(head)
-        candidates = [r for r in self.running if seats(r.client) > 1 and rank(r) >= least
+        candidates = [r for r in self.running if seats(r.client) >= at_least
                       and not r.just_preempted and r.request_id not in batch.pinned]
-        return max(candidates, key=self._order()) if candidates else None
+        if not candidates:
+            return None
+        order = self._order()
+        return max(candidates, key=lambda r: (seats(r.client), order(r)))
 
     def _add(self, batch: ScheduledBatch, req: Request, n: int) -> None:
         """Schedule ``n`` tokens of ``req``; the full blocks they complete become findable at once."""

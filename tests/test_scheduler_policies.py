@@ -141,36 +141,31 @@ def test_fair_counts_neither_what_a_preemption_computes_again_nor_drafts_not_kep
     assert s.waiting._served == {"a": 19} and not s.waiting._redo
 
 
-def test_fair_gives_a_client_with_no_seat_one_of_a_client_holding_several_and_never_takes_it_back():
-    """One client's long generations hold every seat: each other client that comes takes one of them (the
-    latest admitted of the client holding the most, counted first by tokens served), at once rather than
-    when one ends; a client down to one seat keeps it, and nobody takes a seat back."""
-    s, _, clock = make("fair", max_num_seqs=3, num_blocks=64)
-    add_all(s, clock, *[req(f"a{i}", max_tokens=40, client="a") for i in range(4)])
+def test_fair_shares_the_seats_between_clients_and_never_takes_one_back():
+    """One client's long generations hold every seat: a client that comes takes seats from it at once (the
+    latest admitted request of the client holding the most, the most served among equals), until it holds no
+    more than one fewer; nobody ever takes a seat back, and a freed seat goes to the client holding fewest."""
+    s, _, clock = make("fair", max_num_seqs=4, num_blocks=128)
+    add_all(s, clock, *[req(f"a{i}", max_tokens=60, client="a") for i in range(5)])
     step(s)
-    assert ids(s.running) == ["a0", "a1", "a2"]
-    add_all(s, clock, req("b0", max_tokens=40, client="b"))
+    assert ids(s.running) == ["a0", "a1", "a2", "a3"]
+    add_all(s, clock, *[req(f"b{i}", max_tokens=60, client="b") for i in range(3)])
     batch = step(s)
-    assert ids(batch.preempted) == ["a2"] and ids(s.running) == ["a0", "a1", "b0"]
-    add_all(s, clock, req("c0", max_tokens=40, client="c"), req("c1", max_tokens=40, client="c"))
-    batch = step(s)
-    assert ids(batch.preempted) == ["a1"] and ids(s.running) == ["a0", "b0", "c0"]
-    add_all(s, clock, req("d0", max_tokens=40, client="d"))
-    for _ in range(20):  # every client with requests holds one seat or waits for one to end: nobody is pushed out
-        step(s)
-    assert ids(s.running) == ["a0", "b0", "c0"] and s.num_preemptions == 2
-    assert ids(s.waiting)[0] == "d0"  # the next seat is d's: it holds none
+    assert ids(batch.preempted) == ["a3", "a2"] and ids(s.running) == ["a0", "a1", "b0", "b1"]
+    for _ in range(5):  # two seats each: nobody is pushed out
+        assert not step(s).preempted
+    add_all(s, clock, req("c0", max_tokens=60, client="c"))
+    batch = step(s)  # from b (two seats, as a; served more: level with a when it came, then its prompts)
+    assert ids(batch.preempted) == ["b1"] and ids(s.running) == ["a0", "a1", "b0", "c0"]
+    add_all(s, clock, req("d0", max_tokens=60, client="d"), req("e0", max_tokens=60, client="e"))
+    batch = step(s)  # from a, the only client with two
+    assert ids(batch.preempted) == ["a1"] and ids(s.running) == ["a0", "b0", "c0", "d0"]
+    for _ in range(20):  # a seat each, e waiting: nobody is pushed out
+        assert not step(s).preempted
+    assert s.num_preemptions == 4 and ids(s.waiting)[0] == "e0"  # the next seat is e's: it holds none
     s.finish(s.running[1], "length")
     step(s)
-    assert ids(s.running) == ["a0", "c0", "d0"]
-    # only a client served at least as much gives a seat up: one that had been served more waits
-    s, _, clock = make("fair", max_num_seqs=2, num_blocks=64)
-    add_all(s, clock, req("a0", max_tokens=40, client="a"), req("a1", max_tokens=40, client="a"))
-    step(s)
-    add_all(s, clock, req("b0", client="b"))
-    s.waiting._served["b"] = s.waiting._served["a"] + 1
-    step(s)
-    assert not s.num_preemptions and ids(s.waiting) == ["b0"]
+    assert ids(s.running) == ["a0", "c0", "d0", "e0"]
 
 
 def test_a_client_that_comes_back_starts_level_with_the_least_served():
