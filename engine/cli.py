@@ -218,9 +218,9 @@ def _engine_flags(p: argparse.ArgumentParser, generate: bool = False) -> None:
     q.add_argument("--scheduling-policy", choices=POLICIES, default=None,
                    help="the order waiting requests start in: fcfs (arrival), priority (the request's "
                         "'priority', lower first; a more urgent request preempts a less urgent running one), "
-                        "short-first (least expected work first) or fair (the client served the fewest tokens "
-                        "first, one with nothing running before all, taking a seat from a client holding several: "
-                        f"see --fair-client) (default: {d['scheduling_policy']})")
+                        "short-first (least expected work first) or fair (the seats shared equally between "
+                        "clients, then the client served the fewest tokens first: see --fair-client) "
+                        f"(default: {d['scheduling_policy']})")
     q.add_argument("--scheduling-aging-seconds", type=float, default=None, metavar="SECONDS",
                    help="no starvation: every this many seconds a request has waited count as one priority "
                         "level (priority) or as halving its work (short-first); inf turns aging off, as in vLLM "

@@ -544,7 +544,7 @@ class Add:
     # a later part of work already admitted (a beam search's next round): the waiting-queue bound, which
     # refuses new work with a 429, does not apply, or a search could fail halfway with its rounds lost
     admitted: bool = False
-    client: str = ""  # who asked (the fair policy counts tokens per client): "addr:<host>", "key:<n>", "user:<user>"
+    client: str = ""  # who asked (the fair policy shares seats and tokens per client): "addr:<host>", "key:<n>", "user:<user>"
     kind = Kind.ADD
 
     def to_wire(self) -> list:
