@@ -35,11 +35,11 @@ was admitted, so the waiting ones catch up with it:
   requests in the engine; one that comes (back) starts at the least-served
   active client's count, so that idle time earns no credit. No aging: a waiting
   client's count stands still while the others' grow. A client holding two
-  seats fewer than another takes one of its seats (the latest admitted request
-  of the client holding the most, the most served among equals, is preempted),
-  so that one client's long generations filling every seat do not keep the
-  others waiting for one to end; after the move the other still holds as many
-  as it, so no seat changes hands back and forth.
+  seats fewer than another takes one of its seats (the scheduler preempts a
+  request of the client holding the most, the most served among equals), so
+  that one client's long generations filling every seat do not keep the others
+  waiting for one to end; after the move the other still holds as many as it,
+  so neither takes that seat back while both have requests waiting.
 
 ``aging_seconds`` = inf turns aging off (as in vLLM), at the risk of starvation.
 Every queue is told of the steps launched (``served``), of the KV preemptions

@@ -47,7 +47,8 @@ admitted among equals; under fcfs the latest arrival), possibly the one asking.
 Under the ``priority`` policy a waiting request that ranks half a level better
 than a running one also preempts it when the sequence budget or the blocks are short;
 under ``fair``, one whose client holds two seats fewer than another preempts the
-latest request of the client holding the most. No
+request of the client holding the most that is cheapest to compute again (if it
+costs no more than the waiting one's work). No
 thrash: a preempted request is not chosen again until it has produced another
 token, unless nothing else is left. Nothing is admitted after a step has had to
 preempt for blocks.
@@ -92,7 +93,7 @@ from dataclasses import dataclass, field
 from engine.block_manager import BlockManager
 from engine.prefill_cap import PrefillCap
 from engine.request import Request, Status
-from engine.request_queue import make_queue
+from engine.request_queue import expected_work, make_queue
 from engine.speculative import NgramProposer
 
 log = logging.getLogger("tokenmill.engine")
@@ -556,18 +557,26 @@ class Scheduler:
         return max(candidates, key=self._order())
 
     def _seat_for_client(self, head: Request, batch: ScheduledBatch) -> Request | None:
-        """Under ``fair``: for waiting ``head``, a seat of a client holding at least two more than ``head``'s:
-        the latest admitted request of the client holding the most (the most served among equals). After the
-        move that client holds at least as many as ``head``'s, so neither takes a seat back from the other."""
+        """Under ``fair``: for waiting ``head``, a seat of a client holding at least two more than ``head``'s
+        (the most, the most served among equals): its request cheapest to compute again (the latest admitted
+        among equals), and only one that costs no more to compute again than ``head`` brings, so that what
+        preemptions waste stays below the work they let in. After the move that client holds at least as many
+        seats as ``head``'s, so neither takes that seat back while both have requests waiting (a client
+        sending one request at a time takes a seat for each, and gives it back when it ends)."""
         seats, at_least = self.waiting.seats, self.waiting.seats(head.client) + 2
         if self.waiting.most_seats() < at_least:  # (most steps of a full server: nobody's order needed)
             return None
-        candidates = [r for r in self.running if seats(r.client) >= at_least
+        work, block_size = expected_work(head), self.block_manager.block_size
+
+        def again(r: Request) -> int:  # (what is past its blocks in the prefix cache: none without one)
+            return r.num_computed_tokens - r.num_cached_blocks * block_size
+
+        candidates = [r for r in self.running if seats(r.client) >= at_least and again(r) <= work
                       and not r.just_preempted and r.request_id not in batch.pinned]
         if not candidates:
             return None
         order = self._order()
-        return max(candidates, key=lambda r: (seats(r.client), order(r)))
+        return max(candidates, key=lambda r: (seats(r.client), order(r)[0], -again(r), order(r)[1]))
 
     def _add(self, batch: ScheduledBatch, req: Request, n: int) -> None:
         """Schedule ``n`` tokens of ``req``; the full blocks they complete become findable at once."""

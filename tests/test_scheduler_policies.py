@@ -168,6 +168,23 @@ def test_fair_shares_the_seats_between_clients_and_never_takes_one_back():
     assert ids(s.running) == ["a0", "c0", "d0", "e0"]
 
 
+@pytest.mark.parametrize("caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])
+def test_fair_takes_a_seat_only_where_computing_it_again_costs_less_than_the_work_it_lets_in(caching):
+    """A seat taken costs its request's KV, computed again but for its blocks in the prefix cache: a seat is
+    taken only from a request that costs no more to compute again than the one taking it brings (prompt and
+    max_tokens), the cheapest of them, so a client sending short requests one at a time cannot make the
+    server redo another's long contexts for each."""
+    for max_tokens, victim in ((8, None if not caching else "a1"), (60, "a0" if not caching else "a1")):
+        s, _, clock = make("fair", max_num_seqs=2, num_blocks=128, budget=200, prefix_caching=caching)
+        add_all(s, clock, req("a0", n=40, max_tokens=90, client="a"), req("a1", n=100, max_tokens=90, client="a"))
+        step(s)
+        step(s)  # a0 has 41 tokens computed, a1 101; with the prefix cache, all but 1 each are in its blocks
+        add_all(s, clock, req("b0", n=4, max_tokens=max_tokens, client="b"))  # 12 tokens of work, then 64
+        batch = step(s)
+        assert ids(batch.preempted) == ([victim] if victim else []), (max_tokens, caching)
+        assert ids(s.waiting) == [victim or "b0"]  # (b0 took its seat, or waits)
+
+
 def test_a_client_that_comes_back_starts_level_with_the_least_served():
     """Time away earns no credit: a client new (or back) starts at the least-served active client's count,
     so it goes next, but cannot then hold the seats for as long as it was away."""
