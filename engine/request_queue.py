@@ -230,6 +230,8 @@ class FairQueue(Queue):
         self._served: dict[str, float] = {}  # client -> tokens served, while it has requests in the engine
         self._held: dict[str, int] = {}  # client -> its requests in the engine (waiting or running)
         self._seats: dict[str, int] = {}  # client -> its running requests (admitted, not yet preempted or ended)
+        self._holding: Counter[int] = Counter()  # k -> the clients holding k seats (k > 0)
+        self._most = 0  # the most seats a client holds
         self._waiting: dict[str, OrderedDict[Request, None]] = {}  # client -> its waiting requests, in order
         self._heap: list[list] = []  # [seats held, served, head's arrival, seq, client, live]
         self._entry: dict[str, list] = {}  # client -> its live entry (clients with requests waiting)
@@ -246,7 +248,7 @@ class FairQueue(Queue):
         return self._seats.get(client, 0)
 
     def most_seats(self) -> int:
-        return max(self._seats.values(), default=0)
+        return self._most
 
     def push(self, req: Request) -> None:
         c = req.client
@@ -275,7 +277,12 @@ class FairQueue(Queue):
     def pop(self) -> Request:
         """The head, admitted: it holds a seat."""
         req = self.peek()
-        self._seats[req.client] = self._seats.get(req.client, 0) + 1
+        c, holding = req.client, self._holding
+        k = self._seats[c] = self._seats.get(c, 0) + 1
+        holding[k] += 1
+        if k > 1:
+            holding[k - 1] -= 1
+        self._most = max(self._most, k)
         self._take(req)
         return req
 
@@ -340,10 +347,16 @@ class FairQueue(Queue):
             del self._held[c], self._served[c]
 
     def _unseat(self, c: str) -> None:
-        if self._seats[c] > 1:
-            self._seats[c] -= 1
+        k, holding = self._seats[c], self._holding
+        if k > 1:
+            self._seats[c] = k - 1
         else:
             del self._seats[c]
+        holding[k] -= 1
+        if k > 1:
+            holding[k - 1] += 1
+        if k == self._most and not holding[k]:  # (the last client holding the most: it holds one fewer)
+            self._most = k - 1
 
     def _take(self, req: Request) -> None:
         c = req.client

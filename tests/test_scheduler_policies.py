@@ -783,6 +783,7 @@ def test_random_traffic_keeps_every_invariant_and_finishes(policy, seed):
         if policy == "fair":  # (each client counted while it has requests in the engine, and only then)
             assert s.waiting._held == Counter(r.client for r in live) and s.waiting._served.keys() == s.waiting._held.keys()
             assert s.waiting._seats == Counter(r.client for r in s.running)
+            assert s.waiting.most_seats() == max(s.waiting._seats.values(), default=0)
             assert set(s.waiting._redo) <= set(live)
     assert not live and not s.has_work(), f"stuck: {live}"
     assert bm.num_free_blocks == bm.num_blocks
