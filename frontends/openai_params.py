@@ -102,7 +102,8 @@ def check_token_ids(ids: list, vocab_size: int, param: str) -> list[int]:
 async def parse_prompts(data: dict, encode: Callable[[str], Awaitable[list[int]]], vocab_size: int,
                         max_chars: int, name: str = "prompt", limit: int = MAX_PROMPTS) -> list[list[int]]:
     """``prompt`` (or ``name``: embeddings' ``input``) as a string, list of strings, token ids, or list
-    of token id lists.
+    of token id lists; a list may mix strings and token id lists, as llama.cpp's ``/embeddings`` (read here
+    too) takes them, though OpenAI refuses them.
 
     At most ``limit`` prompts; a string longer than ``max_chars`` cannot fit the
     context and is refused before it is tokenized.
@@ -114,8 +115,8 @@ async def parse_prompts(data: dict, encode: Callable[[str], Awaitable[list[int]]
         prompts: list = [p]
     elif isinstance(p, list) and p and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
         prompts = [p]
-    elif isinstance(p, list) and p and (all(isinstance(x, str) for x in p) or all(isinstance(x, list) for x in p)):
-        prompts = p  # (strings, or lists of token ids: not both, as OpenAI and vLLM refuse)
+    elif isinstance(p, list) and p and all(isinstance(x, str | list) for x in p):
+        prompts = p
     elif isinstance(p, list) and not p:
         raise ApiError(400, f"'{name}' must not be empty", param=name)
     else:

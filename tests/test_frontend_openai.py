@@ -416,7 +416,6 @@ def _err(r, status: int, typ: str | None = None, param: str | None = None):
     ({"prompt": [1, 2, VOCAB]}, "prompt"),
     ({"prompt": [-1]}, "prompt"),
     ({"prompt": {"a": 1}}, "prompt"),
-    ({"prompt": [[1, 2], "a"]}, "prompt"),  # token ids or strings, not both
     ({}, "prompt"),
     ({"prompt": "x", "temperature": -1}, "temperature"),
     ({"prompt": "x", "temperature": "hot"}, "temperature"),
