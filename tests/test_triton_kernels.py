@@ -634,9 +634,10 @@ def test_triton_backend_choice_and_bad_name(monkeypatch):
 
 
 def test_triton_kernels_compile_for_cuda():
-    """What only the compiler catches, caught without a GPU: each kernel compiled for sm_90 in a
-    process without the interpreter (about a minute the first time, then Triton's cache answers); and again as
-    launches specialize it, its registers and spills read from the cubin (``--resources``): none spills."""
+    """What only the compiler catches, caught without a GPU: each kernel compiled for sm_90 in processes
+    without the interpreter (one a core; a minute or more the first time, then Triton's cache answers); and
+    again as launches specialize it, its registers and spills read from the cubin (``--resources``): none
+    spills."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-m", "kernels.triton.compile_check", "--resources"], env=env,
                          capture_output=True, text=True, timeout=900,
