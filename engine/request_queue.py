@@ -26,12 +26,13 @@ was admitted, so the waiting ones catch up with it:
 - ``fair``: the seats are shared equally between the *clients* with requests
   (``Request.client``: the caller's address, API key or user, as the frontend's
   ``--fair-client`` says), then tokens: a freed seat goes to the client holding
-  the fewest, among those to the one served the fewest tokens so far, so that one
-  client's hundreds of requests cannot queue everyone else behind them. rank =
-  the tokens the client has been served: a virtual token counter (Sheng et al.,
-  "Fairness in Serving Large Language Models", OSDI '24). A token computed in a prompt row counts 1, in a
-  decode row 2 (a generated one), once: what a preemption makes the engine
-  compute again, and drafts not kept, are free. A client is counted while it has
+  the fewest, among those to the one served the fewest tokens so far, so that
+  one client's hundreds of requests cannot queue everyone else behind them.
+  rank = the tokens the client has been served: a virtual token counter (Sheng
+  et al., "Fairness in Serving Large Language Models", OSDI '24). A token
+  computed in a prompt row counts 1, in a decode row 2 (a generated one), once:
+  what a preemption makes the engine compute again, and drafts not kept, are
+  free. A client is counted while it has
   requests in the engine; one that comes (back) starts at the least-served
   active client's count, so that idle time earns no credit. No aging: a waiting
   client's count stands still while the others' grow. A client holding two
