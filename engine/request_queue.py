@@ -32,10 +32,10 @@ was admitted, so the waiting ones catch up with it:
   et al., "Fairness in Serving Large Language Models", OSDI '24). A token
   computed in a prompt row counts 1, in a decode row 2 (a generated one), once:
   what a preemption makes the engine compute again, and drafts not kept, are
-  free. A client is counted while it has
-  requests in the engine; one that comes (back) starts at the least-served
-  active client's count, so that idle time earns no credit. No aging: a waiting
-  client's count stands still while the others' grow. A client holding two
+  free. A client is counted while it has requests in the engine; one that comes
+  (back) starts at the least-served active client's count, so that idle time
+  earns no credit. No aging: a waiting client's count stands still while the
+  others' grow. A client holding two
   seats fewer than another takes one of its seats (the scheduler preempts a
   request of the client holding the most, the most served among equals), so
   that one client's long generations filling every seat do not keep the others
@@ -278,12 +278,7 @@ class FairQueue(Queue):
     def pop(self) -> Request:
         """The head, admitted: it holds a seat."""
         req = self.peek()
-        c, holding = req.client, self._holding
-        k = self._seats[c] = self._seats.get(c, 0) + 1
-        holding[k] += 1
-        if k > 1:
-            holding[k - 1] -= 1
-        self._most = max(self._most, k)
+        self._seat(req.client)
         self._take(req)
         return req
 
@@ -346,6 +341,14 @@ class FairQueue(Queue):
             self._held[c] = left
         elif c in self._held:
             del self._held[c], self._served[c]
+
+    def _seat(self, c: str) -> None:
+        k, holding = self._seats.get(c, 0) + 1, self._holding
+        self._seats[c] = k
+        holding[k] += 1
+        if k > 1:
+            holding[k - 1] -= 1
+        self._most = max(self._most, k)
 
     def _unseat(self, c: str) -> None:
         k, holding = self._seats[c], self._holding

@@ -576,7 +576,12 @@ class Scheduler:
         if not candidates:
             return None
         order = self._order()
-        return max(candidates, key=lambda r: (seats(r.client), order(r)[0], -again(r), order(r)[1]))
+
+        def worst(r: Request) -> tuple:  # (the most seats, then the worst rank, the cheapest, the latest admitted)
+            rank, admitted = order(r)
+            return seats(r.client), rank, -again(r), admitted
+
+        return max(candidates, key=worst)
 
     def _add(self, batch: ScheduledBatch, req: Request, n: int) -> None:
         """Schedule ``n`` tokens of ``req``; the full blocks they complete become findable at once."""
