@@ -217,9 +217,11 @@ class ShortFirstQueue(RankedQueue):
 
 class FairQueue(Queue):
     """Each client's requests in arrival order (preempted ones back at the front), the clients in a heap keyed
-    by (seats held, tokens served, their head's arrival), with lazy removal: an entry is stale once its
-    client's seats, count or head have changed (a step re-keys only the clients it served that have requests
-    waiting). Seats first, as the scheduler preempts by them: no seat is given to be taken back the next step."""
+    by (seats held, tokens served, their head's arrival), with lazy removal: an entry is dead once its
+    client's seats or head have changed, and its client keyed anew. Tokens served only grow, so a step's
+    serving re-keys nobody: an entry is a lower bound of its client's key, brought up to date when it comes
+    to the heap's top (at 256 clients with requests waiting, each step re-keyed them all). Seats first, as
+    the scheduler preempts by them: no seat is given to be taken back the next step."""
 
     preempts = by_client = True
     # a running request's prompt takes its chunk before a waiting one of a client served less, unless that
@@ -271,9 +273,16 @@ class FairQueue(Queue):
         self._rekey(c)
 
     def peek(self) -> Request:
-        while not self._heap[0][5]:
-            heapq.heappop(self._heap)
-        return next(iter(self._waiting[self._heap[0][4]]))
+        heap, served = self._heap, self._served
+        while True:
+            top = heap[0]
+            if not top[5]:
+                heapq.heappop(heap)
+            elif top[1] != served[top[4]]:  # served since it was keyed: its count brought up to date, in place
+                top[1] = served[top[4]]
+                heapq.heapreplace(heap, top)
+            else:  # (every other entry's count is at least its own)
+                return next(iter(self._waiting[top[4]]))
 
     def pop(self) -> Request:
         """The head, admitted: it holds a seat."""
@@ -303,20 +312,15 @@ class FairQueue(Queue):
             for req, n in zip(decodes, num_new_tokens, strict=False):
                 if req in redo:
                     counts[req.client] -= self._again(req, n)
-        served, touched = self._served, counts.keys()
+        served = self._served  # (entries keep their counts: peek brings the top's up to date)
         for c, n in counts.items():
             if c in served:  # (always, but for one that ended with its step in flight: gone, and forgotten)
                 served[c] += 2 * n  # (a generated token counts twice)
-        if num_decodes < len(requests):
-            touched = set(touched)
-            for req, n in zip(requests[num_decodes:], num_new_tokens[num_decodes:], strict=True):
-                if redo and req in redo:
-                    n -= self._again(req, n)
-                if (c := req.client) in served:
-                    served[c] += n
-                    touched.add(c)
-        for c in touched & self._entry.keys():
-            self._rekey(c)
+        for req, n in zip(requests[num_decodes:], num_new_tokens[num_decodes:], strict=True):
+            if redo and req in redo:
+                n -= self._again(req, n)
+            if (c := req.client) in served:
+                served[c] += n
 
     def _again(self, req: Request, n: int) -> int:
         """Of the ``n`` tokens a step computed for ``req``, those it had computed before its preemption."""
@@ -389,7 +393,8 @@ class FairQueue(Queue):
         return self._len
 
     def __iter__(self) -> Iterator[Request]:
-        for entry in sorted(self._entry.values()):
+        served = self._served
+        for entry in sorted(self._entry.values(), key=lambda e: (e[0], served[e[4]], *e[2:4])):
             yield from self._waiting[entry[4]]
 
 

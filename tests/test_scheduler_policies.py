@@ -785,6 +785,10 @@ def test_random_traffic_keeps_every_invariant_and_finishes(policy, seed):
             assert s.waiting._seats == Counter(r.client for r in s.running)
             assert s.waiting.most_seats() == max(s.waiting._seats.values(), default=0)
             assert set(s.waiting._redo) <= set(live)
+            w = s.waiting  # the head and the order: the clients by (seats held, tokens served, their head's arrival)
+            order = sorted(w._waiting, key=lambda c: (w.seats(c), w._served[c], next(iter(w._waiting[c])).arrival_time))
+            assert list(w) == [r for c in order for r in w._waiting[c]]
+            assert not order or w.peek() is next(iter(w._waiting[order[0]]))
     assert not live and not s.has_work(), f"stuck: {live}"
     assert bm.num_free_blocks == bm.num_blocks
 

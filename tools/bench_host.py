@@ -34,6 +34,7 @@ with this one, and prints both side by side. The last line is one JSON object.
     python tools/bench_host.py --eager-layers 24 --before /tmp/old
     python tools/bench_host.py --prompt-graphs --before /tmp/old
     python tools/bench_host.py --waiting 1000 --scheduling-policy priority --before /tmp/old
+    python tools/bench_host.py --waiting 1000 --scheduling-policy fair --clients 256 --before /tmp/old
     python tools/bench_host.py --waiting 1000 --long-queue --before /tmp/old
     python tools/bench_host.py --logprobs 20 --before /tmp/old     # every row's top 20 logprobs
 """
@@ -60,7 +61,8 @@ HIDDEN = 64
 
 def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_scheduling: str,
             eager_layers: int = 0, race: bool = False, prompt_graphs: bool = False, waiting: int = 0,
-            policy: str = "fcfs", long_queue: bool = False, logprobs: int | None = None) -> dict[str, list[float]]:
+            policy: str = "fcfs", long_queue: bool = False, logprobs: int | None = None,
+            clients: int = 8) -> dict[str, list[float]]:
     """Per stage, each round's mean seconds per decode step. ``eager_layers``: instead, steps that also carry two
     new 128-token prompts, through a model of that many layers whose Triton kernels and GEMMs are stubbed out
     (the Python of an eager step's launches, ``model``; on the CPU, through Triton's interpreter's imports).
@@ -69,7 +71,8 @@ def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_schedul
     graphs as on CUDA (stubbed). ``waiting``: that many requests wait behind the full seats (``max_num_seqs``
     is ``num_seqs``) through the timed decode steps, with CUDA's scheduler delay (a full server's steps);
     ``long_queue``: they are 4000-token prompts with seats free, each step one's 512-token chunk beside the
-    decodes. ``logprobs``: every request asks for its tokens' top that many logprobs. Beside the engine's
+    decodes. ``logprobs``: every request asks for its tokens' top that many logprobs. ``clients``: under fair,
+    the requests are of that many clients, in turns (the running ones' and the waiting ones'). Beside the engine's
     stages, ``encode`` (the actor's frame of a step's outputs) and ``decode`` (a frontend's: the frame read
     back into its deltas)."""
     if eager_layers:
@@ -152,8 +155,8 @@ def measure(num_seqs: int, steps: int, rounds: int, sampling: str, async_schedul
     full = waiting and not long_queue
     params = SamplingParams(max_tokens=512 - 64 if full else steps + (64 if waiting else 8), ignore_eos=True,
                             logprobs=logprobs, **SAMPLING[sampling])
-    # fair: the requests of eight clients (a keyword the other policies' checkouts, --before's, may not know)
-    who = (lambda i: {"client": f"c{i % 8}"}) if policy == "fair" else (lambda i: {})
+    # fair: the requests of that many clients (a keyword the other policies' checkouts, --before's, may not know)
+    who = (lambda i: {"client": f"c{i % clients}"}) if policy == "fair" else (lambda i: {})
     for k in range(rounds + 1):  # (the first round warms up)
         for i in range(num_seqs):
             engine.add_request(f"{k}-{i}", [(7 * i + 13 * k + j) % 4000 + 3 for j in range(64)], params, **who(i))
@@ -250,7 +253,9 @@ def main() -> None:
                    help="with --waiting: 4000-token prompts, seats free for them, each step one's 512-token chunk "
                         "beside the decodes")
     p.add_argument("--scheduling-policy", choices=("fcfs", "priority", "short-first", "fair"), default="fcfs",
-                   help="fair: the requests of eight clients")
+                   help="fair: the requests of --clients clients")
+    p.add_argument("--clients", type=int, default=8, metavar="N",
+                   help="under fair: the requests are of N clients, in turns (N = --num-seqs: a seat each)")
     p.add_argument("--logprobs", type=int, metavar="K", help="every request asks for its tokens' top K logprobs")
     p.add_argument("--before", metavar="DIR", help="another checkout to time the same way, in turns with this one")
     p.add_argument("--turns", type=int, default=3, help="with --before: runs of each checkout")
@@ -260,7 +265,8 @@ def main() -> None:
              "--sampling", args.sampling, "--async-scheduling", args.async_scheduling,
              "--eager-layers", str(args.eager_layers), *(["--race"] if args.race else []),
              *(["--prompt-graphs"] if args.prompt_graphs else []), "--waiting", str(args.waiting),
-             "--scheduling-policy", args.scheduling_policy, *(["--long-queue"] if args.long_queue else []),
+             "--scheduling-policy", args.scheduling_policy, "--clients", str(args.clients),
+             *(["--long-queue"] if args.long_queue else []),
              *(["--logprobs", str(args.logprobs)] if args.logprobs is not None else [])]
     if args.long_queue and not args.waiting:
         p.error("--long-queue needs --waiting N")
@@ -269,7 +275,7 @@ def main() -> None:
     if args.raw:
         print(json.dumps(measure(args.num_seqs, args.steps, args.rounds, args.sampling, args.async_scheduling,
                                  args.eager_layers, args.race, args.prompt_graphs, args.waiting,
-                                 args.scheduling_policy, args.long_queue, args.logprobs)))
+                                 args.scheduling_policy, args.long_queue, args.logprobs, args.clients)))
         return
     checkouts = {"this": HERE, **({"before": os.path.abspath(args.before)} if args.before else {})}
     runs: dict[str, dict[str, list[float]]] = {name: {stage: [] for stage in STAGES} for name in checkouts}
@@ -289,7 +295,8 @@ def main() -> None:
             + (" 4000-token prompts with seats free, one's 512-token chunk a step" if args.long_queue else ""))
     print(f"host time per {what} ({args.sampling}{', race as on CUDA' if args.race else ''}"
           f"{f', top {args.logprobs} logprobs' if args.logprobs is not None else ''}, "
-          f"{args.scheduling_policy}, asynchronous "
+          f"{args.scheduling_policy}{f' of {args.clients} clients' if args.scheduling_policy == 'fair' else ''}, "
+          f"asynchronous "
           f"scheduling {args.async_scheduling}), µs: min / "
           f"median over {args.rounds} rounds{f' x {args.turns} turns' if args.before else ''}")
     names = list(reversed(checkouts))
@@ -308,7 +315,8 @@ def main() -> None:
     print(json.dumps({"num_seqs": args.num_seqs, "sampling": args.sampling, "race": args.race,
                       "async_scheduling": args.async_scheduling,
                       "eager_layers": args.eager_layers, "prompt_graphs": args.prompt_graphs, "waiting": args.waiting, "long_queue": args.long_queue,
-                      "scheduling_policy": args.scheduling_policy, "logprobs": args.logprobs, "step_min_us": result["this"]["step"]["min_us"], **result}))
+                      "scheduling_policy": args.scheduling_policy, "clients": args.clients, "logprobs": args.logprobs,
+                      "step_min_us": result["this"]["step"]["min_us"], **result}))
 
 
 if __name__ == "__main__":
