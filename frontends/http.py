@@ -623,8 +623,8 @@ class HttpProtocol(asyncio.Protocol):
                         self._hand_over(result)
                         return True
                 else:
-                    if self._leftover or self._stop_reading and req.upgrade:
-                        req.keep_alive = False  # the parser stopped at an upgrade nobody took
+                    if self._leftover or self._stop_reading and (req.upgrade or req.method == "CONNECT"):
+                        req.keep_alive = False  # the parser stopped at an upgrade nobody took (a CONNECT is one)
                     result = await self.server.router.resolve(req.method, req.path)(req)
             except ApiError as e:  # (404 or 405: in the path's shape)
                 result = self.server.router.error(req.path, e)
