@@ -155,10 +155,23 @@ class Auth:
 
 
 def require_json(req: Request) -> None:
-    """Raise 415 unless the body is declared JSON (``application/json`` or ``application/*+json``)."""
-    mime = req.headers.get("content-type", "").partition(";")[0].strip().lower()
+    """Raise 415 unless the body is declared JSON (``application/json`` or ``application/*+json``), in UTF-8 (a
+    ``charset`` parameter, if any, says so: JSON is UTF-8, RFC 8259) and not compressed (a ``Content-Encoding``,
+    if any, is ``identity``: RFC 7694's 415). Such a body was read as plain UTF-8 JSON, whatever it said."""
+    mime, _, params = req.headers.get("content-type", "").partition(";")
+    mime = mime.strip().lower()
     if mime != "application/json" and not (mime.startswith("application/") and mime.endswith("+json")):
         raise ApiError(415, f"Content-Type must be application/json, not {mime or 'missing'}",
+                       code="unsupported_media_type")
+    for param in params.split(";"):
+        name, _, value = param.partition("=")
+        charset = value.strip().strip('"').lower()
+        if name.strip().lower() == "charset" and charset not in ("utf-8", "utf8"):
+            raise ApiError(415, f"JSON bodies are UTF-8 here, not {charset or 'an empty charset'}",
+                           code="unsupported_media_type")
+    coding = req.headers.get("content-encoding", "identity").strip().lower()
+    if coding not in ("identity", ""):
+        raise ApiError(415, f"Content-Encoding {coding} is not accepted: send the body uncompressed",
                        code="unsupported_media_type")
 
 
