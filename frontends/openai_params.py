@@ -293,11 +293,23 @@ def parse_continuation(data: dict, messages: list[dict]) -> tuple[bool, bool]:
     return add, cont
 
 
+# OpenAI's reasoning efforts (``reasoning_effort``; the Responses API's ``reasoning.effort``)
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
 def parse_template_kwargs(data: dict) -> dict[str, Any]:
     """vLLM's ``chat_template_kwargs``: more variables for the chat template (Qwen3's
     ``enable_thinking``, say); they override the tokenizer's special tokens of the same name, as
-    in transformers. {} when absent."""
+    in transformers. OpenAI's ``reasoning_effort`` is the template's variable of that name (gpt-oss's
+    template writes it in the system message, "Reasoning: high"), unless ``chat_template_kwargs`` sets it,
+    as in vLLM. {} when neither is given."""
+    effort = field(data, "reasoning_effort", str, None)
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise ApiError(400, f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
+                       param="reasoning_effort")
     kw = field(data, "chat_template_kwargs", dict, None)
+    if effort is not None:
+        kw = {"reasoning_effort": effort, **(kw or {})}
     if not kw:
         return {}
     for k in kw:

@@ -148,6 +148,12 @@ def to_chat(data: dict) -> dict:
     top = _logprobs(data)
     if top is not None:
         chat["logprobs"], chat["top_logprobs"] = True, top
+    effort = (data.get("reasoning") or {}).get("effort") if isinstance(data.get("reasoning"), dict) else None
+    if effort is not None:  # (the chat's reasoning_effort: checked there, named here)
+        if effort not in op.REASONING_EFFORTS:
+            raise ApiError(400, f"reasoning.effort must be one of {', '.join(op.REASONING_EFFORTS)}, got {effort!r}",
+                           param="reasoning")
+        chat["reasoning_effort"] = effort
     if data.get("max_output_tokens") is not None:
         chat["max_tokens"] = data["max_output_tokens"]
     tools = data.get("tools") or None  # [] (some clients send it): none
@@ -207,6 +213,9 @@ def _echoed(data: dict) -> dict:
     for name, kind in (("user", str), ("text", dict), ("reasoning", dict)):
         if data.get(name) is not None and not isinstance(data[name], kind):
             raise ApiError(400, f"'{name}' must be {'a string' if kind is str else 'an object'}", param=name)
+    truncation = data.get("truncation")
+    if truncation not in (None, "auto", "disabled"):
+        raise ApiError(400, f"truncation must be 'auto' or 'disabled', got {truncation!r}", param="truncation")
     reasoning = data.get("reasoning")
     if reasoning is not None and not all(isinstance(v, str | None) for v in reasoning.values()):
         raise ApiError(400, "reasoning's settings must be strings", param="reasoning")
@@ -217,7 +226,8 @@ def _echoed(data: dict) -> dict:
     return {"instructions": data.get("instructions"), "metadata": metadata, "user": data.get("user"),
             "parallel_tool_calls": data.get("parallel_tool_calls") is not False,
             "tools": tools, "tool_choice": choice if choice is not None else "auto" if tools else "none",
-            "text": {"format": fmt}, "reasoning": reasoning, "top_logprobs": op.whole(data.get("top_logprobs")) or 0}
+            "text": {"format": fmt}, "reasoning": reasoning, "top_logprobs": op.whole(data.get("top_logprobs")) or 0,
+            "truncation": truncation or "disabled"}
 
 
 def _whole(call: dict) -> bool:
@@ -308,7 +318,7 @@ class ResponsesFormat(ItemWriter):
         self.items: list[dict] = []  # output items done, in order
         self.open: dict | None = None  # the reasoning item, message or named call being written
         self.base = {"id": gen.api_id, "object": "response", "created_at": int(time.time()), "model": api_model,
-                     "store": False, "truncation": "disabled", "error": None, "incomplete_details": None,
+                     "store": False, "error": None, "incomplete_details": None,
                      "previous_response_id": None, **_echoed(data),
                      # what it samples with: the request's values, else the model's (or OpenAI's) defaults
                      "temperature": gen.params.temperature, "top_p": gen.params.top_p,

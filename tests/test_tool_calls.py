@@ -28,6 +28,7 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
 TOOLS = [WEATHER, TIME]
 HERMES_TEMPLATE = (  # what matters here of Qwen3's template: tools shown, thinking known, the prompt as it is
     "{%- if tools %}{# a model that answers <tool_call>{...}</tool_call> #}{%- endif %}{# and thinks: </think> #}"
+    "{%- if reasoning_effort is defined %}[effort: {{ reasoning_effort }}]{%- endif %}"  # (gpt-oss's: "Reasoning: ")
     "{{ messages[-1]['content'] }}{%- if open_think is defined and open_think %}<think>\n{%- endif %}")
 LLAMA3_TEMPLATE = "{%- if tools %}{# Environment: ipython; <|python_tag|> #}{%- endif %}{{ messages[-1]['content'] }}"
 MISTRAL_TEMPLATE = (  # what matters here of Mistral's: tools shown in [AVAILABLE_TOOLS], calls after [TOOL_CALLS]
@@ -596,6 +597,29 @@ def test_served_thinking_opened_by_the_prompt_then_a_call(client):
             client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                            extra_body={"chat_template_kwargs": bad})
         assert e.value.body["param"] == "chat_template_kwargs"
+
+
+def test_reasoning_effort_reaches_the_template(client):
+    """OpenAI's ``reasoning_effort`` is the chat template's variable of that name (gpt-oss's writes it in its system
+    message), unless ``chat_template_kwargs`` sets it, as in vLLM; the Responses API's ``reasoning.effort`` too, and
+    its ``truncation`` is written back as it came (review: both efforts were dropped, "auto" answered "disabled")."""
+    def said(extra=None, **kw):
+        return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi.<|im_end|>"}],
+                                              max_tokens=50, extra_body={"stop_token_ids": [2], **(extra or {})},
+                                              **kw).choices[0].message.content
+    assert said() == "Hi."
+    assert said(reasoning_effort="high") == "[effort: high]Hi."
+    assert said({"chat_template_kwargs": {"reasoning_effort": "low"}}, reasoning_effort="high") == "[effort: low]Hi."
+    with pytest.raises(openai.BadRequestError) as e:
+        said(reasoning_effort="max")
+    assert e.value.body["param"] == "reasoning_effort"
+    r = client.responses.create(model=MODEL, input="Hi.<|im_end|>", reasoning={"effort": "minimal"}, truncation="auto",
+                                max_output_tokens=50, extra_body={"stop_token_ids": [2]})
+    assert r.output_text == "[effort: minimal]Hi." and r.reasoning.effort == "minimal" and r.truncation == "auto"
+    for bad, param in (({"reasoning": {"effort": "max"}}, "reasoning"), ({"truncation": "middle"}, "truncation")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(model=MODEL, input="Hi.", max_output_tokens=5, **bad)
+        assert e.value.body["param"] == param
 
 
 def test_stop_strings_do_not_cut_calls_held_to_the_tools(client):
