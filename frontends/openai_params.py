@@ -92,10 +92,13 @@ def check_model(data: dict, names: tuple[str, ...], adapters: dict[str, str] | N
 
 
 def check_token_ids(ids: list, vocab_size: int, param: str) -> list[int]:
-    for t in ids:
-        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
-            raise ApiError(400, f"Invalid token id {t!r} in '{param}': token ids must be integers "
-                           f"in [0, {vocab_size})", param=param)
+    """``ids``, integers in [0, ``vocab_size``) (no bool), checked at C's pace: a body of four million ids held
+    the event loop for a second, walked in Python (review); the first one that is not, named."""
+    if ids and (not set(map(type, ids)) <= {int} or min(ids) < 0 or max(ids) >= vocab_size):
+        for t in ids:
+            if type(t) is not int or not 0 <= t < vocab_size:
+                raise ApiError(400, f"Invalid token id {t!r} in '{param}': token ids must be integers "
+                               f"in [0, {vocab_size})", param=param)
     return ids
 
 
@@ -111,11 +114,12 @@ async def parse_prompts(data: dict, encode: Callable[[str], Awaitable[list[int]]
     p = data.get(name, _MISSING)
     if p is _MISSING or p is None:
         raise ApiError(400, f"Missing required field: '{name}'", param=name)
+    kinds = set(map(type, p)) if isinstance(p, list) else set()  # (a list of millions of ids: at C's pace)
     if isinstance(p, str):
         prompts: list = [p]
-    elif isinstance(p, list) and p and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+    elif isinstance(p, list) and p and kinds == {int}:
         prompts = [p]
-    elif isinstance(p, list) and p and all(isinstance(x, str | list) for x in p):
+    elif isinstance(p, list) and p and kinds <= {str, list}:
         prompts = p
     elif isinstance(p, list) and not p:
         raise ApiError(400, f"'{name}' must not be empty", param=name)

@@ -96,6 +96,22 @@ def test_text_that_cannot_fit_is_refused_before_tokenizing(stack, codec):
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
 
 
+def test_long_token_id_lists_are_checked_whole_and_the_first_bad_id_named():
+    """Token ids are checked at C's pace (a body of four million of them held the event loop for a second in
+    Python's walks: review), and still every one: the first that is no integer of the vocabulary is named."""
+    ids = [5] * 1_000_000
+    assert op.check_token_ids(ids, 100, "prompt") is ids
+    for bad in (True, -1, 100, 5.0, "5", None):
+        with pytest.raises(op.ApiError) as e:
+            op.check_token_ids([*ids, bad, -2], 100, "prompt")
+        assert f"Invalid token id {bad!r} in 'prompt'" in e.value.message
+    prompts = asyncio.run(op.parse_prompts({"prompt": ids}, None, 100, 10))
+    assert prompts == [ids]
+    for bad in ([*ids, True], [*ids, "x"], [*ids, [5]]):  # (a list of ids and something else)
+        with pytest.raises(op.ApiError, match="must be a string, a list of strings"):
+            asyncio.run(op.parse_prompts({"prompt": bad}, None, 100, 10))
+
+
 def test_big_inputs_are_tokenized_off_the_event_loop(codec):
     async def main():
         loop_thread = threading.get_ident()
