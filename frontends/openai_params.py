@@ -6,6 +6,7 @@ offending ``param``; unknown fields are ignored, as OpenAI-compatible servers do
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from collections.abc import Awaitable, Callable
@@ -528,13 +529,20 @@ def client_id(data: dict, conn: Any, by_user: bool = False) -> str:
     an HTTP request's connection, a WebSocket); ``by_user`` (``--fair-client user``, behind a gateway that sets
     it): the body's end user (OpenAI's ``user``, or its successor ``safety_identifier``; Anthropic's
     ``metadata.user_id``), else that host. A caller names its user as it likes: by address, one that sends each
-    request under another name is still one client. Kept to 256 characters (the engine holds one count each)."""
+    request under another name is still one client. A name past 256 characters is kept as its first 224 and a
+    digest of it all (the engine holds one count each). OpenAI's two fields are strings, whatever the mode
+    (400 otherwise, as OpenAI's and vLLM's: a number was taken silently for none: review)."""
+    for name in ("user", "safety_identifier"):
+        if data.get(name) is not None and not isinstance(data[name], str):
+            raise ApiError(400, f"'{name}' must be a string", param=name)
     if by_user:
         metadata = data.get("metadata")
         for user in (data.get("user"), data.get("safety_identifier"),
                      metadata.get("user_id") if isinstance(metadata, dict) else None):
             if isinstance(user, str) and user:
-                return "user:" + user[:256]
+                if len(user) > 256:
+                    user = user[:224] + hashlib.blake2b(user.encode(errors="replace"), digest_size=16).hexdigest()
+                return "user:" + user
     peer = getattr(conn, "peer", "-")
     return "addr:" + (peer.rsplit(":", 1)[0] if peer != "-" else peer)
 

@@ -11,6 +11,7 @@ part of a generation.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import http.client
 import json
 import time
@@ -117,8 +118,8 @@ def test_who_asks_reaches_the_engine(engine, client, port, codec):
     """``--scheduling-policy fair``'s unit: the caller's host (``--fair-client address``, the default: a ``user``
     is the caller's word, and one caller could name each request differently); with ``--fair-client key`` the
     API key it gave, by its place among the keys; with ``--fair-client user`` the body's end user (OpenAI's
-    ``user`` or ``safety_identifier``, Anthropic's ``metadata.user_id``; one that is no string is not taken),
-    over HTTP and WebSocket alike."""
+    ``user`` or ``safety_identifier``, strings or a 400 in any mode; Anthropic's ``metadata.user_id``; a name past
+    256 characters kept as its start and a digest), over HTTP and WebSocket alike."""
     client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1, user="alice")
     assert engine.adds[-1].client == "addr:127.0.0.1"
 
@@ -140,9 +141,19 @@ def test_who_asks_reaches_the_engine(engine, client, port, codec):
             base = {"model": MODEL, "max_tokens": 1}
             for body, want in (({"user": "alice"}, ["user:alice"]), ({"safety_identifier": "h1", "n": 2}, ["user:h1"] * 2),
                                ({}, ["addr:127.0.0.1"]), ({"user": ""}, ["addr:127.0.0.1"]),
-                               ({"user": 7}, ["addr:127.0.0.1"]), ({"user": "u" * 1000}, ["user:" + "u" * 256])):
+                               ({"user": "u" * 1000}, ["user:" + "u" * 224 + hashlib.blake2b(
+                                   b"u" * 1000, digest_size=16).hexdigest()])):
                 r = await asyncio.to_thread(post, s.port, "/v1/completions", {**base, "prompt": "x", **body})
                 assert r.status_code == 200 and [a.client for a in engine.adds[-len(want):]] == want, body
+            other = "u" * 256 + "v" * 744  # (the same first 256 characters: another user)
+            r = await asyncio.to_thread(post, s.port, "/v1/completions", {**base, "prompt": "x", "user": other})
+            assert r.status_code == 200 and engine.adds[-1].client != engine.adds[-2].client
+            for s.api.fair_client in ("user", "address"):  # (a number was taken for no user, silently: review)
+                for name, value in (("user", 7), ("user", ["a"]), ("safety_identifier", {"a": 1})):
+                    r = await asyncio.to_thread(post, s.port, "/v1/chat/completions",
+                                                {**base, "messages": CHAT, name: value})
+                    assert r.status_code == 400 and r.json()["error"]["param"] == name, (name, value)
+            s.api.fair_client = "user"
             r = await asyncio.to_thread(post, s.port, "/v1/messages", {**base, "messages": CHAT,
                                                                         "metadata": {"user_id": "bob"}})
             assert r.status_code == 200 and engine.adds[-1].client == "user:bob"
