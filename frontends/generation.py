@@ -289,10 +289,16 @@ class Generation:
 
     def _fail(self, items: list, now: float) -> None:
         """End the choices that ``items`` say the engine refused or could not run ("error"), and abort the
-        others: the call fails. (An engine that went away, or one step, may fail several at once.)"""
+        others: the call fails. (An engine that went away, or one step, may fail several at once.) One the
+        engine refused at its door (a 429, its queue full; a 4xx) never was an engine request: the metrics
+        do not count it as one ended in error (back-pressure read as an error rate, its prompt as prompt
+        tokens and prefix-cache queries: review); its HTTP status is counted."""
         for e in items:
             if (isinstance(e, Error) or e.finish_reason == "error") and (c := self._by_id.get(e.request_id)):
-                self._ended(c, "error", now)
+                if isinstance(e, Error) and e.status < 500:
+                    c.end_reason = "error"  # (the access log's word: its status says which)
+                else:
+                    self._ended(c, "error", now)
         self.abort_unfinished()
 
     def abort_unfinished(self) -> None:
