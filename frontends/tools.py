@@ -44,8 +44,10 @@ FORMATS = ("hermes", "llama3_json", "mistral", "openai")
 MAX_TOOLS = 128
 MAX_REQUIRED_TOOLS = 16  # "required" holds the output to one of these: more than the grammar tells apart at once
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-# a "required" answer's call cut short after its name: the name, and its parameters so far
-_CUT_CALL = re.compile(rf'\{{\s*"name"\s*:\s*"({_NAME.pattern})"\s*,\s*"parameters"\s*:\s*(.*)\Z', re.S)
+# a "required" answer's call cut short after its name: the name, and its parameters so far (none: cut before them,
+# in the key that introduces them)
+_CUT_CALL = re.compile(
+    rf'\{{\s*"name"\s*:\s*"({_NAME.pattern})"\s*(?:,\s*(?:"parameters"\s*:\s*(.*)|"?[a-z]*"?\s*))?\Z', re.S)
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _MISTRAL_CALLS, _MISTRAL_ARGS, _MISTRAL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 _ID_CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
@@ -344,7 +346,7 @@ class CallReader:
             calls.append(call)
         cut = _CUT_CALL.match(held, i)
         if cut is not None and cut[1] in self.req.schemas:
-            calls.append(new_call(cut[1], cut[2], self.req.fmt))
+            calls.append(new_call(cut[1], cut[2] or "", self.req.fmt))
         if not calls:
             return self._text(held)
         return [seg for c in calls[:None if self.req.parallel else 1] for seg in self._call(c)]

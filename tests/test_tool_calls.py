@@ -367,6 +367,13 @@ def test_required_and_named_outputs():
     content, deltas, reader = read_all(hermes(tool_choice="required"), list(text))
     assert content == "" and [(d["index"], d["function"]["name"]) for d in deltas] == [(0, "get_time"), (1, "get_weather")]
     assert read_all(hermes(tool_choice="required"), ['[{"name": "get_ti'])[:2] == ('[{"name": "get_ti', [])  # cut short
+    # cut short after a whole name, before its parameters: that call, its arguments none yet (its JSON was the
+    # content: review)
+    for cut in ('[{\n    "name": "get_weather"\n,"', '[{"name": "get_weather"', '[{"name": "get_weather", "param'):
+        content, deltas, _ = read_all(hermes(tool_choice="required"), [cut])
+        assert content == "" and [(d["function"]["name"], d["function"]["arguments"]) for d in deltas] == [
+            ("get_weather", "")], cut
+    assert read_all(hermes(tool_choice="required"), ['[{"name": "get_weather", "x": 1'])[1] == []  # (no such key)
     # cut short in a call's parameters (max_tokens): the whole calls, then that one with its arguments so far
     content, deltas, _ = read_all(hermes(tool_choice="required"), [text[:text.index("Rome") + 1]])
     assert content == "" and [(d["function"]["name"], d["function"]["arguments"]) for d in deltas] == [
