@@ -113,7 +113,9 @@ def _messages(data: dict) -> list[dict]:
         for j, block in enumerate(content):
             where = f"messages[{i}].content[{j}]"
             kind = block.get("type") if isinstance(block, dict) else None
-            if kind == "text" and isinstance(block.get("text"), str):
+            if kind == "text":
+                if not isinstance(block.get("text"), str):  # (it fell through to "text blocks are not supported")
+                    raise ApiError(400, f"{where}: a text block needs its text, a string", param="messages")
                 texts.append(block["text"])
                 parts.append({"type": "text", "text": block["text"]})
             elif kind == "image" and role == "user":

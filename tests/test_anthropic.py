@@ -107,6 +107,15 @@ def test_what_this_server_cannot_do_is_a_400(body, param):
     assert e.value.status == 400 and e.value.param == param
 
 
+def test_a_text_block_without_its_text_is_named_so():
+    """(It fell through to "blocks of type 'text' are not supported", the list after it naming text: review.)"""
+    for text in (None, 5):
+        block = {"type": "text"} if text is None else {"type": "text", "text": text}
+        with pytest.raises(ApiError) as e:
+            to_chat({"max_tokens": 5, "messages": [{"role": "user", "content": [block]}]})
+        assert e.value.message == "messages[0].content[0]: a text block needs its text, a string"
+
+
 def test_a_tool_is_checked_in_this_apis_words():
     """A tool's input_schema must be an object's (a tool_use's input is an object: one of an integer came back
     as ``"input": 1234567890``, which this server then refused when the client sent it back)."""
