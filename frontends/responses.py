@@ -148,8 +148,9 @@ def to_chat(data: dict) -> dict:
     top = _logprobs(data)
     if top is not None:
         chat["logprobs"], chat["top_logprobs"] = True, top
-    effort = (data.get("reasoning") or {}).get("effort") if isinstance(data.get("reasoning"), dict) else None
-    if effort is not None:  # (the chat's reasoning_effort: checked there, named here)
+    reasoning = data.get("reasoning")
+    effort = reasoning.get("effort") if isinstance(reasoning, dict) else None
+    if effort is not None:  # (the chat's reasoning_effort, named here as this API names it)
         if effort not in op.REASONING_EFFORTS:
             raise ApiError(400, f"reasoning.effort must be one of {', '.join(op.REASONING_EFFORTS)}, got {effort!r}",
                            param="reasoning")
