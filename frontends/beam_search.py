@@ -102,8 +102,6 @@ class BeamGeneration(Generation):
         super().__init__(client, codec, api_id, prompts, beam.beam_width, lambda i: base, priority, stop, deadline,
                          cache_salt, metrics, arrival, skip_special_tokens)
         self.codec = codec
-        if deadline is None and client.ready.request_timeout is not None:  # the whole search, not each round
-            self.deadline = time.time() + client.ready.request_timeout
         self.stop_token_ids = beam.stop_token_ids
         self.ends = end_ids(beam, client.ready.eos_token_ids)
         self.searches = [BeamSearch(beam, self.ends, stop_finder(codec, p, stop, skip_special_tokens)

@@ -81,7 +81,8 @@ async def embeddings_job(api, data: dict, arrival: float | None = None, id_prefi
         raise ApiError(400, f"encoding_format must be one of {', '.join(ENCODINGS)}, got {encoding!r}",
                        param="encoding_format")
     pooling = pooling or parse_pooling(data)
-    deadline, priority, cache_salt = op.parse_deadline(data), op.parse_priority(data), op.parse_cache_salt(data)
+    deadline, priority = op.parse_deadline(data, api.request_timeout), op.parse_priority(data)
+    cache_salt = op.parse_cache_salt(data)
     prompts = await op.parse_truncated_prompts(data, api._encode, api.codec, api.max_chars, api.max_model_len,
                                                "input", MAX_INPUTS)
     check_lengths(prompts, api.max_model_len)

@@ -192,6 +192,11 @@ class OpenAIApi:
         return self.client.ready.max_model_len
 
     @property
+    def request_timeout(self) -> float | None:
+        """The server's ``--request-timeout`` (None: none), for requests without a timeout of their own."""
+        return self.client.ready.request_timeout
+
+    @property
     def adapters(self) -> dict[str, str]:
         """The LoRA adapters a request may name as its model, name -> folder (the engine's latest word)."""
         return dict(self.client.ready.loras)
@@ -431,7 +436,7 @@ class OpenAIApi:
 
         ``arrival``: ``time.monotonic()`` when the call came in, where its latency metrics start."""
         lora = op.check_model(data, self.model_names, self.adapters)
-        deadline, priority = op.parse_deadline(data), op.parse_priority(data)
+        deadline, priority = op.parse_deadline(data, self.request_timeout), op.parse_priority(data)
         cache_salt = op.parse_cache_salt(data)
         n = op.parse_n(data)
         prompts = await op.parse_truncated_prompts(data, self._encode, self.codec, self.max_chars,
@@ -475,7 +480,7 @@ class OpenAIApi:
                        id_prefix: str = "chatcmpl") -> tuple[Generation, _ChatFormat]:
         """A /v1/chat/completions body checked and turned into an unstarted generation."""
         lora = op.check_model(data, self.model_names, self.adapters)
-        deadline, priority = op.parse_deadline(data), op.parse_priority(data)
+        deadline, priority = op.parse_deadline(data, self.request_timeout), op.parse_priority(data)
         cache_salt = op.parse_cache_salt(data)
         messages = op.parse_messages(data, self.max_chars)
         calls = tools.parse_tools(data, self.tool_format)

@@ -556,16 +556,17 @@ def parse_priority(data: dict) -> int:
     return p
 
 
-def parse_deadline(data: dict) -> float | None:
-    """``timeout`` in seconds, turned into the unix time the engine must end the request by.
+def parse_deadline(data: dict, default: float | None = None) -> float | None:
+    """``timeout`` in seconds, turned into the unix time the engine must end the request by; where absent, the
+    server's ``default`` (``--request-timeout``, from the engine's READY), else None.
 
     Taken now, as the body is read: the client's clock started when it sent the request,
-    so tokenizing and queueing count against it. None when absent: the engine then
-    applies the server's own default (``--request-timeout``).
+    so tokenizing and queueing count against it, the server's default's too (the engine applied it from the
+    request's arrival there, after the frontend's tokenizing and queueing: review).
     """
     t = field(data, "timeout", (int, float), None)
     if t is None:
-        return None
+        return None if default is None else time.time() + default
     if not 0 < t <= MAX_TIMEOUT_S:  # also refuses NaN and inf (every comparison with NaN is false)
         raise ApiError(400, f"timeout must be a positive number of seconds, at most {MAX_TIMEOUT_S:.0f}, "
                        f"got {t!r}", param="timeout")

@@ -114,6 +114,32 @@ def test_priority_and_timeout_reach_the_engine(engine, client):
     assert engine.adds[-1].priority == -3 and type(engine.adds[-1].priority) is int
 
 
+def test_the_servers_timeout_counts_from_when_the_frontend_reads_the_request(engine, codec):
+    """``--request-timeout`` (READY's) is a request's deadline where it gives none, taken as the frontend reads the
+    body, as a request's own ``timeout`` is: the engine applied it from the request's arrival there, after the
+    frontend's tokenizing and queueing (review). Over HTTP, the WebSocket and embeddings alike."""
+    async def main():
+        engine.request_timeout = 40.0
+        try:
+            async with serving(engine, codec) as s:
+                t0 = time.time()
+                for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", {"messages": CHAT}),
+                                   ("/v1/embeddings", {"input": "x"}), ("/v1/completions", {"prompt": "x", "timeout": 5})):
+                    r = await asyncio.to_thread(post, s.port, path, {"model": MODEL, "max_tokens": 1, **body}, KEY)
+                    assert r.status_code == 200, r.text
+                    want = 5 if "timeout" in body else 40
+                    assert t0 + want <= engine.adds[-1].deadline <= time.time() + want, path
+                async with connect(s.url, additional_headers=AUTH) as ws:
+                    await ws.send(json.dumps({"type": "chat", "id": "c", "messages": CHAT, "max_tokens": 1}))
+                    while (await recv(ws))["type"] != "done":
+                        pass
+                    assert t0 + 40 <= engine.adds[-1].deadline <= time.time() + 40
+        finally:
+            engine.request_timeout = None
+
+    run(main())
+
+
 def test_who_asks_reaches_the_engine(engine, client, port, codec):
     """``--scheduling-policy fair``'s unit: the caller's host (``--fair-client address``, the default: a ``user``
     is the caller's word, and one caller could name each request differently); with ``--fair-client key`` the

@@ -144,6 +144,7 @@ class FakeEngine(threading.Thread):
         self.num_timeouts = 0  # requests ended by their deadline
         self.num_preemptions = 0  # reported in STATS as is (nothing is ever preempted here)
         self.max_num_waiting_requests = 1024  # what READY announces
+        self.request_timeout: float | None = None  # and this: the server's --request-timeout
         self.vocab_size = VOCAB  # and this: the model's vocabulary
         self.fail_after: int | None = None  # end every request with "error" once it has this many tokens
         self.fail_reason = "its grammar cost too much"  # ... the stop_reason of one with structured output
@@ -221,7 +222,7 @@ class FakeEngine(threading.Thread):
 
     def ready(self) -> Ready:
         return Ready(MODEL, MAX_MODEL_LEN, self.vocab_size, [2], 64, NUM_KV_BLOCKS, BLOCK_SIZE,
-                     self.max_num_waiting_requests, self.loras, self.max_loras)
+                     self.max_num_waiting_requests, self.loras, self.max_loras, request_timeout=self.request_timeout)
 
     def kv_fragmentation(self) -> float:
         """Empty slots in the running requests' blocks / their allocated slots."""
