@@ -215,6 +215,9 @@ class ShortFirstQueue(RankedQueue):
         return math.log2(max(1, expected_work(req)))
 
 
+REFRESH_ONE_BY_ONE = 8  # out-of-date heap tops a peek brings up to date one at a time, before all of them at once
+
+
 class FairQueue(Queue):
     """Each client's requests in arrival order (preempted ones back at the front), the clients in a heap keyed
     by (seats held, tokens served, their head's arrival), with lazy removal: an entry is dead once its
@@ -273,12 +276,19 @@ class FairQueue(Queue):
         self._rekey(c)
 
     def peek(self) -> Request:
-        heap, served = self._heap, self._served
+        heap, served, refreshed = self._heap, self._served, 0
         while True:
             top = heap[0]
             if not top[5]:
                 heapq.heappop(heap)
             elif top[1] != served[top[4]]:  # served since it was keyed: its count brought up to date, in place
+                refreshed += 1
+                if refreshed > REFRESH_ONE_BY_ONE:  # most are out of date (a step served them all): all at once
+                    for entry in self._entry.values():
+                        entry[1] = served[entry[4]]
+                    heap = self._heap = [e for e in heap if e[5]]
+                    heapq.heapify(heap)
+                    continue
                 top[1] = served[top[4]]
                 heapq.heapreplace(heap, top)
             else:  # (every other entry's count is at least its own)
