@@ -166,7 +166,7 @@ def require_json(req: Request) -> None:
     for param in params.split(";"):
         name, _, value = param.partition("=")
         charset = value.strip().strip('"').lower()
-        if name.strip().lower() == "charset" and charset not in ("utf-8", "utf8"):
+        if name.strip().lower() == "charset" and charset not in ("utf-8", "utf8", "us-ascii", "ascii"):  # (a subset)
             raise ApiError(415, f"JSON bodies are UTF-8 here, not {charset or 'an empty charset'}",
                            code="unsupported_media_type")
     coding = req.headers.get("content-encoding", "identity").strip().lower()

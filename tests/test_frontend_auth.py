@@ -92,6 +92,7 @@ def test_json_posts_want_a_json_content_type(open_port, path):
         assert status == 415, ctype
         assert error(body)["type"] == "invalid_request_error" and "application/json" in error(body)["message"]
     for ctype in ("application/json", "Application/JSON; charset=utf-8", 'application/json; Charset="UTF8"',
+                  "application/json; charset=US-ASCII",
                   "application/vnd.api+json"):
         status, _, body = call(open_port, "POST", path, {"Content-Type": ctype}, b"{nope")
         assert status == 400, ctype  # past the gate: the body itself is what is wrong
