@@ -312,6 +312,14 @@ def test_a_generation_reports_each_choice_once_however_it_ends(codec):
     gen.stream.push(Error("e-1", 429, "rate_limit_error", "full"))
     with pytest.raises(ApiError):
         asyncio.run(gen.next_updates())
+    # refused at the engine's door (its queue full): no engine request, not counted as one ended in error
+    assert [r[0] for r in m.finished] == ["abort"] and gen.choices[1].end_reason == "error"
+    m = _Recorder()
+    gen = Generation(_Client(), codec, "f", [ids], 2, lambda i: params, metrics=m)
+    gen.start()
+    gen.stream.push(Error("f-1", 500, "internal_error", "the step failed"))  # (it ran, and failed)
+    with pytest.raises(ApiError):
+        asyncio.run(gen.next_updates())
     assert sorted(r[0] for r in m.finished) == ["abort", "error"]
 
     m = _Recorder()
