@@ -295,9 +295,8 @@ class OpenAIApi:
         """Who asks, for ``--scheduling-policy fair`` (``--fair-client``): "key:N" for the N-th API key
         (``key_of``; a caller without one, where no keys are needed, by its address), else
         ``openai_params.client_id``'s address, or the body's user."""
-        if key is not None:
-            return f"key:{key}"
-        return op.client_id(data, conn, self.fair_client == "user")
+        client = op.client_id(data, conn, self.fair_client == "user")  # (its fields checked in every mode)
+        return f"key:{key}" if key is not None else client
 
     def _require_engine(self) -> None:
         if not self.client.healthy:

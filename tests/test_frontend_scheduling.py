@@ -174,7 +174,7 @@ def test_who_asks_reaches_the_engine(engine, client, port, codec):
             other = "u" * 256 + "v" * 744  # (the same first 256 characters: another user)
             r = await asyncio.to_thread(post, s.port, "/v1/completions", {**base, "prompt": "x", "user": other})
             assert r.status_code == 200 and engine.adds[-1].client != engine.adds[-2].client
-            for s.api.fair_client in ("user", "address"):  # (a number was taken for no user, silently: review)
+            for s.api.fair_client in ("user", "address", "key"):  # (a number was taken for no user, silently: review)
                 for name, value in (("user", 7), ("user", ["a"]), ("safety_identifier", {"a": 1})):
                     r = await asyncio.to_thread(post, s.port, "/v1/chat/completions",
                                                 {**base, "messages": CHAT, name: value})
