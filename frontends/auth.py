@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import hmac
 import ipaddress
+import re
 import socket
 from collections.abc import Iterable
 from urllib.parse import urlsplit
@@ -154,6 +155,9 @@ class Auth:
         return guarded
 
 
+_MEDIA_PARAM = re.compile(r'\s*([^=;\s]+)\s*=\s*("(?:[^"\\]|\\.)*"|[^;]*)')  # a media type's name=value parameter
+
+
 def require_json(req: Request) -> None:
     """Raise 415 unless the body is declared JSON (``application/json`` or ``application/*+json``), in UTF-8 (a
     ``charset`` parameter, if any, says so: JSON is UTF-8, RFC 8259) and not compressed (a ``Content-Encoding``,
@@ -163,10 +167,11 @@ def require_json(req: Request) -> None:
     if mime != "application/json" and not (mime.startswith("application/") and mime.endswith("+json")):
         raise ApiError(415, f"Content-Type must be application/json, not {mime or 'missing'}",
                        code="unsupported_media_type")
-    for param in params.split(";"):
-        name, _, value = param.partition("=")
-        charset = value.strip().strip('"').lower()
-        if name.strip().lower() == "charset" and charset not in ("utf-8", "utf8", "us-ascii", "ascii"):  # (a subset)
+    # (a parameter's value may be quoted, a ";" inside it: RFC 9110's quoted-string)
+    for name, value in _MEDIA_PARAM.findall(params):
+        quoted = len(value) > 1 and value[0] == value[-1] == '"'
+        charset = (value[1:-1] if quoted else value.strip().strip('"')).lower()
+        if name.lower() == "charset" and charset not in ("utf-8", "utf8", "us-ascii", "ascii"):  # (a subset)
             raise ApiError(415, f"JSON bodies are UTF-8 here, not {charset or 'an empty charset'}",
                            code="unsupported_media_type")
     coding = req.headers.get("content-encoding", "identity").strip().lower()

@@ -92,7 +92,8 @@ def test_json_posts_want_a_json_content_type(open_port, path):
         assert status == 415, ctype
         assert error(body)["type"] == "invalid_request_error" and "application/json" in error(body)["message"]
     for ctype in ("application/json", "Application/JSON; charset=utf-8", 'application/json; Charset="UTF8"',
-                  "application/json; charset=US-ASCII",
+                  "application/json; charset=US-ASCII", "application/json; charset=utf-8 ",
+                  'application/json; foo="a;charset=latin1"; charset=utf-8',  # (a quoted ";" is no separator)
                   "application/vnd.api+json"):
         status, _, body = call(open_port, "POST", path, {"Content-Type": ctype}, b"{nope")
         assert status == 400, ctype  # past the gate: the body itself is what is wrong
@@ -101,6 +102,7 @@ def test_json_posts_want_a_json_content_type(open_port, path):
     assert status == 400
     # read as plain UTF-8 JSON whatever they said, they were answered 200 (review): refused
     for headers, what in (({"Content-Type": "application/json; charset=utf-16"}, "utf-16"),
+                          ({"Content-Type": 'application/json; foo="a;b"; charset="latin1"'}, "latin1"),
                           ({"Content-Type": "application/json", "Content-Encoding": "gzip"}, "gzip")):
         status, _, body = call(open_port, "POST", path, headers, b'{"prompt": "x"}')
         assert status == 415 and what in error(body)["message"], headers
