@@ -302,6 +302,12 @@ def parse_continuation(data: dict, messages: list[dict]) -> tuple[bool, bool]:
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
+def check_reasoning_effort(effort: Any, name: str = "reasoning_effort", param: str = "reasoning_effort") -> None:
+    """400 unless ``effort`` (the field ``name``, refused as ``param``) is None or one of OpenAI's efforts."""
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise ApiError(400, f"{name} must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}", param=param)
+
+
 def parse_template_kwargs(data: dict) -> dict[str, Any]:
     """vLLM's ``chat_template_kwargs``: more variables for the chat template (Qwen3's
     ``enable_thinking``, say); they override the tokenizer's special tokens of the same name, as
@@ -309,9 +315,7 @@ def parse_template_kwargs(data: dict) -> dict[str, Any]:
     template writes it in the system message, "Reasoning: high"), unless ``chat_template_kwargs`` sets it,
     as in vLLM. {} when neither is given."""
     effort = field(data, "reasoning_effort", str, None)
-    if effort is not None and effort not in REASONING_EFFORTS:
-        raise ApiError(400, f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
-                       param="reasoning_effort")
+    check_reasoning_effort(effort)
     kw = field(data, "chat_template_kwargs", dict, None)
     if effort is not None:
         kw = {"reasoning_effort": effort, **(kw or {})}

@@ -151,9 +151,7 @@ def to_chat(data: dict) -> dict:
     reasoning = data.get("reasoning")
     effort = reasoning.get("effort") if isinstance(reasoning, dict) else None
     if effort is not None:  # (the chat's reasoning_effort, named here as this API names it)
-        if effort not in op.REASONING_EFFORTS:
-            raise ApiError(400, f"reasoning.effort must be one of {', '.join(op.REASONING_EFFORTS)}, got {effort!r}",
-                           param="reasoning")
+        op.check_reasoning_effort(effort, "reasoning.effort", "reasoning")
         chat["reasoning_effort"] = effort
     if data.get("max_output_tokens") is not None:
         chat["max_tokens"] = data["max_output_tokens"]

@@ -296,8 +296,7 @@ def main() -> None:
     print(f"host time per {what} ({args.sampling}{', race as on CUDA' if args.race else ''}"
           f"{f', top {args.logprobs} logprobs' if args.logprobs is not None else ''}, "
           f"{args.scheduling_policy}{f' of {args.clients} clients' if args.scheduling_policy == 'fair' else ''}, "
-          f"asynchronous "
-          f"scheduling {args.async_scheduling}), µs: min / "
+          f"asynchronous scheduling {args.async_scheduling}), µs: min / "
           f"median over {args.rounds} rounds{f' x {args.turns} turns' if args.before else ''}")
     names = list(reversed(checkouts))
     print(f"{'stage':14s}" + "".join(f"{name:>20s}" for name in names))
