@@ -155,10 +155,13 @@ def shaped_errors(handler: Handler, body: Callable[[ApiError], dict],
 
 class Router:
     """Routes by exact (method, path): unknown path 404, known path with another method 405. A HEAD request is
-    answered as its GET is, without the body (RFC 9110 9.3.2: load balancers' and monitors' probes may send one)."""
+    answered as its GET is, without the body (RFC 9110 9.3.2: load balancers' and monitors' probes may send one).
+    A path that ends in ``{name}`` (``/v1/models/{model}``) takes every path that goes on past its prefix (a name
+    with '/' in it too); its handler reads the name from ``req.path``. An exact path wins over it."""
 
     def __init__(self) -> None:
         self._routes: dict[str, dict[str, Handler]] = {}
+        self._templates: list[tuple[str, str]] = []  # (prefix, path) of the paths that end in a {name}
         self._refusals: dict[tuple[str, str], Callable[[Request], bool]] = {}  # (method, path) -> refuses(head)
         self._upgrades: dict[str, UpgradeHandler] = {}
         self._shapes: dict[str, ErrorShape] = {}  # a path's error shape, where not OpenAI's
@@ -170,6 +173,9 @@ class Router:
         raises and for what the server refuses on that path before any handler runs (405, 413, 408).
         ``refuses(req)``: whether the handler refuses ``req`` from its head alone (a missing API key): then
         it is answered at once, its body never read."""
+        if path.endswith("}") and "{" in path and (prefix := path[:path.rindex("{")]) not in dict(self._templates):
+            self._templates.append((prefix, path))
+            self._templates.sort(key=lambda t: -len(t[0]))  # (the longest prefix first)
         self._refusals.pop((method.upper(), path), None)  # (a route added again is the new handler's alone)
         if refuses is not None:
             self._refusals[method.upper(), path] = refuses
@@ -178,8 +184,17 @@ class Router:
             handler = shaped_errors(handler, *errors)
         self._routes.setdefault(path, {})[method.upper()] = handler
 
+    def route(self, path: str) -> str:
+        """The route that serves ``path``: itself, or the path with a ``{name}`` that takes it (else itself)."""
+        if path in self._routes:
+            return path
+        for prefix, template in self._templates:
+            if len(path) > len(prefix) and path.startswith(prefix):
+                return template
+        return path
+
     def refuses(self, req: Request) -> bool:
-        check = self._refusals.get((req.method, req.path))
+        check = self._refusals.get((req.method, self.route(req.path)))
         return check is not None and check(req)
 
     def add_preflight(self, path: str, preflight: Callable[[Request, str], Awaitable[Response]]) -> None:
@@ -187,7 +202,7 @@ class Router:
         self._routes.setdefault(path, {})["OPTIONS"] = lambda req: preflight(req, ", ".join(self.allowed(path)))
 
     def allowed(self, path: str) -> list[str]:
-        by_method = self._routes.get(path, {})
+        by_method = self._routes.get(self.route(path), {})
         return sorted({*by_method, *(["HEAD"] if "GET" in by_method else [])})
 
     def shape_prefix(self, prefix: str, errors: ErrorShape) -> None:
@@ -196,7 +211,7 @@ class Router:
 
     def error(self, path: str, e: ApiError) -> Response:
         """``e`` in ``path``'s error shape."""
-        shape = self._shapes.get(path)
+        shape = self._shapes.get(self.route(path))
         if shape is None:
             shape = max(((p, s) for p, s in self._prefix_shapes if path.startswith(p)), key=lambda ps: len(ps[0]),
                         default=(None, None))[1]
@@ -210,7 +225,7 @@ class Router:
         return self._upgrades.get(path)
 
     def resolve(self, method: str, path: str) -> Handler:
-        by_method = self._routes.get(path)
+        by_method = self._routes.get(self.route(path))
         if by_method is None:
             raise ApiError(404, f"Not found: {path}", code=404)
         handler = by_method.get("GET" if method == "HEAD" and "HEAD" not in by_method else method)
@@ -222,7 +237,8 @@ class Router:
 
     def handler_name(self, path: str) -> str:
         """``path`` if a route serves it, else "unmatched": a bounded set of names for metrics."""
-        return path if path in self._routes or path in self._upgrades else "unmatched"
+        route = self.route(path)
+        return route if route in self._routes or path in self._upgrades else "unmatched"
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 ``/v1/completions``, ``/v1/chat/completions`` and ``/v1/responses`` (plain and SSE streaming),
 ``/v1/embeddings`` (``frontends.embeddings``), ``/v1/rerank`` and ``/v1/score`` (``frontends.scoring``),
-``/v1/models``, ``/health``, ``/tokenize``, ``/detokenize``, ``/version``.
+``/v1/models`` (and one model's card: ``/v1/models/{model}``), ``/health``, ``/tokenize``, ``/detokenize``, ``/version``.
 Request bodies are read in ``openai_params``; the engine requests of one call
 run in a ``generation.Generation``. Every endpoint except ``/health`` needs an
 API key when keys are configured; all of them follow the origin rule of
@@ -35,7 +35,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, unquote
 
 import orjson
 
@@ -158,6 +158,7 @@ class OpenAIApi:
             *(("POST", path, self.score) for path in ("/v1/score", "/score")),
             ("POST", "/classify", self.classify),
             ("GET", "/v1/models", self.models),
+            ("GET", "/v1/models/{model}", self.model_card),
             ("POST", "/tokenize", self.tokenize),
             ("POST", "/detokenize", self.detokenize),
             ("GET", "/version", self.version),
@@ -324,14 +325,27 @@ class OpenAIApi:
     async def version(self, req: Request) -> Response:
         return _json({"version": VERSION})
 
-    async def models(self, req: Request) -> Response:
-        return _json({"object": "list", "data": [{
+    def _model_cards(self) -> list[dict]:
+        return [{
             "id": name, "object": "model", "created": self.created, "owned_by": "tokenmill",
             "root": self.model, "parent": None, "max_model_len": self.max_model_len,
         } for name in self.model_names] + [{  # as vLLM lists them
             "id": name, "object": "model", "created": self.created, "owned_by": "tokenmill",
             "root": path, "parent": self.model, "max_model_len": self.max_model_len,
-        } for name, path in self.adapters.items()]})
+        } for name, path in self.adapters.items()]
+
+    async def models(self, req: Request) -> Response:
+        return _json({"object": "list", "data": self._model_cards()})
+
+    async def model_card(self, req: Request) -> Response:
+        """OpenAI's ``GET /v1/models/{model}`` (the client's ``models.retrieve``): one of ``/v1/models``'s cards, by
+        its id percent-encoded ('/' as %2F, as the official clients send it; a bare '/' is read as one too)."""
+        name = unquote(req.path.removeprefix("/v1/models/"))
+        card = next((c for c in self._model_cards() if c["id"] == name), None)
+        if card is None:
+            raise ApiError(404, f"The model '{name}' does not exist", type="not_found_error", param="model",
+                           code="model_not_found")
+        return _json(card)
 
     async def load_lora_adapter(self, req: Request) -> Response:
         """vLLM's: ``{"lora_name", "lora_path"}``, a PEFT folder on the engine's machine, into a free slot."""

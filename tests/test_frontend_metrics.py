@@ -175,6 +175,7 @@ def test_metrics_count_a_known_mix_exactly_across_two_frontends(stack):
     assert call(port, "POST", "/v1/completions", {"model": "smol", "prompt": "x"}, key=None)[0] == 401
     assert call(port, "POST", "/v1/completions", {"model": "smol", "prompt": "x"}, content_type="text/plain")[0] == 415
     assert call(port, "GET", "/nope")[0] == 404
+    assert call(port, "GET", "/v1/models/smol")[0] == 200 and call(port, "GET", "/v1/models/other")[0] == 404
 
     cut_line = access_line(log, rid_cut)  # logged once its frontend saw the client go
     cut = fields(cut_line)
@@ -236,6 +237,8 @@ def test_metrics_count_a_known_mix_exactly_across_two_frontends(stack):
         ("/v1/completions", "POST", "4xx"): 5,  # 408, 429, 400, 401, 415
         ("/v1/chat/completions", "POST", "2xx"): 1,
         ("unmatched", "GET", "4xx"): 1,
+        ("/v1/models/{model}", "GET", "2xx"): 1,  # (one name for every model's card: a bounded set)
+        ("/v1/models/{model}", "GET", "4xx"): 1,
         ("/metrics", "GET", "2xx"): http[("/metrics", "GET", "2xx")],
     }
     assert http[("/metrics", "GET", "2xx")] >= 1

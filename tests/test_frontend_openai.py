@@ -721,14 +721,30 @@ def test_generation_defaults_read_as_vllm_reads_them(tmp_path):
 
 def test_several_served_model_names(tmp_path, smollm_tokenizer_dir):
     """vLLM's --served-model-name a b: a request may name any of them (others: 404), responses name the
-    first, /v1/models lists them all."""
-    with fake_stack(str(tmp_path), smollm_tokenizer_dir, model_aliases=["alias"]) as (engine, port):
+    first, /v1/models lists them all, and /v1/models/{model} (the client's models.retrieve) shows each one's
+    card, its name percent-encoded as the client sends it."""
+    alias = "org/alias 1"
+    with fake_stack(str(tmp_path), smollm_tokenizer_dir, model_aliases=[alias]) as (engine, port):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
-        r = client.chat.completions.create(model="alias", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        r = client.chat.completions.create(model=alias, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
         assert r.model == MODEL
-        assert [m.id for m in client.models.list().data] == [MODEL, "alias"]
+        listed = client.models.list().data
+        assert [m.id for m in listed] == [MODEL, alias]
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="other", prompt="hi", max_tokens=2)
+        for m in listed:
+            assert client.models.retrieve(m.id) == m
+        with pytest.raises(openai.NotFoundError) as e:
+            client.models.retrieve("other")
+        assert e.value.body["code"] == "model_not_found" and "'other'" in e.value.body["message"]
+        r = get(port, "/v1/models/org/alias%201")  # (a bare '/' is read as one too)
+        assert r.status_code == 200 and r.json()["id"] == alias
+        assert get(port, "/v1/models/").status_code == 404  # (the list is /v1/models)
+        assert get(port, f"/v1/models/{MODEL}", key=None).status_code == 401  # (a key, as the list wants)
+        r = call(port, "POST", f"/v1/models/{MODEL}")
+        assert r.status_code == 405 and "allowed: GET, HEAD, OPTIONS" in r.json()["error"]["message"]
+        r = call(port, "HEAD", f"/v1/models/{MODEL}")
+        assert r.status_code == 200 and r.content == b""
 
 
 def test_a_tokenizer_larger_than_the_model_is_named_at_start(tmp_path, smollm_tokenizer_dir):
