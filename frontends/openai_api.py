@@ -591,9 +591,10 @@ class OpenAIApi:
     def _answer(self, data: dict, prompt: list[int], base, calls: tools.ToolRequest | None):
         """What makes each choice's ``_Answer`` (None: its text is all content)."""
         include = op.field(data, "include_reasoning", bool, True)
+        legacy = calls is not None and calls.legacy
         if self.harmony and not base.structured:
             tail = self.codec.decode(prompt[-32:], skip_special_tokens=False)
-            return lambda: _Answer(None, None, include, harmony.HarmonyReader(calls, tail))
+            return lambda: _Answer(None, None, include, harmony.HarmonyReader(calls, tail), legacy)
         think = self.thinking and not base.structured  # held output cannot think
         if not (think or calls):
             return None
@@ -601,7 +602,7 @@ class OpenAIApi:
 
         def answer() -> _Answer:
             return _Answer(reasoning.ThinkSplitter(opened) if think else None,
-                           calls.reader() if calls is not None else None, include)
+                           calls.reader() if calls is not None else None, include, legacy=legacy)
         return answer
 
     # ------------------------------------------------------------------ responses
@@ -951,9 +952,11 @@ class _Answer:
     read out of GPT-OSS's harmony messages (``frontends.harmony``)."""
 
     def __init__(self, think: reasoning.ThinkSplitter | None, calls: tools.CallReader | None,
-                 include_reasoning: bool, harmony_reader: harmony.HarmonyReader | None = None) -> None:
+                 include_reasoning: bool, harmony_reader: harmony.HarmonyReader | None = None,
+                 legacy: bool = False) -> None:
         self.think, self.calls, self.include_reasoning = think, calls, include_reasoning
         self.harmony = harmony_reader
+        self.legacy = legacy  # the call is a function_call (the deprecated functions): one, without an id
         self._reader = calls if calls is not None else harmony_reader  # what reads the answer's tool calls
         self.reasoning = self.content = ""
 
@@ -997,23 +1000,35 @@ class _Answer:
         parts = self.parts(text, finished)
         joined = {k: "".join(v for kind, v in parts if kind == k) for k in ("reasoning", "text")}
         calls = [v for k, v in parts if k == "call"]
+        made = ({"function_call": _function_call(calls)} if self.legacy else {"tool_calls": calls}) if calls else {}
         return (({"reasoning_content": joined["reasoning"]} if joined["reasoning"] else {})
-                | ({"content": joined["text"]} if joined["text"] else {}) | ({"tool_calls": calls} if calls else {}))
+                | ({"content": joined["text"]} if joined["text"] else {}) | made)
 
     def message(self) -> dict:
         msg: dict = {"role": "assistant", "content": self.content}
         if self.reasoning and self.include_reasoning:
             msg["reasoning_content"] = self.reasoning
         if self._reader is not None and self._reader.calls:
-            msg |= {"content": self.content or None, "tool_calls": self._reader.calls}
+            calls = self._reader.calls
+            msg |= {"content": self.content or None,
+                    **({"function_call": _function_call(calls)} if self.legacy else {"tool_calls": calls})}
         return msg
 
     def finish_reason(self, reason: str | None) -> str | None:
-        """"tool_calls" for an answer that called tools and ended of itself (a named function: "stop")."""
+        """"tool_calls" ("function_call") for an answer that called tools and ended of itself (a named function:
+        "stop")."""
         reader = self._reader
         if reader is not None and reader.calls and reason == "stop" and reader.mode != "named":
-            return "tool_calls"
+            return "function_call" if self.legacy else "tool_calls"
         return reason
+
+
+def _function_call(calls: list[dict]) -> dict:
+    """Tool-call deltas (of one call: the deprecated functions make one) as a ``function_call`` delta: its name
+    where one has it, its arguments joined."""
+    fns = [c["function"] for c in calls]
+    name = next((f["name"] for f in fns if "name" in f), None)
+    return ({"name": name} if name is not None else {}) | {"arguments": "".join(f.get("arguments", "") for f in fns)}
 
 
 class _ChatFormat(_SseFormat):

@@ -194,7 +194,7 @@ def check_text_length(num_chars: int, max_chars: int, param: str) -> None:
                        f"(at most {max_chars} characters). Please reduce the length of the {param}.", param=param)
 
 
-_ROLES = ("system", "developer", "user", "assistant", "tool")
+_ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # (function: the deprecated tool)
 
 
 def parse_messages(data: dict, max_chars: int | None = None) -> list[dict[str, Any]]:
@@ -242,7 +242,7 @@ def parse_messages(data: dict, max_chars: int | None = None) -> list[dict[str, A
         elif not isinstance(content, str):
             raise ApiError(400, f"messages[{i}].content must be a string or a list of content parts",
                            param="messages")
-        msg = {"role": "system" if role == "developer" else role, "content": content}
+        msg = {"role": {"developer": "system", "function": "tool"}.get(role, role), "content": content}
         if images:
             msg |= {"images": images, "parts": parts}
         thought = m.get("reasoning_content", m.get("reasoning")) if role == "assistant" else None
@@ -252,6 +252,22 @@ def parse_messages(data: dict, max_chars: int | None = None) -> list[dict[str, A
         if role == "assistant" and m.get("tool_calls"):
             msg["tool_calls"] = tools.template_tool_calls(m["tool_calls"], i)
             size += sum(len(c["function"]["arguments"]) for c in m["tool_calls"])
+        elif role == "assistant" and m.get("function_call") is not None:  # (the deprecated functions' one call)
+            fc = m["function_call"]
+            if not (isinstance(fc, dict) and isinstance(fc.get("name"), str) and isinstance(fc.get("arguments"), str)):
+                raise ApiError(400, f"messages[{i}].function_call must be {{'name': string, 'arguments': JSON text}}",
+                               param="messages")
+            try:
+                msg["tool_calls"] = tools.template_tool_calls([{"type": "function", "function": fc}], i)
+            except ApiError as e:  # (its arguments are not JSON)
+                e.message = e.message.replace(f"messages[{i}].tool_calls[0].function", f"messages[{i}].function_call")
+                raise
+            size += len(fc["arguments"])
+        elif role == "function":  # (a deprecated function's result: named, as the tool messages of some templates)
+            if not isinstance(m.get("name"), str):
+                raise ApiError(400, f"messages[{i}].name must be a string: the function whose result this is",
+                               param="messages")
+            msg["name"] = m["name"]
         elif role == "tool" and m.get("tool_call_id") is not None:
             if not isinstance(m["tool_call_id"], str):
                 raise ApiError(400, f"messages[{i}].tool_call_id must be a string", param="messages")

@@ -24,6 +24,10 @@ A call found gets an id (``call_...``) and its arguments as a JSON string; the c
 with finish_reason "tool_calls" (a named function: "stop", as OpenAI answers a forced call).
 Text the reader cannot take for a call (malformed JSON, a call cut short by ``max_tokens``)
 stays content: nothing the model wrote is lost.
+
+OpenAI's deprecated ``functions`` and ``function_call`` (one call an answer, before tools) run as the
+tools they amount to (``from_functions``), answered as OpenAI answers them: the call as the message's
+``function_call`` (``{"name", "arguments"}``), finish_reason "function_call".
 """
 
 from __future__ import annotations
@@ -79,6 +83,7 @@ class ToolRequest:
     fmt: str | None = None  # auto: the format the reader reads
     schemas: dict[str, dict] = field(default_factory=dict)  # each function's parameters
     size: int = 0  # bytes of the tools as JSON: they count against the context as the messages do
+    legacy: bool = False  # asked as the deprecated functions: its call is answered as a function_call
 
     def schema(self) -> dict | None:
         """The JSON schema the output is held to (None: free text)."""
@@ -145,8 +150,18 @@ def as_object(params: dict) -> dict:
 
 
 def parse_tools(data: dict, fmt: str | None) -> ToolRequest | None:
-    """``tools``, ``tool_choice`` and ``parallel_tool_calls`` checked (None: no tools given).
-    ``fmt``: the server's call format for "auto" (``detect_format`` or ``--tool-call-parser``)."""
+    """``tools``, ``tool_choice`` and ``parallel_tool_calls`` checked (None: no tools given), or the deprecated
+    ``functions`` and ``function_call`` as such tools. ``fmt``: the server's call format for "auto"
+    (``detect_format`` or ``--tool-call-parser``)."""
+    legacy = from_functions(data)
+    if legacy is not None:
+        try:
+            req = parse_tools(legacy, fmt)
+        except ApiError as e:
+            raise e.renamed(LEGACY_NAMES) from None
+        if req is not None:
+            req.legacy = True
+        return req
     tools = data.get("tools")
     choice = data.get("tool_choice")
     if tools is None:
@@ -193,6 +208,43 @@ def parse_tools(data: dict, fmt: str | None) -> ToolRequest | None:
         raise ApiError(400, f"tool_choice 'required' takes at most {MAX_REQUIRED_TOOLS} tools, got {len(schemas)}",
                        param="tools")
     return req
+
+
+LEGACY_NAMES = {"tools": "functions", "tool_choice": "function_call"}  # (for ApiError.renamed)
+
+
+def from_functions(data: dict) -> dict | None:
+    """The ``tools``, ``tool_choice`` and ``parallel_tool_calls`` (one call) that OpenAI's deprecated ``functions``
+    and ``function_call`` amount to, for ``parse_tools``; None where the request has neither."""
+    functions, choice = data.get("functions"), data.get("function_call")
+    if functions is None and choice is None:
+        return None
+    if data.get("tools") is not None or data.get("tool_choice") is not None:
+        raise ApiError(400, "give 'tools' (and tool_choice) or the deprecated 'functions' (and function_call), "
+                       "not both", param="functions")
+    if functions is None:
+        if choice != "none":
+            raise ApiError(400, "function_call needs 'functions'", param="function_call")
+        return {}
+    if not isinstance(functions, list) or not 0 < len(functions) <= MAX_TOOLS:
+        raise ApiError(400, f"'functions' must be a list of 1 to {MAX_TOOLS} functions", param="functions")
+    for i, fn in enumerate(functions):
+        if not isinstance(fn, dict):
+            raise ApiError(400, f"functions[{i}] must be {{'name': ..., 'parameters': {{...}}}}", param="functions")
+        try:
+            check_tool(i, fn.get("name"), fn.get("parameters", {"type": "object"}), ("name", "parameters"))
+        except ApiError as e:
+            raise e.renamed(LEGACY_NAMES) from None
+    names = [fn["name"] for fn in functions]
+    if isinstance(choice, dict) and isinstance(choice.get("name"), str) and choice["name"] in names:
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    elif isinstance(choice, dict):
+        raise ApiError(400, f"function_call names no function of 'functions': {choice.get('name')!r}",
+                       param="function_call")
+    elif choice not in (None, "none", "auto"):
+        raise ApiError(400, "function_call must be 'none', 'auto' or {'name': ...}", param="function_call")
+    return {"tools": [{"type": "function", "function": fn} for fn in functions], "tool_choice": choice,
+            "parallel_tool_calls": False}
 
 
 def template_tool_calls(calls: Any, i: int) -> list[dict]:

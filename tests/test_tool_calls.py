@@ -97,6 +97,38 @@ def args_of(call: dict) -> dict:
 
 
 @pytest.mark.parametrize("body,param,words", [
+    ({"functions": [WEATHER["function"]], "tools": TOOLS}, "functions", "not both"),
+    ({"function_call": "auto"}, "function_call", "needs 'functions'"),
+    ({"functions": {}}, "functions", "a list of 1 to 128"),
+    ({"functions": ["f"]}, "functions", "functions[0] must be {'name'"),
+    ({"functions": [{"name": "a b"}]}, "functions", "functions[0].name must be 1 to 64 letters"),
+    ({"functions": [{"name": "f", "parameters": {"type": "array"}}]}, "functions",
+     "functions[0].parameters must be a JSON schema of type 'object'"),
+    ({"functions": [{"name": "f"}, {"name": "f"}]}, "functions", "two functions are named 'f'"),
+    ({"functions": [{"name": "f"}], "function_call": {"name": "g"}}, "function_call", "no function of 'functions': 'g'"),
+    ({"functions": [{"name": "f"}], "function_call": "required"}, "function_call", "'none', 'auto' or {'name'"),
+])
+def test_the_deprecated_functions_are_checked_as_tools_under_their_names(body, param, words):
+    with pytest.raises(ApiError) as e:
+        parse_tools(body, "hermes")
+    assert (e.value.status, e.value.param) == (400, param) and words in e.value.message
+
+
+def test_the_deprecated_functions_are_one_call_tools():
+    fns = [WEATHER["function"], TIME["function"]]
+    req = parse_tools({"functions": fns}, "hermes")
+    assert (req.mode, req.parallel, req.legacy, req.tools) == ("auto", False, True, TOOLS)
+    named = parse_tools({"functions": fns, "function_call": {"name": "get_time"}}, None)
+    assert (named.mode, named.name) == ("named", "get_time")
+    assert parse_tools({"functions": fns, "function_call": "none"}, None).mode == "none"
+    assert parse_tools({"function_call": "none"}, None) is None
+    with pytest.raises(ApiError) as e:
+        parse_tools({"functions": fns}, None)  # (as tool_choice "auto" does, named as the request named it)
+    assert e.value.param == "function_call" and e.value.message.startswith("function_call 'auto' needs a tool-call")
+    assert not parse_tools({"tools": TOOLS}, "hermes").legacy
+
+
+@pytest.mark.parametrize("body,param,words", [
     ({"tool_choice": "auto"}, "tool_choice", "needs 'tools'"),
     ({"tools": []}, "tools", "1 to 128"),
     ({"tools": [{"type": "function"}]}, "tools", "tools[0]"),
@@ -445,6 +477,54 @@ def test_served_calls_stream_as_tool_call_deltas(client):
     assert content == "Checking." and finish == "tool_calls" and list(calls) == [0]
     assert calls[0]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
     assert json.loads(calls[0]["arguments"]) == {"city": "Paris", "unit": "celsius"}
+
+
+def test_the_deprecated_functions_are_answered_as_a_function_call(client):
+    """OpenAI's ``functions``: the call comes back as the message's ``function_call`` (no id, one call), plain and
+    streamed, finish_reason "function_call"; a conversation carries an assistant's ``function_call`` and a
+    ``function`` message's result to the template as a tool call and its result."""
+    fns = [WEATHER["function"], TIME["function"]]
+    two = ANSWER.replace("<|im_end|>", '<tool_call>{"name": "get_time", "arguments": {"zone": "Z"}}</tool_call><|im_end|>')
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": two}], functions=fns,
+                                       max_tokens=200, extra_body={"stop_token_ids": [2]})
+    choice = r.choices[0]
+    assert choice.finish_reason == "function_call" and not choice.message.tool_calls
+    assert choice.message.function_call.name == "get_weather"  # (the second call stays text: one call an answer)
+    assert json.loads(choice.message.function_call.arguments) == {"city": "Paris", "unit": "celsius"}
+    assert choice.message.content.startswith("Checking.") and "get_time" in choice.message.content
+    content, name, arguments, finish = "", "", "", None
+    for chunk in client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ANSWER}],
+                                                functions=fns, max_tokens=200, stream=True,
+                                                extra_body={"stop_token_ids": [2]}):
+        for c in chunk.choices:
+            assert not c.delta.tool_calls
+            content += c.delta.content or ""
+            if c.delta.function_call:
+                name += c.delta.function_call.name or ""
+                arguments += c.delta.function_call.arguments or ""
+            finish = c.finish_reason or finish
+    assert (content, name, finish) == ("Checking.", "get_weather", "function_call")
+    assert json.loads(arguments) == {"city": "Paris", "unit": "celsius"}
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ANSWER}], functions=fns,
+                                       function_call="none", max_tokens=200, extra_body={"stop_token_ids": [2]})
+    assert r.choices[0].message.content == ANSWER.removesuffix("<|im_end|>") and not r.choices[0].message.function_call
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None,
+                 "function_call": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+                {"role": "function", "name": "get_weather", "content": "Sunny, 21 C<|im_end|>"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, functions=fns, max_tokens=50,
+                                       extra_body={"stop_token_ids": [2]})
+    assert r.choices[0].message.content == "Sunny, 21 C" and r.choices[0].finish_reason == "stop"
+    for bad, words in (({**messages[1], "function_call": {"name": "get_weather", "arguments": "{oops"}},
+                        "messages[1].function_call.arguments is not JSON text"),
+                       ({**messages[1], "function_call": "get_weather"}, "messages[1].function_call must be"),
+                       ({**messages[2], "name": None}, "messages[1].name must be a string")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=[messages[0], bad], functions=fns)
+        assert e.value.body["param"] == "messages" and words in e.value.body["message"], words
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=messages, functions=fns, tools=TOOLS)
+    assert e.value.body["param"] == "functions"
 
 
 def test_a_conversation_carries_calls_and_their_results(client):
