@@ -615,12 +615,43 @@ class OpenAIApi:
         refuse_beam_search(data)
         chat = to_chat(data)  # (its refusals name this API's fields already)
         try:
-            gen, chat_fmt = await self.chat_job(chat, arrival, id_prefix="resp")
+            try:
+                gen, chat_fmt = await self.chat_job(chat, arrival, id_prefix="resp")
+            except op.ContextExceeded:
+                fitted = await self._drop_oldest_turns(chat) if data.get("truncation") == "auto" else None
+                if fitted is None:
+                    raise
+                gen, chat_fmt = await self.chat_job(fitted, arrival, id_prefix="resp")
         except ApiError as e:  # named as this API names its fields
             raise e.renamed(RESPONSES_PARAMS) from None
         if gen.schema_param == "response_format":  # the engine's refusal of a text.format schema
             gen.schema_param = "text"
         return gen, ResponsesFormat(gen.lora or self.model, data, gen, chat_fmt)
+
+    async def _drop_oldest_turns(self, chat: dict) -> dict | None:
+        """The Responses API's ``truncation: "auto"`` for a ``chat`` that does not fit the context: the same chat
+        without its oldest turns (its system messages kept), the fewest that make it fit, with the completion it
+        asks for (``max_tokens``; else one token). A turn starts at a user message, so that no call is parted
+        from its result; the last is always kept. None where even that does not fit. A binary search: a few
+        templatings of the conversation, whatever its length."""
+        msgs = chat["messages"]
+        head = next((i for i, m in enumerate(msgs) if m.get("role") not in ("system", "developer")), len(msgs))
+        starts = [i for i in range(head + 1, len(msgs)) if msgs[i].get("role") == "user"]
+        want = chat.get("max_tokens")
+        want = want if type(want) is int and want > 0 else 1  # (a bad one is the chat's 400, after)
+        fitted, lo, hi = None, 0, len(starts)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            probe = {**chat, "messages": msgs[:head] + msgs[starts[mid]:]}
+            try:
+                fits = len(await self._shown_prompt(probe)) + want <= self.max_model_len
+            except op.ContextExceeded:
+                fits = False
+            if fits:
+                fitted, hi = probe, mid
+            else:
+                lo = mid + 1
+        return fitted
 
     # ------------------------------------------------------------------ Anthropic's messages
 

@@ -187,10 +187,15 @@ def parse_prompt_logprobs(data: dict) -> int | None:
     return k
 
 
+class ContextExceeded(ApiError):
+    """A 400: the input (with the completion asked for) does not fit the model's context. The Responses API's
+    ``truncation: "auto"`` answers it by dropping the oldest turns."""
+
+
 def check_text_length(num_chars: int, max_chars: int, param: str) -> None:
     if num_chars > max_chars:
         verb = "are" if param.endswith("s") else "is"  # (the messages, the prompt)
-        raise ApiError(400, f"The {param} {verb} {num_chars} characters long: more than fits this model's context "
+        raise ContextExceeded(400, f"The {param} {verb} {num_chars} characters long: more than fits this model's context "
                        f"(at most {max_chars} characters). Please reduce the length of the {param}.", param=param)
 
 
@@ -655,7 +660,7 @@ def resolve_max_tokens(data: dict, names: tuple[str, ...], prompt_lens: list[int
             break
     longest = max(prompt_lens)
     if longest >= max_model_len:
-        raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, "
+        raise ContextExceeded(400, f"This model's maximum context length is {max_model_len} tokens. However, "
                        f"your prompt has {longest} tokens, leaving no room for the completion. "
                        "Please reduce the length of the prompt.", param="prompt")
     if cap is not None:
@@ -664,7 +669,7 @@ def resolve_max_tokens(data: dict, names: tuple[str, ...], prompt_lens: list[int
     if requested is None:
         return max_model_len - longest if default is None else min(default, max_model_len - longest)
     if longest + requested > max_model_len:
-        raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
+        raise ContextExceeded(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
                        f"requested {longest + requested} tokens ({longest} in the prompt, {requested} in "
                        "the completion). Please reduce the length of the prompt or the completion.",
                        param=given)

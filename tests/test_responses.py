@@ -345,3 +345,46 @@ def test_reasoning_tokens_count_the_thinking_up_to_its_end_token(end_token, want
     streamed = fmt()
     events = streamed.chunk(batches).decode()
     assert f'"output_tokens_details":{{"reasoning_tokens":{want}}}' in events.split("response.completed")[-1]
+
+
+def test_truncation_auto_drops_the_oldest_turns_that_do_not_fit(tmp_path, smollm_tokenizer_dir):
+    """``truncation: "auto"``: a conversation past the context (512 tokens here) loses its oldest turns, the fewest
+    that make it fit with the output asked for; the instructions and the last turn stay, no call is parted from its
+    result. "disabled" (the default) is a 400, as is a last turn that cannot fit alone. The fake engine answers
+    with the prompt's own tokens, so the answer shows what the model was shown."""
+    from tests.test_tool_calls import SMOLLM2_TEMPLATE
+    from tools.fake_engine import KEY, fake_stack
+
+    def turn(k: int) -> list[dict]:
+        return [{"role": "user", "content": f"Question {k}: " + "lorem ipsum " * 20},
+                {"type": "function_call", "call_id": f"c{k}", "name": "get_weather", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": f"c{k}", "output": f"Answer {k}."},
+                {"role": "assistant", "content": f"Done {k}."}]
+    items = [item for k in range(8) for item in turn(k)] + [{"role": "user", "content": "Last one?"}]
+    body = {"model": MODEL, "instructions": "Be brief.", "input": items, "tools": [WEATHER], "tool_choice": "none",
+            "max_output_tokens": 100}  # (no stop token: the answer is the prompt's first 100 tokens)
+    with fake_stack(str(tmp_path), smollm_tokenizer_dir, chat_template=SMOLLM2_TEMPLATE) as (engine, port):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
+        for truncation in (None, "disabled"):
+            with pytest.raises(openai.BadRequestError) as e:
+                client.responses.create(**body, **({"truncation": truncation} if truncation else {}))
+            assert "maximum context length is 512 tokens" in e.value.body["message"]
+        # the fewest oldest turns whose dropping makes it fit, found by sending the shorter conversations
+        fits = []
+        for k in range(9):
+            try:
+                fits.append(client.responses.create(**{**body, "input": items[4 * k:]}))
+            except openai.BadRequestError:
+                assert not fits  # (fewer turns never fit worse)
+        first = 9 - len(fits)
+        assert 0 < first < 8
+        r = client.responses.create(**body, truncation="auto")
+        assert r.truncation == "auto" and r.usage.input_tokens + 100 <= 512
+        assert r.usage.input_tokens == fits[0].usage.input_tokens and r.output_text == fits[0].output_text
+        assert r.output_text.startswith(f"system\nBe brief.\nuser\nQuestion {first}:")  # (the prompt's first tokens)
+        with pytest.raises(openai.BadRequestError) as e:  # the last turn alone is too long
+            client.responses.create(**{**body, "input": [*items[:8], {"role": "user", "content": "word " * 600}]},
+                                    truncation="auto")
+        assert "context" in e.value.body["message"]
+        r = client.responses.create(**{**body, "input": items[-5:]}, truncation="auto")  # fits: nothing dropped
+        assert "Question 7:" in r.output_text
