@@ -267,6 +267,7 @@ class Connection(asyncio.Protocol):
             if frame.opcode is not Opcode.CLOSE and not self._take_token():
                 log.warning("websocket client %s sent more than %d frames a second: closing it",
                             self.transport.get_extra_info("peername"), self.config.max_frames_per_second)
+                proto.data_to_send()  # (unsent: the pongs websockets queued for every ping of the flood, as it read)
                 self._fail(POLICY, f"more than {self.config.max_frames_per_second} messages a second")
                 break
             self._on_frame(frame)

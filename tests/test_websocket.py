@@ -170,6 +170,7 @@ class RawClient:
         ``answer`` False: send nothing back (no pongs, no closing handshake)."""
         self.sock.settimeout(timeout)
         msgs = []
+        self.pongs = 0
         while True:
             try:
                 data = self.sock.recv(1 << 16)
@@ -182,6 +183,7 @@ class RawClient:
             for f in self.proto.events_received():
                 if isinstance(f, Frame) and f.opcode is Opcode.TEXT:
                     msgs.append(orjson.loads(f.data))
+                self.pongs += isinstance(f, Frame) and f.opcode is Opcode.PONG
             if answer:
                 self._push()
             if not data or self.proto.state.name == "CLOSED":
@@ -650,3 +652,23 @@ def test_a_frame_flood_closes_the_socket_1008_and_others_go_on(engine, codec, se
     assert code == 1008
     assert len(msgs) <= 50 + 1  # the burst was served, nothing after it
     assert ok["ok"]["end"]["finish_reason"] == "length"
+
+
+def test_a_ping_flood_is_not_answered_past_the_frame_limit(engine, codec):
+    """Pings count as frames: a flood of them closes the socket 1008 as messages do, and the pongs the protocol
+    layer queued for the pings it read past the limit are not sent (review: 3000 pings, 3000 pongs, then the
+    close)."""
+    config = WsConfig(max_frames_per_second=50)
+
+    async def main():
+        async with serving(engine, codec, config) as s:
+            flood = await asyncio.to_thread(RawClient, s.port)
+            for i in range(3000):
+                flood.proto.send_ping(b"%d" % i)
+            await asyncio.to_thread(lambda: flood.sock.sendall(b"".join(flood.proto.data_to_send())))
+            _, code = await asyncio.to_thread(flood.read_until_closed)
+            flood.close()
+            return flood.pongs, code
+
+    pongs, code = run(main())
+    assert code == 1008 and pongs <= 50
