@@ -276,6 +276,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(one client per --api-key), or the body's 'user' (OpenAI's; safety_identifier, Anthropic's "
                         "metadata.user_id), which any caller may name as it likes: only for a gateway in front "
                         "that sets it (default: address)")
+    h.add_argument("--forwarded-allow-ips", default=None, metavar="IPS",
+                   help="proxies (addresses or networks, comma-separated; * for any; '' for none) whose "
+                        "X-Forwarded-For names the client, for the access log and --fair-client address, as "
+                        "uvicorn's flag (default: $FORWARDED_ALLOW_IPS, else 127.0.0.1)")
     h.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
                    help="hosts whose http(s) image URLs the server fetches, as vLLM's flag (* for any: a URL can "
                         "make the server call its own network); default: none, images come as data: URLs")
@@ -596,6 +600,9 @@ def _http_overrides(args: argparse.Namespace) -> dict:
     given = {"max_connections": args.max_connections, "header_timeout": args.header_timeout,
              "body_timeout": args.body_timeout, "write_timeout": args.write_timeout,
              "max_header_bytes": args.max_header_bytes, "socket_send_buffer": args.socket_send_buffer}
+    trusted = args.forwarded_allow_ips if args.forwarded_allow_ips is not None else os.environ.get("FORWARDED_ALLOW_IPS")
+    if trusted is not None:
+        given["forwarded_allow_ips"] = tuple(ip.strip() for ip in trusted.split(",") if ip.strip())
     return {k: v for k, v in given.items() if v is not None}
 
 

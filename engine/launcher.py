@@ -29,6 +29,7 @@ counters still count. Every process logs in ``--log-format`` (``frontends.logs``
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import logging
 import multiprocessing as mp
 import os
@@ -124,8 +125,14 @@ class ServeOptions:
             raise ValueError("startup_timeout must be positive")
         if not self.engine_liveness_timeout > 0:
             raise ValueError(f"--engine-liveness-timeout must be positive, got {self.engine_liveness_timeout}")
+        for ip in self.http.get("forwarded_allow_ips", ()):
+            if ip != "*":
+                try:
+                    ipaddress.ip_network(ip, strict=False)
+                except ValueError:
+                    raise ValueError(f"--forwarded-allow-ips: {ip!r} is no address or network") from None
         for name, value in self.http.items():
-            if not value > 0:
+            if name != "forwarded_allow_ips" and not value > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
         for name, value in self.ws.items():
             if not value > 0:

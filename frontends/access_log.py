@@ -111,4 +111,5 @@ class _Text:
 
 
 def _peer(req: Request) -> str:
-    return req.protocol.peer if req.protocol is not None else "-"
+    """The client as the log names it: the connection's host:port, or the host a trusted proxy named."""
+    return req.forwarded_for or (req.protocol.peer if req.protocol is not None else "-")

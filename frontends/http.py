@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import itertools
 import logging
 import os
@@ -69,7 +70,7 @@ class Request:
     """One parsed request. ``headers`` has lower-case names (last one wins)."""
 
     __slots__ = ("method", "path", "query", "raw_headers", "headers", "body", "keep_alive",
-                 "upgrade", "error", "expect_continue", "protocol", "_queued", "id", "started", "meta")
+                 "upgrade", "error", "expect_continue", "protocol", "_queued", "id", "started", "meta", "forwarded_for")
 
     def __init__(self) -> None:
         self.id = ""  # given when it is served; a handler may set its own
@@ -87,6 +88,12 @@ class Request:
         self.expect_continue = False
         self.protocol: HttpProtocol | None = None
         self._queued = False
+        self.forwarded_for: str | None = None  # the client behind a trusted proxy (HttpConfig.forwarded_allow_ips)
+
+    @property
+    def client(self) -> str:
+        """Who sent it: the host a trusted proxy named, else the connection's ("-": unknown)."""
+        return self.forwarded_for or host_of(self.protocol.peer if self.protocol is not None else "-")
 
 
 @dataclass
@@ -254,6 +261,45 @@ class HttpConfig:
     # SO_SNDBUF per connection (WebSockets handed over keep it); None keeps the kernel's autotuning,
     # which lets a client that does not read park megabytes in the kernel before write_timeout starts
     socket_send_buffer: int | None = None
+    # peers whose X-Forwarded-For names the client (uvicorn's --forwarded-allow-ips: addresses, networks, "*")
+    forwarded_allow_ips: tuple[str, ...] = ("127.0.0.1",)
+
+
+class TrustedProxies:
+    """``HttpConfig.forwarded_allow_ips``, read once: which peers are proxies whose X-Forwarded-For is believed."""
+
+    def __init__(self, entries: tuple[str, ...]) -> None:
+        self.any = "*" in entries
+        self.networks = [ipaddress.ip_network(entry, strict=False) for entry in entries if entry != "*"]
+        self.none = not (self.any or self.networks)
+
+    def __contains__(self, host: str) -> bool:
+        if self.any:
+            return True
+        try:
+            addr = ipaddress.ip_address(host.strip("[]"))
+        except ValueError:
+            return False
+        return any(addr in net for net in self.networks)
+
+    def client(self, raw_headers: list[tuple[bytes, bytes]], peer: str) -> str | None:
+        """The client behind the proxies, as uvicorn reads it: where the connection's peer is a trusted proxy, the
+        rightmost X-Forwarded-For entry that is not one (all are: the leftmost), the headers joined in order. None:
+        no header, or a peer that is no trusted proxy (what it sent is the client's own word)."""
+        if self.none:
+            return None
+        hops = [h.strip() for k, v in raw_headers if k.lower() == b"x-forwarded-for"
+                for h in v.decode("latin-1").split(",")]
+        hops = [h for h in hops if h]
+        if not hops or host_of(peer) not in self:
+            return None
+        host = next((h for h in reversed(hops) if h not in self), hops[0])
+        return host[:256]  # (a name the engine holds a count for: bounded)
+
+
+def host_of(peer: str) -> str:
+    """The host of a "host:port" peer (``peer_of``; "-": unknown)."""
+    return peer.rpartition(":")[0] or "-"
 
 
 def peer_of(transport) -> str:
@@ -312,6 +358,7 @@ class HttpServer:
     def __init__(self, router: Router, config: HttpConfig | None = None, observer: Observer | None = None) -> None:
         self.router = router
         self.config = config or HttpConfig()
+        self.trusted = TrustedProxies(self.config.forwarded_allow_ips)
         self.observer = observer
         self._id_prefix = f"req-{os.urandom(4).hex()}"
         self._ids = itertools.count()
@@ -501,6 +548,8 @@ class HttpProtocol(asyncio.Protocol):
         req.path = _path(url)
         req.query = url.query.decode("utf-8", "replace") if url.query else ""
         req.headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in req.raw_headers}
+        if "x-forwarded-for" in req.headers:
+            req.forwarded_for = self.server.trusted.client(req.raw_headers, self.peer)
         req.keep_alive = self.parser.should_keep_alive() and not self.server.shutting_down
         if self.parser.should_upgrade():
             req.upgrade = req.headers.get("upgrade", "").lower()

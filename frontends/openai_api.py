@@ -292,11 +292,11 @@ class OpenAIApi:
         another mode: no keys compared)."""
         return self.auth.key_number(tokens) if self.fair_client == "key" else None
 
-    def client_of(self, data: dict, conn: Any, key: int | None) -> str:
+    def client_of(self, data: dict, host: str, key: int | None) -> str:
         """Who asks, for ``--scheduling-policy fair`` (``--fair-client``): "key:N" for the N-th API key
         (``key_of``; a caller without one, where no keys are needed, by its address), else
-        ``openai_params.client_id``'s address, or the body's user."""
-        client = op.client_id(data, conn, self.fair_client == "user")  # (its fields checked in every mode)
+        ``openai_params.client_id``'s address (``host``), or the body's user."""
+        client = op.client_id(data, host, self.fair_client == "user")  # (its fields checked in every mode)
         return f"key:{key}" if key is not None else client
 
     def _require_engine(self) -> None:
@@ -704,7 +704,7 @@ class OpenAIApi:
         info = req.meta = CallInfo(prompt=logged)  # access log
         gen, fmt = await job(self, data, req.started)
         req.id, info.gen = gen.api_id, gen
-        gen.client_id = self.client_of(data, req.protocol, self.key_of(Auth.given(req)))
+        gen.client_id = self.client_of(data, req.client, self.key_of(Auth.given(req)))
         # a window of the inputs at a time: later calls queue behind that many of them, not all
         gen.start(window=2 * self.client.ready.max_num_seqs)
         try:
@@ -750,7 +750,7 @@ class OpenAIApi:
         if stream and fmt.DONE:  # (a Response has its usage in it)
             include_usage, fmt.continuous_usage = self._include_usage(data)
         req.id, info.gen = gen.api_id, gen  # the access log and x-request-id name the call by its own id
-        gen.client_id = self.client_of(data, req.protocol, self.key_of(Auth.given(req)))
+        gen.client_id = self.client_of(data, req.client, self.key_of(Auth.given(req)))
         gen.start()
         try:
             first = await gen.next_updates()  # an engine refusal (429, 400) still gets its status

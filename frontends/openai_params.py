@@ -549,9 +549,9 @@ def parse_response_format(data: dict) -> dict | None:
                    param="response_format")
 
 
-def client_id(data: dict, conn: Any, by_user: bool = False) -> str:
-    """Who asks, for ``--scheduling-policy fair``: the host of ``conn`` (anything with a ``peer``, "host:port":
-    an HTTP request's connection, a WebSocket); ``by_user`` (``--fair-client user``, behind a gateway that sets
+def client_id(data: dict, host: str, by_user: bool = False) -> str:
+    """Who asks, for ``--scheduling-policy fair``: the caller's ``host`` (an HTTP request's or a WebSocket's
+    ``client``: behind a trusted proxy, the one it names); ``by_user`` (``--fair-client user``, behind a gateway that sets
     it): the body's end user (OpenAI's ``user``, or its successor ``safety_identifier``; Anthropic's
     ``metadata.user_id``), else that host. A caller names its user as it likes: by address, one that sends each
     request under another name is still one client. A name past 256 characters is kept as its first 224 and a
@@ -568,8 +568,7 @@ def client_id(data: dict, conn: Any, by_user: bool = False) -> str:
                 if len(user) > 256:
                     user = user[:224] + hashlib.blake2b(user.encode(errors="replace"), digest_size=16).hexdigest()
                 return "user:" + user
-    peer = getattr(conn, "peer", "-")
-    return "addr:" + (peer.rsplit(":", 1)[0] if peer != "-" else peer)
+    return "addr:" + host
 
 
 def parse_priority(data: dict) -> int:

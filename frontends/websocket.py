@@ -65,7 +65,7 @@ from frontends import openai_params as op
 from frontends.access_log import AccessLog
 from frontends.errors import ApiError, status_error_body
 from frontends.generation import Generation, usage_dict
-from frontends.http import HttpServer, Request, Response, Router, Upgrade, peer_of
+from frontends.http import HttpServer, Request, Response, Router, Upgrade, host_of, peer_of
 from frontends.openai_api import OpenAIApi, stats_fields
 
 log = logging.getLogger("tokenmill.websocket")
@@ -152,7 +152,7 @@ class WebSocketEndpoint:
             return Response(resp.status_code, status_error_body(resp.status_code, msg), headers=extra)
         proto.send_response(resp)
         head = b"".join(proto.data_to_send())
-        return Upgrade(Connection(self, proto, server, self.api.key_of(tokens)), head)
+        return Upgrade(Connection(self, proto, server, self.api.key_of(tokens), req.forwarded_for), head)
 
     def _check_auth(self, req: Request, offered: list[str]) -> list[str]:
         """The keys the handshake gave, checked (the connection's client's, for ``--fair-client key``)."""
@@ -207,9 +207,10 @@ class Connection(asyncio.Protocol):
     """One upgraded client connection and its generations."""
 
     def __init__(self, ep: WebSocketEndpoint, proto: ServerProtocol, server: HttpServer | None,
-                 key: int | None = None) -> None:
+                 key: int | None = None, forwarded_for: str | None = None) -> None:
         self.ep = ep
         self.key = key  # which API key its handshake gave (OpenAIApi.key_of): its client under --fair-client key
+        self.forwarded_for = forwarded_for  # the client a trusted proxy named in the handshake (Request.client)
         self.api = ep.api
         self.config = ep.config
         self.proto = proto
@@ -400,7 +401,7 @@ class Connection(asyncio.Protocol):
             try:
                 job = self.api.completion_job if kind == "completion" else self.api.chat_job
                 live.gen, fmt = await job(msg, arrival)
-                live.gen.client_id = self.api.client_of(msg, self, self.key)
+                live.gen.client_id = self.api.client_of(msg, self.forwarded_for or host_of(self.peer), self.key)
                 live.gen.start()
             except ApiError as e:
                 status = e.status
@@ -417,7 +418,7 @@ class Connection(asyncio.Protocol):
         finally:
             if self.ep.access_log is not None:
                 gen = live.gen
-                self.ep.access_log.websocket(gen.api_id if gen is not None else f"ws-{gid}", self.peer,
+                self.ep.access_log.websocket(gen.api_id if gen is not None else f"ws-{gid}", self.forwarded_for or self.peer,
                                              status, arrival, gen, msg.get("messages", msg.get("prompt")))
 
     async def _pump(self, gid: str, live: _Live, fmt) -> int:

@@ -51,26 +51,32 @@ def test_blank_key_in_the_environment_is_a_usage_error(capsys, monkeypatch):
     assert api_keys(None, {}) == []  # unset: no keys, as before
 
 
-def test_limit_flags_reach_the_frontends_http_config(served, tmp_path):
+def test_limit_flags_reach_the_frontends_http_config(served, tmp_path, monkeypatch):
     options = served("--max-connections", "7", "--header-timeout", "3", "--body-timeout", "4",
                      "--write-timeout", "5.5", "--max-header-bytes", "16k",
-                     "--allowed-origins", "https://a.example, http://b.example:8080/")
+                     "--allowed-origins", "https://a.example, http://b.example:8080/",
+                     "--forwarded-allow-ips", "10.0.0.0/8, ::1")
     launcher = engine.launcher.Launcher(EngineConfig(), options)
     launcher.runtime_dir = str(tmp_path)
     args = launcher._frontend_args(0)
     assert args.http == HttpConfig(max_connections=7, header_timeout=3.0, body_timeout=4.0,
-                                           write_timeout=5.5, max_header_bytes=16 << 10)
+                                           write_timeout=5.5, max_header_bytes=16 << 10,
+                                           forwarded_allow_ips=("10.0.0.0/8", "::1"))
     assert args.allowed_origins == ["https://a.example", "http://b.example:8080"]
     defaults = engine.launcher.Launcher(EngineConfig(), served())
     defaults.runtime_dir = str(tmp_path)
     assert defaults._frontend_args(0).http == HttpConfig()  # flags left out keep the defaults
     assert served("--allowed-origins", "*").allowed_origins == ["*"]
+    assert served("--forwarded-allow-ips", "").http == {"forwarded_allow_ips": ()}  # (none trusted)
+    monkeypatch.setenv("FORWARDED_ALLOW_IPS", "*")  # (uvicorn's variable, where the flag is left out)
+    assert served().http == {"forwarded_allow_ips": ("*",)}
 
 
 @pytest.mark.parametrize("flags,why", [
     (["--body-timeout", "0"], "--body-timeout must be positive"),
     (["--max-connections", "-1"], "--max-connections must be positive"),
     (["--allowed-origins", "app.example.com"], "is not an origin"),
+    (["--forwarded-allow-ips", "10.0.0.0/33"], "'10.0.0.0/33' is no address or network"),
     (["--allowed-origins", "https://app.example.com/path"], "is not an origin"),
 ])
 def test_bad_limits_are_usage_errors(capsys, monkeypatch, flags, why):

@@ -287,3 +287,34 @@ def test_head_is_answered_as_its_get_without_the_body(port):
     got = read_all(s)
     assert got.startswith(b"HTTP/1.1 413 ") and got.endswith(b"\r\n\r\n") and b"connection: close" in got
     s.close()
+
+
+def test_a_trusted_proxy_names_the_client():
+    """``forwarded_allow_ips`` (uvicorn's rule): from a trusted peer, the rightmost X-Forwarded-For entry that is no
+    trusted proxy (all of them are: the leftmost), the headers joined in order; from any other peer, or with none
+    trusted, the header is the client's own word and ignored."""
+    from frontends.http import TrustedProxies
+
+    def hdrs(*values: str) -> list[tuple[bytes, bytes]]:
+        return [(b"Host", b"x")] + [(b"X-Forwarded-For", v.encode()) for v in values]
+
+    local = TrustedProxies(("127.0.0.1",))
+    assert local.client(hdrs("203.0.113.7"), "127.0.0.1:5000") == "203.0.113.7"
+    assert local.client(hdrs("203.0.113.7"), "10.0.0.2:5000") is None  # (not a proxy of ours)
+    assert local.client(hdrs("spoofed, 203.0.113.7, 127.0.0.1"), "127.0.0.1:1") == "203.0.113.7"
+    assert local.client(hdrs("127.0.0.1", " 127.0.0.1 "), "127.0.0.1:1") == "127.0.0.1"
+    assert local.client(hdrs("spoofed, 198.51.100.1", "203.0.113.7"), "127.0.0.1:1") == "203.0.113.7"
+    assert local.client(hdrs(" , "), "127.0.0.1:1") is None and local.client(hdrs(), "127.0.0.1:1") is None
+    assert local.client(hdrs("x" * 1000), "127.0.0.1:1") == "x" * 256
+    nets = TrustedProxies(("10.0.0.0/8", "::1"))
+    assert nets.client(hdrs("2001:db8::5, 10.1.2.3"), "10.9.9.9:80") == "2001:db8::5"
+    assert nets.client(hdrs("203.0.113.7"), "::1:80") == "203.0.113.7"
+    assert nets.client(hdrs("203.0.113.7"), "11.0.0.1:80") is None
+    assert TrustedProxies(("*",)).client(hdrs("a, b"), "192.0.2.1:80") == "a"  # (all trusted: the leftmost)
+    assert TrustedProxies(()).client(hdrs("203.0.113.7"), "127.0.0.1:1") is None
+    from frontends.access_log import _peer
+    from frontends.http import Request
+    req = Request()
+    assert _peer(req) == "-" and req.client == "-"
+    req.forwarded_for = "203.0.113.7"  # (what the access log names, as uvicorn's does)
+    assert _peer(req) == req.client == "203.0.113.7"

@@ -22,6 +22,7 @@ from websockets.asyncio.client import connect
 
 from engine.protocol import Error, SamplingParams
 from frontends.engine_client import EngineClient
+from frontends.http import HttpConfig
 from frontends.openai_params import MAX_TIMEOUT_S
 from frontends.text import TextCodec
 from frontends.tokenizer import load_tokenizer
@@ -136,6 +137,39 @@ def test_the_servers_timeout_counts_from_when_the_frontend_reads_the_request(eng
                     assert t0 + 40 <= engine.adds[-1].deadline <= time.time() + 40
         finally:
             engine.request_timeout = None
+
+    run(main())
+
+
+def test_a_trusted_proxy_names_the_client_it_forwards(engine, codec):
+    """Behind a reverse proxy every caller has the proxy's address: ``--forwarded-allow-ips`` (127.0.0.1 by
+    default, as uvicorn's) names the proxies whose X-Forwarded-For says who the client is, for ``--fair-client
+    address``, over HTTP and WebSocket; another peer's header is ignored."""
+    def ask(port: int, forwarded: str) -> int:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        try:
+            conn.request("POST", "/v1/completions", json.dumps({"model": MODEL, "max_tokens": 1, "prompt": "x"}),
+                         {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json",
+                          "X-Forwarded-For": forwarded})
+            return conn.getresponse().status
+        finally:
+            conn.close()
+
+    async def main():
+        async with serving(engine, codec) as s:  # (the default: 127.0.0.1 is a trusted proxy)
+            for forwarded, want in (("203.0.113.7", "addr:203.0.113.7"), ("evil, 198.51.100.2, 127.0.0.1",
+                                                                          "addr:198.51.100.2")):
+                assert await asyncio.to_thread(ask, s.port, forwarded) == 200
+                assert engine.adds[-1].client == want
+            async with connect(s.url, additional_headers={**AUTH, "X-Forwarded-For": "198.51.100.9"}) as ws:
+                await ws.send(json.dumps({"type": "chat", "id": "c", "messages": CHAT, "max_tokens": 1}))
+                while (await recv(ws))["type"] != "done":
+                    pass
+                assert engine.adds[-1].client == "addr:198.51.100.9"
+        for trusted in ((), ("10.0.0.0/8",)):
+            async with serving(engine, codec, http=HttpConfig(forwarded_allow_ips=trusted)) as s:
+                assert await asyncio.to_thread(ask, s.port, "203.0.113.7") == 200
+                assert engine.adds[-1].client == "addr:127.0.0.1"
 
     run(main())
 
