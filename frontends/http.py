@@ -265,6 +265,9 @@ class HttpConfig:
     forwarded_allow_ips: tuple[str, ...] = ("127.0.0.1",)
 
 
+MAX_FORWARDED_HOPS = 32  # the X-Forwarded-For entries read, from the right
+
+
 class TrustedProxies:
     """``HttpConfig.forwarded_allow_ips``, read once: which peers are proxies whose X-Forwarded-For is believed."""
 
@@ -293,6 +296,7 @@ class TrustedProxies:
         hops = [h for h in hops if h]
         if not hops or host_of(peer) not in self:
             return None
+        hops = hops[-MAX_FORWARDED_HOPS:]  # (a 64 KiB header of hops, each parsed: milliseconds a request)
         host = next((h for h in reversed(hops) if h not in self), hops[0])
         return host[:256]  # (a name the engine holds a count for: bounded)
 
