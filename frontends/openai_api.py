@@ -546,9 +546,12 @@ class OpenAIApi:
         gen.schema_param = "tools" if tool_schema is not None else op.structured_field(data)
         gen.lora = lora
         gen.images = image_inputs
+        # vLLM's echo: an answer that goes on with the last message, an assistant's, begins with it
+        echo = messages[-1]["content"] if op.field(data, "echo", bool, False) and messages[-1]["role"] == "assistant" \
+            else ""
         return gen, _ChatFormat(self, api_id, gen, want_logprobs, self._answer(data, shown, base, calls),
                                 self._token_names(data), op.field(data, "return_token_ids", bool, False),
-                                prompt_logprobs)
+                                prompt_logprobs, echo)
 
     def _check_images(self, count: int) -> None:
         """A 400 unless the model reads images and ``count`` of them are allowed in one request."""
@@ -1067,8 +1070,9 @@ class _ChatFormat(_SseFormat):
 
     def __init__(self, api: OpenAIApi, api_id: str, gen: Generation, logprobs: bool,
                  answer: Callable[[], _Answer] | None = None, token_name: Callable[[int], str] | None = None,
-                 return_token_ids: bool = False, prompt_logprobs: int | None = None) -> None:
+                 return_token_ids: bool = False, prompt_logprobs: int | None = None, echo: str = "") -> None:
         self.codec = api.codec
+        self.echo = echo  # what each choice's content begins with (vLLM's echo of the last message)
         self.token_name = token_name or api.codec.token_text  # what logprobs call a token
         self.gen = gen
         self.logprobs = logprobs
@@ -1096,7 +1100,7 @@ class _ChatFormat(_SseFormat):
 
     def stream_head(self) -> bytes:
         return self.event({**self.base, **self._prompt_fields(), "choices": [
-            {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            {"index": c.index, "delta": {"role": "assistant", "content": self.echo}, "logprobs": None,
              "finish_reason": None} for c in self.gen.choices]}, head=True)
 
     def chunk(self, updates: list[Update]) -> bytes:
@@ -1144,7 +1148,8 @@ class _ChatFormat(_SseFormat):
 
     def _message(self, index: int) -> dict:
         if self.answers is None:
-            return {"role": "assistant", "content": self.texts[index]}
+            return {"role": "assistant", "content": self.echo + self.texts[index]}
         answer = self.answers[index]
         answer.parts(self.texts[index], True)
-        return answer.message()
+        msg = answer.message()
+        return msg | {"content": self.echo + (msg["content"] or "")} if self.echo else msg

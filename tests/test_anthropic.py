@@ -196,6 +196,15 @@ def test_served_chat_continues_a_final_message_as_vllm_does(stack):  # noqa: F81
     r = chat.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2,
                                      extra_body={"continue_final_message": True, "add_generation_prompt": False})
     assert r.choices[0].message.content == "one two"  # (the fake engine says its prompt again)
+    # vLLM's echo: the answer begins with the message it goes on with (an assistant's), plain and streamed
+    extra = {"continue_final_message": True, "add_generation_prompt": False, "echo": True}
+    r = chat.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, extra_body=extra)
+    assert r.choices[0].message.content == "one twoone two"
+    chunks = list(chat.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, extra_body=extra, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "one twoone two"
+    assert chunks[0].choices[0].delta.content == "one two"  # (with the role, first)
+    r = chat.chat.completions.create(model=MODEL, messages=msgs[:1], max_tokens=1, extra_body={"echo": True})
+    assert r.choices[0].message.content == "x"  # (a user's last message: nothing echoed)
     for extra in ({"continue_final_message": True}, {"continue_final_message": True, "add_generation_prompt": False,
                                                      "messages": msgs[:1]}):
         with pytest.raises(openai.BadRequestError) as e:
