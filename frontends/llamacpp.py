@@ -21,7 +21,7 @@ only at 1); ``repeat_penalty`` is the repetition penalty over the context's last
 ``SAMPLERS``), ``timings_per_token`` and ``return_progress`` are taken and not read: prefix caching is
 always on, there are no slots.
 
-``/infill`` builds llama.cpp's fill-in-the-middle prompt from the model's FIM tokens (``fim_tokens``:
+``/infill`` builds llama.cpp's fill-in-the-middle prompt from the model's FIM tokens (``TextCodec.fim``:
 found by their text, as llama.cpp finds them in a vocabulary): ``[extra context] [BOS] <PRE> prefix
 prompt <SUF> suffix <MID>``, repository-level (``<REPO>``, ``<SEP>`` file names) where the model has those.
 """
@@ -44,18 +44,6 @@ from frontends.http import Request, Response
 from frontends.openai_api import VERSION, OpenAIApi
 from frontends.text import StopStrings, TextCodec
 
-# llama.cpp's FIM token texts, as src/llama-vocab.cpp looks for them (first found wins)
-FIM_TEXTS = {
-    "pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>", "<|code_prefix|>",
-            "<|prefix|>"),
-    "suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>", "<|code_suffix|>",
-            "<|suffix|>"),
-    "mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>", "<|code_middle|>",
-            "<|middle|>"),
-    "pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
-    "rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
-    "sep": ("<|file_sep|>",),
-}
 MAX_BIASED_TEXT = 256  # characters of a text logit_bias names (2048 of them: half a megabyte to tokenize)
 N_BATCH = 2048  # llama-server's default -b: /infill takes 3/4 of it from the prefix, 1/4 from the suffix
 # passed to the completion as they are (llama.cpp's names that are OpenAI's or vLLM's, and tokenmill's extras)
@@ -82,17 +70,6 @@ def samplers_settings(params: SamplingParams, n_ctx: int) -> dict:
 
 def _json_response(obj: Any) -> Response:
     return Response(200, orjson.dumps(obj))
-
-
-def fim_tokens(vocab: dict[str, int]) -> dict[str, int]:
-    """The model's fill-in-the-middle tokens found in its ``vocab`` (token text -> id): "pre", "suf", "mid",
-    and where it has them "pad", "rep" (a repository's name), "sep" (a file's)."""
-    out = {}
-    for kind, texts in FIM_TEXTS.items():
-        found = next((vocab[t] for t in texts if t in vocab), None)
-        if found is not None:
-            out[kind] = found
-    return out
 
 
 class ContextExceeded(ApiError):
@@ -392,7 +369,7 @@ class LlamaCppApi:
 
     def __init__(self, api: OpenAIApi, model_path: str = "") -> None:
         self.api, self.codec, self.model_path = api, api.codec, model_path
-        self.fim = fim_tokens(api.codec.tokenizer.get_vocab())
+        self.fim = api.codec.fim
         if "pre" in self.fim:  # /infill reads code literally: the tokenizer that does, made now, not in a request
             api.codec.encode_literal("")
         self.bos = api.codec.encode("", add_special_tokens=True)  # what a string prompt starts with (or nothing)

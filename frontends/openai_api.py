@@ -452,11 +452,14 @@ class OpenAIApi:
         deadline, priority = op.parse_deadline(data, self.request_timeout), op.parse_priority(data)
         cache_salt = op.parse_cache_salt(data)
         n = op.parse_n(data)
-        prompts = await op.parse_truncated_prompts(data, self._encode, self.codec, self.max_chars,
-                                                   self.max_model_len)
-        if op.field(data, "suffix", str, None):  # (as vLLM: no fill-in-the-middle here; llama.cpp's /infill has it)
-            raise ApiError(400, "suffix is not supported", param="suffix")
+        suffix = op.field(data, "suffix", str, None)
         echo = op.field(data, "echo", bool, False)
+        if suffix:  # fill in the middle: the prompt before the gap, the suffix after it
+            data = self._fill_in_the_middle(data, echo)
+        prompts = await op.parse_truncated_prompts(data, self._encode_code if suffix else self._encode, self.codec,
+                                                   self.max_chars, self.max_model_len)
+        if suffix:
+            prompts = await self._fim_prompts(prompts, suffix)
         logprobs = op.field(data, "logprobs", int, None)
         if logprobs is not None and not 0 <= logprobs <= op.MAX_LOGPROBS:
             raise ApiError(400, f"logprobs must be in [0, {op.MAX_LOGPROBS}], got {logprobs}", param="logprobs")
@@ -483,6 +486,31 @@ class OpenAIApi:
         gen.schema_param, gen.lora = op.structured_field(data), lora
         return gen, _CompletionFormat(self, api_id, gen, echo, logprobs, self._token_names(data),
                                       op.field(data, "return_token_ids", bool, False), prompt_logprobs)
+
+    def _fill_in_the_middle(self, data: dict, echo: bool) -> dict:
+        """A completion with a ``suffix`` checked: the model must have FIM tokens, as llama.cpp's ``/infill`` finds
+        them (``TextCodec.fim``); the body with the FIM tokens that end an infill (llama.cpp's: pad, repository,
+        file separator) added to its stop tokens."""
+        fim = self.codec.fim
+        if not {"pre", "suf", "mid"} <= fim.keys():
+            raise ApiError(400, f"suffix needs a model with fill-in-the-middle tokens (<|fim_prefix|>, <|fim_suffix|>, "
+                           f"<|fim_middle|> or their like), and {self.model} has none", param="suffix")
+        if echo:
+            raise ApiError(400, "echo is not supported with suffix", param="echo")
+        ends = [fim[k] for k in ("pad", "rep", "sep") if k in fim]
+        return {**data, "stop_token_ids": [*op.field(data, "stop_token_ids", list, []), *ends]} if ends else data
+
+    async def _encode_code(self, text: str) -> list[int]:
+        """Code as text: a special token's name in it stays its characters (as ``/infill`` reads it), no BOS."""
+        return await self._offload(len(text), self.codec.encode_literal, text)
+
+    async def _fim_prompts(self, prompts: list[list[int]], suffix: str) -> list[list[int]]:
+        """Each prompt as the prefix of a fill-in-the-middle prompt, llama.cpp's layout without its extra context:
+        ``[BOS] <PRE> prompt <SUF> suffix <MID>`` (Qwen2.5-Coder's, StarCoder's, CodeLlama's, DeepSeek-Coder's)."""
+        op.check_text_length(len(suffix), self.max_chars, "suffix")
+        fim, tail = self.codec.fim, await self._encode_code(suffix)
+        bos = self.codec.encode("", add_special_tokens=True)
+        return [[*bos, fim["pre"], *p, fim["suf"], *tail, fim["mid"]] for p in prompts]
 
     # ------------------------------------------------------------------ chat
 

@@ -20,6 +20,31 @@ from frontends import images
 
 T = TypeVar("T")
 
+# llama.cpp's FIM token texts, as src/llama-vocab.cpp looks for them (first found wins)
+FIM_TEXTS = {
+    "pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>", "<|code_prefix|>",
+            "<|prefix|>"),
+    "suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>", "<|code_suffix|>",
+            "<|suffix|>"),
+    "mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>", "<|code_middle|>",
+            "<|middle|>"),
+    "pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "sep": ("<|file_sep|>",),
+}
+
+
+def fim_tokens(vocab: dict[str, int]) -> dict[str, int]:
+    """The model's fill-in-the-middle tokens found in its ``vocab`` (token text -> id): "pre", "suf", "mid",
+    and where it has them "pad", "rep" (a repository's name), "sep" (a file's)."""
+    out = {}
+    for kind, texts in FIM_TEXTS.items():
+        found = next((vocab[t] for t in texts if t in vocab), None)
+        if found is not None:
+            out[kind] = found
+    return out
+
+
 class TextCodec:
     """The tokenizer as the frontend uses it: encode, decode, chat templates, token strings.
 
@@ -62,6 +87,14 @@ class TextCodec:
         self._bytes_of: dict[int, bytes] = {}  # tokens' own bytes (token_bytes)
         self._single: dict[str, int | None] = {}  # texts that are one token's, and its id (single_token)
         self._dry: dict[tuple[str, ...], list[list[int]]] = {}  # DRY's breakers as token sequences (dry_breakers)
+        self._fim: dict[str, int] | None = None
+
+    @property
+    def fim(self) -> dict[str, int]:
+        """The model's fill-in-the-middle tokens (``fim_tokens``), found once."""
+        if self._fim is None:
+            self._fim = fim_tokens(self.tokenizer.get_vocab())
+        return self._fim
 
     def use_images(self, token_id: int) -> None:
         """The model reads images (``frontends.images``): chat templates get them, as parts of a content list

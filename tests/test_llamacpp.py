@@ -12,8 +12,8 @@ import math
 import pytest
 
 from frontends.errors import ApiError
-from frontends.llamacpp import LineLimits, LlamaCppApi, completion_body, fim_tokens
-from frontends.text import StopStrings, TextCodec
+from frontends.llamacpp import LineLimits, LlamaCppApi, completion_body
+from frontends.text import StopStrings, TextCodec, fim_tokens
 from tests.conftest import http_call, make_tiny_model
 from tests.test_server_e2e import Server
 
@@ -105,7 +105,7 @@ def test_the_infill_layout_leaves_room_for_n_predict_in_a_small_context():
     from types import SimpleNamespace
 
     vocab = {t: 100 + i for i, t in enumerate(FIM)}
-    codec = SimpleNamespace(tokenizer=SimpleNamespace(get_vocab=lambda: vocab),
+    codec = SimpleNamespace(fim=fim_tokens(vocab),
                             encode=lambda text, add_special_tokens: [1], encode_literal=lambda text: [])  # (BOS: 1)
     api = LlamaCppApi(SimpleNamespace(codec=codec, max_model_len=64))
     prefix, suffix, extra = list(range(200, 300)), list(range(300, 400)), [([7], list(range(400, 500)))]
@@ -312,6 +312,39 @@ def test_infill_builds_llamacpp_s_prompt(server):
         assert len(r["logprobs"]) == r["eval_count"] and all(len(e.get("top_logprobs", ())) == top
                                                             for e in r["logprobs"])
         assert "".join(e["token"] for e in r["logprobs"]).startswith(r["response"])
+
+
+def test_openai_s_suffix_fills_in_the_middle(server):
+    """/v1/completions' ``suffix`` (OpenAI's, as code completion clients send it): the prompt before the gap and
+    the suffix after it in the model's FIM layout, ``[BOS] <PRE> prompt <SUF> suffix <MID>``, read as code (a
+    special token's name in it stays text), the FIM tokens that end an infill as stop tokens; plain, streamed,
+    from token ids. A model without FIM tokens refuses it (``test_server_default_model``)."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    pre, suf, mid, pad = 49152, 49153, 49154, 49155
+    bos = post(server, "/tokenize", {"prompt": "", "add_special_tokens": True})["tokens"]
+
+    def code(text):
+        return post(server, "/tokenize", {"content": text, "parse_special": False})["tokens"]
+    prefix, suffix = "s = '<|fim_middle|>'\ndef add(a, b):\n    return ", "\n\nprint(add(1, 2))"
+    ids = [*bos, pre, *code(prefix), suf, *code(suffix), mid]
+    r = client.completions.create(model="coder", prompt=prefix, suffix=suffix, max_tokens=6, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.prompt_tokens == len(ids) and r.choices[0].text == openai_text(server, ids, r.usage.completion_tokens)
+    streamed = client.completions.create(model="coder", prompt=prefix, suffix=suffix, max_tokens=6, temperature=0,
+                                         stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == r.choices[0].text
+    by_ids = client.completions.create(model="coder", prompt=code(prefix), suffix=suffix, max_tokens=6, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert by_ids.usage.prompt_tokens == len(ids) - len(bos) and by_ids.choices[0].text == r.choices[0].text
+    # <|fim_pad|> ends an infill, as in llama.cpp's: the token it samples first, made certain, stops it
+    ended = client.completions.create(model="coder", prompt=prefix, suffix=suffix, max_tokens=6,
+                                      logit_bias={str(pad): 100}, temperature=0)
+    assert (ended.choices[0].finish_reason, ended.choices[0].text, ended.usage.completion_tokens) == ("stop", "", 1)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="coder", prompt=prefix, suffix=suffix, echo=True, max_tokens=1)
+    assert e.value.body["param"] == "echo"
 
 
 def test_tokenize_detokenize_props_and_apply_template(server):

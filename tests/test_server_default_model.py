@@ -51,6 +51,8 @@ def test_a_model_without_fim_tokens_refuses_infill(server):
     import urllib.error
     import urllib.request
 
+    import openai
+
     req = urllib.request.Request(server.url + "/infill", json.dumps({"input_prefix": "a", "input_suffix": "b"}).encode(),
                                  {"Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as e:
@@ -58,6 +60,10 @@ def test_a_model_without_fim_tokens_refuses_infill(server):
     assert e.value.code == 501 and json.loads(e.value.read()) == {"error": {
         "code": 501, "type": "not_supported_error", "message": "Infill is not supported by this model: prefix "
         "token is missing. suffix token is missing. middle token is missing. "}}
+    # and OpenAI's suffix, the same fill in the middle: a 400 that says why
+    with pytest.raises(openai.BadRequestError) as e:
+        openai_client(server).completions.create(model="SmolLM2-135M-Instruct.Q4_1", prompt="a", suffix="b", max_tokens=1)
+    assert e.value.body["param"] == "suffix" and "fill-in-the-middle tokens" in e.value.body["message"]
 
 
 def test_anthropic_messages_api(server):
