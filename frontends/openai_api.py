@@ -263,7 +263,8 @@ class OpenAIApi:
         """A chat body's prompt as its template makes it, for counting (/tokenize, count_tokens): its tools are
         shown whatever the tool-call format (none is needed to count them)."""
         messages = op.parse_messages(data, self.max_chars)
-        calls = tools.parse_tools({"tools": data.get("tools"), "tool_choice": "none"}, None)
+        shown = (tools.from_functions(data) or {}).get("tools", data.get("tools"))  # (the deprecated functions too)
+        calls = tools.parse_tools({"tools": shown, "tool_choice": "none"}, None)
         add_generation_prompt, continue_final = op.parse_continuation(data, messages)
         count = sum(len(m.get("images", ())) for m in messages)  # (counted, not decoded)
         if count:
@@ -343,7 +344,8 @@ class OpenAIApi:
         name = unquote(req.path.removeprefix("/v1/models/"))
         card = next((c for c in self._model_cards() if c["id"] == name), None)
         if card is None:
-            raise ApiError(404, f"The model '{name}' does not exist", type="not_found_error", param="model",
+            shown = name if len(name) <= 256 else name[:256] + "..."  # (an id of 60,000 characters: not said back)
+            raise ApiError(404, f"The model '{shown}' does not exist", type="not_found_error", param="model",
                            code="model_not_found")
         return _json(card)
 
@@ -519,7 +521,16 @@ class OpenAIApi:
 
     async def chat_job(self, data: dict, arrival: float | None = None,
                        id_prefix: str = "chatcmpl") -> tuple[Generation, _ChatFormat]:
-        """A /v1/chat/completions body checked and turned into an unstarted generation."""
+        """A /v1/chat/completions body checked and turned into an unstarted generation; with the deprecated
+        ``functions``, its refusals name them where they would name the tools they run as."""
+        try:
+            return await self._chat_job(data, arrival, id_prefix)
+        except ApiError as e:
+            if data.get("functions") is not None and data.get("tools") is None:
+                raise e.renamed(tools.LEGACY_NAMES) from None
+            raise
+
+    async def _chat_job(self, data: dict, arrival: float | None, id_prefix: str) -> tuple[Generation, _ChatFormat]:
         lora = op.check_model(data, self.model_names, self.adapters)
         deadline, priority = op.parse_deadline(data, self.request_timeout), op.parse_priority(data)
         cache_salt = op.parse_cache_salt(data)
@@ -571,7 +582,8 @@ class OpenAIApi:
         else:
             gen = Generation(self.client, self.codec, api_id, [prompt], n, self._seeded(base), priority, stop,
                              deadline, cache_salt, self.metrics, arrival, skip_special_tokens=skip)
-        gen.schema_param = "tools" if tool_schema is not None else op.structured_field(data)
+        gen.schema_param = ("functions" if calls.legacy else "tools") if tool_schema is not None \
+            else op.structured_field(data)
         gen.lora = lora
         gen.images = image_inputs
         # vLLM's echo: an answer that goes on with the last message, an assistant's, begins with it
@@ -661,19 +673,34 @@ class OpenAIApi:
 
     async def _drop_oldest_turns(self, chat: dict) -> dict | None:
         """The Responses API's ``truncation: "auto"`` for a ``chat`` that does not fit the context: the same chat
-        without its oldest turns (its system messages kept), the fewest that make it fit, with the completion it
-        asks for (``max_tokens``; else one token). A turn starts at a user message, so that no call is parted
-        from its result; the last is always kept. None where even that does not fit. A binary search: a few
-        templatings of the conversation, whatever its length."""
+        without its oldest turns, the fewest that make it fit with the completion it asks for (``max_tokens``, as
+        the server caps it; else one token). Its system and developer messages stay, wherever they stand. A turn
+        starts at a user message, and a cut never parts a tool's result from the call it answers; the last turn
+        is always kept. None where even that does not fit. A binary search: a few templatings of the
+        conversation, whatever its length."""
         msgs = chat["messages"]
-        head = next((i for i, m in enumerate(msgs) if m.get("role") not in ("system", "developer")), len(msgs))
-        starts = [i for i in range(head + 1, len(msgs)) if msgs[i].get("role") == "user"]
+        rules = [m.get("role") in ("system", "developer") for m in msgs]
+        calls = {c.get("id"): i for i, m in enumerate(msgs) if isinstance(m.get("tool_calls"), list)
+                 for c in m["tool_calls"] if isinstance(c, dict)}
+        parted = [0] * (len(msgs) + 1)  # cuts in (call, result] would part them: counted over that span
+        for j, m in enumerate(msgs):
+            i = calls.get(m.get("tool_call_id")) if m.get("role") == "tool" else None
+            if i is not None and i < j:
+                parted[i + 1] += 1
+                parted[j + 1] -= 1
+        starts, inside = [], 0
+        for k, m in enumerate(msgs):
+            inside += parted[k]
+            if m.get("role") == "user" and not inside and any(not r for r in rules[:k]):
+                starts.append(k)  # (past the first message that is no rule: a cut that drops something)
         want = chat.get("max_tokens")
         want = want if type(want) is int and want > 0 else 1  # (a bad one is the chat's 400, after)
+        if self.max_tokens_cap is not None:
+            want = min(want, self.max_tokens_cap)
         fitted, lo, hi = None, 0, len(starts)
         while lo < hi:
             mid = (lo + hi) // 2
-            probe = {**chat, "messages": msgs[:head] + msgs[starts[mid]:]}
+            probe = {**chat, "messages": [m for k, m in enumerate(msgs) if k >= starts[mid] or rules[k]]}
             try:
                 fits = len(await self._shown_prompt(probe)) + want <= self.max_model_len
             except op.ContextExceeded:

@@ -199,7 +199,7 @@ def check_text_length(num_chars: int, max_chars: int, param: str) -> None:
                        f"(at most {max_chars} characters). Please reduce the length of the {param}.", param=param)
 
 
-_ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # (function: the deprecated tool)
+_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def parse_messages(data: dict, max_chars: int | None = None) -> list[dict[str, Any]]:
@@ -211,14 +211,15 @@ def parse_messages(data: dict, max_chars: int | None = None) -> list[dict[str, A
     msgs = field(data, "messages", list)
     if not msgs:
         raise ApiError(400, "'messages' must not be empty", param="messages")
+    roles = (*_ROLES, "function") if data.get("functions") is not None else _ROLES  # (the deprecated functions')
     out: list[dict[str, Any]] = []
     size = 0  # characters, and bytes of tool calls
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
             raise ApiError(400, f"messages[{i}] must be an object", param="messages")
         role = m.get("role")
-        if role not in _ROLES:
-            raise ApiError(400, f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {role!r}",
+        if role not in roles:
+            raise ApiError(400, f"messages[{i}].role must be one of {', '.join(roles)}, got {role!r}",
                            param="messages")
         content = m.get("content")
         images = []
@@ -254,6 +255,9 @@ def parse_messages(data: dict, max_chars: int | None = None) -> list[dict[str, A
         if isinstance(thought, str) and thought:  # an earlier answer's thinking, sent back: as templates read it
             msg |= {"reasoning_content": thought, "thinking": thought}  # (Qwen3's name; GPT-OSS's)
             size += len(thought)
+        if role == "assistant" and m.get("tool_calls") and m.get("function_call") is not None:
+            raise ApiError(400, f"messages[{i}] has tool_calls and a function_call: one or the other",
+                           param="messages")
         if role == "assistant" and m.get("tool_calls"):
             msg["tool_calls"] = tools.template_tool_calls(m["tool_calls"], i)
             size += sum(len(c["function"]["arguments"]) for c in m["tool_calls"])

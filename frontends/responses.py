@@ -143,6 +143,9 @@ def to_chat(data: dict) -> dict:
         if name in data and not (name == "n" and data[name] in (1, None) and data[name] is not True):  # (n 1: one)
             hint = f"the Responses API's: {ours}" if ours else "the Responses API has none"
             raise ApiError(400, f"Unknown parameter: '{name}' ({hint})", param=name)
+    truncation = data.get("truncation")
+    if truncation not in (None, "auto", "disabled"):  # (before the input is weighed: "auto" may change its answer)
+        raise ApiError(400, f"truncation must be 'auto' or 'disabled', got {truncation!r}", param="truncation")
     chat: dict[str, Any] = {k: data[k] for k in _PASSED if k in data}
     chat["messages"] = _messages(data)
     top = _logprobs(data)
@@ -212,9 +215,6 @@ def _echoed(data: dict) -> dict:
     for name, kind in (("user", str), ("text", dict), ("reasoning", dict)):
         if data.get(name) is not None and not isinstance(data[name], kind):
             raise ApiError(400, f"'{name}' must be {'a string' if kind is str else 'an object'}", param=name)
-    truncation = data.get("truncation")
-    if truncation not in (None, "auto", "disabled"):
-        raise ApiError(400, f"truncation must be 'auto' or 'disabled', got {truncation!r}", param="truncation")
     reasoning = data.get("reasoning")
     if reasoning is not None and not all(isinstance(v, str | None) for v in reasoning.values()):
         raise ApiError(400, "reasoning's settings must be strings", param="reasoning")
@@ -226,7 +226,7 @@ def _echoed(data: dict) -> dict:
             "parallel_tool_calls": data.get("parallel_tool_calls") is not False,
             "tools": tools, "tool_choice": choice if choice is not None else "auto" if tools else "none",
             "text": {"format": fmt}, "reasoning": reasoning, "top_logprobs": op.whole(data.get("top_logprobs")) or 0,
-            "truncation": truncation or "disabled"}
+            "truncation": data.get("truncation") or "disabled"}
 
 
 def _whole(call: dict) -> bool:

@@ -155,6 +155,10 @@ def parse_tools(data: dict, fmt: str | None) -> ToolRequest | None:
     (``detect_format`` or ``--tool-call-parser``)."""
     legacy = from_functions(data)
     if legacy is not None:
+        if legacy.get("tools") and legacy["tool_choice"] in (None, "auto") and fmt is None:
+            raise ApiError(400, "function_call 'auto' (the default with functions) needs a tool-call format, and this "
+                           "model's chat template shows no tools: name the function (function_call {'name': ...}), "
+                           f"or start the server with --tool-call-parser ({', '.join(FORMATS)})", param="function_call")
         try:
             req = parse_tools(legacy, fmt)
         except ApiError as e:
@@ -226,6 +230,8 @@ def from_functions(data: dict) -> dict | None:
         if choice != "none":
             raise ApiError(400, "function_call needs 'functions'", param="function_call")
         return {}
+    if not isinstance(data.get("parallel_tool_calls", True), bool):  # (checked as with tools; functions make one)
+        raise ApiError(400, "parallel_tool_calls must be true or false", param="parallel_tool_calls")
     if not isinstance(functions, list) or not 0 < len(functions) <= MAX_TOOLS:
         raise ApiError(400, f"'functions' must be a list of 1 to {MAX_TOOLS} functions", param="functions")
     for i, fn in enumerate(functions):

@@ -740,6 +740,8 @@ def test_several_served_model_names(tmp_path, smollm_tokenizer_dir):
         r = get(port, "/v1/models/org/alias%201")  # (a bare '/' is read as one too)
         assert r.status_code == 200 and r.json()["id"] == alias
         assert get(port, "/v1/models/").status_code == 404  # (the list is /v1/models)
+        r = get(port, "/v1/models/" + "x" * 5000)  # (its id not said back whole: review)
+        assert r.status_code == 404 and len(r.json()["error"]["message"]) < 300
         assert get(port, f"/v1/models/{MODEL}", key=None).status_code == 401  # (a key, as the list wants)
         r = call(port, "POST", f"/v1/models/{MODEL}")
         assert r.status_code == 405 and "allowed: GET, HEAD, OPTIONS" in r.json()["error"]["message"]

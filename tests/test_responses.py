@@ -349,9 +349,10 @@ def test_reasoning_tokens_count_the_thinking_up_to_its_end_token(end_token, want
 
 def test_truncation_auto_drops_the_oldest_turns_that_do_not_fit(tmp_path, smollm_tokenizer_dir):
     """``truncation: "auto"``: a conversation past the context (512 tokens here) loses its oldest turns, the fewest
-    that make it fit with the output asked for; the instructions and the last turn stay, no call is parted from its
-    result. "disabled" (the default) is a 400, as is a last turn that cannot fit alone. The fake engine answers
-    with the prompt's own tokens, so the answer shows what the model was shown."""
+    that make it fit with the output asked for (as the server caps it: 100 tokens here); the instructions, the
+    system and developer messages wherever they stand, and the last turn stay; no call is parted from its result.
+    "disabled" (the default) is a 400, as is a last turn that cannot fit alone, and a bad truncation is named
+    first. The fake engine answers with the prompt's own tokens, so the answer shows what the model was shown."""
     from tests.test_tool_calls import SMOLLM2_TEMPLATE
     from tools.fake_engine import KEY, fake_stack
 
@@ -362,8 +363,9 @@ def test_truncation_auto_drops_the_oldest_turns_that_do_not_fit(tmp_path, smollm
                 {"role": "assistant", "content": f"Done {k}."}]
     items = [item for k in range(8) for item in turn(k)] + [{"role": "user", "content": "Last one?"}]
     body = {"model": MODEL, "instructions": "Be brief.", "input": items, "tools": [WEATHER], "tool_choice": "none",
-            "max_output_tokens": 100}  # (no stop token: the answer is the prompt's first 100 tokens)
-    with fake_stack(str(tmp_path), smollm_tokenizer_dir, chat_template=SMOLLM2_TEMPLATE) as (engine, port):
+            "max_output_tokens": 400}  # (capped to 100; no stop token: the answer is the prompt's first 100 tokens)
+    with fake_stack(str(tmp_path), smollm_tokenizer_dir, chat_template=SMOLLM2_TEMPLATE, max_tokens_cap=100) as (
+            engine, port):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
         for truncation in (None, "disabled"):
             with pytest.raises(openai.BadRequestError) as e:
@@ -379,7 +381,7 @@ def test_truncation_auto_drops_the_oldest_turns_that_do_not_fit(tmp_path, smollm
         first = 9 - len(fits)
         assert 0 < first < 8
         r = client.responses.create(**body, truncation="auto")
-        assert r.truncation == "auto" and r.usage.input_tokens + 100 <= 512
+        assert r.truncation == "auto" and r.usage.input_tokens + 100 <= 512 and r.usage.output_tokens == 100
         assert r.usage.input_tokens == fits[0].usage.input_tokens and r.output_text == fits[0].output_text
         assert r.output_text.startswith(f"system\nBe brief.\nuser\nQuestion {first}:")  # (the prompt's first tokens)
         with pytest.raises(openai.BadRequestError) as e:  # the last turn alone is too long
@@ -388,3 +390,16 @@ def test_truncation_auto_drops_the_oldest_turns_that_do_not_fit(tmp_path, smollm
         assert "context" in e.value.body["message"]
         r = client.responses.create(**{**body, "input": items[-5:]}, truncation="auto")  # fits: nothing dropped
         assert "Question 7:" in r.output_text
+        # a developer's rule among the turns dropped stays, in its place (review: it went with its turn)
+        rule = {"role": "developer", "content": "RULE: answer in French."}
+        r = client.responses.create(**{**body, "input": [*items[:4], rule, *items[4:]]}, truncation="auto")
+        assert r.output_text.startswith("system\nBe brief.\nsystem\nRULE: answer in French.\nuser\nQuestion ")
+        assert r.usage.input_tokens + 100 <= 512 and "Question 0:" not in r.output_text
+        # a cut between a call and its output would part them: none is made (review: the output stayed alone)
+        parted = [items[0], items[1], {"role": "user", "content": "Hurry up."},
+                  {**items[2], "output": "word " * 500}]
+        with pytest.raises(openai.BadRequestError):
+            client.responses.create(**{**body, "input": parted}, truncation="auto")
+        with pytest.raises(openai.BadRequestError) as e:  # (not the context's 400: review)
+            client.responses.create(**body, truncation="AUTO")
+        assert e.value.body["param"] == "truncation"

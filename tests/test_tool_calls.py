@@ -16,6 +16,7 @@ import pytest
 from frontends import reasoning
 from frontends.errors import ApiError
 from frontends.tools import CallReader, detect_format, parse_tools
+from tests.test_frontend_openai import post
 from tools.fake_engine import KEY, MODEL, fake_stack
 
 WEATHER = {"type": "function", "function": {
@@ -124,7 +125,8 @@ def test_the_deprecated_functions_are_one_call_tools():
     assert parse_tools({"function_call": "none"}, None) is None
     with pytest.raises(ApiError) as e:
         parse_tools({"functions": fns}, None)  # (as tool_choice "auto" does, named as the request named it)
-    assert e.value.param == "function_call" and e.value.message.startswith("function_call 'auto' needs a tool-call")
+    assert e.value.param == "function_call" and e.value.message.startswith(
+        "function_call 'auto' (the default with functions) needs a tool-call format") and "tool_choice" not in str(e.value)
     assert not parse_tools({"tools": TOOLS}, "hermes").legacy
 
 
@@ -525,6 +527,38 @@ def test_the_deprecated_functions_are_answered_as_a_function_call(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=messages, functions=fns, tools=TOOLS)
     assert e.value.body["param"] == "functions"
+
+
+def test_the_deprecated_functions_refusals_name_what_the_request_sent(client, stack):
+    """The second review: refusals made after the functions become tools name the functions (not the tools the
+    client never sent); a function message needs the functions; an assistant message has tool_calls or a
+    function_call; /tokenize shows the functions as the chat does; parallel_tool_calls is still checked."""
+    fns = [WEATHER["function"]]
+    hi = [{"role": "user", "content": "hi"}]
+    named = {"name": "get_weather"}
+    for kw, param in (({"function_call": named, "response_format": {"type": "json_object"}}, "response_format"),
+                      ({"function_call": named, "n": 2, "extra_body": {"use_beam_search": True}}, "function_call"),
+                      ({"parallel_tool_calls": "yes"}, "parallel_tool_calls")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=hi, functions=fns, max_tokens=2, **kw)
+        assert e.value.body["param"] == param and "tool_choice" not in e.value.body["message"], e.value.body
+    function_msg = {"role": "function", "name": "get_weather", "content": "Sunny"}
+    with pytest.raises(openai.BadRequestError) as e:  # (without functions: a role of the chat's alone)
+        client.chat.completions.create(model=MODEL, messages=[*hi, function_msg], max_tokens=2)
+    assert "role must be one of system, developer, user, assistant, tool, got 'function'" in e.value.body["message"]
+    both = {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{bad"},
+            "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[*hi, both], functions=fns, max_tokens=2)
+    assert "tool_calls and a function_call" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:  # (the Responses API has no function role either)
+        client.responses.create(model=MODEL, input=[{"role": "function", "name": "f", "content": "x"}])
+    assert "tool, got 'function'" in e.value.body["message"]
+    counted = [post(stack[1], "/tokenize", {"messages": hi, **extra}).json()["count"]
+               for extra in ({"functions": fns}, {"tools": [WEATHER]})]
+    assert counted[0] == counted[1]  # (the functions read as the tools: refused alike where bad)
+    bad = post(stack[1], "/tokenize", {"messages": hi, "functions": [{"name": "a b"}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "functions"
 
 
 def test_a_conversation_carries_calls_and_their_results(client):
