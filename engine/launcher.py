@@ -130,7 +130,8 @@ class ServeOptions:
                 try:
                     ipaddress.ip_network(ip, strict=False)
                 except ValueError:
-                    raise ValueError(f"--forwarded-allow-ips: {ip!r} is no address or network") from None
+                    raise ValueError(f"--forwarded-allow-ips (or FORWARDED_ALLOW_IPS): {ip!r} is no address or "
+                                     "network") from None
         for name, value in self.http.items():
             if name != "forwarded_allow_ips" and not value > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")

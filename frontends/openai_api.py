@@ -456,11 +456,12 @@ class OpenAIApi:
         n = op.parse_n(data)
         suffix = op.field(data, "suffix", str, None)
         echo = op.field(data, "echo", bool, False)
-        if suffix:  # fill in the middle: the prompt before the gap, the suffix after it
+        fim = suffix is not None and (suffix != "" or {"pre", "suf", "mid"} <= self.codec.fim.keys())  # ("": the end)
+        if fim:  # fill in the middle: the prompt before the gap, the suffix after it
             data = self._fill_in_the_middle(data, echo)
-        prompts = await op.parse_truncated_prompts(data, self._encode_code if suffix else self._encode, self.codec,
-                                                   self.max_chars, self.max_model_len)
-        if suffix:
+        prompts = await op.parse_truncated_prompts(data, self._encode_code if fim else self._encode, self.codec,
+                                                   self.max_chars, self.max_model_len, empty=fim)
+        if fim:
             prompts = await self._fim_prompts(prompts, suffix)
         logprobs = op.field(data, "logprobs", int, None)
         if logprobs is not None and not 0 <= logprobs <= op.MAX_LOGPROBS:
@@ -512,6 +513,10 @@ class OpenAIApi:
         op.check_text_length(len(suffix), self.max_chars, "suffix")
         fim, tail = self.codec.fim, await self._encode_code(suffix)
         bos = self.codec.encode("", add_special_tokens=True)
+        if len(bos) + len(tail) + 3 >= self.max_model_len:
+            raise op.ContextExceeded(400, f"This model's maximum context length is {self.max_model_len} tokens. "
+                                     f"However, the suffix has {len(tail)} tokens, leaving no room for the prompt "
+                                     "and the completion. Please reduce the length of the suffix.", param="suffix")
         return [[*bos, fim["pre"], *p, fim["suf"], *tail, fim["mid"]] for p in prompts]
 
     # ------------------------------------------------------------------ chat
@@ -1127,7 +1132,7 @@ class _ChatFormat(_SseFormat):
                  answer: Callable[[], _Answer] | None = None, token_name: Callable[[int], str] | None = None,
                  return_token_ids: bool = False, prompt_logprobs: int | None = None, echo: str = "") -> None:
         self.codec = api.codec
-        self.echo = echo  # what each choice's content begins with (vLLM's echo of the last message)
+        self.echo_text = echo  # what each choice's content begins with (vLLM's echo of the last message)
         self.token_name = token_name or api.codec.token_text  # what logprobs call a token
         self.gen = gen
         self.logprobs = logprobs
@@ -1155,7 +1160,7 @@ class _ChatFormat(_SseFormat):
 
     def stream_head(self) -> bytes:
         return self.event({**self.base, **self._prompt_fields(), "choices": [
-            {"index": c.index, "delta": {"role": "assistant", "content": self.echo}, "logprobs": None,
+            {"index": c.index, "delta": {"role": "assistant", "content": self.echo_text}, "logprobs": None,
              "finish_reason": None} for c in self.gen.choices]}, head=True)
 
     def chunk(self, updates: list[Update]) -> bytes:
@@ -1203,8 +1208,11 @@ class _ChatFormat(_SseFormat):
 
     def _message(self, index: int) -> dict:
         if self.answers is None:
-            return {"role": "assistant", "content": self.echo + self.texts[index]}
+            return {"role": "assistant", "content": self.echo_text + self.texts[index]}
         answer = self.answers[index]
         answer.parts(self.texts[index], True)
-        msg = answer.message()
-        return msg | {"content": self.echo + (msg["content"] or "")} if self.echo else msg
+        return self.echoed(answer.message())
+
+    def echoed(self, msg: dict) -> dict:
+        """An answer's message, its content after the echo (where the request asked for one)."""
+        return msg | {"content": self.echo_text + (msg["content"] or "")} if self.echo_text else msg

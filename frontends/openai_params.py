@@ -104,13 +104,15 @@ def check_token_ids(ids: list, vocab_size: int, param: str) -> list[int]:
 
 
 async def parse_prompts(data: dict, encode: Callable[[str], Awaitable[list[int]]], vocab_size: int,
-                        max_chars: int, name: str = "prompt", limit: int = MAX_PROMPTS) -> list[list[int]]:
+                        max_chars: int, name: str = "prompt", limit: int = MAX_PROMPTS,
+                        empty: bool = False) -> list[list[int]]:
     """``prompt`` (or ``name``: embeddings' ``input``) as a string, list of strings, token ids, or list
     of token id lists; a list may mix strings and token id lists, as llama.cpp's ``/embeddings`` (read here
     too) takes them, though OpenAI refuses them.
 
     At most ``limit`` prompts; a string longer than ``max_chars`` cannot fit the
-    context and is refused before it is tokenized.
+    context and is refused before it is tokenized. ``empty``: an empty prompt is one (fill in the middle's, at
+    the top of a file: the FIM tokens around it make the prompt).
     """
     p = data.get(name, _MISSING)
     if p is _MISSING or p is None:
@@ -123,21 +125,23 @@ async def parse_prompts(data: dict, encode: Callable[[str], Awaitable[list[int]]
     elif isinstance(p, list) and p and kinds <= {str, list}:
         prompts = p
     elif isinstance(p, list) and not p:
-        raise ApiError(400, f"'{name}' must not be empty", param=name)
+        if not empty:
+            raise ApiError(400, f"'{name}' must not be empty", param=name)
+        prompts = [p]
     else:
         raise ApiError(400, f"'{name}' must be a string, a list of strings, a list of token ids "
                        "or a list of lists of token ids", param=name)
     if len(prompts) > limit:
         raise ApiError(400, f"At most {limit} {name}s per request, got {len(prompts)}", param=name)
     for x in prompts:
-        if not x:
+        if not x and not empty:
             raise ApiError(400, f"'{name}' must not be empty", param=name)
         if isinstance(x, str):
             check_text_length(len(x), max_chars, name)
     out = []
     for x in prompts:
-        ids = await encode(x) if isinstance(x, str) else check_token_ids(x, vocab_size, name)
-        if not ids:
+        ids = (await encode(x) if x else []) if isinstance(x, str) else check_token_ids(x, vocab_size, name)
+        if not ids and not empty:
             raise ApiError(400, f"'{name}' encodes to no tokens", param=name)
         out.append(ids)
     return out
@@ -155,7 +159,8 @@ def parse_truncation(data: dict, max_model_len: int) -> int | None:
 
 
 async def parse_truncated_prompts(data: dict, encode: Callable[[str], Awaitable[list[int]]], codec, max_chars: int,
-                                  max_model_len: int, name: str = "prompt", limit: int = MAX_PROMPTS) -> list[list[int]]:
+                                  max_model_len: int, name: str = "prompt", limit: int = MAX_PROMPTS,
+                                  empty: bool = False) -> list[list[int]]:
     """``parse_prompts``, each prompt cut to its last ``truncate_prompt_tokens`` (k) tokens where the request
     says so. A text within ``max_chars`` is tokenized whole; of a longer one (the body's size bounds it) only
     the end: (k + TRUNCATION_MARGIN) tokens' worth of characters at least (no token is longer than
@@ -163,7 +168,7 @@ async def parse_truncated_prompts(data: dict, encode: Callable[[str], Awaitable[
     long run of one character from wherever the cut falls)."""
     keep = parse_truncation(data, max_model_len)
     if keep is None:
-        return await parse_prompts(data, encode, codec.vocab_size, max_chars, name, limit)
+        return await parse_prompts(data, encode, codec.vocab_size, max_chars, name, limit, empty)
     first = max(max_chars, (keep + TRUNCATION_MARGIN) * codec.max_token_chars)
 
     async def tail(text: str) -> list[int]:
@@ -176,7 +181,7 @@ async def parse_truncated_prompts(data: dict, encode: Callable[[str], Awaitable[
             ids = wider
         return ids
 
-    return [p[-keep:] for p in await parse_prompts(data, tail, codec.vocab_size, math.inf, name, limit)]
+    return [p[-keep:] for p in await parse_prompts(data, tail, codec.vocab_size, math.inf, name, limit, empty)]
 
 
 def parse_prompt_logprobs(data: dict) -> int | None:

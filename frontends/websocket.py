@@ -427,7 +427,8 @@ class Connection(asyncio.Protocol):
         choice = gen.choices[0]
         send = self._send
         want_lp = fmt.logprobs
-        echo = getattr(fmt, "echo", False)
+        echo = getattr(fmt, "echo", False)  # a completion's: its prompt
+        echo_text = getattr(fmt, "echo_text", "")  # a chat's: the last message it goes on with
         answers = getattr(fmt, "answers", None)  # a chat with tools or thinking: calls are read out of the text
         answer = answers[0] if answers else None
         # vLLM's prompt fields (return_token_ids, prompt_logprobs) go with the first delta
@@ -442,6 +443,9 @@ class Connection(asyncio.Protocol):
                         if want_lp:
                             msg["logprobs"] = lp
                         send(msg)
+                    if echo_text:  # (no tokens of the answer's: its logprobs are the answer's own)
+                        send({"type": "delta", "id": gid, "text": echo_text, "token_ids": []})
+                        echo_text = ""
                     if answer is not None:
                         answer.parts(up.text, False)
                     if up.text or up.token_ids or up.logprobs or prompt_fields:
@@ -456,7 +460,7 @@ class Connection(asyncio.Protocol):
             if answer is not None:  # the deltas carried the raw text; done says what the message holds
                 answer.parts("", True)
                 done["finish_reason"] = fmt.finish_reason(choice)
-                done["message"] = answer.message()
+                done["message"] = fmt.echoed(answer.message())
             send(done)
             return 200
         except ApiError as e:

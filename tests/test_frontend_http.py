@@ -306,6 +306,9 @@ def test_a_trusted_proxy_names_the_client():
     assert local.client(hdrs("spoofed, 198.51.100.1", "203.0.113.7"), "127.0.0.1:1") == "203.0.113.7"
     assert local.client(hdrs(" , "), "127.0.0.1:1") is None and local.client(hdrs(), "127.0.0.1:1") is None
     assert local.client(hdrs("x" * 1000), "127.0.0.1:1") == "x" * 256
+    for hop, host in (("9.9.9.9:1234", "9.9.9.9"), ("[2001:db8::3]:443", "2001:db8::3"), ("[2001:db8::2]", "2001:db8::2"),
+                      ("2001:db8::5", "2001:db8::5")):  # (a port a proxy writes is no part of who the client is)
+        assert local.client(hdrs(hop), "127.0.0.1:1") == host
     assert local.client(hdrs(", ".join(["203.0.113.7"] + ["127.0.0.1"] * 5000)), "127.0.0.1:1") == "127.0.0.1"
     # (only the last 32 hops are read: past them, as if all were proxies)
     nets = TrustedProxies(("10.0.0.0/8", "::1"))

@@ -345,6 +345,16 @@ def test_openai_s_suffix_fills_in_the_middle(server):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="coder", prompt=prefix, suffix=suffix, echo=True, max_tokens=1)
     assert e.value.body["param"] == "echo"
+    # the second review: the top of a file (no prompt) and its end ("" suffix) are gaps too
+    for prompt, tail, want in (("", suffix, [*bos, pre, suf, *code(suffix), mid]),
+                               ([], suffix, [*bos, pre, suf, *code(suffix), mid]),
+                               (prefix, "", [*bos, pre, *code(prefix), suf, mid])):
+        r = client.completions.create(model="coder", prompt=prompt, suffix=tail, max_tokens=1,
+                                      extra_body={"return_token_ids": True})
+        assert r.choices[0].prompt_token_ids == want
+    with pytest.raises(openai.BadRequestError) as e:  # (named: not the prompt's length)
+        client.completions.create(model="coder", prompt="a", suffix="word " * 5000, max_tokens=1)
+    assert e.value.body["param"] == "suffix" and "the suffix has" in e.value.body["message"]
 
 
 def test_tokenize_detokenize_props_and_apply_template(server):

@@ -64,6 +64,8 @@ def test_a_model_without_fim_tokens_refuses_infill(server):
     with pytest.raises(openai.BadRequestError) as e:
         openai_client(server).completions.create(model="SmolLM2-135M-Instruct.Q4_1", prompt="a", suffix="b", max_tokens=1)
     assert e.value.body["param"] == "suffix" and "fill-in-the-middle tokens" in e.value.body["message"]
+    r = openai_client(server).completions.create(model="SmolLM2-135M-Instruct.Q4_1", prompt="a", suffix="", max_tokens=1)
+    assert r.choices[0].finish_reason  # ("": no gap, a plain completion, as code clients send it at a file's end)
 
 
 def test_anthropic_messages_api(server):

@@ -228,6 +228,29 @@ def test_two_generations_on_one_socket_match_http(engine, codec):
     assert order.index("b") < len(order) - order[::-1].index("a") - 1  # interleaved: both ran at once
 
 
+def test_a_chats_echo_matches_http(engine, codec):
+    """vLLM's chat echo over the WebSocket: the last message (an assistant's) as the first delta, no token ids
+    of the answer's, then the answer, as HTTP's content has it (review: a 500, its path taken for a completion's
+    echo)."""
+    body = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}],
+            "max_tokens": 4, "echo": True, "continue_final_message": True, "add_generation_prompt": False}
+
+    async def main():
+        async with serving(engine, codec) as s:
+            async with connect(s.url, additional_headers=AUTH) as ws:
+                await ws.send(json.dumps({"type": "chat", "id": "c", **body}))
+                msgs = []
+                while not msgs or msgs[-1]["type"] == "delta":
+                    msgs.append(await recv(ws))
+            http = await asyncio.to_thread(post, s.port, "/v1/chat/completions", body)
+            return msgs, http.json()
+
+    msgs, http = run(main())
+    assert msgs[0] == {"type": "delta", "id": "c", "text": "Hello", "token_ids": []} and msgs[-1]["type"] == "done"
+    content = http["choices"][0]["message"]["content"]
+    assert content.startswith("Hello") and "".join(m["text"] for m in msgs[:-1]) == content
+
+
 def test_chat_and_logprobs_match_http(engine, codec):
     body = {"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 6, "logprobs": True,
             "top_logprobs": 2}
