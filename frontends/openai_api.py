@@ -681,8 +681,8 @@ class OpenAIApi:
         without its oldest turns, the fewest that make it fit with the completion it asks for (``max_tokens``, as
         the server caps it; else one token). Its system and developer messages stay, wherever they stand. A turn
         starts at a user message, and a cut never parts a tool's result from the call it answers; the last turn
-        is always kept. None where even that does not fit. A binary search: a few templatings of the
-        conversation, whatever its length."""
+        is always kept. None where even that does not fit. Found from the newest turn back: a few templatings, each
+        of about what fits, however long the conversation."""
         msgs = chat["messages"]
         rules = [m.get("role") in ("system", "developer") for m in msgs]
         calls = {c.get("id"): i for i, m in enumerate(msgs) if isinstance(m.get("tool_calls"), list)
@@ -702,18 +702,33 @@ class OpenAIApi:
         want = want if type(want) is int and want > 0 else 1  # (a bad one is the chat's 400, after)
         if self.max_tokens_cap is not None:
             want = min(want, self.max_tokens_cap)
-        fitted, lo, hi = None, 0, len(starts)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            probe = {**chat, "messages": [m for k, m in enumerate(msgs) if k >= starts[mid] or rules[k]]}
+        async def fits(i: int) -> dict | None:  # the chat cut at starts[i], if it fits
+            probe = {**chat, "messages": [m for k, m in enumerate(msgs) if k >= starts[i] or rules[k]]}
             try:
-                fits = len(await self._shown_prompt(probe)) + want <= self.max_model_len
+                return probe if len(await self._shown_prompt(probe)) + want <= self.max_model_len else None
             except op.ContextExceeded:
-                fits = False
-            if fits:
-                fitted, hi = probe, mid
+                return None
+
+        # from the newest turns back, twice as many turns each time, then halving the gap: each templating is of
+        # what fits or little more (a binary search from the middle templated half of 4000 messages first)
+        hi = len(starts) - 1
+        fitted = await fits(hi) if starts else None
+        step = 1
+        while fitted is not None and hi > 0:
+            lo = max(0, hi - step)
+            more = await fits(lo)
+            if more is None:
+                break
+            fitted, hi, step = more, lo, 2 * step
+        else:
+            return fitted
+        while lo + 1 < hi:  # starts[lo] does not fit, starts[hi] does
+            mid = (lo + hi) // 2
+            more = await fits(mid)
+            if more is None:
+                lo = mid
             else:
-                lo = mid + 1
+                fitted, hi = more, mid
         return fitted
 
     # ------------------------------------------------------------------ Anthropic's messages
