@@ -234,27 +234,14 @@ def test_a_chats_echo_matches_http(engine, codec):
     echo)."""
     body = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}],
             "max_tokens": 4, "echo": True, "continue_final_message": True, "add_generation_prompt": False}
-
-    async def main():
-        async with serving(engine, codec) as s:
-            async with connect(s.url, additional_headers=AUTH) as ws:
-                await ws.send(json.dumps({"type": "chat", "id": "c", **body}))
-                msgs = []
-                while not msgs or msgs[-1]["type"] == "delta":
-                    msgs.append(await recv(ws))
-            http = await asyncio.to_thread(post, s.port, "/v1/chat/completions", body)
-            return msgs, http.json()
-
-    msgs, http = run(main())
+    msgs, http = chat_over_both(engine, codec, body)
     assert msgs[0] == {"type": "delta", "id": "c", "text": "Hello", "token_ids": []} and msgs[-1]["type"] == "done"
     content = http["choices"][0]["message"]["content"]
     assert content.startswith("Hello") and "".join(m["text"] for m in msgs[:-1]) == content
 
 
-def test_chat_and_logprobs_match_http(engine, codec):
-    body = {"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 6, "logprobs": True,
-            "top_logprobs": 2}
-
+def chat_over_both(engine, codec, body: dict) -> tuple[list[dict], dict]:
+    """``body`` as a WebSocket chat (its messages, the last one done) and then as an HTTP chat (its JSON)."""
     async def main():
         async with serving(engine, codec) as s:
             async with connect(s.url, additional_headers=AUTH) as ws:
@@ -265,7 +252,13 @@ def test_chat_and_logprobs_match_http(engine, codec):
             http = await asyncio.to_thread(post, s.port, "/v1/chat/completions", body)
             return msgs, http.json()
 
-    msgs, http = run(main())
+    return run(main())
+
+
+def test_chat_and_logprobs_match_http(engine, codec):
+    body = {"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 6, "logprobs": True,
+            "top_logprobs": 2}
+    msgs, http = chat_over_both(engine, codec, body)
     deltas, done = msgs[:-1], msgs[-1]
     assert "".join(m["text"] for m in deltas) == http["choices"][0]["message"]["content"]
     assert [lp for m in deltas for lp in m["logprobs"]] == http["choices"][0]["logprobs"]["content"]
