@@ -56,7 +56,7 @@ from frontends.images import ImageProcessor
 from frontends.media import MediaReader
 from frontends.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from frontends.metrics import Metrics
-from frontends.responses import RESPONSES_PARAMS, ResponsesFormat, to_chat
+from frontends.responses import RESPONSES_PARAMS, ResponsesFormat, at_sources, to_chat
 from frontends.scoring import rerank_job, score_job
 from frontends.text import StopMatcher, TextCodec, TokenizerBusy, bad_words_token_ids
 
@@ -661,28 +661,31 @@ class OpenAIApi:
     async def responses_job(self, data: dict, arrival: float | None = None) -> tuple[Generation, ResponsesFormat]:
         """A /v1/responses body run as the chat it amounts to (``frontends.responses``)."""
         refuse_beam_search(data)
-        chat = to_chat(data)  # (its refusals name this API's fields already)
+        sources: list[str] = []  # (where each chat message came from, for refusals that name one)
+        chat = to_chat(data, sources)  # (its refusals name this API's fields already)
         try:
             try:
                 gen, chat_fmt = await self.chat_job(chat, arrival, id_prefix="resp")
             except op.ContextExceeded:
-                fitted = await self._drop_oldest_turns(chat) if data.get("truncation") == "auto" else None
-                if fitted is None:
+                kept = await self._drop_oldest_turns(chat) if data.get("truncation") == "auto" else None
+                if kept is None:
                     raise
-                gen, chat_fmt = await self.chat_job(fitted, arrival, id_prefix="resp")
+                sources = [sources[k] for k in kept]
+                gen, chat_fmt = await self.chat_job({**chat, "messages": [chat["messages"][k] for k in kept]}, arrival,
+                                                    id_prefix="resp")
         except ApiError as e:  # named as this API names its fields
-            raise e.renamed(RESPONSES_PARAMS) from None
+            raise at_sources(e, sources).renamed(RESPONSES_PARAMS) from None
         if gen.schema_param == "response_format":  # the engine's refusal of a text.format schema
             gen.schema_param = "text"
         return gen, ResponsesFormat(gen.lora or self.model, data, gen, chat_fmt)
 
-    async def _drop_oldest_turns(self, chat: dict) -> dict | None:
-        """The Responses API's ``truncation: "auto"`` for a ``chat`` that does not fit the context: the same chat
-        without its oldest turns, the fewest that make it fit with the completion it asks for (``max_tokens``, as
-        the server caps it; else one token). Its system and developer messages stay, wherever they stand. A turn
-        starts at a user message, and a cut never parts a tool's result from the call it answers; the last turn
-        is always kept. None where even that does not fit. Found from the newest turn back: a few templatings, each
-        of about what fits, however long the conversation."""
+    async def _drop_oldest_turns(self, chat: dict) -> list[int] | None:
+        """The Responses API's ``truncation: "auto"`` for a ``chat`` that does not fit the context: which of its
+        messages to keep, the fewest oldest turns dropped that make it fit with the completion it asks for
+        (``max_tokens``, as the server caps it; else one token). Its system and developer messages stay, wherever
+        they stand. A turn starts at a user message, and a cut never parts a tool's result from the call it
+        answers; the last turn is always kept. None where even that does not fit. Found from the newest turn back:
+        a few templatings, each of about what fits, however long the conversation."""
         msgs = chat["messages"]
         rules = [m.get("role") in ("system", "developer") for m in msgs]
         calls = {c.get("id"): i for i, m in enumerate(msgs) if isinstance(m.get("tool_calls"), list)
@@ -693,21 +696,24 @@ class OpenAIApi:
             if i is not None and i < j:
                 parted[i + 1] += 1
                 parted[j + 1] -= 1
-        starts, inside = [], 0
+        starts, inside, turns = [], 0, False  # (turns: a message that is no rule before: a cut drops something)
         for k, m in enumerate(msgs):
             inside += parted[k]
-            if m.get("role") == "user" and not inside and any(not r for r in rules[:k]):
-                starts.append(k)  # (past the first message that is no rule: a cut that drops something)
+            if m.get("role") == "user" and not inside and turns:
+                starts.append(k)
+            turns = turns or not rules[k]
         want = chat.get("max_tokens")
         want = want if type(want) is int and want > 0 else 1  # (a bad one is the chat's 400, after)
         if self.max_tokens_cap is not None:
             want = min(want, self.max_tokens_cap)
-        async def fits(i: int) -> dict | None:  # the chat cut at starts[i], if it fits
-            probe = {**chat, "messages": [m for k, m in enumerate(msgs) if k >= starts[i] or rules[k]]}
+
+        async def fits(i: int) -> list[int] | None:  # the messages kept by a cut at starts[i], if they fit
+            kept = [k for k in range(len(msgs)) if k >= starts[i] or rules[k]]
             try:
-                return probe if len(await self._shown_prompt(probe)) + want <= self.max_model_len else None
+                shown = await self._shown_prompt({**chat, "messages": [msgs[k] for k in kept]})
             except op.ContextExceeded:
                 return None
+            return kept if len(shown) + want <= self.max_model_len else None
 
         # from the newest turns back, twice as many turns each time, then halving the gap: each templating is of
         # what fits or little more (a binary search from the middle templated half of 4000 messages first)
@@ -722,6 +728,14 @@ class OpenAIApi:
             fitted, hi, step = more, lo, 2 * step
         else:
             return fitted
+        while lo + 1 < hi:  # starts[lo] does not fit, starts[hi] does
+            mid = (lo + hi) // 2
+            more = await fits(mid)
+            if more is None:
+                lo = mid
+            else:
+                fitted, hi = more, mid
+        return fitted
         while lo + 1 < hi:  # starts[lo] does not fit, starts[hi] does
             mid = (lo + hi) // 2
             more = await fits(mid)

@@ -18,6 +18,7 @@ message first), ``tools`` (function tools, flat as this API writes them), ``tool
 from __future__ import annotations
 
 import os
+import re
 import time
 from typing import Any
 
@@ -77,16 +78,19 @@ def _image_part(part: dict, where: str) -> dict:
     return {"type": "image_url", "image_url": {"url": part["image_url"]}}
 
 
-def _messages(data: dict) -> list[dict]:
-    """``instructions`` and ``input`` as chat messages."""
+def _messages(data: dict, sources: list[str]) -> list[dict]:
+    """``instructions`` and ``input`` as chat messages; ``sources`` gets where each came from ("instructions",
+    "input[i]"), for the chat's refusals that name a message."""
     messages: list[dict] = []
     instructions = data.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):
             raise ApiError(400, "'instructions' must be a string", param="instructions")
         messages.append({"role": "system", "content": instructions})
+        sources.append("instructions")
     items = data.get("input")
     if isinstance(items, str):
+        sources.append("input")
         return [*messages, {"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
         raise ApiError(400, "'input' must be a string or a non-empty list of items", param="input")
@@ -104,6 +108,7 @@ def _messages(data: dict) -> list[dict]:
             else:
                 content = _text_of(content, f"input[{i}].content")
             messages.append({"role": item.get("role"), "content": content})
+            sources.append(f"input[{i}]")
         elif kind == "function_call":
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
                 raise ApiError(400, f"input[{i}]: a function_call needs call_id, name and arguments, all strings",
@@ -119,20 +124,22 @@ def _messages(data: dict) -> list[dict]:
                 last.setdefault("tool_calls", []).append(call)  # the calls of the turn that wrote them
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                sources.append(f"input[{i}]")
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
                 raise ApiError(400, f"input[{i}]: a function_call_output needs its call_id", param="input")
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
                              "content": _text_of(item.get("output"), f"input[{i}].output")})
+            sources.append(f"input[{i}]")
         elif kind != "reasoning":  # earlier thinking: chat templates drop it from the history anyway
             raise ApiError(400, f"input[{i}]: items of type {kind!r} are not supported (message, function_call, "
                            "function_call_output are)", param="input")
     return messages
 
 
-def to_chat(data: dict) -> dict:
+def to_chat(data: dict, sources: list[str] | None = None) -> dict:
     """A Responses body as the chat-completions body that runs it (only the checks this API's own
-    shapes need: the chat's checks do the rest)."""
+    shapes need: the chat's checks do the rest); ``sources``: as ``_messages`` fills it."""
     for name in _UNSTORED:
         if data.get(name) is not None:
             raise ApiError(400, f"'{name}' needs stored responses, and this server stores none: send the whole "
@@ -147,7 +154,7 @@ def to_chat(data: dict) -> dict:
     if truncation not in (None, "auto", "disabled"):  # (before the input is weighed: "auto" may change its answer)
         raise ApiError(400, f"truncation must be 'auto' or 'disabled', got {truncation!r}", param="truncation")
     chat: dict[str, Any] = {k: data[k] for k in _PASSED if k in data}
-    chat["messages"] = _messages(data)
+    chat["messages"] = _messages(data, sources if sources is not None else [])
     top = _logprobs(data)
     if top is not None:
         chat["logprobs"], chat["top_logprobs"] = True, top
@@ -189,6 +196,14 @@ def to_chat(data: dict) -> dict:
         else:
             chat["response_format"] = fmt
     return chat
+
+
+def at_sources(e: ApiError, sources: list[str]) -> ApiError:
+    """``e`` with the chat messages it names (``messages[k]``) named as the body has them (``sources``): the
+    instructions are the chat's first message, and an item's calls join the assistant turn before them."""
+    e.message = re.sub(r"\bmessages\[(\d+)\]", lambda m: sources[int(m[1])] if int(m[1]) < len(sources) else m[0],
+                       e.message)
+    return e
 
 
 def _logprobs(data: dict) -> int | None:

@@ -163,6 +163,20 @@ def test_served_logprobs_are_those_of_the_texts_tokens(client):  # noqa: F811
     assert client.responses.create(top_logprobs=2, **kw).output[0].content[0].logprobs == []  # (not included)
 
 
+def test_refusals_name_the_input_item_a_message_came_from(client):  # noqa: F811
+    """The chat's refusals that name a message name its input item: the instructions are the chat's first message,
+    and a function_call joins the assistant turn before it (review: ``input[2]`` named for item 1)."""
+    call = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"}
+    for body, where in (({"instructions": "Be brief.", "input": [{"role": "user", "content": "hi"},
+                                                                 {"role": "bogus", "content": "x"}]}, "input[1].role"),
+                        ({"input": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "On it."}, call,
+                                    {"type": "function_call_output", "call_id": "c1", "output": "Rain"},
+                                    {"role": "bogus", "content": "x"}]}, "input[4].role")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(model=MODEL, tools=[WEATHER], **body)
+        assert e.value.body["param"] == "input" and e.value.body["message"].startswith(where + " must be one of")
+
+
 def test_served_follow_up_and_cut_short(client):  # noqa: F811
     r = client.responses.create(model=MODEL, instructions="ignored by this template", max_output_tokens=200,
                                 extra_body=STOP, tools=[WEATHER], input=[
