@@ -428,8 +428,8 @@ class LlamaCppApi:
         rest += take_prefix
         # llama.cpp's room beside a batch, less what leaves no room for n_predict (or one token)
         take_extra = max(0, min(len(context), ctx - batch + 2, ctx - rest - max(n_predict, 1)))
-        return [*context[len(context) - take_extra:], *self.bos, fim["pre"], *prefix[len(prefix) - take_prefix:],
-                *prompt, fim["suf"], *suffix[:take_suffix], fim["mid"]]
+        return [*context[len(context) - take_extra:],
+                *self.codec.fim_prompt([*prefix[len(prefix) - take_prefix:], *prompt], suffix[:take_suffix])]
 
     # ------------------------------------------------------------------ routes
 
@@ -568,7 +568,7 @@ class LlamaCppApi:
         sep_name, repo_name, snippet, *extra = await encode_all(self.api, texts, literal=True)
         tokens = self._infill_prompt(prefix, suffix, prompt_ids, list(zip(extra[::2], extra[1::2], strict=True)),
                                      op.field(data, "n_predict", int, -1), sep_name, repo_name, snippet)
-        ends = [self.fim[k] for k in ("pad", "rep", "sep") if k in self.fim]  # (llama.cpp's end-of-generation set)
+        ends = self.codec.fim_ends
         return await self.completion_job(data, arrival, prompts=[tokens], stop_token_ids=ends, logprobs=logprobs)
 
     async def embedding(self, req: Request) -> Response:

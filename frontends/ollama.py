@@ -306,7 +306,7 @@ class OllamaApi:
         caps = ["completion"] + (["tools"] if self.api.tool_format else []) + (
             ["vision"] if self.api.client.ready.image_tokens else []) + (
             ["thinking"] if self.api.thinking or self.api.harmony else []) + (
-            ["insert"] if {"pre", "suf", "mid"} <= set(self.llamacpp.fim) else [])
+            ["insert"] if self.api.codec.fills_in_the_middle else [])
         template = self.api.codec.chat_template or ""
         entry = self._entry(name)  # (the model's files and config.json, read once)
         return Response(200, orjson.dumps({
@@ -380,7 +380,7 @@ class OllamaApi:
                            param="images")
         if suffix and (system or context):
             raise ApiError(400, "suffix does not support system or context here", param="suffix")
-        if suffix and not {"pre", "suf", "mid"} <= set(self.llamacpp.fim):
+        if suffix and not self.api.codec.fills_in_the_middle:
             raise ApiError(400, f'"{_shown(data)}" does not support insert', param="suffix")
         try:
             if suffix:

@@ -456,7 +456,7 @@ class OpenAIApi:
         n = op.parse_n(data)
         suffix = op.field(data, "suffix", str, None)
         echo = op.field(data, "echo", bool, False)
-        fim = suffix is not None and (suffix != "" or {"pre", "suf", "mid"} <= self.codec.fim.keys())  # ("": the end)
+        fim = suffix is not None and (suffix != "" or self.codec.fills_in_the_middle)  # ("": a file's end)
         if fim:  # fill in the middle: the prompt before the gap, the suffix after it
             data = self._fill_in_the_middle(data, echo)
         prompts = await op.parse_truncated_prompts(data, self._encode_code if fim else self._encode, self.codec,
@@ -494,13 +494,12 @@ class OpenAIApi:
         """A completion with a ``suffix`` checked: the model must have FIM tokens, as llama.cpp's ``/infill`` finds
         them (``TextCodec.fim``); the body with the FIM tokens that end an infill (llama.cpp's: pad, repository,
         file separator) added to its stop tokens."""
-        fim = self.codec.fim
-        if not {"pre", "suf", "mid"} <= fim.keys():
+        if not self.codec.fills_in_the_middle:
             raise ApiError(400, f"suffix needs a model with fill-in-the-middle tokens (<|fim_prefix|>, <|fim_suffix|>, "
                            f"<|fim_middle|> or their like), and {self.model} has none", param="suffix")
         if echo:
             raise ApiError(400, "echo is not supported with suffix", param="echo")
-        ends = [fim[k] for k in ("pad", "rep", "sep") if k in fim]
+        ends = self.codec.fim_ends
         return {**data, "stop_token_ids": [*op.field(data, "stop_token_ids", list, []), *ends]} if ends else data
 
     async def _encode_code(self, text: str) -> list[int]:
@@ -511,13 +510,12 @@ class OpenAIApi:
         """Each prompt as the prefix of a fill-in-the-middle prompt, llama.cpp's layout without its extra context:
         ``[BOS] <PRE> prompt <SUF> suffix <MID>`` (Qwen2.5-Coder's, StarCoder's, CodeLlama's, DeepSeek-Coder's)."""
         op.check_text_length(len(suffix), self.max_chars, "suffix")
-        fim, tail = self.codec.fim, await self._encode_code(suffix)
-        bos = self.codec.encode("", add_special_tokens=True)
-        if len(bos) + len(tail) + 3 >= self.max_model_len:
+        tail = await self._encode_code(suffix)
+        if len(self.codec.fim_prompt([], tail)) >= self.max_model_len:
             raise op.ContextExceeded(400, f"This model's maximum context length is {self.max_model_len} tokens. "
                                      f"However, the suffix has {len(tail)} tokens, leaving no room for the prompt "
                                      "and the completion. Please reduce the length of the suffix.", param="suffix")
-        return [[*bos, fim["pre"], *p, fim["suf"], *tail, fim["mid"]] for p in prompts]
+        return [self.codec.fim_prompt(p, tail) for p in prompts]
 
     # ------------------------------------------------------------------ chat
 

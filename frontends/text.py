@@ -3,6 +3,7 @@
 ``TextCodec`` wraps a tokenizer (``frontends.tokenizer`` loads it).
 ``IncrementalDetokenizer`` turns streamed token ids into text the vLLM way
 (prefix_offset / read_offset) and never emits a broken UTF-8 sequence.
+``fim_tokens`` finds a model's fill-in-the-middle tokens, and ``TextCodec.fim_prompt`` lays a gap out with them.
 ``StopStrings`` cuts the text at the first stop string and, while streaming,
 holds back a tail that could still become one; its ``StopMatcher`` automaton
 makes that cost O(1) per character whatever the number of stop strings.
@@ -88,6 +89,7 @@ class TextCodec:
         self._single: dict[str, int | None] = {}  # texts that are one token's, and its id (single_token)
         self._dry: dict[tuple[str, ...], list[list[int]]] = {}  # DRY's breakers as token sequences (dry_breakers)
         self._fim: dict[str, int] | None = None
+        self._bos: list[int] | None = None
 
     @property
     def fim(self) -> dict[str, int]:
@@ -95,6 +97,24 @@ class TextCodec:
         if self._fim is None:
             self._fim = fim_tokens(self.tokenizer.get_vocab())
         return self._fim
+
+    @property
+    def fills_in_the_middle(self) -> bool:
+        """Whether the model has the three FIM tokens a gap needs (prefix, suffix, middle)."""
+        return {"pre", "suf", "mid"} <= self.fim.keys()
+
+    @property
+    def fim_ends(self) -> list[int]:
+        """The FIM tokens that end an infill (llama.cpp's end-of-generation set: pad, repository, file)."""
+        return [self.fim[k] for k in ("pad", "rep", "sep") if k in self.fim]
+
+    def fim_prompt(self, prefix: list[int], suffix: list[int]) -> list[int]:
+        """A gap between ``prefix`` and ``suffix`` as the model's FIM tokens lay it out (llama.cpp's, PSM:
+        Qwen2.5-Coder's, StarCoder's, CodeLlama's, DeepSeek-Coder's): ``[BOS] <PRE> prefix <SUF> suffix <MID>``."""
+        if self._bos is None:
+            self._bos = self.encode("", add_special_tokens=True)  # (what a string prompt starts with, or nothing)
+        fim = self.fim
+        return [*self._bos, fim["pre"], *prefix, fim["suf"], *suffix, fim["mid"]]
 
     def use_images(self, token_id: int) -> None:
         """The model reads images (``frontends.images``): chat templates get them, as parts of a content list
