@@ -33,8 +33,11 @@ HTTP metrics. The observer runs before the answer's last byte is sent, so a
 client that has its whole answer finds it counted, whichever frontend it
 scrapes. Handlers may leave what the observer should know in ``Request.meta``.
 
+Behind a reverse proxy that is one of ``forwarded_allow_ips`` (``TrustedProxies``, uvicorn's rule), a request's
+``client`` is the address its X-Forwarded-For names.
+
 Handlers are ``async (Request) -> Response | StreamingResponse`` registered by
-method and path on a ``Router``. A connection can be handed to another protocol
+method and path on a ``Router`` (a path ending in ``{name}`` takes every path under its prefix). A connection can be handed to another protocol
 object (WebSocket) through ``Router.add_upgrade``: the handler returns an
 ``Upgrade`` and the transport is switched over after the head it carries.
 """
@@ -297,16 +300,22 @@ class TrustedProxies:
         if not hops:
             return None
         host = next((h for h in reversed(hops) if h not in self), hops[0])
-        return host[:256]  # (a name the engine holds a count for: bounded)
+        return host
 
 
 def _hop_host(hop: bytes) -> str:
-    """An X-Forwarded-For entry's host: its port dropped (``1.2.3.4:80``, ``[2001:db8::1]:443``), so that a proxy
-    that writes ports does not make each connection another client."""
+    """An X-Forwarded-For entry's host, an IP address: its port dropped (``1.2.3.4:80``, ``[2001:db8::1]:443``),
+    so that a proxy that writes ports does not make each connection another client; "" for what is no address
+    ("unknown", a name, a caller's made-up text: it names no client)."""
     h = hop.strip().decode("latin-1")
     if h.startswith("["):
-        return h[1:h.index("]")] if "]" in h else h
-    return h.partition(":")[0] if h.count(":") == 1 else h
+        h = h[1:h.index("]")] if "]" in h else ""
+    elif h.count(":") == 1:
+        h = h.partition(":")[0]
+    try:
+        return str(ipaddress.ip_address(h))
+    except ValueError:
+        return ""
 
 
 def host_of(peer: str) -> str:

@@ -72,7 +72,7 @@ def _json_response(obj: Any) -> Response:
     return Response(200, orjson.dumps(obj))
 
 
-class ContextExceeded(ApiError):
+class ExceedContextSize(ApiError):
     """A prompt with no room left in the context: llama.cpp's ``exceed_context_size_error``, with its numbers."""
 
     def __init__(self, n_prompt_tokens: int, n_ctx: int) -> None:
@@ -82,7 +82,7 @@ class ContextExceeded(ApiError):
 
 
 def error(e: ApiError) -> dict:
-    if isinstance(e, ContextExceeded):
+    if isinstance(e, ExceedContextSize):
         return {"code": 400, "message": e.message, "type": e.type, "n_prompt_tokens": e.n_prompt_tokens,
                 "n_ctx": e.n_ctx}
     return {"code": e.status, "message": e.message, "type": _ERROR_TYPES.get(e.status, e.type)}
@@ -461,7 +461,7 @@ class LlamaCppApi:
                 n_predict = op.field(data, "max_completion_tokens", int, op.field(data, "max_tokens", int, -1))
             longest = max(map(len, prompts))
             if longest >= api.max_model_len:
-                raise ContextExceeded(longest, api.max_model_len)
+                raise ExceedContextSize(longest, api.max_model_len)
 
             def budget(prompt: list[int]) -> int:
                 """-1: to the end of the context; 0: one token (llama.cpp samples one before it looks); past the

@@ -56,7 +56,7 @@ from frontends.images import ImageProcessor
 from frontends.media import MediaReader
 from frontends.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from frontends.metrics import Metrics
-from frontends.responses import RESPONSES_PARAMS, ResponsesFormat, at_sources, to_chat
+from frontends.responses import RESPONSES_PARAMS, ResponsesFormat, at_sources, oldest_turns_dropped, to_chat
 from frontends.scoring import rerank_job, score_job
 from frontends.text import StopMatcher, TextCodec, TokenizerBusy, bad_words_token_ids
 
@@ -529,7 +529,7 @@ class OpenAIApi:
         try:
             return await self._chat_job(data, arrival, id_prefix)
         except ApiError as e:
-            if data.get("functions") is not None and data.get("tools") is None:
+            if data.get("functions") is not None and data.get("tools") is None and data.get("tool_choice") is None:
                 raise e.renamed(tools.LEGACY_NAMES) from None
             raise
 
@@ -665,9 +665,14 @@ class OpenAIApi:
             try:
                 gen, chat_fmt = await self.chat_job(chat, arrival, id_prefix="resp")
             except op.ContextExceeded:
-                kept = await self._drop_oldest_turns(chat) if data.get("truncation") == "auto" else None
-                if kept is None:
+                if data.get("truncation") != "auto":
                     raise
+                kept = await self._turns_that_fit(chat)
+                if kept is None:
+                    raise op.ContextExceeded(400, "truncation 'auto' found no cut that fits: the last turn, the "
+                                             "instructions and system messages, and the output asked for, "
+                                             f"together exceed this model's context of {self.max_model_len} tokens",
+                                             param="input") from None
                 sources = [sources[k] for k in kept]
                 gen, chat_fmt = await self.chat_job({**chat, "messages": [chat["messages"][k] for k in kept]}, arrival,
                                                     id_prefix="resp")
@@ -677,71 +682,23 @@ class OpenAIApi:
             gen.schema_param = "text"
         return gen, ResponsesFormat(gen.lora or self.model, data, gen, chat_fmt)
 
-    async def _drop_oldest_turns(self, chat: dict) -> list[int] | None:
-        """The Responses API's ``truncation: "auto"`` for a ``chat`` that does not fit the context: which of its
-        messages to keep, the fewest oldest turns dropped that make it fit with the completion it asks for
-        (``max_tokens``, as the server caps it; else one token). Its system and developer messages stay, wherever
-        they stand. A turn starts at a user message, and a cut never parts a tool's result from the call it
-        answers; the last turn is always kept. None where even that does not fit. Found from the newest turn back:
-        a few templatings, each of about what fits, however long the conversation."""
-        msgs = chat["messages"]
-        rules = [m.get("role") in ("system", "developer") for m in msgs]
-        calls = {c.get("id"): i for i, m in enumerate(msgs) if isinstance(m.get("tool_calls"), list)
-                 for c in m["tool_calls"] if isinstance(c, dict)}
-        parted = [0] * (len(msgs) + 1)  # cuts in (call, result] would part them: counted over that span
-        for j, m in enumerate(msgs):
-            i = calls.get(m.get("tool_call_id")) if m.get("role") == "tool" else None
-            if i is not None and i < j:
-                parted[i + 1] += 1
-                parted[j + 1] -= 1
-        starts, inside, turns = [], 0, False  # (turns: a message that is no rule before: a cut drops something)
-        for k, m in enumerate(msgs):
-            inside += parted[k]
-            if m.get("role") == "user" and not inside and turns:
-                starts.append(k)
-            turns = turns or not rules[k]
+    async def _turns_that_fit(self, chat: dict) -> list[int] | None:
+        """``truncation: "auto"`` (``responses.oldest_turns_dropped``): which of ``chat``'s messages to keep for it to
+        fit with the completion it asks for: its ``max_tokens``, else the model's default, else a quarter of the
+        context (so that the input does not take all of it), as the server caps it."""
         want = chat.get("max_tokens")
-        want = want if type(want) is int and want > 0 else 1  # (a bad one is the chat's 400, after)
+        if not (type(want) is int and want > 0):  # (a bad one is the chat's 400, after)
+            want = self.sampling_defaults.get("max_tokens") or self.max_model_len // 4
         if self.max_tokens_cap is not None:
             want = min(want, self.max_tokens_cap)
 
-        async def fits(i: int) -> list[int] | None:  # the messages kept by a cut at starts[i], if they fit
-            kept = [k for k in range(len(msgs)) if k >= starts[i] or rules[k]]
+        async def fits(messages: list[dict]) -> bool:
             try:
-                shown = await self._shown_prompt({**chat, "messages": [msgs[k] for k in kept]})
+                return len(await self._shown_prompt({**chat, "messages": messages})) + want <= self.max_model_len
             except op.ContextExceeded:
-                return None
-            return kept if len(shown) + want <= self.max_model_len else None
+                return False
 
-        # from the newest turns back, twice as many turns each time, then halving the gap: each templating is of
-        # what fits or little more (a binary search from the middle templated half of 4000 messages first)
-        hi = len(starts) - 1
-        fitted = await fits(hi) if starts else None
-        step = 1
-        while fitted is not None and hi > 0:
-            lo = max(0, hi - step)
-            more = await fits(lo)
-            if more is None:
-                break
-            fitted, hi, step = more, lo, 2 * step
-        else:
-            return fitted
-        while lo + 1 < hi:  # starts[lo] does not fit, starts[hi] does
-            mid = (lo + hi) // 2
-            more = await fits(mid)
-            if more is None:
-                lo = mid
-            else:
-                fitted, hi = more, mid
-        return fitted
-        while lo + 1 < hi:  # starts[lo] does not fit, starts[hi] does
-            mid = (lo + hi) // 2
-            more = await fits(mid)
-            if more is None:
-                lo = mid
-            else:
-                fitted, hi = more, mid
-        return fitted
+        return await oldest_turns_dropped(chat["messages"], fits)
 
     # ------------------------------------------------------------------ Anthropic's messages
 

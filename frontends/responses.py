@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import re
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -196,6 +197,57 @@ def to_chat(data: dict, sources: list[str] | None = None) -> dict:
         else:
             chat["response_format"] = fmt
     return chat
+
+
+async def oldest_turns_dropped(msgs: list[dict], fits: Callable[[list[dict]], Awaitable[bool]]) -> list[int] | None:
+    """``truncation: "auto"``: the indices of the chat messages ``msgs`` to keep, the fewest oldest turns dropped
+    for what is kept to ``fits``. The system and developer messages stay, wherever they stand. A turn starts at a
+    user message, and a cut never parts a tool's result from the call it answers (the nearest one before it of
+    that id: clients reuse ids); the last turn is always kept. None where even that does not fit. Found from the
+    newest turn back, twice as many turns each time, then halving the gap: a few calls of ``fits``, each on about
+    what fits, however long the conversation (a binary search from the middle templated half of 4000 messages
+    first)."""
+    rules = [m.get("role") in ("system", "developer") for m in msgs]
+    parted = [0] * (len(msgs) + 1)  # cuts in (call, result] would part them: counted over that span
+    called: dict[Any, int] = {}  # each call id's latest call so far
+    for j, m in enumerate(msgs):
+        for c in m.get("tool_calls") or () if isinstance(m.get("tool_calls"), list) else ():
+            if isinstance(c, dict):
+                called[c.get("id")] = j
+        i = called.get(m.get("tool_call_id")) if m.get("role") == "tool" else None
+        if i is not None:
+            parted[i + 1] += 1
+            parted[j + 1] -= 1
+    starts, inside, turns = [], 0, False  # (turns: a message before that is no rule, so that a cut drops one)
+    for k, m in enumerate(msgs):
+        inside += parted[k]
+        if m.get("role") == "user" and not inside and turns:
+            starts.append(k)
+        turns = turns or not rules[k]
+
+    async def kept_if_fits(i: int) -> list[int] | None:  # what a cut at starts[i] keeps, if it fits
+        kept = [k for k in range(len(msgs)) if k >= starts[i] or rules[k]]
+        return kept if await fits([msgs[k] for k in kept]) else None
+
+    hi = len(starts) - 1
+    fitted = await kept_if_fits(hi) if starts else None
+    step = 1
+    while fitted is not None and hi > 0:
+        lo = max(0, hi - step)
+        more = await kept_if_fits(lo)
+        if more is None:
+            break
+        fitted, hi, step = more, lo, 2 * step
+    else:
+        return fitted
+    while lo + 1 < hi:  # starts[lo] does not fit, starts[hi] does
+        mid = (lo + hi) // 2
+        more = await kept_if_fits(mid)
+        if more is None:
+            lo = mid
+        else:
+            fitted, hi = more, mid
+    return fitted
 
 
 def at_sources(e: ApiError, sources: list[str]) -> ApiError:

@@ -65,7 +65,7 @@ from frontends import openai_params as op
 from frontends.access_log import AccessLog
 from frontends.errors import ApiError, status_error_body
 from frontends.generation import Generation, usage_dict
-from frontends.http import HttpServer, Request, Response, Router, Upgrade, host_of, peer_of
+from frontends.http import HttpServer, Request, Response, Router, Upgrade, peer_of
 from frontends.openai_api import OpenAIApi, stats_fields
 
 log = logging.getLogger("tokenmill.websocket")
@@ -152,7 +152,7 @@ class WebSocketEndpoint:
             return Response(resp.status_code, status_error_body(resp.status_code, msg), headers=extra)
         proto.send_response(resp)
         head = b"".join(proto.data_to_send())
-        return Upgrade(Connection(self, proto, server, self.api.key_of(tokens), req.forwarded_for), head)
+        return Upgrade(Connection(self, proto, server, self.api.key_of(tokens), req.client, req.forwarded_for), head)
 
     def _check_auth(self, req: Request, offered: list[str]) -> list[str]:
         """The keys the handshake gave, checked (the connection's client's, for ``--fair-client key``)."""
@@ -207,10 +207,11 @@ class Connection(asyncio.Protocol):
     """One upgraded client connection and its generations."""
 
     def __init__(self, ep: WebSocketEndpoint, proto: ServerProtocol, server: HttpServer | None,
-                 key: int | None = None, forwarded_for: str | None = None) -> None:
+                 key: int | None = None, client: str = "-", forwarded_for: str | None = None) -> None:
         self.ep = ep
         self.key = key  # which API key its handshake gave (OpenAIApi.key_of): its client under --fair-client key
-        self.forwarded_for = forwarded_for  # the client a trusted proxy named in the handshake (Request.client)
+        self.client = client  # its handshake's Request.client: the caller's host, or the one a trusted proxy named
+        self.forwarded_for = forwarded_for  # (that one, for the access log: else the connection's host:port)
         self.api = ep.api
         self.config = ep.config
         self.proto = proto
@@ -401,7 +402,7 @@ class Connection(asyncio.Protocol):
             try:
                 job = self.api.completion_job if kind == "completion" else self.api.chat_job
                 live.gen, fmt = await job(msg, arrival)
-                live.gen.client_id = self.api.client_of(msg, self.forwarded_for or host_of(self.peer), self.key)
+                live.gen.client_id = self.api.client_of(msg, self.client, self.key)
                 live.gen.start()
             except ApiError as e:
                 status = e.status
@@ -444,7 +445,11 @@ class Connection(asyncio.Protocol):
                             msg["logprobs"] = lp
                         send(msg)
                     if echo_text:  # (no tokens of the answer's: its logprobs are the answer's own)
-                        send({"type": "delta", "id": gid, "text": echo_text, "token_ids": []})
+                        msg = {"type": "delta", "id": gid, "text": echo_text, "token_ids": []}
+                        if prompt_fields:  # (with the first delta, as ever)
+                            prompt_fields = False
+                            msg |= fmt.prompt_fields(choice)
+                        send(msg)
                         echo_text = ""
                     if answer is not None:
                         answer.parts(up.text, False)

@@ -401,7 +401,7 @@ def test_truncation_auto_drops_the_oldest_turns_that_do_not_fit(tmp_path, smollm
         with pytest.raises(openai.BadRequestError) as e:  # the last turn alone is too long
             client.responses.create(**{**body, "input": [*items[:8], {"role": "user", "content": "word " * 600}]},
                                     truncation="auto")
-        assert "context" in e.value.body["message"]
+        assert "truncation 'auto' found no cut that fits" in e.value.body["message"] and e.value.body["param"] == "input"
         r = client.responses.create(**{**body, "input": items[-5:]}, truncation="auto")  # fits: nothing dropped
         assert "Question 7:" in r.output_text
         # a developer's rule among the turns dropped stays, in its place (review: it went with its turn)
@@ -417,3 +417,49 @@ def test_truncation_auto_drops_the_oldest_turns_that_do_not_fit(tmp_path, smollm
         with pytest.raises(openai.BadRequestError) as e:  # (not the context's 400: review)
             client.responses.create(**body, truncation="AUTO")
         assert e.value.body["param"] == "truncation"
+
+
+def test_oldest_turns_dropped_are_the_fewest_whole_turns_that_fit():
+    """``oldest_turns_dropped`` against every cut tried: the fewest turns dropped for what is kept to fit (a size
+    budget here), rules kept wherever they stand, no tool result parted from its call (the nearest before it of
+    its id: review, an id used twice), the last turn kept; over random conversations."""
+    import asyncio
+    import random
+
+    from frontends.responses import oldest_turns_dropped
+
+    def u(n):
+        return {"role": "user", "content": "u" * n}
+    rng = random.Random(0)
+    for _ in range(300):
+        msgs = [{"role": "system", "content": "s"}] if rng.random() < 0.5 else []
+        for _ in range(rng.randint(1, 12)):
+            msgs.append(u(rng.randint(1, 9)))
+            if rng.random() < 0.3:
+                msgs.append({"role": "developer", "content": "d"})
+            if rng.random() < 0.5:
+                cid = rng.choice(["x", "y"])  # (ids used again)
+                msgs.append({"role": "assistant", "content": None, "tool_calls": [{"id": cid, "type": "function"}]})
+                if rng.random() < 0.5:
+                    msgs.append(u(rng.randint(1, 3)))  # (a user's words between a call and its result)
+                msgs.append({"role": "tool", "tool_call_id": cid, "content": "r" * rng.randint(1, 5)})
+        budget = rng.randint(3, 60)
+
+        def size(ms):
+            return sum(len(m["content"] or "") + 1 for m in ms)
+
+        async def fits(ms, budget=budget):
+            return size(ms) <= budget
+        kept = asyncio.run(oldest_turns_dropped(msgs, fits))
+        rules = [m["role"] in ("system", "developer") for m in msgs]
+        want = None  # the brute force: every user message past a non-rule, no result parted, the first that fits
+        for start in range(1, len(msgs)):
+            keep = [k for k in range(len(msgs)) if k >= start or rules[k]]
+            parted = any(msgs[k].get("tool_call_id") is not None and msgs[k]["tool_call_id"] not in {
+                c["id"] for j in range(start, k) for c in msgs[j].get("tool_calls") or ()} for k in range(start, len(msgs)))
+            if msgs[start]["role"] != "user" or all(rules[:start]) or parted:
+                continue
+            if size([msgs[k] for k in keep]) <= budget:
+                want = keep
+                break
+        assert kept == want, (msgs, budget)

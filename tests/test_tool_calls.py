@@ -542,6 +542,9 @@ def test_the_deprecated_functions_refusals_name_what_the_request_sent(client, st
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=MODEL, messages=hi, functions=fns, max_tokens=2, **kw)
         assert e.value.body["param"] == param and "tool_choice" not in e.value.body["message"], e.value.body
+    with pytest.raises(openai.BadRequestError) as e:  # (both eras: named as sent, review)
+        client.chat.completions.create(model=MODEL, messages=hi, functions=fns, tool_choice="required", max_tokens=2)
+    assert e.value.body["message"].startswith("give 'tools' (and tool_choice) or the deprecated 'functions'")
     function_msg = {"role": "function", "name": "get_weather", "content": "Sunny"}
     with pytest.raises(openai.BadRequestError) as e:  # (without functions: a role of the chat's alone)
         client.chat.completions.create(model=MODEL, messages=[*hi, function_msg], max_tokens=2)

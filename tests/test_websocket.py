@@ -233,9 +233,11 @@ def test_a_chats_echo_matches_http(engine, codec):
     of the answer's, then the answer, as HTTP's content has it (review: a 500, its path taken for a completion's
     echo)."""
     body = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}],
-            "max_tokens": 4, "echo": True, "continue_final_message": True, "add_generation_prompt": False}
+            "max_tokens": 4, "echo": True, "continue_final_message": True, "add_generation_prompt": False,
+            "return_token_ids": True}
     msgs, http = chat_over_both(engine, codec, body)
-    assert msgs[0] == {"type": "delta", "id": "c", "text": "Hello", "token_ids": []} and msgs[-1]["type"] == "done"
+    assert msgs[0] == {"type": "delta", "id": "c", "text": "Hello", "token_ids": [],  # (the prompt's fields first)
+                       "prompt_token_ids": http["prompt_token_ids"]} and msgs[-1]["type"] == "done"
     content = http["choices"][0]["message"]["content"]
     assert content.startswith("Hello") and "".join(m["text"] for m in msgs[:-1]) == content
 
