@@ -37,7 +37,8 @@ Behind a reverse proxy that is one of ``forwarded_allow_ips`` (``TrustedProxies`
 ``client`` is the address its X-Forwarded-For names.
 
 Handlers are ``async (Request) -> Response | StreamingResponse`` registered by
-method and path on a ``Router`` (a path ending in ``{name}`` takes every path under its prefix). A connection can be handed to another protocol
+method and path on a ``Router`` (a path ending in ``{name}`` takes every path
+under its prefix). A connection can be handed to another protocol
 object (WebSocket) through ``Router.add_upgrade``: the handler returns an
 ``Upgrade`` and the transport is switched over after the head it carries.
 """
@@ -299,8 +300,7 @@ class TrustedProxies:
         hops = [h for h in (_hop_host(h) for h in joined.rsplit(b",", MAX_FORWARDED_HOPS)[-MAX_FORWARDED_HOPS:]) if h]
         if not hops:
             return None
-        host = next((h for h in reversed(hops) if h not in self), hops[0])
-        return host
+        return next((h for h in reversed(hops) if h not in self), hops[0])
 
 
 def _hop_host(hop: bytes) -> str:

@@ -491,9 +491,8 @@ class OpenAIApi:
                                       op.field(data, "return_token_ids", bool, False), prompt_logprobs)
 
     def _fill_in_the_middle(self, data: dict, echo: bool) -> dict:
-        """A completion with a ``suffix`` checked: the model must have FIM tokens, as llama.cpp's ``/infill`` finds
-        them (``TextCodec.fim``); the body with the FIM tokens that end an infill (llama.cpp's: pad, repository,
-        file separator) added to its stop tokens."""
+        """A completion with a ``suffix`` checked: the model must have FIM tokens (``TextCodec.fills_in_the_middle``);
+        the body with those that end an infill (``TextCodec.fim_ends``) added to its stop tokens."""
         if not self.codec.fills_in_the_middle:
             raise ApiError(400, f"suffix needs a model with fill-in-the-middle tokens (<|fim_prefix|>, <|fim_suffix|>, "
                            f"<|fim_middle|> or their like), and {self.model} has none", param="suffix")
@@ -507,8 +506,8 @@ class OpenAIApi:
         return await self._offload(len(text), self.codec.encode_literal, text)
 
     async def _fim_prompts(self, prompts: list[list[int]], suffix: str) -> list[list[int]]:
-        """Each prompt as the prefix of a fill-in-the-middle prompt, llama.cpp's layout without its extra context:
-        ``[BOS] <PRE> prompt <SUF> suffix <MID>`` (Qwen2.5-Coder's, StarCoder's, CodeLlama's, DeepSeek-Coder's)."""
+        """Each prompt before the gap, ``suffix`` after it (``TextCodec.fim_prompt``: llama.cpp's ``/infill`` layout
+        without its extra context)."""
         op.check_text_length(len(suffix), self.max_chars, "suffix")
         tail = await self._encode_code(suffix)
         if len(self.codec.fim_prompt([], tail)) >= self.max_model_len:

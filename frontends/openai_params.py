@@ -200,8 +200,9 @@ class ContextExceeded(ApiError):
 def check_text_length(num_chars: int, max_chars: int, param: str) -> None:
     if num_chars > max_chars:
         verb = "are" if param.endswith("s") else "is"  # (the messages, the prompt)
-        raise ContextExceeded(400, f"The {param} {verb} {num_chars} characters long: more than fits this model's context "
-                       f"(at most {max_chars} characters). Please reduce the length of the {param}.", param=param)
+        raise ContextExceeded(400, f"The {param} {verb} {num_chars} characters long: more than fits this model's "
+                              f"context (at most {max_chars} characters). Please reduce the length of the {param}.",
+                              param=param)
 
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -560,8 +561,8 @@ def parse_response_format(data: dict) -> dict | None:
 
 def client_id(data: dict, host: str, by_user: bool = False) -> str:
     """Who asks, for ``--scheduling-policy fair``: the caller's ``host`` (an HTTP request's or a WebSocket's
-    ``client``: behind a trusted proxy, the one it names); ``by_user`` (``--fair-client user``, behind a gateway that sets
-    it): the body's end user (OpenAI's ``user``, or its successor ``safety_identifier``; Anthropic's
+    ``client``: behind a trusted proxy, the one it names); ``by_user`` (``--fair-client user``, behind a gateway
+    that sets it): the body's end user (OpenAI's ``user``, or its successor ``safety_identifier``; Anthropic's
     ``metadata.user_id``), else that host. A caller names its user as it likes: by address, one that sends each
     request under another name is still one client. A name past 256 characters is kept as its first 224 and a
     digest of it all (the engine holds one count each). OpenAI's two fields are strings, whatever the mode
@@ -669,8 +670,8 @@ def resolve_max_tokens(data: dict, names: tuple[str, ...], prompt_lens: list[int
     longest = max(prompt_lens)
     if longest >= max_model_len:
         raise ContextExceeded(400, f"This model's maximum context length is {max_model_len} tokens. However, "
-                       f"your prompt has {longest} tokens, leaving no room for the completion. "
-                       "Please reduce the length of the prompt.", param="prompt")
+                              f"your prompt has {longest} tokens, leaving no room for the completion. "
+                              "Please reduce the length of the prompt.", param="prompt")
     if cap is not None:
         requested = min(requested, cap) if requested is not None else None
         default = cap if default is None else min(default, cap)
@@ -678,7 +679,7 @@ def resolve_max_tokens(data: dict, names: tuple[str, ...], prompt_lens: list[int
         return max_model_len - longest if default is None else min(default, max_model_len - longest)
     if longest + requested > max_model_len:
         raise ContextExceeded(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
-                       f"requested {longest + requested} tokens ({longest} in the prompt, {requested} in "
-                       "the completion). Please reduce the length of the prompt or the completion.",
-                       param=given)
+                              f"requested {longest + requested} tokens ({longest} in the prompt, {requested} in "
+                              "the completion). Please reduce the length of the prompt or the completion.",
+                              param=given)
     return requested
