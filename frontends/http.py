@@ -296,11 +296,15 @@ class TrustedProxies:
         if self.none or host_of(peer) not in self:  # (an untrusted peer's header costs nothing: review)
             return None
         joined = b",".join(v for k, v in raw_headers if k.lower() == b"x-forwarded-for")
-        # the last hops only, split off at C's pace: a 64 KiB header of hops, each parsed, cost milliseconds
-        hops = [h for h in (_hop_host(h) for h in joined.rsplit(b",", MAX_FORWARDED_HOPS)[-MAX_FORWARDED_HOPS:]) if h]
-        if not hops:
-            return None
-        return next((h for h in reversed(hops) if h not in self), hops[0])
+        # the last hops only, split off at C's pace and read from the right until the client: a 64 KiB header of
+        # hops, each parsed, cost milliseconds
+        leftmost = None
+        for hop in reversed(joined.rsplit(b",", MAX_FORWARDED_HOPS)[-MAX_FORWARDED_HOPS:]):
+            host = _hop_host(hop)
+            if host and host not in self:
+                return host
+            leftmost = host or leftmost
+        return leftmost
 
 
 def _hop_host(hop: bytes) -> str:
