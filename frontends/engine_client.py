@@ -62,13 +62,14 @@ class Stream:
     frontend saw (its metrics estimate queue time from it).
     """
 
-    __slots__ = ("_items", "_waiter", "step_before_first", "engine")
+    __slots__ = ("_items", "_waiter", "step_before_first", "engine", "affinity")
 
     def __init__(self) -> None:
         self._items: list[Delta | Error] = []
         self._waiter: asyncio.Future | None = None
         self.step_before_first: dict[str, float] = {}
         self.engine: int | None = None  # data parallel: the engine its requests went to (all to one)
+        self.affinity = ""  # data parallel: its calls' key (OpenAI's prompt_cache_key): one engine while it can
 
     def push(self, item: Delta | Error) -> None:
         self._items.append(item)

@@ -10,6 +10,12 @@ to when there is more than one engine.
   ties, then round robin. All requests that share a ``Stream`` (the n choices and the
   prompts of one API call) go to the same engine, so prefix caching shares their
   blocks.
+- A call with an affinity key (OpenAI's ``prompt_cache_key``: a conversation's, a
+  tenant's) goes to the engine the key hashes to (rendezvous hashing over the healthy
+  engines: a key moves only when its engine goes), so that its turns find their prefix
+  in that engine's cache, unless that engine holds more than ``max_num_seqs // 8``
+  (at least 1) requests more than the least loaded: then to that one, as SGLang's
+  cache-aware router falls back to the shortest queue.
 - An abort goes to the engine that owns the request (each client knows its own).
 - An engine that dies or hangs fails only its own in-flight requests (503, from its
   client); new calls go to the others. ``healthy`` holds while one engine does;
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import logging
 
 from engine.protocol import ImageInput, LoraUpdate, PoolingParams, Ready, SamplingParams, Stats
@@ -153,8 +160,9 @@ class EngineRouter:
         others = max(0, s.num_running + s.num_waiting - c.in_flight_at_stats)
         return float(c.num_in_flight + others), s.kv_usage
 
-    def pick(self) -> int:
-        """The least-loaded healthy engine; ``EngineUnavailable`` when none is."""
+    def pick(self, affinity: str = "") -> int:
+        """The least-loaded healthy engine, or ``affinity``'s while it is not much busier (module doc);
+        ``EngineUnavailable`` when none is healthy."""
         n = len(self.clients)
         best, best_load = None, None
         for k in range(n):
@@ -166,6 +174,12 @@ class EngineRouter:
                 best, best_load = i, load
         if best is None:
             raise EngineUnavailable("no engine is available")
+        if affinity:
+            home = max((i for i in range(n) if self.clients[i].healthy),
+                       key=lambda i: hashlib.blake2b(f"{i}:{affinity}".encode(), digest_size=8).digest())
+            slack = max(1, (self._ready.max_num_seqs if self._ready is not None else 8) // 8)
+            if self.load(home)[0] <= best_load[0] + slack:
+                return home
         self._next = (best + 1) % n
         return best
 
@@ -177,7 +191,7 @@ class EngineRouter:
         if stream is None:
             stream = Stream()
         if stream.engine is None:
-            stream.engine = self.pick()
+            stream.engine = self.pick(stream.affinity)
         return self.clients[stream.engine].add(request_id, prompt_token_ids, params, priority, deadline,
                                                stream=stream, cache_salt=cache_salt, pooling=pooling, lora=lora,
                                                images=images, admitted=admitted, client_id=client_id)

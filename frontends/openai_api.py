@@ -487,6 +487,7 @@ class OpenAIApi:
             gen = Generation(self.client, self.codec, api_id, prompts, n, self._seeded(base), priority, stop,
                              deadline, cache_salt, self.metrics, arrival, skip_special_tokens=skip)
         gen.schema_param, gen.lora = op.structured_field(data), lora
+        gen.stream.affinity = op.parse_prompt_cache_key(data)
         return gen, _CompletionFormat(self, api_id, gen, echo, logprobs, self._token_names(data),
                                       op.field(data, "return_token_ids", bool, False), prompt_logprobs)
 
@@ -588,6 +589,7 @@ class OpenAIApi:
             else op.structured_field(data)
         gen.lora = lora
         gen.images = image_inputs
+        gen.stream.affinity = op.parse_prompt_cache_key(data)
         # vLLM's echo: an answer that goes on with the last message, an assistant's, begins with it
         echo = messages[-1]["content"] if op.field(data, "echo", bool, False) and messages[-1]["role"] == "assistant" \
             else ""

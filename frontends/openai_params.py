@@ -619,6 +619,17 @@ def parse_cache_salt(data: dict) -> str:
     return salt
 
 
+def parse_prompt_cache_key(data: dict) -> str:
+    """OpenAI's ``prompt_cache_key``: requests that share a prefix say so with one key (a conversation's, a
+    tenant's); with data parallel they go to one engine while it is not much busier than the others, so that
+    each finds its prefix in that engine's cache (``frontends.engine_router``). "" when absent."""
+    key = field(data, "prompt_cache_key", str, None)
+    if key is not None and len(key) > MAX_CACHE_SALT_CHARS:
+        raise ApiError(400, f"prompt_cache_key must be at most {MAX_CACHE_SALT_CHARS} characters, got {len(key)}",
+                       param="prompt_cache_key")
+    return key or ""
+
+
 def parse_n(data: dict) -> int:
     n = field(data, "n", int, 1)
     if not 1 <= n <= MAX_N:

@@ -33,6 +33,7 @@ from frontends.tools import check_tool
 
 # chat fields a Responses body may carry as they are
 _PASSED = ("model", "temperature", "top_p", "parallel_tool_calls", "user", "priority", "timeout", "cache_salt",
+           "prompt_cache_key",
            "seed", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "repeat_last_n",
            "stop", "stop_token_ids", "chat_template_kwargs", "include_reasoning", "ignore_eos", "min_tokens",
            "logit_bias", "skip_special_tokens", "structured_outputs", "guided_json", "guided_choice", "guided_regex",

@@ -114,6 +114,73 @@ def test_router_picks_the_least_loaded_engine_by_stats(two_engines):
     run(main())
 
 
+def test_a_prompt_cache_key_keeps_a_conversation_on_one_engine(two_engines):
+    """OpenAI's ``prompt_cache_key``: a call with a key goes to the engine the key hashes to, whatever the round
+    robin says, while that engine holds at most ``max_num_seqs // 8`` (at least 1) requests more than the least
+    loaded; keys spread over the engines; calls without one are placed by load alone."""
+    async def main():
+        router = router_for(two_engines)
+        await router.connect()
+        slack = max(1, router.ready.max_num_seqs // 8)
+        homes = {key: router.pick(key) for key in (f"conv-{i}" for i in range(40))}
+        assert set(homes.values()) == {0, 1}  # (keys spread)
+        for key, home in list(homes.items())[:6]:
+            assert {router.pick(key) for _ in range(5)} == {home}  # (a key stays)
+        key = "conv-0"
+        home, other = homes[key], 1 - homes[key]
+        for busy in (slack, slack + 1):  # the home engine busier by the slack: still home; by more: the other
+            router.clients[home].last_stats, router.clients[home].in_flight_at_stats = p.Stats(num_running=busy), 0
+            router.clients[other].last_stats, router.clients[other].in_flight_at_stats = p.Stats(), 0
+            assert router.pick(key) == (home if busy <= slack else other)
+        assert router.pick("") == other  # (no key: the least loaded)
+        await router.close()
+
+    run(main())
+
+
+def test_served_prompt_cache_key_finds_its_prefix_in_one_engines_cache(tmp_path, smollm_tokenizer_dir):
+    """Through a frontend over two engines: each conversation's turns, sent with its ``prompt_cache_key``, all go to
+    one engine, and every turn after the first finds its earlier turns cached there; without the key the turns
+    alternate between the engines and half of them find nothing."""
+    import openai
+
+    from tools.fake_engine import KEY as API_KEY
+    from tools.fake_engine import MODEL, start_frontend, stop_frontend
+
+    engines = [FakeEngine(f"ipc://{tmp_path}/c{i}.sock") for i in range(2)]
+    for e in engines:
+        e.start()
+    port = free_port()
+    proc = start_frontend([e.address for e in engines], smollm_tokenizer_dir, port)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY, max_retries=0)
+        cached = {}
+        for keyed in (True, False):
+            for e in engines:
+                e.prefix_cache.reset()
+            hits, places = [], []
+            messages = [{"role": "system", "content": "You answer questions. " * 20}]
+            for turn in range(6):
+                messages.append({"role": "user", "content": f"Question {turn}: " + "lorem ipsum " * 10})
+                before = [len(e.adds) for e in engines]
+                r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                                   **({"prompt_cache_key": "conv-1"} if keyed else {}))
+                places.append([len(e.adds) for e in engines] != before and
+                              next(i for i, e in enumerate(engines) if len(e.adds) > before[i]))
+                hits.append(r.usage.prompt_tokens_details.cached_tokens)
+                messages.append({"role": "assistant", "content": r.choices[0].message.content})
+            cached[keyed] = hits
+            if keyed:
+                assert len(set(places)) == 1 and all(h > 0 for h in hits[1:]), (places, hits)
+            else:
+                assert len(set(places)) == 2 and sum(h == 0 for h in hits) >= 2, (places, hits)
+        assert sum(cached[True]) > sum(cached[False])
+    finally:
+        assert stop_frontend(proc) == 0
+        for e in engines:
+            e.stop()
+
+
 def test_router_refuses_engines_with_different_lora_adapters(two_engines):
     """A call naming an adapter may go to any engine: every engine must serve the same ones (paths may differ);
     where adapters are loaded while serving, the router serves those every engine has."""

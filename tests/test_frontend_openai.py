@@ -310,6 +310,20 @@ def test_cache_salt_reaches_the_engine(client, stack):
         assert engine.adds[-1].cache_salt == ""
 
 
+def test_a_prompt_cache_key_is_checked(client):
+    """OpenAI's prompt_cache_key (data parallel's affinity: test_data_parallel): a string of at most 256 characters,
+    on chats, completions and Responses alike; null is none."""
+    hi = [{"role": "user", "content": "x"}]
+    assert client.chat.completions.create(model=MODEL, messages=hi, max_tokens=1, prompt_cache_key="conv-1").choices
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body={"prompt_cache_key": None})
+    for bad in (5, "k" * 257):
+        for create, body in ((client.chat.completions.create, {"messages": hi, "max_tokens": 1}),
+                             (client.responses.create, {"input": "x"})):
+            with pytest.raises(openai.BadRequestError) as e:
+                create(model=MODEL, **body, extra_body={"prompt_cache_key": bad})
+            assert e.value.body["param"] == "prompt_cache_key"
+
+
 def test_cached_tokens_in_completion_usage(client):
     """The fake engine caches whole blocks of 16 and never the last prompt token: 48 tokens hit 32."""
     prompt = list(range(1000, 1048))
