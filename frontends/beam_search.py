@@ -149,8 +149,12 @@ class BeamGeneration(Generation):
                                      skip_special_tokens=self.skip_special_tokens)
         r.lora, r.images, r.client_id = self.lora, self.images, self.client_id
         r.admitted = self._rounds > 1  # the first round took the queue's room; the search must not fail halfway
+        # data parallel: every round on the first one's engine (its beams' prefixes are cached there), chosen by
+        # the search's prompt_cache_key where it has one
+        r.stream.engine, r.stream.affinity = self.stream.engine, self.stream.affinity
         tops: list = [None] * len(beams)
         r.start()
+        self.stream.engine = r.stream.engine
         try:
             while not r.done:
                 for up in await r.next_updates():

@@ -15,7 +15,9 @@ to when there is more than one engine.
   engines: a key moves only when its engine goes), so that its turns find their prefix
   in that engine's cache, unless that engine holds more than ``max_num_seqs // 8``
   (at least 1) requests more than the least loaded: then to that one, as SGLang's
-  cache-aware router falls back to the shortest queue.
+  cache-aware router falls back to the shortest queue. (Each frontend weighs the
+  others' requests by the STATS it last saw: with several frontends, one key's
+  burst can pass the slack by what they sent meanwhile.)
 - An abort goes to the engine that owns the request (each client knows its own).
 - An engine that dies or hangs fails only its own in-flight requests (503, from its
   client); new calls go to the others. ``healthy`` holds while one engine does;
@@ -175,8 +177,9 @@ class EngineRouter:
         if best is None:
             raise EngineUnavailable("no engine is available")
         if affinity:
-            home = max((i for i in range(n) if self.clients[i].healthy),
-                       key=lambda i: hashlib.blake2b(f"{i}:{affinity}".encode(), digest_size=8).digest())
+            home = max((i for i in range(n) if self.clients[i].healthy),  # (by address: frontends agree)
+                       key=lambda i: hashlib.blake2b(f"{self.clients[i].address}:{affinity}".encode(),
+                                                     digest_size=8).digest())
             slack = max(1, (self._ready.max_num_seqs if self._ready is not None else 8) // 8)
             if self.load(home)[0] <= best_load[0] + slack:
                 return home

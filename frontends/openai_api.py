@@ -452,7 +452,7 @@ class OpenAIApi:
         ``arrival``: ``time.monotonic()`` when the call came in, where its latency metrics start."""
         lora = op.check_model(data, self.model_names, self.adapters)
         deadline, priority = op.parse_deadline(data, self.request_timeout), op.parse_priority(data)
-        cache_salt = op.parse_cache_salt(data)
+        cache_salt, cache_key = op.parse_cache_salt(data), op.parse_prompt_cache_key(data)
         n = op.parse_n(data)
         suffix = op.field(data, "suffix", str, None)
         echo = op.field(data, "echo", bool, False)
@@ -487,7 +487,7 @@ class OpenAIApi:
             gen = Generation(self.client, self.codec, api_id, prompts, n, self._seeded(base), priority, stop,
                              deadline, cache_salt, self.metrics, arrival, skip_special_tokens=skip)
         gen.schema_param, gen.lora = op.structured_field(data), lora
-        gen.stream.affinity = op.parse_prompt_cache_key(data)
+        gen.stream.affinity = cache_key
         return gen, _CompletionFormat(self, api_id, gen, echo, logprobs, self._token_names(data),
                                       op.field(data, "return_token_ids", bool, False), prompt_logprobs)
 
@@ -536,7 +536,7 @@ class OpenAIApi:
     async def _chat_job(self, data: dict, arrival: float | None, id_prefix: str) -> tuple[Generation, _ChatFormat]:
         lora = op.check_model(data, self.model_names, self.adapters)
         deadline, priority = op.parse_deadline(data, self.request_timeout), op.parse_priority(data)
-        cache_salt = op.parse_cache_salt(data)
+        cache_salt, cache_key = op.parse_cache_salt(data), op.parse_prompt_cache_key(data)
         messages = op.parse_messages(data, self.max_chars)
         calls = tools.parse_tools(data, self.tool_format)
         n = op.parse_n(data)
@@ -589,7 +589,7 @@ class OpenAIApi:
             else op.structured_field(data)
         gen.lora = lora
         gen.images = image_inputs
-        gen.stream.affinity = op.parse_prompt_cache_key(data)
+        gen.stream.affinity = cache_key
         # vLLM's echo: an answer that goes on with the last message, an assistant's, begins with it
         echo = messages[-1]["content"] if op.field(data, "echo", bool, False) and messages[-1]["role"] == "assistant" \
             else ""

@@ -322,6 +322,10 @@ def test_a_prompt_cache_key_is_checked(client):
             with pytest.raises(openai.BadRequestError) as e:
                 create(model=MODEL, **body, extra_body={"prompt_cache_key": bad})
             assert e.value.body["param"] == "prompt_cache_key"
+    with pytest.raises(openai.BadRequestError) as e:  # (checked before the prompt is weighed, as cache_salt: review)
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "word " * 5000}],
+                                       extra_body={"prompt_cache_key": 5})
+    assert e.value.body["param"] == "prompt_cache_key"
 
 
 def test_cached_tokens_in_completion_usage(client):
