@@ -29,7 +29,6 @@ counters still count. Every process logs in ``--log-format`` (``frontends.logs``
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import logging
 import multiprocessing as mp
 import os
@@ -125,13 +124,12 @@ class ServeOptions:
             raise ValueError("startup_timeout must be positive")
         if not self.engine_liveness_timeout > 0:
             raise ValueError(f"--engine-liveness-timeout must be positive, got {self.engine_liveness_timeout}")
-        for ip in self.http.get("forwarded_allow_ips", ()):
-            if ip != "*":
-                try:
-                    ipaddress.ip_network(ip, strict=False)
-                except ValueError:
-                    raise ValueError(f"--forwarded-allow-ips (or FORWARDED_ALLOW_IPS): {ip!r} is no address or "
-                                     "network") from None
+        from frontends.http import TrustedProxies  # (what the frontends will read them with)
+
+        try:
+            TrustedProxies(self.http.get("forwarded_allow_ips", ()))
+        except ValueError as e:
+            raise ValueError(f"--forwarded-allow-ips (or FORWARDED_ALLOW_IPS): {e}") from None
         for name, value in self.http.items():
             if name != "forwarded_allow_ips" and not value > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")

@@ -277,7 +277,13 @@ class TrustedProxies:
 
     def __init__(self, entries: tuple[str, ...]) -> None:
         self.any = "*" in entries
-        self.networks = [ipaddress.ip_network(entry, strict=False) for entry in entries if entry != "*"]
+        self.networks = []
+        for entry in entries:
+            if entry != "*":
+                try:
+                    self.networks.append(ipaddress.ip_network(entry, strict=False))
+                except ValueError:
+                    raise ValueError(f"{entry!r} is no address or network") from None
         self.none = not (self.any or self.networks)
 
     def __contains__(self, host: str) -> bool:

@@ -336,8 +336,7 @@ async def encode_all(api: OpenAIApi, texts: list[str], specials: list[bool] | No
     def encode() -> list[list[int]]:
         if not literal:
             return [codec.encode(t, s) for t, s in zip(texts, specials, strict=True)]
-        bos = codec.encode("", True) if any(specials) else []
-        return [[*(bos if s else ()), *codec.encode_literal(t)] for t, s in zip(texts, specials, strict=True)]
+        return [[*(codec.bos if s else ()), *codec.encode_literal(t)] for t, s in zip(texts, specials, strict=True)]
     return await api._offload(sum(map(len, texts)) + 16 * len(texts), encode)  # (a call's own cost as 16 characters)
 
 
@@ -372,7 +371,6 @@ class LlamaCppApi:
         self.fim = api.codec.fim
         if "pre" in self.fim:  # /infill reads code literally: the tokenizer that does, made now, not in a request
             api.codec.encode_literal("")
-        self.bos = api.codec.encode("", add_special_tokens=True)  # what a string prompt starts with (or nothing)
 
     def routes(self, router) -> None:
         auth = self.api.auth
@@ -422,7 +420,7 @@ class LlamaCppApi:
         ctx = self.api.max_model_len
         batch = min(N_BATCH, ctx)
         take_suffix = min(len(suffix), max(0, batch // 4 - (2 + len(prompt))))
-        rest = len(self.bos) + len(prompt) + take_suffix + 3  # (and the 3 FIM tokens)
+        rest = len(self.codec.bos) + len(prompt) + take_suffix + 3  # (and the 3 FIM tokens)
         # llama.cpp's 3/4 of a batch, less what leaves no room for n_predict (or one token) in a context that small
         take_prefix = max(0, min(len(prefix), 3 * (batch // 4), ctx - rest - max(n_predict, 1)))
         rest += take_prefix

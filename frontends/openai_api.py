@@ -1079,19 +1079,20 @@ class _Answer:
         parts = self.parts(text, finished)
         joined = {k: "".join(v for kind, v in parts if kind == k) for k in ("reasoning", "text")}
         calls = [v for k, v in parts if k == "call"]
-        made = ({"function_call": _function_call(calls)} if self.legacy else {"tool_calls": calls}) if calls else {}
         return (({"reasoning_content": joined["reasoning"]} if joined["reasoning"] else {})
-                | ({"content": joined["text"]} if joined["text"] else {}) | made)
+                | ({"content": joined["text"]} if joined["text"] else {}) | (self._calls(calls) if calls else {}))
 
     def message(self) -> dict:
         msg: dict = {"role": "assistant", "content": self.content}
         if self.reasoning and self.include_reasoning:
             msg["reasoning_content"] = self.reasoning
         if self._reader is not None and self._reader.calls:
-            calls = self._reader.calls
-            msg |= {"content": self.content or None,
-                    **({"function_call": _function_call(calls)} if self.legacy else {"tool_calls": calls})}
+            msg |= {"content": self.content or None, **self._calls(self._reader.calls)}
         return msg
+
+    def _calls(self, calls: list[dict]) -> dict:
+        """Calls (or their deltas) as the message's field: ``tool_calls``, or the deprecated ``function_call``."""
+        return {"function_call": _function_call(calls)} if self.legacy else {"tool_calls": calls}
 
     def finish_reason(self, reason: str | None) -> str | None:
         """"tool_calls" ("function_call") for an answer that called tools and ended of itself (a named function:
@@ -1193,7 +1194,7 @@ class _ChatFormat(_SseFormat):
 
     def _message(self, index: int) -> dict:
         if self.answers is None:
-            return {"role": "assistant", "content": self.echo_text + self.texts[index]}
+            return self.echoed({"role": "assistant", "content": self.texts[index]})
         answer = self.answers[index]
         answer.parts(self.texts[index], True)
         return self.echoed(answer.message())

@@ -268,16 +268,12 @@ def parse_messages(data: dict, max_chars: int | None = None) -> list[dict[str, A
             msg["tool_calls"] = tools.template_tool_calls(m["tool_calls"], i)
             size += sum(len(c["function"]["arguments"]) for c in m["tool_calls"])
         elif role == "assistant" and m.get("function_call") is not None:  # (the deprecated functions' one call)
-            fc = m["function_call"]
-            if not (isinstance(fc, dict) and isinstance(fc.get("name"), str) and isinstance(fc.get("arguments"), str)):
+            fn = tools.template_function(m["function_call"], f"messages[{i}].function_call")
+            if fn is None:
                 raise ApiError(400, f"messages[{i}].function_call must be {{'name': string, 'arguments': JSON text}}",
                                param="messages")
-            try:
-                msg["tool_calls"] = tools.template_tool_calls([{"type": "function", "function": fc}], i)
-            except ApiError as e:  # (its arguments are not JSON)
-                e.message = e.message.replace(f"messages[{i}].tool_calls[0].function", f"messages[{i}].function_call")
-                raise
-            size += len(fc["arguments"])
+            msg["tool_calls"] = [{"id": "", "type": "function", "function": fn}]
+            size += len(m["function_call"]["arguments"])
         elif role == "function":  # (a deprecated function's result: named, as the tool messages of some templates)
             if not isinstance(m.get("name"), str):
                 raise ApiError(400, f"messages[{i}].name must be a string: the function whose result this is",

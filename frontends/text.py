@@ -108,13 +108,18 @@ class TextCodec:
         """The FIM tokens that end an infill (llama.cpp's end-of-generation set: pad, repository, file)."""
         return [self.fim[k] for k in ("pad", "rep", "sep") if k in self.fim]
 
+    @property
+    def bos(self) -> list[int]:
+        """What the tokenizer starts a string prompt with (its BOS, or nothing), found once."""
+        if self._bos is None:
+            self._bos = self.encode("", add_special_tokens=True)
+        return self._bos
+
     def fim_prompt(self, prefix: list[int], suffix: list[int]) -> list[int]:
         """A gap between ``prefix`` and ``suffix`` as the model's FIM tokens lay it out (llama.cpp's, PSM:
         Qwen2.5-Coder's, StarCoder's, CodeLlama's, DeepSeek-Coder's): ``[BOS] <PRE> prefix <SUF> suffix <MID>``."""
-        if self._bos is None:
-            self._bos = self.encode("", add_special_tokens=True)  # (what a string prompt starts with, or nothing)
         fim = self.fim
-        return [*self._bos, fim["pre"], *prefix, fim["suf"], *suffix, fim["mid"]]
+        return [*self.bos, fim["pre"], *prefix, fim["suf"], *suffix, fim["mid"]]
 
     def use_images(self, token_id: int) -> None:
         """The model reads images (``frontends.images``): chat templates get them, as parts of a content list

@@ -262,18 +262,26 @@ def template_tool_calls(calls: Any, i: int) -> list[dict]:
         raise ApiError(400, f"{where} must be a list", param="messages")
     out = []
     for j, c in enumerate(calls):
-        fn = c.get("function") if isinstance(c, dict) else None
-        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(fn.get("arguments"), str)
-                and isinstance(c.get("id", ""), str) and c.get("type", "function") == "function"):
+        shaped = isinstance(c, dict) and isinstance(c.get("id", ""), str) and c.get("type", "function") == "function"
+        fn = template_function(c.get("function"), f"{where}[{j}].function") if shaped else None
+        if fn is None:
             raise ApiError(400, f"{where}[{j}] must be {{'id': string, 'type': 'function', 'function': "
                            "{'name': string, 'arguments': JSON text}}", param="messages")
-        try:
-            arguments = orjson.loads(fn["arguments"])
-        except orjson.JSONDecodeError:
-            raise ApiError(400, f"{where}[{j}].function.arguments is not JSON text", param="messages") from None
-        out.append({"id": c.get("id", ""), "type": "function",
-                    "function": {"name": fn["name"], "arguments": arguments}})
+        out.append({"id": c.get("id", ""), "type": "function", "function": fn})
     return out
+
+
+def template_function(fn: Any, where: str) -> dict | None:
+    """A call's function, ``{"name", "arguments"}`` (``where`` in the request: a tool call's, or an assistant's
+    deprecated ``function_call``), as chat templates want it: its arguments an object. None where it is no such
+    pair; a 400 where its arguments are not JSON text."""
+    if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(fn.get("arguments"), str)):
+        return None
+    try:
+        arguments = orjson.loads(fn["arguments"])
+    except orjson.JSONDecodeError:
+        raise ApiError(400, f"{where}.arguments is not JSON text", param="messages") from None
+    return {"name": fn["name"], "arguments": arguments}
 
 
 def new_call(name: str, arguments: str, fmt: str | None = None) -> dict:

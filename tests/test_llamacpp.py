@@ -106,8 +106,7 @@ def test_the_infill_layout_leaves_room_for_n_predict_in_a_small_context():
     from types import SimpleNamespace
 
     vocab = {t: 100 + i for i, t in enumerate(FIM)}
-    codec = SimpleNamespace(fim=fim_tokens(vocab), _bos=None,
-                            encode=lambda text, add_special_tokens: [1], encode_literal=lambda text: [])  # (BOS: 1)
+    codec = SimpleNamespace(fim=fim_tokens(vocab), bos=[1], encode_literal=lambda text: [])  # (BOS: 1)
     codec.fim_prompt = functools.partial(TextCodec.fim_prompt, codec)
     api = LlamaCppApi(SimpleNamespace(codec=codec, max_model_len=64))
     prefix, suffix, extra = list(range(200, 300)), list(range(300, 400)), [([7], list(range(400, 500)))]
