@@ -285,6 +285,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "make the server call its own network); default: none, images come as data: URLs")
     h.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                    help="file:// image URLs are read from under this folder, as vLLM's flag (default: none)")
+    h.add_argument("--responses-store", default=None, metavar="FILE",
+                   help="the SQLite file where Responses are kept (the Responses API's store and "
+                        "previous_response_id; shared by the frontends), kept across restarts (default: one of "
+                        "the server's own, removed when it stops)")
+    h.add_argument("--responses-store-mib", type=int, default=256, metavar="MIB",
+                   help="what the kept Responses may take, in MiB; past it the least recently used go first; "
+                        "0 keeps none (store is false, previous_response_id a 400) (default: 256)")
     h.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (PEM)")
     h.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate chain (PEM)")
     h.add_argument("--api-server-count", "-asc", type=int, default=1, metavar="N",
@@ -538,7 +545,8 @@ def serve_options(args: argparse.Namespace):
         engine_key=engine_key(args.engine_key), tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser, chat_template=chat_template(args.chat_template),
         model_aliases=list(args.served_model_name or [])[1:], media_domains=media_domains(args.allowed_media_domains),
-        media_path=media_path(args.allowed_local_media_path), fair_client=args.fair_client)
+        media_path=media_path(args.allowed_local_media_path), fair_client=args.fair_client,
+        responses_store=args.responses_store, responses_store_mib=args.responses_store_mib)
 
 
 def media_domains(hosts: list[str] | None) -> list[str]:

@@ -95,6 +95,8 @@ class ServeOptions:
     media_domains: list[str] = field(default_factory=list)  # hosts of http(s) images fetched (frontends.media)
     media_path: str | None = None  # file:// images from under this folder
     fair_client: str = "address"  # who a client is for the fair policy: "address", its API "key", the body's "user"
+    responses_store: str | None = None  # the SQLite file of kept Responses (None: the runtime dir's, removed at stop)
+    responses_store_mib: int = 256  # what they may take (0: none kept)
 
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:
@@ -111,6 +113,11 @@ class ServeOptions:
             raise ValueError(f"--log-format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
         if self.fair_client not in FAIR_CLIENTS:
             raise ValueError(f"--fair-client must be one of {', '.join(FAIR_CLIENTS)}, got {self.fair_client!r}")
+        if self.responses_store_mib < 0:
+            raise ValueError(f"--responses-store-mib must be 0 or more, got {self.responses_store_mib}")
+        if self.responses_store is not None and not os.path.isdir(os.path.dirname(os.path.abspath(
+                self.responses_store))):
+            raise ValueError(f"--responses-store {self.responses_store!r}: no such folder")
         if self.api_server_count < 1:
             raise ValueError(f"api_server_count must be at least 1, got {self.api_server_count}")
         if not 0 <= self.port <= 65535:
@@ -335,6 +342,12 @@ class Launcher:
     def metrics_dir(self) -> str:
         return os.path.join(self.runtime_dir, "metrics")
 
+    def _responses_store(self) -> str | None:
+        """The SQLite file every frontend keeps Responses in (None: none are kept)."""
+        if not self.options.responses_store_mib:
+            return None
+        return os.path.abspath(self.options.responses_store or os.path.join(self.runtime_dir, "responses.sqlite"))
+
     def _frontend_args(self, i: int) -> Any:
         try:
             from frontends.http import HttpConfig
@@ -360,7 +373,8 @@ class Launcher:
             log_prompts=o.log_prompts, tool_call_parser=o.tool_call_parser, reasoning_parser=o.reasoning_parser,
             chat_template=o.chat_template, sampling_defaults=self.sampling_defaults, max_tokens_cap=self.max_tokens_cap,
             model_aliases=list(o.model_aliases), media=MediaSources(tuple(o.media_domains), o.media_path),
-            fair_client=o.fair_client)
+            fair_client=o.fair_client, responses_store=self._responses_store(), responses_store_mib=o.responses_store_mib,
+            responses_store_durable=o.responses_store is not None)
 
     def _frontend_id(self, i: int) -> str:
         """Its ZMQ identity. Stable across its restarts (the engine then drops what its previous life

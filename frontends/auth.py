@@ -23,6 +23,7 @@ a browser must preflight that type, so a foreign page cannot send it unseen.
 from __future__ import annotations
 
 import functools
+import hashlib
 import hmac
 import ipaddress
 import re
@@ -80,6 +81,11 @@ class Auth:
                 if hmac.compare_digest(given, key) and found is None:
                     found = i
         return found
+
+    def owner(self, tokens: list[str]) -> str:
+        """Whose a stored Response is: a digest of the key of ``tokens`` ("" where none is, or no keys are needed)."""
+        i = self.key_number(tokens)
+        return "" if i is None else hashlib.sha256(self._keys[i]).hexdigest()
 
     def check_key(self, tokens: list[str],
                   how: str = "send 'Authorization: Bearer <key>' or 'x-api-key: <key>'") -> None:

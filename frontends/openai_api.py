@@ -31,7 +31,9 @@ import asyncio
 import dataclasses
 import functools
 import itertools
+import logging
 import os
+import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -56,7 +58,15 @@ from frontends.images import ImageProcessor
 from frontends.media import MediaReader
 from frontends.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from frontends.metrics import Metrics
-from frontends.responses import RESPONSES_PARAMS, ResponsesFormat, at_sources, oldest_turns_dropped, to_chat
+from frontends.response_store import BrokenChain, ResponseStore
+from frontends.responses import (
+    RESPONSES_PARAMS,
+    ResponsesFormat,
+    at_sources,
+    input_items,
+    oldest_turns_dropped,
+    to_chat,
+)
 from frontends.scoring import rerank_job, score_job
 from frontends.text import StopMatcher, TextCodec, TokenizerBusy, bad_words_token_ids
 
@@ -69,8 +79,37 @@ _TRUE, _FALSE = ("1", "true", "t", "yes", "y", "on"), ("", "0", "false", "f", "n
 EMBEDDINGS_INLINE_BYTES = 1 << 18  # float32 bytes of vectors a response is written with on the event loop (~5 ms)
 
 
+log = logging.getLogger("tokenmill.frontend")
+
+
 def _json(obj: object, status: int = 200) -> Response:
     return Response(status, orjson.dumps(obj))
+
+
+async def _kept(fmt) -> None:
+    """A finished Response stored before the client reads that it is done (``ResponsesFormat.kept``)."""
+    kept = getattr(fmt, "kept", None)
+    if kept is not None:
+        await kept()
+
+
+def _listed(items: list[dict], query: dict[str, str]) -> dict:
+    """A page of ``items`` as OpenAI lists them: ``order`` ("desc", the default, newest first; or "asc"), from
+    after the item ``after``, at most ``limit`` (1 to 100, 20 by default)."""
+    order, limit = query.get("order", "desc"), query.get("limit", "20")
+    if order not in ("asc", "desc"):
+        raise ApiError(400, f"order must be 'asc' or 'desc', got {order!r}", param="order")
+    if not (limit.isdigit() and 1 <= int(limit) <= 100):
+        raise ApiError(400, f"limit must be an integer in [1, 100], got {limit!r}", param="limit")
+    ordered = items[::-1] if order == "desc" else items
+    if "after" in query:
+        at = next((k for k, item in enumerate(ordered) if item.get("id") == query["after"]), None)
+        if at is None:
+            raise ApiError(400, "after must be the id of one of the response's input items", param="after")
+        ordered = ordered[at + 1:]
+    page = ordered[:int(limit)]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(ordered) > len(page)}
 
 
 def _sse(obj: object) -> bytes:
@@ -108,11 +147,13 @@ class OpenAIApi:
                  max_tokens_cap: int | None = None, model_aliases: list[str] | None = None,
                  force_include_usage: bool = False, tokens_as_ids: bool = False,
                  images: ImageProcessor | str | None = None, media: MediaReader | None = None,
-                 fair_client: str = "address") -> None:
+                 fair_client: str = "address", responses_store: ResponseStore | None = None) -> None:
         """``images``: the model's image processor (``frontends.images``), or why there is none for a model that
         reads images (None: the model reads none); ``media``: where images may come from (``frontends.media``;
-        None: data: URLs only); ``fair_client``: who a client is for the fair policy (``client_of``)."""
+        None: data: URLs only); ``fair_client``: who a client is for the fair policy (``client_of``);
+        ``responses_store``: where Responses are kept (None: none are)."""
         self.client = client
+        self.responses_store = responses_store
         self.images = images
         self.media = media or MediaReader()
         self.metrics = metrics
@@ -151,6 +192,8 @@ class OpenAIApi:
             ("POST", "/v1/completions", self.completions),
             ("POST", "/v1/chat/completions", self.chat_completions),
             ("POST", "/v1/responses", self.responses),
+            ("GET", "/v1/responses/{response_id}", self.stored_response),  # (and .../input_items)
+            ("DELETE", "/v1/responses/{response_id}", self.stored_response),
             ("POST", "/v1/messages", self.messages),
             ("POST", "/v1/messages/count_tokens", self.count_tokens),
             ("POST", "/v1/embeddings", self.embeddings),
@@ -655,13 +698,20 @@ class OpenAIApi:
     # ------------------------------------------------------------------ responses
 
     async def responses(self, req: Request) -> Response | StreamingResponse:
-        return await self._run(req, op.parse_json(req.body), self.responses_job)
+        owner = self.auth.owner(Auth.given(req))
+        return await self._run(req, op.parse_json(req.body), functools.partial(self.responses_job, owner=owner))
 
-    async def responses_job(self, data: dict, arrival: float | None = None) -> tuple[Generation, ResponsesFormat]:
-        """A /v1/responses body run as the chat it amounts to (``frontends.responses``)."""
+    async def responses_job(self, data: dict, arrival: float | None = None, owner: str = "") -> tuple[
+            Generation, ResponsesFormat]:
+        """A /v1/responses body run as the chat it amounts to (``frontends.responses``); ``owner``: whose stored
+        Responses it may continue, and whose it is stored as (``Auth.owner``)."""
         refuse_beam_search(data)
+        store = op.field(data, "store", bool, True) and self.responses_store is not None
+        history, first = await self._conversation(data, owner)
         sources: list[str] = []  # (where each chat message came from, for refusals that name one)
-        chat = to_chat(data, sources)  # (its refusals name this API's fields already)
+        chat = to_chat(data, sources, history)  # (its refusals name this API's fields already)
+        if first is not None and chat.get("prompt_cache_key") is None:  # (data parallel: its turns on one engine,
+            chat["prompt_cache_key"] = first                              # where their prefix is cached)
         try:
             try:
                 gen, chat_fmt = await self.chat_job(chat, arrival, id_prefix="resp")
@@ -681,7 +731,66 @@ class OpenAIApi:
             raise at_sources(e, sources).renamed(RESPONSES_PARAMS) from None
         if gen.schema_param == "response_format":  # the engine's refusal of a text.format schema
             gen.schema_param = "text"
-        return gen, ResponsesFormat(gen.lora or self.model, data, gen, chat_fmt)
+        keep = functools.partial(self._keep, items=input_items(data), owner=owner) if store else None
+        return gen, ResponsesFormat(gen.lora or self.model, data, gen, chat_fmt, keep)
+
+    async def _conversation(self, data: dict, owner: str) -> tuple[list[dict] | None, str | None]:
+        """The items of the conversation ``previous_response_id`` continues, and its first Response's id (None,
+        None: it names none, or none is stored: ``to_chat`` refuses it then)."""
+        previous = data.get("previous_response_id")
+        if previous is None or self.responses_store is None:
+            return None, None
+        if not isinstance(previous, str) or not previous:
+            raise ApiError(400, "'previous_response_id' must be the id of a stored response",
+                           param="previous_response_id")
+        shown = previous if len(previous) <= 256 else previous[:256] + "..."
+        try:
+            found = await self.responses_store.conversation(previous, owner)
+        except BrokenChain as e:
+            raise ApiError(400, f"Previous response with id '{shown}' cannot be continued: {e}",
+                           param="previous_response_id", code="previous_response_not_found") from None
+        if found is None:  # (OpenAI's words and code: clients that see them send the whole conversation again)
+            raise ApiError(400, f"Previous response with id '{shown}' not found.", param="previous_response_id",
+                           code="previous_response_not_found")
+        return found
+
+    async def _keep(self, response: dict, items: list[dict], owner: str) -> None:
+        try:
+            await self.responses_store.put(response, items, owner)
+        except sqlite3.Error as e:  # (the answer is still given: only continuing it will fail)
+            log.warning("response %s not stored: %s", response["id"], e)
+
+    async def stored_response(self, req: Request) -> Response:
+        """``GET /v1/responses/{id}`` (the client's ``responses.retrieve``), ``DELETE`` (``responses.delete``) and
+        ``GET /v1/responses/{id}/input_items`` (``responses.input_items.list``: ``limit``, ``order``, ``after``), of
+        the Responses stored under the caller's API key."""
+        response_id, _, rest = unquote(req.path.removeprefix("/v1/responses/")).partition("/")
+        query = {k: v[-1] for k, v in parse_qs(req.query, keep_blank_values=True).items()}
+        shown = response_id if len(response_id) <= 256 else response_id[:256] + "..."
+        missing = ApiError(404, f"Response with id '{shown}' not found."
+                           + ("" if self.responses_store is not None else " (this server stores no responses)"),
+                           param="response_id")
+        if rest not in ("", "input_items") or (rest and req.method == "DELETE"):
+            raise ApiError(404, f"No route for {req.method} {req.path}", type="not_found_error")
+        if self.responses_store is None:
+            raise missing
+        owner = self.auth.owner(Auth.given(req))
+        if req.method == "DELETE":
+            if not await self.responses_store.delete(response_id, owner):
+                raise missing
+            return _json({"id": response_id, "object": "response.deleted", "deleted": True})
+        if not rest:
+            if query.get("stream", "false").lower() not in _FALSE:
+                raise ApiError(400, "a stored response is not streamed again (background responses are not "
+                               "supported)", param="stream")
+            response = await self.responses_store.get(response_id, owner)
+            if response is None:
+                raise missing
+            return _json(response)
+        items = await self.responses_store.input_items(response_id, owner)
+        if items is None:
+            raise missing
+        return _json(_listed(items, query))
 
     async def _turns_that_fit(self, chat: dict) -> list[int] | None:
         """``truncation: "auto"`` (``responses.oldest_turns_dropped``): which of ``chat``'s messages to keep for it to
@@ -826,6 +935,7 @@ class OpenAIApi:
         if gen.timed_out_empty:
             raise _timed_out(started)
         resp = _json(fmt.response())
+        await _kept(fmt)
         if hasattr(fmt, "headers"):  # (TGI's numbers about the answer)
             resp.headers += fmt.headers()
         return resp
@@ -834,6 +944,7 @@ class OpenAIApi:
         try:
             head = fmt.stream_head()
             body = fmt.chunk(first)
+            await _kept(fmt)
             yield head + body if head else body
             while not gen.done:
                 try:
@@ -842,6 +953,7 @@ class OpenAIApi:
                     yield fmt.stream_error(e)
                     return
                 chunk = fmt.chunk(updates)
+                await _kept(fmt)
                 if chunk:
                     yield chunk
             tail = _sse(fmt.usage_chunk()) if include_usage else b""

@@ -1,4 +1,4 @@
-"""OpenAI's Responses API, ``POST /v1/responses``, stateless: over the chat machinery.
+"""OpenAI's Responses API, ``POST /v1/responses``, over the chat machinery.
 
 A body is turned into a chat-completions one (``to_chat``) and runs as a chat does (the same
 checks, template, tools and thinking); ``ResponsesFormat`` then writes what the chat produced as
@@ -11,8 +11,9 @@ Input: ``input`` as text or a list of items (messages with text content, ``funct
 message first), ``tools`` (function tools, flat as this API writes them), ``tool_choice``,
 ``parallel_tool_calls``, ``text.format`` (structured output), ``max_output_tokens``,
 ``temperature``, ``top_p`` and the chat's own extra fields (``priority``, ``timeout``,
-``cache_salt``, ``seed``, ``stop``, ``chat_template_kwargs``...). Nothing is stored: a
-``previous_response_id`` or ``conversation`` is a 400, as are other tool types and item types.
+``cache_salt``, ``seed``, ``stop``, ``chat_template_kwargs``...). With ``store`` (where the server
+keeps Responses: ``response_store``), a finished Response is kept, and ``previous_response_id``
+continues its conversation; a ``conversation`` is a 400, as are other tool types and item types.
 """
 
 from __future__ import annotations
@@ -39,7 +40,12 @@ _PASSED = ("model", "temperature", "top_p", "parallel_tool_calls", "user", "prio
            "logit_bias", "skip_special_tokens", "structured_outputs", "guided_json", "guided_choice", "guided_regex",
            "guided_grammar", "grammar", "json_schema", "allowed_token_ids", "bad_words", "include_stop_str_in_output",
            *LLAMACPP_SAMPLERS)
-_UNSTORED = ("previous_response_id", "conversation", "prompt")  # they name state this server does not keep
+# state a body may name that this server does not keep
+_UNKEPT = {"conversation": "'conversation' names a stored conversation, which this server does not keep: continue one "
+                           "with 'previous_response_id', or send it whole in 'input'",
+           "prompt": "'prompt' names a stored prompt template, which this server does not keep"}
+# what a stored input item's id begins with, by its type (OpenAI's prefixes)
+_ITEM_IDS = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 # the chat's and completions' own fields, which would change the answer there: unknown here (as OpenAI answers)
 _OTHER_APIS = {"n": "one Response is one answer", "best_of": "one Response is one answer",
                "logprobs": "include ['message.output_text.logprobs']", "max_tokens": "max_output_tokens",
@@ -67,22 +73,25 @@ def _text_of(content: Any, where: str) -> str:
         for part in content:
             if not (isinstance(part, dict) and part.get("type") in ("input_text", "output_text", "text")
                     and isinstance(part.get("text"), str)):
-                raise ApiError(400, f"{where}: only text parts (input_text, output_text) are supported", param="input")
+                raise ApiError(400, f"{where}: only text parts (input_text, output_text) are supported",
+                               param=where.split("[", 1)[0])
             texts.append(part["text"])
         return "".join(texts)
-    raise ApiError(400, f"{where} must be a string or a list of text parts", param="input")
+    raise ApiError(400, f"{where} must be a string or a list of text parts", param=where.split("[", 1)[0])
 
 
 def _image_part(part: dict, where: str) -> dict:
     """An ``input_image`` part as the chat's ``image_url`` part (``frontends.media`` reads its URL)."""
     if not isinstance(part.get("image_url"), str):
-        raise ApiError(400, f"{where}: an input_image needs its image_url (file_id is not supported)", param="input")
+        raise ApiError(400, f"{where}: an input_image needs its image_url (file_id is not supported)",
+                       param=where.split("[", 1)[0])
     return {"type": "image_url", "image_url": {"url": part["image_url"]}}
 
 
-def _messages(data: dict, sources: list[str]) -> list[dict]:
-    """``instructions`` and ``input`` as chat messages; ``sources`` gets where each came from ("instructions",
-    "input[i]"), for the chat's refusals that name a message."""
+def _messages(data: dict, sources: list[str], history: list[dict] = ()) -> list[dict]:
+    """``instructions``, the ``history`` of a ``previous_response_id`` (its conversation's items) and ``input``, as
+    chat messages; ``sources`` gets where each came from ("instructions", "input[i]"), for the chat's refusals
+    that name a message."""
     messages: list[dict] = []
     instructions = data.get("instructions")
     if instructions is not None:
@@ -90,35 +99,43 @@ def _messages(data: dict, sources: list[str]) -> list[dict]:
             raise ApiError(400, "'instructions' must be a string", param="instructions")
         messages.append({"role": "system", "content": instructions})
         sources.append("instructions")
+    _read_items(history, "previous_response_id", messages, sources)
     items = data.get("input")
     if isinstance(items, str):
         sources.append("input")
         return [*messages, {"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
         raise ApiError(400, "'input' must be a string or a non-empty list of items", param="input")
+    _read_items(items, "input", messages, sources)
+    return messages
+
+
+def _read_items(items: list, name: str, messages: list[dict], sources: list[str]) -> None:
+    """The items of ``name`` (``input``, or the conversation ``previous_response_id`` continues) as chat
+    messages after ``messages``."""
     for i, item in enumerate(items):
         if not isinstance(item, dict):
-            raise ApiError(400, f"input[{i}] must be an object", param="input")
+            raise ApiError(400, f"{name}[{i}] must be an object", param=name)
         kind = item.get("type", "message")
         if kind == "message":
             content = item.get("content")
             if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "input_image"
                                                  for p in content):
-                content = [_image_part(p, f"input[{i}].content[{j}]") if isinstance(p, dict)
-                           and p.get("type") == "input_image" else {"type": "text", "text": _text_of([p], f"input[{i}]")}
+                content = [_image_part(p, f"{name}[{i}].content[{j}]") if isinstance(p, dict)
+                           and p.get("type") == "input_image" else {"type": "text", "text": _text_of([p], f"{name}[{i}]")}
                            for j, p in enumerate(content)]  # (the chat's parts: its checks do the rest)
             else:
-                content = _text_of(content, f"input[{i}].content")
+                content = _text_of(content, f"{name}[{i}].content")
             messages.append({"role": item.get("role"), "content": content})
-            sources.append(f"input[{i}]")
+            sources.append(f"{name}[{i}]")
         elif kind == "function_call":
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
-                raise ApiError(400, f"input[{i}]: a function_call needs call_id, name and arguments, all strings",
-                               param="input")
+                raise ApiError(400, f"{name}[{i}]: a function_call needs call_id, name and arguments, all strings",
+                               param=name)
             try:  # (checked here, in this API's words: the chat it becomes would name its own message)
                 orjson.loads(item["arguments"])
             except orjson.JSONDecodeError:
-                raise ApiError(400, f"input[{i}].arguments is not JSON text", param="input") from None
+                raise ApiError(400, f"{name}[{i}].arguments is not JSON text", param=name) from None
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
             last = messages[-1] if messages else None
@@ -126,26 +143,28 @@ def _messages(data: dict, sources: list[str]) -> list[dict]:
                 last.setdefault("tool_calls", []).append(call)  # the calls of the turn that wrote them
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-                sources.append(f"input[{i}]")
+                sources.append(f"{name}[{i}]")
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
-                raise ApiError(400, f"input[{i}]: a function_call_output needs its call_id", param="input")
+                raise ApiError(400, f"{name}[{i}]: a function_call_output needs its call_id", param=name)
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
-                             "content": _text_of(item.get("output"), f"input[{i}].output")})
-            sources.append(f"input[{i}]")
+                             "content": _text_of(item.get("output"), f"{name}[{i}].output")})
+            sources.append(f"{name}[{i}]")
         elif kind != "reasoning":  # earlier thinking: chat templates drop it from the history anyway
-            raise ApiError(400, f"input[{i}]: items of type {kind!r} are not supported (message, function_call, "
-                           "function_call_output are)", param="input")
-    return messages
+            raise ApiError(400, f"{name}[{i}]: items of type {kind!r} are not supported (message, function_call, "
+                           "function_call_output are)", param=name)
 
 
-def to_chat(data: dict, sources: list[str] | None = None) -> dict:
+def to_chat(data: dict, sources: list[str] | None = None, history: list[dict] | None = None) -> dict:
     """A Responses body as the chat-completions body that runs it (only the checks this API's own
-    shapes need: the chat's checks do the rest); ``sources``: as ``_messages`` fills it."""
-    for name in _UNSTORED:
+    shapes need: the chat's checks do the rest); ``sources``: as ``_messages`` fills it. ``history``: the
+    items of the conversation its ``previous_response_id`` continues (``response_store``), where one is read."""
+    for name, why in _UNKEPT.items():
         if data.get(name) is not None:
-            raise ApiError(400, f"'{name}' needs stored responses, and this server stores none: send the whole "
-                           "conversation in 'input'", param=name)
+            raise ApiError(400, why, param=name)
+    if data.get("previous_response_id") is not None and history is None:
+        raise ApiError(400, "'previous_response_id' needs stored responses, and this server stores none "
+                       "(--responses-store-mib 0): send the whole conversation in 'input'", param="previous_response_id")
     if data.get("background"):
         raise ApiError(400, "background responses are not supported", param="background")
     for name, ours in _OTHER_APIS.items():
@@ -156,7 +175,7 @@ def to_chat(data: dict, sources: list[str] | None = None) -> dict:
     if truncation not in (None, "auto", "disabled"):  # (before the input is weighed: "auto" may change its answer)
         raise ApiError(400, f"truncation must be 'auto' or 'disabled', got {truncation!r}", param="truncation")
     chat: dict[str, Any] = {k: data[k] for k in _PASSED if k in data}
-    chat["messages"] = _messages(data, sources if sources is not None else [])
+    chat["messages"] = _messages(data, sources if sources is not None else [], history or ())
     top = _logprobs(data)
     if top is not None:
         chat["logprobs"], chat["top_logprobs"] = True, top
@@ -198,6 +217,16 @@ def to_chat(data: dict, sources: list[str] | None = None) -> dict:
         else:
             chat["response_format"] = fmt
     return chat
+
+
+def input_items(data: dict) -> list[dict]:
+    """``input`` as the items a stored Response keeps: text as one user message, and each item with an id (one
+    made for an item that came without)."""
+    items = data["input"]
+    if isinstance(items, str):
+        items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": items}]}]
+    return [item if "id" in item else {"id": _new_id(_ITEM_IDS.get(item.get("type", "message"), "item")), **item}
+            for item in items]
 
 
 async def oldest_turns_dropped(msgs: list[dict], fits: Callable[[list[dict]], Awaitable[bool]]) -> list[int] | None:
@@ -368,8 +397,12 @@ class ResponsesFormat(ItemWriter):
 
     DONE = b""  # no [DONE] line: the stream ends after response.completed (or .incomplete)
 
-    def __init__(self, api_model: str, data: dict, gen: Generation, chat_fmt) -> None:
+    def __init__(self, api_model: str, data: dict, gen: Generation, chat_fmt,
+                 keep: Callable[[dict], Awaitable[None]] | None = None) -> None:
+        """``keep``: stores the finished Response (``store``), awaited before the client may read that it is done
+        (``kept``): a call that continues it at once finds it."""
         self.gen, self.chat = gen, chat_fmt
+        self.keep, self._done = keep, None
         self.answer = chat_fmt.answers[0] if chat_fmt.answers is not None else None
         self.named = self.answer is not None and self.answer.calls is not None and self.answer.calls.mode == "named"
         self.seq = 0
@@ -385,8 +418,8 @@ class ResponsesFormat(ItemWriter):
         self.items: list[dict] = []  # output items done, in order
         self.open: dict | None = None  # the reasoning item, message or named call being written
         self.base = {"id": gen.api_id, "object": "response", "created_at": int(time.time()), "model": api_model,
-                     "store": False, "error": None, "incomplete_details": None,
-                     "previous_response_id": None, **_echoed(data),
+                     "store": keep is not None, "error": None, "incomplete_details": None,
+                     "previous_response_id": data.get("previous_response_id"), **_echoed(data),
                      # what it samples with: the request's values, else the model's (or OpenAI's) defaults
                      "temperature": gen.params.temperature, "top_p": gen.params.top_p,
                      "max_output_tokens": gen.params.max_tokens}
@@ -409,7 +442,14 @@ class ResponsesFormat(ItemWriter):
     def response(self) -> dict:
         if not self._ended:
             self._take(self._parts("", True), finished=True)
-        return self._response("incomplete" if self._cut else "completed")
+        self._done = self._response("incomplete" if self._cut else "completed")
+        return self._done
+
+    async def kept(self) -> None:
+        """The finished Response stored, where it is to be (once)."""
+        done, self._done = self._done, None
+        if done is not None and self.keep is not None:
+            await self.keep(done)
 
     def _counted(self, up: Update) -> list[tuple[str, Any]]:
         """``up``'s parts of the answer; its tokens count as reasoning where it carried thinking, or left the
@@ -475,7 +515,8 @@ class ResponsesFormat(ItemWriter):
             out += self._take(self._counted(up), up.finished)
             if up.finished:
                 kind = "incomplete" if self._cut else "completed"
-                out += self._event(f"response.{kind}", response=self._response(kind))
+                self._done = self._response(kind)
+                out += self._event(f"response.{kind}", response=self._done)
         return out
 
     def stream_error(self, e: ApiError) -> bytes:

@@ -31,6 +31,7 @@ from frontends.media import MediaReader, MediaSources
 from frontends.metrics import Metrics
 from frontends.ollama import OllamaApi
 from frontends.openai_api import OpenAIApi
+from frontends.response_store import ResponseStore
 from frontends.text import TextCodec
 from frontends.tgi import TgiApi
 from frontends.tokenizer import load_tokenizer
@@ -73,6 +74,9 @@ class FrontendArgs:
     model_aliases: list[str] = field(default_factory=list)  # names besides served_model_name a request may use
     media: MediaSources = field(default_factory=MediaSources)  # where images may come from besides data: URLs
     fair_client: str = "address"  # who a client is for the fair policy: "address", its API "key", the body's "user"
+    responses_store: str | None = None  # the SQLite file of kept Responses, shared by the frontends (None: none kept)
+    responses_store_mib: int = 256  # what they may take: past it the least recently used go
+    responses_store_durable: bool = False  # the user's file: commits survive a power loss
 
 
 def engine_client(args: FrontendArgs) -> EngineClient | EngineRouter:
@@ -132,13 +136,15 @@ async def serve(args: FrontendArgs, ready: Callable[[], None] | None = None) -> 
         except ValueError as e:
             log.warning("images refused: %s", e)
             image_processor = str(e)
+    store = ResponseStore(args.responses_store, args.responses_store_mib << 20, args.responses_store_durable) \
+        if args.responses_store else None
     api = OpenAIApi(client, codec, args.served_model_name, args.api_keys,
                     allowed_origins=args.allowed_origins, metrics=metrics, metrics_no_auth=args.metrics_no_auth,
                     force_include_usage=args.force_include_usage, tokens_as_ids=args.tokens_as_ids,
                     tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                     sampling_defaults=args.sampling_defaults, max_tokens_cap=args.max_tokens_cap,
                     model_aliases=args.model_aliases, images=image_processor, media=MediaReader(args.media),
-                    fair_client=args.fair_client)
+                    fair_client=args.fair_client, responses_store=store)
     access_log = AccessLog(metrics, enabled=args.log_requests, log_prompts=args.log_prompts)
     router = build_router(api, args.ws, access_log, args.tokenizer_path)
     access_log.router = router
@@ -162,6 +168,8 @@ async def serve(args: FrontendArgs, ready: Callable[[], None] | None = None) -> 
         server.close()  # stop accepting; live connections stay
         await http.shutdown(args.shutdown_grace)
         await client.close()
+        if store is not None:
+            store.close()
 
 
 def run_frontend(args: FrontendArgs, ready: Callable[[], None] | None = None) -> None:

@@ -89,3 +89,29 @@ def test_new_flags_have_help():
     for flag in ("--max-connections", "--header-timeout", "--body-timeout", "--write-timeout",
                  "--max-header-bytes", "--allowed-origins"):
         assert flag in text
+
+
+def test_responses_store_flags_reach_the_frontends(served, tmp_path):
+    """The frontends share one SQLite file of kept Responses: the server's own (in its runtime dir, removed when it
+    stops) unless --responses-store names one (kept across restarts: durable commits); --responses-store-mib 0
+    keeps none."""
+    def frontend_args(*flags):
+        launcher = engine.launcher.Launcher(EngineConfig(), served(*flags))
+        launcher.runtime_dir = str(tmp_path)
+        return launcher._frontend_args(0), launcher._frontend_args(1)
+
+    a, b = frontend_args()
+    assert a.responses_store == b.responses_store == str(tmp_path / "responses.sqlite")
+    assert (a.responses_store_mib, a.responses_store_durable) == (256, False)
+    a, _ = frontend_args("--responses-store", str(tmp_path / "kept.db"), "--responses-store-mib", "3")
+    assert (a.responses_store, a.responses_store_mib, a.responses_store_durable) == (str(tmp_path / "kept.db"), 3, True)
+    assert frontend_args("--responses-store-mib", "0")[0].responses_store is None
+
+
+@pytest.mark.parametrize("flags,why", [
+    (["--responses-store-mib", "-1"], "--responses-store-mib must be 0 or more"),
+    (["--responses-store", "/no/such/folder/r.db"], "no such folder"),
+])
+def test_bad_responses_store_flags_are_usage_errors(capsys, monkeypatch, flags, why):
+    monkeypatch.setattr(engine.launcher, "serve", lambda *a: pytest.fail("served with a bad flag"))
+    assert why in usage_error(capsys, *flags)

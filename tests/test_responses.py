@@ -463,3 +463,125 @@ def test_oldest_turns_dropped_are_the_fewest_whole_turns_that_fit():
                 want = keep
                 break
         assert kept == want, (msgs, budget)
+
+
+# every message shown, and its calls; one <|im_end|> at the end, where the fake engine's answer (the prompt again)
+# stops: each answer is the conversation the model was shown. (<tool_call>: the hermes format is read)
+SHOWN_TEMPLATE = ("{%- if tools %}{# answers <tool_call>{...}</tool_call> #}{%- endif %}{%- for m in messages %}{{ m.role }}: {{ m.content or '' }}"
+                  "{%- for c in m.tool_calls or [] %}[call {{ c.function.name }} {{ c.function.arguments }}]"
+                  "{%- endfor %}{{ '\\n' }}{% endfor %}<|im_end|>")
+OTHER_KEY = "sk-other-key"
+
+
+@pytest.fixture(scope="module")
+def kept(tmp_path_factory, smollm_tokenizer_dir):
+    """Two frontends on their own ports (as a server's share one) over one fake engine and one store file, with
+    two API keys: clients of frontend A and B under the first key, and one of A under the other."""
+    from tools.fake_engine import KEY, FakeEngine, free_port, start_frontend, stop_frontend
+
+    where = tmp_path_factory.mktemp("kept")
+    engine = FakeEngine(f"ipc://{where}/engine.sock")
+    engine.start()
+    procs = []
+    try:
+        ports = [free_port(), free_port()]
+        for i, port in enumerate(ports):
+            procs.append(start_frontend(engine.address, smollm_tokenizer_dir, port, api_keys=(KEY, OTHER_KEY),
+                                        frontend_id=f"fe-{i}", chat_template=SHOWN_TEMPLATE,
+                                        responses_store=str(where / "responses.sqlite")))
+        yield [openai.OpenAI(base_url=f"http://127.0.0.1:{p}/v1", api_key=k, max_retries=0)
+               for p, k in ((ports[0], KEY), (ports[1], KEY), (ports[0], OTHER_KEY))]
+        assert [stop_frontend(p) for p in procs] == [0, 0]
+    except BaseException:
+        for p in procs:
+            stop_frontend(p)
+        raise
+    finally:
+        engine.stop()
+
+
+def test_previous_response_id_continues_a_stored_conversation(kept):
+    """``previous_response_id`` is the conversation so far sent whole: each earlier turn's input, then its output
+    items (calls included), without the earlier instructions (OpenAI's rule); on another frontend than the one that
+    answered it, plain and streamed (stored before the stream says it is done: continued at once)."""
+    a, b, _ = kept
+    kw = dict(model=MODEL, extra_body=STOP, tools=[WEATHER])
+    first = [{"role": "user", "content": 'Q1 <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+                                         '</tool_call>'}]
+    r1 = a.responses.create(input=first, instructions="Be brief.", **kw)
+    assert r1.store and r1.previous_response_id is None
+    assert [o.type for o in r1.output] == ["message", "function_call"]  # (the prompt again: its call is read)
+    result = [{"type": "function_call_output", "call_id": r1.output[1].call_id, "output": "Sunny"}]
+    r2 = b.responses.create(previous_response_id=r1.id, input=result, **kw)
+    whole = [*first, *[o.model_dump() for o in r1.output], *result]  # what a stateless client sends
+    assert r2.output_text == a.responses.create(input=whole, store=False, **kw).output_text
+    assert r1.output_text.startswith("system: Be brief.\n") and r2.output_text.startswith("user: Q1")  # (not carried)
+    assert "[call get_weather" in r2.output_text and r2.output_text.endswith("tool: Sunny\n")
+    assert r2.previous_response_id == r1.id
+    with b.responses.stream(previous_response_id=r2.id, input="Q3", **kw) as stream:
+        r3 = stream.get_final_response()
+    whole += [*[o.model_dump() for o in r2.output], {"role": "user", "content": "Q3"}]
+    assert r3.output_text == a.responses.create(input=whole, store=False, **kw).output_text
+    r4 = a.responses.create(previous_response_id=r3.id, input="Q4", **kw)  # (the stream's: stored before it ended)
+    whole += [*[o.model_dump() for o in r3.output], {"role": "user", "content": "Q4"}]
+    assert r4.usage.input_tokens == a.responses.create(input=whole, store=False, **kw).usage.input_tokens
+
+
+def test_stored_responses_are_retrieved_listed_and_deleted(kept):
+    """GET, its input_items (OpenAI's paging) and DELETE, from any frontend, under the key that made them alone."""
+    a, b, other = kept
+    r = a.responses.create(model=MODEL, input=[{"role": "user", "content": f"item {k}"} for k in range(5)],
+                           extra_body=STOP)
+    got = b.responses.retrieve(r.id)
+    assert got.model_dump() == r.model_dump()
+    items = b.responses.input_items.list(r.id, order="asc")
+    assert [i.content[0].text if isinstance(i.content, list) else i.content for i in items.data] == [
+        f"item {k}" for k in range(5)]
+    assert len({i.id for i in items.data}) == 5 and all(i.id.startswith("msg_") for i in items.data)
+    page = a.responses.input_items.list(r.id, limit=2)  # newest first, by default
+    assert [i.id for i in page.data] == [i.id for i in items.data[::-1][:2]] and page.has_more
+    rest = a.responses.input_items.list(r.id, limit=5, after=page.data[-1].id)
+    assert [i.id for i in rest.data] == [i.id for i in items.data[::-1][2:]] and not rest.has_more
+    assert [i.id for i in a.responses.input_items.list(r.id, limit=2)] == [i.id for i in items.data[::-1]]  # (paged)
+    text = b.responses.retrieve(a.responses.create(model=MODEL, input="plain", extra_body=STOP).id)
+    assert text.output_text == "user: plain\n"
+    # another key sees none of them, continues none, deletes none
+    with pytest.raises(openai.NotFoundError):
+        other.responses.retrieve(r.id)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.delete(r.id)
+    with pytest.raises(openai.BadRequestError) as e:
+        other.responses.create(model=MODEL, input="x", previous_response_id=r.id)
+    assert e.value.body["code"] == "previous_response_not_found"
+    b.responses.delete(r.id)
+    for call in (lambda: a.responses.retrieve(r.id), lambda: a.responses.delete(r.id),
+                 lambda: b.responses.input_items.list(r.id)):
+        with pytest.raises(openai.NotFoundError) as e:
+            call()
+        assert e.value.body["message"] == f"Response with id '{r.id}' not found."
+
+
+def test_what_is_not_stored_is_not_continued(kept):
+    """``store: false`` keeps nothing; an unknown id, or a conversation whose earlier Response was deleted, is
+    OpenAI's 400 (``previous_response_not_found``: clients that read it send the whole conversation instead)."""
+    a, b, _ = kept
+    r = a.responses.create(model=MODEL, input="not kept", store=False, extra_body=STOP)
+    assert r.store is False
+    for rid in (r.id, "resp_nope"):
+        with pytest.raises(openai.BadRequestError) as e:
+            b.responses.create(model=MODEL, input="x", previous_response_id=rid)
+        assert e.value.body == {"message": f"Previous response with id '{rid}' not found.",
+                                "type": "invalid_request_error", "param": "previous_response_id",
+                                "code": "previous_response_not_found"}
+    r1 = a.responses.create(model=MODEL, input="one", extra_body=STOP)
+    r2 = a.responses.create(model=MODEL, input="two", previous_response_id=r1.id, extra_body=STOP)
+    a.responses.delete(r1.id)
+    with pytest.raises(openai.BadRequestError) as e:
+        b.responses.create(model=MODEL, input="three", previous_response_id=r2.id)
+    assert e.value.body["code"] == "previous_response_not_found" and "no longer stored" in e.value.body["message"]
+    for kw, param in (({"previous_response_id": 5}, "previous_response_id"),
+                      ({"previous_response_id": ""}, "previous_response_id"),
+                      ({"store": "yes"}, "store")):
+        with pytest.raises(openai.BadRequestError) as e:
+            a.responses.create(model=MODEL, input="x", extra_body=kw)
+        assert e.value.body["param"] == param

@@ -438,6 +438,24 @@ def test_killed_frontend_is_restarted_and_the_other_keeps_serving(server, offlin
     assert server.proc.poll() is None
 
 
+def test_a_conversation_goes_on_by_previous_response_id_on_either_frontend(server):
+    """The frontends keep Responses in one file (in the server's runtime dir): a turn that continues the last one
+    by its id, over a new connection each time (either frontend), answers greedily as the whole conversation sent
+    again does."""
+    kw = dict(model="tiny", max_output_tokens=6, temperature=0)
+    previous, whole = None, []
+    for text in ("Hello!", "What is 2+2?", "And 3+3?"):
+        with openai_client(server) as c:
+            r = c.responses.create(input=text, previous_response_id=previous, **kw)
+        whole.append({"role": "user", "content": text})
+        with openai_client(server) as c:
+            again = c.responses.create(input=whole, store=False, **kw)
+        assert (r.output_text, r.usage.input_tokens) == (again.output_text, again.usage.input_tokens)
+        whole += [o.model_dump() for o in r.output]
+        previous = r.id
+    assert os.path.isfile(os.path.join(server.runtime_dir, "responses.sqlite"))
+
+
 def test_bench_serving_smoke(server, tmp_path):
     import json
 
