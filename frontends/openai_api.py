@@ -732,6 +732,8 @@ class OpenAIApi:
         if gen.schema_param == "response_format":  # the engine's refusal of a text.format schema
             gen.schema_param = "text"
         keep = functools.partial(self._keep, items=input_items(data), owner=owner) if store else None
+        if store and not gen.stream.affinity:  # a conversation's first turn: where the next ones will go
+            gen.stream.affinity = gen.api_id
         return gen, ResponsesFormat(gen.lora or self.model, data, gen, chat_fmt, keep)
 
     async def _conversation(self, data: dict, owner: str) -> tuple[list[dict] | None, str | None]:

@@ -151,7 +151,8 @@ def test_served_prompt_cache_key_finds_its_prefix_in_one_engines_cache(tmp_path,
     for e in engines:
         e.start()
     port = free_port()
-    proc = start_frontend([e.address for e in engines], smollm_tokenizer_dir, port)
+    proc = start_frontend([e.address for e in engines], smollm_tokenizer_dir, port,
+                          responses_store=str(tmp_path / "responses.sqlite"))
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY, max_retries=0)
         cached = {}
@@ -185,6 +186,20 @@ def test_served_prompt_cache_key_finds_its_prefix_in_one_engines_cache(tmp_path,
             assert sorted(got)[0] == 0 and sum(got) > 2, got  # (review: the rounds were spread)
             if extra:
                 assert got[home] > 0
+        # a Responses conversation continued by previous_response_id stays on one engine (its first Response's id
+        # is its key), and finds its earlier turns cached there
+        for e in engines:
+            e.prefix_cache.reset()
+        previous, places, hits = None, [], []
+        for turn in range(6):
+            before = [len(e.adds) for e in engines]
+            r = client.responses.create(model=MODEL, input=f"Question {turn}: " + "lorem ipsum " * 10,
+                                        instructions="You answer questions. " * 20, max_output_tokens=2,
+                                        previous_response_id=previous)
+            places.append(next(i for i, e in enumerate(engines) if len(e.adds) > before[i]))
+            hits.append(r.usage.input_tokens_details.cached_tokens)
+            previous = r.id
+        assert len(set(places)) == 1 and all(h > 0 for h in hits[1:]), (places, hits)
     finally:
         assert stop_frontend(proc) == 0
         for e in engines:
