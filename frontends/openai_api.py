@@ -63,9 +63,10 @@ from frontends.responses import (
     RESPONSES_PARAMS,
     ResponsesFormat,
     at_sources,
-    input_items,
+    conversation_id,
     oldest_turns_dropped,
     to_chat,
+    with_ids,
 )
 from frontends.scoring import rerank_job, score_job
 from frontends.text import StopMatcher, TextCodec, TokenizerBusy, bad_words_token_ids
@@ -73,7 +74,8 @@ from frontends.text import StopMatcher, TextCodec, TokenizerBusy, bad_words_toke
 VERSION = "0.1.0"
 _DONE = b"data: [DONE]\n\n"
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"  # vLLM's: its development endpoints on (here POST /reset_prefix_cache)
-_TRUE, _FALSE = ("1", "true", "t", "yes", "y", "on"), ("", "0", "false", "f", "no", "n", "off")  # a query's booleans
+# a query's booleans
+QUERY_TRUE, QUERY_FALSE = ("1", "true", "t", "yes", "y", "on"), ("", "0", "false", "f", "no", "n", "off")
 
 
 EMBEDDINGS_INLINE_BYTES = 1 << 18  # float32 bytes of vectors a response is written with on the event loop (~5 ms)
@@ -91,25 +93,6 @@ async def _kept(fmt) -> None:
     kept = getattr(fmt, "kept", None)
     if kept is not None:
         await kept()
-
-
-def _listed(items: list[dict], query: dict[str, str]) -> dict:
-    """A page of ``items`` as OpenAI lists them: ``order`` ("desc", the default, newest first; or "asc"), from
-    after the item ``after``, at most ``limit`` (1 to 100, 20 by default)."""
-    order, limit = query.get("order", "desc"), query.get("limit", "20")
-    if order not in ("asc", "desc"):
-        raise ApiError(400, f"order must be 'asc' or 'desc', got {order!r}", param="order")
-    if not (limit.isdigit() and 1 <= int(limit) <= 100):
-        raise ApiError(400, f"limit must be an integer in [1, 100], got {limit!r}", param="limit")
-    ordered = items[::-1] if order == "desc" else items
-    if "after" in query:
-        at = next((k for k, item in enumerate(ordered) if item.get("id") == query["after"]), None)
-        if at is None:
-            raise ApiError(400, "after must be the id of one of the response's input items", param="after")
-        ordered = ordered[at + 1:]
-    page = ordered[:int(limit)]
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": len(ordered) > len(page)}
 
 
 def _sse(obj: object) -> bytes:
@@ -192,8 +175,6 @@ class OpenAIApi:
             ("POST", "/v1/completions", self.completions),
             ("POST", "/v1/chat/completions", self.chat_completions),
             ("POST", "/v1/responses", self.responses),
-            ("GET", "/v1/responses/{response_id}", self.stored_response),  # (and .../input_items)
-            ("DELETE", "/v1/responses/{response_id}", self.stored_response),
             ("POST", "/v1/messages", self.messages),
             ("POST", "/v1/messages/count_tokens", self.count_tokens),
             ("POST", "/v1/embeddings", self.embeddings),
@@ -414,10 +395,10 @@ class OpenAIApi:
         idle engines of several did forget theirs). vLLM's ``reset_running_requests=true``, which would preempt
         them first, is refused."""
         flag = parse_qs(req.query, keep_blank_values=True).get("reset_running_requests", ["false"])[-1]
-        if flag.strip().lower() in _TRUE:
+        if flag.strip().lower() in QUERY_TRUE:
             raise ApiError(400, "reset_running_requests=true is not supported: the prefix cache is reset when no "
                            "request is running", param="reset_running_requests")
-        if flag.strip().lower() not in _FALSE:
+        if flag.strip().lower() not in QUERY_FALSE:
             raise ApiError(400, f"reset_running_requests must be a boolean, got {flag!r}",
                            param="reset_running_requests")
         try:
@@ -707,7 +688,7 @@ class OpenAIApi:
         Responses it may continue, and whose it is stored as (``Auth.owner``)."""
         refuse_beam_search(data)
         store = op.field(data, "store", bool, True) and self.responses_store is not None
-        history, first = await self._conversation(data, owner)
+        history, first, conversation = await self._history(data, owner)
         sources: list[str] = []  # (where each chat message came from, for refusals that name one)
         chat = to_chat(data, sources, history)  # (its refusals name this API's fields already)
         if first is not None and chat.get("prompt_cache_key") is None:  # (data parallel: its turns on one engine,
@@ -731,68 +712,48 @@ class OpenAIApi:
             raise at_sources(e, sources).renamed(RESPONSES_PARAMS) from None
         if gen.schema_param == "response_format":  # the engine's refusal of a text.format schema
             gen.schema_param = "text"
-        keep = functools.partial(self._keep, items=input_items(data), owner=owner) if store else None
-        if store and not gen.stream.affinity:  # a conversation's first turn: where the next ones will go
+        keep = functools.partial(self._keep, items=with_ids(data["input"]), owner=owner) \
+            if store or conversation is not None else None
+        if keep is not None and not gen.stream.affinity:  # a conversation's first turn: where the next ones go
             gen.stream.affinity = gen.api_id
-        return gen, ResponsesFormat(gen.lora or self.model, data, gen, chat_fmt, keep)
+        return gen, ResponsesFormat(gen.lora or self.model, data, gen, chat_fmt, keep, store, conversation)
 
-    async def _conversation(self, data: dict, owner: str) -> tuple[list[dict] | None, str | None]:
-        """The items of the conversation ``previous_response_id`` continues, and its first Response's id (None,
-        None: it names none, or none is stored: ``to_chat`` refuses it then)."""
-        previous = data.get("previous_response_id")
-        if previous is None or self.responses_store is None:
-            return None, None
+    async def _history(self, data: dict, owner: str) -> tuple[list[dict] | None, str | None, str | None]:
+        """The items of the conversation a body continues (``previous_response_id``'s chain, or a stored
+        ``conversation``'s), the affinity key of that conversation (data parallel: its first Response's id, or the
+        conversation's), and the stored conversation's id. (None, None, None: it continues none, or none is stored:
+        ``to_chat`` refuses it then.)"""
+        previous, conversation = data.get("previous_response_id"), conversation_id(data.get("conversation"))
+        if previous is not None and conversation is not None:
+            raise ApiError(400, "previous_response_id and conversation cannot both be given: a conversation's "
+                           "items already hold its earlier turns", param="conversation")
+        if self.responses_store is None or (previous is None and conversation is None):
+            return None, None, None
+        if conversation is not None:
+            items = await self.responses_store.items(conversation, owner)
+            if items is None:
+                shown = conversation if len(conversation) <= 256 else conversation[:256] + "..."
+                raise ApiError(404, f"Conversation with id '{shown}' not found.", param="conversation")
+            return items, conversation, conversation
         if not isinstance(previous, str) or not previous:
             raise ApiError(400, "'previous_response_id' must be the id of a stored response",
                            param="previous_response_id")
         shown = previous if len(previous) <= 256 else previous[:256] + "..."
         try:
-            found = await self.responses_store.conversation(previous, owner)
+            found = await self.responses_store.history(previous, owner)
         except BrokenChain as e:
             raise ApiError(400, f"Previous response with id '{shown}' cannot be continued: {e}",
                            param="previous_response_id", code="previous_response_not_found") from None
         if found is None:  # (OpenAI's words and code: clients that see them send the whole conversation again)
             raise ApiError(400, f"Previous response with id '{shown}' not found.", param="previous_response_id",
                            code="previous_response_not_found")
-        return found
+        return found[0], found[1], None
 
     async def _keep(self, response: dict, items: list[dict], owner: str) -> None:
         try:
             await self.responses_store.put(response, items, owner)
         except sqlite3.Error as e:  # (the answer is still given: only continuing it will fail)
             log.warning("response %s not stored: %s", response["id"], e)
-
-    async def stored_response(self, req: Request) -> Response:
-        """``GET /v1/responses/{id}`` (the client's ``responses.retrieve``), ``DELETE`` (``responses.delete``) and
-        ``GET /v1/responses/{id}/input_items`` (``responses.input_items.list``: ``limit``, ``order``, ``after``), of
-        the Responses stored under the caller's API key."""
-        response_id, _, rest = unquote(req.path.removeprefix("/v1/responses/")).partition("/")
-        query = {k: v[-1] for k, v in parse_qs(req.query, keep_blank_values=True).items()}
-        shown = response_id if len(response_id) <= 256 else response_id[:256] + "..."
-        missing = ApiError(404, f"Response with id '{shown}' not found."
-                           + ("" if self.responses_store is not None else " (this server stores no responses)"),
-                           param="response_id")
-        if rest not in ("", "input_items") or (rest and req.method == "DELETE"):
-            raise ApiError(404, f"No route for {req.method} {req.path}", type="not_found_error")
-        if self.responses_store is None:
-            raise missing
-        owner = self.auth.owner(Auth.given(req))
-        if req.method == "DELETE":
-            if not await self.responses_store.delete(response_id, owner):
-                raise missing
-            return _json({"id": response_id, "object": "response.deleted", "deleted": True})
-        if not rest:
-            if query.get("stream", "false").lower() not in _FALSE:
-                raise ApiError(400, "a stored response is not streamed again (background responses are not "
-                               "supported)", param="stream")
-            response = await self.responses_store.get(response_id, owner)
-            if response is None:
-                raise missing
-            return _json(response)
-        items = await self.responses_store.input_items(response_id, owner)
-        if items is None:
-            raise missing
-        return _json(_listed(items, query))
 
     async def _turns_that_fit(self, chat: dict) -> list[int] | None:
         """``truncation: "auto"`` (``responses.oldest_turns_dropped``): which of ``chat``'s messages to keep for it to

@@ -13,7 +13,8 @@ message first), ``tools`` (function tools, flat as this API writes them), ``tool
 ``temperature``, ``top_p`` and the chat's own extra fields (``priority``, ``timeout``,
 ``cache_salt``, ``seed``, ``stop``, ``chat_template_kwargs``...). With ``store`` (where the server
 keeps Responses: ``response_store``), a finished Response is kept, and ``previous_response_id``
-continues its conversation; a ``conversation`` is a 400, as are other tool types and item types.
+continues its conversation, as ``conversation`` continues (and grows) a stored conversation's items;
+other tool types and item types are 400s.
 """
 
 from __future__ import annotations
@@ -40,10 +41,6 @@ _PASSED = ("model", "temperature", "top_p", "parallel_tool_calls", "user", "prio
            "logit_bias", "skip_special_tokens", "structured_outputs", "guided_json", "guided_choice", "guided_regex",
            "guided_grammar", "grammar", "json_schema", "allowed_token_ids", "bad_words", "include_stop_str_in_output",
            *LLAMACPP_SAMPLERS)
-# state a body may name that this server does not keep
-_UNKEPT = {"conversation": "'conversation' names a stored conversation, which this server does not keep: continue one "
-                           "with 'previous_response_id', or send it whole in 'input'",
-           "prompt": "'prompt' names a stored prompt template, which this server does not keep"}
 # what a stored input item's id begins with, by its type (OpenAI's prefixes)
 _ITEM_IDS = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 # the chat's and completions' own fields, which would change the answer there: unknown here (as OpenAI answers)
@@ -99,7 +96,8 @@ def _messages(data: dict, sources: list[str], history: list[dict] = ()) -> list[
             raise ApiError(400, "'instructions' must be a string", param="instructions")
         messages.append({"role": "system", "content": instructions})
         sources.append("instructions")
-    _read_items(history, "previous_response_id", messages, sources)
+    _read_items(history, "conversation" if data.get("conversation") is not None else "previous_response_id", messages,
+                sources)
     items = data.get("input")
     if isinstance(items, str):
         sources.append("input")
@@ -158,13 +156,14 @@ def _read_items(items: list, name: str, messages: list[dict], sources: list[str]
 def to_chat(data: dict, sources: list[str] | None = None, history: list[dict] | None = None) -> dict:
     """A Responses body as the chat-completions body that runs it (only the checks this API's own
     shapes need: the chat's checks do the rest); ``sources``: as ``_messages`` fills it. ``history``: the
-    items of the conversation its ``previous_response_id`` continues (``response_store``), where one is read."""
-    for name, why in _UNKEPT.items():
-        if data.get(name) is not None:
-            raise ApiError(400, why, param=name)
-    if data.get("previous_response_id") is not None and history is None:
-        raise ApiError(400, "'previous_response_id' needs stored responses, and this server stores none "
-                       "(--responses-store-mib 0): send the whole conversation in 'input'", param="previous_response_id")
+    items of the conversation its ``previous_response_id`` or ``conversation`` continues (``response_store``), where
+    one is read."""
+    if data.get("prompt") is not None:
+        raise ApiError(400, "'prompt' names a stored prompt template, which this server does not keep", param="prompt")
+    for name in ("previous_response_id", "conversation"):
+        if data.get(name) is not None and history is None:
+            raise ApiError(400, f"'{name}' needs stored state, and this server stores none (--responses-store-mib 0): "
+                           "send the whole conversation in 'input'", param=name)
     if data.get("background"):
         raise ApiError(400, "background responses are not supported", param="background")
     for name, ours in _OTHER_APIS.items():
@@ -219,14 +218,46 @@ def to_chat(data: dict, sources: list[str] | None = None, history: list[dict] | 
     return chat
 
 
-def input_items(data: dict) -> list[dict]:
-    """``input`` as the items a stored Response keeps: text as one user message, and each item with an id (one
-    made for an item that came without)."""
-    items = data["input"]
+def with_ids(items: str | list[dict]) -> list[dict]:
+    """``input`` (or a conversation's new ``items``) as stored items: text as one user message, a message's text as
+    its one text part, and each item with an id (one made for an item that came without)."""
     if isinstance(items, str):
-        items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": items}]}]
-    return [item if "id" in item else {"id": _new_id(_ITEM_IDS.get(item.get("type", "message"), "item")), **item}
-            for item in items]
+        items = [{"type": "message", "role": "user", "content": items}]
+    out = []
+    for item in items:
+        kind = item.get("type", "message")
+        if kind == "message" and isinstance(item.get("content"), str):
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            item = {**item, "type": "message", "content": [{"type": part, "text": item["content"]}]}
+        out.append(item if "id" in item else {"id": _new_id(_ITEM_IDS.get(kind, "item")), **item})
+    return out
+
+
+def check_items(items: Any, name: str, most: int | None = None) -> list[dict]:
+    """``items`` given to a conversation: a list of the items ``input`` may hold (at most ``most``), checked as
+    ``input``'s are."""
+    if not isinstance(items, list) or (most is not None and len(items) > most):
+        raise ApiError(400, f"'{name}' must be a list of at most {most} items" if most else f"'{name}' must be a list",
+                       param=name)
+    _read_items(items, name, [], [])
+    return items
+
+
+def conversation_id(value: Any) -> str | None:
+    """A Response body's ``conversation``: an id, or ``{"id": ...}`` (None: none given)."""
+    if value is None:
+        return None
+    found = value.get("id") if isinstance(value, dict) else value
+    if not isinstance(found, str) or not found:
+        raise ApiError(400, "'conversation' must be a conversation's id, or {'id': ...}", param="conversation")
+    return found
+
+
+def check_metadata(metadata: Any) -> None:
+    if metadata is not None and not (isinstance(metadata, dict) and len(metadata) <= 16 and all(
+            isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in metadata.items())):
+        raise ApiError(400, "metadata must be an object of at most 16 string values (keys of at most 64 "
+                       "characters, values of at most 512)", param="metadata")
 
 
 async def oldest_turns_dropped(msgs: list[dict], fits: Callable[[list[dict]], Awaitable[bool]]) -> list[int] | None:
@@ -305,10 +336,7 @@ def _logprobs(data: dict) -> int | None:
 def _echoed(data: dict) -> dict:
     """The request's fields a Response repeats, checked (they are written back as they came)."""
     metadata = data.get("metadata")
-    if metadata is not None and not (isinstance(metadata, dict) and len(metadata) <= 16 and all(
-            isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in metadata.items())):
-        raise ApiError(400, "metadata must be an object of at most 16 string values (keys of at most 64 "
-                       "characters, values of at most 512)", param="metadata")
+    check_metadata(metadata)
     for name, kind in (("user", str), ("text", dict), ("reasoning", dict)):
         if data.get(name) is not None and not isinstance(data[name], kind):
             raise ApiError(400, f"'{name}' must be {'a string' if kind is str else 'an object'}", param=name)
@@ -398,9 +426,10 @@ class ResponsesFormat(ItemWriter):
     DONE = b""  # no [DONE] line: the stream ends after response.completed (or .incomplete)
 
     def __init__(self, api_model: str, data: dict, gen: Generation, chat_fmt,
-                 keep: Callable[[dict], Awaitable[None]] | None = None) -> None:
-        """``keep``: stores the finished Response (``store``), awaited before the client may read that it is done
-        (``kept``): a call that continues it at once finds it."""
+                 keep: Callable[[dict], Awaitable[None]] | None = None, stored: bool = False,
+                 conversation: str | None = None) -> None:
+        """``keep``: stores the finished Response (where it is ``stored``) and adds its items to its ``conversation``'s,
+        awaited before the client may read that it is done (``kept``): a call that continues it at once finds it."""
         self.gen, self.chat = gen, chat_fmt
         self.keep, self._done = keep, None
         self.answer = chat_fmt.answers[0] if chat_fmt.answers is not None else None
@@ -418,8 +447,9 @@ class ResponsesFormat(ItemWriter):
         self.items: list[dict] = []  # output items done, in order
         self.open: dict | None = None  # the reasoning item, message or named call being written
         self.base = {"id": gen.api_id, "object": "response", "created_at": int(time.time()), "model": api_model,
-                     "store": keep is not None, "error": None, "incomplete_details": None,
-                     "previous_response_id": data.get("previous_response_id"), **_echoed(data),
+                     "store": stored, "error": None, "incomplete_details": None,
+                     "previous_response_id": data.get("previous_response_id"),
+                     "conversation": {"id": conversation} if conversation is not None else None, **_echoed(data),
                      # what it samples with: the request's values, else the model's (or OpenAI's) defaults
                      "temperature": gen.params.temperature, "top_p": gen.params.top_p,
                      "max_output_tokens": gen.params.max_tokens}

@@ -16,6 +16,7 @@ import functools
 import gc
 import logging
 import signal
+import sqlite3
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from frontends.metrics import Metrics
 from frontends.ollama import OllamaApi
 from frontends.openai_api import OpenAIApi
 from frontends.response_store import ResponseStore
+from frontends.stored_api import StoredApi
 from frontends.text import TextCodec
 from frontends.tgi import TgiApi
 from frontends.tokenizer import load_tokenizer
@@ -106,6 +108,7 @@ def build_router(api: OpenAIApi, ws: websocket.WsConfig | None = None, access_lo
     llamacpp.routes(router)
     TgiApi(api).routes(router, llamacpp.tokenize, api.invocations)
     OllamaApi(api, llamacpp, model_path).routes(router)
+    StoredApi(api).routes(router)
     websocket.register(router, api, ws, access_log)
     return router
 
@@ -136,8 +139,13 @@ async def serve(args: FrontendArgs, ready: Callable[[], None] | None = None) -> 
         except ValueError as e:
             log.warning("images refused: %s", e)
             image_processor = str(e)
-    store = ResponseStore(args.responses_store, args.responses_store_mib << 20, args.responses_store_durable) \
-        if args.responses_store else None
+    store = None
+    if args.responses_store:
+        store = ResponseStore(args.responses_store, args.responses_store_mib << 20, args.responses_store_durable)
+        try:
+            await store.open()
+        except sqlite3.Error as e:
+            raise ValueError(f"--responses-store {args.responses_store}: {e}") from None
     api = OpenAIApi(client, codec, args.served_model_name, args.api_keys,
                     allowed_origins=args.allowed_origins, metrics=metrics, metrics_no_auth=args.metrics_no_auth,
                     force_include_usage=args.force_include_usage, tokens_as_ids=args.tokens_as_ids,

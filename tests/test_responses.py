@@ -585,3 +585,79 @@ def test_what_is_not_stored_is_not_continued(kept):
         with pytest.raises(openai.BadRequestError) as e:
             a.responses.create(model=MODEL, input="x", extra_body=kw)
         assert e.value.body["param"] == param
+
+
+def test_a_conversation_holds_its_turns_and_grows_with_each_response(kept):
+    """OpenAI's Conversations API: a Response given a ``conversation`` is that conversation's items and then its
+    input (answered as the whole sent in ``input`` is), and adds its input and output to them, on either frontend,
+    plain and streamed, with ``store: false`` too; items are listed, added, read and deleted; the conversation is
+    read, updated and deleted; all under the key that made it."""
+    a, b, other = kept
+    kw = dict(model=MODEL, extra_body=STOP)
+    conv = a.conversations.create(items=[{"type": "message", "role": "user", "content": "Q0"}], metadata={"k": "v"})
+    assert conv.id.startswith("conv_") and conv.metadata == {"k": "v"}
+    r1 = b.responses.create(conversation=conv.id, input="Q1", **kw)
+    assert r1.conversation.id == conv.id and r1.output_text == "user: Q0\nuser: Q1\n"
+    with a.responses.stream(conversation={"id": conv.id}, input="Q2", **kw) as stream:
+        r2 = stream.get_final_response()
+    whole = [{"role": "user", "content": "Q0"}, {"role": "user", "content": "Q1"},
+             *[o.model_dump() for o in r1.output], {"role": "user", "content": "Q2"}]
+    assert r2.output_text == a.responses.create(input=whole, store=False, **kw).output_text
+    r3 = b.responses.create(conversation=conv.id, input="Q3", store=False, **kw)  # (not kept: its turn is)
+    items = list(a.conversations.items.list(conv.id, order="asc", limit=3))  # (paged: 3 a page)
+    texts = [(i.role, i.content[0].text) for i in items]
+    assert texts == [("user", "Q0"), ("user", "Q1"), ("assistant", r1.output_text), ("user", "Q2"),
+                     ("assistant", r2.output_text), ("user", "Q3"), ("assistant", r3.output_text)]
+    assert len({i.id for i in items}) == 7 and items[2].id == r1.output[0].id
+    with pytest.raises(openai.NotFoundError):
+        a.responses.retrieve(r3.id)
+    added = b.conversations.items.create(conv.id, items=[{"type": "message", "role": "user", "content": "Q4"}])
+    (new,) = added.data
+    assert a.conversations.items.retrieve(new.id, conversation_id=conv.id).content[0].text == "Q4"
+    r5 = a.responses.create(conversation=conv.id, input="Q5", **kw)
+    assert r5.output_text.endswith("user: Q4\nuser: Q5\n")
+    assert b.conversations.items.delete(new.id, conversation_id=conv.id).id == conv.id
+    assert "Q4" not in a.responses.create(conversation=conv.id, input="Q6", store=False, **kw).output_text
+    assert b.conversations.update(conv.id, metadata={"k": "w"}).metadata == {"k": "w"}
+    assert a.conversations.retrieve(conv.id).metadata == {"k": "w"}
+    # another key sees, grows and deletes none of it
+    for call in (lambda: other.conversations.retrieve(conv.id), lambda: other.conversations.items.list(conv.id),
+                 lambda: other.conversations.delete(conv.id), lambda: other.responses.create(
+                     conversation=conv.id, input="x", **kw)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    with pytest.raises(openai.BadRequestError) as e:  # (its earlier turns are in it: one or the other)
+        a.responses.create(conversation=conv.id, previous_response_id=r1.id, input="x", **kw)
+    assert e.value.body["param"] == "conversation"
+    assert a.conversations.delete(conv.id).deleted
+    for call in (lambda: b.conversations.retrieve(conv.id), lambda: b.conversations.items.list(conv.id),
+                 lambda: b.responses.create(conversation=conv.id, input="x", **kw)):
+        with pytest.raises(openai.NotFoundError) as e:
+            call()
+        assert e.value.body["message"] == f"Conversation with id '{conv.id}' not found."
+    assert b.responses.retrieve(r1.id).output_text == r1.output_text  # (its Responses stay)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"items": "hi"}, "items"),
+    ({"items": [{"type": "message", "role": "user", "content": "x"}] * 21}, "items"),
+    ({"items": [{"type": "web_search_call"}]}, "items"),
+    ({"items": [5]}, "items"),
+    ({"metadata": {"k": 5}}, "metadata"),
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+])
+def test_bad_conversations_are_400s(kept, body, param):
+    a = kept[0]
+    with pytest.raises(openai.BadRequestError) as e:
+        a.conversations.create(extra_body=body)
+    assert e.value.body["param"] == param
+    conv = a.conversations.create()
+    if "items" in body:
+        with pytest.raises(openai.BadRequestError) as e:
+            a.conversations.items.create(conv.id, items=body["items"])
+        assert e.value.body["param"] == param
+    with pytest.raises(openai.NotFoundError):
+        a.conversations.items.retrieve("msg_nope", conversation_id=conv.id)
+    with pytest.raises(openai.BadRequestError) as e:
+        a.responses.create(model=MODEL, input="x", conversation={"name": conv.id})
+    assert e.value.body["param"] == "conversation"

@@ -1,0 +1,188 @@
+"""The Responses API's stored state over HTTP (``frontends.response_store`` keeps it): stored Responses
+(``GET`` and ``DELETE /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``) and OpenAI's
+Conversations API (``/v1/conversations``: create, retrieve, update, delete; its ``items``: list, add,
+retrieve, delete), each under the caller's API key. Lists page as OpenAI's do (``limit``, ``order``,
+``after``). The Responses that read and grow this state: ``OpenAIApi.responses_job``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from urllib.parse import parse_qs, unquote
+
+import orjson
+
+from frontends import openai_params as op
+from frontends.auth import Auth
+from frontends.errors import ApiError
+from frontends.http import Request, Response, Router
+from frontends.openai_api import QUERY_FALSE
+from frontends.responses import check_items, check_metadata, with_ids
+
+MAX_NEW_ITEMS = 20  # a conversation's items added in one call (OpenAI's limit)
+
+
+def _json(obj: object) -> Response:
+    return Response(200, orjson.dumps(obj))
+
+
+def _shown(thing_id: str) -> str:
+    return thing_id if len(thing_id) <= 256 else thing_id[:256] + "..."  # (an id of 60,000 characters: not said back)
+
+
+def _listed(items: list[dict], query: dict[str, str]) -> dict:
+    """A page of ``items`` as OpenAI lists them: ``order`` ("desc", the default, newest first; or "asc"), from
+    after the item ``after``, at most ``limit`` (1 to 100, 20 by default)."""
+    order, limit = query.get("order", "desc"), query.get("limit", "20")
+    if order not in ("asc", "desc"):
+        raise ApiError(400, f"order must be 'asc' or 'desc', got {order!r}", param="order")
+    if not (limit.isdigit() and 1 <= int(limit) <= 100):
+        raise ApiError(400, f"limit must be an integer in [1, 100], got {limit!r}", param="limit")
+    ordered = items[::-1] if order == "desc" else items
+    if "after" in query:
+        at = next((k for k, item in enumerate(ordered) if item.get("id") == query["after"]), None)
+        if at is None:
+            raise ApiError(400, f"after: no item with id '{_shown(query['after'])}'", param="after")
+        ordered = ordered[at + 1:]
+    page = ordered[:int(limit)]
+    return _page(page, has_more=len(ordered) > len(page))
+
+
+def _page(items: list[dict], has_more: bool = False) -> dict:
+    return {"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
+            "last_id": items[-1]["id"] if items else None, "has_more": has_more}
+
+
+class StoredApi:
+    def __init__(self, api) -> None:
+        self.api = api  # the OpenAIApi: its store, its keys
+        self.store = api.responses_store
+
+    def routes(self, router: Router) -> None:
+        auth = self.api.auth
+        for method, path, handler in (
+                ("GET", "/v1/responses/{response_id}", self.response),  # (and .../input_items)
+                ("DELETE", "/v1/responses/{response_id}", self.response),
+                ("POST", "/v1/conversations", self.create),
+                *((m, "/v1/conversations/{conversation_id}", self.conversation) for m in ("GET", "POST", "DELETE"))):
+            router.add(method, path, auth.guard(handler, json_body=method == "POST"), refuses=auth.refuses)
+            router.add_preflight(path, auth.preflight)
+
+    def _owner(self, req: Request) -> str:
+        return self.api.auth.owner(Auth.given(req))
+
+    @staticmethod
+    def _path(req: Request, prefix: str) -> tuple[str, list[str]]:
+        """The id after ``prefix`` and the parts after it, each percent-decoded."""
+        raw = req.path.removeprefix(prefix).split("/")
+        return unquote(raw[0]), [unquote(p) for p in raw[1:]]
+
+    def _none_kept(self, what: str) -> None:
+        if self.store is None:
+            raise ApiError(404, f"{what} (this server stores none: --responses-store-mib 0)")
+
+    # ------------------------------------------------------------------ stored Responses
+
+    async def response(self, req: Request) -> Response:
+        """``GET /v1/responses/{id}`` (the client's ``responses.retrieve``), ``DELETE`` (``responses.delete``) and
+        ``GET /v1/responses/{id}/input_items`` (``responses.input_items.list``)."""
+        response_id, rest = self._path(req, "/v1/responses/")
+        missing = ApiError(404, f"Response with id '{_shown(response_id)}' not found.", param="response_id")
+        if rest not in ([], ["input_items"]) or (rest and req.method == "DELETE"):
+            raise ApiError(404, f"No route for {req.method} {req.path}", type="not_found_error")
+        self._none_kept(missing.message)
+        owner, query = self._owner(req), _query(req)
+        if req.method == "DELETE":
+            if not await self.store.delete(response_id, owner):
+                raise missing
+            return _json({"id": response_id, "object": "response.deleted", "deleted": True})
+        if not rest:
+            if query.get("stream", "false").lower() not in QUERY_FALSE:
+                raise ApiError(400, "a stored response is not streamed again (background responses are not "
+                               "supported)", param="stream")
+            response = await self.store.get(response_id, owner)
+            if response is None:
+                raise missing
+            return _json(response)
+        items = await self.store.input_items(response_id, owner)
+        if items is None:
+            raise missing
+        return _json(_listed(items, query))
+
+    # ------------------------------------------------------------------ conversations
+
+    async def create(self, req: Request) -> Response:
+        """``POST /v1/conversations``: ``items`` (at most 20) and ``metadata``, both optional."""
+        data = op.parse_json(req.body)
+        self._none_kept("Conversations are not kept")
+        check_metadata(data.get("metadata"))
+        items = with_ids(check_items(data.get("items") or [], "items", MAX_NEW_ITEMS))
+        conversation = {"id": f"conv_{os.urandom(12).hex()}", "object": "conversation",
+                        "created_at": int(time.time()), "metadata": data.get("metadata") or {}}
+        await self.store.create_conversation(conversation, items, self._owner(req))
+        return _json(conversation)
+
+    async def conversation(self, req: Request) -> Response:
+        """``/v1/conversations/{id}``: GET, POST (its ``metadata``), DELETE; ``.../items``: GET (a page), POST (more
+        ``items``); ``.../items/{item_id}``: GET, DELETE (answered with the conversation)."""
+        conversation_id, rest = self._path(req, "/v1/conversations/")
+        missing = ApiError(404, f"Conversation with id '{_shown(conversation_id)}' not found.",
+                           param="conversation_id")
+        routes = {(): ("GET", "POST", "DELETE"), ("items",): ("GET", "POST"), ("items", "*"): ("GET", "DELETE")}
+        shape = tuple(rest[:1]) + (("*",) if len(rest) == 2 and rest[1] else ())
+        if len(rest) > 2 or shape not in routes:
+            raise ApiError(404, f"No route for {req.method} {req.path}", type="not_found_error")
+        if req.method not in routes[shape]:
+            raise ApiError(405, f"Method {req.method} not allowed here: {', '.join(routes[shape])}",
+                           headers=[("allow", ", ".join(routes[shape]))])
+        self._none_kept(missing.message)
+        owner, store = self._owner(req), self.store
+        if not rest:
+            if req.method == "DELETE":
+                if not await store.delete_conversation(conversation_id, owner):
+                    raise missing
+                return _json({"id": conversation_id, "object": "conversation.deleted", "deleted": True})
+            if req.method == "POST":
+                data = op.parse_json(req.body)
+                if "metadata" not in data:
+                    raise ApiError(400, "Missing required field: 'metadata'", param="metadata")
+                check_metadata(data["metadata"])
+                found = await store.update_conversation(conversation_id, owner, data["metadata"] or {})
+            else:
+                found = await store.conversation(conversation_id, owner)
+            if found is None:
+                raise missing
+            return _json(found)
+        if len(rest) == 1 and req.method == "POST":
+            data = op.parse_json(req.body)
+            if "items" not in data:
+                raise ApiError(400, "Missing required field: 'items'", param="items")
+            items = with_ids(check_items(data["items"], "items", MAX_NEW_ITEMS))
+            if not await store.add_items(conversation_id, owner, items):
+                raise missing
+            return _json(_page(items))
+        if len(rest) == 2 and req.method == "DELETE":
+            gone = await store.delete_item(conversation_id, owner, rest[1])
+            if gone is None:
+                raise missing
+            if not gone:
+                raise _no_item(rest[1])
+            return _json(await store.conversation(conversation_id, owner) or {})
+        items = await store.items(conversation_id, owner)
+        if items is None:
+            raise missing
+        if len(rest) == 1:
+            return _json(_listed(items, _query(req)))
+        item = next((i for i in items if i.get("id") == rest[1]), None)
+        if item is None:
+            raise _no_item(rest[1])
+        return _json(item)
+
+
+def _query(req: Request) -> dict[str, str]:
+    return {k: v[-1] for k, v in parse_qs(req.query, keep_blank_values=True).items()}
+
+
+def _no_item(item_id: str) -> ApiError:
+    return ApiError(404, f"Item with id '{_shown(item_id)}' not found.", param="item_id")
