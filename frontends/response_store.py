@@ -106,8 +106,12 @@ class ResponseStore:
             return None
         items: list[dict] = []
         for response, given in reversed(rows):
+            response = orjson.loads(response)
+            if response.get("conversation") is not None:  # (its turn is one of that conversation's, not a chain's)
+                raise BrokenChain(f"the response {response['id']!r} went on with the conversation "
+                                  f"{response['conversation']['id']!r}: continue that conversation instead")
             items += orjson.loads(given)
-            items += orjson.loads(response)["output"]
+            items += response["output"]
         return items, orjson.loads(rows[-1][0])["id"]
 
     # ------------------------------------------------------------------ conversations

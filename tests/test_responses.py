@@ -629,6 +629,10 @@ def test_a_conversation_holds_its_turns_and_grows_with_each_response(kept):
     with pytest.raises(openai.BadRequestError) as e:  # (its earlier turns are in it: one or the other)
         a.responses.create(conversation=conv.id, previous_response_id=r1.id, input="x", **kw)
     assert e.value.body["param"] == "conversation"
+    with pytest.raises(openai.BadRequestError) as e:  # (its turn alone would be read: not the conversation before it)
+        a.responses.create(previous_response_id=r1.id, input="x", **kw)
+    assert e.value.body["code"] == "previous_response_not_found" and "continue that conversation" in e.value.body[
+        "message"]
     assert a.conversations.delete(conv.id).deleted
     for call in (lambda: b.conversations.retrieve(conv.id), lambda: b.conversations.items.list(conv.id),
                  lambda: b.responses.create(conversation=conv.id, input="x", **kw)):
