@@ -115,9 +115,17 @@ class ServeOptions:
             raise ValueError(f"--fair-client must be one of {', '.join(FAIR_CLIENTS)}, got {self.fair_client!r}")
         if self.responses_store_mib < 0:
             raise ValueError(f"--responses-store-mib must be 0 or more, got {self.responses_store_mib}")
-        if self.responses_store is not None and not os.path.isdir(os.path.dirname(os.path.abspath(
-                self.responses_store))):
-            raise ValueError(f"--responses-store {self.responses_store!r}: no such folder")
+        if self.responses_store is not None:  # (opened once here: a folder, another file, no right to write...)
+            import sqlite3
+
+            from frontends.response_store import connect
+
+            if not os.path.isdir(os.path.dirname(os.path.abspath(self.responses_store))):
+                raise ValueError(f"--responses-store {self.responses_store!r}: no such folder")
+            try:
+                connect(self.responses_store, durable=True).close()
+            except (sqlite3.Error, OSError) as e:
+                raise ValueError(f"--responses-store {self.responses_store!r}: {e}") from None
         if self.api_server_count < 1:
             raise ValueError(f"api_server_count must be at least 1, got {self.api_server_count}")
         if not 0 <= self.port <= 65535:

@@ -33,7 +33,6 @@ import functools
 import itertools
 import logging
 import os
-import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -65,8 +64,8 @@ from frontends.responses import (
     at_sources,
     conversation_id,
     oldest_turns_dropped,
+    stored_items,
     to_chat,
-    with_ids,
 )
 from frontends.scoring import rerank_job, score_job
 from frontends.text import StopMatcher, TextCodec, TokenizerBusy, bad_words_token_ids
@@ -310,6 +309,8 @@ class OpenAIApi:
         return self.codec.token_text
 
     def _new_id(self, prefix: str) -> str:
+        if prefix == "resp":  # a stored Response's id is all it takes to read it back: none to guess (OpenAI's too)
+            return f"resp_{os.urandom(16).hex()}"
         return f"{prefix}-{self._id_prefix}{next(self._ids):x}"
 
     def key_of(self, tokens: list[str]) -> int | None:
@@ -691,6 +692,12 @@ class OpenAIApi:
         history, first, conversation = await self._history(data, owner)
         sources: list[str] = []  # (where each chat message came from, for refusals that name one)
         chat = to_chat(data, sources, history)  # (its refusals name this API's fields already)
+        items = stored_items(data["input"]) if store or conversation is not None else None
+        if items is not None and len(orjson.dumps(items)) > self.responses_store.max_one:
+            if conversation is not None:
+                raise ApiError(400, f"input takes more than the {self.responses_store.max_one} bytes one call may add "
+                               "to a conversation (a sixteenth of --responses-store-mib)", param="input")
+            store = False  # (too large to keep: the Response says it is not stored)
         if first is not None and chat.get("prompt_cache_key") is None:  # (data parallel: its turns on one engine,
             chat["prompt_cache_key"] = first                              # where their prefix is cached)
         try:
@@ -712,8 +719,7 @@ class OpenAIApi:
             raise at_sources(e, sources).renamed(RESPONSES_PARAMS) from None
         if gen.schema_param == "response_format":  # the engine's refusal of a text.format schema
             gen.schema_param = "text"
-        keep = functools.partial(self._keep, items=with_ids(data["input"]), owner=owner) \
-            if store or conversation is not None else None
+        keep = functools.partial(self._keep, items=items, owner=owner) if store or conversation is not None else None
         if keep is not None and not gen.stream.affinity:  # a conversation's first turn: where the next ones go
             gen.stream.affinity = gen.api_id
         return gen, ResponsesFormat(gen.lora or self.model, data, gen, chat_fmt, keep, store, conversation)
@@ -752,8 +758,8 @@ class OpenAIApi:
     async def _keep(self, response: dict, items: list[dict], owner: str) -> None:
         try:
             await self.responses_store.put(response, items, owner)
-        except sqlite3.Error as e:  # (the answer is still given: only continuing it will fail)
-            log.warning("response %s not stored: %s", response["id"], e)
+        except ApiError as e:  # (the store failed: the answer is still given, only continuing it will fail)
+            log.warning("response %s not stored: %s", response["id"], e.message)
 
     async def _turns_that_fit(self, chat: dict) -> list[int] | None:
         """``truncation: "auto"`` (``responses.oldest_turns_dropped``): which of ``chat``'s messages to keep for it to

@@ -11,19 +11,28 @@ thing with the API key that made it (a digest: another key neither sees nor cont
   (the first turn's instructions are not carried, as OpenAI's are not);
 - a conversation (its id, ``created_at``, ``metadata``) and its items in order, each with its id.
 
-Bounded in bytes: past ``max_bytes``, the least recently used Responses and conversations go first
-(continuing a chain uses every Response in it, so a live conversation keeps its oldest turns). The
-SQLite calls run on one thread of their own, off the event loop.
+Bounded in bytes: past ``max_bytes``, the API key that holds the most gives back first, its least
+recently used Responses and conversations first (continuing a chain uses every Response in it, so a
+live conversation keeps its oldest turns): a key that floods the store evicts its own. One thing may
+take at most a sixteenth of the bound (``max_one``). The SQLite calls, and the JSON of what they read
+and write, run on one thread of their own, off the event loop; a transaction that writes takes the
+write lock first (``BEGIN IMMEDIATE``), so that frontends writing at once wait their turn.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
+import os
 import sqlite3
 import time
 
 import orjson
+
+from frontends.errors import ApiError
+
+log = logging.getLogger("tokenmill.frontend")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -39,6 +48,8 @@ CREATE TABLE IF NOT EXISTS items (
     PRIMARY KEY (conversation, seq));
 CREATE INDEX IF NOT EXISTS items_id ON items (conversation, id);
 """
+_ALL = ("SELECT 'responses' AS kind, id, owner, size, used FROM responses UNION ALL "
+        "SELECT 'conversations', id, owner, size, used FROM conversations")  # what the bound weighs
 MAX_CHAIN = 10_000  # Responses a chain may hold (a longer one is refused: its walk would be the cost)
 
 
@@ -49,28 +60,29 @@ class BrokenChain(Exception):
 
 class ResponseStore:
     def __init__(self, path: str, max_bytes: int, durable: bool = False):
-        """``path``: the SQLite file (made if missing); ``durable``: commits survive a power loss (a file the
-        user named), else they need only survive the process (the server's own, removed when it stops)."""
-        self.path, self.max_bytes = path, max_bytes
+        """``path``: the SQLite file (made if missing, readable by its owner alone); ``durable``: commits survive
+        a power loss (a file the user named), else they need only survive the process (the server's own,
+        removed when it stops)."""
+        self.path, self.max_bytes, self.max_one = path, max_bytes, max_bytes // 16
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="response-store")
         self._db: sqlite3.Connection | None = None
         self._durable = durable
 
     def _conn(self) -> sqlite3.Connection:
         if self._db is None:  # (made on the store's thread, the only one that uses it)
-            db = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
-            db.execute("PRAGMA journal_mode=WAL")  # readers never wait for the writer; frontends write in turns
-            db.execute(f"PRAGMA synchronous={'NORMAL' if self._durable else 'OFF'}")
-            db.executescript(_SCHEMA)
-            self._db = db
+            self._db = connect(self.path, self._durable)
         return self._db
 
     async def open(self) -> None:
-        """Open the file now (made if missing): a path that is no SQLite file, or cannot be written, fails here."""
-        await self._call(self._conn)
+        """Open the file now: a path that is no SQLite file, or cannot be written, fails here (``sqlite3.Error``,
+        ``OSError``)."""
+        await asyncio.get_running_loop().run_in_executor(self._pool, self._conn)
 
     async def _call(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        except sqlite3.Error as e:  # (a full disk, a file taken away...: this call fails, the server goes on)
+            raise ApiError(503, f"The response store failed: {e}") from None
 
     def close(self) -> None:
         self._pool.submit(self._close)
@@ -80,19 +92,15 @@ class ResponseStore:
 
     async def put(self, response: dict, input_items: list[dict], owner: str) -> None:
         """Store ``response`` (given ``input_items``; it continues its ``previous_response_id``); where it went on
-        with a conversation (its ``conversation``), add its input items and output to that conversation's items."""
-        conversation = (response.get("conversation") or {}).get("id")
-        await self._call(self._put, response["id"], response.get("previous_response_id"), owner,
-                         orjson.dumps(response) if response["store"] else None, orjson.dumps(input_items),
-                         conversation, [*input_items, *response["output"]] if conversation else [])
+        with a conversation (its ``conversation``), add its input items and output to that conversation's items
+        (but a call cut short: its arguments may be no JSON, and no client ran it)."""
+        await self._call(self._put, response, input_items, owner)
 
     async def get(self, response_id: str, owner: str) -> dict | None:
-        row = await self._call(self._row, response_id, owner)
-        return orjson.loads(row[1]) if row is not None else None
+        return await self._call(self._row, response_id, owner, 1)
 
     async def input_items(self, response_id: str, owner: str) -> list[dict] | None:
-        row = await self._call(self._row, response_id, owner)
-        return orjson.loads(row[2]) if row is not None else None
+        return await self._call(self._row, response_id, owner, 2)
 
     async def delete(self, response_id: str, owner: str) -> bool:
         return await self._call(self._delete, "responses", response_id, owner)
@@ -101,18 +109,7 @@ class ResponseStore:
         """The items of the chain of Responses through ``response_id``, oldest first (each Response's input items,
         then its output), and its first Response's id; None where ``owner`` has no such Response. Raises
         ``BrokenChain`` where one before it is gone."""
-        rows = await self._call(self._chain, response_id, owner)
-        if rows is None:
-            return None
-        items: list[dict] = []
-        for response, given in reversed(rows):
-            response = orjson.loads(response)
-            if response.get("conversation") is not None:  # (its turn is one of that conversation's, not a chain's)
-                raise BrokenChain(f"the response {response['id']!r} went on with the conversation "
-                                  f"{response['conversation']['id']!r}: continue that conversation instead")
-            items += orjson.loads(given)
-            items += response["output"]
-        return items, orjson.loads(rows[-1][0])["id"]
+        return await self._call(self._history, response_id, owner)
 
     # ------------------------------------------------------------------ conversations
 
@@ -132,8 +129,7 @@ class ResponseStore:
 
     async def items(self, conversation_id: str, owner: str) -> list[dict] | None:
         """A conversation's items in order (None: ``owner`` has no such conversation); it counts as used now."""
-        rows = await self._call(self._items, conversation_id, owner)
-        return [orjson.loads(r) for r in rows] if rows is not None else None
+        return await self._call(self._items, conversation_id, owner)
 
     async def add_items(self, conversation_id: str, owner: str, items: list[dict]) -> bool:
         """``items`` after the conversation's (False: ``owner`` has no such conversation)."""
@@ -145,18 +141,22 @@ class ResponseStore:
 
     # ------------------------------------------------------------------ on the store's thread
 
-    def _put(self, response_id: str, previous: str | None, owner: str, response: bytes | None, given: bytes,
-             conversation: str | None, items: list[dict]) -> None:
-        """``response`` None: not stored itself (``store: false``), its conversation's items added alone."""
-        db = self._conn()
+    def _put(self, response: dict, input_items: list[dict], owner: str) -> None:
+        """``response`` itself kept where its ``store`` says so (and it takes at most ``max_one``)."""
+        db, blob, given = self._conn(), orjson.dumps(response), orjson.dumps(input_items)
+        conversation = (response.get("conversation") or {}).get("id")
         with db:
             db.execute("BEGIN IMMEDIATE")
-            if response is not None:
-                db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?, ?)",
-                           (response_id, previous, owner, time.time(), len(response) + len(given), response, given))
+            if response["store"] and len(blob) + len(given) > self.max_one:
+                log.warning("response %s not stored: it takes %d bytes, past the %d one may take (a sixteenth of "
+                            "--responses-store-mib)", response["id"], len(blob) + len(given), self.max_one)
+            elif response["store"]:
+                db.execute("INSERT INTO responses VALUES (?, ?, ?, ?, ?, ?, ?)",
+                           (response["id"], response.get("previous_response_id"), owner, time.time(),
+                            len(blob) + len(given), blob, given))
             if conversation is not None:
-                self._append_in(db, conversation, owner, items)
-            self._evict(db, response_id)
+                self._append_in(db, conversation, owner, [*input_items, *_replayed(response["output"])])
+            self._evict(db, response["id"])
 
     def _create(self, conversation: dict, items: list[dict], owner: str) -> None:
         db, metadata = self._conn(), orjson.dumps(conversation["metadata"])
@@ -189,27 +189,34 @@ class ResponseStore:
         return True
 
     def _evict(self, db: sqlite3.Connection, keep: str) -> None:
-        """The least recently used Responses and conversations but ``keep`` deleted while the store holds more than
-        ``max_bytes``."""
-        excess = db.execute("SELECT (SELECT IFNULL(SUM(size), 0) FROM responses) + "
-                            "(SELECT IFNULL(SUM(size), 0) FROM conversations)").fetchone()[0] - self.max_bytes
-        if excess <= 0:
-            return
+        """While the store holds more than ``max_bytes``: of the key that holds the most, its least recently used
+        Response or conversation (never ``keep``, the one just written) deleted."""
+        held = dict(db.execute(f"SELECT owner, SUM(size) FROM ({_ALL}) GROUP BY owner").fetchall())
+        excess = sum(held.values()) - self.max_bytes
+        rows: dict[str, sqlite3.Cursor] = {}  # each key's things, least recently used first
         victims: dict[str, list] = {"responses": [], "conversations": []}
-        for table, victim, n, _ in db.execute(
-                "SELECT 'responses', id, size, used FROM responses WHERE id != ?1 UNION ALL "
-                "SELECT 'conversations', id, size, used FROM conversations WHERE id != ?1 ORDER BY used", (keep,)):
-            victims[table].append((victim,))
-            excess -= n
-            if excess <= 0:
-                break
+        while excess > 0:
+            owner = max(held, key=held.__getitem__)
+            if owner not in rows:
+                rows[owner] = db.execute(f"SELECT kind, id, size FROM ({_ALL}) WHERE owner = ? AND id != ? "
+                                         "ORDER BY used", (owner, keep))
+            victim = rows[owner].fetchone()
+            if victim is None:  # (all it holds is ``keep``)
+                del held[owner]
+                if not held:
+                    break
+                continue
+            victims[victim[0]].append((victim[1],))
+            held[owner] -= victim[2]
+            excess -= victim[2]
         db.executemany("DELETE FROM responses WHERE id = ?", victims["responses"])
         db.executemany("DELETE FROM conversations WHERE id = ?", victims["conversations"])
         db.executemany("DELETE FROM items WHERE conversation = ?", victims["conversations"])
 
-    def _row(self, response_id: str, owner: str) -> tuple | None:
-        return self._conn().execute("SELECT previous, response, input FROM responses WHERE id = ? AND owner = ?",
-                                    (response_id, owner)).fetchone()
+    def _row(self, response_id: str, owner: str, column: int) -> dict | list | None:
+        row = self._conn().execute("SELECT previous, response, input FROM responses WHERE id = ? AND owner = ?",
+                                   (response_id, owner)).fetchone()
+        return orjson.loads(row[column]) if row is not None else None
 
     def _delete(self, table: str, thing_id: str, owner: str) -> bool:
         with self._conn() as db:
@@ -225,7 +232,7 @@ class ResponseStore:
         used now (a conversation being continued is evicted last)."""
         db, rows, ids = self._conn(), [], []
         with db:
-            db.execute("BEGIN")
+            db.execute("BEGIN IMMEDIATE")  # (it marks them used: a write, after these reads)
             at: str | None = response_id
             while at is not None:
                 row = db.execute("SELECT previous, response, input FROM responses WHERE id = ? AND owner = ?",
@@ -241,6 +248,20 @@ class ResponseStore:
                 at = row[0]
             db.executemany(f"UPDATE responses SET used = {time.time()!r} WHERE id = ?", ids)
         return rows
+
+    def _history(self, response_id: str, owner: str) -> tuple[list[dict], str] | None:
+        rows = self._chain(response_id, owner)
+        if rows is None:
+            return None
+        items: list[dict] = []
+        for response, given in reversed(rows):
+            response = orjson.loads(response)
+            if response.get("conversation") is not None:  # (its turn is one of that conversation's, not a chain's)
+                raise BrokenChain(f"the response {response['id']!r} went on with the conversation "
+                                  f"{response['conversation']['id']!r}: continue that conversation instead")
+            items += orjson.loads(given)
+            items += _replayed(response["output"])
+        return items, orjson.loads(rows[-1][0])["id"]
 
     def _header(self, conversation_id: str, owner: str) -> dict | None:
         row = self._conn().execute("SELECT created_at, metadata FROM conversations WHERE id = ? AND owner = ?",
@@ -259,15 +280,15 @@ class ResponseStore:
                        (metadata, len(metadata) - len(old[0]), conversation_id))
         return self._header(conversation_id, owner)
 
-    def _items(self, conversation_id: str, owner: str) -> list[bytes] | None:
+    def _items(self, conversation_id: str, owner: str) -> list[dict] | None:
         db = self._conn()
         with db:
             db.execute("BEGIN IMMEDIATE")
             if db.execute("UPDATE conversations SET used = ? WHERE id = ? AND owner = ?",
                           (time.time(), conversation_id, owner)).rowcount == 0:
                 return None
-            return [r[0] for r in db.execute("SELECT item FROM items WHERE conversation = ? ORDER BY seq",
-                                             (conversation_id,))]
+            rows = db.execute("SELECT item FROM items WHERE conversation = ? ORDER BY seq", (conversation_id,)).fetchall()
+        return [orjson.loads(r[0]) for r in rows]
 
     def _delete_item(self, conversation_id: str, owner: str, item_id: str) -> bool | None:
         with self._conn() as db:
@@ -287,3 +308,26 @@ class ResponseStore:
         if self._db is not None:
             self._db.close()
             self._db = None
+
+
+def connect(path: str, durable: bool = False) -> sqlite3.Connection:
+    """The store's file opened (made if missing, readable by its owner alone) and its tables made: raises
+    ``sqlite3.Error`` (or ``OSError``) where it is no SQLite file or cannot be written (the launcher checks a user's
+    file so)."""
+    if not os.path.exists(path):
+        os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))  # (SQLite's own files beside it: the same mode)
+    db = sqlite3.connect(path, timeout=30.0, isolation_level=None)
+    try:
+        db.execute("PRAGMA journal_mode=WAL")  # readers never wait for the writer; frontends write in turns
+        db.execute(f"PRAGMA synchronous={'NORMAL' if durable else 'OFF'}")
+        db.executescript(_SCHEMA)
+    except BaseException:
+        db.close()
+        raise
+    return db
+
+
+def _replayed(output: list[dict]) -> list[dict]:
+    """A Response's output as the next turn reads it: a call cut short left out (its arguments may be no JSON,
+    and no client ran it)."""
+    return [o for o in output if not (o.get("type") == "function_call" and o.get("status") == "incomplete")]

@@ -161,9 +161,10 @@ def to_chat(data: dict, sources: list[str] | None = None, history: list[dict] | 
     if data.get("prompt") is not None:
         raise ApiError(400, "'prompt' names a stored prompt template, which this server does not keep", param="prompt")
     for name in ("previous_response_id", "conversation"):
-        if data.get(name) is not None and history is None:
+        if data.get(name) is not None and history is None:  # (previous_response_id: OpenAI's code for one gone,
             raise ApiError(400, f"'{name}' needs stored state, and this server stores none (--responses-store-mib 0): "
-                           "send the whole conversation in 'input'", param=name)
+                           "send the whole conversation in 'input'", param=name,  # which clients read to send it all)
+                           code="previous_response_not_found" if name == "previous_response_id" else None)
     if data.get("background"):
         raise ApiError(400, "background responses are not supported", param="background")
     for name, ours in _OTHER_APIS.items():
@@ -218,18 +219,37 @@ def to_chat(data: dict, sources: list[str] | None = None, history: list[dict] | 
     return chat
 
 
-def with_ids(items: str | list[dict]) -> list[dict]:
-    """``input`` (or a conversation's new ``items``) as stored items: text as one user message, a message's text as
-    its one text part, and each item with an id (one made for an item that came without)."""
+# what a stored item keeps, by its type (OpenAI's fields; anything else a client sent is not kept), and of a part
+_ITEM_FIELDS = {"message": ("id", "type", "role", "content", "status"),
+                "function_call": ("id", "type", "call_id", "name", "arguments", "status"),
+                "function_call_output": ("id", "type", "call_id", "output", "status"),
+                "reasoning": ("id", "type", "summary", "content", "encrypted_content", "status")}
+_PART_FIELDS = ("type", "text", "image_url", "detail", "annotations", "logprobs")
+
+
+def stored_items(items: str | list[dict]) -> list[dict]:
+    """``input`` (or a conversation's new ``items``, checked as ``input``'s are) as stored items, in OpenAI's
+    shape: text as one user message, a message's text as its one text part, OpenAI's fields alone (of an item and
+    of its parts), each item with an id (one made for an item that came without) and a status."""
     if isinstance(items, str):
         items = [{"type": "message", "role": "user", "content": items}]
     out = []
     for item in items:
         kind = item.get("type", "message")
-        if kind == "message" and isinstance(item.get("content"), str):
-            part = "output_text" if item.get("role") == "assistant" else "input_text"
-            item = {**item, "type": "message", "content": [{"type": part, "text": item["content"]}]}
-        out.append(item if "id" in item else {"id": _new_id(_ITEM_IDS.get(kind, "item")), **item})
+        kept = {k: item[k] for k in _ITEM_FIELDS[kind] if k in item}
+        kept["type"] = kind
+        if not isinstance(kept.get("id"), str):
+            kept["id"] = _new_id(_ITEM_IDS[kind])
+        content = kept.get("content")
+        if kind == "message" and isinstance(content, str):
+            kept["content"] = [{"type": "output_text" if item.get("role") == "assistant" else "input_text",
+                                "text": content}]
+        elif isinstance(content, list):
+            kept["content"] = [{k: p[k] for k in _PART_FIELDS if k in p} for p in content]
+        if isinstance(kept.get("output"), list):
+            kept["output"] = [{k: p[k] for k in _PART_FIELDS if k in p} for p in kept["output"]]
+        kept.setdefault("status", "completed")
+        out.append(kept)
     return out
 
 

@@ -144,7 +144,7 @@ async def serve(args: FrontendArgs, ready: Callable[[], None] | None = None) -> 
         store = ResponseStore(args.responses_store, args.responses_store_mib << 20, args.responses_store_durable)
         try:
             await store.open()
-        except sqlite3.Error as e:
+        except (sqlite3.Error, OSError) as e:
             raise ValueError(f"--responses-store {args.responses_store}: {e}") from None
     api = OpenAIApi(client, codec, args.served_model_name, args.api_keys,
                     allowed_origins=args.allowed_origins, metrics=metrics, metrics_no_auth=args.metrics_no_auth,

@@ -8,6 +8,7 @@ retrieve, delete), each under the caller's API key. Lists page as OpenAI's do (`
 from __future__ import annotations
 
 import os
+import re
 import time
 from urllib.parse import parse_qs, unquote
 
@@ -17,8 +18,8 @@ from frontends import openai_params as op
 from frontends.auth import Auth
 from frontends.errors import ApiError
 from frontends.http import Request, Response, Router
-from frontends.openai_api import QUERY_FALSE
-from frontends.responses import check_items, check_metadata, with_ids
+from frontends.openai_api import QUERY_FALSE, QUERY_TRUE
+from frontends.responses import check_items, check_metadata, stored_items
 
 MAX_NEW_ITEMS = 20  # a conversation's items added in one call (OpenAI's limit)
 
@@ -37,7 +38,7 @@ def _listed(items: list[dict], query: dict[str, str]) -> dict:
     order, limit = query.get("order", "desc"), query.get("limit", "20")
     if order not in ("asc", "desc"):
         raise ApiError(400, f"order must be 'asc' or 'desc', got {order!r}", param="order")
-    if not (limit.isdigit() and 1 <= int(limit) <= 100):
+    if not (re.fullmatch(r"[0-9]{1,3}", limit) and 1 <= int(limit) <= 100):  # (not isdigit: "²" is a digit)
         raise ApiError(400, f"limit must be an integer in [1, 100], got {limit!r}", param="limit")
     ordered = items[::-1] if order == "desc" else items
     if "after" in query:
@@ -78,6 +79,15 @@ class StoredApi:
         raw = req.path.removeprefix(prefix).split("/")
         return unquote(raw[0]), [unquote(p) for p in raw[1:]]
 
+    def _new_items(self, items) -> list[dict]:
+        """Items given to a conversation, checked (at most ``MAX_NEW_ITEMS``, as ``input``'s are, and a sixteenth of
+        the store in all), as the store keeps them."""
+        items = stored_items(check_items(items, "items", MAX_NEW_ITEMS))
+        if len(orjson.dumps(items)) > self.store.max_one:
+            raise ApiError(400, f"items take more than the {self.store.max_one} bytes one call may add to a "
+                           "conversation (a sixteenth of --responses-store-mib)", param="items")
+        return items
+
     def _none_kept(self, what: str) -> None:
         if self.store is None:
             raise ApiError(404, f"{what} (this server stores none: --responses-store-mib 0)")
@@ -98,9 +108,12 @@ class StoredApi:
                 raise missing
             return _json({"id": response_id, "object": "response.deleted", "deleted": True})
         if not rest:
-            if query.get("stream", "false").lower() not in QUERY_FALSE:
+            stream = query.get("stream", "false").lower()
+            if stream in QUERY_TRUE:
                 raise ApiError(400, "a stored response is not streamed again (background responses are not "
                                "supported)", param="stream")
+            if stream not in QUERY_FALSE:
+                raise ApiError(400, f"stream must be true or false, got {_shown(stream)!r}", param="stream")
             response = await self.store.get(response_id, owner)
             if response is None:
                 raise missing
@@ -117,7 +130,7 @@ class StoredApi:
         data = op.parse_json(req.body)
         self._none_kept("Conversations are not kept")
         check_metadata(data.get("metadata"))
-        items = with_ids(check_items(data.get("items") or [], "items", MAX_NEW_ITEMS))
+        items = self._new_items(data.get("items") or [])
         conversation = {"id": f"conv_{os.urandom(12).hex()}", "object": "conversation",
                         "created_at": int(time.time()), "metadata": data.get("metadata") or {}}
         await self.store.create_conversation(conversation, items, self._owner(req))
@@ -158,7 +171,7 @@ class StoredApi:
             data = op.parse_json(req.body)
             if "items" not in data:
                 raise ApiError(400, "Missing required field: 'items'", param="items")
-            items = with_ids(check_items(data["items"], "items", MAX_NEW_ITEMS))
+            items = self._new_items(data["items"])
             if not await store.add_items(conversation_id, owner, items):
                 raise missing
             return _json(_page(items))

@@ -105,13 +105,18 @@ def test_responses_store_flags_reach_the_frontends(served, tmp_path):
     assert (a.responses_store_mib, a.responses_store_durable) == (256, False)
     a, _ = frontend_args("--responses-store", str(tmp_path / "kept.db"), "--responses-store-mib", "3")
     assert (a.responses_store, a.responses_store_mib, a.responses_store_durable) == (str(tmp_path / "kept.db"), 3, True)
+    assert oct((tmp_path / "kept.db").stat().st_mode & 0o777) == "0o600"  # (made by the check: its owner's alone)
     assert frontend_args("--responses-store-mib", "0")[0].responses_store is None
 
 
 @pytest.mark.parametrize("flags,why", [
     (["--responses-store-mib", "-1"], "--responses-store-mib must be 0 or more"),
     (["--responses-store", "/no/such/folder/r.db"], "no such folder"),
+    (["--responses-store", "{tmp}"], "unable to open database file"),  # (a folder)
+    (["--responses-store", "{tmp}/notes.txt"], "file is not a database"),  # (review: found at the first Response)
 ])
-def test_bad_responses_store_flags_are_usage_errors(capsys, monkeypatch, flags, why):
+def test_bad_responses_store_flags_are_usage_errors(capsys, monkeypatch, tmp_path, flags, why):
     monkeypatch.setattr(engine.launcher, "serve", lambda *a: pytest.fail("served with a bad flag"))
-    assert why in usage_error(capsys, *flags)
+    (tmp_path / "notes.txt").write_text("not a database, and left as it is\n" * 100)
+    assert why in usage_error(capsys, *[f.format(tmp=tmp_path) for f in flags])
+    assert (tmp_path / "notes.txt").read_text() == "not a database, and left as it is\n" * 100

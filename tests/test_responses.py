@@ -7,6 +7,7 @@ behind it: ``test_server_default_model``."""
 from __future__ import annotations
 
 import json
+import re
 
 import openai
 import pytest
@@ -227,6 +228,23 @@ def test_served_bad_bodies_get_400(client):  # noqa: F811
         with pytest.raises(openai.BadRequestError) as e:
             client.responses.create(model=MODEL, input="hi", **kw)
         assert e.value.body["param"] == param
+
+
+def test_a_server_that_stores_nothing_says_so(client):  # noqa: F811
+    """Without a store (--responses-store-mib 0): nothing is kept, a previous_response_id gets OpenAI's code for one
+    that is gone (review: clients that read it send the whole conversation then), and reads are 404s that say why."""
+    assert client.responses.create(model=MODEL, input="hi", max_output_tokens=2).store is False
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="hi", previous_response_id="resp_1")
+    assert (e.value.body["param"], e.value.body["code"]) == ("previous_response_id", "previous_response_not_found")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="hi", conversation="conv_1")
+    assert e.value.body["param"] == "conversation"
+    for call in (lambda: client.responses.retrieve("resp_1"), lambda: client.responses.delete("resp_1"),
+                 lambda: client.conversations.create(), lambda: client.conversations.retrieve("conv_1")):
+        with pytest.raises(openai.NotFoundError) as e:
+            call()
+        assert "this server stores none: --responses-store-mib 0" in e.value.body["message"]
 
 
 def test_served_items_keep_the_order_they_were_written_in(client):  # noqa: F811
@@ -530,19 +548,31 @@ def test_previous_response_id_continues_a_stored_conversation(kept):
 def test_stored_responses_are_retrieved_listed_and_deleted(kept):
     """GET, its input_items (OpenAI's paging) and DELETE, from any frontend, under the key that made them alone."""
     a, b, other = kept
-    r = a.responses.create(model=MODEL, input=[{"role": "user", "content": f"item {k}"} for k in range(5)],
-                           extra_body=STOP)
+    given = [{"role": "user", "content": f"item {k}"} for k in range(5)]
+    given[1] = {**given[1], "junk": "x" * 1000, "id": 7}  # (review: kept and said back as sent)
+    r = a.responses.create(model=MODEL, input=given, extra_body=STOP)
+    assert re.fullmatch(r"resp_[0-9a-f]{32}", r.id)  # (review: a counter, which anyone could count on)
     got = b.responses.retrieve(r.id)
     assert got.model_dump() == r.model_dump()
     items = b.responses.input_items.list(r.id, order="asc")
-    assert [i.content[0].text if isinstance(i.content, list) else i.content for i in items.data] == [
-        f"item {k}" for k in range(5)]
+    assert [i.model_dump(exclude={"id"}, exclude_none=True) for i in items.data] == [  # (OpenAI's shape: review)
+        {"type": "message", "role": "user", "status": "completed", "content": [{"type": "input_text", "text": f"item {k}"}]}
+        for k in range(5)]
     assert len({i.id for i in items.data}) == 5 and all(i.id.startswith("msg_") for i in items.data)
     page = a.responses.input_items.list(r.id, limit=2)  # newest first, by default
     assert [i.id for i in page.data] == [i.id for i in items.data[::-1][:2]] and page.has_more
     rest = a.responses.input_items.list(r.id, limit=5, after=page.data[-1].id)
     assert [i.id for i in rest.data] == [i.id for i in items.data[::-1][2:]] and not rest.has_more
     assert [i.id for i in a.responses.input_items.list(r.id, limit=2)] == [i.id for i in items.data[::-1]]  # (paged)
+    for query, param in (({"limit": "²"}, "limit"), ({"limit": "0"}, "limit"), ({"order": "up"}, "order"),
+                         ({"after": "msg_nope"}, "after")):  # ("²": review, a 500)
+        with pytest.raises(openai.BadRequestError) as e:
+            a.responses.input_items.list(r.id, extra_query=query)
+        assert e.value.body["param"] == param
+    for query in ({"stream": "true"}, {"stream": "garbage"}):
+        with pytest.raises(openai.BadRequestError) as e:
+            a.responses.retrieve(r.id, extra_query=query)
+        assert e.value.body["param"] == "stream"
     text = b.responses.retrieve(a.responses.create(model=MODEL, input="plain", extra_body=STOP).id)
     assert text.output_text == "user: plain\n"
     # another key sees none of them, continues none, deletes none
