@@ -57,6 +57,11 @@ class ApiError(Exception):
 
 
 
+def shown(value: str) -> str:
+    """A client's id as a message quotes it: cut at 256 characters (an id of 60,000 is not said back whole)."""
+    return value if len(value) <= 256 else value[:256] + "..."
+
+
 def error_body(message: str, type: str, param: str | None = None, code: str | int | None = None) -> bytes:
     return orjson.dumps({"error": {"message": message, "type": type, "param": param, "code": code}})
 

@@ -50,7 +50,7 @@ from frontends.auth import Auth
 from frontends.beam_search import BeamGeneration, beam_search_params, refuse_beam_search
 from frontends.embeddings import classify_job, embeddings_job
 from frontends.engine_client import EngineClient, EngineUnavailable
-from frontends.errors import ApiError
+from frontends.errors import ApiError, shown
 from frontends.generation import Generation, LogprobEntry, Update, usage_dict
 from frontends.http import Request, Response, Router, StreamingResponse
 from frontends.images import ImageProcessor
@@ -63,18 +63,18 @@ from frontends.responses import (
     ResponsesFormat,
     at_sources,
     conversation_id,
+    new_id,
     oldest_turns_dropped,
     stored_items,
     to_chat,
 )
 from frontends.scoring import rerank_job, score_job
+from frontends.stored_api import conversation_missing, too_large
 from frontends.text import StopMatcher, TextCodec, TokenizerBusy, bad_words_token_ids
 
 VERSION = "0.1.0"
 _DONE = b"data: [DONE]\n\n"
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"  # vLLM's: its development endpoints on (here POST /reset_prefix_cache)
-# a query's booleans
-QUERY_TRUE, QUERY_FALSE = ("1", "true", "t", "yes", "y", "on"), ("", "0", "false", "f", "no", "n", "off")
 
 
 EMBEDDINGS_INLINE_BYTES = 1 << 18  # float32 bytes of vectors a response is written with on the event loop (~5 ms)
@@ -310,7 +310,7 @@ class OpenAIApi:
 
     def _new_id(self, prefix: str) -> str:
         if prefix == "resp":  # a stored Response's id is all it takes to read it back: none to guess (OpenAI's too)
-            return f"resp_{os.urandom(16).hex()}"
+            return new_id("resp")
         return f"{prefix}-{self._id_prefix}{next(self._ids):x}"
 
     def key_of(self, tokens: list[str]) -> int | None:
@@ -369,8 +369,7 @@ class OpenAIApi:
         name = unquote(req.path.removeprefix("/v1/models/"))
         card = next((c for c in self._model_cards() if c["id"] == name), None)
         if card is None:
-            shown = name if len(name) <= 256 else name[:256] + "..."  # (an id of 60,000 characters: not said back)
-            raise ApiError(404, f"The model '{shown}' does not exist", type="not_found_error", param="model",
+            raise ApiError(404, f"The model '{shown(name)}' does not exist", type="not_found_error", param="model",
                            code="model_not_found")
         return _json(card)
 
@@ -396,10 +395,10 @@ class OpenAIApi:
         idle engines of several did forget theirs). vLLM's ``reset_running_requests=true``, which would preempt
         them first, is refused."""
         flag = parse_qs(req.query, keep_blank_values=True).get("reset_running_requests", ["false"])[-1]
-        if flag.strip().lower() in QUERY_TRUE:
+        if flag.strip().lower() in op.QUERY_TRUE:
             raise ApiError(400, "reset_running_requests=true is not supported: the prefix cache is reset when no "
                            "request is running", param="reset_running_requests")
-        if flag.strip().lower() not in QUERY_FALSE:
+        if flag.strip().lower() not in op.QUERY_FALSE:
             raise ApiError(400, f"reset_running_requests must be a boolean, got {flag!r}",
                            param="reset_running_requests")
         try:
@@ -693,10 +692,9 @@ class OpenAIApi:
         sources: list[str] = []  # (where each chat message came from, for refusals that name one)
         chat = to_chat(data, sources, history)  # (its refusals name this API's fields already)
         items = stored_items(data["input"]) if store or conversation is not None else None
-        if items is not None and len(orjson.dumps(items)) > self.responses_store.max_one:
+        if items is not None and not self.responses_store.fits(items):
             if conversation is not None:
-                raise ApiError(400, f"input takes more than the {self.responses_store.max_one} bytes one call may add "
-                               "to a conversation (a sixteenth of --responses-store-mib)", param="input")
+                raise too_large(self.responses_store, "input")
             store = False  # (too large to keep: the Response says it is not stored)
         if first is not None and chat.get("prompt_cache_key") is None:  # (data parallel: its turns on one engine,
             chat["prompt_cache_key"] = first                              # where their prefix is cached)
@@ -738,21 +736,19 @@ class OpenAIApi:
         if conversation is not None:
             items = await self.responses_store.items(conversation, owner)
             if items is None:
-                shown = conversation if len(conversation) <= 256 else conversation[:256] + "..."
-                raise ApiError(404, f"Conversation with id '{shown}' not found.", param="conversation")
+                raise conversation_missing(conversation, "conversation")
             return items, conversation, conversation
         if not isinstance(previous, str) or not previous:
             raise ApiError(400, "'previous_response_id' must be the id of a stored response",
                            param="previous_response_id")
-        shown = previous if len(previous) <= 256 else previous[:256] + "..."
         try:
             found = await self.responses_store.history(previous, owner)
         except BrokenChain as e:
-            raise ApiError(400, f"Previous response with id '{shown}' cannot be continued: {e}",
+            raise ApiError(400, f"Previous response with id '{shown(previous)}' cannot be continued: {e}",
                            param="previous_response_id", code="previous_response_not_found") from None
         if found is None:  # (OpenAI's words and code: clients that see them send the whole conversation again)
-            raise ApiError(400, f"Previous response with id '{shown}' not found.", param="previous_response_id",
-                           code="previous_response_not_found")
+            raise ApiError(400, f"Previous response with id '{shown(previous)}' not found.",
+                           param="previous_response_id", code="previous_response_not_found")
         return found[0], found[1], None
 
     async def _keep(self, response: dict, items: list[dict], owner: str) -> None:

@@ -41,6 +41,9 @@ PRIORITY_RANGE = (-(2**31), 2**31 - 1)  # an int32, as vLLM's: the engine keys a
 MAX_TIMEOUT_S = 1e6  # about 11.6 days: longer is a typo or an attack on the deadline arithmetic
 MAX_CACHE_SALT_CHARS = 256  # the engine hashes it into every block key of the request: keep it short
 
+# a query string's booleans
+QUERY_TRUE, QUERY_FALSE = ("1", "true", "t", "yes", "y", "on"), ("", "0", "false", "f", "no", "n", "off")
+
 
 def parse_json(body: bytes | bytearray) -> dict[str, Any]:
     try:

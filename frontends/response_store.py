@@ -8,15 +8,18 @@ thing with the API key that made it (a digest: another key neither sees nor cont
 - a Response as it was answered, the input items it was given, and the Response it continued. The
   conversation a ``previous_response_id`` names is the chain of Responses that ends there, each storing
   only its own turn: ``history`` walks back to the first and lays their inputs and outputs end to end
-  (the first turn's instructions are not carried, as OpenAI's are not);
+  (no earlier turn's instructions are carried, as OpenAI's are not);
 - a conversation (its id, ``created_at``, ``metadata``) and its items in order, each with its id.
 
-Bounded in bytes: past ``max_bytes``, the API key that holds the most gives back first, its least
-recently used Responses and conversations first (continuing a chain uses every Response in it, so a
-live conversation keeps its oldest turns): a key that floods the store evicts its own. One thing may
-take at most a sixteenth of the bound (``max_one``). The SQLite calls, and the JSON of what they read
-and write, run on one thread of their own, off the event loop; a transaction that writes takes the
-write lock first (``BEGIN IMMEDIATE``), so that frontends writing at once wait their turn.
+Bounded in bytes (``max_bytes``): one thing may take a sixteenth of it (``max_one``: a larger Response is
+not kept; a conversation keeps its newest items within it). Past the bound, the API key that holds the
+most gives back first, its least recently used things first (continuing a chain uses every Response in
+it, so a live conversation keeps its oldest turns): a key that floods the store evicts its own. What
+each key holds is kept by the schema's triggers, so that a write weighs the bound without a scan.
+
+The SQLite calls, and the JSON of what they read back, run on one thread of each store's own, off the
+event loop. A write takes the write lock first (``BEGIN IMMEDIATE``): frontends writing at once wait
+their turn; reads take none (WAL).
 """
 
 from __future__ import annotations
@@ -38,24 +41,35 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
     id TEXT PRIMARY KEY, previous TEXT, owner TEXT NOT NULL, used REAL NOT NULL, size INTEGER NOT NULL,
     response BLOB NOT NULL, input BLOB NOT NULL);
-CREATE INDEX IF NOT EXISTS responses_used ON responses (used);
+CREATE INDEX IF NOT EXISTS responses_used ON responses (owner, used);
 CREATE TABLE IF NOT EXISTS conversations (
     id TEXT PRIMARY KEY, owner TEXT NOT NULL, used REAL NOT NULL, size INTEGER NOT NULL, created_at INTEGER NOT NULL,
     metadata BLOB NOT NULL);
-CREATE INDEX IF NOT EXISTS conversations_used ON conversations (used);
+CREATE INDEX IF NOT EXISTS conversations_used ON conversations (owner, used);
 CREATE TABLE IF NOT EXISTS items (
     conversation TEXT NOT NULL, seq INTEGER NOT NULL, id TEXT NOT NULL, item BLOB NOT NULL,
     PRIMARY KEY (conversation, seq));
 CREATE INDEX IF NOT EXISTS items_id ON items (conversation, id);
+-- what each key holds, kept up to date by the writes themselves
+CREATE TABLE IF NOT EXISTS owners (owner TEXT PRIMARY KEY, size INTEGER NOT NULL);
+CREATE TRIGGER IF NOT EXISTS responses_in AFTER INSERT ON responses BEGIN
+    INSERT INTO owners VALUES (NEW.owner, NEW.size) ON CONFLICT (owner) DO UPDATE SET size = size + NEW.size; END;
+CREATE TRIGGER IF NOT EXISTS responses_out AFTER DELETE ON responses BEGIN
+    UPDATE owners SET size = size - OLD.size WHERE owner = OLD.owner; END;
+CREATE TRIGGER IF NOT EXISTS conversations_in AFTER INSERT ON conversations BEGIN
+    INSERT INTO owners VALUES (NEW.owner, NEW.size) ON CONFLICT (owner) DO UPDATE SET size = size + NEW.size; END;
+CREATE TRIGGER IF NOT EXISTS conversations_out AFTER DELETE ON conversations BEGIN
+    UPDATE owners SET size = size - OLD.size WHERE owner = OLD.owner;
+    DELETE FROM items WHERE conversation = OLD.id; END;
+CREATE TRIGGER IF NOT EXISTS conversations_size AFTER UPDATE OF size ON conversations BEGIN
+    UPDATE owners SET size = size + NEW.size - OLD.size WHERE owner = NEW.owner; END;
 """
-_ALL = ("SELECT 'responses' AS kind, id, owner, size, used FROM responses UNION ALL "
-        "SELECT 'conversations', id, owner, size, used FROM conversations")  # what the bound weighs
 MAX_CHAIN = 10_000  # Responses a chain may hold (a longer one is refused: its walk would be the cost)
 
 
 class BrokenChain(Exception):
     """The conversation before the Response named cannot be read: one of its Responses is no longer stored
-    (evicted, or deleted), or it chains more than ``MAX_CHAIN``."""
+    (evicted, or deleted), it chains more than ``MAX_CHAIN``, or it went on with a stored conversation."""
 
 
 class ResponseStore:
@@ -67,6 +81,7 @@ class ResponseStore:
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="response-store")
         self._db: sqlite3.Connection | None = None
         self._durable = durable
+        self._closed = False
 
     def _conn(self) -> sqlite3.Connection:
         if self._db is None:  # (made on the store's thread, the only one that uses it)
@@ -78,29 +93,38 @@ class ResponseStore:
         ``OSError``)."""
         await asyncio.get_running_loop().run_in_executor(self._pool, self._conn)
 
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            await asyncio.get_running_loop().run_in_executor(self._pool, self._close)
+            self._pool.shutdown(wait=False)
+
     async def _call(self, fn, *args):
+        if self._closed:  # (a call that comes as the frontend stops)
+            raise ApiError(503, "The response store is closed: the server is stopping")
         try:
             return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
         except sqlite3.Error as e:  # (a full disk, a file taken away...: this call fails, the server goes on)
             raise ApiError(503, f"The response store failed: {e}") from None
 
-    def close(self) -> None:
-        self._pool.submit(self._close)
-        self._pool.shutdown(wait=True)
+    def fits(self, items: list[dict]) -> bool:
+        """Whether ``items`` take at most what one thing may (``max_one``)."""
+        return len(orjson.dumps(items)) <= self.max_one
 
     # ------------------------------------------------------------------ Responses
 
     async def put(self, response: dict, input_items: list[dict], owner: str) -> None:
-        """Store ``response`` (given ``input_items``; it continues its ``previous_response_id``); where it went on
-        with a conversation (its ``conversation``), add its input items and output to that conversation's items
-        (but a call cut short: its arguments may be no JSON, and no client ran it)."""
+        """Store ``response`` (given ``input_items``; it continues its ``previous_response_id``) where its ``store``
+        says so and it fits; where it went on with a conversation (its ``conversation``), add its input items and
+        output to that conversation's items (but a call cut short: its arguments may be no JSON, and no client
+        ran it)."""
         await self._call(self._put, response, input_items, owner)
 
     async def get(self, response_id: str, owner: str) -> dict | None:
-        return await self._call(self._row, response_id, owner, 1)
+        return await self._call(self._row, response_id, owner, "response")
 
     async def input_items(self, response_id: str, owner: str) -> list[dict] | None:
-        return await self._call(self._row, response_id, owner, 2)
+        return await self._call(self._row, response_id, owner, "input")
 
     async def delete(self, response_id: str, owner: str) -> bool:
         return await self._call(self._delete, "responses", response_id, owner)
@@ -108,7 +132,7 @@ class ResponseStore:
     async def history(self, response_id: str, owner: str) -> tuple[list[dict], str] | None:
         """The items of the chain of Responses through ``response_id``, oldest first (each Response's input items,
         then its output), and its first Response's id; None where ``owner`` has no such Response. Raises
-        ``BrokenChain`` where one before it is gone."""
+        ``BrokenChain`` where one before it is gone, or it went on with a stored conversation."""
         return await self._call(self._history, response_id, owner)
 
     # ------------------------------------------------------------------ conversations
@@ -121,8 +145,8 @@ class ResponseStore:
         of that id."""
         return await self._call(self._header, conversation_id, owner)
 
-    async def update_conversation(self, conversation_id: str, owner: str, metadata: dict | None) -> dict | None:
-        return await self._call(self._update, conversation_id, owner, orjson.dumps(metadata))
+    async def update_conversation(self, conversation_id: str, owner: str, metadata: dict) -> dict | None:
+        return await self._call(self._update, conversation_id, owner, metadata)
 
     async def delete_conversation(self, conversation_id: str, owner: str) -> bool:
         return await self._call(self._delete, "conversations", conversation_id, owner)
@@ -131,23 +155,34 @@ class ResponseStore:
         """A conversation's items in order (None: ``owner`` has no such conversation); it counts as used now."""
         return await self._call(self._items, conversation_id, owner)
 
+    async def items_page(self, conversation_id: str, owner: str, limit: int, descending: bool,
+                         after: str | None) -> tuple[list[dict], bool] | None:
+        """Up to ``limit`` of a conversation's items, newest first where ``descending``, from after the item
+        ``after`` (``KeyError`` where it has none of that id), and whether more follow; None: no such conversation."""
+        return await self._call(self._page, conversation_id, owner, limit, descending, after)
+
+    async def item(self, conversation_id: str, owner: str, item_id: str) -> dict | None:
+        """One of a conversation's items (``KeyError`` where it has none of that id); None: no such conversation."""
+        return await self._call(self._item, conversation_id, owner, item_id)
+
     async def add_items(self, conversation_id: str, owner: str, items: list[dict]) -> bool:
-        """``items`` after the conversation's (False: ``owner`` has no such conversation)."""
+        """``items`` after the conversation's (False: ``owner`` has no such conversation); its oldest go where it
+        would take more than ``max_one``."""
         return await self._call(self._append, conversation_id, owner, items)
 
-    async def delete_item(self, conversation_id: str, owner: str, item_id: str) -> bool | None:
-        """Whether the item was there (None: ``owner`` has no such conversation)."""
+    async def delete_item(self, conversation_id: str, owner: str, item_id: str) -> dict | None:
+        """The conversation, without the item (``KeyError`` where it had none of that id); None: no such
+        conversation."""
         return await self._call(self._delete_item, conversation_id, owner, item_id)
 
     # ------------------------------------------------------------------ on the store's thread
 
     def _put(self, response: dict, input_items: list[dict], owner: str) -> None:
-        """``response`` itself kept where its ``store`` says so (and it takes at most ``max_one``)."""
         db, blob, given = self._conn(), orjson.dumps(response), orjson.dumps(input_items)
         conversation = (response.get("conversation") or {}).get("id")
         with db:
             db.execute("BEGIN IMMEDIATE")
-            if response["store"] and len(blob) + len(given) > self.max_one:
+            if response["store"] and len(blob) + len(given) > self.max_one:  # (its output made it so)
                 log.warning("response %s not stored: it takes %d bytes, past the %d one may take (a sixteenth of "
                             "--responses-store-mib)", response["id"], len(blob) + len(given), self.max_one)
             elif response["store"]:
@@ -156,7 +191,7 @@ class ResponseStore:
                             len(blob) + len(given), blob, given))
             if conversation is not None:
                 self._append_in(db, conversation, owner, [*input_items, *_replayed(response["output"])])
-            self._evict(db, response["id"])
+            self._evict(db, (response["id"], conversation))
 
     def _create(self, conversation: dict, items: list[dict], owner: str) -> None:
         db, metadata = self._conn(), orjson.dumps(conversation["metadata"])
@@ -165,7 +200,7 @@ class ResponseStore:
             db.execute("INSERT INTO conversations VALUES (?, ?, ?, ?, ?, ?)",
                        (conversation["id"], owner, time.time(), len(metadata), conversation["created_at"], metadata))
             self._append_in(db, conversation["id"], owner, items)
-            self._evict(db, conversation["id"])
+            self._evict(db, (conversation["id"],))
 
     def _append(self, conversation_id: str, owner: str, items: list[dict]) -> bool:
         db = self._conn()
@@ -173,95 +208,91 @@ class ResponseStore:
             db.execute("BEGIN IMMEDIATE")
             if not self._append_in(db, conversation_id, owner, items):
                 return False
-            self._evict(db, conversation_id)
+            self._evict(db, (conversation_id,))
         return True
 
-    @staticmethod
-    def _append_in(db: sqlite3.Connection, conversation_id: str, owner: str, items: list[dict]) -> bool:
-        found = db.execute("SELECT 1 FROM conversations WHERE id = ? AND owner = ?", (conversation_id, owner)).fetchone()
+    def _append_in(self, db: sqlite3.Connection, conversation_id: str, owner: str, items: list[dict]) -> bool:
+        """``items`` after the conversation's, its oldest dropped while it takes more than ``max_one``."""
+        found = db.execute("SELECT size FROM conversations WHERE id = ? AND owner = ?",
+                           (conversation_id, owner)).fetchone()
         if found is None:  # (deleted, or evicted, since the call began: its items go nowhere)
             return False
         last = db.execute("SELECT MAX(seq) FROM items WHERE conversation = ?", (conversation_id,)).fetchone()[0]
         rows = [(conversation_id, (last or 0) + 1 + k, item["id"], orjson.dumps(item)) for k, item in enumerate(items)]
         db.executemany("INSERT INTO items VALUES (?, ?, ?, ?)", rows)
-        db.execute("UPDATE conversations SET size = size + ?, used = ? WHERE id = ?",
-                   (sum(len(r[3]) for r in rows), time.time(), conversation_id))
+        size, dropped = found[0] + sum(len(r[3]) for r in rows), []
+        if size > self.max_one:
+            for seq, n in db.execute("SELECT seq, LENGTH(item) FROM items WHERE conversation = ? ORDER BY seq",
+                                     (conversation_id,)):
+                if size <= self.max_one:
+                    break
+                dropped.append((conversation_id, seq))
+                size -= n
+            db.executemany("DELETE FROM items WHERE conversation = ? AND seq = ?", dropped)
+        db.execute("UPDATE conversations SET size = ?, used = ? WHERE id = ?", (size, time.time(), conversation_id))
         return True
 
-    def _evict(self, db: sqlite3.Connection, keep: str) -> None:
+    def _evict(self, db: sqlite3.Connection, keep: tuple[str | None, ...]) -> None:
         """While the store holds more than ``max_bytes``: of the key that holds the most, its least recently used
-        Response or conversation (never ``keep``, the one just written) deleted."""
-        held = dict(db.execute(f"SELECT owner, SUM(size) FROM ({_ALL}) GROUP BY owner").fetchall())
+        Response or conversation deleted (never one of ``keep``, those just written)."""
+        held = dict(db.execute("SELECT owner, size FROM owners WHERE size > 0").fetchall())
         excess = sum(held.values()) - self.max_bytes
-        rows: dict[str, sqlite3.Cursor] = {}  # each key's things, least recently used first
-        victims: dict[str, list] = {"responses": [], "conversations": []}
-        while excess > 0:
+        kept = [k for k in keep if k is not None]
+        spared = f"AND id NOT IN ({', '.join('?' * len(kept))})"
+        lru: dict[str, list] = {}  # a key's next things to go, the least recently used last (popped)
+        while excess > 0 and held:
             owner = max(held, key=held.__getitem__)
-            if owner not in rows:
-                rows[owner] = db.execute(f"SELECT kind, id, size FROM ({_ALL}) WHERE owner = ? AND id != ? "
-                                         "ORDER BY used", (owner, keep))
-            victim = rows[owner].fetchone()
-            if victim is None:  # (all it holds is ``keep``)
-                del held[owner]
-                if not held:
-                    break
-                continue
-            victims[victim[0]].append((victim[1],))
-            held[owner] -= victim[2]
-            excess -= victim[2]
-        db.executemany("DELETE FROM responses WHERE id = ?", victims["responses"])
-        db.executemany("DELETE FROM conversations WHERE id = ?", victims["conversations"])
-        db.executemany("DELETE FROM items WHERE conversation = ?", victims["conversations"])
+            if not lru.get(owner):  # (64 of each table at a time: most writes evict one thing, or none)
+                lru[owner] = sorted([(used, table, i, n) for table in ("responses", "conversations")
+                                     for i, n, used in db.execute(
+                                         f"SELECT id, size, used FROM {table} WHERE owner = ? {spared} ORDER BY used "
+                                         "LIMIT 64", (owner, *kept))], reverse=True)
+                if not lru[owner]:  # (all it holds is what was just written)
+                    del held[owner]
+                    continue
+            _, table, victim, n = lru[owner].pop()
+            db.execute(f"DELETE FROM {table} WHERE id = ?", (victim,))
+            held[owner] -= n
+            excess -= n
 
-    def _row(self, response_id: str, owner: str, column: int) -> dict | list | None:
-        row = self._conn().execute("SELECT previous, response, input FROM responses WHERE id = ? AND owner = ?",
+    def _row(self, response_id: str, owner: str, column: str) -> dict | list | None:
+        row = self._conn().execute(f"SELECT {_COLUMNS[column]} FROM responses WHERE id = ? AND owner = ?",
                                    (response_id, owner)).fetchone()
-        return orjson.loads(row[column]) if row is not None else None
+        return orjson.loads(row[0]) if row is not None else None
 
     def _delete(self, table: str, thing_id: str, owner: str) -> bool:
         with self._conn() as db:
             db.execute("BEGIN IMMEDIATE")
-            if db.execute(f"DELETE FROM {table} WHERE id = ? AND owner = ?", (thing_id, owner)).rowcount == 0:
-                return False
-            if table == "conversations":
-                db.execute("DELETE FROM items WHERE conversation = ?", (thing_id,))
-        return True
-
-    def _chain(self, response_id: str, owner: str) -> list[tuple[bytes, bytes]] | None:
-        """The (response, input) of ``response_id`` and of each Response before it, newest first; each marked
-        used now (a conversation being continued is evicted last)."""
-        db, rows, ids = self._conn(), [], []
-        with db:
-            db.execute("BEGIN IMMEDIATE")  # (it marks them used: a write, after these reads)
-            at: str | None = response_id
-            while at is not None:
-                row = db.execute("SELECT previous, response, input FROM responses WHERE id = ? AND owner = ?",
-                                 (at, owner)).fetchone()
-                if row is None:
-                    if not rows:
-                        return None
-                    raise BrokenChain(f"the response {at!r} it continues is no longer stored")
-                if len(rows) == MAX_CHAIN:
-                    raise BrokenChain(f"its conversation chains more than {MAX_CHAIN} responses")
-                ids.append((at,))
-                rows.append(row[1:])
-                at = row[0]
-            db.executemany(f"UPDATE responses SET used = {time.time()!r} WHERE id = ?", ids)
-        return rows
+            return db.execute(f"DELETE FROM {table} WHERE id = ? AND owner = ?", (thing_id, owner)).rowcount > 0
 
     def _history(self, response_id: str, owner: str) -> tuple[list[dict], str] | None:
-        rows = self._chain(response_id, owner)
-        if rows is None:
-            return None
+        """(Read first, then marked used in a write of its own: a read takes no lock.)"""
+        db, rows = self._conn(), []
+        at: str | None = response_id
+        while at is not None:
+            row = db.execute("SELECT previous, response, input FROM responses WHERE id = ? AND owner = ?",
+                             (at, owner)).fetchone()
+            if row is None:
+                if not rows:
+                    return None
+                raise BrokenChain(f"the response {at!r} it continues is no longer stored")
+            if len(rows) == MAX_CHAIN:
+                raise BrokenChain(f"its conversation chains more than {MAX_CHAIN} responses")
+            rows.append((at, *row[1:]))
+            at = row[0]
         items: list[dict] = []
-        for response, given in reversed(rows):
+        for _, response, given in reversed(rows):
             response = orjson.loads(response)
             if response.get("conversation") is not None:  # (its turn is one of that conversation's, not a chain's)
                 raise BrokenChain(f"the response {response['id']!r} went on with the conversation "
                                   f"{response['conversation']['id']!r}: continue that conversation instead")
             items += orjson.loads(given)
             items += _replayed(response["output"])
-        return items, orjson.loads(rows[-1][0])["id"]
+        with db:
+            db.execute("BEGIN IMMEDIATE")
+            now = time.time()
+            db.executemany("UPDATE responses SET used = ? WHERE id = ?", [(now, r[0]) for r in rows])
+        return items, rows[-1][0]
 
     def _header(self, conversation_id: str, owner: str) -> dict | None:
         row = self._conn().execute("SELECT created_at, metadata FROM conversations WHERE id = ? AND owner = ?",
@@ -269,7 +300,8 @@ class ResponseStore:
         return {"id": conversation_id, "object": "conversation", "created_at": row[0],
                 "metadata": orjson.loads(row[1])} if row is not None else None
 
-    def _update(self, conversation_id: str, owner: str, metadata: bytes) -> dict | None:
+    def _update(self, conversation_id: str, owner: str, metadata: dict) -> dict | None:
+        blob = orjson.dumps(metadata)
         with self._conn() as db:
             db.execute("BEGIN IMMEDIATE")
             old = db.execute("SELECT metadata FROM conversations WHERE id = ? AND owner = ?",
@@ -277,37 +309,69 @@ class ResponseStore:
             if old is None:
                 return None
             db.execute("UPDATE conversations SET metadata = ?, size = size + ? WHERE id = ?",
-                       (metadata, len(metadata) - len(old[0]), conversation_id))
+                       (blob, len(blob) - len(old[0]), conversation_id))
         return self._header(conversation_id, owner)
 
-    def _items(self, conversation_id: str, owner: str) -> list[dict] | None:
-        db = self._conn()
-        with db:
+    def _touch(self, conversation_id: str, owner: str) -> bool:
+        """Mark a conversation used (False: ``owner`` has none of that id)."""
+        with self._conn() as db:
             db.execute("BEGIN IMMEDIATE")
-            if db.execute("UPDATE conversations SET used = ? WHERE id = ? AND owner = ?",
-                          (time.time(), conversation_id, owner)).rowcount == 0:
-                return None
-            rows = db.execute("SELECT item FROM items WHERE conversation = ? ORDER BY seq", (conversation_id,)).fetchall()
+            return db.execute("UPDATE conversations SET used = ? WHERE id = ? AND owner = ?",
+                              (time.time(), conversation_id, owner)).rowcount > 0
+
+    def _items(self, conversation_id: str, owner: str) -> list[dict] | None:
+        if not self._touch(conversation_id, owner):
+            return None
+        rows = self._conn().execute("SELECT item FROM items WHERE conversation = ? ORDER BY seq",
+                                    (conversation_id,)).fetchall()
         return [orjson.loads(r[0]) for r in rows]
 
-    def _delete_item(self, conversation_id: str, owner: str, item_id: str) -> bool | None:
+    def _page(self, conversation_id: str, owner: str, limit: int, descending: bool,
+              after: str | None) -> tuple[list[dict], bool] | None:
+        if self._header(conversation_id, owner) is None:
+            return None
+        db, order, beyond = self._conn(), "DESC" if descending else "ASC", "<" if descending else ">"
+        start = ""
+        if after is not None:
+            seq = db.execute("SELECT seq FROM items WHERE conversation = ? AND id = ? ORDER BY seq LIMIT 1",
+                             (conversation_id, after)).fetchone()
+            if seq is None:
+                raise KeyError(after)
+            start = f"AND seq {beyond} {int(seq[0])}"
+        rows = db.execute(f"SELECT item FROM items WHERE conversation = ? {start} ORDER BY seq {order} LIMIT ?",
+                          (conversation_id, limit + 1)).fetchall()
+        return [orjson.loads(r[0]) for r in rows[:limit]], len(rows) > limit
+
+    def _item(self, conversation_id: str, owner: str, item_id: str) -> dict | None:
+        if self._header(conversation_id, owner) is None:
+            return None
+        row = self._conn().execute("SELECT item FROM items WHERE conversation = ? AND id = ? ORDER BY seq LIMIT 1",
+                                   (conversation_id, item_id)).fetchone()
+        if row is None:
+            raise KeyError(item_id)
+        return orjson.loads(row[0])
+
+    def _delete_item(self, conversation_id: str, owner: str, item_id: str) -> dict | None:
         with self._conn() as db:
             db.execute("BEGIN IMMEDIATE")
             if db.execute("SELECT 1 FROM conversations WHERE id = ? AND owner = ?",
                           (conversation_id, owner)).fetchone() is None:
                 return None
-            row = db.execute("SELECT seq, item FROM items WHERE conversation = ? AND id = ? ORDER BY seq LIMIT 1",
-                             (conversation_id, item_id)).fetchone()
+            row = db.execute("SELECT seq, LENGTH(item) FROM items WHERE conversation = ? AND id = ? ORDER BY seq "
+                             "LIMIT 1", (conversation_id, item_id)).fetchone()
             if row is None:
-                return False
+                raise KeyError(item_id)
             db.execute("DELETE FROM items WHERE conversation = ? AND seq = ?", (conversation_id, row[0]))
-            db.execute("UPDATE conversations SET size = size - ? WHERE id = ?", (len(row[1]), conversation_id))
-        return True
+            db.execute("UPDATE conversations SET size = size - ? WHERE id = ?", (row[1], conversation_id))
+        return self._header(conversation_id, owner)
 
     def _close(self) -> None:
         if self._db is not None:
             self._db.close()
             self._db = None
+
+
+_COLUMNS = {"response": "response", "input": "input"}  # what ``_row`` may read
 
 
 def connect(path: str, durable: bool = False) -> sqlite3.Connection:

@@ -57,8 +57,9 @@ INCLUDABLE = (LOGPROBS, "reasoning.encrypted_content", "message.input_image.imag
               "code_interpreter_call.outputs")
 
 
-def _new_id(prefix: str) -> str:
-    return f"{prefix}_{os.urandom(12).hex()}"
+def new_id(prefix: str) -> str:
+    """An id none can guess (a stored thing's is all it takes to read it back), in OpenAI's shape."""
+    return f"{prefix}_{os.urandom(16).hex()}"
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -148,7 +149,12 @@ def _read_items(items: list, name: str, messages: list[dict], sources: list[str]
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
                              "content": _text_of(item.get("output"), f"{name}[{i}].output")})
             sources.append(f"{name}[{i}]")
-        elif kind != "reasoning":  # earlier thinking: chat templates drop it from the history anyway
+        elif kind == "reasoning":  # earlier thinking: chat templates drop it from the history anyway (it is kept)
+            for part in ("summary", "content"):
+                if not (item.get(part) is None or isinstance(item[part], list)
+                        and all(isinstance(p, dict) for p in item[part])):
+                    raise ApiError(400, f"{name}[{i}].{part} must be a list of objects", param=name)
+        else:
             raise ApiError(400, f"{name}[{i}]: items of type {kind!r} are not supported (message, function_call, "
                            "function_call_output are)", param=name)
 
@@ -239,7 +245,7 @@ def stored_items(items: str | list[dict]) -> list[dict]:
         kept = {k: item[k] for k in _ITEM_FIELDS[kind] if k in item}
         kept["type"] = kind
         if not isinstance(kept.get("id"), str):
-            kept["id"] = _new_id(_ITEM_IDS[kind])
+            kept["id"] = new_id(_ITEM_IDS[kind])
         content = kept.get("content")
         if kind == "message" and isinstance(content, str):
             kept["content"] = [{"type": "output_text" if item.get("role") == "assistant" else "input_text",
@@ -640,15 +646,15 @@ class ResponsesFormat(ItemWriter):
 
     @staticmethod
     def _reasoning() -> dict:
-        return {"id": _new_id("rs"), "type": "reasoning", "summary": [], "status": "in_progress",
+        return {"id": new_id("rs"), "type": "reasoning", "summary": [], "status": "in_progress",
                 "content": [{"type": "reasoning_text", "text": ""}]}
 
     @staticmethod
     def _message() -> dict:
-        return {"id": _new_id("msg"), "type": "message", "role": "assistant", "status": "in_progress",
+        return {"id": new_id("msg"), "type": "message", "role": "assistant", "status": "in_progress",
                 "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]}
 
     @staticmethod
     def _function_call(call: dict) -> dict:
-        return {"id": _new_id("fc"), "type": "function_call", "call_id": call["id"],
+        return {"id": new_id("fc"), "type": "function_call", "call_id": call["id"],
                 "name": call["function"]["name"], "arguments": "", "status": "in_progress"}

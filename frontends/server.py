@@ -177,7 +177,7 @@ async def serve(args: FrontendArgs, ready: Callable[[], None] | None = None) -> 
         await http.shutdown(args.shutdown_grace)
         await client.close()
         if store is not None:
-            store.close()
+            await store.close()
 
 
 def run_frontend(args: FrontendArgs, ready: Callable[[], None] | None = None) -> None:

@@ -7,7 +7,6 @@ retrieve, delete), each under the caller's API key. Lists page as OpenAI's do (`
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from urllib.parse import parse_qs, unquote
@@ -16,10 +15,10 @@ import orjson
 
 from frontends import openai_params as op
 from frontends.auth import Auth
-from frontends.errors import ApiError
+from frontends.errors import ApiError, shown
 from frontends.http import Request, Response, Router
-from frontends.openai_api import QUERY_FALSE, QUERY_TRUE
-from frontends.responses import check_items, check_metadata, stored_items
+from frontends.response_store import ResponseStore
+from frontends.responses import check_items, check_metadata, new_id, stored_items
 
 MAX_NEW_ITEMS = 20  # a conversation's items added in one call (OpenAI's limit)
 
@@ -28,26 +27,40 @@ def _json(obj: object) -> Response:
     return Response(200, orjson.dumps(obj))
 
 
-def _shown(thing_id: str) -> str:
-    return thing_id if len(thing_id) <= 256 else thing_id[:256] + "..."  # (an id of 60,000 characters: not said back)
+def conversation_missing(conversation_id: str, param: str = "conversation_id") -> ApiError:
+    return ApiError(404, f"Conversation with id '{shown(conversation_id)}' not found.", param=param)
 
 
-def _listed(items: list[dict], query: dict[str, str]) -> dict:
-    """A page of ``items`` as OpenAI lists them: ``order`` ("desc", the default, newest first; or "asc"), from
-    after the item ``after``, at most ``limit`` (1 to 100, 20 by default)."""
+def too_large(store: ResponseStore, param: str) -> ApiError:
+    return ApiError(400, f"{param} takes more than the {store.max_one} bytes one call may add to a conversation "
+                    "(a sixteenth of --responses-store-mib)", param=param)
+
+
+def _paging(query: dict[str, str]) -> tuple[int, bool, str | None]:
+    """A list's ``limit`` (1 to 100, 20 by default), whether its ``order`` is "desc" (the default, newest first; or
+    "asc"), and the item it starts ``after``: OpenAI's paging."""
     order, limit = query.get("order", "desc"), query.get("limit", "20")
     if order not in ("asc", "desc"):
         raise ApiError(400, f"order must be 'asc' or 'desc', got {order!r}", param="order")
     if not (re.fullmatch(r"[0-9]{1,3}", limit) and 1 <= int(limit) <= 100):  # (not isdigit: "²" is a digit)
         raise ApiError(400, f"limit must be an integer in [1, 100], got {limit!r}", param="limit")
-    ordered = items[::-1] if order == "desc" else items
-    if "after" in query:
-        at = next((k for k, item in enumerate(ordered) if item.get("id") == query["after"]), None)
+    return int(limit), order == "desc", query.get("after")
+
+
+def _no_after(after: str) -> ApiError:
+    return ApiError(400, f"after: no item with id '{shown(after)}'", param="after")
+
+
+def _listed(items: list[dict], query: dict[str, str]) -> dict:
+    """A page of ``items`` (all of them in hand) as ``_paging`` asks."""
+    limit, descending, after = _paging(query)
+    ordered = items[::-1] if descending else items
+    if after is not None:
+        at = next((k for k, item in enumerate(ordered) if item.get("id") == after), None)
         if at is None:
-            raise ApiError(400, f"after: no item with id '{_shown(query['after'])}'", param="after")
+            raise _no_after(after)
         ordered = ordered[at + 1:]
-    page = ordered[:int(limit)]
-    return _page(page, has_more=len(ordered) > len(page))
+    return _page(ordered[:limit], has_more=len(ordered) > limit)
 
 
 def _page(items: list[dict], has_more: bool = False) -> dict:
@@ -83,9 +96,8 @@ class StoredApi:
         """Items given to a conversation, checked (at most ``MAX_NEW_ITEMS``, as ``input``'s are, and a sixteenth of
         the store in all), as the store keeps them."""
         items = stored_items(check_items(items, "items", MAX_NEW_ITEMS))
-        if len(orjson.dumps(items)) > self.store.max_one:
-            raise ApiError(400, f"items take more than the {self.store.max_one} bytes one call may add to a "
-                           "conversation (a sixteenth of --responses-store-mib)", param="items")
+        if not self.store.fits(items):
+            raise too_large(self.store, "items")
         return items
 
     def _none_kept(self, what: str) -> None:
@@ -98,7 +110,7 @@ class StoredApi:
         """``GET /v1/responses/{id}`` (the client's ``responses.retrieve``), ``DELETE`` (``responses.delete``) and
         ``GET /v1/responses/{id}/input_items`` (``responses.input_items.list``)."""
         response_id, rest = self._path(req, "/v1/responses/")
-        missing = ApiError(404, f"Response with id '{_shown(response_id)}' not found.", param="response_id")
+        missing = ApiError(404, f"Response with id '{shown(response_id)}' not found.", param="response_id")
         if rest not in ([], ["input_items"]) or (rest and req.method == "DELETE"):
             raise ApiError(404, f"No route for {req.method} {req.path}", type="not_found_error")
         self._none_kept(missing.message)
@@ -109,11 +121,11 @@ class StoredApi:
             return _json({"id": response_id, "object": "response.deleted", "deleted": True})
         if not rest:
             stream = query.get("stream", "false").lower()
-            if stream in QUERY_TRUE:
+            if stream in op.QUERY_TRUE:
                 raise ApiError(400, "a stored response is not streamed again (background responses are not "
                                "supported)", param="stream")
-            if stream not in QUERY_FALSE:
-                raise ApiError(400, f"stream must be true or false, got {_shown(stream)!r}", param="stream")
+            if stream not in op.QUERY_FALSE:
+                raise ApiError(400, f"stream must be true or false, got {shown(stream)!r}", param="stream")
             response = await self.store.get(response_id, owner)
             if response is None:
                 raise missing
@@ -130,9 +142,9 @@ class StoredApi:
         data = op.parse_json(req.body)
         self._none_kept("Conversations are not kept")
         check_metadata(data.get("metadata"))
-        items = self._new_items(data.get("items") or [])
-        conversation = {"id": f"conv_{os.urandom(12).hex()}", "object": "conversation",
-                        "created_at": int(time.time()), "metadata": data.get("metadata") or {}}
+        items = self._new_items(data["items"] if data.get("items") is not None else [])
+        conversation = {"id": new_id("conv"), "object": "conversation", "created_at": int(time.time()),
+                        "metadata": data.get("metadata") or {}}
         await self.store.create_conversation(conversation, items, self._owner(req))
         return _json(conversation)
 
@@ -140,8 +152,7 @@ class StoredApi:
         """``/v1/conversations/{id}``: GET, POST (its ``metadata``), DELETE; ``.../items``: GET (a page), POST (more
         ``items``); ``.../items/{item_id}``: GET, DELETE (answered with the conversation)."""
         conversation_id, rest = self._path(req, "/v1/conversations/")
-        missing = ApiError(404, f"Conversation with id '{_shown(conversation_id)}' not found.",
-                           param="conversation_id")
+        missing = conversation_missing(conversation_id)
         routes = {(): ("GET", "POST", "DELETE"), ("items",): ("GET", "POST"), ("items", "*"): ("GET", "DELETE")}
         shape = tuple(rest[:1]) + (("*",) if len(rest) == 2 and rest[1] else ())
         if len(rest) > 2 or shape not in routes:
@@ -175,27 +186,25 @@ class StoredApi:
             if not await store.add_items(conversation_id, owner, items):
                 raise missing
             return _json(_page(items))
-        if len(rest) == 2 and req.method == "DELETE":
-            gone = await store.delete_item(conversation_id, owner, rest[1])
-            if gone is None:
-                raise missing
-            if not gone:
-                raise _no_item(rest[1])
-            return _json(await store.conversation(conversation_id, owner) or {})
-        items = await store.items(conversation_id, owner)
-        if items is None:
+        try:
+            if len(rest) == 1:  # a page of its items
+                limit, descending, after = _paging(_query(req))
+                try:
+                    found = await store.items_page(conversation_id, owner, limit, descending, after)
+                except KeyError:
+                    raise _no_after(after) from None
+                if found is None:
+                    raise missing
+                return _json(_page(*found))
+            found = await (store.delete_item if req.method == "DELETE" else store.item)(conversation_id, owner, rest[1])
+        except KeyError:
+            raise ApiError(404, f"Item with id '{shown(rest[1])}' not found.", param="item_id") from None
+        if found is None:
             raise missing
-        if len(rest) == 1:
-            return _json(_listed(items, _query(req)))
-        item = next((i for i in items if i.get("id") == rest[1]), None)
-        if item is None:
-            raise _no_item(rest[1])
-        return _json(item)
+        return _json(found)  # (the item; after a delete, the conversation, as OpenAI answers)
 
 
 def _query(req: Request) -> dict[str, str]:
     return {k: v[-1] for k, v in parse_qs(req.query, keep_blank_values=True).items()}
 
 
-def _no_item(item_id: str) -> ApiError:
-    return ApiError(404, f"Item with id '{_shown(item_id)}' not found.", param="item_id")

@@ -200,6 +200,15 @@ def test_served_prompt_cache_key_finds_its_prefix_in_one_engines_cache(tmp_path,
             hits.append(r.usage.input_tokens_details.cached_tokens)
             previous = r.id
         assert len(set(places)) == 1 and all(h > 0 for h in hits[1:]), (places, hits)
+        conversation = client.conversations.create(items=[{"type": "message", "role": "system",
+                                                           "content": "You answer questions. " * 20}])
+        places = []  # and a stored conversation's: its id is its key
+        for turn in range(6):
+            before = [len(e.adds) for e in engines]
+            client.responses.create(model=MODEL, input=f"Question {turn}: " + "lorem ipsum " * 10, max_output_tokens=2,
+                                    conversation=conversation.id)
+            places.append(next(i for i, e in enumerate(engines) if len(e.adds) > before[i]))
+        assert len(set(places)) == 1, places
     finally:
         assert stop_frontend(proc) == 0
         for e in engines:

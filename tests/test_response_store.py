@@ -41,8 +41,8 @@ def test_a_conversation_is_its_responses_turns_in_order(tmp_path):
         assert await b.delete("r1", "k") and not await b.delete("r1", "k")
         with pytest.raises(BrokenChain, match="'r1' it continues is no longer stored"):
             await a.history("r2", "k")
-        a.close()
-        b.close()
+        await a.close()
+        await b.close()
 
     asyncio.run(run())
 
@@ -64,35 +64,73 @@ def test_past_its_bound_the_least_recently_used_go_first(tmp_path):
         big = {**response("r33"), "output": [{"type": "message", "text": "x" * 2 * one}]}
         await store.put(big, said("r33", "q"), "k")  # (review: one past the bound evicted every other)
         assert await store.get("r33", "k") is None and await store.get("r03", "k") is not None
-        store.close()
+        await store.close()
 
     asyncio.run(run())
 
 
 def test_conversations_count_against_the_bound_with_the_responses(tmp_path):
     """A conversation's items are its size; the least recently used of Responses and conversations goes first, a
-    conversation with all its items; reading or growing a conversation uses it."""
+    conversation with all its items; reading or growing a conversation uses it; one conversation keeps its newest
+    items within a sixteenth of the bound."""
     async def run():
-        item = said("i", "q" * 1000)[0]
-        store = ResponseStore(str(tmp_path / "r.db"), 4400)  # (the two conversations take about 4240)
-        for name in ("c1", "c2"):
-            await store.create_conversation({"id": name, "created_at": 0, "metadata": {}}, [], "k")
-            assert await store.add_items(name, "k", [{**item, "id": f"{name}-1"}, {**item, "id": f"{name}-2"}])
-        await store.items("c1", "k")  # c1 used after c2
-        await store.put(response("r1"), said("r1", "q"), "k")  # past 4400: c2 goes, whole
-        assert await store.conversation("c2", "k") is None and await store.items("c2", "k") is None
-        assert [i["id"] for i in await store.items("c1", "k")] == ["c1-1", "c1-2"]
-        assert not await store.add_items("c2", "k", [item])
-        assert await store.delete_item("c1", "k", "c1-1") and not await store.delete_item("c1", "k", "c1-1")
-        assert await store.delete_item("c2", "k", "c2-1") is None
-        assert await store.update_conversation("c1", "k", {"a": "b"}) == {
-            "id": "c1", "object": "conversation", "created_at": 0, "metadata": {"a": "b"}}
-        assert await store.update_conversation("c1", "other", {}) is None
+        item = said("i", "q" * 500)[0]
+        store = ResponseStore(str(tmp_path / "r.db"), 16 * 1200)
+        for k in range(18):  # (2 items of ~560 bytes each: the 18th is past the bound)
+            await store.create_conversation({"id": f"c{k}", "created_at": 0, "metadata": {}}, [], "k")
+            assert await store.add_items(f"c{k}", "k", [{**item, "id": f"c{k}-1"}, {**item, "id": f"c{k}-2"}])
+            await store.items("c0", "k")  # (c0 used last, always)
+        assert await store.conversation("c1", "k") is None and await store.conversation("c0", "k") is not None
+        assert await store._call(lambda: store._conn().execute(
+            "SELECT COUNT(*) FROM items WHERE conversation = 'c1'").fetchone()[0]) == 0
+        assert not await store.add_items("c1", "k", [item])
+        # one conversation that grows keeps its newest items, within a sixteenth of the bound
+        for k in range(3, 8):
+            assert await store.add_items("c0", "k", [{**item, "id": f"c0-{k}"}])
+        assert [i["id"] for i in await store.items("c0", "k")] == ["c0-6", "c0-7"]
+        # its items, deleted one by one, and its metadata
+        assert (await store.delete_item("c0", "k", "c0-6"))["id"] == "c0"
+        with pytest.raises(KeyError):
+            await store.delete_item("c0", "k", "c0-6")
+        assert await store.delete_item("c1", "k", "c1-1") is None
+        assert await store.update_conversation("c0", "k", {"a": "b"}) == {
+            "id": "c0", "object": "conversation", "created_at": 0, "metadata": {"a": "b"}}
+        assert await store.update_conversation("c0", "other", {}) is None
         # a Response that went on with a conversation adds its input and output to it, stored itself or not
-        await store.put({**response("r2", text="A"), "store": False, "conversation": {"id": "c1"}}, said("r2", "Q"), "k")
-        assert [i["id"] for i in await store.items("c1", "k")] == ["c1-2", "in_r2", "msg_r2"]
+        await store.put({**response("r2", text="A"), "store": False, "conversation": {"id": "c0"}}, said("r2", "Q"), "k")
+        assert [i["id"] for i in await store.items("c0", "k")] == ["c0-7", "in_r2", "msg_r2"]
         assert await store.get("r2", "k") is None
-        store.close()
+        page, more = await store.items_page("c0", "k", 2, True, None)
+        assert [i["id"] for i in page] == ["msg_r2", "in_r2"] and more
+        page, more = await store.items_page("c0", "k", 2, True, "in_r2")
+        assert [i["id"] for i in page] == ["c0-7"] and not more
+        with pytest.raises(KeyError):
+            await store.items_page("c0", "k", 2, False, "nope")
+        # what each key holds, kept by the triggers, is what its things take
+        held = await store._call(lambda: store._conn().execute(
+            "SELECT (SELECT size FROM owners WHERE owner = 'k'), (SELECT SUM(size) FROM conversations) + "
+            "(SELECT IFNULL(SUM(size), 0) FROM responses)").fetchone())
+        assert held[0] == held[1]
+        await store.close()
+        await store.close()  # (twice: review)
+
+    asyncio.run(run())
+
+
+def test_a_key_growing_a_conversation_evicts_nobody_else(tmp_path):
+    """One key adding item after item to one conversation: another key's things stay (review: they were all
+    evicted, and the conversation itself went with the turn that grew it)."""
+    async def run():
+        store = ResponseStore(str(tmp_path / "r.db"), 100_000)
+        for k in range(5):
+            await store.put(response(f"b{k}"), said(f"b{k}", "q"), "B")
+        await store.create_conversation({"id": "c", "created_at": 0, "metadata": {}}, [], "A")
+        for k in range(30):
+            assert await store.add_items("c", "A", [{**said("i", "x" * 5000)[0], "id": f"i{k}"}])
+            await store.put({**response(f"a{k}"), "conversation": {"id": "c"}}, said(f"a{k}", "q"), "A")
+        assert all([await store.get(f"b{k}", "B") is not None for k in range(5)])
+        assert (await store.items("c", "A"))[-1]["id"] == "msg_a29"
+        await store.close()
 
     asyncio.run(run())
 
@@ -109,7 +147,7 @@ def test_the_key_that_holds_the_most_gives_back_first(tmp_path):
         assert all([await store.get(f"b{k}", "B") is not None for k in range(4)])
         kept = [k for k in range(40) if await store.get(f"a{k}", "A") is not None]
         assert kept == list(range(40 - len(kept), 40)) and 8 < len(kept) < 16  # A's latest, within the bound
-        store.close()
+        await store.close()
 
     asyncio.run(run())
 
@@ -137,7 +175,7 @@ def test_frontends_writing_at_once_wait_their_turn(tmp_path):
         items, first = await stores[1].history("r400", "k")
         assert first == "r0" and [i["id"] for i in items[::2]] == [f"in_{r}" for r in reversed(chain)]
         for store in stores:
-            store.close()
+            await store.close()
 
     asyncio.run(run())
 
@@ -155,6 +193,6 @@ def test_a_call_cut_short_is_not_read_again(tmp_path):
         items, _ = await store.history("r1", "k")
         assert [i["id"] for i in items] == ["in_r1", "msg_1"]
         assert (await store.get("r1", "k"))["output"] == cut["output"]  # (kept as it was answered)
-        store.close()
+        await store.close()
 
     asyncio.run(run())

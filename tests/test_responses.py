@@ -106,6 +106,8 @@ def test_a_function_without_parameters():
     ({"input": "hi", "include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs"),
     ({"input": "hi", "top_logprobs": True}, "top_logprobs"),
     ({"input": "hi", "top_logprobs": 2.5}, "top_logprobs"),
+    ({"input": [{"type": "reasoning", "content": [1]}]}, "input"),  # (review: a 500 when it was stored)
+    ({"input": [{"type": "reasoning", "summary": "x"}]}, "input"),
     ({"input": "hi", "n": 2}, "n"),  # (the chat's and completions' own fields: one Response is one answer)
     ({"input": "hi", "n": True}, "n"),
     ({"input": "hi", "max_tokens": 5}, "max_tokens"),
@@ -677,6 +679,8 @@ def test_a_conversation_holds_its_turns_and_grows_with_each_response(kept):
     ({"items": [{"type": "message", "role": "user", "content": "x"}] * 21}, "items"),
     ({"items": [{"type": "web_search_call"}]}, "items"),
     ({"items": [5]}, "items"),
+    ({"items": {}}, "items"),
+    ({"items": [{"type": "reasoning", "content": [1]}]}, "items"),  # (review: a 500)
     ({"metadata": {"k": 5}}, "metadata"),
     ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
 ])
