@@ -62,6 +62,7 @@ from frontends.responses import (
     RESPONSES_PARAMS,
     ResponsesFormat,
     at_sources,
+    check_unique,
     conversation_id,
     new_id,
     oldest_turns_dropped,
@@ -691,7 +692,9 @@ class OpenAIApi:
         history, first, conversation = await self._history(data, owner)
         sources: list[str] = []  # (where each chat message came from, for refusals that name one)
         chat = to_chat(data, sources, history)  # (its refusals name this API's fields already)
-        items = stored_items(data["input"]) if store or conversation is not None else None
+        items = stored_items(data["input"]) if store or history is not None else None
+        if history is not None:
+            check_unique(items, "input", {i["id"] for i in history if isinstance(i.get("id"), str)})
         if items is not None and not self.responses_store.fits(items):
             if conversation is not None:
                 raise too_large(self.responses_store, "input")

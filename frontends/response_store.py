@@ -72,6 +72,10 @@ class BrokenChain(Exception):
     (evicted, or deleted), it chains more than ``MAX_CHAIN``, or it went on with a stored conversation."""
 
 
+class DuplicateItem(Exception):
+    """An item added to a conversation has the id of one it holds already."""
+
+
 class ResponseStore:
     def __init__(self, path: str, max_bytes: int, durable: bool = False):
         """``path``: the SQLite file (made if missing, readable by its owner alone); ``durable``: commits survive
@@ -166,8 +170,8 @@ class ResponseStore:
         return await self._call(self._item, conversation_id, owner, item_id)
 
     async def add_items(self, conversation_id: str, owner: str, items: list[dict]) -> bool:
-        """``items`` after the conversation's (False: ``owner`` has no such conversation); its oldest go where it
-        would take more than ``max_one``."""
+        """``items`` after the conversation's (False: ``owner`` has no such conversation; ``DuplicateItem``: one has
+        the id of one it holds); its oldest go where it would take more than ``max_one``."""
         return await self._call(self._append, conversation_id, owner, items)
 
     async def delete_item(self, conversation_id: str, owner: str, item_id: str) -> dict | None:
@@ -206,6 +210,11 @@ class ResponseStore:
         db = self._conn()
         with db:
             db.execute("BEGIN IMMEDIATE")
+            ids = [item["id"] for item in items]
+            held = db.execute(f"SELECT id FROM items WHERE conversation = ? AND id IN ({', '.join('?' * len(ids))})",
+                              (conversation_id, *ids)).fetchone()
+            if held is not None:
+                raise DuplicateItem(held[0])
             if not self._append_in(db, conversation_id, owner, items):
                 return False
             self._evict(db, (conversation_id,))

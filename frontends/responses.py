@@ -28,7 +28,7 @@ from typing import Any
 import orjson
 
 from frontends import openai_params as op
-from frontends.errors import ApiError
+from frontends.errors import ApiError, shown
 from frontends.generation import Generation, Update, text_ids
 from frontends.openai_params import LLAMACPP_SAMPLERS, MAX_LOGPROBS
 from frontends.tools import check_tool
@@ -42,6 +42,7 @@ _PASSED = ("model", "temperature", "top_p", "parallel_tool_calls", "user", "prio
            "guided_grammar", "grammar", "json_schema", "allowed_token_ids", "bad_words", "include_stop_str_in_output",
            *LLAMACPP_SAMPLERS)
 # what a stored input item's id begins with, by its type (OpenAI's prefixes)
+_ROLES = ("user", "assistant", "system", "developer")  # a message item's
 _ITEM_IDS = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 # the chat's and completions' own fields, which would change the answer there: unknown here (as OpenAI answers)
 _OTHER_APIS = {"n": "one Response is one answer", "best_of": "one Response is one answer",
@@ -250,10 +251,11 @@ def stored_items(items: str | list[dict]) -> list[dict]:
         if kind == "message" and isinstance(content, str):
             kept["content"] = [{"type": "output_text" if item.get("role") == "assistant" else "input_text",
                                 "text": content}]
-        elif isinstance(content, list):
-            kept["content"] = [{k: p[k] for k in _PART_FIELDS if k in p} for p in content]
-        if isinstance(kept.get("output"), list):
-            kept["output"] = [{k: p[k] for k in _PART_FIELDS if k in p} for p in kept["output"]]
+        for part in ("content", "summary", "output"):  # (lists of parts, checked: their fields as a part's)
+            if isinstance(kept.get(part), list):
+                kept[part] = [{k: p[k] for k in _PART_FIELDS if k in p} for p in kept[part]]
+        if not isinstance(kept.get("encrypted_content", ""), str):
+            del kept["encrypted_content"]
         kept.setdefault("status", "completed")
         out.append(kept)
     return out
@@ -261,12 +263,36 @@ def stored_items(items: str | list[dict]) -> list[dict]:
 
 def check_items(items: Any, name: str, most: int | None = None) -> list[dict]:
     """``items`` given to a conversation: a list of the items ``input`` may hold (at most ``most``), checked as
-    ``input``'s are."""
+    ``input``'s are, and as the chat will read them (a message's role, an assistant's text parts alone): an item
+    no Response could read is refused here, not at every turn after."""
     if not isinstance(items, list) or (most is not None and len(items) > most):
         raise ApiError(400, f"'{name}' must be a list of at most {most} items" if most else f"'{name}' must be a list",
                        param=name)
     _read_items(items, name, [], [])
+    for i, item in enumerate(items):
+        if item.get("status") not in (None, "in_progress", "completed", "incomplete"):
+            raise ApiError(400, f"{name}[{i}].status must be in_progress, completed or incomplete", param=name)
+        if item.get("type", "message") != "message":
+            continue
+        if item.get("role") not in _ROLES:
+            raise ApiError(400, f"{name}[{i}].role must be one of {', '.join(_ROLES)}, got {item.get('role')!r}",
+                           param=name)
+        if item["role"] == "assistant" and isinstance(item.get("content"), list) and any(
+                p.get("type") == "input_image" for p in item["content"]):
+            raise ApiError(400, f"{name}[{i}]: an assistant's message holds text parts alone", param=name)
     return items
+
+
+def check_unique(items: list[dict], name: str, seen: set[str] | None = None) -> None:
+    """No two of ``items`` (stored items: each with its id), nor one of them and one of ``seen``, share an id: OpenAI's
+    400 (a client that sends an earlier output again with a ``previous_response_id`` or ``conversation`` would
+    show the model that turn twice)."""
+    seen = set(seen or ())
+    for item in items:
+        if item["id"] in seen:
+            raise ApiError(400, f"Duplicate item found with id {shown(item['id'])}. Remove duplicate items from your "
+                           "input and try again.", param=name)
+        seen.add(item["id"])
 
 
 def conversation_id(value: Any) -> str | None:

@@ -17,8 +17,8 @@ from frontends import openai_params as op
 from frontends.auth import Auth
 from frontends.errors import ApiError, shown
 from frontends.http import Request, Response, Router
-from frontends.response_store import ResponseStore
-from frontends.responses import check_items, check_metadata, new_id, stored_items
+from frontends.response_store import DuplicateItem, ResponseStore
+from frontends.responses import check_items, check_metadata, check_unique, new_id, stored_items
 
 MAX_NEW_ITEMS = 20  # a conversation's items added in one call (OpenAI's limit)
 
@@ -96,6 +96,7 @@ class StoredApi:
         """Items given to a conversation, checked (at most ``MAX_NEW_ITEMS``, as ``input``'s are, and a sixteenth of
         the store in all), as the store keeps them."""
         items = stored_items(check_items(items, "items", MAX_NEW_ITEMS))
+        check_unique(items, "items")
         if not self.store.fits(items):
             raise too_large(self.store, "items")
         return items
@@ -140,7 +141,8 @@ class StoredApi:
     async def create(self, req: Request) -> Response:
         """``POST /v1/conversations``: ``items`` (at most 20) and ``metadata``, both optional."""
         data = op.parse_json(req.body)
-        self._none_kept("Conversations are not kept")
+        if self.store is None:
+            raise ApiError(400, "Conversations are not kept: this server stores none (--responses-store-mib 0)")
         check_metadata(data.get("metadata"))
         items = self._new_items(data["items"] if data.get("items") is not None else [])
         conversation = {"id": new_id("conv"), "object": "conversation", "created_at": int(time.time()),
@@ -153,21 +155,22 @@ class StoredApi:
         ``items``); ``.../items/{item_id}``: GET, DELETE (answered with the conversation)."""
         conversation_id, rest = self._path(req, "/v1/conversations/")
         missing = conversation_missing(conversation_id)
+        method = "GET" if req.method == "HEAD" else req.method  # (the head of a GET's answer)
         routes = {(): ("GET", "POST", "DELETE"), ("items",): ("GET", "POST"), ("items", "*"): ("GET", "DELETE")}
         shape = tuple(rest[:1]) + (("*",) if len(rest) == 2 and rest[1] else ())
         if len(rest) > 2 or shape not in routes:
             raise ApiError(404, f"No route for {req.method} {req.path}", type="not_found_error")
-        if req.method not in routes[shape]:
-            raise ApiError(405, f"Method {req.method} not allowed here: {', '.join(routes[shape])}",
-                           headers=[("allow", ", ".join(routes[shape]))])
+        if method not in routes[shape]:
+            allowed = ", ".join([*routes[shape], *(["HEAD"] if "GET" in routes[shape] else [])])
+            raise ApiError(405, f"Method {req.method} not allowed here: {allowed}", headers=[("allow", allowed)])
         self._none_kept(missing.message)
         owner, store = self._owner(req), self.store
         if not rest:
-            if req.method == "DELETE":
+            if method == "DELETE":
                 if not await store.delete_conversation(conversation_id, owner):
                     raise missing
                 return _json({"id": conversation_id, "object": "conversation.deleted", "deleted": True})
-            if req.method == "POST":
+            if method == "POST":
                 data = op.parse_json(req.body)
                 if "metadata" not in data:
                     raise ApiError(400, "Missing required field: 'metadata'", param="metadata")
@@ -178,13 +181,16 @@ class StoredApi:
             if found is None:
                 raise missing
             return _json(found)
-        if len(rest) == 1 and req.method == "POST":
+        if len(rest) == 1 and method == "POST":
             data = op.parse_json(req.body)
             if "items" not in data:
                 raise ApiError(400, "Missing required field: 'items'", param="items")
             items = self._new_items(data["items"])
-            if not await store.add_items(conversation_id, owner, items):
-                raise missing
+            try:
+                if not await store.add_items(conversation_id, owner, items):
+                    raise missing
+            except DuplicateItem as e:
+                check_unique([{"id": e.args[0]}], "items", {e.args[0]})  # (its 400)
             return _json(_page(items))
         try:
             if len(rest) == 1:  # a page of its items
@@ -196,7 +202,7 @@ class StoredApi:
                 if found is None:
                     raise missing
                 return _json(_page(*found))
-            found = await (store.delete_item if req.method == "DELETE" else store.item)(conversation_id, owner, rest[1])
+            found = await (store.delete_item if method == "DELETE" else store.item)(conversation_id, owner, rest[1])
         except KeyError:
             raise ApiError(404, f"Item with id '{shown(rest[1])}' not found.", param="item_id") from None
         if found is None:

@@ -243,10 +243,13 @@ def test_a_server_that_stores_nothing_says_so(client):  # noqa: F811
         client.responses.create(model=MODEL, input="hi", conversation="conv_1")
     assert e.value.body["param"] == "conversation"
     for call in (lambda: client.responses.retrieve("resp_1"), lambda: client.responses.delete("resp_1"),
-                 lambda: client.conversations.create(), lambda: client.conversations.retrieve("conv_1")):
+                 lambda: client.conversations.retrieve("conv_1")):
         with pytest.raises(openai.NotFoundError) as e:
             call()
         assert "this server stores none: --responses-store-mib 0" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.conversations.create()
+    assert "this server stores none (--responses-store-mib 0)" in e.value.body["message"]
 
 
 def test_served_items_keep_the_order_they_were_written_in(client):  # noqa: F811
@@ -542,6 +545,10 @@ def test_previous_response_id_continues_a_stored_conversation(kept):
         r3 = stream.get_final_response()
     whole += [*[o.model_dump() for o in r2.output], {"role": "user", "content": "Q3"}]
     assert r3.output_text == a.responses.create(input=whole, store=False, **kw).output_text
+    with pytest.raises(openai.BadRequestError) as e:  # (an earlier output sent again: OpenAI's 400; review)
+        a.responses.create(previous_response_id=r3.id, input=[r2.output[0].model_dump()], **kw)
+    assert e.value.body["message"] == f"Duplicate item found with id {r2.output[0].id}. Remove duplicate items from " \
+        "your input and try again."
     r4 = a.responses.create(previous_response_id=r3.id, input="Q4", **kw)  # (the stream's: stored before it ended)
     whole += [*[o.model_dump() for o in r3.output], {"role": "user", "content": "Q4"}]
     assert r4.usage.input_tokens == a.responses.create(input=whole, store=False, **kw).usage.input_tokens
@@ -650,6 +657,13 @@ def test_a_conversation_holds_its_turns_and_grows_with_each_response(kept):
     assert r5.output_text.endswith("user: Q4\nuser: Q5\n")
     assert b.conversations.items.delete(new.id, conversation_id=conv.id).id == conv.id
     assert "Q4" not in a.responses.create(conversation=conv.id, input="Q6", store=False, **kw).output_text
+    # an item sent again (an earlier output, with its id) is OpenAI's 400, not the same turn shown twice (review)
+    for call in (lambda: a.responses.create(conversation=conv.id, input=[r1.output[0].model_dump()], **kw),
+                 lambda: b.conversations.items.create(conv.id, items=[r1.output[0].model_dump()]),
+                 lambda: b.conversations.items.create(conv.id, items=[{**added.data[0].model_dump(), "id": "dup"}] * 2)):
+        with pytest.raises(openai.BadRequestError) as e:
+            call()
+        assert e.value.body["message"].startswith("Duplicate item found with id ")
     assert b.conversations.update(conv.id, metadata={"k": "w"}).metadata == {"k": "w"}
     assert a.conversations.retrieve(conv.id).metadata == {"k": "w"}
     # another key sees, grows and deletes none of it
@@ -680,6 +694,11 @@ def test_a_conversation_holds_its_turns_and_grows_with_each_response(kept):
     ({"items": [{"type": "web_search_call"}]}, "items"),
     ({"items": [5]}, "items"),
     ({"items": {}}, "items"),
+    ({"items": [{"type": "message", "role": "bogus", "content": "x"}]}, "items"),  # (review: every turn after a 400)
+    ({"items": [{"type": "message", "content": "x"}]}, "items"),
+    ({"items": [{"type": "message", "role": "user", "content": "x", "status": "weird"}]}, "items"),
+    ({"items": [{"type": "message", "role": "assistant", "content": [
+        {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]}, "items"),
     ({"items": [{"type": "reasoning", "content": [1]}]}, "items"),  # (review: a 500)
     ({"metadata": {"k": 5}}, "metadata"),
     ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
@@ -696,6 +715,13 @@ def test_bad_conversations_are_400s(kept, body, param):
         assert e.value.body["param"] == param
     with pytest.raises(openai.NotFoundError):
         a.conversations.items.retrieve("msg_nope", conversation_id=conv.id)
+    import httpx
+
+    auth = {"Authorization": f"Bearer {a.api_key}"}
+    for path in ("", "/items"):  # (HEAD: a GET's head; review: a 405)
+        assert httpx.head(f"{a.base_url}conversations/{conv.id}{path}", headers=auth).status_code == 200
+    r = httpx.post(f"{a.base_url}conversations/{conv.id}/items/msg_1", headers=auth, json={})
+    assert r.status_code == 405 and r.headers["allow"] == "GET, DELETE, HEAD"
     with pytest.raises(openai.BadRequestError) as e:
         a.responses.create(model=MODEL, input="x", conversation={"name": conv.id})
     assert e.value.body["param"] == "conversation"
