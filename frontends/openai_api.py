@@ -693,8 +693,8 @@ class OpenAIApi:
         sources: list[str] = []  # (where each chat message came from, for refusals that name one)
         chat = to_chat(data, sources, history)  # (its refusals name this API's fields already)
         items = stored_items(data["input"]) if store or history is not None else None
-        if history is not None:
-            check_unique(items, "input", {i["id"] for i in history if isinstance(i.get("id"), str)})
+        if items is not None:  # (one the chain or conversation holds, or two of the input's own)
+            check_unique(items, "input", {i["id"] for i in history or () if isinstance(i.get("id"), str)})
         if items is not None and not self.responses_store.fits(items):
             if conversation is not None:
                 raise too_large(self.responses_store, "input")

@@ -47,7 +47,7 @@ CREATE TABLE IF NOT EXISTS conversations (
     metadata BLOB NOT NULL);
 CREATE INDEX IF NOT EXISTS conversations_used ON conversations (owner, used);
 CREATE TABLE IF NOT EXISTS items (
-    conversation TEXT NOT NULL, seq INTEGER NOT NULL, id TEXT NOT NULL, item BLOB NOT NULL,
+    conversation TEXT NOT NULL, seq INTEGER NOT NULL, id TEXT NOT NULL, kind TEXT, call_id TEXT, item BLOB NOT NULL,
     PRIMARY KEY (conversation, seq));
 CREATE INDEX IF NOT EXISTS items_id ON items (conversation, id);
 -- what each key holds, kept up to date by the writes themselves
@@ -210,34 +210,48 @@ class ResponseStore:
         db = self._conn()
         with db:
             db.execute("BEGIN IMMEDIATE")
-            ids = [item["id"] for item in items]
-            held = db.execute(f"SELECT id FROM items WHERE conversation = ? AND id IN ({', '.join('?' * len(ids))})",
-                              (conversation_id, *ids)).fetchone()
-            if held is not None:
-                raise DuplicateItem(held[0])
-            if not self._append_in(db, conversation_id, owner, items):
+            if not self._append_in(db, conversation_id, owner, items, clash=DuplicateItem):
                 return False
             self._evict(db, (conversation_id,))
         return True
 
-    def _append_in(self, db: sqlite3.Connection, conversation_id: str, owner: str, items: list[dict]) -> bool:
-        """``items`` after the conversation's, its oldest dropped while it takes more than ``max_one``."""
+    def _append_in(self, db: sqlite3.Connection, conversation_id: str, owner: str, items: list[dict],
+                   clash: type[Exception] | None = None) -> bool:
+        """``items`` after the conversation's, its oldest dropped while it takes more than ``max_one`` (and the
+        results of the calls dropped: none is left without its call). An item whose id it holds already raises
+        ``clash``, or gets a new id where ``clash`` is None (a turn that came in while another added that id)."""
         found = db.execute("SELECT size FROM conversations WHERE id = ? AND owner = ?",
                            (conversation_id, owner)).fetchone()
         if found is None:  # (deleted, or evicted, since the call began: its items go nowhere)
             return False
+        ids = [item["id"] for item in items]
+        held = {r[0] for r in db.execute(f"SELECT id FROM items WHERE conversation = ? AND id IN "
+                                         f"({', '.join('?' * len(ids))})", (conversation_id, *ids))}
+        if held and clash is not None:
+            raise clash(next(i for i in ids if i in held))
+        items = [{**item, "id": f"{item['id']}_{os.urandom(4).hex()}"} if item["id"] in held else item
+                 for item in items]
         last = db.execute("SELECT MAX(seq) FROM items WHERE conversation = ?", (conversation_id,)).fetchone()[0]
-        rows = [(conversation_id, (last or 0) + 1 + k, item["id"], orjson.dumps(item)) for k, item in enumerate(items)]
-        db.executemany("INSERT INTO items VALUES (?, ?, ?, ?)", rows)
-        size, dropped = found[0] + sum(len(r[3]) for r in rows), []
+        rows = [(conversation_id, (last or 0) + 1 + k, item["id"], item.get("type"), item.get("call_id"),
+                 orjson.dumps(item)) for k, item in enumerate(items)]
+        db.executemany("INSERT INTO items VALUES (?, ?, ?, ?, ?, ?)", rows)
+        size = found[0] + sum(len(r[5]) for r in rows)
         if size > self.max_one:
-            for seq, n in db.execute("SELECT seq, LENGTH(item) FROM items WHERE conversation = ? ORDER BY seq",
-                                     (conversation_id,)):
+            dropped, calls = [], []
+            for seq, n, kind, call_id in db.execute("SELECT seq, LENGTH(item), kind, call_id FROM items WHERE "
+                                                    "conversation = ? ORDER BY seq", (conversation_id,)):
                 if size <= self.max_one:
                     break
                 dropped.append((conversation_id, seq))
+                calls += [(conversation_id, call_id)] if kind == "function_call" else []
                 size -= n
             db.executemany("DELETE FROM items WHERE conversation = ? AND seq = ?", dropped)
+            for call in calls:  # (their results, wherever they stand)
+                size -= sum(r[0] for r in db.execute(
+                    "SELECT LENGTH(item) FROM items WHERE conversation = ? AND kind = 'function_call_output' AND "
+                    "call_id = ?", call))
+                db.execute("DELETE FROM items WHERE conversation = ? AND kind = 'function_call_output' AND call_id = ?",
+                           call)
         db.execute("UPDATE conversations SET size = ?, used = ? WHERE id = ?", (size, time.time(), conversation_id))
         return True
 

@@ -64,15 +64,19 @@ def new_id(prefix: str) -> str:
 
 
 def _text_of(content: Any, where: str) -> str:
-    """A message's content: a string, or a list of text parts (input_text / output_text / text)."""
+    """A message's content: a string, or a list of text parts (input_text / output_text / text, and an assistant's
+    refusal: its words)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         texts = []
         for part in content:
+            if isinstance(part, dict) and part.get("type") == "refusal" and isinstance(part.get("refusal"), str):
+                texts.append(part["refusal"])
+                continue
             if not (isinstance(part, dict) and part.get("type") in ("input_text", "output_text", "text")
                     and isinstance(part.get("text"), str)):
-                raise ApiError(400, f"{where}: only text parts (input_text, output_text) are supported",
+                raise ApiError(400, f"{where}: only text parts (input_text, output_text, refusal) are supported",
                                param=where.split("[", 1)[0])
             texts.append(part["text"])
         return "".join(texts)
@@ -116,6 +120,8 @@ def _read_items(items: list, name: str, messages: list[dict], sources: list[str]
     for i, item in enumerate(items):
         if not isinstance(item, dict):
             raise ApiError(400, f"{name}[{i}] must be an object", param=name)
+        if item.get("id") is not None and not (isinstance(item["id"], str) and item["id"]):
+            raise ApiError(400, f"{name}[{i}].id must be a non-empty string", param=name)
         kind = item.get("type", "message")
         if kind == "message":
             content = item.get("content")
@@ -231,7 +237,7 @@ _ITEM_FIELDS = {"message": ("id", "type", "role", "content", "status"),
                 "function_call": ("id", "type", "call_id", "name", "arguments", "status"),
                 "function_call_output": ("id", "type", "call_id", "output", "status"),
                 "reasoning": ("id", "type", "summary", "content", "encrypted_content", "status")}
-_PART_FIELDS = ("type", "text", "image_url", "detail", "annotations", "logprobs")
+_PART_FIELDS = ("type", "text", "refusal", "image_url", "detail", "annotations", "logprobs")
 
 
 def stored_items(items: str | list[dict]) -> list[dict]:
@@ -245,7 +251,7 @@ def stored_items(items: str | list[dict]) -> list[dict]:
         kind = item.get("type", "message")
         kept = {k: item[k] for k in _ITEM_FIELDS[kind] if k in item}
         kept["type"] = kind
-        if not isinstance(kept.get("id"), str):
+        if kept.get("id") is None:
             kept["id"] = new_id(_ITEM_IDS[kind])
         content = kept.get("content")
         if kind == "message" and isinstance(content, str):
@@ -256,7 +262,8 @@ def stored_items(items: str | list[dict]) -> list[dict]:
                 kept[part] = [{k: p[k] for k in _PART_FIELDS if k in p} for p in kept[part]]
         if not isinstance(kept.get("encrypted_content", ""), str):
             del kept["encrypted_content"]
-        kept.setdefault("status", "completed")
+        if kept.get("status") is None:
+            kept["status"] = "completed"
         out.append(kept)
     return out
 

@@ -10,7 +10,7 @@ import random
 import orjson
 import pytest
 
-from frontends.response_store import BrokenChain, ResponseStore
+from frontends.response_store import BrokenChain, DuplicateItem, ResponseStore
 
 
 def response(rid: str, previous: str | None = None, text: str = "x") -> dict:
@@ -193,6 +193,33 @@ def test_a_call_cut_short_is_not_read_again(tmp_path):
         items, _ = await store.history("r1", "k")
         assert [i["id"] for i in items] == ["in_r1", "msg_1"]
         assert (await store.get("r1", "k"))["output"] == cut["output"]  # (kept as it was answered)
+        await store.close()
+
+    asyncio.run(run())
+
+
+def test_what_a_conversation_is_given_stays_whole(tmp_path):
+    """A turn whose item's id came into the conversation meanwhile gets a new one (review: paging over the two
+    never ended); another key learns nothing of a conversation's ids (review: its duplicate 400 said which it
+    holds); the cap drops a dropped call's results too (review: a result was left at the head without its call)."""
+    async def run():
+        store = ResponseStore(str(tmp_path / "r.db"), 16 * 2000)  # (a conversation keeps 2,000 bytes)
+        await store.create_conversation({"id": "c", "created_at": 0, "metadata": {}}, [said("a", "q")[0]], "k")
+        with pytest.raises(DuplicateItem):
+            await store.add_items("c", "k", [said("a", "again")[0]])
+        assert not await store.add_items("c", "other", [said("a", "again")[0]])  # (a 404, as for any other id)
+        await store.put({**response("r1"), "conversation": {"id": "c"}}, said("a", "raced"), "k")
+        ids = [i["id"] for i in await store.items("c", "k")]
+        assert len(set(ids)) == 3 and ids[0] == "in_a" and ids[1].startswith("in_a_") and ids[2] == "msg_r1"
+        call = {"id": "fc_1", "type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"}
+        result = {"id": "fco_1", "type": "function_call_output", "call_id": "call_1", "output": "x" * 100}
+        await store.add_items("c", "k", [call, said("u", "between")[0], result])
+        between, big = said("u", "between")[0], said("big", "")[0]
+        room = 2000 - 2 - sum(len(orjson.dumps(i)) for i in (between, result, big))  # (2: the metadata's "{}")
+        big["content"] = "y" * (room - len(orjson.dumps(call)) + 8)  # (past 2,000 by the call: it goes, its result too)
+        await store.add_items("c", "k", [big])
+        kinds = [(i["id"], i.get("type")) for i in await store.items("c", "k")]
+        assert ("fco_1", "function_call_output") not in kinds and kinds[-1] == ("in_big", "message")
         await store.close()
 
     asyncio.run(run())

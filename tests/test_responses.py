@@ -78,6 +78,18 @@ def test_logprobs_are_asked_for_by_include():
     assert "n" not in to_chat({"input": "hi", "n": 1})  # (one answer asked for: what a Response is; wrappers send it)
 
 
+def test_stored_items_take_openai_s_shape():
+    from frontends.responses import stored_items
+
+    (item,) = stored_items([{"role": "assistant", "status": None, "junk": 1, "content": [
+        {"type": "output_text", "text": "a", "x": 2}, {"type": "refusal", "refusal": "no"}]}])
+    assert item["id"].startswith("msg_") and {k: v for k, v in item.items() if k != "id"} == {
+        "type": "message", "role": "assistant", "status": "completed",  # (null: review)
+        "content": [{"type": "output_text", "text": "a"}, {"type": "refusal", "refusal": "no"}]}
+    # an assistant's refusal part (OpenAI's, sent back) is read as its words (review: "only text parts")
+    assert to_chat({"input": [item]})["messages"][0]["content"] == "ano"
+
+
 def test_a_function_without_parameters():
     chat = to_chat({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": None}]})
     assert chat["tools"] == [{"type": "function", "function": {"name": "f"}}]  # (null: none, as OpenAI's types allow)
@@ -107,6 +119,8 @@ def test_a_function_without_parameters():
     ({"input": "hi", "top_logprobs": True}, "top_logprobs"),
     ({"input": "hi", "top_logprobs": 2.5}, "top_logprobs"),
     ({"input": [{"type": "reasoning", "content": [1]}]}, "input"),  # (review: a 500 when it was stored)
+    ({"input": [{"role": "user", "content": "x", "id": ""}]}, "input"),  # (review: kept, and never deleted)
+    ({"input": [{"role": "user", "content": "x", "id": 5}]}, "input"),
     ({"input": [{"type": "reasoning", "summary": "x"}]}, "input"),
     ({"input": "hi", "n": 2}, "n"),  # (the chat's and completions' own fields: one Response is one answer)
     ({"input": "hi", "n": True}, "n"),
@@ -545,6 +559,10 @@ def test_previous_response_id_continues_a_stored_conversation(kept):
         r3 = stream.get_final_response()
     whole += [*[o.model_dump() for o in r2.output], {"role": "user", "content": "Q3"}]
     assert r3.output_text == a.responses.create(input=whole, store=False, **kw).output_text
+    with pytest.raises(openai.BadRequestError) as e:  # (two of one input's own, with nothing before: review)
+        a.responses.create(input=[{"role": "user", "content": "a", "id": "msg_x"},
+                                  {"role": "user", "content": "b", "id": "msg_x"}], **kw)
+    assert e.value.body["message"].startswith("Duplicate item found with id msg_x.")
     with pytest.raises(openai.BadRequestError) as e:  # (an earlier output sent again: OpenAI's 400; review)
         a.responses.create(previous_response_id=r3.id, input=[r2.output[0].model_dump()], **kw)
     assert e.value.body["message"] == f"Duplicate item found with id {r2.output[0].id}. Remove duplicate items from " \
@@ -558,7 +576,7 @@ def test_stored_responses_are_retrieved_listed_and_deleted(kept):
     """GET, its input_items (OpenAI's paging) and DELETE, from any frontend, under the key that made them alone."""
     a, b, other = kept
     given = [{"role": "user", "content": f"item {k}"} for k in range(5)]
-    given[1] = {**given[1], "junk": "x" * 1000, "id": 7}  # (review: kept and said back as sent)
+    given[1] = {**given[1], "junk": "x" * 1000}  # (review: kept and said back as sent)
     r = a.responses.create(model=MODEL, input=given, extra_body=STOP)
     assert re.fullmatch(r"resp_[0-9a-f]{32}", r.id)  # (review: a counter, which anyone could count on)
     got = b.responses.retrieve(r.id)
@@ -694,6 +712,7 @@ def test_a_conversation_holds_its_turns_and_grows_with_each_response(kept):
     ({"items": [{"type": "web_search_call"}]}, "items"),
     ({"items": [5]}, "items"),
     ({"items": {}}, "items"),
+    ({"items": [{"type": "message", "role": "user", "content": "x", "id": ""}]}, "items"),
     ({"items": [{"type": "message", "role": "bogus", "content": "x"}]}, "items"),  # (review: every turn after a 400)
     ({"items": [{"type": "message", "content": "x"}]}, "items"),
     ({"items": [{"type": "message", "role": "user", "content": "x", "status": "weird"}]}, "items"),
