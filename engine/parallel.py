@@ -162,12 +162,18 @@ class TPGroup:
         self.local_size = local_size or size  # ranks on this node (size / nnodes)
         self.group, self.cpu_group = group, cpu_group
         self.driver = driver  # rank 0 of a group: its workers
+        # rank 0 over gloo: a worker found dead before each collective of the forward is posted to it (gloo can wait
+        # out its whole timeout on a peer whose close it saw first: a killed worker stalled a step for 5 minutes).
+        # (Not on NCCL: its collectives are the GPU's, often in a graph; a waitpid per layer there is host time.)
+        self._watch = driver if driver is not None and group is cpu_group else None
 
     # ------------------------------------------------------------------ collectives (every rank)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place."""
         if self.size > 1:
+            if self._watch is not None:
+                self._watch.check()
             dist.all_reduce(x, group=self.group)
         return x
 
@@ -176,6 +182,8 @@ class TPGroup:
         if self.size == 1:
             return x
         x = x.contiguous()
+        if self._watch is not None:
+            self._watch.check()
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
         dist.gather(x, parts, dst=0, group=self.group)
         return torch.cat(parts, dim=-1) if parts is not None else None
