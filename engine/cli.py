@@ -286,12 +286,13 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                    help="file:// image URLs are read from under this folder, as vLLM's flag (default: none)")
     h.add_argument("--responses-store", default=None, metavar="FILE",
-                   help="the SQLite file where Responses are kept (the Responses API's store and "
-                        "previous_response_id; shared by the frontends), kept across restarts (default: one of "
-                        "the server's own, removed when it stops)")
+                   help="the SQLite file where Responses and conversations are kept (the Responses API's store, "
+                        "previous_response_id and the Conversations API; shared by the frontends), kept across "
+                        "restarts (default: one of the server's own, removed when it stops)")
     h.add_argument("--responses-store-mib", type=int, default=256, metavar="MIB",
-                   help="what the kept Responses may take, in MiB; past it the least recently used go first; "
-                        "0 keeps none (store is false, previous_response_id a 400) (default: 256)")
+                   help="what the kept Responses and conversations may take, in MiB; past it the API key that holds "
+                        "the most gives back first, its least recently used first; one thing may take a sixteenth; "
+                        "0 keeps none (store is false, previous_response_id and conversation 400s) (default: 256)")
     h.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (PEM)")
     h.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate chain (PEM)")
     h.add_argument("--api-server-count", "-asc", type=int, default=1, metavar="N",

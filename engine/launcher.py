@@ -115,8 +115,7 @@ class ServeOptions:
             raise ValueError(f"--fair-client must be one of {', '.join(FAIR_CLIENTS)}, got {self.fair_client!r}")
         if self.responses_store_mib < 0:
             raise ValueError(f"--responses-store-mib must be 0 or more, got {self.responses_store_mib}")
-        if self.responses_store is not None and self.responses_store_mib:  # (opened once here: a folder, another
-            # file, no right to write...)
+        if self.responses_store is not None and self.responses_store_mib:  # (opened once here: a folder...)
             import sqlite3
 
             from frontends.response_store import connect

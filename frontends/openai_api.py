@@ -90,9 +90,8 @@ def _json(obj: object, status: int = 200) -> Response:
 
 async def _kept(fmt) -> None:
     """A finished Response stored before the client reads that it is done (``ResponsesFormat.kept``)."""
-    kept = getattr(fmt, "kept", None)
-    if kept is not None:
-        await kept()
+    if isinstance(fmt, ResponsesFormat):
+        await fmt.kept()
 
 
 def _sse(obj: object) -> bytes:

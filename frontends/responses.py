@@ -41,8 +41,8 @@ _PASSED = ("model", "temperature", "top_p", "parallel_tool_calls", "user", "prio
            "logit_bias", "skip_special_tokens", "structured_outputs", "guided_json", "guided_choice", "guided_regex",
            "guided_grammar", "grammar", "json_schema", "allowed_token_ids", "bad_words", "include_stop_str_in_output",
            *LLAMACPP_SAMPLERS)
-# what a stored input item's id begins with, by its type (OpenAI's prefixes)
 _ROLES = ("user", "assistant", "system", "developer")  # a message item's
+# what a stored input item's id begins with, by its type (OpenAI's prefixes)
 _ITEM_IDS = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 # the chat's and completions' own fields, which would change the answer there: unknown here (as OpenAI answers)
 _OTHER_APIS = {"n": "one Response is one answer", "best_of": "one Response is one answer",
@@ -92,8 +92,8 @@ def _image_part(part: dict, where: str) -> dict:
 
 
 def _messages(data: dict, sources: list[str], history: list[dict] = ()) -> list[dict]:
-    """``instructions``, the ``history`` of a ``previous_response_id`` (its conversation's items) and ``input``, as
-    chat messages; ``sources`` gets where each came from ("instructions", "input[i]"), for the chat's refusals
+    """``instructions``, the ``history`` a ``previous_response_id`` or ``conversation`` continues (its items) and
+    ``input``, as chat messages; ``sources`` gets where each came from ("instructions", "input[i]"), for the chat's refusals
     that name a message."""
     messages: list[dict] = []
     instructions = data.get("instructions")
@@ -115,8 +115,8 @@ def _messages(data: dict, sources: list[str], history: list[dict] = ()) -> list[
 
 
 def _read_items(items: list, name: str, messages: list[dict], sources: list[str]) -> None:
-    """The items of ``name`` (``input``, or the conversation ``previous_response_id`` continues) as chat
-    messages after ``messages``."""
+    """The items of ``name`` (``input``, or the history ``previous_response_id`` or ``conversation`` continues) as
+    chat messages after ``messages``."""
     for i, item in enumerate(items):
         if not isinstance(item, dict):
             raise ApiError(400, f"{name}[{i}] must be an object", param=name)
@@ -297,9 +297,13 @@ def check_unique(items: list[dict], name: str, seen: set[str] | None = None) -> 
     seen = set(seen or ())
     for item in items:
         if item["id"] in seen:
-            raise ApiError(400, f"Duplicate item found with id {shown(item['id'])}. Remove duplicate items from your "
-                           "input and try again.", param=name)
+            raise duplicate_item(item["id"], name)
         seen.add(item["id"])
+
+
+def duplicate_item(item_id: str, name: str) -> ApiError:
+    return ApiError(400, f"Duplicate item found with id {shown(item_id)}. Remove duplicate items from your input and "
+                    "try again.", param=name)
 
 
 def conversation_id(value: Any) -> str | None:

@@ -77,7 +77,7 @@ class FrontendArgs:
     media: MediaSources = field(default_factory=MediaSources)  # where images may come from besides data: URLs
     fair_client: str = "address"  # who a client is for the fair policy: "address", its API "key", the body's "user"
     responses_store: str | None = None  # the SQLite file of kept Responses, shared by the frontends (None: none kept)
-    responses_store_mib: int = 256  # what they may take: past it the least recently used go
+    responses_store_mib: int = 256  # what they may take (frontends.response_store: the bound)
     responses_store_durable: bool = False  # the user's file: commits survive a power loss
 
 

@@ -18,7 +18,14 @@ from frontends.auth import Auth
 from frontends.errors import ApiError, shown
 from frontends.http import Request, Response, Router
 from frontends.response_store import DuplicateItem, ResponseStore
-from frontends.responses import check_items, check_metadata, check_unique, new_id, stored_items
+from frontends.responses import (
+    check_items,
+    check_metadata,
+    check_unique,
+    duplicate_item,
+    new_id,
+    stored_items,
+)
 
 MAX_NEW_ITEMS = 20  # a conversation's items added in one call (OpenAI's limit)
 
@@ -190,7 +197,7 @@ class StoredApi:
                 if not await store.add_items(conversation_id, owner, items):
                     raise missing
             except DuplicateItem as e:
-                check_unique([{"id": e.args[0]}], "items", {e.args[0]})  # (its 400)
+                raise duplicate_item(e.args[0], "items") from None
             return _json(_page(items))
         try:
             if len(rest) == 1:  # a page of its items
