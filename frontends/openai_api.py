@@ -47,6 +47,7 @@ from frontends import openai_params as op
 from frontends.access_log import CallInfo
 from frontends.anthropic import MessagesFormat
 from frontends.auth import Auth
+from frontends.background import BackgroundRuns
 from frontends.beam_search import BeamGeneration, beam_search_params, refuse_beam_search
 from frontends.embeddings import classify_job, embeddings_job
 from frontends.engine_client import EngineClient, EngineUnavailable
@@ -57,7 +58,7 @@ from frontends.images import ImageProcessor
 from frontends.media import MediaReader
 from frontends.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from frontends.metrics import Metrics
-from frontends.response_store import BrokenChain, ResponseStore
+from frontends.response_store import BrokenChain, ResponseStore, StillRunning
 from frontends.responses import (
     RESPONSES_PARAMS,
     ResponsesFormat,
@@ -136,6 +137,7 @@ class OpenAIApi:
         ``responses_store``: where Responses are kept (None: none are)."""
         self.client = client
         self.responses_store = responses_store
+        self.background = BackgroundRuns(responses_store) if responses_store is not None else None
         self.images = images
         self.media = media or MediaReader()
         self.metrics = metrics
@@ -679,8 +681,11 @@ class OpenAIApi:
     # ------------------------------------------------------------------ responses
 
     async def responses(self, req: Request) -> Response | StreamingResponse:
-        owner = self.auth.owner(Auth.given(req))
-        return await self._run(req, op.parse_json(req.body), functools.partial(self.responses_job, owner=owner))
+        owner, data = self.auth.owner(Auth.given(req)), op.parse_json(req.body)
+        job = functools.partial(self.responses_job, owner=owner)
+        if op.field(data, "background", bool, False):
+            return await self._background(req, data, job)
+        return await self._run(req, data, job)
 
     async def responses_job(self, data: dict, arrival: float | None = None, owner: str = "") -> tuple[
             Generation, ResponsesFormat]:
@@ -688,6 +693,11 @@ class OpenAIApi:
         Responses it may continue, and whose it is stored as (``Auth.owner``)."""
         refuse_beam_search(data)
         store = op.field(data, "store", bool, True) and self.responses_store is not None
+        background = op.field(data, "background", bool, False)
+        if background and not store:  # (its state is the store's)
+            raise ApiError(400, "a background response is stored: it cannot have store false" if
+                           self.responses_store is not None else "background responses need stored state, and this "
+                           "server stores none (--responses-store-mib 0)", param="background")
         history, first, conversation = await self._history(data, owner)
         sources: list[str] = []  # (where each chat message came from, for refusals that name one)
         chat = to_chat(data, sources, history)  # (its refusals name this API's fields already)
@@ -695,7 +705,7 @@ class OpenAIApi:
         if items is not None:  # (one the chain or conversation holds, or two of the input's own)
             check_unique(items, "input", {i["id"] for i in history or () if isinstance(i.get("id"), str)})
         if items is not None and not self.responses_store.fits(items):
-            if conversation is not None:
+            if conversation is not None or background:
                 raise too_large(self.responses_store, "input")
             store = False  # (too large to keep: the Response says it is not stored)
         if first is not None and chat.get("prompt_cache_key") is None:  # (data parallel: its turns on one engine,
@@ -719,7 +729,7 @@ class OpenAIApi:
             raise at_sources(e, sources).renamed(RESPONSES_PARAMS) from None
         if gen.schema_param == "response_format":  # the engine's refusal of a text.format schema
             gen.schema_param = "text"
-        keep = functools.partial(self._keep, items=items, owner=owner) if store or conversation is not None else None
+        keep = _Keep(self.responses_store, items, owner) if store or conversation is not None else None
         if keep is not None and not gen.stream.affinity:  # a conversation's first turn: where the next ones go
             gen.stream.affinity = gen.api_id
         return gen, ResponsesFormat(gen.lora or self.model, data, gen, chat_fmt, keep, store, conversation)
@@ -745,6 +755,9 @@ class OpenAIApi:
                            param="previous_response_id")
         try:
             found = await self.responses_store.history(previous, owner)
+        except StillRunning:
+            raise ApiError(400, f"Previous response with id '{shown(previous)}' is still in progress: continue it "
+                           "once it has ended", param="previous_response_id") from None
         except BrokenChain as e:
             raise ApiError(400, f"Previous response with id '{shown(previous)}' cannot be continued: {e}",
                            param="previous_response_id", code="previous_response_not_found") from None
@@ -752,12 +765,6 @@ class OpenAIApi:
             raise ApiError(400, f"Previous response with id '{shown(previous)}' not found.",
                            param="previous_response_id", code="previous_response_not_found")
         return found[0], found[1], None
-
-    async def _keep(self, response: dict, items: list[dict], owner: str) -> None:
-        try:
-            await self.responses_store.put(response, items, owner)
-        except ApiError as e:  # (the store failed: the answer is still given, only continuing it will fail)
-            log.warning("response %s not stored: %s", response["id"], e.message)
 
     async def _turns_that_fit(self, chat: dict) -> list[int] | None:
         """``truncation: "auto"`` (``responses.oldest_turns_dropped``): which of ``chat``'s messages to keep for it to
@@ -862,6 +869,15 @@ class OpenAIApi:
             return lambda i: base
         return lambda i: base if i == 0 else replace(base, seed=(base.seed + i) % 2**64)
 
+    async def _background(self, req: Request, data: dict, job) -> Response | StreamingResponse:
+        """A background Response (``frontends.background``): checked as any, then answered ``queued`` (or streamed)
+        while it runs on."""
+        req.meta = CallInfo(prompt=data.get("input"))  # (the access log: the call, not the run it starts)
+        gen, fmt = await job(data, req.started)
+        req.id = gen.api_id
+        gen.client_id = self.client_of(data, req.client, self.key_of(Auth.given(req)))
+        return await self.background.start(gen, fmt, op.field(data, "stream", bool, False))
+
     async def _run(self, req: Request, data: dict, job) -> Response | StreamingResponse:
         """Check the body with ``job`` (completion_job or chat_job), run it, answer whole or streamed."""
         started = time.time()
@@ -930,6 +946,19 @@ class OpenAIApi:
 
 
 # ----------------------------------------------------------------------------- response shapes
+
+
+class _Keep:
+    """How a Response is stored (``ResponsesFormat.keep``): with its input ``items``, as ``owner``'s."""
+
+    def __init__(self, store: ResponseStore, items: list[dict], owner: str) -> None:
+        self.store, self.items, self.owner = store, items, owner
+
+    async def __call__(self, response: dict) -> None:
+        try:
+            await self.store.put(response, self.items, self.owner)
+        except ApiError as e:  # (the store failed: the answer is still given, only continuing it will fail)
+            log.warning("response %s not stored: %s", response["id"], e.message)
 
 
 class _SseFormat:

@@ -63,7 +63,20 @@ CREATE TRIGGER IF NOT EXISTS conversations_out AFTER DELETE ON conversations BEG
     DELETE FROM items WHERE conversation = OLD.id; END;
 CREATE TRIGGER IF NOT EXISTS conversations_size AFTER UPDATE OF size ON conversations BEGIN
     UPDATE owners SET size = size + NEW.size - OLD.size WHERE owner = NEW.owner; END;
+-- background Responses: those running (the frontend running each, when it last said so, whether its events are
+-- kept), and the events of those created streamed (counted in their Response's size)
+CREATE TABLE IF NOT EXISTS background (id TEXT PRIMARY KEY, runner TEXT NOT NULL, alive REAL NOT NULL,
+    events INTEGER NOT NULL);
+CREATE INDEX IF NOT EXISTS background_runner ON background (runner);
+CREATE TABLE IF NOT EXISTS events (response TEXT NOT NULL, seq INTEGER NOT NULL, event BLOB NOT NULL,
+    PRIMARY KEY (response, seq));
+CREATE TRIGGER IF NOT EXISTS responses_size AFTER UPDATE OF size ON responses BEGIN
+    UPDATE owners SET size = size + NEW.size - OLD.size WHERE owner = NEW.owner; END;
+CREATE TRIGGER IF NOT EXISTS responses_gone AFTER DELETE ON responses BEGIN
+    DELETE FROM events WHERE response = OLD.id; DELETE FROM background WHERE id = OLD.id; END;
 """
+RUNNING = ("queued", "in_progress")  # a background Response's statuses until it ends
+STALE = 30.0  # seconds a running background Response's frontend may not say it runs before it counts as failed
 MAX_CHAIN = 10_000  # Responses a chain may hold (a longer one is refused: its walk would be the cost)
 
 
@@ -74,6 +87,14 @@ class BrokenChain(Exception):
 
 class DuplicateItem(Exception):
     """An item added to a conversation has the id of one it holds already."""
+
+
+class StillRunning(Exception):
+    """The Response named is a background Response still running: it has no output to continue yet."""
+
+
+class NotBackground(Exception):
+    """Only a background Response can be cancelled."""
 
 
 class ResponseStore:
@@ -125,10 +146,13 @@ class ResponseStore:
         await self._call(self._put, response, input_items, owner)
 
     async def get(self, response_id: str, owner: str) -> dict | None:
-        return await self._call(self._row, response_id, owner, "response")
+        """The Response as it stands (a background one that is running: as it began, ``queued`` or
+        ``in_progress``; one whose frontend stopped saying it runs, ``failed``)."""
+        return await self._call(self._response, response_id, owner)
 
     async def input_items(self, response_id: str, owner: str) -> list[dict] | None:
-        return await self._call(self._row, response_id, owner, "input")
+        row = await self._call(self._read, "SELECT input FROM responses WHERE id = ? AND owner = ?", response_id, owner)
+        return orjson.loads(row[0]) if row is not None else None
 
     async def delete(self, response_id: str, owner: str) -> bool:
         return await self._call(self._delete, "responses", response_id, owner)
@@ -138,6 +162,47 @@ class ResponseStore:
         then its output), and its first Response's id; None where ``owner`` has no such Response. Raises
         ``BrokenChain`` where one before it is gone, or it went on with a stored conversation."""
         return await self._call(self._history, response_id, owner)
+
+    # ------------------------------------------------------------------ background Responses
+
+    async def start(self, response: dict, input_items: list[dict], owner: str, runner: str, events: bool) -> None:
+        """Store a background Response as it begins (``queued``), run by the frontend ``runner`` (which says so
+        every few seconds: ``heartbeat``); ``events``: its events are kept (``progress``) to be streamed again."""
+        await self._call(self._start, response, input_items, owner, runner, events)
+
+    async def progress(self, response_id: str, runner: str, events: list[tuple[int, bytes]],
+                       response: dict | None = None) -> bool:
+        """Keep a running background Response's new ``events`` (where they are kept: past ``max_one`` with its
+        Response, none is any more) and its ``response`` as it stands now, if given. False: it is no longer
+        ``runner``'s to run (cancelled, deleted, or counted as failed): its run should stop."""
+        return await self._call(self._progress, response_id, runner, events, response)
+
+    async def finish(self, response: dict, input_items: list[dict], owner: str,
+                     events: list[tuple[int, bytes]]) -> bool:
+        """A background Response ended: stored as ``put`` stores one, over its running state, with its last
+        ``events`` (False: it was cancelled or deleted meanwhile, and stays so). Should it take more than
+        ``max_one``, its events go, then its output (``failed``, saying so)."""
+        return await self._call(self._finish, response, input_items, owner, events)
+
+    async def cancel(self, response_id: str, owner: str) -> dict | None:
+        """A running background Response ``cancelled`` (one that has ended is left as it is): the Response; None
+        where ``owner`` has none of that id; ``NotBackground`` where it is no background Response."""
+        return await self._call(self._cancel, response_id, owner)
+
+    async def heartbeat(self, runner: str) -> set[str]:
+        """``runner`` still runs its background Responses: the ids of those still its to run."""
+        return await self._call(self._heartbeat, runner)
+
+    async def abandon(self, runner: str) -> None:
+        """``runner`` stops: the background Responses it was running have ``failed``."""
+        await self._call(self._abandon, runner)
+
+    async def events(self, response_id: str, owner: str, after: int, limit: int = 256) -> tuple[
+            list[tuple[int, bytes]], bool, bool] | None:
+        """Up to ``limit`` of a background Response's events with a sequence number past ``after``, whether it has
+        ended, and whether its events are kept (False: it was not created streamed, or they took too much); None
+        where ``owner`` has no Response of that id."""
+        return await self._call(self._events, response_id, owner, after, limit)
 
     # ------------------------------------------------------------------ conversations
 
@@ -266,10 +331,10 @@ class ResponseStore:
         while excess > 0 and held:
             owner = max(held, key=held.__getitem__)
             if not lru.get(owner):  # (64 of each table at a time: most writes evict one thing, or none)
-                lru[owner] = sorted([(used, table, i, n) for table in ("responses", "conversations")
+                lru[owner] = sorted([(used, table, i, n) for table, running in _EVICTED
                                      for i, n, used in db.execute(
-                                         f"SELECT id, size, used FROM {table} WHERE owner = ? {spared} ORDER BY used "
-                                         "LIMIT 64", (owner, *kept))], reverse=True)
+                                         f"SELECT id, size, used FROM {table} WHERE owner = ? {spared} {running} "
+                                         "ORDER BY used LIMIT 64", (owner, *kept))], reverse=True)
                 if not lru[owner]:  # (all it holds is what was just written)
                     del held[owner]
                     continue
@@ -278,10 +343,145 @@ class ResponseStore:
             held[owner] -= n
             excess -= n
 
-    def _row(self, response_id: str, owner: str, column: str) -> dict | list | None:
-        row = self._conn().execute(f"SELECT {_COLUMNS[column]} FROM responses WHERE id = ? AND owner = ?",
-                                   (response_id, owner)).fetchone()
-        return orjson.loads(row[0]) if row is not None else None
+    def _read(self, sql: str, *args) -> tuple | None:
+        return self._conn().execute(sql, args).fetchone()
+
+    def _response(self, response_id: str, owner: str) -> dict | None:
+        """The Response as it stands: one running whose frontend has not said so for ``STALE`` seconds is
+        ``failed`` first (a frontend that died, or a server stopped, while it ran)."""
+        db = self._conn()
+        row = db.execute("SELECT response FROM responses WHERE id = ? AND owner = ?", (response_id, owner)).fetchone()
+        response = orjson.loads(row[0]) if row is not None else None
+        if response is None or response.get("status") not in RUNNING or self._alive(db, response_id):
+            return response
+        with db:  # (looked at again under the write lock: it may have ended meanwhile)
+            db.execute("BEGIN IMMEDIATE")
+            row = db.execute("SELECT response FROM responses WHERE id = ?", (response_id,)).fetchone()
+            response = orjson.loads(row[0]) if row is not None else None
+            if response is not None and response.get("status") in RUNNING and not self._alive(db, response_id):
+                db.execute("DELETE FROM background WHERE id = ?", (response_id,))
+                response = _failed(response, "the server stopped running it before it ended")
+                self._set(db, response_id, response)
+        return response
+
+    @staticmethod
+    def _alive(db: sqlite3.Connection, response_id: str) -> bool:
+        row = db.execute("SELECT alive FROM background WHERE id = ?", (response_id,)).fetchone()
+        return row is not None and row[0] >= time.time() - STALE
+
+    @staticmethod
+    def _set(db: sqlite3.Connection, response_id: str, response: dict) -> None:
+        """(In a write) the stored Response replaced by ``response``, its size with it."""
+        blob = orjson.dumps(response)
+        db.execute("UPDATE responses SET size = size + ? - LENGTH(response), response = ? WHERE id = ?",
+                   (len(blob), blob, response_id))
+
+    def _start(self, response: dict, input_items: list[dict], owner: str, runner: str, events: bool) -> None:
+        db, blob, given = self._conn(), orjson.dumps(response), orjson.dumps(input_items)
+        with db:
+            db.execute("BEGIN IMMEDIATE")
+            now = time.time()
+            db.execute("INSERT INTO responses VALUES (?, ?, ?, ?, ?, ?, ?)",
+                       (response["id"], response.get("previous_response_id"), owner, now, len(blob) + len(given),
+                        blob, given))
+            db.execute("INSERT INTO background VALUES (?, ?, ?, ?)", (response["id"], runner, now, int(events)))
+            self._evict(db, (response["id"],))
+
+    def _progress(self, response_id: str, runner: str, events: list[tuple[int, bytes]],
+                  response: dict | None) -> bool:
+        with self._conn() as db:
+            db.execute("BEGIN IMMEDIATE")
+            row = db.execute("SELECT events FROM background WHERE id = ? AND runner = ?",
+                             (response_id, runner)).fetchone()
+            if row is None:
+                return False
+            if response is not None:
+                self._set(db, response_id, response)
+            if row[0] and events:
+                self._add_events(db, response_id, events)
+                if db.execute("SELECT size FROM responses WHERE id = ?", (response_id,)).fetchone()[0] > self.max_one:
+                    log.warning("response %s: its events are no longer kept, they take more than the %d bytes one "
+                                "Response may (a sixteenth of --responses-store-mib)", response_id, self.max_one)
+                    self._drop_events(db, response_id)
+                    db.execute("UPDATE background SET events = 0 WHERE id = ?", (response_id,))
+                self._evict(db, (response_id,))
+        return True
+
+    @staticmethod
+    def _add_events(db: sqlite3.Connection, response_id: str, events: list[tuple[int, bytes]]) -> None:
+        db.executemany("INSERT INTO events VALUES (?, ?, ?)", [(response_id, k, e) for k, e in events])
+        db.execute("UPDATE responses SET size = size + ? WHERE id = ?", (sum(len(e) for _, e in events), response_id))
+
+    @staticmethod
+    def _drop_events(db: sqlite3.Connection, response_id: str) -> None:
+        n = db.execute("SELECT COALESCE(SUM(LENGTH(event)), 0) FROM events WHERE response = ?", (response_id,))
+        db.execute("UPDATE responses SET size = size - ? WHERE id = ?", (n.fetchone()[0], response_id))
+        db.execute("DELETE FROM events WHERE response = ?", (response_id,))
+
+    def _finish(self, response: dict, input_items: list[dict], owner: str, events: list[tuple[int, bytes]]) -> bool:
+        db, response_id = self._conn(), response["id"]
+        conversation = (response.get("conversation") or {}).get("id")
+        with db:
+            db.execute("BEGIN IMMEDIATE")
+            kept = db.execute("SELECT events FROM background WHERE id = ?", (response_id,)).fetchone()
+            if kept is None:
+                return False
+            db.execute("DELETE FROM background WHERE id = ?", (response_id,))
+            if kept[0] and events:
+                self._add_events(db, response_id, events)
+            self._set(db, response_id, response)
+            if db.execute("SELECT size FROM responses WHERE id = ?", (response_id,)).fetchone()[0] > self.max_one:
+                self._drop_events(db, response_id)
+                if db.execute("SELECT size FROM responses WHERE id = ?", (response_id,)).fetchone()[0] > self.max_one:
+                    log.warning("response %s: its output is not kept, it takes more than the %d bytes one Response "
+                                "may (a sixteenth of --responses-store-mib)", response_id, self.max_one)
+                    self._set(db, response_id, _failed({**response, "output": []}, "its output took more than the "
+                                                       "store keeps of one response"))
+            if conversation is not None:
+                self._append_in(db, conversation, owner, [*input_items, *_replayed(response["output"])])
+            db.execute("UPDATE responses SET used = ? WHERE id = ?", (time.time(), response_id))
+            self._evict(db, (response_id, conversation))
+        return True
+
+    def _cancel(self, response_id: str, owner: str) -> dict | None:
+        response = self._response(response_id, owner)
+        if response is None or response.get("status") not in RUNNING:
+            if response is not None and not response.get("background"):
+                raise NotBackground(response_id)
+            return response
+        with self._conn() as db:
+            db.execute("BEGIN IMMEDIATE")
+            if db.execute("DELETE FROM background WHERE id = ?", (response_id,)).rowcount:
+                self._set(db, response_id, {**response, "status": "cancelled"})
+        return self._response(response_id, owner)  # (cancelled, or as it ended meanwhile)
+
+    def _heartbeat(self, runner: str) -> set[str]:
+        with self._conn() as db:
+            db.execute("BEGIN IMMEDIATE")
+            db.execute("UPDATE background SET alive = ? WHERE runner = ?", (time.time(), runner))
+            return {r[0] for r in db.execute("SELECT id FROM background WHERE runner = ?", (runner,))}
+
+    def _abandon(self, runner: str) -> None:
+        with self._conn() as db:
+            db.execute("BEGIN IMMEDIATE")
+            for response_id, blob in db.execute("SELECT id, response FROM responses WHERE id IN (SELECT id FROM "
+                                                "background WHERE runner = ?)", (runner,)).fetchall():
+                self._set(db, response_id, _failed(orjson.loads(blob), "the server stopped before it ended"))
+            db.execute("DELETE FROM background WHERE runner = ?", (runner,))
+
+    def _events(self, response_id: str, owner: str, after: int, limit: int) -> tuple[
+            list[tuple[int, bytes]], bool, bool] | None:
+        """(Its state read before its events: once it has ended, every event it had is there.)"""
+        response = self._response(response_id, owner)
+        if response is None:
+            return None
+        db = self._conn()
+        kept = db.execute("SELECT events FROM background WHERE id = ?", (response_id,)).fetchone()
+        rows = db.execute("SELECT seq, event FROM events WHERE response = ? AND seq > ? ORDER BY seq LIMIT ?",
+                          (response_id, after, limit)).fetchall()
+        if kept is None:  # (ended: its events are kept where it has any)
+            kept = (rows or db.execute("SELECT 1 FROM events WHERE response = ? LIMIT 1", (response_id,)).fetchone(),)
+        return rows, response.get("status") not in RUNNING, bool(kept[0])
 
     def _delete(self, table: str, thing_id: str, owner: str) -> bool:
         with self._conn() as db:
@@ -304,8 +504,12 @@ class ResponseStore:
             rows.append((at, *row[1:]))
             at = row[0]
         items: list[dict] = []
-        for _, response, given in reversed(rows):
+        for k, (_, response, given) in enumerate(reversed(rows)):
             response = orjson.loads(response)
+            if k == len(rows) - 1 and response.get("status") in RUNNING:  # (a background Response: it may have ended)
+                response = self._response(response_id, owner) or response
+                if response.get("status") in RUNNING:
+                    raise StillRunning(response_id)
             if response.get("conversation") is not None:  # (its turn is one of that conversation's, not a chain's)
                 raise BrokenChain(f"the response {response['id']!r} went on with the conversation "
                                   f"{response['conversation']['id']!r}: continue that conversation instead")
@@ -394,7 +598,8 @@ class ResponseStore:
             self._db = None
 
 
-_COLUMNS = {"response": "response", "input": "input"}  # what ``_row`` may read
+# what eviction takes from: Responses (never a background one while it runs) and conversations
+_EVICTED = (("responses", "AND id NOT IN (SELECT id FROM background)"), ("conversations", ""))
 
 
 def connect(path: str, durable: bool = False) -> sqlite3.Connection:
@@ -412,6 +617,10 @@ def connect(path: str, durable: bool = False) -> sqlite3.Connection:
         db.close()
         raise
     return db
+
+
+def _failed(response: dict, why: str) -> dict:
+    return {**response, "status": "failed", "error": {"code": "server_error", "message": why}}
 
 
 def _replayed(output: list[dict]) -> list[dict]:

@@ -178,8 +178,6 @@ def to_chat(data: dict, sources: list[str] | None = None, history: list[dict] | 
             raise ApiError(400, f"'{name}' needs stored state, and this server stores none (--responses-store-mib 0): "
                            "send the whole conversation in 'input'", param=name,  # which clients read to send it all)
                            code="previous_response_not_found" if name == "previous_response_id" else None)
-    if data.get("background"):
-        raise ApiError(400, "background responses are not supported", param="background")
     for name, ours in _OTHER_APIS.items():
         if name in data and not (name == "n" and data[name] in (1, None) and data[name] is not True):  # (n 1: one)
             hint = f"the Responses API's: {ours}" if ours else "the Responses API has none"
@@ -498,6 +496,7 @@ class ResponsesFormat(ItemWriter):
         self.answer = chat_fmt.answers[0] if chat_fmt.answers is not None else None
         self.named = self.answer is not None and self.answer.calls is not None and self.answer.calls.mode == "named"
         self.seq = 0
+        self.log: list[tuple[int, bytes]] | None = None  # each event as it is made, with its number: where kept
         self.reasoning_tokens = 0  # output tokens of the thinking (of the batches that carried it, or held it back)
         # the token that ends the thinking, where one token does (Qwen3's </think>, harmony's <|end|>)
         self._end_id = chat_fmt.codec.single_token(self.answer.thinking_end) if self.answer is not None else None
@@ -510,7 +509,8 @@ class ResponsesFormat(ItemWriter):
         self.items: list[dict] = []  # output items done, in order
         self.open: dict | None = None  # the reasoning item, message or named call being written
         self.base = {"id": gen.api_id, "object": "response", "created_at": int(time.time()), "model": api_model,
-                     "store": stored, "error": None, "incomplete_details": None,
+                     "store": stored, "background": op.field(data, "background", bool, False), "error": None,
+                     "incomplete_details": None,
                      "previous_response_id": data.get("previous_response_id"),
                      "conversation": {"id": conversation} if conversation is not None else None, **_echoed(data),
                      # what it samples with: the request's values, else the model's (or OpenAI's) defaults
@@ -531,6 +531,10 @@ class ResponsesFormat(ItemWriter):
         self.chat.collect(updates)
         for up in updates:  # the items as a stream makes them (the events are not sent), reasoning tokens counted
             self._take(self._counted(up), up.finished)
+
+    def final(self) -> dict:
+        """The Response as it ended (streamed: as its last event says; collected: made now)."""
+        return self._done if self._done is not None else self.response()
 
     def response(self) -> dict:
         if not self._ended:
@@ -595,8 +599,11 @@ class ResponsesFormat(ItemWriter):
 
     def _event(self, kind: str, **fields) -> bytes:
         self.seq += 1
-        return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(
+        event = b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(
             {"type": kind, "sequence_number": self.seq - 1, **fields}) + b"\n\n"
+        if self.log is not None:
+            self.log.append((self.seq - 1, event))
+        return event
 
     def stream_head(self) -> bytes:
         head = {**self.base, "status": "in_progress", "output": [], "usage": None}
@@ -619,8 +626,9 @@ class ResponsesFormat(ItemWriter):
         code = "server_error" if e.status >= 500 else "rate_limit_exceeded" if e.status == 429 else "invalid_prompt"
         error = {"code": code, "message": e.message}
         out = self._take(self._parts("", True), finished=False) + self._close(last=True, status="incomplete")
+        self._done = self._response("failed", error)  # (kept by a background Response)
         return (out + self._event("error", code=str(e.code or e.status), message=e.message, param=e.param)
-                + self._event("response.failed", response=self._response("failed", error)))
+                + self._event("response.failed", response=self._done))
 
     def _open(self, item: dict) -> bytes:
         self.open = item

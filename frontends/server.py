@@ -175,6 +175,8 @@ async def serve(args: FrontendArgs, ready: Callable[[], None] | None = None) -> 
     finally:
         server.close()  # stop accepting; live connections stay
         await http.shutdown(args.shutdown_grace)
+        if api.background is not None:  # (its background Responses fail: the engine is no longer reached)
+            await api.background.close()
         await client.close()
         if store is not None:
             await store.close()

@@ -1,5 +1,6 @@
 """The Responses API's stored state over HTTP (``frontends.response_store`` keeps it): stored Responses
-(``GET`` and ``DELETE /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``) and OpenAI's
+(``GET`` and ``DELETE /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``; a background
+Response's cancel, and its events streamed again: ``frontends.background``) and OpenAI's
 Conversations API (``/v1/conversations``: create, retrieve, update, delete; its ``items``: list, add,
 retrieve, delete), each under the caller's API key. Lists page as OpenAI's do (``limit``, ``order``,
 ``after``). The Responses that read and grow this state: ``OpenAIApi.responses_job``.
@@ -16,8 +17,8 @@ import orjson
 from frontends import openai_params as op
 from frontends.auth import Auth
 from frontends.errors import ApiError, shown
-from frontends.http import Request, Response, Router
-from frontends.response_store import DuplicateItem, ResponseStore
+from frontends.http import Request, Response, Router, StreamingResponse
+from frontends.response_store import DuplicateItem, NotBackground, ResponseStore
 from frontends.responses import (
     check_items,
     check_metadata,
@@ -83,11 +84,11 @@ class StoredApi:
     def routes(self, router: Router) -> None:
         auth = self.api.auth
         for method, path, handler in (
-                ("GET", "/v1/responses/{response_id}", self.response),  # (and .../input_items)
-                ("DELETE", "/v1/responses/{response_id}", self.response),
+                *((m, "/v1/responses/{response_id}", self.response) for m in ("GET", "POST", "DELETE")),
                 ("POST", "/v1/conversations", self.create),
                 *((m, "/v1/conversations/{conversation_id}", self.conversation) for m in ("GET", "POST", "DELETE"))):
-            router.add(method, path, auth.guard(handler, json_body=method == "POST"), refuses=auth.refuses)
+            router.add(method, path, auth.guard(handler, json_body=method == "POST" and handler != self.response),
+                       refuses=auth.refuses)  # (a cancel has no body)
             router.add_preflight(path, auth.preflight)
 
     def _owner(self, req: Request) -> str:
@@ -114,34 +115,60 @@ class StoredApi:
 
     # ------------------------------------------------------------------ stored Responses
 
-    async def response(self, req: Request) -> Response:
-        """``GET /v1/responses/{id}`` (the client's ``responses.retrieve``), ``DELETE`` (``responses.delete``) and
-        ``GET /v1/responses/{id}/input_items`` (``responses.input_items.list``)."""
+    async def response(self, req: Request) -> Response | StreamingResponse:
+        """``GET /v1/responses/{id}`` (the client's ``responses.retrieve``; a background Response created streamed,
+        with ``stream=true``: its events after ``starting_after``), ``DELETE`` (``responses.delete``),
+        ``POST /v1/responses/{id}/cancel`` (``responses.cancel``) and ``GET /v1/responses/{id}/input_items``
+        (``responses.input_items.list``)."""
         response_id, rest = self._path(req, "/v1/responses/")
         missing = ApiError(404, f"Response with id '{shown(response_id)}' not found.", param="response_id")
-        if rest not in ([], ["input_items"]) or (rest and req.method == "DELETE"):
+        allowed = {(): ("GET", "DELETE"), ("input_items",): ("GET",), ("cancel",): ("POST",)}.get(tuple(rest))
+        if allowed is None:
             raise ApiError(404, f"No route for {req.method} {req.path}", type="not_found_error")
+        if req.method not in allowed:
+            raise ApiError(405, f"Method {req.method} not allowed here: {', '.join(allowed)}",
+                           headers=[("allow", ", ".join(allowed))])
         self._none_kept(missing.message)
-        owner, query = self._owner(req), _query(req)
+        owner, query, runs = self._owner(req), _query(req), self.api.background
         if req.method == "DELETE":
             if not await self.store.delete(response_id, owner):
                 raise missing
+            runs.stop(response_id)  # (a background one running here: aborted now; elsewhere, at its frontend's look)
             return _json({"id": response_id, "object": "response.deleted", "deleted": True})
-        if not rest:
-            stream = query.get("stream", "false").lower()
-            if stream in op.QUERY_TRUE:
-                raise ApiError(400, "a stored response is not streamed again (background responses are not "
-                               "supported)", param="stream")
-            if stream not in op.QUERY_FALSE:
-                raise ApiError(400, f"stream must be true or false, got {shown(stream)!r}", param="stream")
-            response = await self.store.get(response_id, owner)
-            if response is None:
+        if rest == ["cancel"]:
+            try:
+                found = await self.store.cancel(response_id, owner)
+            except NotBackground:
+                raise ApiError(400, "Only a response created with background: true can be cancelled",
+                               param="response_id") from None
+            if found is None:
                 raise missing
-            return _json(response)
-        items = await self.store.input_items(response_id, owner)
-        if items is None:
+            runs.stop(response_id)
+            return _json(found)
+        if rest:
+            items = await self.store.input_items(response_id, owner)
+            if items is None:
+                raise missing
+            return _json(_listed(items, query))
+        stream = query.get("stream", "false").lower()
+        if stream not in op.QUERY_TRUE + op.QUERY_FALSE:
+            raise ApiError(400, f"stream must be true or false, got {shown(stream)!r}", param="stream")
+        if stream in op.QUERY_TRUE:
+            after = query.get("starting_after", "-1")
+            if not re.fullmatch(r"-1|[0-9]{1,18}", after):
+                raise ApiError(400, f"starting_after must be an event's sequence number, got {shown(after)!r}",
+                               param="starting_after")
+            found = await self.store.events(response_id, owner, int(after), limit=0)
+            if found is None:
+                raise missing
+            if not found[2]:
+                raise ApiError(400, "Only a background response created with stream: true is streamed again (and "
+                               "only while its events are kept): retrieve it whole instead", param="stream")
+            return runs.resume(response_id, owner, int(after))
+        response = await self.store.get(response_id, owner)
+        if response is None:
             raise missing
-        return _json(_listed(items, query))
+        return _json(response)
 
     # ------------------------------------------------------------------ conversations
 

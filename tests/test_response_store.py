@@ -223,3 +223,114 @@ def test_what_a_conversation_is_given_stays_whole(tmp_path):
         await store.close()
 
     asyncio.run(run())
+
+
+def background(rid: str, status: str = "queued", text: str = "") -> dict:
+    return {**response(rid, text=text), "background": True, "status": status, **({"output": []} if not text else {})}
+
+
+def held(store: ResponseStore) -> tuple[int, int]:
+    """What the owners' totals say the store holds, and what its rows hold."""
+    from frontends.response_store import connect
+
+    db = connect(store.path)
+    try:
+        return (db.execute("SELECT SUM(size) FROM owners").fetchone()[0],
+                db.execute("SELECT SUM(size) FROM responses").fetchone()[0])
+    finally:
+        db.close()
+
+
+def test_a_background_response_runs_ends_and_is_cancelled(tmp_path):
+    """A background Response is kept as it begins, then as it goes (its events, its status), then whole when it ends,
+    over its running state; a cancel takes it from its runner, whose later writes change nothing; its events and its
+    running state count in its size."""
+    from frontends.response_store import NotBackground, StillRunning
+
+    async def run():
+        a, b = ResponseStore(str(tmp_path / "r.db"), 1 << 20), ResponseStore(str(tmp_path / "r.db"), 1 << 20)
+        await a.start(background("r1"), said("r1", "Q1"), "k", "fe-a", events=True)
+        assert (await b.get("r1", "k"))["status"] == "queued" and await b.get("r1", "other") is None
+        assert await a.progress("r1", "fe-a", [(0, b"e0"), (1, b"e1")], background("r1", "in_progress"))
+        assert await b.events("r1", "k", -1) == ([(0, b"e0"), (1, b"e1")], False, True)
+        assert await b.events("r1", "k", 0, limit=1) == ([(1, b"e1")], False, True)
+        with pytest.raises(StillRunning):  # (nothing to continue yet)
+            await b.history("r1", "k")
+        assert not await a.progress("r1", "fe-b", [], None)  # (another runner's)
+        assert held(a)[0] == held(a)[1]
+        assert await a.finish(background("r1", "completed", "A1"), said("r1", "Q1"), "k", [(2, b"e2")])
+        assert await b.get("r1", "k") == background("r1", "completed", "A1")
+        assert await b.events("r1", "k", 1) == ([(2, b"e2")], True, True)
+        assert (await b.history("r1", "k"))[0][-1]["content"][0]["text"] == "A1"
+        assert (await b.cancel("r1", "k"))["status"] == "completed"  # (ended: as it is)
+        # cancelled on another frontend: its runner learns it at its next write or look, and writes nothing more
+        await a.start(background("r2"), said("r2", "Q2"), "k", "fe-a", events=False)
+        assert await a.heartbeat("fe-a") == {"r2"}
+        assert (await b.cancel("r2", "k"))["status"] == "cancelled"
+        assert (await b.cancel("r2", "k"))["status"] == "cancelled"  # (twice: as it is)
+        assert await a.heartbeat("fe-a") == set()
+        assert not await a.progress("r2", "fe-a", [(0, b"e0")], background("r2", "in_progress"))
+        assert not await a.finish(background("r2", "completed", "A2"), said("r2", "Q2"), "k", [])
+        assert (await b.get("r2", "k"))["status"] == "cancelled"
+        assert await b.events("r2", "k", -1) == ([], True, False)  # (not created streamed)
+        await a.put({**response("r3"), "status": "completed"}, said("r3", "Q3"), "k")
+        with pytest.raises(NotBackground):
+            await b.cancel("r3", "k")
+        assert await b.cancel("nope", "k") is None
+        # deleted while it runs: its running state goes with it
+        await a.start(background("r4"), said("r4", "Q4"), "k", "fe-a", events=True)
+        assert await b.delete("r4", "k") and await a.heartbeat("fe-a") == set()
+        assert held(a)[0] == held(a)[1]
+        await a.close()
+        await b.close()
+
+    asyncio.run(run())
+
+
+def test_a_run_whose_frontend_stopped_has_failed(tmp_path, monkeypatch):
+    """A running background Response whose frontend has not said so for STALE seconds (it died) reads as failed, as
+    do those of a frontend that stops (``abandon``)."""
+    from frontends import response_store
+
+    async def run():
+        store = ResponseStore(str(tmp_path / "r.db"), 1 << 20)
+        await store.start(background("r1"), said("r1", "Q"), "k", "fe-a", events=False)
+        await store.start(background("r2"), said("r2", "Q"), "k", "fe-b", events=False)
+        await store.start(background("r3"), said("r3", "Q"), "k", "fe-c", events=False)
+        assert (await store.get("r1", "k"))["status"] == "queued"
+        await store.abandon("fe-b")
+        got = await store.get("r2", "k")
+        assert got["status"] == "failed" and got["error"]["message"] == "the server stopped before it ended"
+        monkeypatch.setattr(response_store, "STALE", -1.0)  # (every frontend has been quiet too long)
+        got = await store.get("r1", "k")
+        assert got["status"] == "failed" and got["error"]["code"] == "server_error"
+        assert not await store.progress("r1", "fe-a", [], None)  # (its runner, back: no longer its to run)
+        assert (await store.history("r3", "k"))[0] == said("r3", "Q")  # (failed: continued as it stands)
+        assert held(store)[0] == held(store)[1]
+        await store.close()
+
+    asyncio.run(run())
+
+
+def test_a_background_response_past_its_share_keeps_no_events_and_is_never_evicted_while_it_runs(tmp_path):
+    """Events past a sixteenth of the bound are no longer kept (none of them); a running Response is not evicted,
+    however old, and one that ends too large to keep is kept failed, without its output."""
+    async def run():
+        store = ResponseStore(str(tmp_path / "r.db"), 16 * 4096)
+        await store.start(background("r0"), said("r0", "Q"), "k", "fe-a", events=True)
+        assert await store.progress("r0", "fe-a", [(0, b"e" * 1000)], background("r0", "in_progress"))
+        assert await store.progress("r0", "fe-a", [(1, b"e" * 4000)], None)  # (past 4096 with its Response)
+        assert await store.events("r0", "k", -1) == ([], False, False)
+        assert await store.progress("r0", "fe-a", [(2, b"e")], None)  # (still its to run: events are not kept)
+        for k in range(1, 40):  # (the bound many times over, in Responses that use it later)
+            await store.put({**response(f"r{k:02}", text="y" * 2000), "status": "completed"}, said("x", "q"), "k")
+        assert (await store.get("r0", "k"))["status"] == "in_progress"
+        assert await store.get("r01", "k") is None
+        assert await store.finish(background("r0", "completed", "z" * 5000), said("r0", "Q"), "k", [(3, b"e")])
+        got = await store.get("r0", "k")
+        assert got["status"] == "failed" and got["output"] == [] and "took more" in got["error"]["message"]
+        assert await store.events("r0", "k", -1) == ([], True, False)
+        assert held(store)[0] == held(store)[1] <= 16 * 4096
+        await store.close()
+
+    asyncio.run(run())

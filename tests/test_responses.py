@@ -98,7 +98,6 @@ def test_a_function_without_parameters():
 @pytest.mark.parametrize("body,param", [
     ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": "hi", "conversation": "conv_1"}, "conversation"),
-    ({"input": "hi", "background": True}, "background"),
     ({"input": []}, "input"),
     ({"input": 5}, "input"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input"),

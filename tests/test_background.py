@@ -1,0 +1,198 @@
+"""Background Responses (``frontends.background``) served: two real frontend processes over one fake engine
+(which answers with the prompt's own tokens, one a step) and one store file, through the official ``openai``
+client: created on one frontend, polled, cancelled and streamed again on the other."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.test_responses import OTHER_KEY, SHOWN_TEMPLATE, STOP
+from tools.fake_engine import KEY, MODEL, FakeEngine, free_port, start_frontend, stop_frontend
+
+LONG = "a story about otters in space " * 8  # (its answer is itself again: max_output_tokens long)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, smollm_tokenizer_dir):
+    """(engine, [client of frontend A, of B, of A under another key], the store file, the ports)"""
+    where = tmp_path_factory.mktemp("background")
+    engine = FakeEngine(f"ipc://{where}/engine.sock", step_delay=0.01)
+    engine.start()
+    procs, store = [], str(where / "responses.sqlite")
+    try:
+        ports = [free_port(), free_port()]
+        for i, port in enumerate(ports):
+            procs.append(start_frontend(engine.address, smollm_tokenizer_dir, port, api_keys=(KEY, OTHER_KEY),
+                                        frontend_id=f"fe-{i}", chat_template=SHOWN_TEMPLATE,
+                                        responses_store=store))
+        yield engine, [openai.OpenAI(base_url=f"http://127.0.0.1:{p}/v1", api_key=k, max_retries=0)
+                       for p, k in ((ports[0], KEY), (ports[1], KEY), (ports[0], OTHER_KEY))], store, ports
+        assert [stop_frontend(p) for p in procs] == [0, 0]
+    except BaseException:
+        for p in procs:
+            stop_frontend(p)
+        raise
+    finally:
+        engine.stop()
+
+
+def polled(client, response_id: str, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        r = client.responses.retrieve(response_id)
+        if r.status not in ("queued", "in_progress") or time.monotonic() > deadline:
+            return r
+        time.sleep(0.05)
+
+
+def test_a_background_response_is_answered_queued_and_polled_to_its_end_on_either_frontend(runs):
+    """Answered at once (``queued``), then ``in_progress``, then ended on the other frontend as the same request
+    answered in the foreground is; continued (``previous_response_id``) once it has ended, not before."""
+    _, (a, b, other), _, _ = runs
+    kw = dict(model=MODEL, input="Q1 " + LONG, max_output_tokens=120)
+    r = a.responses.create(background=True, **kw)
+    assert r.background and r.status == "queued" and r.output == [] and r.store
+    with pytest.raises(openai.BadRequestError) as e:  # (nothing to continue yet)
+        b.responses.create(model=MODEL, input="Q2", previous_response_id=r.id)
+    assert e.value.body["param"] == "previous_response_id" and "still in progress" in e.value.body["message"]
+    seen = {r.status}
+    while r.status in ("queued", "in_progress"):
+        r = b.responses.retrieve(r.id)
+        seen.add(r.status)
+        time.sleep(0.02)
+    assert "in_progress" in seen and r.status == "incomplete" and r.background
+    fore = a.responses.create(store=False, **kw)
+    assert r.output_text == fore.output_text and r.usage.output_tokens == fore.usage.output_tokens == 120
+    assert a.responses.cancel(r.id).status == "incomplete"  # (ended: as it is)
+    r2 = b.responses.create(model=MODEL, input="Q2", previous_response_id=r.id, extra_body=STOP)
+    assert r2.output_text.startswith("user: Q1 a story") and r2.output_text.endswith("user: Q2\n")
+    with pytest.raises(openai.NotFoundError):
+        other.responses.retrieve(r.id)
+
+
+def test_a_cancel_on_another_frontend_stops_the_run_in_the_engine(runs):
+    """``responses.cancel`` on the frontend that does not run it: ``cancelled`` at once, the engine's request
+    aborted at the running frontend's next look (a second), the Response left cancelled, and cancelling it again
+    answers the same. A Response created in the foreground is no background one to cancel."""
+    engine, (a, b, other), _, _ = runs
+    r = a.responses.create(model=MODEL, input=LONG, background=True, max_output_tokens=400)
+    assert polled(b, r.id, timeout=0.3).status == "in_progress"
+    with pytest.raises(openai.NotFoundError):  # (another key's)
+        other.responses.cancel(r.id)
+    assert b.responses.cancel(r.id).status == "cancelled"
+    deadline = time.monotonic() + 5
+    while engine.running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not engine.running  # (aborted, not run to its 400 tokens)
+    assert b.responses.retrieve(r.id).status == a.responses.cancel(r.id).status == "cancelled"
+    # cancelled on the frontend that runs it: aborted at once
+    r = a.responses.create(model=MODEL, input=LONG, background=True, max_output_tokens=400)
+    polled(a, r.id, timeout=0.3)
+    assert a.responses.cancel(r.id).status == "cancelled"
+    time.sleep(0.2)
+    assert not engine.running
+    # deleted while it runs: aborted too
+    r = a.responses.create(model=MODEL, input=LONG, background=True, max_output_tokens=400)
+    b.responses.delete(r.id)
+    deadline = time.monotonic() + 5
+    while engine.running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not engine.running
+    fore = a.responses.create(model=MODEL, input="x", extra_body=STOP)
+    with pytest.raises(openai.BadRequestError) as e:
+        b.responses.cancel(fore.id)
+    assert "background" in e.value.body["message"]
+    with pytest.raises(openai.NotFoundError):
+        b.responses.cancel("resp_nope")
+
+
+def test_a_background_stream_is_read_again_from_any_frontend(runs):
+    """Created streamed: the caller reads its events as they come and may leave; the rest is read on another
+    frontend from after the last it read (``starting_after``), or all of it again, the same events, ending with the
+    Response as it is stored."""
+    _, (a, b, _), _, _ = runs
+    first, response_id = [], None
+    with a.responses.create(model=MODEL, input=LONG, background=True, stream=True, max_output_tokens=60) as s:
+        for event in s:
+            first.append(event)
+            response_id = response_id or event.response.id
+            if len(first) == 6:
+                break
+    rest = list(b.responses.retrieve(response_id, stream=True, starting_after=first[-1].sequence_number))
+    whole = list(b.responses.retrieve(response_id, stream=True))
+    assert [e.sequence_number for e in first + rest] == [e.sequence_number for e in whole] == list(range(len(whole)))
+    assert [e.model_dump() for e in first + rest][1:-1] == [e.model_dump() for e in whole][1:-1]
+    assert whole[-1].type == "response.incomplete"
+    stored = a.responses.retrieve(response_id)
+    assert whole[-1].response.model_dump() == stored.model_dump() and stored.output_text
+    text = "".join(e.delta for e in whole if e.type == "response.output_text.delta")
+    assert text == stored.output_text
+    # read whole with the client's own helper, the events checked in order as it rebuilds the Response
+    with a.responses.stream(model=MODEL, input="short", background=True, extra_body=STOP) as s:
+        done = s.get_final_response()
+    assert done.background and done.output_text == a.responses.retrieve(done.id).output_text
+
+
+def test_bad_background_calls_are_4xx(runs):
+    _, (a, b, _), _, ports = runs
+    with pytest.raises(openai.BadRequestError) as e:
+        a.responses.create(model=MODEL, input="x", background=True, store=False)
+    assert e.value.body["param"] == "background"
+    with pytest.raises(openai.BadRequestError) as e:
+        a.responses.create(model=MODEL, input="x", extra_body={"background": "yes"})
+    assert e.value.body["param"] == "background"
+    plain = a.responses.create(model=MODEL, input="x", background=True, extra_body=STOP)
+    polled(a, plain.id)
+    fore = a.responses.create(model=MODEL, input="x", extra_body=STOP)
+    for rid in (plain.id, fore.id):  # (not created streamed: nothing to stream again)
+        with pytest.raises(openai.BadRequestError) as e:
+            list(b.responses.retrieve(rid, stream=True))
+        assert e.value.body["param"] == "stream"
+    with pytest.raises(openai.BadRequestError) as e:
+        b.responses.retrieve(plain.id, extra_query={"stream": "true", "starting_after": "x"})
+    assert e.value.body["param"] == "starting_after"
+    url = f"http://127.0.0.1:{ports[1]}/v1/responses/{plain.id}"
+    headers = {"authorization": f"Bearer {KEY}"}
+    assert httpx.get(url + "/cancel", headers=headers).status_code == 405
+    assert httpx.post(url + "/other", headers=headers).status_code == 404
+    assert httpx.post(url, headers=headers).status_code == 405
+
+
+def test_a_frontend_that_stops_fails_the_responses_it_ran(runs, smollm_tokenizer_dir):
+    """A frontend stopped while it runs a background Response: the others read it as failed, not in progress."""
+    engine, (_, b, _), store, _ = runs
+    port = free_port()
+    proc = start_frontend(engine.address, smollm_tokenizer_dir, port, api_keys=(KEY, OTHER_KEY),
+                          frontend_id="fe-2", chat_template=SHOWN_TEMPLATE, responses_store=store)
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
+        r = c.responses.create(model=MODEL, input=LONG, background=True, max_output_tokens=400)
+        assert polled(b, r.id, timeout=0.3).status == "in_progress"
+    finally:
+        assert stop_frontend(proc) == 0
+    got = b.responses.retrieve(r.id)
+    assert got.status == "failed" and got.error.code == "server_error"
+
+
+def test_a_background_turn_grows_its_conversation_and_a_refused_one_ends_failed(runs):
+    """In a conversation, a background Response adds its input and output once it has ended, as a foreground one
+    does; one the engine refuses (its queue full) ends ``failed``, saying why."""
+    from engine.protocol import Error
+
+    engine, (a, b, _), _, _ = runs
+    conv = a.conversations.create(items=[{"type": "message", "role": "user", "content": "Q0"}])
+    r = polled(b, a.responses.create(model=MODEL, input="Q1", conversation=conv.id, background=True,
+                                     extra_body=STOP).id)
+    assert r.status == "completed" and r.output_text == "user: Q0\nuser: Q1\n"
+    items = b.conversations.items.list(conv.id, order="asc").data
+    assert [i.content[0].text for i in items] == ["Q0", "Q1", "user: Q0\nuser: Q1\n"]
+    engine.refuse = Error("", 429, "rate_limit_error", "the waiting queue is full")
+    try:
+        r = polled(b, a.responses.create(model=MODEL, input="Q2", background=True).id)
+    finally:
+        engine.refuse = None
+    assert r.status == "failed" and r.error.code == "rate_limit_exceeded" and "queue is full" in r.error.message
