@@ -25,8 +25,9 @@ import orjson
 from frontends.errors import ApiError
 from frontends.generation import Generation
 from frontends.http import Response, StreamingResponse
-from frontends.response_store import ResponseStore
+from frontends.response_store import RUNNING, Keep, ResponseStore
 from frontends.responses import ResponsesFormat
+from frontends.stored_api import too_large
 
 log = logging.getLogger("tokenmill.frontend")
 
@@ -36,12 +37,16 @@ POLL = 0.05  # seconds between a reader's looks for more events
 
 
 class Run:
-    __slots__ = ("gen", "fmt", "head", "keep", "task", "listeners")
+    __slots__ = ("gen", "fmt", "head", "keep", "task", "listeners", "ended", "begun", "keeping")
 
-    def __init__(self, gen: Generation, fmt: ResponsesFormat, head: dict, keep) -> None:
-        self.gen, self.fmt, self.head, self.keep = gen, fmt, head, keep  # (keep: its input items, whose it is)
+    def __init__(self, gen: Generation, fmt: ResponsesFormat, keep: Keep) -> None:
+        self.gen, self.fmt, self.keep = gen, fmt, keep  # (keep: its input items, whose it is)
+        self.head = {**fmt.base, "status": "queued", "output": [], "usage": None}  # (as the store has it)
         self.task: asyncio.Task | None = None
         self.listeners: set[asyncio.Queue] = set()  # the creating call's stream, while it reads
+        self.ended = False  # its last update is in: what is left is for ``finish`` alone
+        self.begun = False  # it has begun (in_progress), which the store is yet to be told
+        self.keeping = fmt.log is not None  # its events are kept (streamed, and not past what one may take)
 
 
 class BackgroundRuns:
@@ -52,17 +57,27 @@ class BackgroundRuns:
         self.runner = f"{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"  # (this process: not a restarted one)
         self.runs: dict[str, Run] = {}
         self._watcher: asyncio.Task | None = None
+        self._closed = False
 
-    async def start(self, gen: Generation, fmt: ResponsesFormat, stream: bool) -> Response | StreamingResponse:
+    async def start(self, gen: Generation, fmt: ResponsesFormat, keep: Keep,
+                    stream: bool) -> Response | StreamingResponse:
         """Keep ``gen``'s Response as it begins and run it on: the Response, ``queued``, or (``stream``) a stream of
         its events for as long as the caller reads it."""
-        run = Run(gen, fmt, {**fmt.base, "status": "queued", "output": [], "usage": None}, fmt.keep)
-        fmt.keep = None  # (kept here, over its running state)
+        if self._closed:
+            raise ApiError(503, "The server is stopping: no background response starts")
         if stream:
-            fmt.log = []
-        await self.store.start(run.head, run.keep.items, run.keep.owner, self.runner, stream)
-        gen.start()
-        self.runs[run.head["id"]] = run
+            fmt.log = []  # (its events, to be kept)
+        run = Run(gen, fmt, keep)
+        response_id = run.head["id"]
+        if not await self.store.start(run.head, keep.items, keep.owner, self.runner, stream):
+            raise too_large(self.store, "input")
+        try:
+            gen.start()
+        except BaseException as e:  # (the engine cannot be reached): it has failed, not queued
+            with contextlib.suppress(ApiError):
+                await self.store.fail(response_id, self.runner, getattr(e, "message", None) or repr(e))
+            raise
+        self.runs[response_id] = run
         run.task = asyncio.create_task(self._run(run))
         if self._watcher is None or self._watcher.done():
             self._watcher = asyncio.create_task(self._watch())
@@ -73,13 +88,14 @@ class BackgroundRuns:
         return StreamingResponse(_listen(queue), on_close=lambda: run.listeners.discard(queue))
 
     def stop(self, response_id: str) -> None:
-        """Abort a run of this frontend's (cancelled or deleted: its state in the store says so already)."""
+        """Abort a run of this frontend's, cancelled or deleted (the store says so already), unless it has ended."""
         run = self.runs.get(response_id)
-        if run is not None and run.task is not None:
+        if run is not None and run.task is not None and not run.ended:
             run.task.cancel()
 
     async def close(self) -> None:
-        """The frontend stops: its runs are aborted and count as failed."""
+        """The frontend stops: its runs are aborted and count as failed; none starts any more."""
+        self._closed = True
         tasks = [t for t in (self._watcher, *(r.task for r in self.runs.values())) if t is not None]
         for task in tasks:
             task.cancel()
@@ -88,35 +104,43 @@ class BackgroundRuns:
             await self.store.abandon(self.runner)
 
     async def _run(self, run: Run) -> None:
-        """Run ``run`` to its end, writing its progress as it goes (``_flush``); the chunk that ends it is told
-        once the store has the Response whole (a client that continues it at once finds it)."""
+        """Run ``run`` to its end, writing its progress as it goes (``_flush``). What ends it, its last events and
+        the Response whole, the store gets in one write, and the caller's stream its last chunk after that: a client
+        that reads it has ended, anywhere, finds it ended."""
         gen, fmt, response_id = run.gen, run.fmt, run.head["id"]
-        flushing: asyncio.Task | None = None
+        streamed, flushing = fmt.log is not None, None
         try:
-            last = fmt.stream_head() if fmt.log is not None else b""
+            last = fmt.stream_head(queued=True) if streamed else b""
             while not gen.done:
                 self._tell(run, last)
                 try:
                     updates = await gen.next_updates()
                 except ApiError as e:
+                    run.ended = True
                     last = fmt.stream_error(e)
                     break
-                if fmt.log is not None:
-                    last = fmt.chunk(updates)
+                run.ended = gen.done  # (before its events are made: no flush takes them)
+                last = b""
+                if run.head["status"] == "queued":
+                    run.head, run.begun = {**run.head, "status": "in_progress"}, True
+                    last = fmt.begun() if streamed else b""
+                if streamed:
+                    last += fmt.chunk(updates)
                 else:
-                    last = b""
                     fmt.collect(updates)
-                if (run.head["status"] == "queued" or fmt.log) and (flushing is None or flushing.done()) \
-                        and not gen.done:  # (while one is under way, what comes goes with the next)
+                if not run.ended and (run.begun or fmt.log) and (flushing is None or flushing.done()):
                     if flushing is not None and not flushing.result():
                         return  # (no longer this frontend's to run)
-                    flushing = asyncio.create_task(self._flush(run))
+                    flushing = asyncio.create_task(self._flush(run))  # (while one runs, what comes waits for it)
             if flushing is not None and not await flushing:
                 return
-            events, fmt.log = fmt.log or [], None
-            with contextlib.suppress(ApiError):  # (the store failed: it counts as failed once it is stale)
+            events = fmt.log if run.keeping else []
+            try:
                 if not await self.store.finish(fmt.final(), run.keep.items, run.keep.owner, events):
-                    return
+                    return  # (cancelled or deleted meanwhile)
+            except ApiError as e:  # (the store failed: no frontend says it runs, it reads as failed once stale)
+                log.warning("background response %s: not kept as it ended: %s", response_id, e.message)
+                return
             self._tell(run, last)
         except asyncio.CancelledError:
             if flushing is not None:
@@ -124,6 +148,8 @@ class BackgroundRuns:
             raise
         except Exception:
             log.exception("background response %s failed", response_id)
+            with contextlib.suppress(ApiError):
+                await self.store.fail(response_id, self.runner, "the server failed running it")
         finally:
             gen.abort_unfinished()
             for queue in run.listeners:
@@ -131,28 +157,33 @@ class BackgroundRuns:
             self.runs.pop(response_id, None)
 
     async def _flush(self, run: Run) -> bool:
-        """Write what the run made since the last write (its events, and its status once it has begun), then again
-        while more comes, at most every ``FLUSH`` seconds. False: it is no longer this frontend's to run."""
-        while True:
-            fmt, started = run.fmt, time.monotonic()
-            events = fmt.log or []
+        """Write what the run made since the last write (that it has begun, its events), then again while more comes,
+        at most every ``FLUSH`` seconds, until it has ended. False: it is no longer this frontend's to run. What the
+        store failed to take is taken again by the next write."""
+        fmt = run.fmt
+        while not run.ended:
+            started = time.monotonic()
+            events, head = (fmt.log or []) if run.keeping else [], run.head if run.begun else None
             if fmt.log:
                 fmt.log = []
-            began = run.head["status"] == "queued"
-            if not events and not began:
+            if not events and head is None:
                 return True
-            if began:
-                run.head = {**run.head, "status": "in_progress"}
+            run.begun = False
             try:
-                if not await self.store.progress(run.head["id"], self.runner, events, run.head if began else None):
+                ours, run.keeping = await self.store.progress(run.head["id"], self.runner, events, head)
+                if not ours:
                     return False
             except ApiError as e:
-                log.warning("background response %s: its progress not kept: %s", run.head["id"], e.message)
+                log.warning("background response %s: its progress not kept yet: %s", run.head["id"], e.message)
+                if events:
+                    fmt.log[:0] = events
+                run.begun = run.begun or head is not None
             await asyncio.sleep(max(0.0, FLUSH - (time.monotonic() - started)))
+        return True
 
     @staticmethod
-    def _tell(run: Run, chunk: bytes | None) -> None:
-        if chunk != b"":
+    def _tell(run: Run, chunk: bytes) -> None:
+        if chunk:
             for queue in run.listeners:
                 queue.put_nowait(chunk)
 
@@ -161,7 +192,7 @@ class BackgroundRuns:
         while self.runs:
             await asyncio.sleep(WATCH)
             try:
-                ours = await self.store.heartbeat(self.runner)
+                ours = await self.store.heartbeat(self.runner, list(self.runs))
             except ApiError as e:
                 log.warning("background responses: the store failed: %s", e.message)
                 continue
@@ -173,24 +204,34 @@ class BackgroundRuns:
         return StreamingResponse(self._tail(response_id, owner, after))
 
     async def _tail(self, response_id: str, owner: str, after: int) -> AsyncIterator[bytes]:
+        """(One that ended without its last event, failed where it ran: that event made from it as it is stored.)"""
+        last = b""  # the last event read (or the one at ``after``)
+        if after >= 0:
+            found = await self.store.events(response_id, owner, after - 1, limit=1)
+            last = found[0][0][1] if found is not None and found[0] else b""
         while True:
             found = await self.store.events(response_id, owner, after)
             if found is None:  # (deleted meanwhile)
                 return
-            events, ended, kept = found
+            events, response, kept = found
             if not kept:
-                yield (b"event: error\ndata: " + orjson.dumps({
-                    "type": "error", "code": "events_not_kept", "sequence_number": after + 1,
-                    "message": "this response's events are no longer kept (they took more than the store keeps of "
-                               "one response): retrieve it whole"}) + b"\n\n")
+                yield _event("error", after + 1, code="events_not_kept", message="this response's events are no "
+                             "longer kept (they took more than the store keeps of one response): retrieve it whole")
                 return
             if events:
-                after = events[-1][0]
+                after, last = events[-1][0], events[-1][1]
                 yield b"".join(e for _, e in events)
-            elif ended:
+            elif response["status"] not in RUNNING:
+                if response["status"] == "failed" and not last.startswith(b"event: response.failed\n"):
+                    yield _event("response.failed", after + 1, response=response)
                 return
             else:
                 await asyncio.sleep(POLL)
+
+
+def _event(kind: str, seq: int, **fields) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(
+        {"type": kind, "sequence_number": seq, **fields}) + b"\n\n"
 
 
 async def _listen(queue: asyncio.Queue) -> AsyncIterator[bytes]:

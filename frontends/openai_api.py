@@ -58,7 +58,7 @@ from frontends.images import ImageProcessor
 from frontends.media import MediaReader
 from frontends.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from frontends.metrics import Metrics
-from frontends.response_store import BrokenChain, ResponseStore, StillRunning
+from frontends.response_store import BrokenChain, Keep, ResponseStore, StillRunning
 from frontends.responses import (
     RESPONSES_PARAMS,
     ResponsesFormat,
@@ -729,7 +729,7 @@ class OpenAIApi:
             raise at_sources(e, sources).renamed(RESPONSES_PARAMS) from None
         if gen.schema_param == "response_format":  # the engine's refusal of a text.format schema
             gen.schema_param = "text"
-        keep = _Keep(self.responses_store, items, owner) if store or conversation is not None else None
+        keep = Keep(self.responses_store, items, owner) if store or conversation is not None else None
         if keep is not None and not gen.stream.affinity:  # a conversation's first turn: where the next ones go
             gen.stream.affinity = gen.api_id
         return gen, ResponsesFormat(gen.lora or self.model, data, gen, chat_fmt, keep, store, conversation)
@@ -876,7 +876,7 @@ class OpenAIApi:
         gen, fmt = await job(data, req.started)
         req.id = gen.api_id
         gen.client_id = self.client_of(data, req.client, self.key_of(Auth.given(req)))
-        return await self.background.start(gen, fmt, op.field(data, "stream", bool, False))
+        return await self.background.start(gen, fmt, fmt.keep, op.field(data, "stream", bool, False))
 
     async def _run(self, req: Request, data: dict, job) -> Response | StreamingResponse:
         """Check the body with ``job`` (completion_job or chat_job), run it, answer whole or streamed."""
@@ -946,19 +946,6 @@ class OpenAIApi:
 
 
 # ----------------------------------------------------------------------------- response shapes
-
-
-class _Keep:
-    """How a Response is stored (``ResponsesFormat.keep``): with its input ``items``, as ``owner``'s."""
-
-    def __init__(self, store: ResponseStore, items: list[dict], owner: str) -> None:
-        self.store, self.items, self.owner = store, items, owner
-
-    async def __call__(self, response: dict) -> None:
-        try:
-            await self.store.put(response, self.items, self.owner)
-        except ApiError as e:  # (the store failed: the answer is still given, only continuing it will fail)
-            log.warning("response %s not stored: %s", response["id"], e.message)
 
 
 class _SseFormat:

@@ -9,12 +9,16 @@ thing with the API key that made it (a digest: another key neither sees nor cont
   conversation a ``previous_response_id`` names is the chain of Responses that ends there, each storing
   only its own turn: ``history`` walks back to the first and lays their inputs and outputs end to end
   (no earlier turn's instructions are carried, as OpenAI's are not);
-- a conversation (its id, ``created_at``, ``metadata``) and its items in order, each with its id.
+- a conversation (its id, ``created_at``, ``metadata``) and its items in order, each with its id;
+- a background Response while it runs (``frontends.background``): which frontend runs it and when that frontend last
+  said so (one silent for ``STALE`` seconds died: its Response has failed), and, where it was created streamed,
+  its events, kept with it (to be streamed again).
 
 Bounded in bytes (``max_bytes``): one thing may take a sixteenth of it (``max_one``: a larger Response is
 not kept; a conversation keeps its newest items within it). Past the bound, the API key that holds the
 most gives back first, its least recently used things first (continuing a chain uses every Response in
-it, so a live conversation keeps its oldest turns): a key that floods the store evicts its own. What
+it, so a live conversation keeps its oldest turns): a key that floods the store evicts its own; a background
+Response that runs is neither evicted nor counted until it ends. What
 each key holds is kept by the schema's triggers, so that a write weighs the bound without a scan.
 
 The SQLite calls, and the JSON of what they read back, run on one thread of each store's own, off the
@@ -76,7 +80,9 @@ CREATE TRIGGER IF NOT EXISTS responses_gone AFTER DELETE ON responses BEGIN
     DELETE FROM events WHERE response = OLD.id; DELETE FROM background WHERE id = OLD.id; END;
 """
 RUNNING = ("queued", "in_progress")  # a background Response's statuses until it ends
-STALE = 30.0  # seconds a running background Response's frontend may not say it runs before it counts as failed
+# seconds a running background Response's frontend may not say it runs before it counts as failed (twice the
+# write lock's longest wait: a frontend waiting its turn is no dead one)
+STALE = 60.0
 MAX_CHAIN = 10_000  # Responses a chain may hold (a longer one is refused: its walk would be the cost)
 
 
@@ -95,6 +101,19 @@ class StillRunning(Exception):
 
 class NotBackground(Exception):
     """Only a background Response can be cancelled."""
+
+
+class Keep:
+    """How a Response is stored (``ResponsesFormat.keep``): with its input ``items``, as ``owner``'s."""
+
+    def __init__(self, store: ResponseStore, items: list[dict], owner: str) -> None:
+        self.store, self.items, self.owner = store, items, owner
+
+    async def __call__(self, response: dict) -> None:
+        try:
+            await self.store.put(response, self.items, self.owner)
+        except ApiError as e:  # (the store failed: the answer is still given, only continuing it will fail)
+            log.warning("response %s not stored: %s", response["id"], e.message)
 
 
 class ResponseStore:
@@ -165,16 +184,17 @@ class ResponseStore:
 
     # ------------------------------------------------------------------ background Responses
 
-    async def start(self, response: dict, input_items: list[dict], owner: str, runner: str, events: bool) -> None:
-        """Store a background Response as it begins (``queued``), run by the frontend ``runner`` (which says so
-        every few seconds: ``heartbeat``); ``events``: its events are kept (``progress``) to be streamed again."""
-        await self._call(self._start, response, input_items, owner, runner, events)
+    async def start(self, response: dict, input_items: list[dict], owner: str, runner: str, events: bool) -> bool:
+        """Store a background Response as it begins (``queued``), run by the frontend ``runner`` (which says so:
+        ``heartbeat``); ``events``: its events are kept (``progress``) to be streamed again. False: it takes more than
+        ``max_one`` (not stored). While it runs it is neither evicted nor counted against the bound."""
+        return await self._call(self._start, response, input_items, owner, runner, events)
 
     async def progress(self, response_id: str, runner: str, events: list[tuple[int, bytes]],
-                       response: dict | None = None) -> bool:
-        """Keep a running background Response's new ``events`` (where they are kept: past ``max_one`` with its
-        Response, none is any more) and its ``response`` as it stands now, if given. False: it is no longer
-        ``runner``'s to run (cancelled, deleted, or counted as failed): its run should stop."""
+                       response: dict | None = None) -> tuple[bool, bool]:
+        """Keep a running background Response's new ``events`` and its ``response`` as it stands now, if given.
+        Whether it is still ``runner``'s to run (False: cancelled, deleted, or counted as failed: its run should
+        stop), and whether its events are still kept (past ``max_one`` with its Response, none is any more)."""
         return await self._call(self._progress, response_id, runner, events, response)
 
     async def finish(self, response: dict, input_items: list[dict], owner: str,
@@ -189,19 +209,24 @@ class ResponseStore:
         where ``owner`` has none of that id; ``NotBackground`` where it is no background Response."""
         return await self._call(self._cancel, response_id, owner)
 
-    async def heartbeat(self, runner: str) -> set[str]:
-        """``runner`` still runs its background Responses: the ids of those still its to run."""
-        return await self._call(self._heartbeat, runner)
+    async def heartbeat(self, runner: str, running: list[str]) -> set[str]:
+        """``runner`` still runs these background Responses: the ids of those still its to run."""
+        return await self._call(self._heartbeat, runner, running)
+
+    async def fail(self, response_id: str, runner: str, why: str) -> None:
+        """A background Response ``runner`` could not run on has ``failed`` (where it is still its to run)."""
+        await self._call(self._fail, response_id, runner, why)
 
     async def abandon(self, runner: str) -> None:
         """``runner`` stops: the background Responses it was running have ``failed``."""
         await self._call(self._abandon, runner)
 
     async def events(self, response_id: str, owner: str, after: int, limit: int = 256) -> tuple[
-            list[tuple[int, bytes]], bool, bool] | None:
-        """Up to ``limit`` of a background Response's events with a sequence number past ``after``, whether it has
-        ended, and whether its events are kept (False: it was not created streamed, or they took too much); None
-        where ``owner`` has no Response of that id."""
+            list[tuple[int, bytes]], dict, bool] | None:
+        """Up to ``limit`` of a background Response's events with a sequence number past ``after``, the Response as it
+        stands (as ``get`` reads it: read first, so that one that has ended has all its events there), and whether its
+        events are kept (False: it was not created streamed, or they took too much); None where ``owner`` has no
+        Response of that id."""
         return await self._call(self._events, response_id, owner, after, limit)
 
     # ------------------------------------------------------------------ conversations
@@ -252,8 +277,7 @@ class ResponseStore:
         with db:
             db.execute("BEGIN IMMEDIATE")
             if response["store"] and len(blob) + len(given) > self.max_one:  # (its output made it so)
-                log.warning("response %s not stored: it takes %d bytes, past the %d one may take (a sixteenth of "
-                            "--responses-store-mib)", response["id"], len(blob) + len(given), self.max_one)
+                self._too_large(response["id"], "not stored")
             elif response["store"]:
                 db.execute("INSERT INTO responses VALUES (?, ?, ?, ?, ?, ?, ?)",
                            (response["id"], response.get("previous_response_id"), owner, time.time(),
@@ -322,8 +346,13 @@ class ResponseStore:
 
     def _evict(self, db: sqlite3.Connection, keep: tuple[str | None, ...]) -> None:
         """While the store holds more than ``max_bytes``: of the key that holds the most, its least recently used
-        Response or conversation deleted (never one of ``keep``, those just written)."""
-        held = dict(db.execute("SELECT owner, size FROM owners WHERE size > 0").fetchall())
+        Response or conversation deleted (never one of ``keep``, those just written). A background Response that
+        runs (its frontend said so lately) is neither counted nor evicted: a key's runs evict nobody's things."""
+        live = time.time() - STALE  # (a background Response running: its frontend said so since)
+        running = dict(db.execute("SELECT owner, SUM(size) FROM responses WHERE id IN (SELECT id FROM background WHERE "
+                                  "alive >= ?) GROUP BY owner", (live,)).fetchall())
+        held = {owner: size - running.get(owner, 0) for owner, size in db.execute(
+            "SELECT owner, size FROM owners WHERE size > 0").fetchall()}
         excess = sum(held.values()) - self.max_bytes
         kept = [k for k in keep if k is not None]
         spared = f"AND id NOT IN ({', '.join('?' * len(kept))})"
@@ -331,10 +360,12 @@ class ResponseStore:
         while excess > 0 and held:
             owner = max(held, key=held.__getitem__)
             if not lru.get(owner):  # (64 of each table at a time: most writes evict one thing, or none)
-                lru[owner] = sorted([(used, table, i, n) for table, running in _EVICTED
-                                     for i, n, used in db.execute(
-                                         f"SELECT id, size, used FROM {table} WHERE owner = ? {spared} {running} "
-                                         "ORDER BY used LIMIT 64", (owner, *kept))], reverse=True)
+                lru[owner] = sorted([(used, "responses", i, n) for i, n, used in db.execute(
+                    f"SELECT id, size, used FROM responses WHERE owner = ? {spared} AND id NOT IN (SELECT id FROM "
+                    "background WHERE alive >= ?) ORDER BY used LIMIT 64", (owner, *kept, live))] + [
+                    (used, "conversations", i, n) for i, n, used in db.execute(
+                        f"SELECT id, size, used FROM conversations WHERE owner = ? {spared} ORDER BY used LIMIT 64",
+                        (owner, *kept))], reverse=True)
                 if not lru[owner]:  # (all it holds is what was just written)
                     del held[owner]
                     continue
@@ -376,8 +407,10 @@ class ResponseStore:
         db.execute("UPDATE responses SET size = size + ? - LENGTH(response), response = ? WHERE id = ?",
                    (len(blob), blob, response_id))
 
-    def _start(self, response: dict, input_items: list[dict], owner: str, runner: str, events: bool) -> None:
+    def _start(self, response: dict, input_items: list[dict], owner: str, runner: str, events: bool) -> bool:
         db, blob, given = self._conn(), orjson.dumps(response), orjson.dumps(input_items)
+        if len(blob) + len(given) > self.max_one:
+            return False
         with db:
             db.execute("BEGIN IMMEDIATE")
             now = time.time()
@@ -386,26 +419,34 @@ class ResponseStore:
                         blob, given))
             db.execute("INSERT INTO background VALUES (?, ?, ?, ?)", (response["id"], runner, now, int(events)))
             self._evict(db, (response["id"],))
+        return True
 
     def _progress(self, response_id: str, runner: str, events: list[tuple[int, bytes]],
-                  response: dict | None) -> bool:
+                  response: dict | None) -> tuple[bool, bool]:
         with self._conn() as db:
             db.execute("BEGIN IMMEDIATE")
             row = db.execute("SELECT events FROM background WHERE id = ? AND runner = ?",
                              (response_id, runner)).fetchone()
             if row is None:
-                return False
+                return False, False
             if response is not None:
                 self._set(db, response_id, response)
             if row[0] and events:
                 self._add_events(db, response_id, events)
-                if db.execute("SELECT size FROM responses WHERE id = ?", (response_id,)).fetchone()[0] > self.max_one:
-                    log.warning("response %s: its events are no longer kept, they take more than the %d bytes one "
-                                "Response may (a sixteenth of --responses-store-mib)", response_id, self.max_one)
+                if self._size(db, response_id) > self.max_one:
+                    self._too_large(response_id, "its events are no longer kept")
                     self._drop_events(db, response_id)
                     db.execute("UPDATE background SET events = 0 WHERE id = ?", (response_id,))
-                self._evict(db, (response_id,))
-        return True
+                    return True, False
+        return True, bool(row[0])
+
+    @staticmethod
+    def _size(db: sqlite3.Connection, response_id: str) -> int:
+        return db.execute("SELECT size FROM responses WHERE id = ?", (response_id,)).fetchone()[0]
+
+    def _too_large(self, response_id: str, what: str) -> None:
+        log.warning("response %s: %s, it takes more than the %d bytes one Response may (a sixteenth of "
+                    "--responses-store-mib)", response_id, what, self.max_one)
 
     @staticmethod
     def _add_events(db: sqlite3.Connection, response_id: str, events: list[tuple[int, bytes]]) -> None:
@@ -430,11 +471,11 @@ class ResponseStore:
             if kept[0] and events:
                 self._add_events(db, response_id, events)
             self._set(db, response_id, response)
-            if db.execute("SELECT size FROM responses WHERE id = ?", (response_id,)).fetchone()[0] > self.max_one:
+            if self._size(db, response_id) > self.max_one:
+                self._too_large(response_id, "its events are not kept")
                 self._drop_events(db, response_id)
-                if db.execute("SELECT size FROM responses WHERE id = ?", (response_id,)).fetchone()[0] > self.max_one:
-                    log.warning("response %s: its output is not kept, it takes more than the %d bytes one Response "
-                                "may (a sixteenth of --responses-store-mib)", response_id, self.max_one)
+                if self._size(db, response_id) > self.max_one:
+                    self._too_large(response_id, "its output is not kept")
                     self._set(db, response_id, _failed({**response, "output": []}, "its output took more than the "
                                                        "store keeps of one response"))
             if conversation is not None:
@@ -455,11 +496,24 @@ class ResponseStore:
                 self._set(db, response_id, {**response, "status": "cancelled"})
         return self._response(response_id, owner)  # (cancelled, or as it ended meanwhile)
 
-    def _heartbeat(self, runner: str) -> set[str]:
+    def _heartbeat(self, runner: str, running: list[str]) -> set[str]:
+        """(Those of ``running`` alone: one it no longer runs, whatever befell it, goes stale.)"""
+        marks = ", ".join("?" * len(running))
         with self._conn() as db:
             db.execute("BEGIN IMMEDIATE")
-            db.execute("UPDATE background SET alive = ? WHERE runner = ?", (time.time(), runner))
-            return {r[0] for r in db.execute("SELECT id FROM background WHERE runner = ?", (runner,))}
+            db.execute(f"UPDATE background SET alive = ? WHERE runner = ? AND id IN ({marks})",
+                       (time.time(), runner, *running))
+            return {r[0] for r in db.execute(f"SELECT id FROM background WHERE runner = ? AND id IN ({marks})",
+                                             (runner, *running))}
+
+    def _fail(self, response_id: str, runner: str, why: str) -> None:
+        with self._conn() as db:
+            db.execute("BEGIN IMMEDIATE")
+            row = db.execute("SELECT response FROM responses WHERE id = ? AND id IN (SELECT id FROM background WHERE "
+                             "runner = ?)", (response_id, runner)).fetchone()
+            if row is not None:
+                db.execute("DELETE FROM background WHERE id = ?", (response_id,))
+                self._set(db, response_id, _failed(orjson.loads(row[0]), why))
 
     def _abandon(self, runner: str) -> None:
         with self._conn() as db:
@@ -470,8 +524,7 @@ class ResponseStore:
             db.execute("DELETE FROM background WHERE runner = ?", (runner,))
 
     def _events(self, response_id: str, owner: str, after: int, limit: int) -> tuple[
-            list[tuple[int, bytes]], bool, bool] | None:
-        """(Its state read before its events: once it has ended, every event it had is there.)"""
+            list[tuple[int, bytes]], dict, bool] | None:
         response = self._response(response_id, owner)
         if response is None:
             return None
@@ -481,7 +534,7 @@ class ResponseStore:
                           (response_id, after, limit)).fetchall()
         if kept is None:  # (ended: its events are kept where it has any)
             kept = (rows or db.execute("SELECT 1 FROM events WHERE response = ? LIMIT 1", (response_id,)).fetchone(),)
-        return rows, response.get("status") not in RUNNING, bool(kept[0])
+        return rows, response, bool(kept[0])
 
     def _delete(self, table: str, thing_id: str, owner: str) -> bool:
         with self._conn() as db:
@@ -596,10 +649,6 @@ class ResponseStore:
         if self._db is not None:
             self._db.close()
             self._db = None
-
-
-# what eviction takes from: Responses (never a background one while it runs) and conversations
-_EVICTED = (("responses", "AND id NOT IN (SELECT id FROM background)"), ("conversations", ""))
 
 
 def connect(path: str, durable: bool = False) -> sqlite3.Connection:

@@ -31,6 +31,7 @@ from frontends import openai_params as op
 from frontends.errors import ApiError, shown
 from frontends.generation import Generation, Update, text_ids
 from frontends.openai_params import LLAMACPP_SAMPLERS, MAX_LOGPROBS
+from frontends.response_store import Keep
 from frontends.tools import check_tool
 
 # chat fields a Responses body may carry as they are
@@ -487,7 +488,7 @@ class ResponsesFormat(ItemWriter):
     DONE = b""  # no [DONE] line: the stream ends after response.completed (or .incomplete)
 
     def __init__(self, api_model: str, data: dict, gen: Generation, chat_fmt,
-                 keep: Callable[[dict], Awaitable[None]] | None = None, stored: bool = False,
+                 keep: Keep | None = None, stored: bool = False,
                  conversation: str | None = None) -> None:
         """``keep``: stores the finished Response (where it is ``stored``) and adds its items to its ``conversation``'s,
         awaited before the client may read that it is done (``kept``): a call that continues it at once finds it."""
@@ -605,9 +606,19 @@ class ResponsesFormat(ItemWriter):
             self.log.append((self.seq - 1, event))
         return event
 
-    def stream_head(self) -> bytes:
-        head = {**self.base, "status": "in_progress", "output": [], "usage": None}
-        return self._event("response.created", response=head) + self._event("response.in_progress", response=head)
+    def stream_head(self, queued: bool = False) -> bytes:
+        """The stream's first events; ``queued``: a background Response's, whose ``response.in_progress`` comes when
+        it begins (``begun``)."""
+        if queued:
+            head = {**self.base, "status": "queued", "output": [], "usage": None}
+            return self._event("response.created", response=head) + self._event("response.queued", response=head)
+        return self._event("response.created", response=self._head()) + self.begun()
+
+    def begun(self) -> bytes:
+        return self._event("response.in_progress", response=self._head())
+
+    def _head(self) -> dict:
+        return {**self.base, "status": "in_progress", "output": [], "usage": None}
 
     def chunk(self, updates: list[Update]) -> bytes:
         out = b""

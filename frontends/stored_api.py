@@ -143,7 +143,8 @@ class StoredApi:
                                param="response_id") from None
             if found is None:
                 raise missing
-            runs.stop(response_id)
+            if found["status"] == "cancelled":
+                runs.stop(response_id)  # (running here: aborted now; elsewhere, at its frontend's next look)
             return _json(found)
         if rest:
             items = await self.store.input_items(response_id, owner)

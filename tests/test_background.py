@@ -131,10 +131,20 @@ def test_a_background_stream_is_read_again_from_any_frontend(runs):
     assert whole[-1].response.model_dump() == stored.model_dump() and stored.output_text
     text = "".join(e.delta for e in whole if e.type == "response.output_text.delta")
     assert text == stored.output_text
-    # read whole with the client's own helper, the events checked in order as it rebuilds the Response
-    with a.responses.stream(model=MODEL, input="short", background=True, extra_body=STOP) as s:
-        done = s.get_final_response()
-    assert done.background and done.output_text == a.responses.retrieve(done.id).output_text
+    assert [e.type for e in whole[:3]] == ["response.created", "response.queued", "response.in_progress"]
+    assert [e.response.status for e in whole[:3]] == ["queued", "queued", "in_progress"]
+    # read whole with the client's own helper, the events checked in order as it rebuilds the Response; as soon as
+    # its stream, or one read again elsewhere, has ended, it has ended everywhere (review: the last events were
+    # stored before the Response, which read in_progress, and its continuation was a 400)
+    for k in range(5):
+        with a.responses.stream(model=MODEL, input=f"short {k}", background=True, extra_body=STOP) as s:
+            done = s.get_final_response()
+        assert done.background and b.responses.retrieve(done.id).output_text == done.output_text
+        b.responses.create(model=MODEL, input="more", previous_response_id=done.id, extra_body=STOP)
+        with a.responses.create(model=MODEL, input=LONG, background=True, stream=True, max_output_tokens=30) as s:
+            response_id = next(iter(s)).response.id  # (and gone)
+        ended = list(b.responses.retrieve(response_id, stream=True))
+        assert ended[-1].type == "response.incomplete" and a.responses.retrieve(response_id).status == "incomplete"
 
 
 def test_bad_background_calls_are_4xx(runs):
@@ -171,11 +181,18 @@ def test_a_frontend_that_stops_fails_the_responses_it_ran(runs, smollm_tokenizer
     try:
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
         r = c.responses.create(model=MODEL, input=LONG, background=True, max_output_tokens=400)
+        with c.responses.create(model=MODEL, input=LONG, background=True, stream=True, max_output_tokens=400) as s:
+            streamed = next(iter(s)).response.id
         assert polled(b, r.id, timeout=0.3).status == "in_progress"
     finally:
         assert stop_frontend(proc) == 0
     got = b.responses.retrieve(r.id)
     assert got.status == "failed" and got.error.code == "server_error"
+    events = list(b.responses.retrieve(streamed, stream=True))  # (its stream, read again, ends so too)
+    assert events[-1].type == "response.failed" and events[-1].response.error.code == "server_error"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    again = list(b.responses.retrieve(streamed, stream=True, starting_after=events[-2].sequence_number))
+    assert [e.type for e in again] == ["response.failed"]
 
 
 def test_a_background_turn_grows_its_conversation_and_a_refused_one_ends_failed(runs):

@@ -236,7 +236,8 @@ def held(store: ResponseStore) -> tuple[int, int]:
     db = connect(store.path)
     try:
         return (db.execute("SELECT SUM(size) FROM owners").fetchone()[0],
-                db.execute("SELECT SUM(size) FROM responses").fetchone()[0])
+                db.execute("SELECT (SELECT COALESCE(SUM(size), 0) FROM responses) + "
+                           "(SELECT COALESCE(SUM(size), 0) FROM conversations)").fetchone()[0])
     finally:
         db.close()
 
@@ -251,35 +252,35 @@ def test_a_background_response_runs_ends_and_is_cancelled(tmp_path):
         a, b = ResponseStore(str(tmp_path / "r.db"), 1 << 20), ResponseStore(str(tmp_path / "r.db"), 1 << 20)
         await a.start(background("r1"), said("r1", "Q1"), "k", "fe-a", events=True)
         assert (await b.get("r1", "k"))["status"] == "queued" and await b.get("r1", "other") is None
-        assert await a.progress("r1", "fe-a", [(0, b"e0"), (1, b"e1")], background("r1", "in_progress"))
-        assert await b.events("r1", "k", -1) == ([(0, b"e0"), (1, b"e1")], False, True)
-        assert await b.events("r1", "k", 0, limit=1) == ([(1, b"e1")], False, True)
+        assert await a.progress("r1", "fe-a", [(0, b"e0"), (1, b"e1")], background("r1", "in_progress")) == (True, True)
+        assert await b.events("r1", "k", -1) == ([(0, b"e0"), (1, b"e1")], background("r1", "in_progress"), True)
+        assert (await b.events("r1", "k", 0, limit=1))[0] == [(1, b"e1")]
         with pytest.raises(StillRunning):  # (nothing to continue yet)
             await b.history("r1", "k")
-        assert not await a.progress("r1", "fe-b", [], None)  # (another runner's)
+        assert await a.progress("r1", "fe-b", [], None) == (False, False)  # (another runner's)
         assert held(a)[0] == held(a)[1]
         assert await a.finish(background("r1", "completed", "A1"), said("r1", "Q1"), "k", [(2, b"e2")])
         assert await b.get("r1", "k") == background("r1", "completed", "A1")
-        assert await b.events("r1", "k", 1) == ([(2, b"e2")], True, True)
+        assert await b.events("r1", "k", 1) == ([(2, b"e2")], background("r1", "completed", "A1"), True)
         assert (await b.history("r1", "k"))[0][-1]["content"][0]["text"] == "A1"
         assert (await b.cancel("r1", "k"))["status"] == "completed"  # (ended: as it is)
         # cancelled on another frontend: its runner learns it at its next write or look, and writes nothing more
         await a.start(background("r2"), said("r2", "Q2"), "k", "fe-a", events=False)
-        assert await a.heartbeat("fe-a") == {"r2"}
+        assert await a.heartbeat("fe-a", ["r2"]) == {"r2"}
         assert (await b.cancel("r2", "k"))["status"] == "cancelled"
         assert (await b.cancel("r2", "k"))["status"] == "cancelled"  # (twice: as it is)
-        assert await a.heartbeat("fe-a") == set()
-        assert not await a.progress("r2", "fe-a", [(0, b"e0")], background("r2", "in_progress"))
+        assert await a.heartbeat("fe-a", ["r2"]) == set()
+        assert not (await a.progress("r2", "fe-a", [(0, b"e0")], background("r2", "in_progress")))[0]
         assert not await a.finish(background("r2", "completed", "A2"), said("r2", "Q2"), "k", [])
         assert (await b.get("r2", "k"))["status"] == "cancelled"
-        assert await b.events("r2", "k", -1) == ([], True, False)  # (not created streamed)
+        assert (await b.events("r2", "k", -1))[::2] == ([], False)  # (not created streamed)
         await a.put({**response("r3"), "status": "completed"}, said("r3", "Q3"), "k")
         with pytest.raises(NotBackground):
             await b.cancel("r3", "k")
         assert await b.cancel("nope", "k") is None
         # deleted while it runs: its running state goes with it
         await a.start(background("r4"), said("r4", "Q4"), "k", "fe-a", events=True)
-        assert await b.delete("r4", "k") and await a.heartbeat("fe-a") == set()
+        assert await b.delete("r4", "k") and await a.heartbeat("fe-a", ["r4"]) == set()
         assert held(a)[0] == held(a)[1]
         await a.close()
         await b.close()
@@ -304,7 +305,7 @@ def test_a_run_whose_frontend_stopped_has_failed(tmp_path, monkeypatch):
         monkeypatch.setattr(response_store, "STALE", -1.0)  # (every frontend has been quiet too long)
         got = await store.get("r1", "k")
         assert got["status"] == "failed" and got["error"]["code"] == "server_error"
-        assert not await store.progress("r1", "fe-a", [], None)  # (its runner, back: no longer its to run)
+        assert not (await store.progress("r1", "fe-a", [], None))[0]  # (its runner, back: no longer its to run)
         assert (await store.history("r3", "k"))[0] == said("r3", "Q")  # (failed: continued as it stands)
         assert held(store)[0] == held(store)[1]
         await store.close()
@@ -318,10 +319,11 @@ def test_a_background_response_past_its_share_keeps_no_events_and_is_never_evict
     async def run():
         store = ResponseStore(str(tmp_path / "r.db"), 16 * 4096)
         await store.start(background("r0"), said("r0", "Q"), "k", "fe-a", events=True)
-        assert await store.progress("r0", "fe-a", [(0, b"e" * 1000)], background("r0", "in_progress"))
-        assert await store.progress("r0", "fe-a", [(1, b"e" * 4000)], None)  # (past 4096 with its Response)
-        assert await store.events("r0", "k", -1) == ([], False, False)
-        assert await store.progress("r0", "fe-a", [(2, b"e")], None)  # (still its to run: events are not kept)
+        assert await store.progress("r0", "fe-a", [(0, b"e" * 1000)], background("r0", "in_progress")) == (True, True)
+        # (past 4096 with its Response: still its to run, its events no longer kept)
+        assert await store.progress("r0", "fe-a", [(1, b"e" * 4000)], None) == (True, False)
+        assert (await store.events("r0", "k", -1))[::2] == ([], False)
+        assert await store.progress("r0", "fe-a", [(2, b"e")], None) == (True, False)
         for k in range(1, 40):  # (the bound many times over, in Responses that use it later)
             await store.put({**response(f"r{k:02}", text="y" * 2000), "status": "completed"}, said("x", "q"), "k")
         assert (await store.get("r0", "k"))["status"] == "in_progress"
@@ -329,8 +331,43 @@ def test_a_background_response_past_its_share_keeps_no_events_and_is_never_evict
         assert await store.finish(background("r0", "completed", "z" * 5000), said("r0", "Q"), "k", [(3, b"e")])
         got = await store.get("r0", "k")
         assert got["status"] == "failed" and got["output"] == [] and "took more" in got["error"]["message"]
-        assert await store.events("r0", "k", -1) == ([], True, False)
+        assert (await store.events("r0", "k", -1))[::2] == ([], False)
         assert held(store)[0] == held(store)[1] <= 16 * 4096
+        await store.close()
+
+    asyncio.run(run())
+
+
+def test_runs_evict_nobody_and_only_live_runs_are_spared(tmp_path):
+    """A key's running background Responses are neither counted against the bound nor evicted, so however many it
+    runs, another key loses nothing; a run whose frontend no longer says so (it died, or let it go) is stale: it
+    reads as failed, and it is evicted as any other. A run that takes more than one may is not started."""
+    from frontends.response_store import connect
+
+    async def run():
+        one = len(orjson.dumps(response("o00", text="y" * 500))) + len(orjson.dumps(said("o00", "q")))
+        store = ResponseStore(str(tmp_path / "r.db"), 32 * one)
+        for k in range(4):
+            await store.put({**response(f"o{k:02}", text="y" * 500), "status": "completed"}, said(f"o{k:02}", "q"),
+                            "other")
+        for k in range(40):  # (the bound many times over, all running)
+            assert await store.start({**background(f"r{k:02}"), "pad": "p" * 500}, said("x", "q"), "k", "fe-a", True)
+        assert all([await store.get(f"o{k:02}", "other") for k in range(4)])
+        assert await store.heartbeat("fe-a", ["r00", "r01"]) == {"r00", "r01"}
+        db = connect(store.path)
+        db.execute("UPDATE background SET alive = alive - 1000 WHERE id NOT IN ('r00', 'r01')")  # (let go long ago)
+        db.close()
+        assert (await store.get("r05", "k"))["status"] == "failed"  # (read: failed)
+        await store.put({**response("o04"), "status": "completed"}, said("o04", "q"), "other")  # (a write evicts)
+        assert all([await store.get(f"o{k:02}", "other") for k in range(5)])
+        assert await store.get("r02", "k") is None and (await store.get("r00", "k"))["status"] == "queued"
+        await store.fail("r01", "fe-b", "not its")  # (another runner's word changes nothing)
+        assert (await store.get("r01", "k"))["status"] == "queued"
+        await store.fail("r01", "fe-a", "the engine could not be reached")
+        assert (await store.get("r01", "k"))["error"]["message"] == "the engine could not be reached"
+        assert not await store.start(background("big"), said("big", "q" * 16 * one), "k", "fe-a", False)
+        assert await store.get("big", "k") is None
+        assert held(store)[0] == held(store)[1]
         await store.close()
 
     asyncio.run(run())
