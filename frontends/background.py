@@ -33,7 +33,8 @@ log = logging.getLogger("tokenmill.frontend")
 
 WATCH = 1.0  # seconds between a frontend's looks at its runs (cancelled elsewhere?) and its word that it runs them
 FLUSH = 0.05  # seconds at least between two writes of a run's events
-POLL = 0.05  # seconds between a reader's looks for more events
+POLL = 0.05, 0.5  # seconds between a reader's looks for more events: at first, and at most (it waits longer and
+# longer while none comes: a thousand readers idle are no thousand looks every 50 ms)
 
 
 class Run:
@@ -66,13 +67,27 @@ class BackgroundRuns:
         if self._closed:
             raise ApiError(503, "The server is stopping: no background response starts")
         if stream:
-            fmt.log = []  # (its events, to be kept)
+            fmt.log = []  # (its events, to be kept: its first two, kept as it begins)
         run = Run(gen, fmt, keep)
-        response_id = run.head["id"]
-        if not await self.store.start(run.head, keep.items, keep.owner, self.runner, stream):
+        queue: asyncio.Queue = asyncio.Queue()
+        if stream:
+            run.listeners.add(queue)
+            queue.put_nowait(fmt.stream_head(queued=True))
+        begun = asyncio.ensure_future(self._begin(run))
+        begun.add_done_callback(lambda f: f.cancelled() or f.exception())  # (read, where nobody waits any more)
+        await asyncio.shield(begun)  # (a caller that goes away meanwhile stops it neither half-begun nor at all)
+        if not stream:
+            return Response(200, orjson.dumps(run.head))
+        return StreamingResponse(_listen(queue), on_close=lambda: run.listeners.discard(queue))
+
+    async def _begin(self, run: Run) -> None:
+        """Keep the run as it begins, then start it in the engine and run it on."""
+        response_id, stream = run.head["id"], run.fmt.log is not None
+        head_events, run.fmt.log = run.fmt.log, [] if stream else None
+        if not await self.store.start(run.head, run.keep.items, run.keep.owner, self.runner, head_events):
             raise too_large(self.store, "input")
         try:
-            gen.start()
+            run.gen.start()
         except BaseException as e:  # (the engine cannot be reached): it has failed, not queued
             with contextlib.suppress(ApiError):
                 await self.store.fail(response_id, self.runner, getattr(e, "message", None) or repr(e))
@@ -81,11 +96,6 @@ class BackgroundRuns:
         run.task = asyncio.create_task(self._run(run))
         if self._watcher is None or self._watcher.done():
             self._watcher = asyncio.create_task(self._watch())
-        if not stream:
-            return Response(200, orjson.dumps(run.head))
-        queue: asyncio.Queue = asyncio.Queue()
-        run.listeners.add(queue)
-        return StreamingResponse(_listen(queue), on_close=lambda: run.listeners.discard(queue))
 
     def stop(self, response_id: str) -> None:
         """Abort a run of this frontend's, cancelled or deleted (the store says so already), unless it has ended."""
@@ -110,7 +120,7 @@ class BackgroundRuns:
         gen, fmt, response_id = run.gen, run.fmt, run.head["id"]
         streamed, flushing = fmt.log is not None, None
         try:
-            last = fmt.stream_head(queued=True) if streamed else b""
+            last = b""  # (its head was told as it began)
             while not gen.done:
                 self._tell(run, last)
                 try:
@@ -209,6 +219,7 @@ class BackgroundRuns:
         if after >= 0:
             found = await self.store.events(response_id, owner, after - 1, limit=1)
             last = found[0][0][1] if found is not None and found[0] else b""
+        wait = POLL[0]
         while True:
             found = await self.store.events(response_id, owner, after)
             if found is None:  # (deleted meanwhile)
@@ -219,14 +230,15 @@ class BackgroundRuns:
                              "longer kept (they took more than the store keeps of one response): retrieve it whole")
                 return
             if events:
-                after, last = events[-1][0], events[-1][1]
+                after, last, wait = events[-1][0], events[-1][1], POLL[0]
                 yield b"".join(e for _, e in events)
             elif response["status"] not in RUNNING:
                 if response["status"] == "failed" and not last.startswith(b"event: response.failed\n"):
                     yield _event("response.failed", after + 1, response=response)
                 return
             else:
-                await asyncio.sleep(POLL)
+                await asyncio.sleep(wait)
+                wait = min(POLL[1], wait * 1.5)
 
 
 def _event(kind: str, seq: int, **fields) -> bytes:

@@ -184,10 +184,12 @@ class ResponseStore:
 
     # ------------------------------------------------------------------ background Responses
 
-    async def start(self, response: dict, input_items: list[dict], owner: str, runner: str, events: bool) -> bool:
+    async def start(self, response: dict, input_items: list[dict], owner: str, runner: str,
+                    events: list[tuple[int, bytes]] | None) -> bool:
         """Store a background Response as it begins (``queued``), run by the frontend ``runner`` (which says so:
-        ``heartbeat``); ``events``: its events are kept (``progress``) to be streamed again. False: it takes more than
-        ``max_one`` (not stored). While it runs it is neither evicted nor counted against the bound."""
+        ``heartbeat``); ``events``: its first events, where they are kept (``progress``) to be streamed again. False:
+        it takes more than ``max_one`` (not stored). While it runs it is neither evicted nor counted against the
+        bound."""
         return await self._call(self._start, response, input_items, owner, runner, events)
 
     async def progress(self, response_id: str, runner: str, events: list[tuple[int, bytes]],
@@ -407,7 +409,8 @@ class ResponseStore:
         db.execute("UPDATE responses SET size = size + ? - LENGTH(response), response = ? WHERE id = ?",
                    (len(blob), blob, response_id))
 
-    def _start(self, response: dict, input_items: list[dict], owner: str, runner: str, events: bool) -> bool:
+    def _start(self, response: dict, input_items: list[dict], owner: str, runner: str,
+               events: list[tuple[int, bytes]] | None) -> bool:
         db, blob, given = self._conn(), orjson.dumps(response), orjson.dumps(input_items)
         if len(blob) + len(given) > self.max_one:
             return False
@@ -417,7 +420,10 @@ class ResponseStore:
             db.execute("INSERT INTO responses VALUES (?, ?, ?, ?, ?, ?, ?)",
                        (response["id"], response.get("previous_response_id"), owner, now, len(blob) + len(given),
                         blob, given))
-            db.execute("INSERT INTO background VALUES (?, ?, ?, ?)", (response["id"], runner, now, int(events)))
+            db.execute("INSERT INTO background VALUES (?, ?, ?, ?)",
+                       (response["id"], runner, now, int(events is not None)))
+            if events:
+                self._add_events(db, response["id"], events)
             self._evict(db, (response["id"],))
         return True
 

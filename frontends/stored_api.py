@@ -122,10 +122,11 @@ class StoredApi:
         (``responses.input_items.list``)."""
         response_id, rest = self._path(req, "/v1/responses/")
         missing = ApiError(404, f"Response with id '{shown(response_id)}' not found.", param="response_id")
-        allowed = {(): ("GET", "DELETE"), ("input_items",): ("GET",), ("cancel",): ("POST",)}.get(tuple(rest))
+        allowed = {(): ("GET", "HEAD", "DELETE"), ("input_items",): ("GET", "HEAD"), ("cancel",): ("POST",)}.get(
+            tuple(rest))
         if allowed is None:
             raise ApiError(404, f"No route for {req.method} {req.path}", type="not_found_error")
-        if req.method not in allowed:
+        if req.method not in allowed:  # (a HEAD is a GET's head: the router answers it so)
             raise ApiError(405, f"Method {req.method} not allowed here: {', '.join(allowed)}",
                            headers=[("allow", ", ".join(allowed))])
         self._none_kept(missing.message)

@@ -8,6 +8,7 @@ import time
 
 import httpx
 import openai
+import orjson
 import pytest
 
 from tests.test_responses import OTHER_KEY, SHOWN_TEMPLATE, STOP
@@ -102,6 +103,12 @@ def test_a_cancel_on_another_frontend_stops_the_run_in_the_engine(runs):
     while engine.running and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not engine.running
+    # created streamed and cancelled at once (review: then a 400 where it was read again, as if not streamed)
+    with a.responses.create(model=MODEL, input=LONG, background=True, stream=True, max_output_tokens=400) as s:
+        response_id = next(iter(s)).response.id
+        assert b.responses.cancel(response_id).status == "cancelled"
+    assert [e.type for e in b.responses.retrieve(response_id, stream=True)][:2] == ["response.created",
+                                                                                    "response.queued"]
     fore = a.responses.create(model=MODEL, input="x", extra_body=STOP)
     with pytest.raises(openai.BadRequestError) as e:
         b.responses.cancel(fore.id)
@@ -170,6 +177,8 @@ def test_bad_background_calls_are_4xx(runs):
     assert httpx.get(url + "/cancel", headers=headers).status_code == 405
     assert httpx.post(url + "/other", headers=headers).status_code == 404
     assert httpx.post(url, headers=headers).status_code == 405
+    for path in ("", "/input_items"):  # (review: a 405 since GET and DELETE were named, not HEAD)
+        assert httpx.head(url + path, headers=headers).status_code == 200
 
 
 def test_a_frontend_that_stops_fails_the_responses_it_ran(runs, smollm_tokenizer_dir):
@@ -213,3 +222,31 @@ def test_a_background_turn_grows_its_conversation_and_a_refused_one_ends_failed(
     finally:
         engine.refuse = None
     assert r.status == "failed" and r.error.code == "rate_limit_exceeded" and "queue is full" in r.error.message
+
+
+def test_a_caller_gone_while_it_begins_leaves_no_run_half_begun(runs):
+    """A client that drops its connection as soon as it has sent a background Response (review: 36 of 300 stayed
+    ``queued`` with nothing running them, for as long as their frontend ran anything else): each is run, or never
+    kept; none is left queued."""
+    import socket
+    import sqlite3
+    import struct
+
+    engine, (a, _, _), store, ports = runs
+    body = orjson.dumps({"model": MODEL, "input": "gone", "background": True, "max_output_tokens": 4})
+    head = (f"POST /v1/responses HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {KEY}\r\ncontent-type: application/json"
+            f"\r\ncontent-length: {len(body)}\r\n\r\n").encode()
+    for k in range(60):
+        with socket.create_connection(("127.0.0.1", ports[k % 2])) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # (closed with a reset)
+            sock.sendall(head + body)
+            time.sleep(k % 10 / 1000)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        db = sqlite3.connect(store)
+        left = db.execute("SELECT COUNT(*) FROM background").fetchone()[0]
+        db.close()
+        if not left and not engine.running:
+            break
+        time.sleep(0.1)
+    assert left == 0 and not engine.running

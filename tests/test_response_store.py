@@ -250,7 +250,7 @@ def test_a_background_response_runs_ends_and_is_cancelled(tmp_path):
 
     async def run():
         a, b = ResponseStore(str(tmp_path / "r.db"), 1 << 20), ResponseStore(str(tmp_path / "r.db"), 1 << 20)
-        await a.start(background("r1"), said("r1", "Q1"), "k", "fe-a", events=True)
+        await a.start(background("r1"), said("r1", "Q1"), "k", "fe-a", events=[])
         assert (await b.get("r1", "k"))["status"] == "queued" and await b.get("r1", "other") is None
         assert await a.progress("r1", "fe-a", [(0, b"e0"), (1, b"e1")], background("r1", "in_progress")) == (True, True)
         assert await b.events("r1", "k", -1) == ([(0, b"e0"), (1, b"e1")], background("r1", "in_progress"), True)
@@ -265,7 +265,7 @@ def test_a_background_response_runs_ends_and_is_cancelled(tmp_path):
         assert (await b.history("r1", "k"))[0][-1]["content"][0]["text"] == "A1"
         assert (await b.cancel("r1", "k"))["status"] == "completed"  # (ended: as it is)
         # cancelled on another frontend: its runner learns it at its next write or look, and writes nothing more
-        await a.start(background("r2"), said("r2", "Q2"), "k", "fe-a", events=False)
+        await a.start(background("r2"), said("r2", "Q2"), "k", "fe-a", events=None)
         assert await a.heartbeat("fe-a", ["r2"]) == {"r2"}
         assert (await b.cancel("r2", "k"))["status"] == "cancelled"
         assert (await b.cancel("r2", "k"))["status"] == "cancelled"  # (twice: as it is)
@@ -279,7 +279,7 @@ def test_a_background_response_runs_ends_and_is_cancelled(tmp_path):
             await b.cancel("r3", "k")
         assert await b.cancel("nope", "k") is None
         # deleted while it runs: its running state goes with it
-        await a.start(background("r4"), said("r4", "Q4"), "k", "fe-a", events=True)
+        await a.start(background("r4"), said("r4", "Q4"), "k", "fe-a", events=[])
         assert await b.delete("r4", "k") and await a.heartbeat("fe-a", ["r4"]) == set()
         assert held(a)[0] == held(a)[1]
         await a.close()
@@ -295,9 +295,9 @@ def test_a_run_whose_frontend_stopped_has_failed(tmp_path, monkeypatch):
 
     async def run():
         store = ResponseStore(str(tmp_path / "r.db"), 1 << 20)
-        await store.start(background("r1"), said("r1", "Q"), "k", "fe-a", events=False)
-        await store.start(background("r2"), said("r2", "Q"), "k", "fe-b", events=False)
-        await store.start(background("r3"), said("r3", "Q"), "k", "fe-c", events=False)
+        await store.start(background("r1"), said("r1", "Q"), "k", "fe-a", events=None)
+        await store.start(background("r2"), said("r2", "Q"), "k", "fe-b", events=None)
+        await store.start(background("r3"), said("r3", "Q"), "k", "fe-c", events=None)
         assert (await store.get("r1", "k"))["status"] == "queued"
         await store.abandon("fe-b")
         got = await store.get("r2", "k")
@@ -318,7 +318,7 @@ def test_a_background_response_past_its_share_keeps_no_events_and_is_never_evict
     however old, and one that ends too large to keep is kept failed, without its output."""
     async def run():
         store = ResponseStore(str(tmp_path / "r.db"), 16 * 4096)
-        await store.start(background("r0"), said("r0", "Q"), "k", "fe-a", events=True)
+        await store.start(background("r0"), said("r0", "Q"), "k", "fe-a", events=[])
         assert await store.progress("r0", "fe-a", [(0, b"e" * 1000)], background("r0", "in_progress")) == (True, True)
         # (past 4096 with its Response: still its to run, its events no longer kept)
         assert await store.progress("r0", "fe-a", [(1, b"e" * 4000)], None) == (True, False)
@@ -351,7 +351,7 @@ def test_runs_evict_nobody_and_only_live_runs_are_spared(tmp_path):
             await store.put({**response(f"o{k:02}", text="y" * 500), "status": "completed"}, said(f"o{k:02}", "q"),
                             "other")
         for k in range(40):  # (the bound many times over, all running)
-            assert await store.start({**background(f"r{k:02}"), "pad": "p" * 500}, said("x", "q"), "k", "fe-a", True)
+            assert await store.start({**background(f"r{k:02}"), "pad": "p" * 500}, said("x", "q"), "k", "fe-a", [])
         assert all([await store.get(f"o{k:02}", "other") for k in range(4)])
         assert await store.heartbeat("fe-a", ["r00", "r01"]) == {"r00", "r01"}
         db = connect(store.path)
@@ -365,7 +365,7 @@ def test_runs_evict_nobody_and_only_live_runs_are_spared(tmp_path):
         assert (await store.get("r01", "k"))["status"] == "queued"
         await store.fail("r01", "fe-a", "the engine could not be reached")
         assert (await store.get("r01", "k"))["error"]["message"] == "the engine could not be reached"
-        assert not await store.start(background("big"), said("big", "q" * 16 * one), "k", "fe-a", False)
+        assert not await store.start(background("big"), said("big", "q" * 16 * one), "k", "fe-a", None)
         assert await store.get("big", "k") is None
         assert held(store)[0] == held(store)[1]
         await store.close()
