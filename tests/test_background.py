@@ -250,3 +250,37 @@ def test_a_caller_gone_while_it_begins_leaves_no_run_half_begun(runs):
             break
         time.sleep(0.1)
     assert left == 0 and not engine.running
+
+
+def test_what_the_store_failed_to_take_is_written_again():
+    """A write of a run's progress the store fails (a lock held past its wait, a full disk) loses nothing: its
+    events, and that it has begun, go with the next write (review: the batch was lost, the log had a gap)."""
+    import asyncio
+    import types
+
+    from frontends.background import BackgroundRuns
+    from frontends.errors import ApiError
+
+    written = []
+
+    class Store:
+        async def progress(self, response_id, runner, events, response):
+            if not written:
+                written.append(None)
+                raise ApiError(503, "The response store failed: database is locked")
+            written.append((list(events), response))
+            run.ended = True  # (its last update came meanwhile: the rest is for finish)
+            return True, True
+
+    runs = BackgroundRuns(Store())
+    run = types.SimpleNamespace(fmt=types.SimpleNamespace(log=[(0, b"e0"), (1, b"e1")]), begun=True, keeping=True,
+                                ended=False, head={"id": "resp_x", "status": "in_progress"})
+
+    async def flushed():
+        write = asyncio.ensure_future(runs._flush(run))
+        await asyncio.sleep(0)
+        run.fmt.log.append((2, b"e2"))  # (made while the failed write was under way)
+        return await write
+
+    assert asyncio.run(flushed())
+    assert written == [None, ([(0, b"e0"), (1, b"e1"), (2, b"e2")], run.head)] and run.fmt.log == []
