@@ -11,34 +11,18 @@ import openai
 import orjson
 import pytest
 
-from tests.test_responses import OTHER_KEY, SHOWN_TEMPLATE, STOP
-from tools.fake_engine import KEY, MODEL, FakeEngine, free_port, start_frontend, stop_frontend
+from tests.test_responses import OTHER_KEY, SHOWN_TEMPLATE, STOP, stored_stack
+from tools.fake_engine import KEY, MODEL, free_port, start_frontend, stop_frontend
 
 LONG = "a story about otters in space " * 8  # (its answer is itself again: max_output_tokens long)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, smollm_tokenizer_dir):
-    """(engine, [client of frontend A, of B, of A under another key], the store file, the ports)"""
-    where = tmp_path_factory.mktemp("background")
-    engine = FakeEngine(f"ipc://{where}/engine.sock", step_delay=0.01)
-    engine.start()
-    procs, store = [], str(where / "responses.sqlite")
-    try:
-        ports = [free_port(), free_port()]
-        for i, port in enumerate(ports):
-            procs.append(start_frontend(engine.address, smollm_tokenizer_dir, port, api_keys=(KEY, OTHER_KEY),
-                                        frontend_id=f"fe-{i}", chat_template=SHOWN_TEMPLATE,
-                                        responses_store=store))
-        yield engine, [openai.OpenAI(base_url=f"http://127.0.0.1:{p}/v1", api_key=k, max_retries=0)
-                       for p, k in ((ports[0], KEY), (ports[1], KEY), (ports[0], OTHER_KEY))], store, ports
-        assert [stop_frontend(p) for p in procs] == [0, 0]
-    except BaseException:
-        for p in procs:
-            stop_frontend(p)
-        raise
-    finally:
-        engine.stop()
+    """(engine, [client of frontend A, of B, of A under another key], the store file, the ports): a token every
+    10 ms."""
+    with stored_stack(tmp_path_factory.mktemp("background"), smollm_tokenizer_dir, step_delay=0.01) as stack:
+        yield stack
 
 
 def polled(client, response_id: str, timeout: float = 30.0):

@@ -6,6 +6,7 @@ behind it: ``test_server_default_model``."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 
@@ -509,24 +510,23 @@ SHOWN_TEMPLATE = ("{%- if tools %}{# answers <tool_call>{...}</tool_call> #}{%- 
 OTHER_KEY = "sk-other-key"
 
 
-@pytest.fixture(scope="module")
-def kept(tmp_path_factory, smollm_tokenizer_dir):
-    """Two frontends on their own ports (as a server's share one) over one fake engine and one store file, with
-    two API keys: clients of frontend A and B under the first key, and one of A under the other."""
+@contextlib.contextmanager
+def stored_stack(where, tokenizer_dir: str, step_delay: float = 0.0):
+    """Two frontends on their own ports (as a server's share one) over one fake engine (``step_delay``) and one
+    store file, with two API keys. Yields (the engine, [a client of frontend A and of B under the first key, and of A
+    under the other], the store file, the ports)."""
     from tools.fake_engine import KEY, FakeEngine, free_port, start_frontend, stop_frontend
 
-    where = tmp_path_factory.mktemp("kept")
-    engine = FakeEngine(f"ipc://{where}/engine.sock")
+    engine = FakeEngine(f"ipc://{where}/engine.sock", step_delay=step_delay)
     engine.start()
-    procs = []
+    procs, store = [], str(where / "responses.sqlite")
     try:
         ports = [free_port(), free_port()]
         for i, port in enumerate(ports):
-            procs.append(start_frontend(engine.address, smollm_tokenizer_dir, port, api_keys=(KEY, OTHER_KEY),
-                                        frontend_id=f"fe-{i}", chat_template=SHOWN_TEMPLATE,
-                                        responses_store=str(where / "responses.sqlite")))
-        yield [openai.OpenAI(base_url=f"http://127.0.0.1:{p}/v1", api_key=k, max_retries=0)
-               for p, k in ((ports[0], KEY), (ports[1], KEY), (ports[0], OTHER_KEY))]
+            procs.append(start_frontend(engine.address, tokenizer_dir, port, api_keys=(KEY, OTHER_KEY),
+                                        frontend_id=f"fe-{i}", chat_template=SHOWN_TEMPLATE, responses_store=store))
+        yield engine, [openai.OpenAI(base_url=f"http://127.0.0.1:{p}/v1", api_key=k, max_retries=0)
+                       for p, k in ((ports[0], KEY), (ports[1], KEY), (ports[0], OTHER_KEY))], store, ports
         assert [stop_frontend(p) for p in procs] == [0, 0]
     except BaseException:
         for p in procs:
@@ -534,6 +534,13 @@ def kept(tmp_path_factory, smollm_tokenizer_dir):
         raise
     finally:
         engine.stop()
+
+
+@pytest.fixture(scope="module")
+def kept(tmp_path_factory, smollm_tokenizer_dir):
+    """``stored_stack``'s clients."""
+    with stored_stack(tmp_path_factory.mktemp("kept"), smollm_tokenizer_dir) as (_, clients, _, _):
+        yield clients
 
 
 def test_previous_response_id_continues_a_stored_conversation(kept):
