@@ -25,7 +25,7 @@ import orjson
 from frontends.errors import ApiError
 from frontends.generation import Generation
 from frontends.http import Response, StreamingResponse
-from frontends.response_store import RUNNING, Keep, ResponseStore
+from frontends.response_store import RUNNING, Keep, ResponseStore, RunsFull
 from frontends.responses import ResponsesFormat
 from frontends.stored_api import too_large
 
@@ -84,8 +84,13 @@ class BackgroundRuns:
         """Keep the run as it begins, then start it in the engine and run it on."""
         response_id, stream = run.head["id"], run.fmt.log is not None
         head_events, run.fmt.log = run.fmt.log, [] if stream else None
-        if not await self.store.start(run.head, run.keep.items, run.keep.owner, self.runner, head_events):
-            raise too_large(self.store, "input")
+        try:
+            if not await self.store.start(run.head, run.keep.items, run.keep.owner, self.runner, head_events):
+                raise too_large(self.store, "input")
+        except RunsFull as e:
+            raise ApiError(429, f"This key's background responses that run take {e.args[0]} bytes of the response "
+                           f"store, and may take {self.store.max_running} together (a quarter of "
+                           "--responses-store-mib): retry once one has ended", headers=[("retry-after", "1")]) from None
         try:
             run.gen.start()
         except BaseException as e:  # (the engine cannot be reached): it has failed, not queued

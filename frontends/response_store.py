@@ -103,6 +103,10 @@ class NotBackground(Exception):
     """Only a background Response can be cancelled."""
 
 
+class RunsFull(Exception):
+    """A key's background Responses that run take what they may (``max_running``): no other starts."""
+
+
 class Keep:
     """How a Response is stored (``ResponsesFormat.keep``): with its input ``items``, as ``owner``'s."""
 
@@ -122,6 +126,9 @@ class ResponseStore:
         a power loss (a file the user named), else they need only survive the process (the server's own,
         removed when it stops)."""
         self.path, self.max_bytes, self.max_one = path, max_bytes, max_bytes // 16
+        # what one key's running background Responses may take together (they are not counted in the bound: this is
+        # what bounds them)
+        self.max_running = max_bytes // 4
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="response-store")
         self._db: sqlite3.Connection | None = None
         self._durable = durable
@@ -189,7 +196,8 @@ class ResponseStore:
         """Store a background Response as it begins (``queued``), run by the frontend ``runner`` (which says so:
         ``heartbeat``); ``events``: its first events, where they are kept (``progress``) to be streamed again. False:
         it takes more than ``max_one`` (not stored). While it runs it is neither evicted nor counted against the
-        bound."""
+        bound, but with its key's other runs it may take no more than ``max_running`` (``RunsFull``: not started; its
+        events are no longer kept past it)."""
         return await self._call(self._start, response, input_items, owner, runner, events)
 
     async def progress(self, response_id: str, runner: str, events: list[tuple[int, bytes]],
@@ -395,6 +403,7 @@ class ResponseStore:
                 db.execute("DELETE FROM background WHERE id = ?", (response_id,))
                 response = _failed(response, "the server stopped running it before it ended")
                 self._set(db, response_id, response)
+                self._evict(db, (response_id,))  # (counted again)
         return response
 
     @staticmethod
@@ -416,6 +425,9 @@ class ResponseStore:
             return False
         with db:
             db.execute("BEGIN IMMEDIATE")
+            running = self._running(db, owner)
+            if running + len(blob) + len(given) > self.max_running:
+                raise RunsFull(running)
             now = time.time()
             db.execute("INSERT INTO responses VALUES (?, ?, ?, ?, ?, ?, ?)",
                        (response["id"], response.get("previous_response_id"), owner, now, len(blob) + len(given),
@@ -431,20 +443,28 @@ class ResponseStore:
                   response: dict | None) -> tuple[bool, bool]:
         with self._conn() as db:
             db.execute("BEGIN IMMEDIATE")
-            row = db.execute("SELECT events FROM background WHERE id = ? AND runner = ?",
-                             (response_id, runner)).fetchone()
+            row = db.execute("SELECT events, owner FROM background JOIN responses USING (id) WHERE id = ? AND "
+                             "runner = ?", (response_id, runner)).fetchone()
             if row is None:
                 return False, False
             if response is not None:
                 self._set(db, response_id, response)
             if row[0] and events:
                 self._add_events(db, response_id, events)
-                if self._size(db, response_id) > self.max_one:
-                    self._too_large(response_id, "its events are no longer kept")
+                if self._size(db, response_id) > self.max_one or self._running(db, row[1]) > self.max_running:
+                    log.warning("response %s: its events are no longer kept, they take more than one Response may (a "
+                                "sixteenth of --responses-store-mib), or its key's runs more than they may together "
+                                "(a quarter)", response_id)
                     self._drop_events(db, response_id)
                     db.execute("UPDATE background SET events = 0 WHERE id = ?", (response_id,))
                     return True, False
         return True, bool(row[0])
+
+    @staticmethod
+    def _running(db: sqlite3.Connection, owner: str) -> int:
+        """What ``owner``'s background Responses that run (their frontend said so lately) take."""
+        return db.execute("SELECT COALESCE(SUM(size), 0) FROM responses WHERE owner = ? AND id IN (SELECT id FROM "
+                          "background WHERE alive >= ?)", (owner, time.time() - STALE)).fetchone()[0]
 
     @staticmethod
     def _size(db: sqlite3.Connection, response_id: str) -> int:
@@ -500,6 +520,7 @@ class ResponseStore:
             db.execute("BEGIN IMMEDIATE")
             if db.execute("DELETE FROM background WHERE id = ?", (response_id,)).rowcount:
                 self._set(db, response_id, {**response, "status": "cancelled"})
+                self._evict(db, (response_id,))  # (counted again)
         return self._response(response_id, owner)  # (cancelled, or as it ended meanwhile)
 
     def _heartbeat(self, runner: str, running: list[str]) -> set[str]:
@@ -520,6 +541,7 @@ class ResponseStore:
             if row is not None:
                 db.execute("DELETE FROM background WHERE id = ?", (response_id,))
                 self._set(db, response_id, _failed(orjson.loads(row[0]), why))
+                self._evict(db, (response_id,))  # (counted again)
 
     def _abandon(self, runner: str) -> None:
         with self._conn() as db:
@@ -528,6 +550,7 @@ class ResponseStore:
                                                 "background WHERE runner = ?)", (runner,)).fetchall():
                 self._set(db, response_id, _failed(orjson.loads(blob), "the server stopped before it ended"))
             db.execute("DELETE FROM background WHERE runner = ?", (runner,))
+            self._evict(db, ())  # (counted again)
 
     def _events(self, response_id: str, owner: str, after: int, limit: int) -> tuple[
             list[tuple[int, bytes]], dict, bool] | None:

@@ -268,3 +268,30 @@ def test_what_the_store_failed_to_take_is_written_again():
 
     assert asyncio.run(flushed())
     assert written == [None, ([(0, b"e0"), (1, b"e1"), (2, b"e2")], run.head)] and run.fmt.log == []
+
+
+def test_a_keys_runs_take_a_quarter_of_the_store_at_most(runs, smollm_tokenizer_dir, tmp_path):
+    """Running background Responses are not counted against the store's bound; what bounds them is that one key's
+    runs may take a quarter of it together: past it, a new one is a 429 (review: one key's 60 runs took 3.5 MB of a
+    1 MiB store)."""
+    engine, _, _, _ = runs
+    port = free_port()
+    proc = start_frontend(engine.address, smollm_tokenizer_dir, port, api_keys=(KEY,), frontend_id="fe-small",
+                          chat_template=SHOWN_TEMPLATE, responses_store=str(tmp_path / "small.sqlite"),
+                          responses_store_mib=1)
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
+        turns = [*({"role": "user", "content": f"turn {k} " + "x " * 1000} for k in range(25)),  # (~50 KB, cut to
+                 {"role": "user", "content": "go on"}]  # fit)
+        started = []
+        with pytest.raises(openai.RateLimitError) as e:
+            for _ in range(10):
+                started.append(c.responses.create(model=MODEL, input=turns, truncation="auto", background=True,
+                                                  max_output_tokens=200))
+        assert 3 <= len(started) <= 5 and "a quarter of --responses-store-mib" in e.value.body["message"]
+        assert e.value.response.headers["retry-after"] == "1"
+        for r in started:
+            c.responses.cancel(r.id)
+        c.responses.create(model=MODEL, input=turns, truncation="auto", background=True, max_output_tokens=1)
+    finally:
+        assert stop_frontend(proc) == 0

@@ -339,35 +339,44 @@ def test_a_background_response_past_its_share_keeps_no_events_and_is_never_evict
 
 
 def test_runs_evict_nobody_and_only_live_runs_are_spared(tmp_path):
-    """A key's running background Responses are neither counted against the bound nor evicted, so however many it
-    runs, another key loses nothing; a run whose frontend no longer says so (it died, or let it go) is stale: it
-    reads as failed, and it is evicted as any other. A run that takes more than one may is not started."""
-    from frontends.response_store import connect
+    """A key's running background Responses are neither counted against the bound nor evicted, so they evict nothing
+    of another key's; together they may take a quarter of the bound (past it none starts, and a run's events are no
+    longer kept). A run whose frontend no longer says so (it died, or let it go) is stale: it reads as failed, it is
+    counted, and evicted, as any other, its key's first (review: a key's runs took the store many times past its
+    bound, and cancelling them left it so). A run that takes more than one thing may is not started."""
+    from frontends.response_store import RunsFull, connect
 
     async def run():
         one = len(orjson.dumps(response("o00", text="y" * 500))) + len(orjson.dumps(said("o00", "q")))
-        store = ResponseStore(str(tmp_path / "r.db"), 32 * one)
-        for k in range(4):
+        store = ResponseStore(str(tmp_path / "r.db"), 32 * one)  # (a quarter: 8 runs of one)
+        for k in range(10):
             await store.put({**response(f"o{k:02}", text="y" * 500), "status": "completed"}, said(f"o{k:02}", "q"),
                             "other")
-        for k in range(40):  # (the bound many times over, all running)
-            assert await store.start({**background(f"r{k:02}"), "pad": "p" * 500}, said("x", "q"), "k", "fe-a", [])
-        assert all([await store.get(f"o{k:02}", "other") for k in range(4)])
+        started = 0
+        with pytest.raises(RunsFull):
+            for started in range(40):  # (past its quarter: refused)
+                await store.start({**background(f"r{started:02}"), "pad": "p" * 500}, said("x", "q"), "k", "fe-a", [])
+        assert 6 <= started <= 8 and await store.get(f"r{started:02}", "k") is None
+        assert all([await store.get(f"o{k:02}", "other") for k in range(10)])  # (nothing of other's evicted)
         assert await store.heartbeat("fe-a", ["r00", "r01"]) == {"r00", "r01"}
+        # a run's events past its key's quarter are no longer kept
+        assert await store.progress("r00", "fe-a", [(0, b"e" * (8 * one))], None) == (True, False)
         db = connect(store.path)
         db.execute("UPDATE background SET alive = alive - 1000 WHERE id NOT IN ('r00', 'r01')")  # (let go long ago)
         db.close()
-        assert (await store.get("r05", "k"))["status"] == "failed"  # (read: failed)
-        await store.put({**response("o04"), "status": "completed"}, said("o04", "q"), "other")  # (a write evicts)
-        assert all([await store.get(f"o{k:02}", "other") for k in range(5)])
-        assert await store.get("r02", "k") is None and (await store.get("r00", "k"))["status"] == "queued"
+        assert (await store.get("r05", "k"))["status"] == "failed"  # (read: failed, and counted again)
         await store.fail("r01", "fe-b", "not its")  # (another runner's word changes nothing)
         assert (await store.get("r01", "k"))["status"] == "queued"
         await store.fail("r01", "fe-a", "the engine could not be reached")
         assert (await store.get("r01", "k"))["error"]["message"] == "the engine could not be reached"
+        for k in range(20):  # (k holds the most: its least recently used go first, the stale runs)
+            await store.put({**response(f"k{k:02}", text="y" * 500), "status": "completed"}, said("x", "q"), "k")
+        assert all([await store.get(f"o{k:02}", "other") for k in range(10)])
+        assert await store.get("r02", "k") is None and (await store.get("r00", "k"))["status"] == "queued"
+        assert (await store.cancel("r00", "k"))["status"] == "cancelled"
         assert not await store.start(background("big"), said("big", "q" * 16 * one), "k", "fe-a", None)
         assert await store.get("big", "k") is None
-        assert held(store)[0] == held(store)[1]
+        assert held(store)[0] == held(store)[1] <= 32 * one
         await store.close()
 
     asyncio.run(run())
