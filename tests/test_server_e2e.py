@@ -456,6 +456,39 @@ def test_a_conversation_goes_on_by_previous_response_id_on_either_frontend(serve
     assert os.path.isfile(os.path.join(server.runtime_dir, "responses.sqlite"))
 
 
+def test_a_background_response_runs_on_the_real_engine_and_is_read_again_on_either_frontend(server):
+    """``background: true`` through the launcher's frontends and the real engine: answered ``queued``, polled over new
+    connections (either frontend) to the greedy answer the same request gets in the foreground; created streamed, its
+    events read again whole, ending with the Response as stored; one cancelled stops in the engine."""
+    kw = dict(model="tiny", input="Tell me a story.", max_output_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    with openai_client(server) as c:
+        r = c.responses.create(background=True, **kw)
+    assert r.status == "queued" and r.background
+    deadline = time.monotonic() + 60
+    while r.status in ("queued", "in_progress") and time.monotonic() < deadline:
+        time.sleep(0.05)
+        with openai_client(server) as c:
+            r = c.responses.retrieve(r.id)
+    with openai_client(server) as c:
+        fore = c.responses.create(store=False, **kw)
+    assert (r.status, r.output_text, r.usage.output_tokens) == ("incomplete", fore.output_text, 12)
+    with openai_client(server) as c, c.responses.create(background=True, stream=True, **kw) as stream:
+        response_id = next(iter(stream)).response.id
+    with openai_client(server) as c:
+        events = list(c.responses.retrieve(response_id, stream=True))
+        stored = c.responses.retrieve(response_id)
+    assert events[-1].type == "response.incomplete" and events[-1].response.model_dump() == stored.model_dump()
+    assert stored.output_text == fore.output_text
+    aborted = ("tokenmill:request_success_total", ("engine", "0"), ("finished_reason", "abort"), ("model_name", "tiny"))
+    before = scrape(server).get(aborted, 0.0)
+    with openai_client(server) as c:
+        long = c.responses.create(background=True, **{**kw, "max_output_tokens": 900})
+        assert c.responses.cancel(long.id).status == "cancelled"
+    wait_for(lambda: scrape(server).get(aborted, 0.0) == before + 1, 20, "the cancelled response aborted")
+    with openai_client(server) as c:
+        assert c.responses.retrieve(long.id).status == "cancelled"
+
+
 def test_bench_serving_smoke(server, tmp_path):
     import json
 
