@@ -17,8 +17,9 @@ thing with the API key that made it (a digest: another key neither sees nor cont
 Bounded in bytes (``max_bytes``): one thing may take a sixteenth of it (``max_one``: a larger Response is
 not kept; a conversation keeps its newest items within it). Past the bound, the API key that holds the
 most gives back first, its least recently used things first (continuing a chain uses every Response in
-it, so a live conversation keeps its oldest turns): a key that floods the store evicts its own; a background
-Response that runs is neither evicted nor counted until it ends. What
+it, so a live conversation keeps its oldest turns): a key that floods the store evicts its own. A background
+Response that runs is neither evicted nor counted until it ends; a key's runs may take a quarter of the bound
+together (``max_running``). What
 each key holds is kept by the schema's triggers, so that a write weighs the bound without a scan.
 
 The SQLite calls, and the JSON of what they read back, run on one thread of each store's own, off the
@@ -204,7 +205,8 @@ class ResponseStore:
                        response: dict | None = None) -> tuple[bool, bool]:
         """Keep a running background Response's new ``events`` and its ``response`` as it stands now, if given.
         Whether it is still ``runner``'s to run (False: cancelled, deleted, or counted as failed: its run should
-        stop), and whether its events are still kept (past ``max_one`` with its Response, none is any more)."""
+        stop), and whether its events are still kept (past ``max_one`` with its Response, or ``max_running`` with its
+        key's runs, none is any more)."""
         return await self._call(self._progress, response_id, runner, events, response)
 
     async def finish(self, response: dict, input_items: list[dict], owner: str,
