@@ -25,7 +25,7 @@ import orjson
 from frontends.errors import ApiError
 from frontends.generation import Generation
 from frontends.http import Response, StreamingResponse
-from frontends.response_store import RUNNING, Keep, ResponseStore, RunsFull
+from frontends.response_store import RUNNING, Hold, Keep, ResponseStore, RunsFull
 from frontends.responses import ResponsesFormat
 from frontends.stored_api import too_large
 
@@ -51,14 +51,28 @@ class Run:
 
 
 class BackgroundRuns:
-    """The background Responses this frontend runs."""
+    """The background Responses this frontend runs, and the conversation locks its turns hold (OpenAI's
+    ``conversation_locked``: one turn on a conversation at a time), both kept up to date in the store by one
+    watcher."""
 
     def __init__(self, store: ResponseStore) -> None:
         self.store = store
         self.runner = f"{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"  # (this process: not a restarted one)
         self.runs: dict[str, Run] = {}
+        self.holds: dict[str, Hold] = {}  # the conversation locks this frontend's turns hold (renewed here too)
         self._watcher: asyncio.Task | None = None
         self._closed = False
+
+    def hold(self, conversation: str) -> Hold:
+        """A turn's lock on ``conversation`` (taken with its items: ``ResponseStore.items``), renewed while the
+        turn holds it."""
+        holds = Hold(self.store, conversation, self.holds)
+        self._watching()
+        return holds
+
+    def _watching(self) -> None:
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.create_task(self._watch())
 
     async def start(self, gen: Generation, fmt: ResponsesFormat, keep: Keep,
                     stream: bool) -> Response | StreamingResponse:
@@ -81,11 +95,21 @@ class BackgroundRuns:
         return StreamingResponse(_listen(queue), on_close=lambda: run.listeners.discard(queue))
 
     async def _begin(self, run: Run) -> None:
-        """Keep the run as it begins, then start it in the engine and run it on."""
+        """Keep the run as it begins, then start it in the engine and run it on (or let go of its conversation, where
+        it cannot)."""
+        try:
+            await self._begun(run)
+        except BaseException:
+            if run.keep.holds is not None:
+                run.keep.holds.release()
+            raise
+
+    async def _begun(self, run: Run) -> None:
         response_id, stream = run.head["id"], run.fmt.log is not None
         head_events, run.fmt.log = run.fmt.log, [] if stream else None
         try:
-            if not await self.store.start(run.head, run.keep.items, run.keep.owner, self.runner, head_events):
+            if not await self.store.start(run.head, run.keep.items, run.keep.owner, self.runner, head_events,
+                                          run.keep.holds):
                 raise too_large(self.store, "input")
         except RunsFull as e:
             raise ApiError(429, f"This key's background responses that run take {e.args[0]} bytes of the response "
@@ -99,8 +123,7 @@ class BackgroundRuns:
             raise
         self.runs[response_id] = run
         run.task = asyncio.create_task(self._run(run))
-        if self._watcher is None or self._watcher.done():
-            self._watcher = asyncio.create_task(self._watch())
+        self._watching()
 
     def stop(self, response_id: str) -> None:
         """Abort a run of this frontend's, cancelled or deleted (the store says so already), unless it has ended."""
@@ -151,7 +174,7 @@ class BackgroundRuns:
                 return
             events = fmt.log if run.keeping else []
             try:
-                if not await self.store.finish(fmt.final(), run.keep.items, run.keep.owner, events):
+                if not await self.store.finish(fmt.final(), run.keep.items, run.keep.owner, events, run.keep.holds):
                     return  # (cancelled or deleted meanwhile)
             except ApiError as e:  # (the store failed: no frontend says it runs, it reads as failed once stale)
                 log.warning("background response %s: not kept as it ended: %s", response_id, e.message)
@@ -167,6 +190,8 @@ class BackgroundRuns:
                 await self.store.fail(response_id, self.runner, "the server failed running it")
         finally:
             gen.abort_unfinished()
+            if run.keep.holds is not None:  # (its items added, or not to be)
+                run.keep.holds.release()
             for queue in run.listeners:
                 queue.put_nowait(None)
             self.runs.pop(response_id, None)
@@ -203,16 +228,19 @@ class BackgroundRuns:
                 queue.put_nowait(chunk)
 
     async def _watch(self) -> None:
-        """While this frontend runs any: every ``WATCH`` seconds, say so, and stop those no longer its to run."""
-        while self.runs:
+        """While this frontend runs any, or holds a conversation's lock: every ``WATCH`` seconds, say so (the runs it
+        runs, the locks it holds), and stop the runs no longer its to run."""
+        while self.runs or self.holds:
             await asyncio.sleep(WATCH)
             try:
-                ours = await self.store.heartbeat(self.runner, list(self.runs))
+                if self.holds:
+                    await self.store.renew(list(self.holds))
+                if self.runs:
+                    ours = await self.store.heartbeat(self.runner, list(self.runs))
+                    for response_id in [r for r in self.runs if r not in ours]:
+                        self.stop(response_id)
             except ApiError as e:
                 log.warning("background responses: the store failed: %s", e.message)
-                continue
-            for response_id in [r for r in self.runs if r not in ours]:
-                self.stop(response_id)
 
     def resume(self, response_id: str, owner: str, after: int) -> StreamingResponse:
         """A stored background Response's events past ``after``, as they come, until it has ended."""

@@ -58,7 +58,7 @@ from frontends.images import ImageProcessor
 from frontends.media import MediaReader
 from frontends.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from frontends.metrics import Metrics
-from frontends.response_store import BrokenChain, Keep, ResponseStore, StillRunning
+from frontends.response_store import BrokenChain, Hold, Keep, Locked, ResponseStore, StillRunning
 from frontends.responses import (
     RESPONSES_PARAMS,
     ResponsesFormat,
@@ -93,6 +93,12 @@ async def _kept(fmt) -> None:
     """A finished Response stored before the client reads that it is done (``ResponsesFormat.kept``)."""
     if isinstance(fmt, ResponsesFormat):
         await fmt.kept()
+
+
+def _released(fmt) -> None:
+    """The call has ended: the conversation lock its turn held let go of (where its items were not added)."""
+    if isinstance(fmt, ResponsesFormat) and fmt.keep is not None and fmt.keep.holds is not None:
+        fmt.keep.holds.release()
 
 
 def _sse(obj: object) -> bytes:
@@ -698,58 +704,75 @@ class OpenAIApi:
             raise ApiError(400, "a background response is stored: it cannot have store false" if
                            self.responses_store is not None else "background responses need stored state, and this "
                            "server stores none (--responses-store-mib 0)", param="background")
-        history, first, conversation = await self._history(data, owner)
-        sources: list[str] = []  # (where each chat message came from, for refusals that name one)
-        chat = to_chat(data, sources, history)  # (its refusals name this API's fields already)
-        items = stored_items(data["input"]) if store or history is not None else None
-        if items is not None:  # (one the chain or conversation holds, or two of the input's own)
-            check_unique(items, "input", {i["id"] for i in history or () if isinstance(i.get("id"), str)})
-        if items is not None and not self.responses_store.fits(items):
-            if conversation is not None or background:
-                raise too_large(self.responses_store, "input")
-            store = False  # (too large to keep: the Response says it is not stored)
-        if first is not None and chat.get("prompt_cache_key") is None:  # (data parallel: its turns on one engine,
-            chat["prompt_cache_key"] = first                              # where their prefix is cached)
-        try:
+        history, first, conversation, holds = await self._history(data, owner)
+        try:  # (a turn that holds its conversation's lock lets go of it where it fails before it runs)
+            sources: list[str] = []  # (where each chat message came from, for refusals that name one)
+            chat = to_chat(data, sources, history)  # (its refusals name this API's fields already)
+            items = stored_items(data["input"]) if store or history is not None else None
+            if items is not None:  # (one the chain or conversation holds, or two of the input's own)
+                check_unique(items, "input", {i["id"] for i in history or () if isinstance(i.get("id"), str)})
+            if items is not None and not self.responses_store.fits(items):
+                if conversation is not None or background:
+                    raise too_large(self.responses_store, "input")
+                store = False  # (too large to keep: the Response says it is not stored)
+            if first is not None and chat.get("prompt_cache_key") is None:  # (data parallel: its turns on one engine,
+                chat["prompt_cache_key"] = first                              # where their prefix is cached)
             try:
-                gen, chat_fmt = await self.chat_job(chat, arrival, id_prefix="resp")
-            except op.ContextExceeded:
-                if data.get("truncation") != "auto":
-                    raise
-                kept = await self._turns_that_fit(chat)
-                if kept is None:
-                    raise op.ContextExceeded(400, "truncation 'auto' found no cut that fits: the last turn, the "
-                                             "instructions and system messages, and the output asked for, "
-                                             f"together exceed this model's context of {self.max_model_len} tokens",
-                                             param="input") from None
-                sources = [sources[k] for k in kept]
-                gen, chat_fmt = await self.chat_job({**chat, "messages": [chat["messages"][k] for k in kept]}, arrival,
-                                                    id_prefix="resp")
-        except ApiError as e:  # named as this API names its fields
-            raise at_sources(e, sources).renamed(RESPONSES_PARAMS) from None
-        if gen.schema_param == "response_format":  # the engine's refusal of a text.format schema
-            gen.schema_param = "text"
-        keep = Keep(self.responses_store, items, owner) if store or conversation is not None else None
-        if keep is not None and not gen.stream.affinity:  # a conversation's first turn: where the next ones go
-            gen.stream.affinity = gen.api_id
-        return gen, ResponsesFormat(gen.lora or self.model, data, gen, chat_fmt, keep, store, conversation)
+                try:
+                    gen, chat_fmt = await self.chat_job(chat, arrival, id_prefix="resp")
+                except op.ContextExceeded:
+                    if data.get("truncation") != "auto":
+                        raise
+                    kept = await self._turns_that_fit(chat)
+                    if kept is None:
+                        raise op.ContextExceeded(400, "truncation 'auto' found no cut that fits: the last turn, the "
+                                                 "instructions and system messages, and the output asked for, "
+                                                 f"together exceed this model's context of {self.max_model_len} tokens",
+                                                 param="input") from None
+                    sources = [sources[k] for k in kept]
+                    gen, chat_fmt = await self.chat_job({**chat, "messages": [chat["messages"][k] for k in kept]},
+                                                        arrival, id_prefix="resp")
+            except ApiError as e:  # named as this API names its fields
+                raise at_sources(e, sources).renamed(RESPONSES_PARAMS) from None
+            if gen.schema_param == "response_format":  # the engine's refusal of a text.format schema
+                gen.schema_param = "text"
+            keep = Keep(self.responses_store, items, owner, holds) if store or conversation is not None else None
+            if keep is not None and not gen.stream.affinity:  # a conversation's first turn: where the next ones go
+                gen.stream.affinity = gen.api_id
+            return gen, ResponsesFormat(gen.lora or self.model, data, gen, chat_fmt, keep, store, conversation)
+        except BaseException:
+            if holds is not None:
+                holds.release()
+            raise
 
-    async def _history(self, data: dict, owner: str) -> tuple[list[dict] | None, str | None, str | None]:
+    async def _history(self, data: dict, owner: str) -> tuple[
+            list[dict] | None, str | None, str | None, Hold | None]:
         """The items of the conversation a body continues (``previous_response_id``'s chain, or a stored
         ``conversation``'s), the affinity key of that conversation (data parallel: its first Response's id, or the
-        conversation's), and the stored conversation's id. (None, None, None: it continues none, or none is stored:
+        conversation's), the stored conversation's id, and the lock the turn holds on it (OpenAI's
+        ``conversation_locked``: one turn at a time). (None, None, None, None: it continues none, or none is stored:
         ``to_chat`` refuses it then.)"""
         previous, conversation = data.get("previous_response_id"), conversation_id(data.get("conversation"))
         if previous is not None and conversation is not None:
             raise ApiError(400, "previous_response_id and conversation cannot both be given: a conversation's "
                            "items already hold its earlier turns", param="conversation")
         if self.responses_store is None or (previous is None and conversation is None):
-            return None, None, None
+            return None, None, None, None
         if conversation is not None:
-            items = await self.responses_store.items(conversation, owner)
+            holds = self.background.hold(conversation)
+            try:
+                items = await self.responses_store.items(conversation, owner, holds)
+            except BaseException as e:
+                holds.release()
+                if isinstance(e, Locked):
+                    raise ApiError(400, "Another process is currently operating on this conversation. Please retry "
+                                   "after a few seconds.", param="conversation", code="conversation_locked",
+                                   headers=[("retry-after", "1")]) from None
+                raise
             if items is None:
+                holds.release()
                 raise conversation_missing(conversation, "conversation")
-            return items, conversation, conversation
+            return items, conversation, conversation, holds
         if not isinstance(previous, str) or not previous:
             raise ApiError(400, "'previous_response_id' must be the id of a stored response",
                            param="previous_response_id")
@@ -764,7 +787,7 @@ class OpenAIApi:
         if found is None:  # (OpenAI's words and code: clients that see them send the whole conversation again)
             raise ApiError(400, f"Previous response with id '{shown(previous)}' not found.",
                            param="previous_response_id", code="previous_response_not_found")
-        return found[0], found[1], None
+        return found[0], found[1], None, None
 
     async def _turns_that_fit(self, chat: dict) -> list[int] | None:
         """``truncation: "auto"`` (``responses.oldest_turns_dropped``): which of ``chat``'s messages to keep for it to
@@ -884,6 +907,17 @@ class OpenAIApi:
         info = req.meta = CallInfo(prompt=data.get("messages", data.get("prompt", data.get("input"))))  # access log
         stream = op.field(data, "stream", bool, False)
         gen, fmt = await job(data, req.started)
+        try:
+            resp = await self._respond(req, info, data, gen, fmt, stream, started)
+        except BaseException:
+            _released(fmt)
+            raise
+        if not isinstance(resp, StreamingResponse):  # (a stream's: by its on_close, once it has ended)
+            _released(fmt)
+        return resp
+
+    async def _respond(self, req: Request, info: CallInfo, data: dict, gen: Generation, fmt, stream: bool,
+                       started: float) -> Response | StreamingResponse:
         include_usage = False
         if fmt.DONE and not stream and data.get("stream_options") is not None:  # (as vLLM: not for a whole answer)
             raise ApiError(400, "stream_options is only for streamed answers (stream: true)", param="stream_options")
@@ -904,7 +938,11 @@ class OpenAIApi:
         if gen.timed_out_empty:  # a stream that has nothing to send yet can still get a status
             raise _timed_out(started)
         if stream:
-            return StreamingResponse(self._events(gen, fmt, first, include_usage), on_close=gen.abort_unfinished,
+            def closed() -> None:
+                gen.abort_unfinished()
+                _released(fmt)
+
+            return StreamingResponse(self._events(gen, fmt, first, include_usage), on_close=closed,
                                      content_type=getattr(fmt, "CONTENT_TYPE", "text/event-stream"))
         try:
             updates = first

@@ -69,9 +69,10 @@ CREATE TRIGGER IF NOT EXISTS conversations_out AFTER DELETE ON conversations BEG
 CREATE TRIGGER IF NOT EXISTS conversations_size AFTER UPDATE OF size ON conversations BEGIN
     UPDATE owners SET size = size + NEW.size - OLD.size WHERE owner = NEW.owner; END;
 -- background Responses: those running (the frontend running each, when it last said so, whether its events are
--- kept), and the events of those created streamed (counted in their Response's size)
+-- kept, the lock it holds on its conversation), and the events of those created streamed (counted in their
+-- Response's size)
 CREATE TABLE IF NOT EXISTS background (id TEXT PRIMARY KEY, runner TEXT NOT NULL, alive REAL NOT NULL,
-    events INTEGER NOT NULL);
+    events INTEGER NOT NULL, holds TEXT);
 CREATE INDEX IF NOT EXISTS background_runner ON background (runner);
 CREATE TABLE IF NOT EXISTS events (response TEXT NOT NULL, seq INTEGER NOT NULL, event BLOB NOT NULL,
     PRIMARY KEY (response, seq));
@@ -79,8 +80,18 @@ CREATE TRIGGER IF NOT EXISTS responses_size AFTER UPDATE OF size ON responses BE
     UPDATE owners SET size = size + NEW.size - OLD.size WHERE owner = NEW.owner; END;
 CREATE TRIGGER IF NOT EXISTS responses_gone AFTER DELETE ON responses BEGIN
     DELETE FROM events WHERE response = OLD.id; DELETE FROM background WHERE id = OLD.id; END;
+-- a conversation a turn runs on (OpenAI's conversation_locked): the turn, and until when its frontend holds it
+CREATE TABLE IF NOT EXISTS locks (conversation TEXT PRIMARY KEY, holder TEXT NOT NULL, until REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS locks_holder ON locks (holder);
+CREATE TRIGGER IF NOT EXISTS conversations_unlocked AFTER DELETE ON conversations BEGIN
+    DELETE FROM locks WHERE conversation = OLD.id; END;
+CREATE TRIGGER IF NOT EXISTS background_over AFTER DELETE ON background BEGIN  -- (ended, cancelled, failed...)
+    DELETE FROM locks WHERE holder = OLD.holds; END;
 """
 RUNNING = ("queued", "in_progress")  # a background Response's statuses until it ends
+# seconds a conversation's lock lasts unless its frontend renews it (every second, while the turn runs): what a
+# frontend that died holds it for
+LEASE = 10.0
 # seconds a running background Response's frontend may not say it runs before it counts as failed (twice the
 # write lock's longest wait: a frontend waiting its turn is no dead one)
 STALE = 60.0
@@ -104,21 +115,42 @@ class NotBackground(Exception):
     """Only a background Response can be cancelled."""
 
 
+class Locked(Exception):
+    """Another turn runs on the conversation (it holds its lock)."""
+
+
 class RunsFull(Exception):
     """A key's background Responses that run take what they may (``max_running``): no other starts."""
 
 
 class Keep:
-    """How a Response is stored (``ResponsesFormat.keep``): with its input ``items``, as ``owner``'s."""
+    """How a Response is stored (``ResponsesFormat.keep``): with its input ``items``, as ``owner``'s; in a
+    conversation, the lock its turn ``holds`` (``ResponseStore.items``), let go of as the turn's items are added, or
+    as the turn ends without them (``release``)."""
 
-    def __init__(self, store: ResponseStore, items: list[dict], owner: str) -> None:
-        self.store, self.items, self.owner = store, items, owner
+    def __init__(self, store: ResponseStore, items: list[dict], owner: str, holds: Hold | None = None) -> None:
+        self.store, self.items, self.owner, self.holds = store, items, owner, holds
 
     async def __call__(self, response: dict) -> None:
         try:
-            await self.store.put(response, self.items, self.owner)
+            await self.store.put(response, self.items, self.owner, self.holds)
         except ApiError as e:  # (the store failed: the answer is still given, only continuing it will fail)
             log.warning("response %s not stored: %s", response["id"], e.message)
+
+
+class Hold:
+    """A turn's lock on a conversation (``ResponseStore.items``), held while the turn runs: its frontend renews it
+    (``ResponseStore.renew``) while it is in ``held`` (the frontend's); ``release`` lets go of it (once, whatever
+    ends the turn)."""
+
+    def __init__(self, store: ResponseStore, conversation: str, held: dict[str, Hold]) -> None:
+        self.store, self.conversation, self.holder, self.held = store, conversation, os.urandom(16).hex(), held
+        held[self.holder] = self
+
+    def release(self) -> None:
+        if self.held.pop(self.holder, None) is not None:  # (a task: called where nothing may be awaited)
+            task = asyncio.get_running_loop().create_task(self.store.release(self.conversation, self.holder))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
 class ResponseStore:
@@ -165,12 +197,12 @@ class ResponseStore:
 
     # ------------------------------------------------------------------ Responses
 
-    async def put(self, response: dict, input_items: list[dict], owner: str) -> None:
+    async def put(self, response: dict, input_items: list[dict], owner: str, holds: Hold | None = None) -> None:
         """Store ``response`` (given ``input_items``; it continues its ``previous_response_id``) where its ``store``
         says so and it fits; where it went on with a conversation (its ``conversation``), add its input items and
         output to that conversation's items (but a call cut short: its arguments may be no JSON, and no client
-        ran it)."""
-        await self._call(self._put, response, input_items, owner)
+        ran it), letting go of the lock its turn ``holds``."""
+        await self._call(self._put, response, input_items, owner, holds.holder if holds is not None else None)
 
     async def get(self, response_id: str, owner: str) -> dict | None:
         """The Response as it stands (a background one that is running: as it began, ``queued`` or
@@ -193,13 +225,14 @@ class ResponseStore:
     # ------------------------------------------------------------------ background Responses
 
     async def start(self, response: dict, input_items: list[dict], owner: str, runner: str,
-                    events: list[tuple[int, bytes]] | None) -> bool:
+                    events: list[tuple[int, bytes]] | None, holds: Hold | None = None) -> bool:
         """Store a background Response as it begins (``queued``), run by the frontend ``runner`` (which says so:
         ``heartbeat``); ``events``: its first events, where they are kept (``progress``) to be streamed again. False:
         it takes more than ``max_one`` (not stored). While it runs it is neither evicted nor counted against the
         bound, but with its key's other runs it may take no more than ``max_running`` (``RunsFull``: not started; its
-        events are no longer kept past it)."""
-        return await self._call(self._start, response, input_items, owner, runner, events)
+        events are no longer kept past it). It ``holds`` its conversation's lock until it is no longer running."""
+        return await self._call(self._start, response, input_items, owner, runner, events,
+                                holds.holder if holds is not None else None)
 
     async def progress(self, response_id: str, runner: str, events: list[tuple[int, bytes]],
                        response: dict | None = None) -> tuple[bool, bool]:
@@ -209,12 +242,13 @@ class ResponseStore:
         key's runs, none is any more)."""
         return await self._call(self._progress, response_id, runner, events, response)
 
-    async def finish(self, response: dict, input_items: list[dict], owner: str,
-                     events: list[tuple[int, bytes]]) -> bool:
+    async def finish(self, response: dict, input_items: list[dict], owner: str, events: list[tuple[int, bytes]],
+                     holds: Hold | None = None) -> bool:
         """A background Response ended: stored as ``put`` stores one, over its running state, with its last
         ``events`` (False: it was cancelled or deleted meanwhile, and stays so). Should it take more than
         ``max_one``, its events go, then its output (``failed``, saying so)."""
-        return await self._call(self._finish, response, input_items, owner, events)
+        return await self._call(self._finish, response, input_items, owner, events,
+                                holds.holder if holds is not None else None)
 
     async def cancel(self, response_id: str, owner: str) -> dict | None:
         """A running background Response ``cancelled`` (one that has ended is left as it is): the Response; None
@@ -257,9 +291,18 @@ class ResponseStore:
     async def delete_conversation(self, conversation_id: str, owner: str) -> bool:
         return await self._call(self._delete, "conversations", conversation_id, owner)
 
-    async def items(self, conversation_id: str, owner: str) -> list[dict] | None:
-        """A conversation's items in order (None: ``owner`` has no such conversation); it counts as used now."""
-        return await self._call(self._items, conversation_id, owner)
+    async def items(self, conversation_id: str, owner: str, holds: Hold | None = None) -> list[dict] | None:
+        """A conversation's items in order (None: ``owner`` has no such conversation); it counts as used now. A turn
+        that ``holds`` takes its lock, held until its items are added (``put``, ``finish``) or it is let go of:
+        ``Locked`` where another turn holds it."""
+        return await self._call(self._items, conversation_id, owner, holds.holder if holds is not None else None)
+
+    async def release(self, conversation_id: str, holder: str) -> None:
+        await self._call(self._release, conversation_id, holder)
+
+    async def renew(self, holders: list[str]) -> None:
+        """These locks held on: for ``LEASE`` seconds more."""
+        await self._call(self._renew, holders)
 
     async def items_page(self, conversation_id: str, owner: str, limit: int, descending: bool,
                          after: str | None) -> tuple[list[dict], bool] | None:
@@ -283,7 +326,7 @@ class ResponseStore:
 
     # ------------------------------------------------------------------ on the store's thread
 
-    def _put(self, response: dict, input_items: list[dict], owner: str) -> None:
+    def _put(self, response: dict, input_items: list[dict], owner: str, holder: str | None = None) -> None:
         db, blob, given = self._conn(), orjson.dumps(response), orjson.dumps(input_items)
         conversation = (response.get("conversation") or {}).get("id")
         with db:
@@ -296,6 +339,7 @@ class ResponseStore:
                             len(blob) + len(given), blob, given))
             if conversation is not None:
                 self._append_in(db, conversation, owner, [*input_items, *_replayed(response["output"])])
+                db.execute("DELETE FROM locks WHERE conversation = ? AND holder = ?", (conversation, holder))
             self._evict(db, (response["id"], conversation))
 
     def _create(self, conversation: dict, items: list[dict], owner: str) -> None:
@@ -421,7 +465,7 @@ class ResponseStore:
                    (len(blob), blob, response_id))
 
     def _start(self, response: dict, input_items: list[dict], owner: str, runner: str,
-               events: list[tuple[int, bytes]] | None) -> bool:
+               events: list[tuple[int, bytes]] | None, holder: str | None = None) -> bool:
         db, blob, given = self._conn(), orjson.dumps(response), orjson.dumps(input_items)
         if len(blob) + len(given) > self.max_one:
             return False
@@ -434,8 +478,8 @@ class ResponseStore:
             db.execute("INSERT INTO responses VALUES (?, ?, ?, ?, ?, ?, ?)",
                        (response["id"], response.get("previous_response_id"), owner, now, len(blob) + len(given),
                         blob, given))
-            db.execute("INSERT INTO background VALUES (?, ?, ?, ?)",
-                       (response["id"], runner, now, int(events is not None)))
+            db.execute("INSERT INTO background VALUES (?, ?, ?, ?, ?)",
+                       (response["id"], runner, now, int(events is not None), holder))
             if events:
                 self._add_events(db, response["id"], events)
             self._evict(db, (response["id"],))
@@ -487,7 +531,8 @@ class ResponseStore:
         db.execute("UPDATE responses SET size = size - ? WHERE id = ?", (n.fetchone()[0], response_id))
         db.execute("DELETE FROM events WHERE response = ?", (response_id,))
 
-    def _finish(self, response: dict, input_items: list[dict], owner: str, events: list[tuple[int, bytes]]) -> bool:
+    def _finish(self, response: dict, input_items: list[dict], owner: str, events: list[tuple[int, bytes]],
+                holder: str | None = None) -> bool:
         db, response_id = self._conn(), response["id"]
         conversation = (response.get("conversation") or {}).get("id")
         with db:
@@ -508,6 +553,7 @@ class ResponseStore:
                                                        "store keeps of one response"))
             if conversation is not None:
                 self._append_in(db, conversation, owner, [*input_items, *_replayed(response["output"])])
+                db.execute("DELETE FROM locks WHERE conversation = ? AND holder = ?", (conversation, holder))
             db.execute("UPDATE responses SET used = ? WHERE id = ?", (time.time(), response_id))
             self._evict(db, (response_id, conversation))
         return True
@@ -623,15 +669,34 @@ class ResponseStore:
                        (blob, len(blob) - len(old[0]), conversation_id))
         return self._header(conversation_id, owner)
 
-    def _touch(self, conversation_id: str, owner: str) -> bool:
-        """Mark a conversation used (False: ``owner`` has none of that id)."""
+    def _touch(self, conversation_id: str, owner: str, holder: str | None = None) -> bool:
+        """Mark a conversation used (False: ``owner`` has none of that id), and take its lock for ``holder``."""
         with self._conn() as db:
             db.execute("BEGIN IMMEDIATE")
-            return db.execute("UPDATE conversations SET used = ? WHERE id = ? AND owner = ?",
-                              (time.time(), conversation_id, owner)).rowcount > 0
+            now = time.time()
+            if not db.execute("UPDATE conversations SET used = ? WHERE id = ? AND owner = ?",
+                              (now, conversation_id, owner)).rowcount:
+                return False
+            if holder is not None:
+                lock = db.execute("SELECT holder, until FROM locks WHERE conversation = ?", (conversation_id,)).fetchone()
+                if lock is not None and lock[0] != holder and lock[1] >= now:
+                    raise Locked(conversation_id)
+                db.execute("INSERT OR REPLACE INTO locks VALUES (?, ?, ?)", (conversation_id, holder, now + LEASE))
+            return True
 
-    def _items(self, conversation_id: str, owner: str) -> list[dict] | None:
-        if not self._touch(conversation_id, owner):
+    def _release(self, conversation_id: str, holder: str) -> None:
+        with self._conn() as db:
+            db.execute("BEGIN IMMEDIATE")
+            db.execute("DELETE FROM locks WHERE conversation = ? AND holder = ?", (conversation_id, holder))
+
+    def _renew(self, holders: list[str]) -> None:
+        with self._conn() as db:
+            db.execute("BEGIN IMMEDIATE")
+            db.execute(f"UPDATE locks SET until = ? WHERE holder IN ({', '.join('?' * len(holders))})",
+                       (time.time() + LEASE, *holders))
+
+    def _items(self, conversation_id: str, owner: str, holder: str | None = None) -> list[dict] | None:
+        if not self._touch(conversation_id, owner, holder):
             return None
         rows = self._conn().execute("SELECT item FROM items WHERE conversation = ? ORDER BY seq",
                                     (conversation_id,)).fetchall()

@@ -295,3 +295,40 @@ def test_a_keys_runs_take_a_quarter_of_the_store_at_most(runs, smollm_tokenizer_
         c.responses.create(model=MODEL, input=turns, truncation="auto", background=True, max_output_tokens=1)
     finally:
         assert stop_frontend(proc) == 0
+
+
+def test_one_turn_at_a_time_runs_on_a_conversation(runs):
+    """OpenAI's ``conversation_locked``: while a turn runs on a conversation (background, or a stream), another turn
+    on it, on either frontend, is that 400; once the turn has ended (done, cancelled, its stream dropped, or refused),
+    the next one runs, and the conversation holds each turn whole, in order."""
+    _, (a, b, _), _, _ = runs
+    conv = a.conversations.create()
+    r = a.responses.create(model=MODEL, input=LONG, conversation=conv.id, background=True, max_output_tokens=100)
+    with pytest.raises(openai.BadRequestError) as e:
+        b.responses.create(model=MODEL, input="Q2", conversation=conv.id, extra_body=STOP)
+    assert e.value.body["code"] == "conversation_locked" and e.value.response.headers["retry-after"] == "1"
+    assert polled(b, r.id).status == "incomplete"
+    b.responses.create(model=MODEL, input="Q2", conversation=conv.id, extra_body=STOP)  # (ended: its turn's after)
+    assert [i.content[0].text[:7] for i in b.conversations.items.list(conv.id, order="asc").data] == [
+        "a story", "user: a", "Q2", "user: a"]
+    conv = a.conversations.create()  # (a new one: the first grew long)
+    r = a.responses.create(model=MODEL, input=LONG, conversation=conv.id, background=True, max_output_tokens=300)
+    b.responses.cancel(r.id)
+    b.responses.create(model=MODEL, input="Q3", conversation=conv.id, extra_body=STOP)  # (cancelled: let go of)
+    conv = a.conversations.create()
+    with a.responses.create(model=MODEL, input=LONG, conversation=conv.id, stream=True, max_output_tokens=300) as s:
+        next(iter(s))
+        with pytest.raises(openai.BadRequestError) as e:
+            b.responses.create(model=MODEL, input="Q4", conversation=conv.id, extra_body=STOP)
+        assert e.value.body["code"] == "conversation_locked"
+    deadline = time.monotonic() + 5  # (the stream dropped: let go of as it closes)
+    while True:
+        try:
+            b.responses.create(model=MODEL, input="Q4", conversation=conv.id, extra_body=STOP)
+            break
+        except openai.BadRequestError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    with pytest.raises(openai.BadRequestError):  # (refused before it ran: let go of at once)
+        a.responses.create(model=MODEL, input="Q5", conversation=conv.id, max_output_tokens=-1)
+    b.responses.create(model=MODEL, input="Q5", conversation=conv.id, extra_body=STOP)

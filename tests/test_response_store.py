@@ -380,3 +380,42 @@ def test_runs_evict_nobody_and_only_live_runs_are_spared(tmp_path):
         await store.close()
 
     asyncio.run(run())
+
+
+def test_one_turn_at_a_time_holds_a_conversation(tmp_path, monkeypatch):
+    """A turn that reads a conversation's items takes its lock; another turn is refused (``Locked``) until the first
+    adds its items, lets go, or its lease runs out (a frontend that died); a renewed lease holds on."""
+    from frontends import response_store
+    from frontends.response_store import Hold, Locked
+
+    async def run():
+        a, b = ResponseStore(str(tmp_path / "r.db"), 1 << 20), ResponseStore(str(tmp_path / "r.db"), 1 << 20)
+        held_a, held_b = {}, {}
+        await a.create_conversation({"id": "c1", "created_at": 0, "metadata": {}}, said("i0", "Q0"), "k")
+        first = Hold(a, "c1", held_a)
+        assert await a.items("c1", "k", first) == said("i0", "Q0")
+        with pytest.raises(Locked):
+            await b.items("c1", "k", Hold(b, "c1", held_b))
+        assert await b.items("c1", "k") == said("i0", "Q0")  # (reading alone: no lock)
+        await a.put({**response("r1"), "status": "completed", "conversation": {"id": "c1"}}, said("i1", "Q1"), "k",
+                    first)  # (its items added: let go of)
+        second = Hold(b, "c1", held_b)
+        assert len(await b.items("c1", "k", second)) == 3
+        second.release()
+        await asyncio.sleep(0.05)  # (the release: a task)
+        assert second.holder not in held_b
+        third = Hold(a, "c1", held_a)
+        await a.items("c1", "k", third)
+        monkeypatch.setattr(response_store, "LEASE", -1.0)
+        await a.renew([third.holder])  # (a lease that ran out: another turn takes it)
+        await b.items("c1", "k", Hold(b, "c1", held_b))
+        assert await a.delete_conversation("c1", "k")
+        from frontends.response_store import connect
+
+        db = connect(a.path)
+        assert db.execute("SELECT COUNT(*) FROM locks").fetchone()[0] == 0  # (gone with its conversation)
+        db.close()
+        await a.close()
+        await b.close()
+
+    asyncio.run(run())
