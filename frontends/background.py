@@ -79,6 +79,8 @@ class BackgroundRuns:
         """Keep ``gen``'s Response as it begins and run it on: the Response, ``queued``, or (``stream``) a stream of
         its events for as long as the caller reads it."""
         if self._closed:
+            if keep.holds is not None:
+                keep.holds.release()
             raise ApiError(503, "The server is stopping: no background response starts")
         if stream:
             fmt.log = []  # (its events, to be kept: its first two, kept as it begins)

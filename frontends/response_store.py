@@ -758,6 +758,10 @@ def connect(path: str, durable: bool = False) -> sqlite3.Connection:
         db.execute("PRAGMA journal_mode=WAL")  # readers never wait for the writer; frontends write in turns
         db.execute(f"PRAGMA synchronous={'NORMAL' if durable else 'OFF'}")
         db.executescript(_SCHEMA)
+        with db:  # (a file whose background table came before its column did: the frontends of a server, in turn)
+            db.execute("BEGIN IMMEDIATE")
+            if "holds" not in {r[1] for r in db.execute("PRAGMA table_info(background)")}:
+                db.execute("ALTER TABLE background ADD COLUMN holds TEXT")
     except BaseException:
         db.close()
         raise

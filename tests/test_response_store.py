@@ -419,3 +419,24 @@ def test_one_turn_at_a_time_holds_a_conversation(tmp_path, monkeypatch):
         await b.close()
 
     asyncio.run(run())
+
+
+def test_a_file_made_before_the_conversation_locks_is_brought_up_to_date(tmp_path):
+    """A store file whose ``background`` table has no ``holds`` column (made by a build before it) gets one as it is
+    opened: background Responses start, and Responses are deleted, as in a new file (review: both were 503s)."""
+    import sqlite3
+
+    path = str(tmp_path / "r.db")
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE background (id TEXT PRIMARY KEY, runner TEXT NOT NULL, alive REAL NOT NULL, "
+               "events INTEGER NOT NULL)")
+    db.close()
+
+    async def run():
+        store = ResponseStore(path, 1 << 20)
+        await store.start(background("r1"), said("r1", "Q"), "k", "fe-a", None)
+        await store.put({**response("r2"), "status": "completed"}, said("r2", "Q"), "k")
+        assert await store.delete("r2", "k") and await store.delete("r1", "k")
+        await store.close()
+
+    asyncio.run(run())
