@@ -26,7 +26,7 @@ from frontends.errors import ApiError
 from frontends.generation import Generation
 from frontends.http import Response, StreamingResponse
 from frontends.response_store import RUNNING, Hold, Keep, ResponseStore, RunsFull
-from frontends.responses import ResponsesFormat
+from frontends.responses import ResponsesFormat, sequenced_event
 from frontends.stored_api import too_large
 
 log = logging.getLogger("tokenmill.frontend")
@@ -261,24 +261,20 @@ class BackgroundRuns:
                 return
             events, response, kept = found
             if not kept:
-                yield _event("error", after + 1, code="events_not_kept", message="this response's events are no "
-                             "longer kept (they took more than the store keeps of one response): retrieve it whole")
+                yield sequenced_event("error", after + 1, code="events_not_kept", message="this response's events "
+                                      "are no longer kept (they took more than the store keeps of one response): "
+                                      "retrieve it whole")
                 return
             if events:
                 after, last, wait = events[-1][0], events[-1][1], POLL[0]
                 yield b"".join(e for _, e in events)
             elif response["status"] not in RUNNING:
                 if response["status"] == "failed" and not last.startswith(b"event: response.failed\n"):
-                    yield _event("response.failed", after + 1, response=response)
+                    yield sequenced_event("response.failed", after + 1, response=response)
                 return
             else:
                 await asyncio.sleep(wait)
                 wait = min(POLL[1], wait * 1.5)
-
-
-def _event(kind: str, seq: int, **fields) -> bytes:
-    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(
-        {"type": kind, "sequence_number": seq, **fields}) + b"\n\n"
 
 
 async def _listen(queue: asyncio.Queue) -> AsyncIterator[bytes]:

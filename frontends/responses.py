@@ -479,6 +479,12 @@ class ItemWriter:
         raise NotImplementedError
 
 
+def sequenced_event(kind: str, seq: int, **fields) -> bytes:
+    """One event of a Responses stream, numbered ``seq``."""
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(
+        {"type": kind, "sequence_number": seq, **fields}) + b"\n\n"
+
+
 class ResponsesFormat(ItemWriter):
     """What a chat generation produced, as a Response (``response``) or its events (``chunk``): both
     built by ``_take`` from the same ordered parts of the answer, so they hold the same items."""
@@ -600,8 +606,7 @@ class ResponsesFormat(ItemWriter):
 
     def _event(self, kind: str, **fields) -> bytes:
         self.seq += 1
-        event = b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(
-            {"type": kind, "sequence_number": self.seq - 1, **fields}) + b"\n\n"
+        event = sequenced_event(kind, self.seq - 1, **fields)
         if self.log is not None:
             self.log.append((self.seq - 1, event))
         return event
