@@ -176,7 +176,10 @@ class BackgroundRuns:
                 return
             events = fmt.log if run.keeping else []
             try:
-                if not await self.store.finish(fmt.final(), run.keep.items, run.keep.owner, events, run.keep.holds):
+                finished = await self.store.finish(fmt.final(), run.keep.items, run.keep.owner, events, run.keep.holds)
+                if run.keep.holds is not None:  # (let go of with its items, or with its running state)
+                    run.keep.holds.let_go()
+                if not finished:
                     return  # (cancelled or deleted meanwhile)
             except ApiError as e:  # (the store failed: no frontend says it runs, it reads as failed once stale)
                 log.warning("background response %s: not kept as it ended: %s", response_id, e.message)

@@ -136,6 +136,9 @@ class Keep:
             await self.store.put(response, self.items, self.owner, self.holds)
         except ApiError as e:  # (the store failed: the answer is still given, only continuing it will fail)
             log.warning("response %s not stored: %s", response["id"], e.message)
+        else:
+            if self.holds is not None:
+                self.holds.let_go()
 
 
 class Hold:
@@ -146,6 +149,10 @@ class Hold:
     def __init__(self, store: ResponseStore, conversation: str, held: dict[str, Hold]) -> None:
         self.store, self.conversation, self.holder, self.held = store, conversation, os.urandom(16).hex(), held
         held[self.holder] = self
+
+    def let_go(self) -> None:
+        """The store let go of it already (in the write that added the turn's items, or ended its run)."""
+        self.held.pop(self.holder, None)
 
     def release(self) -> None:
         if self.held.pop(self.holder, None) is not None:  # (a task: called where nothing may be awaited)
