@@ -42,7 +42,7 @@ class Run:
 
     def __init__(self, gen: Generation, fmt: ResponsesFormat, keep: Keep) -> None:
         self.gen, self.fmt, self.keep = gen, fmt, keep  # (keep: its input items, whose it is)
-        self.head = {**fmt.base, "status": "queued", "output": [], "usage": None}  # (as the store has it)
+        self.head = fmt.head("queued")  # (as the store has it)
         self.task: asyncio.Task | None = None
         self.listeners: set[asyncio.Queue] = set()  # the creating call's stream, while it reads
         self.ended = False  # its last update is in: what is left is for ``finish`` alone

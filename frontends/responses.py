@@ -615,15 +615,16 @@ class ResponsesFormat(ItemWriter):
         """The stream's first events; ``queued``: a background Response's, whose ``response.in_progress`` comes when
         it begins (``begun``)."""
         if queued:
-            head = {**self.base, "status": "queued", "output": [], "usage": None}
+            head = self.head("queued")
             return self._event("response.created", response=head) + self._event("response.queued", response=head)
-        return self._event("response.created", response=self._head()) + self.begun()
+        return self._event("response.created", response=self.head()) + self.begun()
 
     def begun(self) -> bytes:
-        return self._event("response.in_progress", response=self._head())
+        return self._event("response.in_progress", response=self.head())
 
-    def _head(self) -> dict:
-        return {**self.base, "status": "in_progress", "output": [], "usage": None}
+    def head(self, status: str = "in_progress") -> dict:
+        """The Response before its output: as it begins, or runs."""
+        return {**self.base, "status": status, "output": [], "usage": None}
 
     def chunk(self, updates: list[Update]) -> bytes:
         out = b""
