@@ -98,6 +98,7 @@ def test_packed_linear_is_the_dense_kernel_on_expanded_weights(fmt, n, k, compil
 
 def test_packed_linear_hands_a_prompts_rows_to_torch(compiled, monkeypatch):
     """Past 64 rows torch's GEMM on the expanded weight, a slice of rows of up to EXPAND_BYTES at a time."""
+    monkeypatch.setattr(matmul, "_split_bf16", False)  # (bf16 rows in float32: as tune decides without AMX)
     packed = packed_weight("q4_1", 30, 96)
     dense = ref.dequantize(packed, "q4_1")
     calls, linear = [], F.linear
@@ -126,7 +127,8 @@ def test_packed_linear_of_a_strided_weight_and_bias(compiled):
                            matmul.linear_c(x, ref.dequantize(packed, "q8_0"), bias.contiguous()))
 
 
-def test_packed_linear_bf16_computes_with_the_exact_weights_at_any_row_count(compiled):
+def test_packed_linear_bf16_computes_with_the_exact_weights_at_any_row_count(compiled, monkeypatch):
+    monkeypatch.setattr(matmul, "_split_bf16", False)
     packed = packed_weight("q8_0", 64, 256)
     x = torch.randn(matmul.ROWS[-1] + 1, 256).bfloat16()
     many = matmul.linear_packed(x, packed, "q8_0")  # torch's GEMM, in float32 on the expanded weights
@@ -135,6 +137,75 @@ def test_packed_linear_bf16_computes_with_the_exact_weights_at_any_row_count(com
         one = matmul.linear_packed(x[i:i + 1], packed, "q8_0")  # the C kernel, in registers
         torch.testing.assert_close(many[i].float(), one[0].float(), rtol=2**-7, atol=1e-3)  # a bf16 rounding apart
     assert torch.equal(many, F.linear(x.float(), ref.dequantize(packed, "q8_0")).bfloat16())
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_three_bf16_parts_sum_to_the_exact_weights(fmt, compiled):
+    """``dequantize_split``: each weight as three bf16 numbers whose sum is its float exactly, random bytes too
+    (a weight that is not finite, or past bf16's largest, is its high part alone)."""
+    k = width(fmt, 96)
+    raw = torch.randint(0, 256, (9, ref.packed_row_bytes(fmt, k)), dtype=torch.uint8,
+                        generator=torch.Generator().manual_seed(4))
+    for w in (packed_weight(fmt, 9, k), raw):
+        floats, parts = ref.dequantize(w, fmt), matmul.dequantize_split(w, fmt)
+        assert parts.dtype == torch.bfloat16 and parts.shape == (9, 3 * k)
+        hi, mid, lo = parts.float().split(k, dim=1)
+        within = floats.abs() <= torch.finfo(torch.bfloat16).max
+        assert torch.equal((hi + mid + lo)[within], floats[within])
+        assert torch.equal(mid[~within], lo[~within]) and not mid[~within].any()
+        if not within.all():
+            torch.testing.assert_close(hi[~within], floats[~within].bfloat16().float(), equal_nan=True)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k", "iq4_xs"])
+def test_bf16_prompts_multiply_the_exact_weights_in_three_parts(fmt, compiled, monkeypatch):
+    """Where tune found the CPU's bf16 GEMM fast (AMX), a bf16 prompt's rows meet [hi | mid | lo] of each
+    weight in one bf16 GEMM of 3K (a slice of EXPAND_BYTES at a time): the exact weights, summed in float32,
+    rounded once, so within one bf16 rounding of float64's answer, as the float32 GEMM's is."""
+    k = width(fmt, 256)
+    packed, gen = packed_weight(fmt, 40, k, seed=5), torch.Generator().manual_seed(6)
+    x, bias = torch.randn(3, 50, k, generator=gen).bfloat16(), torch.randn(40, generator=gen).bfloat16()
+    exact = (x.double() @ ref.dequantize(packed, fmt).double().T + bias.double())
+    calls, linear = [], F.linear
+    monkeypatch.setattr(matmul.F, "linear", lambda *a: calls.append(a) or linear(*a))
+    monkeypatch.setattr(matmul, "_split_bf16", True)
+    monkeypatch.setattr(matmul, "EXPAND_BYTES", 15 * 6 * k)  # 15 rows of parts at a time: 15, 15, 10
+    split = matmul.linear_packed(x, packed, fmt, bias)
+    assert split.dtype == torch.bfloat16 and split.shape == (3, 50, 40)
+    assert [(c[0].shape, c[1].shape, c[1].dtype) for c in calls] == [
+        ((150, 3 * k), (r, 3 * k), torch.bfloat16) for r in (15, 15, 10)]
+    monkeypatch.setattr(matmul, "_split_bf16", False)
+    expanded = matmul.linear_packed(x, packed, fmt, bias)
+    for y in (split, expanded):
+        torch.testing.assert_close(y.double(), exact, rtol=2**-8, atol=1e-6 * exact.abs().max().item())
+    assert (split != expanded).float().mean() < 0.01  # (the order of the sums: now and then the last bit)
+    one = matmul.linear_packed(x[0, :1], packed, fmt, bias)  # up to 64 rows: the C kernel, as always
+    assert torch.equal(one, matmul.linear_c(x[0, :1].float(), ref.dequantize(packed, fmt), bias.float()).bfloat16())
+
+
+def test_tune_measures_whether_bf16_prompts_go_through_three_parts(compiled, monkeypatch, caplog):
+    """A model with packed weights: tune times both ways once and logs which it took; with
+    TOKENMILL_CPU_LINEAR_ROWS set (runs that must not depend on a timing) or no packed weight, float32."""
+    monkeypatch.delenv("TOKENMILL_CPU_LINEAR_ROWS", raising=False)
+    measured = []
+    monkeypatch.setattr(matmul, "_measure_split", lambda: measured.append(1) or (1.0, 2.0))
+    try:
+        with caplog.at_level("INFO", logger="tokenmill.kernels"):
+            matmul.tune([packed_weight("q4_0", 8, 64), torch.randn(8, 8)])
+        assert matmul._split_bf16 and measured == [1]
+        assert "bf16 prompts on packed weights go to torch's bf16 GEMM" in caplog.text
+        monkeypatch.setattr(matmul, "_measure_split", lambda: (1.0, 1.1))  # within MARGIN: float32
+        matmul.tune([packed_weight("q4_0", 8, 64)])
+        assert not matmul._split_bf16
+        monkeypatch.setattr(matmul, "_measure_split", lambda: (1.0, 2.0))
+        monkeypatch.setenv("TOKENMILL_CPU_LINEAR_ROWS", "64")
+        matmul.reset()
+        matmul.tune([packed_weight("q4_0", 8, 64)])
+        assert not matmul._split_bf16
+        monkeypatch.undo()
+        assert all(0 < s < 1 for s in matmul._measure_split())  # (the real one: seconds each way)
+    finally:
+        matmul.reset()
 
 
 def test_c_status_codes_become_exceptions(compiled):

@@ -756,6 +756,38 @@ int dequantize_rows(const uint8_t *w, int fmt, const int64_t *ids, float *out, i
     return OK;
 }
 
+/* Rows of a packed weight, each as three bf16 rows whose sum is its floats exactly: out (rows, 3K) of
+ * bf16, a row's high parts, then what they leave, then what those leave. A float's 24 bits of
+ * mantissa are three bf16's 8, and each remainder is exact in float (it is below the part's last
+ * bit), so [x | x | x] . [hi | mid | lo] is x . W on the exact weights, for a bf16 GEMM that sums in
+ * float (AMX's: several times float32's rate). A row is expanded a super-block at a time. A weight
+ * that is not finite is its high part alone (so is one that rounds past bf16's largest, whose sum is
+ * then infinite). */
+int dequantize_split(const uint8_t *w, int fmt, uint16_t *out, int64_t rows, int64_t K, int num_threads) {
+    if (fmt < 0 || fmt >= FORMATS || K % BLOCK_WEIGHTS[fmt]) return BAD_ARGUMENTS;
+    const int64_t row_bytes = K / BLOCK_WEIGHTS[fmt] * BLOCK_BYTES[fmt];
+    (void)num_threads;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * K >= (1 << 16))
+    for (int64_t r = 0; r < rows; r++) {
+        float f[256];
+        uint16_t *hi = out + r * 3 * K, *mid = hi + K, *lo = mid + K;
+        for (int64_t k0 = 0; k0 < K; k0 += 256) {
+            const int64_t n = K - k0 < 256 ? K - k0 : 256;
+            expand(w + r * row_bytes + k0 / BLOCK_WEIGHTS[fmt] * BLOCK_BYTES[fmt], fmt, f, 1, n);
+            for (int64_t i = 0; i < n; i++) {
+                const uint16_t h = float_to_bf16(f[i]);
+                float rest = f[i] - bf16_to_float(h);
+                if (!isfinite(rest)) rest = 0.f; /* (an infinite or NaN weight, or one past bf16's largest) */
+                const uint16_t m = float_to_bf16(rest);
+                hi[k0 + i] = h;
+                mid[k0 + i] = m;
+                lo[k0 + i] = float_to_bf16(rest - bf16_to_float(m));
+            }
+        }
+    }
+    return OK;
+}
+
 int linear_f32_packed(const int64_t *a) { return linear_f32(PTR(0), PTR(1), PTR(2), PTR(3), a[4], a[5], a[6], (int)a[7]); }
 int linear_bf16_packed(const int64_t *a) { return linear_bf16(PTR(0), PTR(1), PTR(2), PTR(3), a[4], a[5], a[6], (int)a[7]); }
 int linear_q_f32_packed(const int64_t *a) {

@@ -22,7 +22,9 @@ weight, as llama.cpp keeps them; Q4_Z, 5 bits, for AWQ/GPTQ checkpoints)
 go to ``linear_packed``: the C kernel multiplies the blocks as they are (their expansion to floats
 is exact, so a row's result is the dense C kernel's on ``reference.dequantize``'s weights, bit for
 bit), except past 64 rows (a prompt), where the weight is expanded, ``EXPAND_BYTES`` of floats at a
-time, and torch's float32 GEMM runs (then cast back: bf16 too computes with the exact weights).
+time, and torch's float32 GEMM runs (then cast back: bf16 too computes with the exact weights). A bf16
+prompt may instead meet each weight as three bf16 parts that sum to it exactly, in torch's bf16 GEMM
+(``_linear_split``): where that runs several times float32's rate (AMX), ``tune`` measures it faster.
 """
 
 from __future__ import annotations
@@ -65,6 +67,9 @@ _use_c: dict[tuple[int, int, torch.dtype], tuple[bool, ...]] = {}
 # batch-invariant mode (``set_every_row``): the C kernel takes every step, whatever its rows, so that a
 # row's result never depends on what else the step holds
 _every_row = False
+# bf16 prompts on packed weights go through torch's bf16 GEMM on three exact parts (``_linear_split``) rather
+# than its float32 GEMM: measured by ``tune`` where packed weights are (``_split_faster``)
+_split_bf16 = False
 
 
 @functools.cache
@@ -72,7 +77,8 @@ def _library() -> ctypes.CDLL | None:
     p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     return load("matmul.c", dict.fromkeys(_KERNELS.values(), [p] * 4 + [i64] * 3 + [i])
                 | dict.fromkeys(_PACKED_KERNELS.values(), [p, p, i, p, p] + [i64] * 3 + [i])
-                | {"dequantize_rows": [p, i, p, p, i64, i64, i]}, restype=ctypes.c_int,
+                | {"dequantize_rows": [p, i, p, p, i64, i64, i], "dequantize_split": [p, i, p, i64, i64, i]},
+                restype=ctypes.c_int,
                 errcheck=status_check("the C linear kernel"))
 
 
@@ -112,15 +118,7 @@ def linear_packed(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.T
         raise ValueError(f"bias must be ({n},) {x.dtype}, got {bias.dtype} {tuple(bias.shape)}")
     x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()  # (runs per layer: lean)
     if x2.shape[0] > ROWS[-1] and EXPAND_BYTES and not _every_row:  # a prompt's rows: torch's GEMM, exact floats
-        rows, xf = max(1, EXPAND_BYTES // (4 * k)), x2.float()
-        bf = None if bias is None else bias.float()
-        if rows >= n:
-            y = F.linear(xf, dequantize(weight, fmt), bf)
-        else:  # (a large MLP's, or the LM head's for prompt logprobs)
-            y = torch.empty(x2.shape[0], n)
-            for r in range(0, n, rows):
-                y[:, r:r + rows] = F.linear(xf, dequantize(weight[r:r + rows], fmt), None if bf is None else bf[r:r + rows])
-        y = y.to(x.dtype)
+        y = (_linear_split if x.dtype == torch.bfloat16 and _split_bf16 else _linear_expanded)(x2, weight, fmt, bias)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
     weight = weight.contiguous()  # (held: the C code reads them)
     bias = None if bias is None else bias.contiguous()
@@ -129,6 +127,47 @@ def linear_packed(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.T
         x2.data_ptr(), weight.data_ptr(), FORMATS[fmt], None if bias is None else bias.data_ptr(), y.data_ptr(),
         x2.shape[0], n, k, torch.get_num_threads())
     return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
+
+
+def _linear_expanded(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.Tensor | None) -> torch.Tensor:
+    """A prompt's ``x W^T (+ b)`` (x (M, K)) by torch's float32 GEMM on the expanded weight, ``EXPAND_BYTES`` of
+    floats at a time, rounded once to x's dtype."""
+    k, n = x.shape[1], weight.shape[0]
+    rows, xf = max(1, EXPAND_BYTES // (4 * k)), x.float()
+    bf = None if bias is None else bias.float()
+    if rows >= n:
+        y = F.linear(xf, dequantize(weight, fmt), bf)
+    else:  # (a large MLP's, or the LM head's for prompt logprobs)
+        y = torch.empty(x.shape[0], n)
+        for r in range(0, n, rows):
+            y[:, r:r + rows] = F.linear(xf, dequantize(weight[r:r + rows], fmt), None if bf is None else bf[r:r + rows])
+    return y.to(x.dtype)
+
+
+def _linear_split(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.Tensor | None) -> torch.Tensor:
+    """A bf16 prompt's ``x W^T (+ b)`` by torch's bf16 GEMM on the exact weights: each packed row expanded into
+    three bf16 rows that sum to its floats (``dequantize_split``), against ``[x | x | x]``. Three times the
+    multiplies of one bf16 GEMM, which sums in float32; where that runs several times float32's rate (AMX),
+    about twice as fast as expanding to floats. ``EXPAND_BYTES`` of parts at a time, as floats are."""
+    (m, k), n = x.shape, weight.shape[0]
+    x3, rows = x[:, None].expand(m, 3, k).reshape(m, 3 * k), max(1, EXPAND_BYTES // (6 * k))  # (repeat: 3x slower)
+    if rows >= n:
+        return F.linear(x3, dequantize_split(weight, fmt), bias)
+    y = x.new_empty(m, n)
+    for r in range(0, n, rows):
+        y[:, r:r + rows] = F.linear(x3, dequantize_split(weight[r:r + rows], fmt), None if bias is None else bias[r:r + rows])
+    return y
+
+
+def dequantize_split(weight: torch.Tensor, fmt: str) -> torch.Tensor:
+    """A packed weight (N, K) as bf16 (N, 3K): each row's floats as three bf16 parts, high to low, that sum to
+    them exactly (``matmul.c``)."""
+    k = _packed_k(weight, fmt)
+    weight = weight.contiguous()
+    out = torch.empty(weight.shape[0], 3 * k, dtype=torch.bfloat16)
+    _library().dequantize_split(weight.data_ptr(), FORMATS[fmt], out.data_ptr(), weight.shape[0], k,
+                                torch.get_num_threads())
+    return out
 
 
 def dequantize(weight: torch.Tensor, fmt: str, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -208,6 +247,13 @@ def tune(weights: list[torch.Tensor]) -> dict[tuple[int, int, torch.dtype], tupl
     fixed = _fixed_rows()
     if fixed is None and by_shape and _library() is None:
         fixed = 0
+    global _split_bf16
+    if fixed is None and _library() is not None and any(w.dim() == 2 and w.dtype == torch.uint8 for w in weights):
+        split, expanded = _measure_split()
+        _split_bf16 = split * MARGIN < expanded
+        log.info("CPU linear: bf16 prompts on packed weights go to torch's %s GEMM (256 rows by a 2048x2048 Q4_0: "
+                 "bf16 on three exact parts %.1f ms, float32 %.1f ms)", "bf16" if _split_bf16 else "float32",
+                 split * 1e3, expanded * 1e3)
     for shape, ws in by_shape.items():
         _use_c[shape] = tuple(m <= fixed for m in ROWS) if fixed is not None else _measure(ws)
     taken = {s: tuple(m for m, c in zip(ROWS, _use_c[s], strict=False) if c) for s in by_shape}
@@ -245,6 +291,18 @@ def _measure(ws: list[torch.Tensor]) -> tuple[bool, ...]:
     return tuple(wins)
 
 
+def _measure_split() -> tuple[float, float]:
+    """Seconds of a bf16 prompt's rows (256) times a Q4_0 weight (2048 x 2048) by ``_linear_split`` and by
+    ``_linear_expanded``, the best of three each: whether this CPU's bf16 GEMM (AMX's) runs fast enough to
+    multiply three parts (without it, torch emulates bf16 many times slower)."""
+    gen = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (2048, 64, 18), dtype=torch.uint8, generator=gen)
+    blocks[:, :, :2] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)  # (finite scales)
+    weight, x = blocks.view(2048, -1), torch.randn(256, 2048, generator=gen).bfloat16()
+    return tuple(min(_time(lambda a, w: fn(a, w, "q4_0", None), x, [weight] * 3, math.inf)
+                     for _ in range(3)) / 3 for fn in (_linear_split, _linear_expanded))
+
+
 def _time(fn: Callable, x: torch.Tensor, ws: list[torch.Tensor], limit: float) -> float:
     """Seconds for ``fn(x, w)`` over ``ws``, or inf once past ``limit`` (the other kernel's)."""
     fn(x, ws[0])  # warm: page faults, the library loaded
@@ -269,4 +327,6 @@ def set_every_row(on: bool) -> None:
 
 def reset() -> None:
     """Forget every decision (tests)."""
+    global _split_bf16
     _use_c.clear()
+    _split_bf16 = False
