@@ -160,27 +160,32 @@ def test_three_bf16_parts_sum_to_the_exact_weights(fmt, compiled):
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k", "iq4_xs"])
 def test_bf16_prompts_multiply_the_exact_weights_in_three_parts(fmt, compiled, monkeypatch):
     """Where tune found the CPU's bf16 GEMM fast (AMX), a bf16 prompt's rows meet [hi | mid | lo] of each
-    weight in one bf16 GEMM of 3K (a slice of EXPAND_BYTES at a time): the exact weights, summed in float32,
-    rounded once, so within one bf16 rounding of float64's answer, as the float32 GEMM's is."""
-    k = width(fmt, 256)
-    packed, gen = packed_weight(fmt, 40, k, seed=5), torch.Generator().manual_seed(6)
-    x, bias = torch.randn(3, 50, k, generator=gen).bfloat16(), torch.randn(40, generator=gen).bfloat16()
-    exact = (x.double() @ ref.dequantize(packed, fmt).double().T + bias.double())
-    calls, linear = [], F.linear
-    monkeypatch.setattr(matmul.F, "linear", lambda *a: calls.append(a) or linear(*a))
+    weight in one bf16 GEMM of 3K, in even slices of up to twice EXPAND_BYTES, each ``x W^T`` or, with fewer
+    weight rows than x's, ``W x^T``: the exact weights, summed in float32, rounded once, bias included, so
+    within one bf16 rounding of float64's answer, as the float32 GEMM's is."""
+    k, gen = width(fmt, 256), torch.Generator().manual_seed(6)
+    packed, bias = packed_weight(fmt, 80, k, seed=5), torch.randn(80, generator=gen).bfloat16()
     monkeypatch.setattr(matmul, "_split_bf16", True)
-    monkeypatch.setattr(matmul, "EXPAND_BYTES", 15 * 6 * k)  # 15 rows of parts at a time: 15, 15, 10
-    split = matmul.linear_packed(x, packed, fmt, bias)
-    assert split.dtype == torch.bfloat16 and split.shape == (3, 50, 40)
-    assert [(c[0].shape, c[1].shape, c[1].dtype) for c in calls] == [
-        ((150, 3 * k), (r, 3 * k), torch.bfloat16) for r in (15, 15, 10)]
-    monkeypatch.setattr(matmul, "_split_bf16", False)
-    expanded = matmul.linear_packed(x, packed, fmt, bias)
-    for y in (split, expanded):
-        torch.testing.assert_close(y.double(), exact, rtol=2**-8, atol=1e-6 * exact.abs().max().item())
-    assert (split != expanded).float().mean() < 0.01  # (the order of the sums: now and then the last bit)
-    one = matmul.linear_packed(x[0, :1], packed, fmt, bias)  # up to 64 rows: the C kernel, as always
-    assert torch.equal(one, matmul.linear_c(x[0, :1].float(), ref.dequantize(packed, fmt), bias.float()).bfloat16())
+    slices, split = [], matmul.dequantize_split
+    monkeypatch.setattr(matmul, "dequantize_split", lambda w, *a: slices.append(len(w)) or split(w, *a))
+    for m, cap, want in ((150, 7 * 6 * k // 2, [7] * 11 + [3]),  # 12 slices of up to 7 rows, W x^T
+                         (70, 80 * 6 * k // 2, [80])):  # the whole weight, x W^T
+        x = torch.randn(m, k, generator=gen).bfloat16()
+        exact = x.double() @ ref.dequantize(packed, fmt).double().T
+        monkeypatch.setattr(matmul, "EXPAND_BYTES", cap)
+        for b in (None, bias):
+            slices.clear()
+            y = matmul.linear_packed(x[None], packed, fmt, b)[0]
+            assert y.dtype == torch.bfloat16 and y.shape == (m, 80) and slices == want
+            monkeypatch.setattr(matmul, "_split_bf16", False)
+            expanded = matmul.linear_packed(x, packed, fmt, b)
+            monkeypatch.setattr(matmul, "_split_bf16", True)
+            want_y = exact if b is None else exact + b.double()
+            for got in (y, expanded):
+                torch.testing.assert_close(got.double(), want_y, rtol=2**-8, atol=1e-6 * want_y.abs().max().item())
+            assert (y != expanded).float().mean() < 0.01  # (the order of the sums: now and then the last bit)
+    one = matmul.linear_packed(x[:1], packed, fmt, bias)  # up to 64 rows: the C kernel, as always
+    assert torch.equal(one, matmul.linear_c(x[:1].float(), ref.dequantize(packed, fmt), bias.float()).bfloat16())
 
 
 def test_tune_measures_whether_bf16_prompts_go_through_three_parts(compiled, monkeypatch, caplog):

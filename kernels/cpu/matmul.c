@@ -756,6 +756,23 @@ int dequantize_rows(const uint8_t *w, int fmt, const int64_t *ids, float *out, i
     return OK;
 }
 
+/* f rounded to bf16 (to nearest even; a NaN stays one), as a float */
+static inline float bf16_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u = (u & 0x7fffffff) > 0x7f800000 ? u | 0x00400000 : u + 0x7fff + ((u >> 16) & 1);
+    u &= 0xffff0000u;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* the bf16 of a float that is one already */
+static inline uint16_t to_bf16_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (uint16_t)(u >> 16);
+}
+
 /* Rows of a packed weight, each as three bf16 rows whose sum is its floats exactly: out (rows, 3K) of
  * bf16, a row's high parts, then what they leave, then what those leave. A float's 24 bits of
  * mantissa are three bf16's 8, and each remainder is exact in float (it is below the part's last
@@ -774,14 +791,11 @@ int dequantize_split(const uint8_t *w, int fmt, uint16_t *out, int64_t rows, int
         for (int64_t k0 = 0; k0 < K; k0 += 256) {
             const int64_t n = K - k0 < 256 ? K - k0 : 256;
             expand(w + r * row_bytes + k0 / BLOCK_WEIGHTS[fmt] * BLOCK_BYTES[fmt], fmt, f, 1, n);
-            for (int64_t i = 0; i < n; i++) {
-                const uint16_t h = float_to_bf16(f[i]);
-                float rest = f[i] - bf16_to_float(h);
-                if (!isfinite(rest)) rest = 0.f; /* (an infinite or NaN weight, or one past bf16's largest) */
-                const uint16_t m = float_to_bf16(rest);
-                hi[k0 + i] = h;
-                mid[k0 + i] = m;
-                lo[k0 + i] = float_to_bf16(rest - bf16_to_float(m));
+            for (int64_t i = 0; i < n; i++) { /* (branch-free: it vectorizes) */
+                const float h = bf16_round(f[i]), rest = isfinite(f[i] - h) ? f[i] - h : 0.f, m = bf16_round(rest);
+                hi[k0 + i] = to_bf16_bits(h);
+                mid[k0 + i] = to_bf16_bits(m);
+                lo[k0 + i] = to_bf16_bits(rest - m);
             }
         }
     }

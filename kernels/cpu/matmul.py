@@ -34,6 +34,7 @@ import functools
 import logging
 import math
 import os
+import threading
 import time
 from bisect import bisect_left
 from collections import defaultdict
@@ -70,6 +71,8 @@ _every_row = False
 # bf16 prompts on packed weights go through torch's bf16 GEMM on three exact parts (``_linear_split``) rather
 # than its float32 GEMM: measured by ``tune`` where packed weights are (``_split_faster``)
 _split_bf16 = False
+_scratch_buffers = threading.local()  # (``_scratch``)
+SCRATCH_BYTES = 64 << 20  # the most a scratch buffer keeps
 
 
 @functools.cache
@@ -136,43 +139,71 @@ def _linear_expanded(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torc
     rows, xf = max(1, EXPAND_BYTES // (4 * k)), x.float()
     bf = None if bias is None else bias.float()
     if rows >= n:
-        y = F.linear(xf, dequantize(weight, fmt), bf)
+        y = F.linear(xf, dequantize(weight, fmt, out=_scratch("w", (n, k), torch.float32)), bf)
     else:  # (a large MLP's, or the LM head's for prompt logprobs)
         y = torch.empty(x.shape[0], n)
         for r in range(0, n, rows):
-            y[:, r:r + rows] = F.linear(xf, dequantize(weight[r:r + rows], fmt), None if bf is None else bf[r:r + rows])
+            w = weight[r:r + rows]
+            y[:, r:r + rows] = F.linear(xf, dequantize(w, fmt, out=_scratch("w", (len(w), k), torch.float32)),
+                                        None if bf is None else bf[r:r + rows])
     return y.to(x.dtype)
 
 
 def _linear_split(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.Tensor | None) -> torch.Tensor:
     """A bf16 prompt's ``x W^T (+ b)`` by torch's bf16 GEMM on the exact weights: each packed row expanded into
     three bf16 rows that sum to its floats (``dequantize_split``), against ``[x | x | x]``. Three times the
-    multiplies of one bf16 GEMM, which sums in float32; where that runs several times float32's rate (AMX),
-    about twice as fast as expanding to floats. ``EXPAND_BYTES`` of parts at a time, as floats are."""
+    multiplies of one bf16 GEMM, which sums in float32 and rounds once, bias included; where that runs several
+    times float32's rate (AMX), about twice as fast as expanding to floats. Even slices of up to twice
+    ``EXPAND_BYTES`` in whole 64s of rows (oneDNN's bf16 GEMM ran at half its rate on 682 rows of 8192, at full
+    on 1024), and a slice of fewer weight rows than x has goes the other way round, ``W x^T`` (as ``x W^T`` it
+    ran no faster than float32)."""
     (m, k), n = x.shape, weight.shape[0]
-    x3, rows = x[:, None].expand(m, 3, k).reshape(m, 3 * k), max(1, EXPAND_BYTES // (6 * k))  # (repeat: 3x slower)
-    if rows >= n:
-        return F.linear(x3, dequantize_split(weight, fmt), bias)
+    x3 = _scratch("x", (m, 3, k), x.dtype)
+    x3 = x3.copy_(x[:, None].expand(m, 3, k)).view(m, 3 * k)
+    slices = -(-n // max(1, 2 * EXPAND_BYTES // (6 * k)))
+    rows = -(-n // slices) if slices == 1 or n // slices < 64 else -(-n // slices // 64) * 64  # (even, whole 64s)
     y = x.new_empty(m, n)
     for r in range(0, n, rows):
-        y[:, r:r + rows] = F.linear(x3, dequantize_split(weight[r:r + rows], fmt), None if bias is None else bias[r:r + rows])
+        w = weight[r:r + rows]
+        parts = dequantize_split(w, fmt, _scratch("w", (len(w), 3 * k), torch.bfloat16))
+        b = None if bias is None else bias[r:r + rows]
+        if len(parts) < m:
+            y[:, r:r + rows] = (F.linear(parts, x3) if b is None else torch.addmm(b[:, None], parts, x3.T)).T
+        else:
+            y[:, r:r + rows] = F.linear(x3, parts, b)
     return y
 
 
-def dequantize_split(weight: torch.Tensor, fmt: str) -> torch.Tensor:
-    """A packed weight (N, K) as bf16 (N, 3K): each row's floats as three bf16 parts, high to low, that sum to
-    them exactly (``matmul.c``)."""
+def _scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A ``shape`` tensor in this thread's buffer ``name``, kept from call to call and grown as needed: a
+    prompt's expanded weights (and ``[x | x | x]``) are tens of MB, and a fresh tensor that large costs its
+    page faults each time (allocating and filling 50 MB took 11 ms here, as long as expanding into it)."""
+    size, buffers = math.prod(shape) * dtype.itemsize, _scratch_buffers.__dict__
+    if size > SCRATCH_BYTES:  # (not kept: the page faults are a small part of what uses that much)
+        return torch.empty(shape, dtype=dtype)
+    if name not in buffers or buffers[name].numel() < size:
+        buffers[name] = torch.empty(size, dtype=torch.uint8)
+    return buffers[name][:size].view(dtype).view(shape)
+
+
+def dequantize_split(weight: torch.Tensor, fmt: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A packed weight (N, K) as bf16 (N, 3K), into ``out`` if given: each row's floats as three bf16 parts,
+    high to low, that sum to them exactly (``matmul.c``)."""
     k = _packed_k(weight, fmt)
     weight = weight.contiguous()
-    out = torch.empty(weight.shape[0], 3 * k, dtype=torch.bfloat16)
+    if out is None:
+        out = torch.empty(weight.shape[0], 3 * k, dtype=torch.bfloat16)
+    if out.shape != (weight.shape[0], 3 * k) or out.dtype != torch.bfloat16 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous ({weight.shape[0]}, {3 * k}) bf16 tensor")
     _library().dequantize_split(weight.data_ptr(), FORMATS[fmt], out.data_ptr(), weight.shape[0], k,
                                 torch.get_num_threads())
     return out
 
 
-def dequantize(weight: torch.Tensor, fmt: str, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """Rows ``rows`` (int64 ids; all rows when None) of a packed weight as float32 (len(rows), K):
-    an embedding lookup, or the whole matrix (tests)."""
+def dequantize(weight: torch.Tensor, fmt: str, rows: torch.Tensor | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows ``rows`` (int64 ids; all rows when None) of a packed weight as float32 (len(rows), K), into ``out``
+    if given (contiguous): an embedding lookup, a prompt's slice of a weight, or the whole matrix (tests)."""
     k = _packed_k(weight, fmt)
     weight = weight.contiguous()
     if rows is not None:
@@ -182,7 +213,10 @@ def dequantize(weight: torch.Tensor, fmt: str, rows: torch.Tensor | None = None)
     if _library() is None:
         return reference.dequantize(weight if rows is None else weight[rows], fmt)
     count = weight.shape[0] if rows is None else rows.numel()
-    out = torch.empty(count, k)
+    if out is None:
+        out = torch.empty(count, k)
+    if out.shape != (count, k) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous ({count}, {k}) float32 tensor")
     _library().dequantize_rows(weight.data_ptr(), FORMATS[fmt], None if rows is None else rows.data_ptr(),
                                out.data_ptr(), count, k, torch.get_num_threads())
     return out
