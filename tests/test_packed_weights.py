@@ -32,6 +32,14 @@ FMTS = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl", "q2_k", "q3_k", "q4_k"
 TYPES = {f: GGMLQuantizationType[f.upper()] for f in FMTS}
 
 
+@pytest.fixture(autouse=True)
+def unmeasured(monkeypatch):
+    """Packed weights as ``tune`` leaves them unmeasured (an engine built earlier in this process may have
+    measured them): the C kernel up to 64 rows, float32 past them."""
+    monkeypatch.setattr(matmul, "_packed_rows", matmul.ROWS[-1])
+    monkeypatch.setattr(matmul, "_split_rows", 0)
+
+
 @pytest.fixture
 def compiled():
     if not matmul.packed_available():
@@ -98,7 +106,6 @@ def test_packed_linear_is_the_dense_kernel_on_expanded_weights(fmt, n, k, compil
 
 def test_packed_linear_hands_a_prompts_rows_to_torch(compiled, monkeypatch):
     """Past 64 rows torch's GEMM on the expanded weight, a slice of rows of up to EXPAND_BYTES at a time."""
-    monkeypatch.setattr(matmul, "_split_bf16", False)  # (bf16 rows in float32: as tune decides without AMX)
     packed = packed_weight("q4_1", 30, 96)
     dense = ref.dequantize(packed, "q4_1")
     calls, linear = [], F.linear
@@ -127,8 +134,7 @@ def test_packed_linear_of_a_strided_weight_and_bias(compiled):
                            matmul.linear_c(x, ref.dequantize(packed, "q8_0"), bias.contiguous()))
 
 
-def test_packed_linear_bf16_computes_with_the_exact_weights_at_any_row_count(compiled, monkeypatch):
-    monkeypatch.setattr(matmul, "_split_bf16", False)
+def test_packed_linear_bf16_computes_with_the_exact_weights_at_any_row_count(compiled):
     packed = packed_weight("q8_0", 64, 256)
     x = torch.randn(matmul.ROWS[-1] + 1, 256).bfloat16()
     many = matmul.linear_packed(x, packed, "q8_0")  # torch's GEMM, in float32 on the expanded weights
@@ -165,7 +171,7 @@ def test_bf16_prompts_multiply_the_exact_weights_in_three_parts(fmt, compiled, m
     within one bf16 rounding of float64's answer, as the float32 GEMM's is."""
     k, gen = width(fmt, 256), torch.Generator().manual_seed(6)
     packed, bias = packed_weight(fmt, 80, k, seed=5), torch.randn(80, generator=gen).bfloat16()
-    monkeypatch.setattr(matmul, "_split_bf16", True)
+    monkeypatch.setattr(matmul, "_split_rows", 65)
     slices, split = [], matmul.dequantize_split
     monkeypatch.setattr(matmul, "dequantize_split", lambda w, *a: slices.append(len(w)) or split(w, *a))
     for m, cap, want in ((150, 7 * 6 * k // 2, [7] * 11 + [3]),  # 12 slices of up to 7 rows, W x^T
@@ -177,9 +183,7 @@ def test_bf16_prompts_multiply_the_exact_weights_in_three_parts(fmt, compiled, m
             slices.clear()
             y = matmul.linear_packed(x[None], packed, fmt, b)[0]
             assert y.dtype == torch.bfloat16 and y.shape == (m, 80) and slices == want
-            monkeypatch.setattr(matmul, "_split_bf16", False)
-            expanded = matmul.linear_packed(x, packed, fmt, b)
-            monkeypatch.setattr(matmul, "_split_bf16", True)
+            expanded = matmul._linear_expanded(x, packed, fmt, b)
             want_y = exact if b is None else exact + b.double()
             for got in (y, expanded):
                 torch.testing.assert_close(got.double(), want_y, rtol=2**-8, atol=1e-6 * want_y.abs().max().item())
@@ -188,29 +192,52 @@ def test_bf16_prompts_multiply_the_exact_weights_in_three_parts(fmt, compiled, m
     assert torch.equal(one, matmul.linear_c(x[:1].float(), ref.dequantize(packed, fmt), bias.float()).bfloat16())
 
 
-def test_tune_measures_whether_bf16_prompts_go_through_three_parts(compiled, monkeypatch, caplog):
-    """A model with packed weights: tune times both ways once and logs which it took; with
-    TOKENMILL_CPU_LINEAR_ROWS set (runs that must not depend on a timing) or no packed weight, float32."""
+def test_tune_measures_where_packed_weights_go(compiled, monkeypatch, caplog):
+    """A model with packed weights: tune times the ways once and logs what it took (the C kernel up to 64 rows or
+    32, three bf16 parts from 128 or 256 bf16 rows, or never); with TOKENMILL_CPU_LINEAR_ROWS set (runs that must
+    not depend on a timing), or without a packed weight, up to 64 rows and never."""
     monkeypatch.delenv("TOKENMILL_CPU_LINEAR_ROWS", raising=False)
-    measured = []
-    monkeypatch.setattr(matmul, "_measure_split", lambda: measured.append(1) or (1.0, 2.0))
+    times, measured = {("C", 64): 3, ("float32", 64): 2, ("bf16", 128): 4, ("float32", 128): 4.1, ("bf16", 256): 5,
+                       ("float32", 256): 7}, []
+    monkeypatch.setattr(matmul, "_measure_packed", lambda: measured.append(1) or dict(times))
     try:
         with caplog.at_level("INFO", logger="tokenmill.kernels"):
             matmul.tune([packed_weight("q4_0", 8, 64), torch.randn(8, 8)])
-        assert matmul._split_bf16 and measured == [1]
-        assert "bf16 prompts on packed weights go to torch's bf16 GEMM" in caplog.text
-        monkeypatch.setattr(matmul, "_measure_split", lambda: (1.0, 1.1))  # within MARGIN: float32
+        assert (matmul._packed_rows, matmul._split_rows, measured) == (32, 256, [1])
+        assert "packed weights take the C kernel up to 32 rows" in caplog.text and "256 rows or more" in caplog.text
+        times |= {("float32", 64): 2.9, ("bf16", 128): 1, ("bf16", 256): 7}
         matmul.tune([packed_weight("q4_0", 8, 64)])
-        assert not matmul._split_bf16
-        monkeypatch.setattr(matmul, "_measure_split", lambda: (1.0, 2.0))
-        monkeypatch.setenv("TOKENMILL_CPU_LINEAR_ROWS", "64")
+        assert (matmul._packed_rows, matmul._split_rows) == (64, 128)
+        times |= {("bf16", 128): 4, ("bf16", 256): 7}
+        matmul.tune([packed_weight("q4_0", 8, 64)])
+        assert (matmul._packed_rows, matmul._split_rows) == (64, 0)
         matmul.reset()
+        matmul.tune([torch.randn(8, 8)])
+        monkeypatch.setenv("TOKENMILL_CPU_LINEAR_ROWS", "64")
         matmul.tune([packed_weight("q4_0", 8, 64)])
-        assert not matmul._split_bf16
+        assert (matmul._packed_rows, matmul._split_rows, measured) == (64, 0, [1, 1, 1])
         monkeypatch.undo()
-        assert all(0 < s < 1 for s in matmul._measure_split())  # (the real one: seconds each way)
+        assert all(0 < seconds < 1 for seconds in matmul._measure_packed().values())  # (the real one)
     finally:
         matmul.reset()
+
+
+def test_packed_steps_past_the_measured_rows_go_to_torch_but_a_graphs_never(compiled, monkeypatch):
+    """With the C kernel up to 32 rows (AVX-512's float32 GEMM measured faster at 64), 33 rows go to torch's GEMM
+    on the expanded weight; a step a CPU graph records stays in the C kernel (its replays must not find a
+    scratch buffer grown elsewhere)."""
+    packed = packed_weight("q4_k", 16, 256)
+    calls, linear = [], F.linear
+    monkeypatch.setattr(matmul.F, "linear", lambda *a: calls.append(a[0].shape[0]) or linear(*a))
+    monkeypatch.setattr(matmul, "_packed_rows", 32)
+    x = torch.randn(33, 256)
+    blocks = matmul._linear_blocks(x, packed, "q4_k", None)
+    for rows in (1, 32, 33):
+        y = matmul.linear_packed(x[:rows], packed, "q4_k")
+        torch.testing.assert_close(y, blocks[:rows], rtol=1e-5, atol=1e-5)
+    assert calls == [33]
+    monkeypatch.setattr(matmul.graph, "recording", lambda: True)
+    assert torch.equal(matmul.linear_packed(x, packed, "q4_k"), blocks) and calls == [33]
 
 
 def test_c_status_codes_become_exceptions(compiled):

@@ -53,8 +53,8 @@ log = logging.getLogger("tokenmill.kernels")
 _KERNELS = {torch.float32: "linear_f32", torch.bfloat16: "linear_bf16"}
 _PACKED_KERNELS = {torch.float32: "linear_q_f32", torch.bfloat16: "linear_q_bf16"}
 FORMATS = PACKED_FORMATS  # the block formats matmul.c reads, by its enum's numbering
-# Past ROWS[-1] rows, a packed weight is expanded for torch's GEMM, whose blocking beats the C kernel's tiles
-# there (on the AVX2 EPYC, 109 GFLOP/s at 256 rows against ~75; the expansion costs about 3% of such a
+# Past ``_packed_rows`` rows, a packed weight is expanded for torch's GEMM, whose blocking beats the C kernel's
+# tiles there (on the AVX2 EPYC, 109 GFLOP/s at 256 rows against ~75; the expansion costs about 3% of such a
 # multiply), a slice of rows of up to this many bytes as floats at a time (0: never, the C kernel: tests)
 EXPAND_BYTES = 32 << 20
 ROWS = (1, 2, 4, 8, 16, 32, 64)  # the row counts tune tries; more rows go to torch
@@ -68,9 +68,13 @@ _use_c: dict[tuple[int, int, torch.dtype], tuple[bool, ...]] = {}
 # batch-invariant mode (``set_every_row``): the C kernel takes every step, whatever its rows, so that a
 # row's result never depends on what else the step holds
 _every_row = False
-# bf16 prompts on packed weights go through torch's bf16 GEMM on three exact parts (``_linear_split``) rather
-# than its float32 GEMM: measured by ``tune`` where packed weights are (``_split_faster``)
-_split_bf16 = False
+# Packed weights, as ``tune`` measured them (``_measure_packed``): the C kernel takes steps of up to this many
+# rows (64, or 32 where torch's float32 GEMM on the expanded weight ran faster at 64: AVX-512's, against the C
+# kernel's 8 lanes; never fewer than a CPU graph's 32 sequences)...
+_packed_rows = ROWS[-1]
+# ... and bf16 steps of at least this many rows (past those) meet the exact weights in three bf16 parts in
+# torch's bf16 GEMM (``_linear_split``) rather than in its float32 GEMM, where that ran faster (AMX's); 0: never
+_split_rows = 0
 _scratch_buffers = threading.local()  # (``_scratch``)
 SCRATCH_BYTES = 64 << 20  # the most a scratch buffer keeps
 
@@ -120,16 +124,23 @@ def linear_packed(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.T
     if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype):
         raise ValueError(f"bias must be ({n},) {x.dtype}, got {bias.dtype} {tuple(bias.shape)}")
     x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()  # (runs per layer: lean)
-    if x2.shape[0] > ROWS[-1] and EXPAND_BYTES and not _every_row:  # a prompt's rows: torch's GEMM, exact floats
-        y = (_linear_split if x.dtype == torch.bfloat16 and _split_bf16 else _linear_expanded)(x2, weight, fmt, bias)
-        return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
+    rows, how = x2.shape[0], _linear_blocks  # many (a prompt's): torch's GEMM on the exact floats
+    if rows > _packed_rows and EXPAND_BYTES and not _every_row and not graph.recording():  # (a graph's: C, always)
+        how = _linear_split if x.dtype == torch.bfloat16 and 0 < _split_rows <= rows else _linear_expanded
+    y = how(x2, weight, fmt, bias)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
+
+
+def _linear_blocks(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x W^T (+ b)`` (x (M, K)) by the C kernel, each block expanded as it is multiplied."""
     weight = weight.contiguous()  # (held: the C code reads them)
     bias = None if bias is None else bias.contiguous()
-    y = torch.empty(x2.shape[0], n, dtype=x.dtype)
-    getattr(_library(), _PACKED_KERNELS[x.dtype])(
-        x2.data_ptr(), weight.data_ptr(), FORMATS[fmt], None if bias is None else bias.data_ptr(), y.data_ptr(),
-        x2.shape[0], n, k, torch.get_num_threads())
-    return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
+    (m, k), n = x.shape, weight.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype)
+    getattr(_library(), _PACKED_KERNELS[x.dtype])(x.data_ptr(), weight.data_ptr(), FORMATS[fmt],
+                                                  None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k,
+                                                  torch.get_num_threads())
+    return y
 
 
 def _linear_expanded(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.Tensor | None) -> torch.Tensor:
@@ -281,13 +292,15 @@ def tune(weights: list[torch.Tensor]) -> dict[tuple[int, int, torch.dtype], tupl
     fixed = _fixed_rows()
     if fixed is None and by_shape and _library() is None:
         fixed = 0
-    global _split_bf16
+    global _packed_rows, _split_rows
     if fixed is None and _library() is not None and any(w.dim() == 2 and w.dtype == torch.uint8 for w in weights):
-        split, expanded = _measure_split()
-        _split_bf16 = split * MARGIN < expanded
-        log.info("CPU linear: bf16 prompts on packed weights go to torch's %s GEMM (256 rows by a 2048x2048 Q4_0: "
-                 "bf16 on three exact parts %.1f ms, float32 %.1f ms)", "bf16" if _split_bf16 else "float32",
-                 split * 1e3, expanded * 1e3)
+        ms = {key: seconds * 1e3 for key, seconds in _measure_packed().items()}
+        _packed_rows = ROWS[-2] if ms["float32", 64] * MARGIN < ms["C", 64] else ROWS[-1]
+        _split_rows = next((m for m in (128, 256) if ms["bf16", m] * MARGIN < ms["float32", m]), 0)
+        log.info("CPU linear: packed weights take the C kernel up to %d rows, torch's float32 GEMM past them, and its "
+                 "bf16 GEMM on three exact parts for bf16 steps of %s (ms by a 2048x2048 Q4_0: %s)", _packed_rows,
+                 f"{_split_rows} rows or more" if _split_rows else "no size",
+                 ", ".join(f"{m} rows {way} {t:.2f}" for (way, m), t in ms.items()))
     for shape, ws in by_shape.items():
         _use_c[shape] = tuple(m <= fixed for m in ROWS) if fixed is not None else _measure(ws)
     taken = {s: tuple(m for m, c in zip(ROWS, _use_c[s], strict=False) if c) for s in by_shape}
@@ -325,16 +338,19 @@ def _measure(ws: list[torch.Tensor]) -> tuple[bool, ...]:
     return tuple(wins)
 
 
-def _measure_split() -> tuple[float, float]:
-    """Seconds of a bf16 prompt's rows (256) times a Q4_0 weight (2048 x 2048) by ``_linear_split`` and by
-    ``_linear_expanded``, the best of three each: whether this CPU's bf16 GEMM (AMX's) runs fast enough to
-    multiply three parts (without it, torch emulates bf16 many times slower)."""
+def _measure_packed() -> dict[tuple[str, int], float]:
+    """Seconds by way and rows of x, the best of three each, for a Q4_0 weight of 2048 x 2048: the C kernel and
+    the float32 GEMM at 64 rows, the bf16 GEMM on three parts and the float32 GEMM at 128 and 256 bf16 rows
+    (without AMX, torch emulates bf16 many times slower)."""
     gen = torch.Generator().manual_seed(0)
     blocks = torch.randint(0, 256, (2048, 64, 18), dtype=torch.uint8, generator=gen)
     blocks[:, :, :2] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)  # (finite scales)
-    weight, x = blocks.view(2048, -1), torch.randn(256, 2048, generator=gen).bfloat16()
-    return tuple(min(_time(lambda a, w: fn(a, w, "q4_0", None), x, [weight] * 3, math.inf)
-                     for _ in range(3)) / 3 for fn in (_linear_split, _linear_expanded))
+    weight, x = blocks.view(2048, -1), torch.randn(256, 2048, generator=gen)
+    ways = [("C", 64, _linear_blocks, x[:64]), ("float32", 64, _linear_expanded, x[:64])]
+    ways += [(name, m, fn, x[:m].bfloat16()) for m in (128, 256)
+             for name, fn in (("bf16", _linear_split), ("float32", _linear_expanded))]
+    return {(name, m): min(_time(lambda a, w: fn(a, w, "q4_0", None), rows, [weight] * 3, math.inf)
+                           for _ in range(3)) / 3 for name, m, fn, rows in ways}
 
 
 def _time(fn: Callable, x: torch.Tensor, ws: list[torch.Tensor], limit: float) -> float:
@@ -361,6 +377,6 @@ def set_every_row(on: bool) -> None:
 
 def reset() -> None:
     """Forget every decision (tests)."""
-    global _split_bf16
+    global _packed_rows, _split_rows
     _use_c.clear()
-    _split_bf16 = False
+    _packed_rows, _split_rows = ROWS[-1], 0
