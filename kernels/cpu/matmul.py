@@ -349,7 +349,7 @@ def _measure_packed() -> dict[tuple[str, int], float]:
     ways = [("C", 64, _linear_blocks, x[:64]), ("float32", 64, _linear_expanded, x[:64])]
     ways += [(name, m, fn, x[:m].bfloat16()) for m in (128, 256)
              for name, fn in (("bf16", _linear_split), ("float32", _linear_expanded))]
-    return {(name, m): min(_time(lambda a, w: fn(a, w, "q4_0", None), rows, [weight] * 3, math.inf)
+    return {(name, m): min(_time(lambda a, w, fn=fn: fn(a, w, "q4_0", None), rows, [weight] * 3, math.inf)
                            for _ in range(3)) / 3 for name, m, fn, rows in ways}
 
 
