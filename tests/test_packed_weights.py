@@ -192,32 +192,62 @@ def test_bf16_prompts_multiply_the_exact_weights_in_three_parts(fmt, compiled, m
     assert torch.equal(one, matmul.linear_c(x[:1].float(), ref.dequantize(packed, fmt), bias.float()).bfloat16())
 
 
+def test_slices_of_a_weight_stay_within_their_bound_in_whole_64s():
+    for n, most, want in ((80, 7, 7), (2048, 1365, 1024), (16384, 5461, 4096), (151936, 2730, 2688), (576, 7281, 576),
+                          (40, 43690, 40), (1, 1, 1)):
+        rows = matmul._slice_rows(n, most)
+        assert rows == want and rows <= most and (rows <= 64 or rows % 64 == 0)
+    x = torch.randn(3, 64).bfloat16()
+    assert matmul._linear_split(x, packed_weight("q4_0", 0, 64), "q4_0", None).shape == (3, 0)  # (no rows at all)
+
+
+def test_scratch_buffers_serve_in_and_out_of_inference_mode_until_reset(compiled, monkeypatch):
+    """A step runs in inference mode, tune does not: a buffer first made in either is written by both."""
+    matmul.reset()
+    monkeypatch.setattr(matmul, "_split_rows", 65)
+    packed, x = packed_weight("q4_0", 70, 64), torch.randn(80, 64).bfloat16()
+    with torch.inference_mode():
+        first = matmul.linear_packed(x, packed, "q4_0")
+    assert set(matmul._scratch_buffers.__dict__) == {"x", "w"}
+    assert torch.equal(matmul.linear_packed(x, packed, "q4_0"), first)
+    assert torch.equal(matmul._linear_expanded(x, packed, "q4_0", None), matmul._linear_expanded(x, packed, "q4_0", None))
+    matmul.reset()
+    assert not matmul._scratch_buffers.__dict__
+
+
 def test_tune_measures_where_packed_weights_go(compiled, monkeypatch, caplog):
-    """A model with packed weights: tune times the ways once and logs what it took (the C kernel up to 64 rows or
-    32, three bf16 parts from 128 or 256 bf16 rows, or never); with TOKENMILL_CPU_LINEAR_ROWS set (runs that must
-    not depend on a timing), or without a packed weight, up to 64 rows and never."""
+    """A model with packed weights (2-D, or a fused layer's flat bytes): tune times the ways once and logs what it
+    took (the C kernel up to 64 rows or 32, three bf16 parts from 128 or 256 bf16 rows, or never: also where the
+    bf16 GEMM was too slow to be timed whole); with TOKENMILL_CPU_LINEAR_ROWS set (runs that must not depend on a
+    timing), or without a packed weight, up to 64 rows and never, whatever was measured before."""
     monkeypatch.delenv("TOKENMILL_CPU_LINEAR_ROWS", raising=False)
-    times, measured = {("C", 64): 3, ("float32", 64): 2, ("bf16", 128): 4, ("float32", 128): 4.1, ("bf16", 256): 5,
-                       ("float32", 256): 7}, []
+    times, measured = {("C", 64): 3, ("float32", 64): 2, ("float32", 256): 7, ("bf16", 256): 5, ("float32", 128): 4.1,
+                       ("bf16", 128): 4}, []
     monkeypatch.setattr(matmul, "_measure_packed", lambda: measured.append(1) or dict(times))
+    caplog.set_level("INFO", logger="tokenmill.kernels")
     try:
-        with caplog.at_level("INFO", logger="tokenmill.kernels"):
-            matmul.tune([packed_weight("q4_0", 8, 64), torch.randn(8, 8)])
+        matmul.tune([packed_weight("q4_0", 8, 64), torch.randn(8, 8)])
         assert (matmul._packed_rows, matmul._split_rows, measured) == (32, 256, [1])
         assert "packed weights take the C kernel up to 32 rows" in caplog.text and "256 rows or more" in caplog.text
-        times |= {("float32", 64): 2.9, ("bf16", 128): 1, ("bf16", 256): 7}
-        matmul.tune([packed_weight("q4_0", 8, 64)])
+        times |= {("float32", 64): 2.9, ("bf16", 128): 1}
+        matmul.tune([packed_weight("q4_0", 8, 64).view(-1)])
         assert (matmul._packed_rows, matmul._split_rows) == (64, 128)
-        times |= {("bf16", 128): 4, ("bf16", 256): 7}
+        for key in [("bf16", 256), ("float32", 128), ("bf16", 128)]:  # (past the float32 GEMM's time: not kept)
+            del times[key]
         matmul.tune([packed_weight("q4_0", 8, 64)])
-        assert (matmul._packed_rows, matmul._split_rows) == (64, 0)
-        matmul.reset()
-        matmul.tune([torch.randn(8, 8)])
+        assert (matmul._packed_rows, matmul._split_rows) == (64, 0) and "do not take three bf16 parts" in caplog.text
+        times |= {("float32", 64): 1, ("bf16", 256): 1}
+        matmul.tune([packed_weight("q4_0", 8, 64)])
+        assert (matmul._packed_rows, matmul._split_rows, len(measured)) == (32, 256, 4)
+        matmul.tune([torch.randn(8, 8)])  # no packed weight: as unmeasured
+        assert (matmul._packed_rows, matmul._split_rows, len(measured)) == (64, 0, 4)
+        matmul.tune([packed_weight("q4_0", 8, 64)])
         monkeypatch.setenv("TOKENMILL_CPU_LINEAR_ROWS", "64")
         matmul.tune([packed_weight("q4_0", 8, 64)])
-        assert (matmul._packed_rows, matmul._split_rows, measured) == (64, 0, [1, 1, 1])
+        assert (matmul._packed_rows, matmul._split_rows, len(measured)) == (64, 0, 5)
         monkeypatch.undo()
-        assert all(0 < seconds < 1 for seconds in matmul._measure_packed().values())  # (the real one)
+        real = matmul._measure_packed()  # (the real one: seconds each way, the bf16 GEMM's only where it kept up)
+        assert {("C", 64), ("float32", 64), ("float32", 256)} <= real.keys() and all(0 < t < 1 for t in real.values())
     finally:
         matmul.reset()
 

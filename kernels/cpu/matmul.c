@@ -779,7 +779,9 @@ static inline uint16_t to_bf16_bits(float f) {
  * bit), so [x | x | x] . [hi | mid | lo] is x . W on the exact weights, for a bf16 GEMM that sums in
  * float (AMX's: several times float32's rate). A row is expanded a super-block at a time. A weight
  * that is not finite is its high part alone (so is one that rounds past bf16's largest, whose sum is
- * then infinite). */
+ * then infinite). Exact down to weights of about 2^-110, below which the low part falls under bf16's
+ * subnormals: no format makes one (fp16 scales give multiples of 2^-24, MXFP4 2^-128 and up with two
+ * bits). */
 int dequantize_split(const uint8_t *w, int fmt, uint16_t *out, int64_t rows, int64_t K, int num_threads) {
     if (fmt < 0 || fmt >= FORMATS || K % BLOCK_WEIGHTS[fmt]) return BAD_ARGUMENTS;
     const int64_t row_bytes = K / BLOCK_WEIGHTS[fmt] * BLOCK_BYTES[fmt];

@@ -21,10 +21,10 @@ Weights kept packed as blocks (``FORMATS``: GGUF's of 32 and its super-blocks of
 weight, as llama.cpp keeps them; Q4_Z, 5 bits, for AWQ/GPTQ checkpoints)
 go to ``linear_packed``: the C kernel multiplies the blocks as they are (their expansion to floats
 is exact, so a row's result is the dense C kernel's on ``reference.dequantize``'s weights, bit for
-bit), except past 64 rows (a prompt), where the weight is expanded, ``EXPAND_BYTES`` of floats at a
-time, and torch's float32 GEMM runs (then cast back: bf16 too computes with the exact weights). A bf16
-prompt may instead meet each weight as three bf16 parts that sum to it exactly, in torch's bf16 GEMM
-(``_linear_split``): where that runs several times float32's rate (AMX), ``tune`` measures it faster.
+bit), except past 64 rows (a prompt; past 32 where ``tune`` measured torch faster at 64), where the weight
+is expanded, ``EXPAND_BYTES`` of floats at a time, and torch's float32 GEMM runs (then cast back: bf16 too
+computes with the exact weights). A bf16 step of many rows may instead meet each weight as three bf16 parts
+that sum to it exactly, in torch's bf16 GEMM (``_linear_split``), where ``tune`` measured that faster (AMX).
 """
 
 from __future__ import annotations
@@ -124,8 +124,8 @@ def linear_packed(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.T
     if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype):
         raise ValueError(f"bias must be ({n},) {x.dtype}, got {bias.dtype} {tuple(bias.shape)}")
     x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()  # (runs per layer: lean)
-    rows, how = x2.shape[0], _linear_blocks  # many (a prompt's): torch's GEMM on the exact floats
-    if rows > _packed_rows and EXPAND_BYTES and not _every_row and not graph.recording():  # (a graph's: C, always)
+    rows, how = x2.shape[0], _linear_blocks  # few: the C kernel (a step a graph records: always)
+    if rows > _packed_rows and EXPAND_BYTES and not _every_row and not graph.recording():  # many: torch's GEMM
         how = _linear_split if x.dtype == torch.bfloat16 and 0 < _split_rows <= rows else _linear_expanded
     y = how(x2, weight, fmt, bias)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
@@ -164,16 +164,13 @@ def _linear_split(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.T
     """A bf16 prompt's ``x W^T (+ b)`` by torch's bf16 GEMM on the exact weights: each packed row expanded into
     three bf16 rows that sum to its floats (``dequantize_split``), against ``[x | x | x]``. Three times the
     multiplies of one bf16 GEMM, which sums in float32 and rounds once, bias included; where that runs several
-    times float32's rate (AMX), about twice as fast as expanding to floats. Even slices of up to twice
-    ``EXPAND_BYTES`` in whole 64s of rows (oneDNN's bf16 GEMM ran at half its rate on 682 rows of 8192, at full
-    on 1024), and a slice of fewer weight rows than x has goes the other way round, ``W x^T`` (as ``x W^T`` it
+    times float32's rate (AMX), about twice as fast as expanding to floats. Slices of up to twice
+    ``EXPAND_BYTES`` (``_slice_rows``), and a slice of fewer weight rows than x has goes the other way round, ``W x^T`` (as ``x W^T`` it
     ran no faster than float32)."""
     (m, k), n = x.shape, weight.shape[0]
     x3 = _scratch("x", (m, 3, k), x.dtype)
     x3 = x3.copy_(x[:, None].expand(m, 3, k)).view(m, 3 * k)
-    slices = -(-n // max(1, 2 * EXPAND_BYTES // (6 * k)))
-    rows = -(-n // slices) if slices == 1 or n // slices < 64 else -(-n // slices // 64) * 64  # (even, whole 64s)
-    y = x.new_empty(m, n)
+    y, rows = x.new_empty(m, n), _slice_rows(n, max(1, 2 * EXPAND_BYTES // (6 * k)))
     for r in range(0, n, rows):
         w = weight[r:r + rows]
         parts = dequantize_split(w, fmt, _scratch("w", (len(w), 3 * k), torch.bfloat16))
@@ -185,22 +182,39 @@ def _linear_split(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.T
     return y
 
 
+def _slice_rows(n: int, most: int) -> int:
+    """Rows per slice of a weight of ``n`` rows, at most ``most`` (at least 1): the whole weight where it fits,
+    else slices as even as whole 64s of rows allow (oneDNN's bf16 GEMM ran at half its rate on slices of 682
+    rows of 8192, at full on 1024)."""
+    if n <= most:
+        return max(n, 1)
+    rows = -(-n // -(-n // most))
+    if rows > 64:
+        up = -(-rows // 64) * 64
+        rows = up if up <= most else rows // 64 * 64
+    return rows
+
+
 def _scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A ``shape`` tensor in this thread's buffer ``name``, kept from call to call and grown as needed: a
     prompt's expanded weights (and ``[x | x | x]``) are tens of MB, and a fresh tensor that large costs its
-    page faults each time (allocating and filling 50 MB took 11 ms here, as long as expanding into it)."""
+    page faults each time (allocating and filling 50 MB took 11 ms here, as long as expanding into it). So
+    a thread that ran a long prompt keeps up to ``SCRATCH_BYTES`` for each name (``reset`` lets them go)."""
     size, buffers = math.prod(shape) * dtype.itemsize, _scratch_buffers.__dict__
     if size > SCRATCH_BYTES:  # (not kept: the page faults are a small part of what uses that much)
         return torch.empty(shape, dtype=dtype)
     if name not in buffers or buffers[name].numel() < size:
-        buffers[name] = torch.empty(size, dtype=torch.uint8)
+        with torch.inference_mode(False):  # (a plain tensor, so that a step in inference mode and tune both write it)
+            buffers[name] = torch.empty(size, dtype=torch.uint8)
     return buffers[name][:size].view(dtype).view(shape)
 
 
 def dequantize_split(weight: torch.Tensor, fmt: str, out: torch.Tensor | None = None) -> torch.Tensor:
     """A packed weight (N, K) as bf16 (N, 3K), into ``out`` if given: each row's floats as three bf16 parts,
-    high to low, that sum to them exactly (``matmul.c``)."""
+    high to low, that sum to them exactly (``matmul.c``; only where it builds)."""
     k = _packed_k(weight, fmt)
+    if _library() is None:
+        raise RuntimeError("the C linear kernel could not be built here (see the warning above)")
     weight = weight.contiguous()
     if out is None:
         out = torch.empty(weight.shape[0], 3 * k, dtype=torch.bfloat16)
@@ -222,7 +236,8 @@ def dequantize(weight: torch.Tensor, fmt: str, rows: torch.Tensor | None = None,
         if rows.numel() and not graph.recording() and not (0 <= int(rows.min()) and int(rows.max()) < weight.shape[0]):
             raise IndexError(f"row ids must lie in [0, {weight.shape[0]})")
     if _library() is None:
-        return reference.dequantize(weight if rows is None else weight[rows], fmt)
+        floats = reference.dequantize(weight if rows is None else weight[rows], fmt)
+        return floats if out is None else out.copy_(floats)
     count = weight.shape[0] if rows is None else rows.numel()
     if out is None:
         out = torch.empty(count, k)
@@ -281,7 +296,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def tune(weights: list[torch.Tensor]) -> dict[tuple[int, int, torch.dtype], tuple[int, ...]]:
     """Decide, per (N, K, dtype) among ``weights`` (2-D, on the CPU), for which row counts the C
     kernel takes a step; returns, per shape, the ``ROWS`` buckets it takes (also logged). Costs about
-    2 s for a model of 135M parameters on 2 cores."""
+    2 s for a model of 135M parameters on 2 cores. Packed weights among them (uint8): ``_tune_packed``."""
     start = time.perf_counter()
     by_shape: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = defaultdict(list)
     seen = set()
@@ -292,15 +307,7 @@ def tune(weights: list[torch.Tensor]) -> dict[tuple[int, int, torch.dtype], tupl
     fixed = _fixed_rows()
     if fixed is None and by_shape and _library() is None:
         fixed = 0
-    global _packed_rows, _split_rows
-    if fixed is None and _library() is not None and any(w.dim() == 2 and w.dtype == torch.uint8 for w in weights):
-        ms = {key: seconds * 1e3 for key, seconds in _measure_packed().items()}
-        _packed_rows = ROWS[-2] if ms["float32", 64] * MARGIN < ms["C", 64] else ROWS[-1]
-        _split_rows = next((m for m in (128, 256) if ms["bf16", m] * MARGIN < ms["float32", m]), 0)
-        log.info("CPU linear: packed weights take the C kernel up to %d rows, torch's float32 GEMM past them, and its "
-                 "bf16 GEMM on three exact parts for bf16 steps of %s (ms by a 2048x2048 Q4_0: %s)", _packed_rows,
-                 f"{_split_rows} rows or more" if _split_rows else "no size",
-                 ", ".join(f"{m} rows {way} {t:.2f}" for (way, m), t in ms.items()))
+    _tune_packed(any(w.dtype == torch.uint8 for w in weights), measure=fixed is None and _library() is not None)
     for shape, ws in by_shape.items():
         _use_c[shape] = tuple(m <= fixed for m in ROWS) if fixed is not None else _measure(ws)
     taken = {s: tuple(m for m, c in zip(ROWS, _use_c[s], strict=False) if c) for s in by_shape}
@@ -309,6 +316,23 @@ def tune(weights: list[torch.Tensor]) -> dict[tuple[int, int, torch.dtype], tupl
             f"{_spans(_use_c[s])} for {s[0]}x{s[1]}" for s in by_shape),
             "TOKENMILL_CPU_LINEAR_ROWS" if fixed is not None else "measured", time.perf_counter() - start)
     return taken
+
+
+def _tune_packed(packed: bool, measure: bool) -> None:
+    """Where packed weights go (``_packed_rows``, ``_split_rows``): measured (``_measure_packed``) where the model
+    has some and ``measure``, else as unmeasured (64 rows, float32: what a run that must not depend on a timing,
+    ``TOKENMILL_CPU_LINEAR_ROWS``, gets, whatever an engine before it in this process measured)."""
+    global _packed_rows, _split_rows
+    _packed_rows, _split_rows = ROWS[-1], 0
+    if not (packed and measure):
+        return
+    ms = {key: seconds * 1e3 for key, seconds in _measure_packed().items()}
+    _packed_rows = ROWS[-2] if ms["float32", 64] * MARGIN < ms["C", 64] else ROWS[-1]
+    _split_rows = next((m for m in (128, 256) if ("bf16", m) in ms and ms["bf16", m] * MARGIN < ms["float32", m]), 0)
+    log.info("CPU linear: packed weights take the C kernel up to %d rows and torch's float32 GEMM past them%s "
+             "(ms by a 2048x2048 Q4_0: %s)", _packed_rows,
+             f", its bf16 GEMM on three exact parts for bf16 steps of {_split_rows} rows or more" if _split_rows else
+             "; bf16 steps do not take three bf16 parts", ", ".join(f"{m} rows {way} {t:.2f}" for (way, m), t in ms.items()))
 
 
 def _spans(use: tuple[bool, ...]) -> str:
@@ -340,17 +364,29 @@ def _measure(ws: list[torch.Tensor]) -> tuple[bool, ...]:
 
 def _measure_packed() -> dict[tuple[str, int], float]:
     """Seconds by way and rows of x, the best of three each, for a Q4_0 weight of 2048 x 2048: the C kernel and
-    the float32 GEMM at 64 rows, the bf16 GEMM on three parts and the float32 GEMM at 128 and 256 bf16 rows
-    (without AMX, torch emulates bf16 many times slower)."""
+    torch's float32 GEMM at 64 rows; at 256 bf16 rows, then at 128 if it won there, the float32 GEMM and the bf16
+    GEMM on three parts, which stops once past the float32 GEMM's time (without AMX, torch emulates bf16 some
+    twenty times slower: left out)."""
     gen = torch.Generator().manual_seed(0)
     blocks = torch.randint(0, 256, (2048, 64, 18), dtype=torch.uint8, generator=gen)
     blocks[:, :, :2] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)  # (finite scales)
     weight, x = blocks.view(2048, -1), torch.randn(256, 2048, generator=gen)
-    ways = [("C", 64, _linear_blocks, x[:64]), ("float32", 64, _linear_expanded, x[:64])]
-    ways += [(name, m, fn, x[:m].bfloat16()) for m in (128, 256)
-             for name, fn in (("bf16", _linear_split), ("float32", _linear_expanded))]
-    return {(name, m): min(_time(lambda a, w, fn=fn: fn(a, w, "q4_0", None), rows, [weight] * 3, math.inf)
-                           for _ in range(3)) / 3 for name, m, fn, rows in ways}
+
+    def best(fn: Callable, rows: torch.Tensor, limit: float = math.inf) -> float:
+        times = []
+        for _ in range(3):
+            times.append(_time(lambda a, w: fn(a, w, "q4_0", None), rows, [weight] * 3, limit * 3) / 3)
+            if times[-1] == math.inf:
+                break
+        return min(times)
+
+    ms = {("C", 64): best(_linear_blocks, x[:64]), ("float32", 64): best(_linear_expanded, x[:64])}
+    for m in (256, 128):
+        ms["float32", m] = best(_linear_expanded, x[:m].bfloat16())
+        ms["bf16", m] = best(_linear_split, x[:m].bfloat16(), ms["float32", m])
+        if ms["bf16", m] * MARGIN >= ms["float32", m]:
+            break
+    return {key: t for key, t in ms.items() if t < math.inf}
 
 
 def _time(fn: Callable, x: torch.Tensor, ws: list[torch.Tensor], limit: float) -> float:
@@ -376,7 +412,8 @@ def set_every_row(on: bool) -> None:
 
 
 def reset() -> None:
-    """Forget every decision (tests)."""
+    """Forget every decision, and this thread's scratch buffers (tests)."""
     global _packed_rows, _split_rows
     _use_c.clear()
     _packed_rows, _split_rows = ROWS[-1], 0
+    _scratch_buffers.__dict__.clear()
