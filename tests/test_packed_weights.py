@@ -210,7 +210,8 @@ def test_scratch_buffers_serve_in_and_out_of_inference_mode_until_reset(compiled
         first = matmul.linear_packed(x, packed, "q4_0")
     assert set(matmul._scratch_buffers.__dict__) == {"x", "w"}
     assert torch.equal(matmul.linear_packed(x, packed, "q4_0"), first)
-    assert torch.equal(matmul._linear_expanded(x, packed, "q4_0", None), matmul._linear_expanded(x, packed, "q4_0", None))
+    expanded = matmul._linear_expanded(x, packed, "q4_0", None)
+    assert torch.equal(matmul._linear_expanded(x, packed, "q4_0", None), expanded)
     matmul.reset()
     assert not matmul._scratch_buffers.__dict__
 

@@ -165,8 +165,8 @@ def _linear_split(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.T
     three bf16 rows that sum to its floats (``dequantize_split``), against ``[x | x | x]``. Three times the
     multiplies of one bf16 GEMM, which sums in float32 and rounds once, bias included; where that runs several
     times float32's rate (AMX), about twice as fast as expanding to floats. Slices of up to twice
-    ``EXPAND_BYTES`` (``_slice_rows``), and a slice of fewer weight rows than x has goes the other way round, ``W x^T`` (as ``x W^T`` it
-    ran no faster than float32)."""
+    ``EXPAND_BYTES`` (``_slice_rows``); a slice of fewer weight rows than x has goes the other way round,
+    ``W x^T`` (as ``x W^T`` it ran no faster than float32)."""
     (m, k), n = x.shape, weight.shape[0]
     x3 = _scratch("x", (m, 3, k), x.dtype)
     x3 = x3.copy_(x[:, None].expand(m, 3, k)).view(m, 3 * k)
@@ -329,10 +329,10 @@ def _tune_packed(packed: bool, measure: bool) -> None:
     ms = {key: seconds * 1e3 for key, seconds in _measure_packed().items()}
     _packed_rows = ROWS[-2] if ms["float32", 64] * MARGIN < ms["C", 64] else ROWS[-1]
     _split_rows = next((m for m in (128, 256) if ("bf16", m) in ms and ms["bf16", m] * MARGIN < ms["float32", m]), 0)
-    log.info("CPU linear: packed weights take the C kernel up to %d rows and torch's float32 GEMM past them%s "
-             "(ms by a 2048x2048 Q4_0: %s)", _packed_rows,
-             f", its bf16 GEMM on three exact parts for bf16 steps of {_split_rows} rows or more" if _split_rows else
-             "; bf16 steps do not take three bf16 parts", ", ".join(f"{m} rows {way} {t:.2f}" for (way, m), t in ms.items()))
+    split = (f", its bf16 GEMM on three exact parts for bf16 steps of {_split_rows} rows or more" if _split_rows
+             else "; bf16 steps do not take three bf16 parts")
+    log.info("CPU linear: packed weights take the C kernel up to %d rows and torch's float32 GEMM past them%s (ms by "
+             "a 2048x2048 Q4_0: %s)", _packed_rows, split, ", ".join(f"{m} rows {way} {t:.2f}" for (way, m), t in ms.items()))
 
 
 def _spans(use: tuple[bool, ...]) -> str:
