@@ -331,8 +331,9 @@ def _tune_packed(packed: bool, measure: bool) -> None:
     _split_rows = next((m for m in (128, 256) if ("bf16", m) in ms and ms["bf16", m] * MARGIN < ms["float32", m]), 0)
     split = (f", its bf16 GEMM on three exact parts for bf16 steps of {_split_rows} rows or more" if _split_rows
              else "; bf16 steps do not take three bf16 parts")
+    times = ", ".join(f"{m} rows {way} {t:.2f}" for (way, m), t in ms.items())
     log.info("CPU linear: packed weights take the C kernel up to %d rows and torch's float32 GEMM past them%s (ms by "
-             "a 2048x2048 Q4_0: %s)", _packed_rows, split, ", ".join(f"{m} rows {way} {t:.2f}" for (way, m), t in ms.items()))
+             "a 2048x2048 Q4_0: %s)", _packed_rows, split, times)
 
 
 def _spans(use: tuple[bool, ...]) -> str:
