@@ -216,6 +216,27 @@ def test_scratch_buffers_serve_in_and_out_of_inference_mode_until_reset(compiled
     assert not matmul._scratch_buffers.__dict__
 
 
+def test_bf16_gemms_of_many_rows_meet_few_row_counts(compiled, monkeypatch):
+    """oneDNN keeps memory for each shape a bf16 GEMM meets: three parts, and a dense bf16 weight past 64 rows,
+    take x 512 rows at a time, the last padded to whole 64s, whatever the step's rows; the padding changes no row."""
+    monkeypatch.setattr(matmul, "_split_rows", 65)
+    seen, linear, allowed = set(), F.linear, set(range(64, 513, 64))
+
+    def counted(a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        if a.dtype == torch.bfloat16:  # (not the float32 GEMM's, the reference here)
+            seen.add((len(a), len(w)))
+        return linear(a, w, b)
+    monkeypatch.setattr(matmul.F, "linear", counted)
+    packed, dense, gen = packed_weight("q8_0", 200, 64), torch.randn(96, 64).bfloat16(), torch.Generator().manual_seed(7)
+    for m in (65, 129, 500, 512, 513, 1100):
+        x = torch.randn(m, 64, generator=gen).bfloat16()
+        torch.testing.assert_close(matmul.linear_packed(x, packed, "q8_0").double(),
+                                   matmul._linear_expanded(x, packed, "q8_0", None).double(), rtol=2**-7, atol=1e-2)
+        torch.testing.assert_close(matmul.linear(x, dense), linear(x, dense))
+    assert all(a in allowed or w in allowed for a, w in seen), seen  # (x W^T, or W x^T with the weight first)
+    assert {(128, 200), (200, 512), (512, 96), (64, 96)} <= seen
+
+
 def test_tune_measures_where_packed_weights_go(compiled, monkeypatch, caplog):
     """A model with packed weights (2-D, or a fused layer's flat bytes): tune times the ways once and logs what it
     took (the C kernel up to 64 rows or 32, three bf16 parts from 128 or 256 bf16 rows, or never: also where the

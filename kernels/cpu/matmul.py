@@ -77,6 +77,11 @@ _packed_rows = ROWS[-1]
 _split_rows = 0
 _scratch_buffers = threading.local()  # (``_scratch``)
 SCRATCH_BYTES = 64 << 20  # the most a scratch buffer keeps
+# oneDNN keeps what it builds for each shape of a bf16 GEMM (MBs each), so a server whose prompt steps came in
+# every row count grew with each new one (about 5 MB a prompt of 130-1500 tokens, without end): a bf16 GEMM of
+# many rows takes x SPLIT_ROWS rows at a time, the last of them padded to whole SPLIT_CHUNKs (``_by_chunks``),
+# so that a weight meets 8 row counts at most
+SPLIT_ROWS, SPLIT_CHUNK = 512, 64
 
 
 @functools.cache
@@ -168,18 +173,37 @@ def _linear_split(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.T
     ``EXPAND_BYTES`` (``_slice_rows``); a slice of fewer weight rows than x has goes the other way round,
     ``W x^T`` (as ``x W^T`` it ran no faster than float32)."""
     (m, k), n = x.shape, weight.shape[0]
-    x3 = _scratch("x", (m, 3, k), x.dtype)
-    x3 = x3.copy_(x[:, None].expand(m, 3, k)).view(m, 3 * k)
+    x3 = _padded(x, 3)
     y, rows = x.new_empty(m, n), _slice_rows(n, max(1, 2 * EXPAND_BYTES // (6 * k)))
     for r in range(0, n, rows):
         w = weight[r:r + rows]
         parts = dequantize_split(w, fmt, _scratch("w", (len(w), 3 * k), torch.bfloat16))
         b = None if bias is None else bias[r:r + rows]
-        if len(parts) < m:
-            y[:, r:r + rows] = (F.linear(parts, x3) if b is None else torch.addmm(b[:, None], parts, x3.T)).T
-        else:
-            y[:, r:r + rows] = F.linear(x3, parts, b)
+
+        def gemm(xs: torch.Tensor, parts: torch.Tensor = parts, b: torch.Tensor | None = b) -> torch.Tensor:
+            if len(parts) < len(xs):
+                return (F.linear(parts, xs) if b is None else torch.addmm(b[:, None], parts, xs.T)).T
+            return F.linear(xs, parts, b)
+        _by_chunks(x3, gemm, y[:, r:r + rows])
     return y
+
+
+def _padded(x: torch.Tensor, times: int = 1) -> torch.Tensor:
+    """x (M, K) as ``[x | x ...]`` (``times`` of it along K) in a scratch buffer, its rows padded with zeros to
+    whole SPLIT_CHUNKs (``_by_chunks``)."""
+    (m, k), padded = x.shape, -(-x.shape[0] // SPLIT_CHUNK) * SPLIT_CHUNK
+    xp = _scratch("x", (padded, times, k), x.dtype)
+    xp[:m] = x[:, None].expand(m, times, k)
+    xp[m:] = 0
+    return xp.view(padded, times * k)
+
+
+def _by_chunks(xp: torch.Tensor, gemm: Callable[[torch.Tensor], torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """``out`` (M, N) = ``gemm`` of ``_padded``'s rows, SPLIT_ROWS at a time: a bf16 GEMM meets few row counts."""
+    m = out.shape[0]
+    for i in range(0, m, SPLIT_ROWS):
+        out[i:i + SPLIT_ROWS] = gemm(xp[i:i + SPLIT_ROWS])[:m - i]
+    return out
 
 
 def _slice_rows(n: int, most: int) -> int:
@@ -289,7 +313,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if not (_every_row and x.dtype in _KERNELS):
         use, bucket = _use_c.get((weight.shape[0], weight.shape[1], weight.dtype), ()), bisect_left(ROWS, rows)
         if bucket >= len(use) or not use[bucket]:
-            return F.linear(x, weight, bias)
+            if x.dtype != torch.bfloat16 or rows <= ROWS[-1] or graph.recording():
+                return F.linear(x, weight, bias)
+            y = _by_chunks(_padded(x.reshape(rows, x.shape[-1])), lambda xs: F.linear(xs, weight, bias),
+                           x.new_empty(rows, weight.shape[0]))  # (many bf16 rows: oneDNN's memory per shape)
+            return y.view(*x.shape[:-1], weight.shape[0])
     return linear_c(x.reshape(rows, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
 
 
@@ -366,8 +394,8 @@ def _measure(ws: list[torch.Tensor]) -> tuple[bool, ...]:
 def _measure_packed() -> dict[tuple[str, int], float]:
     """Seconds by way and rows of x, the best of three each, for a Q4_0 weight of 2048 x 2048: the C kernel and
     torch's float32 GEMM at 64 rows; at 256 bf16 rows, then at 128 if it won there, the float32 GEMM and the bf16
-    GEMM on three parts, which stops once past the float32 GEMM's time (without AMX, torch emulates bf16 some
-    twenty times slower: left out)."""
+    GEMM on three parts, which stops once past four times the float32 GEMM's time (without AMX, torch emulates
+    bf16 some twenty times slower: left out)."""
     gen = torch.Generator().manual_seed(0)
     blocks = torch.randint(0, 256, (2048, 64, 18), dtype=torch.uint8, generator=gen)
     blocks[:, :, :2] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)  # (finite scales)
@@ -384,7 +412,7 @@ def _measure_packed() -> dict[tuple[str, int], float]:
     ms = {("C", 64): best(_linear_blocks, x[:64]), ("float32", 64): best(_linear_expanded, x[:64])}
     for m in (256, 128):
         ms["float32", m] = best(_linear_expanded, x[:m].bfloat16())
-        ms["bf16", m] = best(_linear_split, x[:m].bfloat16(), ms["float32", m])
+        ms["bf16", m] = best(_linear_split, x[:m].bfloat16(), 4 * ms["float32", m])  # (a slow sample is no loss)
         if ms["bf16", m] * MARGIN >= ms["float32", m]:
             break
     return {key: t for key, t in ms.items() if t < math.inf}
