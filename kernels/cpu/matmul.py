@@ -188,21 +188,23 @@ def _linear_split(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.T
     return y
 
 
-def _padded(x: torch.Tensor, times: int = 1) -> torch.Tensor:
-    """x (M, K) as ``[x | x ...]`` (``times`` of it along K) in a scratch buffer, its rows padded with zeros to
-    whole SPLIT_CHUNKs (``_by_chunks``)."""
+def _padded(x: torch.Tensor, times: int = 1, name: str = "x") -> torch.Tensor:
+    """x (M, K) as ``[x | x ...]`` (``times`` of it along K) in the scratch buffer ``name``, its rows padded
+    with zeros to whole SPLIT_CHUNKs (``_by_chunks``)."""
     (m, k), padded = x.shape, -(-x.shape[0] // SPLIT_CHUNK) * SPLIT_CHUNK
-    xp = _scratch("x", (padded, times, k), x.dtype)
+    xp = _scratch(name, (padded, times, k), x.dtype)
     xp[:m] = x[:, None].expand(m, times, k)
     xp[m:] = 0
     return xp.view(padded, times * k)
 
 
-def _by_chunks(xp: torch.Tensor, gemm: Callable[[torch.Tensor], torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-    """``out`` (M, N) = ``gemm`` of ``_padded``'s rows, SPLIT_ROWS at a time: a bf16 GEMM meets few row counts."""
+def _by_chunks(x: torch.Tensor, gemm: Callable[[torch.Tensor], torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """``out`` (M, N) = ``gemm`` of x's rows (contiguous), SPLIT_ROWS at a time, a last one of fewer padded to whole
+    SPLIT_CHUNKs (copied, unless x is padded already: ``_padded``): a bf16 GEMM meets few row counts."""
     m = out.shape[0]
     for i in range(0, m, SPLIT_ROWS):
-        out[i:i + SPLIT_ROWS] = gemm(xp[i:i + SPLIT_ROWS])[:m - i]
+        xs = x[i:i + SPLIT_ROWS]
+        out[i:i + SPLIT_ROWS] = gemm(xs if len(xs) % SPLIT_CHUNK == 0 else _padded(xs, name="tail"))[:m - i]
     return out
 
 
@@ -315,7 +317,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if bucket >= len(use) or not use[bucket]:
             if x.dtype != torch.bfloat16 or rows <= ROWS[-1] or graph.recording():
                 return F.linear(x, weight, bias)
-            y = _by_chunks(_padded(x.reshape(rows, x.shape[-1])), lambda xs: F.linear(xs, weight, bias),
+            y = _by_chunks(x.reshape(rows, x.shape[-1]).contiguous(), lambda xs: F.linear(xs, weight, bias),
                            x.new_empty(rows, weight.shape[0]))  # (many bf16 rows: oneDNN's memory per shape)
             return y.view(*x.shape[:-1], weight.shape[0])
     return linear_c(x.reshape(rows, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
