@@ -762,7 +762,7 @@ def connect(path: str, durable: bool = False) -> sqlite3.Connection:
         os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))  # (SQLite's own files beside it: the same mode)
     db = sqlite3.connect(path, timeout=30.0, isolation_level=None)
     try:
-        db.execute("PRAGMA journal_mode=WAL")  # readers never wait for the writer; frontends write in turns
+        _wal(db)
         db.execute(f"PRAGMA synchronous={'NORMAL' if durable else 'OFF'}")
         db.executescript(_SCHEMA)
         with db:  # (a file whose background table came before its column did: the frontends of a server, in turn)
@@ -773,6 +773,22 @@ def connect(path: str, durable: bool = False) -> sqlite3.Connection:
         db.close()
         raise
     return db
+
+
+def _wal(db: sqlite3.Connection, seconds: float = 30.0) -> None:
+    """WAL journal mode (readers never wait for the writer; frontends write in turns). Its switch does not wait
+    as other statements do (SQLite answers "database is locked" at once while another connection opens the
+    file: a server's frontends starting together, one failed in 1 of 10 starts of three), so it is tried again
+    for up to ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
 
 
 def _failed(response: dict, why: str) -> dict:
