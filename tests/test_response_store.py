@@ -453,7 +453,7 @@ def _open_at(path: str, barrier, errors) -> None:
 
 def test_frontends_opening_a_new_file_together_all_open_it(tmp_path):
     """A server's frontends open the store as they start, at once: switching a new file to WAL answered "database is
-    locked" at once to one of three in about 1 start in 10, and that frontend never started (a CI run's
+    locked" at once to one of three in about 1 start in 10, and that frontend never started (a full suite's
     test_server_e2e failed so)."""
     import multiprocessing
     ctx = multiprocessing.get_context("fork")
