@@ -217,10 +217,10 @@ def test_scratch_buffers_serve_in_and_out_of_inference_mode_until_reset(compiled
 
 
 def test_bf16_gemms_of_many_rows_meet_few_row_counts(compiled, monkeypatch):
-    """oneDNN keeps memory for each shape a bf16 GEMM meets: three parts, and a dense bf16 weight past 64 rows,
-    take x 512 rows at a time, the last padded to whole 64s, whatever the step's rows; the padding changes no row."""
+    """oneDNN keeps memory for each shape a bf16 GEMM meets: three parts take x 512 rows at a time, a dense bf16
+    weight past 64 rows 2048, the last padded to whole 64s, whatever the step's rows; the padding changes no row."""
     monkeypatch.setattr(matmul, "_split_rows", 65)
-    seen, linear, allowed = set(), F.linear, set(range(64, 513, 64))
+    seen, linear, allowed = set(), F.linear, set(range(64, 2049, 64))
 
     def counted(a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         if a.dtype == torch.bfloat16:  # (not the float32 GEMM's, the reference here)
@@ -234,7 +234,8 @@ def test_bf16_gemms_of_many_rows_meet_few_row_counts(compiled, monkeypatch):
                                    matmul._linear_expanded(x, packed, "q8_0", None).double(), rtol=2**-7, atol=1e-2)
         torch.testing.assert_close(matmul.linear(x, dense), linear(x, dense))
     assert all(a in allowed or w in allowed for a, w in seen), seen  # (x W^T, or W x^T with the weight first)
-    assert {(128, 200), (200, 512), (512, 96), (64, 96)} <= seen
+    assert {(128, 200), (200, 512), (1152, 96), (576, 96), (128, 96)} <= seen
+    assert max(a for a, w in seen if w == 200) <= 512 and max(w for a, w in seen if a == 200) <= 512
 
 
 def test_tune_measures_where_packed_weights_go(compiled, monkeypatch, caplog):

@@ -82,6 +82,7 @@ SCRATCH_BYTES = 64 << 20  # the most a scratch buffer keeps
 # many rows takes x SPLIT_ROWS rows at a time, the last of them padded to whole SPLIT_CHUNKs (``_by_chunks``),
 # so that a weight meets 8 row counts at most
 SPLIT_ROWS, SPLIT_CHUNK = 512, 64
+DENSE_ROWS = 2048  # (a dense weight's, 32 row counts at most: 512 at a time cost its prompts 10%)
 
 
 @functools.cache
@@ -184,7 +185,7 @@ def _linear_split(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.T
             if len(parts) < len(xs):
                 return (F.linear(parts, xs) if b is None else torch.addmm(b[:, None], parts, xs.T)).T
             return F.linear(xs, parts, b)
-        _by_chunks(x3, gemm, y[:, r:r + rows])
+        _by_chunks(x3, gemm, m, y[:, r:r + rows])
     return y
 
 
@@ -198,13 +199,19 @@ def _padded(x: torch.Tensor, times: int = 1, name: str = "x") -> torch.Tensor:
     return xp.view(padded, times * k)
 
 
-def _by_chunks(x: torch.Tensor, gemm: Callable[[torch.Tensor], torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-    """``out`` (M, N) = ``gemm`` of x's rows (contiguous), SPLIT_ROWS at a time, a last one of fewer padded to whole
-    SPLIT_CHUNKs (copied, unless x is padded already: ``_padded``): a bf16 GEMM meets few row counts."""
-    m = out.shape[0]
-    for i in range(0, m, SPLIT_ROWS):
-        xs = x[i:i + SPLIT_ROWS]
-        out[i:i + SPLIT_ROWS] = gemm(xs if len(xs) % SPLIT_CHUNK == 0 else _padded(xs, name="tail"))[:m - i]
+def _by_chunks(x: torch.Tensor, gemm: Callable[[torch.Tensor], torch.Tensor], m: int, out: torch.Tensor | None = None,
+               chunk: int = SPLIT_ROWS) -> torch.Tensor:
+    """``gemm`` of x's first ``m`` rows (x contiguous), ``chunk`` at a time, a last one of fewer padded to whole
+    SPLIT_CHUNKs (copied, unless x is padded already: ``_padded``): a bf16 GEMM meets few row counts. Into
+    ``out`` (M, N) if given; else one chunk's answer is returned as it is (its first m rows), not copied."""
+    for i in range(0, m, chunk):
+        xs = x[i:i + chunk]
+        y = gemm(xs if len(xs) % SPLIT_CHUNK == 0 else _padded(xs[:m - i], name="tail"))[:m - i]
+        if out is None and i == 0 and m <= chunk:
+            return y
+        if out is None:
+            out = y.new_empty(m, y.shape[1])
+        out[i:i + chunk] = y
     return out
 
 
@@ -317,8 +324,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if bucket >= len(use) or not use[bucket]:
             if x.dtype != torch.bfloat16 or rows <= ROWS[-1] or graph.recording():
                 return F.linear(x, weight, bias)
-            y = _by_chunks(x.reshape(rows, x.shape[-1]).contiguous(), lambda xs: F.linear(xs, weight, bias),
-                           x.new_empty(rows, weight.shape[0]))  # (many bf16 rows: oneDNN's memory per shape)
+            y = _by_chunks(x.reshape(rows, x.shape[-1]).contiguous(), lambda xs: F.linear(xs, weight, bias), rows,
+                           chunk=DENSE_ROWS)  # (many bf16 rows: oneDNN's memory per shape)
             return y.view(*x.shape[:-1], weight.shape[0])
     return linear_c(x.reshape(rows, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
 
