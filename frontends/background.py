@@ -79,8 +79,7 @@ class BackgroundRuns:
         """Keep ``gen``'s Response as it begins and run it on: the Response, ``queued``, or (``stream``) a stream of
         its events for as long as the caller reads it."""
         if self._closed:
-            if keep.holds is not None:
-                keep.holds.release()
+            keep.release()
             raise ApiError(503, "The server is stopping: no background response starts")
         if stream:
             fmt.log = []  # (its events, to be kept: its first two, kept as it begins)
@@ -102,8 +101,7 @@ class BackgroundRuns:
         try:
             await self._begun(run)
         except BaseException:
-            if run.keep.holds is not None:
-                run.keep.holds.release()
+            run.keep.release()
             raise
 
     async def _begun(self, run: Run) -> None:
@@ -195,8 +193,7 @@ class BackgroundRuns:
                 await self.store.fail(response_id, self.runner, "the server failed running it")
         finally:
             gen.abort_unfinished()
-            if run.keep.holds is not None:  # (its items added, or not to be)
-                run.keep.holds.release()
+            run.keep.release()  # (its items added, or not to be)
             for queue in run.listeners:
                 queue.put_nowait(None)
             self.runs.pop(response_id, None)

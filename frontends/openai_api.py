@@ -97,8 +97,8 @@ async def _kept(fmt) -> None:
 
 def _released(fmt) -> None:
     """The call has ended: the conversation lock its turn held let go of (where its items were not added)."""
-    if isinstance(fmt, ResponsesFormat) and fmt.keep is not None and fmt.keep.holds is not None:
-        fmt.keep.holds.release()
+    if isinstance(fmt, ResponsesFormat) and fmt.keep is not None:
+        fmt.keep.release()
 
 
 def _sse(obj: object) -> bytes:

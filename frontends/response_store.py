@@ -92,8 +92,9 @@ RUNNING = ("queued", "in_progress")  # a background Response's statuses until it
 # seconds a conversation's lock lasts unless its frontend renews it (every second, while the turn runs): what a
 # frontend that died holds it for
 LEASE = 10.0
+BUSY = 30.0  # seconds a store waits for the file's write lock (then "database is locked")
 # seconds a running background Response's frontend may not say it runs before it counts as failed (twice the
-# write lock's longest wait: a frontend waiting its turn is no dead one)
+# write lock's longest wait, BUSY: a frontend waiting its turn is no dead one)
 STALE = 60.0
 MAX_CHAIN = 10_000  # Responses a chain may hold (a longer one is refused: its walk would be the cost)
 
@@ -139,6 +140,11 @@ class Keep:
         else:
             if self.holds is not None:
                 self.holds.let_go()
+
+    def release(self) -> None:
+        """The turn ended without its items added: let go of the lock it holds, if any."""
+        if self.holds is not None:
+            self.holds.release()
 
 
 class Hold:
@@ -209,7 +215,7 @@ class ResponseStore:
         says so and it fits; where it went on with a conversation (its ``conversation``), add its input items and
         output to that conversation's items (but a call cut short: its arguments may be no JSON, and no client
         ran it), letting go of the lock its turn ``holds``."""
-        await self._call(self._put, response, input_items, owner, holds.holder if holds is not None else None)
+        await self._call(self._put, response, input_items, owner, _holder(holds))
 
     async def get(self, response_id: str, owner: str) -> dict | None:
         """The Response as it stands (a background one that is running: as it began, ``queued`` or
@@ -239,7 +245,7 @@ class ResponseStore:
         bound, but with its key's other runs it may take no more than ``max_running`` (``RunsFull``: not started; its
         events are no longer kept past it). It ``holds`` its conversation's lock until it is no longer running."""
         return await self._call(self._start, response, input_items, owner, runner, events,
-                                holds.holder if holds is not None else None)
+                                _holder(holds))
 
     async def progress(self, response_id: str, runner: str, events: list[tuple[int, bytes]],
                        response: dict | None = None) -> tuple[bool, bool]:
@@ -255,7 +261,7 @@ class ResponseStore:
         ``events`` (False: it was cancelled or deleted meanwhile, and stays so). Should it take more than
         ``max_one``, its events go, then its output (``failed``, saying so)."""
         return await self._call(self._finish, response, input_items, owner, events,
-                                holds.holder if holds is not None else None)
+                                _holder(holds))
 
     async def cancel(self, response_id: str, owner: str) -> dict | None:
         """A running background Response ``cancelled`` (one that has ended is left as it is): the Response; None
@@ -302,7 +308,7 @@ class ResponseStore:
         """A conversation's items in order (None: ``owner`` has no such conversation); it counts as used now. A turn
         that ``holds`` takes its lock, held until its items are added (``put``, ``finish``) or it is let go of:
         ``Locked`` where another turn holds it."""
-        return await self._call(self._items, conversation_id, owner, holds.holder if holds is not None else None)
+        return await self._call(self._items, conversation_id, owner, _holder(holds))
 
     async def release(self, conversation_id: str, holder: str) -> None:
         await self._call(self._release, conversation_id, holder)
@@ -760,7 +766,7 @@ def connect(path: str, durable: bool = False) -> sqlite3.Connection:
     file so)."""
     if not os.path.exists(path):
         os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))  # (SQLite's own files beside it: the same mode)
-    db = sqlite3.connect(path, timeout=30.0, isolation_level=None)
+    db = sqlite3.connect(path, timeout=BUSY, isolation_level=None)
     try:
         _wal(db)
         db.execute(f"PRAGMA synchronous={'NORMAL' if durable else 'OFF'}")
@@ -775,12 +781,16 @@ def connect(path: str, durable: bool = False) -> sqlite3.Connection:
     return db
 
 
-def _wal(db: sqlite3.Connection, seconds: float = 30.0) -> None:
+def _holder(holds: Hold | None) -> str | None:
+    return None if holds is None else holds.holder
+
+
+def _wal(db: sqlite3.Connection) -> None:
     """WAL journal mode (readers never wait for the writer; frontends write in turns). Its switch does not wait
     as other statements do (SQLite answers "database is locked" at once while another connection opens the
     file: a server's frontends starting together, one failed in 1 of 10 starts of three), so it is tried again
-    for up to ``seconds``."""
-    deadline = time.monotonic() + seconds
+    for as long as a write would wait (``BUSY``)."""
+    deadline = time.monotonic() + BUSY
     while True:
         try:
             db.execute("PRAGMA journal_mode=WAL")
