@@ -206,7 +206,7 @@ def _by_chunks(x: torch.Tensor, gemm: Callable[[torch.Tensor], torch.Tensor], m:
     ``out`` (M, N) if given; else one chunk's answer is returned as it is (its first m rows), not copied."""
     for i in range(0, m, chunk):
         xs = x[i:i + chunk]
-        y = gemm(xs if len(xs) % SPLIT_CHUNK == 0 else _padded(xs[:m - i], name="tail"))[:m - i]
+        y = gemm(xs if len(xs) % SPLIT_CHUNK == 0 else _padded(xs, name="tail"))[:m - i]
         if out is None and i == 0 and m <= chunk:
             return y
         if out is None:
