@@ -10,7 +10,8 @@
  * front to back. Within it, a tile of NR weight rows (a few KiB: it stays in L1) meets every
  * group of up to MR rows of x (x stays in L2): MR x NR accumulators of 8 lanes, so per 8 columns
  * of K, MR + NR loads from cache feed MR x NR fused multiply-adds. 3 x 3 measured best on AVX2
- * (16 registers: 9 accumulators, 3 weights, 1 row of x, and no spill); 4 x 3 spilled. A sum over
+ * (16 registers: 9 accumulators, 3 weights, 1 row of x, and no spill); 4 x 3 spilled. With AVX-512's
+ * 32 registers (its 8-lane instructions too), 4 x 4: 2048 x 2048 at 32 rows 2.49 -> 1.89 ms. A sum over
  * K runs in 8 lanes, which are summed as a tree at the end: a row's result does not depend on M.
  * The weight rows after the tile are prefetched as it goes (rows of a few KiB are too short for the
  * hardware prefetcher to ramp up on): +10-40% at 1 to 4 rows, measured.
@@ -21,12 +22,14 @@
  * 16 or 32 with scales of their own, read 32 weights at a time like a block of 32), or as Q4_Z blocks (an fp16
  * scale, an fp16 zero point, 4-bit integers: AWQ's and GPTQ's groups, ``engine/quant.py``): 2.6 to 8.5 bits a
  * weight instead of 32, and a single-stream step reads that much less. Up to IN_REGISTERS_UP_TO rows of x each block is expanded in
- * registers as it is used; past that, each work item's rows are expanded into a buffer of floats that
- * stays in cache, then multiplied exactly as above. The expansion is exact (a product of an fp16 scale,
+ * registers as it is used; past that, each work item's rows are expanded KC columns at a time into a
+ * buffer of floats that stays in L1, which every row of x meets before the next KC columns (each tile's
+ * lanes kept between them, so the sums run as above); a whole work item's rows expanded at once (24 KiB
+ * at K = 1024) left them in L2 and cost 1.3-1.45x at 16 to 64 rows. The expansion is exact (a product of an fp16 scale,
  * a 6- or 8-bit sub-block scale and a small integer is exact or rounded once, as gguf's dequantize rounds
  * it, and so is a minimum's one addition), so a row's result is bit for bit the dense kernel's on the
- * dequantized weights, at any number of rows. Past a few rows, x is taken in chunks
- * that stay in L2, each chunk against every work item of the thread.
+ * dequantized weights, at any number of rows. Past X_CHUNK_ROWS rows, x is taken in chunks, each
+ * against every work item of the thread (each expanded again).
  */
 #include <math.h>
 #include <stdint.h>
@@ -47,9 +50,15 @@ typedef float v8f_u __attribute__((vector_size(32), aligned(4)));
 typedef uint16_t v8h_u __attribute__((vector_size(16), aligned(2)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
 
+#ifdef __AVX512VL__ /* 32 vector registers: 16 accumulators, 4 weights, 1 row of x */
+#define MR 4
+#define NR 4
+#else
 #define MR 3
 #define NR 3
+#endif
 #define NB (2 * NR) /* weight rows per work item */
+#define NB_PACKED 6 /* ... where packed weights are expanded in registers: 3 x 2 or 1 x 6 accumulators at a time */
 
 /* rows of x up to which packed weights are expanded in registers (up to four rows at a time), not into a
    buffer: for the default model's layers at 2 rows 10.6 ms against 18.6; for a 4096 x 2048 Q4_1 weight on
@@ -57,7 +66,8 @@ typedef uint32_t v8u __attribute__((vector_size(32)));
    1.68); from 12 rows on the buffer wins by 8-15%, measured */
 #define IN_REGISTERS_UP_TO 8
 #define PACKED_AHEAD 4096 /* bytes of packed weights prefetched ahead when expanding them into a buffer */
-#define X_CHUNK_BYTES (192 << 10) /* rows of x per pass over the packed weights: about this many bytes */
+#define KC 256 /* columns of K a pass of the buffered packed kernel: whole super-blocks, a few KiB a weight row */
+#define X_CHUNK_ROWS 64 /* rows of x a pass over the packed weights (a work item expanded again for each pass) */
 
 /* acc + a * b, always fused where the CPU can (explicitly: gcc fuses some of the spelled-out forms and
    not others, and then a row's result would depend on the tile that computed it) */
@@ -153,6 +163,9 @@ static inline __attribute__((always_inline)) void tiles(const float *xf, const c
                                                         const int C, int64_t N, int64_t K, const int wbf16,
                                                         const int obf16) {
     switch (mr) {
+#if MR > 3
+    case 4: tile(xf, w, prefetch, b, y, m0, 4, n0, C, N, K, wbf16, obf16); break;
+#endif
     case 3: tile(xf, w, prefetch, b, y, m0, 3, n0, C, N, K, wbf16, obf16); break;
     case 2: tile(xf, w, prefetch, b, y, m0, 2, n0, C, N, K, wbf16, obf16); break;
     default: tile(xf, w, prefetch, b, y, m0, 1, n0, C, N, K, wbf16, obf16);
@@ -535,7 +548,7 @@ static inline __attribute__((always_inline)) void tile_packed(const float *xf, c
                                                               int64_t n0, const int C, int64_t N, int64_t K,
                                                               const int obf16) {
     const int64_t row_bytes = K / BLOCK_WEIGHTS[fmt] * BLOCK_BYTES[fmt];
-    v8f acc[4][NB];
+    v8f acc[4][NB_PACKED];
 #pragma GCC unroll 8
     for (int i = 0; i < R; i++)
 #pragma GCC unroll 8
@@ -545,7 +558,7 @@ static inline __attribute__((always_inline)) void tile_packed(const float *xf, c
        hardware: 15.4 -> 9.0 ms for the default model's layers at one row, measured. */
     const char *ahead = (const char *)w + C * row_bytes;
     const int64_t step = (C * row_bytes / (K / 32) + 63) / 64 * 64;
-    float scales[NB][32]; /* a K-quant's: each weight row's current super-block's, read once */
+    float scales[NB_PACKED][32]; /* a K-quant's: each weight row's current super-block's, read once */
     for (int64_t k = 0; k < K; k += 32) {
         const int64_t at = k / BLOCK_WEIGHTS[fmt] * BLOCK_BYTES[fmt];
         const int g = (int)(k % BLOCK_WEIGHTS[fmt] / 32);
@@ -572,16 +585,16 @@ static inline __attribute__((always_inline)) void tile_packed(const float *xf, c
         }
 }
 
-/* Every row of x (a few) against work item t, expanded in registers: one row against its NB weight rows
-   at once, two rows against NR at a time, three or four against 2 (each expansion used by every row it can
+/* Every row of x (a few) against work item t, expanded in registers: one row against its NB_PACKED weight
+   rows at once, two rows against 3 at a time, three or four against 2 (each expansion used by every row it can
    be, 6 to 8 accumulators; four rows against 3 spilled, eight against 1 was slower, measured). */
 static inline __attribute__((always_inline)) void column_packed(const float *xf, const uint8_t *w, const int fmt,
                                                                 const void *b, void *y, int64_t M, int64_t N,
                                                                 int64_t K, int64_t t, const int obf16) {
-    const int64_t n0 = t * NB, row_bytes = K / BLOCK_WEIGHTS[fmt] * BLOCK_BYTES[fmt];
+    const int64_t n0 = t * NB_PACKED, row_bytes = K / BLOCK_WEIGHTS[fmt] * BLOCK_BYTES[fmt];
     for (int64_t m0 = 0; m0 < M;) {
         const int64_t left = M - m0;
-        if (n0 + NB > N) {
+        if (n0 + NB_PACKED > N) {
             for (int64_t n = n0; n < N; n++)
                 if (left >= 2)
                     tile_packed(xf, w + n * row_bytes, fmt, b, y, m0, 2, n, 1, N, K, obf16);
@@ -589,19 +602,19 @@ static inline __attribute__((always_inline)) void column_packed(const float *xf,
                     tile_packed(xf, w + n * row_bytes, fmt, b, y, m0, 1, n, 1, N, K, obf16);
             m0 += left >= 2 ? 2 : 1;
         } else if (left >= 4) {
-            for (int64_t n = n0; n < n0 + NB; n += 2)
+            for (int64_t n = n0; n < n0 + NB_PACKED; n += 2)
                 tile_packed(xf, w + n * row_bytes, fmt, b, y, m0, 4, n, 2, N, K, obf16);
             m0 += 4;
         } else if (left == 3) {
-            for (int64_t n = n0; n < n0 + NB; n += 2)
+            for (int64_t n = n0; n < n0 + NB_PACKED; n += 2)
                 tile_packed(xf, w + n * row_bytes, fmt, b, y, m0, 3, n, 2, N, K, obf16);
             m0 += 3;
         } else if (left >= 2) {
-            for (int64_t n = n0; n < n0 + NB; n += NR)
-                tile_packed(xf, w + n * row_bytes, fmt, b, y, m0, 2, n, NR, N, K, obf16);
+            for (int64_t n = n0; n < n0 + NB_PACKED; n += 3)
+                tile_packed(xf, w + n * row_bytes, fmt, b, y, m0, 2, n, 3, N, K, obf16);
             m0 += 2;
         } else {
-            tile_packed(xf, w + n0 * row_bytes, fmt, b, y, m0, 1, n0, NB, N, K, obf16);
+            tile_packed(xf, w + n0 * row_bytes, fmt, b, y, m0, 1, n0, NB_PACKED, N, K, obf16);
             m0 += 1;
         }
     }
@@ -647,17 +660,6 @@ static void expand(const uint8_t *w, int fmt, float *out, int64_t rows, int64_t 
 #undef EXPAND
 }
 
-/* work item t's weights expanded into wt, against every row of x */
-static void column_expanded_f32(const float *xf, const float *wt, const void *b, void *y, int64_t M, int64_t N,
-                                int64_t K, int64_t t) {
-    column(xf, (const char *)wt, 0, b, y, M, N, K, t, 0, 0);
-}
-
-static void column_expanded_bf16(const float *xf, const float *wt, const void *b, void *y, int64_t M, int64_t N,
-                                 int64_t K, int64_t t) {
-    column(xf, (const char *)wt, 0, b, y, M, N, K, t, 0, 1);
-}
-
 /* A few rows of x against work item t: a case per format and dtype, each with its constants inlined. */
 static void rows_packed(const float *xf, const uint8_t *w, int fmt, const void *b, void *y, int64_t M, int64_t N,
                         int64_t K, int64_t t, int obf16) {
@@ -687,21 +689,94 @@ static void rows_packed(const float *xf, const uint8_t *w, int fmt, const void *
 #undef ROWS_PACKED
 }
 
+/* accs[m0:m0+R][0:C] += x[m0:m0+R, k0:k0+kc] . w[0:C]^T: w the first of C weight rows expanded (kc apart, in
+   L1), accs the tile's lanes, kept between passes over K (each lane sums its columns in tile's order: the
+   same result, bit for bit) */
+static inline __attribute__((always_inline)) void part(const float *xf, const float *w, v8f *accs, int64_t m0,
+                                                       const int R, const int C, int64_t K, int64_t k0, int64_t kc) {
+    v8f acc[MR][NB];
+#pragma GCC unroll 8
+    for (int i = 0; i < R; i++)
+#pragma GCC unroll 8
+        for (int j = 0; j < C; j++) acc[i][j] = accs[(m0 + i) * NB + j];
+    for (int64_t k = 0; k < kc; k += 8) {
+        v8f wv[NB];
+#pragma GCC unroll 8
+        for (int j = 0; j < C; j++) {
+            wv[j] = *(const v8f_u *)(w + j * kc + k);
+            IN_REGISTER(wv[j]);
+        }
+#pragma GCC unroll 8
+        for (int i = 0; i < R; i++) {
+            v8f xv = *(const v8f_u *)(xf + (m0 + i) * K + k0 + k);
+            IN_REGISTER(xv);
+#pragma GCC unroll 8
+            for (int j = 0; j < C; j++) acc[i][j] = FMA8(acc[i][j], xv, wv[j]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < R; i++)
+#pragma GCC unroll 8
+        for (int j = 0; j < C; j++) accs[(m0 + i) * NB + j] = acc[i][j];
+}
+
+static inline __attribute__((always_inline)) void parts(const float *xf, const float *w, v8f *accs, int64_t m0,
+                                                        int64_t mr, const int C, int64_t K, int64_t k0, int64_t kc) {
+    switch (mr) {
+#if MR > 3
+    case 4: part(xf, w, accs, m0, 4, C, K, k0, kc); break;
+#endif
+    case 3: part(xf, w, accs, m0, 3, C, K, k0, kc); break;
+    case 2: part(xf, w, accs, m0, 2, C, K, k0, kc); break;
+    default: part(xf, w, accs, m0, 1, C, K, k0, kc);
+    }
+}
+
+/* The mc rows of x at xf against work item t: its packed rows expanded KC columns at a time into wt, so that
+   they stay in L1 while every row of x meets them; accs: mc x NB vectors of lanes. */
+static void column_blocked(const float *xf, const uint8_t *w, const int fmt, float *wt, v8f *accs, const void *b,
+                           void *y, int64_t mc, int64_t N, int64_t K, int64_t t, const int obf16) {
+    const int64_t n0 = t * NB, rows = N - n0 < NB ? N - n0 : NB;
+    const int64_t row_bytes = K / BLOCK_WEIGHTS[fmt] * BLOCK_BYTES[fmt];
+    for (int64_t i = 0; i < mc * NB; i++) accs[i] = (v8f){0};
+    for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        const int64_t kc = K - k0 < KC ? K - k0 : KC;
+        for (int64_t r = 0; r < rows; r++)
+            expand(w + (n0 + r) * row_bytes + k0 / BLOCK_WEIGHTS[fmt] * BLOCK_BYTES[fmt], fmt, wt + r * kc, 1, kc);
+        for (int64_t m0 = 0; m0 < mc; m0 += MR) {
+            const int64_t mr = mc - m0 < MR ? mc - m0 : MR;
+            if (rows < NB)
+                for (int64_t r = 0; r < rows; r++) parts(xf, wt + r * kc, accs + r, m0, mr, 1, K, k0, kc);
+            else if (mr == 1) /* a last row alone: against all NB rows at once, or its chains would wait */
+                part(xf, wt, accs, m0, 1, NB, K, k0, kc);
+            else
+                for (int64_t r = 0; r < NB; r += NR) parts(xf, wt + r * kc, accs + r, m0, mr, NR, K, k0, kc);
+        }
+    }
+    for (int64_t m = 0; m < mc; m++)
+        for (int64_t r = 0; r < rows; r++) {
+            float sum = hsum(accs[m * NB + r]);
+            if (b) sum += obf16 ? bf16_to_float(((const uint16_t *)b)[n0 + r]) : ((const float *)b)[n0 + r];
+            store(y, m * N + n0 + r, sum, obf16);
+        }
+}
+
 static int linear_packed(const void *x, const uint8_t *w, int fmt, const void *b, void *y, int64_t M, int64_t N,
                          int64_t K, int num_threads, int bf16) {
     if (fmt < 0 || fmt >= FORMATS || K % BLOCK_WEIGHTS[fmt] || num_threads < 1) return BAD_ARGUMENTS;
     float *xf = widened(x, M * K, bf16);
     if (!xf) return OUT_OF_MEMORY;
-    const int64_t tiles_n = (N + NB - 1) / NB, row_bytes = K / BLOCK_WEIGHTS[fmt] * BLOCK_BYTES[fmt];
-    int64_t chunk = X_CHUNK_BYTES / (4 * K) / MR * MR;
-    chunk = chunk < MR ? MR : chunk;
     if (M <= IN_REGISTERS_UP_TO) {
+        const int64_t items = (N + NB_PACKED - 1) / NB_PACKED;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-        for (int64_t t = 0; t < tiles_n; t++) rows_packed(xf, w, fmt, b, y, M, N, K, t, bf16);
+        for (int64_t t = 0; t < items; t++) rows_packed(xf, w, fmt, b, y, M, N, K, t, bf16);
         if (bf16) free(xf);
         return OK;
     }
-    float *buffers = malloc(sizeof(float) * NB * K * num_threads); /* a work item expanded, per thread */
+    const int64_t tiles_n = (N + NB - 1) / NB;
+    /* per thread: a chunk's lanes, then a work item's KC columns expanded */
+    const size_t each = (sizeof(v8f) * X_CHUNK_ROWS * NB + sizeof(float) * NB * KC + 63) / 64 * 64;
+    char *buffers = aligned_alloc(64, each * num_threads);
     if (!buffers) {
         if (bf16) free(xf);
         return OUT_OF_MEMORY;
@@ -709,25 +784,18 @@ static int linear_packed(const void *x, const uint8_t *w, int fmt, const void *b
 #pragma omp parallel num_threads(num_threads)
     {
 #ifdef _OPENMP
-        float *wt = buffers + NB * K * omp_get_thread_num();
+        char *mine = buffers + each * omp_get_thread_num();
 #else
-        float *wt = buffers;
+        char *mine = buffers;
 #endif
-        for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-            const int64_t mc = M - m0 < chunk ? M - m0 : chunk;
-            const float *xc = xf + m0 * K;
+        v8f *accs = (v8f *)mine;
+        float *wt = (float *)(mine + sizeof(v8f) * X_CHUNK_ROWS * NB);
+        for (int64_t m0 = 0; m0 < M; m0 += X_CHUNK_ROWS) {
+            const int64_t mc = M - m0 < X_CHUNK_ROWS ? M - m0 : X_CHUNK_ROWS;
             void *yc = (char *)y + m0 * N * (bf16 ? 2 : 4);
-            /* the same work items for a thread in every chunk (each expanded again: a few percent of the
-               multiply by the chunk's rows, measured) */
+            /* the same work items for a thread in every chunk */
 #pragma omp for schedule(static) nowait
-            for (int64_t t = 0; t < tiles_n; t++) {
-                const int64_t rows = N - t * NB < NB ? N - t * NB : NB;
-                expand(w + t * NB * row_bytes, fmt, wt, rows, K);
-                if (bf16)
-                    column_expanded_bf16(xc, wt, b, yc, mc, N, K, t);
-                else
-                    column_expanded_f32(xc, wt, b, yc, mc, N, K, t);
-            }
+            for (int64_t t = 0; t < tiles_n; t++) column_blocked(xf + m0 * K, w, fmt, wt, accs, b, yc, mc, N, K, t, bf16);
         }
     }
     free(buffers);
