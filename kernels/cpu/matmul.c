@@ -11,7 +11,8 @@
  * group of up to MR rows of x (x stays in L2): MR x NR accumulators of 8 lanes, so per 8 columns
  * of K, MR + NR loads from cache feed MR x NR fused multiply-adds. 3 x 3 measured best on AVX2
  * (16 registers: 9 accumulators, 3 weights, 1 row of x, and no spill); 4 x 3 spilled. With AVX-512's
- * 32 registers (its 8-lane instructions too), 4 x 4: 2048 x 2048 at 32 rows 2.49 -> 1.89 ms. A sum over
+ * 32 registers (its 8-lane instructions too), 4 x 4: a dense 2048 x 2048 at 32 rows 2.49 -> 1.89 ms on
+ * an AMX Xeon. A sum over
  * K runs in 8 lanes, which are summed as a tree at the end: a row's result does not depend on M.
  * The weight rows after the tile are prefetched as it goes (rows of a few KiB are too short for the
  * hardware prefetcher to ramp up on): +10-40% at 1 to 4 rows, measured.
@@ -24,8 +25,9 @@
  * weight instead of 32, and a single-stream step reads that much less. Up to IN_REGISTERS_UP_TO rows of x each block is expanded in
  * registers as it is used; past that, each work item's rows are expanded KC columns at a time into a
  * buffer of floats that stays in L1, which every row of x meets before the next KC columns (each tile's
- * lanes kept between them, so the sums run as above); a whole work item's rows expanded at once (24 KiB
- * at K = 1024) left them in L2 and cost 1.3-1.45x at 16 to 64 rows. The expansion is exact (a product of an fp16 scale,
+ * lanes kept between them, so the sums run as above). A whole work item's rows expanded at once (24 KiB
+ * at K = 1024) stayed in L2: with 4 x 4 tiles, a Q4_1 2048 x 2048 at 16, 32, 64 rows took 1.29, 2.52,
+ * 4.64 ms that way, 1.03, 1.73, 3.27 this way (the AMX Xeon). The expansion is exact (a product of an fp16 scale,
  * a 6- or 8-bit sub-block scale and a small integer is exact or rounded once, as gguf's dequantize rounds
  * it, and so is a minimum's one addition), so a row's result is bit for bit the dense kernel's on the
  * dequantized weights, at any number of rows. Past X_CHUNK_ROWS rows, x is taken in chunks, each
