@@ -26,8 +26,8 @@
  * registers as it is used; past that, each work item's rows are expanded KC columns at a time into a
  * buffer of floats that stays in L1, which every row of x meets before the next KC columns (each tile's
  * lanes kept between them, so the sums run as above). A whole work item's rows expanded at once (24 KiB
- * at K = 1024) stayed in L2: with 4 x 4 tiles, a Q4_1 2048 x 2048 at 16, 32, 64 rows took 1.29, 2.52,
- * 4.64 ms that way, 1.03, 1.73, 3.27 this way (the AMX Xeon). The expansion is exact (a product of an fp16 scale,
+ * at K = 1024) stayed in L2: a Q4_1 2048 x 2048 at 16, 32, 64 rows took 1.29, 2.52, 4.64 ms that way
+ * with 3 x 3 tiles, 1.03, 1.73, 3.27 this way with 4 x 4 (the AMX Xeon). The expansion is exact (a product of an fp16 scale,
  * a 6- or 8-bit sub-block scale and a small integer is exact or rounded once, as gguf's dequantize rounds
  * it, and so is a minimum's one addition), so a row's result is bit for bit the dense kernel's on the
  * dequantized weights, at any number of rows. Past X_CHUNK_ROWS rows, x is taken in chunks, each
