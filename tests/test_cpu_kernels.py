@@ -531,6 +531,21 @@ def test_cpu_silu_far_out(c_elementwise):
     torch.testing.assert_close(got[keep], want[keep], rtol=1e-6, atol=1e-30)
 
 
+def test_cpu_silu_bf16_is_torchs_bit_for_bit_far_out_too(c_elementwise):
+    """bf16 SiLU runs 8 at a time with that exp, rounded where torch rounds: the same bits as torch's on a
+    million random gates, and on gates far out (below -88, where that exp clamps, 8 at a time as expf), NaN,
+    infinities, signed zeros, and a tail past the 8s."""
+    gen = torch.Generator().manual_seed(0)
+    gate_up = (torch.randn(256, 2 * 2052, generator=gen) * 4).to(BF16)
+    far = [-float("inf"), -200.0, -100.0, -88.5, -88.0, -87.0, -1e-30, -0.0, 0.0, 88.5, 200.0, float("inf"),
+           float("nan")]
+    gate_up[0, :len(far)] = torch.tensor(far)
+    gate_up[1, 2052 - len(far):2052] = torch.tensor(far)  # (the tail: 2052 is 4 past a multiple of 8)
+    got, want = elementwise.silu_and_mul(gate_up), ref.silu_and_mul(gate_up)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert torch.equal(got.signbit() | got.isnan(), want.signbit() | want.isnan())  # (-0 where torch has it)
+
+
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
 @pytest.mark.parametrize("t,h,hkv,d", [(1, 9, 3, 64), (7, 4, 4, 128), (33, 6, 2, 32), (300, 9, 3, 64)])
 def test_cpu_rope_matches_reference_in_place_in_the_qkv_output(t, h, hkv, d, dtype, c_elementwise):
