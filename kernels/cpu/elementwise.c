@@ -39,27 +39,93 @@ static inline float rd(float v, int bf16) { return bf16 ? bf16_to_float(float_to
 
 #define PARALLEL_WORK (1 << 15) /* numbers touched below which one thread does it all */
 
-/* out = weight * (s * rsqrt(mean(s^2) + eps)), s = x (+ residual, kept in summed), per row of D */
+/* 8 bf16 as floats; 8 floats rounded to bf16 as float_to_bf16 rounds (a NaN to 0x7fc0), still floats; 8
+   floats that are bf16 already, stored as bf16 */
+typedef uint16_t v8h __attribute__((vector_size(16)));
+typedef uint16_t v8h_u __attribute__((vector_size(16), aligned(2)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+
+static inline v8f widen8(const uint16_t *p) {
+    const v8u u = __builtin_convertvector(*(const v8h_u *)p, v8u) << 16;
+    v8f f;
+    memcpy(&f, &u, 32);
+    return f;
+}
+
+static inline v8f round8(v8f f) {
+    v8u u;
+    memcpy(&u, &f, 32);
+    const v8u nan = (v8u)(f != f);
+    u = (((u + 0x7fff + ((u >> 16) & 1)) & 0xffff0000u) & ~nan) | (0x7fc00000u & nan);
+    memcpy(&f, &u, 32);
+    return f;
+}
+
+static inline void store8(uint16_t *p, v8f f) {
+    v8u u;
+    memcpy(&u, &f, 32);
+    *(v8h_u *)p = __builtin_convertvector(u >> 16, v8h);
+}
+
+/* 8 values of a row from i, as floats; stored (rounded to the dtype) */
+static inline __attribute__((always_inline)) v8f ld8(const void *p, int64_t i, const int bf16) {
+    return bf16 ? widen8((const uint16_t *)p + i) : *(const v8f_u *)((const float *)p + i);
+}
+
+static inline __attribute__((always_inline)) void st8(void *p, int64_t i, v8f v, const int bf16) {
+    if (bf16)
+        store8((uint16_t *)p + i, round8(v));
+    else
+        *(v8f_u *)((float *)p + i) = v;
+}
+
+/* out = weight * (s * rsqrt(mean(s^2) + eps)), s = x (+ residual, kept in summed), for row t of D: 8 at a time,
+   lane j of the squares' sum taking the columns i with i % 8 == j, as one at a time did (the same bits) */
+static inline __attribute__((always_inline)) void rms_row(const void *x, const void *residual, const void *weight,
+                                                          void *out, void *summed, int64_t t, int64_t D, float eps,
+                                                          const int bf16) {
+    const int64_t row = t * D;
+    v8f acc = {0};
+    int64_t i = 0;
+    for (; i + 8 <= D; i += 8) {
+        v8f s = ld8(x, row + i, bf16);
+        if (residual) {
+            s = s + ld8(residual, row + i, bf16);
+            if (bf16) s = round8(s);
+            st8(summed, row + i, s, bf16);
+        }
+        acc = acc + s * s;
+    }
+    float sq[8];
+    memcpy(sq, &acc, sizeof sq);
+    for (; i < D; i++) {
+        float s = ld(x, row + i, bf16);
+        if (residual) {
+            s = rd(s + ld(residual, row + i, bf16), bf16);
+            st(summed, row + i, s, bf16);
+        }
+        sq[i & 7] += s * s;
+    }
+    const float mean = (((sq[0] + sq[4]) + (sq[1] + sq[5])) + ((sq[2] + sq[6]) + (sq[3] + sq[7]))) / (float)D;
+    const float inv = 1.0f / sqrtf(mean + eps);
+    const void *src = residual ? summed : x;
+    for (i = 0; i + 8 <= D; i += 8) {
+        v8f v = ld8(src, row + i, bf16) * inv;
+        if (bf16) v = round8(v);
+        st8(out, row + i, ld8(weight, i, bf16) * v, bf16);
+    }
+    for (; i < D; i++) st(out, row + i, ld(weight, i, bf16) * rd(ld(src, row + i, bf16) * inv, bf16), bf16);
+}
+
 static void rms_norm(const void *x, const void *residual, const void *weight, void *out, void *summed, int64_t T,
                      int64_t D, float eps, int num_threads, int bf16) {
     (void)num_threads;
 #pragma omp parallel for num_threads(num_threads) if (T * D >= PARALLEL_WORK)
     for (int64_t t = 0; t < T; t++) {
-        const int64_t row = t * D;
-        float sq[8] = {0};
-        for (int64_t i = 0; i < D; i++) {
-            float s = ld(x, row + i, bf16);
-            if (residual) {
-                s = rd(s + ld(residual, row + i, bf16), bf16);
-                st(summed, row + i, s, bf16);
-            }
-            sq[i & 7] += s * s;
-        }
-        const float mean = (((sq[0] + sq[4]) + (sq[1] + sq[5])) + ((sq[2] + sq[6]) + (sq[3] + sq[7]))) / (float)D;
-        const float inv = 1.0f / sqrtf(mean + eps);
-        const void *src = residual ? summed : x;
-        for (int64_t i = 0; i < D; i++)
-            st(out, row + i, ld(weight, i, bf16) * rd(ld(src, row + i, bf16) * inv, bf16), bf16);
+        if (bf16)
+            rms_row(x, residual, weight, out, summed, t, D, eps, 1);
+        else
+            rms_row(x, residual, weight, out, summed, t, D, eps, 0);
     }
 }
 
@@ -97,34 +163,6 @@ static void silu_row_f32(const float *gate, const float *up, float *out, int64_t
         *(v8f_u *)(out + i) = g / (1.0f + exp8(-g)) * *(const v8f_u *)(up + i);
     }
     for (; i < I; i++) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
-}
-
-/* 8 bf16 as floats; 8 floats rounded to bf16 as float_to_bf16 rounds (a NaN to 0x7fc0), still floats; 8
-   floats that are bf16 already, stored as bf16 */
-typedef uint16_t v8h __attribute__((vector_size(16)));
-typedef uint16_t v8h_u __attribute__((vector_size(16), aligned(2)));
-typedef uint32_t v8u __attribute__((vector_size(32)));
-
-static inline v8f widen8(const uint16_t *p) {
-    const v8u u = __builtin_convertvector(*(const v8h_u *)p, v8u) << 16;
-    v8f f;
-    memcpy(&f, &u, 32);
-    return f;
-}
-
-static inline v8f round8(v8f f) {
-    v8u u;
-    memcpy(&u, &f, 32);
-    const v8u nan = (v8u)(f != f);
-    u = (((u + 0x7fff + ((u >> 16) & 1)) & 0xffff0000u) & ~nan) | (0x7fc00000u & nan);
-    memcpy(&f, &u, 32);
-    return f;
-}
-
-static inline void store8(uint16_t *p, v8f f) {
-    v8u u;
-    memcpy(&u, &f, 32);
-    *(v8h_u *)p = __builtin_convertvector(u >> 16, v8h);
 }
 
 static inline uint16_t silu_mul_bf16(uint16_t gate, uint16_t up) {
