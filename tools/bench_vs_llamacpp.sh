@@ -5,6 +5,8 @@
 #
 #   LLAMA_SERVER=/path/to/llama-server tools/bench_vs_llamacpp.sh [OUTDIR]
 #   SYSTEMS="tokenmill eager llamacpp" CS="1 4 16 64" ...   (eager: tokenmill --enforce-eager)
+#   LLAMA_ARGS=--no-repack ...   (more llama-server flags: on the AMX Xeon of 2026-12-06 this build's AMX
+#                                  path, taken for repacked weights, died of SIGSEGV in its first matmul)
 #
 # llama-server without a network: `pip download --no-binary :all: llama-cpp-python`, then in its
 # vendor/llama.cpp: cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF && cmake --build build -t llama-server
@@ -26,7 +28,7 @@ for sys in ${SYSTEMS:-tokenmill llamacpp}; do
   elif [ $sys = eager ]; then
     .venv/bin/tokenmill serve --port 8100 --max-num-seqs 64 --enforce-eager > $OUT/eager_server.log 2>&1 & PID=$!; PORT=8100; H=health
   else
-    $LS -m "$GGUF" -t $T -tb $T -c 16384 -np 16 --port 8101 > $OUT/llamacpp_server.log 2>&1 & PID=$!; PORT=8101; H=health
+    $LS -m "$GGUF" -t $T -tb $T -c 16384 -np 16 --port 8101 $LLAMA_ARGS > $OUT/llamacpp_server.log 2>&1 & PID=$!; PORT=8101; H=health
   fi
   wait_up $PORT $H || { echo "$sys did not come up"; kill $PID; continue; }
   bench $sys $PORT 1 >/dev/null  # warm up (discarded, overwritten below)
@@ -38,9 +40,8 @@ import json, sys, glob, os
 out = sys.argv[1]
 print(f"{'system':10} {'C':>3} {'out tok/s':>10} {'TTFT med ms':>12} {'ITL med ms':>11} {'TPOT med ms':>12}")
 for sysname in ("tokenmill", "eager", "llamacpp"):
-    for c in (1, 4, 16, 64):
+    for c in sorted(int(p.rsplit("_c", 1)[1][:-5]) for p in glob.glob(f"{out}/{sysname}_c*.json")):
         p = f"{out}/{sysname}_c{c}.json"
-        if not os.path.exists(p): continue
         s = json.load(open(p))
         print(f"{sysname:10} {c:>3} {s['output_throughput']:>10.1f} {s['ttft_ms']['median']:>12.1f} {s['itl_ms']['median']:>11.1f} {s['tpot_ms']['median']:>12.1f}")
 PY
