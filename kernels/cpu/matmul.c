@@ -11,8 +11,8 @@
  * group of up to MR rows of x (x stays in L2): MR x NR accumulators of 8 lanes, so per 8 columns
  * of K, MR + NR loads from cache feed MR x NR fused multiply-adds. 3 x 3 measured best on AVX2
  * (16 registers: 9 accumulators, 3 weights, 1 row of x, and no spill); 4 x 3 spilled. With AVX-512's
- * 32 registers (its 8-lane instructions too), 4 x 4: a dense 2048 x 2048 at 32 rows 2.49 -> 1.89 ms on
- * an AMX Xeon. A sum over
+ * 32 registers (its 8-lane instructions too), 4 x 4: a dense 2048 x 2048 at 32 rows 2.27-2.29 -> 1.82-1.85
+ * ms on an AMX Xeon, in turns. A sum over
  * K runs in 8 lanes, which are summed as a tree at the end: a row's result does not depend on M.
  * The weight rows after the tile are prefetched as it goes (rows of a few KiB are too short for the
  * hardware prefetcher to ramp up on): +10-40% at 1 to 4 rows, measured.
@@ -26,8 +26,9 @@
  * registers as it is used; past that, each work item's rows are expanded KC columns at a time into a
  * buffer of floats that stays in L1, which every row of x meets before the next KC columns (each tile's
  * lanes kept between them, so the sums run as above). A whole work item's rows expanded at once (24 KiB
- * at K = 1024) stayed in L2: a Q4_1 2048 x 2048 at 16, 32, 64 rows took 1.29, 2.52, 4.64 ms that way
- * with 3 x 3 tiles, 1.03, 1.73, 3.27 this way with 4 x 4 (the AMX Xeon). The expansion is exact (a product of an fp16 scale,
+ * at K = 1024) stayed in L2: a Q4_1 2048 x 2048 at 16, 32, 64 rows took 1.00-1.23, 2.01-2.42, 3.74-4.37 ms
+ * that way with 3 x 3 tiles, 0.93-1.01, 1.64-1.69, 3.01-3.10 this way with 4 x 4 (the AMX Xeon, in turns).
+ * The expansion is exact (a product of an fp16 scale,
  * a 6- or 8-bit sub-block scale and a small integer is exact or rounded once, as gguf's dequantize rounds
  * it, and so is a minimum's one addition), so a row's result is bit for bit the dense kernel's on the
  * dequantized weights, at any number of rows. Past X_CHUNK_ROWS rows, x is taken in chunks, each
@@ -114,10 +115,10 @@ static inline void store(void *y, int64_t at, float v, int bf16) {
 }
 
 /* y[m0:m0+R, n0:n0+C] = x[m0:m0+R] . w[0:C]^T (+ b[n0:n0+C]), w the tile's first weight row (the rows
-   after it K apart; prefetched as it goes when `prefetch`), R <= MR and C <= NR constants once inlined:
+   after it K apart; prefetched as it goes), R <= MR and C <= NR constants once inlined:
    every loop over them unrolled, so the accumulators live in registers. wbf16: the weights are bf16;
    obf16: the bias and y are. */
-static inline __attribute__((always_inline)) void tile(const float *xf, const char *w, const int prefetch,
+static inline __attribute__((always_inline)) void tile(const float *xf, const char *w,
                                                        const void *b, void *y, int64_t m0, const int R, int64_t n0,
                                                        const int C, int64_t N, int64_t K, const int wbf16,
                                                        const int obf16) {
@@ -129,7 +130,7 @@ static inline __attribute__((always_inline)) void tile(const float *xf, const ch
         for (int j = 0; j < C; j++) acc[i][j] = (v8f){0};
     int64_t k = 0;
     for (; k + 8 <= K; k += 8) {
-        if (prefetch && (k & 15) == 0) /* the next C rows, a line at a time: short rows defeat the hardware's prefetcher */
+        if ((k & 15) == 0) /* the next C rows, a line at a time: short rows defeat the hardware's prefetcher */
 #pragma GCC unroll 8
             for (int j = 0; j < C; j++)
                 if (n0 + C + j < N) __builtin_prefetch(w + (C + j) * row + k * (wbf16 ? 2 : 4));
@@ -160,38 +161,38 @@ static inline __attribute__((always_inline)) void tile(const float *xf, const ch
 }
 
 /* The rows m0.. (up to MR of them) against the weight rows n0.. (NR, or 1 in N's tail). */
-static inline __attribute__((always_inline)) void tiles(const float *xf, const char *w, const int prefetch,
+static inline __attribute__((always_inline)) void tiles(const float *xf, const char *w,
                                                         const void *b, void *y, int64_t m0, int64_t mr, int64_t n0,
                                                         const int C, int64_t N, int64_t K, const int wbf16,
                                                         const int obf16) {
     switch (mr) {
 #if MR > 3
-    case 4: tile(xf, w, prefetch, b, y, m0, 4, n0, C, N, K, wbf16, obf16); break;
+    case 4: tile(xf, w, b, y, m0, 4, n0, C, N, K, wbf16, obf16); break;
 #endif
-    case 3: tile(xf, w, prefetch, b, y, m0, 3, n0, C, N, K, wbf16, obf16); break;
-    case 2: tile(xf, w, prefetch, b, y, m0, 2, n0, C, N, K, wbf16, obf16); break;
-    default: tile(xf, w, prefetch, b, y, m0, 1, n0, C, N, K, wbf16, obf16);
+    case 3: tile(xf, w, b, y, m0, 3, n0, C, N, K, wbf16, obf16); break;
+    case 2: tile(xf, w, b, y, m0, 2, n0, C, N, K, wbf16, obf16); break;
+    default: tile(xf, w, b, y, m0, 1, n0, C, N, K, wbf16, obf16);
     }
 }
 
 /* Every row of x against the weight rows of block t (NB of them, or N's tail a row at a time), whose
    first row is at w. One row of x has NB accumulators, a chain per weight row: more loads in flight
    than NR would give. */
-static inline __attribute__((always_inline)) void column(const float *xf, const char *w, const int prefetch,
+static inline __attribute__((always_inline)) void column(const float *xf, const char *w,
                                                          const void *b, void *y, int64_t M, int64_t N, int64_t K,
                                                          int64_t t, const int wbf16, const int obf16) {
     const int64_t n0 = t * NB, row = K * (wbf16 ? 2 : 4);
     if (n0 + NB > N) {
         for (int64_t m0 = 0; m0 < M; m0 += MR)
             for (int64_t n = n0; n < N; n++)
-                tiles(xf, w + (n - n0) * row, prefetch, b, y, m0, M - m0 < MR ? M - m0 : MR, n, 1, N, K, wbf16, obf16);
+                tiles(xf, w + (n - n0) * row, b, y, m0, M - m0 < MR ? M - m0 : MR, n, 1, N, K, wbf16, obf16);
     } else {
         for (int64_t m0 = 0; m0 < M; m0 += MR)
-            if (M - m0 == 1) /* a last row alone: against all NB rows at once, or its 3 chains would wait */
-                tile(xf, w, prefetch, b, y, m0, 1, n0, NB, N, K, wbf16, obf16);
+            if (M - m0 == 1) /* a last row alone: against all NB rows at once, or its NR chains would wait */
+                tile(xf, w, b, y, m0, 1, n0, NB, N, K, wbf16, obf16);
             else
                 for (int64_t n = n0; n < n0 + NB; n += NR)
-                    tiles(xf, w + (n - n0) * row, prefetch, b, y, m0, M - m0 < MR ? M - m0 : MR, n, NR, N, K, wbf16,
+                    tiles(xf, w + (n - n0) * row, b, y, m0, M - m0 < MR ? M - m0 : MR, n, NR, N, K, wbf16,
                           obf16);
     }
 }
@@ -200,12 +201,12 @@ static inline __attribute__((always_inline)) void column(const float *xf, const 
    constants propagate, so the branch on the dtype must be taken outside the loops. */
 static void column_f32(const float *xf, const void *w, const void *b, void *y, int64_t M, int64_t N, int64_t K,
                        int64_t t) {
-    column(xf, (const char *)w + t * NB * K * 4, 1, b, y, M, N, K, t, 0, 0);
+    column(xf, (const char *)w + t * NB * K * 4, b, y, M, N, K, t, 0, 0);
 }
 
 static void column_bf16(const float *xf, const void *w, const void *b, void *y, int64_t M, int64_t N, int64_t K,
                         int64_t t) {
-    column(xf, (const char *)w + t * NB * K * 2, 1, b, y, M, N, K, t, 1, 1);
+    column(xf, (const char *)w + t * NB * K * 2, b, y, M, N, K, t, 1, 1);
 }
 
 /* x as floats: x itself, or (bf16) a widened copy to free after; NULL when out of memory */
