@@ -114,6 +114,12 @@ static inline void store(void *y, int64_t at, float v, int bf16) {
         ((float *)y)[at] = v;
 }
 
+/* y[at] = a row's sum, plus b[n] where there is a bias (added before the one rounding) */
+static inline void store_biased(void *y, int64_t at, float sum, const void *b, int64_t n, int bf16) {
+    if (b) sum += bf16 ? bf16_to_float(((const uint16_t *)b)[n]) : ((const float *)b)[n];
+    store(y, at, sum, bf16);
+}
+
 /* y[m0:m0+R, n0:n0+C] = x[m0:m0+R] . w[0:C]^T (+ b[n0:n0+C]), w the tile's first weight row (the rows
    after it K apart; prefetched as it goes), R <= MR and C <= NR constants once inlined:
    every loop over them unrolled, so the accumulators live in registers. wbf16: the weights are bf16;
@@ -155,8 +161,7 @@ static inline __attribute__((always_inline)) void tile(const float *xf, const ch
             for (int64_t kk = k; kk < K; kk++)
                 sum = FMA1(sum, xf[(m0 + i) * K + kk], wbf16 ? bf16_to_float(((const uint16_t *)w)[j * K + kk])
                                                              : ((const float *)w)[j * K + kk]);
-            if (b) sum += obf16 ? bf16_to_float(((const uint16_t *)b)[n]) : ((const float *)b)[n];
-            store(y, (m0 + i) * N + n, sum, obf16);
+            store_biased(y, (m0 + i) * N + n, sum, b, n, obf16);
         }
 }
 
@@ -582,9 +587,7 @@ static inline __attribute__((always_inline)) void tile_packed(const float *xf, c
     }
     for (int i = 0; i < R; i++)
         for (int j = 0; j < C; j++) {
-            float sum = hsum(acc[i][j]);
-            if (b) sum += obf16 ? bf16_to_float(((const uint16_t *)b)[n0 + j]) : ((const float *)b)[n0 + j];
-            store(y, (m0 + i) * N + n0 + j, sum, obf16);
+            store_biased(y, (m0 + i) * N + n0 + j, hsum(acc[i][j]), b, n0 + j, obf16);
         }
 }
 
@@ -757,11 +760,8 @@ static void column_blocked(const float *xf, const uint8_t *w, const int fmt, flo
         }
     }
     for (int64_t m = 0; m < mc; m++)
-        for (int64_t r = 0; r < rows; r++) {
-            float sum = hsum(accs[m * NB + r]);
-            if (b) sum += obf16 ? bf16_to_float(((const uint16_t *)b)[n0 + r]) : ((const float *)b)[n0 + r];
-            store(y, m * N + n0 + r, sum, obf16);
-        }
+        for (int64_t r = 0; r < rows; r++)
+            store_biased(y, m * N + n0 + r, hsum(accs[m * NB + r]), b, n0 + r, obf16);
 }
 
 static int linear_packed(const void *x, const uint8_t *w, int fmt, const void *b, void *y, int64_t M, int64_t N,
