@@ -67,10 +67,12 @@ static inline void store8(uint16_t *p, v8f f) {
     *(v8h_u *)p = __builtin_convertvector(u >> 16, v8h);
 }
 
-/* 8 values of a row from i, as floats; stored (rounded to the dtype) */
+/* 8 values of a row from i, as floats; as the dtype would hold them (rd's twin); stored (rounded to the dtype) */
 static inline __attribute__((always_inline)) v8f ld8(const void *p, int64_t i, const int bf16) {
     return bf16 ? widen8((const uint16_t *)p + i) : *(const v8f_u *)((const float *)p + i);
 }
+
+static inline __attribute__((always_inline)) v8f rd8(v8f v, const int bf16) { return bf16 ? round8(v) : v; }
 
 static inline __attribute__((always_inline)) void st8(void *p, int64_t i, v8f v, const int bf16) {
     if (bf16)
@@ -90,8 +92,7 @@ static inline __attribute__((always_inline)) void rms_row(const void *x, const v
     for (; i + 8 <= D; i += 8) {
         v8f s = ld8(x, row + i, bf16);
         if (residual) {
-            s = s + ld8(residual, row + i, bf16);
-            if (bf16) s = round8(s);
+            s = rd8(s + ld8(residual, row + i, bf16), bf16);
             st8(summed, row + i, s, bf16);
         }
         acc = acc + s * s;
@@ -109,11 +110,8 @@ static inline __attribute__((always_inline)) void rms_row(const void *x, const v
     const float mean = (((sq[0] + sq[4]) + (sq[1] + sq[5])) + ((sq[2] + sq[6]) + (sq[3] + sq[7]))) / (float)D;
     const float inv = 1.0f / sqrtf(mean + eps);
     const void *src = residual ? summed : x;
-    for (i = 0; i + 8 <= D; i += 8) {
-        v8f v = ld8(src, row + i, bf16) * inv;
-        if (bf16) v = round8(v);
-        st8(out, row + i, ld8(weight, i, bf16) * v, bf16);
-    }
+    for (i = 0; i + 8 <= D; i += 8)
+        st8(out, row + i, ld8(weight, i, bf16) * rd8(ld8(src, row + i, bf16) * inv, bf16), bf16);
     for (; i < D; i++) st(out, row + i, ld(weight, i, bf16) * rd(ld(src, row + i, bf16) * inv, bf16), bf16);
 }
 
