@@ -36,7 +36,7 @@ for sys in ${SYSTEMS:-tokenmill llamacpp}; do
   kill -INT $PID; wait $PID 2>/dev/null
 done
 .venv/bin/python - "$OUT" <<'PY'
-import json, sys, glob, os
+import json, sys, glob
 out = sys.argv[1]
 print(f"{'system':10} {'C':>3} {'out tok/s':>10} {'TTFT med ms':>12} {'ITL med ms':>11} {'TPOT med ms':>12}")
 for sysname in ("tokenmill", "eager", "llamacpp"):
