@@ -39,34 +39,6 @@ static inline float rd(float v, int bf16) { return bf16 ? bf16_to_float(float_to
 
 #define PARALLEL_WORK (1 << 15) /* numbers touched below which one thread does it all */
 
-/* 8 bf16 as floats; 8 floats rounded to bf16 as float_to_bf16 rounds (a NaN to 0x7fc0), still floats; 8
-   floats that are bf16 already, stored as bf16 */
-typedef uint16_t v8h __attribute__((vector_size(16)));
-typedef uint16_t v8h_u __attribute__((vector_size(16), aligned(2)));
-typedef uint32_t v8u __attribute__((vector_size(32)));
-
-static inline v8f widen8(const uint16_t *p) {
-    const v8u u = __builtin_convertvector(*(const v8h_u *)p, v8u) << 16;
-    v8f f;
-    memcpy(&f, &u, 32);
-    return f;
-}
-
-static inline v8f round8(v8f f) {
-    v8u u;
-    memcpy(&u, &f, 32);
-    const v8u nan = (v8u)(f != f);
-    u = (((u + 0x7fff + ((u >> 16) & 1)) & 0xffff0000u) & ~nan) | (0x7fc00000u & nan);
-    memcpy(&f, &u, 32);
-    return f;
-}
-
-static inline void store8(uint16_t *p, v8f f) {
-    v8u u;
-    memcpy(&u, &f, 32);
-    *(v8h_u *)p = __builtin_convertvector(u >> 16, v8h);
-}
-
 /* 8 values of a row from i, as floats; as the dtype would hold them (rd's twin); stored (rounded to the dtype) */
 static inline __attribute__((always_inline)) v8f ld8(const void *p, int64_t i, const int bf16) {
     return bf16 ? widen8((const uint16_t *)p + i) : *(const v8f_u *)((const float *)p + i);

@@ -48,11 +48,6 @@
 #include <immintrin.h>
 #endif
 
-typedef float v8f __attribute__((vector_size(32)));
-typedef float v8f_u __attribute__((vector_size(32), aligned(4)));
-typedef uint16_t v8h_u __attribute__((vector_size(16), aligned(2)));
-typedef uint32_t v8u __attribute__((vector_size(32)));
-
 #ifdef __AVX512VL__ /* 32 vector registers: 16 accumulators, 4 weights, 1 row of x */
 #define MR 4
 #define NR 4
@@ -90,17 +85,9 @@ typedef uint32_t v8u __attribute__((vector_size(32)));
 #define IN_REGISTER(v) (void)0
 #endif
 
-/* 8 weights from column k of a row, as floats (bf16 is the top half of an fp32) */
+/* 8 weights from column k of a row, as floats */
 static inline __attribute__((always_inline)) v8f load_w(const void *w, int64_t at, int bf16) {
-    if (!bf16) return *(const v8f_u *)((const float *)w + at);
-#ifdef __AVX2__ /* one widening instruction where gcc's generic vectors would take three */
-    __m256i wide = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + at))), 16);
-#else
-    v8u wide = __builtin_convertvector(*(const v8h_u *)((const uint16_t *)w + at), v8u) << 16;
-#endif
-    v8f f;
-    memcpy(&f, &wide, 32);
-    return f;
+    return bf16 ? widen8((const uint16_t *)w + at) : *(const v8f_u *)((const float *)w + at);
 }
 
 static inline float hsum(v8f a) {

@@ -100,20 +100,6 @@ static inline __attribute__((always_inline)) void widen_fp8(const uint8_t *p, in
 #define MAX_D 256  /* head sizes up to this, multiples of 8 */
 #define MAX_BS 256 /* tokens per block up to this */
 
-/* sum(a[d] * b[d]): 8 lanes at a time (one AVX register, or two SSE/NEON ones), in two chains
-   so that one FMA need not wait for the last, summed as a tree. D is a multiple of 8. */
-static inline __attribute__((always_inline)) float dot(const float *a, const float *b, const int64_t D) {
-    v8f acc = {0}, acc2 = {0};
-    int64_t d = 0;
-    for (; d + 16 <= D; d += 16) {
-        acc += *(const v8f_u *)(a + d) * *(const v8f_u *)(b + d);
-        acc2 += *(const v8f_u *)(a + d + 8) * *(const v8f_u *)(b + d + 8);
-    }
-    if (d + 8 <= D) acc += *(const v8f_u *)(a + d) * *(const v8f_u *)(b + d);
-    acc += acc2;
-    return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-}
-
 /* D values of a K or V row's head (of a kind above) as floats: in place for fp32, else widened into buf */
 static inline __attribute__((always_inline)) const float *head_row(const void *cache, int64_t at, const int64_t D,
                                                                    const int kind, float *buf) {
@@ -125,6 +111,72 @@ static inline __attribute__((always_inline)) const float *head_row(const void *c
         widen_fp8((const uint8_t *)cache + at, D, kind == KV_E5M2, buf); /* (e4m3fn in 2^-8 units) */
     }
     return buf;
+}
+
+/* 8 values of a K or V row's head from element at on, as floats: fp32 in place, bf16 widened in registers */
+static inline __attribute__((always_inline)) v8f load8(const void *cache, int64_t at, const int kind) {
+    return kind == KV_BF16 ? widen8((const uint16_t *)cache + at) : *(const v8f_u *)((const float *)cache + at);
+}
+
+/* sum(q[d] * row[d]) before its last sums, the row at element at of cache (fp32 or bf16): 8 lanes at a time
+   in two chains so that one FMA need not wait for the last, the chains added. D is a multiple of 8. */
+static inline __attribute__((always_inline)) v8f dot_lanes(const float *q, const void *cache, int64_t at,
+                                                           const int64_t D, const int kind) {
+    v8f acc = {0}, acc2 = {0};
+    int64_t d = 0;
+    for (; d + 16 <= D; d += 16) {
+        acc += *(const v8f_u *)(q + d) * load8(cache, at + d, kind);
+        acc2 += *(const v8f_u *)(q + d + 8) * load8(cache, at + d + 8, kind);
+    }
+    if (d + 8 <= D) acc += *(const v8f_u *)(q + d) * load8(cache, at + d, kind);
+    return acc + acc2;
+}
+
+/* a dot_lanes' lanes summed as a tree */
+static inline float lanes_sum(v8f a) { return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])); }
+
+#define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+
+/* lanes_sum of a[0..7] at once, each lane t the same sums in the same order: a transpose as it adds */
+static inline __attribute__((always_inline)) v8f lanes_sum8(const v8f a[8]) {
+    v8f x[4], y[2];
+    for (int i = 0; i < 4; i++) /* lanes j and j + 4 of a[2i] and of a[2i + 1] */
+        x[i] = SHUF(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) + SHUF(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int i = 0; i < 2; i++) /* pairs of those */
+        y[i] = SHUF(x[2 * i], x[2 * i + 1], 0, 2, 4, 6, 8, 10, 12, 14) + SHUF(x[2 * i], x[2 * i + 1], 1, 3, 5, 7, 9, 11, 13, 15);
+    return SHUF(y[0], y[1], 0, 2, 4, 6, 8, 10, 12, 14) + SHUF(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+
+/* the scores of q against the block's keys [0, n), from element at of the cache, row apart: 8 keys at a
+   time while 8 are left, then one at a time; fp8 rows widened first, one at a time into buf */
+static inline __attribute__((always_inline)) void block_scores(const float *q, const void *k_cache, int64_t at,
+                                                               int64_t row, int64_t n, const int64_t D,
+                                                               const int kind, float *buf, float *s) {
+    int64_t t = 0;
+    if (kind == KV_F32 || kind == KV_BF16)
+        for (; t + 8 <= n; t += 8) {
+            v8f a[8];
+            for (int i = 0; i < 8; i++) a[i] = dot_lanes(q, k_cache, at + (t + i) * row, D, kind);
+            *(v8f_u *)(s + t) = lanes_sum8(a);
+        }
+    for (; t < n; t++)
+        s[t] = kind == KV_F32 || kind == KV_BF16
+                   ? lanes_sum(dot_lanes(q, k_cache, at + t * row, D, kind))
+                   : lanes_sum(dot_lanes(q, head_row(k_cache, at + t * row, D, kind, buf), 0, D, KV_F32));
+}
+
+/* the largest of m and s[t0, n) that is not a NaN: 8 lanes at a time, then the lanes, then the rest (a
+   chain of one comparison per score was a tenth of a bf16 decode) */
+static inline __attribute__((always_inline)) float max_score(const float *s, int64_t t0, int64_t n, float m) {
+    v8f lanes = (v8f){0} + m;
+    int64_t t = t0;
+    for (; t + 8 <= n; t += 8) {
+        const v8f x = *(const v8f_u *)(s + t);
+        lanes = select8(x > lanes, x, lanes);
+    }
+    for (int i = 0; i < 8; i++) m = lanes[i] > m ? lanes[i] : m;
+    for (; t < n; t++) m = s[t] > m ? s[t] : m;
+    return m;
 }
 
 /* A query head's softmax so far (its running max, sum and unnormalized output), between two spans of
@@ -171,12 +223,10 @@ static inline __attribute__((always_inline)) void attend_head(const void *q, con
                     __builtin_prefetch((const char *)k_cache + (table[j + 1] * block_size + t * row + kv * D) * size + o);
                     __builtin_prefetch((const char *)v_cache + (table[j + 1] * block_size + t * row + kv * D) * size + o);
                 }
-        float mx = m;
-        for (int64_t t = t0; t < n; t++) {
-            s[t] = dot(qf, head_row(k_cache, block + t * row, D, kv_kind, buf), D);
-            if (dm->softcap > 0.f) s[t] = dm->softcap * tanhf(s[t] / dm->softcap);
-            mx = s[t] > mx ? s[t] : mx;
-        }
+        block_scores(qf, k_cache, block, row, n, D, kv_kind, buf, s); /* (keys before t0 too: never used) */
+        if (dm->softcap > 0.f)
+            for (int64_t t = t0; t < n; t++) s[t] = dm->softcap * tanhf(s[t] / dm->softcap);
+        const float mx = max_score(s, t0, n, m);
         for (int64_t t = 0; t < t0; t++) s[t] = mx; /* keys before the window: exponentiated, never used */
         /* m is finite from the first block on (it holds the first key seen): no exp(-inf + inf); a span
            without keys for this query never gets here */
@@ -191,8 +241,12 @@ static inline __attribute__((always_inline)) void attend_head(const void *q, con
         m = mx;
         l = sum;
         for (int64_t t = t0; t < n; t++) {
-            const float *v = head_row(v_cache, block + t * row, D, kv_kind, buf);
-            for (int64_t i = 0; i < D / 8; i++) acc[i] += s[t] * *(const v8f_u *)(v + 8 * i);
+            if (kv_kind == KV_F32 || kv_kind == KV_BF16) {
+                for (int64_t i = 0; i < D / 8; i++) acc[i] += s[t] * load8(v_cache, block + t * row + 8 * i, kv_kind);
+            } else {
+                const float *v = head_row(v_cache, block + t * row, D, kv_kind, buf);
+                for (int64_t i = 0; i < D / 8; i++) acc[i] += s[t] * *(const v8f_u *)(v + 8 * i);
+            }
         }
     }
     if (part && !last) {
