@@ -146,6 +146,37 @@ def test_cpu_fp8_widening_without_avx2_matches_reference(monkeypatch, compiled):
         attention._library.cache_clear()
 
 
+@pytest.mark.parametrize("dtype,cache_dtype,window,softcap", [(F32, F32, 0, 0.0), (BF16, BF16, 20, 0.0),
+                                                             (BF16, E4M3, 0, 3.0), (F32, E5M2, 0, 0.0)])
+@pytest.mark.parametrize("h,hkv", [(9, 3), (20, 2), (9, 1)], ids=["3_per_kv", "10_per_kv", "9_on_one"])
+def test_cpu_decode_heads_of_one_kv_head_walk_it_together_each_to_its_own_bits(dtype, cache_dtype, window, softcap,
+                                                                               h, hkv, compiled):
+    """A KV head's query heads walk its blocks together (up to 8 at a time: 10 go as 8 and 2): each head's
+    output is, to the bit, what it gets from a cache where it has a KV head of its own (so walks alone); with
+    a window, a cap, bf16 and fp8, on one thread and two (two split one sequence's KV heads)."""
+    lens = [1, 40, 16, 203]
+    *caches, tables = paged_cache(lens, 16, hkv, 64, F32)
+    k, v = (ref.to_cache(c, cache_dtype) for c in caches[2:])
+    own_k, own_v = (c.repeat_interleave(h // hkv, dim=2) for c in (k, v))  # KV head i for query head i
+    q, lens = randn(len(lens), h, 64, dtype=dtype), torch.tensor(lens)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            together = cpu.paged_decode_attention(q, k, v, tables, lens, 203, 0.125, window, softcap)
+            alone = cpu.paged_decode_attention(q, own_k, own_v, tables, lens, 203, 0.125, window, softcap)
+            assert torch.equal(together, alone), n
+            for i in range(len(lens)):  # and one sequence alone (two threads: a KV head each)
+                one = cpu.paged_decode_attention(q[i:i + 1], k, v, tables[i:i + 1], lens[i:i + 1], int(lens[i]),
+                                                 0.125, window, softcap)
+                assert torch.equal(together[i], one[0]), (n, i)
+    finally:
+        torch.set_num_threads(threads)
+    want = ref.paged_decode_attention(q, ref.to_cache(caches[0], cache_dtype), ref.to_cache(caches[1], cache_dtype),
+                                      tables.long(), lens, 203, 0.125, window, softcap)
+    torch.testing.assert_close(together.float(), want.float(), **ATTN_TOL[dtype])
+
+
 @pytest.mark.parametrize("dtype,cache_dtype,window,softcap", [(F32, F32, 0, 0.0), (BF16, BF16, 600, 0.0),
                                                              (F32, E4M3, 0, 3.0), (BF16, E5M2, 0, 0.0)])
 def test_cpu_decode_rows_on_one_block_table_walk_it_together_to_the_same_results(dtype, cache_dtype, window, softcap,
