@@ -1,7 +1,8 @@
 #!/bin/bash
 # tokenmill serving the default model vs llama.cpp's llama-server on the same GGUF, one server after the
 # other on this machine: tools/bench_serving.py at C = 1, 4, 16 in flight (2C requests each, 144-token
-# prompts, 96 output tokens), after one discarded warm-up pass; a table of the medians at the end.
+# prompts, 96 output tokens, each pass's prompts new to both), after one discarded warm-up pass; a table
+# of the medians at the end.
 #
 #   LLAMA_SERVER=/path/to/llama-server tools/bench_vs_llamacpp.sh [OUTDIR]
 #   SYSTEMS="tokenmill eager llamacpp" CS="1 4 16 64" ...   (eager: tokenmill --enforce-eager)
@@ -17,9 +18,11 @@ T=${THREADS:-$(nproc)}  # llama.cpp threads; tokenmill uses torch's default, one
 OUT=${1:-/tmp/bench_vs_llamacpp}; mkdir -p $OUT
 CS=${CS:-"1 4 16"}
 wait_up() { for i in $(seq 1 240); do curl -sf "http://127.0.0.1:$1/$2" >/dev/null && return 0; sleep 0.5; done; return 1; }
-bench() {  # name port C
+# name port C seed: each pass its own prompts (--seed), so no prompt finds itself in either server's prompt
+# cache (with one seed for all, the warm-up's prompts came back as C=1's and C=4's first: a cached TTFT)
+bench() {
   .venv/bin/python tools/bench_serving.py --base-url http://127.0.0.1:$2/v1 --num-prompts $((2*$3)) \
-    --max-concurrency $3 --input-len 144 --output-len 96 --tokenizer "$GGUF" --quiet \
+    --max-concurrency $3 --input-len 144 --output-len 96 --tokenizer "$GGUF" --quiet --seed $4 \
     --save-json $OUT/$1_c$3.json > $OUT/$1_c$3.txt 2>&1
 }
 for sys in ${SYSTEMS:-tokenmill llamacpp}; do
@@ -31,8 +34,8 @@ for sys in ${SYSTEMS:-tokenmill llamacpp}; do
     $LS -m "$GGUF" -t $T -tb $T -c 16384 -np 16 --port 8101 $LLAMA_ARGS > $OUT/llamacpp_server.log 2>&1 & PID=$!; PORT=8101; H=health
   fi
   wait_up $PORT $H || { echo "$sys did not come up"; kill $PID; continue; }
-  bench $sys $PORT 1 >/dev/null  # warm up (discarded, overwritten below)
-  for c in $CS; do bench $sys $PORT $c; done
+  bench $sys $PORT 1 1000 >/dev/null  # warm up (discarded, overwritten below)
+  for c in $CS; do bench $sys $PORT $c $c; done
   kill -INT $PID; wait $PID 2>/dev/null
 done
 .venv/bin/python - "$OUT" <<'PY'
