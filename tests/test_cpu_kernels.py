@@ -166,15 +166,24 @@ def test_cpu_decode_heads_of_one_kv_head_walk_it_together_each_to_its_own_bits(d
             together = cpu.paged_decode_attention(q, k, v, tables, lens, 203, 0.125, window, softcap)
             alone = cpu.paged_decode_attention(q, own_k, own_v, tables, lens, 203, 0.125, window, softcap)
             assert torch.equal(together, alone), n
-            for i in range(len(lens)):  # and one sequence alone (two threads: a KV head each)
-                one = cpu.paged_decode_attention(q[i:i + 1], k, v, tables[i:i + 1], lens[i:i + 1], int(lens[i]),
-                                                 0.125, window, softcap)
-                assert torch.equal(together[i], one[0]), (n, i)
+            # and one sequence alone (two threads: a KV head each)
+            assert torch.equal(together, _each_row_alone(q, k, v, tables, lens, window, softcap)), n
     finally:
         torch.set_num_threads(threads)
-    want = ref.paged_decode_attention(q, ref.to_cache(caches[0], cache_dtype), ref.to_cache(caches[1], cache_dtype),
-                                      tables.long(), lens, 203, 0.125, window, softcap)
-    torch.testing.assert_close(together.float(), want.float(), **ATTN_TOL[dtype])
+    _assert_near_reference(together, q, caches, cache_dtype, tables, lens, window, softcap)
+
+
+def _each_row_alone(q, k, v, tables, lens, window, softcap):
+    """Each row's decode (scale 0.125) in a call of its own, the rows stacked."""
+    return torch.cat([cpu.paged_decode_attention(q[i:i + 1], k, v, tables[i:i + 1], lens[i:i + 1], int(lens[i]),
+                                                 0.125, window, softcap) for i in range(len(lens))])
+
+
+def _assert_near_reference(out, q, caches, cache_dtype, tables, lens, window, softcap):
+    """out is the reference's decode (scale 0.125) over the clean caches in cache_dtype, to q's tolerance."""
+    k, v = (ref.to_cache(c, cache_dtype) for c in caches[:2])
+    want = ref.paged_decode_attention(q, k, v, tables.long(), lens, int(lens.max()), 0.125, window, softcap)
+    torch.testing.assert_close(out.float(), want.float(), **ATTN_TOL[q.dtype])
 
 
 @pytest.mark.parametrize("dtype,cache_dtype,window,softcap", [(F32, F32, 0, 0.0), (BF16, BF16, 600, 0.0),
@@ -197,15 +206,10 @@ def test_cpu_decode_rows_on_one_block_table_walk_it_together_to_the_same_results
         for n in (1, 2):
             torch.set_num_threads(n)
             together = cpu.paged_decode_attention(q, k, v, tables, lens, 1103, 0.125, window, softcap)
-            for i in range(len(lens)):
-                alone = cpu.paged_decode_attention(q[i:i + 1], k, v, tables[i:i + 1], lens[i:i + 1], int(lens[i]),
-                                                   0.125, window, softcap)
-                assert torch.equal(together[i], alone[0]), (n, i)
+            assert torch.equal(together, _each_row_alone(q, k, v, tables, lens, window, softcap)), n
     finally:
         torch.set_num_threads(threads)
-    want = ref.paged_decode_attention(q, ref.to_cache(caches[0], cache_dtype), ref.to_cache(caches[1], cache_dtype),
-                                      tables.long(), lens, 1103, 0.125, window, softcap)
-    torch.testing.assert_close(together.float(), want.float(), **ATTN_TOL[dtype])
+    _assert_near_reference(together, q, caches, cache_dtype, tables, lens, window, softcap)
 
 
 def test_cpu_attention_w1_shapes(compiled):
