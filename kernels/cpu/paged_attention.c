@@ -163,8 +163,8 @@ static inline __attribute__((always_inline)) void block_scores(const float *q, c
     for (; t < n; t++) s[t] = lanes_sum(dot_lanes(q, k_cache, at + t * row, D, kind));
 }
 
-/* the largest of m and s[t0, n) that is not a NaN: 8 lanes at a time, then the lanes, then the rest (a
-   chain of one comparison per score was a tenth of a bf16 decode) */
+/* the largest of m and s[t0, n) that is not a NaN (as a comparison a score at a time finds it): 8 lanes at a
+   time, then the lanes, then the rest */
 static inline __attribute__((always_inline)) float max_score(const float *s, int64_t t0, int64_t n, float m) {
     v8f lanes = (v8f){0} + m;
     int64_t t = t0;
@@ -177,8 +177,8 @@ static inline __attribute__((always_inline)) float max_score(const float *s, int
     return m;
 }
 
-/* A query head's softmax so far (its running max, sum and unnormalized output), between two spans of
-   blocks: see attend_rows. */
+/* A query head's softmax so far (its running max, sum and unnormalized output), between two blocks
+   (attend_heads) and two spans of blocks (attend_rows). */
 typedef struct {
     float m, l;
     v8f acc[MAX_D / 8];
