@@ -144,25 +144,28 @@ class EngineClient:
         hello = encode(Hello(self.frontend_id))
         ready = None
         # the engine may still be binding: resend HELLO until it answers
-        while ready is None:
-            left = deadline - loop.time()
-            if left <= 0:
-                sock.close(0)
-                monitor.close(0)
-                why = " (is its engine key the same?)" if self._curve is not None else ""
-                raise EngineUnavailable(f"no READY from the engine at {self.address} "
-                                        f"within {self.handshake_timeout:g}s{why}")
-            try:
-                await sock.send(hello, zmq.NOBLOCK)
-            except zmq.Again:
-                await asyncio.sleep(min(0.05, left))
-                continue
-            if await sock.poll(min(1000, int(left * 1000) + 1), zmq.POLLIN):
-                msg = decode(await sock.recv())
-                if isinstance(msg, Ready):
-                    ready = msg
-                elif isinstance(msg, Error):
-                    raise EngineUnavailable(f"engine refused the handshake: {msg.message}")
+        try:
+            while ready is None:
+                left = deadline - loop.time()
+                if left <= 0:
+                    why = " (is its engine key the same?)" if self._curve is not None else ""
+                    raise EngineUnavailable(f"no READY from the engine at {self.address} "
+                                            f"within {self.handshake_timeout:g}s{why}")
+                try:
+                    await sock.send(hello, zmq.NOBLOCK)
+                except zmq.Again:
+                    await asyncio.sleep(min(0.05, left))
+                    continue
+                if await sock.poll(min(1000, int(left * 1000) + 1), zmq.POLLIN):
+                    msg = decode(await sock.recv())
+                    if isinstance(msg, Ready):
+                        ready = msg
+                    elif isinstance(msg, Error):
+                        raise EngineUnavailable(f"engine refused the handshake: {msg.message}")
+        except BaseException:  # (open sockets would make term(), or a GC of the context, wait forever)
+            sock.close(0)
+            monitor.close(0)
+            raise
         self.ready = ready
         self.healthy = self._connected = True
         self._last_seen = time.monotonic()

@@ -424,28 +424,56 @@ def test_tcp_engine_refuses_clients_without_the_right_key(curve_engine):
 
     # no key at all: a plain DEALER (what an intruder would use) gets no answer to HELLO, nor to ADD
     ctx = zmq.Context()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(curve_engine.address)
-    s.send(p.encode(p.Hello("intruder")))
-    s.send(p.encode(p.Add("x", [1, 2], p.SamplingParams(max_tokens=2))))
-    assert not s.poll(1000)
-    s.close()
+    try:
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(curve_engine.address)
+        s.send(p.encode(p.Hello("intruder")))
+        s.send(p.encode(p.Add("x", [1, 2], p.SamplingParams(max_tokens=2))))
+        assert not s.poll(1000)
+        s.close()
 
-    # the engine's public key but a client key pair of its own: ZAP turns it away
-    keys = p.curve_keys(KEY)
-    public, secret = zmq.curve_keypair()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.setsockopt(zmq.CURVE_SERVERKEY, keys.server_public)
-    s.setsockopt(zmq.CURVE_PUBLICKEY, public)
-    s.setsockopt(zmq.CURVE_SECRETKEY, secret)
-    s.connect(curve_engine.address)
-    s.send(p.encode(p.Hello("intruder")))
-    assert not s.poll(1000)
-    s.close()
-    ctx.term()
+        # the engine's public key but a client key pair of its own: ZAP turns it away
+        keys = p.curve_keys(KEY)
+        public, secret = zmq.curve_keypair()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.CURVE_SERVERKEY, keys.server_public)
+        s.setsockopt(zmq.CURVE_PUBLICKEY, public)
+        s.setsockopt(zmq.CURVE_SECRETKEY, secret)
+        s.connect(curve_engine.address)
+        s.send(p.encode(p.Hello("intruder")))
+        assert not s.poll(1000)
+    finally:
+        ctx.destroy(linger=0)  # (never to the GC: see test_server_actor's signal test)
     assert curve_engine.actor.engine.added == []
+
+
+def test_a_refused_handshake_leaves_no_socket_open(tmp_path):
+    """An engine that answers HELLO with an error (another protocol version): connect() raises and closes its
+    sockets, so its context terms (with one left open, term(), or a GC of the context, would wait for good)."""
+    address = f"ipc://{tmp_path}/refusing.sock"
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(address)
+
+    def refuse():
+        if router.poll(10_000):
+            frontend, _ = router.recv_multipart()
+            router.send_multipart([frontend, p.encode(p.Error(None, 400, "invalid_request_error", "protocol 0"))])
+
+    threading.Thread(target=refuse, daemon=True).start()
+    client = EngineClient(address, "fe-refused", handshake_timeout=10)
+    try:
+        with pytest.raises(EngineUnavailable, match="refused the handshake"):
+            run(client.connect())
+        term = threading.Thread(target=client._ctx.term, daemon=True)
+        term.start()
+        term.join(5)
+        assert not term.is_alive(), "connect() left a socket open: its context cannot term"
+    finally:
+        ctx.destroy(linger=0)
 
 
 def test_tcp_engine_needs_a_key_on_both_sides():
