@@ -28,6 +28,7 @@ key rule unless ``metrics_no_auth``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -740,9 +741,12 @@ class OpenAIApi:
             if keep is not None and not gen.stream.affinity:  # a conversation's first turn: where the next ones go
                 gen.stream.affinity = gen.api_id
             return gen, ResponsesFormat(gen.lora or self.model, data, gen, chat_fmt, keep, store, conversation)
-        except BaseException:
+        except BaseException as e:
             if holds is not None:
-                holds.release()
+                if isinstance(e, ApiError):  # (a refusal: a retry at once must find the conversation free)
+                    with contextlib.suppress(ApiError):  # (the store failing: the refusal is still the answer)
+                        await holds.released()
+                holds.release()  # (anything else: let go of in a task; nothing left to do once released)
             raise
 
     async def _history(self, data: dict, owner: str) -> tuple[

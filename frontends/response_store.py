@@ -165,6 +165,11 @@ class Hold:
             task = asyncio.get_running_loop().create_task(self.store.release(self.conversation, self.holder))
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
+    async def released(self) -> None:
+        """``release``, done when it returns: a refused turn is answered with its conversation free again."""
+        if self.held.pop(self.holder, None) is not None:
+            await self.store.release(self.conversation, self.holder)
+
 
 class ResponseStore:
     def __init__(self, path: str, max_bytes: int, durable: bool = False):

@@ -536,9 +536,11 @@ def test_process_exits_cleanly_on_signal(address, sig, tmp_path):
         os.kill(proc.pid, sig)
         proc.join(10)
         if proc.exitcode is None:  # (seen once in a full run, never alone: what was it doing?)
+            with open(f"/proc/{proc.pid}/status") as f:  # blocked, ignored, caught, pending (SIGINT is 0x2)
+                masks = "".join(line for line in f if line.startswith(("Sig", "ShdPnd")))
             os.kill(proc.pid, signal.SIGUSR1)
             time.sleep(1)
-            raise AssertionError(f"the engine is still up 10 s after signal {sig}:\n{stacks.read_text()}")
+            raise AssertionError(f"the engine is still up 10 s after signal {sig}:\n{masks}{stacks.read_text()}")
         assert proc.exitcode == 0
     finally:
         # (left to the GC, a context in a cycle with its socket (a failed test's frame) would hang in term())
