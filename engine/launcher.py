@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from engine.cache_dir import tokenizer_cache_dir
 from engine.config import FAIR_CLIENTS, EngineConfig
 from engine.model_path import (
     generation_defaults,
@@ -356,6 +357,12 @@ class Launcher:
             return None
         return os.path.abspath(self.options.responses_store or os.path.join(self.runtime_dir, "responses.sqlite"))
 
+    def _tokenizer_cache(self) -> str:
+        """Where the frontends keep the tokenizer (the first reads it with transformers, seconds; the others, and
+        every later run of the same files, read the cache in a tenth of one): the user's cache folder, else the
+        runtime dir."""
+        return tokenizer_cache_dir(self.config.tokenizer) or os.path.join(self.runtime_dir, "tokenizer")
+
     def _frontend_args(self, i: int) -> Any:
         try:
             from frontends.http import HttpConfig
@@ -372,7 +379,7 @@ class Launcher:
             tokenizer_path=self.config.tokenizer,
             served_model_name=self.config.served_model_name, host=o.host, port=o.port,
             api_keys=list(o.api_keys), ssl_keyfile=o.ssl_keyfile, ssl_certfile=o.ssl_certfile,
-            frontend_id=self._frontend_id(i), tokenizer_cache_dir=os.path.join(self.runtime_dir, "tokenizer"),
+            frontend_id=self._frontend_id(i), tokenizer_cache_dir=self._tokenizer_cache(),
             handshake_timeout=o.startup_timeout, engine_liveness_timeout=o.engine_liveness_timeout,
             allowed_origins=list(o.allowed_origins), http=HttpConfig(**o.http), ws=WsConfig(**o.ws),
             metrics_no_auth=o.metrics_no_auth, force_include_usage=o.force_include_usage, log_format=o.log_format,

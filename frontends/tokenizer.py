@@ -3,7 +3,8 @@
 ``load_tokenizer`` reads a Hugging Face folder or a ``.gguf`` file with
 transformers: slow (~5 s, most of it importing transformers, which imports
 torch). With a ``cache_dir`` it saves what it read there, and every later load
-of the same model (the other frontends, a frontend restarted after a crash)
+of the same model (the other frontends, a frontend restarted after a crash, and
+the next runs: the launcher names one kept across runs, ``engine/cache_dir.py``)
 reads the cache with ``CachedTokenizer`` instead: the Rust ``tokenizers``
 library and a sandboxed jinja2 chat template, the way transformers renders it,
 in a fraction of a second and without torch in the process.
@@ -18,6 +19,8 @@ import shutil
 import tempfile
 from datetime import datetime
 from typing import Any
+
+from engine.cache_dir import TOKENIZERS, tokenizer_cache_dir
 
 _SOURCE_FILE = "tokenmill_source.txt"  # in a tokenizer cache: the model it was saved from
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
@@ -132,6 +135,17 @@ def _save_cache(tok: Any, model_path: str, cache_dir: str) -> None:
         pass  # another frontend won the race, or the dir is not writable: the cache is optional
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    if os.path.basename(parent) == TOKENIZERS:
+        _prune(parent)
+
+
+def _prune(parent: str) -> None:
+    """Drop the tokenizers kept across runs (``engine.cache_dir``) whose model is gone, or has changed since (a
+    newer one is saved under another name): one a model, at most."""
+    for d in os.scandir(parent):
+        source = None if d.name.startswith(".") else _cached_for(d.path)  # (not one being saved)
+        if source is not None and tokenizer_cache_dir(source) != d.path:
+            shutil.rmtree(d.path, ignore_errors=True)
 
 
 class CachedTokenizer:

@@ -15,6 +15,7 @@ import torch
 import kernels
 import kernels.cpu as cpu
 import kernels.reference as ref
+from engine.cache_dir import private
 from kernels.cpu import attention, build, elementwise, matmul
 from tests.paged_cases import (
     ATTN_TOL,
@@ -352,9 +353,9 @@ def test_cpu_kernel_build_takes_a_compiler_with_arguments_and_a_private_folder(m
     shared = tmp_path / "shared"
     shared.mkdir(mode=0o777)
     shared.chmod(0o777)  # others could plant a library here: not used
-    assert not build._private(str(shared))
+    assert not private(str(shared))
     shared.chmod(0o700)
-    assert build._private(str(shared))
+    assert private(str(shared))
 
 
 def test_cpu_decode_refuses_a_sequence_longer_than_its_table(compiled):

@@ -129,3 +129,42 @@ def test_cached_pairs_as_transformers_and_ignores_a_saved_truncation(pair, tmp_p
         json.dump(spec, f)
     text = "one two three four five six seven"
     assert CachedTokenizer(str(folder)).encode(text) == hf.encode(text)
+
+
+def test_a_tokenizer_is_kept_across_runs_until_its_files_change(tmp_path, monkeypatch, smollm_tokenizer_dir):
+    """The launcher's cache (``engine.cache_dir``): a folder per model as its files are; an edited template
+    reads the folder afresh, and the cache of its old files, and of a model gone, is dropped as it is saved."""
+    import os
+
+    from engine.cache_dir import tokenizer_cache_dir
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    model, gone = (shutil.copytree(smollm_tokenizer_dir, tmp_path / name) for name in ("model", "gone"))
+    first = tokenizer_cache_dir(str(model))
+    assert first == tokenizer_cache_dir(str(model)) != tokenizer_cache_dir(str(gone))
+    assert tokenizer_cache_dir(str(tmp_path / "nowhere")) is None
+    assert not isinstance(load_tokenizer(str(gone), tokenizer_cache_dir(str(gone))), CachedTokenizer)
+    shutil.rmtree(gone)
+    assert not isinstance(load_tokenizer(str(model), first), CachedTokenizer)  # (the next run's start...)
+    assert os.listdir(os.path.dirname(first)) == [os.path.basename(first)]  # (...drops the one of "gone")
+    assert isinstance(load_tokenizer(str(model), tokenizer_cache_dir(str(model))), CachedTokenizer)
+
+    (model / "chat_template.jinja").write_text("<{{ messages[-1]['content'] }}>")
+    edited = tokenizer_cache_dir(str(model))
+    assert edited != first
+    tok = load_tokenizer(str(model), edited)
+    assert not isinstance(tok, CachedTokenizer)
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "<hi>"
+    assert os.listdir(os.path.dirname(first)) == [os.path.basename(edited)]
+    cached = load_tokenizer(str(model), tokenizer_cache_dir(str(model)))
+    assert isinstance(cached, CachedTokenizer)
+    assert cached.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "<hi>"
+
+
+def test_a_served_models_tokenizer_is_kept_in_the_cache_folder(tiny_server, tiny_llama):
+    import os
+
+    from engine.cache_dir import tokenizer_cache_dir
+    from frontends.tokenizer import _cached_for
+
+    assert _cached_for(tokenizer_cache_dir(tiny_llama)) == os.path.abspath(tiny_llama)

@@ -1,7 +1,7 @@
 """Builds a C source beside this file into a shared library, once per machine, and loads it.
 
-The library lands in a cache folder (``$TOKENMILL_CACHE_DIR``, else ``$XDG_CACHE_HOME/tokenmill``
-or ``~/.cache/tokenmill``, else the temp folder) under a name hashed from the source (and the headers beside it), the
+The library lands in tokenmill's cache folder (``engine/cache_dir.py``: ``$TOKENMILL_CACHE_DIR``, else
+``~/.cache/tokenmill``...) under a name hashed from the source (and the headers beside it), the
 compiler, its flags and this CPU (``-march=native``), so an edit or another machine builds
 afresh and concurrent processes never load a half-written file. Compiling takes about a
 second. Flags are tried from the best down (OpenMP and native instructions, then without),
@@ -20,7 +20,6 @@ import os
 import platform
 import shlex
 import shutil
-import stat
 import subprocess
 import sysconfig
 import tempfile
@@ -28,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
+from engine.cache_dir import cache_dir
 from kernels.cpu import graph
 
 log = logging.getLogger("tokenmill.kernels")
@@ -58,27 +58,6 @@ def _cpu_id() -> str:
     return "\n".join(sorted(set(keep)))
 
 
-def _cache_dir() -> Path:
-    for d in (os.environ.get("TOKENMILL_CACHE_DIR"),
-              os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tokenmill"),
-              os.path.join(tempfile.gettempdir(), f"tokenmill-{os.getuid() if hasattr(os, 'getuid') else 0}")):
-        if not d:
-            continue
-        try:
-            os.makedirs(d, mode=0o700, exist_ok=True)
-            if os.access(d, os.W_OK) and _private(d):
-                return Path(d)
-        except OSError:
-            continue
-    raise OSError("no writable cache folder for compiled kernels")
-
-
-def _private(d: str) -> bool:
-    """Ours and writable by nobody else: a library another user could plant there is never loaded."""
-    st = os.stat(d)
-    return not hasattr(os, "getuid") or (st.st_uid == os.getuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
-
-
 def load(source: str, functions: dict[str, list] | None = None, restype=None,
          errcheck=None) -> SimpleNamespace | None:
     """The library built from ``source`` (a file name beside this module), its ``functions``
@@ -95,7 +74,7 @@ def load(source: str, functions: dict[str, list] | None = None, restype=None,
     for flags in FLAG_SETS:
         key = hashlib.sha256(b"\0".join([text, " ".join(cc).encode(), " ".join(flags).encode(), _cpu_id().encode()]))
         try:
-            lib = _cache_dir() / f"{src.stem}-{key.hexdigest()[:16]}.so"
+            lib = cache_dir() / f"{src.stem}-{key.hexdigest()[:16]}.so"
             if not lib.exists():
                 _compile(cc, flags, src, lib)
             return _declare(ctypes.CDLL(str(lib)), functions or {}, restype, errcheck)
