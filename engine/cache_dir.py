@@ -23,6 +23,7 @@ def cache_dir() -> Path:
               os.path.join(tempfile.gettempdir(), f"tokenmill-{os.getuid() if hasattr(os, 'getuid') else 0}")):
         if not d:
             continue
+        d = os.path.abspath(os.path.expanduser(d))  # (a relative one names the same folder from any directory)
         try:
             os.makedirs(d, mode=0o700, exist_ok=True)
             if os.access(d, os.W_OK) and private(d):
@@ -44,12 +45,10 @@ def tokenizer_cache_dir(path: str) -> str | None:
     edit of any of them, or an upgrade, saves it afresh. None where ``path`` is not on disk or there is no cache
     folder (each run then reads it once with transformers)."""
     path = os.path.abspath(path)
-    try:
-        if os.path.isdir(path):
-            files = sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(path) if e.is_file())
-        else:
-            st = os.stat(path)
-            files = [("", st.st_size, st.st_mtime_ns)]
+    if not os.path.exists(path):
+        return None
+    try:  # (a file's folder: transformers reads a tokenizer_config.json beside a GGUF too)
+        files = sorted(_stats(path if os.path.isdir(path) else os.path.dirname(path), os.path.isdir(path)))
         versions = [metadata.version(p) for p in ("transformers", "tokenizers")]
         root = cache_dir()
     except (OSError, metadata.PackageNotFoundError):
@@ -59,3 +58,16 @@ def tokenizer_cache_dir(path: str) -> str | None:
 
 
 TOKENIZERS = "tokenizers"  # (the cache folder's folder of them)
+
+
+def _stats(folder: str, deep: bool) -> list[tuple]:
+    """Each file's path in ``folder`` (its subfolders' too where ``deep``: additional_chat_templates/...), size,
+    and times of change (a copy that keeps the modification time still has a change time of its own)."""
+    out = []
+    for root, _dirs, names in os.walk(folder):
+        for name in names:
+            st = os.stat(os.path.join(root, name))
+            out.append((os.path.relpath(os.path.join(root, name), folder), st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+        if not deep:
+            break
+    return out

@@ -136,15 +136,16 @@ class EngineClient:
             sock.setsockopt(zmq.CURVE_SERVERKEY, self._curve.server_public)
             sock.setsockopt(zmq.CURVE_PUBLICKEY, self._curve.client_public)
             sock.setsockopt(zmq.CURVE_SECRETKEY, self._curve.client_secret)
-        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        sock.connect(self.address)
-        self._sock = sock
+        monitor = None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.handshake_timeout
         hello = encode(Hello(self.frontend_id))
         ready = None
-        # the engine may still be binding: resend HELLO until it answers
         try:
+            monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            sock.connect(self.address)
+            self._sock = sock
+            # the engine may still be binding: resend HELLO until it answers
             while ready is None:
                 left = deadline - loop.time()
                 if left <= 0:
@@ -163,8 +164,9 @@ class EngineClient:
                     elif isinstance(msg, Error):
                         raise EngineUnavailable(f"engine refused the handshake: {msg.message}")
         except BaseException:  # (open sockets would make term(), or a GC of the context, wait forever)
-            sock.close(0)
-            monitor.close(0)
+            for s in (sock, monitor):
+                if s is not None:
+                    s.close(0)
             raise
         self.ready = ready
         self.healthy = self._connected = True

@@ -161,14 +161,21 @@ class Hold:
         self.held.pop(self.holder, None)
 
     def release(self) -> None:
-        if self.held.pop(self.holder, None) is not None:  # (a task: called where nothing may be awaited)
-            task = asyncio.get_running_loop().create_task(self.store.release(self.conversation, self.holder))
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        self._released()  # (a task: called where nothing may be awaited)
 
     async def released(self) -> None:
-        """``release``, done when it returns: a refused turn is answered with its conversation free again."""
-        if self.held.pop(self.holder, None) is not None:
-            await self.store.release(self.conversation, self.holder)
+        """``release``, done when it returns: a refused turn is answered with its conversation free again (in a
+        task all the same: a client gone meanwhile cancels the wait, not the release)."""
+        task = self._released()
+        if task is not None:
+            await asyncio.shield(task)
+
+    def _released(self) -> asyncio.Task | None:
+        if self.held.pop(self.holder, None) is None:
+            return None
+        task = asyncio.get_running_loop().create_task(self.store.release(self.conversation, self.holder))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return task
 
 
 class ResponseStore:

@@ -17,13 +17,16 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from datetime import datetime
 from typing import Any
 
 from engine.cache_dir import TOKENIZERS, tokenizer_cache_dir
+from engine.cache_dir import cache_dir as engine_cache_dir
 
 _SOURCE_FILE = "tokenmill_source.txt"  # in a tokenizer cache: the model it was saved from
-_SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+# the named special tokens, in transformers' order
+_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 def longest_first(n_first: int, n_second: int, budget: int) -> tuple[int, int]:
@@ -80,7 +83,10 @@ def _load_tokenizer(model_path: str, cache_dir: str | None) -> Any:
     from transformers import AutoTokenizer  # heavy: only when there is no cache to read
 
     if cached:
-        return AutoTokenizer.from_pretrained(cache_dir)
+        try:
+            return AutoTokenizer.from_pretrained(cache_dir)
+        except Exception:  # noqa: BLE001 - taken away as it was read (another run pruned it): the model's own
+            pass
     if model_path.endswith(".gguf"):
         tok = _gguf_tokenizer(model_path)
     else:
@@ -122,29 +128,39 @@ def _cached_for(cache_dir: str) -> str | None:
 def _save_cache(tok: Any, model_path: str, cache_dir: str) -> None:
     """Save next to ``cache_dir`` and rename into place, so racing frontends never see half a cache."""
     parent = os.path.dirname(os.path.abspath(cache_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tokenizer-", dir=parent)
+    tmp = None
     try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".tokenizer-", dir=parent)
         tok.save_pretrained(tmp)
         with open(os.path.join(tmp, _SOURCE_FILE), "w") as f:
             f.write(model_path)
+        if _cached_for(cache_dir) == model_path:
+            return  # (another frontend saved it meanwhile: left as it is, for whoever reads it now)
         if os.path.isdir(cache_dir):
             shutil.rmtree(cache_dir, ignore_errors=True)
         os.rename(tmp, cache_dir)
+        if parent == os.path.join(engine_cache_dir(), TOKENIZERS):
+            _prune(parent)
     except OSError:
         pass  # another frontend won the race, or the dir is not writable: the cache is optional
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    if os.path.basename(parent) == TOKENIZERS:
-        _prune(parent)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+STALE = 24 * 3600  # seconds an entry for a model's older files is kept (another install may still read it)
 
 
 def _prune(parent: str) -> None:
-    """Drop the tokenizers kept across runs (``engine.cache_dir``) whose model is gone, or has changed since (a
-    newer one is saved under another name): one a model, at most."""
+    """Drop the tokenizers kept across runs (``engine.cache_dir``) whose model is gone, and after a day those
+    whose model has changed since (a newer one is saved under another name; an install with another transformers
+    names the same files otherwise)."""
     for d in os.scandir(parent):
         source = None if d.name.startswith(".") else _cached_for(d.path)  # (not one being saved)
-        if source is not None and tokenizer_cache_dir(source) != d.path:
+        if source is None or tokenizer_cache_dir(source) == d.path:
+            continue
+        if not os.path.exists(source) or d.stat().st_mtime < time.time() - STALE:
             shutil.rmtree(d.path, ignore_errors=True)
 
 
@@ -152,7 +168,8 @@ class CachedTokenizer:
     """What a frontend needs of a saved (``save_pretrained``) fast tokenizer, without transformers.
 
     The same calls as a transformers tokenizer (``encode``, ``decode``,
-    ``apply_chat_template(..., tokenize=False)``, ``get_vocab``, ``len``), the
+    ``apply_chat_template(..., tokenize=False)``, ``get_vocab``, ``len``,
+    ``convert_tokens_to_ids`` and back; ``bos_token``, ``eos_token``, ``all_special_ids``), the
     same Rust tokenizer underneath, and the chat template rendered as
     transformers renders it (``tests/test_frontend_tokenizer.py`` pins both).
     """
@@ -177,8 +194,17 @@ class CachedTokenizer:
         if not isinstance(template, str):  # absent, or a dict of named templates: leave those to transformers
             raise ValueError("no single chat template")
         self.chat_template = template
-        eos = self.special_tokens.get("eos_token")
-        self.eos_token_id = self._tokenizer.token_to_id(eos) if eos else None
+        self.bos_token, self.eos_token, self.unk_token = (self.special_tokens.get(k) for k in _SPECIAL[:3])
+        self.eos_token_id = self._tokenizer.token_to_id(self.eos_token) if self.eos_token else None
+        self.unk_token_id = self._tokenizer.token_to_id(self.unk_token) if self.unk_token else None
+        # transformers' all_special_tokens: the named ones (a model's own names too), then the extra ones
+        own = config.get("model_specific_special_tokens") or {}  # (as transformers saves them: image_token...)
+        extra = config.get("extra_special_tokens", config.get("additional_special_tokens")) or []
+        extra = [*extra.values()] if isinstance(extra, dict) else extra  # (a dict: a model's own names, as named)
+        tokens = [t["content"] if isinstance(t, dict) else t
+                  for t in [*self.special_tokens.values(), *own.values(), *extra]]
+        self.all_special_tokens = list(dict.fromkeys(tokens))
+        self.all_special_ids = self.convert_tokens_to_ids(self.all_special_tokens)
 
     @property
     def chat_template(self) -> str:
@@ -196,6 +222,18 @@ class CachedTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | None | list[int | None]:
+        if isinstance(tokens, str):
+            tid = self._tokenizer.token_to_id(tokens)
+            return self.unk_token_id if tid is None else tid
+        return [self.convert_tokens_to_ids(t) for t in tokens]
+
+    def convert_ids_to_tokens(self, ids: int | list[int], skip_special_tokens: bool = False) -> str | None | list:
+        if isinstance(ids, int):
+            return self._tokenizer.id_to_token(ids)
+        skip = set(self.all_special_ids) if skip_special_tokens else set()
+        return [self._tokenizer.id_to_token(i) for i in ids if i not in skip]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

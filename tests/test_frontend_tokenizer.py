@@ -54,6 +54,31 @@ def test_cached_chat_template_renders_as_transformers(pair, gen):
         assert cached.apply_chat_template(msgs, add_generation_prompt=gen) == hf.encode(want, add_special_tokens=False)
 
 
+@pytest.mark.parametrize("extra", [None, ["<image>"], {"image_token": "<image>"}])
+def test_cached_special_tokens_and_token_lookups_as_transformers(smollm_tokenizer_dir, tmp_path, extra):
+    """What the frontends ask of a tokenizer besides text: special tokens and ids (TGI's, llama.cpp's /props),
+    tokens to ids and back (the Responses API's thinking end, ``token_strs``); with extra special tokens as a list
+    (transformers 4's ``additional_special_tokens``) and as a model's own names."""
+    from transformers import AutoTokenizer
+
+    folder = str(tmp_path / "tok")
+    hf = AutoTokenizer.from_pretrained(smollm_tokenizer_dir, **({} if extra is None else {"extra_special_tokens": extra}))
+    hf.save_pretrained(folder)
+    hf = AutoTokenizer.from_pretrained(folder)
+    cached = CachedTokenizer(folder)
+    for name in ("bos_token", "eos_token", "unk_token", "eos_token_id", "unk_token_id", "all_special_tokens",
+                 "all_special_ids"):
+        assert getattr(cached, name) == getattr(hf, name), name
+    assert extra is None or "<image>" in cached.all_special_tokens
+    tokens = ["<|im_end|>", "Hello", "<image>", "not a token at all", "\u0120the"]
+    assert cached.convert_tokens_to_ids(tokens) == hf.convert_tokens_to_ids(tokens)
+    assert cached.convert_tokens_to_ids(tokens[0]) == hf.convert_tokens_to_ids(tokens[0])
+    ids = hf.encode("<|im_start|>user\nHello <image> world<|im_end|>", add_special_tokens=True)
+    for skip in (False, True):
+        assert cached.convert_ids_to_tokens(ids, skip_special_tokens=skip) == hf.convert_ids_to_tokens(ids, skip)
+    assert cached.convert_ids_to_tokens(ids[1]) == hf.convert_ids_to_tokens(ids[1])
+
+
 def test_template_environment_matches_transformers(pair, tmp_path):
     from transformers import AutoTokenizer
 
@@ -133,10 +158,13 @@ def test_cached_pairs_as_transformers_and_ignores_a_saved_truncation(pair, tmp_p
 
 def test_a_tokenizer_is_kept_across_runs_until_its_files_change(tmp_path, monkeypatch, smollm_tokenizer_dir):
     """The launcher's cache (``engine.cache_dir``): a folder per model as its files are; an edited template
-    reads the folder afresh, and the cache of its old files, and of a model gone, is dropped as it is saved."""
+    reads the folder afresh; the cache of a model gone is dropped as another is saved, that of its old files a day
+    later (another install, with another transformers, may read the same files under another name)."""
     import os
+    import time
 
     from engine.cache_dir import tokenizer_cache_dir
+    from frontends.tokenizer import STALE
 
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
     model, gone = (shutil.copytree(smollm_tokenizer_dir, tmp_path / name) for name in ("model", "gone"))
@@ -155,6 +183,10 @@ def test_a_tokenizer_is_kept_across_runs_until_its_files_change(tmp_path, monkey
     tok = load_tokenizer(str(model), edited)
     assert not isinstance(tok, CachedTokenizer)
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "<hi>"
+    assert sorted(os.listdir(os.path.dirname(first))) == sorted(map(os.path.basename, (first, edited)))
+    os.utime(first, (0, time.time() - 2 * STALE))  # (the old files' entry: a day old, dropped as the next is saved)
+    shutil.rmtree(edited)
+    load_tokenizer(str(model), edited)
     assert os.listdir(os.path.dirname(first)) == [os.path.basename(edited)]
     cached = load_tokenizer(str(model), tokenizer_cache_dir(str(model)))
     assert isinstance(cached, CachedTokenizer)
