@@ -102,6 +102,14 @@ def _released(fmt) -> None:
         fmt.keep.release()
 
 
+async def _let_go(holds: Hold | None) -> None:
+    """A refused turn's conversation lock let go of before the refusal is answered: a retry at once finds the
+    conversation free."""
+    if holds is not None:
+        with contextlib.suppress(ApiError):  # (the store failing: the refusal is still the answer)
+            await holds.released()
+
+
 def _sse(obj: object) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
@@ -743,9 +751,8 @@ class OpenAIApi:
             return gen, ResponsesFormat(gen.lora or self.model, data, gen, chat_fmt, keep, store, conversation)
         except BaseException as e:
             if holds is not None:
-                if isinstance(e, ApiError):  # (a refusal: a retry at once must find the conversation free)
-                    with contextlib.suppress(ApiError):  # (the store failing: the refusal is still the answer)
-                        await holds.released()
+                if isinstance(e, ApiError):
+                    await _let_go(holds)
                 holds.release()  # (anything else: let go of in a task; nothing left to do once released)
             raise
 
@@ -913,7 +920,9 @@ class OpenAIApi:
         gen, fmt = await job(data, req.started)
         try:
             resp = await self._respond(req, info, data, gen, fmt, stream, started)
-        except BaseException:
+        except BaseException as e:
+            if isinstance(e, ApiError) and isinstance(fmt, ResponsesFormat) and fmt.keep is not None:
+                await _let_go(fmt.keep.holds)  # (the engine's refusal, a 429 or 400; a 408)
             _released(fmt)
             raise
         if not isinstance(resp, StreamingResponse):  # (a stream's: by its on_close, once it has ended)
