@@ -48,7 +48,8 @@ def tokenizer_cache_dir(path: str) -> str | None:
     if not os.path.exists(path):
         return None
     try:  # (a file's folder: transformers reads a tokenizer_config.json beside a GGUF too)
-        files = sorted(_stats(path if os.path.isdir(path) else os.path.dirname(path), os.path.isdir(path)))
+        folder = os.path.isdir(path)
+        files = sorted(_stats(path if folder else os.path.dirname(path), deep=folder))
         versions = [metadata.version(p) for p in ("transformers", "tokenizers")]
         root = cache_dir()
     except (OSError, metadata.PackageNotFoundError):

@@ -509,15 +509,14 @@ def test_step_failure_fails_requests_and_raises(address):
     h.close()
 
 
-def _serve_fake(address: str, conn, stacks: str | None = None) -> None:
+def _serve_fake(address: str, conn, stacks: str) -> None:
     # As a foreground process gets it: a child inherits what its parent holds when it is made, and in each of three
     # full runs of the suite (2026-12-07) this one had SIGINT ignored (SIGQUIT too; /proc's SigIgn 0x1001006; the
     # culprit in the test process not found), which the engine respects (as a shell's background job would want)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    if stacks is not None:  # SIGUSR1 writes every thread's stack there (a test's view of a hung engine)
-        import faulthandler
+    import faulthandler  # SIGUSR1 writes every thread's stack to ``stacks`` (a test's view of a hung engine)
 
-        faulthandler.register(signal.SIGUSR1, file=open(stacks, "w"), all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=open(stacks, "w"), all_threads=True)
     run_engine(EngineConfig(), address, ready=lambda: conn.send("ready"), engine_factory=FakeEngine)
 
 
