@@ -120,63 +120,65 @@ async def serve(args: FrontendArgs, ready: Callable[[], None] | None = None) -> 
                                               args.chat_template))
     client = engine_client(args)
     await client.connect()
-    if client.ready.model != args.served_model_name:
-        log.warning("the engine serves %r, this frontend calls it %r", client.ready.model, args.served_model_name)
-    if codec.vocab_size > client.ready.vocab_size:  # (fewer is common: models pad their embeddings)
-        log.warning("the tokenizer (%s) has %d tokens, the model only %d: texts holding the others are refused",
-                    args.tokenizer_path, codec.vocab_size, client.ready.vocab_size)
-    metrics = Metrics(args.served_model_name, client.ready.max_model_len)
-    # per-engine gauges carry the engine's index (label "engine")
-    for i, c in enumerate(client.clients if isinstance(client, EngineRouter) else [client]):
-        c.on_stats = functools.partial(metrics.engine_stats, engine=str(i))
-        if c.last_stats is not None:
-            c.on_stats(c.last_stats)
-    image_processor = None
-    if client.ready.image_tokens:
-        try:
-            image_processor = ImageProcessor.load(args.tokenizer_path)
-            codec.use_images(client.ready.image_token_id)
-        except ValueError as e:
-            log.warning("images refused: %s", e)
-            image_processor = str(e)
     store = None
-    if args.responses_store:
-        store = ResponseStore(args.responses_store, args.responses_store_mib << 20, args.responses_store_durable)
+    try:  # (a start-up that fails after connecting closes the client and the store too)
+        if client.ready.model != args.served_model_name:
+            log.warning("the engine serves %r, this frontend calls it %r", client.ready.model, args.served_model_name)
+        if codec.vocab_size > client.ready.vocab_size:  # (fewer is common: models pad their embeddings)
+            log.warning("the tokenizer (%s) has %d tokens, the model only %d: texts holding the others are refused",
+                        args.tokenizer_path, codec.vocab_size, client.ready.vocab_size)
+        metrics = Metrics(args.served_model_name, client.ready.max_model_len)
+        # per-engine gauges carry the engine's index (label "engine")
+        for i, c in enumerate(client.clients if isinstance(client, EngineRouter) else [client]):
+            c.on_stats = functools.partial(metrics.engine_stats, engine=str(i))
+            if c.last_stats is not None:
+                c.on_stats(c.last_stats)
+        image_processor = None
+        if client.ready.image_tokens:
+            try:
+                image_processor = ImageProcessor.load(args.tokenizer_path)
+                codec.use_images(client.ready.image_token_id)
+            except ValueError as e:
+                log.warning("images refused: %s", e)
+                image_processor = str(e)
+        if args.responses_store:
+            store = ResponseStore(args.responses_store, args.responses_store_mib << 20, args.responses_store_durable)
+            try:
+                await store.open()
+            except (sqlite3.Error, OSError) as e:
+                raise ValueError(f"--responses-store {args.responses_store}: {e}") from None
+        api = OpenAIApi(client, codec, args.served_model_name, args.api_keys,
+                        allowed_origins=args.allowed_origins, metrics=metrics, metrics_no_auth=args.metrics_no_auth,
+                        force_include_usage=args.force_include_usage, tokens_as_ids=args.tokens_as_ids,
+                        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                        sampling_defaults=args.sampling_defaults, max_tokens_cap=args.max_tokens_cap,
+                        model_aliases=args.model_aliases, images=image_processor, media=MediaReader(args.media),
+                        fair_client=args.fair_client, responses_store=store)
+        access_log = AccessLog(metrics, enabled=args.log_requests, log_prompts=args.log_prompts)
+        router = build_router(api, args.ws, access_log, args.tokenizer_path)
+        access_log.router = router
+        http = HttpServer(router, args.http, observer=access_log)
+        # What start-up made (the tokenizer, and transformers and torch when it was read without the
+        # cache) lives as long as the process: out of the cyclic GC's sight, a request that allocates
+        # many objects (a 50k-prompt list) no longer costs every stream a full-heap collection (~0.25 s).
+        gc.freeze()
+        server = await loop.create_server(http, args.host, args.port, reuse_port=True, ssl=tls, backlog=2048)
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        log.info("frontend %s serving %s on %s:%d (tool calls: %s; thinking split off: %s)", args.frontend_id,
+                 args.served_model_name, args.host, args.port, api.tool_format or "only 'required' or named",
+                 "harmony's analysis channel" if api.harmony else "yes" if api.thinking else "no")
+        if ready is not None:
+            ready()
         try:
-            await store.open()
-        except (sqlite3.Error, OSError) as e:
-            raise ValueError(f"--responses-store {args.responses_store}: {e}") from None
-    api = OpenAIApi(client, codec, args.served_model_name, args.api_keys,
-                    allowed_origins=args.allowed_origins, metrics=metrics, metrics_no_auth=args.metrics_no_auth,
-                    force_include_usage=args.force_include_usage, tokens_as_ids=args.tokens_as_ids,
-                    tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                    sampling_defaults=args.sampling_defaults, max_tokens_cap=args.max_tokens_cap,
-                    model_aliases=args.model_aliases, images=image_processor, media=MediaReader(args.media),
-                    fair_client=args.fair_client, responses_store=store)
-    access_log = AccessLog(metrics, enabled=args.log_requests, log_prompts=args.log_prompts)
-    router = build_router(api, args.ws, access_log, args.tokenizer_path)
-    access_log.router = router
-    http = HttpServer(router, args.http, observer=access_log)
-    # What start-up made (the tokenizer, and transformers and torch when it was read without the
-    # cache) lives as long as the process: out of the cyclic GC's sight, a request that allocates
-    # many objects (a 50k-prompt list) no longer costs every stream a full-heap collection (~0.25 s).
-    gc.freeze()
-    server = await loop.create_server(http, args.host, args.port, reuse_port=True, ssl=tls, backlog=2048)
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    log.info("frontend %s serving %s on %s:%d (tool calls: %s; thinking split off: %s)", args.frontend_id,
-             args.served_model_name, args.host, args.port, api.tool_format or "only 'required' or named",
-             "harmony's analysis channel" if api.harmony else "yes" if api.thinking else "no")
-    if ready is not None:
-        ready()
-    try:
-        await stop.wait()
+            await stop.wait()
+        finally:
+            server.close()  # stop accepting; live connections stay
+            await http.shutdown(args.shutdown_grace)
+            if api.background is not None:  # (its background Responses fail: the engine is no longer reached)
+                await api.background.close()
     finally:
-        server.close()  # stop accepting; live connections stay
-        await http.shutdown(args.shutdown_grace)
-        if api.background is not None:  # (its background Responses fail: the engine is no longer reached)
-            await api.background.close()
         await client.close()
         if store is not None:
             await store.close()

@@ -19,7 +19,7 @@ from engine.server import run_engine
 from frontends.engine_client import EngineClient, EngineUnavailable, Stream
 from frontends.engine_router import EngineRouter, combined_stats
 from tests.test_server_actor import FakeEngine as ActorFakeEngine
-from tools.fake_engine import FakeEngine, free_port
+from tools.fake_engine import MODEL, FakeEngine, free_port
 
 KEY = "test-engine-key-0123456789"
 
@@ -474,6 +474,40 @@ def test_a_refused_handshake_leaves_no_socket_open(tmp_path):
         assert not term.is_alive(), "connect() left a socket open: its context cannot term"
     finally:
         ctx.destroy(linger=0)
+
+
+def test_a_frontend_that_cannot_start_closes_its_engine_client(tmp_path, smollm_tokenizer_dir, monkeypatch):
+    """A frontend whose start-up fails after it connected to its engine (here its port is taken) closes its
+    engine client as it fails, as it does when it stops: its context terms."""
+    import gc
+    import socket
+
+    from frontends import server
+
+    engine = FakeEngine(f"ipc://{tmp_path}/engine.sock")
+    engine.start()
+    clients = []
+    monkeypatch.setattr(server, "engine_client", lambda args, make=server.engine_client: clients.append(make(args))
+                        or clients[-1])
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    args = server.FrontendArgs(engine.address, smollm_tokenizer_dir, MODEL, "127.0.0.1", taken.getsockname()[1],
+                               frontend_id="fe-taken", handshake_timeout=30)
+    try:
+        with pytest.raises(OSError):
+            run(server.serve(args))
+        (client,) = clients
+        term = threading.Thread(target=client._ctx.term, daemon=True)
+        term.start()
+        term.join(5)
+        assert not term.is_alive(), "serve() left its engine client open: its context cannot term"
+    finally:
+        gc.unfreeze()  # (serve() froze this process's objects)
+        taken.close()
+        for client in clients:
+            client._ctx.destroy(linger=0)
+        engine.stop()
 
 
 def test_tcp_engine_needs_a_key_on_both_sides():
