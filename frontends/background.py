@@ -79,7 +79,7 @@ class BackgroundRuns:
         """Keep ``gen``'s Response as it begins and run it on: the Response, ``queued``, or (``stream``) a stream of
         its events for as long as the caller reads it."""
         if self._closed:
-            keep.release()
+            await keep.released()
             raise ApiError(503, "The server is stopping: no background response starts")
         if stream:
             fmt.log = []  # (its events, to be kept: its first two, kept as it begins)
@@ -100,7 +100,9 @@ class BackgroundRuns:
         it cannot)."""
         try:
             await self._begun(run)
-        except BaseException:
+        except BaseException as e:
+            if isinstance(e, ApiError):  # (refused: answered with its conversation free again)
+                await run.keep.released()
             run.keep.release()
             raise
 

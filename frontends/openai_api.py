@@ -28,7 +28,6 @@ key rule unless ``metrics_no_auth``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
 import itertools
@@ -100,14 +99,6 @@ def _released(fmt) -> None:
     """The call has ended: the conversation lock its turn held let go of (where its items were not added)."""
     if isinstance(fmt, ResponsesFormat) and fmt.keep is not None:
         fmt.keep.release()
-
-
-async def _let_go(holds: Hold | None) -> None:
-    """A refused turn's conversation lock let go of before the refusal is answered: a retry at once finds the
-    conversation free."""
-    if holds is not None:
-        with contextlib.suppress(ApiError):  # (the store failing: the refusal is still the answer)
-            await holds.released()
 
 
 def _sse(obj: object) -> bytes:
@@ -752,7 +743,7 @@ class OpenAIApi:
         except BaseException as e:
             if holds is not None:
                 if isinstance(e, ApiError):
-                    await _let_go(holds)
+                    await holds.released()
                 holds.release()  # (anything else: let go of in a task; nothing left to do once released)
             raise
 
@@ -922,7 +913,7 @@ class OpenAIApi:
             resp = await self._respond(req, info, data, gen, fmt, stream, started)
         except BaseException as e:
             if isinstance(e, ApiError) and isinstance(fmt, ResponsesFormat) and fmt.keep is not None:
-                await _let_go(fmt.keep.holds)  # (the engine's refusal, a 429 or 400; a 408)
+                await fmt.keep.released()  # (the engine's refusal, a 429 or 400; a 408)
             _released(fmt)
             raise
         if not isinstance(resp, StreamingResponse):  # (a stream's: by its on_close, once it has ended)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import os
 import sqlite3
@@ -146,6 +147,11 @@ class Keep:
         if self.holds is not None:
             self.holds.release()
 
+    async def released(self) -> None:
+        """``release``, done when it returns (a refused turn: see ``Hold.released``)."""
+        if self.holds is not None:
+            await self.holds.released()
+
 
 class Hold:
     """A turn's lock on a conversation (``ResponseStore.items``), held while the turn runs: its frontend renews it
@@ -165,10 +171,12 @@ class Hold:
 
     async def released(self) -> None:
         """``release``, done when it returns: a refused turn is answered with its conversation free again (in a
-        task all the same: a client gone meanwhile cancels the wait, not the release)."""
+        task all the same: a client gone meanwhile cancels the wait, not the release; a store that fails meanwhile
+        leaves the lock to its lease, and the refusal is still the answer)."""
         task = self._released()
         if task is not None:
-            await asyncio.shield(task)
+            with contextlib.suppress(ApiError):
+                await asyncio.shield(task)
 
     def _released(self) -> asyncio.Task | None:
         if self.held.pop(self.holder, None) is None:

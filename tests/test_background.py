@@ -290,6 +290,10 @@ def test_a_keys_runs_take_a_quarter_of_the_store_at_most(runs, smollm_tokenizer_
                                                   max_output_tokens=200))
         assert 3 <= len(started) <= 5 and "a quarter of --responses-store-mib" in e.value.body["message"]
         assert e.value.response.headers["retry-after"] == "1"
+        conv = c.conversations.create()  # a turn refused so lets go of its conversation before the 429 is sent
+        with pytest.raises(openai.RateLimitError):
+            c.responses.create(model=MODEL, input=turns, truncation="auto", background=True, conversation=conv.id)
+        c.responses.create(model=MODEL, input="Q", conversation=conv.id, max_output_tokens=1)  # (not locked)
         for r in started:
             c.responses.cancel(r.id)
         c.responses.create(model=MODEL, input=turns, truncation="auto", background=True, max_output_tokens=1)
