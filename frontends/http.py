@@ -472,6 +472,7 @@ class HttpProtocol(asyncio.Protocol):
         self._responding = False
         self._stop_reading = False  # after an unrecoverable request (4xx from this layer, upgrade)
         self._leftover = b""  # bytes after an upgrade request
+        self._ignored: bytes | None = None  # the head of a request whose Upgrade nobody takes, to read again
         self._timer: asyncio.TimerHandle | None = None
         self._write_paused = False
         self._drain_waiter: asyncio.Future | None = None
@@ -533,8 +534,14 @@ class HttpProtocol(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade as e:
-            self._leftover = data[e.args[0]:] if e.args else b""
-            self._stop_reading = True
+            rest = data[e.args[0]:] if e.args else b""
+            if self._ignored is None:
+                self._leftover = rest
+                self._stop_reading = True
+            else:  # llhttp ended the message at its head: read it again, with its body and what follows
+                head, self._ignored = self._ignored, None
+                self.parser = httptools.HttpRequestParser(self)
+                self.data_received(head + rest)
             return
         except httptools.HttpParserError as e:
             if not self._stop_reading:  # (else a callback refused the request and stopped the parser)
@@ -618,10 +625,32 @@ class HttpProtocol(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         req = self._cur
+        if req is not None and req.upgrade and not req._queued and self._ignore_upgrade(req):
+            self._cur = None
+            return
         if req is not None and not req._queued:
             self._disarm()
             self._enqueue(req)
         self._cur = None
+
+    def _ignore_upgrade(self, req: Request) -> bool:
+        """An Upgrade no route takes is ignored (RFC 9110 7.8; ``curl --http2`` asks for h2c): ``req``'s head is
+        kept, without it, to be read again (``data_received``) with the body the parser left unread."""
+        if self.server.router.upgrade_handler(req.path) is not None or req.method == "CONNECT":
+            return False
+        drop = {"upgrade", "http2-settings"} | (set() if req.expect_continue else {"expect"})  # (a 100 sent: once)
+        lines = [f"{req.method} ".encode() + bytes(self._url) + f" HTTP/{self.parser.get_http_version()}".encode()]
+        for name, value in req.raw_headers:
+            key = name.lower()
+            if key == b"connection":
+                value = b", ".join(t for t in (t.strip() for t in value.split(b",")) if t.lower().decode() not in drop)
+                if not value:
+                    continue
+            elif key.decode("latin-1") in drop:
+                continue
+            lines.append(name + b": " + value)
+        self._ignored = b"\r\n".join(lines) + b"\r\n\r\n"
+        return True
 
     # ------------------------------------------------------------------ refusals
 

@@ -233,6 +233,28 @@ def test_upgrade_hands_over_transport(port):
     assert s.recv(100) == b"MORE"
 
 
+def test_an_upgrade_no_route_takes_is_ignored(port):
+    """RFC 9110 7.8: a server may ignore an Upgrade. ``curl --http2`` on http:// asks for h2c, with the body after
+    the head (review: llhttp stops at the head of an upgrade request, and such a body was served empty)."""
+    s = connect(port)
+    h2c = b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n"
+    s.sendall(post_echo(b"hello", h2c) + post_echo(b"again"))  # (pipelined: the connection goes on)
+    r = read_until(s, b"again")
+    assert r.startswith(b"HTTP/1.1 200 OK\r\n") and r.count(b"200 OK") == 2 and b"hello" in r
+    s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nConnection: keep-alive, Upgrade\r\nUpgrade: websocket\r\n"
+              b"Transfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n")
+    time.sleep(0.05)  # (the rest of the body in another read)
+    s.sendall(b"2\r\nde\r\n0\r\n\r\n")
+    r = read_until(s, b"abcde")
+    assert r.startswith(b"HTTP/1.1 200 OK\r\n") and b"connection: close" not in r.lower()
+    s.sendall(post_echo(b"expected", h2c + b"Expect: 100-continue\r\n"))
+    r = read_until(s, b"expected")
+    assert r.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\n") and r.count(b"100 Continue") == 1
+    s.sendall(b"GET /slow HTTP/1.0\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n\r\n")  # (1.0: closed after)
+    r = read_all(s)
+    assert r.startswith(b"HTTP/1.1 200 OK\r\n") and r.endswith(b"slow")
+
+
 def test_an_answer_is_observed_before_the_client_has_all_of_it():
     """The observer (the metrics) runs before an answer's last byte leaves: a client holding its
     whole answer finds it counted, even when another frontend process serves the scrape."""
