@@ -91,10 +91,11 @@ class ToolRequest:
             return self.schemas[self.name]
         if self.mode != "required":
             return None
-        calls = [{"type": "object", "properties": {"name": {"const": n}, "parameters": p},
-                  "required": ["name", "parameters"]} for n, p in self.schemas.items()]
+        defs: dict[str, Any] = {}  # each tool's own, moved to the root its refs now resolve from
+        calls = [{"type": "object", "properties": {"name": {"const": n}, "parameters": _rooted(p, i, defs)},
+                  "required": ["name", "parameters"]} for i, (n, p) in enumerate(self.schemas.items())]
         return {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
-                "minItems": 1, **({} if self.parallel else {"maxItems": 1})}
+                "minItems": 1, **({} if self.parallel else {"maxItems": 1}), **({"$defs": defs} if defs else {})}
 
     def reader(self) -> CallReader:
         return CallReader(self)
@@ -103,6 +104,44 @@ class ToolRequest:
     def keeps_special_tokens(self) -> bool:
         """Whether the output must be decoded with its special tokens for its calls to be read."""
         return self.mode == "auto" and self.fmt == "mistral"
+
+
+_DATA = frozenset({"const", "enum", "default", "examples"})  # keywords whose values are data, not schemas
+
+
+def _rooted(params: dict, i: int, defs: dict[str, Any]) -> dict:
+    """Tool ``i``'s ``params`` as it reads inside "required"'s array of calls: its ``$defs`` (or ``definitions``)
+    moved into ``defs`` as ``tool{i}_NAME`` and its refs to them, or to its own root ``#``, rewritten (pydantic's
+    schemas refer so: the call's array is the root now)."""
+    own = {f"#/{key}/{name}": f"#/$defs/tool{i}_{name}" for key in ("$defs", "definitions")
+           for name in (params.get(key) if isinstance(params.get(key), dict) else {})}
+    own["#"] = f"#/$defs/tool{i}"
+
+    def moved(s: Any) -> Any:
+        if isinstance(s, list):
+            return [moved(v) for v in s]
+        if not isinstance(s, dict):
+            return s
+        return {k: (own.get(v, v) if k == "$ref" and isinstance(v, str) else v if k in _DATA else moved(v))
+                for k, v in s.items()}
+
+    if not any(k in own for k in _refs(params)):
+        return params
+    for key in ("$defs", "definitions"):
+        if isinstance(params.get(key), dict):
+            defs.update({f"tool{i}_{name}": moved(sub) for name, sub in params[key].items()})
+    defs[f"tool{i}"] = moved({k: v for k, v in params.items() if k not in ("$defs", "definitions")})
+    return {"$ref": f"#/$defs/tool{i}"}
+
+
+def _refs(s: Any) -> set[str]:
+    """Every ``$ref`` in schema ``s``."""
+    if isinstance(s, list):
+        return set().union(*map(_refs, s)) if s else set()
+    if not isinstance(s, dict):
+        return set()
+    found = {s["$ref"]} if isinstance(s.get("$ref"), str) else set()
+    return found.union(*(_refs(v) for k, v in s.items() if k not in _DATA))
 
 
 def check_tool(i: int, name: Any, params: Any, fields: tuple[str, str] = ("function.name", "function.parameters")

@@ -194,6 +194,30 @@ def test_required_holds_the_output_to_calls_of_the_given_tools():
     assert schema["items"]["anyOf"][0]["properties"]["parameters"] == WEATHER["function"]["parameters"]
 
 
+def test_required_keeps_each_tools_own_definitions_and_refs():
+    """A tool's ``$defs`` and ``$ref``s (pydantic's ``model_json_schema()``), ``#`` among them, read as they did at its
+    own root once its parameters sit in "required"'s array of calls (review: "'$ref' '#/$defs/Unit' is not
+    supported", where a named tool_choice took the same schema)."""
+    from tests.test_structured_output import accepts
+
+    unit = {"$defs": {"Unit": {"enum": ["c", "f"]}}, "type": "object", "properties": {"unit": {"$ref": "#/$defs/Unit"}},
+            "required": ["unit"]}
+    tree = {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}, "maxItems": 1},
+                                             "Unit": {"const": {"$ref": "#/$defs/Unit"}}}, "required": ["kids"]}
+    tools = [{"type": "function", "function": {"name": n, "parameters": p}}
+             for n, p in (("temp", unit), ("tree", tree), ("time", TIME["function"]["parameters"]))]
+    schema = parse_tools({"tools": tools, "tool_choice": "required"}, None).schema()
+    assert set(schema["$defs"]) == {"tool0", "tool0_Unit", "tool1"}  # (the third tool refers to nothing: as it was)
+    assert schema["items"]["anyOf"][2]["properties"]["parameters"] == TIME["function"]["parameters"]
+    assert schema["$defs"]["tool1"]["properties"]["Unit"] == tree["properties"]["Unit"]  # (a const is data)
+    assert accepts(schema, '[{"name": "temp", "parameters": {"unit": "f"}}]')
+    assert not accepts(schema, '[{"name": "temp", "parameters": {"unit": "k"}}]')
+    assert accepts(schema, '[{"name": "tree", "parameters": {"kids": [{"kids": []}], "Unit":{"$ref":"#/$defs/Unit"}}}]')
+    assert not accepts(schema, '[{"name": "tree", "parameters": {"kids": [{"unit": "f"}]}}]')
+    assert parse_tools({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "temp"}}},
+                       None).schema() == unit
+
+
 def test_formats_are_read_off_chat_templates():
     assert detect_format(HERMES_TEMPLATE) == detect_format(QWEN25_TEMPLATE) == "hermes"
     assert detect_format(MISTRAL_TEMPLATE) == "mistral"
