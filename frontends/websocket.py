@@ -38,7 +38,7 @@ socket is closed with 1008.
 Auth: the HTTP API's keys, from ``Authorization: Bearer`` or, for browsers, a
 ``Sec-WebSocket-Protocol`` value ``tokenmill.key.<KEY>`` (offer ``tokenmill.v1``
 with it: that is the one echoed back, so the key never is; a key offered alone
-is a 400). Without keys, a
+is a 400, and so are two keys or more). Without keys, a
 browser page from an origin that is neither ours nor in ``--allowed-origins`` is
 refused (403): a WebSocket is not bound by the same-origin policy, and any site
 could otherwise drive the server (the rule lives in ``frontends.auth``).
@@ -158,7 +158,10 @@ class WebSocketEndpoint:
         """The keys the handshake gave, checked (the connection's client's, for ``--fair-client key``)."""
         auth = self.api.auth  # the same origin rule and keys as the HTTP API
         auth.check_origin(req)
-        tokens = auth.given(req) + [p[len(KEY_PREFIX):] for p in offered if p.startswith(KEY_PREFIX)]
+        keys = [p[len(KEY_PREFIX):] for p in offered if p.startswith(KEY_PREFIX)]
+        if len(keys) > 1:  # (each would be tried: a handshake of hundreds of guesses)
+            raise ApiError(400, f"Offer one '{KEY_PREFIX}<key>' subprotocol at most, not {len(keys)}")
+        tokens = auth.given(req) + keys
         auth.check_key(tokens, f"send 'Authorization: Bearer <key>' or the subprotocol '{KEY_PREFIX}<key>'")
         return tokens
 

@@ -406,6 +406,9 @@ def test_auth_header_subprotocol_and_refusals(engine, codec):
                 await connect(s.url, subprotocols=[f"tokenmill.key.{KEY}"])
             assert e.value.response.status_code == 400 and b"tokenmill.v1" in e.value.response.body
             assert KEY.encode() not in e.value.response.body + str(e.value.response.headers).encode()
+            with pytest.raises(InvalidStatus) as e:  # (review: 300 guesses in one handshake)
+                await connect(s.url, subprotocols=["tokenmill.v1", *(f"tokenmill.key.{g}" for g in ("a", KEY, "b"))])
+            assert e.value.response.status_code == 400 and b"one 'tokenmill.key.<key>'" in e.value.response.body
             plain = await asyncio.to_thread(call, s.port, "GET", "/v1/stream")
             assert plain.status_code == 426 and plain.json()["error"]["message"]
             page = await asyncio.to_thread(call, s.port, "GET", "/", key=None)
