@@ -878,9 +878,9 @@ class OpenAIApi:
 
     # ------------------------------------------------------------------ running a generation
 
-    def _include_usage(self, data: dict) -> tuple[bool, bool]:
+    def include_usage(self, data: dict) -> tuple[bool, bool]:
         """``stream_options``: a usage chunk last (``include_usage``, or the server's flag), and with it the usage so
-        far in every chunk (vLLM's ``continuous_usage_stats``)."""
+        far in every chunk (vLLM's ``continuous_usage_stats``); a 400 where they are not booleans."""
         opts = op.field(data, "stream_options", dict, {})
         usage = bool(op.field(opts, "include_usage", bool, False)) or self.force_include_usage
         return usage, usage and bool(op.field(opts, "continuous_usage_stats", bool, False))
@@ -926,7 +926,7 @@ class OpenAIApi:
         if fmt.DONE and not stream and data.get("stream_options") is not None:  # (as vLLM: not for a whole answer)
             raise ApiError(400, "stream_options is only for streamed answers (stream: true)", param="stream_options")
         if stream and fmt.DONE:  # (a Response has its usage in it)
-            include_usage, fmt.continuous_usage = self._include_usage(data)
+            include_usage, fmt.continuous_usage = self.include_usage(data)
         req.id, info.gen = gen.api_id, gen  # the access log and x-request-id name the call by its own id
         gen.client_id = self.client_of(data, req.client, self.key_of(Auth.given(req)))
         gen.start()

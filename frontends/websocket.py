@@ -404,6 +404,7 @@ class Connection(asyncio.Protocol):
         try:
             try:
                 job = self.api.completion_job if kind == "completion" else self.api.chat_job
+                self.api.include_usage(msg)  # (checked as a stream's: ``done`` carries the usage always)
                 live.gen, fmt = await job(msg, arrival)
                 live.gen.client_id = self.api.client_of(msg, self.client, self.key)
                 live.gen.start()

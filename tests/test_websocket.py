@@ -469,6 +469,8 @@ def test_bad_messages_get_errors_and_the_socket_goes_on(engine, codec):
                     (json.dumps({"type": "completion", "id": "n", "prompt": "x", "n": 2}), "n", "n"),
                     (json.dumps({"type": "completion", "id": "b", "prompt": ["x", "y"]}), "b", "prompt"),
                     (json.dumps({"type": "chat", "id": "c", "messages": []}), "c", "messages"),
+                    (json.dumps({"type": "completion", "id": "o", "prompt": "x", "stream_options": {  # (as HTTP's)
+                        "include_usage": "yes"}}), "o", "include_usage"),
                     (json.dumps({"type": "completion", "id": "live", "prompt": "x"}), "live", "id"),
                 ]
                 errors = []
