@@ -74,7 +74,8 @@ class Request:
     """One parsed request. ``headers`` has lower-case names (last one wins)."""
 
     __slots__ = ("method", "path", "query", "raw_headers", "headers", "body", "keep_alive",
-                 "upgrade", "error", "expect_continue", "protocol", "_queued", "id", "started", "meta", "forwarded_for")
+                 "upgrade", "error", "expect_continue", "protocol", "_queued", "id", "started", "meta", "forwarded_for",
+                 "http10")
 
     def __init__(self) -> None:
         self.id = ""  # given when it is served; a handler may set its own
@@ -93,6 +94,7 @@ class Request:
         self.protocol: HttpProtocol | None = None
         self._queued = False
         self.forwarded_for: str | None = None  # the client behind a trusted proxy (HttpConfig.forwarded_allow_ips)
+        self.http10 = False  # an HTTP/1.0 client's: a stream is sent to it as the bytes up to the close, not chunked
 
     @property
     def client(self) -> str:
@@ -366,13 +368,13 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
 def _head(status: int, content_type: str, headers: list[tuple[str, str]], keep_alive: bool,
-          length: int | None) -> bytes:
+          length: int | None, chunked: bool = True) -> bytes:
     line = _STATUS_LINES.get(status)
     if line is None:
         line = _STATUS_LINES[status] = _status_line(status)
     parts = [line, b"content-type: ", content_type.encode(), b"\r\n"] if status != 204 else [line]
     if length is None:
-        parts.append(b"transfer-encoding: chunked\r\ncache-control: no-cache\r\n")
+        parts.append(b"transfer-encoding: chunked\r\ncache-control: no-cache\r\n" if chunked else b"cache-control: no-cache\r\n")
     elif status != 204:  # a 204 has no body, so no length either (RFC 9110 8.6)
         parts += [b"content-length: ", str(length).encode(), b"\r\n"]
     if not keep_alive:
@@ -589,6 +591,7 @@ class HttpProtocol(asyncio.Protocol):
         if "x-forwarded-for" in req.headers:
             req.forwarded_for = self.server.trusted.client(req.raw_headers, self.peer)
         req.keep_alive = self.parser.should_keep_alive() and not self.server.shutting_down
+        req.http10 = self.parser.get_http_version() == "1.0"
         if self.parser.should_upgrade():
             req.upgrade = req.headers.get("upgrade", "").lower()
         length = req.headers.get("content-length")
@@ -608,7 +611,7 @@ class HttpProtocol(asyncio.Protocol):
         else:
             self._disarm()
         # a body to wait for, from an HTTP/1.1 client (one of HTTP/1.0 is to be ignored: it may not know a 100)
-        if expect and has_body and self.parser.get_http_version() != "1.0":
+        if expect and has_body and not req.http10:
             if self._responding or self._pending:
                 req.expect_continue = True  # sent when the responses ahead of it are written
             else:
@@ -788,16 +791,18 @@ class HttpProtocol(asyncio.Protocol):
         finds it in ``/metrics``, whichever frontend serves the scrape.
         """
         write = self.transport.write
-        cut = False
+        cut, chunked = False, not req.http10  # (RFC 9112 6.1: no transfer coding for HTTP/1.0; the close ends it)
+        if not chunked:
+            req.keep_alive = False
         write(_head(resp.status, resp.content_type, [*resp.headers, ("x-request-id", req.id)], req.keep_alive,
-                    None))
+                    None, chunked))
         chunks = resp.chunks
         try:
             async for chunk in chunks:
                 if self.lost or req.method == "HEAD":  # (a HEAD request's answer: the head alone)
                     break
                 if chunk:
-                    write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+                    write(b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunked else chunk)
                     if self._write_paused:
                         await self.drain()
         except asyncio.CancelledError:
@@ -814,7 +819,7 @@ class HttpProtocol(asyncio.Protocol):
             if aclose is not None:
                 await aclose()
         self.server.observe(req, status)
-        if not (cut or self.lost or req.method == "HEAD"):
+        if chunked and not (cut or self.lost or req.method == "HEAD"):
             write(b"0\r\n\r\n")
 
     def _hand_over(self, up: Upgrade) -> None:

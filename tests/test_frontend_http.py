@@ -170,6 +170,17 @@ def test_streaming_chunked_response(port):
     assert read_until(s, b"after stream").startswith(b"HTTP/1.1 200")
 
 
+def test_an_http10_client_gets_a_stream_up_to_the_close(port):
+    """RFC 9112 6.1: no transfer coding in an answer to HTTP/1.0 (review: a 1.0 client was sent chunk sizes);
+    a stream then ends as the connection closes, whatever the client asked for."""
+    for extra in (b"", b"Connection: keep-alive\r\n"):
+        s = connect(port)
+        s.sendall(b"GET /stream HTTP/1.0\r\n%b\r\n" % extra)
+        head, _, body = read_all(s).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding" not in head and b"connection: close" in head
+        assert body == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
+
+
 def test_flow_control_and_disconnect(port):
     CLOSED.clear()
     s = connect(port)
