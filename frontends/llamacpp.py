@@ -381,7 +381,7 @@ class LlamaCppApi:
             router.add(method, path, auth.guard(handler, json_body=method == "POST"), errors=(error_body,),
                        refuses=auth.refuses)
             router.add_preflight(path, auth.preflight)
-        # the OpenAI frontend's, which take llama.cpp's shapes too (and answer in OpenAI's error shape)
+        # the OpenAI frontend's, which take llama.cpp's shapes too (a llama.cpp-shaped /tokenize is refused in its shape)
         router.add("POST", "/tokenize", auth.guard(self.tokenize, json_body=True), refuses=auth.refuses)
         router.add("POST", "/detokenize", auth.guard(self.detokenize, json_body=True), refuses=auth.refuses)
 
@@ -611,6 +611,12 @@ class LlamaCppApi:
         data = op.parse_json(req.body)
         if "content" not in data or "prompt" in data or "messages" in data:
             return _json_response(await self.api.tokenized(data))
+        try:
+            return await self._tokenize(data)
+        except ApiError as e:  # (llama.cpp's body: its error shape)
+            return Response(e.status, orjson.dumps(error_body(e)), headers=list(e.headers))
+
+    async def _tokenize(self, data: dict) -> Response:
         ids = await tokens_of(self.api, data["content"], "content", op.field(data, "add_special", bool, False),
                               literal=not op.field(data, "parse_special", bool, True))
         if not op.field(data, "with_pieces", bool, False):

@@ -450,6 +450,9 @@ def test_refusals_in_llamacpp_s_shape(server):
     assert post(server, "/completion", {"prompt": "x", "n_predict": 1, "model": ["not", "a", "name"]})["stop"]
     status, raw = call(server, "/tokenize", {"content": [17] * 131073, "with_pieces": True})
     assert status == 400 and "at most 131072 tokens" in json.loads(raw)["error"]["message"]
+    assert json.loads(raw)["error"]["code"] == 400  # (llama.cpp's body: its shape; review: OpenAI's was given)
+    status, raw = call(server, "/tokenize", {"content": 5})
+    assert status == 400 and set(json.loads(raw)["error"]) == {"code", "message", "type"}
     assert len(post(server, "/tokenize", {"content": [17] * 5000, "with_pieces": True})["tokens"]) == 5000
     status, raw = call(server, "/completion", {"prompt": [17] * 4096})
     assert status == 400 and json.loads(raw) == {"error": {
