@@ -75,9 +75,11 @@ def _text_of(content: Any, where: str) -> str:
             if isinstance(part, dict) and part.get("type") == "refusal" and isinstance(part.get("refusal"), str):
                 texts.append(part["refusal"])
                 continue
-            if not (isinstance(part, dict) and part.get("type") in ("input_text", "output_text", "text")
-                    and isinstance(part.get("text"), str)):
+            if not (isinstance(part, dict) and part.get("type") in ("input_text", "output_text", "text")):
                 raise ApiError(400, f"{where}: only text parts (input_text, output_text, refusal) are supported",
+                               param=where.split("[", 1)[0])
+            if not isinstance(part.get("text"), str):
+                raise ApiError(400, f"{where}: {part['type']}'s 'text' must be a string",
                                param=where.split("[", 1)[0])
             texts.append(part["text"])
         return "".join(texts)
@@ -224,6 +226,9 @@ def to_chat(data: dict, sources: list[str] | None = None, history: list[dict] | 
         if fmt.get("type") == "json_schema":
             if not isinstance(fmt.get("name", ""), str):  # (written back in the Response as it came)
                 raise ApiError(400, "text.format.name must be a string", param="text")
+            if not isinstance(fmt.get("schema"), dict):  # (this API's shape, not chat's 'json_schema': {...})
+                raise ApiError(400, "text.format of type 'json_schema' needs its 'schema', a JSON object: "
+                               "{'type': 'json_schema', 'name': ..., 'schema': {...}}", param="text")
             chat["response_format"] = {"type": "json_schema", "json_schema": {"name": fmt.get("name"),
                                                                               "schema": fmt.get("schema")}}
         else:

@@ -108,6 +108,8 @@ def test_a_function_without_parameters():
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {}}]}, "input"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": {"x": 1}, "schema": {}}}}, "text"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema"}}}, "text"),  # (review: chat's shape was named)
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "json_schema": {"schema": {}}}}}, "text"),
     ({"input": [{"role": "user", "content": "x"}, {"type": "function_call", "call_id": "c", "name": "f",
                                                     "arguments": "{"}]}, "input"),  # (input[1], not a chat's words)
     ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {"type": "array"}}]}, "tools"),
@@ -131,7 +133,13 @@ def test_what_this_server_cannot_do_is_a_400(body, param):
     with pytest.raises(ApiError) as e:
         to_chat(body)
     assert (e.value.status, e.value.param) == (400, param)
-    assert not any(w in e.value.message for w in ("function.", "None", "tool_calls", "messages["))  # (this API's words)
+    assert not any(w in e.value.message for w in ("function.", "None", "tool_calls", "messages[",  # (this API's words)
+                                                   "'json_schema': {"))
+
+
+def test_a_text_part_whose_text_is_no_string_is_named_so():
+    with pytest.raises(ApiError, match=r"input\[0\]\.content: input_text's 'text' must be a string"):
+        to_chat({"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]})
 
 
 def test_served_text_thinking_and_a_call(client):  # noqa: F811 - the fixture
