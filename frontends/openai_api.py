@@ -245,8 +245,8 @@ class OpenAIApi:
         except TokenizerBusy as e:
             raise ApiError(429, f"Server busy: {e}", headers=[("retry-after", "1")]) from None
 
-    async def _encode(self, text: str) -> list[int]:
-        return await self._offload(len(text), self.codec.encode, text)
+    async def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await self._offload(len(text), self.codec.encode, text, add_special_tokens)
 
     async def _bad_words(self, data: dict) -> list[list[int]] | None:
         """vLLM's ``bad_words`` as token ids (many of them off the event loop, as any big text)."""
@@ -491,8 +491,11 @@ class OpenAIApi:
         fim = suffix is not None and (suffix != "" or self.codec.fills_in_the_middle)  # ("": a file's end)
         if fim:  # fill in the middle: the prompt before the gap, the suffix after it
             data = self._fill_in_the_middle(data, echo)
-        prompts = await op.parse_truncated_prompts(data, self._encode_code if fim else self._encode, self.codec,
-                                                   self.max_chars, self.max_model_len, empty=fim)
+        specials = op.field(data, "add_special_tokens", bool, True)  # (vLLM's: false, no BOS added to a text)
+        encode = self._encode_code if fim else self._encode if specials else functools.partial(self._encode,
+                                                                                                add_special_tokens=False)
+        prompts = await op.parse_truncated_prompts(data, encode, self.codec, self.max_chars, self.max_model_len,
+                                                   empty=fim)
         if fim:
             prompts = await self._fim_prompts(prompts, suffix)
         logprobs = op.field(data, "logprobs", int, None)

@@ -1,7 +1,7 @@
 """vLLM's token fields on /v1/completions and /v1/chat/completions, through the official openai client against
 ``tokenmill serve`` on a tiny random llama (fp32): ``return_token_ids`` (``prompt_token_ids`` and ``token_ids``,
 whole and streamed), ``prompt_logprobs`` (every prompt token's logprob and rank, checked against transformers'
-``log_softmax``) and ``truncate_prompt_tokens`` (the last k prompt tokens, as if sent alone)."""
+``log_softmax``), ``truncate_prompt_tokens`` (the last k prompt tokens, as if sent alone) and ``add_special_tokens``."""
 
 from __future__ import annotations
 
@@ -155,3 +155,44 @@ def test_websocket_sends_the_prompt_fields(tiny_server, llm):
     assert first["type"] == "delta" and first["prompt_token_ids"] == llm.tokenizer.encode(PROMPT)
     assert first["prompt_logprobs"][0] is None and len(first["prompt_logprobs"]) == len(first["prompt_token_ids"])
     assert all("prompt_token_ids" not in m for m in msgs[1:])
+
+
+def test_add_special_tokens_false_leaves_the_bos_out(tmp_path, smollm_tokenizer_dir):
+    """vLLM's ``add_special_tokens`` on /v1/completions: true (the default) encodes a text prompt with the
+    tokenizer's BOS, false without it (a prompt formatted by hand, its BOS written already); token ids as they are."""
+    import asyncio
+
+    from tokenizers import processors
+
+    from frontends.text import TextCodec
+    from frontends.tokenizer import load_tokenizer
+    from tests.test_frontend_openai import post
+    from tests.test_websocket import serving
+    from tools.fake_engine import FakeEngine
+
+    tok = load_tokenizer(smollm_tokenizer_dir)
+    bos = tok.convert_tokens_to_ids("<|im_start|>")
+    tok.bos_token = "<|im_start|>"
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<|im_start|> $A",
+                                                                         special_tokens=[("<|im_start|>", bos)])
+    codec = TextCodec(tok)
+    text = codec.encode("one two", add_special_tokens=False)
+    engine = FakeEngine(f"ipc://{tmp_path}/engine.sock")
+    engine.start()
+
+    async def main():
+        async with serving(engine, codec) as s:
+            def prompt(**extra) -> list[int]:
+                r = post(s.port, "/v1/completions", {"max_tokens": 1, **extra})
+                assert r.status_code == 200, r.text
+                return engine.adds[-1].prompt_token_ids
+
+            assert await asyncio.to_thread(prompt, prompt="one two") == [bos, *text]
+            assert await asyncio.to_thread(prompt, prompt="one two", add_special_tokens=False) == text
+            assert await asyncio.to_thread(prompt, prompt=text, add_special_tokens=True) == text
+            r = await asyncio.to_thread(post, s.port, "/v1/completions", {"prompt": "x", "add_special_tokens": "no"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "add_special_tokens"
+    try:
+        asyncio.run(main())
+    finally:
+        engine.stop()
