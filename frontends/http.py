@@ -530,26 +530,30 @@ class HttpProtocol(asyncio.Protocol):
         self._wake_writer()
 
     def data_received(self, data: bytes) -> None:
-        if self._stop_reading:
-            return
+        pending = [data]
+        while pending and not self._stop_reading:  # (more than one: an Upgrade nobody takes, read again)
+            pending[:1] = self._feed(pending[0])
+
+    def _feed(self, data: bytes | memoryview) -> list:
+        """``data`` parsed; what is left to parse: a request whose Upgrade nobody takes, its head again (without
+        it) and the bytes after its head, which llhttp left unread (``_ignore_upgrade``), or nothing."""
         began, between = self._messages, self._cur is None
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade as e:
-            rest = data[e.args[0]:] if e.args else b""
+            rest = memoryview(data)[e.args[0]:] if e.args else b""  # (not copied: many such requests may follow)
             if self._ignored is None:
-                self._leftover = rest
+                self._leftover = bytes(rest)
                 self._stop_reading = True
-            else:  # llhttp ended the message at its head: read it again, with its body and what follows
-                head, self._ignored = self._ignored, None
-                self.parser = httptools.HttpRequestParser(self)
-                self.data_received(head + rest)
-            return
+                return []
+            head, self._ignored = self._ignored, None
+            self.parser = httptools.HttpRequestParser(self)
+            return [head, rest]
         except httptools.HttpParserError as e:
             if not self._stop_reading:  # (else a callback refused the request and stopped the parser)
                 req = self._cur if self._cur is not None and not self._cur._queued else Request()
                 self._refuse(req, 400, f"Malformed HTTP request: {e}")
-            return
+            return []
         if self._in_head:
             # httptools buffers a header until it is complete, unseen by on_header: count the
             # reads that can only be head, i.e. all of them from the one where the head started
@@ -559,6 +563,7 @@ class HttpProtocol(asyncio.Protocol):
                 self._head_raw = len(data)
             if self._head_raw > self.config.max_header_bytes:
                 self._refuse(self._cur, 431, self._head_message())
+        return []
 
     # ------------------------------------------------------------------ parser callbacks
 
@@ -628,7 +633,7 @@ class HttpProtocol(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         req = self._cur
-        if req is not None and req.upgrade and not req._queued and self._ignore_upgrade(req):
+        if req is not None and not req._queued and self.parser.should_upgrade() and self._ignore_upgrade(req):
             self._cur = None
             return
         if req is not None and not req._queued:
@@ -638,20 +643,21 @@ class HttpProtocol(asyncio.Protocol):
 
     def _ignore_upgrade(self, req: Request) -> bool:
         """An Upgrade no route takes is ignored (RFC 9110 7.8; ``curl --http2`` asks for h2c): ``req``'s head is
-        kept, without it, to be read again (``data_received``) with the body the parser left unread."""
-        if self.server.router.upgrade_handler(req.path) is not None or req.method == "CONNECT":
+        kept, without it, to be read again (``data_received``) with the body the parser left unread. Never longer
+        than it came (its header limit holds), and never where the parser read a body (it would be read twice)."""
+        if self.server.router.upgrade_handler(req.path) is not None or req.method == "CONNECT" or req.body:
             return False
-        drop = {"upgrade", "http2-settings"} | (set() if req.expect_continue else {"expect"})  # (a 100 sent: once)
+        drop = {b"upgrade", b"http2-settings"} | (set() if req.expect_continue else {b"expect"})  # (a 100 sent: once)
         lines = [f"{req.method} ".encode() + bytes(self._url) + f" HTTP/{self.parser.get_http_version()}".encode()]
         for name, value in req.raw_headers:
             key = name.lower()
             if key == b"connection":
-                value = b", ".join(t for t in (t.strip() for t in value.split(b",")) if t.lower().decode() not in drop)
+                value = b",".join(t for t in (t.strip() for t in value.split(b",")) if t.lower() not in drop)
                 if not value:
                     continue
-            elif key.decode("latin-1") in drop:
+            elif key in drop:
                 continue
-            lines.append(name + b": " + value)
+            lines.append(name + b":" + value)
         self._ignored = b"\r\n".join(lines) + b"\r\n\r\n"
         return True
 

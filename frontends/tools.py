@@ -36,6 +36,7 @@ import json
 import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,41 +108,39 @@ class ToolRequest:
 
 
 _DATA = frozenset({"const", "enum", "default", "examples"})  # keywords whose values are data, not schemas
+_NAMED = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})  # name -> schema
+_DEFS = {"$defs": "defs_", "definitions": "definitions_"}  # (one name in both: two definitions)
 
 
 def _rooted(params: dict, i: int, defs: dict[str, Any]) -> dict:
-    """Tool ``i``'s ``params`` as it reads inside "required"'s array of calls: its ``$defs`` (or ``definitions``)
-    moved into ``defs`` as ``tool{i}_NAME`` and its refs to them, or to its own root ``#``, rewritten (pydantic's
-    schemas refer so: the call's array is the root now)."""
-    own = {f"#/{key}/{name}": f"#/$defs/tool{i}_{name}" for key in ("$defs", "definitions")
+    """Tool ``i``'s ``params`` as it reads inside "required"'s array of calls: its ``$defs`` (and ``definitions``)
+    moved into ``defs`` as ``tool{i}_defs_NAME`` (``tool{i}_definitions_NAME``) and its refs to them, or to its own root
+    ``#``, rewritten (pydantic's schemas refer so: the call's array is the root now). One that refers to nothing
+    is as it was."""
+    own = {f"#/{key}/{name}": f"#/$defs/tool{i}_{tag}{name}" for key, tag in _DEFS.items()
            for name in (params.get(key) if isinstance(params.get(key), dict) else {})}
     own["#"] = f"#/$defs/tool{i}"
-
-    def moved(s: Any) -> Any:
-        if isinstance(s, list):
-            return [moved(v) for v in s]
-        if not isinstance(s, dict):
-            return s
-        return {k: (own.get(v, v) if k == "$ref" and isinstance(v, str) else v if k in _DATA else moved(v))
-                for k, v in s.items()}
-
-    if not any(k in own for k in _refs(params)):
+    found: list[str] = []
+    _with_refs(params, lambda ref, _: found.append(ref) or ref)
+    if not any(ref in own for ref in found):
         return params
-    for key in ("$defs", "definitions"):
+    rename = own.get
+    for key, tag in _DEFS.items():
         if isinstance(params.get(key), dict):
-            defs.update({f"tool{i}_{name}": moved(sub) for name, sub in params[key].items()})
-    defs[f"tool{i}"] = moved({k: v for k, v in params.items() if k not in ("$defs", "definitions")})
+            defs.update({f"tool{i}_{tag}{name}": _with_refs(sub, rename) for name, sub in params[key].items()})
+    defs[f"tool{i}"] = _with_refs({k: v for k, v in params.items() if k not in _DEFS}, rename)
     return {"$ref": f"#/$defs/tool{i}"}
 
 
-def _refs(s: Any) -> set[str]:
-    """Every ``$ref`` in schema ``s``."""
+def _with_refs(s: Any, new: Callable[[str, str], str]) -> Any:
+    """Schema ``s`` with each ``$ref`` as ``new(ref, ref)`` says (data left as it is: ``const``, ``enum``...)."""
     if isinstance(s, list):
-        return set().union(*map(_refs, s)) if s else set()
+        return [_with_refs(v, new) for v in s]
     if not isinstance(s, dict):
-        return set()
-    found = {s["$ref"]} if isinstance(s.get("$ref"), str) else set()
-    return found.union(*(_refs(v) for k, v in s.items() if k not in _DATA))
+        return s
+    return {k: new(v, v) if k == "$ref" and isinstance(v, str) else v if k in _DATA
+            else {name: _with_refs(sub, new) for name, sub in v.items()} if k in _NAMED and isinstance(v, dict)
+            else _with_refs(v, new) for k, v in s.items()}
 
 
 def check_tool(i: int, name: Any, params: Any, fields: tuple[str, str] = ("function.name", "function.parameters")

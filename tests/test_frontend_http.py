@@ -266,6 +266,25 @@ def test_an_upgrade_no_route_takes_is_ignored(port):
     assert r.startswith(b"HTTP/1.1 200 OK\r\n") and r.endswith(b"slow")
 
 
+def test_ignored_upgrades_in_odd_shapes_and_many_at_once(port):
+    """Review of the above: 1200 such requests pipelined in one write (each was read again one call deeper, and
+    Python's recursion limit cut them off), a Connection token that is no UTF-8, an empty last Upgrade header
+    (llhttp upgrades on any), and a head just under the limit whose Connection header is all commas."""
+    s = connect(port)
+    h2c = b"Connection: Upgrade\r\nUpgrade: h2c\r\n"
+    s.sendall(b"".join(post_echo(b"<%d>" % i, h2c) for i in range(1200)))
+    r = read_until(s, b"<1199>")
+    assert r.count(b"HTTP/1.1 200 OK") == 1200 and r.index(b"<0>") < r.index(b"<1>") < r.index(b"<1199>")
+    for extra in (b"Connection: Upgrade, caf\xe9\r\nUpgrade: h2c\r\n", b"Connection: Upgrade\r\nUpgrade: h2c\r\nUpgrade: \r\n"):
+        s.sendall(post_echo(b"odd", extra) + post_echo(b"next"))
+        r = read_until(s, b"next")
+        assert r.count(b"HTTP/1.1 200 OK") == 2 and b"\r\n\r\nodd" in r
+    commas = b"Connection: Upgrade," + b",".join([b"a"] * 30000) + b"\r\nUpgrade: h2c\r\n"
+    pad = b"X: " + b"b" * (HttpConfig().max_header_bytes - len(post_echo(b"big", commas)) - 20) + b"\r\n"
+    s.sendall(post_echo(b"big", commas + pad))
+    assert read_until(s, b"big").startswith(b"HTTP/1.1 200 OK")
+
+
 def test_an_answer_is_observed_before_the_client_has_all_of_it():
     """The observer (the metrics) runs before an answer's last byte leaves: a client holding its
     whole answer finds it counted, even when another frontend process serves the scrape."""

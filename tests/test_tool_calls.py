@@ -204,16 +204,22 @@ def test_required_keeps_each_tools_own_definitions_and_refs():
             "required": ["unit"]}
     tree = {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}, "maxItems": 1},
                                              "Unit": {"const": {"$ref": "#/$defs/Unit"}}}, "required": ["kids"]}
+    # (review: properties named as data keywords hold schemas; one name in $defs and definitions is two)
+    odd = {"type": "object", "properties": {"default": {"$ref": "#/$defs/N"}, "enum": {"$ref": "#/definitions/N"}},
+           "$defs": {"N": {"type": "integer"}}, "definitions": {"N": {"type": "string"}}}
     tools = [{"type": "function", "function": {"name": n, "parameters": p}}
-             for n, p in (("temp", unit), ("tree", tree), ("time", TIME["function"]["parameters"]))]
+             for n, p in (("temp", unit), ("tree", tree), ("time", TIME["function"]["parameters"]), ("odd", odd))]
     schema = parse_tools({"tools": tools, "tool_choice": "required"}, None).schema()
-    assert set(schema["$defs"]) == {"tool0", "tool0_Unit", "tool1"}  # (the third tool refers to nothing: as it was)
+    assert set(schema["$defs"]) == {"tool0", "tool0_defs_Unit", "tool1", "tool3", "tool3_defs_N",
+                                    "tool3_definitions_N"}  # (the third tool refers to nothing: as it was)
     assert schema["items"]["anyOf"][2]["properties"]["parameters"] == TIME["function"]["parameters"]
     assert schema["$defs"]["tool1"]["properties"]["Unit"] == tree["properties"]["Unit"]  # (a const is data)
     assert accepts(schema, '[{"name": "temp", "parameters": {"unit": "f"}}]')
     assert not accepts(schema, '[{"name": "temp", "parameters": {"unit": "k"}}]')
     assert accepts(schema, '[{"name": "tree", "parameters": {"kids": [{"kids": []}], "Unit":{"$ref":"#/$defs/Unit"}}}]')
     assert not accepts(schema, '[{"name": "tree", "parameters": {"kids": [{"unit": "f"}]}}]')
+    assert accepts(schema, '[{"name": "odd", "parameters": {"default": 1, "enum": "x"}}]')
+    assert not accepts(schema, '[{"name": "odd", "parameters": {"default": "x"}}]')
     assert parse_tools({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "temp"}}},
                        None).schema() == unit
 
