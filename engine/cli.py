@@ -304,8 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "its requests fail with 503 until it answers again; a longer step (a huge prefill "
                         "on a slow CPU) needs more (default: 60, as vLLM's engine iteration timeout)")
     h.add_argument("--max-connections", type=int, default=None, metavar="N",
-                   help="open connections (HTTP and WebSocket) per frontend process; more get 503 "
-                        "(default: 1024)")
+                   help="open connections (HTTP and WebSocket) per frontend process; one more closes the one "
+                        "that has waited longest for a request (1 s or more), or else gets 503 (default: 1024)")
     h.add_argument("--header-timeout", type=float, default=None, metavar="SECONDS",
                    help="a request's line and headers must arrive within this, else 408 (default: 30)")
     h.add_argument("--body-timeout", type=float, default=None, metavar="SECONDS",

@@ -11,7 +11,9 @@ One client must never stall anyone else, so every wait on a client has a limit
 among the pipelined ones, then the connection closes:
 
 - ``max_connections`` per process (WebSockets handed over count too): one more
-  gets an immediate 503 with ``retry-after: 1``;
+  closes the connection that has waited longest for a request, a second or more
+  (idle, or its head begun and not finished: a slowloris), or else gets an
+  immediate 503 with ``retry-after: 1``;
 - ``header_timeout`` from a request's first byte to the end of its head, even
   while earlier pipelined requests are being answered: 408 (an idle keep-alive
   connection past ``keep_alive_timeout`` is just closed);
@@ -50,6 +52,7 @@ import contextlib
 import ipaddress
 import itertools
 import logging
+import math
 import os
 import socket
 import struct
@@ -68,6 +71,7 @@ log = logging.getLogger("tokenmill.http")
 
 _MAX_PIPELINED = 32  # queued requests per connection before we stop reading from it
 TLS_GOODBYE_S = 1.0  # at shutdown, how long closed TLS connections get to send their last bytes
+EVICT_AFTER = 1.0  # at the connection limit, a connection waiting this long for a request makes room for a new one
 
 
 class Request:
@@ -413,12 +417,25 @@ class HttpServer:
                 log.exception("request observer failed for %s", req.id)
 
     def at_capacity(self) -> bool:
-        if len(self.connections) < self.config.max_connections:
+        if len(self.connections) < self.config.max_connections or self._made_room():
             return False
         now = time.monotonic()
         if now - self._full_since > 10.0:  # one line per burst, not one per refused connection
             self._full_since = now
             log.warning("connection limit reached (%d): new connections get 503", self.config.max_connections)
+        return True
+
+    def _made_room(self) -> bool:
+        """At the limit, the connection that has waited longest for a request, if ``EVICT_AFTER`` seconds or more
+        (idle since it was made or since its last answer, or its head begun and not finished: a slowloris), is
+        closed to let a new one in; connections with a request under way are kept."""
+        now = time.monotonic()
+        waiting = [c for c in self.connections if isinstance(c, HttpProtocol) and c.waiting_since <= now - EVICT_AFTER]
+        if not waiting:
+            return False
+        oldest = min(waiting, key=lambda c: c.waiting_since)
+        self.connections.discard(oldest)
+        oldest.close()
         return True
 
     async def shutdown(self, grace: float) -> None:
@@ -486,6 +503,7 @@ class HttpProtocol(asyncio.Protocol):
         self._last_body = 0.0  # loop time of the current request's last body bytes
         self._body_start = 0.0  # ... and of when its body was due to start
         self._paused_at = 0.0  # loop time of the last pause_reading (too many pipelined requests)
+        self._idle_since = math.inf  # (time.monotonic) when it began to wait for a request: ``waiting_since``
 
     # ------------------------------------------------------------------ asyncio callbacks
 
@@ -504,6 +522,7 @@ class HttpProtocol(asyncio.Protocol):
             self.server.observe(req, 503)
             return
         self.server.connections.add(self)
+        self._idle_since = time.monotonic()
         if self.config.socket_send_buffer and (sock := transport.get_extra_info("socket")) is not None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.config.socket_send_buffer)
         self._arm(self.config.header_timeout)
@@ -736,7 +755,9 @@ class HttpProtocol(asyncio.Protocol):
             return
         if self.server.shutting_down or self._stop_reading:
             self.close()
-        elif self._cur is None:
+            return
+        self._idle_since = time.monotonic()
+        if self._cur is None:
             self._arm(self.config.keep_alive_timeout)
 
     async def _serve(self, req: Request) -> bool:
@@ -875,6 +896,14 @@ class HttpProtocol(asyncio.Protocol):
     @property
     def idle(self) -> bool:
         return (self._worker is None or self._worker.done()) and not self._pending
+
+    @property
+    def waiting_since(self) -> float:
+        """Since when (``time.monotonic``) it has waited for a request's head, or infinity: a request is under way
+        (its body coming, or answered) or the connection is another protocol's now."""
+        if self.lost or not self.idle or self._cur is not None and not self._in_head:
+            return math.inf
+        return self._idle_since
 
     def _arm(self, seconds: float) -> None:
         self._disarm()

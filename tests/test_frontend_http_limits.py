@@ -2,7 +2,7 @@
 
 Raw sockets against ``HttpServer``s in a thread, with timeouts of a fraction of a
 second: slowloris heads and bodies (408), pipelined heads that stall behind a slow
-answer, oversized heads (431), the connection limit (503), and a client that
+answer, oversized heads (431), the connection limit (503, or room made by the longest waiting connection), and a client that
 stops reading a stream (cut after ``write_timeout``).
 """
 
@@ -170,6 +170,35 @@ def test_connection_limit_503(port):
         again = connect(p)
         again.sendall(post_echo(b"two"))
         assert read_until(again, b"two").startswith(b"HTTP/1.1 200 ")
+
+
+def test_at_the_limit_the_longest_waiting_connection_makes_room(port):
+    """Review: 1024 connections that send nothing (or half a head, a byte now and then) held every client off with
+    503s for up to --header-timeout, and again as soon as they were made anew. At the limit, the connection that
+    has waited longest for a request (a second or more) is closed for a new one; one whose request is under way is
+    never (the limit's 503 then, as above)."""
+    with serving(HttpConfig(max_connections=2, header_timeout=30, keep_alive_timeout=30)) as (p, server):
+        silent = connect(p)
+        time.sleep(0.1)
+        slowloris = connect(p)
+        slowloris.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\n")
+        r = read_all(connect(p))  # (they have waited under a second: this one is refused)
+        assert r.startswith(b"HTTP/1.1 503 ")
+        time.sleep(1.1)
+        fresh = connect(p)
+        fresh.sendall(post_echo(b"in"))
+        assert read_until(fresh, b"in").startswith(b"HTTP/1.1 200 ")
+        assert silent.recv(100) == b""  # (the longest waiting: closed without a word)
+        slowloris.sendall(b"X: y\r\n")
+        later = connect(p)  # the slowloris, now the longest waiting, makes room next
+        later.sendall(post_echo(b"later"))
+        assert read_until(later, b"later").startswith(b"HTTP/1.1 200 ")
+        assert read_all(slowloris) == b""
+        for c in (fresh, later):
+            c.sendall(b"GET /sleepy HTTP/1.1\r\nHost: x\r\n\r\n")  # (answered after 1 s: under way until then)
+        time.sleep(0.2)
+        assert read_all(connect(p)).startswith(b"HTTP/1.1 503 ")
+        assert read_until(fresh, b"sleepy").endswith(b"sleepy") and read_until(later, b"sleepy").endswith(b"sleepy")
 
 
 def test_stream_to_a_client_that_never_reads_is_cut(port):
