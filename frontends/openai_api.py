@@ -282,9 +282,10 @@ class OpenAIApi:
             op.check_text_length(calls.size, self.max_chars, "tools")
             size += calls.size
             op.check_text_length(size, self.max_chars, "messages")
+        specials = op.field(data, "add_special_tokens", bool, False)  # (vLLM's: the template writes the BOS)
         try:
             return await self._offload(size, self.codec.apply_chat_template, messages, add_generation_prompt,
-                                       calls.tools if calls is not None else None, extra, continue_final)
+                                       calls.tools if calls is not None else None, extra, continue_final, specials)
         except ApiError:
             raise
         except Exception as e:  # noqa: BLE001 - templates raise whatever they like on odd conversations

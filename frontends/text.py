@@ -266,10 +266,11 @@ class TextCodec:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, extra: dict | None = None,
-                            continue_final: bool = False) -> list[int]:
+                            continue_final: bool = False, add_special_tokens: bool = False) -> list[int]:
         """``extra``: more template variables (``chat_template_kwargs``). ``continue_final``: the prompt ends
         inside the last (assistant) message, so the model goes on with it (vLLM's and transformers'
-        ``continue_final_message``: what the template writes after its content is cut off)."""
+        ``continue_final_message``: what the template writes after its content is cut off).
+        ``add_special_tokens``: the tokenizer's own (a BOS) around what the template wrote, as vLLM's field."""
         text = self.tokenizer.apply_chat_template(self._template_messages(messages), tokenize=False, tools=tools,
                                                   add_generation_prompt=add_generation_prompt, **(extra or {}))
         if continue_final:
@@ -282,7 +283,7 @@ class TextCodec:
                                  "it cannot be continued")
             kept = len(final.lstrip()) if text[at:at + len(final.lstrip())] == final.lstrip() else len(final.strip())
             text = text[:at + kept]
-        return self.encode(text, add_special_tokens=False)
+        return self.encode(text, add_special_tokens=add_special_tokens)
 
     async def run(self, size: int, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` inline when ``size`` (characters, or token ids) is small, else on the tokenizer

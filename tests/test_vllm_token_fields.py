@@ -157,9 +157,10 @@ def test_websocket_sends_the_prompt_fields(tiny_server, llm):
     assert all("prompt_token_ids" not in m for m in msgs[1:])
 
 
-def test_add_special_tokens_false_leaves_the_bos_out(tmp_path, smollm_tokenizer_dir):
-    """vLLM's ``add_special_tokens`` on /v1/completions: true (the default) encodes a text prompt with the
-    tokenizer's BOS, false without it (a prompt formatted by hand, its BOS written already); token ids as they are."""
+def test_add_special_tokens_as_vllm_takes_it(tmp_path, smollm_tokenizer_dir):
+    """vLLM's ``add_special_tokens``: on /v1/completions true (the default) encodes a text prompt with the
+    tokenizer's BOS, false without it (a prompt formatted by hand, its BOS written already), token ids as they are;
+    on a chat false (the default: the template writes what it needs), true adds the BOS to what it wrote."""
     import asyncio
 
     from tokenizers import processors
@@ -177,21 +178,29 @@ def test_add_special_tokens_false_leaves_the_bos_out(tmp_path, smollm_tokenizer_
                                                                          special_tokens=[("<|im_start|>", bos)])
     codec = TextCodec(tok)
     text = codec.encode("one two", add_special_tokens=False)
+    chat = [{"role": "user", "content": "one two"}]
+    templated = codec.apply_chat_template(chat)
     engine = FakeEngine(f"ipc://{tmp_path}/engine.sock")
     engine.start()
 
     async def main():
         async with serving(engine, codec) as s:
-            def prompt(**extra) -> list[int]:
-                r = post(s.port, "/v1/completions", {"max_tokens": 1, **extra})
+            def prompt(path: str, **body) -> list[int]:
+                r = post(s.port, path, {"max_tokens": 1, **body})
                 assert r.status_code == 200, r.text
                 return engine.adds[-1].prompt_token_ids
 
-            assert await asyncio.to_thread(prompt, prompt="one two") == [bos, *text]
-            assert await asyncio.to_thread(prompt, prompt="one two", add_special_tokens=False) == text
-            assert await asyncio.to_thread(prompt, prompt=text, add_special_tokens=True) == text
-            r = await asyncio.to_thread(post, s.port, "/v1/completions", {"prompt": "x", "add_special_tokens": "no"})
-            assert r.status_code == 400 and r.json()["error"]["param"] == "add_special_tokens"
+            def sent(path: str, **body) -> list[int]:
+                return asyncio.to_thread(prompt, path, **body)
+
+            assert await sent("/v1/completions", prompt="one two") == [bos, *text]
+            assert await sent("/v1/completions", prompt="one two", add_special_tokens=False) == text
+            assert await sent("/v1/completions", prompt=text, add_special_tokens=True) == text
+            assert await sent("/v1/chat/completions", messages=chat) == templated
+            assert await sent("/v1/chat/completions", messages=chat, add_special_tokens=True) == [bos, *templated]
+            for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", {"messages": chat})):
+                r = await asyncio.to_thread(post, s.port, path, {**body, "add_special_tokens": "no"})
+                assert r.status_code == 400 and r.json()["error"]["param"] == "add_special_tokens"
     try:
         asyncio.run(main())
     finally:
