@@ -72,6 +72,7 @@ log = logging.getLogger("tokenmill.http")
 _MAX_PIPELINED = 32  # queued requests per connection before we stop reading from it
 TLS_GOODBYE_S = 1.0  # at shutdown, how long closed TLS connections get to send their last bytes
 EVICT_AFTER = 1.0  # at the connection limit, a connection waiting this long for a request makes room for a new one
+RESCAN_AFTER = 0.05  # ... looked for at most this often while none is found
 
 
 class Request:
@@ -402,6 +403,7 @@ class HttpServer:
         self.connections: set[HttpProtocol] = set()  # and the WebSocket connections handed over
         self.shutting_down = False
         self._full_since = -1e9  # when "connection limit reached" was last logged
+        self._no_room_until = -1e9  # (time.monotonic) until when no connection is looked for to make room
 
     def __call__(self) -> HttpProtocol:  # the protocol factory for loop.create_server
         return HttpProtocol(self)
@@ -428,10 +430,14 @@ class HttpServer:
     def _made_room(self) -> bool:
         """At the limit, the connection that has waited longest for a request, if ``EVICT_AFTER`` seconds or more
         (idle since it was made or since its last answer, or its head begun and not finished: a slowloris), is
-        closed to let a new one in; connections with a request under way are kept."""
+        closed to let a new one in; connections with a request under way are kept. (A scan that finds none is the
+        last for ``RESCAN_AFTER`` seconds: a flood of connections at the limit costs a 503 each, not a scan each.)"""
         now = time.monotonic()
+        if now < self._no_room_until:
+            return False
         waiting = [c for c in self.connections if isinstance(c, HttpProtocol) and c.waiting_since <= now - EVICT_AFTER]
         if not waiting:
+            self._no_room_until = now + RESCAN_AFTER
             return False
         oldest = min(waiting, key=lambda c: c.waiting_since)
         self.connections.discard(oldest)
@@ -589,6 +595,7 @@ class HttpProtocol(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self._cur = Request()  # (its clock starts now)
         self._cur.protocol = self
+        self._idle_since = time.monotonic()  # (at the connection limit, a head is timed from its first byte)
         self._url.clear()
         self._messages += 1
         self._in_head = True
@@ -901,7 +908,8 @@ class HttpProtocol(asyncio.Protocol):
     def waiting_since(self) -> float:
         """Since when (``time.monotonic``) it has waited for a request's head, or infinity: a request is under way
         (its body coming, or answered) or the connection is another protocol's now."""
-        if self.lost or not self.idle or self._cur is not None and not self._in_head:
+        if self.lost or not self.idle or self._cur is not None and not self._in_head or (
+                self.transport is not None and self.transport.get_write_buffer_size()):  # (its last answer still going)
             return math.inf
         return self._idle_since
 
@@ -941,7 +949,18 @@ class HttpProtocol(asyncio.Protocol):
 
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
-            self.transport.close()
+            self.transport.close()  # (it goes once what is written has been sent: see ``_cut_if_stuck``)
+            if self.transport.get_write_buffer_size():
+                self._loop.call_later(self.config.write_timeout, self._cut_if_stuck, math.inf)
+
+    def _cut_if_stuck(self, left: float) -> None:
+        """A closed connection whose client reads nothing of what is left to send for ``write_timeout`` seconds is
+        reset, as a stream's is: it would stay open (out of the connection count) for as long as the client likes."""
+        now_left = 0 if self.lost or self.transport is None else self.transport.get_write_buffer_size()
+        if now_left and now_left >= left:
+            self._reset()
+        elif now_left:
+            self._loop.call_later(self.config.write_timeout, self._cut_if_stuck, now_left)
 
     def abort(self) -> None:
         if self._worker is not None and not self._worker.done():

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from frontends.http import HttpConfig, HttpServer, Response, Router, Upgrade
+from frontends.http import EVICT_AFTER, HttpConfig, HttpServer, Response, Router, Upgrade
 from tests.test_frontend_http import CLOSED, connect, echo, forever, post_echo, read_all, read_until
 
 LIMITS = HttpConfig(max_body_bytes=1000, header_timeout=0.4, body_timeout=0.3, min_body_rate=10, keep_alive_timeout=0.5,
@@ -199,6 +199,34 @@ def test_at_the_limit_the_longest_waiting_connection_makes_room(port):
         time.sleep(0.2)
         assert read_all(connect(p)).startswith(b"HTTP/1.1 503 ")
         assert read_until(fresh, b"sleepy").endswith(b"sleepy") and read_until(later, b"sleepy").endswith(b"sleepy")
+
+
+def test_a_connection_whose_client_reads_nothing_of_its_last_answer_is_neither_room_nor_kept(port):
+    """Review of the above: a client that never read its 60 KB answer (most of it still in the transport's buffer, so
+    the connection looked idle) was closed to make room, and a close waits for what is written to go: it stayed open,
+    out of the count, for good. Such a connection is not room; closed (here by the keep-alive timer), it is reset once
+    its client has read nothing for ``write_timeout``, as a stream's is."""
+    config = HttpConfig(max_connections=1, socket_send_buffer=8192, keep_alive_timeout=1.5, write_timeout=0.3,
+                        max_body_bytes=100_000)
+    with serving(config) as (p, server):
+        stuck = socket.socket()
+        stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stuck.connect(("127.0.0.1", p))
+        stuck.sendall(post_echo(b"x" * 60_000))
+        time.sleep(EVICT_AFTER + 0.1)
+        r = read_all(connect(p))  # (within its keep-alive: the limit's 503, not the stuck one closed)
+        assert r.startswith(b"HTTP/1.1 503 ")
+        deadline = time.time() + 5
+        while server.connections and time.time() < deadline:
+            time.sleep(0.02)
+        assert not server.connections
+        again = connect(p)
+        again.sendall(post_echo(b"in"))
+        assert read_until(again, b"in").startswith(b"HTTP/1.1 200 ")
+        stuck.settimeout(2)
+        with pytest.raises(ConnectionResetError):
+            while stuck.recv(1 << 20):
+                pass
 
 
 def test_stream_to_a_client_that_never_reads_is_cut(port):
