@@ -493,8 +493,7 @@ class OpenAIApi:
         if fim:  # fill in the middle: the prompt before the gap, the suffix after it
             data = self._fill_in_the_middle(data, echo)
         specials = op.field(data, "add_special_tokens", bool, True)  # (vLLM's: false, no BOS added to a text)
-        encode = self._encode_code if fim else self._encode if specials else functools.partial(self._encode,
-                                                                                                add_special_tokens=False)
+        encode = self._encode_code if fim else functools.partial(self._encode, add_special_tokens=specials)
         prompts = await op.parse_truncated_prompts(data, encode, self.codec, self.max_chars, self.max_model_len,
                                                    empty=fim)
         if fim:
