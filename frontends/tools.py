@@ -120,25 +120,30 @@ def _rooted(params: dict, i: int, defs: dict[str, Any]) -> dict:
     own = {f"#/{key}/{name}": f"#/$defs/tool{i}_{tag}{name}" for key, tag in _DEFS.items()
            for name in (params.get(key) if isinstance(params.get(key), dict) else {})}
     own["#"] = f"#/$defs/tool{i}"
-    found: list[str] = []
-    _with_refs(params, lambda ref, _: found.append(ref) or ref)
-    if not any(ref in own for ref in found):
+    renamed: list[str] = []
+
+    def rename(ref: str) -> str:
+        if ref in own:
+            renamed.append(ref)
+        return own.get(ref, ref)
+
+    moved = {f"tool{i}_{tag}{name}": _with_refs(sub, rename) for key, tag in _DEFS.items()
+             if isinstance(params.get(key), dict) for name, sub in params[key].items()}
+    root = _with_refs({k: v for k, v in params.items() if k not in _DEFS}, rename)
+    if not renamed:
         return params
-    rename = own.get
-    for key, tag in _DEFS.items():
-        if isinstance(params.get(key), dict):
-            defs.update({f"tool{i}_{tag}{name}": _with_refs(sub, rename) for name, sub in params[key].items()})
-    defs[f"tool{i}"] = _with_refs({k: v for k, v in params.items() if k not in _DEFS}, rename)
+    defs.update(moved)
+    defs[f"tool{i}"] = root
     return {"$ref": f"#/$defs/tool{i}"}
 
 
-def _with_refs(s: Any, new: Callable[[str, str], str]) -> Any:
-    """Schema ``s`` with each ``$ref`` as ``new(ref, ref)`` says (data left as it is: ``const``, ``enum``...)."""
+def _with_refs(s: Any, new: Callable[[str], str]) -> Any:
+    """Schema ``s`` with each ``$ref`` as ``new(ref)`` says (data left as it is: ``const``, ``enum``...)."""
     if isinstance(s, list):
         return [_with_refs(v, new) for v in s]
     if not isinstance(s, dict):
         return s
-    return {k: new(v, v) if k == "$ref" and isinstance(v, str) else v if k in _DATA
+    return {k: new(v) if k == "$ref" and isinstance(v, str) else v if k in _DATA
             else {name: _with_refs(sub, new) for name, sub in v.items()} if k in _NAMED and isinstance(v, dict)
             else _with_refs(v, new) for k, v in s.items()}
 
