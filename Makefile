@@ -14,6 +14,8 @@ CUDA_CHECK := import sys, torch; torch.cuda.is_available() or sys.exit( \
 	f"nvidia-smi is here but torch {torch.__version__} (CUDA {torch.version.cuda}) cannot use a GPU: " \
 	"check the driver with nvidia-smi, or install for the CPU with: make install VARIANT=cpu")
 ARGS    ?=
+# Test workers (pytest-xdist), each given its share of the cores by tests/conftest.py; a file's tests run in one.
+WORKERS ?= 2
 
 .PHONY: install serve test lint bench clean
 
@@ -34,7 +36,7 @@ serve: install
 
 test: install
 	$(VENV)/bin/ruff check engine frontends kernels tests tools
-	$(PY) -m pytest -q --durations=30 $(ARGS)  # (the slowest tests, last: what CI's time goes to)
+	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile --durations=30 $(ARGS)  # (the slowest, last: where CI's time goes)
 
 bench: install
 	$(PY) tools/bench_offline.py --compare hf $(ARGS)
