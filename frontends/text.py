@@ -314,9 +314,10 @@ class TokenizerBusy(Exception):
 
 
 class IncrementalDetokenizer:
-    """Token ids in, new text out; text ending in U+FFFD (an unfinished UTF-8 sequence) waits."""
+    """Token ids in, new text out; text ending in U+FFFD (an unfinished UTF-8 sequence) waits. A prompt that ends
+    inside a character (token ids cut there) has it finished by the first output tokens, which then give it whole."""
 
-    __slots__ = ("_codec", "_ids", "_prefix_offset", "_read_offset", "_skip")
+    __slots__ = ("_codec", "_ids", "_prefix_offset", "_read_offset", "_skip", "_open")
     _CONTEXT = 5  # prompt tokens kept so the first output token decodes with its leading space right
 
     def __init__(self, codec: TextCodec, prompt_ids: list[int] | None = None,
@@ -326,30 +327,39 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self._skip = skip_special_tokens
+        self._open = bool(self._ids)  # until the first text: the prompt's last character may be unfinished
 
     def step(self, token_ids: list[int]) -> str:
         ids = self._ids
         ids.extend(token_ids)
-        decode = self._codec._decode
-        prefix_text = decode(ids[self._prefix_offset:self._read_offset], self._skip)
-        new_text = decode(ids[self._prefix_offset:], self._skip)
+        new_text = self._codec._decode(ids[self._prefix_offset:], self._skip)
+        prefix_text = self._prefix_text(new_text)
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return ""
         self._prefix_offset = self._read_offset
         self._read_offset = len(ids)
+        self._open = False
         if self._prefix_offset > 256:  # keep the buffer short on long generations
             del ids[:self._prefix_offset]
             self._read_offset -= self._prefix_offset
             self._prefix_offset = 0
         return new_text[len(prefix_text):]
 
+    def _prefix_text(self, new_text: str) -> str:
+        """What was given (or is the prompt's) of ``new_text``: the prompt's text less the U+FFFD it ends in where
+        the output finished that character (not where it stays broken, or is a U+FFFD of the prompt's own)."""
+        text = self._codec._decode(self._ids[self._prefix_offset:self._read_offset], self._skip)
+        if self._open and text.endswith("\ufffd") and not new_text.startswith(text):
+            return text[:-1]
+        return text
+
     def flush(self) -> str:
         """At the end: whatever was held back, broken or not."""
         ids = self._ids
         if self._read_offset >= len(ids):
             return ""
-        prefix_text = self._codec.decode(ids[self._prefix_offset:self._read_offset], self._skip)
-        new_text = self._codec.decode(ids[self._prefix_offset:], self._skip)
+        new_text = self._codec._decode(ids[self._prefix_offset:], self._skip)
+        prefix_text = self._prefix_text(new_text)
         self._prefix_offset = self._read_offset = len(ids)
         return new_text[len(prefix_text):]
 

@@ -25,6 +25,25 @@ def test_token_by_token_matches_decode_and_never_breaks_utf8(codec, text):
     assert not any("\ufffd" in p for p in pieces)
 
 
+@pytest.mark.parametrize("step", [1, 3])
+def test_a_prompt_cut_inside_a_character_has_it_finished_by_the_output(codec, step):
+    """Token ids may end a prompt inside a character: the output tokens that finish it give it whole. A character
+    left broken, or a U+FFFD of the prompt's own, stays the prompt's."""
+    text = "Hello ꙮ and 🎉 done"
+    ids = codec.encode(text, add_special_tokens=False)
+    cuts = [k for k in range(1, len(ids)) if codec.decode(ids[:k]).endswith("\ufffd")]
+    assert len(cuts) >= 2  # (inside each of the two characters)
+    for k in range(1, len(ids)):
+        detok = IncrementalDetokenizer(codec, prompt_ids=ids[:k])
+        pieces = [detok.step(ids[i:i + step]) for i in range(k, len(ids), step)] + [detok.flush()]
+        assert codec.decode(ids[:k]).rstrip("\ufffd") + "".join(pieces) == text, k
+        assert not any("\ufffd" in p for p in pieces)
+    world = codec.encode(" world", add_special_tokens=False)
+    for prompt in (ids[:cuts[0]], codec.encode("abc\ufffd", add_special_tokens=False)):
+        detok = IncrementalDetokenizer(codec, prompt_ids=prompt)
+        assert detok.step(world) + detok.flush() == " world"
+
+
 def test_multi_token_steps(codec):
     text = "中文 🎉 streaming in bigger steps"
     ids = codec.encode(text, add_special_tokens=False)

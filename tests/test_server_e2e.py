@@ -214,6 +214,20 @@ def test_greedy_matches_offline_llm(server, offline):
         assert r.choices[0].finish_reason == "length"
 
 
+def test_completion_logprobs_always_give_the_sampled_tokens(server):
+    """OpenAI's legacy logprobs: "the logprob of the sampled token, so there may be up to logprobs+1 elements", as
+    vLLM gives them; the echoed prompt's tokens too. At temperature 2 a random model seldom samples its likeliest."""
+    client = openai_client(server)
+    for k in (0, 1):
+        r = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=8, temperature=2.0, seed=1,
+                                      logprobs=k, echo=True, extra_body={"ignore_eos": True})
+        lp = r.choices[0].logprobs
+        assert lp.top_logprobs[0] is None and len(lp.tokens) > 9
+        for token, logprob, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True):
+            assert top[token] == logprob and len(top) <= k + 1
+        assert k == 0 or any(len(top) == 2 for top in lp.top_logprobs[1:])
+
+
 def test_concurrent_streaming_clients(server, offline):
     from openai import AsyncOpenAI
 

@@ -231,8 +231,9 @@ def check_cmpl_logprobs(res: Results, job: Job, lp: dict | None, finish: str | N
               f"ragged logprobs {lp}")
     res.check(all(x is not None and x <= 1e-4 for x in lp["token_logprobs"]), job, "a token logprob > 0")
     # k alternatives, plus the sampled token where it is not among them (as vLLM does)
-    res.check(all(0 < len(top) <= k + 1 if k else len(top) <= 1 for top in lp["top_logprobs"] if top is not None),
-              job, f"top_logprobs sizes {[len(t) for t in lp['top_logprobs'] if t]} for logprobs={k}")
+    res.check(all(token in top and len(top) <= k + 1 for token, top in zip(lp["tokens"], lp["top_logprobs"],
+                                                                           strict=True) if top is not None),
+              job, f"top_logprobs {lp['top_logprobs']} for logprobs={k}: the sampled token missing")
     res.check(lp["text_offset"] == sorted(lp["text_offset"]), job, "text_offset goes back")
     if finish == "length":
         res.check(ntok == job.body["max_tokens"], job, f"finish length after {ntok} tokens")
