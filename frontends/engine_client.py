@@ -117,6 +117,7 @@ class EngineClient:
         self.last_stats_at = 0.0  # time.monotonic() when they arrived
         self.in_flight_at_stats = 0  # our own requests in flight then (the rest of its load is others')
         self.on_stats: Callable[[Stats], None] | None = None  # called with every STATS (the metrics)
+        self.on_unhealthy: Callable[[], None] | None = None  # called as it is marked unhealthy (the metrics)
         self._last_outputs_at = 0.0  # time.monotonic() of the latest OUTPUTS: the end of an engine step
         self._tasks: list[asyncio.Task] = []
         self._last_seen = 0.0
@@ -344,9 +345,14 @@ class EngineClient:
                     pass
 
     def _mark_unhealthy(self, why: str) -> None:
-        if self.healthy:
+        was, self.healthy = self.healthy, False
+        if was:
             log.error("engine unhealthy: %s", why)
-        self.healthy = False
+            if self.on_unhealthy is not None:
+                try:
+                    self.on_unhealthy()
+                except Exception:  # noqa: BLE001 - a metrics bug must not keep the requests below from failing
+                    log.exception("unhealthy callback failed")
         # emptied in place: the reader task holds this very dict, and the requests sent once the
         # engine answers again must be found in it (a new dict would strand them forever)
         streams = dict(self._streams)

@@ -217,6 +217,13 @@ class Metrics:
             gauge.set(value)
         self.flush()
 
+    def engine_unavailable(self, engine: str | None = None) -> None:
+        """An engine this frontend lost: its requests failed, so it runs and holds none (its gauges would stay at
+        its last STATS for good, with a data-parallel server serving on); its totals stay as they were."""
+        gauges = self._gauges_of(engine or self._engine)
+        for gauge in gauges[:3]:  # (running, waiting, KV-cache usage)
+            gauge.set(0)
+
     def first_token(self, ttft: float) -> None:
         self.ttft.observe(ttft)
 

@@ -131,6 +131,7 @@ async def serve(args: FrontendArgs, ready: Callable[[], None] | None = None) -> 
         # per-engine gauges carry the engine's index (label "engine")
         for i, c in enumerate(client.clients if isinstance(client, EngineRouter) else [client]):
             c.on_stats = functools.partial(metrics.engine_stats, engine=str(i))
+            c.on_unhealthy = functools.partial(metrics.engine_unavailable, engine=str(i))
             if c.last_stats is not None:
                 c.on_stats(c.last_stats)
         image_processor = None

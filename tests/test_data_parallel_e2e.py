@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import select
 import signal
 import subprocess
@@ -106,11 +107,25 @@ def _metrics(url: str) -> bytes:
         conn.close()
 
 
+def _engine_gauge(url: str, name: str, engine: str) -> float:
+    m = re.search(rf'tokenmill:{name}{{[^}}]*engine="{engine}"[^}}]*}} (\S+)'.encode(), _metrics(url))
+    return float(m.group(1)) if m else -1.0
+
+
 def test_dp2_a_dead_engine_leaves_the_other_serving_and_health_degraded(dp_server):
     s = dp_server
     victim = s.pids("tokenmill-engine-1")[-1]
-    os.kill(victim, signal.SIGKILL)
-    wait_for(lambda: get_json(s.url + "/health")[1].get("status") == "degraded", 15, "degraded health")
+    streams = open_streams(s.url, [f"Busy {i} says" for i in range(6)], 900)  # both engines running some
+    try:
+        wait_for(lambda: _engine_gauge(s.url, "num_requests_running", "1") >= 1, 10, "engine 1's running gauge")
+        os.kill(victim, signal.SIGKILL)
+        wait_for(lambda: get_json(s.url + "/health")[1].get("status") == "degraded", 15, "degraded health")
+    finally:
+        for c in streams:
+            c.close()
+    # its requests failed: its load gauges fall to 0 (they stayed at its last numbers, for good)
+    wait_for(lambda: all(_engine_gauge(s.url, g, "1") == 0 for g in ("num_requests_running", "num_requests_waiting",
+                                                                     "kv_cache_usage_perc")), 15, "engine 1 at 0")
     status, health = get_json(s.url + "/health")
     assert status == 200
     assert [e["status"] for e in health["engines"]] == ["ok", "unavailable"]
