@@ -292,13 +292,20 @@ class Generation:
         others: the call fails. (An engine that went away, or one step, may fail several at once.) One the
         engine refused at its door (a 429, its queue full; a 4xx) never was an engine request: the metrics
         do not count it as one ended in error (back-pressure read as an error rate, its prompt as prompt
-        tokens and prefix-cache queries: review); its HTTP status is counted."""
+        tokens and prefix-cache queries: review); its HTTP status is counted. Nor were the call's other
+        choices that the engine had not yet answered: the call is refused, not theirs aborted by a client."""
+        refused = False
         for e in items:
             if (isinstance(e, Error) or e.finish_reason == "error") and (c := self._by_id.get(e.request_id)):
                 if isinstance(e, Error) and e.status < 500:
                     c.end_reason = "error"  # (the access log's word: its status says which)
+                    refused = True
                 else:
                     self._ended(c, "error", now)
+        if refused:
+            for c in self.choices:
+                if c.answered_at is None and c.end_reason is None:
+                    c.end_reason = "abort"  # (aborted in the engine below, uncounted)
         self.abort_unfinished()
 
     def abort_unfinished(self) -> None:

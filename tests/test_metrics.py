@@ -306,14 +306,25 @@ def test_a_generation_reports_each_choice_once_however_it_ends(codec):
     assert m.finished == [("timeout", len(ids), 0, 0, True, False), ("stop", len(ids), 16, len(ids), True, True),
                           ("abort", len(ids), 0, 0, False, False)]
 
-    m = _Recorder()
-    gen = Generation(_Client(), codec, "e", [ids], 2, lambda i: params, metrics=m)
+    m, client = _Recorder(), _Client()
+    gen = Generation(client, codec, "e", [ids], 2, lambda i: params, metrics=m)
     gen.start()
     gen.stream.push(Error("e-1", 429, "rate_limit_error", "full"))
     with pytest.raises(ApiError):
         asyncio.run(gen.next_updates())
-    # refused at the engine's door (its queue full): no engine request, not counted as one ended in error
-    assert [r[0] for r in m.finished] == ["abort"] and gen.choices[1].end_reason == "error"
+    # refused at the engine's door (its queue full): no engine request, not counted as one ended in error; nor
+    # is the call's choice the engine had taken and not answered, aborted for it (back-pressure read as aborts)
+    assert m.finished == [] and [c.end_reason for c in gen.choices] == ["abort", "error"]
+    assert "e-0" in client.aborted
+    m = _Recorder()
+    gen = Generation(_Client(), codec, "h", [ids], 2, lambda i: params, metrics=m)
+    gen.start()
+    gen.stream.push(Delta("h-0", ids[:1], None, num_prompt_tokens=len(ids)))  # (answered: an engine request)
+    asyncio.run(gen.next_updates())
+    gen.stream.push(Error("h-1", 429, "rate_limit_error", "full"))
+    with pytest.raises(ApiError):
+        asyncio.run(gen.next_updates())
+    assert [r[0] for r in m.finished] == ["abort"]
     m = _Recorder()
     gen = Generation(_Client(), codec, "f", [ids], 2, lambda i: params, metrics=m)
     gen.start()
