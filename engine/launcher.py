@@ -287,11 +287,13 @@ class Launcher:
         self.frontends: list[_Child] = []
         self._stop_signal: int | None = None
         self._stop_time = 0.0
+        self._forced = 0  # the second signal, that killed every process
 
     # -------------------------------------------------------------- public
 
     def run(self) -> int:
-        """Serve until a signal (exit 0) or the engine dies (exit 1)."""
+        """Serve until a signal (exit 0; 128 + its number where a second one cut the drain short, as a shell
+        reports a process a signal ended) or the engine dies (exit 1)."""
         o = self.options
         check_port_free(o.host, o.port)
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -301,21 +303,21 @@ class Launcher:
         os.mkdir(self.metrics_dir)
         old_env = os.environ.get(METRICS_ENV)
         os.environ[METRICS_ENV] = self.metrics_dir  # the children inherit it
+        code = 0  # (a signal during start-up)
         try:
             self._start_all()
-            if not self._wait_ready():
-                return 0  # a signal during start-up
-            scheme = "https" if o.ssl_certfile else "http"
-            host = f"[{o.host}]" if ":" in o.host else o.host
-            n, d = len(self.frontends), len(self.engine_addresses)
-            engines = f", {d} {'remote ' if o.engine_addresses else ''}engine{'s' if d != 1 else ''}" \
-                if d > 1 or o.engine_addresses else ""
-            print(f"tokenmill serving {self.config.served_model_name} on {scheme}://{host}:{o.port} "
-                  f"({n} frontend{'s' if n != 1 else ''}{engines})", flush=True)
-            return self._supervise()
+            if self._wait_ready():
+                scheme = "https" if o.ssl_certfile else "http"
+                host = f"[{o.host}]" if ":" in o.host else o.host
+                n, d = len(self.frontends), len(self.engine_addresses)
+                engines = f", {d} {'remote ' if o.engine_addresses else ''}engine{'s' if d != 1 else ''}" \
+                    if d > 1 or o.engine_addresses else ""
+                print(f"tokenmill serving {self.config.served_model_name} on {scheme}://{host}:{o.port} "
+                      f"({n} frontend{'s' if n != 1 else ''}{engines})", flush=True)
+                code = self._supervise()
         except LaunchError as e:
             log.error("%s", e)  # before the shutdown noise, so it is the first thing read
-            return 1
+            code = 1
         finally:
             self._shutdown()
             for s, h in old.items():
@@ -325,6 +327,7 @@ class Launcher:
             else:
                 os.environ[METRICS_ENV] = old_env
             shutil.rmtree(self.runtime_dir, ignore_errors=True)
+        return 128 + self._forced if self._forced else code
 
     # -------------------------------------------------------------- start-up
 
@@ -510,6 +513,7 @@ class Launcher:
             if time.monotonic() - self._stop_time < 1.0:
                 return
             log.warning("second signal: killing all processes")
+            self._forced = signum
             for c in [*self.frontends, *self.engines]:
                 if c.alive:
                     c.proc.kill()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import json
 import os
 import re
@@ -532,3 +533,27 @@ def test_sigterm_exits_zero_and_removes_runtime_dir(server):
     assert server.stop(signal.SIGTERM) == 0
     assert not os.path.exists(runtime)
     assert not any(pid_alive(pid) for pid in children)
+
+
+def test_a_second_signal_cuts_the_drain_short_and_the_exit_code_says_so(tiny_llama):
+    """A first SIGINT drains the streams; a second (after a second: one at once is the same stop delivered twice)
+    kills every process, and the launcher exits 128 + its number, as a shell reports a process a signal ended."""
+    s = Server("--model", tiny_llama, "--served-model-name", "tiny", "--max-num-seqs", "1")
+    conns = []
+    try:
+        for i in range(3):  # one running, two waiting: the drain lasts seconds
+            conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=60)
+            conn.request("POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": f"Long {i}", "stream": True,
+                                                                "max_tokens": 900, "ignore_eos": True}),
+                         {"content-type": "application/json"})
+            conns.append(conn)
+        assert conns[0].getresponse().read1(65536).startswith(b"data:")
+        s.proc.send_signal(signal.SIGINT)
+        time.sleep(1.2)
+        assert s.proc.poll() is None  # (draining)
+        assert s.stop(signal.SIGINT) == 128 + signal.SIGINT
+        assert "second signal: killing all processes" in s.log()
+    finally:
+        for conn in conns:
+            conn.close()
+        s.close()
