@@ -282,6 +282,8 @@ def test_a_call_larger_than_the_engine_queue_is_400_not_429(tmp_path, smollm_tok
     try:
         status, headers, raw = post_raw(p, "/v1/completions", {"prompt": "x", "max_tokens": 2, "n": 3})
         assert status == 400 and "retry-after" not in headers and json.loads(raw)["error"]["param"] == "n", raw
+        status, _, raw = post_raw(p, "/v1/completions", {"prompt": ["x", "y", "z"], "max_tokens": 2})
+        assert status == 400 and json.loads(raw)["error"]["param"] == "prompt", raw  # (the prompts are many)
         assert not e.adds
         assert post_raw(p, "/v1/completions", {"prompt": "x", "max_tokens": 2, "n": 2})[0] == 200
     finally:
