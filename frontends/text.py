@@ -346,11 +346,12 @@ class IncrementalDetokenizer:
         return new_text[len(prefix_text):]
 
     def _prefix_text(self, new_text: str) -> str:
-        """What was given (or is the prompt's) of ``new_text``: the prompt's text less the U+FFFD it ends in where
-        the output finished that character (not where it stays broken, or is a U+FFFD of the prompt's own)."""
+        """What was given (or is the prompt's) of ``new_text``: the prompt's text less the U+FFFDs it ends in that
+        the output finished as a character (one, or one per byte as SentencePiece's byte fallback writes them;
+        not where it stays broken, nor a U+FFFD of the prompt's own)."""
         text = self._codec._decode(self._ids[self._prefix_offset:self._read_offset], self._skip)
-        if self._open and text.endswith("\ufffd") and not new_text.startswith(text):
-            return text[:-1]
+        while self._open and text.endswith("\ufffd") and not new_text.startswith(text):
+            text = text[:-1]
         return text
 
     def flush(self) -> str:

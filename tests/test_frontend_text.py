@@ -44,6 +44,26 @@ def test_a_prompt_cut_inside_a_character_has_it_finished_by_the_output(codec, st
         assert detok.step(world) + detok.flush() == " world"
 
 
+@pytest.mark.parametrize("broken", ["one", "per byte"])
+def test_a_character_finished_by_the_output_whatever_the_decoder_writes_for_its_start(broken):
+    """A decoder writes an unfinished character as one U+FFFD (byte-level BPE, Python's) or one per byte
+    (SentencePiece's byte fallback); a U+FFFD of the prompt's own before it stays the prompt's."""
+    from types import SimpleNamespace
+
+    def decode(ids, _skip):
+        if broken == "one":
+            return bytes(ids).decode("utf-8", "replace")
+        return "".join("\ufffd" if "\udc80" <= ch <= "\udcff" else ch
+                       for ch in bytes(ids).decode("utf-8", "surrogateescape"))
+
+    codec, char = SimpleNamespace(_decode=decode), list("ꙮ".encode())
+    for head in ("Hi ", "Hi \ufffd"):
+        detok = IncrementalDetokenizer(codec, prompt_ids=list(head.encode()) + char[:2])
+        assert detok.step(char[2:]) + detok.step(list(b" x")) + detok.flush() == "ꙮ x"
+        detok = IncrementalDetokenizer(codec, prompt_ids=list(head.encode()) + char[:1])
+        assert detok.step(char[1:2]) == "" and detok.step(char[2:]) == "ꙮ"
+
+
 def test_multi_token_steps(codec):
     text = "中文 🎉 streaming in bigger steps"
     ids = codec.encode(text, add_special_tokens=False)
