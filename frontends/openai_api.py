@@ -72,7 +72,7 @@ from frontends.responses import (
 )
 from frontends.scoring import rerank_job, score_job
 from frontends.stored_api import conversation_missing, too_large
-from frontends.text import StopMatcher, TextCodec, TokenizerBusy, bad_words_token_ids
+from frontends.text import StopMatcher, TextCodec, TokenizerBusy, bad_words_token_ids, without_broken_end
 
 VERSION = "0.1.0"
 _DONE = b"data: [DONE]\n\n"
@@ -1071,9 +1071,10 @@ class _CompletionFormat(_SseFormat):
             decoded = {}
             for c in gen.choices:
                 key = id(c.prompt_ids)
-                if key not in decoded:
-                    decoded[key] = self.codec.decode(c.prompt_ids, gen.skip_special_tokens)
+                if key not in decoded:  # (an unfinished character at its end is the output's: IncrementalDetokenizer)
+                    decoded[key] = without_broken_end(self.codec.decode(c.prompt_ids, gen.skip_special_tokens))
                 self.prompt_texts.append(decoded[key])
+                c.detok.echoed()
                 c.text_offset = len(decoded[key])  # completion offsets count the echoed prompt
 
     def echo_of(self, choice) -> tuple[str, dict | None]:

@@ -317,7 +317,7 @@ class IncrementalDetokenizer:
     """Token ids in, new text out; text ending in U+FFFD (an unfinished UTF-8 sequence) waits. A prompt that ends
     inside a character (token ids cut there) has it finished by the first output tokens, which then give it whole."""
 
-    __slots__ = ("_codec", "_ids", "_prefix_offset", "_read_offset", "_skip", "_open")
+    __slots__ = ("_codec", "_ids", "_prefix_offset", "_read_offset", "_skip", "_open", "_echoed")
     _CONTEXT = 5  # prompt tokens kept so the first output token decodes with its leading space right
 
     def __init__(self, codec: TextCodec, prompt_ids: list[int] | None = None,
@@ -328,15 +328,23 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         self._skip = skip_special_tokens
         self._open = bool(self._ids)  # until the first text: the prompt's last character may be unfinished
+        self._echoed = False
+
+    def echoed(self) -> None:
+        """The prompt is echoed before the output (a completion's ``echo``), as ``without_broken_end`` of its
+        text: the U+FFFDs that text ends in are then the output's to give, whole where it finishes their
+        character, as they are where not, so that echo and output read as the decode of both."""
+        self._echoed = True
 
     def step(self, token_ids: list[int]) -> str:
         ids = self._ids
         ids.extend(token_ids)
         new_text = self._codec._decode(ids[self._prefix_offset:], self._skip)
-        prefix_text = self._prefix_text(new_text)
+        prefix_text, finished = self._prefix_text(new_text)
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return ""
-        self._prefix_offset = self._read_offset
+        if not finished:  # (else the next text is read from before the character, not from inside it)
+            self._prefix_offset = self._read_offset
         self._read_offset = len(ids)
         self._open = False
         if self._prefix_offset > 256:  # keep the buffer short on long generations
@@ -345,14 +353,17 @@ class IncrementalDetokenizer:
             self._prefix_offset = 0
         return new_text[len(prefix_text):]
 
-    def _prefix_text(self, new_text: str) -> str:
+    def _prefix_text(self, new_text: str) -> tuple[str, bool]:
         """What was given (or is the prompt's) of ``new_text``: the prompt's text less the U+FFFDs it ends in that
         the output finished as a character (one, or one per byte as SentencePiece's byte fallback writes them;
-        not where it stays broken, nor a U+FFFD of the prompt's own)."""
+        not where it stays broken, nor a U+FFFD of the prompt's own); and whether it is less."""
         text = self._codec._decode(self._ids[self._prefix_offset:self._read_offset], self._skip)
-        while self._open and text.endswith("\ufffd") and not new_text.startswith(text):
-            text = text[:-1]
-        return text
+        kept = text
+        if self._open and self._echoed:
+            kept = without_broken_end(text)
+        while self._open and kept.endswith("\ufffd") and not new_text.startswith(kept):
+            kept = kept[:-1]
+        return kept, len(kept) < len(text)
 
     def flush(self) -> str:
         """At the end: whatever was held back, broken or not."""
@@ -360,9 +371,17 @@ class IncrementalDetokenizer:
         if self._read_offset >= len(ids):
             return ""
         new_text = self._codec._decode(ids[self._prefix_offset:], self._skip)
-        prefix_text = self._prefix_text(new_text)
+        prefix_text, _ = self._prefix_text(new_text)
         self._prefix_offset = self._read_offset = len(ids)
         return new_text[len(prefix_text):]
+
+
+def without_broken_end(text: str) -> str:
+    """``text`` less the U+FFFDs it ends in, up to 3 (as many as an unfinished character's bytes can make)."""
+    end = len(text)
+    while end > len(text) - 3 and end and text[end - 1] == "\ufffd":
+        end -= 1
+    return text[:end]
 
 
 DRY_TAIL_TOKENS = 20  # a breaker's tokens after the first, at most (llama.cpp's MAX_SEQ_LEN)

@@ -128,6 +128,20 @@ def test_echo_and_logprobs(client, tok):
     assert len(lp.top_logprobs[-1]) == 2
 
 
+def test_an_echoed_prompt_cut_inside_a_character_reads_as_the_decode_of_prompt_and_output(client, tok):
+    """Prompt ids that end inside a character the output finishes: echo and output together are the decode of
+    both, streamed or not (the fake engine answers with the prompt's own tokens, from its first: here the byte
+    that finishes the character)."""
+    hello = tok.encode("Hello ꙮ", add_special_tokens=False)  # the character is its last three tokens
+    prompt = [hello[-1], *hello[:-1]]
+    for stream in (False, True):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, echo=True, stream=stream,
+                                      extra_body={"return_token_ids": True})
+        chunks = list(r) if stream else [r]
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert text == tok.decode(prompt + prompt[:2]) and "ꙮ" in text and "\ufffd\ufffd" not in text, (stream, text)
+
+
 def test_chat_and_chat_logprobs(client, tok):
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                        max_tokens=3, logprobs=True, top_logprobs=2)

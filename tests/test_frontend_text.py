@@ -25,23 +25,43 @@ def test_token_by_token_matches_decode_and_never_breaks_utf8(codec, text):
     assert not any("\ufffd" in p for p in pieces)
 
 
+def byte_fallback_codec() -> TextCodec:
+    """A SentencePiece vocabulary with byte fallback, decoded as Llama 2's and Mistral's are: an unfinished
+    character is a U+FFFD per byte."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for w in ("▁", "a", "▁a", "b", "▁b"):
+        vocab[w] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("▁", "a"), ("▁", "b")], byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens(["<s>", "</s>"])
+    return TextCodec(PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>"))
+
+
 @pytest.mark.parametrize("step", [1, 3])
-def test_a_prompt_cut_inside_a_character_has_it_finished_by_the_output(codec, step):
-    """Token ids may end a prompt inside a character: the output tokens that finish it give it whole. A character
+@pytest.mark.parametrize("vocab", ["byte-level", "byte fallback"])
+def test_a_prompt_cut_inside_a_character_has_it_finished_by_the_output(codec, vocab, step):
+    """Token ids may end a prompt inside a character: the output tokens that finish it give it whole, and what
+    follows is read from before it (SentencePiece's decoder reads bytes from inside one as U+FFFDs). A character
     left broken, or a U+FFFD of the prompt's own, stays the prompt's."""
-    text = "Hello ꙮ and 🎉 done"
+    codec = codec if vocab == "byte-level" else byte_fallback_codec()
+    text = "Hello ꙮ and 🎉 done" if vocab == "byte-level" else "a 中文 b 😀 a é"
     ids = codec.encode(text, add_special_tokens=False)
     cuts = [k for k in range(1, len(ids)) if codec.decode(ids[:k]).endswith("\ufffd")]
-    assert len(cuts) >= 2  # (inside each of the two characters)
+    assert len(cuts) >= 2  # (inside each of the characters)
     for k in range(1, len(ids)):
         detok = IncrementalDetokenizer(codec, prompt_ids=ids[:k])
         pieces = [detok.step(ids[i:i + step]) for i in range(k, len(ids), step)] + [detok.flush()]
-        assert codec.decode(ids[:k]).rstrip("\ufffd") + "".join(pieces) == text, k
+        assert codec.decode(ids[:k]).rstrip("\ufffd") + "".join(pieces) == codec.decode(ids), k
         assert not any("\ufffd" in p for p in pieces)
-    world = codec.encode(" world", add_special_tokens=False)
+    world = codec.encode(" a", add_special_tokens=False)
     for prompt in (ids[:cuts[0]], codec.encode("abc\ufffd", add_special_tokens=False)):
         detok = IncrementalDetokenizer(codec, prompt_ids=prompt)
-        assert detok.step(world) + detok.flush() == " world"
+        assert detok.step(world) + detok.flush() == codec.decode(prompt + world)[len(codec.decode(prompt)):]
 
 
 @pytest.mark.parametrize("broken", ["one", "per byte"])
