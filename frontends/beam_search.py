@@ -194,10 +194,15 @@ class BeamGeneration(Generation):
         return updates
 
     def abort_unfinished(self) -> None:
+        # a first round the engine refused at its door: the search never was requests (Generation._fail)
+        refused = self._round is not None and self._round.refused and self._first_at is None
         if self._round is not None:
             self._round.abort_unfinished()
             self._round = None
         now = time.monotonic()
         for c in self.choices:  # (never sent to the engine: only the rounds were)
             if c.finish_reason is None:
-                self._ended(c, "abort", now)
+                if refused:
+                    c.end_reason = c.end_reason or "abort"
+                else:
+                    self._ended(c, "abort", now)

@@ -162,6 +162,7 @@ class Generation:
         self.cache_salt = cache_salt
         self.lora = ""  # the LoRA adapter the request's ``model`` names ("": the model alone)
         self.admitted = False  # a later part of admitted work (a beam search's next round): no 429 for a full queue
+        self.refused = False  # the engine refused a choice at its door (``_fail``): the call never was requests
         self.client_id = ""  # who asked (``OpenAIApi.client_of``): the fair scheduling policy's unit
         self.want_logprobs = self._params[0].logprobs is not None
         # the request's field the engine's json_schema / choice came from: its refusals are named so
@@ -294,15 +295,14 @@ class Generation:
         do not count it as one ended in error (back-pressure read as an error rate, its prompt as prompt
         tokens and prefix-cache queries: review); its HTTP status is counted. Nor were the call's other
         choices that the engine had not yet answered: the call is refused, not theirs aborted by a client."""
-        refused = False
         for e in items:
             if (isinstance(e, Error) or e.finish_reason == "error") and (c := self._by_id.get(e.request_id)):
                 if isinstance(e, Error) and e.status < 500:
                     c.end_reason = "error"  # (the access log's word: its status says which)
-                    refused = True
+                    self.refused = True
                 else:
                     self._ended(c, "error", now)
-        if refused:
+        if self.refused:
             for c in self.choices:
                 if c.answered_at is None and c.end_reason is None:
                     c.end_reason = "abort"  # (aborted in the engine below, uncounted)

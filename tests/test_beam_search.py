@@ -146,7 +146,9 @@ def test_served_completions_are_the_offline_beams(llm, tiny_client):
         assert len(c.logprobs.tokens) == len(generated)  # (the end id's entry too: it was sampled)
         assert c.logprobs.token_logprobs == pytest.approx([lp for lp, _ in s.logprobs], abs=1e-5)
         assert sum(c.logprobs.token_logprobs) == pytest.approx(s.cum_logprob, abs=1e-4)
-        assert all(len(top) == 2 for top in c.logprobs.top_logprobs)
+        # the 2 likeliest, and the beam's token where it is not among them (a completion's logprobs, as vLLM's)
+        assert all(token in top and len(top) == 2 + (token not in list(top)[:2])
+                   for token, top in zip(c.logprobs.tokens, c.logprobs.top_logprobs, strict=True))
     assert r.usage.prompt_tokens == len(ids)
     assert r.usage.completion_tokens == sum(len(s.tokens) - len(ids) for s in want)
 

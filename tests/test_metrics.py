@@ -338,3 +338,47 @@ def test_a_generation_reports_each_choice_once_however_it_ends(codec):
     with pytest.raises(ApiError) as e:
         gen.start()
     assert e.value.status == 503 and [r[0] for r in m.finished] == ["error", "error"]
+
+
+def test_a_beam_search_whose_first_round_is_refused_at_the_door_is_no_requests(codec):
+    """As a call's choices (above): a search whose first round met a full queue (429) never was engine requests;
+    the client's abort of one under way is counted."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from engine.beam_search import BeamSearchParams
+    from engine.protocol import Error, SamplingParams
+    from frontends.beam_search import BeamGeneration
+    from frontends.errors import ApiError
+
+    class Client(_Client):
+        def __init__(self):
+            super().__init__()
+            self.ready, self.streams = SimpleNamespace(eos_token_ids=[2]), []
+
+        def add(self, request_id, *args, stream=None, **kw):
+            self.streams.append((request_id, stream))
+            return stream
+
+    async def run(gen, client, refuse):
+        task = asyncio.ensure_future(gen.next_updates())
+        while not client.streams:
+            await asyncio.sleep(0.01)
+        if not refuse:  # (the client went away while the first round ran)
+            task.cancel()
+            return
+        rid, stream = client.streams[-1]
+        stream.push(Error(rid, 429, "rate_limit_error", "full"))
+        with pytest.raises(ApiError):
+            await task
+
+    ids = codec.encode("hello world")
+    for refuse in (True, False):
+        m, client = _Recorder(), Client()
+        gen = BeamGeneration(client, codec, "b", [ids], BeamSearchParams(2, 4, False), SamplingParams(max_tokens=4),
+                             metrics=m)
+        gen.start()
+        asyncio.run(run(gen, client, refuse))
+        gen.abort_unfinished()  # (as the API does once the call has failed)
+        assert [r[0] for r in m.finished] == ([] if refuse else ["abort", "abort"])
+        assert [c.end_reason for c in gen.choices] == ["abort", "abort"]
