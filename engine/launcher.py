@@ -327,7 +327,7 @@ class Launcher:
             else:
                 os.environ[METRICS_ENV] = old_env
             shutil.rmtree(self.runtime_dir, ignore_errors=True)
-        return 128 + self._forced if self._forced else code
+        return 128 + self._forced if self._forced and code == 0 else code  # (an engine's death says 1 still)
 
     # -------------------------------------------------------------- start-up
 
@@ -513,10 +513,10 @@ class Launcher:
             if time.monotonic() - self._stop_time < 1.0:
                 return
             log.warning("second signal: killing all processes")
-            self._forced = signum
             for c in [*self.frontends, *self.engines]:
                 if c.alive:
                     c.proc.kill()
+                    self._forced = signum  # (cut short: not where every process had stopped already)
             return
         self._stop_signal = signum
         self._stop_time = time.monotonic()

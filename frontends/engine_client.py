@@ -300,7 +300,7 @@ class EngineClient:
             elif isinstance(msg, Stats):
                 self.last_stats, self.last_stats_at = msg, self._last_seen
                 self.in_flight_at_stats = len(streams)
-                if self.on_stats is not None:
+                if self.on_stats is not None and self._connected:  # (not one read after the engine went)
                     try:
                         self.on_stats(msg)
                     except Exception:  # noqa: BLE001 - a metrics bug must not stop the reader

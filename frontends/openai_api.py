@@ -1096,9 +1096,9 @@ class _CompletionFormat(_SseFormat):
         for tid, lp, top in entries:
             tokens.append(name(tid))
             token_lps.append(lp)
-            # k alternatives and the sampled token, where it is not among them (OpenAI's "up to logprobs+1", as vLLM)
-            tops.append({name(t): v for t, v in top} | ({} if any(t == tid for t, _ in top) else {name(tid): lp})
-                        if top is not None else None)
+            # k alternatives and the sampled token, where it is not among them (OpenAI's "up to logprobs+1", as vLLM);
+            # where another token has its name, the sampled one's value is the one shown
+            tops.append({name(t): v for t, v in top} | {name(tid): lp} if top is not None else None)
             offsets.append(offset)
             offset += len(token_text(tid))  # (offsets into the text, whatever the tokens are called)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset

@@ -654,7 +654,7 @@ def check_fan_out(num_prompts: int, n: int, params: SamplingParams, max_queued: 
     limit = min(MAX_CHOICES, max_queued)
     if choices > limit:
         raise ApiError(400, f"A request may start at most {limit} generations (prompts x n) on this server, got "
-                       f"{num_prompts} x {n} = {choices}", param="n" if n > 1 else "prompt")
+                       f"{num_prompts} x {n} = {choices}", param="prompt" if n == 1 or num_prompts > limit else "n")
     entries = choices * (len(params.stop_token_ids) + len(params.logit_bias or ()))
     if entries > MAX_SAMPLING_ENTRIES:
         raise ApiError(400, f"stop_token_ids and logit_bias entries times the number of generations must be at "

@@ -132,7 +132,7 @@ async def serve(args: FrontendArgs, ready: Callable[[], None] | None = None) -> 
         for i, c in enumerate(client.clients if isinstance(client, EngineRouter) else [client]):
             c.on_stats = functools.partial(metrics.engine_stats, engine=str(i))
             c.on_unhealthy = functools.partial(metrics.engine_unavailable, engine=str(i))
-            if c.last_stats is not None:
+            if c.last_stats is not None and c.healthy:  # (one lost while connecting: its last numbers are gone)
                 c.on_stats(c.last_stats)
         image_processor = None
         if client.ready.image_tokens:

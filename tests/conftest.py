@@ -14,9 +14,9 @@ import pytest
 
 # Under pytest-xdist (`make test` runs WORKERS of them) each worker, and each server it starts, gets its share of
 # the cores: torch's and OpenMP's default, all of them in each process, made two workers slower than one.
-if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
-    os.environ.setdefault("OMP_NUM_THREADS",
-                          str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:  # (the cores this process may run on: its affinity, on Linux)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0))
+                                                     // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 # Triton kernels run on CPU tensors only through Triton's interpreter, which triton
 # decides when it is imported; so decide before anything imports it. Only where
