@@ -265,8 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     h.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     h.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                   help="require 'Authorization: Bearer KEY'; repeat for several keys; a blank key is "
-                        "an error (default: $TOKENMILL_API_KEY, comma-separated; none = no auth)")
+                   help="require 'Authorization: Bearer KEY'; repeat for several keys (each value is one key, "
+                        "commas and all); a blank key is an error (default: $TOKENMILL_API_KEY, comma-separated; "
+                        "none = no auth)")
     h.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
                    help="browser origins besides the server's own that may call it, comma-separated "
                         "(https://app.example.com), or * for any; without API keys other origins get 403 "
@@ -478,23 +479,20 @@ def _config_kwargs(args: argparse.Namespace) -> dict:
 
 
 def api_keys(flag_values: list[str] | None, env: dict[str, str] = os.environ) -> list[str]:
-    """The keys of ``--api-key`` (repeatable, comma-separated), else of $TOKENMILL_API_KEY.
+    """The keys of ``--api-key`` (repeatable, each value one key, commas and all: a generated key may hold
+    one, and split it would open the server to its pieces), else of $TOKENMILL_API_KEY (comma-separated).
 
     A value with no key in it (``--api-key ""``, a blank variable) is an error, not an open API:
     whoever wrote it meant to lock the server.
     """
     if flag_values:
-        raw, source = flag_values, "--api-key"
+        keys, source = [v.strip() for v in flag_values], "--api-key"
     elif "TOKENMILL_API_KEY" in env:
-        raw, source = [env["TOKENMILL_API_KEY"]], "TOKENMILL_API_KEY"
+        keys, source = [k.strip() for k in env["TOKENMILL_API_KEY"].split(",") if k.strip()], "TOKENMILL_API_KEY"
     else:
         return []
-    keys = []
-    for value in raw:
-        found = [k.strip() for k in value.split(",") if k.strip()]
-        if not found:
-            raise ValueError(f"{source} is blank: give a key, or leave it out to serve without keys")
-        keys += found
+    if not keys or not all(keys):
+        raise ValueError(f"{source} is blank: give a key, or leave it out to serve without keys")
     return keys
 
 

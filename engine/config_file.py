@@ -70,7 +70,7 @@ def _values(parser: argparse.ArgumentParser, path: str, args: list[str]) -> dict
     try:
         with open(path) as f:
             values = yaml.safe_load(f)
-    except (OSError, yaml.YAMLError) as e:
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         bad(str(e))
     if values is None:
         return {}
@@ -85,6 +85,8 @@ def _values(parser: argparse.ArgumentParser, path: str, args: list[str]) -> dict
         action = actions.get(name)
         if action is None:
             bad(f"{key!r} is no flag of this command (see --help)")
+        if value is None:  # (`api-key:` read as the key "null" would open a server to a guess)
+            bad(f"{key}: no value (leave the flag out for its default)")
         if name == "--model" and "model_tag" in {a.dest for a in parser._actions} and \
                 not _on_command_line(action, args):
             out["model_tag"] = str(value)  # (as `serve MODEL`: one on the command line wins)

@@ -36,7 +36,7 @@ def usage_error(capsys, *flags: str) -> str:
     return capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flags", [["--api-key", ""], ["--api-key", "  "], ["--api-key", "ok", "--api-key", ","]])
+@pytest.mark.parametrize("flags", [["--api-key", ""], ["--api-key", "  "], ["--api-key", "ok", "--api-key", " "]])
 def test_blank_api_key_is_a_usage_error(capsys, monkeypatch, flags):
     monkeypatch.setattr(engine.launcher, "serve", lambda *a: pytest.fail("served with a blank key"))
     assert "--api-key is blank" in usage_error(capsys, *flags)

@@ -59,7 +59,8 @@ def test_flags_map_to_engine_config():
                                       "float32", "-tp", "1", "--api-key", "a", "--api-key", "b,c"])
     assert _config_kwargs(args) == {"max_num_seqs": 8, "kv_cache_memory": 256 << 20, "dtype": "float32",
                                     "tensor_parallel_size": 1}
-    assert api_keys(args.api_key) == ["a", "b", "c"]
+    assert api_keys(args.api_key) == ["a", "b,c"]  # (a key may hold a comma: never split into "b" and "c")
+    assert api_keys(None, {"TOKENMILL_API_KEY": "a, b,,c"}) == ["a", "b", "c"]
     args = build_parser().parse_args(["serve", "--scheduling-policy", "priority", "--max-waiting", "5",
                                       "--long-prefill-token-threshold", "64", "--request-timeout", "2.5",
                                       "--scheduling-aging-seconds", "4"])
@@ -140,8 +141,10 @@ def test_a_config_file_gives_flags_and_the_command_line_wins(tmp_path, capsys):
                       ("dtype: float8\n", "invalid choice: 'float8'"),
                       ("port: [1, 2]\n", "port: one value, not a list"),
                       ("enforce-eager: 1\n", "enforce-eager: 1 is not true or false"),
-                      ("- a list\n", "not a map"), ("port: [\n", "while parsing")]:
-        path.write_text(text)
+                      ("- a list\n", "not a map"), ("port: [\n", "while parsing"),
+                      ("api-key:\n", "api-key: no value"), ("api-key: ~\n", "api-key: no value"),
+                      ("port: 80\xff\n", "can't decode")]:
+        path.write_bytes(text.encode("latin-1"))
         with pytest.raises(SystemExit) as e:
             build_parser().parse_args(["serve", "--config", str(path)])
         assert e.value.code == 2
