@@ -163,7 +163,10 @@ async def serve(args: FrontendArgs, ready: Callable[[], None] | None = None) -> 
         # cache) lives as long as the process: out of the cyclic GC's sight, a request that allocates
         # many objects (a 50k-prompt list) no longer costs every stream a full-heap collection (~0.25 s).
         gc.freeze()
-        server = await loop.create_server(http, args.host, args.port, reuse_port=True, ssl=tls, backlog=2048)
+        # a TLS handshake gets --header-timeout too (asyncio's default, 60 s, let stalled ones pile up past the cap)
+        handshake = {"ssl_handshake_timeout": args.http.header_timeout} if tls is not None else {}
+        server = await loop.create_server(http, args.host, args.port, reuse_port=True, ssl=tls, backlog=2048,
+                                          **handshake)
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)

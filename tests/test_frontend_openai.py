@@ -657,8 +657,14 @@ def test_https(tmp_path, smollm_tokenizer_dir):
     engine.start()
     port = free_port()
     proc = start_frontend(f"ipc://{tmp_path}/engine.sock", smollm_tokenizer_dir, port,
-                          ssl_keyfile=str(key), ssl_certfile=str(cert))
+                          ssl_keyfile=str(key), ssl_certfile=str(cert), http=HttpConfig(header_timeout=1.0))
     try:
+        # a handshake begun and left is closed after --header-timeout (it was asyncio's 60 s, uncounted)
+        stalled = socket.create_connection(("127.0.0.1", port))
+        stalled.sendall(b"\x16\x03\x01\x02")  # (the first bytes of a ClientHello)
+        stalled.settimeout(5)
+        assert stalled.recv(1024) == b""
+        stalled.close()
         conn = http.client.HTTPSConnection("127.0.0.1", port, timeout=10,
                                            context=ssl.create_default_context(cafile=str(cert)))
         body = json.dumps({"model": MODEL, "prompt": [1000, 1001, 1002], "max_tokens": 3})
