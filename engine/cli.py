@@ -701,15 +701,22 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         kwargs = _config_kwargs(args)
         EngineConfig(**kwargs)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
+        args.prompt.encode()
+    except UnicodeEncodeError:
+        parser.error("--prompt is not valid UTF-8")
     except ValueError as e:
         parser.error(str(e))
     from engine import LLM
+    from engine.engine import RequestError
 
     llm = LLM(**kwargs)
-    if args.chat:
-        out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
-    else:
-        out = llm.generate([args.prompt], params)[0]
+    try:  # (what the engine refuses, an empty prompt or one past the context, said as a server says it)
+        if args.chat:
+            out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+        else:
+            out = llm.generate([args.prompt], params)[0]
+    except RequestError as e:
+        parser.error(e.message)
     print(out.text)
     return 0
 

@@ -434,3 +434,14 @@ def test_generate_chat_applies_the_template(tiny_llama):
                   timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout == want + "\n"
+
+
+def test_generate_says_what_the_engine_refuses_in_one_line(tiny_llama, capsys):
+    from engine.cli import main
+
+    for prompt, why in (("", "the prompt is empty"), ("\udcff bad", "--prompt is not valid UTF-8")):
+        with pytest.raises(SystemExit) as e:  # (it was a traceback)
+            main(["generate", "--model", tiny_llama, "--prompt", prompt])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert why in err and "Traceback" not in err, err
