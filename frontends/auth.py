@@ -11,7 +11,9 @@ this machine's name, a name under .local or .internal) or listed in
 attacker re-points at 127.0.0.1 sends Origin and Host both attacker.example.) Without API keys any other
 origin is refused with 403: a cross-origin WebSocket, or a ``POST`` with a
 "simple" content type, reaches the server with no CORS preflight, so CORS alone
-would let any web page spend the GPU. With keys the key is the protection and
+would let any web page spend the GPU. A keyless server listening on a loopback address alone also refuses
+a request whose ``Host`` is no such name nor an allowed origin's, as Ollama's does: a rebound page's own
+``GET``s carry no ``Origin`` (``/props``, ``/metrics``...). With keys the key is the protection and
 other origins pass; they just get no CORS headers, so the browser hides the
 answer from them. An allowed origin gets ``access-control-allow-origin`` on
 every response (errors too) and a 204 to its ``OPTIONS`` preflight.
@@ -31,7 +33,7 @@ import socket
 from collections.abc import Iterable
 from urllib.parse import urlsplit
 
-from frontends.errors import ApiError
+from frontends.errors import ApiError, shown
 from frontends.http import Handler, Request, Response, StreamingResponse
 
 Headers = list[tuple[str, str]]
@@ -50,7 +52,7 @@ def normalize_origin(origin: str) -> str:
 class Auth:
     """The API keys and allowed origins of one frontend; checks requests against them."""
 
-    def __init__(self, api_keys: Iterable[str] = (), allowed_origins: Iterable[str] = ()) -> None:
+    def __init__(self, api_keys: Iterable[str] = (), allowed_origins: Iterable[str] = (), loopback: bool = False) -> None:
         keys = list(api_keys)
         if any(not k.strip() for k in keys):  # a blank key would be an open door that looks locked
             raise ValueError("an API key must not be blank")
@@ -58,6 +60,8 @@ class Auth:
         origins = {normalize_origin(o) for o in allowed_origins if o.strip()}
         self._any_origin = "*" in origins
         self._origins = frozenset(origins - {"*"})
+        self._hosts = frozenset(urlsplit(o).netloc for o in self._origins)
+        self._loopback = loopback  # listening on a loopback address alone (module doc: the Host rule)
 
     @property
     def required(self) -> bool:
@@ -97,11 +101,12 @@ class Auth:
 
     def origin_allowed(self, req: Request) -> bool:
         origin = req.headers.get("origin")
-        if origin is None:
-            return True  # not a browser, or a same-origin navigation
+        host = req.headers.get("host", "").lower()
+        if origin is None:  # not a browser, or a same-origin request: one of a rebound page's, where it is no name
+            return not self._loopback or self._keys or self._any_origin or host in self._hosts \
+                or _rebinding_proof(host)  # of this machine's
         if self._any_origin or normalize_origin(origin) in self._origins:
             return True
-        host = req.headers.get("host", "").lower()
         try:
             same = urlsplit(origin).netloc.lower() == host
         except ValueError:  # ("http://[bad": no origin of a page)
@@ -186,6 +191,14 @@ def require_json(req: Request) -> None:
                        code="unsupported_media_type")
 
 
+def loopback_only(host: str) -> bool:
+    """Whether a server bound to ``host`` listens on a loopback address alone."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def _rebinding_proof(host: str) -> bool:
     """Whether a ``Host`` header names this server in a way no other site's DNS can: an IP address,
     localhost (or a name under it), this machine's own name, or a name under .local or .internal
@@ -209,5 +222,9 @@ def _machine_name() -> str:
 
 def _origin_refused(req: Request, keyed: bool) -> ApiError:
     fix = "" if keyed else ", or configure API keys"  # (a keyed server's preflight: listing is the one fix)
+    if req.headers.get("origin") is None:
+        return ApiError(403, f"Host {shown(req.headers.get('host', ''))} is no name of this machine, which a "
+                        "server on a loopback address answers alone without API keys (DNS rebinding: list its "
+                        f"origin in --allowed-origins{fix})", type="permission_error", code="host_not_allowed")
     return ApiError(403, f"Cross-origin request from {req.headers.get('origin')} refused (list it in "
                     f"--allowed-origins{fix})", type="permission_error", code="origin_not_allowed")

@@ -136,7 +136,8 @@ class OpenAIApi:
                  max_tokens_cap: int | None = None, model_aliases: list[str] | None = None,
                  force_include_usage: bool = False, tokens_as_ids: bool = False,
                  images: ImageProcessor | str | None = None, media: MediaReader | None = None,
-                 fair_client: str = "address", responses_store: ResponseStore | None = None) -> None:
+                 fair_client: str = "address", responses_store: ResponseStore | None = None,
+                 loopback: bool = False) -> None:
         """``images``: the model's image processor (``frontends.images``), or why there is none for a model that
         reads images (None: the model reads none); ``media``: where images may come from (``frontends.media``;
         None: data: URLs only); ``fair_client``: who a client is for the fair policy (``client_of``);
@@ -151,7 +152,7 @@ class OpenAIApi:
         self.codec = codec
         self.model = served_model_name  # what responses say
         self.model_names = (served_model_name, *(model_aliases or ()))  # what requests may say
-        self.auth = Auth(api_keys or (), allowed_origins or ())
+        self.auth = Auth(api_keys or (), allowed_origins or (), loopback)  # (loopback: listening there alone)
         self._ids = itertools.count()
         self._id_prefix = os.urandom(4).hex()
         self.created = int(time.time())

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from frontends import logs, websocket
 from frontends.access_log import AccessLog
+from frontends.auth import loopback_only
 from frontends.engine_client import EngineClient
 from frontends.engine_router import EngineRouter
 from frontends.http import HttpConfig, HttpServer, Router
@@ -154,7 +155,7 @@ async def serve(args: FrontendArgs, ready: Callable[[], None] | None = None) -> 
                         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                         sampling_defaults=args.sampling_defaults, max_tokens_cap=args.max_tokens_cap,
                         model_aliases=args.model_aliases, images=image_processor, media=MediaReader(args.media),
-                        fair_client=args.fair_client, responses_store=store)
+                        fair_client=args.fair_client, responses_store=store, loopback=loopback_only(args.host))
         access_log = AccessLog(metrics, enabled=args.log_requests, log_prompts=args.log_prompts)
         router = build_router(api, args.ws, access_log, args.tokenizer_path)
         access_log.router = router

@@ -271,7 +271,7 @@ def test_a_client_that_goes_away_ends_the_search(tiny_server):
     body = json.dumps({"prompt": "Once upon a time", "n": 4, "max_tokens": 240, "use_beam_search": True,
                        "ignore_eos": True}).encode()
     s = socket.create_connection(("127.0.0.1", tiny_server.port))
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
               b"Authorization: Bearer " + TINY_KEY.encode() + b"\r\nContent-Length: " + str(len(body)).encode() +
               b"\r\n\r\n" + body)
     busy = 0

@@ -31,9 +31,9 @@ APP = "https://app.example.com"
 JSON_POSTS = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
 
 
-def make_api(api_keys=(), allowed_origins=()) -> OpenAIApi:
+def make_api(api_keys=(), allowed_origins=(), loopback=False) -> OpenAIApi:
     client = SimpleNamespace(healthy=True, last_stats=None, ready=SimpleNamespace(max_model_len=512, loras=[], max_loras=0))
-    return OpenAIApi(client, None, MODEL, list(api_keys), allowed_origins=list(allowed_origins))
+    return OpenAIApi(client, None, MODEL, list(api_keys), allowed_origins=list(allowed_origins), loopback=loopback)
 
 
 @contextlib.contextmanager
@@ -158,6 +158,30 @@ def test_a_rebound_name_is_not_same_origin(open_port):
     status, _, _ = call(open_port, "POST", "/detokenize", {"Origin": "http://[bad", "Host": "[bad",
                                                            "Content-Type": "text/plain"}, b"")
     assert status == 403
+
+
+def test_a_keyless_server_on_loopback_answers_its_local_names_alone():
+    """A rebound page's same-origin GETs carry no Origin: a keyless server listening on a loopback address alone
+    refuses a Host that is no name of this machine (as Ollama's), unless an allowed origin names it. Elsewhere
+    (0.0.0.0, or with keys) any Host is served."""
+    from frontends.auth import loopback_only
+
+    assert [loopback_only(h) for h in ("127.0.0.1", "::1", "[::1]", "localhost", "127.0.0.2", "0.0.0.0", "::",
+                                       "box")] == [True, True, True, True, True, False, False, False]
+    listed = make_api(loopback=True, allowed_origins=["https://proxy.example"])  # (a proxy sends its own Host)
+    for api, refused in ((make_api(loopback=True), {"attacker.example", "proxy.example"}),
+                         (listed, {"attacker.example"}), (make_api(), set()),
+                         (make_api(api_keys=[KEY], loopback=True), set())):
+        with serving(api) as port:
+            auth = {"Authorization": f"Bearer {KEY}"}
+            for host in ("attacker.example", "proxy.example"):
+                status, _, body = call(port, "GET", "/v1/models", {"Host": host, **auth})
+                assert status == (403 if host in refused else 200), (host, body)
+                assert status == 200 or error(body)["code"] == "host_not_allowed"
+            for host in ("127.0.0.1", "localhost", socket.gethostname()):
+                assert call(port, "GET", "/v1/models", {"Host": f"{host}:{port}", **auth})[0] == 200
+            assert call(port, "GET", "/health", {"Host": "attacker.example"})[0] == (
+                403 if "attacker.example" in refused else 200)  # (one rule for every path)
 
 
 def test_with_keys_the_key_is_the_protection():

@@ -405,7 +405,7 @@ def test_a_client_that_stops_reading_is_cut_off_and_its_requests_aborted(server)
                        "max_tokens": 900, "logprobs": True, "top_logprobs": 20, "ignore_eos": True,
                        "stream": True}).encode()
     cuts = server.log().count("connection cut")
-    slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%b" % (len(data), data))
     t0 = time.monotonic()
     wait_for(lambda: server.engine_stats().num_running == 16, 20, "the 16 choices to run")

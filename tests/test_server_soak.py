@@ -593,7 +593,7 @@ async def sse_request(port: int, body: dict, first: asyncio.Event | None = None)
     except OSError:
         return False, start, time.monotonic()
     data = json.dumps({"model": "tiny", "stream": True, **body}).encode()
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Connection: close\r\nContent-Length: %d\r\n\r\n%b" % (len(data), data))
     got = b""
     try:

@@ -284,7 +284,7 @@ def test_refusals_are_tgis(tiny_server, hf):
             status, raw, _ = call(tiny_server, path, body, key=None)
             assert status == 401 and json.loads(raw)["error"]["code"] == "invalid_api_key"
         with socket.create_connection(("127.0.0.1", tiny_server.port), timeout=10) as s:  # (the body never comes)
-            s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            s.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                       "Content-Length: 100000\r\n\r\n".encode())
             assert s.recv(65536).startswith(b"HTTP/1.1 401 ")
 
