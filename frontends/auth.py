@@ -67,6 +67,10 @@ class Auth:
     def required(self) -> bool:
         return bool(self._keys)
 
+    @property
+    def num_keys(self) -> int:
+        return len(self._keys)
+
     # ------------------------------------------------------------------ keys
 
     @staticmethod

@@ -324,16 +324,23 @@ class OpenAIApi:
         return f"{prefix}-{self._id_prefix}{next(self._ids):x}"
 
     def key_of(self, tokens: list[str]) -> int | None:
-        """Which API key of ``tokens`` is the caller's client under ``--fair-client key`` (None: none, or
-        another mode: no keys compared)."""
-        return self.auth.key_number(tokens) if self.fair_client == "key" else None
+        """Which API key of ``tokens`` is the caller's (its place among them; None: none, or no keys)."""
+        return self.auth.key_number(tokens)
 
     def client_of(self, data: dict, host: str, key: int | None) -> str:
-        """Who asks, for ``--scheduling-policy fair`` (``--fair-client``): "key:N" for the N-th API key
-        (``key_of``; a caller without one, where no keys are needed, by its address), else
+        """Who asks, for ``--scheduling-policy fair`` (``--fair-client``): under ``key``, "key:N" for the N-th
+        API key (``key_of``; a caller without one, where no keys are needed, by its address), else
         ``openai_params.client_id``'s address (``host``), or the body's user."""
         client = op.client_id(data, host, self.fair_client == "user")  # (its fields checked in every mode)
-        return f"key:{key}" if key is not None else client
+        return f"key:{key}" if key is not None and self.fair_client == "key" else client
+
+    def place(self, gen: Generation, data: dict, host: str, key: int | None) -> None:
+        """Whose ``gen`` is: its client for the fair policy (``client_of``) and, where several API keys are
+        served, its key's own prefix cache: the key's place joins its cache_salt, so that no key's prompts are
+        read back through another's cache hits (a tenant's salt was its clients' to choose, and guess)."""
+        gen.client_id = self.client_of(data, host, key)
+        if key is not None and self.auth.num_keys > 1:
+            gen.cache_salt = f"\0{key}\0{gen.cache_salt}"  # (no client's salt can spell another key's)
 
     def _require_engine(self) -> None:
         if not self.client.healthy:
@@ -864,7 +871,7 @@ class OpenAIApi:
         info = req.meta = CallInfo(prompt=logged)  # access log
         gen, fmt = await job(self, data, req.started)
         req.id, info.gen = gen.api_id, gen
-        gen.client_id = self.client_of(data, req.client, self.key_of(Auth.given(req)))
+        self.place(gen, data, req.client, self.key_of(Auth.given(req)))
         # a window of the inputs at a time: later calls queue behind that many of them, not all
         gen.start(window=2 * self.client.ready.max_num_seqs)
         try:
@@ -904,7 +911,7 @@ class OpenAIApi:
         req.meta = CallInfo(prompt=data.get("input"))  # (the access log: the call, not the run it starts)
         gen, fmt = await job(data, req.started)
         req.id = gen.api_id
-        gen.client_id = self.client_of(data, req.client, self.key_of(Auth.given(req)))
+        self.place(gen, data, req.client, self.key_of(Auth.given(req)))
         return await self.background.start(gen, fmt, fmt.keep, op.field(data, "stream", bool, False))
 
     async def _run(self, req: Request, data: dict, job) -> Response | StreamingResponse:
@@ -932,7 +939,7 @@ class OpenAIApi:
         if stream and fmt.DONE:  # (a Response has its usage in it)
             include_usage, fmt.continuous_usage = self.include_usage(data)
         req.id, info.gen = gen.api_id, gen  # the access log and x-request-id name the call by its own id
-        gen.client_id = self.client_of(data, req.client, self.key_of(Auth.given(req)))
+        self.place(gen, data, req.client, self.key_of(Auth.given(req)))
         gen.start()
         try:
             first = await gen.next_updates()  # an engine refusal (429, 400) still gets its status

@@ -212,7 +212,7 @@ class Connection(asyncio.Protocol):
     def __init__(self, ep: WebSocketEndpoint, proto: ServerProtocol, server: HttpServer | None,
                  key: int | None = None, client: str = "-", forwarded_for: str | None = None) -> None:
         self.ep = ep
-        self.key = key  # which API key its handshake gave (OpenAIApi.key_of): its client under --fair-client key
+        self.key = key  # which API key its handshake gave (OpenAIApi.key_of): its generations' (OpenAIApi.place)
         self.client = client  # its handshake's Request.client: the caller's host, or the one a trusted proxy named
         self.forwarded_for = forwarded_for  # (that one, for the access log: else the connection's host:port)
         self.api = ep.api
@@ -406,7 +406,7 @@ class Connection(asyncio.Protocol):
                 job = self.api.completion_job if kind == "completion" else self.api.chat_job
                 self.api.include_usage(msg)  # (checked as a stream's: ``done`` carries the usage always)
                 live.gen, fmt = await job(msg, arrival)
-                live.gen.client_id = self.api.client_of(msg, self.client, self.key)
+                self.api.place(live.gen, msg, self.client, self.key)
                 live.gen.start()
             except ApiError as e:
                 status = e.status

@@ -277,3 +277,19 @@ def test_an_allowed_origins_error_keeps_its_own_headers():
     resp = asyncio.run(shaped_errors(guarded, lambda e: {"error": e.message})(req))  # (Ollama's, say)
     assert resp.status == 429 and orjson.loads(resp.body) == {"error": "busy"}
     assert ("retry-after", "1") in resp.headers and ("access-control-allow-origin", APP) in resp.headers
+
+
+def test_each_of_several_keys_has_a_prefix_cache_of_its_own():
+    """With several API keys a tenant's salt was its clients' to choose, and another's to guess: each key's place
+    joins its requests' cache_salt (the engine shares blocks only between equal salts). One key, or none: as sent."""
+    from frontends.auth import Auth
+
+    several, one = make_api(api_keys=["ka", "kb"]), make_api(api_keys=["ka"])
+    salts = []
+    for api, key, salt in ((several, "ka", ""), (several, "kb", ""), (several, "kb", "s"), (several, "ka", "s"),
+                           (one, "ka", "s"), (make_api(), None, "s")):
+        gen = SimpleNamespace(client_id="", cache_salt=salt)
+        api.place(gen, {}, "127.0.0.1", api.key_of(Auth.given(_upgrade_request({"Authorization": f"Bearer {key}"}))))
+        salts.append(gen.cache_salt)
+    assert salts == ["\0" "0\0", "\0" "1\0", "\0" "1\0s", "\0" "0\0s", "s", "s"]
+    assert len(set(salts[:4])) == 4  # (no key's requests, salted or not, share another's blocks)
