@@ -202,8 +202,9 @@ class EngineActor:
         if stale:
             log.info("frontend %r reconnected: aborting %d orphaned requests", ident, len(stale))
             self._abort_internal(list(stale))
+        if ident not in self._frontend_index:  # (a frontend says HELLO each second until answered: once is news)
+            log.info("frontend %r connected", msg.frontend_id)
         self._index(ident)
-        log.info("frontend %r connected", msg.frontend_id)
         self._send(ident, self._ready_frame)
 
     def _add(self, ident: bytes, msg: protocol.Add) -> None:

@@ -97,8 +97,13 @@ def ssl_context(args: FrontendArgs) -> ssl.SSLContext | None:
     if not (args.ssl_keyfile and args.ssl_certfile):
         raise ValueError("TLS needs both ssl_keyfile and ssl_certfile")
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ctx.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+    ctx.load_cert_chain(args.ssl_certfile, args.ssl_keyfile, password=_no_passphrase)
     return ctx
+
+
+def _no_passphrase() -> str:
+    """OpenSSL asks for an encrypted key's passphrase: on a terminal it waited there, else it failed as EINVAL."""
+    raise ValueError("the --ssl-keyfile key is encrypted: give it unencrypted (openssl pkey -in KEY -out PLAIN)")
 
 
 def build_router(api: OpenAIApi, ws: websocket.WsConfig | None = None, access_log: AccessLog | None = None,

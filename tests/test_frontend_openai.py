@@ -653,6 +653,14 @@ def test_https(tmp_path, smollm_tokenizer_dir):
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
                     str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
                    check=True, capture_output=True)
+    # an encrypted key is said to be one (OpenSSL asked a terminal for its passphrase, and waited)
+    from frontends.server import FrontendArgs, ssl_context
+
+    locked = tmp_path / "locked.pem"
+    subprocess.run(["openssl", "pkey", "-in", str(key), "-out", str(locked), "-aes256", "-passout", "pass:x"],
+                   check=True, capture_output=True)
+    with pytest.raises(ValueError, match="key is encrypted"):
+        ssl_context(FrontendArgs("x", "x", MODEL, "127.0.0.1", 0, ssl_keyfile=str(locked), ssl_certfile=str(cert)))
     engine = FakeEngine(f"ipc://{tmp_path}/engine.sock")
     engine.start()
     port = free_port()
