@@ -255,10 +255,9 @@ class _Child:
 # ----------------------------------------------------------------------------- launcher
 
 
-def check_port_free(host: str, port: int) -> None:
-    """Fail early and clearly on a busy port (SO_REUSEPORT would otherwise share it silently)."""
-    if port == 0:
-        return
+def check_port_free(host: str, port: int) -> int:
+    """``port``, failing early and clearly where it is busy (SO_REUSEPORT would otherwise share it silently);
+    0: a free one the system picks, for every frontend to share (each would have picked its own)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is fine, a listener is not
@@ -266,6 +265,7 @@ def check_port_free(host: str, port: int) -> None:
             s.bind((host, port))
         except OSError as e:
             raise LaunchError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+        return s.getsockname()[1]
 
 
 class Launcher:
@@ -288,6 +288,7 @@ class Launcher:
         self._stop_signal: int | None = None
         self._stop_time = 0.0
         self._forced = 0  # the second signal, that killed every process
+        self.port = options.port  # (the one port 0 picks: run's)
 
     # -------------------------------------------------------------- public
 
@@ -295,7 +296,7 @@ class Launcher:
         """Serve until a signal (exit 0; 128 + its number where a second one cut the drain short, as a shell
         reports a process a signal ended) or the engine dies (exit 1)."""
         o = self.options
-        check_port_free(o.host, o.port)
+        self.port = check_port_free(o.host, o.port)
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         self.runtime_dir = tempfile.mkdtemp(prefix="tokenmill-")
         os.chmod(self.runtime_dir, 0o700)
@@ -312,7 +313,7 @@ class Launcher:
                 n, d = len(self.frontends), len(self.engine_addresses)
                 engines = f", {d} {'remote ' if o.engine_addresses else ''}engine{'s' if d != 1 else ''}" \
                     if d > 1 or o.engine_addresses else ""
-                print(f"tokenmill serving {self.config.served_model_name} on {scheme}://{host}:{o.port} "
+                print(f"tokenmill serving {self.config.served_model_name} on {scheme}://{host}:{self.port} "
                       f"({n} frontend{'s' if n != 1 else ''}{engines})", flush=True)
                 code = self._supervise()
         except LaunchError as e:
@@ -380,7 +381,7 @@ class Launcher:
         return FrontendArgs(
             engine_address=addresses[0] if len(addresses) == 1 else addresses, engine_key=o.engine_key,
             tokenizer_path=self.config.tokenizer,
-            served_model_name=self.config.served_model_name, host=o.host, port=o.port,
+            served_model_name=self.config.served_model_name, host=o.host, port=self.port,
             api_keys=list(o.api_keys), ssl_keyfile=o.ssl_keyfile, ssl_certfile=o.ssl_certfile,
             frontend_id=self._frontend_id(i), tokenizer_cache_dir=self._tokenizer_cache(),
             handshake_timeout=o.startup_timeout, engine_liveness_timeout=o.engine_liveness_timeout,

@@ -445,3 +445,41 @@ def test_generate_says_what_the_engine_refuses_in_one_line(tiny_llama, capsys):
         assert e.value.code == 2
         err = capsys.readouterr().err
         assert why in err and "Traceback" not in err, err
+
+
+def test_port_0_is_one_port_for_every_frontend(tiny_llama, monkeypatch):
+    """--port 0: the launcher picks one free port for all the frontends (each picked its own, and the banner said
+    port 0), and names it."""
+    import test_server_e2e as e2e
+
+    monkeypatch.setattr(e2e, "free_port", lambda: 0)
+    s = e2e.Server("--model", tiny_llama, api_server_count=2)
+    try:
+        port = int(re.search(r"http://127\.0\.0\.1:(\d+) \(2 frontends\)", s.banner).group(1))
+        assert port != 0
+        assert all(e2e.http_status(f"http://127.0.0.1:{port}/health") == 200 for _ in range(6))
+        for name in ("tokenmill-frontend-0", "tokenmill-frontend-1"):
+            assert listening_ports(s.pids(name)[-1]) == {port}, name
+    finally:
+        s.close()
+
+
+def listening_ports(pid: int) -> set[int]:
+    """The TCP ports process ``pid`` listens on (its sockets' inodes in /proc/net/tcp and tcp6)."""
+    fds = f"/proc/{pid}/fd"
+    inodes = set()
+    for fd in os.listdir(fds):
+        try:
+            link = os.readlink(f"{fds}/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # (0A: LISTEN)
+                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
