@@ -107,8 +107,8 @@ class Auth:
         origin = req.headers.get("origin")
         host = req.headers.get("host", "").lower()
         if origin is None:  # not a browser, or a same-origin request: one of a rebound page's, where it is no name
-            return not self._loopback or self._keys or self._any_origin or host in self._hosts \
-                or _rebinding_proof(host)  # of this machine's
+            return not (self._loopback and host and not self._keys) or self._any_origin or host in self._hosts \
+                or _rebinding_proof(host)  # of this machine's (a browser always sends one)
         if self._any_origin or normalize_origin(origin) in self._origins:
             return True
         try:
