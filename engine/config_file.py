@@ -59,6 +59,9 @@ def _on_command_line(action: argparse.Action, args: list[str]) -> bool:
     return any(a.partition("=")[0] in action.option_strings for a in args)
 
 
+JSON_LISTS = ("--allowed-origins",)  # one value on the command line that may be vLLM's JSON list: a list here
+
+
 def _values(parser: argparse.ArgumentParser, path: str, args: list[str]) -> dict:
     """The file's values, each under its flag's ``dest``, parsed as the command line parses them; not
     those of a repeatable flag the command line gives too (its values replace the file's)."""
@@ -109,7 +112,9 @@ def _value(parser: argparse.ArgumentParser, action: argparse.Action, name: str, 
         return action.const if value else "off" if "off" in (action.choices or ()) else action.default
     many = isinstance(action, argparse._AppendAction) or action.nargs in ("+", "*")
     if isinstance(value, list) and not many:
-        bad(f"{name[2:]}: one value, not a list")
+        if name not in JSON_LISTS:
+            bad(f"{name[2:]}: one value, not a list")
+        value = _text(value)  # (as the command line gives vLLM's JSON list)
     items = value if isinstance(value, list) else [value]
     try:
         parsed = [parser._get_values(action, [_text(v)]) for v in items]

@@ -137,6 +137,9 @@ def test_a_config_file_gives_flags_and_the_command_line_wins(tmp_path, capsys):
     assert _config_kwargs(build_parser().parse_args(["serve", "--config", str(path)])) == {"log_stats_interval": 5.0}
     path.write_text("async-scheduling: false\n")
     assert build_parser().parse_args(["serve", "--config", str(path)]).async_scheduling == "off"
+    path.write_text("allowed-origins: [https://a.example, https://b.example]\n")  # (vLLM's JSON list, as YAML)
+    assert allowed_origins(build_parser().parse_args(["serve", "--config", str(path)]).allowed_origins) == [
+        "https://a.example", "https://b.example"]
     for text, why in [("max-num-seqz: 8\n", "'max-num-seqz' is no flag"),
                       ("dtype: float8\n", "invalid choice: 'float8'"),
                       ("port: [1, 2]\n", "port: one value, not a list"),
