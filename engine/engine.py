@@ -246,8 +246,9 @@ class Engine:
         if not slots:
             bad("LoRA adapters are not loaded while serving here: start with --enable-lora and "
                 "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true (--max-loras: how many at once)")
-        if not name or len(name) > MAX_ADAPTER_NAME or not name.isprintable():
-            bad(f"an adapter's name must be 1 to {MAX_ADAPTER_NAME} printable characters")
+        if not name or len(name) > MAX_ADAPTER_NAME or not name.isprintable() or name != name.strip():
+            bad(f"an adapter's name must be 1 to {MAX_ADAPTER_NAME} printable characters, with no space at either "
+                "end (\"tiny \" would pass for the model \"tiny\" in a list)")
         if name == self.model_name:
             bad(f"'{name}' is the served model's name: a request could not ask for the model alone")
         if name in self.adapters:

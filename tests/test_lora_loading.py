@@ -179,6 +179,7 @@ def test_refusals_say_why_and_leave_the_engine_serving(lora_tiny, want, tmp_path
             (e.model_name, b, "the served model's name"),
             ("", b, "1 to 256 printable characters"),
             ("a\nb", b, "printable"),
+            (e.model_name + " ", b, "no space at either end"),
         ]:
             with pytest.raises(RequestError, match=match) as info:
                 e.load_lora(name, path)
