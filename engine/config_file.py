@@ -116,6 +116,8 @@ def _value(parser: argparse.ArgumentParser, action: argparse.Action, name: str, 
             bad(f"{name[2:]}: one value, not a list")
         value = _text(value)  # (as the command line gives vLLM's JSON list)
     items = value if isinstance(value, list) else [value]
+    if None in items:  # (`api-key: [~]` read as the key "null")
+        bad(f"{name[2:]}: a list item with no value")
     try:
         parsed = [parser._get_values(action, [_text(v)]) for v in items]
     except argparse.ArgumentError as e:

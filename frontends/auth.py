@@ -60,7 +60,7 @@ class Auth:
         origins = {normalize_origin(o) for o in allowed_origins if o.strip()}
         self._any_origin = "*" in origins
         self._origins = frozenset(origins - {"*"})
-        self._hosts = frozenset(urlsplit(o).netloc for o in self._origins)
+        self._hosts = frozenset(_host_key(urlsplit(o).netloc) for o in self._origins)
         self._loopback = loopback  # listening on a loopback address alone (module doc: the Host rule)
 
     @property
@@ -107,8 +107,8 @@ class Auth:
         origin = req.headers.get("origin")
         host = req.headers.get("host", "").lower()
         if origin is None:  # not a browser, or a same-origin request: one of a rebound page's, where it is no name
-            return not (self._loopback and host and not self._keys) or self._any_origin or host in self._hosts \
-                or _rebinding_proof(host)  # of this machine's (a browser always sends one)
+            return not (self._loopback and host and not self._keys) or self._any_origin \
+                or _host_key(host) in self._hosts or _rebinding_proof(host)  # of this machine's (a browser sends one)
         if self._any_origin or normalize_origin(origin) in self._origins:
             return True
         try:
@@ -197,16 +197,29 @@ def require_json(req: Request) -> None:
 
 def loopback_only(host: str) -> bool:
     """Whether a server bound to ``host`` listens on a loopback address alone."""
+    name = host.strip("[]").rstrip(".").lower()
     try:
-        return host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+        addr = ipaddress.ip_address(name)
     except ValueError:
-        return False
+        return name == "localhost"
+    return addr.is_loopback or getattr(addr, "ipv4_mapped", None) is not None and addr.ipv4_mapped.is_loopback
+
+
+def _host_key(host: str) -> str:
+    """A ``Host`` (or an origin's host[:port]) as compared: lower case, no trailing dot, no default port."""
+    name, sep, port = host.lower().rpartition(":")
+    if not (sep and port.isdigit()):  # (no port: "[::1]" ends in "1]")
+        name, port = host.lower(), ""
+    name = name.rstrip(".")
+    return name if port in ("", "80", "443") else f"{name}:{port}"
 
 
 def _rebinding_proof(host: str) -> bool:
     """Whether a ``Host`` header names this server in a way no other site's DNS can: an IP address,
     localhost (or a name under it), this machine's own name, or a name under .local or .internal
     (as Ollama's check). Any other name may be an attacker's, pointed at this server (DNS rebinding)."""
+    if any(c in host for c in "@/?#\\"):  # (no Host a browser sends: "attacker.example@127.0.0.1" is no IP)
+        return False
     try:
         name = (urlsplit("//" + host).hostname or "").rstrip(".")
     except ValueError:  # (a malformed port or bracket)
@@ -215,6 +228,11 @@ def _rebinding_proof(host: str) -> bool:
         ipaddress.ip_address(name)
         return True
     except ValueError:
+        pass
+    try:  # (IPv4 as inet_aton reads it: 127.1, 2130706433; no DNS name)
+        socket.inet_aton(name)
+        return True
+    except OSError:
         pass
     return name in ("localhost", _machine_name()) or name.endswith((".localhost", ".local", ".internal"))
 

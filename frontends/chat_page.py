@@ -35,4 +35,4 @@ def register(router: Router, api: OpenAIApi) -> None:
     async def chat_page(req: Request) -> Response:
         return Response(200, body, "text/html; charset=utf-8", list(_HEADERS))
 
-    router.add("GET", "/", chat_page)
+    router.add("GET", "/", api.auth.guard(chat_page, key=False))  # (its origin rule: it names the model)

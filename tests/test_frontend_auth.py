@@ -166,19 +166,23 @@ def test_a_keyless_server_on_loopback_answers_its_local_names_alone():
     (0.0.0.0, or with keys) any Host is served."""
     from frontends.auth import loopback_only
 
-    assert [loopback_only(h) for h in ("127.0.0.1", "::1", "[::1]", "localhost", "127.0.0.2", "0.0.0.0", "::",
-                                       "box")] == [True, True, True, True, True, False, False, False]
+    assert [loopback_only(h) for h in ("127.0.0.1", "::1", "[::1]", "localhost", "LOCALHOST", "localhost.",
+                                       "::ffff:127.0.0.1", "127.0.0.2", "0.0.0.0", "::", "box")] == [True] * 8 + [False] * 3
     listed = make_api(loopback=True, allowed_origins=["https://proxy.example"])  # (a proxy sends its own Host)
     for api, refused in ((make_api(loopback=True), {"attacker.example", "proxy.example"}),
                          (listed, {"attacker.example"}), (make_api(), set()),
                          (make_api(api_keys=[KEY], loopback=True), set())):
         with serving(api) as port:
             auth = {"Authorization": f"Bearer {KEY}"}
-            for host in ("attacker.example", "proxy.example"):
+            for host in ("attacker.example", "proxy.example", "Proxy.Example.:443", "attacker.example@127.0.0.1"):
                 status, _, body = call(port, "GET", "/v1/models", {"Host": host, **auth})
-                assert status == (403 if host in refused else 200), (host, body)
+                bare = host.lower().removesuffix(":443").rstrip(".").split("@")[0]  # (the name a proxy or page gives)
+                assert status == (403 if bare in refused else 200), (host, body)
                 assert status == 200 or error(body)["code"] == "host_not_allowed"
-            for host in ("127.0.0.1", "localhost", socket.gethostname()):
+            status, _, body = call(port, "GET", "/", {"Host": "attacker.example"})  # (the page names the model)
+            assert status == (403 if "attacker.example" in refused else 200) and (status == 200 or MODEL.encode()
+                                                                                                   not in body)
+            for host in ("127.0.0.1", "localhost", socket.gethostname(), "127.1", "2130706433", "localhost."):
                 assert call(port, "GET", "/v1/models", {"Host": f"{host}:{port}", **auth})[0] == 200
             assert call(port, "GET", "/health", {"Host": "attacker.example"})[0] == (
                 403 if "attacker.example" in refused else 200)  # (one rule for every path)

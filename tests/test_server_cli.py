@@ -146,6 +146,8 @@ def test_a_config_file_gives_flags_and_the_command_line_wins(tmp_path, capsys):
                       ("enforce-eager: 1\n", "enforce-eager: 1 is not true or false"),
                       ("- a list\n", "not a map"), ("port: [\n", "while parsing"),
                       ("api-key:\n", "api-key: no value"), ("api-key: ~\n", "api-key: no value"),
+                      ("api-key: [~]\n", "api-key: a list item with no value"),
+                      ("api-key: [k1, null]\n", "api-key: a list item with no value"),
                       ("port: 80\xff\n", "can't decode")]:
         path.write_bytes(text.encode("latin-1"))
         with pytest.raises(SystemExit) as e:
