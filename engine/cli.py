@@ -262,7 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model, as vLLM's `serve MODEL` names it (or --model)")
     _engine_flags(s)
     h = s.add_argument_group("HTTP")
-    h.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    h.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: 127.0.0.1; :: for IPv6 and IPv4, 0.0.0.0 for IPv4)")
     h.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     h.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY'; repeat for several keys (each value is one key, "

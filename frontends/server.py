@@ -16,6 +16,7 @@ import functools
 import gc
 import logging
 import signal
+import socket
 import sqlite3
 import ssl
 from collections.abc import Callable
@@ -101,6 +102,21 @@ def ssl_context(args: FrontendArgs) -> ssl.SSLContext | None:
     return ctx
 
 
+def dual_stack(port: int) -> socket.socket:
+    """``--host ::``: one socket for IPv6 and IPv4 on ``port``, as uvicorn's (so vLLM's) is; asyncio makes its
+    own IPv6 alone. SO_REUSEPORT: every frontend binds it."""
+    sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+    try:
+        sock.bind(("::", port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def _no_passphrase() -> str:
     """OpenSSL asks for an encrypted key's passphrase: on a terminal it waited there, else it failed as EINVAL."""
     raise ValueError("the --ssl-keyfile key is encrypted: give it unencrypted (openssl pkey -in KEY -out PLAIN)")
@@ -171,8 +187,9 @@ async def serve(args: FrontendArgs, ready: Callable[[], None] | None = None) -> 
         gc.freeze()
         # a TLS handshake gets --header-timeout too (asyncio's default, 60 s, let stalled ones pile up past the cap)
         handshake = {"ssl_handshake_timeout": args.http.header_timeout} if tls is not None else {}
-        server = await loop.create_server(http, args.host, args.port, reuse_port=True, ssl=tls, backlog=2048,
-                                          **handshake)
+        where = {"sock": dual_stack(args.port)} if args.host.strip("[]") == "::" else \
+            {"host": args.host, "port": args.port, "reuse_port": True}
+        server = await loop.create_server(http, ssl=tls, backlog=2048, **where, **handshake)
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)

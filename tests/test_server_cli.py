@@ -488,3 +488,27 @@ def listening_ports(pid: int) -> set[int]:
                 if fields[3] == "0A" and fields[9] in inodes:  # (0A: LISTEN)
                     ports.add(int(fields[1].rsplit(":", 1)[1], 16))
     return ports
+
+
+def _ipv6() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6(), reason="no IPv6 here")
+def test_host_colons_serves_ipv6_and_ipv4(tiny_llama):
+    """--host :: listens on both families, as uvicorn's (so vLLM's) server does; asyncio's own socket was IPv6 alone,
+    and IPv4 clients were refused."""
+    import test_server_e2e as e2e
+
+    s = e2e.Server("--model", tiny_llama, "--host", "::", api_server_count=2)
+    try:
+        assert s.banner.startswith("tokenmill serving") and f"http://[::]:{s.port} (2 frontends)" in s.banner
+        for url in (f"http://127.0.0.1:{s.port}", f"http://[::1]:{s.port}"):
+            assert all(e2e.http_status(url + "/health") == 200 for _ in range(4)), url
+    finally:
+        s.close()
