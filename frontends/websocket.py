@@ -47,6 +47,7 @@ could otherwise drive the server (the rule lives in ``frontends.auth``).
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import os
 import time
@@ -76,6 +77,9 @@ if _wire_log.level == logging.NOTSET:
 PATH = "/v1/stream"
 SUBPROTOCOL = "tokenmill.v1"
 KEY_PREFIX = "tokenmill.key."
+# the key as base64url of its UTF-8, unpadded: a subprotocol is a token of plain characters, and a key made by
+# `openssl rand -base64` holds "/", "+" and "=" (the chat page sends its key this way)
+KEY64_PREFIX = "tokenmill.key64."
 
 # close codes (RFC 6455 section 7.4)
 NORMAL, GOING_AWAY, BAD_DATA, POLICY, INTERNAL = 1000, 1001, 1007, 1008, 1011
@@ -124,7 +128,7 @@ class WebSocketEndpoint:
     async def upgrade(self, req: Request) -> Response | Upgrade:
         offered = _offered_subprotocols(req)
         tokens = self._check_auth(req, offered)
-        if SUBPROTOCOL not in offered and any(p.startswith(KEY_PREFIX) for p in offered):
+        if SUBPROTOCOL not in offered and any(p.startswith((KEY_PREFIX, KEY64_PREFIX)) for p in offered):
             raise ApiError(400, f"offer the subprotocol '{SUBPROTOCOL}' beside '{KEY_PREFIX}<key>': it is the one "
                            "answered (a key is never sent back)")
         server = req.protocol.server if req.protocol is not None else None
@@ -158,9 +162,10 @@ class WebSocketEndpoint:
         """The keys the handshake gave, checked (the connection's client's, for ``--fair-client key``)."""
         auth = self.api.auth  # the same origin rule and keys as the HTTP API
         auth.check_origin(req)
-        keys = [p[len(KEY_PREFIX):] for p in offered if p.startswith(KEY_PREFIX)]
+        keys = _offered_keys(offered)
         if len(keys) > 1:  # (each would be tried: a handshake of hundreds of guesses)
-            raise ApiError(400, f"Offer one '{KEY_PREFIX}<key>' subprotocol at most, not {len(keys)}")
+            raise ApiError(400, f"Offer one '{KEY_PREFIX}<key>' or '{KEY64_PREFIX}<key>' subprotocol at most, "
+                           f"not {len(keys)}")
         tokens = auth.given(req) + keys
         auth.check_key(tokens, f"send 'Authorization: Bearer <key>' or the subprotocol '{KEY_PREFIX}<key>'")
         return tokens
@@ -172,6 +177,21 @@ def _offered_subprotocols(req: Request) -> list[str]:
         if k.lower() == b"sec-websocket-protocol":
             out += [p.strip() for p in v.decode("latin-1").split(",") if p.strip()]
     return out
+
+
+def _offered_keys(offered: list[str]) -> list[str]:
+    """The keys offered as subprotocols: ``tokenmill.key.<key>``, ``tokenmill.key64.<base64url of its UTF-8>``."""
+    keys = []
+    for p in offered:
+        if p.startswith(KEY64_PREFIX):
+            text = p[len(KEY64_PREFIX):]
+            try:
+                keys.append(base64.b64decode(text + "=" * (-len(text) % 4), altchars=b"-_", validate=True).decode())
+            except ValueError:  # (binascii.Error, UnicodeDecodeError)
+                raise ApiError(400, f"'{KEY64_PREFIX}' takes the key as base64url of its UTF-8") from None
+        elif p.startswith(KEY_PREFIX):
+            keys.append(p[len(KEY_PREFIX):])
+    return keys
 
 
 def _select_subprotocol(proto: ServerProtocol, offered) -> str | None:

@@ -2,7 +2,7 @@
 
 The frontend is a real frontend process (``build_router`` registers the WebSocket
 module) against the slow fake engine of tools/fake_engine.py, with an API key, so
-the page's key field and the ``tokenmill.key.<KEY>`` subprotocol are exercised.
+the page's key field and the ``tokenmill.key64.<base64url of KEY>`` subprotocol are exercised.
 Chromium comes from Debian (``apt-get install chromium``); without it the test
 skips, except under CI=true, where it fails.
 """
@@ -36,9 +36,13 @@ def browser():
         b.close()
 
 
+PAGE_KEY = "Zm9v/YmFy+YQ=="  # (as `openssl rand -base64` makes them: "/", "+", "=" are no subprotocol characters)
+
+
 @pytest.fixture(scope="module")
 def frontend(tmp_path_factory, smollm_tokenizer_dir):
-    with fake_stack(str(tmp_path_factory.mktemp("pageeng")), smollm_tokenizer_dir, step_delay=0.03) as stack:
+    with fake_stack(str(tmp_path_factory.mktemp("pageeng")), smollm_tokenizer_dir, step_delay=0.03,
+                    api_keys=(KEY, PAGE_KEY)) as stack:
         yield stack
 
 
@@ -49,7 +53,7 @@ def test_chat_page_streams_and_stops(browser, frontend, tmp_path):
     page.on("console", lambda m: console_errors.append(m.text) if m.type == "error" else None)
     page.goto(f"http://127.0.0.1:{port}/")
     assert page.locator("#api-key").is_visible()  # the server has keys
-    page.fill("#api-key", KEY)
+    page.fill("#api-key", PAGE_KEY)  # (sent as tokenmill.key64.<base64url>)
     page.dispatch_event("#api-key", "change")
 
     # a short reply runs to its end

@@ -9,6 +9,7 @@ its limits (``WsConfig``) and look at the engine's ADDs and ABORTs; clients are 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import itertools
 import json
@@ -409,6 +410,16 @@ def test_auth_header_subprotocol_and_refusals(engine, codec):
             with pytest.raises(InvalidStatus) as e:  # (review: 300 guesses in one handshake)
                 await connect(s.url, subprotocols=["tokenmill.v1", *(f"tokenmill.key.{g}" for g in ("a", KEY, "b"))])
             assert e.value.response.status_code == 400 and b"one 'tokenmill.key.<key>'" in e.value.response.body
+            # the key as base64url of its UTF-8 (the page's way: any key); one key in all, the two forms counted
+            key64 = base64.urlsafe_b64encode(KEY.encode()).decode().rstrip("=")
+            async with connect(s.url, subprotocols=["tokenmill.v1", f"tokenmill.key64.{key64}"]) as ws:
+                assert ws.subprotocol == "tokenmill.v1"
+            for offered, status in (([f"tokenmill.key64.{key64}!"], 400), ([f"tokenmill.key64.{key64}",
+                                                                          f"tokenmill.key.{KEY}"], 400),
+                                    (["tokenmill.key64.bm9wZQ"], 401)):  # ("nope")
+                with pytest.raises(InvalidStatus) as e:
+                    await connect(s.url, subprotocols=["tokenmill.v1", *offered])
+                assert e.value.response.status_code == status, offered
             plain = await asyncio.to_thread(call, s.port, "GET", "/v1/stream")
             assert plain.status_code == 426 and plain.json()["error"]["message"]
             page = await asyncio.to_thread(call, s.port, "GET", "/", key=None)
