@@ -343,6 +343,8 @@ class GenerateFormat:
             before = sum(len(t["text"]) for t in self.tokens[i][:-1] if not t["special"])  # its text as the text was
             # cut (the special tokens' names are not in the text)
             out[-1][0]["text"] = self.texts[i][before:]
+        elif up.finished and out:  # an unfinished character at the end is the last token's, as the text has it
+            out[-1][0]["text"] += self.detoks[i].flush()
         return out
 
     def _finish_reason(self, c) -> str:
