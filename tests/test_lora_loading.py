@@ -8,6 +8,7 @@ several frontends and engines, with the openai client."""
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -254,7 +255,13 @@ def test_served_loading_through_every_frontend_and_engine(lora_tiny, monkeypatch
         assert call(s.url, "/v1/load_lora_adapter", load, key=None)[0] == 401
         assert call(s.url, "/v1/load_lora_adapter", load) == (200, "Success: LoRA adapter 'a' added successfully.")
         for _ in range(4):  # new connections: either frontend, either engine
+            # (the frontend that did not take the call lists it once its engines' answer reaches it: a moment later;
+            # a CI run under load once listed only "tiny" at once)
+            deadline = time.monotonic() + 10
             models = json.loads(call(s.url, "/v1/models")[1])["data"]
+            while [m["id"] for m in models] != ["tiny", "a"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+                models = json.loads(call(s.url, "/v1/models")[1])["data"]
             assert [m["id"] for m in models] == ["tiny", "a"] and models[1]["root"] == a
             r = client().completions.create(model="a", prompt=prompt, max_tokens=8, temperature=0,
                                           extra_body={"ignore_eos": True})
