@@ -378,10 +378,7 @@ class IncrementalDetokenizer:
 
 def without_broken_end(text: str) -> str:
     """``text`` less the U+FFFDs it ends in, up to 3 (as many as an unfinished character's bytes can make)."""
-    end = len(text)
-    while end > len(text) - 3 and end and text[end - 1] == "\ufffd":
-        end -= 1
-    return text[:end]
+    return text[:max(len(text.rstrip("\ufffd")), len(text) - 3)]
 
 
 DRY_TAIL_TOKENS = 20  # a breaker's tokens after the first, at most (llama.cpp's MAX_SEQ_LEN)
