@@ -1,7 +1,8 @@
 """Who may call the server: API keys and the origin rule, for HTTP and WebSocket alike.
 
 Keys: ``Authorization: Bearer <key>`` (the WebSocket also takes one from its
-subprotocol list), compared in constant time against every key.
+subprotocol list), compared in constant time against every key. A header carries bytes: a key that is not
+ASCII matches as its UTF-8 (curl's, the ``openai`` client's) or its Latin-1 (a browser's ``fetch``).
 
 Origins: a request that carries an ``Origin`` header comes from a browser page.
 It is allowed when it is same-origin (the origin's host[:port] equals ``Host``,
@@ -57,6 +58,8 @@ class Auth:
         if any(not k.strip() for k in keys):  # a blank key would be an open door that looks locked
             raise ValueError("an API key must not be blank")
         self._keys = [k.encode() for k in keys]
+        # what a client may send for each: its UTF-8, or its Latin-1 where it has one
+        self._forms = [{k.encode(), k.encode("latin-1")} if max(k) <= "\xff" else {k.encode()} for k in keys]
         origins = {normalize_origin(o) for o in allowed_origins if o.strip()}
         self._any_origin = "*" in origins
         self._origins = frozenset(origins - {"*"})
@@ -76,18 +79,21 @@ class Auth:
     @staticmethod
     def given(req: Request) -> list[str]:
         """The keys a request gives: ``Authorization: Bearer <key>`` (OpenAI's) and ``x-api-key``
-        (Anthropic's, whose SDK may send both): either may be the right one."""
+        (Anthropic's, whose SDK may send both): either may be the right one. Each is its header's bytes (read
+        as Latin-1, as every header is)."""
         scheme, _, token = req.headers.get("authorization", "").partition(" ")
         return [token.strip() if scheme.lower() == "bearer" else "", req.headers.get("x-api-key", "").strip()]
 
     def key_number(self, tokens: list[str]) -> int | None:
-        """Which key one of ``tokens`` is (its place among the keys, as given), None if none is (or no keys)."""
+        """Which key one of ``tokens`` (bytes as Latin-1 characters) is (its place among the keys, as given),
+        None if none is (or no keys)."""
         found = None
         for token in tokens:  # (each against every key, no early exit: the time taken says nothing about which one)
-            given = token.encode("utf-8", "replace")
-            for i, key in enumerate(self._keys):
-                if hmac.compare_digest(given, key) and found is None:
-                    found = i
+            given = token.encode("latin-1", "replace")
+            for i, forms in enumerate(self._forms):
+                for form in forms:
+                    if hmac.compare_digest(given, form) and found is None:
+                        found = i
         return found
 
     def owner(self, tokens: list[str]) -> str:

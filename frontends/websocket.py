@@ -180,15 +180,17 @@ def _offered_subprotocols(req: Request) -> list[str]:
 
 
 def _offered_keys(offered: list[str]) -> list[str]:
-    """The keys offered as subprotocols: ``tokenmill.key.<key>``, ``tokenmill.key64.<base64url of its UTF-8>``."""
+    """The keys offered as subprotocols: ``tokenmill.key.<key>``, ``tokenmill.key64.<base64url of its UTF-8>``
+    (each as its bytes, in Latin-1 characters)."""
     keys = []
     for p in offered:
         if p.startswith(KEY64_PREFIX):
             text = p[len(KEY64_PREFIX):]
             try:
-                keys.append(base64.b64decode(text + "=" * (-len(text) % 4), altchars=b"-_", validate=True).decode())
-            except ValueError:  # (binascii.Error, UnicodeDecodeError)
+                key = base64.b64decode(text + "=" * (-len(text) % 4), altchars=b"-_", validate=True)
+            except ValueError:  # (binascii.Error)
                 raise ApiError(400, f"'{KEY64_PREFIX}' takes the key as base64url of its UTF-8") from None
+            keys.append(key.decode("latin-1"))  # (its bytes, as a header's are: ``Auth.key_number``)
         elif p.startswith(KEY_PREFIX):
             keys.append(p[len(KEY_PREFIX):])
     return keys

@@ -9,6 +9,7 @@ answer (``/v1/models``, ``/``) need no engine.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import http.client
 import socket
@@ -202,6 +203,37 @@ def test_with_keys_the_key_is_the_protection():
         # a preflight carries no key: refused, with the one fix that applies (keys are configured already)
         status, _, body = call(port, "OPTIONS", "/v1/completions", {"Origin": EVIL})
         assert status == 403 and error(body)["message"].endswith("refused (list it in --allowed-origins)")
+
+
+def raw_get(port: int, path: str, headers: dict[str, bytes]) -> bytes:
+    """The status line of a GET whose header values go as the bytes given (http.client would encode them)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n".encode()
+                  + b"".join(k.encode() + b": " + v + b"\r\n" for k, v in headers.items()) + b"\r\n")
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    return answer.split(b"\r\n", 1)[0]
+
+
+def test_a_key_that_is_not_ascii_matches_as_its_utf8_or_its_latin1():
+    """curl and the ``openai`` client send a header's text as UTF-8, a browser's ``fetch`` as Latin-1 (review: a
+    UTF-8 key from curl got 401): either form of a key is that key, and no other's."""
+    keys = ["sk-caf\u00e9", "sk-\ua66e-\u00e9"]  # (the second has no Latin-1 form)
+    with serving(make_api(api_keys=keys)) as port:
+        for value, status in ((keys[0].encode(), b"200"), (keys[0].encode("latin-1"), b"200"),
+                              (keys[1].encode(), b"200"), (b"sk-caf\xc3", b"401"), (b"sk-caf", b"401"),
+                              (keys[1].encode()[:-1], b"401")):
+            for header, prefix in (("Authorization", b"Bearer "), ("x-api-key", b"")):
+                line = raw_get(port, "/v1/models", {header: prefix + value})
+                assert line.split(b" ")[1] == status, (header, value, line)
+    auth = Auth(keys)
+    assert [auth.key_number([k.encode(enc).decode("latin-1")]) for k, enc in
+            ((keys[0], "utf-8"), (keys[0], "latin-1"), (keys[1], "utf-8"))] == [0, 0, 1]
+    assert auth.owner([keys[0].encode("latin-1").decode("latin-1")]) == auth.owner([keys[0].encode().decode("latin-1")])
+    # the WebSocket's base64url form carries the UTF-8 of any key
+    key64 = base64.urlsafe_b64encode(keys[1].encode()).decode().rstrip("=")
+    assert auth.key_number(websocket._offered_keys([f"tokenmill.key64.{key64}"])) == 1
 
 
 def test_a_request_without_its_key_is_refused_before_its_body():
