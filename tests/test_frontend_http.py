@@ -223,6 +223,22 @@ def test_malformed_request_400(port):
     assert read_all(s).startswith(b"HTTP/1.1 400 ")
 
 
+def test_an_http11_request_takes_one_host(port):
+    """RFC 9112 3.2: an HTTP/1.1 request without ``Host``, or any with two, is a 400 (the rules that read
+    ``Host``, the loopback one in ``frontends.auth``, would otherwise read one a proxy may not have); HTTP/1.0
+    may leave it out. The request before it on the connection is answered."""
+    for head, status in ((b"GET /slow HTTP/1.1\r\n", b"400"), (b"GET /slow HTTP/1.1\r\nHost: x\r\nhost: y\r\n", b"400"),
+                         (b"GET /slow HTTP/1.0\r\n", b"200"), (b"GET /slow HTTP/1.0\r\nHost: x\r\nHost: y\r\n", b"400")):
+        s = connect(port)
+        s.sendall(post_echo(b"first") + head + b"\r\n")
+        r = read_all(s)
+        assert r.startswith(b"HTTP/1.1 200 ") and b"first" in r, head
+        second = r[r.index(b"HTTP/1.1", 10):]
+        assert second.startswith(b"HTTP/1.1 %b " % status), (head, second)
+        if status == b"400":
+            assert b"Host header" in second and b"connection: close" in second.lower()
+
+
 def test_header_and_idle_timeouts(port):
     s = connect(port)
     s.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n")  # headers never finish
