@@ -255,17 +255,26 @@ class _Child:
 # ----------------------------------------------------------------------------- launcher
 
 
-def check_port_free(host: str, port: int) -> int:
+def reserve_port(host: str, port: int) -> tuple[int, socket.socket | None]:
     """``port``, failing early and clearly where it is busy (SO_REUSEPORT would otherwise share it silently);
-    0: a free one the system picks, for every frontend to share (each would have picked its own)."""
+    0: a free one the system picks, for every frontend to share (each would have picked its own), with the socket
+    that holds it until they listen on it (bound, not listening: no connection comes to it; SO_REUSEPORT, as
+    theirs), so that no other process takes it while the model loads."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
+    s = socket.socket(family, socket.SOCK_STREAM)
+    try:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is fine, a listener is not
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            raise LaunchError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
-        return s.getsockname()[1]
+        if host == "::":  # (as the frontends' dual_stack socket: the IPv4 port too)
+            s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        s.bind((host, port))
+        if port == 0:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # (after the bind, so no listener's is shared)
+            return s.getsockname()[1], s
+    except OSError as e:
+        s.close()
+        raise LaunchError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+    s.close()
+    return port, None
 
 
 class Launcher:
@@ -296,7 +305,7 @@ class Launcher:
         """Serve until a signal (exit 0; 128 + its number where a second one cut the drain short, as a shell
         reports a process a signal ended) or the engine dies (exit 1)."""
         o = self.options
-        self.port = check_port_free(o.host, o.port)
+        self.port, hold = reserve_port(o.host, o.port)
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         self.runtime_dir = tempfile.mkdtemp(prefix="tokenmill-")
         os.chmod(self.runtime_dir, 0o700)
@@ -307,7 +316,10 @@ class Launcher:
         code = 0  # (a signal during start-up)
         try:
             self._start_all()
-            if self._wait_ready():
+            ready = self._wait_ready()
+            if hold is not None:  # (the frontends listen on the port now)
+                hold.close()
+            if ready:
                 scheme = "https" if o.ssl_certfile else "http"
                 host = f"[{o.host}]" if ":" in o.host else o.host
                 n, d = len(self.frontends), len(self.engine_addresses)
@@ -320,6 +332,8 @@ class Launcher:
             log.error("%s", e)  # before the shutdown noise, so it is the first thing read
             code = 1
         finally:
+            if hold is not None:
+                hold.close()
             self._shutdown()
             for s, h in old.items():
                 signal.signal(s, h)

@@ -469,6 +469,30 @@ def test_port_0_is_one_port_for_every_frontend(tiny_llama, monkeypatch):
         s.close()
 
 
+def test_port_0_is_held_for_the_frontends_until_they_listen():
+    """The port --port 0 picks is held while the model loads (review: it was free again until the frontends bound
+    it, and another process could take it): no other socket binds it, the frontends' (SO_REUSEPORT) do, and
+    every connection goes to them; an explicit port is only checked."""
+    from engine.launcher import reserve_port
+
+    port, hold = reserve_port("127.0.0.1", 0)
+    try:
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind(("127.0.0.1", port))
+        with socket.socket() as frontend:
+            frontend.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as asyncio's)
+            frontend.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            frontend.bind(("127.0.0.1", port))
+            frontend.listen()
+            frontend.settimeout(5)
+            for _ in range(8):
+                with socket.create_connection(("127.0.0.1", port), timeout=5):
+                    frontend.accept()[0].close()
+    finally:
+        hold.close()
+    assert reserve_port("127.0.0.1", port) == (port, None)  # (free again, and an explicit port holds nothing)
+
+
 def listening_ports(pid: int) -> set[int]:
     """The TCP ports process ``pid`` listens on (its sockets' inodes in /proc/net/tcp and tcp6)."""
     fds = f"/proc/{pid}/fd"
