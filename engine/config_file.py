@@ -70,9 +70,18 @@ def _values(parser: argparse.ArgumentParser, path: str, args: list[str]) -> dict
     def bad(message: str):
         parser.error(f"--config {path}: {message}")
 
+    class Loader(yaml.SafeLoader):  # (PyYAML keeps the last of a key given twice, silently: a key of two lost)
+        def construct_mapping(self, node, deep=False):
+            keys = [self.construct_object(k, deep=True) for k, _ in node.value]
+            twice = [k for i, k in enumerate(keys) if isinstance(k, str) and k in keys[:i]]
+            if twice:
+                raise yaml.constructor.ConstructorError(None, None, f"{twice[0]!r} is given twice",
+                                                        node.start_mark)
+            return super().construct_mapping(node, deep)
+
     try:
         with open(path) as f:
-            values = yaml.safe_load(f)
+            values = yaml.load(f, Loader)  # noqa: S506 - a SafeLoader
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         bad(str(e))
     if values is None:
@@ -80,7 +89,7 @@ def _values(parser: argparse.ArgumentParser, path: str, args: list[str]) -> dict
     if not isinstance(values, dict):
         bad("not a map of flags to values")
     actions = parser._option_string_actions
-    out = {}
+    out, keys = {}, {}
     for key, value in values.items():
         name = "--" + str(key).replace("_", "-")
         if name == "--config":
@@ -88,6 +97,9 @@ def _values(parser: argparse.ArgumentParser, path: str, args: list[str]) -> dict
         action = actions.get(name)
         if action is None:
             bad(f"{key!r} is no flag of this command (see --help)")
+        if action.dest in keys:  # (api_key and api-key: the last would win, silently)
+            bad(f"{key} and {keys[action.dest]} are one flag, given twice")
+        keys[action.dest] = key
         if value is None:  # (`api-key:` read as the key "null" would open a server to a guess)
             bad(f"{key}: no value (leave the flag out for its default)")
         if name == "--model" and "model_tag" in {a.dest for a in parser._actions} and \

@@ -148,7 +148,10 @@ def test_a_config_file_gives_flags_and_the_command_line_wins(tmp_path, capsys):
                       ("api-key:\n", "api-key: no value"), ("api-key: ~\n", "api-key: no value"),
                       ("api-key: [~]\n", "api-key: a list item with no value"),
                       ("api-key: [k1, null]\n", "api-key: a list item with no value"),
-                      ("port: 80\xff\n", "can't decode")]:
+                      ("port: 80\xff\n", "can't decode"),
+                      ("api-key: k1\napi-key: k2\n", "'api-key' is given twice"),  # (the last kept, silently)
+                      ("api_key: k1\napi-key: k2\n", "api-key and api_key are one flag, given twice"),
+                      ("hf-overrides: {a: 1, a: 2}\n", "'a' is given twice")]:
         path.write_bytes(text.encode("latin-1"))
         with pytest.raises(SystemExit) as e:
             build_parser().parse_args(["serve", "--config", str(path)])
