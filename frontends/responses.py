@@ -516,6 +516,7 @@ class ResponsesFormat(ItemWriter):
         self._end = self.answer.thinking_end.encode() if self.answer is not None and self._end_id is None else b""
         self._tail = b""
         self._ended = False  # the last update was taken
+        self._unshown = 0  # tokens of the batches that showed nothing yet: the opening "<think>" in several tokens
         # with the chat's logprobs asked for, each output_text carries those of the tokens that wrote it
         self._lps: list[dict] = []  # of the answer's tokens whose text is not out yet (those of a call: dropped)
         self.items: list[dict] = []  # output items done, in order
@@ -562,16 +563,22 @@ class ResponsesFormat(ItemWriter):
 
     def _counted(self, up: Update) -> list[tuple[str, Any]]:
         """``up``'s parts of the answer; its tokens count as reasoning where it carried thinking, or left the
-        answer inside it: the batch that ends the thinking up to the token that ends it (as vLLM counts). The
-        logprobs of its other tokens wait for the text that shows them."""
+        answer inside it: the batch that ends the thinking up to the token that ends it (as vLLM counts), and the
+        batch that opens it with those before it that showed nothing (``<think>`` in several tokens, whatever
+        batches they came in). The logprobs of its other tokens wait for the text that shows them."""
         a, self._ended = self.answer, self._ended or up.finished
         was_thinking, thought = (a.thinking, len(a.reasoning)) if a is not None else (False, 0)
         parts = self._parts(up.text, up.finished)
         ids: list[int] = []  # this batch's tokens of the thinking
+        unshown, self._unshown = self._unshown, 0
         if a is not None and (was_thinking or a.thinking or len(a.reasoning) > thought):
             ids = up.token_ids if a.thinking else up.token_ids[:self._through_end(up.token_ids)]
             if a.thinking and self._end:
                 self._tail = (self._tail + b"".join(map(self.chat.codec.token_bytes, ids)))[-len(self._end):]
+            if not was_thinking and not thought:  # (it opened here)
+                self.reasoning_tokens += unshown
+        elif not parts:
+            self._unshown = unshown + len(up.token_ids)
         self.reasoning_tokens += len(ids)
         if self.chat.logprobs:
             if ids:  # (what waited, since no text showed it, opened the thinking: "<think>" in several tokens)

@@ -349,11 +349,14 @@ def test_served_refusals_quote_the_clients_names_as_they_came(client):  # noqa: 
     assert e.value.body["param"] == "tool_choice" and "'response_format'" in e.value.body["message"]
 
 
+@pytest.mark.parametrize("opens", [False, True])
 @pytest.mark.parametrize("end_token, want", [(True, 4), (False, 5)])
-def test_reasoning_tokens_count_the_thinking_up_to_its_end_token(end_token, want):
+def test_reasoning_tokens_count_the_thinking_up_to_its_end_token(end_token, want, opens):
     """usage.output_tokens_details.reasoning_tokens: the tokens of the batches that carried the thinking, the one
     that ends it up to the token that ends ``</think>``, one token (Qwen3's, DeepSeek-R1's) or several (here
-    across two batches); the same whole and streamed. The text's logprobs are those of the tokens after."""
+    across two batches); the same whole and streamed. The text's logprobs are those of the tokens after. With
+    ``opens``, the output opens the thinking itself, ``<think>`` in three tokens that came in batches of their own
+    (review: those before the batch that showed the thinking went uncounted, so the count moved with the batching)."""
     from types import SimpleNamespace as NS
 
     from frontends import reasoning
@@ -361,12 +364,13 @@ def test_reasoning_tokens_count_the_thinking_up_to_its_end_token(end_token, want
     from frontends.responses import ResponsesFormat
     from frontends.text import TextCodec
 
-    texts = {1: "a", 2: " b", 3: "c", 4: "</", 5: "think>", 7: "</think>", 8: "\n\n", 9: "Done", 10: "."}
+    texts = {1: "a", 2: " b", 3: "c", 4: "</", 5: "think>", 7: "</think>", 8: "\n\n", 9: "Done", 10: ".",
+             11: "<", 12: "think", 13: ">"}
     names = {0: "<unk>", 7: "</think>"} if end_token else {0: "<unk>"}
 
     class Tokenizer:  # (a vocabulary where </think> is one token, or is none)
         def __len__(self):
-            return 11
+            return 14
 
         def get_vocab(self):
             return {v: k for k, v in names.items()}
@@ -382,7 +386,7 @@ def test_reasoning_tokens_count_the_thinking_up_to_its_end_token(end_token, want
     codec = TextCodec(Tokenizer())
 
     def fmt():
-        chat = NS(answers=[_Answer(reasoning.ThinkSplitter(True), None, True)], codec=codec, logprobs=True,
+        chat = NS(answers=[_Answer(reasoning.ThinkSplitter(not opens), None, True)], codec=codec, logprobs=True,
                   collect=lambda updates: None, delta_logprobs=lambda up: [{"token": t} for t in up.token_ids])
         gen = NS(api_id="resp_1", params=NS(temperature=1.0, top_p=1.0, max_tokens=50),
                  choices=[NS(finish_reason="stop", index=0)],
@@ -393,7 +397,9 @@ def test_reasoning_tokens_count_the_thinking_up_to_its_end_token(end_token, want
         return NS(text="".join(texts[i] for i in ids), token_ids=ids, finished=finished, choice=NS(
             index=0, include_stop=False, finish_reason="stop", stop_reason=None, eos_ids=frozenset()))
     ends = [[3, 7, 8, 9]] if end_token else [[3, 4], [5, 8, 9]]  # (</ think> across two batches)
-    batches = [batch([1, 2]), *map(batch, ends), batch([10], True)]
+    batches = [*(map(batch, [[11], [12], [13, 1, 2]]) if opens else [batch([1, 2])]), *map(batch, ends),
+               batch([10], True)]
+    want += 3 if opens else 0
     whole = fmt()
     whole.collect(batches)
     r = whole.response()
