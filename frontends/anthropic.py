@@ -182,10 +182,11 @@ def to_chat(data: dict) -> dict:
     chat["max_tokens"] = max_tokens
     if data.get("stop_sequences") is not None:
         chat["stop"] = data["stop_sequences"]
-    tools = data.get("tools") or None
+    tools = data.get("tools")
+    if tools is not None and not isinstance(tools, list):  # ({}, 0, "" and false too: they passed as none)
+        raise ApiError(400, "'tools' must be a list", param="tools")
+    tools = tools or None
     if tools is not None:
-        if not isinstance(tools, list):
-            raise ApiError(400, "'tools' must be a list", param="tools")
         for i, t in enumerate(tools):
             if not isinstance(t, dict) or t.get("type", "custom") != "custom" or "input_schema" not in t:
                 raise ApiError(400, f"tools[{i}]: only custom tools (name, description, input_schema) are "
@@ -204,13 +205,19 @@ def to_chat(data: dict) -> dict:
         if tools is not None or kind == "none":
             chat["tool_choice"] = ({"type": "function", "function": {"name": choice.get("name")}} if kind == "tool"
                                    else "required" if kind == "any" else kind)
-        if choice.get("disable_parallel_tool_use") is True:
+        parallel = choice.get("disable_parallel_tool_use")
+        if parallel is not None and not isinstance(parallel, bool):
+            raise ApiError(400, "tool_choice.disable_parallel_tool_use must be true or false", param="tool_choice")
+        if parallel:
             chat["parallel_tool_calls"] = False
     thinking = data.get("thinking")
     if thinking is not None:
         kind = thinking.get("type") if isinstance(thinking, dict) else None
         if kind not in ("enabled", "adaptive", "between_tools", "disabled"):
             raise ApiError(400, "thinking must be {'type': 'enabled' | 'adaptive' | 'disabled'}", param="thinking")
+        budget = thinking.get("budget_tokens")  # (not read: the template's switch is all there is)
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise ApiError(400, "thinking.budget_tokens must be a positive integer", param="thinking")
         kwargs = chat.get("chat_template_kwargs")
         if kwargs is not None and not isinstance(kwargs, dict):
             raise ApiError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")

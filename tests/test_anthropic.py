@@ -100,6 +100,13 @@ def test_bodies_become_chats():
       "chat_template_kwargs": 3}, "chat_template_kwargs"),
     ({"max_tokens": 5, "messages": [{"role": "assistant", "content": [
         {"type": "tool_use", "id": "a", "name": "b", "input": deep(300)}]}]}, "messages"),  # (past orjson's depth)
+    # (review: each passed, the tools as none, the switch as off, the budget unread)
+    *(({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "tools": bad}, "tools")
+      for bad in ({}, 0, "", False, {"name": "f"})),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "tools": [{"name": "f", "input_schema": {}}],
+      "tool_choice": {"type": "auto", "disable_parallel_tool_use": "yes"}}, "tool_choice"),
+    *(({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
+        "thinking": {"type": "enabled", "budget_tokens": bad}}, "thinking") for bad in (-5, 0, "1024", True, 1.5)),
 ])
 def test_what_this_server_cannot_do_is_a_400(body, param):
     with pytest.raises(ApiError) as e:
