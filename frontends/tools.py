@@ -211,6 +211,11 @@ def parse_tools(data: dict, fmt: str | None) -> ToolRequest | None:
         return req
     tools = data.get("tools")
     choice = data.get("tool_choice")
+    parallel = data.get("parallel_tool_calls")
+    if parallel is None:  # (null: the default, as everywhere)
+        parallel = True
+    if not isinstance(parallel, bool):  # (without tools too, as vLLM's)
+        raise ApiError(400, "parallel_tool_calls must be true or false", param="parallel_tool_calls")
     if tools is None:
         if choice not in (None, "none"):
             raise ApiError(400, "tool_choice needs 'tools'", param="tool_choice")
@@ -228,9 +233,6 @@ def parse_tools(data: dict, fmt: str | None) -> ToolRequest | None:
         if name in schemas:
             raise ApiError(400, f"two tools are named {name!r}", param="tools")
         schemas[name] = as_object(params)
-    parallel = data.get("parallel_tool_calls", True)
-    if not isinstance(parallel, bool):
-        raise ApiError(400, "parallel_tool_calls must be true or false", param="parallel_tool_calls")
     try:
         size = len(orjson.dumps(tools))
     except orjson.JSONEncodeError:  # nested past orjson's 254 levels, or an integer past 64 bits
@@ -273,7 +275,8 @@ def from_functions(data: dict) -> dict | None:
         if choice != "none":
             raise ApiError(400, "function_call needs 'functions'", param="function_call")
         return {}
-    if not isinstance(data.get("parallel_tool_calls", True), bool):  # (checked as with tools; functions make one)
+    parallel = data.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):  # (checked as with tools; functions make one)
         raise ApiError(400, "parallel_tool_calls must be true or false", param="parallel_tool_calls")
     if not isinstance(functions, list) or not 0 < len(functions) <= MAX_TOOLS:
         raise ApiError(400, f"'functions' must be a list of 1 to {MAX_TOOLS} functions", param="functions")

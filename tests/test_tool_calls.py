@@ -153,6 +153,8 @@ def test_the_deprecated_functions_are_one_call_tools():
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"description": nested(300)}}}]},
      "tools", "nests too deeply"),
     ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls", "true or false"),
+    ({"parallel_tool_calls": "x"}, "parallel_tool_calls", "true or false"),  # (without tools too: review)
+    ({"parallel_tool_calls": 0}, "parallel_tool_calls", "true or false"),
     ({"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(17)], "tool_choice": "required"},
      "tools", "at most 16"),
 ])
@@ -160,6 +162,11 @@ def test_bad_tool_requests_are_400s_naming_the_field(body, param, words):
     with pytest.raises(ApiError) as e:
         parse_tools(body, "hermes")
     assert (e.value.status, e.value.param) == (400, param) and words in e.value.message
+
+
+def test_a_null_parallel_tool_calls_is_the_default():
+    assert parse_tools({"tools": TOOLS, "parallel_tool_calls": None}, "hermes").parallel
+    assert parse_tools({"parallel_tool_calls": None}, "hermes") is None
 
 
 def test_a_tools_calls_are_held_to_an_object():
