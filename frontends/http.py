@@ -624,8 +624,9 @@ class HttpProtocol(asyncio.Protocol):
         req.keep_alive = self.parser.should_keep_alive() and not self.server.shutting_down
         req.http10 = self.parser.get_http_version() == "1.0"
         hosts = sum(k.lower() == b"host" for k, _ in req.raw_headers)
-        if hosts > 1 or (hosts == 0 and not req.http10):  # (RFC 9112 3.2: which one names the server is anyone's guess)
-            self._refuse(req, 400, "A request takes one Host header" if hosts else "An HTTP/1.1 request takes a Host header")
+        if hosts > 1 or (hosts == 0 and not req.http10):  # (RFC 9112 3.2: which names the server, a guess)
+            self._refuse(req, 400, "A request takes one Host header" if hosts else
+                         "An HTTP/1.1 request takes a Host header")
             raise _StopParsing
         if self.parser.should_upgrade():
             req.upgrade = req.headers.get("upgrade", "").lower()
