@@ -315,6 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--write-timeout", type=float, default=None, metavar="SECONDS",
                    help="cut a response (an SSE stream, say) whose client reads nothing for this long "
                         "(default: 30)")
+    h.add_argument("--max-body-bytes", type=parse_size, default=None, metavar="SIZE",
+                   help="largest request body; bigger gets 413 (default: 8MiB, or 32MiB for a model that takes "
+                        "images, one of 20MiB as a data: URL; the WebSocket's --ws-max-message likewise)")
     h.add_argument("--max-header-bytes", type=parse_size, default=None, metavar="SIZE",
                    help="largest request line + headers; bigger gets 431 (default: 64KiB)")
     h.add_argument("--socket-send-buffer", type=parse_size, default=None, metavar="SIZE",
@@ -355,7 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="unsent bytes a connection may hold before a client that does not read is "
                         "closed with 1008 (default: 4MiB)")
     w.add_argument("--ws-max-message", type=parse_size, default=None, metavar="SIZE",
-                   help="largest message a client may send; bigger closes with 1009 (default: 1MiB)")
+                   help="largest message a client may send; bigger closes with 1009 (default: 1MiB, or 32MiB for "
+                        "a model that takes images)")
     w.add_argument("--ws-ping-interval", type=float, default=None, metavar="SECONDS",
                    help="keepalive ping period; no pong within as long again closes with 1011 (default: 20)")
     w.add_argument("--ws-idle-timeout", type=float, default=None, metavar="SECONDS",
@@ -607,7 +611,7 @@ def _ws_overrides(args: argparse.Namespace) -> dict:
 def _http_overrides(args: argparse.Namespace) -> dict:
     given = {"max_connections": args.max_connections, "header_timeout": args.header_timeout,
              "body_timeout": args.body_timeout, "write_timeout": args.write_timeout,
-             "max_header_bytes": args.max_header_bytes, "socket_send_buffer": args.socket_send_buffer}
+             "max_header_bytes": args.max_header_bytes, "max_body_bytes": args.max_body_bytes, "socket_send_buffer": args.socket_send_buffer}
     trusted = args.forwarded_allow_ips if args.forwarded_allow_ips is not None else os.environ.get("FORWARDED_ALLOW_IPS")
     if trusted is not None:
         given["forwarded_allow_ips"] = tuple(ip.strip() for ip in trusted.split(",") if ip.strip())

@@ -53,14 +53,14 @@ def test_blank_key_in_the_environment_is_a_usage_error(capsys, monkeypatch):
 
 def test_limit_flags_reach_the_frontends_http_config(served, tmp_path, monkeypatch):
     options = served("--max-connections", "7", "--header-timeout", "3", "--body-timeout", "4",
-                     "--write-timeout", "5.5", "--max-header-bytes", "16k",
+                     "--write-timeout", "5.5", "--max-header-bytes", "16k", "--max-body-bytes", "2M",
                      "--allowed-origins", "https://a.example, http://b.example:8080/",
                      "--forwarded-allow-ips", "10.0.0.0/8, ::1")
     launcher = engine.launcher.Launcher(EngineConfig(), options)
     launcher.runtime_dir = str(tmp_path)
     args = launcher._frontend_args(0)
     assert args.http == HttpConfig(max_connections=7, header_timeout=3.0, body_timeout=4.0,
-                                           write_timeout=5.5, max_header_bytes=16 << 10,
+                                           write_timeout=5.5, max_header_bytes=16 << 10, max_body_bytes=2 << 20,
                                            forwarded_allow_ips=("10.0.0.0/8", "::1"))
     assert args.allowed_origins == ["https://a.example", "http://b.example:8080"]
     defaults = engine.launcher.Launcher(EngineConfig(), served())

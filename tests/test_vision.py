@@ -317,6 +317,24 @@ def test_served_images_from_urls_and_files(server, media):
         assert chat(client, image_part(url), "Hi").choices[0].message.content == want
 
 
+def test_served_a_large_image_fits_the_body_a_model_that_takes_images_gets(server):
+    """A model that takes images gets 32 MiB request bodies where the operator named no limit (review: the text
+    default, 8 MiB, refused a data: URL past 6 MiB, though an image may have 20); the text default stays."""
+    from frontends.http import BODY_BYTES, HttpConfig
+    from frontends.server import IMAGE_REQUEST_BYTES, sized_for_images
+    from frontends.websocket import WsConfig
+
+    url = data_url(picture(3, size=(1800, 1800)))  # (noise: a 9.3 MiB PNG, 12.4 MiB as base64)
+    assert BODY_BYTES < len(url) < IMAGE_REQUEST_BYTES
+    want = chat(openai_client(server), image_part(data_url(picture(3, size=(1800, 1800)).resize((336, 336)))), "Hi")
+    assert chat(openai_client(server), image_part(url), "Hi").usage.prompt_tokens == want.usage.prompt_tokens
+    named = HttpConfig(max_body_bytes=1 << 20), WsConfig(max_message_bytes=1 << 16)
+    assert sized_for_images(*named, True) == named  # (the operator's, whatever the model)
+    assert sized_for_images(HttpConfig(), WsConfig(), False) == (HttpConfig(), WsConfig())  # (the text defaults)
+    assert [c.max_body_bytes if isinstance(c, HttpConfig) else c.max_message_bytes
+            for c in sized_for_images(HttpConfig(), WsConfig(), True)] == [IMAGE_REQUEST_BYTES] * 2
+
+
 def chat(client, *parts, **kw):
     content = [p if isinstance(p, dict) else {"type": "text", "text": p} for p in parts]
     return client.chat.completions.create(model="llava", messages=[{"role": "user", "content": content}],
