@@ -115,7 +115,7 @@ def read_adapter(name: str, path: str, max_rank: int, dtype: torch.dtype = torch
         if set(ab) != {"A", "B"}:
             raise refuse(f"layer {layer} {module}: lora_A and lora_B must both be there")
         a, b = ab["A"], ab["B"]
-        r = a.shape[0]
+        r = a.shape[0] if a.dim() else 0  # (a scalar has no rows: review, an IndexError and a 500)
         if a.dim() != 2 or b.dim() != 2 or b.shape[1] != r or r == 0:
             raise refuse(f"layer {layer} {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} are no LoRA "
                          "of rank 1 or more")

@@ -115,6 +115,8 @@ def test_unknown_adapter_is_refused(lora_tiny):
           "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(64, 32)}, "max-lora-rank 16"),
     ({}, {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(0, 64),
           "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(64, 0)}, "rank 1 or more"),
+    ({}, {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.tensor(1.0),  # (review: a 500)
+          "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(64, 2)}, "rank 1 or more"),
     ({}, b"truncated", "cannot be read"),
     ([], None, "not a JSON object"),
 ])
