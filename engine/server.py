@@ -44,6 +44,9 @@ EngineFactory = Callable[[EngineConfig], Any]
 # after these steps the heap is frozen again (``freeze_heap``): the first decodes import and record what the
 # process keeps for good (torch's compiler, sympy, CPU graphs: ~130k objects on the default model)
 FREEZE_AT_STEPS = frozenset({4, 64, 1024})
+# an adapter folder not read by then (a stalled network mount, a FIFO) is the caller's 400, well inside the
+# frontends' wait for the answer (120 s), and the updates queued behind it go on
+LORA_READ_SECONDS = 60.0
 
 
 def _default_engine_factory(config: EngineConfig) -> Any:
@@ -66,6 +69,38 @@ def freeze_heap() -> None:
     atexit.unregister(gc.unfreeze)
     atexit.register(gc.unfreeze)
 
+
+
+async def _read_in_time(read: Callable[[str, str], Any], name: str, path: str) -> Any:
+    """``read(name, path)`` on a thread of its own (one that never returns holds no pool's worker), given up after
+    ``LORA_READ_SECONDS`` as a 400: its result, if it ever comes, is dropped, so nothing is loaded after the caller
+    was told it failed."""
+    from engine.engine import RequestError
+
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if not done.done():
+            if error is not None:
+                done.set_exception(error)
+            else:
+                done.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = read(name, path), None
+        except BaseException as e:  # noqa: BLE001 - the caller's to see
+            result, error = None, e
+        loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name=f"lora-read-{name}", daemon=True).start()
+    try:
+        return await asyncio.wait_for(done, LORA_READ_SECONDS)
+    except TimeoutError:
+        log.warning("LoRA adapter %r: %s not read within %gs, given up", name, path, LORA_READ_SECONDS)
+        raise RequestError(400, "invalid_request_error", f"{path} could not be read within {LORA_READ_SECONDS:g}s "
+                           "(a stalled filesystem?)", "lora_path") from None
 
 class EngineActor:
     """Routes frames between a ROUTER socket and an ``Engine`` (see module doc)."""
@@ -253,7 +288,7 @@ class EngineActor:
                     self.engine.unload_lora(msg.name)
                 else:
                     self.engine.check_lora(msg.name)  # (refused before the folder is read)
-                    adapter = await asyncio.to_thread(self.engine.read_lora, msg.name, msg.path)
+                    adapter = await _read_in_time(self.engine.read_lora, msg.name, msg.path)
                     self.engine.load_lora(msg.name, msg.path, adapter)
             except asyncio.CancelledError:  # the engine is going down
                 msg.status, msg.message = 503, "the engine is shutting down"

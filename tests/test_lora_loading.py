@@ -309,3 +309,38 @@ def call(url: str, path: str, body: dict | None = None, key: str | None = "k") -
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
+
+
+def test_an_adapter_read_that_never_ends_is_given_up_as_a_400(monkeypatch):
+    """A folder whose read hangs (a FIFO, a stalled mount) is the caller's 400 after ``LORA_READ_SECONDS``, well
+    inside the frontend's wait (review: after 120 s the caller got 503 "engine unavailable", every update queued
+    behind it waited, and both were loaded once the read came back); what the read gives later is dropped, and a
+    read that ends in time is as before."""
+    import asyncio
+    import threading
+
+    from engine import server
+    from engine.engine import RequestError
+
+    monkeypatch.setattr(server, "LORA_READ_SECONDS", 0.2)
+    release = threading.Event()
+
+    def stuck(name, path):
+        release.wait(10)
+        return "loaded late"
+
+    async def main():
+        start = time.monotonic()
+        with pytest.raises(RequestError) as e:
+            await server._read_in_time(stuck, "f", "/mnt/stalled")
+        assert (e.value.status, e.value.param) == (400, "lora_path") and "within 0.2s" in e.value.message
+        assert time.monotonic() - start < 2
+        release.set()  # (its late result: dropped, no error in the loop)
+        await asyncio.sleep(0.1)
+        assert await server._read_in_time(lambda name, path: (name, path), "a", "/ok") == ("a", "/ok")
+        with pytest.raises(RequestError, match="not served"):
+            await server._read_in_time(refused, "b", "/b")
+
+    def refused(name, path):
+        raise RequestError(400, "invalid_request_error", "not served")
+    asyncio.run(main())
