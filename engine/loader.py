@@ -153,66 +153,84 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
     mxfp4: dict[str, torch.Tensor] = {}  # GPT-OSS: an MXFP4 weight's blocks or scales, until the other comes
     with torch.no_grad():
         for name, w in weights:
-            if model.cfg.gpt_oss and (m := _GPT_OSS.fullmatch(name)):
-                got = _load_gpt_oss(model, m, w, mxfp4)
-                if got & seen:  # (a bf16 tensor and MXFP4 blocks of one weight, say)
-                    raise ValueError(f"{min(got & seen)} is held twice in the checkpoint")
-                seen |= got
-                continue
-            if model.vision is not None and model.vision.load(name, w):
-                continue
-            if not name.startswith(("model.", "lm_head.", "score.")):
-                name = "model." + name  # a backbone saved on its own (Qwen3-Embedding): no "model." prefix
-            if ".block_sparse_moe." in name:
-                name = _mixtral_name(name)
-            if _holds_score_rows(model, name):
-                _load_score_rows(model, w)
-            if name == "model.embed_tokens.weight":
-                model.embed_tokens.load(w)
-            elif name == "lm_head.weight":
-                if model.lm_head is not None and not model.cfg.tie_word_embeddings:
-                    model.lm_head.load(w)
-            elif name == "model.norm.weight":
-                model.norm.load(w)
-            elif name == "score.weight" and model.score is not None:  # a sequence classifier's head
-                if w.shape != model.score.weight.shape:
-                    raise ValueError(f"score.weight has {w.shape[0]} rows, but the config names "
-                                     f"{len(model.cfg.labels)} labels (id2label, num_labels)")
-                model.score.weight.copy_(w)
-            elif "rotary_emb." in name:
-                continue  # old checkpoints' inv_freq buffers, per layer or not: the model makes its own
-            elif (m := _LAYER.fullmatch(name)) and (e := _EXPERTS.fullmatch(m.group(2))):
-                seen |= _load_experts(model, int(m.group(1)), e, w)
-                continue
-            elif m:
-                layer = model.layers[int(m.group(1))]
-                sub, kind = m.group(2).rsplit(".", 1)  # e.g. "self_attn.q_proj", "weight"
-                head, _, last = sub.rpartition(".")
-                fused = _FUSED.get(last)
-                target = layer.get_submodule(f"{head}.{fused[0]}" if fused else sub)
-                if kind == "g_perm":  # an act-order int4 layer's column order (engine.quant)
-                    target.set_perm(w)
-                    continue
-                if kind == "bias" and getattr(target, "bias", 0) is None:
-                    if w.any():  # GPTQ gives every int4 layer a bias: all zeros where the model has none
-                        raise ValueError(f"{name}: a nonzero bias, but {model.cfg.model_type} has none there")
-                    continue
-                if fused:
-                    target.load(fused[1], w, kind)
-                elif last in _UNFUSED:  # fused in the checkpoint too: each part's rows to their place
-                    for part, rows in enumerate(w.split(target.full_sizes)):
-                        target.load(part, rows, kind)
-                    seen |= {f"model.layers.{m[1]}.{head}.{p}.{kind}" for p in _UNFUSED[last]}
-                    continue
-                elif isinstance(target, RowLinear):
-                    target.load(w, kind)
-                elif isinstance(target, RMSNorm):
-                    target.load(w)
-                else:
-                    getattr(target, kind).copy_(w)
-            else:
-                continue  # a tensor the model does not use
-            seen.add(name)
+            try:
+                _load_one(model, name, w, seen, mxfp4)
+            except (RuntimeError, IndexError) as e:  # (a shape the config does not make; a layer it does not have)
+                if isinstance(e, torch.OutOfMemoryError):
+                    raise
+                raise ValueError(f"{name} {tuple(w.shape)} does not fit the model its config describes "
+                                 f"({type(e).__name__}: {e})") from None
+    _check_complete(model, seen, mxfp4)
+
+
+def _load_one(model: LlamaForCausalLM, name: str, w: torch.Tensor, seen: set[str], mxfp4: dict) -> None:
+    """One checkpoint tensor into its place (``load_weights``); the names it filled join ``seen``."""
+    if model.cfg.gpt_oss and (m := _GPT_OSS.fullmatch(name)):
+        got = _load_gpt_oss(model, m, w, mxfp4)
+        if got & seen:  # (a bf16 tensor and MXFP4 blocks of one weight, say)
+            raise ValueError(f"{min(got & seen)} is held twice in the checkpoint")
+        seen |= got
+        return
+    if model.vision is not None and model.vision.load(name, w):
+        return
+    if not name.startswith(("model.", "lm_head.", "score.")):
+        name = "model." + name  # a backbone saved on its own (Qwen3-Embedding): no "model." prefix
+    if ".block_sparse_moe." in name:
+        name = _mixtral_name(name)
+    if _holds_score_rows(model, name):
+        _load_score_rows(model, w)
+    if name == "model.embed_tokens.weight":
+        model.embed_tokens.load(w)
+    elif name == "lm_head.weight":
+        if model.lm_head is not None and not model.cfg.tie_word_embeddings:
+            model.lm_head.load(w)
+    elif name == "model.norm.weight":
+        model.norm.load(w)
+    elif name == "score.weight" and model.score is not None:  # a sequence classifier's head
+        if w.shape != model.score.weight.shape:
+            raise ValueError(f"score.weight has {w.shape[0]} rows, but the config names "
+                             f"{len(model.cfg.labels)} labels (id2label, num_labels)")
+        model.score.weight.copy_(w)
+    elif "rotary_emb." in name:
+        return  # old checkpoints' inv_freq buffers, per layer or not: the model makes its own
+    elif (m := _LAYER.fullmatch(name)) and (e := _EXPERTS.fullmatch(m.group(2))):
+        seen |= _load_experts(model, int(m.group(1)), e, w)
+        return
+    elif m:
+        if int(m.group(1)) >= len(model.layers):
+            raise ValueError(f"{name}: a layer past the config's num_hidden_layers ({len(model.layers)})")
+        layer = model.layers[int(m.group(1))]
+        sub, kind = m.group(2).rsplit(".", 1)  # e.g. "self_attn.q_proj", "weight"
+        head, _, last = sub.rpartition(".")
+        fused = _FUSED.get(last)
+        target = layer.get_submodule(f"{head}.{fused[0]}" if fused else sub)
+        if kind == "g_perm":  # an act-order int4 layer's column order (engine.quant)
+            target.set_perm(w)
+            return
+        if kind == "bias" and getattr(target, "bias", 0) is None:
+            if w.any():  # GPTQ gives every int4 layer a bias: all zeros where the model has none
+                raise ValueError(f"{name}: a nonzero bias, but {model.cfg.model_type} has none there")
+            return
+        if fused:
+            target.load(fused[1], w, kind)
+        elif last in _UNFUSED:  # fused in the checkpoint too: each part's rows to their place
+            for part, rows in enumerate(w.split(target.full_sizes)):
+                target.load(part, rows, kind)
+            seen |= {f"model.layers.{m[1]}.{head}.{p}.{kind}" for p in _UNFUSED[last]}
+            return
+        elif isinstance(target, RowLinear):
+            target.load(w, kind)
+        elif isinstance(target, RMSNorm):
+            target.load(w)
+        else:
+            getattr(target, kind).copy_(w)
+    else:
+        return  # a tensor the model does not use
+    seen.add(name)
+
+
+def _check_complete(model: LlamaForCausalLM, seen: set[str], mxfp4: dict) -> None:
+    """Nothing the model needs is missing from the checkpoint."""
     expected = _expected_names(model.cfg)
     missing = sorted(expected - seen)
     if model.vision is not None:
@@ -417,28 +435,40 @@ def _safetensors_files(path: str) -> list[str]:
     return [f for f in files if not os.path.basename(f).startswith("consolidated")] or files
 
 
+def _safe_open(file: str):
+    """``safe_open``, a file it cannot read (a truncated download, a header that lies) named as such."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(file, framework="pt")
+    except SafetensorError as e:
+        raise ValueError(f"{file}: not a readable safetensors file, truncated or corrupt? ({e})") from None
+
+
 def _safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Each tensor, named as in a text model (``_language_model``)."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError
 
     for file in _safetensors_files(path):
-        with safe_open(file, framework="pt") as f:
+        with _safe_open(file) as f:
             for name in f.keys():
-                yield _language_model(name), f.get_tensor(name)
+                try:
+                    w = f.get_tensor(name)
+                except SafetensorError as e:
+                    raise ValueError(f"{file}: {name} cannot be read, truncated or corrupt? ({e})") from None
+                yield _language_model(name), w
 
 
 def _safetensors_index(path: str, _last: list = [None, None]) -> dict[str, tuple[str, str]]:  # noqa: B006
     """Every tensor's name (as ``_safetensors_weights`` names it) -> its file and its name there, from
     the files' headers. Read again only where the files changed since the last call (``load_model_config``
     and ``build_model`` both ask, and a mixture of experts' checkpoint has tens of thousands of names)."""
-    from safetensors import safe_open
-
     files = _safetensors_files(path)
     key = tuple((file, (st := os.stat(file)).st_size, st.st_mtime_ns) for file in files)
     if _last[0] != key:
         index: dict[str, tuple[str, str]] = {}
         for file in files:
-            with safe_open(file, framework="pt") as f:
+            with _safe_open(file) as f:
                 index.update({_language_model(name): (file, name) for name in f.keys()})
         _last[:] = [key, index]
     return _last[1]
@@ -448,14 +478,17 @@ def _read(index: dict[str, tuple[str, str]], name: str, files: dict) -> torch.Te
     """One tensor of the checkpoint, or None where it has none of that name. ``files``: the files opened so far
     (a dict to keep them in: a mixture of experts' checkpoint has tens of thousands of tensors, and opening a file
     parses all their names)."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError
 
     if name not in index:
         return None
     file, stored = index[name]
     if file not in files:
-        files[file] = safe_open(file, framework="pt")
-    return files[file].get_tensor(stored)
+        files[file] = _safe_open(file)
+    try:
+        return files[file].get_tensor(stored)
+    except SafetensorError as e:
+        raise ValueError(f"{file}: {stored} cannot be read, truncated or corrupt? ({e})") from None
 
 
 # each layer linear, by the checkpoint layers it fuses
@@ -575,7 +608,10 @@ def _gguf_reader(path: str):
     """Parsing a GGUF header takes seconds (the vocabulary is in it): do it once per load."""
     from gguf import GGUFReader
 
-    return GGUFReader(path)
+    try:
+        return GGUFReader(path)
+    except (ValueError, IndexError, KeyError, OSError, UnicodeDecodeError, OverflowError, MemoryError) as e:
+        raise ValueError(f"{path}: not a readable GGUF file, truncated or corrupt? ({type(e).__name__}: {e})") from None
 
 
 def _gguf_config(path: str) -> tuple[dict, list[int]]:

@@ -140,6 +140,9 @@ def unpack(layer: str, q: QuantConfig, parts: dict[str, torch.Tensor]
     if missing:
         raise ValueError(f"{layer}: {', '.join(missing)} missing")
     qweight, qzeros, scales = parts["qweight"], parts["qzeros"], parts["scales"]
+    words = [f"{p} is {t.dtype}" for p, t in (("qweight", qweight), ("qzeros", qzeros)) if t.dtype != torch.int32]
+    if words:  # (floats were cast to words: other weights, silently; review)
+        raise ValueError(f"{layer}: {' and '.join(words)}, not int32 words of eight 4-bit integers")
     if q.method == "awq":
         k, n = qweight.shape[0], qweight.shape[1] * 8
         ints = _awq_order(_nibbles(qweight))  # (K, N)

@@ -572,3 +572,65 @@ def test_a_gpt_oss_gguf_ends_a_turn_at_return_call_and_endoftext_not_end(tmp_pat
     cfg, ends = _gguf_config(path)
     assert cfg["model_type"] == "gpt_oss" and ends == [0, 1, 3]
     assert cfg["layer_types"] == ["sliding_attention", "full_attention"] * 2
+
+
+def _load(path: str) -> None:
+    build_model(path, load_model_config(path), 64, torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"vocab_size": 100}, "an embedding of 49152 rows, but the config's vocab_size is 100"),  # (it was cut, silently)
+    ({"hidden_size": 128}, "does not fit the model its config describes"),
+    ({"intermediate_size": 100}, "model.layers.0.mlp.down_proj.weight (64, 128) does not fit"),
+    ({"num_hidden_layers": 1}, "model.layers.1.input_layernorm.weight: a layer past the config's num_hidden_layers (1)"),
+    ({"max_position_embeddings": "1024"}, "config.json's max_position_embeddings is '1024': a whole number"),
+    ({"rms_norm_eps": "x"}, "config.json's rms_norm_eps is 'x': a number"),
+])
+def test_a_config_that_does_not_fit_its_weights_is_one_clear_error(tmp_path, change, words):
+    """(Review: tracebacks of a size mismatch that named no tensor, an IndexError, a TypeError far from config.json,
+    and an embedding of more rows than vocab_size cut to them, silently.)"""
+    import json
+
+    path = make_tiny_model(str(tmp_path), "llama", None)
+    with open(f"{path}/config.json") as f:
+        cfg = json.load(f)
+    assert (cfg["vocab_size"], cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]) == (49152, 64, 128, 2)
+    with open(f"{path}/config.json", "w") as f:
+        json.dump(cfg | change, f)
+    with pytest.raises(ValueError) as e:
+        _load(path)
+    assert words in str(e.value)
+
+
+def test_a_truncated_or_lying_checkpoint_names_its_file(tmp_path):
+    """(Review: safetensors' and gguf's own errors, several as tracebacks, none naming the file.)"""
+    import json
+    import struct
+
+    path = make_tiny_model(str(tmp_path / "m"), "llama", None)
+    write_gguf(path, str(tmp_path / "m.gguf"), "llama")
+    (file,) = glob.glob(f"{path}/*.safetensors")
+    whole = open(file, "rb").read()
+    for cut in (len(whole) // 2, 1000, 20):
+        with open(tmp_path / "m.gguf", "rb") as f:
+            gguf = f.read()
+        with open(tmp_path / "cut.gguf", "wb") as f:
+            f.write(gguf[:cut])
+        with pytest.raises(ValueError, match=f"{tmp_path}/cut.gguf: not a readable GGUF file, truncated or corrupt"):
+            load_model_config(str(tmp_path / "cut.gguf"))
+        from engine.loader import _gguf_reader
+        _gguf_reader.cache_clear()
+    with open(file, "wb") as f:
+        f.write(whole[:len(whole) // 2])
+    with pytest.raises(ValueError, match=f"{file}: not a readable safetensors file, truncated or corrupt"):
+        _load(path)
+    n = struct.unpack("<Q", whole[:8])[0]
+    header = json.loads(whole[8:8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    header[name]["dtype"] = "I64"  # (a dtype that does not fit its offsets)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(file, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + whole[8 + n:])
+    with pytest.raises(ValueError, match=f"{file}: not a readable safetensors file"):
+        _load(path)

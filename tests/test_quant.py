@@ -387,6 +387,16 @@ def test_gptq_zero_biases_are_skipped_and_a_real_one_refused(gptq_pair, tmp_path
         LLM(edited(int4, str(tmp_path / "one"), biases(1.0)), device="cpu", num_kv_blocks=8)
 
 
+def test_int4_words_that_are_not_int32_are_refused(gptq_pair, tmp_path):
+    """(Review: a float32 qweight was cast to words, other weights served silently.)"""
+    def floats(t: dict) -> None:
+        name = next(n for n in t if n.endswith(".qweight"))
+        t[name] = t[name].float()
+
+    with pytest.raises(ValueError, match=r": qweight is torch\.float32, not int32 words"):
+        LLM(edited(gptq_pair[1], str(tmp_path / "f"), floats), device="cpu", num_kv_blocks=8)
+
+
 def test_settings_from_autogptqs_quantize_config_json(gptq_pair, tmp_path):
     dense, int4 = gptq_pair
 

@@ -295,6 +295,7 @@ class ModelConfig:
                 f"the Llama family and its mixtures of experts: {', '.join(SUPPORTED_ARCHITECTURES)}; "
                 f"and encoders that embed and classify: {', '.join(ENCODER_ARCHITECTURES)}"
             )
+        _check_numbers(cfg)
         arch = SUPPORTED_ARCHITECTURES[model_type]
         gemma = arch.get("gemma", 0)
         if gemma >= 2:
@@ -404,6 +405,21 @@ class ModelConfig:
             lm_head=not labels,
             score_tokens=tuple(cfg["classifier_from_token"]) if labels and cfg.get("classifier_from_token") else (),
         )
+
+
+_WHOLE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+          "num_key_value_heads", "head_dim", "max_position_embeddings")
+_REAL = ("rms_norm_eps", "rope_theta")
+
+
+def _check_numbers(cfg: dict) -> None:
+    """The shape's numbers are numbers (``"1024"`` failed far from config.json, a traceback: review)."""
+    for key in (*_WHOLE, *_REAL):
+        v = cfg.get(key)
+        kinds = int if key in _WHOLE else (int, float)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, kinds)):
+            raise ValueError(f"config.json's {key} is {v!r}: {'a whole number' if key in _WHOLE else 'a number'} "
+                             "is wanted")
 
 
 def _encoder(cfg: dict, model_type: str) -> ModelConfig:
