@@ -498,6 +498,9 @@ def api_keys(flag_values: list[str] | None, env: dict[str, str] = os.environ) ->
         return []
     if not keys or not all(keys):
         raise ValueError(f"{source} is blank: give a key, or leave it out to serve without keys")
+    from frontends.auth import Auth
+
+    Auth(keys)  # (keys it could not tell apart: refused here, before anything starts)
     return keys
 
 

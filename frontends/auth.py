@@ -60,6 +60,11 @@ class Auth:
         self._keys = [k.encode() for k in keys]
         # what a client may send for each: its UTF-8, or its Latin-1 where it has one
         self._forms = [{k.encode(), k.encode("latin-1")} if max(k) <= "\xff" else {k.encode()} for k in keys]
+        for i, forms in enumerate(self._forms):  # ("sk-é" in UTF-8 is "sk-Ã©" in Latin-1: one would pass as the other)
+            for j in range(i):
+                if forms & self._forms[j] and keys[i] != keys[j]:
+                    raise ValueError(f"API keys {j + 1} and {i + 1} are the same bytes, one in UTF-8 and the other in "
+                                     "Latin-1: a client's key could not tell them apart")
         origins = {normalize_origin(o) for o in allowed_origins if o.strip()}
         self._any_origin = "*" in origins
         self._origins = frozenset(origins - {"*"})
@@ -82,7 +87,8 @@ class Auth:
         (Anthropic's, whose SDK may send both): either may be the right one. Each is its header's bytes (read
         as Latin-1, as every header is)."""
         scheme, _, token = req.headers.get("authorization", "").partition(" ")
-        return [token.strip() if scheme.lower() == "bearer" else "", req.headers.get("x-api-key", "").strip()]
+        # (spaces and tabs alone: str.strip would also take bytes 0x85 and 0xA0, the end of a UTF-8 "à" or "Р")
+        return [token.strip(" \t") if scheme.lower() == "bearer" else "", req.headers.get("x-api-key", "").strip(" \t")]
 
     def key_number(self, tokens: list[str]) -> int | None:
         """Which key one of ``tokens`` (bytes as Latin-1 characters) is (its place among the keys, as given),

@@ -180,7 +180,7 @@ def _offered_subprotocols(req: Request) -> list[str]:
     out = []
     for k, v in req.raw_headers:
         if k.lower() == b"sec-websocket-protocol":
-            out += [p.strip() for p in v.decode("latin-1").split(",") if p.strip()]
+            out += [p.strip(" \t") for p in v.decode("latin-1").split(",") if p.strip(" \t")]
     return out
 
 

@@ -42,6 +42,12 @@ def test_blank_api_key_is_a_usage_error(capsys, monkeypatch, flags):
     assert "--api-key is blank" in usage_error(capsys, *flags)
 
 
+def test_keys_a_client_could_not_tell_apart_are_a_usage_error(capsys, monkeypatch):
+    monkeypatch.setattr(engine.launcher, "serve", lambda *a: pytest.fail("served with keys that read as each other"))
+    assert "are the same bytes, one in UTF-8" in usage_error(capsys, "--api-key", "sk-\u00e9", "--api-key",
+                                                                "sk-\u00c3\u00a9")
+
+
 def test_blank_key_in_the_environment_is_a_usage_error(capsys, monkeypatch):
     monkeypatch.setattr(engine.launcher, "serve", lambda *a: pytest.fail("served with a blank key"))
     monkeypatch.setenv("TOKENMILL_API_KEY", " ")

@@ -219,11 +219,15 @@ def raw_get(port: int, path: str, headers: dict[str, bytes]) -> bytes:
 def test_a_key_that_is_not_ascii_matches_as_its_utf8_or_its_latin1():
     """curl and the ``openai`` client send a header's text as UTF-8, a browser's ``fetch`` as Latin-1 (review: a
     UTF-8 key from curl got 401): either form of a key is that key, and no other's."""
-    keys = ["sk-caf\u00e9", "sk-\ua66e-\u00e9"]  # (the second has no Latin-1 form)
+    # (the second has no Latin-1 form; "à" and "Р" end in bytes 0xA0 and 0xA0, which str.strip took as spaces:
+    # review, a 401 in UTF-8)
+    keys = ["sk-caf\u00e9", "sk-\ua66e-\u00e9", "sk-voil\u00e0", "sk-\u0420"]
     with serving(make_api(api_keys=keys)) as port:
         for value, status in ((keys[0].encode(), b"200"), (keys[0].encode("latin-1"), b"200"),
                               (keys[1].encode(), b"200"), (b"sk-caf\xc3", b"401"), (b"sk-caf", b"401"),
-                              (keys[1].encode()[:-1], b"401")):
+                              (keys[1].encode()[:-1], b"401"), (keys[2].encode(), b"200"),
+                              (keys[2].encode("latin-1"), b"200"), (keys[3].encode(), b"200"),
+                              (b" \t" + keys[3].encode() + b"\t ", b"200"), (keys[3].encode()[:-1], b"401")):
             for header, prefix in (("Authorization", b"Bearer "), ("x-api-key", b"")):
                 line = raw_get(port, "/v1/models", {header: prefix + value})
                 assert line.split(b" ")[1] == status, (header, value, line)
@@ -231,6 +235,9 @@ def test_a_key_that_is_not_ascii_matches_as_its_utf8_or_its_latin1():
     assert [auth.key_number([k.encode(enc).decode("latin-1")]) for k, enc in
             ((keys[0], "utf-8"), (keys[0], "latin-1"), (keys[1], "utf-8"))] == [0, 0, 1]
     assert auth.owner([keys[0].encode("latin-1").decode("latin-1")]) == auth.owner([keys[0].encode().decode("latin-1")])
+    # two keys a client's bytes could not tell apart (one's UTF-8 is the other's Latin-1) are refused
+    with pytest.raises(ValueError, match="API keys 1 and 2 are the same bytes"):
+        Auth(["sk-\u00c3\u00a9", "sk-\u00e9"])
     # the WebSocket's base64url form carries the UTF-8 of any key
     key64 = base64.urlsafe_b64encode(keys[1].encode()).decode().rstrip("=")
     assert auth.key_number(websocket._offered_keys([f"tokenmill.key64.{key64}"])) == 1
