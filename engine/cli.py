@@ -316,8 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cut a response (an SSE stream, say) whose client reads nothing for this long "
                         "(default: 30)")
     h.add_argument("--max-body-bytes", type=parse_size, default=None, metavar="SIZE",
-                   help="largest request body; bigger gets 413 (default: 8MiB, or 32MiB for a model that takes "
-                        "images, one of 20MiB as a data: URL; the WebSocket's --ws-max-message likewise)")
+                   help="largest request body; bigger gets 413 (default: 8MiB: a data: URL image of 6MiB; "
+                        "32M takes one of 20MiB, the most an image may have, at the cost of memory a client "
+                        "sending slowly may hold)")
     h.add_argument("--max-header-bytes", type=parse_size, default=None, metavar="SIZE",
                    help="largest request line + headers; bigger gets 431 (default: 64KiB)")
     h.add_argument("--socket-send-buffer", type=parse_size, default=None, metavar="SIZE",
@@ -358,8 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="unsent bytes a connection may hold before a client that does not read is "
                         "closed with 1008 (default: 4MiB)")
     w.add_argument("--ws-max-message", type=parse_size, default=None, metavar="SIZE",
-                   help="largest message a client may send; bigger closes with 1009 (default: 1MiB, or 32MiB for "
-                        "a model that takes images)")
+                   help="largest message a client may send; bigger closes with 1009 (default: 1MiB)")
     w.add_argument("--ws-ping-interval", type=float, default=None, metavar="SECONDS",
                    help="keepalive ping period; no pong within as long again closes with 1011 (default: 20)")
     w.add_argument("--ws-idle-timeout", type=float, default=None, metavar="SECONDS",

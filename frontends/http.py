@@ -59,7 +59,7 @@ import struct
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from http import HTTPStatus
 
 import httptools
@@ -259,12 +259,9 @@ class Router:
         return route if route in self._routes or path in self._upgrades else "unmatched"
 
 
-BODY_BYTES = 8 << 20  # the largest request body where the config names none
-
-
 @dataclass
 class HttpConfig:
-    max_body_bytes: int | None = None  # None: BODY_BYTES (frontends.server: more for a model that takes images)
+    max_body_bytes: int = 8 << 20  # (--max-body-bytes)
     header_timeout: float = 30.0  # from a request's first byte (or the connection's start) to its headers
     body_timeout: float = 30.0  # longest pause between body bytes
     min_body_rate: float = 500.0  # bytes a second a body must average past its first body_timeout (408; 0: any)
@@ -398,8 +395,7 @@ class HttpServer:
 
     def __init__(self, router: Router, config: HttpConfig | None = None, observer: Observer | None = None) -> None:
         self.router = router
-        config = config or HttpConfig()
-        self.config = config if config.max_body_bytes is not None else replace(config, max_body_bytes=BODY_BYTES)
+        self.config = config or HttpConfig()
         self.trusted = TrustedProxies(self.config.forwarded_allow_ips)
         self.observer = observer
         self._id_prefix = f"req-{os.urandom(4).hex()}"
@@ -708,7 +704,8 @@ class HttpProtocol(asyncio.Protocol):
         return f"Request line and headers too large (limit {self.config.max_header_bytes} bytes)"
 
     def _too_large(self, req: Request) -> None:
-        self._refuse(req, 413, f"Request body too large (limit {self.config.max_body_bytes} bytes)")
+        self._refuse(req, 413, f"Request body too large (limit {self.config.max_body_bytes} bytes: the server's "
+                               "--max-body-bytes)")
         raise _StopParsing
 
     def _refuse(self, req: Request, status: int, message: str) -> None:

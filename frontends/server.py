@@ -20,7 +20,7 @@ import socket
 import sqlite3
 import ssl
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from frontends import logs, websocket
 from frontends.access_log import AccessLog
@@ -90,22 +90,6 @@ def engine_client(args: FrontendArgs) -> EngineClient | EngineRouter:
                             liveness_timeout=args.engine_liveness_timeout, engine_key=args.engine_key)
                for a in addresses]
     return clients[0] if len(clients) == 1 else EngineRouter(clients, args.dead_engines)
-
-
-IMAGE_REQUEST_BYTES = 32 << 20  # a request of one image at its limit (images.MAX_IMAGE_BYTES) base64'd, and text
-
-
-def sized_for_images(http: HttpConfig, ws: websocket.WsConfig, images: bool) -> tuple[HttpConfig, websocket.WsConfig]:
-    """The request body and WebSocket message limits: those the operator named, else for a model that takes images
-    ``IMAGE_REQUEST_BYTES`` (the text defaults, 8 and 1 MiB, refused an image of 6 and 0.75 MiB, sent as
-    ``data:`` URLs), else the text defaults (left to ``HttpServer`` and the WebSocket endpoint)."""
-    if not images:
-        return http, ws
-    if http.max_body_bytes is None:
-        http = replace(http, max_body_bytes=IMAGE_REQUEST_BYTES)
-    if ws.max_message_bytes is None:
-        ws = replace(ws, max_message_bytes=IMAGE_REQUEST_BYTES)
-    return http, ws
 
 
 def ssl_context(args: FrontendArgs) -> ssl.SSLContext | None:
@@ -194,10 +178,9 @@ async def serve(args: FrontendArgs, ready: Callable[[], None] | None = None) -> 
                         model_aliases=args.model_aliases, images=image_processor, media=MediaReader(args.media),
                         fair_client=args.fair_client, responses_store=store, loopback=loopback_only(args.host))
         access_log = AccessLog(metrics, enabled=args.log_requests, log_prompts=args.log_prompts)
-        http_config, ws_config = sized_for_images(args.http, args.ws, isinstance(image_processor, ImageProcessor))
-        router = build_router(api, ws_config, access_log, args.tokenizer_path)
+        router = build_router(api, args.ws, access_log, args.tokenizer_path)
         access_log.router = router
-        http = HttpServer(router, http_config, observer=access_log)
+        http = HttpServer(router, args.http, observer=access_log)
         # What start-up made (the tokenizer, and transformers and torch when it was read without the
         # cache) lives as long as the process: out of the cyclic GC's sight, a request that allocates
         # many objects (a 50k-prompt list) no longer costs every stream a full-heap collection (~0.25 s).

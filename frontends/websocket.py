@@ -51,7 +51,7 @@ import base64
 import logging
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import orjson
 from websockets.datastructures import Headers
@@ -85,14 +85,9 @@ KEY64_PREFIX = "tokenmill.key64."
 NORMAL, GOING_AWAY, BAD_DATA, POLICY, INTERNAL = 1000, 1001, 1007, 1008, 1011
 
 
-MESSAGE_BYTES = 1 << 20  # the largest incoming message where the config names none
-
-
 @dataclass(frozen=True)
 class WsConfig:
-    # a bigger incoming message closes the socket with 1009; None: MESSAGE_BYTES (frontends.server: more for a
-    # model that takes images)
-    max_message_bytes: int | None = None
+    max_message_bytes: int = 1 << 20  # a bigger incoming message closes the socket with 1009
     max_buffered_bytes: int = 4 << 20  # unsent bytes before a client that does not read is cut off (1008)
     max_generations: int = 256  # live generations on one connection; more get a 429 error
     max_id_length: int = 256
@@ -122,7 +117,7 @@ class WebSocketEndpoint:
 
     def __init__(self, api: OpenAIApi, config: WsConfig, access_log: AccessLog | None = None) -> None:
         self.api = api
-        self.config = config if config.max_message_bytes is not None else replace(config, max_message_bytes=MESSAGE_BYTES)
+        self.config = config
         self.access_log = access_log
         self.connections: set[Connection] = set()
 
