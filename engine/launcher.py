@@ -263,7 +263,8 @@ def reserve_port(host: str, port: int) -> tuple[int, socket.socket | None]:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     s = socket.socket(family, socket.SOCK_STREAM)
     try:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is fine, a listener is not
+        if port:  # TIME_WAIT is fine, a listener is not (a hold shares with no SO_REUSEADDR socket: review)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if host == "::":  # (as the frontends' dual_stack socket: the IPv4 port too)
             s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
         s.bind((host, port))
