@@ -97,9 +97,9 @@ def _values(parser: argparse.ArgumentParser, path: str, args: list[str]) -> dict
         action = actions.get(name)
         if action is None:
             bad(f"{key!r} is no flag of this command (see --help)")
-        if action.dest in keys:  # (api_key and api-key: the last would win, silently)
-            bad(f"{key} and {keys[action.dest]} are one flag, given twice")
-        keys[action.dest] = key
+        if name in keys:  # (api_key and api-key: the last would win, silently; two flags of one dest are two)
+            bad(f"{key} and {keys[name]} are one flag, given twice")
+        keys[name] = key
         if value is None:  # (`api-key:` read as the key "null" would open a server to a guess)
             bad(f"{key}: no value (leave the flag out for its default)")
         if name == "--model" and "model_tag" in {a.dest for a in parser._actions} and \

@@ -155,11 +155,11 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
         for name, w in weights:
             try:
                 _load_one(model, name, w, seen, mxfp4)
-            except (RuntimeError, IndexError) as e:  # (a shape the config does not make; a layer it does not have)
+            except (RuntimeError, IndexError) as e:  # (a shape the config does not make, most likely)
                 if isinstance(e, torch.OutOfMemoryError):
                     raise
-                raise ValueError(f"{name} {tuple(w.shape)} does not fit the model its config describes "
-                                 f"({type(e).__name__}: {e})") from None
+                raise ValueError(f"{name} {tuple(w.shape)} cannot be loaded: does the config describe this "
+                                 f"checkpoint? ({type(e).__name__}: {e})") from e
     _check_complete(model, seen, mxfp4)
 
 
@@ -442,7 +442,7 @@ def _safe_open(file: str):
     try:
         return safe_open(file, framework="pt")
     except SafetensorError as e:
-        raise ValueError(f"{file}: not a readable safetensors file, truncated or corrupt? ({e})") from None
+        raise ValueError(f"{file}: not a readable safetensors file, truncated or corrupt? ({e})") from e
 
 
 def _safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -455,7 +455,7 @@ def _safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
                 try:
                     w = f.get_tensor(name)
                 except SafetensorError as e:
-                    raise ValueError(f"{file}: {name} cannot be read, truncated or corrupt? ({e})") from None
+                    raise ValueError(f"{file}: {name} cannot be read, truncated or corrupt? ({e})") from e
                 yield _language_model(name), w
 
 
@@ -488,7 +488,7 @@ def _read(index: dict[str, tuple[str, str]], name: str, files: dict) -> torch.Te
     try:
         return files[file].get_tensor(stored)
     except SafetensorError as e:
-        raise ValueError(f"{file}: {stored} cannot be read, truncated or corrupt? ({e})") from None
+        raise ValueError(f"{file}: {stored} cannot be read, truncated or corrupt? ({e})") from e
 
 
 # each layer linear, by the checkpoint layers it fuses
@@ -610,8 +610,8 @@ def _gguf_reader(path: str):
 
     try:
         return GGUFReader(path)
-    except (ValueError, IndexError, KeyError, OSError, UnicodeDecodeError, OverflowError, MemoryError) as e:
-        raise ValueError(f"{path}: not a readable GGUF file, truncated or corrupt? ({type(e).__name__}: {e})") from None
+    except (ValueError, IndexError, KeyError, UnicodeDecodeError, OverflowError) as e:  # (not OSError, MemoryError)
+        raise ValueError(f"{path}: not a readable GGUF file, truncated or corrupt? ({type(e).__name__}: {e})") from e
 
 
 def _gguf_config(path: str) -> tuple[dict, list[int]]:

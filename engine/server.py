@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import gc
 import logging
 import signal
@@ -92,7 +93,8 @@ async def _read_in_time(read: Callable[[str, str], Any], name: str, path: str) -
             result, error = read(name, path), None
         except BaseException as e:  # noqa: BLE001 - the caller's to see
             result, error = None, e
-        loop.call_soon_threadsafe(settle, result, error)
+        with contextlib.suppress(RuntimeError):  # (a read that ends after the engine's loop closed: nobody asks)
+            loop.call_soon_threadsafe(settle, result, error)
 
     threading.Thread(target=run, name=f"lora-read-{name}", daemon=True).start()
     try:

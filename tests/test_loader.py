@@ -580,8 +580,8 @@ def _load(path: str) -> None:
 
 @pytest.mark.parametrize("change, words", [
     ({"vocab_size": 100}, "an embedding of 49152 rows, but the config's vocab_size is 100"),  # (it was cut, silently)
-    ({"hidden_size": 128}, "does not fit the model its config describes"),
-    ({"intermediate_size": 100}, "model.layers.0.mlp.down_proj.weight (64, 128) does not fit"),
+    ({"hidden_size": 128}, "cannot be loaded: does the config describe this checkpoint?"),
+    ({"intermediate_size": 100}, "model.layers.0.mlp.down_proj.weight (64, 128) cannot be loaded"),
     ({"num_hidden_layers": 1}, "model.layers.1.input_layernorm.weight: a layer past the config's num_hidden_layers (1)"),
     ({"max_position_embeddings": "1024"}, "config.json's max_position_embeddings is '1024': a whole number"),
     ({"rms_norm_eps": "x"}, "config.json's rms_norm_eps is 'x': a number"),

@@ -344,3 +344,16 @@ def test_an_adapter_read_that_never_ends_is_given_up_as_a_400(monkeypatch):
     def refused(name, path):
         raise RequestError(400, "invalid_request_error", "not served")
     asyncio.run(main())
+    # a read that ends after the engine's loop closed (shutdown): nobody asks, and its thread raises nothing
+    late, errors = threading.Event(), []
+    monkeypatch.setattr(threading, "excepthook", errors.append)
+
+    async def shut_down_while_reading():
+        with pytest.raises(RequestError):
+            await server._read_in_time(lambda name, path: late.wait(10), "g", "/mnt/stalled")
+    asyncio.run(shut_down_while_reading())
+    late.set()
+    deadline = time.monotonic() + 5
+    while any(t.name == "lora-read-g" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not errors

@@ -137,6 +137,8 @@ def test_a_config_file_gives_flags_and_the_command_line_wins(tmp_path, capsys):
     assert _config_kwargs(build_parser().parse_args(["serve", "--config", str(path)])) == {"log_stats_interval": 5.0}
     path.write_text("async-scheduling: false\n")
     assert build_parser().parse_args(["serve", "--config", str(path)]).async_scheduling == "off"
+    path.write_text("disable-log-requests: true\ndisable-uvicorn-access-log: true\n")  # (two flags, one dest: review)
+    assert build_parser().parse_args(["serve", "--config", str(path)]).disable_log_requests is True
     path.write_text("allowed-origins: [https://a.example, https://b.example]\n")  # (vLLM's JSON list, as YAML)
     assert allowed_origins(build_parser().parse_args(["serve", "--config", str(path)]).allowed_origins) == [
         "https://a.example", "https://b.example"]
