@@ -614,7 +614,8 @@ def _ws_overrides(args: argparse.Namespace) -> dict:
 def _http_overrides(args: argparse.Namespace) -> dict:
     given = {"max_connections": args.max_connections, "header_timeout": args.header_timeout,
              "body_timeout": args.body_timeout, "write_timeout": args.write_timeout,
-             "max_header_bytes": args.max_header_bytes, "max_body_bytes": args.max_body_bytes, "socket_send_buffer": args.socket_send_buffer}
+             "max_header_bytes": args.max_header_bytes, "max_body_bytes": args.max_body_bytes,
+             "socket_send_buffer": args.socket_send_buffer}
     trusted = args.forwarded_allow_ips if args.forwarded_allow_ips is not None else os.environ.get("FORWARDED_ALLOW_IPS")
     if trusted is not None:
         given["forwarded_allow_ips"] = tuple(ip.strip() for ip in trusted.split(",") if ip.strip())

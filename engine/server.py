@@ -71,7 +71,6 @@ def freeze_heap() -> None:
     atexit.register(gc.unfreeze)
 
 
-
 async def _read_in_time(read: Callable[[str, str], Any], name: str, path: str) -> Any:
     """``read(name, path)`` on a thread of its own (one that never returns holds no pool's worker), given up after
     ``LORA_READ_SECONDS`` as a 400: its result, if it ever comes, is dropped, so nothing is loaded after the caller
@@ -103,6 +102,7 @@ async def _read_in_time(read: Callable[[str, str], Any], name: str, path: str) -
         log.warning("LoRA adapter %r: %s not read within %gs, given up", name, path, LORA_READ_SECONDS)
         raise RequestError(400, "invalid_request_error", f"{path} could not be read within {LORA_READ_SECONDS:g}s "
                            "(a stalled filesystem?)", "lora_path") from None
+
 
 class EngineActor:
     """Routes frames between a ROUTER socket and an ``Engine`` (see module doc)."""

@@ -178,8 +178,9 @@ class VocabEmbedding(Packable):
 
     def load(self, tensor: torch.Tensor) -> None:
         """This rank's rows of the full (V, hidden) ``tensor``; padding rows become zeros."""
-        if tensor.shape[0] != self.vocab_size:  # (one of more rows was cut to the config's, silently: review)
-            raise ValueError(f"an embedding of {tensor.shape[0]} rows, but the config's vocab_size is {self.vocab_size}")
+        if tensor.shape[0] != self.vocab_size:  # (one of more rows was cut to vocab_size's, silently: review)
+            raise ValueError(f"an embedding of {tensor.shape[0]} rows, but the config's vocab_size is "
+                             f"{self.vocab_size}")
         n = max(0, min(self.vocab_size - self.first, self.rows))
         self.weight[:n].copy_(tensor.narrow(0, self.first, n))
         self.weight[n:].zero_()
