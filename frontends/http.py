@@ -19,9 +19,12 @@ among the pipelined ones, then the connection closes:
   connection past ``keep_alive_timeout`` is just closed);
 - ``max_header_bytes`` for the request line and headers: 431, checked as the
   bytes arrive, so at most one read more than that is ever buffered;
-- ``body_timeout``: no body bytes for that long, or a body slower on average than
+- ``body_timeout``: no body bytes for that long, or a body slower than
   ``min_body_rate`` bytes a second past its first ``body_timeout`` (Apache's
-  ``MinRate``: a byte now and then must not hold a connection for ever): 408;
+  ``MinRate``: a byte now and then must not hold a connection for ever; its deadline
+  moves on by a second for each ``min_body_rate`` bytes, but never more than
+  ``body_timeout`` past the last bytes, so a body sent at once cannot then trickle
+  for hours): 408;
   ``max_body_bytes``: 413;
 - an ``Expect`` other than ``100-continue``: 417;
 - ``write_timeout``: a client that reads nothing of a response (an SSE stream
@@ -264,7 +267,7 @@ class HttpConfig:
     max_body_bytes: int = 8 << 20  # (--max-body-bytes)
     header_timeout: float = 30.0  # from a request's first byte (or the connection's start) to its headers
     body_timeout: float = 30.0  # longest pause between body bytes
-    min_body_rate: float = 500.0  # bytes a second a body must average past its first body_timeout (408; 0: any)
+    min_body_rate: float = 500.0  # bytes a second a body must keep up past its first body_timeout (408; 0: any)
     keep_alive_timeout: float = 5.0  # an idle keep-alive connection is closed after this
     write_timeout: float = 30.0  # longest a response may wait on a client that does not read
     max_header_bytes: int = 64 << 10  # request line + headers
@@ -507,7 +510,7 @@ class HttpProtocol(asyncio.Protocol):
         self._head_bytes = 0  # of that head: the request target and the headers parsed so far
         self._head_raw = 0  # of that head: the reads known to hold nothing else
         self._last_body = 0.0  # loop time of the current request's last body bytes
-        self._body_start = 0.0  # ... and of when its body was due to start
+        self._body_due = 0.0  # ... and of when its body is too slow (min_body_rate), moved on by its bytes
         self._paused_at = 0.0  # loop time of the last pause_reading (too many pipelined requests)
         self._idle_since = math.inf  # (time.monotonic) when it began to wait for a request: ``waiting_since``
 
@@ -642,7 +645,8 @@ class HttpProtocol(asyncio.Protocol):
             self._answer_now(req)
             raise _StopParsing
         if has_body:  # time it
-            self._last_body = self._body_start = self._loop.time()
+            self._last_body = self._loop.time()
+            self._body_due = self._last_body + self.config.body_timeout
             self._arm(self.config.body_timeout)
         else:
             self._disarm()
@@ -659,6 +663,9 @@ class HttpProtocol(asyncio.Protocol):
             return
         req.body += body
         self._last_body = self._loop.time()
+        c = self.config
+        if c.min_body_rate:  # (a second for each min_body_rate bytes, banked up to body_timeout ahead)
+            self._body_due = min(self._body_due + len(body) / c.min_body_rate, self._last_body + c.body_timeout)
         if len(req.body) > self.config.max_body_bytes:
             self._too_large(req)
 
@@ -748,7 +755,7 @@ class HttpProtocol(asyncio.Protocol):
                 self._reading_paused = False
                 paused = self._loop.time() - self._paused_at  # (a body's clocks stood still meanwhile)
                 self._last_body += paused
-                self._body_start += paused
+                self._body_due += paused
                 self.transport.resume_reading()
             self._responding = True
             try:
@@ -762,7 +769,8 @@ class HttpProtocol(asyncio.Protocol):
             cur = self._cur
             if cur is not None and cur.expect_continue and not self._pending:
                 cur.expect_continue = False
-                self._last_body = self._body_start = self._loop.time()  # its body timer starts now
+                self._last_body = self._loop.time()  # its body timer starts now
+                self._body_due = self._last_body + self.config.body_timeout
                 self.transport.write(_CONTINUE)
         if self.lost:
             return
@@ -944,8 +952,8 @@ class HttpProtocol(asyncio.Protocol):
             self._refuse(req, 408, f"No request body bytes for {c.body_timeout:g}s")
         else:
             left = c.body_timeout - idle
-            if c.min_body_rate:  # (the body's deadline moves on as its bytes come)
-                due = self._body_start + c.body_timeout + len(req.body) / c.min_body_rate - self._loop.time()
+            if c.min_body_rate:  # (the body's deadline moves on as its bytes come: on_body)
+                due = self._body_due - self._loop.time()
                 if due <= 0:
                     self._refuse(req, 408, f"Request body too slow: under {c.min_body_rate:g} bytes a second "
                                            f"after the first {c.body_timeout:g}s")

@@ -101,6 +101,19 @@ def test_a_body_that_trickles_in_for_ever_gets_408(port):
     assert 0.3 < time.time() - t < 1.5
 
 
+def test_a_body_sent_at_once_then_trickling_gets_408(port):
+    """900 bytes at once bank at most one body timeout (0.3 s) of credit, not 90 s (review: 31 MiB at once, then a
+    byte every 20 s, held a connection, and its 31 MiB, for 18 hours): a byte every 0.2 s after them is cut soon."""
+    s = connect(port)
+    s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n" + b"x" * 900)
+    t = time.time()
+    while not select.select([s], [], [], 0.2)[0] and time.time() - t < 5:
+        s.sendall(b"x")
+    r = read_all(s)
+    assert r.startswith(b"HTTP/1.1 408 ") and b"too slow: under 10 bytes a second" in r
+    assert time.time() - t < 1.5
+
+
 def test_header_timeout_fires_behind_a_pipelined_request(port):
     s = connect(port)
     s.sendall(b"GET /sleepy HTTP/1.1\r\nHost: x\r\n\r\nGET /sleepy HTTP/1.1\r\nHo")  # the second never ends
