@@ -469,6 +469,9 @@ class Connection(asyncio.Protocol):
                         msg = {"type": "delta", "id": gid, "text": text, "token_ids": choice.prompt_ids}
                         if want_lp:
                             msg["logprobs"] = lp
+                        if prompt_fields:  # (with the first delta, as ever: review, they came with the second)
+                            prompt_fields = False
+                            msg |= fmt.prompt_fields(choice)
                         send(msg)
                     if echo_text:  # (no tokens of the answer's: its logprobs are the answer's own)
                         msg = {"type": "delta", "id": gid, "text": echo_text, "token_ids": []}

@@ -582,13 +582,15 @@ def test_echo_delta_carries_prompt_logprobs(engine, codec):
         async with serving(engine, codec) as s:
             async with connect(s.url, additional_headers=AUTH) as ws:
                 await ws.send(json.dumps({"type": "completion", "id": "e", "prompt": ids, "max_tokens": 2,
-                                          "echo": True, "logprobs": 1}))
-                return await recv(ws)
+                                          "echo": True, "logprobs": 1, "return_token_ids": True}))
+                return await recv(ws), await recv(ws)
 
-    echo = run(main())
+    echo, first = run(main())
     assert echo["type"] == "delta" and echo["token_ids"] == ids and echo["text"] == "one two three"
     # the fake engine gives every prompt token but the first a logprob of -1.0
     assert echo["logprobs"]["token_logprobs"] == [None] + [-1.0] * (len(ids) - 1)
+    # vLLM's prompt fields with the first delta, the echo (review: they came with the second)
+    assert echo["prompt_token_ids"] == ids and "prompt_token_ids" not in first and first["token_ids"]
 
 
 def test_a_flood_of_stats_messages_costs_one_engine_round_trip(engine, codec):
