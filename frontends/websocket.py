@@ -148,10 +148,10 @@ class WebSocketEndpoint:
         proto.receive_data(WsRequest(target, headers).serialize())
         parsed = proto.events_received()
         if not parsed:
-            raise ApiError(400, f"Bad WebSocket handshake: {proto.handshake_exc}")
+            raise ApiError(400, _keyless(f"Bad WebSocket handshake: {proto.handshake_exc}", req))
         resp = proto.accept(parsed[0])
         if resp.status_code != 101:
-            msg = (resp.body or b"").decode("utf-8", "replace").strip() or "WebSocket handshake failed"
+            msg = _keyless((resp.body or b"").decode("utf-8", "replace").strip() or "WebSocket handshake failed", req)
             extra = [(k, v) for k, v in resp.headers.raw_items() if k.lower() in ("upgrade", "allow")]
             return Response(resp.status_code, status_error_body(resp.status_code, msg), headers=extra)
         proto.send_response(resp)
@@ -169,6 +169,16 @@ class WebSocketEndpoint:
         tokens = auth.given(req) + keys
         auth.check_key(tokens, f"send 'Authorization: Bearer <key>' or the subprotocol '{KEY_PREFIX}<key>'")
         return tokens
+
+
+def _keyless(message: str, req: Request) -> str:
+    """A handshake refusal's ``message`` without the subprotocol header it may quote (websockets' own: "expected
+    comma at 31 in ..."): a key offered there is never sent back (review: an unparsable one was)."""
+    for k, v in req.raw_headers:
+        value = v.decode("latin-1").strip(" \t")
+        if k.lower() == b"sec-websocket-protocol" and value:
+            message = message.replace(value, "<the Sec-WebSocket-Protocol header>")
+    return message
 
 
 def _offered_subprotocols(req: Request) -> list[str]:

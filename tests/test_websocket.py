@@ -593,6 +593,29 @@ def test_echo_delta_carries_prompt_logprobs(engine, codec):
     assert echo["prompt_token_ids"] == ids and "prompt_token_ids" not in first and first["token_ids"]
 
 
+def test_a_handshake_refused_for_its_subprotocol_header_does_not_send_the_key_back(engine, codec):
+    """websockets' refusal of a header it cannot parse quotes the header, and a key offered in it came back in the
+    400's body (review)."""
+    secret = "k3y/+=\u00e9"
+
+    async def main():
+        async with serving(engine, codec, api_keys=(secret,)) as s:
+            def handshake(protocols: bytes) -> bytes:
+                with socket.create_connection(("127.0.0.1", s.port), timeout=5) as c:
+                    c.sendall(b"GET /v1/stream HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\n"
+                              b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                              b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Protocol: " + protocols + b"\r\n\r\n")
+                    out = b""
+                    while chunk := c.recv(65536):
+                        out += chunk
+                    return out
+            return await asyncio.to_thread(handshake, b"tokenmill.v1, tokenmill.key." + secret.encode("latin-1"))
+
+    answer = run(main())
+    assert answer.startswith(b"HTTP/1.1 400 ") and b"Sec-WebSocket-Protocol" in answer
+    assert b"k3y" not in answer
+
+
 def test_a_flood_of_stats_messages_costs_one_engine_round_trip(engine, codec):
     limit = WsConfig().max_pending_stats
 
