@@ -57,6 +57,11 @@ class Auth:
         keys = list(api_keys)
         if any(not k.strip() for k in keys):  # a blank key would be an open door that looks locked
             raise ValueError("an API key must not be blank")
+        for i, k in enumerate(keys):  # (bytes that are no UTF-8, from a shell: no client could send its text)
+            try:
+                k.encode()
+            except UnicodeEncodeError:
+                raise ValueError(f"API key {i + 1} is not valid UTF-8") from None
         self._keys = [k.encode() for k in keys]
         # what a client may send for each: its UTF-8, or its Latin-1 where it has one
         self._forms = [{k.encode(), k.encode("latin-1")} if max(k) <= "\xff" else {k.encode()} for k in keys]

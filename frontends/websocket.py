@@ -172,12 +172,14 @@ class WebSocketEndpoint:
 
 
 def _keyless(message: str, req: Request) -> str:
-    """A handshake refusal's ``message`` without the subprotocol header it may quote (websockets' own: "expected
-    comma at 31 in ..."): a key offered there is never sent back (review: an unparsable one was)."""
-    for k, v in req.raw_headers:
-        value = v.decode("latin-1").strip(" \t")
-        if k.lower() == b"sec-websocket-protocol" and value:
-            message = message.replace(value, "<the Sec-WebSocket-Protocol header>")
+    """A handshake refusal's ``message`` without the subprotocol header websockets' own quotes ("expected comma at
+    31 in ..."): a key offered there is never sent back (review: an unparsable one was; then, one of two headers)."""
+    if "sec-websocket-protocol" in message.lower():
+        return ("Failed to open a WebSocket connection: invalid Sec-WebSocket-Protocol header (a comma-separated "
+                f"list of tokens; a key with other characters goes as '{KEY64_PREFIX}<base64url of its UTF-8>')")
+    offered = (v.decode("latin-1") for k, v in req.raw_headers if k.lower() == b"sec-websocket-protocol")
+    for value in sorted((v for v in offered if KEY_PREFIX in v), key=len, reverse=True):  # (any other quote of one)
+        message = message.replace(value, "<the Sec-WebSocket-Protocol header>")
     return message
 
 

@@ -48,6 +48,11 @@ def test_keys_a_client_could_not_tell_apart_are_a_usage_error(capsys, monkeypatc
                                                                 "sk-\u00c3\u00a9")
 
 
+def test_a_key_that_is_not_utf8_is_a_usage_error_naming_it(capsys, monkeypatch):
+    monkeypatch.setattr(engine.launcher, "serve", lambda *a: pytest.fail("served with a key no client can send"))
+    assert "API key 2 is not valid UTF-8" in usage_error(capsys, "--api-key", "ok", "--api-key", "sk-\udce9")
+
+
 def test_blank_key_in_the_environment_is_a_usage_error(capsys, monkeypatch):
     monkeypatch.setattr(engine.launcher, "serve", lambda *a: pytest.fail("served with a blank key"))
     monkeypatch.setenv("TOKENMILL_API_KEY", " ")

@@ -609,11 +609,16 @@ def test_a_handshake_refused_for_its_subprotocol_header_does_not_send_the_key_ba
                     while chunk := c.recv(65536):
                         out += chunk
                     return out
-            return await asyncio.to_thread(handshake, b"tokenmill.v1, tokenmill.key." + secret.encode("latin-1"))
+            key = b"tokenmill.key." + secret.encode("latin-1")
+            return [await asyncio.to_thread(handshake, offer) for offer in (
+                b"tokenmill.v1, " + key,
+                # (two headers, the first's value inside the second's: a replacement of each in turn left the key)
+                b"tokenmill.v1\r\nSec-WebSocket-Protocol: tokenmill.v1, " + key + b", @",
+                b"o\r\nSec-WebSocket-Protocol: tokenmill.v1, " + key + b", @")]
 
-    answer = run(main())
-    assert answer.startswith(b"HTTP/1.1 400 ") and b"Sec-WebSocket-Protocol" in answer
-    assert b"k3y" not in answer
+    for answer in run(main()):
+        assert answer.startswith(b"HTTP/1.1 400 ") and b"Sec-WebSocket-Protocol" in answer, answer
+        assert b"k3y" not in answer, answer
 
 
 def test_a_flood_of_stats_messages_costs_one_engine_round_trip(engine, codec):
