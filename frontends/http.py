@@ -25,7 +25,9 @@ among the pipelined ones, then the connection closes:
   moves on by a second for each ``min_body_rate`` bytes, but never more than
   ``body_timeout`` past the last bytes, so a body sent at once cannot then trickle
   for hours): 408;
-  ``max_body_bytes``: 413;
+  ``max_body_bytes``: 413; ``max_receiving_bytes``, the bodies of every connection
+  still coming, at once: past it the body that would cross it gets 503 (a thousand
+  slow uploads may not pin a frontend's memory, but this much);
 - an ``Expect`` other than ``100-continue``: 417;
 - ``write_timeout``: a client that reads nothing of a response (an SSE stream
   above all) for that long, while the transport is full, is cut off.
@@ -265,6 +267,7 @@ class Router:
 @dataclass
 class HttpConfig:
     max_body_bytes: int = 8 << 20  # (--max-body-bytes)
+    max_receiving_bytes: int = 1 << 30  # the bodies still coming, of every connection at once; past it: 503
     header_timeout: float = 30.0  # from a request's first byte (or the connection's start) to its headers
     body_timeout: float = 30.0  # longest pause between body bytes
     min_body_rate: float = 500.0  # bytes a second a body must keep up past its first body_timeout (408; 0: any)
@@ -404,6 +407,7 @@ class HttpServer:
         self._id_prefix = f"req-{os.urandom(4).hex()}"
         self._ids = itertools.count()
         self.connections: set[HttpProtocol] = set()  # and the WebSocket connections handed over
+        self.receiving = 0  # bytes of request bodies still coming, of every connection (max_receiving_bytes)
         self.shutting_down = False
         self._full_since = -1e9  # when "connection limit reached" was last logged
         self._no_room_until = -1e9  # (time.monotonic) until when no connection is looked for to make room
@@ -512,6 +516,7 @@ class HttpProtocol(asyncio.Protocol):
         self._last_body = 0.0  # loop time of the current request's last body bytes
         self._body_due = 0.0  # ... and of when its body is too slow (min_body_rate), moved on by its bytes
         self._paused_at = 0.0  # loop time of the last pause_reading (too many pipelined requests)
+        self._receiving = 0  # of the server's ``receiving``: the current request's body bytes so far
         self._idle_since = math.inf  # (time.monotonic) when it began to wait for a request: ``waiting_since``
 
     # ------------------------------------------------------------------ asyncio callbacks
@@ -539,6 +544,7 @@ class HttpProtocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
         self.server.connections.discard(self)
+        self._received()
         self._disarm()
         self._pending.clear()
         if self._worker is not None and not self._worker.done():
@@ -661,6 +667,13 @@ class HttpProtocol(asyncio.Protocol):
         req = self._cur
         if req is None or req._queued:
             return
+        server, n = self.server, len(body)
+        if server.receiving + n > self.config.max_receiving_bytes:
+            self._refuse(req, 503, f"Too many request bodies coming at once (limit {self.config.max_receiving_bytes} "
+                                   "bytes); retry shortly")
+            raise _StopParsing
+        server.receiving += n
+        self._receiving += n
         req.body += body
         self._last_body = self._loop.time()
         c = self.config
@@ -670,6 +683,7 @@ class HttpProtocol(asyncio.Protocol):
             self._too_large(req)
 
     def on_message_complete(self) -> None:
+        self._received()
         req = self._cur
         if req is not None and not req._queued and self.parser.should_upgrade() and self._ignore_upgrade(req):
             self._cur = None
@@ -728,12 +742,18 @@ class HttpProtocol(asyncio.Protocol):
     def _answer_now(self, req: Request) -> None:
         """``req`` answered in its turn as it stands, without (the rest of) its body, then the close: nothing
         more is read."""
+        self._received()
         req.body = bytearray()
         req.keep_alive = False
         self._in_head = False
         self._disarm()
         self._enqueue(req)
         self._stop_reading = True
+
+    def _received(self) -> None:
+        """The current request's body is no longer coming (complete, refused, or its connection lost)."""
+        self.server.receiving -= self._receiving
+        self._receiving = 0
 
     # ------------------------------------------------------------------ request queue
 

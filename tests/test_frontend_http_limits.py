@@ -114,6 +114,39 @@ def test_a_body_sent_at_once_then_trickling_gets_408(port):
     assert time.time() - t < 1.5
 
 
+def test_bodies_coming_at_once_are_bounded_by_a_frontend_budget():
+    """max_receiving_bytes: the body whose bytes would take every connection's bodies still coming past it gets 503
+    (review: 1024 connections each with a slow 8 MiB body pinned 8 GiB of a frontend); the budget comes back as
+    bodies end, are refused, or lose their connection."""
+    config = HttpConfig(max_body_bytes=1000, max_receiving_bytes=1500, header_timeout=5, body_timeout=5)
+    with serving(config) as (port, server):
+        head = b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
+        a = connect(port)
+        a.sendall(head + b"a" * 900)
+        deadline = time.time() + 5
+        while server.receiving < 900 and time.time() < deadline:
+            time.sleep(0.01)
+        b = connect(port)
+        b.sendall(head + b"b" * 700)
+        r = read_all(b)
+        assert r.startswith(b"HTTP/1.1 503 ") and b"Too many request bodies coming at once" in r
+        a.sendall(b"a" * 100)
+        assert read_until(a, b"a" * 1000).startswith(b"HTTP/1.1 200 ")
+        c = connect(port)  # (a's 900 bytes back in the budget)
+        c.sendall(head + b"c" * 1000)
+        assert read_until(c, b"c" * 1000).startswith(b"HTTP/1.1 200 ")
+        d = connect(port)
+        d.sendall(head + b"d" * 600)
+        while server.receiving < 600 and time.time() < deadline:
+            time.sleep(0.01)
+        d.close()  # (a connection lost mid-body gives its bytes back)
+        for s in (a, b, c):
+            s.close()
+        while server.receiving and time.time() < deadline:
+            time.sleep(0.01)
+        assert server.receiving == 0
+
+
 def test_header_timeout_fires_behind_a_pipelined_request(port):
     s = connect(port)
     s.sendall(b"GET /sleepy HTTP/1.1\r\nHost: x\r\n\r\nGET /sleepy HTTP/1.1\r\nHo")  # the second never ends
