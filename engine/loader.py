@@ -445,18 +445,22 @@ def _safe_open(file: str):
         raise ValueError(f"{file}: not a readable safetensors file, truncated or corrupt? ({e})") from e
 
 
-def _safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each tensor, named as in a text model (``_language_model``)."""
+def _get_tensor(f, file: str, name: str) -> torch.Tensor:
+    """Tensor ``name`` of ``f``, ``_safe_open``'s of ``file``, a tensor it cannot read named as such."""
     from safetensors import SafetensorError
 
+    try:
+        return f.get_tensor(name)
+    except SafetensorError as e:
+        raise ValueError(f"{file}: {name} cannot be read, truncated or corrupt? ({e})") from e
+
+
+def _safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor, named as in a text model (``_language_model``)."""
     for file in _safetensors_files(path):
         with _safe_open(file) as f:
             for name in f.keys():
-                try:
-                    w = f.get_tensor(name)
-                except SafetensorError as e:
-                    raise ValueError(f"{file}: {name} cannot be read, truncated or corrupt? ({e})") from e
-                yield _language_model(name), w
+                yield _language_model(name), _get_tensor(f, file, name)
 
 
 def _safetensors_index(path: str, _last: list = [None, None]) -> dict[str, tuple[str, str]]:  # noqa: B006
@@ -478,17 +482,12 @@ def _read(index: dict[str, tuple[str, str]], name: str, files: dict) -> torch.Te
     """One tensor of the checkpoint, or None where it has none of that name. ``files``: the files opened so far
     (a dict to keep them in: a mixture of experts' checkpoint has tens of thousands of tensors, and opening a file
     parses all their names)."""
-    from safetensors import SafetensorError
-
     if name not in index:
         return None
     file, stored = index[name]
     if file not in files:
         files[file] = _safe_open(file)
-    try:
-        return files[file].get_tensor(stored)
-    except SafetensorError as e:
-        raise ValueError(f"{file}: {stored} cannot be read, truncated or corrupt? ({e})") from e
+    return _get_tensor(files[file], file, stored)
 
 
 # each layer linear, by the checkpoint layers it fuses

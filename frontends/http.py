@@ -651,8 +651,7 @@ class HttpProtocol(asyncio.Protocol):
             self._answer_now(req)
             raise _StopParsing
         if has_body:  # time it
-            self._last_body = self._loop.time()
-            self._body_due = self._last_body + self.config.body_timeout
+            self._start_body_clock()
             self._arm(self.config.body_timeout)
         else:
             self._disarm()
@@ -667,19 +666,18 @@ class HttpProtocol(asyncio.Protocol):
         req = self._cur
         if req is None or req._queued:
             return
-        server, n = self.server, len(body)
-        if server.receiving + n > self.config.max_receiving_bytes:
-            self._refuse(req, 503, f"Too many request bodies coming at once (limit {self.config.max_receiving_bytes} "
-                                   "bytes); retry shortly")
+        server, c, n = self.server, self.config, len(body)
+        if server.receiving + n > c.max_receiving_bytes:
+            self._refuse(req, 503, f"Too many request bodies coming at once (limit {c.max_receiving_bytes} bytes); "
+                                   "retry shortly")
             raise _StopParsing
         server.receiving += n
         self._receiving += n
         req.body += body
         self._last_body = self._loop.time()
-        c = self.config
         if c.min_body_rate:  # (a second for each min_body_rate bytes, banked up to body_timeout ahead)
-            self._body_due = min(self._body_due + len(body) / c.min_body_rate, self._last_body + c.body_timeout)
-        if len(req.body) > self.config.max_body_bytes:
+            self._body_due = min(self._body_due + n / c.min_body_rate, self._last_body + c.body_timeout)
+        if len(req.body) > c.max_body_bytes:
             self._too_large(req)
 
     def on_message_complete(self) -> None:
@@ -750,6 +748,11 @@ class HttpProtocol(asyncio.Protocol):
         self._enqueue(req)
         self._stop_reading = True
 
+    def _start_body_clock(self) -> None:
+        """The current request's body is due from now: its first ``body_timeout`` free (``_on_timeout``)."""
+        self._last_body = self._loop.time()
+        self._body_due = self._last_body + self.config.body_timeout
+
     def _received(self) -> None:
         """The current request's body is no longer coming (complete, refused, or its connection lost)."""
         self.server.receiving -= self._receiving
@@ -789,8 +792,7 @@ class HttpProtocol(asyncio.Protocol):
             cur = self._cur
             if cur is not None and cur.expect_continue and not self._pending:
                 cur.expect_continue = False
-                self._last_body = self._loop.time()  # its body timer starts now
-                self._body_due = self._last_body + self.config.body_timeout
+                self._start_body_clock()  # (it was not to send its body before the 100)
                 self.transport.write(_CONTINUE)
         if self.lost:
             return

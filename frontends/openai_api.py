@@ -324,7 +324,10 @@ class OpenAIApi:
         return f"{prefix}-{self._id_prefix}{next(self._ids):x}"
 
     def key_of(self, tokens: list[str]) -> int | None:
-        """Which API key of ``tokens`` is the caller's (its place among them; None: none, or no keys)."""
+        """Which API key of ``tokens`` is the caller's (its place among them; None: none, no keys, or none asked
+        for: ``client_of`` reads it under ``--fair-client key``, ``place`` where several keys are served)."""
+        if self.fair_client != "key" and self.auth.num_keys < 2:
+            return None  # (its compares spared: the guard already checked the key)
         return self.auth.key_number(tokens)
 
     def client_of(self, data: dict, host: str, key: int | None) -> str:

@@ -470,8 +470,15 @@ class Connection(asyncio.Protocol):
         echo_text = getattr(fmt, "echo_text", "")  # a chat's: the last message it goes on with
         answers = getattr(fmt, "answers", None)  # a chat with tools or thinking: calls are read out of the text
         answer = answers[0] if answers else None
-        # vLLM's prompt fields (return_token_ids, prompt_logprobs) go with the first delta
+        # vLLM's prompt fields (return_token_ids, prompt_logprobs) go with the first delta, whichever it is
         prompt_fields = bool(fmt.return_token_ids or fmt.prompt_logprobs is not None)
+
+        def delta(msg: dict) -> None:
+            nonlocal prompt_fields
+            if prompt_fields:
+                prompt_fields = False
+                msg |= fmt.prompt_fields(choice)
+            send(msg)
         try:
             while not gen.done:
                 for up in await gen.next_updates():
@@ -481,16 +488,9 @@ class Connection(asyncio.Protocol):
                         msg = {"type": "delta", "id": gid, "text": text, "token_ids": choice.prompt_ids}
                         if want_lp:
                             msg["logprobs"] = lp
-                        if prompt_fields:  # (with the first delta, as ever: review, they came with the second)
-                            prompt_fields = False
-                            msg |= fmt.prompt_fields(choice)
-                        send(msg)
+                        delta(msg)
                     if echo_text:  # (no tokens of the answer's: its logprobs are the answer's own)
-                        msg = {"type": "delta", "id": gid, "text": echo_text, "token_ids": []}
-                        if prompt_fields:  # (with the first delta, as ever)
-                            prompt_fields = False
-                            msg |= fmt.prompt_fields(choice)
-                        send(msg)
+                        delta({"type": "delta", "id": gid, "text": echo_text, "token_ids": []})
                         echo_text = ""
                     if answer is not None:
                         answer.parts(up.text, False)
@@ -498,10 +498,7 @@ class Connection(asyncio.Protocol):
                         msg = {"type": "delta", "id": gid, "text": up.text, "token_ids": up.token_ids}
                         if want_lp:
                             msg["logprobs"] = fmt.delta_logprobs(up)
-                        if prompt_fields:
-                            prompt_fields = False
-                            msg |= fmt.prompt_fields(choice)
-                        send(msg)
+                        delta(msg)
             done = {"type": "done", "id": gid, "finish_reason": choice.finish_reason, "usage": gen.usage()}
             if answer is not None:  # the deltas carried the raw text; done says what the message holds
                 answer.parts("", True)
