@@ -10,10 +10,11 @@ One client must never stall anyone else, so every wait on a client has a limit
 (``HttpConfig``); a refused request gets its OpenAI-shaped error in its turn
 among the pipelined ones, then the connection closes:
 
-- ``max_connections`` per process (WebSockets handed over count too): one more
-  closes the connection that has waited longest for a request, a second or more
-  (idle, or its head begun and not finished: a slowloris), or else gets an
-  immediate 503 with ``retry-after: 1``;
+- ``max_connections`` per process (WebSockets handed over count too; a TLS one
+  from its accept, ``frontends.tls``): one more closes the connection that has
+  waited longest for a request, a second or more (idle, or its head or its TLS
+  handshake begun and not finished: a slowloris), or else gets an immediate 503
+  with ``retry-after: 1`` (over TLS, a close before the handshake);
 - ``header_timeout`` from a request's first byte to the end of its head, even
   while earlier pipelined requests are being answered: 408 (an idle keep-alive
   connection past ``keep_alive_timeout`` is just closed);
@@ -522,24 +523,33 @@ class HttpProtocol(asyncio.Protocol):
     # ------------------------------------------------------------------ asyncio callbacks
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if self.transport is None and not self.accept(transport):  # (TLS: counted at its accept, ``frontends.tls``)
+            return
+        self.transport = transport  # type: ignore[assignment]
+
+    def accept(self, transport: asyncio.BaseTransport, tls: bool = False) -> bool:
+        """Counts the connection in, as waiting for a request from now; at the limit, with no room to make, it is
+        answered 503 and closed (a ``tls`` one before its handshake, with nothing to say) and False returned."""
         self.transport = transport  # type: ignore[assignment]
         self.peer = peer_of(transport)
         self._loop = asyncio.get_running_loop()
         if self.server.at_capacity():
             self._stop_reading = self.lost = True  # never counted, never served
-            body = status_error_body(503, f"Too many connections (limit {self.config.max_connections}); "
-                                          "retry shortly")
-            transport.write(_head(503, "application/json", [("retry-after", "1")], False, len(body)) + body)
+            if not tls:
+                body = status_error_body(503, f"Too many connections (limit {self.config.max_connections}); "
+                                              "retry shortly")
+                transport.write(_head(503, "application/json", [("retry-after", "1")], False, len(body)) + body)
             transport.close()
             req = Request()
             req.id, req.protocol = self.server.new_id(), self
             self.server.observe(req, 503)
-            return
+            return False
         self.server.connections.add(self)
         self._idle_since = time.monotonic()
         if self.config.socket_send_buffer and (sock := transport.get_extra_info("socket")) is not None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.config.socket_send_buffer)
         self._arm(self.config.header_timeout)
+        return True
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True

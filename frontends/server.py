@@ -38,6 +38,7 @@ from frontends.response_store import ResponseStore
 from frontends.stored_api import StoredApi
 from frontends.text import TextCodec
 from frontends.tgi import TgiApi
+from frontends.tls import protocol
 from frontends.tokenizer import load_tokenizer
 
 log = logging.getLogger("tokenmill.frontend")
@@ -185,11 +186,10 @@ async def serve(args: FrontendArgs, ready: Callable[[], None] | None = None) -> 
         # cache) lives as long as the process: out of the cyclic GC's sight, a request that allocates
         # many objects (a 50k-prompt list) no longer costs every stream a full-heap collection (~0.25 s).
         gc.freeze()
-        # a TLS handshake gets --header-timeout too (asyncio's default, 60 s, let stalled ones pile up past the cap)
-        handshake = {"ssl_handshake_timeout": args.http.header_timeout} if tls is not None else {}
         where = {"sock": dual_stack(args.port)} if args.host.strip("[]") == "::" else \
             {"host": args.host, "port": args.port, "reuse_port": True}
-        server = await loop.create_server(http, ssl=tls, backlog=2048, **where, **handshake)
+        # TLS in a layer of our own, so that a handshake counts as a connection (``frontends.tls``)
+        server = await loop.create_server(protocol(http, tls), backlog=2048, **where)
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)

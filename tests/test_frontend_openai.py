@@ -10,6 +10,8 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import ssl
+import subprocess
 import threading
 import time
 
@@ -645,14 +647,17 @@ def test_engine_death_gives_503(tmp_path, smollm_tokenizer_dir):
         assert stop_frontend(proc) == 0
 
 
-def test_https(tmp_path, smollm_tokenizer_dir):
-    import ssl
-    import subprocess
-
+def _self_signed(tmp_path):
+    """A key and a certificate for 127.0.0.1."""
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
                     str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
                    check=True, capture_output=True)
+    return key, cert
+
+
+def test_https(tmp_path, smollm_tokenizer_dir):
+    key, cert = _self_signed(tmp_path)
     # an encrypted key is said to be one (OpenSSL asked a terminal for its passphrase, and waited)
     from frontends.server import FrontendArgs, ssl_context
 
@@ -692,6 +697,43 @@ def test_https(tmp_path, smollm_tokenizer_dir):
     finally:
         if proc.poll() is None:
             stop_frontend(proc)
+        engine.stop()
+
+
+def test_a_tls_handshake_counts_as_a_connection(tmp_path, smollm_tokenizer_dir):
+    """--max-connections counts a TLS connection from its accept: handshakes begun and left hold the places they
+    take (they took none, for up to --header-timeout each), one more while none has waited a second is closed
+    before its handshake, and a client then makes room by closing the one that has waited longest."""
+    key, cert = _self_signed(tmp_path)
+    engine = FakeEngine(f"ipc://{tmp_path}/engine.sock")
+    engine.start()
+    port = free_port()
+    proc = start_frontend(f"ipc://{tmp_path}/engine.sock", smollm_tokenizer_dir, port, ssl_keyfile=str(key),
+                          ssl_certfile=str(cert), http=HttpConfig(max_connections=2, header_timeout=20.0))
+    stalled = []
+    try:
+        for _ in range(2):
+            stalled.append(socket.create_connection(("127.0.0.1", port)))
+            stalled[-1].sendall(b"\x16\x03\x01\x02")  # (the first bytes of a ClientHello)
+        time.sleep(0.2)
+        third = socket.create_connection(("127.0.0.1", port))
+        third.settimeout(3)
+        assert third.recv(1024) == b""  # closed, no handshake (it was served past the limit)
+        time.sleep(1.0)
+        context = ssl.create_default_context(cafile=str(cert))
+        conn = http.client.HTTPSConnection("127.0.0.1", port, timeout=10, context=context)
+        conn.request("GET", "/health")
+        assert conn.getresponse().status == 200
+        stalled[0].settimeout(3)
+        assert stalled[0].recv(1024) == b""  # the oldest handshake made room
+        stalled[1].settimeout(0.5)
+        with pytest.raises(TimeoutError):
+            stalled[1].recv(1024)
+        conn.close()
+    finally:
+        for s in stalled:
+            s.close()
+        stop_frontend(proc)
         engine.stop()
 
 

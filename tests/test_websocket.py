@@ -34,6 +34,7 @@ from frontends.engine_client import EngineClient
 from frontends.http import HttpConfig, HttpServer
 from frontends.openai_api import OpenAIApi
 from frontends.text import TextCodec
+from frontends.tls import protocol
 from frontends.tokenizer import load_tokenizer
 from frontends.websocket import WsConfig
 from tests.test_frontend_openai import call, post
@@ -74,7 +75,7 @@ async def serving(engine, codec, config: WsConfig | None = None, api_keys=(KEY,)
     router = api.routes()
     ep = ws_mod.register(router, api, config)
     http = HttpServer(router, http)
-    server = await asyncio.get_running_loop().create_server(http, "127.0.0.1", 0, ssl=tls)
+    server = await asyncio.get_running_loop().create_server(protocol(http, tls), "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     scheme = "wss" if tls else "ws"
     try:
