@@ -7,8 +7,8 @@ and never finished a handshake held sockets outside ``--max-connections``, each 
 loop's own TLS layer, wrapped (``TlsConnection``): the HTTP connection is counted at the accept, as
 waiting for a request since then (at the limit a stalled handshake makes room as an idle
 connection does, and one more connection while none can is closed before its handshake), and
-leaves the count when its socket closes, handshake done or not. One ``--header-timeout`` covers
-the handshake and the first request's head.
+leaves the count when its socket closes, handshake done or not. The handshake and the wait for a
+first request share one ``--header-timeout``.
 """
 
 from __future__ import annotations
