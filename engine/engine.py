@@ -329,6 +329,17 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._in_flight is not None
 
+    def worker_fds(self) -> list[int]:
+        """What becomes readable once a tensor-parallel worker is gone (none without one): the actor's idle wait
+        watches them, so that an idle engine fails then (its frontends' ``/health`` with it), not at its next step."""
+        driver = self.runner.tp.driver
+        return driver.fds() if driver is not None else []
+
+    def check_workers(self) -> None:
+        """Raise ``TensorParallelError`` if a tensor-parallel worker is gone."""
+        if self.runner.tp.driver is not None:
+            self.runner.tp.driver.check()
+
     def stats(self) -> Stats:
         bm, s = self.block_manager, self.scheduler
         return Stats(len(s.waiting), len(s.running), bm.usage, *bm.fuller_pool,

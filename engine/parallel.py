@@ -321,6 +321,10 @@ class Driver:
                     for who, sock in self.links.items() if sock.fileno() in ready and _closed(sock)]
         return out
 
+    def fds(self) -> list[int]:
+        """What becomes readable once a worker is gone: the local ones' sentinels, the remote ones' links."""
+        return [p.sentinel for p in self.procs if p.pid is not None] + [s.fileno() for s in self.links.values()]
+
     def check(self) -> None:
         """Raise if a worker is gone or the group broke earlier: before a step, never a hang."""
         if self.broken is None:

@@ -134,7 +134,8 @@ class EngineActor:
                 if self.engine.has_work():
                     self._step()
                     await asyncio.sleep(0)  # lets signal handlers and stop() in while busy
-                else:  # (until a frame comes, or until the stats line of the steps just run is due)
+                else:  # (until a frame comes, a worker dies, or the stats line of the steps just run is due)
+                    self.engine.check_workers()
                     try:
                         await asyncio.wait_for(self._wait_readable(loop, fd),
                                                self.stats_log.remaining() if self.stats_log is not None else None)
@@ -179,14 +180,20 @@ class EngineActor:
     async def _wait_readable(self, loop: asyncio.AbstractEventLoop, fd: int) -> None:
         # ZMQ's FD is edge-triggered: wait on it only while EVENTS says nothing is
         # pending (a send may have consumed the edge of a frame that arrived).
+        # (a tensor-parallel worker's death wakes it too: the loop then checks the workers)
+        watched = [fd, *self.engine.worker_fds()]
         while not self._stopping and not (self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN):
             fut = self._wakeup = loop.create_future()
-            loop.add_reader(fd, _resolve, fut)
+            for w in watched:
+                loop.add_reader(w, _resolve, fut)
             try:
                 await fut
             finally:
-                loop.remove_reader(fd)
+                for w in watched:
+                    loop.remove_reader(w)
                 self._wakeup = None
+            if len(watched) > 1:
+                return
 
     # ------------------------------------------------------------------ inbound
 

@@ -344,15 +344,9 @@ class EngineClient:
                 except zmq.ZMQError:
                     pass
 
-    def _mark_unhealthy(self, why: str) -> None:
-        was, self.healthy = self.healthy, False
-        if was:
-            log.error("engine unhealthy: %s", why)
-            if self.on_unhealthy is not None:
-                try:
-                    self.on_unhealthy()
-                except Exception:  # noqa: BLE001 - a metrics bug must not keep the requests below from failing
-                    log.exception("unhealthy callback failed")
+    def fail_all(self, message: str) -> None:
+        """Every request in flight ends with a 503 saying ``message`` (a stream's error event, then its end) and is
+        aborted at the engine."""
         # emptied in place: the reader task holds this very dict, and the requests sent once the
         # engine answers again must be found in it (a new dict would strand them forever)
         streams = dict(self._streams)
@@ -367,7 +361,18 @@ class EngineClient:
             except zmq.ZMQError:
                 pass
         for rid, s in streams.items():
-            s.push(_gone(rid, f"Engine unavailable: {why}"))
+            s.push(_gone(rid, message))
+
+    def _mark_unhealthy(self, why: str) -> None:
+        was, self.healthy = self.healthy, False
+        if was:
+            log.error("engine unhealthy: %s", why)
+            if self.on_unhealthy is not None:
+                try:
+                    self.on_unhealthy()
+                except Exception:  # noqa: BLE001 - a metrics bug must not keep the requests below from failing
+                    log.exception("unhealthy callback failed")
+        self.fail_all(f"Engine unavailable: {why}")
         for fut in [*self._stats_waiters, *self._calls.values()]:
             if not fut.done():
                 fut.set_exception(EngineUnavailable(why))

@@ -199,6 +199,10 @@ class EngineRouter:
                                                stream=stream, cache_salt=cache_salt, pooling=pooling, lora=lora,
                                                images=images, admitted=admitted, client_id=client_id)
 
+    def fail_all(self, message: str) -> None:
+        for c in self.clients:
+            c.fail_all(message)
+
     def abort(self, request_ids: list[str]) -> None:
         for c in self.clients:  # each sends only the ids it owns, and nothing when it owns none
             c.abort(request_ids)

@@ -77,6 +77,7 @@ log = logging.getLogger("tokenmill.http")
 
 _MAX_PIPELINED = 32  # queued requests per connection before we stop reading from it
 TLS_GOODBYE_S = 1.0  # at shutdown, how long closed TLS connections get to send their last bytes
+CUT_S = 1.0  # at the end of the shutdown grace, how long answers get to say they were cut
 EVICT_AFTER = 1.0  # at the connection limit, a connection waiting this long for a request makes room for a new one
 RESCAN_AFTER = 0.05  # ... looked for at most this often while none is found
 
@@ -452,8 +453,10 @@ class HttpServer:
         oldest.close()
         return True
 
-    async def shutdown(self, grace: float) -> None:
-        """Close idle connections now, let busy ones finish within ``grace`` seconds, then cut them."""
+    async def shutdown(self, grace: float, cut: Callable[[], None] | None = None) -> None:
+        """Close idle connections now, let busy ones finish within ``grace`` seconds, then cut them: ``cut``
+        first ends what they wait for (the engine requests still running, each as an error its stream can
+        say), and they get ``CUT_S`` more to say it."""
         self.shutting_down = True
         for conn in list(self.connections):
             if conn.idle:
@@ -464,6 +467,11 @@ class HttpServer:
         # idle keep-alive client never sends; the whole grace went by for each such client)
         while any(_owed(conn) for conn in self.connections) and loop.time() < deadline:
             await asyncio.sleep(0.05)
+        if cut is not None and any(_owed(conn) for conn in self.connections):
+            cut()
+            deadline = loop.time() + CUT_S
+            while any(_owed(conn) for conn in self.connections) and loop.time() < deadline:
+                await asyncio.sleep(0.05)
         for conn in list(self.connections):
             if _owed(conn):
                 conn.abort()

@@ -202,7 +202,8 @@ async def serve(args: FrontendArgs, ready: Callable[[], None] | None = None) -> 
             await stop.wait()
         finally:
             server.close()  # stop accepting; live connections stay
-            await http.shutdown(args.shutdown_grace)
+            await http.shutdown(args.shutdown_grace, cut=lambda: client.fail_all(
+                f"The server is shutting down: not finished within its {args.shutdown_grace:g}s grace"))
             if api.background is not None:  # (its background Responses fail: the engine is no longer reached)
                 await api.background.close()
     finally:

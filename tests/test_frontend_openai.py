@@ -647,6 +647,39 @@ def test_engine_death_gives_503(tmp_path, smollm_tokenizer_dir):
         assert stop_frontend(proc) == 0
 
 
+def test_a_stream_past_the_shutdown_grace_says_it_was_cut(tmp_path, smollm_tokenizer_dir):
+    """SIGTERM: a stream still running at the end of the grace gets a 503 error event and its [DONE], and a whole
+    answer a 503, before the connections close (the stream's body was cut with neither: curl's exit 18)."""
+    addr = f"ipc://{tmp_path}/engine.sock"
+    engine = FakeEngine(addr, step_delay=0.05)
+    engine.start()
+    port = free_port()
+    proc = start_frontend(addr, smollm_tokenizer_dir, port, api_keys=(), shutdown_grace=0.5)
+    try:
+        streamed = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        streamed.request("POST", "/v1/completions", json.dumps({"prompt": [1000, 1001], "max_tokens": 300, "stream": True}),
+                         {"Content-Type": "application/json"})
+        whole = {}
+        t = threading.Thread(target=lambda: whole.update(r=post(port, "/v1/completions",
+                                                                {"prompt": [1000, 1001], "max_tokens": 300})))
+        t.start()
+        r = streamed.getresponse()
+        assert r.status == 200 and r.read1(65536).startswith(b"data:")
+        time.sleep(0.2)
+        proc.terminate()
+        events = [e for e in r.read().decode().split("\n\n") if e]
+        assert events[-1] == "data: [DONE]"
+        error = json.loads(events[-2].removeprefix("data: "))["error"]
+        assert error["code"] == 503 and "shutting down" in error["message"] and "0.5s grace" in error["message"]
+        t.join(10)
+        _err(whole["r"], 503)
+        assert proc.wait(10) == 0
+    finally:
+        if proc.poll() is None:
+            stop_frontend(proc)
+        engine.stop()
+
+
 def _self_signed(tmp_path):
     """A key and a certificate for 127.0.0.1."""
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"

@@ -101,6 +101,12 @@ class FakeEngine:
     def has_work(self) -> bool:
         return bool(self.running) and len(self.added) >= self.start_after
 
+    def worker_fds(self) -> list[int]:
+        return []
+
+    def check_workers(self) -> None:
+        pass
+
     def step(self) -> p.Outputs:
         if self.fail_on_step is not None and len(self.steps) + 1 >= self.fail_on_step:
             raise RuntimeError("step exploded")

@@ -554,7 +554,9 @@ def test_soak_mixed_concurrent_load(server):
 
     assert not res.failures, f"{len(res.failures)} failures ({summary}):\n" + "\n".join(res.failures[:30])
     assert res.ok >= 30 and res.rejected >= 1 and res.cancelled >= 1, summary
-    assert peak["kv_usage"] >= 0.75, f"the KV cache was never under pressure: {summary}"
+    # (a sample every 0.05 s can miss the peak on a loaded machine: a preemption, counted, cannot be missed)
+    preempted = server.engine_stats().num_preemptions
+    assert peak["kv_usage"] >= 0.75 or preempted, f"the KV cache was never under pressure: {summary}"
     diverged = {k: v for k, v in res.texts.items() if len(set(v)) > 1}
     repeated = sum(len(v) > 1 for v in res.texts.values())
     print(f"{repeated} greedy/seeded requests repeated, {sum(len(v) for v in res.texts.values())} texts compared")

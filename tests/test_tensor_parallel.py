@@ -268,9 +268,11 @@ def test_step_input_does_not_grow_with_the_context_held():
     assert StepInput.payload_len(step.pack()[0].tolist()) == 5 * 256
 
 
-def test_serve_tp2_end_to_end(tmp_path, smollm_tokenizer_dir, tokenizer):
-    """One request through ``tokenmill serve -tp 2``; then rank 0 (the engine) dies and its worker
-    goes with it (PR_SET_PDEATHSIG) while the launcher exits non-zero."""
+@pytest.mark.parametrize("killed", ["engine", "worker"])
+def test_serve_tp2_end_to_end(tmp_path, smollm_tokenizer_dir, tokenizer, killed):
+    """One request through ``tokenmill serve -tp 2``; then, the server idle, rank 0 (the engine) dies and its
+    worker goes with it (PR_SET_PDEATHSIG), or the worker dies and the engine finds out at once, not at its next
+    request (its /health said ok until one was sacrificed); the launcher exits non-zero."""
     path = tiny(tmp_path, smollm_tokenizer_dir, "llama", 6, 2)
     prompt = "The capital of France is"
     with LLM(path, device="cpu", dtype="float32", max_model_len=256) as ref:
@@ -284,9 +286,14 @@ def test_serve_tp2_end_to_end(tmp_path, smollm_tokenizer_dir, tokenizer):
         assert r.choices[0].text == want.text
         worker = int(re.search(r"tensor parallel: 2 ranks \(gloo; workers (\d+)\)", server.log()).group(1))
         assert pid_alive(worker)
-        os.kill(server.pids("tokenmill-engine")[-1], signal.SIGKILL)
-        wait_for(lambda: not pid_alive(worker), 5, "the worker to die with rank 0")
+        if killed == "engine":
+            os.kill(server.pids("tokenmill-engine")[-1], signal.SIGKILL)
+            wait_for(lambda: not pid_alive(worker), 5, "the worker to die with rank 0")
+        else:
+            os.kill(worker, signal.SIGKILL)
         wait_for(lambda: server.proc.poll() is not None, 30, "the server to go down")
         assert server.proc.returncode != 0
+        if killed == "worker":
+            assert re.search(r"tensor-parallel rank 1 \(pid \d+\) died \(killed by SIGKILL\)", server.log())
     finally:
         server.close()
