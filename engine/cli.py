@@ -596,6 +596,9 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if config.node_rank > 0:
             raise ValueError(f"--node-rank {config.node_rank} runs only tensor-parallel ranks: start it with "
                              f"`tokenmill engine` (no --listen); `tokenmill serve` is node 0")
+        if options.engine_addresses and config.tensor_parallel_size > 1:
+            raise ValueError("--tensor-parallel-size is the remote engine's (`tokenmill engine --listen ... -tp N`): "
+                             "with --engine no engine starts here")
         if config.nnodes > 1 and (options.data_parallel_size > 1 or options.engine_addresses):
             raise ValueError("--nnodes spreads one local engine's ranks over hosts; it does not combine with "
                              "--data-parallel-size or --engine")
@@ -625,7 +628,7 @@ def _http_overrides(args: argparse.Namespace) -> dict:
 def _engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import logging
 
-    from engine.launcher import _setup_logging
+    from engine.launcher import _setup_logging, check_address
     from engine.model_path import model_name, resolve_model_path
     from engine.protocol import curve_keys
 
@@ -646,8 +649,7 @@ def _engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             elif args.listen.startswith("tcp://"):
                 raise ValueError(f"--listen {args.listen} needs --engine-key (or $TOKENMILL_ENGINE_KEY): an open "
                                  "engine port would take work from anyone")
-            if not args.listen.startswith(("tcp://", "ipc://")):
-                raise ValueError(f"--listen must be tcp://HOST:PORT or ipc://PATH, got {args.listen!r}")
+            check_address("--listen", args.listen)
     except ValueError as e:
         parser.error(str(e))
     if config.node_rank > 0:

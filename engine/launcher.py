@@ -63,6 +63,15 @@ class LaunchError(RuntimeError):
     """Start-up failed in a way the user can fix; the message says how."""
 
 
+def check_address(flag: str, address: str) -> None:
+    """An engine's address as ZMQ takes it: tcp://HOST:PORT (a port of 1-65535) or ipc://PATH."""
+    if address.startswith("ipc://") and len(address) > len("ipc://"):
+        return
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    if not (address.startswith("tcp://") and host and port.isdigit() and 0 < int(port) < 65536):
+        raise ValueError(f"{flag} must be tcp://HOST:PORT (a port of 1-65535) or ipc://PATH, got {address!r}")
+
+
 @dataclass(frozen=True)
 class ServeOptions:
     """What ``tokenmill serve`` needs besides the engine config."""
@@ -105,9 +114,10 @@ class ServeOptions:
         if self.engine_addresses and self.data_parallel_size != 1:
             raise ValueError("--data-parallel-size starts local engines; with --engine the remote engines "
                              "are the data-parallel ones (repeat --engine)")
-        for a in self.engine_addresses:
-            if not a.startswith(("tcp://", "ipc://")):
-                raise ValueError(f"--engine must be tcp://HOST:PORT (or ipc://PATH), got {a!r}")
+        for i, a in enumerate(self.engine_addresses):
+            check_address("--engine", a)
+            if a in self.engine_addresses[:i]:
+                raise ValueError(f"--engine {a} is given twice: one engine, two connections of one frontend identity")
             if a.startswith("tcp://") and not self.engine_key:
                 raise ValueError(f"--engine {a} needs the engine's key: --engine-key or $TOKENMILL_ENGINE_KEY")
         if self.log_format not in LOG_FORMATS:

@@ -92,6 +92,22 @@ def _gone(request_id: str, message: str) -> Error:
     return Error(request_id, 503, "service_unavailable_error", message)
 
 
+def _terms(r: Ready) -> tuple:
+    """What a frontend set itself up for at its start: the model, its tokenizer's ids, its context, its images."""
+    return r.model, r.vocab_size, sorted(r.eos_token_ids), r.max_model_len, r.image_token_id, r.image_tokens, r.labels
+
+
+def _unlike(first: Ready | None, ready: Ready, address: str) -> str | None:
+    """Why an engine that came back (restarted, a remote one above all) with ``ready`` cannot be served by a frontend
+    that started with ``first``, or None. (Its adapters, memory and queues may differ.)"""
+    if first is None or _terms(first) == _terms(ready):
+        return None
+    return (f"the engine at {address} came back serving {ready.model!r} (vocabulary {ready.vocab_size}, context "
+            f"{ready.max_model_len}), not {first.model!r} (vocabulary {first.vocab_size}, context "
+            f"{first.max_model_len}) or otherwise unlike it as this frontend started: not served; restart it as it "
+            "was, or restart the frontends")
+
+
 class EngineClient:
     def __init__(self, address: str, frontend_id: str, *, handshake_timeout: float = 60.0,
                  liveness_interval: float = 2.0, liveness_timeout: float = 60.0,
@@ -122,6 +138,7 @@ class EngineClient:
         self._tasks: list[asyncio.Task] = []
         self._last_seen = 0.0
         self._connected = False
+        self._unlike: str | None = None  # why the engine that came back is not served (``_unlike``)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -309,13 +326,18 @@ class EngineClient:
                     fut = self._stats_waiters.pop(0)
                     if not fut.done():
                         fut.set_result(msg)
-            elif isinstance(msg, Ready):
-                self.ready = msg
+            elif isinstance(msg, Ready):  # (an engine that came back)
+                self._unlike = _unlike(self.ready, msg, self.address)
+                if self._unlike is None:
+                    self.ready = msg
+                else:
+                    log.error("%s", self._unlike)
+                    self._mark_unhealthy(self._unlike)
             elif isinstance(msg, (LoraUpdate, PrefixCacheReset)):
                 fut = self._calls.get(msg.call_id)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
-            if not self.healthy and self._connected:
+            if not self.healthy and self._connected and self._unlike is None:
                 log.warning("engine is answering again")
                 self.healthy = True
 

@@ -19,7 +19,7 @@ from engine.server import run_engine
 from frontends.engine_client import EngineClient, EngineUnavailable, Stream
 from frontends.engine_router import EngineRouter, combined_stats
 from tests.test_server_actor import FakeEngine as ActorFakeEngine
-from tools.fake_engine import MODEL, FakeEngine, free_port
+from tools.fake_engine import MODEL, VOCAB, FakeEngine, free_port
 
 KEY = "test-engine-key-0123456789"
 
@@ -341,6 +341,43 @@ def test_router_survives_a_dead_engine(two_engines):
     run(main())
 
 
+def test_an_engine_that_comes_back_unlike_it_was_is_not_served(tmp_path, caplog):
+    """A (remote) engine restarted with another model, vocabulary or context stays unavailable, said so: the
+    frontend's tokenizer and limits are those of the engine it started with (it took it back, and served it)."""
+    address = f"ipc://{tmp_path}/e.sock"
+    engines = [FakeEngine(address)]
+    engines[0].start()
+
+    async def main():
+        client = EngineClient(address, "fe-test", handshake_timeout=30, liveness_interval=0.1)
+        await client.connect()
+        try:
+            for vocab, served in ((VOCAB + 1, False), (VOCAB, True)):
+                engines[-1].stop()
+                await until(lambda: not client.healthy)
+                engines.append(FakeEngine(address))
+                engines[-1].vocab_size = vocab
+                engines[-1].start()
+                if served:
+                    await until(lambda: client.healthy, 10)
+                    s = client.add("a", [1, 2], p.SamplingParams(max_tokens=2, temperature=0))
+                    assert (await drain(s, {"a"}))["a"][-1].finish_reason == "length"
+                else:
+                    await until(lambda: "came back serving" in caplog.text, 10)
+                    await asyncio.sleep(0.5)
+                    assert not client.healthy and client.ready.vocab_size == VOCAB
+                    with pytest.raises(EngineUnavailable):
+                        client.add("a", [1, 2], p.SamplingParams(max_tokens=2))
+        finally:
+            await client.close()
+
+    try:
+        run(main())
+    finally:
+        engines[-1].stop()
+    assert f"vocabulary {VOCAB + 1}, context" in caplog.text
+
+
 def test_router_started_with_a_dead_engine_serves_on_the_others(two_engines):
     async def main():
         two_engines[0].stop()
@@ -534,8 +571,12 @@ def test_serve_flags_for_data_parallel_and_remote_engines():
         opts("-dp", "2", "--engine", "tcp://a:1", "--engine-key", KEY)
     with pytest.raises(ValueError, match="at least 1"):
         opts("-dp", "0")
-    with pytest.raises(ValueError, match="tcp://HOST:PORT"):
-        opts("--engine", "a:1", "--engine-key", KEY)
+    for bad in ("a:1", "tcp://127.0.0.1:99999", "tcp://127.0.0.1", "tcp://:5555", "tcp://h:0", "ipc://"):
+        with pytest.raises(ValueError, match=r"tcp://HOST:PORT \(a port of 1-65535\)"):  # (ZMQ took them, or failed)
+            opts("--engine", bad, "--engine-key", KEY)
+    with pytest.raises(ValueError, match="given twice"):  # (its start waited out --startup-timeout)
+        opts("--engine", "tcp://a:1", "--engine", "tcp://a:1", "--engine-key", KEY)
+    assert opts("--engine", "tcp://[::1]:5555", "--engine", "ipc:///tmp/e", "--engine-key", KEY).engine_addresses
     assert engine_key(None, {"TOKENMILL_ENGINE_KEY": KEY}) == KEY
     assert engine_key("flag-wins-0123456789", {"TOKENMILL_ENGINE_KEY": KEY}) == "flag-wins-0123456789"
     with pytest.raises(ValueError, match="blank"):

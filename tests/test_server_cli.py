@@ -230,6 +230,7 @@ def test_bad_size_is_a_usage_error():
     (["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'], "method must be one of ngram"),
     (["--speculative-config", '{"method": "ngram"}'], "num_speculative_tokens is required"),
     (["--served-model-name", "m", "a", "--enable-lora", "--lora-modules", "a=/x"], "a is also a name of the model"),
+    (["--engine", "tcp://127.0.0.1:5555", "--engine-key", "k" * 16, "-tp", "2"], "is the remote engine's"),
 ])
 def test_invalid_config_exits_2_before_starting_anything(args, message):
     r = tokenmill("serve", *args, timeout=30)
