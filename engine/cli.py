@@ -649,7 +649,7 @@ def _engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             elif args.listen.startswith("tcp://"):
                 raise ValueError(f"--listen {args.listen} needs --engine-key (or $TOKENMILL_ENGINE_KEY): an open "
                                  "engine port would take work from anyone")
-            check_address("--listen", args.listen)
+            check_address("--listen", args.listen, listen=True)
     except ValueError as e:
         parser.error(str(e))
     if config.node_rank > 0:

@@ -63,12 +63,14 @@ class LaunchError(RuntimeError):
     """Start-up failed in a way the user can fix; the message says how."""
 
 
-def check_address(flag: str, address: str) -> None:
-    """An engine's address as ZMQ takes it: tcp://HOST:PORT (a port of 1-65535) or ipc://PATH."""
+def check_address(flag: str, address: str, listen: bool = False) -> None:
+    """An engine's address as ZMQ takes it: tcp://HOST:PORT (a port of 1-65535; HOST ``*``, every interface, to
+    ``listen`` on) or ipc://PATH."""
     if address.startswith("ipc://") and len(address) > len("ipc://"):
         return
     host, _, port = address.removeprefix("tcp://").rpartition(":")
-    if not (address.startswith("tcp://") and host and port.isdigit() and 0 < int(port) < 65536):
+    if not (address.startswith("tcp://") and host and (listen or host != "*") and port.isdigit()
+            and 0 < int(port) < 65536):
         raise ValueError(f"{flag} must be tcp://HOST:PORT (a port of 1-65535) or ipc://PATH, got {address!r}")
 
 

@@ -13,7 +13,7 @@ those pings are kept (``last_stats``) for ``/health`` to show without a round tr
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -92,6 +92,11 @@ def _gone(request_id: str, message: str) -> Error:
     return Error(request_id, 503, "service_unavailable_error", message)
 
 
+def _retrieved(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
 def _terms(r: Ready) -> tuple:
     """What a frontend set itself up for at its start: the model, its tokenizer's ids, its context, its images."""
     return r.model, r.vocab_size, sorted(r.eos_token_ids), r.max_model_len, r.image_token_id, r.image_tokens, r.labels
@@ -139,6 +144,8 @@ class EngineClient:
         self._last_seen = 0.0
         self._connected = False
         self._unlike: str | None = None  # why the engine that came back is not served (``_unlike``)
+        self._awaiting_ready = False  # reconnected: no READY yet (``_greet``)
+        self._greeting: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -148,6 +155,7 @@ class EngineClient:
         sock.setsockopt(zmq.IDENTITY, self.frontend_id.encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a peer that is not connected
+        sock.setsockopt(zmq.IPV6, 1)  # (an engine at tcp://[::1]:PORT, or a name that resolves to IPv6)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         if self._curve is not None:
@@ -192,14 +200,14 @@ class EngineClient:
         self._monitor = monitor
         self._tasks = [loop.create_task(self._read()), loop.create_task(self._watch(monitor)),
                        loop.create_task(self._liveness())]
-        with contextlib.suppress(zmq.ZMQError):  # numbers for /health now, not at the first liveness tick
-            sock.send(_STATS_PING, zmq.NOBLOCK)
+        self._post(_STATS_PING)  # numbers for /health now, not at the first liveness tick
         return ready
 
     async def close(self) -> None:
-        for t in self._tasks:
+        tasks = [*self._tasks, *([self._greeting] if self._greeting is not None else [])]
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         # (here, not in the watcher's ``finally``: a task cancelled before its first step never runs it, and
         # term() waits for every socket)
         for sock in (self._sock, self._monitor):
@@ -283,9 +291,19 @@ class EngineClient:
     def _send(self, frame: bytes) -> None:
         if not self.healthy or self._sock is None:
             raise EngineUnavailable("the engine is not available")
-        fut = self._sock.send(frame, zmq.NOBLOCK)
-        if fut.done() and fut.exception() is not None:
-            raise EngineUnavailable(f"cannot reach the engine: {fut.exception()!r}")
+        if (error := self._post(frame)) is not None:
+            raise EngineUnavailable(f"cannot reach the engine: {error!r}")
+
+    def _post(self, frame: bytes) -> BaseException | None:
+        """Send without waiting: None, or why the frame could not go now (no connection yet, above all)."""
+        try:
+            fut = self._sock.send(frame, zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            return e
+        if fut.done():
+            return fut.exception()
+        fut.add_done_callback(_retrieved)  # (a failure found later needs no "never retrieved" traceback)
+        return None
 
     # ------------------------------------------------------------------ background tasks
 
@@ -327,17 +345,18 @@ class EngineClient:
                     if not fut.done():
                         fut.set_result(msg)
             elif isinstance(msg, Ready):  # (an engine that came back)
-                self._unlike = _unlike(self.ready, msg, self.address)
+                self._awaiting_ready = False
+                unlike, self._unlike = self._unlike, _unlike(self.ready, msg, self.address)
                 if self._unlike is None:
                     self.ready = msg
-                else:
+                elif self._unlike != unlike:  # (once: a READY answers each HELLO, and several may have gone)
                     log.error("%s", self._unlike)
                     self._mark_unhealthy(self._unlike)
             elif isinstance(msg, (LoraUpdate, PrefixCacheReset)):
                 fut = self._calls.get(msg.call_id)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
-            if not self.healthy and self._connected and self._unlike is None:
+            if not self.healthy and self._connected and not self._awaiting_ready and self._unlike is None:
                 log.warning("engine is answering again")
                 self.healthy = True
 
@@ -347,11 +366,21 @@ class EngineClient:
             event = parse_monitor_message(await monitor.recv_multipart())["event"]
             if event == zmq.EVENT_DISCONNECTED:
                 self._connected = False
+                self._awaiting_ready = True  # (whoever answers next is an engine new to us)
                 self._mark_unhealthy("the engine closed the connection")
             elif event == zmq.EVENT_CONNECTED:
                 self._connected = True
-                if not self.healthy and self._sock is not None:
-                    self._sock.send(hello, zmq.NOBLOCK)  # a restarted engine learns who we are
+                if self._greeting is None or self._greeting.done():
+                    self._greeting = asyncio.get_running_loop().create_task(self._greet(hello))
+
+    async def _greet(self, hello: bytes) -> None:
+        """A restarted engine learns who we are: HELLO until its READY comes (one sent as the connection is made
+        may not go), and no answer of its counts as health before that READY (``_read``)."""
+        for i in itertools.count():
+            if not (self._connected and self._awaiting_ready):
+                return
+            self._post(hello)
+            await asyncio.sleep(min(1.0, 0.1 * 2 ** i))
 
     async def _liveness(self) -> None:
         while True:
@@ -361,10 +390,7 @@ class EngineClient:
                 self._mark_unhealthy(f"the engine has not answered for {quiet:.0f}s")
             # every tick, even while outputs flow: /health shows the answers, so they must stay fresh
             if self._connected and self._sock is not None:
-                try:
-                    self._sock.send(_STATS_PING, zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    pass
+                self._post(_STATS_PING)
 
     def fail_all(self, message: str) -> None:
         """Every request in flight ends with a 503 saying ``message`` (a stream's error event, then its end) and is
@@ -376,12 +402,7 @@ class EngineClient:
         if streams and self._sock is not None:
             # We answer 503 for these now; an engine that is only slow must not go on generating them
             # for nobody. (A dead one never reads this; it aborts our orphans on our next HELLO.)
-            try:
-                fut = self._sock.send(encode(Abort(list(streams))), zmq.NOBLOCK)
-                if fut.done():
-                    fut.exception()  # retrieved: a failed send needs no log line
-            except zmq.ZMQError:
-                pass
+            self._post(encode(Abort(list(streams))))
         for rid, s in streams.items():
             s.push(_gone(rid, message))
 

@@ -8,6 +8,7 @@ The real thing (``tokenmill serve -dp 2``, ``tokenmill engine --listen``) is in
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 
 import pytest
@@ -343,7 +344,9 @@ def test_router_survives_a_dead_engine(two_engines):
 
 def test_an_engine_that_comes_back_unlike_it_was_is_not_served(tmp_path, caplog):
     """A (remote) engine restarted with another model, vocabulary or context stays unavailable, said so: the
-    frontend's tokenizer and limits are those of the engine it started with (it took it back, and served it)."""
+    frontend's tokenizer and limits are those of the engine it started with (it took it back, and served it).
+    Its health waits for its READY (its answers to pings made it healthy, and a HELLO lost as the connection was
+    made was never sent again: the READY never came, and the check never ran)."""
     address = f"ipc://{tmp_path}/e.sock"
     engines = [FakeEngine(address)]
     engines[0].start()
@@ -356,7 +359,7 @@ def test_an_engine_that_comes_back_unlike_it_was_is_not_served(tmp_path, caplog)
                 engines[-1].stop()
                 await until(lambda: not client.healthy)
                 engines.append(FakeEngine(address))
-                engines[-1].vocab_size = vocab
+                engines[-1].vocab_size, engines[-1].lost_hellos = vocab, 1  # (pings answered, no READY yet)
                 engines[-1].start()
                 if served:
                     await until(lambda: client.healthy, 10)
@@ -405,8 +408,8 @@ def test_combined_stats_sums_counts_and_weighs_kv_usage_by_blocks():
 class CurveEngine:
     """run_engine over tcp:// with an engine key, with a fake engine, in a thread."""
 
-    def __init__(self, key: str | None = KEY):
-        self.address = f"tcp://127.0.0.1:{free_port()}"
+    def __init__(self, key: str | None = KEY, host: str = "127.0.0.1"):
+        self.address = f"tcp://{host}:{free_port()}"
         self.actor = None
         self.error: BaseException | None = None
         ready = threading.Event()
@@ -437,7 +440,22 @@ def curve_engine():
     e.close()
 
 
-def test_tcp_engine_serves_a_client_with_the_key(curve_engine):
+def _has_ipv6() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", pytest.param("[::1]", marks=pytest.mark.skipif(
+    not _has_ipv6(), reason="no IPv6 loopback here"))])
+def test_tcp_engine_serves_a_client_with_the_key(host):
+    """Over IPv6 too (ZMQ's sockets take it only when told: the engine failed to listen, "No such device")."""
+    curve_engine = CurveEngine(host=host)
+    assert curve_engine.error is None, curve_engine.error
+
     async def main():
         c = EngineClient(curve_engine.address, "fe-key", handshake_timeout=5, engine_key=KEY)
         ready = await c.connect()
@@ -447,7 +465,10 @@ def test_tcp_engine_serves_a_client_with_the_key(curve_engine):
         assert [t for d in got["r1"] for t in d.token_ids] and got["r1"][-1].finish_reason == "length"
         await c.close()
 
-    run(main())
+    try:
+        run(main())
+    finally:
+        curve_engine.close()
 
 
 def test_tcp_engine_refuses_clients_without_the_right_key(curve_engine):
@@ -571,7 +592,8 @@ def test_serve_flags_for_data_parallel_and_remote_engines():
         opts("-dp", "2", "--engine", "tcp://a:1", "--engine-key", KEY)
     with pytest.raises(ValueError, match="at least 1"):
         opts("-dp", "0")
-    for bad in ("a:1", "tcp://127.0.0.1:99999", "tcp://127.0.0.1", "tcp://:5555", "tcp://h:0", "ipc://"):
+    for bad in ("a:1", "tcp://127.0.0.1:99999", "tcp://127.0.0.1", "tcp://:5555", "tcp://h:0", "ipc://",
+                "tcp://*:5555"):
         with pytest.raises(ValueError, match=r"tcp://HOST:PORT \(a port of 1-65535\)"):  # (ZMQ took them, or failed)
             opts("--engine", bad, "--engine-key", KEY)
     with pytest.raises(ValueError, match="given twice"):  # (its start waited out --startup-timeout)

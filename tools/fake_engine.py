@@ -149,6 +149,7 @@ class FakeEngine(threading.Thread):
         self.fail_after: int | None = None  # end every request with "error" once it has this many tokens
         self.fail_reason = "its grammar cost too much"  # ... the stop_reason of one with structured output
         self.mute = False  # a hung engine: it reads (and records) frames but answers nothing and never steps
+        self.lost_hellos = 0  # HELLOs to drop, as if they never came
         self._halt = threading.Event()
         self.bound = threading.Event()
 
@@ -180,7 +181,9 @@ class FakeEngine(threading.Thread):
         ctx.term()
 
     def handle(self, sock, ident: bytes, msg) -> None:
-        if isinstance(msg, Hello):
+        if isinstance(msg, Hello) and self.lost_hellos:  # (one sent as its connection was still being made)
+            self.lost_hellos -= 1
+        elif isinstance(msg, Hello):
             sock.send_multipart([ident, encode(self.ready())])
         elif isinstance(msg, LoraUpdate):
             status, message = 200, ""
