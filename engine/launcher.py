@@ -69,7 +69,9 @@ def check_address(flag: str, address: str, listen: bool = False) -> None:
     if address.startswith("ipc://") and len(address) > len("ipc://"):
         return
     host, _, port = address.removeprefix("tcp://").rpartition(":")
-    if not (address.startswith("tcp://") and host and (listen or host != "*") and port.isdigit()
+    # a name, an IPv4 address, an IPv6 one in brackets ([::1]), or * to listen on every interface
+    named = host.startswith("[") and host.endswith("]") and len(host) > 2 or host and not set("[]:") & set(host)
+    if not (address.startswith("tcp://") and named and (listen or host != "*") and port.isdigit()
             and 0 < int(port) < 65536):
         raise ValueError(f"{flag} must be tcp://HOST:PORT (a port of 1-65535) or ipc://PATH, got {address!r}")
 

@@ -840,6 +840,14 @@ ENGINE_KEY_ENV = "TOKENMILL_ENGINE_KEY"
 MIN_ENGINE_KEY_CHARS = 16
 
 
+def wants_ipv6(address: str) -> bool:
+    """Whether a ZMQ socket for ``address`` needs ``zmq.IPV6``: an IPv6 literal (tcp://[::1]:PORT), or ``*`` to
+    listen on both families. Not for a host name: with the option ZMQ resolves names to IPv6 alone, and a name
+    with both families (localhost, often) would take the one nothing listens on."""
+    host = address.removeprefix("tcp://").rpartition(":")[0] if address.startswith("tcp://") else ""
+    return host.startswith("[") or host == "*"
+
+
 @dataclass(frozen=True)
 class CurveKeys:
     """ZMQ CURVE key pairs (Z85 bytes) both sides derive from one shared ``--engine-key``.

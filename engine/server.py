@@ -431,7 +431,7 @@ def bind_router(ctx: zmq.Context, address: str, engine_key: str | None = None) -
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted frontend reuses its identity
-    sock.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:PORT, and tcp://*:PORT on both families (else IPv4 alone)
+    sock.setsockopt(zmq.IPV6, protocol.wants_ipv6(address))
     sock.setsockopt(zmq.LINGER, 1000)  # flush the shutdown errors, but never hang on exit
     try:
         sock.bind(address)

@@ -41,6 +41,7 @@ from engine.protocol import (
     curve_keys,
     decode,
     encode,
+    wants_ipv6,
 )
 
 log = logging.getLogger("tokenmill.engine_client")
@@ -155,7 +156,7 @@ class EngineClient:
         sock.setsockopt(zmq.IDENTITY, self.frontend_id.encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a peer that is not connected
-        sock.setsockopt(zmq.IPV6, 1)  # (an engine at tcp://[::1]:PORT, or a name that resolves to IPv6)
+        sock.setsockopt(zmq.IPV6, wants_ipv6(self.address))
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         if self._curve is not None:
@@ -328,7 +329,10 @@ class EngineClient:
                         if d.finish_reason is not None:
                             del streams[d.request_id]
             elif isinstance(msg, Error):
-                if msg.request_id is None:
+                if msg.request_id is None and self._awaiting_ready and self._connected:  # (its answer to HELLO)
+                    self._awaiting_ready = False  # greeted enough: it said why not
+                    self._refuse(f"the engine at {self.address} refused this frontend: {msg.message}")
+                elif msg.request_id is None:
                     log.error("engine error: %s", msg.message)
                 elif (s := streams.pop(msg.request_id, None)) is not None:
                     s.push(msg)
@@ -344,14 +348,12 @@ class EngineClient:
                     fut = self._stats_waiters.pop(0)
                     if not fut.done():
                         fut.set_result(msg)
-            elif isinstance(msg, Ready):  # (an engine that came back)
+            elif isinstance(msg, Ready) and self._connected:  # an engine that came back (not a late word of one gone)
                 self._awaiting_ready = False
-                unlike, self._unlike = self._unlike, _unlike(self.ready, msg, self.address)
-                if self._unlike is None:
-                    self.ready = msg
-                elif self._unlike != unlike:  # (once: a READY answers each HELLO, and several may have gone)
-                    log.error("%s", self._unlike)
-                    self._mark_unhealthy(self._unlike)
+                if (why := _unlike(self.ready, msg, self.address)) is None:
+                    self._unlike, self.ready = None, msg
+                else:
+                    self._refuse(why)
             elif isinstance(msg, (LoraUpdate, PrefixCacheReset)):
                 fut = self._calls.get(msg.call_id)
                 if fut is not None and not fut.done():
@@ -405,6 +407,13 @@ class EngineClient:
             self._post(encode(Abort(list(streams))))
         for rid, s in streams.items():
             s.push(_gone(rid, message))
+
+    def _refuse(self, why: str) -> None:
+        """The engine that answered is not served (``why``: once in the log, however many times it says so)."""
+        if why != self._unlike:
+            log.error("%s", why)
+        self._unlike = why
+        self._mark_unhealthy(why)
 
     def _mark_unhealthy(self, why: str) -> None:
         was, self.healthy = self.healthy, False

@@ -16,6 +16,7 @@ import zmq
 
 from engine import protocol as p
 from engine.config import EngineConfig
+from engine.protocol import wants_ipv6
 from engine.server import run_engine
 from frontends.engine_client import EngineClient, EngineUnavailable, Stream
 from frontends.engine_router import EngineRouter, combined_stats
@@ -381,6 +382,43 @@ def test_an_engine_that_comes_back_unlike_it_was_is_not_served(tmp_path, caplog)
     assert f"vocabulary {VOCAB + 1}, context" in caplog.text
 
 
+def test_an_engine_that_refuses_a_reconnected_frontend_is_asked_no_more(tmp_path, caplog):
+    """An engine that answers HELLO with an error (another protocol version) is not greeted again and again (a
+    HELLO a second, and two ERROR lines each, for as long as it ran), and says why once."""
+    address = f"ipc://{tmp_path}/e.sock"
+    engines = [FakeEngine(address)]
+    engines[0].start()
+
+    async def main():
+        client = EngineClient(address, "fe-test", handshake_timeout=30, liveness_interval=0.1)
+        await client.connect()
+        try:
+            engines[0].stop()
+            await until(lambda: not client.healthy)
+            engines.append(FakeEngine(address))
+            engines[1].hello_refusal = "protocol version mismatch: frontend 18, engine 999"
+            engines[1].start()
+            await until(lambda: "refused this frontend" in caplog.text, 10)
+            await asyncio.sleep(2.5)
+            assert not client.healthy and engines[1].hellos == 1
+            assert caplog.text.count("refused this frontend: protocol version mismatch") == 1
+        finally:
+            await client.close()
+
+    try:
+        run(main())
+    finally:
+        engines[-1].stop()
+
+
+def test_ipv6_is_asked_of_zmq_for_ipv6_addresses_alone():
+    """With ``zmq.IPV6`` a host name resolves to IPv6 alone: one with both families (localhost, often) took the
+    one nothing listened on (review Q)."""
+    assert wants_ipv6("tcp://[::1]:5555") and wants_ipv6("tcp://*:5555")
+    assert not any(map(wants_ipv6, ["tcp://localhost:5555", "tcp://127.0.0.1:5555", "tcp://0.0.0.0:5555",
+                                    "ipc:///tmp/e.sock"]))
+
+
 def test_router_started_with_a_dead_engine_serves_on_the_others(two_engines):
     async def main():
         two_engines[0].stop()
@@ -593,7 +631,7 @@ def test_serve_flags_for_data_parallel_and_remote_engines():
     with pytest.raises(ValueError, match="at least 1"):
         opts("-dp", "0")
     for bad in ("a:1", "tcp://127.0.0.1:99999", "tcp://127.0.0.1", "tcp://:5555", "tcp://h:0", "ipc://",
-                "tcp://*:5555"):
+                "tcp://*:5555", "tcp://[]:5555", "tcp://::1:5555"):
         with pytest.raises(ValueError, match=r"tcp://HOST:PORT \(a port of 1-65535\)"):  # (ZMQ took them, or failed)
             opts("--engine", bad, "--engine-key", KEY)
     with pytest.raises(ValueError, match="given twice"):  # (its start waited out --startup-timeout)

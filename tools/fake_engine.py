@@ -150,6 +150,8 @@ class FakeEngine(threading.Thread):
         self.fail_reason = "its grammar cost too much"  # ... the stop_reason of one with structured output
         self.mute = False  # a hung engine: it reads (and records) frames but answers nothing and never steps
         self.lost_hellos = 0  # HELLOs to drop, as if they never came
+        self.hello_refusal: str | None = None  # answer every HELLO with this error (a protocol version mismatch)
+        self.hellos = 0  # HELLOs received
         self._halt = threading.Event()
         self.bound = threading.Event()
 
@@ -181,8 +183,12 @@ class FakeEngine(threading.Thread):
         ctx.term()
 
     def handle(self, sock, ident: bytes, msg) -> None:
+        if isinstance(msg, Hello):
+            self.hellos += 1
         if isinstance(msg, Hello) and self.lost_hellos:  # (one sent as its connection was still being made)
             self.lost_hellos -= 1
+        elif isinstance(msg, Hello) and self.hello_refusal is not None:
+            sock.send_multipart([ident, encode(Error(None, 500, "internal_server_error", self.hello_refusal))])
         elif isinstance(msg, Hello):
             sock.send_multipart([ident, encode(self.ready())])
         elif isinstance(msg, LoraUpdate):
