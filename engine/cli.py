@@ -301,6 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="frontend processes sharing the port (default: 1)")
     h.add_argument("--startup-timeout", type=float, default=300.0, metavar="SECONDS",
                    help="give up if the model and frontends are not ready by then (default: 300)")
+    h.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="after SIGTERM or Ctrl-C, how long the requests under way get to finish before each is "
+                        "answered a 503 saying so (vLLM's flag; its default, 0, ends them at once) (default: 10)")
     h.add_argument("--engine-liveness-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="an engine that ends no step and answers no ping for this long is taken for hung: "
                         "its requests fail with 503 until it answers again; a longer step (a huge prefill "
@@ -543,7 +546,7 @@ def serve_options(args: argparse.Namespace):
         host=args.host, port=args.port, api_keys=api_keys(args.api_key),
         ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
         api_server_count=args.api_server_count, startup_timeout=args.startup_timeout,
-        engine_liveness_timeout=args.engine_liveness_timeout,
+        engine_liveness_timeout=args.engine_liveness_timeout, shutdown_grace=args.shutdown_timeout,
         ws=_ws_overrides(args), http=_http_overrides(args),
         allowed_origins=allowed_origins(args.allowed_origins), metrics_no_auth=args.metrics_no_auth,
         force_include_usage=args.enable_force_include_usage, tokens_as_ids=args.return_tokens_as_token_ids,

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import multiprocessing as mp
 import os
 import shutil
@@ -88,7 +89,8 @@ class ServeOptions:
     api_server_count: int = 1
     startup_timeout: float = 300.0  # the engine's model load dominates
     engine_liveness_timeout: float = 60.0  # see frontends.server.FrontendArgs
-    shutdown_timeout: float = 30.0  # per group (frontends, then engine) before SIGKILL
+    shutdown_grace: float = 10.0  # --shutdown-timeout: what the frontends give the requests under way
+    stop_timeout: float = 20.0  # per group (frontends, past their grace, then engines) before SIGKILL
     engine_death_grace: float = 2.0  # frontends stay up answering 503 after the engine died
     ws: dict = field(default_factory=dict)  # overrides of frontends.websocket.WsConfig fields
     http: dict = field(default_factory=dict)  # overrides of frontends.http.HttpConfig fields
@@ -115,6 +117,8 @@ class ServeOptions:
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:
             raise ValueError(f"--data-parallel-size must be at least 1, got {self.data_parallel_size}")
+        if not 0 <= self.shutdown_grace < math.inf:
+            raise ValueError(f"--shutdown-timeout must be 0 or more seconds, got {self.shutdown_grace:g}")
         if self.engine_addresses and self.data_parallel_size != 1:
             raise ValueError("--data-parallel-size starts local engines; with --engine the remote engines "
                              "are the data-parallel ones (repeat --engine)")
@@ -422,7 +426,7 @@ class Launcher:
             chat_template=o.chat_template, sampling_defaults=self.sampling_defaults, max_tokens_cap=self.max_tokens_cap,
             model_aliases=list(o.model_aliases), media=MediaSources(tuple(o.media_domains), o.media_path),
             fair_client=o.fair_client, responses_store=self._responses_store(), responses_store_mib=o.responses_store_mib,
-            responses_store_durable=o.responses_store is not None)
+            responses_store_durable=o.responses_store is not None, shutdown_grace=o.shutdown_grace)
 
     def _frontend_id(self, i: int) -> str:
         """Its ZMQ identity. Stable across its restarts (the engine then drops what its previous life
@@ -554,20 +558,21 @@ class Launcher:
     # -------------------------------------------------------------- shutdown
 
     def _shutdown(self) -> None:
-        self._terminate([f for f in self.frontends if f.alive])  # they drain first...
-        self._terminate([e for e in self.engines if e.alive])  # ...then the engines stop
+        o = self.options
+        self._terminate([f for f in self.frontends if f.alive], o.shutdown_grace + o.stop_timeout)  # they drain...
+        self._terminate([e for e in self.engines if e.alive], o.stop_timeout)  # ...then the engines stop
         for c in [*self.frontends, *self.engines]:
             if c.conn is not None:
                 c.conn.close()
 
-    def _terminate(self, children: list[_Child]) -> None:
+    def _terminate(self, children: list[_Child], timeout: float) -> None:
         for c in children:
             c.proc.terminate()
-        deadline = time.monotonic() + self.options.shutdown_timeout
+        deadline = time.monotonic() + timeout
         for c in children:
             c.proc.join(max(0.0, deadline - time.monotonic()))
             if c.proc.is_alive():
-                log.warning("%s did not stop within %.0fs; killing it", c.name, self.options.shutdown_timeout)
+                log.warning("%s did not stop within %.0fs; killing it", c.name, timeout)
                 c.proc.kill()
                 c.proc.join()
 

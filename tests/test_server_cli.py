@@ -185,6 +185,7 @@ def test_observability_flags_reach_the_frontends(tmp_path):
     assert (fa.metrics_no_auth, fa.log_format, fa.log_requests, fa.log_prompts) == (False, "text", True, False)
     fa = frontend_args("--metrics-no-auth", "--log-format", "json", "--disable-log-requests", "--log-prompts")
     assert (fa.metrics_no_auth, fa.log_format, fa.log_requests, fa.log_prompts) == (True, "json", False, True)
+    assert fa.shutdown_grace == 10.0 and frontend_args("--shutdown-timeout", "0").shutdown_grace == 0.0  # (vLLM's)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--log-format", "xml"])
 
@@ -231,6 +232,7 @@ def test_bad_size_is_a_usage_error():
     (["--speculative-config", '{"method": "ngram"}'], "num_speculative_tokens is required"),
     (["--served-model-name", "m", "a", "--enable-lora", "--lora-modules", "a=/x"], "a is also a name of the model"),
     (["--engine", "tcp://127.0.0.1:5555", "--engine-key", "k" * 16, "-tp", "2"], "is the remote engine's"),
+    (["--shutdown-timeout", "-1"], "--shutdown-timeout must be 0 or more seconds, got -1"),
 ])
 def test_invalid_config_exits_2_before_starting_anything(args, message):
     r = tokenmill("serve", *args, timeout=30)
