@@ -343,35 +343,17 @@ def test_router_survives_a_dead_engine(two_engines):
     run(main())
 
 
-def test_an_engine_that_comes_back_unlike_it_was_is_not_served(tmp_path, caplog):
-    """A (remote) engine restarted with another model, vocabulary or context stays unavailable, said so: the
-    frontend's tokenizer and limits are those of the engine it started with (it took it back, and served it).
-    Its health waits for its READY (its answers to pings made it healthy, and a HELLO lost as the connection was
-    made was never sent again: the READY never came, and the check never ran)."""
-    address = f"ipc://{tmp_path}/e.sock"
-    engines = [FakeEngine(address)]
+def _against_restarts(tmp_path, scenario) -> None:
+    """``scenario(engines, client)``: a client connected to a fake engine, the engines it restarts (``_restart``)
+    stopped after."""
+    engines = [FakeEngine(f"ipc://{tmp_path}/e.sock")]
     engines[0].start()
 
     async def main():
-        client = EngineClient(address, "fe-test", handshake_timeout=30, liveness_interval=0.1)
+        client = EngineClient(engines[0].address, "fe-test", handshake_timeout=30, liveness_interval=0.1)
         await client.connect()
         try:
-            for vocab, served in ((VOCAB + 1, False), (VOCAB, True)):
-                engines[-1].stop()
-                await until(lambda: not client.healthy)
-                engines.append(FakeEngine(address))
-                engines[-1].vocab_size, engines[-1].lost_hellos = vocab, 1  # (pings answered, no READY yet)
-                engines[-1].start()
-                if served:
-                    await until(lambda: client.healthy, 10)
-                    s = client.add("a", [1, 2], p.SamplingParams(max_tokens=2, temperature=0))
-                    assert (await drain(s, {"a"}))["a"][-1].finish_reason == "length"
-                else:
-                    await until(lambda: "came back serving" in caplog.text, 10)
-                    await asyncio.sleep(0.5)
-                    assert not client.healthy and client.ready.vocab_size == VOCAB
-                    with pytest.raises(EngineUnavailable):
-                        client.add("a", [1, 2], p.SamplingParams(max_tokens=2))
+            await scenario(engines, client)
         finally:
             await client.close()
 
@@ -379,36 +361,52 @@ def test_an_engine_that_comes_back_unlike_it_was_is_not_served(tmp_path, caplog)
         run(main())
     finally:
         engines[-1].stop()
+
+
+async def _restart(engines: list[FakeEngine], client: EngineClient, **attrs) -> None:
+    """The last of ``engines`` stopped (``client`` sees it go) and a new one started at its address with ``attrs``."""
+    engines[-1].stop()
+    await until(lambda: not client.healthy)
+    engines.append(FakeEngine(engines[-1].address))
+    for k, v in attrs.items():
+        setattr(engines[-1], k, v)
+    engines[-1].start()
+
+
+def test_an_engine_that_comes_back_unlike_it_was_is_not_served(tmp_path, caplog):
+    """A (remote) engine restarted with another model, vocabulary or context stays unavailable, said so: the
+    frontend's tokenizer and limits are those of the engine it started with (it took it back, and served it).
+    Its health waits for its READY (its answers to pings made it healthy, and a HELLO lost as the connection was
+    made was never sent again: the READY never came, and the check never ran)."""
+    async def scenario(engines, client):
+        for vocab, served in ((VOCAB + 1, False), (VOCAB, True)):
+            await _restart(engines, client, vocab_size=vocab, lost_hellos=1)  # (pings answered, no READY yet)
+            if served:
+                await until(lambda: client.healthy, 10)
+                s = client.add("a", [1, 2], p.SamplingParams(max_tokens=2, temperature=0))
+                assert (await drain(s, {"a"}))["a"][-1].finish_reason == "length"
+            else:
+                await until(lambda: "came back serving" in caplog.text, 10)
+                await asyncio.sleep(0.5)
+                assert not client.healthy and client.ready.vocab_size == VOCAB
+                with pytest.raises(EngineUnavailable):
+                    client.add("a", [1, 2], p.SamplingParams(max_tokens=2))
+
+    _against_restarts(tmp_path, scenario)
     assert f"vocabulary {VOCAB + 1}, context" in caplog.text
 
 
 def test_an_engine_that_refuses_a_reconnected_frontend_is_asked_no_more(tmp_path, caplog):
     """An engine that answers HELLO with an error (another protocol version) is not greeted again and again (a
     HELLO a second, and two ERROR lines each, for as long as it ran), and says why once."""
-    address = f"ipc://{tmp_path}/e.sock"
-    engines = [FakeEngine(address)]
-    engines[0].start()
+    async def scenario(engines, client):
+        await _restart(engines, client, hello_refusal="protocol version mismatch: frontend 18, engine 999")
+        await until(lambda: "refused this frontend" in caplog.text, 10)
+        await asyncio.sleep(2.5)
+        assert not client.healthy and engines[1].hellos == 1
+        assert caplog.text.count("refused this frontend: protocol version mismatch") == 1
 
-    async def main():
-        client = EngineClient(address, "fe-test", handshake_timeout=30, liveness_interval=0.1)
-        await client.connect()
-        try:
-            engines[0].stop()
-            await until(lambda: not client.healthy)
-            engines.append(FakeEngine(address))
-            engines[1].hello_refusal = "protocol version mismatch: frontend 18, engine 999"
-            engines[1].start()
-            await until(lambda: "refused this frontend" in caplog.text, 10)
-            await asyncio.sleep(2.5)
-            assert not client.healthy and engines[1].hellos == 1
-            assert caplog.text.count("refused this frontend: protocol version mismatch") == 1
-        finally:
-            await client.close()
-
-    try:
-        run(main())
-    finally:
-        engines[-1].stop()
+    _against_restarts(tmp_path, scenario)
 
 
 def test_ipv6_is_asked_of_zmq_for_ipv6_addresses_alone():
