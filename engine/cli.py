@@ -413,6 +413,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "required, except on a node with --node-rank > 0, which runs only tensor-parallel "
                         "ranks")
     _engine_key_flag(e)
+    e.add_argument("--shutdown-timeout", type=float, default=0.0, metavar="SECONDS",
+                   help="after SIGTERM or Ctrl-C, how long the requests under way get to finish, no new one taken "
+                        "(its frontends send theirs to other engines); a second signal, or the end of it, fails "
+                        "the rest with 503 (vLLM's flag) (default: 0, at once)")
     e.add_argument("--log-format", choices=("text", "json"), default="text",
                    help="log lines as text or as one JSON object per line (default: text)")
 
@@ -653,6 +657,8 @@ def _engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 raise ValueError(f"--listen {args.listen} needs --engine-key (or $TOKENMILL_ENGINE_KEY): an open "
                                  "engine port would take work from anyone")
             check_address("--listen", args.listen, listen=True)
+        if not 0 <= args.shutdown_timeout < float("inf"):
+            raise ValueError(f"--shutdown-timeout must be 0 or more seconds, got {args.shutdown_timeout:g}")
     except ValueError as e:
         parser.error(str(e))
     if config.node_rank > 0:
@@ -673,7 +679,7 @@ def _engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
               f"({t} rank{'s' if t != 1 else ''}{', CURVE' if key else ''})", flush=True)
 
     try:
-        run_engine(config, args.listen, ready=ready, engine_key=key)
+        run_engine(config, args.listen, ready=ready, engine_key=key, shutdown_grace=args.shutdown_timeout)
     except ValueError as e:
         log.error("%s", e)
         return 1

@@ -107,8 +107,10 @@ async def _read_in_time(read: Callable[[str, str], Any], name: str, path: str) -
 class EngineActor:
     """Routes frames between a ROUTER socket and an ``Engine`` (see module doc)."""
 
-    def __init__(self, engine: Any, sock: zmq.Socket, log_stats_interval: float = 0.0):
+    def __init__(self, engine: Any, sock: zmq.Socket, log_stats_interval: float = 0.0, shutdown_grace: float = 0.0):
         self.engine = engine
+        self.shutdown_grace = shutdown_grace  # ``--shutdown-timeout``: what a stop gives the requests under way
+        self._draining_until: float | None = None  # (loop time) a stop asked: no new requests, these run till then
         self.stats_log = StatsLog(log_stats_interval) if log_stats_interval > 0 else None
         self.sock = sock
         self._ready_frame = protocol.encode(engine.ready_info())
@@ -131,6 +133,10 @@ class EngineActor:
         try:
             while not self._stopping:
                 self._drain()
+                if self._draining_until is not None and (
+                        not self.engine.has_work() or loop.time() >= self._draining_until):
+                    await asyncio.sleep(GOODBYE_S)  # the last outputs reach their frontends before the socket closes
+                    break
                 if self.engine.has_work():
                     self._step()
                     await asyncio.sleep(0)  # lets signal handlers and stop() in while busy
@@ -146,7 +152,7 @@ class EngineActor:
             self._fail_outstanding(500, "internal_server_error", f"engine failure: {e}")
             raise
         finally:
-            self._fail_outstanding(503, "service_unavailable_error", "the engine is shutting down")
+            self._fail_outstanding(503, "service_unavailable_error", SHUTTING_DOWN)
 
     def stop(self) -> None:
         """Ask the loop to exit; safe from any thread and from signal handlers."""
@@ -160,6 +166,15 @@ class EngineActor:
             self._stopping = True
 
     def _request_stop(self) -> None:
+        """Stop now; or, the first time with a ``shutdown_grace`` and requests under way, take no new ones and let
+        these run for the grace (every frontend is told, and sends its new requests elsewhere)."""
+        if self.shutdown_grace > 0 and self._draining_until is None and self.engine.has_work():
+            self._draining_until = self._loop.time() + self.shutdown_grace
+            log.info("shutting down: the requests under way (%d) get %gs; no new ones", len(self._owner),
+                     self.shutdown_grace)
+            for ident in self._frontend_index:
+                self._send(ident, DRAINING)
+            return
         self._stopping = True
         self._wake()
 
@@ -250,9 +265,14 @@ class EngineActor:
             log.info("frontend %r connected", msg.frontend_id)
         self._index(ident)
         self._send(ident, self._ready_frame)
+        if self._draining_until is not None:
+            self._send(ident, DRAINING)
 
     def _add(self, ident: bytes, msg: protocol.Add) -> None:
         iid = f"{self._index(ident)}:{msg.request_id}"
+        if self._draining_until is not None and not msg.admitted:  # (a later part of a call taken still runs)
+            self._send_error(ident, msg.request_id, 503, "service_unavailable_error", SHUTTING_DOWN)
+            return
         if iid in self._owner:
             self._send_error(ident, msg.request_id, 400, "invalid_request_error",
                              f"request id {msg.request_id!r} is already running")
@@ -386,6 +406,12 @@ class EngineActor:
                 log.exception("abort on shutdown failed")
 
 
+SHUTTING_DOWN = "the engine is shutting down"
+GOODBYE_S = 0.2  # (a frontend may see the disconnect before frames sent just ahead of it, and fail what they ended)
+# what a draining engine tells its frontends (``EngineClient`` reads an engine-wide 503 so): send it nothing new
+DRAINING = protocol.encode(protocol.Error(None, 503, "service_unavailable_error", f"{SHUTTING_DOWN}: no new requests"))
+
+
 def _resolve(fut: asyncio.Future) -> None:
     if not fut.done():
         fut.set_result(None)
@@ -463,13 +489,14 @@ def run_engine(
     engine_factory: EngineFactory | None = None,
     on_actor: Callable[[EngineActor], None] | None = None,
     engine_key: str | None = None,
+    shutdown_grace: float = 0.0,
 ) -> None:
     """Serve ``config``'s model on ``address`` until SIGTERM/SIGINT (or ``actor.stop()``).
 
     ``ready()`` is called once the socket is bound and the model is loaded.
     ``engine_factory`` (tests) replaces ``Engine``; ``on_actor`` hands out the
     actor, e.g. so that a test running this in a thread can stop it. ``engine_key``: CURVE
-    authentication and encryption (required for ``tcp://``).
+    authentication and encryption (required for ``tcp://``). ``shutdown_grace``: see ``EngineActor._request_stop``.
     """
     ctx = zmq.Context()
     try:
@@ -479,7 +506,7 @@ def run_engine(
         raise
     try:
         engine = (engine_factory or _default_engine_factory)(config)
-        actor = EngineActor(engine, sock, config.log_stats_interval)
+        actor = EngineActor(engine, sock, config.log_stats_interval, shutdown_grace)
         freeze_heap()  # the model and torch live as long as the process: keep them out of every GC pass
         if on_actor is not None:
             on_actor(actor)

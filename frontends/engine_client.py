@@ -128,6 +128,7 @@ class EngineClient:
         self.liveness_timeout = liveness_timeout
         self.ready: Ready | None = None
         self.healthy = False
+        self.draining = False  # the engine is stopping: its requests run on, it takes no new ones (``accepting``)
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None  # the socket's connection events
@@ -231,6 +232,8 @@ class EngineClient:
         ``admitted``: a later part of work the engine already took (``protocol.Add.admitted``). ``client_id``:
         who asked (``protocol.Add.client``).
         """
+        if self.draining and not admitted:
+            raise EngineUnavailable("the engine is shutting down")
         if stream is None:
             stream = Stream()
         self._streams[request_id] = stream
@@ -289,6 +292,11 @@ class EngineClient:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
+    @property
+    def accepting(self) -> bool:
+        """Healthy, and taking new requests."""
+        return self.healthy and not self.draining
+
     def _send(self, frame: bytes) -> None:
         if not self.healthy or self._sock is None:
             raise EngineUnavailable("the engine is not available")
@@ -332,6 +340,10 @@ class EngineClient:
                 if msg.request_id is None and self._awaiting_ready and self._connected:  # (its answer to HELLO)
                     self._awaiting_ready = False  # greeted enough: it said why not
                     self._refuse(f"the engine at {self.address} refused this frontend: {msg.message}")
+                elif msg.request_id is None and msg.status == 503:  # it stops: its requests run on, no new ones
+                    if not self.draining:
+                        log.warning("the engine at %s: %s", self.address, msg.message)
+                    self.draining = True
                 elif msg.request_id is None:
                     log.error("engine error: %s", msg.message)
                 elif (s := streams.pop(msg.request_id, None)) is not None:
@@ -349,7 +361,7 @@ class EngineClient:
                     if not fut.done():
                         fut.set_result(msg)
             elif isinstance(msg, Ready) and self._connected:  # an engine that came back (not a late word of one gone)
-                self._awaiting_ready = False
+                self._awaiting_ready = self.draining = False
                 if (why := _unlike(self.ready, msg, self.address)) is None:
                     self._unlike, self.ready = None, msg
                 else:
@@ -367,7 +379,7 @@ class EngineClient:
         while True:
             event = parse_monitor_message(await monitor.recv_multipart())["event"]
             if event == zmq.EVENT_DISCONNECTED:
-                self._connected = False
+                self._connected, self.draining = False, False
                 self._awaiting_ready = True  # (whoever answers next is an engine new to us)
                 self._mark_unhealthy("the engine closed the connection")
             elif event == zmq.EVENT_CONNECTED:

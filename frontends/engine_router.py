@@ -132,6 +132,10 @@ class EngineRouter:
         return any(c.healthy for c in self.clients)
 
     @property
+    def accepting(self) -> bool:
+        return any(c.accepting for c in self.clients)
+
+    @property
     def last_stats(self) -> Stats | None:
         stats = [c.last_stats for c in self.clients if c.healthy and c.last_stats is not None]
         return combined_stats(stats) if stats else None
@@ -140,7 +144,7 @@ class EngineRouter:
         """Per engine: index, ok / unavailable, and its latest numbers (no address: /health is open)."""
         out = []
         for i, c in enumerate(self.clients):
-            e = {"engine": i, "status": "ok" if c.healthy else "unavailable"}
+            e = {"engine": i, "status": "draining" if c.healthy and c.draining else "ok" if c.healthy else "unavailable"}
             if c.healthy and c.last_stats is not None:
                 s = c.last_stats
                 e.update(num_waiting=s.num_waiting, num_running=s.num_running, kv_usage=s.kv_usage)
@@ -169,7 +173,7 @@ class EngineRouter:
         best, best_load = None, None
         for k in range(n):
             i = (self._next + k) % n
-            if not self.clients[i].healthy:
+            if not self.clients[i].accepting:
                 continue
             load = self.load(i)
             if best_load is None or load < best_load:
@@ -177,7 +181,7 @@ class EngineRouter:
         if best is None:
             raise EngineUnavailable("no engine is available")
         if affinity:
-            home = max((i for i in range(n) if self.clients[i].healthy),  # (by address: frontends agree)
+            home = max((i for i in range(n) if self.clients[i].accepting),  # (by address: frontends agree)
                        key=lambda i: hashlib.blake2b(f"{self.clients[i].address}:{affinity}".encode(),
                                                      digest_size=8).digest())
             slack = max(1, (self._ready.max_num_seqs if self._ready is not None else 8) // 8)

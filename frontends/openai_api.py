@@ -346,8 +346,8 @@ class OpenAIApi:
             gen.cache_salt = f"\0{key}\0{gen.cache_salt}"  # (no client's salt can spell another key's)
 
     def _require_engine(self) -> None:
-        if not self.client.healthy:
-            raise ApiError(503, "Engine unavailable")
+        if not self.client.accepting:
+            raise ApiError(503, "Engine unavailable" if not self.client.healthy else "The engine is shutting down")
 
     # ------------------------------------------------------------------ small endpoints
 
@@ -355,7 +355,7 @@ class OpenAIApi:
         # the stats the liveness pings brought back: a load balancer's probe never waits on the engine
         # data parallel: "degraded" (still 200) while some engine is down, with each engine's state
         engines = self.client.engines_health() if hasattr(self.client, "engines_health") else None
-        if self.client.healthy:
+        if self.client.accepting:
             s = self.client.last_stats
             body = {"status": "ok"} if s is None else {"status": "ok", **stats_fields(s)}
             if engines is not None:
@@ -363,6 +363,8 @@ class OpenAIApi:
                     body["status"] = "degraded"
                 body["engines"] = engines
             return _json(body)
+        if self.client.healthy:
+            raise ApiError(503, "The engine is shutting down" if engines is None else "Every engine is shutting down")
         raise ApiError(503, "Engine unavailable" if engines is None else "No engine available")
 
     async def prometheus(self, req: Request) -> Response:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+from types import SimpleNamespace
 
 import pytest
 import zmq
@@ -415,6 +416,47 @@ def test_ipv6_is_asked_of_zmq_for_ipv6_addresses_alone():
     assert wants_ipv6("tcp://[::1]:5555") and wants_ipv6("tcp://*:5555")
     assert not any(map(wants_ipv6, ["tcp://localhost:5555", "tcp://127.0.0.1:5555", "tcp://0.0.0.0:5555",
                                     "ipc:///tmp/e.sock"]))
+
+
+def test_a_stopping_engine_finishes_its_requests_and_gets_no_new_ones(tmp_path):
+    """``tokenmill engine --shutdown-timeout``: stopped, an engine runs its requests to their end (they failed at once)
+    and takes no new ones; its frontends send theirs to the other engines, and say it is draining."""
+    actors, threads = [], []
+    for i, grace in enumerate((30.0, 0.0)):
+        ready = threading.Event()
+        threads.append(threading.Thread(target=run_engine, daemon=True, args=(EngineConfig(), f"ipc://{tmp_path}/e{i}"),
+                                        kwargs=dict(ready=ready.set, on_actor=actors.append, shutdown_grace=grace,
+                                                    engine_factory=lambda c: ActorFakeEngine(c, step_delay=0.02))))
+        threads[-1].start()
+        assert ready.wait(10)
+
+    async def main():
+        router = router_for([SimpleNamespace(address=f"ipc://{tmp_path}/e{i}") for i in range(2)])
+        await router.connect()
+        draining = router.clients[0]
+        s = draining.add("a", [1, 2], p.SamplingParams(max_tokens=50, temperature=0))
+        await asyncio.sleep(0.1)
+        actors[0].stop()  # (SIGTERM's handler)
+        await until(lambda: draining.draining)
+        assert [e["status"] for e in router.engines_health()] == ["draining", "ok"] and router.accepting
+        assert router.add("b", [3], p.SamplingParams(max_tokens=2)).engine == 1
+        with pytest.raises(EngineUnavailable, match="shutting down"):
+            draining.add("c", [3], p.SamplingParams(max_tokens=2))
+        got = await drain(s, {"a"})
+        assert not isinstance(got["a"][-1], p.Error), got["a"][-1]
+        assert got["a"][-1].finish_reason == "length" and sum(len(d.token_ids) for d in got["a"]) == 50
+        await until(lambda: not draining.healthy)  # (then it stopped)
+        await router.close()
+
+    try:
+        run(main())
+        threads[0].join(10)
+        assert not threads[0].is_alive()
+    finally:
+        for a in actors:
+            a.stop()
+        for t in threads:
+            t.join(10)
 
 
 def test_router_started_with_a_dead_engine_serves_on_the_others(two_engines):

@@ -127,6 +127,7 @@ def test_a_node_exits_when_the_engine_is_gone(tiny_llama, tmp_path, stop):
      "--listen is for node 0 (the engine); --node-rank 1 runs only tensor-parallel ranks"),
     (["engine", "-tp", "2", "--nnodes", "2", "--master-addr", "h"], "--listen is required"),
     (["engine", "--listen", "tcp://0.0.0.0", "--engine-key", "k" * 16], "--listen must be tcp://HOST:PORT (a port"),
+    (["engine", "--listen", "ipc:///tmp/x", "--shutdown-timeout", "-2"], "--shutdown-timeout must be 0 or more"),
     (["serve", "-tp", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "h"],
      "--node-rank 1 runs only tensor-parallel ranks: start it with `tokenmill engine`"),
     (["serve", "-tp", "2", "--nnodes", "2", "--master-addr", "h", "-dp", "2"],
