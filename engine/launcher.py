@@ -203,7 +203,7 @@ def _report(conn: Connection, what: str, detail: str | None = None) -> None:
         pass
 
 
-def _engine_main(config: EngineConfig, address: str, log_format: str, threads: int | None,
+def _engine_main(config: EngineConfig, address: str, log_format: str, grace: float, threads: int | None,
                  cuda_devices: str | None, conn: Connection, parent_pid: int) -> None:
     _child_setup(parent_pid, log_format)
     if cuda_devices is not None:  # before torch sees the GPUs
@@ -215,7 +215,9 @@ def _engine_main(config: EngineConfig, address: str, log_format: str, threads: i
     from engine.server import run_engine
 
     try:
-        run_engine(config, address, ready=lambda: _report(conn, "ready"))
+        # (the grace is for a SIGTERM to the whole process group, as systemd sends one: the engine runs its requests
+        # on while the frontends give them theirs; stopped by this launcher, after them, it has none left)
+        run_engine(config, address, ready=lambda: _report(conn, "ready"), shutdown_grace=grace)
     except ValueError as e:  # a setting the model or the machine cannot meet: the message says what to fix
         _report(conn, "error", f"{type(e).__name__}: {e}")
         sys.exit(1)
@@ -444,6 +446,7 @@ class Launcher:
             for i, address in enumerate(self.engine_addresses):
                 name = "tokenmill-engine" if d == 1 else f"tokenmill-engine-{i}"
                 self.engines.append(_Child(name, _engine_main, (self.config, address, self.options.log_format,
+                                                                self.options.shutdown_grace,
                                                                 *self._engine_resources(i))))
             for e in self.engines:
                 e.start(self.ctx)

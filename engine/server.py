@@ -26,6 +26,7 @@ import atexit
 import contextlib
 import gc
 import logging
+import math
 import signal
 import threading
 import time
@@ -110,7 +111,8 @@ class EngineActor:
     def __init__(self, engine: Any, sock: zmq.Socket, log_stats_interval: float = 0.0, shutdown_grace: float = 0.0):
         self.engine = engine
         self.shutdown_grace = shutdown_grace  # ``--shutdown-timeout``: what a stop gives the requests under way
-        self._draining_until: float | None = None  # (loop time) a stop asked: no new requests, these run till then
+        self._draining_since: float | None = None  # (loop time) a stop asked: its frontends told, no new requests
+        self._idle_since = math.inf  # (loop time) while draining: since when nothing has run
         self.stats_log = StatsLog(log_stats_interval) if log_stats_interval > 0 else None
         self.sock = sock
         self._ready_frame = protocol.encode(engine.ready_info())
@@ -133,18 +135,20 @@ class EngineActor:
         try:
             while not self._stopping:
                 self._drain()
-                if self._draining_until is not None and (
-                        not self.engine.has_work() or loop.time() >= self._draining_until):
-                    await asyncio.sleep(GOODBYE_S)  # the last outputs reach their frontends before the socket closes
+                if self._draining_since is not None and self._drained(loop.time()):
+                    self._fail_outstanding(503, "service_unavailable_error", SHUTTING_DOWN)  # (past the grace)
+                    await asyncio.sleep(GOODBYE_S)  # the last frames reach their frontends before the socket closes
                     break
                 if self.engine.has_work():
                     self._step()
                     await asyncio.sleep(0)  # lets signal handlers and stop() in while busy
                 else:  # (until a frame comes, a worker dies, or the stats line of the steps just run is due)
                     self.engine.check_workers()
+                    wait = self.stats_log.remaining() if self.stats_log is not None else None
+                    if self._draining_since is not None:  # (and the end of a drain's quiet)
+                        wait = QUIET_S if wait is None else min(wait, QUIET_S)
                     try:
-                        await asyncio.wait_for(self._wait_readable(loop, fd),
-                                               self.stats_log.remaining() if self.stats_log is not None else None)
+                        await asyncio.wait_for(self._wait_readable(loop, fd), wait)
                     except TimeoutError:
                         self._log_stats()
         except Exception as e:
@@ -166,17 +170,25 @@ class EngineActor:
             self._stopping = True
 
     def _request_stop(self) -> None:
-        """Stop now; or, the first time with a ``shutdown_grace`` and requests under way, take no new ones and let
-        these run for the grace (every frontend is told, and sends its new requests elsewhere)."""
-        if self.shutdown_grace > 0 and self._draining_until is None and self.engine.has_work():
-            self._draining_until = self._loop.time() + self.shutdown_grace
-            log.info("shutting down: the requests under way (%d) get %gs; no new ones", len(self._owner),
+        """Stop now; or, the first time with a ``shutdown_grace``, drain: every frontend is told to send its new
+        requests elsewhere, and the requests under way run on until nothing has run for ``QUIET_S`` (a beam
+        search's next round, or the requests sent before its frontend heard, come within it) or the grace ends."""
+        if self.shutdown_grace > 0 and self._draining_since is None:
+            self._draining_since = self._loop.time()
+            log.info("shutting down: the requests under way (%d) get up to %gs; no new ones", len(self._owner),
                      self.shutdown_grace)
             for ident in self._frontend_index:
                 self._send(ident, DRAINING)
-            return
-        self._stopping = True
+        else:
+            self._stopping = True
         self._wake()
+
+    def _drained(self, now: float) -> bool:
+        if self.engine.has_work():
+            self._idle_since = math.inf
+        else:
+            self._idle_since = min(self._idle_since, now)
+        return now - self._idle_since >= QUIET_S or now - self._draining_since >= self.shutdown_grace
 
     def _wake(self) -> None:
         """Have a wait for frames look at the socket again."""
@@ -265,12 +277,13 @@ class EngineActor:
             log.info("frontend %r connected", msg.frontend_id)
         self._index(ident)
         self._send(ident, self._ready_frame)
-        if self._draining_until is not None:
+        if self._draining_since is not None:
             self._send(ident, DRAINING)
 
     def _add(self, ident: bytes, msg: protocol.Add) -> None:
         iid = f"{self._index(ident)}:{msg.request_id}"
-        if self._draining_until is not None and not msg.admitted:  # (a later part of a call taken still runs)
+        if (self._draining_since is not None and not msg.admitted  # (a later part of a call taken still runs)
+                and self._loop.time() - self._draining_since > HEARD_S):  # (sent before its frontend heard: taken)
             self._send_error(ident, msg.request_id, 503, "service_unavailable_error", SHUTTING_DOWN)
             return
         if iid in self._owner:
@@ -406,8 +419,10 @@ class EngineActor:
                 log.exception("abort on shutdown failed")
 
 
-SHUTTING_DOWN = "the engine is shutting down"
+SHUTTING_DOWN = "The engine is shutting down"
 GOODBYE_S = 0.2  # (a frontend may see the disconnect before frames sent just ahead of it, and fail what they ended)
+QUIET_S = 0.5  # a drain ends once nothing has run for this long
+HEARD_S = 1.0  # a drain takes the new requests that come this soon: sent before their frontends heard of it
 # what a draining engine tells its frontends (``EngineClient`` reads an engine-wide 503 so): send it nothing new
 DRAINING = protocol.encode(protocol.Error(None, 503, "service_unavailable_error", f"{SHUTTING_DOWN}: no new requests"))
 

@@ -379,9 +379,10 @@ class EngineClient:
         while True:
             event = parse_monitor_message(await monitor.recv_multipart())["event"]
             if event == zmq.EVENT_DISCONNECTED:
-                self._connected, self.draining = False, False
+                stopped, self._connected, self.draining = self.draining, False, False
                 self._awaiting_ready = True  # (whoever answers next is an engine new to us)
-                self._mark_unhealthy("the engine closed the connection")
+                self._mark_unhealthy("the engine stopped, as it said it would" if stopped else
+                                     "the engine closed the connection", logging.INFO if stopped else logging.ERROR)
             elif event == zmq.EVENT_CONNECTED:
                 self._connected = True
                 if self._greeting is None or self._greeting.done():
@@ -427,10 +428,10 @@ class EngineClient:
         self._unlike = why
         self._mark_unhealthy(why)
 
-    def _mark_unhealthy(self, why: str) -> None:
+    def _mark_unhealthy(self, why: str, level: int = logging.ERROR) -> None:
         was, self.healthy = self.healthy, False
         if was:
-            log.error("engine unhealthy: %s", why)
+            log.log(level, "engine unhealthy: %s", why)
             if self.on_unhealthy is not None:
                 try:
                     self.on_unhealthy()

@@ -220,7 +220,7 @@ class EngineRouter:
             return await self._update_lora(name, path, timeout)
 
     async def _update_lora(self, name: str, path: str | None, timeout: float) -> LoraUpdate:
-        live = [c for c in self.clients if c.healthy]
+        live = [c for c in self.clients if c.accepting]
         if not live:
             raise EngineUnavailable("no engine is available")
         answers = await asyncio.gather(*(c.update_lora(name, path, timeout) for c in live), return_exceptions=True)
@@ -237,13 +237,13 @@ class EngineRouter:
     async def reset_prefix_cache(self, timeout: float = 30.0) -> bool:
         """As ``EngineClient.reset_prefix_cache``, on every engine it can reach: whether all of them did (those
         running no request do, whatever the others answer)."""
-        live = [c for c in self.clients if c.healthy]
+        live = [c for c in self.clients if c.accepting]
         if not live:
             raise EngineUnavailable("no engine is available")
         return all(await asyncio.gather(*(c.reset_prefix_cache(timeout) for c in live)))
 
     async def stats(self, timeout: float = 5.0) -> Stats:
-        live = [c for c in self.clients if c.healthy]
+        live = [c for c in self.clients if c.accepting]
         if not live:
             raise EngineUnavailable("no engine is available")
         results = await asyncio.gather(*(c.stats(timeout) for c in live), return_exceptions=True)

@@ -420,7 +420,8 @@ def test_ipv6_is_asked_of_zmq_for_ipv6_addresses_alone():
 
 def test_a_stopping_engine_finishes_its_requests_and_gets_no_new_ones(tmp_path):
     """``tokenmill engine --shutdown-timeout``: stopped, an engine runs its requests to their end (they failed at once)
-    and takes no new ones; its frontends send theirs to the other engines, and say it is draining."""
+    and takes no new ones; its frontends send theirs to the other engines, and say it is draining. It stops once
+    nothing has run for a moment, not between a call's parts."""
     actors, threads = [], []
     for i, grace in enumerate((30.0, 0.0)):
         ready = threading.Event()
@@ -445,6 +446,9 @@ def test_a_stopping_engine_finishes_its_requests_and_gets_no_new_ones(tmp_path):
         got = await drain(s, {"a"})
         assert not isinstance(got["a"][-1], p.Error), got["a"][-1]
         assert got["a"][-1].finish_reason == "length" and sum(len(d.token_ids) for d in got["a"]) == 50
+        # a call's next part (a beam search's next round) right after: still taken (the engine stopped between them)
+        s = draining.add("d", [1, 2], p.SamplingParams(max_tokens=5, temperature=0), admitted=True)
+        assert (await drain(s, {"d"}))["d"][-1].finish_reason == "length"
         await until(lambda: not draining.healthy)  # (then it stopped)
         await router.close()
 
