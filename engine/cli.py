@@ -635,7 +635,7 @@ def _http_overrides(args: argparse.Namespace) -> dict:
 def _engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import logging
 
-    from engine.launcher import _setup_logging, check_address
+    from engine.launcher import _setup_logging, check_address, check_shutdown_timeout
     from engine.model_path import model_name, resolve_model_path
     from engine.protocol import curve_keys
 
@@ -657,8 +657,7 @@ def _engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 raise ValueError(f"--listen {args.listen} needs --engine-key (or $TOKENMILL_ENGINE_KEY): an open "
                                  "engine port would take work from anyone")
             check_address("--listen", args.listen, listen=True)
-        if not 0 <= args.shutdown_timeout < float("inf"):
-            raise ValueError(f"--shutdown-timeout must be 0 or more seconds, got {args.shutdown_timeout:g}")
+        check_shutdown_timeout(args.shutdown_timeout)
     except ValueError as e:
         parser.error(str(e))
     if config.node_rank > 0:

@@ -52,6 +52,7 @@ from engine.model_path import (
     resolve_model_path,
     resolve_tokenizer_path,
 )
+from engine.protocol import tcp_host_port
 
 log = logging.getLogger("tokenmill.launcher")
 
@@ -69,12 +70,16 @@ def check_address(flag: str, address: str, listen: bool = False) -> None:
     ``listen`` on) or ipc://PATH."""
     if address.startswith("ipc://") and len(address) > len("ipc://"):
         return
-    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    host, port = tcp_host_port(address)
     # a name, an IPv4 address, an IPv6 one in brackets ([::1]), or * to listen on every interface
     named = host.startswith("[") and host.endswith("]") and len(host) > 2 or host and not set("[]:") & set(host)
-    if not (address.startswith("tcp://") and named and (listen or host != "*") and port.isdigit()
-            and 0 < int(port) < 65536):
+    if not (named and (listen or host != "*") and port.isdigit() and 0 < int(port) < 65536):
         raise ValueError(f"{flag} must be tcp://HOST:PORT (a port of 1-65535) or ipc://PATH, got {address!r}")
+
+
+def check_shutdown_timeout(seconds: float) -> None:
+    if not 0 <= seconds < math.inf:
+        raise ValueError(f"--shutdown-timeout must be 0 or more seconds, got {seconds:g}")
 
 
 @dataclass(frozen=True)
@@ -117,8 +122,7 @@ class ServeOptions:
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:
             raise ValueError(f"--data-parallel-size must be at least 1, got {self.data_parallel_size}")
-        if not 0 <= self.shutdown_grace < math.inf:
-            raise ValueError(f"--shutdown-timeout must be 0 or more seconds, got {self.shutdown_grace:g}")
+        check_shutdown_timeout(self.shutdown_grace)
         if self.engine_addresses and self.data_parallel_size != 1:
             raise ValueError("--data-parallel-size starts local engines; with --engine the remote engines "
                              "are the data-parallel ones (repeat --engine)")

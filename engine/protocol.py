@@ -840,11 +840,17 @@ ENGINE_KEY_ENV = "TOKENMILL_ENGINE_KEY"
 MIN_ENGINE_KEY_CHARS = 16
 
 
+def tcp_host_port(address: str) -> tuple[str, str]:
+    """tcp://HOST:PORT's HOST and PORT as written ("" and "" for an address of another kind)."""
+    host, _, port = address.removeprefix("tcp://").rpartition(":") if address.startswith("tcp://") else ("", "", "")
+    return host, port
+
+
 def wants_ipv6(address: str) -> bool:
     """Whether a ZMQ socket for ``address`` needs ``zmq.IPV6``: an IPv6 literal (tcp://[::1]:PORT), or ``*`` to
     listen on both families. Not for a host name: with the option ZMQ resolves names to IPv6 alone, and a name
     with both families (localhost, often) would take the one nothing listens on."""
-    host = address.removeprefix("tcp://").rpartition(":")[0] if address.startswith("tcp://") else ""
+    host = tcp_host_port(address)[0]
     return host.startswith("[") or host == "*"
 
 

@@ -463,15 +463,10 @@ class HttpServer:
                 conn.close()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace
-        # (not until every connection is gone: a closed TLS one waits for the client's close_notify, which an
-        # idle keep-alive client never sends; the whole grace went by for each such client)
-        while any(_owed(conn) for conn in self.connections) and loop.time() < deadline:
-            await asyncio.sleep(0.05)
-        if cut is not None and any(_owed(conn) for conn in self.connections):
+        if not await self._paid_by(deadline) and cut is not None:
             cut()
             deadline = loop.time() + CUT_S
-            while any(_owed(conn) for conn in self.connections) and loop.time() < deadline:
-                await asyncio.sleep(0.05)
+            await self._paid_by(deadline)
         for conn in list(self.connections):
             if _owed(conn):
                 conn.abort()
@@ -483,6 +478,18 @@ class HttpServer:
         goodbye = min(deadline, loop.time() + TLS_GOODBYE_S)
         while self.connections and loop.time() < goodbye:
             await asyncio.sleep(0.05)
+
+
+    async def _paid_by(self, deadline: float) -> bool:
+        """Whether every connection was owed nothing more by ``deadline`` (loop time), waiting until then."""
+        loop = asyncio.get_running_loop()
+        # (not until every connection is gone: a closed TLS one waits for the client's close_notify, which an
+        # idle keep-alive client never sends; the whole grace went by for each such client)
+        while any(_owed(conn) for conn in self.connections):
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
 
 
 def _owed(conn) -> bool:

@@ -25,12 +25,10 @@ from frontends.http import HttpProtocol, HttpServer
 class TlsConnection(asyncio.BufferedProtocol):
     """The TLS layer between one socket and its ``HttpProtocol``."""
 
-    def __init__(self, server: HttpServer, context: ssl.SSLContext) -> None:
-        loop = asyncio.get_running_loop()
+    def __init__(self, server: HttpServer, context: ssl.SSLContext, layer: type) -> None:
         self.http = HttpProtocol(server)
         self.raw: asyncio.BaseTransport | None = None
-        layer = _layer(loop)
-        self.tls = layer(loop, self.http, context, None, server_side=True,
+        self.tls = layer(asyncio.get_running_loop(), self.http, context, None, server_side=True,
                          ssl_handshake_timeout=server.config.header_timeout)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -60,8 +58,10 @@ class TlsConnection(asyncio.BufferedProtocol):
 
 
 def protocol(server: HttpServer, context: ssl.SSLContext | None) -> Callable[[], asyncio.BaseProtocol]:
-    """``loop.create_server``'s protocol factory: ``server``'s connections, in TLS where a ``context`` is given."""
-    return server if context is None else functools.partial(TlsConnection, server, context)
+    """``loop.create_server``'s protocol factory (in the loop that serves): ``server``'s connections, in TLS where a
+    ``context`` is given."""
+    return server if context is None else functools.partial(TlsConnection, server, context,
+                                                            _layer(asyncio.get_running_loop()))
 
 
 def _layer(loop: asyncio.AbstractEventLoop) -> type:
