@@ -14,6 +14,10 @@ everything slow (HTTP, JSON, tokenizers) lives in the frontends. The one slow
 thing here, reading a LoRA adapter's folder (``LoraUpdate``), runs on a thread
 while steps go on; updates run one at a time, each as a task of its own.
 
+Whenever its requests come or go, the engine sends every frontend its STATS unasked, at most every
+``LOAD_S``: with several frontends and engines, each frontend ranks the engines by their load
+(``frontends.engine_router``), and so sees another frontend's burst at once (their pings come every 2 s).
+
 Request ids are namespaced per frontend (``"<n>:<id>"``, ``n`` a small number
 given to each frontend identity) so two frontends can never collide; replies
 carry the frontend's own id again. A malformed frame is logged and dropped.
@@ -125,6 +129,8 @@ class EngineActor:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wakeup: asyncio.Future | None = None
         self.num_steps = 0
+        self._load_said = 0  # the number of requests the last unasked STATS was sent at (``_say_load``)
+        self._load_said_at = -math.inf  # (loop time) and when
 
     # ------------------------------------------------------------------ loop
 
@@ -135,6 +141,7 @@ class EngineActor:
         try:
             while not self._stopping:
                 self._drain()
+                self._say_load(loop.time())
                 if self._draining_since is not None and self._drained(loop.time()):
                     self._fail_outstanding(503, "service_unavailable_error", SHUTTING_DOWN)  # (past the grace)
                     await asyncio.sleep(GOODBYE_S)  # the last frames reach their frontends before the socket closes
@@ -142,15 +149,19 @@ class EngineActor:
                 if self.engine.has_work():
                     self._step()
                     await asyncio.sleep(0)  # lets signal handlers and stop() in while busy
-                else:  # (until a frame comes, a worker dies, or the stats line of the steps just run is due)
+                else:  # (until a frame comes, a worker dies, the stats line of the steps just run is due...)
                     self.engine.check_workers()
                     wait = self.stats_log.remaining() if self.stats_log is not None else None
                     if self._draining_since is not None:  # (and the end of a drain's quiet)
                         wait = QUIET_S if wait is None else min(wait, QUIET_S)
+                    if self._load_unsaid:  # (and the load's next word)
+                        due = max(0.0, self._load_said_at + LOAD_S - loop.time())
+                        wait = due if wait is None else min(wait, due)
                     try:
                         await asyncio.wait_for(self._wait_readable(loop, fd), wait)
                     except TimeoutError:
-                        self._log_stats()
+                        if self.stats_log is not None and self.stats_log.due():
+                            self._log_stats()
         except Exception as e:
             log.exception("engine failure; going down")
             self._fail_outstanding(500, "internal_server_error", f"engine failure: {e}")
@@ -189,6 +200,19 @@ class EngineActor:
         else:
             self._idle_since = min(self._idle_since, now)
         return now - self._idle_since >= QUIET_S or now - self._draining_since >= self.shutdown_grace
+
+    @property
+    def _load_unsaid(self) -> bool:
+        return len(self._owner) != self._load_said
+
+    def _say_load(self, now: float) -> None:
+        """Every frontend hears this engine's STATS when its number of requests changed (not more often than
+        ``LOAD_S``): their routers rank the engines by it, ``/health`` and the metrics' gauges show it."""
+        if self._load_unsaid and now - self._load_said_at >= LOAD_S:
+            self._load_said, self._load_said_at = len(self._owner), now
+            frame = protocol.encode(self.engine.stats())
+            for ident in self._frontend_index:
+                self._send(ident, frame)
 
     def _wake(self) -> None:
         """Have a wait for frames look at the socket again."""
@@ -422,6 +446,7 @@ class EngineActor:
 SHUTTING_DOWN = "The engine is shutting down"
 GOODBYE_S = 0.2  # (a frontend may see the disconnect before frames sent just ahead of it, and fail what they ended)
 QUIET_S = 0.5  # a drain ends once nothing has run for this long
+LOAD_S = 0.05  # the most often an engine tells its frontends that its load changed (unasked STATS)
 HEARD_S = 1.0  # a drain takes the new requests that come this soon: sent before their frontends heard of it
 # what a draining engine tells its frontends (``EngineClient`` reads an engine-wide 503 so): send it nothing new
 DRAINING = protocol.encode(protocol.Error(None, 503, "service_unavailable_error", f"{SHUTTING_DOWN}: no new requests"))

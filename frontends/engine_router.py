@@ -6,7 +6,8 @@ to when there is more than one engine.
 
 - A new call goes to the least-loaded healthy engine: its load is this frontend's own
   requests in flight there plus the other frontends' share of its latest STATS
-  (running + waiting, less what was ours when that STATS came), KV usage breaking
+  (running + waiting, less what was ours when that STATS came: an engine sends them
+  whenever its requests come or go, ``engine.server.LOAD_S``), KV usage breaking
   ties, then round robin. All requests that share a ``Stream`` (the n choices and the
   prompts of one API call) go to the same engine, so prefix caching shares their
   blocks.
@@ -17,7 +18,7 @@ to when there is more than one engine.
   (at least 1) requests more than the least loaded: then to that one, as SGLang's
   cache-aware router falls back to the shortest queue. (Each frontend weighs the
   others' requests by the STATS it last saw: with several frontends, one key's
-  burst can pass the slack by what they sent meanwhile.)
+  burst can pass the slack by what they sent in the last ``LOAD_S``.)
 - An abort goes to the engine that owns the request (each client knows its own).
 - An engine that dies or hangs fails only its own in-flight requests (503, from its
   client); new calls go to the others. ``healthy`` holds while one engine does;

@@ -8,6 +8,7 @@ The real thing (``tokenmill serve -dp 2``, ``tokenmill engine --listen``) is in
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 from types import SimpleNamespace
@@ -41,9 +42,9 @@ def two_engines(tmp_path):
         e.stop()
 
 
-def router_for(engines, **kw) -> EngineRouter:
+def router_for(engines, name: str = "fe-test", liveness_interval: float = 0.1, **kw) -> EngineRouter:
     # (a generous handshake: the fake engines are threads of this process, slow to answer on a loaded machine)
-    return EngineRouter([EngineClient(e.address, "fe-test", handshake_timeout=30, liveness_interval=0.1, **kw)
+    return EngineRouter([EngineClient(e.address, name, handshake_timeout=30, liveness_interval=liveness_interval, **kw)
                          for e in engines])
 
 
@@ -422,15 +423,6 @@ def test_a_stopping_engine_finishes_its_requests_and_gets_no_new_ones(tmp_path):
     """``tokenmill engine --shutdown-timeout``: stopped, an engine runs its requests to their end (they failed at once)
     and takes no new ones; its frontends send theirs to the other engines, and say it is draining. It stops once
     nothing has run for a moment, not between a call's parts."""
-    actors, threads = [], []
-    for i, grace in enumerate((30.0, 0.0)):
-        ready = threading.Event()
-        threads.append(threading.Thread(target=run_engine, daemon=True, args=(EngineConfig(), f"ipc://{tmp_path}/e{i}"),
-                                        kwargs=dict(ready=ready.set, on_actor=actors.append, shutdown_grace=grace,
-                                                    engine_factory=lambda c: ActorFakeEngine(c, step_delay=0.02))))
-        threads[-1].start()
-        assert ready.wait(10)
-
     async def main():
         router = router_for([SimpleNamespace(address=f"ipc://{tmp_path}/e{i}") for i in range(2)])
         await router.connect()
@@ -452,10 +444,54 @@ def test_a_stopping_engine_finishes_its_requests_and_gets_no_new_ones(tmp_path):
         await until(lambda: not draining.healthy)  # (then it stopped)
         await router.close()
 
-    try:
+    with actors_of(tmp_path, (30.0, 0.0), step_delay=0.02) as (actors, threads):
         run(main())
         threads[0].join(10)
         assert not threads[0].is_alive()
+
+
+def test_a_frontend_hears_at_once_how_busy_the_engines_are(tmp_path):
+    """Each frontend ranks the engines by their STATS and its own requests: another frontend's burst, begun and
+    ended between two liveness pings (every 2 s), was seen there as the load it had been, so its next requests all
+    went to the other engine (review N: bursts split 7/1 and 6/2 over two frontends). An engine now says its load
+    whenever its requests come or go (``engine.server.LOAD_S``)."""
+    async def main():
+        a, b = (router_for([SimpleNamespace(address=f"ipc://{tmp_path}/e{i}") for i in range(2)], name=name,
+                           liveness_interval=30.0) for name in ("fe-a", "fe-b"))
+        await a.connect()
+        await b.connect()
+        # a's four: two long ones on engine 0, two short ones on engine 1
+        streams = {f"a{i}": a.add(f"a{i}", [1, 2], p.SamplingParams(max_tokens=(40, 2)[i % 2], temperature=0))
+                   for i in range(4)}
+        assert [s.engine for s in streams.values()] == [0, 1, 0, 1]
+        await asyncio.sleep(0.1)
+        await b.stats()  # (what a liveness ping would bring: engine 0 busy with two)
+        await until(lambda: b.load(0)[0] == 2)
+        await asyncio.gather(*(drain(s, {rid}) for rid, s in streams.items()))
+        await until(lambda: b.load(0)[0] == b.load(1)[0] == 0)  # (it was 2 until the next ping)
+        assert sorted(b.add(f"b{i}", [3], p.SamplingParams(max_tokens=2)).engine for i in range(2)) == [0, 1]
+        await a.close()
+        await b.close()
+
+    with actors_of(tmp_path, (0.0, 0.0), step_delay=0.01):
+        run(main())
+
+
+@contextlib.contextmanager
+def actors_of(tmp_path, graces, **engine_kw):
+    """Real engine actors (``run_engine`` in threads) over the actor tests' fake engine, at ipc://tmp_path/e<i>, one
+    per ``--shutdown-timeout`` in ``graces``: (their actors, their threads)."""
+    actors, threads = [], []
+    try:
+        for i, grace in enumerate(graces):
+            ready = threading.Event()
+            threads.append(threading.Thread(
+                target=run_engine, daemon=True, args=(EngineConfig(), f"ipc://{tmp_path}/e{i}"),
+                kwargs=dict(ready=ready.set, on_actor=actors.append, shutdown_grace=grace,
+                            engine_factory=lambda c: ActorFakeEngine(c, **engine_kw))))
+            threads[-1].start()
+            assert ready.wait(10)
+        yield actors, threads
     finally:
         for a in actors:
             a.stop()

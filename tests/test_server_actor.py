@@ -20,6 +20,7 @@ import pytest
 import zmq
 
 from engine import protocol as p
+from engine import server
 from engine.config import EngineConfig
 from engine.server import run_engine
 
@@ -184,13 +185,23 @@ def send(sock: zmq.Socket, msg) -> None:
     sock.send(p.encode(msg))
 
 
-def recv(sock: zmq.Socket, timeout: float = 5.0):
-    assert sock.poll(int(timeout * 1000)), "no reply from the engine actor"
-    return p.decode(sock.recv())
+def recv(sock: zmq.Socket, timeout: float = 5.0, stats: bool = False):
+    """The engine actor's next frame: but for ``stats``, not a STATS (it sends them unasked as its requests come
+    and go)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert sock.poll(max(1, int((deadline - time.monotonic()) * 1000))), "no reply from the engine actor"
+        msg = p.decode(sock.recv())
+        if stats or not isinstance(msg, p.Stats):
+            return msg
 
 
 def recv_none(sock: zmq.Socket, timeout: float = 0.2) -> None:
-    assert not sock.poll(int(timeout * 1000)), f"unexpected frame: {p.decode(sock.recv())}"
+    """No frame but STATS for ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0 and sock.poll(max(1, int(left * 1000))):
+        msg = p.decode(sock.recv())
+        assert isinstance(msg, p.Stats), f"unexpected frame: {msg}"
 
 
 def collect(sock: zmq.Socket, request_ids: set[str], timeout: float = 5.0) -> tuple[list, dict, dict]:
@@ -445,7 +456,30 @@ def test_stats_request_gets_stats(address):
         hello(c, "fe0")
         send(c, p.Add("a", [1], p.SamplingParams()))
         c.send(msgpack.packb([int(p.Kind.STATS), []]))
-        assert recv(c) == p.Stats(0, 1, 0.01, 99, 100)
+        assert recv(c, stats=True) == p.Stats(0, 1, 0.01, 99, 100)
+    finally:
+        h.close()
+
+
+def test_every_frontend_hears_the_engines_load_as_requests_come_and_go(address):
+    """Unasked STATS, at most every ``LOAD_S``, to every frontend: each ranks the engines by their load (the other
+    frontends' requests too), which it heard of only at its liveness pings (every 2 s)."""
+    h = ActorHarness(address, step_delay=0.01, max_waiting=100)
+    try:
+        a, b = h.client(b"fe0"), h.client(b"fe1")
+        hello(a, "fe0")
+        hello(b, "fe1")
+        t0 = time.monotonic()
+        for i in range(20):  # (as fast as they go)
+            send(a, p.Add(f"r{i}", [1], p.SamplingParams(max_tokens=30)))
+        seen = []
+        while not seen or seen[-1][1].num_running:
+            seen.append((time.monotonic() - t0, recv(b, stats=True)))
+        assert all(isinstance(m, p.Stats) for _, m in seen)  # (b runs nothing: no outputs)
+        assert seen[0][0] < 0.3 and seen[0][1].num_running >= 1  # (at once)
+        assert max(m.num_running for _, m in seen) == 20
+        assert len(seen) <= (seen[-1][0] / server.LOAD_S) + 2  # (not one a request)
+        assert not b.poll(300)  # (and none while it stays)
     finally:
         h.close()
 
@@ -477,7 +511,7 @@ def test_reconnecting_frontend_orphans_are_aborted(address):
         send(old, p.Add("a", [1], p.SamplingParams()))
         send(old, p.Add("b", [1], p.SamplingParams()))
         old.send(msgpack.packb([int(p.Kind.STATS), []]))
-        assert recv(old).num_running == 2
+        assert recv(old, stats=True).num_running == 2
         old.close()
         new = h.client(b"fe0")  # a restarted frontend keeps its identity
         hello(new, "fe0")
@@ -493,7 +527,7 @@ def test_stop_fails_outstanding_requests_with_503(address):
     hello(c, "fe0")
     send(c, p.Add("a", [1], p.SamplingParams()))
     c.send(msgpack.packb([int(p.Kind.STATS), []]))
-    recv(c)
+    recv(c, stats=True)
     h.actor.stop()
     h.thread.join(5)
     assert not h.thread.is_alive()
