@@ -141,6 +141,7 @@ class EngineClient:
         self.in_flight_at_stats = 0  # our own requests in flight then (the rest of its load is others')
         self.on_stats: Callable[[Stats], None] | None = None  # called with every STATS (the metrics)
         self.on_unhealthy: Callable[[], None] | None = None  # called as it is marked unhealthy (the metrics)
+        self.on_back: Callable[[], None] | None = None  # called when an engine that came back is served (the router)
         self._last_outputs_at = 0.0  # time.monotonic() of the latest OUTPUTS: the end of an engine step
         self._tasks: list[asyncio.Task] = []
         self._last_seen = 0.0
@@ -361,9 +362,11 @@ class EngineClient:
                     if not fut.done():
                         fut.set_result(msg)
             elif isinstance(msg, Ready) and self._connected:  # an engine that came back (not a late word of one gone)
-                self._awaiting_ready = self.draining = False
+                back, self._awaiting_ready, self.draining = self._awaiting_ready, False, False
                 if (why := _unlike(self.ready, msg, self.address)) is None:
                     self._unlike, self.ready = None, msg
+                    if back and self.on_back is not None:
+                        asyncio.get_running_loop().call_soon(self.on_back)  # (once it is healthy: below)
                 else:
                     self._refuse(why)
             elif isinstance(msg, (LoraUpdate, PrefixCacheReset)):

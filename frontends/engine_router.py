@@ -20,6 +20,9 @@ to when there is more than one engine.
   others' requests by the STATS it last saw: with several frontends, one key's
   burst can pass the slack by what they sent in the last ``LOAD_S``.)
 - An abort goes to the engine that owns the request (each client knows its own).
+- A LoRA update goes to every engine. An engine that comes back (a remote one
+  restarted) has lost the adapters loaded while serving: it is given those every
+  other engine serves, from their folders, so that a call may still go to any.
 - An engine that dies or hangs fails only its own in-flight requests (503, from its
   client); new calls go to the others. ``healthy`` holds while one engine does;
   ``engines_health()`` is the per-engine view ``/health`` shows ("degraded").
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hashlib
 import logging
 
@@ -73,6 +77,9 @@ class EngineRouter:
         self._ready_now: Ready | None = None
         self._next = 0  # round robin among equally loaded engines
         self._lora_updates = asyncio.Lock()  # one at a time: two racing could leave the engines disagreeing
+        self._tasks: set[asyncio.Task] = set()  # (held: the loop keeps only weak references to tasks)
+        for c in clients:
+            c.on_back = functools.partial(self._came_back, c)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -124,7 +131,9 @@ class EngineRouter:
         return self._ready_now
 
     async def close(self) -> None:
-        await asyncio.gather(*(c.close() for c in self.clients), return_exceptions=True)
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, *(c.close() for c in self.clients), return_exceptions=True)
 
     # ------------------------------------------------------------------ health
 
@@ -224,6 +233,8 @@ class EngineRouter:
         live = [c for c in self.clients if c.accepting]
         if not live:
             raise EngineUnavailable("no engine is available")
+        if path is not None and (lack := [c for c in live if [name, path] not in c.ready.loras]):
+            live = lack  # (the others serve it already: an engine that came back lacking it, and not given it)
         answers = await asyncio.gather(*(c.update_lora(name, path, timeout) for c in live), return_exceptions=True)
         done = [(c, a) for c, a in zip(live, answers, strict=True) if isinstance(a, LoraUpdate) and a.status == 200]
         refused = [a for a in answers if not (isinstance(a, LoraUpdate) and a.status == 200)]
@@ -234,6 +245,34 @@ class EngineRouter:
         if isinstance(refused[0], BaseException):
             raise refused[0]
         return refused[0]
+
+    def _came_back(self, client: EngineClient) -> None:
+        task = asyncio.get_running_loop().create_task(self._give_adapters(client))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _give_adapters(self, client: EngineClient) -> None:
+        """An engine that came back gets the LoRA adapters every other engine serves and it lacks, from their
+        folders (another frontend may give them first: its "already loaded" is no failure)."""
+        async with self._lora_updates:
+            others = [c.ready for c in self.clients if c is not client and c.accepting and c.ready is not None]
+            if not others or not client.accepting:
+                return
+            served = set.intersection(*({tuple(a) for a in r.loras} for r in others))
+            for name, path in sorted(served):
+                if name in dict(client.ready.loras):  # (given already, or its own by that name)
+                    continue
+                try:
+                    answer = await client.update_lora(name, path)
+                except EngineUnavailable:
+                    return
+                if answer.status == 200:
+                    log.info("the engine at %s came back without the LoRA adapter %r: loaded it again from %s",
+                             client.address, name, path)
+                elif name not in dict(client.ready.loras):
+                    log.warning("the engine at %s came back without the LoRA adapter %r, and could not load it "
+                                "again (%s): it is not served until it is loaded anew", client.address,
+                                name, answer.message)
 
     async def reset_prefix_cache(self, timeout: float = 30.0) -> bool:
         """As ``EngineClient.reset_prefix_cache``, on every engine it can reach: whether all of them did (those

@@ -288,6 +288,38 @@ def test_router_loads_an_adapter_on_every_engine_or_on_none(two_engines):
     run(main())
 
 
+def test_an_engine_that_comes_back_is_given_the_adapters_the_others_serve(two_engines, caplog):
+    """A (remote) engine restarted has lost the adapters loaded while serving: they vanished from the list the
+    frontends serve (the others' and its own in common), and loading one again was refused ("already loaded", by the
+    others). The frontend gives it what every other engine serves; one it cannot give can be loaded again."""
+    caplog.set_level("INFO", "tokenmill.engine_router")
+    for e in two_engines:
+        e.max_loras = 2
+
+    async def main():
+        router = router_for(two_engines)
+        await router.connect()
+        try:
+            assert (await router.update_lora("sql", "/a/sql")).status == 200
+            for refusal in (None, "no free LoRA slot"):
+                await _restart(two_engines, router.clients[1], max_loras=2, lora_refusal=refusal)
+                await until(lambda: router.clients[1].healthy, 10)
+                if refusal is None:
+                    await until(lambda: two_engines[-1].loras == [["sql", "/a/sql"]])
+                    assert "came back without the LoRA adapter 'sql': loaded it again" in caplog.text
+                else:
+                    await until(lambda: "could not load it again (no free LoRA slot)" in caplog.text)
+                    assert router.ready.loras == []
+                    two_engines[-1].lora_refusal = None
+                    assert (await router.update_lora("sql", "/a/sql")).status == 200  # (on the one lacking it)
+                await until(lambda: router.ready.loras == [["sql", "/a/sql"]])
+                assert two_engines[0].loras == [["sql", "/a/sql"]]
+        finally:
+            await router.close()
+
+    run(main())  # (the fixture stops the engines started since too)
+
+
 def test_router_resets_the_prefix_cache_of_every_engine(two_engines):
     """vLLM's /reset_prefix_cache through the router: every engine forgets its cached blocks, or (one running a
     request) the call says it was not done everywhere."""
