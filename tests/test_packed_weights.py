@@ -38,6 +38,7 @@ def unmeasured(monkeypatch):
     measured them): the C kernel up to 64 rows, float32 past them."""
     monkeypatch.setattr(matmul, "_packed_rows", matmul.ROWS[-1])
     monkeypatch.setattr(matmul, "_split_rows", 0)
+    monkeypatch.setattr(matmul, "_dot_rows", 0)
 
 
 @pytest.fixture
@@ -192,6 +193,41 @@ def test_bf16_prompts_multiply_the_exact_weights_in_three_parts(fmt, compiled, m
     assert torch.equal(one, matmul.linear_c(x[:1].float(), ref.dequantize(packed, fmt), bias.float()).bfloat16())
 
 
+def q4_z_weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """Q4_Z blocks (AWQ's and GPTQ's: d (q - z)) of random nibbles, scales and zeros."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (n, k // 32, 20), dtype=torch.uint8, generator=gen)
+    blocks[:, :, :2] = (torch.rand(n, k // 32, 1, generator=gen) * 0.02 + 0.001).half().view(torch.uint8)
+    blocks[:, :, 2:4] = torch.randint(0, 16, (n, k // 32, 1), generator=gen).half().view(torch.uint8)
+    return blocks.view(n, -1)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl", "q4_z"])
+def test_bf16_prompts_take_dot_products_on_the_blocks(fmt, compiled, monkeypatch):
+    """Where the CPU has AVX512-BF16 and tune found it faster, a bf16 prompt's rows meet the blocks of 32 that are
+    d q + m as d (x . q) + m sum(x): the exact weights, summed in float32, rounded once, bias included, so within
+    one bf16 rounding of float64's answer, as the float32 GEMM's is, and now and then a last bit apart from it.
+    Rows in passes of 32 and chunks of 256, weight rows 8 at a time: shapes that fill neither."""
+    if fmt not in matmul._dot_formats():
+        pytest.skip("no AVX512-BF16 here")
+    k, gen = 96, torch.Generator().manual_seed(8)
+    for m, n in ((80, 13), (300, 8), (1, 1)):
+        packed = q4_z_weight(n, k, seed=m) if fmt == "q4_z" else packed_weight(fmt, n, k, seed=m)
+        bias, x = torch.randn(n, generator=gen).bfloat16(), torch.randn(m, k, generator=gen).bfloat16()
+        exact = x.double() @ ref.dequantize(packed, fmt).double().T
+        monkeypatch.setattr(matmul, "_dot_rows", max(1, min(m, 65)))
+        monkeypatch.setattr(matmul, "_packed_rows", min(m - 1, 64))
+        for b in (None, bias):
+            y = matmul.linear_packed(x[None], packed, fmt, b)[0]
+            want = exact if b is None else exact + b.double()
+            assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+            torch.testing.assert_close(y.double(), want, rtol=2**-8, atol=1e-6 * want.abs().max().item())
+            assert torch.equal(y, matmul._linear_dot(x, packed, fmt, b))  # (it went that way)
+            assert torch.equal(y[-1:], matmul._linear_dot(x[-1:], packed, fmt, b))  # (a row's result is its own)
+            if m > 1:
+                assert (y != matmul._linear_expanded(x, packed, fmt, b)).float().mean() < 0.02
+
+
 def test_slices_of_a_weight_stay_within_their_bound_in_whole_64s():
     for n, most, want in ((80, 7, 7), (2048, 1365, 1024), (16384, 5461, 4096), (151936, 2730, 2688), (576, 7281, 576),
                           (40, 43690, 40), (1, 1, 1)):
@@ -240,8 +276,9 @@ def test_bf16_gemms_of_many_rows_meet_few_row_counts(compiled, monkeypatch):
 
 def test_tune_measures_where_packed_weights_go(compiled, monkeypatch, caplog):
     """A model with packed weights (2-D, or a fused layer's flat bytes): tune times the ways once and logs what it
-    took (the C kernel up to 64 rows or 32, three bf16 parts from 128 or 256 bf16 rows, or never: also where the
-    bf16 GEMM was too slow to be timed whole); with TOKENMILL_CPU_LINEAR_ROWS set (runs that must not depend on a
+    took (the C kernel up to 64 rows or 32, three bf16 parts or dot products on the blocks from 80, 128 or 256
+    bf16 rows, where faster than the float32 GEMM and the other, or never: also where the bf16 GEMM was too slow to
+    be timed whole); with TOKENMILL_CPU_LINEAR_ROWS set (runs that must not depend on a
     timing), or without a packed weight, up to 64 rows and never, whatever was measured before."""
     monkeypatch.delenv("TOKENMILL_CPU_LINEAR_ROWS", raising=False)
     times, measured = {("C", 64): 3, ("float32", 64): 2, ("float32", 256): 7, ("bf16", 256): 5, ("float32", 128): 4.1,
@@ -254,20 +291,29 @@ def test_tune_measures_where_packed_weights_go(compiled, monkeypatch, caplog):
         assert "packed weights take the C kernel up to 32 rows" in caplog.text and "256 rows or more" in caplog.text
         times |= {("float32", 64): 2.9, ("bf16", 128): 1}
         matmul.tune([packed_weight("q4_0", 8, 64).view(-1)])
-        assert (matmul._packed_rows, matmul._split_rows) == (64, 128)
+        assert (matmul._packed_rows, matmul._split_rows, matmul._dot_rows) == (64, 128, 0)
+        times |= {("dot", 256): 2, ("dot", 128): 1.2, ("float32", 80): 3, ("dot", 80): 2.7}  # (faster than both)
+        matmul.tune([packed_weight("q4_0", 8, 64)])
+        assert (matmul._split_rows, matmul._dot_rows) == (128, 256) and "256 rows or more take dot products" in caplog.text
+        times[("bf16", 128)] = 5  # (the parts lose at 128 rows: the dot products win there)
+        matmul.tune([packed_weight("q4_0", 8, 64)])
+        assert (matmul._split_rows, matmul._dot_rows) == (256, 128)
+        for key in [("dot", 256), ("dot", 128), ("float32", 80), ("dot", 80)]:
+            del times[key]
         for key in [("bf16", 256), ("float32", 128), ("bf16", 128)]:  # (past the float32 GEMM's time: not kept)
             del times[key]
         matmul.tune([packed_weight("q4_0", 8, 64)])
         assert (matmul._packed_rows, matmul._split_rows) == (64, 0) and "do not take three bf16 parts" in caplog.text
         times |= {("float32", 64): 1, ("bf16", 256): 1}
         matmul.tune([packed_weight("q4_0", 8, 64)])
-        assert (matmul._packed_rows, matmul._split_rows, len(measured)) == (32, 256, 4)
+        assert (matmul._packed_rows, matmul._split_rows, len(measured)) == (32, 256, 6)
         matmul.tune([torch.randn(8, 8)])  # no packed weight: as unmeasured
-        assert (matmul._packed_rows, matmul._split_rows, len(measured)) == (64, 0, 4)
+        assert (matmul._packed_rows, matmul._split_rows, len(measured)) == (64, 0, 6)
+        times[("dot", 256)] = 0.1
         matmul.tune([packed_weight("q4_0", 8, 64)])
         monkeypatch.setenv("TOKENMILL_CPU_LINEAR_ROWS", "64")
         matmul.tune([packed_weight("q4_0", 8, 64)])
-        assert (matmul._packed_rows, matmul._split_rows, len(measured)) == (64, 0, 5)
+        assert (matmul._packed_rows, matmul._split_rows, matmul._dot_rows, len(measured)) == (64, 0, 0, 7)
         monkeypatch.undo()
         real = matmul._measure_packed()  # (the real one: seconds each way, the bf16 GEMM's only where it kept up)
         assert {("C", 64), ("float32", 64), ("float32", 256)} <= real.keys() and all(0 < t < 1 for t in real.values())

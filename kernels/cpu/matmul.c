@@ -803,6 +803,183 @@ int linear_q_bf16(const uint16_t *x, const uint8_t *w, int fmt, const uint16_t *
     return linear_packed(x, w, fmt, b, y, M, N, K, num_threads, 1);
 }
 
+/* ------------------------------------------------------------------------------ bf16 prompts: dot products
+
+   A bf16 prompt's x W^T on packed weights whose blocks of 32 are d q + m with small integers q (Q4_0, Q4_1,
+   Q5_0, Q5_1, Q8_0, Q4_Z, IQ4_NL): per block, d (x . q) + m (sum of x), the dot products x . q by AVX512-BF16's
+   vdpbf16ps, which multiplies bf16 pairs exactly (each q is exact in bf16) and sums in float, 32 products an
+   instruction where float32's multiply-add does 16. The weights are the exact ones (d q + m without its
+   rounding to a float: 2^-24 of a weight at most), summed in float32, in another order than the float32 GEMM's.
+   y's columns are the vectors' lanes' rows: x is laid out once as pairs of columns for 16 rows a vector
+   (``dot_x``), a work item's DOT_COLS weight rows are expanded once into their integers (``dot_block``), and
+   each pass of DOT_ROWS rows keeps 2 x DOT_COLS accumulators and as many for the block under way. */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define DOT_COLS 12
+#define DOT_ROWS 32
+#define DOT_CHUNK 256 /* rows of x laid out at a time (for each, the weights are expanded again) */
+
+static inline int dot_format(const int fmt) {
+    return fmt == Q4_0 || fmt == Q4_1 || fmt == Q5_0 || fmt == Q5_1 || fmt == Q8_0 || fmt == Q4_Z || fmt == IQ4_NL;
+}
+
+/* One block's 32 integers as bf16, in order (q), its scale (d) and what is added to each weight (m) */
+static inline __attribute__((always_inline)) void dot_block(const uint8_t *blk, const int fmt, uint16_t *q, float *d,
+                                                            float *m) {
+    __m512i v; /* 32 int16 */
+    const int with_m = fmt == Q4_1 || fmt == Q5_1 || fmt == Q4_Z;
+    if (fmt == Q8_0) {
+        v = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 2)));
+    } else {
+        const int five = fmt == Q5_0 || fmt == Q5_1;
+        const __m128i b = _mm_loadu_si128((const __m128i *)(blk + 2 + 2 * with_m + 4 * five)), low = _mm_set1_epi8(15);
+        v = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low)));
+        if (five) {
+            uint32_t qh;
+            memcpy(&qh, blk + 2 + 2 * with_m, 4);
+            v = _mm512_mask_add_epi16(v, (__mmask32)qh, v, _mm512_set1_epi16(16));
+        }
+        if (fmt == IQ4_NL) {
+            static const int16_t levels[32] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+            v = _mm512_permutexvar_epi16(v, _mm512_loadu_si512(levels)); /* (IQ4_LEVELS, as 16-bit lanes) */
+        } else if (fmt == Q4_0 || fmt == Q5_0) {
+            v = _mm512_sub_epi16(v, _mm512_set1_epi16(fmt == Q4_0 ? 8 : 16));
+        }
+    }
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(v)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(v, 1)));
+    _mm512_storeu_si512(q, (__m512i)_mm512_cvtne2ps_pbh(hi, lo)); /* (exact: every |q| is at most 256) */
+    const float scale = half_to_float(blk), second = with_m ? half_to_float(blk + 2) : 0.0f;
+    *d = scale;
+    *m = fmt == Q4_Z ? -(scale * second) : second; /* Q4_Z's d (q - z): an exact product of two halves */
+}
+
+/* Pass ``pass`` (DOT_ROWS rows from m0 + pass DOT_ROWS, of the ``rows`` from m0) of x (bf16, K columns) as pairs
+   of columns for 16 rows a vector: xp[p][r] holds row r's columns 2p, 2p + 1 (rows past the last: zeros), and,
+   with ``sums``, xs[g][r] row r's sum over block g */
+static void dot_x(const uint16_t *x, int64_t m0, int64_t rows, int64_t K, int64_t pass, uint32_t *xp, float *xs,
+                  int sums) {
+    const int64_t P = K / 2, G = K / 32;
+    uint32_t *dst = xp + pass * P * DOT_ROWS;
+    float *sum = xs + pass * G * DOT_ROWS;
+    for (int r = 0; r < DOT_ROWS; r++) {
+        const int64_t row = pass * DOT_ROWS + r;
+        const uint16_t *src = x + (m0 + row) * K;
+        for (int64_t p = 0; p < P; p++) {
+            uint32_t pair = 0;
+            if (row < rows) memcpy(&pair, src + 2 * p, 4);
+            dst[p * DOT_ROWS + r] = pair;
+        }
+        for (int64_t g = 0; sums && g < G; g++) {
+            __m512 s = _mm512_setzero_ps();
+            if (row < rows) {
+                const __m512i v = _mm512_loadu_si512(src + 32 * g); /* bf16 to float: 16 bits up */
+                s = _mm512_add_ps((__m512)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16),
+                                  (__m512)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
+            }
+            sum[g * DOT_ROWS + r] = _mm512_reduce_add_ps(s);
+        }
+    }
+}
+
+/* One pass: DOT_ROWS rows of x (xp, xs laid out by dot_x) times DOT_COLS expanded weight rows (q: K / 2 pairs
+   each; d, m: K / 32 each) into out[c][r] */
+static inline __attribute__((always_inline)) void dot_pass(const uint32_t *xp, const float *xs, const uint32_t *q,
+                                                           const float *d, const float *m, const int64_t K,
+                                                           const int sums, float out[DOT_COLS][DOT_ROWS]) {
+    const int64_t P = K / 2, G = K / 32;
+    memset(out, 0, sizeof(float) * DOT_COLS * DOT_ROWS); /* (the sums live there: registers hold a block's) */
+    for (int64_t g = 0; g < G; g++) {
+        __m512 part[DOT_COLS][2];
+        for (int c = 0; c < DOT_COLS; c++) part[c][0] = part[c][1] = _mm512_setzero_ps();
+        for (int64_t p = 16 * g; p < 16 * g + 16; p++) {
+            __m512i x0 = _mm512_load_si512(xp + p * DOT_ROWS), x1 = _mm512_load_si512(xp + p * DOT_ROWS + 16);
+            IN_REGISTER(x0);
+            IN_REGISTER(x1);
+            for (int c = 0; c < DOT_COLS; c++) {
+                const __m512bh w = (__m512bh)_mm512_set1_epi32((int)q[c * P + p]);
+                part[c][0] = _mm512_dpbf16_ps(part[c][0], (__m512bh)x0, w);
+                part[c][1] = _mm512_dpbf16_ps(part[c][1], (__m512bh)x1, w);
+            }
+        }
+        for (int c = 0; c < DOT_COLS; c++)
+            for (int h = 0; h < 2; h++) {
+                __m512 o = _mm512_fmadd_ps(part[c][h], _mm512_set1_ps(d[c * G + g]), _mm512_loadu_ps(out[c] + 16 * h));
+                if (sums)
+                    o = _mm512_fmadd_ps(_mm512_load_ps(xs + g * DOT_ROWS + 16 * h), _mm512_set1_ps(m[c * G + g]), o);
+                _mm512_storeu_ps(out[c] + 16 * h, o);
+            }
+    }
+}
+#endif
+
+/* taken[f]: whether linear_q_dot_bf16 takes weights of format f here (built with AVX512-BF16, and one of
+   dot_block's formats), for each of the FORMATS */
+int q_dot_formats(int32_t *taken) {
+    for (int f = 0; f < FORMATS; f++)
+#ifdef DOT_COLS
+        taken[f] = dot_format(f);
+#else
+        taken[f] = 0;
+#endif
+    return OK;
+}
+
+int linear_q_dot_bf16(const uint16_t *x, const uint8_t *w, int fmt, const uint16_t *b, uint16_t *y, int64_t M,
+                      int64_t N, int64_t K, int num_threads) {
+#ifdef DOT_COLS
+    if (fmt < 0 || fmt >= FORMATS || !dot_format(fmt) || K % 32 || num_threads < 1) return BAD_ARGUMENTS;
+    const int64_t P = K / 2, G = K / 32, row_bytes = G * BLOCK_BYTES[fmt], items = (N + DOT_COLS - 1) / DOT_COLS;
+    const int sums = fmt == Q4_1 || fmt == Q5_1 || fmt == Q4_Z;
+    const int64_t chunk = M < DOT_CHUNK ? (M + DOT_ROWS - 1) / DOT_ROWS * DOT_ROWS : DOT_CHUNK;
+    uint32_t *xp = aligned_alloc(64, (size_t)chunk * P * 4);
+    float *xs = aligned_alloc(64, (size_t)chunk * G * 4);
+    const size_t each = ((size_t)DOT_COLS * (P * 4 + G * 8) + 63) / 64 * 64; /* a thread's weights expanded */
+    char *buffers = aligned_alloc(64, each * num_threads);
+    int status = xp && xs && buffers ? OK : OUT_OF_MEMORY;
+    for (int64_t m0 = 0; status == OK && m0 < M; m0 += chunk) {
+        const int64_t rows = M - m0 < chunk ? M - m0 : chunk;
+        const int64_t passes = (rows + DOT_ROWS - 1) / DOT_ROWS;
+#pragma omp parallel num_threads(num_threads)
+        {
+#pragma omp for schedule(static)
+            for (int64_t pass = 0; pass < passes; pass++) dot_x(x, m0, rows, K, pass, xp, xs, sums);
+#ifdef _OPENMP
+            char *mine = buffers + each * omp_get_thread_num();
+#else
+            char *mine = buffers;
+#endif
+            uint32_t *q = (uint32_t *)mine;
+            float *d = (float *)(q + DOT_COLS * P), *m = d + DOT_COLS * G, out[DOT_COLS][DOT_ROWS];
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < items; t++) {
+                const int64_t n0 = t * DOT_COLS, cols = N - n0 < DOT_COLS ? N - n0 : DOT_COLS;
+                for (int c = 0; c < DOT_COLS; c++)
+                    for (int64_t g = 0; g < G; g++) {
+                        if (c < cols) {
+                            dot_block(w + (n0 + c) * row_bytes + g * BLOCK_BYTES[fmt], fmt,
+                                      (uint16_t *)(q + c * P) + 32 * g, d + c * G + g, m + c * G + g);
+                        } else { /* (a last item's missing rows: zeros) */
+                            memset(q + c * P + 16 * g, 0, 64);
+                            d[c * G + g] = m[c * G + g] = 0.0f;
+                        }
+                    }
+                for (int64_t pass = 0; pass * DOT_ROWS < rows; pass++) {
+                    dot_pass(xp + pass * P * DOT_ROWS, xs + pass * G * DOT_ROWS, q, d, m, K, sums, out);
+                    for (int64_t r = 0; r < DOT_ROWS && pass * DOT_ROWS + r < rows; r++)
+                        for (int64_t c = 0; c < cols; c++)
+                            store_biased(y, (m0 + pass * DOT_ROWS + r) * N + n0 + c, out[c][r], b, n0 + c, 1);
+                }
+            }
+        }
+    }
+    free(xp), free(xs), free(buffers);
+    return status;
+#else
+    (void)x, (void)w, (void)fmt, (void)b, (void)y, (void)M, (void)N, (void)K, (void)num_threads;
+    return BAD_ARGUMENTS;
+#endif
+}
+
 /* rows (gathered by ids, or all of them when ids is NULL) of a packed matrix, as floats */
 int dequantize_rows(const uint8_t *w, int fmt, const int64_t *ids, float *out, int64_t rows, int64_t K,
                     int num_threads) {

@@ -24,7 +24,10 @@ is exact, so a row's result is the dense C kernel's on ``reference.dequantize``'
 bit), except past 64 rows (a prompt; past 32 where ``tune`` measured torch faster at 64), where the weight
 is expanded, ``EXPAND_BYTES`` of floats at a time, and torch's float32 GEMM runs (then cast back: bf16 too
 computes with the exact weights). A bf16 step of many rows may instead meet each weight as three bf16 parts
-that sum to it exactly, in torch's bf16 GEMM (``_linear_split``), where ``tune`` measured that faster (AMX).
+that sum to it exactly, in torch's bf16 GEMM (``_linear_split``), where ``tune`` measured that faster (AMX), or,
+for the blocks of 32 that are ``d q + m`` (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_Z, IQ4_NL), AVX512-BF16's dot products
+on the blocks' integers (``_linear_dot``: per block ``d (x . q) + m sum(x)``, the exact weights again, summed in
+float32), where ``tune`` measured that faster (about twice float32's GEMM on the AVX-512 EPYC).
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ FORMATS = PACKED_FORMATS  # the block formats matmul.c reads, by its enum's numb
 # multiply), a slice of rows of up to this many bytes as floats at a time (0: never, the C kernel: tests)
 EXPAND_BYTES = 32 << 20
 ROWS = (1, 2, 4, 8, 16, 32, 64)  # the row counts tune tries; more rows go to torch
+PAST = (80, 128, 256)  # the bf16 row counts past them tune tries for a packed weight's other ways
 STREAM_BYTES = 64 << 20  # weights timed per shape: more than a CPU's last-level cache
 # the C kernel must be this much faster to be chosen: a near tie is noise, and its Python wrapper costs
 # more per call than torch's (measured: bf16 at 1 row was a tie here, and lost in the model)
@@ -75,6 +79,9 @@ _packed_rows = ROWS[-1]
 # ... and bf16 steps of at least this many rows (past those) meet the exact weights in three bf16 parts in
 # torch's bf16 GEMM (``_linear_split``) rather than in its float32 GEMM, where that ran faster (AMX's); 0: never
 _split_rows = 0
+# ... and bf16 steps of at least this many rows, of the formats ``_dot_formats`` names, go to the dot products on
+# the blocks (``_linear_dot``) rather than to either GEMM, where that ran faster than both (AVX512-BF16's); 0: never
+_dot_rows = 0
 _scratch_buffers = threading.local()  # (``_scratch``)
 SCRATCH_BYTES = 64 << 20  # the most a scratch buffer keeps
 # oneDNN keeps what it builds for each shape of a bf16 GEMM (MBs each), so a server whose prompt steps came in
@@ -90,9 +97,20 @@ def _library() -> ctypes.CDLL | None:
     p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     return load("matmul.c", dict.fromkeys(_KERNELS.values(), [p] * 4 + [i64] * 3 + [i])
                 | dict.fromkeys(_PACKED_KERNELS.values(), [p, p, i, p, p] + [i64] * 3 + [i])
-                | {"dequantize_rows": [p, i, p, p, i64, i64, i], "dequantize_split": [p, i, p, i64, i64, i]},
+                | {"dequantize_rows": [p, i, p, p, i64, i64, i], "dequantize_split": [p, i, p, i64, i64, i],
+                   "linear_q_dot_bf16": [p, p, i, p, p] + [i64] * 3 + [i], "q_dot_formats": [p]},
                 restype=ctypes.c_int,
                 errcheck=status_check("the C linear kernel"))
+
+
+@functools.cache
+def _dot_formats() -> frozenset[str]:
+    """The formats ``_linear_dot`` multiplies here (none without AVX512-BF16)."""
+    if _library() is None:
+        return frozenset()
+    taken = torch.zeros(len(FORMATS), dtype=torch.int32)
+    _library().q_dot_formats(taken.data_ptr())
+    return frozenset(f for f, i in FORMATS.items() if taken[i])
 
 
 def packed_available() -> bool:
@@ -131,8 +149,10 @@ def linear_packed(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.T
         raise ValueError(f"bias must be ({n},) {x.dtype}, got {bias.dtype} {tuple(bias.shape)}")
     x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()  # (runs per layer: lean)
     rows, how = x2.shape[0], _linear_blocks  # few: the C kernel (a step a graph records: always)
-    if rows > _packed_rows and EXPAND_BYTES and not _every_row and not graph.recording():  # many: torch's GEMM
-        how = _linear_split if x.dtype == torch.bfloat16 and 0 < _split_rows <= rows else _linear_expanded
+    if rows > _packed_rows and EXPAND_BYTES and not _every_row and not graph.recording():  # many: torch's GEMM...
+        bf16 = x.dtype == torch.bfloat16
+        how = (_linear_dot if bf16 and 0 < _dot_rows <= rows and fmt in _dot_formats()  # ...or the dot products
+               else _linear_split if bf16 and 0 < _split_rows <= rows else _linear_expanded)
     y = how(x2, weight, fmt, bias)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
 
@@ -164,6 +184,18 @@ def _linear_expanded(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torc
             y[:, r:r + rows] = F.linear(xf, dequantize(w, fmt, out=_scratch("w", (len(w), k), torch.float32)),
                                         None if bf is None else bf[r:r + rows])
     return y.to(x.dtype)
+
+
+def _linear_dot(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.Tensor | None) -> torch.Tensor:
+    """A bf16 prompt's ``x W^T (+ b)`` by AVX512-BF16's dot products on the blocks' integers (``matmul.c``'s
+    ``linear_q_dot_bf16``; ``fmt`` one of ``_dot_formats``): the exact weights, summed in float32, rounded once."""
+    weight = weight.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    (m, k), n = x.shape, weight.shape[0]
+    y = torch.empty(m, n, dtype=torch.bfloat16)
+    _library().linear_q_dot_bf16(x.data_ptr(), weight.data_ptr(), FORMATS[fmt], None if bias is None else bias.data_ptr(),
+                                 y.data_ptr(), m, n, k, torch.get_num_threads())
+    return y
 
 
 def _linear_split(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.Tensor | None) -> torch.Tensor:
@@ -356,18 +388,24 @@ def tune(weights: list[torch.Tensor]) -> dict[tuple[int, int, torch.dtype], tupl
 
 
 def _tune_packed(packed: bool, measure: bool) -> None:
-    """Where packed weights go (``_packed_rows``, ``_split_rows``): measured (``_measure_packed``) where the model
-    has some and ``measure``, else as unmeasured (64 rows, float32: what a run that must not depend on a timing,
-    ``TOKENMILL_CPU_LINEAR_ROWS``, gets, whatever an engine before it in this process measured)."""
-    global _packed_rows, _split_rows
-    _packed_rows, _split_rows = ROWS[-1], 0
+    """Where packed weights go (``_packed_rows``, ``_split_rows``, ``_dot_rows``): measured (``_measure_packed``)
+    where the model has some and ``measure``, else as unmeasured (64 rows, float32: what a run that must not depend
+    on a timing, ``TOKENMILL_CPU_LINEAR_ROWS``, gets, whatever an engine before it in this process measured)."""
+    global _packed_rows, _split_rows, _dot_rows
+    _packed_rows, _split_rows, _dot_rows = ROWS[-1], 0, 0
     if not (packed and measure):
         return
     ms = {key: seconds * 1e3 for key, seconds in _measure_packed().items()}
     _packed_rows = ROWS[-2] if ms["float32", 64] * MARGIN < ms["C", 64] else ROWS[-1]
-    _split_rows = next((m for m in (128, 256) if ("bf16", m) in ms and ms["bf16", m] * MARGIN < ms["float32", m]), 0)
+
+    def faster(way: str, m: int, *than: str) -> bool:
+        return (way, m) in ms and ms[way, m] * MARGIN < min(ms.get((t, m), math.inf) for t in than)
+    _split_rows = next((m for m in PAST if faster("bf16", m, "float32")), 0)
+    _dot_rows = next((m for m in PAST if faster("dot", m, "float32", "bf16")), 0)
     split = (f", its bf16 GEMM on three exact parts for bf16 steps of {_split_rows} rows or more" if _split_rows
              else "; bf16 steps do not take three bf16 parts")
+    if _dot_rows:
+        split += f"; bf16 steps of {_dot_rows} rows or more take dot products on the blocks where they can"
     times = ", ".join(f"{m} rows {way} {t:.2f}" for (way, m), t in ms.items())
     log.info("CPU linear: packed weights take the C kernel up to %d rows and torch's float32 GEMM past them%s (ms by "
              "a 2048x2048 Q4_0: %s)", _packed_rows, split, times)
@@ -402,9 +440,10 @@ def _measure(ws: list[torch.Tensor]) -> tuple[bool, ...]:
 
 def _measure_packed() -> dict[tuple[str, int], float]:
     """Seconds by way and rows of x, the best of three each, for a Q4_0 weight of 2048 x 2048: the C kernel and
-    torch's float32 GEMM at 64 rows; at 256 bf16 rows, then at 128 if it won there, the float32 GEMM and the bf16
-    GEMM on three parts, which stops once past four times the float32 GEMM's time (without AMX, torch emulates
-    bf16 some twenty times slower: left out)."""
+    torch's float32 GEMM at 64 rows; at 256 bf16 rows, then at 128 and 80 while either won, the float32 GEMM, the bf16
+    GEMM on three parts and the dot products on the blocks (where AVX512-BF16 has them), the last two stopped once
+    past four times the float32 GEMM's time (without AMX, torch emulates bf16 some twenty times slower: left
+    out)."""
     gen = torch.Generator().manual_seed(0)
     blocks = torch.randint(0, 256, (2048, 64, 18), dtype=torch.uint8, generator=gen)
     blocks[:, :, :2] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)  # (finite scales)
@@ -419,10 +458,12 @@ def _measure_packed() -> dict[tuple[str, int], float]:
         return min(times)
 
     ms = {("C", 64): best(_linear_blocks, x[:64]), ("float32", 64): best(_linear_expanded, x[:64])}
-    for m in (256, 128):
+    for m in reversed(PAST):
         ms["float32", m] = best(_linear_expanded, x[:m].bfloat16())
         ms["bf16", m] = best(_linear_split, x[:m].bfloat16(), 4 * ms["float32", m])  # (a slow sample is no loss)
-        if ms["bf16", m] * MARGIN >= ms["float32", m]:
+        if "q4_0" in _dot_formats():
+            ms["dot", m] = best(_linear_dot, x[:m].bfloat16(), 4 * ms["float32", m])
+        if all(ms.get((way, m), math.inf) * MARGIN >= ms["float32", m] for way in ("bf16", "dot")):
             break
     return {key: t for key, t in ms.items() if t < math.inf}
 
@@ -451,7 +492,7 @@ def set_every_row(on: bool) -> None:
 
 def reset() -> None:
     """Forget every decision, and this thread's scratch buffers (tests)."""
-    global _packed_rows, _split_rows
+    global _packed_rows, _split_rows, _dot_rows
     _use_c.clear()
-    _packed_rows, _split_rows = ROWS[-1], 0
+    _packed_rows, _split_rows, _dot_rows = ROWS[-1], 0, 0
     _scratch_buffers.__dict__.clear()
