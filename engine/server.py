@@ -129,8 +129,9 @@ class EngineActor:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wakeup: asyncio.Future | None = None
         self.num_steps = 0
-        self._load_said = 0  # the number of requests the last unasked STATS was sent at (``_say_load``)
-        self._load_said_at = -math.inf  # (loop time) and when
+        self._load_changed = False  # a request came or went since the last unasked STATS (``_say_load``)...
+        self._load_said_at = -math.inf  # (loop time) ... which was sent then
+        self._heard: dict[bytes, float] = {}  # frontend identity -> (loop time) its last frame: the ones told
 
     # ------------------------------------------------------------------ loop
 
@@ -154,7 +155,7 @@ class EngineActor:
                     wait = self.stats_log.remaining() if self.stats_log is not None else None
                     if self._draining_since is not None:  # (and the end of a drain's quiet)
                         wait = QUIET_S if wait is None else min(wait, QUIET_S)
-                    if self._load_unsaid:  # (and the load's next word)
+                    if self._load_changed:  # (and the load's next word)
                         due = max(0.0, self._load_said_at + LOAD_S - loop.time())
                         wait = due if wait is None else min(wait, due)
                     try:
@@ -201,18 +202,18 @@ class EngineActor:
             self._idle_since = min(self._idle_since, now)
         return now - self._idle_since >= QUIET_S or now - self._draining_since >= self.shutdown_grace
 
-    @property
-    def _load_unsaid(self) -> bool:
-        return len(self._owner) != self._load_said
-
     def _say_load(self, now: float) -> None:
-        """Every frontend hears this engine's STATS when its number of requests changed (not more often than
-        ``LOAD_S``): their routers rank the engines by it, ``/health`` and the metrics' gauges show it."""
-        if self._load_unsaid and now - self._load_said_at >= LOAD_S:
-            self._load_said, self._load_said_at = len(self._owner), now
+        """Every live frontend (heard from within ``ALIVE_S``: it pings every 2 s) hears this engine's STATS when a
+        request came or went (not more often than ``LOAD_S``; one frontend's leaving as another's came too): their
+        routers rank the engines by it, less their own requests; ``/health`` and the metrics' gauges show it."""
+        if self._load_changed and now - self._load_said_at >= LOAD_S:
+            self._load_changed, self._load_said_at = False, now
             frame = protocol.encode(self.engine.stats())
-            for ident in self._frontend_index:
-                self._send(ident, frame)
+            for ident, heard in list(self._heard.items()):
+                if now - heard < ALIVE_S:
+                    self._send(ident, frame)
+                else:  # (a frontend gone: a remote engine meets a new identity at each restart of its frontends)
+                    del self._heard[ident]
 
     def _wake(self) -> None:
         """Have a wait for frames look at the socket again."""
@@ -261,6 +262,7 @@ class EngineActor:
             log.warning("dropping a frame without an identity")
             return
         ident, payload = frames[0], frames[-1]  # tolerate REQ-style empty delimiters
+        self._heard[ident] = self._loop.time()
         try:
             msg = protocol.decode(payload)
         except protocol.ProtocolError as e:
@@ -328,6 +330,7 @@ class EngineActor:
             return
         self._owner[iid] = (ident, msg.request_id)
         self._owned.setdefault(ident, set()).add(iid)
+        self._load_changed = True
 
     def _abort(self, ident: bytes, request_ids: list[str]) -> None:
         n = self._frontend_index.get(ident)
@@ -339,6 +342,7 @@ class EngineActor:
         if not iids:
             return
         self.engine.abort(iids)
+        self._load_changed = True
         for iid in iids:
             ident, _ = self._owner.pop(iid)
             self._owned[ident].discard(iid)
@@ -401,6 +405,7 @@ class EngineActor:
         for i, finish_reason, *_ in out.rare:
             if finish_reason is not None and self._owner.pop(iids[i], None) is not None:
                 self._owned[whos[i][0]].discard(iids[i])
+                self._load_changed = True
         aborted = None in whos
         idents = list(map(itemgetter(0), filter(None, whos) if aborted else whos))
         if not aborted and len(set(idents)) == 1:  # the usual step: one frontend's requests
@@ -446,7 +451,8 @@ class EngineActor:
 SHUTTING_DOWN = "The engine is shutting down"
 GOODBYE_S = 0.2  # (a frontend may see the disconnect before frames sent just ahead of it, and fail what they ended)
 QUIET_S = 0.5  # a drain ends once nothing has run for this long
-LOAD_S = 0.05  # the most often an engine tells its frontends that its load changed (unasked STATS)
+LOAD_S = 0.05  # the most often an engine tells its frontends that its load changed (unasked STATS)...
+ALIVE_S = 10.0  # ... those heard from this recently (frontends ping every 2 s)
 HEARD_S = 1.0  # a drain takes the new requests that come this soon: sent before their frontends heard of it
 # what a draining engine tells its frontends (``EngineClient`` reads an engine-wide 503 so): send it nothing new
 DRAINING = protocol.encode(protocol.Error(None, 503, "service_unavailable_error", f"{SHUTTING_DOWN}: no new requests"))

@@ -260,7 +260,10 @@ class EngineRouter:
                 return
             served = set.intersection(*({tuple(a) for a in r.loras} for r in others))
             for name, path in sorted(served):
-                if name in dict(client.ready.loras):  # (given already, or its own by that name)
+                if (own := dict(client.ready.loras).get(name)) is not None:  # (given already, or its own by the name)
+                    if own != path:
+                        log.warning("the engine at %s came back serving the LoRA adapter %r from %s, the others from "
+                                    "%s: a call for it may get either", client.address, name, own, path)
                     continue
                 try:
                     answer = await client.update_lora(name, path)

@@ -314,6 +314,9 @@ def test_an_engine_that_comes_back_is_given_the_adapters_the_others_serve(two_en
                     assert (await router.update_lora("sql", "/a/sql")).status == 200  # (on the one lacking it)
                 await until(lambda: router.ready.loras == [["sql", "/a/sql"]])
                 assert two_engines[0].loras == [["sql", "/a/sql"]]
+            # back with an adapter of that name from another folder (its --lora-modules): said (review S)
+            await _restart(two_engines, router.clients[1], max_loras=2, loras=[["sql", "/b/sql"]])
+            await until(lambda: "serving the LoRA adapter 'sql' from /b/sql, the others from /a/sql" in caplog.text, 10)
         finally:
             await router.close()
 

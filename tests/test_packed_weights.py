@@ -202,7 +202,8 @@ def q4_z_weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
     return blocks.view(n, -1)
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl", "q4_z"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl", "q4_z", "q4_k", "q5_k", "iq4_xs",
+                                 "mxfp4"])
 def test_bf16_prompts_take_dot_products_on_the_blocks(fmt, compiled, monkeypatch):
     """Where the CPU has AVX512-BF16 and tune found it faster, a bf16 prompt's rows meet the blocks of 32 that are
     d q + m as d (x . q) + m sum(x): the exact weights, summed in float32, rounded once, bias included, so within
@@ -210,7 +211,7 @@ def test_bf16_prompts_take_dot_products_on_the_blocks(fmt, compiled, monkeypatch
     Rows in passes of 32 and chunks of 256, weight rows 8 at a time: shapes that fill neither."""
     if fmt not in matmul._dot_formats():
         pytest.skip("no AVX512-BF16 here")
-    k, gen = 96, torch.Generator().manual_seed(8)
+    k, gen = width(fmt, 96), torch.Generator().manual_seed(8)
     for m, n in ((80, 13), (300, 8), (1, 1)):
         packed = q4_z_weight(n, k, seed=m) if fmt == "q4_z" else packed_weight(fmt, n, k, seed=m)
         bias, x = torch.randn(n, generator=gen).bfloat16(), torch.randn(m, k, generator=gen).bfloat16()

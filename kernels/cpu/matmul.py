@@ -25,7 +25,7 @@ bit), except past 64 rows (a prompt; past 32 where ``tune`` measured torch faste
 is expanded, ``EXPAND_BYTES`` of floats at a time, and torch's float32 GEMM runs (then cast back: bf16 too
 computes with the exact weights). A bf16 step of many rows may instead meet each weight as three bf16 parts
 that sum to it exactly, in torch's bf16 GEMM (``_linear_split``), where ``tune`` measured that faster (AMX), or,
-for the blocks of 32 that are ``d q + m`` (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_Z, IQ4_NL), AVX512-BF16's dot products
+for the blocks of 32 that are ``d q + m`` (all but Q2_K's, Q3_K's and Q6_K's), AVX512-BF16's dot products
 on the blocks' integers (``_linear_dot``: per block ``d (x . q) + m sum(x)``, the exact weights again, summed in
 float32), where ``tune`` measured that faster (about twice float32's GEMM on the AVX-512 EPYC).
 """
