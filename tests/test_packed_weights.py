@@ -278,8 +278,8 @@ def test_bf16_gemms_of_many_rows_meet_few_row_counts(compiled, monkeypatch):
 def test_tune_measures_where_packed_weights_go(compiled, monkeypatch, caplog):
     """A model with packed weights (2-D, or a fused layer's flat bytes): tune times the ways once and logs what it
     took (the C kernel up to 64 rows or 32, three bf16 parts or dot products on the blocks from 80, 128 or 256
-    bf16 rows, where faster than the float32 GEMM and the other, or never: also where the bf16 GEMM was too slow to
-    be timed whole); with TOKENMILL_CPU_LINEAR_ROWS set (runs that must not depend on a
+    bf16 rows, where faster than the float32 GEMM (and the other, the dot products at every count above too), or
+    never: also where the bf16 GEMM was too slow to be timed whole); with TOKENMILL_CPU_LINEAR_ROWS set (runs that must not depend on a
     timing), or without a packed weight, up to 64 rows and never, whatever was measured before."""
     monkeypatch.delenv("TOKENMILL_CPU_LINEAR_ROWS", raising=False)
     times, measured = {("C", 64): 3, ("float32", 64): 2, ("float32", 256): 7, ("bf16", 256): 5, ("float32", 128): 4.1,
@@ -299,7 +299,11 @@ def test_tune_measures_where_packed_weights_go(compiled, monkeypatch, caplog):
         times[("bf16", 128)] = 5  # (the parts lose at 128 rows: the dot products win there)
         matmul.tune([packed_weight("q4_0", 8, 64)])
         assert (matmul._split_rows, matmul._dot_rows) == (256, 128)
-        for key in [("dot", 256), ("dot", 128), ("float32", 80), ("dot", 80)]:
+        times |= {("dot", 80): 2, ("float32", 80): 4, ("bf16", 80): 3, ("dot", 128): 5, ("dot", 256): 9}  # (won
+        # at 80 rows alone: not taken past them, where the parts won, review T)
+        matmul.tune([packed_weight("q4_0", 8, 64)])
+        assert (matmul._split_rows, matmul._dot_rows) == (80, 0)
+        for key in [("dot", 256), ("dot", 128), ("float32", 80), ("dot", 80), ("bf16", 80)]:
             del times[key]
         for key in [("bf16", 256), ("float32", 128), ("bf16", 128)]:  # (past the float32 GEMM's time: not kept)
             del times[key]
@@ -307,14 +311,14 @@ def test_tune_measures_where_packed_weights_go(compiled, monkeypatch, caplog):
         assert (matmul._packed_rows, matmul._split_rows) == (64, 0) and "do not take three bf16 parts" in caplog.text
         times |= {("float32", 64): 1, ("bf16", 256): 1}
         matmul.tune([packed_weight("q4_0", 8, 64)])
-        assert (matmul._packed_rows, matmul._split_rows, len(measured)) == (32, 256, 6)
+        assert (matmul._packed_rows, matmul._split_rows, len(measured)) == (32, 256, 7)
         matmul.tune([torch.randn(8, 8)])  # no packed weight: as unmeasured
-        assert (matmul._packed_rows, matmul._split_rows, len(measured)) == (64, 0, 6)
+        assert (matmul._packed_rows, matmul._split_rows, len(measured)) == (64, 0, 7)
         times[("dot", 256)] = 0.1
         matmul.tune([packed_weight("q4_0", 8, 64)])
         monkeypatch.setenv("TOKENMILL_CPU_LINEAR_ROWS", "64")
         matmul.tune([packed_weight("q4_0", 8, 64)])
-        assert (matmul._packed_rows, matmul._split_rows, matmul._dot_rows, len(measured)) == (64, 0, 0, 7)
+        assert (matmul._packed_rows, matmul._split_rows, matmul._dot_rows, len(measured)) == (64, 0, 0, 8)
         monkeypatch.undo()
         real = matmul._measure_packed()  # (the real one: seconds each way, the bf16 GEMM's only where it kept up)
         assert {("C", 64), ("float32", 64), ("float32", 256)} <= real.keys() and all(0 < t < 1 for t in real.values())

@@ -31,7 +31,7 @@
  * The expansion is exact (a product of an fp16 scale,
  * a 6- or 8-bit sub-block scale and a small integer is exact or rounded once, as gguf's dequantize rounds
  * it, and so is a minimum's one addition), so a row's result is bit for bit the dense kernel's on the
- * dequantized weights, at any number of rows. Past X_CHUNK_ROWS rows, x is taken in chunks, each
+ * dequantized weights, at any number of rows (not the dot products' below). Past X_CHUNK_ROWS rows, x is taken in chunks, each
  * against every work item of the thread (each expanded again).
  *
  * A bf16 prompt (``linear_q_dot_bf16``, where AVX512-BF16 compiles) multiplies the blocks whose 32 weights are
@@ -755,6 +755,16 @@ static void column_blocked(const float *xf, const uint8_t *w, const int fmt, flo
             store_biased(y, m * N + n0 + r, hsum(accs[m * NB + r]), b, n0 + r, obf16);
 }
 
+/* This thread's part of per-thread buffers of ``each`` bytes (in an OpenMP parallel region) */
+static inline char *thread_share(char *buffers, size_t each) {
+#ifdef _OPENMP
+    return buffers + each * omp_get_thread_num();
+#else
+    (void)each;
+    return buffers;
+#endif
+}
+
 static int linear_packed(const void *x, const uint8_t *w, int fmt, const void *b, void *y, int64_t M, int64_t N,
                          int64_t K, int num_threads, int bf16) {
     if (fmt < 0 || fmt >= FORMATS || K % BLOCK_WEIGHTS[fmt] || num_threads < 1) return BAD_ARGUMENTS;
@@ -777,11 +787,7 @@ static int linear_packed(const void *x, const uint8_t *w, int fmt, const void *b
     }
 #pragma omp parallel num_threads(num_threads)
     {
-#ifdef _OPENMP
-        char *mine = buffers + each * omp_get_thread_num();
-#else
-        char *mine = buffers;
-#endif
+        char *mine = thread_share(buffers, each);
         v8f *accs = (v8f *)mine;
         float *wt = (float *)(mine + sizeof(v8f) * X_CHUNK_ROWS * NB);
         for (int64_t m0 = 0; m0 < M; m0 += X_CHUNK_ROWS) {
@@ -814,12 +820,13 @@ int linear_q_bf16(const uint16_t *x, const uint8_t *w, int fmt, const uint16_t *
    m (sum of x), the dot products x . q by AVX512-BF16's vdpbf16ps, which multiplies bf16 pairs exactly (each q
    is exact in bf16) and sums in float, 32 products an instruction where float32's multiply-add does 16. The
    weights are the exact ones (d q + m without its rounding to a float: 2^-24 of a weight at most), summed in
-   float32, in another order than the float32 GEMM's; a row's result does not depend on the others. y's columns
-   are the vectors' lanes' rows: x is laid out once as pairs of columns for 16 rows a vector (``dot_x``), a work
-   item's DOT_COLS weight rows are expanded once into their integers (``dot_block``), and each pass of DOT_ROWS
-   rows keeps a block's 2 x DOT_COLS sums in registers, the running sums in L1 (held in registers too, they
-   spilled x's). On the AVX-512 EPYC, 144 x 576 by 3072 x 576 Q4_1: 6 columns 2.24 ms, 8 2.04, 12 2.48
-   (float32's GEMM on the expanded weight: 4.8-5.4). */
+   float32, in another order than the float32 GEMM's; a row's result does not depend on the others. (Save where
+   x . q passes float's largest before d scales it down, or where vdpbf16ps flushes subnormal inputs and sums to
+   zero: no activation comes near either.) y's columns are the vectors' lanes' rows: x is laid out once as pairs
+   of columns for 16 rows a vector (``dot_x``), a work item's DOT_COLS weight rows are expanded once into their
+   integers (``dot_block``), and each pass of DOT_ROWS rows keeps a block's 2 x DOT_COLS sums in registers, the
+   running sums in L1 (held in registers too, they spilled x's). On the AVX-512 EPYC, 144 x 576 by 3072 x 576
+   Q4_1: 6 columns 2.24 ms, 8 2.04, 12 2.48 (float32's GEMM on the expanded weight: 4.8-5.4). */
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define DOT_COLS 8
 #define DOT_ROWS 32
@@ -844,9 +851,7 @@ static inline __attribute__((always_inline)) __m512i dot_nibbles(const uint8_t *
    as d q + m: their integers q as bf16, in order, and d and m (expand_scalar's weights, without its rounding) */
 static inline __attribute__((always_inline)) void dot_block(const uint8_t *blk, const int fmt, const int g,
                                                             const float s[32], uint16_t *q, float *d, float *m) {
-    static const int16_t iq4[32] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-    static const int16_t fp4[32] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12}; /* (their levels) */
-    const int with_m = fmt == Q4_1 || fmt == Q5_1 || fmt == Q4_Z;
+    const int with_m = fmt == Q4_1 || fmt == Q5_1 || fmt == Q4_Z; /* (the blocks of 32 with a second fp16) */
     __m512i v; /* 32 int16 */
     float scale, second = 0.0f;
     if (fmt == Q4_K || fmt == Q5_K) {
@@ -859,8 +864,9 @@ static inline __attribute__((always_inline)) void dot_block(const uint8_t *blk, 
                                       v, _mm512_set1_epi16(16));
         scale = s[g], second = s[8 + g];
     } else if (fmt == IQ4_XS || fmt == IQ4_NL || fmt == MXFP4) {
+        const __m128i levels = _mm_loadu_si128((const __m128i *)(fmt == MXFP4 ? MXFP4_LEVELS : IQ4_LEVELS));
         v = _mm512_permutexvar_epi16(dot_nibbles(blk + (fmt == IQ4_XS ? 8 + 16 * g : fmt == MXFP4 ? 1 : 2)),
-                                     _mm512_loadu_si512(fmt == MXFP4 ? fp4 : iq4));
+                                     _mm512_cvtepi8_epi16(_mm256_zextsi128_si256(levels))); /* (16 int16 lanes) */
         scale = fmt == IQ4_XS ? s[g] : fmt == MXFP4 ? e8m0_half(blk[0]) : half_to_float(blk);
     } else if (fmt == Q8_0) {
         v = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 2)));
@@ -894,7 +900,7 @@ static void dot_x(const uint16_t *x, int64_t m0, int64_t rows, int64_t K, int64_
     float *sum = xs + pass * G * DOT_ROWS;
     for (int r = 0; r < DOT_ROWS; r++) {
         const int64_t row = pass * DOT_ROWS + r;
-        const uint16_t *src = x + (m0 + row) * K;
+        const uint16_t *src = row < rows ? x + (m0 + row) * K : x; /* (a row past the last: zeros) */
         for (int64_t p = 0; p < P; p++) {
             uint32_t pair = 0;
             if (row < rows) memcpy(&pair, src + 2 * p, 4);
@@ -960,10 +966,14 @@ int linear_q_dot_bf16(const uint16_t *x, const uint8_t *w, int fmt, const uint16
 #ifdef DOT_COLS
     if (fmt < 0 || fmt >= FORMATS || !dot_format(fmt) || K % 32 || num_threads < 1) return BAD_ARGUMENTS;
     if (K % BLOCK_WEIGHTS[fmt]) return BAD_ARGUMENTS;
+    if (M <= 0) return OK;
     const int64_t P = K / 2, G = K / 32, per = BLOCK_WEIGHTS[fmt] / 32, items = (N + DOT_COLS - 1) / DOT_COLS;
     const int64_t row_bytes = K / BLOCK_WEIGHTS[fmt] * BLOCK_BYTES[fmt];
     const int sums = dot_sums(fmt);
-    const int64_t chunk = M < DOT_CHUNK ? (M + DOT_ROWS - 1) / DOT_ROWS * DOT_ROWS : DOT_CHUNK;
+    /* chunks of at most DOT_CHUNK rows, as even as whole passes allow (257 rows: two of 160 and 97, not 256 and 1:
+       each chunk expands the weights again) */
+    const int64_t chunks = (M + DOT_CHUNK - 1) / DOT_CHUNK;
+    const int64_t chunk = ((M + chunks - 1) / chunks + DOT_ROWS - 1) / DOT_ROWS * DOT_ROWS;
     uint32_t *xp = aligned_alloc(64, (size_t)chunk * P * 4);
     float *xs = aligned_alloc(64, (size_t)chunk * G * 4);
     const size_t each = ((size_t)DOT_COLS * (P * 4 + G * 8) + 63) / 64 * 64; /* a thread's weights expanded */
@@ -976,12 +986,7 @@ int linear_q_dot_bf16(const uint16_t *x, const uint8_t *w, int fmt, const uint16
         {
 #pragma omp for schedule(static)
             for (int64_t pass = 0; pass < passes; pass++) dot_x(x, m0, rows, K, pass, xp, xs, sums);
-#ifdef _OPENMP
-            char *mine = buffers + each * omp_get_thread_num();
-#else
-            char *mine = buffers;
-#endif
-            uint32_t *q = (uint32_t *)mine;
+            uint32_t *q = (uint32_t *)thread_share(buffers, each);
             float *d = (float *)(q + DOT_COLS * P), *m = d + DOT_COLS * G, out[DOT_COLS][DOT_ROWS];
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < items; t++) {

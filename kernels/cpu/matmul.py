@@ -103,14 +103,21 @@ def _library() -> ctypes.CDLL | None:
                 errcheck=status_check("the C linear kernel"))
 
 
-@functools.cache
 def _dot_formats() -> frozenset[str]:
-    """The formats ``_linear_dot`` multiplies here (none without AVX512-BF16)."""
-    if _library() is None:
+    """The formats ``_linear_dot`` multiplies here (none without AVX512-BF16), as the library built says (kept per
+    library: a test may build another)."""
+    library = _library()
+    if library is None:
         return frozenset()
-    taken = torch.zeros(len(FORMATS), dtype=torch.int32)
-    _library().q_dot_formats(taken.data_ptr())
-    return frozenset(f for f, i in FORMATS.items() if taken[i])
+    formats = _dot_taken.get(id(library))
+    if formats is None:
+        taken = torch.zeros(len(FORMATS), dtype=torch.int32)
+        library.q_dot_formats(taken.data_ptr())
+        formats = _dot_taken[id(library)] = frozenset(f for f, i in FORMATS.items() if taken[i])
+    return formats
+
+
+_dot_taken: dict[int, frozenset[str]] = {}
 
 
 def packed_available() -> bool:
@@ -401,7 +408,8 @@ def _tune_packed(packed: bool, measure: bool) -> None:
     def faster(way: str, m: int, *than: str) -> bool:
         return (way, m) in ms and ms[way, m] * MARGIN < min(ms.get((t, m), math.inf) for t in than)
     _split_rows = next((m for m in PAST if faster("bf16", m, "float32")), 0)
-    _dot_rows = next((m for m in PAST if faster("dot", m, "float32", "bf16")), 0)
+    # (from the fewest rows they won at and at every count above it: the bf16 GEMM may gain on them with the rows)
+    _dot_rows = next((m for m in PAST if all(faster("dot", a, "float32", "bf16") for a in PAST if a >= m)), 0)
     split = (f", its bf16 GEMM on three exact parts for bf16 steps of {_split_rows} rows or more" if _split_rows
              else "; bf16 steps do not take three bf16 parts")
     if _dot_rows:
