@@ -7,7 +7,8 @@ to. A ``tcp://`` engine is reached with ZMQ CURVE keys derived from the shared
 monitor sees it at once) or no message for ``liveness_timeout`` seconds while it
 is pinged with STATS marks the engine unhealthy and fails every in-flight request
 with a 503 ``Error``, so a client never hangs on a dead engine. The answers to
-those pings are kept (``last_stats``) for ``/health`` to show without a round trip.
+those pings, and the STATS the engine sends unasked as its requests come and go, are kept (``last_stats``)
+for ``/health`` to show without a round trip.
 """
 
 from __future__ import annotations
