@@ -202,11 +202,10 @@ def q4_z_weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
     return blocks.view(n, -1)
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl", "q4_z", "q4_k", "q5_k", "iq4_xs",
-                                 "mxfp4"])
+@pytest.mark.parametrize("fmt", [*FMTS, "q4_z"])
 def test_bf16_prompts_take_dot_products_on_the_blocks(fmt, compiled, monkeypatch):
-    """Where the CPU has AVX512-BF16 and tune found it faster, a bf16 prompt's rows meet the blocks of 32 that are
-    d q + m as d (x . q) + m sum(x): the exact weights, summed in float32, rounded once, bias included, so within
+    """Where the CPU has AVX512-BF16 and tune found it faster, a bf16 prompt's rows meet the blocks, d q + m for each
+    32 or 16 weights, as d (x . q) + m sum(x): the exact weights, summed in float32, rounded once, bias included, so within
     one bf16 rounding of float64's answer, as the float32 GEMM's is, and now and then a last bit apart from it.
     Rows in passes of 32 and chunks of 256, weight rows 8 at a time: shapes that fill neither."""
     if fmt not in matmul._dot_formats():

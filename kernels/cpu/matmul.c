@@ -34,9 +34,8 @@
  * dequantized weights, at any number of rows (not the dot products' below). Past X_CHUNK_ROWS rows, x is taken in chunks, each
  * against every work item of the thread (each expanded again).
  *
- * A bf16 prompt (``linear_q_dot_bf16``, where AVX512-BF16 compiles) multiplies the blocks whose 32 weights are
- * d q + m (all but Q2_K, Q3_K and Q6_K, whose scales come 16 weights apart) by their integers, in
- * vdpbf16ps's exact bf16 products: see "bf16 prompts" below.
+ * A bf16 prompt (``linear_q_dot_bf16``, where AVX512-BF16 compiles) multiplies the blocks, whose weights are
+ * d q + m for each 32 or 16, by their integers, in vdpbf16ps's exact bf16 products: see "bf16 prompts" below.
  */
 #include <math.h>
 #include <stdint.h>
@@ -815,16 +814,16 @@ int linear_q_bf16(const uint16_t *x, const uint8_t *w, int fmt, const uint16_t *
 
 /* ------------------------------------------------------------------------------ bf16 prompts: dot products
 
-   A bf16 prompt's x W^T on packed weights whose blocks of 32 are d q + m with small integers q (Q4_0, Q4_1,
-   Q5_0, Q5_1, Q8_0, Q4_Z, IQ4_NL, MXFP4, and the sub-blocks of Q4_K, Q5_K and IQ4_XS): per block, d (x . q) +
-   m (sum of x), the dot products x . q by AVX512-BF16's vdpbf16ps, which multiplies bf16 pairs exactly (each q
+   A bf16 prompt's x W^T on packed weights, whose weights are d q + m with small integers q for each group of 32
+   (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_Z, IQ4_NL, MXFP4; the sub-blocks of Q4_K, Q5_K and IQ4_XS) or of 16 (Q2_K,
+   Q3_K, Q6_K): per group, d (x . q) + m (sum of x), the dot products x . q by AVX512-BF16's vdpbf16ps, which multiplies bf16 pairs exactly (each q
    is exact in bf16) and sums in float, 32 products an instruction where float32's multiply-add does 16. The
    weights are the exact ones (d q + m without its rounding to a float: 2^-24 of a weight at most), summed in
    float32, in another order than the float32 GEMM's; a row's result does not depend on the others. (Save where
    x . q passes float's largest before d scales it down, or where vdpbf16ps flushes subnormal inputs and sums to
    zero: no activation comes near either.) y's columns are the vectors' lanes' rows: x is laid out once as pairs
    of columns for 16 rows a vector (``dot_x``), a work item's DOT_COLS weight rows are expanded once into their
-   integers (``dot_block``), and each pass of DOT_ROWS rows keeps a block's 2 x DOT_COLS sums in registers, the
+   integers (``dot_block``), and each pass of DOT_ROWS rows keeps a group's 2 x DOT_COLS sums in registers, the
    running sums in L1 (held in registers too, they spilled x's). On the AVX-512 EPYC, 144 x 576 by 3072 x 576
    Q4_1: 6 columns 2.24 ms, 8 2.04, 12 2.48 (float32's GEMM on the expanded weight: 4.8-5.4). */
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -832,13 +831,12 @@ int linear_q_bf16(const uint16_t *x, const uint8_t *w, int fmt, const uint16_t *
 #define DOT_ROWS 32
 #define DOT_CHUNK 256 /* rows of x laid out at a time (for each, the weights are expanded again) */
 
-static inline int dot_format(const int fmt) {
-    return fmt == Q4_0 || fmt == Q4_1 || fmt == Q5_0 || fmt == Q5_1 || fmt == Q8_0 || fmt == Q4_Z || fmt == IQ4_NL ||
-           fmt == Q4_K || fmt == Q5_K || fmt == IQ4_XS || fmt == MXFP4;
+static inline int dot_sums(const int fmt) { /* the formats whose weights add m to d q */
+    return fmt == Q4_1 || fmt == Q5_1 || fmt == Q4_Z || fmt == Q4_K || fmt == Q5_K || fmt == Q2_K;
 }
 
-static inline int dot_sums(const int fmt) { /* the formats whose weights add m to d q */
-    return fmt == Q4_1 || fmt == Q5_1 || fmt == Q4_Z || fmt == Q4_K || fmt == Q5_K;
+static inline int dot_group(const int fmt) { /* the weights one d (and m) covers: 32, or 16 */
+    return fmt == Q2_K || fmt == Q3_K || fmt == Q6_K ? 16 : 32;
 }
 
 /* 16 bytes' low nibbles then their high ones: 32 int16 */
@@ -848,13 +846,34 @@ static inline __attribute__((always_inline)) __m512i dot_nibbles(const uint8_t *
 }
 
 /* The 32 weights of one block (of a K-quant's or IQ4_XS's super-block: sub-block g, its scales s from k_scales)
-   as d q + m: their integers q as bf16, in order, and d and m (expand_scalar's weights, without its rounding) */
+   as d q + m: their integers q as bf16, in order, and d and m (expand_scalar's weights, without its rounding);
+   Q2_K, Q3_K and Q6_K: a d and an m for each 16 (d[0], d[1]) */
 static inline __attribute__((always_inline)) void dot_block(const uint8_t *blk, const int fmt, const int g,
                                                             const float s[32], uint16_t *q, float *d, float *m) {
     const int with_m = fmt == Q4_1 || fmt == Q5_1 || fmt == Q4_Z; /* (the blocks of 32 with a second fp16) */
     __m512i v; /* 32 int16 */
     float scale, second = 0.0f;
-    if (fmt == Q4_K || fmt == Q5_K) {
+    if (fmt == Q6_K) {
+        const int h = g >> 2, r = g & 3;
+        const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32 * (r & 1)));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+        const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128(4 * (r >> 1))), _mm256_set1_epi8(15));
+        const __m256i hi = _mm256_and_si256(_mm256_slli_epi16(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * r)), 4),
+                                            _mm256_set1_epi8(0x30));
+        v = _mm512_sub_epi16(_mm512_cvtepu8_epi16(_mm256_or_si256(lo, hi)), _mm512_set1_epi16(32));
+        d[1] = s[2 * g + 1], m[1] = 0.0f;
+        scale = s[2 * g];
+    } else if (fmt == Q2_K || fmt == Q3_K) {
+        const __m256i b = _mm256_loadu_si256((const __m256i *)(blk + (fmt == Q2_K ? 16 : 32) + 32 * (g >> 2)));
+        v = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srl_epi16(b, _mm_cvtsi32_si128(2 * (g & 3))),
+                                                  _mm256_set1_epi8(3)));
+        if (fmt == Q3_K) /* 4 less where bit g of the high mask's byte is clear */
+            v = _mm512_mask_sub_epi16(v, ~_mm256_test_epi8_mask(_mm256_loadu_si256((const __m256i *)blk),
+                                                                _mm256_set1_epi8((char)(1 << g))),
+                                      v, _mm512_set1_epi16(4));
+        d[1] = s[2 * g + 1], m[1] = fmt == Q2_K ? s[16 + 2 * g + 1] : 0.0f;
+        scale = s[2 * g], second = fmt == Q2_K ? s[16 + 2 * g] : 0.0f;
+    } else if (fmt == Q4_K || fmt == Q5_K) {
         const __m256i b = _mm256_loadu_si256((const __m256i *)(blk + (fmt == Q4_K ? 16 : 48) + 32 * (g >> 1)));
         v = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srl_epi16(b, _mm_cvtsi32_si128(4 * (g & 1))),
                                                   _mm256_set1_epi8(15)));
@@ -894,8 +913,8 @@ static inline __attribute__((always_inline)) void dot_block(const uint8_t *blk, 
    of columns for 16 rows a vector: xp[p][r] holds row r's columns 2p, 2p + 1 (rows past the last: zeros), and,
    with ``sums``, xs[g][r] row r's sum over block g */
 static void dot_x(const uint16_t *x, int64_t m0, int64_t rows, int64_t K, int64_t pass, uint32_t *xp, float *xs,
-                  int sums) {
-    const int64_t P = K / 2, G = K / 32;
+                  int sums, int gw) {
+    const int64_t P = K / 2, G = K / gw;
     uint32_t *dst = xp + pass * P * DOT_ROWS;
     float *sum = xs + pass * G * DOT_ROWS;
     for (int r = 0; r < DOT_ROWS; r++) {
@@ -908,27 +927,26 @@ static void dot_x(const uint16_t *x, int64_t m0, int64_t rows, int64_t K, int64_
         }
         for (int64_t g = 0; sums && g < G; g++) {
             __m512 s = _mm512_setzero_ps();
-            if (row < rows) {
-                const __m512i v = _mm512_loadu_si512(src + 32 * g); /* bf16 to float: 16 bits up */
-                s = _mm512_add_ps((__m512)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16),
-                                  (__m512)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
-            }
+            for (int i = 0; row < rows && i < gw; i += 16) /* bf16 to float: 16 bits up */
+                s = _mm512_add_ps(s, (__m512)_mm512_slli_epi32(
+                                         _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + gw * g + i))), 16));
             sum[g * DOT_ROWS + r] = _mm512_reduce_add_ps(s);
         }
     }
 }
 
 /* One pass: DOT_ROWS rows of x (xp, xs laid out by dot_x) times DOT_COLS expanded weight rows (q: K / 2 pairs
-   each; d, m: K / 32 each) into out[c][r] */
+   each; d, m: K / gw each, a group of gw weights a scale) into out[c][r] */
 static inline __attribute__((always_inline)) void dot_pass(const uint32_t *xp, const float *xs, const uint32_t *q,
                                                            const float *d, const float *m, const int64_t K,
-                                                           const int sums, float out[DOT_COLS][DOT_ROWS]) {
-    const int64_t P = K / 2, G = K / 32;
-    memset(out, 0, sizeof(float) * DOT_COLS * DOT_ROWS); /* (the sums live there: registers hold a block's) */
+                                                           const int sums, const int gw,
+                                                           float out[DOT_COLS][DOT_ROWS]) {
+    const int64_t P = K / 2, G = K / gw;
+    memset(out, 0, sizeof(float) * DOT_COLS * DOT_ROWS); /* (the sums live there: registers hold a group's) */
     for (int64_t g = 0; g < G; g++) {
         __m512 part[DOT_COLS][2];
         for (int c = 0; c < DOT_COLS; c++) part[c][0] = part[c][1] = _mm512_setzero_ps();
-        for (int64_t p = 16 * g; p < 16 * g + 16; p++) {
+        for (int64_t p = gw / 2 * g; p < gw / 2 * (g + 1); p++) {
             __m512i x0 = _mm512_load_si512(xp + p * DOT_ROWS), x1 = _mm512_load_si512(xp + p * DOT_ROWS + 16);
             IN_REGISTER(x0);
             IN_REGISTER(x1);
@@ -949,12 +967,12 @@ static inline __attribute__((always_inline)) void dot_pass(const uint32_t *xp, c
 }
 #endif
 
-/* taken[f]: whether linear_q_dot_bf16 takes weights of format f here (built with AVX512-BF16, and one of
-   dot_block's formats), for each of the FORMATS */
+/* taken[f]: whether linear_q_dot_bf16 takes weights of format f here (built with AVX512-BF16: every format),
+   for each of the FORMATS */
 int q_dot_formats(int32_t *taken) {
     for (int f = 0; f < FORMATS; f++)
 #ifdef DOT_COLS
-        taken[f] = dot_format(f);
+        taken[f] = 1;
 #else
         taken[f] = 0;
 #endif
@@ -964,12 +982,11 @@ int q_dot_formats(int32_t *taken) {
 int linear_q_dot_bf16(const uint16_t *x, const uint8_t *w, int fmt, const uint16_t *b, uint16_t *y, int64_t M,
                       int64_t N, int64_t K, int num_threads) {
 #ifdef DOT_COLS
-    if (fmt < 0 || fmt >= FORMATS || !dot_format(fmt) || K % 32 || num_threads < 1) return BAD_ARGUMENTS;
-    if (K % BLOCK_WEIGHTS[fmt]) return BAD_ARGUMENTS;
+    if (fmt < 0 || fmt >= FORMATS || K % BLOCK_WEIGHTS[fmt] || num_threads < 1) return BAD_ARGUMENTS;
     if (M <= 0) return OK;
-    const int64_t P = K / 2, G = K / 32, per = BLOCK_WEIGHTS[fmt] / 32, items = (N + DOT_COLS - 1) / DOT_COLS;
+    const int gw = dot_group(fmt), sums = dot_sums(fmt);
+    const int64_t P = K / 2, G = K / gw, per = BLOCK_WEIGHTS[fmt] / 32, items = (N + DOT_COLS - 1) / DOT_COLS;
     const int64_t row_bytes = K / BLOCK_WEIGHTS[fmt] * BLOCK_BYTES[fmt];
-    const int sums = dot_sums(fmt);
     /* chunks of at most DOT_CHUNK rows, as even as whole passes allow (257 rows: two of 160 and 97, not 256 and 1:
        each chunk expands the weights again) */
     const int64_t chunks = (M + DOT_CHUNK - 1) / DOT_CHUNK;
@@ -985,7 +1002,7 @@ int linear_q_dot_bf16(const uint16_t *x, const uint8_t *w, int fmt, const uint16
 #pragma omp parallel num_threads(num_threads)
         {
 #pragma omp for schedule(static)
-            for (int64_t pass = 0; pass < passes; pass++) dot_x(x, m0, rows, K, pass, xp, xs, sums);
+            for (int64_t pass = 0; pass < passes; pass++) dot_x(x, m0, rows, K, pass, xp, xs, sums, gw);
             uint32_t *q = (uint32_t *)thread_share(buffers, each);
             float *d = (float *)(q + DOT_COLS * P), *m = d + DOT_COLS * G, out[DOT_COLS][DOT_ROWS];
 #pragma omp for schedule(static)
@@ -997,17 +1014,22 @@ int linear_q_dot_bf16(const uint16_t *x, const uint8_t *w, int fmt, const uint16
                         memset(d + c * G, 0, 4 * G), memset(m + c * G, 0, 4 * G);
                         continue;
                     }
-                    for (int64_t g = 0; g < G; g += per) {
+                    for (int64_t g = 0; g < K / 32; g += per) { /* (g: 32 weights) */
                         const uint8_t *blk = w + (n0 + c) * row_bytes + g / per * BLOCK_BYTES[fmt];
                         float s[32];
                         if (per > 1) k_scales(blk, fmt, s);
                         for (int j = 0; j < per; j++)
-                            dot_block(blk, fmt, j, s, (uint16_t *)(q + c * P) + 32 * (g + j), d + c * G + g + j,
-                                      m + c * G + g + j);
+                            dot_block(blk, fmt, j, s, (uint16_t *)(q + c * P) + 32 * (g + j),
+                                      d + c * G + (g + j) * 32 / gw, m + c * G + (g + j) * 32 / gw);
                     }
                 }
                 for (int64_t pass = 0; pass * DOT_ROWS < rows; pass++) {
-                    dot_pass(xp + pass * P * DOT_ROWS, xs + pass * G * DOT_ROWS, q, d, m, K, sums, out);
+                    const uint32_t *xpp = xp + pass * P * DOT_ROWS;
+                    const float *xsp = xs + pass * G * DOT_ROWS;
+                    if (gw == 16) /* (each a constant: its loop bounds unrolled) */
+                        dot_pass(xpp, xsp, q, d, m, K, sums, 16, out);
+                    else
+                        dot_pass(xpp, xsp, q, d, m, K, sums, 32, out);
                     for (int64_t r = 0; r < DOT_ROWS && pass * DOT_ROWS + r < rows; r++)
                         for (int64_t c = 0; c < cols; c++)
                             store_biased(y, (m0 + pass * DOT_ROWS + r) * N + n0 + c, out[c][r], b, n0 + c, 1);

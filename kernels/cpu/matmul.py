@@ -24,10 +24,10 @@ is exact, so a row's result is the dense C kernel's on ``reference.dequantize``'
 bit), except past 64 rows (a prompt; past 32 where ``tune`` measured torch faster at 64), where the weight
 is expanded, ``EXPAND_BYTES`` of floats at a time, and torch's float32 GEMM runs (then cast back: bf16 too
 computes with the exact weights). A bf16 step of many rows may instead meet each weight as three bf16 parts
-that sum to it exactly, in torch's bf16 GEMM (``_linear_split``), where ``tune`` measured that faster (AMX), or,
-for the blocks of 32 that are ``d q + m`` (all but Q2_K's, Q3_K's and Q6_K's), AVX512-BF16's dot products
-on the blocks' integers (``_linear_dot``: per block ``d (x . q) + m sum(x)``, the exact weights again, summed in
-float32), where ``tune`` measured that faster (about twice float32's GEMM on the AVX-512 EPYC).
+that sum to it exactly, in torch's bf16 GEMM (``_linear_split``), where ``tune`` measured that faster (AMX), or
+AVX512-BF16's dot products on the blocks' integers (``_linear_dot``: every format's weights are ``d q + m`` for
+each 32 or 16, so per group ``d (x . q) + m sum(x)``, the exact weights again, summed in float32), where ``tune``
+measured that faster (about twice float32's GEMM on the AVX-512 EPYC).
 """
 
 from __future__ import annotations
@@ -79,8 +79,9 @@ _packed_rows = ROWS[-1]
 # ... and bf16 steps of at least this many rows (past those) meet the exact weights in three bf16 parts in
 # torch's bf16 GEMM (``_linear_split``) rather than in its float32 GEMM, where that ran faster (AMX's); 0: never
 _split_rows = 0
-# ... and bf16 steps of at least this many rows, of the formats ``_dot_formats`` names, go to the dot products on
-# the blocks (``_linear_dot``) rather than to either GEMM, where that ran faster than both (AVX512-BF16's); 0: never
+# ... and bf16 steps of at least this many rows go to the dot products on the blocks (``_linear_dot``; where
+# ``_dot_formats`` names the format) rather than to either GEMM, where that ran faster than both (AVX512-BF16's);
+# 0: never
 _dot_rows = 0
 _scratch_buffers = threading.local()  # (``_scratch``)
 SCRATCH_BYTES = 64 << 20  # the most a scratch buffer keeps
