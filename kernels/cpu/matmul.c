@@ -816,16 +816,17 @@ int linear_q_bf16(const uint16_t *x, const uint8_t *w, int fmt, const uint16_t *
 
    A bf16 prompt's x W^T on packed weights, whose weights are d q + m with small integers q for each group of 32
    (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_Z, IQ4_NL, MXFP4; the sub-blocks of Q4_K, Q5_K and IQ4_XS) or of 16 (Q2_K,
-   Q3_K, Q6_K): per group, d (x . q) + m (sum of x), the dot products x . q by AVX512-BF16's vdpbf16ps, which multiplies bf16 pairs exactly (each q
-   is exact in bf16) and sums in float, 32 products an instruction where float32's multiply-add does 16. The
-   weights are the exact ones (d q + m without its rounding to a float: 2^-24 of a weight at most), summed in
-   float32, in another order than the float32 GEMM's; a row's result does not depend on the others. (Save where
-   x . q passes float's largest before d scales it down, or where vdpbf16ps flushes subnormal inputs and sums to
-   zero: no activation comes near either.) y's columns are the vectors' lanes' rows: x is laid out once as pairs
-   of columns for 16 rows a vector (``dot_x``), a work item's DOT_COLS weight rows are expanded once into their
-   integers (``dot_block``), and each pass of DOT_ROWS rows keeps a group's 2 x DOT_COLS sums in registers, the
-   running sums in L1 (held in registers too, they spilled x's). On the AVX-512 EPYC, 144 x 576 by 3072 x 576
-   Q4_1: 6 columns 2.24 ms, 8 2.04, 12 2.48 (float32's GEMM on the expanded weight: 4.8-5.4). */
+   Q3_K, Q6_K): per group, d (x . q) + m (sum of x), the dot products x . q by AVX512-BF16's vdpbf16ps, which
+   multiplies bf16 pairs exactly (each q is exact in bf16) and sums in float, 32 products an instruction where
+   float32's multiply-add does 16. The weights are the exact ones (d q + m without its rounding to a float:
+   2^-24 of a weight at most), summed in float32, in another order than the float32 GEMM's; a row's result does
+   not depend on the others. (Save where x . q passes float's largest before d scales it down, or where
+   vdpbf16ps flushes subnormal inputs and sums to zero: no activation comes near either.) y's columns are the
+   vectors' lanes' rows: x is laid out once as pairs of columns for 16 rows a vector (``dot_x``), a work item's
+   DOT_COLS weight rows are expanded once into their integers (``dot_block``), and each pass of DOT_ROWS rows
+   keeps a group's 2 x DOT_COLS sums in registers, the running sums in L1 (held in registers too, they spilled
+   x's). On the AVX-512 EPYC, 144 x 576 by 3072 x 576 Q4_1: 6 columns 2.24 ms, 8 2.04, 12 2.48 (float32's GEMM
+   on the expanded weight: 4.8-5.4). */
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define DOT_COLS 8
 #define DOT_ROWS 32
@@ -857,7 +858,8 @@ static inline __attribute__((always_inline)) void dot_block(const uint8_t *blk, 
         const int h = g >> 2, r = g & 3;
         const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32 * (r & 1)));
         const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-        const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128(4 * (r >> 1))), _mm256_set1_epi8(15));
+        const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128(4 * (r >> 1))),
+                                            _mm256_set1_epi8(15));
         const __m256i hi = _mm256_and_si256(_mm256_slli_epi16(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * r)), 4),
                                             _mm256_set1_epi8(0x30));
         v = _mm512_sub_epi16(_mm512_cvtepu8_epi16(_mm256_or_si256(lo, hi)), _mm512_set1_epi16(32));
@@ -911,7 +913,7 @@ static inline __attribute__((always_inline)) void dot_block(const uint8_t *blk, 
 
 /* Pass ``pass`` (DOT_ROWS rows from m0 + pass DOT_ROWS, of the ``rows`` from m0) of x (bf16, K columns) as pairs
    of columns for 16 rows a vector: xp[p][r] holds row r's columns 2p, 2p + 1 (rows past the last: zeros), and,
-   with ``sums``, xs[g][r] row r's sum over block g */
+   with ``sums``, xs[g][r] row r's sum over group g (of gw columns) */
 static void dot_x(const uint16_t *x, int64_t m0, int64_t rows, int64_t K, int64_t pass, uint32_t *xp, float *xs,
                   int sums, int gw) {
     const int64_t P = K / 2, G = K / gw;
@@ -927,9 +929,10 @@ static void dot_x(const uint16_t *x, int64_t m0, int64_t rows, int64_t K, int64_
         }
         for (int64_t g = 0; sums && g < G; g++) {
             __m512 s = _mm512_setzero_ps();
-            for (int i = 0; row < rows && i < gw; i += 16) /* bf16 to float: 16 bits up */
-                s = _mm512_add_ps(s, (__m512)_mm512_slli_epi32(
-                                         _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + gw * g + i))), 16));
+            for (int i = 0; row < rows && i < gw; i += 16) { /* bf16 to float: 16 bits up */
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(src + gw * g + i));
+                s = _mm512_add_ps(s, (__m512)_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+            }
             sum[g * DOT_ROWS + r] = _mm512_reduce_add_ps(s);
         }
     }
