@@ -205,9 +205,9 @@ def q4_z_weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
 @pytest.mark.parametrize("fmt", [*FMTS, "q4_z"])
 def test_bf16_prompts_take_dot_products_on_the_blocks(fmt, compiled, monkeypatch):
     """Where the CPU has AVX512-BF16 and tune found it faster, a bf16 prompt's rows meet the blocks, d q + m for each
-    32 or 16 weights, as d (x . q) + m sum(x): the exact weights, summed in float32, rounded once, bias included, so within
-    one bf16 rounding of float64's answer, as the float32 GEMM's is, and now and then a last bit apart from it.
-    Rows in passes of 32 and chunks of 256, weight rows 8 at a time: shapes that fill neither."""
+    32 or 16 weights, as d (x . q) + m sum(x): the exact weights, summed in float32, rounded once, bias included,
+    so within one bf16 rounding of float64's answer, as the float32 GEMM's is, and now and then a last bit apart
+    from it. Rows in passes of 32 and chunks of 256, weight rows 8 at a time: shapes that fill neither."""
     if fmt not in matmul._dot_formats():
         pytest.skip("no AVX512-BF16 here")
     k, gen = width(fmt, 96), torch.Generator().manual_seed(8)
@@ -278,8 +278,9 @@ def test_tune_measures_where_packed_weights_go(compiled, monkeypatch, caplog):
     """A model with packed weights (2-D, or a fused layer's flat bytes): tune times the ways once and logs what it
     took (the C kernel up to 64 rows or 32, three bf16 parts or dot products on the blocks from 80, 128 or 256
     bf16 rows, where faster than the float32 GEMM (and the other, the dot products at every count above too), or
-    never: also where the bf16 GEMM was too slow to be timed whole); with TOKENMILL_CPU_LINEAR_ROWS set (runs that must not depend on a
-    timing), or without a packed weight, up to 64 rows and never, whatever was measured before."""
+    never: also where the bf16 GEMM was too slow to be timed whole); with TOKENMILL_CPU_LINEAR_ROWS set (runs that
+    must not depend on a timing), or without a packed weight, up to 64 rows and never, whatever was measured
+    before."""
     monkeypatch.delenv("TOKENMILL_CPU_LINEAR_ROWS", raising=False)
     times, measured = {("C", 64): 3, ("float32", 64): 2, ("float32", 256): 7, ("bf16", 256): 5, ("float32", 128): 4.1,
                        ("bf16", 128): 4}, []
@@ -294,7 +295,8 @@ def test_tune_measures_where_packed_weights_go(compiled, monkeypatch, caplog):
         assert (matmul._packed_rows, matmul._split_rows, matmul._dot_rows) == (64, 128, 0)
         times |= {("dot", 256): 2, ("dot", 128): 1.2, ("float32", 80): 3, ("dot", 80): 2.7}  # (faster than both)
         matmul.tune([packed_weight("q4_0", 8, 64)])
-        assert (matmul._split_rows, matmul._dot_rows) == (128, 256) and "256 rows or more take dot products" in caplog.text
+        assert (matmul._split_rows, matmul._dot_rows) == (128, 256)
+        assert "256 rows or more take dot products" in caplog.text
         times[("bf16", 128)] = 5  # (the parts lose at 128 rows: the dot products win there)
         matmul.tune([packed_weight("q4_0", 8, 64)])
         assert (matmul._split_rows, matmul._dot_rows) == (256, 128)

@@ -201,8 +201,9 @@ def _linear_dot(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.Ten
     bias = None if bias is None else bias.contiguous()
     (m, k), n = x.shape, weight.shape[0]
     y = torch.empty(m, n, dtype=torch.bfloat16)
-    _library().linear_q_dot_bf16(x.data_ptr(), weight.data_ptr(), FORMATS[fmt], None if bias is None else bias.data_ptr(),
-                                 y.data_ptr(), m, n, k, torch.get_num_threads())
+    _library().linear_q_dot_bf16(x.data_ptr(), weight.data_ptr(), FORMATS[fmt],
+                                 None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k,
+                                 torch.get_num_threads())
     return y
 
 
