@@ -230,9 +230,7 @@ class EngineRouter:
             return await self._update_lora(name, path, timeout)
 
     async def _update_lora(self, name: str, path: str | None, timeout: float) -> LoraUpdate:
-        live = [c for c in self.clients if c.accepting]
-        if not live:
-            raise EngineUnavailable("no engine is available")
+        live = self._accepting()
         if path is not None and (lack := [c for c in live if [name, path] not in c.ready.loras]):
             live = lack  # (the others serve it already: an engine that came back lacking it, and not given it)
         answers = await asyncio.gather(*(c.update_lora(name, path, timeout) for c in live), return_exceptions=True)
@@ -245,6 +243,13 @@ class EngineRouter:
         if isinstance(refused[0], BaseException):
             raise refused[0]
         return refused[0]
+
+    def _accepting(self) -> list[EngineClient]:
+        """The engines taking new work (``EngineUnavailable`` when none is)."""
+        live = [c for c in self.clients if c.accepting]
+        if not live:
+            raise EngineUnavailable("no engine is available")
+        return live
 
     def _came_back(self, client: EngineClient) -> None:
         task = asyncio.get_running_loop().create_task(self._give_adapters(client))
@@ -280,15 +285,11 @@ class EngineRouter:
     async def reset_prefix_cache(self, timeout: float = 30.0) -> bool:
         """As ``EngineClient.reset_prefix_cache``, on every engine it can reach: whether all of them did (those
         running no request do, whatever the others answer)."""
-        live = [c for c in self.clients if c.accepting]
-        if not live:
-            raise EngineUnavailable("no engine is available")
+        live = self._accepting()
         return all(await asyncio.gather(*(c.reset_prefix_cache(timeout) for c in live)))
 
     async def stats(self, timeout: float = 5.0) -> Stats:
-        live = [c for c in self.clients if c.accepting]
-        if not live:
-            raise EngineUnavailable("no engine is available")
+        live = self._accepting()
         results = await asyncio.gather(*(c.stats(timeout) for c in live), return_exceptions=True)
         stats = [r for r in results if isinstance(r, Stats)]
         if not stats:
