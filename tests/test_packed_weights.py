@@ -207,7 +207,8 @@ def test_bf16_prompts_take_dot_products_on_the_blocks(fmt, compiled, monkeypatch
     """Where the CPU has AVX512-BF16 and tune found it faster, a bf16 prompt's rows meet the blocks, d q + m for each
     32 or 16 weights, as d (x . q) + m sum(x): the exact weights, summed in float32, rounded once, bias included,
     so within one bf16 rounding of float64's answer, as the float32 GEMM's is, and now and then a last bit apart
-    from it. Rows in passes of 32 and chunks of 256, weight rows 8 at a time: shapes that fill neither."""
+    from it. Rows in passes of 32 (of 16 where no more are left) and chunks of 256, weight rows 8 at a time: shapes
+    that fill neither."""
     if fmt not in matmul._dot_formats():
         pytest.skip("no AVX512-BF16 here")
     k, gen = width(fmt, 96), torch.Generator().manual_seed(8)
@@ -226,6 +227,36 @@ def test_bf16_prompts_take_dot_products_on_the_blocks(fmt, compiled, monkeypatch
             assert torch.equal(y[-1:], matmul._linear_dot(x[-1:], packed, fmt, b))  # (a row's result is its own)
             if m > 1:
                 assert (y != matmul._linear_expanded(x, packed, fmt, b)).float().mean() < 0.02
+
+
+def test_dot_products_take_bf16_steps_of_few_rows_and_graphs_replay_them(compiled, monkeypatch):
+    """Where tune measured the dot products faster than the C kernel at 32 rows (and above), bf16 steps of 32 rows
+    and more take them, decodes' too, and a CPU graph records them and replays them on new rows; fewer rows, float32
+    ones and batch-invariant mode's stay in the C kernel."""
+    if "q4_k" not in matmul._dot_formats():
+        pytest.skip("no AVX512-BF16 here")
+    monkeypatch.setattr(matmul, "_dot_rows", 32)
+    packed, gen, went = packed_weight("q4_k", 24, 256), torch.Generator().manual_seed(5), []
+    for name in ("_linear_dot", "_linear_blocks"):
+        monkeypatch.setattr(matmul, name, lambda *a, fn=getattr(matmul, name), name=name: went.append(name) or fn(*a))
+    x = torch.randn(40, 256, generator=gen).bfloat16()
+    for rows in (32, 40, 31, 1):
+        assert torch.equal(matmul.linear_packed(x[:rows], packed, "q4_k"), matmul._linear_dot(x[:rows], packed, "q4_k", None))
+    assert went[::2] == ["_linear_dot"] * 2 + ["_linear_blocks"] * 2
+    matmul.linear_packed(x.float(), packed, "q4_k")
+    matmul.set_every_row(True)
+    try:
+        matmul.linear_packed(x, packed, "q4_k")
+    finally:
+        matmul.set_every_row(False)
+    assert went[-2:] == ["_linear_blocks"] * 2
+    out = {}
+    replay = matmul.graph.capture()(lambda: out.update(y=matmul.linear_packed(x, packed, "q4_k")))
+    x.copy_(torch.randn(40, 256, generator=gen).bfloat16())
+    replay()
+    assert torch.equal(out["y"], matmul._linear_dot(x, packed, "q4_k", None))
+    calls = [c.kernel for c in replay.__self__.steps if isinstance(c, matmul.graph._Call)]
+    assert [k.fn.__name__ for k in calls] == ["linear_q_dot_bf16"] and calls[0].packed  # (replayed from graph.c)
 
 
 def test_slices_of_a_weight_stay_within_their_bound_in_whole_64s():
@@ -277,7 +308,8 @@ def test_bf16_gemms_of_many_rows_meet_few_row_counts(compiled, monkeypatch):
 def test_tune_measures_where_packed_weights_go(compiled, monkeypatch, caplog):
     """A model with packed weights (2-D, or a fused layer's flat bytes): tune times the ways once and logs what it
     took (the C kernel up to 64 rows or 32, three bf16 parts or dot products on the blocks from 80, 128 or 256
-    bf16 rows, where faster than the float32 GEMM (and the other, the dot products at every count above too), or
+    bf16 rows, where faster than the float32 GEMM (and the other, the dot products at every count above too; and
+    from 16, 32 or 64 rows where faster than the C kernel there and at every count above), or
     never: also where the bf16 GEMM was too slow to be timed whole); with TOKENMILL_CPU_LINEAR_ROWS set (runs that
     must not depend on a timing), or without a packed weight, up to 64 rows and never, whatever was measured
     before."""
@@ -300,6 +332,18 @@ def test_tune_measures_where_packed_weights_go(compiled, monkeypatch, caplog):
         times[("bf16", 128)] = 5  # (the parts lose at 128 rows: the dot products win there)
         matmul.tune([packed_weight("q4_0", 8, 64)])
         assert (matmul._split_rows, matmul._dot_rows) == (256, 128)
+        few = {("C", 16): 1, ("dot", 16): 0.95, ("C", 32): 2, ("dot", 32): 1.2, ("dot", 64): 1.5}  # (below 64: against
+        times |= few  # the C kernel alone; won at 32 and 64 rows but lost at 80: from 128 still)
+        matmul.tune([packed_weight("q4_0", 8, 64)])
+        assert (matmul._packed_rows, matmul._dot_rows) == (64, 128)
+        times[("dot", 80)] = 2  # (and at every count from 32 rows up: taken from 32, decodes' steps too)
+        matmul.tune([packed_weight("q4_0", 8, 64)])
+        assert (matmul._packed_rows, matmul._dot_rows) == (64, 32) and "32 rows or more take dot products" in caplog.text
+        times[("dot", 64)] = 2.6  # (a loss to the C kernel's 3 at 64 rows)
+        matmul.tune([packed_weight("q4_0", 8, 64)])
+        assert matmul._dot_rows == 80
+        for key in few:
+            del times[key]
         times |= {("dot", 80): 2, ("float32", 80): 4, ("bf16", 80): 3, ("dot", 128): 5, ("dot", 256): 9}  # (won
         # at 80 rows alone: not taken past them, where the parts won, review T)
         matmul.tune([packed_weight("q4_0", 8, 64)])
@@ -312,17 +356,18 @@ def test_tune_measures_where_packed_weights_go(compiled, monkeypatch, caplog):
         assert (matmul._packed_rows, matmul._split_rows) == (64, 0) and "do not take three bf16 parts" in caplog.text
         times |= {("float32", 64): 1, ("bf16", 256): 1}
         matmul.tune([packed_weight("q4_0", 8, 64)])
-        assert (matmul._packed_rows, matmul._split_rows, len(measured)) == (32, 256, 7)
+        assert (matmul._packed_rows, matmul._split_rows, len(measured)) == (32, 256, 10)
         matmul.tune([torch.randn(8, 8)])  # no packed weight: as unmeasured
-        assert (matmul._packed_rows, matmul._split_rows, len(measured)) == (64, 0, 7)
+        assert (matmul._packed_rows, matmul._split_rows, len(measured)) == (64, 0, 10)
         times[("dot", 256)] = 0.1
         matmul.tune([packed_weight("q4_0", 8, 64)])
         monkeypatch.setenv("TOKENMILL_CPU_LINEAR_ROWS", "64")
         matmul.tune([packed_weight("q4_0", 8, 64)])
-        assert (matmul._packed_rows, matmul._split_rows, matmul._dot_rows, len(measured)) == (64, 0, 0, 8)
+        assert (matmul._packed_rows, matmul._split_rows, matmul._dot_rows, len(measured)) == (64, 0, 0, 11)
         monkeypatch.undo()
         real = matmul._measure_packed()  # (the real one: seconds each way, the bf16 GEMM's only where it kept up)
         assert {("C", 64), ("float32", 64), ("float32", 256)} <= real.keys() and all(0 < t < 1 for t in real.values())
+        assert {("C", 16), ("dot", 16), ("C", 32)} <= real.keys() or "q4_0" not in matmul._dot_formats()
     finally:
         matmul.reset()
 

@@ -939,10 +939,11 @@ static void dot_x(const uint16_t *x, int64_t m0, int64_t rows, int64_t K, int64_
 }
 
 /* One pass: DOT_ROWS rows of x (xp, xs laid out by dot_x) times DOT_COLS expanded weight rows (q: K / 2 pairs
-   each; d, m: K / gw each, a group of gw weights a scale) into out[c][r] */
+   each; d, m: K / gw each, a group of gw weights a scale) into out[c][r]; with ``vecs`` 1, its first 16 rows only
+   (a pass of 16 rows or fewer: half the work) */
 static inline __attribute__((always_inline)) void dot_pass(const uint32_t *xp, const float *xs, const uint32_t *q,
                                                            const float *d, const float *m, const int64_t K,
-                                                           const int sums, const int gw,
+                                                           const int sums, const int gw, const int vecs,
                                                            float out[DOT_COLS][DOT_ROWS]) {
     const int64_t P = K / 2, G = K / gw;
     memset(out, 0, sizeof(float) * DOT_COLS * DOT_ROWS); /* (the sums live there: registers hold a group's) */
@@ -950,17 +951,18 @@ static inline __attribute__((always_inline)) void dot_pass(const uint32_t *xp, c
         __m512 part[DOT_COLS][2];
         for (int c = 0; c < DOT_COLS; c++) part[c][0] = part[c][1] = _mm512_setzero_ps();
         for (int64_t p = gw / 2 * g; p < gw / 2 * (g + 1); p++) {
-            __m512i x0 = _mm512_load_si512(xp + p * DOT_ROWS), x1 = _mm512_load_si512(xp + p * DOT_ROWS + 16);
+            __m512i x0 = _mm512_load_si512(xp + p * DOT_ROWS);
+            __m512i x1 = vecs > 1 ? _mm512_load_si512(xp + p * DOT_ROWS + 16) : x0;
             IN_REGISTER(x0);
-            IN_REGISTER(x1);
+            if (vecs > 1) IN_REGISTER(x1);
             for (int c = 0; c < DOT_COLS; c++) {
                 const __m512bh w = (__m512bh)_mm512_set1_epi32((int)q[c * P + p]);
                 part[c][0] = _mm512_dpbf16_ps(part[c][0], (__m512bh)x0, w);
-                part[c][1] = _mm512_dpbf16_ps(part[c][1], (__m512bh)x1, w);
+                if (vecs > 1) part[c][1] = _mm512_dpbf16_ps(part[c][1], (__m512bh)x1, w);
             }
         }
         for (int c = 0; c < DOT_COLS; c++)
-            for (int h = 0; h < 2; h++) {
+            for (int h = 0; h < vecs; h++) {
                 __m512 o = _mm512_fmadd_ps(part[c][h], _mm512_set1_ps(d[c * G + g]), _mm512_loadu_ps(out[c] + 16 * h));
                 if (sums)
                     o = _mm512_fmadd_ps(_mm512_load_ps(xs + g * DOT_ROWS + 16 * h), _mm512_set1_ps(m[c * G + g]), o);
@@ -1029,10 +1031,15 @@ int linear_q_dot_bf16(const uint16_t *x, const uint8_t *w, int fmt, const uint16
                 for (int64_t pass = 0; pass * DOT_ROWS < rows; pass++) {
                     const uint32_t *xpp = xp + pass * P * DOT_ROWS;
                     const float *xsp = xs + pass * G * DOT_ROWS;
-                    if (gw == 16) /* (each a constant: its loop bounds unrolled) */
-                        dot_pass(xpp, xsp, q, d, m, K, sums, 16, out);
+                    const int half = rows - pass * DOT_ROWS <= 16; /* (each a constant: its loops unrolled) */
+                    if (gw == 16 && half)
+                        dot_pass(xpp, xsp, q, d, m, K, sums, 16, 1, out);
+                    else if (gw == 16)
+                        dot_pass(xpp, xsp, q, d, m, K, sums, 16, 2, out);
+                    else if (half)
+                        dot_pass(xpp, xsp, q, d, m, K, sums, 32, 1, out);
                     else
-                        dot_pass(xpp, xsp, q, d, m, K, sums, 32, out);
+                        dot_pass(xpp, xsp, q, d, m, K, sums, 32, 2, out);
                     for (int64_t r = 0; r < DOT_ROWS && pass * DOT_ROWS + r < rows; r++)
                         for (int64_t c = 0; c < cols; c++)
                             store_biased(y, (m0 + pass * DOT_ROWS + r) * N + n0 + c, out[c][r], b, n0 + c, 1);
@@ -1114,5 +1121,8 @@ int linear_q_f32_packed(const int64_t *a) {
 }
 int linear_q_bf16_packed(const int64_t *a) {
     return linear_q_bf16(PTR(0), PTR(1), (int)a[2], PTR(3), PTR(4), a[5], a[6], a[7], (int)a[8]);
+}
+int linear_q_dot_bf16_packed(const int64_t *a) {
+    return linear_q_dot_bf16(PTR(0), PTR(1), (int)a[2], PTR(3), PTR(4), a[5], a[6], a[7], (int)a[8]);
 }
 int dequantize_rows_packed(const int64_t *a) { return dequantize_rows(PTR(0), (int)a[1], PTR(2), PTR(3), a[4], a[5], (int)a[6]); }

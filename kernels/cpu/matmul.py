@@ -27,7 +27,8 @@ computes with the exact weights). A bf16 step of many rows may instead meet each
 that sum to it exactly, in torch's bf16 GEMM (``_linear_split``), where ``tune`` measured that faster (AMX), or
 AVX512-BF16's dot products on the blocks' integers (``_linear_dot``: every format's weights are ``d q + m`` for
 each 32 or 16, so per group ``d (x . q) + m sum(x)``, the exact weights again, summed in float32), where ``tune``
-measured that faster (about twice float32's GEMM on the AVX-512 EPYC).
+measured that faster (about twice float32's GEMM on the AVX-512 EPYC); those take steps of 16 rows and more too,
+decodes' included, where ``tune`` measured them faster than the C kernel there (1.4-2x on that EPYC).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ FORMATS = PACKED_FORMATS  # the block formats matmul.c reads, by its enum's numb
 EXPAND_BYTES = 32 << 20
 ROWS = (1, 2, 4, 8, 16, 32, 64)  # the row counts tune tries; more rows go to torch
 PAST = (80, 128, 256)  # the bf16 row counts past them tune tries for a packed weight's other ways
+DOT_FEW = (16, 32, 64)  # ... and those of them it tries the dot products at, against the C kernel
 STREAM_BYTES = 64 << 20  # weights timed per shape: more than a CPU's last-level cache
 # the C kernel must be this much faster to be chosen: a near tie is noise, and its Python wrapper costs
 # more per call than torch's (measured: bf16 at 1 row was a tie here, and lost in the model)
@@ -80,8 +82,8 @@ _packed_rows = ROWS[-1]
 # torch's bf16 GEMM (``_linear_split``) rather than in its float32 GEMM, where that ran faster (AMX's); 0: never
 _split_rows = 0
 # ... and bf16 steps of at least this many rows go to the dot products on the blocks (``_linear_dot``; where
-# ``_dot_formats`` names the format) rather than to either GEMM, where that ran faster than both (AVX512-BF16's);
-# 0: never
+# ``_dot_formats`` names the format) rather than to the C kernel or either GEMM, where that ran faster than each
+# (AVX512-BF16's: from 16 rows, against the C kernel's 8 float32 lanes), graphs' steps too; 0: never
 _dot_rows = 0
 _scratch_buffers = threading.local()  # (``_scratch``)
 SCRATCH_BYTES = 64 << 20  # the most a scratch buffer keeps
@@ -156,11 +158,13 @@ def linear_packed(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.T
     if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype):
         raise ValueError(f"bias must be ({n},) {x.dtype}, got {bias.dtype} {tuple(bias.shape)}")
     x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()  # (runs per layer: lean)
-    rows, how = x2.shape[0], _linear_blocks  # few: the C kernel (a step a graph records: always)
-    if rows > _packed_rows and EXPAND_BYTES and not _every_row and not graph.recording():  # many: torch's GEMM...
-        bf16 = x.dtype == torch.bfloat16
-        how = (_linear_dot if bf16 and 0 < _dot_rows <= rows and fmt in _dot_formats()  # ...or the dot products
-               else _linear_split if bf16 and 0 < _split_rows <= rows else _linear_expanded)
+    rows, how, bf16 = x2.shape[0], _linear_blocks, x.dtype == torch.bfloat16  # few: the C kernel
+    if _every_row:
+        pass
+    elif bf16 and 0 < _dot_rows <= rows and fmt in _dot_formats():  # the dot products (one C call: graphs too)
+        how = _linear_dot
+    elif rows > _packed_rows and EXPAND_BYTES and not graph.recording():  # many: torch's GEMM (a graph's: never)
+        how = _linear_split if bf16 and 0 < _split_rows <= rows else _linear_expanded
     y = how(x2, weight, fmt, bias)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
 
@@ -411,12 +415,13 @@ def _tune_packed(packed: bool, measure: bool) -> None:
         return (way, m) in ms and ms[way, m] * MARGIN < min(ms.get((t, m), math.inf) for t in than)
     _split_rows = next((m for m in PAST if faster("bf16", m, "float32")), 0)
     # (from the fewest rows they won at and at every count above it: the bf16 GEMM may gain on them with the rows)
-    _dot_rows = next((m for m in PAST if all(faster("dot", a, "float32", "bf16") for a in PAST if a >= m)), 0)
+    counts = sorted({m for _, m in ms})
+    _dot_rows = next((m for m in counts if all(faster("dot", a, "C", "float32", "bf16") for a in counts if a >= m)), 0)
     split = (f", its bf16 GEMM on three exact parts for bf16 steps of {_split_rows} rows or more" if _split_rows
              else "; bf16 steps do not take three bf16 parts")
     if _dot_rows:
         split += f"; bf16 steps of {_dot_rows} rows or more take dot products on the blocks where they can"
-    times = ", ".join(f"{m} rows {way} {t:.2f}" for (way, m), t in ms.items())
+    times = ", ".join(f"{m} rows {way} {t:.2f}" for (way, m), t in sorted(ms.items(), key=lambda kv: kv[0][1]))
     log.info("CPU linear: packed weights take the C kernel up to %d rows and torch's float32 GEMM past them%s (ms by "
              "a 2048x2048 Q4_0: %s)", _packed_rows, split, times)
 
@@ -450,7 +455,8 @@ def _measure(ws: list[torch.Tensor]) -> tuple[bool, ...]:
 
 def _measure_packed() -> dict[tuple[str, int], float]:
     """Seconds by way and rows of x, the best of three each, for a Q4_0 weight of 2048 x 2048: the C kernel and
-    torch's float32 GEMM at 64 rows; at 256 bf16 rows, then at 128 and 80 while either won, the float32 GEMM, the bf16
+    torch's float32 GEMM at 64 rows; where AVX512-BF16 has them, the dot products on the blocks and the C kernel at
+    16, 32 and 64 bf16 rows (64's C kernel: float32's, the same but for x's widening); at 256 bf16 rows, then at 128 and 80 while either won, the float32 GEMM, the bf16
     GEMM on three parts and the dot products on the blocks (where AVX512-BF16 has them), the last two stopped once
     past four times the float32 GEMM's time (without AMX, torch emulates bf16 some twenty times slower: left
     out)."""
@@ -468,6 +474,10 @@ def _measure_packed() -> dict[tuple[str, int], float]:
         return min(times)
 
     ms = {("C", 64): best(_linear_blocks, x[:64]), ("float32", 64): best(_linear_expanded, x[:64])}
+    for m in DOT_FEW if "q4_0" in _dot_formats() else ():
+        if ("C", m) not in ms:  # (64 rows': float32's, a tie with bf16's)
+            ms["C", m] = best(_linear_blocks, x[:m].bfloat16())
+        ms["dot", m] = best(_linear_dot, x[:m].bfloat16(), 4 * ms["C", m])
     for m in reversed(PAST):
         ms["float32", m] = best(_linear_expanded, x[:m].bfloat16())
         ms["bf16", m] = best(_linear_split, x[:m].bfloat16(), 4 * ms["float32", m])  # (a slow sample is no loss)
