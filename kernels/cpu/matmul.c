@@ -846,11 +846,34 @@ static inline __attribute__((always_inline)) __m512i dot_nibbles(const uint8_t *
     return _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low)));
 }
 
+/* The bf16 bits (exact) of the integers each int16's low 5 bits name, as vpermw reads them: 0..31 (``whole``),
+   -16..15 (``sign``), -32..-1 (``low``: Q6_K's lower half, ``whole`` its upper), and a format's 16 levels */
+typedef struct {
+    __m512i whole, sign, low, levels;
+} dot_tables;
+
+static inline dot_tables dot_tables_for(const int fmt) {
+    uint16_t t[4][32];
+    for (int i = 0; i < 32; i++) {
+        float f[4] = {(float)i, (float)(i < 16 ? i : i - 32), (float)(i - 32),
+                      (float)(fmt == MXFP4 ? MXFP4_LEVELS[i & 15] : IQ4_LEVELS[i & 15])};
+        for (int j = 0; j < 4; j++) {
+            uint32_t u;
+            memcpy(&u, f + j, 4);
+            t[j][i] = (uint16_t)(u >> 16);
+        }
+    }
+    const dot_tables out = {_mm512_loadu_si512(t[0]), _mm512_loadu_si512(t[1]), _mm512_loadu_si512(t[2]),
+                            _mm512_loadu_si512(t[3])};
+    return out;
+}
+
 /* The 32 weights of one block (of a K-quant's or IQ4_XS's super-block: sub-block g, its scales s from k_scales)
-   as d q + m: their integers q as bf16, in order, and d and m (expand_scalar's weights, without its rounding);
-   Q2_K, Q3_K and Q6_K: a d and an m for each 16 (d[0], d[1]) */
+   as d q + m: their integers q as bf16 (looked up in ``tab``), in order, and d and m (expand_scalar's weights,
+   without its rounding); Q2_K, Q3_K and Q6_K: a d and an m for each 16 (d[0], d[1]) */
 static inline __attribute__((always_inline)) void dot_block(const uint8_t *blk, const int fmt, const int g,
-                                                            const float s[32], uint16_t *q, float *d, float *m) {
+                                                            const float s[32], const dot_tables *tab, uint16_t *q,
+                                                            float *d, float *m) {
     const int with_m = fmt == Q4_1 || fmt == Q5_1 || fmt == Q4_Z; /* (the blocks of 32 with a second fp16) */
     __m512i v; /* 32 int16 */
     float scale, second = 0.0f;
@@ -862,7 +885,7 @@ static inline __attribute__((always_inline)) void dot_block(const uint8_t *blk, 
                                             _mm256_set1_epi8(15));
         const __m256i hi = _mm256_and_si256(_mm256_slli_epi16(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * r)), 4),
                                             _mm256_set1_epi8(0x30));
-        v = _mm512_sub_epi16(_mm512_cvtepu8_epi16(_mm256_or_si256(lo, hi)), _mm512_set1_epi16(32));
+        v = _mm512_cvtepu8_epi16(_mm256_or_si256(lo, hi)); /* (0..63: q + 32) */
         d[1] = s[2 * g + 1], m[1] = 0.0f;
         scale = s[2 * g];
     } else if (fmt == Q2_K || fmt == Q3_K) {
@@ -885,9 +908,7 @@ static inline __attribute__((always_inline)) void dot_block(const uint8_t *blk, 
                                       v, _mm512_set1_epi16(16));
         scale = s[g], second = s[8 + g];
     } else if (fmt == IQ4_XS || fmt == IQ4_NL || fmt == MXFP4) {
-        const __m128i levels = _mm_loadu_si128((const __m128i *)(fmt == MXFP4 ? MXFP4_LEVELS : IQ4_LEVELS));
-        v = _mm512_permutexvar_epi16(dot_nibbles(blk + (fmt == IQ4_XS ? 8 + 16 * g : fmt == MXFP4 ? 1 : 2)),
-                                     _mm512_cvtepi8_epi16(_mm256_zextsi128_si256(levels))); /* (16 int16 lanes) */
+        v = dot_nibbles(blk + (fmt == IQ4_XS ? 8 + 16 * g : fmt == MXFP4 ? 1 : 2)); /* (the levels' indices) */
         scale = fmt == IQ4_XS ? s[g] : fmt == MXFP4 ? e8m0_half(blk[0]) : half_to_float(blk);
     } else if (fmt == Q8_0) {
         v = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 2)));
@@ -905,10 +926,67 @@ static inline __attribute__((always_inline)) void dot_block(const uint8_t *blk, 
         if (with_m) second = half_to_float(blk + 2);
         if (fmt == Q4_Z) second = -(scale * second); /* d (q - z): an exact product of two halves */
     }
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(v)));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(v, 1)));
-    _mm512_storeu_si512(q, (__m512i)_mm512_cvtne2ps_pbh(hi, lo)); /* (exact: every |q| is at most 256) */
+    if (fmt == Q8_0) { /* (-128..127: converted, exact) */
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(v)));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(v, 1)));
+        v = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+    } else if (fmt == Q6_K) { /* (bit 5 of each index picks the upper half) */
+        v = _mm512_permutex2var_epi16(tab->low, v, tab->whole);
+    } else {
+        const int sign = fmt == Q4_0 || fmt == Q5_0 || fmt == Q3_K;
+        const int levels = fmt == IQ4_XS || fmt == IQ4_NL || fmt == MXFP4;
+        v = _mm512_permutexvar_epi16(v, levels ? tab->levels : sign ? tab->sign : tab->whole);
+    }
+    _mm512_storeu_si512(q, v);
     *d = scale, *m = second;
+}
+
+/* A work item's ``cols`` weight rows (from w, whole blocks each) as their integers (q: K / 2 pairs a row) and their
+   groups' d and m (K / gw a row); rows past ``cols`` up to DOT_COLS: zeros */
+static inline __attribute__((always_inline)) void dot_rows(const uint8_t *w, const int fmt, int64_t cols, int64_t K,
+                                                           uint32_t *q, float *d, float *m) {
+    const int gw = dot_group(fmt), per = BLOCK_WEIGHTS[fmt] / 32;
+    const int64_t P = K / 2, G = K / gw, row_bytes = K / BLOCK_WEIGHTS[fmt] * BLOCK_BYTES[fmt];
+    const dot_tables tab = dot_tables_for(fmt);
+    for (int c = 0; c < DOT_COLS; c++) {
+        if (c >= cols) { /* (a last item's missing rows) */
+            memset(q + c * P, 0, 4 * P);
+            memset(d + c * G, 0, 4 * G), memset(m + c * G, 0, 4 * G);
+            continue;
+        }
+        for (int64_t g = 0; g < K / 32; g += per) { /* (g: 32 weights) */
+            const uint8_t *blk = w + c * row_bytes + g / per * BLOCK_BYTES[fmt];
+            float s[32];
+            if (per > 1) k_scales(blk, fmt, s);
+            for (int j = 0; j < per; j++)
+                dot_block(blk, fmt, j, s, &tab, (uint16_t *)(q + c * P) + 32 * (g + j),
+                          d + c * G + (g + j) * 32 / gw, m + c * G + (g + j) * 32 / gw);
+            __builtin_prefetch(blk + PACKED_AHEAD);
+        }
+    }
+}
+
+/* a case per format, each with its constant inlined */
+static void dot_expand(const uint8_t *w, int fmt, int64_t cols, int64_t K, uint32_t *q, float *d, float *m) {
+#define DOT_EXPAND(F)                                                                                              \
+    case F: dot_rows(w, F, cols, K, q, d, m); break;
+    switch (fmt) {
+        DOT_EXPAND(Q4_0)
+        DOT_EXPAND(Q4_1)
+        DOT_EXPAND(Q8_0)
+        DOT_EXPAND(Q4_Z)
+        DOT_EXPAND(Q5_0)
+        DOT_EXPAND(Q5_1)
+        DOT_EXPAND(Q4_K)
+        DOT_EXPAND(Q5_K)
+        DOT_EXPAND(Q6_K)
+        DOT_EXPAND(Q2_K)
+        DOT_EXPAND(Q3_K)
+        DOT_EXPAND(IQ4_NL)
+        DOT_EXPAND(IQ4_XS)
+        DOT_EXPAND(MXFP4)
+    }
+#undef DOT_EXPAND
 }
 
 /* Pass ``pass`` (DOT_ROWS rows from m0 + pass DOT_ROWS, of the ``rows`` from m0) of x (bf16, K columns) as pairs
@@ -990,7 +1068,7 @@ int linear_q_dot_bf16(const uint16_t *x, const uint8_t *w, int fmt, const uint16
     if (fmt < 0 || fmt >= FORMATS || K % BLOCK_WEIGHTS[fmt] || num_threads < 1) return BAD_ARGUMENTS;
     if (M <= 0) return OK;
     const int gw = dot_group(fmt), sums = dot_sums(fmt);
-    const int64_t P = K / 2, G = K / gw, per = BLOCK_WEIGHTS[fmt] / 32, items = (N + DOT_COLS - 1) / DOT_COLS;
+    const int64_t P = K / 2, G = K / gw, items = (N + DOT_COLS - 1) / DOT_COLS;
     const int64_t row_bytes = K / BLOCK_WEIGHTS[fmt] * BLOCK_BYTES[fmt];
     /* chunks of at most DOT_CHUNK rows, as even as whole passes allow (257 rows: two of 160 and 97, not 256 and 1:
        each chunk expands the weights again) */
@@ -1013,21 +1091,7 @@ int linear_q_dot_bf16(const uint16_t *x, const uint8_t *w, int fmt, const uint16
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < items; t++) {
                 const int64_t n0 = t * DOT_COLS, cols = N - n0 < DOT_COLS ? N - n0 : DOT_COLS;
-                for (int c = 0; c < DOT_COLS; c++) {
-                    if (c >= cols) { /* (a last item's missing rows: zeros) */
-                        memset(q + c * P, 0, 4 * P);
-                        memset(d + c * G, 0, 4 * G), memset(m + c * G, 0, 4 * G);
-                        continue;
-                    }
-                    for (int64_t g = 0; g < K / 32; g += per) { /* (g: 32 weights) */
-                        const uint8_t *blk = w + (n0 + c) * row_bytes + g / per * BLOCK_BYTES[fmt];
-                        float s[32];
-                        if (per > 1) k_scales(blk, fmt, s);
-                        for (int j = 0; j < per; j++)
-                            dot_block(blk, fmt, j, s, (uint16_t *)(q + c * P) + 32 * (g + j),
-                                      d + c * G + (g + j) * 32 / gw, m + c * G + (g + j) * 32 / gw);
-                    }
-                }
+                dot_expand(w + n0 * row_bytes, fmt, cols, K, q, d, m);
                 for (int64_t pass = 0; pass * DOT_ROWS < rows; pass++) {
                     const uint32_t *xpp = xp + pass * P * DOT_ROWS;
                     const float *xsp = xs + pass * G * DOT_ROWS;
