@@ -230,6 +230,12 @@ def _unpack_bits_by_shifts(packed: torch.Tensor, n: int) -> torch.Tensor:
     return bits[:, :n]
 
 
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (the first of equal largest; a NaN counts as largest): ``max``'s indices, which on the CPU
+    take half of bf16 ``argmax``'s time (32 x 49152: 1.3 against 2.9 ms here), the same ids."""
+    return logits.max(dim=-1).indices
+
+
 def _forbid(logits: torch.Tensor, index: tuple[torch.Tensor, ...]) -> None:
     """``logits[index] = -inf`` without a host sync: on CUDA, ``__setitem__`` makes a Python number a CPU
     tensor and copies it to the GPU from pageable memory, which waits for the stream."""
@@ -608,7 +614,7 @@ class Sampler:
         late = not (some & _MIN_TOKENS) or all(m >= p.min_tokens for p, m in zip(params, num_output_tokens, strict=True))
         # Fast path: the common benchmark batch, all greedy with nothing to process.
         if every & _GREEDY and every & _PLAIN and not (some & _LOGPROBS) and late:
-            return Sampled(logits.argmax(dim=-1))
+            return Sampled(greedy_ids(logits))
 
         raw = logits
         # (nothing to process: the model's logits as they are, read, never written; the temperature's division
@@ -620,7 +626,7 @@ class Sampler:
         if not (some & _GREEDY):
             ids, mirostat = self._sample(logits, params, states, num_output_tokens)
         else:
-            ids = logits.argmax(dim=-1)
+            ids = greedy_ids(logits)
             if not (every & _GREEDY):
                 rand = [i for i, s in enumerate(states) if not s.greedy]
                 idx = to_device(rand, logits.device)

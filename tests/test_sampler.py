@@ -57,6 +57,17 @@ def test_greedy_is_argmax_on_the_fast_path():
     assert out.logprobs is None
 
 
+def test_greedy_picks_the_first_of_equal_largest_as_argmax_does():
+    """bf16 logits tie often: the fast path's ids (``max``'s indices, faster on the CPU) are argmax's, the first of
+    equal largest, a NaN counting as largest, infinities among ties."""
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(64, 3000, generator=gen) * 2).round().bfloat16()  # (integers: ties everywhere)
+    logits[1, [5, 9]], logits[2, 40], logits[3, [0, 2999]] = float("inf"), float("nan"), 1e4
+    out = _call(Sampler(3000, [EOS], "cpu"), logits, [SamplingParams(temperature=0.0)] * 64)
+    assert out.token_ids == logits.argmax(-1).tolist() == logits.float().argmax(-1).tolist()
+    assert out.token_ids[1:4] == [5, 40, 0]
+
+
 def test_greedy_with_logprobs_is_still_argmax():
     torch.manual_seed(0)
     logits = torch.randn(4, 50)
