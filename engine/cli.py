@@ -742,8 +742,10 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
     sub = parser._subparsers._group_actions[0].choices[args.command]  # for errors that name the subcommand
+    if extra:  # (the top-level parser's error would print its own usage, not the subcommand's)
+        sub.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         if args.command == "serve":
             return _serve(args, sub)

@@ -36,6 +36,19 @@ def usage_error(capsys, *flags: str) -> str:
     return capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command,flags,unknown", [("engine", ["-dp", "2"], "-dp 2"),
+                                                   ("serve", ["--bogus", "--max-num-seqs", "4"], "--bogus"),
+                                                   ("generate", ["--prompt", "hi", "--port", "1"], "--port 1")])
+def test_an_unknown_flag_is_named_with_its_subcommands_usage(capsys, command, flags, unknown):
+    """(argparse's top-level parser would print ``usage: tokenmill [-h] {serve,engine,generate}``, which does not say
+    that ``-dp`` is serve's flag, not the engine's)"""
+    with pytest.raises(SystemExit) as e:
+        main([command, *flags])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"usage: tokenmill {command}" in err
+    assert f"tokenmill {command}: error: unrecognized arguments: {unknown}" in err
+
+
 @pytest.mark.parametrize("flags", [["--api-key", ""], ["--api-key", "  "], ["--api-key", "ok", "--api-key", " "]])
 def test_blank_api_key_is_a_usage_error(capsys, monkeypatch, flags):
     monkeypatch.setattr(engine.launcher, "serve", lambda *a: pytest.fail("served with a blank key"))
