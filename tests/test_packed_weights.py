@@ -230,19 +230,22 @@ def test_bf16_prompts_take_dot_products_on_the_blocks(fmt, compiled, monkeypatch
 
 
 def test_dot_products_take_bf16_steps_of_few_rows_and_graphs_replay_them(compiled, monkeypatch):
-    """Where tune measured the dot products faster than the C kernel at 32 rows (and above), bf16 steps of 32 rows
-    and more take them, decodes' too, and a CPU graph records them and replays them on new rows; fewer rows, float32
-    ones and batch-invariant mode's stay in the C kernel."""
+    """Where tune measured the dot products faster than the C kernel at 32 rows (and 64), bf16 steps of 32 to 64 rows
+    take them, decodes' too, and a CPU graph records them and replays them on new rows; fewer rows, float32 ones and
+    batch-invariant mode's stay in the C kernel, and more rows go where tune measured past 64."""
     if "q4_k" not in matmul._dot_formats():
         pytest.skip("no AVX512-BF16 here")
-    monkeypatch.setattr(matmul, "_dot_rows", 32)
+    monkeypatch.setattr(matmul, "_dot_few", 32)
     packed, gen, went = packed_weight("q4_k", 24, 256), torch.Generator().manual_seed(5), []
-    for name in ("_linear_dot", "_linear_blocks"):
+    for name in ("_linear_dot", "_linear_blocks", "_linear_expanded"):
         monkeypatch.setattr(matmul, name, lambda *a, fn=getattr(matmul, name), name=name: went.append(name) or fn(*a))
     x = torch.randn(40, 256, generator=gen).bfloat16()
     for rows in (32, 40, 31, 1):
-        assert torch.equal(matmul.linear_packed(x[:rows], packed, "q4_k"), matmul._linear_dot(x[:rows], packed, "q4_k", None))
-    assert went[::2] == ["_linear_dot"] * 2 + ["_linear_blocks"] * 2
+        want = matmul._linear_dot(x[:rows], packed, "q4_k", None)
+        assert torch.equal(matmul.linear_packed(x[:rows], packed, "q4_k"), want)
+    assert went[1::2] == ["_linear_dot"] * 2 + ["_linear_blocks"] * 2
+    matmul.linear_packed(torch.randn(65, 256).bfloat16(), packed, "q4_k")  # (past 64 rows: _dot_rows's, here none)
+    assert went[-1] == "_linear_expanded"
     matmul.linear_packed(x.float(), packed, "q4_k")
     matmul.set_every_row(True)
     try:
@@ -251,6 +254,7 @@ def test_dot_products_take_bf16_steps_of_few_rows_and_graphs_replay_them(compile
         matmul.set_every_row(False)
     assert went[-2:] == ["_linear_blocks"] * 2
     out = {}
+    monkeypatch.setattr(matmul, "_dot_taken", {})  # (the formats first asked within the recording: not recorded, U)
     replay = matmul.graph.capture()(lambda: out.update(y=matmul.linear_packed(x, packed, "q4_k")))
     x.copy_(torch.randn(40, 256, generator=gen).bfloat16())
     replay()
@@ -328,20 +332,22 @@ def test_tune_measures_where_packed_weights_go(compiled, monkeypatch, caplog):
         times |= {("dot", 256): 2, ("dot", 128): 1.2, ("float32", 80): 3, ("dot", 80): 2.7}  # (faster than both)
         matmul.tune([packed_weight("q4_0", 8, 64)])
         assert (matmul._split_rows, matmul._dot_rows) == (128, 256)
-        assert "256 rows or more take dot products" in caplog.text
+        assert "bf16 steps of 256 rows or more take dot products" in caplog.text
         times[("bf16", 128)] = 5  # (the parts lose at 128 rows: the dot products win there)
         matmul.tune([packed_weight("q4_0", 8, 64)])
         assert (matmul._split_rows, matmul._dot_rows) == (256, 128)
-        few = {("C", 16): 1, ("dot", 16): 0.95, ("C", 32): 2, ("dot", 32): 1.2, ("dot", 64): 1.5}  # (below 64: against
-        times |= few  # the C kernel alone; won at 32 and 64 rows but lost at 80: from 128 still)
+        few = {("C", 16): 1, ("dot", 16): 0.95, ("C", 32): 2, ("dot", 32): 1.2, ("dot", 64): 1.5}  # (up to 64 rows:
+        times |= few  # against the C kernel; won at 32 and 64: from 32, beside the dot products from 128 past them)
         matmul.tune([packed_weight("q4_0", 8, 64)])
-        assert (matmul._packed_rows, matmul._dot_rows) == (64, 128)
-        times[("dot", 80)] = 2  # (and at every count from 32 rows up: taken from 32, decodes' steps too)
+        assert (matmul._packed_rows, matmul._dot_few, matmul._dot_rows) == (64, 32, 128)
+        assert "steps of 32-64 rows (the C kernel's bf16 ones: up to 31) and of 128 rows or more" in caplog.text
+        times[("bf16", 256)] = 1  # (the parts win at 256 rows, as AMX's may: none past 64, still from 32 up to them,
+        matmul.tune([packed_weight("q4_0", 8, 64)])  # review U)
+        assert (matmul._split_rows, matmul._dot_rows, matmul._dot_few) == (256, 0, 32)
+        assert "bf16 steps of 32-64 rows (the C kernel's bf16 ones: up to 31) take dot products" in caplog.text
+        times[("bf16", 256)], times[("dot", 64)] = 5, 2.7  # (a loss to the C kernel's 3 at 64 rows: none up to them)
         matmul.tune([packed_weight("q4_0", 8, 64)])
-        assert (matmul._packed_rows, matmul._dot_rows) == (64, 32) and "32 rows or more take dot products" in caplog.text
-        times[("dot", 64)] = 2.6  # (a loss to the C kernel's 3 at 64 rows)
-        matmul.tune([packed_weight("q4_0", 8, 64)])
-        assert matmul._dot_rows == 80
+        assert (matmul._dot_few, matmul._dot_rows) == (0, 128)
         for key in few:
             del times[key]
         times |= {("dot", 80): 2, ("float32", 80): 4, ("bf16", 80): 3, ("dot", 128): 5, ("dot", 256): 9}  # (won

@@ -81,10 +81,13 @@ _packed_rows = ROWS[-1]
 # ... and bf16 steps of at least this many rows (past those) meet the exact weights in three bf16 parts in
 # torch's bf16 GEMM (``_linear_split``) rather than in its float32 GEMM, where that ran faster (AMX's); 0: never
 _split_rows = 0
-# ... and bf16 steps of at least this many rows go to the dot products on the blocks (``_linear_dot``; where
-# ``_dot_formats`` names the format) rather than to the C kernel or either GEMM, where that ran faster than each
-# (AVX512-BF16's: from 16 rows, against the C kernel's 8 float32 lanes), graphs' steps too; 0: never
+# ... and bf16 steps of at least this many rows (past those) go to the dot products on the blocks (``_linear_dot``;
+# where ``_dot_formats`` names the format) rather than to either GEMM, where that ran faster than both
+# (AVX512-BF16's); 0: never...
 _dot_rows = 0
+# ... as do bf16 steps of this many rows up to 64, rather than the C kernel, where that ran faster (from 16 rows
+# on the AVX-512 EPYC, against the C kernel's 8 float32 lanes), graphs' steps too; 0: never
+_dot_few = 0
 _scratch_buffers = threading.local()  # (``_scratch``)
 SCRATCH_BYTES = 64 << 20  # the most a scratch buffer keeps
 # oneDNN keeps what it builds for each shape of a bf16 GEMM (MBs each), so a server whose prompt steps came in
@@ -113,9 +116,9 @@ def _dot_formats() -> frozenset[str]:
     if library is None:
         return frozenset()
     formats = _dot_taken.get(id(library))
-    if formats is None:
-        taken = torch.zeros(len(FORMATS), dtype=torch.int32)
-        library.q_dot_formats(taken.data_ptr())
+    if formats is None:  # (no tensor, and the ctypes function itself: a first ask within a graph's recording is
+        taken = (ctypes.c_int32 * len(FORMATS))()  # not recorded, nor read on the host through torch)
+        library.q_dot_formats.args[0].fn(ctypes.addressof(taken))
         formats = _dot_taken[id(library)] = frozenset(f for f, i in FORMATS.items() if taken[i])
     return formats
 
@@ -161,8 +164,8 @@ def linear_packed(x: torch.Tensor, weight: torch.Tensor, fmt: str, bias: torch.T
     rows, how, bf16 = x2.shape[0], _linear_blocks, x.dtype == torch.bfloat16  # few: the C kernel
     if _every_row:
         pass
-    elif bf16 and 0 < _dot_rows <= rows and fmt in _dot_formats():  # the dot products (one C call: graphs too)
-        how = _linear_dot
+    elif bf16 and (0 < _dot_few <= rows <= ROWS[-1] or 0 < _dot_rows <= rows) and fmt in _dot_formats():
+        how = _linear_dot  # the dot products (one C call: graphs too)
     elif rows > _packed_rows and EXPAND_BYTES and not graph.recording():  # many: torch's GEMM (a graph's: never)
         how = _linear_split if bf16 and 0 < _split_rows <= rows else _linear_expanded
     y = how(x2, weight, fmt, bias)
@@ -401,11 +404,12 @@ def tune(weights: list[torch.Tensor]) -> dict[tuple[int, int, torch.dtype], tupl
 
 
 def _tune_packed(packed: bool, measure: bool) -> None:
-    """Where packed weights go (``_packed_rows``, ``_split_rows``, ``_dot_rows``): measured (``_measure_packed``)
-    where the model has some and ``measure``, else as unmeasured (64 rows, float32: what a run that must not depend
-    on a timing, ``TOKENMILL_CPU_LINEAR_ROWS``, gets, whatever an engine before it in this process measured)."""
-    global _packed_rows, _split_rows, _dot_rows
-    _packed_rows, _split_rows, _dot_rows = ROWS[-1], 0, 0
+    """Where packed weights go (``_packed_rows``, ``_split_rows``, ``_dot_rows``, ``_dot_few``): measured
+    (``_measure_packed``) where the model has some and ``measure``, else as unmeasured (64 rows, float32: what a run
+    that must not depend on a timing, ``TOKENMILL_CPU_LINEAR_ROWS``, gets, whatever an engine before it in this
+    process measured)."""
+    global _packed_rows, _split_rows, _dot_rows, _dot_few
+    _packed_rows, _split_rows, _dot_rows, _dot_few = ROWS[-1], 0, 0, 0
     if not (packed and measure):
         return
     ms = {key: seconds * 1e3 for key, seconds in _measure_packed().items()}
@@ -414,13 +418,16 @@ def _tune_packed(packed: bool, measure: bool) -> None:
     def faster(way: str, m: int, *than: str) -> bool:
         return (way, m) in ms and ms[way, m] * MARGIN < min(ms.get((t, m), math.inf) for t in than)
     _split_rows = next((m for m in PAST if faster("bf16", m, "float32")), 0)
-    # (from the fewest rows they won at and at every count above it: the bf16 GEMM may gain on them with the rows)
-    counts = sorted({m for _, m in ms})
-    _dot_rows = next((m for m in counts if all(faster("dot", a, "C", "float32", "bf16") for a in counts if a >= m)), 0)
+    # (from the fewest rows they won at and at every count above it, up to 64 rows and past them apart: the C kernel
+    # may gain on them with the rows, and the bf16 GEMM past them, AMX's)
+    _dot_rows = next((m for m in PAST if all(faster("dot", a, "float32", "bf16") for a in PAST if a >= m)), 0)
+    _dot_few = next((m for m in DOT_FEW if all(faster("dot", a, "C", "float32") for a in DOT_FEW if a >= m)), 0)
     split = (f", its bf16 GEMM on three exact parts for bf16 steps of {_split_rows} rows or more" if _split_rows
              else "; bf16 steps do not take three bf16 parts")
-    if _dot_rows:
-        split += f"; bf16 steps of {_dot_rows} rows or more take dot products on the blocks where they can"
+    dots = [f"of {_dot_few}-{ROWS[-1]} rows (the C kernel's bf16 ones: up to {_dot_few - 1})" if _dot_few < ROWS[-1]
+            else f"of {ROWS[-1]} rows"] * bool(_dot_few) + [f"of {_dot_rows} rows or more"] * bool(_dot_rows)
+    if dots:
+        split += f"; bf16 steps {' and '.join(dots)} take dot products on the blocks where they can"
     times = ", ".join(f"{m} rows {way} {t:.2f}" for (way, m), t in sorted(ms.items(), key=lambda kv: kv[0][1]))
     log.info("CPU linear: packed weights take the C kernel up to %d rows and torch's float32 GEMM past them%s (ms by "
              "a 2048x2048 Q4_0: %s)", _packed_rows, split, times)
@@ -456,10 +463,10 @@ def _measure(ws: list[torch.Tensor]) -> tuple[bool, ...]:
 def _measure_packed() -> dict[tuple[str, int], float]:
     """Seconds by way and rows of x, the best of three each, for a Q4_0 weight of 2048 x 2048: the C kernel and
     torch's float32 GEMM at 64 rows; where AVX512-BF16 has them, the dot products on the blocks and the C kernel at
-    16, 32 and 64 bf16 rows (64's C kernel: float32's, the same but for x's widening); at 256 bf16 rows, then at 128 and 80 while either won, the float32 GEMM, the bf16
-    GEMM on three parts and the dot products on the blocks (where AVX512-BF16 has them), the last two stopped once
-    past four times the float32 GEMM's time (without AMX, torch emulates bf16 some twenty times slower: left
-    out)."""
+    16, 32 and 64 bf16 rows (64's C kernel: float32's, the same but for x's widening); at 256 bf16 rows, then at
+    128 and 80 while either won, the float32 GEMM, the bf16 GEMM on three parts and the dot products on the blocks
+    (where AVX512-BF16 has them), the last two stopped once past four times the float32 GEMM's time (without AMX,
+    torch emulates bf16 some twenty times slower: left out)."""
     gen = torch.Generator().manual_seed(0)
     blocks = torch.randint(0, 256, (2048, 64, 18), dtype=torch.uint8, generator=gen)
     blocks[:, :, :2] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)  # (finite scales)
@@ -512,7 +519,7 @@ def set_every_row(on: bool) -> None:
 
 def reset() -> None:
     """Forget every decision, and this thread's scratch buffers (tests)."""
-    global _packed_rows, _split_rows, _dot_rows
+    global _packed_rows, _split_rows, _dot_rows, _dot_few
     _use_c.clear()
-    _packed_rows, _split_rows, _dot_rows = ROWS[-1], 0, 0
+    _packed_rows, _split_rows, _dot_rows, _dot_few = ROWS[-1], 0, 0, 0
     _scratch_buffers.__dict__.clear()
