@@ -34,8 +34,9 @@
  * dequantized weights, at any number of rows (not the dot products' below). Past X_CHUNK_ROWS rows, x is taken in chunks, each
  * against every work item of the thread (each expanded again).
  *
- * A bf16 prompt (``linear_q_dot_bf16``, where AVX512-BF16 compiles) multiplies the blocks, whose weights are
- * d q + m for each 32 or 16, by their integers, in vdpbf16ps's exact bf16 products: see "bf16 prompts" below.
+ * A bf16 step of 16 rows or more (``linear_q_dot_bf16``, where AVX512-BF16 compiles: a prompt's, or a batch of
+ * decodes') multiplies the blocks, whose weights are d q + m for each 32 or 16, by their integers, in vdpbf16ps's
+ * exact bf16 products: see "bf16 steps of many rows" below.
  */
 #include <math.h>
 #include <stdint.h>
@@ -812,9 +813,10 @@ int linear_q_bf16(const uint16_t *x, const uint8_t *w, int fmt, const uint16_t *
     return linear_packed(x, w, fmt, b, y, M, N, K, num_threads, 1);
 }
 
-/* ------------------------------------------------------------------------------ bf16 prompts: dot products
+/* ------------------------------------------------------------------ bf16 steps of many rows: dot products
 
-   A bf16 prompt's x W^T on packed weights, whose weights are d q + m with small integers q for each group of 32
+   A bf16 step's x W^T on packed weights (a prompt's, or from 16 rows a batch of decodes', where tune measured
+   them faster than the C kernel above), whose weights are d q + m with small integers q for each group of 32
    (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_Z, IQ4_NL, MXFP4; the sub-blocks of Q4_K, Q5_K and IQ4_XS) or of 16 (Q2_K,
    Q3_K, Q6_K): per group, d (x . q) + m (sum of x), the dot products x . q by AVX512-BF16's vdpbf16ps, which
    multiplies bf16 pairs exactly (each q is exact in bf16) and sums in float, 32 products an instruction where
