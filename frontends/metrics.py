@@ -9,7 +9,9 @@ rename (``tools/grafana_dashboard.json`` is one for tokenmill).
   ``prefix_cache_hit_rate`` (since start), and the counters ``num_preemptions_total`` and, with speculative
   decoding, ``spec_decode_num_drafts_total``, ``spec_decode_num_draft_tokens_total``,
   ``spec_decode_num_accepted_tokens_total`` (vLLM's: the acceptance rate is accepted / draft tokens),
-  one series per engine (``engine`` = its index under data parallel, "0" with one).
+  one series per engine (``engine`` = its index under data parallel, "0" with one); and
+  ``engine_draining``, 1 while an engine drains (stopped with ``--shutdown-timeout``: it runs its
+  requests to their end and takes no new ones), from its first STATS after it said so.
   The per-request counters and histograms below carry ``engine="0"``: they are
   the frontend's, whichever engine ran the request.
 - Per engine request (one per choice: a call with ``n`` = 2 is two), counted when
@@ -153,7 +155,9 @@ class Metrics:
             gauge("num_preemptions", "Cumulative number of preemptions from the engine."),
             gauge("spec_decode_num_drafts", "Number of spec decoding drafts (decodes that had draft tokens)."),
             gauge("spec_decode_num_draft_tokens", "Number of draft tokens."),
-            gauge("spec_decode_num_accepted_tokens", "Number of accepted tokens."))
+            gauge("spec_decode_num_accepted_tokens", "Number of accepted tokens."),
+            gauge("engine_draining", "1 while the engine drains: it runs its requests to their end and takes no "
+                                     "new ones."))
         self._engine_children: dict[str, tuple] = {}
 
         success = prom.Counter(PREFIX + "request_success", "Count of finished requests by finish reason "
@@ -206,22 +210,31 @@ class Metrics:
                 g.labels(self._model_name, engine) for g in self._engine_gauges)
         return children
 
-    def engine_stats(self, s: Stats, engine: str | None = None) -> None:
+    def watch(self, client, engine: str) -> None:
+        """Show ``client``'s engine (an ``EngineClient``) under label ``engine``: its numbers at each STATS, as
+        they are now too, and zeros once it is lost."""
+        client.on_stats = lambda s: self.engine_stats(s, engine, draining=client.draining)
+        client.on_unhealthy = lambda: self.engine_unavailable(engine)
+        if client.last_stats is not None and client.healthy:  # (one lost while connecting: its numbers are gone)
+            client.on_stats(client.last_stats)
+
+    def engine_stats(self, s: Stats, engine: str | None = None, draining: bool = False) -> None:
         """An engine's numbers, as one STATS brought them (and a chance to write out what is pending).
 
         ``engine``: its label (the engine's index under data parallel; default: this object's)."""
         gauges = self._gauges_of(engine or self._engine)
         for gauge, value in zip(gauges, (s.num_running, s.num_waiting, s.kv_usage, s.prefix_cache_hit_rate,
                                          s.num_preemptions, s.num_spec_drafts, s.num_spec_draft_tokens,
-                                         s.num_spec_accepted_tokens), strict=True):
+                                         s.num_spec_accepted_tokens, float(draining)), strict=True):
             gauge.set(value)
         self.flush()
 
     def engine_unavailable(self, engine: str | None = None) -> None:
         """An engine this frontend lost: its requests failed, so it runs and holds none (its gauges would stay at
-        its last STATS for good, with a data-parallel server serving on); its totals stay as they were."""
+        its last STATS for good, with a data-parallel server serving on), nor drains; its totals stay as they
+        were."""
         gauges = self._gauges_of(engine or self._engine)
-        for gauge in gauges[:3]:  # (running, waiting, KV-cache usage)
+        for gauge in (*gauges[:3], gauges[-1]):  # (running, waiting, KV-cache usage; draining)
             gauge.set(0)
 
     def first_token(self, ttft: float) -> None:

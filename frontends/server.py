@@ -12,7 +12,6 @@ in the engine, and returns.
 from __future__ import annotations
 
 import asyncio
-import functools
 import gc
 import logging
 import signal
@@ -153,10 +152,7 @@ async def serve(args: FrontendArgs, ready: Callable[[], None] | None = None) -> 
         metrics = Metrics(args.served_model_name, client.ready.max_model_len)
         # per-engine gauges carry the engine's index (label "engine")
         for i, c in enumerate(client.clients if isinstance(client, EngineRouter) else [client]):
-            c.on_stats = functools.partial(metrics.engine_stats, engine=str(i))
-            c.on_unhealthy = functools.partial(metrics.engine_unavailable, engine=str(i))
-            if c.last_stats is not None and c.healthy:  # (one lost while connecting: its last numbers are gone)
-                c.on_stats(c.last_stats)
+            metrics.watch(c, str(i))
         image_processor = None
         if client.ready.image_tokens:
             try:

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import zmq
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine import protocol as p
 from engine.config import EngineConfig
@@ -22,6 +23,7 @@ from engine.protocol import wants_ipv6
 from engine.server import run_engine
 from frontends.engine_client import EngineClient, EngineUnavailable, Stream
 from frontends.engine_router import EngineRouter, combined_stats
+from frontends.metrics import Metrics
 from tests.test_server_actor import FakeEngine as ActorFakeEngine
 from tools.fake_engine import MODEL, VOCAB, FakeEngine, free_port
 
@@ -455,19 +457,30 @@ def test_ipv6_is_asked_of_zmq_for_ipv6_addresses_alone():
                                     "ipc:///tmp/e.sock"]))
 
 
-def test_a_stopping_engine_finishes_its_requests_and_gets_no_new_ones(tmp_path):
+def test_a_stopping_engine_finishes_its_requests_and_gets_no_new_ones(tmp_path, monkeypatch):
     """``tokenmill engine --shutdown-timeout``: stopped, an engine runs its requests to their end (they failed at once)
-    and takes no new ones; its frontends send theirs to the other engines, and say it is draining. It stops once
-    nothing has run for a moment, not between a call's parts."""
+    and takes no new ones; its frontends send theirs to the other engines, and say it is draining (``/health``, and
+    ``/metrics``' ``engine_draining``). It stops once nothing has run for a moment, not between a call's parts."""
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+
+    def drains() -> dict[str, float]:
+        text = metrics.render().decode()
+        return {s.labels["engine"]: s.value for f in text_string_to_metric_families(text)
+                if f.name == "tokenmill:engine_draining" for s in f.samples}
+
     async def main():
         router = router_for([SimpleNamespace(address=f"ipc://{tmp_path}/e{i}") for i in range(2)])
         await router.connect()
+        for i, c in enumerate(router.clients):
+            metrics.watch(c, str(i))
         draining = router.clients[0]
         s = draining.add("a", [1, 2], p.SamplingParams(max_tokens=50, temperature=0))
         await asyncio.sleep(0.1)
+        assert drains() == {"0": 0, "1": 0}
         actors[0].stop()  # (SIGTERM's handler)
         await until(lambda: draining.draining)
         assert [e["status"] for e in router.engines_health()] == ["draining", "ok"] and router.accepting
+        await until(lambda: drains() == {"0": 1, "1": 0})  # (at its next STATS)
         assert router.add("b", [3], p.SamplingParams(max_tokens=2)).engine == 1
         with pytest.raises(EngineUnavailable, match="shutting down"):
             draining.add("c", [3], p.SamplingParams(max_tokens=2))
@@ -478,8 +491,10 @@ def test_a_stopping_engine_finishes_its_requests_and_gets_no_new_ones(tmp_path):
         s = draining.add("d", [1, 2], p.SamplingParams(max_tokens=5, temperature=0), admitted=True)
         assert (await drain(s, {"d"}))["d"][-1].finish_reason == "length"
         await until(lambda: not draining.healthy)  # (then it stopped)
+        assert drains() == {"0": 0, "1": 0}
         await router.close()
 
+    metrics = Metrics(MODEL, 512)
     with actors_of(tmp_path, (30.0, 0.0), step_delay=0.02) as (actors, threads):
         run(main())
         threads[0].join(10)
