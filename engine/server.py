@@ -233,8 +233,11 @@ class EngineActor:
         # ZMQ's FD is edge-triggered: wait on it only while EVENTS says nothing is
         # pending (a send may have consumed the edge of a frame that arrived).
         # (a tensor-parallel worker's death wakes it too: the loop then checks the workers)
-        watched = [fd, *self.engine.worker_fds()]
-        while not self._stopping and not (self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN):
+        # (a drain begun meanwhile, by a signal, goes back to run(), whose wait ends at the drain's quiet: with no
+        # frame coming, an idle engine without frontends would drain until a second signal, review V)
+        watched, draining = [fd, *self.engine.worker_fds()], self._draining_since
+        while not self._stopping and self._draining_since == draining and not (
+                self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN):
             fut = self._wakeup = loop.create_future()
             for w in watched:
                 loop.add_reader(w, _resolve, fut)

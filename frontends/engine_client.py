@@ -345,7 +345,8 @@ class EngineClient:
                 elif msg.request_id is None and msg.status == 503:  # it stops: its requests run on, no new ones
                     if not self.draining:
                         log.warning("the engine at %s: %s", self.address, msg.message)
-                    self.draining = True
+                        self.draining = True
+                        self._tell_stats()  # (the metrics show it draining at once, not at its next STATS: V)
                 elif msg.request_id is None:
                     log.error("engine error: %s", msg.message)
                 elif (s := streams.pop(msg.request_id, None)) is not None:
@@ -353,11 +354,7 @@ class EngineClient:
             elif isinstance(msg, Stats):
                 self.last_stats, self.last_stats_at = msg, self._last_seen
                 self.in_flight_at_stats = len(streams)
-                if self.on_stats is not None and self._connected:  # (not one read after the engine went)
-                    try:
-                        self.on_stats(msg)
-                    except Exception:  # noqa: BLE001 - a metrics bug must not stop the reader
-                        log.exception("stats callback failed")
+                self._tell_stats()
                 if self._stats_waiters:
                     fut = self._stats_waiters.pop(0)
                     if not fut.done():
@@ -377,6 +374,14 @@ class EngineClient:
             if not self.healthy and self._connected and not self._awaiting_ready and self._unlike is None:
                 log.warning("engine is answering again")
                 self.healthy = True
+
+    def _tell_stats(self) -> None:
+        """``on_stats`` (the metrics) with the engine's latest numbers, unless it went (a late frame of one gone)."""
+        if self.on_stats is not None and self._connected and self.last_stats is not None:
+            try:
+                self.on_stats(self.last_stats)
+            except Exception:  # noqa: BLE001 - a metrics bug must not stop the reader
+                log.exception("stats callback failed")
 
     async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
         hello = encode(Hello(self.frontend_id))

@@ -11,7 +11,8 @@ rename (``tools/grafana_dashboard.json`` is one for tokenmill).
   ``spec_decode_num_accepted_tokens_total`` (vLLM's: the acceptance rate is accepted / draft tokens),
   one series per engine (``engine`` = its index under data parallel, "0" with one); and
   ``engine_draining``, 1 while an engine drains (stopped with ``--shutdown-timeout``: it runs its
-  requests to their end and takes no new ones), from its first STATS after it said so.
+  requests to their end and takes no new ones), from when it says so (seen where engines run apart,
+  ``tokenmill engine``: a stopped ``tokenmill serve`` stops its frontends first).
   The per-request counters and histograms below carry ``engine="0"``: they are
   the frontend's, whichever engine ran the request.
 - Per engine request (one per choice: a call with ``n`` = 2 is two), counted when
