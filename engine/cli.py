@@ -306,7 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "answered a 503 saying so (vLLM's flag; its default, 0, ends them at once) (default: 10)")
     h.add_argument("--engine-liveness-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="an engine that ends no step and answers no ping for this long is taken for hung: "
-                        "its requests fail with 503 until it answers again; a longer step (a huge prefill "
+                        "its requests fail with 503 until it answers again; after a sixth of it, /health says "
+                        "it is stalled and new calls go to other engines; a longer step (a huge prefill "
                         "on a slow CPU) needs more (default: 60, as vLLM's engine iteration timeout)")
     h.add_argument("--max-connections", type=int, default=None, metavar="N",
                    help="open connections (HTTP and WebSocket) per frontend process; one more closes the one "
@@ -594,21 +595,22 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             if args.model is not None and args.model != args.model_tag:
                 raise ValueError(f"two models: {args.model_tag} and --model {args.model}")
             args.model = args.model_tag
+        # flags that do not combine, before either's own checks (which would name only a part of the fault)
+        if (args.node_rank or 0) > 0:
+            raise ValueError(f"--node-rank {args.node_rank} runs only tensor-parallel ranks: start it with "
+                             f"`tokenmill engine` (no --listen); `tokenmill serve` is node 0")
+        if args.engines and (args.tensor_parallel_size or 1) > 1:
+            raise ValueError("--tensor-parallel-size is the remote engine's (`tokenmill engine --listen ... -tp N`): "
+                             "with --engine no engine starts here")
+        if (args.nnodes or 1) > 1 and (args.data_parallel_size > 1 or args.engines):
+            raise ValueError("--nnodes spreads one local engine's ranks over hosts; it does not combine with "
+                             "--data-parallel-size or --engine")
         config = EngineConfig(**_config_kwargs(args))
         options = serve_options(args)
         clash = sorted(set(config.lora_modules or ()) & {config.served_model_name, *options.model_aliases})
         if clash:
             raise ValueError(f"--lora-modules: {', '.join(clash)} is also a name of the model (--served-model-name): "
                              "a request could not say which it means")
-        if config.node_rank > 0:
-            raise ValueError(f"--node-rank {config.node_rank} runs only tensor-parallel ranks: start it with "
-                             f"`tokenmill engine` (no --listen); `tokenmill serve` is node 0")
-        if options.engine_addresses and config.tensor_parallel_size > 1:
-            raise ValueError("--tensor-parallel-size is the remote engine's (`tokenmill engine --listen ... -tp N`): "
-                             "with --engine no engine starts here")
-        if config.nnodes > 1 and (options.data_parallel_size > 1 or options.engine_addresses):
-            raise ValueError("--nnodes spreads one local engine's ranks over hosts; it does not combine with "
-                             "--data-parallel-size or --engine")
     except ValueError as e:
         parser.error(str(e))  # exit 2
     return serve(config, options)

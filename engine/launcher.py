@@ -28,7 +28,9 @@ counters still count. Every process logs in ``--log-format`` (``frontends.logs``
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import ipaddress
 import logging
 import math
 import multiprocessing as mp
@@ -75,6 +77,18 @@ def check_address(flag: str, address: str, listen: bool = False) -> None:
     named = host.startswith("[") and host.endswith("]") and len(host) > 2 or host and not set("[]:") & set(host)
     if not (named and (listen or host != "*") and port.isdigit() and 0 < int(port) < 65536):
         raise ValueError(f"{flag} must be tcp://HOST:PORT (a port of 1-65535) or ipc://PATH, got {address!r}")
+
+
+def same_engine(address: str) -> tuple[str, str]:
+    """What two ways of writing one engine's address share (checked by ``check_address``): a host's case, an IPv6
+    address's spelling ([::1], [0:0::1]), a port's leading zeros, a path's ./ and ..; not two names of one host."""
+    if address.startswith("ipc://"):
+        return "ipc", os.path.abspath(address.removeprefix("ipc://"))
+    host, port = tcp_host_port(address)
+    host = host.lower()
+    with contextlib.suppress(ValueError):
+        host = str(ipaddress.ip_address(host.strip("[]")))
+    return host, str(int(port))
 
 
 def check_shutdown_timeout(seconds: float) -> None:
@@ -126,10 +140,14 @@ class ServeOptions:
         if self.engine_addresses and self.data_parallel_size != 1:
             raise ValueError("--data-parallel-size starts local engines; with --engine the remote engines "
                              "are the data-parallel ones (repeat --engine)")
-        for i, a in enumerate(self.engine_addresses):
+        seen: dict[tuple[str, str], str] = {}
+        for a in self.engine_addresses:
             check_address("--engine", a)
-            if a in self.engine_addresses[:i]:
-                raise ValueError(f"--engine {a} is given twice: one engine, two connections of one frontend identity")
+            if (twice := seen.get(key := same_engine(a))) is not None:
+                said = "" if twice == a else f" (as {twice})"
+                raise ValueError(f"--engine {a} is given twice{said}: one engine, two connections of one frontend "
+                                 "identity")
+            seen[key] = a
             if a.startswith("tcp://") and not self.engine_key:
                 raise ValueError(f"--engine {a} needs the engine's key: --engine-key or $TOKENMILL_ENGINE_KEY")
         if self.log_format not in LOG_FORMATS:

@@ -6,7 +6,11 @@ to. A ``tcp://`` engine is reached with ZMQ CURVE keys derived from the shared
 ``engine_key`` (``protocol.curve_keys``). It also owns the engine's health: the connection dropping (a ZMQ socket
 monitor sees it at once) or no message for ``liveness_timeout`` seconds while it
 is pinged with STATS marks the engine unhealthy and fails every in-flight request
-with a 503 ``Error``, so a client never hangs on a dead engine. The answers to
+with a 503 ``Error``, so a client never hangs on a dead engine. Long before that, an
+engine unanswered for ``stall_after`` (a sixth of that timeout, at least three pings:
+10 s of 60) is ``stalled``: hung (a stopped tensor-parallel worker) or in a step that
+long; ``/health`` says so and the router sends new calls elsewhere, while its requests
+wait on (a slow step ends). The answers to
 those pings, and the STATS the engine sends unasked as its requests come and go, are kept (``last_stats``)
 for ``/health`` to show without a round trip.
 """
@@ -48,6 +52,7 @@ from engine.protocol import (
 log = logging.getLogger("tokenmill.engine_client")
 
 _STATS_PING = encode(Stats())
+STALL_PART = 6  # an engine unanswered for this part of the liveness timeout is stalled (``EngineClient.stalled``)
 
 
 class EngineUnavailable(Exception):
@@ -117,7 +122,7 @@ def _unlike(first: Ready | None, ready: Ready, address: str) -> str | None:
 
 class EngineClient:
     def __init__(self, address: str, frontend_id: str, *, handshake_timeout: float = 60.0,
-                 liveness_interval: float = 2.0, liveness_timeout: float = 60.0,
+                 liveness_interval: float | None = None, liveness_timeout: float = 60.0,
                  engine_key: str | None = None) -> None:
         self.address = address
         self._curve = curve_keys(engine_key) if engine_key else None
@@ -125,8 +130,10 @@ class EngineClient:
             raise ValueError(f"the engine at {address} needs the engine key (--engine-key or ${ENGINE_KEY_ENV})")
         self.frontend_id = frontend_id
         self.handshake_timeout = handshake_timeout
-        self.liveness_interval = liveness_interval
+        # pings every 2 s, more often under a liveness timeout shorter than 16 s (each timeout sees 8 of them)
+        self.liveness_interval = min(2.0, liveness_timeout / 8) if liveness_interval is None else liveness_interval
         self.liveness_timeout = liveness_timeout
+        self.stall_after = min(liveness_timeout, max(liveness_timeout / STALL_PART, 3 * self.liveness_interval))
         self.ready: Ready | None = None
         self.healthy = False
         self.draining = False  # the engine is stopping: its requests run on, it takes no new ones (``accepting``)
@@ -298,6 +305,15 @@ class EngineClient:
     def accepting(self) -> bool:
         """Healthy, and taking new requests."""
         return self.healthy and not self.draining
+
+    def unanswered(self) -> float:
+        """Seconds since the engine last said anything, while it is healthy (and so pinged); else 0."""
+        return time.monotonic() - self._last_seen if self.healthy and self._connected else 0.0
+
+    @property
+    def stalled(self) -> bool:
+        """Healthy but unanswered for over ``stall_after`` (module doc)."""
+        return self.unanswered() > self.stall_after
 
     def _send(self, frame: bytes) -> None:
         if not self.healthy or self._sock is None:

@@ -24,8 +24,10 @@ to when there is more than one engine.
   restarted) has lost the adapters loaded while serving: it is given those every
   other engine serves, from their folders, so that a call may still go to any.
 - An engine that dies or hangs fails only its own in-flight requests (503, from its
-  client); new calls go to the others. ``healthy`` holds while one engine does;
-  ``engines_health()`` is the per-engine view ``/health`` shows ("degraded").
+  client); new calls go to the others, and to one that is ``stalled`` (unanswered for
+  a sixth of the liveness timeout) only while every engine is. ``healthy`` holds while
+  one engine does; ``engines_health()`` is the per-engine view ``/health`` shows
+  ("degraded").
 """
 
 from __future__ import annotations
@@ -146,15 +148,28 @@ class EngineRouter:
         return any(c.accepting for c in self.clients)
 
     @property
+    def stalled(self) -> bool:
+        """Every engine taking new calls is stalled (``EngineClient.stalled``)."""
+        return all(c.stalled for c in self.clients if c.accepting)
+
+    def unanswered(self) -> float:
+        """The shortest time any engine taking new calls has not answered for."""
+        return min((c.unanswered() for c in self.clients if c.accepting), default=0.0)
+
+    @property
     def last_stats(self) -> Stats | None:
         stats = [c.last_stats for c in self.clients if c.healthy and c.last_stats is not None]
         return combined_stats(stats) if stats else None
 
     def engines_health(self) -> list[dict]:
-        """Per engine: index, ok / unavailable, and its latest numbers (no address: /health is open)."""
+        """Per engine: index, ok / stalled (with the seconds it has not answered for) / draining / unavailable,
+        and its latest numbers (no address: /health is open)."""
         out = []
         for i, c in enumerate(self.clients):
-            e = {"engine": i, "status": "draining" if c.healthy and c.draining else "ok" if c.healthy else "unavailable"}
+            e = {"engine": i, "status": "draining" if c.healthy and c.draining else "stalled" if c.stalled else
+                 "ok" if c.healthy else "unavailable"}
+            if e["status"] == "stalled":
+                e["unanswered_s"] = round(c.unanswered(), 1)
             if c.healthy and c.last_stats is not None:
                 s = c.last_stats
                 e.update(num_waiting=s.num_waiting, num_running=s.num_running, kv_usage=s.kv_usage)
@@ -177,13 +192,16 @@ class EngineRouter:
         return float(c.num_in_flight + others), s.kv_usage
 
     def pick(self, affinity: str = "") -> int:
-        """The least-loaded healthy engine, or ``affinity``'s while it is not much busier (module doc);
-        ``EngineUnavailable`` when none is healthy."""
+        """The least-loaded healthy engine (not stalled, while one is not), or ``affinity``'s while it is not much
+        busier (module doc); ``EngineUnavailable`` when none is healthy."""
         n = len(self.clients)
+        taking = [c.accepting for c in self.clients]
+        if not self.stalled:
+            taking = [t and not c.stalled for t, c in zip(taking, self.clients, strict=True)]
         best, best_load = None, None
         for k in range(n):
             i = (self._next + k) % n
-            if not self.clients[i].accepting:
+            if not taking[i]:
                 continue
             load = self.load(i)
             if best_load is None or load < best_load:
@@ -191,7 +209,7 @@ class EngineRouter:
         if best is None:
             raise EngineUnavailable("no engine is available")
         if affinity:
-            home = max((i for i in range(n) if self.clients[i].accepting),  # (by address: frontends agree)
+            home = max((i for i in range(n) if taking[i]),  # (by address: frontends agree)
                        key=lambda i: hashlib.blake2b(f"{self.clients[i].address}:{affinity}".encode(),
                                                      digest_size=8).digest())
             slack = max(1, (self._ready.max_num_seqs if self._ready is not None else 8) // 8)

@@ -20,7 +20,8 @@ once its stream has begun, an error event that ends the stream, as in vLLM.
 Chat ``tools`` / ``tool_choice``: ``frontends.tools`` (the template sees the tools; calls
 are read out of each choice's text, or the output is held to them).
 ``/health`` shows the engine's latest stats, as the client's liveness pings
-brought them: it never waits on the engine. ``/metrics`` (with a ``Metrics``)
+brought them: it never waits on the engine (one that has not answered them for a
+while is a 503: ``EngineClient.stalled``). ``/metrics`` (with a ``Metrics``)
 is Prometheus' view of every frontend (``frontends.metrics``); it follows the
 key rule unless ``metrics_no_auth``.
 """
@@ -354,7 +355,11 @@ class OpenAIApi:
     async def health(self, req: Request) -> Response:
         # the stats the liveness pings brought back: a load balancer's probe never waits on the engine
         # data parallel: "degraded" (still 200) while some engine is down, with each engine's state
+        # a stalled engine (unanswered for a sixth of --engine-liveness-timeout: hung, or in a step that long): 503
         engines = self.client.engines_health() if hasattr(self.client, "engines_health") else None
+        if self.client.accepting and self.client.stalled:
+            raise ApiError(503, f"{'The engine has' if engines is None else 'No engine has'} not answered for "
+                                f"{self.client.unanswered():.0f}s (hung, or in a step that long)")
         if self.client.accepting:
             s = self.client.last_stats
             body = {"status": "ok"} if s is None else {"status": "ok", **stats_fields(s)}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import socket
 import threading
 import time
@@ -380,6 +381,42 @@ def test_router_survives_a_dead_engine(two_engines):
         with pytest.raises(EngineUnavailable):
             router.add("d", [1], params)
         await router.close()
+
+    run(main())
+
+
+def test_a_stalled_engine_gets_no_new_calls_while_another_answers(two_engines):
+    """An engine unanswered for a sixth of the liveness timeout (hung: a stopped tensor-parallel worker) is
+    "stalled" in ``/health``'s view, with the seconds; new calls go to the others, though it is no busier; its own
+    requests wait on (they fail at the liveness timeout); its next answer makes it "ok" and a choice again. With
+    every engine stalled, calls go to them as before (each may be in a long step)."""
+    async def main():
+        router = router_for(two_engines, liveness_timeout=6.0)  # (stalled after 1 s)
+        await router.connect()
+        try:
+            params = p.SamplingParams(max_tokens=100_000, temperature=0)
+            s0, s1 = router.add("a", [1, 2], params), router.add("b", [1, 2], params)
+            assert {s0.engine, s1.engine} == {0, 1}
+            hung = s1.engine
+            two_engines[hung].mute = True
+            await until(lambda: router.engines_health()[hung]["status"] == "stalled")
+            health = router.engines_health()
+            assert health[1 - hung]["status"] == "ok" and 1.0 <= health[hung]["unanswered_s"] < 6.0
+            assert router.healthy and not router.stalled and router.clients[hung].num_in_flight == 1
+            assert [router.pick() for _ in range(4)] == [1 - hung] * 4
+            two_engines[hung].mute = False
+            await until(lambda: router.engines_health()[hung]["status"] == "ok")
+            assert {router.pick() for _ in range(4)} == {0, 1}
+            assert router.clients[hung].num_in_flight == 1  # "b" ran on throughout
+            for e in two_engines:
+                e.mute = True
+            await until(lambda: router.stalled)
+            assert {router.pick() for _ in range(4)} == {0, 1} and router.unanswered() > 1.0
+        finally:
+            for e in two_engines:
+                e.mute = False
+            router.abort(["a", "b"])
+            await router.close()
 
     run(main())
 
@@ -786,6 +823,12 @@ def test_serve_flags_for_data_parallel_and_remote_engines():
             opts("--engine", bad, "--engine-key", KEY)
     with pytest.raises(ValueError, match="given twice"):  # (its start waited out --startup-timeout)
         opts("--engine", "tcp://a:1", "--engine", "tcp://a:1", "--engine-key", KEY)
+    for one, other in (("tcp://Host-A:5555", "tcp://host-a:05555"), ("tcp://[::1]:1", "tcp://[0:0::1]:1"),
+                       ("tcp://[FE80::1]:1", "tcp://[fe80:0::1]:1"), ("ipc:///tmp/e", "ipc:///tmp/x/../e")):
+        with pytest.raises(ValueError, match=rf"--engine {re.escape(other)} is given twice \(as {re.escape(one)}\)"):
+            opts("--engine", one, "--engine", other, "--engine-key", KEY)
+    assert len(opts("--engine", "tcp://a:1", "--engine", "tcp://a:2", "--engine", "tcp://10.0.0.1:1",
+                    "--engine", "tcp://10.0.0.10:1", "--engine-key", KEY).engine_addresses) == 4
     assert opts("--engine", "tcp://[::1]:5555", "--engine", "ipc:///tmp/e", "--engine-key", KEY).engine_addresses
     assert engine_key(None, {"TOKENMILL_ENGINE_KEY": KEY}) == KEY
     assert engine_key("flag-wins-0123456789", {"TOKENMILL_ENGINE_KEY": KEY}) == "flag-wins-0123456789"

@@ -33,7 +33,7 @@ JSON_POSTS = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokeni
 
 
 def make_api(api_keys=(), allowed_origins=(), loopback=False) -> OpenAIApi:
-    client = SimpleNamespace(healthy=True, accepting=True, last_stats=None,
+    client = SimpleNamespace(healthy=True, accepting=True, stalled=False, last_stats=None,
                              ready=SimpleNamespace(max_model_len=512, loras=[], max_loras=0))
     return OpenAIApi(client, None, MODEL, list(api_keys), allowed_origins=list(allowed_origins), loopback=loopback)
 

@@ -14,6 +14,7 @@ import asyncio
 import hashlib
 import http.client
 import json
+import re
 import time
 
 import openai
@@ -28,7 +29,7 @@ from frontends.text import TextCodec
 from frontends.tokenizer import load_tokenizer
 from tests.test_frontend_openai import _err, get, post
 from tests.test_websocket import AUTH, recv, run, serving
-from tools.fake_engine import KEY, MODEL, FakeEngine, free_port, start_frontend, stop_frontend
+from tools.fake_engine import KEY, MODEL, FakeEngine, fake_stack, free_port, start_frontend, stop_frontend
 
 CHAT = [{"role": "user", "content": "hi"}]
 STATS_FIELDS = {"num_waiting", "num_running", "kv_usage", "num_free_blocks", "num_kv_blocks", "num_preemptions",
@@ -461,6 +462,29 @@ def test_health_shows_the_engines_latest_stats(engine, port):
     pc = engine.prefix_cache
     assert h["prefix_cache_hit_rate"] == pc.hit_rate > 0 and h["num_evictions"] == pc.num_evictions
     assert 0 <= h["kv_fragmentation"] < 1
+
+
+def test_health_is_503_while_the_engine_does_not_answer(tmp_path, smollm_tokenizer_dir):
+    """An engine unanswered for a sixth of ``--engine-liveness-timeout`` (at least three of its pings: hung, a
+    stopped worker, or in a step that long) makes ``/health`` a 503 saying so, long before its requests fail; its
+    next answer makes it 200 again."""
+    with fake_stack(str(tmp_path), smollm_tokenizer_dir, engine_liveness_timeout=6.0) as (engine, port):
+        assert get(port, "/health", key=None).status_code == 200
+        engine.mute = True  # it hangs: no outputs, no answers to the pings (every 0.75 s here)
+        try:
+            hung = time.monotonic()
+            while (r := get(port, "/health", key=None)).status_code == 200:
+                assert time.monotonic() - hung < 5, "still 200"
+                time.sleep(0.1)
+            assert time.monotonic() - hung > 2.0  # (stalled after 2.25 s: three pings)
+            e = _err(r, 503, "service_unavailable_error")
+            assert re.fullmatch(r"The engine has not answered for \d+s \(hung, or in a step that long\)", e["message"])
+        finally:
+            engine.mute = False
+        deadline = time.monotonic() + 3  # (its answer to the next ping)
+        while get(port, "/health", key=None).status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
 
 
 def test_stats_stay_fresh_while_outputs_flow(engine):

@@ -132,6 +132,11 @@ def test_a_node_exits_when_the_engine_is_gone(tiny_llama, tmp_path, stop):
      "--node-rank 1 runs only tensor-parallel ranks: start it with `tokenmill engine`"),
     (["serve", "-tp", "2", "--nnodes", "2", "--master-addr", "h", "-dp", "2"],
      "--nnodes spreads one local engine's ranks over hosts; it does not combine with --data-parallel-size"),
+    # the combination is the fault named, before each flag's own checks (which named -tp or --master-addr)
+    (["serve", "--nnodes", "2", "-dp", "2"],
+     "--nnodes spreads one local engine's ranks over hosts; it does not combine with --data-parallel-size"),
+    (["serve", "--nnodes", "2", "--node-rank", "1"], "--node-rank 1 runs only tensor-parallel ranks"),
+    (["serve", "--engine", "tcp://h:1", "-tp", "3", "--nnodes", "2"], "-tp N`): with --engine no engine starts"),
 ])
 def test_bad_flags_exit_2_with_the_reason(args, message, capsys):
     with pytest.raises(SystemExit) as e:
