@@ -696,6 +696,9 @@ class HttpProtocol(asyncio.Protocol):
             self._refuse(req, 503, f"Too many request bodies coming at once (limit {c.max_receiving_bytes} bytes); "
                                    "retry shortly")
             raise _StopParsing
+        if req.expect_continue:  # sent without waiting for its 100 (held behind an answer): none is owed now
+            req.expect_continue = False  # (RFC 9110 10.1.1), and the body is timed from its first bytes on
+            self._start_body_clock()
         server.receiving += n
         self._receiving += n
         req.body += body

@@ -168,6 +168,24 @@ def test_body_timeout_fires_behind_a_pipelined_request(port):
     assert r.startswith(b"HTTP/1.1 200 ") and b"HTTP/1.1 408 " in r
 
 
+def test_a_body_sent_before_its_100_continue_is_timed_as_it_comes():
+    """A body behind an answer still going, its 100 held back, that comes without waiting for it is timed from its
+    first bytes (it was timed only once the 100 went, after that answer: a trickle held its bytes of the server's
+    body budget as long as the answer lasted); no 100 is sent for it then."""
+    with serving(LIMITS) as (port, server):
+        s = connect(port)
+        s.sendall(b"GET /sleepy HTTP/1.1\r\nHost: x\r\n\r\n"  # (1 s)
+                  b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 9\r\nExpect: 100-continue\r\n\r\n")
+        time.sleep(0.05)
+        s.sendall(b"ab")  # and the rest never comes
+        time.sleep(0.1)
+        assert server.receiving == 2
+        time.sleep(0.5)  # past body_timeout (0.3 s), the answer ahead still going
+        assert server.receiving == 0  # refused: its bytes given back
+        r = read_all(s)
+        assert r.startswith(b"HTTP/1.1 200 ") and b"HTTP/1.1 408 " in r and b"100 Continue" not in r
+
+
 def _send_until_answered(s: socket.socket, first: bytes, more: bytes, times: int) -> bytes:
     s.sendall(first)
     for _ in range(times):
