@@ -27,8 +27,10 @@ among the pipelined ones, then the connection closes:
   ``body_timeout`` past the last bytes, so a body sent at once cannot then trickle
   for hours): 408;
   ``max_body_bytes``: 413; ``max_receiving_bytes``, the bodies of every connection
-  still coming, at once: past it the body that would cross it gets 503 (a thousand
-  slow uploads may not pin a frontend's memory, but this much);
+  still coming, at once: past it the body that has been coming longest, if for
+  ``EVICT_AFTER`` or more, gets 503 and makes room, else the body that would cross
+  it does (a thousand slow uploads may not pin a frontend's memory, but this much,
+  and not for good: a fast upload's body takes far less than a second);
 - an ``Expect`` other than ``100-continue``: 417;
 - ``write_timeout``: a client that reads nothing of a response (an SSE stream
   above all) for that long, while the transport is full, is cut off.
@@ -413,6 +415,7 @@ class HttpServer:
         self.shutting_down = False
         self._full_since = -1e9  # when "connection limit reached" was last logged
         self._no_room_until = -1e9  # (time.monotonic) until when no connection is looked for to make room
+        self._no_body_room_until = -1e9  # (loop time) ... no body is looked for to make room (``made_body_room``)
 
     def __call__(self) -> HttpProtocol:  # the protocol factory for loop.create_server
         return HttpProtocol(self)
@@ -452,6 +455,26 @@ class HttpServer:
         self.connections.discard(oldest)
         oldest.close()
         return True
+
+    def made_body_room(self, n: int, asker: HttpProtocol) -> bool:
+        """Past ``max_receiving_bytes``, ``n`` more body bytes for ``asker``: the bodies that have been coming
+        longest, each for ``EVICT_AFTER`` seconds or more (a trickle holding its bytes; a fast upload takes far
+        less), get 503 one at a time until they fit; False when that is not enough (a scan that frees nothing is the
+        last for ``RESCAN_AFTER``)."""
+        now = asker._loop.time()
+        if now < self._no_body_room_until:
+            return False
+        old = sorted((c for c in self.connections if isinstance(c, HttpProtocol) and c is not asker and c._receiving
+                      and c._body_began <= now - EVICT_AFTER), key=lambda c: c._body_began)
+        for c in old:
+            if self.receiving + n <= self.config.max_receiving_bytes:
+                break
+            c._refuse(c._cur, 503, f"Too many request bodies coming at once (limit {self.config.max_receiving_bytes} "
+                                   f"bytes): this one, coming for {now - c._body_began:.0f}s, gave way; retry shortly")
+        if self.receiving + n <= self.config.max_receiving_bytes:
+            return True
+        self._no_body_room_until = now + RESCAN_AFTER
+        return False
 
     async def shutdown(self, grace: float, cut: Callable[[], None] | None = None) -> None:
         """Close idle connections now, let busy ones finish within ``grace`` seconds, then cut them: ``cut``
@@ -530,6 +553,7 @@ class HttpProtocol(asyncio.Protocol):
         self._head_bytes = 0  # of that head: the request target and the headers parsed so far
         self._head_raw = 0  # of that head: the reads known to hold nothing else
         self._last_body = 0.0  # loop time of the current request's last body bytes
+        self._body_began = 0.0  # ... and of when its body was first due
         self._body_due = 0.0  # ... and of when its body is too slow (min_body_rate), moved on by its bytes
         self._paused_at = 0.0  # loop time of the last pause_reading (too many pipelined requests)
         self._receiving = 0  # of the server's ``receiving``: the current request's body bytes so far
@@ -692,7 +716,7 @@ class HttpProtocol(asyncio.Protocol):
         if req is None or req._queued:
             return
         server, c, n = self.server, self.config, len(body)
-        if server.receiving + n > c.max_receiving_bytes:
+        if server.receiving + n > c.max_receiving_bytes and not server.made_body_room(n, self):
             self._refuse(req, 503, f"Too many request bodies coming at once (limit {c.max_receiving_bytes} bytes); "
                                    "retry shortly")
             raise _StopParsing
@@ -778,7 +802,7 @@ class HttpProtocol(asyncio.Protocol):
 
     def _start_body_clock(self) -> None:
         """The current request's body is due from now: its first ``body_timeout`` free (``_on_timeout``)."""
-        self._last_body = self._loop.time()
+        self._last_body = self._body_began = self._loop.time()
         self._body_due = self._last_body + self.config.body_timeout
 
     def _received(self) -> None:

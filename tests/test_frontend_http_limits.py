@@ -147,6 +147,35 @@ def test_bodies_coming_at_once_are_bounded_by_a_frontend_budget():
         assert server.receiving == 0
 
 
+def test_a_body_coming_for_long_gives_way_to_a_new_one_past_the_budget():
+    """Past max_receiving_bytes, the body that has been coming longest, for EVICT_AFTER or more (a trickle that
+    held its bytes: one client's slow bodies made everyone's 503 until they ended), gets the 503 and the new body
+    goes on; a body younger than that is kept, and the new one refused, as before."""
+    config = HttpConfig(max_body_bytes=1000, max_receiving_bytes=1500, header_timeout=5, body_timeout=5,
+                        min_body_rate=0)
+    with serving(config) as (port, server):
+        head = b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
+        old = connect(port)
+        old.sendall(head + b"o" * 900)  # and then nothing (within body_timeout)
+        deadline = time.time() + 5
+        while server.receiving < 900 and time.time() < deadline:
+            time.sleep(0.01)
+        young = connect(port)
+        young.sendall(head + b"y" * 700)
+        assert read_all(young).startswith(b"HTTP/1.1 503 ")  # (the old one has come for less than EVICT_AFTER)
+        time.sleep(EVICT_AFTER)
+        new = connect(port)
+        new.sendall(head + b"n" * 1000)
+        assert read_until(new, b"n" * 1000).startswith(b"HTTP/1.1 200 ")
+        r = read_all(old)
+        assert r.startswith(b"HTTP/1.1 503 ") and b"gave way" in r
+        for s in (old, young, new):
+            s.close()
+        while server.receiving and time.time() < deadline:
+            time.sleep(0.01)
+        assert server.receiving == 0
+
+
 def test_header_timeout_fires_behind_a_pipelined_request(port):
     s = connect(port)
     s.sendall(b"GET /sleepy HTTP/1.1\r\nHost: x\r\n\r\nGET /sleepy HTTP/1.1\r\nHo")  # the second never ends
