@@ -306,9 +306,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "answered a 503 saying so (vLLM's flag; its default, 0, ends them at once) (default: 10)")
     h.add_argument("--engine-liveness-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="an engine that ends no step and answers no ping for this long is taken for hung: "
-                        "its requests fail with 503 until it answers again; after a sixth of it, /health says "
-                        "it is stalled and new calls go to other engines; a longer step (a huge prefill "
-                        "on a slow CPU) needs more (default: 60, as vLLM's engine iteration timeout)")
+                        "its requests fail with 503 until it answers again; after a sixth of it (or four times its "
+                        "longest step within it, if more), /health says it is stalled and new calls go to other "
+                        "engines; a longer step (a huge prefill on a slow CPU) needs more (default: 60, as vLLM's "
+                        "engine iteration timeout)")
     h.add_argument("--max-connections", type=int, default=None, metavar="N",
                    help="open connections (HTTP and WebSocket) per frontend process; one more closes the one "
                         "that has waited longest for a request (1 s or more), or else gets 503 (default: 1024)")

@@ -80,14 +80,26 @@ def check_address(flag: str, address: str, listen: bool = False) -> None:
 
 
 def same_engine(address: str) -> tuple[str, str]:
-    """What two ways of writing one engine's address share (checked by ``check_address``): a host's case, an IPv6
-    address's spelling ([::1], [0:0::1]), a port's leading zeros, a path's ./ and ..; not two names of one host."""
+    """What two ways of writing one engine's address share (checked by ``check_address``): a host name's case, an
+    IP address's spelling as the resolver reads it ([::1] and [0:0::1], 127.1 and 127.0.0.1, [::ffff:127.0.0.1]),
+    a port's leading zeros, a path's ./ and .. (not an abstract socket's, @NAME); not two names of one host."""
     if address.startswith("ipc://"):
-        return "ipc", os.path.abspath(address.removeprefix("ipc://"))
+        path = address.removeprefix("ipc://")
+        return "ipc", path if path.startswith("@") else os.path.abspath(path)
     host, port = tcp_host_port(address)
-    host = host.lower()
-    with contextlib.suppress(ValueError):
-        host = str(ipaddress.ip_address(host.strip("[]")))
+    if host.startswith("["):  # (a scope's interface, after %, keeps its case: Linux's names have one)
+        ip, _, scope = host[1:-1].partition("%")
+        with contextlib.suppress(ValueError):
+            v6 = ipaddress.IPv6Address(ip)
+            ip = str(v6.ipv4_mapped or v6)
+        host = ip.lower() + ("%" + scope if scope else "")
+    elif set(host) <= set("0123456789abcdefABCDEFxX."):  # an IPv4 address, as inet_aton reads it (127.1, 0x7f.1)
+        try:
+            host = socket.inet_ntoa(socket.inet_aton(host))
+        except OSError:
+            host = host.lower()
+    else:
+        host = host.lower()
     return host, str(int(port))
 
 

@@ -7,10 +7,12 @@ to. A ``tcp://`` engine is reached with ZMQ CURVE keys derived from the shared
 monitor sees it at once) or no message for ``liveness_timeout`` seconds while it
 is pinged with STATS marks the engine unhealthy and fails every in-flight request
 with a 503 ``Error``, so a client never hangs on a dead engine. Long before that, an
-engine unanswered for ``stall_after`` (a sixth of that timeout, at least three pings:
-10 s of 60) is ``stalled``: hung (a stopped tensor-parallel worker) or in a step that
-long; ``/health`` says so and the router sends new calls elsewhere, while its requests
-wait on (a slow step ends). The answers to
+engine unanswered for ``stall_after`` is ``stalled``: a sixth of that timeout (10 s of
+60; at least three pings), or ``STALL_STEPS`` times the longest it was quiet within the
+timeout, if more (an engine answers between its steps: a long prompt's chunks, each up to
+about three times the one before as its context grows, are not taken for a hang; review
+W). ``/health`` says so and the router sends new
+calls elsewhere, while its requests wait on. The answers to
 those pings, and the STATS the engine sends unasked as its requests come and go, are kept (``last_stats``)
 for ``/health`` to show without a round trip.
 """
@@ -18,6 +20,7 @@ for ``/health`` to show without a round trip.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import time
@@ -53,6 +56,7 @@ log = logging.getLogger("tokenmill.engine_client")
 
 _STATS_PING = encode(Stats())
 STALL_PART = 6  # an engine unanswered for this part of the liveness timeout is stalled (``EngineClient.stalled``)
+STALL_STEPS = 4  # ... or for this many times its longest step within it, if more
 
 
 class EngineUnavailable(Exception):
@@ -133,7 +137,8 @@ class EngineClient:
         # pings every 2 s, more often under a liveness timeout shorter than 16 s (each timeout sees 8 of them)
         self.liveness_interval = min(2.0, liveness_timeout / 8) if liveness_interval is None else liveness_interval
         self.liveness_timeout = liveness_timeout
-        self.stall_after = min(liveness_timeout, max(liveness_timeout / STALL_PART, 3 * self.liveness_interval))
+        self._stall_floor = max(liveness_timeout / STALL_PART, 3 * self.liveness_interval)
+        self._quiet_spells: collections.deque[tuple[float, float]] = collections.deque()  # (when it ended, seconds)
         self.ready: Ready | None = None
         self.healthy = False
         self.draining = False  # the engine is stopping: its requests run on, it takes no new ones (``accepting``)
@@ -311,6 +316,15 @@ class EngineClient:
         return time.monotonic() - self._last_seen if self.healthy and self._connected else 0.0
 
     @property
+    def stall_after(self) -> float:
+        """Seconds unanswered past which the engine is ``stalled`` (module doc)."""
+        spells, now = self._quiet_spells, time.monotonic()
+        while spells and spells[0][0] < now - self.liveness_timeout:
+            spells.popleft()
+        longest = max((quiet for _, quiet in spells), default=0.0)
+        return min(self.liveness_timeout, max(self._stall_floor, STALL_STEPS * longest))
+
+    @property
     def stalled(self) -> bool:
         """Healthy but unanswered for over ``stall_after`` (module doc)."""
         return self.unanswered() > self.stall_after
@@ -339,7 +353,10 @@ class EngineClient:
         streams = self._streams
         while True:
             frame = await sock.recv()
-            self._last_seen = time.monotonic()
+            now = time.monotonic()
+            if now - self._last_seen > self._stall_floor / STALL_STEPS and self.healthy:  # (pinged: a step's time)
+                self._quiet_spells.append((now, now - self._last_seen))
+            self._last_seen = now
             try:
                 msg = decode(frame)
             except ProtocolError as e:

@@ -355,10 +355,10 @@ class OpenAIApi:
     async def health(self, req: Request) -> Response:
         # the stats the liveness pings brought back: a load balancer's probe never waits on the engine
         # data parallel: "degraded" (still 200) while some engine is down, with each engine's state
-        # a stalled engine (unanswered for a sixth of --engine-liveness-timeout: hung, or in a step that long): 503
+        # a stalled engine (``EngineClient.stalled``: hung, or in a step far longer than its others): 503
         engines = self.client.engines_health() if hasattr(self.client, "engines_health") else None
         if self.client.accepting and self.client.stalled:
-            raise ApiError(503, f"{'The engine has' if engines is None else 'No engine has'} not answered for "
+            raise ApiError(503, f"{'The engine has not' if engines is None else 'No engine has'} answered for "
                                 f"{self.client.unanswered():.0f}s (hung, or in a step that long)")
         if self.client.accepting:
             s = self.client.last_stats

@@ -421,6 +421,36 @@ def test_a_stalled_engine_gets_no_new_calls_while_another_answers(two_engines):
     run(main())
 
 
+def test_an_engine_in_long_steps_is_not_taken_for_stalled(two_engines):
+    """An engine answers between its steps: steps longer than a sixth of the liveness timeout (a long prompt's
+    chunks on a slow CPU, each up to three times the one before) are not a stall while each is under four times the
+    longest one before it within the timeout (review W: two 8k-token prompts on this CPU made /health a 503 for 20
+    s of 59, taking only the sixth)."""
+    engine = two_engines[0]
+
+    async def main():
+        client = EngineClient(engine.address, "fe-steps", handshake_timeout=30, liveness_interval=0.1,
+                              liveness_timeout=12.0)  # (stalled after 2 s at first)
+        await client.connect()
+        try:
+            engine.step_delay = 0.8
+            stream = client.add("long", [1, 2], p.SamplingParams(max_tokens=100_000))
+            await stream.next_batch()
+            seen = []
+            for delay in (0.8, 2.4):  # three times longer: past the first 2 s, under four times 0.8
+                engine.step_delay = delay
+                for _ in range(int(2.2 * delay / 0.1)):
+                    seen.append(client.stalled)
+                    await asyncio.sleep(0.1)
+            assert not any(seen) and 9.6 <= client.stall_after < 11.0
+        finally:
+            engine.step_delay = 0.01
+            client.abort(["long"])
+            await client.close()
+
+    run(main())
+
+
 def _against_restarts(tmp_path, scenario) -> None:
     """``scenario(engines, client)``: a client connected to a fake engine, the engines it restarts (``_restart``)
     stopped after."""
@@ -824,11 +854,17 @@ def test_serve_flags_for_data_parallel_and_remote_engines():
     with pytest.raises(ValueError, match="given twice"):  # (its start waited out --startup-timeout)
         opts("--engine", "tcp://a:1", "--engine", "tcp://a:1", "--engine-key", KEY)
     for one, other in (("tcp://Host-A:5555", "tcp://host-a:05555"), ("tcp://[::1]:1", "tcp://[0:0::1]:1"),
-                       ("tcp://[FE80::1]:1", "tcp://[fe80:0::1]:1"), ("ipc:///tmp/e", "ipc:///tmp/x/../e")):
+                       ("tcp://[FE80::1]:1", "tcp://[fe80:0::1]:1"), ("ipc:///tmp/e", "ipc:///tmp/x/../e"),
+                       ("tcp://127.0.0.1:1", "tcp://[::ffff:127.0.0.1]:1"), ("tcp://127.0.0.1:1", "tcp://127.1:1"),
+                       ("tcp://10.0.0.1:1", "tcp://10.0.1:1"),
+                       ("tcp://[fe80::1%eth0]:1", "tcp://[FE80::1%eth0]:1")):
         with pytest.raises(ValueError, match=rf"--engine {re.escape(other)} is given twice \(as {re.escape(one)}\)"):
             opts("--engine", one, "--engine", other, "--engine-key", KEY)
     assert len(opts("--engine", "tcp://a:1", "--engine", "tcp://a:2", "--engine", "tcp://10.0.0.1:1",
-                    "--engine", "tcp://10.0.0.10:1", "--engine-key", KEY).engine_addresses) == 4
+                    "--engine", "tcp://10.0.0.10:1", "--engine", "ipc://@x", "--engine", "ipc://x",
+                    "--engine", "ipc://@a/../x", "--engine", "tcp://[fe80::1%eth0]:1", "--engine",
+                    "tcp://[fe80::1%ETH0]:1", "--engine", "tcp://cafe:1", "--engine", "tcp://CAFE.example:1",
+                    "--engine-key", KEY).engine_addresses) == 11
     assert opts("--engine", "tcp://[::1]:5555", "--engine", "ipc:///tmp/e", "--engine-key", KEY).engine_addresses
     assert engine_key(None, {"TOKENMILL_ENGINE_KEY": KEY}) == KEY
     assert engine_key("flag-wins-0123456789", {"TOKENMILL_ENGINE_KEY": KEY}) == "flag-wins-0123456789"
