@@ -61,6 +61,7 @@ log = logging.getLogger("tokenmill.launcher")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s"
 LOG_FORMATS = ("text", "json")
 METRICS_ENV = "PROMETHEUS_MULTIPROC_DIR"
+DRAIN_WORD_S = 2.0  # at a stop, how long an engine may take to say it drains (a step under way: longer, it drains)
 
 
 class LaunchError(RuntimeError):
@@ -250,8 +251,12 @@ def _engine_main(config: EngineConfig, address: str, log_format: str, grace: flo
 
     try:
         # (the grace is for a SIGTERM to the whole process group, as systemd sends one: the engine runs its requests
-        # on while the frontends give them theirs; stopped by this launcher, after them, it has none left)
-        run_engine(config, address, ready=lambda: _report(conn, "ready"), shutdown_grace=grace)
+        # on while the frontends give them theirs; stopped by this launcher, after them, it has none left: it says
+        # it drains, and the launcher's second SIGTERM ends it at once)
+        def on_actor(actor: Any) -> None:
+            actor.on_drain = lambda: _report(conn, "draining")
+
+        run_engine(config, address, ready=lambda: _report(conn, "ready"), shutdown_grace=grace, on_actor=on_actor)
     except ValueError as e:  # a setting the model or the machine cannot meet: the message says what to fix
         _report(conn, "error", f"{type(e).__name__}: {e}")
         sys.exit(1)
@@ -597,21 +602,39 @@ class Launcher:
     def _shutdown(self) -> None:
         o = self.options
         self._terminate([f for f in self.frontends if f.alive], o.shutdown_grace + o.stop_timeout)  # they drain...
-        self._terminate([e for e in self.engines if e.alive], o.stop_timeout)  # ...then the engines stop
+        self._terminate([e for e in self.engines if e.alive], o.stop_timeout, drains=True)  # ...then the engines stop
         for c in [*self.frontends, *self.engines]:
             if c.conn is not None:
                 c.conn.close()
 
-    def _terminate(self, children: list[_Child], timeout: float) -> None:
+    def _terminate(self, children: list[_Child], timeout: float, drains: bool = False) -> None:
+        """SIGTERM, up to ``timeout`` to exit, then SIGKILL. ``drains``: the engines, after the frontends: with no
+        frontend left to send them anything, one that says it drains (``--shutdown-timeout``) gets a second SIGTERM,
+        which ends it at once (its drain's quiet would take ``QUIET_S`` and ``GOODBYE_S`` more)."""
         for c in children:
             c.proc.terminate()
         deadline = time.monotonic() + timeout
+        for c in children if drains else ():
+            if c.conn is not None and _says_draining(c.conn, min(DRAIN_WORD_S, deadline - time.monotonic())):
+                c.proc.terminate()
         for c in children:
             c.proc.join(max(0.0, deadline - time.monotonic()))
             if c.proc.is_alive():
                 log.warning("%s did not stop within %.0fs; killing it", c.name, timeout)
                 c.proc.kill()
                 c.proc.join()
+
+
+def _says_draining(conn: Connection, timeout: float) -> bool:
+    """Whether a child says, within ``timeout``, that it drains (what else it says then is of no use)."""
+    end = time.monotonic() + timeout
+    try:
+        while conn.poll(max(0.0, end - time.monotonic())):
+            if conn.recv()[0] == "draining":
+                return True
+    except (EOFError, OSError):  # (it ended)
+        pass
+    return False
 
 
 def _visible_gpus() -> list[str]:

@@ -132,6 +132,7 @@ class EngineActor:
         self._load_changed = False  # a request came or went since the last unasked STATS (``_say_load``)...
         self._load_said_at = -math.inf  # (loop time) ... which was sent then
         self._heard: dict[bytes, float] = {}  # frontend identity -> (loop time) its last frame: the ones told
+        self.on_drain: Callable[[], None] | None = None  # called as a drain begins (the launcher's: ``serve``'s stop)
 
     # ------------------------------------------------------------------ loop
 
@@ -191,7 +192,11 @@ class EngineActor:
                      self.shutdown_grace)
             for ident in self._frontend_index:
                 self._send(ident, DRAINING)
+            if self.on_drain is not None:
+                self.on_drain()
         else:
+            if self._draining_since is not None:
+                log.info("asked again: stopping now (%d requests under way)", len(self._owner))
             self._stopping = True
         self._wake()
 
