@@ -27,10 +27,10 @@ among the pipelined ones, then the connection closes:
   ``body_timeout`` past the last bytes, so a body sent at once cannot then trickle
   for hours): 408;
   ``max_body_bytes``: 413; ``max_receiving_bytes``, the bodies of every connection
-  still coming, at once: past it the body that has been coming longest, if for
-  ``EVICT_AFTER`` or more, gets 503 and makes room, else the body that would cross
-  it does (a thousand slow uploads may not pin a frontend's memory, but this much,
-  and not for good: a fast upload's body takes far less than a second);
+  still coming, at once: past it the bodies coming slowest (under ``EVICT_RATE``
+  lately), each for ``EVICT_AFTER`` or more, get 503 and make room, else the body
+  that would cross it does (a thousand slow uploads may not pin a frontend's memory,
+  but this much, and not for good; uploads under way at a usable rate are kept);
 - an ``Expect`` other than ``100-continue``: 417;
 - ``write_timeout``: a client that reads nothing of a response (an SSE stream
   above all) for that long, while the transport is full, is cut off.
@@ -81,6 +81,8 @@ _MAX_PIPELINED = 32  # queued requests per connection before we stop reading fro
 TLS_GOODBYE_S = 1.0  # at shutdown, how long closed TLS connections get to send their last bytes
 CUT_S = 1.0  # at the end of the shutdown grace, how long answers get to say they were cut
 EVICT_AFTER = 1.0  # at the connection limit, a connection waiting this long for a request makes room for a new one
+# (and past the body budget, a body that has come this long and lately under this many bytes a second)
+EVICT_RATE = 16 << 10
 RESCAN_AFTER = 0.05  # ... looked for at most this often while none is found
 
 
@@ -457,24 +459,26 @@ class HttpServer:
         return True
 
     def made_body_room(self, n: int, asker: HttpProtocol) -> bool:
-        """Past ``max_receiving_bytes``, ``n`` more body bytes for ``asker``: the bodies that have been coming
-        longest, each for ``EVICT_AFTER`` seconds or more (a trickle holding its bytes; a fast upload takes far
-        less), get 503 one at a time until they fit; False when that is not enough (a scan that frees nothing is the
-        last for ``RESCAN_AFTER``)."""
+        """Past ``max_receiving_bytes``, ``n`` more body bytes for ``asker``: the bodies coming slowest, lately under
+        ``EVICT_RATE`` (a trickle holding its bytes; an upload under way at a usable rate is kept: review X), each
+        for ``EVICT_AFTER`` seconds or more, get 503 one at a time until they fit; none if that cannot be enough
+        (False; a scan that frees nothing is the last for ``RESCAN_AFTER``)."""
+        c = self.config
         now = asker._loop.time()
         if now < self._no_body_room_until:
             return False
-        old = sorted((c for c in self.connections if isinstance(c, HttpProtocol) and c is not asker and c._receiving
-                      and c._body_began <= now - EVICT_AFTER), key=lambda c: c._body_began)
-        for c in old:
-            if self.receiving + n <= self.config.max_receiving_bytes:
+        rated = [(p.body_rate(now), id(p), p) for p in self.connections if isinstance(p, HttpProtocol)
+                 and p._receiving and p is not asker and p._body_began <= now - EVICT_AFTER]
+        slow = [p for rate, _, p in sorted(rated) if rate < EVICT_RATE]
+        if self.receiving + n - sum(p._receiving for p in slow) > c.max_receiving_bytes:
+            self._no_body_room_until = now + RESCAN_AFTER
+            return False
+        for p in slow:
+            if self.receiving + n <= c.max_receiving_bytes:
                 break
-            c._refuse(c._cur, 503, f"Too many request bodies coming at once (limit {self.config.max_receiving_bytes} "
-                                   f"bytes): this one, coming for {now - c._body_began:.0f}s, gave way; retry shortly")
-        if self.receiving + n <= self.config.max_receiving_bytes:
-            return True
-        self._no_body_room_until = now + RESCAN_AFTER
-        return False
+            p._refuse(p._cur, 503, f"Too many request bodies coming at once (limit {c.max_receiving_bytes} bytes): "
+                                   f"this one, coming slowest, gave way; retry shortly")
+        return True
 
     async def shutdown(self, grace: float, cut: Callable[[], None] | None = None) -> None:
         """Close idle connections now, let busy ones finish within ``grace`` seconds, then cut them: ``cut``
@@ -554,6 +558,7 @@ class HttpProtocol(asyncio.Protocol):
         self._head_raw = 0  # of that head: the reads known to hold nothing else
         self._last_body = 0.0  # loop time of the current request's last body bytes
         self._body_began = 0.0  # ... and of when its body was first due
+        self._body_slots: deque[list[int]] = deque()  # its bytes lately: [slot of EVICT_AFTER / 8 s, bytes] each
         self._body_due = 0.0  # ... and of when its body is too slow (min_body_rate), moved on by its bytes
         self._paused_at = 0.0  # loop time of the last pause_reading (too many pipelined requests)
         self._receiving = 0  # of the server's ``receiving``: the current request's body bytes so far
@@ -716,6 +721,8 @@ class HttpProtocol(asyncio.Protocol):
         if req is None or req._queued:
             return
         server, c, n = self.server, self.config, len(body)
+        if len(req.body) + n > c.max_body_bytes:  # (first: a body refused anyway makes no room, review X)
+            self._too_large(req)
         if server.receiving + n > c.max_receiving_bytes and not server.made_body_room(n, self):
             self._refuse(req, 503, f"Too many request bodies coming at once (limit {c.max_receiving_bytes} bytes); "
                                    "retry shortly")
@@ -726,11 +733,21 @@ class HttpProtocol(asyncio.Protocol):
         server.receiving += n
         self._receiving += n
         req.body += body
-        self._last_body = self._loop.time()
+        now = self._last_body = self._loop.time()
+        slots, slot = self._body_slots, int(now * 8 / EVICT_AFTER)
+        if slots and slots[-1][0] == slot:
+            slots[-1][1] += n
+        else:
+            slots.append([slot, n])
+            if len(slots) > 8:
+                slots.popleft()
         if c.min_body_rate:  # (a second for each min_body_rate bytes, banked up to body_timeout ahead)
             self._body_due = min(self._body_due + n / c.min_body_rate, self._last_body + c.body_timeout)
-        if len(req.body) > c.max_body_bytes:
-            self._too_large(req)
+
+    def body_rate(self, now: float) -> float:
+        """The current body's bytes a second over the last ``EVICT_AFTER`` (to an eighth of it)."""
+        slot = int(now * 8 / EVICT_AFTER)
+        return sum(n for s, n in self._body_slots if s > slot - 8) / EVICT_AFTER
 
     def on_message_complete(self) -> None:
         self._received()
@@ -803,6 +820,7 @@ class HttpProtocol(asyncio.Protocol):
     def _start_body_clock(self) -> None:
         """The current request's body is due from now: its first ``body_timeout`` free (``_on_timeout``)."""
         self._last_body = self._body_began = self._loop.time()
+        self._body_slots.clear()
         self._body_due = self._last_body + self.config.body_timeout
 
     def _received(self) -> None:
@@ -831,6 +849,7 @@ class HttpProtocol(asyncio.Protocol):
                 paused = self._loop.time() - self._paused_at  # (a body's clocks stood still meanwhile)
                 self._last_body += paused
                 self._body_due += paused
+                self._body_began += paused
                 self.transport.resume_reading()
             self._responding = True
             try:

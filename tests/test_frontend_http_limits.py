@@ -176,6 +176,52 @@ def test_a_body_coming_for_long_gives_way_to_a_new_one_past_the_budget():
         assert server.receiving == 0
 
 
+def test_an_upload_under_way_is_kept_and_none_gives_way_for_nothing():
+    """Past the budget, only bodies coming slowest lately (under EVICT_RATE) give way: an upload sending at a usable
+    rate is kept, though older than the idle body that goes (review X: one under way at 200 KB/s was the victim of
+    bodies sent at once and then left); and none gives way where all the slow ones would not make room."""
+    head = b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+    config = HttpConfig(max_body_bytes=200_000, max_receiving_bytes=300_000, header_timeout=5, body_timeout=5,
+                        min_body_rate=0)
+    with serving(config) as (port, server):
+        active = connect(port)
+        active.sendall(head % 200_000)
+        sent = 0
+
+        def send(k: int) -> None:
+            nonlocal sent
+            for _ in range(k):
+                active.sendall(b"a" * 4000)  # 80 KB a second
+                sent += 4000
+                time.sleep(0.05)
+
+        send(4)
+        idle = connect(port)
+        idle.sendall(head % 200_000 + b"i" * 100_000)  # and then nothing
+        send(int(EVICT_AFTER / 0.05) + 4)  # both older than EVICT_AFTER now
+        new = connect(port)
+        new.sendall(head % 100_000 + b"w" * 100_000)
+        assert read_until(new, b"w" * 100_000).startswith(b"HTTP/1.1 200 ")
+        r = read_all(idle)
+        assert r.startswith(b"HTTP/1.1 503 ") and b"coming slowest, gave way" in r
+        active.sendall(b"a" * (200_000 - sent))
+        assert read_until(active, b"a" * 1000).startswith(b"HTTP/1.1 200 ")
+    config = HttpConfig(max_body_bytes=2000, max_receiving_bytes=3000, header_timeout=5, body_timeout=5,
+                        min_body_rate=0)
+    with serving(config) as (port, server):
+        old, young = connect(port), connect(port)
+        old.sendall(head % 2000 + b"o" * 500)
+        time.sleep(EVICT_AFTER + 0.1)
+        young.sendall(head % 2000 + b"y" * 1400)
+        deadline = time.time() + 5
+        while server.receiving < 1900 and time.time() < deadline:
+            time.sleep(0.01)
+        third = connect(port)  # 1900 + 1700 - 500 (the old one's) > 3000: refused, and the old one kept
+        third.sendall(head % 1700 + b"t" * 1700)
+        assert read_all(third).startswith(b"HTTP/1.1 503 ")
+        assert server.receiving == 1900  # (the old one's 500 still coming)
+
+
 def test_header_timeout_fires_behind_a_pipelined_request(port):
     s = connect(port)
     s.sendall(b"GET /sleepy HTTP/1.1\r\nHost: x\r\n\r\nGET /sleepy HTTP/1.1\r\nHo")  # the second never ends
