@@ -611,11 +611,13 @@ class Launcher:
         """SIGTERM, up to ``timeout`` to exit, then SIGKILL. ``drains``: the engines, after the frontends: with no
         frontend left to send them anything, one that says it drains (``--shutdown-timeout``) gets a second SIGTERM,
         which ends it at once (its drain's quiet would take ``QUIET_S`` and ``GOODBYE_S`` more)."""
+        # (one that drains already, from a SIGTERM to the whole process group, takes this one as its second)
+        not_draining = [c for c in children if drains and c.conn is not None and not _says_draining(c.conn, 0.0)]
         for c in children:
             c.proc.terminate()
         deadline = time.monotonic() + timeout
-        for c in children if drains else ():
-            if c.conn is not None and _says_draining(c.conn, min(DRAIN_WORD_S, deadline - time.monotonic())):
+        for c in not_draining:
+            if _says_draining(c.conn, min(DRAIN_WORD_S, deadline - time.monotonic())):
                 c.proc.terminate()
         for c in children:
             c.proc.join(max(0.0, deadline - time.monotonic()))
