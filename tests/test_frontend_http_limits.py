@@ -140,16 +140,22 @@ def test_bodies_coming_at_once_are_bounded_by_a_frontend_budget():
         while server.receiving < 600 and time.time() < deadline:
             time.sleep(0.01)
         d.close()  # (a connection lost mid-body gives its bytes back)
-        for s in (a, b, c):
-            s.close()
-        while server.receiving and time.time() < deadline:
-            time.sleep(0.01)
-        assert server.receiving == 0
+        _given_back(server, a, b, c)
 
 
-def test_a_body_coming_for_long_gives_way_to_a_new_one_past_the_budget():
-    """Past max_receiving_bytes, the body that has been coming longest, for EVICT_AFTER or more (a trickle that
-    held its bytes: one client's slow bodies made everyone's 503 until they ended), gets the 503 and the new body
+def _given_back(server: HttpServer, *socks: socket.socket) -> None:
+    """``socks`` closed: every body byte of the server's budget comes back."""
+    for s in socks:
+        s.close()
+    deadline = time.time() + 5
+    while server.receiving and time.time() < deadline:
+        time.sleep(0.01)
+    assert server.receiving == 0
+
+
+def test_a_body_left_idle_gives_way_to_a_new_one_past_the_budget():
+    """Past max_receiving_bytes, a body that has come for EVICT_AFTER or more and lately at almost nothing (a trickle
+    that held its bytes: one client's slow bodies made everyone's 503 until they ended) gets the 503 and the new body
     goes on; a body younger than that is kept, and the new one refused, as before."""
     config = HttpConfig(max_body_bytes=1000, max_receiving_bytes=1500, header_timeout=5, body_timeout=5,
                         min_body_rate=0)
@@ -169,11 +175,7 @@ def test_a_body_coming_for_long_gives_way_to_a_new_one_past_the_budget():
         assert read_until(new, b"n" * 1000).startswith(b"HTTP/1.1 200 ")
         r = read_all(old)
         assert r.startswith(b"HTTP/1.1 503 ") and b"gave way" in r
-        for s in (old, young, new):
-            s.close()
-        while server.receiving and time.time() < deadline:
-            time.sleep(0.01)
-        assert server.receiving == 0
+        _given_back(server, old, young, new)
 
 
 def test_an_upload_under_way_is_kept_and_none_gives_way_for_nothing():
