@@ -9,12 +9,12 @@ is pinged with STATS marks the engine unhealthy and fails every in-flight reques
 with a 503 ``Error``, so a client never hangs on a dead engine. Long before that, an
 engine unanswered for ``stall_after`` is ``stalled``: a sixth of that timeout (10 s of
 60; at least three pings), or ``STALL_STEPS`` times the longest it was quiet within the
-timeout, if more (an engine answers between its steps: a long prompt's chunks, each up to
-about three times the one before as its context grows, are not taken for a hang; review
-W). ``/health`` says so and the router sends new
-calls elsewhere, while its requests wait on. The answers to
-those pings, and the STATS the engine sends unasked as its requests come and go, are kept (``last_stats``)
-for ``/health`` to show without a round trip.
+timeout, if more (an engine answers between its steps: a long prompt's chunks, each up
+to about three times the one before as its context grows, are not taken for a hang;
+review W). ``/health`` says so and the router sends new calls elsewhere, while its
+requests wait on. The answers to those pings, and the STATS the engine sends unasked
+as its requests come and go, are kept (``last_stats``) for ``/health`` to show without
+a round trip.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ to when there is more than one engine.
   other engine serves, from their folders, so that a call may still go to any.
 - An engine that dies or hangs fails only its own in-flight requests (503, from its
   client); new calls go to the others, and to one that is ``stalled`` (unanswered for
-  a sixth of the liveness timeout) only while every engine is. ``healthy`` holds while
+  long: ``EngineClient.stalled``) only while every engine is. ``healthy`` holds while
   one engine does; ``engines_health()`` is the per-engine view ``/health`` shows
   ("degraded").
 """
