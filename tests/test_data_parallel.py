@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine import protocol as p
 from engine.config import EngineConfig
 from engine.protocol import wants_ipv6
-from engine.server import run_engine
+from engine.server import BUSY_S, run_engine
 from frontends.engine_client import EngineClient, EngineUnavailable, Stream
 from frontends.engine_router import EngineRouter, combined_stats
 from frontends.metrics import Metrics
@@ -406,12 +406,12 @@ def test_a_stalled_engine_gets_no_new_calls_while_another_answers(two_engines):
             assert [router.pick() for _ in range(4)] == [1 - hung] * 4
             two_engines[hung].mute = False
             await until(lambda: router.engines_health()[hung]["status"] == "ok")
-            assert {router.pick() for _ in range(4)} == {0, 1}
+            await until(lambda: hung in {router.pick() for _ in range(4)})  # (as loaded as the other: a choice)
             assert router.clients[hung].num_in_flight == 1  # "b" ran on throughout
             for e in two_engines:
                 e.mute = True
             await until(lambda: router.stalled)
-            assert {router.pick() for _ in range(4)} == {0, 1} and router.unanswered() > 1.0
+            assert router.pick() in (0, 1) and router.unanswered() > 1.0  # (no EngineUnavailable)
         finally:
             for e in two_engines:
                 e.mute = False
@@ -449,6 +449,28 @@ def test_an_engine_in_long_steps_is_not_taken_for_stalled(two_engines):
             await client.close()
 
     run(main())
+
+
+def test_an_engine_says_a_long_step_begins_and_is_not_taken_for_stalled_meanwhile(tmp_path):
+    """Before a step with prompt tokens that it expects to take over BUSY_S (the prefill cap's fit), the engine
+    says so (Stats.busy_s): its frontends then count that step as its longest, four times over, so that a first long
+    step after quick ones (a huge prompt's first chunk of a large model on a slow CPU) is no stall."""
+    async def main(actors):
+        client = EngineClient(f"ipc://{tmp_path}/e0", "fe-busy", handshake_timeout=30, liveness_interval=0.1)
+        await client.connect()
+        try:
+            engine = actors[0].engine
+            engine.busy = BUSY_S / 2  # (not long: nothing said)
+            await drain(client.add("quick", [1, 2], p.SamplingParams(max_tokens=2)), {"quick"})
+            assert client.stall_after == 10.0
+            engine.busy = 7.5
+            await drain(client.add("long", [3, 4], p.SamplingParams(max_tokens=2)), {"long"})
+            await until(lambda: client.stall_after == 30.0)  # (four times 7.5 s, where a quick step left 10)
+        finally:
+            await client.close()
+
+    with actors_of(tmp_path, (0.0,), step_delay=0.01) as (actors, _):
+        run(main(actors))
 
 
 def _against_restarts(tmp_path, scenario) -> None:

@@ -58,6 +58,9 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.steps: list[list[p.Delta]] = []
         self.loras: dict[str, str] = {}
+        self.busy = 0.0  # a step with a new prompt is expected to take this long (said to ``on_prompt_step``)
+        self.copying = threading.Event()  # a slow adapter copy has begun
+        self.on_prompt_step = None  # (set by the actor, as on the real engine)
 
     def ready_info(self) -> p.Ready:
         return p.Ready("fake", MAX_LEN, VOCAB, [2], 8, 100, 16, loras=[[n, path] for n, path in self.loras.items()])
@@ -75,6 +78,7 @@ class FakeEngine:
     def load_lora(self, name, path, adapter=None):
         assert adapter == path
         if path == "/slow-copy":  # the copy into the slot, which runs between steps (on the loop)
+            self.copying.set()
             time.sleep(0.3)
         self.loras[name] = path
 
@@ -115,6 +119,8 @@ class FakeEngine:
             time.sleep(self.step_delay)
         out = []
         self.step_batch = (len(self.running), sum(len(prompt) for prompt, _, n in self.running.values() if n == 0))
+        if self.step_batch[1] and self.on_prompt_step is not None:
+            self.on_prompt_step(self.busy)
         for rid, st in list(self.running.items()):
             prompt, params, n = st
             tok = (sum(prompt) + n) % VOCAB
@@ -382,8 +388,8 @@ def test_a_frame_that_comes_during_an_adapters_copy_is_read(harness):
     hello(a, "fe-a")
     hello(b, "fe-b")
     send(a, p.LoraUpdate("c1", "sql", "/slow-copy"))
-    time.sleep(0.1)
-    send(b, p.Add("r", [1, 2, 3], p.SamplingParams(max_tokens=3)))
+    assert harness.engine.copying.wait(10)  # (after the folder's read on its thread: a loaded machine's 0.1 s was
+    send(b, p.Add("r", [1, 2, 3], p.SamplingParams(max_tokens=3)))  # not always enough, and the Add came first)
     assert recv(a).loras == [["sql", "/slow-copy"]] and recv(a).status == 200
     assert recv(b).loras == [["sql", "/slow-copy"]]
     assert collect(b, {"r"}, timeout=2)[2] == {"r": "length"}
