@@ -33,7 +33,6 @@ import hashlib
 import itertools
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -174,9 +173,6 @@ class Engine:
                      self.speculative.prompt_lookup_min, self.speculative.prompt_lookup_max)
         self._in_flight: InFlight | None = None
         self.step_batch = (0, 0)  # the requests and prompt tokens the last step() scheduled (engine.stats_log)
-        # called with the seconds a step with prompt tokens is expected to take, as it begins (the actor tells
-        # its frontends of a long one: ``engine.server``)
-        self.on_prompt_step: Callable[[float], None] | None = None
         if self.runner.model_cfg.vision is not None and self.vision is None:
             log.warning("images refused: %s", self.no_images)
         cfg = self.runner.model_cfg
@@ -359,7 +355,8 @@ class Engine:
         if self.async_scheduling:
             self._step_overlapped(out)
             return out
-        batch = self._schedule()
+        batch = self.scheduler.schedule()
+        self.step_batch = (len(batch), batch.num_prompt_tokens)
         result, errored = self._run(batch)
         self._postprocess(out, [*batch.timed_out, *errored], result)
         return out
@@ -490,20 +487,13 @@ class Engine:
         """Schedule and launch step N+1 while step N (launched by the last call) runs, then collect N:
         N's deltas into ``out`` (and those of the requests N+1's scheduling or failure ended)."""
         prev = self._in_flight
-        batch = self._schedule()
+        batch = self.scheduler.schedule()
+        self.step_batch = (len(batch), batch.num_prompt_tokens)
         self._in_flight = None
         failed = self._launch(out, batch, prev)
         # recovered only now: a request that failed with a token in flight has it, and counts it
         errored = self._recover_from_oom(failed) if failed else []
         self._postprocess(out, [*batch.timed_out, *errored], StepResult([], None))
-
-    def _schedule(self) -> ScheduledBatch:
-        batch = self.scheduler.schedule()
-        self.step_batch = (len(batch), batch.num_prompt_tokens)
-        if batch.num_prompt_tokens and self.on_prompt_step is not None:
-            self.on_prompt_step(self.scheduler.prefill_cap.seconds(batch.num_decodes + batch.num_drafts,
-                                                                   batch.num_prompt_tokens))
-        return batch
 
     def _launch(self, out: Outputs, batch: ScheduledBatch, prev: InFlight | None) -> list[Request]:
         """Launch ``batch`` behind ``prev`` (the step in flight, if any), then collect ``prev`` (its deltas

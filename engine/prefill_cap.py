@@ -70,10 +70,6 @@ class PrefillCap:
                 cap = (self.ratio - 1.0) * (a + max(b, c) * rows) / c
         return round(min(self.maximum, max(floor, cap)))
 
-    def seconds(self, num_decodes: int, num_prompt_tokens: int) -> float:
-        """What a step of this make-up is expected to take, from the fit (0 before any step was measured)."""
-        return _predict(self.fit(), (1.0, float(num_decodes), float(num_prompt_tokens))) if self._steps > 1 else 0.0
-
     def observe(self, num_decodes: int, num_prompt_tokens: int, seconds: float) -> None:
         """One step's make-up (decode rows, prompt tokens) and how long it took. A step far slower than
         the fit predicts (a pause, a first call compiling something) counts as ``OUTLIER`` times the

@@ -17,8 +17,6 @@ while steps go on; updates run one at a time, each as a task of its own.
 Whenever its requests come or go, the engine sends every frontend its STATS unasked, at most every
 ``LOAD_S``: with several frontends and engines, each frontend ranks the engines by their load
 (``frontends.engine_router``), and so sees another frontend's burst at once (their pings come every 2 s).
-And before a step with prompt tokens that it expects to take over ``BUSY_S`` (the prefill cap's fit), it
-sends them that time (``Stats.busy_s``): it answers no ping meanwhile, and is not to be taken for hung.
 
 Request ids are namespaced per frontend (``"<n>:<id>"``, ``n`` a small number
 given to each frontend identity) so two frontends can never collide; replies
@@ -30,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import dataclasses
 import gc
 import logging
 import math
@@ -136,7 +133,6 @@ class EngineActor:
         self._load_said_at = -math.inf  # (loop time) ... which was sent then
         self._heard: dict[bytes, float] = {}  # frontend identity -> (loop time) its last frame: the ones told
         self.on_drain: Callable[[], None] | None = None  # called as a drain begins (the launcher's: ``serve``'s stop)
-        engine.on_prompt_step = self._say_busy
 
     # ------------------------------------------------------------------ loop
 
@@ -223,15 +219,6 @@ class EngineActor:
                     self._send(ident, frame)
                 else:  # (a frontend gone: a remote engine meets a new identity at each restart of its frontends)
                     del self._heard[ident]
-
-    def _say_busy(self, seconds: float) -> None:
-        """The live frontends hear that a step expected to take ``seconds`` begins, if that is over ``BUSY_S``."""
-        if seconds > BUSY_S:
-            frame = protocol.encode(dataclasses.replace(self.engine.stats(), busy_s=seconds))
-            now = self._loop.time() if self._loop is not None else 0.0
-            for ident, heard in self._heard.items():
-                if now - heard < ALIVE_S:
-                    self._send(ident, frame)
 
     def _wake(self) -> None:
         """Have a wait for frames look at the socket again."""
@@ -474,7 +461,6 @@ GOODBYE_S = 0.2  # (a frontend may see the disconnect before frames sent just ah
 QUIET_S = 0.5  # a drain ends once nothing has run for this long
 LOAD_S = 0.05  # the most often an engine tells its frontends that its load changed (unasked STATS)...
 ALIVE_S = 10.0  # ... those heard from this recently (frontends ping every 2 s)
-BUSY_S = 2.0  # a step expected to take longer is said to them as it begins (``_say_busy``)
 HEARD_S = 1.0  # a drain takes the new requests that come this soon: sent before their frontends heard of it
 # what a draining engine tells its frontends (``EngineClient`` reads an engine-wide 503 so): send it nothing new
 DRAINING = protocol.encode(protocol.Error(None, 503, "service_unavailable_error", f"{SHUTTING_DOWN}: no new requests"))

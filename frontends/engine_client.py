@@ -11,7 +11,7 @@ engine unanswered for ``stall_after`` is ``stalled``: a sixth of that timeout (1
 60; at least three pings), or ``STALL_STEPS`` times the longest it was quiet within the
 timeout, if more (an engine answers between its steps: a long prompt's chunks, each up
 to about three times the one before as its context grows, are not taken for a hang;
-review W), or than a step it said it begins (``Stats.busy_s``). ``/health`` says so and the router sends new calls elsewhere, while its
+review W). ``/health`` says so and the router sends new calls elsewhere, while its
 requests wait on. The answers to those pings, and the STATS the engine sends unasked
 as its requests come and go, are kept (``last_stats``) for ``/health`` to show without
 a round trip.
@@ -385,8 +385,6 @@ class EngineClient:
                 elif (s := streams.pop(msg.request_id, None)) is not None:
                     s.push(msg)
             elif isinstance(msg, Stats):
-                if msg.busy_s > 0:  # (a step that long begins: as if it had been that quiet)
-                    self._quiet_spells.append((now, msg.busy_s))
                 self.last_stats, self.last_stats_at = msg, self._last_seen
                 self.in_flight_at_stats = len(streams)
                 self._tell_stats()

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine import protocol as p
 from engine.config import EngineConfig
 from engine.protocol import wants_ipv6
-from engine.server import BUSY_S, run_engine
+from engine.server import run_engine
 from frontends.engine_client import EngineClient, EngineUnavailable, Stream
 from frontends.engine_router import EngineRouter, combined_stats
 from frontends.metrics import Metrics
@@ -449,28 +449,6 @@ def test_an_engine_in_long_steps_is_not_taken_for_stalled(two_engines):
             await client.close()
 
     run(main())
-
-
-def test_an_engine_says_a_long_step_begins_and_is_not_taken_for_stalled_meanwhile(tmp_path):
-    """Before a step with prompt tokens that it expects to take over BUSY_S (the prefill cap's fit), the engine
-    says so (Stats.busy_s): its frontends then count that step as its longest, four times over, so that a first long
-    step after quick ones (a huge prompt's first chunk of a large model on a slow CPU) is no stall."""
-    async def main(actors):
-        client = EngineClient(f"ipc://{tmp_path}/e0", "fe-busy", handshake_timeout=30, liveness_interval=0.1)
-        await client.connect()
-        try:
-            engine = actors[0].engine
-            engine.busy = BUSY_S / 2  # (not long: nothing said)
-            await drain(client.add("quick", [1, 2], p.SamplingParams(max_tokens=2)), {"quick"})
-            assert client.stall_after == 10.0
-            engine.busy = 7.5
-            await drain(client.add("long", [3, 4], p.SamplingParams(max_tokens=2)), {"long"})
-            await until(lambda: client.stall_after == 30.0)  # (four times 7.5 s, where a quick step left 10)
-        finally:
-            await client.close()
-
-    with actors_of(tmp_path, (0.0,), step_delay=0.01) as (actors, _):
-        run(main(actors))
 
 
 def _against_restarts(tmp_path, scenario) -> None:

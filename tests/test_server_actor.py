@@ -58,9 +58,7 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.steps: list[list[p.Delta]] = []
         self.loras: dict[str, str] = {}
-        self.busy = 0.0  # a step with a new prompt is expected to take this long (said to ``on_prompt_step``)
         self.copying = threading.Event()  # a slow adapter copy has begun
-        self.on_prompt_step = None  # (set by the actor, as on the real engine)
 
     def ready_info(self) -> p.Ready:
         return p.Ready("fake", MAX_LEN, VOCAB, [2], 8, 100, 16, loras=[[n, path] for n, path in self.loras.items()])
@@ -119,8 +117,6 @@ class FakeEngine:
             time.sleep(self.step_delay)
         out = []
         self.step_batch = (len(self.running), sum(len(prompt) for prompt, _, n in self.running.values() if n == 0))
-        if self.step_batch[1] and self.on_prompt_step is not None:
-            self.on_prompt_step(self.busy)
         for rid, st in list(self.running.items()):
             prompt, params, n = st
             tok = (sum(prompt) + n) % VOCAB
