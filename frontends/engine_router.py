@@ -196,8 +196,9 @@ class EngineRouter:
         busier (module doc); ``EngineUnavailable`` when none is healthy."""
         n = len(self.clients)
         taking = [c.accepting for c in self.clients]
-        if not self.stalled:
-            taking = [t and not c.stalled for t, c in zip(taking, self.clients, strict=True)]
+        answering = [t and not c.stalled for t, c in zip(taking, self.clients, strict=True)]
+        if any(answering):  # (else every engine taking calls is stalled: ``stalled``)
+            taking = answering
         best, best_load = None, None
         for k in range(n):
             i = (self._next + k) % n

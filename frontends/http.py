@@ -83,6 +83,7 @@ CUT_S = 1.0  # at the end of the shutdown grace, how long answers get to say the
 EVICT_AFTER = 1.0  # at the connection limit, a connection waiting this long for a request makes room for a new one
 # (and past the body budget, a body that has come this long and lately under this many bytes a second)
 EVICT_RATE = 16 << 10
+_RATE_SLOTS = 8  # a body's bytes are counted in this many slots of EVICT_AFTER (``HttpProtocol.body_rate``)
 RESCAN_AFTER = 0.05  # ... looked for at most this often while none is found
 
 
@@ -558,7 +559,7 @@ class HttpProtocol(asyncio.Protocol):
         self._head_raw = 0  # of that head: the reads known to hold nothing else
         self._last_body = 0.0  # loop time of the current request's last body bytes
         self._body_began = 0.0  # ... and of when its body was first due
-        self._body_slots: deque[list[int]] = deque()  # its bytes lately: [slot of EVICT_AFTER / 8 s, bytes] each
+        self._body_slots: deque[list[int]] = deque()  # its bytes lately: [slot (``_RATE_SLOTS``), bytes] each
         self._body_due = 0.0  # ... and of when its body is too slow (min_body_rate), moved on by its bytes
         self._paused_at = 0.0  # loop time of the last pause_reading (too many pipelined requests)
         self._receiving = 0  # of the server's ``receiving``: the current request's body bytes so far
@@ -734,20 +735,20 @@ class HttpProtocol(asyncio.Protocol):
         self._receiving += n
         req.body += body
         now = self._last_body = self._loop.time()
-        slots, slot = self._body_slots, int(now * 8 / EVICT_AFTER)
+        slots, slot = self._body_slots, int(now * _RATE_SLOTS / EVICT_AFTER)
         if slots and slots[-1][0] == slot:
             slots[-1][1] += n
         else:
             slots.append([slot, n])
-            if len(slots) > 8:
+            if len(slots) > _RATE_SLOTS:
                 slots.popleft()
         if c.min_body_rate:  # (a second for each min_body_rate bytes, banked up to body_timeout ahead)
             self._body_due = min(self._body_due + n / c.min_body_rate, self._last_body + c.body_timeout)
 
     def body_rate(self, now: float) -> float:
-        """The current body's bytes a second over the last ``EVICT_AFTER`` (to an eighth of it)."""
-        slot = int(now * 8 / EVICT_AFTER)
-        return sum(n for s, n in self._body_slots if s > slot - 8) / EVICT_AFTER
+        """The current body's bytes a second over the last ``EVICT_AFTER`` (to one of its ``_RATE_SLOTS``)."""
+        slot = int(now * _RATE_SLOTS / EVICT_AFTER)
+        return sum(n for s, n in self._body_slots if s > slot - _RATE_SLOTS) / EVICT_AFTER
 
     def on_message_complete(self) -> None:
         self._received()
