@@ -33,6 +33,7 @@ import hashlib
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -56,7 +57,7 @@ from engine.protocol import (
     SamplingParams,
     Stats,
 )
-from engine.request import PromptImage, Request, Status
+from engine.request import PromptImage, Request, RequestError, Status
 from engine.runtime import kv_block_bytes
 from engine.sampler import SamplingState
 from engine.scheduler import PromptTooLong, QueueFull, ScheduledBatch, Scheduler
@@ -92,14 +93,6 @@ class ServedAdapter:
     slot: int  # its slot on the device (engine.lora)
     path: str  # its PEFT folder
     key: str  # its name and which load of it: the prefix cache's root (a reloaded adapter shares no blocks)
-
-
-class RequestError(Exception):
-    """A request the engine refuses; carries what an HTTP frontend should answer."""
-
-    def __init__(self, status: int, type: str, message: str, param: str | None = None):
-        super().__init__(message)
-        self.status, self.type, self.message, self.param = status, type, message, param
 
 
 class Engine:
@@ -173,6 +166,9 @@ class Engine:
                      self.speculative.prompt_lookup_min, self.speculative.prompt_lookup_max)
         self._in_flight: InFlight | None = None
         self.step_batch = (0, 0)  # the requests and prompt tokens the last step() scheduled (engine.stats_log)
+        # called with a step's prompt tokens as it is scheduled (the actor tells its frontends of a step unlike the
+        # last ones: ``engine.server``)
+        self.on_prompt_step: Callable[[int], None] | None = None
         if self.runner.model_cfg.vision is not None and self.vision is None:
             log.warning("images refused: %s", self.no_images)
         cfg = self.runner.model_cfg
@@ -355,8 +351,7 @@ class Engine:
         if self.async_scheduling:
             self._step_overlapped(out)
             return out
-        batch = self.scheduler.schedule()
-        self.step_batch = (len(batch), batch.num_prompt_tokens)
+        batch = self._schedule()
         result, errored = self._run(batch)
         self._postprocess(out, [*batch.timed_out, *errored], result)
         return out
@@ -487,13 +482,19 @@ class Engine:
         """Schedule and launch step N+1 while step N (launched by the last call) runs, then collect N:
         N's deltas into ``out`` (and those of the requests N+1's scheduling or failure ended)."""
         prev = self._in_flight
-        batch = self.scheduler.schedule()
-        self.step_batch = (len(batch), batch.num_prompt_tokens)
+        batch = self._schedule()
         self._in_flight = None
         failed = self._launch(out, batch, prev)
         # recovered only now: a request that failed with a token in flight has it, and counts it
         errored = self._recover_from_oom(failed) if failed else []
         self._postprocess(out, [*batch.timed_out, *errored], StepResult([], None))
+
+    def _schedule(self) -> ScheduledBatch:
+        batch = self.scheduler.schedule()
+        self.step_batch = (len(batch), batch.num_prompt_tokens)
+        if batch.num_prompt_tokens and self.on_prompt_step is not None:
+            self.on_prompt_step(batch.num_prompt_tokens)
+        return batch
 
     def _launch(self, out: Outputs, batch: ScheduledBatch, prev: InFlight | None) -> list[Request]:
         """Launch ``batch`` behind ``prev`` (the step in flight, if any), then collect ``prev`` (its deltas

@@ -34,6 +34,14 @@ class PromptImage:
         return self.offset + self.length
 
 
+class RequestError(Exception):
+    """A request the engine refuses; carries what an HTTP frontend should answer."""
+
+    def __init__(self, status: int, type: str, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.type, self.message, self.param = status, type, message, param
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

@@ -17,6 +17,10 @@ while steps go on; updates run one at a time, each as a task of its own.
 Whenever its requests come or go, the engine sends every frontend its STATS unasked, at most every
 ``LOAD_S``: with several frontends and engines, each frontend ranks the engines by their load
 (``frontends.engine_router``), and so sees another frontend's burst at once (their pings come every 2 s).
+And as a step begins with more than twice the prompt tokens of any step begun within ``NEW_STEP_S``
+(a first prompt after a quiet spell too), it says so (``Stats.new_step``): it answers no ping until that
+step ends, and its frontends judge a step's length by the ones before it (``EngineClient.stalled``); with
+asynchronous scheduling it says so after the outputs of the step in flight, which ends first.
 
 Request ids are namespaced per frontend (``"<n>:<id>"``, ``n`` a small number
 given to each frontend identity) so two frontends can never collide; replies
@@ -28,12 +32,14 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import dataclasses
 import gc
 import logging
 import math
 import signal
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from operator import itemgetter
 from typing import Any
@@ -42,6 +48,7 @@ import zmq
 
 from engine import protocol
 from engine.config import EngineConfig
+from engine.request import RequestError
 from engine.stats_log import StatsLog
 
 log = logging.getLogger("tokenmill.engine")
@@ -80,8 +87,6 @@ async def _read_in_time(read: Callable[[str, str], Any], name: str, path: str) -
     """``read(name, path)`` on a thread of its own (one that never returns holds no pool's worker), given up after
     ``LORA_READ_SECONDS`` as a 400: its result, if it ever comes, is dropped, so nothing is loaded after the caller
     was told it failed."""
-    from engine.engine import RequestError
-
     loop = asyncio.get_running_loop()
     done = loop.create_future()
 
@@ -133,6 +138,10 @@ class EngineActor:
         self._load_said_at = -math.inf  # (loop time) ... which was sent then
         self._heard: dict[bytes, float] = {}  # frontend identity -> (loop time) its last frame: the ones told
         self.on_drain: Callable[[], None] | None = None  # called as a drain begins (the launcher's: ``serve``'s stop)
+        # the steps with prompt tokens begun within NEW_STEP_S: (loop time, prompt tokens), each more than any after it
+        self._prompt_steps: deque[tuple[float, int]] = deque()
+        self._after_step: bytes | None = None  # a new step's word, said after the outputs of the step in flight
+        engine.on_prompt_step = self._step_begins
 
     # ------------------------------------------------------------------ loop
 
@@ -213,12 +222,32 @@ class EngineActor:
         routers rank the engines by it, less their own requests; ``/health`` and the metrics' gauges show it."""
         if self._load_changed and now - self._load_said_at >= LOAD_S:
             self._load_changed, self._load_said_at = False, now
-            frame = protocol.encode(self.engine.stats())
-            for ident, heard in list(self._heard.items()):
-                if now - heard < ALIVE_S:
-                    self._send(ident, frame)
-                else:  # (a frontend gone: a remote engine meets a new identity at each restart of its frontends)
-                    del self._heard[ident]
+            self._tell_live(protocol.encode(self.engine.stats()), now)
+
+    def _tell_live(self, frame: bytes, now: float) -> None:
+        for ident, heard in list(self._heard.items()):
+            if now - heard < ALIVE_S:
+                self._send(ident, frame)
+            else:  # (a frontend gone: a remote engine meets a new identity at each restart of its frontends)
+                del self._heard[ident]
+
+    def _step_begins(self, prompt_tokens: int) -> None:
+        """(``engine.on_prompt_step``) A step with ``prompt_tokens`` is scheduled: the live frontends hear so if that
+        is more than twice the prompt tokens of any step begun within ``NEW_STEP_S`` (module doc)."""
+        now = time.monotonic()
+        steps = self._prompt_steps
+        while steps and steps[0][0] < now - NEW_STEP_S:
+            steps.popleft()
+        new = not steps or prompt_tokens > 2 * steps[0][1]
+        while steps and steps[-1][1] <= prompt_tokens:
+            steps.pop()
+        steps.append((now, prompt_tokens))
+        if new:
+            frame = protocol.encode(dataclasses.replace(self.engine.stats(), new_step=prompt_tokens))
+            if getattr(self.engine, "async_scheduling", False):
+                self._after_step = frame
+            elif self._loop is not None:
+                self._tell_live(frame, self._loop.time())
 
     def _wake(self) -> None:
         """Have a wait for frames look at the socket again."""
@@ -406,8 +435,14 @@ class EngineActor:
                 self._log_stats()
         if self.num_steps in FREEZE_AT_STEPS:
             freeze_heap()
-        if not out:
-            return
+        if out:
+            self._deliver(out)
+        if self._after_step is not None:
+            frame, self._after_step = self._after_step, None
+            self._tell_live(frame, self._loop.time())
+
+    def _deliver(self, out: protocol.Outputs) -> None:
+        """One step's deltas to their frontends."""
         iids = out.request_ids
         whos = list(map(self._owner.get, iids))  # (frontend, its id); None: aborted by it since it was scheduled
         for i, finish_reason, *_ in out.rare:
@@ -461,6 +496,7 @@ GOODBYE_S = 0.2  # (a frontend may see the disconnect before frames sent just ah
 QUIET_S = 0.5  # a drain ends once nothing has run for this long
 LOAD_S = 0.05  # the most often an engine tells its frontends that its load changed (unasked STATS)...
 ALIVE_S = 10.0  # ... those heard from this recently (frontends ping every 2 s)
+NEW_STEP_S = 10.0  # a step with more than twice the prompt tokens of any begun this recently is said as it begins
 HEARD_S = 1.0  # a drain takes the new requests that come this soon: sent before their frontends heard of it
 # what a draining engine tells its frontends (``EngineClient`` reads an engine-wide 503 so): send it nothing new
 DRAINING = protocol.encode(protocol.Error(None, 503, "service_unavailable_error", f"{SHUTTING_DOWN}: no new requests"))

@@ -451,6 +451,58 @@ def test_an_engine_in_long_steps_is_not_taken_for_stalled(two_engines):
     run(main())
 
 
+def test_a_step_said_to_begin_with_more_prompt_tokens_is_not_taken_for_stalled(tmp_path):
+    """A first long step after quick ones (one huge prompt in one step on a slow CPU) tells the frontends nothing of
+    its length: the engine says as it begins that it carries more than twice the prompt tokens of any step it began
+    within NEW_STEP_S (Stats.new_step), and its frontends take it for no stall before the liveness timeout. A step
+    not said so is still judged by the floor (a hang stays seen in seconds)."""
+    async def main(actors):
+        engine = actors[0].engine
+
+        async def one(client, rid, prompt_len, delay):  # (a request of one step: its prompt's)
+            engine.step_delay = delay
+            done = asyncio.ensure_future(drain(client.add(rid, list(range(1, prompt_len + 1)),
+                                                  p.SamplingParams(max_tokens=1)), {rid}))
+            seen = []
+            while not done.done():
+                seen.append(client.stalled)
+                await asyncio.sleep(0.05)
+            assert (await done)[rid][-1].finish_reason == "length"
+            return seen
+
+        async def connect(name):
+            client = EngineClient(f"ipc://{tmp_path}/e0", name, handshake_timeout=30, liveness_interval=0.1,
+                                  liveness_timeout=8.0)  # (stalled after 1.33 s at first)
+            await client.connect()
+            return client
+
+        a = await connect("fe-a")
+        try:
+            assert not any(await one(a, "big", 20, 0.01))  # (said: the first in NEW_STEP_S; quick anyway)
+            assert any(await one(a, "smaller", 15, 2.5))  # not more than twice 20: judged by the 1.33 s floor
+            b = await connect("fe-b")  # (no step of its own seen yet: the floor)
+            try:
+                assert b.stall_after == a._stall_floor
+                seen_a, seen_b = await asyncio.gather(one(a, "bigger", 41, 2.5), _watch(b))
+                assert not any(seen_b) and not any(seen_a)  # more than twice 20: said, both frontends heard
+                assert b.stall_after == 8.0  # (four times its 2.5 s, at most the timeout, for the next ones)
+            finally:
+                await b.close()
+        finally:
+            engine.step_delay = 0.01
+            await a.close()
+
+    async def _watch(client):
+        seen = []
+        for _ in range(60):
+            seen.append(client.stalled)
+            await asyncio.sleep(0.05)
+        return seen
+
+    with actors_of(tmp_path, (0.0,), step_delay=0.01) as (actors, _):
+        run(main(actors))
+
+
 def _against_restarts(tmp_path, scenario) -> None:
     """``scenario(engines, client)``: a client connected to a fake engine, the engines it restarts (``_restart``)
     stopped after."""

@@ -32,7 +32,7 @@ MESSAGES = {
     ]),
     "embed": p.Add("e1", [1, 2], p.SamplingParams(max_tokens=1), 0, None, "", p.PoolingParams(64, False)),
     "embedding": p.Outputs.of([p.Delta("e1", [], "stop", None, 2, 0, None, None, b"\x00\x00\x80?\x00\x00\x00\xbf")]),
-    "stats": p.Stats(1, 2, 0.25, 75, 100, 3, 4, 0.5, 6, 0.125, 7, 20, 15),
+    "stats": p.Stats(1, 2, 0.25, 75, 100, 3, 4, 0.5, 6, 0.125, 7, 20, 15, 8192),
     "error": p.Error("r1", 429, "rate_limit_error", "queue full", None),
     "lora load": p.LoraUpdate("c1", "sql", "/adapters/sql"),
     "lora unload": p.LoraUpdate("c2", "sql", None),
@@ -45,10 +45,10 @@ MESSAGES = {
 }
 
 GOLDEN = {
-    "hello": "920192a366653012",
+    "hello": "920192a366653013",
     "ready": (
         "9202dc0010a474696e79cd0400cdc0009102406410cd04009192a373716cad2f61646170746572732f73716c04ff0000"
-        "90c012"
+        "90c013"
     ),
     "add": (
         "92039ba2723193010203de0028aa6d61785f746f6b656e7304ab74656d7065726174757265cb0000000000000000a574"
@@ -86,12 +86,12 @@ GOLDEN = {
         "745f746175cb4014000000000000ac6d69726f737461745f657461cb3fb999999999999a00c0a0c0a091940102930301"
         "01c40c0000803f0000803f0000803fc3a0"
     ),
-    "image ready": "9202dc0010a56c6c617661cd1000cd7d409102406410cd04009000cd7d00cd02401090c012",
+    "image ready": "9202dc0010a56c6c617661cd1000cd7d409102406410cd04009000cd7d00cd02401090c013",
     "classifier ready": (
-        "9202dc0010a6726577617264cd1000cd7d409102406410cd04009000ff000092a36e6567a3706f73c012"
+        "9202dc0010a6726577617264cd1000cd7d409102406410cd04009000ff000092a36e6567a3706f73c013"
     ),
     "ready with a request timeout": (
-        "9202dc0010a474696e79cd0400cdc0009102406410cd04009000ff000090cb403e00000000000012"
+        "9202dc0010a474696e79cd0400cdc0009102406410cd04009000ff000090cb403e00000000000013"
     ),
     "abort": "920492a27231a27232",
     "outputs": (
@@ -116,7 +116,7 @@ GOLDEN = {
         "746175cb4014000000000000ac6d69726f737461745f657461cb3fb999999999999a00c0a09240c2a090c2a0"
     ),
     "embedding": "92059591a26531919091029100919600a473746f70c0c0c0c4080000803f000000bf",
-    "stats": "92069d0102cb3fd00000000000004b640304cb3fe000000000000006cb3fc000000000000007140f",
+    "stats": "92069e0102cb3fd00000000000004b640304cb3fe000000000000006cb3fc000000000000007140fcd2000",
     "error": "920795a27231cd01adb0726174655f6c696d69745f6572726f72aa71756575652066756c6cc0",
     "lora load": "920896a26331a373716cad2f61646170746572732f73716c00a0c0",
     "lora unload": "920896a26332a373716cc000a0c0",
@@ -148,7 +148,7 @@ GOLDEN = {
 
 
 def test_protocol_version_is_pinned():
-    assert p.PROTOCOL_VERSION == 18
+    assert p.PROTOCOL_VERSION == 19
     assert [int(k) for k in p.Kind] == [1, 2, 3, 4, 5, 6, 7, 8, 9]
 
 

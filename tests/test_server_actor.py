@@ -59,6 +59,7 @@ class FakeEngine:
         self.steps: list[list[p.Delta]] = []
         self.loras: dict[str, str] = {}
         self.copying = threading.Event()  # a slow adapter copy has begun
+        self.on_prompt_step = None  # (set by the actor, as on the real engine: called as a step with prompts begins)
 
     def ready_info(self) -> p.Ready:
         return p.Ready("fake", MAX_LEN, VOCAB, [2], 8, 100, 16, loras=[[n, path] for n, path in self.loras.items()])
@@ -113,10 +114,12 @@ class FakeEngine:
     def step(self) -> p.Outputs:
         if self.fail_on_step is not None and len(self.steps) + 1 >= self.fail_on_step:
             raise RuntimeError("step exploded")
+        self.step_batch = (len(self.running), sum(len(prompt) for prompt, _, n in self.running.values() if n == 0))
+        if self.step_batch[1] and self.on_prompt_step is not None:
+            self.on_prompt_step(self.step_batch[1])
         if self.step_delay:
             time.sleep(self.step_delay)
         out = []
-        self.step_batch = (len(self.running), sum(len(prompt) for prompt, _, n in self.running.values() if n == 0))
         for rid, st in list(self.running.items()):
             prompt, params, n = st
             tok = (sum(prompt) + n) % VOCAB
@@ -463,6 +466,35 @@ def test_stats_request_gets_stats(address):
         h.close()
 
 
+def test_a_step_with_more_prompt_tokens_than_lately_is_said_as_it_begins(harness, monkeypatch):
+    """Before a step with more than twice the prompt tokens of any begun within NEW_STEP_S (a first one too), every
+    frontend hears so (``Stats.new_step``): the step's length is unknown, its frontends are not to take it for hung.
+    Under asynchronous scheduling the word comes after the outputs of the step in flight, which ends first."""
+    a, b = harness.client(b"fe-a"), harness.client(b"fe-b")
+    hello(a, "fe-a")
+    hello(b, "fe-b")
+
+    def one(rid, prompt_len):  # every frame fe-a gets until the request's one token: the new_step said, if any
+        send(a, p.Add(rid, list(range(1, prompt_len + 1)), p.SamplingParams(max_tokens=1)))
+        frames = []
+        while not frames or not isinstance(frames[-1], p.Outputs):
+            frames.append(recv(a, stats=True))
+        while a.poll(100):  # (an unasked load STATS, or the word said after the outputs)
+            frames.append(p.decode(a.recv()))
+        return [(type(f).__name__, f.new_step) if isinstance(f, p.Stats) else "out" for f in frames
+                if not isinstance(f, p.Stats) or f.new_step]
+
+    assert one("first", 10) == [("Stats", 10), "out"]
+    assert one("as many", 20) == ["out"]  # (not more than twice 10)
+    assert one("more", 41) == [("Stats", 41), "out"]
+    assert [m.new_step for m in iter(lambda: recv(b, 0.5, stats=True) if b.poll(100) else None, None)
+            if m.new_step] == [10, 41]  # (fe-b heard them too)
+    monkeypatch.setattr(server, "NEW_STEP_S", 0.2)
+    time.sleep(0.3)  # (the steps before are forgotten)
+    harness.engine.async_scheduling = True
+    assert one("async", 5) == ["out", ("Stats", 5)]
+
+
 def test_every_frontend_hears_the_engines_load_as_requests_come_and_go(address):
     """Unasked STATS, at most every ``LOAD_S``, to every frontend: each ranks the engines by their load (the other
     frontends' requests too), which it heard of only at its liveness pings (every 2 s)."""
@@ -480,7 +512,8 @@ def test_every_frontend_hears_the_engines_load_as_requests_come_and_go(address):
         assert all(isinstance(m, p.Stats) for _, m in seen)  # (b runs nothing: no outputs)
         assert seen[0][0] < 0.3 and seen[0][1].num_running >= 1  # (at once)
         assert max(m.num_running for _, m in seen) == 20
-        assert len(seen) <= (seen[-1][0] / server.LOAD_S) + 2  # (not one a request)
+        said = [m for _, m in seen if not m.new_step]  # (one more says their first step begins: below)
+        assert len(said) <= (seen[-1][0] / server.LOAD_S) + 2  # (not one a request)
         assert not b.poll(300)  # (and none while it stays)
         # one request leaving as another comes: the number stays, the frontends' shares do not (review S)
         send(a, p.Add("long", [1], p.SamplingParams(max_tokens=60)))
