@@ -496,7 +496,10 @@ GOODBYE_S = 0.2  # (a frontend may see the disconnect before frames sent just ah
 QUIET_S = 0.5  # a drain ends once nothing has run for this long
 LOAD_S = 0.05  # the most often an engine tells its frontends that its load changed (unasked STATS)...
 ALIVE_S = 10.0  # ... those heard from this recently (frontends ping every 2 s)
-NEW_STEP_S = 10.0  # a step with more than twice the prompt tokens of any begun this recently is said as it begins
+# a step with more than twice the prompt tokens of any begun this recently is said as it begins: long, so that
+# a hang in a usual first step after an idle spell is still seen in seconds; the frontends forget the steps' times
+# sooner (their liveness timeout), and take a usual step that was long then for a stall, as before any was said
+NEW_STEP_S = 600.0
 HEARD_S = 1.0  # a drain takes the new requests that come this soon: sent before their frontends heard of it
 # what a draining engine tells its frontends (``EngineClient`` reads an engine-wide 503 so): send it nothing new
 DRAINING = protocol.encode(protocol.Error(None, 503, "service_unavailable_error", f"{SHUTTING_DOWN}: no new requests"))
