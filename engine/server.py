@@ -18,7 +18,7 @@ Whenever its requests come or go, the engine sends every frontend its STATS unas
 ``LOAD_S``: with several frontends and engines, each frontend ranks the engines by their load
 (``frontends.engine_router``), and so sees another frontend's burst at once (their pings come every 2 s).
 And as a step begins with more than twice the prompt tokens of any step begun within ``NEW_STEP_S``
-(a first prompt after a quiet spell too), it says so (``Stats.new_step``): it answers no ping until that
+(10 minutes; its first one too), it says so (``Stats.new_step``): it answers no ping until that
 step ends, and its frontends judge a step's length by the ones before it (``EngineClient.stalled``); with
 asynchronous scheduling it says so after the outputs of the step in flight, which ends first.
 
@@ -138,7 +138,7 @@ class EngineActor:
         self._load_said_at = -math.inf  # (loop time) ... which was sent then
         self._heard: dict[bytes, float] = {}  # frontend identity -> (loop time) its last frame: the ones told
         self.on_drain: Callable[[], None] | None = None  # called as a drain begins (the launcher's: ``serve``'s stop)
-        # the steps with prompt tokens begun within NEW_STEP_S: (loop time, prompt tokens), each more than any after it
+        # steps with prompt tokens begun within NEW_STEP_S: (time.monotonic(), prompt tokens), each more than any after
         self._prompt_steps: deque[tuple[float, int]] = deque()
         self._after_step: bytes | None = None  # a new step's word, said after the outputs of the step in flight
         engine.on_prompt_step = self._step_begins
