@@ -20,10 +20,12 @@ and not read: the model is loaded once, at start, with the server's flags. token
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import json
 import os
 import re
+import struct
 import time
 from typing import Any
 
@@ -54,6 +56,34 @@ _READ = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_
          "repeat_last_n": "repeat_last_n", "repeat_penalty": "repetition_penalty",
          "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
          "mirostat": "mirostat", "mirostat_tau": "mirostat_tau", "mirostat_eta": "mirostat_eta"}
+_GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # a GGUF value type's bytes
+
+
+@functools.lru_cache(maxsize=4)
+def gguf_architecture(path: str) -> str:
+    """A GGUF file's ``general.architecture`` (llama.cpp writes it first), read off its header alone ("" where
+    it is not among the first keys, or the file no GGUF): a whole header takes seconds (the vocabulary is in it)."""
+    try:
+        with open(path, "rb") as f:
+            magic, _, _, count = struct.unpack("<4sIQQ", f.read(24))
+            if magic != b"GGUF":
+                return ""
+            for _ in range(min(count, 64)):
+                key = f.read(struct.unpack("<Q", f.read(8))[0])
+                kind = struct.unpack("<I", f.read(4))[0]
+                if kind == 8:
+                    value = f.read(struct.unpack("<Q", f.read(8))[0])
+                    if key == b"general.architecture":
+                        return value.decode("utf-8", "replace")
+                elif kind in _GGUF_SIZES:
+                    f.seek(_GGUF_SIZES[kind], 1)
+                else:
+                    return ""  # (an array, before it: past what this reads)
+    except (OSError, struct.error, OverflowError, MemoryError):
+        pass
+    return ""
+
+
 _NAMES = {"max_tokens": "num_predict", "repetition_penalty": "repeat_penalty", "response_format": "format",
           "n_predict": "num_predict", "repeat_penalty": "repeat_penalty"}
 
@@ -280,6 +310,8 @@ class OllamaApi:
                     family = str(json.load(f).get("model_type", ""))
             except (OSError, ValueError):
                 pass
+        elif os.path.isfile(self.model_path):
+            family = gguf_architecture(self.model_path)
         fmt = "gguf" if self.model_path.endswith(".gguf") else "safetensors"
         return {"parent_model": "", "format": fmt, "family": family, "families": [family] if family else None,
                 "parameter_size": "", "quantization_level": "", "context_length": self.api.max_model_len}
@@ -303,7 +335,7 @@ class OllamaApi:
     async def show(self, req: Request) -> Response:
         data = op.parse_json(req.body)
         name = self._model(data)
-        caps = ["completion"] + (["tools"] if self.api.tool_format else []) + (
+        caps = ["completion"] + (["tools"] if self.api.tool_format and self.api.tools_shown else []) + (
             ["vision"] if self.api.client.ready.image_tokens else []) + (
             ["thinking"] if self.api.thinking or self.api.harmony else []) + (
             ["insert"] if self.api.codec.fills_in_the_middle else [])
@@ -311,8 +343,9 @@ class OllamaApi:
         entry = self._entry(name)  # (the model's files and config.json, read once)
         return Response(200, orjson.dumps({
             "modelfile": f"FROM {self.model_path}\n", "parameters": "", "template": template,
-            "details": entry["details"], "model_info": {"general.architecture": entry["details"]["family"],
-                                                        "general.context_length": self.api.max_model_len},
+            "details": entry["details"], "model_info": {  # (clients read "<architecture>.context_length", as Ollama's)
+                "general.architecture": (arch := entry["details"]["family"]),
+                f"{arch or 'general'}.context_length": self.api.max_model_len},
             "capabilities": caps, "modified_at": entry["modified_at"]}))
 
     # ------------------------------------------------------------------ generation
@@ -351,6 +384,7 @@ class OllamaApi:
             gen, chat_fmt = await self._chat(chat, arrival)
         except ApiError as e:
             raise e.renamed(_NAMES) from None
+        gen.schema_param = _NAMES.get(gen.schema_param, gen.schema_param)
         return gen, OllamaFormat(_shown(data), gen, chat_fmt.answers, chat=True, codec=self.api.codec)
 
     async def _chat(self, chat: dict, arrival: float | None):
@@ -362,7 +396,7 @@ class OllamaApi:
             try:
                 gen.set_max_tokens(0, min(limit, gen.params.max_tokens))
             except SamplingParamError as e:  # (min_tokens past it)
-                raise ApiError(400, f"{e} (num_predict {limit})", param="num_predict") from None
+                raise ApiError(400, str(e), param="num_predict") from None  # (max_tokens named num_predict: _NAMES)
         return gen, chat_fmt
 
     async def generate_job(self, data: dict, name: str, arrival: float | None) -> tuple[Generation, OllamaFormat]:
@@ -413,6 +447,7 @@ class OllamaApi:
                 answers = chat_fmt.answers
         except ApiError as e:
             raise e.renamed(_NAMES) from None
+        gen.schema_param = _NAMES.get(gen.schema_param, gen.schema_param)  # (the engine's refusal of a format)
         return gen, OllamaFormat(_shown(data), gen, answers, chat=False, context=not raw, codec=self.api.codec)
 
     def _messages(self, data: dict, prompt: str) -> list[dict]:

@@ -165,6 +165,11 @@ class OpenAIApi:
         fmt = (tools.detect_format(template) if tool_call_parser == "auto"
                else None if tool_call_parser == "none" else tool_call_parser)
         self.tool_format = None if fmt == "openai" and not self.harmony else fmt  # (harmony's calls: with its messages)
+        self.no_tool_format = tools.no_format(template, tool_call_parser)  # (why, for the 400 of "auto")
+        self.tools_shown = tools.shows_tools(template)  # (a format given for a template that shows none: warned)
+        if self.tool_format is not None and not self.tools_shown:
+            log.warning("--tool-call-parser %s: this model's chat template shows no tools, so the model never sees a "
+                        "request's tools; give a template that does (--chat-template)", tool_call_parser)
         # whether <think>...</think> is split off into reasoning_content (frontends.reasoning)
         self.thinking = not self.harmony and (reasoning.detect(template) if reasoning_parser == "auto"
                                               else reasoning_parser != "none")
@@ -591,7 +596,7 @@ class OpenAIApi:
         deadline, priority = op.parse_deadline(data, self.request_timeout), op.parse_priority(data)
         cache_salt, cache_key = op.parse_cache_salt(data), op.parse_prompt_cache_key(data)
         messages = op.parse_messages(data, self.max_chars)
-        calls = tools.parse_tools(data, self.tool_format)
+        calls = tools.parse_tools(data, self.tool_format, self.no_tool_format)
         n = op.parse_n(data)
         want_logprobs = op.field(data, "logprobs", bool, False)
         top = op.field(data, "top_logprobs", int, None)
@@ -851,6 +856,7 @@ class OpenAIApi:
         try:
             data = anthropic.to_chat({**op.parse_json(req.body), "max_tokens": 1})
             op.check_model(data, self.model_names, self.adapters)
+            tools.parse_tools(data, self.tool_format, self.no_tool_format)  # (refused as the call would be)
             prompt = await self._shown_prompt(data)
         except ApiError as e:
             raise anthropic.renamed(e) from None

@@ -271,6 +271,7 @@ class TgiApi:
             gen, _ = await api.completion_job(p.completion_body(ids, new, api.adapters, api.model_names), arrival)
         except ApiError as e:
             raise e.renamed(_NAMES) from None
+        gen.schema_param = _NAMES.get(gen.schema_param, gen.schema_param)  # (the engine's refusal of a grammar)
         full_text = p.return_full_text if p.return_full_text is not None else full_text
         return gen, GenerateFormat(self, gen, p, p.inputs if full_text else "", listed)
 

@@ -192,18 +192,34 @@ def as_object(params: dict) -> dict:
     return {**params, "type": "object"} if plain else params
 
 
-def parse_tools(data: dict, fmt: str | None) -> ToolRequest | None:
+def shows_tools(chat_template: str | None) -> bool:
+    """Whether a chat template shows its model a request's tools at all (in some format)."""
+    return bool(chat_template) and ("tools" in chat_template or detect_format(chat_template) is not None)
+
+
+def no_format(chat_template: str | None, parser: str) -> str:
+    """Why a server has no call format for tool_choice "auto" (``--tool-call-parser`` ``parser``), and what to do
+    instead or about it, for its 400."""
+    if parser == "none":
+        return "the server reads none (--tool-call-parser none): "
+    if shows_tools(chat_template):
+        return ("this model's chat template shows tools in a format not read off it: start the server with "
+                f"--tool-call-parser ({', '.join(FORMATS)}), or ")
+    return ("this model's chat template shows no tools: start the server with a template that does (--chat-template), "
+            "or ")
+
+
+def parse_tools(data: dict, fmt: str | None, why: str = "") -> ToolRequest | None:
     """``tools``, ``tool_choice`` and ``parallel_tool_calls`` checked (None: no tools given), or the deprecated
     ``functions`` and ``function_call`` as such tools. ``fmt``: the server's call format for "auto"
-    (``detect_format`` or ``--tool-call-parser``)."""
+    (``detect_format`` or ``--tool-call-parser``); ``why``: why there is none (``no_format``), for the 400."""
     legacy = from_functions(data)
     if legacy is not None:
         if legacy.get("tools") and legacy["tool_choice"] in (None, "auto") and fmt is None:
-            raise ApiError(400, "function_call 'auto' (the default with functions) needs a tool-call format, and this "
-                           "model's chat template shows no tools: name the function (function_call {'name': ...}), "
-                           f"or start the server with --tool-call-parser ({', '.join(FORMATS)})", param="function_call")
+            raise ApiError(400, "function_call 'auto' (the default with functions) needs a tool-call format, and "
+                           f"{why}name the function (function_call {{'name': ...}})", param="function_call")
         try:
-            req = parse_tools(legacy, fmt)
+            req = parse_tools(legacy, fmt, why)
         except ApiError as e:
             raise e.renamed(LEGACY_NAMES) from None
         if req is not None:
@@ -250,9 +266,8 @@ def parse_tools(data: dict, fmt: str | None) -> ToolRequest | None:
         raise ApiError(400, "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', "
                        "'function': {'name': ...}}", param="tool_choice")
     if req.mode == "auto" and fmt is None:
-        raise ApiError(400, "tool_choice 'auto' needs a tool-call format, and this model's chat template shows "
-                       "no tools: use tool_choice 'required' or a named function, or start the server with "
-                       f"--tool-call-parser ({', '.join(FORMATS)})", param="tool_choice")
+        raise ApiError(400, f"tool_choice 'auto' needs a tool-call format, and {why}use tool_choice 'required' or a "
+                       "named function", param="tool_choice")
     if req.mode == "required" and len(schemas) > MAX_REQUIRED_TOOLS:
         raise ApiError(400, f"tool_choice 'required' takes at most {MAX_REQUIRED_TOOLS} tools, got {len(schemas)}",
                        param="tools")

@@ -251,7 +251,7 @@ def test_served_count_tokens_and_keys(client, stack):  # noqa: F811
                                                       "authorization": "Bearer other"})  # (either may be the key)
     with urllib.request.urlopen(both) as r:
         assert json.loads(r.read())["usage"]["output_tokens"] == 2
-    with_tools = client.messages.count_tokens(**body, tools=[WEATHER]).input_tokens  # (no format needed to count)
+    with_tools = client.messages.count_tokens(**body, tools=[WEATHER]).input_tokens
     assert with_tools >= counted
 
 

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import json
 import re
+import struct
 
 import pytest
 
 from frontends.errors import ApiError
-from frontends.ollama import keep_alive, options, response_format
+from frontends.ollama import gguf_architecture, keep_alive, options, response_format
 from tests.conftest import TINY_KEY, http_call
 
 PROMPT = "The capital of France is"
@@ -40,6 +41,23 @@ def openai(tiny_client, prompt: str, chat: bool, n: int = 8) -> str:
 
 
 # ---------------------------------------------------------------------------- units
+
+
+def test_a_gguf_files_architecture_is_read_off_its_first_keys(tmp_path):
+    def gguf(*kvs):  # (key, GGUF value type, packed value)
+        out = struct.pack("<4sIQQ", b"GGUF", 3, 0, len(kvs))
+        for key, kind, value in kvs:
+            out += struct.pack("<Q", len(key)) + key.encode() + struct.pack("<I", kind) + value
+        return out
+
+    name = struct.pack("<Q", 5) + b"qwen3"
+    (tmp_path / "a.gguf").write_bytes(gguf(("general.alignment", 4, struct.pack("<I", 32)),
+                                           ("general.architecture", 8, name)))
+    (tmp_path / "b.gguf").write_bytes(gguf(("tokenizer.ggml.scores", 9, struct.pack("<IQ", 6, 0)),
+                                           ("general.architecture", 8, name)))  # (after an array: not read)
+    (tmp_path / "c.gguf").write_bytes(b"GGUF\x03\x00")  # (cut short)
+    assert [gguf_architecture(str(tmp_path / f)) for f in ("a.gguf", "b.gguf", "c.gguf", "none.gguf")] == [
+        "qwen3", "", "", ""]
 
 
 def test_options_are_llama_cpps_names():
@@ -170,7 +188,8 @@ def test_models_and_refusals(tiny_server, client):
     assert [m.model for m in tags.models] == ["tiny"] and tags.models[0].size > 0
     assert tags.models[0].details.context_length == 256 if hasattr(tags.models[0].details, "context_length") else True
     shown = client.show("tiny")
-    assert "completion" in shown.capabilities and shown.modelinfo["general.context_length"] == 256
+    assert "completion" in shown.capabilities and "tools" not in shown.capabilities  # (its template shows none)
+    assert shown.modelinfo == {"general.architecture": "llama", "llama.context_length": 256}  # (as Ollama keys them)
     assert client.ps().models[0].name == "tiny"
     status, body, _ = post(tiny_server, "/api/generate", {"model": "tiny", "prompt": ""})
     assert status == 200 and json.loads(body)["done_reason"] == "load"  # (Ollama's "load the model" call)
@@ -194,13 +213,16 @@ def test_models_and_refusals(tiny_server, client):
                           ({"prompt": "def f(", "suffix": "\n"}, '"tiny" does not support insert'),
                           ({"prompt": "x", "think": True}, '"tiny" does not support thinking'),
                           ({"prompt": "x", "think": "high", "raw": True}, '"tiny" does not support thinking'),
-                          ({"prompt": "x", "min_tokens": 10, "options": {"num_predict": 2}}, "num_predict 2"),
+                          ({"prompt": "x", "min_tokens": 10, "options": {"num_predict": 2}}, "num_predict (2)"),
                           ({"prompt": ["x"]}, "'prompt' must be of type str"),
                           ({"prompt": "x", "keep_alive": "abc"}, 'time: invalid duration "abc"'),
                           ({"prompt": "x" * 400_000}, "The prompt is 400000 characters long"),  # (not "messages")
                           ({"prompt": "x", "system": "s" * 400_000}, "The system is 400000 characters long")):
         status, raw, _ = post(tiny_server, "/api/generate", {"model": "tiny", **body})
         assert status == 400 and message in json.loads(raw)["error"], raw
+    status, raw, _ = post(tiny_server, "/api/generate", {"model": "tiny", "prompt": "x", "min_tokens": 10,
+                                                         "options": {"num_predict": 2}})
+    assert json.loads(raw) == {"error": "min_tokens (10) must not exceed num_predict (2)"}  # (said once)
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     status, raw, _ = post(tiny_server, "/api/chat", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
                                                      "tools": [tool]})  # (the tiny model's template shows none)

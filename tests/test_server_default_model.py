@@ -7,6 +7,7 @@ ends the module's server).
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
@@ -92,6 +93,38 @@ def test_anthropic_messages_api(server):
         client.messages.create(model="SmolLM2-135M-Instruct.Q4_1", max_tokens=5, messages=[{"role": "user", "content": "x"}],
                                output_config={"format": {"type": "json_schema", "schema": {"type": "integer", "minimum": 1}}})
     assert e.value.body["error"]["param"] == "output_config" and "minimum" in e.value.body["error"]["message"]
+
+
+def test_a_refusal_is_named_by_each_apis_own_field(server):
+    """The engine's refusal of a schema names the field it came in (Ollama's ``format``, TGI's ``grammar``), and
+    Anthropic's count_tokens refuses the tools a call would (tool_choice "auto": SmolLM2's template shows none)."""
+    import json
+    import urllib.request
+
+    import anthropic
+
+    def post(path, body):
+        rq = urllib.request.Request(server.url + path, json.dumps(body).encode(), {"content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(rq, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    bogus = {"type": "object", "properties": {"a": {"type": "bogus"}}}
+    status, body = post("/api/chat", {"model": "SmolLM2-135M-Instruct.Q4_1", "format": bogus, "stream": False,
+                                      "messages": [{"role": "user", "content": "x"}]})
+    assert status == 400 and body["error"].startswith("format: 'type' must be one of"), body
+    status, body = post("/generate", {"inputs": "x", "parameters": {"grammar": {"type": "json", "value": bogus}}})
+    assert status == 422 and body["error"].startswith("Input validation error: grammar: 'type'"), body
+    client = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=120)
+    tool = {"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    ask = dict(model="SmolLM2-135M-Instruct.Q4_1", messages=[{"role": "user", "content": "Weather in Paris?"}])
+    for call in (client.messages.count_tokens, functools.partial(client.messages.create, max_tokens=5)):
+        with pytest.raises(anthropic.BadRequestError) as e:
+            call(**ask, tools=[tool])
+        assert e.value.body["error"]["message"].startswith("tool_choice 'auto' needs a tool-call format")
+    assert client.messages.count_tokens(**ask, tools=[tool], tool_choice={"type": "any"}).input_tokens > 0
 
 
 CAPITAL = {"type": "object", "properties": {"country": {"type": "string"}, "capital": {"type": "string"}},
@@ -222,7 +255,7 @@ def test_tool_calls_held_to_the_tools(server):
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
     with pytest.raises(BadRequestError) as e:
         client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=ask, tools=[WEATHER])
-    assert e.value.body["param"] == "tool_choice" and "--tool-call-parser" in e.value.body["message"]
+    assert e.value.body["param"] == "tool_choice" and "--chat-template" in e.value.body["message"]
     r = client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=ask, tools=[WEATHER],
                                        tool_choice="required", max_tokens=60, temperature=0)
     choice = r.choices[0]

@@ -15,7 +15,7 @@ import pytest
 
 from frontends import reasoning
 from frontends.errors import ApiError
-from frontends.tools import CallReader, detect_format, parse_tools
+from frontends.tools import CallReader, detect_format, no_format, parse_tools, shows_tools
 from tests.test_frontend_openai import post
 from tools.fake_engine import KEY, MODEL, fake_stack
 
@@ -184,9 +184,15 @@ def test_a_tools_calls_are_held_to_an_object():
 
 
 def test_auto_needs_a_format_the_others_do_not():
-    with pytest.raises(ApiError, match="--tool-call-parser") as e:
-        parse_tools({"tools": TOOLS}, None)
+    shows_none, shows_some = "{{ messages }}", "{% for t in tools %}{{ t }}{% endfor %}{{ messages }}"
+    with pytest.raises(ApiError, match="--tool-call-parser") as e:  # (a template that shows tools its own way)
+        parse_tools({"tools": TOOLS}, None, no_format(shows_some, "auto"))
     assert e.value.param == "tool_choice"
+    with pytest.raises(ApiError, match=r"shows no tools: start the server with a template that does \(--chat-templ"):
+        parse_tools({"tools": TOOLS}, None, no_format(shows_none, "auto"))  # (a parser alone would not show them)
+    with pytest.raises(ApiError, match=r"reads none \(--tool-call-parser none\): use tool_choice 'required'"):
+        parse_tools({"tools": TOOLS}, None, no_format(shows_some, "none"))
+    assert shows_tools(shows_some) and not shows_tools(shows_none) and not shows_tools(None)
     assert parse_tools({"tools": TOOLS, "tool_choice": "required"}, None).schema()["minItems"] == 1
     assert parse_tools({"tools": TOOLS, "tool_choice": "none"}, None).schema() is None
     named = parse_tools({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, None)
