@@ -477,7 +477,8 @@ class OpenAIApi:
             raise ApiError(400, f"At most {op.MAX_DETOKENIZE_TOKENS} tokens per request, got {len(tokens)}",
                            param="tokens")
         op.check_token_ids(tokens, self.codec.vocab_size, "tokens")
-        return {"prompt": await self._offload(len(tokens), self.codec.decode, tokens)}
+        # (its special tokens too, as vLLM's tokenizer.decode; llama.cpp's /detokenize keeps them as well)
+        return {"prompt": await self._offload(len(tokens), self.codec.decode, tokens, False)}
 
     # ------------------------------------------------------------------ completions
 
@@ -1099,7 +1100,8 @@ class _CompletionFormat(_SseFormat):
                     decoded[key] = without_broken_end(self.codec.decode(c.prompt_ids, gen.skip_special_tokens))
                 self.prompt_texts.append(decoded[key])
                 c.detok.echoed()
-                c.text_offset = len(decoded[key])  # completion offsets count the echoed prompt
+                if self.logprobs:  # completion offsets count the echoed prompt, as its own do (token by token: a
+                    c.text_offset = sum(map(len, map(self.codec.token_text, c.prompt_ids)))  # byte token is one)
 
     def echo_of(self, choice) -> tuple[str, dict | None]:
         """The echoed prompt of one choice, with its prompt logprobs (offsets from 0).

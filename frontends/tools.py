@@ -416,6 +416,9 @@ class CallReader:
             if self.calls:
                 self.calls[0]["function"]["arguments"] += text
                 return [("call", {"index": 0, "function": {"arguments": text}})]
+            text = text.lstrip()  # (the grammar lets a space come first: OpenAI's arguments start at the "{")
+            if not text:
+                return []
             self.calls.append(new_call(self.req.name, text, self.req.fmt))
             return [("call", {"index": 0, **self.calls[0], "function": dict(self.calls[0]["function"])})]
         self._held += text

@@ -142,6 +142,11 @@ def test_an_echoed_prompt_cut_inside_a_character_reads_as_the_decode_of_prompt_a
         chunks = list(r) if stream else [r]
         text = "".join(c.choices[0].text for c in chunks if c.choices)
         assert text == tok.decode(prompt + prompt[:2]) and "ꙮ" in text and "\ufffd\ufffd" not in text, (stream, text)
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, echo=True, stream=stream, logprobs=1)
+        offsets = [o for c in (list(r) if stream else [r]) if c.choices for o in c.choices[0].logprobs.text_offset]
+        # token by token, the output's after the prompt's (a byte token counts one): never back (review AA)
+        assert len(offsets) == len(prompt) + 2 and offsets == sorted(offsets) and offsets[len(prompt)] > offsets[
+            len(prompt) - 1], (stream, offsets)
 
 
 def test_chat_and_chat_logprobs(client, tok):
@@ -292,13 +297,16 @@ def test_utf8_split_across_tokens(client, tok):
     assert not any("\ufffd" in p for p in pieces)
 
 
-def test_models_version_tokenize_detokenize(client, stack):
+def test_models_version_tokenize_detokenize(client, stack, tok):
     port = stack[1]
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert get(port, "/version").json()["version"]
     t = post(port, "/tokenize", {"prompt": "hello world"}).json()
     assert t["count"] == len(t["tokens"]) and t["max_model_len"] == MAX_MODEL_LEN
     assert post(port, "/detokenize", {"tokens": t["tokens"]}).json()["prompt"].endswith("hello world")
+    special = [tok.all_special_ids[0], *t["tokens"]]  # (kept, as vLLM's tokenizer.decode keeps them: review AA)
+    assert post(port, "/detokenize", {"tokens": special}).json()["prompt"] == tok.decode(special) != tok.decode(
+        special, skip_special_tokens=True)
     c = post(port, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]}).json()
     assert c["count"] > 3
     assert "token_strs" not in t  # vLLM's return_token_strs: the vocabulary's spelling of each token

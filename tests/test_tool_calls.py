@@ -466,6 +466,9 @@ def test_required_and_named_outputs():
     assert deltas[1] == {"index": 0, "function": {"arguments": ': "Rome"}'}}  # streamed as they come
     assert reader.calls == [{"id": deltas[0]["id"], "type": "function",
                              "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]
+    named = hermes(tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    _, deltas, reader = read_all(named, [" ", " \n", '{"city": "Rome"}'])  # (a space the grammar let come first)
+    assert deltas[0]["function"]["arguments"] == reader.calls[0]["function"]["arguments"] == '{"city": "Rome"}'
     assert read_all(hermes(tool_choice="none"), [HERMES_TWO])[:2] == (HERMES_TWO, [])
 
 
