@@ -52,9 +52,9 @@ class AccessLog:
 
     def __call__(self, req: Request, status: int) -> None:
         """The HTTP server's observer."""
-        if self.metrics is not None and req.method:
-            handler = self.router.handler_name(req.path) if self.router is not None else req.path
-            self.metrics.http_response(handler, req.method, status)
+        if self.metrics is not None:  # (the HTTP layer's refusals too: a request without a method or path yet)
+            handler = self.router.handler_name(req.path) if self.router is not None else req.path or "unmatched"
+            self.metrics.http_response(handler, req.method or "-", status)
         if not self.enabled:
             return
         info = req.meta if isinstance(req.meta, CallInfo) else None

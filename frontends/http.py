@@ -368,6 +368,12 @@ def _expectations(raw_headers: list[tuple[bytes, bytes]]) -> set[str]:
     return {e.strip() for e in values.split(",")} - {""}
 
 
+def _codings(raw_headers: list[tuple[bytes, bytes]]) -> list[str]:
+    """The transfer codings of every ``Transfer-Encoding`` line, in order, lower-cased (RFC 9112 6.1)."""
+    values = b",".join(v for k, v in raw_headers if k.lower() == b"transfer-encoding").decode("latin-1").lower()
+    return [c.strip() for c in values.split(",") if c.strip()]
+
+
 def _path(url) -> str:
     """A parsed request target's path ("/" for none)."""
     return url.path.decode("utf-8", "replace") if url.path else "/"
@@ -702,6 +708,10 @@ class HttpProtocol(asyncio.Protocol):
             self._refuse(req, 417, f"Expectation not supported: {', '.join(sorted(expect))} (only 100-continue)")
             raise _StopParsing
         has_body = length is not None or "transfer-encoding" in req.headers
+        if "transfer-encoding" in req.headers and (codings := _codings(req.raw_headers)) != ["chunked"]:
+            # (llhttp reads "gzip, chunked" as chunked: the body would be taken as it came, still compressed)
+            self._refuse(req, 501, f"Transfer-Encoding {', '.join(codings)} is not supported (only chunked)")
+            raise _StopParsing
         if has_body and self.server.router.refuses(req):  # (no API key: its handler answers without its body)
             self._answer_now(req)
             raise _StopParsing
@@ -887,6 +897,7 @@ class HttpProtocol(asyncio.Protocol):
                 return False
             try:
                 if req.upgrade and (up := self.server.router.upgrade_handler(req.path)) is not None:
+                    req.keep_alive = False  # refused: said so (the parser stopped at the upgrade: the connection ends)
                     result = await up(req)
                     if isinstance(result, Upgrade):
                         status = 101

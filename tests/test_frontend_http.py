@@ -121,6 +121,18 @@ def test_chunked_request_body(port):
     assert read_until(s, b"hello world").endswith(b"\r\n\r\nhello world")
 
 
+def test_a_transfer_coding_other_than_chunked_is_501(port):
+    """RFC 9112 6.1: llhttp reads "gzip, chunked" as chunked, and the body would be taken still compressed."""
+    for codings in (b"Transfer-Encoding: gzip, chunked", b"Transfer-Encoding: gzip\r\nTransfer-Encoding: chunked"):
+        s = connect(port)
+        s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\n" + codings + b"\r\n\r\n5\r\nhello\r\n0\r\n\r\n")
+        r = read_all(s)
+        assert r.startswith(b"HTTP/1.1 501 ") and b"Transfer-Encoding gzip, chunked is not supported" in r, r
+    s = connect(port)
+    s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: Chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n")
+    assert read_until(s, b"hello").endswith(b"\r\n\r\nhello")  # (the one coding, in any case)
+
+
 def test_body_limit_413(port):
     s = connect(port)
     s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n\r\n" + b"x" * 100)

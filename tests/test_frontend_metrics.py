@@ -176,6 +176,9 @@ def test_metrics_count_a_known_mix_exactly_across_two_frontends(stack):
     assert call(port, "POST", "/v1/completions", {"model": "smol", "prompt": "x"}, content_type="text/plain")[0] == 415
     assert call(port, "GET", "/nope")[0] == 404
     assert call(port, "GET", "/v1/models/smol")[0] == 200 and call(port, "GET", "/v1/models/other")[0] == 404
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:  # refused by the HTTP layer, no method
+        raw.sendall(b"GARBAGE\r\n\r\n")
+        assert raw.recv(4096).startswith(b"HTTP/1.1 400")
 
     cut_line = access_line(log, rid_cut)  # logged once its frontend saw the client go
     cut = fields(cut_line)
@@ -237,6 +240,7 @@ def test_metrics_count_a_known_mix_exactly_across_two_frontends(stack):
         ("/v1/completions", "POST", "4xx"): 5,  # 408, 429, 400, 401, 415
         ("/v1/chat/completions", "POST", "2xx"): 1,
         ("unmatched", "GET", "4xx"): 1,
+        ("unmatched", "-", "4xx"): 1,  # (the HTTP layer's refusals counted too: review AB)
         ("/v1/models/{model}", "GET", "2xx"): 1,  # (one name for every model's card: a bounded set)
         ("/v1/models/{model}", "GET", "4xx"): 1,
         ("/metrics", "GET", "2xx"): http[("/metrics", "GET", "2xx")],

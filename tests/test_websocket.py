@@ -620,6 +620,7 @@ def test_a_handshake_refused_for_its_subprotocol_header_does_not_send_the_key_ba
     for answer in run(main()):
         assert answer.startswith(b"HTTP/1.1 400 ") and b"Sec-WebSocket-Protocol" in answer, answer
         assert b"k3y" not in answer, answer
+        assert b"\r\nconnection: close\r\n" in answer.lower(), answer  # (it closes after a refused upgrade: AB)
 
 
 def test_a_flood_of_stats_messages_costs_one_engine_round_trip(engine, codec):
