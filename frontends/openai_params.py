@@ -242,6 +242,8 @@ def parse_messages(data: dict, max_chars: int | None = None) -> list[dict[str, A
                 if kind == "text" and isinstance(part.get("text"), str):
                     texts.append(part["text"])
                     parts.append({"type": "text", "text": part["text"]})
+                elif kind == "text":
+                    raise ApiError(400, f"messages[{i}].content: a text part needs text, a string", param="messages")
                 elif kind == "image_url" and role == "user":
                     url = part.get("image_url")
                     url = url.get("url") if isinstance(url, dict) else url

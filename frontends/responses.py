@@ -215,7 +215,10 @@ def to_chat(data: dict, sources: list[str] | None = None, history: list[dict] | 
         if choice.get("type") != "function":
             raise ApiError(400, f"tool_choice of type {choice.get('type')!r} is not supported here: 'none', 'auto', "
                            "'required' or {'type': 'function', 'name': ...}", param="tool_choice")
-        choice = {"type": "function", "function": {"name": choice.get("name")}}
+        if not isinstance(choice.get("name"), str):  # (a chat's {'function': {'name'}} too: not this API's shape)
+            raise ApiError(400, "tool_choice {'type': 'function'} needs name, a string (this API's shape: "
+                           "{'type': 'function', 'name': ...})", param="tool_choice")
+        choice = {"type": "function", "function": {"name": choice["name"]}}
     if choice is not None and (tools is not None or choice not in ("none", "auto")):
         chat["tool_choice"] = choice
     text = data.get("text")

@@ -260,7 +260,8 @@ def parse_tools(data: dict, fmt: str | None, why: str = "") -> ToolRequest | Non
         fn = choice.get("function") if choice.get("type") == "function" else None
         name = fn.get("name") if isinstance(fn, dict) else None
         if not isinstance(name, str) or name not in schemas:
-            raise ApiError(400, f"tool_choice names no tool of 'tools': {name!r}", param="tool_choice")
+            raise ApiError(400, f"tool_choice names no tool of 'tools': {name!r}" if isinstance(name, str) else
+                           "tool_choice {'type': 'function'} needs function.name, a string", param="tool_choice")
         req.mode, req.name = "named", name
     elif choice not in (None, "auto"):
         raise ApiError(400, "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', "

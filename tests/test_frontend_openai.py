@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from engine.protocol import Error
+from frontends.errors import ApiError
 from frontends.http import HttpConfig
 from tools.fake_engine import (
     KEY,
@@ -535,6 +536,14 @@ def test_context_overflow_states_the_numbers(stack):
 ])
 def test_bad_chat_requests(stack, body, param):
     _err(post(stack[1], "/v1/chat/completions", body), 400, "invalid_request_error", param)
+
+
+def test_a_text_part_without_text_is_named_so():
+    from frontends.openai_params import parse_messages
+
+    for part in ({"type": "text"}, {"type": "text", "text": 5}):  # (not "only text parts are supported": review AA)
+        with pytest.raises(ApiError, match=r"messages\[0\]\.content: a text part needs text, a string"):
+            parse_messages({"messages": [{"role": "user", "content": [part]}]})
 
 
 def test_malformed_json_and_not_object(stack):

@@ -115,6 +115,8 @@ def test_a_function_without_parameters():
     ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {"type": "array"}}]}, "tools"),
     ({"input": "hi", "tools": [{"type": "function", "name": "f"}], "tool_choice": {
         "type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "f"}]}}, "tool_choice"),
+    ({"input": "hi", "tools": [{"type": "function", "name": "f"}], "tool_choice": {  # (the chat's shape: review AA)
+        "type": "function", "function": {"name": "f"}}}, "tool_choice"),
     ({"input": "hi", "include": "message.output_text.logprobs"}, "include"),
     ({"input": "hi", "include": ["message.output_text.logprob"]}, "include"),
     ({"input": "hi", "include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs"),

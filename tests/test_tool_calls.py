@@ -149,7 +149,9 @@ def test_the_deprecated_functions_are_one_call_tools():
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"anyOf": [{}]}}}]}, "tools", "'object'"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "'none', 'auto', 'required'"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "'nope'"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": ["x"]}}}, "tool_choice", "['x']"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": ["x"]}}}, "tool_choice",
+     "needs function.name, a string"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice", "needs function.name"),  # (not "None": AA)
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"description": nested(300)}}}]},
      "tools", "nests too deeply"),
     ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls", "true or false"),
