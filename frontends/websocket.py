@@ -142,6 +142,8 @@ class WebSocketEndpoint:
         if req.method != "GET":
             return Response(405, status_error_body(405, f"A WebSocket upgrade must be a GET, not {req.method}"),
                             headers=[("allow", "GET")])
+        if req.http10:  # (RFC 6455 4.1; the head below is written as HTTP/1.1, so the library would not see it)
+            raise ApiError(400, "A WebSocket upgrade needs HTTP/1.1 or later, not HTTP/1.0")
         # the head goes through the protocol object itself, so that it moves on to reading frames
         target = req.path + ("?" + req.query if req.query else "")
         headers = Headers((k.decode("latin-1"), v.decode("latin-1")) for k, v in req.raw_headers)
