@@ -83,10 +83,11 @@ class StoredApi:
 
     def routes(self, router: Router) -> None:
         auth = self.api.auth
+        every = ("GET", "POST", "DELETE", "PUT", "PATCH")  # (the handlers say which a path under them takes: review AA)
         for method, path, handler in (
-                *((m, "/v1/responses/{response_id}", self.response) for m in ("GET", "POST", "DELETE")),
+                *((m, "/v1/responses/{response_id}", self.response) for m in every),
                 ("POST", "/v1/conversations", self.create),
-                *((m, "/v1/conversations/{conversation_id}", self.conversation) for m in ("GET", "POST", "DELETE"))):
+                *((m, "/v1/conversations/{conversation_id}", self.conversation) for m in every)):
             router.add(method, path, auth.guard(handler, json_body=method == "POST" and handler != self.response),
                        refuses=auth.refuses)  # (a cancel has no body)
             router.add_preflight(path, auth.preflight)

@@ -763,6 +763,11 @@ def test_bad_conversations_are_400s(kept, body, param):
         assert httpx.head(f"{a.base_url}conversations/{conv.id}{path}", headers=auth).status_code == 200
     r = httpx.post(f"{a.base_url}conversations/{conv.id}/items/msg_1", headers=auth, json={})
     assert r.status_code == 405 and r.headers["allow"] == "GET, DELETE, HEAD"
+    for method in ("PUT", "PATCH"):  # (the same, whatever the method: review AA saw PUT allowed POST here)
+        r = httpx.request(method, f"{a.base_url}conversations/{conv.id}/items/msg_1", headers=auth, json={})
+        assert r.status_code == 405 and r.headers["allow"] == "GET, DELETE, HEAD"
+        r = httpx.request(method, f"{a.base_url}responses/resp_1", headers=auth, json={})
+        assert r.status_code == 405 and r.headers["allow"] == "GET, HEAD, DELETE"
     with pytest.raises(openai.BadRequestError) as e:
         a.responses.create(model=MODEL, input="x", conversation={"name": conv.id})
     assert e.value.body["param"] == "conversation"
