@@ -685,7 +685,12 @@ class HttpProtocol(asyncio.Protocol):
         req = self._cur
         assert req is not None
         req.method = self.parser.get_method().decode()
-        url = httptools.parse_url(bytes(self._url))
+        try:
+            url = httptools.parse_url(bytes(self._url))
+        except httptools.HttpParserInvalidURLError:  # (llhttp said "User callback error": review AB)
+            self._refuse(req, *((405, "CONNECT is not supported: this server is no proxy") if req.method == "CONNECT"
+                                else (400, "Malformed request target")))
+            raise _StopParsing from None
         req.path = _path(url)
         req.query = url.query.decode("utf-8", "replace") if url.query else ""
         req.headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in req.raw_headers}
