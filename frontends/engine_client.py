@@ -14,9 +14,9 @@ to about three times the one before as its context grows, are not taken for a ha
 review W), nor is a step the engine said it begins with more prompt tokens than it
 ran lately (``Stats.new_step``: a first long prompt after short ones, whose length
 nothing here can tell) before the timeout. ``/health`` says so and the router sends
-new calls elsewhere, while its requests wait on. The answers to those pings, and the STATS the engine sends unasked
-as its requests come and go, are kept (``last_stats``) for ``/health`` to show without
-a round trip.
+new calls elsewhere, while its requests wait on. The answers to those pings, and the
+STATS the engine sends unasked as its requests come and go, are kept (``last_stats``)
+for ``/health`` to show without a round trip.
 """
 
 from __future__ import annotations
