@@ -732,24 +732,24 @@ class Stats:
     num_spec_drafts: int = 0
     num_spec_draft_tokens: int = 0
     num_spec_accepted_tokens: int = 0
-    # unasked, as a step begins with this many prompt tokens, more than twice any step's of the last seconds: a step
-    # of unknown length, no ping answered until it ends, its frontends not to take it for hung meanwhile (else 0)
-    new_step: int = 0
+    # unasked, as a step with prompt tokens begins that may take this long (seconds, at most; inf: nothing measured
+    # yet): no ping is answered until it ends, and its frontends are not to take it for hung meanwhile (else 0)
+    step_s: float = 0.0
     kind = Kind.STATS
 
     def to_wire(self) -> list:
         return [self.num_waiting, self.num_running, self.kv_usage, self.num_free_blocks, self.num_kv_blocks,
                 self.num_preemptions, self.num_timeouts, self.prefix_cache_hit_rate, self.num_evictions,
                 self.kv_fragmentation, self.num_spec_drafts, self.num_spec_draft_tokens, self.num_spec_accepted_tokens,
-                self.new_step]
+                self.step_s]
 
     @classmethod
     def from_wire(cls, p: list) -> Stats:
         if not p:  # a request for stats
             return cls()
-        w, r, u, f, n, pre, to, hit, ev, frag, drafts, draft_tokens, accepted, new_step = p
+        w, r, u, f, n, pre, to, hit, ev, frag, drafts, draft_tokens, accepted, step_s = p
         return cls(int(w), int(r), float(u), int(f), int(n), int(pre), int(to), float(hit), int(ev), float(frag),
-                   int(drafts), int(draft_tokens), int(accepted), int(new_step))
+                   int(drafts), int(draft_tokens), int(accepted), float(step_s))
 
 
 @dataclass

@@ -17,10 +17,12 @@ while steps go on; updates run one at a time, each as a task of its own.
 Whenever its requests come or go, the engine sends every frontend its STATS unasked, at most every
 ``LOAD_S``: with several frontends and engines, each frontend ranks the engines by their load
 (``frontends.engine_router``), and so sees another frontend's burst at once (their pings come every 2 s).
-And as a step begins with more than twice the prompt tokens of any step begun within ``NEW_STEP_S``
-(10 minutes; its first one too), it says so (``Stats.new_step``): it answers no ping until that
-step ends, and its frontends judge a step's length by the ones before it (``EngineClient.stalled``); with
-asynchronous scheduling it says so after the outputs of the step in flight, which ends first.
+And as a step with prompt tokens begins that may take over ``SAY_STEP_S`` (``PromptRate``: its prompt tokens
+at the most seconds a prompt token took in the last steps with prompts; a first one, before any was measured,
+too), it tells them that time (``Stats.step_s``): it answers no ping until the step ends, and they are not to
+take it for hung meanwhile (``EngineClient.stalled``); a STATS once it has ended takes the word back. With
+asynchronous scheduling the word is said again after the outputs of the step in flight (on a GPU the new one
+runs on after them; on the CPU it ran as it was launched), and taken back a step later.
 
 Request ids are namespaced per frontend (``"<n>:<id>"``, ``n`` a small number
 given to each frontend identity) so two frontends can never collide; replies
@@ -138,9 +140,9 @@ class EngineActor:
         self._load_said_at = -math.inf  # (loop time) ... which was sent then
         self._heard: dict[bytes, float] = {}  # frontend identity -> (loop time) its last frame: the ones told
         self.on_drain: Callable[[], None] | None = None  # called as a drain begins (the launcher's: ``serve``'s stop)
-        # steps with prompt tokens begun within NEW_STEP_S: (time.monotonic(), prompt tokens), each more than any after
-        self._prompt_steps: deque[tuple[float, int]] = deque()
-        self._after_step: bytes | None = None  # a new step's word, said after the outputs of the step in flight
+        self.prompt_rate = PromptRate()  # what a step with prompt tokens may take (``_step_begins``)
+        self._after_step: bytes | None = None  # (asynchronous scheduling) a step's word, said again after outputs
+        self._unsay_at: int | None = None  # the step count after which the word is taken back (``_step``)
         engine.on_prompt_step = self._step_begins
 
     # ------------------------------------------------------------------ loop
@@ -232,22 +234,17 @@ class EngineActor:
                 del self._heard[ident]
 
     def _step_begins(self, prompt_tokens: int) -> None:
-        """(``engine.on_prompt_step``) A step with ``prompt_tokens`` is scheduled: the live frontends hear so if that
-        is more than twice the prompt tokens of any step begun within ``NEW_STEP_S`` (module doc)."""
-        now = time.monotonic()
-        steps = self._prompt_steps
-        while steps and steps[0][0] < now - NEW_STEP_S:
-            steps.popleft()
-        new = not steps or prompt_tokens > 2 * steps[0][1]
-        while steps and steps[-1][1] <= prompt_tokens:
-            steps.pop()
-        steps.append((now, prompt_tokens))
-        if new:
-            frame = protocol.encode(dataclasses.replace(self.engine.stats(), new_step=prompt_tokens))
-            if getattr(self.engine, "async_scheduling", False):
-                self._after_step = frame
-            elif self._loop is not None:
-                self._tell_live(frame, self._loop.time())
+        """(``engine.on_prompt_step``) A step with ``prompt_tokens`` is scheduled: the live frontends hear what it
+        may take, if that is over ``SAY_STEP_S`` (module doc)."""
+        seconds = self.prompt_rate.predict(prompt_tokens)
+        if seconds <= SAY_STEP_S or self._loop is None:
+            return
+        frame = protocol.encode(dataclasses.replace(self.engine.stats(), step_s=seconds))
+        self._tell_live(frame, self._loop.time())
+        overlapped = getattr(self.engine, "async_scheduling", False)
+        if overlapped:
+            self._after_step = frame
+        self._unsay_at = self.num_steps + 1 + overlapped
 
     def _wake(self) -> None:
         """Have a wait for frames look at the socket again."""
@@ -426,20 +423,24 @@ class EngineActor:
     def _step(self) -> None:
         start = time.perf_counter()
         out = self.engine.step()
+        seconds = time.perf_counter() - start
         self.num_steps += 1
+        scheduled, prompt_tokens = self.engine.step_batch
+        self.prompt_rate.observe(prompt_tokens, seconds)
         if self.stats_log is not None:
-            scheduled, prompt_tokens = self.engine.step_batch
-            self.stats_log.step(time.perf_counter() - start, prompt_tokens, sum(map(len, out.token_ids)),
-                                scheduled > 0)
+            self.stats_log.step(seconds, prompt_tokens, sum(map(len, out.token_ids)), scheduled > 0)
             if self.stats_log.due():
                 self._log_stats()
         if self.num_steps in FREEZE_AT_STEPS:
             freeze_heap()
         if out:
             self._deliver(out)
-        if self._after_step is not None:
+        if self._after_step is not None:  # (said again: the outputs just sent took the word back)
             frame, self._after_step = self._after_step, None
             self._tell_live(frame, self._loop.time())
+        elif self._unsay_at is not None and self.num_steps >= self._unsay_at:  # the step said has ended
+            self._unsay_at = None
+            self._tell_live(protocol.encode(self.engine.stats()), self._loop.time())
 
     def _deliver(self, out: protocol.Outputs) -> None:
         """One step's deltas to their frontends."""
@@ -496,10 +497,28 @@ GOODBYE_S = 0.2  # (a frontend may see the disconnect before frames sent just ah
 QUIET_S = 0.5  # a drain ends once nothing has run for this long
 LOAD_S = 0.05  # the most often an engine tells its frontends that its load changed (unasked STATS)...
 ALIVE_S = 10.0  # ... those heard from this recently (frontends ping every 2 s)
-# a step with more than twice the prompt tokens of any begun this recently is said as it begins: long, so that
-# a hang in a usual first step after an idle spell is still seen in seconds; the frontends forget the steps' times
-# sooner (their liveness timeout), and take a usual step that was long then for a stall, as before any was said
-NEW_STEP_S = 600.0
+SAY_STEP_S = 1.0  # a step with prompt tokens that may take longer is said to the frontends as it begins
+RATE_STEPS = 32  # ... from the most seconds a prompt token took in the last this many steps with prompt tokens
+
+
+class PromptRate:
+    """What a step with prompt tokens may take: its prompt tokens times the most seconds a prompt token took in the
+    last ``RATE_STEPS`` steps with prompt tokens, a step's whole time counted as its prompt tokens' (its decodes' and
+    its fixed cost too: a step of few tokens makes the rate high, so that the guess errs long; attention's growth
+    with a prompt's length makes a step of more tokens than any measured take up to about twice the guess). The
+    process's first step (one-time costs) is not measured: until one is, the guess is inf."""
+
+    def __init__(self) -> None:
+        self._rates: deque[float] = deque(maxlen=RATE_STEPS)
+        self._steps = 0
+
+    def observe(self, prompt_tokens: int, seconds: float) -> None:
+        self._steps += 1
+        if prompt_tokens and self._steps > 1 and math.isfinite(seconds):
+            self._rates.append(max(0.0, seconds) / prompt_tokens)
+
+    def predict(self, prompt_tokens: int) -> float:
+        return prompt_tokens * max(self._rates) if self._rates else math.inf
 HEARD_S = 1.0  # a drain takes the new requests that come this soon: sent before their frontends heard of it
 # what a draining engine tells its frontends (``EngineClient`` reads an engine-wide 503 so): send it nothing new
 DRAINING = protocol.encode(protocol.Error(None, 503, "service_unavailable_error", f"{SHUTTING_DOWN}: no new requests"))

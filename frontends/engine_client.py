@@ -11,9 +11,9 @@ engine unanswered for ``stall_after`` is ``stalled``: a sixth of that timeout (1
 60; at least three pings), or ``STALL_STEPS`` times the longest it was quiet within the
 timeout, if more (an engine answers between its steps: a long prompt's chunks, each up
 to about three times the one before as its context grows, are not taken for a hang;
-review W), nor is a step the engine said it begins with more prompt tokens than it
-ran lately (``Stats.new_step``: a first long prompt after short ones, whose length
-nothing here can tell) before the timeout. ``/health`` says so and the router sends
+review W), nor, before four times what it said it may take (``Stats.step_s``: a first
+long prompt after short ones, whose length nothing here can tell), a step the engine
+said it begins, until it says anything else. ``/health`` says so and the router sends
 new calls elsewhere, while its requests wait on. The answers to those pings, and the
 STATS the engine sends unasked as its requests come and go, are kept (``last_stats``)
 for ``/health`` to show without a round trip.
@@ -141,7 +141,8 @@ class EngineClient:
         self.liveness_timeout = liveness_timeout
         self._stall_floor = max(liveness_timeout / STALL_PART, 3 * self.liveness_interval)
         self._quiet_spells: collections.deque[tuple[float, float]] = collections.deque()  # (when it ended, seconds)
-        self._new_step_at = -1.0  # (time.monotonic()) the engine said a step of unknown length begins (``stall_after``)
+        # (time.monotonic()) when the engine said a step begins, and what it said it may take (``stall_after``)
+        self._step_said_at, self._step_said_s = -1.0, 0.0
         self.ready: Ready | None = None
         self.healthy = False
         self.draining = False  # the engine is stopping: its requests run on, it takes no new ones (``accepting``)
@@ -321,12 +322,12 @@ class EngineClient:
     @property
     def stall_after(self) -> float:
         """Seconds unanswered past which the engine is ``stalled`` (module doc)."""
-        if self._new_step_at == self._last_seen:  # (nothing heard since it said a new step begins)
-            return self.liveness_timeout
         spells, now = self._quiet_spells, time.monotonic()
         while spells and spells[0][0] < now - self.liveness_timeout:
             spells.popleft()
         longest = max((quiet for _, quiet in spells), default=0.0)
+        if self._step_said_at == self._last_seen:  # (nothing heard since it said a step begins)
+            longest = max(longest, self._step_said_s)
         return min(self.liveness_timeout, max(self._stall_floor, STALL_STEPS * longest))
 
     @property
@@ -390,8 +391,8 @@ class EngineClient:
                 elif (s := streams.pop(msg.request_id, None)) is not None:
                     s.push(msg)
             elif isinstance(msg, Stats):
-                if msg.new_step:
-                    self._new_step_at = self._last_seen
+                if msg.step_s > 0:
+                    self._step_said_at, self._step_said_s = self._last_seen, msg.step_s
                 self.last_stats, self.last_stats_at = msg, self._last_seen
                 self.in_flight_at_stats = len(streams)
                 self._tell_stats()

@@ -409,6 +409,7 @@ class CallReader:
         # whitespace at the start and after a call is held: dropped if a call or the end follows
         self._after_call = self.mode in ("hermes", "mistral")
         self._blank = ""
+        self._began = False  # named: some text came (a call is due, even cut short before its "{")
 
     def feed(self, text: str) -> list[Segment]:
         if self.mode == "none" or not text:
@@ -418,6 +419,7 @@ class CallReader:
                 self.calls[0]["function"]["arguments"] += text
                 return [("call", {"index": 0, "function": {"arguments": text}})]
             text = text.lstrip()  # (the grammar lets a space come first: OpenAI's arguments start at the "{")
+            self._began = True  # (the call is due, however little came: ``finish``)
             if not text:
                 return []
             self.calls.append(new_call(self.req.name, text, self.req.fmt))
@@ -437,6 +439,9 @@ class CallReader:
         return []  # required, or calls: read whole at the end
 
     def finish(self) -> list[Segment]:
+        if self.mode == "named" and not self.calls and self._began:  # cut short before its "{": its call, empty
+            self.calls.append(new_call(self.req.name, "", self.req.fmt))
+            return [("call", {"index": 0, **self.calls[0], "function": dict(self.calls[0]["function"])})]
         if self.mode == "hermes":
             return self._hermes(final=True)
         held, self._held = self._held, ""

@@ -32,7 +32,7 @@ MESSAGES = {
     ]),
     "embed": p.Add("e1", [1, 2], p.SamplingParams(max_tokens=1), 0, None, "", p.PoolingParams(64, False)),
     "embedding": p.Outputs.of([p.Delta("e1", [], "stop", None, 2, 0, None, None, b"\x00\x00\x80?\x00\x00\x00\xbf")]),
-    "stats": p.Stats(1, 2, 0.25, 75, 100, 3, 4, 0.5, 6, 0.125, 7, 20, 15, 8192),
+    "stats": p.Stats(1, 2, 0.25, 75, 100, 3, 4, 0.5, 6, 0.125, 7, 20, 15, 2.5),
     "error": p.Error("r1", 429, "rate_limit_error", "queue full", None),
     "lora load": p.LoraUpdate("c1", "sql", "/adapters/sql"),
     "lora unload": p.LoraUpdate("c2", "sql", None),
@@ -116,7 +116,7 @@ GOLDEN = {
         "746175cb4014000000000000ac6d69726f737461745f657461cb3fb999999999999a00c0a09240c2a090c2a0"
     ),
     "embedding": "92059591a26531919091029100919600a473746f70c0c0c0c4080000803f000000bf",
-    "stats": "92069e0102cb3fd00000000000004b640304cb3fe000000000000006cb3fc000000000000007140fcd2000",
+    "stats": "92069e0102cb3fd00000000000004b640304cb3fe000000000000006cb3fc000000000000007140fcb4004000000000000",
     "error": "920795a27231cd01adb0726174655f6c696d69745f6572726f72aa71756575652066756c6cc0",
     "lora load": "920896a26331a373716cad2f61646170746572732f73716c00a0c0",
     "lora unload": "920896a26332a373716cc000a0c0",

@@ -9,6 +9,7 @@ errors, aborts, stats, malformed frames, shutdown. Hermetic and fast: no torch.
 from __future__ import annotations
 
 import logging
+import math
 import multiprocessing as mp
 import os
 import signal
@@ -466,33 +467,44 @@ def test_stats_request_gets_stats(address):
         h.close()
 
 
-def test_a_step_with_more_prompt_tokens_than_lately_is_said_as_it_begins(harness, monkeypatch):
-    """Before a step with more than twice the prompt tokens of any begun within NEW_STEP_S (a first one too), every
-    frontend hears so (``Stats.new_step``): the step's length is unknown, its frontends are not to take it for hung.
-    Under asynchronous scheduling the word comes after the outputs of the step in flight, which ends first."""
+def test_a_step_that_may_be_long_is_said_as_it_begins_and_taken_back_after(harness):
+    """Before a step with prompt tokens that may take over SAY_STEP_S (its prompt tokens at the most seconds a prompt
+    token took lately; a first one, before any was measured: inf), every frontend hears that time (``Stats.step_s``),
+    and a STATS once the step has ended takes it back. Under asynchronous scheduling it is said again after the
+    outputs of the step in flight (on a GPU the new step runs on after them)."""
     a, b = harness.client(b"fe-a"), harness.client(b"fe-b")
     hello(a, "fe-a")
     hello(b, "fe-b")
 
-    def one(rid, prompt_len):  # every frame fe-a gets until the request's one token: the new_step said, if any
-        send(a, p.Add(rid, list(range(1, prompt_len + 1)), p.SamplingParams(max_tokens=1)))
+    def one(rid, prompt_len, n=1):  # every frame fe-a gets for the request: "said" (and what), "out", "stats"
+        send(a, p.Add(rid, list(range(1, prompt_len + 1)), p.SamplingParams(max_tokens=n)))
         frames = []
-        while not frames or not isinstance(frames[-1], p.Outputs):
+        while sum(isinstance(f, p.Outputs) for f in frames) < n:
             frames.append(recv(a, stats=True))
-        while a.poll(100):  # (an unasked load STATS, or the word said after the outputs)
+        while a.poll(200):  # (an unasked load STATS as it leaves, or the word said after the outputs)
             frames.append(p.decode(a.recv()))
-        return [(type(f).__name__, f.new_step) if isinstance(f, p.Stats) else "out" for f in frames
-                if not isinstance(f, p.Stats) or f.new_step]
+        return [("said", f.step_s) if isinstance(f, p.Stats) and f.step_s else "stats" if isinstance(f, p.Stats)
+                else "out" for f in frames]
 
-    assert one("first", 10) == [("Stats", 10), "out"]
-    assert one("as many", 20) == ["out"]  # (not more than twice 10)
-    assert one("more", 41) == [("Stats", 41), "out"]
-    assert [m.new_step for m in iter(lambda: recv(b, 0.5, stats=True) if b.poll(100) else None, None)
-            if m.new_step] == [10, 41]  # (fe-b heard them too)
-    monkeypatch.setattr(server, "NEW_STEP_S", 0.2)
-    time.sleep(0.3)  # (the steps before are forgotten)
+    def said(frames):
+        return [f for f in frames if f[0] == "said"]
+
+    first = one("first", 10)  # (the process's first step is not measured: nothing known yet)
+    assert said(first) == [("said", math.inf)] and first.index(("said", math.inf)) < first.index("out")
+    assert said(one("second", 10)) == [("said", math.inf)]
+    assert said(one("quick", 60)) == []  # (60 tokens at a quick step's rate: far under a second)
+    harness.engine.step_delay = 0.2
+    assert said(one("slow", 10)) == []  # (10 tokens, 0.02 s a token: 0.2 s)
+    harness.engine.step_delay = 0.01
+    frames = one("long", 60, n=2)  # 60 tokens at 0.02 s: 1.2 s, said; then taken back before the next step's
+    (step_s,) = [s for _, s in said(frames)]
+    assert 1.2 <= step_s < 1.5 and frames.index(("said", step_s)) < frames.index("out")
+    assert "stats" in frames[frames.index("out"):frames.index("out", frames.index("out") + 1)], frames
+    heard = [m.step_s for m in iter(lambda: recv(b, 0.5, stats=True) if b.poll(100) else None, None) if m.step_s]
+    assert heard == [math.inf, math.inf, step_s]  # (fe-b heard them too)
     harness.engine.async_scheduling = True
-    assert one("async", 5) == ["out", ("Stats", 5)]
+    frames = one("async", 60)
+    assert [f if f == "out" else f[0] for f in frames if f != "stats"] == ["said", "out", "said"], frames
 
 
 def test_every_frontend_hears_the_engines_load_as_requests_come_and_go(address):
@@ -503,6 +515,8 @@ def test_every_frontend_hears_the_engines_load_as_requests_come_and_go(address):
         a, b = h.client(b"fe0"), h.client(b"fe1")
         hello(a, "fe0")
         hello(b, "fe1")
+        for _ in range(2):  # (steps measured quick: none is said to be long, a STATS of its own, here)
+            h.actor.prompt_rate.observe(1, 0.0)
         t0 = time.monotonic()
         for i in range(20):  # (as fast as they go)
             send(a, p.Add(f"r{i}", [1], p.SamplingParams(max_tokens=30)))
@@ -512,8 +526,7 @@ def test_every_frontend_hears_the_engines_load_as_requests_come_and_go(address):
         assert all(isinstance(m, p.Stats) for _, m in seen)  # (b runs nothing: no outputs)
         assert seen[0][0] < 0.3 and seen[0][1].num_running >= 1  # (at once)
         assert max(m.num_running for _, m in seen) == 20
-        said = [m for _, m in seen if not m.new_step]  # (one more says their first step begins: below)
-        assert len(said) <= (seen[-1][0] / server.LOAD_S) + 2  # (not one a request)
+        assert len(seen) <= (seen[-1][0] / server.LOAD_S) + 2  # (not one a request)
         assert not b.poll(300)  # (and none while it stays)
         # one request leaving as another comes: the number stays, the frontends' shares do not (review S)
         send(a, p.Add("long", [1], p.SamplingParams(max_tokens=60)))

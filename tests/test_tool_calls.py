@@ -471,6 +471,10 @@ def test_required_and_named_outputs():
     named = hermes(tool_choice={"type": "function", "function": {"name": "get_weather"}})
     _, deltas, reader = read_all(named, [" ", " \n", '{"city": "Rome"}'])  # (a space the grammar let come first)
     assert deltas[0]["function"]["arguments"] == reader.calls[0]["function"]["arguments"] == '{"city": "Rome"}'
+    content, deltas, reader = read_all(hermes(tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+                                       ["\t"])  # (cut short before its "{": the call, as before, with no arguments)
+    assert content == "" and reader.calls[0]["function"] == deltas[0]["function"] == {"name": "get_weather",
+                                                                                      "arguments": ""}
     assert read_all(hermes(tool_choice="none"), [HERMES_TWO])[:2] == (HERMES_TWO, [])
 
 
