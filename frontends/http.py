@@ -586,14 +586,14 @@ class HttpProtocol(asyncio.Protocol):
         self._loop = asyncio.get_running_loop()
         if self.server.at_capacity():
             self._stop_reading = self.lost = True  # never counted, never served
+            req = Request()
+            req.id, req.protocol = self.server.new_id(), self
+            self.server.observe(req, 503)  # (before the answer leaves, as any answer)
             if not tls:
                 body = status_error_body(503, f"Too many connections (limit {self.config.max_connections}); "
                                               "retry shortly")
                 transport.write(_head(503, "application/json", [("retry-after", "1")], False, len(body)) + body)
             transport.close()
-            req = Request()
-            req.id, req.protocol = self.server.new_id(), self
-            self.server.observe(req, 503)
             return False
         self.server.connections.add(self)
         self._idle_since = time.monotonic()
@@ -896,9 +896,11 @@ class HttpProtocol(asyncio.Protocol):
         status = CLIENT_GONE  # until an answer goes out
         try:
             if req.error is not None:
-                status, msg = req.error
+                code, msg = req.error
                 req.keep_alive = False
-                self._send(req, self.server.router.error(req.path, ApiError(status, msg, code=status)))
+                self.server.observe(req, code)  # before the answer leaves, as any answer (review AB's count: a race)
+                status = None
+                self._send(req, self.server.router.error(req.path, ApiError(code, msg, code=code)))
                 return False
             try:
                 if req.upgrade and (up := self.server.router.upgrade_handler(req.path)) is not None:
