@@ -362,16 +362,11 @@ def peer_of(transport) -> str:
     return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "-"
 
 
-def _expectations(raw_headers: list[tuple[bytes, bytes]]) -> set[str]:
-    """What the ``Expect`` fields ask, every line of them as one list (RFC 9110 5.3), lower-cased."""
-    values = b",".join(v for k, v in raw_headers if k.lower() == b"expect").decode("latin-1").lower()
-    return {e.strip() for e in values.split(",")} - {""}
-
-
-def _codings(raw_headers: list[tuple[bytes, bytes]]) -> list[str]:
-    """The transfer codings of every ``Transfer-Encoding`` line, in order, lower-cased (RFC 9112 6.1)."""
-    values = b",".join(v for k, v in raw_headers if k.lower() == b"transfer-encoding").decode("latin-1").lower()
-    return [c.strip() for c in values.split(",") if c.strip()]
+def _field_list(raw_headers: list[tuple[bytes, bytes]], name: bytes) -> list[str]:
+    """A list field's items, every line of it as one list (RFC 9110 5.3), in order, lower-cased: ``Expect``'s
+    expectations, ``Transfer-Encoding``'s codings (RFC 9112 6.1)."""
+    values = b",".join(v for k, v in raw_headers if k.lower() == name).decode("latin-1").lower()
+    return [item.strip() for item in values.split(",") if item.strip()]
 
 
 def _path(url) -> str:
@@ -708,12 +703,13 @@ class HttpProtocol(asyncio.Protocol):
         length = req.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.config.max_body_bytes:
             self._too_large(req)
-        expect = "expect" in req.headers and _expectations(req.raw_headers)
+        expect = "expect" in req.headers and set(_field_list(req.raw_headers, b"expect"))
         if expect and expect != {"100-continue"}:  # (RFC 9110 10.1.1: one it cannot meet)
             self._refuse(req, 417, f"Expectation not supported: {', '.join(sorted(expect))} (only 100-continue)")
             raise _StopParsing
         has_body = length is not None or "transfer-encoding" in req.headers
-        if "transfer-encoding" in req.headers and (codings := _codings(req.raw_headers)) != ["chunked"]:
+        codings = _field_list(req.raw_headers, b"transfer-encoding") if "transfer-encoding" in req.headers else None
+        if codings is not None and codings != ["chunked"]:
             # (llhttp reads "gzip, chunked" as chunked: the body would be taken as it came, still compressed)
             self._refuse(req, 501, f"Transfer-Encoding {', '.join(codings)} is not supported (only chunked)")
             raise _StopParsing

@@ -1093,15 +1093,16 @@ class _CompletionFormat(_SseFormat):
         self.prompt_texts: list[str] = []
         self.echoed = [not echo] * len(gen.choices)  # streaming: the echo goes out with a choice's first update
         if echo:
-            decoded = {}
+            decoded, lengths = {}, {}  # (once per prompt, its choices sharing it)
             for c in gen.choices:
                 key = id(c.prompt_ids)
                 if key not in decoded:  # (an unfinished character at its end is the output's: IncrementalDetokenizer)
                     decoded[key] = without_broken_end(self.codec.decode(c.prompt_ids, gen.skip_special_tokens))
+                    # completion offsets count the echoed prompt, as its own do (token by token: a byte token is one)
+                    lengths[key] = sum(map(len, map(self.codec.token_text, c.prompt_ids))) if self.logprobs else 0
                 self.prompt_texts.append(decoded[key])
                 c.detok.echoed()
-                if self.logprobs:  # completion offsets count the echoed prompt, as its own do (token by token: a
-                    c.text_offset = sum(map(len, map(self.codec.token_text, c.prompt_ids)))  # byte token is one)
+                c.text_offset = lengths[key]
 
     def echo_of(self, choice) -> tuple[str, dict | None]:
         """The echoed prompt of one choice, with its prompt logprobs (offsets from 0).
