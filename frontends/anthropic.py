@@ -26,7 +26,7 @@ from typing import Any
 import orjson
 
 from frontends import openai_params as op
-from frontends.errors import ApiError
+from frontends.errors import ApiError, shown
 from frontends.generation import Generation, Update
 from frontends.responses import ItemWriter
 from frontends.tools import check_tool
@@ -96,11 +96,13 @@ def _messages(data: dict) -> list[dict]:
     messages = data.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list", param="messages")
+    used: set = set()  # the tool_use ids of the message before (its tool_results' ids must be among them)
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
             raise ApiError(400, f"messages[{i}] must be an object with the role 'user' or 'assistant'",
                            param="messages")
         role, content = m["role"], m.get("content")
+        before, used = used, set()
         if isinstance(content, str):
             out.append({"role": role, "content": content})
             continue
@@ -132,9 +134,14 @@ def _messages(data: dict) -> list[dict]:
                                    param="messages") from None
                 calls.append({"id": block["id"], "type": "function", "function": {"name": block["name"],
                                                                                   "arguments": arguments}})
+                used.add(block["id"])
             elif kind == "tool_result" and role == "user":
                 if not isinstance(block.get("tool_use_id"), str):
                     raise ApiError(400, f"{where}: a tool_result block needs its tool_use_id", param="messages")
+                if block["tool_use_id"] not in before:  # (as Anthropic's API: the template would answer no call)
+                    raise ApiError(400, f"{where}: unexpected tool_use_id {shown(block['tool_use_id'])!r}: each "
+                                   "tool_result block must answer a tool_use block of the message before",
+                                   param="messages")
                 result = block.get("content", "")
                 text = _text_of(result, f"{where}.content")
                 if block.get("is_error") is True:

@@ -2,7 +2,9 @@
 
 Anything that goes wrong with a request becomes ``{"error": {"message", "type",
 "param", "code"}}`` with the right HTTP status; handlers raise ``ApiError`` and
-the router turns it into a response.
+the router turns it into a response. ``code`` is a string where OpenAI names the
+error (``model_not_found``, ``invalid_api_key``...), else the HTTP status, as vLLM
+writes it: one rule for every body, a stream's error event and a WebSocket's.
 """
 
 from __future__ import annotations
@@ -39,7 +41,12 @@ class ApiError(Exception):
         self.headers = headers or []  # e.g. retry-after on a 429
 
     def body(self) -> bytes:
-        return error_body(self.message, self.type, self.param, self.code)
+        return error_body(self.message, self.type, self.param, self.code_or_status)
+
+    @property
+    def code_or_status(self) -> str | int:
+        """The ``code`` every OpenAI-shaped error carries: its name, else its HTTP status."""
+        return self.code if self.code is not None else self.status
 
     def renamed(self, names: dict[str, str]) -> ApiError:
         """This refusal with its field named as another API names it (``names``: ours -> theirs), in the

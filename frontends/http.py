@@ -257,11 +257,11 @@ class Router:
     def resolve(self, method: str, path: str) -> Handler:
         by_method = self._routes.get(self.route(path))
         if by_method is None:
-            raise ApiError(404, f"Not found: {path}", code=404)
+            raise ApiError(404, f"Not found: {path}")
         handler = by_method.get("GET" if method == "HEAD" and "HEAD" not in by_method else method)
         if handler is None:
             allowed = self.allowed(path)
-            raise ApiError(405, f"Method {method} not allowed for {path}; allowed: {', '.join(allowed)}", code=405,
+            raise ApiError(405, f"Method {method} not allowed for {path}; allowed: {', '.join(allowed)}",
                            headers=[("allow", ", ".join(allowed))])
         return handler
 
@@ -896,7 +896,7 @@ class HttpProtocol(asyncio.Protocol):
                 req.keep_alive = False
                 self.server.observe(req, code)  # before the answer leaves, as any answer (review AB's count: a race)
                 status = None
-                self._send(req, self.server.router.error(req.path, ApiError(code, msg, code=code)))
+                self._send(req, self.server.router.error(req.path, ApiError(code, msg)))
                 return False
             try:
                 if req.upgrade and (up := self.server.router.upgrade_handler(req.path)) is not None:

@@ -1063,7 +1063,7 @@ class _SseFormat:
     def stream_error(self, e: ApiError) -> bytes:
         """An error once the stream has begun: an error event that ends it, as in vLLM."""
         return _sse({"error": {"message": e.message, "type": e.type, "param": e.param,
-                               "code": e.code or e.status}}) + _DONE
+                               "code": e.code_or_status}}) + _DONE
 
     def usage_chunk(self) -> dict:
         return {**self.base, "choices": [], "usage": self.gen.usage()}

@@ -555,6 +555,8 @@ def parse_response_format(data: dict) -> dict | None:
         if not isinstance(schema, dict):
             raise ApiError(400, "response_format of type 'json_schema' needs 'json_schema': {'name': ..., "
                            "'schema': {...}}, the schema a JSON object", param="response_format")
+        if not isinstance(spec.get("name"), str):  # (OpenAI's and vLLM's required field; the schema may be left out)
+            raise ApiError(400, "response_format.json_schema needs its 'name', a string", param="response_format")
         return schema
     raise ApiError(400, f"response_format 'type' must be 'text', 'json_object' or 'json_schema', got {kind!r}",
                    param="response_format")

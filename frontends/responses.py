@@ -120,6 +120,7 @@ def _messages(data: dict, sources: list[str], history: list[dict] = ()) -> list[
 def _read_items(items: list, name: str, messages: list[dict], sources: list[str]) -> None:
     """The items of ``name`` (``input``, or the history ``previous_response_id`` or ``conversation`` continues) as
     chat messages after ``messages``."""
+    called = {c["id"] for m in messages for c in m.get("tool_calls") or ()}  # (a function_call_output answers one)
     for i, item in enumerate(items):
         if not isinstance(item, dict):
             raise ApiError(400, f"{name}[{i}] must be an object", param=name)
@@ -147,6 +148,7 @@ def _read_items(items: list, name: str, messages: list[dict], sources: list[str]
                 raise ApiError(400, f"{name}[{i}].arguments is not JSON text", param=name) from None
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
+            called.add(item["call_id"])
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)  # the calls of the turn that wrote them
@@ -156,6 +158,9 @@ def _read_items(items: list, name: str, messages: list[dict], sources: list[str]
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
                 raise ApiError(400, f"{name}[{i}]: a function_call_output needs its call_id", param=name)
+            if item["call_id"] not in called:  # (OpenAI's 400: the template would show an answer to no call)
+                raise ApiError(400, f"{name}[{i}]: no function_call found for the function_call_output with call_id "
+                               f"{shown(item['call_id'])!r}", param=name)
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
                              "content": _text_of(item.get("output"), f"{name}[{i}].output")})
             sources.append(f"{name}[{i}]")
@@ -227,11 +232,11 @@ def to_chat(data: dict, sources: list[str] | None = None, history: list[dict] | 
         if not isinstance(fmt, dict):
             raise ApiError(400, "text.format must be an object", param="text")
         if fmt.get("type") == "json_schema":
-            if not isinstance(fmt.get("name", ""), str):  # (written back in the Response as it came)
-                raise ApiError(400, "text.format.name must be a string", param="text")
             if not isinstance(fmt.get("schema"), dict):  # (this API's shape, not chat's 'json_schema': {...})
                 raise ApiError(400, "text.format of type 'json_schema' needs its 'schema', a JSON object: "
                                "{'type': 'json_schema', 'name': ..., 'schema': {...}}", param="text")
+            if not isinstance(fmt.get("name"), str):  # (required, as OpenAI's; written back in the Response as it came)
+                raise ApiError(400, "text.format of type 'json_schema' needs its 'name', a string", param="text")
             chat["response_format"] = {"type": "json_schema", "json_schema": {"name": fmt.get("name"),
                                                                               "schema": fmt.get("schema")}}
         else:
@@ -659,7 +664,7 @@ class ResponsesFormat(ItemWriter):
         error = {"code": code, "message": e.message}
         out = self._take(self._parts("", True), finished=False) + self._close(last=True, status="incomplete")
         self._done = self._response("failed", error)  # (kept by a background Response)
-        return (out + self._event("error", code=str(e.code or e.status), message=e.message, param=e.param)
+        return (out + self._event("error", code=str(e.code_or_status), message=e.message, param=e.param)
                 + self._event("response.failed", response=self._done))
 
     def _open(self, item: dict) -> bytes:

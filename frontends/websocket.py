@@ -219,7 +219,7 @@ def _error_msg(gid: str | None, e: ApiError) -> dict:
     msg: dict = {"type": "error"}
     if gid is not None:
         msg["id"] = gid
-    msg["error"] = {"message": e.message, "type": e.type, "param": e.param, "code": e.code or e.status}
+    msg["error"] = {"message": e.message, "type": e.type, "param": e.param, "code": e.code_or_status}
     for k, v in e.headers:
         if k == "retry-after":  # beside the error, as HTTP sends it beside the body
             msg["retry_after"] = int(v)

@@ -551,6 +551,15 @@ def test_malformed_json_and_not_object(stack):
     _err(post(stack[1], "/v1/completions", None, raw=b"[1, 2]"), 400, "invalid_request_error")
 
 
+def test_code_is_the_errors_name_else_its_status(stack):
+    # one rule for every body (review AA: the HTTP layer's said 404, a handler's the same 400 null)
+    assert _err(post(stack[1], "/v1/completions", {"prompt": "x", "temperature": -1}), 400)["code"] == 400
+    assert _err(post(stack[1], "/v1/completions", None, raw=b"{nope"), 400)["code"] == 400
+    assert _err(post(stack[1], "/v1/nowhere", {}), 404)["code"] == 404
+    assert _err(post(stack[1], "/v1/completions", {"model": "gpt-9", "prompt": "x"}), 404)["code"] == "model_not_found"
+    assert ApiError(503, "x").body() == b'{"error":{"message":"x","type":"service_unavailable_error","param":null,"code":503}}'
+
+
 def test_unknown_model(stack):
     e = _err(post(stack[1], "/v1/completions", {"model": "gpt-9", "prompt": "x"}), 404)
     assert e["code"] == "model_not_found"

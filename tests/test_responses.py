@@ -106,9 +106,13 @@ def test_a_function_without_parameters():
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools"),
     ({"input": "hi", "instructions": ["x"]}, "instructions"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input"),  # (no such call: AA)
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "d", "output": "x"}]}, "input"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {}}]}, "input"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": {"x": 1}, "schema": {}}}}, "text"),
     ({"input": "hi", "text": {"format": {"type": "json_schema"}}}, "text"),  # (review: chat's shape was named)
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "schema": {}}}}, "text"),  # (no name: review AA)
     ({"input": "hi", "text": {"format": {"type": "json_schema", "json_schema": {"schema": {}}}}}, "text"),
     ({"input": [{"role": "user", "content": "x"}, {"type": "function_call", "call_id": "c", "name": "f",
                                                     "arguments": "{"}]}, "input"),  # (input[1], not a chat's words)

@@ -490,6 +490,7 @@ def test_the_engine_holds_a_model_to_a_choice(llm):
 
 @pytest.mark.parametrize("body, want", [
     ({"response_format": {"type": "json_object"}}, ({"json_schema": {"type": "object"}}, "response_format")),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n"}}}, ({"json_schema": {}}, "response_format")),
     ({"json_schema": {"type": "integer"}}, ({"json_schema": {"type": "integer"}}, "json_schema")),  # llama.cpp's
     ({"guided_json": '{"type": "integer"}'}, ({"json_schema": {"type": "integer"}}, "guided_json")),  # as a string
     ({"structured_outputs": {"json": {"type": "null"}}}, ({"json_schema": {"type": "null"}}, "structured_outputs")),
@@ -516,6 +517,8 @@ def test_the_structured_output_fields_clients_send(body, want):
     ({"grammar": 'root ::= "a"', "guided_regex": "a"}, "grammar"),
     ({"guided_json": "{not json"}, "guided_json"),
     ({"guided_choice": "a"}, "guided_choice"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format"),  # (no name:
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": 1, "schema": {}}}}, "response_format"),  # AA)
 ])
 def test_bad_structured_output_fields_are_400s_naming_them(body, param):
     from frontends.errors import ApiError
