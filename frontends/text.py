@@ -437,10 +437,9 @@ class StopMatcher:
     exactly what a streaming cut must hold back.
     """
 
-    __slots__ = ("strings", "goto", "fail", "depth", "hit")
+    __slots__ = ("goto", "fail", "depth", "hit")
 
     def __init__(self, stops: list[str]) -> None:
-        self.strings = list(stops)
         goto: list[dict[str, int]] = [{}]
         depth = [0]
         hit: list[str | None] = [None]
