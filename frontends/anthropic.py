@@ -96,13 +96,18 @@ def _messages(data: dict) -> list[dict]:
     messages = data.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list", param="messages")
-    used: set = set()  # the tool_use ids of the message before (its tool_results' ids must be among them)
+    # the tool_use ids of the turn before (a tool_result's id must be one), and of this one: consecutive messages of
+    # one role are one turn, as Anthropic's API combines them
+    before: set = set()
+    used: set = set()
+    last_role = None
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
             raise ApiError(400, f"messages[{i}] must be an object with the role 'user' or 'assistant'",
                            param="messages")
         role, content = m["role"], m.get("content")
-        before, used = used, set()
+        if role != last_role:
+            before, used, last_role = used, set(), role
         if isinstance(content, str):
             out.append({"role": role, "content": content})
             continue
@@ -140,7 +145,7 @@ def _messages(data: dict) -> list[dict]:
                     raise ApiError(400, f"{where}: a tool_result block needs its tool_use_id", param="messages")
                 if block["tool_use_id"] not in before:  # (as Anthropic's API: the template would answer no call)
                     raise ApiError(400, f"{where}: unexpected tool_use_id {shown(block['tool_use_id'])!r}: each "
-                                   "tool_result block must answer a tool_use block of the message before",
+                                   "tool_result block must answer a tool_use block of the turn before",
                                    param="messages")
                 result = block.get("content", "")
                 text = _text_of(result, f"{where}.content")

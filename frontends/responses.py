@@ -113,14 +113,17 @@ def _messages(data: dict, sources: list[str], history: list[dict] = ()) -> list[
         return [*messages, {"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
         raise ApiError(400, "'input' must be a string or a non-empty list of items", param="input")
-    _read_items(items, "input", messages, sources)
+    _read_items(items, "input", messages, sources, answered=not history)
     return messages
 
 
-def _read_items(items: list, name: str, messages: list[dict], sources: list[str]) -> None:
+def _read_items(items: list, name: str, messages: list[dict], sources: list[str], answered: bool = False) -> None:
     """The items of ``name`` (``input``, or the history ``previous_response_id`` or ``conversation`` continues) as
-    chat messages after ``messages``."""
-    called = {c["id"] for m in messages for c in m.get("tool_calls") or ()}  # (a function_call_output answers one)
+    chat messages after ``messages``; with ``answered``, a ``function_call_output`` must answer a ``function_call``
+    before it, as OpenAI's API refuses one that answers none. Only where the request holds the whole conversation:
+    a stored history may have lost the call (a call cut short is left out of it, and an item can be deleted), and
+    a conversation's items may be added a few at a time."""
+    called = {c["id"] for m in messages for c in m.get("tool_calls") or ()} if answered else None
     for i, item in enumerate(items):
         if not isinstance(item, dict):
             raise ApiError(400, f"{name}[{i}] must be an object", param=name)
@@ -148,7 +151,8 @@ def _read_items(items: list, name: str, messages: list[dict], sources: list[str]
                 raise ApiError(400, f"{name}[{i}].arguments is not JSON text", param=name) from None
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
-            called.add(item["call_id"])
+            if called is not None:
+                called.add(item["call_id"])
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)  # the calls of the turn that wrote them
@@ -158,7 +162,7 @@ def _read_items(items: list, name: str, messages: list[dict], sources: list[str]
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
                 raise ApiError(400, f"{name}[{i}]: a function_call_output needs its call_id", param=name)
-            if item["call_id"] not in called:  # (OpenAI's 400: the template would show an answer to no call)
+            if called is not None and item["call_id"] not in called:  # (a template would show an answer to no call)
                 raise ApiError(400, f"{name}[{i}]: no function_call found for the function_call_output with call_id "
                                f"{shown(item['call_id'])!r}", param=name)
             messages.append({"role": "tool", "tool_call_id": item["call_id"],

@@ -114,7 +114,7 @@ def test_what_this_server_cannot_do_is_a_400(body, param):
     assert e.value.status == 400 and e.value.param == param
 
 
-def test_a_tool_result_answers_a_tool_use_of_the_message_before():
+def test_a_tool_result_answers_a_tool_use_of_the_turn_before():
     """As Anthropic's API (review Z: one without its tool_use was taken, a template then shows an answer to no call)."""
     use = {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}]}
     for messages in ([{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "r"}]}],
@@ -126,6 +126,11 @@ def test_a_tool_result_answers_a_tool_use_of_the_message_before():
         with pytest.raises(ApiError, match=r"messages\[\d\]\.content\[0\]: unexpected tool_use_id") as e:
             to_chat({"max_tokens": 5, "messages": messages})
         assert (e.value.status, e.value.param) == (400, "messages")
+    # consecutive messages of one role are one turn, as Anthropic combines them (review AD)
+    result = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "r"}]}
+    for messages in ([{"role": "user", "content": "x"}, use, {"role": "assistant", "content": "waiting"}, result],
+                     [{"role": "user", "content": "x"}, use, {"role": "user", "content": "wait"}, result]):
+        assert to_chat({"max_tokens": 5, "messages": messages})["messages"][-1]["tool_call_id"] == "t1"
 
 
 def test_a_text_block_without_its_text_is_named_so():

@@ -670,6 +670,27 @@ def test_what_is_not_stored_is_not_continued(kept):
         assert e.value.body["param"] == param
 
 
+def test_an_output_is_checked_against_its_call_only_where_the_input_is_the_whole_conversation(kept):
+    """A function_call_output that answers no call is a 400 in a stateless input (review AA), but a stored history
+    may have lost the call, and a conversation's items come a few at a time: not checked there (review AD: a
+    call and its output added in two batches were refused, a deleted call broke every later turn)."""
+    a, _, _ = kept
+    kw = dict(model=MODEL, extra_body=STOP)
+    call = {"type": "function_call", "call_id": "c9", "name": "get_weather", "arguments": "{}"}
+    output = {"type": "function_call_output", "call_id": "c9", "output": "Rain"}
+    with pytest.raises(openai.BadRequestError, match="no function_call found"):
+        a.responses.create(input=[{"role": "user", "content": "Q"}, output], store=False, **kw)
+    conv = a.conversations.create(items=[{"type": "message", "role": "user", "content": "Q"}])
+    (stored_call,) = a.conversations.items.create(conv.id, items=[call]).data
+    a.conversations.items.create(conv.id, items=[output])  # (its call is stored already)
+    a.conversations.items.delete(stored_call.id, conversation_id=conv.id)
+    r = a.responses.create(conversation=conv.id, input="next", **kw)  # (the output's call gone: still a turn)
+    assert r.output_text.endswith("tool: Rain\nuser: next\n")
+    r = a.responses.create(input="Q", **kw)  # (stored; a call cut short would be left out of the history)
+    r = a.responses.create(previous_response_id=r.id, input=[{**output, "call_id": "cut_short"}], **kw)
+    assert r.output_text.startswith("user: Q\nassistant: ") and r.output_text.endswith("tool: Rain\n")
+
+
 def test_a_conversation_holds_its_turns_and_grows_with_each_response(kept):
     """OpenAI's Conversations API: a Response given a ``conversation`` is that conversation's items and then its
     input (answered as the whole sent in ``input`` is), and adds its input and output to them, on either frontend,
