@@ -4,7 +4,8 @@ Anything that goes wrong with a request becomes ``{"error": {"message", "type",
 "param", "code"}}`` with the right HTTP status; handlers raise ``ApiError`` and
 the router turns it into a response. ``code`` is a string where OpenAI names the
 error (``model_not_found``, ``invalid_api_key``...), else the HTTP status, as vLLM
-writes it: one rule for every body, a stream's error event and a WebSocket's.
+writes it: one rule for every body, a stream's error event and a WebSocket's (the
+Responses API's stream writes it as a string, as OpenAI's types have it there).
 """
 
 from __future__ import annotations
