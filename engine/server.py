@@ -499,6 +499,9 @@ LOAD_S = 0.05  # the most often an engine tells its frontends that its load chan
 ALIVE_S = 10.0  # ... those heard from this recently (frontends ping every 2 s)
 SAY_STEP_S = 1.0  # a step with prompt tokens that may take longer is said to the frontends as it begins
 RATE_STEPS = 32  # ... from the most seconds a prompt token took in the last this many steps with prompt tokens
+HEARD_S = 1.0  # a drain takes the new requests that come this soon: sent before their frontends heard of it
+# what a draining engine tells its frontends (``EngineClient`` reads an engine-wide 503 so): send it nothing new
+DRAINING = protocol.encode(protocol.Error(None, 503, "service_unavailable_error", f"{SHUTTING_DOWN}: no new requests"))
 
 
 class PromptRate:
@@ -519,9 +522,6 @@ class PromptRate:
 
     def predict(self, prompt_tokens: int) -> float:
         return prompt_tokens * max(self._rates) if self._rates else math.inf
-HEARD_S = 1.0  # a drain takes the new requests that come this soon: sent before their frontends heard of it
-# what a draining engine tells its frontends (``EngineClient`` reads an engine-wide 503 so): send it nothing new
-DRAINING = protocol.encode(protocol.Error(None, 503, "service_unavailable_error", f"{SHUTTING_DOWN}: no new requests"))
 
 
 def _resolve(fut: asyncio.Future) -> None:

@@ -423,7 +423,7 @@ class CallReader:
             if not text:
                 return []
             self.calls.append(new_call(self.req.name, text, self.req.fmt))
-            return [("call", {"index": 0, **self.calls[0], "function": dict(self.calls[0]["function"])})]
+            return self._named_call()
         self._held += text
         if self.mode == "hermes":
             return self._hermes(final=False)
@@ -438,10 +438,14 @@ class CallReader:
             return self._text(text)
         return []  # required, or calls: read whole at the end
 
+    def _named_call(self) -> list[Segment]:
+        """The named call's first segment: the whole call as it stands (its arguments a copy: more come)."""
+        return [("call", {"index": 0, **self.calls[0], "function": dict(self.calls[0]["function"])})]
+
     def finish(self) -> list[Segment]:
         if self.mode == "named" and not self.calls and self._began:  # cut short before its "{": its call, empty
             self.calls.append(new_call(self.req.name, "", self.req.fmt))
-            return [("call", {"index": 0, **self.calls[0], "function": dict(self.calls[0]["function"])})]
+            return self._named_call()
         if self.mode == "hermes":
             return self._hermes(final=True)
         held, self._held = self._held, ""
